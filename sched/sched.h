@@ -1,0 +1,66 @@
+/* The executor: runs a finalized graph on real lanes so that disk reads, host-to-device copies,
+ * device kernels and host compute overlap. CPU pools (one per NUMA node, workers pinned with
+ * hwloc), an IO lane on a real io_uring ring (pread workers when io_uring is refused), and device
+ * lanes driven through mf_dev_lane_ops, which device/ implements. Ready tasks are taken in order
+ * of upward rank. A failing task cancels its dependents; the run returns the first error, naming
+ * the task. External cancellation and a run timeout end a run cleanly. */
+#ifndef MF_SCHED_H
+#define MF_SCHED_H
+
+#include <stdint.h>
+
+#include "sched/graph.h"
+#include "sched/timeline.h"
+
+/* How device lanes reach a device. enqueue runs the task's fn on a submitting thread to put async
+ * work on the lane's queue; notify asks the backend to call done(done_arg) once everything
+ * enqueued so far on that queue has finished (cudaLaunchHostFunc on CUDA, a host thread on the
+ * emulated device): no CPU worker spins waiting for a device. */
+typedef struct mf_dev_lane_ops {
+    void *ctx;
+    /* Opaque queue handle for (device, lane kind), handed to tasks in mf_task_ctx.queue. */
+    void *(*queue)(void *ctx, int device, mf_lane_kind kind);
+    int (*notify)(void *ctx, void *queue, void (*done)(void *done_arg), void *done_arg);
+} mf_dev_lane_ops;
+
+struct mf_task_ctx {
+    int lane;
+    int worker;       /* CPU worker index within the lane, or slot */
+    int numa_node;
+    void *queue;      /* device lanes: the queue to enqueue on */
+};
+
+typedef struct mf_sched_opts {
+    const mf_lane_desc *lanes;   /* the lane table graphs run on (must match the graphs') */
+    int n_lanes;
+    int pin_threads;             /* 1: bind CPU workers to cores with hwloc */
+    int io_force_pread;          /* 1: skip io_uring (also env MOEFLOW_IO=pread) */
+    const mf_dev_lane_ops *dev;  /* NULL when the graph has no device lanes */
+} mf_sched_opts;
+
+typedef struct mf_sched mf_sched;
+
+/* Starts the workers of every lane. CPU lane concurrency 0 = all cores of its node. */
+int mf_sched_create(const mf_sched_opts *o, mf_sched **out);
+void mf_sched_destroy(mf_sched *s);
+
+typedef struct mf_run_opts {
+    int64_t timeout_ns;          /* 0: none */
+    mf_timeline *timeline;       /* optional: filled with the run's spans */
+} mf_run_opts;
+
+/* Runs g to completion, first error, cancellation or timeout. Returns 0, the first failing task's
+ * code (mf_last_error() names the task), -ECANCELED or -ETIMEDOUT. Every started task has
+ * finished when it returns. */
+int mf_sched_run(mf_sched *s, mf_graph *g, const mf_run_opts *ro);
+/* Cancels the run in progress (from any thread); safe to call when none is. */
+void mf_sched_cancel(mf_sched *s);
+
+/* Which IO engine the IO lane ended up with: "io_uring" or "pread". */
+const char *mf_sched_io_engine(const mf_sched *s);
+
+/* Convenience lane tables: one CPU lane per NUMA node (threads_per_node 0 = all its cores), an IO
+ * lane of the given depth. Returns the number of lanes written (<= max). */
+int mf_lanes_default(mf_lane_desc *lanes, int max, int threads_per_node, int io_depth);
+
+#endif

@@ -1,0 +1,28 @@
+/* Minimal checking for test executables: CHECK records a failure with file and line and goes on;
+ * a test's main returns mf_check_exit() (1 when anything failed). */
+#ifndef MF_TEST_CHECK_H
+#define MF_TEST_CHECK_H
+
+#include <stdio.h>
+
+static int mf_check_failures;
+static int mf_check_count;
+
+#define CHECK(cond, ...)                                                                   \
+    do {                                                                                   \
+        mf_check_count++;                                                                  \
+        if (!(cond)) {                                                                     \
+            mf_check_failures++;                                                           \
+            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond);       \
+            fprintf(stderr, __VA_ARGS__);                                                  \
+            fputc('\n', stderr);                                                           \
+        }                                                                                  \
+    } while (0)
+
+static inline int mf_check_exit(const char *name)
+{
+    printf("%s: %d checks, %d failed\n", name, mf_check_count, mf_check_failures);
+    return mf_check_failures ? 1 : 0;
+}
+
+#endif

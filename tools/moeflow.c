@@ -1,0 +1,35 @@
+/* `moeflow`: one command with subcommands over libmoeflow. Only subcommands that exist are listed;
+ * each one's --help says what it does. */
+#include <stdio.h>
+#include <string.h>
+
+#include "tools/commands.h"
+
+static const struct {
+    const char *name;
+    int (*fn)(int, char **);
+    const char *what;
+} mf_commands[] = {
+    {NULL, NULL, NULL},
+};
+
+static void mf_usage(FILE *f)
+{
+    fprintf(f, "usage: moeflow <command> [options]   (moeflow <command> --help for each)\n\n");
+    for (size_t i = 0; mf_commands[i].name; i++)
+        fprintf(f, "  %-10s %s\n", mf_commands[i].name, mf_commands[i].what);
+    fprintf(f, "\nNot yet built: decode, bench, sim, tune, calibrate (see the open issues).\n");
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
+        mf_usage(argc < 2 ? stderr : stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    for (size_t i = 0; mf_commands[i].name; i++)
+        if (!strcmp(argv[1], mf_commands[i].name)) return mf_commands[i].fn(argc - 1, argv + 1);
+    fprintf(stderr, "moeflow: unknown command '%s'\n\n", argv[1]);
+    mf_usage(stderr);
+    return 2;
+}
