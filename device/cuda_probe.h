@@ -10,7 +10,7 @@
 #define MF_CUDA_MAX_DEVICES 16
 
 typedef struct mf_cuda_device_info {
-    char name[128];
+    char name[256];
     int cc_major, cc_minor;
     int n_sms;
     uint64_t mem_bytes;

@@ -24,7 +24,15 @@ int mf_error_wrap(int code, const char *fmt, ...)
     vsnprintf(prefix, sizeof prefix, fmt, ap);
     va_end(ap);
     memcpy(old, mf_err_msg, sizeof old);
-    snprintf(mf_err_msg, sizeof mf_err_msg, "%s: %s", prefix, old);
+    /* prefix, ": ", old message; truncated to the buffer */
+    size_t n = strlen(prefix);
+    if (n > sizeof mf_err_msg - 3) n = sizeof mf_err_msg - 3;
+    memcpy(mf_err_msg, prefix, n);
+    memcpy(mf_err_msg + n, ": ", 2);
+    size_t room = sizeof mf_err_msg - n - 3, m = strlen(old);
+    if (m > room) m = room;
+    memcpy(mf_err_msg + n + 2, old, m);
+    mf_err_msg[n + 2 + m] = '\0';
     return code;
 }
 
