@@ -66,7 +66,8 @@ typedef struct mf_st_writer mf_st_writer;
 
 /* Creates `path` (via a temporary name, renamed into place by mf_st_writer_finish so that a failed
  * run never leaves a file that looks complete), writes the header for the n tensors in `specs`
- * (in that order) and an optional __metadata__ (n_meta key/value pairs). */
+ * (in that order) and an optional __metadata__ (n_meta key/value pairs: meta_kv[2k] is a key,
+ * meta_kv[2k+1] its value). Names must be unique, non-empty UTF-8 and not "__metadata__". */
 int mf_st_writer_create(const char *path, const mf_st_spec *specs, int n, const char *const *meta_kv,
                         int n_meta, mf_st_writer **out);
 /* Writes n bytes at `offset` inside tensor i. Bytes never written stay holes (read as zero). */
