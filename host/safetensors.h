@@ -53,6 +53,11 @@ int mf_st_parse_header(const char *what, const char *json, size_t json_bytes, ui
                        mf_st_tensor **out, int *n_out);
 void mf_st_tensors_free(mf_st_tensor *t, int n);
 
+/* Parses a whole safetensors file image held in memory (8-byte length, header, data) with the
+ * same checks as mf_st_open: the fuzzer's entry point. */
+int mf_st_parse_image(const char *what, const void *file, size_t file_bytes, mf_st_tensor **out,
+                      int *n_out);
+
 /* ---- writing ---------------------------------------------------------------------------------- */
 
 typedef struct mf_st_spec {

@@ -16,7 +16,7 @@ int mf_st_shape_bytes(mf_dtype dt, int n_dims, const int64_t *shape, uint64_t *o
         n_elems *= shape[d];
     }
     if (n_elems > INT64_MAX / 64) return -1;
-    if ((n_elems * bits) % 8 != 0) return -1;
+    if ((n_elems * bits) % 8 != 0) return -2;
     *out = (uint64_t)(n_elems * bits / 8);
     return 0;
 }

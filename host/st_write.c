@@ -150,10 +150,13 @@ static int check_specs(const char *path, const mf_st_spec *specs, int n, uint64_
             if (s->shape[d] < 0)
                 return mf_error(-EINVAL, "%s: tensor \"%s\": dim %d is negative (%lld)", path,
                                 s->name, d, (long long)s->shape[d]);
-        if (mf_st_shape_bytes(s->dtype, s->n_dims, s->shape, &n_bytes[i]) != 0)
-            return mf_error(-EOVERFLOW,
-                            "%s: tensor \"%s\": shape overflows or ends mid-byte for dtype %s", path,
-                            s->name, mf_dtype_name(s->dtype));
+        int sz = mf_st_shape_bytes(s->dtype, s->n_dims, s->shape, &n_bytes[i]);
+        if (sz == -2)
+            return mf_error(-EINVAL, "%s: tensor \"%s\": %s elements end mid-byte (need an even "
+                            "count)", path, s->name, mf_dtype_name(s->dtype));
+        if (sz != 0)
+            return mf_error(-EOVERFLOW, "%s: tensor \"%s\": element count of the shape "
+                            "overflows 64 bits", path, s->name);
         if (n_bytes[i] > (uint64_t)INT64_MAX / 2 - total)
             return mf_error(-EFBIG, "%s: tensor \"%s\": data section would exceed 2^62 bytes",
                             path, s->name);
