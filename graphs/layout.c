@@ -13,7 +13,14 @@
 struct mf_layout {
     int n;
     mf_layout_tensor *t;
+    const mf_layout_tensor **by_name;   /* sorted by name, for mf_layout_find */
 };
+
+static int mf_cmp_tensor_name(const void *a, const void *b)
+{
+    return strcmp((*(const mf_layout_tensor *const *)a)->name,
+                  (*(const mf_layout_tensor *const *)b)->name);
+}
 
 typedef struct mf_emit {
     mf_layout_tensor *t;   /* NULL on the counting pass */
@@ -135,6 +142,9 @@ static void mf_put_layer(mf_emit *e, int L)
     mf_put(e, MF_DTYPE_BF16, 1, H, 0, MF_ROLE_NORM, 0, "layers.%d.ffn_norm.weight", L);
     mf_put(e, MF_DTYPE_BF16, 2, c->n_routed_experts, H, MF_ROLE_LINEAR, H, "layers.%d.ffn.gate.weight", L);
     mf_put(e, MF_DTYPE_F32, 1, c->n_routed_experts, 0, MF_ROLE_BIAS, 0, "layers.%d.ffn.gate.bias", L);
+    /* the routing bias for vision tokens: V4.1 is multimodal and ships it on every layer; text
+     * decoding does not use it, but it is part of the checkpoint (40 x 1,536 B in flash41) */
+    mf_put(e, MF_DTYPE_F32, 1, c->n_routed_experts, 0, MF_ROLE_BIAS, 0, "layers.%d.ffn.gate.bias_vl", L);
     if (c->n_shared_experts > 0) {
         int64_t m = (int64_t)c->n_shared_experts * c->moe_intermediate_size;
         snprintf(p, sizeof p, "layers.%d.ffn.shared_experts.w1", L);
@@ -176,16 +186,29 @@ int mf_layout_build(const mf_config *c, mf_layout **out)
     mf_put_all(&e);
     mf_layout *l = calloc(1, sizeof *l);
     mf_layout_tensor *t = calloc((size_t)e.n, sizeof *t);
-    if (!l || !t) {
+    const mf_layout_tensor **by_name = calloc((size_t)e.n, sizeof *by_name);
+    if (!l || !t || !by_name) {
         free(l);
         free(t);
+        free(by_name);
         return mf_error(-ENOMEM, "layout: out of memory for %d tensors", e.n);
     }
     int n = e.n;
     e = (mf_emit){t, 0, -1, c};
     mf_put_all(&e);
+    for (int i = 0; i < n; i++) by_name[i] = &t[i];
+    qsort(by_name, (size_t)n, sizeof *by_name, mf_cmp_tensor_name);
+    for (int i = 1; i < n; i++)
+        if (!strcmp(by_name[i - 1]->name, by_name[i]->name)) {   /* a bug here, not bad input */
+            int rc2 = mf_error(-EINVAL, "layout: tensor %s appears twice", by_name[i]->name);
+            free(by_name);
+            free(t);
+            free(l);
+            return rc2;
+        }
     l->n = n;
     l->t = t;
+    l->by_name = by_name;
     *out = l;
     return 0;
 }
@@ -193,6 +216,7 @@ int mf_layout_build(const mf_config *c, mf_layout **out)
 void mf_layout_free(mf_layout *l)
 {
     if (!l) return;
+    free(l->by_name);
     free(l->t);
     free(l);
 }
@@ -206,8 +230,13 @@ const mf_layout_tensor *mf_layout_at(const mf_layout *l, int i)
 
 int mf_layout_find(const mf_layout *l, const char *name)
 {
-    for (int i = 0; i < l->n; i++)
-        if (!strcmp(l->t[i].name, name)) return i;
+    int lo = 0, hi = l->n - 1;
+    while (lo <= hi) {
+        int mid = lo + (hi - lo) / 2, c = strcmp(l->by_name[mid]->name, name);
+        if (c == 0) return (int)(l->by_name[mid] - l->t);
+        if (c < 0) lo = mid + 1;
+        else hi = mid - 1;
+    }
     return -1;
 }
 
