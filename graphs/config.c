@@ -56,7 +56,7 @@ static int mf_cfg_int(const mf_cfg_src *s, const char *key, int64_t lo, int64_t 
     char expected[96], found[64];
     snprintf(expected, sizeof expected, "an integer in [%" PRId64 ", %" PRId64 "]", lo, hi);
     if (!v || json_is_null(v)) {
-        if (required) return mf_cfg_bad(s, s->prefix, key, expected, v ? "null" : "it missing");
+        if (required) return mf_cfg_bad(s, s->prefix, key, expected, v ? "null" : "nothing (the field is missing)");
         *out = def;
         return 0;
     }
@@ -94,7 +94,7 @@ static int mf_cfg_real(const mf_cfg_src *s, const char *key, double lo, double h
     char expected[96], found[64];
     snprintf(expected, sizeof expected, "a number in %c%g, %g]", lo_open ? '(' : '[', lo, hi);
     if (!v || json_is_null(v)) {
-        if (required) return mf_cfg_bad(s, s->prefix, key, expected, v ? "null" : "it missing");
+        if (required) return mf_cfg_bad(s, s->prefix, key, expected, v ? "null" : "nothing (the field is missing)");
         *out = def;
         return 0;
     }
@@ -118,7 +118,7 @@ static int mf_cfg_list(const mf_cfg_src *s, const char *key, int64_t lo, int64_t
              cap, lo, hi);
     *n = 0;
     if (!v || json_is_null(v)) {
-        if (required) return mf_cfg_bad(s, s->prefix, key, expected, v ? "null" : "it missing");
+        if (required) return mf_cfg_bad(s, s->prefix, key, expected, v ? "null" : "nothing (the field is missing)");
         return 0;
     }
     if (!json_is_array(v)) return mf_cfg_bad(s, s->prefix, key, expected, mf_json_kind(v));
@@ -160,7 +160,7 @@ static int mf_cfg_str(const mf_cfg_src *s, json_t *obj, const char *prefix, cons
     json_t *v = json_object_get(obj, key);
     *out = NULL;
     if (!v || json_is_null(v)) {
-        if (required) return mf_cfg_bad(s, prefix, key, expected, v ? "null" : "it missing");
+        if (required) return mf_cfg_bad(s, prefix, key, expected, v ? "null" : "nothing (the field is missing)");
         return 0;
     }
     if (!json_is_string(v)) return mf_cfg_bad(s, prefix, key, expected, mf_json_kind(v));
@@ -391,7 +391,7 @@ int mf_config_parse(const char *what, const char *json, mf_config *out)
     if (!s.quant || !json_is_object(s.quant)) {
         rc = mf_cfg_bad(&s, "", "quantization_config",
                         "an object (fp8 dense weights, ue8m0 scales, fp4 experts)",
-                        s.quant ? mf_json_kind(s.quant) : "it missing");
+                        s.quant ? mf_json_kind(s.quant) : "nothing (the field is missing)");
         json_decref(root);
         return rc;
     }
