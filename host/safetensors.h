@@ -27,7 +27,11 @@ typedef struct mf_st mf_st;   /* an open checkpoint */
 
 /* Opens `path`: a .safetensors file, a model.safetensors.index.json, or a directory holding
  * either (the index wins). Every shard's header is read and validated: on any malformed input
- * returns a negative code with mf_last_error() naming the file (and tensor) and the problem. */
+ * returns a negative code with mf_last_error() naming the file (and tensor) and the problem.
+ * The rules are the Python package's: tensors' byte ranges tile the data section exactly (no
+ * gap, overlap or trailing bytes); unknown keys in an entry are ignored. An index and its shards
+ * must agree exactly: a tensor the index names but its shard lacks, and a shard tensor the index
+ * does not map to that shard, are both refused. At most MF_ST_MAX_DIMS dims per tensor. */
 int mf_st_open(const char *path, mf_st **out);
 void mf_st_close(mf_st *st);
 
