@@ -27,7 +27,11 @@ typedef struct mf_st mf_st;   /* an open checkpoint */
 
 /* Opens `path`: a .safetensors file, a model.safetensors.index.json, or a directory holding
  * either (the index wins). Every shard's header is read and validated: on any malformed input
- * returns a negative code with mf_last_error() naming the file (and tensor) and the problem. */
+ * returns a negative code with mf_last_error() naming the file (and tensor) and the problem.
+ * The rules are the Python package's: tensors' byte ranges tile the data section exactly (no
+ * gap, overlap or trailing bytes); unknown keys in an entry are ignored. An index and its shards
+ * must agree exactly: a tensor the index names but its shard lacks, and a shard tensor the index
+ * does not map to that shard, are both refused. At most MF_ST_MAX_DIMS dims per tensor. */
 int mf_st_open(const char *path, mf_st **out);
 void mf_st_close(mf_st *st);
 
@@ -53,6 +57,11 @@ int mf_st_parse_header(const char *what, const char *json, size_t json_bytes, ui
                        mf_st_tensor **out, int *n_out);
 void mf_st_tensors_free(mf_st_tensor *t, int n);
 
+/* Parses a whole safetensors file image held in memory (8-byte length, header, data) with the
+ * same checks as mf_st_open: the fuzzer's entry point. */
+int mf_st_parse_image(const char *what, const void *file, size_t file_bytes, mf_st_tensor **out,
+                      int *n_out);
+
 /* ---- writing ---------------------------------------------------------------------------------- */
 
 typedef struct mf_st_spec {
@@ -66,7 +75,8 @@ typedef struct mf_st_writer mf_st_writer;
 
 /* Creates `path` (via a temporary name, renamed into place by mf_st_writer_finish so that a failed
  * run never leaves a file that looks complete), writes the header for the n tensors in `specs`
- * (in that order) and an optional __metadata__ (n_meta key/value pairs). */
+ * (in that order) and an optional __metadata__ (n_meta key/value pairs: meta_kv[2k] is a key,
+ * meta_kv[2k+1] its value). Names must be unique, non-empty UTF-8 and not "__metadata__". */
 int mf_st_writer_create(const char *path, const mf_st_spec *specs, int n, const char *const *meta_kv,
                         int n_meta, mf_st_writer **out);
 /* Writes n bytes at `offset` inside tensor i. Bytes never written stay holes (read as zero). */

@@ -10,6 +10,8 @@ static const struct {
     int (*fn)(int, char **);
     const char *what;
 } mf_commands[] = {
+    {"gen", mf_cmd_gen, "write a synthetic checkpoint with the real layout (tiny, demo, flash41)"},
+    {"info", mf_cmd_info, "byte census of a checkpoint by group, config summary and layout check"},
     {NULL, NULL, NULL},
 };
 

@@ -1,0 +1,214 @@
+/* graphs/config: presets validate, both config.json dialects parse to the same config, every
+ * malformed field gives a message naming the file and the field, and flash41's derived sizes are
+ * the released checkpoint's figures (shared/v41-flash.md). */
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "graphs/config.h"
+#include "sched/error.h"
+#include "tests/check.h"
+
+/* Parses `text` and checks it equals `want` field for field (both start from memset 0). */
+static void check_same(const char *what, const char *text, const mf_config *want)
+{
+    mf_config got;
+    int rc = mf_config_parse(what, text, &got);
+    CHECK(rc == 0, "%s: parse failed: %s", what, mf_last_error());
+    if (rc == 0) CHECK(memcmp(&got, want, sizeof got) == 0, "%s: parsed config differs", what);
+}
+
+static json_t *flat_of(const mf_config *c)
+{
+    char *text = mf_config_to_json(c);
+    json_t *o = json_loads(text, 0, NULL);
+    free(text);
+    return o;
+}
+
+/* HF nested dialect: every model key moves under text_config; quantization_config stays at the
+ * top (quant_inside = 0) or moves too (1). */
+static char *nested_of(const mf_config *c, int quant_inside)
+{
+    json_t *flat = flat_of(c), *root = json_object(), *tc = json_object();
+    const char *k;
+    json_t *v;
+    json_object_foreach(flat, k, v)
+    {
+        if (!strcmp(k, "quantization_config") && !quant_inside) json_object_set(root, k, v);
+        else json_object_set(tc, k, v);
+    }
+    json_object_set_new(root, "model_type", json_string("deepseek_v41"));
+    json_object_set_new(root, "vision_config", json_pack("{s:i}", "hidden_size", 1152));
+    json_object_set_new(root, "text_config", tc);
+    char *out = json_dumps(root, 0);
+    json_decref(root);
+    json_decref(flat);
+    return out;
+}
+
+typedef void (*mutate_fn)(json_t *model, json_t *root);
+
+static void m_del_hidden(json_t *m, json_t *r) { json_object_del(m, "hidden_size"); }
+static void m_str_hidden(json_t *m, json_t *r) { json_object_set_new(m, "hidden_size", json_string("5120")); }
+static void m_zero_layers(json_t *m, json_t *r) { json_object_set_new(m, "num_hidden_layers", json_integer(0)); }
+static void m_short_ratios(json_t *m, json_t *r)
+{
+    json_array_remove(json_object_get(m, "compress_ratios"), 0);
+}
+static void m_bad_ratio(json_t *m, json_t *r)
+{
+    json_array_set_new(json_object_get(m, "compress_ratios"), 5, json_integer(4));
+}
+static void m_kv_out(json_t *m, json_t *r)
+{
+    json_array_set_new(json_object_get(m, "kv_source_layer_ids"), 3, json_integer(40));
+}
+static void m_topk(json_t *m, json_t *r) { json_object_set_new(m, "num_experts_per_tok", json_integer(385)); }
+static void m_rope(json_t *m, json_t *r) { json_object_set_new(m, "qk_rope_head_dim", json_integer(1024)); }
+static void m_eng_rows(json_t *m, json_t *r) { json_array_remove(json_object_get(m, "engram_num_embeddings"), 1); }
+static void m_eng_ids(json_t *m, json_t *r)
+{
+    json_array_set_new(json_object_get(m, "engram_layer_ids"), 1, json_integer(40));
+}
+static void m_expert_dtype(json_t *m, json_t *r)
+{
+    json_object_set_new(json_object_get(r, "quantization_config"), "expert_dtype", json_string("fp8"));
+}
+static void m_no_quant(json_t *m, json_t *r) { json_object_del(r, "quantization_config"); }
+static void m_block(json_t *m, json_t *r)
+{
+    json_object_set_new(json_object_get(r, "quantization_config"), "weight_block_size",
+                        json_pack("[i]", 32));
+}
+static void m_scoring(json_t *m, json_t *r) { json_object_set_new(m, "scoring_func", json_string("relu")); }
+static void m_cand(json_t *m, json_t *r) { json_object_set_new(m, "candidate_source_layer_id", json_integer(3)); }
+static void m_groups(json_t *m, json_t *r) { json_object_set_new(m, "o_groups", json_integer(7)); }
+static void m_eps(json_t *m, json_t *r) { json_object_set_new(m, "rms_norm_eps", json_real(-1.0)); }
+static void m_yarn(json_t *m, json_t *r)
+{
+    json_object_del(json_object_get(m, "rope_scaling"), "beta_fast");
+}
+static void m_idx_ratio0(json_t *m, json_t *r)
+{
+    json_array_set_new(json_object_get(m, "index_source_layer_ids"), 0, json_integer(1));
+}
+static void m_hidden_odd(json_t *m, json_t *r) { json_object_set_new(m, "hidden_size", json_integer(5000)); }
+static void m_ratio_type(json_t *m, json_t *r)
+{
+    json_array_set_new(json_object_get(m, "compress_ratios"), 2, json_string("2"));
+}
+
+static const struct {
+    mutate_fn fn;
+    const char *field;   /* must appear in the message */
+    const char *found;   /* and this (what was found) */
+} cases[] = {
+    {m_del_hidden, "hidden_size", "missing"},
+    {m_str_hidden, "hidden_size", "a string"},
+    {m_zero_layers, "num_hidden_layers", "found 0"},
+    {m_short_ratios, "compress_ratios", "42 entries"},
+    {m_bad_ratio, "compress_ratios", "found 4"},
+    {m_ratio_type, "compress_ratios", "a string at index 2"},
+    {m_kv_out, "kv_source_layer_ids", "found 40"},
+    {m_topk, "num_experts_per_tok", "found 385"},
+    {m_rope, "qk_rope_head_dim", "found 1024"},
+    {m_eng_rows, "engram_num_embeddings", "1 entries"},
+    {m_eng_ids, "engram_layer_ids", "found 40"},
+    {m_expert_dtype, "expert_dtype", "\"fp8\""},
+    {m_no_quant, "quantization_config", "missing"},
+    {m_block, "weight_block_size", "1 entries"},
+    {m_scoring, "scoring_func", "\"relu\""},
+    {m_cand, "candidate_source_layer_id", "found 3"},
+    {m_groups, "o_groups", "found 7"},
+    {m_eps, "rms_norm_eps", "found -1"},
+    {m_yarn, "rope_scaling.beta_fast", "missing"},
+    {m_idx_ratio0, "index_source_layer_ids", "layer 1 with ratio 0"},
+    {m_hidden_odd, "hidden_size", "found 5000"},
+};
+
+static void check_errors(const mf_config *flash)
+{
+    for (int nested = 0; nested < 2; nested++) {
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+            json_t *flat = flat_of(flash), *root = flat, *model = flat;
+            if (nested) {
+                char *t = nested_of(flash, 0);
+                root = json_loads(t, 0, NULL);
+                free(t);
+                json_decref(flat);
+                model = json_object_get(root, "text_config");
+            }
+            cases[i].fn(model, root);
+            char *text = json_dumps(root, 0);
+            json_decref(root);
+            mf_config got;
+            mf_error_clear();
+            int rc = mf_config_parse("cfg/config.json", text, &got);
+            free(text);
+            const char *msg = mf_last_error();
+            CHECK(rc == -EINVAL, "case %zu (%s) nested %d: rc %d", i, cases[i].field, nested, rc);
+            CHECK(strstr(msg, "cfg/config.json") && strstr(msg, cases[i].field) &&
+                      strstr(msg, cases[i].found) && strstr(msg, "expected"),
+                  "case %zu nested %d: message lacks file/field '%s'/found '%s': %s", i, nested,
+                  cases[i].field, cases[i].found, msg);
+            if (nested && strcmp(cases[i].field, "quantization_config") &&
+                strcmp(cases[i].field, "expert_dtype") && strcmp(cases[i].field, "weight_block_size"))
+                CHECK(strstr(msg, "text_config.") != NULL, "nested message lacks prefix: %s", msg);
+        }
+    }
+    mf_config got;
+    CHECK(mf_config_parse("x.json", "{\"vocab_size\": 12,", &got) == -EINVAL &&
+              strstr(mf_last_error(), "x.json") && strstr(mf_last_error(), "not valid JSON"),
+          "bad JSON: %s", mf_last_error());
+    CHECK(mf_config_parse("x.json", "[1,2]", &got) == -EINVAL && strstr(mf_last_error(), "a list"),
+          "array top: %s", mf_last_error());
+    CHECK(mf_config_load("/nonexistent/dir/config.json", &got) == -ENOENT &&
+              strstr(mf_last_error(), "/nonexistent/dir/config.json"),
+          "missing file: %s", mf_last_error());
+    CHECK(mf_config_preset("huge", &got) == -EINVAL && strstr(mf_last_error(), "huge"),
+          "unknown preset: %s", mf_last_error());
+}
+
+int main(void)
+{
+    const char *names[] = {"tiny", "demo", "flash41"};
+    mf_config c[3];
+    for (int i = 0; i < 3; i++) {
+        CHECK(mf_config_preset(names[i], &c[i]) == 0, "preset %s: %s", names[i], mf_last_error());
+        char *flat = mf_config_to_json(&c[i]);
+        check_same("flat", flat, &c[i]);
+        free(flat);
+        for (int q = 0; q < 2; q++) {
+            char *nested = nested_of(&c[i], q);
+            check_same(q ? "nested, quant inside" : "nested, quant at top", nested, &c[i]);
+            free(nested);
+        }
+    }
+
+    /* the file writer and loader round trip */
+    const char *tmpdir = getenv("MOEFLOW_TMP");
+    char path[4096];
+    snprintf(path, sizeof path, "%s/test_config.json", tmpdir ? tmpdir : "/tmp");
+    CHECK(mf_config_write_json(&c[2], path) == 0, "write: %s", mf_last_error());
+    mf_config back;
+    CHECK(mf_config_load(path, &back) == 0, "load: %s", mf_last_error());
+    CHECK(memcmp(&back, &c[2], sizeof back) == 0, "file round trip differs");
+    remove(path);
+
+    /* flash41: the released checkpoint's figures */
+    const mf_config *f = &c[2];
+    CHECK(mf_config_expert_bytes(f) == 18800640ull, "expert bytes %llu",
+          (unsigned long long)mf_config_expert_bytes(f));
+    CHECK(mf_config_expert_bank_bytes(f) == 288777830400ull, "expert bank %llu",
+          (unsigned long long)mf_config_expert_bank_bytes(f));
+    CHECK(mf_config_engram_table_bytes(f) == 202758032400ull, "engram tables %llu",
+          (unsigned long long)mf_config_engram_table_bytes(f));
+    /* the page's resident text weights: everything but experts, Engram tables and MTP */
+    uint64_t res = mf_config_resident_bytes(f);
+    CHECK(res == 9846748608ull, "resident %llu", (unsigned long long)res);
+
+    check_errors(f);
+    return mf_check_exit("test_config");
+}

@@ -1,0 +1,197 @@
+/* `moeflow info`: the byte census of a checkpoint (headers only) by group, like the seed's
+ * "What is in the 475 GiB" table, with the config summary and a check of the tensors against the
+ * layout the config implies; --json for scripts. */
+#include <errno.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "graphs/census.h"
+#include "graphs/config.h"
+#include "graphs/layout.h"
+#include "host/safetensors.h"
+#include "sched/error.h"
+#include "tools/commands.h"
+
+#define GIB 1073741824.0
+
+static void mf_info_usage(FILE *f)
+{
+    fprintf(f, "usage: moeflow info DIR [--json]\n\n"
+               "Prints the byte census of the checkpoint in DIR (a directory with shards and\n"
+               "model.safetensors.index.json, or one .safetensors file) by group: experts,\n"
+               "engram, mtp, attn, shared_experts, embed_head, other. Reads headers only.\n"
+               "With config.json beside the shards, validates it, prints a summary and checks\n"
+               "every tensor of the layout it implies against the checkpoint.\n\n"
+               "  --json   one JSON object: total_bytes, n_tensors, n_shards, groups\n");
+}
+
+static void mf_print_ids(const char *label, const int *ids, int n)
+{
+    printf("%s [", label);
+    for (int i = 0; i < n; i++) printf("%s%d", i ? "," : "", ids[i]);
+    printf("]");
+}
+
+static void mf_info_config(const mf_config *c)
+{
+    printf("config: vocab %lld, hidden %d, %d layers (+%d MTP), %d heads x %d (rope %d), "
+           "q_lora %d, output %d x %d\n",
+           (long long)c->vocab_size, c->hidden_size, c->n_layers, c->n_mtp_layers, c->n_heads,
+           c->head_dim, c->qk_rope_head_dim, c->q_lora_rank, c->o_groups, c->o_lora_rank);
+    int count[3] = {0, 0, 0};
+    for (int i = 0; i < c->n_layers; i++) count[c->compress_ratios[i]]++;
+    printf("  attention: window %d; compress ratio 0/1/2 on %d/%d/%d layers; ", c->sliding_window,
+           count[0], count[1], count[2]);
+    mf_print_ids("KV sources", c->kv_source_layer_ids, c->n_kv_source);
+    mf_print_ids(", index sources", c->index_source_layer_ids, c->n_index_source);
+    printf(", candidate source %d\n", c->candidate_source_layer_id);
+    printf("  MoE: %d routed experts, top-%d, %d shared, intermediate %d, %s, scale %g, "
+           "swiglu limit %g\n",
+           c->n_routed_experts, c->n_experts_per_tok, c->n_shared_experts, c->moe_intermediate_size,
+           mf_scoring_name(c->scoring_func), c->routed_scaling_factor, c->swiglu_limit);
+    printf("  hyper-connections %d streams, %d Sinkhorn iterations; ", c->hc_mult,
+           c->hc_sinkhorn_iters);
+    mf_print_ids("Engram layers", c->engram_layer_ids, c->n_engram);
+    printf(" rows [");
+    for (int i = 0; i < c->n_engram; i++)
+        printf("%s%lld", i ? "," : "", (long long)c->engram_num_embeddings[i]);
+    printf("]\n  quantization: fp8 e4m3 dense in %dx%d tiles, ue8m0 scales; experts fp4 e2m1\n",
+           c->quant_block_out, c->quant_block_in);
+    printf("  derived: %.2f MiB per expert, experts %.2f GiB, Engram tables %.2f GiB, "
+           "resident %.2f GiB\n",
+           mf_config_expert_bytes(c) / 1048576.0, mf_config_expert_bank_bytes(c) / GIB,
+           mf_config_engram_table_bytes(c) / GIB, mf_config_resident_bytes(c) / GIB);
+}
+
+/* Compares the checkpoint with the layout of `c`: prints missing, mismatched and extra tensors
+ * (the first few of each); returns the number of missing + mismatched. */
+static int mf_info_check_layout(const mf_st *st, const mf_config *c)
+{
+    mf_layout *l;
+    if (mf_layout_build(c, &l)) {
+        printf("layout check: %s\n", mf_last_error());
+        return 1;
+    }
+    int missing = 0, mismatched = 0, n = mf_layout_n(l);
+    for (int i = 0; i < n; i++) {
+        const mf_layout_tensor *t = mf_layout_at(l, i);
+        const mf_st_tensor *s = mf_st_find(st, t->name);
+        if (!s) {
+            if (missing++ < 5) printf("  missing: %s\n", t->name);
+            continue;
+        }
+        int same = s->dtype == t->dtype && s->n_dims == t->n_dims;
+        for (int d = 0; same && d < t->n_dims; d++) same = s->shape[d] == t->shape[d];
+        if (!same && mismatched++ < 5)
+            printf("  mismatch: %s is %s %lldx%lld, layout says %s %lldx%lld\n", t->name,
+                   mf_dtype_name(s->dtype), (long long)s->shape[0],
+                   (long long)(s->n_dims > 1 ? s->shape[1] : 1), mf_dtype_name(t->dtype),
+                   (long long)t->shape[0], (long long)(t->n_dims > 1 ? t->shape[1] : 1));
+    }
+    int extra = 0, n_st = mf_st_n_tensors(st);
+    for (int i = 0; i < n_st; i++) {
+        const mf_st_tensor *s = mf_st_tensor_at(st, i);
+        if (mf_layout_find(l, s->name) < 0 && extra++ < 5) printf("  not in layout: %s\n", s->name);
+    }
+    printf("layout check: %d tensors expected, %d missing, %d mismatched, %d not in layout%s\n", n,
+           missing, mismatched, extra, extra ? " (MTP, vision and unknown tensors)" : "");
+    mf_layout_free(l);
+    return missing + mismatched;
+}
+
+int mf_cmd_info(int argc, char **argv)
+{
+    const char *dir = NULL;
+    int json = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            mf_info_usage(stdout);
+            return 0;
+        } else if (!strcmp(argv[i], "--json")) {
+            json = 1;
+        } else if (argv[i][0] == '-' || dir) {
+            fprintf(stderr, "moeflow info: unexpected argument '%s'\n\n", argv[i]);
+            mf_info_usage(stderr);
+            return 2;
+        } else {
+            dir = argv[i];
+        }
+    }
+    if (!dir) {
+        mf_info_usage(stderr);
+        return 2;
+    }
+    mf_st *st;
+    if (mf_st_open(dir, &st)) {
+        fprintf(stderr, "moeflow info: %s\n", mf_last_error());
+        return 1;
+    }
+    mf_census cs;
+    mf_census_of(st, &cs);
+
+    /* config.json beside the shards, when DIR is a directory */
+    struct stat sb;
+    char cfg_path[4096];
+    int have_cfg = 0;
+    mf_config cfg;
+    if (stat(dir, &sb) == 0 && S_ISDIR(sb.st_mode)) {
+        snprintf(cfg_path, sizeof cfg_path, "%s/config.json", dir);
+        if (stat(cfg_path, &sb) == 0) {
+            if (mf_config_load(cfg_path, &cfg)) {
+                fprintf(stderr, "moeflow info: %s\n", mf_last_error());
+                mf_st_close(st);
+                return 1;
+            }
+            have_cfg = 1;
+        }
+    }
+
+    if (json) {
+        json_t *o = json_object(), *groups = json_object(), *counts = json_object();
+        json_object_set_new(o, "total_bytes", json_integer((json_int_t)cs.total_bytes));
+        json_object_set_new(o, "n_tensors", json_integer(cs.n_tensors));
+        json_object_set_new(o, "n_shards", json_integer(cs.n_shards));
+        for (int g = 0; g < MF_GROUP_COUNT; g++) {
+            json_object_set_new(groups, mf_group_name(g), json_integer((json_int_t)cs.bytes[g]));
+            json_object_set_new(counts, mf_group_name(g), json_integer(cs.tensors[g]));
+        }
+        json_object_set_new(o, "groups", groups);
+        json_object_set_new(o, "group_tensors", counts);
+        json_object_set_new(o, "config", have_cfg ? json_string(cfg_path) : json_null());
+        char *text = json_dumps(o, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+        json_decref(o);
+        if (!text) {
+            mf_st_close(st);
+            fprintf(stderr, "moeflow info: out of memory\n");
+            return 1;
+        }
+        printf("%s\n", text);
+        free(text);
+        mf_st_close(st);
+        return 0;
+    }
+
+    printf("%s: %lld tensors in %d shard%s, %.2f GiB (%llu bytes)\n\n", dir,
+           (long long)cs.n_tensors, cs.n_shards, cs.n_shards == 1 ? "" : "s", cs.total_bytes / GIB,
+           (unsigned long long)cs.total_bytes);
+    printf("| %-15s | %9s | %6s | %8s | %17s |\n", "group", "GiB", "share", "tensors", "bytes");
+    printf("|-----------------|-----------|--------|----------|-------------------|\n");
+    for (int g = 0; g < MF_GROUP_COUNT; g++) {
+        double share = cs.total_bytes ? 100.0 * cs.bytes[g] / cs.total_bytes : 0.0;
+        printf("| %-15s | %9.2f | %5.1f%% | %8lld | %17llu |\n", mf_group_name(g), cs.bytes[g] / GIB,
+               share, (long long)cs.tensors[g], (unsigned long long)cs.bytes[g]);
+    }
+    printf("| %-15s | %9.2f | %5.1f%% | %8lld | %17llu |\n\n", "total", cs.total_bytes / GIB,
+           100.0, (long long)cs.n_tensors, (unsigned long long)cs.total_bytes);
+    if (have_cfg) {
+        mf_info_config(&cfg);
+        mf_info_check_layout(st, &cfg);
+    } else {
+        printf("no config.json in %s: config summary skipped\n", dir);
+    }
+    mf_st_close(st);
+    return 0;
+}
