@@ -5,9 +5,15 @@
 set -euo pipefail
 env_dir="${MOEFLOW_PYENV:-$HOME/.cache/moeflow/pyenv}"
 py="$env_dir/bin/python"
-if ! "$py" -c 'import numpy, ml_dtypes, safetensors' 2>/dev/null; then
-  echo "pyenv: creating $env_dir" >&2
+# Pinned: the oracle checks compare bit patterns, and ml_dtypes' rounding quirks (documented in
+# host/formats.h) are matched as of this version.
+reqs=(numpy==2.4.6 ml_dtypes==0.6.0 safetensors==0.8.0)
+want=$(printf '%s ' "${reqs[@]}")
+if [ "$(cat "$env_dir/.moeflow-reqs" 2>/dev/null)" != "$want" ] ||
+   ! "$py" -c 'import numpy, ml_dtypes, safetensors' 2>/dev/null; then
+  echo "pyenv: creating $env_dir ($want)" >&2
   python3 -m venv "$env_dir" >&2
-  "$py" -m pip install -q --disable-pip-version-check numpy ml_dtypes safetensors >&2
+  "$py" -m pip install -q --disable-pip-version-check "${reqs[@]}" >&2
+  echo "$want" >"$env_dir/.moeflow-reqs"
 fi
 echo "$py"
