@@ -160,7 +160,8 @@ static int load_index(const char *path, json_t **root_out)
         rc = mf_error(-EINVAL, "%s: expected a JSON object at the top", path);
     } else if (!json_is_object(map) || json_object_size(map) == 0) {
         rc = mf_error(-EINVAL, "%s: expected \"weight_map\", a non-empty object of tensor -> "
-                      "shard file, found %s", path, map ? "something else" : "none");
+                      "shard file, found %s", path,
+                      !map ? "none" : json_is_object(map) ? "an empty object" : "another type");
     } else if (meta && !json_is_object(meta)) {
         rc = mf_error(-EINVAL, "%s: \"metadata\": expected an object", path);
     } else if (meta && json_object_get(meta, "total_size") &&
