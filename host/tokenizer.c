@@ -1219,7 +1219,8 @@ int mf_tok_encode(const mf_tok *t, const char *text, size_t len, int32_t *ids, s
     }
     if (!rc) {
         *n_ids = e.out.n;
-        memcpy(ids, e.out.v, (e.out.n < cap ? e.out.n : cap) * sizeof *ids);
+        size_t m = e.out.n < cap ? e.out.n : cap;
+        if (m) memcpy(ids, e.out.v, m * sizeof *ids);
         if (e.out.n > cap)
             rc = mf_error(-ENOSPC, "tokenizer: %zu ids do not fit in %zu", e.out.n, cap);
     }
