@@ -2,9 +2,14 @@
  *   tok_tool encode TOKENIZER TEXTS      texts: one JSON string a line -> ids a line ("ERR msg")
  *   tok_tool decode TOKENIZER IDS [skip] ids: space-separated a line -> one JSON string a line
  *   tok_tool engram TOKENIZER            -> JSON {"n_unique", "ids", "keys"}
- *   tok_tool normalize TEXTS             -> the Engram normalization of each, one JSON string a line */
+ *   tok_tool normalize TEXTS             -> the Engram normalization of each, one JSON string a line
+ *   tok_tool unassigned                  -> code point ranges PCRE2 (UCP) calls unassigned (\p{Cn}),
+ *                                           "first last" a line, so the harness can tell which
+ *                                           characters this PCRE2's Unicode tables know */
 #include <errno.h>
 #include <jansson.h>
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -149,8 +154,41 @@ static int cmd_normalize(const char *texts)
     return r < 0;
 }
 
+static int cmd_unassigned(void)
+{
+    int err;
+    PCRE2_SIZE at;
+    pcre2_code *re = pcre2_compile((PCRE2_SPTR) "^\\p{Cn}$", PCRE2_ZERO_TERMINATED,
+                                   PCRE2_UTF | PCRE2_UCP, &err, &at, NULL);
+    pcre2_match_data *md = pcre2_match_data_create(1, NULL);
+    if (!re || !md) return 1;
+    long first = -1;
+    for (long cp = 0; cp <= 0x110000; cp++) {
+        int cn = 0;
+        if (cp < 0x110000 && !(cp >= 0xD800 && cp < 0xE000)) {
+            unsigned char u[4];
+            int n = cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4;
+            if (n == 1) u[0] = (unsigned char)cp;
+            else {
+                for (int k = n - 1; k > 0; k--) u[k] = (unsigned char)(0x80 | ((cp >> (6 * (n - 1 - k))) & 0x3F));
+                u[0] = (unsigned char)((0xF00 >> n) | (cp >> (6 * (n - 1))));
+            }
+            cn = pcre2_match(re, u, (PCRE2_SIZE)n, 0, 0, md, NULL) >= 0;
+        }
+        if (cn && first < 0) first = cp;
+        if (!cn && first >= 0) {
+            printf("%ld %ld\n", first, cp - 1);
+            first = -1;
+        }
+    }
+    pcre2_match_data_free(md);
+    pcre2_code_free(re);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
+    if (argc == 2 && strcmp(argv[1], "unassigned") == 0) return cmd_unassigned();
     if (argc >= 3 && strcmp(argv[1], "normalize") == 0) return cmd_normalize(argv[2]);
     if (argc < 3) {
         fprintf(stderr, "usage: tok_tool encode|decode|engram TOKENIZER [FILE [skip]] | "

@@ -21,6 +21,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import unicodedata
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
 from tokenizers import pre_tokenizers, trainers
@@ -241,6 +242,29 @@ class Report:
                       f"{got[i] if i < len(got) else None!r}")
 
 
+def known_code_points():
+    """Code points both this Python's unicodedata and moeflow's PCRE2 call assigned. The reference
+    regex engine (Oniguruma inside tokenizers) has newer tables than PCRE2 10.42 (Unicode 14):
+    text with characters PCRE2 does not know yet may split differently, and is left out."""
+    pcre_cn = []
+    for l in tool("unassigned"):
+        a, b = map(int, l.split())
+        pcre_cn.append((a, b))
+    cn = set()
+    for a, b in pcre_cn:
+        cn.update(range(a, b + 1))
+    return [c for c in range(0x20, 0x110000) if c not in cn and not (0xD800 <= c < 0xE000)
+            and unicodedata.category(chr(c)) not in ("Cn", "Cs", "Co")]
+
+
+def fuzz_lines(seed, n, cps, specials):
+    r = random.Random(seed)
+    pieces = [" ", "  ", "\t", "\n", "\r\n", "a", "Z", "1", "22", "333", ".", "'s", "中", "\u3000",
+              "\u0301", "😀"] + specials
+    return ["".join(chr(r.choice(cps)) if r.random() < 0.6 else r.choice(pieces)
+                    for _ in range(r.randint(1, 40))) for _ in range(n)]
+
+
 def check_one(name, rep, tmp, train_lines, held_out, specials):
     tok = train(name, train_lines, specials)
     path = os.path.join(tmp, f"{name}.json")
@@ -286,6 +310,42 @@ def check_one(name, rep, tmp, train_lines, held_out, specials):
     return tok
 
 
+# Measured with tokenizers 0.23.3 and Debian's utf8proc: 546 code points normalize differently,
+# every one a character whose Unicode data changed after 9.0 (see check_all_code_points). The
+# check fails when more differ, which a real fault (say in case mapping or whitespace) would do.
+MAX_TABLE_AGE_DIFFS = 700
+
+
+def check_all_code_points(rep, tmp):
+    """Every code point alone and between letters through both normalizers. tokenizers' NFKC,
+    NFD and StripAccents use Unicode 9.0 data (unicode-normalization-alignments), its Lowercase
+    Rust's current case tables, utf8proc its own version: characters assigned or recategorized
+    since 9.0 (new combining marks, Latin Extended-F, U+32FF, Vedic U+1CF2..) differ. They are
+    counted and listed; more than MAX_TABLE_AGE_DIFFS fails."""
+    cps = [c for c in range(0x110000) if not (0xD800 <= c < 0xE000)]
+    lines = [x for c in cps for x in (chr(c), "a" + chr(c) + "B")]
+    path = os.path.join(tmp, "all.jsonl")
+    write_texts(path, lines)
+    got = [json.loads(l) if not l.startswith("ERR") else l for l in tool("normalize", path)]
+    diff = sorted({ord(s if len(s) == 1 else s[1]) for i, s in enumerate(lines)
+                   if got[i] != ENGRAM_NORM.normalize_str(s)})
+    ranges = []
+    for c in diff:
+        if ranges and ranges[-1][1] == c - 1:
+            ranges[-1][1] = c
+        else:
+            ranges.append([c, c])
+    ok = len(diff) <= MAX_TABLE_AGE_DIFFS
+    rep.lines.append(f"engram normalize, all {len(cps)} code points alone and in 'a?B': "
+                     f"{len(cps) - len(diff)} agree, {len(diff)} differ (Unicode table ages; "
+                     f"at most {MAX_TABLE_AGE_DIFFS} allowed): {'ok' if ok else 'FAILED'}")
+    rep.lines.append("    they are: " + " ".join(f"{a:04X}" + (f"-{b:04X}" if b != a else "")
+                                                for a, b in ranges))
+    if not ok:
+        rep.failed += 1
+        print(f"MISMATCH engram normalize over all code points: {len(diff)} differ")
+
+
 def main():
     if not os.access(TOOL, os.X_OK):
         sys.exit(f"check_tokenizer: {TOOL} not found (set MOEFLOW_BUILD to a built tree)")
@@ -296,6 +356,15 @@ def main():
     with tempfile.TemporaryDirectory(prefix="moeflow-tok-") as tmp:
         toks = [check_one(n, rep, tmp, train_lines, held_out, specials)
                 for n in ("deepseek", "gpt2", "splits")]
+        # random characters from all of Unicode (those PCRE2 knows) through the DeepSeek shape,
+        # which has no normalizer; the NFC/NFKC ones would show the normalizer tables' ages
+        fuzz = fuzz_lines(3, 3000, known_code_points(), specials)
+        fpath = os.path.join(tmp, "fuzz.jsonl")
+        write_texts(fpath, fuzz)
+        got = [[int(x) for x in l.split()] if not l.startswith("ERR") else l
+               for l in tool("encode", os.path.join(tmp, "deepseek.json"), fpath)]
+        rep.compare("deepseek encode, random Unicode", got,
+                    [toks[0].encode(t, add_special_tokens=False).ids for t in fuzz], fuzz)
         # the Engram normalizer on held-out text, every vocabulary string and the odd characters
         norm_in = held_out + ODD + [w for ws in WORDS.values() for w in ws] + EMOJI
         for t in toks:
@@ -309,6 +378,7 @@ def main():
         got = [json.loads(l) if not l.startswith("ERR") else l for l in tool("normalize", npath)]
         rep.compare("engram normalize", got, [ENGRAM_NORM.normalize_str(s) for s in norm_in],
                     norm_in)
+        check_all_code_points(rep, tmp)
     print("\n".join("  " + l for l in rep.lines))
     if rep.failed:
         print(f"check_tokenizer: FAILED ({rep.failed} comparisons with mismatches)")
