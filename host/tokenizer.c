@@ -6,6 +6,7 @@
 
 #include <errno.h>
 #include <jansson.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -206,9 +207,8 @@ static int32_t mf_utf8_decode1(const unsigned char *s, int len)
 static int32_t mf_byte_char[256];
 static int16_t mf_char_byte[324];   /* inverse, -1 where no byte */
 
-static void mf_bytelevel_init(void)
+static void mf_bytelevel_fill(void)
 {
-    if (mf_byte_char[1]) return;   /* byte 1 maps to 257: table filled (idempotent if raced) */
     int n = 0;
     for (int i = 0; i < 324; i++) mf_char_byte[i] = -1;
     for (int b = 0; b < 256; b++) {
@@ -216,6 +216,12 @@ static void mf_bytelevel_init(void)
         mf_byte_char[b] = keep ? b : 256 + n++;
         mf_char_byte[mf_byte_char[b]] = (int16_t)b;
     }
+}
+
+static void mf_bytelevel_init(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, mf_bytelevel_fill);
 }
 
 /* Rust's char::is_whitespace (Unicode White_Space): Zs, Zl, Zp and the controls 9-13 and 0x85. */
