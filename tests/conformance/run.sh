@@ -23,13 +23,13 @@ if [ "$(cat "$env_dir/.moeflow-reqs" 2>/dev/null)" != "$want" ] ||
     { echo "conformance: FAILED to make the Python environment $env_dir" >&2; exit 1; }
 fi
 
-if [ ! -x "$build/tok_tool" ]; then
-  echo "conformance: building $build" >&2
-  { [ -f "$build/build.ninja" ] || [ -f "$build/Makefile" ] ||
-      cmake -S "$root" -B "$build" -G Ninja >&2; } &&
-    cmake --build "$build" -j "$(nproc)" >&2 ||
-    { echo "conformance: FAILED to build $build" >&2; exit 1; }
-fi
+# Configure when there is no build system yet; always bring the build up to date (a no-op when
+# it is), so the helper programs match the sources the build tree was configured from.
+echo "conformance: building $build" >&2
+{ [ -f "$build/build.ninja" ] || [ -f "$build/Makefile" ] ||
+    cmake -S "$root" -B "$build" -G Ninja >&2; } &&
+  cmake --build "$build" -j "$(nproc)" >/dev/null ||
+  { echo "conformance: FAILED to build $build" >&2; exit 1; }
 build=$(cd "$build" && pwd)
 
 # name | command (run from the repository root with MOEFLOW_BUILD set)
