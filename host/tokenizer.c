@@ -129,7 +129,8 @@ typedef struct mf_bytes {
     size_t n, cap;
 } mf_bytes;
 
-static int mf_bytes_add(mf_bytes *b, const void *src, size_t n)
+/* Room for n more bytes and a NUL. */
+static int mf_bytes_reserve(mf_bytes *b, size_t n)
 {
     if (b->n + n + 1 > b->cap) {
         size_t cap = b->cap ? b->cap : 256;
@@ -139,6 +140,12 @@ static int mf_bytes_add(mf_bytes *b, const void *src, size_t n)
         b->p = p;
         b->cap = cap;
     }
+    return 0;
+}
+
+static int mf_bytes_add(mf_bytes *b, const void *src, size_t n)
+{
+    if (mf_bytes_reserve(b, n)) return -ENOMEM;
     memcpy(b->p + b->n, src, n);
     b->n += n;
     b->p[b->n] = '\0';
@@ -1243,6 +1250,38 @@ int mf_tok_encode(const mf_tok *t, const char *text, size_t len, int32_t *ids, s
 
 /* ---- decoding ------------------------------------------------------------------------------- */
 
+/* The ByteLevel decoding of one token string into out[0..cap) (as much as fits); returns the
+ * full length. A token with a character outside the byte alphabet stands for its own UTF-8. */
+static size_t mf_token_decode(const char *p, size_t len, char *out, size_t cap)
+{
+    size_t n = 0;
+    for (size_t q = 0; q < len;) {
+        int k = mf_utf8_next((const unsigned char *)p + q, len - q);
+        int32_t cp = k > 0 ? mf_utf8_decode1((const unsigned char *)p + q, k) : -1;
+        if (cp < 0 || cp >= 324 || mf_char_byte[cp] < 0) {
+            if (cap) memcpy(out, p, len < cap ? len : cap);
+            return len;
+        }
+        if (n < cap) out[n] = (char)mf_char_byte[cp];
+        n++;
+        q += (size_t)k;
+    }
+    return n;
+}
+
+int mf_tok_token_bytes(const mf_tok *t, int32_t id, char *out, size_t cap)
+{
+    if (id < 0 || id >= t->n_vocab || !t->piece[id])
+        return mf_error(-EINVAL, "tokenizer %s: id %d is not a token", t->path, id);
+    const char *p = t->piece[id];
+    size_t len = strlen(p);
+    if (!t->decoder_bytelevel) {
+        if (cap) memcpy(out, p, len < cap ? len : cap);
+        return (int)len;
+    }
+    return (int)mf_token_decode(p, len, out, cap);
+}
+
 int mf_tok_decode(const mf_tok *t, const int32_t *ids, size_t n, int flags, char *out, size_t cap,
                   size_t *n_bytes)
 {
@@ -1267,23 +1306,8 @@ int mf_tok_decode(const mf_tok *t, const int32_t *ids, size_t n, int flags, char
             continue;
         }
         /* all characters in the byte alphabet -> those bytes; otherwise the token as it is */
-        size_t start = raw.n;
-        int all = 1;
-        for (size_t q = 0; rc == 0 && q < len;) {
-            int k = mf_utf8_next((const unsigned char *)p + q, len - q);
-            int32_t cp = mf_utf8_decode1((const unsigned char *)p + q, k);
-            q += (size_t)k;
-            if (cp >= 324 || mf_char_byte[cp] < 0) {
-                all = 0;
-                break;
-            }
-            char b = (char)mf_char_byte[cp];
-            rc = mf_bytes_add(&raw, &b, 1);
-        }
-        if (!all) {
-            raw.n = start;
-            rc = mf_bytes_add(&raw, p, len);
-        }
+        if ((rc = mf_bytes_reserve(&raw, len)) == 0)   /* the bytes never outnumber the string's */
+            raw.n += mf_token_decode(p, len, raw.p + raw.n, len);
     }
     /* lossy UTF-8: each maximal ill-formed subpart becomes U+FFFD */
     for (size_t i = 0; rc == 0 && i < raw.n;) {

@@ -43,6 +43,12 @@ int mf_tok_encode(const mf_tok *tok, const char *text, size_t len, int32_t *ids,
 int mf_tok_decode(const mf_tok *tok, const int32_t *ids, size_t n, int flags, char *out,
                   size_t cap, size_t *n_bytes);
 
+/* The raw bytes one token stands for (the ByteLevel decoding of its string; an added token's
+ * content as it is), with no UTF-8 repair and no allocation: for streaming output, where a
+ * character may span tokens. Writes min(total, cap) bytes, returns the total, or -EINVAL for an
+ * id no token has. */
+int mf_tok_token_bytes(const mf_tok *tok, int32_t id, char *out, size_t cap);
+
 /* The token string of `id` as stored in tokenizer.json (byte-level alphabet, e.g. "Ġthe"; an
  * added token's content), or NULL when no token has that id. */
 const char *mf_tok_piece(const mf_tok *tok, int32_t id);

@@ -230,6 +230,14 @@ static void test_decode(mf_tok *tok)
     rc = mf_tok_decode(tok, ids, 2, 0, out, 5, &nb);
     CHECK(rc == -ENOSPC && nb == strlen("<｜begin▁of▁sentence｜> the"), "decode ENOSPC: %d %zu", rc, nb);
 
+    char tb[64];
+    CHECK(mf_tok_token_bytes(tok, ID_GTHE, tb, sizeof tb) == 4 && memcmp(tb, " the", 4) == 0,
+          "token bytes of Ġthe");
+    CHECK(mf_tok_token_bytes(tok, 0xC3, tb, sizeof tb) == 1 && (unsigned char)tb[0] == 0xC3,
+          "token bytes of a byte token");
+    CHECK(mf_tok_token_bytes(tok, ID_BOS, tb, 4) == (int)strlen("<｜begin▁of▁sentence｜>") &&
+          memcmp(tb, "<\xEF\xBD\x9C", 4) == 0, "token bytes of a special token, truncated");
+    CHECK(mf_tok_token_bytes(tok, 290, tb, sizeof tb) == -EINVAL, "token bytes of a hole");
     CHECK(mf_tok_find(tok, "<|EOT|>") == ID_EOT && mf_tok_find(tok, "Ġthe") == ID_GTHE &&
           mf_tok_find(tok, "nope") == -ENOENT, "find");
     CHECK(mf_tok_is_special(tok, ID_EOT) && !mf_tok_is_special(tok, ID_X) &&
