@@ -3,6 +3,7 @@
 #define MF_COMMANDS_H
 
 int mf_cmd_gen(int argc, char **argv);    /* tools/cmd_gen.c: synthetic checkpoints */
+int mf_cmd_decode(int argc, char **argv);  /* tools/cmd_decode.c: reference forward decoding */
 int mf_cmd_info(int argc, char **argv);   /* tools/cmd_info.c: byte census of a checkpoint */
 
 #endif
