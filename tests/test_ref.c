@@ -520,6 +520,46 @@ int main(void)
     }
     printf("tiny decode, one token at a time over %d tokens: %.1f tokens/s\n", N + K, tps);
 
+    /* the CLI streams the same greedy continuation */
+    {
+        const char *bin = getenv("MOEFLOW_BIN");
+        if (bin) {
+            char cmd[2400], line[4096] = "";
+            snprintf(cmd, sizeof cmd, "%s decode --checkpoint %s --tokens %d,%d,%d,%d --max-new-tokens 6 --quiet",
+                     bin, g_dir, toks[0], toks[1], toks[2], toks[3]);
+            FILE *f = popen(cmd, "r");
+            CHECK(f != NULL, "popen");
+            if (f) {
+                if (!fgets(line, sizeof line, f)) line[0] = 0;
+                CHECK(pclose(f) == 0, "decode exit status");
+            }
+            char want[512] = "";
+            mf_ref_state *sg;
+            mf_ref_state_new(r, 128, &sg);
+            float *lg = malloc(sizeof(float) * V);
+            mf_ref_prefill(r, sg, toks, 4, lg);
+            for (int i = 0; i < 6; i++) {
+                int32_t t = mf_sample_greedy(lg, V);
+                snprintf(want + strlen(want), sizeof want - strlen(want), i ? " %d" : "%d", t);
+                if (i < 5) mf_ref_decode(r, &sg, &t, 1, lg);
+            }
+            strcat(want, "\n");
+            CHECK(!strcmp(line, want), "moeflow decode printed '%s', library greedy gives '%s'", line, want);
+            snprintf(cmd, sizeof cmd, "%s decode --checkpoint %s --prompt hi --quiet 2>&1", bin, g_dir);
+            f = popen(cmd, "r");
+            line[0] = 0;
+            if (f) {
+                if (!fgets(line, sizeof line, f)) line[0] = 0;
+                CHECK(pclose(f) != 0, "text without a tokenizer refused");
+            }
+            CHECK(strstr(line, "no tokenizer.json") != NULL, "message: %s", line);
+            free(lg);
+            mf_ref_state_free(sg);
+        } else {
+            printf("MOEFLOW_BIN not set: CLI check skipped\n");
+        }
+    }
+
     test_errors();
     mf_ref_state_free(s1);
     mf_ref_state_free(s2);
