@@ -12,6 +12,17 @@ static float mf_e4m3_lut[256];
 static float mf_e2m1_lut[16];
 static int mf_luts_ready;
 
+/* bf16 -> f32 is the top half of the float: exact, as mf_bf16_to_f32 (inlined for the head) */
+static inline float mf_bf16_bits(const uint8_t *p)
+{
+    uint16_t b;
+    memcpy(&b, p, 2);
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 static void mf_ref_luts(void)
 {
     if (mf_luts_ready) return;   /* single-threaded use; idempotent anyway */
@@ -70,11 +81,7 @@ static double mf_ref_dot_row(const mf_weight *w, const uint8_t *data, const uint
     }
     case MF_W_BF16: {
         const uint8_t *d = data + row * cols * 2;
-        for (int64_t k = 0; k < n; k++) {
-            uint16_t b;
-            memcpy(&b, d + 2 * (col0 + k), 2);
-            acc += (double)mf_bf16_to_f32(b) * x[k];
-        }
+        for (int64_t k = 0; k < n; k++) acc += (double)mf_bf16_bits(d + 2 * (col0 + k)) * x[k];
         break;
     }
     case MF_W_F32: {
