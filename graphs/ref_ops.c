@@ -2,6 +2,7 @@
  * weight kind, RMSNorm with the HF port's rounding, interleaved RoPE, the three fake
  * quantizations of V4.1 (e4m3 pow2-scaled, e2m1 with e8m0 or e4m3 scales), activations. */
 #include <errno.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -10,7 +11,7 @@
 
 static float mf_e4m3_lut[256];
 static float mf_e2m1_lut[16];
-static int mf_luts_ready;
+static pthread_once_t mf_luts_once = PTHREAD_ONCE_INIT;
 
 /* bf16 -> f32 is the top half of the float: exact, as mf_bf16_to_f32 (inlined for the head) */
 static inline float mf_bf16_bits(const uint8_t *p)
@@ -23,13 +24,14 @@ static inline float mf_bf16_bits(const uint8_t *p)
     return f;
 }
 
-static void mf_ref_luts(void)
+static void mf_ref_luts_fill(void)
 {
-    if (mf_luts_ready) return;   /* single-threaded use; idempotent anyway */
     for (int i = 0; i < 256; i++) mf_e4m3_lut[i] = mf_e4m3_to_f32((uint8_t)i);
     for (int i = 0; i < 16; i++) mf_e2m1_lut[i] = mf_e2m1_to_f32((uint8_t)i);
-    mf_luts_ready = 1;
 }
+
+/* filled once per process, so separate forwards may run on separate threads */
+static void mf_ref_luts(void) { pthread_once(&mf_luts_once, mf_ref_luts_fill); }
 
 void mf_bf_n(float *x, int64_t n)
 {

@@ -11,11 +11,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "graphs/engram_map.h"
 #include "graphs/gen.h"
 #include "graphs/model.h"
 #include "graphs/ref.h"
 #include "graphs/ref_internal.h"
 #include "graphs/sample.h"
+#include "host/tokenizer.h"
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "tests/check.h"
@@ -292,6 +294,100 @@ static int variant(const char *name, void (*edit)(mf_config *), char *out, size_
     return mf_config_write_json(&c, q);
 }
 
+static void edit_none(mf_config *c) { (void)c; }
+
+/* GPT-2 byte -> character (UTF-8), written independently of the library */
+static void byte_char(int b, char *out)
+{
+    int n = 0, cp = -1;
+    for (int x = 0; x < 256; x++) {
+        int keep = (x >= 33 && x <= 126) || (x >= 161 && x <= 172) || (x >= 174);
+        int cc = keep ? x : 256 + n++;
+        if (x == b) cp = cc;
+    }
+    if (cp < 0x80) {
+        out[0] = (char)cp;
+        out[1] = 0;
+    } else {
+        out[0] = (char)(0xC0 | (cp >> 6));
+        out[1] = (char)(0x80 | (cp & 0x3F));
+        out[2] = 0;
+    }
+}
+
+/* The text path: a byte-level tokenizer.json (256 byte tokens, no merges) beside tiny; `moeflow
+ * decode --prompt` must print what the library gives with BOS + the prompt's bytes and the
+ * tokenizer's Engram map. */
+static void test_text_cli(mf_ref_opts base)
+{
+    const char *bin = getenv("MOEFLOW_BIN");
+    char d[1200], path[1300];
+    if (!bin || variant("tok", edit_none, d, sizeof d)) {
+        printf("MOEFLOW_BIN not set: text CLI check skipped\n");
+        return;
+    }
+    snprintf(path, sizeof path, "%s/tokenizer.json", d);
+    FILE *f = fopen(path, "w");
+    if (!f) return;
+    fprintf(f, "{\"version\":\"1.0\",\"truncation\":null,\"padding\":null,\"added_tokens\":[],"
+               "\"normalizer\":null,\"pre_tokenizer\":{\"type\":\"ByteLevel\",\"add_prefix_space\":false,"
+               "\"trim_offsets\":false,\"use_regex\":false},\"post_processor\":null,"
+               "\"decoder\":{\"type\":\"ByteLevel\"},\"model\":{\"type\":\"BPE\",\"dropout\":null,"
+               "\"unk_token\":null,\"continuing_subword_prefix\":null,\"end_of_word_suffix\":null,"
+               "\"fuse_unk\":false,\"byte_fallback\":false,\"vocab\":{");
+    for (int b = 0; b < 256; b++) {
+        char cs[4];
+        byte_char(b, cs);
+        if (cs[0] == '"' || cs[0] == '\\') fprintf(f, "%s\"\\%s\":%d", b ? "," : "", cs, b);
+        else fprintf(f, "%s\"%s\":%d", b ? "," : "", cs, b);
+    }
+    fprintf(f, "},\"merges\":[]}}\n");
+    fclose(f);
+    mf_tok *tok = NULL;
+    mf_engram_map *em = NULL;
+    mf_model *m = NULL;
+    CHECK(mf_tok_load(path, &tok) == 0, "tokenizer: %s", mf_last_error());
+    CHECK(tok && mf_engram_map_build(tok, &em) == 0, "engram map: %s", mf_last_error());
+    CHECK(mf_model_load(d, &(mf_model_opts){.quiet = 1}, &m) == 0, "load: %s", mf_last_error());
+    if (!tok || !em || !m) goto out;
+    base.token_map = mf_engram_map_ids(em);
+    base.n_token_map = mf_engram_map_n_vocab(em);
+    mf_ref *r;
+    mf_ref_state *s;
+    CHECK(mf_ref_new(m, &base, &r) == 0 && mf_ref_state_new(r, 64, &s) == 0, "ref: %s", mf_last_error());
+    const char *prompt = "Hi there";
+    int32_t ids[16] = {0};
+    int n = 1;
+    for (const char *p = prompt; *p; p++) ids[n++] = (unsigned char)*p;
+    int64_t V = mf_model_config(m)->vocab_size;
+    float *lg = malloc(sizeof(float) * V);
+    char want[512] = "", got[512] = "";
+    size_t wn = 0;
+    mf_ref_prefill(r, s, ids, n, lg);
+    for (int i = 0; i < 5; i++) {
+        int32_t t = mf_sample_greedy(lg, V);
+        if (t == 1) break;   /* eos */
+        int k = mf_tok_token_bytes(tok, t, want + wn, sizeof want - wn - 1);
+        if (k < 0) k = snprintf(want + wn, sizeof want - wn, "<%d>", t);
+        wn += (size_t)k;
+        mf_ref_decode(r, &s, &t, 1, lg);
+    }
+    want[wn++] = '\n';
+    char cmd[2600];
+    snprintf(cmd, sizeof cmd, "%s decode --checkpoint %s --prompt '%s' --max-new-tokens 5 --quiet", bin, d, prompt);
+    FILE *pf = popen(cmd, "r");
+    size_t gn = pf ? fread(got, 1, sizeof got - 1, pf) : 0;
+    CHECK(pf && pclose(pf) == 0, "decode --prompt exit status");
+    CHECK(gn == wn && !memcmp(got, want, wn), "decode --prompt printed %zu bytes, library gives %zu", gn, wn);
+    free(lg);
+    mf_ref_state_free(s);
+    mf_ref_free(r);
+out:
+    mf_model_free(m);
+    mf_engram_map_free(em);
+    mf_tok_free(tok);
+}
+
 static void edit_qlora(mf_config *c) { c->q_lora_rank = 96; }
 static void edit_kvsrc(mf_config *c)
 {
@@ -561,6 +657,7 @@ int main(void)
     }
 
     test_errors();
+    test_text_cli((mf_ref_opts){0});
     mf_ref_state_free(s1);
     mf_ref_state_free(s2);
     mf_ref_state_free(s3);
