@@ -56,6 +56,7 @@ int mf_graph_create(const mf_lane_desc *lanes, int n_lanes, mf_graph **out)
 void mf_graph_destroy(mf_graph *g)
 {
     if (!g) return;
+    if (g->rt_free) g->rt_free(g->rt);
     for (int i = 0; i < g->n_lanes; i++) free((char *)g->lanes[i].name);
     for (int i = 0; i < g->n_tasks; i++) free((char *)g->tasks[i].name);
     free(g->lanes);
