@@ -68,11 +68,13 @@ void *mf_dev_submit_main(void *arg)
             if (rc < 0) {
                 mf_task_fail(s, t, rc, mf_last_error());
             } else {
+                mf_error_clear();
                 rc = s->dev->notify(s->dev->ctx, L->queue, mf_dev_done, &s->rt->tok[t]);
                 if (rc == 0) continue;   /* completes in mf_dev_done */
+                if (rc > 0) rc = -EIO;
                 char msg[512];
                 snprintf(msg, sizeof msg, "device notify on lane '%s' failed: %s", L->desc.name,
-                         mf_last_error());
+                         *mf_last_error() ? mf_last_error() : strerror(-rc));
                 mf_task_fail(s, t, rc, msg);
             }
         }
