@@ -188,7 +188,7 @@ int mf_graph_finalize(mf_graph *g)
             return mf_error(-EINVAL, "graph: dependency %d -> %d names an unknown task", e->before,
                             e->after);
     }
-    qsort(g->edges, (size_t)g->n_edges, sizeof *g->edges, mf_edge_cmp);
+    if (g->n_edges) qsort(g->edges, (size_t)g->n_edges, sizeof *g->edges, mf_edge_cmp);
     int m = 0;
     for (int i = 0; i < g->n_edges; i++)
         if (!m || mf_edge_cmp(&g->edges[m - 1], &g->edges[i])) g->edges[m++] = g->edges[i];

@@ -150,8 +150,10 @@ void mf_q_push(mf_sched *s, mf_task_id t)
 
 void mf_done_add(mf_sched *s, uint32_t n)
 {
+    /* Once the count may reach the total the run may end and s go away: read nothing after. */
+    uint32_t total = atomic_load_explicit(&s->run_n, memory_order_relaxed);
     uint32_t v = atomic_fetch_add_explicit(&s->n_done, n, memory_order_acq_rel) + n;
-    if (v == atomic_load_explicit(&s->run_n, memory_order_relaxed)) {
+    if (v == total) {
         pthread_mutex_lock(&s->run_mu);
         s->finished = 1;
         pthread_cond_signal(&s->run_cond);
