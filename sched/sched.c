@@ -146,6 +146,40 @@ void mf_q_push(mf_sched *s, mf_task_id t)
     mf_lane_kick_io(L, kick);
 }
 
+/* Queues t (ready, on L, no hint) and takes the lane's best shared task in one go: t itself when
+ * nothing queued outranks it any more. */
+static mf_task_id mf_q_swap(mf_sched *s, mf_lane_rt *L, mf_task_id t)
+{
+    uint64_t k = s->rt->key[t], best;
+    pthread_mutex_lock(&L->mu);
+    mf_lane_q *q = L->q;
+    uint64_t root = q->i_roots < q->n_roots ? q->roots[q->i_roots] : 0;
+    uint64_t heap = q->n_heap ? q->heap[0] : 0;
+    if (root > k && root >= heap) {
+        q->i_roots++;
+        mf_heap_push(q->heap, &q->n_heap, k);
+        best = root;
+    } else if (heap > k) {
+        best = heap;
+        q->heap[0] = k;   /* replace the top and sift it down */
+        int n = q->n_heap, i = 0;
+        for (;;) {
+            int c = 2 * i + 1;
+            if (c >= n) break;
+            if (c + 1 < n && q->heap[c + 1] > q->heap[c]) c++;
+            if (q->heap[c] <= k) break;
+            q->heap[i] = q->heap[c];
+            i = c;
+        }
+        q->heap[i] = k;
+    } else {
+        best = k;
+    }
+    if (best != k) mf_q_publish(L);
+    pthread_mutex_unlock(&L->mu);
+    return mf_key_task(best);
+}
+
 /* ---- completion ------------------------------------------------------------------------------- */
 
 void mf_done_add(mf_sched *s, uint32_t n)
@@ -212,11 +246,12 @@ mf_task_id mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w)
     }
     if (cont >= 0) {
         uint64_t top = atomic_load_explicit(&w->lane->top_key, memory_order_relaxed);
-        if (w->i_batch < w->n_batch && rt->key[w->batch[w->i_batch]] > top)
-            top = rt->key[w->batch[w->i_batch]];
-        if (ckey < top) {
-            mf_q_push(s, cont);
+        uint64_t next = w->i_batch < w->n_batch ? rt->key[w->batch[w->i_batch]] : 0;
+        if (ckey < next && next >= top) {
+            mf_q_push(s, cont);   /* the worker's batch goes first */
             cont = -1;
+        } else if (ckey < top) {
+            cont = mf_q_swap(s, w->lane, cont);
         }
     }
     if (w) {
