@@ -81,9 +81,11 @@ int mf_q_take(mf_lane_rt *L, mf_grt *rt, int w)
     if (w >= 0 && q->wheap && q->n_wheap[w]) best = q->wheap[w][0], src = 0;
     if (q->n_heap && q->heap[0] > best) best = q->heap[0], src = 1;
     if (q->i_roots < q->n_roots && q->roots[q->i_roots] > best) best = q->roots[q->i_roots], src = 2;
+    /* Another worker's hinted task only while that worker is busy (it would be next otherwise). */
     if (src < 0 && q->wheap)
         for (int v = 0; v < L->n_workers; v++)
-            if (q->n_wheap[v] && q->wheap[v][0] > best) best = q->wheap[v][0], victim = v, src = 3;
+            if (q->n_wheap[v] && L->workers[v].busy && q->wheap[v][0] > best)
+                best = q->wheap[v][0], victim = v, src = 3;
     switch (src) {
     case 0: mf_heap_pop(q->wheap[w], &q->n_wheap[w]); break;
     case 1: mf_heap_pop(q->heap, &q->n_heap); break;
@@ -98,12 +100,16 @@ int mf_q_take(mf_lane_rt *L, mf_grt *rt, int w)
     return mf_key_task(best);
 }
 
-/* Wakes a sleeping thread of the lane, the hinted worker first. Lane mutex held. */
+/* Wakes a sleeping thread of the lane for a new task: for a hinted task its worker, or another
+ * (to steal it) only while that worker is busy. Lane mutex held. */
 void mf_lane_wake(mf_sched *s, mf_lane_rt *L, int hint)
 {
     if (!L->n_sleeping) return;
     mf_worker *w = NULL;
-    if (hint >= 0 && L->workers[hint].sleeping) w = &L->workers[hint];
+    if (hint >= 0) {
+        if (L->workers[hint].sleeping) w = &L->workers[hint];
+        else if (!L->workers[hint].busy) return;   /* it is about to look */
+    }
     for (int i = 0; !w && i < L->n_workers; i++)
         if (L->workers[i].sleeping) w = &L->workers[i];
     if (!w) return;
@@ -136,6 +142,7 @@ void mf_q_push(mf_sched *s, mf_task_id t)
     }
     atomic_store_explicit(&L->n_ready, atomic_load_explicit(&L->n_ready, memory_order_relaxed) + 1,
                           memory_order_relaxed);
+    atomic_fetch_add_explicit(&L->push_seq, 1, memory_order_relaxed);
     if (L->engine == MF_ENG_URING) {
         kick = L->wants_wake;
         L->wants_wake = 0;
@@ -148,7 +155,7 @@ void mf_q_push(mf_sched *s, mf_task_id t)
 
 /* Queues t (ready, on L, no hint) and takes the lane's best shared task in one go: t itself when
  * nothing queued outranks it any more. */
-static mf_task_id mf_q_swap(mf_sched *s, mf_lane_rt *L, mf_task_id t)
+mf_task_id mf_q_swap(mf_sched *s, mf_lane_rt *L, mf_task_id t)
 {
     uint64_t k = s->rt->key[t], best;
     pthread_mutex_lock(&L->mu);
@@ -175,7 +182,10 @@ static mf_task_id mf_q_swap(mf_sched *s, mf_lane_rt *L, mf_task_id t)
     } else {
         best = k;
     }
-    if (best != k) mf_q_publish(L);
+    if (best != k) {
+        mf_q_publish(L);
+        atomic_fetch_add_explicit(&L->push_seq, 1, memory_order_relaxed);
+    }
     pthread_mutex_unlock(&L->mu);
     return mf_key_task(best);
 }
@@ -598,6 +608,7 @@ int mf_sched_run(mf_sched *s, mf_graph *g, const mf_run_opts *ro)
         atomic_store_explicit(&L->n_ready,
                               atomic_load_explicit(&L->n_ready, memory_order_relaxed) + q->n_roots,
                               memory_order_relaxed);
+        atomic_fetch_add_explicit(&L->push_seq, 1, memory_order_relaxed);
         mf_q_publish(L);
         int kick = 0;
         if (L->engine == MF_ENG_URING) {
