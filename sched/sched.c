@@ -13,7 +13,7 @@
 
 static _Atomic uint64_t mf_sched_gen;
 
-/* ---- keys and heaps --------------------------------------------------------------------------- */
+/* ---- keys and heaps -------------------------------------------------------------------------- */
 
 /* A ready-queue key: the rank's float bits above the inverted task id, so keys order by rank and
  * then by lower id; never 0 (0 marks an empty queue). */
@@ -55,7 +55,7 @@ static uint64_t mf_heap_pop(uint64_t *h, int *n)
     return top;
 }
 
-/* ---- ready queues ----------------------------------------------------------------------------- */
+/* ---- ready queues ---------------------------------------------------------------------------- */
 
 static void mf_q_publish(mf_lane_rt *L)
 {
@@ -190,7 +190,7 @@ mf_task_id mf_q_swap(mf_sched *s, mf_lane_rt *L, mf_task_id t)
     return mf_key_task(best);
 }
 
-/* ---- completion ------------------------------------------------------------------------------- */
+/* ---- completion ------------------------------------------------------------------------------ */
 
 void mf_done_add(mf_sched *s, uint32_t n)
 {
@@ -272,7 +272,7 @@ mf_task_id mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w)
     return cont;
 }
 
-/* ---- per-graph run state ---------------------------------------------------------------------- */
+/* ---- per-graph run state --------------------------------------------------------------------- */
 
 static void mf_grt_free(void *p)
 {
@@ -296,6 +296,7 @@ static void mf_grt_free(void *p)
     free(rt->lane);
     free(rt->hint);
     free(rt->tok);
+    free(rt->hinted_roots);
     free(rt);
 }
 
@@ -368,6 +369,12 @@ static int mf_grt_make(mf_sched *s, mf_graph *g, mf_grt **out)
         }
     for (int l = 0; l < nl; l++)
         qsort(rt->q[l].roots, (size_t)rt->q[l].n_roots, sizeof(uint64_t), mf_key_desc);
+    for (int t = 0; t < n; t++) rt->n_hinted_roots += !rt->pend_init[t] && rt->hint[t] >= 0;
+    rt->hinted_roots = malloc((size_t)(rt->n_hinted_roots ? rt->n_hinted_roots : 1) *
+                              sizeof(mf_task_id));
+    if (!rt->hinted_roots) goto oom;
+    for (int t = 0, k = 0; t < n; t++)
+        if (!rt->pend_init[t] && rt->hint[t] >= 0) rt->hinted_roots[k++] = t;
     free(n_lane);
     *out = rt;
     return 0;
@@ -377,7 +384,7 @@ oom:
     return mf_error(-ENOMEM, "sched: out of memory for the run state of %d tasks", n);
 }
 
-/* ---- scheduler lifetime ----------------------------------------------------------------------- */
+/* ---- scheduler lifetime ---------------------------------------------------------------------- */
 
 static int mf_sched_start_lane(mf_sched *s, mf_lane_rt *L, const mf_sched_opts *o)
 {
@@ -395,8 +402,9 @@ static int mf_sched_start_lane(mf_sched *s, mf_lane_rt *L, const mf_sched_opts *
         if (!s->io_pread) {
             int rc = mf_io_uring_start(s, L);
             if (rc == 0) L->engine = MF_ENG_URING;
-            else if (rc != -ENOSYS && rc != -EPERM && rc != -EACCES && rc != -EINVAL && rc != -ENOMEM)
-                return rc;
+            else if (rc != -ENOSYS && rc != -EPERM && rc != -EACCES && rc != -EINVAL &&
+                     rc != -ENOMEM)
+                return rc;   /* refusals fall back to pread; anything else is an error */
         }
         if (L->engine == MF_ENG_PREAD) L->n_workers = d->concurrency ? d->concurrency : 16;
         break;
@@ -529,7 +537,7 @@ void mf_sched_destroy(mf_sched *s)
 
 const char *mf_sched_io_engine(const mf_sched *s) { return s->io_engine; }
 
-/* ---- runs ------------------------------------------------------------------------------------- */
+/* ---- runs ------------------------------------------------------------------------------------ */
 
 static int mf_sched_check_graph(const mf_sched *s, const mf_graph *g)
 {
@@ -622,8 +630,7 @@ int mf_sched_run(mf_sched *s, mf_graph *g, const mf_run_opts *ro)
         mf_lane_kick_io(L, kick);
     }
     /* Hinted roots go to their worker's heap. */
-    for (int t = 0; t < n; t++)
-        if (!rt->pend_init[t] && rt->hint[t] >= 0) mf_q_push(s, t);
+    for (int i = 0; i < rt->n_hinted_roots; i++) mf_q_push(s, rt->hinted_roots[i]);
 
     int64_t timeout = ro ? ro->timeout_ns : 0;
     struct timespec dl;

@@ -62,6 +62,8 @@ typedef struct mf_grt {
     int16_t *hint;                /* resolved worker index or -1 */
     mf_lane_q *q;                 /* [n_lanes] */
     struct mf_dev_tok { mf_sched *s; mf_task_id t; } *tok;   /* device completion arguments */
+    mf_task_id *hinted_roots;     /* roots with a place hint, pushed to their worker at start */
+    int n_hinted_roots;
 } mf_grt;
 
 enum mf_engine { MF_ENG_CPU, MF_ENG_PREAD, MF_ENG_URING, MF_ENG_DEV };
