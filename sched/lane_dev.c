@@ -1,7 +1,7 @@
 /* Device lanes: one submitting thread per lane runs each task's fn (which enqueues async work on
  * the lane's queue) and asks the backend to call back once that work is done; the task completes
- * in the callback, on the backend's thread. At most `concurrency` tasks of a lane are in flight;
- * no CPU thread waits on a device. */
+ * in the callback, on the backend's thread. At most `concurrency` tasks of a lane are in flight
+ * (0: no limit); no CPU thread waits on a device. */
 #include <stdio.h>
 #include <string.h>
 

@@ -465,7 +465,8 @@ int mf_sched_create(const mf_sched_opts *o, mf_sched **out)
     pthread_condattr_destroy(&ca);
     int rc;
     if (hwloc_topology_init(&s->topo) < 0 || hwloc_topology_load(s->topo) < 0) {
-        rc = mf_error(-errno ? -errno : -EIO, "sched: hwloc cannot load the machine topology");
+        rc = mf_error(-errno ? -errno : -EIO, "sched: hwloc cannot load the machine topology "
+                      "(%s:%d)", __FILE__, __LINE__);
         hwloc_topology_destroy(s->topo);
         s->topo = NULL;
         goto fail;
