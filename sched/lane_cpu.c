@@ -34,7 +34,7 @@ static mf_task_id mf_cpu_next(mf_sched *s, mf_lane_rt *L, mf_worker *w)
             int want = ready / (2 * L->n_workers);
             want = want < 1 ? 1 : want > MF_BATCH_MAX ? MF_BATCH_MAX : want;
             while (w->n_batch < want) {
-                mf_task_id t = mf_q_take(L, NULL, w->index);
+                mf_task_id t = mf_q_take(L, w->index);
                 if (t < 0) break;
                 w->batch[w->n_batch++] = t;
             }

@@ -71,7 +71,7 @@ static void mf_q_publish(mf_lane_rt *L)
 /* Takes the best ready task for worker w (-1: none of the lane's own): its hinted tasks, the shared
  * heap and the sorted roots compete on key; with nothing there, steals another worker's best hinted
  * task. Lane mutex held. */
-int mf_q_take(mf_lane_rt *L, mf_grt *rt, int w)
+int mf_q_take(mf_lane_rt *L, int w)
 {
     mf_lane_q *q = L->q;
     if (!q || !atomic_load_explicit(&L->n_ready, memory_order_relaxed)) return -1;
@@ -96,7 +96,6 @@ int mf_q_take(mf_lane_rt *L, mf_grt *rt, int w)
     atomic_store_explicit(&L->n_ready, atomic_load_explicit(&L->n_ready, memory_order_relaxed) - 1,
                           memory_order_relaxed);
     if (src != 0 && src != 3) mf_q_publish(L);
-    (void)rt;
     return mf_key_task(best);
 }
 

@@ -124,7 +124,7 @@ struct mf_sched {
 };
 
 /* sched.c: ready queues and completion. */
-int mf_q_take(mf_lane_rt *L, mf_grt *rt, int w);            /* lane->mu held; -1 if empty */
+int mf_q_take(mf_lane_rt *L, int w);            /* lane->mu held; -1 if empty */
 void mf_q_push(mf_sched *s, mf_task_id t);
 mf_task_id mf_q_swap(mf_sched *s, mf_lane_rt *L, mf_task_id t);
 mf_task_id mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w);
