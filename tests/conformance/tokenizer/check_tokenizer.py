@@ -4,7 +4,8 @@
 Trains three small byte-level BPE tokenizers on a generated multilingual text set (CJK, accents,
 emoji, whitespace runs, tabs/newlines, digits of many lengths, code, special tokens):
   deepseek  DeepSeek-V3/V4 pre-tokenizer: Split \\p{N}{1,3}, Split CJK, Split main pattern (all
-            Isolated), ByteLevel(add_prefix_space=False, use_regex=False); special tokens
+            Isolated), ByteLevel(add_prefix_space=False, use_regex=False); an empty normalizer
+            Sequence and a BOS post-processor as DeepSeek's file has; special tokens
             <｜begin▁of▁sentence｜> etc.; merges also rewritten in the old "a b" string form
   gpt2      NFC normalizer, ByteLevel(add_prefix_space=True, use_regex=True), single_word and
             normalized added tokens
@@ -24,7 +25,7 @@ import tempfile
 import unicodedata
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-from tokenizers import pre_tokenizers, trainers
+from tokenizers import pre_tokenizers, processors, trainers
 
 BUILD = os.environ.get("MOEFLOW_BUILD", "build")
 TOOL = os.path.join(BUILD, "tok_tool")
@@ -140,6 +141,7 @@ def texts(seed, n, specials):
 def train(name, lines, specials):
     if name == "deepseek":
         tok = Tokenizer(models.BPE())
+        tok.normalizer = normalizers.Sequence([])   # as DeepSeek's file has it
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(DS_DIGITS), behavior="isolated", invert=False),
             pre_tokenizers.Split(Regex(DS_CJK), behavior="isolated", invert=False),
@@ -169,6 +171,9 @@ def train(name, lines, specials):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(lines, trainer)
+    if name == "deepseek":   # the BOS template DeepSeek's file has; unused without special tokens
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{specials[0]} $A", special_tokens=[(specials[0], tok.token_to_id(specials[0]))])
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials[4:]])
     tok.add_tokens([AddedToken("<think>", lstrip=True, rstrip=True, normalized=False),
                     AddedToken("</think>", lstrip=False, rstrip=True, normalized=False),
@@ -299,7 +304,7 @@ def check_one(name, rep, tmp, train_lines, held_out, specials):
         rep.compare(f"{name} decode (skip_special_tokens={skip})", got, wantd, id_lists)
     roundtrip = sum(tok.decode(w, skip_special_tokens=False) == s for w, s in zip(want, held_out))
     rep.lines.append(f"{name}: decode(encode(text)) == text for {roundtrip}/{len(held_out)} "
-                     f"(informational: NFC/NFKC change text)")
+                     f"(informational: normalizers, prefix spaces, lstrip/rstrip change text)")
 
     ref_ids, ref_keys = engram_reference(tok)
     got = json.loads(tool("engram", path)[0])
