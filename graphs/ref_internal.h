@@ -72,6 +72,9 @@ struct mf_ref {
     struct mf_ref_pick *s_picks; /* top-k sorting, s_scores_len long */
     int64_t s_scores_len;
     uint8_t *lazy_data, *lazy_scale;   /* one lazy weight */
+    float *ex_out;               /* with an expert store: n_experts_per_tok x hidden outputs */
+    int64_t *eg_rows;            /* Engram rows of one item: per rows, codes and scales */
+    uint8_t *eg_codes, *eg_scales;
     void *mem;
 };
 
