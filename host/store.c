@@ -79,6 +79,7 @@ struct mf_store {
     uint8_t *b_miss, *b_nreads;
     mf_store_fn fn;
     void *user;
+    _Atomic int in_fn;
     mf_span2 *sp_io, *sp_cpu;
     uint64_t *shard_seen;
     int traced;
@@ -156,7 +157,9 @@ static int mf_store_cpu_task(void *arg, mf_task_ctx *ctx)
     struct mf_cpu_arg *a = arg;
     mf_store *s = a->s;
     if (!s->fn || a->k >= s->b_n) return 0;
+    s->in_fn = 1;
     int rc = s->fn(s->user, a->k);
+    s->in_fn = 0;
     if (rc < 0 && !mf_last_error()[0])
         return mf_error(rc, "expert store: compute of layer %d expert %d failed", s->b_layer,
                         s->b_ids[a->k]);
@@ -749,7 +752,9 @@ const uint8_t *mf_store_part(const mf_store *s, int layer, int id, int part)
         part >= s->n_parts)
         return NULL;
     int item = layer * s->n_experts + id, sl = s->slot_of[item];
-    if (sl < 0 || s->slot_state[sl] != SLOT_PRESENT) return NULL;
+    /* inside fn, the experts of the batch are read (fn of k runs after k's reads) */
+    if (sl < 0 || (s->slot_state[sl] != SLOT_PRESENT && !(s->in_fn && s->slot_state[sl] == SLOT_LOADING)))
+        return NULL;
     return s->slab + (uint64_t)sl * s->slot_bytes + s->part_off[(size_t)item * s->n_parts + part];
 }
 

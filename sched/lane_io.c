@@ -290,7 +290,10 @@ void *mf_io_uring_main(void *arg)
             inflight++;
         }
         mf_done_flush(s, w);
-        int rc = io_uring_submit_and_wait(&L->ring, 1);
+        /* Tasks still queued with slots free (some taken were empty or refused): submit and come
+         * back for them rather than wait for a completion that may never come. */
+        int more = inflight < depth && atomic_load_explicit(&L->n_ready, memory_order_relaxed) > 0;
+        int rc = more ? io_uring_submit(&L->ring) : io_uring_submit_and_wait(&L->ring, 1);
         if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
             /* The ring itself broke: fail what is in flight rather than hang the run. */
             for (int k = 0; k < depth; k++) {
