@@ -833,6 +833,13 @@ int mf_config_preset(const char *name, mf_config *c)
         c->engram_head_dim = 64;
         c->engram_vocab_size = 160000;
         c->engram_compressed_vocab_size = 99092;
+    } else if (!strcmp(name, "big")) {
+        /* demo's attention with experts that outgrow a 24 GiB machine: 8 x 1024 experts of
+         * ~3.2 MiB (26 GiB) and Engram rows of the released width (256 codes + 8 scales) */
+        mf_config_preset("demo", c);
+        c->n_routed_experts = 1024;
+        c->moe_intermediate_size = 2048;
+        c->engram_head_dim = 256;
     } else if (!strcmp(name, "flash41")) {
         c->vocab_size = 129280;
         c->hidden_size = 5120;
@@ -877,7 +884,7 @@ int mf_config_preset(const char *name, mf_config *c)
     return mf_config_validate(name, c);
 }
 
-const char *mf_config_preset_names(void) { return "tiny demo flash41"; }
+const char *mf_config_preset_names(void) { return "tiny demo big flash41"; }
 
 const char *mf_scoring_name(mf_scoring s)
 {
