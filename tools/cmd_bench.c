@@ -131,6 +131,7 @@ static const struct {
     const char *what;
 } mf_bench_subs[] = {
     {"sched", mf_bench_sched, "scheduler overhead per task (chain, independent, layered)"},
+    {"io", mf_bench_io, "store reads vs dd iflag=direct; 264-byte gathers vs a pread loop"},
     {NULL, NULL, NULL},
 };
 

@@ -7,5 +7,7 @@ int mf_cmd_decode(int argc, char **argv);  /* tools/cmd_decode.c: reference forw
 int mf_cmd_info(int argc, char **argv);   /* tools/cmd_info.c: byte census of a checkpoint */
 /* `moeflow bench <what>`: micro-benchmarks (tools/cmd_bench.c). */
 int mf_cmd_bench(int argc, char **argv);
+/* `moeflow bench io`: store reads vs dd, gathers vs a pread loop (tools/cmd_bench_io.c). */
+int mf_bench_io(int argc, char **argv);
 
 #endif
