@@ -68,8 +68,8 @@ struct mf_store {
     int n_free;
     uint64_t tick, accesses, aging_period;
     /* the batch graph */
-    mf_graph *g;
-    mf_timeline *tl;
+    mf_graph *gs[2], *g;          /* windowed (with compute) and bulk; g: the last run's */
+    mf_timeline *tls[2], *tl;
     mf_task_id *g_io, *g_cpu;
     mf_io_read *reads;            /* [max_batch * n_parts] */
     struct mf_cpu_arg *cargs;
@@ -191,34 +191,46 @@ static void *mf_store_map(uint64_t n)
     return p == MAP_FAILED ? NULL : p;
 }
 
+/* Graph w = 0 (calls with a compute function): at most read_window experts' reads in flight, in
+ * selection order, each expert's compute after its reads and the previous compute; w = 1 (bulk
+ * loads): every read at once. Both number their tasks alike. */
 static int mf_store_build_graphs(mf_store *s)
 {
-    int mb = s->o.max_batch, np = s->n_parts;
-    int rc = mf_graph_create(s->lanes, N_LANES, &s->g);
-    if (rc) return rc;
+    int mb = s->o.max_batch, np = s->n_parts, rc = 0, win = s->o.read_window;
     char name[64];
-    for (int k = 0; k < mb; k++) {
-        for (int j = 0; j < np; j++) {
-            snprintf(name, sizeof name, "store.read.%d.%d", k, j);
-            s->reads[k * np + j] = s->zero_read;
-            mf_task_id t = mf_graph_add_task(s->g, &(mf_task_desc){.name = name, .lane = L_IO,
-                                             .arg = &s->reads[k * np + j], .place_hint = -1,
-                                             .cost = {.bytes = (double)s->slot_bytes / np}});
-            if (t < 0) return t;
-            s->g_io[k * np + j] = t;
+    for (int w = 0; w < 2; w++) {
+        mf_graph *g;
+        if ((rc = mf_graph_create(s->lanes, N_LANES, &g))) return rc;
+        s->gs[w] = g;
+        for (int k = 0; k < mb; k++) {
+            for (int j = 0; j < np; j++) {
+                snprintf(name, sizeof name, "store.read.%d.%d", k, j);
+                s->reads[k * np + j] = s->zero_read;
+                mf_task_id t = mf_graph_add_task(g, &(mf_task_desc){.name = name, .lane = L_IO,
+                                                 .arg = &s->reads[k * np + j], .place_hint = -1,
+                                                 .cost = {.bytes = (double)s->slot_bytes / np}});
+                if (t < 0) return t;
+                s->g_io[k * np + j] = t;
+                if (w == 0 && k >= win) {
+                    for (int i = 0; i < np; i++)
+                        if ((rc = mf_graph_add_dep(g, s->g_io[(k - win) * np + i], t))) return rc;
+                }
+            }
+            s->cargs[k] = (struct mf_cpu_arg){s, k};
+            snprintf(name, sizeof name, "store.compute.%d", k);
+            mf_task_id c = mf_graph_add_task(g, &(mf_task_desc){.name = name, .lane = L_CPU,
+                                             .fn = mf_store_cpu_task, .arg = &s->cargs[k],
+                                             .place_hint = -1, .cost = {.time_ns = 1e6}});
+            if (c < 0) return c;
+            s->g_cpu[k] = c;
+            for (int j = 0; j < np; j++)
+                if ((rc = mf_graph_add_dep(g, s->g_io[k * np + j], c))) return rc;
+            if (k && (rc = mf_graph_add_dep(g, s->g_cpu[k - 1], c))) return rc;   /* in order */
         }
-        s->cargs[k] = (struct mf_cpu_arg){s, k};
-        snprintf(name, sizeof name, "store.compute.%d", k);
-        mf_task_id c = mf_graph_add_task(s->g, &(mf_task_desc){.name = name, .lane = L_CPU,
-                                         .fn = mf_store_cpu_task, .arg = &s->cargs[k],
-                                         .place_hint = -1, .cost = {.time_ns = 1e6}});
-        if (c < 0) return c;
-        s->g_cpu[k] = c;
-        for (int j = 0; j < np; j++)
-            if ((rc = mf_graph_add_dep(s->g, s->g_io[k * np + j], c))) return rc;
-        if (k && (rc = mf_graph_add_dep(s->g, s->g_cpu[k - 1], c))) return rc;   /* in order */
+        if ((rc = mf_graph_finalize(g)) || (rc = mf_timeline_create(g, &s->tls[w]))) return rc;
     }
-    if ((rc = mf_graph_finalize(s->g)) || (rc = mf_timeline_create(s->g, &s->tl))) return rc;
+    s->g = s->gs[0];
+    s->tl = s->tls[0];
     if ((rc = mf_graph_create(s->lanes, N_LANES, &s->gg))) return rc;
     for (int i = 0; i < s->max_greads; i++) {
         snprintf(name, sizeof name, "store.gather.%d", i);
@@ -251,6 +263,7 @@ int mf_store_create(const mf_st *st, const mf_store_layout *lay, const mf_store_
     if (!s->o.io_depth) s->o.io_depth = 64;
     if (!s->o.max_batch) s->o.max_batch = 16;
     if (!s->o.max_rows) s->o.max_rows = 1024;
+    if (s->o.read_window <= 0) s->o.read_window = 2;
     s->n_layers = lay->n_layers;
     s->n_experts = lay->n_experts;
     s->n_parts = lay->n_parts;
@@ -417,8 +430,10 @@ void mf_store_destroy(mf_store *s)
 {
     if (!s) return;
     mf_sched_destroy(s->sched);   /* before the buffers its ring has registered */
-    mf_timeline_destroy(s->tl);
-    mf_graph_destroy(s->g);
+    for (int w = 0; w < 2; w++) {
+        mf_timeline_destroy(s->tls[w]);
+        mf_graph_destroy(s->gs[w]);
+    }
     mf_graph_destroy(s->gg);
     if (s->slab) munmap(s->slab, (size_t)(s->slab_bytes ? s->slab_bytes : 1));
     if (s->tslab) munmap(s->tslab, (size_t)s->tslab_bytes);
@@ -714,6 +729,8 @@ int mf_store_ensure(mf_store *s, int layer, const int32_t *ids, int n, mf_store_
     if (!n_reads && !fn) return mf_store_end(s, 0);
     s->fn = fn;
     s->user = user;
+    s->g = s->gs[fn ? 0 : 1];
+    s->tl = s->tls[fn ? 0 : 1];
     mf_timeline_reset(s->tl);
     int64_t t0 = mf_now_ns();
     rc = mf_sched_run(s->sched, s->g, &(mf_run_opts){.timeline = s->tl});
@@ -944,17 +961,20 @@ int mf_store_write_trace(const mf_store *s, const char *path)
     FILE *f = fopen(path, "w");
     if (!f) return mf_error(-errno, "%s: cannot create: %s", path, strerror(errno));
     /* Chrome trace events: one track per IO slot and one for the compute worker */
-    mf_task_span *sp = mf_timeline_spans(s->tl);
+    mf_task_span *sp = mf_timeline_spans(s->tls[0]);
     fprintf(f, "{\"traceEvents\":[\n");
     int first = 1;
-    for (int t = 0; t < mf_graph_n_tasks(s->g); t++) {
-        const mf_task_desc *d = mf_graph_task(s->g, t);
-        if (sp[t].status != 0 || sp[t].end_ns <= sp[t].start_ns) continue;
-        fprintf(f, "%s{\"name\":\"%s\",\"ph\":\"X\",\"pid\":0,\"tid\":\"%s.%d\",\"ts\":%.3f,"
-                "\"dur\":%.3f}", first ? "" : ",\n", d->name, s->lanes[d->lane].name, sp[t].worker,
-                sp[t].start_ns / 1e3, (sp[t].end_ns - sp[t].start_ns) / 1e3);
-        first = 0;
-    }
+    for (int k = 0; k < s->b_n; k++)
+        for (int j = -1; j < s->b_nreads[k]; j++) {   /* j = -1: the compute task */
+            mf_task_id t = j < 0 ? s->g_cpu[k] : s->g_io[k * s->n_parts + j];
+            const mf_task_desc *d = mf_graph_task(s->gs[0], t);
+            if (sp[t].status != 0) continue;
+            fprintf(f, "%s{\"name\":\"%s\",\"ph\":\"X\",\"pid\":0,\"tid\":\"%s.%d\",\"ts\":%.3f,"
+                    "\"dur\":%.3f,\"args\":{\"layer\":%d,\"expert\":%d}}", first ? "" : ",\n", d->name,
+                    s->lanes[d->lane].name, sp[t].worker, sp[t].start_ns / 1e3,
+                    (sp[t].end_ns - sp[t].start_ns) / 1e3, s->b_layer, s->b_ids[k]);
+            first = 0;
+        }
     fprintf(f, "\n]}\n");
     if (fclose(f)) return mf_error(-EIO, "%s: write failed", path);
     return 0;

@@ -28,6 +28,9 @@ typedef struct mf_store_opts {
     int io_depth;                /* reads in flight (0: 64) */
     int max_batch;               /* most experts one call names (0: 16) */
     int max_rows;                /* most rows per gather round (0: 1024) */
+    int read_window;             /* calls with a compute function: experts whose reads are in
+                                  * flight at once, in selection order (0: 2), so that the first
+                                  * arrives early and its compute overlaps the others' reads */
     int buffered;                /* 1: no O_DIRECT (page-cache reads) */
     int force_pread;             /* 1: the pread engine (also env MOEFLOW_IO=pread) */
     int numa_node;               /* slab placement (hwloc membind); -1: first touch */

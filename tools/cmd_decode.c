@@ -128,7 +128,7 @@ static void mf_print_step(mf_store *st, const char *what, long k)
     mf_store_stats x;
     mf_store_step(st, &x);
     fprintf(stderr, "moeflow decode: %s %ld: experts %" PRIu64 " hits %" PRIu64 " misses (%.1f MiB "
-            "read, %" PRIu64 " evicted), Engram %" PRIu64 " rows in %" PRIu64 " reads; reading %.1f ms, "
+            "read, %" PRIu64 " evicted), Engram %" PRIu64 " rows in %" PRIu64 " reads; store runs %.1f ms, "
             "io busy %.1f ms, compute %.1f ms, io overlapping compute %.1f ms\n", what, k, x.hits,
             x.misses, x.bytes_read / 1048576.0, x.evictions, x.rows, x.row_reads, x.read_wall_ns / 1e6,
             x.io_busy_ns / 1e6, x.cpu_busy_ns / 1e6, x.overlap_ns / 1e6);
@@ -349,7 +349,7 @@ int mf_cmd_decode(int argc, char **argv)
         mf_store_stats x;
         mf_store_stats_total(mst, &x);
         fprintf(stderr, "moeflow decode: expert store total: %" PRIu64 " hits, %" PRIu64 " misses "
-                "(hit rate %.1f%%), %.2f GiB read in %.2f s of reads; io overlapping compute %.1f%% "
+                "(hit rate %.1f%%), %.2f GiB read in %.2f s of store runs (reads + expert compute); io overlapping compute %.1f%% "
                 "of io busy time\n", x.hits, x.misses, 100.0 * x.hits / (double)(x.hits + x.misses ? x.hits + x.misses : 1),
                 x.bytes_read / 1073741824.0, x.read_wall_ns / 1e9,
                 x.io_busy_ns ? 100.0 * x.overlap_ns / x.io_busy_ns : 0.0);
