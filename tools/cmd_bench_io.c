@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "host/dio.h"
@@ -20,6 +21,42 @@
 #include "sched/graph.h"
 #include "sched/sched.h"
 #include "tools/commands.h"
+
+static double mf_cpu_s(void)
+{
+    struct rusage u;
+    getrusage(RUSAGE_SELF, &u);
+    return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
+}
+
+#define MF_BENCH_MAX_REPS 16
+
+static int mf_cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Median of n values (sorts a copy). */
+static double mf_median(const double *v, int n)
+{
+    double w[MF_BENCH_MAX_REPS + 1];
+    memcpy(w, v, sizeof *v * (size_t)n);
+    qsort(w, (size_t)n, sizeof *w, mf_cmp_double);
+    return n % 2 ? w[n / 2] : (w[n / 2 - 1] + w[n / 2]) / 2;
+}
+
+/* "a, b, c" of n values scaled by mul. */
+static const char *mf_list(char *buf, size_t cap, const double *v, int n, double mul, const char *fmt)
+{
+    size_t k = 0;
+    buf[0] = 0;
+    for (int i = 0; i < n && k + 16 < cap; i++) {
+        if (i) k += (size_t)snprintf(buf + k, cap - k, ", ");
+        k += (size_t)snprintf(buf + k, cap - k, fmt, v[i] * mul);
+    }
+    return buf;
+}
 
 static void mf_bench_io_usage(FILE *f)
 {
@@ -84,7 +121,7 @@ static int mf_bench_dd(const char *path, uint64_t bytes, double *bps)
 int mf_bench_io(int argc, char **argv)
 {
     const char *path = NULL;
-    int json = 0, depth = 64, n_rows = 20000;
+    int json = 0, depth = 64, n_rows = 20000, gather_buffered = 0, reps = 3;
     long req_mib = 4;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -97,6 +134,14 @@ int mf_bench_io(int argc, char **argv)
             path = argv[++i];
         } else if (!strcmp(a, "--json")) {
             json = 1;
+        } else if (!strcmp(a, "--reps") && hv) {
+            reps = (int)strtol(argv[++i], &end, 10);
+            if (*end || reps < 1 || reps > MF_BENCH_MAX_REPS) {
+                fprintf(stderr, "moeflow bench io: --reps: expected 1..%d, found '%s'\n", MF_BENCH_MAX_REPS, argv[i]);
+                return 2;
+            }
+        } else if (!strcmp(a, "--gather-buffered")) {
+            gather_buffered = 1;
         } else if (!strcmp(a, "--depth") && hv) {
             depth = (int)strtol(argv[++i], &end, 10);
             if (*end || depth < 1 || depth > 4096) {
@@ -178,25 +223,35 @@ int mf_bench_io(int argc, char **argv)
     if ((rc = mf_graph_finalize(g))) goto fail;
     bfd = open(path, O_RDONLY | O_CLOEXEC);
     if (bfd < 0) { rc = mf_error(-errno, "%s: %s", path, strerror(errno)); goto fail; }
-    double cached_dd = mf_bench_drop(bfd, size, NULL, 0), dd_bps = 0;
-    if ((rc = mf_bench_dd(path, seq_bytes, &dd_bps))) goto fail;
-    double cached_seq = mf_bench_drop(bfd, size, NULL, 0);
-    int64_t t0 = mf_now_ns();
-    if ((rc = mf_sched_run(s, g, NULL))) goto fail;
-    double seq_bps = (double)seq_bytes / ((mf_now_ns() - t0) * 1e-9);
+    /* dd and the store alternate, reps rounds and a last dd: a host below this machine may cache
+     * what was just read and neighbours share the disk, so each side is the median of its runs */
+    double dd_run[MF_BENCH_MAX_REPS + 1], seq_run[MF_BENCH_MAX_REPS];
+    double cached_dd = mf_bench_drop(bfd, size, NULL, 0), cached_seq = 0;
+    int64_t t0;
+    for (int k = 0; k <= reps; k++) {
+        if ((rc = mf_bench_dd(path, seq_bytes, &dd_run[k]))) goto fail;
+        double c = mf_bench_drop(bfd, size, NULL, 0);
+        if (k == reps) break;
+        if (c > cached_seq) cached_seq = c;
+        t0 = mf_now_ns();
+        if ((rc = mf_sched_run(s, g, NULL))) goto fail;
+        seq_run[k] = (double)seq_bytes / ((mf_now_ns() - t0) * 1e-9);
+        mf_bench_drop(bfd, size, NULL, 0);
+    }
+    double dd_bps = mf_median(dd_run, reps + 1), seq_bps = mf_median(seq_run, reps);
 
     /* ---- scattered rows ---- */
     uint64_t n_slots = size / row, st = 0x9e3779b97f4a7c15ULL;
     offs = malloc((size_t)n_rows * sizeof *offs);
     rr = calloc((size_t)n_rows, sizeof *rr);
     rowbuf = malloc((size_t)n_rows * row);
-    uint8_t *rowbuf2 = NULL;
     if (!offs || !rr || !rowbuf) { rc = mf_error(-ENOMEM, "out of memory for %d rows", n_rows); goto fail; }
     for (int i = 0; i < n_rows; i++) {
         st ^= st << 13, st ^= st >> 7, st ^= st << 17;
         offs[i] = (st % n_slots) * row;
-        rr[i] = (mf_io_read){.fd = f.fd, .offset = offs[i], .buf = rowbuf + (size_t)i * row,
-                             .n_bytes = row, .dio_align = f.dio_align};
+        rr[i] = (mf_io_read){.fd = gather_buffered ? bfd : f.fd, .offset = offs[i],
+                             .buf = rowbuf + (size_t)i * row, .n_bytes = row,
+                             .dio_align = gather_buffered ? 0 : f.dio_align};
     }
     if ((rc = mf_graph_create(&lane, 1, &gg))) goto fail;
     for (int i = 0; i < n_rows; i++) {
@@ -206,53 +261,83 @@ int mf_bench_io(int argc, char **argv)
     }
     if ((rc = mf_graph_finalize(gg))) goto fail;
     posix_fadvise(bfd, 0, 0, POSIX_FADV_RANDOM);   /* the loop's fair chance: no readahead */
-    double cached_pread = mf_bench_drop(bfd, size, offs, n_rows);
+    double cached_pread = 0;
+    uint8_t *rowbuf2 = NULL;
     rowbuf2 = malloc((size_t)n_rows * row);
     if (!rowbuf2) { rc = mf_error(-ENOMEM, "out of memory"); goto fail; }
-    t0 = mf_now_ns();
-    for (int i = 0; i < n_rows; i++) {
-        ssize_t got = pread(bfd, rowbuf2 + (size_t)i * row, (size_t)row, (off_t)offs[i]);
-        if (got != (ssize_t)row) {
-            rc = mf_error(-EIO, "pread of row %d at %" PRIu64 ": %s", i, offs[i], got < 0 ? strerror(errno) : "short");
-            free(rowbuf2);
-            goto fail;
+    /* the pread loop and the gather alternate the same way */
+    double pr_run[MF_BENCH_MAX_REPS + 1], ga_run[MF_BENCH_MAX_REPS];
+    double cached_gather = 0, gather_cpu = 0, pread_cpu = 0;
+    for (int k = 0; k <= 2 * reps; k++) {
+        double c = mf_bench_drop(bfd, size, offs, n_rows);
+        t0 = mf_now_ns();
+        double c0 = mf_cpu_s();
+        if (k % 2) {
+            if (c > cached_gather) cached_gather = c;
+            if ((rc = mf_sched_run(s, gg, NULL))) { free(rowbuf2); goto fail; }
+            ga_run[k / 2] = n_rows / ((mf_now_ns() - t0) * 1e-9);
+            gather_cpu += (mf_cpu_s() - c0) / n_rows / reps;
+            continue;
         }
+        if (c > cached_pread) cached_pread = c;
+        for (int i = 0; i < n_rows; i++) {
+            ssize_t got = pread(bfd, rowbuf2 + (size_t)i * row, (size_t)row, (off_t)offs[i]);
+            if (got != (ssize_t)row) {
+                rc = mf_error(-EIO, "pread of row %d at %" PRIu64 ": %s", i, offs[i], got < 0 ? strerror(errno) : "short");
+                free(rowbuf2);
+                goto fail;
+            }
+        }
+        pr_run[k / 2] = n_rows / ((mf_now_ns() - t0) * 1e-9);
+        pread_cpu += (mf_cpu_s() - c0) / n_rows / (reps + 1);
     }
-    double pread_rps = n_rows / ((mf_now_ns() - t0) * 1e-9);
-    double cached_gather = mf_bench_drop(bfd, size, offs, n_rows);
-    t0 = mf_now_ns();
-    if ((rc = mf_sched_run(s, gg, NULL))) { free(rowbuf2); goto fail; }
-    double gather_rps = n_rows / ((mf_now_ns() - t0) * 1e-9);
+    double pread_rps = mf_median(pr_run, reps + 1), gather_rps = mf_median(ga_run, reps);
     int same = !memcmp(rowbuf, rowbuf2, (size_t)n_rows * row);
     free(rowbuf2);
     if (!same) { rc = mf_error(-EIO, "gathered rows differ from the pread loop's"); goto fail; }
 
     const char *eng = mf_sched_io_engine(s);
+    char l1[400], l2[400], l3[400], l4[400];
+    const double G = 1.0 / 1073741824.0;
     if (json) {
         printf("{\"file\":\"%s\",\"file_bytes\":%" PRIu64 ",\"engine\":\"%s\",\"direct\":%d,"
                "\"dio_align\":%u,\"depth\":%d,\"request_bytes\":%" PRIu64 ",\"seq_bytes\":%" PRIu64 ","
-               "\"seq_gib_s\":%.3f,\"dd_gib_s\":%.3f,\"seq_fraction_of_dd\":%.3f,\"rows\":%d,"
-               "\"row_bytes\":%" PRIu64 ",\"gather_rows_per_s\":%.0f,\"pread_rows_per_s\":%.0f,"
-               "\"gather_speedup\":%.2f,\"cached_before_dd\":%.4f,\"cached_before_seq\":%.4f,"
-               "\"cached_before_pread\":%.4f,\"cached_before_gather\":%.4f}\n",
-               path, size, eng, f.dio_align > 0, f.dio_align, depth, req, seq_bytes, seq_bps / 1073741824.0,
-               dd_bps / 1073741824.0, seq_bps / dd_bps, n_rows, row, gather_rps, pread_rps,
-               gather_rps / pread_rps, cached_dd, cached_seq, cached_pread, cached_gather);
+               "\"reps\":%d,\"seq_gib_s\":%.3f,\"dd_gib_s\":%.3f,\"seq_fraction_of_dd\":%.3f,"
+               "\"seq_runs_gib_s\":[%s],\"dd_runs_gib_s\":[%s],\"rows\":%d,\"row_bytes\":%" PRIu64 ","
+               "\"gather_rows_per_s\":%.0f,\"pread_rows_per_s\":%.0f,\"gather_speedup\":%.2f,"
+               "\"gather_runs_rows_per_s\":[%s],\"pread_runs_rows_per_s\":[%s],\"gather_direct\":%d,"
+               "\"cached_before_dd\":%.4f,\"cached_before_seq\":%.4f,\"cached_before_pread\":%.4f,"
+               "\"cached_before_gather\":%.4f,\"gather_cpu_us_per_row\":%.2f,"
+               "\"pread_cpu_us_per_row\":%.2f}\n",
+               path, size, eng, f.dio_align > 0, f.dio_align, depth, req, seq_bytes, reps,
+               seq_bps * G, dd_bps * G, seq_bps / dd_bps, mf_list(l1, sizeof l1, seq_run, reps, G, "%.3f"),
+               mf_list(l2, sizeof l2, dd_run, reps + 1, G, "%.3f"), n_rows, row, gather_rps, pread_rps,
+               gather_rps / pread_rps, mf_list(l3, sizeof l3, ga_run, reps, 1, "%.0f"),
+               mf_list(l4, sizeof l4, pr_run, reps + 1, 1, "%.0f"), !gather_buffered && f.dio_align > 0,
+               cached_dd, cached_seq, cached_pread, cached_gather, gather_cpu * 1e6, pread_cpu * 1e6);
     } else {
-        printf("file %s: %.2f GiB; IO lane engine %s, %s (align %u), depth %d\n", path,
-               size / 1073741824.0, eng, f.dio_align ? "O_DIRECT" : "buffered", f.dio_align, depth);
-        printf("sequential, %.2f GiB:\n", seq_bytes / 1073741824.0);
-        printf("  dd bs=4M iflag=direct     %8.3f GiB/s  (page cache held %.2f%% of the file before)\n",
-               dd_bps / 1073741824.0, 100 * cached_dd);
-        printf("  store reads (%ld MiB x %d) %8.3f GiB/s  (page cache held %.2f%% before)\n", req_mib,
-               depth, seq_bps / 1073741824.0, 100 * cached_seq);
-        printf("  fraction of dd            %8.3f\n", seq_bps / dd_bps);
-        printf("scattered %d rows of %" PRIu64 " bytes:\n", n_rows, row);
-        printf("  pread loop (buffered)     %8.0f rows/s  (page cache held %.2f%% of the rows' pages before)\n",
-               pread_rps, 100 * cached_pread);
-        printf("  IO lane gather, depth %-3d %8.0f rows/s  (page cache held %.2f%% before)\n", depth,
-               gather_rps, 100 * cached_gather);
-        printf("  speedup                   %8.2f x\n", gather_rps / pread_rps);
+        printf("file %s: %.2f GiB; IO lane engine %s, %s (align %u), depth %d; medians of "
+               "alternating runs\n", path, size * G, eng, f.dio_align ? "O_DIRECT" : "buffered",
+               f.dio_align, depth);
+        printf("sequential, %.2f GiB per run:\n", seq_bytes * G);
+        printf("  dd bs=4M iflag=direct      %8.3f GiB/s  (runs: %s)\n", dd_bps * G,
+               mf_list(l1, sizeof l1, dd_run, reps + 1, G, "%.3f"));
+        printf("  store reads (%3ld MiB x %3d) %8.3f GiB/s  (runs: %s)\n", req_mib, depth, seq_bps * G,
+               mf_list(l2, sizeof l2, seq_run, reps, G, "%.3f"));
+        printf("  fraction of dd             %8.3f\n", seq_bps / dd_bps);
+        printf("  page cache before the runs: at most %.2f%% (dd), %.2f%% (store) of the file\n",
+               100 * cached_dd, 100 * cached_seq);
+        printf("scattered %d rows of %" PRIu64 " bytes at random over the file:\n", n_rows, row);
+        printf("  pread loop (buffered)      %8.0f rows/s  (runs: %s)\n", pread_rps,
+               mf_list(l3, sizeof l3, pr_run, reps + 1, 1, "%.0f"));
+        printf("  IO lane gather, depth %-4d %8.0f rows/s  (%s; runs: %s)\n", depth, gather_rps,
+               !gather_buffered && f.dio_align ? "O_DIRECT" : "buffered",
+               mf_list(l4, sizeof l4, ga_run, reps, 1, "%.0f"));
+        printf("  speedup                    %8.2f x\n", gather_rps / pread_rps);
+        printf("  page cache before the runs: at most %.2f%% (pread), %.2f%% (gather) of the rows' pages\n",
+               100 * cached_pread, 100 * cached_gather);
+        printf("  CPU time per row (this process, user+sys): gather %.1f us, pread loop %.1f us\n",
+               gather_cpu * 1e6, pread_cpu * 1e6);
     }
     ret = 0;
     goto out;
