@@ -293,6 +293,126 @@ static void test_demo(const char *tmp)
 #endif
 }
 
+/* The store's pieces: begin/reads/end driven from a graph of our own; gathers that coalesce
+ * adjacent rows and read duplicates once; LFU keeps a hot expert through a scan of cold ones; a
+ * store made directly on NUMA node 0 with a pin hook. */
+static int pin_calls;
+static int pin_hook(void *user, void *p, uint64_t n)
+{
+    (void)user;
+    pin_calls += p != NULL && n > 0;
+    return 0;
+}
+
+static void test_api(void)
+{
+    mf_model *m = load(g_dir, MF_MODEL_STORE_STREAMED, 20 * 32768, MF_MODEL_STORE_STREAMED);
+    if (!m) return;
+    mf_store *s = mf_model_store(m);
+    const mf_config *c = mf_model_config(m);
+
+    /* (1) reads on IO tasks of a caller's graph */
+    mf_lane_desc lanes[1] = {{.kind = MF_LANE_IO, .name = "io", .concurrency = 4, .numa_node = -1}};
+    mf_sched *sch = NULL;
+    mf_graph *g = NULL;
+    CHECK(mf_sched_create(&(mf_sched_opts){.lanes = lanes, .n_lanes = 1}, &sch) == 0, "%s", mf_last_error());
+    CHECK(mf_graph_create(lanes, 1, &g) == 0, "%s", mf_last_error());
+    int32_t ids[2] = {4, 11};
+    CHECK(mf_store_begin(s, 2, ids, 2) == 0, "begin: %s", mf_last_error());
+    int n_tasks = 0;
+    for (int k = 0; k < 2; k++) {
+        int n;
+        mf_io_read *r = mf_store_reads(s, k, &n);
+        CHECK(n >= 1, "expert %d: %d reads", ids[k], n);
+        for (int j = 0; j < n; j++, n_tasks++)
+            mf_graph_add_task(g, &(mf_task_desc){.name = "expert", .lane = 0, .arg = &r[j], .place_hint = -1});
+    }
+    CHECK(mf_graph_finalize(g) == 0, "%s", mf_last_error());
+    CHECK(!mf_store_part(s, 2, 4, 0), "present before its reads ran");
+    int rc = mf_sched_run(sch, g, NULL);
+    CHECK(mf_store_end(s, rc) == 0, "end: %s", mf_last_error());
+    CHECK(expert_matches(m, 2, 4) && expert_matches(m, 2, 11), "experts read through a caller's graph");
+    mf_store_unpin(s, 2, ids, 2);
+    mf_graph_destroy(g);
+    mf_sched_destroy(sch);
+
+    /* (2) gathers: 7 rows, 2 duplicates, runs {5,6,7} and {100} -> 2 runs x 2 tensors */
+    mf_store_stats a, b;
+    mf_store_stats_total(s, &a);
+    int64_t rows[7] = {7, 5, 100, 6, 7, 5, 100};
+    int d = c->engram_head_dim, sb = d / 32;
+    uint8_t dat[7 * 64], sc[7 * 8], ref_d[64], ref_s[8];
+    CHECK(mf_store_gather(s, 1, rows, 7, dat, sc) == 0, "gather: %s", mf_last_error());
+    mf_store_stats_total(s, &b);
+    CHECK(b.row_reads - a.row_reads == 4 && b.rows - a.rows == 7, "gather of 7 rows: %llu reads",
+          (unsigned long long)(b.row_reads - a.row_reads));
+    const mf_weight *tw = &mf_model_layer_at(m, c->engram_layer_ids[1])->eg_table;
+    for (int i = 0; i < 7; i++) {
+        CHECK(mf_model_weight_read(m, tw, rows[i], 1, ref_d, ref_s) == 0, "row");
+        CHECK(!memcmp(dat + i * d, ref_d, (size_t)d) && !memcmp(sc + i * sb, ref_s, (size_t)sb),
+              "gathered row %d (%lld) differs", i, (long long)rows[i]);
+    }
+    int64_t bad = tw->rows;
+    CHECK(mf_store_gather(s, 1, &bad, 1, dat, sc) == -EINVAL && strstr(mf_last_error(), "outside"),
+          "row out of range: %s", mf_last_error());
+
+    /* (3) LFU with aging: expert 0 of layer 5 used 6 times, then 40 others once each */
+    int32_t hot = 0;
+    for (int i = 0; i < 6; i++) {
+        CHECK(mf_store_ensure(s, 5, &hot, 1, NULL, NULL) == 0, "%s", mf_last_error());
+        mf_store_unpin(s, 5, &hot, 1);
+    }
+    for (int L = 6; L < 8; L++)
+        for (int e = 0; e < 16; e += 4) {
+            int32_t cold[4] = {e, e + 1, e + 2, e + 3};
+            CHECK(mf_store_ensure(s, L, cold, 4, NULL, NULL) == 0, "%s", mf_last_error());
+            mf_store_unpin(s, L, cold, 4);
+        }
+    for (int e = 1; e < 9; e++) {
+        int32_t cold = e;
+        CHECK(mf_store_ensure(s, 5, &cold, 1, NULL, NULL) == 0, "%s", mf_last_error());
+        mf_store_unpin(s, 5, &cold, 1);
+    }
+    CHECK(mf_store_part(s, 5, 0, 0) != NULL, "LFU: the hot expert was evicted by a scan of 40 cold ones");
+    mf_store_stats_total(s, &b);
+    CHECK(b.evictions > 0, "the scan evicted nothing");
+    mf_model_free(m);
+
+    /* (4) direct creation on NUMA node 0 with a pin hook, resident, tables resident */
+    m = load(g_dir, MF_MODEL_STORE_NONE, 0, 0);
+    if (!m) return;
+    int ne = c->n_routed_experts, nl = c->n_layers;
+    const mf_st_tensor **parts = calloc((size_t)nl * ne * 6, sizeof *parts);
+    for (int L = 0; L < nl; L++)
+        for (int e = 0; e < ne; e++)
+            for (int k = 0; k < 3; k++) {
+                const mf_weight *w = &mf_model_layer_at(m, L)->experts[e * 3 + k];
+                parts[((size_t)L * ne + e) * 6 + 2 * k] = w->st_data;
+                parts[((size_t)L * ne + e) * 6 + 2 * k + 1] = w->st_scale;
+            }
+    const mf_st_tensor *tabs[2] = {tw->st_data, tw->st_scale};
+    mf_st *st = NULL;
+    CHECK(mf_st_open(g_dir, &st) == 0, "%s", mf_last_error());
+    mf_store *ds = NULL;
+    if (st) {
+        mf_store_layout lay = {.n_layers = nl, .n_experts = ne, .n_parts = 6, .parts = parts,
+                               .n_tables = 1, .tables = tabs};
+        rc = mf_store_create(st, &lay, &(mf_store_opts){.mode = MF_STORE_RESIDENT, .numa_node = 0,
+                                                          .quiet = 1, .pin_hook = pin_hook}, &ds);
+        CHECK(rc == 0, "store on node 0: %s", mf_last_error());
+        CHECK(pin_calls == 1, "pin hook called %d times", pin_calls);
+        if (ds) {
+            CHECK(mf_store_part(ds, 3, 7, 5) != NULL, "resident expert absent");
+            CHECK(mf_store_gather(ds, 0, rows, 7, dat, sc) == 0 && !memcmp(dat + 2 * d, ref_d, (size_t)d),
+                  "resident table gather: %s", mf_last_error());
+        }
+        mf_store_destroy(ds);
+        mf_st_close(st);
+    }
+    free(parts);
+    mf_model_free(m);
+}
+
 static void test_budget(void)
 {
     mf_model *m = NULL;
@@ -316,6 +436,7 @@ int main(void)
     test_faults("pread");
     test_truncate_replace();
     test_budget();
+    test_api();
     test_demo(tmp ? tmp : "/tmp");
     return mf_check_exit("test_store");
 }
