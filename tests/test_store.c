@@ -381,6 +381,8 @@ static void test_api(void)
     /* (4) direct creation on NUMA node 0 with a pin hook, resident, tables resident */
     m = load(g_dir, MF_MODEL_STORE_NONE, 0, 0);
     if (!m) return;
+    c = mf_model_config(m);
+    tw = &mf_model_layer_at(m, c->engram_layer_ids[1])->eg_table;
     int ne = c->n_routed_experts, nl = c->n_layers;
     const mf_st_tensor **parts = calloc((size_t)nl * ne * 6, sizeof *parts);
     for (int L = 0; L < nl; L++)
