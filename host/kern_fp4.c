@@ -15,6 +15,9 @@
 #include "host/formats.h"
 #include "sched/error.h"
 
+/* Calls of up to this many tokens store signed codes (the sign scheme: no per-row correction);
+ * larger ones store q + 128 (the offset scheme: fewer operations per token). */
+#define MF_Q8_SIGNED_MAX_TOK 2
 #define GROUP_BLOCKS 8                      /* 32-blocks per activation scale group (256 inputs) */
 
 /* 2 * e2m1(code) as int8: exact small integers. */
@@ -51,6 +54,7 @@ int mf_kern_q8_init(mf_kern_q8 *q, void *buf, size_t buf_bytes, int n_tok, int n
     q->n_in = n_in;
     q->n_sb = (n_in / 32 + GROUP_BLOCKS - 1) / GROUP_BLOCKS;
     q->row_bytes = mf_q8_row_bytes(n_in);
+    q->offset = n_tok <= MF_Q8_SIGNED_MAX_TOK ? 0 : 128;
     q->q = (uint8_t *)p;
     q->scale = (float *)(q->q + (size_t)n_tok * q->row_bytes);
     return 0;
@@ -81,6 +85,7 @@ static float mf_q8_group_scale(float amax, int nonfinite, float *scale)
 
 static void mf_q8_token_scalar(const mf_kern_q8 *q, const float *x, int t)
 {
+    const int off = q->offset;
     int n_blk = q->n_in / 32;
     uint8_t *row = q->q + (size_t)t * q->row_bytes;
     for (int s = 0; s < q->n_sb; s++) {
@@ -97,17 +102,18 @@ static void mf_q8_token_scalar(const mf_kern_q8 *q, const float *x, int t)
             for (int e = 0; e < 32; e++) {
                 float v = rintf(x[b * 32 + e] * inv);
                 int c = inv == 0.0f ? 0 : (v > 127.0f ? 127 : v < -128.0f ? -128 : (int)v);
-                row[mf_q8_pos(b, e)] = (uint8_t)(c + 128);
+                row[mf_q8_pos(b, e)] = (uint8_t)(c + off);
             }
     }
     if (n_blk & 1)   /* the absent partner of an odd last block: q = 0 (its weights are 0 too) */
         for (int e = 0; e < 32; e++)
-            row[mf_q8_pos(n_blk, e)] = 128;
+            row[mf_q8_pos(n_blk, e)] = (uint8_t)off;
 }
 
 __attribute__((target("avx2,fma")))
 static void mf_q8_token_avx2(const mf_kern_q8 *q, const float *x, int t)
 {
+    const __m256i off = _mm256_set1_epi8((char)q->offset);   /* 0x80 or 0: + 128 or not */
     int n_blk = q->n_in / 32;
     uint8_t *row = q->q + (size_t)t * q->row_bytes;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -143,7 +149,7 @@ static void mf_q8_token_avx2(const mf_kern_q8 *q, const float *x, int t)
             /* words: lane0 = e0-3, e8-11 | lane1 = e4-7, e12-15 (and 16-31 likewise) */
             __m256i p01 = _mm256_packs_epi32(v0, v1), p23 = _mm256_packs_epi32(v2, v3);
             /* bytes: lane0 = e0-3, e8-11, e16-19, e24-27 | lane1 = e4-7, e12-15, e20-23, e28-31 */
-            __m256i by = _mm256_xor_si256(_mm256_packs_epi16(p01, p23), _mm256_set1_epi8((char)0x80));
+            __m256i by = _mm256_xor_si256(_mm256_packs_epi16(p01, p23), off);
             /* lane0 -> words (e0,e2)(e8,e10)(e16,e18)(e24,e26) | (e1,e3)(e9,e11)(e17,e19)(e25,e27) */
             __m256i sh = _mm256_shuffle_epi8(by, ev);
             __m128i lo = _mm256_castsi256_si128(sh), hi = _mm256_extracti128_si256(sh, 1);
@@ -153,7 +159,7 @@ static void mf_q8_token_avx2(const mf_kern_q8 *q, const float *x, int t)
         }
     }
     if (n_blk & 1) {
-        __m128i c = _mm_set1_epi8((char)0x80);
+        __m128i c = _mm256_castsi256_si128(off);
         _mm_storeu_si128((__m128i *)(row + mf_q8_pos(n_blk, 0)), c);
         _mm_storeu_si128((__m128i *)(row + mf_q8_pos(n_blk, 1)), c);
     }
@@ -214,7 +220,7 @@ static void mf_fp4_rows_scalar(const uint8_t *w, const uint8_t *scale, int n_in,
                         int b = b0 + i, h = i & 1;
                         for (int e = 0; e < 32; e++) {
                             int wv = mf_fp4_twice[mf_e2m1_get(wr + (size_t)b * 16, (size_t)e)];
-                            int xv = (int)xr[mf_q8_pos(b, e)] - 128;
+                            int xv = (int8_t)(uint8_t)((int)xr[mf_q8_pos(b, e)] - xq->offset);
                             acc[4 * h + e / 8] += S[i] * wv * xv;
                         }
                     }
@@ -229,36 +235,42 @@ static void mf_fp4_rows_scalar(const uint8_t *w, const uint8_t *scale, int n_in,
     }
 }
 
-/* One group of np block pairs (np <= 4) of one row for all nt tokens; full = the last pair has
- * both blocks. Always inlined so the common np = 4 case unrolls with weights in registers. */
+/* vpshufb controls that spread a group's 8 int16 factors to pair p: low lane = block 2p's
+ * factor (bytes 4p, 4p+1), high lane = block 2p+1's. */
+static const _Alignas(32) uint8_t mf_fp4_pair_ctl[4][32] = {
+#define MF_CTL(p) {4 * p, 4 * p + 1, 4 * p, 4 * p + 1, 4 * p, 4 * p + 1, 4 * p, 4 * p + 1,         \
+                   4 * p, 4 * p + 1, 4 * p, 4 * p + 1, 4 * p, 4 * p + 1, 4 * p, 4 * p + 1,         \
+                   4 * p + 2, 4 * p + 3, 4 * p + 2, 4 * p + 3, 4 * p + 2, 4 * p + 3, 4 * p + 2,   \
+                   4 * p + 3, 4 * p + 2, 4 * p + 3, 4 * p + 2, 4 * p + 3, 4 * p + 2, 4 * p + 3,   \
+                   4 * p + 2, 4 * p + 3}
+    MF_CTL(0), MF_CTL(1), MF_CTL(2), MF_CTL(3)
+#undef MF_CTL
+};
+
+/* One group of nb blocks (<= 8, ceil(nb/2) pairs) of one row for all nt tokens, added to
+ * facc[t]. Two exact integer schemes giving the same lane sums:
+ *  - sign (few tokens): |w| as the unsigned operand, the weight's sign moved onto q (vpsignb);
+ *  - offset (many tokens): q + 128 as the unsigned operand, signed w, and the 128 * sum(w) part
+ *    removed once per row group (C), which leaves 5 ops per token and pair.
+ * Always inlined so the pair loops unroll with weights and factors in registers. */
 __attribute__((target("avx2,fma"), always_inline))
-static inline void mf_fp4_group_avx2(const uint8_t *wg, const uint8_t *eg, int nb,
+static inline void mf_fp4_group_avx2(const uint8_t *wg, __m256i Sb, __m256 gscale, int nb,
+                                     int sign,
                                      const uint8_t *xg, size_t x_stride, const float *xs,
-                                     size_t xs_stride, int nt, float (*facc)[8])
+                                     size_t xs_stride, int nt, __m256 *fa)
 {
     const int np = (nb + 1) / 2;
-    const __m256i lut = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
-                                         0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m256i lut = sign
+        ? _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12,
+                           0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12)
+        : _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                           0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
     const __m256i nib = _mm256_set1_epi8(0x0F), c128 = _mm256_set1_epi8((char)0x80);
-    /* S factor bytes for pair p: low lane = block 2p (bytes 4p, 4p+1), high = block 2p+1. */
-    const __m128i tlo = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, (char)0x80, 64, 32, 16, 8, 4, 2, 1, 0);
-    const __m128i thi = _mm_setr_epi8(64, 32, 16, 8, 4, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-
-    /* factors: d = min(emax - e, 15); S = 2^(14-d) as int16 (lo/hi bytes by table) */
-    uint64_t ev = 0;
-    memcpy(&ev, eg, (size_t)nb);
-    __m128i e = _mm_cvtsi64_si128((long long)ev);
-    __m128i m = _mm_max_epu8(e, _mm_srli_si128(e, 4));
-    m = _mm_max_epu8(m, _mm_srli_si128(m, 2));
-    m = _mm_max_epu8(m, _mm_srli_si128(m, 1));
-    unsigned emax = (unsigned)_mm_cvtsi128_si32(m) & 0xFF;
-    __m128i d = _mm_min_epu8(_mm_subs_epu8(_mm_set1_epi8((char)emax), e), _mm_set1_epi8(15));
-    __m128i S8 = _mm_unpacklo_epi8(_mm_shuffle_epi8(tlo, d), _mm_shuffle_epi8(thi, d));
-    __m256i Sb = _mm256_broadcastsi128_si256(S8);
-    float gscale = mf_kern_pow2_e8m0(emax, 15);
-
-    __m256i W1[4], W2[4], S[4];
+    /* W1/W2: even/odd elements of blocks (2p | 2p+1); G1/G2: sign sources (sign scheme) */
+    __m256i W1[4], W2[4], G1[4], G2[4], S[4];
     __m256i C = _mm256_setzero_si256();
+    W1[2] = W1[3] = W2[2] = W2[3] = G1[2] = G1[3] = G2[2] = G2[3] = S[2] = S[3] = C;
+#pragma GCC unroll 4
     for (int p = 0; p < np; p++) {
         __m256i v;
         if (2 * p + 1 < nb)
@@ -267,59 +279,143 @@ static inline void mf_fp4_group_avx2(const uint8_t *wg, const uint8_t *eg, int n
             v = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(wg + 32 * p)));
         W1[p] = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, nib));
         W2[p] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
-        __m256i ctl = _mm256_setr_epi8(4 * p, 4 * p + 1, 4 * p, 4 * p + 1, 4 * p, 4 * p + 1,
-                                       4 * p, 4 * p + 1, 4 * p, 4 * p + 1, 4 * p, 4 * p + 1,
-                                       4 * p, 4 * p + 1, 4 * p, 4 * p + 1,
-                                       4 * p + 2, 4 * p + 3, 4 * p + 2, 4 * p + 3, 4 * p + 2,
-                                       4 * p + 3, 4 * p + 2, 4 * p + 3, 4 * p + 2, 4 * p + 3,
-                                       4 * p + 2, 4 * p + 3, 4 * p + 2, 4 * p + 3, 4 * p + 2,
-                                       4 * p + 3);
-        S[p] = _mm256_shuffle_epi8(Sb, ctl);
-        /* the +128 of the activations: 128 * (w_even + w_odd) per byte pair, scaled like them */
-        __m256i ws = _mm256_add_epi8(W1[p], W2[p]);
-        C = _mm256_add_epi32(C, _mm256_madd_epi16(_mm256_maddubs_epi16(c128, ws), S[p]));
+        S[p] = _mm256_shuffle_epi8(Sb, _mm256_load_si256((const __m256i *)mf_fp4_pair_ctl[p]));
+        if (sign) {
+            /* bit 7 of each byte = the sign bit of its low (G1) or high (G2) nibble; where a
+             * nibble's magnitude is 0 the product is 0 whatever the sign source says */
+            G1[p] = _mm256_slli_epi16(v, 4);
+            G2[p] = v;
+        } else {
+            /* the +128 of the activations: 128 * (w_even + w_odd) per byte pair, scaled alike */
+            __m256i ws = _mm256_add_epi8(W1[p], W2[p]);
+            C = _mm256_add_epi32(C, _mm256_madd_epi16(_mm256_maddubs_epi16(c128, ws), S[p]));
+        }
     }
     for (int t = 0; t < nt; t++) {
         const uint8_t *xt = xg + (size_t)t * x_stride;
         __m256i acc = _mm256_setzero_si256();
+#pragma GCC unroll 4
         for (int p = 0; p < np; p++) {
-            __m256i q16 = _mm256_add_epi16(
-                _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(xt + 64 * p)), W1[p]),
-                _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(xt + 64 * p + 32)), W2[p]));
+            __m256i x1 = _mm256_load_si256((const __m256i *)(xt + 64 * p));
+            __m256i x2 = _mm256_load_si256((const __m256i *)(xt + 64 * p + 32));
+            __m256i q16;
+            if (sign)
+                q16 = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(W1[p], _mm256_sign_epi8(x1, G1[p])),
+                    _mm256_maddubs_epi16(W2[p], _mm256_sign_epi8(x2, G2[p])));
+            else
+                q16 = _mm256_add_epi16(_mm256_maddubs_epi16(x1, W1[p]), _mm256_maddubs_epi16(x2, W2[p]));
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(q16, S[p]));
         }
-        __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc, C));
-        __m256 ts = _mm256_set1_ps(gscale * xs[(size_t)t * xs_stride]);
-        _mm256_store_ps(facc[t], _mm256_fmadd_ps(f, ts, _mm256_load_ps(facc[t])));
+        __m256 f = _mm256_cvtepi32_ps(sign ? acc : _mm256_sub_epi32(acc, C));
+        __m256 ts = _mm256_mul_ps(gscale, _mm256_set1_ps(xs[(size_t)t * xs_stride]));
+        fa[t] = _mm256_fmadd_ps(f, ts, fa[t]);
     }
 }
 
+/* Factors of four groups from their 32 scale codes (absent blocks 0): per group the int16
+ * factors S = 2^(14 - min(emax - e, 15)) (0 for d = 15) in both lanes, and the group scale
+ * 2^(emax - 142) (mf_kern_pow2_e8m0(emax, 15)) in every lane. */
+__attribute__((target("avx2,fma"), always_inline))
+static inline void mf_fp4_quad_factors(__m256i E, __m256i Sg[4], __m256 gs[4])
+{
+    const __m256i tlo = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, (char)0x80, 64, 32, 16, 8, 4, 2, 1, 0,
+                                         0, 0, 0, 0, 0, 0, 0, (char)0x80, 64, 32, 16, 8, 4, 2, 1, 0);
+    const __m256i thi = _mm256_setr_epi8(64, 32, 16, 8, 4, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                         64, 32, 16, 8, 4, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m256i bc0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8,
+                                         0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
+    __m256i M = _mm256_max_epu8(E, _mm256_srli_epi64(E, 32));
+    M = _mm256_max_epu8(M, _mm256_srli_epi64(M, 16));
+    M = _mm256_max_epu8(M, _mm256_srli_epi64(M, 8));            /* emax in byte 0 of each qword */
+    __m256i D = _mm256_min_epu8(_mm256_subs_epu8(_mm256_shuffle_epi8(M, bc0), E),
+                                _mm256_set1_epi8(15));
+    __m256i lo = _mm256_shuffle_epi8(tlo, D), hi = _mm256_shuffle_epi8(thi, D);
+    __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);   /* 0|2, 1|3 */
+    Sg[0] = _mm256_permute2x128_si256(a, a, 0x00);
+    Sg[1] = _mm256_permute2x128_si256(b, b, 0x00);
+    Sg[2] = _mm256_permute2x128_si256(a, a, 0x11);
+    Sg[3] = _mm256_permute2x128_si256(b, b, 0x11);
+    /* group scales: dwords 0, 2, 4, 6 hold emax */
+    __m256i e = _mm256_and_si256(M, _mm256_set1_epi64x(0xFF));
+    __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(15)), 23);
+    __m256i sub = _mm256_srlv_epi32(_mm256_set1_epi32(0x400000),
+                                    _mm256_sub_epi32(_mm256_set1_epi32(15), e));
+    __m256i bits = _mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(15)));
+    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC00000),
+                              _mm256_cmpeq_epi32(e, _mm256_set1_epi32(0xFF)));
+    __m256 g = _mm256_castsi256_ps(bits);
+    gs[0] = _mm256_permutevar8x32_ps(g, _mm256_set1_epi32(0));
+    gs[1] = _mm256_permutevar8x32_ps(g, _mm256_set1_epi32(2));
+    gs[2] = _mm256_permutevar8x32_ps(g, _mm256_set1_epi32(4));
+    gs[3] = _mm256_permutevar8x32_ps(g, _mm256_set1_epi32(6));
+}
+
+/* Rows of one token pass; `sign` picks the scheme and nt_const > 0 fixes the token count (both
+ * constants at each call, so the accumulators of a 1- or 2-token pass stay in registers). */
+__attribute__((target("avx2,fma"), always_inline))
+static inline void mf_fp4_pass_avx2(const uint8_t *w, const uint8_t *scale, int n_in,
+                                    const uint8_t *xr, size_t row_bytes, const float *xs, int n_sb,
+                                    int nt_var, int nt_const, int sign, float *y, int ld_y, int r0,
+                                    int r1)
+{
+    int n_blk = n_in / 32;
+    int nt = nt_const > 0 ? nt_const : nt_var;
+    int n_quad = n_blk / 32;              /* quads of four full groups */
+    _Alignas(32) __m256 fa[MF_KERN_TOK_PASS];
+    _Alignas(32) float lanes[8];
+    _Alignas(32) uint8_t epad[32];
+    for (int o = r0; o < r1; o++) {
+        const uint8_t *wr = w + (size_t)o * (n_in / 2), *sr = scale + (size_t)o * n_blk;
+        for (int t = 0; t < nt; t++)
+            fa[t] = _mm256_setzero_ps();
+        __m256i Sg[4];
+        __m256 gs[4];
+        for (int q = 0; q < n_quad; q++) {
+            mf_fp4_quad_factors(_mm256_loadu_si256((const __m256i *)(sr + q * 32)), Sg, gs);
+#pragma GCC unroll 4
+            for (int g = 0; g < 4; g++) {
+                int s = 4 * q + g;
+                mf_fp4_group_avx2(wr + (size_t)s * 128, Sg[g], gs[g], GROUP_BLOCKS, sign,
+                                  xr + (size_t)s * 256, row_bytes, xs + s, (size_t)n_sb, nt, fa);
+            }
+        }
+        if (n_quad * 4 < n_sb) {          /* the last 1-4 groups, some possibly short */
+            int nbq = n_blk - n_quad * 32;
+            memset(epad, 0, sizeof epad);
+            memcpy(epad, sr + n_quad * 32, (size_t)nbq);
+            mf_fp4_quad_factors(_mm256_load_si256((const __m256i *)epad), Sg, gs);
+            for (int g = 0; g < n_sb - n_quad * 4; g++) {
+                int s = 4 * n_quad + g;
+                int nb = n_blk - s * GROUP_BLOCKS < GROUP_BLOCKS ? n_blk - s * GROUP_BLOCKS : GROUP_BLOCKS;
+                mf_fp4_group_avx2(wr + (size_t)s * 128, Sg[g], gs[g], nb, sign,
+                                  xr + (size_t)s * 256, row_bytes, xs + s, (size_t)n_sb, nt, fa);
+            }
+        }
+        for (int t = 0; t < nt; t++) {
+            _mm256_store_ps(lanes, fa[t]);
+            y[(size_t)t * ld_y + o] = mf_kern_reduce8(lanes);
+        }
+    }
+}
+
+/* The scheme follows the codes' storage (signed for calls of 1-2 tokens, see mf_kern_q8_init). */
 __attribute__((target("avx2,fma")))
 static void mf_fp4_rows_avx2(const uint8_t *w, const uint8_t *scale, int n_in,
                              const mf_kern_q8 *xq, float *y, int ld_y, int y_row0, int r0, int r1)
 {
-    int n_blk = n_in / 32;
-    int n_full = n_blk / GROUP_BLOCKS;    /* groups with all 8 blocks */
-    _Alignas(32) float facc[MF_KERN_TOK_PASS][8];
     for (int t0 = 0; t0 < xq->n_tok; t0 += MF_KERN_TOK_PASS) {
         int nt = xq->n_tok - t0 < MF_KERN_TOK_PASS ? xq->n_tok - t0 : MF_KERN_TOK_PASS;
         const uint8_t *xr = xq->q + (size_t)t0 * xq->row_bytes;
         const float *xs = xq->scale + (size_t)t0 * xq->n_sb;
-        for (int o = r0; o < r1; o++) {
-            const uint8_t *wr = w + (size_t)o * (n_in / 2), *sr = scale + (size_t)o * n_blk;
-            memset(facc, 0, sizeof(float) * 8 * (size_t)nt);
-            for (int s = 0; s < n_full; s++)
-                mf_fp4_group_avx2(wr + (size_t)s * 128, sr + s * 8, GROUP_BLOCKS, xr + (size_t)s * 256,
-                                  xq->row_bytes, xs + s, (size_t)xq->n_sb, nt, facc);
-            if (n_full < xq->n_sb) {
-                int s = n_full;
-                mf_fp4_group_avx2(wr + (size_t)s * 128, sr + s * 8, n_blk - s * GROUP_BLOCKS,
-                                  xr + (size_t)s * 256, xq->row_bytes, xs + s, (size_t)xq->n_sb,
-                                  nt, facc);
-            }
-            for (int t = 0; t < nt; t++)
-                y[(size_t)(t0 + t) * ld_y + (o - y_row0)] = mf_kern_reduce8(facc[t]);
-        }
+        float *yp = y + (size_t)t0 * ld_y - y_row0;   /* row o of token t at yp[t * ld_y + o] */
+        if (!xq->offset && nt == 1)
+            mf_fp4_pass_avx2(w, scale, n_in, xr, xq->row_bytes, xs, xq->n_sb, 1, 1, 1, yp, ld_y, r0, r1);
+        else if (!xq->offset && nt == 2)
+            mf_fp4_pass_avx2(w, scale, n_in, xr, xq->row_bytes, xs, xq->n_sb, 2, 2, 1, yp, ld_y, r0, r1);
+        else
+            mf_fp4_pass_avx2(w, scale, n_in, xr, xq->row_bytes, xs, xq->n_sb, nt, 0, !xq->offset, yp,
+                             ld_y, r0, r1);
     }
 }
 

@@ -56,9 +56,10 @@ typedef struct mf_kern_mat {
 
 /* Quantized activations for the FP4 int8 path: a view over caller memory set up by
  * mf_kern_q8_init. Token t, 32-block b: 64-byte groups per block pair (even elements of both
- * blocks, then odd elements) as uint8 q + 128, and one float scale per 256 inputs. */
+ * blocks, then odd elements) as bytes q + offset, and one float scale per 256 inputs. */
 typedef struct mf_kern_q8 {
     int n_tok, n_in;
+    int offset;         /* 0 (int8 codes, calls of 1-2 tokens) or 128 (uint8 q + 128) */
     int n_sb;           /* 256-input groups per token */
     size_t row_bytes;   /* quantized bytes per token */
     uint8_t *q;         /* [n_tok][row_bytes], 32-byte aligned */

@@ -159,7 +159,7 @@ static void q8_dequant(const mf_kern_q8 *q, double *out)
         for (int b = 0; b < n_blk; b++)
             for (int e = 0; e < 32; e++) {
                 size_t pos = (size_t)(b / 2) * 64 + (size_t)(e & 1) * 32 + (size_t)(b & 1) * 16 + e / 2;
-                int c = (int)q->q[(size_t)t * q->row_bytes + pos] - 128;
+                int c = (int8_t)(uint8_t)((int)q->q[(size_t)t * q->row_bytes + pos] - q->offset);
                 out[(size_t)t * q->n_in + b * 32 + e] = c * (double)q->scale[(size_t)t * q->n_sb + b / 8];
             }
 }

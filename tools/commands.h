@@ -4,5 +4,6 @@
 
 int mf_cmd_gen(int argc, char **argv);    /* tools/cmd_gen.c: synthetic checkpoints */
 int mf_cmd_info(int argc, char **argv);   /* tools/cmd_info.c: byte census of a checkpoint */
+int mf_bench_kernels(int argc, char **argv);   /* tools/bench_kernels.c: `bench kernels` */
 
 #endif

@@ -12,6 +12,7 @@ static const struct {
 } mf_commands[] = {
     {"gen", mf_cmd_gen, "write a synthetic checkpoint with the real layout (tiny, demo, flash41)"},
     {"info", mf_cmd_info, "byte census of a checkpoint by group, config summary and layout check"},
+    {"bench-kernels", mf_bench_kernels, "fused FP4 expert matmul vs read probe and expand baseline"},
     {NULL, NULL, NULL},
 };
 
