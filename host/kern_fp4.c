@@ -413,9 +413,10 @@ static void mf_fp4_rows_avx2(const uint8_t *w, const uint8_t *scale, int n_in,
             mf_fp4_pass_avx2(w, scale, n_in, xr, xq->row_bytes, xs, xq->n_sb, 1, 1, 1, yp, ld_y, r0, r1);
         else if (!xq->offset && nt == 2)
             mf_fp4_pass_avx2(w, scale, n_in, xr, xq->row_bytes, xs, xq->n_sb, 2, 2, 1, yp, ld_y, r0, r1);
+        else if (!xq->offset)
+            mf_fp4_pass_avx2(w, scale, n_in, xr, xq->row_bytes, xs, xq->n_sb, nt, 0, 1, yp, ld_y, r0, r1);
         else
-            mf_fp4_pass_avx2(w, scale, n_in, xr, xq->row_bytes, xs, xq->n_sb, nt, 0, !xq->offset, yp,
-                             ld_y, r0, r1);
+            mf_fp4_pass_avx2(w, scale, n_in, xr, xq->row_bytes, xs, xq->n_sb, nt, 0, 0, yp, ld_y, r0, r1);
     }
 }
 

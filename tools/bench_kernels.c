@@ -184,18 +184,11 @@ static int cmp_i64(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* Median over reps calls, each on the next copy of the pool. */
-static int64_t median_call(bench_ctx *c, enum job_kind kind, int n_tok, int reps, int *next_copy)
+/* The median of n times (sorts them). */
+static int64_t median_of(int64_t *t, int n)
 {
-    int64_t t[64];
-    if (reps > 64)
-        reps = 64;
-    for (int r = 0; r < reps; r++) {
-        t[r] = run_call(c, kind, *next_copy, n_tok);
-        *next_copy = (*next_copy + 1) % c->pl->n_copies;
-    }
-    qsort(t, (size_t)reps, sizeof t[0], cmp_i64);
-    return t[reps / 2];
+    qsort(t, (size_t)n, sizeof t[0], cmp_i64);
+    return t[n / 2];
 }
 
 /* The largest data/unified cache in sysfs, in bytes (0 when unknown). */
@@ -285,7 +278,7 @@ static void usage(FILE *f)
                "  Times the fused FP4 matmul (int8 path, quantization included) on the expert\n"
                "  shapes at 1, 2, 4, 8, 16, 64 tokens, a read-bandwidth probe over the same bytes\n"
                "  and an expand-then-multiply baseline (1 token), weights out of cache; prints\n"
-               "  PASS/MISS per target. Defaults: 2 threads, 9 repetitions (median), a pool of\n"
+               "  PASS/MISS per target. Defaults: 2 threads, 9 rounds (medians), a pool of\n"
                "  3x the last-level cache per shape.\n");
 }
 
@@ -369,15 +362,33 @@ int mf_bench_kernels(int argc, char **argv)
         /* one untimed pass over the pool: pages touched, caches cold for what follows */
         for (int i = 0; i < pl.n_copies; i++)
             run_call(c, JOB_PROBE, i, 1);
-        sh[s].probe_ns = median_call(c, JOB_PROBE, 1, reps, &next);
-        for (int i = 0; i < N_TOKS; i++) {
-            mf_kern_q8_init(&c->q8, qbuf, qb, bench_toks[i], sh[s].n_in);
-            sh[s].fused_ns[i] = median_call(c, JOB_FUSED, bench_toks[i], reps, &next);
+        /* rounds: every measurement once per round, so load from other processes falls on all
+         * of them alike; each call takes the next copy of the pool */
+        int64_t t_probe[64], t_fused[N_TOKS][64], t_f32[2][64], t_expand[64];
+        int n_expand = reps < 3 ? reps : 3;
+        for (int r = 0; r < reps; r++) {
+            t_probe[r] = run_call(c, JOB_PROBE, next, 1);
+            next = (next + 1) % pl.n_copies;
+            for (int i = 0; i < N_TOKS; i++) {
+                mf_kern_q8_init(&c->q8, qbuf, qb, bench_toks[i], sh[s].n_in);
+                t_fused[i][r] = run_call(c, JOB_FUSED, next, bench_toks[i]);
+                next = (next + 1) % pl.n_copies;
+            }
+            for (int i = 0; i < 2; i++) {
+                t_f32[i][r] = run_call(c, JOB_FUSED_F32, next, i ? 8 : 1);
+                next = (next + 1) % pl.n_copies;
+            }
+            if (r < n_expand) {
+                t_expand[r] = run_call(c, JOB_EXPAND, next, 1);
+                next = (next + 1) % pl.n_copies;
+            }
         }
-        sh[s].f32_ns[0] = median_call(c, JOB_FUSED_F32, 1, reps, &next);
-        sh[s].f32_ns[1] = median_call(c, JOB_FUSED_F32, 8, reps, &next);
-        sh[s].expand_ns = median_call(c, JOB_EXPAND, 1, reps < 3 ? reps : 3, &next);
-        sh[s].probe_ns = (sh[s].probe_ns + median_call(c, JOB_PROBE, 1, reps, &next)) / 2;
+        sh[s].probe_ns = median_of(t_probe, reps);
+        for (int i = 0; i < N_TOKS; i++)
+            sh[s].fused_ns[i] = median_of(t_fused[i], reps);
+        for (int i = 0; i < 2; i++)
+            sh[s].f32_ns[i] = median_of(t_f32[i], reps);
+        sh[s].expand_ns = median_of(t_expand, n_expand);
         for (int i = 0; i < n_threads; i++)
             if (c->rc[i]) {
                 fprintf(stderr, "bench kernels: %s\n", mf_last_error());
