@@ -18,6 +18,7 @@
 /* Calls of up to this many tokens store signed codes (the sign scheme: no per-row correction);
  * larger ones store q + 128 (the offset scheme: fewer operations per token). */
 #define MF_Q8_SIGNED_MAX_TOK 2
+#define MF_FP4_PREFETCH 1024           /* bytes of weights fetched ahead (8 groups) */
 #define GROUP_BLOCKS 8                      /* 32-blocks per activation scale group (256 inputs) */
 
 /* 2 * e2m1(code) as int8: exact small integers. */
@@ -266,6 +267,12 @@ static inline void mf_fp4_group_avx2(const uint8_t *wg, __m256i Sb, __m256 gscal
         : _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
                            0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
     const __m256i nib = _mm256_set1_epi8(0x0F), c128 = _mm256_set1_epi8((char)0x80);
+    /* the weight stream runs on contiguously across rows: fetch MF_FP4_PREFETCH bytes ahead, as
+     * a many-token call consumes too slowly for the hardware prefetcher to cover DRAM latency
+     * (a prefetch past the matrix's end does not fault) */
+    _mm_prefetch((const char *)(wg + MF_FP4_PREFETCH), _MM_HINT_T0);
+    _mm_prefetch((const char *)(wg + MF_FP4_PREFETCH + 64), _MM_HINT_T0);
+
     /* W1/W2: even/odd elements of blocks (2p | 2p+1); G1/G2: sign sources (sign scheme) */
     __m256i W1[4], W2[4], G1[4], G2[4], S[4];
     __m256i C = _mm256_setzero_si256();
@@ -372,6 +379,7 @@ static inline void mf_fp4_pass_avx2(const uint8_t *w, const uint8_t *scale, int 
         __m256i Sg[4];
         __m256 gs[4];
         for (int q = 0; q < n_quad; q++) {
+            _mm_prefetch((const char *)(sr + q * 32 + MF_FP4_PREFETCH / 16), _MM_HINT_T0);
             mf_fp4_quad_factors(_mm256_loadu_si256((const __m256i *)(sr + q * 32)), Sg, gs);
 #pragma GCC unroll 4
             for (int g = 0; g < 4; g++) {
@@ -382,14 +390,26 @@ static inline void mf_fp4_pass_avx2(const uint8_t *w, const uint8_t *scale, int 
         }
         if (n_quad * 4 < n_sb) {          /* the last 1-4 groups, some possibly short */
             int nbq = n_blk - n_quad * 32;
-            memset(epad, 0, sizeof epad);
-            memcpy(epad, sr + n_quad * 32, (size_t)nbq);
-            mf_fp4_quad_factors(_mm256_load_si256((const __m256i *)epad), Sg, gs);
+            __m256i E;
+            if (nbq % 4 == 0) {           /* whole dwords: a masked load reads nothing past them */
+                __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                E = _mm256_maskload_epi32((const int *)(sr + n_quad * 32),
+                                          _mm256_cmpgt_epi32(_mm256_set1_epi32(nbq / 4), lane));
+            } else {
+                memset(epad, 0, sizeof epad);
+                memcpy(epad, sr + n_quad * 32, (size_t)nbq);
+                E = _mm256_load_si256((const __m256i *)epad);
+            }
+            mf_fp4_quad_factors(E, Sg, gs);
             for (int g = 0; g < n_sb - n_quad * 4; g++) {
                 int s = 4 * n_quad + g;
                 int nb = n_blk - s * GROUP_BLOCKS < GROUP_BLOCKS ? n_blk - s * GROUP_BLOCKS : GROUP_BLOCKS;
-                mf_fp4_group_avx2(wr + (size_t)s * 128, Sg[g], gs[g], nb, sign,
-                                  xr + (size_t)s * 256, row_bytes, xs + s, (size_t)n_sb, nt, fa);
+                if (nb == GROUP_BLOCKS)
+                    mf_fp4_group_avx2(wr + (size_t)s * 128, Sg[g], gs[g], GROUP_BLOCKS, sign,
+                                      xr + (size_t)s * 256, row_bytes, xs + s, (size_t)n_sb, nt, fa);
+                else
+                    mf_fp4_group_avx2(wr + (size_t)s * 128, Sg[g], gs[g], nb, sign,
+                                      xr + (size_t)s * 256, row_bytes, xs + s, (size_t)n_sb, nt, fa);
             }
         }
         for (int t = 0; t < nt; t++) {
