@@ -17,6 +17,7 @@ __attribute__((target("avx2,fma")))
 static void mf_kern_bf16_decode_avx2(const mf_kern_mat *m, int row, int k0, int n, float *dst)
 {
     const uint16_t *w = (const uint16_t *)m->w + (size_t)row * m->n_in + k0;
+    mf_kern_prefetch(w, (size_t)n * 2);
     for (int i = 0; i < n; i += 16) {
         __m256i v = _mm256_loadu_si256((const __m256i *)(w + i));
         __m256i lo = _mm256_unpacklo_epi16(_mm256_setzero_si256(), v);   /* bf16 << 16 */

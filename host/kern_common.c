@@ -15,7 +15,8 @@ static int mf_kern_simd_cached = -1;   /* resolved choice; -1 = not yet */
 static int mf_kern_cpu_has_avx2(void)
 {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
 }
 
 mf_kern_simd mf_kern_simd_active(void)
@@ -33,7 +34,7 @@ mf_kern_simd mf_kern_simd_active(void)
 int mf_kern_simd_set(mf_kern_simd s)
 {
     if (s == MF_KERN_SIMD_AVX2 && !mf_kern_cpu_has_avx2())
-        return mf_error(-ENOTSUP, "kernels: AVX2+FMA path asked for, but this CPU lacks AVX2 or FMA");
+        return mf_error(-ENOTSUP, "kernels: AVX2+FMA path asked for, but this CPU lacks AVX2, FMA or F16C");
     if (s != MF_KERN_SIMD_AUTO && s != MF_KERN_SIMD_SCALAR && s != MF_KERN_SIMD_AVX2)
         return mf_error(-EINVAL, "kernels: unknown SIMD path %d", (int)s);
     __atomic_store_n(&mf_kern_simd_cached, s == MF_KERN_SIMD_AUTO ? -1 : (int)s, __ATOMIC_RELAXED);

@@ -18,7 +18,7 @@
 /* Calls of up to this many tokens store signed codes (the sign scheme: no per-row correction);
  * larger ones store q + 128 (the offset scheme: fewer operations per token). */
 #define MF_Q8_SIGNED_MAX_TOK 2
-#define MF_FP4_PREFETCH 1024           /* bytes of weights fetched ahead (8 groups) */
+#define MF_FP4_PREFETCH 2048           /* bytes of weights fetched ahead (16 groups) */
 #define GROUP_BLOCKS 8                      /* 32-blocks per activation scale group (256 inputs) */
 
 /* 2 * e2m1(code) as int8: exact small integers. */
@@ -481,6 +481,7 @@ static void mf_fp4_decode_avx2(const mf_kern_mat *m, int row, int k0, int n, flo
 {
     const uint8_t *w = (const uint8_t *)m->w + (size_t)row * (m->n_in / 2) + k0 / 2;
     const uint8_t *s = m->scale + (size_t)row * (m->n_in / 32) + k0 / 32;
+    mf_kern_prefetch(w, (size_t)n / 2);
     const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
     const __m128i nib = _mm_set1_epi8(0x0F);
     for (int i = 0; i < n; i += 32) {

@@ -35,6 +35,17 @@ void mf_kern_fp8_rows(const mf_kern_mat *m, const float *x, int n_tok, int ld_x,
 void mf_kern_bf16_rows(const mf_kern_mat *m, const float *x, int n_tok, int ld_x, float *y,
                        int ld_y, int y_row0, int r0, int r1);
 
+/* Software prefetch of the weight stream MF_KERN_PREFETCH bytes ahead of [p, p + bytes): calls
+ * with more than one token consume too slowly for the hardware prefetcher to hide DRAM latency
+ * (measured: 3x slower at 2 tokens without it). Prefetches past an array's end do not fault. */
+#define MF_KERN_PREFETCH 2048
+static inline void mf_kern_prefetch(const void *p, size_t bytes)
+{
+    const char *c = (const char *)p + MF_KERN_PREFETCH;
+    for (size_t i = 0; i < bytes; i += 64)
+        __builtin_prefetch(c + i, 0, 3);
+}
+
 /* Fixed-order sums: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) for 8 lanes; 32 lanes first add
  * (v0+v1)+(v2+v3) lane-wise over the four 8-lane vectors. */
 static inline float mf_kern_reduce8(const float *v)

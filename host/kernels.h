@@ -31,7 +31,7 @@ typedef enum mf_kern_simd {
     MF_KERN_SIMD_AVX2,
 } mf_kern_simd;
 
-/* The path the kernels use now (never AUTO). */
+/* The path the kernels use now (never AUTO). The AVX2 path needs AVX2, FMA and F16C. */
 mf_kern_simd mf_kern_simd_active(void);
 /* Forces a path for this process (tests, benches); AUTO restores the run-time choice.
  * -ENOTSUP (with a message) when AVX2 is asked for on a CPU without AVX2+FMA. Not thread-safe
