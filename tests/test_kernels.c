@@ -24,8 +24,8 @@
  *    for normal inputs, TOL_Q8_OUT when 1% of them are 8x outliers;
  *  - the FFN with both int8 quantizations (x and h) -> TOL_FFN_Q8, fp32 path -> TOL_F32. */
 #define TOL_F32 1e-5
-#define TOL_Q8 1.5e-2
-#define TOL_Q8_OUT 4e-2     /* 1% of inputs 8x larger: they set their groups' int8 step */
+#define TOL_Q8 2e-2
+#define TOL_Q8_OUT 5e-2     /* 1% of inputs 8x larger: they set their groups' int8 step */
 #define TOL_FFN_Q8 2.5e-2
 
 static uint64_t rng_state;
