@@ -18,6 +18,7 @@
 /* Calls of up to this many tokens store signed codes (the sign scheme: no per-row correction);
  * larger ones store q + 128 (the offset scheme: fewer operations per token). */
 #define MF_Q8_SIGNED_MAX_TOK 2
+#define SIGN_MAX_TOK MF_Q8_SIGNED_MAX_TOK
 #define MF_FP4_PREFETCH 2048           /* bytes of weights fetched ahead (16 groups) */
 #define GROUP_BLOCKS 8                      /* 32-blocks per activation scale group (256 inputs) */
 
@@ -273,10 +274,45 @@ static inline void mf_fp4_group_avx2(const uint8_t *wg, __m256i Sb, __m256 gscal
     _mm_prefetch((const char *)(wg + MF_FP4_PREFETCH), _MM_HINT_T0);
     _mm_prefetch((const char *)(wg + MF_FP4_PREFETCH + 64), _MM_HINT_T0);
 
-    /* W1/W2: even/odd elements of blocks (2p | 2p+1); G1/G2: sign sources (sign scheme) */
-    __m256i W1[4], W2[4], G1[4], G2[4], S[4];
-    __m256i C = _mm256_setzero_si256();
-    W1[2] = W1[3] = W2[2] = W2[3] = G1[2] = G1[3] = G2[2] = G2[3] = S[2] = S[3] = C;
+    if (sign) {
+        /* 1-2 tokens: each pair decoded and used at once, so few vectors are live */
+        __m256i acc[SIGN_MAX_TOK];
+        for (int t = 0; t < nt; t++)
+            acc[t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int p = 0; p < np; p++) {
+            __m256i v;
+            if (2 * p + 1 < nb)
+                v = _mm256_loadu_si256((const __m256i *)(wg + 32 * p));
+            else
+                v = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(wg + 32 * p)));
+            /* |w| of the even (A1) and odd (A2) elements of blocks (2p | 2p+1); bit 7 of each
+             * byte of v << 4 and v is the sign bit of its low and high nibble (where a
+             * magnitude is 0 the product is 0 whatever that sign source says) */
+            __m256i A1 = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, nib));
+            __m256i A2 = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+            __m256i G1 = _mm256_slli_epi16(v, 4);
+            __m256i Sp = _mm256_shuffle_epi8(Sb, _mm256_load_si256((const __m256i *)mf_fp4_pair_ctl[p]));
+            for (int t = 0; t < nt; t++) {
+                const uint8_t *xt = xg + (size_t)t * x_stride + 64 * p;
+                __m256i q16 = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(A1, _mm256_sign_epi8(_mm256_load_si256((const __m256i *)xt), G1)),
+                    _mm256_maddubs_epi16(A2, _mm256_sign_epi8(_mm256_load_si256((const __m256i *)(xt + 32)), v)));
+                acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(q16, Sp));
+            }
+        }
+        for (int t = 0; t < nt; t++) {
+            __m256 ts = _mm256_mul_ps(gscale, _mm256_set1_ps(xs[(size_t)t * xs_stride]));
+            fa[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), ts, fa[t]);
+        }
+        return;
+    }
+
+    /* many tokens: W1/W2 = even/odd elements of blocks (2p | 2p+1) for all of them; the
+     * accumulators start at -C, the +128 part */
+    __m256i W1[4], W2[4], S[4];
+    __m256i negC = _mm256_setzero_si256();
+    W1[2] = W1[3] = W2[2] = W2[3] = S[2] = S[3] = negC;
 #pragma GCC unroll 4
     for (int p = 0; p < np; p++) {
         __m256i v;
@@ -287,36 +323,23 @@ static inline void mf_fp4_group_avx2(const uint8_t *wg, __m256i Sb, __m256 gscal
         W1[p] = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, nib));
         W2[p] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
         S[p] = _mm256_shuffle_epi8(Sb, _mm256_load_si256((const __m256i *)mf_fp4_pair_ctl[p]));
-        if (sign) {
-            /* bit 7 of each byte = the sign bit of its low (G1) or high (G2) nibble; where a
-             * nibble's magnitude is 0 the product is 0 whatever the sign source says */
-            G1[p] = _mm256_slli_epi16(v, 4);
-            G2[p] = v;
-        } else {
-            /* the +128 of the activations: 128 * (w_even + w_odd) per byte pair, scaled alike */
-            __m256i ws = _mm256_add_epi8(W1[p], W2[p]);
-            C = _mm256_add_epi32(C, _mm256_madd_epi16(_mm256_maddubs_epi16(c128, ws), S[p]));
-        }
+        /* 128 * (w_even + w_odd) per byte pair, scaled like the products */
+        __m256i ws = _mm256_add_epi8(W1[p], W2[p]);
+        negC = _mm256_sub_epi32(negC, _mm256_madd_epi16(_mm256_maddubs_epi16(c128, ws), S[p]));
     }
     for (int t = 0; t < nt; t++) {
         const uint8_t *xt = xg + (size_t)t * x_stride;
-        __m256i acc = _mm256_setzero_si256();
+        __m256i acc = negC;
 #pragma GCC unroll 4
         for (int p = 0; p < np; p++) {
             __m256i x1 = _mm256_load_si256((const __m256i *)(xt + 64 * p));
             __m256i x2 = _mm256_load_si256((const __m256i *)(xt + 64 * p + 32));
-            __m256i q16;
-            if (sign)
-                q16 = _mm256_add_epi16(
-                    _mm256_maddubs_epi16(W1[p], _mm256_sign_epi8(x1, G1[p])),
-                    _mm256_maddubs_epi16(W2[p], _mm256_sign_epi8(x2, G2[p])));
-            else
-                q16 = _mm256_add_epi16(_mm256_maddubs_epi16(x1, W1[p]), _mm256_maddubs_epi16(x2, W2[p]));
+            __m256i q16 = _mm256_add_epi16(_mm256_maddubs_epi16(x1, W1[p]),
+                                           _mm256_maddubs_epi16(x2, W2[p]));
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(q16, S[p]));
         }
-        __m256 f = _mm256_cvtepi32_ps(sign ? acc : _mm256_sub_epi32(acc, C));
         __m256 ts = _mm256_mul_ps(gscale, _mm256_set1_ps(xs[(size_t)t * xs_stride]));
-        fa[t] = _mm256_fmadd_ps(f, ts, fa[t]);
+        fa[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), ts, fa[t]);
     }
 }
 
