@@ -1,10 +1,12 @@
 /* FP4 (E2M1 pairs, one E8M0 scale per 1x32 block) fused matmul for the routed experts.
  * The int8 path (what decode uses): activations quantized once per call to int8 with a scale per
  * token per 256 inputs (a "group" of 8 blocks); the AVX2 kernel turns 32 packed bytes into 64 int8
- * weights (2 x e2m1, exact) with one vpshufb per 32, multiplies with vpmaddubsw (activations as
- * q + 128, unsigned; the +128 is removed with a per-row-group correction shared by all tokens), and
- * applies each block's scale as an int16 factor 2^(14 - (emax - e)) in vpmaddwd, so a group is one
- * exact int32 sum per lane and one float FMA per token. The fp32 path decodes exact fp32 tiles. */
+ * weights (2 x e2m1, exact) with one vpshufb per 32 and multiplies with vpmaddubsw: for 1-2 tokens
+ * |w| times q with w's sign moved onto q, for more tokens signed w times q + 128 with the 128 *
+ * sum(w) part removed once per row group for all tokens. Each block's scale enters as an int16
+ * factor 2^(14 - (emax - e)) in vpmaddwd, so a group is one exact int32 sum per lane and one
+ * float FMA per token. The scalar path computes the same integers and float operations. The
+ * fp32 path decodes exact fp32 tiles for the shared engine (kern_common.c). */
 #include "host/kern_internal.h"
 
 #include <float.h>
