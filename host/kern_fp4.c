@@ -314,7 +314,8 @@ static inline void mf_fp4_group_avx2(const uint8_t *wg, __m256i Sb, __m256 gscal
      * accumulators start at -C, the +128 part */
     __m256i W1[4], W2[4], S[4];
     __m256i negC = _mm256_setzero_si256();
-    W1[2] = W1[3] = W2[2] = W2[3] = S[2] = S[3] = negC;
+    for (int p = 0; p < 4; p++)       /* unused when np < 4 */
+        W1[p] = W2[p] = S[p] = negC;
 #pragma GCC unroll 4
     for (int p = 0; p < np; p++) {
         __m256i v;

@@ -47,7 +47,7 @@ static void spin_wait(spin_barrier *b)
 
 /* ---- the work items ------------------------------------------------------------------------- */
 
-enum job_kind { JOB_FUSED, JOB_FUSED_F32, JOB_PROBE, JOB_EXPAND, JOB_QUIT };
+enum job_kind { JOB_FUSED, JOB_FUSED_F32, JOB_PROBE, JOB_EXPAND, JOB_FFN, JOB_QUIT };
 
 typedef struct {
     int n_out, n_in, n_copies;
@@ -63,6 +63,10 @@ typedef struct {
     const float *x;
     mf_kern_q8 q8;
     float *y;
+    /* the expert FFN: w1/w3 from pool up (two copies), w2 from pool down */
+    const pool *up, *down;
+    mf_kern_q8 qh;
+    float *h;
     float *expanded;             /* [n_out][n_in], the baseline's */
     int n_threads;
     spin_barrier bar;
@@ -144,6 +148,31 @@ static int do_job(bench_ctx *c, int id)
                 acc += row[k] * c->x[k];
             c->y[o] = acc;
         }
+        break;
+    }
+    case JOB_FFN: {
+        int n = c->n_tok, t0, t1, h0, h1, d0, d1;
+        const pool *up = c->up, *dn = c->down;
+        int cu = c->copy % up->n_copies, cd = c->copy % dn->n_copies;
+        mf_kern_mat w1 = {MF_KERN_FP4, up->w[cu], up->s[cu], up->n_out, up->n_in};
+        mf_kern_mat w3 = {MF_KERN_FP4, up->w[(cu + 1) % up->n_copies], up->s[(cu + 1) % up->n_copies],
+                          up->n_out, up->n_in};
+        mf_kern_mat w2 = {MF_KERN_FP4, dn->w[cd], dn->s[cd], dn->n_out, dn->n_in};
+        row_range(n, c->n_threads, id, &t0, &t1);
+        row_range(up->n_out, c->n_threads, id, &h0, &h1);
+        row_range(dn->n_out, c->n_threads, id, &d0, &d1);
+        rc = mf_kern_q8_quantize(&c->q8, c->x, up->n_in, t0, t1);
+        spin_wait(&c->bar);
+        mf_kern_in in = {c->x, n, up->n_in, &c->q8};
+        if (!rc)
+            rc = mf_kern_ffn_up(&w1, &w3, &in, NULL, 10.0f, c->h, up->n_out, h0, h1);
+        spin_wait(&c->bar);
+        if (!rc)
+            rc = mf_kern_q8_quantize(&c->qh, c->h, up->n_out, t0, t1);
+        spin_wait(&c->bar);
+        mf_kern_in hin = {c->h, n, up->n_out, &c->qh};
+        if (!rc)
+            rc = mf_kern_ffn_down(&w2, &hin, c->y, dn->n_out, d0, d1);
         break;
     }
     case JOB_QUIT:
@@ -343,14 +372,15 @@ int mf_bench_kernels(int argc, char **argv)
     }
 
     int status = 0;
-    for (int s = 0; s < 2 && !status; s++) {
-        pool pl;
-        if (pool_make(&pl, sh[s].n_out, sh[s].n_in, pool_bytes)) {
+    pool pools[2];
+    memset(pools, 0, sizeof pools);
+    for (int s = 0; s < 2 && !status; s++)
+        if (pool_make(&pools[s], sh[s].n_out, sh[s].n_in, pool_bytes)) {
             fprintf(stderr, "%s\n", mf_last_error());
-            pool_free(&pl);
             status = 1;
-            break;
         }
+    for (int s = 0; s < 2 && !status; s++) {
+        pool pl = pools[s];
         c->pl = &pl;
         sh[s].bytes = (double)(pl.w_bytes + pl.s_bytes);
         if (!json)
@@ -394,8 +424,42 @@ int mf_bench_kernels(int argc, char **argv)
                 fprintf(stderr, "bench kernels: %s\n", mf_last_error());
                 status = 1;
             }
-        pool_free(&pl);
     }
+    /* the expert FFN: w1, w3 (two copies of the up pool), q8 of h, w2 */
+    int64_t ffn_ns[3] = {0, 0, 0};
+    static const int ffn_toks[3] = {1, 8, 16};
+    size_t qhb = mf_kern_q8_bytes(64, 2304);
+    void *qhbuf = malloc(qhb);
+    c->h = malloc(sizeof(float) * 64 * 2304);
+    if (!qhbuf || !c->h) {
+        fprintf(stderr, "bench kernels: out of memory\n");
+        status = 1;
+    }
+    if (!status) {
+        c->up = &pools[0];
+        c->down = &pools[1];
+        c->pl = &pools[0];
+        int64_t t[3][64];
+        int next = 0;
+        for (int r = 0; r < reps; r++)
+            for (int i = 0; i < 3; i++) {
+                mf_kern_q8_init(&c->q8, qbuf, qb, ffn_toks[i], 5120);
+                mf_kern_q8_init(&c->qh, qhbuf, qhb, ffn_toks[i], 2304);
+                t[i][r] = run_call(c, JOB_FFN, next, ffn_toks[i]);
+                next += 2;
+            }
+        for (int i = 0; i < 3; i++)
+            ffn_ns[i] = median_of(t[i], reps);
+        for (int i = 0; i < n_threads; i++)
+            if (c->rc[i]) {
+                fprintf(stderr, "bench kernels: %s\n", mf_last_error());
+                status = 1;
+            }
+    }
+    free(qhbuf);
+    free(c->h);
+    pool_free(&pools[0]);
+    pool_free(&pools[1]);
     c->kind = JOB_QUIT;
     spin_wait(&c->bar);
     for (int i = 1; i < n_threads; i++)
@@ -435,6 +499,16 @@ int mf_bench_kernels(int argc, char **argv)
                f >= 0.85 ? "PASS" : "MISS", sp, sp >= 30 ? "PASS" : "MISS", a8,
                a8 <= 2.5 ? "PASS" : "MISS", a16, a16 <= 4.0 ? "PASS" : "MISS");
     }
+    double ffn_bytes = sh[0].bytes * 2 + sh[1].bytes;
+    double ffn_probe = 2.0 * (double)sh[0].probe_ns + (double)sh[1].probe_ns;
+    if (!status && !json) {
+        printf("expert FFN (w1, w3, swiglu, q8 of h, w2; %.2f MiB), %d threads:\n",
+               ffn_bytes / 1048576.0, n_threads);
+        for (int i = 0; i < 3; i++)
+            printf("  %-28s %10.1f %9.2f %9.2f  (%.0f%% of the probes' bandwidth)\n",
+                   i == 0 ? "ffn, 1 tok" : i == 1 ? "ffn, 8 tok" : "ffn, 16 tok", ffn_ns[i] / 1e3,
+                   ffn_bytes / ffn_ns[i], (double)ffn_ns[i] / ffn_ns[0], 100.0 * ffn_probe / ffn_ns[i]);
+    }
     if (!status && json) {
         printf("{\"bw_fraction_1\": %.4f, \"time_ratio_8\": %.4f, \"time_ratio_16\": %.4f, "
                "\"speedup_vs_expand\": %.2f, \"threads\": %d, \"simd\": \"%s\", \"shapes\": [",
@@ -450,7 +524,8 @@ int mf_bench_kernels(int argc, char **argv)
             printf("}, \"fused_f32_ns\": {\"1\": %lld, \"8\": %lld}}", (long long)r->f32_ns[0],
                    (long long)r->f32_ns[1]);
         }
-        printf("]}\n");
+        printf("], \"ffn_ns\": {\"1\": %lld, \"8\": %lld, \"16\": %lld}}\n", (long long)ffn_ns[0],
+               (long long)ffn_ns[1], (long long)ffn_ns[2]);
     } else if (!status) {
         printf("worst over shapes: bw_fraction_1 %.3f, time_ratio_8 %.2f, time_ratio_16 %.2f, "
                "speedup_vs_expand %.1f\n", bw_frac, r8, r16, speed);
