@@ -258,6 +258,7 @@ int mf_cmd_decode(int argc, char **argv)
     }
     int64_t t2 = mf_now_ns();
     putchar('\n');
+    fflush(stdout);
     if (!quiet)
         fprintf(stderr, "moeflow decode: prefill %d tokens in %.3f s (%.2f tokens/s); decode %ld "
                         "forward steps in %.3f s (%.2f tokens/s); %ld tokens out\n", n_prompt, (t1 - t0) / 1e9,
