@@ -798,8 +798,10 @@ int mf_config_preset(const char *name, mf_config *c)
         c->n_routed_experts = 16;
         c->n_experts_per_tok = 2;
         c->moe_intermediate_size = 64;
-        c->engram_num_embeddings[0] = 1009;
-        c->engram_num_embeddings[1] = 1213;
+        /* each table holds exactly the rows its hash primes address (sum of the primes, as in
+         * the released model; see graphs/ref_engram.c) */
+        c->engram_num_embeddings[0] = 2056;
+        c->engram_num_embeddings[1] = 2208;
         c->engram_max_ngram_size = 3;
         c->engram_n_heads = 2;
         c->engram_head_dim = 32;
@@ -824,8 +826,8 @@ int mf_config_preset(const char *name, mf_config *c)
         c->n_routed_experts = 64;
         c->n_experts_per_tok = 6;
         c->moe_intermediate_size = 768;
-        c->engram_num_embeddings[0] = 2000003;
-        c->engram_num_embeddings[1] = 2000029;
+        c->engram_num_embeddings[0] = 1920646;   /* sums of the hash primes */
+        c->engram_num_embeddings[1] = 1922284;
         c->engram_max_ngram_size = 4;
         c->engram_n_heads = 4;
         c->engram_head_dim = 64;

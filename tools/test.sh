@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: installs dependencies, builds the normal configuration
 # (CUDA on when nvcc is found), an ASan+UBSan build (CPU only), a TSan build for the scheduler,
-# and a clang libFuzzer build with a short fuzz run; runs ctest in each.
+# and a clang libFuzzer build with a short fuzz run; runs ctest in each, and the conformance checks
+# against reference Python packages (tests/conformance/run.sh) on the normal build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -22,6 +23,8 @@ run_suite() {  # name, ctest filter, cmake args...
 }
 
 run_suite build "" -DCMAKE_BUILD_TYPE=RelWithDebInfo
+echo "=== test.sh: conformance (tests/conformance/run.sh)"
+MOEFLOW_BUILD="$root/build" bash tests/conformance/run.sh
 run_suite build-asan "" -DCMAKE_BUILD_TYPE=Debug -DMOEFLOW_CUDA=OFF \
   "-DMOEFLOW_SANITIZE=address;undefined"
 if ls "$root"/tests/test_sched*.c >/dev/null 2>&1; then

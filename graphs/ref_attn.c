@@ -1,0 +1,240 @@
+/* The attention sublayer of the reference forward: low-rank q, the fp8 fake-quantized window KV
+ * ring, the compressor of KV-source layers (ratio 2 gated pooling or ratio 1) with fp4 index keys
+ * and fp4 compressed entries, the indexer (scores, the candidate-block mask, top-k), sparse
+ * attention over window + selected entries with a per-head sink, inverse RoPE and the grouped
+ * low-rank output. */
+#include <errno.h>
+#include <string.h>
+
+#include "graphs/ref_internal.h"
+#include "sched/error.h"
+
+/* Compressor of KV-source layer L for the token at it->pos: emits an entry when a group closes. */
+static int mf_ref_compress(mf_ref *r, mf_ref_item *it, int L, const float *in)
+{
+    const mf_config *c = r->c;
+    const mf_model_layer *y = mf_model_layer_at(r->m, L);
+    mf_ref_cache *ca = &it->st->cache[L];
+    int ratio = c->compress_ratios[L], D = c->head_dim, rd = c->qk_rope_head_dim;
+    int id = c->index_head_dim;
+    float *lat = r->s[8], *sc = r->s[9];
+    int rc;
+    if ((rc = mf_ref_linear(r, &y->cmp_wkv, in, lat, 0))) return rc;
+    if (ratio == 2) {
+        if ((rc = mf_ref_linear(r, &y->cmp_wgate, in, sc, 0))) return rc;   /* fp32 */
+        if (it->pos % 2 == 0) {   /* opens a group */
+            memcpy(ca->pend_kv, lat, (size_t)D * sizeof *lat);
+            memcpy(ca->pend_score, sc, (size_t)D * sizeof *sc);
+            return 0;
+        }
+        for (int d = 0; d < D; d++) {   /* softmax over the group's 2 tokens, per channel */
+            double a = ca->pend_score[d], b = sc[d], m = a > b ? a : b;
+            double ea = exp(a - m), eb = exp(b - m);
+            lat[d] = (float)((ca->pend_kv[d] * ea + lat[d] * eb) / (ea + eb));
+        }
+    }
+    mf_bf_n(lat, D);
+    mf_ref_rmsnorm(lat, D, &y->cmp_norm, c->rms_norm_eps, lat);
+    int64_t g = ca->n, gpos = g * ratio;
+    if (g != (it->pos + 1) / ratio - 1)
+        return mf_error(-EINVAL, "reference: layer %d compressed entry %lld out of step at position %lld",
+                        L, (long long)g, (long long)it->pos);
+    /* index key: k_norm(wk(latent)), RoPE at the group's first position, fp4 (e8m0 per 32) */
+    float *key = ca->key + g * id;
+    if ((rc = mf_ref_linear(r, &y->idx_wk, lat, key, 0))) return rc;
+    mf_bf_n(key, id);
+    mf_ref_rmsnorm(key, id, &y->idx_k_norm, c->rms_norm_eps, key);
+    mf_ref_rope(key + id - rd, rd / 2, r->freqs_comp, gpos, 0);
+    mf_bf_n(key, id);
+    mf_ref_fq_e2m1_pow2(key, id, 32);
+    /* entry: the roped latent, fp4 (e4m3 scale per 16) */
+    float *e = ca->kv + g * D;
+    memcpy(e, lat, (size_t)D * sizeof *e);
+    mf_ref_rope(e + D - rd, rd / 2, r->freqs_comp, gpos, 0);
+    mf_bf_n(e, D);
+    mf_ref_fq_e2m1_e4m3(e, D, 16);
+    ca->n = g + 1;
+    return 0;
+}
+
+/* Indexer of index-source layer L: scores the n_vis visible entries of KV source S, builds the
+ * candidate mask (on the candidate layer) or applies it (on later index layers of the same
+ * source), and leaves the top-k selection, ascending, in it->topk. */
+static int mf_ref_index(mf_ref *r, mf_ref_item *it, int L, int S, const float *in, const float *qr,
+                        int64_t n_vis)
+{
+    const mf_config *c = r->c;
+    const mf_model_layer *y = mf_model_layer_at(r->m, L);
+    const mf_ref_cache *ca = &it->st->cache[S];
+    int ih = c->index_n_heads, id = c->index_head_dim, rd = c->qk_rope_head_dim;
+    float *qi = r->s[8], *wts = r->s[9];
+    int rc;
+    if ((rc = mf_ref_linear(r, &y->idx_wq_b, qr, qi, r->opts.act_quant))) return rc;
+    mf_bf_n(qi, (int64_t)ih * id);
+    for (int h = 0; h < ih; h++) mf_ref_rope(qi + h * id + id - rd, rd / 2, r->freqs_comp, it->pos, 0);
+    mf_bf_n(qi, (int64_t)ih * id);
+    mf_ref_fq_e2m1_pow2(qi, (int64_t)ih * id, 32);
+    if ((rc = mf_ref_linear(r, &y->idx_weights_proj, in, wts, 0))) return rc;
+    float wscale = (float)(1.0 / sqrt((double)id) / sqrt((double)ih));
+    for (int h = 0; h < ih; h++) wts[h] = mf_bf(wts[h]) * wscale;
+
+    double *score = r->s_scores;
+    for (int64_t j = 0; j < n_vis; j++) {
+        const float *k = ca->key + j * id;
+        double acc = 0;
+        for (int h = 0; h < ih; h++) {
+            double dot = 0;
+            for (int d = 0; d < id; d++) dot += (double)qi[h * id + d] * k[d];
+            float rl = (float)dot > 0 ? (float)dot : 0.0f;
+            acc += (double)(wts[h] * rl);
+        }
+        score[j] = (float)acc;
+    }
+
+    int bs = c->candidate_block_size, cl = c->candidate_source_layer_id;
+    if (L == cl) {   /* publish the candidate blocks: top blocks by max score, newest pinned */
+        int64_t nb = (n_vis + bs - 1) / bs;
+        mf_ref_pick *pk = r->s_picks;
+        for (int64_t b = 0; b < nb; b++) {
+            double mx = -INFINITY;
+            for (int64_t j = b * bs; j < (b + 1) * bs && j < n_vis; j++) mx = score[j] > mx ? score[j] : mx;
+            pk[b].score = b == (n_vis - 1) / bs ? INFINITY : mx;
+            pk[b].idx = (int32_t)b;
+        }
+        mf_ref_sort_picks(pk, nb);
+        int64_t keep = nb < c->candidate_topk_blocks ? nb : c->candidate_topk_blocks;
+        int n = 0;
+        for (int64_t i = 0; i < keep; i++)
+            if (pk[i].score != -INFINITY) it->cand[n++] = pk[i].idx;
+        /* ascending, for the membership test */
+        for (int i = 1; i < n; i++)
+            for (int j = i; j > 0 && it->cand[j - 1] > it->cand[j]; j--) {
+                int32_t t = it->cand[j];
+                it->cand[j] = it->cand[j - 1];
+                it->cand[j - 1] = t;
+            }
+        it->n_cand = n;
+        it->cand_src = S;
+    } else if (cl >= 0 && cl < L && it->cand_src == S) {
+        int ci = 0;
+        for (int64_t j = 0; j < n_vis; j++) {
+            int32_t b = (int32_t)(j / bs);
+            while (ci < it->n_cand && it->cand[ci] < b) ci++;
+            if (ci >= it->n_cand || it->cand[ci] != b) score[j] = -INFINITY;
+        }
+    }
+
+    int64_t k = n_vis < c->index_topk ? n_vis : c->index_topk;
+    mf_ref_pick *pk = r->s_picks;
+    for (int64_t j = 0; j < n_vis; j++) {
+        pk[j].score = score[j];
+        pk[j].idx = (int32_t)j;
+    }
+    mf_ref_sort_picks(pk, n_vis);
+    int n = 0;
+    for (int64_t i = 0; i < k; i++)
+        if (pk[i].score != -INFINITY) it->topk[n++] = pk[i].idx;
+    for (int i = 1; i < n; i++)   /* ascending (position order) */
+        for (int j = i; j > 0 && it->topk[j - 1] > it->topk[j]; j--) {
+            int32_t t = it->topk[j];
+            it->topk[j] = it->topk[j - 1];
+            it->topk[j - 1] = t;
+        }
+    it->n_topk = n;
+    it->topk_src = S;
+    return 0;
+}
+
+int mf_ref_attn(mf_ref *r, mf_ref_item *it, int L, const float *in, float *out)
+{
+    const mf_config *c = r->c;
+    const mf_model_layer *y = mf_model_layer_at(r->m, L);
+    int D = c->head_dim, nh = c->n_heads, rd = c->qk_rope_head_dim, W = c->sliding_window;
+    int ratio = c->compress_ratios[L], aq = r->opts.act_quant;
+    int64_t p = it->pos;
+    const float *freqs = ratio ? r->freqs_comp : r->freqs_main;
+    float *qr = r->s[3], *q = r->s[4], *kv = r->s[5], *o = r->s[6], *z = r->s[7];
+    int rc;
+
+    /* queries */
+    if ((rc = mf_ref_linear(r, &y->wq_a, in, qr, aq))) return rc;
+    mf_bf_n(qr, c->q_lora_rank);
+    mf_ref_rmsnorm(qr, c->q_lora_rank, &y->q_norm, c->rms_norm_eps, qr);
+    if ((rc = mf_ref_linear(r, &y->wq_b, qr, q, aq))) return rc;
+    mf_bf_n(q, (int64_t)nh * D);
+    for (int h = 0; h < nh; h++) mf_ref_rope(q + h * D + D - rd, rd / 2, freqs, p, 0);
+    mf_bf_n(q, (int64_t)nh * D);
+
+    /* window KV: norm, RoPE, fp8 fake-quant over all channels in blocks of 32, into the ring */
+    if ((rc = mf_ref_linear(r, &y->wkv, in, kv, aq))) return rc;
+    mf_bf_n(kv, D);
+    mf_ref_rmsnorm(kv, D, &y->kv_norm, c->rms_norm_eps, kv);
+    mf_ref_rope(kv + D - rd, rd / 2, freqs, p, 0);
+    mf_bf_n(kv, D);
+    mf_ref_fq_e4m3_pow2(kv, D, 32);
+    float *ring = it->st->ring + (int64_t)L * W * D;
+    memcpy(ring + (p % W) * D, kv, (size_t)D * sizeof *kv);
+
+    /* compressed entries and their selection */
+    const float *ckv = NULL;
+    const int32_t *sel = NULL;
+    int n_sel = 0;
+    if (ratio > 0) {
+        int S = r->src_of[L];
+        if (S == L && (rc = mf_ref_compress(r, it, L, in))) return rc;
+        int64_t n_vis = (p + 1) / ratio;
+        if (mf_config_is_index_source(c, L) && n_vis > 0 &&
+            (rc = mf_ref_index(r, it, L, S, in, qr, n_vis)))
+            return rc;
+        if (mf_config_is_index_source(c, L) && n_vis == 0) {
+            it->n_topk = 0;
+            it->topk_src = S;
+        }
+        if (it->topk_src == S) {
+            sel = it->topk;
+            n_sel = it->n_topk;
+            ckv = it->st->cache[S].kv;
+        }
+        if (r->opts.hooks.on_select)
+            r->opts.hooks.on_select(r->opts.hooks.user, it->st, p, L, sel, n_sel);
+    }
+
+    /* attention with a sink: window slots of positions max(0, p-W+1)..p, then the selection */
+    int64_t t0 = p - W + 1 < 0 ? 0 : p - W + 1, n_win = p - t0 + 1;
+    double *s = r->s_scores, scale = 1.0 / sqrt((double)D);
+    for (int h = 0; h < nh; h++) {
+        const float *qh = q + h * D;
+        double sink = mf_ref_vec(&y->attn_sink, h), mx = sink;
+        for (int64_t i = 0; i < n_win + n_sel; i++) {
+            const float *k = i < n_win ? ring + ((t0 + i) % W) * D : ckv + (int64_t)sel[i - n_win] * D;
+            double dot = 0;
+            for (int d = 0; d < D; d++) dot += (double)qh[d] * k[d];
+            s[i] = dot * scale;
+            mx = s[i] > mx ? s[i] : mx;
+        }
+        double den = exp(sink - mx);
+        double *acc = (double *)r->s[9];   /* D doubles */
+        for (int d = 0; d < D; d++) acc[d] = 0;
+        for (int64_t i = 0; i < n_win + n_sel; i++) {
+            const float *v = i < n_win ? ring + ((t0 + i) % W) * D : ckv + (int64_t)sel[i - n_win] * D;
+            double e = exp(s[i] - mx);
+            den += e;
+            for (int d = 0; d < D; d++) acc[d] += e * v[d];
+        }
+        float *oh = o + h * D;
+        for (int d = 0; d < D; d++) oh[d] = mf_bf((float)(acc[d] / den));
+        mf_ref_rope(oh + D - rd, rd / 2, freqs, p, 1);   /* inverse RoPE at the query position */
+        mf_bf_n(oh + D - rd, rd);
+    }
+
+    /* grouped low-rank output: z_g = wo_a[g] o_g (no act quant), out = wo_b z */
+    int G = c->o_groups, R = c->o_lora_rank;
+    int64_t gs = (int64_t)nh * D / G;
+    for (int g = 0; g < G; g++)
+        if ((rc = mf_ref_linear_rows(r, &y->wo_a, (int64_t)g * R, R, o + g * gs, gs, 0, z + (int64_t)g * R)))
+            return rc;
+    mf_bf_n(z, (int64_t)G * R);
+    if ((rc = mf_ref_linear(r, &y->wo_b, z, out, aq))) return rc;
+    mf_bf_n(out, c->hidden_size);
+    return 0;
+}

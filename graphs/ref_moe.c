@@ -1,0 +1,91 @@
+/* The MoE sublayer of the reference forward: fp32 router (sqrtsoftplus scores, bias-corrected
+ * top-k selection, weights from the unbiased scores, normalized and scaled), clamped-SwiGLU routed
+ * experts (packed fp4) and the shared expert (fp8), summed in fp32. */
+#include <string.h>
+
+#include "graphs/ref_internal.h"
+
+void mf_ref_route(const mf_config *c, const float *logits, const float *bias, int32_t *experts,
+                  float *weights)
+{
+    int n = c->n_routed_experts, k = c->n_experts_per_tok;
+    /* scores are recomputed per candidate: small n, plain loops */
+    for (int t = 0; t < k; t++) {
+        int best = -1;
+        float best_v = 0;
+        for (int e = 0; e < n; e++) {
+            int taken = 0;
+            for (int u = 0; u < t; u++) taken |= experts[u] == e;
+            if (taken) continue;
+            float v = sqrtf(mf_ref_softplus(logits[e])) + bias[e];
+            if (best < 0 || v > best_v) {   /* strict: ties keep the lower index */
+                best = e;
+                best_v = v;
+            }
+        }
+        experts[t] = best;
+    }
+    double sum = 0;
+    for (int t = 0; t < k; t++) {
+        weights[t] = sqrtf(mf_ref_softplus(logits[experts[t]]));
+        sum += weights[t];
+    }
+    float denom = (float)sum + 1e-20f;
+    for (int t = 0; t < k; t++) {
+        if (c->norm_topk_prob) weights[t] /= denom;
+        weights[t] *= (float)c->routed_scaling_factor;
+    }
+}
+
+/* y[hidden] = w2(bf16(weight * silu(min(g, lim)) * clamp(u, +-lim))) with g = w1 x, u = w3 x. */
+static int mf_ref_expert(mf_ref *r, const mf_weight *w1, const mf_weight *w2, const mf_weight *w3,
+                         float weight, const float *in, float *y)
+{
+    const mf_config *c = r->c;
+    int aq = r->opts.act_quant;
+    float *g = r->s[6], *u = r->s[7];
+    int rc;
+    if ((rc = mf_ref_linear(r, w1, in, g, aq)) || (rc = mf_ref_linear(r, w3, in, u, aq))) return rc;
+    float lim = (float)c->swiglu_limit;
+    for (int64_t i = 0; i < w1->rows; i++) {
+        float gi = mf_bf(g[i]), ui = mf_bf(u[i]);   /* linear outputs are bf16, then .float() */
+        if (lim > 0) {
+            ui = fminf(fmaxf(ui, -lim), lim);
+            gi = fminf(gi, lim);
+        }
+        g[i] = mf_bf(weight * (mf_ref_silu(gi) * ui));
+    }
+    if ((rc = mf_ref_linear(r, w2, g, y, aq))) return rc;
+    mf_bf_n(y, w2->rows);
+    return 0;
+}
+
+int mf_ref_moe(mf_ref *r, mf_ref_item *it, int L, const float *in, float *out)
+{
+    const mf_config *c = r->c;
+    const mf_model_layer *y = mf_model_layer_at(r->m, L);
+    int64_t H = c->hidden_size;
+    float *logits = r->s[3], *bias = r->s[4], *acc_y = r->s[5];
+    int rc;
+    if ((rc = mf_ref_linear(r, &y->gate, in, logits, 0))) return rc;   /* fp32, no rounding */
+    for (int e = 0; e < c->n_routed_experts; e++) bias[e] = mf_ref_vec(&y->gate_bias, e);
+    int32_t experts[256];
+    float weights[256];
+    mf_ref_route(c, logits, bias, experts, weights);
+    if (r->opts.hooks.on_route)
+        r->opts.hooks.on_route(r->opts.hooks.user, it->st, it->pos, L, experts, weights,
+                               c->n_experts_per_tok);
+    double *acc = (double *)r->s[8];   /* s_len floats hold >= hidden doubles (see mf_ref_new) */
+    for (int64_t d = 0; d < H; d++) acc[d] = 0;
+    for (int t = 0; t < c->n_experts_per_tok; t++) {
+        const mf_weight *ew = &y->experts[experts[t] * 3];
+        if ((rc = mf_ref_expert(r, &ew[0], &ew[1], &ew[2], weights[t], in, acc_y))) return rc;
+        for (int64_t d = 0; d < H; d++) acc[d] += acc_y[d];
+    }
+    if (c->n_shared_experts > 0) {
+        if ((rc = mf_ref_expert(r, &y->sh_w1, &y->sh_w2, &y->sh_w3, 1.0f, in, acc_y))) return rc;
+        for (int64_t d = 0; d < H; d++) acc[d] += acc_y[d];
+    }
+    for (int64_t d = 0; d < H; d++) out[d] = mf_bf((float)acc[d]);
+    return 0;
+}

@@ -1,0 +1,233 @@
+/* Numeric helpers of the reference forward: dequantizing matrix-vector products over every stored
+ * weight kind, RMSNorm with the HF port's rounding, interleaved RoPE, the three fake
+ * quantizations of V4.1 (e4m3 pow2-scaled, e2m1 with e8m0 or e4m3 scales), activations. */
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "graphs/ref_internal.h"
+#include "sched/error.h"
+
+static float mf_e4m3_lut[256];
+static float mf_e2m1_lut[16];
+static pthread_once_t mf_luts_once = PTHREAD_ONCE_INIT;
+
+/* bf16 -> f32 is the top half of the float: exact, as mf_bf16_to_f32 (inlined for the head) */
+static inline float mf_bf16_bits(const uint8_t *p)
+{
+    uint16_t b;
+    memcpy(&b, p, 2);
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static void mf_ref_luts_fill(void)
+{
+    for (int i = 0; i < 256; i++) mf_e4m3_lut[i] = mf_e4m3_to_f32((uint8_t)i);
+    for (int i = 0; i < 16; i++) mf_e2m1_lut[i] = mf_e2m1_to_f32((uint8_t)i);
+}
+
+/* filled once per process, so separate forwards may run on separate threads */
+static void mf_ref_luts(void) { pthread_once(&mf_luts_once, mf_ref_luts_fill); }
+
+void mf_bf_n(float *x, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) x[i] = mf_bf(x[i]);
+}
+
+float mf_ref_vec(const mf_weight *w, int64_t i)
+{
+    if (w->kind == MF_W_F32) {
+        float v;
+        memcpy(&v, w->data + 4 * i, 4);
+        return v;
+    }
+    uint16_t b;
+    memcpy(&b, w->data + 2 * i, 2);
+    return mf_bf16_to_f32(b);
+}
+
+/* One output row: sum over cols [0, n) of W[row][col0 + k] * x[k], in double. */
+static double mf_ref_dot_row(const mf_weight *w, const uint8_t *data, const uint8_t *scale,
+                             int64_t row, int64_t col0, int64_t n, const float *x)
+{
+    double acc = 0;
+    int64_t cols = w->cols;
+    switch (w->kind) {
+    case MF_W_FP8: {
+        int64_t sc_cols = (cols + w->block_cols - 1) / w->block_cols;
+        const uint8_t *srow = scale + (row / w->block_rows) * sc_cols;
+        const uint8_t *d = data + row * cols;
+        for (int64_t k = 0; k < n;) {
+            int64_t c = col0 + k, blk = c / w->block_cols, end = (blk + 1) * w->block_cols - col0;
+            if (end > n) end = n;
+            double part = 0;
+            for (; k < end; k++) part += (double)mf_e4m3_lut[d[col0 + k]] * x[k];
+            acc += part * mf_e8m0_to_f32(srow[blk]);
+        }
+        break;
+    }
+    case MF_W_FP4: {
+        const uint8_t *d = data + row * (cols / 2), *s = scale + row * (cols / 32);
+        for (int64_t k = 0; k < n;) {
+            int64_t c = col0 + k, blk = c / 32, end = (blk + 1) * 32 - col0;
+            if (end > n) end = n;
+            double part = 0;
+            for (; k < end; k++) part += (double)mf_e2m1_lut[mf_e2m1_get(d, (size_t)(col0 + k))] * x[k];
+            acc += part * mf_e8m0_to_f32(s[blk]);
+        }
+        break;
+    }
+    case MF_W_BF16: {
+        const uint8_t *d = data + row * cols * 2;
+        for (int64_t k = 0; k < n; k++) acc += (double)mf_bf16_bits(d + 2 * (col0 + k)) * x[k];
+        break;
+    }
+    case MF_W_F32: {
+        const uint8_t *d = data + row * cols * 4;
+        for (int64_t k = 0; k < n; k++) {
+            float v;
+            memcpy(&v, d + 4 * (col0 + k), 4);
+            acc += (double)v * x[k];
+        }
+        break;
+    }
+    default:
+        break;
+    }
+    return acc;
+}
+
+/* Resident data of w, or a read of it into r's lazy buffers. */
+static int mf_ref_weight_bytes(mf_ref *r, const mf_weight *w, const uint8_t **data,
+                               const uint8_t **scale)
+{
+    if (w->data) {
+        *data = w->data;
+        *scale = w->scale;
+        return 0;
+    }
+    int rc = mf_model_weight_read(r->m, w, 0, w->rows, r->lazy_data, r->lazy_scale);
+    if (rc) return rc;
+    *data = r->lazy_data;
+    *scale = r->lazy_scale;
+    return 0;
+}
+
+int mf_ref_linear_rows(mf_ref *r, const mf_weight *w, int64_t row0, int64_t n, const float *x,
+                       int64_t x_cols, int64_t col0, float *y)
+{
+    mf_ref_luts();
+    const uint8_t *data, *scale;
+    int rc = mf_ref_weight_bytes(r, w, &data, &scale);
+    if (rc) return rc;
+    for (int64_t i = 0; i < n; i++)
+        y[i] = (float)mf_ref_dot_row(w, data, scale, row0 + i, col0, x_cols, x);
+    return 0;
+}
+
+int mf_ref_linear(mf_ref *r, const mf_weight *w, const float *x, float *y, int aq)
+{
+    if (w->kind == MF_W_NONE || w->kind == MF_W_TABLE)
+        return mf_error(-EINVAL, "reference: %s is not a linear", w->name ? w->name : "(absent)");
+    if (aq && (w->kind == MF_W_FP8 || w->kind == MF_W_FP4)) {
+        memcpy(r->s_aq, x, (size_t)w->cols * sizeof *x);
+        mf_ref_fq_e4m3_pow2(r->s_aq, w->cols, 32);
+        x = r->s_aq;
+    }
+    return mf_ref_linear_rows(r, w, 0, w->rows, x, w->cols, 0, y);
+}
+
+void mf_ref_rmsnorm(const float *x, int64_t n, const mf_weight *w, double eps, float *out)
+{
+    double ss = 0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float rs = (float)(1.0 / sqrt(ss / (double)n + eps));
+    for (int64_t i = 0; i < n; i++) out[i] = mf_bf(mf_ref_vec(w, i) * mf_bf(x[i] * rs));
+}
+
+void mf_ref_rope(float *x, int n_pairs, const float *freqs, int64_t pos, int inverse)
+{
+    for (int i = 0; i < n_pairs; i++) {
+        float ang = (float)pos * freqs[i];
+        float c = (float)cos((double)ang), s = (float)sin((double)ang);
+        if (inverse) s = -s;
+        float a = x[2 * i], b = x[2 * i + 1];
+        x[2 * i] = a * c - b * s;
+        x[2 * i + 1] = a * s + b * c;
+    }
+}
+
+/* 2^ceil(log2(v)) for a positive normal float v, by its bits (exponent + (mantissa != 0)). */
+static float mf_pow2_ceil(float v)
+{
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    int e = (int)((b >> 23) & 0xFF) - 127 + ((b & 0x7FFFFF) != 0);
+    return ldexpf(1.0f, e);
+}
+
+static float mf_block_amax(const float *x, int64_t n)
+{
+    float a = 0;
+    for (int64_t i = 0; i < n; i++) a = fmaxf(a, fabsf(x[i]));
+    return a;
+}
+
+void mf_ref_fq_e4m3_pow2(float *x, int64_t n, int block)
+{
+    mf_ref_luts();
+    for (int64_t b0 = 0; b0 < n; b0 += block) {
+        int64_t m = n - b0 < block ? n - b0 : block;
+        float s = mf_pow2_ceil(fmaxf(mf_block_amax(x + b0, m), 1e-4f) * (1.0f / 448.0f));
+        for (int64_t i = 0; i < m; i++) {
+            float q = fminf(fmaxf(x[b0 + i] / s, -448.0f), 448.0f);
+            x[b0 + i] = mf_e4m3_lut[mf_e4m3_from_f32(q)] * s;
+        }
+    }
+}
+
+void mf_ref_fq_e2m1_pow2(float *x, int64_t n, int block)
+{
+    mf_ref_luts();
+    for (int64_t b0 = 0; b0 < n; b0 += block) {
+        int64_t m = n - b0 < block ? n - b0 : block;
+        float s = mf_pow2_ceil(fmaxf(mf_block_amax(x + b0, m), 6.0f * 0x1p-126f) / 6.0f);
+        for (int64_t i = 0; i < m; i++) {
+            float q = fminf(fmaxf(x[b0 + i] / s, -6.0f), 6.0f);
+            x[b0 + i] = mf_e2m1_lut[mf_e2m1_from_f32(q)] * s;
+        }
+    }
+}
+
+void mf_ref_fq_e2m1_e4m3(float *x, int64_t n, int block)
+{
+    mf_ref_luts();
+    for (int64_t b0 = 0; b0 < n; b0 += block) {
+        int64_t m = n - b0 < block ? n - b0 : block;
+        /* amax/6 past e4m3's 448 would be NaN; clamped (reachable only with |x| > 2688) */
+        float v = fminf(fmaxf(mf_block_amax(x + b0, m), 6.0f * 0x1p-9f) / 6.0f, 448.0f);
+        float s = mf_e4m3_lut[mf_e4m3_from_f32(v)];
+        for (int64_t i = 0; i < m; i++) {
+            float q = fminf(fmaxf(x[b0 + i] / s, -6.0f), 6.0f);
+            x[b0 + i] = mf_e2m1_lut[mf_e2m1_from_f32(q)] * s;
+        }
+    }
+}
+
+float mf_ref_silu(float x) { return (float)((double)x / (1.0 + exp(-(double)x))); }
+float mf_ref_sigmoid(float x) { return (float)(1.0 / (1.0 + exp(-(double)x))); }
+float mf_ref_softplus(float x) { return x > 20.0f ? x : (float)log1p(exp((double)x)); }
+
+static int mf_pick_cmp(const void *a, const void *b)
+{
+    const mf_ref_pick *x = a, *y = b;
+    if (x->score > y->score) return -1;
+    if (x->score < y->score) return 1;
+    return (x->idx > y->idx) - (x->idx < y->idx);
+}
+
+void mf_ref_sort_picks(mf_ref_pick *p, int64_t n) { qsort(p, (size_t)n, sizeof *p, mf_pick_cmp); }

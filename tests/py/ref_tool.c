@@ -1,0 +1,93 @@
+/* Drives the reference forward for tests/py/check_ref.py: ref_tool DIR IDS OUT_PREFIX [act_quant]
+ * runs tokens IDS (comma separated) through one layer-major forward and writes OUT_PREFIX.logits
+ * (f32 [T, vocab]), OUT_PREFIX.routes (i32 [T, layers, experts_per_tok]) and OUT_PREFIX.select
+ * (i32 [T, layers, index_topk], -1 padded; compressed entries attended). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "graphs/model.h"
+#include "graphs/ref.h"
+#include "sched/error.h"
+
+typedef struct rec {
+    int n_layers, k, topk;
+    int32_t *routes, *sel;
+} rec;
+
+static void on_route(void *u, const void *seq, int64_t pos, int layer, const int32_t *e,
+                     const float *w, int n)
+{
+    rec *r = u;
+    memcpy(r->routes + (pos * r->n_layers + layer) * r->k, e, sizeof *e * (size_t)n);
+}
+
+static void on_select(void *u, const void *seq, int64_t pos, int layer, const int32_t *e, int n)
+{
+    rec *r = u;
+    memcpy(r->sel + (pos * r->n_layers + layer) * r->topk, e, sizeof *e * (size_t)n);
+}
+
+static int dump(const char *prefix, const char *ext, const void *p, size_t n)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s.%s", prefix, ext);
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(p, 1, n, f) != n || fclose(f)) {
+        fprintf(stderr, "ref_tool: cannot write %s\n", path);
+        return 1;
+    }
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 4) {
+        fprintf(stderr, "usage: ref_tool DIR IDS OUT_PREFIX [act_quant]\n");
+        return 2;
+    }
+    int32_t toks[4096];
+    int n = 0;
+    for (char *p = argv[2]; *p && n < 4096;) {
+        toks[n++] = (int32_t)strtol(p, &p, 10);
+        while (*p == ',') p++;
+    }
+    mf_model *m;
+    if (mf_model_load(argv[1], &(mf_model_opts){.quiet = 1}, &m)) {
+        fprintf(stderr, "ref_tool: %s\n", mf_last_error());
+        return 1;
+    }
+    const mf_config *c = mf_model_config(m);
+    rec r = {c->n_layers, c->n_experts_per_tok, c->index_topk, NULL, NULL};
+    r.routes = malloc(sizeof(int32_t) * (size_t)n * r.n_layers * r.k);
+    r.sel = malloc(sizeof(int32_t) * (size_t)n * r.n_layers * r.topk);
+    float *logits = malloc(sizeof(float) * (size_t)n * c->vocab_size);
+    float **lg = malloc(sizeof *lg * (size_t)n);
+    mf_ref_state **st = malloc(sizeof *st * (size_t)n);
+    memset(r.sel, 0xff, sizeof(int32_t) * (size_t)n * r.n_layers * r.topk);
+    mf_ref_opts o = {.act_quant = argc > 4 && atoi(argv[4]),
+                     .hooks = {.user = &r, .on_route = on_route, .on_select = on_select}};
+    mf_ref *ref;
+    mf_ref_state *s;
+    if (mf_ref_new(m, &o, &ref) || mf_ref_state_new(ref, n, &s)) {
+        fprintf(stderr, "ref_tool: %s\n", mf_last_error());
+        return 1;
+    }
+    for (int i = 0; i < n; i++) st[i] = s, lg[i] = logits + (size_t)i * c->vocab_size;
+    if (mf_ref_forward(ref, st, toks, n, lg)) {
+        fprintf(stderr, "ref_tool: %s\n", mf_last_error());
+        return 1;
+    }
+    int rc = dump(argv[3], "logits", logits, sizeof(float) * (size_t)n * c->vocab_size) ||
+             dump(argv[3], "routes", r.routes, sizeof(int32_t) * (size_t)n * r.n_layers * r.k) ||
+             dump(argv[3], "select", r.sel, sizeof(int32_t) * (size_t)n * r.n_layers * r.topk);
+    mf_ref_state_free(s);
+    mf_ref_free(ref);
+    mf_model_free(m);
+    free(logits);
+    free(lg);
+    free(st);
+    free(r.routes);
+    free(r.sel);
+    return rc;
+}
