@@ -446,7 +446,7 @@ int mf_bench_kernels(int argc, char **argv)
                 mf_kern_q8_init(&c->q8, qbuf, qb, ffn_toks[i], 5120);
                 mf_kern_q8_init(&c->qh, qhbuf, qhb, ffn_toks[i], 2304);
                 t[i][r] = run_call(c, JOB_FFN, next, ffn_toks[i]);
-                next += 2;
+                next = (next + 2) % pools[0].n_copies;
             }
         for (int i = 0; i < 3; i++)
             ffn_ns[i] = median_of(t[i], reps);
