@@ -164,6 +164,13 @@ static void q8_dequant(const mf_kern_q8 *q, double *out)
             }
 }
 
+/* Copies the n_tok x n_out outputs of a buffer with rows ld apart into out. */
+static void compact(const float *y, int n_tok, int n_out, int ld, float *out)
+{
+    for (int t = 0; t < n_tok; t++)
+        memcpy(out + (size_t)t * n_out, y + (size_t)t * ld, (size_t)n_out * 4);
+}
+
 static int n_paths;
 static mf_kern_simd paths[2];
 
@@ -182,8 +189,8 @@ static void note(int which, double e)
 }
 
 /* Runs the matmul of `m` (int8 path when q8) on the active path over rows split at `cuts`. */
-static int run_matmul(const test_mat *m, const float *x, int n_tok, const mf_kern_q8 *q8, float *y,
-                      int n_split)
+static int run_matmul(const test_mat *m, const float *x, int ld_x, int n_tok, const mf_kern_q8 *q8,
+                      float *y, int ld_y, int n_split)
 {
     int n_out = m->m.n_out;
     int prev = 0;
@@ -193,15 +200,15 @@ static int run_matmul(const test_mat *m, const float *x, int n_tok, const mf_ker
             r = prev;
         int rc;
         if (m->m.fmt == MF_KERN_FP4 && q8)
-            rc = mf_kern_fp4_matmul(m->w, m->scale, n_out, m->m.n_in, q8, y, n_out, prev, r);
+            rc = mf_kern_fp4_matmul(m->w, m->scale, n_out, m->m.n_in, q8, y, ld_y, prev, r);
         else if (m->m.fmt == MF_KERN_FP4)
-            rc = mf_kern_fp4_matmul_f32(m->w, m->scale, n_out, m->m.n_in, x, n_tok, m->m.n_in, y,
-                                        n_out, prev, r);
+            rc = mf_kern_fp4_matmul_f32(m->w, m->scale, n_out, m->m.n_in, x, n_tok, ld_x, y, ld_y,
+                                        prev, r);
         else if (m->m.fmt == MF_KERN_FP8)
-            rc = mf_kern_fp8_matmul(m->w, m->scale, n_out, m->m.n_in, x, n_tok, m->m.n_in, y,
-                                    n_out, prev, r);
+            rc = mf_kern_fp8_matmul(m->w, m->scale, n_out, m->m.n_in, x, n_tok, ld_x, y, ld_y,
+                                    prev, r);
         else
-            rc = mf_kern_bf16_matmul(m->w, n_out, m->m.n_in, x, n_tok, m->m.n_in, y, n_out, prev, r);
+            rc = mf_kern_bf16_matmul(m->w, n_out, m->m.n_in, x, n_tok, ld_x, y, ld_y, prev, r);
         if (rc)
             return rc;
         prev = r;
@@ -215,13 +222,18 @@ static void case_matmul(mf_kern_fmt fmt, int n_out, int n_in, int n_tok, int e_l
 {
     test_mat m;
     mat_make(&m, fmt, n_out, n_in, e_lo, e_hi);
-    size_t nx = (size_t)n_tok * n_in, ny = (size_t)n_tok * n_out;
-    float *x = xmalloc(nx * 4);
+    /* odd token counts run with padded rows (ld_x > n_in, ld_y > n_out); the padding must stay 0 */
+    int pad = n_tok & 1 ? 7 : 0, ld_x = n_in + pad, ld_y = n_out + pad;
+    size_t nx = (size_t)n_tok * n_in, ny = (size_t)n_tok * n_out, nyl = (size_t)n_tok * ld_y;
+    float *x = xmalloc((size_t)n_tok * ld_x * 4);
     double *xd = xmalloc(nx * 8), *ref = xmalloc(ny * 8), *refq = xmalloc(ny * 8);
-    for (size_t i = 0; i < nx; i++) {
-        x[i] = rng_normal() * (outliers && rng_unif() < 0.01 ? 8.0f : 1.0f);
-        xd[i] = x[i];
-    }
+    for (int t = 0; t < n_tok; t++)
+        for (int k = 0; k < ld_x; k++) {
+            float v = rng_normal() * (outliers && rng_unif() < 0.01 ? 8.0f : 1.0f);
+            x[(size_t)t * ld_x + k] = k < n_in ? v : NAN;   /* padding must never be read */
+            if (k < n_in)
+                xd[(size_t)t * n_in + k] = v;
+        }
     ref_matmul(m.dec, n_out, n_in, xd, n_tok, ref);
 
     size_t qb = mf_kern_q8_bytes(n_tok, n_in);
@@ -230,30 +242,35 @@ static void case_matmul(mf_kern_fmt fmt, int n_out, int n_in, int n_tok, int e_l
     float *y[2][2];   /* [path][f32 or q8] single range */
     for (int p = 0; p < 2; p++)
         for (int j = 0; j < 2; j++)
-            y[p][j] = xmalloc(ny * 4);
-    float *ys = xmalloc(ny * 4);
+            y[p][j] = calloc(nyl, 4);
+    float *ys = calloc(nyl, 4), *yc = xmalloc(ny * 4);
+    if (!ys || !y[0][0] || !y[0][1] || !y[1][0] || !y[1][1]) {
+        fprintf(stderr, "out of memory\n");
+        exit(2);
+    }
     char what[96];
-    snprintf(what, sizeof what, "%s [%d, %d] x %d tok, scales %d..%d",
+    snprintf(what, sizeof what, "%s [%d, %d] x %d tok (pad %d), scales %d..%d",
              fmt == MF_KERN_FP4 ? "fp4" : fmt == MF_KERN_FP8 ? "fp8" : "bf16", n_out, n_in, n_tok,
-             e_lo, e_hi);
+             pad, e_lo, e_hi);
+#define COMPACT(src) (compact(src, n_tok, n_out, ld_y, yc), yc)
 
     for (int p = 0; p < n_paths; p++) {
         CHECK(mf_kern_simd_set(paths[p]) == 0, "%s", mf_last_error());
         const char *pn = mf_kern_simd_name(paths[p]);
         /* fp32 path (FP4 via mf_kern_fp4_matmul_f32) */
-        CHECK(run_matmul(&m, x, n_tok, NULL, y[p][0], 1) == 0, "%s: %s", what, mf_last_error());
-        double e = rel_err(y[p][0], ref, ny);
+        CHECK(run_matmul(&m, x, ld_x, n_tok, NULL, y[p][0], ld_y, 1) == 0, "%s: %s", what, mf_last_error());
+        double e = rel_err(COMPACT(y[p][0]), ref, ny);
         note(fmt == MF_KERN_FP4 ? W_FP4F32 : fmt == MF_KERN_FP8 ? W_FP8 : W_BF16, e);
         CHECK(e < TOL_F32, "%s %s fp32 path: rel err %.3g > %.1g", what, pn, e, TOL_F32);
-        CHECK(run_matmul(&m, x, n_tok, NULL, ys, 1 + n_out / 7) == 0, "%s", mf_last_error());
-        CHECK(bits_equal(ys, y[p][0], ny), "%s %s: row split changed the result", what, pn);
+        CHECK(run_matmul(&m, x, ld_x, n_tok, NULL, ys, ld_y, 1 + n_out / 7) == 0, "%s", mf_last_error());
+        CHECK(bits_equal(ys, y[p][0], nyl), "%s %s: row split changed the result", what, pn);
         if (fmt != MF_KERN_FP4)
             continue;
         /* int8 path */
         CHECK(mf_kern_q8_init(&q8[p], qbuf[p], qb, n_tok, n_in) == 0, "%s", mf_last_error());
-        CHECK(mf_kern_q8_quantize(&q8[p], x, n_in, 0, n_tok) == 0, "%s", mf_last_error());
-        CHECK(run_matmul(&m, x, n_tok, &q8[p], y[p][1], 1) == 0, "%s: %s", what, mf_last_error());
-        e = rel_err(y[p][1], ref, ny);
+        CHECK(mf_kern_q8_quantize(&q8[p], x, ld_x, 0, n_tok) == 0, "%s", mf_last_error());
+        CHECK(run_matmul(&m, x, ld_x, n_tok, &q8[p], y[p][1], ld_y, 1) == 0, "%s: %s", what, mf_last_error());
+        e = rel_err(COMPACT(y[p][1]), ref, ny);
         note(outliers ? W_FP4Q8_OUT : W_FP4Q8, e);
         CHECK(e < (outliers ? TOL_Q8_OUT : TOL_Q8), "%s %s int8 path: rel err %.3g > %.1g", what, pn, e,
               outliers ? TOL_Q8_OUT : TOL_Q8);
@@ -261,24 +278,31 @@ static void case_matmul(mf_kern_fmt fmt, int n_out, int n_in, int n_tok, int e_l
             double *xq = xmalloc(nx * 8);
             q8_dequant(&q8[p], xq);
             ref_matmul(m.dec, n_out, n_in, xq, n_tok, refq);
-            double eq = rel_err(y[p][1], refq, ny);
+            double eq = rel_err(COMPACT(y[p][1]), refq, ny);
             note(W_FP4Q8_EXACT, eq);
             CHECK(eq < TOL_F32, "%s %s int8 path vs int8-rounded ref: rel err %.3g > %.1g", what,
                   pn, eq, TOL_F32);
             free(xq);
         }
-        CHECK(run_matmul(&m, x, n_tok, &q8[p], ys, 1 + n_out / 5) == 0, "%s", mf_last_error());
-        CHECK(bits_equal(ys, y[p][1], ny), "%s %s int8: row split changed the result", what, pn);
+        CHECK(run_matmul(&m, x, ld_x, n_tok, &q8[p], ys, ld_y, 1 + n_out / 5) == 0, "%s", mf_last_error());
+        CHECK(bits_equal(ys, y[p][1], nyl), "%s %s int8: row split changed the result", what, pn);
     }
     if (n_paths == 2) {
-        CHECK(bits_equal(y[0][0], y[1][0], ny), "%s: scalar and avx2 fp32 paths differ", what);
+        CHECK(bits_equal(y[0][0], y[1][0], nyl), "%s: scalar and avx2 fp32 paths differ", what);
         if (fmt == MF_KERN_FP4) {
             CHECK(!memcmp(q8[0].q, q8[1].q, (size_t)n_tok * q8[0].row_bytes) &&
                       bits_equal(q8[0].scale, q8[1].scale, (size_t)n_tok * q8[0].n_sb),
                   "%s: scalar and avx2 quantization differ", what);
-            CHECK(bits_equal(y[0][1], y[1][1], ny), "%s: scalar and avx2 int8 paths differ", what);
+            CHECK(bits_equal(y[0][1], y[1][1], nyl), "%s: scalar and avx2 int8 paths differ", what);
         }
     }
+    for (int p = 0; p < n_paths; p++)
+        for (int j = 0; j < 2; j++)
+            for (int t = 0; t < n_tok; t++)
+                for (int o = n_out; o < ld_y; o++)
+                    CHECK(y[p][j][(size_t)t * ld_y + o] == 0.0f, "%s: padding of y written", what);
+#undef COMPACT
+    free(yc);
     for (int p = 0; p < 2; p++) {
         free(qbuf[p]);
         free(y[p][0]);
@@ -411,7 +435,7 @@ int main(void)
     else
         printf("test_kernels: no AVX2+FMA here, scalar path only (%s)\n", mf_last_error());
 
-    static const int toks[] = {1, 2, 3, 8, 17, 64};
+    static const int toks[] = {1, 2, 3, 8, 17, 64, 71};   /* 71: two token passes */
     for (size_t i = 0; i < sizeof toks / sizeof toks[0]; i++) {
         int nt = toks[i];
         int out = (int)(i & 1);
@@ -425,6 +449,7 @@ int main(void)
     case_matmul(MF_KERN_FP8, 40, 1280, 8, 120, 127, 0);
     case_ffn(MF_KERN_FP4, 96, 256, 5);
     case_ffn(MF_KERN_FP4, 160, 544, 64);
+    case_ffn(MF_KERN_FP4, 64, 256, 67);                      /* two token passes */
     case_ffn(MF_KERN_FP8, 64, 320, 3);
     case_edges();
     mf_kern_simd_set(MF_KERN_SIMD_AUTO);
