@@ -429,6 +429,23 @@ int main(void)
     printf("test_kernels: seed %llu (MOEFLOW_TEST_SEED=%llu repeats this run)\n",
            (unsigned long long)seed, (unsigned long long)seed);
 
+    /* the run-time choice: MOEFLOW_SIMD=scalar forces the fallback (read when AUTO resolves) */
+    const char *prev = getenv("MOEFLOW_SIMD");
+    char saved[32] = "";
+    if (prev)
+        snprintf(saved, sizeof saved, "%s", prev);
+    setenv("MOEFLOW_SIMD", "scalar", 1);
+    mf_kern_simd_set(MF_KERN_SIMD_AUTO);
+    CHECK(mf_kern_simd_active() == MF_KERN_SIMD_SCALAR, "MOEFLOW_SIMD=scalar ignored");
+    unsetenv("MOEFLOW_SIMD");
+    mf_kern_simd_set(MF_KERN_SIMD_AUTO);
+    int have_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+    CHECK(mf_kern_simd_active() == (have_avx2 ? MF_KERN_SIMD_AVX2 : MF_KERN_SIMD_SCALAR),
+          "auto chose %s", mf_kern_simd_name(mf_kern_simd_active()));
+    if (prev)
+        setenv("MOEFLOW_SIMD", saved, 1);
+
     paths[n_paths++] = MF_KERN_SIMD_SCALAR;
     if (mf_kern_simd_set(MF_KERN_SIMD_AVX2) == 0)
         paths[n_paths++] = MF_KERN_SIMD_AVX2;
