@@ -1,0 +1,31 @@
+/* The inside of mf_graph, shared by graph.c and the executor (sched/*.c) so the hot path reads the
+ * packed arrays directly. Nothing outside sched/ includes this; everyone else uses graph.h. */
+#ifndef MF_GRAPH_IMPL_H
+#define MF_GRAPH_IMPL_H
+
+#include "sched/graph.h"
+
+typedef struct mf_edge {
+    mf_task_id before, after;
+} mf_edge;
+
+struct mf_graph {
+    int n_lanes;
+    mf_lane_desc *lanes;          /* names copied */
+
+    int n_tasks, cap_tasks;
+    mf_task_desc *tasks;          /* names copied */
+
+    int n_edges, cap_edges;
+    mf_edge *edges;               /* as added; deduplicated at finalize */
+
+    int finalized;
+    /* Packed at finalize (CSR): successors of t are succ[succ_off[t] .. succ_off[t+1]). */
+    int32_t *succ_off, *succ;
+    int32_t *pred_off, *pred;
+    mf_task_id *topo;             /* a topological order */
+    double *cost_ns;              /* from the lane model */
+    double *rank_ns;              /* upward rank: cost + max rank of successors */
+};
+
+#endif
