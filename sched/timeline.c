@@ -2,6 +2,7 @@
  * critical path), a printed table of it, and the Chrome trace-event JSON export. Flow arrows for
  * dependencies are written only for graphs of at most MF_CHROME_FLOW_MAX_TASKS tasks (viewers
  * choke on millions of arrows); slices and tracks are always written, streamed event by event. */
+#define _GNU_SOURCE   /* qsort_r */
 #include "sched/timeline.h"
 
 #include <errno.h>
