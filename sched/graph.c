@@ -56,6 +56,7 @@ int mf_graph_create(const mf_lane_desc *lanes, int n_lanes, mf_graph **out)
 void mf_graph_destroy(mf_graph *g)
 {
     if (!g) return;
+    if (g->rt_free) g->rt_free(g->rt);
     for (int i = 0; i < g->n_lanes; i++) free((char *)g->lanes[i].name);
     for (int i = 0; i < g->n_tasks; i++) free((char *)g->tasks[i].name);
     free(g->lanes);
@@ -187,7 +188,7 @@ int mf_graph_finalize(mf_graph *g)
             return mf_error(-EINVAL, "graph: dependency %d -> %d names an unknown task", e->before,
                             e->after);
     }
-    qsort(g->edges, (size_t)g->n_edges, sizeof *g->edges, mf_edge_cmp);
+    if (g->n_edges) qsort(g->edges, (size_t)g->n_edges, sizeof *g->edges, mf_edge_cmp);
     int m = 0;
     for (int i = 0; i < g->n_edges; i++)
         if (!m || mf_edge_cmp(&g->edges[m - 1], &g->edges[i])) g->edges[m++] = g->edges[i];

@@ -1,5 +1,6 @@
-/* The inside of mf_graph, shared by graph.c and the executor (sched/*.c) so the hot path reads the
- * packed arrays directly. Nothing outside sched/ includes this; everyone else uses graph.h. */
+/* The inside of mf_graph, shared by graph.c and the executor (sched.c and the lane engines) so
+ * the hot path reads the packed arrays directly. Nothing outside sched/ includes this; everyone
+ * else uses graph.h. */
 #ifndef MF_GRAPH_IMPL_H
 #define MF_GRAPH_IMPL_H
 
@@ -26,6 +27,10 @@ struct mf_graph {
     mf_task_id *topo;             /* a topological order */
     double *cost_ns;              /* from the lane model */
     double *rank_ns;              /* upward rank: cost + max rank of successors */
+
+    /* The executor's per-graph run state (queues, counters), made at the first run, freed here. */
+    void *rt;
+    void (*rt_free)(void *rt);
 };
 
 #endif

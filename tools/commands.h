@@ -2,5 +2,7 @@
 #ifndef MF_COMMANDS_H
 #define MF_COMMANDS_H
 
+/* `moeflow bench <what>`: micro-benchmarks (tools/cmd_bench.c). */
+int mf_cmd_bench(int argc, char **argv);
 
 #endif

@@ -1,0 +1,86 @@
+/* Device lanes: one submitting thread per lane runs each task's fn (which enqueues async work on
+ * the lane's queue) and asks the backend to call back once that work is done; the task completes
+ * in the callback, on the backend's thread. At most `concurrency` tasks of a lane are in flight;
+ * no CPU thread waits on a device. */
+#include <stdio.h>
+#include <string.h>
+
+#include "sched/error.h"
+#include "sched/sched_impl.h"
+
+/* The backend's callback: the task's device work has finished. */
+static void mf_dev_done(void *arg)
+{
+    struct mf_dev_tok *tok = arg;
+    mf_sched *s = tok->s;
+    mf_lane_rt *L = &s->lanes[s->rt->lane[tok->t]];
+    mf_task_id t = tok->t;
+    pthread_mutex_lock(&L->mu);
+    L->inflight--;
+    mf_lane_wake(s, L, -1);
+    pthread_mutex_unlock(&L->mu);
+    mf_task_finish(s, t, 0, NULL);   /* last touch of the run */
+}
+
+void *mf_dev_submit_main(void *arg)
+{
+    mf_worker *w = arg;
+    mf_sched *s = w->s;
+    mf_lane_rt *L = w->lane;
+    for (;;) {
+        mf_task_id t = -1;
+        pthread_mutex_lock(&L->mu);
+        for (;;) {
+            if (L->exit) {
+                pthread_mutex_unlock(&L->mu);
+                return NULL;
+            }
+            if (L->inflight < L->cap && (t = mf_q_take(L, NULL, -1)) >= 0) break;
+            if (w->local_done) {   /* hand in completions before sleeping */
+                pthread_mutex_unlock(&L->mu);
+                mf_done_flush(s, w);
+                pthread_mutex_lock(&L->mu);
+                continue;
+            }
+            w->sleeping = 1;
+            L->n_sleeping++;
+            while (w->sleeping && !L->exit) pthread_cond_wait(&w->cond, &L->mu);
+            if (w->sleeping) {
+                w->sleeping = 0;
+                L->n_sleeping--;
+            }
+        }
+        L->inflight++;
+        pthread_mutex_unlock(&L->mu);
+
+        int rc = 0;
+        if (mf_task_skip(s, t)) {
+            rc = 1;
+        } else {
+            const mf_task_desc *d = &s->g->tasks[t];
+            if (s->spans) {
+                s->spans[t].start_ns = mf_span_now(s);
+                s->spans[t].worker = 0;
+            }
+            mf_task_ctx ctx = {.lane = L->index, .worker = 0, .numa_node = -1, .queue = L->queue};
+            mf_error_clear();
+            if (d->fn) rc = d->fn(d->arg, &ctx);
+            if (rc < 0) {
+                mf_task_fail(s, t, rc, mf_last_error());
+            } else {
+                mf_error_clear();
+                rc = s->dev->notify(s->dev->ctx, L->queue, mf_dev_done, &s->rt->tok[t]);
+                if (rc == 0) continue;   /* completes in mf_dev_done */
+                if (rc > 0) rc = -EIO;
+                char msg[512];
+                snprintf(msg, sizeof msg, "device notify on lane '%s' failed: %s", L->desc.name,
+                         *mf_last_error() ? mf_last_error() : strerror(-rc));
+                mf_task_fail(s, t, rc, msg);
+            }
+        }
+        pthread_mutex_lock(&L->mu);
+        L->inflight--;
+        pthread_mutex_unlock(&L->mu);
+        mf_task_finish(s, t, rc, w);
+    }
+}

@@ -1,0 +1,632 @@
+/* The executor core: scheduler lifetime, a graph's run state, the per-lane ready queues (ordered by
+ * upward rank), task completion (dependency counters, cancellation of dependents, continuation)
+ * and the run itself (timeout, external cancel). Lane engines live in lane_*.c. */
+#include "sched/sched_impl.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "sched/error.h"
+
+static _Atomic uint64_t mf_sched_gen;
+
+/* ---- keys and heaps --------------------------------------------------------------------------- */
+
+/* A ready-queue key: the rank's float bits above the inverted task id, so keys order by rank and
+ * then by lower id; never 0 (0 marks an empty queue). */
+static uint64_t mf_key(double rank, mf_task_id t)
+{
+    float r = rank > 0 ? (float)rank : 0.0f;
+    uint32_t bits;
+    memcpy(&bits, &r, sizeof bits);
+    return (uint64_t)bits << 32 | (uint32_t)~(uint32_t)t;
+}
+
+static inline mf_task_id mf_key_task(uint64_t k) { return (mf_task_id)(uint32_t)~(uint32_t)k; }
+
+static void mf_heap_push(uint64_t *h, int *n, uint64_t k)
+{
+    int i = (*n)++;
+    while (i > 0) {
+        int p = (i - 1) / 2;
+        if (h[p] >= k) break;
+        h[i] = h[p];
+        i = p;
+    }
+    h[i] = k;
+}
+
+static uint64_t mf_heap_pop(uint64_t *h, int *n)
+{
+    uint64_t top = h[0], last = h[--*n];
+    int m = *n, i = 0;
+    for (;;) {
+        int c = 2 * i + 1;
+        if (c >= m) break;
+        if (c + 1 < m && h[c + 1] > h[c]) c++;
+        if (h[c] <= last) break;
+        h[i] = h[c];
+        i = c;
+    }
+    if (m) h[i] = last;
+    return top;
+}
+
+/* ---- ready queues ----------------------------------------------------------------------------- */
+
+static void mf_q_publish(mf_lane_rt *L)
+{
+    mf_lane_q *q = L->q;
+    uint64_t top = 0;
+    if (q) {
+        if (q->n_heap) top = q->heap[0];
+        if (q->i_roots < q->n_roots && q->roots[q->i_roots] > top) top = q->roots[q->i_roots];
+    }
+    atomic_store_explicit(&L->top_key, top, memory_order_relaxed);
+}
+
+/* Takes the best ready task for worker w (-1: none of the lane's own): its hinted tasks, the shared
+ * heap and the sorted roots compete on key; with nothing there, steals another worker's best hinted
+ * task. Lane mutex held. */
+int mf_q_take(mf_lane_rt *L, mf_grt *rt, int w)
+{
+    mf_lane_q *q = L->q;
+    if (!q || !atomic_load_explicit(&L->n_ready, memory_order_relaxed)) return -1;
+    uint64_t best = 0;
+    int src = -1;   /* 0 own hinted, 1 heap, 2 roots, 3 steal */
+    int victim = -1;
+    if (w >= 0 && q->wheap && q->n_wheap[w]) best = q->wheap[w][0], src = 0;
+    if (q->n_heap && q->heap[0] > best) best = q->heap[0], src = 1;
+    if (q->i_roots < q->n_roots && q->roots[q->i_roots] > best) best = q->roots[q->i_roots], src = 2;
+    if (src < 0 && q->wheap)
+        for (int v = 0; v < L->n_workers; v++)
+            if (q->n_wheap[v] && q->wheap[v][0] > best) best = q->wheap[v][0], victim = v, src = 3;
+    switch (src) {
+    case 0: mf_heap_pop(q->wheap[w], &q->n_wheap[w]); break;
+    case 1: mf_heap_pop(q->heap, &q->n_heap); break;
+    case 2: q->i_roots++; break;
+    case 3: mf_heap_pop(q->wheap[victim], &q->n_wheap[victim]); break;
+    default: return -1;
+    }
+    atomic_store_explicit(&L->n_ready, atomic_load_explicit(&L->n_ready, memory_order_relaxed) - 1,
+                          memory_order_relaxed);
+    if (src != 0 && src != 3) mf_q_publish(L);
+    (void)rt;
+    return mf_key_task(best);
+}
+
+/* Wakes a sleeping thread of the lane, the hinted worker first. Lane mutex held. */
+void mf_lane_wake(mf_sched *s, mf_lane_rt *L, int hint)
+{
+    if (!L->n_sleeping) return;
+    mf_worker *w = NULL;
+    if (hint >= 0 && L->workers[hint].sleeping) w = &L->workers[hint];
+    for (int i = 0; !w && i < L->n_workers; i++)
+        if (L->workers[i].sleeping) w = &L->workers[i];
+    if (!w) return;
+    w->sleeping = 0;
+    L->n_sleeping--;
+    pthread_cond_signal(&w->cond);
+}
+
+static void mf_lane_kick_io(mf_lane_rt *L, int need)
+{
+    if (need) {
+        uint64_t one = 1;
+        ssize_t r = write(L->efd, &one, sizeof one);
+        (void)r;   /* an eventfd write only fails on counter overflow, which still wakes the ring */
+    }
+}
+
+void mf_q_push(mf_sched *s, mf_task_id t)
+{
+    mf_grt *rt = s->rt;
+    mf_lane_rt *L = &s->lanes[rt->lane[t]];
+    int h = rt->hint[t], kick = 0;
+    pthread_mutex_lock(&L->mu);
+    mf_lane_q *q = L->q;
+    if (h >= 0) {
+        mf_heap_push(q->wheap[h], &q->n_wheap[h], rt->key[t]);
+    } else {
+        mf_heap_push(q->heap, &q->n_heap, rt->key[t]);
+        if (q->heap[0] == rt->key[t]) mf_q_publish(L);
+    }
+    atomic_store_explicit(&L->n_ready, atomic_load_explicit(&L->n_ready, memory_order_relaxed) + 1,
+                          memory_order_relaxed);
+    if (L->engine == MF_ENG_URING) {
+        kick = L->wants_wake;
+        L->wants_wake = 0;
+    } else {
+        mf_lane_wake(s, L, h);
+    }
+    pthread_mutex_unlock(&L->mu);
+    mf_lane_kick_io(L, kick);
+}
+
+/* ---- completion ------------------------------------------------------------------------------- */
+
+void mf_done_add(mf_sched *s, uint32_t n)
+{
+    /* Once the count may reach the total the run may end and s go away: read nothing after. */
+    uint32_t total = atomic_load_explicit(&s->run_n, memory_order_relaxed);
+    uint32_t v = atomic_fetch_add_explicit(&s->n_done, n, memory_order_acq_rel) + n;
+    if (v == total) {
+        pthread_mutex_lock(&s->run_mu);
+        s->finished = 1;
+        pthread_cond_signal(&s->run_cond);
+        pthread_mutex_unlock(&s->run_mu);
+    }
+}
+
+void mf_done_flush(mf_sched *s, mf_worker *w)
+{
+    if (w->local_done) {
+        uint32_t n = w->local_done;
+        w->local_done = 0;
+        mf_done_add(s, n);
+    }
+}
+
+void mf_task_fail(mf_sched *s, mf_task_id t, int code, const char *msg)
+{
+    int zero = 0;
+    if (atomic_compare_exchange_strong(&s->result, &zero, code))
+        snprintf(s->err_msg, sizeof s->err_msg, "task '%s': %s", s->g->tasks[t].name,
+                 msg && *msg ? msg : "failed without a message");
+}
+
+/* Records t's end, releases its successors (poisoned when status != 0, so they complete as
+ * cancelled) and counts it done. With a CPU worker w, returns the best successor that became ready
+ * on w's lane when it outranks everything queued there (the worker runs it next, no queue), else
+ * -1. Must be the last thing a non-worker thread does with the run. */
+mf_task_id mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w)
+{
+    mf_grt *rt = s->rt;
+    const mf_graph *g = s->g;
+    if (s->spans) {
+        mf_task_span *sp = &s->spans[t];
+        sp->end_ns = mf_span_now(s);
+        if (status == 1) sp->start_ns = sp->end_ns, sp->worker = -1;
+        sp->status = status;
+    }
+    int cont_ok = w && w->lane->engine == MF_ENG_CPU;
+    int my_lane = cont_ok ? w->lane->index : -1;
+    mf_task_id cont = -1;
+    uint64_t ckey = 0;
+    for (int32_t k = g->succ_off[t], e = g->succ_off[t + 1]; k < e; k++) {
+        mf_task_id u = g->succ[k];
+        if (status) atomic_fetch_or_explicit(&rt->pend[u], MF_PEND_POISON, memory_order_relaxed);
+        uint32_t old = atomic_fetch_sub_explicit(&rt->pend[u], 1, memory_order_acq_rel);
+        if ((old & MF_PEND_MASK) != 1) continue;
+        if (rt->lane[u] == my_lane && (rt->hint[u] < 0 || rt->hint[u] == w->index) &&
+            rt->key[u] > ckey) {
+            if (cont >= 0) mf_q_push(s, cont);
+            cont = u;
+            ckey = rt->key[u];
+        } else {
+            mf_q_push(s, u);
+        }
+    }
+    if (cont >= 0) {
+        uint64_t top = atomic_load_explicit(&w->lane->top_key, memory_order_relaxed);
+        if (w->i_batch < w->n_batch && rt->key[w->batch[w->i_batch]] > top)
+            top = rt->key[w->batch[w->i_batch]];
+        if (ckey < top) {
+            mf_q_push(s, cont);
+            cont = -1;
+        }
+    }
+    if (w) {
+        if (++w->local_done >= 256) mf_done_flush(s, w);
+    } else {
+        mf_done_add(s, 1);
+    }
+    return cont;
+}
+
+/* ---- per-graph run state ---------------------------------------------------------------------- */
+
+static void mf_grt_free(void *p)
+{
+    mf_grt *rt = p;
+    if (!rt) return;
+    if (rt->q) {
+        for (int l = 0; l < rt->n_lanes; l++) {
+            mf_lane_q *q = &rt->q[l];
+            free(q->heap);
+            free(q->roots);
+            if (q->wheap)
+                for (int w = 0; w < q->n_w; w++) free(q->wheap[w]);
+            free(q->wheap);
+            free(q->n_wheap);
+        }
+    }
+    free(rt->q);
+    free((void *)rt->pend);
+    free(rt->pend_init);
+    free(rt->key);
+    free(rt->lane);
+    free(rt->hint);
+    free(rt->tok);
+    free(rt);
+}
+
+static int mf_key_desc(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x < y) - (x > y);
+}
+
+/* Makes g's run state for s: counters, keys, and queues big enough that a run never allocates. */
+static int mf_grt_make(mf_sched *s, mf_graph *g, mf_grt **out)
+{
+    int n = g->n_tasks, nl = g->n_lanes;
+    size_t nn = (size_t)(n ? n : 1);
+    mf_grt *rt = calloc(1, sizeof *rt);
+    if (!rt) return mf_error(-ENOMEM, "sched: out of memory");
+    rt->owner = s;
+    rt->owner_gen = s->gen;
+    rt->n = n;
+    rt->n_lanes = nl;
+    rt->pend = malloc(nn * sizeof *rt->pend);
+    rt->pend_init = malloc(nn * sizeof *rt->pend_init);
+    rt->key = malloc(nn * sizeof *rt->key);
+    rt->lane = malloc(nn * sizeof *rt->lane);
+    rt->hint = malloc(nn * sizeof *rt->hint);
+    rt->tok = malloc(nn * sizeof *rt->tok);
+    rt->q = calloc((size_t)nl, sizeof *rt->q);
+    int *n_lane = calloc((size_t)nl, sizeof *n_lane);
+    if (!rt->pend || !rt->pend_init || !rt->key || !rt->lane || !rt->hint || !rt->tok || !rt->q ||
+        !n_lane)
+        goto oom;
+    for (int l = 0; l < nl; l++) {
+        rt->q[l].n_w = s->lanes[l].n_workers;
+        if (s->lanes[l].engine == MF_ENG_CPU) {
+            rt->q[l].wheap = calloc((size_t)rt->q[l].n_w, sizeof *rt->q[l].wheap);
+            rt->q[l].n_wheap = calloc((size_t)rt->q[l].n_w, sizeof *rt->q[l].n_wheap);
+            if (!rt->q[l].wheap || !rt->q[l].n_wheap) goto oom;
+        }
+    }
+    for (int t = 0; t < n; t++) {
+        const mf_task_desc *d = &g->tasks[t];
+        mf_lane_rt *L = &s->lanes[d->lane];
+        rt->pend_init[t] = (uint32_t)(g->pred_off[t + 1] - g->pred_off[t]);
+        rt->key[t] = mf_key(g->rank_ns[t], t);
+        rt->lane[t] = (int16_t)d->lane;
+        rt->hint[t] = (int16_t)(L->engine == MF_ENG_CPU && d->place_hint >= 0
+                                    ? d->place_hint % L->n_workers : -1);
+        rt->tok[t].s = s;
+        rt->tok[t].t = t;
+        n_lane[d->lane]++;
+        if (rt->hint[t] >= 0) rt->q[d->lane].n_wheap[rt->hint[t]]++;   /* capacity count */
+        else if (!rt->pend_init[t]) rt->q[d->lane].n_roots++;
+    }
+    for (int l = 0; l < nl; l++) {
+        mf_lane_q *q = &rt->q[l];
+        q->heap = malloc((size_t)(n_lane[l] ? n_lane[l] : 1) * sizeof *q->heap);
+        q->roots = malloc((size_t)(q->n_roots ? q->n_roots : 1) * sizeof *q->roots);
+        if (!q->heap || !q->roots) goto oom;
+        for (int w = 0; q->wheap && w < q->n_w; w++) {
+            q->wheap[w] = malloc((size_t)(q->n_wheap[w] ? q->n_wheap[w] : 1) * sizeof(uint64_t));
+            if (!q->wheap[w]) goto oom;
+            q->n_wheap[w] = 0;
+        }
+        q->n_roots = 0;
+    }
+    for (int t = 0; t < n; t++)
+        if (!rt->pend_init[t] && rt->hint[t] < 0) {
+            mf_lane_q *q = &rt->q[rt->lane[t]];
+            q->roots[q->n_roots++] = rt->key[t];
+        }
+    for (int l = 0; l < nl; l++)
+        qsort(rt->q[l].roots, (size_t)rt->q[l].n_roots, sizeof(uint64_t), mf_key_desc);
+    free(n_lane);
+    *out = rt;
+    return 0;
+oom:
+    free(n_lane);
+    mf_grt_free(rt);
+    return mf_error(-ENOMEM, "sched: out of memory for the run state of %d tasks", n);
+}
+
+/* ---- scheduler lifetime ----------------------------------------------------------------------- */
+
+static int mf_sched_start_lane(mf_sched *s, mf_lane_rt *L, const mf_sched_opts *o)
+{
+    const mf_lane_desc *d = &L->desc;
+    switch (d->kind) {
+    case MF_LANE_CPU: {
+        L->engine = MF_ENG_CPU;
+        int rc = mf_topo_plan(s, L);
+        if (rc) return rc;
+        break;
+    }
+    case MF_LANE_IO:
+        L->n_workers = 1;
+        L->engine = MF_ENG_PREAD;
+        if (!s->io_pread) {
+            int rc = mf_io_uring_start(s, L);
+            if (rc == 0) L->engine = MF_ENG_URING;
+            else if (rc != -ENOSYS && rc != -EPERM && rc != -EACCES && rc != -EINVAL && rc != -ENOMEM)
+                return rc;
+        }
+        if (L->engine == MF_ENG_PREAD) L->n_workers = d->concurrency ? d->concurrency : 16;
+        break;
+    default:
+        if (!o->dev)
+            return mf_error(-EINVAL, "sched: lane '%s' is a device lane but no device ops were "
+                            "given", d->name ? d->name : "?");
+        L->engine = MF_ENG_DEV;
+        L->n_workers = 1;
+        L->cap = d->concurrency ? d->concurrency : 1 << 30;
+        L->queue = o->dev->queue(o->dev->ctx, d->device, d->kind);
+        break;
+    }
+    L->workers = calloc((size_t)L->n_workers, sizeof *L->workers);
+    if (!L->workers) return mf_error(-ENOMEM, "sched: out of memory");
+    for (int i = 0; i < L->n_workers; i++) {
+        mf_worker *w = &L->workers[i];
+        w->s = s;
+        w->lane = L;
+        w->index = i;
+        pthread_cond_init(&w->cond, NULL);
+    }
+    for (int i = 0; i < L->n_workers; i++) {
+        mf_worker *w = &L->workers[i];
+        void *(*fn)(void *) = L->engine == MF_ENG_URING ? mf_io_uring_main
+                              : L->engine == MF_ENG_DEV ? mf_dev_submit_main
+                                                        : mf_cpu_worker_main;
+        int rc = pthread_create(&w->thread, NULL, fn, w);
+        if (rc) return mf_error(-rc, "sched: lane '%s': cannot start thread %d: %s", d->name, i,
+                                strerror(rc));
+        w->started = 1;
+        if (s->pin && L->bind) {
+            rc = mf_topo_bind(s, L, i);
+            if (rc) return rc;
+        }
+    }
+    return 0;
+}
+
+int mf_sched_create(const mf_sched_opts *o, mf_sched **out)
+{
+    *out = NULL;
+    if (!o || !o->lanes || o->n_lanes <= 0 || o->n_lanes > INT16_MAX)
+        return mf_error(-EINVAL, "sched: needs a lane table (got %d lanes)", o ? o->n_lanes : 0);
+    mf_sched *s = calloc(1, sizeof *s);
+    if (!s) return mf_error(-ENOMEM, "sched: out of memory");
+    s->gen = atomic_fetch_add(&mf_sched_gen, 1) + 1;
+    s->dev = o->dev;
+    s->pin = o->pin_threads;
+    const char *env = getenv("MOEFLOW_IO");
+    s->io_pread = o->io_force_pread || (env && !strcmp(env, "pread"));
+    s->io_engine = "none";
+    pthread_mutex_init(&s->run_mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&s->run_cond, &ca);
+    pthread_condattr_destroy(&ca);
+    int rc;
+    if (hwloc_topology_init(&s->topo) < 0 || hwloc_topology_load(s->topo) < 0) {
+        rc = mf_error(-errno ? -errno : -EIO, "sched: hwloc cannot load the machine topology");
+        hwloc_topology_destroy(s->topo);
+        s->topo = NULL;
+        goto fail;
+    }
+    s->lanes = calloc((size_t)o->n_lanes, sizeof *s->lanes);
+    if (!s->lanes) {
+        rc = mf_error(-ENOMEM, "sched: out of memory");
+        goto fail;
+    }
+    for (int l = 0; l < o->n_lanes; l++) {
+        mf_lane_rt *L = &s->lanes[l];
+        L->index = l;
+        L->desc = o->lanes[l];
+        L->numa_node = L->desc.numa_node;
+        L->efd = -1;
+        pthread_mutex_init(&L->mu, NULL);
+        if ((unsigned)L->desc.kind > MF_LANE_DEV_COPY_OUT || L->desc.concurrency < 0) {
+            rc = mf_error(-EINVAL, "sched: lane %d ('%s'): bad kind %d or concurrency %d", l,
+                          L->desc.name ? L->desc.name : "", (int)L->desc.kind, L->desc.concurrency);
+            goto fail;
+        }
+    }
+    s->n_lanes = o->n_lanes;
+    for (int l = 0; l < s->n_lanes; l++) {
+        rc = mf_sched_start_lane(s, &s->lanes[l], o);
+        if (rc) goto fail;
+        if (s->lanes[l].engine == MF_ENG_URING) s->io_engine = "io_uring";
+        else if (s->lanes[l].engine == MF_ENG_PREAD) s->io_engine = "pread";
+    }
+    *out = s;
+    return 0;
+fail:
+    if (!s->n_lanes && s->lanes) {
+        s->n_lanes = o->n_lanes;   /* lanes are initialized but none started */
+    }
+    mf_sched_destroy(s);
+    return rc;
+}
+
+void mf_sched_destroy(mf_sched *s)
+{
+    if (!s) return;
+    for (int l = 0; l < s->n_lanes; l++) {
+        mf_lane_rt *L = &s->lanes[l];
+        pthread_mutex_lock(&L->mu);
+        L->exit = 1;
+        for (int i = 0; L->workers && i < L->n_workers; i++) {
+            L->workers[i].sleeping = 0;
+            pthread_cond_signal(&L->workers[i].cond);
+        }
+        pthread_mutex_unlock(&L->mu);
+        if (L->engine == MF_ENG_URING) mf_lane_kick_io(L, 1);
+        for (int i = 0; L->workers && i < L->n_workers; i++)
+            if (L->workers[i].started) pthread_join(L->workers[i].thread, NULL);
+        for (int i = 0; L->workers && i < L->n_workers; i++) pthread_cond_destroy(&L->workers[i].cond);
+        if (L->ring_ok) mf_io_uring_stop(L);
+        for (int i = 0; L->bind && i < L->n_workers; i++) hwloc_bitmap_free(L->bind[i]);
+        free(L->bind);
+        free(L->workers);
+        free(L->slots);
+        pthread_mutex_destroy(&L->mu);
+    }
+    free(s->lanes);
+    if (s->topo) hwloc_topology_destroy(s->topo);
+    pthread_mutex_destroy(&s->run_mu);
+    pthread_cond_destroy(&s->run_cond);
+    free(s);
+}
+
+const char *mf_sched_io_engine(const mf_sched *s) { return s->io_engine; }
+
+/* ---- runs ------------------------------------------------------------------------------------- */
+
+static int mf_sched_check_graph(const mf_sched *s, const mf_graph *g)
+{
+    if (!g->finalized) return mf_error(-EINVAL, "sched: graph is not finalized");
+    if (g->n_lanes != s->n_lanes)
+        return mf_error(-EINVAL, "sched: graph has %d lanes, scheduler %d", g->n_lanes, s->n_lanes);
+    for (int l = 0; l < g->n_lanes; l++)
+        if (g->lanes[l].kind != s->lanes[l].desc.kind)
+            return mf_error(-EINVAL, "sched: graph lane %d ('%s') has kind %d, scheduler's lane has "
+                            "kind %d", l, g->lanes[l].name, (int)g->lanes[l].kind,
+                            (int)s->lanes[l].desc.kind);
+    return 0;
+}
+
+int mf_sched_run(mf_sched *s, mf_graph *g, const mf_run_opts *ro)
+{
+    int rc = mf_sched_check_graph(s, g);
+    if (rc) return rc;
+    mf_timeline *tl = ro ? ro->timeline : NULL;
+    if (tl && (tl->g != g || tl->n != g->n_tasks))
+        return mf_error(-EINVAL, "sched: the timeline was made for another graph");
+    int idle = 0;
+    if (!atomic_compare_exchange_strong(&s->running, &idle, 1))
+        return mf_error(-EBUSY, "sched: a run is already in progress");
+    mf_grt *rt = g->rt;
+    if (!rt || rt->owner != s || rt->owner_gen != s->gen) {
+        if (g->rt_free) g->rt_free(g->rt);
+        g->rt = NULL;
+        g->rt_free = NULL;
+        rc = mf_grt_make(s, g, &rt);
+        if (rc) {
+            atomic_store(&s->running, 0);
+            return rc;
+        }
+        g->rt = rt;
+        g->rt_free = mf_grt_free;
+    }
+    int n = g->n_tasks;
+    if (tl) mf_timeline_reset(tl);
+    if (!n) {
+        atomic_store(&s->running, 0);
+        return 0;
+    }
+    memcpy((void *)rt->pend, rt->pend_init, (size_t)n * sizeof *rt->pend_init);
+    s->g = g;
+    s->rt = rt;
+    s->spans = tl ? tl->spans : NULL;
+    atomic_store(&s->stop, 0);
+    atomic_store(&s->result, 0);
+    atomic_store(&s->n_done, 0);
+    atomic_store(&s->run_n, (uint32_t)n);
+    s->err_msg[0] = '\0';
+    pthread_mutex_lock(&s->run_mu);
+    s->finished = 0;
+    s->in_run = 1;
+    pthread_mutex_unlock(&s->run_mu);
+    s->t0_ns = mf_now_ns();
+    /* Every lane gets its (empty) queues first, since a task that runs pushes to other lanes;
+     * then each lane's roots become visible and its sleepers wake. */
+    for (int l = 0; l < s->n_lanes; l++) {
+        mf_lane_rt *L = &s->lanes[l];
+        mf_lane_q *q = &rt->q[l];
+        pthread_mutex_lock(&L->mu);
+        q->n_heap = 0;
+        q->i_roots = q->n_roots;
+        for (int w = 0; q->wheap && w < q->n_w; w++) q->n_wheap[w] = 0;
+        atomic_store_explicit(&L->n_ready, 0, memory_order_relaxed);
+        L->q = q;
+        pthread_mutex_unlock(&L->mu);
+    }
+    for (int l = 0; l < s->n_lanes; l++) {
+        mf_lane_rt *L = &s->lanes[l];
+        mf_lane_q *q = &rt->q[l];
+        pthread_mutex_lock(&L->mu);
+        q->i_roots = 0;
+        atomic_store_explicit(&L->n_ready,
+                              atomic_load_explicit(&L->n_ready, memory_order_relaxed) + q->n_roots,
+                              memory_order_relaxed);
+        mf_q_publish(L);
+        int kick = 0;
+        if (L->engine == MF_ENG_URING) {
+            kick = L->wants_wake;
+            L->wants_wake = 0;
+        } else {
+            for (int i = 0; i < L->n_workers && L->n_sleeping && i < q->n_roots; i++)
+                mf_lane_wake(s, L, -1);
+        }
+        pthread_mutex_unlock(&L->mu);
+        mf_lane_kick_io(L, kick);
+    }
+    /* Hinted roots go to their worker's heap. */
+    for (int t = 0; t < n; t++)
+        if (!rt->pend_init[t] && rt->hint[t] >= 0) mf_q_push(s, t);
+
+    int64_t timeout = ro ? ro->timeout_ns : 0;
+    struct timespec dl;
+    if (timeout > 0) {
+        int64_t at = s->t0_ns + timeout;
+        dl.tv_sec = at / 1000000000LL;
+        dl.tv_nsec = at % 1000000000LL;
+    }
+    pthread_mutex_lock(&s->run_mu);
+    while (!s->finished) {
+        if (timeout > 0 && !atomic_load(&s->stop)) {
+            if (pthread_cond_timedwait(&s->run_cond, &s->run_mu, &dl) == ETIMEDOUT && !s->finished) {
+                int zero = 0;
+                atomic_compare_exchange_strong(&s->result, &zero, -ETIMEDOUT);
+                atomic_store(&s->stop, 1);
+            }
+        } else {
+            pthread_cond_wait(&s->run_cond, &s->run_mu);
+        }
+    }
+    rc = atomic_load(&s->result);
+    s->in_run = 0;
+    pthread_mutex_unlock(&s->run_mu);
+
+    for (int l = 0; l < s->n_lanes; l++) {
+        mf_lane_rt *L = &s->lanes[l];
+        pthread_mutex_lock(&L->mu);
+        L->q = NULL;
+        atomic_store_explicit(&L->top_key, 0, memory_order_relaxed);
+        pthread_mutex_unlock(&L->mu);
+    }
+    s->g = NULL;
+    s->rt = NULL;
+    s->spans = NULL;
+    atomic_store(&s->running, 0);
+    if (rc == -ETIMEDOUT && !s->err_msg[0])
+        return mf_error(rc, "sched: run timed out after %.3f ms", (double)timeout / 1e6);
+    if (rc == -ECANCELED && !s->err_msg[0]) return mf_error(rc, "sched: run cancelled");
+    if (rc) return mf_error(rc, "%s", s->err_msg);
+    return 0;
+}
+
+void mf_sched_cancel(mf_sched *s)
+{
+    pthread_mutex_lock(&s->run_mu);
+    if (s->in_run && !s->finished) {
+        int zero = 0;
+        atomic_compare_exchange_strong(&s->result, &zero, -ECANCELED);
+        atomic_store(&s->stop, 1);
+    }
+    pthread_mutex_unlock(&s->run_mu);
+}

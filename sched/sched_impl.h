@@ -1,0 +1,153 @@
+/* The inside of the executor, shared by sched.c (runs, completion, ready queues) and the lane
+ * engines: lane_cpu.c (CPU and pread workers), lane_io.c (io_uring), lane_dev.c (device
+ * submitters) and topo.c (hwloc placement). Nothing outside sched/ includes this. */
+#ifndef MF_SCHED_IMPL_H
+#define MF_SCHED_IMPL_H
+
+#include <hwloc.h>
+#include <liburing.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "sched/graph_impl.h"
+#include "sched/sched.h"
+#include "sched/timeline_impl.h"
+
+#define MF_PEND_POISON 0x80000000u   /* a predecessor failed or was cancelled */
+#define MF_PEND_MASK   0x7fffffffu
+#define MF_BATCH_MAX   16             /* ready tasks a CPU worker takes under one lock */
+
+typedef struct mf_sched mf_sched;
+typedef struct mf_lane_rt mf_lane_rt;
+
+/* One thread serving a lane: a CPU worker, a pread worker, the io_uring thread or a device
+ * submitter. */
+typedef struct mf_worker {
+    mf_sched *s;
+    mf_lane_rt *lane;
+    int index;                    /* within the lane */
+    pthread_t thread;
+    int started;
+    pthread_cond_t cond;          /* sleeps on lane->mu */
+    int sleeping;
+    uint32_t local_done;          /* completions not yet added to the run's count */
+    int n_batch, i_batch;
+    mf_task_id batch[MF_BATCH_MAX];
+    _Alignas(64) char pad[1];
+} mf_worker;
+
+/* Per-graph, per-lane ready queues: a max-heap of keys, the lane's roots pre-sorted by rank with a
+ * cursor, and one heap per worker for tasks with a place_hint. Keys sort by rank, then lower id. */
+typedef struct mf_lane_q {
+    uint64_t *heap;
+    int n_heap;
+    uint64_t *roots;              /* root keys without a hint, descending */
+    int n_roots, i_roots;
+    int n_w;                      /* workers of the lane */
+    uint64_t **wheap;             /* [n_workers] */
+    int *n_wheap;
+} mf_lane_q;
+
+/* Run state of one graph on one scheduler, allocated at its first run and kept in the graph. */
+typedef struct mf_grt {
+    const mf_sched *owner;
+    uint64_t owner_gen;
+    int n, n_lanes;
+    _Atomic uint32_t *pend;       /* unfinished predecessors, | MF_PEND_POISON */
+    uint32_t *pend_init;
+    uint64_t *key;
+    int16_t *lane;
+    int16_t *hint;                /* resolved worker index or -1 */
+    mf_lane_q *q;                 /* [n_lanes] */
+    struct mf_dev_tok { mf_sched *s; mf_task_id t; } *tok;   /* device completion arguments */
+} mf_grt;
+
+enum mf_engine { MF_ENG_CPU, MF_ENG_PREAD, MF_ENG_URING, MF_ENG_DEV };
+
+struct mf_lane_rt {
+    int index;
+    mf_lane_desc desc;
+    enum mf_engine engine;
+    int numa_node;
+    pthread_mutex_t mu;
+    _Atomic int n_ready;          /* ready tasks in the queues (read without the lock to spin) */
+    _Atomic uint64_t top_key;     /* best key in the shared queue, 0 if empty */
+    mf_lane_q *q;                 /* the running graph's queues (NULL between runs) */
+    int n_sleeping;
+    int exit;
+    int n_workers;
+    mf_worker *workers;
+    hwloc_cpuset_t *bind;         /* [n_workers] when pinning */
+    /* io_uring */
+    struct io_uring ring;
+    int ring_ok;
+    int efd;
+    int wants_wake;
+    struct mf_io_slot *slots;     /* [depth] reads in flight */
+    uint64_t efd_buf;
+    /* device */
+    void *queue;
+    int inflight, cap;
+    _Alignas(64) char pad[1];
+};
+
+struct mf_sched {
+    int n_lanes;
+    mf_lane_rt *lanes;
+    const mf_dev_lane_ops *dev;
+    hwloc_topology_t topo;
+    int pin;
+    int io_pread;
+    uint64_t gen;                 /* identifies this scheduler to graphs' run state */
+    const char *io_engine;
+
+    /* the run in progress */
+    mf_graph *g;
+    mf_grt *rt;
+    mf_task_span *spans;          /* NULL: no timeline */
+    int64_t t0_ns;
+    _Atomic int stop;             /* 1: cancelled or timed out, start nothing new */
+    _Atomic int result;           /* first error, -ECANCELED or -ETIMEDOUT */
+    _Atomic int running;
+    _Atomic uint32_t n_done;
+    _Atomic uint32_t run_n;       /* tasks in the run (kept after it, read by late completions) */
+    char err_msg[1024];
+    pthread_mutex_t run_mu;
+    pthread_cond_t run_cond;
+    int finished;
+    int in_run;                   /* under run_mu: a run is between start and end */
+};
+
+/* sched.c: ready queues and completion. */
+int mf_q_take(mf_lane_rt *L, mf_grt *rt, int w);            /* lane->mu held; -1 if empty */
+void mf_q_push(mf_sched *s, mf_task_id t);
+mf_task_id mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w);
+void mf_task_fail(mf_sched *s, mf_task_id t, int code, const char *msg);
+void mf_done_flush(mf_sched *s, mf_worker *w);
+void mf_done_add(mf_sched *s, uint32_t n);
+/* Whether t must be completed as cancelled instead of run. */
+static inline int mf_task_skip(mf_sched *s, mf_task_id t)
+{
+    return atomic_load_explicit(&s->stop, memory_order_relaxed) ||
+           (atomic_load_explicit(&s->rt->pend[t], memory_order_relaxed) & MF_PEND_POISON);
+}
+static inline int64_t mf_span_now(const mf_sched *s);
+
+/* lane engines */
+void *mf_cpu_worker_main(void *arg);          /* CPU and pread workers */
+int mf_io_uring_start(mf_sched *s, mf_lane_rt *L);
+void mf_io_uring_stop(mf_lane_rt *L);
+void *mf_io_uring_main(void *arg);
+int mf_io_pread(mf_sched *s, mf_task_id t, int worker);
+void *mf_dev_submit_main(void *arg);
+void mf_lane_wake(mf_sched *s, mf_lane_rt *L, int hint);   /* lane->mu held */
+
+/* topo.c */
+int mf_topo_plan(mf_sched *s, mf_lane_rt *L);   /* resolves CPU lane size and pin sets */
+int mf_topo_bind(mf_sched *s, mf_lane_rt *L, int w);
+
+#include "sched/clock.h"
+static inline int64_t mf_span_now(const mf_sched *s) { return mf_now_ns() - s->t0_ns; }
+
+#endif

@@ -1,0 +1,81 @@
+/* Worker placement with hwloc: how many workers a CPU lane gets (all cores of its NUMA node when
+ * its concurrency is 0), the core each is pinned to, and the default lane table (one CPU lane per
+ * NUMA node plus an IO lane). */
+#include <stdio.h>
+#include <string.h>
+
+#include "sched/error.h"
+#include "sched/sched_impl.h"
+
+/* The cpuset serving a lane: its NUMA node's, or the whole machine's for node -1. */
+static hwloc_const_cpuset_t mf_topo_lane_set(mf_sched *s, const mf_lane_rt *L)
+{
+    if (L->numa_node < 0) return hwloc_topology_get_topology_cpuset(s->topo);
+    hwloc_obj_t node = hwloc_get_obj_by_type(s->topo, HWLOC_OBJ_NUMANODE, (unsigned)L->numa_node);
+    return node ? node->cpuset : NULL;
+}
+
+int mf_topo_plan(mf_sched *s, mf_lane_rt *L)
+{
+    hwloc_const_cpuset_t set = mf_topo_lane_set(s, L);
+    if (!set || hwloc_bitmap_iszero(set))
+        return mf_error(-EINVAL, "sched: CPU lane '%s' asks for NUMA node %d; this machine has %d "
+                        "node(s) with cores", L->desc.name ? L->desc.name : "?", L->numa_node,
+                        hwloc_get_nbobjs_by_type(s->topo, HWLOC_OBJ_NUMANODE));
+    int n_cores = hwloc_get_nbobjs_inside_cpuset_by_type(s->topo, set, HWLOC_OBJ_CORE);
+    hwloc_obj_type_t unit = HWLOC_OBJ_CORE;
+    if (n_cores <= 0) {
+        n_cores = hwloc_get_nbobjs_inside_cpuset_by_type(s->topo, set, HWLOC_OBJ_PU);
+        unit = HWLOC_OBJ_PU;
+    }
+    if (n_cores <= 0) n_cores = 1;
+    L->n_workers = L->desc.concurrency ? L->desc.concurrency : n_cores;
+    if (!s->pin) return 0;
+    L->bind = calloc((size_t)L->n_workers, sizeof *L->bind);
+    if (!L->bind) return mf_error(-ENOMEM, "sched: out of memory");
+    for (int i = 0; i < L->n_workers; i++) {
+        hwloc_obj_t o = hwloc_get_obj_inside_cpuset_by_type(s->topo, set, unit,
+                                                             (unsigned)(i % n_cores));
+        L->bind[i] = hwloc_bitmap_dup(o ? o->cpuset : set);
+        if (!L->bind[i]) return mf_error(-ENOMEM, "sched: out of memory");
+    }
+    return 0;
+}
+
+int mf_topo_bind(mf_sched *s, mf_lane_rt *L, int w)
+{
+    if (hwloc_set_thread_cpubind(s->topo, L->workers[w].thread, L->bind[w], HWLOC_CPUBIND_THREAD) < 0) {
+        char buf[128];
+        hwloc_bitmap_snprintf(buf, sizeof buf, L->bind[w]);
+        return mf_error(-errno ? -errno : -EINVAL, "sched: lane '%s' worker %d: cannot pin to cpus "
+                        "%s: %s", L->desc.name ? L->desc.name : "?", w, buf, strerror(errno));
+    }
+    return 0;
+}
+
+int mf_lanes_default(mf_lane_desc *lanes, int max, int threads_per_node, int io_depth)
+{
+    static const char *const names[] = {"cpu0", "cpu1", "cpu2", "cpu3", "cpu4", "cpu5", "cpu6",
+                                        "cpu7", "cpu8", "cpu9", "cpu10", "cpu11", "cpu12", "cpu13",
+                                        "cpu14", "cpu15"};
+    int n_nodes = 1;
+    hwloc_topology_t topo;
+    if (hwloc_topology_init(&topo) == 0) {
+        if (hwloc_topology_load(topo) == 0) {
+            int k = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_NUMANODE);
+            if (k > 0) n_nodes = k;
+        }
+        hwloc_topology_destroy(topo);
+    }
+    int n = 0;
+    for (int i = 0; i < n_nodes && n < max; i++)
+        lanes[n++] = (mf_lane_desc){.kind = MF_LANE_CPU,
+                                    .name = i < 16 ? names[i] : "cpu",
+                                    .concurrency = threads_per_node,
+                                    .numa_node = n_nodes > 1 ? i : -1,
+                                    .device = -1};
+    if (n < max)
+        lanes[n++] = (mf_lane_desc){.kind = MF_LANE_IO, .name = "io", .concurrency = io_depth,
+                                    .numa_node = -1, .device = -1};
+    return n;
+}
