@@ -19,8 +19,10 @@
 #define CALIB_CHAIN 16     /* tasks per chain */
 #define CALIB_REPS 5       /* runs per point; the median counts */
 #define CALIB_POINTS 3
+#define CALIB_IO_AREA (64u << 20)   /* read destinations rotate through more than the LLC */
 
-int mf_calib_fma_task(void *arg, mf_task_ctx *ctx)
+/* Not inlined, so the direct timing probe below cannot be folded away. */
+__attribute__((noinline)) int mf_calib_fma_task(void *arg, mf_task_ctx *ctx)
 {
     mf_calib_fma *w = arg;
     /* 8 independent FMA chains (enough to fill two FMA pipes of 4-cycle latency): 16 flops per
@@ -67,17 +69,18 @@ static int calib_measure(mf_sched *s, const mf_lane_desc *lanes, int n_lanes, in
     mf_io_read *reads = NULL;
     char *bufs = NULL;
     size_t buf_bytes = ((size_t)size + 4095) & ~(size_t)4095;
+    size_t n_bufs = CALIB_IO_AREA / buf_bytes > 0 ? CALIB_IO_AREA / buf_bytes : 1;
 
     if ((rc = mf_graph_create(lanes, n_lanes, &g)) < 0)
         goto out;
     if (w->io) {
         reads = calloc((size_t)n, sizeof *reads);
-        if (!reads || posix_memalign((void **)&bufs, 4096, buf_bytes * (size_t)k)) {
-            rc = mf_error(-ENOMEM, "calibrate: out of memory for %d read buffers of %zu bytes", k,
-                          buf_bytes);
+        if (!reads || posix_memalign((void **)&bufs, 4096, buf_bytes * n_bufs)) {
+            rc = mf_error(-ENOMEM, "calibrate: out of memory for %zu read buffers of %zu bytes",
+                          n_bufs, buf_bytes);
             goto out;
         }
-        memset(bufs, 0, buf_bytes * (size_t)k);
+        memset(bufs, 0, buf_bytes * n_bufs);   /* fault the pages in before timing */
     } else if (!(fma_args = calloc((size_t)n, sizeof *fma_args))) {
         rc = mf_error(-ENOMEM, "calibrate: out of memory");
         goto out;
@@ -87,11 +90,12 @@ static int calib_measure(mf_sched *s, const mf_lane_desc *lanes, int n_lanes, in
             int j = c * CALIB_CHAIN + i;
             mf_task_desc d = {.name = "calib", .lane = lane, .place_hint = -1};
             if (w->io) {
-                /* Successive reads walk through the file so each one copies different pages. */
+                /* Successive reads walk through the file and through the destination area, so
+                 * neither side of the copy is cache-hot, as with real expert loads. */
                 uint64_t slots = w->file_bytes / (uint64_t)size;
                 reads[j] = (mf_io_read){.fd = w->fd,
                                         .offset = ((uint64_t)j % (slots ? slots : 1)) * (uint64_t)size,
-                                        .buf = bufs + (size_t)c * buf_bytes,
+                                        .buf = bufs + ((size_t)j % n_bufs) * buf_bytes,
                                         .n_bytes = (uint64_t)size};
                 d.arg = &reads[j];
                 d.cost.bytes = size;
@@ -182,8 +186,9 @@ static int calib_lane(mf_sched *s, const mf_lane_desc *lanes, int n_lanes, int l
         k = 1;
     out->concurrency = k;
     for (int pass = 0; pass < 2; pass++) {
-        double y[CALIB_POINTS];
+        double *y = pass ? out->all_ns : out->one_ns;
         for (int i = 0; i < CALIB_POINTS; i++) {
+            out->size[i] = sizes[i];
             int rc = calib_measure(s, lanes, n_lanes, lane, w, pass ? k : 1, sizes[i], &y[i]);
             if (rc < 0)
                 return rc;
@@ -213,11 +218,17 @@ int mf_calibrate_cpu(mf_sched *s, const mf_lane_desc *lanes, int n_lanes, int la
     if (rc < 0)
         return rc;
     /* Size the points from a direct probe of the kernel: about 50 us, 1 ms and 4 ms per task. */
+    static volatile double probe_sink;
     mf_calib_fma probe = {.flops = 4e6};
     mf_calib_fma_task(&probe, NULL);
     int64_t t0 = mf_now_ns();
     mf_calib_fma_task(&probe, NULL);
     double rate = probe.flops / ((double)(mf_now_ns() - t0 + 1) * 1e-9);
+    probe_sink = probe.sink;
+    (void)probe_sink;
+    if (rate > 1e12)   /* cannot be: a broken clock or a vanished loop */
+        return mf_error(-EIO, "calibrate: the FMA probe ran at %.3g flop/s, which is impossible",
+                        rate);
     double sizes[CALIB_POINTS] = {rate * 50e-6, rate * 1e-3, rate * 4e-3};
     calib_work w = {.io = 0};
     return calib_lane(s, lanes, n_lanes, lane, &w, sizes, out);

@@ -27,6 +27,9 @@ typedef struct mf_calib_fit {
     mf_lane_model all;       /* `concurrency` tasks in flight */
     int concurrency;
     double max_resid;        /* worst |measured - fit| / measured over the fitted points */
+    double size[3];          /* the measured points: task size (flops or bytes) */
+    double one_ns[3];        /* median time per task, one chain */
+    double all_ns[3];        /* median time per task, `concurrency` chains */
 } mf_calib_fit;
 
 /* Fits CPU lane `lane` of s (whose lane table is lanes[0..n_lanes)) with FMA chains. */
