@@ -8,9 +8,14 @@
 
 #include <jansson.h>
 
+#include <math.h>
+#include <unistd.h>
+
+#include "sched/calibrate.h"
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "sched/graph.h"
+#include "sched/sched.h"
 #include "sched/sim.h"
 #include "sched/timeline.h"
 #include "tests/check.h"
@@ -421,6 +426,46 @@ static void test_errors(void)
     mf_graph_destroy(h);
 }
 
+/* Calibration runs through the real executor and yields usable models (its accuracy is
+ * test_sim_accuracy's business); wrong lanes are refused. Also exercised under sanitizers here. */
+static void test_calibrate(void)
+{
+    mf_lane_desc l[2] = {lane(MF_LANE_CPU, "cpu", 2), lane(MF_LANE_IO, "io", 1)};
+    mf_sched_opts o = {.lanes = l, .n_lanes = 2};
+    mf_sched *s;
+    int rc = mf_sched_create(&o, &s);
+    CHECK(rc == 0, "sched: %s", mf_last_error());
+    if (rc)
+        return;
+    const char *tmp = getenv("MOEFLOW_TMP");
+    int fd = -1;
+    rc = mf_calib_file_create(tmp ? tmp : "/tmp", 16u << 20, &fd);
+    CHECK(rc == 0, "calibration file: %s", mf_last_error());
+    mf_calib_fit cpu, io;
+    rc = mf_calibrate_cpu(s, l, 2, 0, &cpu);
+    CHECK(rc == 0, "calibrate cpu: %s", mf_last_error());
+    CHECK(rc || (cpu.all.flops_per_s > 1e6 && isfinite(cpu.all.flops_per_s) &&
+                 cpu.one.flops_per_s > 1e6 && cpu.all.latency_ns >= 0 && cpu.concurrency == 2 &&
+                 cpu.all.bytes_per_s == 0), "cpu fit %g flop/s + %g ns", cpu.all.flops_per_s,
+          cpu.all.latency_ns);
+    if (fd >= 0) {
+        rc = mf_calibrate_io(s, l, 2, 1, fd, 16u << 20, &io);
+        CHECK(rc == 0, "calibrate io: %s", mf_last_error());
+        CHECK(rc || (io.all.bytes_per_s > 1e6 && isfinite(io.all.bytes_per_s) &&
+                     io.all.latency_ns >= 0 && io.all.flops_per_s == 0), "io fit %g B/s + %g ns",
+              io.all.bytes_per_s, io.all.latency_ns);
+        rc = mf_calibrate_io(s, l, 2, 0, fd, 16u << 20, &io);
+        CHECK(rc == -EINVAL && strstr(mf_last_error(), "not an IO lane"), "io on cpu lane: %d %s",
+              rc, mf_last_error());
+        rc = mf_calibrate_io(s, l, 2, 1, fd, 1u << 20, &io);
+        CHECK(rc == -EINVAL, "tiny file accepted: %d", rc);
+        close(fd);
+    }
+    rc = mf_calibrate_cpu(s, l, 2, 5, &cpu);
+    CHECK(rc == -EINVAL, "lane 5 of 2 accepted: %d", rc);
+    mf_sched_destroy(s);
+}
+
 int main(void)
 {
     test_chain();
@@ -434,5 +479,6 @@ int main(void)
     test_determinism_and_speed();
     test_chrome();
     test_errors();
+    test_calibrate();
     return mf_check_exit("test_sim");
 }
