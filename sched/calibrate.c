@@ -16,8 +16,9 @@
 #include "sched/error.h"
 #include "sched/timeline.h"
 
-#define CALIB_CHAIN 16     /* tasks per chain */
-#define CALIB_REPS 5       /* runs per point; the median counts */
+#define CALIB_CHAIN_CPU 16 /* tasks per chain: about 64 ms at the largest CPU point */
+#define CALIB_CHAIN_IO 48  /* reads are shorter: about 20 ms at the largest IO point */
+#define CALIB_REPS 3       /* runs per point; the median counts */
 #define CALIB_POINTS 3
 #define CALIB_IO_AREA (64u << 20)   /* read destinations rotate through more than the LLC */
 
@@ -57,12 +58,12 @@ typedef struct calib_work {
     uint64_t file_bytes;
 } calib_work;
 
-/* Runs k chains of CALIB_CHAIN tasks of `size` on `lane` CALIB_REPS times (after one warm-up)
+/* Runs k chains of CALIB_CHAIN_* tasks of `size` on `lane` CALIB_REPS times (after one warm-up)
  * and stores the median makespan divided by the chain length in *per_task_ns. */
 static int calib_measure(mf_sched *s, const mf_lane_desc *lanes, int n_lanes, int lane,
                          const calib_work *w, int k, double size, double *per_task_ns)
 {
-    int n = k * CALIB_CHAIN, rc;
+    int chain = w->io ? CALIB_CHAIN_IO : CALIB_CHAIN_CPU, n = k * chain, rc;
     mf_graph *g = NULL;
     mf_timeline *tl = NULL;
     mf_calib_fma *fma_args = NULL;
@@ -86,8 +87,8 @@ static int calib_measure(mf_sched *s, const mf_lane_desc *lanes, int n_lanes, in
         goto out;
     }
     for (int c = 0; c < k; c++) {
-        for (int i = 0; i < CALIB_CHAIN; i++) {
-            int j = c * CALIB_CHAIN + i;
+        for (int i = 0; i < chain; i++) {
+            int j = c * chain + i;
             mf_task_desc d = {.name = "calib", .lane = lane, .place_hint = -1};
             if (w->io) {
                 /* Successive reads walk through the file and through the destination area, so
@@ -130,7 +131,7 @@ static int calib_measure(mf_sched *s, const mf_lane_desc *lanes, int n_lanes, in
             ms[r] = (double)sum.makespan_ns;
     }
     qsort(ms, CALIB_REPS, sizeof *ms, cmp_double);
-    *per_task_ns = ms[CALIB_REPS / 2] / CALIB_CHAIN;
+    *per_task_ns = ms[CALIB_REPS / 2] / chain;
     rc = 0;
 out:
     mf_timeline_destroy(tl);
@@ -243,7 +244,7 @@ int mf_calibrate_io(mf_sched *s, const mf_lane_desc *lanes, int n_lanes, int lan
     if (file_bytes < (8u << 20))
         return mf_error(-EINVAL, "calibrate: the IO file has %llu bytes, at least 8 MiB needed",
                         (unsigned long long)file_bytes);
-    double sizes[CALIB_POINTS] = {64 << 10, 1 << 20, 4 << 20};
+    double sizes[CALIB_POINTS] = {256 << 10, 2 << 20, 8 << 20};
     calib_work w = {.io = 1, .fd = fd, .file_bytes = file_bytes};
     return calib_lane(s, lanes, n_lanes, lane, &w, sizes, out);
 }

@@ -28,8 +28,9 @@
 
 #define ACC_TOLERANCE 0.15
 #define ACC_ATTEMPTS 3
-#define ACC_BUSY_WAIT_S 20      /* in all, waiting for two free cores */
+#define ACC_BUDGET_S 40         /* the whole test, waits for free cores included */
 #define ACC_MAX_SLOWDOWN 1.15   /* two tasks side by side vs one alone */
+#define ACC_MAX_FIT_SPREAD 0.10 /* calibration: rate with 1 vs `concurrency` tasks in flight */
 #define ACC_FILE_BYTES (256ull << 20)
 #define ACC_MAX_TASKS 2048
 #define ACC_BUFS 8            /* read destinations, used round-robin */
@@ -273,7 +274,9 @@ out:
     return best[1] / best[0];
 }
 
-/* Fits the setup's CPU and IO lane models now and prints them. */
+/* Fits the setup's CPU and IO lane models now and prints them. Returns 1 when the fit is not
+ * self-consistent: the rate with one task in flight and with `concurrency` in flight (two
+ * independent measurements) differ by more than ACC_MAX_FIT_SPREAD, so the machine was busy. */
 static int calibrate(acc_setup *su)
 {
     mf_calib_fit cpu, io;
@@ -288,7 +291,9 @@ static int calibrate(acc_setup *su)
            100 * io.max_resid);
     su->models[0] = cpu.all;
     su->models[1] = io.all;
-    return 0;
+    double cs = cpu.all.flops_per_s / cpu.one.flops_per_s, is = io.all.bytes_per_s / io.one.bytes_per_s;
+    return cs > 1 + ACC_MAX_FIT_SPREAD || cs < 1 - ACC_MAX_FIT_SPREAD ||
+           is > 1 + ACC_MAX_FIT_SPREAD || is < 1 - ACC_MAX_FIT_SPREAD;
 }
 
 int main(void)
@@ -333,26 +338,32 @@ int main(void)
     printf("%-14s %-8s %5s %8s %8s %8s %8s %8s %5s %2s\n", "graph", "lanes", "tasks", "meas ms",
            "min ms", "max ms", "pred ms", "error", "ovl", "#");
     /* Calibrate right before each graph. An attempt counts only when both cores were ours before
-     * and after it (parallel_slowdown); otherwise wait and try again, up to ACC_BUSY_WAIT_S per
-     * graph. A counted miss recalibrates and retries, at most ACC_ATTEMPTS times. */
+     * the calibration and after the runs (parallel_slowdown) and the calibration is consistent;
+     * otherwise wait and try again while the test is within ACC_BUDGET_S. A counted miss
+     * recalibrates and retries, at most ACC_ATTEMPTS times. */
     int64_t t0 = mf_now_ns();
+    rc = calibrate(&setups[0]);   /* sizes parallel_slowdown's tasks */
+    CHECK(rc >= 0, "%s: calibrate: %s", setups[0].name, mf_last_error());
     int n_measured = 0, n_cases = (int)(sizeof cases / sizeof *cases);
-    int64_t waited_ns = 0;
+    int64_t deadline = t0 + (int64_t)ACC_BUDGET_S * 1000000000;
     char row[256];
     for (int i = 0; i < n_cases; i++) {
         acc_setup *su = &setups[cases[i].setup];
         int attempts = 0, done = 0, tries = 0;
         double slow_before = 0, slow_after = 0;
-        while (!done && (tries++ == 0 || waited_ns < (int64_t)ACC_BUSY_WAIT_S * 1000000000)) {
-            if ((rc = calibrate(&setups[0])) || (su != &setups[0] && (rc = calibrate(su)))) {
+        while (!done && (tries++ == 0 || mf_now_ns() < deadline)) {
+            if ((slow_before = parallel_slowdown(&setups[0])) > ACC_MAX_SLOWDOWN) {
+                usleep(300000);
+                continue;
+            }
+            if ((rc = calibrate(su)) == 1) {   /* disturbed: counts as waiting */
+                rc = 0;
+                slow_before = 0;
+                continue;
+            }
+            if (rc) {
                 CHECK(0, "%s: calibrate: %s", su->name, mf_last_error());
                 break;
-            }
-            if ((slow_before = parallel_slowdown(&setups[0])) > ACC_MAX_SLOWDOWN) {
-                int64_t w0 = mf_now_ns();
-                usleep(300000);
-                waited_ns += mf_now_ns() - w0;
-                continue;
             }
             double err = 0;
             if ((rc = run_case(&cases[i], su, &err, row, sizeof row))) {
