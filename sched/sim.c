@@ -2,7 +2,9 @@
  * `concurrency` slots; a ready task waits in its lane's heap (highest upward rank first, lowest id
  * on ties), starts on the lowest free slot, and lasts its lane model's cost rounded to whole ns.
  * All completions at one instant are applied before any task starts, so runs are bit-identical.
- * O((V + E) log V). A CPU lane of concurrency 0 ("all cores") gets the online core count. */
+ * O((V + E) log V). A CPU lane of concurrency 0 ("all cores") gets the online core count.
+ * Priorities are the graph's upward ranks (from its own lane models, as the executor uses them)
+ * even when `models` overrides the durations; place hints are ignored (any free slot will do). */
 #include "sched/sim.h"
 
 #include <errno.h>

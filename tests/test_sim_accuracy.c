@@ -29,7 +29,7 @@
 #define ACC_TOLERANCE 0.15
 #define ACC_ATTEMPTS 3
 #define ACC_BUDGET_S 40         /* the whole test, waits for free cores included */
-#define ACC_MAX_SLOWDOWN 1.15   /* two tasks side by side vs one alone */
+#define ACC_MAX_FOREIGN 0.10    /* cores other processes may use while we measure */
 #define ACC_MAX_FIT_SPREAD 0.10 /* calibration: rate with 1 vs `concurrency` tasks in flight */
 #define ACC_FILE_BYTES (256ull << 20)
 #define ACC_MAX_TASKS 2048
@@ -42,6 +42,7 @@ typedef struct acc_setup {
     mf_lane_desc lanes[2];    /* 0: cpu, 1: io */
     mf_sched *s;
     mf_lane_model models[2];
+    int calibrated;           /* models fitted on a quiet machine and not contradicted since */
 } acc_setup;
 
 /* A graph under construction with the payloads its tasks point to. */
@@ -233,45 +234,45 @@ static int run_case(const acc_case *c, acc_setup *su, double *err, char *row, si
     return rc;
 }
 
-/* Whether this machine's two cores are ours right now: two FMA tasks side by side on the 2-worker
- * lane take about as long as one alone (other helpers' builds share this machine, and a lane
- * model cannot describe a core taken away mid-run). Returns the slowdown, best of 3. */
-static double parallel_slowdown(acc_setup *su2)
+/* CPU time used so far by the whole machine (busy, including time stolen by the host) and by
+ * this process, in ns. Their difference over a window is the load of everything else: other
+ * helpers' builds share this machine, and a lane model cannot describe a core taken away. */
+static void cpu_times(int64_t *machine_ns, int64_t *self_ns)
 {
-    static mf_calib_fma w[3];
-    mf_graph *g[2] = {NULL, NULL};
-    mf_timeline *tl[2] = {NULL, NULL};
-    double best[2] = {1e30, 1e30};
-    for (int k = 0; k < 2; k++) {
-        if (mf_graph_create(su2->lanes, 2, &g[k]))
-            goto out;
-        for (int i = 0; i <= k; i++) {
-            w[k + i].flops = 3e-3 * su2->models[0].flops_per_s;   /* about 3 ms */
-            mf_task_desc d = {.name = "probe", .lane = 0, .fn = mf_calib_fma_task,
-                              .arg = &w[k + i], .cost = {.flops = w[k + i].flops},
-                              .place_hint = -1};
-            if (mf_graph_add_task(g[k], &d) < 0)
-                goto out;
-        }
-        if (mf_graph_finalize(g[k]) || mf_timeline_create(g[k], &tl[k]))
-            goto out;
+    unsigned long long user = 0, nice = 0, sys = 0, idle = 0, iowait = 0, irq = 0, softirq = 0,
+                       steal = 0;
+    FILE *f = fopen("/proc/stat", "r");
+    if (f) {
+        if (fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &user, &nice, &sys, &idle,
+                   &iowait, &irq, &softirq, &steal) != 8)
+            user = nice = sys = irq = softirq = steal = 0;
+        fclose(f);
     }
-    for (int r = 0; r < 3; r++) {
-        for (int k = 0; k < 2; k++) {
-            mf_run_opts ro = {.timeline = tl[k]};
-            mf_timeline_summary s;
-            if (mf_sched_run(su2->s, g[k], &ro) || mf_timeline_summarize(tl[k], &s))
-                goto out;
-            if (s.makespan_ns < best[k])
-                best[k] = (double)s.makespan_ns;
-        }
-    }
-out:
-    for (int k = 0; k < 2; k++) {
-        mf_timeline_destroy(tl[k]);
-        mf_graph_destroy(g[k]);
-    }
-    return best[1] / best[0];
+    *machine_ns = (int64_t)((user + nice + sys + irq + softirq + steal) *
+                            (1e9 / (double)sysconf(_SC_CLK_TCK)));
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    *self_ns = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+typedef struct acc_window {
+    int64_t wall_ns, machine_ns, self_ns;
+} acc_window;
+
+static acc_window window_start(void)
+{
+    acc_window w = {.wall_ns = mf_now_ns()};
+    cpu_times(&w.machine_ns, &w.self_ns);
+    return w;
+}
+
+/* Cores' worth of CPU that other processes used since w started (0.5 = half a core). */
+static double foreign_load(const acc_window *w)
+{
+    acc_window now = window_start();
+    double wall = (double)(now.wall_ns - w->wall_ns);
+    double other = (double)(now.machine_ns - w->machine_ns) - (double)(now.self_ns - w->self_ns);
+    return wall > 0 ? other / wall : 0;
 }
 
 /* Fits the setup's CPU and IO lane models now and prints them. Returns 1 when the fit is not
@@ -335,49 +336,58 @@ int main(void)
     }
     printf("IO engine %s; reads hit the page cache (file read back after writing)\n",
            mf_sched_io_engine(setups[1].s));
-    printf("%-14s %-8s %5s %8s %8s %8s %8s %8s %5s %2s\n", "graph", "lanes", "tasks", "meas ms",
-           "min ms", "max ms", "pred ms", "error", "ovl", "#");
-    /* Calibrate right before each graph. An attempt counts only when both cores were ours before
-     * the calibration and after the runs (parallel_slowdown) and the calibration is consistent;
-     * otherwise wait and try again while the test is within ACC_BUDGET_S. A counted miss
-     * recalibrates and retries, at most ACC_ATTEMPTS times. */
+    printf("%-14s %-8s %5s %8s %8s %8s %8s %8s %5s %4s %2s\n", "graph", "lanes", "tasks",
+           "meas ms", "min ms", "max ms", "pred ms", "error", "ovl", "busy", "#");
+    printf("(busy: cores used by other processes during calibration and runs; #: attempt)\n");
+    /* Calibrate each lane table right before its first graph. A calibration is kept only when it is
+     * self-consistent and the rest of the machine used less than ACC_MAX_FOREIGN cores meanwhile;
+     * an attempt counts only when the same holds during its runs. Otherwise wait, recalibrate and
+     * try again while the test is within ACC_BUDGET_S. A counted miss recalibrates and retries,
+     * at most ACC_ATTEMPTS times. */
     int64_t t0 = mf_now_ns();
-    rc = calibrate(&setups[0]);   /* sizes parallel_slowdown's tasks */
-    CHECK(rc >= 0, "%s: calibrate: %s", setups[0].name, mf_last_error());
     int n_measured = 0, n_cases = (int)(sizeof cases / sizeof *cases);
     int64_t deadline = t0 + (int64_t)ACC_BUDGET_S * 1000000000;
     char row[256];
     for (int i = 0; i < n_cases; i++) {
         acc_setup *su = &setups[cases[i].setup];
         int attempts = 0, done = 0, tries = 0;
-        double slow_before = 0, slow_after = 0;
+        double foreign = 0;
         while (!done && (tries++ == 0 || mf_now_ns() < deadline)) {
-            if ((slow_before = parallel_slowdown(&setups[0])) > ACC_MAX_SLOWDOWN) {
-                usleep(300000);
-                continue;
+            acc_window w = window_start();
+            usleep(200000);
+            if ((foreign = foreign_load(&w)) > ACC_MAX_FOREIGN)
+                continue;   /* busy: wait */
+            if (!su->calibrated) {
+                w = window_start();
+                if ((rc = calibrate(su)) < 0) {
+                    CHECK(0, "%s: calibrate: %s", su->name, mf_last_error());
+                    break;
+                }
+                /* An inconsistent fit, or one made while others ran, is not kept. */
+                if (rc == 1 || foreign_load(&w) > ACC_MAX_FOREIGN) {
+                    rc = 0;
+                    continue;
+                }
+                su->calibrated = 1;
             }
-            if ((rc = calibrate(su)) == 1) {   /* disturbed: counts as waiting */
-                rc = 0;
-                slow_before = 0;
-                continue;
-            }
-            if (rc) {
-                CHECK(0, "%s: calibrate: %s", su->name, mf_last_error());
-                break;
-            }
+            w = window_start();
             double err = 0;
             if ((rc = run_case(&cases[i], su, &err, row, sizeof row))) {
                 CHECK(0, "%s: %s", cases[i].name, mf_last_error());
                 break;
             }
-            if ((slow_after = parallel_slowdown(&setups[0])) > ACC_MAX_SLOWDOWN) {
-                printf("%s %2d  (cores busy after the run: void)\n", row, attempts + 1);
+            if ((foreign = foreign_load(&w)) > ACC_MAX_FOREIGN) {
+                su->calibrated = 0;
+                printf("%s %4.2f  (void: other processes used %.2f cores meanwhile)\n", row,
+                       foreign, foreign);
                 continue;
             }
             int ok = err <= ACC_TOLERANCE && err >= -ACC_TOLERANCE;
             attempts++;
             done = ok || attempts == ACC_ATTEMPTS;
-            printf("%s %2d%s\n", row, attempts, ok ? "" : done ? "  FAIL" : "  (recalibrate, retry)");
+            su->calibrated = ok;
+            printf("%s %4.2f %2d%s\n", row, foreign, attempts,
+                   ok ? "" : done ? "  FAIL" : "  (recalibrate, retry)");
             CHECK(ok || !done, "%s: predicted/measured %+.1f%% is outside +-%.0f%%", cases[i].name,
                   100 * err, 100 * ACC_TOLERANCE);
         }
@@ -386,8 +396,8 @@ int main(void)
         if (done)
             n_measured++;
         else
-            printf("%-14s not measured: the cores were busy (2 tasks side by side %.2fx slower than "
-                   "one before the run, %.2fx after)\n", cases[i].name, slow_before, slow_after);
+            printf("%-14s not measured: other processes kept %.2f cores busy\n", cases[i].name,
+                   foreign);
     }
     printf("total %.1f s\n", (double)(mf_now_ns() - t0) * 1e-9);
     for (int i = 0; i < 2; i++)
