@@ -14,38 +14,51 @@
  * when there is nothing. Returns -1 when the scheduler shuts down. */
 static mf_task_id mf_cpu_next(mf_sched *s, mf_lane_rt *L, mf_worker *w)
 {
-    if (w->i_batch < w->n_batch) return w->batch[w->i_batch++];
+    if (w->i_batch < w->n_batch) {
+        /* A task pushed since the batch was taken may outrank the rest of it. */
+        mf_task_id t = w->batch[w->i_batch++];
+        if (atomic_load_explicit(&L->top_key, memory_order_relaxed) > s->rt->key[t])
+            t = mf_q_swap(s, L, t);
+        return t;
+    }
     w->i_batch = w->n_batch = 0;
     pthread_mutex_lock(&L->mu);
+    w->busy = 0;
     for (;;) {
         if (L->exit) {
             pthread_mutex_unlock(&L->mu);
             return -1;
         }
         int ready = atomic_load_explicit(&L->n_ready, memory_order_relaxed);
+        uint32_t seq = atomic_load_explicit(&L->push_seq, memory_order_relaxed);
         if (ready) {
             int want = ready / (2 * L->n_workers);
             want = want < 1 ? 1 : want > MF_BATCH_MAX ? MF_BATCH_MAX : want;
             while (w->n_batch < want) {
-                mf_task_id t = mf_q_take(L, NULL, w->index);
+                mf_task_id t = mf_q_take(L, w->index);
                 if (t < 0) break;
                 w->batch[w->n_batch++] = t;
             }
             if (w->n_batch) {
+                w->busy = 1;
+                /* Own hinted work left behind may now be stolen: wake a sleeper for it. */
+                mf_lane_q *q = L->q;
+                if (q->wheap && q->n_wheap[w->index] && L->n_sleeping) mf_lane_wake(s, L, -1);
                 pthread_mutex_unlock(&L->mu);
                 w->i_batch = 1;
                 return w->batch[0];
             }
         }
-        /* Nothing ready: hand in completions, spin a little, then sleep. */
+        /* Nothing for this worker (the queues are empty, or hold only hinted tasks of idle
+         * workers): hand in completions, spin a little until something is pushed, then sleep. */
         pthread_mutex_unlock(&L->mu);
         mf_done_flush(s, w);
         for (int i = 0; i < MF_SPIN_ROUNDS; i++) {
-            if (atomic_load_explicit(&L->n_ready, memory_order_relaxed)) break;
+            if (atomic_load_explicit(&L->push_seq, memory_order_relaxed) != seq) break;
             _mm_pause();
         }
         pthread_mutex_lock(&L->mu);
-        if (L->exit || atomic_load_explicit(&L->n_ready, memory_order_relaxed)) continue;
+        if (L->exit || atomic_load_explicit(&L->push_seq, memory_order_relaxed) != seq) continue;
         w->sleeping = 1;
         L->n_sleeping++;
         while (w->sleeping && !L->exit) pthread_cond_wait(&w->cond, &L->mu);

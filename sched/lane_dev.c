@@ -1,7 +1,7 @@
 /* Device lanes: one submitting thread per lane runs each task's fn (which enqueues async work on
  * the lane's queue) and asks the backend to call back once that work is done; the task completes
- * in the callback, on the backend's thread. At most `concurrency` tasks of a lane are in flight;
- * no CPU thread waits on a device. */
+ * in the callback, on the backend's thread. At most `concurrency` tasks of a lane are in flight
+ * (0: no limit); no CPU thread waits on a device. */
 #include <stdio.h>
 #include <string.h>
 
@@ -35,7 +35,7 @@ void *mf_dev_submit_main(void *arg)
                 pthread_mutex_unlock(&L->mu);
                 return NULL;
             }
-            if (L->inflight < L->cap && (t = mf_q_take(L, NULL, -1)) >= 0) break;
+            if (L->inflight < L->cap && (t = mf_q_take(L, -1)) >= 0) break;
             if (w->local_done) {   /* hand in completions before sleeping */
                 pthread_mutex_unlock(&L->mu);
                 mf_done_flush(s, w);

@@ -1,7 +1,8 @@
 /* The IO lane: reads into caller buffers on a real io_uring ring driven by one thread, up to the
  * lane's depth in flight, short reads resubmitted for the remainder and completions fed back as
  * task completions. New work reaches the thread through an eventfd read kept armed on the ring.
- * When the kernel refuses io_uring (or MOEFLOW_IO=pread), pread workers serve the lane instead. */
+ * When the kernel refuses io_uring (or MOEFLOW_IO=pread), pread workers serve the lane instead.
+ * Lane concurrency is the ring's queue depth (or the number of pread workers); 0 means 16. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <string.h>
@@ -29,8 +30,8 @@ int mf_io_uring_start(mf_sched *s, mf_lane_rt *L)
     int rc = io_uring_queue_init((unsigned)depth + 1, &L->ring, 0);
     if (rc < 0) {
         if (!atomic_exchange(&mf_io_fallback_logged, 1))
-            fprintf(stderr, "moeflow: io_uring unavailable (io_uring_queue_init: %s), IO lane uses "
-                    "pread workers\n", strerror(-rc));
+            fprintf(stderr, "moeflow: io_uring unavailable (io_uring_queue_init: %s at %s:%d), IO "
+                    "lane uses pread workers\n", strerror(-rc), __FILE__, __LINE__);
         return rc;
     }
     L->efd = eventfd(0, EFD_CLOEXEC);
@@ -101,7 +102,7 @@ void *mf_io_uring_main(void *arg)
             break;
         }
         while (inflight + ng < depth) {
-            mf_task_id t = mf_q_take(L, NULL, -1);
+            mf_task_id t = mf_q_take(L, -1);
             if (t < 0) break;
             got[ng++] = t;
         }

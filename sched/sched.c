@@ -13,7 +13,7 @@
 
 static _Atomic uint64_t mf_sched_gen;
 
-/* ---- keys and heaps --------------------------------------------------------------------------- */
+/* ---- keys and heaps -------------------------------------------------------------------------- */
 
 /* A ready-queue key: the rank's float bits above the inverted task id, so keys order by rank and
  * then by lower id; never 0 (0 marks an empty queue). */
@@ -55,7 +55,7 @@ static uint64_t mf_heap_pop(uint64_t *h, int *n)
     return top;
 }
 
-/* ---- ready queues ----------------------------------------------------------------------------- */
+/* ---- ready queues ---------------------------------------------------------------------------- */
 
 static void mf_q_publish(mf_lane_rt *L)
 {
@@ -71,7 +71,7 @@ static void mf_q_publish(mf_lane_rt *L)
 /* Takes the best ready task for worker w (-1: none of the lane's own): its hinted tasks, the shared
  * heap and the sorted roots compete on key; with nothing there, steals another worker's best hinted
  * task. Lane mutex held. */
-int mf_q_take(mf_lane_rt *L, mf_grt *rt, int w)
+int mf_q_take(mf_lane_rt *L, int w)
 {
     mf_lane_q *q = L->q;
     if (!q || !atomic_load_explicit(&L->n_ready, memory_order_relaxed)) return -1;
@@ -81,9 +81,11 @@ int mf_q_take(mf_lane_rt *L, mf_grt *rt, int w)
     if (w >= 0 && q->wheap && q->n_wheap[w]) best = q->wheap[w][0], src = 0;
     if (q->n_heap && q->heap[0] > best) best = q->heap[0], src = 1;
     if (q->i_roots < q->n_roots && q->roots[q->i_roots] > best) best = q->roots[q->i_roots], src = 2;
+    /* Another worker's hinted task only while that worker is busy (it would be next otherwise). */
     if (src < 0 && q->wheap)
         for (int v = 0; v < L->n_workers; v++)
-            if (q->n_wheap[v] && q->wheap[v][0] > best) best = q->wheap[v][0], victim = v, src = 3;
+            if (q->n_wheap[v] && L->workers[v].busy && q->wheap[v][0] > best)
+                best = q->wheap[v][0], victim = v, src = 3;
     switch (src) {
     case 0: mf_heap_pop(q->wheap[w], &q->n_wheap[w]); break;
     case 1: mf_heap_pop(q->heap, &q->n_heap); break;
@@ -94,16 +96,19 @@ int mf_q_take(mf_lane_rt *L, mf_grt *rt, int w)
     atomic_store_explicit(&L->n_ready, atomic_load_explicit(&L->n_ready, memory_order_relaxed) - 1,
                           memory_order_relaxed);
     if (src != 0 && src != 3) mf_q_publish(L);
-    (void)rt;
     return mf_key_task(best);
 }
 
-/* Wakes a sleeping thread of the lane, the hinted worker first. Lane mutex held. */
+/* Wakes a sleeping thread of the lane for a new task: for a hinted task its worker, or another
+ * (to steal it) only while that worker is busy. Lane mutex held. */
 void mf_lane_wake(mf_sched *s, mf_lane_rt *L, int hint)
 {
     if (!L->n_sleeping) return;
     mf_worker *w = NULL;
-    if (hint >= 0 && L->workers[hint].sleeping) w = &L->workers[hint];
+    if (hint >= 0) {
+        if (L->workers[hint].sleeping) w = &L->workers[hint];
+        else if (!L->workers[hint].busy) return;   /* it is about to look */
+    }
     for (int i = 0; !w && i < L->n_workers; i++)
         if (L->workers[i].sleeping) w = &L->workers[i];
     if (!w) return;
@@ -136,6 +141,7 @@ void mf_q_push(mf_sched *s, mf_task_id t)
     }
     atomic_store_explicit(&L->n_ready, atomic_load_explicit(&L->n_ready, memory_order_relaxed) + 1,
                           memory_order_relaxed);
+    atomic_fetch_add_explicit(&L->push_seq, 1, memory_order_relaxed);
     if (L->engine == MF_ENG_URING) {
         kick = L->wants_wake;
         L->wants_wake = 0;
@@ -146,7 +152,44 @@ void mf_q_push(mf_sched *s, mf_task_id t)
     mf_lane_kick_io(L, kick);
 }
 
-/* ---- completion ------------------------------------------------------------------------------- */
+/* Queues t (ready, on L, no hint) and takes the lane's best shared task in one go: t itself when
+ * nothing queued outranks it any more. */
+mf_task_id mf_q_swap(mf_sched *s, mf_lane_rt *L, mf_task_id t)
+{
+    uint64_t k = s->rt->key[t], best;
+    pthread_mutex_lock(&L->mu);
+    mf_lane_q *q = L->q;
+    uint64_t root = q->i_roots < q->n_roots ? q->roots[q->i_roots] : 0;
+    uint64_t heap = q->n_heap ? q->heap[0] : 0;
+    if (root > k && root >= heap) {
+        q->i_roots++;
+        mf_heap_push(q->heap, &q->n_heap, k);
+        best = root;
+    } else if (heap > k) {
+        best = heap;
+        q->heap[0] = k;   /* replace the top and sift it down */
+        int n = q->n_heap, i = 0;
+        for (;;) {
+            int c = 2 * i + 1;
+            if (c >= n) break;
+            if (c + 1 < n && q->heap[c + 1] > q->heap[c]) c++;
+            if (q->heap[c] <= k) break;
+            q->heap[i] = q->heap[c];
+            i = c;
+        }
+        q->heap[i] = k;
+    } else {
+        best = k;
+    }
+    if (best != k) {
+        mf_q_publish(L);
+        atomic_fetch_add_explicit(&L->push_seq, 1, memory_order_relaxed);
+    }
+    pthread_mutex_unlock(&L->mu);
+    return mf_key_task(best);
+}
+
+/* ---- completion ------------------------------------------------------------------------------ */
 
 void mf_done_add(mf_sched *s, uint32_t n)
 {
@@ -212,11 +255,12 @@ mf_task_id mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w)
     }
     if (cont >= 0) {
         uint64_t top = atomic_load_explicit(&w->lane->top_key, memory_order_relaxed);
-        if (w->i_batch < w->n_batch && rt->key[w->batch[w->i_batch]] > top)
-            top = rt->key[w->batch[w->i_batch]];
-        if (ckey < top) {
-            mf_q_push(s, cont);
+        uint64_t next = w->i_batch < w->n_batch ? rt->key[w->batch[w->i_batch]] : 0;
+        if (ckey < next && next >= top) {
+            mf_q_push(s, cont);   /* the worker's batch goes first */
             cont = -1;
+        } else if (ckey < top) {
+            cont = mf_q_swap(s, w->lane, cont);
         }
     }
     if (w) {
@@ -227,7 +271,7 @@ mf_task_id mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w)
     return cont;
 }
 
-/* ---- per-graph run state ---------------------------------------------------------------------- */
+/* ---- per-graph run state --------------------------------------------------------------------- */
 
 static void mf_grt_free(void *p)
 {
@@ -251,6 +295,7 @@ static void mf_grt_free(void *p)
     free(rt->lane);
     free(rt->hint);
     free(rt->tok);
+    free(rt->hinted_roots);
     free(rt);
 }
 
@@ -323,6 +368,12 @@ static int mf_grt_make(mf_sched *s, mf_graph *g, mf_grt **out)
         }
     for (int l = 0; l < nl; l++)
         qsort(rt->q[l].roots, (size_t)rt->q[l].n_roots, sizeof(uint64_t), mf_key_desc);
+    for (int t = 0; t < n; t++) rt->n_hinted_roots += !rt->pend_init[t] && rt->hint[t] >= 0;
+    rt->hinted_roots = malloc((size_t)(rt->n_hinted_roots ? rt->n_hinted_roots : 1) *
+                              sizeof(mf_task_id));
+    if (!rt->hinted_roots) goto oom;
+    for (int t = 0, k = 0; t < n; t++)
+        if (!rt->pend_init[t] && rt->hint[t] >= 0) rt->hinted_roots[k++] = t;
     free(n_lane);
     *out = rt;
     return 0;
@@ -332,7 +383,7 @@ oom:
     return mf_error(-ENOMEM, "sched: out of memory for the run state of %d tasks", n);
 }
 
-/* ---- scheduler lifetime ----------------------------------------------------------------------- */
+/* ---- scheduler lifetime ---------------------------------------------------------------------- */
 
 static int mf_sched_start_lane(mf_sched *s, mf_lane_rt *L, const mf_sched_opts *o)
 {
@@ -350,8 +401,9 @@ static int mf_sched_start_lane(mf_sched *s, mf_lane_rt *L, const mf_sched_opts *
         if (!s->io_pread) {
             int rc = mf_io_uring_start(s, L);
             if (rc == 0) L->engine = MF_ENG_URING;
-            else if (rc != -ENOSYS && rc != -EPERM && rc != -EACCES && rc != -EINVAL && rc != -ENOMEM)
-                return rc;
+            else if (rc != -ENOSYS && rc != -EPERM && rc != -EACCES && rc != -EINVAL &&
+                     rc != -ENOMEM)
+                return rc;   /* refusals fall back to pread; anything else is an error */
         }
         if (L->engine == MF_ENG_PREAD) L->n_workers = d->concurrency ? d->concurrency : 16;
         break;
@@ -412,7 +464,8 @@ int mf_sched_create(const mf_sched_opts *o, mf_sched **out)
     pthread_condattr_destroy(&ca);
     int rc;
     if (hwloc_topology_init(&s->topo) < 0 || hwloc_topology_load(s->topo) < 0) {
-        rc = mf_error(-errno ? -errno : -EIO, "sched: hwloc cannot load the machine topology");
+        rc = mf_error(-errno ? -errno : -EIO, "sched: hwloc cannot load the machine topology "
+                      "(%s:%d)", __FILE__, __LINE__);
         hwloc_topology_destroy(s->topo);
         s->topo = NULL;
         goto fail;
@@ -484,7 +537,7 @@ void mf_sched_destroy(mf_sched *s)
 
 const char *mf_sched_io_engine(const mf_sched *s) { return s->io_engine; }
 
-/* ---- runs ------------------------------------------------------------------------------------- */
+/* ---- runs ------------------------------------------------------------------------------------ */
 
 static int mf_sched_check_graph(const mf_sched *s, const mf_graph *g)
 {
@@ -563,6 +616,7 @@ int mf_sched_run(mf_sched *s, mf_graph *g, const mf_run_opts *ro)
         atomic_store_explicit(&L->n_ready,
                               atomic_load_explicit(&L->n_ready, memory_order_relaxed) + q->n_roots,
                               memory_order_relaxed);
+        atomic_fetch_add_explicit(&L->push_seq, 1, memory_order_relaxed);
         mf_q_publish(L);
         int kick = 0;
         if (L->engine == MF_ENG_URING) {
@@ -576,8 +630,7 @@ int mf_sched_run(mf_sched *s, mf_graph *g, const mf_run_opts *ro)
         mf_lane_kick_io(L, kick);
     }
     /* Hinted roots go to their worker's heap. */
-    for (int t = 0; t < n; t++)
-        if (!rt->pend_init[t] && rt->hint[t] >= 0) mf_q_push(s, t);
+    for (int i = 0; i < rt->n_hinted_roots; i++) mf_q_push(s, rt->hinted_roots[i]);
 
     int64_t timeout = ro ? ro->timeout_ns : 0;
     struct timespec dl;

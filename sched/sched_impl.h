@@ -31,6 +31,7 @@ typedef struct mf_worker {
     int started;
     pthread_cond_t cond;          /* sleeps on lane->mu */
     int sleeping;
+    int busy;                     /* lane mutex: took a task and has not come back for more */
     uint32_t local_done;          /* completions not yet added to the run's count */
     int n_batch, i_batch;
     mf_task_id batch[MF_BATCH_MAX];
@@ -61,6 +62,8 @@ typedef struct mf_grt {
     int16_t *hint;                /* resolved worker index or -1 */
     mf_lane_q *q;                 /* [n_lanes] */
     struct mf_dev_tok { mf_sched *s; mf_task_id t; } *tok;   /* device completion arguments */
+    mf_task_id *hinted_roots;     /* roots with a place hint, pushed to their worker at start */
+    int n_hinted_roots;
 } mf_grt;
 
 enum mf_engine { MF_ENG_CPU, MF_ENG_PREAD, MF_ENG_URING, MF_ENG_DEV };
@@ -73,6 +76,7 @@ struct mf_lane_rt {
     pthread_mutex_t mu;
     _Atomic int n_ready;          /* ready tasks in the queues (read without the lock to spin) */
     _Atomic uint64_t top_key;     /* best key in the shared queue, 0 if empty */
+    _Atomic uint32_t push_seq;    /* bumped by every push: idle workers watch it */
     mf_lane_q *q;                 /* the running graph's queues (NULL between runs) */
     int n_sleeping;
     int exit;
@@ -120,8 +124,9 @@ struct mf_sched {
 };
 
 /* sched.c: ready queues and completion. */
-int mf_q_take(mf_lane_rt *L, mf_grt *rt, int w);            /* lane->mu held; -1 if empty */
+int mf_q_take(mf_lane_rt *L, int w);            /* lane->mu held; -1 if empty */
 void mf_q_push(mf_sched *s, mf_task_id t);
+mf_task_id mf_q_swap(mf_sched *s, mf_lane_rt *L, mf_task_id t);
 mf_task_id mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w);
 void mf_task_fail(mf_sched *s, mf_task_id t, int code, const char *msg);
 void mf_done_flush(mf_sched *s, mf_worker *w);

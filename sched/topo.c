@@ -44,11 +44,14 @@ int mf_topo_plan(mf_sched *s, mf_lane_rt *L)
 
 int mf_topo_bind(mf_sched *s, mf_lane_rt *L, int w)
 {
-    if (hwloc_set_thread_cpubind(s->topo, L->workers[w].thread, L->bind[w], HWLOC_CPUBIND_THREAD) < 0) {
+    if (hwloc_set_thread_cpubind(s->topo, L->workers[w].thread, L->bind[w],
+                                 HWLOC_CPUBIND_THREAD) < 0) {
+        int e = errno ? errno : EINVAL;
         char buf[128];
         hwloc_bitmap_snprintf(buf, sizeof buf, L->bind[w]);
-        return mf_error(-errno ? -errno : -EINVAL, "sched: lane '%s' worker %d: cannot pin to cpus "
-                        "%s: %s", L->desc.name ? L->desc.name : "?", w, buf, strerror(errno));
+        return mf_error(-e, "sched: lane '%s' worker %d: hwloc_set_thread_cpubind to cpus %s: %s "
+                        "(%s:%d)", L->desc.name ? L->desc.name : "?", w, buf, strerror(e),
+                        __FILE__, __LINE__);
     }
     return 0;
 }

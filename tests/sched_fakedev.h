@@ -104,16 +104,16 @@ static void fakedev_stop(fakedev *d)
     }
 }
 
-/* Scales a test's size down under sanitizers (slow) unless MOEFLOW_TEST_TASKS says otherwise. */
+/* Scales a test's size down 4x under sanitizers (slow) unless MOEFLOW_TEST_TASKS says otherwise. */
 static int sched_test_tasks(int full)
 {
     const char *e = getenv("MOEFLOW_TEST_TASKS");
     if (e && atoi(e) > 0) return atoi(e);
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-    return full / 10;
+    return full / 4;
 #elif defined(__has_feature)
 #if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-    return full / 10;
+    return full / 4;
 #endif
 #endif
     return full;

@@ -2,7 +2,7 @@
  * device lanes: every task runs exactly once per run and never before its dependencies (per-task
  * counters, done flags, timeline spans), and each task's output -- a hash of its predecessors'
  * outputs and of the bytes its IO predecessors read -- is bit-identical to a sequential reference
- * for 1, 2 and 4 workers and across re-runs with changed arguments. 100k tasks (10k under
+ * for 1, 2 and 4 workers and across re-runs with changed arguments. 100k tasks (25k under
  * sanitizers; MOEFLOW_TEST_TASKS overrides). */
 #include <fcntl.h>
 #include <stdatomic.h>
