@@ -2,7 +2,10 @@
  * runs synthetic graphs of cached reads and FMA compute (chains, fan-out/fan-in layers, read ->
  * compute pipelines with different IO:compute ratios) for real with the executor and in virtual
  * time, and requires |predicted - measured| / measured <= 15% for each makespan (median of 3 runs).
- * Skips (77) under sanitizers, whose slowdowns make timings meaningless. */
+ * The machine is shared: calibrations and runs count only while other processes leave both cores
+ * to us (from /proc/stat), workers are not pinned (so the OS can move them off a busy core), and
+ * the test skips (77) when fewer than half the graphs could be measured within its time budget.
+ * Also skips under sanitizers, whose slowdowns make timings meaningless. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -60,6 +63,8 @@ static char *acc_bufs;
 /* A compute task lasting about `ms` at the calibrated rate. */
 static mf_task_id cpu_task(acc_graph *b, const char *name, double ms)
 {
+    if (b->n_fma == ACC_MAX_TASKS)
+        return -ENOSPC;
     mf_calib_fma *w = &b->fma[b->n_fma++];
     w->flops = ms * 1e-3 * b->su->models[0].flops_per_s;
     mf_task_desc d = {.name = name, .lane = 0, .fn = mf_calib_fma_task, .arg = w,
@@ -70,6 +75,8 @@ static mf_task_id cpu_task(acc_graph *b, const char *name, double ms)
 /* A read of n_bytes from the cached file. */
 static mf_task_id io_task(acc_graph *b, const char *name, uint64_t n_bytes)
 {
+    if (b->n_reads == ACC_MAX_TASKS)
+        return -ENOSPC;
     int i = b->n_reads++;
     uint64_t slots = ACC_FILE_BYTES / n_bytes;
     b->reads[i] = (mf_io_read){.fd = acc_fd, .offset = ((uint64_t)i % slots) * n_bytes,
