@@ -61,6 +61,9 @@ int mf_timeline_summarize(mf_timeline *tl, mf_timeline_summary *out)
         return mf_error(-EINVAL, "mf_timeline_summarize: NULL timeline or summary");
     const mf_graph *g = tl->g;
     int n = tl->n, n_lanes = mf_graph_n_lanes(g);
+    if (mf_graph_n_tasks(g) != n)
+        return mf_error(-EINVAL, "mf_timeline_summarize: the timeline holds %d tasks, its graph "
+                        "now has %d", n, mf_graph_n_tasks(g));
     if (n_lanes > MF_TIMELINE_MAX_LANES)
         return mf_error(-E2BIG, "mf_timeline_summarize: graph has %d lanes, the summary holds %d",
                         n_lanes, MF_TIMELINE_MAX_LANES);
@@ -240,6 +243,9 @@ int mf_timeline_write_chrome(const mf_timeline *tl, const char *path)
     const mf_graph *g = tl->g;
     const mf_task_span *spans = tl->spans;
     int n = tl->n, n_lanes = mf_graph_n_lanes(g);
+    if (mf_graph_n_tasks(g) != n)
+        return mf_error(-EINVAL, "%s: the timeline holds %d tasks, its graph now has %d", path, n,
+                        mf_graph_n_tasks(g));
 
     /* Tracks: lane l has n_slots[l] tracks starting at tid base[l]; a lane that can run more
      * than one task at once gets one track per worker slot so overlapping slices don't nest. */
