@@ -1,7 +1,7 @@
 """Validates moeflow's Chrome trace-event export against the trace-event format: trace_tool
-(tests/py/trace_tool.c) simulates a synthetic multi-lane graph and writes the JSON; this checks
-required keys per phase, that every track is named, and that flow arrows pair up. Exit 1 on any
-violation, naming it."""
+(tests/py/trace_tool.c) writes the JSON of a synthetic multi-lane graph, once simulated and once
+run for real by the executor; this checks required keys per phase, that every track is named,
+that slices on one track never overlap, and that flow arrows pair up. Exit 1 on any violation."""
 import json
 import os
 import subprocess
@@ -14,9 +14,20 @@ def main():
     tool = os.path.join(build, "tests", "trace_tool")
     if not os.path.exists(tool):
         tool = os.path.join(build, "trace_tool")
-    path = os.path.join(tmp, "check_trace.json")
-    out = subprocess.run([tool, path, "12"], check=True, capture_output=True, text=True)
-    n_tasks, n_edges = map(int, out.stdout.split())
+    failed = 0
+    for mode in ("sim", "real"):
+        path = os.path.join(tmp, f"check_trace_{mode}.json")
+        out = subprocess.run([tool, path, "12", mode], capture_output=True, text=True)
+        if out.returncode != 0:
+            print(f"trace_tool {mode} failed:\n{out.stderr}")
+            failed = 1
+            continue
+        n_tasks, n_edges = map(int, out.stdout.split())
+        failed |= check(path, mode, n_tasks, n_edges)
+    return failed
+
+
+def check(path, mode, n_tasks, n_edges):
 
     errors = []
     with open(path) as f:
@@ -109,7 +120,7 @@ def main():
 
     for e in errors[:30]:
         print(f"{path}: {e}")
-    print(f"check_trace: {len(events)} events, {n_x} slices, {len(flows)} flows, "
+    print(f"check_trace {mode}: {len(events)} events, {n_x} slices, {len(flows)} flows, "
           f"{len(named_tids)} tracks, {len(errors)} violations")
     return 1 if errors else 0
 
