@@ -60,7 +60,8 @@ typedef struct mf_kern_mat {
  * blocks, then odd elements) as bytes q + offset, and one float scale per 256 inputs. */
 typedef struct mf_kern_q8 {
     int n_tok, n_in;
-    int offset;         /* 0 (int8 codes, calls of 1-2 tokens) or 128 (uint8 q + 128) */
+    int offset;         /* 0 (int8 codes: n_tok <= 2) or 128 (q + 128), chosen by mf_kern_q8_init
+                         * from n_tok: init again when a call's token count changes */
     int n_sb;           /* 256-input groups per token */
     size_t row_bytes;   /* quantized bytes per token */
     uint8_t *q;         /* [n_tok][row_bytes], 32-byte aligned */
