@@ -476,21 +476,25 @@ static void mf_fp4_rows_avx2(const uint8_t *w, const uint8_t *scale, int n_in,
         const uint8_t *xr = xq->q + (size_t)t0 * xq->row_bytes;
         const float *xs = xq->scale + (size_t)t0 * xq->n_sb;
         float *yt = y + (size_t)t0 * ld_y;
-        if (!xq->offset && nt == 1)
-            mf_fp4_pass_avx2(w, scale, n_in, xr, xq->row_bytes, xs, xq->n_sb, 1, 1, 1, yt, ld_y,
-                             y_row0, r0, r1);
-        else if (!xq->offset && nt == 2)
-            mf_fp4_pass_avx2(w, scale, n_in, xr, xq->row_bytes, xs, xq->n_sb, 2, 2, 1, yt, ld_y,
-                             y_row0, r0, r1);
-        else if (!xq->offset)
-            mf_fp4_pass_avx2(w, scale, n_in, xr, xq->row_bytes, xs, xq->n_sb, nt, 0, 1, yt, ld_y,
-                             y_row0, r0, r1);
-        else if (nt <= CHUNK_TOK)
+        if (!xq->offset) {
+            /* signed codes (calls of 1-2 tokens, or hand-made views): two tokens at a time */
+            for (int tc = 0; tc < nt; tc += 2) {
+                const uint8_t *xc = xr + (size_t)tc * xq->row_bytes;
+                const float *sc = xs + (size_t)tc * xq->n_sb;
+                if (nt - tc == 1)
+                    mf_fp4_pass_avx2(w, scale, n_in, xc, xq->row_bytes, sc, xq->n_sb, 1, 1, 1,
+                                     yt + (size_t)tc * ld_y, ld_y, y_row0, r0, r1);
+                else
+                    mf_fp4_pass_avx2(w, scale, n_in, xc, xq->row_bytes, sc, xq->n_sb, 2, 2, 1,
+                                     yt + (size_t)tc * ld_y, ld_y, y_row0, r0, r1);
+            }
+        } else if (nt <= CHUNK_TOK) {
             mf_fp4_pass_avx2(w, scale, n_in, xr, xq->row_bytes, xs, xq->n_sb, nt, 0, 0, yt, ld_y,
                              y_row0, r0, r1);
-        else
+        } else {
             mf_fp4_rows_chunked_avx2(w, scale, n_in, xr, xq->row_bytes, xs, xq->n_sb, nt, yt, ld_y,
                                      y_row0, r0, r1);
+        }
     }
 }
 
