@@ -2,6 +2,7 @@
  * jansson, validation, the flat writer and the presets. Every error names the file and field and
  * says what was expected and what was found. */
 #include "graphs/config.h"
+#include "host/json_kind.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -25,21 +26,6 @@ typedef struct mf_cfg_src {
     json_t *quant;          /* quantization_config */
     const char *qprefix;    /* "quantization_config." or "text_config.quantization_config." */
 } mf_cfg_src;
-
-static const char *mf_json_kind(const json_t *v)
-{
-    switch (json_typeof(v)) {
-    case JSON_OBJECT: return "an object";
-    case JSON_ARRAY: return "a list";
-    case JSON_STRING: return "a string";
-    case JSON_INTEGER: return "an integer";
-    case JSON_REAL: return "a real number";
-    case JSON_TRUE: return "true";
-    case JSON_FALSE: return "false";
-    case JSON_NULL: return "null";
-    }
-    return "?";
-}
 
 static int mf_cfg_bad(const mf_cfg_src *s, const char *prefix, const char *key, const char *expected,
                       const char *found)

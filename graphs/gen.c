@@ -3,6 +3,9 @@
  * forward pass finite, and writes config.json and the index last so an interrupted run never
  * leaves a checkpoint that looks complete. */
 #include "graphs/gen.h"
+#include "graphs/engram_map.h"
+#include "graphs/gen_tokenizer.h"
+#include "host/tokenizer.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -203,7 +206,9 @@ void mf_gen_fill(const mf_layout_tensor *t, uint64_t seed, uint64_t offset, void
 static int mf_is_our_file(const char *name)
 {
     size_t len = strlen(name);
-    if (!strcmp(name, "config.json") || !strcmp(name, "model.safetensors.index.json")) return 1;
+    if (!strcmp(name, "config.json") || !strcmp(name, "model.safetensors.index.json") ||
+        !strcmp(name, "tokenizer.json"))
+        return 1;
     return !strncmp(name, "model-", 6) && len > 12 && !strcmp(name + len - 12, ".safetensors");
 }
 
@@ -307,6 +312,21 @@ static int mf_gen_shard(const mf_layout *l, const int *idx, int n, const char *p
     return mf_st_writer_finish(w);
 }
 
+/* Sets c->engram_compressed_vocab_size to the number of Engram keys of the tokenizer at path. */
+static int mf_gen_engram_vocab(const char *path, mf_config *c)
+{
+    mf_tok *tok;
+    mf_engram_map *map;
+    int rc = mf_tok_load(path, &tok);
+    if (rc) return rc;
+    rc = mf_engram_map_build(tok, &map);
+    mf_tok_free(tok);
+    if (rc) return rc;
+    c->engram_compressed_vocab_size = mf_engram_map_n_unique(map);
+    mf_engram_map_free(map);
+    return 0;
+}
+
 int mf_gen_write(const mf_config *c, const char *dir, const mf_gen_opts *o)
 {
     mf_layout *l;
@@ -319,7 +339,7 @@ int mf_gen_write(const mf_config *c, const char *dir, const mf_gen_opts *o)
     const char **files = malloc((size_t)n * sizeof *files);
     char **shard_names = calloc((size_t)(o->n_shards > 0 ? o->n_shards : 1), sizeof *shard_names);
     uint8_t *buf = o->sparse ? NULL : malloc(MF_GEN_CHUNK_BYTES);
-    mf_gen_files written = {calloc((size_t)(o->n_shards > 0 ? o->n_shards : 1) + 2, sizeof(char *)), 0};
+    mf_gen_files written = {calloc((size_t)(o->n_shards > 0 ? o->n_shards : 1) + 3, sizeof(char *)), 0};
     int created = 0;
     char path[4096];
     if (!shard_of || !idx || !names || !files || !shard_names || (!o->sparse && !buf) ||
@@ -347,9 +367,19 @@ int mf_gen_write(const mf_config *c, const char *dir, const mf_gen_opts *o)
         if ((rc = mf_gen_shard(l, idx, k, path, o, buf, &prog))) break;
         mf_gen_files_add(&written, path);
     }
+    /* A model with weights gets a tokenizer.json sized to its vocabulary; its Engram token map
+     * defines the compressed vocabulary, so the config written says that size. Layout-only
+     * (sparse) checkpoints keep the preset's figures and get no tokenizer. */
+    mf_config cw = *c;
+    if (rc == 0 && !o->sparse) {
+        snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+        rc = mf_gen_tokenizer_write(c, path);
+        if (rc == 0) mf_gen_files_add(&written, path);
+        if (rc == 0 && c->n_engram > 0) rc = mf_gen_engram_vocab(path, &cw);
+    }
     if (rc == 0) {
         snprintf(path, sizeof path, "%s/config.json", dir);
-        rc = mf_config_write_json(c, path);
+        rc = mf_config_write_json(&cw, path);
         if (rc == 0) mf_gen_files_add(&written, path);
     }
     if (rc == 0) {

@@ -6,6 +6,7 @@
 
 #include "sched/error.h"
 #include "sched/sched_impl.h"
+#include "sched/nvtx.h"
 
 #define MF_SPIN_ROUNDS 2000
 
@@ -84,7 +85,9 @@ static mf_task_id mf_cpu_exec(mf_sched *s, mf_lane_rt *L, mf_worker *w, mf_task_
         } else if (d->fn) {
             mf_task_ctx ctx = {.lane = L->index, .worker = w->index, .numa_node = L->numa_node};
             mf_error_clear();
+            mf_nvtx_range_push(L->index, s->g->lanes[L->index].name, d->name);
             rc = d->fn(d->arg, &ctx);
+            mf_nvtx_range_pop();
         } else {
             rc = 0;
         }

@@ -41,7 +41,8 @@ typedef struct mf_timeline_summary {
 int mf_timeline_summarize(mf_timeline *tl, mf_timeline_summary *out);
 /* Prints the summary as a small table. */
 void mf_timeline_print_summary(const mf_timeline *tl, const mf_timeline_summary *s, FILE *f);
-/* Writes Chrome trace-event JSON to path; 0 or a negative code naming the path. */
+/* Writes Chrome trace-event JSON to path; 0 or a negative code naming the path. Dependency
+ * arrows (flow events) only for graphs of at most 20000 tasks; slices always. */
 int mf_timeline_write_chrome(const mf_timeline *tl, const char *path);
 
 #endif

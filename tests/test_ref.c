@@ -441,6 +441,11 @@ int main(void)
         fprintf(stderr, "gen: %s\n", mf_last_error());
         return 1;
     }
+    /* These checks drive the token-id path (and the "no tokenizer" refusal); text goes through
+     * test_text_cli with a tokenizer of its own. */
+    char tok_path[1100];
+    snprintf(tok_path, sizeof tok_path, "%s/tokenizer.json", g_dir);
+    unlink(tok_path);
     mf_model *m = NULL, *ml = NULL;
     CHECK(mf_model_load(g_dir, &(mf_model_opts){.quiet = 1}, &m) == 0, "load: %s", mf_last_error());
     CHECK(mf_model_load(g_dir, &(mf_model_opts){.quiet = 1, .resident_limit_bytes = MF_MODEL_ALL_LAZY}, &ml) == 0,

@@ -132,6 +132,7 @@ static const struct {
 } mf_bench_subs[] = {
     {"sched", mf_bench_sched, "scheduler overhead per task (chain, independent, layered)"},
     {"io", mf_bench_io, "store reads vs dd iflag=direct; 264-byte gathers vs a pread loop"},
+    {"kernels", mf_bench_kernels, "fused FP4 expert matmul and FFN vs read probe and expand baseline"},
     {NULL, NULL, NULL},
 };
 

@@ -344,6 +344,7 @@ int mf_cmd_decode(int argc, char **argv)
     }
     int64_t t2 = mf_now_ns();
     putchar('\n');
+    fflush(stdout);
     if (mst && trace && mf_store_write_trace(mst, trace)) goto fail;
     if (mst && !quiet) {
         mf_store_stats x;

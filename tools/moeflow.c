@@ -13,7 +13,7 @@ static const struct {
     {"gen", mf_cmd_gen, "write a synthetic checkpoint with the real layout (tiny, demo, flash41)"},
     {"decode", mf_cmd_decode, "decode with the plain reference forward (fp32, one thread: the oracle)"},
     {"info", mf_cmd_info, "byte census of a checkpoint by group, config summary and layout check"},
-    {"bench", mf_cmd_bench, "micro-benchmarks (bench sched: scheduler overhead per task)"},
+    {"bench", mf_cmd_bench, "micro-benchmarks (bench sched: scheduler overhead; bench kernels: fused matmuls)"},
     {NULL, NULL, NULL},
 };
 

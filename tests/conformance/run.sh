@@ -35,6 +35,7 @@ build=$(cd "$build" && pwd)
 # name | command (run from the repository root with MOEFLOW_BUILD set)
 checks=(
   "tokenizer|$py tests/conformance/tokenizer/check_tokenizer.py"
+  "gen-tokenizer|$py tests/conformance/tokenizer/check_gen_tokenizer.py"
 )
 
 passed=() failed=()

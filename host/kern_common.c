@@ -1,0 +1,156 @@
+/* Run-time SIMD choice, argument checks and the fp32 tile engine shared by the FP8, BF16 and FP4
+ * fp32 kernels: a row's weights are decoded tile by tile into L1 and applied to every token there,
+ * so W is read once per call. AVX2+FMA and scalar paths give identical bits (same lanes, fmaf). */
+#include "host/kern_internal.h"
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sched/error.h"
+
+static int mf_kern_simd_cached = -1;   /* resolved choice; -1 = not yet */
+
+static int mf_kern_cpu_has_avx2(void)
+{
+    /* F16C through cpuid (leaf 1, ECX bit 29): clang 14's __builtin_cpu_supports lacks "f16c". */
+    unsigned a, b, c, d;
+    int f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
+}
+
+mf_kern_simd mf_kern_simd_active(void)
+{
+    int s = __atomic_load_n(&mf_kern_simd_cached, __ATOMIC_RELAXED);
+    if (s < 0) {
+        const char *env = getenv("MOEFLOW_SIMD");
+        int scalar = env && !strcmp(env, "scalar");
+        s = (!scalar && mf_kern_cpu_has_avx2()) ? MF_KERN_SIMD_AVX2 : MF_KERN_SIMD_SCALAR;
+        __atomic_store_n(&mf_kern_simd_cached, s, __ATOMIC_RELAXED);
+    }
+    return (mf_kern_simd)s;
+}
+
+int mf_kern_simd_set(mf_kern_simd s)
+{
+    if (s == MF_KERN_SIMD_AVX2 && !mf_kern_cpu_has_avx2())
+        return mf_error(-ENOTSUP, "kernels: AVX2+FMA path asked for, but this CPU lacks AVX2, FMA or F16C");
+    if (s != MF_KERN_SIMD_AUTO && s != MF_KERN_SIMD_SCALAR && s != MF_KERN_SIMD_AVX2)
+        return mf_error(-EINVAL, "kernels: unknown SIMD path %d", (int)s);
+    __atomic_store_n(&mf_kern_simd_cached, s == MF_KERN_SIMD_AUTO ? -1 : (int)s, __ATOMIC_RELAXED);
+    return 0;
+}
+
+const char *mf_kern_simd_name(mf_kern_simd s)
+{
+    switch (s) {
+    case MF_KERN_SIMD_AUTO: return "auto";
+    case MF_KERN_SIMD_SCALAR: return "scalar";
+    case MF_KERN_SIMD_AVX2: return "avx2";
+    }
+    return "?";
+}
+
+int mf_kern_check(const char *who, const void *w, const void *scale, int need_scale, int n_out,
+                  int n_in, const void *x, int n_tok, int ld_x, const float *y, int ld_y, int r0,
+                  int r1)
+{
+    if (!w || (need_scale && !scale) || !x || !y)
+        return mf_error(-EINVAL, "%s: NULL %s", who,
+                        !w ? "weights" : (need_scale && !scale) ? "scales" : !x ? "input" : "output");
+    if (n_out < 1 || n_in < 32 || n_in % 32)
+        return mf_error(-EINVAL, "%s: shape [%d, %d]: expected n_out >= 1 and n_in a positive "
+                        "multiple of 32", who, n_out, n_in);
+    if (n_tok < 1 || ld_x < n_in || ld_y < n_out)
+        return mf_error(-EINVAL, "%s: %d tokens, ld_x %d, ld_y %d for shape [%d, %d]: expected "
+                        "n_tok >= 1, ld_x >= n_in, ld_y >= n_out", who, n_tok, ld_x, ld_y, n_out, n_in);
+    if (r0 < 0 || r1 > n_out || r0 > r1)
+        return mf_error(-EINVAL, "%s: row range [%d, %d) outside [0, %d)", who, r0, r1, n_out);
+    return 0;
+}
+
+/* acc[t][32] += wt[0..n) . x[t][k0..k0+n), lane = k mod 32, fmaf in k order. */
+static void mf_kern_f32_tile_scalar(const float *wt, int n, const float *x, int n_tok, int ld_x,
+                                    int k0, float (*acc)[32])
+{
+    for (int t = 0; t < n_tok; t++) {
+        const float *xt = x + (size_t)t * ld_x + k0;
+        for (int j = 0; j < n; j += 32)
+            for (int l = 0; l < 32; l++)
+                acc[t][l] = fmaf(wt[j + l], xt[j + l], acc[t][l]);
+    }
+}
+
+__attribute__((target("avx2,fma")))
+static void mf_kern_f32_tile_avx2(const float *wt, int n, const float *x, int n_tok, int ld_x,
+                                  int k0, float (*acc)[32])
+{
+    int t = 0;
+    for (; t + 2 <= n_tok; t += 2) {
+        const float *xa = x + (size_t)t * ld_x + k0, *xb = xa + ld_x;
+        __m256 a0 = _mm256_load_ps(acc[t]), a1 = _mm256_load_ps(acc[t] + 8);
+        __m256 a2 = _mm256_load_ps(acc[t] + 16), a3 = _mm256_load_ps(acc[t] + 24);
+        __m256 b0 = _mm256_load_ps(acc[t + 1]), b1 = _mm256_load_ps(acc[t + 1] + 8);
+        __m256 b2 = _mm256_load_ps(acc[t + 1] + 16), b3 = _mm256_load_ps(acc[t + 1] + 24);
+        for (int j = 0; j < n; j += 32) {
+            __m256 w0 = _mm256_load_ps(wt + j), w1 = _mm256_load_ps(wt + j + 8);
+            __m256 w2 = _mm256_load_ps(wt + j + 16), w3 = _mm256_load_ps(wt + j + 24);
+            a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xa + j), a0);
+            a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xa + j + 8), a1);
+            a2 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xa + j + 16), a2);
+            a3 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xa + j + 24), a3);
+            b0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb + j), b0);
+            b1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + j + 8), b1);
+            b2 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + j + 16), b2);
+            b3 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + j + 24), b3);
+        }
+        _mm256_store_ps(acc[t], a0), _mm256_store_ps(acc[t] + 8, a1);
+        _mm256_store_ps(acc[t] + 16, a2), _mm256_store_ps(acc[t] + 24, a3);
+        _mm256_store_ps(acc[t + 1], b0), _mm256_store_ps(acc[t + 1] + 8, b1);
+        _mm256_store_ps(acc[t + 1] + 16, b2), _mm256_store_ps(acc[t + 1] + 24, b3);
+    }
+    for (; t < n_tok; t++) {
+        const float *xa = x + (size_t)t * ld_x + k0;
+        __m256 a0 = _mm256_load_ps(acc[t]), a1 = _mm256_load_ps(acc[t] + 8);
+        __m256 a2 = _mm256_load_ps(acc[t] + 16), a3 = _mm256_load_ps(acc[t] + 24);
+        for (int j = 0; j < n; j += 32) {
+            a0 = _mm256_fmadd_ps(_mm256_load_ps(wt + j), _mm256_loadu_ps(xa + j), a0);
+            a1 = _mm256_fmadd_ps(_mm256_load_ps(wt + j + 8), _mm256_loadu_ps(xa + j + 8), a1);
+            a2 = _mm256_fmadd_ps(_mm256_load_ps(wt + j + 16), _mm256_loadu_ps(xa + j + 16), a2);
+            a3 = _mm256_fmadd_ps(_mm256_load_ps(wt + j + 24), _mm256_loadu_ps(xa + j + 24), a3);
+        }
+        _mm256_store_ps(acc[t], a0), _mm256_store_ps(acc[t] + 8, a1);
+        _mm256_store_ps(acc[t] + 16, a2), _mm256_store_ps(acc[t] + 24, a3);
+    }
+}
+
+void mf_kern_f32_run(const mf_kern_mat *m, mf_kern_decode_fn dec_avx2, mf_kern_decode_fn dec_scalar,
+                     const float *x, int n_tok, int ld_x, float *y, int ld_y, int y_row0, int r0,
+                     int r1)
+{
+    int avx2 = mf_kern_simd_active() == MF_KERN_SIMD_AVX2;
+    mf_kern_decode_fn dec = avx2 ? dec_avx2 : dec_scalar;
+    _Alignas(32) float wt[MF_KERN_TILE];
+    _Alignas(32) float acc[MF_KERN_TOK_PASS][32];
+
+    for (int t0 = 0; t0 < n_tok; t0 += MF_KERN_TOK_PASS) {
+        int nt = n_tok - t0 < MF_KERN_TOK_PASS ? n_tok - t0 : MF_KERN_TOK_PASS;
+        const float *xc = x + (size_t)t0 * ld_x;
+        for (int o = r0; o < r1; o++) {
+            memset(acc, 0, sizeof(float) * 32 * (size_t)nt);
+            for (int k0 = 0; k0 < m->n_in; k0 += MF_KERN_TILE) {
+                int n = m->n_in - k0 < MF_KERN_TILE ? m->n_in - k0 : MF_KERN_TILE;
+                dec(m, o, k0, n, wt);
+                if (avx2)
+                    mf_kern_f32_tile_avx2(wt, n, xc, nt, ld_x, k0, acc);
+                else
+                    mf_kern_f32_tile_scalar(wt, n, xc, nt, ld_x, k0, acc);
+            }
+            for (int t = 0; t < nt; t++)
+                y[(size_t)(t0 + t) * ld_y + (o - y_row0)] = mf_kern_reduce32(acc[t]);
+        }
+    }
+}

@@ -1,0 +1,63 @@
+/* FP8 fused matmul (attention projections, shared expert, Engram projection): E4M3 weights with one
+ * E8M0 scale per 32x32 tile, decoded to exact fp32 tile by tile in L1 and applied to every token
+ * (kern_common.c's engine). The decoded value is e4m3(w) * 2^(s-127) rounded once, as the
+ * reference computes it in fp32. */
+#include "host/kern_internal.h"
+
+#include <immintrin.h>
+
+#include "host/formats.h"
+
+static void mf_kern_fp8_decode_scalar(const mf_kern_mat *m, int row, int k0, int n, float *dst)
+{
+    const uint8_t *w = (const uint8_t *)m->w + (size_t)row * m->n_in + k0;
+    const uint8_t *s = m->scale + (size_t)(row / 32) * (m->n_in / 32) + k0 / 32;
+    for (int i = 0; i < n; i++)
+        dst[i] = mf_e4m3_to_f32(w[i]) * mf_e8m0_to_f32(s[i / 32]);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void mf_kern_fp8_decode_avx2(const mf_kern_mat *m, int row, int k0, int n, float *dst)
+{
+    const uint8_t *w = (const uint8_t *)m->w + (size_t)row * m->n_in + k0;
+    const uint8_t *s = m->scale + (size_t)(row / 32) * (m->n_in / 32) + k0 / 32;
+    mf_kern_prefetch(w, (size_t)n);
+    /* E4M3 bits moved into binary16 ((b & 0x7F) << 7, sign at bit 15) are the value times 2^-8,
+     * subnormals included and no float subnormal on the way; F16C widens 8 at a time, then
+     * * 2^8 (exact) and * scale (the reference's one rounding). NaN codes become an f16 NaN. */
+    const __m256i m7f = _mm256_set1_epi16(0x7F), m80 = _mm256_set1_epi16(0x80);
+    const __m256i f16nan = _mm256_set1_epi16(0x7E00);
+    const __m256 two8 = _mm256_set1_ps(256.0f);
+    for (int i = 0; i < n; i += 32) {
+        __m256 sc = _mm256_set1_ps(mf_e8m0_to_f32(s[i / 32]));
+        for (int j = 0; j < 32; j += 16) {
+            __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + i + j)));
+            __m256i a = _mm256_and_si256(b, m7f);
+            __m256i h = _mm256_or_si256(_mm256_slli_epi16(a, 7),
+                                        _mm256_slli_epi16(_mm256_and_si256(b, m80), 8));
+            h = _mm256_blendv_epi8(h, f16nan, _mm256_cmpeq_epi16(a, m7f));
+            __m256 v0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+            __m256 v1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+            _mm256_store_ps(dst + i + j, _mm256_mul_ps(_mm256_mul_ps(v0, two8), sc));
+            _mm256_store_ps(dst + i + j + 8, _mm256_mul_ps(_mm256_mul_ps(v1, two8), sc));
+        }
+    }
+}
+
+void mf_kern_fp8_rows(const mf_kern_mat *m, const float *x, int n_tok, int ld_x, float *y,
+                      int ld_y, int y_row0, int r0, int r1)
+{
+    mf_kern_f32_run(m, mf_kern_fp8_decode_avx2, mf_kern_fp8_decode_scalar, x, n_tok, ld_x, y,
+                    ld_y, y_row0, r0, r1);
+}
+
+int mf_kern_fp8_matmul(const uint8_t *w, const uint8_t *scale, int n_out, int n_in,
+                       const float *x, int n_tok, int ld_x, float *y, int ld_y, int r0, int r1)
+{
+    int rc = mf_kern_check("fp8 matmul", w, scale, 1, n_out, n_in, x, n_tok, ld_x, y, ld_y, r0, r1);
+    if (rc)
+        return rc;
+    mf_kern_mat m = {MF_KERN_FP8, w, scale, n_out, n_in};
+    mf_kern_fp8_rows(&m, x, n_tok, ld_x, y, ld_y, 0, r0, r1);
+    return 0;
+}

@@ -1,0 +1,115 @@
+/* Fused CPU matmul kernels over checkpoint formats: y[t][o] = sum_k W[o][k] * x[t][k] with W read
+ * in its stored form (BF16, FP8 E4M3 + 32x32 E8M0 tiles, packed E2M1 + 1x32 E8M0) once per call for
+ * all tokens and never written out expanded, plus the expert FFN (w1, w3, swiglu, w2) in two phases.
+ *
+ * Threading: every kernel computes output rows [r0, r1) only, so a caller splits rows across
+ * workers; each output element is one fixed-order reduction, so results are bit-identical however
+ * rows are split. SIMD: AVX2+FMA paths chosen at run time, a scalar fallback otherwise (or when
+ * MOEFLOW_SIMD=scalar); the scalar paths reproduce the AVX2 lane order, so both give the same bits.
+ *
+ * Two FP4 paths:
+ *  - int8 (the decode path): activations are quantized once per call (mf_kern_q8_quantize) to int8
+ *    with one float scale per token per 256 inputs; the AVX2 path multiplies with vpmaddubsw /
+ *    vpmaddwd, folding each 32-block's E8M0 scale into an int16 factor relative to the largest
+ *    scale of its 256-group (blocks more than 14 binades below it are dropped). Integer sums are
+ *    exact; the error vs the fp32 reference is the activation rounding: 1.0% (Gaussian inputs),
+ *    3.1% with 1% 8x outliers, max over test runs (docs/kernels.md).
+ *  - fp32 (mf_kern_fp4_matmul_f32): weights decoded to fp32 in L1-sized tiles, fp32 FMA against
+ *    fp32 activations; the only error is fp32 summation.
+ * FP8 and BF16 use the fp32 scheme. Number formats as in host/formats.h. */
+#ifndef MF_KERNELS_H
+#define MF_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Tokens per pass over the weights: callers may pass more; every further 64 re-read W once. */
+#define MF_KERN_TOK_PASS 64
+
+typedef enum mf_kern_simd {
+    MF_KERN_SIMD_AUTO = 0,   /* AVX2+FMA when the CPU has it and MOEFLOW_SIMD != "scalar" */
+    MF_KERN_SIMD_SCALAR,
+    MF_KERN_SIMD_AVX2,
+} mf_kern_simd;
+
+/* The path the kernels use now (never AUTO). The AVX2 path needs AVX2, FMA and F16C. */
+mf_kern_simd mf_kern_simd_active(void);
+/* Forces a path for this process (tests, benches); AUTO restores the run-time choice.
+ * -ENOTSUP (with a message) when AVX2 is asked for on a CPU without them. Not thread-safe
+ * against kernels running at the same time. */
+int mf_kern_simd_set(mf_kern_simd s);
+const char *mf_kern_simd_name(mf_kern_simd s);
+
+typedef enum mf_kern_fmt {
+    MF_KERN_BF16 = 1,   /* w: uint16 [n_out][n_in]; scale: unused */
+    MF_KERN_FP8,        /* w: E4M3 [n_out][n_in]; scale: E8M0 [ceil(n_out/32)][n_in/32] */
+    MF_KERN_FP4,        /* w: E2M1 pairs [n_out][n_in/2], low nibble first; scale: E8M0 [n_out][n_in/32] */
+} mf_kern_fmt;
+
+/* A weight matrix as stored ([out, in] rows), viewed, not owned. n_in must be a positive multiple
+ * of 32 for every format. */
+typedef struct mf_kern_mat {
+    mf_kern_fmt fmt;
+    const void *w;
+    const uint8_t *scale;
+    int n_out, n_in;
+} mf_kern_mat;
+
+/* Quantized activations for the FP4 int8 path: a view over caller memory set up by
+ * mf_kern_q8_init. Token t, 32-block b: 64-byte groups per block pair (even elements of both
+ * blocks, then odd elements) as bytes q + offset, and one float scale per 256 inputs. */
+typedef struct mf_kern_q8 {
+    int n_tok, n_in;
+    int offset;         /* 0 (int8 codes: n_tok <= 2) or 128 (q + 128), chosen by mf_kern_q8_init
+                         * from n_tok: init again when a call's token count changes */
+    int n_sb;           /* 256-input groups per token */
+    size_t row_bytes;   /* quantized bytes per token */
+    uint8_t *q;         /* [n_tok][row_bytes], 32-byte aligned */
+    float *scale;       /* [n_tok][n_sb] */
+} mf_kern_q8;
+
+/* Bytes a q8 buffer for n_tok x n_in needs (0 when n_in is not a positive multiple of 32 or
+ * n_tok < 1). */
+size_t mf_kern_q8_bytes(int n_tok, int n_in);
+/* Points q at buf (buf_bytes >= mf_kern_q8_bytes; any alignment). -EINVAL on bad sizes. */
+int mf_kern_q8_init(mf_kern_q8 *q, void *buf, size_t buf_bytes, int n_tok, int n_in);
+/* Quantizes tokens [t0, t1) of x (row t at x + t * ld_x, n_in floats) into q: per token per 256
+ * inputs, scale = max|x| / 127 and q = round-to-even(x * 127 / max|x|). A group holding inf or
+ * NaN gets a NaN scale (its outputs become NaN). Workers may quantize disjoint token ranges. */
+int mf_kern_q8_quantize(const mf_kern_q8 *q, const float *x, int ld_x, int t0, int t1);
+
+/* The kernels. Token t's input is row t of x (ld_x floats apart) or of xq; outputs y[t * ld_y + o]
+ * for o in [r0, r1) are written (not accumulated). Return 0, or -EINVAL with a message for bad
+ * shapes, ranges or NULL pointers (nothing is written then). */
+int mf_kern_fp4_matmul(const uint8_t *w, const uint8_t *scale, int n_out, int n_in,
+                       const mf_kern_q8 *xq, float *y, int ld_y, int r0, int r1);
+int mf_kern_fp4_matmul_f32(const uint8_t *w, const uint8_t *scale, int n_out, int n_in,
+                           const float *x, int n_tok, int ld_x, float *y, int ld_y, int r0, int r1);
+int mf_kern_fp8_matmul(const uint8_t *w, const uint8_t *scale, int n_out, int n_in,
+                       const float *x, int n_tok, int ld_x, float *y, int ld_y, int r0, int r1);
+int mf_kern_bf16_matmul(const uint16_t *w, int n_out, int n_in,
+                        const float *x, int n_tok, int ld_x, float *y, int ld_y, int r0, int r1);
+
+/* An input to mf_kern_matmul / the FFN: fp32 rows, and for FP4 weights optionally their q8 copy
+ * (q8 != NULL selects the int8 path, NULL the fp32 path). */
+typedef struct mf_kern_in {
+    const float *x;
+    int n_tok, ld_x;
+    const mf_kern_q8 *q8;
+} mf_kern_in;
+
+/* Dispatches on m->fmt. */
+int mf_kern_matmul(const mf_kern_mat *m, const mf_kern_in *in, float *y, int ld_y, int r0, int r1);
+
+/* The expert FFN, as two row-split phases (v41-flash step 5):
+ *   phase 1, rows [r0, r1) of the hidden size (w1/w3 n_out):
+ *     g = min(w1 x, limit); u = clamp(w3 x, -limit, limit);
+ *     h[t][r] = (silu(g) * u) * tok_weight[t]            (tok_weight NULL: weight 1)
+ *   between phases, once: quantize h (mf_kern_q8_quantize) when w2 is FP4 and the int8 path is used;
+ *   phase 2, rows [r0, r1) of the model size: y = w2 h  (mf_kern_ffn_down = mf_kern_matmul).
+ * w1, w3 (and w2) may be FP4 (routed experts) or FP8 (shared expert). h has ld_h >= w1->n_out. */
+int mf_kern_ffn_up(const mf_kern_mat *w1, const mf_kern_mat *w3, const mf_kern_in *x,
+                   const float *tok_weight, float limit, float *h, int ld_h, int r0, int r1);
+int mf_kern_ffn_down(const mf_kern_mat *w2, const mf_kern_in *h, float *y, int ld_y, int r0, int r1);
+
+#endif

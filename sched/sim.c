@@ -1,0 +1,267 @@
+/* The virtual-time simulator (sim.h): a discrete-event run of a finalized graph. Each lane has
+ * `concurrency` slots; a ready task waits in its lane's heap (highest upward rank first, lowest id
+ * on ties), starts on the lowest free slot, and lasts its lane model's cost rounded to whole ns.
+ * All completions at one instant are applied before any task starts, so runs are bit-identical.
+ * O((V + E) log V). A CPU lane of concurrency 0 ("all cores") gets the online core count.
+ * Priorities are the graph's upward ranks (from its own lane models, as the executor uses them)
+ * even when `models` overrides the durations; place hints are ignored (any free slot will do). */
+#include "sched/sim.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "sched/error.h"
+#include "sched/graph_impl.h"
+#include "sched/timeline_impl.h"
+
+typedef struct sim_ready {   /* a max-heap of ready tasks of one lane */
+    mf_task_id *ids;
+    int n;
+} sim_ready;
+
+typedef struct sim_event {   /* a running task, keyed by end time */
+    int64_t end_ns;
+    mf_task_id id;
+} sim_event;
+
+typedef struct sim_state {
+    const double *rank;
+    sim_ready *ready;        /* per lane */
+    int **free_slots;        /* per lane: a min-heap of free slot indices */
+    int *n_free;
+    sim_event *events;       /* min-heap */
+    int n_events;
+} sim_state;
+
+/* Ready order: higher rank first, then lower id. */
+static int ready_before(const sim_state *s, mf_task_id a, mf_task_id b)
+{
+    if (s->rank[a] != s->rank[b])
+        return s->rank[a] > s->rank[b];
+    return a < b;
+}
+
+static void ready_push(sim_state *s, sim_ready *h, mf_task_id t)
+{
+    int i = h->n++;
+    while (i > 0) {
+        int p = (i - 1) / 2;
+        if (!ready_before(s, t, h->ids[p]))
+            break;
+        h->ids[i] = h->ids[p];
+        i = p;
+    }
+    h->ids[i] = t;
+}
+
+static mf_task_id ready_pop(sim_state *s, sim_ready *h)
+{
+    mf_task_id top = h->ids[0], last = h->ids[--h->n];
+    int i = 0;
+    for (;;) {
+        int c = 2 * i + 1;
+        if (c >= h->n)
+            break;
+        if (c + 1 < h->n && ready_before(s, h->ids[c + 1], h->ids[c]))
+            c++;
+        if (!ready_before(s, h->ids[c], last))
+            break;
+        h->ids[i] = h->ids[c];
+        i = c;
+    }
+    if (h->n)
+        h->ids[i] = last;
+    return top;
+}
+
+static void slot_push(int *h, int *n, int v)
+{
+    int i = (*n)++;
+    while (i > 0 && h[(i - 1) / 2] > v) {
+        h[i] = h[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    h[i] = v;
+}
+
+static int slot_pop(int *h, int *n)
+{
+    int top = h[0], last = h[--(*n)], i = 0;
+    for (;;) {
+        int c = 2 * i + 1;
+        if (c >= *n)
+            break;
+        if (c + 1 < *n && h[c + 1] < h[c])
+            c++;
+        if (h[c] >= last)
+            break;
+        h[i] = h[c];
+        i = c;
+    }
+    if (*n)
+        h[i] = last;
+    return top;
+}
+
+static int event_before(const sim_event *a, const sim_event *b)
+{
+    return a->end_ns != b->end_ns ? a->end_ns < b->end_ns : a->id < b->id;
+}
+
+static void event_push(sim_state *s, sim_event e)
+{
+    int i = s->n_events++;
+    while (i > 0 && event_before(&e, &s->events[(i - 1) / 2])) {
+        s->events[i] = s->events[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    s->events[i] = e;
+}
+
+static sim_event event_pop(sim_state *s)
+{
+    sim_event top = s->events[0], last = s->events[--s->n_events];
+    int i = 0;
+    for (;;) {
+        int c = 2 * i + 1;
+        if (c >= s->n_events)
+            break;
+        if (c + 1 < s->n_events && event_before(&s->events[c + 1], &s->events[c]))
+            c++;
+        if (!event_before(&s->events[c], &last))
+            break;
+        s->events[i] = s->events[c];
+        i = c;
+    }
+    if (s->n_events)
+        s->events[i] = last;
+    return top;
+}
+
+/* A task's duration on a lane model, in whole ns (the formula of graph.h). */
+static int64_t sim_duration_ns(const mf_lane_model *m, const mf_cost *c)
+{
+    double ns = m->latency_ns + c->time_ns;
+    if (m->bytes_per_s > 0)
+        ns += c->bytes / m->bytes_per_s * 1e9;
+    if (m->flops_per_s > 0)
+        ns += c->flops / m->flops_per_s * 1e9;
+    if (!(ns > 0))   /* also NaN */
+        return 0;
+    return ns > 9e18 ? (int64_t)9e18 : llround(ns);
+}
+
+int mf_sim_run(const mf_graph *g, const mf_lane_model *models, mf_timeline *tl)
+{
+    if (!g || !tl)
+        return mf_error(-EINVAL, "sim: NULL graph or timeline");
+    if (!g->finalized)
+        return mf_error(-EINVAL, "sim: the graph must be finalized before it is simulated");
+    if (tl->g != g || tl->n != g->n_tasks)
+        return mf_error(-EINVAL, "sim: the timeline was made for another graph (%d tasks, graph "
+                        "has %d)", tl->n, g->n_tasks);
+    int n = g->n_tasks, n_lanes = g->n_lanes;
+    mf_timeline_reset(tl);
+    if (n == 0)
+        return 0;
+
+    long n_cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int *conc = malloc((size_t)n_lanes * sizeof *conc);
+    int *on_lane = calloc((size_t)n_lanes, sizeof *on_lane);
+    int64_t *dur = malloc((size_t)n * sizeof *dur);
+    int32_t *waiting = malloc((size_t)n * sizeof *waiting);
+    mf_task_id *ready_store = malloc((size_t)n * sizeof *ready_store);
+    sim_state s = {.rank = g->rank_ns};
+    s.ready = calloc((size_t)n_lanes, sizeof *s.ready);
+    s.free_slots = calloc((size_t)n_lanes, sizeof *s.free_slots);
+    s.n_free = calloc((size_t)n_lanes, sizeof *s.n_free);
+    int rc = 0;
+    if (!conc || !on_lane || !dur || !waiting || !ready_store || !s.ready || !s.free_slots ||
+        !s.n_free) {
+        rc = mf_error(-ENOMEM, "sim: out of memory for %d tasks", n);
+        goto out;
+    }
+
+    int64_t total_slots = 0;
+    for (int l = 0; l < n_lanes; l++) {
+        const mf_lane_desc *ld = &g->lanes[l];
+        conc[l] = ld->concurrency > 0 ? ld->concurrency
+                  : ld->kind == MF_LANE_CPU && n_cores > 0 ? (int)n_cores : 1;
+        total_slots += conc[l];
+    }
+    for (mf_task_id t = 0; t < n; t++) {
+        const mf_task_desc *d = &g->tasks[t];
+        on_lane[d->lane]++;
+        dur[t] = sim_duration_ns(models ? &models[d->lane] : &g->lanes[d->lane].model, &d->cost);
+        waiting[t] = g->pred_off[t + 1] - g->pred_off[t];
+    }
+    s.events = malloc((size_t)(total_slots < n ? total_slots : n) * sizeof *s.events);
+    if (!s.events) {
+        rc = mf_error(-ENOMEM, "sim: out of memory");
+        goto out;
+    }
+    for (int l = 0, off = 0; l < n_lanes; l++) {
+        s.ready[l].ids = ready_store + off;
+        off += on_lane[l];
+        /* A lane never has more busy slots than tasks. */
+        int slots = conc[l] < on_lane[l] ? conc[l] : on_lane[l];
+        s.free_slots[l] = malloc((size_t)(slots ? slots : 1) * sizeof **s.free_slots);
+        if (!s.free_slots[l]) {
+            rc = mf_error(-ENOMEM, "sim: out of memory");
+            goto out;
+        }
+        for (int k = 0; k < slots; k++)
+            slot_push(s.free_slots[l], &s.n_free[l], k);
+    }
+
+    for (mf_task_id t = 0; t < n; t++)
+        if (!waiting[t])
+            ready_push(&s, &s.ready[g->tasks[t].lane], t);
+    int64_t now = 0;
+    int n_done = 0;
+    for (;;) {
+        /* Start whatever fits: lanes are independent, so their order does not matter. */
+        for (int l = 0; l < n_lanes; l++) {
+            while (s.ready[l].n && s.n_free[l]) {
+                mf_task_id t = ready_pop(&s, &s.ready[l]);
+                int slot = slot_pop(s.free_slots[l], &s.n_free[l]);
+                tl->spans[t] = (mf_task_span){now, now + dur[t], slot, 0};
+                event_push(&s, (sim_event){now + dur[t], t});
+            }
+        }
+        if (!s.n_events)
+            break;
+        /* Apply every completion at the next instant before starting anything. */
+        now = s.events[0].end_ns;
+        while (s.n_events && s.events[0].end_ns == now) {
+            mf_task_id t = event_pop(&s).id;
+            int l = g->tasks[t].lane;
+            n_done++;
+            slot_push(s.free_slots[l], &s.n_free[l], tl->spans[t].worker);
+            for (int k = g->succ_off[t]; k < g->succ_off[t + 1]; k++) {
+                mf_task_id u = g->succ[k];
+                if (--waiting[u] == 0)
+                    ready_push(&s, &s.ready[g->tasks[u].lane], u);
+            }
+        }
+    }
+    if (n_done != n)   /* finalize rejects cycles, so this means a corrupt graph */
+        rc = mf_error(-EINVAL, "sim: only %d of %d tasks could run", n_done, n);
+
+out:
+    if (s.free_slots)
+        for (int l = 0; l < n_lanes; l++)
+            free(s.free_slots[l]);
+    free(s.free_slots);
+    free(s.n_free);
+    free(s.ready);
+    free(s.events);
+    free(ready_store);
+    free(waiting);
+    free(dur);
+    free(on_lane);
+    free(conc);
+    return rc;
+}

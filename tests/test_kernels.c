@@ -1,0 +1,505 @@
+/* The fused CPU kernels (host/kernels.h) against a plain float64 reference built from the scalar
+ * decodes of host/formats.h, on fresh random data (seed printed; MOEFLOW_TEST_SEED=n repeats a
+ * run), for both SIMD paths: errors stated as float64 ||y - ref|| / ||ref||, the two paths
+ * bit-identical, and results bit-identical however output rows are split. */
+#include <errno.h>
+#include <cpuid.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "host/formats.h"
+#include "host/kernels.h"
+#include "sched/error.h"
+#include "tests/check.h"
+
+/* Tolerances (relative float64 norm of the error over a whole output):
+ *  - fp32 paths (BF16, FP8, FP4 fp32): only fp32 summation, 32 lanes -> TOL_F32;
+ *  - FP4 int8 path against the reference on the same int8-rounded activations -> TOL_F32 too
+ *    (integer sums are exact; what is left is the fp32 group sums), when no block sits more than
+ *    14 binades under its group's largest scale;
+ *  - FP4 int8 path against the fp32 reference (activation rounding to int8 per 256) -> TOL_Q8
+ *    for normal inputs, TOL_Q8_OUT when 1% of them are 8x outliers;
+ *  - the FFN with both int8 quantizations (x and h) -> TOL_FFN_Q8, fp32 path -> TOL_F32. */
+#define TOL_F32 1e-5
+#define TOL_Q8 2e-2
+#define TOL_Q8_OUT 5e-2     /* 1% of inputs 8x larger: they set their groups' int8 step */
+#define TOL_FFN_Q8 2.5e-2
+
+static uint64_t rng_state;
+
+static uint64_t rng_next(void)
+{
+    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static double rng_unif(void) { return (double)(rng_next() >> 11) * 0x1.0p-53; }
+
+static float rng_normal(void)
+{
+    double u1 = rng_unif(), u2 = rng_unif();
+    if (u1 < 1e-300)
+        u1 = 1e-300;
+    return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+}
+
+static void *xmalloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    if (!p) {
+        fprintf(stderr, "out of memory (%zu bytes)\n", n);
+        exit(2);
+    }
+    return p;
+}
+
+/* A random weight matrix in fmt, its fp64 decode and its mf_kern_mat view. e_lo..e_hi: the range
+ * of E8M0 scale codes. */
+typedef struct {
+    mf_kern_mat m;
+    void *w;
+    uint8_t *scale;
+    double *dec;   /* [n_out][n_in] */
+} test_mat;
+
+static void mat_make(test_mat *t, mf_kern_fmt fmt, int n_out, int n_in, int e_lo, int e_hi)
+{
+    size_t n = (size_t)n_out * n_in;
+    t->dec = xmalloc(n * sizeof(double));
+    t->scale = NULL;
+    if (fmt == MF_KERN_BF16) {
+        uint16_t *w = xmalloc(n * 2);
+        for (size_t i = 0; i < n; i++) {
+            w[i] = mf_bf16_from_f32(rng_normal() * 0.05f);
+            t->dec[i] = mf_bf16_to_f32(w[i]);
+        }
+        t->w = w;
+    } else if (fmt == MF_KERN_FP8) {
+        uint8_t *w = xmalloc(n);
+        int sr = (n_out + 31) / 32, sc = n_in / 32;
+        t->scale = xmalloc((size_t)sr * sc);
+        for (int i = 0; i < sr * sc; i++)
+            t->scale[i] = (uint8_t)(e_lo + (int)(rng_next() % (uint64_t)(e_hi - e_lo + 1)));
+        for (size_t i = 0; i < n; i++) {
+            uint8_t c;
+            do
+                c = (uint8_t)rng_next();
+            while ((c & 0x7F) == 0x7F);
+            w[i] = c;
+            int o = (int)(i / n_in), k = (int)(i % n_in);
+            t->dec[i] = (double)(mf_e4m3_to_f32(c) * mf_e8m0_to_f32(t->scale[(o / 32) * sc + k / 32]));
+        }
+        t->w = w;
+    } else {
+        uint8_t *w = xmalloc(n / 2);
+        int nb = n_in / 32;
+        t->scale = xmalloc((size_t)n_out * nb);
+        for (int i = 0; i < n_out * nb; i++)
+            t->scale[i] = (uint8_t)(e_lo + (int)(rng_next() % (uint64_t)(e_hi - e_lo + 1)));
+        for (size_t i = 0; i < n / 2; i++)
+            w[i] = (uint8_t)rng_next();
+        for (size_t i = 0; i < n; i++) {
+            int o = (int)(i / n_in), k = (int)(i % n_in);
+            t->dec[i] = (double)mf_e2m1_to_f32(mf_e2m1_get(w + (size_t)o * (n_in / 2), (size_t)k)) *
+                        (double)mf_e8m0_to_f32(t->scale[o * nb + k / 32]);
+        }
+        t->w = w;
+    }
+    t->m = (mf_kern_mat){fmt, t->w, t->scale, n_out, n_in};
+}
+
+static void mat_free(test_mat *t)
+{
+    free(t->w);
+    free(t->scale);
+    free(t->dec);
+}
+
+/* ref[t][o] = sum_k dec[o][k] * x[t][k] in float64. */
+static void ref_matmul(const double *dec, int n_out, int n_in, const double *x, int n_tok, double *ref)
+{
+    for (int t = 0; t < n_tok; t++)
+        for (int o = 0; o < n_out; o++) {
+            double s = 0;
+            for (int k = 0; k < n_in; k++)
+                s += dec[(size_t)o * n_in + k] * x[(size_t)t * n_in + k];
+            ref[(size_t)t * n_out + o] = s;
+        }
+}
+
+static double rel_err(const float *y, const double *ref, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)y[i] - ref[i];
+        num += d * d;
+        den += ref[i] * ref[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+static int bits_equal(const float *a, const float *b, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(&a[i], &b[i], 4) && !(isnan(a[i]) && isnan(b[i])))
+            return 0;
+    return 1;
+}
+
+/* The dequantized int8 activations a q8 view holds, [n_tok][n_in] in float64. */
+static void q8_dequant(const mf_kern_q8 *q, double *out)
+{
+    int n_blk = q->n_in / 32;
+    for (int t = 0; t < q->n_tok; t++)
+        for (int b = 0; b < n_blk; b++)
+            for (int e = 0; e < 32; e++) {
+                size_t pos = (size_t)(b / 2) * 64 + (size_t)(e & 1) * 32 + (size_t)(b & 1) * 16 + e / 2;
+                int c = (int8_t)(uint8_t)((int)q->q[(size_t)t * q->row_bytes + pos] - q->offset);
+                out[(size_t)t * q->n_in + b * 32 + e] = c * (double)q->scale[(size_t)t * q->n_sb + b / 8];
+            }
+}
+
+/* Copies the n_tok x n_out outputs of a buffer with rows ld apart into out. */
+static void compact(const float *y, int n_tok, int n_out, int ld, float *out)
+{
+    for (int t = 0; t < n_tok; t++)
+        memcpy(out + (size_t)t * n_out, y + (size_t)t * ld, (size_t)n_out * 4);
+}
+
+static int n_paths;
+static mf_kern_simd paths[2];
+
+/* Max errors seen, for the summary. */
+#define N_WORST 9
+static double worst[N_WORST];
+enum { W_BF16, W_FP8, W_FP4F32, W_FP4Q8_EXACT, W_FP4Q8, W_FP4Q8_OUT, W_FFN_Q8, W_FFN_F32, W_FFN_FP8 };
+static const char *worst_name[N_WORST] = {
+    "bf16", "fp8", "fp4 fp32 path", "fp4 int8 vs int8-rounded ref", "fp4 int8 vs fp32 ref",
+    "fp4 int8 vs fp32 ref, outliers", "ffn fp4 int8", "ffn fp4 fp32", "ffn fp8 (shared expert)"};
+
+static void note(int which, double e)
+{
+    if (e > worst[which] || isnan(e))
+        worst[which] = e;
+}
+
+/* Runs the matmul of `m` (int8 path when q8) on the active path over rows split at `cuts`. */
+static int run_matmul(const test_mat *m, const float *x, int ld_x, int n_tok, const mf_kern_q8 *q8,
+                      float *y, int ld_y, int n_split)
+{
+    int n_out = m->m.n_out;
+    int prev = 0;
+    for (int i = 1; i <= n_split; i++) {
+        int r = i == n_split ? n_out : (int)(rng_next() % (uint64_t)(n_out + 1));
+        if (r < prev)
+            r = prev;
+        int rc;
+        if (m->m.fmt == MF_KERN_FP4 && q8)
+            rc = mf_kern_fp4_matmul(m->w, m->scale, n_out, m->m.n_in, q8, y, ld_y, prev, r);
+        else if (m->m.fmt == MF_KERN_FP4)
+            rc = mf_kern_fp4_matmul_f32(m->w, m->scale, n_out, m->m.n_in, x, n_tok, ld_x, y, ld_y,
+                                        prev, r);
+        else if (m->m.fmt == MF_KERN_FP8)
+            rc = mf_kern_fp8_matmul(m->w, m->scale, n_out, m->m.n_in, x, n_tok, ld_x, y, ld_y,
+                                    prev, r);
+        else
+            rc = mf_kern_bf16_matmul(m->w, n_out, m->m.n_in, x, n_tok, ld_x, y, ld_y, prev, r);
+        if (rc)
+            return rc;
+        prev = r;
+    }
+    return 0;
+}
+
+/* One matmul case: every path, single range and a random split, against the fp64 reference. */
+static void case_matmul(mf_kern_fmt fmt, int n_out, int n_in, int n_tok, int e_lo, int e_hi,
+                        int outliers)
+{
+    test_mat m;
+    mat_make(&m, fmt, n_out, n_in, e_lo, e_hi);
+    /* odd token counts run with padded rows (ld_x > n_in, ld_y > n_out); the padding must stay 0 */
+    int pad = n_tok & 1 ? 7 : 0, ld_x = n_in + pad, ld_y = n_out + pad;
+    size_t nx = (size_t)n_tok * n_in, ny = (size_t)n_tok * n_out, nyl = (size_t)n_tok * ld_y;
+    float *x = xmalloc((size_t)n_tok * ld_x * 4);
+    double *xd = xmalloc(nx * 8), *ref = xmalloc(ny * 8), *refq = xmalloc(ny * 8);
+    for (int t = 0; t < n_tok; t++)
+        for (int k = 0; k < ld_x; k++) {
+            float v = rng_normal() * (outliers && rng_unif() < 0.01 ? 8.0f : 1.0f);
+            x[(size_t)t * ld_x + k] = k < n_in ? v : NAN;   /* padding must never be read */
+            if (k < n_in)
+                xd[(size_t)t * n_in + k] = v;
+        }
+    ref_matmul(m.dec, n_out, n_in, xd, n_tok, ref);
+
+    size_t qb = mf_kern_q8_bytes(n_tok, n_in);
+    void *qbuf[2] = {xmalloc(qb), xmalloc(qb)};
+    mf_kern_q8 q8[2];
+    float *y[2][2];   /* [path][f32 or q8] single range */
+    for (int p = 0; p < 2; p++)
+        for (int j = 0; j < 2; j++)
+            y[p][j] = calloc(nyl, 4);
+    float *ys = calloc(nyl, 4), *yc = xmalloc(ny * 4);
+    if (!ys || !y[0][0] || !y[0][1] || !y[1][0] || !y[1][1]) {
+        fprintf(stderr, "out of memory\n");
+        exit(2);
+    }
+    char what[96];
+    snprintf(what, sizeof what, "%s [%d, %d] x %d tok (pad %d), scales %d..%d",
+             fmt == MF_KERN_FP4 ? "fp4" : fmt == MF_KERN_FP8 ? "fp8" : "bf16", n_out, n_in, n_tok,
+             pad, e_lo, e_hi);
+#define COMPACT(src) (compact(src, n_tok, n_out, ld_y, yc), yc)
+
+    for (int p = 0; p < n_paths; p++) {
+        CHECK(mf_kern_simd_set(paths[p]) == 0, "%s", mf_last_error());
+        const char *pn = mf_kern_simd_name(paths[p]);
+        /* fp32 path (FP4 via mf_kern_fp4_matmul_f32) */
+        CHECK(run_matmul(&m, x, ld_x, n_tok, NULL, y[p][0], ld_y, 1) == 0, "%s: %s", what, mf_last_error());
+        double e = rel_err(COMPACT(y[p][0]), ref, ny);
+        note(fmt == MF_KERN_FP4 ? W_FP4F32 : fmt == MF_KERN_FP8 ? W_FP8 : W_BF16, e);
+        CHECK(e < TOL_F32, "%s %s fp32 path: rel err %.3g > %.1g", what, pn, e, TOL_F32);
+        CHECK(run_matmul(&m, x, ld_x, n_tok, NULL, ys, ld_y, 1 + n_out / 7) == 0, "%s", mf_last_error());
+        CHECK(bits_equal(ys, y[p][0], nyl), "%s %s: row split changed the result", what, pn);
+        if (fmt != MF_KERN_FP4)
+            continue;
+        /* int8 path */
+        CHECK(mf_kern_q8_init(&q8[p], qbuf[p], qb, n_tok, n_in) == 0, "%s", mf_last_error());
+        CHECK(mf_kern_q8_quantize(&q8[p], x, ld_x, 0, n_tok) == 0, "%s", mf_last_error());
+        CHECK(run_matmul(&m, x, ld_x, n_tok, &q8[p], y[p][1], ld_y, 1) == 0, "%s: %s", what, mf_last_error());
+        e = rel_err(COMPACT(y[p][1]), ref, ny);
+        note(outliers ? W_FP4Q8_OUT : W_FP4Q8, e);
+        CHECK(e < (outliers ? TOL_Q8_OUT : TOL_Q8), "%s %s int8 path: rel err %.3g > %.1g", what, pn, e,
+              outliers ? TOL_Q8_OUT : TOL_Q8);
+        if (e_hi - e_lo <= 14) {
+            double *xq = xmalloc(nx * 8);
+            q8_dequant(&q8[p], xq);
+            ref_matmul(m.dec, n_out, n_in, xq, n_tok, refq);
+            double eq = rel_err(COMPACT(y[p][1]), refq, ny);
+            note(W_FP4Q8_EXACT, eq);
+            CHECK(eq < TOL_F32, "%s %s int8 path vs int8-rounded ref: rel err %.3g > %.1g", what,
+                  pn, eq, TOL_F32);
+            free(xq);
+        }
+        CHECK(run_matmul(&m, x, ld_x, n_tok, &q8[p], ys, ld_y, 1 + n_out / 5) == 0, "%s", mf_last_error());
+        CHECK(bits_equal(ys, y[p][1], nyl), "%s %s int8: row split changed the result", what, pn);
+    }
+    if (n_paths == 2) {
+        CHECK(bits_equal(y[0][0], y[1][0], nyl), "%s: scalar and avx2 fp32 paths differ", what);
+        if (fmt == MF_KERN_FP4) {
+            CHECK(!memcmp(q8[0].q, q8[1].q, (size_t)n_tok * q8[0].row_bytes) &&
+                      bits_equal(q8[0].scale, q8[1].scale, (size_t)n_tok * q8[0].n_sb),
+                  "%s: scalar and avx2 quantization differ", what);
+            CHECK(bits_equal(y[0][1], y[1][1], nyl), "%s: scalar and avx2 int8 paths differ", what);
+        }
+    }
+    for (int p = 0; p < n_paths; p++)
+        for (int j = 0; j < 2; j++)
+            for (int t = 0; t < n_tok; t++)
+                for (int o = n_out; o < ld_y; o++)
+                    CHECK(y[p][j][(size_t)t * ld_y + o] == 0.0f, "%s: padding of y written", what);
+#undef COMPACT
+    free(yc);
+    for (int p = 0; p < 2; p++) {
+        free(qbuf[p]);
+        free(y[p][0]);
+        free(y[p][1]);
+    }
+    free(ys);
+    free(x);
+    free(xd);
+    free(ref);
+    free(refq);
+    mat_free(&m);
+}
+
+static double silu(double g) { return g / (1.0 + exp(-g)); }
+
+/* The expert FFN: both phases split in random row ranges, int8 and fp32 paths (fp4) or fp8. */
+static void case_ffn(mf_kern_fmt fmt, int n_hid, int n_model, int n_tok)
+{
+    const float limit = 10.0f;
+    test_mat w1, w3, w2;
+    int elo = fmt == MF_KERN_FP4 ? 119 : 117, ehi = elo + 6;
+    mat_make(&w1, fmt, n_hid, n_model, elo, ehi);
+    mat_make(&w3, fmt, n_hid, n_model, elo, ehi);
+    mat_make(&w2, fmt, n_model, n_hid, elo, ehi);
+    size_t nx = (size_t)n_tok * n_model, nh = (size_t)n_tok * n_hid;
+    float *x = xmalloc(nx * 4), *tw = xmalloc((size_t)n_tok * 4);
+    double *xd = xmalloc(nx * 8), *g = xmalloc(nh * 8), *u = xmalloc(nh * 8), *hd = xmalloc(nh * 8);
+    double *ref = xmalloc(nx * 8);
+    for (size_t i = 0; i < nx; i++)
+        xd[i] = x[i] = rng_normal();
+    for (int t = 0; t < n_tok; t++)
+        tw[t] = (float)(0.1 + rng_unif());
+    ref_matmul(w1.dec, n_hid, n_model, xd, n_tok, g);
+    ref_matmul(w3.dec, n_hid, n_model, xd, n_tok, u);
+    int n_clamped = 0;
+    for (size_t i = 0; i < nh; i++) {
+        double gv = g[i] > limit ? limit : g[i];
+        double uv = u[i] > limit ? limit : u[i] < -limit ? -limit : u[i];
+        n_clamped += g[i] > limit || fabs(u[i]) > limit;
+        hd[i] = silu(gv) * uv * tw[i / n_hid];
+    }
+    ref_matmul(w2.dec, n_model, n_hid, hd, n_tok, ref);
+
+    float *h = xmalloc(nh * 4), *y = xmalloc(nx * 4), *yq[2] = {xmalloc(nx * 4), xmalloc(nx * 4)};
+    size_t qxb = mf_kern_q8_bytes(n_tok, n_model), qhb = mf_kern_q8_bytes(n_tok, n_hid);
+    void *qxbuf = xmalloc(qxb), *qhbuf = xmalloc(qhb);
+    mf_kern_q8 qx, qh;
+    CHECK(mf_kern_q8_init(&qx, qxbuf, qxb, n_tok, n_model) == 0, "%s", mf_last_error());
+    CHECK(mf_kern_q8_init(&qh, qhbuf, qhb, n_tok, n_hid) == 0, "%s", mf_last_error());
+    char what[80];
+    snprintf(what, sizeof what, "ffn %s hid %d model %d x %d tok (%d clamped)",
+             fmt == MF_KERN_FP4 ? "fp4" : "fp8", n_hid, n_model, n_tok, n_clamped);
+
+    for (int p = 0; p < n_paths; p++) {
+        CHECK(mf_kern_simd_set(paths[p]) == 0, "%s", mf_last_error());
+        for (int use_q8 = 0; use_q8 <= (fmt == MF_KERN_FP4); use_q8++) {
+            float *out = use_q8 ? yq[p] : y;
+            if (use_q8)
+                CHECK(mf_kern_q8_quantize(&qx, x, n_model, 0, n_tok) == 0, "%s", mf_last_error());
+            mf_kern_in in = {x, n_tok, n_model, use_q8 ? &qx : NULL};
+            /* phase 1 in three row ranges, the between-phase quantization, phase 2 in two */
+            int a = n_hid / 3, b = 2 * n_hid / 3;
+            CHECK(mf_kern_ffn_up(&w1.m, &w3.m, &in, tw, limit, h, n_hid, 0, a) == 0, "%s", mf_last_error());
+            CHECK(mf_kern_ffn_up(&w1.m, &w3.m, &in, tw, limit, h, n_hid, b, n_hid) == 0, "%s", mf_last_error());
+            CHECK(mf_kern_ffn_up(&w1.m, &w3.m, &in, tw, limit, h, n_hid, a, b) == 0, "%s", mf_last_error());
+            if (use_q8)
+                CHECK(mf_kern_q8_quantize(&qh, h, n_hid, 0, n_tok) == 0, "%s", mf_last_error());
+            mf_kern_in hin = {h, n_tok, n_hid, use_q8 ? &qh : NULL};
+            CHECK(mf_kern_ffn_down(&w2.m, &hin, out, n_model, n_model / 2, n_model) == 0, "%s", mf_last_error());
+            CHECK(mf_kern_ffn_down(&w2.m, &hin, out, n_model, 0, n_model / 2) == 0, "%s", mf_last_error());
+            double e = rel_err(out, ref, nx);
+            double tol = use_q8 ? TOL_FFN_Q8 : TOL_F32 * 10;
+            note(fmt == MF_KERN_FP8 ? W_FFN_FP8 : use_q8 ? W_FFN_Q8 : W_FFN_F32, e);
+            CHECK(e < tol, "%s %s %s: rel err %.3g > %.1g", what, mf_kern_simd_name(paths[p]),
+                  use_q8 ? "int8" : "fp32", e, tol);
+        }
+    }
+    if (n_paths == 2 && fmt == MF_KERN_FP4)
+        CHECK(bits_equal(yq[0], yq[1], nx), "%s: scalar and avx2 int8 FFN differ", what);
+    free(x), free(tw), free(xd), free(g), free(u), free(hd), free(ref), free(h), free(y);
+    free(yq[0]), free(yq[1]), free(qxbuf), free(qhbuf);
+    mat_free(&w1), mat_free(&w3), mat_free(&w2);
+}
+
+/* A NaN scale (E8M0 0xFF) makes its row NaN on every path; bad arguments are refused. */
+static void case_edges(void)
+{
+    test_mat m;
+    mat_make(&m, MF_KERN_FP4, 4, 512, 120, 126);
+    m.scale[1 * 16 + 3] = 0xFF;   /* row 1, block 3 */
+    float x[512], y[4];
+    for (int i = 0; i < 512; i++)
+        x[i] = rng_normal();
+    _Alignas(32) uint8_t qbuf[2048];
+    mf_kern_q8 q;
+    CHECK(mf_kern_q8_bytes(1, 512) <= sizeof qbuf, "q8 size");
+    CHECK(mf_kern_q8_init(&q, qbuf, sizeof qbuf, 1, 512) == 0, "%s", mf_last_error());
+    for (int p = 0; p < n_paths; p++) {
+        mf_kern_simd_set(paths[p]);
+        mf_kern_q8_quantize(&q, x, 512, 0, 1);
+        CHECK(mf_kern_fp4_matmul(m.w, m.scale, 4, 512, &q, y, 4, 0, 4) == 0, "%s", mf_last_error());
+        CHECK(isnan(y[1]) && !isnan(y[0]) && !isnan(y[2]), "NaN scale: %g %g %g", y[0], y[1], y[2]);
+        CHECK(mf_kern_fp4_matmul_f32(m.w, m.scale, 4, 512, x, 1, 512, y, 4, 0, 4) == 0, "%s", mf_last_error());
+        CHECK(isnan(y[1]) && !isnan(y[0]) && !isnan(y[2]), "NaN scale fp32: %g %g %g", y[0], y[1], y[2]);
+        /* an all-zero input group: scale 0, outputs exactly 0 */
+        float z[512] = {0};
+        mf_kern_q8_quantize(&q, z, 512, 0, 1);
+        CHECK(mf_kern_fp4_matmul(m.w, m.scale, 4, 512, &q, y, 4, 0, 1) == 0 && y[0] == 0.0f, "zero input");
+    }
+    /* the two integer schemes give the same bits: 5 tokens stored as signed codes (a hand-made
+     * view; init picks +128 for 5) against the usual +128 codes */
+    {
+        test_mat m5;
+        mat_make(&m5, MF_KERN_FP4, 9, 800, 118, 130);
+        float x5[5 * 800], ya[5 * 9], yb[5 * 9];
+        for (int i = 0; i < 5 * 800; i++)
+            x5[i] = rng_normal();
+        size_t qb5 = mf_kern_q8_bytes(5, 800);
+        void *b5 = xmalloc(qb5);
+        mf_kern_q8 q5;
+        for (int p = 0; p < n_paths; p++) {
+            mf_kern_simd_set(paths[p]);
+            CHECK(mf_kern_q8_init(&q5, b5, qb5, 5, 800) == 0 && q5.offset == 128, "q8 init 5");
+            mf_kern_q8_quantize(&q5, x5, 800, 0, 5);
+            CHECK(mf_kern_fp4_matmul(m5.w, m5.scale, 9, 800, &q5, ya, 9, 0, 9) == 0, "%s", mf_last_error());
+            q5.offset = 0;
+            mf_kern_q8_quantize(&q5, x5, 800, 0, 5);
+            CHECK(mf_kern_fp4_matmul(m5.w, m5.scale, 9, 800, &q5, yb, 9, 0, 9) == 0, "%s", mf_last_error());
+            CHECK(bits_equal(ya, yb, 45), "%s: signed and +128 codes differ",
+                  mf_kern_simd_name(paths[p]));
+        }
+        free(b5);
+        mat_free(&m5);
+    }
+    CHECK(mf_kern_fp4_matmul_f32(m.w, m.scale, 4, 500, x, 1, 512, y, 4, 0, 4) == -EINVAL, "n_in 500");
+    CHECK(strstr(mf_last_error(), "multiple of 32") != NULL, "message: %s", mf_last_error());
+    CHECK(mf_kern_fp8_matmul(m.w, m.scale, 4, 512, x, 1, 512, y, 4, 2, 5) == -EINVAL, "range");
+    CHECK(mf_kern_bf16_matmul(NULL, 4, 512, x, 1, 512, y, 4, 0, 4) == -EINVAL, "NULL");
+    CHECK(mf_kern_q8_quantize(&q, x, 512, 0, 2) == -EINVAL, "token range");
+    CHECK(mf_kern_q8_init(&q, qbuf, 10, 1, 512) == -EINVAL, "small buffer");
+    mat_free(&m);
+}
+
+int main(void)
+{
+    const char *env = getenv("MOEFLOW_TEST_SEED");
+    uint64_t seed = env ? strtoull(env, NULL, 0) : (uint64_t)time(NULL) ^ ((uint64_t)clock() << 32);
+    rng_state = seed;
+    printf("test_kernels: seed %llu (MOEFLOW_TEST_SEED=%llu repeats this run)\n",
+           (unsigned long long)seed, (unsigned long long)seed);
+
+    /* the run-time choice: MOEFLOW_SIMD=scalar forces the fallback (read when AUTO resolves) */
+    const char *prev = getenv("MOEFLOW_SIMD");
+    char saved[32] = "";
+    if (prev)
+        snprintf(saved, sizeof saved, "%s", prev);
+    setenv("MOEFLOW_SIMD", "scalar", 1);
+    mf_kern_simd_set(MF_KERN_SIMD_AUTO);
+    CHECK(mf_kern_simd_active() == MF_KERN_SIMD_SCALAR, "MOEFLOW_SIMD=scalar ignored");
+    unsetenv("MOEFLOW_SIMD");
+    mf_kern_simd_set(MF_KERN_SIMD_AUTO);
+    unsigned ca, cb, cc, cd;   /* F16C: cpuid leaf 1, ECX bit 29 (clang 14 lacks the builtin) */
+    int have_f16c = __get_cpuid(1, &ca, &cb, &cc, &cd) && (cc & (1u << 29));
+    int have_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && have_f16c;
+    CHECK(mf_kern_simd_active() == (have_avx2 ? MF_KERN_SIMD_AVX2 : MF_KERN_SIMD_SCALAR),
+          "auto chose %s", mf_kern_simd_name(mf_kern_simd_active()));
+    if (prev)
+        setenv("MOEFLOW_SIMD", saved, 1);
+
+    paths[n_paths++] = MF_KERN_SIMD_SCALAR;
+    if (mf_kern_simd_set(MF_KERN_SIMD_AVX2) == 0)
+        paths[n_paths++] = MF_KERN_SIMD_AVX2;
+    else
+        printf("test_kernels: no AVX2+FMA here, scalar path only (%s)\n", mf_last_error());
+
+    static const int toks[] = {1, 2, 3, 8, 17, 64, 71};   /* 71: two token passes */
+    for (size_t i = 0; i < sizeof toks / sizeof toks[0]; i++) {
+        int nt = toks[i];
+        int out = (int)(i & 1);
+        case_matmul(MF_KERN_FP4, 37, 352, nt, 118, 130, out);   /* 11 blocks: 3-block tail group */
+        case_matmul(MF_KERN_FP4, 70, 512, nt, 100, 140, out);   /* wide spread: flushed blocks */
+        case_matmul(MF_KERN_FP8, 45, 320, nt, 115, 130, out);   /* a partial 32-row scale tile */
+        case_matmul(MF_KERN_BF16, 33, 96, nt, 0, 0, out);
+    }
+    case_matmul(MF_KERN_FP4, 64, 2304, 3, 120, 130, 0);         /* w2's n_in: 72 blocks */
+    case_matmul(MF_KERN_FP4, 16, 5120, 17, 120, 130, 1);        /* w1/w3's n_in */
+    case_matmul(MF_KERN_FP8, 40, 1280, 8, 120, 127, 0);
+    case_ffn(MF_KERN_FP4, 96, 256, 5);
+    case_ffn(MF_KERN_FP4, 160, 544, 64);
+    case_ffn(MF_KERN_FP4, 64, 256, 67);                      /* two token passes */
+    case_ffn(MF_KERN_FP8, 64, 320, 3);
+    case_edges();
+    mf_kern_simd_set(MF_KERN_SIMD_AUTO);
+
+    printf("test_kernels: max relative errors (float64 norm) over all cases and paths:\n");
+    for (int i = 0; i < N_WORST; i++)
+        printf("  %-32s %.3g\n", worst_name[i], worst[i]);
+    return mf_check_exit("test_kernels");
+}

@@ -1,0 +1,539 @@
+/* `moeflow bench kernels`: the fused FP4 expert matmul against a read-bandwidth probe over the same
+ * bytes and an expand-then-multiply baseline like the seed's, on the expert shapes, with weights
+ * out of cache (a pool of distinct copies > 3x the last-level cache, rotated call by call) and
+ * the output rows split across worker threads. Prints a table and PASS/MISS per target. */
+#include <errno.h>
+#include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "host/formats.h"
+#include "host/kernels.h"
+#include "sched/clock.h"
+#include "sched/error.h"
+#include "tools/commands.h"
+
+#define MAX_THREADS 16
+#define N_TOKS 6
+static const int bench_toks[N_TOKS] = {1, 2, 4, 8, 16, 64};
+
+/* ---- a spinning barrier (futex wake-ups would cost more than a 1-token call's slack) ---------- */
+
+typedef struct {
+    int n;
+    int count;
+    int gen;
+} spin_barrier;
+
+static void spin_wait(spin_barrier *b)
+{
+    int gen = __atomic_load_n(&b->gen, __ATOMIC_ACQUIRE);
+    if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == b->n) {
+        __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&b->gen, gen + 1, __ATOMIC_RELEASE);
+        return;
+    }
+    for (long spins = 0; __atomic_load_n(&b->gen, __ATOMIC_ACQUIRE) == gen; spins++) {
+        if (spins > 20000)
+            sched_yield();
+        else
+            __builtin_ia32_pause();
+    }
+}
+
+/* ---- the work items ------------------------------------------------------------------------- */
+
+enum job_kind { JOB_FUSED, JOB_FUSED_F32, JOB_PROBE, JOB_EXPAND, JOB_FFN, JOB_QUIT };
+
+typedef struct {
+    int n_out, n_in, n_copies;
+    size_t w_bytes, s_bytes;
+    uint8_t **w, **s;           /* [n_copies] */
+} pool;
+
+typedef struct {
+    /* set by the main thread before the start barrier */
+    enum job_kind kind;
+    const pool *pl;
+    int copy, n_tok;
+    const float *x;
+    mf_kern_q8 q8;
+    float *y;
+    /* the expert FFN: w1/w3 from pool up (two copies), w2 from pool down */
+    const pool *up, *down;
+    mf_kern_q8 qh;
+    float *h;
+    float *expanded;             /* [n_out][n_in], the baseline's */
+    int n_threads;
+    spin_barrier bar;
+    volatile uint64_t sink[MAX_THREADS * 8];
+    int rc[MAX_THREADS];
+} bench_ctx;
+
+typedef struct {
+    bench_ctx *c;
+    int id;
+} worker_arg;
+
+__attribute__((target("avx2")))
+static uint64_t probe_read(const uint8_t *p, size_t n)
+{
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    size_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        a0 = _mm256_add_epi64(a0, _mm256_loadu_si256((const __m256i *)(p + i)));
+        a1 = _mm256_add_epi64(a1, _mm256_loadu_si256((const __m256i *)(p + i + 32)));
+        a2 = _mm256_add_epi64(a2, _mm256_loadu_si256((const __m256i *)(p + i + 64)));
+        a3 = _mm256_add_epi64(a3, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
+    }
+    a0 = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
+    uint64_t s = (uint64_t)_mm256_extract_epi64(a0, 0) + (uint64_t)_mm256_extract_epi64(a0, 3);
+    for (; i < n; i++)
+        s += p[i];
+    return s;
+}
+
+static void row_range(int n_out, int n_threads, int id, int *r0, int *r1)
+{
+    *r0 = (int)((int64_t)n_out * id / n_threads);
+    *r1 = (int)((int64_t)n_out * (id + 1) / n_threads);
+}
+
+/* One worker's share of one call. */
+static int do_job(bench_ctx *c, int id)
+{
+    const pool *pl = c->pl;
+    int r0, r1;
+    row_range(pl->n_out, c->n_threads, id, &r0, &r1);
+    const uint8_t *w = pl->w[c->copy], *s = pl->s[c->copy];
+    int rc = 0;
+    switch (c->kind) {
+    case JOB_FUSED: {
+        int t0, t1;
+        row_range(c->n_tok, c->n_threads, id, &t0, &t1);
+        rc = mf_kern_q8_quantize(&c->q8, c->x, pl->n_in, t0, t1);
+        spin_wait(&c->bar);   /* every token quantized before any row uses them */
+        if (!rc)
+            rc = mf_kern_fp4_matmul(w, s, pl->n_out, pl->n_in, &c->q8, c->y, pl->n_out, r0, r1);
+        break;
+    }
+    case JOB_FUSED_F32:
+        rc = mf_kern_fp4_matmul_f32(w, s, pl->n_out, pl->n_in, c->x, c->n_tok, pl->n_in, c->y,
+                                    pl->n_out, r0, r1);
+        break;
+    case JOB_PROBE: {
+        size_t wr = pl->w_bytes / pl->n_out, sr = pl->s_bytes / pl->n_out;
+        c->sink[id * 8] += probe_read(w + wr * r0, wr * (size_t)(r1 - r0)) +
+                           probe_read(s + sr * r0, sr * (size_t)(r1 - r0));
+        break;
+    }
+    case JOB_EXPAND: {
+        /* the seed's way: every weight decoded on its own to fp32 and written out, then an fp32
+         * matvec over the expanded rows */
+        int n_in = pl->n_in, nb = n_in / 32;
+        for (int o = r0; o < r1; o++) {
+            float *row = c->expanded + (size_t)o * n_in;
+            const uint8_t *wr = w + (size_t)o * (n_in / 2);
+            for (int k = 0; k < n_in; k++)
+                row[k] = mf_e2m1_to_f32(mf_e2m1_get(wr, (size_t)k)) * mf_e8m0_to_f32(s[(size_t)o * nb + k / 32]);
+        }
+        for (int o = r0; o < r1; o++) {
+            const float *row = c->expanded + (size_t)o * n_in;
+            float acc = 0.0f;
+            for (int k = 0; k < n_in; k++)
+                acc += row[k] * c->x[k];
+            c->y[o] = acc;
+        }
+        break;
+    }
+    case JOB_FFN: {
+        int n = c->n_tok, t0, t1, h0, h1, d0, d1;
+        const pool *up = c->up, *dn = c->down;
+        int cu = c->copy % up->n_copies, cd = c->copy % dn->n_copies;
+        mf_kern_mat w1 = {MF_KERN_FP4, up->w[cu], up->s[cu], up->n_out, up->n_in};
+        mf_kern_mat w3 = {MF_KERN_FP4, up->w[(cu + 1) % up->n_copies], up->s[(cu + 1) % up->n_copies],
+                          up->n_out, up->n_in};
+        mf_kern_mat w2 = {MF_KERN_FP4, dn->w[cd], dn->s[cd], dn->n_out, dn->n_in};
+        row_range(n, c->n_threads, id, &t0, &t1);
+        row_range(up->n_out, c->n_threads, id, &h0, &h1);
+        row_range(dn->n_out, c->n_threads, id, &d0, &d1);
+        rc = mf_kern_q8_quantize(&c->q8, c->x, up->n_in, t0, t1);
+        spin_wait(&c->bar);
+        mf_kern_in in = {c->x, n, up->n_in, &c->q8};
+        if (!rc)
+            rc = mf_kern_ffn_up(&w1, &w3, &in, NULL, 10.0f, c->h, up->n_out, h0, h1);
+        spin_wait(&c->bar);
+        if (!rc)
+            rc = mf_kern_q8_quantize(&c->qh, c->h, up->n_out, t0, t1);
+        spin_wait(&c->bar);
+        mf_kern_in hin = {c->h, n, up->n_out, &c->qh};
+        if (!rc)
+            rc = mf_kern_ffn_down(&w2, &hin, c->y, dn->n_out, d0, d1);
+        break;
+    }
+    case JOB_QUIT:
+        break;
+    }
+    return rc;
+}
+
+static void *worker_main(void *p)
+{
+    worker_arg *a = p;
+    bench_ctx *c = a->c;
+    for (;;) {
+        spin_wait(&c->bar);
+        if (c->kind == JOB_QUIT)
+            return NULL;
+        c->rc[a->id] = do_job(c, a->id);
+        spin_wait(&c->bar);
+    }
+}
+
+/* Runs one call on all threads (the caller is worker 0); returns its wall time. */
+static int64_t run_call(bench_ctx *c, enum job_kind kind, int copy, int n_tok)
+{
+    c->kind = kind;
+    c->copy = copy;
+    c->n_tok = n_tok;
+    int64_t t0 = mf_now_ns();
+    spin_wait(&c->bar);
+    c->rc[0] = do_job(c, 0);
+    spin_wait(&c->bar);
+    return mf_now_ns() - t0;
+}
+
+static int cmp_i64(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The median of n times (sorts them). */
+static int64_t median_of(int64_t *t, int n)
+{
+    qsort(t, (size_t)n, sizeof t[0], cmp_i64);
+    return t[n / 2];
+}
+
+/* The largest data/unified cache in sysfs, in bytes (0 when unknown). */
+static size_t llc_bytes(void)
+{
+    size_t best = 0;
+    for (int i = 0; i < 8; i++) {
+        char path[96], buf[32];
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
+        FILE *f = fopen(path, "r");
+        if (!f)
+            continue;
+        if (fgets(buf, sizeof buf, f)) {
+            char *end;
+            size_t v = strtoull(buf, &end, 10);
+            if (*end == 'K')
+                v <<= 10;
+            else if (*end == 'M')
+                v <<= 20;
+            if (v > best)
+                best = v;
+        }
+        fclose(f);
+    }
+    return best;
+}
+
+static uint64_t bench_rng = 0x1234567ull;
+static uint64_t rnd(void)
+{
+    bench_rng ^= bench_rng << 13;
+    bench_rng ^= bench_rng >> 7;
+    bench_rng ^= bench_rng << 17;
+    return bench_rng;
+}
+
+static int pool_make(pool *pl, int n_out, int n_in, size_t min_bytes)
+{
+    memset(pl, 0, sizeof *pl);
+    pl->n_out = n_out;
+    pl->n_in = n_in;
+    pl->w_bytes = (size_t)n_out * n_in / 2;
+    pl->s_bytes = (size_t)n_out * (n_in / 32);
+    pl->n_copies = (int)((min_bytes + pl->w_bytes + pl->s_bytes - 1) / (pl->w_bytes + pl->s_bytes)) + 1;
+    pl->w = calloc((size_t)pl->n_copies, sizeof *pl->w);
+    pl->s = calloc((size_t)pl->n_copies, sizeof *pl->s);
+    if (!pl->w || !pl->s)
+        return mf_error(-ENOMEM, "bench kernels: out of memory for the weight pool");
+    for (int i = 0; i < pl->n_copies; i++) {
+        pl->w[i] = aligned_alloc(64, (pl->w_bytes + 63) & ~(size_t)63);
+        pl->s[i] = aligned_alloc(64, (pl->s_bytes + 63) & ~(size_t)63);
+        if (!pl->w[i] || !pl->s[i])
+            return mf_error(-ENOMEM, "bench kernels: out of memory for the weight pool (%d copies "
+                            "of %zu bytes)", pl->n_copies, pl->w_bytes + pl->s_bytes);
+        for (size_t j = 0; j < pl->w_bytes; j += 8) {
+            uint64_t v = rnd();
+            memcpy(pl->w[i] + j, &v, pl->w_bytes - j < 8 ? pl->w_bytes - j : 8);
+        }
+        for (size_t j = 0; j < pl->s_bytes; j++)
+            pl->s[i][j] = (uint8_t)(118 + rnd() % 8);   /* a realistic spread of block scales */
+    }
+    return 0;
+}
+
+static void pool_free(pool *pl)
+{
+    for (int i = 0; i < pl->n_copies; i++) {
+        if (pl->w)
+            free(pl->w[i]);
+        if (pl->s)
+            free(pl->s[i]);
+    }
+    free(pl->w);
+    free(pl->s);
+}
+
+typedef struct {
+    const char *name;
+    int n_out, n_in;
+    int64_t fused_ns[N_TOKS], f32_ns[2], probe_ns, expand_ns;
+    double bytes;
+} shape_result;
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: moeflow bench kernels [--json] [--threads N] [--reps N] [--pool-mib N]\n"
+               "  Times the fused FP4 matmul (int8 path, quantization included) on the expert\n"
+               "  shapes at 1, 2, 4, 8, 16, 64 tokens, a read-bandwidth probe over the same bytes\n"
+               "  and an expand-then-multiply baseline (1 token), weights out of cache; prints\n"
+               "  PASS/MISS per target. Defaults: 2 threads, 9 rounds (medians), a pool of\n"
+               "  3x the last-level cache per shape.\n");
+}
+
+int mf_bench_kernels(int argc, char **argv)
+{
+    int json = 0, n_threads = 2, reps = 9;
+    long pool_mib = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--json"))
+            json = 1;
+        else if (!strcmp(argv[i], "--threads") && i + 1 < argc)
+            n_threads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
+            reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--pool-mib") && i + 1 < argc)
+            pool_mib = atol(argv[++i]);
+        else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            usage(stdout);
+            return 0;
+        } else {
+            fprintf(stderr, "bench kernels: unknown argument '%s'\n", argv[i]);
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (n_threads < 1 || n_threads > MAX_THREADS || reps < 1 || reps > 64 || pool_mib < 0) {
+        fprintf(stderr, "bench kernels: --threads 1..%d, --reps 1..64, --pool-mib >= 0\n", MAX_THREADS);
+        return 2;
+    }
+    size_t llc = llc_bytes();
+    size_t pool_bytes = pool_mib ? (size_t)pool_mib << 20 : 3 * (llc ? llc : (size_t)32 << 20);
+
+    shape_result sh[2] = {{"w1/w3", 2304, 5120, {0}, {0}, 0, 0, 0},
+                          {"w2", 5120, 2304, {0}, {0}, 0, 0, 0}};
+    bench_ctx *c = aligned_alloc(64, (sizeof *c + 63) & ~(size_t)63);
+    float *x = malloc(sizeof(float) * 64 * 5120), *y = malloc(sizeof(float) * 64 * 5120);
+    float *expanded = malloc(sizeof(float) * 2304 * 5120);
+    size_t qb = mf_kern_q8_bytes(64, 5120);
+    void *qbuf = malloc(qb);
+    if (!c || !x || !y || !expanded || !qbuf) {
+        fprintf(stderr, "bench kernels: out of memory\n");
+        return 1;
+    }
+    memset(c, 0, sizeof *c);
+    memset(expanded, 0, sizeof(float) * 2304 * 5120);
+    for (int i = 0; i < 64 * 5120; i++)
+        x[i] = (float)((int64_t)(rnd() % 2001) - 1000) * 1e-3f;
+    c->x = x;
+    c->y = y;
+    c->expanded = expanded;
+    c->n_threads = n_threads;
+    c->bar.n = n_threads;
+
+    pthread_t th[MAX_THREADS];
+    worker_arg args[MAX_THREADS];
+    for (int i = 1; i < n_threads; i++) {
+        args[i] = (worker_arg){c, i};
+        if (pthread_create(&th[i], NULL, worker_main, &args[i])) {
+            fprintf(stderr, "bench kernels: pthread_create failed\n");
+            return 1;
+        }
+    }
+
+    int status = 0;
+    pool pools[2];
+    memset(pools, 0, sizeof pools);
+    for (int s = 0; s < 2 && !status; s++)
+        if (pool_make(&pools[s], sh[s].n_out, sh[s].n_in, pool_bytes)) {
+            fprintf(stderr, "%s\n", mf_last_error());
+            status = 1;
+        }
+    for (int s = 0; s < 2 && !status; s++) {
+        pool pl = pools[s];
+        c->pl = &pl;
+        sh[s].bytes = (double)(pl.w_bytes + pl.s_bytes);
+        if (!json)
+            fprintf(stderr, "bench kernels: %s [%d, %d], %d copies of %.2f MiB (LLC %zu MiB), "
+                    "%d threads, %s path\n", sh[s].name, sh[s].n_out, sh[s].n_in, pl.n_copies,
+                    sh[s].bytes / 1048576.0, llc >> 20, n_threads,
+                    mf_kern_simd_name(mf_kern_simd_active()));
+        int next = 0;
+        /* one untimed pass over the pool: pages touched, caches cold for what follows */
+        for (int i = 0; i < pl.n_copies; i++)
+            run_call(c, JOB_PROBE, i, 1);
+        /* rounds: every measurement once per round, so load from other processes falls on all
+         * of them alike; each call takes the next copy of the pool */
+        int64_t t_probe[64], t_fused[N_TOKS][64], t_f32[2][64], t_expand[64];
+        int n_expand = reps < 3 ? reps : 3;
+        for (int r = 0; r < reps; r++) {
+            t_probe[r] = run_call(c, JOB_PROBE, next, 1);
+            next = (next + 1) % pl.n_copies;
+            for (int i = 0; i < N_TOKS; i++) {
+                mf_kern_q8_init(&c->q8, qbuf, qb, bench_toks[i], sh[s].n_in);
+                t_fused[i][r] = run_call(c, JOB_FUSED, next, bench_toks[i]);
+                next = (next + 1) % pl.n_copies;
+            }
+            for (int i = 0; i < 2; i++) {
+                t_f32[i][r] = run_call(c, JOB_FUSED_F32, next, i ? 8 : 1);
+                next = (next + 1) % pl.n_copies;
+            }
+            if (r < n_expand) {
+                t_expand[r] = run_call(c, JOB_EXPAND, next, 1);
+                next = (next + 1) % pl.n_copies;
+            }
+        }
+        sh[s].probe_ns = median_of(t_probe, reps);
+        for (int i = 0; i < N_TOKS; i++)
+            sh[s].fused_ns[i] = median_of(t_fused[i], reps);
+        for (int i = 0; i < 2; i++)
+            sh[s].f32_ns[i] = median_of(t_f32[i], reps);
+        sh[s].expand_ns = median_of(t_expand, n_expand);
+        for (int i = 0; i < n_threads; i++)
+            if (c->rc[i]) {
+                fprintf(stderr, "bench kernels: %s\n", mf_last_error());
+                status = 1;
+            }
+    }
+    /* the expert FFN: w1, w3 (two copies of the up pool), q8 of h, w2 */
+    int64_t ffn_ns[3] = {0, 0, 0};
+    static const int ffn_toks[3] = {1, 8, 16};
+    size_t qhb = mf_kern_q8_bytes(64, 2304);
+    void *qhbuf = malloc(qhb);
+    c->h = malloc(sizeof(float) * 64 * 2304);
+    if (!qhbuf || !c->h) {
+        fprintf(stderr, "bench kernels: out of memory\n");
+        status = 1;
+    }
+    if (!status) {
+        c->up = &pools[0];
+        c->down = &pools[1];
+        c->pl = &pools[0];
+        int64_t t[3][64];
+        int next = 0;
+        for (int r = 0; r < reps; r++)
+            for (int i = 0; i < 3; i++) {
+                mf_kern_q8_init(&c->q8, qbuf, qb, ffn_toks[i], 5120);
+                mf_kern_q8_init(&c->qh, qhbuf, qhb, ffn_toks[i], 2304);
+                t[i][r] = run_call(c, JOB_FFN, next, ffn_toks[i]);
+                next = (next + 2) % pools[0].n_copies;
+            }
+        for (int i = 0; i < 3; i++)
+            ffn_ns[i] = median_of(t[i], reps);
+        for (int i = 0; i < n_threads; i++)
+            if (c->rc[i]) {
+                fprintf(stderr, "bench kernels: %s\n", mf_last_error());
+                status = 1;
+            }
+    }
+    free(qhbuf);
+    free(c->h);
+    pool_free(&pools[0]);
+    pool_free(&pools[1]);
+    c->kind = JOB_QUIT;
+    spin_wait(&c->bar);
+    for (int i = 1; i < n_threads; i++)
+        pthread_join(th[i], NULL);
+
+    double bw_frac = 1e9, r8 = 0, r16 = 0, speed = 1e9;
+    for (int s = 0; s < 2 && !status; s++) {
+        shape_result *r = &sh[s];
+        double probe_bw = r->bytes / (double)r->probe_ns, bw1 = r->bytes / (double)r->fused_ns[0];
+        double f = bw1 / probe_bw, a8 = (double)r->fused_ns[3] / r->fused_ns[0];
+        double a16 = (double)r->fused_ns[4] / r->fused_ns[0], sp = (double)r->expand_ns / r->fused_ns[0];
+        bw_frac = f < bw_frac ? f : bw_frac;
+        r8 = a8 > r8 ? a8 : r8;
+        r16 = a16 > r16 ? a16 : r16;
+        speed = sp < speed ? sp : speed;
+        if (json)
+            continue;
+        printf("%s [%d, %d] fp4, %.2f MiB per call (weights + scales), %d threads:\n", r->name,
+               r->n_out, r->n_in, r->bytes / 1048576.0, n_threads);
+        printf("  %-28s %10s %9s %9s\n", "", "time us", "GB/s", "x 1-tok");
+        for (int i = 0; i < N_TOKS; i++) {
+            char label[40];
+            snprintf(label, sizeof label, "fused int8, %d tok", bench_toks[i]);
+            printf("  %-28s %10.1f %9.2f %9.2f\n", label, r->fused_ns[i] / 1e3,
+                   r->bytes / r->fused_ns[i], (double)r->fused_ns[i] / r->fused_ns[0]);
+        }
+        printf("  %-28s %10.1f %9.2f %9.2f\n", "fused fp32 path, 1 tok", r->f32_ns[0] / 1e3,
+               r->bytes / r->f32_ns[0], (double)r->f32_ns[0] / r->fused_ns[0]);
+        printf("  %-28s %10.1f %9.2f %9.2f\n", "fused fp32 path, 8 tok", r->f32_ns[1] / 1e3,
+               r->bytes / r->f32_ns[1], (double)r->f32_ns[1] / r->fused_ns[0]);
+        printf("  %-28s %10.1f %9.2f\n", "read probe (same bytes)", r->probe_ns / 1e3, probe_bw);
+        printf("  %-28s %10.1f %9.2f %9.2f  (%.0f Mparam/s)\n", "expand then multiply, 1 tok",
+               r->expand_ns / 1e3, r->bytes / r->expand_ns, (double)r->expand_ns / r->fused_ns[0],
+               (double)r->n_out * r->n_in / r->expand_ns * 1e3);
+        printf("  targets: 1-tok bandwidth %.1f%% of probe (>= 85%%) %s; vs expand %.1fx (>= 30x) %s;"
+               " 8 tok %.2fx (<= 2.5x) %s; 16 tok %.2fx (<= 4x) %s\n", 100 * f,
+               f >= 0.85 ? "PASS" : "MISS", sp, sp >= 30 ? "PASS" : "MISS", a8,
+               a8 <= 2.5 ? "PASS" : "MISS", a16, a16 <= 4.0 ? "PASS" : "MISS");
+    }
+    double ffn_bytes = sh[0].bytes * 2 + sh[1].bytes;
+    double ffn_probe = 2.0 * (double)sh[0].probe_ns + (double)sh[1].probe_ns;
+    if (!status && !json) {
+        printf("expert FFN (w1, w3, swiglu, q8 of h, w2; %.2f MiB), %d threads:\n",
+               ffn_bytes / 1048576.0, n_threads);
+        for (int i = 0; i < 3; i++)
+            printf("  %-28s %10.1f %9.2f %9.2f  (%.0f%% of the probes' bandwidth)\n",
+                   i == 0 ? "ffn, 1 tok" : i == 1 ? "ffn, 8 tok" : "ffn, 16 tok", ffn_ns[i] / 1e3,
+                   ffn_bytes / ffn_ns[i], (double)ffn_ns[i] / ffn_ns[0], 100.0 * ffn_probe / ffn_ns[i]);
+    }
+    if (!status && json) {
+        printf("{\"bw_fraction_1\": %.4f, \"time_ratio_8\": %.4f, \"time_ratio_16\": %.4f, "
+               "\"speedup_vs_expand\": %.2f, \"threads\": %d, \"simd\": \"%s\", \"shapes\": [",
+               bw_frac, r8, r16, speed, n_threads, mf_kern_simd_name(mf_kern_simd_active()));
+        for (int s = 0; s < 2; s++) {
+            shape_result *r = &sh[s];
+            printf("%s{\"name\": \"%s\", \"n_out\": %d, \"n_in\": %d, \"bytes\": %.0f, "
+                   "\"probe_ns\": %lld, \"expand_ns\": %lld, \"fused_ns\": {", s ? ", " : "",
+                   r->name, r->n_out, r->n_in, r->bytes, (long long)r->probe_ns,
+                   (long long)r->expand_ns);
+            for (int i = 0; i < N_TOKS; i++)
+                printf("%s\"%d\": %lld", i ? ", " : "", bench_toks[i], (long long)r->fused_ns[i]);
+            printf("}, \"fused_f32_ns\": {\"1\": %lld, \"8\": %lld}}", (long long)r->f32_ns[0],
+                   (long long)r->f32_ns[1]);
+        }
+        printf("], \"ffn_ns\": {\"1\": %lld, \"8\": %lld, \"16\": %lld}}\n", (long long)ffn_ns[0],
+               (long long)ffn_ns[1], (long long)ffn_ns[2]);
+    } else if (!status) {
+        printf("worst over shapes: bw_fraction_1 %.3f, time_ratio_8 %.2f, time_ratio_16 %.2f, "
+               "speedup_vs_expand %.1f\n", bw_frac, r8, r16, speed);
+    }
+    free(c);
+    free(x);
+    free(y);
+    free(expanded);
+    free(qbuf);
+    return status;
+}
