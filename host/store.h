@@ -10,7 +10,8 @@
  * popularity fades. A miss takes a free slot, else evicts the unpinned present expert with the
  * lowest count (least recently used among equals). Experts named by the current call are pinned
  * and never evicted until unpinned. A read that fails leaves its slot free: no partially read
- * expert is ever marked present, and the store stays usable. */
+ * expert is ever marked present, and the store stays usable. A store is driven from one thread at
+ * a time (its compute function runs on the store's own worker while that thread waits). */
 #ifndef MF_STORE_H
 #define MF_STORE_H
 
