@@ -3,9 +3,9 @@
  * layer-major forward and writes OUT_PREFIX.logits (f32 [T, vocab]), OUT_PREFIX.routes
  * (i32 [T, layers, experts_per_tok]), OUT_PREFIX.select (i32 [T, layers, index_topk], -1
  * padded; compressed entries attended) and OUT_PREFIX.cand (i32 [T, candidate_topk_blocks], -1
- * padded; candidate blocks kept at the candidate layer; absent without one). With "tok" the Engram token map is built from
- * DIR/tokenizer.json as `moeflow decode` does (else the placeholder map) and written to
- * OUT_PREFIX.tokmap (i32 [vocab of the tokenizer]). */
+ * padded; candidate blocks kept at the candidate layer; absent without one). With "tok" the
+ * Engram token map is built from DIR/tokenizer.json as `moeflow decode` does (else the
+ * placeholder map) and written to OUT_PREFIX.tokmap (i32 [vocab of the tokenizer]). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -185,7 +185,8 @@ def nemo_run(model, c, ids, mf_routes, mf_sel, mf_cand):
             w, idx, s = orig(scores)
             score = torch.sqrt(torch.nn.functional.softplus(scores.float()))
             biased = score + gate.e_score_correction_bias.float()
-            want = idx if mf_routes is None else torch.as_tensor(mf_routes[:, i, :], dtype=idx.dtype)
+            want = (idx if mf_routes is None
+                    else torch.as_tensor(mf_routes[:, i, :], dtype=idx.dtype))
             differ = [t for t in range(T) if set(idx[t].tolist()) != set(want[t].tolist())]
             decisions[("route", i)] = (biased.numpy(), idx.tolist(), want.tolist())
             if differ:
@@ -219,7 +220,8 @@ def nemo_run(model, c, ids, mf_routes, mf_sel, mf_cand):
         i = calls["layer"]
         row = self[0].float()
         nemo = [[int(x) for x in got.indices[0, t] if torch.isfinite(row[t, x])] for t in range(T)]
-        want = nemo if mf_sel is None else [[int(x) for x in mf_sel[t, i] if x >= 0] for t in range(T)]
+        want = (nemo if mf_sel is None
+                else [[int(x) for x in mf_sel[t, i] if x >= 0] for t in range(T)])
         decisions[("select", i)] = (row.numpy(), nemo, want)
         indices = got.indices.clone()
         for t in range(T):
@@ -247,7 +249,8 @@ def nemo_run(model, c, ids, mf_routes, mf_sel, mf_cand):
         kept = torch.nn.functional.pad(mask[0], (0, nb * block_size - width))
         kept = kept.unflatten(-1, (nb, block_size)).any(-1)
         nemo = [torch.nonzero(kept[t]).flatten().tolist() for t in range(T)]
-        want = nemo if mf_cand is None else [[int(b) for b in mf_cand[t] if b >= 0] for t in range(T)]
+        want = (nemo if mf_cand is None
+                else [[int(b) for b in mf_cand[t] if b >= 0] for t in range(T)])
         decisions[("candidate", i)] = (bscore.numpy(), nemo, want)
         mask = mask.clone()
         for t in range(T):
@@ -309,7 +312,8 @@ class HfRounding:
             key = key.unflatten(-1, (mod.hc_mult, mod.hidden_size))
             h = hidden_states.float()
             w = mod.q_weight.float() * mod.k_weight.float()
-            rstd = torch.rsqrt(h.square().mean(-1) + mod.eps) * torch.rsqrt(key.square().mean(-1) + mod.eps)
+            rstd = (torch.rsqrt(h.square().mean(-1) + mod.eps)
+                    * torch.rsqrt(key.square().mean(-1) + mod.eps))
             dot = (h * w * key).sum(-1) * rstd * mod.hidden_size**-0.5
             gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
             return (h + gate.unsqueeze(-1) * value.unsqueeze(-2)).to(hidden_states.dtype)
@@ -466,7 +470,7 @@ def check(cases, mutation=None):
     ref_tool = os.path.join(BUILD, "ref_tool")
     moeflow = os.path.join(BUILD, "moeflow")
     rng = np.random.default_rng(41)
-    ok = True
+    ok, noted = True, False
     with tempfile.TemporaryDirectory(dir=os.environ.get("MOEFLOW_TMP")) as tmp:
         tiny = os.path.join(tmp, "tiny")
         run(moeflow, "gen", "--preset", "tiny", "--out", tiny, "--quiet")
@@ -480,8 +484,9 @@ def check(cases, mutation=None):
             out = os.path.join(tmp, f"mf{n}")
             run(ref_tool, d, ",".join(map(str, ids)), out, 0, "tok")
             model, c, bare, token_map = nemo_load(d)
-            if n == 0 and bare:
-                print(f"note: {len(bare)} tensors of moeflow's layout have no '.weight' suffix that "
+            if bare and not noted:
+                noted = True
+                print(f"note: {len(bare)} tensors of moeflow's layout lack the '.weight' suffix "
                       f"NeMo expects (e.g. {bare[0]}); renamed for NeMo")
             if token_map is not None:
                 mf_map = np.fromfile(out + ".tokmap", np.int32)
