@@ -120,20 +120,20 @@ static void mf_put_layer(mf_emit *e, int L)
 
     int kv_src = mf_config_is_kv_source(c, L), idx_src = mf_config_is_index_source(c, L);
     if (kv_src) {
-        mf_put(e, MF_DTYPE_BF16, 2, D, H, MF_ROLE_LINEAR, H, "layers.%d.attn.compressor.wkv", L);
+        mf_put(e, MF_DTYPE_BF16, 2, D, H, MF_ROLE_LINEAR, H, "layers.%d.attn.compressor.wkv.weight", L);
         if (c->compress_ratios[L] == 2)
-            mf_put(e, MF_DTYPE_BF16, 2, D, H, MF_ROLE_LINEAR, H, "layers.%d.attn.compressor.wgate", L);
+            mf_put(e, MF_DTYPE_BF16, 2, D, H, MF_ROLE_LINEAR, H, "layers.%d.attn.compressor.wgate.weight", L);
         mf_put(e, MF_DTYPE_BF16, 1, D, 0, MF_ROLE_NORM, 0, "layers.%d.attn.compressor.norm.weight", L);
     }
     if (idx_src) {
         snprintf(p, sizeof p, "layers.%d.attn.indexer.wq_b", L);
         mf_put_fp8(e, (int64_t)c->index_n_heads * c->index_head_dim, c->q_lora_rank, p);
         mf_put(e, MF_DTYPE_BF16, 2, c->index_n_heads, H, MF_ROLE_LINEAR, H,
-               "layers.%d.attn.indexer.weights_proj", L);
+               "layers.%d.attn.indexer.weights_proj.weight", L);
     }
     if (kv_src) {
         mf_put(e, MF_DTYPE_BF16, 2, c->index_head_dim, D, MF_ROLE_LINEAR, D,
-               "layers.%d.attn.indexer.wk", L);
+               "layers.%d.attn.indexer.wk.weight", L);
         mf_put(e, MF_DTYPE_BF16, 1, c->index_head_dim, 0, MF_ROLE_NORM, 0,
                "layers.%d.attn.indexer.k_norm.weight", L);
     }

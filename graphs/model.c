@@ -226,16 +226,16 @@ static int mf_model_bind_all(mf_model *m)
         B(&y->wo_b, MF_W_FP8, "layers.%d.attn.wo_b", L);
         B(&y->attn_sink, MF_W_F32, "layers.%d.attn.attn_sink", L);
         if (mf_config_is_kv_source(c, L)) {
-            B(&y->cmp_wkv, MF_W_BF16, "layers.%d.attn.compressor.wkv", L);
+            B(&y->cmp_wkv, MF_W_BF16, "layers.%d.attn.compressor.wkv.weight", L);
             if (c->compress_ratios[L] == 2)
-                B(&y->cmp_wgate, MF_W_BF16, "layers.%d.attn.compressor.wgate", L);
+                B(&y->cmp_wgate, MF_W_BF16, "layers.%d.attn.compressor.wgate.weight", L);
             B(&y->cmp_norm, MF_W_BF16, "layers.%d.attn.compressor.norm.weight", L);
-            B(&y->idx_wk, MF_W_BF16, "layers.%d.attn.indexer.wk", L);
+            B(&y->idx_wk, MF_W_BF16, "layers.%d.attn.indexer.wk.weight", L);
             B(&y->idx_k_norm, MF_W_BF16, "layers.%d.attn.indexer.k_norm.weight", L);
         }
         if (mf_config_is_index_source(c, L)) {
             B(&y->idx_wq_b, MF_W_FP8, "layers.%d.attn.indexer.wq_b", L);
-            B(&y->idx_weights_proj, MF_W_BF16, "layers.%d.attn.indexer.weights_proj", L);
+            B(&y->idx_weights_proj, MF_W_BF16, "layers.%d.attn.indexer.weights_proj.weight", L);
         }
         B(&y->hc_ffn_fn, MF_W_F32, "layers.%d.hc_ffn_fn", L);
         B(&y->hc_ffn_base, MF_W_F32, "layers.%d.hc_ffn_base", L);

@@ -315,9 +315,9 @@ def forward(cfg, w, toks):
         kv = rmsnorm(bf(lin(x, w(p + "attn.wkv"))), w(p + "attn.kv_norm.weight"), eps)
         kv = fq_e4m3_pow2(bf(rope(kv, pos, fr)), 32)
         if L in kv_src:
-            kvc = lin(x, w(p + "attn.compressor.wkv"))
+            kvc = lin(x, w(p + "attn.compressor.wkv.weight"))
             if ratio == 2:
-                sc = lin(x, w(p + "attn.compressor.wgate"))
+                sc = lin(x, w(p + "attn.compressor.wgate.weight"))
                 G = T // 2
                 a, b = sc[0:2 * G:2].astype(F64), sc[1:2 * G:2].astype(F64)
                 m = np.maximum(a, b)
@@ -327,7 +327,7 @@ def forward(cfg, w, toks):
                 G, lat = T, kvc
             lat = rmsnorm(bf(lat), w(p + "attn.compressor.norm.weight"), eps)
             gpos = np.arange(G) * ratio
-            key = rmsnorm(bf(lin(lat, w(p + "attn.indexer.wk"))), w(p + "attn.indexer.k_norm.weight"), eps)
+            key = rmsnorm(bf(lin(lat, w(p + "attn.indexer.wk.weight"))), w(p + "attn.indexer.k_norm.weight"), eps)
             key = fq_e2m1_pow2(bf(rope(key, gpos, fr_comp)), 32)
             ent = fq_e2m1_e4m3(bf(rope(lat, gpos, fr_comp)), 16)
             caches[L] = (ent, key)
@@ -337,7 +337,7 @@ def forward(cfg, w, toks):
             qi = bf(lin(qr, w(p + "attn.indexer.wq_b"))).reshape(T, ih, idd)
             qi = fq_e2m1_pow2(bf(rope(qi, pos[:, None], fr_comp)), 32)
             wscale = F32(1.0 / math.sqrt(idd) / math.sqrt(ih))
-            wts = bf(lin(x, w(p + "attn.indexer.weights_proj"))) * wscale
+            wts = bf(lin(x, w(p + "attn.indexer.weights_proj.weight"))) * wscale
             for t in range(T):
                 nv = (t + 1) // ratio
                 if nv == 0:
