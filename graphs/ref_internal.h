@@ -72,6 +72,7 @@ struct mf_ref {
     struct mf_ref_pick *s_picks; /* top-k sorting, s_scores_len long */
     int64_t s_scores_len;
     uint8_t *lazy_data, *lazy_scale;   /* one lazy weight */
+    mf_ref_times times;
     void *mem;
 };
 

@@ -1,0 +1,812 @@
+/* The scheduled decode engine (graphs/step.h): per batch size one graph, per layer
+ * [engram] -> attn -> route -> expert slots (up parts -> join -> down parts) -> combine, with the
+ * shared expert (up parts -> join -> down parts) beside the slots, then norm -> head parts. Tasks
+ * read the step's data (items, slot table) from the shape's buffers, so the graph never changes.
+ * Engram, attention, the hyper-connections and the router call the reference code (one worker at
+ * a time, chained); expert FFNs and the head use the fused kernels (host/kernels.h), row-split. */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "graphs/ref_internal.h"
+#include "graphs/step.h"
+#include "host/kernels.h"
+#include "sched/clock.h"
+#include "sched/error.h"
+#include "sched/sched.h"
+#include "sched/timeline.h"
+
+typedef struct mf_step_shape mf_step_shape;
+
+/* One task's argument: which shape, layer, slot and part it works on. */
+typedef struct mf_step_targ {
+    mf_step_shape *sh;
+    int layer, slot, part;
+} mf_step_targ;
+
+struct mf_step_shape {
+    mf_step *eng;
+    int n;              /* items */
+    int n_slots;        /* min(n * top_k, n_routed_experts) */
+    int p_exp, p_sh, p_head;   /* row parts per expert, shared expert, head */
+    mf_graph *g;
+    mf_timeline *tl;
+    uint8_t *phase_of;  /* per task */
+    mf_step_targ *args;
+    /* items and their activations */
+    mf_ref_item *items;
+    float *xin;         /* n x H: MoE input (after ffn_norm) */
+    float *post, *comb; /* n x hc, n x hc*hc: the ffn mix's post and comb */
+    float *moe_out;     /* H: combine scratch */
+    /* routing of the current layer */
+    int32_t *ex;        /* n x K: experts of item i in top-k order */
+    float *wt;          /* n x K: their weights */
+    int32_t *asg;       /* n x K: row of (i, k) in the slot-ordered buffers */
+    int32_t *cnt, *fill;   /* n_routed_experts */
+    int32_t *slot_of;   /* n_routed_experts -> slot (-1) */
+    int32_t *slot_e, *slot_off, *slot_cnt;   /* n_slots */
+    int n_used;
+    float *gate_logits, *gate_bias;   /* n_routed_experts */
+    /* slot-ordered expert buffers (n x K rows) */
+    float *xg, *wg, *h, *gg, *uu, *y;
+    mf_kern_q8 *q8x, *q8h;   /* n_slots */
+    uint8_t *q8x_mem, *q8h_mem;
+    size_t q8x_bytes, q8h_bytes;   /* per slot */
+    /* shared expert */
+    float *hs, *gs, *us, *ys;
+    /* head */
+    float *hn;          /* n x H */
+    float *lbuf;        /* n x vocab */
+    int32_t *head_item; /* j -> item */
+    int n_head;
+    void *mem;
+};
+
+struct mf_step {
+    mf_ref *r;
+    const mf_config *c;
+    mf_step_opts o;
+    mf_lane_desc lane;
+    mf_sched *sched;
+    mf_step_shape *shapes[MF_STEP_MAX_ITEMS + 1];
+    mf_step_shape *last;
+    mf_step_times times;
+};
+
+const char *mf_step_phase_name(mf_step_phase p)
+{
+    static const char *const names[] = {"attention stack", "MoE", "Engram", "norm + head", "other"};
+    return (unsigned)p < MF_STEP_N_PHASES ? names[p] : "?";
+}
+
+/* ---- tasks --------------------------------------------------------------------------------- */
+
+static void mf_step_rows(int64_t n_rows, int parts, int p, int *r0, int *r1)
+{
+    int64_t chunk = (n_rows + parts - 1) / parts;
+    chunk = (chunk + 15) / 16 * 16;
+    int64_t a = p * chunk, b = a + chunk;
+    *r0 = (int)(a < n_rows ? a : n_rows);
+    *r1 = (int)(b < n_rows ? b : n_rows);
+}
+
+static mf_kern_mat mf_step_mat(const mf_weight *w)
+{
+    mf_kern_mat m = {.w = w->data, .scale = w->scale, .n_out = (int)w->rows, .n_in = (int)w->cols};
+    m.fmt = w->kind == MF_W_FP4 ? MF_KERN_FP4 : w->kind == MF_W_FP8 ? MF_KERN_FP8 : MF_KERN_BF16;
+    return m;
+}
+
+static int mf_task_engram(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    for (int i = 0; i < sh->n; i++) {
+        int rc = mf_ref_engram(sh->eng->r, &sh->items[i], a->layer);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* Attention sublayer wrapped by its mixes, then the ffn mix and norm: the first part of the
+ * reference's layer (ref_model.c), item by item in order. */
+static int mf_task_attn(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_ref *r = sh->eng->r;
+    const mf_config *c = r->c;
+    const mf_model_layer *y = mf_model_layer_at(r->m, a->layer);
+    int64_t H = c->hidden_size;
+    int hc = c->hc_mult;
+    for (int i = 0; i < sh->n; i++) {
+        mf_ref_item *it = &sh->items[i];
+        float mixes[(2 + MF_REF_MAX_HC) * MF_REF_MAX_HC], pre_a[MF_REF_MAX_HC], post[MF_REF_MAX_HC];
+        float comb[MF_REF_MAX_HC * MF_REF_MAX_HC], pre_f[MF_REF_MAX_HC];
+        mf_ref_hc_mixes(r, it->x, &y->hc_attn_fn, mixes);
+        mf_ref_hc_split_w(c, mixes, &y->hc_attn_scale, &y->hc_attn_base, pre_a, post, comb);
+        mf_ref_hc_collapse(r, it->x, it->pre, r->s[0]);
+        mf_ref_rmsnorm(r->s[0], H, &y->attn_norm, c->rms_norm_eps, r->s[1]);
+        int rc = mf_ref_attn(r, it, a->layer, r->s[1], r->s[2]);
+        if (rc) return rc;
+        mf_ref_hc_expand(r, it->x, r->s[2], post, comb);
+        mf_ref_hc_mixes(r, it->x, &y->hc_ffn_fn, mixes);
+        mf_ref_hc_split_w(c, mixes, &y->hc_ffn_scale, &y->hc_ffn_base, pre_f,
+                          sh->post + (size_t)i * hc, sh->comb + (size_t)i * hc * hc);
+        mf_ref_hc_collapse(r, it->x, pre_a, r->s[0]);
+        mf_ref_rmsnorm(r->s[0], H, &y->ffn_norm, c->rms_norm_eps, sh->xin + (size_t)i * H);
+        memcpy(it->pre, pre_f, sizeof pre_f);
+    }
+    return 0;
+}
+
+/* Router: gate logits (reference code, fp32 with double sums), top-k, then the slot table: the
+ * distinct experts in ascending id, each with its items in item order; inputs gathered into
+ * slot order (and quantized for the int8 path). */
+static int mf_task_route(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    mf_ref *r = eng->r;
+    const mf_config *c = r->c;
+    const mf_model_layer *y = mf_model_layer_at(r->m, a->layer);
+    int K = c->n_experts_per_tok, E = c->n_routed_experts;
+    int64_t H = c->hidden_size;
+    for (int e = 0; e < E; e++) sh->gate_bias[e] = mf_ref_vec(&y->gate_bias, e);
+    for (int i = 0; i < sh->n; i++) {
+        int rc = mf_ref_linear(r, &y->gate, sh->xin + (size_t)i * H, sh->gate_logits, 0);
+        if (rc) return rc;
+        mf_ref_route(c, sh->gate_logits, sh->gate_bias, sh->ex + (size_t)i * K, sh->wt + (size_t)i * K);
+        if (r->opts.hooks.on_route)
+            r->opts.hooks.on_route(r->opts.hooks.user, sh->items[i].st, sh->items[i].pos, a->layer,
+                                   sh->ex + (size_t)i * K, sh->wt + (size_t)i * K, K);
+    }
+    memset(sh->cnt, 0, sizeof *sh->cnt * (size_t)E);
+    for (int j = 0; j < sh->n * K; j++) sh->cnt[sh->ex[j]]++;
+    int ns = 0, off = 0;
+    for (int e = 0; e < E; e++) {
+        sh->slot_of[e] = -1;
+        if (!sh->cnt[e]) continue;
+        if (ns == sh->n_slots) return mf_error(-EINVAL, "step: more experts than slots (internal)");
+        sh->slot_of[e] = ns;
+        sh->slot_e[ns] = e;
+        sh->slot_off[ns] = off;
+        sh->slot_cnt[ns] = sh->cnt[e];
+        sh->fill[e] = off;
+        off += sh->cnt[e];
+        ns++;
+    }
+    sh->n_used = ns;
+    for (int i = 0; i < sh->n; i++)
+        for (int k = 0; k < K; k++) {
+            int e = sh->ex[i * K + k], row = sh->fill[e]++;
+            sh->asg[i * K + k] = row;
+            memcpy(sh->xg + (size_t)row * H, sh->xin + (size_t)i * H, sizeof(float) * (size_t)H);
+            sh->wg[row] = sh->wt[i * K + k];
+        }
+    if (!eng->o.exact)
+        for (int s = 0; s < ns; s++) {
+            int rc = mf_kern_q8_init(&sh->q8x[s], sh->q8x_mem + (size_t)s * sh->q8x_bytes, sh->q8x_bytes,
+                                     sh->slot_cnt[s], (int)H);
+            if (!rc) rc = mf_kern_q8_quantize(&sh->q8x[s], sh->xg + (size_t)sh->slot_off[s] * H, (int)H, 0,
+                                              sh->slot_cnt[s]);
+            if (rc) return rc;
+        }
+    return 0;
+}
+
+/* Phase 1 of one FFN over rows [r0, r1) of its hidden size, for n_tok tokens of x (ld H).
+ * exact: w1 and w3 on the fp32 path, then the reference's roundings (ref_moe.c); else fused. */
+static int mf_step_ffn_up(mf_step *eng, const mf_weight *w1, const mf_weight *w3, const float *x,
+                          const mf_kern_q8 *q8, int n_tok, const float *tok_w, float *h, float *g,
+                          float *u, int r0, int r1)
+{
+    const mf_config *c = eng->c;
+    int H = (int)c->hidden_size, I = (int)w1->rows;
+    mf_kern_mat m1 = mf_step_mat(w1), m3 = mf_step_mat(w3);
+    float lim = (float)c->swiglu_limit;
+    if (!eng->o.exact && lim > 0)
+        return mf_kern_ffn_up(&m1, &m3, &(mf_kern_in){x, n_tok, H, q8}, tok_w, lim, h, I, r0, r1);
+    mf_kern_in in = {x, n_tok, H, eng->o.exact ? NULL : q8};
+    int rc = mf_kern_matmul(&m1, &in, g, I, r0, r1);
+    if (!rc) rc = mf_kern_matmul(&m3, &in, u, I, r0, r1);
+    if (rc) return rc;
+    for (int t = 0; t < n_tok; t++)
+        for (int i = r0; i < r1; i++) {
+            size_t k = (size_t)t * I + i;
+            float gi = mf_bf(g[k]), ui = mf_bf(u[k]);
+            if (lim > 0) {
+                ui = fminf(fmaxf(ui, -lim), lim);
+                gi = fminf(gi, lim);
+            }
+            h[k] = mf_bf((tok_w ? tok_w[t] : 1.0f) * (mf_ref_silu(gi) * ui));
+        }
+    return 0;
+}
+
+/* Phase 2: y rows [r0, r1) = w2 h, rounded to bf16 as the reference's expert outputs. */
+static int mf_step_ffn_down(mf_step *eng, const mf_weight *w2, const float *h, const mf_kern_q8 *q8,
+                            int n_tok, float *y, int r0, int r1)
+{
+    int H = (int)eng->c->hidden_size, I = (int)w2->cols;
+    mf_kern_mat m2 = mf_step_mat(w2);
+    int rc = mf_kern_ffn_down(&m2, &(mf_kern_in){h, n_tok, I, eng->o.exact ? NULL : q8}, y, H, r0, r1);
+    if (rc) return rc;
+    for (int t = 0; t < n_tok; t++)
+        for (int o = r0; o < r1; o++) y[(size_t)t * H + o] = mf_bf(y[(size_t)t * H + o]);
+    return 0;
+}
+
+static int mf_task_slot_up(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    if (a->slot >= sh->n_used) return 0;
+    mf_step *eng = sh->eng;
+    const mf_config *c = eng->c;
+    int64_t H = c->hidden_size, I = c->moe_intermediate_size;
+    const mf_weight *ew = &mf_model_layer_at(eng->r->m, a->layer)->experts[sh->slot_e[a->slot] * 3];
+    int r0, r1;
+    mf_step_rows(I, sh->p_exp, a->part, &r0, &r1);
+    if (r0 >= r1) return 0;
+    size_t off = (size_t)sh->slot_off[a->slot];
+    return mf_step_ffn_up(eng, &ew[0], &ew[2], sh->xg + off * H, &sh->q8x[a->slot], sh->slot_cnt[a->slot],
+                          sh->wg + off, sh->h + off * I, sh->gg ? sh->gg + off * I : NULL,
+                          sh->uu ? sh->uu + off * I : NULL, r0, r1);
+}
+
+static int mf_task_slot_join(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    if (a->slot >= sh->n_used || sh->eng->o.exact) return 0;
+    int I = (int)sh->eng->c->moe_intermediate_size, s = a->slot;
+    int rc = mf_kern_q8_init(&sh->q8h[s], sh->q8h_mem + (size_t)s * sh->q8h_bytes, sh->q8h_bytes,
+                             sh->slot_cnt[s], I);
+    if (!rc) rc = mf_kern_q8_quantize(&sh->q8h[s], sh->h + (size_t)sh->slot_off[s] * I, I, 0, sh->slot_cnt[s]);
+    return rc;
+}
+
+static int mf_task_slot_down(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    if (a->slot >= sh->n_used) return 0;
+    mf_step *eng = sh->eng;
+    int64_t H = eng->c->hidden_size, I = eng->c->moe_intermediate_size;
+    const mf_weight *ew = &mf_model_layer_at(eng->r->m, a->layer)->experts[sh->slot_e[a->slot] * 3];
+    int r0, r1;
+    mf_step_rows(H, sh->p_exp, a->part, &r0, &r1);
+    if (r0 >= r1) return 0;
+    size_t off = (size_t)sh->slot_off[a->slot];
+    return mf_step_ffn_down(eng, &ew[1], sh->h + off * I, &sh->q8h[a->slot], sh->slot_cnt[a->slot],
+                            sh->y + off * H, r0, r1);
+}
+
+static int mf_task_sh_up(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    const mf_model_layer *y = mf_model_layer_at(eng->r->m, a->layer);
+    int r0, r1;
+    mf_step_rows(y->sh_w1.rows, sh->p_sh, a->part, &r0, &r1);
+    if (r0 >= r1) return 0;
+    return mf_step_ffn_up(eng, &y->sh_w1, &y->sh_w3, sh->xin, NULL, sh->n, NULL, sh->hs, sh->gs, sh->us,
+                          r0, r1);
+}
+
+static int mf_task_nop(void *arg, mf_task_ctx *ctx)
+{
+    (void)arg;
+    (void)ctx;
+    return 0;
+}
+
+static int mf_task_sh_down(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    const mf_model_layer *y = mf_model_layer_at(eng->r->m, a->layer);
+    int r0, r1;
+    mf_step_rows(eng->c->hidden_size, sh->p_sh, a->part, &r0, &r1);
+    if (r0 >= r1) return 0;
+    return mf_step_ffn_down(eng, &y->sh_w2, sh->hs, NULL, sh->n, sh->ys, r0, r1);
+}
+
+/* Combine: per item, the routed outputs in its top-k order, then the shared expert, summed in
+ * double as the reference does (a fixed order: bit-identical whatever ran where), rounded to
+ * bf16 and expanded into the streams with the ffn mix. */
+static int mf_task_combine(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    const mf_config *c = eng->c;
+    int64_t H = c->hidden_size;
+    int K = c->n_experts_per_tok, hc = c->hc_mult;
+    double *acc = (double *)eng->r->s[8];
+    for (int i = 0; i < sh->n; i++) {
+        for (int64_t d = 0; d < H; d++) acc[d] = 0;
+        for (int k = 0; k < K; k++) {
+            const float *yr = sh->y + (size_t)sh->asg[i * K + k] * H;
+            for (int64_t d = 0; d < H; d++) acc[d] += yr[d];
+        }
+        if (c->n_shared_experts > 0) {
+            const float *yr = sh->ys + (size_t)i * H;
+            for (int64_t d = 0; d < H; d++) acc[d] += yr[d];
+        }
+        for (int64_t d = 0; d < H; d++) sh->moe_out[d] = mf_bf((float)acc[d]);
+        mf_ref_hc_expand(eng->r, sh->items[i].x, sh->moe_out, sh->post + (size_t)i * hc,
+                         sh->comb + (size_t)i * hc * hc);
+    }
+    return 0;
+}
+
+static int mf_task_norm(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_ref *r = sh->eng->r;
+    int64_t H = r->c->hidden_size;
+    for (int j = 0; j < sh->n_head; j++) {
+        mf_ref_item *it = &sh->items[sh->head_item[j]];
+        mf_ref_hc_collapse(r, it->x, it->pre, r->s[0]);
+        mf_ref_rmsnorm(r->s[0], H, mf_model_norm(r->m), r->c->rms_norm_eps, sh->hn + (size_t)j * H);
+    }
+    return 0;
+}
+
+static int mf_task_head(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    if (!sh->n_head) return 0;
+    const mf_config *c = sh->eng->c;
+    const mf_weight *w = mf_model_head(sh->eng->r->m);
+    int r0, r1;
+    mf_step_rows(c->vocab_size, sh->p_head, a->part, &r0, &r1);
+    if (r0 >= r1) return 0;
+    return mf_kern_bf16_matmul((const uint16_t *)w->data, (int)c->vocab_size, (int)c->hidden_size,
+                               sh->hn, sh->n_head, (int)c->hidden_size, sh->lbuf, (int)c->vocab_size,
+                               r0, r1);
+}
+
+/* ---- graph and buffers of one batch size ---------------------------------------------------- */
+
+static void mf_step_shape_free(mf_step_shape *sh)
+{
+    if (!sh) return;
+    mf_timeline_destroy(sh->tl);
+    mf_graph_destroy(sh->g);
+    free(sh->phase_of);
+    free(sh->args);
+    free(sh->mem);
+    free(sh);
+}
+
+typedef struct mf_step_builder {
+    mf_step_shape *sh;
+    int n_args;
+    int rc;
+} mf_step_builder;
+
+static mf_task_id mf_step_add(mf_step_builder *b, const char *name, mf_task_fn fn, int phase,
+                              int layer, int slot, int part, double bytes, double time_ns)
+{
+    if (b->rc) return -1;
+    mf_step_shape *sh = b->sh;
+    mf_step_targ *a = &sh->args[b->n_args++];
+    *a = (mf_step_targ){sh, layer, slot, part};
+    mf_task_id t = mf_graph_add_task(sh->g, &(mf_task_desc){.name = name, .lane = 0, .fn = fn, .arg = a,
+                                                            .cost = {.bytes = bytes, .time_ns = time_ns},
+                                                            .place_hint = -1});
+    if (t < 0) {
+        b->rc = t;
+        return -1;
+    }
+    sh->phase_of[t] = (uint8_t)phase;
+    return t;
+}
+
+static void mf_step_dep(mf_step_builder *b, mf_task_id before, mf_task_id after)
+{
+    if (!b->rc && before >= 0 && after >= 0) b->rc = mf_graph_add_dep(b->sh->g, before, after);
+}
+
+static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
+{
+    const mf_config *c = eng->c;
+    int n_task = 1 + sh->p_head;
+    for (int L = 0; L < c->n_layers; L++)
+        n_task += 5 + 2 * sh->p_sh + sh->n_slots * (1 + 2 * sh->p_exp);   /* engram, attn, route, combine, shared join */
+    sh->args = calloc((size_t)n_task, sizeof *sh->args);
+    sh->phase_of = calloc((size_t)n_task, 1);
+    if (!sh->args || !sh->phase_of) return mf_error(-ENOMEM, "step: out of memory for the graph");
+    int rc = mf_graph_create(&eng->lane, 1, &sh->g);
+    if (rc) return rc;
+    mf_step_builder b = {sh, 0, 0};
+    char name[64];
+    double H = (double)c->hidden_size, I = (double)c->moe_intermediate_size;
+    double n = sh->n;
+    /* rough costs for priorities: reference code ~1 ns per multiply-add, kernels by bytes */
+    double ref_attn_ns = n * (H * (c->q_lora_rank + 4.0 * c->hc_mult * 24) + (double)c->q_lora_rank *
+                              c->n_heads * c->head_dim + 2.0 * c->n_heads * c->head_dim * H);
+    double exp_bytes = 3 * H * I * 0.53, sh_bytes = 3 * H * I * 1.0;
+    mf_task_id prev = -1;
+    for (int L = 0; L < c->n_layers; L++) {
+        if (mf_config_engram_slot(c, L) >= 0) {
+            snprintf(name, sizeof name, "engram L%d", L);
+            mf_task_id t = mf_step_add(&b, name, mf_task_engram, MF_STEP_ENGRAM, L, 0, 0, 0, n * 2e5);
+            mf_step_dep(&b, prev, t);
+            prev = t;
+        }
+        snprintf(name, sizeof name, "attn L%d", L);
+        mf_task_id at = mf_step_add(&b, name, mf_task_attn, MF_STEP_ATTN, L, 0, 0, 0, ref_attn_ns);
+        mf_step_dep(&b, prev, at);
+        snprintf(name, sizeof name, "route L%d", L);
+        mf_task_id ro = mf_step_add(&b, name, mf_task_route, MF_STEP_MOE, L, 0, 0, 0,
+                                    n * H * (c->n_routed_experts + c->n_experts_per_tok));
+        mf_step_dep(&b, at, ro);
+        snprintf(name, sizeof name, "combine L%d", L);
+        mf_task_id co = mf_step_add(&b, name, mf_task_combine, MF_STEP_MOE, L, 0, 0, 0,
+                                    n * H * (c->n_experts_per_tok + 2 + 2 * c->hc_mult));
+        for (int s = 0; s < sh->n_slots; s++) {
+            snprintf(name, sizeof name, "expert L%d slot %d join", L, s);
+            mf_task_id jo = mf_step_add(&b, name, mf_task_slot_join, MF_STEP_MOE, L, s, 0, 0, I * 2);
+            for (int p = 0; p < sh->p_exp; p++) {
+                snprintf(name, sizeof name, "expert L%d slot %d up %d", L, s, p);
+                mf_task_id up = mf_step_add(&b, name, mf_task_slot_up, MF_STEP_MOE, L, s, p,
+                                            exp_bytes * 2 / 3 / sh->p_exp, 0);
+                snprintf(name, sizeof name, "expert L%d slot %d down %d", L, s, p);
+                mf_task_id dn = mf_step_add(&b, name, mf_task_slot_down, MF_STEP_MOE, L, s, p,
+                                            exp_bytes / 3 / sh->p_exp, 0);
+                mf_step_dep(&b, ro, up);
+                mf_step_dep(&b, up, jo);
+                mf_step_dep(&b, jo, dn);
+                mf_step_dep(&b, dn, co);
+            }
+        }
+        snprintf(name, sizeof name, "shared L%d join", L);
+        mf_task_id sj = mf_step_add(&b, name, mf_task_nop, MF_STEP_MOE, L, 0, 0, 0, 0);
+        for (int p = 0; p < sh->p_sh; p++) {
+            snprintf(name, sizeof name, "shared L%d up %d", L, p);
+            mf_task_id up = mf_step_add(&b, name, mf_task_sh_up, MF_STEP_MOE, L, 0, p,
+                                        sh_bytes * 2 / 3 / sh->p_sh, 0);
+            snprintf(name, sizeof name, "shared L%d down %d", L, p);
+            mf_task_id dn = mf_step_add(&b, name, mf_task_sh_down, MF_STEP_MOE, L, 0, p,
+                                        sh_bytes / 3 / sh->p_sh, 0);
+            mf_step_dep(&b, at, up);
+            mf_step_dep(&b, up, sj);
+            mf_step_dep(&b, sj, dn);
+            mf_step_dep(&b, dn, co);
+        }
+        prev = co;
+    }
+    mf_task_id no = mf_step_add(&b, "norm", mf_task_norm, MF_STEP_HEAD, 0, 0, 0, 0, n * H * 8);
+    mf_step_dep(&b, prev, no);
+    for (int p = 0; p < sh->p_head; p++) {
+        snprintf(name, sizeof name, "head %d", p);
+        mf_task_id hd = mf_step_add(&b, name, mf_task_head, MF_STEP_HEAD, 0, 0, p,
+                                    2.0 * c->vocab_size * H / sh->p_head, 0);
+        mf_step_dep(&b, no, hd);
+    }
+    if (b.rc) return b.rc;
+    if ((rc = mf_graph_finalize(sh->g))) return rc;
+    return mf_timeline_create(sh->g, &sh->tl);
+}
+
+static int mf_step_shape_new(mf_step *eng, int n, mf_step_shape **out)
+{
+    const mf_config *c = eng->c;
+    int64_t H = c->hidden_size, I = c->moe_intermediate_size, V = c->vocab_size;
+    int64_t Ish = c->n_shared_experts > 0 ? mf_model_layer_at(eng->r->m, 0)->sh_w1.rows : 0;
+    int K = c->n_experts_per_tok, E = c->n_routed_experts, hc = c->hc_mult, W = eng->o.n_threads;
+    int n_cb = c->candidate_topk_blocks > 0 ? c->candidate_topk_blocks : 1;
+    mf_step_shape *sh = calloc(1, sizeof *sh);
+    if (!sh) return mf_error(-ENOMEM, "step: out of memory");
+    sh->eng = eng;
+    sh->n = n;
+    sh->n_slots = n * K < E ? n * K : E;
+    /* split experts by rows when there are fewer slots than two per worker */
+    sh->p_exp = sh->n_slots >= 2 * W ? 1 : (2 * W + sh->n_slots - 1) / sh->n_slots;
+    if (sh->p_exp > 8) sh->p_exp = 8;
+    sh->p_sh = c->n_shared_experts > 0 ? (W < 8 ? W : 8) : 0;
+    sh->p_head = 2 * W;
+    size_t nk = (size_t)n * K, q8x = mf_kern_q8_bytes(n, (int)H), q8h = mf_kern_q8_bytes(n, (int)I);
+    int ex = eng->o.exact;
+    size_t f = sizeof(float), bytes = 0;
+    /* sizes in one list so allocation and carving agree */
+    size_t sz[] = {
+        (size_t)n * sizeof(mf_ref_item),
+        (size_t)n * hc * H * f,                   /* x */
+        (size_t)n * c->index_topk * 4, (size_t)n * n_cb * 4,
+        (size_t)n * H * f, (size_t)n * hc * f, (size_t)n * hc * hc * f, (size_t)H * f,
+        nk * 4, nk * f, nk * 4, (size_t)E * 4, (size_t)E * 4, (size_t)E * 4,
+        (size_t)sh->n_slots * 4, (size_t)sh->n_slots * 4, (size_t)sh->n_slots * 4,
+        (size_t)E * f, (size_t)E * f,
+        nk * H * f, nk * f, nk * I * f, ex ? nk * I * f : 0, ex ? nk * I * f : 0, nk * H * f,
+        (size_t)sh->n_slots * sizeof(mf_kern_q8), (size_t)sh->n_slots * sizeof(mf_kern_q8),
+        (size_t)sh->n_slots * q8x, (size_t)sh->n_slots * q8h,
+        (size_t)n * Ish * f, ex ? (size_t)n * Ish * f : 0, ex ? (size_t)n * Ish * f : 0, (size_t)n * H * f,
+        (size_t)n * H * f, (size_t)n * V * f, (size_t)n * 4,
+    };
+    enum { N_SZ = sizeof sz / sizeof sz[0] };
+    for (int i = 0; i < N_SZ; i++) bytes += (sz[i] + 63) / 64 * 64;
+    uint8_t *p = aligned_alloc(64, bytes);
+    if (!p) {
+        free(sh);
+        return mf_error(-ENOMEM, "step: cannot allocate %zu bytes of buffers for a batch of %d", bytes, n);
+    }
+    memset(p, 0, bytes);
+    sh->mem = p;
+    void *v[N_SZ];
+    for (int i = 0; i < N_SZ; i++) {
+        v[i] = sz[i] ? p : NULL;
+        p += (sz[i] + 63) / 64 * 64;
+    }
+    int k = 0;
+    sh->items = v[k++];
+    float *x = v[k++];
+    int32_t *topk = v[k++], *cand = v[k++];
+    sh->xin = v[k++]; sh->post = v[k++]; sh->comb = v[k++]; sh->moe_out = v[k++];
+    sh->ex = v[k++]; sh->wt = v[k++]; sh->asg = v[k++]; sh->cnt = v[k++]; sh->fill = v[k++];
+    sh->slot_of = v[k++]; sh->slot_e = v[k++]; sh->slot_off = v[k++]; sh->slot_cnt = v[k++];
+    sh->gate_logits = v[k++]; sh->gate_bias = v[k++];
+    sh->xg = v[k++]; sh->wg = v[k++]; sh->h = v[k++]; sh->gg = v[k++]; sh->uu = v[k++]; sh->y = v[k++];
+    sh->q8x = v[k++]; sh->q8h = v[k++]; sh->q8x_mem = v[k++]; sh->q8h_mem = v[k++];
+    sh->hs = v[k++]; sh->gs = v[k++]; sh->us = v[k++]; sh->ys = v[k++];
+    sh->hn = v[k++]; sh->lbuf = v[k++]; sh->head_item = v[k++];
+    sh->q8x_bytes = q8x;
+    sh->q8h_bytes = q8h;
+    for (int i = 0; i < n; i++) {
+        sh->items[i].x = x + (size_t)i * hc * H;
+        sh->items[i].topk = topk + (size_t)i * c->index_topk;
+        sh->items[i].cand = cand + (size_t)i * n_cb;
+    }
+    int rc = mf_step_build_graph(eng, sh);
+    if (rc) {
+        mf_step_shape_free(sh);
+        return mf_error_wrap(rc, "step: building the graph of a batch of %d", n);
+    }
+    *out = sh;
+    return 0;
+}
+
+/* ---- the engine ---------------------------------------------------------------------------- */
+
+int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
+{
+    *out = NULL;
+    const mf_config *c = r->c;
+    if (mf_model_is_lazy(r->m))
+        return mf_error(-ENOTSUP, "step: the model's experts are not resident (lazy load); the "
+                        "scheduled engine needs them in memory (use the reference engine)");
+    if (r->opts.act_quant)
+        return mf_error(-ENOTSUP, "step: act_quant is not supported by the scheduled engine");
+    if (c->quant_block_out != 32 || c->quant_block_in != 32)
+        return mf_error(-ENOTSUP, "step: FP8 scale tiles %dx%d, the kernels need 32x32",
+                        c->quant_block_out, c->quant_block_in);
+    if (mf_model_head(r->m)->kind != MF_W_BF16)
+        return mf_error(-ENOTSUP, "step: head.weight is not bf16");
+    if (c->n_shared_experts > 1)
+        return mf_error(-ENOTSUP, "step: %d shared experts (expected 0 or 1)", c->n_shared_experts);
+    if (c->hidden_size % 32 || c->moe_intermediate_size % 32)
+        return mf_error(-ENOTSUP, "step: hidden_size %" PRId64 " and moe_intermediate_size %" PRId64
+                        " must be multiples of 32", (int64_t)c->hidden_size, (int64_t)c->moe_intermediate_size);
+    mf_step *s = calloc(1, sizeof *s);
+    if (!s) return mf_error(-ENOMEM, "step: out of memory");
+    s->r = r;
+    s->c = c;
+    if (opts) s->o = *opts;
+    if (s->o.n_threads < 1) s->o.n_threads = 1;
+    if (s->o.n_threads > 256) {
+        int n = s->o.n_threads;
+        free(s);
+        return mf_error(-EINVAL, "step: %d threads (max 256)", n);
+    }
+    s->lane = (mf_lane_desc){.kind = MF_LANE_CPU, .name = "cpu", .concurrency = s->o.n_threads,
+                             .numa_node = -1, .model = {.bytes_per_s = 20e9, .latency_ns = 2000}};
+    int rc = mf_sched_create(&(mf_sched_opts){.lanes = &s->lane, .n_lanes = 1,
+                                              .pin_threads = s->o.pin_threads}, &s->sched);
+    if (rc) {
+        free(s);
+        return rc;
+    }
+    *out = s;
+    return 0;
+}
+
+void mf_step_free(mf_step *s)
+{
+    if (!s) return;
+    mf_sched_destroy(s->sched);
+    for (int i = 0; i <= MF_STEP_MAX_ITEMS; i++) mf_step_shape_free(s->shapes[i]);
+    free(s);
+}
+
+/* Checks as mf_ref_forward does, before any state changes. */
+static int mf_step_check(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n)
+{
+    const mf_config *c = s->c;
+    mf_ref *r = s->r;
+    int64_t need = 0;
+    for (int i = 0; i < n; i++) {
+        if (tokens[i] < 0 || tokens[i] >= c->vocab_size)
+            return mf_error(-EINVAL, "step: token %d (item %d) outside the vocabulary [0, %" PRId64 ")",
+                            tokens[i], i, c->vocab_size);
+        if (states[i]->r != r) return mf_error(-EINVAL, "step: item %d's state belongs to another forward", i);
+        for (int j = 0; i > 0 && states[i - 1] != states[i] && j < i - 1; j++)
+            if (states[j] == states[i])
+                return mf_error(-EINVAL, "step: items of one sequence must be consecutive (item %d)", i);
+        int64_t k = 0;
+        for (int j = 0; j < n; j++) k += states[j] == states[i];
+        if (states[i]->n_pos + k > states[i]->max_pos)
+            return mf_error(-EINVAL, "step: sequence would reach %" PRId64 " positions, past its maximum "
+                            "of %" PRId64, states[i]->n_pos + k, states[i]->max_pos);
+        int64_t ns = states[i]->max_pos + c->sliding_window + c->index_topk + 1;
+        need = need > ns ? need : ns;
+    }
+    if (need > r->s_scores_len) {   /* once per new state size, as the reference does */
+        double *sc = realloc(r->s_scores, (size_t)need * sizeof *sc);
+        if (sc) r->s_scores = sc;
+        mf_ref_pick *pk = realloc(r->s_picks, (size_t)need * sizeof *pk);
+        if (pk) r->s_picks = pk;
+        if (!sc || !pk) return mf_error(-ENOMEM, "step: out of memory for score buffers");
+        r->s_scores_len = need;
+    }
+    return 0;
+}
+
+static int64_t mf_step_union(const mf_step_shape *sh, const mf_task_span *sp, int phase, int64_t *busy)
+{
+    /* spans of one phase, merged: tasks in start order (insertion sort over a small index list) */
+    int n = mf_graph_n_tasks(sh->g);
+    int64_t total = 0, cur_s = -1, cur_e = -1;
+    *busy = 0;
+    /* sweep by repeatedly taking the earliest unvisited start: O(n^2) is fine for reports only */
+    int64_t last_start = INT64_MIN;
+    int last_id = -1;
+    for (;;) {
+        int best = -1;
+        for (int t = 0; t < n; t++) {
+            if (sh->phase_of[t] != phase || sp[t].status != 0) continue;
+            if (sp[t].start_ns < last_start || (sp[t].start_ns == last_start && t <= last_id)) continue;
+            if (best < 0 || sp[t].start_ns < sp[best].start_ns) best = t;
+        }
+        if (best < 0) break;
+        last_start = sp[best].start_ns;
+        last_id = best;
+        *busy += sp[best].end_ns - sp[best].start_ns;
+        if (sp[best].start_ns > cur_e) {
+            if (cur_e > cur_s) total += cur_e - cur_s;
+            cur_s = sp[best].start_ns;
+            cur_e = sp[best].end_ns;
+        } else if (sp[best].end_ns > cur_e) {
+            cur_e = sp[best].end_ns;
+        }
+    }
+    if (cur_e > cur_s) total += cur_e - cur_s;
+    return total;
+}
+
+static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
+                         float *const *logits)
+{
+    const mf_config *c = s->c;
+    int rc;
+    if (!s->shapes[n] && (rc = mf_step_shape_new(s, n, &s->shapes[n]))) return rc;
+    mf_step_shape *sh = s->shapes[n];
+    int64_t H = c->hidden_size;
+    const mf_weight *emb = mf_model_embed(s->r->m);
+    sh->n_head = 0;
+    for (int i = 0; i < n; i++) {
+        mf_ref_item *it = &sh->items[i];
+        it->st = states[i];
+        it->pos = i > 0 && states[i - 1] == states[i] ? sh->items[i - 1].pos + 1 : states[i]->n_pos;
+        it->tok = tokens[i];
+        it->st->tokens[it->pos] = tokens[i];
+        it->topk_src = it->cand_src = -1;
+        it->n_topk = it->n_cand = 0;
+        memset(it->pre, 0, sizeof it->pre);
+        it->pre[0] = 1.0f;
+        it->logits = logits ? logits[i] : NULL;
+        if (it->logits) sh->head_item[sh->n_head++] = i;
+        for (int64_t d = 0; d < H; d++) {
+            uint16_t b;
+            memcpy(&b, emb->data + ((int64_t)tokens[i] * H + d) * 2, 2);
+            it->x[d] = mf_bf16_to_f32(b);
+        }
+        for (int k = 1; k < c->hc_mult; k++) memcpy(it->x + k * H, it->x, (size_t)H * sizeof(float));
+    }
+    mf_timeline_reset(sh->tl);
+    rc = mf_sched_run(s->sched, sh->g, &(mf_run_opts){.timeline = sh->tl});
+    s->last = sh;
+    if (rc) return rc;
+    for (int j = 0; j < sh->n_head; j++)
+        memcpy(sh->items[sh->head_item[j]].logits, sh->lbuf + (size_t)j * c->vocab_size,
+               sizeof(float) * (size_t)c->vocab_size);
+    for (int i = 0; i < n; i++) sh->items[i].st->n_pos = sh->items[i].pos + 1;
+    const mf_task_span *sp = mf_timeline_spans(sh->tl);
+    for (int p = 0; p < MF_STEP_OTHER; p++) {
+        int64_t busy;
+        s->times.phase_ns[p] += mf_step_union(sh, sp, p, &busy);
+        s->times.busy_ns[p] += busy;
+    }
+    s->times.n_tasks = mf_graph_n_tasks(sh->g);
+    return 0;
+}
+
+int mf_step_forward(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
+                    float *const *logits)
+{
+    int64_t t0 = mf_now_ns();
+    memset(&s->times, 0, sizeof s->times);
+    if (n < 1) return mf_error(-EINVAL, "step: forward of %d items", n);
+    int rc = mf_step_check(s, states, tokens, n);
+    if (rc) return rc;
+    for (int i = 0; i < n && !rc; i += MF_STEP_MAX_ITEMS) {
+        int m = n - i < MF_STEP_MAX_ITEMS ? n - i : MF_STEP_MAX_ITEMS;
+        rc = mf_step_chunk(s, states + i, tokens + i, m, logits ? logits + i : NULL);
+    }
+    s->times.wall_ns = mf_now_ns() - t0;
+    int64_t rest = s->times.wall_ns;
+    for (int p = 0; p < MF_STEP_OTHER; p++) rest -= s->times.phase_ns[p];
+    s->times.phase_ns[MF_STEP_OTHER] = rest > 0 ? rest : 0;
+    if (rc) return mf_error_wrap(rc, "scheduled forward (the states involved are now inconsistent: reset them)");
+    return 0;
+}
+
+int mf_step_prefill(mf_step *s, mf_ref_state *st, const int32_t *tokens, int n, float *logits)
+{
+    if (n < 1) return mf_error(-EINVAL, "step: prefill of %d tokens", n);
+    mf_ref_state **sts = malloc((size_t)n * sizeof *sts);
+    float **lg = calloc((size_t)n, sizeof *lg);
+    if (!sts || !lg) {
+        free(sts);
+        free(lg);
+        return mf_error(-ENOMEM, "step: out of memory");
+    }
+    for (int i = 0; i < n; i++) sts[i] = st;
+    lg[n - 1] = logits;
+    int rc = mf_step_forward(s, sts, tokens, n, lg);
+    free(sts);
+    free(lg);
+    return rc;
+}
+
+int mf_step_decode(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n_seq,
+                   float *logits)
+{
+    if (n_seq < 1 || n_seq > MF_STEP_MAX_ITEMS)
+        return mf_error(-EINVAL, "step: decode of %d sequences (1..%d)", n_seq, MF_STEP_MAX_ITEMS);
+    float *lg[MF_STEP_MAX_ITEMS];
+    for (int i = 0; i < n_seq; i++) lg[i] = logits ? logits + (size_t)i * s->c->vocab_size : NULL;
+    for (int i = 0; i < n_seq; i++)
+        for (int j = 0; j < i; j++)
+            if (states[i] == states[j]) return mf_error(-EINVAL, "step: decode got sequence %d twice", i);
+    return mf_step_forward(s, states, tokens, n_seq, lg);
+}
+
+void mf_step_last_times(const mf_step *s, mf_step_times *out) { *out = s->times; }
+
+int mf_step_write_trace(const mf_step *s, const char *path)
+{
+    if (!s->last) return mf_error(-EINVAL, "step: no step has run yet, nothing to trace");
+    return mf_timeline_write_chrome(s->last->tl, path);
+}
