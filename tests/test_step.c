@@ -106,8 +106,8 @@ static int cli(const char *args, char *out, size_t cap)
 {
     const char *bin = getenv("MOEFLOW_BIN");
     if (!bin) return -1;
-    char cmd[4096];
-    snprintf(cmd, sizeof cmd, "%s %s 2>/dev/null", bin, args);
+    char cmd[8192];
+    snprintf(cmd, sizeof cmd, "%s %s%s", bin, args, strstr(args, "2>&1") ? "" : " 2>/dev/null");
     FILE *p = popen(cmd, "r");
     if (!p) return -1;
     size_t n = fread(out, 1, cap - 1, p);
@@ -296,13 +296,36 @@ int main(void)
         /* the first token comes from the prefill logits; later ones from the decode steps */
         int w = snprintf(want, sizeof want, "%d", argmax(ref1, g_V));
         for (int k = 0; k + 1 < N_DEC; k++) w += snprintf(want + w, sizeof want - w, " %d", greedy1[0][k + 1]);
-        char a2[2200];
+        char a2[4096];
         snprintf(a2, sizeof a2, "%s --engine reference", args);
         CHECK(cli(a2, out, sizeof out) == 0 && !strncmp(out, want, strlen(want)), "cli reference: '%s' want '%s'",
               out, want);
         snprintf(a2, sizeof a2, "%s --exact --threads 2", args);
         CHECK(cli(a2, out, sizeof out) == 0 && !strncmp(out, want, strlen(want)), "cli scheduled --exact: '%s' "
               "want '%s'", out, want);
+        /* a prompts file of three sequences, decoded as one batch: each line the reference's */
+        char pf[1200], big[8192];
+        snprintf(pf, sizeof pf, "%s/prompts.txt", g_dir);
+        FILE *f = fopen(pf, "w");
+        for (int q = 0; f && q < N_SEQ; q++) {
+            prompt_of(q, p);
+            for (int i = 0; i < N_PROMPT; i++) fprintf(f, i ? " %d" : "%d", p[i]);
+            fprintf(f, "\n\n");   /* empty lines are skipped */
+        }
+        if (f) fclose(f);
+        snprintf(a2, sizeof a2, "decode --checkpoint %s --quiet --ignore-eos --max-new-tokens %d --exact --prompts %s",
+                 g_dir, N_DEC, pf);
+        int wb = 0;
+        for (int q = 0; q < N_SEQ; q++) {
+            wb += snprintf(big + wb, sizeof big - wb, "[%d] %d", q, argmax(ref3 + (size_t)q * N_LOG * g_V, g_V));
+            for (int k = 0; k + 1 < N_DEC; k++) wb += snprintf(big + wb, sizeof big - wb, " %d", greedy3[q][k + 1]);
+            wb += snprintf(big + wb, sizeof big - wb, "\n");
+        }
+        CHECK(cli(a2, out, sizeof out) == 0 && !strcmp(out, big), "cli --prompts: '%s' want '%s'", out, big);
+        snprintf(a2, sizeof a2, "decode --checkpoint %s --max-new-tokens 3 --batch 2 --tokens 5,6,7 --threads 2 2>&1",
+                 g_dir);
+        CHECK(cli(a2, out, sizeof out) == 0 && strstr(out, "[1] ") && strstr(out, "tokens/s aggregate") &&
+              strstr(out, "scheduled engine"), "cli --batch 2: '%s'", out);
         snprintf(a2, sizeof a2, "%s --engine bogus", args);
         CHECK(cli(a2, out, sizeof out) == 2 * 256, "cli --engine bogus exits 2");
     }
