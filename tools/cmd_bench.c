@@ -132,6 +132,7 @@ static const struct {
 } mf_bench_subs[] = {
     {"sched", mf_bench_sched, "scheduler overhead per task (chain, independent, layered)"},
     {"kernels", mf_bench_kernels, "fused FP4 expert matmul and FFN vs read probe and expand baseline"},
+    {"decode", mf_bench_decode, "decode steps: scheduled vs reference engine, phase table per step"},
     {NULL, NULL, NULL},
 };
 
