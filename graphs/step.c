@@ -20,15 +20,19 @@
 
 typedef struct mf_step_shape mf_step_shape;
 
-/* One task's argument: which shape, layer, slot and part it works on. */
+/* One task's argument: which shape, layer, slot and part it works on; the reference-code tasks
+ * also take items [i0, i1) with the reference object (scratch) they use. */
 typedef struct mf_step_targ {
     mf_step_shape *sh;
     int layer, slot, part;
+    int i0, i1;
+    mf_ref *r;
 } mf_step_targ;
 
 struct mf_step_shape {
     mf_step *eng;
     int n;              /* items */
+    int par;            /* 1: items of distinct sequences, reference-code parts one task per item */
     int n_slots;        /* min(n * top_k, n_routed_experts) */
     int p_exp, p_sh, p_head;   /* row parts per expert, shared expert, head */
     mf_graph *g;
@@ -39,7 +43,7 @@ struct mf_step_shape {
     mf_ref_item *items;
     float *xin;         /* n x H: MoE input (after ffn_norm) */
     float *post, *comb; /* n x hc, n x hc*hc: the ffn mix's post and comb */
-    float *moe_out;     /* H: combine scratch */
+    float *moe_out;     /* n x H: combine output */
     /* routing of the current layer */
     int32_t *ex;        /* n x K: experts of item i in top-k order */
     float *wt;          /* n x K: their weights */
@@ -48,7 +52,6 @@ struct mf_step_shape {
     int32_t *slot_of;   /* n_routed_experts -> slot (-1) */
     int32_t *slot_e, *slot_off, *slot_cnt;   /* n_slots */
     int n_used;
-    float *gate_logits, *gate_bias;   /* n_routed_experts */
     /* slot-ordered expert buffers (n x K rows) */
     float *xg, *wg, *h, *gg, *uu, *y;
     mf_kern_q8 *q8x, *q8h;   /* n_slots */
@@ -60,17 +63,19 @@ struct mf_step_shape {
     float *hn;          /* n x H */
     float *lbuf;        /* n x vocab */
     int32_t *head_item; /* j -> item */
+    int32_t *head_row;  /* item -> j (-1: no logits) */
     int n_head;
     void *mem;
 };
 
 struct mf_step {
     mf_ref *r;
+    mf_ref *cl[MF_STEP_MAX_ITEMS];   /* cl[0] = r; the others: clones (own scratch) for item tasks */
     const mf_config *c;
     mf_step_opts o;
     mf_lane_desc lane;
     mf_sched *sched;
-    mf_step_shape *shapes[MF_STEP_MAX_ITEMS + 1];
+    mf_step_shape *shapes[2][MF_STEP_MAX_ITEMS + 1];   /* [par][n] */
     mf_step_shape *last;
     mf_step_times times;
 };
@@ -104,8 +109,8 @@ static int mf_task_engram(void *arg, mf_task_ctx *ctx)
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    for (int i = 0; i < sh->n; i++) {
-        int rc = mf_ref_engram(sh->eng->r, &sh->items[i], a->layer);
+    for (int i = a->i0; i < a->i1; i++) {
+        int rc = mf_ref_engram(a->r, &sh->items[i], a->layer);
         if (rc) return rc;
     }
     return 0;
@@ -118,12 +123,12 @@ static int mf_task_attn(void *arg, mf_task_ctx *ctx)
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    mf_ref *r = sh->eng->r;
+    mf_ref *r = a->r;
     const mf_config *c = r->c;
     const mf_model_layer *y = mf_model_layer_at(r->m, a->layer);
     int64_t H = c->hidden_size;
     int hc = c->hc_mult;
-    for (int i = 0; i < sh->n; i++) {
+    for (int i = a->i0; i < a->i1; i++) {
         mf_ref_item *it = &sh->items[i];
         float mixes[(2 + MF_REF_MAX_HC) * MF_REF_MAX_HC], pre_a[MF_REF_MAX_HC], post[MF_REF_MAX_HC];
         float comb[MF_REF_MAX_HC * MF_REF_MAX_HC], pre_f[MF_REF_MAX_HC];
@@ -144,28 +149,48 @@ static int mf_task_attn(void *arg, mf_task_ctx *ctx)
     return 0;
 }
 
-/* Router: gate logits (reference code, fp32 with double sums), top-k, then the slot table: the
- * distinct experts in ascending id, each with its items in item order; inputs gathered into
- * slot order (and quantized for the int8 path). */
+/* Gate logits (reference code, fp32 with double sums) and top-k of items [i0, i1). */
+static int mf_step_gate(mf_step_shape *sh, mf_ref *r, int L, int i0, int i1)
+{
+    const mf_config *c = r->c;
+    const mf_model_layer *y = mf_model_layer_at(r->m, L);
+    int K = c->n_experts_per_tok, E = c->n_routed_experts;
+    int64_t H = c->hidden_size;
+    float *logits = r->s[3], *bias = r->s[4];   /* s_len >= n_routed_experts */
+    for (int e = 0; e < E; e++) bias[e] = mf_ref_vec(&y->gate_bias, e);
+    for (int i = i0; i < i1; i++) {
+        int rc = mf_ref_linear(r, &y->gate, sh->xin + (size_t)i * H, logits, 0);
+        if (rc) return rc;
+        mf_ref_route(c, logits, bias, sh->ex + (size_t)i * K, sh->wt + (size_t)i * K);
+        if (r->opts.hooks.on_route)
+            r->opts.hooks.on_route(r->opts.hooks.user, sh->items[i].st, sh->items[i].pos, L,
+                                   sh->ex + (size_t)i * K, sh->wt + (size_t)i * K, K);
+    }
+    return 0;
+}
+
+static int mf_task_gate(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    return mf_step_gate(a->sh, a->r, a->layer, a->i0, a->i1);
+}
+
+/* Router: (serial shapes: the gates first, then) the slot table: the distinct experts in
+ * ascending id, each with its items in item order; inputs gathered into slot order (and
+ * quantized for the int8 path). */
 static int mf_task_route(void *arg, mf_task_ctx *ctx)
 {
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
-    mf_ref *r = eng->r;
-    const mf_config *c = r->c;
-    const mf_model_layer *y = mf_model_layer_at(r->m, a->layer);
+    const mf_config *c = eng->c;
     int K = c->n_experts_per_tok, E = c->n_routed_experts;
     int64_t H = c->hidden_size;
-    for (int e = 0; e < E; e++) sh->gate_bias[e] = mf_ref_vec(&y->gate_bias, e);
-    for (int i = 0; i < sh->n; i++) {
-        int rc = mf_ref_linear(r, &y->gate, sh->xin + (size_t)i * H, sh->gate_logits, 0);
+    if (!sh->par) {
+        int rc = mf_step_gate(sh, a->r, a->layer, 0, sh->n);
         if (rc) return rc;
-        mf_ref_route(c, sh->gate_logits, sh->gate_bias, sh->ex + (size_t)i * K, sh->wt + (size_t)i * K);
-        if (r->opts.hooks.on_route)
-            r->opts.hooks.on_route(r->opts.hooks.user, sh->items[i].st, sh->items[i].pos, a->layer,
-                                   sh->ex + (size_t)i * K, sh->wt + (size_t)i * K, K);
     }
     memset(sh->cnt, 0, sizeof *sh->cnt * (size_t)E);
     for (int j = 0; j < sh->n * K; j++) sh->cnt[sh->ex[j]]++;
@@ -338,8 +363,9 @@ static int mf_task_combine(void *arg, mf_task_ctx *ctx)
     const mf_config *c = eng->c;
     int64_t H = c->hidden_size;
     int K = c->n_experts_per_tok, hc = c->hc_mult;
-    double *acc = (double *)eng->r->s[8];
-    for (int i = 0; i < sh->n; i++) {
+    double *acc = (double *)a->r->s[8];
+    for (int i = a->i0; i < a->i1; i++) {
+        float *out = sh->moe_out + (size_t)i * H;
         for (int64_t d = 0; d < H; d++) acc[d] = 0;
         for (int k = 0; k < K; k++) {
             const float *yr = sh->y + (size_t)sh->asg[i * K + k] * H;
@@ -349,8 +375,8 @@ static int mf_task_combine(void *arg, mf_task_ctx *ctx)
             const float *yr = sh->ys + (size_t)i * H;
             for (int64_t d = 0; d < H; d++) acc[d] += yr[d];
         }
-        for (int64_t d = 0; d < H; d++) sh->moe_out[d] = mf_bf((float)acc[d]);
-        mf_ref_hc_expand(eng->r, sh->items[i].x, sh->moe_out, sh->post + (size_t)i * hc,
+        for (int64_t d = 0; d < H; d++) out[d] = mf_bf((float)acc[d]);
+        mf_ref_hc_expand(a->r, sh->items[i].x, out, sh->post + (size_t)i * hc,
                          sh->comb + (size_t)i * hc * hc);
     }
     return 0;
@@ -361,10 +387,12 @@ static int mf_task_norm(void *arg, mf_task_ctx *ctx)
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    mf_ref *r = sh->eng->r;
+    mf_ref *r = a->r;
     int64_t H = r->c->hidden_size;
-    for (int j = 0; j < sh->n_head; j++) {
-        mf_ref_item *it = &sh->items[sh->head_item[j]];
+    for (int i = a->i0; i < a->i1; i++) {
+        int j = sh->head_row[i];
+        if (j < 0) continue;
+        mf_ref_item *it = &sh->items[i];
         mf_ref_hc_collapse(r, it->x, it->pre, r->s[0]);
         mf_ref_rmsnorm(r->s[0], H, mf_model_norm(r->m), r->c->rms_norm_eps, sh->hn + (size_t)j * H);
     }
@@ -402,17 +430,23 @@ static void mf_step_shape_free(mf_step_shape *sh)
 
 typedef struct mf_step_builder {
     mf_step_shape *sh;
-    int n_args;
+    int n_args, cap;
     int rc;
 } mf_step_builder;
 
+/* Adds a task of items [i0, i1) (reference object r); returns its id, or -1 after an error. */
 static mf_task_id mf_step_add(mf_step_builder *b, const char *name, mf_task_fn fn, int phase,
-                              int layer, int slot, int part, double bytes, double time_ns)
+                              int layer, int slot, int part, int i0, int i1, mf_ref *r, double bytes,
+                              double time_ns)
 {
     if (b->rc) return -1;
+    if (b->n_args == b->cap) {
+        b->rc = mf_error(-EFAULT, "step: more than the %d tasks counted (internal)", b->cap);
+        return -1;
+    }
     mf_step_shape *sh = b->sh;
     mf_step_targ *a = &sh->args[b->n_args++];
-    *a = (mf_step_targ){sh, layer, slot, part};
+    *a = (mf_step_targ){sh, layer, slot, part, i0, i1, r};
     mf_task_id t = mf_graph_add_task(sh->g, &(mf_task_desc){.name = name, .lane = 0, .fn = fn, .arg = a,
                                                             .cost = {.bytes = bytes, .time_ns = time_ns},
                                                             .place_hint = -1});
@@ -429,89 +463,130 @@ static void mf_step_dep(mf_step_builder *b, mf_task_id before, mf_task_id after)
     if (!b->rc && before >= 0 && after >= 0) b->rc = mf_graph_add_dep(b->sh->g, before, after);
 }
 
+/* The graph of one shape. Serial shapes (sh->par 0): one task each for engram, attn, route
+ * (gates + table), combine, norm, on the engine's reference object. Parallel shapes: those parts
+ * one task per item, item i on reference object cl[i]; route builds only the table. */
 static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
 {
     const mf_config *c = eng->c;
-    int n_task = 1 + sh->p_head;
-    for (int L = 0; L < c->n_layers; L++)
-        n_task += 5 + 2 * sh->p_sh + sh->n_slots * (1 + 2 * sh->p_exp);   /* engram, attn, route, combine, shared join */
+    int n = sh->n, u = sh->par ? n : 1;   /* reference-code tasks per part */
+    int n_task = 1 + u + sh->p_head;
+    for (int L = 0; L < c->n_layers; L++)   /* engram, attn, gate, combine per unit; route, joins */
+        n_task += 4 * u + 3 + 2 * sh->p_sh + sh->n_slots * (1 + 2 * sh->p_exp);
     sh->args = calloc((size_t)n_task, sizeof *sh->args);
     sh->phase_of = calloc((size_t)n_task, 1);
-    if (!sh->args || !sh->phase_of) return mf_error(-ENOMEM, "step: out of memory for the graph");
+    mf_task_id *unit = calloc((size_t)u, sizeof *unit), *gates = calloc((size_t)u, sizeof *gates);
+    if (!sh->args || !sh->phase_of || !unit || !gates) {
+        free(unit);
+        free(gates);
+        return mf_error(-ENOMEM, "step: out of memory for the graph");
+    }
     int rc = mf_graph_create(&eng->lane, 1, &sh->g);
-    if (rc) return rc;
-    mf_step_builder b = {sh, 0, 0};
+    if (rc) {
+        free(unit);
+        free(gates);
+        return rc;
+    }
+    mf_step_builder b = {sh, 0, n_task, 0};
     char name[64];
     double H = (double)c->hidden_size, I = (double)c->moe_intermediate_size;
-    double n = sh->n;
+    double per = (double)n / u;   /* items per unit */
     /* rough costs for priorities: reference code ~1 ns per multiply-add, kernels by bytes */
-    double ref_attn_ns = n * (H * (c->q_lora_rank + 4.0 * c->hc_mult * 24) + (double)c->q_lora_rank *
-                              c->n_heads * c->head_dim + 2.0 * c->n_heads * c->head_dim * H);
+    double ref_attn_ns = per * (H * (c->q_lora_rank + 4.0 * c->hc_mult * 24) + (double)c->q_lora_rank *
+                                c->n_heads * c->head_dim + 2.0 * c->n_heads * c->head_dim * H);
     double exp_bytes = 3 * H * I * 0.53, sh_bytes = 3 * H * I * 1.0;
-    mf_task_id prev = -1;
+    for (int k = 0; k < u; k++) unit[k] = -1;
     for (int L = 0; L < c->n_layers; L++) {
-        if (mf_config_engram_slot(c, L) >= 0) {
-            snprintf(name, sizeof name, "engram L%d", L);
-            mf_task_id t = mf_step_add(&b, name, mf_task_engram, MF_STEP_ENGRAM, L, 0, 0, 0, n * 2e5);
-            mf_step_dep(&b, prev, t);
-            prev = t;
+        mf_task_id at[MF_STEP_MAX_ITEMS];
+        for (int k = 0; k < u; k++) {
+            int i0 = sh->par ? k : 0, i1 = sh->par ? k + 1 : n;
+            mf_ref *r = eng->cl[k];
+            if (mf_config_engram_slot(c, L) >= 0) {
+                snprintf(name, sizeof name, sh->par ? "engram L%d item %d" : "engram L%d", L, k);
+                mf_task_id t = mf_step_add(&b, name, mf_task_engram, MF_STEP_ENGRAM, L, 0, 0, i0, i1, r, 0,
+                                           per * 2e5);
+                mf_step_dep(&b, unit[k], t);
+                unit[k] = t;
+            }
+            snprintf(name, sizeof name, sh->par ? "attn L%d item %d" : "attn L%d", L, k);
+            at[k] = mf_step_add(&b, name, mf_task_attn, MF_STEP_ATTN, L, 0, 0, i0, i1, r, 0, ref_attn_ns);
+            mf_step_dep(&b, unit[k], at[k]);
+            gates[k] = at[k];
+            if (sh->par) {
+                snprintf(name, sizeof name, "gate L%d item %d", L, k);
+                gates[k] = mf_step_add(&b, name, mf_task_gate, MF_STEP_MOE, L, 0, 0, i0, i1, r, 0,
+                                       H * c->n_routed_experts);
+                mf_step_dep(&b, at[k], gates[k]);
+            }
         }
-        snprintf(name, sizeof name, "attn L%d", L);
-        mf_task_id at = mf_step_add(&b, name, mf_task_attn, MF_STEP_ATTN, L, 0, 0, 0, ref_attn_ns);
-        mf_step_dep(&b, prev, at);
         snprintf(name, sizeof name, "route L%d", L);
-        mf_task_id ro = mf_step_add(&b, name, mf_task_route, MF_STEP_MOE, L, 0, 0, 0,
-                                    n * H * (c->n_routed_experts + c->n_experts_per_tok));
-        mf_step_dep(&b, at, ro);
-        snprintf(name, sizeof name, "combine L%d", L);
-        mf_task_id co = mf_step_add(&b, name, mf_task_combine, MF_STEP_MOE, L, 0, 0, 0,
-                                    n * H * (c->n_experts_per_tok + 2 + 2 * c->hc_mult));
+        mf_task_id ro = mf_step_add(&b, name, mf_task_route, MF_STEP_MOE, L, 0, 0, 0, n, eng->r, 0,
+                                    n * H * (c->n_experts_per_tok + (sh->par ? 0 : c->n_routed_experts)));
+        for (int k = 0; k < u; k++) mf_step_dep(&b, gates[k], ro);
+        snprintf(name, sizeof name, "moe L%d done", L);
+        mf_task_id done = mf_step_add(&b, name, mf_task_nop, MF_STEP_MOE, L, 0, 0, 0, 0, NULL, 0, 0);
         for (int s = 0; s < sh->n_slots; s++) {
             snprintf(name, sizeof name, "expert L%d slot %d join", L, s);
-            mf_task_id jo = mf_step_add(&b, name, mf_task_slot_join, MF_STEP_MOE, L, s, 0, 0, I * 2);
+            mf_task_id jo = mf_step_add(&b, name, mf_task_slot_join, MF_STEP_MOE, L, s, 0, 0, 0, NULL, 0, I * 2);
             for (int p = 0; p < sh->p_exp; p++) {
                 snprintf(name, sizeof name, "expert L%d slot %d up %d", L, s, p);
-                mf_task_id up = mf_step_add(&b, name, mf_task_slot_up, MF_STEP_MOE, L, s, p,
+                mf_task_id up = mf_step_add(&b, name, mf_task_slot_up, MF_STEP_MOE, L, s, p, 0, 0, NULL,
                                             exp_bytes * 2 / 3 / sh->p_exp, 0);
                 snprintf(name, sizeof name, "expert L%d slot %d down %d", L, s, p);
-                mf_task_id dn = mf_step_add(&b, name, mf_task_slot_down, MF_STEP_MOE, L, s, p,
+                mf_task_id dn = mf_step_add(&b, name, mf_task_slot_down, MF_STEP_MOE, L, s, p, 0, 0, NULL,
                                             exp_bytes / 3 / sh->p_exp, 0);
                 mf_step_dep(&b, ro, up);
                 mf_step_dep(&b, up, jo);
                 mf_step_dep(&b, jo, dn);
-                mf_step_dep(&b, dn, co);
+                mf_step_dep(&b, dn, done);
             }
         }
         snprintf(name, sizeof name, "shared L%d join", L);
-        mf_task_id sj = mf_step_add(&b, name, mf_task_nop, MF_STEP_MOE, L, 0, 0, 0, 0);
+        mf_task_id sj = mf_step_add(&b, name, mf_task_nop, MF_STEP_MOE, L, 0, 0, 0, 0, NULL, 0, 0);
         for (int p = 0; p < sh->p_sh; p++) {
             snprintf(name, sizeof name, "shared L%d up %d", L, p);
-            mf_task_id up = mf_step_add(&b, name, mf_task_sh_up, MF_STEP_MOE, L, 0, p,
+            mf_task_id up = mf_step_add(&b, name, mf_task_sh_up, MF_STEP_MOE, L, 0, p, 0, 0, NULL,
                                         sh_bytes * 2 / 3 / sh->p_sh, 0);
             snprintf(name, sizeof name, "shared L%d down %d", L, p);
-            mf_task_id dn = mf_step_add(&b, name, mf_task_sh_down, MF_STEP_MOE, L, 0, p,
+            mf_task_id dn = mf_step_add(&b, name, mf_task_sh_down, MF_STEP_MOE, L, 0, p, 0, 0, NULL,
                                         sh_bytes / 3 / sh->p_sh, 0);
-            mf_step_dep(&b, at, up);
+            for (int k = 0; k < u; k++) mf_step_dep(&b, at[k], up);
             mf_step_dep(&b, up, sj);
             mf_step_dep(&b, sj, dn);
-            mf_step_dep(&b, dn, co);
+            mf_step_dep(&b, dn, done);
         }
-        prev = co;
+        mf_step_dep(&b, ro, done);
+        for (int k = 0; k < u; k++) {
+            snprintf(name, sizeof name, sh->par ? "combine L%d item %d" : "combine L%d", L, k);
+            unit[k] = mf_step_add(&b, name, mf_task_combine, MF_STEP_MOE, L, 0, 0, sh->par ? k : 0,
+                                  sh->par ? k + 1 : n, eng->cl[k], 0,
+                                  per * H * (c->n_experts_per_tok + 2 + 2 * c->hc_mult));
+            mf_step_dep(&b, done, unit[k]);
+        }
     }
-    mf_task_id no = mf_step_add(&b, "norm", mf_task_norm, MF_STEP_HEAD, 0, 0, 0, 0, n * H * 8);
-    mf_step_dep(&b, prev, no);
+    snprintf(name, sizeof name, "head join");
+    mf_task_id hj = mf_step_add(&b, name, mf_task_nop, MF_STEP_HEAD, 0, 0, 0, 0, 0, NULL, 0, 0);
+    for (int k = 0; k < u; k++) {
+        snprintf(name, sizeof name, sh->par ? "norm item %d" : "norm", k);
+        mf_task_id no = mf_step_add(&b, name, mf_task_norm, MF_STEP_HEAD, 0, 0, 0, sh->par ? k : 0,
+                                    sh->par ? k + 1 : n, eng->cl[k], 0, per * H * 8);
+        mf_step_dep(&b, unit[k], no);
+        mf_step_dep(&b, no, hj);
+    }
     for (int p = 0; p < sh->p_head; p++) {
         snprintf(name, sizeof name, "head %d", p);
-        mf_task_id hd = mf_step_add(&b, name, mf_task_head, MF_STEP_HEAD, 0, 0, p,
+        mf_task_id hd = mf_step_add(&b, name, mf_task_head, MF_STEP_HEAD, 0, 0, p, 0, 0, NULL,
                                     2.0 * c->vocab_size * H / sh->p_head, 0);
-        mf_step_dep(&b, no, hd);
+        mf_step_dep(&b, hj, hd);
     }
+    free(unit);
+    free(gates);
     if (b.rc) return b.rc;
     if ((rc = mf_graph_finalize(sh->g))) return rc;
     return mf_timeline_create(sh->g, &sh->tl);
 }
 
-static int mf_step_shape_new(mf_step *eng, int n, mf_step_shape **out)
+static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
 {
     const mf_config *c = eng->c;
     int64_t H = c->hidden_size, I = c->moe_intermediate_size, V = c->vocab_size;
@@ -522,6 +597,7 @@ static int mf_step_shape_new(mf_step *eng, int n, mf_step_shape **out)
     if (!sh) return mf_error(-ENOMEM, "step: out of memory");
     sh->eng = eng;
     sh->n = n;
+    sh->par = par;
     sh->n_slots = n * K < E ? n * K : E;
     /* split experts by rows when there are fewer slots than two per worker */
     sh->p_exp = sh->n_slots >= 2 * W ? 1 : (2 * W + sh->n_slots - 1) / sh->n_slots;
@@ -536,15 +612,14 @@ static int mf_step_shape_new(mf_step *eng, int n, mf_step_shape **out)
         (size_t)n * sizeof(mf_ref_item),
         (size_t)n * hc * H * f,                   /* x */
         (size_t)n * c->index_topk * 4, (size_t)n * n_cb * 4,
-        (size_t)n * H * f, (size_t)n * hc * f, (size_t)n * hc * hc * f, (size_t)H * f,
+        (size_t)n * H * f, (size_t)n * hc * f, (size_t)n * hc * hc * f, (size_t)n * H * f,
         nk * 4, nk * f, nk * 4, (size_t)E * 4, (size_t)E * 4, (size_t)E * 4,
         (size_t)sh->n_slots * 4, (size_t)sh->n_slots * 4, (size_t)sh->n_slots * 4,
-        (size_t)E * f, (size_t)E * f,
         nk * H * f, nk * f, nk * I * f, ex ? nk * I * f : 0, ex ? nk * I * f : 0, nk * H * f,
         (size_t)sh->n_slots * sizeof(mf_kern_q8), (size_t)sh->n_slots * sizeof(mf_kern_q8),
         (size_t)sh->n_slots * q8x, (size_t)sh->n_slots * q8h,
         (size_t)n * Ish * f, ex ? (size_t)n * Ish * f : 0, ex ? (size_t)n * Ish * f : 0, (size_t)n * H * f,
-        (size_t)n * H * f, (size_t)n * V * f, (size_t)n * 4,
+        (size_t)n * H * f, (size_t)n * V * f, (size_t)n * 4, (size_t)n * 4,
     };
     enum { N_SZ = sizeof sz / sizeof sz[0] };
     for (int i = 0; i < N_SZ; i++) bytes += (sz[i] + 63) / 64 * 64;
@@ -567,11 +642,10 @@ static int mf_step_shape_new(mf_step *eng, int n, mf_step_shape **out)
     sh->xin = v[k++]; sh->post = v[k++]; sh->comb = v[k++]; sh->moe_out = v[k++];
     sh->ex = v[k++]; sh->wt = v[k++]; sh->asg = v[k++]; sh->cnt = v[k++]; sh->fill = v[k++];
     sh->slot_of = v[k++]; sh->slot_e = v[k++]; sh->slot_off = v[k++]; sh->slot_cnt = v[k++];
-    sh->gate_logits = v[k++]; sh->gate_bias = v[k++];
     sh->xg = v[k++]; sh->wg = v[k++]; sh->h = v[k++]; sh->gg = v[k++]; sh->uu = v[k++]; sh->y = v[k++];
     sh->q8x = v[k++]; sh->q8h = v[k++]; sh->q8x_mem = v[k++]; sh->q8h_mem = v[k++];
     sh->hs = v[k++]; sh->gs = v[k++]; sh->us = v[k++]; sh->ys = v[k++];
-    sh->hn = v[k++]; sh->lbuf = v[k++]; sh->head_item = v[k++];
+    sh->hn = v[k++]; sh->lbuf = v[k++]; sh->head_item = v[k++]; sh->head_row = v[k++];
     sh->q8x_bytes = q8x;
     sh->q8h_bytes = q8h;
     for (int i = 0; i < n; i++) {
@@ -579,7 +653,15 @@ static int mf_step_shape_new(mf_step *eng, int n, mf_step_shape **out)
         sh->items[i].topk = topk + (size_t)i * c->index_topk;
         sh->items[i].cand = cand + (size_t)i * n_cb;
     }
-    int rc = mf_step_build_graph(eng, sh);
+    int rc = 0;
+    for (int i = 1; par && i < n && !rc; i++)   /* reference objects of the item tasks */
+        if (!eng->cl[i]) {
+            mf_ref_opts o = eng->r->opts;
+            o.token_map = eng->r->token_map;
+            o.n_token_map = c->vocab_size;
+            rc = mf_ref_new(eng->r->m, &o, &eng->cl[i]);
+        }
+    if (!rc) rc = mf_step_build_graph(eng, sh);
     if (rc) {
         mf_step_shape_free(sh);
         return mf_error_wrap(rc, "step: building the graph of a batch of %d", n);
@@ -612,6 +694,7 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     mf_step *s = calloc(1, sizeof *s);
     if (!s) return mf_error(-ENOMEM, "step: out of memory");
     s->r = r;
+    s->cl[0] = r;
     s->c = c;
     if (opts) s->o = *opts;
     if (s->o.n_threads < 1) s->o.n_threads = 1;
@@ -636,8 +719,26 @@ void mf_step_free(mf_step *s)
 {
     if (!s) return;
     mf_sched_destroy(s->sched);
-    for (int i = 0; i <= MF_STEP_MAX_ITEMS; i++) mf_step_shape_free(s->shapes[i]);
+    for (int i = 0; i <= MF_STEP_MAX_ITEMS; i++) {
+        mf_step_shape_free(s->shapes[0][i]);
+        mf_step_shape_free(s->shapes[1][i]);
+    }
+    for (int i = 1; i < MF_STEP_MAX_ITEMS; i++) mf_ref_free(s->cl[i]);
     free(s);
+}
+
+/* Score buffers of a reference object for states of up to `need` scores (as mf_ref_forward grows
+ * them: once per new state size). */
+static int mf_step_grow_scores(mf_ref *r, int64_t need)
+{
+    if (need <= r->s_scores_len) return 0;
+    double *sc = realloc(r->s_scores, (size_t)need * sizeof *sc);
+    if (sc) r->s_scores = sc;
+    mf_ref_pick *pk = realloc(r->s_picks, (size_t)need * sizeof *pk);
+    if (pk) r->s_picks = pk;
+    if (!sc || !pk) return mf_error(-ENOMEM, "step: out of memory for score buffers");
+    r->s_scores_len = need;
+    return 0;
 }
 
 /* Checks as mf_ref_forward does, before any state changes. */
@@ -662,15 +763,7 @@ static int mf_step_check(mf_step *s, mf_ref_state *const *states, const int32_t 
         int64_t ns = states[i]->max_pos + c->sliding_window + c->index_topk + 1;
         need = need > ns ? need : ns;
     }
-    if (need > r->s_scores_len) {   /* once per new state size, as the reference does */
-        double *sc = realloc(r->s_scores, (size_t)need * sizeof *sc);
-        if (sc) r->s_scores = sc;
-        mf_ref_pick *pk = realloc(r->s_picks, (size_t)need * sizeof *pk);
-        if (pk) r->s_picks = pk;
-        if (!sc || !pk) return mf_error(-ENOMEM, "step: out of memory for score buffers");
-        r->s_scores_len = need;
-    }
-    return 0;
+    return mf_step_grow_scores(r, need);
 }
 
 static int64_t mf_step_union(const mf_step_shape *sh, const mf_task_span *sp, int phase, int64_t *busy)
@@ -709,11 +802,18 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
                          float *const *logits)
 {
     const mf_config *c = s->c;
-    int rc;
-    if (!s->shapes[n] && (rc = mf_step_shape_new(s, n, &s->shapes[n]))) return rc;
-    mf_step_shape *sh = s->shapes[n];
+    mf_ref *r = s->r;
+    /* items of distinct sequences run their reference-code parts as parallel item tasks, unless
+     * hooks are set (they are called in order on one thread then) */
+    int par = n > 1 && !r->opts.hooks.on_route && !r->opts.hooks.on_select, rc;
+    for (int i = 1; i < n && par; i++)
+        for (int j = 0; j < i && par; j++) par = states[i] != states[j];
+    if (!s->shapes[par][n] && (rc = mf_step_shape_new(s, n, par, &s->shapes[par][n]))) return rc;
+    mf_step_shape *sh = s->shapes[par][n];
+    for (int i = 1; par && i < n; i++)
+        if ((rc = mf_step_grow_scores(s->cl[i], r->s_scores_len))) return rc;
     int64_t H = c->hidden_size;
-    const mf_weight *emb = mf_model_embed(s->r->m);
+    const mf_weight *emb = mf_model_embed(r->m);
     sh->n_head = 0;
     for (int i = 0; i < n; i++) {
         mf_ref_item *it = &sh->items[i];
@@ -726,6 +826,7 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
         memset(it->pre, 0, sizeof it->pre);
         it->pre[0] = 1.0f;
         it->logits = logits ? logits[i] : NULL;
+        sh->head_row[i] = it->logits ? sh->n_head : -1;
         if (it->logits) sh->head_item[sh->n_head++] = i;
         for (int64_t d = 0; d < H; d++) {
             uint16_t b;

@@ -248,6 +248,19 @@ int main(void)
         }
         if (e) CHECK(mf_ref_decode(rh, st, tok, 3, lr) == 0, "ref decode");
         CHECK(max_rel(lr, lg, 3 * g_V) < 1e-4, "shared slots: %.3g off the reference", max_rel(lr, lg, 3 * g_V));
+        /* without hooks the three items run their attention etc. as parallel item tasks (a
+         * different graph): the same bits */
+        mf_step *ep = NULL;
+        mf_ref_state *sp[3] = {0};
+        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .exact = 1}, &ep) == 0, "step");
+        for (int s = 0; ep && s < 3; s++) {
+            CHECK(mf_ref_state_new(r, N_PROMPT + 2, &sp[s]) == 0, "state");
+            CHECK(mf_ref_prefill(r, sp[s], p[s], N_PROMPT, NULL) == 0, "ref prefill");
+        }
+        if (ep) CHECK(mf_step_decode(ep, sp, tok, 3, lr) == 0, "decode: %s", mf_last_error());
+        CHECK(memcmp(lr, lg, sizeof(float) * 3 * g_V) == 0, "parallel item tasks and the serial graph differ");
+        for (int s = 0; s < 3; s++) mf_ref_state_free(sp[s]);
+        mf_step_free(ep);
         for (int s = 0; s < 3; s++) mf_ref_state_free(st[s]);
         free(lg);
         free(lr);
