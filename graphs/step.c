@@ -70,7 +70,9 @@ struct mf_step_shape {
 
 struct mf_step {
     mf_ref *r;
-    mf_ref *cl[MF_STEP_MAX_ITEMS];   /* cl[0] = r; the others: clones (own scratch) for item tasks */
+    /* the engine's own forward objects over r's model and options (own scratch, linears on the
+     * kernels): cl[0] for the serial tasks, cl[i] for item i's tasks in parallel shapes */
+    mf_ref *cl[MF_STEP_MAX_ITEMS];
     const mf_config *c;
     mf_step_opts o;
     mf_lane_desc lane;
@@ -159,7 +161,9 @@ static int mf_step_gate(mf_step_shape *sh, mf_ref *r, int L, int i0, int i1)
     float *logits = r->s[3], *bias = r->s[4];   /* s_len >= n_routed_experts */
     for (int e = 0; e < E; e++) bias[e] = mf_ref_vec(&y->gate_bias, e);
     for (int i = i0; i < i1; i++) {
+        r->kern_linear = 0;   /* router logits as the reference sums them (double): same routing */
         int rc = mf_ref_linear(r, &y->gate, sh->xin + (size_t)i * H, logits, 0);
+        r->kern_linear = 1;
         if (rc) return rc;
         mf_ref_route(c, logits, bias, sh->ex + (size_t)i * K, sh->wt + (size_t)i * K);
         if (r->opts.hooks.on_route)
@@ -417,6 +421,18 @@ static int mf_task_head(void *arg, mf_task_ctx *ctx)
 
 /* ---- graph and buffers of one batch size ---------------------------------------------------- */
 
+/* A forward object like r (model, options, token map) with its own scratch, whose FP8/BF16
+ * linears run on the kernels (r->kern_linear). */
+static int mf_step_clone(mf_ref *r, mf_ref **out)
+{
+    mf_ref_opts o = r->opts;
+    o.token_map = r->token_map;
+    o.n_token_map = r->c->vocab_size;
+    int rc = mf_ref_new(r->m, &o, out);
+    if (!rc) (*out)->kern_linear = 1;
+    return rc;
+}
+
 static void mf_step_shape_free(mf_step_shape *sh)
 {
     if (!sh) return;
@@ -520,7 +536,7 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
             }
         }
         snprintf(name, sizeof name, "route L%d", L);
-        mf_task_id ro = mf_step_add(&b, name, mf_task_route, MF_STEP_MOE, L, 0, 0, 0, n, eng->r, 0,
+        mf_task_id ro = mf_step_add(&b, name, mf_task_route, MF_STEP_MOE, L, 0, 0, 0, n, eng->cl[0], 0,
                                     n * H * (c->n_experts_per_tok + (sh->par ? 0 : c->n_routed_experts)));
         for (int k = 0; k < u; k++) mf_step_dep(&b, gates[k], ro);
         snprintf(name, sizeof name, "moe L%d done", L);
@@ -654,13 +670,8 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
         sh->items[i].cand = cand + (size_t)i * n_cb;
     }
     int rc = 0;
-    for (int i = 1; par && i < n && !rc; i++)   /* reference objects of the item tasks */
-        if (!eng->cl[i]) {
-            mf_ref_opts o = eng->r->opts;
-            o.token_map = eng->r->token_map;
-            o.n_token_map = c->vocab_size;
-            rc = mf_ref_new(eng->r->m, &o, &eng->cl[i]);
-        }
+    for (int i = 1; par && i < n && !rc; i++)   /* forward objects of the item tasks */
+        if (!eng->cl[i]) rc = mf_step_clone(eng->r, &eng->cl[i]);
     if (!rc) rc = mf_step_build_graph(eng, sh);
     if (rc) {
         mf_step_shape_free(sh);
@@ -694,7 +705,6 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     mf_step *s = calloc(1, sizeof *s);
     if (!s) return mf_error(-ENOMEM, "step: out of memory");
     s->r = r;
-    s->cl[0] = r;
     s->c = c;
     if (opts) s->o = *opts;
     if (s->o.n_threads < 1) s->o.n_threads = 1;
@@ -705,9 +715,11 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     }
     s->lane = (mf_lane_desc){.kind = MF_LANE_CPU, .name = "cpu", .concurrency = s->o.n_threads,
                              .numa_node = -1, .model = {.bytes_per_s = 20e9, .latency_ns = 2000}};
-    int rc = mf_sched_create(&(mf_sched_opts){.lanes = &s->lane, .n_lanes = 1,
-                                              .pin_threads = s->o.pin_threads}, &s->sched);
+    int rc = mf_step_clone(r, &s->cl[0]);
+    if (!rc) rc = mf_sched_create(&(mf_sched_opts){.lanes = &s->lane, .n_lanes = 1,
+                                                   .pin_threads = s->o.pin_threads}, &s->sched);
     if (rc) {
+        mf_ref_free(s->cl[0]);
         free(s);
         return rc;
     }
@@ -723,7 +735,7 @@ void mf_step_free(mf_step *s)
         mf_step_shape_free(s->shapes[0][i]);
         mf_step_shape_free(s->shapes[1][i]);
     }
-    for (int i = 1; i < MF_STEP_MAX_ITEMS; i++) mf_ref_free(s->cl[i]);
+    for (int i = 0; i < MF_STEP_MAX_ITEMS; i++) mf_ref_free(s->cl[i]);
     free(s);
 }
 
@@ -810,7 +822,7 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
         for (int j = 0; j < i && par; j++) par = states[i] != states[j];
     if (!s->shapes[par][n] && (rc = mf_step_shape_new(s, n, par, &s->shapes[par][n]))) return rc;
     mf_step_shape *sh = s->shapes[par][n];
-    for (int i = 1; par && i < n; i++)
+    for (int i = 0; i < (par ? n : 1); i++)
         if ((rc = mf_step_grow_scores(s->cl[i], r->s_scores_len))) return rc;
     int64_t H = c->hidden_size;
     const mf_weight *emb = mf_model_embed(r->m);
