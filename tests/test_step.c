@@ -1,7 +1,7 @@
 /* The scheduled engine (graphs/step.h) on the tiny preset against the reference forward: logits of
  * prefill + teacher-forced decode, batch 1 and 3, on the fp32 kernel path (--exact) and the int8
- * path; greedy tokens; bit-identical logits across 1, 2 and 4 workers and repeated runs; expert
- * slots shared by several tokens; refusals; the CLI's engines. */
+ * path; greedy tokens; bit-identical logits across 1, 2, 4 workers, pinned workers and repeated
+ * runs; expert slots shared by several tokens; serial vs per-item graphs; refusals; the CLI. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -199,9 +199,10 @@ int main(void)
     /* bit-identical across 1, 2, 4 workers and repeated runs (both paths) */
     for (int ex = 0; ex <= 1; ex++) {
         int first = 1;
-        for (int w = 1; w <= 4; w *= 2) {
+        for (int w = 1; w <= 8; w *= 2) {   /* 8: 2 workers bound to cores (hwloc) */
             mf_step *e = NULL;
-            CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = w, .exact = ex}, &e) == 0, "step: %s", mf_last_error());
+            CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = w == 8 ? 2 : w, .pin_threads = w == 8, .exact = ex},
+                              &e) == 0, "step: %s", mf_last_error());
             if (!e) continue;
             for (int rep = 0; rep < 2; rep++) {
                 CHECK(run(r, e, N_SEQ, (const int32_t(*)[N_DEC])greedy3, NULL, first ? got2 : got) == 0,
@@ -339,6 +340,16 @@ int main(void)
                  g_dir);
         CHECK(cli(a2, out, sizeof out) == 0 && strstr(out, "[1] ") && strstr(out, "tokens/s aggregate") &&
               strstr(out, "scheduled engine"), "cli --batch 2: '%s'", out);
+        /* bench decode: both engines, json summary with phases, a trace file */
+        char tr[1200];
+        snprintf(tr, sizeof tr, "%s/step_trace.json", g_dir);
+        unlink(tr);
+        snprintf(a2, sizeof a2, "bench decode --checkpoint %s --steps 2 --batch 2 --threads 2 --json --trace %s",
+                 g_dir, tr);
+        CHECK(cli(a2, out, sizeof out) == 0 && strstr(out, "\"tokens_per_s\":") &&
+              strstr(out, "\"reference_tokens_per_s\":") && strstr(out, "\"phases\":{\"attention stack\":") &&
+              strstr(out, "\"norm + head\":"), "bench decode --json: '%s'", out);
+        CHECK(access(tr, R_OK) == 0, "bench decode --trace wrote no %s", tr);
         snprintf(a2, sizeof a2, "%s --engine bogus", args);
         CHECK(cli(a2, out, sizeof out) == 2 * 256, "cli --engine bogus exits 2");
     }
