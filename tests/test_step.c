@@ -115,6 +115,73 @@ static int cli(const char *args, char *out, size_t cap)
     return pclose(p);
 }
 
+/* A second model shape: 8 experts, top-4 (a batch of 3 routes 12 (item, expert) pairs onto at most
+ * 8 slots), hidden rows 96 (not a multiple of the 16-row split unit), no shared expert. The
+ * exact path against the reference over a short prefill + batched decode, and 1 vs 3 workers. */
+static void test_variant(void)
+{
+    mf_config c;
+    mf_config_preset("tiny", &c);
+    c.n_routed_experts = 8;
+    c.n_experts_per_tok = 4;
+    c.moe_intermediate_size = 96;
+    c.n_shared_experts = 0;
+    char dir[1100];
+    snprintf(dir, sizeof dir, "%s_variant", g_dir);
+    mf_gen_opts go;
+    mf_gen_preset_opts("tiny", &go);
+    go.force = 1;
+    go.quiet = 1;
+    go.seed = 7;
+    mf_model *m = NULL;
+    mf_ref *r = NULL;
+    CHECK(mf_config_validate("variant", &c) == 0 && mf_gen_write(&c, dir, &go) == 0, "variant gen: %s", mf_last_error());
+    CHECK(mf_model_load(dir, &(mf_model_opts){.quiet = 1}, &m) == 0, "variant load: %s", mf_last_error());
+    if (!m || mf_ref_new(m, NULL, &r)) {
+        mf_model_free(m);
+        return;
+    }
+    int64_t V = c.vocab_size;
+    enum { NP = 10, ND = 4, B = 3 };
+    float *lr = malloc(sizeof(float) * B * V), *le[2] = {malloc(sizeof(float) * B * V), malloc(sizeof(float) * B * V)};
+    double worst = 0;
+    for (int w = 0; w < 2; w++) {
+        mf_step *e = NULL;
+        /* 12 workers: 3 row parts per expert (96 hidden rows: 32 each; 256 output rows: 96, 96, 64) */
+        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = w ? 12 : 1, .exact = 1}, &e) == 0, "step: %s", mf_last_error());
+        mf_ref_state *sr[B] = {0}, *se[B] = {0};
+        for (int s = 0; e && s < B; s++) {
+            int32_t p[NP];
+            for (int i = 0; i < NP; i++) p[i] = (int32_t)((i * 53 + s * 7 + 3) % V);
+            mf_ref_state_new(r, NP + ND, &sr[s]);
+            mf_ref_state_new(r, NP + ND, &se[s]);
+            CHECK(mf_ref_prefill(r, sr[s], p, NP, lr + s * V) == 0, "ref prefill");
+            CHECK(mf_step_prefill(e, se[s], p, NP, le[w] + s * V) == 0, "step prefill: %s", mf_last_error());
+        }
+        for (int k = 0; e && k < ND; k++) {
+            worst = fmax(worst, max_rel(lr, le[w], B * V));
+            int32_t t[B];
+            for (int s = 0; s < B; s++) t[s] = argmax(lr + s * V, V);
+            CHECK(mf_ref_decode(r, sr, t, B, lr) == 0, "ref decode");
+            CHECK(mf_step_decode(e, se, t, B, le[w]) == 0, "step decode: %s", mf_last_error());
+        }
+        worst = fmax(worst, max_rel(lr, le[w], B * V));
+        for (int s = 0; s < B; s++) {
+            mf_ref_state_free(sr[s]);
+            mf_ref_state_free(se[s]);
+        }
+        mf_step_free(e);
+    }
+    CHECK(worst < 1e-6, "variant: exact path %.3g off the reference", worst);
+    CHECK(memcmp(le[0], le[1], sizeof(float) * B * V) == 0, "variant: 1 and 12 workers differ");
+    printf("variant (8 experts, top-4, no shared expert): exact path %.3g off the reference\n", worst);
+    free(lr);
+    free(le[0]);
+    free(le[1]);
+    mf_ref_free(r);
+    mf_model_free(m);
+}
+
 int main(void)
 {
     const char *tmp = getenv("MOEFLOW_TMP");
@@ -268,6 +335,8 @@ int main(void)
         mf_step_free(e);
         mf_ref_free(rh);
     }
+
+    test_variant();
 
     /* refusals */
     {
