@@ -1,9 +1,10 @@
 /* The scheduled decode engine (graphs/step.h): per batch size one graph, per layer
- * [engram] -> attn -> route -> expert slots (up parts -> join -> down parts) -> combine, with the
- * shared expert (up parts -> join -> down parts) beside the slots, then norm -> head parts. Tasks
- * read the step's data (items, slot table) from the shape's buffers, so the graph never changes.
- * Engram, attention, the hyper-connections and the router call the reference code (one worker at
- * a time, chained); expert FFNs and the head use the fused kernels (host/kernels.h), row-split. */
+ * [engram] -> attn -> gate -> route -> expert slots (up parts -> join -> down parts) -> combine,
+ * the shared expert (up parts -> join -> down parts) beside the slots, then norm -> head parts.
+ * Tasks read the step's data (items, slot table) from the shape's buffers, so the graph never
+ * changes. Engram, attention, hyper-connections, router and combine call the reference code on
+ * the engine's own forward objects (one task per item when the items are distinct sequences);
+ * expert FFNs and the head use the fused kernels (host/kernels.h), split by rows. */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>

@@ -1,7 +1,8 @@
 /* The scheduled engine (graphs/step.h) on the tiny preset against the reference forward: logits of
  * prefill + teacher-forced decode, batch 1 and 3, on the fp32 kernel path (--exact) and the int8
  * path; greedy tokens; bit-identical logits across 1, 2, 4 workers, pinned workers and repeated
- * runs; expert slots shared by several tokens; serial vs per-item graphs; refusals; the CLI. */
+ * runs; expert slots shared by several tokens; serial vs per-item graphs; a second model shape
+ * (8 experts, top-4, no shared expert); refusals; the CLI and bench decode. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
