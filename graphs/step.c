@@ -39,6 +39,7 @@ struct mf_step_shape {
     mf_graph *g;
     mf_timeline *tl;
     uint8_t *phase_of;  /* per task */
+    mf_task_span *sorted;   /* per task: the last run's spans sorted by start (phase times) */
     mf_step_targ *args;
     /* items and their activations */
     mf_ref_item *items;
@@ -440,6 +441,7 @@ static void mf_step_shape_free(mf_step_shape *sh)
     mf_timeline_destroy(sh->tl);
     mf_graph_destroy(sh->g);
     free(sh->phase_of);
+    free(sh->sorted);
     free(sh->args);
     free(sh->mem);
     free(sh);
@@ -600,6 +602,8 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
     free(gates);
     if (b.rc) return b.rc;
     if ((rc = mf_graph_finalize(sh->g))) return rc;
+    if (!(sh->sorted = malloc(sizeof *sh->sorted * (size_t)mf_graph_n_tasks(sh->g))))
+        return mf_error(-ENOMEM, "step: out of memory for the graph");
     return mf_timeline_create(sh->g, &sh->tl);
 }
 
@@ -779,36 +783,41 @@ static int mf_step_check(mf_step *s, mf_ref_state *const *states, const int32_t 
     return mf_step_grow_scores(r, need);
 }
 
-static int64_t mf_step_union(const mf_step_shape *sh, const mf_task_span *sp, int phase, int64_t *busy)
+static int mf_step_span_cmp(const void *pa, const void *pb)
 {
-    /* spans of one phase, merged: tasks in start order (insertion sort over a small index list) */
-    int n = mf_graph_n_tasks(sh->g);
-    int64_t total = 0, cur_s = -1, cur_e = -1;
-    *busy = 0;
-    /* sweep by repeatedly taking the earliest unvisited start: O(n^2) is fine for reports only */
-    int64_t last_start = INT64_MIN;
-    int last_id = -1;
-    for (;;) {
-        int best = -1;
-        for (int t = 0; t < n; t++) {
-            if (sh->phase_of[t] != phase || sp[t].status != 0) continue;
-            if (sp[t].start_ns < last_start || (sp[t].start_ns == last_start && t <= last_id)) continue;
-            if (best < 0 || sp[t].start_ns < sp[best].start_ns) best = t;
+    const mf_task_span *x = pa, *y = pb;
+    return (x->start_ns > y->start_ns) - (x->start_ns < y->start_ns);
+}
+
+/* Adds the last run's time per phase to s->times: per phase the union of its tasks' intervals
+ * (one pass over the spans sorted by start) and their summed durations. */
+static void mf_step_account(mf_step *s, mf_step_shape *sh)
+{
+    const mf_task_span *sp = mf_timeline_spans(sh->tl);
+    int n = mf_graph_n_tasks(sh->g), m = 0;
+    for (int t = 0; t < n; t++)
+        if (sp[t].status == 0) {
+            sh->sorted[m] = sp[t];
+            sh->sorted[m++].worker = sh->phase_of[t];   /* reused to carry the phase */
         }
-        if (best < 0) break;
-        last_start = sp[best].start_ns;
-        last_id = best;
-        *busy += sp[best].end_ns - sp[best].start_ns;
-        if (sp[best].start_ns > cur_e) {
-            if (cur_e > cur_s) total += cur_e - cur_s;
-            cur_s = sp[best].start_ns;
-            cur_e = sp[best].end_ns;
-        } else if (sp[best].end_ns > cur_e) {
-            cur_e = sp[best].end_ns;
+    qsort(sh->sorted, (size_t)m, sizeof *sh->sorted, mf_step_span_cmp);
+    int64_t cur_s[MF_STEP_N_PHASES], cur_e[MF_STEP_N_PHASES];
+    for (int p = 0; p < MF_STEP_N_PHASES; p++) cur_s[p] = cur_e[p] = -1;
+    for (int k = 0; k < m; k++) {
+        const mf_task_span *x = &sh->sorted[k];
+        int p = x->worker;
+        s->times.busy_ns[p] += x->end_ns - x->start_ns;
+        if (x->start_ns > cur_e[p]) {
+            if (cur_e[p] > cur_s[p]) s->times.phase_ns[p] += cur_e[p] - cur_s[p];
+            cur_s[p] = x->start_ns;
+            cur_e[p] = x->end_ns;
+        } else if (x->end_ns > cur_e[p]) {
+            cur_e[p] = x->end_ns;
         }
     }
-    if (cur_e > cur_s) total += cur_e - cur_s;
-    return total;
+    for (int p = 0; p < MF_STEP_N_PHASES; p++)
+        if (cur_e[p] > cur_s[p]) s->times.phase_ns[p] += cur_e[p] - cur_s[p];
+    s->times.n_tasks = n;
 }
 
 static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
@@ -856,13 +865,7 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
         memcpy(sh->items[sh->head_item[j]].logits, sh->lbuf + (size_t)j * c->vocab_size,
                sizeof(float) * (size_t)c->vocab_size);
     for (int i = 0; i < n; i++) sh->items[i].st->n_pos = sh->items[i].pos + 1;
-    const mf_task_span *sp = mf_timeline_spans(sh->tl);
-    for (int p = 0; p < MF_STEP_OTHER; p++) {
-        int64_t busy;
-        s->times.phase_ns[p] += mf_step_union(sh, sp, p, &busy);
-        s->times.busy_ns[p] += busy;
-    }
-    s->times.n_tasks = mf_graph_n_tasks(sh->g);
+    mf_step_account(s, sh);
     return 0;
 }
 
