@@ -25,10 +25,13 @@ typedef struct mf_step_opts {
 
 typedef struct mf_step mf_step;
 
-/* An engine over the reference forward `r` (which it uses for the sublayers it runs as reference
- * code, see docs/decode.md, and whose states it advances). r must outlive the engine and must not
- * run forwards of its own while an engine call is in progress. Fails with -ENOTSUP when the model
- * is lazy (experts on disk), the reference uses act_quant, or FP8 tiles are not 32x32. */
+/* An engine over the reference forward `r`: it advances r's states (mf_ref_state_new(r, ...)) and
+ * runs the sublayers it does not parallelize (Engram, attention, hyper-connections, router) with
+ * the reference code on forward objects of its own, copies of r whose FP8/BF16 linears run on the
+ * kernels (docs/decode.md). r must outlive the engine and must not run forwards of its own while
+ * an engine call is in progress. Debug hooks of r are called on worker threads, in item order
+ * (a batch with hooks runs the serial graph). Fails with -ENOTSUP when the model is lazy (experts
+ * on disk), the reference uses act_quant, or FP8 tiles are not 32x32. */
 int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out);
 void mf_step_free(mf_step *s);
 
