@@ -2,6 +2,7 @@
  * jansson, validation, the flat writer and the presets. Every error names the file and field and
  * says what was expected and what was found. */
 #include "graphs/config.h"
+#include "host/json_kind.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -25,21 +26,6 @@ typedef struct mf_cfg_src {
     json_t *quant;          /* quantization_config */
     const char *qprefix;    /* "quantization_config." or "text_config.quantization_config." */
 } mf_cfg_src;
-
-static const char *mf_json_kind(const json_t *v)
-{
-    switch (json_typeof(v)) {
-    case JSON_OBJECT: return "an object";
-    case JSON_ARRAY: return "a list";
-    case JSON_STRING: return "a string";
-    case JSON_INTEGER: return "an integer";
-    case JSON_REAL: return "a real number";
-    case JSON_TRUE: return "true";
-    case JSON_FALSE: return "false";
-    case JSON_NULL: return "null";
-    }
-    return "?";
-}
 
 static int mf_cfg_bad(const mf_cfg_src *s, const char *prefix, const char *key, const char *expected,
                       const char *found)
@@ -833,6 +819,13 @@ int mf_config_preset(const char *name, mf_config *c)
         c->engram_head_dim = 64;
         c->engram_vocab_size = 160000;
         c->engram_compressed_vocab_size = 99092;
+    } else if (!strcmp(name, "big")) {
+        /* demo's attention with experts that outgrow a 24 GiB machine: 8 x 1024 experts of
+         * ~3.2 MiB (26 GiB) and Engram rows of the released width (256 codes + 8 scales) */
+        mf_config_preset("demo", c);
+        c->n_routed_experts = 1024;
+        c->moe_intermediate_size = 2048;
+        c->engram_head_dim = 256;
     } else if (!strcmp(name, "flash41")) {
         c->vocab_size = 129280;
         c->hidden_size = 5120;
@@ -877,7 +870,7 @@ int mf_config_preset(const char *name, mf_config *c)
     return mf_config_validate(name, c);
 }
 
-const char *mf_config_preset_names(void) { return "tiny demo flash41"; }
+const char *mf_config_preset_names(void) { return "tiny demo big flash41"; }
 
 const char *mf_scoring_name(mf_scoring s)
 {

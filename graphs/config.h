@@ -103,7 +103,7 @@ int mf_config_write_json(const mf_config *c, const char *path);
 char *mf_config_to_json(const mf_config *c);
 
 /* Fills *out with a preset: "tiny" (every feature, millisecond sizes), "demo" (a ~2 GiB model
- * for the README demo), "flash41" (the released DeepSeek-V4.1-Flash). -EINVAL for other names. */
+ * for the README demo), "big" (demo with ~26 GiB of experts, for streamed decodes larger than RAM), "flash41" (the released DeepSeek-V4.1-Flash). -EINVAL for other names. */
 int mf_config_preset(const char *name, mf_config *out);
 
 /* "tiny demo flash41" for help texts. */

@@ -29,6 +29,7 @@ int mf_gen_preset_opts(const char *preset, mf_gen_opts *out)
     memset(out, 0, sizeof *out);
     if (!strcmp(preset, "tiny")) out->n_shards = 2;
     else if (!strcmp(preset, "demo")) out->n_shards = 4;
+    else if (!strcmp(preset, "big")) out->n_shards = 16;
     else if (!strcmp(preset, "flash41")) {
         out->n_shards = 48;   /* as released */
         out->sparse = 1;      /* 475 GiB of holes: the layout without the data */

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "graphs/layout.h"
+#include "host/store.h"
 #include "sched/error.h"
 #include "sched/progress.h"
 
@@ -27,6 +28,7 @@ struct mf_model {
     mf_model_layer *layers;
     mf_weight *experts;        /* n_layers * n_routed * 3 */
     mf_weight embed, norm, head;
+    mf_store *store;
 };
 
 #define MF_NO_OFFSET UINT64_MAX
@@ -256,6 +258,43 @@ static int mf_model_bind_all(mf_model *m)
     return 0;
 }
 
+/* The store over the model's routed experts and Engram tables. */
+static int mf_model_store_open(mf_model *m, const mf_model_opts *o)
+{
+    const mf_config *c = &m->cfg;
+    size_t n = (size_t)c->n_layers * c->n_routed_experts * 6;
+    const mf_st_tensor **parts = malloc((n + 1) * sizeof *parts);
+    const mf_st_tensor *tables[2 * MF_CONFIG_MAX_ENGRAM];
+    if (!parts) return mf_error(-ENOMEM, "model: out of memory");
+    for (int L = 0; L < c->n_layers; L++)
+        for (int e = 0; e < c->n_routed_experts; e++)
+            for (int k = 0; k < 3; k++) {
+                const mf_weight *w = &m->layers[L].experts[e * 3 + k];
+                size_t i = ((size_t)L * c->n_routed_experts + e) * 6 + 2 * k;
+                parts[i] = w->st_data;
+                parts[i + 1] = w->st_scale;
+            }
+    int nt = 0;
+    for (int L = 0; L < c->n_layers; L++)
+        if (mf_config_engram_slot(c, L) >= 0) {
+            tables[2 * nt] = m->layers[L].eg_table.st_data;
+            tables[2 * nt + 1] = m->layers[L].eg_table.st_scale;
+            nt++;
+        }
+    mf_store_layout lay = {.n_layers = c->n_layers, .n_experts = c->n_routed_experts, .n_parts = 6,
+                           .parts = parts, .n_tables = nt, .tables = tables};
+    int mode = o->store == MF_MODEL_STORE_STREAMED ? MF_STORE_STREAMED : MF_STORE_RESIDENT;
+    int tmode = o->store_tables ? (o->store_tables == MF_MODEL_STORE_STREAMED ? MF_STORE_STREAMED
+                                                                              : MF_STORE_RESIDENT)
+                                : mode;
+    mf_store_opts so = {.mode = mode, .table_mode = tmode, .budget_bytes = o->store_budget_bytes,
+                        .io_depth = o->store_io_depth, .numa_node = -1, .quiet = o->quiet,
+                        .max_batch = c->n_experts_per_tok > 16 ? c->n_experts_per_tok : 16};
+    int rc = mf_store_create(m->st, &lay, &so, &m->store);
+    free(parts);
+    return rc ? mf_error_wrap(rc, "model %s", m->dir) : 0;
+}
+
 int mf_model_load(const char *dir, const mf_model_opts *opts, mf_model **out)
 {
     *out = NULL;
@@ -288,7 +327,7 @@ int mf_model_load(const char *dir, const mf_model_opts *opts, mf_model **out)
         const mf_layout_tensor *t = mf_layout_at(m->layout, i);
         if (mf_is_lazy_group(t)) lazy_bytes += t->n_bytes;
     }
-    m->lazy = lazy_bytes > limit || o.resident_limit_bytes == MF_MODEL_ALL_LAZY;
+    m->lazy = lazy_bytes > limit || o.resident_limit_bytes == MF_MODEL_ALL_LAZY || o.store;
     uint64_t total = 0;
     for (int i = 0; i < n; i++) {
         const mf_layout_tensor *t = mf_layout_at(m->layout, i);
@@ -319,6 +358,7 @@ int mf_model_load(const char *dir, const mf_model_opts *opts, mf_model **out)
     }
     mf_progress_end(&pr);
     if ((rc = mf_model_bind_all(m))) goto fail;
+    if (o.store && (rc = mf_model_store_open(m, &o))) goto fail;
     *out = m;
     return 0;
 fail:
@@ -329,6 +369,7 @@ fail:
 void mf_model_free(mf_model *m)
 {
     if (!m) return;
+    mf_store_destroy(m->store);
     free(m->block);
     free(m->offset);
     free(m->st_of);
@@ -349,6 +390,7 @@ const mf_weight *mf_model_norm(const mf_model *m) { return &m->norm; }
 const mf_weight *mf_model_head(const mf_model *m) { return &m->head; }
 const char *mf_model_dir(const mf_model *m) { return m->dir; }
 int mf_model_is_lazy(const mf_model *m) { return m->lazy; }
+struct mf_store *mf_model_store(const mf_model *m) { return m->store; }
 uint64_t mf_model_resident_bytes(const mf_model *m) { return m->block_bytes; }
 
 uint64_t mf_weight_data_bytes(const mf_weight *w) { return w->st_data ? w->st_data->n_bytes : 0; }

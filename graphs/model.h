@@ -59,7 +59,17 @@ typedef struct mf_model_opts {
      * MF_MODEL_ALL_LAZY to force lazy. */
     uint64_t resident_limit_bytes;
     int quiet;   /* no progress on stderr */
+    /* Expert store (host/store.h) for routed experts and Engram tables: MF_MODEL_STORE_NONE (the
+     * resident/lazy handling above), RESIDENT (read in at load through the IO lane) or STREAMED
+     * (a cache of store_budget_bytes, misses read per use). Tables follow store_tables when set
+     * (MF_MODEL_STORE_RESIDENT or STREAMED), else the store's mode. */
+    int store;
+    int store_tables;
+    uint64_t store_budget_bytes;   /* 0: 2 GiB */
+    int store_io_depth;            /* 0: 64 */
 } mf_model_opts;
+
+enum { MF_MODEL_STORE_NONE, MF_MODEL_STORE_RESIDENT, MF_MODEL_STORE_STREAMED };
 
 #define MF_MODEL_ALL_LAZY UINT64_C(1)
 
@@ -77,6 +87,9 @@ const mf_weight *mf_model_norm(const mf_model *m);
 const mf_weight *mf_model_head(const mf_model *m);
 const char *mf_model_dir(const mf_model *m);
 int mf_model_is_lazy(const mf_model *m);       /* experts/tables read per use */
+/* The expert store when one was asked for, else NULL. Expert e of layer L is item (L, e) with
+ * parts w1, w1 scale, w2, w2 scale, w3, w3 scale; Engram slot k is table k. */
+struct mf_store *mf_model_store(const mf_model *m);
 uint64_t mf_model_resident_bytes(const mf_model *m);
 
 /* Bytes of w's data and scale tensors. */

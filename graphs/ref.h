@@ -21,6 +21,10 @@ typedef struct mf_ref_hooks {
     /* compressed entries attended by one token at one layer, ascending */
     void (*on_select)(void *user, const void *seq, int64_t pos, int layer, const int32_t *entries,
                       int n);
+    /* candidate blocks kept by one token at the candidate layer, ascending (block b covers
+     * compressed entries b*candidate_block_size ..); may be NULL */
+    void (*on_candidates)(void *user, const void *seq, int64_t pos, int layer,
+                          const int32_t *blocks, int n);
 } mf_ref_hooks;
 
 typedef struct mf_ref_opts {

@@ -115,6 +115,8 @@ static int mf_ref_index(mf_ref *r, mf_ref_item *it, int L, int S, const float *i
             }
         it->n_cand = n;
         it->cand_src = S;
+        if (r->opts.hooks.on_candidates)
+            r->opts.hooks.on_candidates(r->opts.hooks.user, it->st, it->pos, L, it->cand, n);
     } else if (cl >= 0 && cl < L && it->cand_src == S) {
         int ci = 0;
         for (int64_t j = 0; j < n_vis; j++) {

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "graphs/ref_internal.h"
+#include "host/store.h"
 #include "sched/error.h"
 
 /* ---- numpy's SeedSequence + PCG64 + Generator.integers(0, bound, n, int64) ---------------- */
@@ -187,17 +188,31 @@ int mf_ref_engram(mf_ref *r, mf_ref_item *it, int L)
         if (cid[k] < 0) cid[k] = pad;
     float *emb = r->s[3], *kv = r->s[4];
     uint64_t h = (uint64_t)cid[0] * (uint64_t)r->eg_mult[slot][0];
-    uint8_t codes[4096], scales[128];
+    /* every row of this token first, then one batch of reads (the store's gatherer) or a read
+     * per row */
     for (int i = 1; i < ng; i++) {
         h ^= (uint64_t)cid[i] * (uint64_t)r->eg_mult[slot][i];
         for (int hd = 0; hd < nh; hd++) {
             int j = (i - 1) * nh + hd;
-            int64_t row = (int64_t)(h % (uint64_t)r->eg_prime[slot][j]) + r->eg_off[slot][j];
-            int rc = mf_model_weight_read(r->m, &y->eg_table, row, 1, codes, scales);
-            if (rc) return rc;
-            for (int e = 0; e < d; e++)
-                emb[(int64_t)j * d + e] = mf_e4m3_to_f32(codes[e]) * mf_e8m0_to_f32(scales[e / 32]);
+            r->eg_rows[j] = (int64_t)(h % (uint64_t)r->eg_prime[slot][j]) + r->eg_off[slot][j];
         }
+    }
+    int sb = (d + 31) / 32;
+    struct mf_store *st = mf_model_store(r->m);
+    if (st) {
+        int rc = mf_store_gather(st, slot, r->eg_rows, per, r->eg_codes, r->eg_scales);
+        if (rc) return rc;
+    } else {
+        for (int j = 0; j < per; j++) {
+            int rc = mf_model_weight_read(r->m, &y->eg_table, r->eg_rows[j], 1,
+                                          r->eg_codes + (int64_t)j * d, r->eg_scales + (int64_t)j * sb);
+            if (rc) return rc;
+        }
+    }
+    for (int j = 0; j < per; j++) {
+        const uint8_t *codes = r->eg_codes + (int64_t)j * d, *scales = r->eg_scales + (int64_t)j * sb;
+        for (int e = 0; e < d; e++)
+            emb[(int64_t)j * d + e] = mf_e4m3_to_f32(codes[e]) * mf_e8m0_to_f32(scales[e / 32]);
     }
     int aq = r->opts.act_quant;
     if (aq) mf_bf_n(emb, (int64_t)per * d);   /* REF: rows cast to bf16, then act-quant */

@@ -72,6 +72,9 @@ struct mf_ref {
     struct mf_ref_pick *s_picks; /* top-k sorting, s_scores_len long */
     int64_t s_scores_len;
     uint8_t *lazy_data, *lazy_scale;   /* one lazy weight */
+    float *ex_out;               /* with an expert store: n_experts_per_tok x hidden outputs */
+    int64_t *eg_rows;            /* Engram rows of one item: per rows, codes and scales */
+    uint8_t *eg_codes, *eg_scales;
     mf_ref_times times;
     /* 0 for the oracle. Set only by the scheduled engine on its own forward objects: resident
      * FP8/BF16 linears without act-quant then run on host/kernels.h (fp32 sums, ~1e-7 apart). */

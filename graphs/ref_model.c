@@ -79,6 +79,10 @@ int mf_ref_new(const mf_model *m, const mf_ref_opts *opts, mf_ref **out)
     int rd2 = c->qk_rope_head_dim / 2;
     size_t bytes = 11 * (size_t)len * sizeof(float) + 2 * (size_t)rd2 * sizeof(float) +
                    (size_t)c->vocab_size * sizeof(int32_t) + lazy_d + lazy_s + 64;
+    size_t ex_bytes = mf_model_store(m) ? (size_t)c->n_experts_per_tok * H * sizeof(float) : 0;
+    size_t egr = (size_t)per * sizeof(int64_t), egc = (size_t)per * c->engram_head_dim,
+           egs = (size_t)per * ((c->engram_head_dim + 31) / 32);
+    bytes += ex_bytes + egr + egc + egs + 32;
     for (int k = 0; k < c->n_engram; k++) bytes += 2 * (size_t)per * sizeof(int64_t);
     uint8_t *p = calloc(1, bytes);
     if (!p) {
@@ -98,6 +102,11 @@ int mf_ref_new(const mf_model *m, const mf_ref_opts *opts, mf_ref **out)
     TAKE(r->token_map, (size_t)c->vocab_size * sizeof(int32_t));
     TAKE(r->lazy_data, lazy_d);
     TAKE(r->lazy_scale, lazy_s);
+    p = (uint8_t *)(((uintptr_t)p + 7) & ~(uintptr_t)7);
+    TAKE(r->eg_rows, egr);
+    TAKE(r->ex_out, ex_bytes);
+    TAKE(r->eg_codes, egc);
+    TAKE(r->eg_scales, egs);
 #undef TAKE
     /* RoPE tables: one without YaRN (ratio-0 layers), one with (the others) */
     for (int L = 0; L < c->n_layers; L++)

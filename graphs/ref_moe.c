@@ -1,9 +1,12 @@
 /* The MoE sublayer of the reference forward: fp32 router (sqrtsoftplus scores, bias-corrected
  * top-k selection, weights from the unbiased scores, normalized and scaled), clamped-SwiGLU routed
  * experts (packed fp4) and the shared expert (fp8), summed in fp32. */
+#include <errno.h>
 #include <string.h>
 
 #include "graphs/ref_internal.h"
+#include "host/store.h"
+#include "sched/error.h"
 
 void mf_ref_route(const mf_config *c, const float *logits, const float *bias, int32_t *experts,
                   float *weights)
@@ -60,6 +63,35 @@ static int mf_ref_expert(mf_ref *r, const mf_weight *w1, const mf_weight *w2, co
     return 0;
 }
 
+/* With an expert store: the selected experts are made present in one batch of reads, and each
+ * is computed (into its own output, on the store's compute worker) as soon as its bytes are in,
+ * while the others are still being read. The sum below runs in selection order as without. */
+typedef struct mf_ref_ex {
+    mf_ref *r;
+    int L;
+    const int32_t *experts;
+    const float *weights;
+    const float *in;
+} mf_ref_ex;
+
+static int mf_ref_expert_task(void *user, int k)
+{
+    mf_ref_ex *x = user;
+    mf_ref *r = x->r;
+    mf_store *st = mf_model_store(r->m);
+    const mf_weight *ew = &mf_model_layer_at(r->m, x->L)->experts[x->experts[k] * 3];
+    mf_weight w[3];
+    for (int i = 0; i < 3; i++) {
+        w[i] = ew[i];
+        w[i].data = mf_store_part(st, x->L, x->experts[k], 2 * i);
+        w[i].scale = mf_store_part(st, x->L, x->experts[k], 2 * i + 1);
+        if (!w[i].data || !w[i].scale)
+            return mf_error(-EIO, "reference: %s is not present in the expert store", w[i].name);
+    }
+    return mf_ref_expert(r, &w[0], &w[1], &w[2], x->weights[k], x->in,
+                         r->ex_out + (int64_t)k * r->c->hidden_size);
+}
+
 int mf_ref_moe(mf_ref *r, mf_ref_item *it, int L, const float *in, float *out)
 {
     const mf_config *c = r->c;
@@ -77,7 +109,16 @@ int mf_ref_moe(mf_ref *r, mf_ref_item *it, int L, const float *in, float *out)
                                c->n_experts_per_tok);
     double *acc = (double *)r->s[8];   /* s_len floats hold >= hidden doubles (see mf_ref_new) */
     for (int64_t d = 0; d < H; d++) acc[d] = 0;
-    for (int t = 0; t < c->n_experts_per_tok; t++) {
+    mf_store *st = mf_model_store(r->m);
+    if (st) {
+        mf_ref_ex x = {r, L, experts, weights, in};
+        rc = mf_store_ensure(st, L, experts, c->n_experts_per_tok, mf_ref_expert_task, &x);
+        if (rc) return rc;
+        mf_store_unpin(st, L, experts, c->n_experts_per_tok);
+        for (int t = 0; t < c->n_experts_per_tok; t++)
+            for (int64_t d = 0; d < H; d++) acc[d] += r->ex_out[(int64_t)t * H + d];
+    }
+    for (int t = 0; !st && t < c->n_experts_per_tok; t++) {
         const mf_weight *ew = &y->experts[experts[t] * 3];
         if ((rc = mf_ref_expert(r, &ew[0], &ew[1], &ew[2], weights[t], in, acc_y))) return rc;
         for (int64_t d = 0; d < H; d++) acc[d] += acc_y[d];

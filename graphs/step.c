@@ -692,6 +692,9 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
 {
     *out = NULL;
     const mf_config *c = r->c;
+    if (mf_model_store(r->m))
+        return mf_error(-ENOTSUP, "step: the model reads its experts through an expert store; the "
+                        "scheduled engine needs them resident (use the reference engine with a store)");
     if (mf_model_is_lazy(r->m))
         return mf_error(-ENOTSUP, "step: the model's experts are not resident (lazy load); the "
                         "scheduled engine needs them in memory (use the reference engine)");
@@ -827,7 +830,7 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
     mf_ref *r = s->r;
     /* items of distinct sequences run their reference-code parts as parallel item tasks, unless
      * hooks are set (they are called in order on one thread then) */
-    int par = n > 1 && !r->opts.hooks.on_route && !r->opts.hooks.on_select, rc;
+    int par = n > 1 && !r->opts.hooks.on_route && !r->opts.hooks.on_select && !r->opts.hooks.on_candidates, rc;
     for (int i = 1; i < n && par; i++)
         for (int j = 0; j < i && par; j++) par = states[i] != states[j];
     if (!s->shapes[par][n] && (rc = mf_step_shape_new(s, n, par, &s->shapes[par][n]))) return rc;

@@ -31,7 +31,7 @@ typedef struct mf_step mf_step;
  * kernels (docs/decode.md). r must outlive the engine and must not run forwards of its own while
  * an engine call is in progress. Debug hooks of r are called on worker threads, in item order
  * (a batch with hooks runs the serial graph). Fails with -ENOTSUP when the model is lazy (experts
- * on disk), the reference uses act_quant, or FP8 tiles are not 32x32. */
+ * on disk or behind an expert store), the reference uses act_quant, or FP8 tiles are not 32x32. */
 int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out);
 void mf_step_free(mf_step *s);
 

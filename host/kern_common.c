@@ -3,6 +3,7 @@
  * so W is read once per call. AVX2+FMA and scalar paths give identical bits (same lanes, fmaf). */
 #include "host/kern_internal.h"
 
+#include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
@@ -14,9 +15,11 @@ static int mf_kern_simd_cached = -1;   /* resolved choice; -1 = not yet */
 
 static int mf_kern_cpu_has_avx2(void)
 {
+    /* F16C through cpuid (leaf 1, ECX bit 29): clang 14's __builtin_cpu_supports lacks "f16c". */
+    unsigned a, b, c, d;
+    int f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
 }
 
 mf_kern_simd mf_kern_simd_active(void)

@@ -8,22 +8,8 @@
 #include <string.h>
 
 #include "host/st_internal.h"
+#include "host/json_kind.h"
 #include "sched/error.h"
-
-static const char *json_kind(const json_t *v)
-{
-    switch (json_typeof(v)) {
-    case JSON_OBJECT: return "an object";
-    case JSON_ARRAY: return "an array";
-    case JSON_STRING: return "a string";
-    case JSON_INTEGER: return "an integer";
-    case JSON_REAL: return "a real number";
-    case JSON_TRUE:
-    case JSON_FALSE: return "a boolean";
-    case JSON_NULL: return "null";
-    }
-    return "?";
-}
 
 void mf_st_tensors_free(mf_st_tensor *t, int n)
 {
@@ -68,13 +54,13 @@ static int check_metadata(const char *what, json_t *meta)
     if (json_is_null(meta)) return 0;
     if (!json_is_object(meta))
         return mf_error(-EINVAL, "%s: __metadata__: expected an object of strings, found %s",
-                        what, json_kind(meta));
+                        what, mf_json_kind(meta));
     const char *k;
     json_t *v;
     json_object_foreach(meta, k, v) {
         if (!json_is_string(v))
             return mf_error(-EINVAL, "%s: __metadata__ \"%.200s\": expected a string, found %s",
-                            what, k, json_kind(v));
+                            what, k, mf_json_kind(v));
     }
     return 0;
 }
@@ -85,7 +71,7 @@ static int parse_entry(const char *what, const char *name, json_t *v, uint64_t d
 {
     if (!json_is_object(v))
         return mf_error(-EINVAL, "%s: tensor \"%.200s\": expected an object, found %s", what, name,
-                        json_kind(v));
+                        mf_json_kind(v));
     json_t *dt = json_object_get(v, "dtype"), *shape = json_object_get(v, "shape"),
            *offs = json_object_get(v, "data_offsets");
     if (!dt || !shape || !offs)
@@ -93,13 +79,13 @@ static int parse_entry(const char *what, const char *name, json_t *v, uint64_t d
                         !dt ? "dtype" : !shape ? "shape" : "data_offsets");
     if (!json_is_string(dt))
         return mf_error(-EINVAL, "%s: tensor \"%.200s\": dtype: expected a string, found %s",
-                        what, name, json_kind(dt));
+                        what, name, mf_json_kind(dt));
     if (mf_dtype_parse(json_string_value(dt), &t->dtype) != 0)
         return mf_error(-EINVAL, "%s: tensor \"%.200s\": unknown dtype \"%.40s\"", what, name,
                         json_string_value(dt));
     if (!json_is_array(shape))
         return mf_error(-EINVAL, "%s: tensor \"%.200s\": shape: expected an array, found %s",
-                        what, name, json_kind(shape));
+                        what, name, mf_json_kind(shape));
     size_t n_dims = json_array_size(shape);
     if (n_dims > MF_ST_MAX_DIMS)
         return mf_error(-EINVAL, "%s: tensor \"%.200s\": shape has %zu dims, at most %d supported",
@@ -114,7 +100,7 @@ static int parse_entry(const char *what, const char *name, json_t *v, uint64_t d
             return mf_error(-EINVAL,
                             "%s: tensor \"%.200s\": shape[%zu]: expected a non-negative integer, "
                             "found %s",
-                            what, name, d, json_kind(e));
+                            what, name, d, mf_json_kind(e));
         }
         t->shape[d] = (int64_t)json_integer_value(e);
     }
@@ -215,7 +201,7 @@ int mf_st_parse_header_meta(const char *what, const char *json, size_t json_byte
                         jerr.line, jerr.column, jerr.text);
     if (!json_is_object(root)) {
         int rc = mf_error(-EINVAL, "%s: header: expected a JSON object, found %s", what,
-                          json_kind(root));
+                          mf_json_kind(root));
         json_decref(root);
         return rc;
     }

@@ -3,6 +3,7 @@
  * normalizer (utf8proc), pre-tokenizers (PCRE2 regex splits with tokenizers' split behaviours,
  * ByteLevel), BPE merges by rank with a min-heap over a linked word, ByteLevel decoding. */
 #include "host/tokenizer.h"
+#include "host/json_kind.h"
 
 #include <errno.h>
 #include <jansson.h>
@@ -317,22 +318,6 @@ struct mf_tok {
     char **owned;              /* normalized added contents */
     int n_owned;
 };
-
-static const char *mf_json_kind(const json_t *v)
-{
-    if (!v) return "nothing (the field is missing)";
-    switch (json_typeof(v)) {
-    case JSON_OBJECT: return "an object";
-    case JSON_ARRAY: return "a list";
-    case JSON_STRING: return "a string";
-    case JSON_INTEGER: return "an integer";
-    case JSON_REAL: return "a real number";
-    case JSON_TRUE: return "true";
-    case JSON_FALSE: return "false";
-    case JSON_NULL: return "null";
-    }
-    return "?";
-}
 
 static int mf_tok_bad(const mf_tok *t, const char *field, const char *expected, const json_t *found)
 {

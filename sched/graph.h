@@ -47,12 +47,18 @@ typedef struct mf_cost {
 typedef struct mf_task_ctx mf_task_ctx;
 typedef int (*mf_task_fn)(void *arg, mf_task_ctx *ctx);
 
-/* Payload of an IO-lane task: read n_bytes at offset of fd into buf. */
+/* Payload of an IO-lane task: read n_bytes at offset of fd into buf. dio_align 0: a buffered fd.
+ * Otherwise fd was opened O_DIRECT and file offsets, lengths and buffer addresses must be
+ * multiples of dio_align (a power of two): the lane reads aligned requests straight into buf and
+ * misaligned ones through an aligned bounce buffer of its own (the enclosing aligned range, then
+ * copied out). A buf inside a buffer registered with mf_sched_io_register is read with
+ * io_uring's fixed-buffer reads. */
 typedef struct mf_io_read {
     int fd;
     uint64_t offset;
     void *buf;
     uint64_t n_bytes;
+    uint32_t dio_align;
 } mf_io_read;
 
 typedef struct mf_task_desc {

@@ -1,12 +1,17 @@
 /* The IO lane: reads into caller buffers on a real io_uring ring driven by one thread, up to the
  * lane's depth in flight, short reads resubmitted for the remainder and completions fed back as
  * task completions. New work reaches the thread through an eventfd read kept armed on the ring.
- * When the kernel refuses io_uring (or MOEFLOW_IO=pread), pread workers serve the lane instead.
- * Lane concurrency is the ring's queue depth (or the number of pread workers); 0 means 16. */
+ * O_DIRECT requests (mf_io_read.dio_align) go straight to the caller's buffer when aligned and
+ * through a per-slot aligned bounce buffer when not; reads into registered buffers are
+ * fixed-buffer reads. When the kernel refuses io_uring (or MOEFLOW_IO=pread), pread workers serve
+ * the lane instead, with the same O_DIRECT handling. Lane concurrency is the ring's queue depth
+ * (or the number of pread workers); 0 means 16. Tests can inject EIO and short reads. */
 #include <inttypes.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include "sched/error.h"
@@ -17,14 +22,111 @@
 
 struct mf_io_slot {
     mf_task_id t;
-    uint64_t done_bytes;
+    uint64_t done_bytes;   /* bytes of the request delivered to its buffer */
+    uint64_t p_off;        /* the piece in flight: file offset and length */
+    uint64_t p_len;
+    int bounced;           /* the piece reads into the slot's bounce buffer */
+    int fault;             /* injected fault on this read (MF_IO_FAULT_*) */
+    int eof_next;          /* SHORT fault: the next piece reads as end of file */
 };
 
-static _Atomic int mf_io_fallback_logged;
+static _Atomic int mf_io_fallback_logged, mf_io_reg_logged;
+
+/* ---- fault injection ------------------------------------------------------------------------- */
+
+static _Atomic int64_t mf_io_fault_left;   /* reads until the fault; <= 0: disarmed */
+static _Atomic int mf_io_fault_kind;
+
+void mf_io_fault_inject(int kind, int64_t nth)
+{
+    atomic_store(&mf_io_fault_kind, kind);
+    atomic_store(&mf_io_fault_left, kind == MF_IO_FAULT_NONE ? 0 : nth);
+}
+
+void mf_io_fault_env(void)
+{
+    static _Atomic int done;
+    if (atomic_exchange(&done, 1)) return;
+    const char *e = getenv("MOEFLOW_IO_FAULT");
+    if (!e || !*e) return;
+    long long n = 0;
+    if (!strncmp(e, "eio:", 4) && (n = atoll(e + 4)) > 0) mf_io_fault_inject(MF_IO_FAULT_EIO, n);
+    else if (!strncmp(e, "short:", 6) && (n = atoll(e + 6)) > 0) mf_io_fault_inject(MF_IO_FAULT_SHORT, n);
+    else fprintf(stderr, "moeflow: MOEFLOW_IO_FAULT='%s' ignored (expected eio:N or short:N)\n", e);
+}
+
+/* Counts one read started; returns the fault it must suffer, if any. */
+static int mf_io_fault_take(void)
+{
+    if (atomic_load_explicit(&mf_io_fault_left, memory_order_relaxed) <= 0) return 0;
+    return atomic_fetch_sub(&mf_io_fault_left, 1) == 1 ? atomic_load(&mf_io_fault_kind) : 0;
+}
+
+/* ---- pieces: straight or through the bounce buffer --------------------------------------------- */
+
+/* The next piece of r after `done` bytes: straight into the caller's buffer (returns 0) or, for a
+ * misaligned O_DIRECT request, the enclosing aligned window through the bounce buffer (returns 1). */
+static int mf_io_piece(const mf_io_read *r, uint64_t done, uint64_t *off, uint64_t *len)
+{
+    uint64_t want = r->offset + done, left = r->n_bytes - done, a = r->dio_align;
+    if (!a) {
+        *off = want;
+        *len = left > MF_IO_CHUNK_BYTES ? MF_IO_CHUNK_BYTES : left;
+        return 0;
+    }
+    uintptr_t dst = (uintptr_t)r->buf + done;
+    if (want % a == 0 && dst % a == 0 && left >= a) {
+        uint64_t n = left - left % a;
+        *off = want;
+        *len = n > MF_IO_CHUNK_BYTES ? MF_IO_CHUNK_BYTES : n;
+        return 0;
+    }
+    uint64_t a0 = want - want % a, a1 = (want + left + a - 1) / a * a;
+    if (a1 - a0 > MF_IO_BOUNCE_BYTES) a1 = a0 + MF_IO_BOUNCE_BYTES;
+    *off = a0;
+    *len = a1 - a0;
+    return 1;
+}
+
+/* Bytes of the request a piece that returned `got` bytes delivered (0: end of file first). */
+static uint64_t mf_io_absorb(const mf_io_read *r, uint64_t done, int bounced, uint64_t off,
+                             const uint8_t *bounce, uint64_t got)
+{
+    if (!bounced) return got;
+    uint64_t want = r->offset + done, end = r->offset + r->n_bytes;
+    if (off + got <= want) return 0;
+    if (off + got < end) end = off + got;
+    memcpy((uint8_t *)r->buf + done, bounce + (want - off), (size_t)(end - want));
+    return end - want;
+}
+
+static int mf_io_check_align(const mf_io_read *r)
+{
+    uint32_t a = r->dio_align;
+    if (a & (a - 1) || a > MF_IO_BOUNCE_BYTES / 2)
+        return mf_error(-EINVAL, "read of %" PRIu64 " bytes at offset %" PRIu64 " (fd %d): "
+                        "dio_align %u is not a power of two up to %u", r->n_bytes, r->offset,
+                        r->fd, a, MF_IO_BOUNCE_BYTES / 2);
+    return 0;
+}
+
+int mf_io_lane_alloc(mf_lane_rt *L)
+{
+    int n = L->cap > L->n_workers ? L->cap : L->n_workers;
+    if (n < 1) n = 1;
+    if (posix_memalign((void **)&L->bounce, 4096, (size_t)n * MF_IO_BOUNCE_BYTES)) {
+        L->bounce = NULL;
+        return -ENOMEM;
+    }
+    return 0;
+}
+
+/* ---- io_uring engine ---------------------------------------------------------------------------- */
 
 /* Sets up the ring and eventfd; on a refusal (the caller falls back to pread) logs once. */
 int mf_io_uring_start(mf_sched *s, mf_lane_rt *L)
 {
+    (void)s;
     int depth = L->desc.concurrency ? L->desc.concurrency : 16;
     L->cap = depth;
     int rc = io_uring_queue_init((unsigned)depth + 1, &L->ring, 0);
@@ -56,12 +158,59 @@ void mf_io_uring_stop(mf_lane_rt *L)
     L->ring_ok = 0;
 }
 
+int mf_sched_io_register(mf_sched *s, void *const *bufs, const uint64_t *n_bytes, int n)
+{
+    if (n < 0 || n > MF_IO_MAX_REG - 1)
+        return mf_error(-EINVAL, "sched: %d buffers to register (at most %d)", n, MF_IO_MAX_REG - 1);
+    for (int i = 0; i < n; i++)
+        if (!bufs[i] || !n_bytes[i] || n_bytes[i] > (UINT64_C(1) << 30))
+            return mf_error(-EINVAL, "sched: registered buffer %d: %" PRIu64 " bytes (1 B to 1 GiB)",
+                            i, n_bytes[i]);
+    for (int l = 0; l < s->n_lanes; l++) {
+        mf_lane_rt *L = &s->lanes[l];
+        if (L->engine != MF_ENG_URING) continue;
+        if (L->n_reg) io_uring_unregister_buffers(&L->ring);
+        L->n_reg = 0;
+        struct iovec iov[MF_IO_MAX_REG];
+        for (int i = 0; i < n; i++) iov[i] = (struct iovec){bufs[i], (size_t)n_bytes[i]};
+        iov[n] = (struct iovec){L->bounce, (size_t)L->cap * MF_IO_BOUNCE_BYTES};   /* last: bounce */
+        int rc = io_uring_register_buffers(&L->ring, iov, (unsigned)n + 1);
+        if (rc < 0) {
+            if (!atomic_exchange(&mf_io_reg_logged, 1))
+                fprintf(stderr, "moeflow: io_uring_register_buffers refused (%s at %s:%d); reads "
+                        "stay unregistered\n", strerror(-rc), __FILE__, __LINE__);
+            return mf_error(rc, "sched: IO lane '%s': io_uring_register_buffers: %s (%s:%d)",
+                            L->desc.name ? L->desc.name : "io", strerror(-rc), __FILE__, __LINE__);
+        }
+        for (int i = 0; i <= n; i++) {
+            L->reg_base[i] = iov[i].iov_base;
+            L->reg_bytes[i] = iov[i].iov_len;
+        }
+        L->n_reg = n + 1;
+    }
+    return 0;
+}
+
+/* Index of the registered buffer holding [p, p+n), or -1. */
+static int mf_io_reg_find(const mf_lane_rt *L, const uint8_t *p, uint64_t n)
+{
+    for (int i = 0; i < L->n_reg; i++)
+        if (p >= L->reg_base[i] && p + n <= L->reg_base[i] + L->reg_bytes[i]) return i;
+    return -1;
+}
+
 static void mf_io_prep(mf_lane_rt *L, int slot, const mf_io_read *r)
 {
     struct io_uring_sqe *sqe = io_uring_get_sqe(&L->ring);   /* never NULL: ring holds depth+1 */
-    uint64_t done = L->slots[slot].done_bytes, left = r->n_bytes - done;
-    unsigned len = left > MF_IO_CHUNK_BYTES ? MF_IO_CHUNK_BYTES : (unsigned)left;
-    io_uring_prep_read(sqe, r->fd, (char *)r->buf + done, len, r->offset + done);
+    struct mf_io_slot *S = &L->slots[slot];
+    S->bounced = mf_io_piece(r, S->done_bytes, &S->p_off, &S->p_len);
+    uint8_t *dst = S->bounced ? L->bounce + (size_t)slot * MF_IO_BOUNCE_BYTES
+                              : (uint8_t *)r->buf + S->done_bytes;
+    int reg = mf_io_reg_find(L, dst, S->p_len);
+    if (reg >= 0)
+        io_uring_prep_read_fixed(sqe, r->fd, dst, (unsigned)S->p_len, S->p_off, reg);
+    else
+        io_uring_prep_read(sqe, r->fd, dst, (unsigned)S->p_len, S->p_off);
     io_uring_sqe_set_data64(sqe, (uint64_t)slot);
 }
 
@@ -72,15 +221,22 @@ static void mf_io_arm_efd(mf_lane_rt *L)
     io_uring_sqe_set_data64(sqe, MF_IO_EFD_TAG);
 }
 
-static void mf_io_fail(mf_sched *s, mf_task_id t, const mf_io_read *r, uint64_t done, int err)
+static int mf_io_fail_msg(const mf_io_read *r, uint64_t done, int err, char *msg, size_t n)
+{
+    if (err == -EIO && done < r->n_bytes)
+        return snprintf(msg, n, "read of %" PRIu64 " bytes at offset %" PRIu64 " (fd %d) hit end "
+                        "of file after %" PRIu64 " bytes", r->n_bytes, r->offset, r->fd, done);
+    return snprintf(msg, n, "read of %" PRIu64 " bytes at offset %" PRIu64 " (fd %d): %s",
+                    r->n_bytes, r->offset, r->fd, strerror(-err));
+}
+
+static void mf_io_fail(mf_sched *s, mf_task_id t, const mf_io_read *r, uint64_t done, int err,
+                       int eof)
 {
     char msg[256];
-    if (err == -EIO && done < r->n_bytes)
-        snprintf(msg, sizeof msg, "read of %" PRIu64 " bytes at offset %" PRIu64 " (fd %d) hit end "
-                 "of file after %" PRIu64 " bytes", r->n_bytes, r->offset, r->fd, done);
-    else
-        snprintf(msg, sizeof msg, "read of %" PRIu64 " bytes at offset %" PRIu64 " (fd %d): %s",
-                 r->n_bytes, r->offset, r->fd, strerror(-err));
+    if (eof) mf_io_fail_msg(r, done, -EIO, msg, sizeof msg);
+    else snprintf(msg, sizeof msg, "read of %" PRIu64 " bytes at offset %" PRIu64 " (fd %d): %s",
+                  r->n_bytes, r->offset, r->fd, strerror(-err));
     mf_task_fail(s, t, err, msg);
 }
 
@@ -117,21 +273,27 @@ void *mf_io_uring_main(void *arg)
                 continue;
             }
             int slot = free_slots[--n_free];
-            L->slots[slot] = (struct mf_io_slot){t, 0};
+            L->slots[slot] = (struct mf_io_slot){.t = t};
             if (s->spans) {
                 s->spans[t].start_ns = mf_span_now(s);
                 s->spans[t].worker = slot;
             }
-            if (!r->n_bytes) {   /* nothing to read */
+            int bad = mf_io_check_align(r);
+            if (!r->n_bytes || bad) {   /* nothing to read, or a request the lane refuses */
+                if (bad) mf_task_fail(s, t, bad, mf_last_error());
                 free_slots[n_free++] = slot;
-                mf_task_finish(s, t, 0, w);
+                mf_task_finish(s, t, bad, w);
                 continue;
             }
+            L->slots[slot].fault = mf_io_fault_take();
             mf_io_prep(L, slot, r);
             inflight++;
         }
         mf_done_flush(s, w);
-        int rc = io_uring_submit_and_wait(&L->ring, 1);
+        /* Tasks still queued with slots free (some taken were empty or refused): submit and come
+         * back for them rather than wait for a completion that may never come. */
+        int more = inflight < depth && atomic_load_explicit(&L->n_ready, memory_order_relaxed) > 0;
+        int rc = more ? io_uring_submit(&L->ring) : io_uring_submit_and_wait(&L->ring, 1);
         if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
             /* The ring itself broke: fail what is in flight rather than hang the run. */
             for (int k = 0; k < depth; k++) {
@@ -139,7 +301,7 @@ void *mf_io_uring_main(void *arg)
                 for (int j = 0; j < n_free; j++) busy &= free_slots[j] != k;
                 if (!busy) continue;
                 mf_task_id t = L->slots[k].t;
-                mf_io_fail(s, t, s->g->tasks[t].arg, L->slots[k].done_bytes, rc);
+                mf_io_fail(s, t, s->g->tasks[t].arg, L->slots[k].done_bytes, rc, 0);
                 free_slots[n_free++] = k;
                 inflight--;
                 mf_task_finish(s, t, rc, w);
@@ -158,22 +320,34 @@ void *mf_io_uring_main(void *arg)
                 continue;
             }
             int slot = (int)tag;
-            mf_task_id t = L->slots[slot].t;
+            struct mf_io_slot *S = &L->slots[slot];
+            mf_task_id t = S->t;
             const mf_io_read *r = s->g->tasks[t].arg;
             int status = 0;
             if (res == -EINTR || res == -EAGAIN) {
                 mf_io_prep(L, slot, r);
                 continue;
             }
+            if (res >= 0 && S->eof_next) res = 0;
+            if (S->fault == MF_IO_FAULT_EIO) res = -EIO;
+            if (S->fault == MF_IO_FAULT_SHORT && res > 0) {
+                res /= 2;
+                S->eof_next = 1;
+            }
+            S->fault = 0;
+            uint64_t n = res > 0 ? mf_io_absorb(r, S->done_bytes, S->bounced, S->p_off,
+                                                L->bounce + (size_t)slot * MF_IO_BOUNCE_BYTES,
+                                                (uint64_t)res)
+                                 : 0;
             if (res < 0) {
-                mf_io_fail(s, t, r, L->slots[slot].done_bytes, res);
+                mf_io_fail(s, t, r, S->done_bytes, res, 0);
                 status = res;
-            } else if (res == 0) {
-                mf_io_fail(s, t, r, L->slots[slot].done_bytes, -EIO);
+            } else if (n == 0) {
+                mf_io_fail(s, t, r, S->done_bytes, -EIO, 1);
                 status = -EIO;
             } else {
-                L->slots[slot].done_bytes += (uint64_t)res;
-                if (L->slots[slot].done_bytes < r->n_bytes) {   /* short read: the rest */
+                S->done_bytes += n;
+                if (S->done_bytes < r->n_bytes) {   /* short read: the rest */
                     mf_io_prep(L, slot, r);
                     continue;
                 }
@@ -187,24 +361,42 @@ void *mf_io_uring_main(void *arg)
     return NULL;
 }
 
-/* The pread fallback for one IO task, on a pread worker. */
+/* ---- pread engine ------------------------------------------------------------------------------ */
+
+/* The pread fallback for one IO task, on pread worker `worker`. */
 int mf_io_pread(mf_sched *s, mf_task_id t, int worker)
 {
     const mf_io_read *r = s->g->tasks[t].arg;
+    mf_lane_rt *L = &s->lanes[s->g->tasks[t].lane];
+    uint8_t *bounce = L->bounce + (size_t)worker * MF_IO_BOUNCE_BYTES;
+    int rc = mf_io_check_align(r);
+    if (rc || !r->n_bytes) return rc;
+    int fault = mf_io_fault_take(), eof_next = 0;
     uint64_t done = 0;
     while (done < r->n_bytes) {
-        uint64_t left = r->n_bytes - done;
-        size_t len = left > MF_IO_CHUNK_BYTES ? MF_IO_CHUNK_BYTES : (size_t)left;
-        ssize_t got = pread(r->fd, (char *)r->buf + done, len, (off_t)(r->offset + done));
-        if (got < 0) {
-            if (errno == EINTR) continue;
+        uint64_t off, len;
+        int bounced = mf_io_piece(r, done, &off, &len);
+        ssize_t got = pread(r->fd, bounced ? bounce : (uint8_t *)r->buf + done, (size_t)len,
+                            (off_t)off);
+        if (got < 0 && errno == EINTR) continue;
+        if (got >= 0 && eof_next) got = 0;
+        if (fault == MF_IO_FAULT_EIO) {
+            got = -1;
+            errno = EIO;
+        }
+        if (fault == MF_IO_FAULT_SHORT && got > 0) {
+            got /= 2;
+            eof_next = 1;
+        }
+        fault = 0;
+        if (got < 0)
             return mf_error(-errno, "read of %" PRIu64 " bytes at offset %" PRIu64 " (fd %d): %s",
                             r->n_bytes, r->offset, r->fd, strerror(errno));
-        }
-        if (got == 0)
+        uint64_t n = got > 0 ? mf_io_absorb(r, done, bounced, off, bounce, (uint64_t)got) : 0;
+        if (n == 0)
             return mf_error(-EIO, "read of %" PRIu64 " bytes at offset %" PRIu64 " (fd %d) hit end "
                             "of file after %" PRIu64 " bytes", r->n_bytes, r->offset, r->fd, done);
-        done += (uint64_t)got;
+        done += n;
     }
     return 0;
 }

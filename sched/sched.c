@@ -406,6 +406,8 @@ static int mf_sched_start_lane(mf_sched *s, mf_lane_rt *L, const mf_sched_opts *
                 return rc;   /* refusals fall back to pread; anything else is an error */
         }
         if (L->engine == MF_ENG_PREAD) L->n_workers = d->concurrency ? d->concurrency : 16;
+        if (mf_io_lane_alloc(L)) return mf_error(-ENOMEM, "sched: IO lane '%s': out of memory for "
+                                                 "its bounce buffers", d->name ? d->name : "io");
         break;
     default:
         if (!o->dev)
@@ -453,6 +455,7 @@ int mf_sched_create(const mf_sched_opts *o, mf_sched **out)
     s->gen = atomic_fetch_add(&mf_sched_gen, 1) + 1;
     s->dev = o->dev;
     s->pin = o->pin_threads;
+    mf_io_fault_env();
     const char *env = getenv("MOEFLOW_IO");
     s->io_pread = o->io_force_pread || (env && !strcmp(env, "pread"));
     s->io_engine = "none";
@@ -526,6 +529,7 @@ void mf_sched_destroy(mf_sched *s)
         free(L->bind);
         free(L->workers);
         free(L->slots);
+        free(L->bounce);
         pthread_mutex_destroy(&L->mu);
     }
     free(s->lanes);

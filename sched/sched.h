@@ -59,6 +59,19 @@ void mf_sched_cancel(mf_sched *s);
 /* Which IO engine the IO lane ended up with: "io_uring" or "pread". */
 const char *mf_sched_io_engine(const mf_sched *s);
 
+/* Registers host buffers (n of them, each at most 1 GiB) with the IO lanes' rings so that reads
+ * into them use fixed-buffer reads (no per-read page pinning). Call between runs. Replaces an
+ * earlier registration. On the pread engine it records nothing and returns 0; a ring that refuses
+ * (memlock limit) returns its negative code, logged once, and reads stay correct unregistered. */
+int mf_sched_io_register(mf_sched *s, void *const *bufs, const uint64_t *n_bytes, int n);
+
+/* Fault injection for tests (also env MOEFLOW_IO_FAULT=eio:N or short:N, read at the first
+ * mf_sched_create): the nth IO-lane read started from now on, in this process, fails: EIO
+ * returns -EIO after the read; SHORT delivers half of its bytes and then end of file. nth 0
+ * disarms. Both engines honour it. */
+enum { MF_IO_FAULT_NONE, MF_IO_FAULT_EIO, MF_IO_FAULT_SHORT };
+void mf_io_fault_inject(int kind, int64_t nth);
+
 /* Convenience lane tables: one CPU lane per NUMA node (threads_per_node 0 = all its cores), an IO
  * lane of the given depth. Returns the number of lanes written (<= max). */
 int mf_lanes_default(mf_lane_desc *lanes, int max, int threads_per_node, int io_depth);

@@ -17,6 +17,8 @@
 #define MF_PEND_POISON 0x80000000u   /* a predecessor failed or was cancelled */
 #define MF_PEND_MASK   0x7fffffffu
 #define MF_BATCH_MAX   16             /* ready tasks a CPU worker takes under one lock */
+#define MF_IO_BOUNCE_BYTES (256u << 10)   /* per IO slot: misaligned O_DIRECT reads */
+#define MF_IO_MAX_REG  64             /* registered buffers per IO lane */
 
 typedef struct mf_sched mf_sched;
 typedef struct mf_lane_rt mf_lane_rt;
@@ -90,6 +92,10 @@ struct mf_lane_rt {
     int wants_wake;
     struct mf_io_slot *slots;     /* [depth] reads in flight */
     uint64_t efd_buf;
+    uint8_t *bounce;              /* [max(depth, pread workers)] x MF_IO_BOUNCE_BYTES, aligned */
+    int n_reg;                    /* registered buffers (fixed reads) */
+    uint8_t *reg_base[MF_IO_MAX_REG];
+    uint64_t reg_bytes[MF_IO_MAX_REG];
     /* device */
     void *queue;
     int inflight, cap;
@@ -145,6 +151,8 @@ int mf_io_uring_start(mf_sched *s, mf_lane_rt *L);
 void mf_io_uring_stop(mf_lane_rt *L);
 void *mf_io_uring_main(void *arg);
 int mf_io_pread(mf_sched *s, mf_task_id t, int worker);
+int mf_io_lane_alloc(mf_lane_rt *L);          /* bounce buffers, after the engine is chosen */
+void mf_io_fault_env(void);                   /* arms MOEFLOW_IO_FAULT once per process */
 void *mf_dev_submit_main(void *arg);
 void mf_lane_wake(mf_sched *s, mf_lane_rt *L, int hint);   /* lane->mu held */
 

@@ -3,6 +3,7 @@
  * run), for both SIMD paths: errors stated as float64 ||y - ref|| / ||ref||, the two paths
  * bit-identical, and results bit-identical however output rows are split. */
 #include <errno.h>
+#include <cpuid.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -464,8 +465,9 @@ int main(void)
     CHECK(mf_kern_simd_active() == MF_KERN_SIMD_SCALAR, "MOEFLOW_SIMD=scalar ignored");
     unsetenv("MOEFLOW_SIMD");
     mf_kern_simd_set(MF_KERN_SIMD_AUTO);
-    int have_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
+    unsigned ca, cb, cc, cd;   /* F16C: cpuid leaf 1, ECX bit 29 (clang 14 lacks the builtin) */
+    int have_f16c = __get_cpuid(1, &ca, &cb, &cc, &cd) && (cc & (1u << 29));
+    int have_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && have_f16c;
     CHECK(mf_kern_simd_active() == (have_avx2 ? MF_KERN_SIMD_AVX2 : MF_KERN_SIMD_SCALAR),
           "auto chose %s", mf_kern_simd_name(mf_kern_simd_active()));
     if (prev)

@@ -237,6 +237,8 @@ typedef struct sel_log {
     int n[8];
     int32_t e[8][64];
     int route_n[8];
+    int cand_n, cand_layer;
+    int32_t cand[64];
 } sel_log;
 
 static void on_select(void *u, const void *seq, int64_t pos, int layer, const int32_t *e, int n)
@@ -252,6 +254,15 @@ static void on_route(void *u, const void *seq, int64_t pos, int layer, const int
 {
     sel_log *l = u;
     if (seq == l->seq && pos == l->pos && layer < 8) l->route_n[layer] = n;
+}
+
+static void on_candidates(void *u, const void *seq, int64_t pos, int layer, const int32_t *b, int n)
+{
+    sel_log *l = u;
+    if (seq != l->seq || pos != l->pos) return;
+    l->cand_layer = layer;
+    l->cand_n = n;
+    for (int i = 0; i < n && i < 64; i++) l->cand[i] = b[i];
 }
 
 static int64_t dir_files(const char *d)
@@ -454,7 +465,8 @@ int main(void)
     CHECK(!mf_model_is_lazy(m) && mf_model_is_lazy(ml), "lazy flags");
     sel_log log = {0};
     mf_ref *r = NULL, *rl = NULL;
-    mf_ref_opts ro = {.hooks = {.user = &log, .on_select = on_select, .on_route = on_route}};
+    mf_ref_opts ro = {.hooks = {.user = &log, .on_select = on_select, .on_route = on_route,
+                                .on_candidates = on_candidates}};
     CHECK(mf_ref_new(m, &ro, &r) == 0, "ref: %s", mf_last_error());
     CHECK(mf_ref_new(ml, NULL, &rl) == 0, "ref lazy: %s", mf_last_error());
     int64_t V = c.vocab_size;
@@ -492,6 +504,22 @@ int main(void)
         for (int j = 0; j < n_blocks; j++) seen |= blocks[j] == b;
         if (!seen) blocks[n_blocks++] = b;
     }
+    /* the candidate hook: the kept blocks of layer 4, ascending, the newest one pinned, and
+     * every block layer 6 picks from among them */
+    CHECK(log.cand_layer == c.candidate_source_layer_id && log.cand_n == c.candidate_topk_blocks,
+          "candidates: layer %d, %d blocks", log.cand_layer, log.cand_n);
+    int asc = 1, newest = 0, inside = 1;
+    for (int i = 0; i < log.cand_n; i++) {
+        asc &= i == 0 || log.cand[i - 1] < log.cand[i];
+        newest |= log.cand[i] == (N - 1) / c.candidate_block_size;
+    }
+    for (int j = 0; j < n_blocks; j++) {
+        int found = 0;
+        for (int i = 0; i < log.cand_n; i++) found |= log.cand[i] == blocks[j];
+        inside &= found;
+    }
+    CHECK(asc && newest && inside, "candidate blocks ascending %d, newest kept %d, layer 6 inside %d",
+          asc, newest, inside);
     for (int i = 0; i < log.n[2]; i++) max2 = log.e[2][i] > max2 ? log.e[2][i] : max2;
     CHECK(n_blocks <= c.candidate_topk_blocks, "layer 6 spans %d blocks (max %d)", n_blocks, c.candidate_topk_blocks);
     CHECK(max2 < N / 2, "ratio-2 selection %d past the visible entries", max2);

@@ -463,7 +463,7 @@ static void test_malformed_single(void)
     EXPECT_OPEN_FAIL(p, -EINVAL, p, "__metadata__ \"k\"", "expected a string");
     p = tpath("meta_not_object.safetensors");
     write_raw(p, "{\"__metadata__\":[]," ENTRY("t.a", "U8", "[1]", 0, 1) "}", 1);
-    EXPECT_OPEN_FAIL(p, -EINVAL, p, "__metadata__", "array");
+    EXPECT_OPEN_FAIL(p, -EINVAL, p, "__metadata__", "list");
 
     /* accepted variants, as the Python package accepts them */
     mf_st *st = NULL;

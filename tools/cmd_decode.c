@@ -15,6 +15,7 @@
 #include "graphs/ref.h"
 #include "graphs/sample.h"
 #include "graphs/step.h"
+#include "host/store.h"
 #include "host/tokenizer.h"
 #include "sched/clock.h"
 #include "sched/error.h"
@@ -26,7 +27,9 @@ static void mf_decode_usage(FILE *f)
             "usage: moeflow decode --checkpoint DIR (--prompt TEXT | --tokens IDS | --prompts FILE)\n"
             "                      [--engine scheduled|reference] [--threads N] [--exact] [--batch B]\n"
             "                      [--max-new-tokens N] [--temperature T --top-p P --seed S]\n"
-            "                      [--no-bos] [--ignore-eos] [--act-quant] [--quiet]\n\n"
+            "                      [--no-bos] [--ignore-eos] [--act-quant] [--quiet] [--trace FILE]\n"
+            "                      [--store resident|streamed [--store-budget SIZE]\n"
+            "                       [--store-tables resident|streamed] [--io-depth N]]\n\n"
             "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
             "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
             "one thread: the correctness oracle). One sequence is streamed: text when DIR has a\n"
@@ -52,6 +55,14 @@ static void mf_decode_usage(FILE *f)
             "  --act-quant         quantize linear inputs to e4m3 as DeepSeek's inference code\n"
             "                      does (default: the Hugging Face port, which does not);\n"
             "                      reference engine only\n"
+            "  --trace FILE        Chrome trace of the last step: the scheduled engine's task\n"
+            "                      graph, or with --store the store's expert reads and compute\n"
+            "  --store MODE        reference engine: experts and Engram tables through the expert\n"
+            "                      store: resident (read in at load) or streamed (a cache, misses\n"
+            "                      read per use through io_uring); per-step hits/misses on stderr\n"
+            "  --store-budget SIZE streamed cache bytes, e.g. 2G, 512M (default 2G)\n"
+            "  --store-tables MODE Engram tables resident or streamed (default: as --store)\n"
+            "  --io-depth N        reads in flight (default 64)\n"
             "  --quiet             no progress or timing on stderr\n");
 }
 
@@ -106,6 +117,39 @@ static void mf_emit_token(const mf_tok *tok, int32_t id, int first)
     fflush(stdout);
 }
 
+
+/* "2G", "512M", "4096" -> bytes; 0 on a malformed size. */
+static uint64_t mf_parse_size(const char *t)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(t, &end);
+    if (errno || end == t || !(v > 0)) return 0;
+    double mul = 1;
+    if (*end == 'K' || *end == 'k') mul = 1024.0, end++;
+    else if (*end == 'M' || *end == 'm') mul = 1024.0 * 1024, end++;
+    else if (*end == 'G' || *end == 'g') mul = 1024.0 * 1024 * 1024, end++;
+    if (*end == 'i') end++;
+    if (*end == 'B') end++;
+    return *end ? 0 : (uint64_t)(v * mul);
+}
+
+static int mf_parse_store_mode(const char *t)
+{
+    return !strcmp(t, "resident") ? MF_MODEL_STORE_RESIDENT
+           : !strcmp(t, "streamed") ? MF_MODEL_STORE_STREAMED : -1;
+}
+
+static void mf_print_step(mf_store *st, const char *what, long k)
+{
+    mf_store_stats x;
+    mf_store_step(st, &x);
+    fprintf(stderr, "moeflow decode: %s %ld: experts %" PRIu64 " hits %" PRIu64 " misses (%.1f MiB "
+            "read, %" PRIu64 " evicted), Engram %" PRIu64 " rows in %" PRIu64 " reads; store runs %.1f ms, "
+            "io busy %.1f ms, compute %.1f ms, io overlapping compute %.1f ms\n", what, k, x.hits,
+            x.misses, x.bytes_read / 1048576.0, x.evictions, x.rows, x.row_reads, x.read_wall_ns / 1e6,
+            x.io_busy_ns / 1e6, x.cpu_busy_ns / 1e6, x.overlap_ns / 1e6);
+}
 
 /* Prompt text or ids -> token ids (BOS first for text unless no_bos; bos fixed up after load). */
 static int mf_prompt_ids(const mf_tok *tok, const char *text, const char *ids, int no_bos, int32_t **out, int *n_out)
@@ -177,6 +221,10 @@ int mf_cmd_decode(int argc, char **argv)
     double temperature = 0, top_p = 1.0;
     unsigned long long seed = 0;
     int no_bos = 0, ignore_eos = 0, act_quant = 0, quiet = 0, exact = 0;
+    int store_mode = 0, store_tables = 0;
+    long io_depth = 0;
+    uint64_t store_budget = 0;
+    const char *trace = NULL;
     if (threads < 1) threads = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -241,6 +289,29 @@ int mf_cmd_decode(int argc, char **argv)
             ignore_eos = 1;
         } else if (!strcmp(a, "--act-quant")) {
             act_quant = 1;
+        } else if (!strcmp(a, "--store") && hv) {
+            if ((store_mode = mf_parse_store_mode(argv[++i])) < 0) {
+                fprintf(stderr, "moeflow decode: --store: expected resident or streamed, found '%s'\n", argv[i]);
+                return 2;
+            }
+        } else if (!strcmp(a, "--store-tables") && hv) {
+            if ((store_tables = mf_parse_store_mode(argv[++i])) < 0) {
+                fprintf(stderr, "moeflow decode: --store-tables: expected resident or streamed, found '%s'\n", argv[i]);
+                return 2;
+            }
+        } else if (!strcmp(a, "--store-budget") && hv) {
+            if (!(store_budget = mf_parse_size(argv[++i]))) {
+                fprintf(stderr, "moeflow decode: --store-budget: expected a size such as 2G or 512M, found '%s'\n", argv[i]);
+                return 2;
+            }
+        } else if (!strcmp(a, "--io-depth") && hv) {
+            io_depth = strtol(argv[++i], &end, 10);
+            if (*end || io_depth < 1 || io_depth > 4096) {
+                fprintf(stderr, "moeflow decode: --io-depth: expected 1..4096, found '%s'\n", argv[i]);
+                return 2;
+            }
+        } else if (!strcmp(a, "--trace") && hv) {
+            trace = argv[++i];
         } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
             quiet = 1;
         } else {
@@ -259,6 +330,15 @@ int mf_cmd_decode(int argc, char **argv)
     if (sched && act_quant) {
         fprintf(stderr, "moeflow decode: --act-quant is only implemented by the reference engine (add "
                         "--engine reference)\n");
+        return 2;
+    }
+    if (sched && (store_mode || store_tables || store_budget || io_depth)) {
+        fprintf(stderr, "moeflow decode: the expert store (--store ...) is used by the reference engine "
+                        "only (add --engine reference); the scheduled engine needs resident experts\n");
+        return 2;
+    }
+    if (!sched && trace && !store_mode) {
+        fprintf(stderr, "moeflow decode: --trace needs the scheduled engine or --store\n");
         return 2;
     }
     if (!sched && exact) {
@@ -319,8 +399,19 @@ int mf_cmd_decode(int argc, char **argv)
     }
 
     /* the scheduled engine needs the experts in memory: allow up to 64 GiB resident */
-    mf_model_opts mo = {.quiet = quiet, .resident_limit_bytes = sched ? UINT64_C(64) << 30 : 0};
+    mf_model_opts mo = {.quiet = quiet, .resident_limit_bytes = sched ? UINT64_C(64) << 30 : 0,
+                        .store = store_mode, .store_tables = store_tables,
+                        .store_budget_bytes = store_budget, .store_io_depth = (int)io_depth};
+    int64_t tl0 = mf_now_ns();
     if (mf_model_load(dir, &mo, &m)) goto fail;
+    mf_store *mst = mf_model_store(m);
+    if (mst && !quiet)
+        fprintf(stderr, "moeflow decode: expert store %s, %d slots of %.2f MiB (%.2f GiB slab), "
+                "engine %s, %s; loaded in %.2f s\n",
+                store_mode == MF_MODEL_STORE_STREAMED ? "streamed" : "resident", mf_store_n_slots(mst),
+                mf_store_slot_bytes(mst) / 1048576.0, mf_store_slab_bytes(mst) / 1073741824.0,
+                mf_store_io_engine(mst), mf_store_direct(mst) ? "O_DIRECT" : "buffered",
+                (mf_now_ns() - tl0) / 1e9);
     const mf_config *c = mf_model_config(m);
     int max_prompt = 0;
     for (int s = 0; s < n_seq; s++) {
@@ -365,12 +456,14 @@ int mf_cmd_decode(int argc, char **argv)
     if (!logits) goto fail;
 
     int64_t t0 = mf_now_ns(), n_prefill = 0;
+    if (mst) mf_store_step(mst, NULL);
     for (int s = 0; s < n_seq; s++) {
         float *lg = logits + (size_t)s * c->vocab_size;
         if (sched ? mf_step_prefill(eng, st[s], pids[s], n_pid[s], lg) : mf_ref_prefill(r, st[s], pids[s], n_pid[s], lg))
             goto fail;
         n_prefill += n_pid[s];
     }
+    if (mst && !quiet) mf_print_step(mst, "prefill", 0);
     int64_t t1 = mf_now_ns();
     /* every live sequence: pick, emit, and (unless done) feed the token in one batched step */
     long n_gen[MF_STEP_MAX_ITEMS] = {0}, steps = 0, fed = 0;
@@ -398,6 +491,7 @@ int mf_cmd_decode(int argc, char **argv)
         for (int j = 0; j < nb; j++) row_of[live[j]] = j;
         steps++;
         fed += nb;
+        if (mst && !quiet) mf_print_step(mst, "step", steps);
     }
     int64_t t2 = mf_now_ns();
     long out_tokens = 0;
@@ -412,6 +506,16 @@ int mf_cmd_decode(int argc, char **argv)
     }
     for (int s = 0; s < n_seq; s++) out_tokens += n_gen[s];
     fflush(stdout);
+    if (trace && (mst ? mf_store_write_trace(mst, trace) : mf_step_write_trace(eng, trace))) goto fail;
+    if (mst && !quiet) {
+        mf_store_stats x;
+        mf_store_stats_total(mst, &x);
+        fprintf(stderr, "moeflow decode: expert store total: %" PRIu64 " hits, %" PRIu64 " misses "
+                "(hit rate %.1f%%), %.2f GiB read in %.2f s of store runs (reads + expert compute); io overlapping compute %.1f%% "
+                "of io busy time\n", x.hits, x.misses, 100.0 * x.hits / (double)(x.hits + x.misses ? x.hits + x.misses : 1),
+                x.bytes_read / 1073741824.0, x.read_wall_ns / 1e9,
+                x.io_busy_ns ? 100.0 * x.overlap_ns / x.io_busy_ns : 0.0);
+    }
     if (!quiet)
         fprintf(stderr, "moeflow decode (%s engine%s, %d sequence%s): prefill %" PRId64 " tokens in %.3f s "
                         "(%.2f tokens/s); decode %ld steps, %ld tokens in %.3f s (%.2f tokens/s aggregate); "

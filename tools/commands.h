@@ -7,6 +7,8 @@ int mf_cmd_decode(int argc, char **argv);  /* tools/cmd_decode.c: decoding (sche
 int mf_cmd_info(int argc, char **argv);   /* tools/cmd_info.c: byte census of a checkpoint */
 /* `moeflow bench <what>`: micro-benchmarks (tools/cmd_bench.c). */
 int mf_cmd_bench(int argc, char **argv);
+/* `moeflow bench io`: store reads vs dd, gathers vs a pread loop (tools/cmd_bench_io.c). */
+int mf_bench_io(int argc, char **argv);
 int mf_bench_kernels(int argc, char **argv);   /* tools/bench_kernels.c: `bench kernels` */
 int mf_bench_decode(int argc, char **argv);    /* tools/bench_decode.c: `bench decode` */
 

@@ -1,18 +1,24 @@
-/* Drives the reference forward for tests/py/check_ref.py: ref_tool DIR IDS OUT_PREFIX [act_quant]
- * runs tokens IDS (comma separated) through one layer-major forward and writes OUT_PREFIX.logits
- * (f32 [T, vocab]), OUT_PREFIX.routes (i32 [T, layers, experts_per_tok]) and OUT_PREFIX.select
- * (i32 [T, layers, index_topk], -1 padded; compressed entries attended). */
+/* Drives the reference forward for tests/py/check_ref.py and tests/conformance/model:
+ * ref_tool DIR IDS OUT_PREFIX [act_quant [tok]] runs tokens IDS (comma separated) through one
+ * layer-major forward and writes OUT_PREFIX.logits (f32 [T, vocab]), OUT_PREFIX.routes
+ * (i32 [T, layers, experts_per_tok]), OUT_PREFIX.select (i32 [T, layers, index_topk], -1
+ * padded; compressed entries attended) and OUT_PREFIX.cand (i32 [T, candidate_topk_blocks], -1
+ * padded; candidate blocks kept at the candidate layer; absent without one). With "tok" the
+ * Engram token map is built from DIR/tokenizer.json as `moeflow decode` does (else the
+ * placeholder map) and written to OUT_PREFIX.tokmap (i32 [vocab of the tokenizer]). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "graphs/engram_map.h"
 #include "graphs/model.h"
 #include "graphs/ref.h"
+#include "host/tokenizer.h"
 #include "sched/error.h"
 
 typedef struct rec {
-    int n_layers, k, topk;
-    int32_t *routes, *sel;
+    int n_layers, k, topk, ncand;
+    int32_t *routes, *sel, *cand;
 } rec;
 
 static void on_route(void *u, const void *seq, int64_t pos, int layer, const int32_t *e,
@@ -26,6 +32,13 @@ static void on_select(void *u, const void *seq, int64_t pos, int layer, const in
 {
     rec *r = u;
     memcpy(r->sel + (pos * r->n_layers + layer) * r->topk, e, sizeof *e * (size_t)n);
+}
+
+static void on_candidates(void *u, const void *seq, int64_t pos, int layer, const int32_t *b,
+                          int n)
+{
+    rec *r = u;
+    memcpy(r->cand + pos * r->ncand, b, sizeof *b * (size_t)n);
 }
 
 static int dump(const char *prefix, const char *ext, const void *p, size_t n)
@@ -43,7 +56,7 @@ static int dump(const char *prefix, const char *ext, const void *p, size_t n)
 int main(int argc, char **argv)
 {
     if (argc < 4) {
-        fprintf(stderr, "usage: ref_tool DIR IDS OUT_PREFIX [act_quant]\n");
+        fprintf(stderr, "usage: ref_tool DIR IDS OUT_PREFIX [act_quant [tok]]\n");
         return 2;
     }
     int32_t toks[4096];
@@ -58,15 +71,33 @@ int main(int argc, char **argv)
         return 1;
     }
     const mf_config *c = mf_model_config(m);
-    rec r = {c->n_layers, c->n_experts_per_tok, c->index_topk, NULL, NULL};
+    int has_cand = c->candidate_source_layer_id >= 0;
+    rec r = {c->n_layers, c->n_experts_per_tok, c->index_topk,
+             has_cand ? c->candidate_topk_blocks : 1, NULL, NULL, NULL};
     r.routes = malloc(sizeof(int32_t) * (size_t)n * r.n_layers * r.k);
     r.sel = malloc(sizeof(int32_t) * (size_t)n * r.n_layers * r.topk);
     float *logits = malloc(sizeof(float) * (size_t)n * c->vocab_size);
     float **lg = malloc(sizeof *lg * (size_t)n);
     mf_ref_state **st = malloc(sizeof *st * (size_t)n);
+    r.cand = malloc(sizeof(int32_t) * (size_t)n * r.ncand);
     memset(r.sel, 0xff, sizeof(int32_t) * (size_t)n * r.n_layers * r.topk);
+    memset(r.cand, 0xff, sizeof(int32_t) * (size_t)n * r.ncand);
     mf_ref_opts o = {.act_quant = argc > 4 && atoi(argv[4]),
-                     .hooks = {.user = &r, .on_route = on_route, .on_select = on_select}};
+                     .hooks = {.user = &r, .on_route = on_route, .on_select = on_select,
+                               .on_candidates = on_candidates}};
+    mf_tok *tok = NULL;
+    mf_engram_map *emap = NULL;
+    if (argc > 5 && !strcmp(argv[5], "tok")) {
+        char tpath[4096];
+        snprintf(tpath, sizeof tpath, "%s/tokenizer.json", argv[1]);
+        if (mf_tok_load(tpath, &tok) || mf_engram_map_build(tok, &emap)) {
+            fprintf(stderr, "ref_tool: %s\n", mf_last_error());
+            return 1;
+        }
+        o.token_map = mf_engram_map_ids(emap);
+        o.n_token_map = mf_engram_map_n_vocab(emap);
+        if (dump(argv[3], "tokmap", o.token_map, sizeof(int32_t) * (size_t)o.n_token_map)) return 1;
+    }
     mf_ref *ref;
     mf_ref_state *s;
     if (mf_ref_new(m, &o, &ref) || mf_ref_state_new(ref, n, &s)) {
@@ -80,14 +111,18 @@ int main(int argc, char **argv)
     }
     int rc = dump(argv[3], "logits", logits, sizeof(float) * (size_t)n * c->vocab_size) ||
              dump(argv[3], "routes", r.routes, sizeof(int32_t) * (size_t)n * r.n_layers * r.k) ||
-             dump(argv[3], "select", r.sel, sizeof(int32_t) * (size_t)n * r.n_layers * r.topk);
+             dump(argv[3], "select", r.sel, sizeof(int32_t) * (size_t)n * r.n_layers * r.topk) ||
+             (has_cand && dump(argv[3], "cand", r.cand, sizeof(int32_t) * (size_t)n * r.ncand));
     mf_ref_state_free(s);
     mf_ref_free(ref);
     mf_model_free(m);
+    mf_engram_map_free(emap);
+    mf_tok_free(tok);
     free(logits);
     free(lg);
     free(st);
     free(r.routes);
     free(r.sel);
+    free(r.cand);
     return rc;
 }
