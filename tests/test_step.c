@@ -382,6 +382,15 @@ int main(void)
             CHECK(mf_step_new(rl, NULL, &e) == -ENOTSUP && !e, "lazy model refused");
             CHECK(strstr(mf_last_error(), "resident") != NULL, "message: %s", mf_last_error());
         }
+        mf_model *msto = NULL;
+        mf_ref *rs = NULL;
+        if (mf_model_load(g_dir, &(mf_model_opts){.quiet = 1, .store = MF_MODEL_STORE_RESIDENT}, &msto) == 0 &&
+            mf_ref_new(msto, NULL, &rs) == 0) {
+            CHECK(mf_step_new(rs, NULL, &e) == -ENOTSUP && !e, "store-backed model refused");
+            CHECK(strstr(mf_last_error(), "expert store") != NULL, "message: %s", mf_last_error());
+        }
+        mf_ref_free(rs);
+        mf_model_free(msto);
         if (mf_ref_new(m, &(mf_ref_opts){.act_quant = 1}, &rq) == 0)
             CHECK(mf_step_new(rq, NULL, &e) == -ENOTSUP && !e, "act_quant refused");
         CHECK(mf_step_new(r, NULL, &e) == 0, "step");
