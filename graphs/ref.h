@@ -68,6 +68,14 @@ int mf_ref_prefill(mf_ref *r, mf_ref_state *s, const int32_t *tokens, int n, flo
 int mf_ref_decode(mf_ref *r, mf_ref_state *const *states, const int32_t *tokens, int n_seq,
                   float *logits);
 
+/* Wall time the forward spent per part, summed over calls since mf_ref_new (for benchmarks):
+ * Engram sublayers, the attention stack (hyper-connection mixes, norms, attention), the MoE
+ * sublayers (router, experts, shared expert), the final norm + head, and the whole calls. */
+typedef struct mf_ref_times {
+    int64_t engram_ns, attn_ns, moe_ns, head_ns, total_ns;
+} mf_ref_times;
+void mf_ref_times_get(const mf_ref *r, mf_ref_times *out);
+
 /* ---- building blocks, exposed for tests ------------------------------------------------- */
 
 /* RoPE inverse frequencies of layer `layer` (qk_rope_head_dim/2 values, fp32): rope_theta without

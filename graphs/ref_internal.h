@@ -75,6 +75,10 @@ struct mf_ref {
     float *ex_out;               /* with an expert store: n_experts_per_tok x hidden outputs */
     int64_t *eg_rows;            /* Engram rows of one item: per rows, codes and scales */
     uint8_t *eg_codes, *eg_scales;
+    mf_ref_times times;
+    /* 0 for the oracle. Set only by the scheduled engine on its own forward objects: resident
+     * FP8/BF16 linears without act-quant then run on host/kernels.h (fp32 sums, ~1e-7 apart). */
+    int kern_linear;
     void *mem;
 };
 
@@ -85,7 +89,8 @@ void mf_bf_n(float *x, int64_t n);
 
 /* y[rows] = W x[cols], accumulated in double per 32-column block, rounded to fp32. W of any kind
  * but MF_W_TABLE; lazy weights are read into r's scratch. With aq, x is first fake-quantized to
- * e4m3 1x32 (a copy; x itself is untouched). */
+ * e4m3 1x32 (a copy; x itself is untouched). With r->kern_linear (never on the oracle), resident
+ * FP8/BF16 weights go through mf_kern_matmul instead. */
 int mf_ref_linear(mf_ref *r, const mf_weight *w, const float *x, float *y, int aq);
 /* Rows [row0, row0+n) of W only (same rules; used by the grouped wo_a). */
 int mf_ref_linear_rows(mf_ref *r, const mf_weight *w, int64_t row0, int64_t n, const float *x,

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "graphs/ref_internal.h"
+#include "sched/clock.h"
 #include "sched/error.h"
 
 void mf_ref_rope_freqs(const mf_config *c, int layer, float *freqs)
@@ -224,7 +225,9 @@ static int mf_ref_layer(mf_ref *r, mf_ref_item *it, int L)
     float mixes[(2 + MF_REF_MAX_HC) * MF_REF_MAX_HC], pre_a[MF_REF_MAX_HC], post[MF_REF_MAX_HC];
     float comb[MF_REF_MAX_HC * MF_REF_MAX_HC], pre_f[MF_REF_MAX_HC];
     int rc;
+    int64_t t0 = mf_now_ns();
     if (mf_config_engram_slot(c, L) >= 0 && (rc = mf_ref_engram(r, it, L))) return rc;
+    int64_t t1 = mf_now_ns();
 
     mf_ref_hc_mixes(r, it->x, &y->hc_attn_fn, mixes);
     mf_ref_hc_split_w(c, mixes, &y->hc_attn_scale, &y->hc_attn_base, pre_a, post, comb);
@@ -237,9 +240,14 @@ static int mf_ref_layer(mf_ref *r, mf_ref_item *it, int L)
     mf_ref_hc_split_w(c, mixes, &y->hc_ffn_scale, &y->hc_ffn_base, pre_f, post, comb);
     mf_ref_hc_collapse(r, it->x, pre_a, r->s[0]);     /* the attention mix's pre */
     mf_ref_rmsnorm(r->s[0], H, &y->ffn_norm, c->rms_norm_eps, r->s[1]);
+    int64_t t2 = mf_now_ns();
     if ((rc = mf_ref_moe(r, it, L, r->s[1], r->s[2]))) return rc;
+    int64_t t3 = mf_now_ns();
     mf_ref_hc_expand(r, it->x, r->s[2], post, comb);
     memcpy(it->pre, pre_f, sizeof pre_f);
+    r->times.engram_ns += t1 - t0;
+    r->times.moe_ns += t3 - t2;
+    r->times.attn_ns += t2 - t1 + mf_now_ns() - t3;
     return 0;
 }
 
@@ -248,6 +256,7 @@ int mf_ref_forward(mf_ref *r, mf_ref_state *const *states, const int32_t *tokens
 {
     const mf_config *c = r->c;
     if (n < 1) return mf_error(-EINVAL, "reference: forward of %d items", n);
+    int64_t t_start = mf_now_ns();
     /* validate everything before touching a state */
     int64_t need_scores = 0;
     for (int i = 0; i < n; i++) {
@@ -310,6 +319,7 @@ int mf_ref_forward(mf_ref *r, mf_ref_state *const *states, const int32_t *tokens
     int rc = 0;
     for (int L = 0; L < c->n_layers && !rc; L++)
         for (int i = 0; i < n && !rc; i++) rc = mf_ref_layer(r, &items[i], L);
+    int64_t t_head = mf_now_ns();
     for (int i = 0; i < n && !rc; i++) {
         mf_ref_item *it = &items[i];
         if (!it->logits) continue;
@@ -317,13 +327,17 @@ int mf_ref_forward(mf_ref *r, mf_ref_state *const *states, const int32_t *tokens
         mf_ref_rmsnorm(r->s[0], H, mf_model_norm(r->m), c->rms_norm_eps, r->s[1]);
         rc = mf_ref_linear(r, mf_model_head(r->m), r->s[1], it->logits, 0);   /* fp32 */
     }
+    r->times.head_ns += mf_now_ns() - t_head;
     if (!rc)
         for (int i = 0; i < n; i++) items[i].st->n_pos = items[i].pos + 1;
     free(items);
     free(mem);
+    r->times.total_ns += mf_now_ns() - t_start;
     if (rc) return mf_error_wrap(rc, "reference forward (the states involved are now inconsistent: reset them)");
     return 0;
 }
+
+void mf_ref_times_get(const mf_ref *r, mf_ref_times *out) { *out = r->times; }
 
 int mf_ref_prefill(mf_ref *r, mf_ref_state *s, const int32_t *tokens, int n, float *logits)
 {

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "graphs/ref_internal.h"
+#include "host/kernels.h"
 #include "sched/error.h"
 
 static float mf_e4m3_lut[256];
@@ -133,6 +134,12 @@ int mf_ref_linear(mf_ref *r, const mf_weight *w, const float *x, float *y, int a
 {
     if (w->kind == MF_W_NONE || w->kind == MF_W_TABLE)
         return mf_error(-EINVAL, "reference: %s is not a linear", w->name ? w->name : "(absent)");
+    if (r->kern_linear && !aq && w->data && w->cols % 32 == 0 &&
+        (w->kind == MF_W_BF16 || (w->kind == MF_W_FP8 && w->block_rows == 32 && w->block_cols == 32))) {
+        mf_kern_mat m = {.fmt = w->kind == MF_W_BF16 ? MF_KERN_BF16 : MF_KERN_FP8, .w = w->data,
+                         .scale = w->scale, .n_out = (int)w->rows, .n_in = (int)w->cols};
+        return mf_kern_matmul(&m, &(mf_kern_in){x, 1, (int)w->cols, NULL}, y, (int)w->rows, 0, (int)w->rows);
+    }
     if (aq && (w->kind == MF_W_FP8 || w->kind == MF_W_FP4)) {
         memcpy(r->s_aq, x, (size_t)w->cols * sizeof *x);
         mf_ref_fq_e4m3_pow2(r->s_aq, w->cols, 32);

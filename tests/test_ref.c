@@ -385,7 +385,7 @@ static void test_text_cli(mf_ref_opts base)
     }
     want[wn++] = '\n';
     char cmd[2600];
-    snprintf(cmd, sizeof cmd, "%s decode --checkpoint %s --prompt '%s' --max-new-tokens 5 --quiet", bin, d, prompt);
+    snprintf(cmd, sizeof cmd, "%s decode --engine reference --checkpoint %s --prompt '%s' --max-new-tokens 5 --quiet", bin, d, prompt);
     FILE *pf = popen(cmd, "r");
     size_t gn = pf ? fread(got, 1, sizeof got - 1, pf) : 0;
     CHECK(pf && pclose(pf) == 0, "decode --prompt exit status");
@@ -654,7 +654,7 @@ int main(void)
         const char *bin = getenv("MOEFLOW_BIN");
         if (bin) {
             char cmd[2400], line[4096] = "";
-            snprintf(cmd, sizeof cmd, "%s decode --checkpoint %s --tokens %d,%d,%d,%d --max-new-tokens 6 --quiet",
+            snprintf(cmd, sizeof cmd, "%s decode --engine reference --checkpoint %s --tokens %d,%d,%d,%d --max-new-tokens 6 --quiet",
                      bin, g_dir, toks[0], toks[1], toks[2], toks[3]);
             FILE *f = popen(cmd, "r");
             CHECK(f != NULL, "popen");

@@ -133,6 +133,7 @@ static const struct {
     {"sched", mf_bench_sched, "scheduler overhead per task (chain, independent, layered)"},
     {"io", mf_bench_io, "store reads vs dd iflag=direct; 264-byte gathers vs a pread loop"},
     {"kernels", mf_bench_kernels, "fused FP4 expert matmul and FFN vs read probe and expand baseline"},
+    {"decode", mf_bench_decode, "decode steps: scheduled vs reference engine, phase table per step"},
     {NULL, NULL, NULL},
 };
 

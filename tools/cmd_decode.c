@@ -1,6 +1,8 @@
-/* `moeflow decode`: runs the plain reference forward (graphs/ref.h) on a checkpoint: prefill of a
- * prompt (text through the checkpoint's tokenizer.json, or token ids), then greedy or seeded
- * temperature/top-p decoding, streamed as text (or ids), ending with tokens/s. */
+/* `moeflow decode`: decodes on a checkpoint with the scheduled engine (graphs/step.h, default) or
+ * the plain reference forward (graphs/ref.h): prefill of one prompt or a batch of prompts (text
+ * through the checkpoint's tokenizer.json, or token ids), then greedy or seeded temperature/top-p
+ * decoding of all sequences at once, streamed (one sequence) or printed per sequence, ending with
+ * prefill and aggregate decode tokens/s. */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -12,6 +14,7 @@
 #include "graphs/model.h"
 #include "graphs/ref.h"
 #include "graphs/sample.h"
+#include "graphs/step.h"
 #include "host/store.h"
 #include "host/tokenizer.h"
 #include "sched/clock.h"
@@ -21,17 +24,28 @@
 static void mf_decode_usage(FILE *f)
 {
     fprintf(f,
-            "usage: moeflow decode --checkpoint DIR (--prompt TEXT | --tokens IDS)\n"
+            "usage: moeflow decode --checkpoint DIR (--prompt TEXT | --tokens IDS | --prompts FILE)\n"
+            "                      [--engine scheduled|reference] [--threads N] [--exact] [--batch B]\n"
             "                      [--max-new-tokens N] [--temperature T --top-p P --seed S]\n"
-            "                      [--no-bos] [--ignore-eos] [--act-quant] [--quiet]\n"
+            "                      [--no-bos] [--ignore-eos] [--act-quant] [--quiet] [--trace FILE]\n"
             "                      [--store resident|streamed [--store-budget SIZE]\n"
-            "                       [--store-tables resident|streamed] [--io-depth N] [--trace FILE]]\n\n"
-            "Runs the plain reference forward (fp32, one thread: the correctness oracle, not a\n"
-            "fast path) and streams the continuation: text when DIR has a tokenizer.json, token\n"
-            "ids otherwise. Ends with prefill and decode tokens/s on stderr.\n\n"
+            "                       [--store-tables resident|streamed] [--io-depth N]]\n\n"
+            "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
+            "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
+            "one thread: the correctness oracle). One sequence is streamed: text when DIR has a\n"
+            "tokenizer.json, token ids otherwise; several are printed one line each, '[i] ...'.\n"
+            "Ends with prefill and aggregate decode tokens/s on stderr.\n\n"
             "  --checkpoint DIR    config.json + safetensors (e.g. from `moeflow gen`)\n"
             "  --prompt TEXT       text, encoded with DIR/tokenizer.json (BOS prepended)\n"
             "  --tokens IDS        token ids, comma or space separated, used as given\n"
+            "  --prompts FILE      one prompt per line (text with a tokenizer, else token ids);\n"
+            "                      empty lines are skipped\n"
+            "  --batch B           sequences decoded at once (1..64): the first B lines of\n"
+            "                      --prompts (default all), or B copies of --prompt/--tokens\n"
+            "  --engine E          scheduled (default) or reference\n"
+            "  --threads N         scheduled engine workers (default: the online CPUs)\n"
+            "  --exact             scheduled engine: fp32 kernel path for the FP4 experts (matches\n"
+            "                      the reference to ~1e-7) instead of the int8 path (~1%% per matmul)\n"
             "  --max-new-tokens N  tokens to generate (default 16)\n"
             "  --temperature T     0 (default) = greedy; > 0 samples\n"
             "  --top-p P           nucleus mass in (0, 1] (default 1)\n"
@@ -39,15 +53,17 @@ static void mf_decode_usage(FILE *f)
             "  --no-bos            do not prepend bos_token_id to --prompt\n"
             "  --ignore-eos        keep going after eos_token_id\n"
             "  --act-quant         quantize linear inputs to e4m3 as DeepSeek's inference code\n"
-            "                      does (default: the Hugging Face port, which does not)\n"
-            "  --quiet             no progress or timing on stderr\n"
-            "  --store MODE        experts and Engram tables through the expert store: resident (read\n"
-            "                      in at load) or streamed (a cache, misses read per use through\n"
-            "                      io_uring); per-step hits/misses on stderr\n"
+            "                      does (default: the Hugging Face port, which does not);\n"
+            "                      reference engine only\n"
+            "  --trace FILE        Chrome trace of the last step: the scheduled engine's task\n"
+            "                      graph, or with --store the store's expert reads and compute\n"
+            "  --store MODE        reference engine: experts and Engram tables through the expert\n"
+            "                      store: resident (read in at load) or streamed (a cache, misses\n"
+            "                      read per use through io_uring); per-step hits/misses on stderr\n"
             "  --store-budget SIZE streamed cache bytes, e.g. 2G, 512M (default 2G)\n"
             "  --store-tables MODE Engram tables resident or streamed (default: as --store)\n"
             "  --io-depth N        reads in flight (default 64)\n"
-            "  --trace FILE        Chrome trace of the last step's expert reads and compute\n");
+            "  --quiet             no progress or timing on stderr\n");
 }
 
 static int mf_parse_tokens(const char *s, int32_t **out, int *n_out)
@@ -101,6 +117,7 @@ static void mf_emit_token(const mf_tok *tok, int32_t id, int first)
     fflush(stdout);
 }
 
+
 /* "2G", "512M", "4096" -> bytes; 0 on a malformed size. */
 static uint64_t mf_parse_size(const char *t)
 {
@@ -134,17 +151,81 @@ static void mf_print_step(mf_store *st, const char *what, long k)
             x.io_busy_ns / 1e6, x.cpu_busy_ns / 1e6, x.overlap_ns / 1e6);
 }
 
+/* Prompt text or ids -> token ids (BOS first for text unless no_bos; bos fixed up after load). */
+static int mf_prompt_ids(const mf_tok *tok, const char *text, const char *ids, int no_bos, int32_t **out, int *n_out)
+{
+    if (ids) return mf_parse_tokens(ids, out, n_out);
+    size_t len = strlen(text), cap = len + 2, n = 0;
+    int32_t *p = malloc(sizeof *p * cap);
+    if (!p) return mf_error(-ENOMEM, "out of memory");
+    int rc = mf_tok_encode(tok, text, len, p + 1, cap - 1, &n);
+    if (rc) {
+        free(p);
+        return rc;
+    }
+    int np = (int)n + 1;
+    p[0] = 0;
+    if (no_bos) memmove(p, p + 1, sizeof *p * (size_t)--np);
+    if (np == 0) {
+        free(p);
+        return mf_error(-EINVAL, "the prompt '%.40s' encodes to no tokens", text);
+    }
+    *out = p;
+    *n_out = np;
+    return 0;
+}
+
+/* Reads FILE's non-empty lines (newline stripped) into a NULL-terminated array of strings. */
+static int mf_read_lines(const char *path, char ***out, int *n_out)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) return mf_error(-errno, "--prompts %s: cannot open: %s", path, strerror(errno));
+    char **lines = NULL, *buf = NULL;
+    size_t cap_b = 0;
+    int n = 0, cap = 0, rc = 0;
+    ssize_t len;
+    while ((len = getline(&buf, &cap_b, f)) >= 0) {
+        while (len > 0 && (buf[len - 1] == '\n' || buf[len - 1] == '\r')) buf[--len] = 0;
+        if (len == 0) continue;
+        if (n + 1 >= cap) {
+            char **l = realloc(lines, sizeof *l * (size_t)(cap = cap ? cap * 2 : 16));
+            if (!l) {
+                rc = mf_error(-ENOMEM, "out of memory");
+                break;
+            }
+            lines = l;
+        }
+        if (!(lines[n] = strdup(buf))) {
+            rc = mf_error(-ENOMEM, "out of memory");
+            break;
+        }
+        lines[++n] = NULL;
+    }
+    free(buf);
+    fclose(f);
+    if (!rc && n == 0) rc = mf_error(-EINVAL, "--prompts %s: no prompts (no non-empty lines)", path);
+    if (rc) {
+        for (int i = 0; i < n; i++) free(lines[i]);
+        free(lines);
+        return rc;
+    }
+    *out = lines;
+    *n_out = n;
+    return 0;
+}
+
 int mf_cmd_decode(int argc, char **argv)
 {
-    const char *dir = NULL, *prompt = NULL, *ids = NULL;
-    long max_new = 16;
+    const char *dir = NULL, *prompt = NULL, *ids = NULL, *prompts_file = NULL, *engine = "scheduled";
+    long max_new = 16, batch = 0, threads = sysconf(_SC_NPROCESSORS_ONLN);
     double temperature = 0, top_p = 1.0;
     unsigned long long seed = 0;
-    int no_bos = 0, ignore_eos = 0, act_quant = 0, quiet = 0;
+    int no_bos = 0, ignore_eos = 0, act_quant = 0, quiet = 0, exact = 0;
     int store_mode = 0, store_tables = 0;
     long io_depth = 0;
     uint64_t store_budget = 0;
     const char *trace = NULL;
+    if (threads < 1) threads = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int hv = i + 1 < argc;
@@ -158,6 +239,25 @@ int mf_cmd_decode(int argc, char **argv)
             prompt = argv[++i];
         } else if (!strcmp(a, "--tokens") && hv) {
             ids = argv[++i];
+        } else if (!strcmp(a, "--prompts") && hv) {
+            prompts_file = argv[++i];
+        } else if (!strcmp(a, "--engine") && hv) {
+            engine = argv[++i];
+            if (strcmp(engine, "scheduled") && strcmp(engine, "reference")) {
+                fprintf(stderr, "moeflow decode: --engine: expected scheduled or reference, found '%s'\n", engine);
+                return 2;
+            }
+        } else if ((!strcmp(a, "--threads") || !strcmp(a, "--batch")) && hv) {
+            long v = strtol(argv[++i], &end, 10);
+            int is_b = !strcmp(a, "--batch");
+            if (*end || !*argv[i] || v < 1 || v > (is_b ? MF_STEP_MAX_ITEMS : 256)) {
+                fprintf(stderr, "moeflow decode: %s: expected 1..%d, found '%s'\n", a,
+                        is_b ? MF_STEP_MAX_ITEMS : 256, argv[i]);
+                return 2;
+            }
+            *(is_b ? &batch : &threads) = v;
+        } else if (!strcmp(a, "--exact")) {
+            exact = 1;
         } else if (!strcmp(a, "--max-new-tokens") && hv) {
             max_new = strtol(argv[++i], &end, 10);
             if (*end || !*argv[i] || max_new < 0 || max_new > INT32_MAX) {
@@ -220,22 +320,44 @@ int mf_cmd_decode(int argc, char **argv)
             return 2;
         }
     }
-    if (!dir || (!prompt == !ids)) {
-        fprintf(stderr, "moeflow decode: --checkpoint and exactly one of --prompt / --tokens are required\n\n");
+    if (!dir || (!!prompt + !!ids + !!prompts_file) != 1) {
+        fprintf(stderr, "moeflow decode: --checkpoint and exactly one of --prompt / --tokens / --prompts are "
+                        "required\n\n");
         mf_decode_usage(stderr);
         return 2;
     }
+    int sched = !strcmp(engine, "scheduled");
+    if (sched && act_quant) {
+        fprintf(stderr, "moeflow decode: --act-quant is only implemented by the reference engine (add "
+                        "--engine reference)\n");
+        return 2;
+    }
+    if (sched && (store_mode || store_tables || store_budget || io_depth)) {
+        fprintf(stderr, "moeflow decode: the expert store (--store ...) is used by the reference engine "
+                        "only (add --engine reference); the scheduled engine needs resident experts\n");
+        return 2;
+    }
+    if (!sched && trace && !store_mode) {
+        fprintf(stderr, "moeflow decode: --trace needs the scheduled engine or --store\n");
+        return 2;
+    }
+    if (!sched && exact) {
+        fprintf(stderr, "moeflow decode: --exact applies to the scheduled engine (the reference is exact)\n");
+        return 2;
+    }
 
-    int ret = 1;
+    int ret = 1, n_seq = 0, n_lines = 0;
     mf_tok *tok = NULL;
     mf_engram_map *emap = NULL;
     mf_model *m = NULL;
     mf_ref *r = NULL;
-    mf_ref_state *st = NULL;
-    mf_sampler *smp = NULL;
-    int32_t *prompt_ids = NULL;
+    mf_step *eng = NULL;
+    char **lines = NULL;
+    mf_ref_state *st[MF_STEP_MAX_ITEMS] = {0};
+    mf_sampler *smp[MF_STEP_MAX_ITEMS] = {0};
+    int32_t *pids[MF_STEP_MAX_ITEMS] = {0}, *gen[MF_STEP_MAX_ITEMS] = {0};
+    int n_pid[MF_STEP_MAX_ITEMS] = {0}, is_text = 0;
     float *logits = NULL;
-    int n_prompt = 0;
 
     char tpath[4200];
     snprintf(tpath, sizeof tpath, "%s/tokenizer.json", dir);
@@ -246,41 +368,42 @@ int mf_cmd_decode(int argc, char **argv)
         return 2;
     }
     if (have_tok && mf_tok_load(tpath, &tok)) goto fail;
-
-    if (ids) {
-        if (mf_parse_tokens(ids, &prompt_ids, &n_prompt)) {
+    if (prompts_file) {
+        if (mf_read_lines(prompts_file, &lines, &n_lines)) {
             fprintf(stderr, "moeflow decode: %s\n", mf_last_error());
             return 2;
         }
-    } else {
-        size_t len = strlen(prompt), cap = len + 2, n = 0;
-        prompt_ids = malloc(sizeof *prompt_ids * cap);
-        if (!prompt_ids) goto fail;
-        int rc = mf_tok_encode(tok, prompt, len, prompt_ids + 1, cap - 1, &n);
-        if (rc == -ENOSPC) {   /* cannot happen (one id per byte at most), but handle it */
-            free(prompt_ids);
-            cap = n + 2;
-            prompt_ids = malloc(sizeof *prompt_ids * cap);
-            if (!prompt_ids) goto fail;
-            rc = mf_tok_encode(tok, prompt, len, prompt_ids + 1, cap - 1, &n);
-        }
-        if (rc) goto fail;
-        n_prompt = (int)n + 1;
-        prompt_ids[0] = 0;
-        if (no_bos) memmove(prompt_ids, prompt_ids + 1, sizeof *prompt_ids * (size_t)--n_prompt);
-        if (n_prompt == 0) {
-            fprintf(stderr, "moeflow decode: the prompt encodes to no tokens\n");
+        n_seq = batch ? (int)batch : n_lines < MF_STEP_MAX_ITEMS ? n_lines : MF_STEP_MAX_ITEMS;
+        if (n_seq > n_lines) {
+            fprintf(stderr, "moeflow decode: --batch %d but %s has %d prompts\n", n_seq, prompts_file, n_lines);
             ret = 2;
             goto out;
         }
+        is_text = have_tok;
+        for (int i = 0; i < n_seq; i++)
+            if (mf_prompt_ids(tok, have_tok ? lines[i] : NULL, have_tok ? NULL : lines[i], no_bos, &pids[i],
+                              &n_pid[i])) {
+                fprintf(stderr, "moeflow decode: %s line %d: %s\n", prompts_file, i + 1, mf_last_error());
+                ret = 2;
+                goto out;
+            }
+    } else {
+        n_seq = batch ? (int)batch : 1;
+        is_text = prompt != NULL;
+        for (int i = 0; i < n_seq; i++)
+            if (mf_prompt_ids(tok, prompt, ids, no_bos, &pids[i], &n_pid[i])) {
+                fprintf(stderr, "moeflow decode: %s\n", mf_last_error());
+                ret = 2;
+                goto out;
+            }
     }
 
+    /* the scheduled engine needs the experts in memory: allow up to 64 GiB resident */
+    mf_model_opts mo = {.quiet = quiet, .resident_limit_bytes = sched ? UINT64_C(64) << 30 : 0,
+                        .store = store_mode, .store_tables = store_tables,
+                        .store_budget_bytes = store_budget, .store_io_depth = (int)io_depth};
     int64_t tl0 = mf_now_ns();
-    if (mf_model_load(dir, &(mf_model_opts){.quiet = quiet, .store = store_mode,
-                                            .store_tables = store_tables,
-                                            .store_budget_bytes = store_budget,
-                                            .store_io_depth = (int)io_depth}, &m))
-        goto fail;
+    if (mf_model_load(dir, &mo, &m)) goto fail;
     mf_store *mst = mf_model_store(m);
     if (mst && !quiet)
         fprintf(stderr, "moeflow decode: expert store %s, %d slots of %.2f MiB (%.2f GiB slab), "
@@ -290,19 +413,23 @@ int mf_cmd_decode(int argc, char **argv)
                 mf_store_io_engine(mst), mf_store_direct(mst) ? "O_DIRECT" : "buffered",
                 (mf_now_ns() - tl0) / 1e9);
     const mf_config *c = mf_model_config(m);
-    if (prompt && !no_bos) prompt_ids[0] = c->bos_token_id;
-    for (int i = 0; i < n_prompt; i++)
-        if (prompt_ids[i] >= c->vocab_size) {
-            fprintf(stderr, "moeflow decode: token %d (position %d) is outside the vocabulary of %s "
-                            "(vocab_size %" PRId64 ")\n", prompt_ids[i], i, dir, c->vocab_size);
-            ret = 2;
-            goto out;
-        }
-    int64_t total = (int64_t)n_prompt + max_new;
+    int max_prompt = 0;
+    for (int s = 0; s < n_seq; s++) {
+        if (is_text && !no_bos) pids[s][0] = c->bos_token_id;
+        for (int i = 0; i < n_pid[s]; i++)
+            if (pids[s][i] >= c->vocab_size) {
+                fprintf(stderr, "moeflow decode: token %d (prompt %d, position %d) is outside the vocabulary of "
+                                "%s (vocab_size %" PRId64 ")\n", pids[s][i], s + 1, i, dir, c->vocab_size);
+                ret = 2;
+                goto out;
+            }
+        max_prompt = n_pid[s] > max_prompt ? n_pid[s] : max_prompt;
+    }
+    int64_t total = (int64_t)max_prompt + max_new;
     if (total > c->max_position_embeddings) {
         fprintf(stderr, "moeflow decode: prompt (%d tokens) + --max-new-tokens %ld = %" PRId64
                         " positions, past the model's max_position_embeddings %" PRId64 "\n",
-                n_prompt, max_new, total, c->max_position_embeddings);
+                max_prompt, max_new, total, c->max_position_embeddings);
         ret = 2;
         goto out;
     }
@@ -318,34 +445,68 @@ int mf_cmd_decode(int argc, char **argv)
         ro.token_map = mf_engram_map_ids(emap);
         ro.n_token_map = mf_engram_map_n_vocab(emap);
     }
-    if (mf_ref_new(m, &ro, &r) || mf_ref_state_new(r, total > 0 ? total : 1, &st) ||
-        mf_sampler_new(c->vocab_size, temperature, top_p, seed, &smp))
-        goto fail;
-    logits = malloc(sizeof *logits * (size_t)c->vocab_size);
+    if (mf_ref_new(m, &ro, &r)) goto fail;
+    if (sched && mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact}, &eng)) goto fail;
+    for (int s = 0; s < n_seq; s++)
+        if (mf_ref_state_new(r, total > 0 ? total : 1, &st[s]) ||
+            mf_sampler_new(c->vocab_size, temperature, top_p, seed + (unsigned long long)s, &smp[s]) ||
+            !(gen[s] = malloc(sizeof(int32_t) * (size_t)(max_new + 1))))
+            goto fail;
+    logits = malloc(sizeof *logits * (size_t)c->vocab_size * (size_t)n_seq);
     if (!logits) goto fail;
 
-    int64_t t0 = mf_now_ns();
+    int64_t t0 = mf_now_ns(), n_prefill = 0;
     if (mst) mf_store_step(mst, NULL);
-    if (mf_ref_prefill(r, st, prompt_ids, n_prompt, logits)) goto fail;
+    for (int s = 0; s < n_seq; s++) {
+        float *lg = logits + (size_t)s * c->vocab_size;
+        if (sched ? mf_step_prefill(eng, st[s], pids[s], n_pid[s], lg) : mf_ref_prefill(r, st[s], pids[s], n_pid[s], lg))
+            goto fail;
+        n_prefill += n_pid[s];
+    }
     if (mst && !quiet) mf_print_step(mst, "prefill", 0);
     int64_t t1 = mf_now_ns();
-    long n_gen = 0, steps = 0;
-    for (; n_gen < max_new; n_gen++) {
-        int32_t next = mf_sampler_pick(smp, logits);
-        if (next == c->eos_token_id && !ignore_eos) break;
-        mf_emit_token(tok, next, n_gen == 0);
-        if (n_gen + 1 == max_new) {
-            n_gen++;
-            break;
+    /* every live sequence: pick, emit, and (unless done) feed the token in one batched step */
+    long n_gen[MF_STEP_MAX_ITEMS] = {0}, steps = 0, fed = 0;
+    int live[MF_STEP_MAX_ITEMS], row_of[MF_STEP_MAX_ITEMS], n_live = n_seq;
+    for (int s = 0; s < n_seq; s++) live[s] = s, row_of[s] = s;
+    while (n_live > 0) {
+        mf_ref_state *bs[MF_STEP_MAX_ITEMS];
+        int32_t bt[MF_STEP_MAX_ITEMS];
+        int nb = 0;
+        for (int j = 0; j < n_live; j++) {
+            int s = live[j];
+            if (n_gen[s] >= max_new) continue;
+            int32_t next = mf_sampler_pick(smp[s], logits + (size_t)row_of[s] * c->vocab_size);
+            if (next == c->eos_token_id && !ignore_eos) continue;
+            gen[s][n_gen[s]] = next;
+            if (n_seq == 1) mf_emit_token(tok, next, n_gen[s] == 0);
+            if (++n_gen[s] == max_new) continue;
+            bs[nb] = st[s];
+            bt[nb] = next;
+            live[nb++] = s;
         }
-        if (mf_ref_decode(r, &st, &next, 1, logits)) goto fail;
+        n_live = nb;
+        if (!nb) break;
+        if (sched ? mf_step_decode(eng, bs, bt, nb, logits) : mf_ref_decode(r, bs, bt, nb, logits)) goto fail;
+        for (int j = 0; j < nb; j++) row_of[live[j]] = j;
         steps++;
+        fed += nb;
         if (mst && !quiet) mf_print_step(mst, "step", steps);
     }
     int64_t t2 = mf_now_ns();
-    putchar('\n');
+    long out_tokens = 0;
+    if (n_seq == 1) {
+        putchar('\n');
+    } else {
+        for (int s = 0; s < n_seq; s++) {
+            printf("[%d] ", s);
+            for (long k = 0; k < n_gen[s]; k++) mf_emit_token(tok, gen[s][k], k == 0);
+            putchar('\n');
+        }
+    }
+    for (int s = 0; s < n_seq; s++) out_tokens += n_gen[s];
     fflush(stdout);
-    if (mst && trace && mf_store_write_trace(mst, trace)) goto fail;
+    if (trace && (mst ? mf_store_write_trace(mst, trace) : mf_step_write_trace(eng, trace))) goto fail;
     if (mst && !quiet) {
         mf_store_stats x;
         mf_store_stats_total(mst, &x);
@@ -356,22 +517,29 @@ int mf_cmd_decode(int argc, char **argv)
                 x.io_busy_ns ? 100.0 * x.overlap_ns / x.io_busy_ns : 0.0);
     }
     if (!quiet)
-        fprintf(stderr, "moeflow decode: prefill %d tokens in %.3f s (%.2f tokens/s); decode %ld "
-                        "forward steps in %.3f s (%.2f tokens/s); %ld tokens out\n", n_prompt, (t1 - t0) / 1e9,
-                n_prompt / ((t1 - t0) / 1e9), steps, (t2 - t1) / 1e9,
-                steps ? steps / ((t2 - t1) / 1e9) : 0.0, n_gen);
+        fprintf(stderr, "moeflow decode (%s engine%s, %d sequence%s): prefill %" PRId64 " tokens in %.3f s "
+                        "(%.2f tokens/s); decode %ld steps, %ld tokens in %.3f s (%.2f tokens/s aggregate); "
+                        "%ld tokens out\n", engine, sched ? (exact ? ", fp32 experts" : ", int8 experts") : "",
+                n_seq, n_seq > 1 ? "s" : "", n_prefill, (t1 - t0) / 1e9, n_prefill / ((t1 - t0) / 1e9), steps, fed,
+                (t2 - t1) / 1e9, fed ? fed / ((t2 - t1) / 1e9) : 0.0, out_tokens);
     ret = 0;
     goto out;
 fail:
     fprintf(stderr, "moeflow decode: %s\n", mf_last_error()[0] ? mf_last_error() : "out of memory");
 out:
     free(logits);
-    mf_sampler_free(smp);
-    mf_ref_state_free(st);
+    for (int s = 0; s < MF_STEP_MAX_ITEMS; s++) {
+        mf_sampler_free(smp[s]);
+        mf_ref_state_free(st[s]);
+        free(pids[s]);
+        free(gen[s]);
+    }
+    mf_step_free(eng);
     mf_ref_free(r);
     mf_model_free(m);
     mf_engram_map_free(emap);
     mf_tok_free(tok);
-    free(prompt_ids);
+    for (int i = 0; i < n_lines; i++) free(lines[i]);
+    free(lines);
     return ret;
 }

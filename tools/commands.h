@@ -3,12 +3,13 @@
 #define MF_COMMANDS_H
 
 int mf_cmd_gen(int argc, char **argv);    /* tools/cmd_gen.c: synthetic checkpoints */
-int mf_cmd_decode(int argc, char **argv);  /* tools/cmd_decode.c: reference forward decoding */
+int mf_cmd_decode(int argc, char **argv);  /* tools/cmd_decode.c: decoding (scheduled or reference engine) */
 int mf_cmd_info(int argc, char **argv);   /* tools/cmd_info.c: byte census of a checkpoint */
 /* `moeflow bench <what>`: micro-benchmarks (tools/cmd_bench.c). */
 int mf_cmd_bench(int argc, char **argv);
 /* `moeflow bench io`: store reads vs dd, gathers vs a pread loop (tools/cmd_bench_io.c). */
 int mf_bench_io(int argc, char **argv);
 int mf_bench_kernels(int argc, char **argv);   /* tools/bench_kernels.c: `bench kernels` */
+int mf_bench_decode(int argc, char **argv);    /* tools/bench_decode.c: `bench decode` */
 
 #endif

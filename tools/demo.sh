@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The README demo: installs what is missing, builds, generates the demo checkpoint if absent (a
-# synthetic DeepSeek-V4.1 layout with random weights, 1.4 GiB), and decodes from it with the plain
-# reference forward. Random weights give random text: the demo shows the machinery (load, tokenize,
-# prefill, decode, stream, timing), not a trained model's answer.
+# synthetic DeepSeek-V4.1 layout with random weights, 1.4 GiB), and decodes from it with the
+# scheduled engine (docs/decode.md). Random weights give random text: the demo shows the machinery
+# (load, tokenize, prefill, decode, stream, timing), not a trained model's answer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install-deps.sh
@@ -14,5 +14,5 @@ if [ ! -f "$ckpt/tokenizer.json" ] || ! ./build/moeflow info "$ckpt" >/dev/null 
 fi
 ./build/moeflow info "$ckpt"
 echo
-echo "demo: greedy decode of 24 tokens with the reference forward (one thread, fp32)"
+echo "demo: greedy decode of 24 tokens with the scheduled engine (all cores; --engine reference: the fp32 oracle)"
 ./build/moeflow decode --checkpoint "$ckpt" --prompt "The capital of France is" --max-new-tokens 24

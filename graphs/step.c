@@ -1,0 +1,932 @@
+/* The scheduled decode engine (graphs/step.h): per batch size one graph, per layer
+ * [engram] -> attn -> gate -> route -> expert slots (up parts -> join -> down parts) -> combine,
+ * the shared expert (up parts -> join -> down parts) beside the slots, then norm -> head parts.
+ * Tasks read the step's data (items, slot table) from the shape's buffers, so the graph never
+ * changes. Engram, attention, hyper-connections, router and combine call the reference code on
+ * the engine's own forward objects (one task per item when the items are distinct sequences);
+ * expert FFNs and the head use the fused kernels (host/kernels.h), split by rows. */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "graphs/ref_internal.h"
+#include "graphs/step.h"
+#include "host/kernels.h"
+#include "sched/clock.h"
+#include "sched/error.h"
+#include "sched/sched.h"
+#include "sched/timeline.h"
+
+typedef struct mf_step_shape mf_step_shape;
+
+/* One task's argument: which shape, layer, slot and part it works on; the reference-code tasks
+ * also take items [i0, i1) with the reference object (scratch) they use. */
+typedef struct mf_step_targ {
+    mf_step_shape *sh;
+    int layer, slot, part;
+    int i0, i1;
+    mf_ref *r;
+} mf_step_targ;
+
+struct mf_step_shape {
+    mf_step *eng;
+    int n;              /* items */
+    int par;            /* 1: items of distinct sequences, reference-code parts one task per item */
+    int n_slots;        /* min(n * top_k, n_routed_experts) */
+    int p_exp, p_sh, p_head;   /* row parts per expert, shared expert, head */
+    mf_graph *g;
+    mf_timeline *tl;
+    uint8_t *phase_of;  /* per task */
+    mf_task_span *sorted;   /* per task: the last run's spans sorted by start (phase times) */
+    mf_step_targ *args;
+    /* items and their activations */
+    mf_ref_item *items;
+    float *xin;         /* n x H: MoE input (after ffn_norm) */
+    float *post, *comb; /* n x hc, n x hc*hc: the ffn mix's post and comb */
+    float *moe_out;     /* n x H: combine output */
+    /* routing of the current layer */
+    int32_t *ex;        /* n x K: experts of item i in top-k order */
+    float *wt;          /* n x K: their weights */
+    int32_t *asg;       /* n x K: row of (i, k) in the slot-ordered buffers */
+    int32_t *cnt, *fill;   /* n_routed_experts */
+    int32_t *slot_of;   /* n_routed_experts -> slot (-1) */
+    int32_t *slot_e, *slot_off, *slot_cnt;   /* n_slots */
+    int n_used;
+    /* slot-ordered expert buffers (n x K rows) */
+    float *xg, *wg, *h, *gg, *uu, *y;
+    mf_kern_q8 *q8x, *q8h;   /* n_slots */
+    uint8_t *q8x_mem, *q8h_mem;
+    size_t q8x_bytes, q8h_bytes;   /* per slot */
+    /* shared expert */
+    float *hs, *gs, *us, *ys;
+    /* head */
+    float *hn;          /* n x H */
+    float *lbuf;        /* n x vocab */
+    int32_t *head_item; /* j -> item */
+    int32_t *head_row;  /* item -> j (-1: no logits) */
+    int n_head;
+    void *mem;
+};
+
+struct mf_step {
+    mf_ref *r;
+    /* the engine's own forward objects over r's model and options (own scratch, linears on the
+     * kernels): cl[0] for the serial tasks, cl[i] for item i's tasks in parallel shapes */
+    mf_ref *cl[MF_STEP_MAX_ITEMS];
+    const mf_config *c;
+    mf_step_opts o;
+    mf_lane_desc lane;
+    mf_sched *sched;
+    mf_step_shape *shapes[2][MF_STEP_MAX_ITEMS + 1];   /* [par][n] */
+    mf_step_shape *last;
+    mf_step_times times;
+};
+
+const char *mf_step_phase_name(mf_step_phase p)
+{
+    static const char *const names[] = {"attention stack", "MoE", "Engram", "norm + head", "other"};
+    return (unsigned)p < MF_STEP_N_PHASES ? names[p] : "?";
+}
+
+/* ---- tasks --------------------------------------------------------------------------------- */
+
+static void mf_step_rows(int64_t n_rows, int parts, int p, int *r0, int *r1)
+{
+    int64_t chunk = (n_rows + parts - 1) / parts;
+    chunk = (chunk + 15) / 16 * 16;
+    int64_t a = p * chunk, b = a + chunk;
+    *r0 = (int)(a < n_rows ? a : n_rows);
+    *r1 = (int)(b < n_rows ? b : n_rows);
+}
+
+static mf_kern_mat mf_step_mat(const mf_weight *w)
+{
+    mf_kern_mat m = {.w = w->data, .scale = w->scale, .n_out = (int)w->rows, .n_in = (int)w->cols};
+    m.fmt = w->kind == MF_W_FP4 ? MF_KERN_FP4 : w->kind == MF_W_FP8 ? MF_KERN_FP8 : MF_KERN_BF16;
+    return m;
+}
+
+static int mf_task_engram(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    for (int i = a->i0; i < a->i1; i++) {
+        int rc = mf_ref_engram(a->r, &sh->items[i], a->layer);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* Attention sublayer wrapped by its mixes, then the ffn mix and norm: the first part of the
+ * reference's layer (ref_model.c), item by item in order. */
+static int mf_task_attn(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_ref *r = a->r;
+    const mf_config *c = r->c;
+    const mf_model_layer *y = mf_model_layer_at(r->m, a->layer);
+    int64_t H = c->hidden_size;
+    int hc = c->hc_mult;
+    for (int i = a->i0; i < a->i1; i++) {
+        mf_ref_item *it = &sh->items[i];
+        float mixes[(2 + MF_REF_MAX_HC) * MF_REF_MAX_HC], pre_a[MF_REF_MAX_HC], post[MF_REF_MAX_HC];
+        float comb[MF_REF_MAX_HC * MF_REF_MAX_HC], pre_f[MF_REF_MAX_HC];
+        mf_ref_hc_mixes(r, it->x, &y->hc_attn_fn, mixes);
+        mf_ref_hc_split_w(c, mixes, &y->hc_attn_scale, &y->hc_attn_base, pre_a, post, comb);
+        mf_ref_hc_collapse(r, it->x, it->pre, r->s[0]);
+        mf_ref_rmsnorm(r->s[0], H, &y->attn_norm, c->rms_norm_eps, r->s[1]);
+        int rc = mf_ref_attn(r, it, a->layer, r->s[1], r->s[2]);
+        if (rc) return rc;
+        mf_ref_hc_expand(r, it->x, r->s[2], post, comb);
+        mf_ref_hc_mixes(r, it->x, &y->hc_ffn_fn, mixes);
+        mf_ref_hc_split_w(c, mixes, &y->hc_ffn_scale, &y->hc_ffn_base, pre_f,
+                          sh->post + (size_t)i * hc, sh->comb + (size_t)i * hc * hc);
+        mf_ref_hc_collapse(r, it->x, pre_a, r->s[0]);
+        mf_ref_rmsnorm(r->s[0], H, &y->ffn_norm, c->rms_norm_eps, sh->xin + (size_t)i * H);
+        memcpy(it->pre, pre_f, sizeof pre_f);
+    }
+    return 0;
+}
+
+/* Gate logits (reference code, fp32 with double sums) and top-k of items [i0, i1). */
+static int mf_step_gate(mf_step_shape *sh, mf_ref *r, int L, int i0, int i1)
+{
+    const mf_config *c = r->c;
+    const mf_model_layer *y = mf_model_layer_at(r->m, L);
+    int K = c->n_experts_per_tok, E = c->n_routed_experts;
+    int64_t H = c->hidden_size;
+    float *logits = r->s[3], *bias = r->s[4];   /* s_len >= n_routed_experts */
+    for (int e = 0; e < E; e++) bias[e] = mf_ref_vec(&y->gate_bias, e);
+    for (int i = i0; i < i1; i++) {
+        r->kern_linear = 0;   /* router logits as the reference sums them (double): same routing */
+        int rc = mf_ref_linear(r, &y->gate, sh->xin + (size_t)i * H, logits, 0);
+        r->kern_linear = 1;
+        if (rc) return rc;
+        mf_ref_route(c, logits, bias, sh->ex + (size_t)i * K, sh->wt + (size_t)i * K);
+        if (r->opts.hooks.on_route)
+            r->opts.hooks.on_route(r->opts.hooks.user, sh->items[i].st, sh->items[i].pos, L,
+                                   sh->ex + (size_t)i * K, sh->wt + (size_t)i * K, K);
+    }
+    return 0;
+}
+
+static int mf_task_gate(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    return mf_step_gate(a->sh, a->r, a->layer, a->i0, a->i1);
+}
+
+/* Router: (serial shapes: the gates first, then) the slot table: the distinct experts in
+ * ascending id, each with its items in item order; inputs gathered into slot order (and
+ * quantized for the int8 path). */
+static int mf_task_route(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    const mf_config *c = eng->c;
+    int K = c->n_experts_per_tok, E = c->n_routed_experts;
+    int64_t H = c->hidden_size;
+    if (!sh->par) {
+        int rc = mf_step_gate(sh, a->r, a->layer, 0, sh->n);
+        if (rc) return rc;
+    }
+    memset(sh->cnt, 0, sizeof *sh->cnt * (size_t)E);
+    for (int j = 0; j < sh->n * K; j++) sh->cnt[sh->ex[j]]++;
+    int ns = 0, off = 0;
+    for (int e = 0; e < E; e++) {
+        sh->slot_of[e] = -1;
+        if (!sh->cnt[e]) continue;
+        if (ns == sh->n_slots) return mf_error(-EINVAL, "step: more experts than slots (internal)");
+        sh->slot_of[e] = ns;
+        sh->slot_e[ns] = e;
+        sh->slot_off[ns] = off;
+        sh->slot_cnt[ns] = sh->cnt[e];
+        sh->fill[e] = off;
+        off += sh->cnt[e];
+        ns++;
+    }
+    sh->n_used = ns;
+    for (int i = 0; i < sh->n; i++)
+        for (int k = 0; k < K; k++) {
+            int e = sh->ex[i * K + k], row = sh->fill[e]++;
+            sh->asg[i * K + k] = row;
+            memcpy(sh->xg + (size_t)row * H, sh->xin + (size_t)i * H, sizeof(float) * (size_t)H);
+            sh->wg[row] = sh->wt[i * K + k];
+        }
+    if (!eng->o.exact)
+        for (int s = 0; s < ns; s++) {
+            int rc = mf_kern_q8_init(&sh->q8x[s], sh->q8x_mem + (size_t)s * sh->q8x_bytes, sh->q8x_bytes,
+                                     sh->slot_cnt[s], (int)H);
+            if (!rc) rc = mf_kern_q8_quantize(&sh->q8x[s], sh->xg + (size_t)sh->slot_off[s] * H, (int)H, 0,
+                                              sh->slot_cnt[s]);
+            if (rc) return rc;
+        }
+    return 0;
+}
+
+/* Phase 1 of one FFN over rows [r0, r1) of its hidden size, for n_tok tokens of x (ld H).
+ * exact: w1 and w3 on the fp32 path, then the reference's roundings (ref_moe.c); else fused. */
+static int mf_step_ffn_up(mf_step *eng, const mf_weight *w1, const mf_weight *w3, const float *x,
+                          const mf_kern_q8 *q8, int n_tok, const float *tok_w, float *h, float *g,
+                          float *u, int r0, int r1)
+{
+    const mf_config *c = eng->c;
+    int H = (int)c->hidden_size, I = (int)w1->rows;
+    mf_kern_mat m1 = mf_step_mat(w1), m3 = mf_step_mat(w3);
+    float lim = (float)c->swiglu_limit;
+    if (!eng->o.exact && lim > 0)
+        return mf_kern_ffn_up(&m1, &m3, &(mf_kern_in){x, n_tok, H, q8}, tok_w, lim, h, I, r0, r1);
+    mf_kern_in in = {x, n_tok, H, eng->o.exact ? NULL : q8};
+    int rc = mf_kern_matmul(&m1, &in, g, I, r0, r1);
+    if (!rc) rc = mf_kern_matmul(&m3, &in, u, I, r0, r1);
+    if (rc) return rc;
+    for (int t = 0; t < n_tok; t++)
+        for (int i = r0; i < r1; i++) {
+            size_t k = (size_t)t * I + i;
+            float gi = mf_bf(g[k]), ui = mf_bf(u[k]);
+            if (lim > 0) {
+                ui = fminf(fmaxf(ui, -lim), lim);
+                gi = fminf(gi, lim);
+            }
+            h[k] = mf_bf((tok_w ? tok_w[t] : 1.0f) * (mf_ref_silu(gi) * ui));
+        }
+    return 0;
+}
+
+/* Phase 2: y rows [r0, r1) = w2 h, rounded to bf16 as the reference's expert outputs. */
+static int mf_step_ffn_down(mf_step *eng, const mf_weight *w2, const float *h, const mf_kern_q8 *q8,
+                            int n_tok, float *y, int r0, int r1)
+{
+    int H = (int)eng->c->hidden_size, I = (int)w2->cols;
+    mf_kern_mat m2 = mf_step_mat(w2);
+    int rc = mf_kern_ffn_down(&m2, &(mf_kern_in){h, n_tok, I, eng->o.exact ? NULL : q8}, y, H, r0, r1);
+    if (rc) return rc;
+    for (int t = 0; t < n_tok; t++)
+        for (int o = r0; o < r1; o++) y[(size_t)t * H + o] = mf_bf(y[(size_t)t * H + o]);
+    return 0;
+}
+
+static int mf_task_slot_up(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    if (a->slot >= sh->n_used) return 0;
+    mf_step *eng = sh->eng;
+    const mf_config *c = eng->c;
+    int64_t H = c->hidden_size, I = c->moe_intermediate_size;
+    const mf_weight *ew = &mf_model_layer_at(eng->r->m, a->layer)->experts[sh->slot_e[a->slot] * 3];
+    int r0, r1;
+    mf_step_rows(I, sh->p_exp, a->part, &r0, &r1);
+    if (r0 >= r1) return 0;
+    size_t off = (size_t)sh->slot_off[a->slot];
+    return mf_step_ffn_up(eng, &ew[0], &ew[2], sh->xg + off * H, &sh->q8x[a->slot], sh->slot_cnt[a->slot],
+                          sh->wg + off, sh->h + off * I, sh->gg ? sh->gg + off * I : NULL,
+                          sh->uu ? sh->uu + off * I : NULL, r0, r1);
+}
+
+static int mf_task_slot_join(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    if (a->slot >= sh->n_used || sh->eng->o.exact) return 0;
+    int I = (int)sh->eng->c->moe_intermediate_size, s = a->slot;
+    int rc = mf_kern_q8_init(&sh->q8h[s], sh->q8h_mem + (size_t)s * sh->q8h_bytes, sh->q8h_bytes,
+                             sh->slot_cnt[s], I);
+    if (!rc) rc = mf_kern_q8_quantize(&sh->q8h[s], sh->h + (size_t)sh->slot_off[s] * I, I, 0, sh->slot_cnt[s]);
+    return rc;
+}
+
+static int mf_task_slot_down(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    if (a->slot >= sh->n_used) return 0;
+    mf_step *eng = sh->eng;
+    int64_t H = eng->c->hidden_size, I = eng->c->moe_intermediate_size;
+    const mf_weight *ew = &mf_model_layer_at(eng->r->m, a->layer)->experts[sh->slot_e[a->slot] * 3];
+    int r0, r1;
+    mf_step_rows(H, sh->p_exp, a->part, &r0, &r1);
+    if (r0 >= r1) return 0;
+    size_t off = (size_t)sh->slot_off[a->slot];
+    return mf_step_ffn_down(eng, &ew[1], sh->h + off * I, &sh->q8h[a->slot], sh->slot_cnt[a->slot],
+                            sh->y + off * H, r0, r1);
+}
+
+static int mf_task_sh_up(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    const mf_model_layer *y = mf_model_layer_at(eng->r->m, a->layer);
+    int r0, r1;
+    mf_step_rows(y->sh_w1.rows, sh->p_sh, a->part, &r0, &r1);
+    if (r0 >= r1) return 0;
+    return mf_step_ffn_up(eng, &y->sh_w1, &y->sh_w3, sh->xin, NULL, sh->n, NULL, sh->hs, sh->gs, sh->us,
+                          r0, r1);
+}
+
+static int mf_task_nop(void *arg, mf_task_ctx *ctx)
+{
+    (void)arg;
+    (void)ctx;
+    return 0;
+}
+
+static int mf_task_sh_down(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    const mf_model_layer *y = mf_model_layer_at(eng->r->m, a->layer);
+    int r0, r1;
+    mf_step_rows(eng->c->hidden_size, sh->p_sh, a->part, &r0, &r1);
+    if (r0 >= r1) return 0;
+    return mf_step_ffn_down(eng, &y->sh_w2, sh->hs, NULL, sh->n, sh->ys, r0, r1);
+}
+
+/* Combine: per item, the routed outputs in its top-k order, then the shared expert, summed in
+ * double as the reference does (a fixed order: bit-identical whatever ran where), rounded to
+ * bf16 and expanded into the streams with the ffn mix. */
+static int mf_task_combine(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    const mf_config *c = eng->c;
+    int64_t H = c->hidden_size;
+    int K = c->n_experts_per_tok, hc = c->hc_mult;
+    double *acc = (double *)a->r->s[8];
+    for (int i = a->i0; i < a->i1; i++) {
+        float *out = sh->moe_out + (size_t)i * H;
+        for (int64_t d = 0; d < H; d++) acc[d] = 0;
+        for (int k = 0; k < K; k++) {
+            const float *yr = sh->y + (size_t)sh->asg[i * K + k] * H;
+            for (int64_t d = 0; d < H; d++) acc[d] += yr[d];
+        }
+        if (c->n_shared_experts > 0) {
+            const float *yr = sh->ys + (size_t)i * H;
+            for (int64_t d = 0; d < H; d++) acc[d] += yr[d];
+        }
+        for (int64_t d = 0; d < H; d++) out[d] = mf_bf((float)acc[d]);
+        mf_ref_hc_expand(a->r, sh->items[i].x, out, sh->post + (size_t)i * hc,
+                         sh->comb + (size_t)i * hc * hc);
+    }
+    return 0;
+}
+
+static int mf_task_norm(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_ref *r = a->r;
+    int64_t H = r->c->hidden_size;
+    for (int i = a->i0; i < a->i1; i++) {
+        int j = sh->head_row[i];
+        if (j < 0) continue;
+        mf_ref_item *it = &sh->items[i];
+        mf_ref_hc_collapse(r, it->x, it->pre, r->s[0]);
+        mf_ref_rmsnorm(r->s[0], H, mf_model_norm(r->m), r->c->rms_norm_eps, sh->hn + (size_t)j * H);
+    }
+    return 0;
+}
+
+static int mf_task_head(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    if (!sh->n_head) return 0;
+    const mf_config *c = sh->eng->c;
+    const mf_weight *w = mf_model_head(sh->eng->r->m);
+    int r0, r1;
+    mf_step_rows(c->vocab_size, sh->p_head, a->part, &r0, &r1);
+    if (r0 >= r1) return 0;
+    return mf_kern_bf16_matmul((const uint16_t *)w->data, (int)c->vocab_size, (int)c->hidden_size,
+                               sh->hn, sh->n_head, (int)c->hidden_size, sh->lbuf, (int)c->vocab_size,
+                               r0, r1);
+}
+
+/* ---- graph and buffers of one batch size ---------------------------------------------------- */
+
+/* A forward object like r (model, options, token map) with its own scratch, whose FP8/BF16
+ * linears run on the kernels (r->kern_linear). */
+static int mf_step_clone(mf_ref *r, mf_ref **out)
+{
+    mf_ref_opts o = r->opts;
+    o.token_map = r->token_map;
+    o.n_token_map = r->c->vocab_size;
+    int rc = mf_ref_new(r->m, &o, out);
+    if (!rc) (*out)->kern_linear = 1;
+    return rc;
+}
+
+static void mf_step_shape_free(mf_step_shape *sh)
+{
+    if (!sh) return;
+    mf_timeline_destroy(sh->tl);
+    mf_graph_destroy(sh->g);
+    free(sh->phase_of);
+    free(sh->sorted);
+    free(sh->args);
+    free(sh->mem);
+    free(sh);
+}
+
+typedef struct mf_step_builder {
+    mf_step_shape *sh;
+    int n_args, cap;
+    int rc;
+} mf_step_builder;
+
+/* Adds a task of items [i0, i1) (reference object r); returns its id, or -1 after an error. */
+static mf_task_id mf_step_add(mf_step_builder *b, const char *name, mf_task_fn fn, int phase,
+                              int layer, int slot, int part, int i0, int i1, mf_ref *r, double bytes,
+                              double time_ns)
+{
+    if (b->rc) return -1;
+    if (b->n_args == b->cap) {
+        b->rc = mf_error(-EFAULT, "step: more than the %d tasks counted (internal)", b->cap);
+        return -1;
+    }
+    mf_step_shape *sh = b->sh;
+    mf_step_targ *a = &sh->args[b->n_args++];
+    *a = (mf_step_targ){sh, layer, slot, part, i0, i1, r};
+    mf_task_id t = mf_graph_add_task(sh->g, &(mf_task_desc){.name = name, .lane = 0, .fn = fn, .arg = a,
+                                                            .cost = {.bytes = bytes, .time_ns = time_ns},
+                                                            .place_hint = -1});
+    if (t < 0) {
+        b->rc = t;
+        return -1;
+    }
+    sh->phase_of[t] = (uint8_t)phase;
+    return t;
+}
+
+static void mf_step_dep(mf_step_builder *b, mf_task_id before, mf_task_id after)
+{
+    if (!b->rc && before >= 0 && after >= 0) b->rc = mf_graph_add_dep(b->sh->g, before, after);
+}
+
+/* The graph of one shape. Serial shapes (sh->par 0): one task each for engram, attn, route
+ * (gates + table), combine, norm, on the engine's reference object. Parallel shapes: those parts
+ * one task per item, item i on reference object cl[i]; route builds only the table. */
+static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
+{
+    const mf_config *c = eng->c;
+    int n = sh->n, u = sh->par ? n : 1;   /* reference-code tasks per part */
+    int n_task = 1 + u + sh->p_head;
+    for (int L = 0; L < c->n_layers; L++)   /* engram, attn, gate, combine per unit; route, joins */
+        n_task += 4 * u + 3 + 2 * sh->p_sh + sh->n_slots * (1 + 2 * sh->p_exp);
+    sh->args = calloc((size_t)n_task, sizeof *sh->args);
+    sh->phase_of = calloc((size_t)n_task, 1);
+    mf_task_id *unit = calloc((size_t)u, sizeof *unit), *gates = calloc((size_t)u, sizeof *gates);
+    if (!sh->args || !sh->phase_of || !unit || !gates) {
+        free(unit);
+        free(gates);
+        return mf_error(-ENOMEM, "step: out of memory for the graph");
+    }
+    int rc = mf_graph_create(&eng->lane, 1, &sh->g);
+    if (rc) {
+        free(unit);
+        free(gates);
+        return rc;
+    }
+    mf_step_builder b = {sh, 0, n_task, 0};
+    char name[64];
+    double H = (double)c->hidden_size, I = (double)c->moe_intermediate_size;
+    double per = (double)n / u;   /* items per unit */
+    /* rough costs for priorities: reference code ~1 ns per multiply-add, kernels by bytes */
+    double ref_attn_ns = per * (H * (c->q_lora_rank + 4.0 * c->hc_mult * 24) + (double)c->q_lora_rank *
+                                c->n_heads * c->head_dim + 2.0 * c->n_heads * c->head_dim * H);
+    double exp_bytes = 3 * H * I * 0.53, sh_bytes = 3 * H * I * 1.0;
+    for (int k = 0; k < u; k++) unit[k] = -1;
+    for (int L = 0; L < c->n_layers; L++) {
+        mf_task_id at[MF_STEP_MAX_ITEMS];
+        for (int k = 0; k < u; k++) {
+            int i0 = sh->par ? k : 0, i1 = sh->par ? k + 1 : n;
+            mf_ref *r = eng->cl[k];
+            if (mf_config_engram_slot(c, L) >= 0) {
+                snprintf(name, sizeof name, sh->par ? "engram L%d item %d" : "engram L%d", L, k);
+                mf_task_id t = mf_step_add(&b, name, mf_task_engram, MF_STEP_ENGRAM, L, 0, 0, i0, i1, r, 0,
+                                           per * 2e5);
+                mf_step_dep(&b, unit[k], t);
+                unit[k] = t;
+            }
+            snprintf(name, sizeof name, sh->par ? "attn L%d item %d" : "attn L%d", L, k);
+            at[k] = mf_step_add(&b, name, mf_task_attn, MF_STEP_ATTN, L, 0, 0, i0, i1, r, 0, ref_attn_ns);
+            mf_step_dep(&b, unit[k], at[k]);
+            gates[k] = at[k];
+            if (sh->par) {
+                snprintf(name, sizeof name, "gate L%d item %d", L, k);
+                gates[k] = mf_step_add(&b, name, mf_task_gate, MF_STEP_MOE, L, 0, 0, i0, i1, r, 0,
+                                       H * c->n_routed_experts);
+                mf_step_dep(&b, at[k], gates[k]);
+            }
+        }
+        snprintf(name, sizeof name, "route L%d", L);
+        mf_task_id ro = mf_step_add(&b, name, mf_task_route, MF_STEP_MOE, L, 0, 0, 0, n, eng->cl[0], 0,
+                                    n * H * (c->n_experts_per_tok + (sh->par ? 0 : c->n_routed_experts)));
+        for (int k = 0; k < u; k++) mf_step_dep(&b, gates[k], ro);
+        snprintf(name, sizeof name, "moe L%d done", L);
+        mf_task_id done = mf_step_add(&b, name, mf_task_nop, MF_STEP_MOE, L, 0, 0, 0, 0, NULL, 0, 0);
+        for (int s = 0; s < sh->n_slots; s++) {
+            snprintf(name, sizeof name, "expert L%d slot %d join", L, s);
+            mf_task_id jo = mf_step_add(&b, name, mf_task_slot_join, MF_STEP_MOE, L, s, 0, 0, 0, NULL, 0, I * 2);
+            for (int p = 0; p < sh->p_exp; p++) {
+                snprintf(name, sizeof name, "expert L%d slot %d up %d", L, s, p);
+                mf_task_id up = mf_step_add(&b, name, mf_task_slot_up, MF_STEP_MOE, L, s, p, 0, 0, NULL,
+                                            exp_bytes * 2 / 3 / sh->p_exp, 0);
+                snprintf(name, sizeof name, "expert L%d slot %d down %d", L, s, p);
+                mf_task_id dn = mf_step_add(&b, name, mf_task_slot_down, MF_STEP_MOE, L, s, p, 0, 0, NULL,
+                                            exp_bytes / 3 / sh->p_exp, 0);
+                mf_step_dep(&b, ro, up);
+                mf_step_dep(&b, up, jo);
+                mf_step_dep(&b, jo, dn);
+                mf_step_dep(&b, dn, done);
+            }
+        }
+        snprintf(name, sizeof name, "shared L%d join", L);
+        mf_task_id sj = mf_step_add(&b, name, mf_task_nop, MF_STEP_MOE, L, 0, 0, 0, 0, NULL, 0, 0);
+        for (int p = 0; p < sh->p_sh; p++) {
+            snprintf(name, sizeof name, "shared L%d up %d", L, p);
+            mf_task_id up = mf_step_add(&b, name, mf_task_sh_up, MF_STEP_MOE, L, 0, p, 0, 0, NULL,
+                                        sh_bytes * 2 / 3 / sh->p_sh, 0);
+            snprintf(name, sizeof name, "shared L%d down %d", L, p);
+            mf_task_id dn = mf_step_add(&b, name, mf_task_sh_down, MF_STEP_MOE, L, 0, p, 0, 0, NULL,
+                                        sh_bytes / 3 / sh->p_sh, 0);
+            for (int k = 0; k < u; k++) mf_step_dep(&b, at[k], up);
+            mf_step_dep(&b, up, sj);
+            mf_step_dep(&b, sj, dn);
+            mf_step_dep(&b, dn, done);
+        }
+        mf_step_dep(&b, ro, done);
+        for (int k = 0; k < u; k++) {
+            snprintf(name, sizeof name, sh->par ? "combine L%d item %d" : "combine L%d", L, k);
+            unit[k] = mf_step_add(&b, name, mf_task_combine, MF_STEP_MOE, L, 0, 0, sh->par ? k : 0,
+                                  sh->par ? k + 1 : n, eng->cl[k], 0,
+                                  per * H * (c->n_experts_per_tok + 2 + 2 * c->hc_mult));
+            mf_step_dep(&b, done, unit[k]);
+        }
+    }
+    snprintf(name, sizeof name, "head join");
+    mf_task_id hj = mf_step_add(&b, name, mf_task_nop, MF_STEP_HEAD, 0, 0, 0, 0, 0, NULL, 0, 0);
+    for (int k = 0; k < u; k++) {
+        snprintf(name, sizeof name, sh->par ? "norm item %d" : "norm", k);
+        mf_task_id no = mf_step_add(&b, name, mf_task_norm, MF_STEP_HEAD, 0, 0, 0, sh->par ? k : 0,
+                                    sh->par ? k + 1 : n, eng->cl[k], 0, per * H * 8);
+        mf_step_dep(&b, unit[k], no);
+        mf_step_dep(&b, no, hj);
+    }
+    for (int p = 0; p < sh->p_head; p++) {
+        snprintf(name, sizeof name, "head %d", p);
+        mf_task_id hd = mf_step_add(&b, name, mf_task_head, MF_STEP_HEAD, 0, 0, p, 0, 0, NULL,
+                                    2.0 * c->vocab_size * H / sh->p_head, 0);
+        mf_step_dep(&b, hj, hd);
+    }
+    free(unit);
+    free(gates);
+    if (b.rc) return b.rc;
+    if ((rc = mf_graph_finalize(sh->g))) return rc;
+    if (!(sh->sorted = malloc(sizeof *sh->sorted * (size_t)mf_graph_n_tasks(sh->g))))
+        return mf_error(-ENOMEM, "step: out of memory for the graph");
+    return mf_timeline_create(sh->g, &sh->tl);
+}
+
+static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
+{
+    const mf_config *c = eng->c;
+    int64_t H = c->hidden_size, I = c->moe_intermediate_size, V = c->vocab_size;
+    int64_t Ish = c->n_shared_experts > 0 ? mf_model_layer_at(eng->r->m, 0)->sh_w1.rows : 0;
+    int K = c->n_experts_per_tok, E = c->n_routed_experts, hc = c->hc_mult, W = eng->o.n_threads;
+    int n_cb = c->candidate_topk_blocks > 0 ? c->candidate_topk_blocks : 1;
+    mf_step_shape *sh = calloc(1, sizeof *sh);
+    if (!sh) return mf_error(-ENOMEM, "step: out of memory");
+    sh->eng = eng;
+    sh->n = n;
+    sh->par = par;
+    sh->n_slots = n * K < E ? n * K : E;
+    /* split experts by rows when there are fewer slots than two per worker */
+    sh->p_exp = sh->n_slots >= 2 * W ? 1 : (2 * W + sh->n_slots - 1) / sh->n_slots;
+    if (sh->p_exp > 8) sh->p_exp = 8;
+    sh->p_sh = c->n_shared_experts > 0 ? (W < 8 ? W : 8) : 0;
+    sh->p_head = 2 * W;
+    size_t nk = (size_t)n * K, q8x = mf_kern_q8_bytes(n, (int)H), q8h = mf_kern_q8_bytes(n, (int)I);
+    int ex = eng->o.exact;
+    size_t f = sizeof(float), bytes = 0;
+    /* sizes in one list so allocation and carving agree */
+    size_t sz[] = {
+        (size_t)n * sizeof(mf_ref_item),
+        (size_t)n * hc * H * f,                   /* x */
+        (size_t)n * c->index_topk * 4, (size_t)n * n_cb * 4,
+        (size_t)n * H * f, (size_t)n * hc * f, (size_t)n * hc * hc * f, (size_t)n * H * f,
+        nk * 4, nk * f, nk * 4, (size_t)E * 4, (size_t)E * 4, (size_t)E * 4,
+        (size_t)sh->n_slots * 4, (size_t)sh->n_slots * 4, (size_t)sh->n_slots * 4,
+        nk * H * f, nk * f, nk * I * f, ex ? nk * I * f : 0, ex ? nk * I * f : 0, nk * H * f,
+        (size_t)sh->n_slots * sizeof(mf_kern_q8), (size_t)sh->n_slots * sizeof(mf_kern_q8),
+        (size_t)sh->n_slots * q8x, (size_t)sh->n_slots * q8h,
+        (size_t)n * Ish * f, ex ? (size_t)n * Ish * f : 0, ex ? (size_t)n * Ish * f : 0, (size_t)n * H * f,
+        (size_t)n * H * f, (size_t)n * V * f, (size_t)n * 4, (size_t)n * 4,
+    };
+    enum { N_SZ = sizeof sz / sizeof sz[0] };
+    for (int i = 0; i < N_SZ; i++) bytes += (sz[i] + 63) / 64 * 64;
+    uint8_t *p = aligned_alloc(64, bytes);
+    if (!p) {
+        free(sh);
+        return mf_error(-ENOMEM, "step: cannot allocate %zu bytes of buffers for a batch of %d", bytes, n);
+    }
+    memset(p, 0, bytes);
+    sh->mem = p;
+    void *v[N_SZ];
+    for (int i = 0; i < N_SZ; i++) {
+        v[i] = sz[i] ? p : NULL;
+        p += (sz[i] + 63) / 64 * 64;
+    }
+    int k = 0;
+    sh->items = v[k++];
+    float *x = v[k++];
+    int32_t *topk = v[k++], *cand = v[k++];
+    sh->xin = v[k++]; sh->post = v[k++]; sh->comb = v[k++]; sh->moe_out = v[k++];
+    sh->ex = v[k++]; sh->wt = v[k++]; sh->asg = v[k++]; sh->cnt = v[k++]; sh->fill = v[k++];
+    sh->slot_of = v[k++]; sh->slot_e = v[k++]; sh->slot_off = v[k++]; sh->slot_cnt = v[k++];
+    sh->xg = v[k++]; sh->wg = v[k++]; sh->h = v[k++]; sh->gg = v[k++]; sh->uu = v[k++]; sh->y = v[k++];
+    sh->q8x = v[k++]; sh->q8h = v[k++]; sh->q8x_mem = v[k++]; sh->q8h_mem = v[k++];
+    sh->hs = v[k++]; sh->gs = v[k++]; sh->us = v[k++]; sh->ys = v[k++];
+    sh->hn = v[k++]; sh->lbuf = v[k++]; sh->head_item = v[k++]; sh->head_row = v[k++];
+    sh->q8x_bytes = q8x;
+    sh->q8h_bytes = q8h;
+    for (int i = 0; i < n; i++) {
+        sh->items[i].x = x + (size_t)i * hc * H;
+        sh->items[i].topk = topk + (size_t)i * c->index_topk;
+        sh->items[i].cand = cand + (size_t)i * n_cb;
+    }
+    int rc = 0;
+    for (int i = 1; par && i < n && !rc; i++)   /* forward objects of the item tasks */
+        if (!eng->cl[i]) rc = mf_step_clone(eng->r, &eng->cl[i]);
+    if (!rc) rc = mf_step_build_graph(eng, sh);
+    if (rc) {
+        mf_step_shape_free(sh);
+        return mf_error_wrap(rc, "step: building the graph of a batch of %d", n);
+    }
+    *out = sh;
+    return 0;
+}
+
+/* ---- the engine ---------------------------------------------------------------------------- */
+
+int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
+{
+    *out = NULL;
+    const mf_config *c = r->c;
+    if (mf_model_store(r->m))
+        return mf_error(-ENOTSUP, "step: the model reads its experts through an expert store; the "
+                        "scheduled engine needs them resident (use the reference engine with a store)");
+    if (mf_model_is_lazy(r->m))
+        return mf_error(-ENOTSUP, "step: the model's experts are not resident (lazy load); the "
+                        "scheduled engine needs them in memory (use the reference engine)");
+    if (r->opts.act_quant)
+        return mf_error(-ENOTSUP, "step: act_quant is not supported by the scheduled engine");
+    if (c->quant_block_out != 32 || c->quant_block_in != 32)
+        return mf_error(-ENOTSUP, "step: FP8 scale tiles %dx%d, the kernels need 32x32",
+                        c->quant_block_out, c->quant_block_in);
+    if (mf_model_head(r->m)->kind != MF_W_BF16)
+        return mf_error(-ENOTSUP, "step: head.weight is not bf16");
+    if (c->n_shared_experts > 1)
+        return mf_error(-ENOTSUP, "step: %d shared experts (expected 0 or 1)", c->n_shared_experts);
+    if (c->hidden_size % 32 || c->moe_intermediate_size % 32)
+        return mf_error(-ENOTSUP, "step: hidden_size %" PRId64 " and moe_intermediate_size %" PRId64
+                        " must be multiples of 32", (int64_t)c->hidden_size, (int64_t)c->moe_intermediate_size);
+    mf_step *s = calloc(1, sizeof *s);
+    if (!s) return mf_error(-ENOMEM, "step: out of memory");
+    s->r = r;
+    s->c = c;
+    if (opts) s->o = *opts;
+    if (s->o.n_threads < 1) s->o.n_threads = 1;
+    if (s->o.n_threads > 256) {
+        int n = s->o.n_threads;
+        free(s);
+        return mf_error(-EINVAL, "step: %d threads (max 256)", n);
+    }
+    s->lane = (mf_lane_desc){.kind = MF_LANE_CPU, .name = "cpu", .concurrency = s->o.n_threads,
+                             .numa_node = -1, .model = {.bytes_per_s = 20e9, .latency_ns = 2000}};
+    int rc = mf_step_clone(r, &s->cl[0]);
+    if (!rc) rc = mf_sched_create(&(mf_sched_opts){.lanes = &s->lane, .n_lanes = 1,
+                                                   .pin_threads = s->o.pin_threads}, &s->sched);
+    if (rc) {
+        mf_ref_free(s->cl[0]);
+        free(s);
+        return rc;
+    }
+    *out = s;
+    return 0;
+}
+
+void mf_step_free(mf_step *s)
+{
+    if (!s) return;
+    mf_sched_destroy(s->sched);
+    for (int i = 0; i <= MF_STEP_MAX_ITEMS; i++) {
+        mf_step_shape_free(s->shapes[0][i]);
+        mf_step_shape_free(s->shapes[1][i]);
+    }
+    for (int i = 0; i < MF_STEP_MAX_ITEMS; i++) mf_ref_free(s->cl[i]);
+    free(s);
+}
+
+/* Score buffers of a reference object for states of up to `need` scores (as mf_ref_forward grows
+ * them: once per new state size). */
+static int mf_step_grow_scores(mf_ref *r, int64_t need)
+{
+    if (need <= r->s_scores_len) return 0;
+    double *sc = realloc(r->s_scores, (size_t)need * sizeof *sc);
+    if (sc) r->s_scores = sc;
+    mf_ref_pick *pk = realloc(r->s_picks, (size_t)need * sizeof *pk);
+    if (pk) r->s_picks = pk;
+    if (!sc || !pk) return mf_error(-ENOMEM, "step: out of memory for score buffers");
+    r->s_scores_len = need;
+    return 0;
+}
+
+/* Checks as mf_ref_forward does, before any state changes. */
+static int mf_step_check(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n)
+{
+    const mf_config *c = s->c;
+    mf_ref *r = s->r;
+    int64_t need = 0;
+    for (int i = 0; i < n; i++) {
+        if (tokens[i] < 0 || tokens[i] >= c->vocab_size)
+            return mf_error(-EINVAL, "step: token %d (item %d) outside the vocabulary [0, %" PRId64 ")",
+                            tokens[i], i, c->vocab_size);
+        if (states[i]->r != r) return mf_error(-EINVAL, "step: item %d's state belongs to another forward", i);
+        for (int j = 0; i > 0 && states[i - 1] != states[i] && j < i - 1; j++)
+            if (states[j] == states[i])
+                return mf_error(-EINVAL, "step: items of one sequence must be consecutive (item %d)", i);
+        int64_t k = 0;
+        for (int j = 0; j < n; j++) k += states[j] == states[i];
+        if (states[i]->n_pos + k > states[i]->max_pos)
+            return mf_error(-EINVAL, "step: sequence would reach %" PRId64 " positions, past its maximum "
+                            "of %" PRId64, states[i]->n_pos + k, states[i]->max_pos);
+        int64_t ns = states[i]->max_pos + c->sliding_window + c->index_topk + 1;
+        need = need > ns ? need : ns;
+    }
+    return mf_step_grow_scores(r, need);
+}
+
+static int mf_step_span_cmp(const void *pa, const void *pb)
+{
+    const mf_task_span *x = pa, *y = pb;
+    return (x->start_ns > y->start_ns) - (x->start_ns < y->start_ns);
+}
+
+/* Adds the last run's time per phase to s->times: per phase the union of its tasks' intervals
+ * (one pass over the spans sorted by start) and their summed durations. */
+static void mf_step_account(mf_step *s, mf_step_shape *sh)
+{
+    const mf_task_span *sp = mf_timeline_spans(sh->tl);
+    int n = mf_graph_n_tasks(sh->g), m = 0;
+    for (int t = 0; t < n; t++)
+        if (sp[t].status == 0) {
+            sh->sorted[m] = sp[t];
+            sh->sorted[m++].worker = sh->phase_of[t];   /* reused to carry the phase */
+        }
+    qsort(sh->sorted, (size_t)m, sizeof *sh->sorted, mf_step_span_cmp);
+    int64_t cur_s[MF_STEP_N_PHASES], cur_e[MF_STEP_N_PHASES];
+    for (int p = 0; p < MF_STEP_N_PHASES; p++) cur_s[p] = cur_e[p] = -1;
+    for (int k = 0; k < m; k++) {
+        const mf_task_span *x = &sh->sorted[k];
+        int p = x->worker;
+        s->times.busy_ns[p] += x->end_ns - x->start_ns;
+        if (x->start_ns > cur_e[p]) {
+            if (cur_e[p] > cur_s[p]) s->times.phase_ns[p] += cur_e[p] - cur_s[p];
+            cur_s[p] = x->start_ns;
+            cur_e[p] = x->end_ns;
+        } else if (x->end_ns > cur_e[p]) {
+            cur_e[p] = x->end_ns;
+        }
+    }
+    for (int p = 0; p < MF_STEP_N_PHASES; p++)
+        if (cur_e[p] > cur_s[p]) s->times.phase_ns[p] += cur_e[p] - cur_s[p];
+    s->times.n_tasks = n;
+}
+
+static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
+                         float *const *logits)
+{
+    const mf_config *c = s->c;
+    mf_ref *r = s->r;
+    /* items of distinct sequences run their reference-code parts as parallel item tasks, unless
+     * hooks are set (they are called in order on one thread then) */
+    int par = n > 1 && !r->opts.hooks.on_route && !r->opts.hooks.on_select && !r->opts.hooks.on_candidates, rc;
+    for (int i = 1; i < n && par; i++)
+        for (int j = 0; j < i && par; j++) par = states[i] != states[j];
+    if (!s->shapes[par][n] && (rc = mf_step_shape_new(s, n, par, &s->shapes[par][n]))) return rc;
+    mf_step_shape *sh = s->shapes[par][n];
+    for (int i = 0; i < (par ? n : 1); i++)
+        if ((rc = mf_step_grow_scores(s->cl[i], r->s_scores_len))) return rc;
+    int64_t H = c->hidden_size;
+    const mf_weight *emb = mf_model_embed(r->m);
+    sh->n_head = 0;
+    for (int i = 0; i < n; i++) {
+        mf_ref_item *it = &sh->items[i];
+        it->st = states[i];
+        it->pos = i > 0 && states[i - 1] == states[i] ? sh->items[i - 1].pos + 1 : states[i]->n_pos;
+        it->tok = tokens[i];
+        it->st->tokens[it->pos] = tokens[i];
+        it->topk_src = it->cand_src = -1;
+        it->n_topk = it->n_cand = 0;
+        memset(it->pre, 0, sizeof it->pre);
+        it->pre[0] = 1.0f;
+        it->logits = logits ? logits[i] : NULL;
+        sh->head_row[i] = it->logits ? sh->n_head : -1;
+        if (it->logits) sh->head_item[sh->n_head++] = i;
+        for (int64_t d = 0; d < H; d++) {
+            uint16_t b;
+            memcpy(&b, emb->data + ((int64_t)tokens[i] * H + d) * 2, 2);
+            it->x[d] = mf_bf16_to_f32(b);
+        }
+        for (int k = 1; k < c->hc_mult; k++) memcpy(it->x + k * H, it->x, (size_t)H * sizeof(float));
+    }
+    mf_timeline_reset(sh->tl);
+    rc = mf_sched_run(s->sched, sh->g, &(mf_run_opts){.timeline = sh->tl});
+    s->last = sh;
+    if (rc) return rc;
+    for (int j = 0; j < sh->n_head; j++)
+        memcpy(sh->items[sh->head_item[j]].logits, sh->lbuf + (size_t)j * c->vocab_size,
+               sizeof(float) * (size_t)c->vocab_size);
+    for (int i = 0; i < n; i++) sh->items[i].st->n_pos = sh->items[i].pos + 1;
+    mf_step_account(s, sh);
+    return 0;
+}
+
+int mf_step_forward(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
+                    float *const *logits)
+{
+    int64_t t0 = mf_now_ns();
+    memset(&s->times, 0, sizeof s->times);
+    if (n < 1) return mf_error(-EINVAL, "step: forward of %d items", n);
+    int rc = mf_step_check(s, states, tokens, n);
+    if (rc) return rc;
+    for (int i = 0; i < n && !rc; i += MF_STEP_MAX_ITEMS) {
+        int m = n - i < MF_STEP_MAX_ITEMS ? n - i : MF_STEP_MAX_ITEMS;
+        rc = mf_step_chunk(s, states + i, tokens + i, m, logits ? logits + i : NULL);
+    }
+    s->times.wall_ns = mf_now_ns() - t0;
+    int64_t rest = s->times.wall_ns;
+    for (int p = 0; p < MF_STEP_OTHER; p++) rest -= s->times.phase_ns[p];
+    s->times.phase_ns[MF_STEP_OTHER] = rest > 0 ? rest : 0;
+    if (rc) return mf_error_wrap(rc, "scheduled forward (the states involved are now inconsistent: reset them)");
+    return 0;
+}
+
+int mf_step_prefill(mf_step *s, mf_ref_state *st, const int32_t *tokens, int n, float *logits)
+{
+    if (n < 1) return mf_error(-EINVAL, "step: prefill of %d tokens", n);
+    mf_ref_state **sts = malloc((size_t)n * sizeof *sts);
+    float **lg = calloc((size_t)n, sizeof *lg);
+    if (!sts || !lg) {
+        free(sts);
+        free(lg);
+        return mf_error(-ENOMEM, "step: out of memory");
+    }
+    for (int i = 0; i < n; i++) sts[i] = st;
+    lg[n - 1] = logits;
+    int rc = mf_step_forward(s, sts, tokens, n, lg);
+    free(sts);
+    free(lg);
+    return rc;
+}
+
+int mf_step_decode(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n_seq,
+                   float *logits)
+{
+    if (n_seq < 1 || n_seq > MF_STEP_MAX_ITEMS)
+        return mf_error(-EINVAL, "step: decode of %d sequences (1..%d)", n_seq, MF_STEP_MAX_ITEMS);
+    float *lg[MF_STEP_MAX_ITEMS];
+    for (int i = 0; i < n_seq; i++) lg[i] = logits ? logits + (size_t)i * s->c->vocab_size : NULL;
+    for (int i = 0; i < n_seq; i++)
+        for (int j = 0; j < i; j++)
+            if (states[i] == states[j]) return mf_error(-EINVAL, "step: decode got sequence %d twice", i);
+    return mf_step_forward(s, states, tokens, n_seq, lg);
+}
+
+void mf_step_last_times(const mf_step *s, mf_step_times *out) { *out = s->times; }
+
+int mf_step_write_trace(const mf_step *s, const char *path)
+{
+    if (!s->last) return mf_error(-EINVAL, "step: no step has run yet, nothing to trace");
+    return mf_timeline_write_chrome(s->last->tl, path);
+}

@@ -1,0 +1,76 @@
+/* The scheduled decode engine: one forward step (a batch of (sequence, token) items) as a scheduler
+ * graph, built once per batch size and re-run: hyper-connection mixes, attention, router, a fixed
+ * number of routed-expert slots (split by rows across workers), the shared expert, a fixed-order
+ * combine; Engram and the head likewise. Sequences keep their caches in mf_ref_state (graphs/ref.h),
+ * so the reference and this engine can continue each other's sequences. Layout: docs/decode.md. */
+#ifndef MF_STEP_H
+#define MF_STEP_H
+
+#include <stdint.h>
+
+#include "graphs/ref.h"
+
+/* Items per forward call (larger prefills are cut into chunks of this many). */
+#define MF_STEP_MAX_ITEMS 64
+
+typedef struct mf_step_opts {
+    int n_threads;     /* CPU workers of the engine's executor (0: 1) */
+    int pin_threads;   /* 1: bind workers to cores (hwloc) */
+    /* 0 (default): routed experts through the FP4 int8 kernels (activations quantized to int8 per
+     * 256 inputs, ~1% error per matmul), the shared expert fused without the reference's bf16
+     * roundings inside the FFN. 1: every expert matmul on the fp32 kernel path with the
+     * reference's bf16 roundings, so only the summation order differs from the reference. */
+    int exact;
+} mf_step_opts;
+
+typedef struct mf_step mf_step;
+
+/* An engine over the reference forward `r`: it advances r's states (mf_ref_state_new(r, ...)) and
+ * runs the sublayers it does not parallelize (Engram, attention, hyper-connections, router) with
+ * the reference code on forward objects of its own, copies of r whose FP8/BF16 linears run on the
+ * kernels (docs/decode.md). r must outlive the engine and must not run forwards of its own while
+ * an engine call is in progress. Debug hooks of r are called on worker threads, in item order
+ * (a batch with hooks runs the serial graph). Fails with -ENOTSUP when the model is lazy (experts
+ * on disk or behind an expert store), the reference uses act_quant, or FP8 tiles are not 32x32. */
+int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out);
+void mf_step_free(mf_step *s);
+
+/* Same contract as mf_ref_forward (graphs/ref.h): item i is token tokens[i] of states[i]; items of
+ * one state consecutive; logits[i] (may be NULL) receives vocab_size fp32 logits. More than
+ * MF_STEP_MAX_ITEMS items run as consecutive chunks. The graph of a batch size is built (and its
+ * buffers allocated) on the first call of that size; later calls allocate nothing. */
+int mf_step_forward(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
+                    float *const *logits);
+int mf_step_prefill(mf_step *s, mf_ref_state *st, const int32_t *tokens, int n, float *logits);
+/* One token for each of n_seq distinct sequences; logits is n_seq x vocab_size. */
+int mf_step_decode(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n_seq,
+                   float *logits);
+
+/* Phases of a step, for reports: each task belongs to one. */
+typedef enum mf_step_phase {
+    MF_STEP_ATTN = 0,   /* hyper-connection mixes, norms, attention sublayer */
+    MF_STEP_MOE,        /* router, routed expert slots, shared expert, combine */
+    MF_STEP_ENGRAM,
+    MF_STEP_HEAD,       /* final collapse, norm and head */
+    MF_STEP_OTHER,      /* embedding, argument checks, copies, scheduling gaps */
+    MF_STEP_N_PHASES
+} mf_step_phase;
+
+const char *mf_step_phase_name(mf_step_phase p);
+
+/* Where the time of the last mf_step_forward call went: per phase the wall time during which a task
+ * of that phase ran (union of its task intervals, summed over chunks), OTHER = the rest of the
+ * call's wall time; busy_ns = summed task durations (worker time) per phase. */
+typedef struct mf_step_times {
+    int64_t wall_ns;
+    int64_t phase_ns[MF_STEP_N_PHASES];
+    int64_t busy_ns[MF_STEP_N_PHASES];
+    int n_tasks;   /* tasks of the last graph run */
+} mf_step_times;
+
+void mf_step_last_times(const mf_step *s, mf_step_times *out);
+
+/* Chrome trace-event JSON of the last graph run (one chunk of the last call). 0 or negative code. */
+int mf_step_write_trace(const mf_step *s, const char *path);
+
+#endif
