@@ -1,8 +1,8 @@
 """moeflow's reference forward (graphs/ref.h, through $MOEFLOW_BUILD/ref_tool) against NVIDIA NeMo
 AutoModel's DeepSeek-V4.1 port (nemo_automodel/components/models/deepseek_v41 of nemo-automodel
 0.7.0, a training port of DeepSeek's inference/model.py), run on CPU as an oracle on tiny
-checkpoints, for a prefill and for greedy decoding. What it establishes, and its measured numbers, are in docs/reference.md
-("Conformance against NeMo AutoModel").
+checkpoints, for a prefill and for greedy decoding. What it establishes, and its measured
+numbers, are in docs/reference.md ("Conformance against NeMo AutoModel").
 
 Each case is a checkpoint written by `moeflow gen --preset tiny` (released names, fp8 dense and fp4
 routed experts with e8m0 scales), optionally cut to fewer layers, without Engram or with another
@@ -33,9 +33,11 @@ logit difference (max|d| / max|logit| against NeMo-HF) at most LOGIT_FACTOR time
 the case's floor); no masked choice; far choices at most FAR_FACTOR times NeMo-REF's + FAR_SLACK.
 And at each of the 32 greedy steps NeMo-HF's argmax is moeflow's token, unless NeMo-HF's margin
 between the two is within the tie band (twice the decode's admitted logit difference at that
-position: two logits each moved that far can swap); such near ties are counted. `--self-test` changes one thing in both
-NeMo runs (a window one longer, no sink, no YaRN, no routing bias, no Engram; and, reported
-without being required, no fp8 window KV and comb transposed) and requires the check to fail, in its prefill part and in its decode part.
+position: two logits each moved that far can swap); such near ties are counted.
+
+`--self-test` changes one thing in both NeMo runs (a window one longer, no sink, no YaRN, no
+routing bias, no Engram; and, reported without being required, no fp8 window KV and comb
+transposed) and requires the check to fail, in its prefill part and in its decode part.
 Run by tests/conformance/run.sh in its torch venv; exits non-zero on any failure."""
 import glob
 import inspect
@@ -477,7 +479,7 @@ def report(what, m, noise, tol_floor):
     return ok
 
 
-def greedy(seq, hf_logits, ref_logits, m_dec, noise_dec, tol_floor):
+def greedy(seq, hf_logits, ref_logits, noise_dec, tol_floor):
     """Token agreement of moeflow's greedy decode with NeMo-HF: at each step (logits of position
     p, greedy token seq[p + 1]) NeMo-HF's argmax must be moeflow's token, unless NeMo-HF's
     margin between the two is within the tie band: twice the logit difference the decode
@@ -505,9 +507,9 @@ def greedy(seq, hf_logits, ref_logits, m_dec, noise_dec, tol_floor):
             print(f"  FAIL decode: step {p - N_TOKENS + 1}: NeMo-HF's argmax {a} is not moeflow's "
                   f"greedy token {g} (margin {row[a] - row[g]:.3e} > band {band:.3e})")
     print(f"  greedy tokens ({len(set(seq[N_TOKENS:]))} distinct): {equal} equal, {near} near "
-          f"ties, {bad} mismatches of {equal + near + bad} (tie band 2 x {rel_tol:.2e} of max|logit|; NeMo-HF's top-2 margin "
-          f"within it at {fragile} steps, median margin {np.median(ratios):.1f} bands); "
-          f"NeMo-REF's argmax = NeMo-HF's at {ref_equal}")
+          f"ties, {bad} mismatches of {equal + near + bad} (tie band 2 x {rel_tol:.2e} of "
+          f"max|logit|; NeMo-HF's top-2 margin within it at {fragile} steps, median margin "
+          f"{np.median(ratios):.1f} bands); NeMo-REF's argmax = NeMo-HF's at {ref_equal}")
     return bad == 0
 
 
@@ -570,7 +572,7 @@ def check(cases, mutation=None):
             m_dec = stats(hf_logits, mf_logits, hf_dec, mf_picks, lrows, drows)
             noise_dec = stats(hf_logits, ref_logits, hf_dec, ref_picks, lrows, drows)
             dec_ok = report("decode ", m_dec, noise_dec, tol)
-            dec_ok &= greedy(seq, hf_logits, ref_logits, m_dec, noise_dec, tol)
+            dec_ok &= greedy(seq, hf_logits, ref_logits, noise_dec, tol)
             if not dec_ok:
                 failed.add("decode")
     return failed
