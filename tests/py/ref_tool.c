@@ -1,6 +1,9 @@
 /* Drives the reference forward for tests/py/check_ref.py and tests/conformance/model:
- * ref_tool DIR IDS OUT_PREFIX [act_quant [tok]] runs tokens IDS (comma separated) through one
- * layer-major forward and writes OUT_PREFIX.logits (f32 [T, vocab]), OUT_PREFIX.routes
+ * ref_tool DIR IDS OUT_PREFIX [act_quant [tok|notok [GEN]]] runs tokens IDS (comma separated)
+ * through one layer-major forward, then, with GEN > 0, greedily decodes GEN more tokens one
+ * mf_ref_decode step at a time (each step feeds the argmax of the previous position's logits,
+ * ties to the lower id). Over all T = len(IDS) + GEN positions it writes OUT_PREFIX.tokens
+ * (i32 [T]: IDS, then the greedy tokens), OUT_PREFIX.logits (f32 [T, vocab]), OUT_PREFIX.routes
  * (i32 [T, layers, experts_per_tok]), OUT_PREFIX.select (i32 [T, layers, index_topk], -1
  * padded; compressed entries attended) and OUT_PREFIX.cand (i32 [T, candidate_topk_blocks], -1
  * padded; candidate blocks kept at the candidate layer; absent without one). With "tok" the
@@ -56,15 +59,22 @@ static int dump(const char *prefix, const char *ext, const void *p, size_t n)
 int main(int argc, char **argv)
 {
     if (argc < 4) {
-        fprintf(stderr, "usage: ref_tool DIR IDS OUT_PREFIX [act_quant [tok]]\n");
+        fprintf(stderr, "usage: ref_tool DIR IDS OUT_PREFIX [act_quant [tok|notok [GEN]]]\n");
         return 2;
     }
     int32_t toks[4096];
-    int n = 0;
-    for (char *p = argv[2]; *p && n < 4096;) {
-        toks[n++] = (int32_t)strtol(p, &p, 10);
+    int n_prompt = 0;
+    for (char *p = argv[2]; *p && n_prompt < 4096;) {
+        toks[n_prompt++] = (int32_t)strtol(p, &p, 10);
         while (*p == ',') p++;
     }
+    int gen = argc > 6 ? atoi(argv[6]) : 0;
+    if (n_prompt < 1 || gen < 0 || gen > 4096 - n_prompt) {
+        fprintf(stderr, "ref_tool: need 1..4096 tokens in all (prompt %d, GEN %s)\n", n_prompt,
+                argc > 6 ? argv[6] : "0");
+        return 2;
+    }
+    int n = n_prompt + gen;
     mf_model *m;
     if (mf_model_load(argv[1], &(mf_model_opts){.quiet = 1}, &m)) {
         fprintf(stderr, "ref_tool: %s\n", mf_last_error());
@@ -105,11 +115,23 @@ int main(int argc, char **argv)
         return 1;
     }
     for (int i = 0; i < n; i++) st[i] = s, lg[i] = logits + (size_t)i * c->vocab_size;
-    if (mf_ref_forward(ref, st, toks, n, lg)) {
+    if (mf_ref_forward(ref, st, toks, n_prompt, lg)) {
         fprintf(stderr, "ref_tool: %s\n", mf_last_error());
         return 1;
     }
-    int rc = dump(argv[3], "logits", logits, sizeof(float) * (size_t)n * c->vocab_size) ||
+    for (int i = n_prompt; i < n; i++) {   /* greedy: the argmax of position i-1 */
+        const float *prev = lg[i - 1];
+        int32_t best = 0;
+        for (int32_t v = 1; v < c->vocab_size; v++)
+            if (prev[v] > prev[best]) best = v;
+        toks[i] = best;
+        if (mf_ref_decode(ref, &s, &toks[i], 1, lg[i])) {
+            fprintf(stderr, "ref_tool: decode step %d: %s\n", i - n_prompt, mf_last_error());
+            return 1;
+        }
+    }
+    int rc = dump(argv[3], "tokens", toks, sizeof(int32_t) * (size_t)n) ||
+             dump(argv[3], "logits", logits, sizeof(float) * (size_t)n * c->vocab_size) ||
              dump(argv[3], "routes", r.routes, sizeof(int32_t) * (size_t)n * r.n_layers * r.k) ||
              dump(argv[3], "select", r.sel, sizeof(int32_t) * (size_t)n * r.n_layers * r.topk) ||
              (has_cand && dump(argv[3], "cand", r.cand, sizeof(int32_t) * (size_t)n * r.ncand));
