@@ -56,10 +56,12 @@ static void mf_decode_usage(FILE *f)
             "                      does (default: the Hugging Face port, which does not);\n"
             "                      reference engine only\n"
             "  --trace FILE        Chrome trace of the last step: the scheduled engine's task\n"
-            "                      graph, or with --store the store's expert reads and compute\n"
-            "  --store MODE        reference engine: experts and Engram tables through the expert\n"
-            "                      store: resident (read in at load) or streamed (a cache, misses\n"
-            "                      read per use through io_uring); per-step hits/misses on stderr\n"
+            "                      graph (with --store its IO-lane expert reads), or with the\n"
+            "                      reference engine and --store the store's reads and compute\n"
+            "  --store MODE        experts and Engram tables through the expert store: resident\n"
+            "                      (read in at load) or streamed (a cache, misses read per use\n"
+            "                      through io_uring; the scheduled engine reads them on its IO\n"
+            "                      lane inside the step graph); per-step hits/misses on stderr\n"
             "  --store-budget SIZE streamed cache bytes, e.g. 2G, 512M (default 2G)\n"
             "  --store-tables MODE Engram tables resident or streamed (default: as --store)\n"
             "  --io-depth N        reads in flight (default 64)\n"
@@ -332,11 +334,6 @@ int mf_cmd_decode(int argc, char **argv)
                         "--engine reference)\n");
         return 2;
     }
-    if (sched && (store_mode || store_tables || store_budget || io_depth)) {
-        fprintf(stderr, "moeflow decode: the expert store (--store ...) is used by the reference engine "
-                        "only (add --engine reference); the scheduled engine needs resident experts\n");
-        return 2;
-    }
     if (!sched && trace && !store_mode) {
         fprintf(stderr, "moeflow decode: --trace needs the scheduled engine or --store\n");
         return 2;
@@ -467,6 +464,7 @@ int mf_cmd_decode(int argc, char **argv)
     int64_t t1 = mf_now_ns();
     /* every live sequence: pick, emit, and (unless done) feed the token in one batched step */
     long n_gen[MF_STEP_MAX_ITEMS] = {0}, steps = 0, fed = 0;
+    int64_t io_busy_ns = 0, io_overlap_ns = 0;   /* scheduled engine with a store: decode steps */
     int live[MF_STEP_MAX_ITEMS], row_of[MF_STEP_MAX_ITEMS], n_live = n_seq;
     for (int s = 0; s < n_seq; s++) live[s] = s, row_of[s] = s;
     while (n_live > 0) {
@@ -488,6 +486,12 @@ int mf_cmd_decode(int argc, char **argv)
         n_live = nb;
         if (!nb) break;
         if (sched ? mf_step_decode(eng, bs, bt, nb, logits) : mf_ref_decode(r, bs, bt, nb, logits)) goto fail;
+        if (sched && mst) {
+            mf_step_times tm;
+            mf_step_last_times(eng, &tm);
+            io_busy_ns += tm.io_busy_ns;
+            io_overlap_ns += tm.io_overlap_ns;
+        }
         for (int j = 0; j < nb; j++) row_of[live[j]] = j;
         steps++;
         fed += nb;
@@ -506,7 +510,7 @@ int mf_cmd_decode(int argc, char **argv)
     }
     for (int s = 0; s < n_seq; s++) out_tokens += n_gen[s];
     fflush(stdout);
-    if (trace && (mst ? mf_store_write_trace(mst, trace) : mf_step_write_trace(eng, trace))) goto fail;
+    if (trace && (sched ? mf_step_write_trace(eng, trace) : mf_store_write_trace(mst, trace))) goto fail;
     if (mst && !quiet) {
         mf_store_stats x;
         mf_store_stats_total(mst, &x);
@@ -515,6 +519,10 @@ int mf_cmd_decode(int argc, char **argv)
                 "of io busy time\n", x.hits, x.misses, 100.0 * x.hits / (double)(x.hits + x.misses ? x.hits + x.misses : 1),
                 x.bytes_read / 1073741824.0, x.read_wall_ns / 1e9,
                 x.io_busy_ns ? 100.0 * x.overlap_ns / x.io_busy_ns : 0.0);
+        if (sched)
+            fprintf(stderr, "moeflow decode: scheduled engine decode steps: IO lane busy %.3f s, %.1f%% of it "
+                    "overlapping expert compute\n", io_busy_ns / 1e9,
+                    io_busy_ns ? 100.0 * io_overlap_ns / io_busy_ns : 0.0);
     }
     if (!quiet)
         fprintf(stderr, "moeflow decode (%s engine%s, %d sequence%s): prefill %" PRId64 " tokens in %.3f s "
