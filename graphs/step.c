@@ -608,13 +608,17 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
     sh->kind_of = calloc((size_t)n_task, 1);
     sh->targ_of = calloc((size_t)n_task, sizeof *sh->targ_of);
     mf_task_id *unit = calloc((size_t)u, sizeof *unit), *gates = calloc((size_t)u, sizeof *gates);
-    if (!sh->args || !sh->phase_of || !sh->kind_of || !sh->targ_of || !unit || !gates) {
+    mf_task_id *io_ids = calloc((size_t)sh->n_slots * sh->n_parts + 1, sizeof *io_ids);
+    int win = eng->o.read_window ? eng->o.read_window : 2;
+    if (!sh->args || !sh->phase_of || !sh->kind_of || !sh->targ_of || !unit || !gates || !io_ids) {
+        free(io_ids);
         free(unit);
         free(gates);
         return mf_error(-ENOMEM, "step: out of memory for the graph");
     }
     int rc = mf_graph_create(eng->lanes, eng->n_lanes, &sh->g);
     if (rc) {
+        free(io_ids);
         free(unit);
         free(gates);
         return rc;
@@ -660,11 +664,15 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
         for (int s = 0; s < sh->n_slots; s++) {
             snprintf(name, sizeof name, "expert L%d slot %d join", L, s);
             mf_task_id jo = mf_step_add(&b, name, mf_task_slot_join, MF_STEP_MOE, L, s, 0, 0, 0, NULL, 0, I * 2);
-            mf_task_id io[64];
+            mf_task_id *io = io_ids + (size_t)s * sh->n_parts;
             for (int j = 0; j < sh->n_parts; j++) {
                 snprintf(name, sizeof name, "read L%d slot %d part %d", L, s, j);
                 io[j] = mf_step_add_io(&b, name, L, s, j, (double)mf_store_slot_bytes(eng->store) / sh->n_parts);
                 mf_step_dep(&b, ro, io[j]);
+                /* read window: slot s's reads start once slot s - win's are in, so that the first
+                 * slots' experts arrive early and their compute overlaps the later reads */
+                for (int i = 0; win > 0 && s >= win && i < sh->n_parts; i++)
+                    mf_step_dep(&b, io_ids[(size_t)(s - win) * sh->n_parts + i], io[j]);
             }
             for (int p = 0; p < sh->p_exp; p++) {
                 snprintf(name, sizeof name, "expert L%d slot %d up %d", L, s, p);
@@ -690,6 +698,8 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
             mf_task_id dn = mf_step_add(&b, name, mf_task_sh_down, MF_STEP_MOE, L, 0, p, 0, 0, NULL,
                                         sh_bytes / 3 / sh->p_sh, 0);
             for (int k = 0; k < u; k++) mf_step_dep(&b, at[k], up);
+            /* streamed experts: the shared expert runs while the routed experts are read */
+            if (eng->store) mf_step_dep(&b, ro, up);
             mf_step_dep(&b, up, sj);
             mf_step_dep(&b, sj, dn);
             mf_step_dep(&b, dn, done);
@@ -718,6 +728,7 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
                                     2.0 * c->vocab_size * H / sh->p_head, 0);
         mf_step_dep(&b, hj, hd);
     }
+    free(io_ids);
     free(unit);
     free(gates);
     if (b.rc) return b.rc;
@@ -988,6 +999,7 @@ static void mf_step_io_overlap(mf_step *s, mf_step_shape *sh)
     }
     s->times.io_busy_ns += bi;
     s->times.io_overlap_ns += ov;
+    s->times.expert_busy_ns += bc;
 }
 
 /* Adds the last run's time per phase to s->times: per phase the union of its tasks' intervals

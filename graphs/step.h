@@ -21,6 +21,9 @@ typedef struct mf_step_opts {
      * roundings inside the FFN. 1: every expert matmul on the fp32 kernel path with the
      * reference's bf16 roundings, so only the summation order differs from the reference. */
     int exact;
+    /* With an expert store: slots whose reads are in flight at once, in slot order (0: 2; < 0:
+     * all at once), so that the first experts arrive early and their compute overlaps the rest */
+    int read_window;
 } mf_step_opts;
 
 typedef struct mf_step mf_step;
@@ -74,9 +77,9 @@ typedef struct mf_step_times {
     int64_t phase_ns[MF_STEP_N_PHASES];
     int64_t busy_ns[MF_STEP_N_PHASES];
     int n_tasks;   /* tasks of the last graph run */
-    /* with an expert store: IO-lane busy time (union of the expert reads) and the part of it
-     * during which routed or shared expert compute ran; IO tasks count in no phase */
-    int64_t io_busy_ns, io_overlap_ns;
+    /* with an expert store: IO-lane busy time (union of the expert reads), expert compute time
+     * (union of routed and shared expert tasks) and the time both ran; IO tasks count in no phase */
+    int64_t io_busy_ns, expert_busy_ns, io_overlap_ns;
 } mf_step_times;
 
 void mf_step_last_times(const mf_step *s, mf_step_times *out);

@@ -65,6 +65,8 @@ static void mf_decode_usage(FILE *f)
             "  --store-budget SIZE streamed cache bytes, e.g. 2G, 512M (default 2G)\n"
             "  --store-tables MODE Engram tables resident or streamed (default: as --store)\n"
             "  --io-depth N        reads in flight (default 64)\n"
+            "  --read-window N     scheduled engine with --store: experts of a layer whose reads\n"
+            "                      are in flight at once, in slot order (default 2; -1: all)\n"
             "  --quiet             no progress or timing on stderr\n");
 }
 
@@ -224,7 +226,7 @@ int mf_cmd_decode(int argc, char **argv)
     unsigned long long seed = 0;
     int no_bos = 0, ignore_eos = 0, act_quant = 0, quiet = 0, exact = 0;
     int store_mode = 0, store_tables = 0;
-    long io_depth = 0;
+    long io_depth = 0, read_window = 0;
     uint64_t store_budget = 0;
     const char *trace = NULL;
     if (threads < 1) threads = 1;
@@ -310,6 +312,12 @@ int mf_cmd_decode(int argc, char **argv)
             io_depth = strtol(argv[++i], &end, 10);
             if (*end || io_depth < 1 || io_depth > 4096) {
                 fprintf(stderr, "moeflow decode: --io-depth: expected 1..4096, found '%s'\n", argv[i]);
+                return 2;
+            }
+        } else if (!strcmp(a, "--read-window") && hv) {
+            read_window = strtol(argv[++i], &end, 10);
+            if (*end || read_window < -1 || read_window > 4096 || !read_window) {
+                fprintf(stderr, "moeflow decode: --read-window: expected 1..4096 or -1 (all), found '%s'\n", argv[i]);
                 return 2;
             }
         } else if (!strcmp(a, "--trace") && hv) {
@@ -443,7 +451,8 @@ int mf_cmd_decode(int argc, char **argv)
         ro.n_token_map = mf_engram_map_n_vocab(emap);
     }
     if (mf_ref_new(m, &ro, &r)) goto fail;
-    if (sched && mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact}, &eng)) goto fail;
+    if (sched && mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact,
+                                                 .read_window = (int)read_window}, &eng)) goto fail;
     for (int s = 0; s < n_seq; s++)
         if (mf_ref_state_new(r, total > 0 ? total : 1, &st[s]) ||
             mf_sampler_new(c->vocab_size, temperature, top_p, seed + (unsigned long long)s, &smp[s]) ||
@@ -464,7 +473,7 @@ int mf_cmd_decode(int argc, char **argv)
     int64_t t1 = mf_now_ns();
     /* every live sequence: pick, emit, and (unless done) feed the token in one batched step */
     long n_gen[MF_STEP_MAX_ITEMS] = {0}, steps = 0, fed = 0;
-    int64_t io_busy_ns = 0, io_overlap_ns = 0;   /* scheduled engine with a store: decode steps */
+    int64_t io_busy_ns = 0, io_overlap_ns = 0, ex_busy_ns = 0;   /* scheduled engine with a store: decode steps */
     int live[MF_STEP_MAX_ITEMS], row_of[MF_STEP_MAX_ITEMS], n_live = n_seq;
     for (int s = 0; s < n_seq; s++) live[s] = s, row_of[s] = s;
     while (n_live > 0) {
@@ -491,6 +500,7 @@ int mf_cmd_decode(int argc, char **argv)
             mf_step_last_times(eng, &tm);
             io_busy_ns += tm.io_busy_ns;
             io_overlap_ns += tm.io_overlap_ns;
+            ex_busy_ns += tm.expert_busy_ns;
         }
         for (int j = 0; j < nb; j++) row_of[live[j]] = j;
         steps++;
@@ -520,9 +530,10 @@ int mf_cmd_decode(int argc, char **argv)
                 x.bytes_read / 1073741824.0, x.read_wall_ns / 1e9,
                 x.io_busy_ns ? 100.0 * x.overlap_ns / x.io_busy_ns : 0.0);
         if (sched)
-            fprintf(stderr, "moeflow decode: scheduled engine decode steps: IO lane busy %.3f s, %.1f%% of it "
-                    "overlapping expert compute\n", io_busy_ns / 1e9,
-                    io_busy_ns ? 100.0 * io_overlap_ns / io_busy_ns : 0.0);
+            fprintf(stderr, "moeflow decode: scheduled engine decode steps: IO lane busy %.3f s, expert compute "
+                    "%.3f s, overlapping %.3f s (%.1f%% of IO busy, %.1f%% of expert compute)\n", io_busy_ns / 1e9,
+                    ex_busy_ns / 1e9, io_overlap_ns / 1e9, io_busy_ns ? 100.0 * io_overlap_ns / io_busy_ns : 0.0,
+                    ex_busy_ns ? 100.0 * io_overlap_ns / ex_busy_ns : 0.0);
     }
     if (!quiet)
         fprintf(stderr, "moeflow decode (%s engine%s, %d sequence%s): prefill %" PRId64 " tokens in %.3f s "
