@@ -289,7 +289,10 @@ static int mf_model_store_open(mf_model *m, const mf_model_opts *o)
                                 : mode;
     mf_store_opts so = {.mode = mode, .table_mode = tmode, .budget_bytes = o->store_budget_bytes,
                         .io_depth = o->store_io_depth, .numa_node = -1, .quiet = o->quiet,
-                        .max_batch = c->n_experts_per_tok > 16 ? c->n_experts_per_tok : 16};
+                        /* a call names up to a layer's experts (the scheduled engine's slots of a
+                         * batch); the budget must hold at least one token's */
+                        .max_batch = c->n_routed_experts > 16 ? c->n_routed_experts : 16,
+                        .min_slots = c->n_experts_per_tok};
     int rc = mf_store_create(m->st, &lay, &so, &m->store);
     free(parts);
     return rc ? mf_error_wrap(rc, "model %s", m->dir) : 0;

@@ -7,6 +7,7 @@
  * expert FFNs and the head use the fused kernels (host/kernels.h), split by rows. */
 #include <errno.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +15,7 @@
 #include "graphs/ref_internal.h"
 #include "graphs/step.h"
 #include "host/kernels.h"
+#include "host/store.h"
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "sched/sched.h"
@@ -54,6 +56,14 @@ struct mf_step_shape {
     int32_t *slot_of;   /* n_routed_experts -> slot (-1) */
     int32_t *slot_e, *slot_off, *slot_cnt;   /* n_slots */
     int n_used;
+    /* with an expert store: per slot its weights (w1, w2, w3 pointing into the store's slab) and
+     * the reads of its IO tasks (n_parts per slot; empty on hits), filled by the route task */
+    mf_weight *slot_w;      /* n_slots x 3 */
+    mf_io_read *slot_rd;    /* n_slots x n_parts */
+    int n_parts;
+    uint8_t *kind_of;       /* per task: MF_STEP_K_* (IO / expert compute accounting) */
+    mf_step_targ **targ_of; /* per task: its argument (IO tasks: which layer and slot) */
+    int store_layer;        /* layer whose store batch is open, -1 */
     /* slot-ordered expert buffers (n x K rows) */
     float *xg, *wg, *h, *gg, *uu, *y;
     mf_kern_q8 *q8x, *q8h;   /* n_slots */
@@ -77,12 +87,18 @@ struct mf_step {
     mf_ref *cl[MF_STEP_MAX_ITEMS];
     const mf_config *c;
     mf_step_opts o;
-    mf_lane_desc lane;
+    mf_lane_desc lanes[2];   /* cpu, and io when the model has an expert store */
+    int n_lanes;
+    mf_store *store;
+    int max_items;           /* items per graph run: one layer's slots fit the store */
+    pthread_mutex_t gather_mu;   /* Engram tasks reach the store's gatherer one at a time */
     mf_sched *sched;
     mf_step_shape *shapes[2][MF_STEP_MAX_ITEMS + 1];   /* [par][n] */
     mf_step_shape *last;
     mf_step_times times;
 };
+
+enum { MF_STEP_K_OTHER, MF_STEP_K_IO, MF_STEP_K_EXPERT };
 
 const char *mf_step_phase_name(mf_step_phase p)
 {
@@ -113,11 +129,12 @@ static int mf_task_engram(void *arg, mf_task_ctx *ctx)
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    for (int i = a->i0; i < a->i1; i++) {
-        int rc = mf_ref_engram(a->r, &sh->items[i], a->layer);
-        if (rc) return rc;
-    }
-    return 0;
+    mf_step *eng = sh->eng;
+    if (eng->store) pthread_mutex_lock(&eng->gather_mu);
+    int rc = 0;
+    for (int i = a->i0; i < a->i1 && !rc; i++) rc = mf_ref_engram(a->r, &sh->items[i], a->layer);
+    if (eng->store) pthread_mutex_unlock(&eng->gather_mu);
+    return rc;
 }
 
 /* Attention sublayer wrapped by its mixes, then the ffn mix and norm: the first part of the
@@ -182,6 +199,41 @@ static int mf_task_gate(void *arg, mf_task_ctx *ctx)
     return mf_step_gate(a->sh, a->r, a->layer, a->i0, a->i1);
 }
 
+/* Opens the store's batch for layer L's slots (hits and misses decided, all pinned) and fills
+ * each slot's IO reads (none on hits) and weight views into the slab. */
+static int mf_step_store_begin(mf_step_shape *sh, int L)
+{
+    mf_store *st = sh->eng->store;
+    const mf_model_layer *y = mf_model_layer_at(sh->eng->r->m, L);
+    int rc = mf_store_begin(st, L, sh->slot_e, sh->n_used), any = 0;
+    if (rc) return mf_error_wrap(rc, "step: layer %d: making its %d experts present", L, sh->n_used);
+    sh->store_layer = L;
+    for (int s = 0; s < sh->n_slots; s++) {
+        int nr = 0;
+        const mf_io_read *rd = s < sh->n_used ? mf_store_reads(st, s, &nr) : NULL;
+        for (int j = 0; j < sh->n_parts; j++)
+            sh->slot_rd[(size_t)s * sh->n_parts + j] = j < nr ? rd[j] : (mf_io_read){.fd = -1};
+        any |= nr > 0;
+        if (s >= sh->n_used) continue;
+        for (int k = 0; k < 3; k++) {
+            mf_weight *w = &sh->slot_w[(size_t)s * 3 + k];
+            *w = y->experts[sh->slot_e[s] * 3 + k];
+            w->data = mf_store_batch_part(st, s, 2 * k);
+            w->scale = mf_store_batch_part(st, s, 2 * k + 1);
+            if (!w->data || !w->scale) {
+                sh->store_layer = -1;
+                return mf_store_end(st, mf_error(-EFAULT, "step: %s has no place in the expert store "
+                                                 "(internal)", w->name));
+            }
+        }
+    }
+    if (any && (rc = mf_store_check(st))) {
+        sh->store_layer = -1;
+        return mf_store_end(st, rc);
+    }
+    return 0;
+}
+
 /* Router: (serial shapes: the gates first, then) the slot table: the distinct experts in
  * ascending id, each with its items in item order; inputs gathered into slot order (and
  * quantized for the int8 path). */
@@ -221,6 +273,10 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
             memcpy(sh->xg + (size_t)row * H, sh->xin + (size_t)i * H, sizeof(float) * (size_t)H);
             sh->wg[row] = sh->wt[i * K + k];
         }
+    if (eng->store) {
+        int rc = mf_step_store_begin(sh, a->layer);
+        if (rc) return rc;
+    }
     if (!eng->o.exact)
         for (int s = 0; s < ns; s++) {
             int rc = mf_kern_q8_init(&sh->q8x[s], sh->q8x_mem + (size_t)s * sh->q8x_bytes, sh->q8x_bytes,
@@ -230,6 +286,28 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
             if (rc) return rc;
         }
     return 0;
+}
+
+/* The experts of a slot: the model's (resident), or their place in the store's slab. */
+static const mf_weight *mf_step_slot_weights(mf_step_shape *sh, int L, int slot)
+{
+    if (sh->slot_w) return &sh->slot_w[(size_t)slot * 3];
+    return &mf_model_layer_at(sh->eng->r->m, L)->experts[sh->slot_e[slot] * 3];
+}
+
+/* End of a layer's MoE: the store's batch is closed (read experts marked present) and the
+ * layer's experts unpinned, now that no task uses them. */
+static int mf_task_moe_done(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_store *st = sh->eng->store;
+    if (!st || sh->store_layer != a->layer) return 0;
+    int rc = mf_store_end(st, 0);
+    mf_store_unpin(st, a->layer, sh->slot_e, sh->n_used);
+    sh->store_layer = -1;
+    return rc;
 }
 
 /* Phase 1 of one FFN over rows [r0, r1) of its hidden size, for n_tok tokens of x (ld H).
@@ -283,7 +361,7 @@ static int mf_task_slot_up(void *arg, mf_task_ctx *ctx)
     mf_step *eng = sh->eng;
     const mf_config *c = eng->c;
     int64_t H = c->hidden_size, I = c->moe_intermediate_size;
-    const mf_weight *ew = &mf_model_layer_at(eng->r->m, a->layer)->experts[sh->slot_e[a->slot] * 3];
+    const mf_weight *ew = mf_step_slot_weights(sh, a->layer, a->slot);
     int r0, r1;
     mf_step_rows(I, sh->p_exp, a->part, &r0, &r1);
     if (r0 >= r1) return 0;
@@ -314,7 +392,7 @@ static int mf_task_slot_down(void *arg, mf_task_ctx *ctx)
     if (a->slot >= sh->n_used) return 0;
     mf_step *eng = sh->eng;
     int64_t H = eng->c->hidden_size, I = eng->c->moe_intermediate_size;
-    const mf_weight *ew = &mf_model_layer_at(eng->r->m, a->layer)->experts[sh->slot_e[a->slot] * 3];
+    const mf_weight *ew = mf_step_slot_weights(sh, a->layer, a->slot);
     int r0, r1;
     mf_step_rows(H, sh->p_exp, a->part, &r0, &r1);
     if (r0 >= r1) return 0;
@@ -441,6 +519,10 @@ static void mf_step_shape_free(mf_step_shape *sh)
     mf_timeline_destroy(sh->tl);
     mf_graph_destroy(sh->g);
     free(sh->phase_of);
+    free(sh->kind_of);
+    free(sh->targ_of);
+    free(sh->slot_w);
+    free(sh->slot_rd);
     free(sh->sorted);
     free(sh->args);
     free(sh->mem);
@@ -474,6 +556,35 @@ static mf_task_id mf_step_add(mf_step_builder *b, const char *name, mf_task_fn f
         return -1;
     }
     sh->phase_of[t] = (uint8_t)phase;
+    sh->targ_of[t] = a;
+    if (fn == mf_task_slot_up || fn == mf_task_slot_join || fn == mf_task_slot_down || fn == mf_task_sh_up ||
+        fn == mf_task_sh_down)
+        sh->kind_of[t] = MF_STEP_K_EXPERT;
+    return t;
+}
+
+/* An IO-lane task reading part j of slot s's expert (its payload filled by the route task; empty
+ * on a hit): the slot's up tasks wait for it. */
+static mf_task_id mf_step_add_io(mf_step_builder *b, const char *name, int layer, int slot, int j, double bytes)
+{
+    if (b->rc) return -1;
+    if (b->n_args == b->cap) {
+        b->rc = mf_error(-EFAULT, "step: more than the %d tasks counted (internal)", b->cap);
+        return -1;
+    }
+    mf_step_shape *sh = b->sh;
+    mf_step_targ *a = &sh->args[b->n_args++];
+    *a = (mf_step_targ){sh, layer, slot, j, 0, 0, NULL};
+    mf_task_id t = mf_graph_add_task(sh->g, &(mf_task_desc){.name = name, .lane = 1,
+                                     .arg = &sh->slot_rd[(size_t)slot * sh->n_parts + j],
+                                     .cost = {.bytes = bytes}, .place_hint = -1});
+    if (t < 0) {
+        b->rc = t;
+        return -1;
+    }
+    sh->phase_of[t] = MF_STEP_MOE;
+    sh->kind_of[t] = MF_STEP_K_IO;
+    sh->targ_of[t] = a;
     return t;
 }
 
@@ -491,17 +602,23 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
     int n = sh->n, u = sh->par ? n : 1;   /* reference-code tasks per part */
     int n_task = 1 + u + sh->p_head;
     for (int L = 0; L < c->n_layers; L++)   /* engram, attn, gate, combine per unit; route, joins */
-        n_task += 4 * u + 3 + 2 * sh->p_sh + sh->n_slots * (1 + 2 * sh->p_exp);
+        n_task += 4 * u + 3 + 2 * sh->p_sh + sh->n_slots * (1 + 2 * sh->p_exp + sh->n_parts);
     sh->args = calloc((size_t)n_task, sizeof *sh->args);
     sh->phase_of = calloc((size_t)n_task, 1);
+    sh->kind_of = calloc((size_t)n_task, 1);
+    sh->targ_of = calloc((size_t)n_task, sizeof *sh->targ_of);
     mf_task_id *unit = calloc((size_t)u, sizeof *unit), *gates = calloc((size_t)u, sizeof *gates);
-    if (!sh->args || !sh->phase_of || !unit || !gates) {
+    mf_task_id *io_ids = calloc((size_t)sh->n_slots * sh->n_parts + 1, sizeof *io_ids);
+    int win = eng->o.read_window ? eng->o.read_window : 2;
+    if (!sh->args || !sh->phase_of || !sh->kind_of || !sh->targ_of || !unit || !gates || !io_ids) {
+        free(io_ids);
         free(unit);
         free(gates);
         return mf_error(-ENOMEM, "step: out of memory for the graph");
     }
-    int rc = mf_graph_create(&eng->lane, 1, &sh->g);
+    int rc = mf_graph_create(eng->lanes, eng->n_lanes, &sh->g);
     if (rc) {
+        free(io_ids);
         free(unit);
         free(gates);
         return rc;
@@ -543,10 +660,20 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
                                     n * H * (c->n_experts_per_tok + (sh->par ? 0 : c->n_routed_experts)));
         for (int k = 0; k < u; k++) mf_step_dep(&b, gates[k], ro);
         snprintf(name, sizeof name, "moe L%d done", L);
-        mf_task_id done = mf_step_add(&b, name, mf_task_nop, MF_STEP_MOE, L, 0, 0, 0, 0, NULL, 0, 0);
+        mf_task_id done = mf_step_add(&b, name, mf_task_moe_done, MF_STEP_MOE, L, 0, 0, 0, 0, NULL, 0, 0);
         for (int s = 0; s < sh->n_slots; s++) {
             snprintf(name, sizeof name, "expert L%d slot %d join", L, s);
             mf_task_id jo = mf_step_add(&b, name, mf_task_slot_join, MF_STEP_MOE, L, s, 0, 0, 0, NULL, 0, I * 2);
+            mf_task_id *io = io_ids + (size_t)s * sh->n_parts;
+            for (int j = 0; j < sh->n_parts; j++) {
+                snprintf(name, sizeof name, "read L%d slot %d part %d", L, s, j);
+                io[j] = mf_step_add_io(&b, name, L, s, j, (double)mf_store_slot_bytes(eng->store) / sh->n_parts);
+                mf_step_dep(&b, ro, io[j]);
+                /* read window: slot s's reads start once slot s - win's are in, so that the first
+                 * slots' experts arrive early and their compute overlaps the later reads */
+                for (int i = 0; win > 0 && s >= win && i < sh->n_parts; i++)
+                    mf_step_dep(&b, io_ids[(size_t)(s - win) * sh->n_parts + i], io[j]);
+            }
             for (int p = 0; p < sh->p_exp; p++) {
                 snprintf(name, sizeof name, "expert L%d slot %d up %d", L, s, p);
                 mf_task_id up = mf_step_add(&b, name, mf_task_slot_up, MF_STEP_MOE, L, s, p, 0, 0, NULL,
@@ -555,6 +682,7 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
                 mf_task_id dn = mf_step_add(&b, name, mf_task_slot_down, MF_STEP_MOE, L, s, p, 0, 0, NULL,
                                             exp_bytes / 3 / sh->p_exp, 0);
                 mf_step_dep(&b, ro, up);
+                for (int j = 0; j < sh->n_parts; j++) mf_step_dep(&b, io[j], up);
                 mf_step_dep(&b, up, jo);
                 mf_step_dep(&b, jo, dn);
                 mf_step_dep(&b, dn, done);
@@ -570,6 +698,8 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
             mf_task_id dn = mf_step_add(&b, name, mf_task_sh_down, MF_STEP_MOE, L, 0, p, 0, 0, NULL,
                                         sh_bytes / 3 / sh->p_sh, 0);
             for (int k = 0; k < u; k++) mf_step_dep(&b, at[k], up);
+            /* streamed experts: the shared expert runs while the routed experts are read */
+            if (eng->store) mf_step_dep(&b, ro, up);
             mf_step_dep(&b, up, sj);
             mf_step_dep(&b, sj, dn);
             mf_step_dep(&b, dn, done);
@@ -598,11 +728,12 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
                                     2.0 * c->vocab_size * H / sh->p_head, 0);
         mf_step_dep(&b, hj, hd);
     }
+    free(io_ids);
     free(unit);
     free(gates);
     if (b.rc) return b.rc;
     if ((rc = mf_graph_finalize(sh->g))) return rc;
-    if (!(sh->sorted = malloc(sizeof *sh->sorted * (size_t)mf_graph_n_tasks(sh->g))))
+    if (!(sh->sorted = malloc(sizeof *sh->sorted * 2 * (size_t)mf_graph_n_tasks(sh->g))))
         return mf_error(-ENOMEM, "step: out of memory for the graph");
     return mf_timeline_create(sh->g, &sh->tl);
 }
@@ -625,6 +756,19 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
     if (sh->p_exp > 8) sh->p_exp = 8;
     sh->p_sh = c->n_shared_experts > 0 ? (W < 8 ? W : 8) : 0;
     sh->p_head = 2 * W;
+    sh->store_layer = -1;
+    if (eng->store) {
+        sh->n_parts = mf_store_n_parts(eng->store);
+        sh->slot_w = calloc((size_t)sh->n_slots * 3, sizeof *sh->slot_w);
+        sh->slot_rd = calloc((size_t)sh->n_slots * sh->n_parts, sizeof *sh->slot_rd);
+        if (!sh->slot_w || !sh->slot_rd) {
+            free(sh->slot_w);
+            free(sh->slot_rd);
+            free(sh);
+            return mf_error(-ENOMEM, "step: out of memory");
+        }
+        for (int i = 0; i < sh->n_slots * sh->n_parts; i++) sh->slot_rd[i] = (mf_io_read){.fd = -1};
+    }
     size_t nk = (size_t)n * K, q8x = mf_kern_q8_bytes(n, (int)H), q8h = mf_kern_q8_bytes(n, (int)I);
     int ex = eng->o.exact;
     size_t f = sizeof(float), bytes = 0;
@@ -646,6 +790,8 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
     for (int i = 0; i < N_SZ; i++) bytes += (sz[i] + 63) / 64 * 64;
     uint8_t *p = aligned_alloc(64, bytes);
     if (!p) {
+        free(sh->slot_w);
+        free(sh->slot_rd);
         free(sh);
         return mf_error(-ENOMEM, "step: cannot allocate %zu bytes of buffers for a batch of %d", bytes, n);
     }
@@ -692,12 +838,26 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
 {
     *out = NULL;
     const mf_config *c = r->c;
-    if (mf_model_store(r->m))
-        return mf_error(-ENOTSUP, "step: the model reads its experts through an expert store; the "
-                        "scheduled engine needs them resident (use the reference engine with a store)");
-    if (mf_model_is_lazy(r->m))
+    mf_store *store = mf_model_store(r->m);
+    if (mf_model_is_lazy(r->m) && !store)
         return mf_error(-ENOTSUP, "step: the model's experts are not resident (lazy load); the "
-                        "scheduled engine needs them in memory (use the reference engine)");
+                        "scheduled engine needs them in memory or behind an expert store");
+    int max_items = MF_STEP_MAX_ITEMS;
+    if (store) {   /* a graph run pins one layer's slots: min(items x top_k, experts) */
+        int K = c->n_experts_per_tok, E = c->n_routed_experts;
+        int fit = mf_store_n_slots(store) < mf_store_max_batch(store) ? mf_store_n_slots(store)
+                                                                        : mf_store_max_batch(store);
+        if (mf_store_n_parts(store) != 6 || mf_store_n_parts(store) > 64)
+            return mf_error(-EINVAL, "step: the expert store holds %d parts per expert, expected 6",
+                            mf_store_n_parts(store));
+        if (fit < K && fit < E)
+            return mf_error(-ENOSPC, "step: the expert store holds %d experts (slots of %" PRIu64 " bytes); "
+                            "the scheduled engine pins the top_k = %d experts of a token's layer at once: "
+                            "a budget of at least %" PRIu64 " bytes", fit, mf_store_slot_bytes(store), K,
+                            (uint64_t)K * mf_store_slot_bytes(store));
+        max_items = fit >= E ? MF_STEP_MAX_ITEMS : fit / K;
+        if (max_items > MF_STEP_MAX_ITEMS) max_items = MF_STEP_MAX_ITEMS;
+    }
     if (r->opts.act_quant)
         return mf_error(-ENOTSUP, "step: act_quant is not supported by the scheduled engine");
     if (c->quant_block_out != 32 || c->quant_block_in != 32)
@@ -721,13 +881,20 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
         free(s);
         return mf_error(-EINVAL, "step: %d threads (max 256)", n);
     }
-    s->lane = (mf_lane_desc){.kind = MF_LANE_CPU, .name = "cpu", .concurrency = s->o.n_threads,
-                             .numa_node = -1, .model = {.bytes_per_s = 20e9, .latency_ns = 2000}};
+    s->store = store;
+    s->max_items = max_items;
+    s->lanes[0] = (mf_lane_desc){.kind = MF_LANE_CPU, .name = "cpu", .concurrency = s->o.n_threads,
+                                 .numa_node = -1, .model = {.bytes_per_s = 20e9, .latency_ns = 2000}};
+    s->lanes[1] = (mf_lane_desc){.kind = MF_LANE_IO, .name = "io", .concurrency = 64, .numa_node = -1,
+                                 .model = {.bytes_per_s = 2e9, .latency_ns = 1e5}};
+    s->n_lanes = store ? 2 : 1;
+    pthread_mutex_init(&s->gather_mu, NULL);
     int rc = mf_step_clone(r, &s->cl[0]);
-    if (!rc) rc = mf_sched_create(&(mf_sched_opts){.lanes = &s->lane, .n_lanes = 1,
+    if (!rc) rc = mf_sched_create(&(mf_sched_opts){.lanes = s->lanes, .n_lanes = s->n_lanes,
                                                    .pin_threads = s->o.pin_threads}, &s->sched);
     if (rc) {
         mf_ref_free(s->cl[0]);
+        pthread_mutex_destroy(&s->gather_mu);
         free(s);
         return rc;
     }
@@ -744,6 +911,7 @@ void mf_step_free(mf_step *s)
         mf_step_shape_free(s->shapes[1][i]);
     }
     for (int i = 0; i < MF_STEP_MAX_ITEMS; i++) mf_ref_free(s->cl[i]);
+    pthread_mutex_destroy(&s->gather_mu);
     free(s);
 }
 
@@ -792,14 +960,57 @@ static int mf_step_span_cmp(const void *pa, const void *pb)
     return (x->start_ns > y->start_ns) - (x->start_ns < y->start_ns);
 }
 
+/* Union of the spans of tasks of kind k in the last run (sorted, merged into sh->sorted[0..m)). */
+static int mf_step_union(mf_step_shape *sh, mf_task_span *out, int kind, int64_t *busy)
+{
+    const mf_task_span *sp = mf_timeline_spans(sh->tl);
+    int n = mf_graph_n_tasks(sh->g), m = 0, u = 0;
+    for (int t = 0; t < n; t++)
+        if (sp[t].status == 0 && sh->kind_of[t] == kind && sp[t].end_ns > sp[t].start_ns) out[m++] = sp[t];
+    qsort(out, (size_t)m, sizeof *out, mf_step_span_cmp);
+    *busy = 0;
+    for (int i = 0; i < m; i++) {
+        if (u && out[i].start_ns <= out[u - 1].end_ns) {
+            if (out[i].end_ns > out[u - 1].end_ns) out[u - 1].end_ns = out[i].end_ns;
+        } else {
+            out[u++] = out[i];
+        }
+    }
+    for (int i = 0; i < u; i++) *busy += out[i].end_ns - out[i].start_ns;
+    return u;
+}
+
+/* IO busy time of the last run (union of its IO-lane reads) and the part of it during which an
+ * expert's compute task (routed or shared) was running. */
+static void mf_step_io_overlap(mf_step *s, mf_step_shape *sh)
+{
+    if (!s->store) return;
+    int n = mf_graph_n_tasks(sh->g);
+    mf_task_span *io = sh->sorted, *cp = sh->sorted + n;
+    int64_t bi, bc, ov = 0;
+    int ni = mf_step_union(sh, io, MF_STEP_K_IO, &bi);
+    int nc = mf_step_union(sh, cp, MF_STEP_K_EXPERT, &bc);
+    for (int i = 0, j = 0; i < ni && j < nc;) {
+        int64_t a = io[i].start_ns > cp[j].start_ns ? io[i].start_ns : cp[j].start_ns;
+        int64_t b = io[i].end_ns < cp[j].end_ns ? io[i].end_ns : cp[j].end_ns;
+        if (b > a) ov += b - a;
+        if (io[i].end_ns < cp[j].end_ns) i++;
+        else j++;
+    }
+    s->times.io_busy_ns += bi;
+    s->times.io_overlap_ns += ov;
+    s->times.expert_busy_ns += bc;
+}
+
 /* Adds the last run's time per phase to s->times: per phase the union of its tasks' intervals
  * (one pass over the spans sorted by start) and their summed durations. */
 static void mf_step_account(mf_step *s, mf_step_shape *sh)
 {
     const mf_task_span *sp = mf_timeline_spans(sh->tl);
     int n = mf_graph_n_tasks(sh->g), m = 0;
+    mf_step_io_overlap(s, sh);
     for (int t = 0; t < n; t++)
-        if (sp[t].status == 0) {
+        if (sp[t].status == 0 && sh->kind_of[t] != MF_STEP_K_IO) {
             sh->sorted[m] = sp[t];
             sh->sorted[m++].worker = sh->phase_of[t];   /* reused to carry the phase */
         }
@@ -821,6 +1032,29 @@ static void mf_step_account(mf_step *s, mf_step_shape *sh)
     for (int p = 0; p < MF_STEP_N_PHASES; p++)
         if (cur_e[p] > cur_s[p]) s->times.phase_ns[p] += cur_e[p] - cur_s[p];
     s->times.n_tasks = n;
+}
+
+/* After a failed run with a store: names the expert of the first failed read, closes the store's
+ * open batch (its new slots freed, nothing pinned) so that the store stays usable. */
+static int mf_step_store_fail(mf_step *s, mf_step_shape *sh, int rc)
+{
+    const mf_task_span *sp = mf_timeline_spans(sh->tl);
+    int n = mf_graph_n_tasks(sh->g);
+    for (int t = 0; t < n; t++) {
+        if (sh->kind_of[t] != MF_STEP_K_IO || sp[t].status >= 0) continue;
+        const mf_step_targ *a = sh->targ_of[t];
+        const mf_model_layer *y = mf_model_layer_at(s->r->m, a->layer);
+        const mf_io_read *rd = &sh->slot_rd[(size_t)a->slot * sh->n_parts + a->part];
+        rc = mf_error_wrap(rc, "step: layer %d expert %d (%s...): reading %" PRIu64 " bytes at offset %"
+                           PRIu64 " into the expert store failed", a->layer, sh->slot_e[a->slot],
+                           y->experts[sh->slot_e[a->slot] * 3].name, rd->n_bytes, rd->offset);
+        break;
+    }
+    if (sh->store_layer >= 0) {
+        mf_store_end(s->store, rc);
+        sh->store_layer = -1;
+    }
+    return rc;
 }
 
 static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
@@ -863,6 +1097,7 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
     mf_timeline_reset(sh->tl);
     rc = mf_sched_run(s->sched, sh->g, &(mf_run_opts){.timeline = sh->tl});
     s->last = sh;
+    if (rc && s->store) rc = mf_step_store_fail(s, sh, rc);
     if (rc) return rc;
     for (int j = 0; j < sh->n_head; j++)
         memcpy(sh->items[sh->head_item[j]].logits, sh->lbuf + (size_t)j * c->vocab_size,
@@ -880,8 +1115,8 @@ int mf_step_forward(mf_step *s, mf_ref_state *const *states, const int32_t *toke
     if (n < 1) return mf_error(-EINVAL, "step: forward of %d items", n);
     int rc = mf_step_check(s, states, tokens, n);
     if (rc) return rc;
-    for (int i = 0; i < n && !rc; i += MF_STEP_MAX_ITEMS) {
-        int m = n - i < MF_STEP_MAX_ITEMS ? n - i : MF_STEP_MAX_ITEMS;
+    for (int i = 0; i < n && !rc; i += s->max_items) {
+        int m = n - i < s->max_items ? n - i : s->max_items;
         rc = mf_step_chunk(s, states + i, tokens + i, m, logits ? logits + i : NULL);
     }
     s->times.wall_ns = mf_now_ns() - t0;
@@ -920,6 +1155,15 @@ int mf_step_decode(mf_step *s, mf_ref_state *const *states, const int32_t *token
     for (int i = 0; i < n_seq; i++)
         for (int j = 0; j < i; j++)
             if (states[i] == states[j]) return mf_error(-EINVAL, "step: decode got sequence %d twice", i);
+    if (n_seq > s->max_items) {
+        int K = s->c->n_experts_per_tok;
+        return mf_error(-ENOSPC, "step: a decode batch of %d sequences pins up to %d experts of a layer "
+                        "at once; the expert store holds %d (slots of %" PRIu64 " bytes): a budget of at "
+                        "least %" PRIu64 " bytes, or at most %d sequences", n_seq, n_seq * K,
+                        mf_store_n_slots(s->store), mf_store_slot_bytes(s->store),
+                        (uint64_t)(n_seq * K < s->c->n_routed_experts ? n_seq * K : s->c->n_routed_experts) *
+                            mf_store_slot_bytes(s->store), s->max_items);
+    }
     return mf_step_forward(s, states, tokens, n_seq, lg);
 }
 

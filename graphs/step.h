@@ -21,6 +21,9 @@ typedef struct mf_step_opts {
      * roundings inside the FFN. 1: every expert matmul on the fp32 kernel path with the
      * reference's bf16 roundings, so only the summation order differs from the reference. */
     int exact;
+    /* With an expert store: slots whose reads are in flight at once, in slot order (0: 2; < 0:
+     * all at once), so that the first experts arrive early and their compute overlaps the rest */
+    int read_window;
 } mf_step_opts;
 
 typedef struct mf_step mf_step;
@@ -30,8 +33,16 @@ typedef struct mf_step mf_step;
  * the reference code on forward objects of its own, copies of r whose FP8/BF16 linears run on the
  * kernels (docs/decode.md). r must outlive the engine and must not run forwards of its own while
  * an engine call is in progress. Debug hooks of r are called on worker threads, in item order
- * (a batch with hooks runs the serial graph). Fails with -ENOTSUP when the model is lazy (experts
- * on disk or behind an expert store), the reference uses act_quant, or FP8 tiles are not 32x32. */
+ * (a batch with hooks runs the serial graph). Fails with -ENOTSUP when the model is lazy without
+ * an expert store, the reference uses act_quant, or FP8 tiles are not 32x32.
+ * With an expert store (mf_model_store) the routed experts are streamed: per layer the route task
+ * opens a store batch for the slots' experts (pinned), IO-lane tasks read each slot's misses into
+ * the store (empty on hits) and the slot's up tasks wait only for its own reads, so reads of one
+ * expert overlap compute of another; the layer's end closes the batch and unpins. A graph run
+ * pins min(items x top_k, experts) experts: longer runs are cut into chunks that fit the store,
+ * a decode batch that does not fit fails with -ENOSPC naming the budget needed, and a store
+ * holding fewer than top_k experts fails here with -ENOSPC. Engram rows go through the
+ * reference's path (the store's gatherer), one Engram task at a time. */
 int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out);
 void mf_step_free(mf_step *s);
 
@@ -66,6 +77,9 @@ typedef struct mf_step_times {
     int64_t phase_ns[MF_STEP_N_PHASES];
     int64_t busy_ns[MF_STEP_N_PHASES];
     int n_tasks;   /* tasks of the last graph run */
+    /* with an expert store: IO-lane busy time (union of the expert reads), expert compute time
+     * (union of routed and shared expert tasks) and the time both ran; IO tasks count in no phase */
+    int64_t io_busy_ns, expert_busy_ns, io_overlap_ns;
 } mf_step_times;
 
 void mf_step_last_times(const mf_step *s, mf_step_times *out);

@@ -330,10 +330,11 @@ int mf_store_create(const mf_st *st, const mf_store_layout *lay, const mf_store_
     } else {
         uint64_t n = s->slot_bytes ? s->o.budget_bytes / s->slot_bytes : 0;
         if (n > (uint64_t)s->n_items) n = (uint64_t)s->n_items;
-        if (n < (uint64_t)mb && n < (uint64_t)s->n_items) {
+        int need = s->o.min_slots > 0 && s->o.min_slots < mb ? s->o.min_slots : mb;
+        if (n < (uint64_t)need && n < (uint64_t)s->n_items) {
             rc = mf_error(-ENOSPC, "expert store: a budget of %" PRIu64 " bytes holds %" PRIu64
                           " experts of %" PRIu64 " bytes, fewer than the %d one call may pin",
-                          s->o.budget_bytes, n, s->slot_bytes, mb);
+                          s->o.budget_bytes, n, s->slot_bytes, need);
             goto fail;
         }
         s->n_slots = (int)n;
@@ -591,6 +592,17 @@ mf_io_read *mf_store_reads(mf_store *s, int k, int *n)
     return &s->reads[(k < 0 ? 0 : k) * s->n_parts];
 }
 
+const uint8_t *mf_store_batch_part(const mf_store *s, int k, int part)
+{
+    if (!s->b_active || k < 0 || k >= s->b_n || part < 0 || part >= s->n_parts) return NULL;
+    int item = s->b_layer * s->n_experts + s->b_ids[k], sl = s->slot_of[item];
+    if (sl < 0) return NULL;
+    return s->slab + (uint64_t)sl * s->slot_bytes + s->part_off[(size_t)item * s->n_parts + part];
+}
+
+static int mf_store_check_shards(mf_store *s);
+int mf_store_check(mf_store *s) { return mf_store_check_shards(s); }
+
 int mf_store_end(mf_store *s, int status)
 {
     if (!s->b_active) return status;
@@ -680,6 +692,7 @@ static void mf_store_overlap(mf_store *s)
 /* Checks the shards a batch will read (truncated or replaced since open) before reading. */
 static int mf_store_check_shards(mf_store *s)
 {
+    if (!s->b_active) return 0;
     uint64_t mark = s->tick;
     for (int k = 0; k < s->b_n; k++) {
         int item = s->b_layer * s->n_experts + s->b_ids[k];
@@ -950,6 +963,8 @@ void mf_store_step(mf_store *s, mf_store_stats *step)
     memset(&s->step, 0, sizeof s->step);
 }
 int mf_store_n_slots(const mf_store *s) { return s->n_slots; }
+int mf_store_max_batch(const mf_store *s) { return s->o.max_batch; }
+int mf_store_n_parts(const mf_store *s) { return s->n_parts; }
 uint64_t mf_store_slot_bytes(const mf_store *s) { return s->slot_bytes; }
 uint64_t mf_store_slab_bytes(const mf_store *s) { return s->slab_bytes; }
 const char *mf_store_io_engine(const mf_store *s) { return mf_sched_io_engine(s->sched); }

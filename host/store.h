@@ -28,6 +28,8 @@ typedef struct mf_store_opts {
     uint64_t budget_bytes;       /* streamed experts: slab bytes (0: 2 GiB) */
     int io_depth;                /* reads in flight (0: 64) */
     int max_batch;               /* most experts one call names (0: 16) */
+    int min_slots;               /* streamed: fewest slots the budget must hold (0: max_batch);
+                                  * a call naming more experts than there are slots fails */
     int max_rows;                /* most rows per gather round (0: 1024) */
     int read_window;             /* calls with a compute function: experts whose reads are in
                                   * flight at once, in selection order (0: 2), so that the first
@@ -73,10 +75,15 @@ void mf_store_unpin(mf_store *s, int layer, const int32_t *ids, int n);
 const uint8_t *mf_store_part(const mf_store *s, int layer, int id, int part);
 
 /* The same in pieces, for step graphs built elsewhere: begin decides hits and misses and pins;
- * mf_store_reads gives the reads of batch entry k (n = 0 for a hit) to put on IO tasks of the
- * caller's graph; end marks the read experts present (status 0) or frees their slots. */
+ * mf_store_reads gives the reads of batch entry k (n = 0 for a hit, at most n_parts) to put on IO
+ * tasks of the caller's graph; mf_store_batch_part is where part p of entry k is (a miss: once its
+ * reads are done); mf_store_check checks the shards the batch will read (replaced or truncated
+ * since open; on failure call end with its code); end marks the read experts present (status 0,
+ * they stay pinned) or frees their slots and unpins the batch (status < 0). */
 int mf_store_begin(mf_store *s, int layer, const int32_t *ids, int n);
 mf_io_read *mf_store_reads(mf_store *s, int k, int *n);
+const uint8_t *mf_store_batch_part(const mf_store *s, int k, int part);
+int mf_store_check(mf_store *s);
 int mf_store_end(mf_store *s, int status);
 
 /* Rows rows[0..n) of Engram table `table`: codes to data (n x row_bytes), scales to scale (n x
@@ -97,6 +104,8 @@ void mf_store_stats_total(const mf_store *s, mf_store_stats *out);
 void mf_store_step(mf_store *s, mf_store_stats *step);
 
 int mf_store_n_slots(const mf_store *s);
+int mf_store_max_batch(const mf_store *s);
+int mf_store_n_parts(const mf_store *s);
 uint64_t mf_store_slot_bytes(const mf_store *s);
 uint64_t mf_store_slab_bytes(const mf_store *s);
 const char *mf_store_io_engine(const mf_store *s);

@@ -56,13 +56,17 @@ static void mf_decode_usage(FILE *f)
             "                      does (default: the Hugging Face port, which does not);\n"
             "                      reference engine only\n"
             "  --trace FILE        Chrome trace of the last step: the scheduled engine's task\n"
-            "                      graph, or with --store the store's expert reads and compute\n"
-            "  --store MODE        reference engine: experts and Engram tables through the expert\n"
-            "                      store: resident (read in at load) or streamed (a cache, misses\n"
-            "                      read per use through io_uring); per-step hits/misses on stderr\n"
+            "                      graph (with --store its IO-lane expert reads), or with the\n"
+            "                      reference engine and --store the store's reads and compute\n"
+            "  --store MODE        experts and Engram tables through the expert store: resident\n"
+            "                      (read in at load) or streamed (a cache, misses read per use\n"
+            "                      through io_uring; the scheduled engine reads them on its IO\n"
+            "                      lane inside the step graph); per-step hits/misses on stderr\n"
             "  --store-budget SIZE streamed cache bytes, e.g. 2G, 512M (default 2G)\n"
             "  --store-tables MODE Engram tables resident or streamed (default: as --store)\n"
             "  --io-depth N        reads in flight (default 64)\n"
+            "  --read-window N     scheduled engine with --store: experts of a layer whose reads\n"
+            "                      are in flight at once, in slot order (default 2; -1: all)\n"
             "  --quiet             no progress or timing on stderr\n");
 }
 
@@ -222,7 +226,7 @@ int mf_cmd_decode(int argc, char **argv)
     unsigned long long seed = 0;
     int no_bos = 0, ignore_eos = 0, act_quant = 0, quiet = 0, exact = 0;
     int store_mode = 0, store_tables = 0;
-    long io_depth = 0;
+    long io_depth = 0, read_window = 0;
     uint64_t store_budget = 0;
     const char *trace = NULL;
     if (threads < 1) threads = 1;
@@ -310,6 +314,12 @@ int mf_cmd_decode(int argc, char **argv)
                 fprintf(stderr, "moeflow decode: --io-depth: expected 1..4096, found '%s'\n", argv[i]);
                 return 2;
             }
+        } else if (!strcmp(a, "--read-window") && hv) {
+            read_window = strtol(argv[++i], &end, 10);
+            if (*end || read_window < -1 || read_window > 4096 || !read_window) {
+                fprintf(stderr, "moeflow decode: --read-window: expected 1..4096 or -1 (all), found '%s'\n", argv[i]);
+                return 2;
+            }
         } else if (!strcmp(a, "--trace") && hv) {
             trace = argv[++i];
         } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
@@ -330,11 +340,6 @@ int mf_cmd_decode(int argc, char **argv)
     if (sched && act_quant) {
         fprintf(stderr, "moeflow decode: --act-quant is only implemented by the reference engine (add "
                         "--engine reference)\n");
-        return 2;
-    }
-    if (sched && (store_mode || store_tables || store_budget || io_depth)) {
-        fprintf(stderr, "moeflow decode: the expert store (--store ...) is used by the reference engine "
-                        "only (add --engine reference); the scheduled engine needs resident experts\n");
         return 2;
     }
     if (!sched && trace && !store_mode) {
@@ -446,7 +451,8 @@ int mf_cmd_decode(int argc, char **argv)
         ro.n_token_map = mf_engram_map_n_vocab(emap);
     }
     if (mf_ref_new(m, &ro, &r)) goto fail;
-    if (sched && mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact}, &eng)) goto fail;
+    if (sched && mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact,
+                                                 .read_window = (int)read_window}, &eng)) goto fail;
     for (int s = 0; s < n_seq; s++)
         if (mf_ref_state_new(r, total > 0 ? total : 1, &st[s]) ||
             mf_sampler_new(c->vocab_size, temperature, top_p, seed + (unsigned long long)s, &smp[s]) ||
@@ -467,6 +473,7 @@ int mf_cmd_decode(int argc, char **argv)
     int64_t t1 = mf_now_ns();
     /* every live sequence: pick, emit, and (unless done) feed the token in one batched step */
     long n_gen[MF_STEP_MAX_ITEMS] = {0}, steps = 0, fed = 0;
+    int64_t io_busy_ns = 0, io_overlap_ns = 0, ex_busy_ns = 0;   /* scheduled engine with a store: decode steps */
     int live[MF_STEP_MAX_ITEMS], row_of[MF_STEP_MAX_ITEMS], n_live = n_seq;
     for (int s = 0; s < n_seq; s++) live[s] = s, row_of[s] = s;
     while (n_live > 0) {
@@ -488,6 +495,13 @@ int mf_cmd_decode(int argc, char **argv)
         n_live = nb;
         if (!nb) break;
         if (sched ? mf_step_decode(eng, bs, bt, nb, logits) : mf_ref_decode(r, bs, bt, nb, logits)) goto fail;
+        if (sched && mst) {
+            mf_step_times tm;
+            mf_step_last_times(eng, &tm);
+            io_busy_ns += tm.io_busy_ns;
+            io_overlap_ns += tm.io_overlap_ns;
+            ex_busy_ns += tm.expert_busy_ns;
+        }
         for (int j = 0; j < nb; j++) row_of[live[j]] = j;
         steps++;
         fed += nb;
@@ -506,7 +520,7 @@ int mf_cmd_decode(int argc, char **argv)
     }
     for (int s = 0; s < n_seq; s++) out_tokens += n_gen[s];
     fflush(stdout);
-    if (trace && (mst ? mf_store_write_trace(mst, trace) : mf_step_write_trace(eng, trace))) goto fail;
+    if (trace && (sched ? mf_step_write_trace(eng, trace) : mf_store_write_trace(mst, trace))) goto fail;
     if (mst && !quiet) {
         mf_store_stats x;
         mf_store_stats_total(mst, &x);
@@ -515,6 +529,11 @@ int mf_cmd_decode(int argc, char **argv)
                 "of io busy time\n", x.hits, x.misses, 100.0 * x.hits / (double)(x.hits + x.misses ? x.hits + x.misses : 1),
                 x.bytes_read / 1073741824.0, x.read_wall_ns / 1e9,
                 x.io_busy_ns ? 100.0 * x.overlap_ns / x.io_busy_ns : 0.0);
+        if (sched)
+            fprintf(stderr, "moeflow decode: scheduled engine decode steps: IO lane busy %.3f s, expert compute "
+                    "%.3f s, overlapping %.3f s (%.1f%% of IO busy, %.1f%% of expert compute)\n", io_busy_ns / 1e9,
+                    ex_busy_ns / 1e9, io_overlap_ns / 1e9, io_busy_ns ? 100.0 * io_overlap_ns / io_busy_ns : 0.0,
+                    ex_busy_ns ? 100.0 * io_overlap_ns / ex_busy_ns : 0.0);
     }
     if (!quiet)
         fprintf(stderr, "moeflow decode (%s engine%s, %d sequence%s): prefill %" PRId64 " tokens in %.3f s "
