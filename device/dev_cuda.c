@@ -1,0 +1,379 @@
+/* The CUDA backend of device/dev.h: per card three non-blocking streams (copy-in, compute,
+ * copy-out, named for Nsight through NVTX), events for cross-stream dependencies
+ * (cudaStreamWaitEvent, never a host polling loop), cudaMemcpyAsync / cudaMemcpyPeerAsync copies,
+ * portable pinned host memory, cudaLaunchHostFunc for the scheduler's callbacks. Every CUDA call
+ * is checked with file and line. No kernels yet: kernel launches return -ENOTSUP. */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "device/dev_impl.h"
+#include "sched/error.h"
+
+#ifdef MOEFLOW_CUDA
+#include <cuda_runtime.h>
+#include <nvtx3/nvToolsExtCudaRt.h>
+#include <pthread.h>
+#include <stdio.h>
+
+/* Checks a CUDA call: on failure returns -EIO with file, line, the call and CUDA's message. */
+#define CU_TRY(call)                                                                           \
+    do {                                                                                       \
+        cudaError_t e_ = (call);                                                               \
+        if (e_ != cudaSuccess)                                                                 \
+            return mf_error(-EIO, "%s:%d: %s: %s", __FILE__, __LINE__, #call,                  \
+                            cudaGetErrorString(e_));                                           \
+    } while (0)
+/* The same for teardown paths that cannot return a code: records the message and goes on. */
+#define CU_NOTE(call)                                                                          \
+    do {                                                                                       \
+        cudaError_t e_ = (call);                                                               \
+        if (e_ != cudaSuccess)                                                                 \
+            mf_error(-EIO, "%s:%d: %s: %s", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+    } while (0)
+
+typedef struct cu_stream {
+    mf_dev_stream pub;
+    cudaStream_t st;
+    int id;                  /* CUDA device ordinal */
+} cu_stream;
+
+typedef struct cu_event {
+    mf_dev_event pub;
+    cudaEvent_t ev;
+} cu_event;
+
+typedef struct cu_alloc {    /* allocations left at close are freed there */
+    void *p;
+    int card;                /* -1: pinned host memory */
+    struct cu_alloc *next;
+} cu_alloc;
+
+typedef struct cu_dev {
+    mf_dev pub;
+    int ids[MF_DEV_MAX_CARDS];
+    cu_stream streams[MF_DEV_MAX_CARDS][MF_DEV_N_STREAMS];
+    pthread_mutex_t mu;      /* allocs */
+    cu_alloc *allocs;
+} cu_dev;
+
+static const char *cu_stream_name[MF_DEV_N_STREAMS] = {"copy-in", "compute", "copy-out"};
+
+static int cu_track(cu_dev *d, void *p, int card)
+{
+    cu_alloc *a = malloc(sizeof *a);
+    if (!a) return mf_error(-ENOMEM, "cuda device: out of host memory for bookkeeping");
+    a->p = p;
+    a->card = card;
+    pthread_mutex_lock(&d->mu);
+    a->next = d->allocs;
+    d->allocs = a;
+    pthread_mutex_unlock(&d->mu);
+    return 0;
+}
+
+/* Forgets p; 0 when it was tracked (as card), -1 when it was not. */
+static int cu_untrack(cu_dev *d, void *p, int card)
+{
+    int rc = -1;
+    pthread_mutex_lock(&d->mu);
+    for (cu_alloc **pp = &d->allocs; *pp; pp = &(*pp)->next)
+        if ((*pp)->p == p && (*pp)->card == card) {
+            cu_alloc *a = *pp;
+            *pp = a->next;
+            free(a);
+            rc = 0;
+            break;
+        }
+    pthread_mutex_unlock(&d->mu);
+    return rc;
+}
+
+static int cu_alloc_dev(mf_dev *pd, int card, size_t n_bytes, void **out)
+{
+    cu_dev *d = (cu_dev *)pd;
+    CU_TRY(cudaSetDevice(d->ids[card]));
+    cudaError_t e = cudaMalloc(out, n_bytes);
+    if (e != cudaSuccess) {
+        size_t free_b = 0, total_b = 0;
+        (void)cudaGetLastError();   /* clear the (non-sticky) allocation error */
+        cudaMemGetInfo(&free_b, &total_b);
+        *out = NULL;
+        return mf_error(e == cudaErrorMemoryAllocation ? -ENOMEM : -EIO,
+                        "%s:%d: cudaMalloc of %zu bytes on card %d (cuda:%d): %s (%zu of %zu bytes "
+                        "free)", __FILE__, __LINE__, n_bytes, card, d->ids[card],
+                        cudaGetErrorString(e), free_b, total_b);
+    }
+    int rc = cu_track(d, *out, card);
+    if (rc) {
+        cudaFree(*out);
+        *out = NULL;
+    }
+    return rc;
+}
+
+static void cu_free_dev(mf_dev *pd, int card, void *p)
+{
+    cu_dev *d = (cu_dev *)pd;
+    if (cu_untrack(d, p, card)) {
+        mf_error(-EINVAL, "mf_dev_free: %p is not an allocation of card %d (left alone)", p, card);
+        return;
+    }
+    CU_NOTE(cudaSetDevice(d->ids[card]));
+    CU_NOTE(cudaFree(p));
+}
+
+/* Pinned memory, portable so every card's copies treat it as pinned. Not yet placed on the card's
+ * NUMA node (docs/device.md). */
+static int cu_host_alloc(mf_dev *pd, int card, size_t n_bytes, void **out)
+{
+    cu_dev *d = (cu_dev *)pd;
+    CU_TRY(cudaSetDevice(d->ids[card]));
+    cudaError_t e = cudaHostAlloc(out, n_bytes, cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        *out = NULL;
+        return mf_error(-ENOMEM, "%s:%d: cudaHostAlloc of %zu pinned bytes for card %d: %s",
+                        __FILE__, __LINE__, n_bytes, card, cudaGetErrorString(e));
+    }
+    int rc = cu_track(d, *out, -1);
+    if (rc) {
+        cudaFreeHost(*out);
+        *out = NULL;
+    }
+    return rc;
+}
+
+static void cu_host_free(mf_dev *pd, void *p)
+{
+    if (cu_untrack((cu_dev *)pd, p, -1)) {
+        mf_error(-EINVAL, "mf_dev_host_free: %p is not pinned memory of this device (left alone)", p);
+        return;
+    }
+    CU_NOTE(cudaFreeHost(p));
+}
+
+static int cu_copy(mf_dev_stream *ps, mf_dev_copy_kind k, int dst_card, void *dst, int src_card,
+                   const void *src, size_t n_bytes)
+{
+    cu_stream *s = (cu_stream *)ps;
+    cu_dev *d = (cu_dev *)ps->dev;
+    CU_TRY(cudaSetDevice(s->id));
+    if (k == MF_DEV_H2D) CU_TRY(cudaMemcpyAsync(dst, src, n_bytes, cudaMemcpyHostToDevice, s->st));
+    else if (k == MF_DEV_D2H) CU_TRY(cudaMemcpyAsync(dst, src, n_bytes, cudaMemcpyDeviceToHost, s->st));
+    else if (dst_card == src_card) CU_TRY(cudaMemcpyAsync(dst, src, n_bytes, cudaMemcpyDeviceToDevice, s->st));
+    else CU_TRY(cudaMemcpyPeerAsync(dst, d->ids[dst_card], src, d->ids[src_card], n_bytes, s->st));
+    return 0;
+}
+
+static int cu_event_create(mf_dev *pd, int card, mf_dev_event **out)
+{
+    cu_dev *d = (cu_dev *)pd;
+    cu_event *e = calloc(1, sizeof *e);
+    if (!e) return mf_error(-ENOMEM, "cuda card %d: out of host memory for an event", card);
+    e->pub.dev = pd;
+    e->pub.card = card;
+    cudaError_t err = cudaSetDevice(d->ids[card]);
+    if (err == cudaSuccess) err = cudaEventCreateWithFlags(&e->ev, cudaEventDisableTiming);
+    if (err != cudaSuccess) {
+        free(e);
+        return mf_error(-EIO, "%s:%d: cudaEventCreateWithFlags on card %d: %s", __FILE__, __LINE__,
+                        card, cudaGetErrorString(err));
+    }
+    *out = &e->pub;
+    return 0;
+}
+
+/* cudaEventDestroy returns at once; CUDA releases the event when work naming it is done. */
+static void cu_event_destroy(mf_dev_event *pe)
+{
+    cu_event *e = (cu_event *)pe;
+    CU_NOTE(cudaSetDevice(((cu_dev *)pe->dev)->ids[pe->card]));
+    CU_NOTE(cudaEventDestroy(e->ev));
+    free(e);
+}
+
+static int cu_event_record(mf_dev_event *pe, mf_dev_stream *ps)
+{
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    CU_TRY(cudaEventRecord(((cu_event *)pe)->ev, s->st));
+    return 0;
+}
+
+static int cu_stream_wait(mf_dev_stream *ps, mf_dev_event *pe)
+{
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    CU_TRY(cudaStreamWaitEvent(s->st, ((cu_event *)pe)->ev, 0));
+    return 0;
+}
+
+static int cu_callback(mf_dev_stream *ps, void (*fn)(void *), void *arg)
+{
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    CU_TRY(cudaLaunchHostFunc(s->st, fn, arg));
+    return 0;
+}
+
+static int cu_stream_sync(mf_dev_stream *ps)
+{
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    CU_TRY(cudaStreamSynchronize(s->st));
+    return 0;
+}
+
+static int cu_no_kernel(mf_dev_stream *ps, const char *name)
+{
+    return mf_error(-ENOTSUP, "cuda card %d: the %s kernel is not implemented in the CUDA backend "
+                    "yet (device issue, later part); use the emulated device (\"emu:N\") or the "
+                    "host kernels", ps->card, name);
+}
+
+static int cu_fp4_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok,
+                         float *y, void *q8)
+{
+    return cu_no_kernel(s, "fp4 matmul");
+}
+
+static int cu_fp8_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y)
+{
+    return cu_no_kernel(s, "fp8 matmul");
+}
+
+static int cu_expert_ffn(mf_dev_stream *s, const mf_dev_ffn *a)
+{
+    return cu_no_kernel(s, "expert FFN");
+}
+
+static void cu_close(mf_dev *pd)
+{
+    cu_dev *d = (cu_dev *)pd;
+    for (int c = 0; c < pd->n_cards; c++)
+        for (int k = 0; k < MF_DEV_N_STREAMS; k++) {
+            cu_stream *s = &d->streams[c][k];
+            if (!s->st) continue;
+            CU_NOTE(cudaSetDevice(s->id));
+            CU_NOTE(cudaStreamSynchronize(s->st));
+            CU_NOTE(cudaStreamDestroy(s->st));
+        }
+    for (cu_alloc *a = d->allocs, *nx; a; a = nx) {
+        nx = a->next;
+        if (a->card < 0) {
+            CU_NOTE(cudaFreeHost(a->p));
+        } else {
+            CU_NOTE(cudaSetDevice(d->ids[a->card]));
+            CU_NOTE(cudaFree(a->p));
+        }
+        free(a);
+    }
+    pthread_mutex_destroy(&d->mu);
+    free(d);
+}
+
+static const mf_dev_ops cu_ops = {
+    .kind = "cuda",
+    .close = cu_close,
+    .alloc = cu_alloc_dev,
+    .free = cu_free_dev,
+    .host_alloc = cu_host_alloc,
+    .host_free = cu_host_free,
+    .copy = cu_copy,
+    .event_create = cu_event_create,
+    .event_destroy = cu_event_destroy,
+    .event_record = cu_event_record,
+    .stream_wait = cu_stream_wait,
+    .callback = cu_callback,
+    .stream_sync = cu_stream_sync,
+    .fp4_matmul = cu_fp4_matmul,
+    .fp8_matmul = cu_fp8_matmul,
+    .expert_ffn = cu_expert_ffn,
+};
+
+/* Creates the streams of every card and turns on peer access between cards that support it. */
+static int cu_setup(cu_dev *d)
+{
+    for (int c = 0; c < d->pub.n_cards; c++) {
+        CU_TRY(cudaSetDevice(d->ids[c]));
+        for (int k = 0; k < MF_DEV_N_STREAMS; k++) {
+            cu_stream *s = &d->streams[c][k];
+            s->pub = (mf_dev_stream){.dev = &d->pub, .card = c, .kind = (mf_dev_stream_kind)k};
+            s->id = d->ids[c];
+            CU_TRY(cudaStreamCreateWithFlags(&s->st, cudaStreamNonBlocking));
+            char name[64];
+            snprintf(name, sizeof name, "card%d.%s", c, cu_stream_name[k]);
+            nvtxNameCudaStreamA(s->st, name);
+            d->pub.streams[c][k] = &s->pub;
+        }
+        for (int o = 0; o < d->pub.n_cards; o++) {
+            int can = 0;
+            if (o == c) continue;
+            CU_TRY(cudaDeviceCanAccessPeer(&can, d->ids[c], d->ids[o]));
+            if (!can) continue;   /* peer copies then go through host memory, still correct */
+            cudaError_t e = cudaDeviceEnablePeerAccess(d->ids[o], 0);
+            if (e == cudaErrorPeerAccessAlreadyEnabled) (void)cudaGetLastError();
+            else CU_TRY(e);
+        }
+    }
+    return 0;
+}
+
+int mf_dev_open_cuda(const char *cards, mf_dev **out)
+{
+    int n_visible = 0;
+    cudaError_t e = cudaGetDeviceCount(&n_visible);
+    if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver || (e == cudaSuccess && !n_visible))
+        return mf_error(-ENODEV, "device spec 'cuda': no CUDA card is visible (%s)",
+                        e == cudaSuccess ? "the driver reports 0" : cudaGetErrorString(e));
+    CU_TRY(e);
+    cu_dev *d = calloc(1, sizeof *d);
+    if (!d) return mf_error(-ENOMEM, "cuda device: out of host memory");
+    d->pub.ops = &cu_ops;
+    pthread_mutex_init(&d->mu, NULL);
+    int rc = 0;
+    if (!cards) {
+        d->pub.n_cards = n_visible < MF_DEV_MAX_CARDS ? n_visible : MF_DEV_MAX_CARDS;
+        for (int c = 0; c < d->pub.n_cards; c++) d->ids[c] = c;
+    } else {
+        const char *p = cards;
+        while (!rc) {
+            char *end;
+            long id = strtol(p, &end, 10);
+            if (end == p || (*end && *end != ',') || d->pub.n_cards >= MF_DEV_MAX_CARDS)
+                rc = mf_error(-EINVAL, "device spec 'cuda:%s': expected card numbers separated by "
+                              "commas (at most %d)", cards, MF_DEV_MAX_CARDS);
+            else if (id < 0 || id >= n_visible)
+                rc = mf_error(-ENODEV, "device spec 'cuda:%s': card %ld does not exist (%d visible)",
+                              cards, id, n_visible);
+            else
+                for (int c = 0; c < d->pub.n_cards && !rc; c++)
+                    if (d->ids[c] == id)
+                        rc = mf_error(-EINVAL, "device spec 'cuda:%s': card %ld named twice", cards, id);
+            if (rc) break;
+            d->ids[d->pub.n_cards++] = (int)id;
+            if (!*end) break;
+            p = end + 1;
+        }
+    }
+    if (!rc) rc = cu_setup(d);
+    if (rc) {
+        cu_close(&d->pub);
+        return rc;
+    }
+    *out = &d->pub;
+    return 0;
+}
+
+#else /* !MOEFLOW_CUDA */
+
+int mf_dev_open_cuda(const char *cards, mf_dev **out)
+{
+    (void)cards;
+    (void)out;
+    return mf_error(-ENOSYS, "device spec 'cuda': this moeflow was built without CUDA (configure "
+                    "with nvcc on PATH, or use \"emu:N\")");
+}
+
+#endif
