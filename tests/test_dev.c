@@ -1,0 +1,409 @@
+/* The device interface on emulated cards (1..4): specs, memory capacity, copies, stream order,
+ * events, callbacks, modelled copy time, the expert kernels bit for bit against host/kernels.h on
+ * fresh random data, and the scheduler adapter running copy-in -> kernel -> copy-out graphs on two
+ * cards with results equal to the host path. Runs everywhere; test_dev_cuda covers real cards. */
+#include <math.h>
+#include <stdio.h>
+
+#include "sched/clock.h"
+#include "tests/dev_common.h"
+
+static void check_specs(void)
+{
+    mf_dev *d = NULL;
+    const char *bad[] = {"emu", "emu:", "emu:0", "emu:17", "emu:2x", "emu:2,mem=", "emu:2,mem=5Q",
+                         "emu:2,bw=-1", "emu:2,foo=1", "gpu", "cuda:", "cuda:a", ""};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        int rc = mf_dev_open(bad[i], &d);
+        CHECK(rc < 0 && d == NULL && *mf_last_error(), "spec '%s' accepted (rc %d)", bad[i], rc);
+    }
+    CHECK(mf_dev_open(NULL, &d) == -EINVAL, "NULL spec");
+    int rc = mf_dev_open("cuda", &d);
+    if (rc == 0) mf_dev_close(d);
+    else CHECK(rc == -ENOSYS || rc == -ENODEV, "cuda without a card: rc %d (%s)", rc, mf_last_error());
+    CHECK(mf_dev_open("emu:3,mem=64M,bw=1e9,lat_ns=0", &d) == 0, "%s", mf_last_error());
+    CHECK(d && mf_dev_n_cards(d) == 3 && !strcmp(mf_dev_kind(d), "emu"), "emu:3");
+    mf_dev_close(d);
+}
+
+/* Each card's capacity is its own; beyond it allocations are refused with a clear message. */
+static void check_memory(void)
+{
+    mf_dev *d = NULL;
+    CHECK(mf_dev_open("emu:2,mem=1M", &d) == 0, "%s", mf_last_error());
+    if (!d) return;
+    void *a = NULL, *b = NULL, *c = NULL;
+    CHECK(mf_dev_alloc(d, 1, 768 << 10, &a) == 0, "%s", mf_last_error());
+    CHECK(mf_dev_emu_used_bytes(d, 1) == 768 << 10, "used %lld", (long long)mf_dev_emu_used_bytes(d, 1));
+    int rc = mf_dev_alloc(d, 1, 512 << 10, &b);
+    CHECK(rc == -ENOMEM && b == NULL, "over capacity: rc %d", rc);
+    CHECK(strstr(mf_last_error(), "card 1") && strstr(mf_last_error(), "out of device memory") &&
+          strstr(mf_last_error(), "524288"), "message: %s", mf_last_error());
+    CHECK(mf_dev_alloc(d, 0, 768 << 10, &c) == 0, "card 0 is independent: %s", mf_last_error());
+    mf_dev_free(d, 1, a);
+    CHECK(mf_dev_emu_used_bytes(d, 1) == 0, "freed");
+    CHECK(mf_dev_alloc(d, 1, 1 << 20, &b) == 0, "whole capacity after free: %s", mf_last_error());
+    CHECK(mf_dev_alloc(d, 2, 16, &a) == -EINVAL, "card 2 of 2");
+    CHECK(mf_dev_alloc(d, 0, 0, &a) == -EINVAL, "size 0");
+    /* b and c are left for close to free (ASan reports a leak otherwise). */
+    mf_dev_close(d);
+}
+
+/* Copies take at least the modelled latency + bytes / bandwidth, in order on one stream. */
+static void check_copy_model(void)
+{
+    mf_dev *d = NULL;
+    CHECK(mf_dev_open("emu:1,bw=1e9,lat_ns=2000000", &d) == 0, "%s", mf_last_error());
+    if (!d) return;
+    size_t n = 1 << 20;
+    void *h = NULL, *a = NULL;
+    CHECK(mf_dev_host_alloc(d, 0, n, &h) == 0 && mf_dev_alloc(d, 0, n, &a) == 0, "%s", mf_last_error());
+    memset(h, 1, n);
+    mf_dev_stream *s = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COPY_IN);
+    int64_t t0 = mf_now_ns();
+    for (int i = 0; i < 3; i++) CHECK(mf_dev_copy_h2d(s, a, h, n) == 0, "%s", mf_last_error());
+    int64_t t_enq = mf_now_ns() - t0;
+    CHECK(mf_dev_stream_sync(s) == 0, "%s", mf_last_error());
+    int64_t took = mf_now_ns() - t0;
+    double model = 3 * (2e6 + n / 1e9 * 1e9);
+    CHECK(took >= (int64_t)model, "3 copies took %lld ns, less than the model's %.0f", (long long)took,
+          model);
+    CHECK(t_enq < took, "enqueueing blocked");
+    printf("copy model: 3 x 1 MiB at 1 GB/s + 2 ms: model %.2f ms, took %.2f ms (enqueue %.3f ms)\n",
+           model / 1e6, took / 1e6, t_enq / 1e6);
+    mf_dev_close(d);
+}
+
+/* ---- kernels --------------------------------------------------------------------------------- */
+
+static float gauss(void)
+{
+    double u = (dv_rnd() + 1.0) / 4294967297.0, v = dv_rnd() / 4294967296.0;
+    return (float)(sqrt(-2 * log(u)) * cos(2 * M_PI * v));
+}
+
+/* A random stored matrix in host memory: FP4 (codes random, scales 2^-3..2^3) or FP8 (no NaN codes). */
+typedef struct hmat {
+    mf_kern_mat m;
+    uint8_t *w, *scale;
+    size_t w_bytes, s_bytes;
+} hmat;
+
+static hmat hmat_rand(mf_kern_fmt fmt, int n_out, int n_in)
+{
+    hmat h = {.m = {.fmt = fmt, .n_out = n_out, .n_in = n_in}};
+    h.w_bytes = fmt == MF_KERN_FP4 ? (size_t)n_out * n_in / 2 : (size_t)n_out * n_in;
+    h.s_bytes = fmt == MF_KERN_FP4 ? (size_t)n_out * (n_in / 32) : (size_t)((n_out + 31) / 32) * (n_in / 32);
+    h.w = malloc(h.w_bytes);
+    h.scale = malloc(h.s_bytes);
+    dv_fill(h.w, h.w_bytes);
+    if (fmt == MF_KERN_FP8)
+        for (size_t i = 0; i < h.w_bytes; i++)
+            if ((h.w[i] & 0x7f) == 0x7f) h.w[i] ^= 1;
+    for (size_t i = 0; i < h.s_bytes; i++) h.scale[i] = (uint8_t)(124 + dv_rnd() % 7);
+    h.m.w = h.w;
+    h.m.scale = h.scale;
+    return h;
+}
+
+static void hmat_free(hmat *h)
+{
+    free(h->w);
+    free(h->scale);
+}
+
+/* A copy of h's bytes on card c: the same matrix with device pointers. */
+static mf_kern_mat dmat_upload(mf_dev *d, int c, const hmat *h, void **w, void **s)
+{
+    mf_dev_stream *st = mf_dev_stream_of(d, c, MF_DEV_STREAM_COPY_IN);
+    CHECK(mf_dev_alloc(d, c, h->w_bytes, w) == 0 && mf_dev_alloc(d, c, h->s_bytes, s) == 0 &&
+          mf_dev_copy_h2d(st, *w, h->w, h->w_bytes) == 0 &&
+          mf_dev_copy_h2d(st, *s, h->scale, h->s_bytes) == 0 && mf_dev_stream_sync(st) == 0,
+          "upload: %s", mf_last_error());
+    mf_kern_mat m = h->m;
+    m.w = *w;
+    m.scale = *s;
+    return m;
+}
+
+static void *dupload(mf_dev *d, int c, const void *p, size_t n)
+{
+    void *a = NULL;
+    mf_dev_stream *st = mf_dev_stream_of(d, c, MF_DEV_STREAM_COPY_IN);
+    CHECK(mf_dev_alloc(d, c, n, &a) == 0 && mf_dev_copy_h2d(st, a, p, n) == 0 &&
+          mf_dev_stream_sync(st) == 0, "upload: %s", mf_last_error());
+    return a;
+}
+
+static void ddownload(mf_dev *d, int c, void *dst, const void *src, size_t n)
+{
+    mf_dev_stream *st = mf_dev_stream_of(d, c, MF_DEV_STREAM_COPY_OUT);
+    CHECK(mf_dev_copy_d2h(st, dst, src, n) == 0 && mf_dev_stream_sync(st) == 0, "download: %s",
+          mf_last_error());
+}
+
+/* The host path of the FFN, as graphs/step.c runs it (one worker: every row). */
+static void host_ffn(const hmat *w1, const hmat *w3, const hmat *w2, const float *x, int T,
+                     const float *tw, float lim, int int8, float *h, float *y)
+{
+    int H = w1->m.n_in, I = w1->m.n_out;
+    size_t qb = mf_dev_ffn_q8_bytes(T, H, I);
+    void *buf = malloc(qb);
+    mf_kern_q8 q;
+    int up8 = int8 && w1->m.fmt == MF_KERN_FP4, down8 = int8 && w2->m.fmt == MF_KERN_FP4;
+    if (up8) {
+        mf_kern_q8_init(&q, buf, qb, T, H);
+        mf_kern_q8_quantize(&q, x, H, 0, T);
+    }
+    CHECK(mf_kern_ffn_up(&w1->m, &w3->m, &(mf_kern_in){x, T, H, up8 ? &q : NULL}, tw, lim, h, I,
+                         0, I) == 0, "%s", mf_last_error());
+    if (down8) {
+        mf_kern_q8_init(&q, buf, qb, T, I);
+        mf_kern_q8_quantize(&q, h, I, 0, T);
+    }
+    CHECK(mf_kern_ffn_down(&w2->m, &(mf_kern_in){h, T, I, down8 ? &q : NULL}, y, H, 0, H) == 0,
+          "%s", mf_last_error());
+    free(buf);
+}
+
+/* Every kernel entry point on every card of d equals the host kernels bit for bit. */
+static void check_kernels(mf_dev *d)
+{
+    const int n_out = 96, n_in = 256, I = 128;
+    const int toks[] = {1, 2, 5, 9};
+    for (int c = 0; c < mf_dev_n_cards(d); c++)
+        for (size_t ti = 0; ti < sizeof toks / sizeof *toks; ti++) {
+            int T = toks[ti];
+            mf_dev_stream *comp = mf_dev_stream_of(d, c, MF_DEV_STREAM_COMPUTE);
+            float *x = malloc(sizeof(float) * T * n_in), *tw = malloc(sizeof(float) * T);
+            for (int i = 0; i < T * n_in; i++) x[i] = gauss();
+            for (int t = 0; t < T; t++) tw[t] = 0.1f + (dv_rnd() % 1000) / 1000.0f;
+            float *yh = malloc(sizeof(float) * T * n_in), *yd = malloc(sizeof(float) * T * n_in);
+            float *hh = malloc(sizeof(float) * T * I);
+            void *dx = dupload(d, c, x, sizeof(float) * T * n_in), *dtw = dupload(d, c, tw, sizeof(float) * T);
+            void *dy = NULL, *dh = NULL, *dq = NULL;
+            size_t qb = mf_dev_ffn_q8_bytes(T, n_in, I);
+            CHECK(mf_dev_alloc(d, c, sizeof(float) * T * n_in, &dy) == 0 &&
+                  mf_dev_alloc(d, c, sizeof(float) * T * I, &dh) == 0 &&
+                  mf_dev_alloc(d, c, qb, &dq) == 0, "%s", mf_last_error());
+            size_t ny = sizeof(float) * T * n_out;
+
+            /* FP4 matmul, int8 and fp32 paths */
+            hmat w = hmat_rand(MF_KERN_FP4, n_out, n_in);
+            void *ww, *ws;
+            mf_kern_mat dw = dmat_upload(d, c, &w, &ww, &ws);
+            for (int int8 = 0; int8 < 2; int8++) {
+                if (int8) {
+                    void *buf = malloc(mf_kern_q8_bytes(T, n_in));
+                    mf_kern_q8 q;
+                    mf_kern_q8_init(&q, buf, mf_kern_q8_bytes(T, n_in), T, n_in);
+                    mf_kern_q8_quantize(&q, x, n_in, 0, T);
+                    mf_kern_fp4_matmul(w.w, w.scale, n_out, n_in, &q, yh, n_out, 0, n_out);
+                    free(buf);
+                } else {
+                    mf_kern_fp4_matmul_f32(w.w, w.scale, n_out, n_in, x, T, n_in, yh, n_out, 0, n_out);
+                }
+                CHECK(mf_dev_fp4_matmul(comp, &dw, dx, T, dy, int8 ? dq : NULL) == 0, "%s", mf_last_error());
+                CHECK(mf_dev_stream_sync(comp) == 0, "%s", mf_last_error());
+                ddownload(d, c, yd, dy, ny);
+                CHECK(memcmp(yh, yd, ny) == 0, "card %d fp4 matmul (%s) T=%d differs from the host",
+                      c, int8 ? "int8" : "fp32", T);
+            }
+            mf_dev_free(d, c, ww);
+            mf_dev_free(d, c, ws);
+            hmat_free(&w);
+
+            /* FP8 matmul */
+            w = hmat_rand(MF_KERN_FP8, n_out, n_in);
+            dw = dmat_upload(d, c, &w, &ww, &ws);
+            mf_kern_fp8_matmul(w.w, w.scale, n_out, n_in, x, T, n_in, yh, n_out, 0, n_out);
+            CHECK(mf_dev_fp8_matmul(comp, &dw, dx, T, dy) == 0, "%s", mf_last_error());
+            CHECK(mf_dev_stream_sync(comp) == 0, "%s", mf_last_error());
+            ddownload(d, c, yd, dy, ny);
+            CHECK(memcmp(yh, yd, ny) == 0, "card %d fp8 matmul T=%d differs from the host", c, T);
+            mf_dev_free(d, c, ww);
+            mf_dev_free(d, c, ws);
+            hmat_free(&w);
+
+            /* expert FFN: FP4 (routed, int8 and fp32) and FP8 (shared) */
+            for (int variant = 0; variant < 3; variant++) {
+                mf_kern_fmt f = variant == 2 ? MF_KERN_FP8 : MF_KERN_FP4;
+                int int8 = variant == 0;
+                hmat w1 = hmat_rand(f, I, n_in), w3 = hmat_rand(f, I, n_in), w2 = hmat_rand(f, n_in, I);
+                void *p[6];
+                mf_dev_ffn a = {.w1 = dmat_upload(d, c, &w1, &p[0], &p[1]),
+                                .w3 = dmat_upload(d, c, &w3, &p[2], &p[3]),
+                                .w2 = dmat_upload(d, c, &w2, &p[4], &p[5]),
+                                .x = dx, .n_tok = T, .tok_weight = variant == 1 ? NULL : dtw,
+                                .limit = 7.0f, .h = dh, .q8_scratch = int8 ? dq : NULL, .y = dy};
+                host_ffn(&w1, &w3, &w2, x, T, variant == 1 ? NULL : tw, 7.0f, int8, hh, yh);
+                CHECK(mf_dev_expert_ffn(comp, &a) == 0, "%s", mf_last_error());
+                CHECK(mf_dev_stream_sync(comp) == 0, "%s", mf_last_error());
+                ddownload(d, c, yd, dy, sizeof(float) * T * n_in);
+                CHECK(memcmp(yh, yd, sizeof(float) * T * n_in) == 0,
+                      "card %d expert FFN variant %d T=%d differs from the host", c, variant, T);
+                int finite = 1;
+                for (int i = 0; i < T * n_in; i++) finite &= isfinite(yh[i]) && 1;
+                CHECK(finite, "FFN output not finite (test data too wild)");
+                for (int i = 0; i < 6; i++) mf_dev_free(d, c, p[i]);
+                hmat_free(&w1);
+                hmat_free(&w3);
+                hmat_free(&w2);
+            }
+            mf_dev_free(d, c, dx);
+            mf_dev_free(d, c, dtw);
+            mf_dev_free(d, c, dy);
+            mf_dev_free(d, c, dh);
+            mf_dev_free(d, c, dq);
+            free(x);
+            free(tw);
+            free(yh);
+            free(yd);
+            free(hh);
+        }
+    /* shapes are checked when enqueued */
+    mf_dev_stream *comp = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COMPUTE);
+    uint8_t dummy[64];
+    float f[64];
+    mf_kern_mat bad = {.fmt = MF_KERN_FP4, .w = dummy, .scale = dummy, .n_out = 4, .n_in = 48};
+    CHECK(mf_dev_fp4_matmul(comp, &bad, f, 1, f, NULL) == -EINVAL, "n_in 48 accepted");
+    bad.n_in = 32;
+    bad.fmt = MF_KERN_FP8;
+    CHECK(mf_dev_fp4_matmul(comp, &bad, f, 1, f, NULL) == -EINVAL, "FP8 matrix in the fp4 kernel");
+    CHECK(mf_dev_fp8_matmul(comp, &bad, f, 0, f) == -EINVAL, "n_tok 0 accepted");
+    mf_dev_ffn a = {.w1 = bad, .w3 = bad, .w2 = bad, .x = f, .n_tok = 1, .h = f, .y = f};
+    CHECK(mf_dev_expert_ffn(comp, &a) == -EINVAL && strstr(mf_last_error(), "chain"),
+          "unchained FFN shapes: %s", mf_last_error());
+}
+
+/* ---- the scheduler adapter with kernels -------------------------------------------------------- */
+
+typedef struct kjob {
+    int card, T;
+    mf_kern_mat w;          /* device */
+    float *x_host, *y_host; /* pinned */
+    void *x, *y, *q8;       /* device */
+} kjob;
+
+static int kt_in(void *arg, mf_task_ctx *ctx)
+{
+    kjob *j = arg;
+    return mf_dev_copy_h2d(ctx->queue, j->x, j->x_host, sizeof(float) * j->T * j->w.n_in);
+}
+static int kt_mm(void *arg, mf_task_ctx *ctx)
+{
+    kjob *j = arg;
+    return mf_dev_fp4_matmul(ctx->queue, &j->w, j->x, j->T, j->y, j->q8);
+}
+static int kt_out(void *arg, mf_task_ctx *ctx)
+{
+    kjob *j = arg;
+    return mf_dev_copy_d2h(ctx->queue, j->y_host, j->y, sizeof(float) * j->T * j->w.n_out);
+}
+
+/* Two cards, 16 jobs of copy-in -> fp4 matmul (int8) -> copy-out through mf_sched_run; each
+ * result equals the host kernel's. Then a lane naming a card the device lacks fails the run. */
+static void check_sched_kernels(void)
+{
+    mf_dev *d = NULL;
+    CHECK(mf_dev_open("emu:2,bw=20e9,lat_ns=5000", &d) == 0, "%s", mf_last_error());
+    if (!d) return;
+    enum { NJ = 16, T = 4, NO = 128, NI = 256 };
+    mf_lane_desc lanes[6];
+    char names[6][32];
+    dv_lanes(lanes, 2, names);
+    hmat w = hmat_rand(MF_KERN_FP4, NO, NI);
+    void *wp[2][2];
+    mf_kern_mat dw[2] = {dmat_upload(d, 0, &w, &wp[0][0], &wp[0][1]),
+                         dmat_upload(d, 1, &w, &wp[1][0], &wp[1][1])};
+    mf_sched *s = NULL;
+    mf_graph *g = NULL;
+    CHECK(mf_sched_create(&(mf_sched_opts){.lanes = lanes, .n_lanes = 6,
+                                           .dev = mf_dev_lane_ops_of(d)}, &s) == 0, "%s", mf_last_error());
+    CHECK(mf_graph_create(lanes, 6, &g) == 0, "%s", mf_last_error());
+    if (!s || !g) return;
+    kjob jobs[NJ];
+    for (int i = 0; i < NJ; i++) {
+        kjob *j = &jobs[i];
+        j->card = i % 2;
+        j->T = T;
+        j->w = dw[j->card];
+        CHECK(mf_dev_host_alloc(d, j->card, sizeof(float) * T * NI, (void **)&j->x_host) == 0 &&
+              mf_dev_host_alloc(d, j->card, sizeof(float) * T * NO, (void **)&j->y_host) == 0 &&
+              mf_dev_alloc(d, j->card, sizeof(float) * T * NI, &j->x) == 0 &&
+              mf_dev_alloc(d, j->card, sizeof(float) * T * NO, &j->y) == 0 &&
+              mf_dev_alloc(d, j->card, mf_kern_q8_bytes(T, NI), &j->q8) == 0, "%s", mf_last_error());
+        for (int k = 0; k < T * NI; k++) j->x_host[k] = gauss();
+        mf_task_fn fns[3] = {kt_in, kt_mm, kt_out};
+        mf_task_id prev = -1;
+        for (int k = 0; k < 3; k++) {
+            char nm[32];
+            snprintf(nm, sizeof nm, "%s%d", k == 0 ? "in" : k == 1 ? "mm" : "out", i);
+            mf_task_id t = mf_graph_add_task(g, &(mf_task_desc){.name = nm, .lane = j->card * 3 + k,
+                .fn = fns[k], .arg = j, .cost = {.bytes = 4096}, .place_hint = -1});
+            if (prev >= 0) mf_graph_add_dep(g, prev, t);
+            prev = t;
+        }
+    }
+    CHECK(mf_graph_finalize(g) == 0, "%s", mf_last_error());
+    mf_timeline *tl = NULL;
+    int rc = mf_sched_run(s, g, &(mf_run_opts){0});
+    CHECK(rc == 0, "run: %d %s", rc, mf_last_error());
+    (void)tl;
+    float *yh = malloc(sizeof(float) * T * NO);
+    void *buf = malloc(mf_kern_q8_bytes(T, NI));
+    for (int i = 0; i < NJ; i++) {
+        mf_kern_q8 q;
+        mf_kern_q8_init(&q, buf, mf_kern_q8_bytes(T, NI), T, NI);
+        mf_kern_q8_quantize(&q, jobs[i].x_host, NI, 0, T);
+        mf_kern_fp4_matmul(w.w, w.scale, NO, NI, &q, yh, NO, 0, NO);
+        CHECK(memcmp(yh, jobs[i].y_host, sizeof(float) * T * NO) == 0,
+              "job %d on card %d: scheduled device result differs from the host path", i, jobs[i].card);
+    }
+    free(yh);
+    free(buf);
+    mf_sched_destroy(s);
+    mf_graph_destroy(g);
+    hmat_free(&w);
+
+    /* a lane on card 5 of a 2-card device: the run fails naming the problem */
+    mf_lane_desc bad = lanes[1];
+    bad.device = 5;
+    s = NULL;
+    g = NULL;
+    CHECK(mf_sched_create(&(mf_sched_opts){.lanes = &bad, .n_lanes = 1,
+                                           .dev = mf_dev_lane_ops_of(d)}, &s) == 0, "%s", mf_last_error());
+    CHECK(mf_graph_create(&bad, 1, &g) == 0, "%s", mf_last_error());
+    if (s && g) {
+        mf_graph_add_task(g, &(mf_task_desc){.name = "orphan", .lane = 0, .fn = NULL, .place_hint = -1});
+        mf_graph_finalize(g);
+        rc = mf_sched_run(s, g, &(mf_run_opts){0});
+        CHECK(rc < 0 && strstr(mf_last_error(), "no stream"), "run on a missing card: %d %s", rc,
+              mf_last_error());
+    }
+    mf_sched_destroy(s);
+    mf_graph_destroy(g);
+    mf_dev_close(d);   /* frees the jobs' buffers and the weights */
+}
+
+int main(void)
+{
+    check_specs();
+    check_memory();
+    check_copy_model();
+    for (int n = 1; n <= 4; n++) {
+        char spec[64];
+        snprintf(spec, sizeof spec, "emu:%d,bw=50e9,lat_ns=2000", n);
+        mf_dev *d = NULL;
+        CHECK(mf_dev_open(spec, &d) == 0, "%s: %s", spec, mf_last_error());
+        if (!d) continue;
+        dev_check_copies(d, (1 << 16) + 13);
+        dev_check_order(d);
+        if (n <= 2) dev_check_events(d, 1 << 16);   /* 30 ms a card: enough with 1 and 2 */
+        dev_check_sched_copies(d, 12, 4096);
+        if (n == 1 || n == 4) check_kernels(d);
+        mf_dev_close(d);
+    }
+    check_sched_kernels();
+    return mf_check_exit("test_dev");
+}
