@@ -75,6 +75,8 @@ struct emu_dev {
     double bw_bytes_per_s;
     int64_t lat_ns;
     emu_card cards[MF_DEV_MAX_CARDS];
+    pthread_mutex_t host_mu;
+    emu_hdr *host_allocs;    /* staging memory, freed at close when left */
     emu_stream *streams[MF_DEV_MAX_CARDS][MF_DEV_N_STREAMS];
 };
 
@@ -284,16 +286,43 @@ static void emu_free(mf_dev *pd, int card, void *p)
     free(h);
 }
 
+/* Staging memory: page-aligned, behind a page holding its header (the list close frees). */
 static int emu_host_alloc(mf_dev *pd, int card, size_t n_bytes, void **out)
 {
-    size_t n = (n_bytes + 4095) & ~(size_t)4095;
-    if (n < n_bytes || !(*out = aligned_alloc(4096, n)))
-        return mf_error(-ENOMEM, "emu card %d: cannot allocate %zu bytes of staging memory", card,
-                        n_bytes);
+    emu_dev *d = (emu_dev *)pd;
+    size_t n = 4096 + ((n_bytes + 4095) & ~(size_t)4095);
+    emu_hdr *h = n < n_bytes ? NULL : aligned_alloc(4096, n);
+    if (!h) return mf_error(-ENOMEM, "emu card %d: cannot allocate %zu bytes of staging memory",
+                            card, n_bytes);
+    h->magic = EMU_ALLOC_MAGIC;
+    h->card = -1;
+    h->n_bytes = n_bytes;
+    h->prev = NULL;
+    pthread_mutex_lock(&d->host_mu);
+    h->next = d->host_allocs;
+    if (d->host_allocs) d->host_allocs->prev = h;
+    d->host_allocs = h;
+    pthread_mutex_unlock(&d->host_mu);
+    *out = (char *)h + 4096;
     return 0;
 }
 
-static void emu_host_free(mf_dev *pd, void *p) { free(p); }
+static void emu_host_free(mf_dev *pd, void *p)
+{
+    emu_dev *d = (emu_dev *)pd;
+    emu_hdr *h = (emu_hdr *)((char *)p - 4096);
+    if (((uintptr_t)p & 4095) || h->magic != EMU_ALLOC_MAGIC || h->card != -1) {
+        mf_error(-EINVAL, "mf_dev_host_free: %p is not staging memory of this device (left alone)", p);
+        return;
+    }
+    pthread_mutex_lock(&d->host_mu);
+    if (h->prev) h->prev->next = h->next;
+    else d->host_allocs = h->next;
+    if (h->next) h->next->prev = h->prev;
+    pthread_mutex_unlock(&d->host_mu);
+    h->magic = 0;
+    free(h);
+}
 
 static int emu_copy(mf_dev_stream *s, mf_dev_copy_kind k, int dst_card, void *dst, int src_card,
                     const void *src, size_t n_bytes)
@@ -404,6 +433,11 @@ static void emu_close(mf_dev *pd)
         }
         pthread_mutex_destroy(&d->cards[c].mu);
     }
+    for (emu_hdr *h = d->host_allocs, *nx; h; h = nx) {
+        nx = h->next;
+        free(h);
+    }
+    pthread_mutex_destroy(&d->host_mu);
     free(d);
 }
 
@@ -479,6 +513,7 @@ int mf_dev_open_emu(const char *opts, mf_dev **out)
     d->pub.n_cards = (int)n;
     d->bw_bytes_per_s = bw;
     d->lat_ns = (int64_t)lat;
+    pthread_mutex_init(&d->host_mu, NULL);
     for (int c = 0; c < n; c++) {
         pthread_mutex_init(&d->cards[c].mu, NULL);
         d->cards[c].cap_bytes = mem;
