@@ -223,6 +223,11 @@ int mf_dev_expert_ffn(mf_dev_stream *s, const mf_dev_ffn *a)
         return mf_error(-EINVAL, "%s: shapes w1 [%d, %d], w3 [%d, %d], w2 [%d, %d] do not chain "
                         "(expected w1 = w3 = [I, H], w2 = [H, I])", what, a->w1.n_out, a->w1.n_in,
                         a->w3.n_out, a->w3.n_in, a->w2.n_out, a->w2.n_in);
+    if (a->w1.fmt != a->w3.fmt)
+        return mf_error(-EINVAL, "%s: w1 and w3 have different formats (%d, %d)", what,
+                        (int)a->w1.fmt, (int)a->w3.fmt);
+    if (!(a->limit > 0.0f))
+        return mf_error(-EINVAL, "%s: swiglu limit %g, expected > 0", what, (double)a->limit);
     if (!a->x || !a->h || !a->y || a->n_tok < 1)
         return mf_error(-EINVAL, "%s: card %d: NULL x, h or y, or n_tok %d < 1", what, s->card,
                         a->n_tok);

@@ -274,6 +274,14 @@ static void check_kernels(mf_dev *d)
     mf_dev_ffn a = {.w1 = bad, .w3 = bad, .w2 = bad, .x = f, .n_tok = 1, .h = f, .y = f};
     CHECK(mf_dev_expert_ffn(comp, &a) == -EINVAL && strstr(mf_last_error(), "chain"),
           "unchained FFN shapes: %s", mf_last_error());
+    bad.n_out = 32;   /* 32 x 32 FP8: a chain */
+    a = (mf_dev_ffn){.w1 = bad, .w3 = bad, .w2 = bad, .x = f, .n_tok = 1, .h = f, .y = f};
+    CHECK(mf_dev_expert_ffn(comp, &a) == -EINVAL && strstr(mf_last_error(), "limit"),
+          "limit 0 accepted: %s", mf_last_error());
+    a.limit = 1.0f;
+    a.w3.fmt = MF_KERN_FP4;
+    CHECK(mf_dev_expert_ffn(comp, &a) == -EINVAL && strstr(mf_last_error(), "formats"),
+          "w1 FP8 with w3 FP4 accepted: %s", mf_last_error());
 }
 
 /* ---- the scheduler adapter with kernels -------------------------------------------------------- */
