@@ -2,11 +2,12 @@
  * copy-out, named for Nsight through NVTX), events for cross-stream dependencies
  * (cudaStreamWaitEvent, never a host polling loop), cudaMemcpyAsync / cudaMemcpyPeerAsync copies,
  * portable pinned host memory, cudaLaunchHostFunc for the scheduler's callbacks. Every CUDA call
- * is checked with file and line. No kernels yet: kernel launches return -ENOTSUP. */
+ * is checked with file and line. Kernels in device/dev_kernels.cu (fp32 path; int8 refused). */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "device/dev_cuda_kern.h"
 #include "device/dev_impl.h"
 #include "sched/error.h"
 
@@ -225,27 +226,36 @@ static int cu_stream_sync(mf_dev_stream *ps)
     return 0;
 }
 
-static int cu_no_kernel(mf_dev_stream *ps, const char *name)
+/* Kernels (device/dev_kernels.cu): the fp32 path only; the int8 FP4 path is refused. */
+static int cu_no_int8(mf_dev_stream *ps, const char *name)
 {
-    return mf_error(-ENOTSUP, "cuda card %d: the %s kernel is not implemented in the CUDA backend "
-                    "yet (device issue, later part); use the emulated device (\"emu:N\") or the "
-                    "host kernels", ps->card, name);
+    return mf_error(-ENOTSUP, "cuda card %d: %s: the int8 path (q8_scratch) is not implemented in "
+                    "the CUDA backend yet; pass q8_scratch NULL for the fp32 path", ps->card, name);
 }
 
-static int cu_fp4_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok,
+static int cu_fp4_matmul(mf_dev_stream *ps, const mf_kern_mat *w, const float *x, int n_tok,
                          float *y, void *q8)
 {
-    return cu_no_kernel(s, "fp4 matmul");
+    cu_stream *s = (cu_stream *)ps;
+    if (q8) return cu_no_int8(ps, "fp4 matmul");
+    CU_TRY(cudaSetDevice(s->id));
+    return mf_cuda_kern_matmul(s->st, w, x, n_tok, y);
 }
 
-static int cu_fp8_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y)
+static int cu_fp8_matmul(mf_dev_stream *ps, const mf_kern_mat *w, const float *x, int n_tok, float *y)
 {
-    return cu_no_kernel(s, "fp8 matmul");
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    return mf_cuda_kern_matmul(s->st, w, x, n_tok, y);
 }
 
-static int cu_expert_ffn(mf_dev_stream *s, const mf_dev_ffn *a)
+static int cu_expert_ffn(mf_dev_stream *ps, const mf_dev_ffn *a)
 {
-    return cu_no_kernel(s, "expert FFN");
+    cu_stream *s = (cu_stream *)ps;
+    if (a->q8_scratch && (a->w1.fmt == MF_KERN_FP4 || a->w2.fmt == MF_KERN_FP4))
+        return cu_no_int8(ps, "expert FFN");
+    CU_TRY(cudaSetDevice(s->id));
+    return mf_cuda_kern_ffn(s->st, a);
 }
 
 static void cu_close(mf_dev *pd)

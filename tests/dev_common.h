@@ -4,6 +4,7 @@
 #ifndef MF_TEST_DEV_COMMON_H
 #define MF_TEST_DEV_COMMON_H
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -143,6 +144,98 @@ static void dev_check_events(mf_dev *d, size_t n)
     mf_dev_host_free(d, pat);
     mf_dev_host_free(d, zero);
     mf_dev_host_free(d, out);
+}
+
+/* ---- kernel test data ---------------------------------------------------------------------- */
+
+static float gauss(void)
+{
+    double u = (dv_rnd() + 1.0) / 4294967297.0, v = dv_rnd() / 4294967296.0;
+    return (float)(sqrt(-2 * log(u)) * cos(2 * M_PI * v));
+}
+
+/* A random stored matrix in host memory: FP4 (codes random, scales 2^-3..2^3) or FP8 (no NaN codes). */
+typedef struct hmat {
+    mf_kern_mat m;
+    uint8_t *w, *scale;
+    size_t w_bytes, s_bytes;
+} hmat;
+
+static hmat hmat_rand(mf_kern_fmt fmt, int n_out, int n_in)
+{
+    hmat h = {.m = {.fmt = fmt, .n_out = n_out, .n_in = n_in}};
+    h.w_bytes = fmt == MF_KERN_FP4 ? (size_t)n_out * n_in / 2 : (size_t)n_out * n_in;
+    h.s_bytes = fmt == MF_KERN_FP4 ? (size_t)n_out * (n_in / 32) : (size_t)((n_out + 31) / 32) * (n_in / 32);
+    h.w = malloc(h.w_bytes);
+    h.scale = malloc(h.s_bytes);
+    dv_fill(h.w, h.w_bytes);
+    if (fmt == MF_KERN_FP8)
+        for (size_t i = 0; i < h.w_bytes; i++)
+            if ((h.w[i] & 0x7f) == 0x7f) h.w[i] ^= 1;
+    for (size_t i = 0; i < h.s_bytes; i++) h.scale[i] = (uint8_t)(124 + dv_rnd() % 7);
+    h.m.w = h.w;
+    h.m.scale = h.scale;
+    return h;
+}
+
+static void hmat_free(hmat *h)
+{
+    free(h->w);
+    free(h->scale);
+}
+
+/* A copy of h's bytes on card c: the same matrix with device pointers. */
+static mf_kern_mat dmat_upload(mf_dev *d, int c, const hmat *h, void **w, void **s)
+{
+    mf_dev_stream *st = mf_dev_stream_of(d, c, MF_DEV_STREAM_COPY_IN);
+    CHECK(mf_dev_alloc(d, c, h->w_bytes, w) == 0 && mf_dev_alloc(d, c, h->s_bytes, s) == 0 &&
+          mf_dev_copy_h2d(st, *w, h->w, h->w_bytes) == 0 &&
+          mf_dev_copy_h2d(st, *s, h->scale, h->s_bytes) == 0 && mf_dev_stream_sync(st) == 0,
+          "upload: %s", mf_last_error());
+    mf_kern_mat m = h->m;
+    m.w = *w;
+    m.scale = *s;
+    return m;
+}
+
+static void *dupload(mf_dev *d, int c, const void *p, size_t n)
+{
+    void *a = NULL;
+    mf_dev_stream *st = mf_dev_stream_of(d, c, MF_DEV_STREAM_COPY_IN);
+    CHECK(mf_dev_alloc(d, c, n, &a) == 0 && mf_dev_copy_h2d(st, a, p, n) == 0 &&
+          mf_dev_stream_sync(st) == 0, "upload: %s", mf_last_error());
+    return a;
+}
+
+static void ddownload(mf_dev *d, int c, void *dst, const void *src, size_t n)
+{
+    mf_dev_stream *st = mf_dev_stream_of(d, c, MF_DEV_STREAM_COPY_OUT);
+    CHECK(mf_dev_copy_d2h(st, dst, src, n) == 0 && mf_dev_stream_sync(st) == 0, "download: %s",
+          mf_last_error());
+}
+
+/* The host path of the FFN, as graphs/step.c runs it (one worker: every row). */
+static void host_ffn(const hmat *w1, const hmat *w3, const hmat *w2, const float *x, int T,
+                     const float *tw, float lim, int int8, float *h, float *y)
+{
+    int H = w1->m.n_in, I = w1->m.n_out;
+    size_t qb = mf_dev_ffn_q8_bytes(T, H, I);
+    void *buf = malloc(qb);
+    mf_kern_q8 q;
+    int up8 = int8 && w1->m.fmt == MF_KERN_FP4, down8 = int8 && w2->m.fmt == MF_KERN_FP4;
+    if (up8) {
+        mf_kern_q8_init(&q, buf, qb, T, H);
+        mf_kern_q8_quantize(&q, x, H, 0, T);
+    }
+    CHECK(mf_kern_ffn_up(&w1->m, &w3->m, &(mf_kern_in){x, T, H, up8 ? &q : NULL}, tw, lim, h, I,
+                         0, I) == 0, "%s", mf_last_error());
+    if (down8) {
+        mf_kern_q8_init(&q, buf, qb, T, I);
+        mf_kern_q8_quantize(&q, h, I, 0, T);
+    }
+    CHECK(mf_kern_ffn_down(&w2->m, &(mf_kern_in){h, T, I, down8 ? &q : NULL}, y, H, 0, H) == 0,
+          "%s", mf_last_error());
+    free(buf);
 }
 
 /* ---- the scheduler adapter ------------------------------------------------------------------- */
