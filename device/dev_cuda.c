@@ -1,7 +1,7 @@
 /* The CUDA backend of device/dev.h: per card three non-blocking streams (copy-in, compute,
  * copy-out, named for Nsight through NVTX), events for cross-stream dependencies
  * (cudaStreamWaitEvent, never a host polling loop), cudaMemcpyAsync / cudaMemcpyPeerAsync copies,
- * portable pinned host memory, cudaLaunchHostFunc for the scheduler's callbacks. Every CUDA call
+ * portable pinned host memory bound to the card's NUMA node, cudaLaunchHostFunc for the scheduler's callbacks. Every CUDA call
  * is checked with file and line. Kernels in device/dev_kernels.cu (fp32 path; int8 refused). */
 #include <errno.h>
 #include <stdlib.h>
@@ -9,6 +9,7 @@
 
 #include "device/dev_cuda_kern.h"
 #include "device/dev_impl.h"
+#include "device/numa.h"
 #include "sched/error.h"
 
 #ifdef MOEFLOW_CUDA
@@ -47,12 +48,15 @@ typedef struct cu_event {
 typedef struct cu_alloc {    /* allocations left at close are freed there */
     void *p;
     int card;                /* -1: pinned host memory */
+    size_t n_bytes;
+    int numa;                /* pinned host memory: 1 when NUMA-bound and registered */
     struct cu_alloc *next;
 } cu_alloc;
 
 typedef struct cu_dev {
     mf_dev pub;
     int ids[MF_DEV_MAX_CARDS];
+    int node[MF_DEV_MAX_CARDS];   /* the card's NUMA node, -1 unknown */
     cu_stream streams[MF_DEV_MAX_CARDS][MF_DEV_N_STREAMS];
     pthread_mutex_t mu;      /* allocs */
     cu_alloc *allocs;
@@ -60,12 +64,14 @@ typedef struct cu_dev {
 
 static const char *cu_stream_name[MF_DEV_N_STREAMS] = {"copy-in", "compute", "copy-out"};
 
-static int cu_track(cu_dev *d, void *p, int card)
+static int cu_track(cu_dev *d, void *p, int card, size_t n_bytes, int numa)
 {
     cu_alloc *a = malloc(sizeof *a);
     if (!a) return mf_error(-ENOMEM, "cuda device: out of host memory for bookkeeping");
     a->p = p;
     a->card = card;
+    a->n_bytes = n_bytes;
+    a->numa = numa;
     pthread_mutex_lock(&d->mu);
     a->next = d->allocs;
     d->allocs = a;
@@ -73,8 +79,8 @@ static int cu_track(cu_dev *d, void *p, int card)
     return 0;
 }
 
-/* Forgets p; 0 when it was tracked (as card), -1 when it was not. */
-static int cu_untrack(cu_dev *d, void *p, int card)
+/* Forgets p (its record copied to *rec); 0 when it was tracked (as card), -1 when it was not. */
+static int cu_untrack(cu_dev *d, void *p, int card, cu_alloc *rec)
 {
     int rc = -1;
     pthread_mutex_lock(&d->mu);
@@ -82,6 +88,7 @@ static int cu_untrack(cu_dev *d, void *p, int card)
         if ((*pp)->p == p && (*pp)->card == card) {
             cu_alloc *a = *pp;
             *pp = a->next;
+            *rec = *a;
             free(a);
             rc = 0;
             break;
@@ -105,7 +112,7 @@ static int cu_alloc_dev(mf_dev *pd, int card, size_t n_bytes, void **out)
                         "free)", __FILE__, __LINE__, n_bytes, card, d->ids[card],
                         cudaGetErrorString(e), free_b, total_b);
     }
-    int rc = cu_track(d, *out, card);
+    int rc = cu_track(d, *out, card, n_bytes, 0);
     if (rc) {
         cudaFree(*out);
         *out = NULL;
@@ -116,7 +123,8 @@ static int cu_alloc_dev(mf_dev *pd, int card, size_t n_bytes, void **out)
 static void cu_free_dev(mf_dev *pd, int card, void *p)
 {
     cu_dev *d = (cu_dev *)pd;
-    if (cu_untrack(d, p, card)) {
+    cu_alloc rec;
+    if (cu_untrack(d, p, card, &rec)) {
         mf_error(-EINVAL, "mf_dev_free: %p is not an allocation of card %d (left alone)", p, card);
         return;
     }
@@ -124,22 +132,48 @@ static void cu_free_dev(mf_dev *pd, int card, void *p)
     CU_NOTE(cudaFree(p));
 }
 
-/* Pinned memory, portable so every card's copies treat it as pinned. Not yet placed on the card's
- * NUMA node (docs/device.md). */
+/* Frees pinned memory as it was made. */
+static void cu_host_release(void *p, size_t n_bytes, int numa)
+{
+    if (numa) {
+        CU_NOTE(cudaHostUnregister(p));
+        mf_dev_numa_free(p, n_bytes);
+    } else {
+        CU_NOTE(cudaFreeHost(p));
+    }
+}
+
+/* Pinned memory, portable so every card's copies treat it as pinned. On a card whose NUMA node is
+ * known it is bound to that node and then registered; otherwise cudaHostAlloc places it. */
 static int cu_host_alloc(mf_dev *pd, int card, size_t n_bytes, void **out)
 {
     cu_dev *d = (cu_dev *)pd;
+    int numa = d->node[card] >= 0;
     CU_TRY(cudaSetDevice(d->ids[card]));
-    cudaError_t e = cudaHostAlloc(out, n_bytes, cudaHostAllocPortable);
-    if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        *out = NULL;
-        return mf_error(-ENOMEM, "%s:%d: cudaHostAlloc of %zu pinned bytes for card %d: %s",
-                        __FILE__, __LINE__, n_bytes, card, cudaGetErrorString(e));
+    if (numa) {
+        int rc = mf_dev_numa_alloc(n_bytes, d->node[card], out);
+        if (rc) return mf_error_wrap(rc, "pinned staging for card %d", card);
+        cudaError_t e = cudaHostRegister(*out, n_bytes, cudaHostRegisterPortable);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            mf_dev_numa_free(*out, n_bytes);
+            *out = NULL;
+            return mf_error(-ENOMEM, "%s:%d: cudaHostRegister of %zu bytes on node %d for card %d: "
+                            "%s", __FILE__, __LINE__, n_bytes, d->node[card], card,
+                            cudaGetErrorString(e));
+        }
+    } else {
+        cudaError_t e = cudaHostAlloc(out, n_bytes, cudaHostAllocPortable);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            *out = NULL;
+            return mf_error(-ENOMEM, "%s:%d: cudaHostAlloc of %zu pinned bytes for card %d: %s",
+                            __FILE__, __LINE__, n_bytes, card, cudaGetErrorString(e));
+        }
     }
-    int rc = cu_track(d, *out, -1);
+    int rc = cu_track(d, *out, -1, n_bytes, numa);
     if (rc) {
-        cudaFreeHost(*out);
+        cu_host_release(*out, n_bytes, numa);
         *out = NULL;
     }
     return rc;
@@ -147,11 +181,12 @@ static int cu_host_alloc(mf_dev *pd, int card, size_t n_bytes, void **out)
 
 static void cu_host_free(mf_dev *pd, void *p)
 {
-    if (cu_untrack((cu_dev *)pd, p, -1)) {
+    cu_alloc rec;
+    if (cu_untrack((cu_dev *)pd, p, -1, &rec)) {
         mf_error(-EINVAL, "mf_dev_host_free: %p is not pinned memory of this device (left alone)", p);
         return;
     }
-    CU_NOTE(cudaFreeHost(p));
+    cu_host_release(p, rec.n_bytes, rec.numa);
 }
 
 static int cu_copy(mf_dev_stream *ps, mf_dev_copy_kind k, int dst_card, void *dst, int src_card,
@@ -272,7 +307,7 @@ static void cu_close(mf_dev *pd)
     for (cu_alloc *a = d->allocs, *nx; a; a = nx) {
         nx = a->next;
         if (a->card < 0) {
-            CU_NOTE(cudaFreeHost(a->p));
+            cu_host_release(a->p, a->n_bytes, a->numa);
         } else {
             CU_NOTE(cudaSetDevice(d->ids[a->card]));
             CU_NOTE(cudaFree(a->p));
@@ -306,7 +341,10 @@ static const mf_dev_ops cu_ops = {
 static int cu_setup(cu_dev *d)
 {
     for (int c = 0; c < d->pub.n_cards; c++) {
+        char bus[32];
         CU_TRY(cudaSetDevice(d->ids[c]));
+        CU_TRY(cudaDeviceGetPCIBusId(bus, (int)sizeof bus, d->ids[c]));
+        d->node[c] = mf_dev_pci_numa_node(bus);
         for (int k = 0; k < MF_DEV_N_STREAMS; k++) {
             cu_stream *s = &d->streams[c][k];
             s->pub = (mf_dev_stream){.dev = &d->pub, .card = c, .kind = (mf_dev_stream_kind)k};

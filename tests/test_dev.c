@@ -2,8 +2,11 @@
  * events, callbacks, modelled copy time, the expert kernels bit for bit against host/kernels.h on
  * fresh random data, and the scheduler adapter running copy-in -> kernel -> copy-out graphs on two
  * cards with results equal to the host path. Runs everywhere; test_dev_cuda covers real cards. */
+#include <ctype.h>
+#include <dirent.h>
 #include <stdio.h>
 
+#include "device/numa.h"
 #include "sched/clock.h"
 #include "tests/dev_common.h"
 
@@ -303,8 +306,60 @@ static void check_sched_kernels(void)
     mf_dev_close(d);   /* frees the jobs' buffers and the weights */
 }
 
+/* Staging memory bound to a node lands there (every node the kernel reports online is tried);
+ * a node that does not exist is refused; a card's node comes from sysfs. */
+static void check_numa(void)
+{
+    int n_nodes = 0;
+    for (int node = 0; node < 64; node++) {
+        char path[96];
+        snprintf(path, sizeof path, "/sys/devices/system/node/node%d", node);
+        DIR *dir = opendir(path);
+        if (!dir) continue;
+        closedir(dir);
+        n_nodes++;
+        size_t n = (4 << 20) + 100;
+        char *p = NULL;
+        CHECK(mf_dev_numa_alloc(n, node, (void **)&p) == 0, "node %d: %s", node, mf_last_error());
+        if (!p) continue;
+        size_t at[3] = {0, n / 2, n - 1};
+        for (int i = 0; i < 3; i++) {
+            int got = mf_dev_numa_node_of(p + at[i]);
+            CHECK(got == node || got == -ENOSYS, "byte %zu bound to node %d is on node %d (%s)",
+                  at[i], node, got, mf_last_error());
+        }
+        memset(p, 7, n);
+        mf_dev_numa_free(p, n);
+    }
+    CHECK(n_nodes >= 1, "no NUMA node in sysfs");
+    void *p = NULL;
+    CHECK(mf_dev_numa_alloc(1 << 20, -1, &p) == 0 && p, "unbound: %s", mf_last_error());
+    mf_dev_numa_free(p, 1 << 20);
+    int rc = mf_dev_numa_alloc(1 << 20, 1000, &p);
+    CHECK(rc == -EINVAL && !p && strstr(mf_last_error(), "node 1000"), "node 1000: %d %s", rc,
+          mf_last_error());
+    CHECK(mf_dev_pci_numa_node("0000:ZZ:99.9") == -1, "a missing PCI device has no node");
+    DIR *dir = opendir("/sys/bus/pci/devices");
+    struct dirent *e;
+    while (dir && (e = readdir(dir)))
+        if (e->d_name[0] != '.') {
+            char path[512];
+            snprintf(path, sizeof path, "/sys/bus/pci/devices/%s/numa_node", e->d_name);
+            FILE *f = fopen(path, "r");
+            int want = -1;
+            if (f && fscanf(f, "%d", &want) != 1) want = -1;
+            if (f) fclose(f);
+            for (char *c = e->d_name; *c; c++) *c = (char)toupper((unsigned char)*c);
+            int got = mf_dev_pci_numa_node(e->d_name);
+            CHECK(got == (want < 0 ? -1 : want), "PCI %s: node %d, sysfs says %d", e->d_name, got, want);
+            break;
+        }
+    if (dir) closedir(dir);
+}
+
 int main(void)
 {
+    check_numa();
     check_specs();
     check_memory();
     check_copy_model();
