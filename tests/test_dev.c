@@ -226,7 +226,7 @@ static int kt_out(void *arg, mf_task_ctx *ctx)
 static void check_sched_kernels(void)
 {
     mf_dev *d = NULL;
-    CHECK(mf_dev_open("emu:2,bw=20e9,lat_ns=5000", &d) == 0, "%s", mf_last_error());
+    CHECK(mf_dev_open("emu:2,bw=20e9,lat_ns=200000", &d) == 0, "%s", mf_last_error());
     if (!d) return;
     enum { NJ = 16, T = 4, NO = 128, NI = 256 };
     mf_lane_desc lanes[6];
@@ -267,9 +267,21 @@ static void check_sched_kernels(void)
     }
     CHECK(mf_graph_finalize(g) == 0, "%s", mf_last_error());
     mf_timeline *tl = NULL;
-    int rc = mf_sched_run(s, g, &(mf_run_opts){0});
+    CHECK(mf_timeline_create(g, &tl) == 0, "%s", mf_last_error());
+    int rc = mf_sched_run(s, g, &(mf_run_opts){.timeline = tl});
     CHECK(rc == 0, "run: %d %s", rc, mf_last_error());
-    (void)tl;
+    /* the timeline shows copies at least as long as the model (0.2 ms + bytes / 20 GB/s) */
+    const mf_task_span *sp = tl ? mf_timeline_spans(tl) : NULL;
+    for (int t = 0; sp && t < mf_graph_n_tasks(g); t++) {
+        int kind = mf_graph_task(g, t)->lane % 3;
+        if (kind == 1) continue;
+        double bytes = sizeof(float) * T * (kind == 0 ? NI : NO);
+        double model = 200000 + bytes / 20e9 * 1e9;
+        CHECK(sp[t].status == 0 && sp[t].end_ns - sp[t].start_ns >= (int64_t)model,
+              "task %s: span %lld ns, model %.0f", mf_graph_task(g, t)->name,
+              (long long)(sp[t].end_ns - sp[t].start_ns), model);
+    }
+    mf_timeline_destroy(tl);
     float *yh = malloc(sizeof(float) * T * NO);
     void *buf = malloc(mf_kern_q8_bytes(T, NI));
     for (int i = 0; i < NJ; i++) {
