@@ -129,6 +129,9 @@ int mf_dev_event_record(mf_dev_event *e, mf_dev_stream *s)
         return mf_error(-EINVAL, "mf_dev_event_record: an event of card %d recorded on a stream of "
                         "card %d (record on the event's own card; any card may wait on it)",
                         e->card, s->card);
+    if (s->capturing)
+        return mf_error(-EBUSY, "mf_dev_event_record: card %d's stream is capturing (events are "
+                        "not captured)", s->card);
     return s->dev->ops->event_record(e, s);
 }
 
@@ -137,6 +140,9 @@ int mf_dev_stream_wait(mf_dev_stream *s, mf_dev_event *e)
     if (!e || !s) return mf_error(-EINVAL, "mf_dev_stream_wait: NULL %s", !e ? "event" : "stream");
     if (e->dev != s->dev) return mf_error(-EINVAL, "mf_dev_stream_wait: event and stream belong "
                                           "to different devices");
+    if (s->capturing)
+        return mf_error(-EBUSY, "mf_dev_stream_wait: card %d's stream is capturing (events are "
+                        "not captured)", s->card);
     return s->dev->ops->stream_wait(s, e);
 }
 
@@ -150,6 +156,8 @@ int mf_dev_stream_callback(mf_dev_stream *s, void (*fn)(void *arg), void *arg)
 int mf_dev_stream_sync(mf_dev_stream *s)
 {
     if (!s) return mf_error(-EINVAL, "mf_dev_stream_sync: stream is NULL");
+    if (s->capturing)
+        return mf_error(-EBUSY, "mf_dev_stream_sync: card %d's stream is capturing", s->card);
     return s->dev->ops->stream_sync(s);
 }
 
@@ -159,6 +167,7 @@ int mf_dev_sync(mf_dev *d)
     int first = 0;
     for (int c = 0; c < d->n_cards; c++)
         for (int k = 0; k < MF_DEV_N_STREAMS; k++) {
+            if (d->streams[c][k]->capturing) continue;
             int rc = d->ops->stream_sync(d->streams[c][k]);
             if (rc && !first) first = rc;
         }
@@ -232,6 +241,46 @@ int mf_dev_expert_ffn(mf_dev_stream *s, const mf_dev_ffn *a)
         return mf_error(-EINVAL, "%s: card %d: NULL x, h or y, or n_tok %d < 1", what, s->card,
                         a->n_tok);
     return s->dev->ops->expert_ffn(s, a);
+}
+
+/* ---- graph capture ---------------------------------------------------------------------------- */
+
+int mf_dev_capture_begin(mf_dev_stream *s)
+{
+    if (!s) return mf_error(-EINVAL, "mf_dev_capture_begin: stream is NULL");
+    if (s->capturing)
+        return mf_error(-EBUSY, "mf_dev_capture_begin: card %d's stream is already capturing", s->card);
+    int rc = s->dev->ops->capture_begin(s);
+    if (!rc) s->capturing = 1;
+    return rc;
+}
+
+int mf_dev_capture_end(mf_dev_stream *s, mf_dev_graph **out)
+{
+    if (!s || !out) return mf_error(-EINVAL, "mf_dev_capture_end: NULL %s", !s ? "stream" : "out");
+    *out = NULL;
+    if (!s->capturing)
+        return mf_error(-EINVAL, "mf_dev_capture_end: card %d's stream is not capturing", s->card);
+    int rc = s->dev->ops->capture_end(s, out);
+    s->capturing = 0;
+    return rc;
+}
+
+int mf_dev_graph_launch(mf_dev_graph *g, mf_dev_stream *s)
+{
+    if (!g || !s) return mf_error(-EINVAL, "mf_dev_graph_launch: NULL %s", !g ? "graph" : "stream");
+    if (g->dev != s->dev || g->card != s->card)
+        return mf_error(-EINVAL, "mf_dev_graph_launch: a graph captured on card %d launched on a "
+                        "stream of card %d%s", g->card, s->card,
+                        g->dev != s->dev ? " of another device" : "");
+    if (s->capturing)
+        return mf_error(-EBUSY, "mf_dev_graph_launch: card %d's stream is capturing", s->card);
+    return s->dev->ops->graph_launch(g, s);
+}
+
+void mf_dev_graph_destroy(mf_dev_graph *g)
+{
+    if (g) g->dev->ops->graph_destroy(g);
 }
 
 /* ---- the scheduler's adapter ----------------------------------------------------------------- */

@@ -1,7 +1,8 @@
 /* The device interface: one table of functions (device/dev_impl.h) behind an opaque mf_dev, so the
  * scheduler's device lanes, the graphs and the tests drive a CUDA card and an emulated card alike:
  * device and pinned host memory, streams (copy-in, compute, copy-out per card), events, async
- * copies, host callbacks on a stream, and the expert kernels. Backends: "emu:N" (host threads and
+ * copies, host callbacks on a stream, the expert kernels, and single-stream graph capture and
+ * replay. Backends: "emu:N" (host threads and
  * host kernels, modelled copy time; device/dev_emu.c) and "cuda[:i,j]" (device/dev_cuda.c). */
 #ifndef MF_DEV_H
 #define MF_DEV_H
@@ -17,6 +18,7 @@
 typedef struct mf_dev mf_dev;
 typedef struct mf_dev_stream mf_dev_stream;
 typedef struct mf_dev_event mf_dev_event;
+typedef struct mf_dev_graph mf_dev_graph;
 
 /* The streams every card has, one per device lane kind. Work on one stream runs in the order it
  * was enqueued; streams run concurrently with each other. */
@@ -112,6 +114,17 @@ typedef struct mf_dev_ffn {
 } mf_dev_ffn;
 size_t mf_dev_ffn_q8_bytes(int n_tok, int n_in, int n_hidden);
 int mf_dev_expert_ffn(mf_dev_stream *s, const mf_dev_ffn *a);
+
+/* Graph capture and replay of one stream (CUDA graphs; recorded operations on the emulated
+ * device): between capture_begin and capture_end, work enqueued on s (copies, callbacks, kernels)
+ * is recorded, not run; launching the graph enqueues the recorded work, with the same pointers and
+ * arguments, on a stream of the same card, any number of times. While s captures, events and
+ * sync on s are refused (-EBUSY), and nothing else (the scheduler) may enqueue on s. Only
+ * single-stream capture: no fork/join through events. */
+int mf_dev_capture_begin(mf_dev_stream *s);
+int mf_dev_capture_end(mf_dev_stream *s, mf_dev_graph **out);
+int mf_dev_graph_launch(mf_dev_graph *g, mf_dev_stream *s);
+void mf_dev_graph_destroy(mf_dev_graph *g);
 
 /* The scheduler's view of d: queue(device, kind) is mf_dev_stream_of(d, device, lane kind) and
  * notify is mf_dev_stream_callback. Owned by d; valid until mf_dev_close. A task on a device

@@ -293,6 +293,62 @@ static int cu_expert_ffn(mf_dev_stream *ps, const mf_dev_ffn *a)
     return mf_cuda_kern_ffn(s->st, a);
 }
 
+/* Capture: cudaStreamBeginCapture in thread-local mode (other threads' unsafe calls are not
+ * disturbed), instantiated once at the end, launched with cudaGraphLaunch. */
+typedef struct cu_graph {
+    mf_dev_graph pub;
+    cudaGraph_t g;
+    cudaGraphExec_t exec;
+} cu_graph;
+
+static int cu_capture_begin(mf_dev_stream *ps)
+{
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    CU_TRY(cudaStreamBeginCapture(s->st, cudaStreamCaptureModeThreadLocal));
+    return 0;
+}
+
+static int cu_capture_end(mf_dev_stream *ps, mf_dev_graph **out)
+{
+    cu_stream *s = (cu_stream *)ps;
+    cudaGraph_t g = NULL;
+    CU_TRY(cudaSetDevice(s->id));
+    CU_TRY(cudaStreamEndCapture(s->st, &g));
+    cu_graph *cg = calloc(1, sizeof *cg);
+    if (!cg) {
+        cudaGraphDestroy(g);
+        return mf_error(-ENOMEM, "cuda card %d: out of host memory for a graph", ps->card);
+    }
+    cudaError_t e = cudaGraphInstantiate(&cg->exec, g, 0);
+    if (e != cudaSuccess) {
+        cudaGraphDestroy(g);
+        free(cg);
+        return mf_error(-EIO, "%s:%d: cudaGraphInstantiate on card %d: %s", __FILE__, __LINE__,
+                        ps->card, cudaGetErrorString(e));
+    }
+    cg->pub = (mf_dev_graph){.dev = ps->dev, .card = ps->card};
+    cg->g = g;
+    *out = &cg->pub;
+    return 0;
+}
+
+static int cu_graph_launch(mf_dev_graph *pg, mf_dev_stream *ps)
+{
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    CU_TRY(cudaGraphLaunch(((cu_graph *)pg)->exec, s->st));
+    return 0;
+}
+
+static void cu_graph_destroy(mf_dev_graph *pg)
+{
+    cu_graph *g = (cu_graph *)pg;
+    CU_NOTE(cudaGraphExecDestroy(g->exec));
+    CU_NOTE(cudaGraphDestroy(g->g));
+    free(g);
+}
+
 static void cu_close(mf_dev *pd)
 {
     cu_dev *d = (cu_dev *)pd;
@@ -335,6 +391,10 @@ static const mf_dev_ops cu_ops = {
     .fp4_matmul = cu_fp4_matmul,
     .fp8_matmul = cu_fp8_matmul,
     .expert_ffn = cu_expert_ffn,
+    .capture_begin = cu_capture_begin,
+    .capture_end = cu_capture_end,
+    .graph_launch = cu_graph_launch,
+    .graph_destroy = cu_graph_destroy,
 };
 
 /* Creates the streams of every card and turns on peer access between cards that support it. */

@@ -2,7 +2,8 @@
  * machines without a GPU. Each card has a memory capacity (host malloc with accounting), three
  * streams each served by one worker thread that runs its operations in order, events, copies that
  * take modelled time (latency + bytes / bandwidth, slept, never spun) and host/kernels.h kernels,
- * so results equal the host path's bit for bit. */
+ * so results equal the host path's bit for bit. Graph capture records a stream's operations and
+ * replays them. */
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -55,7 +56,16 @@ typedef struct emu_stream {
     int exit;
     int err;                 /* first async error (sticky) */
     char errmsg[MF_ERROR_MSG_BYTES];
+    int capturing;           /* enqueued operations go to cap[] instead of the ring */
+    emu_op *cap;
+    int n_cap, max_cap;
 } emu_stream;
+
+typedef struct emu_graph {
+    mf_dev_graph pub;
+    emu_op *ops;
+    int n_ops;
+} emu_graph;
 
 typedef struct emu_hdr {     /* in front of every device allocation */
     uint64_t magic;
@@ -213,11 +223,27 @@ static void *emu_stream_main(void *arg)
     return NULL;
 }
 
-/* Puts op on s's ring (waiting while the ring is full). */
+/* Puts op on s's ring (waiting while the ring is full), or records it while s captures. */
 static int emu_enqueue(mf_dev_stream *ps, const emu_op *op)
 {
     emu_stream *s = (emu_stream *)ps;
     pthread_mutex_lock(&s->mu);
+    if (s->capturing) {
+        if (s->n_cap == s->max_cap) {
+            int m = s->max_cap ? 2 * s->max_cap : 64;
+            emu_op *c = realloc(s->cap, sizeof *c * (size_t)m);
+            if (!c) {
+                pthread_mutex_unlock(&s->mu);
+                return mf_error(-ENOMEM, "emu card %d %s stream: out of memory recording a graph",
+                                ps->card, emu_stream_name[ps->kind]);
+            }
+            s->cap = c;
+            s->max_cap = m;
+        }
+        s->cap[s->n_cap++] = *op;
+        pthread_mutex_unlock(&s->mu);
+        return 0;
+    }
     while (s->tail - s->head >= EMU_RING_CAP && !s->exit) pthread_cond_wait(&s->cond, &s->mu);
     if (s->exit) {
         pthread_mutex_unlock(&s->mu);
@@ -408,6 +434,52 @@ static int emu_expert_ffn(mf_dev_stream *s, const mf_dev_ffn *a)
     return emu_enqueue(s, &op);
 }
 
+static int emu_capture_begin(mf_dev_stream *ps)
+{
+    emu_stream *s = (emu_stream *)ps;
+    pthread_mutex_lock(&s->mu);
+    s->capturing = 1;
+    s->n_cap = 0;
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
+static int emu_capture_end(mf_dev_stream *ps, mf_dev_graph **out)
+{
+    emu_stream *s = (emu_stream *)ps;
+    emu_graph *g = calloc(1, sizeof *g);
+    pthread_mutex_lock(&s->mu);
+    s->capturing = 0;
+    if (g) {
+        g->pub = (mf_dev_graph){.dev = ps->dev, .card = ps->card};
+        g->ops = s->cap;   /* the recording becomes the graph's */
+        g->n_ops = s->n_cap;
+        s->cap = NULL;
+        s->n_cap = s->max_cap = 0;
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (!g) return mf_error(-ENOMEM, "emu card %d: out of memory for a graph", ps->card);
+    *out = &g->pub;
+    return 0;
+}
+
+static int emu_graph_launch(mf_dev_graph *pg, mf_dev_stream *s)
+{
+    emu_graph *g = (emu_graph *)pg;
+    for (int i = 0; i < g->n_ops; i++) {
+        int rc = emu_enqueue(s, &g->ops[i]);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+static void emu_graph_destroy(mf_dev_graph *pg)
+{
+    emu_graph *g = (emu_graph *)pg;
+    free(g->ops);
+    free(g);
+}
+
 static void emu_close(mf_dev *pd)
 {
     emu_dev *d = (emu_dev *)pd;
@@ -424,6 +496,7 @@ static void emu_close(mf_dev *pd)
             }
             pthread_mutex_destroy(&s->mu);
             pthread_cond_destroy(&s->cond);
+            free(s->cap);
             free(s);
         }
     for (int c = 0; c < pd->n_cards; c++) {
@@ -458,6 +531,10 @@ static const mf_dev_ops emu_ops = {
     .fp4_matmul = emu_fp4_matmul,
     .fp8_matmul = emu_fp8_matmul,
     .expert_ffn = emu_expert_ffn,
+    .capture_begin = emu_capture_begin,
+    .capture_end = emu_capture_end,
+    .graph_launch = emu_graph_launch,
+    .graph_destroy = emu_graph_destroy,
 };
 
 /* ---- opening --------------------------------------------------------------------------------- */

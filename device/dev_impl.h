@@ -29,6 +29,11 @@ typedef struct mf_dev_ops {
                       void *q8_scratch);
     int (*fp8_matmul)(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y);
     int (*expert_ffn)(mf_dev_stream *s, const mf_dev_ffn *a);
+    /* Capture: the stream's capturing flag is kept by dev.c. */
+    int (*capture_begin)(mf_dev_stream *s);
+    int (*capture_end)(mf_dev_stream *s, mf_dev_graph **out);
+    int (*graph_launch)(mf_dev_graph *g, mf_dev_stream *s);
+    void (*graph_destroy)(mf_dev_graph *g);
 } mf_dev_ops;
 
 struct mf_dev {
@@ -42,6 +47,12 @@ struct mf_dev_stream {
     mf_dev *dev;
     int card;
     mf_dev_stream_kind kind;
+    _Atomic int capturing;   /* 1 between capture_begin and capture_end */
+};
+
+struct mf_dev_graph {
+    mf_dev *dev;
+    int card;
 };
 
 struct mf_dev_event {

@@ -196,6 +196,45 @@ static void check_kernels(mf_dev *d)
           "w1 FP8 with w3 FP4 accepted: %s", mf_last_error());
 }
 
+/* A captured h2d -> FP4 matmul (int8) -> d2h graph on each card replays with new inputs, each
+ * result equal to the host kernel's. */
+static void check_capture_kernels(mf_dev *d)
+{
+    enum { T = 3, NO = 64, NI = 128 };
+    hmat w = hmat_rand(MF_KERN_FP4, NO, NI);
+    size_t qb = mf_kern_q8_bytes(T, NI);
+    void *buf = malloc(qb);
+    float yh[T * NO];
+    for (int c = 0; c < mf_dev_n_cards(d); c++) {
+        mf_dev_stream *s = mf_dev_stream_of(d, c, MF_DEV_STREAM_COMPUTE);
+        void *ww, *ws, *dx = NULL, *dy = NULL, *dq = NULL;
+        float *x = NULL, *y = NULL;
+        mf_kern_mat dw = dmat_upload(d, c, &w, &ww, &ws);
+        CHECK(mf_dev_host_alloc(d, c, sizeof(float) * T * NI, (void **)&x) == 0 &&
+              mf_dev_host_alloc(d, c, sizeof(float) * T * NO, (void **)&y) == 0 &&
+              mf_dev_alloc(d, c, sizeof(float) * T * NI, &dx) == 0 &&
+              mf_dev_alloc(d, c, sizeof(float) * T * NO, &dy) == 0 && mf_dev_alloc(d, c, qb, &dq) == 0,
+              "%s", mf_last_error());
+        mf_dev_graph *g = NULL;
+        CHECK(mf_dev_capture_begin(s) == 0 && mf_dev_copy_h2d(s, dx, x, sizeof(float) * T * NI) == 0 &&
+              mf_dev_fp4_matmul(s, &dw, dx, T, dy, dq) == 0 &&
+              mf_dev_copy_d2h(s, y, dy, sizeof(float) * T * NO) == 0 && mf_dev_capture_end(s, &g) == 0,
+              "capture: %s", mf_last_error());
+        for (int r = 0; r < 2 && g; r++) {
+            for (int i = 0; i < T * NI; i++) x[i] = gauss();
+            CHECK(mf_dev_graph_launch(g, s) == 0 && mf_dev_stream_sync(s) == 0, "%s", mf_last_error());
+            mf_kern_q8 q;
+            mf_kern_q8_init(&q, buf, qb, T, NI);
+            mf_kern_q8_quantize(&q, x, NI, 0, T);
+            mf_kern_fp4_matmul(w.w, w.scale, NO, NI, &q, yh, NO, 0, NO);
+            CHECK(memcmp(yh, y, sizeof yh) == 0, "card %d replay %d differs from the host", c, r);
+        }
+        mf_dev_graph_destroy(g);
+    }
+    free(buf);
+    hmat_free(&w);
+}
+
 /* ---- the scheduler adapter with kernels -------------------------------------------------------- */
 
 typedef struct kjob {
@@ -385,7 +424,9 @@ int main(void)
         dev_check_order(d);
         if (n <= 2) dev_check_events(d, 1 << 16);   /* 30 ms a card: enough with 1 and 2 */
         dev_check_sched_copies(d, 12, 4096);
+        dev_check_capture(d, 3000);
         if (n == 1 || n == 4) check_kernels(d);
+        check_capture_kernels(d);   /* its buffers are left for close */
         mf_dev_close(d);
     }
     check_sched_kernels();

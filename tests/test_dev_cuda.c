@@ -116,6 +116,7 @@ int main(void)
     dev_check_order(d);
     dev_check_events(d, 8 << 20);
     dev_check_sched_copies(d, 16, 1 << 20);
+    dev_check_capture(d, 1 << 20);
     check_kernels(d);
     float f[64];
     uint8_t b[64];
