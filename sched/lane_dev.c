@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "sched/error.h"
+#include "sched/nvtx.h"
 #include "sched/sched_impl.h"
 
 /* The backend's callback: the task's device work has finished. */
@@ -64,7 +65,10 @@ void *mf_dev_submit_main(void *arg)
             }
             mf_task_ctx ctx = {.lane = L->index, .worker = 0, .numa_node = -1, .queue = L->queue};
             mf_error_clear();
+            /* the range covers the enqueueing; the device work shows on the named stream */
+            mf_nvtx_range_push(L->index, s->g->lanes[L->index].name, d->name);
             if (d->fn) rc = d->fn(d->arg, &ctx);
+            mf_nvtx_range_pop();
             if (rc < 0) {
                 mf_task_fail(s, t, rc, mf_last_error());
             } else {

@@ -1,0 +1,311 @@
+/* The device interface's front: opens a backend by spec, checks every argument once (so backends
+ * only do the work), dispatches through the ops table, and adapts a device to the scheduler's
+ * device lanes (mf_dev_lane_ops). */
+#include <errno.h>
+#include <string.h>
+
+#include "device/dev_impl.h"
+#include "sched/error.h"
+
+int mf_dev_open(const char *spec, mf_dev **out)
+{
+    if (!out) return mf_error(-EINVAL, "mf_dev_open: out is NULL");
+    *out = NULL;
+    if (!spec) return mf_error(-EINVAL, "mf_dev_open: spec is NULL (expected \"emu:N\" or \"cuda\")");
+    if (!strncmp(spec, "emu:", 4)) return mf_dev_open_emu(spec + 4, out);
+    if (!strcmp(spec, "cuda")) return mf_dev_open_cuda(NULL, out);
+    if (!strncmp(spec, "cuda:", 5)) return mf_dev_open_cuda(spec + 5, out);
+    return mf_error(-EINVAL, "device spec '%s': expected \"emu:N[,mem=..][,bw=..][,lat_ns=..]\", "
+                    "\"cuda\" or \"cuda:I,J\"", spec);
+}
+
+void mf_dev_close(mf_dev *d)
+{
+    if (d) d->ops->close(d);
+}
+
+int mf_dev_n_cards(const mf_dev *d) { return d ? d->n_cards : 0; }
+const char *mf_dev_kind(const mf_dev *d) { return d ? d->ops->kind : "none"; }
+
+static int mf_dev_card_ok(const mf_dev *d, int card, const char *what)
+{
+    if (!d) return mf_error(-EINVAL, "%s: device is NULL", what);
+    if (card < 0 || card >= d->n_cards)
+        return mf_error(-EINVAL, "%s: card %d out of range (device has %d)", what, card, d->n_cards);
+    return 0;
+}
+
+int mf_dev_alloc(mf_dev *d, int card, size_t n_bytes, void **out)
+{
+    int rc = mf_dev_card_ok(d, card, "mf_dev_alloc");
+    if (rc) return rc;
+    if (!out) return mf_error(-EINVAL, "mf_dev_alloc: out is NULL");
+    *out = NULL;
+    if (n_bytes == 0) return mf_error(-EINVAL, "mf_dev_alloc: card %d: size 0", card);
+    return d->ops->alloc(d, card, n_bytes, out);
+}
+
+void mf_dev_free(mf_dev *d, int card, void *p)
+{
+    if (p && !mf_dev_card_ok(d, card, "mf_dev_free")) d->ops->free(d, card, p);
+}
+
+int mf_dev_host_alloc(mf_dev *d, int card, size_t n_bytes, void **out)
+{
+    int rc = mf_dev_card_ok(d, card, "mf_dev_host_alloc");
+    if (rc) return rc;
+    if (!out) return mf_error(-EINVAL, "mf_dev_host_alloc: out is NULL");
+    *out = NULL;
+    if (n_bytes == 0) return mf_error(-EINVAL, "mf_dev_host_alloc: card %d: size 0", card);
+    return d->ops->host_alloc(d, card, n_bytes, out);
+}
+
+void mf_dev_host_free(mf_dev *d, void *p)
+{
+    if (d && p) d->ops->host_free(d, p);
+}
+
+mf_dev_stream *mf_dev_stream_of(mf_dev *d, int card, mf_dev_stream_kind kind)
+{
+    if (!d || card < 0 || card >= d->n_cards || (int)kind < 0 || kind >= MF_DEV_N_STREAMS)
+        return NULL;
+    return d->streams[card][kind];
+}
+
+int mf_dev_stream_card(const mf_dev_stream *s) { return s ? s->card : -1; }
+
+static int mf_dev_copy_ok(mf_dev_stream *s, const void *dst, const void *src, const char *what)
+{
+    if (!s) return mf_error(-EINVAL, "%s: stream is NULL", what);
+    if (!dst || !src) return mf_error(-EINVAL, "%s: card %d: NULL %s", what, s->card,
+                                      !dst ? "destination" : "source");
+    return 0;
+}
+
+int mf_dev_copy_h2d(mf_dev_stream *s, void *dst_dev, const void *src_host, size_t n_bytes)
+{
+    int rc = mf_dev_copy_ok(s, dst_dev, src_host, "mf_dev_copy_h2d");
+    if (rc || !n_bytes) return rc;
+    return s->dev->ops->copy(s, MF_DEV_H2D, s->card, dst_dev, -1, src_host, n_bytes);
+}
+
+int mf_dev_copy_d2h(mf_dev_stream *s, void *dst_host, const void *src_dev, size_t n_bytes)
+{
+    int rc = mf_dev_copy_ok(s, dst_host, src_dev, "mf_dev_copy_d2h");
+    if (rc || !n_bytes) return rc;
+    return s->dev->ops->copy(s, MF_DEV_D2H, -1, dst_host, s->card, src_dev, n_bytes);
+}
+
+int mf_dev_copy_d2d(mf_dev_stream *s, int dst_card, void *dst, int src_card, const void *src,
+                    size_t n_bytes)
+{
+    int rc = mf_dev_copy_ok(s, dst, src, "mf_dev_copy_d2d");
+    if (!rc) rc = mf_dev_card_ok(s->dev, dst_card, "mf_dev_copy_d2d: destination");
+    if (!rc) rc = mf_dev_card_ok(s->dev, src_card, "mf_dev_copy_d2d: source");
+    if (rc || !n_bytes) return rc;
+    return s->dev->ops->copy(s, MF_DEV_D2D, dst_card, dst, src_card, src, n_bytes);
+}
+
+int mf_dev_event_create(mf_dev *d, int card, mf_dev_event **out)
+{
+    int rc = mf_dev_card_ok(d, card, "mf_dev_event_create");
+    if (rc) return rc;
+    if (!out) return mf_error(-EINVAL, "mf_dev_event_create: out is NULL");
+    *out = NULL;
+    return d->ops->event_create(d, card, out);
+}
+
+void mf_dev_event_destroy(mf_dev_event *e)
+{
+    if (e) e->dev->ops->event_destroy(e);
+}
+
+int mf_dev_event_record(mf_dev_event *e, mf_dev_stream *s)
+{
+    if (!e || !s) return mf_error(-EINVAL, "mf_dev_event_record: NULL %s", !e ? "event" : "stream");
+    if (e->dev != s->dev) return mf_error(-EINVAL, "mf_dev_event_record: event and stream belong "
+                                          "to different devices");
+    if (e->card != s->card)
+        return mf_error(-EINVAL, "mf_dev_event_record: an event of card %d recorded on a stream of "
+                        "card %d (record on the event's own card; any card may wait on it)",
+                        e->card, s->card);
+    if (s->capturing)
+        return mf_error(-EBUSY, "mf_dev_event_record: card %d's stream is capturing (events are "
+                        "not captured)", s->card);
+    return s->dev->ops->event_record(e, s);
+}
+
+int mf_dev_stream_wait(mf_dev_stream *s, mf_dev_event *e)
+{
+    if (!e || !s) return mf_error(-EINVAL, "mf_dev_stream_wait: NULL %s", !e ? "event" : "stream");
+    if (e->dev != s->dev) return mf_error(-EINVAL, "mf_dev_stream_wait: event and stream belong "
+                                          "to different devices");
+    if (s->capturing)
+        return mf_error(-EBUSY, "mf_dev_stream_wait: card %d's stream is capturing (events are "
+                        "not captured)", s->card);
+    return s->dev->ops->stream_wait(s, e);
+}
+
+int mf_dev_stream_callback(mf_dev_stream *s, void (*fn)(void *arg), void *arg)
+{
+    if (!s || !fn) return mf_error(-EINVAL, "mf_dev_stream_callback: NULL %s",
+                                   !s ? "stream" : "function");
+    return s->dev->ops->callback(s, fn, arg);
+}
+
+int mf_dev_stream_sync(mf_dev_stream *s)
+{
+    if (!s) return mf_error(-EINVAL, "mf_dev_stream_sync: stream is NULL");
+    if (s->capturing)
+        return mf_error(-EBUSY, "mf_dev_stream_sync: card %d's stream is capturing", s->card);
+    return s->dev->ops->stream_sync(s);
+}
+
+int mf_dev_sync(mf_dev *d)
+{
+    if (!d) return mf_error(-EINVAL, "mf_dev_sync: device is NULL");
+    int first = 0;
+    for (int c = 0; c < d->n_cards; c++)
+        for (int k = 0; k < MF_DEV_N_STREAMS; k++) {
+            if (d->streams[c][k]->capturing) continue;
+            int rc = d->ops->stream_sync(d->streams[c][k]);
+            if (rc && !first) first = rc;
+        }
+    return first;
+}
+
+/* ---- kernels: shapes checked here, once for every backend ----------------------------------- */
+
+static int mf_dev_mat_ok(const mf_kern_mat *w, mf_kern_fmt want, const char *what, const char *name)
+{
+    if (!w) return mf_error(-EINVAL, "%s: %s is NULL", what, name);
+    if (w->fmt != want && !(want == 0 && (w->fmt == MF_KERN_FP4 || w->fmt == MF_KERN_FP8)))
+        return mf_error(-EINVAL, "%s: %s has format %d, expected %s", what, name, (int)w->fmt,
+                        want == MF_KERN_FP4 ? "FP4" : want == MF_KERN_FP8 ? "FP8" : "FP4 or FP8");
+    if (!w->w || !w->scale) return mf_error(-EINVAL, "%s: %s: NULL weights or scales", what, name);
+    if (w->n_out < 1 || w->n_in < 32 || w->n_in % 32)
+        return mf_error(-EINVAL, "%s: %s is [%d, %d]; expected n_out >= 1 and n_in a positive "
+                        "multiple of 32", what, name, w->n_out, w->n_in);
+    return 0;
+}
+
+int mf_dev_fp4_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y,
+                      void *q8_scratch)
+{
+    static const char *what = "mf_dev_fp4_matmul";
+    if (!s) return mf_error(-EINVAL, "%s: stream is NULL", what);
+    int rc = mf_dev_mat_ok(w, MF_KERN_FP4, what, "w");
+    if (rc) return rc;
+    if (!x || !y || n_tok < 1)
+        return mf_error(-EINVAL, "%s: card %d: NULL x or y, or n_tok %d < 1", what, s->card, n_tok);
+    return s->dev->ops->fp4_matmul(s, w, x, n_tok, y, q8_scratch);
+}
+
+int mf_dev_fp8_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y)
+{
+    static const char *what = "mf_dev_fp8_matmul";
+    if (!s) return mf_error(-EINVAL, "%s: stream is NULL", what);
+    int rc = mf_dev_mat_ok(w, MF_KERN_FP8, what, "w");
+    if (rc) return rc;
+    if (!x || !y || n_tok < 1)
+        return mf_error(-EINVAL, "%s: card %d: NULL x or y, or n_tok %d < 1", what, s->card, n_tok);
+    return s->dev->ops->fp8_matmul(s, w, x, n_tok, y);
+}
+
+size_t mf_dev_ffn_q8_bytes(int n_tok, int n_in, int n_hidden)
+{
+    size_t a = mf_kern_q8_bytes(n_tok, n_in), b = mf_kern_q8_bytes(n_tok, n_hidden);
+    if (!a || !b) return 0;
+    return a > b ? a : b;
+}
+
+int mf_dev_expert_ffn(mf_dev_stream *s, const mf_dev_ffn *a)
+{
+    static const char *what = "mf_dev_expert_ffn";
+    if (!s || !a) return mf_error(-EINVAL, "%s: NULL %s", what, !s ? "stream" : "arguments");
+    int rc = mf_dev_mat_ok(&a->w1, 0, what, "w1");
+    if (!rc) rc = mf_dev_mat_ok(&a->w3, 0, what, "w3");
+    if (!rc) rc = mf_dev_mat_ok(&a->w2, 0, what, "w2");
+    if (rc) return rc;
+    if (a->w1.n_out != a->w3.n_out || a->w1.n_in != a->w3.n_in || a->w2.n_in != a->w1.n_out ||
+        a->w2.n_out != a->w1.n_in)
+        return mf_error(-EINVAL, "%s: shapes w1 [%d, %d], w3 [%d, %d], w2 [%d, %d] do not chain "
+                        "(expected w1 = w3 = [I, H], w2 = [H, I])", what, a->w1.n_out, a->w1.n_in,
+                        a->w3.n_out, a->w3.n_in, a->w2.n_out, a->w2.n_in);
+    if (a->w1.fmt != a->w3.fmt)
+        return mf_error(-EINVAL, "%s: w1 and w3 have different formats (%d, %d)", what,
+                        (int)a->w1.fmt, (int)a->w3.fmt);
+    if (!(a->limit > 0.0f))
+        return mf_error(-EINVAL, "%s: swiglu limit %g, expected > 0", what, (double)a->limit);
+    if (!a->x || !a->h || !a->y || a->n_tok < 1)
+        return mf_error(-EINVAL, "%s: card %d: NULL x, h or y, or n_tok %d < 1", what, s->card,
+                        a->n_tok);
+    return s->dev->ops->expert_ffn(s, a);
+}
+
+/* ---- graph capture ---------------------------------------------------------------------------- */
+
+int mf_dev_capture_begin(mf_dev_stream *s)
+{
+    if (!s) return mf_error(-EINVAL, "mf_dev_capture_begin: stream is NULL");
+    if (s->capturing)
+        return mf_error(-EBUSY, "mf_dev_capture_begin: card %d's stream is already capturing", s->card);
+    int rc = s->dev->ops->capture_begin(s);
+    if (!rc) s->capturing = 1;
+    return rc;
+}
+
+int mf_dev_capture_end(mf_dev_stream *s, mf_dev_graph **out)
+{
+    if (!s || !out) return mf_error(-EINVAL, "mf_dev_capture_end: NULL %s", !s ? "stream" : "out");
+    *out = NULL;
+    if (!s->capturing)
+        return mf_error(-EINVAL, "mf_dev_capture_end: card %d's stream is not capturing", s->card);
+    int rc = s->dev->ops->capture_end(s, out);
+    s->capturing = 0;
+    return rc;
+}
+
+int mf_dev_graph_launch(mf_dev_graph *g, mf_dev_stream *s)
+{
+    if (!g || !s) return mf_error(-EINVAL, "mf_dev_graph_launch: NULL %s", !g ? "graph" : "stream");
+    if (g->dev != s->dev || g->card != s->card)
+        return mf_error(-EINVAL, "mf_dev_graph_launch: a graph captured on card %d launched on a "
+                        "stream of card %d%s", g->card, s->card,
+                        g->dev != s->dev ? " of another device" : "");
+    if (s->capturing)
+        return mf_error(-EBUSY, "mf_dev_graph_launch: card %d's stream is capturing", s->card);
+    return s->dev->ops->graph_launch(g, s);
+}
+
+void mf_dev_graph_destroy(mf_dev_graph *g)
+{
+    if (g) g->dev->ops->graph_destroy(g);
+}
+
+/* ---- the scheduler's adapter ----------------------------------------------------------------- */
+
+static void *mf_dev_lane_queue(void *ctx, int device, mf_lane_kind kind)
+{
+    mf_dev_stream_kind k = kind == MF_LANE_DEV_COPY_IN    ? MF_DEV_STREAM_COPY_IN
+                           : kind == MF_LANE_DEV_COMPUTE  ? MF_DEV_STREAM_COMPUTE
+                           : kind == MF_LANE_DEV_COPY_OUT ? MF_DEV_STREAM_COPY_OUT
+                                                          : MF_DEV_N_STREAMS;
+    return mf_dev_stream_of(ctx, device, k);
+}
+
+static int mf_dev_lane_notify(void *ctx, void *queue, void (*done)(void *), void *done_arg)
+{
+    mf_dev *d = ctx;
+    if (!queue) return mf_error(-EINVAL, "device lane has no stream (a lane names a card beyond "
+                                "the device's %d, or a non-device kind)", d->n_cards);
+    return mf_dev_stream_callback(queue, done, done_arg);
+}
+
+const mf_dev_lane_ops *mf_dev_lane_ops_of(mf_dev *d)
+{
+    if (!d) return NULL;
+    d->lane_ops = (mf_dev_lane_ops){.ctx = d, .queue = mf_dev_lane_queue,
+                                    .notify = mf_dev_lane_notify};
+    return &d->lane_ops;
+}

@@ -1,0 +1,137 @@
+/* The device interface: one table of functions (device/dev_impl.h) behind an opaque mf_dev, so the
+ * scheduler's device lanes, the graphs and the tests drive a CUDA card and an emulated card alike:
+ * device and pinned host memory, streams (copy-in, compute, copy-out per card), events, async
+ * copies, host callbacks on a stream, the expert kernels, and single-stream graph capture and
+ * replay. Backends: "emu:N" (host threads and
+ * host kernels, modelled copy time; device/dev_emu.c) and "cuda[:i,j]" (device/dev_cuda.c). */
+#ifndef MF_DEV_H
+#define MF_DEV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "host/kernels.h"
+#include "sched/sched.h"
+
+#define MF_DEV_MAX_CARDS 16
+
+typedef struct mf_dev mf_dev;
+typedef struct mf_dev_stream mf_dev_stream;
+typedef struct mf_dev_event mf_dev_event;
+typedef struct mf_dev_graph mf_dev_graph;
+
+/* The streams every card has, one per device lane kind. Work on one stream runs in the order it
+ * was enqueued; streams run concurrently with each other. */
+typedef enum mf_dev_stream_kind {
+    MF_DEV_STREAM_COPY_IN = 0,
+    MF_DEV_STREAM_COMPUTE,
+    MF_DEV_STREAM_COPY_OUT,
+    MF_DEV_N_STREAMS
+} mf_dev_stream_kind;
+
+/* Opens a device by spec:
+ *   "emu:N[,mem=BYTES][,bw=BYTES_PER_S][,lat_ns=NS]"  N emulated cards (1..16); mem is each
+ *       card's capacity (suffixes K, M, G; default 16G), bw and lat_ns the modelled copy
+ *       bandwidth and latency (defaults 25e9 and 10000: a model, not a measurement);
+ *   "cuda" every CUDA card the driver sees; "cuda:0,2" those cards.
+ * -EINVAL with a message for a malformed spec; -ENOSYS for "cuda" in a build without CUDA;
+ * -ENODEV when no card (or a named card) is present. */
+int mf_dev_open(const char *spec, mf_dev **out);
+/* Waits for all enqueued work, then frees every stream and every device and pinned allocation
+ * left (events are the caller's to destroy first). NULL is fine. */
+void mf_dev_close(mf_dev *d);
+
+int mf_dev_n_cards(const mf_dev *d);
+/* "emu" or "cuda". */
+const char *mf_dev_kind(const mf_dev *d);
+
+/* Device memory on card `card`. Emulated cards refuse beyond their capacity with -ENOMEM and a
+ * message naming the card, the size asked and what is in use. free(NULL) is a no-op. */
+int mf_dev_alloc(mf_dev *d, int card, size_t n_bytes, void **out);
+void mf_dev_free(mf_dev *d, int card, void *p);
+/* Pinned (page-locked) host memory for staging copies to/from `card`, usable with every card.
+ * Allocate at start, not per token. */
+int mf_dev_host_alloc(mf_dev *d, int card, size_t n_bytes, void **out);
+void mf_dev_host_free(mf_dev *d, void *p);
+
+/* The stream of `kind` on `card` (created at open, owned by d); NULL for a bad card or kind. */
+mf_dev_stream *mf_dev_stream_of(mf_dev *d, int card, mf_dev_stream_kind kind);
+int mf_dev_stream_card(const mf_dev_stream *s);
+
+/* Async copies enqueued on s; they return once enqueued (0) or -EINVAL for bad arguments. Host
+ * memory should be pinned (mf_dev_host_alloc) for the copy to be asynchronous on CUDA. d2d copies
+ * between device buffers, on the same card or between cards. */
+int mf_dev_copy_h2d(mf_dev_stream *s, void *dst_dev, const void *src_host, size_t n_bytes);
+int mf_dev_copy_d2h(mf_dev_stream *s, void *dst_host, const void *src_dev, size_t n_bytes);
+int mf_dev_copy_d2d(mf_dev_stream *s, int dst_card, void *dst, int src_card, const void *src,
+                    size_t n_bytes);
+
+/* Events: record marks the point reached by everything enqueued on s so far; wait makes later
+ * work on s start only after the event's last recorded point has been reached (a no-op for an
+ * event never recorded). An event is recorded on streams of its own card (CUDA's rule; -EINVAL
+ * otherwise) and can be waited on by any stream of any card. Destroying an event waits (emu) or
+ * defers (CUDA) until enqueued work naming it is done. */
+int mf_dev_event_create(mf_dev *d, int card, mf_dev_event **out);
+void mf_dev_event_destroy(mf_dev_event *e);
+int mf_dev_event_record(mf_dev_event *e, mf_dev_stream *s);
+int mf_dev_stream_wait(mf_dev_stream *s, mf_dev_event *e);
+
+/* Enqueues fn(arg) on s: it runs on a backend thread once everything enqueued before it has
+ * finished, and later work on s waits for it. fn must not call into the device (CUDA forbids it)
+ * and should be short. This is how the scheduler learns a device task is done. */
+int mf_dev_stream_callback(mf_dev_stream *s, void (*fn)(void *arg), void *arg);
+
+/* Blocks until everything enqueued on s (or on every stream of d) has finished. Returns 0, or the
+ * first error of an async operation on s (sticky, with its message). */
+int mf_dev_stream_sync(mf_dev_stream *s);
+int mf_dev_sync(mf_dev *d);
+
+/* Kernels, enqueued on s (normally a compute stream). Every pointer is device memory of s's card;
+ * weights are as stored (mf_kern_mat fields point into device memory); activations are dense
+ * rows: x [n_tok][n_in] floats, y [n_tok][n_out] floats.
+ * FP4 matmul: q8_scratch != NULL (at least mf_kern_q8_bytes(n_tok, n_in) device bytes) selects the
+ * int8 path (mf_kern_fp4_matmul), NULL the fp32 one (mf_kern_fp4_matmul_f32). Shapes are checked
+ * when enqueued (-EINVAL); results equal host/kernels.h's bit for bit on the emulated device.
+ * The CUDA backend has the fp32 path only (the int8 path is -ENOTSUP with a message); its
+ * results differ from the host's in summation order. */
+int mf_dev_fp4_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y,
+                      void *q8_scratch);
+int mf_dev_fp8_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y);
+
+/* The expert FFN y = w2 (silu(min(w1 x, limit)) * clamp(w3 x, +-limit) * tok_weight), as
+ * mf_kern_ffn_up then mf_kern_ffn_down with every row. h is device scratch [n_tok][w1.n_out];
+ * q8_scratch (at least mf_dev_ffn_q8_bytes) selects the int8 path for FP4 matrices (x and then h
+ * quantized into it), NULL the fp32 path. tok_weight may be NULL (weight 1). */
+typedef struct mf_dev_ffn {
+    mf_kern_mat w1, w3, w2;
+    const float *x;
+    int n_tok;
+    const float *tok_weight;
+    float limit;
+    float *h;
+    void *q8_scratch;
+    float *y;
+} mf_dev_ffn;
+size_t mf_dev_ffn_q8_bytes(int n_tok, int n_in, int n_hidden);
+int mf_dev_expert_ffn(mf_dev_stream *s, const mf_dev_ffn *a);
+
+/* Graph capture and replay of one stream (CUDA graphs; recorded operations on the emulated
+ * device): between capture_begin and capture_end, work enqueued on s (copies, callbacks, kernels)
+ * is recorded, not run; launching the graph enqueues the recorded work, with the same pointers and
+ * arguments, on a stream of the same card, any number of times. While s captures, events and
+ * sync on s are refused (-EBUSY), and nothing else (the scheduler) may enqueue on s. Only
+ * single-stream capture: no fork/join through events. */
+int mf_dev_capture_begin(mf_dev_stream *s);
+int mf_dev_capture_end(mf_dev_stream *s, mf_dev_graph **out);
+int mf_dev_graph_launch(mf_dev_graph *g, mf_dev_stream *s);
+void mf_dev_graph_destroy(mf_dev_graph *g);
+
+/* The scheduler's view of d: queue(device, kind) is mf_dev_stream_of(d, device, lane kind) and
+ * notify is mf_dev_stream_callback. Owned by d; valid until mf_dev_close. A task on a device
+ * lane finds its stream in ctx->queue (an mf_dev_stream *). */
+const mf_dev_lane_ops *mf_dev_lane_ops_of(mf_dev *d);
+
+/* Emulated devices only: bytes in use on a card (-1 for other backends or a bad card). */
+int64_t mf_dev_emu_used_bytes(const mf_dev *d, int card);
+
+#endif

@@ -1,0 +1,633 @@
+/* The emulated device: N cards on host threads, so everything device-side runs and is tested on
+ * machines without a GPU. Each card has a memory capacity (host malloc with accounting), three
+ * streams each served by one worker thread that runs its operations in order, events, copies that
+ * take modelled time (latency + bytes / bandwidth, slept, never spun) and host/kernels.h kernels,
+ * so results equal the host path's bit for bit. Graph capture records a stream's operations and
+ * replays them. */
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "device/dev_impl.h"
+#include "sched/clock.h"
+#include "sched/error.h"
+
+#define EMU_RING_CAP 1024
+#define EMU_ALLOC_MAGIC 0x6d66656d75646576ULL   /* "mfemudev" */
+#define EMU_HDR_BYTES 64
+
+typedef enum { OP_COPY, OP_CALLBACK, OP_RECORD, OP_WAIT, OP_FP4, OP_FP8, OP_FFN } emu_op_kind;
+
+typedef struct emu_event {
+    mf_dev_event pub;
+    pthread_mutex_t mu;
+    pthread_cond_t cond;
+    uint64_t recorded;   /* records enqueued so far */
+    uint64_t reached;    /* highest record executed */
+    int refs;            /* enqueued operations naming this event */
+} emu_event;
+
+typedef struct emu_op {
+    emu_op_kind kind;
+    union {
+        struct { void *dst; const void *src; size_t n; } copy;
+        struct { void (*fn)(void *); void *arg; } cb;
+        struct { emu_event *e; uint64_t seq; } ev;
+        struct { mf_kern_mat w; const float *x; int n_tok; float *y; void *q8; } mm;
+        mf_dev_ffn ffn;
+    } u;
+} emu_op;
+
+typedef struct emu_dev emu_dev;
+
+typedef struct emu_stream {
+    mf_dev_stream pub;
+    emu_dev *d;
+    pthread_t thread;
+    int started;
+    pthread_mutex_t mu;
+    pthread_cond_t cond;     /* work arrived, work retired, exit */
+    emu_op ring[EMU_RING_CAP];
+    unsigned head, tail;     /* head: next to run (retired after it ran) */
+    int exit;
+    int err;                 /* first async error (sticky) */
+    char errmsg[MF_ERROR_MSG_BYTES];
+    int capturing;           /* enqueued operations go to cap[] instead of the ring */
+    emu_op *cap;
+    int n_cap, max_cap;
+} emu_stream;
+
+typedef struct emu_graph {
+    mf_dev_graph pub;
+    emu_op *ops;
+    int n_ops;
+} emu_graph;
+
+typedef struct emu_hdr {     /* in front of every device allocation */
+    uint64_t magic;
+    int card;
+    size_t n_bytes;
+    struct emu_hdr *prev, *next;
+} emu_hdr;
+
+typedef struct emu_card {
+    pthread_mutex_t mu;
+    uint64_t cap_bytes, used_bytes;
+    emu_hdr *allocs;
+} emu_card;
+
+struct emu_dev {
+    mf_dev pub;
+    double bw_bytes_per_s;
+    int64_t lat_ns;
+    emu_card cards[MF_DEV_MAX_CARDS];
+    pthread_mutex_t host_mu;
+    emu_hdr *host_allocs;    /* staging memory, freed at close when left */
+    emu_stream *streams[MF_DEV_MAX_CARDS][MF_DEV_N_STREAMS];
+};
+
+static const char *emu_stream_name[MF_DEV_N_STREAMS] = {"copy-in", "compute", "copy-out"};
+
+/* ---- the stream worker ----------------------------------------------------------------------- */
+
+static void emu_sleep_until(int64_t t_ns)
+{
+    struct timespec ts = {.tv_sec = t_ns / 1000000000LL, .tv_nsec = t_ns % 1000000000LL};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
+    }
+}
+
+static void emu_stream_fail(emu_stream *s, int rc)
+{
+    pthread_mutex_lock(&s->mu);
+    if (!s->err) {
+        s->err = rc;
+        snprintf(s->errmsg, sizeof s->errmsg, "emu card %d %s stream: %s", s->pub.card,
+                 emu_stream_name[s->pub.kind], mf_last_error());
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void emu_event_unref(emu_event *e)
+{
+    pthread_mutex_lock(&e->mu);
+    e->refs--;
+    pthread_cond_broadcast(&e->cond);
+    pthread_mutex_unlock(&e->mu);
+}
+
+static int emu_fp4(const mf_kern_mat *w, const float *x, int n_tok, float *y, void *q8buf,
+                   int n_in)
+{
+    if (!q8buf) return mf_kern_fp4_matmul_f32(w->w, w->scale, w->n_out, n_in, x, n_tok, n_in, y,
+                                              w->n_out, 0, w->n_out);
+    mf_kern_q8 q;
+    int rc = mf_kern_q8_init(&q, q8buf, mf_kern_q8_bytes(n_tok, n_in), n_tok, n_in);
+    if (!rc) rc = mf_kern_q8_quantize(&q, x, n_in, 0, n_tok);
+    if (!rc) rc = mf_kern_fp4_matmul(w->w, w->scale, w->n_out, n_in, &q, y, w->n_out, 0, w->n_out);
+    return rc;
+}
+
+/* The expert FFN exactly as a host caller runs it: quantize x once (int8 path), phase 1 over all
+ * hidden rows, quantize h, phase 2 over all model rows. */
+static int emu_ffn(const mf_dev_ffn *a)
+{
+    int H = a->w1.n_in, I = a->w1.n_out, T = a->n_tok;
+    int fp4_up = a->w1.fmt == MF_KERN_FP4 && a->q8_scratch, fp4_down = a->w2.fmt == MF_KERN_FP4 &&
+                                                                       a->q8_scratch;
+    mf_kern_q8 q;
+    int rc = 0;
+    if (fp4_up) {
+        rc = mf_kern_q8_init(&q, a->q8_scratch, mf_kern_q8_bytes(T, H), T, H);
+        if (!rc) rc = mf_kern_q8_quantize(&q, a->x, H, 0, T);
+    }
+    if (!rc) rc = mf_kern_ffn_up(&a->w1, &a->w3, &(mf_kern_in){a->x, T, H, fp4_up ? &q : NULL},
+                                 a->tok_weight, a->limit, a->h, I, 0, I);
+    if (!rc && fp4_down) {
+        rc = mf_kern_q8_init(&q, a->q8_scratch, mf_kern_q8_bytes(T, I), T, I);
+        if (!rc) rc = mf_kern_q8_quantize(&q, a->h, I, 0, T);
+    }
+    if (!rc) rc = mf_kern_ffn_down(&a->w2, &(mf_kern_in){a->h, T, I, fp4_down ? &q : NULL}, a->y,
+                                   H, 0, H);
+    return rc;
+}
+
+static void emu_run_op(emu_stream *s, emu_op *op)
+{
+    emu_dev *d = s->d;
+    int rc = 0;
+    switch (op->kind) {
+    case OP_COPY: {
+        int64_t t0 = mf_now_ns();
+        memcpy(op->u.copy.dst, op->u.copy.src, op->u.copy.n);
+        double model_ns = (double)d->lat_ns;
+        if (d->bw_bytes_per_s > 0) model_ns += (double)op->u.copy.n / d->bw_bytes_per_s * 1e9;
+        emu_sleep_until(t0 + (int64_t)model_ns);
+        break;
+    }
+    case OP_CALLBACK:
+        op->u.cb.fn(op->u.cb.arg);
+        break;
+    case OP_RECORD: {
+        emu_event *e = op->u.ev.e;
+        pthread_mutex_lock(&e->mu);
+        if (op->u.ev.seq > e->reached) e->reached = op->u.ev.seq;
+        e->refs--;
+        pthread_cond_broadcast(&e->cond);
+        pthread_mutex_unlock(&e->mu);
+        break;
+    }
+    case OP_WAIT: {
+        emu_event *e = op->u.ev.e;
+        pthread_mutex_lock(&e->mu);
+        while (e->reached < op->u.ev.seq) pthread_cond_wait(&e->cond, &e->mu);
+        pthread_mutex_unlock(&e->mu);
+        emu_event_unref(e);
+        break;
+    }
+    case OP_FP4:
+        rc = emu_fp4(&op->u.mm.w, op->u.mm.x, op->u.mm.n_tok, op->u.mm.y, op->u.mm.q8,
+                     op->u.mm.w.n_in);
+        break;
+    case OP_FP8:
+        rc = mf_kern_fp8_matmul(op->u.mm.w.w, op->u.mm.w.scale, op->u.mm.w.n_out, op->u.mm.w.n_in,
+                                op->u.mm.x, op->u.mm.n_tok, op->u.mm.w.n_in, op->u.mm.y,
+                                op->u.mm.w.n_out, 0, op->u.mm.w.n_out);
+        break;
+    case OP_FFN:
+        rc = emu_ffn(&op->u.ffn);
+        break;
+    }
+    if (rc < 0) emu_stream_fail(s, rc);
+}
+
+static void *emu_stream_main(void *arg)
+{
+    emu_stream *s = arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (s->head == s->tail && !s->exit) pthread_cond_wait(&s->cond, &s->mu);
+        if (s->head == s->tail) break;   /* exit once drained */
+        emu_op op = s->ring[s->head % EMU_RING_CAP];
+        pthread_mutex_unlock(&s->mu);
+        emu_run_op(s, &op);
+        pthread_mutex_lock(&s->mu);
+        s->head++;   /* retire after running, so sync sees it finished */
+        pthread_cond_broadcast(&s->cond);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+/* Puts op on s's ring (waiting while the ring is full), or records it while s captures. */
+static int emu_enqueue(mf_dev_stream *ps, const emu_op *op)
+{
+    emu_stream *s = (emu_stream *)ps;
+    pthread_mutex_lock(&s->mu);
+    if (s->capturing) {
+        if (s->n_cap == s->max_cap) {
+            int m = s->max_cap ? 2 * s->max_cap : 64;
+            emu_op *c = realloc(s->cap, sizeof *c * (size_t)m);
+            if (!c) {
+                pthread_mutex_unlock(&s->mu);
+                return mf_error(-ENOMEM, "emu card %d %s stream: out of memory recording a graph",
+                                ps->card, emu_stream_name[ps->kind]);
+            }
+            s->cap = c;
+            s->max_cap = m;
+        }
+        s->cap[s->n_cap++] = *op;
+        pthread_mutex_unlock(&s->mu);
+        return 0;
+    }
+    while (s->tail - s->head >= EMU_RING_CAP && !s->exit) pthread_cond_wait(&s->cond, &s->mu);
+    if (s->exit) {
+        pthread_mutex_unlock(&s->mu);
+        return mf_error(-ESHUTDOWN, "emu card %d %s stream: device is closing", ps->card,
+                        emu_stream_name[ps->kind]);
+    }
+    s->ring[s->tail++ % EMU_RING_CAP] = *op;
+    pthread_cond_broadcast(&s->cond);
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
+/* ---- the ops ----------------------------------------------------------------------------------- */
+
+static int emu_alloc(mf_dev *pd, int card, size_t n_bytes, void **out)
+{
+    emu_dev *d = (emu_dev *)pd;
+    emu_card *c = &d->cards[card];
+    size_t total = EMU_HDR_BYTES + ((n_bytes + 63) & ~(size_t)63);
+    if (total < n_bytes) return mf_error(-ENOMEM, "emu card %d: cannot allocate %zu bytes", card, n_bytes);
+    pthread_mutex_lock(&c->mu);
+    if (n_bytes > c->cap_bytes - c->used_bytes) {
+        uint64_t used = c->used_bytes, cap = c->cap_bytes;
+        pthread_mutex_unlock(&c->mu);
+        return mf_error(-ENOMEM, "emu card %d: out of device memory: asked %zu bytes, %" PRIu64
+                        " of %" PRIu64 " in use", card, n_bytes, used, cap);
+    }
+    c->used_bytes += n_bytes;
+    pthread_mutex_unlock(&c->mu);
+    emu_hdr *h = aligned_alloc(64, total);
+    if (!h) {
+        pthread_mutex_lock(&c->mu);
+        c->used_bytes -= n_bytes;
+        pthread_mutex_unlock(&c->mu);
+        return mf_error(-ENOMEM, "emu card %d: host malloc of %zu bytes failed", card, total);
+    }
+    h->magic = EMU_ALLOC_MAGIC;
+    h->card = card;
+    h->n_bytes = n_bytes;
+    h->prev = NULL;
+    pthread_mutex_lock(&c->mu);
+    h->next = c->allocs;
+    if (c->allocs) c->allocs->prev = h;
+    c->allocs = h;
+    pthread_mutex_unlock(&c->mu);
+    *out = (char *)h + EMU_HDR_BYTES;
+    return 0;
+}
+
+static void emu_free(mf_dev *pd, int card, void *p)
+{
+    emu_dev *d = (emu_dev *)pd;
+    emu_hdr *h = (emu_hdr *)((char *)p - EMU_HDR_BYTES);
+    if (h->magic != EMU_ALLOC_MAGIC || h->card != card) {
+        mf_error(-EINVAL, "mf_dev_free: %p is not an allocation of emu card %d (left alone)", p, card);
+        return;
+    }
+    emu_card *c = &d->cards[card];
+    pthread_mutex_lock(&c->mu);
+    if (h->prev) h->prev->next = h->next;
+    else c->allocs = h->next;
+    if (h->next) h->next->prev = h->prev;
+    c->used_bytes -= h->n_bytes;
+    pthread_mutex_unlock(&c->mu);
+    h->magic = 0;
+    free(h);
+}
+
+/* Staging memory: page-aligned, behind a page holding its header (the list close frees). */
+static int emu_host_alloc(mf_dev *pd, int card, size_t n_bytes, void **out)
+{
+    emu_dev *d = (emu_dev *)pd;
+    size_t n = 4096 + ((n_bytes + 4095) & ~(size_t)4095);
+    emu_hdr *h = n < n_bytes ? NULL : aligned_alloc(4096, n);
+    if (!h) return mf_error(-ENOMEM, "emu card %d: cannot allocate %zu bytes of staging memory",
+                            card, n_bytes);
+    h->magic = EMU_ALLOC_MAGIC;
+    h->card = -1;
+    h->n_bytes = n_bytes;
+    h->prev = NULL;
+    pthread_mutex_lock(&d->host_mu);
+    h->next = d->host_allocs;
+    if (d->host_allocs) d->host_allocs->prev = h;
+    d->host_allocs = h;
+    pthread_mutex_unlock(&d->host_mu);
+    *out = (char *)h + 4096;
+    return 0;
+}
+
+static void emu_host_free(mf_dev *pd, void *p)
+{
+    emu_dev *d = (emu_dev *)pd;
+    emu_hdr *h = (emu_hdr *)((char *)p - 4096);
+    if (((uintptr_t)p & 4095) || h->magic != EMU_ALLOC_MAGIC || h->card != -1) {
+        mf_error(-EINVAL, "mf_dev_host_free: %p is not staging memory of this device (left alone)", p);
+        return;
+    }
+    pthread_mutex_lock(&d->host_mu);
+    if (h->prev) h->prev->next = h->next;
+    else d->host_allocs = h->next;
+    if (h->next) h->next->prev = h->prev;
+    pthread_mutex_unlock(&d->host_mu);
+    h->magic = 0;
+    free(h);
+}
+
+static int emu_copy(mf_dev_stream *s, mf_dev_copy_kind k, int dst_card, void *dst, int src_card,
+                    const void *src, size_t n_bytes)
+{
+    emu_op op = {.kind = OP_COPY, .u.copy = {dst, src, n_bytes}};
+    return emu_enqueue(s, &op);
+}
+
+static int emu_event_create(mf_dev *pd, int card, mf_dev_event **out)
+{
+    emu_event *e = calloc(1, sizeof *e);
+    if (!e) return mf_error(-ENOMEM, "emu card %d: out of memory for an event", card);
+    e->pub.dev = pd;
+    e->pub.card = card;
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_cond_init(&e->cond, NULL);
+    *out = &e->pub;
+    return 0;
+}
+
+/* Waits until no enqueued operation names e any more, then frees it. */
+static void emu_event_destroy(mf_dev_event *pe)
+{
+    emu_event *e = (emu_event *)pe;
+    pthread_mutex_lock(&e->mu);
+    while (e->refs > 0) pthread_cond_wait(&e->cond, &e->mu);
+    pthread_mutex_unlock(&e->mu);
+    pthread_mutex_destroy(&e->mu);
+    pthread_cond_destroy(&e->cond);
+    free(e);
+}
+
+static int emu_event_op(mf_dev_stream *s, mf_dev_event *pe, emu_op_kind kind)
+{
+    emu_event *e = (emu_event *)pe;
+    pthread_mutex_lock(&e->mu);
+    uint64_t seq = kind == OP_RECORD ? ++e->recorded : e->recorded;
+    e->refs++;
+    pthread_mutex_unlock(&e->mu);
+    emu_op op = {.kind = kind, .u.ev = {e, seq}};
+    int rc = emu_enqueue(s, &op);
+    if (rc) emu_event_unref(e);   /* a lost record is never reached: closing anyway */
+    return rc;
+}
+
+static int emu_event_record(mf_dev_event *e, mf_dev_stream *s) { return emu_event_op(s, e, OP_RECORD); }
+static int emu_stream_wait(mf_dev_stream *s, mf_dev_event *e) { return emu_event_op(s, e, OP_WAIT); }
+
+static int emu_callback(mf_dev_stream *s, void (*fn)(void *), void *arg)
+{
+    emu_op op = {.kind = OP_CALLBACK, .u.cb = {fn, arg}};
+    return emu_enqueue(s, &op);
+}
+
+static int emu_stream_sync(mf_dev_stream *ps)
+{
+    emu_stream *s = (emu_stream *)ps;
+    pthread_mutex_lock(&s->mu);
+    unsigned until = s->tail;
+    while ((int)(s->head - until) < 0) pthread_cond_wait(&s->cond, &s->mu);
+    int rc = s->err;
+    if (rc) mf_error(rc, "%s", s->errmsg);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+static int emu_fp4_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok,
+                          float *y, void *q8)
+{
+    emu_op op = {.kind = OP_FP4, .u.mm = {*w, x, n_tok, y, q8}};
+    return emu_enqueue(s, &op);
+}
+
+static int emu_fp8_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y)
+{
+    emu_op op = {.kind = OP_FP8, .u.mm = {*w, x, n_tok, y, NULL}};
+    return emu_enqueue(s, &op);
+}
+
+static int emu_expert_ffn(mf_dev_stream *s, const mf_dev_ffn *a)
+{
+    emu_op op = {.kind = OP_FFN, .u.ffn = *a};
+    return emu_enqueue(s, &op);
+}
+
+static int emu_capture_begin(mf_dev_stream *ps)
+{
+    emu_stream *s = (emu_stream *)ps;
+    pthread_mutex_lock(&s->mu);
+    s->capturing = 1;
+    s->n_cap = 0;
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
+static int emu_capture_end(mf_dev_stream *ps, mf_dev_graph **out)
+{
+    emu_stream *s = (emu_stream *)ps;
+    emu_graph *g = calloc(1, sizeof *g);
+    pthread_mutex_lock(&s->mu);
+    s->capturing = 0;
+    if (g) {
+        g->pub = (mf_dev_graph){.dev = ps->dev, .card = ps->card};
+        g->ops = s->cap;   /* the recording becomes the graph's */
+        g->n_ops = s->n_cap;
+        s->cap = NULL;
+        s->n_cap = s->max_cap = 0;
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (!g) return mf_error(-ENOMEM, "emu card %d: out of memory for a graph", ps->card);
+    *out = &g->pub;
+    return 0;
+}
+
+static int emu_graph_launch(mf_dev_graph *pg, mf_dev_stream *s)
+{
+    emu_graph *g = (emu_graph *)pg;
+    for (int i = 0; i < g->n_ops; i++) {
+        int rc = emu_enqueue(s, &g->ops[i]);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+static void emu_graph_destroy(mf_dev_graph *pg)
+{
+    emu_graph *g = (emu_graph *)pg;
+    free(g->ops);
+    free(g);
+}
+
+static void emu_close(mf_dev *pd)
+{
+    emu_dev *d = (emu_dev *)pd;
+    for (int c = 0; c < pd->n_cards; c++)
+        for (int k = 0; k < MF_DEV_N_STREAMS; k++) {
+            emu_stream *s = d->streams[c][k];
+            if (!s) continue;
+            if (s->started) {
+                pthread_mutex_lock(&s->mu);
+                s->exit = 1;   /* the worker drains what is queued, then leaves */
+                pthread_cond_broadcast(&s->cond);
+                pthread_mutex_unlock(&s->mu);
+                pthread_join(s->thread, NULL);
+            }
+            pthread_mutex_destroy(&s->mu);
+            pthread_cond_destroy(&s->cond);
+            free(s->cap);
+            free(s);
+        }
+    for (int c = 0; c < pd->n_cards; c++) {
+        for (emu_hdr *h = d->cards[c].allocs, *nx; h; h = nx) {
+            nx = h->next;
+            free(h);
+        }
+        pthread_mutex_destroy(&d->cards[c].mu);
+    }
+    for (emu_hdr *h = d->host_allocs, *nx; h; h = nx) {
+        nx = h->next;
+        free(h);
+    }
+    pthread_mutex_destroy(&d->host_mu);
+    free(d);
+}
+
+static const mf_dev_ops emu_ops = {
+    .kind = "emu",
+    .close = emu_close,
+    .alloc = emu_alloc,
+    .free = emu_free,
+    .host_alloc = emu_host_alloc,
+    .host_free = emu_host_free,
+    .copy = emu_copy,
+    .event_create = emu_event_create,
+    .event_destroy = emu_event_destroy,
+    .event_record = emu_event_record,
+    .stream_wait = emu_stream_wait,
+    .callback = emu_callback,
+    .stream_sync = emu_stream_sync,
+    .fp4_matmul = emu_fp4_matmul,
+    .fp8_matmul = emu_fp8_matmul,
+    .expert_ffn = emu_expert_ffn,
+    .capture_begin = emu_capture_begin,
+    .capture_end = emu_capture_end,
+    .graph_launch = emu_graph_launch,
+    .graph_destroy = emu_graph_destroy,
+};
+
+/* ---- opening --------------------------------------------------------------------------------- */
+
+/* "16G", "64M", "4096": a byte count with an optional K/M/G suffix (powers of 1024). */
+static int emu_parse_bytes(const char *v, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long long n = strtoull(v, &end, 10);
+    if (end == v || errno) return -1;
+    uint64_t mul = 1;
+    if (*end == 'K' || *end == 'k') mul = 1ULL << 10, end++;
+    else if (*end == 'M' || *end == 'm') mul = 1ULL << 20, end++;
+    else if (*end == 'G' || *end == 'g') mul = 1ULL << 30, end++;
+    if (*end) return -1;
+    *out = (uint64_t)n * mul;
+    return 0;
+}
+
+int mf_dev_open_emu(const char *opts, mf_dev **out)
+{
+    char buf[256];
+    if (strlen(opts) >= sizeof buf) return mf_error(-EINVAL, "device spec 'emu:%.32s...' is too long", opts);
+    snprintf(buf, sizeof buf, "%s", opts);
+    char *save = NULL, *tok = strtok_r(buf, ",", &save);
+    char *end;
+    long n = tok ? strtol(tok, &end, 10) : 0;
+    if (!tok || *end || n < 1 || n > MF_DEV_MAX_CARDS)
+        return mf_error(-EINVAL, "device spec 'emu:%s': expected a card count 1..%d after 'emu:'",
+                        opts, MF_DEV_MAX_CARDS);
+    uint64_t mem = 16ULL << 30;
+    double bw = 25e9, lat = 10000;
+    while ((tok = strtok_r(NULL, ",", &save))) {
+        char *eq = strchr(tok, '=');
+        int bad = !eq;
+        if (eq) {
+            *eq = 0;
+            const char *v = eq + 1;
+            if (!strcmp(tok, "mem")) bad = emu_parse_bytes(v, &mem) || mem == 0;
+            else if (!strcmp(tok, "bw")) bad = (bw = strtod(v, &end)) < 0 || *end || end == v;
+            else if (!strcmp(tok, "lat_ns")) bad = (lat = strtod(v, &end)) < 0 || *end || end == v;
+            else bad = 1;
+            if (!bad) continue;
+            *eq = '=';
+        }
+        return mf_error(-EINVAL, "device spec 'emu:%s': bad option '%s' (expected mem=BYTES[K|M|G], "
+                        "bw=BYTES_PER_S, lat_ns=NS)", opts, tok);
+    }
+    emu_dev *d = calloc(1, sizeof *d);
+    if (!d) return mf_error(-ENOMEM, "emu device: out of memory");
+    d->pub.ops = &emu_ops;
+    d->pub.n_cards = (int)n;
+    d->bw_bytes_per_s = bw;
+    d->lat_ns = (int64_t)lat;
+    pthread_mutex_init(&d->host_mu, NULL);
+    for (int c = 0; c < n; c++) {
+        pthread_mutex_init(&d->cards[c].mu, NULL);
+        d->cards[c].cap_bytes = mem;
+    }
+    int rc = 0;
+    for (int c = 0; c < n && !rc; c++)
+        for (int k = 0; k < MF_DEV_N_STREAMS && !rc; k++) {
+            emu_stream *s = calloc(1, sizeof *s);
+            if (!s) {
+                rc = mf_error(-ENOMEM, "emu device: out of memory for streams");
+                break;
+            }
+            s->pub = (mf_dev_stream){.dev = &d->pub, .card = c, .kind = (mf_dev_stream_kind)k};
+            s->d = d;
+            pthread_mutex_init(&s->mu, NULL);
+            pthread_cond_init(&s->cond, NULL);
+            d->streams[c][k] = s;
+            d->pub.streams[c][k] = &s->pub;
+            if (pthread_create(&s->thread, NULL, emu_stream_main, s))
+                rc = mf_error(-EAGAIN, "emu card %d: cannot start a stream thread", c);
+            else
+                s->started = 1;
+        }
+    if (rc) {
+        emu_close(&d->pub);
+        return rc;
+    }
+    *out = &d->pub;
+    return 0;
+}
+
+int64_t mf_dev_emu_used_bytes(const mf_dev *pd, int card)
+{
+    if (!pd || pd->ops != &emu_ops || card < 0 || card >= pd->n_cards) return -1;
+    emu_card *c = &((emu_dev *)pd)->cards[card];
+    pthread_mutex_lock(&c->mu);
+    int64_t used = (int64_t)c->used_bytes;
+    pthread_mutex_unlock(&c->mu);
+    return used;
+}

@@ -1,0 +1,390 @@
+/* Checks every device backend must pass, shared by test_dev (emulated cards) and test_dev_cuda
+ * (real cards, skipped without one): memory, copies both ways and between cards, stream order,
+ * events across streams and cards, callbacks, and the scheduler adapter on copy tasks. */
+#ifndef MF_TEST_DEV_COMMON_H
+#define MF_TEST_DEV_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "device/dev.h"
+#include "sched/error.h"
+#include "sched/sched.h"
+#include "tests/check.h"
+
+static uint64_t dv_rng = 0x9e3779b97f4a7c15ULL;
+static uint32_t dv_rnd(void)
+{
+    dv_rng = dv_rng * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (uint32_t)(dv_rng >> 33);
+}
+
+static void dv_fill(uint8_t *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++) p[i] = (uint8_t)(dv_rnd() >> 11);
+}
+
+static void dv_sleep_cb(void *arg)
+{
+    struct timespec ts = {0, (long)(intptr_t)arg};
+    nanosleep(&ts, NULL);
+}
+
+/* Host -> card c -> card c+1 (d2d, a peer copy when there are two) -> host: bytes survive. */
+static void dev_check_copies(mf_dev *d, size_t n)
+{
+    int nc = mf_dev_n_cards(d);
+    uint8_t *src, *dst;
+    CHECK(mf_dev_host_alloc(d, 0, n, (void **)&src) == 0, "host_alloc: %s", mf_last_error());
+    CHECK(mf_dev_host_alloc(d, 0, n, (void **)&dst) == 0, "host_alloc: %s", mf_last_error());
+    if (!src || !dst) return;
+    for (int c = 0; c < nc; c++) {
+        int c2 = (c + 1) % nc;
+        void *a = NULL, *b = NULL;
+        CHECK(mf_dev_alloc(d, c, n, &a) == 0, "alloc card %d: %s", c, mf_last_error());
+        CHECK(mf_dev_alloc(d, c2, n, &b) == 0, "alloc card %d: %s", c2, mf_last_error());
+        if (!a || !b) return;
+        dv_fill(src, n);
+        memset(dst, 0, n);
+        mf_dev_stream *s = mf_dev_stream_of(d, c, MF_DEV_STREAM_COPY_IN);
+        CHECK(mf_dev_copy_h2d(s, a, src, n) == 0, "h2d: %s", mf_last_error());
+        CHECK(mf_dev_copy_d2d(s, c2, b, c, a, n) == 0, "d2d: %s", mf_last_error());
+        CHECK(mf_dev_copy_d2h(s, dst, b, n) == 0, "d2h: %s", mf_last_error());
+        CHECK(mf_dev_stream_sync(s) == 0, "sync: %s", mf_last_error());
+        CHECK(memcmp(src, dst, n) == 0, "card %d -> %d: bytes differ after the round trip", c, c2);
+        mf_dev_free(d, c, a);
+        mf_dev_free(d, c2, b);
+    }
+    mf_dev_host_free(d, src);
+    mf_dev_host_free(d, dst);
+}
+
+typedef struct dv_order {
+    int seen[512];
+    int n;
+} dv_order;
+typedef struct dv_order_arg {
+    dv_order *o;
+    int i;
+} dv_order_arg;
+
+static void dv_order_cb(void *arg)
+{
+    dv_order_arg *a = arg;
+    a->o->seen[a->o->n++] = a->i;
+}
+
+/* Callbacks run, once each, in the order enqueued on every stream of every card. */
+static void dev_check_order(mf_dev *d)
+{
+    static dv_order o;
+    static dv_order_arg args[512];
+    for (int c = 0; c < mf_dev_n_cards(d); c++)
+        for (int k = 0; k < MF_DEV_N_STREAMS; k++) {
+            mf_dev_stream *s = mf_dev_stream_of(d, c, (mf_dev_stream_kind)k);
+            CHECK(s && mf_dev_stream_card(s) == c, "stream of card %d kind %d", c, k);
+            memset(&o, 0, sizeof o);
+            for (int i = 0; i < 512; i++) {
+                args[i] = (dv_order_arg){&o, i};
+                CHECK(mf_dev_stream_callback(s, dv_order_cb, &args[i]) == 0, "callback: %s",
+                      mf_last_error());
+            }
+            CHECK(mf_dev_stream_sync(s) == 0, "sync: %s", mf_last_error());
+            int ok = o.n == 512;
+            for (int i = 0; ok && i < 512; i++) ok = o.seen[i] == i;
+            CHECK(ok, "card %d stream %d: %d callbacks ran, out of order or missing", c, k, o.n);
+        }
+}
+
+/* A copy-out stream waits on an event recorded on a compute stream (of the same card, and of the
+ * previous card): the compute stream is held 30 ms by a callback before its d2d copy fills the
+ * buffer the copy-out reads, so without the wait the copy-out would read zeros. */
+static void dev_check_events(mf_dev *d, size_t n)
+{
+    int nc = mf_dev_n_cards(d);
+    uint8_t *pat, *zero, *out;
+    CHECK(mf_dev_host_alloc(d, 0, n, (void **)&pat) == 0, "%s", mf_last_error());
+    CHECK(mf_dev_host_alloc(d, 0, n, (void **)&zero) == 0, "%s", mf_last_error());
+    CHECK(mf_dev_host_alloc(d, 0, n, (void **)&out) == 0, "%s", mf_last_error());
+    if (!pat || !zero || !out) return;
+    memset(zero, 0, n);
+    for (int c = 0; c < nc; c++) {
+        int w = (c + 1) % nc;   /* the card whose copy-out waits */
+        void *a = NULL, *b = NULL;
+        mf_dev_event *e = NULL;
+        CHECK(mf_dev_alloc(d, c, n, &a) == 0 && mf_dev_alloc(d, w, n, &b) == 0, "alloc: %s",
+              mf_last_error());
+        CHECK(mf_dev_event_create(d, c, &e) == 0, "event: %s", mf_last_error());
+        if (!a || !b || !e) return;
+        dv_fill(pat, n);
+        mf_dev_stream *cin = mf_dev_stream_of(d, c, MF_DEV_STREAM_COPY_IN);
+        mf_dev_stream *comp = mf_dev_stream_of(d, c, MF_DEV_STREAM_COMPUTE);
+        mf_dev_stream *cout = mf_dev_stream_of(d, w, MF_DEV_STREAM_COPY_OUT);
+        CHECK(mf_dev_copy_h2d(cin, a, pat, n) == 0 && mf_dev_copy_h2d(cin, b, zero, n) == 0 &&
+              mf_dev_stream_sync(cin) == 0, "setup: %s", mf_last_error());
+        CHECK(mf_dev_stream_callback(comp, dv_sleep_cb, (void *)(intptr_t)30000000) == 0, "%s",
+              mf_last_error());
+        CHECK(mf_dev_copy_d2d(comp, w, b, c, a, n) == 0, "%s", mf_last_error());
+        CHECK(mf_dev_event_record(e, comp) == 0, "record: %s", mf_last_error());
+        if (nc > 1)
+            CHECK(mf_dev_event_record(e, cout) == -EINVAL, "recording card %d's event on card %d "
+                  "must be refused", c, w);
+        CHECK(mf_dev_stream_wait(cout, e) == 0, "wait: %s", mf_last_error());
+        CHECK(mf_dev_copy_d2h(cout, out, b, n) == 0, "d2h: %s", mf_last_error());
+        CHECK(mf_dev_stream_sync(cout) == 0, "sync: %s", mf_last_error());
+        CHECK(memcmp(out, pat, n) == 0, "card %d copy-out did not wait for card %d's compute", w, c);
+        CHECK(mf_dev_sync(d) == 0, "%s", mf_last_error());
+        mf_dev_event_destroy(e);
+        mf_dev_free(d, c, a);
+        mf_dev_free(d, w, b);
+    }
+    mf_dev_host_free(d, pat);
+    mf_dev_host_free(d, zero);
+    mf_dev_host_free(d, out);
+}
+
+static void dv_count_cb(void *arg) { ++*(int *)arg; }
+
+/* A graph captured on a copy-in stream (h2d, d2d, d2h, a callback) runs nothing until launched,
+ * then replays with whatever the source holds at each launch; events and sync are refused while
+ * capturing, and a graph launches only on its own card. */
+static void dev_check_capture(mf_dev *d, size_t n)
+{
+    for (int c = 0; c < mf_dev_n_cards(d); c++) {
+        mf_dev_stream *s = mf_dev_stream_of(d, c, MF_DEV_STREAM_COPY_IN);
+        uint8_t *src = NULL, *dst = NULL;
+        void *a = NULL, *b = NULL;
+        mf_dev_event *e = NULL;
+        CHECK(mf_dev_host_alloc(d, c, n, (void **)&src) == 0 &&
+              mf_dev_host_alloc(d, c, n, (void **)&dst) == 0 && mf_dev_alloc(d, c, n, &a) == 0 &&
+              mf_dev_alloc(d, c, n, &b) == 0 && mf_dev_event_create(d, c, &e) == 0, "%s",
+              mf_last_error());
+        if (!src || !dst || !a || !b || !e) return;
+        int count = 0;
+        memset(dst, 0, n);
+        dv_fill(src, n);
+        mf_dev_graph *g = NULL;
+        CHECK(mf_dev_capture_begin(s) == 0, "capture_begin: %s", mf_last_error());
+        CHECK(mf_dev_capture_begin(s) == -EBUSY, "capturing twice");
+        CHECK(mf_dev_copy_h2d(s, a, src, n) == 0 && mf_dev_copy_d2d(s, c, b, c, a, n) == 0 &&
+              mf_dev_copy_d2h(s, dst, b, n) == 0 && mf_dev_stream_callback(s, dv_count_cb, &count) == 0,
+              "capturing: %s", mf_last_error());
+        CHECK(mf_dev_event_record(e, s) == -EBUSY, "event recorded while capturing");
+        CHECK(mf_dev_stream_sync(s) == -EBUSY, "sync while capturing");
+        CHECK(mf_dev_capture_end(s, &g) == 0 && g, "capture_end: %s", mf_last_error());
+        CHECK(mf_dev_stream_sync(s) == 0, "%s", mf_last_error());
+        CHECK(count == 0 && dst[0] == 0 && !memcmp(dst, dst + 1, n - 1), "captured work ran");
+        for (int i = 1; i <= 3; i++) {
+            dv_fill(src, n);
+            CHECK(mf_dev_graph_launch(g, s) == 0, "launch: %s", mf_last_error());
+            CHECK(mf_dev_stream_sync(s) == 0, "%s", mf_last_error());
+            CHECK(count == i && !memcmp(src, dst, n), "card %d launch %d: count %d, bytes %s", c, i,
+                  count, memcmp(src, dst, n) ? "differ" : "equal");
+        }
+        if (mf_dev_n_cards(d) > 1)
+            CHECK(mf_dev_graph_launch(g, mf_dev_stream_of(d, (c + 1) % mf_dev_n_cards(d),
+                                                          MF_DEV_STREAM_COPY_IN)) == -EINVAL,
+                  "a graph of card %d launched on another card", c);
+        mf_dev_graph_destroy(g);
+        mf_dev_event_destroy(e);
+        mf_dev_free(d, c, a);
+        mf_dev_free(d, c, b);
+        mf_dev_host_free(d, src);
+        mf_dev_host_free(d, dst);
+    }
+}
+
+/* ---- kernel test data ---------------------------------------------------------------------- */
+
+static float gauss(void)
+{
+    double u = (dv_rnd() + 1.0) / 4294967297.0, v = dv_rnd() / 4294967296.0;
+    return (float)(sqrt(-2 * log(u)) * cos(2 * M_PI * v));
+}
+
+/* A random stored matrix in host memory: FP4 (codes random, scales 2^-3..2^3) or FP8 (no NaN codes). */
+typedef struct hmat {
+    mf_kern_mat m;
+    uint8_t *w, *scale;
+    size_t w_bytes, s_bytes;
+} hmat;
+
+static hmat hmat_rand(mf_kern_fmt fmt, int n_out, int n_in)
+{
+    hmat h = {.m = {.fmt = fmt, .n_out = n_out, .n_in = n_in}};
+    h.w_bytes = fmt == MF_KERN_FP4 ? (size_t)n_out * n_in / 2 : (size_t)n_out * n_in;
+    h.s_bytes = fmt == MF_KERN_FP4 ? (size_t)n_out * (n_in / 32) : (size_t)((n_out + 31) / 32) * (n_in / 32);
+    h.w = malloc(h.w_bytes);
+    h.scale = malloc(h.s_bytes);
+    dv_fill(h.w, h.w_bytes);
+    if (fmt == MF_KERN_FP8)
+        for (size_t i = 0; i < h.w_bytes; i++)
+            if ((h.w[i] & 0x7f) == 0x7f) h.w[i] ^= 1;
+    for (size_t i = 0; i < h.s_bytes; i++) h.scale[i] = (uint8_t)(124 + dv_rnd() % 7);
+    h.m.w = h.w;
+    h.m.scale = h.scale;
+    return h;
+}
+
+static void hmat_free(hmat *h)
+{
+    free(h->w);
+    free(h->scale);
+}
+
+/* A copy of h's bytes on card c: the same matrix with device pointers. */
+static mf_kern_mat dmat_upload(mf_dev *d, int c, const hmat *h, void **w, void **s)
+{
+    mf_dev_stream *st = mf_dev_stream_of(d, c, MF_DEV_STREAM_COPY_IN);
+    CHECK(mf_dev_alloc(d, c, h->w_bytes, w) == 0 && mf_dev_alloc(d, c, h->s_bytes, s) == 0 &&
+          mf_dev_copy_h2d(st, *w, h->w, h->w_bytes) == 0 &&
+          mf_dev_copy_h2d(st, *s, h->scale, h->s_bytes) == 0 && mf_dev_stream_sync(st) == 0,
+          "upload: %s", mf_last_error());
+    mf_kern_mat m = h->m;
+    m.w = *w;
+    m.scale = *s;
+    return m;
+}
+
+static void *dupload(mf_dev *d, int c, const void *p, size_t n)
+{
+    void *a = NULL;
+    mf_dev_stream *st = mf_dev_stream_of(d, c, MF_DEV_STREAM_COPY_IN);
+    CHECK(mf_dev_alloc(d, c, n, &a) == 0 && mf_dev_copy_h2d(st, a, p, n) == 0 &&
+          mf_dev_stream_sync(st) == 0, "upload: %s", mf_last_error());
+    return a;
+}
+
+static void ddownload(mf_dev *d, int c, void *dst, const void *src, size_t n)
+{
+    mf_dev_stream *st = mf_dev_stream_of(d, c, MF_DEV_STREAM_COPY_OUT);
+    CHECK(mf_dev_copy_d2h(st, dst, src, n) == 0 && mf_dev_stream_sync(st) == 0, "download: %s",
+          mf_last_error());
+}
+
+/* The host path of the FFN, as graphs/step.c runs it (one worker: every row). */
+static void host_ffn(const hmat *w1, const hmat *w3, const hmat *w2, const float *x, int T,
+                     const float *tw, float lim, int int8, float *h, float *y)
+{
+    int H = w1->m.n_in, I = w1->m.n_out;
+    size_t qb = mf_dev_ffn_q8_bytes(T, H, I);
+    void *buf = malloc(qb);
+    mf_kern_q8 q;
+    int up8 = int8 && w1->m.fmt == MF_KERN_FP4, down8 = int8 && w2->m.fmt == MF_KERN_FP4;
+    if (up8) {
+        mf_kern_q8_init(&q, buf, qb, T, H);
+        mf_kern_q8_quantize(&q, x, H, 0, T);
+    }
+    CHECK(mf_kern_ffn_up(&w1->m, &w3->m, &(mf_kern_in){x, T, H, up8 ? &q : NULL}, tw, lim, h, I,
+                         0, I) == 0, "%s", mf_last_error());
+    if (down8) {
+        mf_kern_q8_init(&q, buf, qb, T, I);
+        mf_kern_q8_quantize(&q, h, I, 0, T);
+    }
+    CHECK(mf_kern_ffn_down(&w2->m, &(mf_kern_in){h, T, I, down8 ? &q : NULL}, y, H, 0, H) == 0,
+          "%s", mf_last_error());
+    free(buf);
+}
+
+/* ---- the scheduler adapter ------------------------------------------------------------------- */
+
+/* Lanes for n cards: copy-in, compute, copy-out of each card, in that order. */
+static int dv_lanes(mf_lane_desc *lanes, int n_cards, char names[][32])
+{
+    static const mf_lane_kind kinds[3] = {MF_LANE_DEV_COPY_IN, MF_LANE_DEV_COMPUTE,
+                                          MF_LANE_DEV_COPY_OUT};
+    static const char *suffix[3] = {"h2d", "compute", "d2h"};
+    for (int c = 0; c < n_cards; c++)
+        for (int k = 0; k < 3; k++) {
+            snprintf(names[c * 3 + k], 32, "dev%d.%s", c, suffix[k]);
+            lanes[c * 3 + k] = (mf_lane_desc){.kind = kinds[k], .name = names[c * 3 + k],
+                                              .concurrency = 2, .device = c,
+                                              .model = {.bytes_per_s = 25e9, .latency_ns = 1e4}};
+        }
+    return n_cards * 3;
+}
+
+typedef struct dv_job {
+    void *in_host, *out_host;   /* pinned */
+    void *a, *b;                /* device, on the job's card */
+    int card;
+    size_t n;
+} dv_job;
+
+static int dv_task_in(void *arg, mf_task_ctx *ctx)
+{
+    dv_job *j = arg;
+    return mf_dev_copy_h2d(ctx->queue, j->a, j->in_host, j->n);
+}
+static int dv_task_mid(void *arg, mf_task_ctx *ctx)
+{
+    dv_job *j = arg;
+    return mf_dev_copy_d2d(ctx->queue, j->card, j->b, j->card, j->a, j->n);
+}
+static int dv_task_out(void *arg, mf_task_ctx *ctx)
+{
+    dv_job *j = arg;
+    return mf_dev_copy_d2h(ctx->queue, j->out_host, j->b, j->n);
+}
+
+/* Through mf_sched_run on every card: per job copy-in -> compute (a d2d copy) -> copy-out tasks,
+ * dependencies only through the scheduler (which learns of completion by stream callbacks). */
+static void dev_check_sched_copies(mf_dev *d, int n_jobs, size_t n)
+{
+    int nc = mf_dev_n_cards(d);
+    mf_lane_desc lanes[3 * MF_DEV_MAX_CARDS];
+    char names[3 * MF_DEV_MAX_CARDS][32];
+    int n_lanes = dv_lanes(lanes, nc, names);
+    mf_sched *s = NULL;
+    int rc = mf_sched_create(&(mf_sched_opts){.lanes = lanes, .n_lanes = n_lanes,
+                                              .dev = mf_dev_lane_ops_of(d)}, &s);
+    CHECK(rc == 0, "sched_create: %s", mf_last_error());
+    mf_graph *g = NULL;
+    CHECK(mf_graph_create(lanes, n_lanes, &g) == 0, "%s", mf_last_error());
+    if (!s || !g) return;
+    dv_job *jobs = calloc((size_t)n_jobs, sizeof *jobs);
+    for (int i = 0; i < n_jobs; i++) {
+        dv_job *j = &jobs[i];
+        j->card = i % nc;
+        j->n = n;
+        CHECK(mf_dev_host_alloc(d, j->card, n, &j->in_host) == 0 &&
+              mf_dev_host_alloc(d, j->card, n, &j->out_host) == 0 &&
+              mf_dev_alloc(d, j->card, n, &j->a) == 0 && mf_dev_alloc(d, j->card, n, &j->b) == 0,
+              "job %d: %s", i, mf_last_error());
+        dv_fill(j->in_host, n);
+        memset(j->out_host, 0, n);
+        char nm[3][32];
+        snprintf(nm[0], 32, "in%d", i);
+        snprintf(nm[1], 32, "mid%d", i);
+        snprintf(nm[2], 32, "out%d", i);
+        mf_task_fn fns[3] = {dv_task_in, dv_task_mid, dv_task_out};
+        mf_task_id prev = -1;
+        for (int k = 0; k < 3; k++) {
+            mf_task_id t = mf_graph_add_task(g, &(mf_task_desc){.name = nm[k], .lane = j->card * 3 + k,
+                .fn = fns[k], .arg = j, .cost = {.bytes = (double)n}, .place_hint = -1});
+            CHECK(t >= 0, "add_task: %s", mf_last_error());
+            if (prev >= 0) CHECK(mf_graph_add_dep(g, prev, t) == 0, "%s", mf_last_error());
+            prev = t;
+        }
+    }
+    CHECK(mf_graph_finalize(g) == 0, "finalize: %s", mf_last_error());
+    rc = mf_sched_run(s, g, &(mf_run_opts){0});
+    CHECK(rc == 0, "sched_run: %d %s", rc, mf_last_error());
+    for (int i = 0; i < n_jobs; i++)
+        CHECK(memcmp(jobs[i].in_host, jobs[i].out_host, n) == 0, "job %d (card %d): bytes differ",
+              i, jobs[i].card);
+    mf_sched_destroy(s);
+    mf_graph_destroy(g);
+    for (int i = 0; i < n_jobs; i++) {
+        mf_dev_host_free(d, jobs[i].in_host);
+        mf_dev_host_free(d, jobs[i].out_host);
+        mf_dev_free(d, jobs[i].card, jobs[i].a);
+        mf_dev_free(d, jobs[i].card, jobs[i].b);
+    }
+    free(jobs);
+}
+
+#endif

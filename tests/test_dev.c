@@ -1,0 +1,434 @@
+/* The device interface on emulated cards (1..4): specs, memory capacity, copies, stream order,
+ * events, callbacks, modelled copy time, the expert kernels bit for bit against host/kernels.h on
+ * fresh random data, and the scheduler adapter running copy-in -> kernel -> copy-out graphs on two
+ * cards with results equal to the host path. Runs everywhere; test_dev_cuda covers real cards. */
+#include <ctype.h>
+#include <dirent.h>
+#include <stdio.h>
+
+#include "device/numa.h"
+#include "sched/clock.h"
+#include "tests/dev_common.h"
+
+static void check_specs(void)
+{
+    mf_dev *d = NULL;
+    const char *bad[] = {"emu", "emu:", "emu:0", "emu:17", "emu:2x", "emu:2,mem=", "emu:2,mem=5Q",
+                         "emu:2,bw=-1", "emu:2,foo=1", "gpu", "cuda:", "cuda:a", ""};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        int rc = mf_dev_open(bad[i], &d);
+        CHECK(rc < 0 && d == NULL && *mf_last_error(), "spec '%s' accepted (rc %d)", bad[i], rc);
+    }
+    CHECK(mf_dev_open(NULL, &d) == -EINVAL, "NULL spec");
+    int rc = mf_dev_open("cuda", &d);
+    if (rc == 0) mf_dev_close(d);
+    else CHECK(rc == -ENOSYS || rc == -ENODEV, "cuda without a card: rc %d (%s)", rc, mf_last_error());
+    CHECK(mf_dev_open("emu:3,mem=64M,bw=1e9,lat_ns=0", &d) == 0, "%s", mf_last_error());
+    CHECK(d && mf_dev_n_cards(d) == 3 && !strcmp(mf_dev_kind(d), "emu"), "emu:3");
+    mf_dev_close(d);
+}
+
+/* Each card's capacity is its own; beyond it allocations are refused with a clear message. */
+static void check_memory(void)
+{
+    mf_dev *d = NULL;
+    CHECK(mf_dev_open("emu:2,mem=1M", &d) == 0, "%s", mf_last_error());
+    if (!d) return;
+    void *a = NULL, *b = NULL, *c = NULL;
+    CHECK(mf_dev_alloc(d, 1, 768 << 10, &a) == 0, "%s", mf_last_error());
+    CHECK(mf_dev_emu_used_bytes(d, 1) == 768 << 10, "used %lld", (long long)mf_dev_emu_used_bytes(d, 1));
+    int rc = mf_dev_alloc(d, 1, 512 << 10, &b);
+    CHECK(rc == -ENOMEM && b == NULL, "over capacity: rc %d", rc);
+    CHECK(strstr(mf_last_error(), "card 1") && strstr(mf_last_error(), "out of device memory") &&
+          strstr(mf_last_error(), "524288"), "message: %s", mf_last_error());
+    CHECK(mf_dev_alloc(d, 0, 768 << 10, &c) == 0, "card 0 is independent: %s", mf_last_error());
+    mf_dev_free(d, 1, a);
+    CHECK(mf_dev_emu_used_bytes(d, 1) == 0, "freed");
+    CHECK(mf_dev_alloc(d, 1, 1 << 20, &b) == 0, "whole capacity after free: %s", mf_last_error());
+    CHECK(mf_dev_alloc(d, 2, 16, &a) == -EINVAL, "card 2 of 2");
+    CHECK(mf_dev_alloc(d, 0, 0, &a) == -EINVAL, "size 0");
+    /* b and c are left for close to free (ASan reports a leak otherwise). */
+    mf_dev_close(d);
+}
+
+/* Copies take at least the modelled latency + bytes / bandwidth, in order on one stream. */
+static void check_copy_model(void)
+{
+    mf_dev *d = NULL;
+    CHECK(mf_dev_open("emu:1,bw=1e9,lat_ns=2000000", &d) == 0, "%s", mf_last_error());
+    if (!d) return;
+    size_t n = 1 << 20;
+    void *h = NULL, *a = NULL;
+    CHECK(mf_dev_host_alloc(d, 0, n, &h) == 0 && mf_dev_alloc(d, 0, n, &a) == 0, "%s", mf_last_error());
+    memset(h, 1, n);
+    mf_dev_stream *s = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COPY_IN);
+    int64_t t0 = mf_now_ns();
+    for (int i = 0; i < 3; i++) CHECK(mf_dev_copy_h2d(s, a, h, n) == 0, "%s", mf_last_error());
+    int64_t t_enq = mf_now_ns() - t0;
+    CHECK(mf_dev_stream_sync(s) == 0, "%s", mf_last_error());
+    int64_t took = mf_now_ns() - t0;
+    double model = 3 * (2e6 + n / 1e9 * 1e9);
+    CHECK(took >= (int64_t)model, "3 copies took %lld ns, less than the model's %.0f", (long long)took,
+          model);
+    CHECK(t_enq < took, "enqueueing blocked");
+    printf("copy model: 3 x 1 MiB at 1 GB/s + 2 ms: model %.2f ms, took %.2f ms (enqueue %.3f ms)\n",
+           model / 1e6, took / 1e6, t_enq / 1e6);
+    mf_dev_close(d);
+}
+
+/* ---- kernels --------------------------------------------------------------------------------- */
+
+/* Every kernel entry point on every card of d equals the host kernels bit for bit. */
+static void check_kernels(mf_dev *d)
+{
+    const int n_out = 96, n_in = 256, I = 128;
+    const int toks[] = {1, 2, 5, 9};
+    for (int c = 0; c < mf_dev_n_cards(d); c++)
+        for (size_t ti = 0; ti < sizeof toks / sizeof *toks; ti++) {
+            int T = toks[ti];
+            mf_dev_stream *comp = mf_dev_stream_of(d, c, MF_DEV_STREAM_COMPUTE);
+            float *x = malloc(sizeof(float) * T * n_in), *tw = malloc(sizeof(float) * T);
+            for (int i = 0; i < T * n_in; i++) x[i] = gauss();
+            for (int t = 0; t < T; t++) tw[t] = 0.1f + (dv_rnd() % 1000) / 1000.0f;
+            float *yh = malloc(sizeof(float) * T * n_in), *yd = malloc(sizeof(float) * T * n_in);
+            float *hh = malloc(sizeof(float) * T * I);
+            void *dx = dupload(d, c, x, sizeof(float) * T * n_in), *dtw = dupload(d, c, tw, sizeof(float) * T);
+            void *dy = NULL, *dh = NULL, *dq = NULL;
+            size_t qb = mf_dev_ffn_q8_bytes(T, n_in, I);
+            CHECK(mf_dev_alloc(d, c, sizeof(float) * T * n_in, &dy) == 0 &&
+                  mf_dev_alloc(d, c, sizeof(float) * T * I, &dh) == 0 &&
+                  mf_dev_alloc(d, c, qb, &dq) == 0, "%s", mf_last_error());
+            size_t ny = sizeof(float) * T * n_out;
+
+            /* FP4 matmul, int8 and fp32 paths */
+            hmat w = hmat_rand(MF_KERN_FP4, n_out, n_in);
+            void *ww, *ws;
+            mf_kern_mat dw = dmat_upload(d, c, &w, &ww, &ws);
+            for (int int8 = 0; int8 < 2; int8++) {
+                if (int8) {
+                    void *buf = malloc(mf_kern_q8_bytes(T, n_in));
+                    mf_kern_q8 q;
+                    mf_kern_q8_init(&q, buf, mf_kern_q8_bytes(T, n_in), T, n_in);
+                    mf_kern_q8_quantize(&q, x, n_in, 0, T);
+                    mf_kern_fp4_matmul(w.w, w.scale, n_out, n_in, &q, yh, n_out, 0, n_out);
+                    free(buf);
+                } else {
+                    mf_kern_fp4_matmul_f32(w.w, w.scale, n_out, n_in, x, T, n_in, yh, n_out, 0, n_out);
+                }
+                CHECK(mf_dev_fp4_matmul(comp, &dw, dx, T, dy, int8 ? dq : NULL) == 0, "%s", mf_last_error());
+                CHECK(mf_dev_stream_sync(comp) == 0, "%s", mf_last_error());
+                ddownload(d, c, yd, dy, ny);
+                CHECK(memcmp(yh, yd, ny) == 0, "card %d fp4 matmul (%s) T=%d differs from the host",
+                      c, int8 ? "int8" : "fp32", T);
+            }
+            mf_dev_free(d, c, ww);
+            mf_dev_free(d, c, ws);
+            hmat_free(&w);
+
+            /* FP8 matmul */
+            w = hmat_rand(MF_KERN_FP8, n_out, n_in);
+            dw = dmat_upload(d, c, &w, &ww, &ws);
+            mf_kern_fp8_matmul(w.w, w.scale, n_out, n_in, x, T, n_in, yh, n_out, 0, n_out);
+            CHECK(mf_dev_fp8_matmul(comp, &dw, dx, T, dy) == 0, "%s", mf_last_error());
+            CHECK(mf_dev_stream_sync(comp) == 0, "%s", mf_last_error());
+            ddownload(d, c, yd, dy, ny);
+            CHECK(memcmp(yh, yd, ny) == 0, "card %d fp8 matmul T=%d differs from the host", c, T);
+            mf_dev_free(d, c, ww);
+            mf_dev_free(d, c, ws);
+            hmat_free(&w);
+
+            /* expert FFN: FP4 (routed, int8 and fp32) and FP8 (shared) */
+            for (int variant = 0; variant < 3; variant++) {
+                mf_kern_fmt f = variant == 2 ? MF_KERN_FP8 : MF_KERN_FP4;
+                int int8 = variant == 0;
+                hmat w1 = hmat_rand(f, I, n_in), w3 = hmat_rand(f, I, n_in), w2 = hmat_rand(f, n_in, I);
+                void *p[6];
+                mf_dev_ffn a = {.w1 = dmat_upload(d, c, &w1, &p[0], &p[1]),
+                                .w3 = dmat_upload(d, c, &w3, &p[2], &p[3]),
+                                .w2 = dmat_upload(d, c, &w2, &p[4], &p[5]),
+                                .x = dx, .n_tok = T, .tok_weight = variant == 1 ? NULL : dtw,
+                                .limit = 7.0f, .h = dh, .q8_scratch = int8 ? dq : NULL, .y = dy};
+                host_ffn(&w1, &w3, &w2, x, T, variant == 1 ? NULL : tw, 7.0f, int8, hh, yh);
+                CHECK(mf_dev_expert_ffn(comp, &a) == 0, "%s", mf_last_error());
+                CHECK(mf_dev_stream_sync(comp) == 0, "%s", mf_last_error());
+                ddownload(d, c, yd, dy, sizeof(float) * T * n_in);
+                CHECK(memcmp(yh, yd, sizeof(float) * T * n_in) == 0,
+                      "card %d expert FFN variant %d T=%d differs from the host", c, variant, T);
+                int finite = 1;
+                for (int i = 0; i < T * n_in; i++) finite &= isfinite(yh[i]) && 1;
+                CHECK(finite, "FFN output not finite (test data too wild)");
+                for (int i = 0; i < 6; i++) mf_dev_free(d, c, p[i]);
+                hmat_free(&w1);
+                hmat_free(&w3);
+                hmat_free(&w2);
+            }
+            mf_dev_free(d, c, dx);
+            mf_dev_free(d, c, dtw);
+            mf_dev_free(d, c, dy);
+            mf_dev_free(d, c, dh);
+            mf_dev_free(d, c, dq);
+            free(x);
+            free(tw);
+            free(yh);
+            free(yd);
+            free(hh);
+        }
+    /* shapes are checked when enqueued */
+    mf_dev_stream *comp = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COMPUTE);
+    uint8_t dummy[64];
+    float f[64];
+    mf_kern_mat bad = {.fmt = MF_KERN_FP4, .w = dummy, .scale = dummy, .n_out = 4, .n_in = 48};
+    CHECK(mf_dev_fp4_matmul(comp, &bad, f, 1, f, NULL) == -EINVAL, "n_in 48 accepted");
+    bad.n_in = 32;
+    bad.fmt = MF_KERN_FP8;
+    CHECK(mf_dev_fp4_matmul(comp, &bad, f, 1, f, NULL) == -EINVAL, "FP8 matrix in the fp4 kernel");
+    CHECK(mf_dev_fp8_matmul(comp, &bad, f, 0, f) == -EINVAL, "n_tok 0 accepted");
+    mf_dev_ffn a = {.w1 = bad, .w3 = bad, .w2 = bad, .x = f, .n_tok = 1, .h = f, .y = f};
+    CHECK(mf_dev_expert_ffn(comp, &a) == -EINVAL && strstr(mf_last_error(), "chain"),
+          "unchained FFN shapes: %s", mf_last_error());
+    bad.n_out = 32;   /* 32 x 32 FP8: a chain */
+    a = (mf_dev_ffn){.w1 = bad, .w3 = bad, .w2 = bad, .x = f, .n_tok = 1, .h = f, .y = f};
+    CHECK(mf_dev_expert_ffn(comp, &a) == -EINVAL && strstr(mf_last_error(), "limit"),
+          "limit 0 accepted: %s", mf_last_error());
+    a.limit = 1.0f;
+    a.w3.fmt = MF_KERN_FP4;
+    CHECK(mf_dev_expert_ffn(comp, &a) == -EINVAL && strstr(mf_last_error(), "formats"),
+          "w1 FP8 with w3 FP4 accepted: %s", mf_last_error());
+}
+
+/* A captured h2d -> FP4 matmul (int8) -> d2h graph on each card replays with new inputs, each
+ * result equal to the host kernel's. */
+static void check_capture_kernels(mf_dev *d)
+{
+    enum { T = 3, NO = 64, NI = 128 };
+    hmat w = hmat_rand(MF_KERN_FP4, NO, NI);
+    size_t qb = mf_kern_q8_bytes(T, NI);
+    void *buf = malloc(qb);
+    float yh[T * NO];
+    for (int c = 0; c < mf_dev_n_cards(d); c++) {
+        mf_dev_stream *s = mf_dev_stream_of(d, c, MF_DEV_STREAM_COMPUTE);
+        void *ww, *ws, *dx = NULL, *dy = NULL, *dq = NULL;
+        float *x = NULL, *y = NULL;
+        mf_kern_mat dw = dmat_upload(d, c, &w, &ww, &ws);
+        CHECK(mf_dev_host_alloc(d, c, sizeof(float) * T * NI, (void **)&x) == 0 &&
+              mf_dev_host_alloc(d, c, sizeof(float) * T * NO, (void **)&y) == 0 &&
+              mf_dev_alloc(d, c, sizeof(float) * T * NI, &dx) == 0 &&
+              mf_dev_alloc(d, c, sizeof(float) * T * NO, &dy) == 0 && mf_dev_alloc(d, c, qb, &dq) == 0,
+              "%s", mf_last_error());
+        mf_dev_graph *g = NULL;
+        CHECK(mf_dev_capture_begin(s) == 0 && mf_dev_copy_h2d(s, dx, x, sizeof(float) * T * NI) == 0 &&
+              mf_dev_fp4_matmul(s, &dw, dx, T, dy, dq) == 0 &&
+              mf_dev_copy_d2h(s, y, dy, sizeof(float) * T * NO) == 0 && mf_dev_capture_end(s, &g) == 0,
+              "capture: %s", mf_last_error());
+        for (int r = 0; r < 2 && g; r++) {
+            for (int i = 0; i < T * NI; i++) x[i] = gauss();
+            CHECK(mf_dev_graph_launch(g, s) == 0 && mf_dev_stream_sync(s) == 0, "%s", mf_last_error());
+            mf_kern_q8 q;
+            mf_kern_q8_init(&q, buf, qb, T, NI);
+            mf_kern_q8_quantize(&q, x, NI, 0, T);
+            mf_kern_fp4_matmul(w.w, w.scale, NO, NI, &q, yh, NO, 0, NO);
+            CHECK(memcmp(yh, y, sizeof yh) == 0, "card %d replay %d differs from the host", c, r);
+        }
+        mf_dev_graph_destroy(g);
+    }
+    free(buf);
+    hmat_free(&w);
+}
+
+/* ---- the scheduler adapter with kernels -------------------------------------------------------- */
+
+typedef struct kjob {
+    int card, T;
+    mf_kern_mat w;          /* device */
+    float *x_host, *y_host; /* pinned */
+    void *x, *y, *q8;       /* device */
+} kjob;
+
+static int kt_in(void *arg, mf_task_ctx *ctx)
+{
+    kjob *j = arg;
+    return mf_dev_copy_h2d(ctx->queue, j->x, j->x_host, sizeof(float) * j->T * j->w.n_in);
+}
+static int kt_mm(void *arg, mf_task_ctx *ctx)
+{
+    kjob *j = arg;
+    return mf_dev_fp4_matmul(ctx->queue, &j->w, j->x, j->T, j->y, j->q8);
+}
+static int kt_out(void *arg, mf_task_ctx *ctx)
+{
+    kjob *j = arg;
+    return mf_dev_copy_d2h(ctx->queue, j->y_host, j->y, sizeof(float) * j->T * j->w.n_out);
+}
+
+/* Two cards, 16 jobs of copy-in -> fp4 matmul (int8) -> copy-out through mf_sched_run; each
+ * result equals the host kernel's. Then a lane naming a card the device lacks fails the run. */
+static void check_sched_kernels(void)
+{
+    mf_dev *d = NULL;
+    CHECK(mf_dev_open("emu:2,bw=20e9,lat_ns=200000", &d) == 0, "%s", mf_last_error());
+    if (!d) return;
+    enum { NJ = 16, T = 4, NO = 128, NI = 256 };
+    mf_lane_desc lanes[6];
+    char names[6][32];
+    dv_lanes(lanes, 2, names);
+    hmat w = hmat_rand(MF_KERN_FP4, NO, NI);
+    void *wp[2][2];
+    mf_kern_mat dw[2] = {dmat_upload(d, 0, &w, &wp[0][0], &wp[0][1]),
+                         dmat_upload(d, 1, &w, &wp[1][0], &wp[1][1])};
+    mf_sched *s = NULL;
+    mf_graph *g = NULL;
+    CHECK(mf_sched_create(&(mf_sched_opts){.lanes = lanes, .n_lanes = 6,
+                                           .dev = mf_dev_lane_ops_of(d)}, &s) == 0, "%s", mf_last_error());
+    CHECK(mf_graph_create(lanes, 6, &g) == 0, "%s", mf_last_error());
+    if (!s || !g) return;
+    kjob jobs[NJ];
+    for (int i = 0; i < NJ; i++) {
+        kjob *j = &jobs[i];
+        j->card = i % 2;
+        j->T = T;
+        j->w = dw[j->card];
+        CHECK(mf_dev_host_alloc(d, j->card, sizeof(float) * T * NI, (void **)&j->x_host) == 0 &&
+              mf_dev_host_alloc(d, j->card, sizeof(float) * T * NO, (void **)&j->y_host) == 0 &&
+              mf_dev_alloc(d, j->card, sizeof(float) * T * NI, &j->x) == 0 &&
+              mf_dev_alloc(d, j->card, sizeof(float) * T * NO, &j->y) == 0 &&
+              mf_dev_alloc(d, j->card, mf_kern_q8_bytes(T, NI), &j->q8) == 0, "%s", mf_last_error());
+        for (int k = 0; k < T * NI; k++) j->x_host[k] = gauss();
+        mf_task_fn fns[3] = {kt_in, kt_mm, kt_out};
+        mf_task_id prev = -1;
+        for (int k = 0; k < 3; k++) {
+            char nm[32];
+            snprintf(nm, sizeof nm, "%s%d", k == 0 ? "in" : k == 1 ? "mm" : "out", i);
+            mf_task_id t = mf_graph_add_task(g, &(mf_task_desc){.name = nm, .lane = j->card * 3 + k,
+                .fn = fns[k], .arg = j, .cost = {.bytes = 4096}, .place_hint = -1});
+            if (prev >= 0) mf_graph_add_dep(g, prev, t);
+            prev = t;
+        }
+    }
+    CHECK(mf_graph_finalize(g) == 0, "%s", mf_last_error());
+    mf_timeline *tl = NULL;
+    CHECK(mf_timeline_create(g, &tl) == 0, "%s", mf_last_error());
+    int rc = mf_sched_run(s, g, &(mf_run_opts){.timeline = tl});
+    CHECK(rc == 0, "run: %d %s", rc, mf_last_error());
+    /* the timeline shows copies at least as long as the model (0.2 ms + bytes / 20 GB/s) */
+    const mf_task_span *sp = tl ? mf_timeline_spans(tl) : NULL;
+    for (int t = 0; sp && t < mf_graph_n_tasks(g); t++) {
+        int kind = mf_graph_task(g, t)->lane % 3;
+        if (kind == 1) continue;
+        double bytes = sizeof(float) * T * (kind == 0 ? NI : NO);
+        double model = 200000 + bytes / 20e9 * 1e9;
+        CHECK(sp[t].status == 0 && sp[t].end_ns - sp[t].start_ns >= (int64_t)model,
+              "task %s: span %lld ns, model %.0f", mf_graph_task(g, t)->name,
+              (long long)(sp[t].end_ns - sp[t].start_ns), model);
+    }
+    mf_timeline_destroy(tl);
+    float *yh = malloc(sizeof(float) * T * NO);
+    void *buf = malloc(mf_kern_q8_bytes(T, NI));
+    for (int i = 0; i < NJ; i++) {
+        mf_kern_q8 q;
+        mf_kern_q8_init(&q, buf, mf_kern_q8_bytes(T, NI), T, NI);
+        mf_kern_q8_quantize(&q, jobs[i].x_host, NI, 0, T);
+        mf_kern_fp4_matmul(w.w, w.scale, NO, NI, &q, yh, NO, 0, NO);
+        CHECK(memcmp(yh, jobs[i].y_host, sizeof(float) * T * NO) == 0,
+              "job %d on card %d: scheduled device result differs from the host path", i, jobs[i].card);
+    }
+    free(yh);
+    free(buf);
+    mf_sched_destroy(s);
+    mf_graph_destroy(g);
+    hmat_free(&w);
+
+    /* a lane on card 5 of a 2-card device: the run fails naming the problem */
+    mf_lane_desc bad = lanes[1];
+    bad.device = 5;
+    s = NULL;
+    g = NULL;
+    CHECK(mf_sched_create(&(mf_sched_opts){.lanes = &bad, .n_lanes = 1,
+                                           .dev = mf_dev_lane_ops_of(d)}, &s) == 0, "%s", mf_last_error());
+    CHECK(mf_graph_create(&bad, 1, &g) == 0, "%s", mf_last_error());
+    if (s && g) {
+        mf_graph_add_task(g, &(mf_task_desc){.name = "orphan", .lane = 0, .fn = NULL, .place_hint = -1});
+        mf_graph_finalize(g);
+        rc = mf_sched_run(s, g, &(mf_run_opts){0});
+        CHECK(rc < 0 && strstr(mf_last_error(), "no stream"), "run on a missing card: %d %s", rc,
+              mf_last_error());
+    }
+    mf_sched_destroy(s);
+    mf_graph_destroy(g);
+    mf_dev_close(d);   /* frees the jobs' buffers and the weights */
+}
+
+/* Staging memory bound to a node lands there (every node the kernel reports online is tried);
+ * a node that does not exist is refused; a card's node comes from sysfs. */
+static void check_numa(void)
+{
+    int n_nodes = 0;
+    for (int node = 0; node < 64; node++) {
+        char path[96];
+        snprintf(path, sizeof path, "/sys/devices/system/node/node%d", node);
+        DIR *dir = opendir(path);
+        if (!dir) continue;
+        closedir(dir);
+        n_nodes++;
+        size_t n = (4 << 20) + 100;
+        char *p = NULL;
+        CHECK(mf_dev_numa_alloc(n, node, (void **)&p) == 0, "node %d: %s", node, mf_last_error());
+        if (!p) continue;
+        size_t at[3] = {0, n / 2, n - 1};
+        for (int i = 0; i < 3; i++) {
+            int got = mf_dev_numa_node_of(p + at[i]);
+            CHECK(got == node || got == -ENOSYS, "byte %zu bound to node %d is on node %d (%s)",
+                  at[i], node, got, mf_last_error());
+        }
+        memset(p, 7, n);
+        mf_dev_numa_free(p, n);
+    }
+    CHECK(n_nodes >= 1, "no NUMA node in sysfs");
+    void *p = NULL;
+    CHECK(mf_dev_numa_alloc(1 << 20, -1, &p) == 0 && p, "unbound: %s", mf_last_error());
+    mf_dev_numa_free(p, 1 << 20);
+    int rc = mf_dev_numa_alloc(1 << 20, 1000, &p);
+    CHECK(rc == -EINVAL && !p && strstr(mf_last_error(), "node 1000"), "node 1000: %d %s", rc,
+          mf_last_error());
+    CHECK(mf_dev_pci_numa_node("0000:ZZ:99.9") == -1, "a missing PCI device has no node");
+    DIR *dir = opendir("/sys/bus/pci/devices");
+    struct dirent *e;
+    while (dir && (e = readdir(dir)))
+        if (e->d_name[0] != '.') {
+            char path[512];
+            snprintf(path, sizeof path, "/sys/bus/pci/devices/%s/numa_node", e->d_name);
+            FILE *f = fopen(path, "r");
+            int want = -1;
+            if (f && fscanf(f, "%d", &want) != 1) want = -1;
+            if (f) fclose(f);
+            for (char *c = e->d_name; *c; c++) *c = (char)toupper((unsigned char)*c);
+            int got = mf_dev_pci_numa_node(e->d_name);
+            CHECK(got == (want < 0 ? -1 : want), "PCI %s: node %d, sysfs says %d", e->d_name, got, want);
+            break;
+        }
+    if (dir) closedir(dir);
+}
+
+int main(void)
+{
+    check_numa();
+    check_specs();
+    check_memory();
+    check_copy_model();
+    for (int n = 1; n <= 4; n++) {
+        char spec[64];
+        snprintf(spec, sizeof spec, "emu:%d,bw=50e9,lat_ns=2000", n);
+        mf_dev *d = NULL;
+        CHECK(mf_dev_open(spec, &d) == 0, "%s: %s", spec, mf_last_error());
+        if (!d) continue;
+        dev_check_copies(d, (1 << 16) + 13);
+        dev_check_order(d);
+        if (n <= 2) dev_check_events(d, 1 << 16);   /* 30 ms a card: enough with 1 and 2 */
+        dev_check_sched_copies(d, 12, 4096);
+        dev_check_capture(d, 3000);
+        if (n == 1 || n == 4) check_kernels(d);
+        check_capture_kernels(d);   /* its buffers are left for close */
+        mf_dev_close(d);
+    }
+    check_sched_kernels();
+    return mf_check_exit("test_dev");
+}
