@@ -1088,10 +1088,13 @@ static int mf_step_dev_setup(mf_step *s)
         off += (sb + 255) / 256 * 256;
     }
     s->xslot_bytes = off;
+    if (!strcmp(mf_dev_kind(s->o.dev), "cuda"))
+        return mf_error(-ENOTSUP, "step: the CUDA backend has the fp32 expert path only and the engine's "
+                        "device slots run the int8 path (bit-identical to the host's); routed experts on "
+                        "CUDA cards are not wired up yet: use emu:N, or --placement host");
     s->dev = s->o.dev;
     int n = mf_dev_n_cards(s->dev);
     s->dev_lane0 = s->n_lanes;
-    int cuda = !strcmp(mf_dev_kind(s->dev), "cuda");
     for (int cd = 0; cd < n; cd++) {
         int rc = mf_dev_xcache_new(s->dev, &(mf_dev_xcache_opts){.card = cd, .n_layers = c->n_layers,
                                                                   .n_experts = c->n_routed_experts,
@@ -1108,8 +1111,8 @@ static int mf_step_dev_setup(mf_step *s)
             char *nm = s->lane_names[3 * cd + k];
             snprintf(nm, sizeof s->lane_names[0], "dev%d.%s", cd, kn[k]);
             /* models for placement and priorities, not measurements: copies as the emulated
-             * device's defaults (25 GB/s, 10 us), compute as a host worker (emu) or HBM (cuda) */
-            mf_lane_model m = k == 1 ? (mf_lane_model){.bytes_per_s = cuda ? 2e12 : 20e9, .latency_ns = 5000}
+             * device's defaults (25 GB/s, 10 us), compute as a host worker (the emulated kernels) */
+            mf_lane_model m = k == 1 ? (mf_lane_model){.bytes_per_s = 20e9, .latency_ns = 5000}
                                      : (mf_lane_model){.bytes_per_s = 25e9, .latency_ns = 10000};
             s->lanes[s->n_lanes++] = (mf_lane_desc){.kind = kk[k], .name = nm, .concurrency = 4,
                                                     .numa_node = -1, .device = cd, .model = m};
