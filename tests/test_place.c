@@ -139,6 +139,54 @@ static void test_placements(mf_ref *r, const char *what, uint64_t cache_bytes, i
     free(got);
 }
 
+static int cli(const char *args, char *out, size_t cap)
+{
+    const char *bin = getenv("MOEFLOW_BIN");
+    if (!bin) return -1;
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd, "%s %s", bin, args);
+    FILE *p = popen(cmd, "r");
+    if (!p) return -1;
+    size_t n = fread(out, 1, cap - 1, p);
+    out[n] = 0;
+    return pclose(p);
+}
+
+/* The CLI: the same tokens on every placement; the hybrid trace has the cards' lanes; the per-step
+ * device line; refusals. */
+static void test_cli(const char *dir)
+{
+    if (!getenv("MOEFLOW_BIN")) {
+        printf("test_place: MOEFLOW_BIN unset, CLI checks skipped\n");
+        return;
+    }
+    static char host[8192], got[8192], err[8192];
+    char args[4096], trace[1100];
+    snprintf(trace, sizeof trace, "%s/place_trace.json", dir);
+    snprintf(args, sizeof args, "decode --checkpoint %s --tokens 5,17,300 --max-new-tokens 12 --ignore-eos "
+             "--threads 2 --quiet 2>/dev/null", dir);
+    CHECK(cli(args, host, sizeof host) == 0 && strlen(host) > 10, "host decode: '%s'", host);
+    const char *pl[] = {"seed", "hybrid"};
+    for (int k = 0; k < 2; k++) {
+        snprintf(args, sizeof args, "decode --checkpoint %s --tokens 5,17,300 --max-new-tokens 12 --ignore-eos "
+                 "--threads 2 --quiet --devices emu:3 --placement %s --trace %s 2>/dev/null", dir, pl[k], trace);
+        CHECK(cli(args, got, sizeof got) == 0 && !strcmp(host, got), "%s: '%s' vs host '%s'", pl[k], got, host);
+    }
+    FILE *f = fopen(trace, "r");
+    size_t n = f ? fread(got, 1, sizeof got - 1, f) : 0;
+    got[n] = 0;
+    if (f) fclose(f);
+    CHECK(strstr(got, "dev2.h2d") && strstr(got, "dev0.compute"), "the trace has no device lanes");
+    snprintf(args, sizeof args, "decode --checkpoint %s --tokens 5,17,300 --max-new-tokens 4 --threads 2 "
+             "--devices emu:2 --placement seed 2>&1 >/dev/null", dir);
+    CHECK(cli(args, err, sizeof err) == 0 && strstr(err, "step 2 devices:") && strstr(err, "cache hit rate"),
+          "no device lines: '%s'", err);
+    snprintf(args, sizeof args, "decode --checkpoint %s --tokens 5 --placement seed 2>&1", dir);
+    CHECK(cli(args, err, sizeof err) != 0 && strstr(err, "needs --devices"), "seed without devices: '%s'", err);
+    snprintf(args, sizeof args, "decode --checkpoint %s --tokens 5 --devices emu:1 --placement best 2>&1", dir);
+    CHECK(cli(args, err, sizeof err) != 0 && strstr(err, "--placement"), "bad placement: '%s'", err);
+}
+
 int main(void)
 {
     const char *tmp = getenv("MOEFLOW_TMP");
@@ -167,6 +215,7 @@ int main(void)
     /* a CPU model under which a tiny expert costs the host about what a copy and a kernel cost a
      * card (the default model gives everything to the host at these sizes) */
     double cpu_bps = (double)xb / 12e-6;
+    test_cli(dir);
     test_placements(r, "resident", 0, 0, cpu_bps);
     /* a cache of 2 x top_k experts per card: misses evict (and are pinned slots respected) */
     test_placements(r, "small cache", (uint64_t)(2 * c.n_experts_per_tok) * (xb + 6 * 256), 1, cpu_bps);
