@@ -278,6 +278,8 @@ static int mf_step_place(mf_step_shape *sh, int L)
     for (int s = 0; s < sh->n_used; s++) {
         int e = sh->slot_e[s], c = mf_dev_xcache_owner(eng->n_cards, L, e);
         const mf_lane_desc *lin = &eng->lanes[eng->dev_lane0 + 3 * c], *lc = lin + 1;
+        /* an expert's time is its weight bytes over the lane's model (decode is weight-bound);
+         * each token of the slot adds 2% */
         double host_ns = mf_step_lane_ns(&eng->lanes[0], bytes) * (1 + 0.02 * sh->slot_cnt[s]);
         double copy_ns = mf_dev_xcache_has(eng->xc[c], L, e) ? 0 : mf_step_lane_ns(lin, bytes);
         double comp_ns = mf_step_lane_ns(lc, bytes) * (1 + 0.02 * sh->slot_cnt[s]);
