@@ -17,6 +17,8 @@
 #include "host/kernels.h"
 #include "host/store.h"
 #include "sched/clock.h"
+#include "device/dev.h"
+#include "device/expert_cache.h"
 #include "sched/error.h"
 #include "sched/sched.h"
 #include "sched/timeline.h"
@@ -64,6 +66,15 @@ struct mf_step_shape {
     uint8_t *kind_of;       /* per task: MF_STEP_K_* (IO / expert compute accounting) */
     mf_step_targ **targ_of; /* per task: its argument (IO tasks: which layer and slot) */
     int store_layer;        /* layer whose store batch is open, -1 */
+    /* with devices: per slot its card (-1: host), its expert's cache slot on the card and whether
+     * it must be copied in (a miss); per card the slot-ordered device buffers (x, token weights,
+     * h, int8 scratch per slot, y), as offsets into dbuf[card] */
+    int32_t *slot_card;
+    uint8_t **slot_dev;
+    uint8_t *slot_miss;
+    int dev_layer;          /* layer whose cache slots are pinned, -1 */
+    uint8_t *dbuf[MF_DEV_MAX_CARDS];
+    size_t d_x, d_w, d_h, d_q, d_y, dq_bytes;
     /* slot-ordered expert buffers (n x K rows) */
     float *xg, *wg, *h, *gg, *uu, *y;
     mf_kern_q8 *q8x, *q8h;   /* n_slots */
@@ -87,8 +98,16 @@ struct mf_step {
     mf_ref *cl[MF_STEP_MAX_ITEMS];
     const mf_config *c;
     mf_step_opts o;
-    mf_lane_desc lanes[2];   /* cpu, and io when the model has an expert store */
+    mf_lane_desc lanes[2 + 3 * MF_DEV_MAX_CARDS];   /* cpu, io with a store, 3 per card */
+    char lane_names[3 * MF_DEV_MAX_CARDS][16];
     int n_lanes;
+    /* routed experts on devices (placement other than host) */
+    mf_dev *dev;
+    int n_cards, dev_lane0;   /* lanes of card c: dev_lane0 + 3c + (copy in, compute, copy out) */
+    mf_dev_xcache *xc[MF_DEV_MAX_CARDS];
+    size_t part_off[6], part_bytes[6];
+    uint64_t xslot_bytes;
+    mf_step_dev_stats dstat;
     mf_store *store;
     int max_items;           /* items per graph run: one layer's slots fit the store */
     pthread_mutex_t gather_mu;   /* Engram tasks reach the store's gatherer one at a time */
@@ -98,7 +117,7 @@ struct mf_step {
     mf_step_times times;
 };
 
-enum { MF_STEP_K_OTHER, MF_STEP_K_IO, MF_STEP_K_EXPERT };
+enum { MF_STEP_K_OTHER, MF_STEP_K_IO, MF_STEP_K_EXPERT, MF_STEP_K_COPY, MF_STEP_K_DEV, MF_STEP_K_COPY_OUT };
 
 const char *mf_step_phase_name(mf_step_phase p)
 {
@@ -234,6 +253,143 @@ static int mf_step_store_begin(mf_step_shape *sh, int L)
     return 0;
 }
 
+/* The experts of a slot: the model's (resident), or their place in the store's slab. */
+static const mf_weight *mf_step_slot_weights(mf_step_shape *sh, int L, int slot)
+{
+    if (sh->slot_w) return &sh->slot_w[(size_t)slot * 3];
+    return &mf_model_layer_at(sh->eng->r->m, L)->experts[sh->slot_e[slot] * 3];
+}
+
+static double mf_step_lane_ns(const mf_lane_desc *l, double bytes)
+{
+    return l->model.latency_ns + (l->model.bytes_per_s > 0 ? bytes / l->model.bytes_per_s * 1e9 : 0);
+}
+
+/* Decides where layer L's slots run (sh->slot_card) and takes their cache slots on the cards
+ * (pinned until the layer's end): SEED the owner card; HYBRID the earlier finish by the lanes'
+ * cost models, host work spread over the workers, each card's copy and compute queues apart. */
+static int mf_step_place(mf_step_shape *sh, int L)
+{
+    mf_step *eng = sh->eng;
+    double bytes = (double)eng->xslot_bytes, W = eng->o.n_threads;
+    double host_q = 0, copy_q[MF_DEV_MAX_CARDS] = {0}, comp_q[MF_DEV_MAX_CARDS] = {0};
+    sh->dev_layer = L;
+    for (int s = 0; s < sh->n_slots; s++) sh->slot_card[s] = -1;
+    for (int s = 0; s < sh->n_used; s++) {
+        int e = sh->slot_e[s], c = mf_dev_xcache_owner(eng->n_cards, L, e);
+        const mf_lane_desc *lin = &eng->lanes[eng->dev_lane0 + 3 * c], *lc = lin + 1;
+        /* an expert's time is its weight bytes over the lane's model (decode is weight-bound);
+         * each token of the slot adds 2% */
+        double host_ns = mf_step_lane_ns(&eng->lanes[0], bytes) * (1 + 0.02 * sh->slot_cnt[s]);
+        double copy_ns = mf_dev_xcache_has(eng->xc[c], L, e) ? 0 : mf_step_lane_ns(lin, bytes);
+        double comp_ns = mf_step_lane_ns(lc, bytes) * (1 + 0.02 * sh->slot_cnt[s]);
+        double t_dev = (copy_q[c] + copy_ns > comp_q[c] ? copy_q[c] + copy_ns : comp_q[c]) + comp_ns;
+        double t_host = (host_q + host_ns) / W;
+        if (eng->o.placement == MF_STEP_PLACE_HYBRID && t_host <= t_dev) {
+            host_q += host_ns;
+            eng->dstat.host_slots++;
+            continue;
+        }
+        void *slot = NULL;
+        int hit = 0, rc = mf_dev_xcache_acquire(eng->xc[c], L, e, &slot, &hit);
+        if (rc == -ENOSPC) {   /* every cache slot of the card pinned: the host takes it */
+            host_q += host_ns;
+            eng->dstat.host_slots++;
+            eng->dstat.host_fallbacks++;
+            continue;
+        }
+        if (rc) return rc;
+        copy_q[c] += copy_ns;
+        comp_q[c] = t_dev;
+        sh->slot_card[s] = c;
+        sh->slot_dev[s] = slot;
+        sh->slot_miss[s] = (uint8_t)!hit;
+        eng->dstat.dev_slots++;
+    }
+    return 0;
+}
+
+/* Releases layer L's cache slots (after its device tasks); failed: misses are forgotten, their
+ * slots may hold a partial copy. */
+static void mf_step_dev_release(mf_step_shape *sh, int failed)
+{
+    mf_step *eng = sh->eng;
+    if (sh->dev_layer < 0) return;
+    for (int s = 0; s < sh->n_used; s++) {
+        int c = sh->slot_card[s];
+        if (c < 0) continue;
+        if (failed && sh->slot_miss[s]) mf_dev_xcache_drop(eng->xc[c], sh->dev_layer, sh->slot_e[s]);
+        else mf_dev_xcache_release(eng->xc[c], sh->dev_layer, sh->slot_e[s]);
+        sh->slot_card[s] = -1;
+    }
+    sh->dev_layer = -1;
+}
+
+/* Device lanes of a slot on card a->part (empty unless the route task put the slot there):
+ * copy-in of the packed expert on a miss and of the slot's rows (inputs, token weights); the
+ * expert FFN on the int8 path (the same kernels as the host's); copy-out of the outputs. */
+static int mf_task_dev_in(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    int s = a->slot;
+    if (s >= sh->n_used || sh->slot_card[s] != a->part) return 0;
+    mf_step *eng = sh->eng;
+    mf_dev_stream *st = ctx->queue;
+    int64_t H = eng->c->hidden_size;
+    int rc = 0;
+    if (sh->slot_miss[s]) {
+        const mf_weight *ew = mf_step_slot_weights(sh, a->layer, s);
+        for (int k = 0; k < 3 && !rc; k++) {
+            rc = mf_dev_copy_h2d(st, sh->slot_dev[s] + eng->part_off[2 * k], ew[k].data, eng->part_bytes[2 * k]);
+            if (!rc) rc = mf_dev_copy_h2d(st, sh->slot_dev[s] + eng->part_off[2 * k + 1], ew[k].scale,
+                                          eng->part_bytes[2 * k + 1]);
+        }
+    }
+    size_t off = (size_t)sh->slot_off[s], cnt = (size_t)sh->slot_cnt[s];
+    uint8_t *db = sh->dbuf[a->part];
+    if (!rc) rc = mf_dev_copy_h2d(st, db + sh->d_x + off * H * 4, sh->xg + off * H, cnt * H * 4);
+    if (!rc) rc = mf_dev_copy_h2d(st, db + sh->d_w + off * 4, sh->wg + off, cnt * 4);
+    return rc;
+}
+
+static int mf_task_dev_ffn(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    int s = a->slot;
+    if (s >= sh->n_used || sh->slot_card[s] != a->part) return 0;
+    mf_step *eng = sh->eng;
+    int64_t H = eng->c->hidden_size, I = eng->c->moe_intermediate_size;
+    const mf_weight *ew = mf_step_slot_weights(sh, a->layer, s);
+    size_t off = (size_t)sh->slot_off[s];
+    uint8_t *db = sh->dbuf[a->part], *x = sh->slot_dev[s];
+    mf_dev_ffn f = {.w1 = mf_step_mat(&ew[0]), .w3 = mf_step_mat(&ew[2]), .w2 = mf_step_mat(&ew[1]),
+                    .x = (const float *)(db + sh->d_x) + off * H, .n_tok = sh->slot_cnt[s],
+                    .tok_weight = (const float *)(db + sh->d_w) + off, .limit = (float)eng->c->swiglu_limit,
+                    .h = (float *)(db + sh->d_h) + off * I, .q8_scratch = db + sh->d_q + (size_t)s * sh->dq_bytes,
+                    .y = (float *)(db + sh->d_y) + off * H};
+    f.w1.w = x + eng->part_off[0];
+    f.w1.scale = x + eng->part_off[1];
+    f.w2.w = x + eng->part_off[2];
+    f.w2.scale = x + eng->part_off[3];
+    f.w3.w = x + eng->part_off[4];
+    f.w3.scale = x + eng->part_off[5];
+    return mf_dev_expert_ffn(ctx->queue, &f);
+}
+
+static int mf_task_dev_out(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    int s = a->slot;
+    if (s >= sh->n_used || sh->slot_card[s] != a->part) return 0;
+    int64_t H = sh->eng->c->hidden_size;
+    size_t off = (size_t)sh->slot_off[s], cnt = (size_t)sh->slot_cnt[s];
+    return mf_dev_copy_d2h(ctx->queue, sh->y + off * H, (const float *)(sh->dbuf[a->part] + sh->d_y) + off * H,
+                           cnt * H * 4);
+}
+
 /* Router: (serial shapes: the gates first, then) the slot table: the distinct experts in
  * ascending id, each with its items in item order; inputs gathered into slot order (and
  * quantized for the int8 path). */
@@ -277,8 +433,13 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
         int rc = mf_step_store_begin(sh, a->layer);
         if (rc) return rc;
     }
+    if (eng->dev) {
+        int rc = mf_step_place(sh, a->layer);
+        if (rc) return rc;
+    }
     if (!eng->o.exact)
         for (int s = 0; s < ns; s++) {
+            if (sh->slot_card && sh->slot_card[s] >= 0) continue;   /* the card quantizes its own */
             int rc = mf_kern_q8_init(&sh->q8x[s], sh->q8x_mem + (size_t)s * sh->q8x_bytes, sh->q8x_bytes,
                                      sh->slot_cnt[s], (int)H);
             if (!rc) rc = mf_kern_q8_quantize(&sh->q8x[s], sh->xg + (size_t)sh->slot_off[s] * H, (int)H, 0,
@@ -286,13 +447,6 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
             if (rc) return rc;
         }
     return 0;
-}
-
-/* The experts of a slot: the model's (resident), or their place in the store's slab. */
-static const mf_weight *mf_step_slot_weights(mf_step_shape *sh, int L, int slot)
-{
-    if (sh->slot_w) return &sh->slot_w[(size_t)slot * 3];
-    return &mf_model_layer_at(sh->eng->r->m, L)->experts[sh->slot_e[slot] * 3];
 }
 
 /* End of a layer's MoE: the store's batch is closed (read experts marked present) and the
@@ -303,6 +457,7 @@ static int mf_task_moe_done(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     mf_store *st = sh->eng->store;
+    if (sh->dev_layer == a->layer) mf_step_dev_release(sh, 0);
     if (!st || sh->store_layer != a->layer) return 0;
     int rc = mf_store_end(st, 0);
     mf_store_unpin(st, a->layer, sh->slot_e, sh->n_used);
@@ -357,7 +512,7 @@ static int mf_task_slot_up(void *arg, mf_task_ctx *ctx)
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    if (a->slot >= sh->n_used) return 0;
+    if (a->slot >= sh->n_used || (sh->slot_card && sh->slot_card[a->slot] >= 0)) return 0;
     mf_step *eng = sh->eng;
     const mf_config *c = eng->c;
     int64_t H = c->hidden_size, I = c->moe_intermediate_size;
@@ -376,7 +531,7 @@ static int mf_task_slot_join(void *arg, mf_task_ctx *ctx)
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    if (a->slot >= sh->n_used || sh->eng->o.exact) return 0;
+    if (a->slot >= sh->n_used || sh->eng->o.exact || (sh->slot_card && sh->slot_card[a->slot] >= 0)) return 0;
     int I = (int)sh->eng->c->moe_intermediate_size, s = a->slot;
     int rc = mf_kern_q8_init(&sh->q8h[s], sh->q8h_mem + (size_t)s * sh->q8h_bytes, sh->q8h_bytes,
                              sh->slot_cnt[s], I);
@@ -389,7 +544,7 @@ static int mf_task_slot_down(void *arg, mf_task_ctx *ctx)
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    if (a->slot >= sh->n_used) return 0;
+    if (a->slot >= sh->n_used || (sh->slot_card && sh->slot_card[a->slot] >= 0)) return 0;
     mf_step *eng = sh->eng;
     int64_t H = eng->c->hidden_size, I = eng->c->moe_intermediate_size;
     const mf_weight *ew = mf_step_slot_weights(sh, a->layer, a->slot);
@@ -453,7 +608,8 @@ static int mf_task_combine(void *arg, mf_task_ctx *ctx)
         for (int64_t d = 0; d < H; d++) acc[d] = 0;
         for (int k = 0; k < K; k++) {
             const float *yr = sh->y + (size_t)sh->asg[i * K + k] * H;
-            for (int64_t d = 0; d < H; d++) acc[d] += yr[d];
+            /* the host's outputs are rounded already (rounding twice changes nothing) */
+            for (int64_t d = 0; d < H; d++) acc[d] += mf_bf(yr[d]);
         }
         if (c->n_shared_experts > 0) {
             const float *yr = sh->ys + (size_t)i * H;
@@ -523,6 +679,10 @@ static void mf_step_shape_free(mf_step_shape *sh)
     free(sh->targ_of);
     free(sh->slot_w);
     free(sh->slot_rd);
+    free(sh->slot_card);
+    free(sh->slot_dev);
+    free(sh->slot_miss);
+    for (int c = 0; c < sh->eng->n_cards; c++) mf_dev_free(sh->eng->dev, c, sh->dbuf[c]);
     free(sh->sorted);
     free(sh->args);
     free(sh->mem);
@@ -588,6 +748,32 @@ static mf_task_id mf_step_add_io(mf_step_builder *b, const char *name, int layer
     return t;
 }
 
+/* A device-lane task of slot s on card c (lane kind k: 0 copy in, 1 compute, 2 copy out). */
+static mf_task_id mf_step_add_dev(mf_step_builder *b, const char *name, mf_task_fn fn, int layer, int slot,
+                                  int card, int k, double bytes)
+{
+    if (b->rc) return -1;
+    if (b->n_args == b->cap) {
+        b->rc = mf_error(-EFAULT, "step: more than the %d tasks counted (internal)", b->cap);
+        return -1;
+    }
+    mf_step_shape *sh = b->sh;
+    mf_step *eng = sh->eng;
+    mf_step_targ *a = &sh->args[b->n_args++];
+    *a = (mf_step_targ){sh, layer, slot, card, 0, 0, NULL};
+    mf_task_id t = mf_graph_add_task(sh->g, &(mf_task_desc){.name = name, .lane = eng->dev_lane0 + 3 * card + k,
+                                                            .fn = fn, .arg = a, .cost = {.bytes = bytes},
+                                                            .place_hint = -1});
+    if (t < 0) {
+        b->rc = t;
+        return -1;
+    }
+    sh->phase_of[t] = MF_STEP_MOE;
+    sh->kind_of[t] = k == 0 ? MF_STEP_K_COPY : k == 1 ? MF_STEP_K_DEV : MF_STEP_K_COPY_OUT;
+    sh->targ_of[t] = a;
+    return t;
+}
+
 static void mf_step_dep(mf_step_builder *b, mf_task_id before, mf_task_id after)
 {
     if (!b->rc && before >= 0 && after >= 0) b->rc = mf_graph_add_dep(b->sh->g, before, after);
@@ -602,7 +788,7 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
     int n = sh->n, u = sh->par ? n : 1;   /* reference-code tasks per part */
     int n_task = 1 + u + sh->p_head;
     for (int L = 0; L < c->n_layers; L++)   /* engram, attn, gate, combine per unit; route, joins */
-        n_task += 4 * u + 3 + 2 * sh->p_sh + sh->n_slots * (1 + 2 * sh->p_exp + sh->n_parts);
+        n_task += 4 * u + 3 + 2 * sh->p_sh + sh->n_slots * (1 + 2 * sh->p_exp + sh->n_parts + 3 * eng->n_cards);
     sh->args = calloc((size_t)n_task, sizeof *sh->args);
     sh->phase_of = calloc((size_t)n_task, 1);
     sh->kind_of = calloc((size_t)n_task, 1);
@@ -687,6 +873,20 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
                 mf_step_dep(&b, jo, dn);
                 mf_step_dep(&b, dn, done);
             }
+            /* the slot on each card: empty unless the route task put it there */
+            for (int cd = 0; cd < eng->n_cards; cd++) {
+                snprintf(name, sizeof name, "dev%d L%d slot %d in", cd, L, s);
+                mf_task_id din = mf_step_add_dev(&b, name, mf_task_dev_in, L, s, cd, 0, (double)eng->xslot_bytes);
+                snprintf(name, sizeof name, "dev%d L%d slot %d ffn", cd, L, s);
+                mf_task_id dff = mf_step_add_dev(&b, name, mf_task_dev_ffn, L, s, cd, 1, (double)eng->xslot_bytes);
+                snprintf(name, sizeof name, "dev%d L%d slot %d out", cd, L, s);
+                mf_task_id dout = mf_step_add_dev(&b, name, mf_task_dev_out, L, s, cd, 2, n * H * 4.0);
+                mf_step_dep(&b, ro, din);
+                for (int j = 0; j < sh->n_parts; j++) mf_step_dep(&b, io[j], din);
+                mf_step_dep(&b, din, dff);
+                mf_step_dep(&b, dff, dout);
+                mf_step_dep(&b, dout, done);
+            }
         }
         snprintf(name, sizeof name, "shared L%d join", L);
         mf_task_id sj = mf_step_add(&b, name, mf_task_nop, MF_STEP_MOE, L, 0, 0, 0, 0, NULL, 0, 0);
@@ -769,6 +969,34 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
         }
         for (int i = 0; i < sh->n_slots * sh->n_parts; i++) sh->slot_rd[i] = (mf_io_read){.fd = -1};
     }
+    sh->dev_layer = -1;
+    if (eng->n_cards) {
+        size_t nk = (size_t)n * K, al = 256;
+        sh->slot_card = malloc((size_t)sh->n_slots * sizeof *sh->slot_card);
+        sh->slot_dev = calloc((size_t)sh->n_slots, sizeof *sh->slot_dev);
+        sh->slot_miss = calloc((size_t)sh->n_slots, 1);
+        if (!sh->slot_card || !sh->slot_dev || !sh->slot_miss) {
+            mf_step_shape_free(sh);
+            return mf_error(-ENOMEM, "step: out of memory");
+        }
+        for (int s = 0; s < sh->n_slots; s++) sh->slot_card[s] = -1;
+        sh->dq_bytes = (mf_dev_ffn_q8_bytes(n, (int)H, (int)I) + al - 1) / al * al;
+        sh->d_x = 0;
+        sh->d_w = sh->d_x + (nk * H * 4 + al - 1) / al * al;
+        sh->d_h = sh->d_w + (nk * 4 + al - 1) / al * al;
+        sh->d_q = sh->d_h + (nk * I * 4 + al - 1) / al * al;
+        sh->d_y = sh->d_q + (size_t)sh->n_slots * sh->dq_bytes;
+        size_t total = sh->d_y + nk * H * 4;
+        for (int cd = 0; cd < eng->n_cards; cd++) {
+            void *p = NULL;
+            int rc = mf_dev_alloc(eng->dev, cd, total, &p);
+            if (rc) {
+                mf_step_shape_free(sh);
+                return mf_error_wrap(rc, "step: device buffers of a batch of %d on card %d", n, cd);
+            }
+            sh->dbuf[cd] = p;
+        }
+    }
     size_t nk = (size_t)n * K, q8x = mf_kern_q8_bytes(n, (int)H), q8h = mf_kern_q8_bytes(n, (int)I);
     int ex = eng->o.exact;
     size_t f = sizeof(float), bytes = 0;
@@ -790,9 +1018,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
     for (int i = 0; i < N_SZ; i++) bytes += (sz[i] + 63) / 64 * 64;
     uint8_t *p = aligned_alloc(64, bytes);
     if (!p) {
-        free(sh->slot_w);
-        free(sh->slot_rd);
-        free(sh);
+        mf_step_shape_free(sh);
         return mf_error(-ENOMEM, "step: cannot allocate %zu bytes of buffers for a batch of %d", bytes, n);
     }
     memset(p, 0, bytes);
@@ -833,6 +1059,74 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
 }
 
 /* ---- the engine ---------------------------------------------------------------------------- */
+
+/* Routed experts on s->o.dev: checks that the cards can run them as the host does (int8 path,
+ * swiglu limit, FP4 experts), lays out a packed expert (w1, w2, w3 codes and scales), opens an
+ * expert cache per card and adds three lanes per card. */
+static int mf_step_dev_setup(mf_step *s)
+{
+    const mf_config *c = s->c;
+    if (s->o.placement != MF_STEP_PLACE_SEED && s->o.placement != MF_STEP_PLACE_HYBRID)
+        return mf_error(-EINVAL, "step: unknown placement %d", s->o.placement);
+    if (s->o.exact)
+        return mf_error(-ENOTSUP, "step: routed experts on devices run the int8 path; --exact (the fp32 "
+                        "path with the reference's bf16 roundings) is host-only for now");
+    if (!(c->swiglu_limit > 0))
+        return mf_error(-ENOTSUP, "step: routed experts on devices need a swiglu limit (the fused "
+                        "kernel); this model has none");
+    const mf_weight *ew = mf_model_layer_at(s->r->m, 0)->experts;
+    uint64_t off = 0;
+    for (int k = 0; k < 3; k++) {
+        if (ew[k].kind != MF_W_FP4)
+            return mf_error(-ENOTSUP, "step: routed experts on devices need FP4 experts; %s is not",
+                            ew[k].name);
+        uint64_t db = ew[k].st_data ? ew[k].st_data->n_bytes : (uint64_t)(ew[k].rows * ew[k].cols / 2);
+        uint64_t sb = ew[k].st_scale ? ew[k].st_scale->n_bytes : (uint64_t)(ew[k].rows * ew[k].cols / 32);
+        s->part_off[2 * k] = off;
+        s->part_bytes[2 * k] = db;
+        off += (db + 255) / 256 * 256;
+        s->part_off[2 * k + 1] = off;
+        s->part_bytes[2 * k + 1] = sb;
+        off += (sb + 255) / 256 * 256;
+    }
+    s->xslot_bytes = off;
+    if (!strcmp(mf_dev_kind(s->o.dev), "cuda"))
+        return mf_error(-ENOTSUP, "step: the CUDA backend has the fp32 expert path only and the engine's "
+                        "device slots run the int8 path (bit-identical to the host's); routed experts on "
+                        "CUDA cards are not wired up yet: use emu:N, or --placement host");
+    s->dev = s->o.dev;
+    int n = mf_dev_n_cards(s->dev);
+    s->dev_lane0 = s->n_lanes;
+    for (int cd = 0; cd < n; cd++) {
+        int rc = mf_dev_xcache_new(s->dev, &(mf_dev_xcache_opts){.card = cd, .n_layers = c->n_layers,
+                                                                  .n_experts = c->n_routed_experts,
+                                                                  .slot_bytes = s->xslot_bytes,
+                                                                  .budget_bytes = s->o.dev_cache_bytes},
+                                   &s->xc[cd]);
+        if (rc) {
+            for (int k = 0; k < cd; k++) mf_dev_xcache_free(s->xc[k]);
+            return mf_error_wrap(rc, "step: the expert cache of card %d", cd);
+        }
+        static const char *const kn[3] = {"h2d", "compute", "d2h"};
+        static const mf_lane_kind kk[3] = {MF_LANE_DEV_COPY_IN, MF_LANE_DEV_COMPUTE, MF_LANE_DEV_COPY_OUT};
+        for (int k = 0; k < 3; k++) {
+            char *nm = s->lane_names[3 * cd + k];
+            snprintf(nm, sizeof s->lane_names[0], "dev%d.%s", cd, kn[k]);
+            /* models for placement and priorities, not measurements: copies as the emulated
+             * device's defaults (25 GB/s, 10 us), compute as a host worker (the emulated kernels) */
+            mf_lane_model m = k == 1 ? (mf_lane_model){.bytes_per_s = 20e9, .latency_ns = 5000}
+                                     : (mf_lane_model){.bytes_per_s = 25e9, .latency_ns = 10000};
+            s->lanes[s->n_lanes++] = (mf_lane_desc){.kind = kk[k], .name = nm, .concurrency = 4,
+                                                    .numa_node = -1, .device = cd, .model = m};
+        }
+    }
+    s->n_cards = n;
+    s->dstat.n_cards = n;
+    s->dstat.cache_slots = mf_dev_xcache_n_slots(s->xc[0]);
+    return 0;
+}
+
+void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out) { *out = s->dstat; }
 
 int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
 {
@@ -884,16 +1178,22 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     s->store = store;
     s->max_items = max_items;
     s->lanes[0] = (mf_lane_desc){.kind = MF_LANE_CPU, .name = "cpu", .concurrency = s->o.n_threads,
-                                 .numa_node = -1, .model = {.bytes_per_s = 20e9, .latency_ns = 2000}};
+                                 .numa_node = -1, .model = {.bytes_per_s = s->o.cpu_bytes_per_s > 0 ? s->o.cpu_bytes_per_s : 20e9,
+                                           .latency_ns = 2000}};
     s->lanes[1] = (mf_lane_desc){.kind = MF_LANE_IO, .name = "io", .concurrency = 64, .numa_node = -1,
                                  .model = {.bytes_per_s = 2e9, .latency_ns = 1e5}};
     s->n_lanes = store ? 2 : 1;
     pthread_mutex_init(&s->gather_mu, NULL);
-    int rc = mf_step_clone(r, &s->cl[0]);
+    int rc = 0;
+    if (s->o.dev && s->o.placement != MF_STEP_PLACE_HOST) rc = mf_step_dev_setup(s);
+    if (!rc) rc = mf_step_clone(r, &s->cl[0]);
     if (!rc) rc = mf_sched_create(&(mf_sched_opts){.lanes = s->lanes, .n_lanes = s->n_lanes,
-                                                   .pin_threads = s->o.pin_threads}, &s->sched);
+                                                   .pin_threads = s->o.pin_threads,
+                                                   .dev = s->dev ? mf_dev_lane_ops_of(s->dev) : NULL},
+                                  &s->sched);
     if (rc) {
         mf_ref_free(s->cl[0]);
+        for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
         pthread_mutex_destroy(&s->gather_mu);
         free(s);
         return rc;
@@ -910,6 +1210,7 @@ void mf_step_free(mf_step *s)
         mf_step_shape_free(s->shapes[0][i]);
         mf_step_shape_free(s->shapes[1][i]);
     }
+    for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
     for (int i = 0; i < MF_STEP_MAX_ITEMS; i++) mf_ref_free(s->cl[i]);
     pthread_mutex_destroy(&s->gather_mu);
     free(s);
@@ -960,13 +1261,13 @@ static int mf_step_span_cmp(const void *pa, const void *pb)
     return (x->start_ns > y->start_ns) - (x->start_ns < y->start_ns);
 }
 
-/* Union of the spans of tasks of kind k in the last run (sorted, merged into sh->sorted[0..m)). */
-static int mf_step_union(mf_step_shape *sh, mf_task_span *out, int kind, int64_t *busy)
+/* Union of the spans of tasks of the kinds in mask `kinds` in the last run (sorted, merged into sh->sorted[0..m)). */
+static int mf_step_union(mf_step_shape *sh, mf_task_span *out, unsigned kinds, int64_t *busy)
 {
     const mf_task_span *sp = mf_timeline_spans(sh->tl);
     int n = mf_graph_n_tasks(sh->g), m = 0, u = 0;
     for (int t = 0; t < n; t++)
-        if (sp[t].status == 0 && sh->kind_of[t] == kind && sp[t].end_ns > sp[t].start_ns) out[m++] = sp[t];
+        if (sp[t].status == 0 && ((kinds >> sh->kind_of[t]) & 1) && sp[t].end_ns > sp[t].start_ns) out[m++] = sp[t];
     qsort(out, (size_t)m, sizeof *out, mf_step_span_cmp);
     *busy = 0;
     for (int i = 0; i < m; i++) {
@@ -982,24 +1283,39 @@ static int mf_step_union(mf_step_shape *sh, mf_task_span *out, int kind, int64_t
 
 /* IO busy time of the last run (union of its IO-lane reads) and the part of it during which an
  * expert's compute task (routed or shared) was running. */
-static void mf_step_io_overlap(mf_step *s, mf_step_shape *sh)
+static int64_t mf_step_overlap(const mf_task_span *x, int nx, const mf_task_span *y, int ny)
 {
-    if (!s->store) return;
-    int n = mf_graph_n_tasks(sh->g);
-    mf_task_span *io = sh->sorted, *cp = sh->sorted + n;
-    int64_t bi, bc, ov = 0;
-    int ni = mf_step_union(sh, io, MF_STEP_K_IO, &bi);
-    int nc = mf_step_union(sh, cp, MF_STEP_K_EXPERT, &bc);
-    for (int i = 0, j = 0; i < ni && j < nc;) {
-        int64_t a = io[i].start_ns > cp[j].start_ns ? io[i].start_ns : cp[j].start_ns;
-        int64_t b = io[i].end_ns < cp[j].end_ns ? io[i].end_ns : cp[j].end_ns;
+    int64_t ov = 0;
+    for (int i = 0, j = 0; i < nx && j < ny;) {
+        int64_t a = x[i].start_ns > y[j].start_ns ? x[i].start_ns : y[j].start_ns;
+        int64_t b = x[i].end_ns < y[j].end_ns ? x[i].end_ns : y[j].end_ns;
         if (b > a) ov += b - a;
-        if (io[i].end_ns < cp[j].end_ns) i++;
+        if (x[i].end_ns < y[j].end_ns) i++;
         else j++;
     }
-    s->times.io_busy_ns += bi;
-    s->times.io_overlap_ns += ov;
-    s->times.expert_busy_ns += bc;
+    return ov;
+}
+
+static void mf_step_io_overlap(mf_step *s, mf_step_shape *sh)
+{
+    int n = mf_graph_n_tasks(sh->g);
+    mf_task_span *io = sh->sorted, *cp = sh->sorted + n;
+    int64_t bi, bc;
+    if (s->store) {
+        int ni = mf_step_union(sh, io, 1u << MF_STEP_K_IO, &bi);
+        int nc = mf_step_union(sh, cp, 1u << MF_STEP_K_EXPERT, &bc);
+        s->times.io_busy_ns += bi;
+        s->times.io_overlap_ns += mf_step_overlap(io, ni, cp, nc);
+        s->times.expert_busy_ns += bc;
+    }
+    if (s->n_cards) {   /* copy-in tasks vs expert compute on the host or a card */
+        mf_task_span *cpy = sh->sorted;
+        int u = mf_step_union(sh, cpy, 1u << MF_STEP_K_COPY, &bi), ny;
+        ny = mf_step_union(sh, cp, (1u << MF_STEP_K_EXPERT) | (1u << MF_STEP_K_DEV), &bc);
+        s->times.copy_busy_ns += bi;
+        s->times.compute_busy_ns += bc;
+        s->times.copy_overlap_ns += mf_step_overlap(cpy, u, cp, ny);
+    }
 }
 
 /* Adds the last run's time per phase to s->times: per phase the union of its tasks' intervals
@@ -1010,7 +1326,8 @@ static void mf_step_account(mf_step *s, mf_step_shape *sh)
     int n = mf_graph_n_tasks(sh->g), m = 0;
     mf_step_io_overlap(s, sh);
     for (int t = 0; t < n; t++)
-        if (sp[t].status == 0 && sh->kind_of[t] != MF_STEP_K_IO) {
+        if (sp[t].status == 0 && sh->kind_of[t] != MF_STEP_K_IO && sh->kind_of[t] != MF_STEP_K_COPY &&
+            sh->kind_of[t] != MF_STEP_K_COPY_OUT) {
             sh->sorted[m] = sp[t];
             sh->sorted[m++].worker = sh->phase_of[t];   /* reused to carry the phase */
         }
@@ -1097,6 +1414,7 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
     mf_timeline_reset(sh->tl);
     rc = mf_sched_run(s->sched, sh->g, &(mf_run_opts){.timeline = sh->tl});
     s->last = sh;
+    if (rc && sh->dev_layer >= 0) mf_step_dev_release(sh, 1);
     if (rc && s->store) rc = mf_step_store_fail(s, sh, rc);
     if (rc) return rc;
     for (int j = 0; j < sh->n_head; j++)
@@ -1112,6 +1430,8 @@ int mf_step_forward(mf_step *s, mf_ref_state *const *states, const int32_t *toke
 {
     int64_t t0 = mf_now_ns();
     memset(&s->times, 0, sizeof s->times);
+    s->dstat.dev_slots = s->dstat.host_slots = s->dstat.host_fallbacks = 0;
+    for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_step(s->xc[c], NULL);
     if (n < 1) return mf_error(-EINVAL, "step: forward of %d items", n);
     int rc = mf_step_check(s, states, tokens, n);
     if (rc) return rc;
@@ -1120,6 +1440,15 @@ int mf_step_forward(mf_step *s, mf_ref_state *const *states, const int32_t *toke
         rc = mf_step_chunk(s, states + i, tokens + i, m, logits ? logits + i : NULL);
     }
     s->times.wall_ns = mf_now_ns() - t0;
+    s->dstat.hits = s->dstat.misses = s->dstat.evictions = s->dstat.bytes_in = 0;
+    for (int c = 0; c < s->n_cards; c++) {
+        mf_dev_xcache_stats x;
+        mf_dev_xcache_step(s->xc[c], &x);
+        s->dstat.hits += x.hits;
+        s->dstat.misses += x.misses;
+        s->dstat.evictions += x.evictions;
+        s->dstat.bytes_in += x.bytes_in;
+    }
     int64_t rest = s->times.wall_ns;
     for (int p = 0; p < MF_STEP_OTHER; p++) rest -= s->times.phase_ns[p];
     s->times.phase_ns[MF_STEP_OTHER] = rest > 0 ? rest : 0;

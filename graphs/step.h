@@ -10,6 +10,8 @@
 
 #include "graphs/ref.h"
 
+typedef struct mf_dev mf_dev;
+
 /* Items per forward call (larger prefills are cut into chunks of this many). */
 #define MF_STEP_MAX_ITEMS 64
 
@@ -24,7 +26,30 @@ typedef struct mf_step_opts {
     /* With an expert store: slots whose reads are in flight at once, in slot order (0: 2; < 0:
      * all at once), so that the first experts arrive early and their compute overlaps the rest */
     int read_window;
+    /* Routed experts on devices (docs/decode.md "Placement"): dev (device/dev.h, opened by the
+     * caller, outlives the engine) and a placement; dev NULL or MF_STEP_PLACE_HOST: all on the
+     * host. Every card keeps packed experts in an expert cache (device/expert_cache.h) of
+     * dev_cache_bytes (0: every expert, or as many as the card grants). Device slots run the
+     * int8 path, so placements other than host need exact 0, a swiglu limit and FP4 experts. */
+    mf_dev *dev;
+    int placement;               /* mf_step_placement */
+    uint64_t dev_cache_bytes;    /* per card */
+    /* the CPU lane's model of expert work (bytes of weights per second; 0: 20e9, a model, not a
+     * measurement): what hybrid placement weighs a card against */
+    double cpu_bytes_per_s;
 } mf_step_opts;
+
+/* Where routed experts run. SEED: every routed expert on the card that owns it
+ * (mf_dev_xcache_owner); attention, router, shared expert and combine on the host. HYBRID: per
+ * expert and per step the cheaper, by the lanes' cost models, of the host (its queue of expert
+ * work over the workers) and the owner card (zero copy on a cache hit, else the packed expert's
+ * bytes over the copy lane, then the compute lane). An expert whose card has every cache slot
+ * pinned runs on the host. */
+typedef enum mf_step_placement {
+    MF_STEP_PLACE_HOST = 0,
+    MF_STEP_PLACE_SEED,
+    MF_STEP_PLACE_HYBRID
+} mf_step_placement;
 
 typedef struct mf_step mf_step;
 
@@ -80,9 +105,24 @@ typedef struct mf_step_times {
     /* with an expert store: IO-lane busy time (union of the expert reads), expert compute time
      * (union of routed and shared expert tasks) and the time both ran; IO tasks count in no phase */
     int64_t io_busy_ns, expert_busy_ns, io_overlap_ns;
+    /* with devices: host-to-device copy time (union of the copy-in tasks), expert compute on the
+     * host or a card (union), and the time both ran */
+    int64_t copy_busy_ns, compute_busy_ns, copy_overlap_ns;
 } mf_step_times;
 
 void mf_step_last_times(const mf_step *s, mf_step_times *out);
+
+/* Where the routed experts of the last mf_step_forward call ran: slots (one per distinct expert
+ * of a layer's batch) on a card and on the host, and the device expert caches' counters over the
+ * call, summed over cards (hits + misses = dev_slots). */
+typedef struct mf_step_dev_stats {
+    int64_t dev_slots, host_slots;
+    int64_t host_fallbacks;      /* slots placed on a card whose cache slots were all pinned */
+    uint64_t hits, misses, evictions, bytes_in;
+    int n_cards, cache_slots;    /* cards in use; cache slots per card */
+} mf_step_dev_stats;
+
+void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out);
 
 /* Chrome trace-event JSON of the last graph run (one chunk of the last call). 0 or negative code. */
 int mf_step_write_trace(const mf_step *s, const char *path);

@@ -132,6 +132,7 @@ static const struct {
 } mf_bench_subs[] = {
     {"sched", mf_bench_sched, "scheduler overhead per task (chain, independent, layered)"},
     {"io", mf_bench_io, "store reads vs dd iflag=direct; 264-byte gathers vs a pread loop"},
+    {"dev", mf_bench_dev, "device FP4 matmul vs a d2d copy of its bytes; pinned h2d of an expert vs one large copy"},
     {"kernels", mf_bench_kernels, "fused FP4 expert matmul and FFN vs read probe and expand baseline"},
     {"decode", mf_bench_decode, "decode steps: scheduled vs reference engine, phase table per step"},
     {NULL, NULL, NULL},

@@ -10,6 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "device/dev.h"
 #include "graphs/engram_map.h"
 #include "graphs/model.h"
 #include "graphs/ref.h"
@@ -29,7 +30,9 @@ static void mf_decode_usage(FILE *f)
             "                      [--max-new-tokens N] [--temperature T --top-p P --seed S]\n"
             "                      [--no-bos] [--ignore-eos] [--act-quant] [--quiet] [--trace FILE]\n"
             "                      [--store resident|streamed [--store-budget SIZE]\n"
-            "                       [--store-tables resident|streamed] [--io-depth N]]\n\n"
+            "                       [--store-tables resident|streamed] [--io-depth N]]\n"
+            "                      [--devices emu:N|cuda[:IDS] [--placement seed|host|hybrid]\n"
+            "                       [--dev-cache SIZE]]\n\n"
             "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
             "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
             "one thread: the correctness oracle). One sequence is streamed: text when DIR has a\n"
@@ -67,6 +70,14 @@ static void mf_decode_usage(FILE *f)
             "  --io-depth N        reads in flight (default 64)\n"
             "  --read-window N     scheduled engine with --store: experts of a layer whose reads\n"
             "                      are in flight at once, in slot order (default 2; -1: all)\n"
+            "  --devices SPEC      routed experts on devices (scheduled engine): emu:N emulated\n"
+            "                      cards (emu:N,mem=SIZE,bw=B/S,lat_ns=NS) or cuda, cuda:0,1\n"
+            "  --placement P       seed: routed experts on the card owning them; hybrid: per\n"
+            "                      expert and step the cheaper of host and card by the lanes'\n"
+            "                      cost models (default with --devices); host: all on the\n"
+            "                      host (default without). Per-step device lines on stderr\n"
+            "  --dev-cache SIZE    expert cache bytes per card (default: every expert, or as\n"
+            "                      many as the card holds)\n"
             "  --quiet             no progress or timing on stderr\n");
 }
 
@@ -235,7 +246,8 @@ int mf_cmd_decode(int argc, char **argv)
     int store_mode = 0, store_tables = 0;
     long io_depth = 0, read_window = 0;
     uint64_t store_budget = 0;
-    const char *trace = NULL;
+    const char *trace = NULL, *devices = NULL, *placement = NULL;
+    uint64_t dev_cache = 0;
     if (threads < 1) threads = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -327,6 +339,19 @@ int mf_cmd_decode(int argc, char **argv)
                 fprintf(stderr, "moeflow decode: --read-window: expected 1..4096 or -1 (all), found '%s'\n", argv[i]);
                 return 2;
             }
+        } else if (!strcmp(a, "--devices") && hv) {
+            devices = argv[++i];
+        } else if (!strcmp(a, "--placement") && hv) {
+            placement = argv[++i];
+            if (strcmp(placement, "seed") && strcmp(placement, "host") && strcmp(placement, "hybrid")) {
+                fprintf(stderr, "moeflow decode: --placement: expected seed, host or hybrid, found '%s'\n", placement);
+                return 2;
+            }
+        } else if (!strcmp(a, "--dev-cache") && hv) {
+            if (!(dev_cache = mf_parse_size(argv[++i]))) {
+                fprintf(stderr, "moeflow decode: --dev-cache: expected a size such as 2G or 512M, found '%s'\n", argv[i]);
+                return 2;
+            }
         } else if (!strcmp(a, "--trace") && hv) {
             trace = argv[++i];
         } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
@@ -353,6 +378,17 @@ int mf_cmd_decode(int argc, char **argv)
         fprintf(stderr, "moeflow decode: --trace needs the scheduled engine or --store\n");
         return 2;
     }
+    if ((devices || placement) && !sched) {
+        fprintf(stderr, "moeflow decode: --devices and --placement apply to the scheduled engine\n");
+        return 2;
+    }
+    if (placement && strcmp(placement, "host") && !devices) {
+        fprintf(stderr, "moeflow decode: --placement %s needs --devices\n", placement);
+        return 2;
+    }
+    if (devices && !placement) placement = "hybrid";
+    int place = !devices || !strcmp(placement, "host") ? MF_STEP_PLACE_HOST
+                : !strcmp(placement, "seed") ? MF_STEP_PLACE_SEED : MF_STEP_PLACE_HYBRID;
     if (!sched && exact) {
         fprintf(stderr, "moeflow decode: --exact applies to the scheduled engine (the reference is exact)\n");
         return 2;
@@ -364,6 +400,7 @@ int mf_cmd_decode(int argc, char **argv)
     mf_model *m = NULL;
     mf_ref *r = NULL;
     mf_step *eng = NULL;
+    mf_dev *dev = NULL;
     char **lines = NULL;
     mf_ref_state *st[MF_STEP_MAX_ITEMS] = {0};
     mf_sampler *smp[MF_STEP_MAX_ITEMS] = {0};
@@ -458,8 +495,11 @@ int mf_cmd_decode(int argc, char **argv)
         ro.n_token_map = mf_engram_map_n_vocab(emap);
     }
     if (mf_ref_new(m, &ro, &r)) goto fail;
+    if (devices && place != MF_STEP_PLACE_HOST && mf_dev_open(devices, &dev)) goto fail;
     if (sched && mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact,
-                                                 .read_window = (int)read_window}, &eng)) goto fail;
+                                                 .read_window = (int)read_window, .dev = dev,
+                                                 .placement = place, .dev_cache_bytes = dev_cache}, &eng))
+        goto fail;
     for (int s = 0; s < n_seq; s++)
         if (mf_ref_state_new(r, total > 0 ? total : 1, &st[s]) ||
             mf_sampler_new(c->vocab_size, temperature, top_p, seed + (unsigned long long)s, &smp[s]) ||
@@ -481,6 +521,8 @@ int mf_cmd_decode(int argc, char **argv)
     /* every live sequence: pick, emit, and (unless done) feed the token in one batched step */
     long n_gen[MF_STEP_MAX_ITEMS] = {0}, steps = 0, fed = 0;
     int64_t io_busy_ns = 0, io_overlap_ns = 0, ex_busy_ns = 0;   /* scheduled engine with a store: decode steps */
+    int64_t cp_busy_ns = 0, cp_overlap_ns = 0, cm_busy_ns = 0;   /* with devices: decode steps */
+    mf_step_dev_stats dtot = {0};
     int live[MF_STEP_MAX_ITEMS], row_of[MF_STEP_MAX_ITEMS], n_live = n_seq;
     for (int s = 0; s < n_seq; s++) live[s] = s, row_of[s] = s;
     while (n_live > 0) {
@@ -508,6 +550,25 @@ int mf_cmd_decode(int argc, char **argv)
             io_busy_ns += tm.io_busy_ns;
             io_overlap_ns += tm.io_overlap_ns;
             ex_busy_ns += tm.expert_busy_ns;
+        }
+        if (dev) {
+            mf_step_times tm;
+            mf_step_dev_stats x;
+            mf_step_last_times(eng, &tm);
+            mf_step_last_dev(eng, &x);
+            cp_busy_ns += tm.copy_busy_ns;
+            cp_overlap_ns += tm.copy_overlap_ns;
+            cm_busy_ns += tm.compute_busy_ns;
+            dtot.dev_slots += x.dev_slots, dtot.host_slots += x.host_slots, dtot.hits += x.hits;
+            dtot.misses += x.misses, dtot.bytes_in += x.bytes_in, dtot.evictions += x.evictions;
+            dtot.host_fallbacks += x.host_fallbacks;
+            dtot.n_cards = x.n_cards, dtot.cache_slots = x.cache_slots;
+            if (!quiet)
+                fprintf(stderr, "moeflow decode: step %ld devices: %" PRId64 " expert slots on cards, %" PRId64
+                        " on the host; cache %" PRIu64 " hits, %" PRIu64 " misses, %" PRIu64 " evictions, %.2f MiB "
+                        "copied in; copies %.2f ms, overlapping expert compute %.2f ms\n", steps + 1, x.dev_slots,
+                        x.host_slots, x.hits, x.misses, x.evictions, x.bytes_in / 1048576.0, tm.copy_busy_ns / 1e6,
+                        tm.copy_overlap_ns / 1e6);
         }
         for (int j = 0; j < nb; j++) row_of[live[j]] = j;
         steps++;
@@ -545,6 +606,15 @@ int mf_cmd_decode(int argc, char **argv)
                     ex_busy_ns / 1e9, io_overlap_ns / 1e9, io_busy_ns ? 100.0 * io_overlap_ns / io_busy_ns : 0.0,
                     ex_busy_ns ? 100.0 * io_overlap_ns / ex_busy_ns : 0.0);
     }
+    if (dev && !quiet)
+        fprintf(stderr, "moeflow decode: devices (%s, %s placement, %d cache slots per card) decode steps: %" PRId64
+                " expert slots on cards, %" PRId64 " on the host (%" PRId64 " for want of a free cache slot); "
+                "cache hit rate %.1f%% (%" PRIu64 " hits, %" PRIu64 " misses), %.2f GiB copied in; copies busy %.3f s, "
+                "expert compute %.3f s, overlapping %.3f s (%.1f%% of copy time)\n", devices, placement,
+                dtot.n_cards ? dtot.cache_slots : 0, dtot.dev_slots, dtot.host_slots, dtot.host_fallbacks,
+                100.0 * dtot.hits / (double)(dtot.hits + dtot.misses ? dtot.hits + dtot.misses : 1), dtot.hits,
+                dtot.misses, dtot.bytes_in / 1073741824.0, cp_busy_ns / 1e9, cm_busy_ns / 1e9, cp_overlap_ns / 1e9,
+                cp_busy_ns ? 100.0 * cp_overlap_ns / cp_busy_ns : 0.0);
     if (!quiet)
         fprintf(stderr, "moeflow decode (%s engine%s, %d sequence%s): prefill %" PRId64 " tokens in %.3f s "
                         "(%.2f tokens/s); decode %ld steps, %ld tokens in %.3f s (%.2f tokens/s aggregate); "
@@ -564,6 +634,7 @@ out:
         free(gen[s]);
     }
     mf_step_free(eng);
+    mf_dev_close(dev);
     mf_ref_free(r);
     mf_model_free(m);
     mf_engram_map_free(emap);

@@ -11,5 +11,6 @@ int mf_cmd_bench(int argc, char **argv);
 int mf_bench_io(int argc, char **argv);
 int mf_bench_kernels(int argc, char **argv);   /* tools/bench_kernels.c: `bench kernels` */
 int mf_bench_decode(int argc, char **argv);    /* tools/bench_decode.c: `bench decode` */
+int mf_bench_dev(int argc, char **argv);       /* tools/bench_dev.c: `bench dev` */
 
 #endif

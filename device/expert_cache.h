@@ -1,0 +1,62 @@
+/* The device expert cache: per card a slab of device memory split into equal slots, each holding
+ * one routed expert as packed on the host (FP4 codes and scales, not an expanded copy), so the
+ * engine copies a miss in once and later steps find it on the card. Replacement is LFU with aging,
+ * as in the host expert store (host/store.h): counts are kept for absent experts too and halved
+ * every aging_period accesses; a miss takes a free slot, else evicts the unpinned present expert
+ * with the lowest count (least recently used among equals). Which card owns an expert is a policy
+ * function (mf_dev_xcache_owner), not a constant. Thread-safe (one lock per cache). */
+#ifndef MF_EXPERT_CACHE_H
+#define MF_EXPERT_CACHE_H
+
+#include <stdint.h>
+
+#include "device/dev.h"
+
+typedef struct mf_dev_xcache mf_dev_xcache;
+
+typedef struct mf_dev_xcache_opts {
+    int card;
+    int n_layers, n_experts;      /* the experts it may hold: (layer, id) */
+    uint64_t slot_bytes;          /* one packed expert (all its parts) */
+    uint64_t budget_bytes;        /* device bytes for the slab; 0: every expert, or as many slots
+                                   * as the card grants (halving the ask on -ENOMEM) */
+    int min_slots;                /* fewest slots accepted (0: 1) */
+    int aging_period;             /* accesses between halvings (0: 8 x slots) */
+} mf_dev_xcache_opts;
+
+/* Allocates the slab on the card once. -ENOSPC with a message naming the card, the slot size and
+ * the budget when fewer than min_slots slots fit (a card too small for one expert is refused
+ * here); -EINVAL for bad options. */
+int mf_dev_xcache_new(mf_dev *d, const mf_dev_xcache_opts *o, mf_dev_xcache **out);
+void mf_dev_xcache_free(mf_dev_xcache *c);
+
+/* 1 when (layer, id) is present (no side effects: for cost models), else 0. */
+int mf_dev_xcache_has(const mf_dev_xcache *c, int layer, int id);
+
+/* Makes (layer, id) hold a slot and pins it: *slot is its device memory (slot_bytes). *hit = 1
+ * when it was present; else a slot was taken (free or evicted), counted as a miss with slot_bytes
+ * moved, and the caller must copy the expert in before any compute reads it (ordered by the copy
+ * stream and an event). -ENOSPC when every slot is pinned; -EINVAL for a bad (layer, id). */
+int mf_dev_xcache_acquire(mf_dev_xcache *c, int layer, int id, void **slot, int *hit);
+/* Unpins (after the compute that read the slot has finished). */
+void mf_dev_xcache_release(mf_dev_xcache *c, int layer, int id);
+/* Forgets (layer, id) and unpins it: its copy in failed, so its slot holds nothing usable. */
+void mf_dev_xcache_drop(mf_dev_xcache *c, int layer, int id);
+
+typedef struct mf_dev_xcache_stats {
+    uint64_t hits, misses, evictions, bytes_in;
+} mf_dev_xcache_stats;
+/* Counters since creation, and since the previous mf_dev_xcache_step call (which resets them). */
+void mf_dev_xcache_stats_total(const mf_dev_xcache *c, mf_dev_xcache_stats *out);
+void mf_dev_xcache_step(mf_dev_xcache *c, mf_dev_xcache_stats *out);
+
+int mf_dev_xcache_n_slots(const mf_dev_xcache *c);
+uint64_t mf_dev_xcache_slot_bytes(const mf_dev_xcache *c);
+int mf_dev_xcache_card(const mf_dev_xcache *c);
+
+/* Expert parallelism: the card that owns expert id of `layer` among n_cards. The policy spreads
+ * each layer's experts round-robin, rotated by layer so that expert 0 of every layer does not
+ * land on card 0. */
+int mf_dev_xcache_owner(int n_cards, int layer, int id);
+
+#endif

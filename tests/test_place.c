@@ -1,0 +1,250 @@
+/* Routed experts on emulated cards (graphs/step.h placements, device/expert_cache.h) against the
+ * host path of the same engine on the tiny preset: prefill + 16 decode steps, batch 1 and 3, on
+ * emu:1..4 with placements seed and hybrid, a streamed expert store, and a small cache that
+ * evicts: logits bit for bit equal (the emulated kernels are the host's), cache counters that add
+ * up, copies seen on the device lanes, and refusals (a card too small for one expert, --exact). */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "device/dev.h"
+#include "graphs/gen.h"
+#include "graphs/model.h"
+#include "graphs/ref.h"
+#include "graphs/step.h"
+#include "sched/error.h"
+#include "tests/check.h"
+
+#define N_PROMPT 12
+#define N_DEC 16
+#define N_SEQ 3
+#define N_LOG (1 + N_DEC)
+
+static int64_t g_V;
+
+/* n_seq sequences: prefill each, then N_DEC batched greedy decode steps (tokens from the host run
+ * when `forced` is given, so a divergence cannot hide behind different inputs). Adds the device
+ * stats of every call to *ds. */
+static int run(mf_ref *r, mf_step *e, int n_seq, int32_t (*toks)[N_DEC], int forced, float *logits,
+               mf_step_dev_stats *ds)
+{
+    mf_ref_state *st[N_SEQ] = {0};
+    int rc = 0;
+    mf_step_dev_stats x;
+    for (int s = 0; s < n_seq && !rc; s++) {
+        int32_t p[N_PROMPT];
+        for (int i = 0; i < N_PROMPT; i++) p[i] = (int32_t)((i * 37 + s * 101 + (i * i) % 13) % g_V);
+        rc = mf_ref_state_new(r, N_PROMPT + N_DEC + 1, &st[s]);
+        if (!rc) rc = mf_step_prefill(e, st[s], p, N_PROMPT, logits + (size_t)s * N_LOG * g_V);
+        mf_step_last_dev(e, &x);
+        ds->dev_slots += x.dev_slots, ds->host_slots += x.host_slots, ds->hits += x.hits, ds->misses += x.misses;
+        ds->evictions += x.evictions, ds->bytes_in += x.bytes_in, ds->host_fallbacks += x.host_fallbacks;
+    }
+    float *step = malloc(sizeof(float) * (size_t)n_seq * g_V);
+    for (int k = 0; k < N_DEC && !rc; k++) {
+        int32_t tok[N_SEQ];
+        for (int s = 0; s < n_seq; s++) {
+            if (!forced) {
+                const float *prev = logits + ((size_t)s * N_LOG + k) * g_V;
+                int b = 0;
+                for (int64_t i = 1; i < g_V; i++)
+                    if (prev[i] > prev[b]) b = (int)i;
+                toks[s][k] = b;
+            }
+            tok[s] = toks[s][k];
+        }
+        rc = mf_step_decode(e, st, tok, n_seq, step);
+        mf_step_last_dev(e, &x);
+        ds->dev_slots += x.dev_slots, ds->host_slots += x.host_slots, ds->hits += x.hits, ds->misses += x.misses;
+        ds->evictions += x.evictions, ds->bytes_in += x.bytes_in, ds->host_fallbacks += x.host_fallbacks;
+        for (int s = 0; s < n_seq && !rc; s++)
+            memcpy(logits + ((size_t)s * N_LOG + k + 1) * g_V, step + (size_t)s * g_V, sizeof(float) * g_V);
+    }
+    free(step);
+    for (int s = 0; s < n_seq; s++) mf_ref_state_free(st[s]);
+    return rc;
+}
+
+/* Every placement on emu:1..4 against the host run of the same model (r). */
+static void test_placements(mf_ref *r, const char *what, uint64_t cache_bytes, int want_evictions, double cpu_bps)
+{
+    size_t per = (size_t)N_SEQ * N_LOG * g_V;
+    float *host = malloc(sizeof(float) * per), *got = malloc(sizeof(float) * per);
+    for (int b = 1; b <= N_SEQ; b += N_SEQ - 1) {
+        int32_t toks[N_SEQ][N_DEC];
+        mf_step *e = NULL;
+        mf_step_dev_stats ds = {0};
+        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2}, &e) == 0, "%s host: %s", what, mf_last_error());
+        if (!e) break;
+        CHECK(run(r, e, b, toks, 0, host, &ds) == 0, "%s host run: %s", what, mf_last_error());
+        CHECK(ds.dev_slots == 0 && ds.host_slots == 0, "%s: host placement counted device slots", what);
+        mf_step_free(e);
+        uint64_t evictions = 0;
+        int64_t hyb_dev = 0, hyb_host = 0;
+        for (int nc = 1; nc <= 4; nc++)
+            for (int pl = MF_STEP_PLACE_SEED; pl <= MF_STEP_PLACE_HYBRID; pl++) {
+                char spec[64];
+                snprintf(spec, sizeof spec, "emu:%d,bw=50e9,lat_ns=2000", nc);
+                mf_dev *d = NULL;
+                CHECK(mf_dev_open(spec, &d) == 0, "open %s: %s", spec, mf_last_error());
+                if (!d) continue;
+                e = NULL;
+                CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = pl,
+                                                     .dev_cache_bytes = cache_bytes, .cpu_bytes_per_s = cpu_bps},
+                                     &e) == 0,
+                      "%s %s placement %d: %s", what, spec, pl, mf_last_error());
+                if (e) {
+                    memset(got, 0, sizeof(float) * per);
+                    ds = (mf_step_dev_stats){0};
+                    int rc = run(r, e, b, toks, 1, got, &ds);
+                    CHECK(rc == 0, "%s %s placement %d batch %d: %s", what, spec, pl, b, mf_last_error());
+                    int same = !rc && !memcmp(host, got, sizeof(float) * (size_t)b * N_LOG * g_V);
+                    CHECK(same, "%s %s placement %d batch %d: logits differ from the host path", what, spec, pl, b);
+                    CHECK(ds.hits + ds.misses == (uint64_t)ds.dev_slots,
+                          "%s %s placement %d: hits %llu + misses %llu != device slots %lld", what, spec, pl,
+                          (unsigned long long)ds.hits, (unsigned long long)ds.misses, (long long)ds.dev_slots);
+                    CHECK(ds.bytes_in > 0 && ds.misses > 0 && ds.bytes_in % ds.misses == 0,
+                          "%s %s placement %d: %llu bytes in for %llu misses", what, spec, pl,
+                          (unsigned long long)ds.bytes_in, (unsigned long long)ds.misses);
+                    if (pl == MF_STEP_PLACE_SEED)
+                        CHECK(ds.host_slots == ds.host_fallbacks && ds.dev_slots > 0,
+                              "%s %s seed: %lld slots on the host, %lld fallbacks", what, spec,
+                              (long long)ds.host_slots, (long long)ds.host_fallbacks);
+                    if (pl == MF_STEP_PLACE_HYBRID) {
+                        hyb_dev += ds.dev_slots;
+                        hyb_host += ds.host_slots;
+                    }
+                    if (!cache_bytes && ds.dev_slots) CHECK(ds.hits > 0, "%s %s placement %d: no cache hits over %d steps", what,
+                                            spec, pl, N_DEC);
+                    evictions += ds.evictions;
+                    /* the last run's timeline: the device lanes ran copies and kernels */
+                    mf_step_times t;
+                    mf_step_last_times(e, &t);
+                    CHECK(pl == MF_STEP_PLACE_HYBRID || t.compute_busy_ns > 0, "%s: no expert compute time", what);
+                    mf_step_free(e);
+                }
+                for (int c = 0; c < nc; c++)
+                    CHECK(mf_dev_emu_used_bytes(d, c) == 0, "%s %s: card %d holds %lld bytes after free", what,
+                          spec, c, (long long)mf_dev_emu_used_bytes(d, c));
+                mf_dev_close(d);
+            }
+        /* the CPU model set to weigh about as much as a card: hybrid splits the experts */
+        CHECK(hyb_dev > 0 && hyb_host > 0, "%s batch %d: hybrid put %lld slots on cards, %lld on the host", what, b,
+              (long long)hyb_dev, (long long)hyb_host);
+        if (want_evictions) CHECK(evictions > 0, "%s batch %d: a small cache never evicted", what, b);
+    }
+    free(host);
+    free(got);
+}
+
+static int cli(const char *args, char *out, size_t cap)
+{
+    const char *bin = getenv("MOEFLOW_BIN");
+    if (!bin) return -1;
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd, "%s %s", bin, args);
+    FILE *p = popen(cmd, "r");
+    if (!p) return -1;
+    size_t n = fread(out, 1, cap - 1, p);
+    out[n] = 0;
+    return pclose(p);
+}
+
+/* The CLI: the same tokens on every placement; the hybrid trace has the cards' lanes; the per-step
+ * device line; refusals. */
+static void test_cli(const char *dir)
+{
+    if (!getenv("MOEFLOW_BIN")) {
+        printf("test_place: MOEFLOW_BIN unset, CLI checks skipped\n");
+        return;
+    }
+    static char host[8192], got[8192], err[8192];
+    char args[4096], trace[1100];
+    snprintf(trace, sizeof trace, "%s/place_trace.json", dir);
+    snprintf(args, sizeof args, "decode --checkpoint %s --tokens 5,17,300 --max-new-tokens 12 --ignore-eos "
+             "--threads 2 --quiet 2>/dev/null", dir);
+    CHECK(cli(args, host, sizeof host) == 0 && strlen(host) > 10, "host decode: '%s'", host);
+    const char *pl[] = {"seed", "hybrid"};
+    for (int k = 0; k < 2; k++) {
+        snprintf(args, sizeof args, "decode --checkpoint %s --tokens 5,17,300 --max-new-tokens 12 --ignore-eos "
+                 "--threads 2 --quiet --devices emu:3 --placement %s --trace %s 2>/dev/null", dir, pl[k], trace);
+        CHECK(cli(args, got, sizeof got) == 0 && !strcmp(host, got), "%s: '%s' vs host '%s'", pl[k], got, host);
+    }
+    FILE *f = fopen(trace, "r");
+    size_t n = f ? fread(got, 1, sizeof got - 1, f) : 0;
+    got[n] = 0;
+    if (f) fclose(f);
+    CHECK(strstr(got, "dev2.h2d") && strstr(got, "dev0.compute"), "the trace has no device lanes");
+    snprintf(args, sizeof args, "decode --checkpoint %s --tokens 5,17,300 --max-new-tokens 4 --threads 2 "
+             "--devices emu:2 --placement seed 2>&1 >/dev/null", dir);
+    CHECK(cli(args, err, sizeof err) == 0 && strstr(err, "step 2 devices:") && strstr(err, "cache hit rate"),
+          "no device lines: '%s'", err);
+    snprintf(args, sizeof args, "decode --checkpoint %s --tokens 5 --placement seed 2>&1", dir);
+    CHECK(cli(args, err, sizeof err) != 0 && strstr(err, "needs --devices"), "seed without devices: '%s'", err);
+    snprintf(args, sizeof args, "decode --checkpoint %s --tokens 5 --devices emu:1 --placement best 2>&1", dir);
+    CHECK(cli(args, err, sizeof err) != 0 && strstr(err, "--placement"), "bad placement: '%s'", err);
+}
+
+int main(void)
+{
+    const char *tmp = getenv("MOEFLOW_TMP");
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s/place_tiny", tmp ? tmp : "/tmp");
+    mf_config c;
+    CHECK(mf_config_preset("tiny", &c) == 0, "preset");
+    mf_gen_opts go;
+    mf_gen_preset_opts("tiny", &go);
+    go.force = 1;
+    go.quiet = 1;
+    if (mf_gen_write(&c, dir, &go)) {
+        fprintf(stderr, "gen: %s\n", mf_last_error());
+        return 1;
+    }
+    g_V = c.vocab_size;
+    mf_model *m = NULL;
+    mf_ref *r = NULL;
+    CHECK(mf_model_load(dir, &(mf_model_opts){.quiet = 1}, &m) == 0, "load: %s", mf_last_error());
+    if (!m || mf_ref_new(m, NULL, &r)) return mf_check_exit("test_place");
+    /* a packed tiny expert: w1, w2, w3 codes and scales */
+    const mf_weight *ew = mf_model_layer_at(m, 0)->experts;
+    uint64_t xb = 0;
+    for (int k = 0; k < 3; k++) xb += ew[k].st_data->n_bytes + ew[k].st_scale->n_bytes;
+
+    /* a CPU model under which a tiny expert costs the host about what a copy and a kernel cost a
+     * card (the default model gives everything to the host at these sizes) */
+    double cpu_bps = (double)xb / 12e-6;
+    test_cli(dir);
+    test_placements(r, "resident", 0, 0, cpu_bps);
+    /* a cache of 2 x top_k experts per card: misses evict (and are pinned slots respected) */
+    test_placements(r, "small cache", (uint64_t)(2 * c.n_experts_per_tok) * (xb + 6 * 256), 1, cpu_bps);
+
+    /* refusals: a card too small for one expert; --exact */
+    mf_dev *d = NULL;
+    char spec[64];
+    snprintf(spec, sizeof spec, "emu:2,mem=%llu", (unsigned long long)(xb / 2));
+    CHECK(mf_dev_open(spec, &d) == 0, "open %s: %s", spec, mf_last_error());
+    mf_step *e = NULL;
+    int rc = mf_step_new(r, &(mf_step_opts){.n_threads = 1, .dev = d, .placement = MF_STEP_PLACE_SEED}, &e);
+    CHECK(rc == -ENOSPC && !e && strstr(mf_last_error(), "too small") && strstr(mf_last_error(), "card 0"),
+          "tiny card: rc %d: %s", rc, mf_last_error());
+    mf_dev_close(d);
+    CHECK(mf_dev_open("emu:1", &d) == 0, "open: %s", mf_last_error());
+    rc = mf_step_new(r, &(mf_step_opts){.n_threads = 1, .exact = 1, .dev = d, .placement = MF_STEP_PLACE_HYBRID}, &e);
+    CHECK(rc == -ENOTSUP && !e && strstr(mf_last_error(), "exact"), "exact on devices: rc %d: %s", rc, mf_last_error());
+    mf_dev_close(d);
+
+    /* streamed experts: the card copies from the host store's slab once the reads are in */
+    mf_ref_free(r);
+    mf_model_free(m);
+    m = NULL;
+    r = NULL;
+    CHECK(mf_model_load(dir, &(mf_model_opts){.quiet = 1, .store = MF_MODEL_STORE_STREAMED,
+                                              .store_budget_bytes = 64ull << 20}, &m) == 0,
+          "load streamed: %s", mf_last_error());
+    if (m && !mf_ref_new(m, NULL, &r)) test_placements(r, "streamed", 0, 0, cpu_bps);
+    mf_ref_free(r);
+    mf_model_free(m);
+    return mf_check_exit("test_place");
+}
