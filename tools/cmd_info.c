@@ -24,7 +24,8 @@ static void mf_info_usage(FILE *f)
                "model.safetensors.index.json, or one .safetensors file) by group: experts,\n"
                "engram, mtp, attn, shared_experts, embed_head, other. Reads headers only.\n"
                "With config.json beside the shards, validates it, prints a summary and checks\n"
-               "every tensor of the layout it implies against the checkpoint.\n\n"
+               "every tensor of the layout it implies against the checkpoint; exits 1 when any\n"
+               "is missing or misshapen (the census is printed all the same).\n\n"
                "  --json   one JSON object: total_bytes, n_tensors, n_shards, groups\n");
 }
 
@@ -186,12 +187,16 @@ int mf_cmd_info(int argc, char **argv)
     }
     printf("| %-15s | %9.2f | %5.1f%% | %8lld | %17llu |\n\n", "total", cs.total_bytes / GIB,
            100.0, (long long)cs.n_tensors, (unsigned long long)cs.total_bytes);
+    int bad = 0;
     if (have_cfg) {
         mf_info_config(&cfg);
-        mf_info_check_layout(st, &cfg);
+        bad = mf_info_check_layout(st, &cfg);
+        if (bad)
+            fprintf(stderr, "moeflow info: %s does not match the layout its config.json implies "
+                    "(%d tensors missing or misshapen; regenerate it, or fix config.json)\n", dir, bad);
     } else {
         printf("no config.json in %s: config summary skipped\n", dir);
     }
     mf_st_close(st);
-    return 0;
+    return bad ? 1 : 0;
 }
