@@ -16,6 +16,7 @@
 #include "graphs/step.h"
 #include "sched/error.h"
 #include "tests/check.h"
+#include "tests/tiny_ckpt.h"
 
 #define N_PROMPT 12
 #define N_DEC 16
@@ -189,19 +190,10 @@ static void test_cli(const char *dir)
 
 int main(void)
 {
-    const char *tmp = getenv("MOEFLOW_TMP");
     char dir[1024];
-    snprintf(dir, sizeof dir, "%s/place_tiny", tmp ? tmp : "/tmp");
     mf_config c;
     CHECK(mf_config_preset("tiny", &c) == 0, "preset");
-    mf_gen_opts go;
-    mf_gen_preset_opts("tiny", &go);
-    go.force = 1;
-    go.quiet = 1;
-    if (mf_gen_write(&c, dir, &go)) {
-        fprintf(stderr, "gen: %s\n", mf_last_error());
-        return 1;
-    }
+    if (mf_test_gen_ckpt(&c, "place_tiny", dir, sizeof dir)) return 1;
     g_V = c.vocab_size;
     mf_model *m = NULL;
     mf_ref *r = NULL;

@@ -21,6 +21,7 @@
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "tests/check.h"
+#include "tests/tiny_ckpt.h"
 
 static char g_dir[1024];
 
@@ -433,8 +434,6 @@ static void test_errors(void)
 
 int main(void)
 {
-    const char *tmp = getenv("MOEFLOW_TMP");
-    snprintf(g_dir, sizeof g_dir, "%s/ref_tiny", tmp ? tmp : "/tmp");
     mf_config c;
     CHECK(mf_config_preset("tiny", &c) == 0, "preset");
     test_sinkhorn(&c);
@@ -444,14 +443,7 @@ int main(void)
     test_fake_quant();
     test_sampler();
 
-    mf_gen_opts go;
-    mf_gen_preset_opts("tiny", &go);
-    go.force = 1;
-    go.quiet = 1;
-    if (mf_gen_write(&c, g_dir, &go)) {
-        fprintf(stderr, "gen: %s\n", mf_last_error());
-        return 1;
-    }
+    if (mf_test_gen_ckpt(&c, "ref_tiny", g_dir, sizeof g_dir)) return 1;
     /* These checks drive the token-id path (and the "no tokenizer" refusal); text goes through
      * test_text_cli with a tokenizer of its own. */
     char tok_path[1100];

@@ -15,6 +15,7 @@
 #include "graphs/step.h"
 #include "sched/error.h"
 #include "tests/check.h"
+#include "tests/tiny_ckpt.h"
 
 #define N_PROMPT 24
 #define N_DEC 16
@@ -185,18 +186,9 @@ static void test_variant(void)
 
 int main(void)
 {
-    const char *tmp = getenv("MOEFLOW_TMP");
-    snprintf(g_dir, sizeof g_dir, "%s/step_tiny", tmp ? tmp : "/tmp");
     mf_config c;
     CHECK(mf_config_preset("tiny", &c) == 0, "preset");
-    mf_gen_opts go;
-    mf_gen_preset_opts("tiny", &go);
-    go.force = 1;
-    go.quiet = 1;
-    if (mf_gen_write(&c, g_dir, &go)) {
-        fprintf(stderr, "gen: %s\n", mf_last_error());
-        return 1;
-    }
+    if (mf_test_gen_ckpt(&c, "step_tiny", g_dir, sizeof g_dir)) return 1;
     char tok_path[1100];
     snprintf(tok_path, sizeof tok_path, "%s/tokenizer.json", g_dir);
     unlink(tok_path);   /* token ids only */

@@ -18,6 +18,7 @@
 #include "sched/error.h"
 #include "sched/sched.h"
 #include "tests/check.h"
+#include "tests/tiny_ckpt.h"
 
 #define N_PROMPT 24
 #define N_DEC 16
@@ -115,18 +116,9 @@ static mf_model *load_streamed(uint64_t budget)
 
 int main(void)
 {
-    const char *tmp = getenv("MOEFLOW_TMP");
-    snprintf(g_dir, sizeof g_dir, "%s/step_store_tiny", tmp ? tmp : "/tmp");
     mf_config c;
     CHECK(mf_config_preset("tiny", &c) == 0, "preset");
-    mf_gen_opts go;
-    mf_gen_preset_opts("tiny", &go);
-    go.force = 1;
-    go.quiet = 1;
-    if (mf_gen_write(&c, g_dir, &go)) {
-        fprintf(stderr, "gen: %s\n", mf_last_error());
-        return 1;
-    }
+    if (mf_test_gen_ckpt(&c, "step_store_tiny", g_dir, sizeof g_dir)) return 1;
     g_V = c.vocab_size;
     g_L = c.n_layers;
     g_K = c.n_experts_per_tok;

@@ -1,0 +1,28 @@
+/* Test fixture: writes a synthetic checkpoint of config `c` (seed 0, the tiny preset's shard
+ * count, quiet, replacing an earlier run's files) into $MOEFLOW_TMP/<name>, or /tmp/<name>. */
+#ifndef MF_TEST_TINY_CKPT_H
+#define MF_TEST_TINY_CKPT_H
+
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "graphs/gen.h"
+#include "sched/error.h"
+
+/* The directory goes to dir[0..n). Returns 0, or 1 with the reason on stderr. */
+static inline int mf_test_gen_ckpt(const mf_config *c, const char *name, char *dir, size_t n)
+{
+    const char *tmp = getenv("MOEFLOW_TMP");
+    snprintf(dir, n, "%s/%s", tmp ? tmp : "/tmp", name);
+    mf_gen_opts go;
+    mf_gen_preset_opts("tiny", &go);
+    go.force = 1;
+    go.quiet = 1;
+    if (mf_gen_write(c, dir, &go)) {
+        fprintf(stderr, "gen %s: %s\n", dir, mf_last_error());
+        return 1;
+    }
+    return 0;
+}
+
+#endif
