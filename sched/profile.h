@@ -1,0 +1,80 @@
+/* Hardware profiles: the rates and latencies of one machine's lanes (host threads and memory, the
+ * disk, PCIe per card, the cards' kernels) in a small text format (docs/tuning.md), every figure
+ * with its source beside it. `moeflow calibrate` writes one for the machine it runs on; the
+ * simulator (graphs/plan.h) turns a profile into the cost models of a step's tasks. */
+#ifndef MF_PROFILE_H
+#define MF_PROFILE_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+/* Kernel families whose rates a profile gives, on the host (per thread) and on a card. */
+typedef enum mf_profile_kfam {
+    MF_KF_FP4 = 0,   /* fused packed-fp4 (E2M1 x E8M0) matmul: routed experts */
+    MF_KF_FP8,       /* fp8 32x32-tile matmul: attention and shared-expert linears */
+    MF_KF_BF16,      /* bf16 matmul: the head, small dense matrices */
+    MF_KF_REF,       /* plain scalar code (attention scores, norms, mixes, routing): flops */
+    MF_KF_N
+} mf_profile_kfam;
+
+/* A kernel's time for a matrix of `bytes` weight bytes and `macs` multiply-adds per token over
+ * n tokens: latency_ns + bytes / bytes_per_s + (n - 1) * macs / macs_per_s. For MF_KF_REF,
+ * bytes_per_s is 0 and the time is latency_ns + n * flops / macs_per_s (flops counted as MACs). */
+typedef struct mf_profile_kern {
+    double bytes_per_s;
+    double macs_per_s;
+    double latency_ns;
+} mf_profile_kern;
+
+#define MF_PROFILE_MAX_KEYS 96
+
+typedef struct mf_profile {
+    char name[64];
+    char path[256];              /* the file it came from ("" when built in memory) */
+    /* host */
+    int n_sockets;
+    int threads_per_socket;      /* worker threads the engine may run per socket (NUMA node) */
+    double mem_bytes_per_s;      /* streaming read bandwidth of one socket, all its threads */
+    double cross_socket_factor;  /* a thread reading the other socket's memory: this fraction of local */
+    double task_overhead_ns;     /* executor cost per task (start, finish, wake-ups) */
+    mf_profile_kern host[MF_KF_N];   /* one thread, data out of cache */
+    /* disk (expert store and streamed Engram tables) */
+    double disk_bytes_per_s;
+    double disk_latency_ns;      /* per request at depth 1 */
+    int disk_queue_depth;        /* requests in flight that still add throughput */
+    /* cards (n_cards 0: none) */
+    int n_cards;
+    int cards_emulated;          /* 1: emulated cards, whose kernels run on the host's cores */
+    uint64_t card_mem_bytes;     /* per card, usable for the expert cache */
+    double h2d_bytes_per_s, h2d_latency_ns;   /* pinned host-to-device, per card */
+    double d2h_bytes_per_s, d2h_latency_ns;
+    double h2d_total_bytes_per_s;  /* all cards copying at once (shared root complex / memory) */
+    mf_profile_kern card[MF_KF_N];
+    /* every key read or set, in file order, with its value text and its source ("" if none) */
+    int n_keys;
+    struct {
+        char key[48];
+        char value[48];
+        char source[200];
+    } keys[MF_PROFILE_MAX_KEYS];
+} mf_profile;
+
+/* Reads a profile file. Format: one `key = value` per line, `# source: ...` after the value is
+ * that figure's source, other `#` text is a comment; values take unit suffixes where the key ends
+ * in _bytes / _bytes_per_s (K, M, G, T = 1000^k; Ki, Mi, Gi, Ti = 1024^k). Every key of the format
+ * must be present exactly once; unknown keys, bad numbers and out-of-range values fail with
+ * -EINVAL naming path:line and the key. */
+int mf_profile_load(const char *path, mf_profile *out);
+/* The same from text in memory; `what` names it in errors. */
+int mf_profile_parse(const char *text, const char *what, mf_profile *out);
+/* Writes p in the format above, each key with its source (keys[]) when it has one. 0 or a
+ * negative code naming the path; written to a temporary name and renamed. */
+int mf_profile_write(const mf_profile *p, const char *path);
+/* Sets a key's source text (for writers such as calibrate); -ENOENT for an unknown key. */
+int mf_profile_set_source(mf_profile *p, const char *key, const char *source);
+/* The source of a key ("" when it has none, NULL for an unknown key). */
+const char *mf_profile_source(const mf_profile *p, const char *key);
+/* Prints the profile as a table (key, value, source). */
+void mf_profile_print(const mf_profile *p, FILE *f);
+
+#endif
