@@ -44,6 +44,8 @@ typedef struct mf_plan_opts {
     int store;                   /* mf_plan_store for routed experts */
     uint64_t store_budget_bytes; /* streamed: slab bytes (0: 2 GiB, as host/store.h) */
     int tables;                  /* mf_plan_store for Engram tables (reads per step when streamed) */
+    double cpu_bytes_per_s;      /* the engine's hybrid model of host expert work, as
+                                  * mf_step_opts.cpu_bytes_per_s (0: 20e9) */
     mf_routing *routing;         /* borrowed; NULL: uniform draws from `seed` */
     uint64_t seed;
 } mf_plan_opts;
@@ -62,7 +64,7 @@ typedef struct mf_plan_report {
     int n_lanes;
     struct {
         char name[24];
-        int64_t busy_ns;                      /* union of the lane's task intervals */
+        int64_t busy_ns;                      /* summed durations of the lane's tasks */
         double share;                         /* busy_ns / slots / step_ns: 1 = always full */
         int slots;                            /* the lane's concurrency */
     } lanes[MF_PLAN_MAX_LANES];
