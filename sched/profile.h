@@ -1,5 +1,5 @@
 /* Hardware profiles: the rates and latencies of one machine's lanes (host threads and memory, the
- * disk, PCIe per card, the cards' kernels) in a small text format (docs/tuning.md), every figure
+ * disk, PCIe per card, the cards' kernels) in a small text format (docs/profiles.md), every figure
  * with its source beside it. `moeflow calibrate` writes one for the machine it runs on; the
  * simulator (graphs/plan.h) turns a profile into the cost models of a step's tasks. */
 #ifndef MF_PROFILE_H
@@ -70,6 +70,9 @@ int mf_profile_parse(const char *text, const char *what, mf_profile *out);
 /* Writes p in the format above, each key with its source (keys[]) when it has one. 0 or a
  * negative code naming the path; written to a temporary name and renamed. */
 int mf_profile_write(const mf_profile *p, const char *path);
+/* The same with `header` (may be NULL; one or more lines) written first as `#` comment lines,
+ * e.g. which machine and when. */
+int mf_profile_write_header(const mf_profile *p, const char *path, const char *header);
 /* Sets a key's source text (for writers such as calibrate); -ENOENT for an unknown key. */
 int mf_profile_set_source(mf_profile *p, const char *key, const char *source);
 /* The source of a key ("" when it has none, NULL for an unknown key). */
