@@ -20,12 +20,17 @@
 
 #define PL_MAX_CARDS 16
 #define PL_STORE_ALIGN 4096.0   /* host/store.c MF_STORE_SLOT_ALIGN: reads are aligned extents */
+/* A bf16 rounding of the reference code (mf_bf: two out-of-line conversions) costs as much as this
+ * many multiply-adds of its dot rows: 4.3 ns against 0.47 ns, measured on the 2-core development
+ * box (docs/sim.md). Rates are the profile's; only this ratio is built in. */
+#define PL_ROUND_MACS 9.0
 
 /* Weights of one layer, from the layout (graphs/layout.h), for the cost formulas. */
 typedef struct pl_layer {
     double attn_fp8_bytes, attn_bf16_bytes;   /* attention linears on the kernels */
-    int n_attn_fp8, n_attn_bf16;              /* kernel calls (wo_a: one per output group) */
+    int n_attn_fp8, n_attn_bf16;              /* kernel calls */
     double hc_macs;                           /* both hyper-connection projections (fp32, scalar) */
+    double attn_ref_macs;                     /* wo_a: the reference's scalar dot rows (grouped) */
     double eng_fp8_bytes, eng_bf16_bytes;     /* Engram wkv, q/k projections */
     double eng_row_bytes;                     /* one table row (codes + scales) */
 } pl_layer;
@@ -88,7 +93,8 @@ static double pl_host(const mf_plan *p, int fam, double bytes, double macs, int 
     return pl_kern(&p->prof.host[fam], bps, bytes, macs, n);
 }
 
-/* Plain scalar code: flops counted as multiply-adds at the REF rate, no latency of its own. */
+/* Plain scalar code (the reference's dot rows, norms, mixes, scores): flops counted as
+ * multiply-adds at the REF rate, no latency of its own. */
 static double pl_ref(const mf_plan *p, double flops)
 {
     const mf_profile_kern *k = &p->prof.host[MF_KF_REF];
@@ -114,11 +120,15 @@ static double pl_attn_ns(const mf_plan *p, int L, int64_t pos)
         n_vis = (pos + 1) / ratio;
         n_sel = n_vis < c->index_topk ? n_vis : c->index_topk;
     }
-    double flops = y->hc_macs                                   /* mixes */
+    double flops = y->hc_macs + y->attn_ref_macs                /* mixes, wo_a */
                    + 2.0 * c->hc_mult * H * (2 + c->hc_mult)    /* collapse x2, expand */
                    + 8.0 * H + 4.0 * c->q_lora_rank             /* norms */
                    + 2.0 * nh * D * (double)(n_win + n_sel)     /* scores and values */
                    + c->hc_sinkhorn_iters * 4.0 * c->hc_mult * c->hc_mult * 2;
+    /* bf16 roundings: norms (2 per element), q_lora, q and kv (twice), the heads' outputs, the
+     * collapses and the expand */
+    double rounds = (6.0 + c->hc_mult) * H + 3.0 * c->q_lora_rank + 3.0 * nh * D + 5.0 * D;
+    flops += PL_ROUND_MACS * rounds;
     if (mf_config_is_index_source(c, L) && n_vis > 0)
         flops += (double)n_vis * c->index_n_heads * c->index_head_dim;
     return ns + pl_ref(p, flops);
@@ -163,8 +173,11 @@ static int pl_sizes(mf_plan *p)
         }
         pl_layer *y = &p->layer[t->layer];
         const char *nm = t->name;
-        if (t->group == MF_GROUP_ATTN) {
-            if (t->role == MF_ROLE_FP8_WEIGHT) y->n_attn_fp8 += strstr(nm, ".wo_a.") ? p->c.o_groups : 1;
+        if (t->group == MF_GROUP_ATTN && strstr(nm, ".wo_a.")) {
+            /* ref_attn.c runs the grouped wo_a through mf_ref_linear_rows: scalar, not the kernels */
+            if (t->role == MF_ROLE_FP8_WEIGHT) y->attn_ref_macs += (double)t->shape[0] * (double)t->shape[1];
+        } else if (t->group == MF_GROUP_ATTN) {
+            if (t->role == MF_ROLE_FP8_WEIGHT) y->n_attn_fp8++;
             if (t->role == MF_ROLE_FP8_WEIGHT || t->role == MF_ROLE_FP8_SCALE) y->attn_fp8_bytes += b;
             if (t->role == MF_ROLE_LINEAR) {
                 y->attn_bf16_bytes += b;
@@ -383,7 +396,7 @@ static uint64_t pl_next(uint64_t *s)   /* splitmix64 */
 static int pl_route(mf_plan *p)
 {
     int n = p->batch, K = p->K, E = p->E;
-    if (p->o.routing) return mf_error(-ENOTSUP, "plan: routing objects need graphs/routing.c (not merged yet)");
+    if (p->o.routing) return mf_routing_next(p->o.routing, n, p->ex);
     for (int L = 0; L < p->n_layers; L++)
         for (int t = 0; t < n; t++) {
             int32_t *e = p->ex + ((size_t)L * n + t) * K;
@@ -681,8 +694,11 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
         pl_dep(&b, ro, done);
         for (int k = 0; k < u; k++) {
             snprintf(name, sizeof name, par ? "combine L%d item %d" : "combine L%d", L, k);
+            /* per item: K routed outputs rounded and summed, the shared one, the sum rounded, the
+             * expand into the streams (rounded) */
             unit[k] = pl_add(&b, name, 0, MF_STEP_MOE, PL_K_OTHER, 0, per * H * (K + 2 + 2 * c->hc_mult),
-                             pl_ref(p, per * H * (K + 2 + c->hc_mult * (1 + c->hc_mult))));
+                             pl_ref(p, per * H * (K + 2 + c->hc_mult * (1 + c->hc_mult) +
+                                                  PL_ROUND_MACS * (K + 1 + c->hc_mult))));
             pl_dep(&b, done, unit[k]);
         }
         pl_layer_done(p, L, sl, n_used);
@@ -691,7 +707,7 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
     for (int k = 0; k < u; k++) {
         snprintf(name, sizeof name, par ? "norm item %d" : "norm", k);
         mf_task_id no = pl_add(&b, name, 0, MF_STEP_HEAD, PL_K_OTHER, 0, per * H * 8,
-                               pl_ref(p, per * H * (c->hc_mult + 8)));
+                               pl_ref(p, per * H * (c->hc_mult + 2 + 3 * PL_ROUND_MACS)));
         pl_dep(&b, unit[k], no);
         pl_dep(&b, no, hj);
     }
@@ -833,7 +849,7 @@ void mf_plan_total(const mf_plan *p, mf_plan_report *out)
     }
     for (int l = 0; l < p->n_lanes; l++) out->lanes[l].busy_ns /= n;
     pl_shares(p, out, (double)p->total.step_ns / n);
-    out->token_ns = (double)p->total.step_ns / n / p->batch;
+    out->token_ns = (double)out->step_ns / p->batch;
 }
 
 void mf_plan_reset_totals(mf_plan *p)
