@@ -15,6 +15,7 @@ static const struct {
     {"info", mf_cmd_info, "byte census of a checkpoint by group, config summary and layout check"},
     {"sim", mf_cmd_sim, "simulate decode steps on a hardware profile (--measure: against a real run)"},
     {"bench", mf_cmd_bench, "micro-benchmarks (bench sched: scheduler overhead; bench kernels: fused matmuls)"},
+    {"calibrate", mf_cmd_calibrate, "measure this machine into a hardware profile (docs/profiles.md)"},
     {NULL, NULL, NULL},
 };
 
@@ -23,7 +24,9 @@ static void mf_usage(FILE *f)
     fprintf(f, "usage: moeflow <command> [options]   (moeflow <command> --help for each)\n\n");
     for (size_t i = 0; mf_commands[i].name; i++)
         fprintf(f, "  %-10s %s\n", mf_commands[i].name, mf_commands[i].what);
-    fprintf(f, "\nNot yet built: tune, calibrate (see the open issues).\n");
+    fprintf(f, "
+Not yet built: tune (see the open issues).
+");
 }
 
 int main(int argc, char **argv)
