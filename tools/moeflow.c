@@ -24,9 +24,7 @@ static void mf_usage(FILE *f)
     fprintf(f, "usage: moeflow <command> [options]   (moeflow <command> --help for each)\n\n");
     for (size_t i = 0; mf_commands[i].name; i++)
         fprintf(f, "  %-10s %s\n", mf_commands[i].name, mf_commands[i].what);
-    fprintf(f, "
-Not yet built: tune (see the open issues).
-");
+    fprintf(f, "\nNot yet built: tune (see the open issues).\n");
 }
 
 int main(int argc, char **argv)
