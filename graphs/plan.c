@@ -20,10 +20,17 @@
 
 #define PL_MAX_CARDS 16
 #define PL_STORE_ALIGN 4096.0   /* host/store.c MF_STORE_SLOT_ALIGN: reads are aligned extents */
-/* A bf16 rounding of the reference code (mf_bf: two out-of-line conversions) costs as much as this
- * many multiply-adds of its dot rows: 4.3 ns against 0.47 ns, measured on the 2-core development
- * box (docs/sim.md). Rates are the profile's; only this ratio is built in. */
-#define PL_ROUND_MACS 9.0
+/* The reference code's loops against the profile's REF loop (plain C attention, double sums):
+ * what one unit of each costs in REF multiply-adds. Measured on the 2-core development box with a
+ * micro-benchmark of each loop in the same minute as `moeflow calibrate` (docs/sim.md "Weights"):
+ * a MAC of mf_ref_linear_rows over fp8 weights (0.457 ns) and over bf16 weights (0.728 ns), a
+ * MAC of the hyper-connection mixes over fp32 weights out of cache (0.676 ns), one bf16 rounding
+ * (mf_bf on random values, 8.83 ns), against host_ref 2.67 GMAC/s (0.374 ns). Rates are the
+ * profile's; only these ratios are built in. */
+#define PL_W_DOT_FP8 1.22
+#define PL_W_DOT_BF16 1.95
+#define PL_W_MIX 1.81
+#define PL_W_ROUND 23.6
 
 /* Weights of one layer, from the layout (graphs/layout.h), for the cost formulas. */
 typedef struct pl_layer {
@@ -35,8 +42,9 @@ typedef struct pl_layer {
     double eng_row_bytes;                     /* one table row (codes + scales) */
 } pl_layer;
 
-/* Kinds of task, as step.c's MF_STEP_K_* (what the phase table leaves out). */
-enum { PL_K_OTHER, PL_K_IO, PL_K_EXPERT, PL_K_COPY, PL_K_DEV, PL_K_COPY_OUT };
+/* Kinds of task, as step.c's MF_STEP_K_* (what the phase table leaves out), and the host-thread
+ * work of an emulated card's operation (no phase either). */
+enum { PL_K_OTHER, PL_K_IO, PL_K_EXPERT, PL_K_COPY, PL_K_DEV, PL_K_COPY_OUT, PL_K_WAKE };
 
 struct mf_plan {
     mf_plan_opts o;
@@ -53,10 +61,10 @@ struct mf_plan {
     double head_bytes;
     double cpu_bytes_per_s;                  /* host kernels: min(thread, socket memory / threads) */
     /* lanes: cpu, [io], 3 per card */
-    mf_lane_desc lanes[2 + 3 * PL_MAX_CARDS];
-    char lane_names[2 + 3 * PL_MAX_CARDS][24];
-    uint8_t lane_core[2 + 3 * PL_MAX_CARDS];
-    int n_lanes, io_lane, dev_lane0;
+    mf_lane_desc lanes[3 + 3 * PL_MAX_CARDS];
+    char lane_names[3 + 3 * PL_MAX_CARDS][24];
+    uint8_t lane_core[3 + 3 * PL_MAX_CARDS];
+    int n_lanes, io_lane, dev_lane0, emu_lane;
     /* caches */
     int streamed;
     mf_plan_cache store;
@@ -120,15 +128,18 @@ static double pl_attn_ns(const mf_plan *p, int L, int64_t pos)
         n_vis = (pos + 1) / ratio;
         n_sel = n_vis < c->index_topk ? n_vis : c->index_topk;
     }
-    double flops = y->hc_macs + y->attn_ref_macs                /* mixes, wo_a */
+    double flops = PL_W_MIX * y->hc_macs                        /* the two mixes */
+                   + PL_W_DOT_FP8 * y->attn_ref_macs            /* wo_a */
                    + 2.0 * c->hc_mult * H * (2 + c->hc_mult)    /* collapse x2, expand */
                    + 8.0 * H + 4.0 * c->q_lora_rank             /* norms */
                    + 2.0 * nh * D * (double)(n_win + n_sel)     /* scores and values */
                    + c->hc_sinkhorn_iters * 4.0 * c->hc_mult * c->hc_mult * 2;
-    /* bf16 roundings: norms (2 per element), q_lora, q and kv (twice), the heads' outputs, the
-     * collapses and the expand */
-    double rounds = (6.0 + c->hc_mult) * H + 3.0 * c->q_lora_rank + 3.0 * nh * D + 5.0 * D;
-    flops += PL_ROUND_MACS * rounds;
+    /* bf16 roundings (ref_attn.c, ref_hc.c, ref_ops.c): q_lora and its norm (2 per element), q
+     * before and after RoPE, kv likewise and its norm, the heads' outputs and their un-roped
+     * part, wo_a's output, the output, attn_norm and ffn_norm, two collapses, the expand */
+    double rounds = 3.0 * c->q_lora_rank + 3.0 * nh * D + nh * (double)c->qk_rope_head_dim + 4.0 * D +
+                    (double)c->o_groups * c->o_lora_rank + (7.0 + c->hc_mult) * H;
+    flops += PL_W_ROUND * rounds;
     if (mf_config_is_index_source(c, L) && n_vis > 0)
         flops += (double)n_vis * c->index_n_heads * c->index_head_dim;
     return ns + pl_ref(p, flops);
@@ -142,7 +153,8 @@ static double pl_engram_ns(const mf_plan *p, int L, uint64_t *bytes_read)
     const pl_layer *y = &p->layer[L];
     double rows = (double)(c->engram_max_ngram_size - 1) * c->engram_n_heads;
     double ns = pl_host(p, MF_KF_FP8, y->eng_fp8_bytes, 0, 1) + pl_host(p, MF_KF_BF16, y->eng_bf16_bytes, 0, 1);
-    ns += pl_ref(p, rows * c->engram_head_dim * 2 + 6.0 * (c->hc_mult + 1) * c->hidden_size);
+    ns += pl_ref(p, rows * c->engram_head_dim * 2 + 6.0 * (c->hc_mult + 1) * c->hidden_size +
+                    PL_W_ROUND * (c->hc_mult + 1.0) * c->hidden_size);
     if (p->o.tables == MF_PLAN_STORE_STREAMED) {
         double b = rows * ceil(y->eng_row_bytes / PL_STORE_ALIGN) * PL_STORE_ALIGN;
         ns += p->prof.disk_latency_ns + b / p->prof.disk_bytes_per_s * 1e9;
@@ -321,6 +333,15 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
                                          .device = cd, .model = m};
             p->lane_core[l] = k == 1 && p->emulated;
         }
+    }
+    p->emu_lane = -1;
+    if (p->n_cards && p->emulated) {
+        /* emulated cards are host threads: each device task's round trip through its stream
+         * (the submitting thread, the stream's thread, the callback) runs on the host's cores */
+        p->emu_lane = p->n_lanes++;
+        p->lanes[p->emu_lane] = (mf_lane_desc){.kind = MF_LANE_CPU, .name = "emu.threads", .concurrency = 64,
+                                               .numa_node = -1, .model = {.latency_ns = 5000}};
+        p->lane_core[p->emu_lane] = 1;
     }
 
     /* caches */
@@ -581,7 +602,11 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
     double ref_attn_ns = per * (H * (c->q_lora_rank + 4.0 * c->hc_mult * 24) + (double)c->q_lora_rank *
                                 c->n_heads * c->head_dim + 2.0 * c->n_heads * c->head_dim * H);
     double exp_bytes = 3 * H * I * 0.53, sh_bytes = 3 * H * I * 1.0;
-    double empty = 0;   /* a task whose slot is elsewhere: only the executor's overhead */
+    double empty = 0;   /* a host task whose slot is elsewhere: only the executor's overhead */
+    /* a device task with nothing to do still makes one round trip through its stream (the
+     * scheduler completes it in a stream callback): the card's kernel latency measures that */
+    double dev_empty = p->n_cards ? p->prof.card[MF_KF_FP4].latency_ns : 0;
+    if (p->emu_lane >= 0) dev_empty = 0;   /* the round trip is the wake task's, on a core */
     const mf_profile *f = &p->prof;
     char name[64];
     for (int k = 0; k < u; k++) unit[k] = -1;
@@ -604,12 +629,13 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
             gates[k] = at[k];
             if (par) {
                 snprintf(name, sizeof name, "gate L%d item %d", L, k);
-                gates[k] = pl_add(&b, name, 0, MF_STEP_MOE, PL_K_OTHER, 0, H * E, pl_ref(p, H * E + 4.0 * E));
+                gates[k] = pl_add(&b, name, 0, MF_STEP_MOE, PL_K_OTHER, 0, H * E,
+                                  pl_ref(p, PL_W_DOT_BF16 * H * E + 4.0 * E));
                 pl_dep(&b, at[k], gates[k]);
             }
         }
         /* route: (serial: the gates,) the slot table, gathers, quantization of host slots' inputs */
-        double route_fl = n * H * K * 2.0 + (par ? 0 : n * (H * E + 4.0 * E));
+        double route_fl = n * H * K * 2.0 + (par ? 0 : n * (PL_W_DOT_BF16 * H * E + 4.0 * E));
         snprintf(name, sizeof name, "route L%d", L);
         mf_task_id ro = pl_add(&b, name, 0, MF_STEP_MOE, PL_K_OTHER, 0,
                                n * H * (K + (par ? 0 : E)), pl_ref(p, route_fl));
@@ -641,8 +667,10 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
                                        host ? pl_host(p, MF_KF_FP4, p->up_bytes / p_exp, 2 * H * I / p_exp, cnt)
                                             : empty);
                 snprintf(name, sizeof name, "expert L%d slot %d down %d", L, s, q);
+                /* mf_step_ffn_down rounds each output to bf16 */
                 mf_task_id dn = pl_add(&b, name, 0, MF_STEP_MOE, PL_K_EXPERT, exp_bytes / 3 / p_exp, 0,
-                                       host ? pl_host(p, MF_KF_FP4, p->down_bytes / p_exp, H * I / p_exp, cnt)
+                                       host ? pl_host(p, MF_KF_FP4, p->down_bytes / p_exp, H * I / p_exp, cnt) +
+                                                  pl_ref(p, PL_W_ROUND * H / p_exp * cnt)
                                             : empty);
                 pl_dep(&b, ro, up);
                 for (int j = 0; p->streamed && j < n_parts; j++) pl_dep(&b, io[j], up);
@@ -655,11 +683,11 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
                 double act = cnt * H * 4.0 + cnt * 4.0;
                 double in_ns = here ? (miss ? 8 : 2) * f->h2d_latency_ns +
                                       ((miss ? p->xslot_bytes : 0) + act) / f->h2d_bytes_per_s * 1e9
-                                    : empty;
+                                    : dev_empty;
                 double ffn_ns = here ? pl_kern(&f->card[MF_KF_FP4], f->card[MF_KF_FP4].bytes_per_s,
                                                p->up_bytes + p->down_bytes, 3 * H * I, cnt)
-                                     : empty;
-                double out_ns = here ? f->d2h_latency_ns + cnt * H * 4.0 / f->d2h_bytes_per_s * 1e9 : empty;
+                                     : dev_empty;
+                double out_ns = here ? f->d2h_latency_ns + cnt * H * 4.0 / f->d2h_bytes_per_s * 1e9 : dev_empty;
                 snprintf(name, sizeof name, "dev%d L%d slot %d in", cd, L, s);
                 mf_task_id din = pl_add(&b, name, p->dev_lane0 + 3 * cd, MF_STEP_MOE, PL_K_COPY, p->xslot_bytes,
                                         0, in_ns);
@@ -669,10 +697,21 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
                 snprintf(name, sizeof name, "dev%d L%d slot %d out", cd, L, s);
                 mf_task_id dout = pl_add(&b, name, p->dev_lane0 + 3 * cd + 2, MF_STEP_MOE, PL_K_COPY_OUT,
                                          n * H * 4.0, 0, out_ns);
-                pl_dep(&b, ro, din);
-                for (int j = 0; p->streamed && j < n_parts; j++) pl_dep(&b, io[j], din);
-                pl_dep(&b, din, dff);
-                pl_dep(&b, dff, dout);
+                mf_task_id wk[3] = {-1, -1, -1};
+                for (int k = 0; p->emu_lane >= 0 && k < 3; k++) {
+                    snprintf(name, sizeof name, "dev%d L%d slot %d %s (threads)", cd, L, s,
+                             k == 0 ? "in" : k == 1 ? "ffn" : "out");
+                    wk[k] = pl_add(&b, name, p->emu_lane, MF_STEP_MOE, PL_K_WAKE, 0, 0,
+                                   f->card[MF_KF_FP4].latency_ns - p->prof.task_overhead_ns);
+                }
+                mf_task_id first = wk[0] >= 0 ? wk[0] : din;
+                pl_dep(&b, ro, first);
+                for (int j = 0; p->streamed && j < n_parts; j++) pl_dep(&b, io[j], first);
+                pl_dep(&b, wk[0], din);
+                pl_dep(&b, din, wk[1] >= 0 ? wk[1] : dff);
+                pl_dep(&b, wk[1], dff);
+                pl_dep(&b, dff, wk[2] >= 0 ? wk[2] : dout);
+                pl_dep(&b, wk[2], dout);
                 pl_dep(&b, dout, done);
             }
         }
@@ -684,7 +723,8 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
                                    pl_host(p, MF_KF_FP8, p->sh_up_bytes / p_sh, 2 * H * p->Ish / p_sh, n));
             snprintf(name, sizeof name, "shared L%d down %d", L, q);
             mf_task_id dn = pl_add(&b, name, 0, MF_STEP_MOE, PL_K_EXPERT, sh_bytes / 3 / p_sh, 0,
-                                   pl_host(p, MF_KF_FP8, p->sh_down_bytes / p_sh, H * p->Ish / p_sh, n));
+                                   pl_host(p, MF_KF_FP8, p->sh_down_bytes / p_sh, H * p->Ish / p_sh, n) +
+                                       pl_ref(p, PL_W_ROUND * H / p_sh * n));
             for (int k = 0; k < u; k++) pl_dep(&b, at[k], up);
             if (p->streamed) pl_dep(&b, ro, up);
             pl_dep(&b, up, sj);
@@ -698,7 +738,7 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
              * expand into the streams (rounded) */
             unit[k] = pl_add(&b, name, 0, MF_STEP_MOE, PL_K_OTHER, 0, per * H * (K + 2 + 2 * c->hc_mult),
                              pl_ref(p, per * H * (K + 2 + c->hc_mult * (1 + c->hc_mult) +
-                                                  PL_ROUND_MACS * (K + 1 + c->hc_mult))));
+                                                  PL_W_ROUND * (K + 1 + c->hc_mult))));
             pl_dep(&b, done, unit[k]);
         }
         pl_layer_done(p, L, sl, n_used);
@@ -707,7 +747,7 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
     for (int k = 0; k < u; k++) {
         snprintf(name, sizeof name, par ? "norm item %d" : "norm", k);
         mf_task_id no = pl_add(&b, name, 0, MF_STEP_HEAD, PL_K_OTHER, 0, per * H * 8,
-                               pl_ref(p, per * H * (c->hc_mult + 2 + 3 * PL_ROUND_MACS)));
+                               pl_ref(p, per * H * (c->hc_mult + 2 + 3 * PL_W_ROUND)));
         pl_dep(&b, unit[k], no);
         pl_dep(&b, no, hj);
     }
@@ -746,7 +786,7 @@ static int pl_account(mf_plan *p, mf_plan_report *r)
         int l = mf_graph_task(p->g, t)->lane;
         r->lanes[l].busy_ns += sp[t].end_ns - sp[t].start_ns;
         int k = p->kind_of[t];
-        if (k == PL_K_IO || k == PL_K_COPY || k == PL_K_COPY_OUT) continue;
+        if (k == PL_K_IO || k == PL_K_COPY || k == PL_K_COPY_OUT || k == PL_K_WAKE) continue;
         sorted[m] = sp[t];
         sorted[m++].worker = p->phase_of[t];
     }
