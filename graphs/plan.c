@@ -61,9 +61,9 @@ struct mf_plan {
     double head_bytes;
     double cpu_bytes_per_s;                  /* host kernels: min(thread, socket memory / threads) */
     /* lanes: cpu, [io], 3 per card */
-    mf_lane_desc lanes[3 + 3 * PL_MAX_CARDS];
-    char lane_names[3 + 3 * PL_MAX_CARDS][24];
-    uint8_t lane_core[3 + 3 * PL_MAX_CARDS];
+    mf_lane_desc lanes[2 + 6 * PL_MAX_CARDS];
+    char lane_names[2 + 6 * PL_MAX_CARDS][32];
+    uint8_t lane_core[2 + 6 * PL_MAX_CARDS];
     int n_lanes, io_lane, dev_lane0, emu_lane;
     /* caches */
     int streamed;
@@ -337,11 +337,23 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
     p->emu_lane = -1;
     if (p->n_cards && p->emulated) {
         /* emulated cards are host threads: each device task's round trip through its stream
-         * (the submitting thread, the stream's thread, the callback) runs on the host's cores */
-        p->emu_lane = p->n_lanes++;
-        p->lanes[p->emu_lane] = (mf_lane_desc){.kind = MF_LANE_CPU, .name = "emu.threads", .concurrency = 64,
-                                               .numa_node = -1, .model = {.latency_ns = 5000}};
-        p->lane_core[p->emu_lane] = 1;
+         * (the stream's thread running its operations in order, the callback) needs a host core:
+         * per stream a lane of one, in the pool */
+        if (p->n_lanes + 3 * p->n_cards > MF_PLAN_MAX_LANES) {
+            rc = mf_error(-EINVAL, "plan: %d emulated cards need %d lanes (at most %d)", p->n_cards,
+                          p->n_lanes + 3 * p->n_cards, MF_PLAN_MAX_LANES);
+            goto fail;
+        }
+        p->emu_lane = p->n_lanes;
+        for (int cd = 0; cd < p->n_cards; cd++)
+            for (int k = 0; k < 3; k++) {
+                int l = p->n_lanes++;
+                snprintf(p->lane_names[l], sizeof p->lane_names[l], "dev%d.%s.thr", cd,
+                         k == 0 ? "in" : k == 1 ? "ffn" : "out");
+                p->lanes[l] = (mf_lane_desc){.kind = MF_LANE_CPU, .name = p->lane_names[l], .concurrency = 1,
+                                             .numa_node = -1, .model = {.latency_ns = 5000}};
+                p->lane_core[l] = 1;
+            }
     }
 
     /* caches */
@@ -701,7 +713,7 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
                 for (int k = 0; p->emu_lane >= 0 && k < 3; k++) {
                     snprintf(name, sizeof name, "dev%d L%d slot %d %s (threads)", cd, L, s,
                              k == 0 ? "in" : k == 1 ? "ffn" : "out");
-                    wk[k] = pl_add(&b, name, p->emu_lane, MF_STEP_MOE, PL_K_WAKE, 0, 0,
+                    wk[k] = pl_add(&b, name, p->emu_lane + 3 * cd + k, MF_STEP_MOE, PL_K_WAKE, 0, 0,
                                    f->card[MF_KF_FP4].latency_ns - p->prof.task_overhead_ns);
                 }
                 mf_task_id first = wk[0] >= 0 ? wk[0] : din;

@@ -127,6 +127,16 @@ static void test_structure(const char *tmp)
     CHECK(r.dev_slots == 16 && r.host_slots == 0, "seed: %lld dev slots, %lld host", (long long)r.dev_slots,
           (long long)r.host_slots);
     mf_plan_free(p);
+
+    /* emulated cards: each device task is preceded by its stream's round trip on a host core,
+     * one lane per stream: 96 device tasks, 96 round trips, 6 more lanes */
+    f.cards_emulated = 1;
+    CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .placement = MF_STEP_PLACE_SEED}, &p), "%s",
+          mf_last_error());
+    CHECK(!mf_plan_step(p, &r), "%s", mf_last_error());
+    CHECK(r.n_tasks == 110 + 96 + 96 && r.n_lanes == 1 + 6 + 6, "tiny seed emulated: %d tasks, %d lanes",
+          r.n_tasks, r.n_lanes);
+    mf_plan_free(p);
     remove(trace);
 }
 
