@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -225,6 +226,34 @@ static void test_errors(void)
     CHECK(rc == -ENOENT && strstr(mf_last_error(), "/nonexistent/x.prof"), "missing file: %d '%s'", rc, mf_last_error());
 }
 
+/* Random byte edits of a valid profile: every result is a valid profile or -EINVAL with a message
+ * naming the text (under ASan this also checks the parser never reads or writes out of bounds). */
+static void test_mutations(void)
+{
+    char *base = make_text(-1, -1, NULL, NULL);
+    size_t n = strlen(base);
+    uint64_t x = 88172645463325252ull;
+    int bad = 0, refused = 0;
+    static const char alphabet[] = "=#\n -.e0123456789KMGTi_ax\t";
+    for (int it = 0; it < 3000; it++) {
+        char *t = strdup(base);
+        int edits = 1 + it % 4;
+        for (int e = 0; e < edits; e++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            size_t at = (size_t)(x % n);
+            t[at] = alphabet[(x >> 32) % (sizeof alphabet - 1)];
+        }
+        mf_profile p;
+        int rc = mf_profile_parse(t, "mut.prof", &p);
+        if (rc != 0 && (rc != -EINVAL || !strstr(mf_last_error(), "mut.prof"))) bad++;
+        refused += rc != 0;
+        free(t);
+    }
+    CHECK(bad == 0, "%d mutated profiles failed other than with -EINVAL naming the text", bad);
+    CHECK(refused > 1000, "only %d of 3000 mutated profiles refused", refused);
+    free(base);
+}
+
 static void test_round_trip(const char *tmpdir)
 {
     char *t = make_text(-1, -1, NULL, NULL);
@@ -341,6 +370,7 @@ int main(void)
     }
     test_parse_and_units();
     test_errors();
+    test_mutations();
     test_round_trip(dir);
     test_shipped();
     char cmd[1100];
