@@ -16,7 +16,7 @@ static void mf_calibrate_usage(FILE *f)
 {
     fprintf(f,
             "usage: moeflow calibrate [--out FILE] [--json] [--dir DIR] [--devices SPEC]\n"
-            "                         [--name NAME] [--disk-mib N] [--quick] [--quiet]\n\n"
+            "                         [--name NAME] [--note TEXT] [--disk-mib N] [--quick] [--quiet]\n\n"
             "Measures this machine in under a minute (--quick: a few seconds, rougher) and prints\n"
             "a hardware profile (docs/profiles.md): every figure with its source, \"measured by\n"
             "moeflow calibrate on HOST DATE: how\". Progress goes to stderr.\n"
@@ -41,6 +41,8 @@ static void mf_calibrate_usage(FILE *f)
             "  --devices SPEC  cards to calibrate: emu:N[,mem=..][,bw=..][,lat_ns=..] or cuda,\n"
             "                  cuda:0,1 (default: none; the profile then has n_cards = 0)\n"
             "  --name NAME     the profile's name (default calibrated-<host name>)\n"
+            "  --note TEXT     a comment for the written file's header, e.g. what machine this is\n"
+            "                  (repeatable)\n"
             "  --disk-mib N    size of the disk probe's file (default 256, --quick 64; 8..65536)\n"
             "  --quick         smaller buffers, fewer repetitions (tests)\n"
             "  --quiet         no progress on stderr\n");
@@ -50,6 +52,7 @@ int mf_cmd_calibrate(int argc, char **argv)
 {
     mf_hwcal_opts o = {0};
     const char *out = NULL;
+    char notes[1024] = "";
     int json = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -67,6 +70,14 @@ int mf_cmd_calibrate(int argc, char **argv)
             o.devices = argv[++i];
         } else if (!strcmp(a, "--name") && hv) {
             o.name = argv[++i];
+        } else if (!strcmp(a, "--note") && hv) {
+            const char *t = argv[++i];
+            size_t n = strlen(notes);
+            if (strlen(t) + n + 2 > sizeof notes) {
+                fprintf(stderr, "moeflow calibrate: --note: notes longer than %zu characters\n", sizeof notes - 2);
+                return 2;
+            }
+            snprintf(notes + n, sizeof notes - n, "\n%s", t);
         } else if (!strcmp(a, "--disk-mib") && hv) {
             char *end;
             long v = strtol(argv[++i], &end, 10);
@@ -101,14 +112,14 @@ int mf_cmd_calibrate(int argc, char **argv)
         return 1;
     }
     if (out) {
-        char who[160], cpu[160], header[800];
+        char who[160], cpu[160], header[2048];
         mf_hwcal_host_date(who, sizeof who);
         mf_hwcal_cpu_model(cpu, sizeof cpu);
         snprintf(header, sizeof header,
                  "written by moeflow calibrate%s%s%s on %s\n"
-                 "CPU: %s, %ld online CPUs; cards: %s",
+                 "CPU: %s, %ld online CPUs; cards: %s%s",
                  o.quick ? " --quick" : "", o.devices ? " --devices " : "", o.devices ? o.devices : "", who, cpu,
-                 sysconf(_SC_NPROCESSORS_ONLN), o.devices ? o.devices : "none");
+                 sysconf(_SC_NPROCESSORS_ONLN), o.devices ? o.devices : "none", notes);
         if ((rc = mf_profile_write_header(p, out, header))) {
             fprintf(stderr, "moeflow calibrate: %s\n", mf_last_error());
             free(p);

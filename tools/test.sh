@@ -29,7 +29,7 @@ MOEFLOW_BUILD="$root/build" bash tests/conformance/run.sh
 run_suite build-asan "" -DCMAKE_BUILD_TYPE=Debug -DMOEFLOW_CUDA=OFF \
   "-DMOEFLOW_SANITIZE=address;undefined"
 if ls "$root"/tests/test_sched*.c >/dev/null 2>&1; then
-  run_suite build-tsan "sched|sim|step|store|io_lane|test_dev|place|xcache" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOEFLOW_CUDA=OFF \
+  run_suite build-tsan "sched|sim|step|store|io_lane|test_dev|place|xcache|routing" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOEFLOW_CUDA=OFF \
     -DMOEFLOW_SANITIZE=thread
 fi
 if [ -f "$root/tests/fuzz/CMakeLists.txt" ]; then
