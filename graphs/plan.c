@@ -252,6 +252,8 @@ static int pl_check(const mf_plan_opts *o)
         (o->tables != MF_PLAN_STORE_RESIDENT && o->tables != MF_PLAN_STORE_STREAMED))
         return mf_error(-EINVAL, "plan: store modes %d / %d (expected resident or streamed)", o->store, o->tables);
     if (o->context < 0) return mf_error(-EINVAL, "plan: context %" PRId64 " tokens", o->context);
+    if (!(o->dev_task_ns >= 0 && o->dev_task_ns < 1e9))
+        return mf_error(-EINVAL, "plan: device task time %g ns (expected 0..1e9)", o->dev_task_ns);
     int thr = (o->n_sockets ? o->n_sockets : f->n_sockets) * (o->threads_per_socket ? o->threads_per_socket
                                                                                   : f->threads_per_socket);
     if (thr < 1 || thr > 256)
@@ -714,7 +716,8 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
                     snprintf(name, sizeof name, "dev%d L%d slot %d %s (threads)", cd, L, s,
                              k == 0 ? "in" : k == 1 ? "ffn" : "out");
                     wk[k] = pl_add(&b, name, p->emu_lane + 3 * cd + k, MF_STEP_MOE, PL_K_WAKE, 0, 0,
-                                   f->card[MF_KF_FP4].latency_ns - p->prof.task_overhead_ns);
+                                   (p->o.dev_task_ns > 0 ? p->o.dev_task_ns : f->card[MF_KF_FP4].latency_ns) -
+                                       p->prof.task_overhead_ns);
                 }
                 mf_task_id first = wk[0] >= 0 ? wk[0] : din;
                 pl_dep(&b, ro, first);

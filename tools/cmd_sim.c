@@ -28,7 +28,7 @@ static void mf_sim_usage(FILE *f)
             "                   [--routing uniform|zipf:S|trace:FILE] [--seed S] [--context N]\n"
             "                   [--store resident|streamed] [--store-budget SIZE] [--tables resident|streamed]\n"
             "                   [--dev-cache SIZE] [--cache-policy lfu|lru] [--read-window N]\n"
-            "                   [--copy-slots N] [--trace FILE] [--json] [--measure]\n\n"
+            "                   [--copy-slots N] [--dev-task-ns NS] [--trace FILE] [--json] [--measure]\n\n"
             "Simulates decode steps of the scheduled engine (graphs/step.c's graph, docs/sim.md) on the\n"
             "hardware profile P: --warmup steps (default 2) warm the caches, then --steps (default 8)\n"
             "are reported: predicted time per token, the phase table, each lane's work and busy share,\n"
@@ -48,6 +48,8 @@ static void mf_sim_usage(FILE *f)
             "  --cache-policy P    lfu (default, the engine's) or lru\n"
             "  --read-window N     streamed store: slots whose reads are in flight (default 2, -1 all)\n"
             "  --copy-slots N      copy-in streams per card (default 1, the engine's)\n"
+            "  --dev-task-ns NS    emulated cards: host core time per device task, from `moeflow\n"
+            "                      bench devtasks` (default: the profile's card_fp4_latency_ns)\n"
             "  --trace FILE        Chrome trace of the last simulated step\n"
             "  --json              one JSON object instead of the tables\n"
             "  --measure           also decode for real on this machine (a loadable checkpoint;\n"
@@ -177,7 +179,7 @@ int mf_cmd_sim(int argc, char **argv)
     const char *prof_path = NULL, *dir = NULL, *preset = NULL, *routing_spec = "uniform", *trace = NULL;
     const char *placement = "host";
     long cards = 0, threads = 0, batch = 1, steps = 8, warmup = 2, seed = 1, context = 16, read_window = 0;
-    long copy_slots = 0;
+    long copy_slots = 0, dev_task_ns = 0;
     int json = 0, measure = 0, store = MF_PLAN_STORE_RESIDENT, tables = MF_PLAN_STORE_RESIDENT, policy = 0;
     uint64_t store_budget = 0, dev_cache = 0;
     for (int i = 1; i < argc; i++) {
@@ -188,7 +190,7 @@ int mf_cmd_sim(int argc, char **argv)
             {"--cards", &cards, 1, 16}, {"--threads", &threads, 1, 256}, {"--batch", &batch, 1, MF_STEP_MAX_ITEMS},
             {"--steps", &steps, 1, 100000}, {"--warmup", &warmup, 0, 100000}, {"--seed", &seed, 0, 1L << 62},
             {"--context", &context, 1, 1L << 40}, {"--read-window", &read_window, -1, 4096},
-            {"--copy-slots", &copy_slots, 1, 64},
+            {"--copy-slots", &copy_slots, 1, 64}, {"--dev-task-ns", &dev_task_ns, 1, 100000000},
         };
         int k = 0;
         while (k < (int)(sizeof nums / sizeof nums[0]) && strcmp(a, nums[k].name)) k++;
@@ -283,7 +285,7 @@ int mf_cmd_sim(int argc, char **argv)
                        .threads_per_socket = (int)threads, .batch = (int)batch, .context = context,
                        .read_window = (int)read_window, .copy_slots = (int)copy_slots, .dev_cache_bytes = dev_cache,
                        .dev_cache_policy = policy, .store = store, .store_budget_bytes = store_budget,
-                       .tables = tables, .routing = rt, .seed = (uint64_t)seed};
+                       .tables = tables, .routing = rt, .seed = (uint64_t)seed, .dev_task_ns = (double)dev_task_ns};
     if ((rc = mf_plan_new(&po, &p))) goto fail;
     for (long k = 0; k < warmup && !rc; k++) rc = mf_plan_step(p, NULL);
     mf_plan_reset_totals(p);

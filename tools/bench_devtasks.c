@@ -1,0 +1,169 @@
+/* `moeflow bench devtasks`: what device-lane tasks cost the host's cores when the CPU workers are
+ * busy. Emulated cards are host threads, so each device task's round trip (the lane's submitting
+ * thread, the stream's thread, the callback) takes a core from the workers; `moeflow sim
+ * --dev-task-ns` takes this figure (docs/sim.md). Synthetic graphs, no model. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "device/dev.h"
+#include "sched/calibrate.h"
+#include "sched/clock.h"
+#include "sched/error.h"
+#include "sched/graph.h"
+#include "sched/sched.h"
+#include "tools/commands.h"
+
+#define MF_BDT_WORK 64
+
+static int mf_bdt_nop(void *arg, mf_task_ctx *ctx)
+{
+    (void)arg;
+    (void)ctx;
+    return 0;
+}
+
+static int mf_bdt_cmp(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* layers x [root -> 4 W CPU tasks of work (and, with_dev, per card and slot an empty in -> ffn ->
+ * out chain as graphs/step.c lays them out) -> join]; the median wall time of reps runs in us. */
+static int mf_bdt_run(mf_sched *s, const mf_lane_desc *lanes, int n_lanes, int n_cards, int W, int slots,
+                      int layers, int with_dev, mf_calib_fma *work, int reps, double *us, int *n_dev)
+{
+    mf_graph *g;
+    int rc = mf_graph_create(lanes, n_lanes, &g);
+    if (rc) return rc;
+    mf_task_id prev = -1;
+    *n_dev = 0;
+    for (int L = 0; L < layers && !rc; L++) {
+        mf_task_id r = mf_graph_add_task(g, &(mf_task_desc){.name = "root", .lane = 0, .fn = mf_bdt_nop, .place_hint = -1});
+        mf_task_id j = mf_graph_add_task(g, &(mf_task_desc){.name = "join", .lane = 0, .fn = mf_bdt_nop, .place_hint = -1});
+        if (r < 0 || j < 0) rc = r < 0 ? r : j;
+        if (!rc && prev >= 0) rc = mf_graph_add_dep(g, prev, r);
+        for (int k = 0; k < 4 * W && !rc; k++) {
+            mf_task_id t = mf_graph_add_task(g, &(mf_task_desc){.name = "work", .lane = 0, .fn = mf_calib_fma_task,
+                                                                .arg = &work[k % MF_BDT_WORK], .cost = {.time_ns = 1e5},
+                                                                .place_hint = -1});
+            rc = t < 0 ? t : mf_graph_add_dep(g, r, t);
+            if (!rc) rc = mf_graph_add_dep(g, t, j);
+        }
+        for (int sl = 0; with_dev && sl < slots && !rc; sl++)
+            for (int c = 0; c < n_cards && !rc; c++) {
+                mf_task_id t[3];
+                for (int k = 0; k < 3 && !rc; k++) {
+                    t[k] = mf_graph_add_task(g, &(mf_task_desc){.name = "dev", .lane = 1 + 3 * c + k, .fn = mf_bdt_nop,
+                                                                .cost = {.bytes = 1e6}, .place_hint = -1});
+                    if (t[k] < 0) rc = t[k];
+                    (*n_dev)++;
+                }
+                if (!rc) rc = mf_graph_add_dep(g, r, t[0]);
+                if (!rc) rc = mf_graph_add_dep(g, t[0], t[1]);
+                if (!rc) rc = mf_graph_add_dep(g, t[1], t[2]);
+                if (!rc) rc = mf_graph_add_dep(g, t[2], j);
+            }
+        prev = j;
+    }
+    if (!rc) rc = mf_graph_finalize(g);
+    double *w = malloc(sizeof *w * (size_t)reps);
+    if (!w && !rc) rc = mf_error(-ENOMEM, "out of memory");
+    for (int k = 0; k < reps && !rc; k++) {
+        int64_t t0 = mf_now_ns();
+        rc = mf_sched_run(s, g, &(mf_run_opts){0});
+        w[k] = (mf_now_ns() - t0) / 1e3;
+    }
+    if (!rc) {
+        qsort(w, (size_t)reps, sizeof *w, mf_bdt_cmp);
+        *us = w[reps / 2];
+    }
+    free(w);
+    mf_graph_destroy(g);
+    return rc;
+}
+
+int mf_bench_devtasks(int argc, char **argv)
+{
+    const char *spec = "emu:4";
+    long threads = sysconf(_SC_NPROCESSORS_ONLN), slots = 6, layers = 8, reps = 21;
+    int json = 0;
+    for (int i = 1; i < argc; i++) {
+        char *end = NULL;
+        long *v = !strcmp(argv[i], "--threads") ? &threads : !strcmp(argv[i], "--slots") ? &slots
+                : !strcmp(argv[i], "--layers") ? &layers : !strcmp(argv[i], "--reps") ? &reps : NULL;
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            printf("usage: moeflow bench devtasks [--devices SPEC] [--threads N] [--slots S] [--layers L] [--reps R] [--json]\n\n"
+                   "What device-lane tasks cost the host's cores while the CPU workers are busy: --layers\n"
+                   "(default 8) of 4 x N CPU tasks of 100 us of FMA work each, beside (or not) per card\n"
+                   "and slot (default 6) an empty in -> ffn -> out chain on the card's three lanes (4 in\n"
+                   "flight, as the decode engine has them). The wall time added per device task, times\n"
+                   "N workers, is the core time one device task takes from the workers: with emulated\n"
+                   "cards, give it to `moeflow sim --dev-task-ns`. Medians of --reps runs (default 21).\n");
+            return 0;
+        } else if (!strcmp(argv[i], "--devices") && i + 1 < argc) {
+            spec = argv[++i];
+        } else if (!strcmp(argv[i], "--json")) {
+            json = 1;
+        } else if (v && i + 1 < argc) {
+            *v = strtol(argv[++i], &end, 10);
+            if (*end || *v < 1 || *v > 4096) {
+                fprintf(stderr, "moeflow bench devtasks: %s: expected 1..4096, found '%s'\n", argv[i - 1], argv[i]);
+                return 2;
+            }
+        } else {
+            fprintf(stderr, "moeflow bench devtasks: unknown or incomplete option '%s'\n", argv[i]);
+            return 2;
+        }
+    }
+    if (threads < 1) threads = 1;
+    mf_dev *d = NULL;
+    mf_sched *s = NULL;
+    mf_lane_desc lanes[1 + 3 * MF_DEV_MAX_CARDS];
+    static mf_calib_fma work[MF_BDT_WORK];
+    int rc = mf_dev_open(spec, &d), n_cards = 0;
+    if (!rc) {
+        n_cards = mf_dev_n_cards(d);
+        lanes[0] = (mf_lane_desc){.kind = MF_LANE_CPU, .name = "cpu", .concurrency = (int)threads, .numa_node = -1,
+                                  .model = {.latency_ns = 2000}};
+        static const mf_lane_kind kk[3] = {MF_LANE_DEV_COPY_IN, MF_LANE_DEV_COMPUTE, MF_LANE_DEV_COPY_OUT};
+        for (int c = 0; c < n_cards; c++)
+            for (int k = 0; k < 3; k++)
+                lanes[1 + 3 * c + k] = (mf_lane_desc){.kind = kk[k], .name = "dev", .concurrency = 4, .numa_node = -1,
+                                                      .device = c, .model = {.bytes_per_s = 25e9, .latency_ns = 10000}};
+        rc = mf_sched_create(&(mf_sched_opts){.lanes = lanes, .n_lanes = 1 + 3 * n_cards,
+                                              .dev = mf_dev_lane_ops_of(d)}, &s);
+    }
+    /* 100 us of FMA work per task at this machine's speed */
+    mf_calib_fma probe = {.flops = 2e7};
+    int64_t t0 = mf_now_ns();
+    mf_calib_fma_task(&probe, NULL);
+    double flops_per_us = 2e7 / ((mf_now_ns() - t0) / 1e3);
+    for (int i = 0; i < MF_BDT_WORK; i++) work[i].flops = flops_per_us * 100;
+    double a = 0, b = 0;
+    int nd = 0, nd0 = 0;
+    if (!rc) rc = mf_bdt_run(s, lanes, 1 + 3 * n_cards, n_cards, (int)threads, (int)slots, (int)layers, 0, work,
+                             (int)reps, &a, &nd0);
+    if (!rc) rc = mf_bdt_run(s, lanes, 1 + 3 * n_cards, n_cards, (int)threads, (int)slots, (int)layers, 1, work,
+                             (int)reps, &b, &nd);
+    mf_sched_destroy(s);
+    mf_dev_close(d);
+    if (rc) {
+        fprintf(stderr, "moeflow bench devtasks: %s\n", mf_last_error());
+        return 1;
+    }
+    double per = nd ? (b - a) / nd : 0, core_ns = per * threads * 1e3;
+    if (json)
+        printf("{\"devices\":\"%s\",\"threads\":%ld,\"device_tasks\":%d,\"work_only_us\":%.1f,\"with_device_us\":%.1f,"
+               "\"core_ns_per_device_task\":%.0f}\n", spec, threads, nd, a, b, core_ns);
+    else
+        printf("bench devtasks: %s, %ld workers busy with %ld x 100 us of work per layer, %ld layers\n"
+               "  work only                      %10.1f us\n"
+               "  with %4d empty device tasks  %10.1f us: +%.2f us per device task\n"
+               "  core time per device task      %10.0f ns   (moeflow sim --dev-task-ns %.0f)\n",
+               spec, threads, 4 * threads, layers, a, nd, b, per, core_ns, core_ns);
+    return 0;
+}
