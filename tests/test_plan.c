@@ -282,6 +282,7 @@ static void test_refusals(void)
         {{.config = &c, .profile = &f, .placement = MF_STEP_PLACE_SEED, .dev_cache_bytes = 100}, -ENOSPC,
          "holds no expert"},
         {{.config = NULL, .profile = &f}, -EINVAL, "config and a profile"},
+        {{.config = &c, .profile = &f, .dev_task_ns = -5}, -EINVAL, "device task time"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         int rc = mf_plan_new(&bad[i].o, &p);

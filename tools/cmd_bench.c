@@ -135,6 +135,7 @@ static const struct {
     {"dev", mf_bench_dev, "device FP4 matmul vs a d2d copy of its bytes; pinned h2d of an expert vs one large copy"},
     {"kernels", mf_bench_kernels, "fused FP4 expert matmul and FFN vs read probe and expand baseline"},
     {"devtasks", mf_bench_devtasks, "core time device-lane tasks take from busy CPU workers (sim --dev-task-ns)"},
+    {"ref", mf_bench_ref, "the reference's plain-C loops per unit, as weights against a profile's host_ref (sim)"},
     {"decode", mf_bench_decode, "decode steps: scheduled vs reference engine, phase table per step"},
     {NULL, NULL, NULL},
 };

@@ -15,5 +15,6 @@ int mf_bench_kernels(int argc, char **argv);   /* tools/bench_kernels.c: `bench 
 int mf_bench_decode(int argc, char **argv);    /* tools/bench_decode.c: `bench decode` */
 int mf_bench_dev(int argc, char **argv);       /* tools/bench_dev.c: `bench dev` */
 int mf_bench_devtasks(int argc, char **argv);  /* tools/bench_devtasks.c: `bench devtasks` */
+int mf_bench_ref(int argc, char **argv);       /* tools/bench_ref.c: `bench ref` */
 
 #endif
