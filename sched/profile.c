@@ -23,7 +23,7 @@ typedef struct mf_pkey {
     const char *key;
     mf_pk_type type;
     size_t off;
-    int units;         /* 1: takes K/M/G/T and Ki/Mi/Gi/Ti suffixes (keys ending in _bytes[_per_s]) */
+    int units;         /* 1: takes K/M/G/T and Ki/Mi/Gi/Ti suffixes (keys ending in _bytes or _per_s) */
     double lo, hi;
     int lo_open;
     int card;
@@ -36,7 +36,7 @@ typedef struct mf_pkey {
 /* One kernel family: bytes_per_s and macs_per_s > 0, latency_ns >= 0. MF_KF_REF has no bytes key. */
 #define KERN(pfx, arr, fam, k, card)                                                              \
     {pfx "_" fam "_bytes_per_s", MF_PK_DBL, KOFF(arr, k, bytes_per_s), 1, 0, BIG, 1, card},       \
-    {pfx "_" fam "_macs_per_s", MF_PK_DBL, KOFF(arr, k, macs_per_s), 0, 0, BIG, 1, card},         \
+    {pfx "_" fam "_macs_per_s", MF_PK_DBL, KOFF(arr, k, macs_per_s), 1, 0, BIG, 1, card},         \
     {pfx "_" fam "_latency_ns", MF_PK_DBL, KOFF(arr, k, latency_ns), 0, 0, 1e12, 0, 0}
 
 static const mf_pkey mf_pkeys[] = {
@@ -50,7 +50,7 @@ static const mf_pkey mf_pkeys[] = {
     KERN("host", host, "fp4", MF_KF_FP4, 0),
     KERN("host", host, "fp8", MF_KF_FP8, 0),
     KERN("host", host, "bf16", MF_KF_BF16, 0),
-    {"host_ref_macs_per_s", MF_PK_DBL, KOFF(host, MF_KF_REF, macs_per_s), 0, 0, BIG, 1, 0},
+    {"host_ref_macs_per_s", MF_PK_DBL, KOFF(host, MF_KF_REF, macs_per_s), 1, 0, BIG, 1, 0},
     {"host_ref_latency_ns", MF_PK_DBL, KOFF(host, MF_KF_REF, latency_ns), 0, 0, 1e12, 0, 0},
     /* disk */
     {"disk_bytes_per_s", MF_PK_DBL, OFF(disk_bytes_per_s), 1, 0, BIG, 1, 0},
@@ -68,7 +68,7 @@ static const mf_pkey mf_pkeys[] = {
     KERN("card", card, "fp4", MF_KF_FP4, 1),
     KERN("card", card, "fp8", MF_KF_FP8, 1),
     KERN("card", card, "bf16", MF_KF_BF16, 1),
-    {"card_ref_macs_per_s", MF_PK_DBL, KOFF(card, MF_KF_REF, macs_per_s), 0, 0, BIG, 1, 1},
+    {"card_ref_macs_per_s", MF_PK_DBL, KOFF(card, MF_KF_REF, macs_per_s), 1, 0, BIG, 1, 1},
     {"card_ref_latency_ns", MF_PK_DBL, KOFF(card, MF_KF_REF, latency_ns), 0, 0, 1e12, 0, 0},
 };
 #define MF_N_PKEYS ((int)(sizeof mf_pkeys / sizeof mf_pkeys[0]))
@@ -135,7 +135,7 @@ static int mf_pnum_parse(const char *s, int units, double *out, const char **why
         static const char letters[] = "KMGT";
         const char *l = strchr(letters, *suf);
         if (!units) {
-            *why = "this key takes no unit suffix (only keys ending in _bytes or _bytes_per_s do)";
+            *why = "this key takes no unit suffix (only keys ending in _bytes or _per_s do)";
             return -1;
         }
         if (!l || !*l) {
@@ -183,7 +183,7 @@ static void mf_pnum_format(const mf_pkey *k, double v, char *out, size_t cap)
             if (mf_pnum_parse(buf, k->units, &back, &why) != 0 || back != v) continue;
             /* shortest wins; an exponent counts 4 more, so 10000 beats 1e+04 but 1e+12 stays */
             size_t score = strlen(buf) + (strchr(buf, 'e') ? 4 : 0);
-            if (score < best && strlen(buf) < cap) {
+            if (score <= best && strlen(buf) < cap) {   /* ties: the larger unit (45.19G, not 45190M) */
                 best = score;
                 snprintf(out, cap, "%s", buf);
             }
@@ -466,4 +466,42 @@ void mf_profile_print(const mf_profile *p, FILE *f)
         const char *src = mf_profile_source(p, k->key);
         fprintf(f, "  %-24s %-14s %s\n", k->key, val, src && *src ? src : "-");
     }
+}
+
+static void mf_json_str(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
+        else if (c < 0x20) fprintf(f, "\\u%04x", c);
+        else fputc(c, f);
+    }
+    fputc('"', f);
+}
+
+void mf_profile_print_json(const mf_profile *p, FILE *f)
+{
+    fprintf(f, "{\"name\": ");
+    mf_json_str(f, p->name);
+    fprintf(f, ", \"path\": ");
+    mf_json_str(f, p->path);
+    fprintf(f, ", \"keys\": [");
+    for (int i = 0; i < MF_N_PKEYS; i++) {
+        const mf_pkey *k = &mf_pkeys[i];
+        char val[64];
+        mf_pkey_text(p, k, val, sizeof val);
+        fprintf(f, "%s\n  {\"key\": \"%s\", \"value\": ", i ? "," : "", k->key);
+        if (k->type == MF_PK_STR)
+            mf_json_str(f, p->name);
+        else
+            fprintf(f, "%.17g", mf_pkey_get(p, k));
+        fprintf(f, ", \"text\": ");
+        mf_json_str(f, val);
+        fprintf(f, ", \"source\": ");
+        const char *src = mf_profile_source(p, k->key);
+        mf_json_str(f, src ? src : "");
+        fputc('}', f);
+    }
+    fprintf(f, "\n]}\n");
 }

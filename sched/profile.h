@@ -61,7 +61,7 @@ typedef struct mf_profile {
 
 /* Reads a profile file. Format: one `key = value` per line, `# source: ...` after the value is
  * that figure's source, other `#` text is a comment; values take unit suffixes where the key ends
- * in _bytes / _bytes_per_s (K, M, G, T = 1000^k; Ki, Mi, Gi, Ti = 1024^k). Every key of the format
+ * in _bytes or _per_s (K, M, G, T = 1000^k; Ki, Mi, Gi, Ti = 1024^k). Every key of the format
  * must be present exactly once; unknown keys, bad numbers and out-of-range values fail with
  * -EINVAL naming path:line and the key. */
 int mf_profile_load(const char *path, mf_profile *out);
@@ -79,5 +79,8 @@ int mf_profile_set_source(mf_profile *p, const char *key, const char *source);
 const char *mf_profile_source(const mf_profile *p, const char *key);
 /* Prints the profile as a table (key, value, source). */
 void mf_profile_print(const mf_profile *p, FILE *f);
+/* Prints the profile as one JSON object: {"name": .., "path": .., "keys": [{"key", "value" (a
+ * number; the name a string), "text" (as the file writes it), "source"}, ..]} in format order. */
+void mf_profile_print_json(const mf_profile *p, FILE *f);
 
 #endif

@@ -1,7 +1,8 @@
 /* Hardware profiles (sched/profile.h): a profile read, written and read back is the same with its
  * sources; unit suffixes; every malformed input (missing, duplicate and unknown keys, bad numbers,
- * out-of-range values) fails naming path:line and the key. */
+ * out-of-range values) fails naming path:line and the key; the shipped profiles load. */
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -117,7 +118,7 @@ static void test_parse_and_units(void)
     static const struct { const char *v; double want; } units[] = {
         {"3K", 3e3}, {"3M", 3e6}, {"3G", 3e9}, {"3T", 3e12},
         {"3Ki", 3 * 1024.0}, {"3Mi", 3 * 1048576.0}, {"3Gi", 3 * 1073741824.0},
-        {"3Ti", 3 * 1099511627776.0}, {"2.5e3", 2500}, {"0.5Ki", 512},
+        {"3Ti", 3 * 1099511627776.0}, {"2.5e3", 2500}, {"0.5Ki", 512}, {"1.25G", 1.25e9},
     };
     for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) {
         char line[96];
@@ -128,6 +129,12 @@ static void test_parse_and_units(void)
               p.disk_bytes_per_s, mf_last_error());
         free(t);
     }
+
+    /* keys ending in _per_s take suffixes too */
+    t = make_text(-1, index_of("host_fp4_macs_per_s"), "host_fp4_macs_per_s = 3.5G", NULL);
+    rc = mf_profile_parse(t, "macs.prof", &p);
+    CHECK(rc == 0 && p.host[MF_KF_FP4].macs_per_s == 3.5e9, "macs with a suffix: %s", mf_last_error());
+    free(t);
 
     /* no cards: card rates may be 0 */
     t = make_text(-1, index_of("n_cards"), "n_cards = 0", NULL);
@@ -282,6 +289,47 @@ static void test_round_trip(const char *tmpdir)
     free(buf);
 }
 
+/* The profiles shipped in tools/profiles/ load and look like their machines. */
+static void test_shipped(void)
+{
+    const char *names[] = {"this-machine.prof", "seed-host.prof"};
+    for (int i = 0; i < 2; i++) {
+        char path[1024];
+        snprintf(path, sizeof path, "%s/tools/profiles/%s", MF_SOURCE_DIR, names[i]);
+        if (access(path, F_OK) != 0) {
+            CHECK(0, "%s is not shipped", path);
+            continue;
+        }
+        mf_profile p;
+        int rc = mf_profile_load(path, &p);
+        CHECK(rc == 0, "%s: %s", path, mf_last_error());
+        if (rc) continue;
+        /* every figure has its source */
+        for (int k = 0; k < p.n_keys; k++)
+            if (strcmp(p.keys[k].key, "name") != 0)
+                CHECK(p.keys[k].source[0] != '\0', "%s: key %s has no source", names[i], p.keys[k].key);
+        if (i == 1) {
+            CHECK(p.n_sockets == 2 && p.n_cards == 4 && !p.cards_emulated, "seed host shape");
+            CHECK(p.disk_bytes_per_s == 271.0 * 1048576.0, "seed disk 271 MiB/s");
+            CHECK(p.h2d_bytes_per_s == 10.6 * 1073741824.0, "seed h2d: the raw pinned slot, 10.6 GiB/s");
+            /* the token load's 1,440 copies of 4.20 GiB at the measured 8.29 GiB/s, within 0.1% */
+            double load_s = 1440 * p.h2d_latency_ns / 1e9 + 4.20 * 1073741824.0 / p.h2d_bytes_per_s;
+            CHECK(fabs(4.20 / load_s - 8.29) < 0.01, "seed token load at %.3f GiB/s, measured 8.29", 4.20 / load_s);
+            CHECK(p.threads_per_socket == 22 && p.card_mem_bytes == 22528ull << 20, "seed cores and card memory");
+            /* no figure without a kind of source */
+            for (int k = 0; k < p.n_keys; k++)
+                if (strcmp(p.keys[k].key, "name") != 0)
+                    CHECK(!strncmp(p.keys[k].source, "seed page", 9) || !strncmp(p.keys[k].source, "spec:", 5) ||
+                          !strncmp(p.keys[k].source, "estimate:", 9), "seed %s: source '%s'", p.keys[k].key,
+                          p.keys[k].source);
+        } else {
+            CHECK(p.n_cards == 4 && p.cards_emulated == 1, "this machine's cards: emu:4, emulated");
+            CHECK(strstr(mf_profile_source(&p, "host_fp4_bytes_per_s"), "measured by moeflow calibrate") != NULL,
+                  "this machine's figures come from moeflow calibrate");
+        }
+    }
+}
+
 int main(void)
 {
     const char *tmp = getenv("MOEFLOW_TMP");
@@ -294,6 +342,7 @@ int main(void)
     test_parse_and_units();
     test_errors();
     test_round_trip(dir);
+    test_shipped();
     char cmd[1100];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);

@@ -1,7 +1,8 @@
 /* Routing for simulation (graphs/routing.h): draws are distinct, in range and deterministic per
  * seed (and independent of batching); Zipf frequencies match their exact expectation; traces
  * recorded from several threads replay in recorded order; mismatched and malformed traces and
- * bad specs are refused with the path, line and what is wrong. */
+ * bad specs are refused with the path, line and what is wrong; `moeflow decode --record-routing`
+ * writes the reference's real routes without changing the tokens. */
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
@@ -10,6 +11,9 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "graphs/config.h"
+#include "graphs/model.h"
+#include "graphs/ref.h"
 #include "graphs/routing.h"
 #include "sched/error.h"
 #include "tests/check.h"
@@ -307,6 +311,104 @@ static void test_trace_malformed(void)
     CHECK(mf_routing_open("uniform", 2, 8, 9, 0, &r) == -EINVAL, "top_k > experts refused");
 }
 
+/* ---- moeflow decode --record-routing ----------------------------------------------------------- */
+
+static int cli(const char *args, char *out, size_t cap)
+{
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd, "%s %s", getenv("MOEFLOW_BIN"), args);
+    FILE *p = popen(cmd, "r");
+    if (!p) return -1;
+    size_t n = fread(out, 1, cap - 1, p);
+    out[n] = 0;
+    return pclose(p);
+}
+
+typedef struct { int32_t ex[3][64][8]; int n; } ref_routes;   /* [pos][layer][k] */
+
+static void on_route(void *user, const void *seq, int64_t pos, int layer, const int32_t *experts,
+                     const float *weights, int n)
+{
+    ref_routes *rr = user;
+    if (pos < 3 && layer < 64 && n <= 8) memcpy(rr->ex[pos][layer], experts, (size_t)n * sizeof *experts);
+    rr->n++;
+}
+
+static void test_cli_record(void)
+{
+    if (!getenv("MOEFLOW_BIN")) {
+        printf("test_routing: MOEFLOW_BIN unset, CLI checks skipped\n");
+        return;
+    }
+    static char out[8192], plain[8192];
+    char args[4096], ck[600], tr[700], spec[720];
+    snprintf(ck, sizeof ck, "%s/tiny", g_dir);
+    snprintf(tr, sizeof tr, "%s/decode.trace", g_dir);
+    snprintf(args, sizeof args, "gen --preset tiny --out %s --quiet", ck);
+    CHECK(cli(args, out, sizeof out) == 0, "gen tiny");
+    snprintf(args, sizeof args, "decode --checkpoint %s --tokens 3,4,5 --batch 2 --max-new-tokens 4 --ignore-eos "
+             "--threads 2 --quiet", ck);
+    CHECK(cli(args, plain, sizeof plain) == 0, "decode");
+    snprintf(args, sizeof args, "decode --checkpoint %s --tokens 3,4,5 --batch 2 --max-new-tokens 4 --ignore-eos "
+             "--threads 2 --quiet --record-routing %s", ck, tr);
+    CHECK(cli(args, out, sizeof out) == 0 && strcmp(out, plain) == 0, "recording changed the tokens: '%s' vs '%s'",
+          out, plain);
+    char cfgp[700];
+    snprintf(cfgp, sizeof cfgp, "%s/config.json", ck);
+    mf_config c;
+    if (mf_config_load(cfgp, &c)) {
+        CHECK(0, "%s", mf_last_error());
+        return;
+    }
+    int L = c.n_layers, E = c.n_routed_experts, K = c.n_experts_per_tok;
+    /* the reference's own routes for sequence 0's prompt */
+    static ref_routes rr;
+    mf_model *m = NULL;
+    mf_ref *ref = NULL;
+    mf_ref_state *st = NULL;
+    mf_model_opts mo = {.quiet = 1};
+    mf_ref_opts ro = {.hooks = {.user = &rr, .on_route = on_route}};
+    int rc = mf_model_load(ck, &mo, &m);
+    if (!rc) rc = mf_ref_new(m, &ro, &ref);
+    if (!rc) rc = mf_ref_state_new(ref, 8, &st);
+    int32_t toks[3] = {3, 4, 5};
+    if (!rc) rc = mf_ref_prefill(ref, st, toks, 3, NULL);
+    CHECK(rc == 0 && L <= 64 && K <= 8, "reference prefill: %s", mf_last_error());
+    mf_ref_state_free(st);
+    mf_ref_free(ref);
+    mf_model_free(m);
+    if (rc || L > 64 || K > 8) return;
+    /* the scheduled engine's trace (2 sequences x (3 prompt + 3 fed back) tokens) starts with
+     * sequence 0's prompt; its int8 experts may route later layers differently, layer 0 not.
+     * The reference engine's trace has the reference's routes in every layer. */
+    for (int eng = 0; eng < 2; eng++) {
+        if (eng == 1) {
+            snprintf(args, sizeof args, "decode --checkpoint %s --tokens 3,4,5 --batch 2 --max-new-tokens 4 "
+                     "--ignore-eos --quiet --engine reference --record-routing %s", ck, tr);
+            CHECK(cli(args, out, sizeof out) == 0 && strcmp(out, plain) == 0, "reference engine: '%s'", out);
+        }
+        snprintf(spec, sizeof spec, "trace:%s", tr);
+        mf_routing *r = NULL;
+        rc = mf_routing_open(spec, L, E, K, 0, &r);
+        CHECK(rc == 0, "replay the decode's trace: %s", mf_last_error());
+        if (rc) return;
+        CHECK(strstr(mf_routing_describe(r), "(12 tokens)") != NULL, "%s", mf_routing_describe(r));
+        int32_t ex[64 * 8];
+        int same = 1;
+        for (int t = 0; t < 3; t++) {
+            mf_routing_next(r, 1, ex);
+            for (int l = 0; l < (eng ? L : 1); l++)
+                same &= memcmp(ex + (size_t)l * K, rr.ex[t][l], (size_t)K * sizeof *ex) == 0;
+        }
+        CHECK(same, "%s engine: the recorded routes differ from the reference's", eng ? "reference" : "scheduled");
+        mf_routing_free(r);
+    }
+    /* an unwritable trace fails the command and names the path */
+    snprintf(args, sizeof args, "decode --checkpoint %s --tokens 3 --max-new-tokens 1 --quiet "
+             "--record-routing /nonexistent-dir/t.trace 2>&1", ck);
+    CHECK(cli(args, out, sizeof out) != 0 && strstr(out, "/nonexistent-dir/t.trace"), "unwritable: '%s'", out);
+}
+
 int main(void)
 {
     const char *tmp = getenv("MOEFLOW_TMP");
@@ -319,6 +421,7 @@ int main(void)
     test_zipf_skew();
     test_trace_round_trip();
     test_trace_malformed();
+    test_cli_record();
     char cmd[600];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);

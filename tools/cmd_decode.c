@@ -14,6 +14,7 @@
 #include "graphs/engram_map.h"
 #include "graphs/model.h"
 #include "graphs/ref.h"
+#include "graphs/routing.h"
 #include "graphs/sample.h"
 #include "graphs/step.h"
 #include "host/store.h"
@@ -32,7 +33,7 @@ static void mf_decode_usage(FILE *f)
             "                      [--store resident|streamed [--store-budget SIZE]\n"
             "                       [--store-tables resident|streamed] [--io-depth N]]\n"
             "                      [--devices emu:N|cuda[:IDS] [--placement seed|host|hybrid]\n"
-            "                       [--dev-cache SIZE]]\n\n"
+            "                       [--dev-cache SIZE]] [--record-routing FILE]\n\n"
             "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
             "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
             "one thread: the correctness oracle). One sequence is streamed: text when DIR has a\n"
@@ -78,6 +79,12 @@ static void mf_decode_usage(FILE *f)
             "                      host (default without). Per-step device lines on stderr\n"
             "  --dev-cache SIZE    expert cache bytes per card (default: every expert, or as\n"
             "                      many as the card holds)\n"
+            "  --record-routing FILE  write the routed experts of every token (prefill and\n"
+            "                      decode, every sequence and layer) to FILE, a routing trace\n"
+            "                      for `moeflow sim --routing trace:FILE`; it records through the\n"
+            "                      reference's on_route hook, and with a hook set the scheduled\n"
+            "                      engine runs its serial graph (a batch's per-sequence parts one\n"
+            "                      after another), so timings differ from a run without it\n"
             "  --quiet             no progress or timing on stderr\n");
 }
 
@@ -197,6 +204,26 @@ static int mf_prompt_ids(const mf_tok *tok, const char *text, const char *ids, i
     return 0;
 }
 
+/* --record-routing: the on_route hook writes each (sequence, position, layer) record. */
+typedef struct mf_route_rec_ctx {
+    mf_routing_rec *rec;
+    mf_ref_state *const *st;
+    int n_seq;
+    int rc;   /* first failure, its message in msg (hooks run on worker threads) */
+    char msg[MF_ERROR_MSG_BYTES];
+} mf_route_rec_ctx;
+
+static void mf_on_route_record(void *user, const void *seq, int64_t pos, int layer, const int32_t *experts,
+                               const float *weights, int n)
+{
+    mf_route_rec_ctx *x = user;
+    int s = 0;
+    while (s < x->n_seq && (const void *)x->st[s] != seq) s++;
+    int rc = mf_routing_rec_add(x->rec, s, pos, layer, experts, n), zero = 0;
+    if (rc && __atomic_compare_exchange_n(&x->rc, &zero, rc, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        snprintf(x->msg, sizeof x->msg, "%s", mf_last_error());
+}
+
 /* Reads FILE's non-empty lines (newline stripped) into a NULL-terminated array of strings. */
 static int mf_read_lines(const char *path, char ***out, int *n_out)
 {
@@ -246,7 +273,7 @@ int mf_cmd_decode(int argc, char **argv)
     int store_mode = 0, store_tables = 0;
     long io_depth = 0, read_window = 0;
     uint64_t store_budget = 0;
-    const char *trace = NULL, *devices = NULL, *placement = NULL;
+    const char *trace = NULL, *devices = NULL, *placement = NULL, *record = NULL;
     uint64_t dev_cache = 0;
     if (threads < 1) threads = 1;
     for (int i = 1; i < argc; i++) {
@@ -352,6 +379,8 @@ int mf_cmd_decode(int argc, char **argv)
                 fprintf(stderr, "moeflow decode: --dev-cache: expected a size such as 2G or 512M, found '%s'\n", argv[i]);
                 return 2;
             }
+        } else if (!strcmp(a, "--record-routing") && hv) {
+            record = argv[++i];
         } else if (!strcmp(a, "--trace") && hv) {
             trace = argv[++i];
         } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
@@ -407,6 +436,7 @@ int mf_cmd_decode(int argc, char **argv)
     int32_t *pids[MF_STEP_MAX_ITEMS] = {0}, *gen[MF_STEP_MAX_ITEMS] = {0};
     int n_pid[MF_STEP_MAX_ITEMS] = {0}, is_text = 0;
     float *logits = NULL;
+    mf_route_rec_ctx rrec = {.st = st};
 
     char tpath[4200];
     snprintf(tpath, sizeof tpath, "%s/tokenizer.json", dir);
@@ -493,6 +523,12 @@ int mf_cmd_decode(int argc, char **argv)
         }
         ro.token_map = mf_engram_map_ids(emap);
         ro.n_token_map = mf_engram_map_n_vocab(emap);
+    }
+    if (record) {
+        if (mf_routing_rec_open(record, c->n_layers, c->n_routed_experts, c->n_experts_per_tok, &rrec.rec))
+            goto fail;
+        rrec.n_seq = n_seq;
+        ro.hooks = (mf_ref_hooks){.user = &rrec, .on_route = mf_on_route_record};
     }
     if (mf_ref_new(m, &ro, &r)) goto fail;
     if (devices && place != MF_STEP_PLACE_HOST && mf_dev_open(devices, &dev)) goto fail;
@@ -588,6 +624,18 @@ int mf_cmd_decode(int argc, char **argv)
     }
     for (int s = 0; s < n_seq; s++) out_tokens += n_gen[s];
     fflush(stdout);
+    if (rrec.rec) {
+        mf_routing_rec *w = rrec.rec;
+        rrec.rec = NULL;
+        if (rrec.rc) {
+            mf_routing_rec_close(w);
+            unlink(record);
+            mf_error(rrec.rc, "--record-routing: %s", rrec.msg);
+            goto fail;
+        }
+        if (mf_routing_rec_close(w)) goto fail;
+        if (!quiet) fprintf(stderr, "moeflow decode: routing trace written to %s\n", record);
+    }
     if (trace && (sched ? mf_step_write_trace(eng, trace) : mf_store_write_trace(mst, trace))) goto fail;
     if (mst && !quiet) {
         mf_store_stats x;
@@ -626,6 +674,10 @@ int mf_cmd_decode(int argc, char **argv)
 fail:
     fprintf(stderr, "moeflow decode: %s\n", mf_last_error()[0] ? mf_last_error() : "out of memory");
 out:
+    if (rrec.rec) {   /* failed before the end: no partial trace is left behind */
+        mf_routing_rec_close(rrec.rec);
+        unlink(record);
+    }
     free(logits);
     for (int s = 0; s < MF_STEP_MAX_ITEMS; s++) {
         mf_sampler_free(smp[s]);
