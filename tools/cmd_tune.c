@@ -335,6 +335,7 @@ int mf_cmd_tune(int argc, char **argv)
         memcpy(res[n_res++].v, v, sizeof v);
     }
 
+    int tty = isatty(2);
     for (int i = 0; i < n_res; i++) {
         mf_tune_result *r = &res[i];
         mf_routing *rt = NULL;
@@ -349,7 +350,7 @@ int mf_cmd_tune(int argc, char **argv)
                            .routing = rt, .seed = (uint64_t)seed};
         rc = mf_plan_run(&po, (int)warmup, (int)steps, &r->rep);
         if (!rc && real) {
-            fprintf(stderr, "\rtune: setting %d of %d: decoding for real ...           ", i + 1, n_res);
+            if (tty) fprintf(stderr, "\rtune: setting %d of %d: decoding for real ...", i + 1, n_res);
             mf_step_times mt;
             rc = mf_tool_measure(dir, &po, prof.n_cards, (int)r->v[K_THREADS] * prof.n_sockets, (int)warmup,
                                  (int)steps, &r->meas_token_ns, &mt);
@@ -362,9 +363,10 @@ int mf_cmd_tune(int argc, char **argv)
         }
         double tok_ns = real ? r->meas_token_ns : r->rep.token_ns;
         r->score = latency ? 1e9 / (tok_ns * r->v[K_BATCH]) : 1e9 / tok_ns;
-        if (!json || isatty(2)) fprintf(stderr, "\rtune: %d of %d settings tried", i + 1, n_res);
+        if (tty) fprintf(stderr, "\rtune: %d of %d settings tried", i + 1, n_res);
+        else if (real || (i + 1) * 10 / n_res != i * 10 / n_res) fprintf(stderr, "tune: %d of %d settings tried\n", i + 1, n_res);
     }
-    fprintf(stderr, "\n");
+    if (tty) fprintf(stderr, "\n");
     qsort(res, (size_t)n_res, sizeof *res, mf_tune_cmp);
 
     const char *src = real ? "measured" : "simulated";
@@ -394,12 +396,30 @@ int mf_cmd_tune(int argc, char **argv)
     printf("tune: %s on profile %s, %d settings %s (%ld warm-up + %ld steps each, routing %s), ranked by %s\n\n",
            dir ? dir : preset, prof.name, n_res, src, warmup, steps, routing_spec,
            latency ? "step time" : "tokens per second");
-    printf("%4s %10s %10s %-7s %5s %7s %6s %5s %8s %6s %8s  %s\n", "rank", real ? "meas tok/s" : "tok/s",
+    printf("%4s %10s %10s %-7s %5s %7s %6s %5s %8s %6s %8s  %s\n", "row", real ? "meas tok/s" : "tok/s",
            real ? "pred tok/s" : "step ms", "place", "batch", "threads", "window", "copy", "devcache", "policy",
            "budget", "bottleneck (busy)");
-    int shown = top && top < n_res ? (int)top : n_res;
-    for (int i = 0; i < shown; i++) {
-        const mf_tune_result *r = &res[i];
+    /* rows within 0.1% of the row above with the same placement, batch and threads are ties: counted
+     * in that row instead of shown (the knobs that differ do not matter there) */
+    int n_rows = 0, *row = malloc(sizeof(int) * (size_t)n_res), *ties = calloc((size_t)n_res, sizeof(int));
+    if (!row || !ties) {
+        free(row);
+        free(ties);
+        rc = mf_error(-ENOMEM, "out of memory");
+        goto fail;
+    }
+    for (int i = 0; i < n_res; i++) {
+        const mf_tune_result *r = &res[i], *q = n_rows ? &res[row[n_rows - 1]] : NULL;
+        if (q && q->v[K_PLACE] == r->v[K_PLACE] && q->v[K_BATCH] == r->v[K_BATCH] &&
+            q->v[K_THREADS] == r->v[K_THREADS] && r->score >= q->score * 0.999)
+            ties[n_rows - 1]++;
+        else
+            row[n_rows++] = i;
+    }
+    int shown = top && top < n_rows ? (int)top : n_rows;
+    for (int w = 0; w < shown; w++) {
+        const mf_tune_result *r = &res[row[w]];
+        int i = w;
         const mf_plan_report *p = &r->rep;
         char cache[16], budget[16], win[8], copy[8];
         mf_tune_fmt_size(r->v[K_CACHE], cache, sizeof cache);
@@ -414,8 +434,12 @@ int mf_cmd_tune(int argc, char **argv)
                host ? "-" : copy, host ? "-" : cache,
                host ? "-" : (r->v[K_POLICY] ? "lru" : "lfu"), store == MF_PLAN_STORE_STREAMED ? budget : "-",
                p->lanes[p->bottleneck].name, 100 * p->lanes[p->bottleneck].share);
+        if (ties[w]) printf("%4s %d more setting%s within 0.1%% (other copy slots, cache or window values)\n", "",
+                            ties[w], ties[w] > 1 ? "s" : "");
     }
-    if (shown < n_res) printf("(%d more: --top 0 shows all)\n", n_res - shown);
+    if (shown < n_rows) printf("(%d more rows: --top 0 shows all)\n", n_rows - shown);
+    free(row);
+    free(ties);
     const mf_tune_result *b = &res[0];
     printf("\nbest: placement %s, batch %" PRId64 ", %" PRId64 " threads per socket", mf_tune_place_names[b->v[K_PLACE]],
            b->v[K_BATCH], b->v[K_THREADS]);
