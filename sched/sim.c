@@ -4,7 +4,8 @@
  * All completions at one instant are applied before any task starts, so runs are bit-identical.
  * O((V + E) log V). A CPU lane of concurrency 0 ("all cores") gets the online core count.
  * Priorities are the graph's upward ranks (from its own lane models, as the executor uses them)
- * even when `models` overrides the durations; place hints are ignored (any free slot will do). */
+ * even when `models` overrides the durations; place hints are ignored (any free slot will do).
+ * mf_sim_run_opts adds given task durations and a pool of cores shared by flagged lanes. */
 #include "sched/sim.h"
 
 #include <errno.h>
@@ -155,6 +156,27 @@ static int64_t sim_duration_ns(const mf_lane_model *m, const mf_cost *c)
 
 int mf_sim_run(const mf_graph *g, const mf_lane_model *models, mf_timeline *tl)
 {
+    return mf_sim_run_opts(g, &(mf_sim_opts){.models = models}, tl);
+}
+
+/* Starts lane l's best ready task on its lowest free slot (the caller checked both exist). */
+static void sim_start_one(sim_state *s, const mf_graph *g, int l, int64_t now, const int64_t *dur,
+                          mf_timeline *tl)
+{
+    (void)g;
+    mf_task_id t = ready_pop(s, &s->ready[l]);
+    int slot = slot_pop(s->free_slots[l], &s->n_free[l]);
+    tl->spans[t] = (mf_task_span){now, now + dur[t], slot, 0};
+    event_push(s, (sim_event){now + dur[t], t});
+}
+
+int mf_sim_run_opts(const mf_graph *g, const mf_sim_opts *o, mf_timeline *tl)
+{
+    const mf_lane_model *models = o ? o->models : NULL;
+    const uint8_t *lane_core = o && o->n_cores > 0 ? o->lane_core : NULL;
+    int pool = lane_core ? o->n_cores : 0;
+    if (o && o->n_cores < 0)
+        return mf_error(-EINVAL, "sim: a core pool of %d cores", o->n_cores);
     if (!g || !tl)
         return mf_error(-EINVAL, "sim: NULL graph or timeline");
     if (!g->finalized)
@@ -194,7 +216,8 @@ int mf_sim_run(const mf_graph *g, const mf_lane_model *models, mf_timeline *tl)
     for (mf_task_id t = 0; t < n; t++) {
         const mf_task_desc *d = &g->tasks[t];
         on_lane[d->lane]++;
-        dur[t] = sim_duration_ns(models ? &models[d->lane] : &g->lanes[d->lane].model, &d->cost);
+        dur[t] = o && o->task_ns ? (o->task_ns[t] > 0 ? o->task_ns[t] : 0)
+                 : sim_duration_ns(models ? &models[d->lane] : &g->lanes[d->lane].model, &d->cost);
         waiting[t] = g->pred_off[t + 1] - g->pred_off[t];
     }
     s.events = malloc((size_t)(total_slots < n ? total_slots : n) * sizeof *s.events);
@@ -222,14 +245,21 @@ int mf_sim_run(const mf_graph *g, const mf_lane_model *models, mf_timeline *tl)
     int64_t now = 0;
     int n_done = 0;
     for (;;) {
-        /* Start whatever fits: lanes are independent, so their order does not matter. */
-        for (int l = 0; l < n_lanes; l++) {
-            while (s.ready[l].n && s.n_free[l]) {
-                mf_task_id t = ready_pop(&s, &s.ready[l]);
-                int slot = slot_pop(s.free_slots[l], &s.n_free[l]);
-                tl->spans[t] = (mf_task_span){now, now + dur[t], slot, 0};
-                event_push(&s, (sim_event){now + dur[t], t});
-            }
+        /* Start whatever fits: lanes outside the pool are independent, so their order does not
+         * matter; pooled lanes take the free cores best rank first. */
+        for (int l = 0; l < n_lanes; l++)
+            while ((!lane_core || !lane_core[l]) && s.ready[l].n && s.n_free[l])
+                sim_start_one(&s, g, l, now, dur, tl);
+        while (pool > 0) {
+            int best = -1;
+            for (int l = 0; l < n_lanes; l++)
+                if (lane_core[l] && s.ready[l].n && s.n_free[l] &&
+                    (best < 0 || ready_before(&s, s.ready[l].ids[0], s.ready[best].ids[0])))
+                    best = l;
+            if (best < 0)
+                break;
+            sim_start_one(&s, g, best, now, dur, tl);
+            pool--;
         }
         if (!s.n_events)
             break;
@@ -239,6 +269,8 @@ int mf_sim_run(const mf_graph *g, const mf_lane_model *models, mf_timeline *tl)
             mf_task_id t = event_pop(&s).id;
             int l = g->tasks[t].lane;
             n_done++;
+            if (lane_core && lane_core[l])
+                pool++;
             slot_push(s.free_slots[l], &s.n_free[l], tl->spans[t].worker);
             for (int k = g->succ_off[t]; k < g->succ_off[t + 1]; k++) {
                 mf_task_id u = g->succ[k];

@@ -10,4 +10,17 @@
 /* Simulates g; `models` overrides the graph's lane models when non-NULL (one per lane). */
 int mf_sim_run(const mf_graph *g, const mf_lane_model *models, mf_timeline *tl);
 
+/* The same with more control. task_ns: each task's duration in ns (overrides the lane models).
+ * A core pool: lanes flagged in lane_core[] (e.g. the CPU lanes and emulated cards' compute
+ * lanes, whose kernels are host threads) also need one of n_cores cores while a task runs; when
+ * cores are short, the ready task of highest upward rank among those lanes goes first (lowest id
+ * on ties). n_cores 0: no pool (mf_sim_run). -EINVAL for n_cores < 0. */
+typedef struct mf_sim_opts {
+    const mf_lane_model *models;   /* NULL: the graph's */
+    const int64_t *task_ns;        /* NULL: from the models */
+    const uint8_t *lane_core;      /* n_lanes flags, or NULL */
+    int n_cores;
+} mf_sim_opts;
+int mf_sim_run_opts(const mf_graph *g, const mf_sim_opts *o, mf_timeline *tl);
+
 #endif

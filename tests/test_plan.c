@@ -1,0 +1,334 @@
+/* The decode-step simulator (graphs/plan.h): task counts per lane against a hand count for the
+ * tiny config, makespans worked out by hand on a profile where only the executor's overhead (and
+ * then the head) costs anything, bit-identical repeats, cache counters that add up, the flash41
+ * preset at full size without files, refusals of bad options, and the simulator's core pool. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jansson.h>
+
+#include "graphs/config.h"
+#include "graphs/plan.h"
+#include "graphs/routing.h"
+#include "sched/error.h"
+#include "sched/graph.h"
+#include "sched/sim.h"
+#include "sched/timeline.h"
+#include "tests/check.h"
+
+#define FREE 1e30   /* a rate at which nothing costs anything */
+
+/* A profile where every kernel, the disk and the cards are free and each task costs the executor
+ * overhead_ns; threads_per_socket workers on one socket. */
+static mf_profile free_profile(int threads, double overhead_ns)
+{
+    mf_profile p;
+    memset(&p, 0, sizeof p);
+    snprintf(p.name, sizeof p.name, "test");
+    p.n_sockets = 1;
+    p.threads_per_socket = threads;
+    p.mem_bytes_per_s = FREE;
+    p.cross_socket_factor = 1;
+    p.task_overhead_ns = overhead_ns;
+    for (int k = 0; k < MF_KF_N; k++) {
+        p.host[k] = (mf_profile_kern){.bytes_per_s = k == MF_KF_REF ? 0 : FREE, .macs_per_s = FREE};
+        p.card[k] = p.host[k];
+    }
+    p.disk_bytes_per_s = FREE;
+    p.disk_queue_depth = 1;
+    p.n_cards = 2;
+    p.card_mem_bytes = UINT64_C(1) << 40;
+    p.h2d_bytes_per_s = p.d2h_bytes_per_s = p.h2d_total_bytes_per_s = FREE;
+    return p;
+}
+
+/* Tasks per lane name in the last step's Chrome trace. */
+static int count_lane(const char *trace, const char *lane_prefix)
+{
+    json_error_t err;
+    json_t *root = json_load_file(trace, 0, &err);
+    CHECK(root, "reading %s: %s", trace, err.text);
+    if (!root) return -1;
+    json_t *ev = json_is_array(root) ? root : json_object_get(root, "traceEvents");
+    /* track names: metadata events "thread_name" with args.name; slices on those tids */
+    int tids[256], n_tids = 0, n = 0;
+    size_t i;
+    json_t *e;
+    json_array_foreach(ev, i, e) {
+        const char *ph = json_string_value(json_object_get(e, "ph"));
+        const char *nm = json_string_value(json_object_get(e, "name"));
+        if (ph && nm && !strcmp(ph, "M") && !strcmp(nm, "thread_name")) {
+            const char *tn = json_string_value(json_object_get(json_object_get(e, "args"), "name"));
+            if (tn && !strncmp(tn, lane_prefix, strlen(lane_prefix)) && n_tids < 256)
+                tids[n_tids++] = (int)json_integer_value(json_object_get(e, "tid"));
+        }
+    }
+    json_array_foreach(ev, i, e) {
+        const char *ph = json_string_value(json_object_get(e, "ph"));
+        if (!ph || strcmp(ph, "X")) continue;
+        int tid = (int)json_integer_value(json_object_get(e, "tid"));
+        for (int k = 0; k < n_tids; k++) n += tid == tids[k];
+    }
+    json_decref(root);
+    return n;
+}
+
+static void test_structure(const char *tmp)
+{
+    mf_config c;
+    CHECK(!mf_config_preset("tiny", &c), "preset tiny");
+    mf_profile f = free_profile(1, 1000);
+    char trace[512];
+    snprintf(trace, sizeof trace, "%s/plan_trace.json", tmp);
+    /* batch 1, one worker: n_slots = min(1 x 2, 16) = 2, one row part per expert, one shared part,
+     * two head parts. Per layer: attn, route (with the gate), moe done, 2 x (join, up, down),
+     * shared join, up, down, combine = 13, plus Engram on layers 1 and 3; then head join, norm, 2
+     * heads: 8 x 13 + 2 + 4 = 110. */
+    mf_plan *p;
+    mf_plan_report r;
+    CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .seed = 3}, &p), "%s", mf_last_error());
+    CHECK(!mf_plan_step(p, &r), "%s", mf_last_error());
+    CHECK(r.n_tasks == 110, "tiny host: %d tasks, expected 110", r.n_tasks);
+    /* every task costs 1 us and there is one worker: the makespan is the task count in us */
+    CHECK(r.step_ns == 110 * 1000, "tiny host makespan %lld ns, expected 110000", (long long)r.step_ns);
+    CHECK(r.n_lanes == 1 && r.lanes[0].busy_ns == 110000, "cpu lane work %lld", (long long)r.lanes[0].busy_ns);
+    CHECK(r.host_slots == 16 && r.dev_slots == 0, "slots: %lld host, %lld dev", (long long)r.host_slots,
+          (long long)r.dev_slots);
+    mf_plan_free(p);
+
+    /* routed experts alone cost: fp4 at 417792e3 B/s. One expert is w1, w3 [64, 256] and w2
+     * [256, 64], each 64 x 256 / 2 code bytes + 64 x 256 / 32 scale bytes = 8704: 26112 bytes;
+     * 2 slots x 8 layers = 417792 bytes = 1 ms on the one worker, after the 110 tasks' 1 us each.
+     * (An up task is 41666.67 ns, a down task 20833.33 ns: rounded per task they still sum to 1 ms.) */
+    f.host[MF_KF_FP4].bytes_per_s = 417792e3;
+    CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f}, &p), "%s", mf_last_error());
+    CHECK(!mf_plan_step(p, &r), "%s", mf_last_error());
+    CHECK(r.step_ns == 110 * 1000 + 1000000, "tiny host + experts makespan %lld ns, expected 1110000",
+          (long long)r.step_ns);
+    mf_plan_free(p);
+    f.host[MF_KF_FP4].bytes_per_s = FREE;
+
+    /* streamed experts: 6 reads per slot and layer on the IO lane (2 x 6 x 8 = 96);
+     * seed on 2 cards: per card, slot and layer in / ffn / out (2 x 2 x 8 = 32 per lane kind) */
+    CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .placement = MF_STEP_PLACE_SEED,
+                                       .store = MF_PLAN_STORE_STREAMED, .store_budget_bytes = 64 << 20},
+                       &p), "%s", mf_last_error());
+    CHECK(!mf_plan_step(p, &r), "%s", mf_last_error());
+    CHECK(r.n_tasks == 110 + 96 + 3 * 2 * 16, "tiny seed streamed: %d tasks, expected %d", r.n_tasks,
+          110 + 96 + 96);
+    CHECK(r.n_lanes == 2 + 6, "%d lanes", r.n_lanes);
+    CHECK(!mf_plan_write_trace(p, trace), "%s", mf_last_error());
+    CHECK(count_lane(trace, "io") == 96, "io lane: %d tasks", count_lane(trace, "io"));
+    CHECK(count_lane(trace, "dev0.h2d") == 16, "dev0.h2d: %d tasks", count_lane(trace, "dev0.h2d"));
+    CHECK(count_lane(trace, "dev1.compute") == 16, "dev1.compute: %d tasks", count_lane(trace, "dev1.compute"));
+    CHECK(count_lane(trace, "cpu") == 110, "cpu: %d tasks", count_lane(trace, "cpu"));
+    CHECK(r.dev_slots == 16 && r.host_slots == 0, "seed: %lld dev slots, %lld host", (long long)r.dev_slots,
+          (long long)r.host_slots);
+    mf_plan_free(p);
+    remove(trace);
+}
+
+static int same_report(const mf_plan_report *a, const mf_plan_report *b)
+{
+    if (a->step_ns != b->step_ns || a->n_tasks != b->n_tasks || a->dev_hits != b->dev_hits ||
+        a->dev_misses != b->dev_misses || a->store_hits != b->store_hits || a->store_misses != b->store_misses ||
+        a->n_lanes != b->n_lanes || a->bottleneck != b->bottleneck || a->token_ns != b->token_ns)
+        return 0;
+    for (int q = 0; q < MF_STEP_N_PHASES; q++)
+        if (a->phase_ns[q] != b->phase_ns[q] || a->busy_ns[q] != b->busy_ns[q]) return 0;
+    for (int l = 0; l < a->n_lanes; l++)
+        if (a->lanes[l].busy_ns != b->lanes[l].busy_ns || a->lanes[l].share != b->lanes[l].share) return 0;
+    return 1;
+}
+
+/* A profile with costs everywhere (figures of no machine in particular). */
+static mf_profile costly_profile(void)
+{
+    mf_profile f = free_profile(4, 2000);
+    f.mem_bytes_per_s = 40e9;
+    for (int k = 0; k < MF_KF_N; k++) {
+        f.host[k] = (mf_profile_kern){.bytes_per_s = k == MF_KF_REF ? 0 : 10e9, .macs_per_s = 2e9, .latency_ns = 1000};
+        f.card[k] = (mf_profile_kern){.bytes_per_s = k == MF_KF_REF ? 0 : 300e9, .macs_per_s = 10e12, .latency_ns = 5000};
+    }
+    f.disk_bytes_per_s = 1e9;
+    f.disk_latency_ns = 100000;
+    f.disk_queue_depth = 8;
+    f.n_cards = 4;
+    f.card_mem_bytes = UINT64_C(11) << 30;
+    f.h2d_bytes_per_s = f.d2h_bytes_per_s = f.h2d_total_bytes_per_s = 8e9;
+    f.h2d_latency_ns = f.d2h_latency_ns = 10000;
+    return f;
+}
+
+static void test_determinism_and_caches(void)
+{
+    mf_config c;
+    CHECK(!mf_config_preset("demo", &c), "preset demo");
+    mf_profile f = costly_profile();
+    for (int pl = MF_STEP_PLACE_HOST; pl <= MF_STEP_PLACE_HYBRID; pl++) {
+        /* a small device cache (40 experts per card) and a streamed store of 100 experts */
+        mf_plan_opts o = {.config = &c, .profile = &f, .placement = pl, .batch = 4, .seed = 11,
+                          .dev_cache_bytes = 40 * UINT64_C(1300000), .store = MF_PLAN_STORE_STREAMED,
+                          .store_budget_bytes = 100 * UINT64_C(1300000)};
+        mf_plan_report a, b;
+        CHECK(!mf_plan_run(&o, 2, 5, &a), "%s", mf_last_error());
+        CHECK(!mf_plan_run(&o, 2, 5, &b), "%s", mf_last_error());
+        CHECK(same_report(&a, &b), "placement %d: two runs with the same seed differ", pl);
+        o.seed = 12;
+        CHECK(!mf_plan_run(&o, 2, 5, &b), "%s", mf_last_error());
+        CHECK(a.step_ns > 0 && a.token_ns == (double)a.step_ns / 4, "placement %d: step %lld token %g", pl,
+              (long long)a.step_ns, a.token_ns);
+        CHECK(a.dev_hits + a.dev_misses == (uint64_t)a.dev_slots, "placement %d: %llu hits + %llu misses != %lld "
+              "card slots", pl, (unsigned long long)a.dev_hits, (unsigned long long)a.dev_misses,
+              (long long)a.dev_slots);
+        CHECK(a.store_hits + a.store_misses == (uint64_t)(a.dev_slots + a.host_slots), "placement %d: store "
+              "%llu + %llu != %lld slots", pl, (unsigned long long)a.store_hits,
+              (unsigned long long)a.store_misses, (long long)(a.dev_slots + a.host_slots));
+        CHECK(a.store_misses > 0 && a.store_hits > 0, "placement %d: store %llu hits %llu misses", pl,
+              (unsigned long long)a.store_hits, (unsigned long long)a.store_misses);
+        if (pl == MF_STEP_PLACE_SEED)
+            CHECK(a.host_slots == 0 && a.dev_slots > 0 && a.dev_misses > 0 && a.dev_evictions > 0,
+                  "seed: %lld host slots, %llu misses, %llu evictions", (long long)a.host_slots,
+                  (unsigned long long)a.dev_misses, (unsigned long long)a.dev_evictions);
+        if (pl == MF_STEP_PLACE_HOST) CHECK(a.dev_slots == 0, "host: %lld card slots", (long long)a.dev_slots);
+        double share = 0;
+        for (int l = 0; l < a.n_lanes; l++) {
+            CHECK(a.lanes[l].share >= 0 && a.lanes[l].share <= 1.0 + 1e-9, "lane %s share %g", a.lanes[l].name,
+                  a.lanes[l].share);
+            share = a.lanes[l].share > share ? a.lanes[l].share : share;
+        }
+        CHECK(a.lanes[a.bottleneck].share == share, "bottleneck is not the busiest lane");
+        int64_t ph = 0;
+        for (int q = 0; q < MF_STEP_N_PHASES; q++) ph += a.phase_ns[q];
+        CHECK(ph >= a.step_ns - MF_STEP_N_PHASES, "phases %lld < step %lld", (long long)ph, (long long)a.step_ns);
+    }
+    /* LRU and LFU keep different experts: the counters differ on the same draws */
+    mf_plan_opts o = {.config = &c, .profile = &f, .placement = MF_STEP_PLACE_SEED, .batch = 2, .seed = 5,
+                      .dev_cache_bytes = 30 * UINT64_C(1300000)};
+    mf_plan_report lfu, lru;
+    CHECK(!mf_plan_run(&o, 4, 8, &lfu), "%s", mf_last_error());
+    o.dev_cache_policy = MF_PLAN_CACHE_LRU;
+    CHECK(!mf_plan_run(&o, 4, 8, &lru), "%s", mf_last_error());
+    CHECK(lfu.dev_slots == lru.dev_slots, "seed slots differ between policies");
+    CHECK(lfu.dev_hits != lru.dev_hits, "LFU and LRU gave the same hits (%llu)", (unsigned long long)lfu.dev_hits);
+    /* a routing object replaces the built-in draws */
+    mf_routing *rt;
+    CHECK(!mf_routing_open("zipf:1.2", c.n_layers, c.n_routed_experts, c.n_experts_per_tok, 5, &rt), "%s",
+          mf_last_error());
+    o.routing = rt;
+    o.dev_cache_policy = MF_PLAN_CACHE_LFU;
+    mf_plan_report z;
+    CHECK(!mf_plan_run(&o, 4, 8, &z), "%s", mf_last_error());
+    CHECK(z.dev_hits > lfu.dev_hits, "zipf routing should hit more than uniform: %llu vs %llu",
+          (unsigned long long)z.dev_hits, (unsigned long long)lfu.dev_hits);
+    mf_routing_free(rt);
+}
+
+static void test_flash41(void)
+{
+    mf_config c;
+    CHECK(!mf_config_preset("flash41", &c), "preset flash41");
+    mf_profile f = costly_profile();
+    mf_plan *p;
+    mf_plan_report r;
+    /* 40 layers x 384 experts, the full layout; batch 8, seed on 4 cards, streamed */
+    CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .placement = MF_STEP_PLACE_HYBRID,
+                                       .batch = 8, .store = MF_PLAN_STORE_STREAMED,
+                                       .tables = MF_PLAN_STORE_STREAMED}, &p), "%s", mf_last_error());
+    for (int k = 0; k < 2; k++) CHECK(!mf_plan_step(p, &r), "%s", mf_last_error());
+    CHECK(r.step_ns > 0 && r.n_tasks > 40 * 48, "flash41: step %lld ns, %d tasks", (long long)r.step_ns, r.n_tasks);
+    CHECK(r.dev_slots + r.host_slots > 0 && r.table_bytes_read > 0, "flash41: slots %lld + %lld, table bytes %llu",
+          (long long)r.dev_slots, (long long)r.host_slots, (unsigned long long)r.table_bytes_read);
+    mf_plan_free(p);
+}
+
+static void test_refusals(void)
+{
+    mf_config c;
+    CHECK(!mf_config_preset("tiny", &c), "preset tiny");
+    mf_profile f = free_profile(2, 1000), nocards = f;
+    nocards.n_cards = 0;
+    mf_profile norate = f;
+    norate.host[MF_KF_FP8].bytes_per_s = 0;
+    mf_plan *p = NULL;
+    struct {
+        mf_plan_opts o;
+        int code;
+        const char *needle;
+    } bad[] = {
+        {{.config = &c, .profile = &f, .batch = 65}, -EINVAL, "batch 65"},
+        {{.config = &c, .profile = &f, .placement = 7}, -EINVAL, "placement 7"},
+        {{.config = &c, .profile = &nocards, .placement = MF_STEP_PLACE_SEED}, -EINVAL, "needs cards"},
+        {{.config = &c, .profile = &f, .read_window = -2}, -EINVAL, "read window -2"},
+        {{.config = &c, .profile = &f, .copy_slots = 65}, -EINVAL, "65 copy slots"},
+        {{.config = &c, .profile = &f, .dev_cache_policy = 3}, -EINVAL, "cache policy 3"},
+        {{.config = &c, .profile = &f, .store = 5}, -EINVAL, "store modes"},
+        {{.config = &c, .profile = &f, .threads_per_socket = 300}, -EINVAL, "threads"},
+        {{.config = &c, .profile = &norate}, -EINVAL, "no host fp8 rate"},
+        {{.config = &c, .profile = &f, .batch = 4, .store = MF_PLAN_STORE_STREAMED, .store_budget_bytes = 4096},
+         -ENOSPC, "at least"},
+        {{.config = &c, .profile = &f, .placement = MF_STEP_PLACE_SEED, .dev_cache_bytes = 100}, -ENOSPC,
+         "holds no expert"},
+        {{.config = NULL, .profile = &f}, -EINVAL, "config and a profile"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int rc = mf_plan_new(&bad[i].o, &p);
+        CHECK(rc == bad[i].code && !p, "case %zu: rc %d, expected %d", i, rc, bad[i].code);
+        CHECK(strstr(mf_last_error(), bad[i].needle), "case %zu: message '%s' lacks '%s'", i, mf_last_error(),
+              bad[i].needle);
+        mf_plan_free(p);
+        p = NULL;
+    }
+    mf_config broken = c;
+    broken.n_experts_per_tok = 99;
+    CHECK(mf_plan_new(&(mf_plan_opts){.config = &broken, .profile = &f}, &p) == -EINVAL,
+          "an invalid config was accepted");
+    CHECK(mf_plan_run(&(mf_plan_opts){.config = &c, .profile = &f}, 0, 0, NULL) == -EINVAL, "0 steps accepted");
+    CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f}, &p), "%s", mf_last_error());
+    CHECK(mf_plan_write_trace(p, "/nonexistent/x.json") == -EINVAL && strstr(mf_last_error(), "no step"),
+          "trace before a step: %s", mf_last_error());
+    mf_plan_free(p);
+}
+
+/* sched/sim.c's core pool: two 1 ms tasks on two lanes that need a core. */
+static void test_core_pool(void)
+{
+    mf_lane_desc lanes[2] = {{.kind = MF_LANE_CPU, .name = "a", .concurrency = 1, .numa_node = -1},
+                             {.kind = MF_LANE_DEV_COMPUTE, .name = "b", .concurrency = 1, .numa_node = -1}};
+    mf_graph *g;
+    mf_timeline *tl;
+    CHECK(!mf_graph_create(lanes, 2, &g), "%s", mf_last_error());
+    mf_task_id a = mf_graph_add_task(g, &(mf_task_desc){.name = "a", .lane = 0, .place_hint = -1});
+    mf_task_id b = mf_graph_add_task(g, &(mf_task_desc){.name = "b", .lane = 1, .place_hint = -1});
+    CHECK(a == 0 && b == 1, "add tasks");
+    CHECK(!mf_graph_finalize(g), "%s", mf_last_error());
+    CHECK(!mf_timeline_create(g, &tl), "%s", mf_last_error());
+    int64_t ns[2] = {1000000, 1000000};
+    uint8_t core[2] = {1, 1};
+    mf_timeline_summary s;
+    struct { int n_cores; const uint8_t *flags; int64_t makespan; } cases[] = {
+        {1, core, 2000000}, {2, core, 1000000}, {0, core, 1000000}, {1, NULL, 1000000}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        CHECK(!mf_sim_run_opts(g, &(mf_sim_opts){.task_ns = ns, .lane_core = cases[i].flags,
+                                                 .n_cores = cases[i].n_cores}, tl), "%s", mf_last_error());
+        CHECK(!mf_timeline_summarize(tl, &s), "summarize");
+        CHECK(s.makespan_ns == cases[i].makespan, "pool case %zu: makespan %lld, expected %lld", i,
+              (long long)s.makespan_ns, (long long)cases[i].makespan);
+    }
+    CHECK(mf_sim_run_opts(g, &(mf_sim_opts){.n_cores = -1}, tl) == -EINVAL, "a negative pool was accepted");
+    mf_timeline_destroy(tl);
+    mf_graph_destroy(g);
+}
+
+int main(void)
+{
+    const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
+    test_structure(tmp);
+    test_determinism_and_caches();
+    test_flash41();
+    test_refusals();
+    test_core_pool();
+    return mf_check_exit("test_plan");
+}

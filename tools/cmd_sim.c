@@ -1,0 +1,235 @@
+/* `moeflow sim`: simulates decode steps of the scheduled engine on a hardware profile
+ * (graphs/plan.h): the predicted per-token time, the phase table, each lane's busy share and the
+ * bottleneck, the caches, the Chrome trace of the last step. --measure also runs the real engine
+ * (graphs/step.h) with the same settings on this machine and prints measured vs predicted. */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "device/dev.h"
+#include "graphs/config.h"
+#include "graphs/model.h"
+#include "graphs/plan.h"
+#include "graphs/ref.h"
+#include "graphs/routing.h"
+#include "graphs/sample.h"
+#include "graphs/step.h"
+#include "sched/error.h"
+#include "sched/profile.h"
+#include "tools/commands.h"
+#include "tools/sim_common.h"
+
+static void mf_sim_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: moeflow sim --profile P (--checkpoint DIR | --preset NAME) [--placement host|seed|hybrid]\n"
+            "                   [--cards N] [--threads N] [--batch B] [--steps N] [--warmup N]\n"
+            "                   [--routing uniform|zipf:S|trace:FILE] [--seed S] [--context N]\n"
+            "                   [--store resident|streamed] [--store-budget SIZE] [--tables resident|streamed]\n"
+            "                   [--dev-cache SIZE] [--cache-policy lfu|lru] [--read-window N]\n"
+            "                   [--copy-slots N] [--trace FILE] [--json] [--measure]\n\n"
+            "Simulates decode steps of the scheduled engine (graphs/step.c's graph, docs/sim.md) on the\n"
+            "hardware profile P: --warmup steps (default 2) warm the caches, then --steps (default 8)\n"
+            "are reported: predicted time per token, the phase table, each lane's work and busy share,\n"
+            "the bottleneck lane, the expert caches. Only the checkpoint's config.json is read (the\n"
+            "sparse flash41 layout works); --preset uses a built-in config instead.\n\n"
+            "  --placement P       host (default), seed or hybrid (routed experts on cards)\n"
+            "  --cards N           cards for seed/hybrid (default: the profile's)\n"
+            "  --threads N         engine workers per socket (default: the profile's)\n"
+            "  --batch B           sequences per step (1..%d, default 1)\n"
+            "  --routing R         uniform (default), zipf:S, or trace:FILE (moeflow decode\n"
+            "                      --record-routing); --seed S seeds the draws (default 1)\n"
+            "  --context N         tokens already in each sequence (default 16)\n"
+            "  --store MODE        routed experts resident (default) or streamed from disk through\n"
+            "                      a cache of --store-budget bytes (default 2G)\n"
+            "  --tables MODE       Engram tables resident (default) or streamed\n"
+            "  --dev-cache SIZE    expert cache bytes per card (default: every expert the card holds)\n"
+            "  --cache-policy P    lfu (default, the engine's) or lru\n"
+            "  --read-window N     streamed store: slots whose reads are in flight (default 2, -1 all)\n"
+            "  --copy-slots N      copy-in streams per card (default 1, the engine's)\n"
+            "  --trace FILE        Chrome trace of the last simulated step\n"
+            "  --json              one JSON object instead of the tables\n"
+            "  --measure           also decode for real on this machine (a loadable checkpoint;\n"
+            "                      emu:N cards for seed/hybrid) and print measured vs predicted\n",
+            MF_STEP_MAX_ITEMS);
+}
+
+static void mf_sim_json(const mf_plan_report *r, const char *routing, int placement, int measured,
+                        double meas_ns)
+{
+    static const char *const pl[] = {"host", "seed", "hybrid"};
+    printf("{\"placement\":\"%s\",\"routing\":\"%s\",\"batch\":%d,\"steps\":%d,\"step_s\":%.9g,\"token_s\":%.9g,"
+           "\"tokens_per_s\":%.6g,\"n_tasks\":%d,\"phases\":{",
+           pl[placement], routing, r->batch, r->n_steps, r->step_ns / 1e9, r->token_ns / 1e9,
+           r->token_ns > 0 ? 1e9 / r->token_ns : 0, r->n_tasks);
+    for (int q = 0; q < MF_STEP_N_PHASES; q++)
+        printf("%s\"%s\":%.9g", q ? "," : "", mf_step_phase_name((mf_step_phase)q), r->phase_ns[q] / 1e9);
+    printf("},\"lanes\":[");
+    for (int l = 0; l < r->n_lanes; l++)
+        printf("%s{\"name\":\"%s\",\"slots\":%d,\"work_s\":%.9g,\"busy\":%.6g}", l ? "," : "", r->lanes[l].name,
+               r->lanes[l].slots, r->lanes[l].busy_ns / 1e9, r->lanes[l].share);
+    printf("],\"bottleneck\":\"%s\",\"dev_slots\":%" PRId64 ",\"host_slots\":%" PRId64 ",\"dev_hits\":%" PRIu64
+           ",\"dev_misses\":%" PRIu64 ",\"store_hits\":%" PRIu64 ",\"store_misses\":%" PRIu64,
+           r->lanes[r->bottleneck].name, r->dev_slots, r->host_slots, r->dev_hits, r->dev_misses, r->store_hits,
+           r->store_misses);
+    if (measured) printf(",\"measured_token_s\":%.9g,\"ratio\":%.6g", meas_ns / 1e9, r->token_ns / meas_ns);
+    printf("}\n");
+}
+
+int mf_cmd_sim(int argc, char **argv)
+{
+    const char *prof_path = NULL, *dir = NULL, *preset = NULL, *routing_spec = "uniform", *trace = NULL;
+    const char *placement = "host";
+    long cards = 0, threads = 0, batch = 1, steps = 8, warmup = 2, seed = 1, context = 16, read_window = 0;
+    long copy_slots = 0;
+    int json = 0, measure = 0, store = MF_PLAN_STORE_RESIDENT, tables = MF_PLAN_STORE_RESIDENT, policy = 0;
+    uint64_t store_budget = 0, dev_cache = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        int hv = i + 1 < argc;
+        char *end = NULL;
+        struct { const char *name; long *v; long lo, hi; } nums[] = {
+            {"--cards", &cards, 1, 16}, {"--threads", &threads, 1, 256}, {"--batch", &batch, 1, MF_STEP_MAX_ITEMS},
+            {"--steps", &steps, 1, 100000}, {"--warmup", &warmup, 0, 100000}, {"--seed", &seed, 0, 1L << 62},
+            {"--context", &context, 1, 1L << 40}, {"--read-window", &read_window, -1, 4096},
+            {"--copy-slots", &copy_slots, 1, 64},
+        };
+        int k = 0;
+        while (k < (int)(sizeof nums / sizeof nums[0]) && strcmp(a, nums[k].name)) k++;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            mf_sim_usage(stdout);
+            return 0;
+        } else if (k < (int)(sizeof nums / sizeof nums[0]) && hv) {
+            *nums[k].v = strtol(argv[++i], &end, 10);
+            if (*end || !*argv[i] || *nums[k].v < nums[k].lo || *nums[k].v > nums[k].hi ||
+                (nums[k].v == &read_window && !read_window)) {
+                fprintf(stderr, "moeflow sim: %s: expected %ld..%ld%s, found '%s'\n", a, nums[k].lo, nums[k].hi,
+                        nums[k].v == &read_window ? " (not 0)" : "", argv[i]);
+                return 2;
+            }
+        } else if (!strcmp(a, "--profile") && hv) {
+            prof_path = argv[++i];
+        } else if (!strcmp(a, "--checkpoint") && hv) {
+            dir = argv[++i];
+        } else if (!strcmp(a, "--preset") && hv) {
+            preset = argv[++i];
+        } else if (!strcmp(a, "--routing") && hv) {
+            routing_spec = argv[++i];
+        } else if (!strcmp(a, "--trace") && hv) {
+            trace = argv[++i];
+        } else if (!strcmp(a, "--placement") && hv) {
+            placement = argv[++i];
+            if (strcmp(placement, "host") && strcmp(placement, "seed") && strcmp(placement, "hybrid")) {
+                fprintf(stderr, "moeflow sim: --placement: expected host, seed or hybrid, found '%s'\n", placement);
+                return 2;
+            }
+        } else if ((!strcmp(a, "--store") || !strcmp(a, "--tables")) && hv) {
+            const char *v = argv[++i];
+            int mode = !strcmp(v, "resident") ? MF_PLAN_STORE_RESIDENT : !strcmp(v, "streamed") ? MF_PLAN_STORE_STREAMED : -1;
+            if (mode < 0) {
+                fprintf(stderr, "moeflow sim: %s: expected resident or streamed, found '%s'\n", a, v);
+                return 2;
+            }
+            *(!strcmp(a, "--store") ? &store : &tables) = mode;
+        } else if ((!strcmp(a, "--store-budget") || !strcmp(a, "--dev-cache")) && hv) {
+            uint64_t v = mf_tool_size(argv[++i]);
+            if (!v) {
+                fprintf(stderr, "moeflow sim: %s: expected a size such as 2G or 512M, found '%s'\n", a, argv[i]);
+                return 2;
+            }
+            *(!strcmp(a, "--store-budget") ? &store_budget : &dev_cache) = v;
+        } else if (!strcmp(a, "--cache-policy") && hv) {
+            const char *v = argv[++i];
+            policy = !strcmp(v, "lfu") ? MF_PLAN_CACHE_LFU : !strcmp(v, "lru") ? MF_PLAN_CACHE_LRU : -1;
+            if (policy < 0) {
+                fprintf(stderr, "moeflow sim: --cache-policy: expected lfu or lru, found '%s'\n", v);
+                return 2;
+            }
+        } else if (!strcmp(a, "--json")) {
+            json = 1;
+        } else if (!strcmp(a, "--measure")) {
+            measure = 1;
+        } else {
+            fprintf(stderr, "moeflow sim: unknown or incomplete option '%s'\n\n", a);
+            mf_sim_usage(stderr);
+            return 2;
+        }
+    }
+    if (!prof_path || (!dir == !preset)) {
+        fprintf(stderr, "moeflow sim: --profile P and one of --checkpoint DIR or --preset NAME are required\n\n");
+        mf_sim_usage(stderr);
+        return 2;
+    }
+    if (measure && !dir) {
+        fprintf(stderr, "moeflow sim: --measure decodes for real: it needs --checkpoint DIR\n");
+        return 2;
+    }
+    int place = !strcmp(placement, "host") ? MF_STEP_PLACE_HOST
+                : !strcmp(placement, "seed") ? MF_STEP_PLACE_SEED : MF_STEP_PLACE_HYBRID;
+    static mf_profile prof;
+    mf_config cfg;
+    mf_routing *rt = NULL;
+    mf_plan *p = NULL;
+    int ret = 1, rc;
+    char path[4096];
+    if ((rc = mf_profile_load(prof_path, &prof))) goto fail;
+    if (dir) {
+        snprintf(path, sizeof path, "%s/config.json", dir);
+        rc = mf_config_load(path, &cfg);
+    } else {
+        rc = mf_config_preset(preset, &cfg);
+    }
+    if (rc) goto fail;
+    if ((rc = mf_routing_open(routing_spec, cfg.n_layers, cfg.n_routed_experts, cfg.n_experts_per_tok,
+                              (uint64_t)seed, &rt)))
+        goto fail;
+    mf_plan_opts po = {.config = &cfg, .profile = &prof, .placement = place, .n_cards = (int)cards,
+                       .threads_per_socket = (int)threads, .batch = (int)batch, .context = context,
+                       .read_window = (int)read_window, .copy_slots = (int)copy_slots, .dev_cache_bytes = dev_cache,
+                       .dev_cache_policy = policy, .store = store, .store_budget_bytes = store_budget,
+                       .tables = tables, .routing = rt, .seed = (uint64_t)seed};
+    if ((rc = mf_plan_new(&po, &p))) goto fail;
+    for (long k = 0; k < warmup && !rc; k++) rc = mf_plan_step(p, NULL);
+    mf_plan_reset_totals(p);
+    for (long k = 0; k < steps && !rc; k++) rc = mf_plan_step(p, NULL);
+    if (rc) goto fail;
+    mf_plan_report rep;
+    mf_plan_total(p, &rep);
+    if (trace && (rc = mf_plan_write_trace(p, trace))) goto fail;
+    double meas_ns = 0;
+    mf_step_times mt = {0};
+    if (measure) {
+        int n_threads = (int)(threads ? threads : prof.threads_per_socket) * prof.n_sockets;
+        int n_cards = (int)(cards ? cards : prof.n_cards);
+        if ((rc = mf_tool_measure(dir, &po, n_cards, n_threads, (int)warmup, (int)steps, &meas_ns, &mt)))
+            goto fail;
+    }
+    if (json) {
+        mf_sim_json(&rep, mf_routing_describe(rt), place, measure, meas_ns);
+    } else {
+        printf("sim: %s on profile %s, placement %s, routing %s, batch %ld, %ld warm-up + %ld steps\n",
+               dir ? dir : preset, prof.name, placement, mf_routing_describe(rt), batch, warmup, steps);
+        mf_plan_print(&rep, stdout);
+        if (trace) printf("trace of the last simulated step: %s\n", trace);
+        if (measure) {
+            printf("\nmeasured on this machine (real engine%s, median of %ld steps): %.3f ms per token\n",
+                   place == MF_STEP_PLACE_HOST ? "" : ", emulated cards", steps, meas_ns / 1e6);
+            printf("%-16s %12s %12s\n", "phase", "measured ms", "predicted ms");
+            for (int q = 0; q < MF_STEP_N_PHASES; q++)
+                printf("%-16s %12.3f %12.3f\n", mf_step_phase_name((mf_step_phase)q), mt.phase_ns[q] / 1e6,
+                       rep.phase_ns[q] / 1e6);
+            printf("per token: predicted %.3f ms, measured %.3f ms, predicted / measured = %.3f\n",
+                   rep.token_ns / 1e6, meas_ns / 1e6, rep.token_ns / meas_ns);
+        }
+    }
+    ret = 0;
+    goto out;
+fail:
+    fprintf(stderr, "moeflow sim: %s\n", mf_last_error()[0] ? mf_last_error() : "failed");
+out:
+    mf_plan_free(p);
+    mf_routing_free(rt);
+    return ret;
+}
