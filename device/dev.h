@@ -92,8 +92,8 @@ int mf_dev_sync(mf_dev *d);
  * FP4 matmul: q8_scratch != NULL (at least mf_kern_q8_bytes(n_tok, n_in) device bytes) selects the
  * int8 path (mf_kern_fp4_matmul), NULL the fp32 one (mf_kern_fp4_matmul_f32). Shapes are checked
  * when enqueued (-EINVAL); results equal host/kernels.h's bit for bit on the emulated device.
- * The CUDA backend has the fp32 path only (the int8 path is -ENOTSUP with a message); its
- * results differ from the host's in summation order. */
+ * On CUDA they differ from the host's in fp32 summation order (int8 path: the same quantized
+ * activations and exact integer block sums; relative errors in docs/device.md). */
 int mf_dev_fp4_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y,
                       void *q8_scratch);
 int mf_dev_fp8_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y);
