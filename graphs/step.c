@@ -1090,10 +1090,6 @@ static int mf_step_dev_setup(mf_step *s)
         off += (sb + 255) / 256 * 256;
     }
     s->xslot_bytes = off;
-    if (!strcmp(mf_dev_kind(s->o.dev), "cuda"))
-        return mf_error(-ENOTSUP, "step: the CUDA backend has the fp32 expert path only and the engine's "
-                        "device slots run the int8 path (bit-identical to the host's); routed experts on "
-                        "CUDA cards are not wired up yet: use emu:N, or --placement host");
     s->dev = s->o.dev;
     int n = mf_dev_n_cards(s->dev);
     s->dev_lane0 = s->n_lanes;
