@@ -153,6 +153,18 @@ int mf_dev_stream_callback(mf_dev_stream *s, void (*fn)(void *arg), void *arg)
     return s->dev->ops->callback(s, fn, arg);
 }
 
+int mf_dev_stream_callback_status(mf_dev_stream *s, void (*fn)(void *arg, int err, const char *msg),
+                                  void *arg)
+{
+    if (!s || !fn) return mf_error(-EINVAL, "mf_dev_stream_callback_status: NULL %s",
+                                   !s ? "stream" : "function");
+    if (!s->dev->ops->callback_status)
+        return mf_error(-ENOTSUP, "mf_dev_stream_callback_status: the %s backend does not attribute "
+                        "asynchronous errors to callbacks (they surface at the next sync)",
+                        s->dev->ops->kind);
+    return s->dev->ops->callback_status(s, fn, arg);
+}
+
 int mf_dev_stream_sync(mf_dev_stream *s)
 {
     if (!s) return mf_error(-EINVAL, "mf_dev_stream_sync: stream is NULL");
@@ -302,10 +314,23 @@ static int mf_dev_lane_notify(void *ctx, void *queue, void (*done)(void *), void
     return mf_dev_stream_callback(queue, done, done_arg);
 }
 
+static int mf_dev_lane_notify_status(void *ctx, void *queue, void (*done)(void *, int, const char *),
+                                     void *done_arg)
+{
+    mf_dev *d = ctx;
+    if (!queue) return mf_error(-EINVAL, "device lane has no stream (a lane names a card beyond "
+                                "the device's %d, or a non-device kind)", d->n_cards);
+    return mf_dev_stream_callback_status(queue, done, done_arg);
+}
+
+/* notify_status where the backend attributes asynchronous errors (emu), so that a device task
+ * whose work failed fails in the scheduler; plain notify otherwise (CUDA). */
 const mf_dev_lane_ops *mf_dev_lane_ops_of(mf_dev *d)
 {
     if (!d) return NULL;
     d->lane_ops = (mf_dev_lane_ops){.ctx = d, .queue = mf_dev_lane_queue,
-                                    .notify = mf_dev_lane_notify};
+                                    .notify = mf_dev_lane_notify,
+                                    .notify_status = d->ops->callback_status ? mf_dev_lane_notify_status
+                                                                             : NULL};
     return &d->lane_ops;
 }

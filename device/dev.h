@@ -30,9 +30,10 @@ typedef enum mf_dev_stream_kind {
 } mf_dev_stream_kind;
 
 /* Opens a device by spec:
- *   "emu:N[,mem=BYTES][,bw=BYTES_PER_S][,lat_ns=NS]"  N emulated cards (1..16); mem is each
- *       card's capacity (suffixes K, M, G; default 16G), bw and lat_ns the modelled copy
- *       bandwidth and latency (defaults 25e9 and 10000: a model, not a measurement);
+ *   "emu:N[,mem=BYTES][,bw=BYTES_PER_S][,lat_ns=NS][,fail_h2d=N]"  N emulated cards (1..16);
+ *       mem is each card's capacity (suffixes K, M, G; default 16G), bw and lat_ns the modelled
+ *       copy bandwidth and latency (defaults 25e9 and 10000: a model, not a measurement),
+ *       fail_h2d fault injection (mf_dev_emu_fail_h2d);
  *   "cuda" every CUDA card the driver sees; "cuda:0,2" those cards.
  * -EINVAL with a message for a malformed spec; -ENOSYS for "cuda" in a build without CUDA;
  * -ENODEV when no card (or a named card) is present. */
@@ -80,9 +81,18 @@ int mf_dev_stream_wait(mf_dev_stream *s, mf_dev_event *e);
  * finished, and later work on s waits for it. fn must not call into the device (CUDA forbids it)
  * and should be short. This is how the scheduler learns a device task is done. */
 int mf_dev_stream_callback(mf_dev_stream *s, void (*fn)(void *arg), void *arg);
+/* As mf_dev_stream_callback, and fn learns whether work on s before it failed: err is the first
+ * error of an asynchronous operation on s not yet delivered (0: none), msg its message (NULL when
+ * err is 0; valid during the call). The callback takes the error: a later sync no longer returns
+ * it. The scheduler adapter uses it so that a device task whose work failed fails. -ENOTSUP on
+ * backends that cannot attribute errors (CUDA: its asynchronous errors are sticky faults of the
+ * card, seen at the next sync). */
+int mf_dev_stream_callback_status(mf_dev_stream *s, void (*fn)(void *arg, int err, const char *msg),
+                                  void *arg);
 
 /* Blocks until everything enqueued on s (or on every stream of d) has finished. Returns 0, or the
- * first error of an async operation on s (sticky, with its message). */
+ * first error of an async operation on s not delivered to a status callback (sticky until then,
+ * with its message). */
 int mf_dev_stream_sync(mf_dev_stream *s);
 int mf_dev_sync(mf_dev *d);
 
@@ -133,5 +143,10 @@ const mf_dev_lane_ops *mf_dev_lane_ops_of(mf_dev *d);
 
 /* Emulated devices only: bytes in use on a card (-1 for other backends or a bad card). */
 int64_t mf_dev_emu_used_bytes(const mf_dev *d, int card);
+/* Emulated devices only, fault injection for tests: the nth host-to-device copy executed from now
+ * on (any stream of any card; 1 = the next) copies the first half of its bytes and then fails
+ * with -EIO ("injected failure ..."); 0 disarms. The spec option fail_h2d=N arms it at open.
+ * -EINVAL for other backends. */
+int mf_dev_emu_fail_h2d(mf_dev *d, int64_t nth);
 
 #endif

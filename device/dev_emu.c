@@ -3,10 +3,13 @@
  * streams each served by one worker thread that runs its operations in order, events, copies that
  * take modelled time (latency + bytes / bandwidth, slept, never spun) and host/kernels.h kernels,
  * so results equal the host path's bit for bit. Graph capture records a stream's operations and
- * replays them. */
+ * replays them. A failed operation's error goes to the next status callback of its stream (the
+ * scheduler fails that task) or, if none takes it, to the next sync. Fault injection for tests:
+ * the nth host-to-device copy copies half its bytes and fails (spec fail_h2d=N, mf_dev_emu_fail_h2d). */
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,8 +37,8 @@ typedef struct emu_event {
 typedef struct emu_op {
     emu_op_kind kind;
     union {
-        struct { void *dst; const void *src; size_t n; } copy;
-        struct { void (*fn)(void *); void *arg; } cb;
+        struct { void *dst; const void *src; size_t n; mf_dev_copy_kind k; } copy;
+        struct { void (*fn)(void *); void (*fn_status)(void *, int, const char *); void *arg; } cb;
         struct { emu_event *e; uint64_t seq; } ev;
         struct { mf_kern_mat w; const float *x; int n_tok; float *y; void *q8; } mm;
         mf_dev_ffn ffn;
@@ -54,8 +57,9 @@ typedef struct emu_stream {
     emu_op ring[EMU_RING_CAP];
     unsigned head, tail;     /* head: next to run (retired after it ran) */
     int exit;
-    int err;                 /* first async error (sticky) */
+    int err;                 /* first async error not yet delivered (to a status callback) */
     char errmsg[MF_ERROR_MSG_BYTES];
+    char cb_msg[MF_ERROR_MSG_BYTES];   /* the message handed to a status callback (its thread) */
     int capturing;           /* enqueued operations go to cap[] instead of the ring */
     emu_op *cap;
     int n_cap, max_cap;
@@ -88,6 +92,7 @@ struct emu_dev {
     pthread_mutex_t host_mu;
     emu_hdr *host_allocs;    /* staging memory, freed at close when left */
     emu_stream *streams[MF_DEV_MAX_CARDS][MF_DEV_N_STREAMS];
+    _Atomic int64_t fail_h2d;   /* fault injection: h2d copies left until the failing one (0: off) */
 };
 
 static const char *emu_stream_name[MF_DEV_N_STREAMS] = {"copy-in", "compute", "copy-out"};
@@ -163,6 +168,13 @@ static void emu_run_op(emu_stream *s, emu_op *op)
     switch (op->kind) {
     case OP_COPY: {
         int64_t t0 = mf_now_ns();
+        if (op->u.copy.k == MF_DEV_H2D && atomic_load(&d->fail_h2d) > 0 &&
+            atomic_fetch_sub(&d->fail_h2d, 1) == 1) {
+            memcpy(op->u.copy.dst, op->u.copy.src, op->u.copy.n / 2);   /* a partial copy */
+            rc = mf_error(-EIO, "injected failure of a host-to-device copy of %zu bytes (fail_h2d): "
+                          "%zu bytes copied", op->u.copy.n, op->u.copy.n / 2);
+            break;
+        }
         memcpy(op->u.copy.dst, op->u.copy.src, op->u.copy.n);
         double model_ns = (double)d->lat_ns;
         if (d->bw_bytes_per_s > 0) model_ns += (double)op->u.copy.n / d->bw_bytes_per_s * 1e9;
@@ -170,7 +182,16 @@ static void emu_run_op(emu_stream *s, emu_op *op)
         break;
     }
     case OP_CALLBACK:
-        op->u.cb.fn(op->u.cb.arg);
+        if (op->u.cb.fn_status) {   /* takes the stream's undelivered error, if any */
+            pthread_mutex_lock(&s->mu);
+            int err = s->err;
+            if (err) snprintf(s->cb_msg, sizeof s->cb_msg, "%s", s->errmsg);
+            s->err = 0;
+            pthread_mutex_unlock(&s->mu);
+            op->u.cb.fn_status(op->u.cb.arg, err, err ? s->cb_msg : NULL);
+        } else {
+            op->u.cb.fn(op->u.cb.arg);
+        }
         break;
     case OP_RECORD: {
         emu_event *e = op->u.ev.e;
@@ -353,7 +374,9 @@ static void emu_host_free(mf_dev *pd, void *p)
 static int emu_copy(mf_dev_stream *s, mf_dev_copy_kind k, int dst_card, void *dst, int src_card,
                     const void *src, size_t n_bytes)
 {
-    emu_op op = {.kind = OP_COPY, .u.copy = {dst, src, n_bytes}};
+    (void)dst_card;
+    (void)src_card;
+    emu_op op = {.kind = OP_COPY, .u.copy = {dst, src, n_bytes, k}};
     return emu_enqueue(s, &op);
 }
 
@@ -399,7 +422,13 @@ static int emu_stream_wait(mf_dev_stream *s, mf_dev_event *e) { return emu_event
 
 static int emu_callback(mf_dev_stream *s, void (*fn)(void *), void *arg)
 {
-    emu_op op = {.kind = OP_CALLBACK, .u.cb = {fn, arg}};
+    emu_op op = {.kind = OP_CALLBACK, .u.cb = {fn, NULL, arg}};
+    return emu_enqueue(s, &op);
+}
+
+static int emu_callback_status(mf_dev_stream *s, void (*fn)(void *, int, const char *), void *arg)
+{
+    emu_op op = {.kind = OP_CALLBACK, .u.cb = {NULL, fn, arg}};
     return emu_enqueue(s, &op);
 }
 
@@ -527,6 +556,7 @@ static const mf_dev_ops emu_ops = {
     .event_record = emu_event_record,
     .stream_wait = emu_stream_wait,
     .callback = emu_callback,
+    .callback_status = emu_callback_status,
     .stream_sync = emu_stream_sync,
     .fp4_matmul = emu_fp4_matmul,
     .fp8_matmul = emu_fp8_matmul,
@@ -567,7 +597,7 @@ int mf_dev_open_emu(const char *opts, mf_dev **out)
         return mf_error(-EINVAL, "device spec 'emu:%s': expected a card count 1..%d after 'emu:'",
                         opts, MF_DEV_MAX_CARDS);
     uint64_t mem = 16ULL << 30;
-    double bw = 25e9, lat = 10000;
+    double bw = 25e9, lat = 10000, fail_h2d = 0;
     while ((tok = strtok_r(NULL, ",", &save))) {
         char *eq = strchr(tok, '=');
         int bad = !eq;
@@ -577,12 +607,14 @@ int mf_dev_open_emu(const char *opts, mf_dev **out)
             if (!strcmp(tok, "mem")) bad = emu_parse_bytes(v, &mem) || mem == 0;
             else if (!strcmp(tok, "bw")) bad = (bw = strtod(v, &end)) < 0 || *end || end == v;
             else if (!strcmp(tok, "lat_ns")) bad = (lat = strtod(v, &end)) < 0 || *end || end == v;
+            else if (!strcmp(tok, "fail_h2d"))
+                bad = (fail_h2d = strtod(v, &end)) < 0 || *end || end == v || fail_h2d != (int64_t)fail_h2d;
             else bad = 1;
             if (!bad) continue;
             *eq = '=';
         }
         return mf_error(-EINVAL, "device spec 'emu:%s': bad option '%s' (expected mem=BYTES[K|M|G], "
-                        "bw=BYTES_PER_S, lat_ns=NS)", opts, tok);
+                        "bw=BYTES_PER_S, lat_ns=NS, fail_h2d=N)", opts, tok);
     }
     emu_dev *d = calloc(1, sizeof *d);
     if (!d) return mf_error(-ENOMEM, "emu device: out of memory");
@@ -590,6 +622,7 @@ int mf_dev_open_emu(const char *opts, mf_dev **out)
     d->pub.n_cards = (int)n;
     d->bw_bytes_per_s = bw;
     d->lat_ns = (int64_t)lat;
+    atomic_init(&d->fail_h2d, (int64_t)fail_h2d);
     pthread_mutex_init(&d->host_mu, NULL);
     for (int c = 0; c < n; c++) {
         pthread_mutex_init(&d->cards[c].mu, NULL);
@@ -630,4 +663,12 @@ int64_t mf_dev_emu_used_bytes(const mf_dev *pd, int card)
     int64_t used = (int64_t)c->used_bytes;
     pthread_mutex_unlock(&c->mu);
     return used;
+}
+
+int mf_dev_emu_fail_h2d(mf_dev *pd, int64_t nth)
+{
+    if (!pd || pd->ops != &emu_ops || nth < 0)
+        return mf_error(-EINVAL, "mf_dev_emu_fail_h2d: %s", nth < 0 ? "negative count" : "not an emulated device");
+    atomic_store(&((emu_dev *)pd)->fail_h2d, nth);
+    return 0;
 }

@@ -325,6 +325,30 @@ static void mf_step_dev_release(mf_step_shape *sh, int failed)
     sh->dev_layer = -1;
 }
 
+/* After a failed run in layer sh->dev_layer: names the first device task that failed, with its
+ * expert and card, in the error (the scheduler's message names the task), and releases the
+ * layer's cache slots, dropping those copied in this step (a failed copy may have left them
+ * partial). Returns rc. */
+static int mf_step_dev_fail(mf_step_shape *sh, int rc)
+{
+    mf_task_span *sp = mf_timeline_spans(sh->tl);
+    int L = sh->dev_layer;
+    for (int t = 0; sp && t < mf_graph_n_tasks(sh->g); t++) {
+        int k = sh->kind_of[t];
+        if (sp[t].status >= 0 || (k != MF_STEP_K_COPY && k != MF_STEP_K_DEV && k != MF_STEP_K_COPY_OUT))
+            continue;
+        const mf_step_targ *a = mf_graph_task(sh->g, t)->arg;
+        if (a->layer != L || a->slot >= sh->n_used) continue;
+        int s = a->slot;
+        rc = mf_error_wrap(rc, "layer %d, routed expert %d on card %d (%s)", L, sh->slot_e[s], a->part,
+                           sh->slot_miss[s] ? "copied in this step: its cache slot is dropped"
+                                            : "a cache hit");
+        break;
+    }
+    mf_step_dev_release(sh, 1);
+    return rc;
+}
+
 /* Device lanes of a slot on card a->part (empty unless the route task put the slot there):
  * copy-in of the packed expert on a miss and of the slot's rows (inputs, token weights); the
  * expert FFN on the int8 path (the same kernels as the host's); copy-out of the outputs. */
@@ -1410,7 +1434,7 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
     mf_timeline_reset(sh->tl);
     rc = mf_sched_run(s->sched, sh->g, &(mf_run_opts){.timeline = sh->tl});
     s->last = sh;
-    if (rc && sh->dev_layer >= 0) mf_step_dev_release(sh, 1);
+    if (rc && sh->dev_layer >= 0) rc = mf_step_dev_fail(sh, rc);
     if (rc && s->store) rc = mf_step_store_fail(s, sh, rc);
     if (rc) return rc;
     for (int j = 0; j < sh->n_head; j++)

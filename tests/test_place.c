@@ -140,6 +140,63 @@ static void test_placements(mf_ref *r, const char *what, uint64_t cache_bytes, i
     free(got);
 }
 
+/* A decode step whose host-to-device copy fails (the emulated device's fault injection, the nth
+ * h2d copy of the step for n = 1..6, each on a fresh engine over emu:2): the step returns the
+ * copy's error naming the task, the layer and the routed expert; the cache drops the slots copied
+ * in that step (with every expert resident, a kept partial slot would be hit again); then the same
+ * engine runs the sequence again (prefill and 16 decode steps) with logits equal to the host
+ * path's bit for bit. */
+static void test_copy_fault(mf_ref *r, double cpu_bps)
+{
+    size_t per = (size_t)N_LOG * g_V;
+    float *host = malloc(sizeof(float) * per), *got = malloc(sizeof(float) * per);
+    float *lg = malloc(sizeof(float) * g_V * N_PROMPT);
+    int32_t toks[N_SEQ][N_DEC];
+    mf_step *e = NULL;
+    mf_step_dev_stats ds = {0};
+    CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2}, &e) == 0 && run(r, e, 1, toks, 0, host, &ds) == 0,
+          "host run: %s", mf_last_error());
+    mf_step_free(e);
+    int partial = 0;
+    for (int nth = 1; nth <= 6; nth++) {
+        mf_dev *d = NULL;
+        CHECK(mf_dev_open("emu:2,bw=50e9,lat_ns=2000", &d) == 0, "%s", mf_last_error());
+        e = NULL;
+        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = MF_STEP_PLACE_SEED,
+                                             .cpu_bytes_per_s = cpu_bps}, &e) == 0, "%s", mf_last_error());
+        if (!e) {
+            mf_dev_close(d);
+            continue;
+        }
+        mf_ref_state *st = NULL;
+        int32_t p[N_PROMPT];
+        for (int i = 0; i < N_PROMPT; i++) p[i] = (int32_t)((i * 37 + (i * i) % 13) % g_V);
+        CHECK(mf_ref_state_new(r, N_PROMPT + N_DEC + 1, &st) == 0 && mf_step_prefill(e, st, p, N_PROMPT, lg) == 0,
+              "prefill: %s", mf_last_error());
+        CHECK(mf_dev_emu_fail_h2d(d, nth) == 0, "%s", mf_last_error());
+        int rc = mf_step_decode(e, &st, &toks[0][0], 1, lg);
+        const char *m = mf_last_error();
+        CHECK(rc == -EIO && strstr(m, "injected failure") && strstr(m, "task 'dev") && strstr(m, " in'") &&
+              strstr(m, "layer ") && strstr(m, "routed expert "), "nth %d: decode with a failing copy: %d %s",
+              nth, rc, m);
+        if (strstr(m, "cache slot is dropped")) partial++;
+        printf("test_place: h2d copy %d of a decode step failed: %.300s\n", nth, m);
+        mf_dev_emu_fail_h2d(d, 0);
+        mf_ref_state_free(st);
+        memset(got, 0, sizeof(float) * per);
+        ds = (mf_step_dev_stats){0};
+        rc = run(r, e, 1, toks, 1, got, &ds);
+        CHECK(rc == 0 && !memcmp(host, got, sizeof(float) * per), "nth %d: the run after the failed step: %d %s",
+              nth, rc, rc ? mf_last_error() : "logits differ from the host path");
+        mf_step_free(e);
+        mf_dev_close(d);
+    }
+    CHECK(partial > 0, "no failing copy hit an expert copied in its step (%d of 6)", partial);
+    free(host);
+    free(got);
+    free(lg);
+}
+
 static int cli(const char *args, char *out, size_t cap)
 {
     const char *bin = getenv("MOEFLOW_BIN");
@@ -208,6 +265,7 @@ int main(void)
      * card (the default model gives everything to the host at these sizes) */
     double cpu_bps = (double)xb / 12e-6;
     test_cli(dir);
+    test_copy_fault(r, cpu_bps);
     test_placements(r, "resident", 0, 0, cpu_bps);
     /* a cache of 2 x top_k experts per card: misses evict (and are pinned slots respected) */
     test_placements(r, "small cache", (uint64_t)(2 * c.n_experts_per_tok) * (xb + 6 * 256), 1, cpu_bps);
