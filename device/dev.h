@@ -34,7 +34,9 @@ typedef enum mf_dev_stream_kind {
  *       mem is each card's capacity (suffixes K, M, G; default 16G), bw and lat_ns the modelled
  *       copy bandwidth and latency (defaults 25e9 and 10000: a model, not a measurement),
  *       fail_h2d fault injection (mf_dev_emu_fail_h2d);
- *   "cuda" every CUDA card the driver sees; "cuda:0,2" those cards.
+ *   "cuda" every CUDA card the driver sees; "cuda:0,2" those cards; a card named more than once
+ *       ("cuda:0,0,0,0") is that many logical cards on one GPU, each with its own streams (to run
+ *       multi-card placements on one GPU).
  * -EINVAL with a message for a malformed spec; -ENOSYS for "cuda" in a build without CUDA;
  * -ENODEV when no card (or a named card) is present. */
 int mf_dev_open(const char *spec, mf_dev **out);

@@ -409,7 +409,7 @@ static int cu_setup(cu_dev *d)
         }
         for (int o = 0; o < d->pub.n_cards; o++) {
             int can = 0;
-            if (o == c) continue;
+            if (d->ids[o] == d->ids[c]) continue;   /* the same GPU (a card named twice) */
             CU_TRY(cudaDeviceCanAccessPeer(&can, d->ids[c], d->ids[o]));
             if (!can) continue;   /* peer copies then go through host memory, still correct */
             cudaError_t e = cudaDeviceEnablePeerAccess(d->ids[o], 0);
@@ -447,11 +447,7 @@ int mf_dev_open_cuda(const char *cards, mf_dev **out)
             else if (id < 0 || id >= n_visible)
                 rc = mf_error(-ENODEV, "device spec 'cuda:%s': card %ld does not exist (%d visible)",
                               cards, id, n_visible);
-            else
-                for (int c = 0; c < d->pub.n_cards && !rc; c++)
-                    if (d->ids[c] == id)
-                        rc = mf_error(-EINVAL, "device spec 'cuda:%s': card %ld named twice", cards, id);
-            if (rc) break;
+            if (rc) break;   /* a card named twice is two logical cards (own streams) on one GPU */
             d->ids[d->pub.n_cards++] = (int)id;
             if (!*end) break;
             p = end + 1;
