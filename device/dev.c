@@ -255,6 +255,27 @@ int mf_dev_expert_ffn(mf_dev_stream *s, const mf_dev_ffn *a)
     return s->dev->ops->expert_ffn(s, a);
 }
 
+int mf_dev_expert_ffn_table(mf_dev_stream *s, const mf_dev_ffn_table *a)
+{
+    static const char *what = "mf_dev_expert_ffn_table";
+    if (!s || !a) return mf_error(-EINVAL, "%s: NULL %s", what, !s ? "stream" : "arguments");
+    if (a->n_in < 32 || a->n_in % 32 || a->n_hidden < 32 || a->n_hidden % 32)
+        return mf_error(-EINVAL, "%s: n_in %d, n_hidden %d: expected positive multiples of 32", what,
+                        a->n_in, a->n_hidden);
+    if (a->n_slots < 1 || a->max_tok < 1 || a->max_tok > 65535 || a->n_slots > 65535)
+        return mf_error(-EINVAL, "%s: %d slots of at most %d tokens (expected 1..65535 each)", what,
+                        a->n_slots, a->max_tok);
+    if (!a->table || !a->x || !a->h || !a->y || !a->q8_scratch)
+        return mf_error(-EINVAL, "%s: card %d: NULL table, x, h, y or q8 scratch", what, s->card);
+    size_t need = mf_dev_ffn_q8_bytes(a->max_tok, a->n_in, a->n_hidden);
+    if (a->q8_stride < need)
+        return mf_error(-EINVAL, "%s: q8 stride %zu bytes, expected >= %zu for %d tokens", what,
+                        a->q8_stride, need, a->max_tok);
+    if (!(a->limit > 0.0f))
+        return mf_error(-EINVAL, "%s: swiglu limit %g, expected > 0", what, (double)a->limit);
+    return s->dev->ops->expert_ffn_table(s, a);
+}
+
 /* ---- graph capture ---------------------------------------------------------------------------- */
 
 int mf_dev_capture_begin(mf_dev_stream *s)

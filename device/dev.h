@@ -127,6 +127,37 @@ typedef struct mf_dev_ffn {
 size_t mf_dev_ffn_q8_bytes(int n_tok, int n_in, int n_hidden);
 int mf_dev_expert_ffn(mf_dev_stream *s, const mf_dev_ffn *a);
 
+/* The expert FFN of several routed experts whose weights and rows are read from a slot table in
+ * device memory when the work runs, not when it is enqueued: a graph captured once (e.g. the h2d
+ * copy of the table from pinned memory, then this) replays with a new routing, new experts in
+ * new cache slots, by rewriting the table's host copy. FP4 experts, int8 path only.
+ * Slot s: the expert's packed weights at `base` (device memory of the stream's card; w1, w2, w3
+ * codes and scales at part_off[0..5]), its rows [row0, row0 + n_tok) of x [.][n_in], tok_weight,
+ * h [.][n_hidden] and y [.][n_in], its q8 scratch at q8_scratch + s * q8_stride (q8_stride >=
+ * mf_dev_ffn_q8_bytes(max_tok, n_in, n_hidden)); n_tok 0: the slot is unused. Each used slot
+ * computes exactly what mf_dev_expert_ffn computes for it. A slot with n_tok outside [0, max_tok]
+ * is an asynchronous error on emulated cards (-EINVAL at the next status callback or sync) and
+ * skipped on CUDA. */
+typedef struct mf_dev_ffn_slot {
+    uint64_t base;          /* device address of the expert's packed weights */
+    int32_t row0, n_tok;
+} mf_dev_ffn_slot;
+
+typedef struct mf_dev_ffn_table {
+    int n_in, n_hidden;             /* H (w1 and w3 inputs, w2 outputs), I */
+    uint64_t part_off[6];           /* in a slot: w1 codes, w1 scales, w2 codes, w2 scales, w3 codes, w3 scales */
+    const mf_dev_ffn_slot *table;   /* device memory, n_slots entries */
+    int n_slots, max_tok;
+    const float *x;
+    const float *tok_weight;        /* NULL: weight 1 */
+    float limit;
+    float *h;
+    void *q8_scratch;
+    size_t q8_stride;
+    float *y;
+} mf_dev_ffn_table;
+int mf_dev_expert_ffn_table(mf_dev_stream *s, const mf_dev_ffn_table *a);
+
 /* Graph capture and replay of one stream (CUDA graphs; recorded operations on the emulated
  * device): between capture_begin and capture_end, work enqueued on s (copies, callbacks, kernels)
  * is recorded, not run; launching the graph enqueues the recorded work, with the same pointers and

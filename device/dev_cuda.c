@@ -285,6 +285,13 @@ static int cu_expert_ffn(mf_dev_stream *ps, const mf_dev_ffn *a)
     return mf_cuda_kern_ffn(s->st, a);
 }
 
+static int cu_expert_ffn_table(mf_dev_stream *ps, const mf_dev_ffn_table *a)
+{
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    return mf_cuda_kern_ffn_table(s->st, a);
+}
+
 /* Capture: cudaStreamBeginCapture in thread-local mode (other threads' unsafe calls are not
  * disturbed), instantiated once at the end, launched with cudaGraphLaunch. */
 typedef struct cu_graph {
@@ -383,6 +390,7 @@ static const mf_dev_ops cu_ops = {
     .fp4_matmul = cu_fp4_matmul,
     .fp8_matmul = cu_fp8_matmul,
     .expert_ffn = cu_expert_ffn,
+    .expert_ffn_table = cu_expert_ffn_table,
     .capture_begin = cu_capture_begin,
     .capture_end = cu_capture_end,
     .graph_launch = cu_graph_launch,

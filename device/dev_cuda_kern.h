@@ -14,5 +14,7 @@ int mf_cuda_kern_fp4_q8(void *stream, const mf_kern_mat *w, const float *x, int 
                         void *q8_scratch);
 /* The expert FFN; a->q8_scratch selects the int8 path for the FP4 matrices. */
 int mf_cuda_kern_ffn(void *stream, const mf_dev_ffn *a);
+/* The slot-table FFN (int8 path): blockIdx.z per slot, entries read when the kernels run. */
+int mf_cuda_kern_ffn_table(void *stream, const mf_dev_ffn_table *a);
 
 #endif

@@ -23,7 +23,7 @@
 #define EMU_ALLOC_MAGIC 0x6d66656d75646576ULL   /* "mfemudev" */
 #define EMU_HDR_BYTES 64
 
-typedef enum { OP_COPY, OP_CALLBACK, OP_RECORD, OP_WAIT, OP_FP4, OP_FP8, OP_FFN } emu_op_kind;
+typedef enum { OP_COPY, OP_CALLBACK, OP_RECORD, OP_WAIT, OP_FP4, OP_FP8, OP_FFN, OP_FFN_TABLE } emu_op_kind;
 
 typedef struct emu_event {
     mf_dev_event pub;
@@ -42,6 +42,7 @@ typedef struct emu_op {
         struct { emu_event *e; uint64_t seq; } ev;
         struct { mf_kern_mat w; const float *x; int n_tok; float *y; void *q8; } mm;
         mf_dev_ffn ffn;
+        mf_dev_ffn_table tab;
     } u;
 } emu_op;
 
@@ -161,6 +162,31 @@ static int emu_ffn(const mf_dev_ffn *a)
     return rc;
 }
 
+/* The slot-table FFN: each used slot's entry read now, then exactly emu_ffn for it. */
+static int emu_ffn_table(const mf_dev_ffn_table *a)
+{
+    int H = a->n_in, I = a->n_hidden;
+    for (int k = 0; k < a->n_slots; k++) {
+        mf_dev_ffn_slot e = a->table[k];
+        if (e.n_tok == 0) continue;
+        if (e.n_tok < 0 || e.n_tok > a->max_tok || e.row0 < 0)
+            return mf_error(-EINVAL, "expert FFN slot table: slot %d has %d tokens from row %d (expected "
+                            "0..%d tokens)", k, (int)e.n_tok, (int)e.row0, a->max_tok);
+        const uint8_t *b = (const uint8_t *)(uintptr_t)e.base;
+        size_t r0 = (size_t)e.row0;
+        mf_dev_ffn f = {
+            .w1 = {MF_KERN_FP4, b + a->part_off[0], b + a->part_off[1], I, H},
+            .w2 = {MF_KERN_FP4, b + a->part_off[2], b + a->part_off[3], H, I},
+            .w3 = {MF_KERN_FP4, b + a->part_off[4], b + a->part_off[5], I, H},
+            .x = a->x + r0 * H, .n_tok = e.n_tok, .tok_weight = a->tok_weight ? a->tok_weight + r0 : NULL,
+            .limit = a->limit, .h = a->h + r0 * I,
+            .q8_scratch = (uint8_t *)a->q8_scratch + (size_t)k * a->q8_stride, .y = a->y + r0 * H};
+        int rc = emu_ffn(&f);
+        if (rc) return mf_error_wrap(rc, "expert FFN slot table, slot %d", k);
+    }
+    return 0;
+}
+
 static void emu_run_op(emu_stream *s, emu_op *op)
 {
     emu_dev *d = s->d;
@@ -221,6 +247,9 @@ static void emu_run_op(emu_stream *s, emu_op *op)
         break;
     case OP_FFN:
         rc = emu_ffn(&op->u.ffn);
+        break;
+    case OP_FFN_TABLE:
+        rc = emu_ffn_table(&op->u.tab);
         break;
     }
     if (rc < 0) emu_stream_fail(s, rc);
@@ -463,6 +492,12 @@ static int emu_expert_ffn(mf_dev_stream *s, const mf_dev_ffn *a)
     return emu_enqueue(s, &op);
 }
 
+static int emu_expert_ffn_table(mf_dev_stream *s, const mf_dev_ffn_table *a)
+{
+    emu_op op = {.kind = OP_FFN_TABLE, .u.tab = *a};
+    return emu_enqueue(s, &op);
+}
+
 static int emu_capture_begin(mf_dev_stream *ps)
 {
     emu_stream *s = (emu_stream *)ps;
@@ -561,6 +596,7 @@ static const mf_dev_ops emu_ops = {
     .fp4_matmul = emu_fp4_matmul,
     .fp8_matmul = emu_fp8_matmul,
     .expert_ffn = emu_expert_ffn,
+    .expert_ffn_table = emu_expert_ffn_table,
     .capture_begin = emu_capture_begin,
     .capture_end = emu_capture_end,
     .graph_launch = emu_graph_launch,

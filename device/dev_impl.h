@@ -32,6 +32,7 @@ typedef struct mf_dev_ops {
                       void *q8_scratch);
     int (*fp8_matmul)(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y);
     int (*expert_ffn)(mf_dev_stream *s, const mf_dev_ffn *a);
+    int (*expert_ffn_table)(mf_dev_stream *s, const mf_dev_ffn_table *a);
     /* Capture: the stream's capturing flag is kept by dev.c. */
     int (*capture_begin)(mf_dev_stream *s);
     int (*capture_end)(mf_dev_stream *s, mf_dev_graph **out);

@@ -136,8 +136,8 @@ extern "C" int mf_cuda_kern_matmul(void *stream, const mf_kern_mat *w, const flo
 
 /* Quantizes x [n_tok][n_in] into the device q8 layout (mf_q8k_view): one warp per (token, 256-input
  * group), each lane 8 inputs; max |x| by a warp reduction; codes as mf_kern_q8_quantize's. */
-__global__ static void k_q8_quantize(const float *x, int n_tok, int n_in, int8_t *q, float *qs,
-                                     int n_sb)
+__device__ static void k_q8_quantize_body(const float *x, int n_tok, int n_in, int8_t *q, float *qs,
+                                          int n_sb)
 {
     int gid = blockIdx.x * WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (gid >= n_tok * n_sb) return;   /* whole warps leave together */
@@ -166,6 +166,12 @@ __global__ static void k_q8_quantize(const float *x, int n_tok, int n_in, int8_t
         *(uint2 *)(qg + lane * 8) = make_uint2(lo, hi);   /* len is a multiple of 32 */
     }
     if (lane == 0) qs[(size_t)t * n_sb + s] = scale;
+}
+
+__global__ static void k_q8_quantize(const float *x, int n_tok, int n_in, int8_t *q, float *qs,
+                                     int n_sb)
+{
+    k_q8_quantize_body(x, n_tok, n_in, q, qs, n_sb);
 }
 
 /* The 16 packed bytes of block b of row o (as 4 words), vector-loaded when w is 16-byte aligned. */
@@ -217,12 +223,12 @@ __device__ static void k_q8_row_dot(const uint8_t *w, const uint8_t *scale, int 
         for (int off = 16; off > 0; off >>= 1) acc[t] += __shfl_down_sync(0xffffffffu, acc[t], off);
 }
 
-__global__ static void k_q8_matmul(const uint8_t *w, const uint8_t *scale, int aligned, int n_out,
-                                   int n_in, mf_q8k_view xq, int n_tok, float *y)
+__device__ static void k_q8_matmul_body(const uint8_t *w, const uint8_t *scale, int aligned, int n_out,
+                                        int n_in, mf_q8k_view xq, int n_tok, float *y)
 {
     int o = blockIdx.x * WARPS + (threadIdx.x >> 5);
     int t0 = blockIdx.y * KT;
-    if (o >= n_out) return;
+    if (o >= n_out || t0 >= n_tok) return;
     int nt = n_tok - t0 < KT ? n_tok - t0 : KT;
     float acc[KT];
     k_q8_row_dot(w, scale, aligned, n_in, o, xq, t0, nt, acc);
@@ -232,16 +238,22 @@ __global__ static void k_q8_matmul(const uint8_t *w, const uint8_t *scale, int a
             if (t < nt) y[(size_t)(t0 + t) * n_out + o] = acc[t];
 }
 
+__global__ static void k_q8_matmul(const uint8_t *w, const uint8_t *scale, int aligned, int n_out,
+                                   int n_in, mf_q8k_view xq, int n_tok, float *y)
+{
+    k_q8_matmul_body(w, scale, aligned, n_out, n_in, xq, n_tok, y);
+}
+
 /* Phase 1 of the FFN on the int8 path: rows r of w1 and w3 against the quantized x, then the same
  * clamp, silu and token weight as mf_kern_ffn_up. */
-__global__ static void k_q8_ffn_up(const uint8_t *w1, const uint8_t *s1, const uint8_t *w3,
-                                   const uint8_t *s3, int aligned, int n_hid, int n_in,
-                                   mf_q8k_view xq, int n_tok, const float *tok_weight, float limit,
-                                   float *h)
+__device__ static void k_q8_ffn_up_body(const uint8_t *w1, const uint8_t *s1, const uint8_t *w3,
+                                        const uint8_t *s3, int aligned, int n_hid, int n_in,
+                                        mf_q8k_view xq, int n_tok, const float *tok_weight,
+                                        float limit, float *h)
 {
     int r = blockIdx.x * WARPS + (threadIdx.x >> 5);
     int t0 = blockIdx.y * KT;
-    if (r >= n_hid) return;
+    if (r >= n_hid || t0 >= n_tok) return;
     int nt = n_tok - t0 < KT ? n_tok - t0 : KT;
     float g[KT], u[KT];
     k_q8_row_dot(w1, s1, aligned, n_in, r, xq, t0, nt, g);
@@ -256,6 +268,60 @@ __global__ static void k_q8_ffn_up(const uint8_t *w1, const uint8_t *s1, const u
             float wt = tok_weight ? tok_weight[t0 + t] : 1.0f;
             h[(size_t)(t0 + t) * n_hid + r] = (silu * uv) * wt;
         }
+}
+
+__global__ static void k_q8_ffn_up(const uint8_t *w1, const uint8_t *s1, const uint8_t *w3,
+                                   const uint8_t *s3, int aligned, int n_hid, int n_in,
+                                   mf_q8k_view xq, int n_tok, const float *tok_weight, float limit,
+                                   float *h)
+{
+    k_q8_ffn_up_body(w1, s1, w3, s3, aligned, n_hid, n_in, xq, n_tok, tok_weight, limit, h);
+}
+
+/* ---- the slot-table FFN: blockIdx.z is the slot, its entry read when the kernel runs --------- */
+
+/* Slot z's entry; n_tok 0 (skipped) when it is out of range. */
+__device__ static mf_dev_ffn_slot k_slot(const mf_dev_ffn_table &a)
+{
+    mf_dev_ffn_slot e = a.table[blockIdx.z];
+    if (e.n_tok < 0 || e.n_tok > a.max_tok || e.row0 < 0) e.n_tok = 0;
+    return e;
+}
+
+__device__ static mf_q8k_view k_slot_view(const mf_dev_ffn_table &a, int n_tok, int n_in)
+{
+    return mf_q8k_view_of((uint8_t *)a.q8_scratch + (size_t)blockIdx.z * a.q8_stride, n_tok, n_in);
+}
+
+/* which = 0: quantize the slot's rows of x (n_in = H); 1: of h (n_in = I). */
+__global__ static void k_tab_quantize(mf_dev_ffn_table a, int which)
+{
+    mf_dev_ffn_slot e = k_slot(a);
+    int n_in = which ? a.n_hidden : a.n_in;
+    const float *src = (which ? a.h : a.x) + (size_t)e.row0 * n_in;
+    mf_q8k_view v = k_slot_view(a, e.n_tok, n_in);
+    k_q8_quantize_body(src, e.n_tok, n_in, v.q, v.scale, v.n_sb);
+}
+
+__global__ static void k_tab_up(mf_dev_ffn_table a)
+{
+    mf_dev_ffn_slot e = k_slot(a);
+    const uint8_t *b = (const uint8_t *)(uintptr_t)e.base;
+    const uint8_t *w1 = b + a.part_off[0], *w3 = b + a.part_off[4];
+    int aligned = (((uintptr_t)w1 | (uintptr_t)w3) & 15u) == 0;
+    k_q8_ffn_up_body(w1, b + a.part_off[1], w3, b + a.part_off[5], aligned, a.n_hidden, a.n_in,
+                     k_slot_view(a, e.n_tok, a.n_in), e.n_tok,
+                     a.tok_weight ? a.tok_weight + e.row0 : NULL, a.limit,
+                     a.h + (size_t)e.row0 * a.n_hidden);
+}
+
+__global__ static void k_tab_down(mf_dev_ffn_table a)
+{
+    mf_dev_ffn_slot e = k_slot(a);
+    const uint8_t *b = (const uint8_t *)(uintptr_t)e.base;
+    const uint8_t *w2 = b + a.part_off[2];
+    k_q8_matmul_body(w2, b + a.part_off[3], ((uintptr_t)w2 & 15u) == 0, a.n_in, a.n_hidden,
+                     k_slot_view(a, e.n_tok, a.n_hidden), e.n_tok, a.y + (size_t)e.row0 * a.n_in);
 }
 
 static int k_aligned(const void *p) { return ((uintptr_t)p & 15u) == 0; }
@@ -282,6 +348,24 @@ extern "C" int mf_cuda_kern_fp4_q8(void *stream, const mf_kern_mat *w, const flo
     k_q8_matmul<<<grid, 32 * WARPS, 0, st>>>((const uint8_t *)w->w, w->scale, k_aligned(w->w),
                                              w->n_out, w->n_in, v, n_tok, y);
     return k_launched("fp4 matmul (int8 path)", __LINE__);
+}
+
+extern "C" int mf_cuda_kern_ffn_table(void *stream, const mf_dev_ffn_table *a)
+{
+    cudaStream_t st = (cudaStream_t)stream;
+    int H = a->n_in, I = a->n_hidden, T = a->max_tok, S = a->n_slots;
+    int sb_h = (H / 32 + MF_Q8K_GROUP_BLOCKS - 1) / MF_Q8K_GROUP_BLOCKS;
+    int sb_i = (I / 32 + MF_Q8K_GROUP_BLOCKS - 1) / MF_Q8K_GROUP_BLOCKS;
+    unsigned ty = (unsigned)((T + KT - 1) / KT);
+    k_tab_quantize<<<dim3((unsigned)((T * sb_h + WARPS - 1) / WARPS), 1, (unsigned)S), 32 * WARPS, 0, st>>>(*a, 0);
+    int rc = k_launched("slot-table FFN: quantize x", __LINE__);
+    if (rc) return rc;
+    k_tab_up<<<dim3((unsigned)((I + WARPS - 1) / WARPS), ty, (unsigned)S), 32 * WARPS, 0, st>>>(*a);
+    if ((rc = k_launched("slot-table FFN: up", __LINE__))) return rc;
+    k_tab_quantize<<<dim3((unsigned)((T * sb_i + WARPS - 1) / WARPS), 1, (unsigned)S), 32 * WARPS, 0, st>>>(*a, 1);
+    if ((rc = k_launched("slot-table FFN: quantize h", __LINE__))) return rc;
+    k_tab_down<<<dim3((unsigned)((H + WARPS - 1) / WARPS), ty, (unsigned)S), 32 * WARPS, 0, st>>>(*a);
+    return k_launched("slot-table FFN: down", __LINE__);
 }
 
 extern "C" int mf_cuda_kern_ffn(void *stream, const mf_dev_ffn *a)

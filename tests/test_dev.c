@@ -557,6 +557,7 @@ int main(void)
         dev_check_sched_copies(d, 12, 4096);
         dev_check_capture(d, 3000);
         if (n == 1 || n == 4) check_kernels(d);
+        if (n == 1 || n == 3) dev_check_ffn_table(d, 1);
         check_capture_kernels(d);   /* its buffers are left for close */
         mf_dev_close(d);
     }
