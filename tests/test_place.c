@@ -92,8 +92,11 @@ static void test_placements(mf_ref *r, const char *what, uint64_t cache_bytes, i
                 CHECK(mf_dev_open(spec, &d) == 0, "open %s: %s", spec, mf_last_error());
                 if (!d) continue;
                 e = NULL;
+                /* 2 and 4 cards: each layer's device FFNs as one captured graph per card */
+                int graphs = nc % 2 == 0;
                 CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = pl,
-                                                     .dev_cache_bytes = cache_bytes, .cpu_bytes_per_s = cpu_bps},
+                                                     .dev_cache_bytes = cache_bytes, .cpu_bytes_per_s = cpu_bps,
+                                                     .dev_graphs = graphs},
                                      &e) == 0,
                       "%s %s placement %d: %s", what, spec, pl, mf_last_error());
                 if (e) {
@@ -102,7 +105,8 @@ static void test_placements(mf_ref *r, const char *what, uint64_t cache_bytes, i
                     int rc = run(r, e, b, toks, 1, got, &ds);
                     CHECK(rc == 0, "%s %s placement %d batch %d: %s", what, spec, pl, b, mf_last_error());
                     int same = !rc && !memcmp(host, got, sizeof(float) * (size_t)b * N_LOG * g_V);
-                    CHECK(same, "%s %s placement %d batch %d: logits differ from the host path", what, spec, pl, b);
+                    CHECK(same, "%s %s placement %d batch %d%s: logits differ from the host path", what, spec, pl, b,
+                          graphs ? " (device graphs)" : "");
                     CHECK(ds.hits + ds.misses == (uint64_t)ds.dev_slots,
                           "%s %s placement %d: hits %llu + misses %llu != device slots %lld", what, spec, pl,
                           (unsigned long long)ds.hits, (unsigned long long)ds.misses, (long long)ds.dev_slots);
@@ -120,6 +124,18 @@ static void test_placements(mf_ref *r, const char *what, uint64_t cache_bytes, i
                     if (!cache_bytes && ds.dev_slots) CHECK(ds.hits > 0, "%s %s placement %d: no cache hits over %d steps", what,
                                             spec, pl, N_DEC);
                     evictions += ds.evictions;
+                    if (graphs && ds.dev_slots) {   /* the cards ran their layers as graph tasks */
+                        char path[1100], *buf = malloc(1 << 22);
+                        snprintf(path, sizeof path, "%s/place_graphs.json", getenv("MOEFLOW_TMP") ? getenv("MOEFLOW_TMP") : ".");
+                        FILE *f = mf_step_write_trace(e, path) == 0 ? fopen(path, "r") : NULL;
+                        size_t nr = f && buf ? fread(buf, 1, (1 << 22) - 1, f) : 0;
+                        if (buf) buf[nr] = 0;
+                        if (f) fclose(f);
+                        remove(path);
+                        CHECK(buf && strstr(buf, " ffn graph") && !strstr(buf, "slot 0 ffn"),
+                              "%s %s: no device graph tasks in the trace", what, spec);
+                        free(buf);
+                    }
                     /* the last run's timeline: the device lanes ran copies and kernels */
                     mf_step_times t;
                     mf_step_last_times(e, &t);
