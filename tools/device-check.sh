@@ -5,8 +5,8 @@
 # more under compute-sanitizer when it is installed; times the FP4 kernels (fp32, int8) and the int8
 # expert FFN against d2d copies of the same bytes and a pinned h2d of one expert matrix against the
 # largest single copy (`moeflow bench dev`, 1, 8 and 64 tokens); decodes the demo model on the host
-# and then with routed experts on 4 logical cards of the one GPU (seed and hybrid placements),
-# comparing the tokens. Logs, traces and summary.txt under $OUT (default ./device-check-out).
+# and then with routed experts on 4 logical cards of the one GPU (seed and hybrid placements, and
+# hybrid with per-layer device graphs), comparing the tokens. Logs, traces and summary.txt under $OUT (default ./device-check-out).
 # Budget: under 5 minutes. NOT RUN YET: written on machines without a GPU; its first run on a card
 # is its test.
 set -uo pipefail
@@ -63,13 +63,15 @@ if [ "$(left)" -gt 60 ]; then
   run_t 40 "$OUT/decode_host.txt" "$build/moeflow" "${args[@]}"; rc=$?
   log "decode, host placement: rc $rc: $(head -c 200 "$OUT/decode_host.txt")"
   # 4 logical cards on the one GPU (each with its own streams and expert cache)
-  for pl in seed hybrid; do
-    run_t 40 "$OUT/decode_cuda4_$pl.txt" "$build/moeflow" "${args[@]}" --devices cuda:0,0,0,0 --placement $pl \
-      --trace "$OUT/trace_cuda4_$pl.json"; rc=$?
+  # seed, hybrid, and hybrid with each layer's device FFNs as one CUDA graph per card
+  for run in seed:0 hybrid:0 hybrid:1; do
+    pl=${run%:*} gr=${run#*:} tag="${run/:/_graphs}"
+    MOEFLOW_DEV_GRAPHS=$gr run_t 40 "$OUT/decode_cuda4_$tag.txt" "$build/moeflow" "${args[@]}" \
+      --devices cuda:0,0,0,0 --placement $pl --trace "$OUT/trace_cuda4_$tag.json"; rc=$?
     [ $rc = 0 ] || rc_all=1
-    if [ $rc = 0 ] && cmp -s "$OUT/decode_host.txt" "$OUT/decode_cuda4_$pl.txt"; then same="same tokens as the host"
+    if [ $rc = 0 ] && cmp -s "$OUT/decode_host.txt" "$OUT/decode_cuda4_$tag.txt"; then same="same tokens as the host"
     else same="tokens differ from the host (the card's int8 kernels match it within tolerance, not bit for bit)"; fi
-    log "decode --devices cuda:0,0,0,0 --placement $pl: rc $rc, $same: $(head -c 200 "$OUT/decode_cuda4_$pl.txt")"
+    log "decode --devices cuda:0,0,0,0 --placement $pl, device graphs $gr: rc $rc, $same: $(head -c 200 "$OUT/decode_cuda4_$tag.txt")"
   done
 else
   log "no time left for the demo decode"
