@@ -153,6 +153,18 @@ int mf_dev_stream_callback(mf_dev_stream *s, void (*fn)(void *arg), void *arg)
     return s->dev->ops->callback(s, fn, arg);
 }
 
+int mf_dev_stream_callback_status(mf_dev_stream *s, void (*fn)(void *arg, int err, const char *msg),
+                                  void *arg)
+{
+    if (!s || !fn) return mf_error(-EINVAL, "mf_dev_stream_callback_status: NULL %s",
+                                   !s ? "stream" : "function");
+    if (!s->dev->ops->callback_status)
+        return mf_error(-ENOTSUP, "mf_dev_stream_callback_status: the %s backend does not attribute "
+                        "asynchronous errors to callbacks (they surface at the next sync)",
+                        s->dev->ops->kind);
+    return s->dev->ops->callback_status(s, fn, arg);
+}
+
 int mf_dev_stream_sync(mf_dev_stream *s)
 {
     if (!s) return mf_error(-EINVAL, "mf_dev_stream_sync: stream is NULL");
@@ -243,6 +255,27 @@ int mf_dev_expert_ffn(mf_dev_stream *s, const mf_dev_ffn *a)
     return s->dev->ops->expert_ffn(s, a);
 }
 
+int mf_dev_expert_ffn_table(mf_dev_stream *s, const mf_dev_ffn_table *a)
+{
+    static const char *what = "mf_dev_expert_ffn_table";
+    if (!s || !a) return mf_error(-EINVAL, "%s: NULL %s", what, !s ? "stream" : "arguments");
+    if (a->n_in < 32 || a->n_in % 32 || a->n_hidden < 32 || a->n_hidden % 32)
+        return mf_error(-EINVAL, "%s: n_in %d, n_hidden %d: expected positive multiples of 32", what,
+                        a->n_in, a->n_hidden);
+    if (a->n_slots < 1 || a->max_tok < 1 || a->max_tok > 65535 || a->n_slots > 65535)
+        return mf_error(-EINVAL, "%s: %d slots of at most %d tokens (expected 1..65535 each)", what,
+                        a->n_slots, a->max_tok);
+    if (!a->table || !a->x || !a->h || !a->y || !a->q8_scratch)
+        return mf_error(-EINVAL, "%s: card %d: NULL table, x, h, y or q8 scratch", what, s->card);
+    size_t need = mf_dev_ffn_q8_bytes(a->max_tok, a->n_in, a->n_hidden);
+    if (a->q8_stride < need)
+        return mf_error(-EINVAL, "%s: q8 stride %zu bytes, expected >= %zu for %d tokens", what,
+                        a->q8_stride, need, a->max_tok);
+    if (!(a->limit > 0.0f))
+        return mf_error(-EINVAL, "%s: swiglu limit %g, expected > 0", what, (double)a->limit);
+    return s->dev->ops->expert_ffn_table(s, a);
+}
+
 /* ---- graph capture ---------------------------------------------------------------------------- */
 
 int mf_dev_capture_begin(mf_dev_stream *s)
@@ -302,10 +335,23 @@ static int mf_dev_lane_notify(void *ctx, void *queue, void (*done)(void *), void
     return mf_dev_stream_callback(queue, done, done_arg);
 }
 
+static int mf_dev_lane_notify_status(void *ctx, void *queue, void (*done)(void *, int, const char *),
+                                     void *done_arg)
+{
+    mf_dev *d = ctx;
+    if (!queue) return mf_error(-EINVAL, "device lane has no stream (a lane names a card beyond "
+                                "the device's %d, or a non-device kind)", d->n_cards);
+    return mf_dev_stream_callback_status(queue, done, done_arg);
+}
+
+/* notify_status where the backend attributes asynchronous errors (emu), so that a device task
+ * whose work failed fails in the scheduler; plain notify otherwise (CUDA). */
 const mf_dev_lane_ops *mf_dev_lane_ops_of(mf_dev *d)
 {
     if (!d) return NULL;
     d->lane_ops = (mf_dev_lane_ops){.ctx = d, .queue = mf_dev_lane_queue,
-                                    .notify = mf_dev_lane_notify};
+                                    .notify = mf_dev_lane_notify,
+                                    .notify_status = d->ops->callback_status ? mf_dev_lane_notify_status
+                                                                             : NULL};
     return &d->lane_ops;
 }

@@ -30,10 +30,13 @@ typedef enum mf_dev_stream_kind {
 } mf_dev_stream_kind;
 
 /* Opens a device by spec:
- *   "emu:N[,mem=BYTES][,bw=BYTES_PER_S][,lat_ns=NS]"  N emulated cards (1..16); mem is each
- *       card's capacity (suffixes K, M, G; default 16G), bw and lat_ns the modelled copy
- *       bandwidth and latency (defaults 25e9 and 10000: a model, not a measurement);
- *   "cuda" every CUDA card the driver sees; "cuda:0,2" those cards.
+ *   "emu:N[,mem=BYTES][,bw=BYTES_PER_S][,lat_ns=NS][,fail_h2d=N]"  N emulated cards (1..16);
+ *       mem is each card's capacity (suffixes K, M, G; default 16G), bw and lat_ns the modelled
+ *       copy bandwidth and latency (defaults 25e9 and 10000: a model, not a measurement),
+ *       fail_h2d fault injection (mf_dev_emu_fail_h2d);
+ *   "cuda" every CUDA card the driver sees; "cuda:0,2" those cards; a card named more than once
+ *       ("cuda:0,0,0,0") is that many logical cards on one GPU, each with its own streams (to run
+ *       multi-card placements on one GPU).
  * -EINVAL with a message for a malformed spec; -ENOSYS for "cuda" in a build without CUDA;
  * -ENODEV when no card (or a named card) is present. */
 int mf_dev_open(const char *spec, mf_dev **out);
@@ -80,9 +83,18 @@ int mf_dev_stream_wait(mf_dev_stream *s, mf_dev_event *e);
  * finished, and later work on s waits for it. fn must not call into the device (CUDA forbids it)
  * and should be short. This is how the scheduler learns a device task is done. */
 int mf_dev_stream_callback(mf_dev_stream *s, void (*fn)(void *arg), void *arg);
+/* As mf_dev_stream_callback, and fn learns whether work on s before it failed: err is the first
+ * error of an asynchronous operation on s not yet delivered (0: none), msg its message (NULL when
+ * err is 0; valid during the call). The callback takes the error: a later sync no longer returns
+ * it. The scheduler adapter uses it so that a device task whose work failed fails. -ENOTSUP on
+ * backends that cannot attribute errors (CUDA: its asynchronous errors are sticky faults of the
+ * card, seen at the next sync). */
+int mf_dev_stream_callback_status(mf_dev_stream *s, void (*fn)(void *arg, int err, const char *msg),
+                                  void *arg);
 
 /* Blocks until everything enqueued on s (or on every stream of d) has finished. Returns 0, or the
- * first error of an async operation on s (sticky, with its message). */
+ * first error of an async operation on s not delivered to a status callback (sticky until then,
+ * with its message). */
 int mf_dev_stream_sync(mf_dev_stream *s);
 int mf_dev_sync(mf_dev *d);
 
@@ -92,8 +104,8 @@ int mf_dev_sync(mf_dev *d);
  * FP4 matmul: q8_scratch != NULL (at least mf_kern_q8_bytes(n_tok, n_in) device bytes) selects the
  * int8 path (mf_kern_fp4_matmul), NULL the fp32 one (mf_kern_fp4_matmul_f32). Shapes are checked
  * when enqueued (-EINVAL); results equal host/kernels.h's bit for bit on the emulated device.
- * The CUDA backend has the fp32 path only (the int8 path is -ENOTSUP with a message); its
- * results differ from the host's in summation order. */
+ * On CUDA they differ from the host's in fp32 summation order (int8 path: the same quantized
+ * activations and exact integer block sums; relative errors in docs/device.md). */
 int mf_dev_fp4_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y,
                       void *q8_scratch);
 int mf_dev_fp8_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y);
@@ -115,6 +127,37 @@ typedef struct mf_dev_ffn {
 size_t mf_dev_ffn_q8_bytes(int n_tok, int n_in, int n_hidden);
 int mf_dev_expert_ffn(mf_dev_stream *s, const mf_dev_ffn *a);
 
+/* The expert FFN of several routed experts whose weights and rows are read from a slot table in
+ * device memory when the work runs, not when it is enqueued: a graph captured once (e.g. the h2d
+ * copy of the table from pinned memory, then this) replays with a new routing, new experts in
+ * new cache slots, by rewriting the table's host copy. FP4 experts, int8 path only.
+ * Slot s: the expert's packed weights at `base` (device memory of the stream's card; w1, w2, w3
+ * codes and scales at part_off[0..5]), its rows [row0, row0 + n_tok) of x [.][n_in], tok_weight,
+ * h [.][n_hidden] and y [.][n_in], its q8 scratch at q8_scratch + s * q8_stride (q8_stride >=
+ * mf_dev_ffn_q8_bytes(max_tok, n_in, n_hidden)); n_tok 0: the slot is unused. Each used slot
+ * computes exactly what mf_dev_expert_ffn computes for it. A slot with n_tok outside [0, max_tok]
+ * is an asynchronous error on emulated cards (-EINVAL at the next status callback or sync) and
+ * skipped on CUDA. */
+typedef struct mf_dev_ffn_slot {
+    uint64_t base;          /* device address of the expert's packed weights */
+    int32_t row0, n_tok;
+} mf_dev_ffn_slot;
+
+typedef struct mf_dev_ffn_table {
+    int n_in, n_hidden;             /* H (w1 and w3 inputs, w2 outputs), I */
+    uint64_t part_off[6];           /* in a slot: w1 codes, w1 scales, w2 codes, w2 scales, w3 codes, w3 scales */
+    const mf_dev_ffn_slot *table;   /* device memory, n_slots entries */
+    int n_slots, max_tok;
+    const float *x;
+    const float *tok_weight;        /* NULL: weight 1 */
+    float limit;
+    float *h;
+    void *q8_scratch;
+    size_t q8_stride;
+    float *y;
+} mf_dev_ffn_table;
+int mf_dev_expert_ffn_table(mf_dev_stream *s, const mf_dev_ffn_table *a);
+
 /* Graph capture and replay of one stream (CUDA graphs; recorded operations on the emulated
  * device): between capture_begin and capture_end, work enqueued on s (copies, callbacks, kernels)
  * is recorded, not run; launching the graph enqueues the recorded work, with the same pointers and
@@ -133,5 +176,10 @@ const mf_dev_lane_ops *mf_dev_lane_ops_of(mf_dev *d);
 
 /* Emulated devices only: bytes in use on a card (-1 for other backends or a bad card). */
 int64_t mf_dev_emu_used_bytes(const mf_dev *d, int card);
+/* Emulated devices only, fault injection for tests: the nth host-to-device copy executed from now
+ * on (any stream of any card; 1 = the next) copies the first half of its bytes and then fails
+ * with -EIO ("injected failure ..."); 0 disarms. The spec option fail_h2d=N arms it at open.
+ * -EINVAL for other backends. */
+int mf_dev_emu_fail_h2d(mf_dev *d, int64_t nth);
 
 #endif

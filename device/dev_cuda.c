@@ -2,7 +2,7 @@
  * copy-out, named for Nsight through NVTX), events for cross-stream dependencies
  * (cudaStreamWaitEvent, never a host polling loop), cudaMemcpyAsync / cudaMemcpyPeerAsync copies,
  * portable pinned host memory bound to the card's NUMA node, cudaLaunchHostFunc for the scheduler's callbacks. Every CUDA call
- * is checked with file and line. Kernels in device/dev_kernels.cu (fp32 path; int8 refused). */
+ * is checked with file and line. Kernels in device/dev_kernels.cu (fp32 and int8 FP4 paths). */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -261,19 +261,13 @@ static int cu_stream_sync(mf_dev_stream *ps)
     return 0;
 }
 
-/* Kernels (device/dev_kernels.cu): the fp32 path only; the int8 FP4 path is refused. */
-static int cu_no_int8(mf_dev_stream *ps, const char *name)
-{
-    return mf_error(-ENOTSUP, "cuda card %d: %s: the int8 path (q8_scratch) is not implemented in "
-                    "the CUDA backend yet; pass q8_scratch NULL for the fp32 path", ps->card, name);
-}
-
+/* Kernels (device/dev_kernels.cu): FP4 on the fp32 or (q8 scratch given) int8 path, FP8. */
 static int cu_fp4_matmul(mf_dev_stream *ps, const mf_kern_mat *w, const float *x, int n_tok,
                          float *y, void *q8)
 {
     cu_stream *s = (cu_stream *)ps;
-    if (q8) return cu_no_int8(ps, "fp4 matmul");
     CU_TRY(cudaSetDevice(s->id));
+    if (q8) return mf_cuda_kern_fp4_q8(s->st, w, x, n_tok, y, q8);
     return mf_cuda_kern_matmul(s->st, w, x, n_tok, y);
 }
 
@@ -287,10 +281,15 @@ static int cu_fp8_matmul(mf_dev_stream *ps, const mf_kern_mat *w, const float *x
 static int cu_expert_ffn(mf_dev_stream *ps, const mf_dev_ffn *a)
 {
     cu_stream *s = (cu_stream *)ps;
-    if (a->q8_scratch && (a->w1.fmt == MF_KERN_FP4 || a->w2.fmt == MF_KERN_FP4))
-        return cu_no_int8(ps, "expert FFN");
     CU_TRY(cudaSetDevice(s->id));
     return mf_cuda_kern_ffn(s->st, a);
+}
+
+static int cu_expert_ffn_table(mf_dev_stream *ps, const mf_dev_ffn_table *a)
+{
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    return mf_cuda_kern_ffn_table(s->st, a);
 }
 
 /* Capture: cudaStreamBeginCapture in thread-local mode (other threads' unsafe calls are not
@@ -391,6 +390,7 @@ static const mf_dev_ops cu_ops = {
     .fp4_matmul = cu_fp4_matmul,
     .fp8_matmul = cu_fp8_matmul,
     .expert_ffn = cu_expert_ffn,
+    .expert_ffn_table = cu_expert_ffn_table,
     .capture_begin = cu_capture_begin,
     .capture_end = cu_capture_end,
     .graph_launch = cu_graph_launch,
@@ -417,7 +417,7 @@ static int cu_setup(cu_dev *d)
         }
         for (int o = 0; o < d->pub.n_cards; o++) {
             int can = 0;
-            if (o == c) continue;
+            if (d->ids[o] == d->ids[c]) continue;   /* the same GPU (a card named twice) */
             CU_TRY(cudaDeviceCanAccessPeer(&can, d->ids[c], d->ids[o]));
             if (!can) continue;   /* peer copies then go through host memory, still correct */
             cudaError_t e = cudaDeviceEnablePeerAccess(d->ids[o], 0);
@@ -455,11 +455,7 @@ int mf_dev_open_cuda(const char *cards, mf_dev **out)
             else if (id < 0 || id >= n_visible)
                 rc = mf_error(-ENODEV, "device spec 'cuda:%s': card %ld does not exist (%d visible)",
                               cards, id, n_visible);
-            else
-                for (int c = 0; c < d->pub.n_cards && !rc; c++)
-                    if (d->ids[c] == id)
-                        rc = mf_error(-EINVAL, "device spec 'cuda:%s': card %ld named twice", cards, id);
-            if (rc) break;
+            if (rc) break;   /* a card named twice is two logical cards (own streams) on one GPU */
             d->ids[d->pub.n_cards++] = (int)id;
             if (!*end) break;
             p = end + 1;

@@ -1,6 +1,6 @@
 /* The CUDA backend's kernels (device/dev_kernels.cu), launched by device/dev_cuda.c on a stream:
- * fp32-path FP4 and FP8 matmuls and the expert FFN over device pointers, same shapes as
- * device/dev.h. The int8 FP4 path is not on CUDA yet. Built only with MOEFLOW_CUDA. */
+ * FP4 (fp32 and int8 paths) and FP8 matmuls and the expert FFN over device pointers, same shapes
+ * as device/dev.h. Built only with MOEFLOW_CUDA. */
 #ifndef MF_DEV_CUDA_KERN_H
 #define MF_DEV_CUDA_KERN_H
 
@@ -8,6 +8,13 @@
 
 /* stream: a cudaStream_t. Arguments are checked by device/dev.c. 0, or -EIO naming the launch. */
 int mf_cuda_kern_matmul(void *stream, const mf_kern_mat *w, const float *x, int n_tok, float *y);
+/* The int8 path: x quantized into q8_scratch (mf_kern_q8_bytes(n_tok, w->n_in) bytes, laid out
+ * as device/kern_q8.h's mf_q8k_view), then the dp4a kernel. */
+int mf_cuda_kern_fp4_q8(void *stream, const mf_kern_mat *w, const float *x, int n_tok, float *y,
+                        void *q8_scratch);
+/* The expert FFN; a->q8_scratch selects the int8 path for the FP4 matrices. */
 int mf_cuda_kern_ffn(void *stream, const mf_dev_ffn *a);
+/* The slot-table FFN (int8 path): blockIdx.z per slot, entries read when the kernels run. */
+int mf_cuda_kern_ffn_table(void *stream, const mf_dev_ffn_table *a);
 
 #endif

@@ -3,10 +3,13 @@
  * streams each served by one worker thread that runs its operations in order, events, copies that
  * take modelled time (latency + bytes / bandwidth, slept, never spun) and host/kernels.h kernels,
  * so results equal the host path's bit for bit. Graph capture records a stream's operations and
- * replays them. */
+ * replays them. A failed operation's error goes to the next status callback of its stream (the
+ * scheduler fails that task) or, if none takes it, to the next sync. Fault injection for tests:
+ * the nth host-to-device copy copies half its bytes and fails (spec fail_h2d=N, mf_dev_emu_fail_h2d). */
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,7 +23,7 @@
 #define EMU_ALLOC_MAGIC 0x6d66656d75646576ULL   /* "mfemudev" */
 #define EMU_HDR_BYTES 64
 
-typedef enum { OP_COPY, OP_CALLBACK, OP_RECORD, OP_WAIT, OP_FP4, OP_FP8, OP_FFN } emu_op_kind;
+typedef enum { OP_COPY, OP_CALLBACK, OP_RECORD, OP_WAIT, OP_FP4, OP_FP8, OP_FFN, OP_FFN_TABLE } emu_op_kind;
 
 typedef struct emu_event {
     mf_dev_event pub;
@@ -34,11 +37,12 @@ typedef struct emu_event {
 typedef struct emu_op {
     emu_op_kind kind;
     union {
-        struct { void *dst; const void *src; size_t n; } copy;
-        struct { void (*fn)(void *); void *arg; } cb;
+        struct { void *dst; const void *src; size_t n; mf_dev_copy_kind k; } copy;
+        struct { void (*fn)(void *); void (*fn_status)(void *, int, const char *); void *arg; } cb;
         struct { emu_event *e; uint64_t seq; } ev;
         struct { mf_kern_mat w; const float *x; int n_tok; float *y; void *q8; } mm;
         mf_dev_ffn ffn;
+        mf_dev_ffn_table tab;
     } u;
 } emu_op;
 
@@ -54,8 +58,9 @@ typedef struct emu_stream {
     emu_op ring[EMU_RING_CAP];
     unsigned head, tail;     /* head: next to run (retired after it ran) */
     int exit;
-    int err;                 /* first async error (sticky) */
+    int err;                 /* first async error not yet delivered (to a status callback) */
     char errmsg[MF_ERROR_MSG_BYTES];
+    char cb_msg[MF_ERROR_MSG_BYTES];   /* the message handed to a status callback (its thread) */
     int capturing;           /* enqueued operations go to cap[] instead of the ring */
     emu_op *cap;
     int n_cap, max_cap;
@@ -88,6 +93,7 @@ struct emu_dev {
     pthread_mutex_t host_mu;
     emu_hdr *host_allocs;    /* staging memory, freed at close when left */
     emu_stream *streams[MF_DEV_MAX_CARDS][MF_DEV_N_STREAMS];
+    _Atomic int64_t fail_h2d;   /* fault injection: h2d copies left until the failing one (0: off) */
 };
 
 static const char *emu_stream_name[MF_DEV_N_STREAMS] = {"copy-in", "compute", "copy-out"};
@@ -156,6 +162,31 @@ static int emu_ffn(const mf_dev_ffn *a)
     return rc;
 }
 
+/* The slot-table FFN: each used slot's entry read now, then exactly emu_ffn for it. */
+static int emu_ffn_table(const mf_dev_ffn_table *a)
+{
+    int H = a->n_in, I = a->n_hidden;
+    for (int k = 0; k < a->n_slots; k++) {
+        mf_dev_ffn_slot e = a->table[k];
+        if (e.n_tok == 0) continue;
+        if (e.n_tok < 0 || e.n_tok > a->max_tok || e.row0 < 0)
+            return mf_error(-EINVAL, "expert FFN slot table: slot %d has %d tokens from row %d (expected "
+                            "0..%d tokens)", k, (int)e.n_tok, (int)e.row0, a->max_tok);
+        const uint8_t *b = (const uint8_t *)(uintptr_t)e.base;
+        size_t r0 = (size_t)e.row0;
+        mf_dev_ffn f = {
+            .w1 = {MF_KERN_FP4, b + a->part_off[0], b + a->part_off[1], I, H},
+            .w2 = {MF_KERN_FP4, b + a->part_off[2], b + a->part_off[3], H, I},
+            .w3 = {MF_KERN_FP4, b + a->part_off[4], b + a->part_off[5], I, H},
+            .x = a->x + r0 * H, .n_tok = e.n_tok, .tok_weight = a->tok_weight ? a->tok_weight + r0 : NULL,
+            .limit = a->limit, .h = a->h + r0 * I,
+            .q8_scratch = (uint8_t *)a->q8_scratch + (size_t)k * a->q8_stride, .y = a->y + r0 * H};
+        int rc = emu_ffn(&f);
+        if (rc) return mf_error_wrap(rc, "expert FFN slot table, slot %d", k);
+    }
+    return 0;
+}
+
 static void emu_run_op(emu_stream *s, emu_op *op)
 {
     emu_dev *d = s->d;
@@ -163,6 +194,13 @@ static void emu_run_op(emu_stream *s, emu_op *op)
     switch (op->kind) {
     case OP_COPY: {
         int64_t t0 = mf_now_ns();
+        if (op->u.copy.k == MF_DEV_H2D && atomic_load(&d->fail_h2d) > 0 &&
+            atomic_fetch_sub(&d->fail_h2d, 1) == 1) {
+            memcpy(op->u.copy.dst, op->u.copy.src, op->u.copy.n / 2);   /* a partial copy */
+            rc = mf_error(-EIO, "injected failure of a host-to-device copy of %zu bytes (fail_h2d): "
+                          "%zu bytes copied", op->u.copy.n, op->u.copy.n / 2);
+            break;
+        }
         memcpy(op->u.copy.dst, op->u.copy.src, op->u.copy.n);
         double model_ns = (double)d->lat_ns;
         if (d->bw_bytes_per_s > 0) model_ns += (double)op->u.copy.n / d->bw_bytes_per_s * 1e9;
@@ -170,7 +208,16 @@ static void emu_run_op(emu_stream *s, emu_op *op)
         break;
     }
     case OP_CALLBACK:
-        op->u.cb.fn(op->u.cb.arg);
+        if (op->u.cb.fn_status) {   /* takes the stream's undelivered error, if any */
+            pthread_mutex_lock(&s->mu);
+            int err = s->err;
+            if (err) snprintf(s->cb_msg, sizeof s->cb_msg, "%s", s->errmsg);
+            s->err = 0;
+            pthread_mutex_unlock(&s->mu);
+            op->u.cb.fn_status(op->u.cb.arg, err, err ? s->cb_msg : NULL);
+        } else {
+            op->u.cb.fn(op->u.cb.arg);
+        }
         break;
     case OP_RECORD: {
         emu_event *e = op->u.ev.e;
@@ -200,6 +247,9 @@ static void emu_run_op(emu_stream *s, emu_op *op)
         break;
     case OP_FFN:
         rc = emu_ffn(&op->u.ffn);
+        break;
+    case OP_FFN_TABLE:
+        rc = emu_ffn_table(&op->u.tab);
         break;
     }
     if (rc < 0) emu_stream_fail(s, rc);
@@ -353,7 +403,9 @@ static void emu_host_free(mf_dev *pd, void *p)
 static int emu_copy(mf_dev_stream *s, mf_dev_copy_kind k, int dst_card, void *dst, int src_card,
                     const void *src, size_t n_bytes)
 {
-    emu_op op = {.kind = OP_COPY, .u.copy = {dst, src, n_bytes}};
+    (void)dst_card;
+    (void)src_card;
+    emu_op op = {.kind = OP_COPY, .u.copy = {dst, src, n_bytes, k}};
     return emu_enqueue(s, &op);
 }
 
@@ -399,7 +451,13 @@ static int emu_stream_wait(mf_dev_stream *s, mf_dev_event *e) { return emu_event
 
 static int emu_callback(mf_dev_stream *s, void (*fn)(void *), void *arg)
 {
-    emu_op op = {.kind = OP_CALLBACK, .u.cb = {fn, arg}};
+    emu_op op = {.kind = OP_CALLBACK, .u.cb = {fn, NULL, arg}};
+    return emu_enqueue(s, &op);
+}
+
+static int emu_callback_status(mf_dev_stream *s, void (*fn)(void *, int, const char *), void *arg)
+{
+    emu_op op = {.kind = OP_CALLBACK, .u.cb = {NULL, fn, arg}};
     return emu_enqueue(s, &op);
 }
 
@@ -431,6 +489,12 @@ static int emu_fp8_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x
 static int emu_expert_ffn(mf_dev_stream *s, const mf_dev_ffn *a)
 {
     emu_op op = {.kind = OP_FFN, .u.ffn = *a};
+    return emu_enqueue(s, &op);
+}
+
+static int emu_expert_ffn_table(mf_dev_stream *s, const mf_dev_ffn_table *a)
+{
+    emu_op op = {.kind = OP_FFN_TABLE, .u.tab = *a};
     return emu_enqueue(s, &op);
 }
 
@@ -527,10 +591,12 @@ static const mf_dev_ops emu_ops = {
     .event_record = emu_event_record,
     .stream_wait = emu_stream_wait,
     .callback = emu_callback,
+    .callback_status = emu_callback_status,
     .stream_sync = emu_stream_sync,
     .fp4_matmul = emu_fp4_matmul,
     .fp8_matmul = emu_fp8_matmul,
     .expert_ffn = emu_expert_ffn,
+    .expert_ffn_table = emu_expert_ffn_table,
     .capture_begin = emu_capture_begin,
     .capture_end = emu_capture_end,
     .graph_launch = emu_graph_launch,
@@ -567,7 +633,7 @@ int mf_dev_open_emu(const char *opts, mf_dev **out)
         return mf_error(-EINVAL, "device spec 'emu:%s': expected a card count 1..%d after 'emu:'",
                         opts, MF_DEV_MAX_CARDS);
     uint64_t mem = 16ULL << 30;
-    double bw = 25e9, lat = 10000;
+    double bw = 25e9, lat = 10000, fail_h2d = 0;
     while ((tok = strtok_r(NULL, ",", &save))) {
         char *eq = strchr(tok, '=');
         int bad = !eq;
@@ -577,12 +643,14 @@ int mf_dev_open_emu(const char *opts, mf_dev **out)
             if (!strcmp(tok, "mem")) bad = emu_parse_bytes(v, &mem) || mem == 0;
             else if (!strcmp(tok, "bw")) bad = (bw = strtod(v, &end)) < 0 || *end || end == v;
             else if (!strcmp(tok, "lat_ns")) bad = (lat = strtod(v, &end)) < 0 || *end || end == v;
+            else if (!strcmp(tok, "fail_h2d"))
+                bad = (fail_h2d = strtod(v, &end)) < 0 || *end || end == v || fail_h2d != (int64_t)fail_h2d;
             else bad = 1;
             if (!bad) continue;
             *eq = '=';
         }
         return mf_error(-EINVAL, "device spec 'emu:%s': bad option '%s' (expected mem=BYTES[K|M|G], "
-                        "bw=BYTES_PER_S, lat_ns=NS)", opts, tok);
+                        "bw=BYTES_PER_S, lat_ns=NS, fail_h2d=N)", opts, tok);
     }
     emu_dev *d = calloc(1, sizeof *d);
     if (!d) return mf_error(-ENOMEM, "emu device: out of memory");
@@ -590,6 +658,7 @@ int mf_dev_open_emu(const char *opts, mf_dev **out)
     d->pub.n_cards = (int)n;
     d->bw_bytes_per_s = bw;
     d->lat_ns = (int64_t)lat;
+    atomic_init(&d->fail_h2d, (int64_t)fail_h2d);
     pthread_mutex_init(&d->host_mu, NULL);
     for (int c = 0; c < n; c++) {
         pthread_mutex_init(&d->cards[c].mu, NULL);
@@ -630,4 +699,12 @@ int64_t mf_dev_emu_used_bytes(const mf_dev *pd, int card)
     int64_t used = (int64_t)c->used_bytes;
     pthread_mutex_unlock(&c->mu);
     return used;
+}
+
+int mf_dev_emu_fail_h2d(mf_dev *pd, int64_t nth)
+{
+    if (!pd || pd->ops != &emu_ops || nth < 0)
+        return mf_error(-EINVAL, "mf_dev_emu_fail_h2d: %s", nth < 0 ? "negative count" : "not an emulated device");
+    atomic_store(&((emu_dev *)pd)->fail_h2d, nth);
+    return 0;
 }

@@ -23,12 +23,16 @@ typedef struct mf_dev_ops {
     int (*event_record)(mf_dev_event *e, mf_dev_stream *s);
     int (*stream_wait)(mf_dev_stream *s, mf_dev_event *e);
     int (*callback)(mf_dev_stream *s, void (*fn)(void *), void *arg);
+    /* Optional (NULL: mf_dev_stream_callback_status is -ENOTSUP): fn(arg, err, msg) with the
+     * stream's first error not yet delivered, which it takes. */
+    int (*callback_status)(mf_dev_stream *s, void (*fn)(void *, int, const char *), void *arg);
     int (*stream_sync)(mf_dev_stream *s);
     /* Kernels: arguments already checked by dev.c. */
     int (*fp4_matmul)(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y,
                       void *q8_scratch);
     int (*fp8_matmul)(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y);
     int (*expert_ffn)(mf_dev_stream *s, const mf_dev_ffn *a);
+    int (*expert_ffn_table)(mf_dev_stream *s, const mf_dev_ffn_table *a);
     /* Capture: the stream's capturing flag is kept by dev.c. */
     int (*capture_begin)(mf_dev_stream *s);
     int (*capture_end)(mf_dev_stream *s, mf_dev_graph **out);

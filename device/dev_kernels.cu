@@ -1,13 +1,16 @@
 /* CUDA kernels of the device interface: y = W x with W stored as FP4 (E2M1 pairs + 1x32 E8M0) or
  * FP8 (E4M3 + 32x32 E8M0 tiles), decoded in registers and never written out, fp32 accumulation;
- * and the expert FFN (w1 and w3 rows together, swiglu with limit, token weight, then w2).
+ * the FP4 int8 path (activations quantized per token per 256 inputs, E2M1 decoded to int8 with
+ * byte permutes, dp4a, E8M0 block factors: device/kern_q8.h); and the expert FFN on either path
+ * (w1 and w3 rows together, swiglu with limit, token weight, then w2).
  * One warp per output row, lanes over 32-input blocks, up to 8 tokens per warp. Written to match
- * host/kernels.h's fp32 path up to summation order; not yet run on a GPU (docs/device.md). */
+ * host/kernels.h up to summation order; not yet run on a GPU (docs/device.md). */
 #include <cuda_runtime.h>
 #include <errno.h>
 
 extern "C" {
 #include "device/dev_cuda_kern.h"
+#include "device/kern_q8.h"
 #include "sched/error.h"
 }
 
@@ -129,14 +132,265 @@ extern "C" int mf_cuda_kern_matmul(void *stream, const mf_kern_mat *w, const flo
     return k_launched(w->fmt == MF_KERN_FP4 ? "fp4 matmul" : "fp8 matmul", __LINE__);
 }
 
+/* ---- the int8 FP4 path ------------------------------------------------------------------------ */
+
+/* Quantizes x [n_tok][n_in] into the device q8 layout (mf_q8k_view): one warp per (token, 256-input
+ * group), each lane 8 inputs; max |x| by a warp reduction; codes as mf_kern_q8_quantize's. */
+__device__ static void k_q8_quantize_body(const float *x, int n_tok, int n_in, int8_t *q, float *qs,
+                                          int n_sb)
+{
+    int gid = blockIdx.x * WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (gid >= n_tok * n_sb) return;   /* whole warps leave together */
+    int t = gid / n_sb, s = gid % n_sb;
+    int len = n_in - s * MF_Q8K_GROUP < MF_Q8K_GROUP ? n_in - s * MF_Q8K_GROUP : MF_Q8K_GROUP;
+    const float *xg = x + (size_t)t * n_in + (size_t)s * MF_Q8K_GROUP;
+    float v[8], amax = 0.0f;
+    int bad = 0;
+    for (int i = 0; i < 8; i++) {
+        int k = lane * 8 + i;
+        v[i] = k < len ? xg[k] : 0.0f;
+        float a = fabsf(v[i]);
+        amax = fmaxf(amax, a);             /* NaN is skipped, as on the host; bad marks it */
+        bad |= !(a <= 3.402823466e+38f);
+    }
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    bad = __any_sync(0xffffffffu, bad);
+    float scale, inv = mf_q8k_group_inv(amax, bad, &scale);
+    int8_t *qg = q + (size_t)t * n_in + (size_t)s * MF_Q8K_GROUP;
+    if (lane * 8 < len) {
+        uint32_t lo = 0, hi = 0;
+        for (int i = 0; i < 4; i++) {
+            lo |= (uint32_t)(uint8_t)mf_q8k_code(v[i], inv) << (8 * i);
+            hi |= (uint32_t)(uint8_t)mf_q8k_code(v[4 + i], inv) << (8 * i);
+        }
+        *(uint2 *)(qg + lane * 8) = make_uint2(lo, hi);   /* len is a multiple of 32 */
+    }
+    if (lane == 0) qs[(size_t)t * n_sb + s] = scale;
+}
+
+__global__ static void k_q8_quantize(const float *x, int n_tok, int n_in, int8_t *q, float *qs,
+                                     int n_sb)
+{
+    k_q8_quantize_body(x, n_tok, n_in, q, qs, n_sb);
+}
+
+/* The 16 packed bytes of block b of row o (as 4 words), vector-loaded when w is 16-byte aligned. */
+__device__ static void k_fp4_load(const uint8_t *w, int aligned, int n_in, int o, int b, uint32_t wq[4])
+{
+    const uint8_t *p = w + (size_t)o * (n_in / 2) + (size_t)b * 16;
+    if (aligned) {
+        uint4 v = *(const uint4 *)p;
+        wq[0] = v.x; wq[1] = v.y; wq[2] = v.z; wq[3] = v.w;
+    } else {
+        for (int k = 0; k < 4; k++)
+            wq[k] = (uint32_t)p[4 * k] | (uint32_t)p[4 * k + 1] << 8 | (uint32_t)p[4 * k + 2] << 16 |
+                    (uint32_t)p[4 * k + 3] << 24;
+    }
+}
+
+/* acc[t] = row o of W (FP4) times token t0 + t of the quantized x, for nt tokens, over the warp
+ * (lane 0 holds it). Each pass takes 32 consecutive blocks, one per lane (a coalesced 512-byte read
+ * of the row); the lanes of a 256-input group (8 consecutive lanes) find its largest scale code by
+ * shuffles; each lane decodes its block once and uses it for every token. */
+__device__ static void k_q8_row_dot(const uint8_t *w, const uint8_t *scale, int aligned, int n_in,
+                                    int o, mf_q8k_view xq, int t0, int nt, float acc[KT])
+{
+    int lane = threadIdx.x & 31, nb = n_in / 32;
+#pragma unroll
+    for (int t = 0; t < KT; t++) acc[t] = 0.0f;
+    for (int base = 0; base < nb; base += 32) {   /* uniform over the warp */
+        int b = base + lane, active = b < nb;
+        unsigned e = active ? scale[(size_t)o * nb + b] : 0u, emax = e;
+        for (int off = 1; off < MF_Q8K_GROUP_BLOCKS; off <<= 1)
+            emax = max(emax, (unsigned)__shfl_xor_sync(0xffffffffu, (int)emax, off));
+        if (!active) continue;
+        uint32_t wq[4];
+        int32_t wv[8];
+        k_fp4_load(w, aligned, n_in, o, b, wq);
+        mf_q8k_fp4_block(wq, wv);
+        float f = mf_q8k_block_factor(e, emax);
+        int g = b / MF_Q8K_GROUP_BLOCKS;
+#pragma unroll
+        for (int t = 0; t < KT; t++)
+            if (t < nt) {
+                int tt = t0 + t;
+                acc[t] = fmaf(mf_q8k_block_value(wv, f, xq.q + (size_t)tt * n_in + (size_t)b * 32),
+                              xq.scale[(size_t)tt * xq.n_sb + g], acc[t]);
+            }
+    }
+#pragma unroll
+    for (int t = 0; t < KT; t++)
+        for (int off = 16; off > 0; off >>= 1) acc[t] += __shfl_down_sync(0xffffffffu, acc[t], off);
+}
+
+__device__ static void k_q8_matmul_body(const uint8_t *w, const uint8_t *scale, int aligned, int n_out,
+                                        int n_in, mf_q8k_view xq, int n_tok, float *y)
+{
+    int o = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    int t0 = blockIdx.y * KT;
+    if (o >= n_out || t0 >= n_tok) return;
+    int nt = n_tok - t0 < KT ? n_tok - t0 : KT;
+    float acc[KT];
+    k_q8_row_dot(w, scale, aligned, n_in, o, xq, t0, nt, acc);
+    if ((threadIdx.x & 31) == 0)
+#pragma unroll
+        for (int t = 0; t < KT; t++)
+            if (t < nt) y[(size_t)(t0 + t) * n_out + o] = acc[t];
+}
+
+__global__ static void k_q8_matmul(const uint8_t *w, const uint8_t *scale, int aligned, int n_out,
+                                   int n_in, mf_q8k_view xq, int n_tok, float *y)
+{
+    k_q8_matmul_body(w, scale, aligned, n_out, n_in, xq, n_tok, y);
+}
+
+/* Phase 1 of the FFN on the int8 path: rows r of w1 and w3 against the quantized x, then the same
+ * clamp, silu and token weight as mf_kern_ffn_up. */
+__device__ static void k_q8_ffn_up_body(const uint8_t *w1, const uint8_t *s1, const uint8_t *w3,
+                                        const uint8_t *s3, int aligned, int n_hid, int n_in,
+                                        mf_q8k_view xq, int n_tok, const float *tok_weight,
+                                        float limit, float *h)
+{
+    int r = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    int t0 = blockIdx.y * KT;
+    if (r >= n_hid || t0 >= n_tok) return;
+    int nt = n_tok - t0 < KT ? n_tok - t0 : KT;
+    float g[KT], u[KT];
+    k_q8_row_dot(w1, s1, aligned, n_in, r, xq, t0, nt, g);
+    k_q8_row_dot(w3, s3, aligned, n_in, r, xq, t0, nt, u);
+    if ((threadIdx.x & 31) != 0) return;
+#pragma unroll
+    for (int t = 0; t < KT; t++)
+        if (t < nt) {
+            float gv = g[t] > limit ? limit : g[t];   /* NaN stays, as on the host */
+            float uv = u[t] > limit ? limit : u[t] < -limit ? -limit : u[t];
+            float silu = gv / (1.0f + expf(-gv));
+            float wt = tok_weight ? tok_weight[t0 + t] : 1.0f;
+            h[(size_t)(t0 + t) * n_hid + r] = (silu * uv) * wt;
+        }
+}
+
+__global__ static void k_q8_ffn_up(const uint8_t *w1, const uint8_t *s1, const uint8_t *w3,
+                                   const uint8_t *s3, int aligned, int n_hid, int n_in,
+                                   mf_q8k_view xq, int n_tok, const float *tok_weight, float limit,
+                                   float *h)
+{
+    k_q8_ffn_up_body(w1, s1, w3, s3, aligned, n_hid, n_in, xq, n_tok, tok_weight, limit, h);
+}
+
+/* ---- the slot-table FFN: blockIdx.z is the slot, its entry read when the kernel runs --------- */
+
+/* Slot z's entry; n_tok 0 (skipped) when it is out of range. */
+__device__ static mf_dev_ffn_slot k_slot(const mf_dev_ffn_table &a)
+{
+    mf_dev_ffn_slot e = a.table[blockIdx.z];
+    if (e.n_tok < 0 || e.n_tok > a.max_tok || e.row0 < 0) e.n_tok = 0;
+    return e;
+}
+
+__device__ static mf_q8k_view k_slot_view(const mf_dev_ffn_table &a, int n_tok, int n_in)
+{
+    return mf_q8k_view_of((uint8_t *)a.q8_scratch + (size_t)blockIdx.z * a.q8_stride, n_tok, n_in);
+}
+
+/* which = 0: quantize the slot's rows of x (n_in = H); 1: of h (n_in = I). */
+__global__ static void k_tab_quantize(mf_dev_ffn_table a, int which)
+{
+    mf_dev_ffn_slot e = k_slot(a);
+    int n_in = which ? a.n_hidden : a.n_in;
+    const float *src = (which ? a.h : a.x) + (size_t)e.row0 * n_in;
+    mf_q8k_view v = k_slot_view(a, e.n_tok, n_in);
+    k_q8_quantize_body(src, e.n_tok, n_in, v.q, v.scale, v.n_sb);
+}
+
+__global__ static void k_tab_up(mf_dev_ffn_table a)
+{
+    mf_dev_ffn_slot e = k_slot(a);
+    const uint8_t *b = (const uint8_t *)(uintptr_t)e.base;
+    const uint8_t *w1 = b + a.part_off[0], *w3 = b + a.part_off[4];
+    int aligned = (((uintptr_t)w1 | (uintptr_t)w3) & 15u) == 0;
+    k_q8_ffn_up_body(w1, b + a.part_off[1], w3, b + a.part_off[5], aligned, a.n_hidden, a.n_in,
+                     k_slot_view(a, e.n_tok, a.n_in), e.n_tok,
+                     a.tok_weight ? a.tok_weight + e.row0 : NULL, a.limit,
+                     a.h + (size_t)e.row0 * a.n_hidden);
+}
+
+__global__ static void k_tab_down(mf_dev_ffn_table a)
+{
+    mf_dev_ffn_slot e = k_slot(a);
+    const uint8_t *b = (const uint8_t *)(uintptr_t)e.base;
+    const uint8_t *w2 = b + a.part_off[2];
+    k_q8_matmul_body(w2, b + a.part_off[3], ((uintptr_t)w2 & 15u) == 0, a.n_in, a.n_hidden,
+                     k_slot_view(a, e.n_tok, a.n_hidden), e.n_tok, a.y + (size_t)e.row0 * a.n_in);
+}
+
+static int k_aligned(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+/* Quantizes x [n_tok][n_in] into the scratch (device layout) and returns its view. */
+static int k_quantize(cudaStream_t st, const float *x, int n_tok, int n_in, void *scratch,
+                      mf_q8k_view *v)
+{
+    *v = mf_q8k_view_of(scratch, n_tok, n_in);
+    int n_groups = n_tok * v->n_sb;
+    k_q8_quantize<<<(unsigned)((n_groups + WARPS - 1) / WARPS), 32 * WARPS, 0, st>>>(
+        x, n_tok, n_in, v->q, v->scale, v->n_sb);
+    return k_launched("q8 quantize", __LINE__);
+}
+
+extern "C" int mf_cuda_kern_fp4_q8(void *stream, const mf_kern_mat *w, const float *x, int n_tok,
+                                   float *y, void *q8_scratch)
+{
+    cudaStream_t st = (cudaStream_t)stream;
+    mf_q8k_view v;
+    int rc = k_quantize(st, x, n_tok, w->n_in, q8_scratch, &v);
+    if (rc) return rc;
+    dim3 grid((unsigned)((w->n_out + WARPS - 1) / WARPS), (unsigned)((n_tok + KT - 1) / KT));
+    k_q8_matmul<<<grid, 32 * WARPS, 0, st>>>((const uint8_t *)w->w, w->scale, k_aligned(w->w),
+                                             w->n_out, w->n_in, v, n_tok, y);
+    return k_launched("fp4 matmul (int8 path)", __LINE__);
+}
+
+extern "C" int mf_cuda_kern_ffn_table(void *stream, const mf_dev_ffn_table *a)
+{
+    cudaStream_t st = (cudaStream_t)stream;
+    int H = a->n_in, I = a->n_hidden, T = a->max_tok, S = a->n_slots;
+    int sb_h = (H / 32 + MF_Q8K_GROUP_BLOCKS - 1) / MF_Q8K_GROUP_BLOCKS;
+    int sb_i = (I / 32 + MF_Q8K_GROUP_BLOCKS - 1) / MF_Q8K_GROUP_BLOCKS;
+    unsigned ty = (unsigned)((T + KT - 1) / KT);
+    k_tab_quantize<<<dim3((unsigned)((T * sb_h + WARPS - 1) / WARPS), 1, (unsigned)S), 32 * WARPS, 0, st>>>(*a, 0);
+    int rc = k_launched("slot-table FFN: quantize x", __LINE__);
+    if (rc) return rc;
+    k_tab_up<<<dim3((unsigned)((I + WARPS - 1) / WARPS), ty, (unsigned)S), 32 * WARPS, 0, st>>>(*a);
+    if ((rc = k_launched("slot-table FFN: up", __LINE__))) return rc;
+    k_tab_quantize<<<dim3((unsigned)((T * sb_i + WARPS - 1) / WARPS), 1, (unsigned)S), 32 * WARPS, 0, st>>>(*a, 1);
+    if ((rc = k_launched("slot-table FFN: quantize h", __LINE__))) return rc;
+    k_tab_down<<<dim3((unsigned)((H + WARPS - 1) / WARPS), ty, (unsigned)S), 32 * WARPS, 0, st>>>(*a);
+    return k_launched("slot-table FFN: down", __LINE__);
+}
+
 extern "C" int mf_cuda_kern_ffn(void *stream, const mf_dev_ffn *a)
 {
+    cudaStream_t st = (cudaStream_t)stream;
     int I = a->w1.n_out, H = a->w1.n_in;
     dim3 grid((unsigned)((I + WARPS - 1) / WARPS), (unsigned)((a->n_tok + KT - 1) / KT));
-    k_ffn_up<<<grid, 32 * WARPS, 0, (cudaStream_t)stream>>>(
-        (int)a->w1.fmt, (const uint8_t *)a->w1.w, a->w1.scale, (const uint8_t *)a->w3.w,
-        a->w3.scale, I, H, a->x, a->n_tok, a->tok_weight, a->limit, a->h);
-    int rc = k_launched("expert FFN up", __LINE__);
-    if (!rc) rc = mf_cuda_kern_matmul(stream, &a->w2, a->h, a->n_tok, a->y);
-    return rc;
+    int rc;
+    if (a->q8_scratch && a->w1.fmt == MF_KERN_FP4) {
+        mf_q8k_view v;
+        rc = k_quantize(st, a->x, a->n_tok, H, a->q8_scratch, &v);
+        if (rc) return rc;
+        k_q8_ffn_up<<<grid, 32 * WARPS, 0, st>>>(
+            (const uint8_t *)a->w1.w, a->w1.scale, (const uint8_t *)a->w3.w, a->w3.scale,
+            k_aligned(a->w1.w) && k_aligned(a->w3.w), I, H, v, a->n_tok, a->tok_weight, a->limit,
+            a->h);
+        rc = k_launched("expert FFN up (int8 path)", __LINE__);
+    } else {
+        k_ffn_up<<<grid, 32 * WARPS, 0, st>>>(
+            (int)a->w1.fmt, (const uint8_t *)a->w1.w, a->w1.scale, (const uint8_t *)a->w3.w,
+            a->w3.scale, I, H, a->x, a->n_tok, a->tok_weight, a->limit, a->h);
+        rc = k_launched("expert FFN up", __LINE__);
+    }
+    if (rc) return rc;
+    if (a->q8_scratch && a->w2.fmt == MF_KERN_FP4)
+        return mf_cuda_kern_fp4_q8(stream, &a->w2, a->h, a->n_tok, a->y, a->q8_scratch);
+    return mf_cuda_kern_matmul(stream, &a->w2, a->h, a->n_tok, a->y);
 }

@@ -74,7 +74,12 @@ struct mf_step_shape {
     uint8_t *slot_miss;
     int dev_layer;          /* layer whose cache slots are pinned, -1 */
     uint8_t *dbuf[MF_DEV_MAX_CARDS];
-    size_t d_x, d_w, d_h, d_q, d_y, dq_bytes;
+    size_t d_x, d_w, d_h, d_q, d_y, d_tab, dq_bytes;
+    /* device graphs (opts dev_graphs): per card the slot tables of every layer (pinned host copy
+     * filled by the route task, device copy refreshed by the graph) and each layer's graph,
+     * captured on its first run: the table's h2d copy, then the slot-table FFN */
+    mf_dev_ffn_slot *htab[MF_DEV_MAX_CARDS];
+    mf_dev_graph **dgraph[MF_DEV_MAX_CARDS];
     /* slot-ordered expert buffers (n x K rows) */
     float *xg, *wg, *h, *gg, *uu, *y;
     mf_kern_q8 *q8x, *q8h;   /* n_slots */
@@ -107,6 +112,7 @@ struct mf_step {
     mf_dev_xcache *xc[MF_DEV_MAX_CARDS];
     size_t part_off[6], part_bytes[6];
     uint64_t xslot_bytes;
+    int dev_graphs;           /* 1: a layer's device FFNs are one captured graph per card */
     mf_step_dev_stats dstat;
     mf_store *store;
     int max_items;           /* items per graph run: one layer's slots fit the store */
@@ -306,6 +312,14 @@ static int mf_step_place(mf_step_shape *sh, int L)
         sh->slot_miss[s] = (uint8_t)!hit;
         eng->dstat.dev_slots++;
     }
+    if (eng->dev_graphs)   /* the slot tables of layer L: a card's own slots, the rest unused */
+        for (int c = 0; c < eng->n_cards; c++) {
+            mf_dev_ffn_slot *tab = sh->htab[c] + (size_t)L * sh->n_slots;
+            for (int s = 0; s < sh->n_slots; s++)
+                tab[s] = s < sh->n_used && sh->slot_card[s] == c
+                             ? (mf_dev_ffn_slot){(uint64_t)(uintptr_t)sh->slot_dev[s], sh->slot_off[s], sh->slot_cnt[s]}
+                             : (mf_dev_ffn_slot){0, 0, 0};
+        }
     return 0;
 }
 
@@ -323,6 +337,35 @@ static void mf_step_dev_release(mf_step_shape *sh, int failed)
         sh->slot_card[s] = -1;
     }
     sh->dev_layer = -1;
+}
+
+/* After a failed run in layer sh->dev_layer: names the first device task that failed, with its
+ * expert and card, in the error (the scheduler's message names the task), and releases the
+ * layer's cache slots, dropping those copied in this step (a failed copy may have left them
+ * partial). Returns rc. */
+static int mf_step_dev_fail(mf_step_shape *sh, int rc)
+{
+    mf_task_span *sp = mf_timeline_spans(sh->tl);
+    int L = sh->dev_layer;
+    for (int t = 0; sp && t < mf_graph_n_tasks(sh->g); t++) {
+        int k = sh->kind_of[t];
+        if (sp[t].status >= 0 || (k != MF_STEP_K_COPY && k != MF_STEP_K_DEV && k != MF_STEP_K_COPY_OUT))
+            continue;
+        const mf_step_targ *a = mf_graph_task(sh->g, t)->arg;
+        if (a->layer != L || a->slot >= sh->n_used) continue;
+        if (a->slot < 0) {   /* a card's graph of the layer's FFNs */
+            rc = mf_error_wrap(rc, "layer %d, the routed experts on card %d (their cache slots copied in "
+                               "this step are dropped)", L, a->part);
+            break;
+        }
+        int s = a->slot;
+        rc = mf_error_wrap(rc, "layer %d, routed expert %d on card %d (%s)", L, sh->slot_e[s], a->part,
+                           sh->slot_miss[s] ? "copied in this step: its cache slot is dropped"
+                                            : "a cache hit");
+        break;
+    }
+    mf_step_dev_release(sh, 1);
+    return rc;
 }
 
 /* Device lanes of a slot on card a->part (empty unless the route task put the slot there):
@@ -376,6 +419,45 @@ static int mf_task_dev_ffn(void *arg, mf_task_ctx *ctx)
     f.w3.w = x + eng->part_off[4];
     f.w3.scale = x + eng->part_off[5];
     return mf_dev_expert_ffn(ctx->queue, &f);
+}
+
+/* Graph mode: the FFNs of every slot of layer a->layer on card a->part, as the layer's graph
+ * (captured on its first run: the h2d copy of the layer's slot table, then the slot-table FFN
+ * over the shape's buffers), which reads the experts and rows the route task wrote into the
+ * table. Nothing when no slot is on the card. */
+static int mf_task_dev_ffn_card(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    int c = a->part, L = a->layer, any = 0;
+    for (int s = 0; s < sh->n_used && !any; s++) any = sh->slot_card[s] == c;
+    if (!any) return 0;
+    mf_dev_stream *st = ctx->queue;
+    mf_dev_graph **g = &sh->dgraph[c][L];
+    if (!*g) {
+        uint8_t *db = sh->dbuf[c];
+        mf_dev_ffn_slot *dtab = (mf_dev_ffn_slot *)(db + sh->d_tab) + (size_t)L * sh->n_slots;
+        mf_dev_ffn_table t = {.n_in = (int)eng->c->hidden_size, .n_hidden = (int)eng->c->moe_intermediate_size,
+                              .table = dtab, .n_slots = sh->n_slots, .max_tok = sh->n,
+                              .x = (const float *)(db + sh->d_x), .tok_weight = (const float *)(db + sh->d_w),
+                              .limit = (float)eng->c->swiglu_limit, .h = (float *)(db + sh->d_h),
+                              .q8_scratch = db + sh->d_q, .q8_stride = sh->dq_bytes, .y = (float *)(db + sh->d_y)};
+        for (int k = 0; k < 6; k++) t.part_off[k] = eng->part_off[k];
+        int rc = mf_dev_capture_begin(st);
+        if (rc) return rc;
+        rc = mf_dev_copy_h2d(st, dtab, sh->htab[c] + (size_t)L * sh->n_slots, sizeof *dtab * (size_t)sh->n_slots);
+        if (!rc) rc = mf_dev_expert_ffn_table(st, &t);
+        mf_dev_graph *ng = NULL;
+        int rc2 = mf_dev_capture_end(st, &ng);
+        if (!rc) rc = rc2;
+        if (rc) {
+            mf_dev_graph_destroy(ng);
+            return mf_error_wrap(rc, "step: capturing layer %d's device graph on card %d", L, c);
+        }
+        *g = ng;
+    }
+    return mf_dev_graph_launch(*g, st);
 }
 
 static int mf_task_dev_out(void *arg, mf_task_ctx *ctx)
@@ -682,7 +764,12 @@ static void mf_step_shape_free(mf_step_shape *sh)
     free(sh->slot_card);
     free(sh->slot_dev);
     free(sh->slot_miss);
-    for (int c = 0; c < sh->eng->n_cards; c++) mf_dev_free(sh->eng->dev, c, sh->dbuf[c]);
+    for (int c = 0; c < sh->eng->n_cards; c++) {
+        for (int L = 0; sh->dgraph[c] && L < sh->eng->c->n_layers; L++) mf_dev_graph_destroy(sh->dgraph[c][L]);
+        free(sh->dgraph[c]);
+        mf_dev_host_free(sh->eng->dev, sh->htab[c]);
+        mf_dev_free(sh->eng->dev, c, sh->dbuf[c]);
+    }
     free(sh->sorted);
     free(sh->args);
     free(sh->mem);
@@ -788,7 +875,8 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
     int n = sh->n, u = sh->par ? n : 1;   /* reference-code tasks per part */
     int n_task = 1 + u + sh->p_head;
     for (int L = 0; L < c->n_layers; L++)   /* engram, attn, gate, combine per unit; route, joins */
-        n_task += 4 * u + 3 + 2 * sh->p_sh + sh->n_slots * (1 + 2 * sh->p_exp + sh->n_parts + 3 * eng->n_cards);
+        n_task += 4 * u + 3 + 2 * sh->p_sh + sh->n_slots * (1 + 2 * sh->p_exp + sh->n_parts + 3 * eng->n_cards) +
+                  eng->n_cards;
     sh->args = calloc((size_t)n_task, sizeof *sh->args);
     sh->phase_of = calloc((size_t)n_task, 1);
     sh->kind_of = calloc((size_t)n_task, 1);
@@ -847,6 +935,12 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
         for (int k = 0; k < u; k++) mf_step_dep(&b, gates[k], ro);
         snprintf(name, sizeof name, "moe L%d done", L);
         mf_task_id done = mf_step_add(&b, name, mf_task_moe_done, MF_STEP_MOE, L, 0, 0, 0, 0, NULL, 0, 0);
+        mf_task_id cffn[MF_DEV_MAX_CARDS];   /* graph mode: a card's FFNs of the layer */
+        for (int cd = 0; cd < eng->n_cards && eng->dev_graphs; cd++) {
+            snprintf(name, sizeof name, "dev%d L%d ffn graph", cd, L);
+            cffn[cd] = mf_step_add_dev(&b, name, mf_task_dev_ffn_card, L, -1, cd, 1,
+                                       (double)eng->xslot_bytes * c->n_experts_per_tok / eng->n_cards);
+        }
         for (int s = 0; s < sh->n_slots; s++) {
             snprintf(name, sizeof name, "expert L%d slot %d join", L, s);
             mf_task_id jo = mf_step_add(&b, name, mf_task_slot_join, MF_STEP_MOE, L, s, 0, 0, 0, NULL, 0, I * 2);
@@ -877,8 +971,13 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
             for (int cd = 0; cd < eng->n_cards; cd++) {
                 snprintf(name, sizeof name, "dev%d L%d slot %d in", cd, L, s);
                 mf_task_id din = mf_step_add_dev(&b, name, mf_task_dev_in, L, s, cd, 0, (double)eng->xslot_bytes);
-                snprintf(name, sizeof name, "dev%d L%d slot %d ffn", cd, L, s);
-                mf_task_id dff = mf_step_add_dev(&b, name, mf_task_dev_ffn, L, s, cd, 1, (double)eng->xslot_bytes);
+                mf_task_id dff = -1;
+                if (eng->dev_graphs) {
+                    dff = cffn[cd];
+                } else {
+                    snprintf(name, sizeof name, "dev%d L%d slot %d ffn", cd, L, s);
+                    dff = mf_step_add_dev(&b, name, mf_task_dev_ffn, L, s, cd, 1, (double)eng->xslot_bytes);
+                }
                 snprintf(name, sizeof name, "dev%d L%d slot %d out", cd, L, s);
                 mf_task_id dout = mf_step_add_dev(&b, name, mf_task_dev_out, L, s, cd, 2, n * H * 4.0);
                 mf_step_dep(&b, ro, din);
@@ -986,7 +1085,9 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
         sh->d_h = sh->d_w + (nk * 4 + al - 1) / al * al;
         sh->d_q = sh->d_h + (nk * I * 4 + al - 1) / al * al;
         sh->d_y = sh->d_q + (size_t)sh->n_slots * sh->dq_bytes;
-        size_t total = sh->d_y + nk * H * 4;
+        sh->d_tab = sh->d_y + (nk * H * 4 + al - 1) / al * al;
+        size_t tab_bytes = eng->dev_graphs ? sizeof(mf_dev_ffn_slot) * (size_t)sh->n_slots * c->n_layers : 0;
+        size_t total = sh->d_tab + tab_bytes;
         for (int cd = 0; cd < eng->n_cards; cd++) {
             void *p = NULL;
             int rc = mf_dev_alloc(eng->dev, cd, total, &p);
@@ -995,6 +1096,15 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
                 return mf_error_wrap(rc, "step: device buffers of a batch of %d on card %d", n, cd);
             }
             sh->dbuf[cd] = p;
+            if (!eng->dev_graphs) continue;
+            sh->dgraph[cd] = calloc((size_t)c->n_layers, sizeof *sh->dgraph[cd]);
+            rc = sh->dgraph[cd] ? mf_dev_host_alloc(eng->dev, cd, tab_bytes, (void **)&sh->htab[cd])
+                                : mf_error(-ENOMEM, "step: out of memory");
+            if (rc) {
+                mf_step_shape_free(sh);
+                return mf_error_wrap(rc, "step: slot tables on card %d", cd);
+            }
+            memset(sh->htab[cd], 0, tab_bytes);
         }
     }
     size_t nk = (size_t)n * K, q8x = mf_kern_q8_bytes(n, (int)H), q8h = mf_kern_q8_bytes(n, (int)I);
@@ -1090,11 +1200,9 @@ static int mf_step_dev_setup(mf_step *s)
         off += (sb + 255) / 256 * 256;
     }
     s->xslot_bytes = off;
-    if (!strcmp(mf_dev_kind(s->o.dev), "cuda"))
-        return mf_error(-ENOTSUP, "step: the CUDA backend has the fp32 expert path only and the engine's "
-                        "device slots run the int8 path (bit-identical to the host's); routed experts on "
-                        "CUDA cards are not wired up yet: use emu:N, or --placement host");
     s->dev = s->o.dev;
+    const char *env = getenv("MOEFLOW_DEV_GRAPHS");
+    s->dev_graphs = s->o.dev_graphs || (env && !strcmp(env, "1"));
     int n = mf_dev_n_cards(s->dev);
     s->dev_lane0 = s->n_lanes;
     for (int cd = 0; cd < n; cd++) {
@@ -1414,7 +1522,7 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
     mf_timeline_reset(sh->tl);
     rc = mf_sched_run(s->sched, sh->g, &(mf_run_opts){.timeline = sh->tl});
     s->last = sh;
-    if (rc && sh->dev_layer >= 0) mf_step_dev_release(sh, 1);
+    if (rc && sh->dev_layer >= 0) rc = mf_step_dev_fail(sh, rc);
     if (rc && s->store) rc = mf_step_store_fail(s, sh, rc);
     if (rc) return rc;
     for (int j = 0; j < sh->n_head; j++)

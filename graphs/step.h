@@ -30,10 +30,18 @@ typedef struct mf_step_opts {
      * caller, outlives the engine) and a placement; dev NULL or MF_STEP_PLACE_HOST: all on the
      * host. Every card keeps packed experts in an expert cache (device/expert_cache.h) of
      * dev_cache_bytes (0: every expert, or as many as the card grants). Device slots run the
-     * int8 path, so placements other than host need exact 0, a swiglu limit and FP4 experts. */
+     * int8 path, so placements other than host need exact 0, a swiglu limit and FP4 experts.
+     * On emulated cards (emu:N) the logits equal the host placement's bit for bit; on CUDA cards
+     * they equal them within tolerance, not bit for bit (fp32 summation order inside each expert:
+     * docs/device.md gives the kernels' bounds). */
     mf_dev *dev;
     int placement;               /* mf_step_placement */
     uint64_t dev_cache_bytes;    /* per card */
+    /* 1 (or env MOEFLOW_DEV_GRAPHS=1): per layer and card, the device FFNs of all slots are one
+     * graph (CUDA graph on CUDA cards), captured on the layer's first run with the experts and
+     * rows passed through a device-side slot table, so a new routing needs no new capture; the
+     * card's FFNs then start once all its copy-ins of the layer are done. 0: a task per slot. */
+    int dev_graphs;
     /* the CPU lane's model of expert work (bytes of weights per second; 0: 20e9, a model, not a
      * measurement): what hybrid placement weighs a card against */
     double cpu_bytes_per_s;

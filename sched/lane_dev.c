@@ -2,6 +2,7 @@
  * the lane's queue) and asks the backend to call back once that work is done; the task completes
  * in the callback, on the backend's thread. At most `concurrency` tasks of a lane are in flight
  * (0: no limit); no CPU thread waits on a device. */
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -9,19 +10,23 @@
 #include "sched/nvtx.h"
 #include "sched/sched_impl.h"
 
-/* The backend's callback: the task's device work has finished. */
-static void mf_dev_done(void *arg)
+/* The backend's callback: the task's device work has finished, failed with err (msg) when err < 0. */
+static void mf_dev_done_status(void *arg, int err, const char *msg)
 {
     struct mf_dev_tok *tok = arg;
     mf_sched *s = tok->s;
     mf_lane_rt *L = &s->lanes[s->rt->lane[tok->t]];
     mf_task_id t = tok->t;
+    if (err > 0) err = -EIO;
+    if (err) mf_task_fail(s, t, err, msg);
     pthread_mutex_lock(&L->mu);
     L->inflight--;
     mf_lane_wake(s, L, -1);
     pthread_mutex_unlock(&L->mu);
-    mf_task_finish(s, t, 0, NULL);   /* last touch of the run */
+    mf_task_finish(s, t, err, NULL);   /* last touch of the run */
 }
+
+static void mf_dev_done(void *arg) { mf_dev_done_status(arg, 0, NULL); }
 
 void *mf_dev_submit_main(void *arg)
 {
@@ -73,7 +78,9 @@ void *mf_dev_submit_main(void *arg)
                 mf_task_fail(s, t, rc, mf_last_error());
             } else {
                 mf_error_clear();
-                rc = s->dev->notify(s->dev->ctx, L->queue, mf_dev_done, &s->rt->tok[t]);
+                rc = s->dev->notify_status
+                         ? s->dev->notify_status(s->dev->ctx, L->queue, mf_dev_done_status, &s->rt->tok[t])
+                         : s->dev->notify(s->dev->ctx, L->queue, mf_dev_done, &s->rt->tok[t]);
                 if (rc == 0) continue;   /* completes in mf_dev_done */
                 if (rc > 0) rc = -EIO;
                 char msg[512];

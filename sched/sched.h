@@ -21,6 +21,11 @@ typedef struct mf_dev_lane_ops {
     /* Opaque queue handle for (device, lane kind), handed to tasks in mf_task_ctx.queue. */
     void *(*queue)(void *ctx, int device, mf_lane_kind kind);
     int (*notify)(void *ctx, void *queue, void (*done)(void *done_arg), void *done_arg);
+    /* Optional; used instead of notify when set: done also learns whether the work enqueued on
+     * the queue since the previous notification failed (err 0 or a negative code, msg its
+     * message), and the task then fails with it. */
+    int (*notify_status)(void *ctx, void *queue,
+                         void (*done)(void *done_arg, int err, const char *msg), void *done_arg);
 } mf_dev_lane_ops;
 
 struct mf_task_ctx {

@@ -289,6 +289,131 @@ static void host_ffn(const hmat *w1, const hmat *w3, const hmat *w2, const float
     free(buf);
 }
 
+static void dv_status_noop(void *arg, int err, const char *msg)
+{
+    (void)arg;
+    (void)err;
+    (void)msg;
+}
+
+/* max |a - b| / max |b| in float64 */
+static double dv_rel_err(const float *a, const float *b, size_t n)
+{
+    double md = 0, mb = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - b[i]);
+        if (!(d <= md)) md = d;   /* NaN propagates */
+        if (fabs(b[i]) > mb) mb = fabs(b[i]);
+    }
+    return mb > 0 ? md / mb : md;
+}
+
+/* The slot-table FFN in a captured graph (an h2d of the table from pinned memory, then
+ * mf_dev_expert_ffn_table), replayed with three routings: other experts in other cache slots,
+ * other token counts, an unused slot. Each used slot's rows against the host's int8 FFN of that
+ * expert: bit for bit (exact, emulated cards) or within h 1e-4, y 1e-3 relative (CUDA, as the
+ * single FFN). Emulated cards also report a slot with too many tokens at the next sync. */
+static void dev_check_ffn_table(mf_dev *d, int exact)
+{
+    enum { E = 5, H = 256, I = 32 * 5, S = 3, MT = 4, ROWS = S * MT };
+    const int route[3][S][3] = {   /* per slot: expert, row0, n_tok */
+        {{4, 0, 2}, {0, 2, 1}, {2, 3, 4}},
+        {{1, 0, 4}, {3, 4, 3}, {4, 7, 1}},
+        {{2, 0, 0}, {2, 0, 3}, {0, 3, 4}}};
+    for (int c = 0; c < mf_dev_n_cards(d); c++) {
+        mf_dev_stream *cs = mf_dev_stream_of(d, c, MF_DEV_STREAM_COMPUTE);
+        hmat w[E][3];
+        uint64_t off[6], o = 0;
+        for (int k = 0; k < 3; k++) {   /* w1 [I, H], w2 [H, I], w3 [I, H] as in a cache slot */
+            size_t wb = (size_t)H * I / 2, sb = (size_t)H * I / 32;
+            off[2 * k] = o;
+            o += (wb + 255) / 256 * 256;
+            off[2 * k + 1] = o;
+            o += (sb + 255) / 256 * 256;
+        }
+        uint64_t slot_bytes = o;
+        uint8_t *slab = NULL, *hslab = malloc(slot_bytes * E);
+        for (int e = 0; e < E; e++)
+            for (int k = 0; k < 3; k++) {
+                w[e][k] = hmat_rand(MF_KERN_FP4, k == 1 ? H : I, k == 1 ? I : H);
+                memcpy(hslab + e * slot_bytes + off[2 * k], w[e][k].w, w[e][k].w_bytes);
+                memcpy(hslab + e * slot_bytes + off[2 * k + 1], w[e][k].scale, w[e][k].s_bytes);
+            }
+        slab = dupload(d, c, hslab, slot_bytes * E);
+        float *x = malloc(sizeof(float) * ROWS * H), *tw = malloc(sizeof(float) * ROWS);
+        for (int i = 0; i < ROWS * H; i++) x[i] = gauss();
+        for (int i = 0; i < ROWS; i++) tw[i] = 0.1f + (dv_rnd() % 1000) / 1000.0f;
+        void *dx = dupload(d, c, x, sizeof(float) * ROWS * H), *dtw = dupload(d, c, tw, sizeof(float) * ROWS);
+        void *dh = NULL, *dy = NULL, *dq = NULL, *dtab = NULL;
+        mf_dev_ffn_slot *htab = NULL;
+        size_t qs = (mf_dev_ffn_q8_bytes(MT, H, I) + 255) / 256 * 256;
+        CHECK(mf_dev_alloc(d, c, sizeof(float) * ROWS * I, &dh) == 0 &&
+              mf_dev_alloc(d, c, sizeof(float) * ROWS * H, &dy) == 0 && mf_dev_alloc(d, c, qs * S, &dq) == 0 &&
+              mf_dev_alloc(d, c, sizeof(mf_dev_ffn_slot) * S, &dtab) == 0 &&
+              mf_dev_host_alloc(d, c, sizeof(mf_dev_ffn_slot) * S, (void **)&htab) == 0, "%s", mf_last_error());
+        mf_dev_ffn_table a = {.n_in = H, .n_hidden = I, .table = dtab, .n_slots = S, .max_tok = MT, .x = dx,
+                              .tok_weight = dtw, .limit = 7.0f, .h = dh, .q8_scratch = dq, .q8_stride = qs, .y = dy};
+        memcpy(a.part_off, off, sizeof off);
+        mf_dev_graph *g = NULL;
+        CHECK(mf_dev_capture_begin(cs) == 0 &&
+              mf_dev_copy_h2d(cs, dtab, htab, sizeof(mf_dev_ffn_slot) * S) == 0 &&
+              mf_dev_expert_ffn_table(cs, &a) == 0 && mf_dev_capture_end(cs, &g) == 0, "capture: %s",
+              mf_last_error());
+        float *y = malloc(sizeof(float) * ROWS * H), *yr = malloc(sizeof(float) * MT * H);
+        float *hr = malloc(sizeof(float) * MT * I);
+        for (int r = 0; r < 3 && g; r++) {
+            for (int k = 0; k < S; k++)
+                htab[k] = (mf_dev_ffn_slot){(uint64_t)(uintptr_t)(slab + route[r][k][0] * slot_bytes),
+                                            route[r][k][1], route[r][k][2]};
+            CHECK(mf_dev_graph_launch(g, cs) == 0 && mf_dev_stream_sync(cs) == 0, "launch %d: %s", r,
+                  mf_last_error());
+            ddownload(d, c, y, dy, sizeof(float) * ROWS * H);
+            for (int k = 0; k < S; k++) {
+                int e = route[r][k][0], r0 = route[r][k][1], n = route[r][k][2];
+                if (!n) continue;
+                host_ffn(&w[e][0], &w[e][2], &w[e][1], x + r0 * H, n, tw + r0, 7.0f, 1, hr, yr);
+                if (exact) {
+                    CHECK(!memcmp(yr, y + r0 * H, sizeof(float) * n * H),
+                          "card %d routing %d slot %d (expert %d): differs from the host FFN", c, r, k, e);
+                } else {
+                    double err = dv_rel_err(y + r0 * H, yr, (size_t)n * H);
+                    printf("card %d slot-table FFN routing %d slot %d: rel err %.3g\n", c, r, k, err);
+                    CHECK(err < 1e-3, "card %d routing %d slot %d: rel err %g", c, r, k, err);
+                }
+            }
+        }
+        if (exact && g) {   /* a slot with more tokens than max_tok */
+            htab[1].n_tok = MT + 1;
+            CHECK(mf_dev_graph_launch(g, cs) == 0, "%s", mf_last_error());
+            int rc = mf_dev_stream_sync(cs);
+            CHECK(rc == -EINVAL && strstr(mf_last_error(), "slot 1 has 5 tokens"), "bad slot: %d %s", rc,
+                  mf_last_error());
+            mf_dev_ffn_table bad = a;
+            bad.q8_stride = 16;
+            CHECK(mf_dev_expert_ffn_table(cs, &bad) == -EINVAL, "a q8 stride too small accepted");
+            CHECK(mf_dev_stream_callback_status(cs, dv_status_noop, NULL) == 0 && mf_dev_stream_sync(cs) == 0,
+                  "the error, delivered, stays: %s", mf_last_error());
+        }
+        mf_dev_graph_destroy(g);
+        for (int e = 0; e < E; e++)
+            for (int k = 0; k < 3; k++) hmat_free(&w[e][k]);
+        mf_dev_free(d, c, slab);
+        mf_dev_free(d, c, dx);
+        mf_dev_free(d, c, dtw);
+        mf_dev_free(d, c, dh);
+        mf_dev_free(d, c, dy);
+        mf_dev_free(d, c, dq);
+        mf_dev_free(d, c, dtab);
+        mf_dev_host_free(d, htab);
+        free(hslab);
+        free(x);
+        free(tw);
+        free(y);
+        free(yr);
+        free(hr);
+    }
+}
+
 /* ---- the scheduler adapter ------------------------------------------------------------------- */
 
 /* Lanes for n cards: copy-in, compute, copy-out of each card, in that order. */

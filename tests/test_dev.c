@@ -14,7 +14,8 @@ static void check_specs(void)
 {
     mf_dev *d = NULL;
     const char *bad[] = {"emu", "emu:", "emu:0", "emu:17", "emu:2x", "emu:2,mem=", "emu:2,mem=5Q",
-                         "emu:2,bw=-1", "emu:2,foo=1", "gpu", "cuda:", "cuda:a", ""};
+                         "emu:2,bw=-1", "emu:2,foo=1", "emu:1,fail_h2d=x", "emu:1,fail_h2d=-1",
+                         "emu:1,fail_h2d=1.5", "gpu", "cuda:", "cuda:a", ""};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         int rc = mf_dev_open(bad[i], &d);
         CHECK(rc < 0 && d == NULL && *mf_last_error(), "spec '%s' accepted (rc %d)", bad[i], rc);
@@ -357,6 +358,136 @@ static void check_sched_kernels(void)
     mf_dev_close(d);   /* frees the jobs' buffers and the weights */
 }
 
+typedef struct st_seen {
+    int n, err[4];
+    char msg[4][256];
+} st_seen;
+
+static void st_cb(void *arg, int err, const char *msg)
+{
+    st_seen *o = arg;
+    if (o->n < 4) {
+        o->err[o->n] = err;
+        snprintf(o->msg[o->n], sizeof o->msg[0], "%s", msg ? msg : "(null)");
+    }
+    o->n++;
+}
+
+static int flag_cb_ran;
+static void flag_cb(void *arg) { (void)arg; flag_cb_ran = 1; }
+
+/* Asynchronous errors: fault injection (fail_h2d) makes a copy partial and failed; the next status
+ * callback of its stream takes the error (later ones see 0, sync no longer returns it); a plain
+ * callback does not take it and sync returns it until it is delivered; in the scheduler, the task
+ * whose copy failed fails the run with the copy's message and its successors are cancelled, and
+ * the next run succeeds. */
+static void check_async_errors(void)
+{
+    enum { N = 4096 };
+    mf_dev *d = NULL;
+    CHECK(mf_dev_open("emu:1,lat_ns=0,fail_h2d=3", &d) == 0, "%s", mf_last_error());
+    if (!d) return;
+    mf_dev_stream *in = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COPY_IN);
+    uint8_t src[N], back[N];
+    void *dst = NULL;
+    CHECK(mf_dev_alloc(d, 0, N, &dst) == 0, "%s", mf_last_error());
+    dv_fill(src, N);
+    st_seen o = {0};
+    CHECK(mf_dev_copy_h2d(in, dst, src, N) == 0 && mf_dev_stream_callback_status(in, st_cb, &o) == 0,
+          "%s", mf_last_error());
+    CHECK(mf_dev_copy_d2h(in, back, dst, N) == 0 && mf_dev_stream_sync(in) == 0, "%s", mf_last_error());
+    memset(back, 0, N);
+    CHECK(mf_dev_copy_h2d(in, dst, back, N) == 0, "%s", mf_last_error());   /* zero the card */
+    CHECK(mf_dev_copy_h2d(in, dst, src, N) == 0, "%s", mf_last_error());    /* the 3rd h2d: fails */
+    CHECK(mf_dev_copy_h2d(in, (uint8_t *)dst + N / 2, src, 16) == 0 &&    /* runs after it */
+          mf_dev_stream_callback_status(in, st_cb, &o) == 0 &&
+          mf_dev_stream_callback_status(in, st_cb, &o) == 0, "%s", mf_last_error());
+    int rc = mf_dev_stream_sync(in);
+    CHECK(rc == 0, "sync after the error was delivered: %d %s", rc, mf_last_error());
+    CHECK(o.n == 3 && o.err[0] == 0 && o.err[1] == -EIO && strstr(o.msg[1], "injected failure") &&
+          strstr(o.msg[1], "copy-in") && o.err[2] == 0,
+          "status callbacks: %d seen, errs %d %d %d, msg '%s'", o.n, o.err[0], o.err[1], o.err[2], o.msg[1]);
+    CHECK(mf_dev_copy_d2h(in, back, dst, N) == 0 && mf_dev_stream_sync(in) == 0, "%s", mf_last_error());
+    uint8_t zero[N / 2 - 16] = {0};
+    CHECK(!memcmp(back, src, N / 2) && !memcmp(back + N / 2, src, 16) &&
+          !memcmp(back + N / 2 + 16, zero, sizeof zero), "the failed copy moved other than its first half");
+    /* a plain callback does not take the error: sync returns it, sticky until delivered */
+    CHECK(mf_dev_emu_fail_h2d(d, 1) == 0, "%s", mf_last_error());
+    flag_cb_ran = 0;
+    CHECK(mf_dev_copy_h2d(in, dst, src, N) == 0 && mf_dev_stream_callback(in, flag_cb, NULL) == 0, "%s",
+          mf_last_error());
+    rc = mf_dev_stream_sync(in);
+    CHECK(rc == -EIO && flag_cb_ran && strstr(mf_last_error(), "injected"), "sync: %d %s", rc, mf_last_error());
+    CHECK(mf_dev_stream_sync(in) == -EIO, "sticky until delivered");
+    o = (st_seen){0};
+    CHECK(mf_dev_stream_callback_status(in, st_cb, &o) == 0 && mf_dev_sync(d) == 0 && o.n == 1 &&
+          o.err[0] == -EIO, "delivery: %d seen, err %d: %s", o.n, o.err[0], mf_last_error());
+
+    /* the scheduler: in -> mm -> out jobs; the first job's copy fails */
+    enum { NJ = 3, T = 2, NO = 64, NI = 256 };
+    mf_lane_desc lanes[3];
+    char names[3][32];
+    dv_lanes(lanes, 1, names);
+    hmat w = hmat_rand(MF_KERN_FP4, NO, NI);
+    void *wp[2];
+    mf_kern_mat dw = dmat_upload(d, 0, &w, &wp[0], &wp[1]);
+    mf_sched *s = NULL;
+    mf_graph *g = NULL;
+    CHECK(mf_sched_create(&(mf_sched_opts){.lanes = lanes, .n_lanes = 3, .dev = mf_dev_lane_ops_of(d)}, &s) == 0 &&
+          mf_graph_create(lanes, 3, &g) == 0, "%s", mf_last_error());
+    if (!s || !g) return;
+    kjob jobs[NJ];
+    mf_task_id ids[NJ][3];
+    for (int i = 0; i < NJ; i++) {
+        kjob *j = &jobs[i];
+        *j = (kjob){.card = 0, .T = T, .w = dw};
+        CHECK(mf_dev_host_alloc(d, 0, sizeof(float) * T * NI, (void **)&j->x_host) == 0 &&
+              mf_dev_host_alloc(d, 0, sizeof(float) * T * NO, (void **)&j->y_host) == 0 &&
+              mf_dev_alloc(d, 0, sizeof(float) * T * NI, &j->x) == 0 &&
+              mf_dev_alloc(d, 0, sizeof(float) * T * NO, &j->y) == 0 &&
+              mf_dev_alloc(d, 0, mf_kern_q8_bytes(T, NI), &j->q8) == 0, "%s", mf_last_error());
+        for (int k = 0; k < T * NI; k++) j->x_host[k] = gauss();
+        mf_task_fn fns[3] = {kt_in, kt_mm, kt_out};
+        for (int k = 0; k < 3; k++) {
+            char nm[32];
+            snprintf(nm, sizeof nm, "%s%d", k == 0 ? "in" : k == 1 ? "mm" : "out", i);
+            ids[i][k] = mf_graph_add_task(g, &(mf_task_desc){.name = nm, .lane = k, .fn = fns[k], .arg = j,
+                                                             .cost = {.bytes = 4096}, .place_hint = -1});
+            if (k) mf_graph_add_dep(g, ids[i][k - 1], ids[i][k]);
+        }
+        if (i) mf_graph_add_dep(g, ids[i - 1][0], ids[i][0]);   /* job 0's copy is the first h2d */
+    }
+    CHECK(mf_graph_finalize(g) == 0, "%s", mf_last_error());
+    mf_timeline *tl = NULL;
+    CHECK(mf_timeline_create(g, &tl) == 0, "%s", mf_last_error());
+    CHECK(mf_dev_emu_fail_h2d(d, 1) == 0, "%s", mf_last_error());
+    rc = mf_sched_run(s, g, &(mf_run_opts){.timeline = tl});
+    CHECK(rc == -EIO && strstr(mf_last_error(), "task 'in0'") && strstr(mf_last_error(), "injected failure"),
+          "run with a failing copy: %d %s", rc, mf_last_error());
+    const mf_task_span *sp = tl ? mf_timeline_spans(tl) : NULL;
+    CHECK(sp && sp[ids[0][0]].status == -EIO && sp[ids[0][1]].status == 1 && sp[ids[0][2]].status == 1,
+          "in0 failed, mm0 and out0 cancelled: statuses %d %d %d", sp ? sp[ids[0][0]].status : 0,
+          sp ? sp[ids[0][1]].status : 0, sp ? sp[ids[0][2]].status : 0);
+    rc = mf_sched_run(s, g, &(mf_run_opts){.timeline = tl});
+    CHECK(rc == 0, "the next run: %d %s", rc, mf_last_error());
+    float *yh = malloc(sizeof(float) * T * NO);
+    void *buf = malloc(mf_kern_q8_bytes(T, NI));
+    for (int i = 0; i < NJ && rc == 0; i++) {
+        mf_kern_q8 q;
+        mf_kern_q8_init(&q, buf, mf_kern_q8_bytes(T, NI), T, NI);
+        mf_kern_q8_quantize(&q, jobs[i].x_host, NI, 0, T);
+        mf_kern_fp4_matmul(w.w, w.scale, NO, NI, &q, yh, NO, 0, NO);
+        CHECK(memcmp(yh, jobs[i].y_host, sizeof(float) * T * NO) == 0, "job %d after the failed run", i);
+    }
+    free(yh);
+    free(buf);
+    mf_timeline_destroy(tl);
+    mf_sched_destroy(s);
+    mf_graph_destroy(g);
+    hmat_free(&w);
+    mf_dev_close(d);
+}
+
 /* Staging memory bound to a node lands there (every node the kernel reports online is tried);
  * a node that does not exist is refused; a card's node comes from sysfs. */
 static void check_numa(void)
@@ -426,9 +557,11 @@ int main(void)
         dev_check_sched_copies(d, 12, 4096);
         dev_check_capture(d, 3000);
         if (n == 1 || n == 4) check_kernels(d);
+        if (n == 1 || n == 3) dev_check_ffn_table(d, 1);
         check_capture_kernels(d);   /* its buffers are left for close */
         mf_dev_close(d);
     }
     check_sched_kernels();
+    check_async_errors();
     return mf_check_exit("test_dev");
 }

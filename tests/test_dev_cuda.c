@@ -1,10 +1,11 @@
 /* The device interface on real CUDA cards: the same checks the emulated cards pass (memory,
  * copies, stream order, events across streams and cards, callbacks, the scheduler adapter on copy
- * tasks), the CUDA kernels (fp32 path) against host/kernels.h within stated tolerances, and the
- * int8 path refused with -ENOTSUP. SKIP (77) in a build without CUDA or on a machine without a
- * card. */
+ * tasks), and the CUDA kernels (fp32 and int8 FP4 paths, FP8, the expert FFN on both paths)
+ * against host/kernels.h within stated tolerances. SKIP (77) in a build without CUDA or on a
+ * machine without a card. */
 #include <stdio.h>
 
+#include "device/kern_q8.h"
 #include "tests/dev_common.h"
 
 /* max |dev - host| / max |host| in float64 */
@@ -77,8 +78,6 @@ static void check_kernels(mf_dev *d)
                 double e = rel_err(yd, yh, (size_t)T * n_in);
                 printf("card %d %s expert FFN T=%d: rel err %.3g\n", c, f ? "fp8" : "fp4", T, e);
                 CHECK(e < 1e-4, "card %d %s expert FFN T=%d: rel err %g", c, f ? "fp8" : "fp4", T, e);
-                a.q8_scratch = dh;
-                if (!f) CHECK(mf_dev_expert_ffn(comp, &a) == -ENOTSUP, "int8 FFN path on CUDA");
                 for (int i = 0; i < 6; i++) mf_dev_free(d, c, p[i]);
                 hmat_free(&w1);
                 hmat_free(&w3);
@@ -93,6 +92,114 @@ static void check_kernels(mf_dev *d)
             free(yh);
             free(yd);
             free(hh);
+        }
+}
+
+/* The int8 FP4 path against the host's int8 kernels on fresh random data, T = 1..64 tokens:
+ *  - the card's quantized activations equal the host's bit for bit (codes and scales);
+ *  - the matmul: relative error (max abs difference over max abs host value, float64) under 1e-5
+ *    (the integer block sums are exact on both; fp32 summation order differs), with weights at a
+ *    16-byte aligned address (vector loads) and at an odd one (byte loads);
+ *  - the expert FFN (w1, w3, limit 7, token weights, w2): h under 1e-4 (g and u differ in fp32
+ *    order relative to their unclamped size), y under 1e-3 (a few of h's int8 codes may round the
+ *    other way). tests/test_dev_kmath.c runs the same lane arithmetic on the host. */
+static void check_int8(mf_dev *d)
+{
+    const int n_out = 300, n_in = 32 * 77, I = 32 * 20;   /* partial last 256-groups */
+    const int toks[] = {1, 2, 3, 8, 17, 64};
+    for (int c = 0; c < mf_dev_n_cards(d); c++)
+        for (size_t ti = 0; ti < sizeof toks / sizeof *toks; ti++) {
+            int T = toks[ti];
+            mf_dev_stream *comp = mf_dev_stream_of(d, c, MF_DEV_STREAM_COMPUTE);
+            size_t qb = mf_kern_q8_bytes(T, n_in), fb = mf_dev_ffn_q8_bytes(T, n_in, I);
+            float *x = malloc(sizeof(float) * T * n_in), *tw = malloc(sizeof(float) * T);
+            float *yh = malloc(sizeof(float) * T * n_in), *yd = malloc(sizeof(float) * T * n_in);
+            float *hh = malloc(sizeof(float) * T * I), *hd = malloc(sizeof(float) * T * I);
+            uint8_t *qh = malloc(qb), *qd = malloc(qb + 16);
+            for (int i = 0; i < T * n_in; i++) x[i] = gauss();
+            for (int t = 0; t < T; t++) tw[t] = 0.1f + (dv_rnd() % 1000) / 1000.0f;
+            void *dx = dupload(d, c, x, sizeof(float) * T * n_in), *dtw = dupload(d, c, tw, sizeof(float) * T);
+            void *dy = NULL, *dh = NULL, *dq = NULL;
+            CHECK(mf_dev_alloc(d, c, sizeof(float) * T * n_in, &dy) == 0 &&
+                  mf_dev_alloc(d, c, sizeof(float) * T * I, &dh) == 0 &&
+                  mf_dev_alloc(d, c, fb + 16, &dq) == 0, "%s", mf_last_error());
+            void *dq_odd = (uint8_t *)dq + 4;   /* the view aligns it itself */
+            hmat w = hmat_rand(MF_KERN_FP4, n_out, n_in);
+            mf_kern_q8 q;
+            CHECK(mf_kern_q8_init(&q, qh, qb, T, n_in) == 0 && mf_kern_q8_quantize(&q, x, n_in, 0, T) == 0 &&
+                  mf_kern_fp4_matmul(w.w, w.scale, n_out, n_in, &q, yh, n_out, 0, n_out) == 0, "%s",
+                  mf_last_error());
+            for (int odd = 0; odd < 2; odd++) {
+                void *ww, *ws, *wodd = NULL;
+                mf_kern_mat dw = dmat_upload(d, c, &w, &ww, &ws);
+                if (odd) {   /* the same bytes at an address 16-byte loads cannot use */
+                    CHECK(mf_dev_alloc(d, c, w.w_bytes + 1, &wodd) == 0, "%s", mf_last_error());
+                    mf_dev_stream *in = mf_dev_stream_of(d, c, MF_DEV_STREAM_COPY_IN);
+                    CHECK(mf_dev_copy_h2d(in, (uint8_t *)wodd + 1, w.w, w.w_bytes) == 0 &&
+                          mf_dev_stream_sync(in) == 0, "%s", mf_last_error());
+                    dw.w = (uint8_t *)wodd + 1;
+                }
+                CHECK(mf_dev_fp4_matmul(comp, &dw, dx, T, dy, dq_odd) == 0, "%s", mf_last_error());
+                CHECK(mf_dev_stream_sync(comp) == 0, "%s", mf_last_error());
+                ddownload(d, c, yd, dy, sizeof(float) * T * n_out);
+                double e = rel_err(yd, yh, (size_t)T * n_out);
+                printf("card %d int8 fp4 matmul T=%d%s: rel err %.3g\n", c, T, odd ? " (unaligned)" : "", e);
+                CHECK(e < 1e-5, "card %d int8 fp4 matmul T=%d%s: rel err %g", c, T, odd ? " unaligned" : "", e);
+                mf_dev_free(d, c, ww);
+                mf_dev_free(d, c, ws);
+                mf_dev_free(d, c, wodd);
+            }
+            /* the card's quantization, read back: the view of the device address, shifted here */
+            ddownload(d, c, qd, dq_odd, qb);
+            mf_q8k_view dv = mf_q8k_view_of(dq_odd, T, n_in);
+            size_t qoff = (size_t)((uint8_t *)dv.q - (uint8_t *)dq_odd);
+            const int8_t *cq = (const int8_t *)(qd + qoff);
+            const float *cs = (const float *)(qd + qoff + (size_t)T * n_in);
+            int bad = 0;
+            for (int t = 0; t < T; t++) {
+                for (int k = 0; k < n_in; k++) {
+                    int b = k / 32, e = k % 32;
+                    size_t pos = (size_t)(b / 2) * 64 + (size_t)(e & 1) * 32 + (size_t)(b & 1) * 16 + (size_t)(e / 2);
+                    bad += (int8_t)(uint8_t)(q.q[(size_t)t * q.row_bytes + pos] - q.offset) != cq[(size_t)t * n_in + k];
+                }
+                for (int s = 0; s < q.n_sb; s++) bad += q.scale[t * q.n_sb + s] != cs[t * q.n_sb + s];
+            }
+            CHECK(bad == 0, "card %d T=%d: %d quantized codes or scales differ from the host's", c, T, bad);
+            hmat_free(&w);
+
+            hmat w1 = hmat_rand(MF_KERN_FP4, I, n_in), w3 = hmat_rand(MF_KERN_FP4, I, n_in),
+                 w2 = hmat_rand(MF_KERN_FP4, n_in, I);
+            void *p[6];
+            mf_dev_ffn a = {.w1 = dmat_upload(d, c, &w1, &p[0], &p[1]),
+                            .w3 = dmat_upload(d, c, &w3, &p[2], &p[3]),
+                            .w2 = dmat_upload(d, c, &w2, &p[4], &p[5]),
+                            .x = dx, .n_tok = T, .tok_weight = dtw, .limit = 7.0f, .h = dh,
+                            .q8_scratch = dq_odd, .y = dy};
+            host_ffn(&w1, &w3, &w2, x, T, tw, 7.0f, 1, hh, yh);
+            CHECK(mf_dev_expert_ffn(comp, &a) == 0, "%s", mf_last_error());
+            CHECK(mf_dev_stream_sync(comp) == 0, "%s", mf_last_error());
+            ddownload(d, c, yd, dy, sizeof(float) * T * n_in);
+            ddownload(d, c, hd, dh, sizeof(float) * T * I);
+            double eh = rel_err(hd, hh, (size_t)T * I), ey = rel_err(yd, yh, (size_t)T * n_in);
+            printf("card %d int8 expert FFN T=%d: rel err h %.3g, y %.3g\n", c, T, eh, ey);
+            CHECK(eh < 1e-4 && ey < 1e-3, "card %d int8 expert FFN T=%d: rel err h %g, y %g", c, T, eh, ey);
+            for (int i = 0; i < 6; i++) mf_dev_free(d, c, p[i]);
+            hmat_free(&w1);
+            hmat_free(&w3);
+            hmat_free(&w2);
+            mf_dev_free(d, c, dx);
+            mf_dev_free(d, c, dtw);
+            mf_dev_free(d, c, dy);
+            mf_dev_free(d, c, dh);
+            mf_dev_free(d, c, dq);
+            free(x);
+            free(tw);
+            free(yh);
+            free(yd);
+            free(hh);
+            free(hd);
+            free(qh);
+            free(qd);
         }
 }
 
@@ -118,12 +225,8 @@ int main(void)
     dev_check_sched_copies(d, 16, 1 << 20);
     dev_check_capture(d, 1 << 20);
     check_kernels(d);
-    float f[64];
-    uint8_t b[64];
-    mf_kern_mat m = {.fmt = MF_KERN_FP4, .w = b, .scale = b, .n_out = 1, .n_in = 32};
-    rc = mf_dev_fp4_matmul(mf_dev_stream_of(d, 0, MF_DEV_STREAM_COMPUTE), &m, f, 1, f, f);
-    CHECK(rc == -ENOTSUP && strstr(mf_last_error(), "int8"), "int8 fp4 launch: %d %s", rc,
-          mf_last_error());
+    check_int8(d);
+    dev_check_ffn_table(d, 0);
     CHECK(mf_dev_sync(d) == 0, "%s", mf_last_error());
     mf_dev_close(d);
     return mf_check_exit("test_dev_cuda");

@@ -92,8 +92,11 @@ static void test_placements(mf_ref *r, const char *what, uint64_t cache_bytes, i
                 CHECK(mf_dev_open(spec, &d) == 0, "open %s: %s", spec, mf_last_error());
                 if (!d) continue;
                 e = NULL;
+                /* 2 and 4 cards: each layer's device FFNs as one captured graph per card */
+                int graphs = nc % 2 == 0;
                 CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = pl,
-                                                     .dev_cache_bytes = cache_bytes, .cpu_bytes_per_s = cpu_bps},
+                                                     .dev_cache_bytes = cache_bytes, .cpu_bytes_per_s = cpu_bps,
+                                                     .dev_graphs = graphs},
                                      &e) == 0,
                       "%s %s placement %d: %s", what, spec, pl, mf_last_error());
                 if (e) {
@@ -102,7 +105,8 @@ static void test_placements(mf_ref *r, const char *what, uint64_t cache_bytes, i
                     int rc = run(r, e, b, toks, 1, got, &ds);
                     CHECK(rc == 0, "%s %s placement %d batch %d: %s", what, spec, pl, b, mf_last_error());
                     int same = !rc && !memcmp(host, got, sizeof(float) * (size_t)b * N_LOG * g_V);
-                    CHECK(same, "%s %s placement %d batch %d: logits differ from the host path", what, spec, pl, b);
+                    CHECK(same, "%s %s placement %d batch %d%s: logits differ from the host path", what, spec, pl, b,
+                          graphs ? " (device graphs)" : "");
                     CHECK(ds.hits + ds.misses == (uint64_t)ds.dev_slots,
                           "%s %s placement %d: hits %llu + misses %llu != device slots %lld", what, spec, pl,
                           (unsigned long long)ds.hits, (unsigned long long)ds.misses, (long long)ds.dev_slots);
@@ -120,6 +124,18 @@ static void test_placements(mf_ref *r, const char *what, uint64_t cache_bytes, i
                     if (!cache_bytes && ds.dev_slots) CHECK(ds.hits > 0, "%s %s placement %d: no cache hits over %d steps", what,
                                             spec, pl, N_DEC);
                     evictions += ds.evictions;
+                    if (graphs && ds.dev_slots) {   /* the cards ran their layers as graph tasks */
+                        char path[1100], *buf = malloc(1 << 22);
+                        snprintf(path, sizeof path, "%s/place_graphs.json", getenv("MOEFLOW_TMP") ? getenv("MOEFLOW_TMP") : ".");
+                        FILE *f = mf_step_write_trace(e, path) == 0 ? fopen(path, "r") : NULL;
+                        size_t nr = f && buf ? fread(buf, 1, (1 << 22) - 1, f) : 0;
+                        if (buf) buf[nr] = 0;
+                        if (f) fclose(f);
+                        remove(path);
+                        CHECK(buf && strstr(buf, " ffn graph") && !strstr(buf, "slot 0 ffn"),
+                              "%s %s: no device graph tasks in the trace", what, spec);
+                        free(buf);
+                    }
                     /* the last run's timeline: the device lanes ran copies and kernels */
                     mf_step_times t;
                     mf_step_last_times(e, &t);
@@ -138,6 +154,63 @@ static void test_placements(mf_ref *r, const char *what, uint64_t cache_bytes, i
     }
     free(host);
     free(got);
+}
+
+/* A decode step whose host-to-device copy fails (the emulated device's fault injection, the nth
+ * h2d copy of the step for n = 1..6, each on a fresh engine over emu:2): the step returns the
+ * copy's error naming the task, the layer and the routed expert; the cache drops the slots copied
+ * in that step (with every expert resident, a kept partial slot would be hit again); then the same
+ * engine runs the sequence again (prefill and 16 decode steps) with logits equal to the host
+ * path's bit for bit. */
+static void test_copy_fault(mf_ref *r, double cpu_bps)
+{
+    size_t per = (size_t)N_LOG * g_V;
+    float *host = malloc(sizeof(float) * per), *got = malloc(sizeof(float) * per);
+    float *lg = malloc(sizeof(float) * g_V * N_PROMPT);
+    int32_t toks[N_SEQ][N_DEC];
+    mf_step *e = NULL;
+    mf_step_dev_stats ds = {0};
+    CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2}, &e) == 0 && run(r, e, 1, toks, 0, host, &ds) == 0,
+          "host run: %s", mf_last_error());
+    mf_step_free(e);
+    int partial = 0;
+    for (int nth = 1; nth <= 6; nth++) {
+        mf_dev *d = NULL;
+        CHECK(mf_dev_open("emu:2,bw=50e9,lat_ns=2000", &d) == 0, "%s", mf_last_error());
+        e = NULL;
+        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = MF_STEP_PLACE_SEED,
+                                             .cpu_bytes_per_s = cpu_bps}, &e) == 0, "%s", mf_last_error());
+        if (!e) {
+            mf_dev_close(d);
+            continue;
+        }
+        mf_ref_state *st = NULL;
+        int32_t p[N_PROMPT];
+        for (int i = 0; i < N_PROMPT; i++) p[i] = (int32_t)((i * 37 + (i * i) % 13) % g_V);
+        CHECK(mf_ref_state_new(r, N_PROMPT + N_DEC + 1, &st) == 0 && mf_step_prefill(e, st, p, N_PROMPT, lg) == 0,
+              "prefill: %s", mf_last_error());
+        CHECK(mf_dev_emu_fail_h2d(d, nth) == 0, "%s", mf_last_error());
+        int rc = mf_step_decode(e, &st, &toks[0][0], 1, lg);
+        const char *m = mf_last_error();
+        CHECK(rc == -EIO && strstr(m, "injected failure") && strstr(m, "task 'dev") && strstr(m, " in'") &&
+              strstr(m, "layer ") && strstr(m, "routed expert "), "nth %d: decode with a failing copy: %d %s",
+              nth, rc, m);
+        if (strstr(m, "cache slot is dropped")) partial++;
+        printf("test_place: h2d copy %d of a decode step failed: %.300s\n", nth, m);
+        mf_dev_emu_fail_h2d(d, 0);
+        mf_ref_state_free(st);
+        memset(got, 0, sizeof(float) * per);
+        ds = (mf_step_dev_stats){0};
+        rc = run(r, e, 1, toks, 1, got, &ds);
+        CHECK(rc == 0 && !memcmp(host, got, sizeof(float) * per), "nth %d: the run after the failed step: %d %s",
+              nth, rc, rc ? mf_last_error() : "logits differ from the host path");
+        mf_step_free(e);
+        mf_dev_close(d);
+    }
+    CHECK(partial > 0, "no failing copy hit an expert copied in its step (%d of 6)", partial);
+    free(host);
+    free(got);
+    free(lg);
 }
 
 static int cli(const char *args, char *out, size_t cap)
@@ -208,6 +281,7 @@ int main(void)
      * card (the default model gives everything to the host at these sizes) */
     double cpu_bps = (double)xb / 12e-6;
     test_cli(dir);
+    test_copy_fault(r, cpu_bps);
     test_placements(r, "resident", 0, 0, cpu_bps);
     /* a cache of 2 x top_k experts per card: misses evict (and are pinned slots respected) */
     test_placements(r, "small cache", (uint64_t)(2 * c.n_experts_per_tok) * (xb + 6 * 256), 1, cpu_bps);

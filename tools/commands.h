@@ -6,6 +6,7 @@ int mf_cmd_gen(int argc, char **argv);    /* tools/cmd_gen.c: synthetic checkpoi
 int mf_cmd_decode(int argc, char **argv);  /* tools/cmd_decode.c: decoding (scheduled or reference engine) */
 int mf_cmd_info(int argc, char **argv);   /* tools/cmd_info.c: byte census of a checkpoint */
 int mf_cmd_sim(int argc, char **argv);    /* tools/cmd_sim.c: simulated decode steps on a hardware profile */
+int mf_cmd_tune(int argc, char **argv);   /* tools/cmd_tune.c: strategy sweeps, simulated or real */
 int mf_cmd_calibrate(int argc, char **argv);  /* tools/cmd_calibrate.c: hardware profile of this machine */
 /* `moeflow bench <what>`: micro-benchmarks (tools/cmd_bench.c). */
 int mf_cmd_bench(int argc, char **argv);

@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
-# The checks a lent GPU machine runs for the device path (docs/device.md "Device check"): builds for
-# the card it finds, runs test_cuda and test_dev_cuda (the CUDA kernels against the host), times the
-# FP4 kernel against a d2d copy of the same bytes and a pinned h2d of one expert against the largest
-# single copy (`moeflow bench dev`), and tries one decode of the demo model with routed experts on
-# the card, written with its trace under $OUT (default ./device-check-out). Budget: under 5 minutes.
-# NOT RUN YET: written on a machine without a GPU; its first run on a card is its test.
+# The checks a lent GPU machine runs for the device path (docs/device.md "Measuring a card"): builds
+# for the card it finds; runs the CUDA tests against the host kernels (fp32 and int8 FP4 paths,
+# quantization bit for bit, the expert FFN) and the emulated-device tests, and test_dev_cuda once
+# more under compute-sanitizer when it is installed; times the FP4 kernels (fp32, int8) and the int8
+# expert FFN against d2d copies of the same bytes and a pinned h2d of one expert matrix against the
+# largest single copy (`moeflow bench dev`, 1, 8 and 64 tokens); decodes the demo model on the host
+# and then with routed experts on 4 logical cards of the one GPU (seed and hybrid placements, and
+# hybrid with per-layer device graphs), comparing the tokens. Logs, traces and summary.txt under $OUT (default ./device-check-out).
+# Budget: under 5 minutes. NOT RUN YET: written on machines without a GPU; its first run on a card
+# is its test.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/device-check-out}"
 mkdir -p "$OUT"
 log() { echo "[device-check $(date -u +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
 t_start=$(date +%s)
-left() { echo $((300 - ($(date +%s) - t_start))); }
+left() { echo $((290 - ($(date +%s) - t_start))); }
+# runs a command with a timeout of at most the time left; its output to a log
+run_t() { local lim=$1 log_f=$2; shift 2; local l; l=$(left); [ "$l" -lt "$lim" ] && lim=$l
+  [ "$lim" -le 5 ] && { echo "no time left" >"$log_f"; return 124; }; timeout "$lim" "$@" >"$log_f" 2>"$log_f.err"; }
 
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >"$OUT/gpus.txt" 2>&1; then
   log "no GPU visible (nvidia-smi missing or failing): nothing to check"; exit 77
@@ -26,34 +33,46 @@ if ! { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOEFLOW_CUDA
          -DMOEFLOW_CUDA_ARCHS="$archs" && cmake --build "$build" -j "$(nproc)"; } >"$OUT/build.log" 2>&1; then
   log "build FAILED (tail of build.log follows)"; tail -20 "$OUT/build.log" | tee -a "$OUT/summary.txt"; exit 1
 fi
+grep -i "warning" "$OUT/build.log" >"$OUT/build_warnings.txt" && log "build warnings: $(wc -l <"$OUT/build_warnings.txt") (build_warnings.txt)"
 rc_all=0
-for t in test_cuda test_dev_cuda test_dev test_xcache test_place; do
-  timeout 120 "$build/tests/$t" >"$OUT/$t.log" 2>&1; rc=$?
+for t in test_cuda test_dev_cuda test_dev_kmath test_dev test_xcache test_place; do
+  run_t 90 "$OUT/$t.log" "$build/tests/$t"; rc=$?
   case $rc in 0) s=PASS ;; 77) s=SKIP ;; *) s="FAIL ($rc)"; rc_all=1 ;; esac
   log "$t: $s ($(tail -1 "$OUT/$t.log"))"
 done
-log "timing: FP4 matmul vs d2d copy, pinned h2d of an expert vs one large copy"
-for tok in 1 8; do
-  timeout 60 "$build/moeflow" bench dev --devices cuda:0 --tokens $tok --reps 50 --big-mib 1024 \
-    >"$OUT/bench_dev_t$tok.txt" 2>&1 || rc_all=1
-  cat "$OUT/bench_dev_t$tok.txt" | tee -a "$OUT/summary.txt"
+grep -E "rel err" "$OUT/test_dev_cuda.log" | sort -t: -k2 | tail -40 >"$OUT/kernel_errors.txt"
+log "kernel relative errors vs the host: kernel_errors.txt ($(wc -l <"$OUT/kernel_errors.txt") lines)"
+if command -v compute-sanitizer >/dev/null 2>&1 && [ "$(left)" -gt 150 ]; then
+  run_t 60 "$OUT/memcheck_test_dev_cuda.log" compute-sanitizer --tool memcheck --error-exitcode 9 \
+    "$build/tests/test_dev_cuda"; rc=$?
+  [ $rc = 0 ] || rc_all=1
+  log "compute-sanitizer memcheck test_dev_cuda: rc $rc ($(grep -m1 "ERROR SUMMARY" "$OUT/memcheck_test_dev_cuda.log"))"
+fi
+log "timing: FP4 matmul (fp32, int8) and int8 expert FFN vs d2d copies; pinned h2d vs one large copy"
+for tok in 1 8 64; do
+  run_t 40 "$OUT/bench_dev_t$tok.txt" "$build/moeflow" bench dev --devices cuda:0 --tokens $tok --reps 50 \
+    --big-mib 1024 || rc_all=1
+  tee -a "$OUT/summary.txt" <"$OUT/bench_dev_t$tok.txt"
 done
 ckpt="${MOEFLOW_DEMO_DIR:-$HOME/.cache/moeflow/demo}"
-if [ "$(left)" -gt 90 ]; then
+if [ "$(left)" -gt 60 ]; then
   if ! "$build/moeflow" info "$ckpt" >/dev/null 2>&1; then
-    timeout 120 "$build/moeflow" gen --preset demo --out "$ckpt" --seed 1 --force >"$OUT/gen.log" 2>&1
+    run_t 60 "$OUT/gen.log" "$build/moeflow" gen --preset demo --out "$ckpt" --seed 1 --force
   fi
-  # 4 logical cards on one GPU: the device spec would have to name card 0 four times
-  for spec in "cuda:0,0,0,0" "cuda"; do
-    timeout 60 "$build/moeflow" decode --checkpoint "$ckpt" --prompt "The capital of France is" \
-      --max-new-tokens 16 --devices "$spec" --placement hybrid --trace "$OUT/trace_$spec.json" \
-      >"$OUT/decode_$spec.txt" 2>&1; rc=$?
-    log "decode --devices $spec --placement hybrid: rc $rc: $(tail -1 "$OUT/decode_$spec.txt")"
-    [ $rc = 0 ] && break
+  args=(decode --checkpoint "$ckpt" --prompt "The capital of France is" --max-new-tokens 16 --ignore-eos --quiet)
+  run_t 40 "$OUT/decode_host.txt" "$build/moeflow" "${args[@]}"; rc=$?
+  log "decode, host placement: rc $rc: $(head -c 200 "$OUT/decode_host.txt")"
+  # 4 logical cards on the one GPU (each with its own streams and expert cache)
+  # seed, hybrid, and hybrid with each layer's device FFNs as one CUDA graph per card
+  for run in seed:0 hybrid:0 hybrid:1; do
+    pl=${run%:*} gr=${run#*:} tag="${run/:/_graphs}"
+    MOEFLOW_DEV_GRAPHS=$gr run_t 40 "$OUT/decode_cuda4_$tag.txt" "$build/moeflow" "${args[@]}" \
+      --devices cuda:0,0,0,0 --placement $pl --trace "$OUT/trace_cuda4_$tag.json"; rc=$?
+    [ $rc = 0 ] || rc_all=1
+    if [ $rc = 0 ] && cmp -s "$OUT/decode_host.txt" "$OUT/decode_cuda4_$tag.txt"; then same="same tokens as the host"
+    else same="tokens differ from the host (the card's int8 kernels match it within tolerance, not bit for bit)"; fi
+    log "decode --devices cuda:0,0,0,0 --placement $pl, device graphs $gr: rc $rc, $same: $(head -c 200 "$OUT/decode_cuda4_$tag.txt")"
   done
-  timeout 60 "$build/moeflow" decode --checkpoint "$ckpt" --prompt "The capital of France is" \
-    --max-new-tokens 16 >"$OUT/decode_host.txt" 2>&1
-  log "decode, host placement: $(tail -1 "$OUT/decode_host.txt")"
 else
   log "no time left for the demo decode"
 fi

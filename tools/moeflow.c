@@ -11,11 +11,12 @@ static const struct {
     const char *what;
 } mf_commands[] = {
     {"gen", mf_cmd_gen, "write a synthetic checkpoint with the real layout (tiny, demo, flash41)"},
-    {"decode", mf_cmd_decode, "decode with the plain reference forward (fp32, one thread: the oracle)"},
+    {"decode", mf_cmd_decode, "decode text: the scheduled engine (host or cards), or --engine reference"},
     {"info", mf_cmd_info, "byte census of a checkpoint by group, config summary and layout check"},
     {"sim", mf_cmd_sim, "simulate decode steps on a hardware profile (--measure: against a real run)"},
-    {"bench", mf_cmd_bench, "micro-benchmarks (bench sched: scheduler overhead; bench kernels: fused matmuls)"},
+    {"tune", mf_cmd_tune, "sweep strategy knobs in simulation (or --real) and rank the settings"},
     {"calibrate", mf_cmd_calibrate, "measure this machine into a hardware profile (docs/profiles.md)"},
+    {"bench", mf_cmd_bench, "benchmarks against a baseline in the same run: sched, kernels, io, decode, dev"},
     {NULL, NULL, NULL},
 };
 
@@ -24,7 +25,6 @@ static void mf_usage(FILE *f)
     fprintf(f, "usage: moeflow <command> [options]   (moeflow <command> --help for each)\n\n");
     for (size_t i = 0; mf_commands[i].name; i++)
         fprintf(f, "  %-10s %s\n", mf_commands[i].name, mf_commands[i].what);
-    fprintf(f, "\nNot yet built: tune (see the open issues).\n");
 }
 
 int main(int argc, char **argv)

@@ -1,0 +1,318 @@
+/* The CUDA int8 FP4 path's arithmetic on the host: device/kern_q8.h's lane functions run in the
+ * kernels' lane schedule (one warp per row, a lane per 32-block, shuffle trees emulated in their
+ * order) against host/kernels.h on fresh random data. Runs everywhere, so the math of
+ * device/dev_kernels.cu is checked without a card (the card itself: tests/test_dev_cuda.c). */
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+
+#include "device/kern_q8.h"
+#include "host/formats.h"
+#pragma GCC diagnostic ignored "-Wunused-function"   /* dev_common.h's device helpers */
+#include "tests/dev_common.h"
+
+/* max |a - b| / max |b| in float64; NaN positions must agree (a NaN anywhere else gives inf). */
+static double rel_err(const float *a, const float *b, size_t n)
+{
+    double md = 0, mb = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (isnan(a[i]) || isnan(b[i])) {
+            if (isnan(a[i]) != isnan(b[i])) md = INFINITY;
+            continue;
+        }
+        double d = fabs((double)a[i] - b[i]);
+        if (d > md) md = d;
+        if (fabs(b[i]) > mb) mb = fabs(b[i]);
+    }
+    return mb > 0 ? md / mb : md;
+}
+
+/* k_q8_quantize: a warp per (token, group), lane l the inputs 8l..8l+7, max by an xor tree. */
+static mf_q8k_view emu_quantize(const float *x, int T, int n_in, void *scratch)
+{
+    mf_q8k_view v = mf_q8k_view_of(scratch, T, n_in);
+    for (int t = 0; t < T; t++)
+        for (int s = 0; s < v.n_sb; s++) {
+            int len = n_in - s * MF_Q8K_GROUP < MF_Q8K_GROUP ? n_in - s * MF_Q8K_GROUP : MF_Q8K_GROUP;
+            const float *xg = x + (size_t)t * n_in + (size_t)s * MF_Q8K_GROUP;
+            float am[32], nx[32];
+            int bad = 0;
+            for (int l = 0; l < 32; l++) {
+                am[l] = 0.0f;
+                for (int i = 0; i < 8; i++) {
+                    int k = l * 8 + i;
+                    float a = fabsf(k < len ? xg[k] : 0.0f);
+                    am[l] = fmaxf(am[l], a);
+                    bad |= !(a <= FLT_MAX);
+                }
+            }
+            for (int off = 16; off > 0; off >>= 1) {
+                for (int l = 0; l < 32; l++) nx[l] = fmaxf(am[l], am[l ^ off]);
+                memcpy(am, nx, sizeof am);
+            }
+            float scale, inv = mf_q8k_group_inv(am[0], bad, &scale);
+            for (int k = 0; k < len; k++)
+                v.q[(size_t)t * n_in + (size_t)s * MF_Q8K_GROUP + k] = (int8_t)mf_q8k_code(xg[k], inv);
+            v.scale[(size_t)t * v.n_sb + s] = scale;
+        }
+    return v;
+}
+
+/* k_q8_row_dot for every token: y[t][o] for row o. */
+static void emu_row(const mf_kern_mat *w, int o, mf_q8k_view v, int T, float *y, int ld_y)
+{
+    int n_in = w->n_in, nb = n_in / 32;
+    const uint8_t *wb = w->w;
+    static float acc[32][64], nx[32];
+    memset(acc, 0, sizeof acc);
+    for (int base = 0; base < nb; base += 32) {
+        unsigned e[32], em[32], ne[32];
+        for (int l = 0; l < 32; l++) em[l] = e[l] = base + l < nb ? w->scale[(size_t)o * nb + base + l] : 0u;
+        for (int off = 1; off < MF_Q8K_GROUP_BLOCKS; off <<= 1) {
+            for (int l = 0; l < 32; l++) ne[l] = em[l] > em[l ^ off] ? em[l] : em[l ^ off];
+            memcpy(em, ne, sizeof em);
+        }
+        for (int l = 0; l < 32; l++) {
+            int b = base + l;
+            if (b >= nb) continue;
+            uint32_t wq[4];
+            int32_t wv[8];
+            memcpy(wq, wb + (size_t)o * (n_in / 2) + (size_t)b * 16, 16);   /* little endian */
+            mf_q8k_fp4_block(wq, wv);
+            float f = mf_q8k_block_factor(e[l], em[l]);
+            for (int t = 0; t < T; t++)
+                acc[l][t] = fmaf(mf_q8k_block_value(wv, f, v.q + (size_t)t * n_in + (size_t)b * 32),
+                                 v.scale[(size_t)t * v.n_sb + b / MF_Q8K_GROUP_BLOCKS], acc[l][t]);
+        }
+    }
+    for (int t = 0; t < T; t++) {   /* __shfl_down_sync tree: lanes past 31 read their own */
+        float a[32];
+        for (int l = 0; l < 32; l++) a[l] = acc[l][t];
+        for (int off = 16; off > 0; off >>= 1) {
+            for (int l = 0; l < 32; l++) nx[l] = a[l] + (l + off < 32 ? a[l + off] : a[l]);
+            memcpy(a, nx, sizeof a);
+        }
+        y[(size_t)t * ld_y + o] = a[0];
+    }
+}
+
+static void emu_matmul(const mf_kern_mat *w, const float *x, int T, float *y, void *scratch)
+{
+    mf_q8k_view v = emu_quantize(x, T, w->n_in, scratch);
+    for (int o = 0; o < w->n_out; o++) emu_row(w, o, v, T, y, w->n_out);
+}
+
+/* k_q8_ffn_up then the int8 matmul of w2 on h. */
+static void emu_ffn(const hmat *w1, const hmat *w3, const hmat *w2, const float *x, int T,
+                    const float *tw, float limit, float *h, float *y, void *scratch)
+{
+    int I = w1->m.n_out, H = w1->m.n_in;
+    float *g = malloc(sizeof(float) * T * I), *u = malloc(sizeof(float) * T * I);
+    mf_q8k_view v = emu_quantize(x, T, H, scratch);
+    for (int r = 0; r < I; r++) {
+        emu_row(&w1->m, r, v, T, g, I);
+        emu_row(&w3->m, r, v, T, u, I);
+    }
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < I; r++) {
+            float gv = g[t * I + r], uv = u[t * I + r];
+            gv = gv > limit ? limit : gv;
+            uv = uv > limit ? limit : uv < -limit ? -limit : uv;
+            float silu = gv / (1.0f + expf(-gv));
+            h[t * I + r] = (silu * uv) * (tw ? tw[t] : 1.0f);
+        }
+    emu_matmul(&w2->m, h, T, y, scratch);
+    free(g);
+    free(u);
+}
+
+/* Every 16-bit pattern of 4 codes decodes as 2 x e2m1 of each code, in element order. */
+static void check_decode(void)
+{
+    static const int twice[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    int bad = 0;
+    for (uint32_t c = 0; c < 65536; c++) {
+        int32_t w[2];
+        mf_q8k_fp4_word(c | (c ^ 0x5a5au) << 16, w);
+        for (int h = 0; h < 2; h++) {
+            uint32_t cc = h ? (c ^ 0x5a5au) : c;
+            for (int n = 0; n < 4; n++)
+                bad += (int8_t)(uint8_t)((uint32_t)w[h] >> (8 * n)) != twice[(cc >> (4 * n)) & 15u];
+        }
+    }
+    CHECK(bad == 0, "fp4 word decode: %d wrong bytes", bad);
+    /* factors: 2^(e-128), dropped beyond 14 binades, NaN for emax 0xFF */
+    CHECK(mf_q8k_block_factor(127, 127) == 0.5f && mf_q8k_block_factor(140, 140) == 4096.0f &&
+          mf_q8k_block_factor(113, 127) == ldexpf(1.0f, -15) && mf_q8k_block_factor(112, 127) == 0.0f &&
+          mf_q8k_block_factor(1, 1) == ldexpf(1.0f, -127) && mf_q8k_block_factor(0, 0) == ldexpf(1.0f, -128) &&
+          isnan(mf_q8k_block_factor(3, 255)), "block factors");
+}
+
+/* The device quantizer gives the host's codes and scales bit for bit (decoded from the host's
+ * interleaved layout), including a partial last group, a zero group and a NaN/inf group. */
+static void check_quantize(void)
+{
+    const int T = 5, n_in = 32 * 21;   /* 3 groups: 8, 8 and 5 blocks */
+    float *x = malloc(sizeof(float) * T * n_in);
+    for (int i = 0; i < T * n_in; i++) x[i] = gauss() * (1 + (i % 97 == 0) * 8);
+    for (int k = 256; k < 512; k++) x[n_in + k] = 0.0f;   /* token 1, group 1: zero */
+    x[2 * n_in + 300] = NAN;                               /* token 2, group 1 */
+    x[3 * n_in + 600] = INFINITY;                          /* token 3, group 2 */
+    x[4 * n_in + 7] = 1e-39f;                              /* subnormal input */
+    size_t nb = mf_kern_q8_bytes(T, n_in);
+    void *hb = malloc(nb), *db = malloc(nb);
+    mf_kern_q8 q;
+    CHECK(mf_kern_q8_init(&q, hb, nb, T, n_in) == 0 && mf_kern_q8_quantize(&q, x, n_in, 0, T) == 0,
+          "%s", mf_last_error());
+    mf_q8k_view v = emu_quantize(x, T, n_in, db);
+    CHECK((uint8_t *)v.scale + sizeof(float) * T * v.n_sb <= (uint8_t *)db + nb, "view fits the scratch");
+    int bad_q = 0, bad_s = 0;
+    for (int t = 0; t < T; t++) {
+        const uint8_t *row = q.q + (size_t)t * q.row_bytes;
+        for (int k = 0; k < n_in; k++) {
+            int b = k / 32, e = k % 32;
+            size_t pos = (size_t)(b / 2) * 64 + (size_t)(e & 1) * 32 + (size_t)(b & 1) * 16 + (size_t)(e / 2);
+            int hc = (int8_t)(uint8_t)(row[pos] - q.offset);
+            bad_q += hc != v.q[(size_t)t * n_in + k];
+        }
+        for (int s = 0; s < q.n_sb; s++) {
+            float a = q.scale[t * q.n_sb + s], b = v.scale[t * v.n_sb + s];
+            bad_s += !(a == b || (isnan(a) && isnan(b)));
+        }
+    }
+    CHECK(bad_q == 0 && bad_s == 0, "quantize: %d codes and %d scales differ from the host's", bad_q, bad_s);
+    free(x);
+    free(hb);
+    free(db);
+}
+
+/* The int8 matmul against mf_kern_fp4_matmul (relative error under 1e-5: fp32 summation order
+ * only, the integer block sums are exact on both) and against a float64 sum of the same
+ * dequantized weights and quantized activations (under 1e-5). */
+static void check_matmul(int wide_scales)
+{
+    const int n_out = 37, n_in = 32 * 45;   /* 45 blocks: two passes, a partial group */
+    const int toks[] = {1, 2, 3, 8, 17, 64};
+    for (size_t ti = 0; ti < sizeof toks / sizeof *toks; ti++) {
+        int T = toks[ti];
+        hmat w = hmat_rand(MF_KERN_FP4, n_out, n_in);
+        if (wide_scales)   /* blocks far below their group's largest: dropped by both */
+            for (size_t i = 0; i < w.s_bytes; i++) w.scale[i] = (uint8_t)(100 + dv_rnd() % 40);
+        float *x = malloc(sizeof(float) * T * n_in), *yh = malloc(sizeof(float) * T * n_out),
+              *ye = malloc(sizeof(float) * T * n_out), *yr = malloc(sizeof(float) * T * n_out);
+        for (int i = 0; i < T * n_in; i++) x[i] = gauss();
+        size_t nb = mf_kern_q8_bytes(T, n_in);
+        void *hb = malloc(nb), *db = malloc(nb);
+        mf_kern_q8 q;
+        CHECK(mf_kern_q8_init(&q, hb, nb, T, n_in) == 0 && mf_kern_q8_quantize(&q, x, n_in, 0, T) == 0 &&
+              mf_kern_fp4_matmul(w.w, w.scale, n_out, n_in, &q, yh, n_out, 0, n_out) == 0, "%s",
+              mf_last_error());
+        emu_matmul(&w.m, x, T, ye, db);
+        mf_q8k_view v = mf_q8k_view_of(db, T, n_in);
+        for (int t = 0; t < T; t++)
+            for (int o = 0; o < n_out; o++) {
+                double s = 0;
+                for (int b = 0; b < n_in / 32; b++) {
+                    unsigned emax = 0;
+                    int g0 = b / 8 * 8;
+                    for (int i = g0; i < g0 + 8 && i < n_in / 32; i++)
+                        emax = w.scale[o * (n_in / 32) + i] > emax ? w.scale[o * (n_in / 32) + i] : emax;
+                    unsigned e = w.scale[o * (n_in / 32) + b];
+                    if (emax - e > 14) continue;
+                    for (int k = 0; k < 32; k++) {
+                        int i = b * 32 + k;
+                        double wv = mf_e2m1_to_f32(mf_e2m1_get(w.w + (size_t)o * (n_in / 2), (size_t)i)) *
+                                    ldexp(1.0, (int)e - 127);
+                        s += wv * v.q[t * n_in + i] * v.scale[t * v.n_sb + b / 8];
+                    }
+                }
+                yr[t * n_out + o] = (float)s;
+            }
+        double e_host = rel_err(ye, yh, (size_t)T * n_out), e_ref = rel_err(ye, yr, (size_t)T * n_out);
+        printf("int8 fp4 matmul%s T=%d: rel err vs host %.3g, vs float64 %.3g\n",
+               wide_scales ? " (scales 2^-27..2^12)" : "", T, e_host, e_ref);
+        CHECK(e_host < 1e-5 && e_ref < 1e-5, "T=%d: rel err %g vs host, %g vs float64", T, e_host, e_ref);
+        hmat_free(&w);
+        free(x);
+        free(yh);
+        free(ye);
+        free(yr);
+        free(hb);
+        free(db);
+    }
+}
+
+/* A NaN in the activations makes the outputs of its token NaN, as on the host; a 0xFF scale code
+ * makes its row NaN. */
+static void check_nan(void)
+{
+    const int n_out = 4, n_in = 512, T = 2;
+    hmat w = hmat_rand(MF_KERN_FP4, n_out, n_in);
+    w.scale[1 * (n_in / 32) + 3] = 0xFF;
+    float x[2 * 512], yh[8], ye[8];
+    for (int i = 0; i < T * n_in; i++) x[i] = gauss();
+    x[n_in + 5] = NAN;
+    size_t nb = mf_kern_q8_bytes(T, n_in);
+    void *hb = malloc(nb), *db = malloc(nb);
+    mf_kern_q8 q;
+    mf_kern_q8_init(&q, hb, nb, T, n_in);
+    mf_kern_q8_quantize(&q, x, n_in, 0, T);
+    mf_kern_fp4_matmul(w.w, w.scale, n_out, n_in, &q, yh, n_out, 0, n_out);
+    emu_matmul(&w.m, x, T, ye, db);
+    int ok = 1;
+    for (int i = 0; i < T * n_out; i++) {
+        int want_nan = i >= n_out || i == 1;
+        ok &= (isnan(ye[i]) != 0) == want_nan && (isnan(yh[i]) != 0) == want_nan;
+    }
+    CHECK(ok, "NaN activations and 0xFF scales: NaN where the host has NaN");
+    hmat_free(&w);
+    free(hb);
+    free(db);
+}
+
+/* The FFN (w1, w3, limit, token weights, w2) against the host's int8 FFN. h: relative error under
+ * 1e-4 (g and u differ by fp32 summation order relative to their unclamped size, which is much
+ * larger than the clamped h). y: under 1e-3, as a few of h's int8 codes may round the other way
+ * (one code step of the 1/127 quantization on a few of I inputs). */
+static void check_ffn(void)
+{
+    const int H = 512, I = 32 * 20;
+    const int toks[] = {1, 5, 64};
+    for (size_t ti = 0; ti < sizeof toks / sizeof *toks; ti++) {
+        int T = toks[ti];
+        hmat w1 = hmat_rand(MF_KERN_FP4, I, H), w3 = hmat_rand(MF_KERN_FP4, I, H),
+             w2 = hmat_rand(MF_KERN_FP4, H, I);
+        float *x = malloc(sizeof(float) * T * H), *tw = malloc(sizeof(float) * T);
+        float *hh = malloc(sizeof(float) * T * I), *he = malloc(sizeof(float) * T * I);
+        float *yh = malloc(sizeof(float) * T * H), *ye = malloc(sizeof(float) * T * H);
+        for (int i = 0; i < T * H; i++) x[i] = gauss();
+        for (int t = 0; t < T; t++) tw[t] = 0.1f + (dv_rnd() % 1000) / 1000.0f;
+        void *db = malloc(mf_dev_ffn_q8_bytes(T, H, I));
+        host_ffn(&w1, &w3, &w2, x, T, tw, 7.0f, 1, hh, yh);
+        emu_ffn(&w1, &w3, &w2, x, T, tw, 7.0f, he, ye, db);
+        double eh = rel_err(he, hh, (size_t)T * I), ey = rel_err(ye, yh, (size_t)T * H);
+        printf("int8 expert FFN T=%d: rel err h %.3g, y %.3g\n", T, eh, ey);
+        CHECK(eh < 1e-4 && ey < 1e-3, "FFN T=%d: rel err h %g, y %g", T, eh, ey);
+        hmat_free(&w1);
+        hmat_free(&w3);
+        hmat_free(&w2);
+        free(x);
+        free(tw);
+        free(hh);
+        free(he);
+        free(yh);
+        free(ye);
+        free(db);
+    }
+}
+
+int main(void)
+{
+    check_decode();
+    check_quantize();
+    check_matmul(0);
+    check_matmul(1);
+    check_nan();
+    check_ffn();
+    return mf_check_exit("test_dev_kmath");
+}

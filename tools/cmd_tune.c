@@ -1,0 +1,464 @@
+/* `moeflow tune`: sweeps the engine's strategy knobs (placement, batch, threads per socket, read
+ * window, copy slots, device cache size and policy, host store budget) through the simulator
+ * (graphs/plan.h) on a hardware profile, or for real on this machine (--real), and prints the
+ * settings ranked, the best one, and the lane that bounds it. */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "graphs/config.h"
+#include "graphs/plan.h"
+#include "graphs/routing.h"
+#include "sched/error.h"
+#include "sched/profile.h"
+#include "tools/commands.h"
+#include "tools/sim_common.h"
+
+#define MF_TUNE_MAX_VALS 16
+
+static const char *const mf_tune_place_names[] = {"host", "seed", "hybrid"};
+
+/* One knob's values to sweep. */
+typedef struct mf_tune_knob {
+    const char *opt;   /* its option, e.g. "--batch" */
+    int n;
+    int64_t v[MF_TUNE_MAX_VALS];
+    int given;         /* set on the command line */
+} mf_tune_knob;
+
+enum { K_PLACE, K_BATCH, K_THREADS, K_WINDOW, K_COPY, K_CACHE, K_POLICY, K_BUDGET, K_N };
+
+typedef struct mf_tune_result {
+    int64_t v[K_N];
+    mf_plan_report rep;     /* simulated */
+    double meas_token_ns;   /* --real: measured */
+    double score;           /* tokens per second (throughput) or 1 / step time (latency) */
+} mf_tune_result;
+
+static void mf_tune_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: moeflow tune --profile P (--checkpoint DIR | --preset NAME) [--real]\n"
+            "                    [--placement LIST] [--batch LIST] [--threads LIST] [--read-window LIST]\n"
+            "                    [--copy-slots LIST] [--dev-cache LIST] [--cache-policy LIST]\n"
+            "                    [--store-budget LIST] [--store resident|streamed] [--tables resident|streamed]\n"
+            "                    [--routing R] [--seed S] [--context N] [--steps N] [--warmup N]\n"
+            "                    [--objective throughput|latency] [--top N] [--json]\n\n"
+            "Tries every combination of the knobs' values (LIST: comma-separated, e.g. --batch 1,4,16)\n"
+            "in the simulator (graphs/plan.h, as `moeflow sim`) on the hardware profile P and prints them\n"
+            "ranked, the best setting, and why: the lane that bounds it and how busy it is.\n"
+            "Knobs not given are swept over defaults that fit the profile and the options:\n"
+            "  --placement         host, plus seed and hybrid when the profile has cards\n"
+            "  --batch             1, 4, 16 (sequences per decode step)\n"
+            "  --threads           the profile's threads per socket, and half of them\n"
+            "  --read-window       1, 2, 4, -1 (all) with --store streamed; else the engine's 2\n"
+            "  --copy-slots        1, 2, 4 (copy-in streams per card) for seed and hybrid\n"
+            "  --dev-cache         a quarter, half and all of a card's memory, for seed and hybrid\n"
+            "  --cache-policy      lfu, lru, for seed and hybrid\n"
+            "  --store-budget      the simulator's default (2G) with --store streamed\n"
+            "Settings that cannot differ (card knobs under host placement) are tried once.\n\n"
+            "  --real              decode for real on this machine instead (needs --checkpoint with a\n"
+            "                      loadable model, e.g. the demo; cards are emulated, emu:N): only the\n"
+            "                      knobs the engine has (placement, batch, threads, read window, device\n"
+            "                      cache); the table shows the simulator's prediction beside each\n"
+            "  --objective O       throughput (default: tokens per second over the batch) or latency\n"
+            "                      (time of one decode step)\n"
+            "  --steps N           measured steps per setting after --warmup N (defaults 6 and 2)\n"
+            "  --top N             rows of the ranked table (default 15; 0: all)\n"
+            "  --json              one JSON object: every setting, ranked, and the best\n"
+            "Progress goes to stderr.\n");
+}
+
+static int mf_tune_place_of(const char *s)
+{
+    for (int i = 0; i < 3; i++)
+        if (!strcmp(s, mf_tune_place_names[i])) return i;
+    return -1;
+}
+
+/* Parses a comma list of knob k into kn; 0 or -EINVAL with a message. */
+static int mf_tune_parse_list(int k, const char *opt, const char *list, mf_tune_knob *kn)
+{
+    char buf[512];
+    if (strlen(list) >= sizeof buf) return mf_error(-EINVAL, "%s: list too long", opt);
+    strcpy(buf, list);
+    kn->n = 0;
+    kn->given = 1;
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        if (kn->n == MF_TUNE_MAX_VALS) return mf_error(-EINVAL, "%s: more than %d values", opt, MF_TUNE_MAX_VALS);
+        int64_t v;
+        char *end = NULL;
+        if (k == K_PLACE) {
+            if ((v = mf_tune_place_of(tok)) < 0)
+                return mf_error(-EINVAL, "%s: expected host, seed or hybrid, found '%s'", opt, tok);
+        } else if (k == K_POLICY) {
+            v = !strcmp(tok, "lfu") ? MF_PLAN_CACHE_LFU : !strcmp(tok, "lru") ? MF_PLAN_CACHE_LRU : -1;
+            if (v < 0) return mf_error(-EINVAL, "%s: expected lfu or lru, found '%s'", opt, tok);
+        } else if (k == K_CACHE || k == K_BUDGET) {
+            if (!(v = (int64_t)mf_tool_size(tok)))
+                return mf_error(-EINVAL, "%s: expected sizes such as 4G or 512M, found '%s'", opt, tok);
+        } else {
+            v = strtoll(tok, &end, 10);
+            int64_t lo = k == K_WINDOW ? -1 : 1, hi = k == K_BATCH ? MF_STEP_MAX_ITEMS : k == K_THREADS ? 256 : 4096;
+            if (!*tok || *end || v < lo || v > hi || (k == K_WINDOW && v == 0))
+                return mf_error(-EINVAL, "%s: expected whole numbers in %" PRId64 "..%" PRId64 "%s, found '%s'", opt,
+                                lo, hi, k == K_WINDOW ? " (not 0; -1: all)" : "", tok);
+        }
+        kn->v[kn->n++] = v;
+    }
+    if (!kn->n) return mf_error(-EINVAL, "%s: an empty list", opt);
+    return 0;
+}
+
+static void mf_tune_fmt_size(int64_t b, char *out, size_t n)
+{
+    if (b <= 0) snprintf(out, n, "-");
+    else if (b >= (INT64_C(1) << 30)) snprintf(out, n, "%.3gG", b / 1073741824.0);
+    else snprintf(out, n, "%.3gM", b / 1048576.0);
+}
+
+static int mf_tune_cmp(const void *pa, const void *pb)
+{
+    const mf_tune_result *a = pa, *b = pb;
+    return (a->score < b->score) - (a->score > b->score);
+}
+
+/* Why the setting runs as it does: the bottleneck lane and what would move it. */
+static void mf_tune_why(const mf_tune_result *r, int real, FILE *f)
+{
+    const mf_plan_report *p = &r->rep;
+    const char *ln = p->lanes[p->bottleneck].name;
+    fprintf(f, "why: the simulated step is bound by lane '%s', busy %.0f%% of the step (%d slots, %.3f ms of work)",
+            ln, 100 * p->lanes[p->bottleneck].share, p->lanes[p->bottleneck].slots,
+            p->lanes[p->bottleneck].busy_ns / 1e6);
+    int second = -1;
+    for (int l = 0; l < p->n_lanes; l++)
+        if (l != p->bottleneck && (second < 0 || p->lanes[l].share > p->lanes[second].share)) second = l;
+    if (second >= 0)
+        fprintf(f, "; next busiest '%s' at %.0f%%", p->lanes[second].name, 100 * p->lanes[second].share);
+    fprintf(f, ".\n");
+    if (!strncmp(ln, "cpu", 3))
+        fprintf(f, "     Host workers are the limit: more threads per socket, a larger batch (weights read once for\n"
+                   "     all its tokens) or moving expert work to cards would help.\n");
+    else if (strstr(ln, "h2d"))
+        fprintf(f, "     Copies to the cards are the limit: a larger device cache (fewer misses), more cards, or\n"
+                   "     hybrid placement (misses computed on the host instead) would help.\n");
+    else if (!strcmp(ln, "io"))
+        fprintf(f, "     Disk reads are the limit: a larger host store budget or a wider read window would help.\n");
+    else if (strstr(ln, "compute"))
+        fprintf(f, "     Card kernels are the limit: more cards or hybrid placement would help.\n");
+    if (p->lanes[p->bottleneck].share < 0.5)
+        fprintf(f, "     No lane is busy half the step: the dependency chain (layer after layer), not a lane's\n"
+                   "     throughput, sets the time; more overlap (batch, read window) rather than more bandwidth.\n");
+    if (real) fprintf(f, "     (--real: ranked by the measured time; the bottleneck is the simulator's reading.)\n");
+}
+
+int mf_cmd_tune(int argc, char **argv)
+{
+    const char *prof_path = NULL, *dir = NULL, *preset = NULL, *routing_spec = "uniform";
+    long seed = 1, context = 16, steps = 6, warmup = 2, top = 15;
+    int json = 0, real = 0, latency = 0, store = MF_PLAN_STORE_RESIDENT, tables = MF_PLAN_STORE_RESIDENT;
+    static const char *const knob_opt[K_N] = {"--placement", "--batch", "--threads", "--read-window",
+                                              "--copy-slots", "--dev-cache", "--cache-policy", "--store-budget"};
+    mf_tune_knob kn[K_N];
+    memset(kn, 0, sizeof kn);
+    for (int k = 0; k < K_N; k++) kn[k].opt = knob_opt[k];
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        int hv = i + 1 < argc, k = 0;
+        while (k < K_N && strcmp(a, knob_opt[k])) k++;
+        struct { const char *name; long *v; long lo, hi; } nums[] = {
+            {"--seed", &seed, 0, 1L << 62}, {"--context", &context, 1, 1L << 40}, {"--steps", &steps, 1, 100000},
+            {"--warmup", &warmup, 0, 100000}, {"--top", &top, 0, 1L << 30},
+        };
+        int q = 0;
+        while (q < (int)(sizeof nums / sizeof nums[0]) && strcmp(a, nums[q].name)) q++;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            mf_tune_usage(stdout);
+            return 0;
+        } else if (k < K_N && hv) {
+            if (mf_tune_parse_list(k, a, argv[++i], &kn[k])) {
+                fprintf(stderr, "moeflow tune: %s\n", mf_last_error());
+                return 2;
+            }
+        } else if (q < (int)(sizeof nums / sizeof nums[0]) && hv) {
+            char *end = NULL;
+            *nums[q].v = strtol(argv[++i], &end, 10);
+            if (*end || !*argv[i] || *nums[q].v < nums[q].lo || *nums[q].v > nums[q].hi) {
+                fprintf(stderr, "moeflow tune: %s: expected %ld..%ld, found '%s'\n", a, nums[q].lo, nums[q].hi, argv[i]);
+                return 2;
+            }
+        } else if (!strcmp(a, "--profile") && hv) {
+            prof_path = argv[++i];
+        } else if (!strcmp(a, "--checkpoint") && hv) {
+            dir = argv[++i];
+        } else if (!strcmp(a, "--preset") && hv) {
+            preset = argv[++i];
+        } else if (!strcmp(a, "--routing") && hv) {
+            routing_spec = argv[++i];
+        } else if ((!strcmp(a, "--store") || !strcmp(a, "--tables")) && hv) {
+            const char *v = argv[++i];
+            int mode = !strcmp(v, "resident") ? MF_PLAN_STORE_RESIDENT : !strcmp(v, "streamed") ? MF_PLAN_STORE_STREAMED : -1;
+            if (mode < 0) {
+                fprintf(stderr, "moeflow tune: %s: expected resident or streamed, found '%s'\n", a, v);
+                return 2;
+            }
+            *(!strcmp(a, "--store") ? &store : &tables) = mode;
+        } else if (!strcmp(a, "--objective") && hv) {
+            const char *v = argv[++i];
+            if (strcmp(v, "throughput") && strcmp(v, "latency")) {
+                fprintf(stderr, "moeflow tune: --objective: expected throughput or latency, found '%s'\n", v);
+                return 2;
+            }
+            latency = !strcmp(v, "latency");
+        } else if (!strcmp(a, "--json")) {
+            json = 1;
+        } else if (!strcmp(a, "--real")) {
+            real = 1;
+        } else {
+            fprintf(stderr, "moeflow tune: unknown or incomplete option '%s'\n\n", a);
+            mf_tune_usage(stderr);
+            return 2;
+        }
+    }
+    if (!prof_path || (!dir == !preset)) {
+        fprintf(stderr, "moeflow tune: --profile P and one of --checkpoint DIR or --preset NAME are required\n\n");
+        mf_tune_usage(stderr);
+        return 2;
+    }
+    if (real && !dir) {
+        fprintf(stderr, "moeflow tune: --real decodes for real: it needs --checkpoint DIR\n");
+        return 2;
+    }
+    if (real && ((kn[K_COPY].given && (kn[K_COPY].n > 1 || kn[K_COPY].v[0] != 1)) ||
+                 (kn[K_POLICY].given && (kn[K_POLICY].n > 1 || kn[K_POLICY].v[0] != MF_PLAN_CACHE_LFU)))) {
+        fprintf(stderr, "moeflow tune: --real: the engine has one copy-in stream per card and an LFU device "
+                        "cache; --copy-slots and --cache-policy can only be swept in simulation\n");
+        return 2;
+    }
+
+    static mf_profile prof;
+    mf_config cfg;
+    mf_tune_result *res = NULL;
+    int ret = 1, rc, n_res = 0;
+    char path[4096];
+    if ((rc = mf_profile_load(prof_path, &prof))) goto fail;
+    if (dir) {
+        snprintf(path, sizeof path, "%s/config.json", dir);
+        rc = mf_config_load(path, &cfg);
+    } else {
+        rc = mf_config_preset(preset, &cfg);
+    }
+    if (rc) goto fail;
+
+    /* defaults for knobs not given */
+    int cards = prof.n_cards > 0;
+    if (!kn[K_PLACE].given) {
+        kn[K_PLACE].n = cards ? 3 : 1;
+        for (int i = 0; i < kn[K_PLACE].n; i++) kn[K_PLACE].v[i] = i;
+    } else if (!cards) {
+        for (int i = 0; i < kn[K_PLACE].n; i++)
+            if (kn[K_PLACE].v[i] != MF_STEP_PLACE_HOST) {
+                rc = mf_error(-EINVAL, "--placement %s: profile %s has no cards", mf_tune_place_names[kn[K_PLACE].v[i]],
+                              prof.name);
+                goto fail;
+            }
+    }
+    if (!kn[K_BATCH].given) {
+        int64_t b[] = {1, 4, 16};
+        kn[K_BATCH].n = real ? 2 : 3;
+        memcpy(kn[K_BATCH].v, b, sizeof b);
+    }
+    if (!kn[K_THREADS].given) {
+        kn[K_THREADS].n = 1;
+        kn[K_THREADS].v[0] = prof.threads_per_socket;
+        if (!real && prof.threads_per_socket > 1) kn[K_THREADS].v[kn[K_THREADS].n++] = prof.threads_per_socket / 2;
+    }
+    if (!kn[K_WINDOW].given) {
+        int64_t w[] = {1, 2, 4, -1};
+        kn[K_WINDOW].n = store == MF_PLAN_STORE_STREAMED && !real ? 4 : 1;
+        memcpy(kn[K_WINDOW].v, store == MF_PLAN_STORE_STREAMED && !real ? w : (int64_t[]){2}, sizeof(int64_t) * kn[K_WINDOW].n);
+    }
+    if (!kn[K_COPY].given) {
+        int64_t c[] = {1, 2, 4};
+        kn[K_COPY].n = cards && !real ? 3 : 1;
+        memcpy(kn[K_COPY].v, c, sizeof c);
+    }
+    if (!kn[K_CACHE].given) {
+        uint64_t m = prof.card_mem_bytes;
+        kn[K_CACHE].n = cards && !real && m ? 3 : 1;
+        kn[K_CACHE].v[0] = kn[K_CACHE].n == 3 ? (int64_t)(m / 4) : 0;
+        kn[K_CACHE].v[1] = (int64_t)(m / 2);
+        kn[K_CACHE].v[2] = (int64_t)m;
+    }
+    if (!kn[K_POLICY].given) {
+        kn[K_POLICY].n = cards && !real ? 2 : 1;
+        kn[K_POLICY].v[0] = MF_PLAN_CACHE_LFU;
+        kn[K_POLICY].v[1] = MF_PLAN_CACHE_LRU;
+    }
+    if (!kn[K_BUDGET].given) {
+        kn[K_BUDGET].n = 1;
+        kn[K_BUDGET].v[0] = 0;
+    }
+    if (store != MF_PLAN_STORE_STREAMED && (kn[K_WINDOW].given || kn[K_BUDGET].given)) {
+        rc = mf_error(-EINVAL, "--read-window and --store-budget sweep a streamed store: add --store streamed");
+        goto fail;
+    }
+
+    /* every combination; card knobs collapse to their first value under host placement */
+    int64_t total = 1;
+    for (int k = 0; k < K_N; k++) total *= kn[k].n;
+    if (total > 100000) {
+        rc = mf_error(-EINVAL, "%" PRId64 " combinations: narrow the lists (at most 100000)", total);
+        goto fail;
+    }
+    res = calloc((size_t)total, sizeof *res);
+    if (!res) {
+        rc = mf_error(-ENOMEM, "out of memory");
+        goto fail;
+    }
+    int idx[K_N] = {0};
+    for (int64_t t = 0; t < total; t++) {
+        int64_t v[K_N];
+        for (int k = 0; k < K_N; k++) v[k] = kn[k].v[idx[k]];
+        int host = v[K_PLACE] == MF_STEP_PLACE_HOST;
+        int skip = host && (idx[K_COPY] || idx[K_CACHE] || idx[K_POLICY]);
+        for (int k = K_N - 1; k >= 0; k--) {   /* next combination */
+            if (++idx[k] < kn[k].n) break;
+            idx[k] = 0;
+        }
+        if (skip) continue;
+        if (host) v[K_COPY] = v[K_CACHE] = v[K_POLICY] = 0;
+        memcpy(res[n_res++].v, v, sizeof v);
+    }
+
+    int tty = isatty(2);
+    for (int i = 0; i < n_res; i++) {
+        mf_tune_result *r = &res[i];
+        mf_routing *rt = NULL;
+        if ((rc = mf_routing_open(routing_spec, cfg.n_layers, cfg.n_routed_experts, cfg.n_experts_per_tok,
+                                  (uint64_t)seed, &rt)))
+            goto fail;
+        mf_plan_opts po = {.config = &cfg, .profile = &prof, .placement = (int)r->v[K_PLACE],
+                           .threads_per_socket = (int)r->v[K_THREADS], .batch = (int)r->v[K_BATCH],
+                           .context = context, .read_window = (int)r->v[K_WINDOW], .copy_slots = (int)r->v[K_COPY],
+                           .dev_cache_bytes = (uint64_t)r->v[K_CACHE], .dev_cache_policy = (int)r->v[K_POLICY],
+                           .store = store, .store_budget_bytes = (uint64_t)r->v[K_BUDGET], .tables = tables,
+                           .routing = rt, .seed = (uint64_t)seed};
+        rc = mf_plan_run(&po, (int)warmup, (int)steps, &r->rep);
+        if (!rc && real) {
+            if (tty) fprintf(stderr, "\rtune: setting %d of %d: decoding for real ...", i + 1, n_res);
+            mf_step_times mt;
+            rc = mf_tool_measure(dir, &po, prof.n_cards, (int)r->v[K_THREADS] * prof.n_sockets, (int)warmup,
+                                 (int)steps, &r->meas_token_ns, &mt);
+        }
+        mf_routing_free(rt);
+        if (rc) {
+            mf_error_wrap(rc, "setting %d (placement %s, batch %" PRId64 ", threads %" PRId64 ")", i + 1,
+                          mf_tune_place_names[r->v[K_PLACE]], r->v[K_BATCH], r->v[K_THREADS]);
+            goto fail;
+        }
+        double tok_ns = real ? r->meas_token_ns : r->rep.token_ns;
+        r->score = latency ? 1e9 / (tok_ns * r->v[K_BATCH]) : 1e9 / tok_ns;
+        if (tty) fprintf(stderr, "\rtune: %d of %d settings tried", i + 1, n_res);
+        else if (real || (i + 1) * 10 / n_res != i * 10 / n_res) fprintf(stderr, "tune: %d of %d settings tried\n", i + 1, n_res);
+    }
+    if (tty) fprintf(stderr, "\n");
+    qsort(res, (size_t)n_res, sizeof *res, mf_tune_cmp);
+
+    const char *src = real ? "measured" : "simulated";
+    if (json) {
+        printf("{\"profile\":\"%s\",\"model\":\"%s\",\"mode\":\"%s\",\"objective\":\"%s\",\"routing\":\"%s\","
+               "\"steps\":%ld,\"warmup\":%ld,\"results\":[",
+               prof.name, dir ? dir : preset, src, latency ? "latency" : "throughput", routing_spec, steps, warmup);
+        for (int i = 0; i < n_res; i++) {
+            const mf_tune_result *r = &res[i];
+            const mf_plan_report *p = &r->rep;
+            printf("%s{\"rank\":%d,\"placement\":\"%s\",\"batch\":%" PRId64 ",\"threads_per_socket\":%" PRId64
+                   ",\"read_window\":%" PRId64 ",\"copy_slots\":%" PRId64 ",\"dev_cache_bytes\":%" PRId64
+                   ",\"cache_policy\":\"%s\",\"store_budget_bytes\":%" PRId64 ",\"predicted_step_s\":%.9g,"
+                   "\"predicted_tokens_per_s\":%.6g,\"bottleneck\":\"%s\",\"bottleneck_busy\":%.4f",
+                   i ? "," : "", i + 1, mf_tune_place_names[r->v[K_PLACE]], r->v[K_BATCH], r->v[K_THREADS],
+                   r->v[K_WINDOW], r->v[K_COPY], r->v[K_CACHE], r->v[K_POLICY] ? "lru" : "lfu", r->v[K_BUDGET],
+                   p->step_ns / 1e9, p->token_ns > 0 ? 1e9 / p->token_ns : 0, p->lanes[p->bottleneck].name,
+                   p->lanes[p->bottleneck].share);
+            if (real) printf(",\"measured_token_s\":%.9g,\"measured_tokens_per_s\":%.6g", r->meas_token_ns / 1e9,
+                             1e9 / r->meas_token_ns);
+            printf("}");
+        }
+        printf("]}\n");
+        ret = 0;
+        goto out;
+    }
+    printf("tune: %s on profile %s, %d settings %s (%ld warm-up + %ld steps each, routing %s), ranked by %s\n\n",
+           dir ? dir : preset, prof.name, n_res, src, warmup, steps, routing_spec,
+           latency ? "step time" : "tokens per second");
+    printf("%4s %10s %10s %-7s %5s %7s %6s %5s %8s %6s %8s  %s\n", "row", real ? "meas tok/s" : "tok/s",
+           real ? "pred tok/s" : "step ms", "place", "batch", "threads", "window", "copy", "devcache", "policy",
+           "budget", "bottleneck (busy)");
+    /* rows within 0.1% of the row above with the same placement, batch and threads are ties: counted
+     * in that row instead of shown (the knobs that differ do not matter there) */
+    int n_rows = 0, *row = malloc(sizeof(int) * (size_t)n_res), *ties = calloc((size_t)n_res, sizeof(int));
+    if (!row || !ties) {
+        free(row);
+        free(ties);
+        rc = mf_error(-ENOMEM, "out of memory");
+        goto fail;
+    }
+    for (int i = 0; i < n_res; i++) {
+        const mf_tune_result *r = &res[i], *q = n_rows ? &res[row[n_rows - 1]] : NULL;
+        if (q && q->v[K_PLACE] == r->v[K_PLACE] && q->v[K_BATCH] == r->v[K_BATCH] &&
+            q->v[K_THREADS] == r->v[K_THREADS] && r->score >= q->score * 0.999)
+            ties[n_rows - 1]++;
+        else
+            row[n_rows++] = i;
+    }
+    int shown = top && top < n_rows ? (int)top : n_rows;
+    for (int w = 0; w < shown; w++) {
+        const mf_tune_result *r = &res[row[w]];
+        int i = w;
+        const mf_plan_report *p = &r->rep;
+        char cache[16], budget[16], win[8], copy[8];
+        mf_tune_fmt_size(r->v[K_CACHE], cache, sizeof cache);
+        mf_tune_fmt_size(r->v[K_BUDGET], budget, sizeof budget);
+        snprintf(win, sizeof win, "%" PRId64, r->v[K_WINDOW]);
+        snprintf(copy, sizeof copy, "%" PRId64, r->v[K_COPY]);
+        int host = r->v[K_PLACE] == MF_STEP_PLACE_HOST;
+        printf("%4d %10.2f %10.*f %-7s %5" PRId64 " %7" PRId64 " %6s %5s %8s %6s %8s  %s (%.0f%%)\n", i + 1,
+               real ? 1e9 / r->meas_token_ns : 1e9 / p->token_ns, real ? 2 : 3,
+               real ? 1e9 / p->token_ns : p->step_ns / 1e6, mf_tune_place_names[r->v[K_PLACE]], r->v[K_BATCH],
+               r->v[K_THREADS], store == MF_PLAN_STORE_STREAMED ? win : "-",
+               host ? "-" : copy, host ? "-" : cache,
+               host ? "-" : (r->v[K_POLICY] ? "lru" : "lfu"), store == MF_PLAN_STORE_STREAMED ? budget : "-",
+               p->lanes[p->bottleneck].name, 100 * p->lanes[p->bottleneck].share);
+        if (ties[w]) printf("%4s %d more setting%s within 0.1%% (other copy slots, cache or window values)\n", "",
+                            ties[w], ties[w] > 1 ? "s" : "");
+    }
+    if (shown < n_rows) printf("(%d more rows: --top 0 shows all)\n", n_rows - shown);
+    free(row);
+    free(ties);
+    const mf_tune_result *b = &res[0];
+    printf("\nbest: placement %s, batch %" PRId64 ", %" PRId64 " threads per socket", mf_tune_place_names[b->v[K_PLACE]],
+           b->v[K_BATCH], b->v[K_THREADS]);
+    if (b->v[K_PLACE] != MF_STEP_PLACE_HOST) {
+        char cache[16];
+        mf_tune_fmt_size(b->v[K_CACHE], cache, sizeof cache);
+        printf(", %" PRId64 " copy slots, device cache %s %s", b->v[K_COPY], b->v[K_CACHE] ? cache : "(all)",
+               b->v[K_POLICY] ? "lru" : "lfu");
+    }
+    if (store == MF_PLAN_STORE_STREAMED) printf(", read window %" PRId64, b->v[K_WINDOW]);
+    double btok = real ? b->meas_token_ns : b->rep.token_ns;
+    printf(": %.2f tokens/s %s (%.3f ms per step of %" PRId64 ")\n", 1e9 / btok, src, btok * b->v[K_BATCH] / 1e6,
+           b->v[K_BATCH]);
+    mf_tune_why(b, real, stdout);
+    ret = 0;
+    goto out;
+fail:
+    fprintf(stderr, "moeflow tune: %s\n", mf_last_error()[0] ? mf_last_error() : "failed");
+out:
+    free(res);
+    return ret;
+}

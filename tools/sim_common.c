@@ -1,0 +1,113 @@
+/* What `moeflow sim` and `moeflow tune` share (tools/sim_common.h): sizes on the command line, and
+ * running the real scheduled engine with a simulation's settings (the measured side of the
+ * simulator's predictions). */
+#include <errno.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "device/dev.h"
+#include "graphs/model.h"
+#include "graphs/plan.h"
+#include "graphs/ref.h"
+#include "graphs/sample.h"
+#include "graphs/step.h"
+#include "sched/error.h"
+#include "tools/sim_common.h"
+
+uint64_t mf_tool_size(const char *s)
+{
+    char *end;
+    double v = strtod(s, &end);
+    if (end == s || !(v > 0)) return 0;
+    double m = 1;
+    if (!strcmp(end, "K") || !strcmp(end, "KiB") || !strcmp(end, "k")) m = 1024.0;
+    else if (!strcmp(end, "M") || !strcmp(end, "MiB")) m = 1048576.0;
+    else if (!strcmp(end, "G") || !strcmp(end, "GiB")) m = 1073741824.0;
+    else if (!strcmp(end, "T") || !strcmp(end, "TiB")) m = 1099511627776.0;
+    else if (*end) return 0;
+    return (uint64_t)(v * m);
+}
+
+
+static int mf_measure_cmp_i64(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The real engine with the plan's settings: prefill of `context` tokens per sequence, `warmup`
+ * decode steps, then `steps` timed; *token_ns the median step wall time / batch, phases the
+ * mean per step. */
+int mf_tool_measure(const char *dir, const mf_plan_opts *po, int n_cards, int threads, int warmup,
+                          int steps, double *token_ns, mf_step_times *mean)
+{
+    mf_model *m = NULL;
+    mf_ref *r = NULL;
+    mf_step *eng = NULL;
+    mf_dev *dev = NULL;
+    mf_ref_state *st[MF_STEP_MAX_ITEMS] = {0};
+    float *logits = NULL;
+    int64_t *wall = NULL;
+    int batch = po->batch ? po->batch : 1, n_prompt = (int)(po->context ? po->context : 16), rc;
+    mf_model_opts mo = {.quiet = 1, .resident_limit_bytes = UINT64_C(64) << 30};
+    if (po->store == MF_PLAN_STORE_STREAMED || po->tables == MF_PLAN_STORE_STREAMED) {
+        mo.store = po->store == MF_PLAN_STORE_STREAMED ? MF_MODEL_STORE_STREAMED : MF_MODEL_STORE_RESIDENT;
+        mo.store_tables = po->tables == MF_PLAN_STORE_STREAMED ? MF_MODEL_STORE_STREAMED : MF_MODEL_STORE_RESIDENT;
+        mo.store_budget_bytes = po->store_budget_bytes;
+    }
+    if ((rc = mf_model_load(dir, &mo, &m)) || (rc = mf_ref_new(m, NULL, &r))) goto out;
+    if (po->placement != MF_STEP_PLACE_HOST) {
+        char spec[32];
+        snprintf(spec, sizeof spec, "emu:%d", n_cards);
+        if ((rc = mf_dev_open(spec, &dev))) goto out;
+    }
+    rc = mf_step_new(r, &(mf_step_opts){.n_threads = threads, .read_window = po->read_window, .dev = dev,
+                                        .placement = po->placement, .dev_cache_bytes = po->dev_cache_bytes,
+                                        .cpu_bytes_per_s = po->cpu_bytes_per_s},
+                     &eng);
+    if (rc) goto out;
+    const mf_config *c = mf_model_config(m);
+    int64_t V = c->vocab_size;
+    logits = malloc(sizeof(float) * (size_t)V * (size_t)batch);
+    wall = malloc(sizeof *wall * (size_t)steps);
+    int32_t *prompt = malloc(sizeof(int32_t) * (size_t)n_prompt);
+    if (!logits || !wall || !prompt) {
+        free(prompt);
+        rc = mf_error(-ENOMEM, "out of memory");
+        goto out;
+    }
+    /* the prompts of bench decode: sequence i's tokens are (37 k + 11 + 101 i) mod vocab */
+    for (int s = 0; s < batch && !rc; s++) {
+        for (int k = 0; k < n_prompt; k++) prompt[k] = (int32_t)((37LL * k + 11 + 101LL * s) % V);
+        rc = mf_ref_state_new(r, n_prompt + warmup + steps + 1, &st[s]);
+        if (!rc) rc = mf_step_prefill(eng, st[s], prompt, n_prompt, logits + (size_t)s * V);
+    }
+    free(prompt);
+    memset(mean, 0, sizeof *mean);
+    for (int k = 0; k < warmup + steps && !rc; k++) {
+        int32_t tok[MF_STEP_MAX_ITEMS];
+        for (int s = 0; s < batch; s++) tok[s] = mf_sample_greedy(logits + (size_t)s * V, V);
+        if ((rc = mf_step_decode(eng, st, tok, batch, logits))) break;
+        if (k < warmup) continue;
+        mf_step_times t;
+        mf_step_last_times(eng, &t);
+        wall[k - warmup] = t.wall_ns;
+        mean->wall_ns += t.wall_ns / steps;
+        for (int q = 0; q < MF_STEP_N_PHASES; q++) mean->phase_ns[q] += t.phase_ns[q] / steps;
+    }
+    if (!rc) {
+        qsort(wall, (size_t)steps, sizeof *wall, mf_measure_cmp_i64);
+        *token_ns = (steps % 2 ? (double)wall[steps / 2] : (wall[steps / 2 - 1] + wall[steps / 2]) / 2.0) / batch;
+    }
+out:
+    for (int s = 0; s < batch; s++) mf_ref_state_free(st[s]);
+    free(wall);
+    free(logits);
+    mf_step_free(eng);
+    mf_dev_close(dev);
+    mf_ref_free(r);
+    mf_model_free(m);
+    return rc;
+}
+

@@ -1,0 +1,21 @@
+/* What `moeflow sim` and `moeflow tune` share: sizes on the command line and running the real
+ * scheduled engine (graphs/step.h) with a simulation's settings (graphs/plan.h) on this machine. */
+#ifndef MF_SIM_COMMON_H
+#define MF_SIM_COMMON_H
+
+#include <stdint.h>
+
+#include "graphs/plan.h"
+#include "graphs/step.h"
+
+/* "2G", "512M", "64K", "1.5GiB", plain bytes; 1024-based. 0 for anything else (or zero). */
+uint64_t mf_tool_size(const char *s);
+
+/* Decodes for real on checkpoint `dir` with po's placement, batch, context, store, read window and
+ * device cache (cards emulated: emu:n_cards; threads engine workers): a prefill of po->context
+ * tokens per sequence, `warmup` decode steps, then `steps` timed ones. *token_ns = median step
+ * wall time / batch; *mean = the mean phase times per step. 0 or a negative code (mf_last_error). */
+int mf_tool_measure(const char *dir, const mf_plan_opts *po, int n_cards, int threads, int warmup, int steps,
+                    double *token_ns, mf_step_times *mean);
+
+#endif
