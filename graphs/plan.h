@@ -38,8 +38,8 @@ typedef struct mf_plan_opts {
     int batch;                   /* sequences per decode step, 1..MF_STEP_MAX_ITEMS (0: 1) */
     int64_t context;             /* tokens already in each sequence at the first step (0: 16) */
     int read_window;             /* streamed store: slots whose reads are in flight (0: 2, -1: all) */
-    int copy_slots;              /* per card: copies in flight (staging buffers) (0: 4) */
-    uint64_t dev_cache_bytes;    /* per card (0: the profile's card_mem_bytes) */
+    int copy_slots;              /* per card: copy-in streams (0: 1, the engine's one stream) */
+    uint64_t dev_cache_bytes;    /* per card (0: every expert, halved until card_mem_bytes holds it) */
     int dev_cache_policy;        /* mf_plan_cache_policy */
     int store;                   /* mf_plan_store for routed experts */
     uint64_t store_budget_bytes; /* streamed: slab bytes (0: 2 GiB, as host/store.h) */
