@@ -60,6 +60,7 @@ struct mf_plan {
     double sh_up_bytes, sh_down_bytes, Ish;  /* shared expert */
     double head_bytes;
     double cpu_bytes_per_s;                  /* host kernels: min(thread, socket memory / threads) */
+    mf_lane_model models[4];                 /* the engine's lane models (mf_step_lane_models) */
     /* lanes: cpu, [io], 3 per card */
     mf_lane_desc lanes[2 + 6 * PL_MAX_CARDS];
     char lane_names[2 + 6 * PL_MAX_CARDS][32];
@@ -308,9 +309,12 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
     p->cpu_bytes_per_s = f->mem_bytes_per_s > 0 ? f->mem_bytes_per_s / per_socket : 0;
     if ((rc = pl_sizes(p))) goto fail;
 
-    /* lanes as mf_step_new / mf_step_dev_setup, with the engine's models for priorities */
+    /* lanes as mf_step_new / mf_step_dev_setup, with the engine's models (from the same profile,
+     * as an engine given it: `moeflow decode --profile P`) for priorities and hybrid placement */
+    mf_step_lane_models(f, p->n_threads, p->models);
+    if (o->cpu_bytes_per_s > 0) p->models[0].bytes_per_s = o->cpu_bytes_per_s;
     p->lanes[0] = (mf_lane_desc){.kind = MF_LANE_CPU, .name = "cpu", .concurrency = p->n_threads,
-                                 .numa_node = -1, .model = {.bytes_per_s = 20e9, .latency_ns = 2000}};
+                                 .numa_node = -1, .model = p->models[0]};
     p->lane_core[0] = 1;
     p->n_lanes = 1;
     p->io_lane = -1;
@@ -327,8 +331,7 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
         for (int k = 0; k < 3; k++) {
             int l = p->n_lanes++;
             snprintf(p->lane_names[l], sizeof p->lane_names[l], "dev%d.%s", cd, kn[k]);
-            mf_lane_model m = k == 1 ? (mf_lane_model){.bytes_per_s = 20e9, .latency_ns = 5000}
-                                     : (mf_lane_model){.bytes_per_s = 25e9, .latency_ns = 10000};
+            mf_lane_model m = p->models[k + 1];
             /* one stream per lane: its operations run in order */
             p->lanes[l] = (mf_lane_desc){.kind = kk[k], .name = p->lane_names[l],
                                          .concurrency = k == 0 ? p->copy_slots : 1, .numa_node = -1,
@@ -538,8 +541,7 @@ static int pl_layer_slots(mf_plan *p, int L, pl_slot *sl, int *n_used, mf_plan_r
     /* mf_step_place */
     double bytes = p->xslot_bytes, W = p->n_threads;
     double host_q = 0, copy_q[PL_MAX_CARDS] = {0}, comp_q[PL_MAX_CARDS] = {0};
-    double cpu_bps = p->o.cpu_bytes_per_s > 0 ? p->o.cpu_bytes_per_s : 20e9;
-    mf_lane_desc cpu = {.model = {.bytes_per_s = cpu_bps, .latency_ns = 2000}};
+    mf_lane_desc cpu = {.model = p->models[0]};
     for (int s = 0; s < ns; s++) {
         int e = sl[s].e, c = (int)(((int64_t)e + L) % p->n_cards);   /* mf_dev_xcache_owner */
         if (p->n_cards <= 1) c = 0;

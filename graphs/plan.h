@@ -46,8 +46,9 @@ typedef struct mf_plan_opts {
     int tables;                  /* mf_plan_store for Engram tables (reads per step when streamed) */
     double dev_task_ns;          /* emulated cards: the host core time of one device task's round
                                   * trip (`moeflow bench devtasks`; 0: the profile's card_fp4_latency_ns) */
-    double cpu_bytes_per_s;      /* the engine's hybrid model of host expert work, as
-                                  * mf_step_opts.cpu_bytes_per_s (0: 20e9) */
+    double cpu_bytes_per_s;      /* overrides the engine's model of host expert work per worker, as
+                                  * mf_step_opts.cpu_bytes_per_s (0: from the profile, as an engine
+                                  * given it: mf_step_lane_models) */
     mf_routing *routing;         /* borrowed; NULL: uniform draws from `seed` */
     uint64_t seed;
 } mf_plan_opts;

@@ -20,6 +20,7 @@
 #include "device/dev.h"
 #include "device/expert_cache.h"
 #include "sched/error.h"
+#include "sched/profile.h"
 #include "sched/sched.h"
 #include "sched/timeline.h"
 
@@ -121,6 +122,7 @@ struct mf_step {
     mf_step_shape *shapes[2][MF_STEP_MAX_ITEMS + 1];   /* [par][n] */
     mf_step_shape *last;
     mf_step_times times;
+    mf_lane_model models[4];   /* mf_step_lane_models: cpu, copy in, card compute, copy out */
 };
 
 enum { MF_STEP_K_OTHER, MF_STEP_K_IO, MF_STEP_K_EXPERT, MF_STEP_K_COPY, MF_STEP_K_DEV, MF_STEP_K_COPY_OUT };
@@ -264,6 +266,27 @@ static const mf_weight *mf_step_slot_weights(mf_step_shape *sh, int L, int slot)
 {
     if (sh->slot_w) return &sh->slot_w[(size_t)slot * 3];
     return &mf_model_layer_at(sh->eng->r->m, L)->experts[sh->slot_e[slot] * 3];
+}
+
+void mf_step_lane_models(const mf_profile *p, int threads, mf_lane_model models[4])
+{
+    if (!p) {
+        models[0] = (mf_lane_model){.bytes_per_s = 20e9, .latency_ns = 2000};
+        models[1] = models[3] = (mf_lane_model){.bytes_per_s = 25e9, .latency_ns = 10000};
+        models[2] = (mf_lane_model){.bytes_per_s = 20e9, .latency_ns = 5000};
+        return;
+    }
+    if (threads < 1) threads = 1;
+    int tps = p->threads_per_socket > 0 ? p->threads_per_socket : 1;
+    int sockets = (threads + tps - 1) / tps;
+    if (sockets > p->n_sockets) sockets = p->n_sockets > 0 ? p->n_sockets : 1;
+    double bps = p->host[MF_KF_FP4].bytes_per_s, share = p->mem_bytes_per_s * sockets / threads;
+    if (share > 0 && share < bps) bps = share;
+    models[0] = (mf_lane_model){.bytes_per_s = bps, .latency_ns = p->host[MF_KF_FP4].latency_ns};
+    models[1] = (mf_lane_model){.bytes_per_s = p->h2d_bytes_per_s, .latency_ns = p->h2d_latency_ns};
+    models[2] = (mf_lane_model){.bytes_per_s = p->card[MF_KF_FP4].bytes_per_s,
+                                .latency_ns = p->card[MF_KF_FP4].latency_ns};
+    models[3] = (mf_lane_model){.bytes_per_s = p->d2h_bytes_per_s, .latency_ns = p->d2h_latency_ns};
 }
 
 static double mf_step_lane_ns(const mf_lane_desc *l, double bytes)
@@ -1220,10 +1243,9 @@ static int mf_step_dev_setup(mf_step *s)
         for (int k = 0; k < 3; k++) {
             char *nm = s->lane_names[3 * cd + k];
             snprintf(nm, sizeof s->lane_names[0], "dev%d.%s", cd, kn[k]);
-            /* models for placement and priorities, not measurements: copies as the emulated
-             * device's defaults (25 GB/s, 10 us), compute as a host worker (the emulated kernels) */
-            mf_lane_model m = k == 1 ? (mf_lane_model){.bytes_per_s = 20e9, .latency_ns = 5000}
-                                     : (mf_lane_model){.bytes_per_s = 25e9, .latency_ns = 10000};
+            /* models for placement and priorities (mf_step_lane_models: the profile's, or
+             * built-in assumptions) */
+            mf_lane_model m = s->models[k + 1];
             s->lanes[s->n_lanes++] = (mf_lane_desc){.kind = kk[k], .name = nm, .concurrency = 4,
                                                     .numa_node = -1, .device = cd, .model = m};
         }
@@ -1285,9 +1307,10 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     }
     s->store = store;
     s->max_items = max_items;
+    mf_step_lane_models(s->o.profile, s->o.n_threads, s->models);
+    if (s->o.cpu_bytes_per_s > 0) s->models[0].bytes_per_s = s->o.cpu_bytes_per_s;
     s->lanes[0] = (mf_lane_desc){.kind = MF_LANE_CPU, .name = "cpu", .concurrency = s->o.n_threads,
-                                 .numa_node = -1, .model = {.bytes_per_s = s->o.cpu_bytes_per_s > 0 ? s->o.cpu_bytes_per_s : 20e9,
-                                           .latency_ns = 2000}};
+                                 .numa_node = -1, .model = s->models[0]};
     s->lanes[1] = (mf_lane_desc){.kind = MF_LANE_IO, .name = "io", .concurrency = 64, .numa_node = -1,
                                  .model = {.bytes_per_s = 2e9, .latency_ns = 1e5}};
     s->n_lanes = store ? 2 : 1;

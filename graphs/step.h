@@ -9,8 +9,10 @@
 #include <stdint.h>
 
 #include "graphs/ref.h"
+#include "sched/graph.h"
 
 typedef struct mf_dev mf_dev;
+typedef struct mf_profile mf_profile;
 
 /* Items per forward call (larger prefills are cut into chunks of this many). */
 #define MF_STEP_MAX_ITEMS 64
@@ -42,8 +44,12 @@ typedef struct mf_step_opts {
      * rows passed through a device-side slot table, so a new routing needs no new capture; the
      * card's FFNs then start once all its copy-ins of the layer are done. 0: a task per slot. */
     int dev_graphs;
-    /* the CPU lane's model of expert work (bytes of weights per second; 0: 20e9, a model, not a
-     * measurement): what hybrid placement weighs a card against */
+    /* the machine's hardware profile (sched/profile.h, e.g. from `moeflow calibrate`), or NULL:
+     * the lanes' cost models (priorities, and what hybrid placement weighs) come from it, see
+     * mf_step_lane_models; NULL: the built-in assumptions listed there */
+    const mf_profile *profile;
+    /* overrides the CPU lane's model of expert work (bytes of weights per second per worker) when
+     * > 0: what hybrid placement weighs a card against */
     double cpu_bytes_per_s;
 } mf_step_opts;
 
@@ -60,6 +66,14 @@ typedef enum mf_step_placement {
 } mf_step_placement;
 
 typedef struct mf_step mf_step;
+
+/* The engine's cost models of its lanes for `threads` workers: models[0] the CPU lane (one
+ * worker's fused fp4 rate, capped by its share of the memory bandwidth of the sockets its workers
+ * fill, + latency), models[1] a card's copy-in (h2d), models[2] its compute (card fp4), models[3]
+ * its copy-out (d2h). With p NULL, the built-in assumptions (not measurements): host 20e9 B/s +
+ * 2 us, copies 25e9 B/s + 10 us, cards 20e9 B/s + 5 us. The simulator (graphs/plan.c) weighs its
+ * hybrid placement with the same function. */
+void mf_step_lane_models(const mf_profile *p, int threads, mf_lane_model models[4]);
 
 /* An engine over the reference forward `r`: it advances r's states (mf_ref_state_new(r, ...)) and
  * runs the sublayers it does not parallelize (Engram, attention, hyper-connections, router) with

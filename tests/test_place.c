@@ -15,6 +15,7 @@
 #include "graphs/ref.h"
 #include "graphs/step.h"
 #include "sched/error.h"
+#include "sched/profile.h"
 #include "tests/check.h"
 #include "tests/tiny_ckpt.h"
 
@@ -213,6 +214,50 @@ static void test_copy_fault(mf_ref *r, double cpu_bps)
     free(lg);
 }
 
+/* Hybrid placement weighs the lanes' models of a hardware profile (mf_step_opts.profile): with slow
+ * host kernels every slot goes to a card, with slow copies none does; logits equal the host's. */
+static void test_profile_models(mf_ref *r)
+{
+    size_t per = (size_t)N_LOG * g_V;
+    float *host = malloc(sizeof(float) * per), *got = malloc(sizeof(float) * per);
+    int32_t toks[N_SEQ][N_DEC];
+    mf_step *e = NULL;
+    mf_step_dev_stats ds = {0};
+    CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2}, &e) == 0 && run(r, e, 1, toks, 0, host, &ds) == 0,
+          "host run: %s", mf_last_error());
+    mf_step_free(e);
+    mf_profile f;
+    memset(&f, 0, sizeof f);
+    f.n_sockets = 1;
+    f.threads_per_socket = 2;
+    f.mem_bytes_per_s = 1e12;
+    f.host[MF_KF_FP4] = (mf_profile_kern){.bytes_per_s = 1e5};   /* host kernels: 100 kB/s */
+    f.card[MF_KF_FP4] = (mf_profile_kern){.bytes_per_s = 1e11};
+    f.h2d_bytes_per_s = f.d2h_bytes_per_s = 1e11;
+    for (int slow_copies = 0; slow_copies < 2; slow_copies++) {
+        if (slow_copies) {
+            f.host[MF_KF_FP4].bytes_per_s = 1e11;
+            f.h2d_bytes_per_s = 1e5;
+        }
+        mf_dev *d = NULL;
+        CHECK(mf_dev_open("emu:2", &d) == 0, "%s", mf_last_error());
+        e = NULL;
+        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = MF_STEP_PLACE_HYBRID,
+                                             .profile = &f}, &e) == 0, "%s", mf_last_error());
+        ds = (mf_step_dev_stats){0};
+        int rc = e ? run(r, e, 1, toks, 1, got, &ds) : -1;
+        CHECK(rc == 0 && !memcmp(host, got, sizeof(float) * per), "profile run %d: %d", slow_copies, rc);
+        if (slow_copies)
+            CHECK(ds.dev_slots == 0 && ds.host_slots > 0, "slow copies: %lld slots on cards", (long long)ds.dev_slots);
+        else
+            CHECK(ds.host_slots == 0 && ds.dev_slots > 0, "slow host: %lld slots on the host", (long long)ds.host_slots);
+        mf_step_free(e);
+        mf_dev_close(d);
+    }
+    free(host);
+    free(got);
+}
+
 static int cli(const char *args, char *out, size_t cap)
 {
     const char *bin = getenv("MOEFLOW_BIN");
@@ -282,6 +327,7 @@ int main(void)
     double cpu_bps = (double)xb / 12e-6;
     test_cli(dir);
     test_copy_fault(r, cpu_bps);
+    test_profile_models(r);
     test_placements(r, "resident", 0, 0, cpu_bps);
     /* a cache of 2 x top_k experts per card: misses evict (and are pinned slots respected) */
     test_placements(r, "small cache", (uint64_t)(2 * c.n_experts_per_tok) * (xb + 6 * 256), 1, cpu_bps);

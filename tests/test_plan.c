@@ -236,6 +236,36 @@ static void test_determinism_and_caches(void)
     mf_routing_free(rt);
 }
 
+/* Hybrid placement weighs the profile's rates (mf_step_lane_models, as an engine given the same
+ * profile): slow host kernels send experts to the cards, slow copies keep them on the host. */
+static void test_hybrid_models(void)
+{
+    mf_config c;
+    CHECK(!mf_config_preset("demo", &c), "preset demo");
+    mf_profile f = costly_profile();
+    mf_lane_model m[4];
+    mf_step_lane_models(&f, 4, m);
+    CHECK(m[0].bytes_per_s == 10e9 && m[0].latency_ns == 1000, "cpu model %g B/s %g ns", m[0].bytes_per_s,
+          m[0].latency_ns);
+    CHECK(m[1].bytes_per_s == 8e9 && m[1].latency_ns == 10000 && m[2].bytes_per_s == 300e9 &&
+          m[3].bytes_per_s == 8e9, "card models %g %g %g", m[1].bytes_per_s, m[2].bytes_per_s, m[3].bytes_per_s);
+    mf_step_lane_models(&f, 16, m);   /* 16 workers, one socket: its 40e9 B/s shared */
+    CHECK(m[0].bytes_per_s == 40e9 * 1 / 16, "16 workers on one socket: %g B/s each", m[0].bytes_per_s);
+    mf_step_lane_models(NULL, 4, m);
+    CHECK(m[0].bytes_per_s == 20e9 && m[1].bytes_per_s == 25e9 && m[2].bytes_per_s == 20e9, "built-in models");
+    mf_plan_opts o = {.config = &c, .profile = &f, .placement = MF_STEP_PLACE_HYBRID, .batch = 1, .seed = 3};
+    mf_plan_report fast_cards, slow_cards;
+    f.host[MF_KF_FP4].bytes_per_s = 1e8;   /* host kernels 100x slower than a copy */
+    CHECK(!mf_plan_run(&o, 1, 3, &fast_cards), "%s", mf_last_error());
+    CHECK(fast_cards.dev_slots > 0, "slow host: hybrid put %lld slots on cards", (long long)fast_cards.dev_slots);
+    f = costly_profile();
+    f.h2d_bytes_per_s = 1e6;                /* copies 10000x slower than the host */
+    o.profile = &f;
+    CHECK(!mf_plan_run(&o, 1, 3, &slow_cards), "%s", mf_last_error());
+    CHECK(slow_cards.dev_slots == 0 && slow_cards.host_slots > 0, "slow copies: hybrid put %lld slots on cards",
+          (long long)slow_cards.dev_slots);
+}
+
 static void test_flash41(void)
 {
     mf_config c;
@@ -338,6 +368,7 @@ int main(void)
     const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
     test_structure(tmp);
     test_determinism_and_caches();
+    test_hybrid_models();
     test_flash41();
     test_refusals();
     test_core_pool();

@@ -21,6 +21,7 @@
 #include "host/tokenizer.h"
 #include "sched/clock.h"
 #include "sched/error.h"
+#include "sched/profile.h"
 #include "tools/commands.h"
 
 static void mf_decode_usage(FILE *f)
@@ -33,7 +34,7 @@ static void mf_decode_usage(FILE *f)
             "                      [--store resident|streamed [--store-budget SIZE]\n"
             "                       [--store-tables resident|streamed] [--io-depth N]]\n"
             "                      [--devices emu:N|cuda[:IDS] [--placement seed|host|hybrid]\n"
-            "                       [--dev-cache SIZE]] [--record-routing FILE]\n\n"
+            "                       [--dev-cache SIZE] [--profile P]] [--record-routing FILE]\n\n"
             "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
             "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
             "one thread: the correctness oracle). One sequence is streamed: text when DIR has a\n"
@@ -78,7 +79,10 @@ static void mf_decode_usage(FILE *f)
             "                      cost models (default with --devices); host: all on the\n"
             "                      host (default without). Per-step device lines on stderr\n"
             "  --dev-cache SIZE    expert cache bytes per card (default: every expert, or as\n"
-            "                      many as the card holds)\n"
+            "                      many as the card holds)\n"            "  --profile P         hardware profile (docs/profiles.md, `moeflow calibrate`) whose\n"
+            "                      host fp4, h2d and card fp4 rates are the lanes' cost models\n"
+            "                      that hybrid placement weighs (default: built-in assumptions,\n"
+            "                      host 20 GB/s per worker, copies 25 GB/s + 10 us, cards 20 GB/s)\n"
             "  --record-routing FILE  write the routed experts of every token (prefill and\n"
             "                      decode, every sequence and layer) to FILE, a routing trace\n"
             "                      for `moeflow sim --routing trace:FILE`; it records through the\n"
@@ -275,6 +279,8 @@ int mf_cmd_decode(int argc, char **argv)
     uint64_t store_budget = 0;
     const char *trace = NULL, *devices = NULL, *placement = NULL, *record = NULL;
     uint64_t dev_cache = 0;
+    const char *profile_path = NULL;
+    static mf_profile prof;
     if (threads < 1) threads = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -379,6 +385,8 @@ int mf_cmd_decode(int argc, char **argv)
                 fprintf(stderr, "moeflow decode: --dev-cache: expected a size such as 2G or 512M, found '%s'\n", argv[i]);
                 return 2;
             }
+        } else if (!strcmp(a, "--profile") && hv) {
+            profile_path = argv[++i];
         } else if (!strcmp(a, "--record-routing") && hv) {
             record = argv[++i];
         } else if (!strcmp(a, "--trace") && hv) {
@@ -413,6 +421,10 @@ int mf_cmd_decode(int argc, char **argv)
     }
     if (placement && strcmp(placement, "host") && !devices) {
         fprintf(stderr, "moeflow decode: --placement %s needs --devices\n", placement);
+        return 2;
+    }
+    if (profile_path && !sched) {
+        fprintf(stderr, "moeflow decode: --profile applies to the scheduled engine\n");
         return 2;
     }
     if (devices && !placement) placement = "hybrid";
@@ -530,11 +542,13 @@ int mf_cmd_decode(int argc, char **argv)
         rrec.n_seq = n_seq;
         ro.hooks = (mf_ref_hooks){.user = &rrec, .on_route = mf_on_route_record};
     }
+    if (profile_path && mf_profile_load(profile_path, &prof)) goto fail;
     if (mf_ref_new(m, &ro, &r)) goto fail;
     if (devices && place != MF_STEP_PLACE_HOST && mf_dev_open(devices, &dev)) goto fail;
     if (sched && mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact,
                                                  .read_window = (int)read_window, .dev = dev,
-                                                 .placement = place, .dev_cache_bytes = dev_cache}, &eng))
+                                                 .placement = place, .dev_cache_bytes = dev_cache,
+                                                 .profile = profile_path ? &prof : NULL}, &eng))
         goto fail;
     for (int s = 0; s < n_seq; s++)
         if (mf_ref_state_new(r, total > 0 ? total : 1, &st[s]) ||
