@@ -1,10 +1,11 @@
 /* The scheduled decode engine (graphs/step.h): per batch size one graph, per layer
- * [engram] -> attn -> gate -> route -> expert slots (up parts -> join -> down parts) -> combine,
- * the shared expert (up parts -> join -> down parts) beside the slots, then norm -> head parts.
+ * [engram] -> attn pre -> attn linear stages (in, qb, oa, ob; row parts) around attn core ->
+ * attn post -> gate -> route -> expert slots (up parts -> join -> down parts) -> combine, the
+ * shared expert (up parts -> join -> down parts) beside the slots, then norm -> head parts.
  * Tasks read the step's data (items, slot table) from the shape's buffers, so the graph never
- * changes. Engram, attention, hyper-connections, router and combine call the reference code on
- * the engine's own forward objects (one task per item when the items are distinct sequences);
- * expert FFNs and the head use the fused kernels (host/kernels.h), split by rows. */
+ * changes. Engram, the per-item attention parts, hyper-connections, router and combine call the
+ * reference code on the engine's own forward objects (one task per item when the items are
+ * distinct sequences); attention linears, expert FFNs and the head are split by rows. */
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -177,9 +178,9 @@ static void mf_step_abuf(const mf_step_shape *sh, int i, float **b)
     for (int k = 0; k < MF_RA_N; k++) b[k] = sh->ab[k] + (size_t)i * sh->ab_ld[k];
 }
 
-/* Per item: the attention mix (pre, post, comb kept for attn_out), collapse and attn_norm into
+/* Per item: the attention mix (pre, post, comb kept for attn post), collapse and attn_norm into
  * the item's input buffer. */
-static int mf_task_attn_in(void *arg, mf_task_ctx *ctx)
+static int mf_task_attn_pre(void *arg, mf_task_ctx *ctx)
 {
     (void)ctx;
     mf_step_targ *a = arg;
@@ -257,7 +258,7 @@ static int mf_task_attn_core(void *arg, mf_task_ctx *ctx)
 
 /* Per item: the attention output expanded into the streams, then the ffn mix and norm (the MoE
  * input): the rest of the first part of the reference's layer (ref_model.c). */
-static int mf_task_attn_out(void *arg, mf_task_ctx *ctx)
+static int mf_task_attn_post(void *arg, mf_task_ctx *ctx)
 {
     (void)ctx;
     mf_step_targ *a = arg;
@@ -995,7 +996,7 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
     double exp_bytes = 3 * H * I * 0.53, sh_bytes = 3 * H * I * 1.0;
     for (int k = 0; k < u; k++) unit[k] = -1;
     for (int L = 0; L < c->n_layers; L++) {
-        mf_task_id ain[MF_STEP_MAX_ITEMS], core[MF_STEP_MAX_ITEMS], aout[MF_STEP_MAX_ITEMS];
+        mf_task_id apre[MF_STEP_MAX_ITEMS], core[MF_STEP_MAX_ITEMS], apost[MF_STEP_MAX_ITEMS];
         mf_task_id rows[MF_RA_N_STAGES][MF_STEP_MAX_PARTS];
         double st_bytes[MF_RA_N_STAGES];
         for (int st = 0; st < MF_RA_N_STAGES; st++) {   /* weight bytes of each linear stage */
@@ -1005,8 +1006,8 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
             for (int k = 0; k < nl; k++) st_bytes[st] += (double)mf_weight_data_bytes(lin[k].w);
         }
         static const char *const st_name[MF_RA_N_STAGES] = {"in", "qb", "oa", "ob"};
-        /* attention: [per unit: in] -> IN parts -> q norm -> QB parts -> [per unit: core] -> OA
-         * parts -> join -> OB parts -> [per unit: out] */
+        /* attention: [per unit: pre] -> in parts -> q norm -> qb parts -> [per unit: core] -> oa
+         * parts -> oa join -> ob parts -> [per unit: post] */
         for (int k = 0; k < u; k++) {
             int i0 = sh->par ? k : 0, i1 = sh->par ? k + 1 : n;
             mf_ref *r = eng->cl[k];
@@ -1017,9 +1018,9 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
                 mf_step_dep(&b, unit[k], t);
                 unit[k] = t;
             }
-            snprintf(name, sizeof name, sh->par ? "attn L%d in item %d" : "attn L%d in", L, k);
-            ain[k] = mf_step_add(&b, name, mf_task_attn_in, MF_STEP_ATTN, L, 0, 0, i0, i1, r, 0, hc_ns);
-            mf_step_dep(&b, unit[k], ain[k]);
+            snprintf(name, sizeof name, sh->par ? "attn L%d pre item %d" : "attn L%d pre", L, k);
+            apre[k] = mf_step_add(&b, name, mf_task_attn_pre, MF_STEP_ATTN, L, 0, 0, i0, i1, r, 0, hc_ns);
+            mf_step_dep(&b, unit[k], apre[k]);
         }
         for (int st = 0; st < MF_RA_N_STAGES; st++)
             for (int p = 0; p < sh->p_attn; p++) {
@@ -1036,15 +1037,15 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
             int i0 = sh->par ? k : 0, i1 = sh->par ? k + 1 : n;
             snprintf(name, sizeof name, sh->par ? "attn L%d core item %d" : "attn L%d core", L, k);
             core[k] = mf_step_add(&b, name, mf_task_attn_core, MF_STEP_ATTN, L, 0, 0, i0, i1, eng->cl[k], 0, core_ns);
-            snprintf(name, sizeof name, sh->par ? "attn L%d out item %d" : "attn L%d out", L, k);
-            aout[k] = mf_step_add(&b, name, mf_task_attn_out, MF_STEP_ATTN, L, 0, 0, i0, i1, eng->cl[k], 0, 2 * hc_ns);
+            snprintf(name, sizeof name, sh->par ? "attn L%d post item %d" : "attn L%d post", L, k);
+            apost[k] = mf_step_add(&b, name, mf_task_attn_post, MF_STEP_ATTN, L, 0, 0, i0, i1, eng->cl[k], 0, 2 * hc_ns);
         }
         for (int p = 0; p < sh->p_attn; p++) {
             for (int k = 0; k < u; k++) {
-                mf_step_dep(&b, ain[k], rows[MF_RA_STAGE_IN][p]);
+                mf_step_dep(&b, apre[k], rows[MF_RA_STAGE_IN][p]);
                 mf_step_dep(&b, rows[MF_RA_STAGE_QB][p], core[k]);
                 mf_step_dep(&b, core[k], rows[MF_RA_STAGE_OA][p]);
-                mf_step_dep(&b, rows[MF_RA_STAGE_OB][p], aout[k]);
+                mf_step_dep(&b, rows[MF_RA_STAGE_OB][p], apost[k]);
             }
             mf_step_dep(&b, rows[MF_RA_STAGE_IN][p], qn);
             mf_step_dep(&b, qn, rows[MF_RA_STAGE_QB][p]);
@@ -1052,12 +1053,12 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
             mf_step_dep(&b, oj, rows[MF_RA_STAGE_OB][p]);
         }
         for (int k = 0; k < u; k++) {
-            gates[k] = aout[k];
+            gates[k] = apost[k];
             if (sh->par) {
                 snprintf(name, sizeof name, "gate L%d item %d", L, k);
                 gates[k] = mf_step_add(&b, name, mf_task_gate, MF_STEP_MOE, L, 0, 0, k, k + 1, eng->cl[k], 0,
                                        H * c->n_routed_experts);
-                mf_step_dep(&b, aout[k], gates[k]);
+                mf_step_dep(&b, apost[k], gates[k]);
             }
         }
         snprintf(name, sizeof name, "route L%d", L);
@@ -1127,7 +1128,7 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
             snprintf(name, sizeof name, "shared L%d down %d", L, p);
             mf_task_id dn = mf_step_add(&b, name, mf_task_sh_down, MF_STEP_MOE, L, 0, p, 0, 0, NULL,
                                         sh_bytes / 3 / sh->p_sh, 0);
-            for (int k = 0; k < u; k++) mf_step_dep(&b, aout[k], up);
+            for (int k = 0; k < u; k++) mf_step_dep(&b, apost[k], up);
             /* streamed experts: the shared expert runs while the routed experts are read */
             if (eng->store) mf_step_dep(&b, ro, up);
             mf_step_dep(&b, up, sj);
