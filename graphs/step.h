@@ -1,7 +1,7 @@
 /* The scheduled decode engine: one forward step (a batch of (sequence, token) items) as a scheduler
- * graph, built once per batch size and re-run: hyper-connection mixes, attention, router, a fixed
- * number of routed-expert slots (split by rows across workers), the shared expert, a fixed-order
- * combine; Engram and the head likewise. Sequences keep their caches in mf_ref_state (graphs/ref.h),
+ * graph, built once per batch size and re-run: hyper-connection mixes, attention (its linears split
+ * by rows across workers), router, a fixed number of routed-expert slots (split by rows across
+ * workers), the shared expert, a fixed-order combine; Engram and the head likewise. Sequences keep their caches in mf_ref_state (graphs/ref.h),
  * so the reference and this engine can continue each other's sequences. Layout: docs/decode.md. */
 #ifndef MF_STEP_H
 #define MF_STEP_H
@@ -76,9 +76,9 @@ typedef struct mf_step mf_step;
 void mf_step_lane_models(const mf_profile *p, int threads, mf_lane_model models[4]);
 
 /* An engine over the reference forward `r`: it advances r's states (mf_ref_state_new(r, ...)) and
- * runs the sublayers it does not parallelize (Engram, attention, hyper-connections, router) with
- * the reference code on forward objects of its own, copies of r whose FP8/BF16 linears run on the
- * kernels (docs/decode.md). r must outlive the engine and must not run forwards of its own while
+ * runs the parts it does not split by rows (Engram, attention's per-item parts, hyper-connections,
+ * router) with the reference code on forward objects of its own, copies of r whose FP8/BF16
+ * linears run on the kernels; attention's linears run split by rows (docs/decode.md). r must outlive the engine and must not run forwards of its own while
  * an engine call is in progress. Debug hooks of r are called on worker threads, in item order
  * (a batch with hooks runs the serial graph). Fails with -ENOTSUP when the model is lazy without
  * an expert store, the reference uses act_quant, or FP8 tiles are not 32x32.
