@@ -2,26 +2,25 @@
  * ring, the compressor of KV-source layers (ratio 2 gated pooling or ratio 1) with fp4 index keys
  * and fp4 compressed entries, the indexer (scores, the candidate-block mask, top-k), sparse
  * attention over window + selected entries with a per-head sink, inverse RoPE and the grouped
- * low-rank output. */
+ * low-rank output. In phases (linear stages and a per-item core) that the scheduled engine also
+ * runs, its linear stages split by rows across workers (ref_internal.h). */
 #include <errno.h>
 #include <string.h>
 
 #include "graphs/ref_internal.h"
 #include "sched/error.h"
 
-/* Compressor of KV-source layer L for the token at it->pos: emits an entry when a group closes. */
-static int mf_ref_compress(mf_ref *r, mf_ref_item *it, int L, const float *in)
+/* Compressor of KV-source layer L for the token at it->pos, from its linears' outputs lat
+ * (cmp_wkv, overwritten) and sc (cmp_wgate, ratio 2): emits an entry when a group closes. */
+static int mf_ref_compress(mf_ref *r, mf_ref_item *it, int L, float *lat, const float *sc)
 {
     const mf_config *c = r->c;
     const mf_model_layer *y = mf_model_layer_at(r->m, L);
     mf_ref_cache *ca = &it->st->cache[L];
     int ratio = c->compress_ratios[L], D = c->head_dim, rd = c->qk_rope_head_dim;
     int id = c->index_head_dim;
-    float *lat = r->s[8], *sc = r->s[9];
     int rc;
-    if ((rc = mf_ref_linear(r, &y->cmp_wkv, in, lat, 0))) return rc;
     if (ratio == 2) {
-        if ((rc = mf_ref_linear(r, &y->cmp_wgate, in, sc, 0))) return rc;   /* fp32 */
         if (it->pos % 2 == 0) {   /* opens a group */
             memcpy(ca->pend_kv, lat, (size_t)D * sizeof *lat);
             memcpy(ca->pend_score, sc, (size_t)D * sizeof *sc);
@@ -57,24 +56,19 @@ static int mf_ref_compress(mf_ref *r, mf_ref_item *it, int L, const float *in)
     return 0;
 }
 
-/* Indexer of index-source layer L: scores the n_vis visible entries of KV source S, builds the
+/* Indexer of index-source layer L, from its linears' outputs qi (idx_wq_b) and wts
+ * (idx_weights_proj), both overwritten: scores the n_vis visible entries of KV source S, builds the
  * candidate mask (on the candidate layer) or applies it (on later index layers of the same
  * source), and leaves the top-k selection, ascending, in it->topk. */
-static int mf_ref_index(mf_ref *r, mf_ref_item *it, int L, int S, const float *in, const float *qr,
-                        int64_t n_vis)
+static void mf_ref_index(mf_ref *r, mf_ref_item *it, int L, int S, float *qi, float *wts, int64_t n_vis)
 {
     const mf_config *c = r->c;
-    const mf_model_layer *y = mf_model_layer_at(r->m, L);
     const mf_ref_cache *ca = &it->st->cache[S];
     int ih = c->index_n_heads, id = c->index_head_dim, rd = c->qk_rope_head_dim;
-    float *qi = r->s[8], *wts = r->s[9];
-    int rc;
-    if ((rc = mf_ref_linear(r, &y->idx_wq_b, qr, qi, r->opts.act_quant))) return rc;
     mf_bf_n(qi, (int64_t)ih * id);
     for (int h = 0; h < ih; h++) mf_ref_rope(qi + h * id + id - rd, rd / 2, r->freqs_comp, it->pos, 0);
     mf_bf_n(qi, (int64_t)ih * id);
     mf_ref_fq_e2m1_pow2(qi, (int64_t)ih * id, 32);
-    if ((rc = mf_ref_linear(r, &y->idx_weights_proj, in, wts, 0))) return rc;
     float wscale = (float)(1.0 / sqrt((double)id) / sqrt((double)ih));
     for (int h = 0; h < ih; h++) wts[h] = mf_bf(wts[h]) * wscale;
 
@@ -144,31 +138,123 @@ static int mf_ref_index(mf_ref *r, mf_ref_item *it, int L, int S, const float *i
         }
     it->n_topk = n;
     it->topk_src = S;
+}
+
+int64_t mf_ref_attn_buf_len(const mf_config *c, int buf)
+{
+    int64_t qd = (int64_t)c->n_heads * c->head_dim;
+    switch (buf) {
+    case MF_RA_IN: case MF_RA_OUT: return c->hidden_size;
+    case MF_RA_QR: return c->q_lora_rank;
+    case MF_RA_KV: return (int64_t)c->n_kv_heads * c->head_dim;
+    case MF_RA_LAT: case MF_RA_GATE: return c->head_dim;
+    case MF_RA_IW: return c->index_n_heads;
+    case MF_RA_Q: case MF_RA_O: return qd;
+    case MF_RA_QI: return (int64_t)c->index_n_heads * c->index_head_dim;
+    case MF_RA_Z: return (int64_t)c->o_groups * c->o_lora_rank;
+    default: return 0;
+    }
+}
+
+int mf_ref_attn_linears(const mf_ref *r, int L, int stage, mf_ref_attn_lin *out)
+{
+    const mf_config *c = r->c;
+    const mf_model_layer *y = mf_model_layer_at(r->m, L);
+    int ratio = c->compress_ratios[L], n = 0;
+    int index = ratio > 0 && mf_config_is_index_source(c, L);
+#define MF_RA_ADD(w_, x_, y_, aq_, g_, bf_) (out[n++] = (mf_ref_attn_lin){(w_), (x_), (y_), (aq_), (g_), (bf_)})
+    switch (stage) {
+    case MF_RA_STAGE_IN:   /* everything that reads the input */
+        MF_RA_ADD(&y->wq_a, MF_RA_IN, MF_RA_QR, 1, 0, 0);
+        MF_RA_ADD(&y->wkv, MF_RA_IN, MF_RA_KV, 1, 0, 0);
+        if (ratio > 0 && r->src_of[L] == L) {
+            MF_RA_ADD(&y->cmp_wkv, MF_RA_IN, MF_RA_LAT, 0, 0, 0);
+            if (ratio == 2) MF_RA_ADD(&y->cmp_wgate, MF_RA_IN, MF_RA_GATE, 0, 0, 0);   /* fp32 */
+        }
+        if (index) MF_RA_ADD(&y->idx_weights_proj, MF_RA_IN, MF_RA_IW, 0, 0, 0);
+        break;
+    case MF_RA_STAGE_QB:   /* everything that reads the normed low-rank query */
+        MF_RA_ADD(&y->wq_b, MF_RA_QR, MF_RA_Q, 1, 0, 0);
+        if (index) MF_RA_ADD(&y->idx_wq_b, MF_RA_QR, MF_RA_QI, 1, 0, 0);
+        break;
+    case MF_RA_STAGE_OA:   /* grouped low-rank output: z_g = wo_a[g] o_g, no act quant */
+        MF_RA_ADD(&y->wo_a, MF_RA_O, MF_RA_Z, 0, c->o_groups, 1);
+        break;
+    case MF_RA_STAGE_OB:
+        MF_RA_ADD(&y->wo_b, MF_RA_Z, MF_RA_OUT, 1, 0, 1);
+        break;
+    }
+#undef MF_RA_ADD
+    return n;
+}
+
+int mf_ref_attn_lin_rows(mf_ref *r, const mf_ref_attn_lin *l, const float *x, int64_t ld_x, float *y,
+                         int64_t ld_y, int n_tok, int64_t r0, int64_t r1)
+{
+    const mf_weight *w = l->w;
+    if (!l->groups) {
+        int rc = mf_ref_linear_part(r, w, r->kern_linear, x, n_tok, ld_x, y, ld_y, r0, r1);
+        for (int t = 0; t < n_tok && !rc && l->bf; t++) mf_bf_n(y + t * ld_y + r0, r1 - r0);
+        return rc;
+    }
+    int64_t R = w->rows / l->groups;
+    for (int t = 0; t < n_tok; t++)
+        for (int64_t a = r0; a < r1;) {   /* the rows of one group at a time */
+            int64_t g = a / R, b = (g + 1) * R < r1 ? (g + 1) * R : r1;
+            int rc = mf_ref_linear_rows(r, w, a, b - a, x + t * ld_x + g * w->cols, w->cols, 0, y + t * ld_y + a);
+            if (rc) return rc;
+            if (l->bf) mf_bf_n(y + t * ld_y + a, b - a);
+            a = b;
+        }
     return 0;
 }
 
-int mf_ref_attn(mf_ref *r, mf_ref_item *it, int L, const float *in, float *out)
+int mf_ref_attn_stage(mf_ref *r, int L, int stage, float *const *b)
+{
+    mf_ref_attn_lin lin[MF_RA_MAX_LIN];
+    int n = mf_ref_attn_linears(r, L, stage, lin), aq = r->opts.act_quant;
+    for (int k = 0; k < n; k++) {
+        const mf_ref_attn_lin *l = &lin[k];
+        int rc;
+        if (l->groups) {   /* per group: rows of group g against its slice of x */
+            int64_t R = l->w->rows / l->groups;
+            for (int g = 0; g < l->groups; g++)
+                if ((rc = mf_ref_linear_rows(r, l->w, g * R, R, b[l->x] + g * l->w->cols, l->w->cols, 0,
+                                             b[l->y] + g * R)))
+                    return rc;
+        } else if ((rc = mf_ref_linear(r, l->w, b[l->x], b[l->y], l->aq && aq))) {
+            return rc;
+        }
+        if (l->bf) mf_bf_n(b[l->y], l->w->rows);
+    }
+    return 0;
+}
+
+void mf_ref_attn_qnorm(const mf_ref *r, int L, float *const *b)
+{
+    const mf_config *c = r->c;
+    mf_bf_n(b[MF_RA_QR], c->q_lora_rank);
+    mf_ref_rmsnorm(b[MF_RA_QR], c->q_lora_rank, &mf_model_layer_at(r->m, L)->q_norm, c->rms_norm_eps,
+                   b[MF_RA_QR]);
+}
+
+int mf_ref_attn_core(mf_ref *r, mf_ref_item *it, int L, float *const *b)
 {
     const mf_config *c = r->c;
     const mf_model_layer *y = mf_model_layer_at(r->m, L);
     int D = c->head_dim, nh = c->n_heads, rd = c->qk_rope_head_dim, W = c->sliding_window;
-    int ratio = c->compress_ratios[L], aq = r->opts.act_quant;
+    int ratio = c->compress_ratios[L];
     int64_t p = it->pos;
     const float *freqs = ratio ? r->freqs_comp : r->freqs_main;
-    float *qr = r->s[3], *q = r->s[4], *kv = r->s[5], *o = r->s[6], *z = r->s[7];
+    float *q = b[MF_RA_Q], *kv = b[MF_RA_KV], *o = b[MF_RA_O];
     int rc;
 
     /* queries */
-    if ((rc = mf_ref_linear(r, &y->wq_a, in, qr, aq))) return rc;
-    mf_bf_n(qr, c->q_lora_rank);
-    mf_ref_rmsnorm(qr, c->q_lora_rank, &y->q_norm, c->rms_norm_eps, qr);
-    if ((rc = mf_ref_linear(r, &y->wq_b, qr, q, aq))) return rc;
     mf_bf_n(q, (int64_t)nh * D);
     for (int h = 0; h < nh; h++) mf_ref_rope(q + h * D + D - rd, rd / 2, freqs, p, 0);
     mf_bf_n(q, (int64_t)nh * D);
 
     /* window KV: norm, RoPE, fp8 fake-quant over all channels in blocks of 32, into the ring */
-    if ((rc = mf_ref_linear(r, &y->wkv, in, kv, aq))) return rc;
     mf_bf_n(kv, D);
     mf_ref_rmsnorm(kv, D, &y->kv_norm, c->rms_norm_eps, kv);
     mf_ref_rope(kv + D - rd, rd / 2, freqs, p, 0);
@@ -183,11 +269,10 @@ int mf_ref_attn(mf_ref *r, mf_ref_item *it, int L, const float *in, float *out)
     int n_sel = 0;
     if (ratio > 0) {
         int S = r->src_of[L];
-        if (S == L && (rc = mf_ref_compress(r, it, L, in))) return rc;
+        if (S == L && (rc = mf_ref_compress(r, it, L, b[MF_RA_LAT], b[MF_RA_GATE]))) return rc;
         int64_t n_vis = (p + 1) / ratio;
-        if (mf_config_is_index_source(c, L) && n_vis > 0 &&
-            (rc = mf_ref_index(r, it, L, S, in, qr, n_vis)))
-            return rc;
+        if (mf_config_is_index_source(c, L) && n_vis > 0)
+            mf_ref_index(r, it, L, S, b[MF_RA_QI], b[MF_RA_IW], n_vis);
         if (mf_config_is_index_source(c, L) && n_vis == 0) {
             it->n_topk = 0;
             it->topk_src = S;
@@ -228,15 +313,22 @@ int mf_ref_attn(mf_ref *r, mf_ref_item *it, int L, const float *in, float *out)
         mf_ref_rope(oh + D - rd, rd / 2, freqs, p, 1);   /* inverse RoPE at the query position */
         mf_bf_n(oh + D - rd, rd);
     }
-
-    /* grouped low-rank output: z_g = wo_a[g] o_g (no act quant), out = wo_b z */
-    int G = c->o_groups, R = c->o_lora_rank;
-    int64_t gs = (int64_t)nh * D / G;
-    for (int g = 0; g < G; g++)
-        if ((rc = mf_ref_linear_rows(r, &y->wo_a, (int64_t)g * R, R, o + g * gs, gs, 0, z + (int64_t)g * R)))
-            return rc;
-    mf_bf_n(z, (int64_t)G * R);
-    if ((rc = mf_ref_linear(r, &y->wo_b, z, out, aq))) return rc;
-    mf_bf_n(out, c->hidden_size);
     return 0;
+}
+
+int mf_ref_attn(mf_ref *r, mf_ref_item *it, int L, const float *in, float *out)
+{
+    int64_t D = r->c->head_dim;
+    float *b[MF_RA_N] = {
+        [MF_RA_IN] = (float *)in, [MF_RA_QR] = r->s[3], [MF_RA_Q] = r->s[4], [MF_RA_KV] = r->s[5],
+        [MF_RA_O] = r->s[6], [MF_RA_Z] = r->s[7], [MF_RA_LAT] = r->s[8], [MF_RA_GATE] = r->s[8] + D,
+        [MF_RA_QI] = r->s[10], [MF_RA_IW] = r->s[11], [MF_RA_OUT] = out,
+    };
+    int rc = mf_ref_attn_stage(r, L, MF_RA_STAGE_IN, b);
+    if (!rc) mf_ref_attn_qnorm(r, L, b);
+    if (!rc) rc = mf_ref_attn_stage(r, L, MF_RA_STAGE_QB, b);
+    if (!rc) rc = mf_ref_attn_core(r, it, L, b);
+    if (!rc) rc = mf_ref_attn_stage(r, L, MF_RA_STAGE_OA, b);
+    if (!rc) rc = mf_ref_attn_stage(r, L, MF_RA_STAGE_OB, b);
+    return rc;
 }

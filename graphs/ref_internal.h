@@ -65,7 +65,7 @@ struct mf_ref {
     int64_t eg_mult[MF_CONFIG_MAX_ENGRAM][8];
     int64_t *eg_prime[MF_CONFIG_MAX_ENGRAM], *eg_off[MF_CONFIG_MAX_ENGRAM];
     /* scratch (one allocation) */
-    float *s[10];                /* each s_len floats: s[0..2] the layer loop, s[3..9] sublayers */
+    float *s[12];                /* each s_len floats: s[0..2] the layer loop, s[3..11] sublayers */
     float *s_aq;                 /* act-quant copy of a linear input */
     int64_t s_len;
     double *s_scores;            /* attention/index scores, s_scores_len long (grown per call) */
@@ -92,6 +92,11 @@ void mf_bf_n(float *x, int64_t n);
  * e4m3 1x32 (a copy; x itself is untouched). With r->kern_linear (never on the oracle), resident
  * FP8/BF16 weights go through mf_kern_matmul instead. */
 int mf_ref_linear(mf_ref *r, const mf_weight *w, const float *x, float *y, int aq);
+/* Rows [r0, r1) of y = W x for n_tok inputs (row t of x at x + t * ld_x, of y at y + t * ld_y),
+ * without act quant: with kern set, resident FP8/BF16 weights on mf_kern_matmul, else the
+ * double sums of mf_ref_linear_rows; each row the same bits as mf_ref_linear gives it. */
+int mf_ref_linear_part(mf_ref *r, const mf_weight *w, int kern, const float *x, int n_tok, int64_t ld_x,
+                       float *y, int64_t ld_y, int64_t r0, int64_t r1);
 /* Rows [row0, row0+n) of W only (same rules; used by the grouped wo_a). */
 int mf_ref_linear_rows(mf_ref *r, const mf_weight *w, int64_t row0, int64_t n, const float *x,
                        int64_t x_cols, int64_t col0, float *y);
@@ -130,6 +135,54 @@ void mf_ref_hc_split_w(const mf_config *c, const float *mixes, const mf_weight *
 /* ref_attn.c: the attention sublayer of item it at layer L; in = attn input (after attn_norm),
  * out = hidden_size outputs (bf16 values). */
 int mf_ref_attn(mf_ref *r, mf_ref_item *it, int L, const float *in, float *out);
+
+/* The same sublayer in phases, for the scheduled engine, which runs the weight-heavy linears split
+ * by output rows across workers and the rest per item (docs/decode.md). mf_ref_attn is
+ * in -> qnorm -> qb -> core -> oa -> ob over one item's buffers; the linear stages (IN, QB, OA,
+ * OB) are lists of linears (mf_ref_attn_linears). The activations of one item between phases: */
+enum {
+    MF_RA_IN,     /* hidden_size: the input (after attn_norm) */
+    MF_RA_QR,     /* q_lora_rank: wq_a in (q-normed by the qnorm phase) */
+    MF_RA_KV,     /* n_kv_heads x head_dim: wkv in (the first head_dim used) */
+    MF_RA_LAT,    /* head_dim: cmp_wkv in (KV-source layers) */
+    MF_RA_GATE,   /* head_dim: cmp_wgate in (ratio-2 KV sources) */
+    MF_RA_IW,     /* index_n_heads: idx_weights_proj in (index-source layers) */
+    MF_RA_Q,      /* n_heads x head_dim: wq_b qr */
+    MF_RA_QI,     /* index_n_heads x index_head_dim: idx_wq_b qr (index-source layers) */
+    MF_RA_O,      /* n_heads x head_dim: attention output (inverse-roped) */
+    MF_RA_Z,      /* o_groups x o_lora_rank: grouped wo_a o, bf16 */
+    MF_RA_OUT,    /* hidden_size: wo_b z, bf16 */
+    MF_RA_N
+};
+int64_t mf_ref_attn_buf_len(const mf_config *c, int buf);
+
+enum { MF_RA_STAGE_IN, MF_RA_STAGE_QB, MF_RA_STAGE_OA, MF_RA_STAGE_OB, MF_RA_N_STAGES };
+#define MF_RA_MAX_LIN 5   /* linears per stage */
+
+/* One linear of a stage: buffer y = W buffer x. groups > 0 (wo_a): row block g of w->rows/groups
+ * rows reads columns [g * w->cols, (g + 1) * w->cols) of x. */
+typedef struct mf_ref_attn_lin {
+    const mf_weight *w;
+    int x, y;     /* MF_RA_* */
+    int aq;       /* the reference fake-quantizes x first (with opts.act_quant) */
+    int groups;
+    int bf;       /* y is rounded to bf16 */
+} mf_ref_attn_lin;
+
+/* The linears of stage `stage` of layer L into out[0..MF_RA_MAX_LIN); returns their count. */
+int mf_ref_attn_linears(const mf_ref *r, int L, int stage, mf_ref_attn_lin *out);
+/* Rows [r0, r1) of linear l for n_tok items: item t reads x + t * ld_x and writes y + t * ld_y.
+ * Without act quant only (the engine): each row as mf_ref_linear sums it with r->kern_linear
+ * set, so any split of the rows gives the same bits. */
+int mf_ref_attn_lin_rows(mf_ref *r, const mf_ref_attn_lin *l, const float *x, int64_t ld_x, float *y,
+                         int64_t ld_y, int n_tok, int64_t r0, int64_t r1);
+/* The phases; b[MF_RA_*] are one item's buffers. stage runs a linear stage whole (the reference's
+ * calls, act quant included); qnorm rounds and normalizes QR; core is the per-item middle: RoPE,
+ * window KV into the ring, compressor, indexer, attention with the sink into O (items of one
+ * sequence in position order). */
+int mf_ref_attn_stage(mf_ref *r, int L, int stage, float *const *b);
+void mf_ref_attn_qnorm(const mf_ref *r, int L, float *const *b);
+int mf_ref_attn_core(mf_ref *r, mf_ref_item *it, int L, float *const *b);
 
 /* ref_moe.c */
 int mf_ref_moe(mf_ref *r, mf_ref_item *it, int L, const float *in, float *out);

@@ -62,6 +62,7 @@ int mf_ref_new(const mf_model *m, const mf_ref_opts *opts, mf_ref **out)
     len = mf_max64(len, (hc + 1) * H);
     len = mf_max64(len, per * c->engram_head_dim);
     len = mf_max64(len, (int64_t)c->index_n_heads * c->index_head_dim);
+    len = mf_max64(len, c->index_n_heads);
     len = mf_max64(len, (int64_t)c->o_groups * c->o_lora_rank);
     len = mf_max64(len, c->q_lora_rank);
     len = mf_max64(len, c->moe_intermediate_size);
@@ -77,7 +78,7 @@ int mf_ref_new(const mf_model *m, const mf_ref_opts *opts, mf_ref **out)
         }
     }
     int rd2 = c->qk_rope_head_dim / 2;
-    size_t bytes = 11 * (size_t)len * sizeof(float) + 2 * (size_t)rd2 * sizeof(float) +
+    size_t bytes = 13 * (size_t)len * sizeof(float) + 2 * (size_t)rd2 * sizeof(float) +
                    (size_t)c->vocab_size * sizeof(int32_t) + lazy_d + lazy_s + 64;
     size_t ex_bytes = mf_model_store(m) ? (size_t)c->n_experts_per_tok * H * sizeof(float) : 0;
     size_t egr = (size_t)per * sizeof(int64_t), egc = (size_t)per * c->engram_head_dim,
@@ -91,7 +92,7 @@ int mf_ref_new(const mf_model *m, const mf_ref_opts *opts, mf_ref **out)
     }
     r->mem = p;
 #define TAKE(ptr, n) do { (ptr) = (void *)p; p += (n); } while (0)
-    for (int i = 0; i < 10; i++) TAKE(r->s[i], (size_t)len * sizeof(float));
+    for (int i = 0; i < 12; i++) TAKE(r->s[i], (size_t)len * sizeof(float));
     TAKE(r->s_aq, (size_t)len * sizeof(float));
     for (int k = 0; k < c->n_engram; k++) {
         TAKE(r->eg_prime[k], (size_t)per * sizeof(int64_t));

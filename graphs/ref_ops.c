@@ -130,16 +130,32 @@ int mf_ref_linear_rows(mf_ref *r, const mf_weight *w, int64_t row0, int64_t n, c
     return 0;
 }
 
+int mf_ref_linear_part(mf_ref *r, const mf_weight *w, int kern, const float *x, int n_tok, int64_t ld_x,
+                       float *y, int64_t ld_y, int64_t r0, int64_t r1)
+{
+    if (w->kind == MF_W_NONE || w->kind == MF_W_TABLE)
+        return mf_error(-EINVAL, "reference: %s is not a linear", w->name ? w->name : "(absent)");
+    if (r0 < 0 || r1 > w->rows || r0 > r1 || n_tok < 1)
+        return mf_error(-EINVAL, "reference: rows [%lld, %lld) of %s (%lld rows), %d inputs", (long long)r0,
+                        (long long)r1, w->name ? w->name : "(unnamed)", (long long)w->rows, n_tok);
+    if (kern && w->data && w->cols % 32 == 0 &&
+        (w->kind == MF_W_BF16 || (w->kind == MF_W_FP8 && w->block_rows == 32 && w->block_cols == 32))) {
+        mf_kern_mat m = {.fmt = w->kind == MF_W_BF16 ? MF_KERN_BF16 : MF_KERN_FP8, .w = w->data,
+                         .scale = w->scale, .n_out = (int)w->rows, .n_in = (int)w->cols};
+        return mf_kern_matmul(&m, &(mf_kern_in){x, n_tok, (int)ld_x, NULL}, y, (int)ld_y, (int)r0, (int)r1);
+    }
+    for (int t = 0; t < n_tok; t++) {
+        int rc = mf_ref_linear_rows(r, w, r0, r1 - r0, x + t * ld_x, w->cols, 0, y + t * ld_y + r0);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 int mf_ref_linear(mf_ref *r, const mf_weight *w, const float *x, float *y, int aq)
 {
     if (w->kind == MF_W_NONE || w->kind == MF_W_TABLE)
         return mf_error(-EINVAL, "reference: %s is not a linear", w->name ? w->name : "(absent)");
-    if (r->kern_linear && !aq && w->data && w->cols % 32 == 0 &&
-        (w->kind == MF_W_BF16 || (w->kind == MF_W_FP8 && w->block_rows == 32 && w->block_cols == 32))) {
-        mf_kern_mat m = {.fmt = w->kind == MF_W_BF16 ? MF_KERN_BF16 : MF_KERN_FP8, .w = w->data,
-                         .scale = w->scale, .n_out = (int)w->rows, .n_in = (int)w->cols};
-        return mf_kern_matmul(&m, &(mf_kern_in){x, 1, (int)w->cols, NULL}, y, (int)w->rows, 0, (int)w->rows);
-    }
+    if (!aq) return mf_ref_linear_part(r, w, r->kern_linear, x, 1, w->cols, y, w->rows, 0, w->rows);
     if (aq && (w->kind == MF_W_FP8 || w->kind == MF_W_FP4)) {
         memcpy(r->s_aq, x, (size_t)w->cols * sizeof *x);
         mf_ref_fq_e4m3_pow2(r->s_aq, w->cols, 32);

@@ -1,10 +1,11 @@
 /* The scheduled decode engine (graphs/step.h): per batch size one graph, per layer
- * [engram] -> attn -> gate -> route -> expert slots (up parts -> join -> down parts) -> combine,
- * the shared expert (up parts -> join -> down parts) beside the slots, then norm -> head parts.
+ * [engram] -> attn pre -> attn linear stages (in, qb, oa, ob; row parts) around attn core ->
+ * attn post -> gate -> route -> expert slots (up parts -> join -> down parts) -> combine, the
+ * shared expert (up parts -> join -> down parts) beside the slots, then norm -> head parts.
  * Tasks read the step's data (items, slot table) from the shape's buffers, so the graph never
- * changes. Engram, attention, hyper-connections, router and combine call the reference code on
- * the engine's own forward objects (one task per item when the items are distinct sequences);
- * expert FFNs and the head use the fused kernels (host/kernels.h), split by rows. */
+ * changes. Engram, the per-item attention parts, hyper-connections, router and combine call the
+ * reference code on the engine's own forward objects (one task per item when the items are
+ * distinct sequences); attention linears, expert FFNs and the head are split by rows. */
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -26,6 +27,8 @@
 
 typedef struct mf_step_shape mf_step_shape;
 
+#define MF_STEP_MAX_PARTS 64   /* row parts of an attention stage */
+
 /* One task's argument: which shape, layer, slot and part it works on; the reference-code tasks
  * also take items [i0, i1) with the reference object (scratch) they use. */
 typedef struct mf_step_targ {
@@ -41,6 +44,7 @@ struct mf_step_shape {
     int par;            /* 1: items of distinct sequences, reference-code parts one task per item */
     int n_slots;        /* min(n * top_k, n_routed_experts) */
     int p_exp, p_sh, p_head;   /* row parts per expert, shared expert, head */
+    int p_attn;         /* row parts per attention linear stage */
     mf_graph *g;
     mf_timeline *tl;
     uint8_t *phase_of;  /* per task */
@@ -48,6 +52,11 @@ struct mf_step_shape {
     mf_step_targ *args;
     /* items and their activations */
     mf_ref_item *items;
+    /* attention: per MF_RA_* buffer n rows of ab_ld floats (ref_internal.h), the attention mix's
+     * pre, post (n x hc) and comb (n x hc*hc) */
+    float *ab[MF_RA_N];
+    int64_t ab_ld[MF_RA_N];
+    float *apre, *apost, *acomb;
     float *xin;         /* n x H: MoE input (after ffn_norm) */
     float *post, *comb; /* n x hc, n x hc*hc: the ffn mix's post and comb */
     float *moe_out;     /* n x H: combine output */
@@ -164,9 +173,16 @@ static int mf_task_engram(void *arg, mf_task_ctx *ctx)
     return rc;
 }
 
-/* Attention sublayer wrapped by its mixes, then the ffn mix and norm: the first part of the
- * reference's layer (ref_model.c), item by item in order. */
-static int mf_task_attn(void *arg, mf_task_ctx *ctx)
+/* The attention sublayer (ref_attn.c's phases) between per-item parts on the engine's forward
+ * objects and row-split linear stages over all items. Item i's activations between phases. */
+static void mf_step_abuf(const mf_step_shape *sh, int i, float **b)
+{
+    for (int k = 0; k < MF_RA_N; k++) b[k] = sh->ab[k] + (size_t)i * sh->ab_ld[k];
+}
+
+/* Per item: the attention mix (pre, post, comb kept for attn post), collapse and attn_norm into
+ * the item's input buffer. */
+static int mf_task_attn_pre(void *arg, mf_task_ctx *ctx)
 {
     (void)ctx;
     mf_step_targ *a = arg;
@@ -178,19 +194,91 @@ static int mf_task_attn(void *arg, mf_task_ctx *ctx)
     int hc = c->hc_mult;
     for (int i = a->i0; i < a->i1; i++) {
         mf_ref_item *it = &sh->items[i];
-        float mixes[(2 + MF_REF_MAX_HC) * MF_REF_MAX_HC], pre_a[MF_REF_MAX_HC], post[MF_REF_MAX_HC];
-        float comb[MF_REF_MAX_HC * MF_REF_MAX_HC], pre_f[MF_REF_MAX_HC];
+        float mixes[(2 + MF_REF_MAX_HC) * MF_REF_MAX_HC];
         mf_ref_hc_mixes(r, it->x, &y->hc_attn_fn, mixes);
-        mf_ref_hc_split_w(c, mixes, &y->hc_attn_scale, &y->hc_attn_base, pre_a, post, comb);
+        mf_ref_hc_split_w(c, mixes, &y->hc_attn_scale, &y->hc_attn_base, sh->apre + (size_t)i * hc,
+                          sh->apost + (size_t)i * hc, sh->acomb + (size_t)i * hc * hc);
         mf_ref_hc_collapse(r, it->x, it->pre, r->s[0]);
-        mf_ref_rmsnorm(r->s[0], H, &y->attn_norm, c->rms_norm_eps, r->s[1]);
-        int rc = mf_ref_attn(r, it, a->layer, r->s[1], r->s[2]);
+        mf_ref_rmsnorm(r->s[0], H, &y->attn_norm, c->rms_norm_eps, sh->ab[MF_RA_IN] + (size_t)i * sh->ab_ld[MF_RA_IN]);
+    }
+    return 0;
+}
+
+/* Rows of linear stage a->slot (MF_RA_STAGE_*) of layer a->layer, part a->part of sh->p_attn:
+ * the stage's linears taken as one column of output rows, split as mf_step_rows, each part over
+ * all items (weights read once for the batch); a row's bits do not depend on the split. */
+static int mf_task_attn_rows(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_ref_attn_lin lin[MF_RA_MAX_LIN];
+    int n = mf_ref_attn_linears(a->r, a->layer, a->slot, lin);
+    int64_t total = 0, off = 0;
+    for (int k = 0; k < n; k++) total += lin[k].w->rows;
+    int r0, r1;
+    mf_step_rows(total, sh->p_attn, a->part, &r0, &r1);
+    for (int k = 0; k < n && r0 < r1; k++) {
+        const mf_ref_attn_lin *l = &lin[k];
+        int64_t lo = r0 - off > 0 ? r0 - off : 0, hi = r1 - off < l->w->rows ? r1 - off : l->w->rows;
+        off += l->w->rows;
+        if (lo >= hi) continue;
+        int rc = mf_ref_attn_lin_rows(a->r, l, sh->ab[l->x], sh->ab_ld[l->x], sh->ab[l->y], sh->ab_ld[l->y], sh->n,
+                                      lo, hi);
+        if (rc) return mf_error_wrap(rc, "step: layer %d, rows [%lld, %lld) of %s", a->layer, (long long)lo,
+                                     (long long)hi, l->w->name ? l->w->name : "an attention linear");
+    }
+    return 0;
+}
+
+/* All items: round and normalize the low-rank queries (between the IN and QB stages). */
+static int mf_task_attn_qnorm(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    float *b[MF_RA_N];
+    for (int i = a->i0; i < a->i1; i++) {
+        mf_step_abuf(a->sh, i, b);
+        mf_ref_attn_qnorm(a->r, a->layer, b);
+    }
+    return 0;
+}
+
+/* Per item, in item order: RoPE, window KV, compressor, indexer, attention (mf_ref_attn_core). */
+static int mf_task_attn_core(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    float *b[MF_RA_N];
+    for (int i = a->i0; i < a->i1; i++) {
+        mf_step_abuf(a->sh, i, b);
+        int rc = mf_ref_attn_core(a->r, &a->sh->items[i], a->layer, b);
         if (rc) return rc;
-        mf_ref_hc_expand(r, it->x, r->s[2], post, comb);
+    }
+    return 0;
+}
+
+/* Per item: the attention output expanded into the streams, then the ffn mix and norm (the MoE
+ * input): the rest of the first part of the reference's layer (ref_model.c). */
+static int mf_task_attn_post(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_ref *r = a->r;
+    const mf_config *c = r->c;
+    const mf_model_layer *y = mf_model_layer_at(r->m, a->layer);
+    int64_t H = c->hidden_size;
+    int hc = c->hc_mult;
+    for (int i = a->i0; i < a->i1; i++) {
+        mf_ref_item *it = &sh->items[i];
+        float mixes[(2 + MF_REF_MAX_HC) * MF_REF_MAX_HC], pre_f[MF_REF_MAX_HC];
+        mf_ref_hc_expand(r, it->x, sh->ab[MF_RA_OUT] + (size_t)i * sh->ab_ld[MF_RA_OUT], sh->apost + (size_t)i * hc,
+                         sh->acomb + (size_t)i * hc * hc);
         mf_ref_hc_mixes(r, it->x, &y->hc_ffn_fn, mixes);
         mf_ref_hc_split_w(c, mixes, &y->hc_ffn_scale, &y->hc_ffn_base, pre_f,
                           sh->post + (size_t)i * hc, sh->comb + (size_t)i * hc * hc);
-        mf_ref_hc_collapse(r, it->x, pre_a, r->s[0]);
+        mf_ref_hc_collapse(r, it->x, sh->apre + (size_t)i * hc, r->s[0]);
         mf_ref_rmsnorm(r->s[0], H, &y->ffn_norm, c->rms_norm_eps, sh->xin + (size_t)i * H);
         memcpy(it->pre, pre_f, sizeof pre_f);
     }
@@ -897,8 +985,9 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
     const mf_config *c = eng->c;
     int n = sh->n, u = sh->par ? n : 1;   /* reference-code tasks per part */
     int n_task = 1 + u + sh->p_head;
-    for (int L = 0; L < c->n_layers; L++)   /* engram, attn, gate, combine per unit; route, joins */
-        n_task += 4 * u + 3 + 2 * sh->p_sh + sh->n_slots * (1 + 2 * sh->p_exp + sh->n_parts + 3 * eng->n_cards) +
+    for (int L = 0; L < c->n_layers; L++)   /* engram, attn in/core/out, gate, combine per unit; route,
+                                              * done, joins, q norm; attention row parts */
+        n_task += 6 * u + 5 + 4 * sh->p_attn + 2 * sh->p_sh + sh->n_slots * (1 + 2 * sh->p_exp + sh->n_parts + 3 * eng->n_cards) +
                   eng->n_cards;
     sh->args = calloc((size_t)n_task, sizeof *sh->args);
     sh->phase_of = calloc((size_t)n_task, 1);
@@ -925,12 +1014,23 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
     double H = (double)c->hidden_size, I = (double)c->moe_intermediate_size;
     double per = (double)n / u;   /* items per unit */
     /* rough costs for priorities: reference code ~1 ns per multiply-add, kernels by bytes */
-    double ref_attn_ns = per * (H * (c->q_lora_rank + 4.0 * c->hc_mult * 24) + (double)c->q_lora_rank *
-                                c->n_heads * c->head_dim + 2.0 * c->n_heads * c->head_dim * H);
+    double hc_ns = per * H * c->hc_mult * (c->hc_mult + 4.0);
+    double core_ns = per * (double)c->n_heads * c->head_dim * 2.0 * (c->sliding_window + c->index_topk);
     double exp_bytes = 3 * H * I * 0.53, sh_bytes = 3 * H * I * 1.0;
     for (int k = 0; k < u; k++) unit[k] = -1;
     for (int L = 0; L < c->n_layers; L++) {
-        mf_task_id at[MF_STEP_MAX_ITEMS];
+        mf_task_id apre[MF_STEP_MAX_ITEMS], core[MF_STEP_MAX_ITEMS], apost[MF_STEP_MAX_ITEMS];
+        mf_task_id rows[MF_RA_N_STAGES][MF_STEP_MAX_PARTS];
+        double st_bytes[MF_RA_N_STAGES];
+        for (int st = 0; st < MF_RA_N_STAGES; st++) {   /* weight bytes of each linear stage */
+            mf_ref_attn_lin lin[MF_RA_MAX_LIN];
+            int nl = mf_ref_attn_linears(eng->cl[0], L, st, lin);
+            st_bytes[st] = 0;
+            for (int k = 0; k < nl; k++) st_bytes[st] += (double)mf_weight_data_bytes(lin[k].w);
+        }
+        static const char *const st_name[MF_RA_N_STAGES] = {"in", "qb", "oa", "ob"};
+        /* attention: [per unit: pre] -> in parts -> q norm -> qb parts -> [per unit: core] -> oa
+         * parts -> oa join -> ob parts -> [per unit: post] */
         for (int k = 0; k < u; k++) {
             int i0 = sh->par ? k : 0, i1 = sh->par ? k + 1 : n;
             mf_ref *r = eng->cl[k];
@@ -941,15 +1041,47 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
                 mf_step_dep(&b, unit[k], t);
                 unit[k] = t;
             }
-            snprintf(name, sizeof name, sh->par ? "attn L%d item %d" : "attn L%d", L, k);
-            at[k] = mf_step_add(&b, name, mf_task_attn, MF_STEP_ATTN, L, 0, 0, i0, i1, r, 0, ref_attn_ns);
-            mf_step_dep(&b, unit[k], at[k]);
-            gates[k] = at[k];
+            snprintf(name, sizeof name, sh->par ? "attn L%d pre item %d" : "attn L%d pre", L, k);
+            apre[k] = mf_step_add(&b, name, mf_task_attn_pre, MF_STEP_ATTN, L, 0, 0, i0, i1, r, 0, hc_ns);
+            mf_step_dep(&b, unit[k], apre[k]);
+        }
+        for (int st = 0; st < MF_RA_N_STAGES; st++)
+            for (int p = 0; p < sh->p_attn; p++) {
+                snprintf(name, sizeof name, "attn L%d %s %d", L, st_name[st], p);
+                rows[st][p] = mf_step_add(&b, name, mf_task_attn_rows, MF_STEP_ATTN, L, st, p, 0, n, eng->cl[0],
+                                          st_bytes[st] / sh->p_attn, 0);
+            }
+        snprintf(name, sizeof name, "attn L%d q norm", L);
+        mf_task_id qn = mf_step_add(&b, name, mf_task_attn_qnorm, MF_STEP_ATTN, L, 0, 0, 0, n, eng->cl[0], 0,
+                                    n * 4.0 * c->q_lora_rank);
+        snprintf(name, sizeof name, "attn L%d oa join", L);
+        mf_task_id oj = mf_step_add(&b, name, mf_task_nop, MF_STEP_ATTN, L, 0, 0, 0, 0, NULL, 0, 0);
+        for (int k = 0; k < u; k++) {
+            int i0 = sh->par ? k : 0, i1 = sh->par ? k + 1 : n;
+            snprintf(name, sizeof name, sh->par ? "attn L%d core item %d" : "attn L%d core", L, k);
+            core[k] = mf_step_add(&b, name, mf_task_attn_core, MF_STEP_ATTN, L, 0, 0, i0, i1, eng->cl[k], 0, core_ns);
+            snprintf(name, sizeof name, sh->par ? "attn L%d post item %d" : "attn L%d post", L, k);
+            apost[k] = mf_step_add(&b, name, mf_task_attn_post, MF_STEP_ATTN, L, 0, 0, i0, i1, eng->cl[k], 0, 2 * hc_ns);
+        }
+        for (int p = 0; p < sh->p_attn; p++) {
+            for (int k = 0; k < u; k++) {
+                mf_step_dep(&b, apre[k], rows[MF_RA_STAGE_IN][p]);
+                mf_step_dep(&b, rows[MF_RA_STAGE_QB][p], core[k]);
+                mf_step_dep(&b, core[k], rows[MF_RA_STAGE_OA][p]);
+                mf_step_dep(&b, rows[MF_RA_STAGE_OB][p], apost[k]);
+            }
+            mf_step_dep(&b, rows[MF_RA_STAGE_IN][p], qn);
+            mf_step_dep(&b, qn, rows[MF_RA_STAGE_QB][p]);
+            mf_step_dep(&b, rows[MF_RA_STAGE_OA][p], oj);
+            mf_step_dep(&b, oj, rows[MF_RA_STAGE_OB][p]);
+        }
+        for (int k = 0; k < u; k++) {
+            gates[k] = apost[k];
             if (sh->par) {
                 snprintf(name, sizeof name, "gate L%d item %d", L, k);
-                gates[k] = mf_step_add(&b, name, mf_task_gate, MF_STEP_MOE, L, 0, 0, i0, i1, r, 0,
+                gates[k] = mf_step_add(&b, name, mf_task_gate, MF_STEP_MOE, L, 0, 0, k, k + 1, eng->cl[k], 0,
                                        H * c->n_routed_experts);
-                mf_step_dep(&b, at[k], gates[k]);
+                mf_step_dep(&b, apost[k], gates[k]);
             }
         }
         snprintf(name, sizeof name, "route L%d", L);
@@ -1019,7 +1151,7 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
             snprintf(name, sizeof name, "shared L%d down %d", L, p);
             mf_task_id dn = mf_step_add(&b, name, mf_task_sh_down, MF_STEP_MOE, L, 0, p, 0, 0, NULL,
                                         sh_bytes / 3 / sh->p_sh, 0);
-            for (int k = 0; k < u; k++) mf_step_dep(&b, at[k], up);
+            for (int k = 0; k < u; k++) mf_step_dep(&b, apost[k], up);
             /* streamed experts: the shared expert runs while the routed experts are read */
             if (eng->store) mf_step_dep(&b, ro, up);
             mf_step_dep(&b, up, sj);
@@ -1078,6 +1210,8 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
     if (sh->p_exp > 8) sh->p_exp = 8;
     sh->p_sh = c->n_shared_experts > 0 ? (W < 8 ? W : 8) : 0;
     sh->p_head = 2 * W;
+    /* attention stages: one part per worker (row chunks of at least 16) */
+    sh->p_attn = W < MF_STEP_MAX_PARTS ? W : MF_STEP_MAX_PARTS;
     sh->store_layer = -1;
     if (eng->store) {
         sh->n_parts = mf_store_n_parts(eng->store);
@@ -1132,7 +1266,11 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
     }
     size_t nk = (size_t)n * K, q8x = mf_kern_q8_bytes(n, (int)H), q8h = mf_kern_q8_bytes(n, (int)I);
     int ex = eng->o.exact;
-    size_t f = sizeof(float), bytes = 0;
+    size_t f = sizeof(float), bytes = 0, ab_sz[MF_RA_N];
+    for (int b = 0; b < MF_RA_N; b++) {
+        sh->ab_ld[b] = (mf_ref_attn_buf_len(c, b) + 15) / 16 * 16;
+        ab_sz[b] = (size_t)n * sh->ab_ld[b] * sizeof(float);
+    }
     /* sizes in one list so allocation and carving agree */
     size_t sz[] = {
         (size_t)n * sizeof(mf_ref_item),
@@ -1146,7 +1284,10 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
         (size_t)sh->n_slots * q8x, (size_t)sh->n_slots * q8h,
         (size_t)n * Ish * f, ex ? (size_t)n * Ish * f : 0, ex ? (size_t)n * Ish * f : 0, (size_t)n * H * f,
         (size_t)n * H * f, (size_t)n * V * f, (size_t)n * 4, (size_t)n * 4,
+        (size_t)n * hc * f, (size_t)n * hc * f, (size_t)n * hc * hc * f,
+        ab_sz[0], ab_sz[1], ab_sz[2], ab_sz[3], ab_sz[4], ab_sz[5], ab_sz[6], ab_sz[7], ab_sz[8], ab_sz[9], ab_sz[10],
     };
+    _Static_assert(MF_RA_N == 11, "one size per attention buffer");
     enum { N_SZ = sizeof sz / sizeof sz[0] };
     for (int i = 0; i < N_SZ; i++) bytes += (sz[i] + 63) / 64 * 64;
     uint8_t *p = aligned_alloc(64, bytes);
@@ -1172,6 +1313,8 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
     sh->q8x = v[k++]; sh->q8h = v[k++]; sh->q8x_mem = v[k++]; sh->q8h_mem = v[k++];
     sh->hs = v[k++]; sh->gs = v[k++]; sh->us = v[k++]; sh->ys = v[k++];
     sh->hn = v[k++]; sh->lbuf = v[k++]; sh->head_item = v[k++]; sh->head_row = v[k++];
+    sh->apre = v[k++]; sh->apost = v[k++]; sh->acomb = v[k++];
+    for (int b = 0; b < MF_RA_N; b++) sh->ab[b] = v[k++];
     sh->q8x_bytes = q8x;
     sh->q8h_bytes = q8h;
     for (int i = 0; i < n; i++) {
