@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Regenerates the tables of docs/measurements.md: (1) V4.1-Flash (the flash41 preset's config, no
+# checkpoint needed) simulated on the seed host's profile under each placement and batch, with the
+# lane that bounds each; (2) the simulator against real decoding of the demo model on this machine
+# (`moeflow sim --measure`, every placement, --runs times each, medians). Prints Markdown.
+# Usage: bash tools/measurements.sh [--build DIR] [--runs N] [--skip-measure]
+# Needs a built moeflow (default build/moeflow); part 2 needs the demo checkpoint
+# (~/.cache/moeflow/demo, `bash tools/demo.sh` makes it) and a quiet machine (it says the load).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=build runs=3 measure=1
+while [ $# -gt 0 ]; do
+  case $1 in
+    --build) build=$2; shift 2 ;;
+    --runs) runs=$2; shift 2 ;;
+    --skip-measure) measure=0; shift ;;
+    -h|--help) sed -n 2,8p "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "measurements.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+done
+bin=$build/moeflow
+[ -x "$bin" ] || { echo "measurements.sh: $bin not found: build first (cmake --build $build)" >&2; exit 1; }
+seed=tools/profiles/seed-host.prof here=tools/profiles/this-machine.prof
+demo=${MOEFLOW_DEMO_DIR:-$HOME/.cache/moeflow/demo}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+# one JSON line per run -> a Markdown row (python3: only the standard library)
+row() {  # label, json file
+  python3 - "$1" "$2" <<'EOF'
+import json, sys
+label, path = sys.argv[1], sys.argv[2]
+r = json.load(open(path))
+ph = r["phases"]
+lanes = {l["name"]: l for l in r["lanes"]}
+b = lanes[r["bottleneck"]]
+h2d = sum(l["work_s"] for l in r["lanes"] if l["name"].endswith(".h2d"))
+slots = r["dev_slots"] + r["host_slots"]
+card = f"{100 * r['dev_slots'] / slots:.0f}%" if slots else "-"
+hits = r["dev_hits"] + r["dev_misses"]
+hit = f"{100 * r['dev_hits'] / hits:.0f}%" if hits else "-"
+print(f"| {label} | {r['token_s'] * 1e3:.1f} | {r['tokens_per_s']:.2f} | {ph['attention stack'] * 1e3:.0f} | "
+      f"{ph['MoE'] * 1e3:.0f} | {ph['Engram'] * 1e3:.0f} | {ph['norm + head'] * 1e3:.0f} | {ph['other'] * 1e3:.0f} | "
+      f"{card} | {hit} | {h2d * 1e3:.0f} | {r['bottleneck']} {100 * b['busy']:.0f}% |")
+EOF
+}
+
+warm=60   # steps before the 8 reported: the card caches (4 x 22 GiB) and the store fill first
+echo "## V4.1-Flash on the seed host, simulated ($seed, flash41 config, uniform routing, $warm warm-up + 8 steps)"
+echo
+echo "| setting | ms/token | tokens/s | attention ms | MoE ms | Engram ms | head ms | other ms | slots on cards | card cache hits | h2d work ms/step | bottleneck (busy) |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
+for batch in 1 16; do
+  for place in host seed hybrid; do
+    "$bin" sim --profile $seed --preset flash41 --placement $place --batch $batch --warmup $warm --json >"$tmp/s.json"
+    row "$place, batch $batch" "$tmp/s.json"
+  done
+done
+"$bin" sim --profile $seed --preset flash41 --placement host --store streamed --store-budget 64G --warmup $warm \
+  --json >"$tmp/s.json"
+row "host, batch 1, experts streamed from the SMR disk through a 64 GiB store" "$tmp/s.json"
+echo
+
+[ $measure = 1 ] || exit 0
+if ! "$bin" info "$demo" >/dev/null 2>&1; then
+  echo "(part 2 skipped: no valid demo checkpoint at $demo; bash tools/demo.sh makes it)"
+  exit 0
+fi
+echo "## Simulated vs measured on this machine (demo model, $here, batch 1, 16 steps, $runs runs each)"
+echo
+echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo
+echo "| placement | predicted ms/token | measured ms/token (runs) | median | predicted / measured |"
+echo "|---|---|---|---|---|"
+for place in host seed hybrid; do
+  : >"$tmp/m.txt"
+  for i in $(seq "$runs"); do
+    "$bin" sim --profile $here --checkpoint "$demo" --placement $place --steps 16 --measure --json >"$tmp/m.json"
+    python3 -c "import json,sys; r=json.load(open('$tmp/m.json')); print(r['token_s']*1e3, r['measured_token_s']*1e3)" >>"$tmp/m.txt"
+  done
+  python3 - "$place" "$tmp/m.txt" <<'EOF'
+import statistics, sys
+place, path = sys.argv[1], sys.argv[2]
+rows = [tuple(map(float, l.split())) for l in open(path) if l.strip()]
+pred = rows[0][0]
+meas = [m for _, m in rows]
+med = statistics.median(meas)
+print(f"| {place} | {pred:.2f} | {', '.join(f'{m:.2f}' for m in meas)} | {med:.2f} | {pred / med:.3f} |")
+EOF
+done
+echo
+echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
