@@ -32,10 +32,18 @@
 #define PL_W_MIX 1.81
 #define PL_W_ROUND 23.6
 
+/* The attention's linear stages (ref_internal.h MF_RA_STAGE_*), and the core's linears. */
+enum { PL_ST_IN, PL_ST_QB, PL_ST_OA, PL_ST_OB, PL_ST_CORE, PL_N_STAGES };
+#define PL_MAX_ATTN_PARTS 64   /* step.c's MF_STEP_MAX_PARTS */
+
 /* Weights of one layer, from the layout (graphs/layout.h), for the cost formulas. */
 typedef struct pl_layer {
-    double attn_fp8_bytes, attn_bf16_bytes;   /* attention linears on the kernels */
-    int n_attn_fp8, n_attn_bf16;              /* kernel calls */
+    /* attention linears per stage (ref_attn.c mf_ref_attn_linears: in, qb, oa, ob) on the kernels:
+     * fp8 and bf16 (LINEAR role) weight bytes, multiply-adds per token, calls; the core's own
+     * (indexer wk) likewise */
+    double st_fp8_bytes[PL_N_STAGES], st_bf16_bytes[PL_N_STAGES];
+    double st_fp8_macs[PL_N_STAGES], st_bf16_macs[PL_N_STAGES];
+    int st_fp8_calls[PL_N_STAGES], st_bf16_calls[PL_N_STAGES];
     double hc_macs;                           /* both hyper-connection projections (fp32, scalar) */
     double attn_ref_macs;                     /* wo_a: the reference's scalar dot rows (grouped) */
     double eng_fp8_bytes, eng_bf16_bytes;     /* Engram wkv, q/k projections */
@@ -110,40 +118,86 @@ static double pl_ref(const mf_plan *p, double flops)
     return k->macs_per_s > 0 ? flops / k->macs_per_s * 1e9 : 0;
 }
 
-/* mf_task_attn for one item at position pos (ref_attn.c, ref_hc.c): the hyper-connection mixes,
- * the attention linears on the kernels, and the scalar parts: norms, RoPE, scores and values over
- * the window and the selected compressed entries, the indexer's scores. */
-static double pl_attn_ns(const mf_plan *p, int L, int64_t pos)
+/* The attention sublayer as graphs/step.c runs it (ref_attn.c's phases): per item a pre task
+ * (mf_task_attn_pre), row-split linear stages over all items (mf_task_attn_rows), the q norm
+ * (mf_task_attn_qnorm), per item the core (mf_task_attn_core) and a post task (mf_task_attn_post).
+ * Each function is one task's duration. */
+
+/* mf_task_attn_pre, one item: the attention mix (one of the layer's two HC projections), its
+ * Sinkhorn, the collapse, attn_norm, and their bf16 roundings. */
+static double pl_attn_pre_ns(const mf_plan *p, int L)
 {
     const mf_config *c = &p->c;
+    double H = c->hidden_size, hc = c->hc_mult;
+    double fl = PL_W_MIX * p->layer[L].hc_macs / 2 + 2.0 * hc * H + 4.0 * H +
+                c->hc_sinkhorn_iters * 4.0 * hc * hc * 2 + PL_W_ROUND * 2.0 * H;
+    return pl_ref(p, fl);
+}
+
+/* mf_task_attn_post, one item: the output expanded into the streams, the ffn mix, collapse and
+ * ffn_norm, and their roundings. */
+static double pl_attn_post_ns(const mf_plan *p, int L)
+{
+    const mf_config *c = &p->c;
+    double H = c->hidden_size, hc = c->hc_mult;
+    double fl = PL_W_MIX * p->layer[L].hc_macs / 2 + 2.0 * hc * H * (1 + hc) + 4.0 * H +
+                c->hc_sinkhorn_iters * 4.0 * hc * hc * 2 + PL_W_ROUND * (4.0 + hc) * H;
+    return pl_ref(p, fl);
+}
+
+/* Kernel calls of one stage's part over n tokens: its fp8 and bf16 linears' bytes and MACs split
+ * over `parts`, each linear's latency once. */
+static double pl_attn_kern_ns(const mf_plan *p, int L, int st, int parts, int n)
+{
     const pl_layer *y = &p->layer[L];
-    double ns = pl_host(p, MF_KF_FP8, y->attn_fp8_bytes, 0, 1) +
-                (y->n_attn_fp8 - 1) * p->prof.host[MF_KF_FP8].latency_ns;
-    if (y->n_attn_bf16)
-        ns += pl_host(p, MF_KF_BF16, y->attn_bf16_bytes, 0, 1) +
-              (y->n_attn_bf16 - 1) * p->prof.host[MF_KF_BF16].latency_ns;
-    double H = c->hidden_size, D = c->head_dim, nh = c->n_heads;
+    const mf_profile *f = &p->prof;
+    double ns = 0;
+    if (y->st_fp8_calls[st])
+        ns += pl_host(p, MF_KF_FP8, y->st_fp8_bytes[st] / parts, y->st_fp8_macs[st] / parts, n) +
+              (y->st_fp8_calls[st] - 1) * f->host[MF_KF_FP8].latency_ns;
+    if (y->st_bf16_calls[st])
+        ns += pl_host(p, MF_KF_BF16, y->st_bf16_bytes[st] / parts, y->st_bf16_macs[st] / parts, n) +
+              (y->st_bf16_calls[st] - 1) * f->host[MF_KF_BF16].latency_ns;
+    return ns;
+}
+
+/* mf_task_attn_rows: one of `parts` row ranges of stage st for n items. in: wq_a, wkv, the
+ * compressor and indexer input projections (+ rounding of the low-rank query); qb: wq_b and the
+ * indexer's; oa: the grouped wo_a, scalar dot rows per item (mf_ref_linear_rows) + its output's
+ * roundings; ob: wo_b + the output's roundings. */
+static double pl_attn_rows_ns(const mf_plan *p, int L, int st, int parts, int n)
+{
+    const mf_config *c = &p->c;
+    if (st == PL_ST_OA)
+        return pl_ref(p, n * (PL_W_DOT_FP8 * p->layer[L].attn_ref_macs +
+                              PL_W_ROUND * (double)c->o_groups * c->o_lora_rank) / parts);
+    double rounds = st == PL_ST_IN ? (double)c->q_lora_rank : st == PL_ST_OB ? (double)c->hidden_size : 0;
+    return pl_attn_kern_ns(p, L, st, parts, n) + pl_ref(p, PL_W_ROUND * rounds * n / parts);
+}
+
+/* mf_task_attn_qnorm, n items: rounding and RMS norm of the low-rank query. */
+static double pl_attn_qnorm_ns(const mf_plan *p, int n)
+{
+    return pl_ref(p, n * (4.0 + 2.0 * PL_W_ROUND) * p->c.q_lora_rank);
+}
+
+/* mf_task_attn_core, one item at position pos: RoPE, the window KV (norm, fake quant, ring), the
+ * compressor and indexer (the indexer's wk on the kernels), scores and values over the window and
+ * the selected compressed entries, sinks, and their roundings. */
+static double pl_attn_core_ns(const mf_plan *p, int L, int64_t pos)
+{
+    const mf_config *c = &p->c;
+    double D = c->head_dim, nh = c->n_heads;
     int64_t W = c->sliding_window, n_win = pos + 1 < W ? pos + 1 : W, n_sel = 0, n_vis = 0;
     int ratio = c->compress_ratios[L];
     if (ratio > 0) {
         n_vis = (pos + 1) / ratio;
         n_sel = n_vis < c->index_topk ? n_vis : c->index_topk;
     }
-    double flops = PL_W_MIX * y->hc_macs                        /* the two mixes */
-                   + PL_W_DOT_FP8 * y->attn_ref_macs            /* wo_a */
-                   + 2.0 * c->hc_mult * H * (2 + c->hc_mult)    /* collapse x2, expand */
-                   + 8.0 * H + 4.0 * c->q_lora_rank             /* norms */
-                   + 2.0 * nh * D * (double)(n_win + n_sel)     /* scores and values */
-                   + c->hc_sinkhorn_iters * 4.0 * c->hc_mult * c->hc_mult * 2;
-    /* bf16 roundings (ref_attn.c, ref_hc.c, ref_ops.c): q_lora and its norm (2 per element), q
-     * before and after RoPE, kv likewise and its norm, the heads' outputs and their un-roped
-     * part, wo_a's output, the output, attn_norm and ffn_norm, two collapses, the expand */
-    double rounds = 3.0 * c->q_lora_rank + 3.0 * nh * D + nh * (double)c->qk_rope_head_dim + 4.0 * D +
-                    (double)c->o_groups * c->o_lora_rank + (7.0 + c->hc_mult) * H;
-    flops += PL_W_ROUND * rounds;
-    if (mf_config_is_index_source(c, L) && n_vis > 0)
-        flops += (double)n_vis * c->index_n_heads * c->index_head_dim;
-    return ns + pl_ref(p, flops);
+    double fl = 4.0 * D + 2.0 * nh * D * (double)(n_win + n_sel) +
+                PL_W_ROUND * (3.0 * nh * D + nh * (double)c->qk_rope_head_dim + 4.0 * D);
+    if (mf_config_is_index_source(c, L) && n_vis > 0) fl += (double)n_vis * c->index_n_heads * c->index_head_dim;
+    return pl_attn_kern_ns(p, L, PL_ST_CORE, 1, 1) + pl_ref(p, fl);
 }
 
 /* mf_task_engram for one item (ref_engram.c): the table rows (dequantized; streamed tables read
@@ -190,11 +244,22 @@ static int pl_sizes(mf_plan *p)
             /* ref_attn.c runs the grouped wo_a through mf_ref_linear_rows: scalar, not the kernels */
             if (t->role == MF_ROLE_FP8_WEIGHT) y->attn_ref_macs += (double)t->shape[0] * (double)t->shape[1];
         } else if (t->group == MF_GROUP_ATTN) {
-            if (t->role == MF_ROLE_FP8_WEIGHT) y->n_attn_fp8++;
-            if (t->role == MF_ROLE_FP8_WEIGHT || t->role == MF_ROLE_FP8_SCALE) y->attn_fp8_bytes += b;
+            /* mf_ref_attn_linears: what reads the input (in), the normed low-rank query (qb), the
+             * heads' output (ob); the indexer's wk reads compressed latents inside the core */
+            int st = strstr(nm, ".attn.wq_b.") || strstr(nm, ".indexer.wq_b.") ? PL_ST_QB
+                     : strstr(nm, ".attn.wo_b.")                                ? PL_ST_OB
+                     : strstr(nm, ".indexer.wk.")                               ? PL_ST_CORE
+                                                                                : PL_ST_IN;
+            double macs = t->n_dims == 2 ? (double)t->shape[0] * (double)t->shape[1] : 0;
+            if (t->role == MF_ROLE_FP8_WEIGHT) {
+                y->st_fp8_calls[st]++;
+                y->st_fp8_macs[st] += macs;
+            }
+            if (t->role == MF_ROLE_FP8_WEIGHT || t->role == MF_ROLE_FP8_SCALE) y->st_fp8_bytes[st] += b;
             if (t->role == MF_ROLE_LINEAR) {
-                y->attn_bf16_bytes += b;
-                y->n_attn_bf16++;
+                y->st_bf16_bytes[st] += b;
+                y->st_bf16_macs[st] += macs;
+                y->st_bf16_calls[st]++;
             }
         } else if (t->group == MF_GROUP_SHARED_EXPERTS) {
             if (strstr(nm, ".w2.")) p->sh_down_bytes += b;
@@ -609,14 +674,16 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
     pl_slot *sl = malloc(sizeof *sl * (size_t)n_slots);
     mf_task_id *io_ids = malloc(sizeof *io_ids * ((size_t)n_slots * n_parts + 1));
     mf_task_id unit[MF_STEP_MAX_ITEMS], at[MF_STEP_MAX_ITEMS], gates[MF_STEP_MAX_ITEMS];
+    mf_task_id apre[MF_STEP_MAX_ITEMS], core[MF_STEP_MAX_ITEMS], rows[4][PL_MAX_ATTN_PARTS];
     if (!sl || !io_ids) {
         free(sl);
         free(io_ids);
         return mf_error(-ENOMEM, "plan: out of memory");
     }
     /* step.c's rough costs, kept for the priorities (upward ranks) the executor would use */
-    double ref_attn_ns = per * (H * (c->q_lora_rank + 4.0 * c->hc_mult * 24) + (double)c->q_lora_rank *
-                                c->n_heads * c->head_dim + 2.0 * c->n_heads * c->head_dim * H);
+    double hc_ns = per * H * c->hc_mult * (c->hc_mult + 4.0);
+    double core_ns = per * (double)c->n_heads * c->head_dim * 2.0 * (c->sliding_window + c->index_topk);
+    int p_attn = W < PL_MAX_ATTN_PARTS ? W : PL_MAX_ATTN_PARTS;   /* mf_step_shape_new's p_attn */
     double exp_bytes = 3 * H * I * 0.53, sh_bytes = 3 * H * I * 1.0;
     double empty = 0;   /* a host task whose slot is elsewhere: only the executor's overhead */
     /* a device task with nothing to do still makes one round trip through its stream (the
@@ -639,9 +706,47 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
                 pl_dep(&b, unit[k], t);
                 unit[k] = t;
             }
-            snprintf(name, sizeof name, par ? "attn L%d item %d" : "attn L%d", L, k);
-            at[k] = pl_add(&b, name, 0, MF_STEP_ATTN, PL_K_OTHER, 0, ref_attn_ns, per * pl_attn_ns(p, L, pos));
-            pl_dep(&b, unit[k], at[k]);
+            snprintf(name, sizeof name, par ? "attn L%d pre item %d" : "attn L%d pre", L, k);
+            apre[k] = pl_add(&b, name, 0, MF_STEP_ATTN, PL_K_OTHER, 0, hc_ns, per * pl_attn_pre_ns(p, L));
+            pl_dep(&b, unit[k], apre[k]);
+        }
+        /* the attention's row-split stages, q norm, core and post (mf_step_build_graph) */
+        static const char *const st_name[4] = {"in", "qb", "oa", "ob"};
+        for (int st = 0; st < 4; st++) {
+            double st_bytes = p->layer[L].st_fp8_bytes[st] + p->layer[L].st_bf16_bytes[st] +
+                              (st == PL_ST_OA ? p->layer[L].attn_ref_macs : 0);
+            double ns = pl_attn_rows_ns(p, L, st, p_attn, n);
+            for (int q = 0; q < p_attn; q++) {
+                snprintf(name, sizeof name, "attn L%d %s %d", L, st_name[st], q);
+                rows[st][q] = pl_add(&b, name, 0, MF_STEP_ATTN, PL_K_OTHER, st_bytes / p_attn, 0, ns);
+            }
+        }
+        snprintf(name, sizeof name, "attn L%d q norm", L);
+        mf_task_id qn = pl_add(&b, name, 0, MF_STEP_ATTN, PL_K_OTHER, 0, n * 4.0 * c->q_lora_rank,
+                               pl_attn_qnorm_ns(p, n));
+        snprintf(name, sizeof name, "attn L%d oa join", L);
+        mf_task_id oj = pl_add(&b, name, 0, MF_STEP_ATTN, PL_K_OTHER, 0, 0, 0);
+        for (int k = 0; k < u; k++) {
+            snprintf(name, sizeof name, par ? "attn L%d core item %d" : "attn L%d core", L, k);
+            double ns = 0;
+            for (int i = 0; i < (par ? 1 : n); i++) ns += pl_attn_core_ns(p, L, pos);
+            core[k] = pl_add(&b, name, 0, MF_STEP_ATTN, PL_K_OTHER, 0, core_ns, ns);
+            snprintf(name, sizeof name, par ? "attn L%d post item %d" : "attn L%d post", L, k);
+            at[k] = pl_add(&b, name, 0, MF_STEP_ATTN, PL_K_OTHER, 0, 2 * hc_ns, per * pl_attn_post_ns(p, L));
+        }
+        for (int q = 0; q < p_attn; q++) {
+            for (int k = 0; k < u; k++) {
+                pl_dep(&b, apre[k], rows[PL_ST_IN][q]);
+                pl_dep(&b, rows[PL_ST_QB][q], core[k]);
+                pl_dep(&b, core[k], rows[PL_ST_OA][q]);
+                pl_dep(&b, rows[PL_ST_OB][q], at[k]);
+            }
+            pl_dep(&b, rows[PL_ST_IN][q], qn);
+            pl_dep(&b, qn, rows[PL_ST_QB][q]);
+            pl_dep(&b, rows[PL_ST_OA][q], oj);
+            pl_dep(&b, oj, rows[PL_ST_OB][q]);
+        }
+        for (int k = 0; k < u; k++) {
             gates[k] = at[k];
             if (par) {
                 snprintf(name, sizeof name, "gate L%d item %d", L, k);

@@ -9,14 +9,19 @@
 
 #include <jansson.h>
 
+#include "device/dev.h"
 #include "graphs/config.h"
+#include "graphs/model.h"
 #include "graphs/plan.h"
+#include "graphs/ref.h"
+#include "graphs/step.h"
 #include "graphs/routing.h"
 #include "sched/error.h"
 #include "sched/graph.h"
 #include "sched/sim.h"
 #include "sched/timeline.h"
 #include "tests/check.h"
+#include "tests/tiny_ckpt.h"
 
 #define FREE 1e30   /* a rate at which nothing costs anything */
 
@@ -83,29 +88,30 @@ static void test_structure(const char *tmp)
     char trace[512];
     snprintf(trace, sizeof trace, "%s/plan_trace.json", tmp);
     /* batch 1, one worker: n_slots = min(1 x 2, 16) = 2, one row part per expert, one shared part,
-     * two head parts. Per layer: attn, route (with the gate), moe done, 2 x (join, up, down),
-     * shared join, up, down, combine = 13, plus Engram on layers 1 and 3; then head join, norm, 2
-     * heads: 8 x 13 + 2 + 4 = 110. */
+     * two head parts, one row part per attention stage. Per layer: attention pre, in, qb, oa, ob,
+     * q norm, oa join, core, post (9), route (with the gate), moe done, 2 x (join, up, down),
+     * shared join, up, down, combine = 21, plus Engram on layers 1 and 3; then head join, norm,
+     * 2 heads: 8 x 21 + 2 + 4 = 174. */
     mf_plan *p;
     mf_plan_report r;
     CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .seed = 3}, &p), "%s", mf_last_error());
     CHECK(!mf_plan_step(p, &r), "%s", mf_last_error());
-    CHECK(r.n_tasks == 110, "tiny host: %d tasks, expected 110", r.n_tasks);
+    CHECK(r.n_tasks == 174, "tiny host: %d tasks, expected 174", r.n_tasks);
     /* every task costs 1 us and there is one worker: the makespan is the task count in us */
-    CHECK(r.step_ns == 110 * 1000, "tiny host makespan %lld ns, expected 110000", (long long)r.step_ns);
-    CHECK(r.n_lanes == 1 && r.lanes[0].busy_ns == 110000, "cpu lane work %lld", (long long)r.lanes[0].busy_ns);
+    CHECK(r.step_ns == 174 * 1000, "tiny host makespan %lld ns, expected 174000", (long long)r.step_ns);
+    CHECK(r.n_lanes == 1 && r.lanes[0].busy_ns == 174000, "cpu lane work %lld", (long long)r.lanes[0].busy_ns);
     CHECK(r.host_slots == 16 && r.dev_slots == 0, "slots: %lld host, %lld dev", (long long)r.host_slots,
           (long long)r.dev_slots);
     mf_plan_free(p);
 
     /* routed experts alone cost: fp4 at 417792e3 B/s. One expert is w1, w3 [64, 256] and w2
      * [256, 64], each 64 x 256 / 2 code bytes + 64 x 256 / 32 scale bytes = 8704: 26112 bytes;
-     * 2 slots x 8 layers = 417792 bytes = 1 ms on the one worker, after the 110 tasks' 1 us each.
+     * 2 slots x 8 layers = 417792 bytes = 1 ms on the one worker, after the 174 tasks' 1 us each.
      * (An up task is 41666.67 ns, a down task 20833.33 ns: rounded per task they still sum to 1 ms.) */
     f.host[MF_KF_FP4].bytes_per_s = 417792e3;
     CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f}, &p), "%s", mf_last_error());
     CHECK(!mf_plan_step(p, &r), "%s", mf_last_error());
-    CHECK(r.step_ns == 110 * 1000 + 1000000, "tiny host + experts makespan %lld ns, expected 1110000",
+    CHECK(r.step_ns == 174 * 1000 + 1000000, "tiny host + experts makespan %lld ns, expected 1174000",
           (long long)r.step_ns);
     mf_plan_free(p);
     f.host[MF_KF_FP4].bytes_per_s = FREE;
@@ -116,14 +122,14 @@ static void test_structure(const char *tmp)
                                        .store = MF_PLAN_STORE_STREAMED, .store_budget_bytes = 64 << 20},
                        &p), "%s", mf_last_error());
     CHECK(!mf_plan_step(p, &r), "%s", mf_last_error());
-    CHECK(r.n_tasks == 110 + 96 + 3 * 2 * 16, "tiny seed streamed: %d tasks, expected %d", r.n_tasks,
-          110 + 96 + 96);
+    CHECK(r.n_tasks == 174 + 96 + 3 * 2 * 16, "tiny seed streamed: %d tasks, expected %d", r.n_tasks,
+          174 + 96 + 96);
     CHECK(r.n_lanes == 2 + 6, "%d lanes", r.n_lanes);
     CHECK(!mf_plan_write_trace(p, trace), "%s", mf_last_error());
     CHECK(count_lane(trace, "io") == 96, "io lane: %d tasks", count_lane(trace, "io"));
     CHECK(count_lane(trace, "dev0.h2d") == 16, "dev0.h2d: %d tasks", count_lane(trace, "dev0.h2d"));
     CHECK(count_lane(trace, "dev1.compute") == 16, "dev1.compute: %d tasks", count_lane(trace, "dev1.compute"));
-    CHECK(count_lane(trace, "cpu") == 110, "cpu: %d tasks", count_lane(trace, "cpu"));
+    CHECK(count_lane(trace, "cpu") == 174, "cpu: %d tasks", count_lane(trace, "cpu"));
     CHECK(r.dev_slots == 16 && r.host_slots == 0, "seed: %lld dev slots, %lld host", (long long)r.dev_slots,
           (long long)r.host_slots);
     mf_plan_free(p);
@@ -134,7 +140,7 @@ static void test_structure(const char *tmp)
     CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .placement = MF_STEP_PLACE_SEED}, &p), "%s",
           mf_last_error());
     CHECK(!mf_plan_step(p, &r), "%s", mf_last_error());
-    CHECK(r.n_tasks == 110 + 96 + 96 && r.n_lanes == 1 + 6 + 6, "tiny seed emulated: %d tasks, %d lanes",
+    CHECK(r.n_tasks == 174 + 96 + 96 && r.n_lanes == 1 + 6 + 6, "tiny seed emulated: %d tasks, %d lanes",
           r.n_tasks, r.n_lanes);
     mf_plan_free(p);
     remove(trace);
@@ -363,10 +369,66 @@ static void test_core_pool(void)
     mf_graph_destroy(g);
 }
 
+/* The simulated graph is the engine's: on the tiny checkpoint, the real engine's decode step and
+ * the plan's have the same number of tasks for 1 and 3 workers, batch 1 and 3, host and seed
+ * placement (emulated cards). */
+static void test_mirror(void)
+{
+    mf_config c;
+    char dir[1024];
+    CHECK(!mf_config_preset("tiny", &c), "preset tiny");
+    if (mf_test_gen_ckpt(&c, "plan_tiny", dir, sizeof dir)) {
+        CHECK(0, "tiny checkpoint");
+        return;
+    }
+    mf_model *m = NULL;
+    mf_ref *r = NULL;
+    CHECK(!mf_model_load(dir, &(mf_model_opts){.quiet = 1}, &m) && !mf_ref_new(m, NULL, &r), "%s", mf_last_error());
+    if (!r) {
+        mf_model_free(m);
+        return;
+    }
+    float *logits = malloc(sizeof(float) * 3 * (size_t)c.vocab_size);
+    for (int place = MF_STEP_PLACE_HOST; place <= MF_STEP_PLACE_SEED; place++)
+        for (int threads = 1; threads <= 3; threads += 2)
+            for (int batch = 1; batch <= 3; batch += 2) {
+                mf_dev *d = NULL;
+                mf_step *e = NULL;
+                if (place != MF_STEP_PLACE_HOST) CHECK(!mf_dev_open("emu:2", &d), "%s", mf_last_error());
+                CHECK(!mf_step_new(r, &(mf_step_opts){.n_threads = threads, .dev = d, .placement = place}, &e),
+                      "%s", mf_last_error());
+                mf_ref_state *st[3] = {0};
+                int32_t tok[3] = {5, 9, 13}, prompt[4] = {1, 2, 3, 4};
+                int rc = e ? 0 : -1;
+                for (int s = 0; s < batch && !rc; s++) {
+                    rc = mf_ref_state_new(r, 16, &st[s]);
+                    if (!rc) rc = mf_step_prefill(e, st[s], prompt, 4, logits);
+                }
+                if (!rc) rc = mf_step_decode(e, st, tok, batch, logits);
+                mf_step_times t = {0};
+                if (!rc) mf_step_last_times(e, &t);
+                mf_profile f = free_profile(threads, 1000);
+                mf_plan_report pr = {0};
+                CHECK(!mf_plan_run(&(mf_plan_opts){.config = &c, .profile = &f, .placement = place, .batch = batch,
+                                                   .seed = 1},
+                                   0, 1, &pr),
+                      "%s", mf_last_error());
+                CHECK(!rc && t.n_tasks == pr.n_tasks, "placement %d, %d workers, batch %d: engine %d tasks, plan %d",
+                      place, threads, batch, t.n_tasks, pr.n_tasks);
+                for (int s = 0; s < batch; s++) mf_ref_state_free(st[s]);
+                mf_step_free(e);
+                mf_dev_close(d);
+            }
+    free(logits);
+    mf_ref_free(r);
+    mf_model_free(m);
+}
+
 int main(void)
 {
     const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
     test_structure(tmp);
+    test_mirror();
     test_determinism_and_caches();
     test_hybrid_models();
     test_flash41();
