@@ -88,6 +88,8 @@ struct mf_plan {
     int64_t *task_ns;
     uint8_t *phase_of, *kind_of;
     int cap_tasks;
+    mf_task_id *noop_ids;                    /* tasks with nothing to do this step (marked noop) */
+    int n_noop, cap_noop;
     mf_plan_report total;
 };
 
@@ -478,6 +480,7 @@ void mf_plan_free(mf_plan *p)
     mf_plan_cache_free(&p->store);
     for (int cd = 0; cd < p->n_cards; cd++) mf_plan_cache_free(&p->dev[cd]);
     free(p->task_ns);
+    free(p->noop_ids);
     free(p->phase_of);
     free(p->kind_of);
     free(p->layer);
@@ -556,6 +559,27 @@ static mf_task_id pl_add(pl_builder *b, const char *name, int lane, int phase, i
     p->phase_of[t] = (uint8_t)phase;
     p->kind_of[t] = (uint8_t)kind;
     return t;
+}
+
+/* t has nothing to do this step: as step.c's route task marks it (mf_step_mark_noop), it is
+ * marked noop once the graph is finalized, so the simulator completes it the instant it is ready,
+ * at no cost and on no lane. */
+static void pl_noop(pl_builder *b, mf_task_id t)
+{
+    mf_plan *p = b->p;
+    if (b->rc || t < 0) return;
+    if (p->n_noop == p->cap_noop) {
+        int cap = p->cap_noop ? 2 * p->cap_noop : 1024;
+        mf_task_id *v = realloc(p->noop_ids, sizeof *v * (size_t)cap);
+        if (!v) {
+            b->rc = mf_error(-ENOMEM, "plan: out of memory");
+            return;
+        }
+        p->noop_ids = v;
+        p->cap_noop = cap;
+    }
+    p->noop_ids[p->n_noop++] = t;
+    p->task_ns[t] = 0;
 }
 
 static void pl_dep(pl_builder *b, mf_task_id before, mf_task_id after)
@@ -671,6 +695,7 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
     int rc = mf_graph_create(p->lanes, p->n_lanes, &p->g);
     if (rc) return rc;
     pl_builder b = {p, 0};
+    p->n_noop = 0;
     pl_slot *sl = malloc(sizeof *sl * (size_t)n_slots);
     mf_task_id *io_ids = malloc(sizeof *io_ids * ((size_t)n_slots * n_parts + 1));
     mf_task_id unit[MF_STEP_MAX_ITEMS], at[MF_STEP_MAX_ITEMS], gates[MF_STEP_MAX_ITEMS];
@@ -685,11 +710,10 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
     double core_ns = per * (double)c->n_heads * c->head_dim * 2.0 * (c->sliding_window + c->index_topk);
     int p_attn = W < PL_MAX_ATTN_PARTS ? W : PL_MAX_ATTN_PARTS;   /* mf_step_shape_new's p_attn */
     double exp_bytes = 3 * H * I * 0.53, sh_bytes = 3 * H * I * 1.0;
-    double empty = 0;   /* a host task whose slot is elsewhere: only the executor's overhead */
-    /* a device task with nothing to do still makes one round trip through its stream (the
-     * scheduler completes it in a stream callback): the card's kernel latency measures that */
-    double dev_empty = p->n_cards ? p->prof.card[MF_KF_FP4].latency_ns : 0;
-    if (p->emu_lane >= 0) dev_empty = 0;   /* the round trip is the wake task's, on a core */
+    double empty = 0;   /* a host task whose slot is elsewhere: marked noop below, no cost */
+    /* a device task with nothing to do returns MF_TASK_NO_WORK: it completes at once on the
+     * submitting thread, without a round trip through its stream (sched/lane_dev.c) */
+    double dev_empty = 0;
     const mf_profile *f = &p->prof;
     char name[64];
     for (int k = 0; k < u; k++) unit[k] = -1;
@@ -768,6 +792,7 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
             snprintf(name, sizeof name, "expert L%d slot %d join", L, s);
             mf_task_id jo = pl_add(&b, name, 0, MF_STEP_MOE, PL_K_EXPERT, 0, I * 2,
                                    host ? pl_ref(p, 2.0 * I * cnt) : empty);
+            if (!host) pl_noop(&b, jo);
             mf_task_id *io = io_ids + (size_t)s * n_parts;
             for (int j = 0; p->streamed && j < n_parts; j++) {
                 snprintf(name, sizeof name, "read L%d slot %d part %d", L, s, j);
@@ -793,6 +818,10 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
                                        host ? pl_host(p, MF_KF_FP4, p->down_bytes / p_exp, H * I / p_exp, cnt) +
                                                   pl_ref(p, PL_W_ROUND * H / p_exp * cnt)
                                             : empty);
+                if (!host) {
+                    pl_noop(&b, up);
+                    pl_noop(&b, dn);
+                }
                 pl_dep(&b, ro, up);
                 for (int j = 0; p->streamed && j < n_parts; j++) pl_dep(&b, io[j], up);
                 pl_dep(&b, up, jo);
@@ -825,6 +854,12 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
                     wk[k] = pl_add(&b, name, p->emu_lane + 3 * cd + k, MF_STEP_MOE, PL_K_WAKE, 0, 0,
                                    (p->o.dev_task_ns > 0 ? p->o.dev_task_ns : f->card[MF_KF_FP4].latency_ns) -
                                        p->prof.task_overhead_ns);
+                    if (!here) pl_noop(&b, wk[k]);   /* no stream round trip */
+                }
+                if (!here) {
+                    pl_noop(&b, din);
+                    pl_noop(&b, dff);
+                    pl_noop(&b, dout);
                 }
                 mf_task_id first = wk[0] >= 0 ? wk[0] : din;
                 pl_dep(&b, ro, first);
@@ -883,6 +918,7 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
     free(io_ids);
     if (b.rc) return b.rc;
     if ((rc = mf_graph_finalize(p->g))) return rc;
+    for (int i = 0; i < p->n_noop; i++) mf_graph_set_noop(p->g, p->noop_ids[i], 1);
     return mf_timeline_create(p->g, &p->tl);
 }
 

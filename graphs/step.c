@@ -68,6 +68,13 @@ struct mf_step_shape {
     int32_t *slot_of;   /* n_routed_experts -> slot (-1) */
     int32_t *slot_e, *slot_off, *slot_cnt;   /* n_slots */
     int n_used;
+    /* per layer and slot, the ids of its tasks that have nothing to do unless the slot runs on the
+     * host (ups, join, downs) or on card c (in, ffn, out): the route task marks them noop
+     * (mf_graph_set_noop) so the executor completes them without queueing; -1 where absent.
+     * slot_tid[(L * n_slots + s) * tid_per_slot + k]: k < 2 p_exp + 1 host, then 3 per card */
+    mf_task_id *slot_tid;
+    int tid_per_slot;
+    mf_task_id *card_ffn_tid;   /* graph mode: per layer and card, the card's FFN graph task */
     /* with an expert store: per slot its weights (w1, w2, w3 pointing into the store's slab) and
      * the reads of its IO tasks (n_parts per slot; empty on hits), filled by the route task */
     mf_weight *slot_w;      /* n_slots x 3 */
@@ -487,7 +494,7 @@ static int mf_task_dev_in(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     int s = a->slot;
-    if (s >= sh->n_used || sh->slot_card[s] != a->part) return 0;
+    if (s >= sh->n_used || sh->slot_card[s] != a->part) return MF_TASK_NO_WORK;
     mf_step *eng = sh->eng;
     mf_dev_stream *st = ctx->queue;
     int64_t H = eng->c->hidden_size;
@@ -512,7 +519,7 @@ static int mf_task_dev_ffn(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     int s = a->slot;
-    if (s >= sh->n_used || sh->slot_card[s] != a->part) return 0;
+    if (s >= sh->n_used || sh->slot_card[s] != a->part) return MF_TASK_NO_WORK;
     mf_step *eng = sh->eng;
     int64_t H = eng->c->hidden_size, I = eng->c->moe_intermediate_size;
     const mf_weight *ew = mf_step_slot_weights(sh, a->layer, s);
@@ -543,7 +550,7 @@ static int mf_task_dev_ffn_card(void *arg, mf_task_ctx *ctx)
     mf_step *eng = sh->eng;
     int c = a->part, L = a->layer, any = 0;
     for (int s = 0; s < sh->n_used && !any; s++) any = sh->slot_card[s] == c;
-    if (!any) return 0;
+    if (!any) return MF_TASK_NO_WORK;
     mf_dev_stream *st = ctx->queue;
     mf_dev_graph **g = &sh->dgraph[c][L];
     if (!*g) {
@@ -576,7 +583,7 @@ static int mf_task_dev_out(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     int s = a->slot;
-    if (s >= sh->n_used || sh->slot_card[s] != a->part) return 0;
+    if (s >= sh->n_used || sh->slot_card[s] != a->part) return MF_TASK_NO_WORK;
     int64_t H = sh->eng->c->hidden_size;
     size_t off = (size_t)sh->slot_off[s], cnt = (size_t)sh->slot_cnt[s];
     return mf_dev_copy_d2h(ctx->queue, sh->y + off * H, (const float *)(sh->dbuf[a->part] + sh->d_y) + off * H,
@@ -586,6 +593,30 @@ static int mf_task_dev_out(void *arg, mf_task_ctx *ctx)
 /* Router: (serial shapes: the gates first, then) the slot table: the distinct experts in
  * ascending id, each with its items in item order; inputs gathered into slot order (and
  * quantized for the int8 path). */
+/* Marks layer L's slot tasks that have nothing to do this run (unused slots; a slot's host tasks
+ * when it runs on a card, its tasks on the other cards) as noop, the rest as normal: the executor
+ * then completes the empty ones where they become ready, without waking a lane's thread or making
+ * a round trip through a card's stream. Called by the route task before its successors start. */
+static void mf_step_mark_noop(mf_step_shape *sh, int L)
+{
+    mf_step *eng = sh->eng;
+    int nc = eng->n_cards, pe = sh->p_exp;
+    for (int s = 0; s < sh->n_slots; s++) {
+        const mf_task_id *tid = sh->slot_tid + ((size_t)L * sh->n_slots + s) * sh->tid_per_slot;
+        int used = s < sh->n_used, card = used && sh->slot_card ? sh->slot_card[s] : -1;
+        for (int k = 0; k < 2 * pe + 1; k++) mf_graph_set_noop(sh->g, tid[k], !used || card >= 0);
+        for (int cd = 0; cd < nc; cd++)
+            for (int k = 0; k < 3; k++)
+                if (tid[2 * pe + 1 + 3 * cd + k] >= 0)
+                    mf_graph_set_noop(sh->g, tid[2 * pe + 1 + 3 * cd + k], card != cd);
+    }
+    for (int cd = 0; cd < nc && eng->dev_graphs; cd++) {
+        int any = 0;
+        for (int s = 0; s < sh->n_used && !any; s++) any = sh->slot_card[s] == cd;
+        mf_graph_set_noop(sh->g, sh->card_ffn_tid[L * nc + cd], !any);
+    }
+}
+
 static int mf_task_route(void *arg, mf_task_ctx *ctx)
 {
     (void)ctx;
@@ -630,6 +661,7 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
         int rc = mf_step_place(sh, a->layer);
         if (rc) return rc;
     }
+    mf_step_mark_noop(sh, a->layer);
     if (!eng->o.exact)
         for (int s = 0; s < ns; s++) {
             if (sh->slot_card && sh->slot_card[s] >= 0) continue;   /* the card quantizes its own */
@@ -873,6 +905,8 @@ static void mf_step_shape_free(mf_step_shape *sh)
     free(sh->slot_w);
     free(sh->slot_rd);
     free(sh->slot_card);
+    free(sh->slot_tid);
+    free(sh->card_ffn_tid);
     free(sh->slot_dev);
     free(sh->slot_miss);
     for (int c = 0; c < sh->eng->n_cards; c++) {
@@ -996,6 +1030,17 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
     mf_task_id *unit = calloc((size_t)u, sizeof *unit), *gates = calloc((size_t)u, sizeof *gates);
     mf_task_id *io_ids = calloc((size_t)sh->n_slots * sh->n_parts + 1, sizeof *io_ids);
     int win = eng->o.read_window ? eng->o.read_window : 2;
+    sh->tid_per_slot = 2 * sh->p_exp + 1 + 3 * eng->n_cards;
+    sh->slot_tid = malloc(sizeof *sh->slot_tid * (size_t)c->n_layers * sh->n_slots * sh->tid_per_slot);
+    sh->card_ffn_tid = malloc(sizeof *sh->card_ffn_tid * (size_t)c->n_layers * (eng->n_cards ? eng->n_cards : 1));
+    if (!sh->slot_tid || !sh->card_ffn_tid) {
+        free(io_ids);
+        free(unit);
+        free(gates);
+        return mf_error(-ENOMEM, "step: out of memory for the graph");
+    }
+    for (size_t i = 0; i < (size_t)c->n_layers * sh->n_slots * sh->tid_per_slot; i++) sh->slot_tid[i] = -1;
+    for (int i = 0; i < c->n_layers * eng->n_cards; i++) sh->card_ffn_tid[i] = -1;
     if (!sh->args || !sh->phase_of || !sh->kind_of || !sh->targ_of || !unit || !gates || !io_ids) {
         free(io_ids);
         free(unit);
@@ -1095,10 +1140,13 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
             snprintf(name, sizeof name, "dev%d L%d ffn graph", cd, L);
             cffn[cd] = mf_step_add_dev(&b, name, mf_task_dev_ffn_card, L, -1, cd, 1,
                                        (double)eng->xslot_bytes * c->n_experts_per_tok / eng->n_cards);
+            sh->card_ffn_tid[L * eng->n_cards + cd] = cffn[cd];
         }
         for (int s = 0; s < sh->n_slots; s++) {
             snprintf(name, sizeof name, "expert L%d slot %d join", L, s);
             mf_task_id jo = mf_step_add(&b, name, mf_task_slot_join, MF_STEP_MOE, L, s, 0, 0, 0, NULL, 0, I * 2);
+            mf_task_id *tid = sh->slot_tid + ((size_t)L * sh->n_slots + s) * sh->tid_per_slot;
+            tid[2 * sh->p_exp] = jo;
             mf_task_id *io = io_ids + (size_t)s * sh->n_parts;
             for (int j = 0; j < sh->n_parts; j++) {
                 snprintf(name, sizeof name, "read L%d slot %d part %d", L, s, j);
@@ -1116,6 +1164,8 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
                 snprintf(name, sizeof name, "expert L%d slot %d down %d", L, s, p);
                 mf_task_id dn = mf_step_add(&b, name, mf_task_slot_down, MF_STEP_MOE, L, s, p, 0, 0, NULL,
                                             exp_bytes / 3 / sh->p_exp, 0);
+                tid[p] = up;
+                tid[sh->p_exp + p] = dn;
                 mf_step_dep(&b, ro, up);
                 for (int j = 0; j < sh->n_parts; j++) mf_step_dep(&b, io[j], up);
                 mf_step_dep(&b, up, jo);
@@ -1135,6 +1185,9 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
                 }
                 snprintf(name, sizeof name, "dev%d L%d slot %d out", cd, L, s);
                 mf_task_id dout = mf_step_add_dev(&b, name, mf_task_dev_out, L, s, cd, 2, n * H * 4.0);
+                tid[2 * sh->p_exp + 1 + 3 * cd] = din;
+                tid[2 * sh->p_exp + 1 + 3 * cd + 1] = eng->dev_graphs ? -1 : dff;
+                tid[2 * sh->p_exp + 1 + 3 * cd + 2] = dout;
                 mf_step_dep(&b, ro, din);
                 for (int j = 0; j < sh->n_parts; j++) mf_step_dep(&b, io[j], din);
                 mf_step_dep(&b, din, dff);

@@ -66,6 +66,7 @@ void mf_graph_destroy(mf_graph *g)
     free(g->succ);
     free(g->pred_off);
     free(g->pred);
+    free((void *)g->noop);
     free(g->topo);
     free(g->cost_ns);
     free(g->rank_ns);
@@ -201,10 +202,11 @@ int mf_graph_finalize(mf_graph *g)
     g->topo = malloc((size_t)(n ? n : 1) * sizeof *g->topo);
     g->cost_ns = malloc((size_t)(n ? n : 1) * sizeof *g->cost_ns);
     g->rank_ns = malloc((size_t)(n ? n : 1) * sizeof *g->rank_ns);
+    g->noop = calloc((size_t)(n ? n : 1), sizeof *g->noop);
     int32_t *indeg = malloc((size_t)(n ? n : 1) * sizeof *indeg);
     int rc = 0;
     if (!g->succ_off || !g->pred_off || !g->succ || !g->pred || !g->topo || !g->cost_ns ||
-        !g->rank_ns || !indeg) {
+        !g->rank_ns || !g->noop || !indeg) {
         rc = mf_error(-ENOMEM, "graph: out of memory packing %d tasks, %d dependencies", n, m);
         goto fail;
     }
@@ -246,6 +248,7 @@ fail:
     free(g->topo), g->topo = NULL;
     free(g->cost_ns), g->cost_ns = NULL;
     free(g->rank_ns), g->rank_ns = NULL;
+    free((void *)g->noop), g->noop = NULL;
     return rc;
 }
 
@@ -253,6 +256,17 @@ void mf_graph_set_arg(mf_graph *g, mf_task_id t, void *arg)
 {
     assert(t >= 0 && t < g->n_tasks);
     g->tasks[t].arg = arg;
+}
+
+void mf_graph_set_noop(mf_graph *g, mf_task_id t, int noop)
+{
+    assert(g->finalized && t >= 0 && t < g->n_tasks);
+    atomic_store_explicit(&g->noop[t], (unsigned char)!!noop, memory_order_relaxed);
+}
+
+int mf_graph_noop(const mf_graph *g, mf_task_id t)
+{
+    return g->noop ? atomic_load_explicit(&g->noop[t], memory_order_relaxed) : 0;
 }
 
 int mf_graph_n_tasks(const mf_graph *g) { return g->n_tasks; }

@@ -46,6 +46,10 @@ typedef struct mf_cost {
  * `ctx` is the executor's per-call context (worker index, device stream) -- see sched.h. */
 typedef struct mf_task_ctx mf_task_ctx;
 typedef int (*mf_task_fn)(void *arg, mf_task_ctx *ctx);
+/* What a device-lane fn returns when it enqueued no work (e.g. an expert slot placed on another
+ * card this step): the task completes at once on the submitting thread, without a round trip
+ * through its stream. Elsewhere it means the same as 0. */
+#define MF_TASK_NO_WORK 1
 
 /* Payload of an IO-lane task: read n_bytes at offset of fd into buf. dio_align 0: a buffered fd.
  * Otherwise fd was opened O_DIRECT and file offsets, lengths and buffer addresses must be
@@ -85,6 +89,14 @@ int mf_graph_finalize(mf_graph *g);
 
 /* Per-run payload update (allowed after finalize, between runs). */
 void mf_graph_set_arg(mf_graph *g, mf_task_id t, void *arg);
+/* Marks task t as having nothing to do (noop 1) or as normal (0), until changed. Allowed after
+ * finalize, between runs and during one: a task fn may mark tasks that are not yet ready (e.g. its
+ * successors), and the executor reads the mark when the task's last predecessor finishes. A
+ * marked task is completed right there, without being queued to its lane: no lane thread wakes,
+ * no device round trip; its span has zero length (worker -1). A marked task without predecessors
+ * runs normally. Marks of a run that fails are honoured as cancellations. */
+void mf_graph_set_noop(mf_graph *g, mf_task_id t, int noop);
+int mf_graph_noop(const mf_graph *g, mf_task_id t);
 
 /* Read access for executors, the simulator and the timeline. */
 int mf_graph_n_tasks(const mf_graph *g);

@@ -4,6 +4,8 @@
 #ifndef MF_GRAPH_IMPL_H
 #define MF_GRAPH_IMPL_H
 
+#include <stdatomic.h>
+
 #include "sched/graph.h"
 
 typedef struct mf_edge {
@@ -27,6 +29,8 @@ struct mf_graph {
     mf_task_id *topo;             /* a topological order */
     double *cost_ns;              /* from the lane model */
     double *rank_ns;              /* upward rank: cost + max rank of successors */
+    /* Per task, settable between and during runs (mf_graph_set_noop): 1 = nothing to do. */
+    _Atomic unsigned char *noop;
 
     /* The executor's per-graph run state (queues, counters), made at the first run, freed here. */
     void *rt;

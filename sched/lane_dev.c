@@ -76,6 +76,8 @@ void *mf_dev_submit_main(void *arg)
             mf_nvtx_range_pop();
             if (rc < 0) {
                 mf_task_fail(s, t, rc, mf_last_error());
+            } else if (rc == MF_TASK_NO_WORK) {
+                rc = 0;   /* nothing enqueued: done now, no round trip through the stream */
             } else {
                 mf_error_clear();
                 rc = s->dev->notify_status

@@ -221,14 +221,41 @@ void mf_task_fail(mf_sched *s, mf_task_id t, int code, const char *msg)
                  msg && *msg ? msg : "failed without a message");
 }
 
-/* Records t's end, releases its successors (poisoned when status != 0, so they complete as
- * cancelled) and counts it done. With a CPU worker w, returns the best successor that became ready
- * on w's lane when it outranks everything queued there (the worker runs it next, no queue), else
- * -1. Must be the last thing a non-worker thread does with the run. */
-mf_task_id mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w)
+#define MF_NOOP_STACK 64
+
+/* Releases x's successors (poisoned when status != 0): a ready one marked noop (mf_graph_set_noop)
+ * goes on `stack` to complete inline; one on the worker's lane may become its continuation
+ * (*cont, the best by key); the rest are queued. */
+static void mf_release(mf_sched *s, mf_task_id x, int status, int my_lane, mf_worker *w, mf_task_id *cont,
+                       uint64_t *ckey, mf_task_id *stack, int *n_stack)
 {
     mf_grt *rt = s->rt;
     const mf_graph *g = s->g;
+    for (int32_t k = g->succ_off[x], e = g->succ_off[x + 1]; k < e; k++) {
+        mf_task_id u = g->succ[k];
+        if (status) atomic_fetch_or_explicit(&rt->pend[u], MF_PEND_POISON, memory_order_relaxed);
+        uint32_t old = atomic_fetch_sub_explicit(&rt->pend[u], 1, memory_order_acq_rel);
+        if ((old & MF_PEND_MASK) != 1) continue;
+        if (*n_stack < MF_NOOP_STACK && atomic_load_explicit(&g->noop[u], memory_order_relaxed)) {
+            stack[(*n_stack)++] = u;
+        } else if (rt->lane[u] == my_lane && (rt->hint[u] < 0 || rt->hint[u] == w->index) && rt->key[u] > *ckey) {
+            if (*cont >= 0) mf_q_push(s, *cont);
+            *cont = u;
+            *ckey = rt->key[u];
+        } else {
+            mf_q_push(s, u);
+        }
+    }
+}
+
+/* Records t's end, releases its successors (poisoned when status != 0, so they complete as
+ * cancelled) and counts it done. Successors marked noop complete here at once, releasing theirs in
+ * turn (cancelled when poisoned). With a CPU worker w, returns the best successor that became
+ * ready on w's lane when it outranks everything queued there (the worker runs it next, no queue),
+ * else -1. Must be the last thing a non-worker thread does with the run. */
+mf_task_id mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w)
+{
+    mf_grt *rt = s->rt;
     if (s->spans) {
         mf_task_span *sp = &s->spans[t];
         sp->end_ns = mf_span_now(s);
@@ -237,21 +264,20 @@ mf_task_id mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w)
     }
     int cont_ok = w && w->lane->engine == MF_ENG_CPU;
     int my_lane = cont_ok ? w->lane->index : -1;
-    mf_task_id cont = -1;
+    mf_task_id cont = -1, stack[MF_NOOP_STACK];
     uint64_t ckey = 0;
-    for (int32_t k = g->succ_off[t], e = g->succ_off[t + 1]; k < e; k++) {
-        mf_task_id u = g->succ[k];
-        if (status) atomic_fetch_or_explicit(&rt->pend[u], MF_PEND_POISON, memory_order_relaxed);
-        uint32_t old = atomic_fetch_sub_explicit(&rt->pend[u], 1, memory_order_acq_rel);
-        if ((old & MF_PEND_MASK) != 1) continue;
-        if (rt->lane[u] == my_lane && (rt->hint[u] < 0 || rt->hint[u] == w->index) &&
-            rt->key[u] > ckey) {
-            if (cont >= 0) mf_q_push(s, cont);
-            cont = u;
-            ckey = rt->key[u];
-        } else {
-            mf_q_push(s, u);
+    int n_stack = 0;
+    uint32_t n_noop = 0;
+    mf_release(s, t, status, my_lane, w, &cont, &ckey, stack, &n_stack);
+    while (n_stack) {   /* noop tasks: done now, without their lanes */
+        mf_task_id x = stack[--n_stack];
+        int st = s->stop || (atomic_load_explicit(&rt->pend[x], memory_order_relaxed) & MF_PEND_POISON) ? 1 : 0;
+        if (s->spans) {
+            int64_t now = mf_span_now(s);
+            s->spans[x] = (mf_task_span){now, now, -1, st};
         }
+        mf_release(s, x, st, my_lane, w, &cont, &ckey, stack, &n_stack);
+        n_noop++;
     }
     if (cont >= 0) {
         uint64_t top = atomic_load_explicit(&w->lane->top_key, memory_order_relaxed);
@@ -264,9 +290,10 @@ mf_task_id mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w)
         }
     }
     if (w) {
-        if (++w->local_done >= 256) mf_done_flush(s, w);
+        w->local_done += 1 + n_noop;
+        if (w->local_done >= 256) mf_done_flush(s, w);
     } else {
-        mf_done_add(s, 1);
+        mf_done_add(s, 1 + n_noop);
     }
     return cont;
 }

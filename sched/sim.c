@@ -195,12 +195,13 @@ int mf_sim_run_opts(const mf_graph *g, const mf_sim_opts *o, mf_timeline *tl)
     int64_t *dur = malloc((size_t)n * sizeof *dur);
     int32_t *waiting = malloc((size_t)n * sizeof *waiting);
     mf_task_id *ready_store = malloc((size_t)n * sizeof *ready_store);
+    mf_task_id *noop_stack = malloc((size_t)n * sizeof *noop_stack);   /* a stack */
     sim_state s = {.rank = g->rank_ns};
     s.ready = calloc((size_t)n_lanes, sizeof *s.ready);
     s.free_slots = calloc((size_t)n_lanes, sizeof *s.free_slots);
     s.n_free = calloc((size_t)n_lanes, sizeof *s.n_free);
     int rc = 0;
-    if (!conc || !on_lane || !dur || !waiting || !ready_store || !s.ready || !s.free_slots ||
+    if (!conc || !on_lane || !dur || !waiting || !ready_store || !noop_stack || !s.ready || !s.free_slots ||
         !s.n_free) {
         rc = mf_error(-ENOMEM, "sim: out of memory for %d tasks", n);
         goto out;
@@ -272,10 +273,24 @@ int mf_sim_run_opts(const mf_graph *g, const mf_sim_opts *o, mf_timeline *tl)
             if (lane_core && lane_core[l])
                 pool++;
             slot_push(s.free_slots[l], &s.n_free[l], tl->spans[t].worker);
-            for (int k = g->succ_off[t]; k < g->succ_off[t + 1]; k++) {
-                mf_task_id u = g->succ[k];
-                if (--waiting[u] == 0)
-                    ready_push(&s, &s.ready[g->tasks[u].lane], u);
+            /* successors; those marked noop (mf_graph_set_noop) complete at once, as the
+             * executor completes them where they become ready, and release theirs */
+            int top = 0;
+            noop_stack[top++] = t;
+            while (top) {
+                mf_task_id x = noop_stack[--top];
+                for (int k = g->succ_off[x]; k < g->succ_off[x + 1]; k++) {
+                    mf_task_id u = g->succ[k];
+                    if (--waiting[u] != 0)
+                        continue;
+                    if (mf_graph_noop(g, u)) {
+                        tl->spans[u] = (mf_task_span){now, now, -1, 0};
+                        n_done++;
+                        noop_stack[top++] = u;
+                    } else {
+                        ready_push(&s, &s.ready[g->tasks[u].lane], u);
+                    }
+                }
             }
         }
     }
@@ -291,6 +306,7 @@ out:
     free(s.ready);
     free(s.events);
     free(ready_store);
+    free(noop_stack);
     free(waiting);
     free(dur);
     free(on_lane);

@@ -1,6 +1,7 @@
 /* The virtual-time simulator: runs a graph without doing the work, each task's duration from its
  * lane's cost model (mf_lane_model) and each lane's concurrency, in upward-rank order like the
- * executor. Deterministic; fills the same timeline as a real run. */
+ * executor. Tasks marked noop (mf_graph_set_noop) complete the instant they become ready, as the
+ * executor completes them. Deterministic; fills the same timeline as a real run. */
 #ifndef MF_SIM_H
 #define MF_SIM_H
 
