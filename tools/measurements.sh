@@ -3,12 +3,12 @@
 # checkpoint needed) simulated on the seed host's profile under each placement and batch, with the
 # lane that bounds each; (2) the simulator against real decoding of the demo model on this machine
 # (`moeflow sim --measure`, every placement, --runs times each, medians). Prints Markdown.
-# Usage: bash tools/measurements.sh [--build DIR] [--runs N] [--skip-measure]
+# Usage: bash tools/measurements.sh [--build DIR] [--runs N (default 5)] [--skip-measure]
 # Needs a built moeflow (default build/moeflow); part 2 needs the demo checkpoint
 # (~/.cache/moeflow/demo, `bash tools/demo.sh` makes it) and a quiet machine (it says the load).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-build=build runs=3 measure=1
+build=build runs=5 measure=1
 while [ $# -gt 0 ]; do
   case $1 in
     --build) build=$2; shift 2 ;;
