@@ -716,7 +716,7 @@ static void pl_layer_done(mf_plan *p, int L, const pl_slot *sl, int n_used)
 }
 
 /* mf_step_build_graph for a parallel decode shape (serial when batch is 1, as step.c: one task
- * each for attn, route with the gates, combine and norm), with this step's slot table and
+ * each for the per-item parts, combine and norm), with this step's slot table and
  * placement deciding which slot tasks do work. */
 static int pl_build(mf_plan *p, mf_plan_report *r)
 {
