@@ -1,6 +1,7 @@
 /* The decode-step simulator (graphs/plan.h). Each step draws its routing, then builds the graph
  * graphs/step.c would run for a parallel decode shape of `batch` items (mf_step_build_graph: per
- * layer engram i -> attn i -> gate i -> route -> slots (IO reads, up parts, join, down parts, and
+ * layer engram embed i -> wkv parts -> engram gate i -> attn i -> gate parts -> route -> slots (IO
+ * reads, up parts, join, down parts, and
  * per card in / ffn / out) and the shared expert -> moe done -> combine i; norm i -> head join ->
  * head parts), places the slots as mf_step_place does, updates the expert caches, gives every task
  * a duration from the profile (docs/sim.md "Cost formulas") and runs mf_sim_run_opts. */
@@ -47,6 +48,7 @@ typedef struct pl_layer {
     double hc_macs;                           /* both hyper-connection projections (fp32, scalar) */
     double attn_ref_macs;                     /* wo_a: the reference's scalar dot rows (grouped) */
     double eng_fp8_bytes, eng_bf16_bytes;     /* Engram wkv, q/k projections */
+    double eng_fp8_macs;                      /* Engram wkv multiply-adds per token */
     double eng_row_bytes;                     /* one table row (codes + scales) */
 } pl_layer;
 
@@ -202,22 +204,59 @@ static double pl_attn_core_ns(const mf_plan *p, int L, int64_t pos)
     return pl_attn_kern_ns(p, L, PL_ST_CORE, 1, 1) + pl_ref(p, fl);
 }
 
-/* mf_task_engram for one item (ref_engram.c): the table rows (dequantized; streamed tables read
- * each row as an aligned block at the disk's depth), the wkv and q/k projections, the gating. */
-static double pl_engram_ns(const mf_plan *p, int L, uint64_t *bytes_read)
+/* Rows of part q of `parts` over n_rows, as step.c's mf_step_rows splits them (chunks rounded up
+ * to 16 rows: with few rows the last parts are empty). */
+static double pl_part_rows(int64_t n_rows, int parts, int q)
+{
+    int64_t chunk = (n_rows + parts - 1) / parts;
+    chunk = (chunk + 15) / 16 * 16;
+    int64_t a = q * chunk, b = a + chunk;
+    a = a < n_rows ? a : n_rows;
+    b = b < n_rows ? b : n_rows;
+    return (double)(b - a);
+}
+
+/* Engram as step.c runs it (ref_engram.c's phases): per item an embed task and a gate task, the
+ * wkv projection in row parts over all items between them. */
+
+/* mf_task_engram_embed, one item: the table rows (dequantized; streamed tables read each row as an
+ * aligned block at the disk's depth). */
+static double pl_engram_embed_ns(const mf_plan *p, int L, uint64_t *bytes_read)
 {
     const mf_config *c = &p->c;
     const pl_layer *y = &p->layer[L];
     double rows = (double)(c->engram_max_ngram_size - 1) * c->engram_n_heads;
-    double ns = pl_host(p, MF_KF_FP8, y->eng_fp8_bytes, 0, 1) + pl_host(p, MF_KF_BF16, y->eng_bf16_bytes, 0, 1);
-    ns += pl_ref(p, rows * c->engram_head_dim * 2 + 6.0 * (c->hc_mult + 1) * c->hidden_size +
-                    PL_W_ROUND * (c->hc_mult + 1.0) * c->hidden_size);
+    double ns = pl_ref(p, rows * c->engram_head_dim * 2);
     if (p->o.tables == MF_PLAN_STORE_STREAMED) {
         double b = rows * ceil(y->eng_row_bytes / PL_STORE_ALIGN) * PL_STORE_ALIGN;
         ns += p->prof.disk_latency_ns + b / p->prof.disk_bytes_per_s * 1e9;
         *bytes_read += (uint64_t)b;
     }
     return ns;
+}
+
+/* mf_task_engram_rows: part q of `parts` of the wkv projection ((hc + 1) x hidden rows, fp8 on
+ * the kernels) for n items, its share of the bytes and multiply-adds by its rows. */
+static double pl_engram_rows_ns(const mf_plan *p, int L, int parts, int q, int n)
+{
+    const pl_layer *y = &p->layer[L];
+    double R = (double)(p->c.hc_mult + 1) * p->c.hidden_size, f = pl_part_rows((int64_t)R, parts, q) / R;
+    return f > 0 ? pl_host(p, MF_KF_FP8, y->eng_fp8_bytes * f, y->eng_fp8_macs * f, n) : 0;
+}
+
+/* mf_task_engram_gate, one item: the q/k weights and the gating of each stream, its roundings. */
+static double pl_engram_gate_ns(const mf_plan *p, int L)
+{
+    const mf_config *c = &p->c;
+    return pl_host(p, MF_KF_BF16, p->layer[L].eng_bf16_bytes, 0, 1) +
+           pl_ref(p, 6.0 * (c->hc_mult + 1) * c->hidden_size + PL_W_ROUND * (c->hc_mult + 1.0) * c->hidden_size);
+}
+
+/* mf_task_gate_rows: part q of `parts` of the router's logits (n_routed_experts bf16 rows, the
+ * reference's scalar double sums) for n items. */
+static double pl_gate_rows_ns(const mf_plan *p, int parts, int q, int n)
+{
+    return pl_ref(p, n * PL_W_DOT_BF16 * p->H * pl_part_rows(p->E, parts, q));
 }
 
 /* ---- setup --------------------------------------------------------------------------------- */
@@ -269,6 +308,7 @@ static int pl_sizes(mf_plan *p)
             if (t->role == MF_ROLE_FP8_WEIGHT && strstr(nm, ".w1.")) p->Ish = (double)t->shape[0];
         } else if (t->group == MF_GROUP_ENGRAM) {
             if (t->role == MF_ROLE_FP8_WEIGHT || t->role == MF_ROLE_FP8_SCALE) y->eng_fp8_bytes += b;
+            if (t->role == MF_ROLE_FP8_WEIGHT) y->eng_fp8_macs += (double)t->shape[0] * (double)t->shape[1];
             else if (t->role == MF_ROLE_LINEAR) y->eng_bf16_bytes += b;
             else if (t->role == MF_ROLE_TABLE || t->role == MF_ROLE_TABLE_SCALE)
                 y->eng_row_bytes += b / (double)t->shape[0];
@@ -676,7 +716,7 @@ static void pl_layer_done(mf_plan *p, int L, const pl_slot *sl, int n_used)
 }
 
 /* mf_step_build_graph for a parallel decode shape (serial when batch is 1, as step.c: one task
- * each for attn, route with the gates, combine and norm), with this step's slot table and
+ * each for the per-item parts, combine and norm), with this step's slot table and
  * placement deciding which slot tasks do work. */
 static int pl_build(mf_plan *p, mf_plan_report *r)
 {
@@ -698,7 +738,7 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
     p->n_noop = 0;
     pl_slot *sl = malloc(sizeof *sl * (size_t)n_slots);
     mf_task_id *io_ids = malloc(sizeof *io_ids * ((size_t)n_slots * n_parts + 1));
-    mf_task_id unit[MF_STEP_MAX_ITEMS], at[MF_STEP_MAX_ITEMS], gates[MF_STEP_MAX_ITEMS];
+    mf_task_id unit[MF_STEP_MAX_ITEMS], at[MF_STEP_MAX_ITEMS], emb[MF_STEP_MAX_ITEMS], wr[PL_MAX_ATTN_PARTS];
     mf_task_id apre[MF_STEP_MAX_ITEMS], core[MF_STEP_MAX_ITEMS], rows[4][PL_MAX_ATTN_PARTS];
     if (!sl || !io_ids) {
         free(sl);
@@ -721,15 +761,28 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
         int n_used = 0;
         int64_t pos = p->pos;
         if ((b.rc = pl_layer_slots(p, L, sl, &n_used, r))) break;
-        for (int k = 0; k < u; k++) {
-            if (mf_config_engram_slot(c, L) >= 0) {
-                snprintf(name, sizeof name, par ? "engram L%d item %d" : "engram L%d", L, k);
+        if (mf_config_engram_slot(c, L) >= 0) {   /* [per unit: embed] -> wkv parts -> [per unit: gate] */
+            for (int k = 0; k < u; k++) {
+                snprintf(name, sizeof name, par ? "engram L%d embed item %d" : "engram L%d embed", L, k);
                 double ns = 0;
-                for (int i = 0; i < (par ? 1 : n); i++) ns += pl_engram_ns(p, L, &r->table_bytes_read);
-                mf_task_id t = pl_add(&b, name, 0, MF_STEP_ENGRAM, PL_K_OTHER, 0, per * 2e5, ns);
-                pl_dep(&b, unit[k], t);
-                unit[k] = t;
+                for (int i = 0; i < (par ? 1 : n); i++) ns += pl_engram_embed_ns(p, L, &r->table_bytes_read);
+                emb[k] = pl_add(&b, name, 0, MF_STEP_ENGRAM, PL_K_OTHER, 0, per * 2e4, ns);
+                pl_dep(&b, unit[k], emb[k]);
             }
+            for (int q = 0; q < p_attn; q++) {
+                snprintf(name, sizeof name, "engram L%d wkv %d", L, q);
+                wr[q] = pl_add(&b, name, 0, MF_STEP_ENGRAM, PL_K_OTHER, p->layer[L].eng_fp8_bytes / p_attn, 0,
+                               pl_engram_rows_ns(p, L, p_attn, q, n));
+                for (int k = 0; k < u; k++) pl_dep(&b, emb[k], wr[q]);
+            }
+            for (int k = 0; k < u; k++) {
+                snprintf(name, sizeof name, par ? "engram L%d gate item %d" : "engram L%d gate", L, k);
+                unit[k] = pl_add(&b, name, 0, MF_STEP_ENGRAM, PL_K_OTHER, 0, per * 8.0 * c->hc_mult * H,
+                                 per * pl_engram_gate_ns(p, L));
+                for (int q = 0; q < p_attn; q++) pl_dep(&b, wr[q], unit[k]);
+            }
+        }
+        for (int k = 0; k < u; k++) {
             snprintf(name, sizeof name, par ? "attn L%d pre item %d" : "attn L%d pre", L, k);
             apre[k] = pl_add(&b, name, 0, MF_STEP_ATTN, PL_K_OTHER, 0, hc_ns, per * pl_attn_pre_ns(p, L));
             pl_dep(&b, unit[k], apre[k]);
@@ -770,21 +823,18 @@ static int pl_build(mf_plan *p, mf_plan_report *r)
             pl_dep(&b, rows[PL_ST_OA][q], oj);
             pl_dep(&b, oj, rows[PL_ST_OB][q]);
         }
-        for (int k = 0; k < u; k++) {
-            gates[k] = at[k];
-            if (par) {
-                snprintf(name, sizeof name, "gate L%d item %d", L, k);
-                gates[k] = pl_add(&b, name, 0, MF_STEP_MOE, PL_K_OTHER, 0, H * E,
-                                  pl_ref(p, PL_W_DOT_BF16 * H * E + 4.0 * E));
-                pl_dep(&b, at[k], gates[k]);
-            }
-        }
-        /* route: (serial: the gates,) the slot table, gathers, quantization of host slots' inputs */
-        double route_fl = n * H * K * 2.0 + (par ? 0 : n * (PL_W_DOT_BF16 * H * E + 4.0 * E));
+        /* route: the top-k of the gate parts' logits, the slot table, gathers, quantization of
+         * host slots' inputs */
+        double route_fl = n * (H * K * 2.0 + 4.0 * E);
         snprintf(name, sizeof name, "route L%d", L);
-        mf_task_id ro = pl_add(&b, name, 0, MF_STEP_MOE, PL_K_OTHER, 0,
-                               n * H * (K + (par ? 0 : E)), pl_ref(p, route_fl));
-        for (int k = 0; k < u; k++) pl_dep(&b, gates[k], ro);
+        mf_task_id ro = pl_add(&b, name, 0, MF_STEP_MOE, PL_K_OTHER, 0, n * (H * K + 4.0 * E), pl_ref(p, route_fl));
+        for (int q = 0; q < p_attn; q++) {
+            snprintf(name, sizeof name, "gate L%d %d", L, q);
+            mf_task_id gp = pl_add(&b, name, 0, MF_STEP_MOE, PL_K_OTHER, 0, n * H * E / p_attn,
+                                   pl_gate_rows_ns(p, p_attn, q, n));
+            for (int k = 0; k < u; k++) pl_dep(&b, at[k], gp);
+            pl_dep(&b, gp, ro);
+        }
         snprintf(name, sizeof name, "moe L%d done", L);
         mf_task_id done = pl_add(&b, name, 0, MF_STEP_MOE, PL_K_OTHER, 0, 0, 0);
         for (int s = 0; s < n_slots; s++) {

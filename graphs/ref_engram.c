@@ -170,13 +170,12 @@ int mf_ref_engram_setup(mf_ref *r)
     return 0;
 }
 
-int mf_ref_engram(mf_ref *r, mf_ref_item *it, int L)
+int mf_ref_engram_embed(mf_ref *r, const mf_ref_item *it, int L, float *emb)
 {
     const mf_config *c = r->c;
     const mf_model_layer *y = mf_model_layer_at(r->m, L);
     int slot = mf_config_engram_slot(c, L), ng = c->engram_max_ngram_size, nh = c->engram_n_heads;
-    int d = c->engram_head_dim, hc = c->hc_mult, per = (ng - 1) * nh;
-    int64_t H = c->hidden_size;
+    int d = c->engram_head_dim, per = (ng - 1) * nh;
     int64_t pad = r->token_map[c->engram_pad_token_id];
     /* compressed ids of the look-back; blocked once the sequence start is passed */
     int64_t cid[8];
@@ -186,7 +185,6 @@ int mf_ref_engram(mf_ref *r, mf_ref_item *it, int L)
     }
     for (int k = 0; k < ng; k++)
         if (cid[k] < 0) cid[k] = pad;
-    float *emb = r->s[3], *kv = r->s[4];
     uint64_t h = (uint64_t)cid[0] * (uint64_t)r->eg_mult[slot][0];
     /* every row of this token first, then one batch of reads (the store's gatherer) or a read
      * per row */
@@ -214,11 +212,16 @@ int mf_ref_engram(mf_ref *r, mf_ref_item *it, int L)
         for (int e = 0; e < d; e++)
             emb[(int64_t)j * d + e] = mf_e4m3_to_f32(codes[e]) * mf_e8m0_to_f32(scales[e / 32]);
     }
-    int aq = r->opts.act_quant;
-    if (aq) mf_bf_n(emb, (int64_t)per * d);   /* REF: rows cast to bf16, then act-quant */
-    int rc = mf_ref_linear(r, &y->eg_wkv, emb, kv, aq);
-    if (rc) return rc;
-    if (aq) mf_bf_n(kv, (int64_t)(hc + 1) * H);
+    if (r->opts.act_quant) mf_bf_n(emb, (int64_t)per * d);   /* REF: rows cast to bf16, then act-quant */
+    return 0;
+}
+
+void mf_ref_engram_gate(mf_ref *r, mf_ref_item *it, int L, const float *kv)
+{
+    const mf_config *c = r->c;
+    const mf_model_layer *y = mf_model_layer_at(r->m, L);
+    int hc = c->hc_mult;
+    int64_t H = c->hidden_size;
     const float *value = kv + (int64_t)hc * H;
     for (int s = 0; s < hc; s++) {
         float *x = it->x + s * H;
@@ -235,5 +238,17 @@ int mf_ref_engram(mf_ref *r, mf_ref_item *it, int L)
         float gate = mf_ref_sigmoid((float)copysign(sqrt(a), g));
         for (int64_t e = 0; e < H; e++) x[e] = mf_bf(x[e] + gate * value[e]);
     }
+}
+
+int mf_ref_engram(mf_ref *r, mf_ref_item *it, int L)
+{
+    const mf_config *c = r->c;
+    float *emb = r->s[3], *kv = r->s[4];
+    int aq = r->opts.act_quant;
+    int rc = mf_ref_engram_embed(r, it, L, emb);
+    if (!rc) rc = mf_ref_linear(r, &mf_model_layer_at(r->m, L)->eg_wkv, emb, kv, aq);
+    if (rc) return rc;
+    if (aq) mf_bf_n(kv, (int64_t)(c->hc_mult + 1) * c->hidden_size);
+    mf_ref_engram_gate(r, it, L, kv);
     return 0;
 }

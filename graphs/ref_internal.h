@@ -190,5 +190,11 @@ int mf_ref_moe(mf_ref *r, mf_ref_item *it, int L, const float *in, float *out);
 /* ref_engram.c */
 int mf_ref_engram_setup(mf_ref *r);
 int mf_ref_engram(mf_ref *r, mf_ref_item *it, int L);
+/* Its phases (the engine runs the wkv projection between them, split by rows): embed hashes the
+ * item's n-grams, reads (the store's gatherer or the table) and dequantizes its table rows into
+ * emb (n-gram heads x head_dim floats); gate adds the gated value of kv (= wkv emb, (hc + 1) x
+ * hidden) into the item's streams. */
+int mf_ref_engram_embed(mf_ref *r, const mf_ref_item *it, int L, float *emb);
+void mf_ref_engram_gate(mf_ref *r, mf_ref_item *it, int L, const float *kv);
 
 #endif

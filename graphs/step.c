@@ -1,11 +1,12 @@
 /* The scheduled decode engine (graphs/step.h): per batch size one graph, per layer
- * [engram] -> attn pre -> attn linear stages (in, qb, oa, ob; row parts) around attn core ->
- * attn post -> gate -> route -> expert slots (up parts -> join -> down parts) -> combine, the
- * shared expert (up parts -> join -> down parts) beside the slots, then norm -> head parts.
- * Tasks read the step's data (items, slot table) from the shape's buffers, so the graph never
- * changes. Engram, the per-item attention parts, hyper-connections, router and combine call the
- * reference code on the engine's own forward objects (one task per item when the items are
- * distinct sequences); attention linears, expert FFNs and the head are split by rows. */
+ * [engram embed -> wkv row parts -> engram gate] -> attn pre -> attn linear stages (in, qb, oa,
+ * ob; row parts) around attn core -> attn post -> gate row parts -> route -> expert slots (up
+ * parts -> join -> down parts) -> combine, the shared expert (up parts -> join -> down parts)
+ * beside the slots, then norm -> head parts. Tasks read the step's data (items, slot table) from
+ * the shape's buffers, so the graph never changes. Engram's gathers and gating, the per-item
+ * attention parts, hyper-connections, the top-k and combine call the reference code on the
+ * engine's own forward objects (one task per item when the items are distinct sequences); the
+ * Engram wkv, attention linears, router gate, expert FFNs and the head are split by rows. */
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -44,7 +45,7 @@ struct mf_step_shape {
     int par;            /* 1: items of distinct sequences, reference-code parts one task per item */
     int n_slots;        /* min(n * top_k, n_routed_experts) */
     int p_exp, p_sh, p_head;   /* row parts per expert, shared expert, head */
-    int p_attn;         /* row parts per attention linear stage */
+    int p_attn;         /* row parts per attention linear stage, Engram wkv and router gate */
     mf_graph *g;
     mf_timeline *tl;
     uint8_t *phase_of;  /* per task */
@@ -58,6 +59,9 @@ struct mf_step_shape {
     int64_t ab_ld[MF_RA_N];
     float *apre, *apost, *acomb;
     float *xin;         /* n x H: MoE input (after ffn_norm) */
+    float *logits;      /* n x n_routed_experts: router gate logits */
+    float *eg_emb, *eg_kv;   /* n x eg_emb_ld, n x eg_kv_ld: Engram rows (dequantized), wkv output */
+    int64_t eg_emb_ld, eg_kv_ld;
     float *post, *comb; /* n x hc, n x hc*hc: the ffn mix's post and comb */
     float *moe_out;     /* n x H: combine output */
     /* routing of the current layer */
@@ -167,7 +171,9 @@ static mf_kern_mat mf_step_mat(const mf_weight *w)
     return m;
 }
 
-static int mf_task_engram(void *arg, mf_task_ctx *ctx)
+/* Engram (ref_engram.c's phases): per item the hashed table rows, gathered and dequantized into
+ * the item's row of eg_emb (the store's gatherer one task at a time). */
+static int mf_task_engram_embed(void *arg, mf_task_ctx *ctx)
 {
     (void)ctx;
     mf_step_targ *a = arg;
@@ -175,9 +181,37 @@ static int mf_task_engram(void *arg, mf_task_ctx *ctx)
     mf_step *eng = sh->eng;
     if (eng->store) pthread_mutex_lock(&eng->gather_mu);
     int rc = 0;
-    for (int i = a->i0; i < a->i1 && !rc; i++) rc = mf_ref_engram(a->r, &sh->items[i], a->layer);
+    for (int i = a->i0; i < a->i1 && !rc; i++)
+        rc = mf_ref_engram_embed(a->r, &sh->items[i], a->layer, sh->eg_emb + (size_t)i * sh->eg_emb_ld);
     if (eng->store) pthread_mutex_unlock(&eng->gather_mu);
     return rc;
+}
+
+/* Rows of part a->part of sh->p_attn of the wkv projection, over all items (as mf_ref_linear
+ * sums them: the same bits for any split). */
+static int mf_task_engram_rows(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    const mf_weight *w = &mf_model_layer_at(a->r->m, a->layer)->eg_wkv;
+    int r0, r1;
+    mf_step_rows(w->rows, sh->p_attn, a->part, &r0, &r1);
+    if (r0 >= r1) return 0;
+    int rc = mf_ref_linear_part(a->r, w, a->r->kern_linear, sh->eg_emb, sh->n, sh->eg_emb_ld, sh->eg_kv,
+                                sh->eg_kv_ld, r0, r1);
+    return rc ? mf_error_wrap(rc, "step: layer %d, rows [%d, %d) of the Engram wkv", a->layer, r0, r1) : 0;
+}
+
+/* Per item: the gated value added into its streams. */
+static int mf_task_engram_gate(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    for (int i = a->i0; i < a->i1; i++)
+        mf_ref_engram_gate(a->r, &sh->items[i], a->layer, sh->eg_kv + (size_t)i * sh->eg_kv_ld);
+    return 0;
 }
 
 /* The attention sublayer (ref_attn.c's phases) between per-item parts on the engine's forward
@@ -292,33 +326,36 @@ static int mf_task_attn_post(void *arg, mf_task_ctx *ctx)
     return 0;
 }
 
-/* Gate logits (reference code, fp32 with double sums) and top-k of items [i0, i1). */
-static int mf_step_gate(mf_step_shape *sh, mf_ref *r, int L, int i0, int i1)
+/* Rows (experts) of part a->part of sh->p_attn of the router's gate logits, over all items: as
+ * the reference sums them (double sums, never the kernels), so the routing is the reference's. */
+static int mf_task_gate_rows(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    const mf_weight *w = &mf_model_layer_at(a->r->m, a->layer)->gate;
+    int r0, r1;
+    mf_step_rows(w->rows, sh->p_attn, a->part, &r0, &r1);
+    if (r0 >= r1) return 0;
+    int64_t H = sh->eng->c->hidden_size;
+    int rc = mf_ref_linear_part(a->r, w, 0, sh->xin, sh->n, H, sh->logits, w->rows, r0, r1);
+    return rc ? mf_error_wrap(rc, "step: layer %d, rows [%d, %d) of the router gate", a->layer, r0, r1) : 0;
+}
+
+/* Top-k of the gate logits of every item, in item order (with the route hook). */
+static void mf_step_topk(mf_step_shape *sh, mf_ref *r, int L)
 {
     const mf_config *c = r->c;
     const mf_model_layer *y = mf_model_layer_at(r->m, L);
     int K = c->n_experts_per_tok, E = c->n_routed_experts;
-    int64_t H = c->hidden_size;
-    float *logits = r->s[3], *bias = r->s[4];   /* s_len >= n_routed_experts */
+    float *bias = r->s[4];   /* s_len >= n_routed_experts */
     for (int e = 0; e < E; e++) bias[e] = mf_ref_vec(&y->gate_bias, e);
-    for (int i = i0; i < i1; i++) {
-        r->kern_linear = 0;   /* router logits as the reference sums them (double): same routing */
-        int rc = mf_ref_linear(r, &y->gate, sh->xin + (size_t)i * H, logits, 0);
-        r->kern_linear = 1;
-        if (rc) return rc;
-        mf_ref_route(c, logits, bias, sh->ex + (size_t)i * K, sh->wt + (size_t)i * K);
+    for (int i = 0; i < sh->n; i++) {
+        mf_ref_route(c, sh->logits + (size_t)i * E, bias, sh->ex + (size_t)i * K, sh->wt + (size_t)i * K);
         if (r->opts.hooks.on_route)
             r->opts.hooks.on_route(r->opts.hooks.user, sh->items[i].st, sh->items[i].pos, L,
                                    sh->ex + (size_t)i * K, sh->wt + (size_t)i * K, K);
     }
-    return 0;
-}
-
-static int mf_task_gate(void *arg, mf_task_ctx *ctx)
-{
-    (void)ctx;
-    mf_step_targ *a = arg;
-    return mf_step_gate(a->sh, a->r, a->layer, a->i0, a->i1);
 }
 
 /* Opens the store's batch for layer L's slots (hits and misses decided, all pinned) and fills
@@ -590,7 +627,7 @@ static int mf_task_dev_out(void *arg, mf_task_ctx *ctx)
                            cnt * H * 4);
 }
 
-/* Router: (serial shapes: the gates first, then) the slot table: the distinct experts in
+/* Router: the top-k of the gate logits, then the slot table: the distinct experts in
  * ascending id, each with its items in item order; inputs gathered into slot order (and
  * quantized for the int8 path). */
 /* Marks layer L's slot tasks that have nothing to do this run (unused slots; a slot's host tasks
@@ -626,10 +663,7 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
     const mf_config *c = eng->c;
     int K = c->n_experts_per_tok, E = c->n_routed_experts;
     int64_t H = c->hidden_size;
-    if (!sh->par) {
-        int rc = mf_step_gate(sh, a->r, a->layer, 0, sh->n);
-        if (rc) return rc;
-    }
+    mf_step_topk(sh, a->r, a->layer);
     memset(sh->cnt, 0, sizeof *sh->cnt * (size_t)E);
     for (int j = 0; j < sh->n * K; j++) sh->cnt[sh->ex[j]]++;
     int ns = 0, off = 0;
@@ -1011,23 +1045,24 @@ static void mf_step_dep(mf_step_builder *b, mf_task_id before, mf_task_id after)
     if (!b->rc && before >= 0 && after >= 0) b->rc = mf_graph_add_dep(b->sh->g, before, after);
 }
 
-/* The graph of one shape. Serial shapes (sh->par 0): one task each for engram, attn, route
- * (gates + table), combine, norm, on the engine's reference object. Parallel shapes: those parts
- * one task per item, item i on reference object cl[i]; route builds only the table. */
+/* The graph of one shape. Serial shapes (sh->par 0): one task each for engram embed and gate,
+ * attn pre, core and post, route (top-k + table), combine, norm, on the engine's reference
+ * object. Parallel shapes: those parts (route aside) one task per item, item i on reference
+ * object cl[i]. Row-split stages (Engram wkv, attention linears, router gate) run over all items. */
 static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
 {
     const mf_config *c = eng->c;
     int n = sh->n, u = sh->par ? n : 1;   /* reference-code tasks per part */
     int n_task = 1 + u + sh->p_head;
-    for (int L = 0; L < c->n_layers; L++)   /* engram, attn in/core/out, gate, combine per unit; route,
-                                              * done, joins, q norm; attention row parts */
-        n_task += 6 * u + 5 + 4 * sh->p_attn + 2 * sh->p_sh + sh->n_slots * (1 + 2 * sh->p_exp + sh->n_parts + 3 * eng->n_cards) +
+    for (int L = 0; L < c->n_layers; L++)   /* engram embed/gate, attn pre/core/post, combine per unit;
+                                              * route, done, joins, q norm; attention, wkv, gate row parts */
+        n_task += 6 * u + 5 + 6 * sh->p_attn + 2 * sh->p_sh + sh->n_slots * (1 + 2 * sh->p_exp + sh->n_parts + 3 * eng->n_cards) +
                   eng->n_cards;
     sh->args = calloc((size_t)n_task, sizeof *sh->args);
     sh->phase_of = calloc((size_t)n_task, 1);
     sh->kind_of = calloc((size_t)n_task, 1);
     sh->targ_of = calloc((size_t)n_task, sizeof *sh->targ_of);
-    mf_task_id *unit = calloc((size_t)u, sizeof *unit), *gates = calloc((size_t)u, sizeof *gates);
+    mf_task_id *unit = calloc((size_t)u, sizeof *unit);
     mf_task_id *io_ids = calloc((size_t)sh->n_slots * sh->n_parts + 1, sizeof *io_ids);
     int win = eng->o.read_window ? eng->o.read_window : 2;
     sh->tid_per_slot = 2 * sh->p_exp + 1 + 3 * eng->n_cards;
@@ -1036,22 +1071,19 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
     if (!sh->slot_tid || !sh->card_ffn_tid) {
         free(io_ids);
         free(unit);
-        free(gates);
         return mf_error(-ENOMEM, "step: out of memory for the graph");
     }
     for (size_t i = 0; i < (size_t)c->n_layers * sh->n_slots * sh->tid_per_slot; i++) sh->slot_tid[i] = -1;
     for (int i = 0; i < c->n_layers * eng->n_cards; i++) sh->card_ffn_tid[i] = -1;
-    if (!sh->args || !sh->phase_of || !sh->kind_of || !sh->targ_of || !unit || !gates || !io_ids) {
+    if (!sh->args || !sh->phase_of || !sh->kind_of || !sh->targ_of || !unit || !io_ids) {
         free(io_ids);
         free(unit);
-        free(gates);
         return mf_error(-ENOMEM, "step: out of memory for the graph");
     }
     int rc = mf_graph_create(eng->lanes, eng->n_lanes, &sh->g);
     if (rc) {
         free(io_ids);
         free(unit);
-        free(gates);
         return rc;
     }
     mf_step_builder b = {sh, 0, n_task, 0};
@@ -1074,18 +1106,34 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
             for (int k = 0; k < nl; k++) st_bytes[st] += (double)mf_weight_data_bytes(lin[k].w);
         }
         static const char *const st_name[MF_RA_N_STAGES] = {"in", "qb", "oa", "ob"};
+        /* Engram: [per unit: embed] -> wkv parts -> [per unit: gate], before the attention */
+        if (mf_config_engram_slot(c, L) >= 0) {
+            const mf_weight *wkv = &mf_model_layer_at(eng->r->m, L)->eg_wkv;
+            mf_task_id emb[MF_STEP_MAX_ITEMS], wr[MF_STEP_MAX_PARTS];
+            for (int k = 0; k < u; k++) {
+                snprintf(name, sizeof name, sh->par ? "engram L%d embed item %d" : "engram L%d embed", L, k);
+                emb[k] = mf_step_add(&b, name, mf_task_engram_embed, MF_STEP_ENGRAM, L, 0, 0, sh->par ? k : 0,
+                                     sh->par ? k + 1 : n, eng->cl[k], 0, per * 2e4);
+                mf_step_dep(&b, unit[k], emb[k]);
+            }
+            for (int p = 0; p < sh->p_attn; p++) {
+                snprintf(name, sizeof name, "engram L%d wkv %d", L, p);
+                wr[p] = mf_step_add(&b, name, mf_task_engram_rows, MF_STEP_ENGRAM, L, 0, p, 0, n, eng->cl[0],
+                                    (double)mf_weight_data_bytes(wkv) / sh->p_attn, 0);
+                for (int k = 0; k < u; k++) mf_step_dep(&b, emb[k], wr[p]);
+            }
+            for (int k = 0; k < u; k++) {
+                snprintf(name, sizeof name, sh->par ? "engram L%d gate item %d" : "engram L%d gate", L, k);
+                unit[k] = mf_step_add(&b, name, mf_task_engram_gate, MF_STEP_ENGRAM, L, 0, 0, sh->par ? k : 0,
+                                      sh->par ? k + 1 : n, eng->cl[k], 0, per * 8.0 * c->hc_mult * H);
+                for (int p = 0; p < sh->p_attn; p++) mf_step_dep(&b, wr[p], unit[k]);
+            }
+        }
         /* attention: [per unit: pre] -> in parts -> q norm -> qb parts -> [per unit: core] -> oa
          * parts -> oa join -> ob parts -> [per unit: post] */
         for (int k = 0; k < u; k++) {
             int i0 = sh->par ? k : 0, i1 = sh->par ? k + 1 : n;
             mf_ref *r = eng->cl[k];
-            if (mf_config_engram_slot(c, L) >= 0) {
-                snprintf(name, sizeof name, sh->par ? "engram L%d item %d" : "engram L%d", L, k);
-                mf_task_id t = mf_step_add(&b, name, mf_task_engram, MF_STEP_ENGRAM, L, 0, 0, i0, i1, r, 0,
-                                           per * 2e5);
-                mf_step_dep(&b, unit[k], t);
-                unit[k] = t;
-            }
             snprintf(name, sizeof name, sh->par ? "attn L%d pre item %d" : "attn L%d pre", L, k);
             apre[k] = mf_step_add(&b, name, mf_task_attn_pre, MF_STEP_ATTN, L, 0, 0, i0, i1, r, 0, hc_ns);
             mf_step_dep(&b, unit[k], apre[k]);
@@ -1120,19 +1168,17 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
             mf_step_dep(&b, rows[MF_RA_STAGE_OA][p], oj);
             mf_step_dep(&b, oj, rows[MF_RA_STAGE_OB][p]);
         }
-        for (int k = 0; k < u; k++) {
-            gates[k] = apost[k];
-            if (sh->par) {
-                snprintf(name, sizeof name, "gate L%d item %d", L, k);
-                gates[k] = mf_step_add(&b, name, mf_task_gate, MF_STEP_MOE, L, 0, 0, k, k + 1, eng->cl[k], 0,
-                                       H * c->n_routed_experts);
-                mf_step_dep(&b, apost[k], gates[k]);
-            }
-        }
+        /* router: gate row parts over all items -> route (top-k, slot table) */
         snprintf(name, sizeof name, "route L%d", L);
         mf_task_id ro = mf_step_add(&b, name, mf_task_route, MF_STEP_MOE, L, 0, 0, 0, n, eng->cl[0], 0,
-                                    n * H * (c->n_experts_per_tok + (sh->par ? 0 : c->n_routed_experts)));
-        for (int k = 0; k < u; k++) mf_step_dep(&b, gates[k], ro);
+                                    n * (H * c->n_experts_per_tok + 4.0 * c->n_routed_experts));
+        for (int p = 0; p < sh->p_attn; p++) {
+            snprintf(name, sizeof name, "gate L%d %d", L, p);
+            mf_task_id gp = mf_step_add(&b, name, mf_task_gate_rows, MF_STEP_MOE, L, 0, p, 0, n, eng->cl[0], 0,
+                                        n * H * c->n_routed_experts / sh->p_attn);
+            for (int k = 0; k < u; k++) mf_step_dep(&b, apost[k], gp);
+            mf_step_dep(&b, gp, ro);
+        }
         snprintf(name, sizeof name, "moe L%d done", L);
         mf_task_id done = mf_step_add(&b, name, mf_task_moe_done, MF_STEP_MOE, L, 0, 0, 0, 0, NULL, 0, 0);
         mf_task_id cffn[MF_DEV_MAX_CARDS];   /* graph mode: a card's FFNs of the layer */
@@ -1237,7 +1283,6 @@ static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
     }
     free(io_ids);
     free(unit);
-    free(gates);
     if (b.rc) return b.rc;
     if ((rc = mf_graph_finalize(sh->g))) return rc;
     if (!(sh->sorted = malloc(sizeof *sh->sorted * 2 * (size_t)mf_graph_n_tasks(sh->g))))
@@ -1320,6 +1365,10 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
     size_t nk = (size_t)n * K, q8x = mf_kern_q8_bytes(n, (int)H), q8h = mf_kern_q8_bytes(n, (int)I);
     int ex = eng->o.exact;
     size_t f = sizeof(float), bytes = 0, ab_sz[MF_RA_N];
+    if (c->n_engram > 0) {   /* Engram rows of one item, its wkv output */
+        sh->eg_emb_ld = ((int64_t)(c->engram_max_ngram_size - 1) * c->engram_n_heads * c->engram_head_dim + 15) / 16 * 16;
+        sh->eg_kv_ld = ((int64_t)(hc + 1) * H + 15) / 16 * 16;
+    }
     for (int b = 0; b < MF_RA_N; b++) {
         sh->ab_ld[b] = (mf_ref_attn_buf_len(c, b) + 15) / 16 * 16;
         ab_sz[b] = (size_t)n * sh->ab_ld[b] * sizeof(float);
@@ -1338,6 +1387,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
         (size_t)n * Ish * f, ex ? (size_t)n * Ish * f : 0, ex ? (size_t)n * Ish * f : 0, (size_t)n * H * f,
         (size_t)n * H * f, (size_t)n * V * f, (size_t)n * 4, (size_t)n * 4,
         (size_t)n * hc * f, (size_t)n * hc * f, (size_t)n * hc * hc * f,
+        (size_t)n * E * f, (size_t)n * sh->eg_emb_ld * f, (size_t)n * sh->eg_kv_ld * f,
         ab_sz[0], ab_sz[1], ab_sz[2], ab_sz[3], ab_sz[4], ab_sz[5], ab_sz[6], ab_sz[7], ab_sz[8], ab_sz[9], ab_sz[10],
     };
     _Static_assert(MF_RA_N == 11, "one size per attention buffer");
@@ -1367,6 +1417,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
     sh->hs = v[k++]; sh->gs = v[k++]; sh->us = v[k++]; sh->ys = v[k++];
     sh->hn = v[k++]; sh->lbuf = v[k++]; sh->head_item = v[k++]; sh->head_row = v[k++];
     sh->apre = v[k++]; sh->apost = v[k++]; sh->acomb = v[k++];
+    sh->logits = v[k++]; sh->eg_emb = v[k++]; sh->eg_kv = v[k++];
     for (int b = 0; b < MF_RA_N; b++) sh->ab[b] = v[k++];
     sh->q8x_bytes = q8x;
     sh->q8h_bytes = q8h;
