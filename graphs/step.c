@@ -961,10 +961,11 @@ typedef struct mf_step_builder {
     int rc;
 } mf_step_builder;
 
-/* Adds a task of items [i0, i1) (reference object r); returns its id, or -1 after an error. */
-static mf_task_id mf_step_add(mf_step_builder *b, const char *name, mf_task_fn fn, int phase,
-                              int layer, int slot, int part, int i0, int i1, mf_ref *r, double bytes,
-                              double time_ns)
+/* Adds a task on `lane` with its argument record `ta` (layer, slot, part, items, forward object);
+ * on the IO lane the task's payload is `io` instead of the record. Records its phase and kind for
+ * the step's accounting. Returns its id, or -1 after an error (kept in b->rc). */
+static mf_task_id mf_step_add_on(mf_step_builder *b, const char *name, int lane, mf_task_fn fn, void *io, int phase,
+                                 int kind, mf_step_targ ta, mf_cost cost)
 {
     if (b->rc) return -1;
     if (b->n_args == b->cap) {
@@ -973,71 +974,49 @@ static mf_task_id mf_step_add(mf_step_builder *b, const char *name, mf_task_fn f
     }
     mf_step_shape *sh = b->sh;
     mf_step_targ *a = &sh->args[b->n_args++];
-    *a = (mf_step_targ){sh, layer, slot, part, i0, i1, r};
-    mf_task_id t = mf_graph_add_task(sh->g, &(mf_task_desc){.name = name, .lane = 0, .fn = fn, .arg = a,
-                                                            .cost = {.bytes = bytes, .time_ns = time_ns},
+    *a = ta;
+    a->sh = sh;
+    mf_task_id t = mf_graph_add_task(sh->g, &(mf_task_desc){.name = name, .lane = lane, .fn = fn,
+                                                            .arg = io ? io : (void *)a, .cost = cost,
                                                             .place_hint = -1});
     if (t < 0) {
         b->rc = t;
         return -1;
     }
     sh->phase_of[t] = (uint8_t)phase;
+    sh->kind_of[t] = (uint8_t)kind;
     sh->targ_of[t] = a;
-    if (fn == mf_task_slot_up || fn == mf_task_slot_join || fn == mf_task_slot_down || fn == mf_task_sh_up ||
-        fn == mf_task_sh_down)
-        sh->kind_of[t] = MF_STEP_K_EXPERT;
     return t;
+}
+
+/* A CPU task of items [i0, i1) (reference object r). */
+static mf_task_id mf_step_add(mf_step_builder *b, const char *name, mf_task_fn fn, int phase,
+                              int layer, int slot, int part, int i0, int i1, mf_ref *r, double bytes,
+                              double time_ns)
+{
+    int expert = fn == mf_task_slot_up || fn == mf_task_slot_join || fn == mf_task_slot_down ||
+                 fn == mf_task_sh_up || fn == mf_task_sh_down;
+    return mf_step_add_on(b, name, 0, fn, NULL, phase, expert ? MF_STEP_K_EXPERT : MF_STEP_K_OTHER,
+                          (mf_step_targ){NULL, layer, slot, part, i0, i1, r},
+                          (mf_cost){.bytes = bytes, .time_ns = time_ns});
 }
 
 /* An IO-lane task reading part j of slot s's expert (its payload filled by the route task; empty
  * on a hit): the slot's up tasks wait for it. */
 static mf_task_id mf_step_add_io(mf_step_builder *b, const char *name, int layer, int slot, int j, double bytes)
 {
-    if (b->rc) return -1;
-    if (b->n_args == b->cap) {
-        b->rc = mf_error(-EFAULT, "step: more than the %d tasks counted (internal)", b->cap);
-        return -1;
-    }
-    mf_step_shape *sh = b->sh;
-    mf_step_targ *a = &sh->args[b->n_args++];
-    *a = (mf_step_targ){sh, layer, slot, j, 0, 0, NULL};
-    mf_task_id t = mf_graph_add_task(sh->g, &(mf_task_desc){.name = name, .lane = 1,
-                                     .arg = &sh->slot_rd[(size_t)slot * sh->n_parts + j],
-                                     .cost = {.bytes = bytes}, .place_hint = -1});
-    if (t < 0) {
-        b->rc = t;
-        return -1;
-    }
-    sh->phase_of[t] = MF_STEP_MOE;
-    sh->kind_of[t] = MF_STEP_K_IO;
-    sh->targ_of[t] = a;
-    return t;
+    return mf_step_add_on(b, name, 1, NULL, &b->sh->slot_rd[(size_t)slot * b->sh->n_parts + j], MF_STEP_MOE,
+                          MF_STEP_K_IO, (mf_step_targ){NULL, layer, slot, j, 0, 0, NULL},
+                          (mf_cost){.bytes = bytes});
 }
 
 /* A device-lane task of slot s on card c (lane kind k: 0 copy in, 1 compute, 2 copy out). */
 static mf_task_id mf_step_add_dev(mf_step_builder *b, const char *name, mf_task_fn fn, int layer, int slot,
                                   int card, int k, double bytes)
 {
-    if (b->rc) return -1;
-    if (b->n_args == b->cap) {
-        b->rc = mf_error(-EFAULT, "step: more than the %d tasks counted (internal)", b->cap);
-        return -1;
-    }
-    mf_step_shape *sh = b->sh;
-    mf_step *eng = sh->eng;
-    mf_step_targ *a = &sh->args[b->n_args++];
-    *a = (mf_step_targ){sh, layer, slot, card, 0, 0, NULL};
-    mf_task_id t = mf_graph_add_task(sh->g, &(mf_task_desc){.name = name, .lane = eng->dev_lane0 + 3 * card + k,
-                                                            .fn = fn, .arg = a, .cost = {.bytes = bytes},
-                                                            .place_hint = -1});
-    if (t < 0) {
-        b->rc = t;
-        return -1;
-    }
-    sh->phase_of[t] = MF_STEP_MOE;
-    sh->kind_of[t] = k == 0 ? MF_STEP_K_COPY : k == 1 ? MF_STEP_K_DEV : MF_STEP_K_COPY_OUT;
-    sh->targ_of[t] = a;
-    return t;
+    return mf_step_add_on(b, name, b->sh->eng->dev_lane0 + 3 * card + k, fn, NULL, MF_STEP_MOE,
+                          k == 0 ? MF_STEP_K_COPY : k == 1 ? MF_STEP_K_DEV : MF_STEP_K_COPY_OUT,
+                          (mf_step_targ){NULL, layer, slot, card, 0, 0, NULL}, (mf_cost){.bytes = bytes});
 }
 
 static void mf_step_dep(mf_step_builder *b, mf_task_id before, mf_task_id after)

@@ -123,13 +123,13 @@ int mf_cmd_sim(int argc, char **argv)
             trace = argv[++i];
         } else if (!strcmp(a, "--placement") && hv) {
             placement = argv[++i];
-            if (strcmp(placement, "host") && strcmp(placement, "seed") && strcmp(placement, "hybrid")) {
+            if (mf_tool_placement(placement) < 0) {
                 fprintf(stderr, "moeflow sim: --placement: expected host, seed or hybrid, found '%s'\n", placement);
                 return 2;
             }
         } else if ((!strcmp(a, "--store") || !strcmp(a, "--tables")) && hv) {
             const char *v = argv[++i];
-            int mode = !strcmp(v, "resident") ? MF_PLAN_STORE_RESIDENT : !strcmp(v, "streamed") ? MF_PLAN_STORE_STREAMED : -1;
+            int mode = mf_tool_store_mode(v);
             if (mode < 0) {
                 fprintf(stderr, "moeflow sim: %s: expected resident or streamed, found '%s'\n", a, v);
                 return 2;
@@ -144,7 +144,7 @@ int mf_cmd_sim(int argc, char **argv)
             *(!strcmp(a, "--store-budget") ? &store_budget : &dev_cache) = v;
         } else if (!strcmp(a, "--cache-policy") && hv) {
             const char *v = argv[++i];
-            policy = !strcmp(v, "lfu") ? MF_PLAN_CACHE_LFU : !strcmp(v, "lru") ? MF_PLAN_CACHE_LRU : -1;
+            policy = mf_tool_cache_policy(v);
             if (policy < 0) {
                 fprintf(stderr, "moeflow sim: --cache-policy: expected lfu or lru, found '%s'\n", v);
                 return 2;
@@ -168,22 +168,13 @@ int mf_cmd_sim(int argc, char **argv)
         fprintf(stderr, "moeflow sim: --measure decodes for real: it needs --checkpoint DIR\n");
         return 2;
     }
-    int place = !strcmp(placement, "host") ? MF_STEP_PLACE_HOST
-                : !strcmp(placement, "seed") ? MF_STEP_PLACE_SEED : MF_STEP_PLACE_HYBRID;
+    int place = mf_tool_placement(placement);
     static mf_profile prof;
     mf_config cfg;
     mf_routing *rt = NULL;
     mf_plan *p = NULL;
     int ret = 1, rc;
-    char path[4096];
-    if ((rc = mf_profile_load(prof_path, &prof))) goto fail;
-    if (dir) {
-        snprintf(path, sizeof path, "%s/config.json", dir);
-        rc = mf_config_load(path, &cfg);
-    } else {
-        rc = mf_config_preset(preset, &cfg);
-    }
-    if (rc) goto fail;
+    if ((rc = mf_tool_plan_inputs(prof_path, dir, preset, &prof, &cfg))) goto fail;
     if ((rc = mf_routing_open(routing_spec, cfg.n_layers, cfg.n_routed_experts, cfg.n_experts_per_tok,
                               (uint64_t)seed, &rt)))
         goto fail;

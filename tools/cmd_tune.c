@@ -72,13 +72,6 @@ static void mf_tune_usage(FILE *f)
             "Progress goes to stderr.\n");
 }
 
-static int mf_tune_place_of(const char *s)
-{
-    for (int i = 0; i < 3; i++)
-        if (!strcmp(s, mf_tune_place_names[i])) return i;
-    return -1;
-}
-
 /* Parses a comma list of knob k into kn; 0 or -EINVAL with a message. */
 static int mf_tune_parse_list(int k, const char *opt, const char *list, mf_tune_knob *kn)
 {
@@ -92,10 +85,10 @@ static int mf_tune_parse_list(int k, const char *opt, const char *list, mf_tune_
         int64_t v;
         char *end = NULL;
         if (k == K_PLACE) {
-            if ((v = mf_tune_place_of(tok)) < 0)
+            if ((v = mf_tool_placement(tok)) < 0)
                 return mf_error(-EINVAL, "%s: expected host, seed or hybrid, found '%s'", opt, tok);
         } else if (k == K_POLICY) {
-            v = !strcmp(tok, "lfu") ? MF_PLAN_CACHE_LFU : !strcmp(tok, "lru") ? MF_PLAN_CACHE_LRU : -1;
+            v = mf_tool_cache_policy(tok);
             if (v < 0) return mf_error(-EINVAL, "%s: expected lfu or lru, found '%s'", opt, tok);
         } else if (k == K_CACHE || k == K_BUDGET) {
             if (!(v = (int64_t)mf_tool_size(tok)))
@@ -201,7 +194,7 @@ int mf_cmd_tune(int argc, char **argv)
             routing_spec = argv[++i];
         } else if ((!strcmp(a, "--store") || !strcmp(a, "--tables")) && hv) {
             const char *v = argv[++i];
-            int mode = !strcmp(v, "resident") ? MF_PLAN_STORE_RESIDENT : !strcmp(v, "streamed") ? MF_PLAN_STORE_STREAMED : -1;
+            int mode = mf_tool_store_mode(v);
             if (mode < 0) {
                 fprintf(stderr, "moeflow tune: %s: expected resident or streamed, found '%s'\n", a, v);
                 return 2;
@@ -244,15 +237,7 @@ int mf_cmd_tune(int argc, char **argv)
     mf_config cfg;
     mf_tune_result *res = NULL;
     int ret = 1, rc, n_res = 0;
-    char path[4096];
-    if ((rc = mf_profile_load(prof_path, &prof))) goto fail;
-    if (dir) {
-        snprintf(path, sizeof path, "%s/config.json", dir);
-        rc = mf_config_load(path, &cfg);
-    } else {
-        rc = mf_config_preset(preset, &cfg);
-    }
-    if (rc) goto fail;
+    if ((rc = mf_tool_plan_inputs(prof_path, dir, preset, &prof, &cfg))) goto fail;
 
     /* defaults for knobs not given */
     int cards = prof.n_cards > 0;

@@ -3,6 +3,7 @@
  * simulator's predictions). */
 #include <errno.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -29,6 +30,33 @@ uint64_t mf_tool_size(const char *s)
     return (uint64_t)(v * m);
 }
 
+
+int mf_tool_placement(const char *s)
+{
+    return !strcmp(s, "host") ? MF_STEP_PLACE_HOST : !strcmp(s, "seed") ? MF_STEP_PLACE_SEED
+           : !strcmp(s, "hybrid")                 ? MF_STEP_PLACE_HYBRID
+                                                  : -1;
+}
+
+int mf_tool_store_mode(const char *s)
+{
+    return !strcmp(s, "resident") ? MF_PLAN_STORE_RESIDENT : !strcmp(s, "streamed") ? MF_PLAN_STORE_STREAMED : -1;
+}
+
+int mf_tool_cache_policy(const char *s)
+{
+    return !strcmp(s, "lfu") ? MF_PLAN_CACHE_LFU : !strcmp(s, "lru") ? MF_PLAN_CACHE_LRU : -1;
+}
+
+int mf_tool_plan_inputs(const char *profile, const char *dir, const char *preset, mf_profile *prof, mf_config *cfg)
+{
+    int rc = mf_profile_load(profile, prof);
+    if (rc) return rc;
+    if (!dir) return mf_config_preset(preset, cfg);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    return mf_config_load(path, cfg);
+}
 
 static int mf_measure_cmp_i64(const void *a, const void *b)
 {

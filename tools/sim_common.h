@@ -5,11 +5,22 @@
 
 #include <stdint.h>
 
+#include "graphs/config.h"
 #include "graphs/plan.h"
 #include "graphs/step.h"
+#include "sched/profile.h"
 
 /* "2G", "512M", "64K", "1.5GiB", plain bytes; 1024-based. 0 for anything else (or zero). */
 uint64_t mf_tool_size(const char *s);
+
+/* The words of the options sim and tune share, as values; -1 for any other word. */
+int mf_tool_placement(const char *s);      /* host, seed, hybrid: mf_step_placement */
+int mf_tool_store_mode(const char *s);     /* resident, streamed: mf_plan_store */
+int mf_tool_cache_policy(const char *s);   /* lfu, lru: mf_plan_cache_policy */
+
+/* Loads the hardware profile at `profile` and the model's config: DIR/config.json when dir is
+ * given, else the built-in preset. 0 or a negative code (mf_last_error names the file). */
+int mf_tool_plan_inputs(const char *profile, const char *dir, const char *preset, mf_profile *prof, mf_config *cfg);
 
 /* Decodes for real on checkpoint `dir` with po's placement, batch, context, store, read window and
  * device cache (cards emulated: emu:n_cards; threads engine workers): a prefill of po->context
