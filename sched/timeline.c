@@ -12,6 +12,7 @@
 #include <jansson.h>
 
 #include "sched/error.h"
+#include "sched/path.h"
 #include "sched/timeline_impl.h"
 
 #define MF_CHROME_FLOW_MAX_TASKS 20000
@@ -267,6 +268,12 @@ int mf_timeline_write_chrome(const mf_timeline *tl, const char *path)
     for (int l = 0; l < n_lanes; l++)
         base[l + 1] = base[l] + n_slots[l];
 
+    int mk = mf_path_make_parent(path);
+    if (mk) {
+        free(base);
+        free(n_slots);
+        return mk;
+    }
     chrome_writer w = {.f = fopen(path, "w"), .path = path};
     if (!w.f) {
         int e = errno;

@@ -402,10 +402,16 @@ static void test_chrome(void)
         CHECK(n_names == 2 + 3 + 8 + 1, "%d named tracks, want 14 (one per slot)", n_names);
         json_decref(root);
     }
+    /* missing folders are made (mkdir -p); a folder that is a file is refused, naming the path */
+    char deep[4200];
+    snprintf(deep, sizeof deep, "%s.d/a/b/x.json", path);
+    rc = mf_timeline_write_chrome(tl, deep);
+    CHECK(rc == 0, "trace into missing folders: %d %s", rc, mf_last_error());
+    remove(deep);
+    snprintf(deep, sizeof deep, "%s/x.json", path);
+    rc = mf_timeline_write_chrome(tl, deep);
+    CHECK(rc == -ENOTDIR && strstr(mf_last_error(), deep), "bad path: %d %s", rc, mf_last_error());
     remove(path);
-    rc = mf_timeline_write_chrome(tl, "/nonexistent-dir/x.json");
-    CHECK(rc < 0 && strstr(mf_last_error(), "/nonexistent-dir/x.json"), "bad path: %d %s", rc,
-          mf_last_error());
     mf_timeline_destroy(tl);
     mf_graph_destroy(g);
 }
