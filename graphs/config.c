@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "sched/error.h"
+#include "sched/path.h"
 
 static int mf_config_check(const char *what, const char *pfx, const mf_config *c);
 
@@ -696,6 +697,11 @@ int mf_config_write_json(const mf_config *c, const char *path)
 {
     char *text = mf_config_to_json(c);
     if (!text) return -ENOMEM;
+    int mk = mf_path_make_parent(path);
+    if (mk) {
+        free(text);
+        return mk;
+    }
     char tmp[4096];
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
     FILE *f = fopen(tmp, "wb");

@@ -16,6 +16,7 @@
 #include "host/dio.h"
 #include "sched/clock.h"
 #include "sched/error.h"
+#include "sched/path.h"
 #include "sched/progress.h"
 #include "sched/sched.h"
 #include "sched/timeline.h"
@@ -973,6 +974,8 @@ int mf_store_direct(const mf_store *s) { return s->direct; }
 int mf_store_write_trace(const mf_store *s, const char *path)
 {
     if (!s->traced) return mf_error(-EINVAL, "expert store: no run with compute to trace yet");
+    int mk = mf_path_make_parent(path);
+    if (mk) return mk;
     FILE *f = fopen(path, "w");
     if (!f) return mf_error(-errno, "%s: cannot create: %s", path, strerror(errno));
     /* Chrome trace events: one track per IO slot and one for the compute worker */

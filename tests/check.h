@@ -5,6 +5,20 @@
 
 #include <stdio.h>
 
+/* 1 in a ThreadSanitizer build (gcc's __SANITIZE_THREAD__, clang's __has_feature): tests run their
+ * concurrent paths there on the smallest configuration that still exercises them (TSan makes
+ * them 5-20x slower), and keep the full sweep in the normal and ASan builds. */
+#if defined(__SANITIZE_THREAD__)
+#define MF_TEST_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define MF_TEST_TSAN 1
+#endif
+#endif
+#ifndef MF_TEST_TSAN
+#define MF_TEST_TSAN 0
+#endif
+
 static int mf_check_failures;
 static int mf_check_count;
 
