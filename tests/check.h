@@ -19,6 +19,9 @@
 #define MF_TEST_TSAN 0
 #endif
 
+/* Line-buffered stdout in every test, so a test killed by its timeout still leaves its log. */
+__attribute__((constructor)) static void mf_check_line_buffer(void) { setvbuf(stdout, NULL, _IOLBF, 0); }
+
 static int mf_check_failures;
 static int mf_check_count;
 
