@@ -455,23 +455,20 @@ int main(void)
     printf("test_kernels: seed %llu (MOEFLOW_TEST_SEED=%llu repeats this run)\n",
            (unsigned long long)seed, (unsigned long long)seed);
 
-    /* the run-time choice: MOEFLOW_SIMD=scalar forces the fallback (read when AUTO resolves) */
-    const char *prev = getenv("MOEFLOW_SIMD");
-    char saved[32] = "";
-    if (prev)
-        snprintf(saved, sizeof saved, "%s", prev);
-    setenv("MOEFLOW_SIMD", "scalar", 1);
-    mf_kern_simd_set(MF_KERN_SIMD_AUTO);
-    CHECK(mf_kern_simd_active() == MF_KERN_SIMD_SCALAR, "MOEFLOW_SIMD=scalar ignored");
-    unsetenv("MOEFLOW_SIMD");
-    mf_kern_simd_set(MF_KERN_SIMD_AUTO);
+    /* the setting: SCALAR forces the fallback (the moeflow command maps MOEFLOW_SIMD=scalar to
+     * it); AUTO, the default, is the run-time choice; the library reads no environment */
+    CHECK(mf_kern_simd_set(MF_KERN_SIMD_SCALAR) == 0, "%s", mf_last_error());
+    CHECK(mf_kern_simd_active() == MF_KERN_SIMD_SCALAR, "SCALAR setting ignored");
+    setenv("MOEFLOW_SIMD", "scalar", 1);   /* must not matter any more */
+    CHECK(mf_kern_simd_set(MF_KERN_SIMD_AUTO) == 0, "%s", mf_last_error());
     unsigned ca, cb, cc, cd;   /* F16C: cpuid leaf 1, ECX bit 29 (clang 14 lacks the builtin) */
     int have_f16c = __get_cpuid(1, &ca, &cb, &cc, &cd) && (cc & (1u << 29));
     int have_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && have_f16c;
     CHECK(mf_kern_simd_active() == (have_avx2 ? MF_KERN_SIMD_AVX2 : MF_KERN_SIMD_SCALAR),
-          "auto chose %s", mf_kern_simd_name(mf_kern_simd_active()));
-    if (prev)
-        setenv("MOEFLOW_SIMD", saved, 1);
+          "auto chose %s (MOEFLOW_SIMD=scalar in the environment must be ignored by the library)",
+          mf_kern_simd_name(mf_kern_simd_active()));
+    unsetenv("MOEFLOW_SIMD");
+    CHECK(mf_kern_simd_set((mf_kern_simd)7) == -EINVAL, "an unknown path was accepted");
 
     paths[n_paths++] = MF_KERN_SIMD_SCALAR;
     if (mf_kern_simd_set(MF_KERN_SIMD_AVX2) == 0)
