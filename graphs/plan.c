@@ -399,9 +399,9 @@ static int pl_caches_new(mf_plan *p, int store_slots, const int *dev_slots, mf_r
         ro[n] = (mf_resid_opts){.policy = dev_policy, .n_items = n_items, .n_slots = dev_slots[cd]};
         dst[n++] = &p->dev[cd];
     }
+    if (!n) return 0;
     size_t total = 0;
     for (int i = 0; i < n; i++) total += mf_resid_bytes(&ro[i]);
-    if (!n) return 0;
     uint8_t *mem = p->resid_mem = malloc(total);
     if (!mem) return mf_error(-ENOMEM, "plan: out of memory for the expert caches (%zu bytes)", total);
     for (int i = 0; i < n; i++) {
@@ -687,10 +687,8 @@ static int pl_layer_slots(mf_plan *p, int L, pl_slot *sl, int *n_used, mf_plan_r
     *n_used = ns;
     if (p->streamed)
         for (int s = 0; s < ns; s++) {
-            int hit = 0;
-            int slot, rc = mf_resid_acquire(p->store, L * E + sl[s].e, &slot);
-            if (rc < 0) return mf_error(-ENOSPC, "plan: the expert store's slots are all pinned (internal)");
-            hit = rc;
+            int slot, hit = mf_resid_acquire(p->store, L * E + sl[s].e, &slot);
+            if (hit < 0) return mf_error(-ENOSPC, "plan: the expert store's slots are all pinned (internal)");
             sl[s].store_miss = !hit;
             if (hit) r->store_hits++;
             else {
