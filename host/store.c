@@ -303,9 +303,9 @@ int mf_store_create(const mf_st *st, const mf_store_layout *lay, const mf_store_
     s->gg_io = calloc((size_t)s->max_greads, sizeof *s->gg_io);
     s->gkeys = calloc((size_t)s->o.max_rows, sizeof *s->gkeys);
     s->guniq = calloc((size_t)s->o.max_rows, sizeof *s->guniq);
-    if (!s->parts || !s->part_off || !s->xr || !s->n_xr || !s->reads || !s->g_io || !s->g_cpu || !s->cargs || !s->b_ids || !s->b_miss ||
-        !s->b_nreads || !s->sp_io || !s->sp_cpu || !s->tables || !s->greads || !s->gg_io ||
-        !s->gkeys || !s->guniq) {
+    if (!s->parts || !s->part_off || !s->xr || !s->n_xr || !s->reads || !s->g_io || !s->g_cpu ||
+        !s->cargs || !s->b_ids || !s->b_miss || !s->b_nreads || !s->sp_io || !s->sp_cpu ||
+        !s->tables || !s->greads || !s->gg_io || !s->gkeys || !s->guniq) {
         rc = mf_error(-ENOMEM, "expert store: out of memory for %d experts", s->n_items);
         goto fail;
     }
