@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/wait.h>
 
 #include "host/formats.h"
 #include "host/kernels.h"
@@ -469,6 +470,29 @@ int main(void)
           mf_kern_simd_name(mf_kern_simd_active()));
     unsetenv("MOEFLOW_SIMD");
     CHECK(mf_kern_simd_set((mf_kern_simd)7) == -EINVAL, "an unknown path was accepted");
+    /* the moeflow command turns the environment into the setting (its --help names the path) */
+    const char *bin = getenv("MOEFLOW_BIN");
+    if (bin) {
+        static const struct { const char *env, *want; int rc; } cli[] = {
+            {"scalar", "(now: scalar)", 0}, {"auto", NULL, 0}, {"bogus", NULL, 2}};
+        for (size_t i = 0; i < sizeof cli / sizeof cli[0]; i++) {
+            char cmd[1024], out[4096] = "";
+            snprintf(cmd, sizeof cmd, "MOEFLOW_SIMD=%s '%s' --help 2>&1", cli[i].env, bin);
+            FILE *f = popen(cmd, "r");
+            CHECK(f != NULL, "popen %s", cmd);
+            if (!f) continue;
+            size_t n = fread(out, 1, sizeof out - 1, f);
+            out[n] = 0;
+            int st = pclose(f);
+            int rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+            CHECK(rc == cli[i].rc, "MOEFLOW_SIMD=%s moeflow --help: exit %d, expected %d", cli[i].env, rc,
+                  cli[i].rc);
+            CHECK(!cli[i].want || strstr(out, cli[i].want), "MOEFLOW_SIMD=%s: '%s' not in: %s",
+                  cli[i].env, cli[i].want, out);
+        }
+    } else {
+        printf("test_kernels: MOEFLOW_BIN unset, the command's MOEFLOW_SIMD not checked\n");
+    }
 
     paths[n_paths++] = MF_KERN_SIMD_SCALAR;
     if (mf_kern_simd_set(MF_KERN_SIMD_AVX2) == 0)

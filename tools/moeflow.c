@@ -29,6 +29,8 @@ static void mf_usage(FILE *f)
     fprintf(f, "usage: moeflow <command> [options]   (moeflow <command> --help for each)\n\n");
     for (size_t i = 0; mf_commands[i].name; i++)
         fprintf(f, "  %-10s %s\n", mf_commands[i].name, mf_commands[i].what);
+    fprintf(f, "\nenvironment:\n  MOEFLOW_SIMD  scalar, avx2 or auto (default): the CPU kernels' path "
+               "(now: %s)\n", mf_kern_simd_name(mf_kern_simd_active()));
 }
 
 /* MOEFLOW_SIMD into mf_kern_simd_set: 0, or 2 (usage) for a value the CPU or the list refuses. */
