@@ -14,8 +14,8 @@
 #include <string.h>
 
 #include "graphs/layout.h"
-#include "graphs/plan_cache.h"
 #include "sched/error.h"
+#include "sched/residency.h"
 #include "sched/sim.h"
 #include "sched/timeline.h"
 
@@ -78,8 +78,9 @@ struct mf_plan {
     int n_lanes, io_lane, dev_lane0, emu_lane;
     /* caches */
     int streamed;
-    mf_plan_cache store;
-    mf_plan_cache dev[PL_MAX_CARDS];
+    mf_resid *store;                          /* the host store's policy (streamed), or NULL */
+    mf_resid *dev[PL_MAX_CARDS];              /* each card's expert cache policy */
+    void *resid_mem;                          /* one block for all of them */
     /* routing */
     uint64_t rng;
     int32_t *ex;                             /* n_layers x batch x K */
@@ -382,6 +383,36 @@ static int pl_check(const mf_plan_opts *o)
     return mf_config_validate("plan", o->config);
 }
 
+/* The expert caches' bookkeeping: the streamed store's policy (LFU with aging, as host/store.c)
+ * and each card's (dev_policy; LFU as device/expert_cache.c), the policy of sched/residency.h
+ * over (layer, expert) items L x E + e, all carved from one block. -ENOMEM. */
+static int pl_caches_new(mf_plan *p, int store_slots, const int *dev_slots, mf_resid_policy dev_policy)
+{
+    int n_items = p->n_layers * p->E, n = 0;
+    mf_resid_opts ro[1 + PL_MAX_CARDS];
+    mf_resid **dst[1 + PL_MAX_CARDS];
+    if (p->streamed) {
+        ro[n] = (mf_resid_opts){.policy = MF_RESID_LFU, .n_items = n_items, .n_slots = store_slots};
+        dst[n++] = &p->store;
+    }
+    for (int cd = 0; cd < p->n_cards; cd++) {
+        ro[n] = (mf_resid_opts){.policy = dev_policy, .n_items = n_items, .n_slots = dev_slots[cd]};
+        dst[n++] = &p->dev[cd];
+    }
+    if (!n) return 0;
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += mf_resid_bytes(&ro[i]);
+    uint8_t *mem = p->resid_mem = malloc(total);
+    if (!mem) return mf_error(-ENOMEM, "plan: out of memory for the expert caches (%zu bytes)", total);
+    for (int i = 0; i < n; i++) {
+        size_t b = mf_resid_bytes(&ro[i]);
+        int rc = mf_resid_init(&ro[i], mem, b, dst[i]);
+        if (rc) return rc;
+        mem += b;
+    }
+    return 0;
+}
+
 int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
 {
     *out = NULL;
@@ -469,6 +500,7 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
     }
 
     /* caches */
+    int store_slots = 0, dev_slots[PL_MAX_CARDS] = {0};
     if (p->streamed) {
         uint64_t budget = o->store_budget_bytes ? o->store_budget_bytes : UINT64_C(2) << 30;
         int64_t slots = (int64_t)(budget / p->store_slot_bytes);
@@ -480,7 +512,7 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
             goto fail;
         }
         if (slots > (int64_t)p->n_layers * p->E) slots = (int64_t)p->n_layers * p->E;
-        if ((rc = mf_plan_cache_init(&p->store, MF_PLAN_CACHE_LFU, (int)slots, p->n_layers, p->E))) goto fail;
+        store_slots = (int)slots;
     }
     for (int cd = 0; cd < p->n_cards; cd++) {
         /* mf_dev_xcache_new: the budget's slots, or every expert halved until the card holds them */
@@ -498,8 +530,11 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
                           cd, o->dev_cache_bytes ? o->dev_cache_bytes : f->card_mem_bytes, p->xslot_bytes);
             goto fail;
         }
-        if ((rc = mf_plan_cache_init(&p->dev[cd], o->dev_cache_policy, (int)slots, p->n_layers, p->E))) goto fail;
+        dev_slots[cd] = (int)slots;
     }
+    if ((rc = pl_caches_new(p, store_slots, dev_slots,
+                            o->dev_cache_policy == MF_PLAN_CACHE_LRU ? MF_RESID_LRU : MF_RESID_LFU)))
+        goto fail;
     p->ex = malloc(sizeof *p->ex * (size_t)p->n_layers * p->batch * p->K);
     if (!p->ex) {
         rc = mf_error(-ENOMEM, "plan: out of memory");
@@ -517,8 +552,7 @@ void mf_plan_free(mf_plan *p)
     if (!p) return;
     mf_timeline_destroy(p->tl);
     mf_graph_destroy(p->g);
-    mf_plan_cache_free(&p->store);
-    for (int cd = 0; cd < p->n_cards; cd++) mf_plan_cache_free(&p->dev[cd]);
+    free(p->resid_mem);
     free(p->task_ns);
     free(p->noop_ids);
     free(p->phase_of);
@@ -653,9 +687,8 @@ static int pl_layer_slots(mf_plan *p, int L, pl_slot *sl, int *n_used, mf_plan_r
     *n_used = ns;
     if (p->streamed)
         for (int s = 0; s < ns; s++) {
-            int hit = 0;
-            if (mf_plan_cache_acquire(&p->store, L, sl[s].e, &hit))
-                return mf_error(-ENOSPC, "plan: the expert store's slots are all pinned (internal)");
+            int slot, hit = mf_resid_acquire(p->store, L * E + sl[s].e, &slot);
+            if (hit < 0) return mf_error(-ENOSPC, "plan: the expert store's slots are all pinned (internal)");
             sl[s].store_miss = !hit;
             if (hit) r->store_hits++;
             else {
@@ -676,7 +709,7 @@ static int pl_layer_slots(mf_plan *p, int L, pl_slot *sl, int *n_used, mf_plan_r
         if (p->n_cards <= 1) c = 0;
         const mf_lane_desc *lin = &p->lanes[p->dev_lane0 + 3 * c], *lc = lin + 1;
         double host_ns = pl_lane_ns(&cpu, bytes) * (1 + 0.02 * sl[s].cnt);
-        double copy_ns = mf_plan_cache_has(&p->dev[c], L, e) ? 0 : pl_lane_ns(lin, bytes);
+        double copy_ns = mf_resid_slot(p->dev[c], L * p->E + e) >= 0 ? 0 : pl_lane_ns(lin, bytes);
         double comp_ns = pl_lane_ns(lc, bytes) * (1 + 0.02 * sl[s].cnt);
         double t_dev = (copy_q[c] + copy_ns > comp_q[c] ? copy_q[c] + copy_ns : comp_q[c]) + comp_ns;
         double t_host = (host_q + host_ns) / W;
@@ -685,8 +718,8 @@ static int pl_layer_slots(mf_plan *p, int L, pl_slot *sl, int *n_used, mf_plan_r
             r->host_slots++;
             continue;
         }
-        int hit = 0;
-        if (mf_plan_cache_acquire(&p->dev[c], L, e, &hit) == -ENOSPC) {
+        int slot, hit = mf_resid_acquire(p->dev[c], L * p->E + e, &slot);
+        if (hit == -ENOSPC) {
             host_q += host_ns;
             r->host_slots++;
             r->host_fallbacks++;
@@ -710,8 +743,9 @@ static int pl_layer_slots(mf_plan *p, int L, pl_slot *sl, int *n_used, mf_plan_r
 static void pl_layer_done(mf_plan *p, int L, const pl_slot *sl, int n_used)
 {
     for (int s = 0; s < n_used; s++) {
-        if (p->streamed) mf_plan_cache_release(&p->store, L, sl[s].e);
-        if (sl[s].card >= 0) mf_plan_cache_release(&p->dev[sl[s].card], L, sl[s].e);
+        int item = L * p->E + sl[s].e;
+        if (p->streamed) mf_resid_unpin(p->store, mf_resid_slot(p->store, item));
+        if (sl[s].card >= 0) mf_resid_unpin(p->dev[sl[s].card], mf_resid_slot(p->dev[sl[s].card], item));
     }
 }
 
@@ -1041,12 +1075,18 @@ int mf_plan_step(mf_plan *p, mf_plan_report *out)
     mf_plan_report r = {.n_steps = 1, .batch = p->batch};
     int rc = pl_route(p);
     if (rc) return mf_error_wrap(rc, "plan: routing of step %d", p->total.n_steps);
-    uint64_t dev_ev = 0, store_ev = p->store.evictions;
-    for (int cd = 0; cd < p->n_cards; cd++) dev_ev -= p->dev[cd].evictions;
+    mf_resid_stats st;
+    if (p->store) mf_resid_step(p->store, NULL);
+    for (int cd = 0; cd < p->n_cards; cd++) mf_resid_step(p->dev[cd], NULL);
     if ((rc = pl_build(p, &r))) return mf_error_wrap(rc, "plan: building the step graph");
-    for (int cd = 0; cd < p->n_cards; cd++) dev_ev += p->dev[cd].evictions;
-    r.dev_evictions = dev_ev;
-    r.store_evictions = p->store.evictions - store_ev;
+    for (int cd = 0; cd < p->n_cards; cd++) {
+        mf_resid_step(p->dev[cd], &st);
+        r.dev_evictions += st.evictions;
+    }
+    if (p->store) {
+        mf_resid_step(p->store, &st);
+        r.store_evictions = st.evictions;
+    }
     rc = mf_sim_run_opts(p->g, &(mf_sim_opts){.task_ns = p->task_ns, .lane_core = p->lane_core,
                                               .n_cores = p->emulated && p->n_cards ? p->n_cores : 0},
                          p->tl);

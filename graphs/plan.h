@@ -14,8 +14,9 @@
 #include "graphs/step.h"
 #include "sched/profile.h"
 
-/* Replacement policy of the simulated device expert caches. LFU is what device/expert_cache.c and
- * host/store.c do (LFU with aging, LRU among equal counts); LRU is offered for tuning. */
+/* Replacement policy of the simulated device expert caches (sched/residency.h). LFU is what
+ * device/expert_cache.c and host/store.c run (LFU with aging, LRU among equal counts); LRU is
+ * offered for tuning. */
 typedef enum mf_plan_cache_policy {
     MF_PLAN_CACHE_LFU = 0,
     MF_PLAN_CACHE_LRU

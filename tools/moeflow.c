@@ -1,8 +1,12 @@
 /* `moeflow`: one command with subcommands over libmoeflow. Only subcommands that exist are listed;
- * each one's --help says what it does. */
+ * each one's --help says what it does. The environment is read here, never in the library:
+ * MOEFLOW_SIMD=scalar|avx2|auto picks the CPU kernels' path (host/kernels.h, default auto). */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "host/kernels.h"
+#include "sched/error.h"
 #include "tools/commands.h"
 
 static const struct {
@@ -25,10 +29,33 @@ static void mf_usage(FILE *f)
     fprintf(f, "usage: moeflow <command> [options]   (moeflow <command> --help for each)\n\n");
     for (size_t i = 0; mf_commands[i].name; i++)
         fprintf(f, "  %-10s %s\n", mf_commands[i].name, mf_commands[i].what);
+    fprintf(f, "\nenvironment:\n  MOEFLOW_SIMD  scalar, avx2 or auto (default): the CPU kernels' path "
+               "(now: %s)\n", mf_kern_simd_name(mf_kern_simd_active()));
+}
+
+/* MOEFLOW_SIMD into mf_kern_simd_set: 0, or 2 (usage) for a value the CPU or the list refuses. */
+static int mf_env_simd(void)
+{
+    const char *env = getenv("MOEFLOW_SIMD");
+    if (!env || !*env) return 0;
+    mf_kern_simd s = !strcmp(env, "scalar") ? MF_KERN_SIMD_SCALAR
+                   : !strcmp(env, "avx2")   ? MF_KERN_SIMD_AVX2
+                   : !strcmp(env, "auto")   ? MF_KERN_SIMD_AUTO
+                                            : (mf_kern_simd)-1;
+    if ((int)s < 0) {
+        fprintf(stderr, "moeflow: MOEFLOW_SIMD=%s: expected scalar, avx2 or auto\n", env);
+        return 2;
+    }
+    if (mf_kern_simd_set(s)) {
+        fprintf(stderr, "moeflow: MOEFLOW_SIMD=%s: %s\n", env, mf_last_error());
+        return 2;
+    }
+    return 0;
 }
 
 int main(int argc, char **argv)
 {
+    if (mf_env_simd()) return 2;
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
         mf_usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
