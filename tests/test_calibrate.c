@@ -109,11 +109,19 @@ static void test_cli(void)
     CHECK(ls && pclose(ls) == 0 && strcmp(out, "quick.prof\n") == 0, "files in %s: '%s'", g_dir, out);
 
     /* --json: every key, each with a value and a source */
-    snprintf(args, sizeof args, "calibrate --quick --quiet --json --dir %s --disk-mib 16", g_dir);
+    char err_path[1200], err[2048] = "";
+    snprintf(err_path, sizeof err_path, "%s/calibrate-json.err", g_dir);
+    snprintf(args, sizeof args, "calibrate --quick --quiet --json --dir %s --disk-mib 16 2>%s", g_dir, err_path);
     rc = cli(args, out, sizeof out);
+    FILE *ef = fopen(err_path, "r");
+    if (ef) {
+        err[fread(err, 1, sizeof err - 1, ef)] = 0;
+        fclose(ef);
+    }
+    remove(err_path);
     json_error_t e;
     json_t *j = rc == 0 ? json_loads(out, 0, &e) : NULL;
-    CHECK(j != NULL, "--json output parses: rc %d", rc);
+    CHECK(j != NULL, "--json output parses: rc %d, stderr: %s", rc, err);
     json_t *keys = json_object_get(j, "keys");
     CHECK(json_is_array(keys) && json_array_size(keys) == 39, "--json has the 39 keys");
     size_t i;
