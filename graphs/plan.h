@@ -44,6 +44,7 @@ typedef struct mf_plan_opts {
     int store;                   /* mf_plan_store for routed experts */
     uint64_t store_budget_bytes; /* streamed: slab bytes (0: 2 GiB, as host/store.h) */
     int tables;                  /* mf_plan_store for Engram tables (reads per step when streamed) */
+    int dev_graphs;              /* 1: a layer's FFNs on a card are one device graph (mf_step_opts.dev_graphs) */
     double dev_task_ns;          /* emulated cards: the host core time of one device task's round
                                   * trip (`moeflow bench devtasks`; 0: the profile's card_fp4_latency_ns) */
     double cpu_bytes_per_s;      /* overrides the engine's model of host expert work per worker, as

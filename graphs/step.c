@@ -113,12 +113,10 @@ struct mf_step {
     mf_ref *cl[MF_STEP_MAX_ITEMS];
     const mf_config *c;
     mf_step_opts o;
-    mf_lane_desc lanes[2 + 3 * MF_DEV_MAX_CARDS];   /* cpu, io with a store, 3 per card */
-    char lane_names[3 * MF_DEV_MAX_CARDS][16];
-    int n_lanes;
+    mf_sg_lanes lt;           /* cpu, io with a store, 3 per card (lanes of card c at lane_dev0 + 3c) */
     /* routed experts on devices (placement other than host) */
     mf_dev *dev;
-    int n_cards, dev_lane0;   /* lanes of card c: dev_lane0 + 3c + (copy in, compute, copy out) */
+    int n_cards;
     mf_dev_xcache *xc[MF_DEV_MAX_CARDS];
     size_t part_off[6], part_bytes[6];
     uint64_t xslot_bytes;
@@ -408,47 +406,33 @@ void mf_step_lane_models(const mf_profile *p, int threads, mf_lane_model models[
     models[3] = (mf_lane_model){.bytes_per_s = p->d2h_bytes_per_s, .latency_ns = p->d2h_latency_ns};
 }
 
-static double mf_step_lane_ns(const mf_lane_desc *l, double bytes)
-{
-    return l->model.latency_ns + (l->model.bytes_per_s > 0 ? bytes / l->model.bytes_per_s * 1e9 : 0);
-}
-
 /* Decides where layer L's slots run (sh->slot_card) and takes their cache slots on the cards
  * (pinned until the layer's end): SEED the owner card; HYBRID the earlier finish by the lanes'
  * cost models, host work spread over the workers, each card's copy and compute queues apart. */
 static int mf_step_place(mf_step_shape *sh, int L)
 {
     mf_step *eng = sh->eng;
-    double bytes = (double)eng->xslot_bytes, W = eng->o.n_threads;
-    double host_q = 0, copy_q[MF_DEV_MAX_CARDS] = {0}, comp_q[MF_DEV_MAX_CARDS] = {0};
+    mf_sg_placer pl;
+    mf_sg_placer_init(&pl, eng->models, eng->o.n_threads, eng->o.placement == MF_STEP_PLACE_HYBRID,
+                      (double)eng->xslot_bytes);
     sh->dev_layer = L;
     for (int s = 0; s < sh->n_slots; s++) sh->slot_card[s] = -1;
     for (int s = 0; s < sh->n_used; s++) {
         int e = sh->slot_e[s], c = mf_dev_xcache_owner(eng->n_cards, L, e);
-        const mf_lane_desc *lin = &eng->lanes[eng->dev_lane0 + 3 * c], *lc = lin + 1;
-        /* an expert's time is its weight bytes over the lane's model (decode is weight-bound);
-         * each token of the slot adds 2% */
-        double host_ns = mf_step_lane_ns(&eng->lanes[0], bytes) * (1 + 0.02 * sh->slot_cnt[s]);
-        double copy_ns = mf_dev_xcache_has(eng->xc[c], L, e) ? 0 : mf_step_lane_ns(lin, bytes);
-        double comp_ns = mf_step_lane_ns(lc, bytes) * (1 + 0.02 * sh->slot_cnt[s]);
-        double t_dev = (copy_q[c] + copy_ns > comp_q[c] ? copy_q[c] + copy_ns : comp_q[c]) + comp_ns;
-        double t_host = (host_q + host_ns) / W;
-        if (eng->o.placement == MF_STEP_PLACE_HYBRID && t_host <= t_dev) {
-            host_q += host_ns;
+        if (!mf_sg_place_want_card(&pl, c, sh->slot_cnt[s], mf_dev_xcache_has(eng->xc[c], L, e))) {
             eng->dstat.host_slots++;
             continue;
         }
         void *slot = NULL;
         int hit = 0, rc = mf_dev_xcache_acquire(eng->xc[c], L, e, &slot, &hit);
         if (rc == -ENOSPC) {   /* every cache slot of the card pinned: the host takes it */
-            host_q += host_ns;
+            mf_sg_place_host(&pl);
             eng->dstat.host_slots++;
             eng->dstat.host_fallbacks++;
             continue;
         }
         if (rc) return rc;
-        copy_q[c] += copy_ns;
-        comp_q[c] = t_dev;
+        mf_sg_place_card(&pl);
         sh->slot_card[s] = c;
         sh->slot_dev[s] = slot;
         sh->slot_miss[s] = (uint8_t)!hit;
@@ -938,8 +922,9 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, mf_stepgraph **out)
     return mf_stepgraph_new(&(mf_sg_opts){.c = eng->c, .sz = eng->sz, .n = n, .par = par,
                                           .n_threads = eng->o.n_threads, .n_cards = eng->n_cards,
                                           .dev_graphs = eng->dev_graphs, .store = eng->store != NULL,
-                                          .read_window = eng->o.read_window, .lanes = eng->lanes,
-                                          .n_lanes = eng->n_lanes, .lane_io = 1, .lane_dev0 = eng->dev_lane0,
+                                          .read_window = eng->o.read_window, .lanes = eng->lt.lane,
+                                          .n_lanes = eng->lt.n_lanes, .lane_io = eng->lt.lane_io,
+                                          .lane_dev0 = eng->lt.lane_dev0,
                                           .fn_of = mf_step_fn_of},
                             out);
 }
@@ -1149,7 +1134,6 @@ static int mf_step_dev_setup(mf_step *s)
     const char *env = getenv("MOEFLOW_DEV_GRAPHS");
     s->dev_graphs = s->o.dev_graphs || (env && !strcmp(env, "1"));
     int n = mf_dev_n_cards(s->dev);
-    s->dev_lane0 = s->n_lanes;
     for (int cd = 0; cd < n; cd++) {
         int rc = mf_dev_xcache_new(s->dev, &(mf_dev_xcache_opts){.card = cd, .n_layers = c->n_layers,
                                                                   .n_experts = c->n_routed_experts,
@@ -1159,17 +1143,6 @@ static int mf_step_dev_setup(mf_step *s)
         if (rc) {
             for (int k = 0; k < cd; k++) mf_dev_xcache_free(s->xc[k]);
             return mf_error_wrap(rc, "step: the expert cache of card %d", cd);
-        }
-        static const char *const kn[3] = {"h2d", "compute", "d2h"};
-        static const mf_lane_kind kk[3] = {MF_LANE_DEV_COPY_IN, MF_LANE_DEV_COMPUTE, MF_LANE_DEV_COPY_OUT};
-        for (int k = 0; k < 3; k++) {
-            char *nm = s->lane_names[3 * cd + k];
-            snprintf(nm, sizeof s->lane_names[0], "dev%d.%s", cd, kn[k]);
-            /* models for placement and priorities (mf_step_lane_models: the profile's, or
-             * built-in assumptions) */
-            mf_lane_model m = s->models[k + 1];
-            s->lanes[s->n_lanes++] = (mf_lane_desc){.kind = kk[k], .name = nm, .concurrency = 4,
-                                                    .numa_node = -1, .device = cd, .model = m};
         }
     }
     s->n_cards = n;
@@ -1231,17 +1204,15 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     s->max_items = max_items;
     mf_step_lane_models(s->o.profile, s->o.n_threads, s->models);
     if (s->o.cpu_bytes_per_s > 0) s->models[0].bytes_per_s = s->o.cpu_bytes_per_s;
-    s->lanes[0] = (mf_lane_desc){.kind = MF_LANE_CPU, .name = "cpu", .concurrency = s->o.n_threads,
-                                 .numa_node = -1, .model = s->models[0]};
-    s->lanes[1] = (mf_lane_desc){.kind = MF_LANE_IO, .name = "io", .concurrency = 64, .numa_node = -1,
-                                 .model = {.bytes_per_s = 2e9, .latency_ns = 1e5}};
-    s->n_lanes = store ? 2 : 1;
     pthread_mutex_init(&s->gather_mu, NULL);
     int rc = 0;
     if (s->o.dev && s->o.placement != MF_STEP_PLACE_HOST) rc = mf_step_dev_setup(s);
+    /* lanes: models for placement and priorities (mf_step_lane_models: the profile's, or the
+     * built-in assumptions) */
+    mf_sg_lanes_init(&s->lt, s->models, s->o.n_threads, store != NULL, s->n_cards);
     if (!rc) rc = mf_step_clone(r, &s->cl[0]);
     if (!rc) rc = mf_sg_sizes_new(c, &s->sz);
-    if (!rc) rc = mf_sched_create(&(mf_sched_opts){.lanes = s->lanes, .n_lanes = s->n_lanes,
+    if (!rc) rc = mf_sched_create(&(mf_sched_opts){.lanes = s->lt.lane, .n_lanes = s->lt.n_lanes,
                                                    .pin_threads = s->o.pin_threads,
                                                    .dev = s->dev ? mf_dev_lane_ops_of(s->dev) : NULL},
                                   &s->sched);

@@ -674,3 +674,73 @@ void mf_stepgraph_mark_noop(mf_stepgraph *sg, int L, int n_used, const int32_t *
         mf_graph_set_noop(sg->g, sg->card_ffn_tid[L * nc + cd], !any);
     }
 }
+
+/* ---- lanes and placement ------------------------------------------------------------------- */
+
+void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threads, int store, int n_cards)
+{
+    static const char *const kn[3] = {"h2d", "compute", "d2h"};
+    static const mf_lane_kind kk[3] = {MF_LANE_DEV_COPY_IN, MF_LANE_DEV_COMPUTE, MF_LANE_DEV_COPY_OUT};
+    memset(l, 0, sizeof *l);
+    l->lane[0] = (mf_lane_desc){.kind = MF_LANE_CPU, .name = "cpu", .concurrency = n_threads, .numa_node = -1,
+                                .model = models[0]};
+    l->n_lanes = 1;
+    l->lane_io = -1;
+    if (store) {
+        l->lane_io = l->n_lanes++;
+        l->lane[l->lane_io] = (mf_lane_desc){.kind = MF_LANE_IO, .name = "io", .concurrency = 64, .numa_node = -1,
+                                             .model = {.bytes_per_s = 2e9, .latency_ns = 1e5}};
+    }
+    l->lane_dev0 = l->n_lanes;
+    for (int cd = 0; cd < n_cards && cd < MF_SG_MAX_CARDS; cd++)
+        for (int k = 0; k < 3; k++) {
+            char *nm = l->names[3 * cd + k];
+            snprintf(nm, sizeof l->names[0], "dev%d.%s", cd, kn[k]);
+            l->lane[l->n_lanes++] = (mf_lane_desc){.kind = kk[k], .name = nm, .concurrency = 4, .numa_node = -1,
+                                                   .device = cd, .model = models[k + 1]};
+        }
+}
+
+static double sg_lane_ns(const mf_lane_model *m, double bytes)
+{
+    return m->latency_ns + (m->bytes_per_s > 0 ? bytes / m->bytes_per_s * 1e9 : 0);
+}
+
+void mf_sg_placer_init(mf_sg_placer *p, const mf_lane_model models[4], int n_threads, int hybrid,
+                       double expert_bytes)
+{
+    memset(p, 0, sizeof *p);
+    p->cpu = models[0];
+    p->copy = models[1];
+    p->comp = models[2];
+    p->workers = n_threads;
+    p->hybrid = hybrid;
+    p->bytes = expert_bytes;
+}
+
+int mf_sg_place_want_card(mf_sg_placer *p, int card, int cnt, int cached)
+{
+    int c = card;
+    p->card = c;
+    p->host_ns = sg_lane_ns(&p->cpu, p->bytes) * (1 + 0.02 * cnt);
+    p->copy_ns = cached ? 0 : sg_lane_ns(&p->copy, p->bytes);
+    double comp_ns = sg_lane_ns(&p->comp, p->bytes) * (1 + 0.02 * cnt);
+    p->t_dev = (p->copy_q[c] + p->copy_ns > p->comp_q[c] ? p->copy_q[c] + p->copy_ns : p->comp_q[c]) + comp_ns;
+    double t_host = (p->host_q + p->host_ns) / p->workers;
+    if (p->hybrid && t_host <= p->t_dev) {
+        p->host_q += p->host_ns;
+        return 0;
+    }
+    return 1;
+}
+
+void mf_sg_place_card(mf_sg_placer *p)
+{
+    p->copy_q[p->card] += p->copy_ns;
+    p->comp_q[p->card] = p->t_dev;
+}
+
+void mf_sg_place_host(mf_sg_placer *p)
+{
+    p->host_q += p->host_ns;
+}

@@ -162,6 +162,42 @@ typedef struct mf_stepgraph {
     mf_task_id *card_ffn_tid;     /* dev_graphs: per layer and card its FFN graph task */
 } mf_stepgraph;
 
+/* The engine's lanes (the simulator's graph has the same; its own lane options go to
+ * mf_sim_opts): lane 0 the CPU lane (n_threads workers, models[0]); with a store, lane 1 the IO
+ * lane (io_uring, depth 64); then per card c three lanes at lane_dev0 + 3c, "devC.h2d",
+ * "devC.compute", "devC.d2h" (concurrency 4, models[1..3]: mf_step_lane_models). */
+typedef struct mf_sg_lanes {
+    mf_lane_desc lane[2 + 3 * MF_SG_MAX_CARDS];
+    char names[3 * MF_SG_MAX_CARDS][16];
+    int n_lanes, lane_io, lane_dev0;
+} mf_sg_lanes;
+
+void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threads, int store, int n_cards);
+
+/* Hybrid and seed placement of a layer's slots, in slot order (the engine's and the simulator's
+ * rule): a slot goes to the earlier finish of the host (its queue of expert work over the
+ * workers, by the CPU lane's model) and its owner card (the copy queue: nothing when cached,
+ * else the packed expert's bytes over the copy lane's model; then the compute queue). An
+ * expert's time is its bytes over a lane's model; each token of the slot adds 2%. */
+typedef struct mf_sg_placer {
+    mf_lane_model cpu, copy, comp;
+    double workers, bytes;
+    int hybrid;
+    double host_q, copy_q[MF_SG_MAX_CARDS], comp_q[MF_SG_MAX_CARDS];
+    double host_ns, copy_ns, t_dev;   /* the slot being placed */
+    int card;
+} mf_sg_placer;
+
+/* A layer's placer: models as mf_sg_lanes_init's, hybrid 0 for seed (always the card). */
+void mf_sg_placer_init(mf_sg_placer *p, const mf_lane_model models[4], int n_threads, int hybrid,
+                       double expert_bytes);
+/* The next slot, of cnt tokens, owned by `card` (cached: its expert is in that card's cache):
+ * 1 when it should run on the card (then mf_sg_place_card, or mf_sg_place_host when the card
+ * cannot take it), 0 when on the host (already queued there). */
+int mf_sg_place_want_card(mf_sg_placer *p, int card, int cnt, int cached);
+void mf_sg_place_card(mf_sg_placer *p);
+void mf_sg_place_host(mf_sg_placer *p);
+
 /* Builds and finalizes the graph of one shape. 0 or a negative code with a message. */
 int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out);
 void mf_stepgraph_free(mf_stepgraph *sg);

@@ -134,14 +134,18 @@ static void test_structure(const char *tmp)
           (long long)r.host_slots);
     mf_plan_free(p);
 
-    /* emulated cards: each device task is preceded by its stream's round trip on a host core,
-     * one lane per stream: 96 device tasks, 96 round trips, 6 more lanes */
+    /* emulated cards: each device task first holds its stream's host thread and a core for the
+     * round trip (a lane option of the simulator, no tasks of its own): the same 186 + 96 tasks
+     * and 1 + 6 lanes; one core (one worker) serializes the 2 slots x 3 device tasks x 8 layers
+     * round trips of 1 ms each */
     f.cards_emulated = 1;
-    CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .placement = MF_STEP_PLACE_SEED}, &p), "%s",
-          mf_last_error());
+    CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .placement = MF_STEP_PLACE_SEED,
+                                       .dev_task_ns = 1e6}, &p), "%s", mf_last_error());
     CHECK(!mf_plan_step(p, &r), "%s", mf_last_error());
-    CHECK(r.n_tasks == 186 + 96 + 96 && r.n_lanes == 1 + 6 + 6, "tiny seed emulated: %d tasks, %d lanes",
-          r.n_tasks, r.n_lanes);
+    CHECK(r.n_tasks == 186 + 96 && r.n_lanes == 1 + 6, "tiny seed emulated: %d tasks, %d lanes", r.n_tasks,
+          r.n_lanes);
+    CHECK(r.step_ns >= 48 * 1000000 && r.step_ns < 49 * 1000000, "tiny seed emulated: makespan %lld ns, expected "
+          "48 ms of round trips on the one core", (long long)r.step_ns);
     mf_plan_free(p);
     remove(trace);
 }
