@@ -598,6 +598,8 @@ int mf_plan_run(const mf_plan_opts *o, int warmup, int n_steps, mf_plan_report *
     return rc;
 }
 
+const mf_stepgraph *mf_plan_graph(const mf_plan *p) { return p->sg; }
+
 int mf_plan_write_trace(const mf_plan *p, const char *path)
 {
     if (!p->stepped) return mf_error(-EINVAL, "plan: no step has been simulated yet, nothing to trace");

@@ -102,6 +102,10 @@ void mf_plan_reset_totals(mf_plan *p);
 /* Convenience: warmup steps then n_steps steps, the report of the latter. */
 int mf_plan_run(const mf_plan_opts *o, int warmup, int n_steps, mf_plan_report *out);
 
+/* The step graph the simulator runs: the engine's for this shape (graphs/stepgraph.h). */
+typedef struct mf_stepgraph mf_stepgraph;
+const mf_stepgraph *mf_plan_graph(const mf_plan *p);
+
 /* Chrome trace-event JSON of the last simulated step (sched/timeline.h). */
 int mf_plan_write_trace(const mf_plan *p, const char *path);
 /* The report as tables: per-token time, phases, lanes with busy shares, the bottleneck, caches. */

@@ -1525,6 +1525,12 @@ int mf_step_decode(mf_step *s, mf_ref_state *const *states, const int32_t *token
 
 void mf_step_last_times(const mf_step *s, mf_step_times *out) { *out = s->times; }
 
+const mf_stepgraph *mf_step_graph(const mf_step *s, int n, int par)
+{
+    if (n < 1 || n > MF_STEP_MAX_ITEMS || !s->shapes[!!par][n]) return NULL;
+    return s->shapes[!!par][n]->sg;
+}
+
 int mf_step_write_trace(const mf_step *s, const char *path)
 {
     if (!s->last) return mf_error(-EINVAL, "step: no step has run yet, nothing to trace");

@@ -146,6 +146,12 @@ typedef struct mf_step_dev_stats {
 
 void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out);
 
+/* The step graph of n items (graphs/stepgraph.h), parallel (items of distinct sequences) or
+ * serial, as built by an earlier call of that shape; NULL if none ran yet. For tests and tools
+ * (the simulator runs the same graph: graphs/plan.h). */
+typedef struct mf_stepgraph mf_stepgraph;
+const mf_stepgraph *mf_step_graph(const mf_step *s, int n, int par);
+
 /* Chrome trace-event JSON of the last graph run (one chunk of the last call). 0 or negative code. */
 int mf_step_write_trace(const mf_step *s, const char *path);
 
