@@ -450,54 +450,26 @@ static int pl_price(mf_plan *p, mf_plan_report *r)
 
 /* ---- reports ------------------------------------------------------------------------------- */
 
-static int pl_span_cmp(const void *pa, const void *pb)
-{
-    const mf_task_span *x = pa, *y = pb;
-    return (x->start_ns > y->start_ns) - (x->start_ns < y->start_ns);
-}
-
-/* mf_step_account: per phase the union of its tasks' intervals and their summed durations (IO
- * and copy tasks in no phase), lanes' work, the bottleneck. */
+/* The engine's phase accounting (mf_stepgraph_phase_times), lanes' work, the makespan. */
 static int pl_account(mf_plan *p, mf_plan_report *r)
 {
     const mf_task_span *sp = mf_timeline_spans(p->tl);
     const mf_graph *g = p->sg->g;
-    int n = mf_graph_n_tasks(g), m = 0;
-    mf_task_span *sorted = malloc(sizeof *sorted * (size_t)(n ? n : 1));
-    if (!sorted) return mf_error(-ENOMEM, "plan: out of memory");
+    int n = mf_graph_n_tasks(g);
+    mf_task_span *scratch = malloc(sizeof *scratch * (size_t)(n ? n : 1));
+    if (!scratch) return mf_error(-ENOMEM, "plan: out of memory");
     int64_t end = 0;
     for (int t = 0; t < n; t++) {
         if (sp[t].end_ns > end) end = sp[t].end_ns;
-        int l = mf_graph_task(g, t)->lane;
-        r->lanes[l].busy_ns += sp[t].end_ns - sp[t].start_ns;
-        int k = p->sg->task[t].kind;
-        if (k == MF_SG_K_IO || k == MF_SG_K_COPY || k == MF_SG_K_COPY_OUT) continue;
-        sorted[m] = sp[t];
-        sorted[m++].worker = p->sg->task[t].phase;
+        r->lanes[mf_graph_task(g, t)->lane].busy_ns += sp[t].end_ns - sp[t].start_ns;
     }
-    qsort(sorted, (size_t)m, sizeof *sorted, pl_span_cmp);
-    int64_t cs[MF_STEP_N_PHASES], ce[MF_STEP_N_PHASES];
-    for (int q = 0; q < MF_STEP_N_PHASES; q++) cs[q] = ce[q] = -1;
-    for (int i = 0; i < m; i++) {
-        const mf_task_span *x = &sorted[i];
-        int q = x->worker;
-        r->busy_ns[q] += x->end_ns - x->start_ns;
-        if (x->start_ns > ce[q]) {
-            if (ce[q] > cs[q]) r->phase_ns[q] += ce[q] - cs[q];
-            cs[q] = x->start_ns;
-            ce[q] = x->end_ns;
-        } else if (x->end_ns > ce[q]) {
-            ce[q] = x->end_ns;
-        }
-    }
-    for (int q = 0; q < MF_STEP_N_PHASES; q++)
-        if (ce[q] > cs[q]) r->phase_ns[q] += ce[q] - cs[q];
+    mf_stepgraph_phase_times(p->sg, sp, scratch, r->phase_ns, r->busy_ns);
+    free(scratch);
     int64_t rest = end;
     for (int q = 0; q < MF_STEP_OTHER; q++) rest -= r->phase_ns[q];
     r->phase_ns[MF_STEP_OTHER] = rest > 0 ? rest : 0;
     r->step_ns = end;
     r->n_tasks = n;
-    free(sorted);
     return 0;
 }
 

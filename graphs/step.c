@@ -1131,8 +1131,7 @@ static int mf_step_dev_setup(mf_step *s)
     }
     s->xslot_bytes = off;
     s->dev = s->o.dev;
-    const char *env = getenv("MOEFLOW_DEV_GRAPHS");
-    s->dev_graphs = s->o.dev_graphs || (env && !strcmp(env, "1"));
+    s->dev_graphs = s->o.dev_graphs;
     int n = mf_dev_n_cards(s->dev);
     for (int cd = 0; cd < n; cd++) {
         int rc = mf_dev_xcache_new(s->dev, &(mf_dev_xcache_opts){.card = cd, .n_layers = c->n_layers,
@@ -1282,47 +1281,21 @@ static int mf_step_check(mf_step *s, mf_ref_state *const *states, const int32_t 
     return mf_step_grow_scores(r, need);
 }
 
-static int mf_step_span_cmp(const void *pa, const void *pb)
-{
-    const mf_task_span *x = pa, *y = pb;
-    return (x->start_ns > y->start_ns) - (x->start_ns < y->start_ns);
-}
-
-/* Union of the spans of tasks of the kinds in mask `kinds` in the last run (sorted, merged into sh->sorted[0..m)). */
+/* The spans of the last run's tasks of the kinds in mask `kinds`, merged (mf_timeline_union) into
+ * out; returns their count, *busy their length. */
 static int mf_step_union(mf_step_shape *sh, mf_task_span *out, unsigned kinds, int64_t *busy)
 {
     const mf_task_span *sp = mf_timeline_spans(sh->tl);
-    int n = mf_graph_n_tasks(sh->g), m = 0, u = 0;
+    int n = mf_graph_n_tasks(sh->g), m = 0;
     for (int t = 0; t < n; t++)
-        if (sp[t].status == 0 && ((kinds >> sh->sg->task[t].kind) & 1) && sp[t].end_ns > sp[t].start_ns) out[m++] = sp[t];
-    qsort(out, (size_t)m, sizeof *out, mf_step_span_cmp);
-    *busy = 0;
-    for (int i = 0; i < m; i++) {
-        if (u && out[i].start_ns <= out[u - 1].end_ns) {
-            if (out[i].end_ns > out[u - 1].end_ns) out[u - 1].end_ns = out[i].end_ns;
-        } else {
-            out[u++] = out[i];
-        }
-    }
-    for (int i = 0; i < u; i++) *busy += out[i].end_ns - out[i].start_ns;
-    return u;
+        if (sp[t].status == 0 && ((kinds >> sh->sg->task[t].kind) & 1) && sp[t].end_ns > sp[t].start_ns)
+            out[m++] = sp[t];
+    return mf_timeline_union(out, m, busy);
 }
 
 /* IO busy time of the last run (union of its IO-lane reads) and the part of it during which an
- * expert's compute task (routed or shared) was running. */
-static int64_t mf_step_overlap(const mf_task_span *x, int nx, const mf_task_span *y, int ny)
-{
-    int64_t ov = 0;
-    for (int i = 0, j = 0; i < nx && j < ny;) {
-        int64_t a = x[i].start_ns > y[j].start_ns ? x[i].start_ns : y[j].start_ns;
-        int64_t b = x[i].end_ns < y[j].end_ns ? x[i].end_ns : y[j].end_ns;
-        if (b > a) ov += b - a;
-        if (x[i].end_ns < y[j].end_ns) i++;
-        else j++;
-    }
-    return ov;
-}
-
+ * expert's compute task (routed or shared) was running; with devices the same for copy-ins
+ * against expert compute on the host or a card. */
 static void mf_step_io_overlap(mf_step *s, mf_step_shape *sh)
 {
     int n = mf_graph_n_tasks(sh->g);
@@ -1332,50 +1305,25 @@ static void mf_step_io_overlap(mf_step *s, mf_step_shape *sh)
         int ni = mf_step_union(sh, io, 1u << MF_SG_K_IO, &bi);
         int nc = mf_step_union(sh, cp, 1u << MF_SG_K_EXPERT, &bc);
         s->times.io_busy_ns += bi;
-        s->times.io_overlap_ns += mf_step_overlap(io, ni, cp, nc);
+        s->times.io_overlap_ns += mf_timeline_overlap(io, ni, cp, nc);
         s->times.expert_busy_ns += bc;
     }
     if (s->n_cards) {   /* copy-in tasks vs expert compute on the host or a card */
-        mf_task_span *cpy = sh->sorted;
-        int u = mf_step_union(sh, cpy, 1u << MF_SG_K_COPY, &bi), ny;
-        ny = mf_step_union(sh, cp, (1u << MF_SG_K_EXPERT) | (1u << MF_SG_K_DEV), &bc);
+        int u = mf_step_union(sh, io, 1u << MF_SG_K_COPY, &bi);
+        int ny = mf_step_union(sh, cp, (1u << MF_SG_K_EXPERT) | (1u << MF_SG_K_DEV), &bc);
         s->times.copy_busy_ns += bi;
         s->times.compute_busy_ns += bc;
-        s->times.copy_overlap_ns += mf_step_overlap(cpy, u, cp, ny);
+        s->times.copy_overlap_ns += mf_timeline_overlap(io, u, cp, ny);
     }
 }
 
-/* Adds the last run's time per phase to s->times: per phase the union of its tasks' intervals
- * (one pass over the spans sorted by start) and their summed durations. */
+/* Adds the last run's time per phase to s->times (mf_stepgraph_phase_times: per phase the union
+ * of its tasks' intervals and their summed durations). */
 static void mf_step_account(mf_step *s, mf_step_shape *sh)
 {
-    const mf_task_span *sp = mf_timeline_spans(sh->tl);
-    int n = mf_graph_n_tasks(sh->g), m = 0;
     mf_step_io_overlap(s, sh);
-    for (int t = 0; t < n; t++)
-        if (sp[t].status == 0 && sh->sg->task[t].kind != MF_SG_K_IO && sh->sg->task[t].kind != MF_SG_K_COPY &&
-            sh->sg->task[t].kind != MF_SG_K_COPY_OUT) {
-            sh->sorted[m] = sp[t];
-            sh->sorted[m++].worker = sh->sg->task[t].phase;   /* reused to carry the phase */
-        }
-    qsort(sh->sorted, (size_t)m, sizeof *sh->sorted, mf_step_span_cmp);
-    int64_t cur_s[MF_STEP_N_PHASES], cur_e[MF_STEP_N_PHASES];
-    for (int p = 0; p < MF_STEP_N_PHASES; p++) cur_s[p] = cur_e[p] = -1;
-    for (int k = 0; k < m; k++) {
-        const mf_task_span *x = &sh->sorted[k];
-        int p = x->worker;
-        s->times.busy_ns[p] += x->end_ns - x->start_ns;
-        if (x->start_ns > cur_e[p]) {
-            if (cur_e[p] > cur_s[p]) s->times.phase_ns[p] += cur_e[p] - cur_s[p];
-            cur_s[p] = x->start_ns;
-            cur_e[p] = x->end_ns;
-        } else if (x->end_ns > cur_e[p]) {
-            cur_e[p] = x->end_ns;
-        }
-    }
-    for (int p = 0; p < MF_STEP_N_PHASES; p++)
-        if (cur_e[p] > cur_s[p]) s->times.phase_ns[p] += cur_e[p] - cur_s[p];
-    s->times.n_tasks = n;
+    mf_stepgraph_phase_times(sh->sg, mf_timeline_spans(sh->tl), sh->sorted, s->times.phase_ns, s->times.busy_ns);
+    s->times.n_tasks = mf_graph_n_tasks(sh->g);
 }
 
 /* After a failed run with a store: names the expert of the first failed read, closes the store's

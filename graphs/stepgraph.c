@@ -744,3 +744,22 @@ void mf_sg_place_host(mf_sg_placer *p)
 {
     p->host_q += p->host_ns;
 }
+
+void mf_stepgraph_phase_times(const mf_stepgraph *sg, const mf_task_span *spans, mf_task_span *scratch,
+                              int64_t *phase_ns, int64_t *busy_ns)
+{
+    for (int q = 0; q < MF_SG_N_PHASES; q++) {
+        int m = 0;
+        for (int t = 0; t < sg->n_tasks; t++) {
+            const mf_sg_task *r = &sg->task[t];
+            if (r->phase != q || spans[t].status != 0 || r->kind == MF_SG_K_IO || r->kind == MF_SG_K_COPY ||
+                r->kind == MF_SG_K_COPY_OUT)
+                continue;
+            busy_ns[q] += spans[t].end_ns - spans[t].start_ns;
+            scratch[m++] = spans[t];
+        }
+        int64_t len;
+        mf_timeline_union(scratch, m, &len);
+        phase_ns[q] += len;
+    }
+}

@@ -13,6 +13,7 @@
 #include "graphs/config.h"
 #include "sched/graph.h"
 #include "sched/profile.h"
+#include "sched/timeline.h"
 
 #define MF_SG_MAX_ITEMS 64   /* items of one graph (MF_STEP_MAX_ITEMS) */
 #define MF_SG_MAX_PARTS 64   /* row parts of an attention stage */
@@ -197,6 +198,13 @@ void mf_sg_placer_init(mf_sg_placer *p, const mf_lane_model models[4], int n_thr
 int mf_sg_place_want_card(mf_sg_placer *p, int card, int cnt, int cached);
 void mf_sg_place_card(mf_sg_placer *p);
 void mf_sg_place_host(mf_sg_placer *p);
+
+/* Phase times of a run of sg (spans per task, as the timeline's): per phase the length of the
+ * union of its tasks' spans and their summed durations, over the tasks that ran (status 0) except
+ * IO reads and copies, which belong to no phase. scratch holds n_tasks spans. Adds to phase_ns
+ * and busy_ns (MF_SG_N_PHASES each; OTHER is left to the caller). */
+void mf_stepgraph_phase_times(const mf_stepgraph *sg, const mf_task_span *spans, mf_task_span *scratch,
+                              int64_t *phase_ns, int64_t *busy_ns);
 
 /* Builds and finalizes the graph of one shape. 0 or a negative code with a message. */
 int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out);

@@ -1,6 +1,7 @@
 /* `moeflow`: one command with subcommands over libmoeflow. Only subcommands that exist are listed;
  * each one's --help says what it does. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "tools/commands.h"
@@ -25,6 +26,12 @@ static void mf_usage(FILE *f)
     fprintf(f, "usage: moeflow <command> [options]   (moeflow <command> --help for each)\n\n");
     for (size_t i = 0; mf_commands[i].name; i++)
         fprintf(f, "  %-10s %s\n", mf_commands[i].name, mf_commands[i].what);
+}
+
+int mf_tool_env_on(const char *name)
+{
+    const char *v = getenv(name);
+    return v && !strcmp(v, "1");
 }
 
 int main(int argc, char **argv)
