@@ -14,6 +14,7 @@
 #include "graphs/model.h"
 #include "graphs/plan.h"
 #include "graphs/ref.h"
+#include "graphs/ref_internal.h"
 #include "graphs/step.h"
 #include "graphs/stepgraph.h"
 #include "graphs/routing.h"
@@ -435,6 +436,25 @@ static void test_same_graph(void)
         CHECK(!mf_model_load(dir, &(mf_model_opts){.quiet = 1, .store = streamed ? MF_MODEL_STORE_STREAMED : 0,
                                                    .store_budget_bytes = 64 << 20}, &m) &&
                   !mf_ref_new(m, NULL, &r), "%s", mf_last_error());
+        if (r && !streamed) {   /* the sizes the graph is built from (the layout) are the model's */
+            mf_sg_sizes *sz = NULL;
+            CHECK(!mf_sg_sizes_new(&c, &sz), "%s", mf_last_error());
+            for (int L = 0; sz && L < c.n_layers; L++) {
+                const mf_model_layer *y = mf_model_layer_at(m, L);
+                for (int st = 0; st < MF_RA_N_STAGES; st++) {
+                    mf_ref_attn_lin lin[MF_RA_MAX_LIN];
+                    int nl = mf_ref_attn_linears(r, L, st, lin);
+                    double bytes = 0;
+                    for (int k = 0; k < nl; k++) bytes += (double)mf_weight_data_bytes(lin[k].w);
+                    CHECK(bytes == sz->layer[L].st_data_bytes[st], "layer %d stage %d: the engine's linears have "
+                          "%.0f bytes, the layout's %.0f", L, st, bytes, sz->layer[L].st_data_bytes[st]);
+                }
+                if (mf_config_engram_slot(&c, L) >= 0)
+                    CHECK((double)mf_weight_data_bytes(&y->eg_wkv) == sz->layer[L].eng_data_bytes,
+                          "layer %d: Engram wkv %.0f bytes in the layout", L, sz->layer[L].eng_data_bytes);
+            }
+            mf_sg_sizes_free(sz);
+        }
         for (int place = MF_STEP_PLACE_HOST; r && place <= MF_STEP_PLACE_HYBRID; place++)
             for (int dg = 0; dg <= (place != MF_STEP_PLACE_HOST); dg++)
                 for (int threads = 1; threads <= 3; threads += 2)
