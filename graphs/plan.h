@@ -1,8 +1,9 @@
-/* The simulator of real decode steps: builds the graph one scheduled decode step would run
- * (graphs/step.c's task structure, with only the expert slots the step's routing uses), costs each
- * task from a hardware profile (sched/profile.h), keeps the expert caches (host store, per-card
- * device caches) across steps with the engine's replacement policy, and runs it in virtual time
- * (sched/sim.h). Never reads tensor data: a config is enough (docs/sim.md). */
+/* The simulator of real decode steps: runs the graph one scheduled decode step runs (the engine's
+ * own, from graphs/stepgraph.h), prices each task's record from a hardware profile
+ * (sched/profile.h), keeps the expert caches (host store, per-card device caches) across steps
+ * with the engine's replacement policy, places and marks noop tasks as the engine's route task,
+ * and runs it in virtual time (sched/sim.h). Never reads tensor data: a config is enough
+ * (docs/sim.md). */
 #ifndef MF_PLAN_H
 #define MF_PLAN_H
 
@@ -90,9 +91,9 @@ typedef struct mf_plan mf_plan;
 int mf_plan_new(const mf_plan_opts *o, mf_plan **out);
 void mf_plan_free(mf_plan *p);
 
-/* Simulates the next decode step: draws its routing, builds its graph, places the slots (as
- * mf_step_place), updates the caches, runs mf_sim_run. `out` (may be NULL) gets that step's
- * report; the totals accumulate. */
+/* Simulates the next decode step: draws its routing, places the slots (mf_sg_placer, as the
+ * engine), updates the caches, marks the noop tasks, prices the records, runs mf_sim_run_opts.
+ * `out` (may be NULL) gets that step's report; the totals accumulate. */
 int mf_plan_step(mf_plan *p, mf_plan_report *out);
 /* Sums over the steps so far, times as per-step means (n_steps 0: all zero). */
 void mf_plan_total(const mf_plan *p, mf_plan_report *out);
@@ -103,7 +104,6 @@ void mf_plan_reset_totals(mf_plan *p);
 int mf_plan_run(const mf_plan_opts *o, int warmup, int n_steps, mf_plan_report *out);
 
 /* The step graph the simulator runs: the engine's for this shape (graphs/stepgraph.h). */
-typedef struct mf_stepgraph mf_stepgraph;
 const mf_stepgraph *mf_plan_graph(const mf_plan *p);
 
 /* Chrome trace-event JSON of the last simulated step (sched/timeline.h). */

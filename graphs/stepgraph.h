@@ -10,14 +10,15 @@
 
 #include <stdint.h>
 
+#include "device/dev.h"
 #include "graphs/config.h"
 #include "sched/graph.h"
 #include "sched/profile.h"
 #include "sched/timeline.h"
 
-#define MF_SG_MAX_ITEMS 64   /* items of one graph (MF_STEP_MAX_ITEMS) */
+#define MF_SG_MAX_ITEMS 64   /* items of one graph (graphs/step.h MF_STEP_MAX_ITEMS) */
 #define MF_SG_MAX_PARTS 64   /* row parts of an attention stage */
-#define MF_SG_MAX_CARDS 16
+#define MF_SG_MAX_CARDS MF_DEV_MAX_CARDS
 #define MF_SG_EXPERT_PARTS 6 /* a routed expert's parts: w1, w2, w3 codes and scales */
 
 /* What a task does. The engine has one task function per op. */
@@ -50,7 +51,7 @@ typedef enum mf_sg_op {
     MF_SG_N_OPS
 } mf_sg_op;
 
-/* Phases of a step, for reports (mf_step_phase, graphs/step.h, has the same values). */
+/* Phases of a step, for reports (graphs/step.h names them mf_step_phase). */
 enum { MF_SG_PH_ATTN, MF_SG_PH_MOE, MF_SG_PH_ENGRAM, MF_SG_PH_HEAD, MF_SG_PH_OTHER, MF_SG_N_PHASES };
 
 /* Accounting classes: what the phase table leaves out (IO, copies) and the overlap counters. */
