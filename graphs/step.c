@@ -943,7 +943,7 @@ static int mf_step_bind(mf_step *eng, mf_step_shape *sh)
         const mf_sg_task *rec = &sg->task[t];
         sh->args[t] = (mf_step_targ){sh, rec, eng->cl[rec->i0]};
         if (rec->op == MF_SG_SLOT_READ)
-            mf_graph_set_arg(sh->g, t, &sh->slot_rd[(size_t)rec->slot * sh->n_parts + rec->part]);
+            mf_graph_set_arg(sh->g, t, &sh->slot_rd[(size_t)rec->slot * sh->n_parts + rec->read]);
         else
             mf_graph_set_arg(sh->g, t, &sh->args[t]);
     }
@@ -1336,7 +1336,7 @@ static int mf_step_store_fail(mf_step *s, mf_step_shape *sh, int rc)
         if (sh->sg->task[t].kind != MF_SG_K_IO || sp[t].status >= 0) continue;
         const mf_step_targ *a = &sh->args[t];
         const mf_model_layer *y = mf_model_layer_at(s->r->m, a->t->layer);
-        const mf_io_read *rd = &sh->slot_rd[(size_t)a->t->slot * sh->n_parts + a->t->part];
+        const mf_io_read *rd = &sh->slot_rd[(size_t)a->t->slot * sh->n_parts + a->t->read];
         rc = mf_error_wrap(rc, "step: layer %d expert %d (%s...): reading %" PRIu64 " bytes at offset %"
                            PRIu64 " into the expert store failed", a->t->layer, sh->slot_e[a->t->slot],
                            y->experts[sh->slot_e[a->t->slot] * 3].name, rd->n_bytes, rd->offset);

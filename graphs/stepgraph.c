@@ -196,7 +196,7 @@ static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, m
 /* A record of layer L with nothing else set. */
 static mf_sg_task sg_rec(int L)
 {
-    return (mf_sg_task){.layer = (int16_t)L, .stage = -1, .card = -1, .slot = -1, .part = -1};
+    return (mf_sg_task){.layer = (int16_t)L, .stage = -1, .card = -1, .read = -1, .slot = -1, .part = -1};
 }
 
 /* Item task k's record: items [i0, i1) of unit k. */
@@ -441,7 +441,7 @@ static void sg_slot(sg_builder *b, int L, int s, mf_task_id ro, const mf_task_id
         SG_NAME(b, "read L%d slot %d part %d", L, s, j);
         mf_sg_task tr = t;
         tr.slot_tokens = 0;
-        tr.part = j;
+        tr.read = (int8_t)j;
         tr.w.io_bytes = ceil(z->part_bytes[j] / SG_STORE_ALIGN) * SG_STORE_ALIGN;
         tr.w.io_reads = 1;
         io[j] = sg_add(b, b->o->lane_io, MF_SG_SLOT_READ, MF_SG_PH_MOE, MF_SG_K_IO, tr, z->store_slot_bytes / np, 0);

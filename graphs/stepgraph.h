@@ -34,7 +34,7 @@ typedef enum mf_sg_op {
     MF_SG_GATE_ROWS,      /* rows (experts) of the router's logits, all items */
     MF_SG_ROUTE,          /* top-k, slot table, store batch, placement, noop marks */
     MF_SG_MOE_DONE,       /* end of the layer's MoE: store batch closed, pins released */
-    MF_SG_SLOT_READ,      /* IO lane: part `part` of slot `slot`'s expert into the store */
+    MF_SG_SLOT_READ,      /* IO lane: read `read` of slot `slot`'s expert into the store */
     MF_SG_SLOT_UP,        /* hidden rows of slot `slot`'s w1/w3 + SwiGLU (host) */
     MF_SG_SLOT_JOIN,      /* slot `slot`'s h quantized (host) */
     MF_SG_SLOT_DOWN,      /* output rows of slot `slot`'s w2 (host) */
@@ -88,8 +88,9 @@ typedef struct mf_sg_task {
     int16_t layer;     /* -1: after the last layer (norm, head) */
     int8_t stage;      /* MF_SG_ST_* of MF_SG_ATTN_ROWS */
     int8_t card;       /* device tasks: the card */
+    int8_t read;       /* IO tasks: which of the slot's reads (its store extents, w1 .. w3 scale) */
     int32_t slot;      /* expert slot */
-    int32_t part;      /* row part, or the expert part an IO task reads */
+    int32_t part;      /* row part */
     int32_t i0, i1;    /* items [i0, i1) (item tasks) */
     int64_t r0, r1;    /* output rows [r0, r1) of a row part (where the total is the config's) */
     int n_tok;         /* tokens the kernels run over (not slot_tokens) */

@@ -401,7 +401,7 @@ static int same_graph(const mf_stepgraph *a, const mf_stepgraph *b, const char *
                    !memcmp(mf_graph_pred(x, t), mf_graph_pred(y, t), sizeof(mf_task_id) * mf_graph_n_pred(x, t));
         same = same && r->op == s->op && r->phase == s->phase && r->kind == s->kind &&
                r->slot_tokens == s->slot_tokens && r->layer == s->layer && r->stage == s->stage &&
-               r->card == s->card && r->slot == s->slot && r->part == s->part && r->i0 == s->i0 && r->i1 == s->i1 &&
+               r->card == s->card && r->read == s->read && r->slot == s->slot && r->part == s->part && r->i0 == s->i0 && r->i1 == s->i1 &&
                r->r0 == s->r0 && r->r1 == s->r1 && r->n_tok == s->n_tok && !memcmp(&r->w, &s->w, sizeof r->w);
         CHECK(same, "%s: task %d: engine '%s' (lane %d, %d preds), simulator '%s' (lane %d, %d preds)", what, t,
               p->name, p->lane, mf_graph_n_pred(x, t), q->name, q->lane, mf_graph_n_pred(y, t));
