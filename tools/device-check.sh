@@ -66,7 +66,8 @@ if [ "$(left)" -gt 60 ]; then
   # seed, hybrid, and hybrid with each layer's device FFNs as one CUDA graph per card
   for run in seed:0 hybrid:0 hybrid:1; do
     pl=${run%:*} gr=${run#*:} tag="${run/:/_graphs}"
-    MOEFLOW_DEV_GRAPHS=$gr run_t 40 "$OUT/decode_cuda4_$tag.txt" "$build/moeflow" "${args[@]}" \
+    dg=(); [ "$gr" = 1 ] && dg=(--dev-graphs)
+    run_t 40 "$OUT/decode_cuda4_$tag.txt" "$build/moeflow" "${args[@]}" "${dg[@]}" \
       --devices cuda:0,0,0,0 --placement $pl --trace "$OUT/trace_cuda4_$tag.json"; rc=$?
     [ $rc = 0 ] || rc_all=1
     if [ $rc = 0 ] && cmp -s "$OUT/decode_host.txt" "$OUT/decode_cuda4_$tag.txt"; then same="same tokens as the host"

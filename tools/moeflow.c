@@ -53,6 +53,12 @@ static int mf_env_simd(void)
     return 0;
 }
 
+int mf_tool_env_on(const char *name)
+{
+    const char *v = getenv(name);
+    return v && !strcmp(v, "1");
+}
+
 int main(int argc, char **argv)
 {
     if (mf_env_simd()) return 2;
