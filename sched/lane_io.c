@@ -258,7 +258,7 @@ void *mf_io_uring_main(void *arg)
             break;
         }
         while (inflight + ng < depth) {
-            mf_task_id t = mf_q_take(L, -1);
+            mf_task_id t = mf_q_take(L, -1, 0);
             if (t < 0) break;
             got[ng++] = t;
         }

@@ -25,8 +25,6 @@ static uint64_t mf_key(double rank, mf_task_id t)
     return (uint64_t)bits << 32 | (uint32_t)~(uint32_t)t;
 }
 
-static inline mf_task_id mf_key_task(uint64_t k) { return (mf_task_id)(uint32_t)~(uint32_t)k; }
-
 static void mf_heap_push(uint64_t *h, int *n, uint64_t k)
 {
     int i = (*n)++;
@@ -68,10 +66,10 @@ static void mf_q_publish(mf_lane_rt *L)
     atomic_store_explicit(&L->top_key, top, memory_order_relaxed);
 }
 
-/* Takes the best ready task for worker w (-1: none of the lane's own): its hinted tasks, the shared
- * heap and the sorted roots compete on key; with nothing there, steals another worker's best hinted
- * task. Lane mutex held. */
-int mf_q_take(mf_lane_rt *L, int w)
+/* Takes the best ready task for worker w (-1: none of the lane's own) if its key is above `above`:
+ * its hinted tasks, the shared heap and the sorted roots compete on key; with nothing there, steals
+ * another worker's best hinted task. Lane mutex held. */
+int mf_q_take(mf_lane_rt *L, int w, uint64_t above)
 {
     mf_lane_q *q = L->q;
     if (!q || !atomic_load_explicit(&L->n_ready, memory_order_relaxed)) return -1;
@@ -86,6 +84,7 @@ int mf_q_take(mf_lane_rt *L, int w)
         for (int v = 0; v < L->n_workers; v++)
             if (q->n_wheap[v] && L->workers[v].busy && q->wheap[v][0] > best)
                 best = q->wheap[v][0], victim = v, src = 3;
+    if (best <= above) return -1;
     switch (src) {
     case 0: mf_heap_pop(q->wheap[w], &q->n_wheap[w]); break;
     case 1: mf_heap_pop(q->heap, &q->n_heap); break;
@@ -152,41 +151,96 @@ void mf_q_push(mf_sched *s, mf_task_id t)
     mf_lane_kick_io(L, kick);
 }
 
-/* Queues t (ready, on L, no hint) and takes the lane's best shared task in one go: t itself when
- * nothing queued outranks it any more. */
-mf_task_id mf_q_swap(mf_sched *s, mf_lane_rt *L, mf_task_id t)
+/* Puts t (ready, lane L) in L's queues: its worker's heap when hinted, else the shared heap.
+ * Lane mutex held; the caller publishes and wakes. */
+static void mf_q_put(mf_grt *rt, mf_lane_q *q, uint64_t k)
 {
-    uint64_t k = s->rt->key[t], best;
-    pthread_mutex_lock(&L->mu);
+    int h = rt->hint[mf_key_task(k)];
+    if (h >= 0) mf_heap_push(q->wheap[h], &q->n_wheap[h], k);
+    else mf_heap_push(q->heap, &q->n_heap, k);
+}
+
+/* ---- what a CPU worker holds ------------------------------------------------------------------
+ * w->own[own_lo .. own_hi) are keys in descending order: the worker's next task is own[own_lo]. */
+
+static inline int mf_own_n(const mf_worker *w) { return w->own_hi - w->own_lo; }
+
+/* Adds key k to what w holds (there is room). Successors usually rank below what w holds: an
+ * append. */
+static void mf_own_add(mf_worker *w, uint64_t k)
+{
+    if (w->own_hi == MF_OWN_MAX) {
+        int n = mf_own_n(w);
+        memmove(w->own, w->own + w->own_lo, (size_t)n * sizeof *w->own);
+        w->own_lo = 0;
+        w->own_hi = n;
+    }
+    int i = w->own_hi++;
+    while (i > w->own_lo && w->own[i - 1] < k) {
+        w->own[i] = w->own[i - 1];
+        i--;
+    }
+    w->own[i] = k;
+}
+
+/* Hands the tasks w holds beyond its best `keep` to its lane, and its released successors
+ * waiting in w->out, waking sleepers for them. Lane mutex held. */
+void mf_q_give_back(mf_sched *s, mf_lane_rt *L, mf_worker *w, int keep)
+{
+    mf_grt *rt = s->rt;
     mf_lane_q *q = L->q;
-    uint64_t root = q->i_roots < q->n_roots ? q->roots[q->i_roots] : 0;
-    uint64_t heap = q->n_heap ? q->heap[0] : 0;
-    if (root > k && root >= heap) {
-        q->i_roots++;
-        mf_heap_push(q->heap, &q->n_heap, k);
-        best = root;
-    } else if (heap > k) {
-        best = heap;
-        q->heap[0] = k;   /* replace the top and sift it down */
-        int n = q->n_heap, i = 0;
-        for (;;) {
-            int c = 2 * i + 1;
-            if (c >= n) break;
-            if (c + 1 < n && q->heap[c + 1] > q->heap[c]) c++;
-            if (q->heap[c] <= k) break;
-            q->heap[i] = q->heap[c];
-            i = c;
-        }
-        q->heap[i] = k;
-    } else {
-        best = k;
+    int n = 0;
+    while (mf_own_n(w) > keep) mf_q_put(rt, q, w->own[--w->own_hi]), n++;
+    for (int i = 0; i < w->n_out; i++) mf_q_put(rt, q, rt->key[w->out[i]]);
+    n += w->n_out;
+    w->n_out = 0;
+    if (!n) return;
+    atomic_store_explicit(&L->n_ready, atomic_load_explicit(&L->n_ready, memory_order_relaxed) + n,
+                          memory_order_relaxed);
+    atomic_fetch_add_explicit(&L->push_seq, 1, memory_order_relaxed);
+    mf_q_publish(L);
+    for (int i = 0; i < n && L->n_sleeping; i++) mf_lane_wake(s, L, -1);
+}
+
+/* The best task w holds while nothing in its lane's queue outranks it, taken; else -1. */
+mf_task_id mf_own_next(mf_worker *w)
+{
+    if (w->own_lo == w->own_hi ||
+        w->own[w->own_lo] < atomic_load_explicit(&w->lane->top_key, memory_order_relaxed))
+        return -1;
+    mf_task_id t = mf_key_task(w->own[w->own_lo++]);
+    if (w->own_lo == w->own_hi) w->own_lo = w->own_hi = 0;
+    return t;
+}
+
+/* Refills w under the lane mutex: its next tasks become the best `want` of what it holds and the
+ * lane's queue (want: its part of the lane's ready tasks, at most MF_BATCH_MAX); of the rest it
+ * holds, it keeps what fits while the queue still has a task for every worker, and hands the
+ * others back. Returns how many tasks w now holds. */
+int mf_q_refill(mf_sched *s, mf_lane_rt *L, mf_worker *w)
+{
+    int nw = L->n_workers, held = mf_own_n(w);
+    int want = (atomic_load_explicit(&L->n_ready, memory_order_relaxed) + held) / (2 * nw);
+    want = want < 1 ? 1 : want > MF_BATCH_MAX ? MF_BATCH_MAX : want;
+    uint64_t next[MF_OWN_MAX];
+    int n = 0, i = w->own_lo;
+    while (n < want) {
+        uint64_t mine = i < w->own_hi ? w->own[i] : 0;
+        mf_task_id t = mf_q_take(L, w->index, mine);
+        if (t >= 0) next[n++] = s->rt->key[t];
+        else if (mine) next[n++] = mine, i++;
+        else break;
     }
-    if (best != k) {
-        mf_q_publish(L);
-        atomic_fetch_add_explicit(&L->push_seq, 1, memory_order_relaxed);
-    }
-    pthread_mutex_unlock(&L->mu);
-    return mf_key_task(best);
+    int tail = w->own_hi - i;
+    int keep = atomic_load_explicit(&L->n_ready, memory_order_relaxed) >= nw ? tail : 0;
+    if (keep > MF_OWN_MAX - n) keep = MF_OWN_MAX - n;
+    w->own_lo = i;                  /* w holds the tail only: hand back what is not kept */
+    mf_q_give_back(s, L, w, keep);
+    memmove(w->own + n, w->own + i, (size_t)keep * sizeof *w->own);
+    memcpy(w->own, next, (size_t)n * sizeof *w->own);   /* next[] above the tail: descending */
+    w->own_lo = 0;
+    w->own_hi = n + keep;
+    return mf_own_n(w);
 }
 
 /* ---- completion ------------------------------------------------------------------------------ */
@@ -223,25 +277,46 @@ void mf_task_fail(mf_sched *s, mf_task_id t, int code, const char *msg)
 
 #define MF_NOOP_STACK 64
 
+/* Hands w's waiting released successors (w->out) to its lane under one lock. */
+static void mf_out_flush(mf_sched *s, mf_worker *w)
+{
+    pthread_mutex_lock(&w->lane->mu);
+    mf_q_give_back(s, w->lane, w, mf_own_n(w));
+    pthread_mutex_unlock(&w->lane->mu);
+}
+
 /* Releases x's successors (poisoned when status != 0): a ready one marked noop (mf_graph_set_noop)
- * goes on `stack` to complete inline; one on the worker's lane may become its continuation
- * (*cont, the best by key); the rest are queued. */
-static void mf_release(mf_sched *s, mf_task_id x, int status, int my_lane, mf_worker *w, mf_task_id *cont,
-                       uint64_t *ckey, mf_task_id *stack, int *n_stack)
+ * goes on `stack` to complete inline. One that CPU worker w may run stays with w when another
+ * worker would take the lane's top task `top` before it anyway, or when it outranks all w holds
+ * (w runs it next, as a chain's next task); otherwise it waits in w->out to go to the lane with
+ * the others released now (one lock). The rest are queued. */
+static void mf_release(mf_sched *s, mf_task_id x, int status, mf_worker *w, uint64_t top,
+                       mf_task_id *stack, int *n_stack)
 {
     mf_grt *rt = s->rt;
     const mf_graph *g = s->g;
     for (int32_t k = g->succ_off[x], e = g->succ_off[x + 1]; k < e; k++) {
         mf_task_id u = g->succ[k];
-        if (status) atomic_fetch_or_explicit(&rt->pend[u], MF_PEND_POISON, memory_order_relaxed);
-        uint32_t old = atomic_fetch_sub_explicit(&rt->pend[u], 1, memory_order_acq_rel);
-        if ((old & MF_PEND_MASK) != 1) continue;
+        if (rt->pend_init[u] == 1) {
+            /* x is u's only predecessor: u is ready now, no counter to share; whoever runs u
+             * reads the mark after a queue lock or on this thread */
+            if (status) atomic_store_explicit(&rt->pend[u], MF_PEND_POISON | 1, memory_order_relaxed);
+        } else {
+            if (status) atomic_fetch_or_explicit(&rt->pend[u], MF_PEND_POISON, memory_order_relaxed);
+            uint32_t old = atomic_fetch_sub_explicit(&rt->pend[u], 1, memory_order_acq_rel);
+            if ((old & MF_PEND_MASK) != 1) continue;
+        }
         if (*n_stack < MF_NOOP_STACK && atomic_load_explicit(&g->noop[u], memory_order_relaxed)) {
             stack[(*n_stack)++] = u;
-        } else if (rt->lane[u] == my_lane && (rt->hint[u] < 0 || rt->hint[u] == w->index) && rt->key[u] > *ckey) {
-            if (*cont >= 0) mf_q_push(s, *cont);
-            *cont = u;
-            *ckey = rt->key[u];
+        } else if (w && rt->lane[u] == w->lane->index && (rt->hint[u] < 0 || rt->hint[u] == w->index)) {
+            uint64_t ku = rt->key[u];
+            int n = w->own_hi - w->own_lo;
+            if (n < MF_OWN_MAX && (ku < top || !n || ku > w->own[w->own_lo])) {
+                mf_own_add(w, ku);
+            } else {
+                if (w->n_out == MF_OUT_MAX) mf_out_flush(s, w);
+                w->out[w->n_out++] = u;
+            }
         } else {
             mf_q_push(s, u);
         }
@@ -250,10 +325,11 @@ static void mf_release(mf_sched *s, mf_task_id x, int status, int my_lane, mf_wo
 
 /* Records t's end, releases its successors (poisoned when status != 0, so they complete as
  * cancelled) and counts it done. Successors marked noop complete here at once, releasing theirs in
- * turn (cancelled when poisoned). With a CPU worker w, returns the best successor that became
- * ready on w's lane when it outranks everything queued there (the worker runs it next, no queue),
- * else -1. Must be the last thing a non-worker thread does with the run. */
-mf_task_id mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w)
+ * turn (cancelled when poisoned). With a CPU worker w, successors on w's lane that w may run stay
+ * with w as mf_release says (w runs the best it holds next unless the lane's queue holds a better
+ * one); the rest go to the lane under one lock. Must be the last thing a non-worker thread does
+ * with the run. */
+void mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w)
 {
     mf_grt *rt = s->rt;
     if (s->spans) {
@@ -262,13 +338,12 @@ mf_task_id mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w)
         if (status == 1) sp->start_ns = sp->end_ns, sp->worker = -1;
         sp->status = status;
     }
-    int cont_ok = w && w->lane->engine == MF_ENG_CPU;
-    int my_lane = cont_ok ? w->lane->index : -1;
-    mf_task_id cont = -1, stack[MF_NOOP_STACK];
-    uint64_t ckey = 0;
+    mf_worker *cw = w && w->lane->engine == MF_ENG_CPU ? w : NULL;
+    uint64_t top = cw ? atomic_load_explicit(&cw->lane->top_key, memory_order_relaxed) : 0;
+    mf_task_id stack[MF_NOOP_STACK];
     int n_stack = 0;
     uint32_t n_noop = 0;
-    mf_release(s, t, status, my_lane, w, &cont, &ckey, stack, &n_stack);
+    mf_release(s, t, status, cw, top, stack, &n_stack);
     while (n_stack) {   /* noop tasks: done now, without their lanes */
         mf_task_id x = stack[--n_stack];
         int st = s->stop || (atomic_load_explicit(&rt->pend[x], memory_order_relaxed) & MF_PEND_POISON) ? 1 : 0;
@@ -276,26 +351,16 @@ mf_task_id mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w)
             int64_t now = mf_span_now(s);
             s->spans[x] = (mf_task_span){now, now, -1, st};
         }
-        mf_release(s, x, st, my_lane, w, &cont, &ckey, stack, &n_stack);
+        mf_release(s, x, st, cw, top, stack, &n_stack);
         n_noop++;
     }
-    if (cont >= 0) {
-        uint64_t top = atomic_load_explicit(&w->lane->top_key, memory_order_relaxed);
-        uint64_t next = w->i_batch < w->n_batch ? rt->key[w->batch[w->i_batch]] : 0;
-        if (ckey < next && next >= top) {
-            mf_q_push(s, cont);   /* the worker's batch goes first */
-            cont = -1;
-        } else if (ckey < top) {
-            cont = mf_q_swap(s, w->lane, cont);
-        }
-    }
+    if (cw && cw->n_out) mf_out_flush(s, cw);
     if (w) {
         w->local_done += 1 + n_noop;
         if (w->local_done >= 256) mf_done_flush(s, w);
     } else {
         mf_done_add(s, 1 + n_noop);
     }
-    return cont;
 }
 
 /* ---- per-graph run state --------------------------------------------------------------------- */
