@@ -66,13 +66,12 @@ static void mf_q_publish(mf_lane_rt *L)
     atomic_store_explicit(&L->top_key, top, memory_order_relaxed);
 }
 
-/* Takes the best ready task for worker w (-1: none of the lane's own) if its key is above `above`:
- * its hinted tasks, the shared heap and the sorted roots compete on key; with nothing there, steals
- * another worker's best hinted task. Lane mutex held. */
-int mf_q_take(mf_lane_rt *L, int w, uint64_t above)
+/* Pops the best ready key for worker w (0: none of the lane's own) if it is above `above`: its
+ * hinted tasks, the shared heap and the sorted roots compete on key; with nothing there, steals
+ * another worker's best hinted task. Lane mutex held; the caller counts and publishes. */
+static uint64_t mf_q_pop(mf_lane_rt *L, int w, uint64_t above, int *shared)
 {
     mf_lane_q *q = L->q;
-    if (!q || !atomic_load_explicit(&L->n_ready, memory_order_relaxed)) return -1;
     uint64_t best = 0;
     int src = -1;   /* 0 own hinted, 1 heap, 2 roots, 3 steal */
     int victim = -1;
@@ -84,18 +83,34 @@ int mf_q_take(mf_lane_rt *L, int w, uint64_t above)
         for (int v = 0; v < L->n_workers; v++)
             if (q->n_wheap[v] && L->workers[v].busy && q->wheap[v][0] > best)
                 best = q->wheap[v][0], victim = v, src = 3;
-    if (best <= above) return -1;
+    if (best <= above) return 0;
     switch (src) {
     case 0: mf_heap_pop(q->wheap[w], &q->n_wheap[w]); break;
     case 1: mf_heap_pop(q->heap, &q->n_heap); break;
     case 2: q->i_roots++; break;
-    case 3: mf_heap_pop(q->wheap[victim], &q->n_wheap[victim]); break;
-    default: return -1;
+    default: mf_heap_pop(q->wheap[victim], &q->n_wheap[victim]); break;
     }
-    atomic_store_explicit(&L->n_ready, atomic_load_explicit(&L->n_ready, memory_order_relaxed) - 1,
-                          memory_order_relaxed);
-    if (src != 0 && src != 3) mf_q_publish(L);
-    return mf_key_task(best);
+    *shared |= src == 1 || src == 2;
+    return best;
+}
+
+/* Takes up to n of the best ready keys for worker w into keys[] (descending), each above `above`;
+ * returns how many. Lane mutex held. */
+static int mf_q_take_keys(mf_lane_rt *L, int w, uint64_t above, uint64_t *keys, int n)
+{
+    int ready = atomic_load_explicit(&L->n_ready, memory_order_relaxed);
+    if (!L->q || !ready) return 0;
+    int k = 0, shared = 0;
+    while (k < n && k < ready && (keys[k] = mf_q_pop(L, w, above, &shared))) k++;
+    atomic_store_explicit(&L->n_ready, ready - k, memory_order_relaxed);
+    if (shared) mf_q_publish(L);
+    return k;
+}
+
+int mf_q_take(mf_lane_rt *L, int w, uint64_t above)
+{
+    uint64_t k;
+    return mf_q_take_keys(L, w, above, &k, 1) ? mf_key_task(k) : -1;
 }
 
 /* Wakes a sleeping thread of the lane for a new task: for a hinted task its worker, or another
@@ -202,17 +217,6 @@ void mf_q_give_back(mf_sched *s, mf_lane_rt *L, mf_worker *w, int keep)
     for (int i = 0; i < n && L->n_sleeping; i++) mf_lane_wake(s, L, -1);
 }
 
-/* The best task w holds while nothing in its lane's queue outranks it, taken; else -1. */
-mf_task_id mf_own_next(mf_worker *w)
-{
-    if (w->own_lo == w->own_hi ||
-        w->own[w->own_lo] < atomic_load_explicit(&w->lane->top_key, memory_order_relaxed))
-        return -1;
-    mf_task_id t = mf_key_task(w->own[w->own_lo++]);
-    if (w->own_lo == w->own_hi) w->own_lo = w->own_hi = 0;
-    return t;
-}
-
 /* Refills w under the lane mutex: its next tasks become the best `want` of what it holds and the
  * lane's queue (want: its part of the lane's ready tasks, at most MF_BATCH_MAX); of the rest it
  * holds, it keeps what fits while the queue still has a task for every worker, and hands the
@@ -222,7 +226,13 @@ int mf_q_refill(mf_sched *s, mf_lane_rt *L, mf_worker *w)
     int nw = L->n_workers, held = mf_own_n(w);
     int want = (atomic_load_explicit(&L->n_ready, memory_order_relaxed) + held) / (2 * nw);
     want = want < 1 ? 1 : want > MF_BATCH_MAX ? MF_BATCH_MAX : want;
-    uint64_t next[MF_OWN_MAX];
+    if (!held) {   /* the common case: straight into w's stash, already in descending order */
+        w->own_lo = 0;
+        w->own_hi = mf_q_take_keys(L, w->index, 0, w->own, want);
+        mf_q_give_back(s, L, w, w->own_hi);   /* w->out, if any */
+        return w->own_hi;
+    }
+    uint64_t next[MF_BATCH_MAX];
     int n = 0, i = w->own_lo;
     while (n < want) {
         uint64_t mine = i < w->own_hi ? w->own[i] : 0;
@@ -339,7 +349,9 @@ void mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w)
         sp->status = status;
     }
     mf_worker *cw = w && w->lane->engine == MF_ENG_CPU ? w : NULL;
-    uint64_t top = cw ? atomic_load_explicit(&cw->lane->top_key, memory_order_relaxed) : 0;
+    const mf_graph *g = s->g;
+    uint64_t top = cw && g->succ_off[t + 1] > g->succ_off[t]
+                       ? atomic_load_explicit(&cw->lane->top_key, memory_order_relaxed) : 0;
     mf_task_id stack[MF_NOOP_STACK];
     int n_stack = 0;
     uint32_t n_noop = 0;

@@ -142,12 +142,13 @@ struct mf_sched {
 static inline mf_task_id mf_key_task(uint64_t k) { return (mf_task_id)(uint32_t)~(uint32_t)k; }
 
 /* sched.c: ready queues and completion. */
-int mf_q_take(mf_lane_rt *L, int w, uint64_t above);   /* lane->mu held; -1 if none above */
+/* Takes the best ready task of the lane for worker w (-1: any worker) if its key is above `above`
+ * (0: any), else -1. Lane mutex held. */
+int mf_q_take(mf_lane_rt *L, int w, uint64_t above);
 void mf_q_push(mf_sched *s, mf_task_id t);
 /* CPU workers (lane->mu held for give_back and refill). */
 void mf_q_give_back(mf_sched *s, mf_lane_rt *L, mf_worker *w, int keep);
 int mf_q_refill(mf_sched *s, mf_lane_rt *L, mf_worker *w);
-mf_task_id mf_own_next(mf_worker *w);
 void mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w);
 void mf_task_fail(mf_sched *s, mf_task_id t, int code, const char *msg);
 void mf_done_flush(mf_sched *s, mf_worker *w);
@@ -159,6 +160,17 @@ static inline int mf_task_skip(mf_sched *s, mf_task_id t)
            (atomic_load_explicit(&s->rt->pend[t], memory_order_relaxed) & MF_PEND_POISON);
 }
 static inline int64_t mf_span_now(const mf_sched *s);
+
+/* The best task CPU worker w holds while nothing in its lane's queue outranks it, taken; else -1. */
+static inline mf_task_id mf_own_next(mf_worker *w)
+{
+    if (w->own_lo == w->own_hi ||
+        w->own[w->own_lo] < atomic_load_explicit(&w->lane->top_key, memory_order_relaxed))
+        return -1;
+    mf_task_id t = mf_key_task(w->own[w->own_lo++]);
+    if (w->own_lo == w->own_hi) w->own_lo = w->own_hi = 0;
+    return t;
+}
 
 /* lane engines */
 void *mf_cpu_worker_main(void *arg);          /* CPU and pread workers */
