@@ -23,7 +23,14 @@ static mf_task_id mf_cpu_next(mf_sched *s, mf_lane_rt *L, mf_worker *w)
         pthread_mutex_unlock(&L->mu);
     }
     mf_task_id t = mf_own_next(w);
-    if (t >= 0) return t;
+    if (t >= 0) {
+        if (w->n_out) {   /* left for a refill that is not needed after all */
+            pthread_mutex_lock(&L->mu);
+            mf_q_give_back(s, L, w, w->own_hi - w->own_lo);
+            pthread_mutex_unlock(&L->mu);
+        }
+        return t;
+    }
     pthread_mutex_lock(&L->mu);
     w->busy = 0;
     int idle = 0;
@@ -39,7 +46,7 @@ static mf_task_id mf_cpu_next(mf_sched *s, mf_lane_rt *L, mf_worker *w)
             if (idle) atomic_fetch_sub_explicit(&L->n_idle, 1, memory_order_relaxed);
             /* Own hinted work left behind may now be stolen: wake a sleeper for it. */
             mf_lane_q *q = L->q;
-            if (q->wheap && q->n_wheap[w->index] && L->n_sleeping) mf_lane_wake(s, L, -1);
+            if (q->wheap && q->n_wheap[w->index] && L->n_sleeping) mf_lane_wake_n(s, L, 1);
             pthread_mutex_unlock(&L->mu);
             t = mf_key_task(w->own[w->own_lo++]);
             if (w->own_lo == w->own_hi) w->own_lo = w->own_hi = 0;

@@ -131,6 +131,15 @@ void mf_lane_wake(mf_sched *s, mf_lane_rt *L, int hint)
     pthread_cond_signal(&w->cond);
 }
 
+/* Wakes sleeping CPU workers of the lane for n new shared tasks, fewer by those still spinning
+ * (they see the push and take them; a worker that leaves tasks behind wakes the next). Lane mutex
+ * held. */
+void mf_lane_wake_n(mf_sched *s, mf_lane_rt *L, int n)
+{
+    n -= atomic_load_explicit(&L->n_idle, memory_order_relaxed) - L->n_sleeping;
+    for (int i = 0; i < n && L->n_sleeping; i++) mf_lane_wake(s, L, -1);
+}
+
 static void mf_lane_kick_io(mf_lane_rt *L, int need)
 {
     if (need) {
@@ -184,11 +193,11 @@ static inline int mf_own_n(const mf_worker *w) { return w->own_hi - w->own_lo; }
  * append. */
 static void mf_own_add(mf_worker *w, uint64_t k)
 {
-    if (w->own_hi == MF_OWN_MAX) {
-        int n = mf_own_n(w);
-        memmove(w->own, w->own + w->own_lo, (size_t)n * sizeof *w->own);
-        w->own_lo = 0;
-        w->own_hi = n;
+    if (w->own_hi == MF_OWN_MAX) {   /* compact, leaving room in front for a refill's batch */
+        int n = mf_own_n(w), lo = n + MF_BATCH_MAX < MF_OWN_MAX ? MF_BATCH_MAX : MF_OWN_MAX - 1 - n;
+        memmove(w->own + lo, w->own + w->own_lo, (size_t)n * sizeof *w->own);
+        w->own_lo = lo;
+        w->own_hi = lo + n;
     }
     int i = w->own_hi++;
     while (i > w->own_lo && w->own[i - 1] < k) {
@@ -214,22 +223,22 @@ void mf_q_give_back(mf_sched *s, mf_lane_rt *L, mf_worker *w, int keep)
                           memory_order_relaxed);
     atomic_fetch_add_explicit(&L->push_seq, 1, memory_order_relaxed);
     mf_q_publish(L);
-    for (int i = 0; i < n && L->n_sleeping; i++) mf_lane_wake(s, L, -1);
+    mf_lane_wake_n(s, L, n);
 }
 
-/* Refills w under the lane mutex: its next tasks become the best `want` of what it holds and the
- * lane's queue (want: its part of the lane's ready tasks, at most MF_BATCH_MAX); of the rest it
+/* Refills w under the lane mutex: hands the lane the successors waiting in w->out, then w's next
+ * tasks become the best `want` of what it holds and the lane's queue (want: its part of the lane's ready tasks, at most MF_BATCH_MAX); of the rest it
  * holds, it keeps what fits while the queue still has a task for every worker, and hands the
  * others back. Returns how many tasks w now holds. */
 int mf_q_refill(mf_sched *s, mf_lane_rt *L, mf_worker *w)
 {
+    if (w->n_out) mf_q_give_back(s, L, w, mf_own_n(w));   /* successors it released first */
     int nw = L->n_workers, held = mf_own_n(w);
     int want = (atomic_load_explicit(&L->n_ready, memory_order_relaxed) + held) / (2 * nw);
     want = want < 1 ? 1 : want > MF_BATCH_MAX ? MF_BATCH_MAX : want;
     if (!held) {   /* the common case: straight into w's stash, already in descending order */
         w->own_lo = 0;
         w->own_hi = mf_q_take_keys(L, w->index, 0, w->own, want);
-        mf_q_give_back(s, L, w, w->own_hi);   /* w->out, if any */
         return w->own_hi;
     }
     uint64_t next[MF_BATCH_MAX];
@@ -246,10 +255,13 @@ int mf_q_refill(mf_sched *s, mf_lane_rt *L, mf_worker *w)
     if (keep > MF_OWN_MAX - n) keep = MF_OWN_MAX - n;
     w->own_lo = i;                  /* w holds the tail only: hand back what is not kept */
     mf_q_give_back(s, L, w, keep);
-    memmove(w->own + n, w->own + i, (size_t)keep * sizeof *w->own);
-    memcpy(w->own, next, (size_t)n * sizeof *w->own);   /* next[] above the tail: descending */
-    w->own_lo = 0;
-    w->own_hi = n + keep;
+    if (n > i) {                    /* make room in front of the tail */
+        memmove(w->own + n, w->own + i, (size_t)keep * sizeof *w->own);
+        i = n;
+    }
+    memcpy(w->own + i - n, next, (size_t)n * sizeof *w->own);   /* next[] above the tail */
+    w->own_lo = i - n;
+    w->own_hi = i + keep;
     return mf_own_n(w);
 }
 
@@ -366,7 +378,10 @@ void mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w)
         mf_release(s, x, st, cw, top, stack, &n_stack);
         n_noop++;
     }
-    if (cw && cw->n_out) mf_out_flush(s, cw);
+    /* Successors for the lane go now, unless w's next step is a refill (under the same lock). */
+    if (cw && cw->n_out && mf_own_n(cw) &&
+        cw->own[cw->own_lo] >= atomic_load_explicit(&cw->lane->top_key, memory_order_relaxed))
+        mf_out_flush(s, cw);
     if (w) {
         w->local_done += 1 + n_noop;
         if (w->local_done >= 256) mf_done_flush(s, w);

@@ -182,6 +182,7 @@ int mf_io_lane_alloc(mf_lane_rt *L);          /* bounce buffers, after the engin
 void mf_io_fault_env(void);                   /* arms MOEFLOW_IO_FAULT once per process */
 void *mf_dev_submit_main(void *arg);
 void mf_lane_wake(mf_sched *s, mf_lane_rt *L, int hint);   /* lane->mu held */
+void mf_lane_wake_n(mf_sched *s, mf_lane_rt *L, int n);    /* lane->mu held */
 
 /* topo.c */
 int mf_topo_plan(mf_sched *s, mf_lane_rt *L);   /* resolves CPU lane size and pin sets */
