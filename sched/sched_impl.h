@@ -179,7 +179,6 @@ void mf_io_uring_stop(mf_lane_rt *L);
 void *mf_io_uring_main(void *arg);
 int mf_io_pread(mf_sched *s, mf_task_id t, int worker);
 int mf_io_lane_alloc(mf_lane_rt *L);          /* bounce buffers, after the engine is chosen */
-void mf_io_fault_env(void);                   /* arms MOEFLOW_IO_FAULT once per process */
 void *mf_dev_submit_main(void *arg);
 void mf_lane_wake(mf_sched *s, mf_lane_rt *L, int hint);   /* lane->mu held */
 void mf_lane_wake_n(mf_sched *s, mf_lane_rt *L, int n);    /* lane->mu held */

@@ -1,8 +1,10 @@
 /* `moeflow`: one command with subcommands over libmoeflow. Only subcommands that exist are listed;
  * each one's --help says what it does. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "sched/sched.h"
 #include "tools/commands.h"
 
 static const struct {
@@ -27,8 +29,29 @@ static void mf_usage(FILE *f)
         fprintf(f, "  %-10s %s\n", mf_commands[i].name, mf_commands[i].what);
 }
 
+/* The environment variables the moeflow command honours, turned into library settings before any
+ * subcommand runs (the library reads none): MOEFLOW_IO=pread makes every IO lane use pread workers
+ * (mf_sched_io_defaults), MOEFLOW_IO_FAULT=eio:N|short:N makes the Nth IO-lane read fail
+ * (mf_io_fault_inject; docs/io.md). Values it does not understand are reported and ignored. */
+static void mf_env_apply(void)
+{
+    const char *e = getenv("MOEFLOW_IO");
+    if (e && *e) {
+        if (!strcmp(e, "pread")) mf_sched_io_defaults(1);
+        else fprintf(stderr, "moeflow: MOEFLOW_IO='%s' ignored (expected pread)\n", e);
+    }
+    e = getenv("MOEFLOW_IO_FAULT");
+    if (e && *e) {
+        long long n = 0;
+        if (!strncmp(e, "eio:", 4) && (n = atoll(e + 4)) > 0) mf_io_fault_inject(MF_IO_FAULT_EIO, n);
+        else if (!strncmp(e, "short:", 6) && (n = atoll(e + 6)) > 0) mf_io_fault_inject(MF_IO_FAULT_SHORT, n);
+        else fprintf(stderr, "moeflow: MOEFLOW_IO_FAULT='%s' ignored (expected eio:N or short:N)\n", e);
+    }
+}
+
 int main(int argc, char **argv)
 {
+    mf_env_apply();
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
         mf_usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
