@@ -322,10 +322,12 @@ static void mf_release(mf_sched *s, mf_task_id x, int status, mf_worker *w, uint
     const mf_graph *g = s->g;
     for (int32_t k = g->succ_off[x], e = g->succ_off[x + 1]; k < e; k++) {
         mf_task_id u = g->succ[k];
-        if (rt->pend_init[u] == 1) {
-            /* x is u's only predecessor: u is ready now, no counter to share; whoever runs u
-             * reads the mark after a queue lock or on this thread */
-            if (status) atomic_store_explicit(&rt->pend[u], MF_PEND_POISON | 1, memory_order_relaxed);
+        uint32_t v = atomic_load_explicit(&rt->pend[u], memory_order_acquire);
+        if ((v & MF_PEND_MASK) == 1) {
+            /* x is u's last unfinished predecessor (the others' decrements are visible): u is
+             * ready, and nobody else writes its counter in this run, so no read-modify-write.
+             * Whoever runs u reads the mark after a queue lock or on this thread. */
+            if (status) atomic_store_explicit(&rt->pend[u], v | MF_PEND_POISON, memory_order_relaxed);
         } else {
             if (status) atomic_fetch_or_explicit(&rt->pend[u], MF_PEND_POISON, memory_order_relaxed);
             uint32_t old = atomic_fetch_sub_explicit(&rt->pend[u], 1, memory_order_acq_rel);
