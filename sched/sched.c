@@ -235,36 +235,54 @@ void mf_q_give_back(mf_sched *s, mf_lane_rt *L, mf_worker *w, int keep)
  * others back. Returns how many tasks w now holds. */
 int mf_q_refill(mf_sched *s, mf_lane_rt *L, mf_worker *w)
 {
-    if (w->n_out) mf_q_give_back(s, L, w, mf_own_n(w));   /* successors it released first */
+    mf_grt *rt = s->rt;
+    mf_lane_q *q = L->q;
+    /* The successors it released go first: they compete for the batch. The queue's new tasks are
+     * announced once, at the end (idle workers watch push_seq). */
+    int added = w->n_out, taken = 0;
+    for (int k = 0; k < w->n_out; k++) mf_q_put(rt, q, rt->key[w->out[k]]);
+    w->n_out = 0;
+    int ready = atomic_load_explicit(&L->n_ready, memory_order_relaxed) + added;
+    atomic_store_explicit(&L->n_ready, ready, memory_order_relaxed);
     int nw = L->n_workers, held = mf_own_n(w);
-    int want = (atomic_load_explicit(&L->n_ready, memory_order_relaxed) + held) / (2 * nw);
+    int want = (ready + held) / (2 * nw);
     want = want < 1 ? 1 : want > MF_BATCH_MAX ? MF_BATCH_MAX : want;
     if (!held) {   /* the common case: straight into w's stash, already in descending order */
         w->own_lo = 0;
-        w->own_hi = mf_q_take_keys(L, w->index, 0, w->own, want);
-        return w->own_hi;
+        w->own_hi = taken = mf_q_take_keys(L, w->index, 0, w->own, want);
+    } else {
+        uint64_t next[MF_BATCH_MAX];
+        int n = 0, i = w->own_lo;
+        while (n < want) {
+            uint64_t mine = i < w->own_hi ? w->own[i] : 0;
+            if (mf_q_take_keys(L, w->index, mine, &next[n], 1)) n++, taken++;
+            else if (mine) next[n++] = mine, i++;
+            else break;
+        }
+        int keep = w->own_hi - i;
+        if (!L->stash || atomic_load_explicit(&L->n_ready, memory_order_relaxed) < nw) keep = 0;
+        if (keep > MF_OWN_MAX - n) keep = MF_OWN_MAX - n;
+        w->own_lo = i;   /* w holds the tail only: what is not kept goes back */
+        int back = 0;
+        while (mf_own_n(w) > keep) mf_q_put(rt, q, w->own[--w->own_hi]), back++;
+        if (back) {
+            atomic_store_explicit(&L->n_ready, atomic_load_explicit(&L->n_ready, memory_order_relaxed) + back,
+                                  memory_order_relaxed);
+            added += back;
+        }
+        if (n > i) {   /* make room in front of the tail */
+            memmove(w->own + n, w->own + i, (size_t)keep * sizeof *w->own);
+            i = n;
+        }
+        memcpy(w->own + i - n, next, (size_t)n * sizeof *w->own);   /* next[] above the tail */
+        w->own_lo = i - n;
+        w->own_hi = i + keep;
     }
-    uint64_t next[MF_BATCH_MAX];
-    int n = 0, i = w->own_lo;
-    while (n < want) {
-        uint64_t mine = i < w->own_hi ? w->own[i] : 0;
-        mf_task_id t = mf_q_take(L, w->index, mine);
-        if (t >= 0) next[n++] = s->rt->key[t];
-        else if (mine) next[n++] = mine, i++;
-        else break;
+    if (added) {
+        atomic_fetch_add_explicit(&L->push_seq, 1, memory_order_relaxed);
+        mf_q_publish(L);
+        if (added > taken) mf_lane_wake_n(s, L, added - taken);
     }
-    int tail = w->own_hi - i;
-    int keep = atomic_load_explicit(&L->n_ready, memory_order_relaxed) >= nw ? tail : 0;
-    if (keep > MF_OWN_MAX - n) keep = MF_OWN_MAX - n;
-    w->own_lo = i;                  /* w holds the tail only: hand back what is not kept */
-    mf_q_give_back(s, L, w, keep);
-    if (n > i) {                    /* make room in front of the tail */
-        memmove(w->own + n, w->own + i, (size_t)keep * sizeof *w->own);
-        i = n;
-    }
-    memcpy(w->own + i - n, next, (size_t)n * sizeof *w->own);   /* next[] above the tail */
-    w->own_lo = i - n;
-    w->own_hi = i + keep;
     return mf_own_n(w);
 }
 
@@ -338,7 +356,7 @@ static void mf_release(mf_sched *s, mf_task_id x, int status, mf_worker *w, uint
         } else if (w && rt->lane[u] == w->lane->index && (rt->hint[u] < 0 || rt->hint[u] == w->index)) {
             uint64_t ku = rt->key[u];
             int n = w->own_hi - w->own_lo;
-            if (n < MF_OWN_MAX && (ku < top || !n || ku > w->own[w->own_lo])) {
+            if (n < MF_OWN_MAX && ((ku < top && w->lane->stash) || !n || ku > w->own[w->own_lo])) {
                 mf_own_add(w, ku);
             } else {
                 if (w->n_out == MF_OUT_MAX) mf_out_flush(s, w);

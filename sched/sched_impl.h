@@ -90,6 +90,10 @@ struct mf_lane_rt {
     _Alignas(64) _Atomic int n_idle;
     _Alignas(64) int n_sleeping;
     mf_lane_q *q;                 /* the running graph's queues (NULL between runs) */
+    /* CPU lanes: workers keep successors they release below the lane's top (sched.c, mf_release)
+     * only while the lane has no more workers than hardware threads: a worker that holds them
+     * and is preempted would keep them from the others. */
+    int stash;
     int exit;
     int n_workers;
     mf_worker *workers;
