@@ -230,9 +230,10 @@ void mf_q_give_back(mf_sched *s, mf_lane_rt *L, mf_worker *w, int keep)
 }
 
 /* Refills w under the lane mutex: hands the lane the successors waiting in w->out, then w's next
- * tasks become the best `want` of what it holds and the lane's queue (want: its part of the lane's ready tasks, at most MF_BATCH_MAX); of the rest it
- * holds, it keeps what fits while the queue still has a task for every worker, and hands the
- * others back. Returns how many tasks w now holds. */
+ * tasks become the best `want` of what it holds and the lane's queue (want: its part of the
+ * lane's ready tasks, at most MF_BATCH_MAX); of the rest it holds, it keeps what fits while the
+ * queue still has a task for every worker (on a lane with a stash), and hands the others back.
+ * Returns how many tasks w now holds. */
 int mf_q_refill(mf_sched *s, mf_lane_rt *L, mf_worker *w)
 {
     mf_grt *rt = s->rt;
