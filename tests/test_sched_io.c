@@ -2,8 +2,8 @@
  * by the process-wide default, mf_sched_io_defaults, that MOEFLOW_IO=pread sets in the moeflow
  * command): reads of many sizes land byte-exact in caller buffers across re-runs with new offsets;
  * a read past end of file fails naming the task, how far it got and cancels its dependent; a fault
- * armed through the options (io_fault_kind) fails the first read; a bad fd fails with its errno; on io_uring a pipe delivering data in pieces exercises
- * the resubmission of short reads. */
+ * armed through the options (io_fault_kind) fails the first read; a bad fd fails with its errno;
+ * on io_uring a pipe delivering data in pieces exercises the resubmission of short reads. */
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
