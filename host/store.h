@@ -37,7 +37,7 @@ typedef struct mf_store_opts {
                                   * flight at once, in selection order (0: 2), so that the first
                                   * arrives early and its compute overlaps the others' reads */
     int buffered;                /* 1: no O_DIRECT (page-cache reads) */
-    int force_pread;             /* 1: the pread engine (also env MOEFLOW_IO=pread) */
+    int force_pread;             /* 1: the pread engine (also mf_sched_io_defaults(1): MOEFLOW_IO=pread of the moeflow command) */
     int numa_node;               /* slab placement (hwloc membind); -1: first touch */
     int aging_period;            /* accesses between halvings (0: 8 x slots) */
     int quiet;                   /* no progress on stderr */

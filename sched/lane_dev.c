@@ -41,7 +41,7 @@ void *mf_dev_submit_main(void *arg)
                 pthread_mutex_unlock(&L->mu);
                 return NULL;
             }
-            if (L->inflight < L->cap && (t = mf_q_take(L, -1)) >= 0) break;
+            if (L->inflight < L->cap && (t = mf_q_take(L, -1, 0)) >= 0) break;
             if (w->local_done) {   /* hand in completions before sleeping */
                 pthread_mutex_unlock(&L->mu);
                 mf_done_flush(s, w);
