@@ -344,8 +344,8 @@ static int mf_dev_lane_notify_status(void *ctx, void *queue, void (*done)(void *
     return mf_dev_stream_callback_status(queue, done, done_arg);
 }
 
-/* notify_status where the backend attributes asynchronous errors (emu), so that a device task
- * whose work failed fails in the scheduler; plain notify otherwise (CUDA). */
+/* notify_status where the backend has status callbacks (emu, CUDA), so that a device task whose
+ * work failed fails in the scheduler, also after a CUDA context fault; plain notify otherwise. */
 const mf_dev_lane_ops *mf_dev_lane_ops_of(mf_dev *d)
 {
     if (!d) return NULL;

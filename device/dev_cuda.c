@@ -1,8 +1,11 @@
 /* The CUDA backend of device/dev.h: per card three non-blocking streams (copy-in, compute,
  * copy-out, named for Nsight through NVTX), events for cross-stream dependencies
  * (cudaStreamWaitEvent, never a host polling loop), cudaMemcpyAsync / cudaMemcpyPeerAsync copies,
- * portable pinned host memory bound to the card's NUMA node, cudaLaunchHostFunc for the scheduler's callbacks. Every CUDA call
- * is checked with file and line. Kernels in device/dev_kernels.cu (fp32 and int8 FP4 paths). */
+ * portable pinned host memory bound to the card's NUMA node, and two kinds of callbacks: status
+ * callbacks for the scheduler (cudaStreamAddCallback, which CUDA still calls after a context fault,
+ * with the error) and plain ones (cudaLaunchHostFunc, capturable into graphs, but never called
+ * after a fault). Every CUDA call is checked with file and line. Kernels in
+ * device/dev_kernels.cu (fp32 and int8 FP4 paths). */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,10 +37,24 @@
             mf_error(-EIO, "%s:%d: %s: %s", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
     } while (0)
 
+/* A status callback in flight: the caller's fn and arg, and room for the message it receives.
+ * Kept on the stream's free list between uses, so a callback allocates only when more are in
+ * flight than ever before. */
+typedef struct cu_cb {
+    void (*fn)(void *, int, const char *);
+    void *arg;
+    struct cu_stream *s;
+    struct cu_cb *next;      /* the free list */
+    struct cu_cb *all;       /* every record of the stream, freed at close */
+    char msg[384];
+} cu_cb;
+
 typedef struct cu_stream {
     mf_dev_stream pub;
     cudaStream_t st;
     int id;                  /* CUDA device ordinal */
+    pthread_mutex_t cb_mu;   /* cb_free, cb_all */
+    cu_cb *cb_free, *cb_all;
 } cu_stream;
 
 typedef struct cu_event {
@@ -253,6 +270,60 @@ static int cu_callback(mf_dev_stream *ps, void (*fn)(void *), void *arg)
     return 0;
 }
 
+/* Runs on CUDA's callback thread, also after an error in the context (status then names it). */
+static void CUDART_CB cu_status_tramp(cudaStream_t st, cudaError_t status, void *ud)
+{
+    (void)st;
+    cu_cb *c = ud;
+    cu_stream *s = c->s;
+    int err = 0;
+    if (status != cudaSuccess) {
+        err = -EIO;
+        snprintf(c->msg, sizeof c->msg, "cuda card %d (cuda:%d) %s stream: work enqueued before "
+                 "this completion failed: %s: %s (a sticky fault of the card: later work fails too)",
+                 s->pub.card, s->id, cu_stream_name[s->pub.kind], cudaGetErrorName(status),
+                 cudaGetErrorString(status));
+    }
+    c->fn(c->arg, err, err ? c->msg : NULL);
+    pthread_mutex_lock(&s->cb_mu);
+    c->next = s->cb_free;
+    s->cb_free = c;
+    pthread_mutex_unlock(&s->cb_mu);
+}
+
+/* cudaStreamAddCallback: not capturable (-EBUSY while s captures; plain callbacks are). */
+static int cu_callback_status(mf_dev_stream *ps, void (*fn)(void *, int, const char *), void *arg)
+{
+    cu_stream *s = (cu_stream *)ps;
+    if (ps->capturing)
+        return mf_error(-EBUSY, "cuda card %d: a status callback cannot be captured into a graph "
+                        "(cudaStreamAddCallback); use mf_dev_stream_callback", ps->card);
+    pthread_mutex_lock(&s->cb_mu);
+    cu_cb *c = s->cb_free;
+    if (c) {
+        s->cb_free = c->next;
+    } else if ((c = calloc(1, sizeof *c))) {
+        c->s = s;
+        c->all = s->cb_all;
+        s->cb_all = c;
+    }
+    pthread_mutex_unlock(&s->cb_mu);
+    if (!c) return mf_error(-ENOMEM, "cuda card %d: out of host memory for a callback", ps->card);
+    c->fn = fn;
+    c->arg = arg;
+    cudaError_t e = cudaSetDevice(s->id);
+    if (e == cudaSuccess) e = cudaStreamAddCallback(s->st, cu_status_tramp, c, 0);
+    if (e != cudaSuccess) {
+        pthread_mutex_lock(&s->cb_mu);
+        c->next = s->cb_free;
+        s->cb_free = c;
+        pthread_mutex_unlock(&s->cb_mu);
+        return mf_error(-EIO, "%s:%d: cudaStreamAddCallback on card %d: %s", __FILE__, __LINE__,
+                        ps->card, cudaGetErrorString(e));
+    }
+    return 0;
+}
+
 static int cu_stream_sync(mf_dev_stream *ps)
 {
     cu_stream *s = (cu_stream *)ps;
@@ -359,6 +430,15 @@ static void cu_close(mf_dev *pd)
             CU_NOTE(cudaStreamSynchronize(s->st));
             CU_NOTE(cudaStreamDestroy(s->st));
         }
+    for (int c = 0; c < pd->n_cards; c++)
+        for (int k = 0; k < MF_DEV_N_STREAMS; k++) {
+            cu_stream *s = &d->streams[c][k];
+            for (cu_cb *b = s->cb_all, *nx; b; b = nx) {
+                nx = b->all;
+                free(b);
+            }
+            if (s->pub.dev) pthread_mutex_destroy(&s->cb_mu);
+        }
     for (cu_alloc *a = d->allocs, *nx; a; a = nx) {
         nx = a->next;
         if (a->card < 0) {
@@ -386,6 +466,7 @@ static const mf_dev_ops cu_ops = {
     .event_record = cu_event_record,
     .stream_wait = cu_stream_wait,
     .callback = cu_callback,
+    .callback_status = cu_callback_status,
     .stream_sync = cu_stream_sync,
     .fp4_matmul = cu_fp4_matmul,
     .fp8_matmul = cu_fp8_matmul,
@@ -409,6 +490,7 @@ static int cu_setup(cu_dev *d)
             cu_stream *s = &d->streams[c][k];
             s->pub = (mf_dev_stream){.dev = &d->pub, .card = c, .kind = (mf_dev_stream_kind)k};
             s->id = d->ids[c];
+            pthread_mutex_init(&s->cb_mu, NULL);
             CU_TRY(cudaStreamCreateWithFlags(&s->st, cudaStreamNonBlocking));
             char name[64];
             snprintf(name, sizeof name, "card%d.%s", c, cu_stream_name[k]);

@@ -14,8 +14,9 @@
 
 /* How device lanes reach a device. enqueue runs the task's fn on a submitting thread to put async
  * work on the lane's queue; notify asks the backend to call done(done_arg) once everything
- * enqueued so far on that queue has finished (cudaLaunchHostFunc on CUDA, a host thread on the
- * emulated device): no CPU worker spins waiting for a device. */
+ * enqueued so far on that queue has finished (a stream callback on CUDA, a host thread on the
+ * emulated device): no CPU worker spins waiting for a device. A callback that never comes (a
+ * faulted device) is bounded by mf_sched_opts.dev_wait_ns. */
 typedef struct mf_dev_lane_ops {
     void *ctx;
     /* Opaque queue handle for (device, lane kind), handed to tasks in mf_task_ctx.queue. */
@@ -41,7 +42,16 @@ typedef struct mf_sched_opts {
     int pin_threads;             /* 1: bind CPU workers to cores with hwloc */
     int io_force_pread;          /* 1: skip io_uring (also env MOEFLOW_IO=pread) */
     const mf_dev_lane_ops *dev;  /* NULL when the graph has no device lanes */
+    /* The longest a device task waits for its device's completion callback after its work was
+     * enqueued (0: MF_SCHED_DEV_WAIT_NS; < 0: no bound). A faulted device (CUDA calls no host
+     * function after a context error) or a lost callback then fails the task with -ETIMEDOUT and
+     * a message naming it, stops the run (nothing new starts) and the run returns instead of
+     * hanging. Its run state is then kept until mf_sched_destroy in case the callback comes late:
+     * close the device before destroying the scheduler. */
+    int64_t dev_wait_ns;
 } mf_sched_opts;
+
+#define MF_SCHED_DEV_WAIT_NS (60LL * 1000000000LL)
 
 typedef struct mf_sched mf_sched;
 
