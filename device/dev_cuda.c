@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 #include <nvtx3/nvToolsExtCudaRt.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 
 /* Checks a CUDA call: on failure returns -EIO with file, line, the call and CUDA's message. */
@@ -74,6 +75,7 @@ typedef struct cu_dev {
     mf_dev pub;
     int ids[MF_DEV_MAX_CARDS];
     int node[MF_DEV_MAX_CARDS];   /* the card's NUMA node, -1 unknown */
+    _Atomic int numa_off[MF_DEV_MAX_CARDS];   /* 1: binding to the node failed once; cudaHostAlloc */
     cu_stream streams[MF_DEV_MAX_CARDS][MF_DEV_N_STREAMS];
     pthread_mutex_t mu;      /* allocs */
     cu_alloc *allocs;
@@ -160,26 +162,41 @@ static void cu_host_release(void *p, size_t n_bytes, int numa)
     }
 }
 
+/* Binds n_bytes to the card's node and registers them (0), or says why not (a negative code, the
+ * message in mf_last_error()). */
+static int cu_host_alloc_numa(cu_dev *d, int card, size_t n_bytes, void **out)
+{
+    int rc = mf_dev_numa_alloc(n_bytes, d->node[card], out);
+    if (rc) return rc;
+    cudaError_t e = cudaHostRegister(*out, n_bytes, cudaHostRegisterPortable);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        mf_dev_numa_free(*out, n_bytes);
+        *out = NULL;
+        return mf_error(-ENOMEM, "%s:%d: cudaHostRegister of %zu bytes on node %d: %s", __FILE__,
+                        __LINE__, n_bytes, d->node[card], cudaGetErrorString(e));
+    }
+    return 0;
+}
+
 /* Pinned memory, portable so every card's copies treat it as pinned. On a card whose NUMA node is
- * known it is bound to that node and then registered; otherwise cudaHostAlloc places it. */
+ * known it is bound to that node and then registered; where the node is unknown, or binding or
+ * registering fails (a VM kernel without NUMA policy), cudaHostAlloc places it: the first failure
+ * on a card is said once on stderr and that card uses cudaHostAlloc from then on. */
 static int cu_host_alloc(mf_dev *pd, int card, size_t n_bytes, void **out)
 {
     cu_dev *d = (cu_dev *)pd;
-    int numa = d->node[card] >= 0;
+    int numa = d->node[card] >= 0 && !atomic_load(&d->numa_off[card]);
     CU_TRY(cudaSetDevice(d->ids[card]));
-    if (numa) {
-        int rc = mf_dev_numa_alloc(n_bytes, d->node[card], out);
-        if (rc) return mf_error_wrap(rc, "pinned staging for card %d", card);
-        cudaError_t e = cudaHostRegister(*out, n_bytes, cudaHostRegisterPortable);
-        if (e != cudaSuccess) {
-            (void)cudaGetLastError();
-            mf_dev_numa_free(*out, n_bytes);
-            *out = NULL;
-            return mf_error(-ENOMEM, "%s:%d: cudaHostRegister of %zu bytes on node %d for card %d: "
-                            "%s", __FILE__, __LINE__, n_bytes, d->node[card], card,
-                            cudaGetErrorString(e));
-        }
-    } else {
+    if (numa && cu_host_alloc_numa(d, card, n_bytes, out)) {
+        numa = 0;
+        if (!atomic_exchange(&d->numa_off[card], 1))
+            fprintf(stderr, "moeflow: cuda card %d (cuda:%d): pinned staging on NUMA node %d failed "
+                    "(%s); pinned staging falls back to cudaHostAlloc (placed by the driver)\n",
+                    card, d->ids[card], d->node[card], mf_last_error());
+        mf_error_clear();
+    }
+    if (!numa) {
         cudaError_t e = cudaHostAlloc(out, n_bytes, cudaHostAllocPortable);
         if (e != cudaSuccess) {
             (void)cudaGetLastError();
