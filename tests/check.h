@@ -1,9 +1,15 @@
 /* Minimal checking for test executables: CHECK records a failure with file and line and goes on;
- * a test's main returns mf_check_exit() (1 when anything failed). */
+ * a test's main returns mf_check_exit() (1 when anything failed). Every test that includes this
+ * has its stdout line-buffered from the start, so a test killed by its timeout leaves its log. */
 #ifndef MF_TEST_CHECK_H
 #define MF_TEST_CHECK_H
 
 #include <stdio.h>
+
+__attribute__((constructor)) static void mf_check_line_buffered(void)
+{
+    setvbuf(stdout, NULL, _IOLBF, 0);
+}
 
 static int mf_check_failures;
 static int mf_check_count;
