@@ -12,6 +12,7 @@
 # step's result and wall time, the first lines of every failing log, the kernels' relative errors)
 # and device-check.tar.gz (every log, trace and listing). Budget: under 5 minutes (every step has a
 # timeout inside a 290 s budget). NOT RUN YET on a card: written on machines without a GPU.
+# DEVICE_CHECK_BUDGET_S (default 290) replaces the budget, e.g. for --fake on a loaded machine.
 # Options: --fake (or DEVICE_CHECK_FAKE=1) skips the GPU presence check, to try the build and the
 # packing on a machine without a GPU (the GPU tests SKIP; bench and decode run on emulated cards);
 # --deps auto|system|prefix (or DEVICE_CHECK_DEPS): where the libraries come from: the system's
@@ -39,7 +40,8 @@ mods=(liburing hwloc jansson libutf8proc libpcre2-8)
 t_start=$(date +%s)
 log() { echo "[device-check $(date -u +%H:%M:%S) +$(($(date +%s) - t_start))s] $*" | tee -a "$S"; }
 say() { tee -a "$S"; }            # stdin to the summary and stdout
-left() { echo $((290 - ($(date +%s) - t_start))); }
+budget="${DEVICE_CHECK_BUDGET_S:-290}"   # more only to try --fake on a slow machine
+left() { echo $((budget - ($(date +%s) - t_start))); }
 failed=()                         # logs of failing steps, excerpted into the summary
 ms_now() { echo $(($(date +%s%N) / 1000000)); }
 # run_t LIMIT NAME CMD...: runs CMD with a timeout of at most LIMIT s and the time left, stdout to
@@ -215,27 +217,50 @@ else log "pinned memory: cudaHostAlloc (the card's NUMA node is unknown: $node)"
 
 ckpt="${MOEFLOW_DEMO_DIR:-$HOME/.cache/moeflow/demo}"
 echo "== decode of the demo model" | say
+# slot counts and tokens/s from a decode's stderr summary
+dec_stats() { local e="$W/$1.err" on host tps
+  on=$(grep -oE "decode steps: [0-9]+ expert slots on cards" "$e" | grep -oE "[0-9]+" | head -1)
+  host=$(grep -oE "expert slots on cards, [0-9]+ on the host" "$e" | grep -oE "[0-9]+" | head -1)
+  tps=$(grep -oE "\(([0-9.]+) tokens/s aggregate\)" "$e" | grep -oE "[0-9.]+" | head -1)
+  echo "${on:--} ${host:--} ${tps:--}"; }
 if [ "$(left)" -gt 60 ]; then
   if [ ! -f "$ckpt/tokenizer.json" ] || ! "$build/moeflow" info "$ckpt" >/dev/null 2>&1; then
     mkdir -p "$(dirname "$ckpt")"
     run_t 60 gen.log "$build/moeflow" gen --preset demo --out "$ckpt" --seed 1 --force
     log "gen --preset demo: rc $rc in $wall ms"
   fi
-  args=(decode --checkpoint "$ckpt" --prompt "The capital of France is" --max-new-tokens 16 --ignore-eos --quiet)
+  args=(decode --checkpoint "$ckpt" --prompt "The capital of France is" --max-new-tokens 16 --ignore-eos)
   run_t 40 decode_host.txt "$build/moeflow" "${args[@]}"
-  log "decode, host placement: rc $rc in $wall ms: $(head -c 200 "$W/decode_host.txt")"
-  # 4 logical cards on the one GPU (each with its own streams and expert cache)
-  # seed, hybrid, and hybrid with each layer's device FFNs as one CUDA graph per card
+  read -r _ _ tps <<<"$(dec_stats decode_host.txt)"
+  log "decode, host placement: rc $rc in $wall ms, $tps tokens/s: $(head -c 200 "$W/decode_host.txt")"
+  # per-layer device graphs: the MOEFLOW_DEV_GRAPHS environment variable, and --dev-graphs where
+  # this moeflow has that option
+  gflag=()
+  "$build/moeflow" decode --help 2>&1 | grep -q -- "--dev-graphs" && gflag=(--dev-graphs)
+  # 4 logical cards on the one GPU (each with its own streams and expert cache): seed, hybrid
+  # (per-slot FFN launches), and hybrid with each layer's device FFNs as one graph per card
   for run in seed:0 hybrid:0 hybrid:1; do
-    pl=${run%:*} gr=${run#*:} tag="${run/:/_graphs}"
+    pl=${run%:*} gr=${run#*:} tag="${run/:/_graphs}" extra=()
+    [ "$gr" = 1 ] && extra=("${gflag[@]}")
     MOEFLOW_DEV_GRAPHS=$gr run_t 40 "decode_dev4_$tag.txt" "$build/moeflow" "${args[@]}" \
-      --devices $dev4 --placement $pl --trace "$W/trace_dev4_$tag.json"
+      --devices $dev4 --placement $pl --trace "$W/trace_dev4_$tag.json" "${extra[@]}"
     [ $rc = 0 ] || rc_all=1
+    read -r on host tps <<<"$(dec_stats "decode_dev4_$tag.txt")"
     if [ $rc = 0 ] && cmp -s "$W/decode_host.txt" "$W/decode_dev4_$tag.txt"; then same="same tokens as the host"
     else same="tokens differ from the host (the card's int8 kernels match it within tolerance, not bit for bit)"; fi
-    log "decode --devices $dev4 --placement $pl, device graphs $gr: rc $rc in $wall ms, $same: $(head -c 200 "$W/decode_dev4_$tag.txt")"
+    log "decode --devices $dev4 --placement $pl, device graphs $gr${extra:+ (${extra[*]})}: rc $rc in $wall ms, expert slots $on on cards and $host on the host, $tps tokens/s; $same: $(head -c 200 "$W/decode_dev4_$tag.txt")"
+    if [ "$pl" = seed ] && [ $rc = 0 ] && ! [ "${on:-0}" -gt 0 ] 2>/dev/null; then
+      log "FAIL: seed placement ran no expert slot on the cards"; rc_all=1; failed+=("decode_dev4_$tag.txt")
+    fi
   done
+  # the per-slot and per-layer-graph runs launch the same kernel bodies with the same placement
+  if cmp -s "$W/decode_dev4_hybrid_graphs0.txt" "$W/decode_dev4_hybrid_graphs1.txt" && [ -s "$W/decode_dev4_hybrid_graphs0.txt" ]; then
+    log "hybrid per-slot and per-layer-graph runs: byte-identical tokens"
+  else
+    log "FAIL: hybrid per-slot and per-layer-graph runs give different tokens (or none)"; rc_all=1
+    failed+=("decode_dev4_hybrid_graphs0.txt" "decode_dev4_hybrid_graphs1.txt")
+  fi
 else
-  log "no time left for the demo decode"
+  log "no time left for the demo decode"; rc_all=1
 fi
 exit $rc_all
