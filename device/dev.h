@@ -77,6 +77,14 @@ int mf_dev_copy_d2d(mf_dev_stream *s, int dst_card, void *dst, int src_card, con
  * otherwise) and can be waited on by any stream of any card. Destroying an event waits (emu) or
  * defers (CUDA) until enqueued work naming it is done. */
 int mf_dev_event_create(mf_dev *d, int card, mf_dev_event **out);
+/* An event that also keeps the device time it was reached at, for timing device work (CUDA:
+ * created without cudaEventDisableTiming; emulated: the host clock when the stream thread runs the
+ * record). Otherwise as mf_dev_event_create. */
+int mf_dev_event_create_timed(mf_dev *d, int card, mf_dev_event **out);
+/* The device time from start's to end's last record, both timed events of one card: waits until
+ * end's last record has been reached. -EINVAL for an untimed event, events of different cards, or
+ * one never recorded. CUDA: cudaEventElapsedTime (resolution about 0.5 us). */
+int mf_dev_event_elapsed_ns(mf_dev_event *start, mf_dev_event *end, int64_t *out_ns);
 void mf_dev_event_destroy(mf_dev_event *e);
 int mf_dev_event_record(mf_dev_event *e, mf_dev_stream *s);
 int mf_dev_stream_wait(mf_dev_stream *s, mf_dev_event *e);

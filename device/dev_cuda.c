@@ -236,7 +236,7 @@ static int cu_copy(mf_dev_stream *ps, mf_dev_copy_kind k, int dst_card, void *ds
     return 0;
 }
 
-static int cu_event_create(mf_dev *pd, int card, mf_dev_event **out)
+static int cu_event_create(mf_dev *pd, int card, int timed, mf_dev_event **out)
 {
     cu_dev *d = (cu_dev *)pd;
     cu_event *e = calloc(1, sizeof *e);
@@ -244,7 +244,8 @@ static int cu_event_create(mf_dev *pd, int card, mf_dev_event **out)
     e->pub.dev = pd;
     e->pub.card = card;
     cudaError_t err = cudaSetDevice(d->ids[card]);
-    if (err == cudaSuccess) err = cudaEventCreateWithFlags(&e->ev, cudaEventDisableTiming);
+    if (err == cudaSuccess)
+        err = cudaEventCreateWithFlags(&e->ev, timed ? cudaEventDefault : cudaEventDisableTiming);
     if (err != cudaSuccess) {
         free(e);
         return mf_error(-EIO, "%s:%d: cudaEventCreateWithFlags on card %d: %s", __FILE__, __LINE__,
@@ -276,6 +277,17 @@ static int cu_stream_wait(mf_dev_stream *ps, mf_dev_event *pe)
     cu_stream *s = (cu_stream *)ps;
     CU_TRY(cudaSetDevice(s->id));
     CU_TRY(cudaStreamWaitEvent(s->st, ((cu_event *)pe)->ev, 0));
+    return 0;
+}
+
+/* Waits for end, then cudaEventElapsedTime (milliseconds as a float). */
+static int cu_event_elapsed(mf_dev_event *start, mf_dev_event *end, int64_t *out_ns)
+{
+    float ms = 0;
+    CU_TRY(cudaSetDevice(((cu_dev *)end->dev)->ids[end->card]));
+    CU_TRY(cudaEventSynchronize(((cu_event *)end)->ev));
+    CU_TRY(cudaEventElapsedTime(&ms, ((cu_event *)start)->ev, ((cu_event *)end)->ev));
+    *out_ns = (int64_t)((double)ms * 1e6);
     return 0;
 }
 
@@ -482,6 +494,7 @@ static const mf_dev_ops cu_ops = {
     .event_destroy = cu_event_destroy,
     .event_record = cu_event_record,
     .stream_wait = cu_stream_wait,
+    .event_elapsed = cu_event_elapsed,
     .callback = cu_callback,
     .callback_status = cu_callback_status,
     .stream_sync = cu_stream_sync,

@@ -32,6 +32,7 @@ typedef struct emu_event {
     pthread_cond_t cond;
     uint64_t recorded;   /* records enqueued so far */
     uint64_t reached;    /* highest record executed */
+    int64_t reached_ns;  /* the host clock when it was executed */
     int refs;            /* enqueued operations naming this event */
 } emu_event;
 
@@ -226,7 +227,10 @@ static void emu_run_op(emu_stream *s, emu_op *op)
     case OP_RECORD: {
         emu_event *e = op->u.ev.e;
         pthread_mutex_lock(&e->mu);
-        if (op->u.ev.seq > e->reached) e->reached = op->u.ev.seq;
+        if (op->u.ev.seq > e->reached) {
+            e->reached = op->u.ev.seq;
+            e->reached_ns = mf_now_ns();
+        }
         e->refs--;
         pthread_cond_broadcast(&e->cond);
         pthread_mutex_unlock(&e->mu);
@@ -413,8 +417,9 @@ static int emu_copy(mf_dev_stream *s, mf_dev_copy_kind k, int dst_card, void *ds
     return emu_enqueue(s, &op);
 }
 
-static int emu_event_create(mf_dev *pd, int card, mf_dev_event **out)
+static int emu_event_create(mf_dev *pd, int card, int timed, mf_dev_event **out)
 {
+    (void)timed;   /* every emulated event keeps its time */
     emu_event *e = calloc(1, sizeof *e);
     if (!e) return mf_error(-ENOMEM, "emu card %d: out of memory for an event", card);
     e->pub.dev = pd;
@@ -451,6 +456,27 @@ static int emu_event_op(mf_dev_stream *s, mf_dev_event *pe, emu_op_kind kind)
 }
 
 static int emu_event_record(mf_dev_event *e, mf_dev_stream *s) { return emu_event_op(s, e, OP_RECORD); }
+
+/* Waits until e's last record has run; its time, or -EINVAL when it was never recorded. */
+static int emu_event_time(emu_event *e, int64_t *t)
+{
+    pthread_mutex_lock(&e->mu);
+    while (e->reached < e->recorded) pthread_cond_wait(&e->cond, &e->mu);
+    int ok = e->recorded > 0;
+    *t = e->reached_ns;
+    pthread_mutex_unlock(&e->mu);
+    return ok ? 0 : mf_error(-EINVAL, "mf_dev_event_elapsed_ns: emu card %d: an event never recorded",
+                             e->pub.card);
+}
+
+static int emu_event_elapsed(mf_dev_event *start, mf_dev_event *end, int64_t *out_ns)
+{
+    int64_t t0 = 0, t1 = 0;
+    int rc = emu_event_time((emu_event *)end, &t1);
+    if (!rc) rc = emu_event_time((emu_event *)start, &t0);
+    if (!rc) *out_ns = t1 - t0;
+    return rc;
+}
 static int emu_stream_wait(mf_dev_stream *s, mf_dev_event *e) { return emu_event_op(s, e, OP_WAIT); }
 
 static int emu_callback(mf_dev_stream *s, void (*fn)(void *), void *arg)
@@ -594,6 +620,7 @@ static const mf_dev_ops emu_ops = {
     .event_destroy = emu_event_destroy,
     .event_record = emu_event_record,
     .stream_wait = emu_stream_wait,
+    .event_elapsed = emu_event_elapsed,
     .callback = emu_callback,
     .callback_status = emu_callback_status,
     .stream_sync = emu_stream_sync,

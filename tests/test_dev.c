@@ -623,6 +623,11 @@ int main(void)
         if (!d) continue;
         dev_check_copies(d, (1 << 16) + 13);
         dev_check_order(d);
+        if (n == 2) {   /* the modelled copy: 1 MiB at 50 GB/s + 2 us, slept, so at least that long */
+            int64_t ns = dev_check_event_timing(d, 1 << 20);
+            CHECK(ns >= 2000 + (int64_t)((1 << 20) / 50e9 * 1e9), "timed copy %lld ns, modelled longer",
+                  (long long)ns);
+        }
         if (n <= 2) dev_check_events(d, 1 << 16);   /* 30 ms a card: enough with 1 and 2 */
         dev_check_sched_copies(d, 12, 4096);
         dev_check_capture(d, 3000);

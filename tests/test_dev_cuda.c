@@ -223,6 +223,8 @@ int main(void)
           mf_last_error());
     dev_check_copies(d, (8 << 20) + 13);
     dev_check_order(d);
+    printf("test_dev_cuda: pinned h2d of 64 MiB between timed events: %.1f us\n",
+           (double)dev_check_event_timing(d, 64 << 20) / 1e3);
     dev_check_events(d, 8 << 20);
     dev_check_sched_copies(d, 16, 1 << 20);
     dev_check_capture(d, 1 << 20);

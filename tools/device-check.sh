@@ -201,7 +201,7 @@ if [ "$fake" != 1 ] && command -v compute-sanitizer >/dev/null 2>&1 && [ "$(left
 fi
 
 dev1=cuda:0 dev4=cuda:0,0,0,0 bench_args=(--reps 50 --big-mib 1024)
-[ "$fake" = 1 ] && dev1=emu:1 dev4=emu:4 bench_args=(--reps 3 --big-mib 64)
+[ "$fake" = 1 ] && dev1=emu:1 dev4=emu:4 bench_args=(--reps 3 --big-mib 64 --rotate-mib 64 --warm-ms 20)
 echo "== bench dev on $dev1: FP4 matmul (fp32, int8) and int8 expert FFN vs d2d copies; pinned h2d vs one large copy" | say
 log "GPU state before the benchmark: $(gpu_state)"
 for tok in 1 8 64; do
