@@ -564,10 +564,6 @@ void mf_sched_destroy(mf_sched *s)
         pthread_mutex_destroy(&L->mu);
     }
     free(s->lanes);
-    for (mf_grt *rt = s->orphans, *nx; rt; rt = nx) {
-        nx = rt->orphan_next;
-        mf_grt_free(rt);
-    }
     if (s->topo) hwloc_topology_destroy(s->topo);
     pthread_mutex_destroy(&s->run_mu);
     pthread_cond_destroy(&s->run_cond);
@@ -590,6 +586,13 @@ static int mf_sched_check_graph(const mf_sched *s, const mf_graph *g)
                             (int)s->lanes[l].desc.kind);
     return 0;
 }
+
+/* Run states whose run abandoned a device task (mf_dev_watch): a callback may still come for it at
+ * any time, even after the scheduler and the graph are gone (the caller may destroy them before
+ * closing the device), and it reads its token's state, so they are kept, reachable, for the rest
+ * of the process. Only a run that found a device faulted leaves one. */
+static pthread_mutex_t mf_orphans_mu = PTHREAD_MUTEX_INITIALIZER;
+static mf_grt *mf_orphans;
 
 /* The run thread's watch over device completions (run_mu not held): a device task whose callback
  * has not come dev_wait_ns after its work was enqueued is abandoned: it fails with -ETIMEDOUT
@@ -741,11 +744,13 @@ int mf_sched_run(mf_sched *s, mf_graph *g, const mf_run_opts *ro)
     rc = atomic_load(&s->result);
     s->in_run = 0;
     pthread_mutex_unlock(&s->run_mu);
-    if (n_abandoned) {   /* a late callback may still read its token: keep the state until destroy */
+    if (n_abandoned) {   /* a late callback may still read its token, even after destroy */
         g->rt = NULL;
         g->rt_free = NULL;
-        rt->orphan_next = s->orphans;
-        s->orphans = rt;
+        pthread_mutex_lock(&mf_orphans_mu);
+        rt->orphan_next = mf_orphans;
+        mf_orphans = rt;
+        pthread_mutex_unlock(&mf_orphans_mu);
     }
 
     for (int l = 0; l < s->n_lanes; l++) {

@@ -46,8 +46,8 @@ typedef struct mf_sched_opts {
      * enqueued (0: MF_SCHED_DEV_WAIT_NS; < 0: no bound). A faulted device (CUDA calls no host
      * function after a context error) or a lost callback then fails the task with -ETIMEDOUT and
      * a message naming it, stops the run (nothing new starts) and the run returns instead of
-     * hanging. Its run state is then kept until mf_sched_destroy in case the callback comes late:
-     * close the device before destroying the scheduler. */
+     * hanging. That run's state (a few bytes per task of the graph) is then kept for the rest of
+     * the process, since the callback may still come late, in any order of teardown. */
     int64_t dev_wait_ns;
 } mf_sched_opts;
 

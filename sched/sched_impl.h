@@ -66,7 +66,7 @@ typedef struct mf_grt {
     /* device completion arguments; state: MF_TOK_IDLE, _INFLIGHT (callback awaited since t_ns)
      * or _ABANDONED (the run gave up waiting: a late callback must not touch the run) */
     struct mf_dev_tok { mf_sched *s; mf_task_id t; _Atomic int state; int64_t t_ns; } *tok;
-    struct mf_grt *orphan_next;   /* abandoned run states kept by the scheduler (sched.c) */
+    struct mf_grt *orphan_next;   /* abandoned run states, kept for the process (sched.c) */
     mf_task_id *hinted_roots;     /* roots with a place hint, pushed to their worker at start */
     int n_hinted_roots;
 } mf_grt;
@@ -117,7 +117,6 @@ struct mf_sched {
     const char *io_engine;
     int64_t dev_wait_ns;          /* bound on a device task's completion wait; <= 0: none */
     int n_dev_lanes;
-    mf_grt *orphans;              /* run states a device wait timeout abandoned, freed at destroy */
 
     /* the run in progress */
     mf_graph *g;

@@ -491,7 +491,7 @@ static void check_async_errors(void)
 /* A lost completion (lose_cb: the device never calls the callback, as CUDA after a context fault)
  * must not hang the scheduler: with dev_wait_ns 100 ms the run fails with -ETIMEDOUT naming the
  * task and the wait, its successor cancelled and an independent task not started after the stop;
- * the next run of the graph succeeds. The device is closed before the scheduler is destroyed. */
+ * the next run of the graph succeeds. */
 typedef struct lc_job { void *dst; const uint8_t *src; size_t n; } lc_job;
 static int lc_copy(void *arg, mf_task_ctx *ctx)
 {
@@ -548,9 +548,9 @@ static void check_lost_callback(void)
     CHECK(mf_dev_copy_d2h(in, back, jobs[NT - 1].dst, N) == 0 && mf_dev_stream_sync(in) == 0 &&
           !memcmp(back, src, N), "the next run's copies: %s", mf_last_error());
     mf_timeline_destroy(tl);
-    mf_dev_close(d);   /* before the scheduler: a late callback would read the abandoned run */
-    mf_sched_destroy(s);
+    mf_sched_destroy(s);   /* before the device, as the step engine does */
     mf_graph_destroy(g);
+    mf_dev_close(d);
 }
 
 /* Staging memory bound to a node lands there (every node the kernel reports online is tried);

@@ -47,9 +47,9 @@ ms_now() { echo $(($(date +%s%N) / 1000000)); }
 # run_t LIMIT NAME CMD...: runs CMD with a timeout of at most LIMIT s and the time left, stdout to
 # $W/NAME and stderr to $W/NAME.err; sets rc and wall (ms); a failure's logs are excerpted later.
 run_t() { local lim=$1 name=$2; shift 2; local l t0; l=$(left); [ "$l" -lt "$lim" ] && lim=$l
-  if [ "$lim" -le 5 ]; then echo "no time left" >"$W/$name"; rc=124; wall=0
-  else t0=$(ms_now); timeout -k 5 "$lim" "$@" >"$W/$name" 2>"$W/$name.err"; rc=$?; wall=$(($(ms_now) - t0)); fi
-  [ "$rc" = 124 ] && echo "(killed by its ${lim} s timeout)" >>"$W/$name.err"
+  if [ "$lim" -le 5 ]; then echo "not run: no time left in the ${budget} s budget" >"$W/$name"; rc=124; wall=0
+  else t0=$(ms_now); timeout -k 5 "$lim" "$@" >"$W/$name" 2>"$W/$name.err"; rc=$?; wall=$(($(ms_now) - t0))
+    [ "$rc" = 124 ] && echo "(killed by its ${lim} s timeout)" >>"$W/$name.err"; fi
   case $rc in 0|77) ;; *) failed+=("$name") ;; esac
   return $rc; }
 smi() { timeout -k 2 15 nvidia-smi "$@" 2>&1; }
