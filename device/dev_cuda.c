@@ -451,15 +451,23 @@ static void cu_graph_destroy(mf_dev_graph *pg)
 static void cu_close(mf_dev *pd)
 {
     cu_dev *d = (cu_dev *)pd;
+    int faulted = 0;
     for (int c = 0; c < pd->n_cards; c++)
         for (int k = 0; k < MF_DEV_N_STREAMS; k++) {
             cu_stream *s = &d->streams[c][k];
             if (!s->st) continue;
             CU_NOTE(cudaSetDevice(s->id));
-            CU_NOTE(cudaStreamSynchronize(s->st));
+            cudaError_t e = cudaStreamSynchronize(s->st);
+            if (e != cudaSuccess) {
+                faulted = 1;
+                mf_error(-EIO, "%s:%d: cudaStreamSynchronize at close: %s", __FILE__, __LINE__,
+                         cudaGetErrorString(e));
+            }
             CU_NOTE(cudaStreamDestroy(s->st));
         }
-    for (int c = 0; c < pd->n_cards; c++)
+    /* after a fault, status callbacks may still be running on CUDA's thread and touch their
+     * stream: the streams' records and d itself are left (a leak only on a faulted card) */
+    for (int c = 0; c < pd->n_cards && !faulted; c++)
         for (int k = 0; k < MF_DEV_N_STREAMS; k++) {
             cu_stream *s = &d->streams[c][k];
             for (cu_cb *b = s->cb_all, *nx; b; b = nx) {
@@ -479,7 +487,7 @@ static void cu_close(mf_dev *pd)
         free(a);
     }
     pthread_mutex_destroy(&d->mu);
-    free(d);
+    if (!faulted) free(d);
 }
 
 static const mf_dev_ops cu_ops = {

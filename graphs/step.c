@@ -1546,7 +1546,8 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     if (!rc) rc = mf_step_clone(r, &s->cl[0]);
     if (!rc) rc = mf_sched_create(&(mf_sched_opts){.lanes = s->lanes, .n_lanes = s->n_lanes,
                                                    .pin_threads = s->o.pin_threads,
-                                                   .dev = s->dev ? mf_dev_lane_ops_of(s->dev) : NULL},
+                                                   .dev = s->dev ? mf_dev_lane_ops_of(s->dev) : NULL,
+                                                   .dev_wait_ns = s->o.dev_wait_ns},
                                   &s->sched);
     if (rc) {
         mf_ref_free(s->cl[0]);
