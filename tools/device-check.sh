@@ -226,7 +226,7 @@ dec_stats() { local e="$W/$1.err" on host tps
 if [ "$(left)" -gt 60 ]; then
   if [ ! -f "$ckpt/tokenizer.json" ] || ! "$build/moeflow" info "$ckpt" >/dev/null 2>&1; then
     mkdir -p "$(dirname "$ckpt")"
-    run_t 60 gen.log "$build/moeflow" gen --preset demo --out "$ckpt" --seed 1 --force
+    run_t 90 gen.log "$build/moeflow" gen --preset demo --out "$ckpt" --seed 1 --force
     log "gen --preset demo: rc $rc in $wall ms"
   fi
   args=(decode --checkpoint "$ckpt" --prompt "The capital of France is" --max-new-tokens 16 --ignore-eos)
