@@ -55,8 +55,11 @@ run_t() { local lim=$1 name=$2; shift 2; local l t0; l=$(left); [ "$l" -lt "$lim
 smi() { timeout -k 2 15 nvidia-smi "$@" 2>&1; }
 gpu_state() {   # clocks, power, temperature and throttle reasons, one csv line
   [ "$fake" = 1 ] && { echo "(no GPU: --fake)"; return; }
-  smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-      --format=csv,noheader; }
+  local q=clocks.sm,clocks.mem,power.draw,temperature.gpu
+  # the throttle reasons' field was renamed in newer drivers; an unknown field fails the query
+  local n="timeout -k 2 15 nvidia-smi --format=csv,noheader"
+  $n --query-gpu=$q,clocks_event_reasons.active 2>/dev/null ||
+    $n --query-gpu=$q,clocks_throttle_reasons.active 2>/dev/null || smi --query-gpu=$q --format=csv,noheader; }
 # packs $W into the archive and ends the summary; runs however the script ends
 finish() {
   local code=$?
