@@ -65,11 +65,14 @@ finish() {
   local code=$?
   if [ ${#failed[@]} -gt 0 ]; then
     echo "== first lines of each failing step's logs" | say
+    local seen=" "
     for f in "${failed[@]}"; do
+      case $seen in *" $f "*) continue ;; esac
+      seen="$seen$f "
       for g in "$W/$f" "$W/$f.err"; do
         [ -s "$g" ] || continue
-        echo "-- ${g#$W/} (first 15 of $(wc -l <"$g") lines)" | say
-        head -15 "$g" | cut -c1-300 | say
+        echo "-- ${g#$W/} (first 15 of $(wc -l <"$g") lines, progress bars left out)" | say
+        grep -av 'ETA [0-9]*s' "$g" | head -15 | cut -c1-300 | say
       done
     done
   fi
@@ -249,7 +252,8 @@ if [ "$(left)" -gt 60 ]; then
       --devices $dev4 --placement $pl --trace "$W/trace_dev4_$tag.json" "${extra[@]}"
     [ $rc = 0 ] || rc_all=1
     read -r on host tps <<<"$(dec_stats "decode_dev4_$tag.txt")"
-    if [ $rc = 0 ] && cmp -s "$W/decode_host.txt" "$W/decode_dev4_$tag.txt"; then same="same tokens as the host"
+    if [ $rc != 0 ]; then same="FAILED (its log below)"
+    elif cmp -s "$W/decode_host.txt" "$W/decode_dev4_$tag.txt"; then same="same tokens as the host"
     else same="tokens differ from the host (the card's int8 kernels match it within tolerance, not bit for bit)"; fi
     log "decode --devices $dev4 --placement $pl, device graphs $gr${extra:+ (${extra[*]})}: rc $rc in $wall ms, expert slots $on on cards and $host on the host, $tps tokens/s; $same: $(head -c 200 "$W/decode_dev4_$tag.txt")"
     if [ "$pl" = seed ] && [ $rc = 0 ] && ! [ "${on:-0}" -gt 0 ] 2>/dev/null; then
