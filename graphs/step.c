@@ -1213,7 +1213,8 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     if (!rc) rc = mf_sg_sizes_new(c, &s->sz);
     if (!rc) rc = mf_sched_create(&(mf_sched_opts){.lanes = s->lt.lane, .n_lanes = s->lt.n_lanes,
                                                    .pin_threads = s->o.pin_threads,
-                                                   .dev = s->dev ? mf_dev_lane_ops_of(s->dev) : NULL},
+                                                   .dev = s->dev ? mf_dev_lane_ops_of(s->dev) : NULL,
+                                                   .dev_wait_ns = s->o.dev_wait_ns},
                                   &s->sched);
     if (rc) {
         mf_sg_sizes_free(s->sz);

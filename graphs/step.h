@@ -40,6 +40,7 @@ typedef struct mf_step_opts {
     mf_dev *dev;
     int placement;               /* mf_step_placement */
     uint64_t dev_cache_bytes;    /* per card */
+    int64_t dev_wait_ns;         /* the scheduler's bound on a device completion (mf_sched_opts) */
     /* 1 (`moeflow decode --dev-graphs`): per layer and card, the device FFNs of all slots are one
      * graph (CUDA graph on CUDA cards), captured on the layer's first run with the experts and
      * rows passed through a device-side slot table, so a new routing needs no new capture; the

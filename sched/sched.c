@@ -488,6 +488,8 @@ static int mf_grt_make(mf_sched *s, mf_graph *g, mf_grt **out)
                                     ? d->place_hint % L->n_workers : -1);
         rt->tok[t].s = s;
         rt->tok[t].t = t;
+        atomic_init(&rt->tok[t].state, MF_TOK_IDLE);
+        rt->tok[t].t_ns = 0;
         n_lane[d->lane]++;
         if (rt->hint[t] >= 0) rt->q[d->lane].n_wheap[rt->hint[t]]++;   /* capacity count */
         else if (!rt->pend_init[t]) rt->q[d->lane].n_roots++;
@@ -600,6 +602,7 @@ int mf_sched_create(const mf_sched_opts *o, mf_sched **out)
     s->pin = o->pin_threads;
     if (o->io_fault_kind != MF_IO_FAULT_NONE) mf_io_fault_inject(o->io_fault_kind, o->io_fault_nth);
     s->io_pread = o->io_force_pread || atomic_load(&mf_io_pread_default);
+    s->dev_wait_ns = o->dev_wait_ns ? o->dev_wait_ns : MF_SCHED_DEV_WAIT_NS;
     s->io_engine = "none";
     pthread_mutex_init(&s->run_mu, NULL);
     pthread_condattr_t ca;
@@ -637,6 +640,7 @@ int mf_sched_create(const mf_sched_opts *o, mf_sched **out)
     for (int l = 0; l < s->n_lanes; l++) {
         rc = mf_sched_start_lane(s, &s->lanes[l], o);
         if (rc) goto fail;
+        if (s->lanes[l].engine == MF_ENG_DEV) s->n_dev_lanes++;
         if (s->lanes[l].engine == MF_ENG_URING) s->io_engine = "io_uring";
         else if (s->lanes[l].engine == MF_ENG_PREAD) s->io_engine = "pread";
     }
@@ -696,6 +700,46 @@ static int mf_sched_check_graph(const mf_sched *s, const mf_graph *g)
                             "kind %d", l, g->lanes[l].name, (int)g->lanes[l].kind,
                             (int)s->lanes[l].desc.kind);
     return 0;
+}
+
+/* Run states whose run abandoned a device task (mf_dev_watch): a callback may still come for it at
+ * any time, even after the scheduler and the graph are gone (the caller may destroy them before
+ * closing the device), and it reads its token's state, so they are kept, reachable, for the rest
+ * of the process. Only a run that found a device faulted leaves one. */
+static pthread_mutex_t mf_orphans_mu = PTHREAD_MUTEX_INITIALIZER;
+static mf_grt *mf_orphans;
+
+/* The run thread's watch over device completions (run_mu not held): a device task whose callback
+ * has not come dev_wait_ns after its work was enqueued is abandoned: it fails with -ETIMEDOUT
+ * naming the wait, the run stops, and the task is completed here in place of its callback (which,
+ * if it comes late, finds the token abandoned and leaves). Returns how many were abandoned. */
+static int mf_dev_watch(mf_sched *s, int64_t now)
+{
+    mf_grt *rt = s->rt;
+    int n_abandoned = 0;
+    for (mf_task_id t = 0; t < rt->n; t++) {
+        struct mf_dev_tok *tok = &rt->tok[t];
+        if (atomic_load_explicit(&tok->state, memory_order_acquire) != MF_TOK_INFLIGHT ||
+            now - tok->t_ns < s->dev_wait_ns)
+            continue;
+        int expect = MF_TOK_INFLIGHT;
+        if (!atomic_compare_exchange_strong(&tok->state, &expect, MF_TOK_ABANDONED)) continue;
+        mf_lane_rt *L = &s->lanes[rt->lane[t]];
+        char msg[512];
+        snprintf(msg, sizeof msg, "device lane '%s': no completion from the device %.1f ms after "
+                 "the task's work was enqueued (bound: mf_sched_opts.dev_wait_ns = %.1f ms); the "
+                 "device faulted or lost its callback, so the run stops", L->desc.name,
+                 (double)(now - tok->t_ns) / 1e6, (double)s->dev_wait_ns / 1e6);
+        mf_task_fail(s, t, -ETIMEDOUT, msg);
+        atomic_store(&s->stop, 1);
+        pthread_mutex_lock(&L->mu);
+        L->inflight--;
+        mf_lane_wake(s, L, -1);
+        pthread_mutex_unlock(&L->mu);
+        n_abandoned++;
+        mf_task_finish(s, t, -ETIMEDOUT, NULL);
+    }
+    return n_abandoned;
 }
 
 int mf_sched_run(mf_sched *s, mf_graph *g, const mf_run_opts *ro)
@@ -778,28 +822,51 @@ int mf_sched_run(mf_sched *s, mf_graph *g, const mf_run_opts *ro)
     /* Hinted roots go to their worker's heap. */
     for (int i = 0; i < rt->n_hinted_roots; i++) mf_q_push(s, rt->hinted_roots[i]);
 
+    /* Waits for the end of the run, waking for the run's timeout and, with device lanes, every
+     * quarter of the device wait bound (1 ms..1 s) to look for device tasks whose callback is
+     * overdue. */
     int64_t timeout = ro ? ro->timeout_ns : 0;
-    struct timespec dl;
-    if (timeout > 0) {
-        int64_t at = s->t0_ns + timeout;
-        dl.tv_sec = at / 1000000000LL;
-        dl.tv_nsec = at % 1000000000LL;
+    int64_t watch_ns = 0, n_abandoned = 0;
+    if (s->n_dev_lanes && s->dev_wait_ns > 0) {
+        watch_ns = s->dev_wait_ns / 4;
+        watch_ns = watch_ns < 1000000 ? 1000000 : watch_ns > 1000000000 ? 1000000000 : watch_ns;
     }
     pthread_mutex_lock(&s->run_mu);
     while (!s->finished) {
-        if (timeout > 0 && !atomic_load(&s->stop)) {
-            if (pthread_cond_timedwait(&s->run_cond, &s->run_mu, &dl) == ETIMEDOUT && !s->finished) {
-                int zero = 0;
-                atomic_compare_exchange_strong(&s->result, &zero, -ETIMEDOUT);
-                atomic_store(&s->stop, 1);
-            }
-        } else {
+        int64_t now = mf_now_ns(), at = 0;
+        int run_deadline = timeout > 0 && !atomic_load(&s->stop);
+        if (run_deadline) at = s->t0_ns + timeout;
+        if (watch_ns && (!at || now + watch_ns < at)) at = now + watch_ns;
+        if (!at) {
             pthread_cond_wait(&s->run_cond, &s->run_mu);
+            continue;
+        }
+        struct timespec dl = {.tv_sec = at / 1000000000LL, .tv_nsec = at % 1000000000LL};
+        if (pthread_cond_timedwait(&s->run_cond, &s->run_mu, &dl) != ETIMEDOUT || s->finished)
+            continue;
+        now = mf_now_ns();
+        if (run_deadline && now >= s->t0_ns + timeout) {
+            int zero = 0;
+            atomic_compare_exchange_strong(&s->result, &zero, -ETIMEDOUT);
+            atomic_store(&s->stop, 1);
+        }
+        if (watch_ns) {
+            pthread_mutex_unlock(&s->run_mu);
+            n_abandoned += mf_dev_watch(s, now);
+            pthread_mutex_lock(&s->run_mu);
         }
     }
     rc = atomic_load(&s->result);
     s->in_run = 0;
     pthread_mutex_unlock(&s->run_mu);
+    if (n_abandoned) {   /* a late callback may still read its token, even after destroy */
+        g->rt = NULL;
+        g->rt_free = NULL;
+        pthread_mutex_lock(&mf_orphans_mu);
+        rt->orphan_next = mf_orphans;
+        mf_orphans = rt;
+        pthread_mutex_unlock(&mf_orphans_mu);
+    }
 
     for (int l = 0; l < s->n_lanes; l++) {
         mf_lane_rt *L = &s->lanes[l];

@@ -14,8 +14,9 @@
 
 /* How device lanes reach a device. enqueue runs the task's fn on a submitting thread to put async
  * work on the lane's queue; notify asks the backend to call done(done_arg) once everything
- * enqueued so far on that queue has finished (cudaLaunchHostFunc on CUDA, a host thread on the
- * emulated device): no CPU worker spins waiting for a device. */
+ * enqueued so far on that queue has finished (a stream callback on CUDA, a host thread on the
+ * emulated device): no CPU worker spins waiting for a device. A callback that never comes (a
+ * faulted device) is bounded by mf_sched_opts.dev_wait_ns. */
 typedef struct mf_dev_lane_ops {
     void *ctx;
     /* Opaque queue handle for (device, lane kind), handed to tasks in mf_task_ctx.queue. */
@@ -51,7 +52,16 @@ typedef struct mf_sched_opts {
     int io_fault_kind;
     int64_t io_fault_nth;
     const mf_dev_lane_ops *dev;  /* NULL when the graph has no device lanes */
+    /* The longest a device task waits for its device's completion callback after its work was
+     * enqueued (0: MF_SCHED_DEV_WAIT_NS; < 0: no bound). A faulted device (CUDA calls no host
+     * function after a context error) or a lost callback then fails the task with -ETIMEDOUT and
+     * a message naming it, stops the run (nothing new starts) and the run returns instead of
+     * hanging. That run's state (a few bytes per task of the graph) is then kept for the rest of
+     * the process, since the callback may still come late, in any order of teardown. */
+    int64_t dev_wait_ns;
 } mf_sched_opts;
+
+#define MF_SCHED_DEV_WAIT_NS (60LL * 1000000000LL)
 
 typedef struct mf_sched mf_sched;
 

@@ -69,12 +69,16 @@ typedef struct mf_grt {
     int16_t *lane;
     int16_t *hint;                /* resolved worker index or -1 */
     mf_lane_q *q;                 /* [n_lanes] */
-    struct mf_dev_tok { mf_sched *s; mf_task_id t; } *tok;   /* device completion arguments */
+    /* device completion arguments; state: MF_TOK_IDLE, _INFLIGHT (callback awaited since t_ns)
+     * or _ABANDONED (the run gave up waiting: a late callback must not touch the run) */
+    struct mf_dev_tok { mf_sched *s; mf_task_id t; _Atomic int state; int64_t t_ns; } *tok;
+    struct mf_grt *orphan_next;   /* abandoned run states, kept for the process (sched.c) */
     mf_task_id *hinted_roots;     /* roots with a place hint, pushed to their worker at start */
     int n_hinted_roots;
 } mf_grt;
 
 enum mf_engine { MF_ENG_CPU, MF_ENG_PREAD, MF_ENG_URING, MF_ENG_DEV };
+enum { MF_TOK_IDLE, MF_TOK_INFLIGHT, MF_TOK_ABANDONED };
 
 struct mf_lane_rt {
     int index;
@@ -124,6 +128,8 @@ struct mf_sched {
     int io_pread;
     uint64_t gen;                 /* identifies this scheduler to graphs' run state */
     const char *io_engine;
+    int64_t dev_wait_ns;          /* bound on a device task's completion wait; <= 0: none */
+    int n_dev_lanes;
 
     /* the run in progress */
     mf_graph *g;

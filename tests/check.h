@@ -1,5 +1,6 @@
 /* Minimal checking for test executables: CHECK records a failure with file and line and goes on;
- * a test's main returns mf_check_exit() (1 when anything failed). */
+ * a test's main returns mf_check_exit() (1 when anything failed). Every test that includes this
+ * has its stdout line-buffered from the start, so a test killed by its timeout leaves its log. */
 #ifndef MF_TEST_CHECK_H
 #define MF_TEST_CHECK_H
 
