@@ -19,6 +19,17 @@
 #ifndef MF_TEST_TSAN
 #define MF_TEST_TSAN 0
 #endif
+/* 1 in an ASan or TSan build: long sweeps (decode steps, worker counts) are shortened there too */
+#if MF_TEST_TSAN || defined(__SANITIZE_ADDRESS__)
+#define MF_TEST_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define MF_TEST_SANITIZED 1
+#endif
+#endif
+#ifndef MF_TEST_SANITIZED
+#define MF_TEST_SANITIZED 0
+#endif
 
 /* Line-buffered stdout in every test, so a test killed by its timeout still leaves its log. */
 __attribute__((constructor)) static void mf_check_line_buffer(void) { setvbuf(stdout, NULL, _IOLBF, 0); }

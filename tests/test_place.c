@@ -20,7 +20,7 @@
 #include "tests/tiny_ckpt.h"
 
 #define N_PROMPT 12
-#define N_DEC (MF_TEST_TSAN ? 4 : 16)   /* TSan: fewer steps (tests/check.h) */
+#define N_DEC (MF_TEST_SANITIZED ? 4 : 16)   /* ASan/TSan: fewer steps (tests/check.h) */
 #define N_SEQ 3
 #define N_LOG (1 + N_DEC)
 

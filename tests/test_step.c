@@ -18,7 +18,7 @@
 #include "tests/tiny_ckpt.h"
 
 #define N_PROMPT 24
-#define N_DEC (MF_TEST_TSAN ? 4 : 16)   /* TSan: fewer steps (tests/check.h) */
+#define N_DEC (MF_TEST_SANITIZED ? 4 : 16)   /* ASan/TSan: fewer steps (tests/check.h) */
 #define N_SEQ 3
 #define N_LOG (1 + N_DEC)   /* logits per sequence: end of prefill, then each decode step */
 
@@ -261,12 +261,12 @@ int main(void)
            "and 3): exact: worst %.3g, %d of %d vectors over 1e-6; int8: worst %.3g, mean %.3g\n", N_PROMPT,
            N_DEC, worst_exact, far_exact, n_exact, worst_int8, mean_int8);
 
-    /* bit-identical across 1, 2, 4 workers and repeated runs (both paths; TSan: the default int8
-     * path, 1 and 4 workers) */
-    for (int ex = 0; ex <= (MF_TEST_TSAN ? 0 : 1); ex++) {
+    /* bit-identical across 1, 2, 4 workers and repeated runs (both paths; ASan/TSan: the default
+     * int8 path, 1 and 4 workers) */
+    for (int ex = 0; ex <= (MF_TEST_SANITIZED ? 0 : 1); ex++) {
         int first = 1;
-        /* 8: 2 workers bound to cores (hwloc); TSan: 1 and 4 workers */
-        for (int w = 1; w <= 8; w *= MF_TEST_TSAN ? 4 : 2) {
+        /* 8: 2 workers bound to cores (hwloc); ASan/TSan: 1 and 4 workers */
+        for (int w = 1; w <= 8; w *= MF_TEST_SANITIZED ? 4 : 2) {
             mf_step *e = NULL;
             CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = w == 8 ? 2 : w, .pin_threads = w == 8, .exact = ex},
                               &e) == 0, "step: %s", mf_last_error());
