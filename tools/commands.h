@@ -4,6 +4,7 @@
 
 int mf_cmd_gen(int argc, char **argv);    /* tools/cmd_gen.c: synthetic checkpoints */
 int mf_cmd_decode(int argc, char **argv);  /* tools/cmd_decode.c: decoding (scheduled or reference engine) */
+int mf_cmd_serve(int argc, char **argv);  /* tools/cmd_serve.c: OpenAI-compatible HTTP API, continuous batching */
 int mf_cmd_info(int argc, char **argv);   /* tools/cmd_info.c: byte census of a checkpoint */
 int mf_cmd_sim(int argc, char **argv);    /* tools/cmd_sim.c: simulated decode steps on a hardware profile */
 int mf_cmd_tune(int argc, char **argv);   /* tools/cmd_tune.c: strategy sweeps, simulated or real */
