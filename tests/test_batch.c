@@ -120,6 +120,14 @@ static void test_cli(mf_ref *r, mf_step *e, const char *dir)
              "2>&1 >/dev/null", ids, pf);
     CHECK(cli(cmd, out, sizeof out) == 0 && strstr(out, "70/70 done") && strstr(out, "tokens/s aggregate"),
           "progress: '%s'", out);
+    /* bench serve: both modes, the ratio line, the JSON */
+    snprintf(cmd, sizeof cmd, "bench serve --checkpoint %s --requests 4 --concurrency 2 --prompt-tokens 3-9 "
+             "--output-tokens 2-4 --warmup 0 --threads 2 --json", ids);
+    CHECK(cli(cmd, out, sizeof out) == 0 && strstr(out, "\"mode\":\"continuous\",\"concurrency\":2") &&
+          strstr(out, "\"mode\":\"static\"") && strstr(out, "\"itl_p99_s\":"), "bench serve --json: '%s'", out);
+    snprintf(cmd, sizeof cmd, "bench serve --checkpoint %s --requests 3 --concurrency 1,3 --prompt-tokens 2-5 "
+             "--output-tokens 2-3 --warmup 0 --threads 2", ids);
+    CHECK(cli(cmd, out, sizeof out) == 0 && strstr(out, "ratio           3"), "bench serve: '%s'", out);
     /* --max-new-tokens 0: prefill only, empty lines out */
     snprintf(cmd, sizeof cmd, "decode --checkpoint %s --tokens 1,2,3 --batch 2 --max-new-tokens 0 --quiet", ids);
     CHECK(cli(cmd, out, sizeof out) == 0 && !strcmp(out, "[0] \n[1] \n"), "max-new-tokens 0: '%s'", out);
