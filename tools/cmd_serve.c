@@ -249,7 +249,10 @@ static void *mf_srv_stepper(void *arg)
         int stop = v->stop_stepper;
         pthread_mutex_unlock(&v->mu);
         if (stop) break;
-        if (!mf_batch_wait(v->b, 100000000)) continue;
+        if (!mf_batch_wait(v->b, 100000000)) {   /* after shutdown it returns at once when idle */
+            usleep(10000);
+            continue;
+        }
         int n = 0;
         if (mf_batch_step(v->b, &n) && !v->quiet) fprintf(stderr, "moeflow serve: step failed: %s\n", mf_last_error());
         if (n && v->eng) {

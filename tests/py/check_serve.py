@@ -315,7 +315,12 @@ def main():
         th = threading.Thread(target=lambda: holder.setdefault("r", srv.raw("POST", "/v1/completions", json.dumps(
             {"prompt": prompts[1], "max_tokens": 3000, "temperature": 0, "ignore_eos": True}), auth)))
         th.start()
-        time.sleep(1.0)
+        for _ in range(300):   # SIGTERM once it runs (a busy machine may take a while to get it there)
+            st, _, data = srv.raw("GET", "/metrics", headers=auth)
+            if re.search(r"^moeflow_running_sequences 1$", data.decode(), re.M):
+                break
+            time.sleep(0.05)
+        time.sleep(0.3)
         t0 = time.time()
         rc = srv.stop(timeout=30)
         th.join(30)
