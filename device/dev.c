@@ -106,13 +106,30 @@ int mf_dev_copy_d2d(mf_dev_stream *s, int dst_card, void *dst, int src_card, con
     return s->dev->ops->copy(s, MF_DEV_D2D, dst_card, dst, src_card, src, n_bytes);
 }
 
-int mf_dev_event_create(mf_dev *d, int card, mf_dev_event **out)
+static int mf_dev_event_make(mf_dev *d, int card, int timed, mf_dev_event **out)
 {
     int rc = mf_dev_card_ok(d, card, "mf_dev_event_create");
     if (rc) return rc;
     if (!out) return mf_error(-EINVAL, "mf_dev_event_create: out is NULL");
     *out = NULL;
-    return d->ops->event_create(d, card, out);
+    rc = d->ops->event_create(d, card, timed, out);
+    if (!rc) (*out)->timed = timed;
+    return rc;
+}
+
+int mf_dev_event_create(mf_dev *d, int card, mf_dev_event **out) { return mf_dev_event_make(d, card, 0, out); }
+int mf_dev_event_create_timed(mf_dev *d, int card, mf_dev_event **out) { return mf_dev_event_make(d, card, 1, out); }
+
+int mf_dev_event_elapsed_ns(mf_dev_event *start, mf_dev_event *end, int64_t *out_ns)
+{
+    if (!start || !end || !out_ns) return mf_error(-EINVAL, "mf_dev_event_elapsed_ns: NULL argument");
+    if (!start->timed || !end->timed)
+        return mf_error(-EINVAL, "mf_dev_event_elapsed_ns: the %s event was not made by "
+                        "mf_dev_event_create_timed", !start->timed ? "start" : "end");
+    if (start->dev != end->dev || start->card != end->card)
+        return mf_error(-EINVAL, "mf_dev_event_elapsed_ns: events of different cards (%d, %d)",
+                        start->card, end->card);
+    return start->dev->ops->event_elapsed(start, end, out_ns);
 }
 
 void mf_dev_event_destroy(mf_dev_event *e)
@@ -344,8 +361,8 @@ static int mf_dev_lane_notify_status(void *ctx, void *queue, void (*done)(void *
     return mf_dev_stream_callback_status(queue, done, done_arg);
 }
 
-/* notify_status where the backend attributes asynchronous errors (emu), so that a device task
- * whose work failed fails in the scheduler; plain notify otherwise (CUDA). */
+/* notify_status where the backend has status callbacks (emu, CUDA), so that a device task whose
+ * work failed fails in the scheduler, also after a CUDA context fault; plain notify otherwise. */
 const mf_dev_lane_ops *mf_dev_lane_ops_of(mf_dev *d)
 {
     if (!d) return NULL;

@@ -30,10 +30,12 @@ typedef enum mf_dev_stream_kind {
 } mf_dev_stream_kind;
 
 /* Opens a device by spec:
- *   "emu:N[,mem=BYTES][,bw=BYTES_PER_S][,lat_ns=NS][,fail_h2d=N]"  N emulated cards (1..16);
- *       mem is each card's capacity (suffixes K, M, G; default 16G), bw and lat_ns the modelled
- *       copy bandwidth and latency (defaults 25e9 and 10000: a model, not a measurement),
- *       fail_h2d fault injection (mf_dev_emu_fail_h2d);
+ *   "emu:N[,mem=BYTES][,bw=BYTES_PER_S][,lat_ns=NS][,fail_h2d=N][,lose_cb=N]"  N emulated cards
+ *       (1..16); mem is each card's capacity (suffixes K, M, G; default 16G), bw and lat_ns the
+ *       modelled copy bandwidth and latency (defaults 25e9 and 10000: a model, not a measurement),
+ *       fail_h2d fault injection (mf_dev_emu_fail_h2d); lose_cb=N: the nth callback (plain or
+ *       status, any stream, counted from open) is never called, as CUDA calls no host function
+ *       after a context fault (the scheduler's dev_wait_ns bound then fails the task);
  *   "cuda" every CUDA card the driver sees; "cuda:0,2" those cards; a card named more than once
  *       ("cuda:0,0,0,0") is that many logical cards on one GPU, each with its own streams (to run
  *       multi-card placements on one GPU).
@@ -75,6 +77,14 @@ int mf_dev_copy_d2d(mf_dev_stream *s, int dst_card, void *dst, int src_card, con
  * otherwise) and can be waited on by any stream of any card. Destroying an event waits (emu) or
  * defers (CUDA) until enqueued work naming it is done. */
 int mf_dev_event_create(mf_dev *d, int card, mf_dev_event **out);
+/* An event that also keeps the device time it was reached at, for timing device work (CUDA:
+ * created without cudaEventDisableTiming; emulated: the host clock when the stream thread runs the
+ * record). Otherwise as mf_dev_event_create. */
+int mf_dev_event_create_timed(mf_dev *d, int card, mf_dev_event **out);
+/* The device time from start's to end's last record, both timed events of one card: waits until
+ * end's last record has been reached. -EINVAL for an untimed event, events of different cards, or
+ * one never recorded. CUDA: cudaEventElapsedTime (resolution about 0.5 us). */
+int mf_dev_event_elapsed_ns(mf_dev_event *start, mf_dev_event *end, int64_t *out_ns);
 void mf_dev_event_destroy(mf_dev_event *e);
 int mf_dev_event_record(mf_dev_event *e, mf_dev_stream *s);
 int mf_dev_stream_wait(mf_dev_stream *s, mf_dev_event *e);
@@ -85,10 +95,11 @@ int mf_dev_stream_wait(mf_dev_stream *s, mf_dev_event *e);
 int mf_dev_stream_callback(mf_dev_stream *s, void (*fn)(void *arg), void *arg);
 /* As mf_dev_stream_callback, and fn learns whether work on s before it failed: err is the first
  * error of an asynchronous operation on s not yet delivered (0: none), msg its message (NULL when
- * err is 0; valid during the call). The callback takes the error: a later sync no longer returns
- * it. The scheduler adapter uses it so that a device task whose work failed fails. -ENOTSUP on
- * backends that cannot attribute errors (CUDA: its asynchronous errors are sticky faults of the
- * card, seen at the next sync). */
+ * err is 0; valid during the call). The scheduler adapter uses it so that a device task whose
+ * work failed fails. Emulated cards: the callback takes the error (a later sync no longer returns
+ * it). CUDA (cudaStreamAddCallback): called also after a fault of the card's context, when plain
+ * callbacks (cudaLaunchHostFunc) never are, with err -EIO and CUDA's error named; the fault is
+ * sticky (later work and syncs fail too). Not capturable: -EBUSY while s captures on CUDA. */
 int mf_dev_stream_callback_status(mf_dev_stream *s, void (*fn)(void *arg, int err, const char *msg),
                                   void *arg);
 
@@ -169,8 +180,8 @@ int mf_dev_capture_end(mf_dev_stream *s, mf_dev_graph **out);
 int mf_dev_graph_launch(mf_dev_graph *g, mf_dev_stream *s);
 void mf_dev_graph_destroy(mf_dev_graph *g);
 
-/* The scheduler's view of d: queue(device, kind) is mf_dev_stream_of(d, device, lane kind) and
- * notify is mf_dev_stream_callback. Owned by d; valid until mf_dev_close. A task on a device
+/* The scheduler's view of d: queue(device, kind) is mf_dev_stream_of(d, device, lane kind),
+ * notify is mf_dev_stream_callback and notify_status mf_dev_stream_callback_status. Owned by d; valid until mf_dev_close. A task on a device
  * lane finds its stream in ctx->queue (an mf_dev_stream *). */
 const mf_dev_lane_ops *mf_dev_lane_ops_of(mf_dev *d);
 

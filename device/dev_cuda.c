@@ -1,8 +1,11 @@
 /* The CUDA backend of device/dev.h: per card three non-blocking streams (copy-in, compute,
  * copy-out, named for Nsight through NVTX), events for cross-stream dependencies
  * (cudaStreamWaitEvent, never a host polling loop), cudaMemcpyAsync / cudaMemcpyPeerAsync copies,
- * portable pinned host memory bound to the card's NUMA node, cudaLaunchHostFunc for the scheduler's callbacks. Every CUDA call
- * is checked with file and line. Kernels in device/dev_kernels.cu (fp32 and int8 FP4 paths). */
+ * portable pinned host memory bound to the card's NUMA node, and two kinds of callbacks: status
+ * callbacks for the scheduler (cudaStreamAddCallback, which CUDA still calls after a context fault,
+ * with the error) and plain ones (cudaLaunchHostFunc, capturable into graphs, but never called
+ * after a fault). Every CUDA call is checked with file and line. Kernels in
+ * device/dev_kernels.cu (fp32 and int8 FP4 paths). */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +19,7 @@
 #include <cuda_runtime.h>
 #include <nvtx3/nvToolsExtCudaRt.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 
 /* Checks a CUDA call: on failure returns -EIO with file, line, the call and CUDA's message. */
@@ -34,10 +38,24 @@
             mf_error(-EIO, "%s:%d: %s: %s", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
     } while (0)
 
+/* A status callback in flight: the caller's fn and arg, and room for the message it receives.
+ * Kept on the stream's free list between uses, so a callback allocates only when more are in
+ * flight than ever before. */
+typedef struct cu_cb {
+    void (*fn)(void *, int, const char *);
+    void *arg;
+    struct cu_stream *s;
+    struct cu_cb *next;      /* the free list */
+    struct cu_cb *all;       /* every record of the stream, freed at close */
+    char msg[384];
+} cu_cb;
+
 typedef struct cu_stream {
     mf_dev_stream pub;
     cudaStream_t st;
     int id;                  /* CUDA device ordinal */
+    pthread_mutex_t cb_mu;   /* cb_free, cb_all */
+    cu_cb *cb_free, *cb_all;
 } cu_stream;
 
 typedef struct cu_event {
@@ -57,6 +75,7 @@ typedef struct cu_dev {
     mf_dev pub;
     int ids[MF_DEV_MAX_CARDS];
     int node[MF_DEV_MAX_CARDS];   /* the card's NUMA node, -1 unknown */
+    _Atomic int numa_off[MF_DEV_MAX_CARDS];   /* 1: binding to the node failed once; cudaHostAlloc */
     cu_stream streams[MF_DEV_MAX_CARDS][MF_DEV_N_STREAMS];
     pthread_mutex_t mu;      /* allocs */
     cu_alloc *allocs;
@@ -143,26 +162,41 @@ static void cu_host_release(void *p, size_t n_bytes, int numa)
     }
 }
 
+/* Binds n_bytes to the card's node and registers them (0), or says why not (a negative code, the
+ * message in mf_last_error()). */
+static int cu_host_alloc_numa(cu_dev *d, int card, size_t n_bytes, void **out)
+{
+    int rc = mf_dev_numa_alloc(n_bytes, d->node[card], out);
+    if (rc) return rc;
+    cudaError_t e = cudaHostRegister(*out, n_bytes, cudaHostRegisterPortable);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        mf_dev_numa_free(*out, n_bytes);
+        *out = NULL;
+        return mf_error(-ENOMEM, "%s:%d: cudaHostRegister of %zu bytes on node %d: %s", __FILE__,
+                        __LINE__, n_bytes, d->node[card], cudaGetErrorString(e));
+    }
+    return 0;
+}
+
 /* Pinned memory, portable so every card's copies treat it as pinned. On a card whose NUMA node is
- * known it is bound to that node and then registered; otherwise cudaHostAlloc places it. */
+ * known it is bound to that node and then registered; where the node is unknown, or binding or
+ * registering fails (a VM kernel without NUMA policy), cudaHostAlloc places it: the first failure
+ * on a card is said once on stderr and that card uses cudaHostAlloc from then on. */
 static int cu_host_alloc(mf_dev *pd, int card, size_t n_bytes, void **out)
 {
     cu_dev *d = (cu_dev *)pd;
-    int numa = d->node[card] >= 0;
+    int numa = d->node[card] >= 0 && !atomic_load(&d->numa_off[card]);
     CU_TRY(cudaSetDevice(d->ids[card]));
-    if (numa) {
-        int rc = mf_dev_numa_alloc(n_bytes, d->node[card], out);
-        if (rc) return mf_error_wrap(rc, "pinned staging for card %d", card);
-        cudaError_t e = cudaHostRegister(*out, n_bytes, cudaHostRegisterPortable);
-        if (e != cudaSuccess) {
-            (void)cudaGetLastError();
-            mf_dev_numa_free(*out, n_bytes);
-            *out = NULL;
-            return mf_error(-ENOMEM, "%s:%d: cudaHostRegister of %zu bytes on node %d for card %d: "
-                            "%s", __FILE__, __LINE__, n_bytes, d->node[card], card,
-                            cudaGetErrorString(e));
-        }
-    } else {
+    if (numa && cu_host_alloc_numa(d, card, n_bytes, out)) {
+        numa = 0;
+        if (!atomic_exchange(&d->numa_off[card], 1))
+            fprintf(stderr, "moeflow: cuda card %d (cuda:%d): pinned staging on NUMA node %d failed "
+                    "(%s); pinned staging falls back to cudaHostAlloc (placed by the driver)\n",
+                    card, d->ids[card], d->node[card], mf_last_error());
+        mf_error_clear();
+    }
+    if (!numa) {
         cudaError_t e = cudaHostAlloc(out, n_bytes, cudaHostAllocPortable);
         if (e != cudaSuccess) {
             (void)cudaGetLastError();
@@ -202,7 +236,7 @@ static int cu_copy(mf_dev_stream *ps, mf_dev_copy_kind k, int dst_card, void *ds
     return 0;
 }
 
-static int cu_event_create(mf_dev *pd, int card, mf_dev_event **out)
+static int cu_event_create(mf_dev *pd, int card, int timed, mf_dev_event **out)
 {
     cu_dev *d = (cu_dev *)pd;
     cu_event *e = calloc(1, sizeof *e);
@@ -210,7 +244,8 @@ static int cu_event_create(mf_dev *pd, int card, mf_dev_event **out)
     e->pub.dev = pd;
     e->pub.card = card;
     cudaError_t err = cudaSetDevice(d->ids[card]);
-    if (err == cudaSuccess) err = cudaEventCreateWithFlags(&e->ev, cudaEventDisableTiming);
+    if (err == cudaSuccess)
+        err = cudaEventCreateWithFlags(&e->ev, timed ? cudaEventDefault : cudaEventDisableTiming);
     if (err != cudaSuccess) {
         free(e);
         return mf_error(-EIO, "%s:%d: cudaEventCreateWithFlags on card %d: %s", __FILE__, __LINE__,
@@ -245,11 +280,76 @@ static int cu_stream_wait(mf_dev_stream *ps, mf_dev_event *pe)
     return 0;
 }
 
+/* Waits for end, then cudaEventElapsedTime (milliseconds as a float). */
+static int cu_event_elapsed(mf_dev_event *start, mf_dev_event *end, int64_t *out_ns)
+{
+    float ms = 0;
+    CU_TRY(cudaSetDevice(((cu_dev *)end->dev)->ids[end->card]));
+    CU_TRY(cudaEventSynchronize(((cu_event *)end)->ev));
+    CU_TRY(cudaEventElapsedTime(&ms, ((cu_event *)start)->ev, ((cu_event *)end)->ev));
+    *out_ns = (int64_t)((double)ms * 1e6);
+    return 0;
+}
+
 static int cu_callback(mf_dev_stream *ps, void (*fn)(void *), void *arg)
 {
     cu_stream *s = (cu_stream *)ps;
     CU_TRY(cudaSetDevice(s->id));
     CU_TRY(cudaLaunchHostFunc(s->st, fn, arg));
+    return 0;
+}
+
+/* Runs on CUDA's callback thread, also after an error in the context (status then names it). */
+static void CUDART_CB cu_status_tramp(cudaStream_t st, cudaError_t status, void *ud)
+{
+    (void)st;
+    cu_cb *c = ud;
+    cu_stream *s = c->s;
+    int err = 0;
+    if (status != cudaSuccess) {
+        err = -EIO;
+        snprintf(c->msg, sizeof c->msg, "cuda card %d (cuda:%d) %s stream: work enqueued before "
+                 "this completion failed: %s: %s (a sticky fault of the card: later work fails too)",
+                 s->pub.card, s->id, cu_stream_name[s->pub.kind], cudaGetErrorName(status),
+                 cudaGetErrorString(status));
+    }
+    c->fn(c->arg, err, err ? c->msg : NULL);
+    pthread_mutex_lock(&s->cb_mu);
+    c->next = s->cb_free;
+    s->cb_free = c;
+    pthread_mutex_unlock(&s->cb_mu);
+}
+
+/* cudaStreamAddCallback: not capturable (-EBUSY while s captures; plain callbacks are). */
+static int cu_callback_status(mf_dev_stream *ps, void (*fn)(void *, int, const char *), void *arg)
+{
+    cu_stream *s = (cu_stream *)ps;
+    if (ps->capturing)
+        return mf_error(-EBUSY, "cuda card %d: a status callback cannot be captured into a graph "
+                        "(cudaStreamAddCallback); use mf_dev_stream_callback", ps->card);
+    pthread_mutex_lock(&s->cb_mu);
+    cu_cb *c = s->cb_free;
+    if (c) {
+        s->cb_free = c->next;
+    } else if ((c = calloc(1, sizeof *c))) {
+        c->s = s;
+        c->all = s->cb_all;
+        s->cb_all = c;
+    }
+    pthread_mutex_unlock(&s->cb_mu);
+    if (!c) return mf_error(-ENOMEM, "cuda card %d: out of host memory for a callback", ps->card);
+    c->fn = fn;
+    c->arg = arg;
+    cudaError_t e = cudaSetDevice(s->id);
+    if (e == cudaSuccess) e = cudaStreamAddCallback(s->st, cu_status_tramp, c, 0);
+    if (e != cudaSuccess) {
+        pthread_mutex_lock(&s->cb_mu);
+        c->next = s->cb_free;
+        s->cb_free = c;
+        pthread_mutex_unlock(&s->cb_mu);
+        return mf_error(-EIO, "%s:%d: cudaStreamAddCallback on card %d: %s", __FILE__, __LINE__,
+                        ps->card, cudaGetErrorString(e));
+    }
     return 0;
 }
 
@@ -351,13 +451,30 @@ static void cu_graph_destroy(mf_dev_graph *pg)
 static void cu_close(mf_dev *pd)
 {
     cu_dev *d = (cu_dev *)pd;
+    int faulted = 0;
     for (int c = 0; c < pd->n_cards; c++)
         for (int k = 0; k < MF_DEV_N_STREAMS; k++) {
             cu_stream *s = &d->streams[c][k];
             if (!s->st) continue;
             CU_NOTE(cudaSetDevice(s->id));
-            CU_NOTE(cudaStreamSynchronize(s->st));
+            cudaError_t e = cudaStreamSynchronize(s->st);
+            if (e != cudaSuccess) {
+                faulted = 1;
+                mf_error(-EIO, "%s:%d: cudaStreamSynchronize at close: %s", __FILE__, __LINE__,
+                         cudaGetErrorString(e));
+            }
             CU_NOTE(cudaStreamDestroy(s->st));
+        }
+    /* after a fault, status callbacks may still be running on CUDA's thread and touch their
+     * stream: the streams' records and d itself are left (a leak only on a faulted card) */
+    for (int c = 0; c < pd->n_cards && !faulted; c++)
+        for (int k = 0; k < MF_DEV_N_STREAMS; k++) {
+            cu_stream *s = &d->streams[c][k];
+            for (cu_cb *b = s->cb_all, *nx; b; b = nx) {
+                nx = b->all;
+                free(b);
+            }
+            if (s->pub.dev) pthread_mutex_destroy(&s->cb_mu);
         }
     for (cu_alloc *a = d->allocs, *nx; a; a = nx) {
         nx = a->next;
@@ -370,7 +487,7 @@ static void cu_close(mf_dev *pd)
         free(a);
     }
     pthread_mutex_destroy(&d->mu);
-    free(d);
+    if (!faulted) free(d);
 }
 
 static const mf_dev_ops cu_ops = {
@@ -385,7 +502,9 @@ static const mf_dev_ops cu_ops = {
     .event_destroy = cu_event_destroy,
     .event_record = cu_event_record,
     .stream_wait = cu_stream_wait,
+    .event_elapsed = cu_event_elapsed,
     .callback = cu_callback,
+    .callback_status = cu_callback_status,
     .stream_sync = cu_stream_sync,
     .fp4_matmul = cu_fp4_matmul,
     .fp8_matmul = cu_fp8_matmul,
@@ -409,6 +528,7 @@ static int cu_setup(cu_dev *d)
             cu_stream *s = &d->streams[c][k];
             s->pub = (mf_dev_stream){.dev = &d->pub, .card = c, .kind = (mf_dev_stream_kind)k};
             s->id = d->ids[c];
+            pthread_mutex_init(&s->cb_mu, NULL);
             CU_TRY(cudaStreamCreateWithFlags(&s->st, cudaStreamNonBlocking));
             char name[64];
             snprintf(name, sizeof name, "card%d.%s", c, cu_stream_name[k]);

@@ -5,7 +5,8 @@
  * so results equal the host path's bit for bit. Graph capture records a stream's operations and
  * replays them. A failed operation's error goes to the next status callback of its stream (the
  * scheduler fails that task) or, if none takes it, to the next sync. Fault injection for tests:
- * the nth host-to-device copy copies half its bytes and fails (spec fail_h2d=N, mf_dev_emu_fail_h2d). */
+ * the nth host-to-device copy copies half its bytes and fails (spec fail_h2d=N, mf_dev_emu_fail_h2d);
+ * the nth callback is never called, as CUDA calls no host function after a fault (spec lose_cb=N). */
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -31,6 +32,7 @@ typedef struct emu_event {
     pthread_cond_t cond;
     uint64_t recorded;   /* records enqueued so far */
     uint64_t reached;    /* highest record executed */
+    int64_t reached_ns;  /* the host clock when it was executed */
     int refs;            /* enqueued operations naming this event */
 } emu_event;
 
@@ -94,6 +96,7 @@ struct emu_dev {
     emu_hdr *host_allocs;    /* staging memory, freed at close when left */
     emu_stream *streams[MF_DEV_MAX_CARDS][MF_DEV_N_STREAMS];
     _Atomic int64_t fail_h2d;   /* fault injection: h2d copies left until the failing one (0: off) */
+    _Atomic int64_t lose_cb;    /* fault injection: callbacks left until the one never called (0: off) */
 };
 
 static const char *emu_stream_name[MF_DEV_N_STREAMS] = {"copy-in", "compute", "copy-out"};
@@ -208,7 +211,9 @@ static void emu_run_op(emu_stream *s, emu_op *op)
         break;
     }
     case OP_CALLBACK:
-        if (op->u.cb.fn_status) {   /* takes the stream's undelivered error, if any */
+        if (atomic_load(&d->lose_cb) > 0 && atomic_fetch_sub(&d->lose_cb, 1) == 1) {
+            break;   /* lost: its work is done, but nobody hears of it */
+        } else if (op->u.cb.fn_status) {   /* takes the stream's undelivered error, if any */
             pthread_mutex_lock(&s->mu);
             int err = s->err;
             if (err) snprintf(s->cb_msg, sizeof s->cb_msg, "%s", s->errmsg);
@@ -222,7 +227,10 @@ static void emu_run_op(emu_stream *s, emu_op *op)
     case OP_RECORD: {
         emu_event *e = op->u.ev.e;
         pthread_mutex_lock(&e->mu);
-        if (op->u.ev.seq > e->reached) e->reached = op->u.ev.seq;
+        if (op->u.ev.seq > e->reached) {
+            e->reached = op->u.ev.seq;
+            e->reached_ns = mf_now_ns();
+        }
         e->refs--;
         pthread_cond_broadcast(&e->cond);
         pthread_mutex_unlock(&e->mu);
@@ -409,8 +417,9 @@ static int emu_copy(mf_dev_stream *s, mf_dev_copy_kind k, int dst_card, void *ds
     return emu_enqueue(s, &op);
 }
 
-static int emu_event_create(mf_dev *pd, int card, mf_dev_event **out)
+static int emu_event_create(mf_dev *pd, int card, int timed, mf_dev_event **out)
 {
+    (void)timed;   /* every emulated event keeps its time */
     emu_event *e = calloc(1, sizeof *e);
     if (!e) return mf_error(-ENOMEM, "emu card %d: out of memory for an event", card);
     e->pub.dev = pd;
@@ -447,6 +456,27 @@ static int emu_event_op(mf_dev_stream *s, mf_dev_event *pe, emu_op_kind kind)
 }
 
 static int emu_event_record(mf_dev_event *e, mf_dev_stream *s) { return emu_event_op(s, e, OP_RECORD); }
+
+/* Waits until e's last record has run; its time, or -EINVAL when it was never recorded. */
+static int emu_event_time(emu_event *e, int64_t *t)
+{
+    pthread_mutex_lock(&e->mu);
+    while (e->reached < e->recorded) pthread_cond_wait(&e->cond, &e->mu);
+    int ok = e->recorded > 0;
+    *t = e->reached_ns;
+    pthread_mutex_unlock(&e->mu);
+    return ok ? 0 : mf_error(-EINVAL, "mf_dev_event_elapsed_ns: emu card %d: an event never recorded",
+                             e->pub.card);
+}
+
+static int emu_event_elapsed(mf_dev_event *start, mf_dev_event *end, int64_t *out_ns)
+{
+    int64_t t0 = 0, t1 = 0;
+    int rc = emu_event_time((emu_event *)end, &t1);
+    if (!rc) rc = emu_event_time((emu_event *)start, &t0);
+    if (!rc) *out_ns = t1 - t0;
+    return rc;
+}
 static int emu_stream_wait(mf_dev_stream *s, mf_dev_event *e) { return emu_event_op(s, e, OP_WAIT); }
 
 static int emu_callback(mf_dev_stream *s, void (*fn)(void *), void *arg)
@@ -590,6 +620,7 @@ static const mf_dev_ops emu_ops = {
     .event_destroy = emu_event_destroy,
     .event_record = emu_event_record,
     .stream_wait = emu_stream_wait,
+    .event_elapsed = emu_event_elapsed,
     .callback = emu_callback,
     .callback_status = emu_callback_status,
     .stream_sync = emu_stream_sync,
@@ -633,7 +664,7 @@ int mf_dev_open_emu(const char *opts, mf_dev **out)
         return mf_error(-EINVAL, "device spec 'emu:%s': expected a card count 1..%d after 'emu:'",
                         opts, MF_DEV_MAX_CARDS);
     uint64_t mem = 16ULL << 30;
-    double bw = 25e9, lat = 10000, fail_h2d = 0;
+    double bw = 25e9, lat = 10000, fail_h2d = 0, lose_cb = 0;
     while ((tok = strtok_r(NULL, ",", &save))) {
         char *eq = strchr(tok, '=');
         int bad = !eq;
@@ -645,12 +676,14 @@ int mf_dev_open_emu(const char *opts, mf_dev **out)
             else if (!strcmp(tok, "lat_ns")) bad = (lat = strtod(v, &end)) < 0 || *end || end == v;
             else if (!strcmp(tok, "fail_h2d"))
                 bad = (fail_h2d = strtod(v, &end)) < 0 || *end || end == v || fail_h2d != (int64_t)fail_h2d;
+            else if (!strcmp(tok, "lose_cb"))
+                bad = (lose_cb = strtod(v, &end)) < 0 || *end || end == v || lose_cb != (int64_t)lose_cb;
             else bad = 1;
             if (!bad) continue;
             *eq = '=';
         }
         return mf_error(-EINVAL, "device spec 'emu:%s': bad option '%s' (expected mem=BYTES[K|M|G], "
-                        "bw=BYTES_PER_S, lat_ns=NS, fail_h2d=N)", opts, tok);
+                        "bw=BYTES_PER_S, lat_ns=NS, fail_h2d=N, lose_cb=N)", opts, tok);
     }
     emu_dev *d = calloc(1, sizeof *d);
     if (!d) return mf_error(-ENOMEM, "emu device: out of memory");
@@ -659,6 +692,7 @@ int mf_dev_open_emu(const char *opts, mf_dev **out)
     d->bw_bytes_per_s = bw;
     d->lat_ns = (int64_t)lat;
     atomic_init(&d->fail_h2d, (int64_t)fail_h2d);
+    atomic_init(&d->lose_cb, (int64_t)lose_cb);
     pthread_mutex_init(&d->host_mu, NULL);
     for (int c = 0; c < n; c++) {
         pthread_mutex_init(&d->cards[c].mu, NULL);

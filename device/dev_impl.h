@@ -18,10 +18,12 @@ typedef struct mf_dev_ops {
     /* dst_card / src_card: the cards of device-side pointers (-1 for host pointers). */
     int (*copy)(mf_dev_stream *s, mf_dev_copy_kind k, int dst_card, void *dst, int src_card,
                 const void *src, size_t n_bytes);
-    int (*event_create)(mf_dev *d, int card, mf_dev_event **out);
+    int (*event_create)(mf_dev *d, int card, int timed, mf_dev_event **out);
     void (*event_destroy)(mf_dev_event *e);
     int (*event_record)(mf_dev_event *e, mf_dev_stream *s);
     int (*stream_wait)(mf_dev_stream *s, mf_dev_event *e);
+    /* start and end: timed events of one card (checked by dev.c) */
+    int (*event_elapsed)(mf_dev_event *start, mf_dev_event *end, int64_t *out_ns);
     int (*callback)(mf_dev_stream *s, void (*fn)(void *), void *arg);
     /* Optional (NULL: mf_dev_stream_callback_status is -ENOTSUP): fn(arg, err, msg) with the
      * stream's first error not yet delivered, which it takes. */
@@ -62,6 +64,7 @@ struct mf_dev_graph {
 struct mf_dev_event {
     mf_dev *dev;
     int card;
+    int timed;               /* made by mf_dev_event_create_timed */
 };
 
 int mf_dev_open_emu(const char *opts, mf_dev **out);    /* opts: what follows "emu:" */

@@ -1,6 +1,6 @@
-/* The device expert cache (device/expert_cache.h): a per-card slab of packed-expert slots with the
- * host store's LFU-with-aging policy, pins while a step computes on a slot, and hit, miss,
- * eviction and byte counters per step and in total. */
+/* The device expert cache (device/expert_cache.h): a per-card slab of packed-expert slots whose
+ * residency (LFU with aging, pins while a step computes on a slot, hit, miss and eviction counters
+ * per step and in total) is the shared policy of sched/residency.h, behind this cache's lock. */
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -8,19 +8,14 @@
 
 #include "device/expert_cache.h"
 #include "sched/error.h"
+#include "sched/residency.h"
 
 struct mf_dev_xcache {
     mf_dev *d;
     mf_dev_xcache_opts o;
     uint8_t *slab;
-    int n_slots, n_items;
-    int32_t *slot_of;     /* item -> slot or -1 */
-    int32_t *item_of;     /* slot -> item or -1 */
-    int32_t *pins;        /* slot -> pin count */
-    uint32_t *freq;       /* item -> access count (kept while absent) */
-    uint64_t *last;       /* slot -> tick of last use */
-    uint64_t tick, accesses, aging_period;
-    mf_dev_xcache_stats total, step;
+    int n_slots;
+    mf_resid *res;        /* item (layer x n_experts + id) -> slot; in the same allocation */
     pthread_mutex_t mu;
 };
 
@@ -47,43 +42,44 @@ int mf_dev_xcache_new(mf_dev *d, const mf_dev_xcache_opts *o, mf_dev_xcache **ou
         return mf_error(-ENOSPC, "expert cache: card %d: a budget of %" PRIu64 " bytes holds %" PRId64
                         " experts of %" PRIu64 " bytes; at least %d needed (%" PRIu64 " bytes)", o->card,
                         o->budget_bytes, want, o->slot_bytes, min_slots, (uint64_t)min_slots * o->slot_bytes);
-    mf_dev_xcache *c = calloc(1, sizeof *c);
-    if (!c) return mf_error(-ENOMEM, "expert cache: out of memory");
-    c->d = d;
-    c->o = *o;
     void *slab = NULL;
     int rc = -ENOMEM;
     /* without a budget: as many slots as the card grants */
+    int n_slots = 0;
     for (int64_t n = want;;) {
         rc = mf_dev_alloc(d, o->card, (size_t)(n * (int64_t)o->slot_bytes), &slab);
         if (!rc) {
-            c->n_slots = (int)n;
+            n_slots = (int)n;
             break;
         }
         if (rc != -ENOMEM || o->budget_bytes || n == min_slots) break;
         n = n / 2 < min_slots ? min_slots : n / 2;
     }
     if (rc) {
-        free(c);
         if (rc == -ENOMEM)
             return mf_error(-ENOSPC, "expert cache: card %d is too small for %d expert(s) of %" PRIu64
                             " bytes (%s)", o->card, min_slots, o->slot_bytes, mf_last_error());
         return rc;
     }
-    c->slab = slab;
-    c->n_items = (int)n_items;
-    c->slot_of = malloc((size_t)n_items * sizeof *c->slot_of);
-    c->freq = calloc((size_t)n_items, sizeof *c->freq);
-    c->item_of = malloc((size_t)c->n_slots * sizeof *c->item_of);
-    c->pins = calloc((size_t)c->n_slots, sizeof *c->pins);
-    c->last = calloc((size_t)c->n_slots, sizeof *c->last);
-    if (!c->slot_of || !c->freq || !c->item_of || !c->pins || !c->last) {
-        mf_dev_xcache_free(c);
-        return mf_error(-ENOMEM, "expert cache: out of memory");
+    /* the handle and the policy's tables in one allocation */
+    mf_resid_opts ro = {.policy = MF_RESID_LFU, .n_items = (int)n_items, .n_slots = n_slots,
+                        .aging_period = o->aging_period > 0 ? o->aging_period : 0};
+    size_t head = (sizeof(mf_dev_xcache) + 63) / 64 * 64, res_bytes = mf_resid_bytes(&ro);
+    mf_dev_xcache *c = calloc(1, head + res_bytes);
+    if (!c) {
+        mf_dev_free(d, o->card, slab);
+        return mf_error(-ENOMEM, "expert cache: out of memory for %d slots over %" PRId64 " experts",
+                        n_slots, n_items);
     }
-    for (int64_t i = 0; i < n_items; i++) c->slot_of[i] = -1;
-    for (int i = 0; i < c->n_slots; i++) c->item_of[i] = -1;
-    c->aging_period = o->aging_period > 0 ? (uint64_t)o->aging_period : 8 * (uint64_t)c->n_slots;
+    c->d = d;
+    c->o = *o;
+    c->slab = slab;
+    c->n_slots = n_slots;
+    if ((rc = mf_resid_init(&ro, (uint8_t *)c + head, res_bytes, &c->res))) {
+        mf_dev_free(d, o->card, slab);
+        free(c);
+        return rc;
+    }
     pthread_mutex_init(&c->mu, NULL);
     *out = c;
     return 0;
@@ -93,12 +89,7 @@ void mf_dev_xcache_free(mf_dev_xcache *c)
 {
     if (!c) return;
     if (c->slab) mf_dev_free(c->d, c->o.card, c->slab);
-    if (c->item_of) pthread_mutex_destroy(&c->mu);
-    free(c->slot_of);
-    free(c->item_of);
-    free(c->pins);
-    free(c->freq);
-    free(c->last);
+    pthread_mutex_destroy(&c->mu);
     free(c);
 }
 
@@ -113,26 +104,9 @@ int mf_dev_xcache_has(const mf_dev_xcache *c, int layer, int id)
     int it = mf_dev_xcache_item(c, layer, id);
     if (it < 0) return 0;
     pthread_mutex_lock((pthread_mutex_t *)&c->mu);
-    int r = c->slot_of[it] >= 0;
+    int r = mf_resid_slot(c->res, it) >= 0;
     pthread_mutex_unlock((pthread_mutex_t *)&c->mu);
     return r;
-}
-
-/* Free slot first, else the unpinned slot with the lowest count (oldest among equals); -1. */
-static int mf_dev_xcache_victim(const mf_dev_xcache *c)
-{
-    int best = -1;
-    for (int s = 0; s < c->n_slots; s++) {
-        if (c->pins[s]) continue;
-        if (c->item_of[s] < 0) return s;
-        if (best < 0) {
-            best = s;
-            continue;
-        }
-        uint32_t fs = c->freq[c->item_of[s]], fb = c->freq[c->item_of[best]];
-        if (fs < fb || (fs == fb && c->last[s] < c->last[best])) best = s;
-    }
-    return best;
 }
 
 int mf_dev_xcache_acquire(mf_dev_xcache *c, int layer, int id, void **slot, int *hit)
@@ -142,35 +116,11 @@ int mf_dev_xcache_acquire(mf_dev_xcache *c, int layer, int id, void **slot, int 
         return mf_error(-EINVAL, "expert cache: expert %d of layer %d out of range (%d layers x %d experts)",
                         id, layer, c->o.n_layers, c->o.n_experts);
     pthread_mutex_lock(&c->mu);
-    int s = c->slot_of[it], h = s >= 0;
-    if (!h) {
-        s = mf_dev_xcache_victim(c);
-        if (s < 0) {
-            pthread_mutex_unlock(&c->mu);
-            return mf_error(-ENOSPC, "expert cache: card %d: all %d slots pinned, no room for expert %d of "
-                            "layer %d", c->o.card, c->n_slots, id, layer);
-        }
-        if (c->item_of[s] >= 0) {
-            c->slot_of[c->item_of[s]] = -1;
-            c->total.evictions++;
-            c->step.evictions++;
-        }
-        c->item_of[s] = it;
-        c->slot_of[it] = s;
-        c->total.misses++;
-        c->step.misses++;
-        c->total.bytes_in += c->o.slot_bytes;
-        c->step.bytes_in += c->o.slot_bytes;
-    } else {
-        c->total.hits++;
-        c->step.hits++;
-    }
-    c->pins[s]++;
-    c->last[s] = ++c->tick;
-    if (c->freq[it] < UINT32_MAX) c->freq[it]++;
-    if (++c->accesses % c->aging_period == 0)
-        for (int i = 0; i < c->n_items; i++) c->freq[i] >>= 1;
+    int s, h = mf_resid_acquire(c->res, it, &s);
     pthread_mutex_unlock(&c->mu);
+    if (h < 0)
+        return mf_error(-ENOSPC, "expert cache: card %d: all %d slots pinned, no room for expert %d of "
+                        "layer %d", c->o.card, c->n_slots, id, layer);
     *slot = c->slab + (size_t)s * c->o.slot_bytes;
     *hit = h;
     return 0;
@@ -181,8 +131,8 @@ void mf_dev_xcache_release(mf_dev_xcache *c, int layer, int id)
     int it = mf_dev_xcache_item(c, layer, id);
     if (it < 0) return;
     pthread_mutex_lock(&c->mu);
-    int s = c->slot_of[it];
-    if (s >= 0 && c->pins[s] > 0) c->pins[s]--;
+    int s = mf_resid_slot(c->res, it);
+    if (s >= 0) mf_resid_unpin(c->res, s);
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -191,30 +141,37 @@ void mf_dev_xcache_drop(mf_dev_xcache *c, int layer, int id)
     int it = mf_dev_xcache_item(c, layer, id);
     if (it < 0) return;
     pthread_mutex_lock(&c->mu);
-    int s = c->slot_of[it];
+    int s = mf_resid_slot(c->res, it);
     if (s >= 0) {
-        if (c->pins[s] > 0) c->pins[s]--;
-        if (!c->pins[s]) {
-            c->item_of[s] = -1;
-            c->slot_of[it] = -1;
-        }
+        mf_resid_unpin(c->res, s);
+        if (!mf_resid_pins(c->res, s)) mf_resid_clear(c->res, s);
     }
     pthread_mutex_unlock(&c->mu);
 }
 
+/* The policy's counters, with the bytes copied in: slot_bytes per miss. */
+static mf_dev_xcache_stats mf_dev_xcache_stats_of(const mf_dev_xcache *c, mf_resid_stats r)
+{
+    return (mf_dev_xcache_stats){.hits = r.hits, .misses = r.misses, .evictions = r.evictions,
+                                 .bytes_in = r.misses * c->o.slot_bytes};
+}
+
 void mf_dev_xcache_stats_total(const mf_dev_xcache *c, mf_dev_xcache_stats *out)
 {
+    mf_resid_stats r;
     pthread_mutex_lock((pthread_mutex_t *)&c->mu);
-    *out = c->total;
+    mf_resid_stats_total(c->res, &r);
     pthread_mutex_unlock((pthread_mutex_t *)&c->mu);
+    *out = mf_dev_xcache_stats_of(c, r);
 }
 
 void mf_dev_xcache_step(mf_dev_xcache *c, mf_dev_xcache_stats *out)
 {
+    mf_resid_stats r;
     pthread_mutex_lock(&c->mu);
-    if (out) *out = c->step;
-    c->step = (mf_dev_xcache_stats){0};
+    mf_resid_step(c->res, &r);
     pthread_mutex_unlock(&c->mu);
+    if (out) *out = mf_dev_xcache_stats_of(c, r);
 }
 
 int mf_dev_xcache_n_slots(const mf_dev_xcache *c) { return c->n_slots; }

@@ -1,10 +1,11 @@
 /* The device expert cache: per card a slab of device memory split into equal slots, each holding
  * one routed expert as packed on the host (FP4 codes and scales, not an expanded copy), so the
  * engine copies a miss in once and later steps find it on the card. Replacement is LFU with aging,
- * as in the host expert store (host/store.h): counts are kept for absent experts too and halved
- * every aging_period accesses; a miss takes a free slot, else evicts the unpinned present expert
- * with the lowest count (least recently used among equals). Which card owns an expert is a policy
- * function (mf_dev_xcache_owner), not a constant. Thread-safe (one lock per cache). */
+ * the policy of sched/residency.h that the host expert store (host/store.h) also runs: counts are
+ * kept for absent experts too and halved every aging_period accesses; a miss takes a free slot,
+ * else evicts the unpinned present expert with the lowest count (least recently used among
+ * equals). Which card owns an expert is a policy function (mf_dev_xcache_owner), not a constant.
+ * Thread-safe (one lock per cache, around every call into the policy). */
 #ifndef MF_EXPERT_CACHE_H
 #define MF_EXPERT_CACHE_H
 

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "sched/error.h"
+#include "sched/path.h"
 
 static int mf_config_check(const char *what, const char *pfx, const mf_config *c);
 
@@ -170,7 +171,15 @@ static int mf_cfg_rope_scaling(const mf_cfg_src *s, mf_config *c)
 {
     json_t *rs = json_object_get(s->model, "rope_scaling");
     c->yarn_factor = 0;
-    if (!rs || json_is_null(rs)) return 0;
+    c->yarn_defaulted = 0;
+    if (!rs || json_is_null(rs)) {   /* the released defaults, as the oracle applies them */
+        c->yarn_factor = MF_CONFIG_YARN_FACTOR;
+        c->yarn_original_max_position_embeddings = MF_CONFIG_YARN_ORIGINAL_MAX_POSITIONS;
+        c->yarn_beta_fast = MF_CONFIG_YARN_BETA_FAST;
+        c->yarn_beta_slow = MF_CONFIG_YARN_BETA_SLOW;
+        c->yarn_defaulted = 1;
+        return 0;
+    }
     if (!json_is_object(rs))
         return mf_cfg_bad(s, s->prefix, "rope_scaling", "an object", mf_json_kind(rs));
     char prefix[64];
@@ -190,8 +199,10 @@ static int mf_cfg_rope_scaling(const mf_cfg_src *s, mf_config *c)
     if ((rc = mf_cfg_int(&sub, "original_max_position_embeddings", 1, INT64_C(1) << 40, 1, 0,
                          &c->yarn_original_max_position_embeddings)))
         return rc;
-    if ((rc = mf_cfg_real(&sub, "beta_fast", 0, 1e6, 0, 1, 0, &c->yarn_beta_fast))) return rc;
-    if ((rc = mf_cfg_real(&sub, "beta_slow", 0, 1e6, 0, 1, 0, &c->yarn_beta_slow))) return rc;
+    if ((rc = mf_cfg_real(&sub, "beta_fast", 0, 1e6, 0, 0, MF_CONFIG_YARN_BETA_FAST, &c->yarn_beta_fast)))
+        return rc;
+    if ((rc = mf_cfg_real(&sub, "beta_slow", 0, 1e6, 0, 0, MF_CONFIG_YARN_BETA_SLOW, &c->yarn_beta_slow)))
+        return rc;
     return 0;
 }
 
@@ -660,14 +671,16 @@ char *mf_config_to_json(const mf_config *c)
     for (int i = 0; i < c->n_engram; i++)
         json_array_append_new(rows, json_integer(c->engram_num_embeddings[i]));
     json_object_set_new(o, "engram_num_embeddings", rows);
-    if (c->n_engram > 0) {
-        SETI("engram_max_ngram_size", c->engram_max_ngram_size);
-        SETI("engram_n_heads", c->engram_n_heads);
-        SETI("engram_head_dim", c->engram_head_dim);
-        if (c->engram_vocab_size > 0) SETI("engram_vocab_size", c->engram_vocab_size);
+    /* the Engram fields are written whenever set, with or without Engram layers, so a config
+     * round-trips exactly (a no-Engram checkpoint keeps its compressed vocabulary size, which a
+     * token map is checked against); unset ones (out of the parser's range) are left out */
+    if (c->engram_max_ngram_size >= 2) SETI("engram_max_ngram_size", c->engram_max_ngram_size);
+    if (c->engram_n_heads >= 1) SETI("engram_n_heads", c->engram_n_heads);
+    if (c->engram_head_dim >= 1) SETI("engram_head_dim", c->engram_head_dim);
+    if (c->engram_vocab_size > 0) SETI("engram_vocab_size", c->engram_vocab_size);
+    if (c->engram_compressed_vocab_size >= 1)
         SETI("engram_compressed_vocab_size", c->engram_compressed_vocab_size);
-        if (c->engram_pad_token_id >= 0) SETI("engram_pad_token_id", c->engram_pad_token_id);
-    }
+    if (c->engram_pad_token_id >= 0) SETI("engram_pad_token_id", c->engram_pad_token_id);
     json_object_set_new(o, "quantization_config",
                         json_pack("{s:s, s:s, s:s, s:[i,i], s:s}", "quant_method", "fp8", "fmt",
                                   "e4m3", "scale_fmt", "ue8m0", "weight_block_size",
@@ -684,6 +697,11 @@ int mf_config_write_json(const mf_config *c, const char *path)
 {
     char *text = mf_config_to_json(c);
     if (!text) return -ENOMEM;
+    int mk = mf_path_make_parent(path);
+    if (mk) {
+        free(text);
+        return mk;
+    }
     char tmp[4096];
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
     FILE *f = fopen(tmp, "wb");
@@ -721,10 +739,10 @@ static void mf_preset_common(mf_config *c)
     c->max_position_embeddings = 1048576;
     c->rope_theta = 10000;
     c->compress_rope_theta = 160000;
-    c->yarn_factor = 16;
-    c->yarn_original_max_position_embeddings = 65536;
-    c->yarn_beta_fast = 32;
-    c->yarn_beta_slow = 1;
+    c->yarn_factor = MF_CONFIG_YARN_FACTOR;
+    c->yarn_original_max_position_embeddings = MF_CONFIG_YARN_ORIGINAL_MAX_POSITIONS;
+    c->yarn_beta_fast = MF_CONFIG_YARN_BETA_FAST;
+    c->yarn_beta_slow = MF_CONFIG_YARN_BETA_SLOW;
     c->n_shared_experts = 1;
     c->scoring_func = MF_SCORING_SQRTSOFTPLUS;
     c->norm_topk_prob = 1;

@@ -17,6 +17,12 @@ typedef enum mf_scoring {
     MF_SCORING_SIGMOID,
 } mf_scoring;
 
+/* The released V4.1 checkpoint's rope_scaling (YaRN), applied when a config.json has none. */
+#define MF_CONFIG_YARN_FACTOR 16.0
+#define MF_CONFIG_YARN_ORIGINAL_MAX_POSITIONS 65536
+#define MF_CONFIG_YARN_BETA_FAST 32.0
+#define MF_CONFIG_YARN_BETA_SLOW 1.0
+
 typedef struct mf_config {
     /* shape of the transformer */
     int64_t vocab_size;
@@ -34,12 +40,18 @@ typedef struct mf_config {
     int64_t max_position_embeddings;
 
     /* positions: rope_theta on layers with compress ratio 0, compress_rope_theta + YaRN on the
-     * others; yarn_factor 0 when the config has no rope_scaling */
+     * others. A config.json without rope_scaling (or with null) gets the released checkpoint's
+     * YaRN (the MF_CONFIG_YARN_* defaults below), as the oracle (NeMo AutoModel's deepseek_v41
+     * config) does: V4.1 is trained with it, and converters that drop the field would otherwise
+     * run without it unnoticed; yarn_defaulted says so and `moeflow info` prints it. Inside
+     * rope_scaling, beta_fast / beta_slow default to 32 / 1 (the oracle's and HF's); factor and
+     * original_max_position_embeddings are required. factor 1 turns the scaling off. */
     double rope_theta;
     double compress_rope_theta;
     double yarn_factor;
     int64_t yarn_original_max_position_embeddings;
     double yarn_beta_fast, yarn_beta_slow;
+    int yarn_defaulted;            /* 1: config.json had no rope_scaling, the defaults apply */
 
     /* attention topology */
     int sliding_window;

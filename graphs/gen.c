@@ -20,6 +20,7 @@
 #include "host/formats.h"
 #include "host/safetensors.h"
 #include "sched/error.h"
+#include "sched/path.h"
 #include "sched/progress.h"
 
 #define MF_GEN_CHUNK_BYTES (8u << 20)
@@ -220,8 +221,8 @@ static int mf_gen_prepare_dir(const char *dir, int force, int *created)
     struct stat st;
     if (stat(dir, &st) != 0) {
         if (errno != ENOENT) return mf_error(-errno, "%s: %s", dir, strerror(errno));
-        if (mkdir(dir, 0755) != 0)
-            return mf_error(-errno, "%s: cannot create directory: %s", dir, strerror(errno));
+        int rc = mf_path_mkdirs(dir);   /* missing parents too, as mkdir -p */
+        if (rc) return rc;
         *created = 1;
         return 0;
     }
@@ -375,7 +376,7 @@ int mf_gen_write(const mf_config *c, const char *dir, const mf_gen_opts *o)
         snprintf(path, sizeof path, "%s/tokenizer.json", dir);
         rc = mf_gen_tokenizer_write(c, path);
         if (rc == 0) mf_gen_files_add(&written, path);
-        if (rc == 0 && c->n_engram > 0) rc = mf_gen_engram_vocab(path, &cw);
+        if (rc == 0) rc = mf_gen_engram_vocab(path, &cw);
     }
     if (rc == 0) {
         snprintf(path, sizeof path, "%s/config.json", dir);

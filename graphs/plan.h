@@ -1,8 +1,9 @@
-/* The simulator of real decode steps: builds the graph one scheduled decode step would run
- * (graphs/step.c's task structure, with only the expert slots the step's routing uses), costs each
- * task from a hardware profile (sched/profile.h), keeps the expert caches (host store, per-card
- * device caches) across steps with the engine's replacement policy, and runs it in virtual time
- * (sched/sim.h). Never reads tensor data: a config is enough (docs/sim.md). */
+/* The simulator of real decode steps: runs the graph one scheduled decode step runs (the engine's
+ * own, from graphs/stepgraph.h), prices each task's record from a hardware profile
+ * (sched/profile.h), keeps the expert caches (host store, per-card device caches) across steps
+ * with the engine's replacement policy, places and marks noop tasks as the engine's route task,
+ * and runs it in virtual time (sched/sim.h). Never reads tensor data: a config is enough
+ * (docs/sim.md). */
 #ifndef MF_PLAN_H
 #define MF_PLAN_H
 
@@ -14,8 +15,9 @@
 #include "graphs/step.h"
 #include "sched/profile.h"
 
-/* Replacement policy of the simulated device expert caches. LFU is what device/expert_cache.c and
- * host/store.c do (LFU with aging, LRU among equal counts); LRU is offered for tuning. */
+/* Replacement policy of the simulated device expert caches (sched/residency.h). LFU is what
+ * device/expert_cache.c and host/store.c run (LFU with aging, LRU among equal counts); LRU is
+ * offered for tuning. */
 typedef enum mf_plan_cache_policy {
     MF_PLAN_CACHE_LFU = 0,
     MF_PLAN_CACHE_LRU
@@ -44,6 +46,7 @@ typedef struct mf_plan_opts {
     int store;                   /* mf_plan_store for routed experts */
     uint64_t store_budget_bytes; /* streamed: slab bytes (0: 2 GiB, as host/store.h) */
     int tables;                  /* mf_plan_store for Engram tables (reads per step when streamed) */
+    int dev_graphs;              /* 1: a layer's FFNs on a card are one device graph (mf_step_opts.dev_graphs) */
     double dev_task_ns;          /* emulated cards: the host core time of one device task's round
                                   * trip (`moeflow bench devtasks`; 0: the profile's card_fp4_latency_ns) */
     double cpu_bytes_per_s;      /* overrides the engine's model of host expert work per worker, as
@@ -89,9 +92,9 @@ typedef struct mf_plan mf_plan;
 int mf_plan_new(const mf_plan_opts *o, mf_plan **out);
 void mf_plan_free(mf_plan *p);
 
-/* Simulates the next decode step: draws its routing, builds its graph, places the slots (as
- * mf_step_place), updates the caches, runs mf_sim_run. `out` (may be NULL) gets that step's
- * report; the totals accumulate. */
+/* Simulates the next decode step: draws its routing, places the slots (mf_sg_placer, as the
+ * engine), updates the caches, marks the noop tasks, prices the records, runs mf_sim_run_opts.
+ * `out` (may be NULL) gets that step's report; the totals accumulate. */
 int mf_plan_step(mf_plan *p, mf_plan_report *out);
 /* Sums over the steps so far, times as per-step means (n_steps 0: all zero). */
 void mf_plan_total(const mf_plan *p, mf_plan_report *out);
@@ -100,6 +103,9 @@ void mf_plan_reset_totals(mf_plan *p);
 
 /* Convenience: warmup steps then n_steps steps, the report of the latter. */
 int mf_plan_run(const mf_plan_opts *o, int warmup, int n_steps, mf_plan_report *out);
+
+/* The step graph the simulator runs: the engine's for this shape (graphs/stepgraph.h). */
+const mf_stepgraph *mf_plan_graph(const mf_plan *p);
 
 /* Chrome trace-event JSON of the last simulated step (sched/timeline.h). */
 int mf_plan_write_trace(const mf_plan *p, const char *path);

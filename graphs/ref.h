@@ -33,7 +33,8 @@ typedef struct mf_ref_opts {
      * blocks with a power-of-two scale. */
     int act_quant;
     /* Engram token map: vocab id -> compressed id (n_token_map entries). NULL: the placeholder
-     * map id % engram_compressed_vocab_size (documented in docs/reference.md). Copied. */
+     * map id % engram_compressed_vocab_size (documented in docs/reference.md). Copied. A model
+     * without Engram layers never reads it: it is then accepted and ignored. */
     const int32_t *token_map;
     int64_t n_token_map;
     mf_ref_hooks hooks;

@@ -119,7 +119,7 @@ int mf_ref_new(const mf_model *m, const mf_ref_opts *opts, mf_ref **out)
     }
     /* Engram token map */
     int64_t cv = c->engram_compressed_vocab_size > 0 ? c->engram_compressed_vocab_size : 1;
-    if (opts && opts->token_map) {
+    if (opts && opts->token_map && c->n_engram > 0) {   /* only Engram layers read the map */
         if (opts->n_token_map < 1 || opts->n_token_map > c->vocab_size) {
             mf_ref_free(r);
             return mf_error(-EINVAL, "reference: token map has %" PRId64 " entries, expected 1..%" PRId64,

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "sched/error.h"
+#include "sched/path.h"
 
 typedef enum { MF_ROUTE_UNIFORM, MF_ROUTE_ZIPF, MF_ROUTE_TRACE } mf_route_kind;
 
@@ -434,6 +435,8 @@ int mf_routing_rec_open(const char *path, int n_layers, int n_experts, int top_k
         return mf_error(-EINVAL, "%s: routing trace: expected layers >= 1 and 1 <= top_k <= experts "
                         "(and <= 256), found %d layers, %d experts, top_k %d", path, n_layers, n_experts, top_k);
     if (strlen(path) >= 1000) return mf_error(-ENAMETOOLONG, "routing trace path too long");
+    int mk = mf_path_make_parent(path);
+    if (mk) return mk;
     mf_routing_rec *w = calloc(1, sizeof *w);
     if (!w) return mf_error(-ENOMEM, "%s: out of memory", path);
     snprintf(w->path, sizeof w->path, "%s", path);

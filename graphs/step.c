@@ -16,6 +16,7 @@
 
 #include "graphs/ref_internal.h"
 #include "graphs/step.h"
+#include "graphs/stepgraph.h"
 #include "host/kernels.h"
 #include "host/store.h"
 #include "sched/clock.h"
@@ -28,14 +29,11 @@
 
 typedef struct mf_step_shape mf_step_shape;
 
-#define MF_STEP_MAX_PARTS 64   /* row parts of an attention stage */
-
-/* One task's argument: which shape, layer, slot and part it works on; the reference-code tasks
- * also take items [i0, i1) with the reference object (scratch) they use. */
+/* One task's argument: its shape, its record in the step graph (what it is: layer, stage, slot,
+ * part, card, items; graphs/stepgraph.h) and the forward object (scratch) it uses. */
 typedef struct mf_step_targ {
     mf_step_shape *sh;
-    int layer, slot, part;
-    int i0, i1;
+    const mf_sg_task *t;
     mf_ref *r;
 } mf_step_targ;
 
@@ -43,14 +41,14 @@ struct mf_step_shape {
     mf_step *eng;
     int n;              /* items */
     int par;            /* 1: items of distinct sequences, reference-code parts one task per item */
-    int n_slots;        /* min(n * top_k, n_routed_experts) */
-    int p_exp, p_sh, p_head;   /* row parts per expert, shared expert, head */
-    int p_attn;         /* row parts per attention linear stage, Engram wkv and router gate */
-    mf_graph *g;
+    /* the step graph (graphs/stepgraph.h) and its part counts: slots min(n * top_k, experts),
+     * row parts per expert, shared expert, head, attention stage (also Engram wkv, router gate) */
+    mf_stepgraph *sg;
+    int n_slots, p_exp, p_sh, p_head, p_attn;
+    mf_graph *g;        /* sg->g */
     mf_timeline *tl;
-    uint8_t *phase_of;  /* per task */
     mf_task_span *sorted;   /* per task: the last run's spans sorted by start (phase times) */
-    mf_step_targ *args;
+    mf_step_targ *args;     /* per task */
     /* items and their activations */
     mf_ref_item *items;
     /* attention: per MF_RA_* buffer n rows of ab_ld floats (ref_internal.h), the attention mix's
@@ -72,20 +70,11 @@ struct mf_step_shape {
     int32_t *slot_of;   /* n_routed_experts -> slot (-1) */
     int32_t *slot_e, *slot_off, *slot_cnt;   /* n_slots */
     int n_used;
-    /* per layer and slot, the ids of its tasks that have nothing to do unless the slot runs on the
-     * host (ups, join, downs) or on card c (in, ffn, out): the route task marks them noop
-     * (mf_graph_set_noop) so the executor completes them without queueing; -1 where absent.
-     * slot_tid[(L * n_slots + s) * tid_per_slot + k]: k < 2 p_exp + 1 host, then 3 per card */
-    mf_task_id *slot_tid;
-    int tid_per_slot;
-    mf_task_id *card_ffn_tid;   /* graph mode: per layer and card, the card's FFN graph task */
     /* with an expert store: per slot its weights (w1, w2, w3 pointing into the store's slab) and
      * the reads of its IO tasks (n_parts per slot; empty on hits), filled by the route task */
     mf_weight *slot_w;      /* n_slots x 3 */
     mf_io_read *slot_rd;    /* n_slots x n_parts */
     int n_parts;
-    uint8_t *kind_of;       /* per task: MF_STEP_K_* (IO / expert compute accounting) */
-    mf_step_targ **targ_of; /* per task: its argument (IO tasks: which layer and slot) */
     int store_layer;        /* layer whose store batch is open, -1 */
     /* with devices: per slot its card (-1: host), its expert's cache slot on the card and whether
      * it must be copied in (a miss); per card the slot-ordered device buffers (x, token weights,
@@ -124,12 +113,10 @@ struct mf_step {
     mf_ref *cl[MF_STEP_MAX_ITEMS];
     const mf_config *c;
     mf_step_opts o;
-    mf_lane_desc lanes[2 + 3 * MF_DEV_MAX_CARDS];   /* cpu, io with a store, 3 per card */
-    char lane_names[3 * MF_DEV_MAX_CARDS][16];
-    int n_lanes;
+    mf_sg_lanes lt;           /* cpu, io with a store, 3 per card (lanes of card c at lane_dev0 + 3c) */
     /* routed experts on devices (placement other than host) */
     mf_dev *dev;
-    int n_cards, dev_lane0;   /* lanes of card c: dev_lane0 + 3c + (copy in, compute, copy out) */
+    int n_cards;
     mf_dev_xcache *xc[MF_DEV_MAX_CARDS];
     size_t part_off[6], part_bytes[6];
     uint64_t xslot_bytes;
@@ -139,13 +126,12 @@ struct mf_step {
     int max_items;           /* items per graph run: one layer's slots fit the store */
     pthread_mutex_t gather_mu;   /* Engram tasks reach the store's gatherer one at a time */
     mf_sched *sched;
+    mf_sg_sizes *sz;          /* the model's sizes for the step graphs (from its layout) */
     mf_step_shape *shapes[2][MF_STEP_MAX_ITEMS + 1];   /* [par][n] */
     mf_step_shape *last;
     mf_step_times times;
     mf_lane_model models[4];   /* mf_step_lane_models: cpu, copy in, card compute, copy out */
 };
-
-enum { MF_STEP_K_OTHER, MF_STEP_K_IO, MF_STEP_K_EXPERT, MF_STEP_K_COPY, MF_STEP_K_DEV, MF_STEP_K_COPY_OUT };
 
 const char *mf_step_phase_name(mf_step_phase p)
 {
@@ -157,11 +143,10 @@ const char *mf_step_phase_name(mf_step_phase p)
 
 static void mf_step_rows(int64_t n_rows, int parts, int p, int *r0, int *r1)
 {
-    int64_t chunk = (n_rows + parts - 1) / parts;
-    chunk = (chunk + 15) / 16 * 16;
-    int64_t a = p * chunk, b = a + chunk;
-    *r0 = (int)(a < n_rows ? a : n_rows);
-    *r1 = (int)(b < n_rows ? b : n_rows);
+    int64_t a, b;
+    mf_sg_rows(n_rows, parts, p, &a, &b);
+    *r0 = (int)a;
+    *r1 = (int)b;
 }
 
 static mf_kern_mat mf_step_mat(const mf_weight *w)
@@ -181,26 +166,26 @@ static int mf_task_engram_embed(void *arg, mf_task_ctx *ctx)
     mf_step *eng = sh->eng;
     if (eng->store) pthread_mutex_lock(&eng->gather_mu);
     int rc = 0;
-    for (int i = a->i0; i < a->i1 && !rc; i++)
-        rc = mf_ref_engram_embed(a->r, &sh->items[i], a->layer, sh->eg_emb + (size_t)i * sh->eg_emb_ld);
+    for (int i = a->t->i0; i < a->t->i1 && !rc; i++)
+        rc = mf_ref_engram_embed(a->r, &sh->items[i], a->t->layer, sh->eg_emb + (size_t)i * sh->eg_emb_ld);
     if (eng->store) pthread_mutex_unlock(&eng->gather_mu);
     return rc;
 }
 
-/* Rows of part a->part of sh->p_attn of the wkv projection, over all items (as mf_ref_linear
+/* Rows of part a->t->part of sh->p_attn of the wkv projection, over all items (as mf_ref_linear
  * sums them: the same bits for any split). */
 static int mf_task_engram_rows(void *arg, mf_task_ctx *ctx)
 {
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    const mf_weight *w = &mf_model_layer_at(a->r->m, a->layer)->eg_wkv;
+    const mf_weight *w = &mf_model_layer_at(a->r->m, a->t->layer)->eg_wkv;
     int r0, r1;
-    mf_step_rows(w->rows, sh->p_attn, a->part, &r0, &r1);
+    mf_step_rows(w->rows, sh->p_attn, a->t->part, &r0, &r1);
     if (r0 >= r1) return 0;
     int rc = mf_ref_linear_part(a->r, w, a->r->kern_linear, sh->eg_emb, sh->n, sh->eg_emb_ld, sh->eg_kv,
                                 sh->eg_kv_ld, r0, r1);
-    return rc ? mf_error_wrap(rc, "step: layer %d, rows [%d, %d) of the Engram wkv", a->layer, r0, r1) : 0;
+    return rc ? mf_error_wrap(rc, "step: layer %d, rows [%d, %d) of the Engram wkv", a->t->layer, r0, r1) : 0;
 }
 
 /* Per item: the gated value added into its streams. */
@@ -209,8 +194,8 @@ static int mf_task_engram_gate(void *arg, mf_task_ctx *ctx)
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    for (int i = a->i0; i < a->i1; i++)
-        mf_ref_engram_gate(a->r, &sh->items[i], a->layer, sh->eg_kv + (size_t)i * sh->eg_kv_ld);
+    for (int i = a->t->i0; i < a->t->i1; i++)
+        mf_ref_engram_gate(a->r, &sh->items[i], a->t->layer, sh->eg_kv + (size_t)i * sh->eg_kv_ld);
     return 0;
 }
 
@@ -230,10 +215,10 @@ static int mf_task_attn_pre(void *arg, mf_task_ctx *ctx)
     mf_step_shape *sh = a->sh;
     mf_ref *r = a->r;
     const mf_config *c = r->c;
-    const mf_model_layer *y = mf_model_layer_at(r->m, a->layer);
+    const mf_model_layer *y = mf_model_layer_at(r->m, a->t->layer);
     int64_t H = c->hidden_size;
     int hc = c->hc_mult;
-    for (int i = a->i0; i < a->i1; i++) {
+    for (int i = a->t->i0; i < a->t->i1; i++) {
         mf_ref_item *it = &sh->items[i];
         float mixes[(2 + MF_REF_MAX_HC) * MF_REF_MAX_HC];
         mf_ref_hc_mixes(r, it->x, &y->hc_attn_fn, mixes);
@@ -245,7 +230,7 @@ static int mf_task_attn_pre(void *arg, mf_task_ctx *ctx)
     return 0;
 }
 
-/* Rows of linear stage a->slot (MF_RA_STAGE_*) of layer a->layer, part a->part of sh->p_attn:
+/* Rows of linear stage a->t->stage (MF_RA_STAGE_*) of layer a->t->layer, part a->t->part of sh->p_attn:
  * the stage's linears taken as one column of output rows, split as mf_step_rows, each part over
  * all items (weights read once for the batch); a row's bits do not depend on the split. */
 static int mf_task_attn_rows(void *arg, mf_task_ctx *ctx)
@@ -254,11 +239,11 @@ static int mf_task_attn_rows(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     mf_ref_attn_lin lin[MF_RA_MAX_LIN];
-    int n = mf_ref_attn_linears(a->r, a->layer, a->slot, lin);
+    int n = mf_ref_attn_linears(a->r, a->t->layer, a->t->stage, lin);
     int64_t total = 0, off = 0;
     for (int k = 0; k < n; k++) total += lin[k].w->rows;
     int r0, r1;
-    mf_step_rows(total, sh->p_attn, a->part, &r0, &r1);
+    mf_step_rows(total, sh->p_attn, a->t->part, &r0, &r1);
     for (int k = 0; k < n && r0 < r1; k++) {
         const mf_ref_attn_lin *l = &lin[k];
         int64_t lo = r0 - off > 0 ? r0 - off : 0, hi = r1 - off < l->w->rows ? r1 - off : l->w->rows;
@@ -266,7 +251,7 @@ static int mf_task_attn_rows(void *arg, mf_task_ctx *ctx)
         if (lo >= hi) continue;
         int rc = mf_ref_attn_lin_rows(a->r, l, sh->ab[l->x], sh->ab_ld[l->x], sh->ab[l->y], sh->ab_ld[l->y], sh->n,
                                       lo, hi);
-        if (rc) return mf_error_wrap(rc, "step: layer %d, rows [%lld, %lld) of %s", a->layer, (long long)lo,
+        if (rc) return mf_error_wrap(rc, "step: layer %d, rows [%lld, %lld) of %s", a->t->layer, (long long)lo,
                                      (long long)hi, l->w->name ? l->w->name : "an attention linear");
     }
     return 0;
@@ -278,9 +263,9 @@ static int mf_task_attn_qnorm(void *arg, mf_task_ctx *ctx)
     (void)ctx;
     mf_step_targ *a = arg;
     float *b[MF_RA_N];
-    for (int i = a->i0; i < a->i1; i++) {
+    for (int i = a->t->i0; i < a->t->i1; i++) {
         mf_step_abuf(a->sh, i, b);
-        mf_ref_attn_qnorm(a->r, a->layer, b);
+        mf_ref_attn_qnorm(a->r, a->t->layer, b);
     }
     return 0;
 }
@@ -291,9 +276,9 @@ static int mf_task_attn_core(void *arg, mf_task_ctx *ctx)
     (void)ctx;
     mf_step_targ *a = arg;
     float *b[MF_RA_N];
-    for (int i = a->i0; i < a->i1; i++) {
+    for (int i = a->t->i0; i < a->t->i1; i++) {
         mf_step_abuf(a->sh, i, b);
-        int rc = mf_ref_attn_core(a->r, &a->sh->items[i], a->layer, b);
+        int rc = mf_ref_attn_core(a->r, &a->sh->items[i], a->t->layer, b);
         if (rc) return rc;
     }
     return 0;
@@ -308,10 +293,10 @@ static int mf_task_attn_post(void *arg, mf_task_ctx *ctx)
     mf_step_shape *sh = a->sh;
     mf_ref *r = a->r;
     const mf_config *c = r->c;
-    const mf_model_layer *y = mf_model_layer_at(r->m, a->layer);
+    const mf_model_layer *y = mf_model_layer_at(r->m, a->t->layer);
     int64_t H = c->hidden_size;
     int hc = c->hc_mult;
-    for (int i = a->i0; i < a->i1; i++) {
+    for (int i = a->t->i0; i < a->t->i1; i++) {
         mf_ref_item *it = &sh->items[i];
         float mixes[(2 + MF_REF_MAX_HC) * MF_REF_MAX_HC], pre_f[MF_REF_MAX_HC];
         mf_ref_hc_expand(r, it->x, sh->ab[MF_RA_OUT] + (size_t)i * sh->ab_ld[MF_RA_OUT], sh->apost + (size_t)i * hc,
@@ -326,20 +311,20 @@ static int mf_task_attn_post(void *arg, mf_task_ctx *ctx)
     return 0;
 }
 
-/* Rows (experts) of part a->part of sh->p_attn of the router's gate logits, over all items: as
+/* Rows (experts) of part a->t->part of sh->p_attn of the router's gate logits, over all items: as
  * the reference sums them (double sums, never the kernels), so the routing is the reference's. */
 static int mf_task_gate_rows(void *arg, mf_task_ctx *ctx)
 {
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    const mf_weight *w = &mf_model_layer_at(a->r->m, a->layer)->gate;
+    const mf_weight *w = &mf_model_layer_at(a->r->m, a->t->layer)->gate;
     int r0, r1;
-    mf_step_rows(w->rows, sh->p_attn, a->part, &r0, &r1);
+    mf_step_rows(w->rows, sh->p_attn, a->t->part, &r0, &r1);
     if (r0 >= r1) return 0;
     int64_t H = sh->eng->c->hidden_size;
     int rc = mf_ref_linear_part(a->r, w, 0, sh->xin, sh->n, H, sh->logits, w->rows, r0, r1);
-    return rc ? mf_error_wrap(rc, "step: layer %d, rows [%d, %d) of the router gate", a->layer, r0, r1) : 0;
+    return rc ? mf_error_wrap(rc, "step: layer %d, rows [%d, %d) of the router gate", a->t->layer, r0, r1) : 0;
 }
 
 /* Top-k of the gate logits of every item, in item order (with the route hook). */
@@ -421,47 +406,33 @@ void mf_step_lane_models(const mf_profile *p, int threads, mf_lane_model models[
     models[3] = (mf_lane_model){.bytes_per_s = p->d2h_bytes_per_s, .latency_ns = p->d2h_latency_ns};
 }
 
-static double mf_step_lane_ns(const mf_lane_desc *l, double bytes)
-{
-    return l->model.latency_ns + (l->model.bytes_per_s > 0 ? bytes / l->model.bytes_per_s * 1e9 : 0);
-}
-
 /* Decides where layer L's slots run (sh->slot_card) and takes their cache slots on the cards
  * (pinned until the layer's end): SEED the owner card; HYBRID the earlier finish by the lanes'
  * cost models, host work spread over the workers, each card's copy and compute queues apart. */
 static int mf_step_place(mf_step_shape *sh, int L)
 {
     mf_step *eng = sh->eng;
-    double bytes = (double)eng->xslot_bytes, W = eng->o.n_threads;
-    double host_q = 0, copy_q[MF_DEV_MAX_CARDS] = {0}, comp_q[MF_DEV_MAX_CARDS] = {0};
+    mf_sg_placer pl;
+    mf_sg_placer_init(&pl, eng->models, eng->o.n_threads, eng->o.placement == MF_STEP_PLACE_HYBRID,
+                      (double)eng->xslot_bytes);
     sh->dev_layer = L;
     for (int s = 0; s < sh->n_slots; s++) sh->slot_card[s] = -1;
     for (int s = 0; s < sh->n_used; s++) {
         int e = sh->slot_e[s], c = mf_dev_xcache_owner(eng->n_cards, L, e);
-        const mf_lane_desc *lin = &eng->lanes[eng->dev_lane0 + 3 * c], *lc = lin + 1;
-        /* an expert's time is its weight bytes over the lane's model (decode is weight-bound);
-         * each token of the slot adds 2% */
-        double host_ns = mf_step_lane_ns(&eng->lanes[0], bytes) * (1 + 0.02 * sh->slot_cnt[s]);
-        double copy_ns = mf_dev_xcache_has(eng->xc[c], L, e) ? 0 : mf_step_lane_ns(lin, bytes);
-        double comp_ns = mf_step_lane_ns(lc, bytes) * (1 + 0.02 * sh->slot_cnt[s]);
-        double t_dev = (copy_q[c] + copy_ns > comp_q[c] ? copy_q[c] + copy_ns : comp_q[c]) + comp_ns;
-        double t_host = (host_q + host_ns) / W;
-        if (eng->o.placement == MF_STEP_PLACE_HYBRID && t_host <= t_dev) {
-            host_q += host_ns;
+        if (!mf_sg_place_want_card(&pl, c, sh->slot_cnt[s], mf_dev_xcache_has(eng->xc[c], L, e))) {
             eng->dstat.host_slots++;
             continue;
         }
         void *slot = NULL;
         int hit = 0, rc = mf_dev_xcache_acquire(eng->xc[c], L, e, &slot, &hit);
         if (rc == -ENOSPC) {   /* every cache slot of the card pinned: the host takes it */
-            host_q += host_ns;
+            mf_sg_place_host(&pl);
             eng->dstat.host_slots++;
             eng->dstat.host_fallbacks++;
             continue;
         }
         if (rc) return rc;
-        copy_q[c] += copy_ns;
-        comp_q[c] = t_dev;
+        mf_sg_place_card(&pl);
         sh->slot_card[s] = c;
         sh->slot_dev[s] = slot;
         sh->slot_miss[s] = (uint8_t)!hit;
@@ -503,18 +474,18 @@ static int mf_step_dev_fail(mf_step_shape *sh, int rc)
     mf_task_span *sp = mf_timeline_spans(sh->tl);
     int L = sh->dev_layer;
     for (int t = 0; sp && t < mf_graph_n_tasks(sh->g); t++) {
-        int k = sh->kind_of[t];
-        if (sp[t].status >= 0 || (k != MF_STEP_K_COPY && k != MF_STEP_K_DEV && k != MF_STEP_K_COPY_OUT))
+        int k = sh->sg->task[t].kind;
+        if (sp[t].status >= 0 || (k != MF_SG_K_COPY && k != MF_SG_K_DEV && k != MF_SG_K_COPY_OUT))
             continue;
         const mf_step_targ *a = mf_graph_task(sh->g, t)->arg;
-        if (a->layer != L || a->slot >= sh->n_used) continue;
-        if (a->slot < 0) {   /* a card's graph of the layer's FFNs */
+        if (a->t->layer != L || a->t->slot >= sh->n_used) continue;
+        if (a->t->slot < 0) {   /* a card's graph of the layer's FFNs */
             rc = mf_error_wrap(rc, "layer %d, the routed experts on card %d (their cache slots copied in "
-                               "this step are dropped)", L, a->part);
+                               "this step are dropped)", L, a->t->card);
             break;
         }
-        int s = a->slot;
-        rc = mf_error_wrap(rc, "layer %d, routed expert %d on card %d (%s)", L, sh->slot_e[s], a->part,
+        int s = a->t->slot;
+        rc = mf_error_wrap(rc, "layer %d, routed expert %d on card %d (%s)", L, sh->slot_e[s], a->t->card,
                            sh->slot_miss[s] ? "copied in this step: its cache slot is dropped"
                                             : "a cache hit");
         break;
@@ -523,21 +494,21 @@ static int mf_step_dev_fail(mf_step_shape *sh, int rc)
     return rc;
 }
 
-/* Device lanes of a slot on card a->part (empty unless the route task put the slot there):
+/* Device lanes of a slot on card a->t->card (empty unless the route task put the slot there):
  * copy-in of the packed expert on a miss and of the slot's rows (inputs, token weights); the
  * expert FFN on the int8 path (the same kernels as the host's); copy-out of the outputs. */
 static int mf_task_dev_in(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    int s = a->slot;
-    if (s >= sh->n_used || sh->slot_card[s] != a->part) return MF_TASK_NO_WORK;
+    int s = a->t->slot;
+    if (s >= sh->n_used || sh->slot_card[s] != a->t->card) return MF_TASK_NO_WORK;
     mf_step *eng = sh->eng;
     mf_dev_stream *st = ctx->queue;
     int64_t H = eng->c->hidden_size;
     int rc = 0;
     if (sh->slot_miss[s]) {
-        const mf_weight *ew = mf_step_slot_weights(sh, a->layer, s);
+        const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, s);
         for (int k = 0; k < 3 && !rc; k++) {
             rc = mf_dev_copy_h2d(st, sh->slot_dev[s] + eng->part_off[2 * k], ew[k].data, eng->part_bytes[2 * k]);
             if (!rc) rc = mf_dev_copy_h2d(st, sh->slot_dev[s] + eng->part_off[2 * k + 1], ew[k].scale,
@@ -545,7 +516,7 @@ static int mf_task_dev_in(void *arg, mf_task_ctx *ctx)
         }
     }
     size_t off = (size_t)sh->slot_off[s], cnt = (size_t)sh->slot_cnt[s];
-    uint8_t *db = sh->dbuf[a->part];
+    uint8_t *db = sh->dbuf[a->t->card];
     if (!rc) rc = mf_dev_copy_h2d(st, db + sh->d_x + off * H * 4, sh->xg + off * H, cnt * H * 4);
     if (!rc) rc = mf_dev_copy_h2d(st, db + sh->d_w + off * 4, sh->wg + off, cnt * 4);
     return rc;
@@ -555,13 +526,13 @@ static int mf_task_dev_ffn(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    int s = a->slot;
-    if (s >= sh->n_used || sh->slot_card[s] != a->part) return MF_TASK_NO_WORK;
+    int s = a->t->slot;
+    if (s >= sh->n_used || sh->slot_card[s] != a->t->card) return MF_TASK_NO_WORK;
     mf_step *eng = sh->eng;
     int64_t H = eng->c->hidden_size, I = eng->c->moe_intermediate_size;
-    const mf_weight *ew = mf_step_slot_weights(sh, a->layer, s);
+    const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, s);
     size_t off = (size_t)sh->slot_off[s];
-    uint8_t *db = sh->dbuf[a->part], *x = sh->slot_dev[s];
+    uint8_t *db = sh->dbuf[a->t->card], *x = sh->slot_dev[s];
     mf_dev_ffn f = {.w1 = mf_step_mat(&ew[0]), .w3 = mf_step_mat(&ew[2]), .w2 = mf_step_mat(&ew[1]),
                     .x = (const float *)(db + sh->d_x) + off * H, .n_tok = sh->slot_cnt[s],
                     .tok_weight = (const float *)(db + sh->d_w) + off, .limit = (float)eng->c->swiglu_limit,
@@ -576,7 +547,7 @@ static int mf_task_dev_ffn(void *arg, mf_task_ctx *ctx)
     return mf_dev_expert_ffn(ctx->queue, &f);
 }
 
-/* Graph mode: the FFNs of every slot of layer a->layer on card a->part, as the layer's graph
+/* Graph mode: the FFNs of every slot of layer a->t->layer on card a->t->card, as the layer's graph
  * (captured on its first run: the h2d copy of the layer's slot table, then the slot-table FFN
  * over the shape's buffers), which reads the experts and rows the route task wrote into the
  * table. Nothing when no slot is on the card. */
@@ -585,7 +556,7 @@ static int mf_task_dev_ffn_card(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
-    int c = a->part, L = a->layer, any = 0;
+    int c = a->t->card, L = a->t->layer, any = 0;
     for (int s = 0; s < sh->n_used && !any; s++) any = sh->slot_card[s] == c;
     if (!any) return MF_TASK_NO_WORK;
     mf_dev_stream *st = ctx->queue;
@@ -619,41 +590,17 @@ static int mf_task_dev_out(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    int s = a->slot;
-    if (s >= sh->n_used || sh->slot_card[s] != a->part) return MF_TASK_NO_WORK;
+    int s = a->t->slot;
+    if (s >= sh->n_used || sh->slot_card[s] != a->t->card) return MF_TASK_NO_WORK;
     int64_t H = sh->eng->c->hidden_size;
     size_t off = (size_t)sh->slot_off[s], cnt = (size_t)sh->slot_cnt[s];
-    return mf_dev_copy_d2h(ctx->queue, sh->y + off * H, (const float *)(sh->dbuf[a->part] + sh->d_y) + off * H,
+    return mf_dev_copy_d2h(ctx->queue, sh->y + off * H, (const float *)(sh->dbuf[a->t->card] + sh->d_y) + off * H,
                            cnt * H * 4);
 }
 
 /* Router: the top-k of the gate logits, then the slot table: the distinct experts in
  * ascending id, each with its items in item order; inputs gathered into slot order (and
  * quantized for the int8 path). */
-/* Marks layer L's slot tasks that have nothing to do this run (unused slots; a slot's host tasks
- * when it runs on a card, its tasks on the other cards) as noop, the rest as normal: the executor
- * then completes the empty ones where they become ready, without waking a lane's thread or making
- * a round trip through a card's stream. Called by the route task before its successors start. */
-static void mf_step_mark_noop(mf_step_shape *sh, int L)
-{
-    mf_step *eng = sh->eng;
-    int nc = eng->n_cards, pe = sh->p_exp;
-    for (int s = 0; s < sh->n_slots; s++) {
-        const mf_task_id *tid = sh->slot_tid + ((size_t)L * sh->n_slots + s) * sh->tid_per_slot;
-        int used = s < sh->n_used, card = used && sh->slot_card ? sh->slot_card[s] : -1;
-        for (int k = 0; k < 2 * pe + 1; k++) mf_graph_set_noop(sh->g, tid[k], !used || card >= 0);
-        for (int cd = 0; cd < nc; cd++)
-            for (int k = 0; k < 3; k++)
-                if (tid[2 * pe + 1 + 3 * cd + k] >= 0)
-                    mf_graph_set_noop(sh->g, tid[2 * pe + 1 + 3 * cd + k], card != cd);
-    }
-    for (int cd = 0; cd < nc && eng->dev_graphs; cd++) {
-        int any = 0;
-        for (int s = 0; s < sh->n_used && !any; s++) any = sh->slot_card[s] == cd;
-        mf_graph_set_noop(sh->g, sh->card_ffn_tid[L * nc + cd], !any);
-    }
-}
-
 static int mf_task_route(void *arg, mf_task_ctx *ctx)
 {
     (void)ctx;
@@ -663,7 +610,7 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
     const mf_config *c = eng->c;
     int K = c->n_experts_per_tok, E = c->n_routed_experts;
     int64_t H = c->hidden_size;
-    mf_step_topk(sh, a->r, a->layer);
+    mf_step_topk(sh, a->r, a->t->layer);
     memset(sh->cnt, 0, sizeof *sh->cnt * (size_t)E);
     for (int j = 0; j < sh->n * K; j++) sh->cnt[sh->ex[j]]++;
     int ns = 0, off = 0;
@@ -688,14 +635,17 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
             sh->wg[row] = sh->wt[i * K + k];
         }
     if (eng->store) {
-        int rc = mf_step_store_begin(sh, a->layer);
+        int rc = mf_step_store_begin(sh, a->t->layer);
         if (rc) return rc;
     }
     if (eng->dev) {
-        int rc = mf_step_place(sh, a->layer);
+        int rc = mf_step_place(sh, a->t->layer);
         if (rc) return rc;
     }
-    mf_step_mark_noop(sh, a->layer);
+    /* the slot tasks with nothing to do this step (unused slots; a slot's host tasks when it runs
+     * on a card, its tasks on the other cards): the executor completes them where they become
+     * ready, without waking a lane's thread or a round trip through a card's stream */
+    mf_stepgraph_mark_noop(sh->sg, a->t->layer, sh->n_used, sh->slot_card);
     if (!eng->o.exact)
         for (int s = 0; s < ns; s++) {
             if (sh->slot_card && sh->slot_card[s] >= 0) continue;   /* the card quantizes its own */
@@ -716,10 +666,10 @@ static int mf_task_moe_done(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     mf_store *st = sh->eng->store;
-    if (sh->dev_layer == a->layer) mf_step_dev_release(sh, 0);
-    if (!st || sh->store_layer != a->layer) return 0;
+    if (sh->dev_layer == a->t->layer) mf_step_dev_release(sh, 0);
+    if (!st || sh->store_layer != a->t->layer) return 0;
     int rc = mf_store_end(st, 0);
-    mf_store_unpin(st, a->layer, sh->slot_e, sh->n_used);
+    mf_store_unpin(st, a->t->layer, sh->slot_e, sh->n_used);
     sh->store_layer = -1;
     return rc;
 }
@@ -771,16 +721,16 @@ static int mf_task_slot_up(void *arg, mf_task_ctx *ctx)
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    if (a->slot >= sh->n_used || (sh->slot_card && sh->slot_card[a->slot] >= 0)) return 0;
+    if (a->t->slot >= sh->n_used || (sh->slot_card && sh->slot_card[a->t->slot] >= 0)) return 0;
     mf_step *eng = sh->eng;
     const mf_config *c = eng->c;
     int64_t H = c->hidden_size, I = c->moe_intermediate_size;
-    const mf_weight *ew = mf_step_slot_weights(sh, a->layer, a->slot);
+    const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, a->t->slot);
     int r0, r1;
-    mf_step_rows(I, sh->p_exp, a->part, &r0, &r1);
+    mf_step_rows(I, sh->p_exp, a->t->part, &r0, &r1);
     if (r0 >= r1) return 0;
-    size_t off = (size_t)sh->slot_off[a->slot];
-    return mf_step_ffn_up(eng, &ew[0], &ew[2], sh->xg + off * H, &sh->q8x[a->slot], sh->slot_cnt[a->slot],
+    size_t off = (size_t)sh->slot_off[a->t->slot];
+    return mf_step_ffn_up(eng, &ew[0], &ew[2], sh->xg + off * H, &sh->q8x[a->t->slot], sh->slot_cnt[a->t->slot],
                           sh->wg + off, sh->h + off * I, sh->gg ? sh->gg + off * I : NULL,
                           sh->uu ? sh->uu + off * I : NULL, r0, r1);
 }
@@ -790,8 +740,8 @@ static int mf_task_slot_join(void *arg, mf_task_ctx *ctx)
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    if (a->slot >= sh->n_used || sh->eng->o.exact || (sh->slot_card && sh->slot_card[a->slot] >= 0)) return 0;
-    int I = (int)sh->eng->c->moe_intermediate_size, s = a->slot;
+    if (a->t->slot >= sh->n_used || sh->eng->o.exact || (sh->slot_card && sh->slot_card[a->t->slot] >= 0)) return 0;
+    int I = (int)sh->eng->c->moe_intermediate_size, s = a->t->slot;
     int rc = mf_kern_q8_init(&sh->q8h[s], sh->q8h_mem + (size_t)s * sh->q8h_bytes, sh->q8h_bytes,
                              sh->slot_cnt[s], I);
     if (!rc) rc = mf_kern_q8_quantize(&sh->q8h[s], sh->h + (size_t)sh->slot_off[s] * I, I, 0, sh->slot_cnt[s]);
@@ -803,15 +753,15 @@ static int mf_task_slot_down(void *arg, mf_task_ctx *ctx)
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    if (a->slot >= sh->n_used || (sh->slot_card && sh->slot_card[a->slot] >= 0)) return 0;
+    if (a->t->slot >= sh->n_used || (sh->slot_card && sh->slot_card[a->t->slot] >= 0)) return 0;
     mf_step *eng = sh->eng;
     int64_t H = eng->c->hidden_size, I = eng->c->moe_intermediate_size;
-    const mf_weight *ew = mf_step_slot_weights(sh, a->layer, a->slot);
+    const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, a->t->slot);
     int r0, r1;
-    mf_step_rows(H, sh->p_exp, a->part, &r0, &r1);
+    mf_step_rows(H, sh->p_exp, a->t->part, &r0, &r1);
     if (r0 >= r1) return 0;
-    size_t off = (size_t)sh->slot_off[a->slot];
-    return mf_step_ffn_down(eng, &ew[1], sh->h + off * I, &sh->q8h[a->slot], sh->slot_cnt[a->slot],
+    size_t off = (size_t)sh->slot_off[a->t->slot];
+    return mf_step_ffn_down(eng, &ew[1], sh->h + off * I, &sh->q8h[a->t->slot], sh->slot_cnt[a->t->slot],
                             sh->y + off * H, r0, r1);
 }
 
@@ -821,9 +771,9 @@ static int mf_task_sh_up(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
-    const mf_model_layer *y = mf_model_layer_at(eng->r->m, a->layer);
+    const mf_model_layer *y = mf_model_layer_at(eng->r->m, a->t->layer);
     int r0, r1;
-    mf_step_rows(y->sh_w1.rows, sh->p_sh, a->part, &r0, &r1);
+    mf_step_rows(y->sh_w1.rows, sh->p_sh, a->t->part, &r0, &r1);
     if (r0 >= r1) return 0;
     return mf_step_ffn_up(eng, &y->sh_w1, &y->sh_w3, sh->xin, NULL, sh->n, NULL, sh->hs, sh->gs, sh->us,
                           r0, r1);
@@ -842,9 +792,9 @@ static int mf_task_sh_down(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
-    const mf_model_layer *y = mf_model_layer_at(eng->r->m, a->layer);
+    const mf_model_layer *y = mf_model_layer_at(eng->r->m, a->t->layer);
     int r0, r1;
-    mf_step_rows(eng->c->hidden_size, sh->p_sh, a->part, &r0, &r1);
+    mf_step_rows(eng->c->hidden_size, sh->p_sh, a->t->part, &r0, &r1);
     if (r0 >= r1) return 0;
     return mf_step_ffn_down(eng, &y->sh_w2, sh->hs, NULL, sh->n, sh->ys, r0, r1);
 }
@@ -862,7 +812,7 @@ static int mf_task_combine(void *arg, mf_task_ctx *ctx)
     int64_t H = c->hidden_size;
     int K = c->n_experts_per_tok, hc = c->hc_mult;
     double *acc = (double *)a->r->s[8];
-    for (int i = a->i0; i < a->i1; i++) {
+    for (int i = a->t->i0; i < a->t->i1; i++) {
         float *out = sh->moe_out + (size_t)i * H;
         for (int64_t d = 0; d < H; d++) acc[d] = 0;
         for (int k = 0; k < K; k++) {
@@ -888,7 +838,7 @@ static int mf_task_norm(void *arg, mf_task_ctx *ctx)
     mf_step_shape *sh = a->sh;
     mf_ref *r = a->r;
     int64_t H = r->c->hidden_size;
-    for (int i = a->i0; i < a->i1; i++) {
+    for (int i = a->t->i0; i < a->t->i1; i++) {
         int j = sh->head_row[i];
         if (j < 0) continue;
         mf_ref_item *it = &sh->items[i];
@@ -907,7 +857,7 @@ static int mf_task_head(void *arg, mf_task_ctx *ctx)
     const mf_config *c = sh->eng->c;
     const mf_weight *w = mf_model_head(sh->eng->r->m);
     int r0, r1;
-    mf_step_rows(c->vocab_size, sh->p_head, a->part, &r0, &r1);
+    mf_step_rows(c->vocab_size, sh->p_head, a->t->part, &r0, &r1);
     if (r0 >= r1) return 0;
     return mf_kern_bf16_matmul((const uint16_t *)w->data, (int)c->vocab_size, (int)c->hidden_size,
                                sh->hn, sh->n_head, (int)c->hidden_size, sh->lbuf, (int)c->vocab_size,
@@ -932,15 +882,10 @@ static void mf_step_shape_free(mf_step_shape *sh)
 {
     if (!sh) return;
     mf_timeline_destroy(sh->tl);
-    mf_graph_destroy(sh->g);
-    free(sh->phase_of);
-    free(sh->kind_of);
-    free(sh->targ_of);
+    mf_stepgraph_free(sh->sg);
     free(sh->slot_w);
     free(sh->slot_rd);
     free(sh->slot_card);
-    free(sh->slot_tid);
-    free(sh->card_ffn_tid);
     free(sh->slot_dev);
     free(sh->slot_miss);
     for (int c = 0; c < sh->eng->n_cards; c++) {
@@ -955,317 +900,53 @@ static void mf_step_shape_free(mf_step_shape *sh)
     free(sh);
 }
 
-typedef struct mf_step_builder {
-    mf_step_shape *sh;
-    int n_args, cap;
-    int rc;
-} mf_step_builder;
+/* The engine's task function of each op of the step graph (graphs/stepgraph.h). */
+static const mf_task_fn mf_step_fn_of[MF_SG_N_OPS] = {
+    [MF_SG_ENGRAM_EMBED] = mf_task_engram_embed, [MF_SG_ENGRAM_ROWS] = mf_task_engram_rows,
+    [MF_SG_ENGRAM_GATE] = mf_task_engram_gate,   [MF_SG_ATTN_PRE] = mf_task_attn_pre,
+    [MF_SG_ATTN_ROWS] = mf_task_attn_rows,       [MF_SG_ATTN_QNORM] = mf_task_attn_qnorm,
+    [MF_SG_ATTN_CORE] = mf_task_attn_core,       [MF_SG_ATTN_POST] = mf_task_attn_post,
+    [MF_SG_GATE_ROWS] = mf_task_gate_rows,       [MF_SG_ROUTE] = mf_task_route,
+    [MF_SG_MOE_DONE] = mf_task_moe_done,         [MF_SG_SLOT_UP] = mf_task_slot_up,
+    [MF_SG_SLOT_JOIN] = mf_task_slot_join,       [MF_SG_SLOT_DOWN] = mf_task_slot_down,
+    [MF_SG_DEV_IN] = mf_task_dev_in,             [MF_SG_DEV_FFN] = mf_task_dev_ffn,
+    [MF_SG_DEV_FFN_CARD] = mf_task_dev_ffn_card, [MF_SG_DEV_OUT] = mf_task_dev_out,
+    [MF_SG_SHARED_UP] = mf_task_sh_up,           [MF_SG_SHARED_DOWN] = mf_task_sh_down,
+    [MF_SG_COMBINE] = mf_task_combine,           [MF_SG_NORM] = mf_task_norm,
+    [MF_SG_HEAD] = mf_task_head,                 [MF_SG_JOIN] = mf_task_nop,
+};
 
-/* Adds a task on `lane` with its argument record `ta` (layer, slot, part, items, forward object);
- * on the IO lane the task's payload is `io` instead of the record. Records its phase and kind for
- * the step's accounting. Returns its id, or -1 after an error (kept in b->rc). */
-static mf_task_id mf_step_add_on(mf_step_builder *b, const char *name, int lane, mf_task_fn fn, void *io, int phase,
-                                 int kind, mf_step_targ ta, mf_cost cost)
+/* The step graph of a shape of n items (parallel or serial) on the engine's lanes. */
+static int mf_step_graph_new(mf_step *eng, int n, int par, mf_stepgraph **out)
 {
-    if (b->rc) return -1;
-    if (b->n_args == b->cap) {
-        b->rc = mf_error(-EFAULT, "step: more than the %d tasks counted (internal)", b->cap);
-        return -1;
-    }
-    mf_step_shape *sh = b->sh;
-    mf_step_targ *a = &sh->args[b->n_args++];
-    *a = ta;
-    a->sh = sh;
-    mf_task_id t = mf_graph_add_task(sh->g, &(mf_task_desc){.name = name, .lane = lane, .fn = fn,
-                                                            .arg = io ? io : (void *)a, .cost = cost,
-                                                            .place_hint = -1});
-    if (t < 0) {
-        b->rc = t;
-        return -1;
-    }
-    sh->phase_of[t] = (uint8_t)phase;
-    sh->kind_of[t] = (uint8_t)kind;
-    sh->targ_of[t] = a;
-    return t;
+    return mf_stepgraph_new(&(mf_sg_opts){.c = eng->c, .sz = eng->sz, .n = n, .par = par,
+                                          .n_threads = eng->o.n_threads, .n_cards = eng->n_cards,
+                                          .dev_graphs = eng->dev_graphs, .store = eng->store != NULL,
+                                          .read_window = eng->o.read_window, .lanes = eng->lt.lane,
+                                          .n_lanes = eng->lt.n_lanes, .lane_io = eng->lt.lane_io,
+                                          .lane_dev0 = eng->lt.lane_dev0,
+                                          .fn_of = mf_step_fn_of},
+                            out);
 }
 
-/* A CPU task of items [i0, i1) (reference object r). */
-static mf_task_id mf_step_add(mf_step_builder *b, const char *name, mf_task_fn fn, int phase,
-                              int layer, int slot, int part, int i0, int i1, mf_ref *r, double bytes,
-                              double time_ns)
+/* Binds the shape's buffers to its graph's tasks: each task's argument is its record with the
+ * forward object of its items (cl[i0]: item i's in a parallel shape, cl[0] otherwise); an IO task's
+ * is its slot's read. Then the timeline and the spans' scratch. */
+static int mf_step_bind(mf_step *eng, mf_step_shape *sh)
 {
-    int expert = fn == mf_task_slot_up || fn == mf_task_slot_join || fn == mf_task_slot_down ||
-                 fn == mf_task_sh_up || fn == mf_task_sh_down;
-    return mf_step_add_on(b, name, 0, fn, NULL, phase, expert ? MF_STEP_K_EXPERT : MF_STEP_K_OTHER,
-                          (mf_step_targ){NULL, layer, slot, part, i0, i1, r},
-                          (mf_cost){.bytes = bytes, .time_ns = time_ns});
-}
-
-/* An IO-lane task reading part j of slot s's expert (its payload filled by the route task; empty
- * on a hit): the slot's up tasks wait for it. */
-static mf_task_id mf_step_add_io(mf_step_builder *b, const char *name, int layer, int slot, int j, double bytes)
-{
-    return mf_step_add_on(b, name, 1, NULL, &b->sh->slot_rd[(size_t)slot * b->sh->n_parts + j], MF_STEP_MOE,
-                          MF_STEP_K_IO, (mf_step_targ){NULL, layer, slot, j, 0, 0, NULL},
-                          (mf_cost){.bytes = bytes});
-}
-
-/* A device-lane task of slot s on card c (lane kind k: 0 copy in, 1 compute, 2 copy out). */
-static mf_task_id mf_step_add_dev(mf_step_builder *b, const char *name, mf_task_fn fn, int layer, int slot,
-                                  int card, int k, double bytes)
-{
-    return mf_step_add_on(b, name, b->sh->eng->dev_lane0 + 3 * card + k, fn, NULL, MF_STEP_MOE,
-                          k == 0 ? MF_STEP_K_COPY : k == 1 ? MF_STEP_K_DEV : MF_STEP_K_COPY_OUT,
-                          (mf_step_targ){NULL, layer, slot, card, 0, 0, NULL}, (mf_cost){.bytes = bytes});
-}
-
-static void mf_step_dep(mf_step_builder *b, mf_task_id before, mf_task_id after)
-{
-    if (!b->rc && before >= 0 && after >= 0) b->rc = mf_graph_add_dep(b->sh->g, before, after);
-}
-
-/* The graph of one shape. Serial shapes (sh->par 0): one task each for engram embed and gate,
- * attn pre, core and post, route (top-k + table), combine, norm, on the engine's reference
- * object. Parallel shapes: those parts (route aside) one task per item, item i on reference
- * object cl[i]. Row-split stages (Engram wkv, attention linears, router gate) run over all items. */
-static int mf_step_build_graph(mf_step *eng, mf_step_shape *sh)
-{
-    const mf_config *c = eng->c;
-    int n = sh->n, u = sh->par ? n : 1;   /* reference-code tasks per part */
-    int n_task = 1 + u + sh->p_head;
-    for (int L = 0; L < c->n_layers; L++)   /* engram embed/gate, attn pre/core/post, combine per unit;
-                                              * route, done, joins, q norm; attention, wkv, gate row parts */
-        n_task += 6 * u + 5 + 6 * sh->p_attn + 2 * sh->p_sh + sh->n_slots * (1 + 2 * sh->p_exp + sh->n_parts + 3 * eng->n_cards) +
-                  eng->n_cards;
-    sh->args = calloc((size_t)n_task, sizeof *sh->args);
-    sh->phase_of = calloc((size_t)n_task, 1);
-    sh->kind_of = calloc((size_t)n_task, 1);
-    sh->targ_of = calloc((size_t)n_task, sizeof *sh->targ_of);
-    mf_task_id *unit = calloc((size_t)u, sizeof *unit);
-    mf_task_id *io_ids = calloc((size_t)sh->n_slots * sh->n_parts + 1, sizeof *io_ids);
-    int win = eng->o.read_window ? eng->o.read_window : 2;
-    sh->tid_per_slot = 2 * sh->p_exp + 1 + 3 * eng->n_cards;
-    sh->slot_tid = malloc(sizeof *sh->slot_tid * (size_t)c->n_layers * sh->n_slots * sh->tid_per_slot);
-    sh->card_ffn_tid = malloc(sizeof *sh->card_ffn_tid * (size_t)c->n_layers * (eng->n_cards ? eng->n_cards : 1));
-    if (!sh->slot_tid || !sh->card_ffn_tid) {
-        free(io_ids);
-        free(unit);
-        return mf_error(-ENOMEM, "step: out of memory for the graph");
+    mf_stepgraph *sg = sh->sg;
+    int n = sg->n_tasks;
+    sh->args = calloc((size_t)n, sizeof *sh->args);
+    sh->sorted = malloc(sizeof *sh->sorted * 2 * (size_t)n);
+    if (!sh->args || !sh->sorted) return mf_error(-ENOMEM, "step: out of memory for the graph");
+    for (int t = 0; t < n; t++) {
+        const mf_sg_task *rec = &sg->task[t];
+        sh->args[t] = (mf_step_targ){sh, rec, eng->cl[rec->i0]};
+        if (rec->op == MF_SG_SLOT_READ)
+            mf_graph_set_arg(sh->g, t, &sh->slot_rd[(size_t)rec->slot * sh->n_parts + rec->read]);
+        else
+            mf_graph_set_arg(sh->g, t, &sh->args[t]);
     }
-    for (size_t i = 0; i < (size_t)c->n_layers * sh->n_slots * sh->tid_per_slot; i++) sh->slot_tid[i] = -1;
-    for (int i = 0; i < c->n_layers * eng->n_cards; i++) sh->card_ffn_tid[i] = -1;
-    if (!sh->args || !sh->phase_of || !sh->kind_of || !sh->targ_of || !unit || !io_ids) {
-        free(io_ids);
-        free(unit);
-        return mf_error(-ENOMEM, "step: out of memory for the graph");
-    }
-    int rc = mf_graph_create(eng->lanes, eng->n_lanes, &sh->g);
-    if (rc) {
-        free(io_ids);
-        free(unit);
-        return rc;
-    }
-    mf_step_builder b = {sh, 0, n_task, 0};
-    char name[64];
-    double H = (double)c->hidden_size, I = (double)c->moe_intermediate_size;
-    double per = (double)n / u;   /* items per unit */
-    /* rough costs for priorities: reference code ~1 ns per multiply-add, kernels by bytes */
-    double hc_ns = per * H * c->hc_mult * (c->hc_mult + 4.0);
-    double core_ns = per * (double)c->n_heads * c->head_dim * 2.0 * (c->sliding_window + c->index_topk);
-    double exp_bytes = 3 * H * I * 0.53, sh_bytes = 3 * H * I * 1.0;
-    for (int k = 0; k < u; k++) unit[k] = -1;
-    for (int L = 0; L < c->n_layers; L++) {
-        mf_task_id apre[MF_STEP_MAX_ITEMS], core[MF_STEP_MAX_ITEMS], apost[MF_STEP_MAX_ITEMS];
-        mf_task_id rows[MF_RA_N_STAGES][MF_STEP_MAX_PARTS];
-        double st_bytes[MF_RA_N_STAGES];
-        for (int st = 0; st < MF_RA_N_STAGES; st++) {   /* weight bytes of each linear stage */
-            mf_ref_attn_lin lin[MF_RA_MAX_LIN];
-            int nl = mf_ref_attn_linears(eng->cl[0], L, st, lin);
-            st_bytes[st] = 0;
-            for (int k = 0; k < nl; k++) st_bytes[st] += (double)mf_weight_data_bytes(lin[k].w);
-        }
-        static const char *const st_name[MF_RA_N_STAGES] = {"in", "qb", "oa", "ob"};
-        /* Engram: [per unit: embed] -> wkv parts -> [per unit: gate], before the attention */
-        if (mf_config_engram_slot(c, L) >= 0) {
-            const mf_weight *wkv = &mf_model_layer_at(eng->r->m, L)->eg_wkv;
-            mf_task_id emb[MF_STEP_MAX_ITEMS], wr[MF_STEP_MAX_PARTS];
-            for (int k = 0; k < u; k++) {
-                snprintf(name, sizeof name, sh->par ? "engram L%d embed item %d" : "engram L%d embed", L, k);
-                emb[k] = mf_step_add(&b, name, mf_task_engram_embed, MF_STEP_ENGRAM, L, 0, 0, sh->par ? k : 0,
-                                     sh->par ? k + 1 : n, eng->cl[k], 0, per * 2e4);
-                mf_step_dep(&b, unit[k], emb[k]);
-            }
-            for (int p = 0; p < sh->p_attn; p++) {
-                snprintf(name, sizeof name, "engram L%d wkv %d", L, p);
-                wr[p] = mf_step_add(&b, name, mf_task_engram_rows, MF_STEP_ENGRAM, L, 0, p, 0, n, eng->cl[0],
-                                    (double)mf_weight_data_bytes(wkv) / sh->p_attn, 0);
-                for (int k = 0; k < u; k++) mf_step_dep(&b, emb[k], wr[p]);
-            }
-            for (int k = 0; k < u; k++) {
-                snprintf(name, sizeof name, sh->par ? "engram L%d gate item %d" : "engram L%d gate", L, k);
-                unit[k] = mf_step_add(&b, name, mf_task_engram_gate, MF_STEP_ENGRAM, L, 0, 0, sh->par ? k : 0,
-                                      sh->par ? k + 1 : n, eng->cl[k], 0, per * 8.0 * c->hc_mult * H);
-                for (int p = 0; p < sh->p_attn; p++) mf_step_dep(&b, wr[p], unit[k]);
-            }
-        }
-        /* attention: [per unit: pre] -> in parts -> q norm -> qb parts -> [per unit: core] -> oa
-         * parts -> oa join -> ob parts -> [per unit: post] */
-        for (int k = 0; k < u; k++) {
-            int i0 = sh->par ? k : 0, i1 = sh->par ? k + 1 : n;
-            mf_ref *r = eng->cl[k];
-            snprintf(name, sizeof name, sh->par ? "attn L%d pre item %d" : "attn L%d pre", L, k);
-            apre[k] = mf_step_add(&b, name, mf_task_attn_pre, MF_STEP_ATTN, L, 0, 0, i0, i1, r, 0, hc_ns);
-            mf_step_dep(&b, unit[k], apre[k]);
-        }
-        for (int st = 0; st < MF_RA_N_STAGES; st++)
-            for (int p = 0; p < sh->p_attn; p++) {
-                snprintf(name, sizeof name, "attn L%d %s %d", L, st_name[st], p);
-                rows[st][p] = mf_step_add(&b, name, mf_task_attn_rows, MF_STEP_ATTN, L, st, p, 0, n, eng->cl[0],
-                                          st_bytes[st] / sh->p_attn, 0);
-            }
-        snprintf(name, sizeof name, "attn L%d q norm", L);
-        mf_task_id qn = mf_step_add(&b, name, mf_task_attn_qnorm, MF_STEP_ATTN, L, 0, 0, 0, n, eng->cl[0], 0,
-                                    n * 4.0 * c->q_lora_rank);
-        snprintf(name, sizeof name, "attn L%d oa join", L);
-        mf_task_id oj = mf_step_add(&b, name, mf_task_nop, MF_STEP_ATTN, L, 0, 0, 0, 0, NULL, 0, 0);
-        for (int k = 0; k < u; k++) {
-            int i0 = sh->par ? k : 0, i1 = sh->par ? k + 1 : n;
-            snprintf(name, sizeof name, sh->par ? "attn L%d core item %d" : "attn L%d core", L, k);
-            core[k] = mf_step_add(&b, name, mf_task_attn_core, MF_STEP_ATTN, L, 0, 0, i0, i1, eng->cl[k], 0, core_ns);
-            snprintf(name, sizeof name, sh->par ? "attn L%d post item %d" : "attn L%d post", L, k);
-            apost[k] = mf_step_add(&b, name, mf_task_attn_post, MF_STEP_ATTN, L, 0, 0, i0, i1, eng->cl[k], 0, 2 * hc_ns);
-        }
-        for (int p = 0; p < sh->p_attn; p++) {
-            for (int k = 0; k < u; k++) {
-                mf_step_dep(&b, apre[k], rows[MF_RA_STAGE_IN][p]);
-                mf_step_dep(&b, rows[MF_RA_STAGE_QB][p], core[k]);
-                mf_step_dep(&b, core[k], rows[MF_RA_STAGE_OA][p]);
-                mf_step_dep(&b, rows[MF_RA_STAGE_OB][p], apost[k]);
-            }
-            mf_step_dep(&b, rows[MF_RA_STAGE_IN][p], qn);
-            mf_step_dep(&b, qn, rows[MF_RA_STAGE_QB][p]);
-            mf_step_dep(&b, rows[MF_RA_STAGE_OA][p], oj);
-            mf_step_dep(&b, oj, rows[MF_RA_STAGE_OB][p]);
-        }
-        /* router: gate row parts over all items -> route (top-k, slot table) */
-        snprintf(name, sizeof name, "route L%d", L);
-        mf_task_id ro = mf_step_add(&b, name, mf_task_route, MF_STEP_MOE, L, 0, 0, 0, n, eng->cl[0], 0,
-                                    n * (H * c->n_experts_per_tok + 4.0 * c->n_routed_experts));
-        for (int p = 0; p < sh->p_attn; p++) {
-            snprintf(name, sizeof name, "gate L%d %d", L, p);
-            mf_task_id gp = mf_step_add(&b, name, mf_task_gate_rows, MF_STEP_MOE, L, 0, p, 0, n, eng->cl[0], 0,
-                                        n * H * c->n_routed_experts / sh->p_attn);
-            for (int k = 0; k < u; k++) mf_step_dep(&b, apost[k], gp);
-            mf_step_dep(&b, gp, ro);
-        }
-        snprintf(name, sizeof name, "moe L%d done", L);
-        mf_task_id done = mf_step_add(&b, name, mf_task_moe_done, MF_STEP_MOE, L, 0, 0, 0, 0, NULL, 0, 0);
-        mf_task_id cffn[MF_DEV_MAX_CARDS];   /* graph mode: a card's FFNs of the layer */
-        for (int cd = 0; cd < eng->n_cards && eng->dev_graphs; cd++) {
-            snprintf(name, sizeof name, "dev%d L%d ffn graph", cd, L);
-            cffn[cd] = mf_step_add_dev(&b, name, mf_task_dev_ffn_card, L, -1, cd, 1,
-                                       (double)eng->xslot_bytes * c->n_experts_per_tok / eng->n_cards);
-            sh->card_ffn_tid[L * eng->n_cards + cd] = cffn[cd];
-        }
-        for (int s = 0; s < sh->n_slots; s++) {
-            snprintf(name, sizeof name, "expert L%d slot %d join", L, s);
-            mf_task_id jo = mf_step_add(&b, name, mf_task_slot_join, MF_STEP_MOE, L, s, 0, 0, 0, NULL, 0, I * 2);
-            mf_task_id *tid = sh->slot_tid + ((size_t)L * sh->n_slots + s) * sh->tid_per_slot;
-            tid[2 * sh->p_exp] = jo;
-            mf_task_id *io = io_ids + (size_t)s * sh->n_parts;
-            for (int j = 0; j < sh->n_parts; j++) {
-                snprintf(name, sizeof name, "read L%d slot %d part %d", L, s, j);
-                io[j] = mf_step_add_io(&b, name, L, s, j, (double)mf_store_slot_bytes(eng->store) / sh->n_parts);
-                mf_step_dep(&b, ro, io[j]);
-                /* read window: slot s's reads start once slot s - win's are in, so that the first
-                 * slots' experts arrive early and their compute overlaps the later reads */
-                for (int i = 0; win > 0 && s >= win && i < sh->n_parts; i++)
-                    mf_step_dep(&b, io_ids[(size_t)(s - win) * sh->n_parts + i], io[j]);
-            }
-            for (int p = 0; p < sh->p_exp; p++) {
-                snprintf(name, sizeof name, "expert L%d slot %d up %d", L, s, p);
-                mf_task_id up = mf_step_add(&b, name, mf_task_slot_up, MF_STEP_MOE, L, s, p, 0, 0, NULL,
-                                            exp_bytes * 2 / 3 / sh->p_exp, 0);
-                snprintf(name, sizeof name, "expert L%d slot %d down %d", L, s, p);
-                mf_task_id dn = mf_step_add(&b, name, mf_task_slot_down, MF_STEP_MOE, L, s, p, 0, 0, NULL,
-                                            exp_bytes / 3 / sh->p_exp, 0);
-                tid[p] = up;
-                tid[sh->p_exp + p] = dn;
-                mf_step_dep(&b, ro, up);
-                for (int j = 0; j < sh->n_parts; j++) mf_step_dep(&b, io[j], up);
-                mf_step_dep(&b, up, jo);
-                mf_step_dep(&b, jo, dn);
-                mf_step_dep(&b, dn, done);
-            }
-            /* the slot on each card: empty unless the route task put it there */
-            for (int cd = 0; cd < eng->n_cards; cd++) {
-                snprintf(name, sizeof name, "dev%d L%d slot %d in", cd, L, s);
-                mf_task_id din = mf_step_add_dev(&b, name, mf_task_dev_in, L, s, cd, 0, (double)eng->xslot_bytes);
-                mf_task_id dff = -1;
-                if (eng->dev_graphs) {
-                    dff = cffn[cd];
-                } else {
-                    snprintf(name, sizeof name, "dev%d L%d slot %d ffn", cd, L, s);
-                    dff = mf_step_add_dev(&b, name, mf_task_dev_ffn, L, s, cd, 1, (double)eng->xslot_bytes);
-                }
-                snprintf(name, sizeof name, "dev%d L%d slot %d out", cd, L, s);
-                mf_task_id dout = mf_step_add_dev(&b, name, mf_task_dev_out, L, s, cd, 2, n * H * 4.0);
-                tid[2 * sh->p_exp + 1 + 3 * cd] = din;
-                tid[2 * sh->p_exp + 1 + 3 * cd + 1] = eng->dev_graphs ? -1 : dff;
-                tid[2 * sh->p_exp + 1 + 3 * cd + 2] = dout;
-                mf_step_dep(&b, ro, din);
-                for (int j = 0; j < sh->n_parts; j++) mf_step_dep(&b, io[j], din);
-                mf_step_dep(&b, din, dff);
-                mf_step_dep(&b, dff, dout);
-                mf_step_dep(&b, dout, done);
-            }
-        }
-        snprintf(name, sizeof name, "shared L%d join", L);
-        mf_task_id sj = mf_step_add(&b, name, mf_task_nop, MF_STEP_MOE, L, 0, 0, 0, 0, NULL, 0, 0);
-        for (int p = 0; p < sh->p_sh; p++) {
-            snprintf(name, sizeof name, "shared L%d up %d", L, p);
-            mf_task_id up = mf_step_add(&b, name, mf_task_sh_up, MF_STEP_MOE, L, 0, p, 0, 0, NULL,
-                                        sh_bytes * 2 / 3 / sh->p_sh, 0);
-            snprintf(name, sizeof name, "shared L%d down %d", L, p);
-            mf_task_id dn = mf_step_add(&b, name, mf_task_sh_down, MF_STEP_MOE, L, 0, p, 0, 0, NULL,
-                                        sh_bytes / 3 / sh->p_sh, 0);
-            for (int k = 0; k < u; k++) mf_step_dep(&b, apost[k], up);
-            /* streamed experts: the shared expert runs while the routed experts are read */
-            if (eng->store) mf_step_dep(&b, ro, up);
-            mf_step_dep(&b, up, sj);
-            mf_step_dep(&b, sj, dn);
-            mf_step_dep(&b, dn, done);
-        }
-        mf_step_dep(&b, ro, done);
-        for (int k = 0; k < u; k++) {
-            snprintf(name, sizeof name, sh->par ? "combine L%d item %d" : "combine L%d", L, k);
-            unit[k] = mf_step_add(&b, name, mf_task_combine, MF_STEP_MOE, L, 0, 0, sh->par ? k : 0,
-                                  sh->par ? k + 1 : n, eng->cl[k], 0,
-                                  per * H * (c->n_experts_per_tok + 2 + 2 * c->hc_mult));
-            mf_step_dep(&b, done, unit[k]);
-        }
-    }
-    snprintf(name, sizeof name, "head join");
-    mf_task_id hj = mf_step_add(&b, name, mf_task_nop, MF_STEP_HEAD, 0, 0, 0, 0, 0, NULL, 0, 0);
-    for (int k = 0; k < u; k++) {
-        snprintf(name, sizeof name, sh->par ? "norm item %d" : "norm", k);
-        mf_task_id no = mf_step_add(&b, name, mf_task_norm, MF_STEP_HEAD, 0, 0, 0, sh->par ? k : 0,
-                                    sh->par ? k + 1 : n, eng->cl[k], 0, per * H * 8);
-        mf_step_dep(&b, unit[k], no);
-        mf_step_dep(&b, no, hj);
-    }
-    for (int p = 0; p < sh->p_head; p++) {
-        snprintf(name, sizeof name, "head %d", p);
-        mf_task_id hd = mf_step_add(&b, name, mf_task_head, MF_STEP_HEAD, 0, 0, p, 0, 0, NULL,
-                                    2.0 * c->vocab_size * H / sh->p_head, 0);
-        mf_step_dep(&b, hj, hd);
-    }
-    free(io_ids);
-    free(unit);
-    if (b.rc) return b.rc;
-    if ((rc = mf_graph_finalize(sh->g))) return rc;
-    if (!(sh->sorted = malloc(sizeof *sh->sorted * 2 * (size_t)mf_graph_n_tasks(sh->g))))
-        return mf_error(-ENOMEM, "step: out of memory for the graph");
     return mf_timeline_create(sh->g, &sh->tl);
 }
 
@@ -1274,30 +955,31 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
     const mf_config *c = eng->c;
     int64_t H = c->hidden_size, I = c->moe_intermediate_size, V = c->vocab_size;
     int64_t Ish = c->n_shared_experts > 0 ? mf_model_layer_at(eng->r->m, 0)->sh_w1.rows : 0;
-    int K = c->n_experts_per_tok, E = c->n_routed_experts, hc = c->hc_mult, W = eng->o.n_threads;
+    int K = c->n_experts_per_tok, E = c->n_routed_experts, hc = c->hc_mult;
     int n_cb = c->candidate_topk_blocks > 0 ? c->candidate_topk_blocks : 1;
     mf_step_shape *sh = calloc(1, sizeof *sh);
     if (!sh) return mf_error(-ENOMEM, "step: out of memory");
     sh->eng = eng;
     sh->n = n;
     sh->par = par;
-    sh->n_slots = n * K < E ? n * K : E;
-    /* split experts by rows when there are fewer slots than two per worker */
-    sh->p_exp = sh->n_slots >= 2 * W ? 1 : (2 * W + sh->n_slots - 1) / sh->n_slots;
-    if (sh->p_exp > 8) sh->p_exp = 8;
-    sh->p_sh = c->n_shared_experts > 0 ? (W < 8 ? W : 8) : 0;
-    sh->p_head = 2 * W;
-    /* attention stages: one part per worker (row chunks of at least 16) */
-    sh->p_attn = W < MF_STEP_MAX_PARTS ? W : MF_STEP_MAX_PARTS;
+    int rc = mf_step_graph_new(eng, n, par, &sh->sg);
+    if (rc) {
+        free(sh);
+        return mf_error_wrap(rc, "step: building the graph of a batch of %d", n);
+    }
+    sh->g = sh->sg->g;
+    sh->n_slots = sh->sg->n_slots;
+    sh->p_exp = sh->sg->p_exp;
+    sh->p_sh = sh->sg->p_sh;
+    sh->p_head = sh->sg->p_head;
+    sh->p_attn = sh->sg->p_attn;
     sh->store_layer = -1;
     if (eng->store) {
         sh->n_parts = mf_store_n_parts(eng->store);
         sh->slot_w = calloc((size_t)sh->n_slots * 3, sizeof *sh->slot_w);
         sh->slot_rd = calloc((size_t)sh->n_slots * sh->n_parts, sizeof *sh->slot_rd);
         if (!sh->slot_w || !sh->slot_rd) {
-            free(sh->slot_w);
-            free(sh->slot_rd);
-            free(sh);
+            mf_step_shape_free(sh);
             return mf_error(-ENOMEM, "step: out of memory");
         }
         for (int i = 0; i < sh->n_slots * sh->n_parts; i++) sh->slot_rd[i] = (mf_io_read){.fd = -1};
@@ -1405,10 +1087,9 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
         sh->items[i].topk = topk + (size_t)i * c->index_topk;
         sh->items[i].cand = cand + (size_t)i * n_cb;
     }
-    int rc = 0;
     for (int i = 1; par && i < n && !rc; i++)   /* forward objects of the item tasks */
         if (!eng->cl[i]) rc = mf_step_clone(eng->r, &eng->cl[i]);
-    if (!rc) rc = mf_step_build_graph(eng, sh);
+    if (!rc) rc = mf_step_bind(eng, sh);
     if (rc) {
         mf_step_shape_free(sh);
         return mf_error_wrap(rc, "step: building the graph of a batch of %d", n);
@@ -1450,10 +1131,8 @@ static int mf_step_dev_setup(mf_step *s)
     }
     s->xslot_bytes = off;
     s->dev = s->o.dev;
-    const char *env = getenv("MOEFLOW_DEV_GRAPHS");
-    s->dev_graphs = s->o.dev_graphs || (env && !strcmp(env, "1"));
+    s->dev_graphs = s->o.dev_graphs;
     int n = mf_dev_n_cards(s->dev);
-    s->dev_lane0 = s->n_lanes;
     for (int cd = 0; cd < n; cd++) {
         int rc = mf_dev_xcache_new(s->dev, &(mf_dev_xcache_opts){.card = cd, .n_layers = c->n_layers,
                                                                   .n_experts = c->n_routed_experts,
@@ -1463,17 +1142,6 @@ static int mf_step_dev_setup(mf_step *s)
         if (rc) {
             for (int k = 0; k < cd; k++) mf_dev_xcache_free(s->xc[k]);
             return mf_error_wrap(rc, "step: the expert cache of card %d", cd);
-        }
-        static const char *const kn[3] = {"h2d", "compute", "d2h"};
-        static const mf_lane_kind kk[3] = {MF_LANE_DEV_COPY_IN, MF_LANE_DEV_COMPUTE, MF_LANE_DEV_COPY_OUT};
-        for (int k = 0; k < 3; k++) {
-            char *nm = s->lane_names[3 * cd + k];
-            snprintf(nm, sizeof s->lane_names[0], "dev%d.%s", cd, kn[k]);
-            /* models for placement and priorities (mf_step_lane_models: the profile's, or
-             * built-in assumptions) */
-            mf_lane_model m = s->models[k + 1];
-            s->lanes[s->n_lanes++] = (mf_lane_desc){.kind = kk[k], .name = nm, .concurrency = 4,
-                                                    .numa_node = -1, .device = cd, .model = m};
         }
     }
     s->n_cards = n;
@@ -1535,20 +1203,21 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     s->max_items = max_items;
     mf_step_lane_models(s->o.profile, s->o.n_threads, s->models);
     if (s->o.cpu_bytes_per_s > 0) s->models[0].bytes_per_s = s->o.cpu_bytes_per_s;
-    s->lanes[0] = (mf_lane_desc){.kind = MF_LANE_CPU, .name = "cpu", .concurrency = s->o.n_threads,
-                                 .numa_node = -1, .model = s->models[0]};
-    s->lanes[1] = (mf_lane_desc){.kind = MF_LANE_IO, .name = "io", .concurrency = 64, .numa_node = -1,
-                                 .model = {.bytes_per_s = 2e9, .latency_ns = 1e5}};
-    s->n_lanes = store ? 2 : 1;
     pthread_mutex_init(&s->gather_mu, NULL);
     int rc = 0;
     if (s->o.dev && s->o.placement != MF_STEP_PLACE_HOST) rc = mf_step_dev_setup(s);
+    /* lanes: models for placement and priorities (mf_step_lane_models: the profile's, or the
+     * built-in assumptions) */
+    mf_sg_lanes_init(&s->lt, s->models, s->o.n_threads, store != NULL, s->n_cards);
     if (!rc) rc = mf_step_clone(r, &s->cl[0]);
-    if (!rc) rc = mf_sched_create(&(mf_sched_opts){.lanes = s->lanes, .n_lanes = s->n_lanes,
+    if (!rc) rc = mf_sg_sizes_new(c, &s->sz);
+    if (!rc) rc = mf_sched_create(&(mf_sched_opts){.lanes = s->lt.lane, .n_lanes = s->lt.n_lanes,
                                                    .pin_threads = s->o.pin_threads,
-                                                   .dev = s->dev ? mf_dev_lane_ops_of(s->dev) : NULL},
+                                                   .dev = s->dev ? mf_dev_lane_ops_of(s->dev) : NULL,
+                                                   .dev_wait_ns = s->o.dev_wait_ns},
                                   &s->sched);
     if (rc) {
+        mf_sg_sizes_free(s->sz);
         mf_ref_free(s->cl[0]);
         for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
         pthread_mutex_destroy(&s->gather_mu);
@@ -1569,6 +1238,7 @@ void mf_step_free(mf_step *s)
     }
     for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
     for (int i = 0; i < MF_STEP_MAX_ITEMS; i++) mf_ref_free(s->cl[i]);
+    mf_sg_sizes_free(s->sz);
     pthread_mutex_destroy(&s->gather_mu);
     free(s);
 }
@@ -1612,100 +1282,49 @@ static int mf_step_check(mf_step *s, mf_ref_state *const *states, const int32_t 
     return mf_step_grow_scores(r, need);
 }
 
-static int mf_step_span_cmp(const void *pa, const void *pb)
-{
-    const mf_task_span *x = pa, *y = pb;
-    return (x->start_ns > y->start_ns) - (x->start_ns < y->start_ns);
-}
-
-/* Union of the spans of tasks of the kinds in mask `kinds` in the last run (sorted, merged into sh->sorted[0..m)). */
+/* The spans of the last run's tasks of the kinds in mask `kinds`, merged (mf_timeline_union) into
+ * out; returns their count, *busy their length. */
 static int mf_step_union(mf_step_shape *sh, mf_task_span *out, unsigned kinds, int64_t *busy)
 {
     const mf_task_span *sp = mf_timeline_spans(sh->tl);
-    int n = mf_graph_n_tasks(sh->g), m = 0, u = 0;
+    int n = mf_graph_n_tasks(sh->g), m = 0;
     for (int t = 0; t < n; t++)
-        if (sp[t].status == 0 && ((kinds >> sh->kind_of[t]) & 1) && sp[t].end_ns > sp[t].start_ns) out[m++] = sp[t];
-    qsort(out, (size_t)m, sizeof *out, mf_step_span_cmp);
-    *busy = 0;
-    for (int i = 0; i < m; i++) {
-        if (u && out[i].start_ns <= out[u - 1].end_ns) {
-            if (out[i].end_ns > out[u - 1].end_ns) out[u - 1].end_ns = out[i].end_ns;
-        } else {
-            out[u++] = out[i];
-        }
-    }
-    for (int i = 0; i < u; i++) *busy += out[i].end_ns - out[i].start_ns;
-    return u;
+        if (sp[t].status == 0 && ((kinds >> sh->sg->task[t].kind) & 1) && sp[t].end_ns > sp[t].start_ns)
+            out[m++] = sp[t];
+    return mf_timeline_union(out, m, busy);
 }
 
 /* IO busy time of the last run (union of its IO-lane reads) and the part of it during which an
- * expert's compute task (routed or shared) was running. */
-static int64_t mf_step_overlap(const mf_task_span *x, int nx, const mf_task_span *y, int ny)
-{
-    int64_t ov = 0;
-    for (int i = 0, j = 0; i < nx && j < ny;) {
-        int64_t a = x[i].start_ns > y[j].start_ns ? x[i].start_ns : y[j].start_ns;
-        int64_t b = x[i].end_ns < y[j].end_ns ? x[i].end_ns : y[j].end_ns;
-        if (b > a) ov += b - a;
-        if (x[i].end_ns < y[j].end_ns) i++;
-        else j++;
-    }
-    return ov;
-}
-
+ * expert's compute task (routed or shared) was running; with devices the same for copy-ins
+ * against expert compute on the host or a card. */
 static void mf_step_io_overlap(mf_step *s, mf_step_shape *sh)
 {
     int n = mf_graph_n_tasks(sh->g);
     mf_task_span *io = sh->sorted, *cp = sh->sorted + n;
     int64_t bi, bc;
     if (s->store) {
-        int ni = mf_step_union(sh, io, 1u << MF_STEP_K_IO, &bi);
-        int nc = mf_step_union(sh, cp, 1u << MF_STEP_K_EXPERT, &bc);
+        int ni = mf_step_union(sh, io, 1u << MF_SG_K_IO, &bi);
+        int nc = mf_step_union(sh, cp, 1u << MF_SG_K_EXPERT, &bc);
         s->times.io_busy_ns += bi;
-        s->times.io_overlap_ns += mf_step_overlap(io, ni, cp, nc);
+        s->times.io_overlap_ns += mf_timeline_overlap(io, ni, cp, nc);
         s->times.expert_busy_ns += bc;
     }
     if (s->n_cards) {   /* copy-in tasks vs expert compute on the host or a card */
-        mf_task_span *cpy = sh->sorted;
-        int u = mf_step_union(sh, cpy, 1u << MF_STEP_K_COPY, &bi), ny;
-        ny = mf_step_union(sh, cp, (1u << MF_STEP_K_EXPERT) | (1u << MF_STEP_K_DEV), &bc);
+        int u = mf_step_union(sh, io, 1u << MF_SG_K_COPY, &bi);
+        int ny = mf_step_union(sh, cp, (1u << MF_SG_K_EXPERT) | (1u << MF_SG_K_DEV), &bc);
         s->times.copy_busy_ns += bi;
         s->times.compute_busy_ns += bc;
-        s->times.copy_overlap_ns += mf_step_overlap(cpy, u, cp, ny);
+        s->times.copy_overlap_ns += mf_timeline_overlap(io, u, cp, ny);
     }
 }
 
-/* Adds the last run's time per phase to s->times: per phase the union of its tasks' intervals
- * (one pass over the spans sorted by start) and their summed durations. */
+/* Adds the last run's time per phase to s->times (mf_stepgraph_phase_times: per phase the union
+ * of its tasks' intervals and their summed durations). */
 static void mf_step_account(mf_step *s, mf_step_shape *sh)
 {
-    const mf_task_span *sp = mf_timeline_spans(sh->tl);
-    int n = mf_graph_n_tasks(sh->g), m = 0;
     mf_step_io_overlap(s, sh);
-    for (int t = 0; t < n; t++)
-        if (sp[t].status == 0 && sh->kind_of[t] != MF_STEP_K_IO && sh->kind_of[t] != MF_STEP_K_COPY &&
-            sh->kind_of[t] != MF_STEP_K_COPY_OUT) {
-            sh->sorted[m] = sp[t];
-            sh->sorted[m++].worker = sh->phase_of[t];   /* reused to carry the phase */
-        }
-    qsort(sh->sorted, (size_t)m, sizeof *sh->sorted, mf_step_span_cmp);
-    int64_t cur_s[MF_STEP_N_PHASES], cur_e[MF_STEP_N_PHASES];
-    for (int p = 0; p < MF_STEP_N_PHASES; p++) cur_s[p] = cur_e[p] = -1;
-    for (int k = 0; k < m; k++) {
-        const mf_task_span *x = &sh->sorted[k];
-        int p = x->worker;
-        s->times.busy_ns[p] += x->end_ns - x->start_ns;
-        if (x->start_ns > cur_e[p]) {
-            if (cur_e[p] > cur_s[p]) s->times.phase_ns[p] += cur_e[p] - cur_s[p];
-            cur_s[p] = x->start_ns;
-            cur_e[p] = x->end_ns;
-        } else if (x->end_ns > cur_e[p]) {
-            cur_e[p] = x->end_ns;
-        }
-    }
-    for (int p = 0; p < MF_STEP_N_PHASES; p++)
-        if (cur_e[p] > cur_s[p]) s->times.phase_ns[p] += cur_e[p] - cur_s[p];
-    s->times.n_tasks = n;
+    mf_stepgraph_phase_times(sh->sg, mf_timeline_spans(sh->tl), sh->sorted, s->times.phase_ns, s->times.busy_ns);
+    s->times.n_tasks = mf_graph_n_tasks(sh->g);
 }
 
 /* After a failed run with a store: names the expert of the first failed read, closes the store's
@@ -1715,13 +1334,13 @@ static int mf_step_store_fail(mf_step *s, mf_step_shape *sh, int rc)
     const mf_task_span *sp = mf_timeline_spans(sh->tl);
     int n = mf_graph_n_tasks(sh->g);
     for (int t = 0; t < n; t++) {
-        if (sh->kind_of[t] != MF_STEP_K_IO || sp[t].status >= 0) continue;
-        const mf_step_targ *a = sh->targ_of[t];
-        const mf_model_layer *y = mf_model_layer_at(s->r->m, a->layer);
-        const mf_io_read *rd = &sh->slot_rd[(size_t)a->slot * sh->n_parts + a->part];
+        if (sh->sg->task[t].kind != MF_SG_K_IO || sp[t].status >= 0) continue;
+        const mf_step_targ *a = &sh->args[t];
+        const mf_model_layer *y = mf_model_layer_at(s->r->m, a->t->layer);
+        const mf_io_read *rd = &sh->slot_rd[(size_t)a->t->slot * sh->n_parts + a->t->read];
         rc = mf_error_wrap(rc, "step: layer %d expert %d (%s...): reading %" PRIu64 " bytes at offset %"
-                           PRIu64 " into the expert store failed", a->layer, sh->slot_e[a->slot],
-                           y->experts[sh->slot_e[a->slot] * 3].name, rd->n_bytes, rd->offset);
+                           PRIu64 " into the expert store failed", a->t->layer, sh->slot_e[a->t->slot],
+                           y->experts[sh->slot_e[a->t->slot] * 3].name, rd->n_bytes, rd->offset);
         break;
     }
     if (sh->store_layer >= 0) {
@@ -1854,6 +1473,12 @@ int mf_step_decode(mf_step *s, mf_ref_state *const *states, const int32_t *token
 }
 
 void mf_step_last_times(const mf_step *s, mf_step_times *out) { *out = s->times; }
+
+const mf_stepgraph *mf_step_graph(const mf_step *s, int n, int par)
+{
+    if (n < 1 || n > MF_STEP_MAX_ITEMS || !s->shapes[!!par][n]) return NULL;
+    return s->shapes[!!par][n]->sg;
+}
 
 int mf_step_write_trace(const mf_step *s, const char *path)
 {

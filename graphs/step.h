@@ -9,13 +9,14 @@
 #include <stdint.h>
 
 #include "graphs/ref.h"
+#include "graphs/stepgraph.h"
 #include "sched/graph.h"
 
 typedef struct mf_dev mf_dev;
 typedef struct mf_profile mf_profile;
 
 /* Items per forward call (larger prefills are cut into chunks of this many). */
-#define MF_STEP_MAX_ITEMS 64
+#define MF_STEP_MAX_ITEMS MF_SG_MAX_ITEMS
 
 typedef struct mf_step_opts {
     int n_threads;     /* CPU workers of the engine's executor (0: 1) */
@@ -39,7 +40,8 @@ typedef struct mf_step_opts {
     mf_dev *dev;
     int placement;               /* mf_step_placement */
     uint64_t dev_cache_bytes;    /* per card */
-    /* 1 (or env MOEFLOW_DEV_GRAPHS=1): per layer and card, the device FFNs of all slots are one
+    int64_t dev_wait_ns;         /* the scheduler's bound on a device completion (mf_sched_opts) */
+    /* 1 (`moeflow decode --dev-graphs`): per layer and card, the device FFNs of all slots are one
      * graph (CUDA graph on CUDA cards), captured on the layer's first run with the experts and
      * rows passed through a device-side slot table, so a new routing needs no new capture; the
      * card's FFNs then start once all its copy-ins of the layer are done. 0: a task per slot. */
@@ -106,12 +108,12 @@ int mf_step_decode(mf_step *s, mf_ref_state *const *states, const int32_t *token
 
 /* Phases of a step, for reports: each task belongs to one. */
 typedef enum mf_step_phase {
-    MF_STEP_ATTN = 0,   /* hyper-connection mixes, norms, attention sublayer */
-    MF_STEP_MOE,        /* router, routed expert slots, shared expert, combine */
-    MF_STEP_ENGRAM,
-    MF_STEP_HEAD,       /* final collapse, norm and head */
-    MF_STEP_OTHER,      /* embedding, argument checks, copies, scheduling gaps */
-    MF_STEP_N_PHASES
+    MF_STEP_ATTN = MF_SG_PH_ATTN,       /* hyper-connection mixes, norms, attention sublayer */
+    MF_STEP_MOE = MF_SG_PH_MOE,         /* router, routed expert slots, shared expert, combine */
+    MF_STEP_ENGRAM = MF_SG_PH_ENGRAM,
+    MF_STEP_HEAD = MF_SG_PH_HEAD,       /* final collapse, norm and head */
+    MF_STEP_OTHER = MF_SG_PH_OTHER,     /* embedding, argument checks, copies, scheduling gaps */
+    MF_STEP_N_PHASES = MF_SG_N_PHASES
 } mf_step_phase;
 
 const char *mf_step_phase_name(mf_step_phase p);
@@ -145,6 +147,11 @@ typedef struct mf_step_dev_stats {
 } mf_step_dev_stats;
 
 void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out);
+
+/* The step graph of n items (graphs/stepgraph.h), parallel (items of distinct sequences) or
+ * serial, as built by an earlier call of that shape; NULL if none ran yet. For tests and tools
+ * (the simulator runs the same graph: graphs/plan.h). */
+const mf_stepgraph *mf_step_graph(const mf_step *s, int n, int par);
 
 /* Chrome trace-event JSON of the last graph run (one chunk of the last call). 0 or negative code. */
 int mf_step_write_trace(const mf_step *s, const char *path);

@@ -6,12 +6,11 @@
 #include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "sched/error.h"
 
-static int mf_kern_simd_cached = -1;   /* resolved choice; -1 = not yet */
+static int mf_kern_simd_cached = -1;   /* resolved or forced choice; -1 = not yet (AUTO) */
 
 static int mf_kern_cpu_has_avx2(void)
 {
@@ -26,9 +25,7 @@ mf_kern_simd mf_kern_simd_active(void)
 {
     int s = __atomic_load_n(&mf_kern_simd_cached, __ATOMIC_RELAXED);
     if (s < 0) {
-        const char *env = getenv("MOEFLOW_SIMD");
-        int scalar = env && !strcmp(env, "scalar");
-        s = (!scalar && mf_kern_cpu_has_avx2()) ? MF_KERN_SIMD_AVX2 : MF_KERN_SIMD_SCALAR;
+        s = mf_kern_cpu_has_avx2() ? MF_KERN_SIMD_AVX2 : MF_KERN_SIMD_SCALAR;
         __atomic_store_n(&mf_kern_simd_cached, s, __ATOMIC_RELAXED);
     }
     return (mf_kern_simd)s;

@@ -5,7 +5,9 @@
  * Threading: every kernel computes output rows [r0, r1) only, so a caller splits rows across
  * workers; each output element is one fixed-order reduction, so results are bit-identical however
  * rows are split. SIMD: AVX2+FMA paths chosen at run time, a scalar fallback otherwise (or when
- * MOEFLOW_SIMD=scalar); the scalar paths reproduce the AVX2 lane order, so both give the same bits.
+ * forced with mf_kern_simd_set; the library reads no environment variable, the moeflow command
+ * turns MOEFLOW_SIMD=scalar|avx2|auto into that call); the scalar paths reproduce the AVX2 lane
+ * order, so both give the same bits.
  *
  * Two FP4 paths:
  *  - int8 (the decode path): activations are quantized once per call (mf_kern_q8_quantize) to int8
@@ -27,16 +29,18 @@
 #define MF_KERN_TOK_PASS 64
 
 typedef enum mf_kern_simd {
-    MF_KERN_SIMD_AUTO = 0,   /* AVX2+FMA when the CPU has it and MOEFLOW_SIMD != "scalar" */
+    MF_KERN_SIMD_AUTO = 0,   /* the default: AVX2+FMA when the CPU has AVX2, FMA and F16C, else scalar */
     MF_KERN_SIMD_SCALAR,
     MF_KERN_SIMD_AVX2,
 } mf_kern_simd;
 
 /* The path the kernels use now (never AUTO). The AVX2 path needs AVX2, FMA and F16C. */
 mf_kern_simd mf_kern_simd_active(void);
-/* Forces a path for this process (tests, benches); AUTO restores the run-time choice.
- * -ENOTSUP (with a message) when AVX2 is asked for on a CPU without them. Not thread-safe
- * against kernels running at the same time. */
+/* Sets the path for this process; the default, before any call, is AUTO (the run-time choice
+ * above), and AUTO restores it. SCALAR forces the fallback (tests, benches, the moeflow command's
+ * MOEFLOW_SIMD=scalar). 0; -ENOTSUP (with a message) when AVX2 is asked for on a CPU without
+ * them; -EINVAL for an unknown value. Not thread-safe against kernels running at the same time:
+ * set it before starting work. */
 int mf_kern_simd_set(mf_kern_simd s);
 const char *mf_kern_simd_name(mf_kern_simd s);
 

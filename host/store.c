@@ -1,7 +1,8 @@
 /* The host expert store (resident or streamed under a byte budget, LFU with aging) and the Engram
  * row gatherer, both reading through the scheduler's IO lane. One slab and two prebuilt graphs
  * (experts: per batch entry its reads, then a compute task; gathers: a row of reads) are made at
- * start; a call only fills payloads and runs. See host/store.h for the policy. */
+ * start; a call only fills payloads and runs. Which expert holds which slot is the shared policy
+ * of sched/residency.h (LFU with aging, pins); host/store.h says how the store drives it. */
 #define _GNU_SOURCE
 #include "host/store.h"
 
@@ -16,7 +17,9 @@
 #include "host/dio.h"
 #include "sched/clock.h"
 #include "sched/error.h"
+#include "sched/path.h"
 #include "sched/progress.h"
+#include "sched/residency.h"
 #include "sched/sched.h"
 #include "sched/timeline.h"
 
@@ -59,14 +62,10 @@ struct mf_store {
     uint32_t *part_off;           /* [n_items * n_parts]: offset of the part in its slot */
     mf_xread *xr;                 /* [n_items * n_parts] */
     uint8_t *n_xr;                /* [n_items] */
-    uint32_t *freq;
-    uint64_t *last;
-    int32_t *slot_of;             /* [n_items] */
-    int32_t *slot_item, *slot_pins;
-    uint8_t *slot_state;
-    int32_t *free_stack;
-    int n_free;
-    uint64_t tick, accesses, aging_period;
+    mf_resid *res;                /* item (layer x n_experts + id) <-> slot, pins, counts */
+    void *res_mem;
+    uint8_t *slot_state;          /* [n_slots]: free, loading (a batch's miss) or present */
+    uint64_t b_seq;               /* batches begun: marks the shards checked for this one */
     /* the batch graph */
     mf_graph *gs[2], *g;          /* windowed (with compute) and bulk; g: the last run's */
     mf_timeline *tls[2], *tl;
@@ -291,9 +290,6 @@ int mf_store_create(const mf_st *st, const mf_store_layout *lay, const mf_store_
     s->part_off = calloc(ni * np + 1, sizeof *s->part_off);
     s->xr = calloc(ni * np + 1, sizeof *s->xr);
     s->n_xr = calloc(ni + 1, 1);
-    s->freq = calloc(ni + 1, sizeof *s->freq);
-    s->last = calloc(ni + 1, sizeof *s->last);
-    s->slot_of = malloc((ni + 1) * sizeof *s->slot_of);
     s->reads = calloc((size_t)mb * np, sizeof *s->reads);
     s->g_io = calloc((size_t)mb * np, sizeof *s->g_io);
     s->g_cpu = calloc((size_t)mb, sizeof *s->g_cpu);
@@ -308,10 +304,9 @@ int mf_store_create(const mf_st *st, const mf_store_layout *lay, const mf_store_
     s->gg_io = calloc((size_t)s->max_greads, sizeof *s->gg_io);
     s->gkeys = calloc((size_t)s->o.max_rows, sizeof *s->gkeys);
     s->guniq = calloc((size_t)s->o.max_rows, sizeof *s->guniq);
-    if (!s->parts || !s->part_off || !s->xr || !s->n_xr || !s->freq || !s->last || !s->slot_of ||
-        !s->reads || !s->g_io || !s->g_cpu || !s->cargs || !s->b_ids || !s->b_miss ||
-        !s->b_nreads || !s->sp_io || !s->sp_cpu || !s->tables || !s->greads || !s->gg_io ||
-        !s->gkeys || !s->guniq) {
+    if (!s->parts || !s->part_off || !s->xr || !s->n_xr || !s->reads || !s->g_io || !s->g_cpu ||
+        !s->cargs || !s->b_ids || !s->b_miss || !s->b_nreads || !s->sp_io || !s->sp_cpu ||
+        !s->tables || !s->greads || !s->gg_io || !s->gkeys || !s->guniq) {
         rc = mf_error(-ENOMEM, "expert store: out of memory for %d experts", s->n_items);
         goto fail;
     }
@@ -322,7 +317,6 @@ int mf_store_create(const mf_st *st, const mf_store_layout *lay, const mf_store_
     for (int i = 0; i < s->n_items; i++) {
         uint64_t b = mf_store_plan_item(s, i);
         if (b > s->slot_bytes) s->slot_bytes = b;
-        s->slot_of[i] = -1;
     }
     if (s->slot_bytes > UINT32_MAX) { rc = mf_error(-EINVAL, "expert store: an expert spans over 4 GiB"); goto fail; }
     if (s->o.mode == MF_STORE_RESIDENT) {
@@ -339,20 +333,16 @@ int mf_store_create(const mf_st *st, const mf_store_layout *lay, const mf_store_
         }
         s->n_slots = (int)n;
     }
-    s->aging_period = s->o.aging_period > 0 ? (uint64_t)s->o.aging_period : 8 * (uint64_t)(s->n_slots ? s->n_slots : 1);
-    s->slot_item = malloc(((size_t)s->n_slots + 1) * sizeof *s->slot_item);
-    s->slot_pins = calloc((size_t)s->n_slots + 1, sizeof *s->slot_pins);
+    mf_resid_opts ro = {.policy = MF_RESID_LFU, .n_items = s->n_items, .n_slots = s->n_slots,
+                        .aging_period = s->o.aging_period > 0 ? s->o.aging_period : 0};
+    size_t res_bytes = mf_resid_bytes(&ro);
+    s->res_mem = malloc(res_bytes ? res_bytes : 1);
     s->slot_state = calloc((size_t)s->n_slots + 1, 1);
-    s->free_stack = malloc(((size_t)s->n_slots + 1) * sizeof *s->free_stack);
-    if (!s->slot_item || !s->slot_pins || !s->slot_state || !s->free_stack) {
+    if (!s->res_mem || !s->slot_state) {
         rc = mf_error(-ENOMEM, "expert store: out of memory for %d slots", s->n_slots);
         goto fail;
     }
-    for (int i = 0; i < s->n_slots; i++) {
-        s->slot_item[i] = -1;
-        s->free_stack[i] = s->n_slots - 1 - i;
-    }
-    s->n_free = s->n_slots;
+    if ((rc = mf_resid_init(&ro, s->res_mem, res_bytes, &s->res))) goto fail;
     s->slab_bytes = (uint64_t)s->n_slots * s->slot_bytes;
     s->slab = mf_store_map(s->slab_bytes);
     if (!s->slab) {
@@ -420,6 +410,7 @@ int mf_store_create(const mf_st *st, const mf_store_layout *lay, const mf_store_
     if ((rc = mf_store_load_tables(s))) goto fail;
     memset(&s->total, 0, sizeof s->total);
     memset(&s->step, 0, sizeof s->step);
+    mf_resid_stats_reset(s->res);
     *out = s;
     return 0;
 fail:
@@ -446,13 +437,8 @@ void mf_store_destroy(mf_store *s)
     free(s->part_off);
     free(s->xr);
     free(s->n_xr);
-    free(s->freq);
-    free(s->last);
-    free(s->slot_of);
-    free(s->slot_item);
-    free(s->slot_pins);
+    free(s->res_mem);
     free(s->slot_state);
-    free(s->free_stack);
     free(s->reads);
     free(s->g_io);
     free(s->g_cpu);
@@ -468,40 +454,6 @@ void mf_store_destroy(mf_store *s)
     free(s->gkeys);
     free(s->guniq);
     free(s);
-}
-
-/* ---- the policy -------------------------------------------------------------------------------- */
-
-static void mf_store_touch(mf_store *s, int item)
-{
-    s->last[item] = ++s->tick;
-    if (s->freq[item] < UINT32_MAX) s->freq[item]++;
-    if (++s->accesses % s->aging_period == 0)
-        for (int i = 0; i < s->n_items; i++) s->freq[i] >>= 1;
-}
-
-/* A slot for a miss: a free one, else the unpinned present expert with the lowest count (least
- * recently used among equals), evicted. -1 when every slot is pinned. */
-static int mf_store_victim(mf_store *s)
-{
-    if (s->n_free) return s->free_stack[--s->n_free];
-    int best = -1;
-    for (int i = 0; i < s->n_slots; i++) {
-        if (s->slot_pins[i] || s->slot_state[i] != SLOT_PRESENT) continue;
-        int it = s->slot_item[i];
-        if (best < 0) { best = i; continue; }
-        int bt = s->slot_item[best];
-        if (s->freq[it] < s->freq[bt] || (s->freq[it] == s->freq[bt] && s->last[it] < s->last[bt]))
-            best = i;
-    }
-    if (best >= 0) {
-        s->slot_of[s->slot_item[best]] = -1;
-        s->slot_item[best] = -1;
-        s->slot_state[best] = SLOT_FREE;
-        s->total.evictions++;
-        s->step.evictions++;
-    }
-    return best;
 }
 
 static void mf_store_name_item(const mf_store *s, int item, const mf_xread *x, char *buf, size_t n)
@@ -532,46 +484,36 @@ int mf_store_begin(mf_store *s, int layer, const int32_t *ids, int n)
     s->b_layer = layer;
     s->b_n = n;
     s->b_active = 1;
-    for (int k = 0; k < n; k++) {   /* hits first, so that no hit is evicted for a miss */
-        int item = layer * s->n_experts + ids[k];
+    s->b_seq++;
+    /* every access counted first, then the hits pinned, so that no hit is evicted for a miss */
+    for (int k = 0; k < n; k++) {
+        int item = layer * s->n_experts + ids[k], sl;
         s->b_ids[k] = ids[k];
         s->b_nreads[k] = 0;
-        mf_store_touch(s, item);
-        int sl = s->slot_of[item];
-        s->b_miss[k] = sl < 0;
-        if (sl >= 0) {
-            s->slot_pins[sl]++;
-            s->total.hits++;
-            s->step.hits++;
-        }
+        mf_resid_touch(s->res, item);
+        s->b_miss[k] = mf_resid_slot(s->res, item) < 0;
+        if (!s->b_miss[k] && mf_resid_lookup(s->res, item, &sl) == 1) mf_resid_pin(s->res, sl);
     }
     for (int k = 0; k < n; k++) {
         if (!s->b_miss[k]) continue;
         int item = layer * s->n_experts + ids[k];
-        int sl = mf_store_victim(s);
-        if (sl < 0) {
+        int sl;   /* a free slot, else the policy's victim, evicted */
+        if (mf_resid_lookup(s->res, item, &sl) != 0) {
             for (int j = 0; j < n; j++) {   /* undo: free the slots taken, unpin the hits */
-                int it = layer * s->n_experts + ids[j], q = s->slot_of[it];
+                int q = mf_resid_slot(s->res, layer * s->n_experts + ids[j]);
                 if (!s->b_miss[j]) {
-                    s->slot_pins[q]--;
+                    mf_resid_unpin(s->res, q);
                 } else if (j < k) {
                     s->slot_state[q] = SLOT_FREE;
-                    s->slot_item[q] = -1;
-                    s->slot_pins[q] = 0;
-                    s->slot_of[it] = -1;
-                    s->free_stack[s->n_free++] = q;
+                    mf_resid_clear(s->res, q);
                 }
             }
             s->b_active = 0;
             return mf_error(-ENOSPC, "expert store: all %d slots are pinned; layer %d expert %d "
                             "has nowhere to go (raise the budget or unpin)", s->n_slots, layer, ids[k]);
         }
-        s->slot_of[item] = sl;
-        s->slot_item[sl] = item;
         s->slot_state[sl] = SLOT_LOADING;
-        s->slot_pins[sl] = 1;
-        s->total.misses++;
-        s->step.misses++;
+        mf_resid_pin(s->res, sl);
         const mf_xread *x = &s->xr[(size_t)item * s->n_parts];
         uint8_t *base = s->slab + (uint64_t)sl * s->slot_bytes;
         for (int j = 0; j < s->n_xr[item]; j++) {
@@ -595,7 +537,7 @@ mf_io_read *mf_store_reads(mf_store *s, int k, int *n)
 const uint8_t *mf_store_batch_part(const mf_store *s, int k, int part)
 {
     if (!s->b_active || k < 0 || k >= s->b_n || part < 0 || part >= s->n_parts) return NULL;
-    int item = s->b_layer * s->n_experts + s->b_ids[k], sl = s->slot_of[item];
+    int item = s->b_layer * s->n_experts + s->b_ids[k], sl = mf_resid_slot(s->res, item);
     if (sl < 0) return NULL;
     return s->slab + (uint64_t)sl * s->slot_bytes + s->part_off[(size_t)item * s->n_parts + part];
 }
@@ -608,7 +550,7 @@ int mf_store_end(mf_store *s, int status)
     if (!s->b_active) return status;
     for (int k = 0; k < s->b_n; k++) {
         if (!s->b_miss[k]) continue;
-        int item = s->b_layer * s->n_experts + s->b_ids[k], sl = s->slot_of[item];
+        int item = s->b_layer * s->n_experts + s->b_ids[k], sl = mf_resid_slot(s->res, item);
         if (status == 0) {
             s->slot_state[sl] = SLOT_PRESENT;
             for (int j = 0; j < s->b_nreads[k]; j++) {
@@ -617,17 +559,14 @@ int mf_store_end(mf_store *s, int status)
             }
         } else {   /* nothing partially read is ever marked present */
             s->slot_state[sl] = SLOT_FREE;
-            s->slot_item[sl] = -1;
-            s->slot_pins[sl] = 0;
-            s->slot_of[item] = -1;
-            s->free_stack[s->n_free++] = sl;
+            mf_resid_clear(s->res, sl);
         }
     }
     for (int k = 0; k < s->b_n * s->n_parts; k++) s->reads[k] = s->zero_read;
     if (status) {   /* a failed call pins nothing */
         for (int k = 0; k < s->b_n; k++) {
-            int sl = s->slot_of[s->b_layer * s->n_experts + s->b_ids[k]];
-            if (sl >= 0 && !s->b_miss[k] && s->slot_pins[sl] > 0) s->slot_pins[sl]--;
+            int sl = mf_resid_slot(s->res, s->b_layer * s->n_experts + s->b_ids[k]);
+            if (sl >= 0 && !s->b_miss[k]) mf_resid_unpin(s->res, sl);
         }
     }
     s->b_active = 0;
@@ -693,7 +632,7 @@ static void mf_store_overlap(mf_store *s)
 static int mf_store_check_shards(mf_store *s)
 {
     if (!s->b_active) return 0;
-    uint64_t mark = s->tick;
+    uint64_t mark = s->b_seq;
     for (int k = 0; k < s->b_n; k++) {
         int item = s->b_layer * s->n_experts + s->b_ids[k];
         for (int j = 0; j < s->b_nreads[k]; j++) {
@@ -771,8 +710,8 @@ void mf_store_unpin(mf_store *s, int layer, const int32_t *ids, int n)
 {
     for (int k = 0; k < n; k++) {
         if (layer < 0 || layer >= s->n_layers || ids[k] < 0 || ids[k] >= s->n_experts) continue;
-        int sl = s->slot_of[layer * s->n_experts + ids[k]];
-        if (sl >= 0 && s->slot_pins[sl] > 0) s->slot_pins[sl]--;
+        int sl = mf_resid_slot(s->res, layer * s->n_experts + ids[k]);
+        if (sl >= 0) mf_resid_unpin(s->res, sl);
     }
 }
 
@@ -781,7 +720,7 @@ const uint8_t *mf_store_part(const mf_store *s, int layer, int id, int part)
     if (layer < 0 || layer >= s->n_layers || id < 0 || id >= s->n_experts || part < 0 ||
         part >= s->n_parts)
         return NULL;
-    int item = layer * s->n_experts + id, sl = s->slot_of[item];
+    int item = layer * s->n_experts + id, sl = mf_resid_slot(s->res, item);
     /* inside fn, the experts of the batch are read (fn of k runs after k's reads) */
     if (sl < 0 || (s->slot_state[sl] != SLOT_PRESENT && !(s->in_fn && s->slot_state[sl] == SLOT_LOADING)))
         return NULL;
@@ -956,10 +895,27 @@ int mf_store_gather(mf_store *s, int table, const int64_t *rows, int n, uint8_t 
 
 /* ---- counters and facts ---------------------------------------------------------------------- */
 
-void mf_store_stats_total(const mf_store *s, mf_store_stats *out) { *out = s->total; }
+/* The store's own counters with the policy's hits, misses and evictions. */
+static void mf_store_stats_fill(mf_store_stats *out, const mf_store_stats *own, mf_resid_stats r)
+{
+    *out = *own;
+    out->hits = r.hits;
+    out->misses = r.misses;
+    out->evictions = r.evictions;
+}
+
+void mf_store_stats_total(const mf_store *s, mf_store_stats *out)
+{
+    mf_resid_stats r;
+    mf_resid_stats_total(s->res, &r);
+    mf_store_stats_fill(out, &s->total, r);
+}
+
 void mf_store_step(mf_store *s, mf_store_stats *step)
 {
-    if (step) *step = s->step;
+    mf_resid_stats r;
+    mf_resid_step(s->res, &r);
+    if (step) mf_store_stats_fill(step, &s->step, r);
     memset(&s->step, 0, sizeof s->step);
 }
 int mf_store_n_slots(const mf_store *s) { return s->n_slots; }
@@ -973,6 +929,8 @@ int mf_store_direct(const mf_store *s) { return s->direct; }
 int mf_store_write_trace(const mf_store *s, const char *path)
 {
     if (!s->traced) return mf_error(-EINVAL, "expert store: no run with compute to trace yet");
+    int mk = mf_path_make_parent(path);
+    if (mk) return mk;
     FILE *f = fopen(path, "w");
     if (!f) return mf_error(-errno, "%s: cannot create: %s", path, strerror(errno));
     /* Chrome trace events: one track per IO slot and one for the compute worker */

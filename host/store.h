@@ -5,11 +5,13 @@
  * the caller computes on experts already present. Engram tables are resident (read at start) or
  * gathered: all rows of a call read in one batch at depth, adjacent rows coalesced.
  *
- * Replacement policy (streamed): LFU with aging. Every expert carries an access count, kept also
- * while it is not in the store; every aging_period accesses all counts are halved, so old
- * popularity fades. A miss takes a free slot, else evicts the unpinned present expert with the
- * lowest count (least recently used among equals). Experts named by the current call are pinned
- * and never evicted until unpinned. A read that fails leaves its slot free: no partially read
+ * Replacement policy (streamed): LFU with aging, the shared policy of sched/residency.h (the
+ * device expert cache runs the same). Every expert carries an access count, kept also while it is
+ * not in the store; every aging_period accesses all counts are halved, so old popularity fades. A
+ * call counts all its experts' accesses first and pins its hits, then places its misses: a miss
+ * takes a free slot, else evicts the unpinned present expert with the lowest count (least
+ * recently used among equals). Experts named by the current call are pinned and never evicted
+ * until unpinned. A read that fails leaves its slot free: no partially read
  * expert is ever marked present, and the store stays usable. A store is driven from one thread at
  * a time (its compute function runs on the store's own worker while that thread waits). */
 #ifndef MF_STORE_H
@@ -35,7 +37,7 @@ typedef struct mf_store_opts {
                                   * flight at once, in selection order (0: 2), so that the first
                                   * arrives early and its compute overlaps the others' reads */
     int buffered;                /* 1: no O_DIRECT (page-cache reads) */
-    int force_pread;             /* 1: the pread engine (also env MOEFLOW_IO=pread) */
+    int force_pread;             /* 1: the pread engine (also mf_sched_io_defaults(1): MOEFLOW_IO=pread of the moeflow command) */
     int numa_node;               /* slab placement (hwloc membind); -1: first touch */
     int aging_period;            /* accesses between halvings (0: 8 x slots) */
     int quiet;                   /* no progress on stderr */

@@ -1,7 +1,7 @@
 /* CPU lanes (and the IO lane's pread fallback): a pool of worker threads that take ready tasks in
- * rank order, a few at a time, run them, and go straight on to a successor they made ready when it
- * outranks everything queued (no queue round trip on chains). Idle workers spin briefly, then
- * sleep on a condition variable until a push wakes them. */
+ * rank order, a batch at a time, and keep the successors they release that another worker would
+ * not take first anyway, so that most tasks pass no lock; idle workers get what a busy one holds.
+ * Idle workers spin briefly, then sleep on a condition variable until a push wakes them. */
 #include <immintrin.h>
 
 #include "sched/error.h"
@@ -10,47 +10,52 @@
 
 #define MF_SPIN_ROUNDS 2000
 
-/* Takes the next task for w: from its batch, else up to a batch from the lane's queues; sleeps
- * when there is nothing. Returns -1 when the scheduler shuts down. */
+/* Takes the next task for w: the best it holds while nothing in the lane's queue outranks it (no
+ * lock); otherwise, under one lock, hands back what it holds and takes up to a batch of the lane's
+ * best; sleeps when there is nothing. While other workers of the lane are idle, w keeps only its
+ * next task and hands them the rest. Returns -1 when the scheduler shuts down. */
 static mf_task_id mf_cpu_next(mf_sched *s, mf_lane_rt *L, mf_worker *w)
 {
-    if (w->i_batch < w->n_batch) {
-        /* A task pushed since the batch was taken may outrank the rest of it. */
-        mf_task_id t = w->batch[w->i_batch++];
-        if (atomic_load_explicit(&L->top_key, memory_order_relaxed) > s->rt->key[t])
-            t = mf_q_swap(s, L, t);
+    if (w->own_hi - w->own_lo > 1 && atomic_load_explicit(&L->n_idle, memory_order_relaxed) &&
+        !atomic_load_explicit(&L->top_key, memory_order_relaxed)) {
+        pthread_mutex_lock(&L->mu);   /* idle workers, nothing shared: hand them what w holds */
+        mf_q_give_back(s, L, w, 1);
+        pthread_mutex_unlock(&L->mu);
+    }
+    mf_task_id t = mf_own_next(w);
+    if (t >= 0) {
+        if (w->n_out) {   /* left for a refill that is not needed after all */
+            pthread_mutex_lock(&L->mu);
+            mf_q_give_back(s, L, w, w->own_hi - w->own_lo);
+            pthread_mutex_unlock(&L->mu);
+        }
         return t;
     }
-    w->i_batch = w->n_batch = 0;
     pthread_mutex_lock(&L->mu);
     w->busy = 0;
+    int idle = 0;
     for (;;) {
         if (L->exit) {
+            if (idle) atomic_fetch_sub_explicit(&L->n_idle, 1, memory_order_relaxed);
             pthread_mutex_unlock(&L->mu);
             return -1;
         }
-        int ready = atomic_load_explicit(&L->n_ready, memory_order_relaxed);
         uint32_t seq = atomic_load_explicit(&L->push_seq, memory_order_relaxed);
-        if (ready) {
-            int want = ready / (2 * L->n_workers);
-            want = want < 1 ? 1 : want > MF_BATCH_MAX ? MF_BATCH_MAX : want;
-            while (w->n_batch < want) {
-                mf_task_id t = mf_q_take(L, w->index);
-                if (t < 0) break;
-                w->batch[w->n_batch++] = t;
-            }
-            if (w->n_batch) {
-                w->busy = 1;
-                /* Own hinted work left behind may now be stolen: wake a sleeper for it. */
-                mf_lane_q *q = L->q;
-                if (q->wheap && q->n_wheap[w->index] && L->n_sleeping) mf_lane_wake(s, L, -1);
-                pthread_mutex_unlock(&L->mu);
-                w->i_batch = 1;
-                return w->batch[0];
-            }
+        if (L->q && mf_q_refill(s, L, w)) {
+            w->busy = 1;
+            if (idle) atomic_fetch_sub_explicit(&L->n_idle, 1, memory_order_relaxed);
+            /* Own hinted work left behind may now be stolen: wake a sleeper for it. */
+            mf_lane_q *q = L->q;
+            if (q->wheap && q->n_wheap[w->index] && L->n_sleeping) mf_lane_wake_n(s, L, 1);
+            pthread_mutex_unlock(&L->mu);
+            t = mf_key_task(w->own[w->own_lo++]);
+            if (w->own_lo == w->own_hi) w->own_lo = w->own_hi = 0;
+            return t;
         }
         /* Nothing for this worker (the queues are empty, or hold only hinted tasks of idle
          * workers): hand in completions, spin a little until something is pushed, then sleep. */
+        if (!idle) atomic_fetch_add_explicit(&L->n_idle, 1, memory_order_relaxed);
+        idle = 1;
         pthread_mutex_unlock(&L->mu);
         mf_done_flush(s, w);
         for (int i = 0; i < MF_SPIN_ROUNDS; i++) {
@@ -69,8 +74,8 @@ static mf_task_id mf_cpu_next(mf_sched *s, mf_lane_rt *L, mf_worker *w)
     }
 }
 
-/* Runs (or cancels) t on w and completes it; returns the continuation, if any. */
-static mf_task_id mf_cpu_exec(mf_sched *s, mf_lane_rt *L, mf_worker *w, mf_task_id t)
+/* Runs (or cancels) t on w and completes it. */
+static void mf_cpu_exec(mf_sched *s, mf_lane_rt *L, mf_worker *w, mf_task_id t)
 {
     int status = 1;
     if (!mf_task_skip(s, t)) {
@@ -94,7 +99,7 @@ static mf_task_id mf_cpu_exec(mf_sched *s, mf_lane_rt *L, mf_worker *w, mf_task_
         status = rc < 0 ? rc : 0;
         if (rc < 0) mf_task_fail(s, t, rc, mf_last_error());
     }
-    return mf_task_finish(s, t, status, w);
+    mf_task_finish(s, t, status, w);
 }
 
 void *mf_cpu_worker_main(void *arg)
@@ -102,11 +107,10 @@ void *mf_cpu_worker_main(void *arg)
     mf_worker *w = arg;
     mf_sched *s = w->s;
     mf_lane_rt *L = w->lane;
-    mf_task_id cont = -1;
     for (;;) {
-        mf_task_id t = cont >= 0 ? cont : mf_cpu_next(s, L, w);
+        mf_task_id t = mf_cpu_next(s, L, w);
         if (t < 0) break;
-        cont = mf_cpu_exec(s, L, w, t);
+        mf_cpu_exec(s, L, w, t);
     }
     return NULL;
 }

@@ -14,6 +14,9 @@
 static void mf_dev_done_status(void *arg, int err, const char *msg)
 {
     struct mf_dev_tok *tok = arg;
+    int expect = MF_TOK_INFLIGHT;
+    /* abandoned: the run gave up waiting (mf_sched_opts.dev_wait_ns) and completed the task */
+    if (!atomic_compare_exchange_strong(&tok->state, &expect, MF_TOK_IDLE)) return;
     mf_sched *s = tok->s;
     mf_lane_rt *L = &s->lanes[s->rt->lane[tok->t]];
     mf_task_id t = tok->t;
@@ -41,7 +44,7 @@ void *mf_dev_submit_main(void *arg)
                 pthread_mutex_unlock(&L->mu);
                 return NULL;
             }
-            if (L->inflight < L->cap && (t = mf_q_take(L, -1)) >= 0) break;
+            if (L->inflight < L->cap && (t = mf_q_take(L, -1, 0)) >= 0) break;
             if (w->local_done) {   /* hand in completions before sleeping */
                 pthread_mutex_unlock(&L->mu);
                 mf_done_flush(s, w);
@@ -80,10 +83,14 @@ void *mf_dev_submit_main(void *arg)
                 rc = 0;   /* nothing enqueued: done now, no round trip through the stream */
             } else {
                 mf_error_clear();
+                struct mf_dev_tok *tok = &s->rt->tok[t];
+                tok->t_ns = mf_now_ns();
+                atomic_store_explicit(&tok->state, MF_TOK_INFLIGHT, memory_order_release);
                 rc = s->dev->notify_status
-                         ? s->dev->notify_status(s->dev->ctx, L->queue, mf_dev_done_status, &s->rt->tok[t])
-                         : s->dev->notify(s->dev->ctx, L->queue, mf_dev_done, &s->rt->tok[t]);
-                if (rc == 0) continue;   /* completes in mf_dev_done */
+                         ? s->dev->notify_status(s->dev->ctx, L->queue, mf_dev_done_status, tok)
+                         : s->dev->notify(s->dev->ctx, L->queue, mf_dev_done, tok);
+                if (rc == 0) continue;   /* completes in mf_dev_done (or is abandoned) */
+                atomic_store(&tok->state, MF_TOK_IDLE);
                 if (rc > 0) rc = -EIO;
                 char msg[512];
                 snprintf(msg, sizeof msg, "device notify on lane '%s' failed: %s", L->desc.name,

@@ -3,8 +3,8 @@
  * task completions. New work reaches the thread through an eventfd read kept armed on the ring.
  * O_DIRECT requests (mf_io_read.dio_align) go straight to the caller's buffer when aligned and
  * through a per-slot aligned bounce buffer when not; reads into registered buffers are
- * fixed-buffer reads. When the kernel refuses io_uring (or MOEFLOW_IO=pread), pread workers serve
- * the lane instead, with the same O_DIRECT handling. Lane concurrency is the ring's queue depth
+ * fixed-buffer reads. When the kernel refuses io_uring (or the options force pread), pread workers
+ * serve the lane instead, with the same O_DIRECT handling. Lane concurrency is the ring's queue depth
  * (or the number of pread workers); 0 means 16. Tests can inject EIO and short reads. */
 #include <inttypes.h>
 #include <stdio.h>
@@ -41,18 +41,6 @@ void mf_io_fault_inject(int kind, int64_t nth)
 {
     atomic_store(&mf_io_fault_kind, kind);
     atomic_store(&mf_io_fault_left, kind == MF_IO_FAULT_NONE ? 0 : nth);
-}
-
-void mf_io_fault_env(void)
-{
-    static _Atomic int done;
-    if (atomic_exchange(&done, 1)) return;
-    const char *e = getenv("MOEFLOW_IO_FAULT");
-    if (!e || !*e) return;
-    long long n = 0;
-    if (!strncmp(e, "eio:", 4) && (n = atoll(e + 4)) > 0) mf_io_fault_inject(MF_IO_FAULT_EIO, n);
-    else if (!strncmp(e, "short:", 6) && (n = atoll(e + 6)) > 0) mf_io_fault_inject(MF_IO_FAULT_SHORT, n);
-    else fprintf(stderr, "moeflow: MOEFLOW_IO_FAULT='%s' ignored (expected eio:N or short:N)\n", e);
 }
 
 /* Counts one read started; returns the fault it must suffer, if any. */
@@ -258,7 +246,7 @@ void *mf_io_uring_main(void *arg)
             break;
         }
         while (inflight + ng < depth) {
-            mf_task_id t = mf_q_take(L, -1);
+            mf_task_id t = mf_q_take(L, -1, 0);
             if (t < 0) break;
             got[ng++] = t;
         }

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "sched/error.h"
+#include "sched/path.h"
 
 /* ---- the format ------------------------------------------------------------------------------ */
 
@@ -402,6 +403,8 @@ int mf_profile_write_header(const mf_profile *p, const char *path, const char *h
     if (rc) return mf_error_wrap(rc, "not writing an invalid profile");
     if (strpbrk(p->name, "#\n\r"))
         return mf_error(-EINVAL, "%s: profile name '%s' may not hold '#' or line breaks", path, p->name);
+    rc = mf_path_make_parent(path);
+    if (rc) return rc;
     char tmp[4096];
     snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
     FILE *f = fopen(tmp, "wb");

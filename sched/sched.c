@@ -12,6 +12,9 @@
 #include "sched/error.h"
 
 static _Atomic uint64_t mf_sched_gen;
+static _Atomic int mf_io_pread_default;   /* mf_sched_io_defaults */
+
+void mf_sched_io_defaults(int force_pread) { atomic_store(&mf_io_pread_default, force_pread ? 1 : 0); }
 
 /* ---- keys and heaps -------------------------------------------------------------------------- */
 
@@ -24,8 +27,6 @@ static uint64_t mf_key(double rank, mf_task_id t)
     memcpy(&bits, &r, sizeof bits);
     return (uint64_t)bits << 32 | (uint32_t)~(uint32_t)t;
 }
-
-static inline mf_task_id mf_key_task(uint64_t k) { return (mf_task_id)(uint32_t)~(uint32_t)k; }
 
 static void mf_heap_push(uint64_t *h, int *n, uint64_t k)
 {
@@ -68,13 +69,12 @@ static void mf_q_publish(mf_lane_rt *L)
     atomic_store_explicit(&L->top_key, top, memory_order_relaxed);
 }
 
-/* Takes the best ready task for worker w (-1: none of the lane's own): its hinted tasks, the shared
- * heap and the sorted roots compete on key; with nothing there, steals another worker's best hinted
- * task. Lane mutex held. */
-int mf_q_take(mf_lane_rt *L, int w)
+/* Pops the best ready key for worker w (0: none of the lane's own) if it is above `above`: its
+ * hinted tasks, the shared heap and the sorted roots compete on key; with nothing there, steals
+ * another worker's best hinted task. Lane mutex held; the caller counts and publishes. */
+static uint64_t mf_q_pop(mf_lane_rt *L, int w, uint64_t above, int *shared)
 {
     mf_lane_q *q = L->q;
-    if (!q || !atomic_load_explicit(&L->n_ready, memory_order_relaxed)) return -1;
     uint64_t best = 0;
     int src = -1;   /* 0 own hinted, 1 heap, 2 roots, 3 steal */
     int victim = -1;
@@ -86,17 +86,34 @@ int mf_q_take(mf_lane_rt *L, int w)
         for (int v = 0; v < L->n_workers; v++)
             if (q->n_wheap[v] && L->workers[v].busy && q->wheap[v][0] > best)
                 best = q->wheap[v][0], victim = v, src = 3;
+    if (best <= above) return 0;
     switch (src) {
     case 0: mf_heap_pop(q->wheap[w], &q->n_wheap[w]); break;
     case 1: mf_heap_pop(q->heap, &q->n_heap); break;
     case 2: q->i_roots++; break;
-    case 3: mf_heap_pop(q->wheap[victim], &q->n_wheap[victim]); break;
-    default: return -1;
+    default: mf_heap_pop(q->wheap[victim], &q->n_wheap[victim]); break;
     }
-    atomic_store_explicit(&L->n_ready, atomic_load_explicit(&L->n_ready, memory_order_relaxed) - 1,
-                          memory_order_relaxed);
-    if (src != 0 && src != 3) mf_q_publish(L);
-    return mf_key_task(best);
+    *shared |= src == 1 || src == 2;
+    return best;
+}
+
+/* Takes up to n of the best ready keys for worker w into keys[] (descending), each above `above`;
+ * returns how many. Lane mutex held. */
+static int mf_q_take_keys(mf_lane_rt *L, int w, uint64_t above, uint64_t *keys, int n)
+{
+    int ready = atomic_load_explicit(&L->n_ready, memory_order_relaxed);
+    if (!L->q || !ready) return 0;
+    int k = 0, shared = 0;
+    while (k < n && k < ready && (keys[k] = mf_q_pop(L, w, above, &shared))) k++;
+    atomic_store_explicit(&L->n_ready, ready - k, memory_order_relaxed);
+    if (shared) mf_q_publish(L);
+    return k;
+}
+
+int mf_q_take(mf_lane_rt *L, int w, uint64_t above)
+{
+    uint64_t k;
+    return mf_q_take_keys(L, w, above, &k, 1) ? mf_key_task(k) : -1;
 }
 
 /* Wakes a sleeping thread of the lane for a new task: for a hinted task its worker, or another
@@ -115,6 +132,15 @@ void mf_lane_wake(mf_sched *s, mf_lane_rt *L, int hint)
     w->sleeping = 0;
     L->n_sleeping--;
     pthread_cond_signal(&w->cond);
+}
+
+/* Wakes sleeping CPU workers of the lane for n new shared tasks, fewer by those still spinning
+ * (they see the push and take them; a worker that leaves tasks behind wakes the next). Lane mutex
+ * held. */
+void mf_lane_wake_n(mf_sched *s, mf_lane_rt *L, int n)
+{
+    n -= atomic_load_explicit(&L->n_idle, memory_order_relaxed) - L->n_sleeping;
+    for (int i = 0; i < n && L->n_sleeping; i++) mf_lane_wake(s, L, -1);
 }
 
 static void mf_lane_kick_io(mf_lane_rt *L, int need)
@@ -152,41 +178,113 @@ void mf_q_push(mf_sched *s, mf_task_id t)
     mf_lane_kick_io(L, kick);
 }
 
-/* Queues t (ready, on L, no hint) and takes the lane's best shared task in one go: t itself when
- * nothing queued outranks it any more. */
-mf_task_id mf_q_swap(mf_sched *s, mf_lane_rt *L, mf_task_id t)
+/* Puts t (ready, lane L) in L's queues: its worker's heap when hinted, else the shared heap.
+ * Lane mutex held; the caller publishes and wakes. */
+static void mf_q_put(mf_grt *rt, mf_lane_q *q, uint64_t k)
 {
-    uint64_t k = s->rt->key[t], best;
-    pthread_mutex_lock(&L->mu);
+    int h = rt->hint[mf_key_task(k)];
+    if (h >= 0) mf_heap_push(q->wheap[h], &q->n_wheap[h], k);
+    else mf_heap_push(q->heap, &q->n_heap, k);
+}
+
+/* ---- what a CPU worker holds ------------------------------------------------------------------
+ * w->own[own_lo .. own_hi) are keys in descending order: the worker's next task is own[own_lo]. */
+
+static inline int mf_own_n(const mf_worker *w) { return w->own_hi - w->own_lo; }
+
+/* Adds key k to what w holds (there is room). Successors usually rank below what w holds: an
+ * append. */
+static void mf_own_add(mf_worker *w, uint64_t k)
+{
+    if (w->own_hi == MF_OWN_MAX) {   /* compact, leaving room in front for a refill's batch */
+        int n = mf_own_n(w), lo = n + MF_BATCH_MAX < MF_OWN_MAX ? MF_BATCH_MAX : MF_OWN_MAX - 1 - n;
+        memmove(w->own + lo, w->own + w->own_lo, (size_t)n * sizeof *w->own);
+        w->own_lo = lo;
+        w->own_hi = lo + n;
+    }
+    int i = w->own_hi++;
+    while (i > w->own_lo && w->own[i - 1] < k) {
+        w->own[i] = w->own[i - 1];
+        i--;
+    }
+    w->own[i] = k;
+}
+
+/* Hands the tasks w holds beyond its best `keep` to its lane, and its released successors
+ * waiting in w->out, waking sleepers for them. Lane mutex held. */
+void mf_q_give_back(mf_sched *s, mf_lane_rt *L, mf_worker *w, int keep)
+{
+    mf_grt *rt = s->rt;
     mf_lane_q *q = L->q;
-    uint64_t root = q->i_roots < q->n_roots ? q->roots[q->i_roots] : 0;
-    uint64_t heap = q->n_heap ? q->heap[0] : 0;
-    if (root > k && root >= heap) {
-        q->i_roots++;
-        mf_heap_push(q->heap, &q->n_heap, k);
-        best = root;
-    } else if (heap > k) {
-        best = heap;
-        q->heap[0] = k;   /* replace the top and sift it down */
-        int n = q->n_heap, i = 0;
-        for (;;) {
-            int c = 2 * i + 1;
-            if (c >= n) break;
-            if (c + 1 < n && q->heap[c + 1] > q->heap[c]) c++;
-            if (q->heap[c] <= k) break;
-            q->heap[i] = q->heap[c];
-            i = c;
-        }
-        q->heap[i] = k;
+    int n = 0;
+    while (mf_own_n(w) > keep) mf_q_put(rt, q, w->own[--w->own_hi]), n++;
+    for (int i = 0; i < w->n_out; i++) mf_q_put(rt, q, rt->key[w->out[i]]);
+    n += w->n_out;
+    w->n_out = 0;
+    if (!n) return;
+    atomic_store_explicit(&L->n_ready, atomic_load_explicit(&L->n_ready, memory_order_relaxed) + n,
+                          memory_order_relaxed);
+    atomic_fetch_add_explicit(&L->push_seq, 1, memory_order_relaxed);
+    mf_q_publish(L);
+    mf_lane_wake_n(s, L, n);
+}
+
+/* Refills w under the lane mutex: hands the lane the successors waiting in w->out, then w's next
+ * tasks become the best `want` of what it holds and the lane's queue (want: its part of the
+ * lane's ready tasks, at most MF_BATCH_MAX); of the rest it holds, it keeps what fits while the
+ * queue still has a task for every worker (on a lane with a stash), and hands the others back.
+ * Returns how many tasks w now holds. */
+int mf_q_refill(mf_sched *s, mf_lane_rt *L, mf_worker *w)
+{
+    mf_grt *rt = s->rt;
+    mf_lane_q *q = L->q;
+    /* The successors it released go first: they compete for the batch. The queue's new tasks are
+     * announced once, at the end (idle workers watch push_seq). */
+    int added = w->n_out, taken = 0;
+    for (int k = 0; k < w->n_out; k++) mf_q_put(rt, q, rt->key[w->out[k]]);
+    w->n_out = 0;
+    int ready = atomic_load_explicit(&L->n_ready, memory_order_relaxed) + added;
+    atomic_store_explicit(&L->n_ready, ready, memory_order_relaxed);
+    int nw = L->n_workers, held = mf_own_n(w);
+    int want = (ready + held) / (2 * nw);
+    want = want < 1 ? 1 : want > MF_BATCH_MAX ? MF_BATCH_MAX : want;
+    if (!held) {   /* the common case: straight into w's stash, already in descending order */
+        w->own_lo = 0;
+        w->own_hi = taken = mf_q_take_keys(L, w->index, 0, w->own, want);
     } else {
-        best = k;
+        uint64_t next[MF_BATCH_MAX];
+        int n = 0, i = w->own_lo;
+        while (n < want) {
+            uint64_t mine = i < w->own_hi ? w->own[i] : 0;
+            if (mf_q_take_keys(L, w->index, mine, &next[n], 1)) n++, taken++;
+            else if (mine) next[n++] = mine, i++;
+            else break;
+        }
+        int keep = w->own_hi - i;
+        if (!L->stash || atomic_load_explicit(&L->n_ready, memory_order_relaxed) < nw) keep = 0;
+        if (keep > MF_OWN_MAX - n) keep = MF_OWN_MAX - n;
+        w->own_lo = i;   /* w holds the tail only: what is not kept goes back */
+        int back = 0;
+        while (mf_own_n(w) > keep) mf_q_put(rt, q, w->own[--w->own_hi]), back++;
+        if (back) {
+            atomic_store_explicit(&L->n_ready, atomic_load_explicit(&L->n_ready, memory_order_relaxed) + back,
+                                  memory_order_relaxed);
+            added += back;
+        }
+        if (n > i) {   /* make room in front of the tail */
+            memmove(w->own + n, w->own + i, (size_t)keep * sizeof *w->own);
+            i = n;
+        }
+        memcpy(w->own + i - n, next, (size_t)n * sizeof *w->own);   /* next[] above the tail */
+        w->own_lo = i - n;
+        w->own_hi = i + keep;
     }
-    if (best != k) {
-        mf_q_publish(L);
+    if (added) {
         atomic_fetch_add_explicit(&L->push_seq, 1, memory_order_relaxed);
+        mf_q_publish(L);
+        if (added > taken) mf_lane_wake_n(s, L, added - taken);
     }
-    pthread_mutex_unlock(&L->mu);
-    return mf_key_task(best);
+    return mf_own_n(w);
 }
 
 /* ---- completion ------------------------------------------------------------------------------ */
@@ -223,25 +321,48 @@ void mf_task_fail(mf_sched *s, mf_task_id t, int code, const char *msg)
 
 #define MF_NOOP_STACK 64
 
+/* Hands w's waiting released successors (w->out) to its lane under one lock. */
+static void mf_out_flush(mf_sched *s, mf_worker *w)
+{
+    pthread_mutex_lock(&w->lane->mu);
+    mf_q_give_back(s, w->lane, w, mf_own_n(w));
+    pthread_mutex_unlock(&w->lane->mu);
+}
+
 /* Releases x's successors (poisoned when status != 0): a ready one marked noop (mf_graph_set_noop)
- * goes on `stack` to complete inline; one on the worker's lane may become its continuation
- * (*cont, the best by key); the rest are queued. */
-static void mf_release(mf_sched *s, mf_task_id x, int status, int my_lane, mf_worker *w, mf_task_id *cont,
-                       uint64_t *ckey, mf_task_id *stack, int *n_stack)
+ * goes on `stack` to complete inline. One that CPU worker w may run stays with w when another
+ * worker would take the lane's top task `top` before it anyway, or when it outranks all w holds
+ * (w runs it next, as a chain's next task); otherwise it waits in w->out to go to the lane with
+ * the others released now (one lock). The rest are queued. */
+static void mf_release(mf_sched *s, mf_task_id x, int status, mf_worker *w, uint64_t top,
+                       mf_task_id *stack, int *n_stack)
 {
     mf_grt *rt = s->rt;
     const mf_graph *g = s->g;
     for (int32_t k = g->succ_off[x], e = g->succ_off[x + 1]; k < e; k++) {
         mf_task_id u = g->succ[k];
-        if (status) atomic_fetch_or_explicit(&rt->pend[u], MF_PEND_POISON, memory_order_relaxed);
-        uint32_t old = atomic_fetch_sub_explicit(&rt->pend[u], 1, memory_order_acq_rel);
-        if ((old & MF_PEND_MASK) != 1) continue;
+        uint32_t v = atomic_load_explicit(&rt->pend[u], memory_order_acquire);
+        if ((v & MF_PEND_MASK) == 1) {
+            /* x is u's last unfinished predecessor (the others' decrements are visible): u is
+             * ready, and nobody else writes its counter in this run, so no read-modify-write.
+             * Whoever runs u reads the mark after a queue lock or on this thread. */
+            if (status) atomic_store_explicit(&rt->pend[u], v | MF_PEND_POISON, memory_order_relaxed);
+        } else {
+            if (status) atomic_fetch_or_explicit(&rt->pend[u], MF_PEND_POISON, memory_order_relaxed);
+            uint32_t old = atomic_fetch_sub_explicit(&rt->pend[u], 1, memory_order_acq_rel);
+            if ((old & MF_PEND_MASK) != 1) continue;
+        }
         if (*n_stack < MF_NOOP_STACK && atomic_load_explicit(&g->noop[u], memory_order_relaxed)) {
             stack[(*n_stack)++] = u;
-        } else if (rt->lane[u] == my_lane && (rt->hint[u] < 0 || rt->hint[u] == w->index) && rt->key[u] > *ckey) {
-            if (*cont >= 0) mf_q_push(s, *cont);
-            *cont = u;
-            *ckey = rt->key[u];
+        } else if (w && rt->lane[u] == w->lane->index && (rt->hint[u] < 0 || rt->hint[u] == w->index)) {
+            uint64_t ku = rt->key[u];
+            int n = w->own_hi - w->own_lo;
+            if (n < MF_OWN_MAX && ((ku < top && w->lane->stash) || !n || ku > w->own[w->own_lo])) {
+                mf_own_add(w, ku);
+            } else {
+                if (w->n_out == MF_OUT_MAX) mf_out_flush(s, w);
+                w->out[w->n_out++] = u;
+            }
         } else {
             mf_q_push(s, u);
         }
@@ -250,10 +371,11 @@ static void mf_release(mf_sched *s, mf_task_id x, int status, int my_lane, mf_wo
 
 /* Records t's end, releases its successors (poisoned when status != 0, so they complete as
  * cancelled) and counts it done. Successors marked noop complete here at once, releasing theirs in
- * turn (cancelled when poisoned). With a CPU worker w, returns the best successor that became
- * ready on w's lane when it outranks everything queued there (the worker runs it next, no queue),
- * else -1. Must be the last thing a non-worker thread does with the run. */
-mf_task_id mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w)
+ * turn (cancelled when poisoned). With a CPU worker w, successors on w's lane that w may run stay
+ * with w as mf_release says (w runs the best it holds next unless the lane's queue holds a better
+ * one); the rest go to the lane under one lock. Must be the last thing a non-worker thread does
+ * with the run. */
+void mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w)
 {
     mf_grt *rt = s->rt;
     if (s->spans) {
@@ -262,13 +384,14 @@ mf_task_id mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w)
         if (status == 1) sp->start_ns = sp->end_ns, sp->worker = -1;
         sp->status = status;
     }
-    int cont_ok = w && w->lane->engine == MF_ENG_CPU;
-    int my_lane = cont_ok ? w->lane->index : -1;
-    mf_task_id cont = -1, stack[MF_NOOP_STACK];
-    uint64_t ckey = 0;
+    mf_worker *cw = w && w->lane->engine == MF_ENG_CPU ? w : NULL;
+    const mf_graph *g = s->g;
+    uint64_t top = cw && g->succ_off[t + 1] > g->succ_off[t]
+                       ? atomic_load_explicit(&cw->lane->top_key, memory_order_relaxed) : 0;
+    mf_task_id stack[MF_NOOP_STACK];
     int n_stack = 0;
     uint32_t n_noop = 0;
-    mf_release(s, t, status, my_lane, w, &cont, &ckey, stack, &n_stack);
+    mf_release(s, t, status, cw, top, stack, &n_stack);
     while (n_stack) {   /* noop tasks: done now, without their lanes */
         mf_task_id x = stack[--n_stack];
         int st = s->stop || (atomic_load_explicit(&rt->pend[x], memory_order_relaxed) & MF_PEND_POISON) ? 1 : 0;
@@ -276,26 +399,19 @@ mf_task_id mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w)
             int64_t now = mf_span_now(s);
             s->spans[x] = (mf_task_span){now, now, -1, st};
         }
-        mf_release(s, x, st, my_lane, w, &cont, &ckey, stack, &n_stack);
+        mf_release(s, x, st, cw, top, stack, &n_stack);
         n_noop++;
     }
-    if (cont >= 0) {
-        uint64_t top = atomic_load_explicit(&w->lane->top_key, memory_order_relaxed);
-        uint64_t next = w->i_batch < w->n_batch ? rt->key[w->batch[w->i_batch]] : 0;
-        if (ckey < next && next >= top) {
-            mf_q_push(s, cont);   /* the worker's batch goes first */
-            cont = -1;
-        } else if (ckey < top) {
-            cont = mf_q_swap(s, w->lane, cont);
-        }
-    }
+    /* Successors for the lane go now, unless w's next step is a refill (under the same lock). */
+    if (cw && cw->n_out && mf_own_n(cw) &&
+        cw->own[cw->own_lo] >= atomic_load_explicit(&cw->lane->top_key, memory_order_relaxed))
+        mf_out_flush(s, cw);
     if (w) {
         w->local_done += 1 + n_noop;
         if (w->local_done >= 256) mf_done_flush(s, w);
     } else {
         mf_done_add(s, 1 + n_noop);
     }
-    return cont;
 }
 
 /* ---- per-graph run state --------------------------------------------------------------------- */
@@ -372,6 +488,8 @@ static int mf_grt_make(mf_sched *s, mf_graph *g, mf_grt **out)
                                     ? d->place_hint % L->n_workers : -1);
         rt->tok[t].s = s;
         rt->tok[t].t = t;
+        atomic_init(&rt->tok[t].state, MF_TOK_IDLE);
+        rt->tok[t].t_ns = 0;
         n_lane[d->lane]++;
         if (rt->hint[t] >= 0) rt->q[d->lane].n_wheap[rt->hint[t]]++;   /* capacity count */
         else if (!rt->pend_init[t]) rt->q[d->lane].n_roots++;
@@ -482,9 +600,9 @@ int mf_sched_create(const mf_sched_opts *o, mf_sched **out)
     s->gen = atomic_fetch_add(&mf_sched_gen, 1) + 1;
     s->dev = o->dev;
     s->pin = o->pin_threads;
-    mf_io_fault_env();
-    const char *env = getenv("MOEFLOW_IO");
-    s->io_pread = o->io_force_pread || (env && !strcmp(env, "pread"));
+    if (o->io_fault_kind != MF_IO_FAULT_NONE) mf_io_fault_inject(o->io_fault_kind, o->io_fault_nth);
+    s->io_pread = o->io_force_pread || atomic_load(&mf_io_pread_default);
+    s->dev_wait_ns = o->dev_wait_ns ? o->dev_wait_ns : MF_SCHED_DEV_WAIT_NS;
     s->io_engine = "none";
     pthread_mutex_init(&s->run_mu, NULL);
     pthread_condattr_t ca;
@@ -522,6 +640,7 @@ int mf_sched_create(const mf_sched_opts *o, mf_sched **out)
     for (int l = 0; l < s->n_lanes; l++) {
         rc = mf_sched_start_lane(s, &s->lanes[l], o);
         if (rc) goto fail;
+        if (s->lanes[l].engine == MF_ENG_DEV) s->n_dev_lanes++;
         if (s->lanes[l].engine == MF_ENG_URING) s->io_engine = "io_uring";
         else if (s->lanes[l].engine == MF_ENG_PREAD) s->io_engine = "pread";
     }
@@ -581,6 +700,46 @@ static int mf_sched_check_graph(const mf_sched *s, const mf_graph *g)
                             "kind %d", l, g->lanes[l].name, (int)g->lanes[l].kind,
                             (int)s->lanes[l].desc.kind);
     return 0;
+}
+
+/* Run states whose run abandoned a device task (mf_dev_watch): a callback may still come for it at
+ * any time, even after the scheduler and the graph are gone (the caller may destroy them before
+ * closing the device), and it reads its token's state, so they are kept, reachable, for the rest
+ * of the process. Only a run that found a device faulted leaves one. */
+static pthread_mutex_t mf_orphans_mu = PTHREAD_MUTEX_INITIALIZER;
+static mf_grt *mf_orphans;
+
+/* The run thread's watch over device completions (run_mu not held): a device task whose callback
+ * has not come dev_wait_ns after its work was enqueued is abandoned: it fails with -ETIMEDOUT
+ * naming the wait, the run stops, and the task is completed here in place of its callback (which,
+ * if it comes late, finds the token abandoned and leaves). Returns how many were abandoned. */
+static int mf_dev_watch(mf_sched *s, int64_t now)
+{
+    mf_grt *rt = s->rt;
+    int n_abandoned = 0;
+    for (mf_task_id t = 0; t < rt->n; t++) {
+        struct mf_dev_tok *tok = &rt->tok[t];
+        if (atomic_load_explicit(&tok->state, memory_order_acquire) != MF_TOK_INFLIGHT ||
+            now - tok->t_ns < s->dev_wait_ns)
+            continue;
+        int expect = MF_TOK_INFLIGHT;
+        if (!atomic_compare_exchange_strong(&tok->state, &expect, MF_TOK_ABANDONED)) continue;
+        mf_lane_rt *L = &s->lanes[rt->lane[t]];
+        char msg[512];
+        snprintf(msg, sizeof msg, "device lane '%s': no completion from the device %.1f ms after "
+                 "the task's work was enqueued (bound: mf_sched_opts.dev_wait_ns = %.1f ms); the "
+                 "device faulted or lost its callback, so the run stops", L->desc.name,
+                 (double)(now - tok->t_ns) / 1e6, (double)s->dev_wait_ns / 1e6);
+        mf_task_fail(s, t, -ETIMEDOUT, msg);
+        atomic_store(&s->stop, 1);
+        pthread_mutex_lock(&L->mu);
+        L->inflight--;
+        mf_lane_wake(s, L, -1);
+        pthread_mutex_unlock(&L->mu);
+        n_abandoned++;
+        mf_task_finish(s, t, -ETIMEDOUT, NULL);
+    }
+    return n_abandoned;
 }
 
 int mf_sched_run(mf_sched *s, mf_graph *g, const mf_run_opts *ro)
@@ -663,28 +822,51 @@ int mf_sched_run(mf_sched *s, mf_graph *g, const mf_run_opts *ro)
     /* Hinted roots go to their worker's heap. */
     for (int i = 0; i < rt->n_hinted_roots; i++) mf_q_push(s, rt->hinted_roots[i]);
 
+    /* Waits for the end of the run, waking for the run's timeout and, with device lanes, every
+     * quarter of the device wait bound (1 ms..1 s) to look for device tasks whose callback is
+     * overdue. */
     int64_t timeout = ro ? ro->timeout_ns : 0;
-    struct timespec dl;
-    if (timeout > 0) {
-        int64_t at = s->t0_ns + timeout;
-        dl.tv_sec = at / 1000000000LL;
-        dl.tv_nsec = at % 1000000000LL;
+    int64_t watch_ns = 0, n_abandoned = 0;
+    if (s->n_dev_lanes && s->dev_wait_ns > 0) {
+        watch_ns = s->dev_wait_ns / 4;
+        watch_ns = watch_ns < 1000000 ? 1000000 : watch_ns > 1000000000 ? 1000000000 : watch_ns;
     }
     pthread_mutex_lock(&s->run_mu);
     while (!s->finished) {
-        if (timeout > 0 && !atomic_load(&s->stop)) {
-            if (pthread_cond_timedwait(&s->run_cond, &s->run_mu, &dl) == ETIMEDOUT && !s->finished) {
-                int zero = 0;
-                atomic_compare_exchange_strong(&s->result, &zero, -ETIMEDOUT);
-                atomic_store(&s->stop, 1);
-            }
-        } else {
+        int64_t now = mf_now_ns(), at = 0;
+        int run_deadline = timeout > 0 && !atomic_load(&s->stop);
+        if (run_deadline) at = s->t0_ns + timeout;
+        if (watch_ns && (!at || now + watch_ns < at)) at = now + watch_ns;
+        if (!at) {
             pthread_cond_wait(&s->run_cond, &s->run_mu);
+            continue;
+        }
+        struct timespec dl = {.tv_sec = at / 1000000000LL, .tv_nsec = at % 1000000000LL};
+        if (pthread_cond_timedwait(&s->run_cond, &s->run_mu, &dl) != ETIMEDOUT || s->finished)
+            continue;
+        now = mf_now_ns();
+        if (run_deadline && now >= s->t0_ns + timeout) {
+            int zero = 0;
+            atomic_compare_exchange_strong(&s->result, &zero, -ETIMEDOUT);
+            atomic_store(&s->stop, 1);
+        }
+        if (watch_ns) {
+            pthread_mutex_unlock(&s->run_mu);
+            n_abandoned += mf_dev_watch(s, now);
+            pthread_mutex_lock(&s->run_mu);
         }
     }
     rc = atomic_load(&s->result);
     s->in_run = 0;
     pthread_mutex_unlock(&s->run_mu);
+    if (n_abandoned) {   /* a late callback may still read its token, even after destroy */
+        g->rt = NULL;
+        g->rt_free = NULL;
+        pthread_mutex_lock(&mf_orphans_mu);
+        rt->orphan_next = mf_orphans;
+        mf_orphans = rt;
+        pthread_mutex_unlock(&mf_orphans_mu);
+    }
 
     for (int l = 0; l < s->n_lanes; l++) {
         mf_lane_rt *L = &s->lanes[l];

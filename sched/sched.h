@@ -14,8 +14,9 @@
 
 /* How device lanes reach a device. enqueue runs the task's fn on a submitting thread to put async
  * work on the lane's queue; notify asks the backend to call done(done_arg) once everything
- * enqueued so far on that queue has finished (cudaLaunchHostFunc on CUDA, a host thread on the
- * emulated device): no CPU worker spins waiting for a device. */
+ * enqueued so far on that queue has finished (a stream callback on CUDA, a host thread on the
+ * emulated device): no CPU worker spins waiting for a device. A callback that never comes (a
+ * faulted device) is bounded by mf_sched_opts.dev_wait_ns. */
 typedef struct mf_dev_lane_ops {
     void *ctx;
     /* Opaque queue handle for (device, lane kind), handed to tasks in mf_task_ctx.queue. */
@@ -35,13 +36,32 @@ struct mf_task_ctx {
     void *queue;      /* device lanes: the queue to enqueue on */
 };
 
+/* Injected IO faults (mf_sched_opts.io_fault_kind, mf_io_fault_inject). */
+enum { MF_IO_FAULT_NONE, MF_IO_FAULT_EIO, MF_IO_FAULT_SHORT };
+
 typedef struct mf_sched_opts {
     const mf_lane_desc *lanes;   /* the lane table graphs run on (must match the graphs') */
     int n_lanes;
-    int pin_threads;             /* 1: bind CPU workers to cores with hwloc */
-    int io_force_pread;          /* 1: skip io_uring (also env MOEFLOW_IO=pread) */
+    int pin_threads;             /* 1: bind CPU workers to cores with hwloc (default 0) */
+    /* 1: the IO lane uses pread workers instead of io_uring. Default 0 (io_uring, pread when the
+     * kernel refuses it); also 1 for every scheduler after mf_sched_io_defaults(1). */
+    int io_force_pread;
+    /* Fault injection for tests: MF_IO_FAULT_EIO or MF_IO_FAULT_SHORT arms
+     * mf_io_fault_inject(io_fault_kind, io_fault_nth) when the scheduler is created. Default
+     * MF_IO_FAULT_NONE (0): leaves the process's fault setting as it is. */
+    int io_fault_kind;
+    int64_t io_fault_nth;
     const mf_dev_lane_ops *dev;  /* NULL when the graph has no device lanes */
+    /* The longest a device task waits for its device's completion callback after its work was
+     * enqueued (0: MF_SCHED_DEV_WAIT_NS; < 0: no bound). A faulted device (CUDA calls no host
+     * function after a context error) or a lost callback then fails the task with -ETIMEDOUT and
+     * a message naming it, stops the run (nothing new starts) and the run returns instead of
+     * hanging. That run's state (a few bytes per task of the graph) is then kept for the rest of
+     * the process, since the callback may still come late, in any order of teardown. */
+    int64_t dev_wait_ns;
 } mf_sched_opts;
+
+#define MF_SCHED_DEV_WAIT_NS (60LL * 1000000000LL)
 
 typedef struct mf_sched mf_sched;
 
@@ -70,12 +90,18 @@ const char *mf_sched_io_engine(const mf_sched *s);
  * (memlock limit) returns its negative code, logged once, and reads stay correct unregistered. */
 int mf_sched_io_register(mf_sched *s, void *const *bufs, const uint64_t *n_bytes, int n);
 
-/* Fault injection for tests (also env MOEFLOW_IO_FAULT=eio:N or short:N, read at the first
- * mf_sched_create): the nth IO-lane read started from now on, in this process, fails: EIO
- * returns -EIO after the read; SHORT delivers half of its bytes and then end of file. nth 0
- * disarms. Both engines honour it. */
-enum { MF_IO_FAULT_NONE, MF_IO_FAULT_EIO, MF_IO_FAULT_SHORT };
+/* Fault injection for tests: the nth IO-lane read started from now on, in this process, fails:
+ * EIO returns -EIO after the read; SHORT delivers half of its bytes and then end of file. nth 0
+ * (or kind MF_IO_FAULT_NONE) disarms. Both engines honour it. The moeflow command arms it from
+ * MOEFLOW_IO_FAULT=eio:N|short:N at startup. */
 void mf_io_fault_inject(int kind, int64_t nth);
+
+/* Process-wide IO default for the schedulers the library makes itself (the decode engine's, the
+ * expert store's), whose callers pass no IO options: with force_pread 1, every scheduler created
+ * afterwards uses the pread engine as if its options said io_force_pread; 0 (the default) leaves
+ * each to its own options. The moeflow command sets it from MOEFLOW_IO=pread at startup; the
+ * library reads no environment variable. */
+void mf_sched_io_defaults(int force_pread);
 
 /* Convenience lane tables: one CPU lane per NUMA node (threads_per_node 0 = all its cores), an IO
  * lane of the given depth. Returns the number of lanes written (<= max). */

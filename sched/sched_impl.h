@@ -17,6 +17,8 @@
 #define MF_PEND_POISON 0x80000000u   /* a predecessor failed or was cancelled */
 #define MF_PEND_MASK   0x7fffffffu
 #define MF_BATCH_MAX   16             /* ready tasks a CPU worker takes under one lock */
+#define MF_OWN_MAX    128             /* ready tasks a CPU worker holds that the others cannot see */
+#define MF_OUT_MAX     64             /* released successors handed to the lane under one lock */
 #define MF_IO_BOUNCE_BYTES (256u << 10)   /* per IO slot: misaligned O_DIRECT reads */
 #define MF_IO_MAX_REG  64             /* registered buffers per IO lane */
 
@@ -35,8 +37,12 @@ typedef struct mf_worker {
     int sleeping;
     int busy;                     /* lane mutex: took a task and has not come back for more */
     uint32_t local_done;          /* completions not yet added to the run's count */
-    int n_batch, i_batch;
-    mf_task_id batch[MF_BATCH_MAX];
+    /* CPU workers: the ready tasks this worker holds that the others cannot see (a batch it took
+     * from the lane plus successors it released), keys in descending order in own[own_lo ..
+     * own_hi), and released successors waiting to go to the lane together. */
+    int own_lo, own_hi, n_out;
+    uint64_t own[MF_OWN_MAX];
+    mf_task_id out[MF_OUT_MAX];
     _Alignas(64) char pad[1];
 } mf_worker;
 
@@ -63,12 +69,16 @@ typedef struct mf_grt {
     int16_t *lane;
     int16_t *hint;                /* resolved worker index or -1 */
     mf_lane_q *q;                 /* [n_lanes] */
-    struct mf_dev_tok { mf_sched *s; mf_task_id t; } *tok;   /* device completion arguments */
+    /* device completion arguments; state: MF_TOK_IDLE, _INFLIGHT (callback awaited since t_ns)
+     * or _ABANDONED (the run gave up waiting: a late callback must not touch the run) */
+    struct mf_dev_tok { mf_sched *s; mf_task_id t; _Atomic int state; int64_t t_ns; } *tok;
+    struct mf_grt *orphan_next;   /* abandoned run states, kept for the process (sched.c) */
     mf_task_id *hinted_roots;     /* roots with a place hint, pushed to their worker at start */
     int n_hinted_roots;
 } mf_grt;
 
 enum mf_engine { MF_ENG_CPU, MF_ENG_PREAD, MF_ENG_URING, MF_ENG_DEV };
+enum { MF_TOK_IDLE, MF_TOK_INFLIGHT, MF_TOK_ABANDONED };
 
 struct mf_lane_rt {
     int index;
@@ -79,8 +89,15 @@ struct mf_lane_rt {
     _Atomic int n_ready;          /* ready tasks in the queues (read without the lock to spin) */
     _Atomic uint64_t top_key;     /* best key in the shared queue, 0 if empty */
     _Atomic uint32_t push_seq;    /* bumped by every push: idle workers watch it */
+    /* CPU workers of the lane that found nothing and spin or sleep: a busy worker then hands
+     * what it holds to the lane. On its own cache line: read at every task, written rarely. */
+    _Alignas(64) _Atomic int n_idle;
+    _Alignas(64) int n_sleeping;
     mf_lane_q *q;                 /* the running graph's queues (NULL between runs) */
-    int n_sleeping;
+    /* CPU lanes: workers keep successors they release below the lane's top (sched.c, mf_release)
+     * only while the lane has no more workers than hardware threads: a worker that holds them
+     * and is preempted would keep them from the others. */
+    int stash;
     int exit;
     int n_workers;
     mf_worker *workers;
@@ -111,6 +128,8 @@ struct mf_sched {
     int io_pread;
     uint64_t gen;                 /* identifies this scheduler to graphs' run state */
     const char *io_engine;
+    int64_t dev_wait_ns;          /* bound on a device task's completion wait; <= 0: none */
+    int n_dev_lanes;
 
     /* the run in progress */
     mf_graph *g;
@@ -129,11 +148,18 @@ struct mf_sched {
     int in_run;                   /* under run_mu: a run is between start and end */
 };
 
+/* A ready-queue key holds the rank's float bits above the inverted task id (sched.c, mf_key). */
+static inline mf_task_id mf_key_task(uint64_t k) { return (mf_task_id)(uint32_t)~(uint32_t)k; }
+
 /* sched.c: ready queues and completion. */
-int mf_q_take(mf_lane_rt *L, int w);            /* lane->mu held; -1 if empty */
+/* Takes the best ready task of the lane for worker w (-1: any worker) if its key is above `above`
+ * (0: any), else -1. Lane mutex held. */
+int mf_q_take(mf_lane_rt *L, int w, uint64_t above);
 void mf_q_push(mf_sched *s, mf_task_id t);
-mf_task_id mf_q_swap(mf_sched *s, mf_lane_rt *L, mf_task_id t);
-mf_task_id mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w);
+/* CPU workers (lane->mu held for give_back and refill). */
+void mf_q_give_back(mf_sched *s, mf_lane_rt *L, mf_worker *w, int keep);
+int mf_q_refill(mf_sched *s, mf_lane_rt *L, mf_worker *w);
+void mf_task_finish(mf_sched *s, mf_task_id t, int status, mf_worker *w);
 void mf_task_fail(mf_sched *s, mf_task_id t, int code, const char *msg);
 void mf_done_flush(mf_sched *s, mf_worker *w);
 void mf_done_add(mf_sched *s, uint32_t n);
@@ -145,6 +171,17 @@ static inline int mf_task_skip(mf_sched *s, mf_task_id t)
 }
 static inline int64_t mf_span_now(const mf_sched *s);
 
+/* The best task CPU worker w holds while nothing in its lane's queue outranks it, taken; else -1. */
+static inline mf_task_id mf_own_next(mf_worker *w)
+{
+    if (w->own_lo == w->own_hi ||
+        w->own[w->own_lo] < atomic_load_explicit(&w->lane->top_key, memory_order_relaxed))
+        return -1;
+    mf_task_id t = mf_key_task(w->own[w->own_lo++]);
+    if (w->own_lo == w->own_hi) w->own_lo = w->own_hi = 0;
+    return t;
+}
+
 /* lane engines */
 void *mf_cpu_worker_main(void *arg);          /* CPU and pread workers */
 int mf_io_uring_start(mf_sched *s, mf_lane_rt *L);
@@ -152,9 +189,9 @@ void mf_io_uring_stop(mf_lane_rt *L);
 void *mf_io_uring_main(void *arg);
 int mf_io_pread(mf_sched *s, mf_task_id t, int worker);
 int mf_io_lane_alloc(mf_lane_rt *L);          /* bounce buffers, after the engine is chosen */
-void mf_io_fault_env(void);                   /* arms MOEFLOW_IO_FAULT once per process */
 void *mf_dev_submit_main(void *arg);
 void mf_lane_wake(mf_sched *s, mf_lane_rt *L, int hint);   /* lane->mu held */
+void mf_lane_wake_n(mf_sched *s, mf_lane_rt *L, int n);    /* lane->mu held */
 
 /* topo.c */
 int mf_topo_plan(mf_sched *s, mf_lane_rt *L);   /* resolves CPU lane size and pin sets */

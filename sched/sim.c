@@ -5,7 +5,9 @@
  * O((V + E) log V). A CPU lane of concurrency 0 ("all cores") gets the online core count.
  * Priorities are the graph's upward ranks (from its own lane models, as the executor uses them)
  * even when `models` overrides the durations; place hints are ignored (any free slot will do).
- * mf_sim_run_opts adds given task durations and a pool of cores shared by flagged lanes. */
+ * mf_sim_run_opts adds given task durations, a pool of cores shared by flagged lanes, per-lane
+ * concurrency overrides and wake phases: lane l's wake phase is a lane of its own (index
+ * n_lanes + l, one slot, in the pool), whose events carry the task's id + n_tasks. */
 #include "sched/sim.h"
 
 #include <errno.h>
@@ -159,22 +161,33 @@ int mf_sim_run(const mf_graph *g, const mf_lane_model *models, mf_timeline *tl)
     return mf_sim_run_opts(g, &(mf_sim_opts){.models = models}, tl);
 }
 
-/* Starts lane l's best ready task on its lowest free slot (the caller checked both exist). */
+/* Starts lane l's best ready task on its lowest free slot (the caller checked both exist); on
+ * a wake lane (l >= n_lanes) its wake phase, of wake_ns[l - n_lanes]. */
 static void sim_start_one(sim_state *s, const mf_graph *g, int l, int64_t now, const int64_t *dur,
-                          mf_timeline *tl)
+                          const int64_t *wake_ns, mf_timeline *tl)
 {
-    (void)g;
     mf_task_id t = ready_pop(s, &s->ready[l]);
     int slot = slot_pop(s->free_slots[l], &s->n_free[l]);
+    if (l >= g->n_lanes) {
+        event_push(s, (sim_event){now + wake_ns[l - g->n_lanes], t + g->n_tasks});
+        return;
+    }
     tl->spans[t] = (mf_task_span){now, now + dur[t], slot, 0};
     event_push(s, (sim_event){now + dur[t], t});
+}
+
+/* The lane a task that became ready queues on: its wake lane first, where it has a wake phase. */
+static int sim_ready_lane(const mf_graph *g, const int64_t *wake_ns, mf_task_id t)
+{
+    int l = g->tasks[t].lane;
+    return wake_ns && wake_ns[l] > 0 ? g->n_lanes + l : l;
 }
 
 int mf_sim_run_opts(const mf_graph *g, const mf_sim_opts *o, mf_timeline *tl)
 {
     const mf_lane_model *models = o ? o->models : NULL;
-    const uint8_t *lane_core = o && o->n_cores > 0 ? o->lane_core : NULL;
-    int pool = lane_core ? o->n_cores : 0;
+    const int64_t *wake_ns = o ? o->wake_ns : NULL;
+    int pool = o && o->n_cores > 0 && o->lane_core ? o->n_cores : 0;
     if (o && o->n_cores < 0)
         return mf_error(-EINVAL, "sim: a core pool of %d cores", o->n_cores);
     if (!g || !tl)
@@ -184,49 +197,55 @@ int mf_sim_run_opts(const mf_graph *g, const mf_sim_opts *o, mf_timeline *tl)
     if (tl->g != g || tl->n != g->n_tasks)
         return mf_error(-EINVAL, "sim: the timeline was made for another graph (%d tasks, graph "
                         "has %d)", tl->n, g->n_tasks);
-    int n = g->n_tasks, n_lanes = g->n_lanes;
+    int n = g->n_tasks, n_lanes = g->n_lanes, n_vl = wake_ns ? 2 * n_lanes : n_lanes;
     mf_timeline_reset(tl);
     if (n == 0)
         return 0;
 
     long n_cores = sysconf(_SC_NPROCESSORS_ONLN);
-    int *conc = malloc((size_t)n_lanes * sizeof *conc);
-    int *on_lane = calloc((size_t)n_lanes, sizeof *on_lane);
+    int *conc = malloc((size_t)n_vl * sizeof *conc);
+    int *on_lane = calloc((size_t)n_vl, sizeof *on_lane);
+    uint8_t *lane_core = calloc((size_t)n_vl, 1);   /* in the pool */
     int64_t *dur = malloc((size_t)n * sizeof *dur);
     int32_t *waiting = malloc((size_t)n * sizeof *waiting);
-    mf_task_id *ready_store = malloc((size_t)n * sizeof *ready_store);
+    mf_task_id *ready_store = malloc((size_t)n * (wake_ns ? 2 : 1) * sizeof *ready_store);
     mf_task_id *noop_stack = malloc((size_t)n * sizeof *noop_stack);   /* a stack */
     sim_state s = {.rank = g->rank_ns};
-    s.ready = calloc((size_t)n_lanes, sizeof *s.ready);
-    s.free_slots = calloc((size_t)n_lanes, sizeof *s.free_slots);
-    s.n_free = calloc((size_t)n_lanes, sizeof *s.n_free);
+    s.ready = calloc((size_t)n_vl, sizeof *s.ready);
+    s.free_slots = calloc((size_t)n_vl, sizeof *s.free_slots);
+    s.n_free = calloc((size_t)n_vl, sizeof *s.n_free);
     int rc = 0;
-    if (!conc || !on_lane || !dur || !waiting || !ready_store || !noop_stack || !s.ready || !s.free_slots ||
-        !s.n_free) {
+    if (!conc || !on_lane || !lane_core || !dur || !waiting || !ready_store || !noop_stack || !s.ready ||
+        !s.free_slots || !s.n_free) {
         rc = mf_error(-ENOMEM, "sim: out of memory for %d tasks", n);
         goto out;
     }
 
     int64_t total_slots = 0;
-    for (int l = 0; l < n_lanes; l++) {
-        const mf_lane_desc *ld = &g->lanes[l];
-        conc[l] = ld->concurrency > 0 ? ld->concurrency
+    for (int l = 0; l < n_vl; l++) {
+        const mf_lane_desc *ld = &g->lanes[l % n_lanes];
+        conc[l] = l >= n_lanes ? 1
+                  : o && o->concurrency && o->concurrency[l] > 0 ? o->concurrency[l]
+                  : ld->concurrency > 0 ? ld->concurrency
                   : ld->kind == MF_LANE_CPU && n_cores > 0 ? (int)n_cores : 1;
+        lane_core[l] = pool > 0 && (l >= n_lanes || o->lane_core[l]);
         total_slots += conc[l];
     }
     for (mf_task_id t = 0; t < n; t++) {
         const mf_task_desc *d = &g->tasks[t];
         on_lane[d->lane]++;
+        if (wake_ns && wake_ns[d->lane] > 0)
+            on_lane[n_lanes + d->lane]++;
         dur[t] = o && o->task_ns ? (o->task_ns[t] > 0 ? o->task_ns[t] : 0)
                  : sim_duration_ns(models ? &models[d->lane] : &g->lanes[d->lane].model, &d->cost);
         waiting[t] = g->pred_off[t + 1] - g->pred_off[t];
     }
-    s.events = malloc((size_t)(total_slots < n ? total_slots : n) * sizeof *s.events);
+    s.events = malloc((size_t)(total_slots < 2 * (int64_t)n ? total_slots : 2 * (int64_t)n) * sizeof *s.events);
     if (!s.events) {
         rc = mf_error(-ENOMEM, "sim: out of memory");
         goto out;
     }
-    for (int l = 0, off = 0; l < n_lanes; l++) {
+    for (int l = 0, off = 0; l < n_vl; l++) {
         s.ready[l].ids = ready_store + off;
         off += on_lane[l];
         /* A lane never has more busy slots than tasks. */
@@ -242,24 +261,24 @@ int mf_sim_run_opts(const mf_graph *g, const mf_sim_opts *o, mf_timeline *tl)
 
     for (mf_task_id t = 0; t < n; t++)
         if (!waiting[t])
-            ready_push(&s, &s.ready[g->tasks[t].lane], t);
+            ready_push(&s, &s.ready[sim_ready_lane(g, wake_ns, t)], t);
     int64_t now = 0;
     int n_done = 0;
     for (;;) {
         /* Start whatever fits: lanes outside the pool are independent, so their order does not
          * matter; pooled lanes take the free cores best rank first. */
-        for (int l = 0; l < n_lanes; l++)
-            while ((!lane_core || !lane_core[l]) && s.ready[l].n && s.n_free[l])
-                sim_start_one(&s, g, l, now, dur, tl);
+        for (int l = 0; l < n_vl; l++)
+            while (!lane_core[l] && s.ready[l].n && s.n_free[l])
+                sim_start_one(&s, g, l, now, dur, wake_ns, tl);
         while (pool > 0) {
             int best = -1;
-            for (int l = 0; l < n_lanes; l++)
+            for (int l = 0; l < n_vl; l++)
                 if (lane_core[l] && s.ready[l].n && s.n_free[l] &&
                     (best < 0 || ready_before(&s, s.ready[l].ids[0], s.ready[best].ids[0])))
                     best = l;
             if (best < 0)
                 break;
-            sim_start_one(&s, g, best, now, dur, tl);
+            sim_start_one(&s, g, best, now, dur, wake_ns, tl);
             pool--;
         }
         if (!s.n_events)
@@ -268,9 +287,17 @@ int mf_sim_run_opts(const mf_graph *g, const mf_sim_opts *o, mf_timeline *tl)
         now = s.events[0].end_ns;
         while (s.n_events && s.events[0].end_ns == now) {
             mf_task_id t = event_pop(&s).id;
+            if (t >= n) {   /* a wake phase ended: the task queues on its lane */
+                int wl = n_lanes + g->tasks[t - n].lane;
+                if (lane_core[wl])
+                    pool++;
+                slot_push(s.free_slots[wl], &s.n_free[wl], 0);
+                ready_push(&s, &s.ready[wl - n_lanes], t - n);
+                continue;
+            }
             int l = g->tasks[t].lane;
             n_done++;
-            if (lane_core && lane_core[l])
+            if (lane_core[l])
                 pool++;
             slot_push(s.free_slots[l], &s.n_free[l], tl->spans[t].worker);
             /* successors; those marked noop (mf_graph_set_noop) complete at once, as the
@@ -288,7 +315,7 @@ int mf_sim_run_opts(const mf_graph *g, const mf_sim_opts *o, mf_timeline *tl)
                         n_done++;
                         noop_stack[top++] = u;
                     } else {
-                        ready_push(&s, &s.ready[g->tasks[u].lane], u);
+                        ready_push(&s, &s.ready[sim_ready_lane(g, wake_ns, u)], u);
                     }
                 }
             }
@@ -299,7 +326,7 @@ int mf_sim_run_opts(const mf_graph *g, const mf_sim_opts *o, mf_timeline *tl)
 
 out:
     if (s.free_slots)
-        for (int l = 0; l < n_lanes; l++)
+        for (int l = 0; l < n_vl; l++)
             free(s.free_slots[l]);
     free(s.free_slots);
     free(s.n_free);
@@ -310,6 +337,7 @@ out:
     free(waiting);
     free(dur);
     free(on_lane);
+    free(lane_core);
     free(conc);
     return rc;
 }

@@ -16,11 +16,18 @@ int mf_sim_run(const mf_graph *g, const mf_lane_model *models, mf_timeline *tl);
  * lanes, whose kernels are host threads) also need one of n_cores cores while a task runs; when
  * cores are short, the ready task of highest upward rank among those lanes goes first (lowest id
  * on ties). n_cores 0: no pool (mf_sim_run). -EINVAL for n_cores < 0. */
+/* Lane options of the simulated machine, per lane (NULL: none): concurrency overrides the
+ * graph's lane concurrency where > 0 (e.g. one disk pipe, one stream per device lane). wake_ns:
+ * where > 0, every task of the lane first holds the lane's own host thread (one task at a time,
+ * a core of the pool when there is one) for that long, then queues on its lane: the host-side
+ * round trip of an emulated card's stream. Its span is the lane part alone. */
 typedef struct mf_sim_opts {
     const mf_lane_model *models;   /* NULL: the graph's */
     const int64_t *task_ns;        /* NULL: from the models */
     const uint8_t *lane_core;      /* n_lanes flags, or NULL */
     int n_cores;
+    const int *concurrency;        /* n_lanes, or NULL */
+    const int64_t *wake_ns;        /* n_lanes, or NULL */
 } mf_sim_opts;
 int mf_sim_run_opts(const mf_graph *g, const mf_sim_opts *o, mf_timeline *tl);
 

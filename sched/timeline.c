@@ -12,6 +12,7 @@
 #include <jansson.h>
 
 #include "sched/error.h"
+#include "sched/path.h"
 #include "sched/timeline_impl.h"
 
 #define MF_CHROME_FLOW_MAX_TASKS 20000
@@ -267,6 +268,12 @@ int mf_timeline_write_chrome(const mf_timeline *tl, const char *path)
     for (int l = 0; l < n_lanes; l++)
         base[l + 1] = base[l] + n_slots[l];
 
+    int mk = mf_path_make_parent(path);
+    if (mk) {
+        free(base);
+        free(n_slots);
+        return mk;
+    }
     chrome_writer w = {.f = fopen(path, "w"), .path = path};
     if (!w.f) {
         int e = errno;
@@ -349,4 +356,47 @@ int mf_timeline_write_chrome(const mf_timeline *tl, const char *path)
     free(base);
     free(n_slots);
     return w.err;
+}
+
+static int span_cmp(const void *pa, const void *pb)
+{
+    const mf_task_span *x = pa, *y = pb;
+    return (x->start_ns > y->start_ns) - (x->start_ns < y->start_ns);
+}
+
+int mf_timeline_union(mf_task_span *s, int n, int64_t *len_ns)
+{
+    if (n > 1)
+        qsort(s, (size_t)n, sizeof *s, span_cmp);
+    int u = 0;
+    int64_t len = 0;
+    for (int i = 0; i < n; i++) {
+        if (u && s[i].start_ns <= s[u - 1].end_ns) {
+            if (s[i].end_ns > s[u - 1].end_ns)
+                s[u - 1].end_ns = s[i].end_ns;
+        } else {
+            s[u++] = s[i];
+        }
+    }
+    for (int i = 0; i < u; i++)
+        len += s[i].end_ns - s[i].start_ns;
+    if (len_ns)
+        *len_ns = len;
+    return u;
+}
+
+int64_t mf_timeline_overlap(const mf_task_span *a, int na, const mf_task_span *b, int nb)
+{
+    int64_t ov = 0;
+    for (int i = 0, j = 0; i < na && j < nb;) {
+        int64_t x = a[i].start_ns > b[j].start_ns ? a[i].start_ns : b[j].start_ns;
+        int64_t y = a[i].end_ns < b[j].end_ns ? a[i].end_ns : b[j].end_ns;
+        if (y > x)
+            ov += y - x;
+        if (a[i].end_ns < b[j].end_ns)
+            i++;
+        else
+            j++;
+    }
+    return ov;
 }

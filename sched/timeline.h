@@ -41,6 +41,13 @@ typedef struct mf_timeline_summary {
 int mf_timeline_summarize(mf_timeline *tl, mf_timeline_summary *out);
 /* Prints the summary as a small table. */
 void mf_timeline_print_summary(const mf_timeline *tl, const mf_timeline_summary *s, FILE *f);
+/* Interval union and overlap of task spans (the one home of both: phase times, IO/compute overlap;
+ * no memory of their own). mf_timeline_union sorts s[0..n) by start and merges overlapping or
+ * touching spans in place; returns the merged count and in *len_ns (may be NULL) their total
+ * length. mf_timeline_overlap: the length of the intersection of two merged lists. */
+int mf_timeline_union(mf_task_span *s, int n, int64_t *len_ns);
+int64_t mf_timeline_overlap(const mf_task_span *a, int na, const mf_task_span *b, int nb);
+
 /* Writes Chrome trace-event JSON to path; 0 or a negative code naming the path. Dependency
  * arrows (flow events) only for graphs of at most 20000 tasks; slices always. */
 int mf_timeline_write_chrome(const mf_timeline *tl, const char *path);

@@ -30,6 +30,7 @@ int mf_topo_plan(mf_sched *s, mf_lane_rt *L)
     }
     if (n_cores <= 0) n_cores = 1;
     L->n_workers = L->desc.concurrency ? L->desc.concurrency : n_cores;
+    L->stash = L->n_workers <= hwloc_get_nbobjs_inside_cpuset_by_type(s->topo, set, HWLOC_OBJ_PU);
     if (!s->pin) return 0;
     L->bind = calloc((size_t)L->n_workers, sizeof *L->bind);
     if (!L->bind) return mf_error(-ENOMEM, "sched: out of memory");

@@ -62,6 +62,42 @@ static void dev_check_copies(mf_dev *d, size_t n)
     mf_dev_host_free(d, dst);
 }
 
+/* Timed events: the time between records around a copy is positive and returned once the end is
+ * reached; an untimed event, a never-recorded one and events of two cards are refused. Returns the
+ * measured copy time (ns), or -1. */
+static int64_t dev_check_event_timing(mf_dev *d, size_t n)
+{
+    mf_dev_event *t0 = NULL, *t1 = NULL, *plain = NULL, *other = NULL;
+    void *src = NULL, *dst = NULL;
+    int64_t ns = -1;
+    CHECK(mf_dev_event_create_timed(d, 0, &t0) == 0 && mf_dev_event_create_timed(d, 0, &t1) == 0 &&
+          mf_dev_event_create(d, 0, &plain) == 0, "%s", mf_last_error());
+    CHECK(mf_dev_host_alloc(d, 0, n, &src) == 0 && mf_dev_alloc(d, 0, n, &dst) == 0, "%s", mf_last_error());
+    if (t0 && t1 && plain && src && dst) {
+        int64_t x = 0;
+        CHECK(mf_dev_event_elapsed_ns(t0, t1, &x) == -EINVAL, "never recorded: accepted");
+        mf_dev_stream *s = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COPY_IN);
+        memset(src, 3, n);
+        CHECK(mf_dev_event_record(t0, s) == 0 && mf_dev_copy_h2d(s, dst, src, n) == 0 &&
+              mf_dev_event_record(t1, s) == 0 && mf_dev_event_record(plain, s) == 0, "%s", mf_last_error());
+        int rc = mf_dev_event_elapsed_ns(t0, t1, &ns);
+        CHECK(rc == 0 && ns > 0, "elapsed around a %zu-byte copy: rc %d, %lld ns: %s", n, rc, (long long)ns,
+              mf_last_error());
+        CHECK(mf_dev_event_elapsed_ns(t0, plain, &x) == -EINVAL && strstr(mf_last_error(), "end event"),
+              "an untimed event accepted: %s", mf_last_error());
+        if (mf_dev_n_cards(d) > 1 && mf_dev_event_create_timed(d, 1, &other) == 0)
+            CHECK(mf_dev_event_elapsed_ns(t0, other, &x) == -EINVAL, "events of two cards accepted");
+        CHECK(mf_dev_stream_sync(s) == 0, "%s", mf_last_error());
+    }
+    mf_dev_event_destroy(t0);
+    mf_dev_event_destroy(t1);
+    mf_dev_event_destroy(plain);
+    mf_dev_event_destroy(other);
+    mf_dev_free(d, 0, dst);
+    mf_dev_host_free(d, src);
+    return ns;
+}
+
 typedef struct dv_order {
     int seen[512];
     int n;

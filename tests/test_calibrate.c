@@ -43,9 +43,12 @@ static void check_profile(const mf_profile *p, int n_cards, const char *what)
         CHECK(plausible_rate(p->host[k].macs_per_s), "%s: host kernel %d macs/s %g", what, k, p->host[k].macs_per_s);
         CHECK(p->host[k].latency_ns >= 0 && p->host[k].latency_ns < 1e7, "%s: host kernel %d latency", what, k);
     }
-    /* a per-thread fp4 stream cannot beat the whole socket by much */
-    CHECK(p->host[MF_KF_FP4].bytes_per_s < 4 * p->mem_bytes_per_s, "%s: fp4 %g vs memory %g", what,
-          p->host[MF_KF_FP4].bytes_per_s, p->mem_bytes_per_s);
+    /* a per-thread fp4 stream should not beat the whole socket by much, but the two are timed at
+     * different moments: on a busy machine either can be preempted, so this is reported, never
+     * asserted (no timing assertions in unit tests) */
+    if (p->host[MF_KF_FP4].bytes_per_s >= 4 * p->mem_bytes_per_s)
+        printf("%s: note: fp4 %g B/s per thread vs memory %g B/s (a busy machine?)\n", what,
+               p->host[MF_KF_FP4].bytes_per_s, p->mem_bytes_per_s);
     CHECK(plausible_rate(p->disk_bytes_per_s), "%s: disk %g", what, p->disk_bytes_per_s);
     CHECK(p->disk_latency_ns > 100 && p->disk_latency_ns < 1e9, "%s: disk latency %g", what, p->disk_latency_ns);
     CHECK(p->disk_queue_depth >= 1 && p->disk_queue_depth <= 64, "%s: queue depth", what);
@@ -106,11 +109,19 @@ static void test_cli(void)
     CHECK(ls && pclose(ls) == 0 && strcmp(out, "quick.prof\n") == 0, "files in %s: '%s'", g_dir, out);
 
     /* --json: every key, each with a value and a source */
-    snprintf(args, sizeof args, "calibrate --quick --quiet --json --dir %s --disk-mib 16", g_dir);
+    char err_path[1200], err[2048] = "";
+    snprintf(err_path, sizeof err_path, "%s/calibrate-json.err", g_dir);
+    snprintf(args, sizeof args, "calibrate --quick --quiet --json --dir %s --disk-mib 16 2>%s", g_dir, err_path);
     rc = cli(args, out, sizeof out);
+    FILE *ef = fopen(err_path, "r");
+    if (ef) {
+        err[fread(err, 1, sizeof err - 1, ef)] = 0;
+        fclose(ef);
+    }
+    remove(err_path);
     json_error_t e;
     json_t *j = rc == 0 ? json_loads(out, 0, &e) : NULL;
-    CHECK(j != NULL, "--json output parses: rc %d", rc);
+    CHECK(j != NULL, "--json output parses: rc %d, stderr: %s", rc, err);
     json_t *keys = json_object_get(j, "keys");
     CHECK(json_is_array(keys) && json_array_size(keys) == 39, "--json has the 39 keys");
     size_t i;
@@ -122,8 +133,8 @@ static void test_cli(void)
     json_decref(j);
 
     /* refusals */
-    rc = cli("calibrate --quick --dir /nonexistent-dir 2>&1", out, sizeof out);
-    CHECK(rc != 0 && strstr(out, "/nonexistent-dir"), "bad --dir: %s", out);
+    rc = cli("calibrate --quick --dir /nonexistent-dir/calibrate-test 2>&1", out, sizeof out);
+    CHECK(rc != 0 && strstr(out, "/nonexistent-dir/calibrate-test"), "bad --dir: %s", out);
     snprintf(args, sizeof args, "calibrate --quick --quiet --dir %s --devices emu:0 2>&1", g_dir);
     rc = cli(args, out, sizeof out);
     CHECK(rc != 0 && strstr(out, "emu:0"), "bad --devices: %s", out);

@@ -1,14 +1,22 @@
 /* graphs/config: presets validate, both config.json dialects parse to the same config, every
- * malformed field gives a message naming the file and the field, and flash41's derived sizes are
- * the released checkpoint's figures (shared/v41-flash.md). */
+ * malformed field gives a message naming the file and the field, flash41's derived sizes are
+ * the released checkpoint's figures (shared/v41-flash.md), and every preset (with and without
+ * Engram layers) round-trips through config.json and loads with a token map. */
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <inttypes.h>
+
 #include "graphs/config.h"
+#include "graphs/engram_map.h"
+#include "graphs/model.h"
+#include "graphs/ref.h"
+#include "host/tokenizer.h"
 #include "sched/error.h"
 #include "tests/check.h"
+#include "tests/tiny_ckpt.h"
 
 /* Parses `text` and checks it equals `want` field for field (both start from memset 0). */
 static void check_same(const char *what, const char *text, const mf_config *want)
@@ -88,7 +96,7 @@ static void m_groups(json_t *m, json_t *r) { json_object_set_new(m, "o_groups", 
 static void m_eps(json_t *m, json_t *r) { json_object_set_new(m, "rms_norm_eps", json_real(-1.0)); }
 static void m_yarn(json_t *m, json_t *r)
 {
-    json_object_del(json_object_get(m, "rope_scaling"), "beta_fast");
+    json_object_set_new(json_object_get(m, "rope_scaling"), "beta_fast", json_string("fast"));
 }
 static void m_idx_ratio0(json_t *m, json_t *r)
 {
@@ -123,7 +131,7 @@ static const struct {
     {m_cand, "candidate_source_layer_id", "found 3"},
     {m_groups, "o_groups", "found 7"},
     {m_eps, "rms_norm_eps", "found -1"},
-    {m_yarn, "rope_scaling.beta_fast", "missing"},
+    {m_yarn, "rope_scaling.beta_fast", "string"},
     {m_idx_ratio0, "index_source_layer_ids", "layer 1 with ratio 0"},
     {m_hidden_odd, "hidden_size", "found 5000"},
 };
@@ -171,6 +179,99 @@ static void check_errors(const mf_config *flash)
           "unknown preset: %s", mf_last_error());
 }
 
+/* Every preset, and each without its Engram layers, through write -> read (identical config);
+ * then a generated no-Engram checkpoint and the tiny one loaded with the tokenizer's Engram
+ * token map, as `moeflow decode` passes it. */
+static void check_round_trips(const char *tmpdir)
+{
+    const char *all[] = {"tiny", "demo", "big", "flash41"};
+    char path[4096];
+    snprintf(path, sizeof path, "%s/test_config_rt.json", tmpdir);
+    for (int i = 0; i < 4; i++)
+        for (int no_eng = 0; no_eng <= 1; no_eng++) {
+            mf_config c, back;
+            CHECK(mf_config_preset(all[i], &c) == 0, "preset %s: %s", all[i], mf_last_error());
+            if (no_eng) {
+                c.n_engram = 0;
+                memset(c.engram_layer_ids, 0, sizeof c.engram_layer_ids);
+                memset(c.engram_num_embeddings, 0, sizeof c.engram_num_embeddings);
+            }
+            CHECK(mf_config_write_json(&c, path) == 0, "write %s: %s", all[i], mf_last_error());
+            CHECK(mf_config_load(path, &back) == 0, "load %s: %s", all[i], mf_last_error());
+            CHECK(memcmp(&back, &c, sizeof back) == 0, "%s%s: file round trip differs", all[i],
+                  no_eng ? " without Engram" : "");
+        }
+    remove(path);
+    for (int no_eng = 0; no_eng <= 1; no_eng++) {
+        mf_config c;
+        mf_config_preset("tiny", &c);
+        if (no_eng) c.n_engram = 0;
+        char dir[4096], tokp[4200];
+        if (mf_test_gen_ckpt(&c, no_eng ? "config_rt_noeng" : "config_rt_eng", dir, sizeof dir)) {
+            CHECK(0, "gen failed");
+            continue;
+        }
+        mf_model *m = NULL;
+        mf_tok *tok = NULL;
+        mf_engram_map *map = NULL;
+        mf_ref *r = NULL;
+        snprintf(tokp, sizeof tokp, "%s/tokenizer.json", dir);
+        CHECK(mf_model_load(dir, NULL, &m) == 0, "%s: %s", dir, mf_last_error());
+        CHECK(mf_tok_load(tokp, &tok) == 0 && mf_engram_map_build(tok, &map) == 0, "%s: %s", tokp,
+              mf_last_error());
+        if (m && map) {
+            mf_ref_opts ro = {.token_map = mf_engram_map_ids(map), .n_token_map = mf_engram_map_n_vocab(map)};
+            CHECK(mf_ref_new(m, &ro, &r) == 0, "%s: reference with the token map: %s", dir,
+                  mf_last_error());
+            /* the config keeps the compressed vocabulary the map was built for */
+            int32_t hi = 0;
+            for (int64_t i = 0; i < ro.n_token_map; i++) hi = ro.token_map[i] > hi ? ro.token_map[i] : hi;
+            CHECK(hi < mf_model_config(m)->engram_compressed_vocab_size, "%s: token map reaches %d, "
+                  "engram_compressed_vocab_size read back is %" PRId64, dir, hi,
+                  mf_model_config(m)->engram_compressed_vocab_size);
+        }
+        mf_ref_free(r);
+        mf_engram_map_free(map);
+        mf_tok_free(tok);
+        mf_model_free(m);
+    }
+}
+
+/* A config.json without rope_scaling (or with null) gets the released YaRN, flagged as defaulted;
+ * one with rope_scaling keeps its figures, beta_fast/beta_slow defaulting to 32/1. */
+static void check_rope_defaults(void)
+{
+    mf_config c;
+    mf_config_preset("tiny", &c);
+    for (int v = 0; v < 4; v++) {
+        char *text = mf_config_to_json(&c);
+        json_t *o = json_loads(text, 0, NULL);
+        free(text);
+        if (v == 0) json_object_del(o, "rope_scaling");
+        if (v == 1) json_object_set_new(o, "rope_scaling", json_null());
+        if (v == 2) json_object_del(json_object_get(o, "rope_scaling"), "beta_fast");
+        if (v == 3) json_object_del(json_object_get(o, "rope_scaling"), "beta_slow");
+        text = json_dumps(o, 0);
+        json_decref(o);
+        mf_config got;
+        CHECK(mf_config_parse("rope", text, &got) == 0, "variant %d: %s", v, mf_last_error());
+        free(text);
+        if (v < 2) {
+            CHECK(got.yarn_defaulted && got.yarn_factor == MF_CONFIG_YARN_FACTOR &&
+                      got.yarn_original_max_position_embeddings == MF_CONFIG_YARN_ORIGINAL_MAX_POSITIONS &&
+                      got.yarn_beta_fast == 32 && got.yarn_beta_slow == 1,
+                  "variant %d: defaulted %d factor %g from %lld", v, got.yarn_defaulted, got.yarn_factor,
+                  (long long)got.yarn_original_max_position_embeddings);
+        } else {
+            CHECK(!got.yarn_defaulted && got.yarn_factor == c.yarn_factor &&
+                      got.yarn_original_max_position_embeddings == c.yarn_original_max_position_embeddings &&
+                      got.yarn_beta_fast == (v == 2 ? 32 : c.yarn_beta_fast) &&
+                      got.yarn_beta_slow == (v == 3 ? 1 : c.yarn_beta_slow),
+                  "variant %d: beta %g/%g", v, got.yarn_beta_fast, got.yarn_beta_slow);
+        }
+    }
+}
+
 int main(void)
 {
     const char *names[] = {"tiny", "demo", "flash41"};
@@ -210,5 +311,7 @@ int main(void)
     CHECK(res == 9846748608ull, "resident %llu", (unsigned long long)res);
 
     check_errors(f);
+    check_round_trips(tmpdir ? tmpdir : "/tmp");
+    check_rope_defaults();
     return mf_check_exit("test_config");
 }

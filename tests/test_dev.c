@@ -15,7 +15,7 @@ static void check_specs(void)
     mf_dev *d = NULL;
     const char *bad[] = {"emu", "emu:", "emu:0", "emu:17", "emu:2x", "emu:2,mem=", "emu:2,mem=5Q",
                          "emu:2,bw=-1", "emu:2,foo=1", "emu:1,fail_h2d=x", "emu:1,fail_h2d=-1",
-                         "emu:1,fail_h2d=1.5", "gpu", "cuda:", "cuda:a", ""};
+                         "emu:1,fail_h2d=1.5", "emu:1,lose_cb=-2", "gpu", "cuda:", "cuda:a", ""};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         int rc = mf_dev_open(bad[i], &d);
         CHECK(rc < 0 && d == NULL && *mf_last_error(), "spec '%s' accepted (rc %d)", bad[i], rc);
@@ -488,8 +488,74 @@ static void check_async_errors(void)
     mf_dev_close(d);
 }
 
+/* A lost completion (lose_cb: the device never calls the callback, as CUDA after a context fault)
+ * must not hang the scheduler: with dev_wait_ns 100 ms the run fails with -ETIMEDOUT naming the
+ * task and the wait, its successor cancelled and an independent task not started after the stop;
+ * the next run of the graph succeeds. */
+typedef struct lc_job { void *dst; const uint8_t *src; size_t n; } lc_job;
+static int lc_copy(void *arg, mf_task_ctx *ctx)
+{
+    lc_job *j = arg;
+    return mf_dev_copy_h2d(ctx->queue, j->dst, j->src, j->n);
+}
+
+static void check_lost_callback(void)
+{
+    enum { N = 4096, NT = 3 };
+    mf_dev *d = NULL;
+    CHECK(mf_dev_open("emu:1,lat_ns=0,lose_cb=2", &d) == 0, "%s", mf_last_error());
+    if (!d) return;
+    mf_lane_desc lanes[3];
+    char names[3][32];
+    dv_lanes(lanes, 1, names);
+    static uint8_t src[N];
+    dv_fill(src, N);
+    lc_job jobs[NT];
+    mf_task_id ids[NT];
+    mf_sched *s = NULL;
+    mf_graph *g = NULL;
+    CHECK(mf_sched_create(&(mf_sched_opts){.lanes = lanes, .n_lanes = 3, .dev = mf_dev_lane_ops_of(d),
+                                           .dev_wait_ns = 100000000}, &s) == 0 &&
+          mf_graph_create(lanes, 3, &g) == 0, "%s", mf_last_error());
+    if (!s || !g) return;
+    for (int i = 0; i < NT; i++) {
+        jobs[i] = (lc_job){.src = src, .n = N};
+        CHECK(mf_dev_alloc(d, 0, N, &jobs[i].dst) == 0, "%s", mf_last_error());
+        char nm[16];
+        snprintf(nm, sizeof nm, "copy%d", i);
+        ids[i] = mf_graph_add_task(g, &(mf_task_desc){.name = nm, .lane = 0, .fn = lc_copy, .arg = &jobs[i],
+                                                      .cost = {.bytes = N}, .place_hint = -1});
+        if (i) mf_graph_add_dep(g, ids[i - 1], ids[i]);   /* copy0 -> copy1 (callback lost) -> copy2 */
+    }
+    CHECK(mf_graph_finalize(g) == 0, "%s", mf_last_error());
+    mf_timeline *tl = NULL;
+    CHECK(mf_timeline_create(g, &tl) == 0, "%s", mf_last_error());
+    int64_t t0 = mf_now_ns();
+    int rc = mf_sched_run(s, g, &(mf_run_opts){.timeline = tl});
+    double ms = (double)(mf_now_ns() - t0) / 1e6;
+    printf("test_dev: a lost device callback failed the run after %.1f ms: %s\n", ms, mf_last_error());
+    CHECK(rc == -ETIMEDOUT && strstr(mf_last_error(), "task 'copy1'") &&
+          strstr(mf_last_error(), "no completion from the device") && strstr(mf_last_error(), "dev_wait_ns"),
+          "run with a lost callback: %d %s", rc, mf_last_error());
+    const mf_task_span *sp = tl ? mf_timeline_spans(tl) : NULL;
+    CHECK(sp && sp[ids[0]].status == 0 && sp[ids[1]].status == -ETIMEDOUT && sp[ids[2]].status == 1,
+          "copy0 done, copy1 timed out, copy2 cancelled: statuses %d %d %d", sp ? sp[ids[0]].status : 0,
+          sp ? sp[ids[1]].status : 0, sp ? sp[ids[2]].status : 0);
+    rc = mf_sched_run(s, g, &(mf_run_opts){.timeline = tl});   /* lose_cb is spent */
+    CHECK(rc == 0, "the next run: %d %s", rc, mf_last_error());
+    uint8_t back[N];
+    mf_dev_stream *in = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COPY_IN);
+    CHECK(mf_dev_copy_d2h(in, back, jobs[NT - 1].dst, N) == 0 && mf_dev_stream_sync(in) == 0 &&
+          !memcmp(back, src, N), "the next run's copies: %s", mf_last_error());
+    mf_timeline_destroy(tl);
+    mf_sched_destroy(s);   /* before the device, as the step engine does */
+    mf_graph_destroy(g);
+    mf_dev_close(d);
+}
+
 /* Staging memory bound to a node lands there (every node the kernel reports online is tried);
- * a node that does not exist is refused; a card's node comes from sysfs. */
+ * a node that does not exist is refused; a card's node comes from sysfs. Where sysfs lists no node
+ * or the kernel has no NUMA policy (mbind ENOSYS/EPERM), the binding checks SKIP (said on stdout). */
 static void check_numa(void)
 {
     int n_nodes = 0;
@@ -502,7 +568,12 @@ static void check_numa(void)
         n_nodes++;
         size_t n = (4 << 20) + 100;
         char *p = NULL;
-        CHECK(mf_dev_numa_alloc(n, node, (void **)&p) == 0, "node %d: %s", node, mf_last_error());
+        int rc = mf_dev_numa_alloc(n, node, (void **)&p);
+        if (rc == -ENOSYS || rc == -EPERM) {   /* a kernel without NUMA policy (some VMs) */
+            printf("test_dev: SKIP NUMA binding: node %d in sysfs, but mbind: %s\n", node, mf_last_error());
+            continue;
+        }
+        CHECK(rc == 0, "node %d: %s", node, mf_last_error());
         if (!p) continue;
         size_t at[3] = {0, n / 2, n - 1};
         for (int i = 0; i < 3; i++) {
@@ -513,13 +584,12 @@ static void check_numa(void)
         memset(p, 7, n);
         mf_dev_numa_free(p, n);
     }
-    CHECK(n_nodes >= 1, "no NUMA node in sysfs");
+    if (!n_nodes) printf("test_dev: SKIP NUMA binding: no node in /sys/devices/system/node\n");
     void *p = NULL;
     CHECK(mf_dev_numa_alloc(1 << 20, -1, &p) == 0 && p, "unbound: %s", mf_last_error());
     mf_dev_numa_free(p, 1 << 20);
     int rc = mf_dev_numa_alloc(1 << 20, 1000, &p);
-    CHECK(rc == -EINVAL && !p && strstr(mf_last_error(), "node 1000"), "node 1000: %d %s", rc,
-          mf_last_error());
+    CHECK(rc < 0 && !p && strstr(mf_last_error(), "node 1000"), "node 1000: %d %s", rc, mf_last_error());
     CHECK(mf_dev_pci_numa_node("0000:ZZ:99.9") == -1, "a missing PCI device has no node");
     DIR *dir = opendir("/sys/bus/pci/devices");
     struct dirent *e;
@@ -553,6 +623,11 @@ int main(void)
         if (!d) continue;
         dev_check_copies(d, (1 << 16) + 13);
         dev_check_order(d);
+        if (n == 2) {   /* the modelled copy: 1 MiB at 50 GB/s + 2 us, slept, so at least that long */
+            int64_t ns = dev_check_event_timing(d, 1 << 20);
+            CHECK(ns >= 2000 + (int64_t)((1 << 20) / 50e9 * 1e9), "timed copy %lld ns, modelled longer",
+                  (long long)ns);
+        }
         if (n <= 2) dev_check_events(d, 1 << 16);   /* 30 ms a card: enough with 1 and 2 */
         dev_check_sched_copies(d, 12, 4096);
         dev_check_capture(d, 3000);
@@ -563,5 +638,6 @@ int main(void)
     }
     check_sched_kernels();
     check_async_errors();
+    check_lost_callback();
     return mf_check_exit("test_dev");
 }

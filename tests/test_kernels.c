@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/wait.h>
 
 #include "host/formats.h"
 #include "host/kernels.h"
@@ -455,23 +456,43 @@ int main(void)
     printf("test_kernels: seed %llu (MOEFLOW_TEST_SEED=%llu repeats this run)\n",
            (unsigned long long)seed, (unsigned long long)seed);
 
-    /* the run-time choice: MOEFLOW_SIMD=scalar forces the fallback (read when AUTO resolves) */
-    const char *prev = getenv("MOEFLOW_SIMD");
-    char saved[32] = "";
-    if (prev)
-        snprintf(saved, sizeof saved, "%s", prev);
-    setenv("MOEFLOW_SIMD", "scalar", 1);
-    mf_kern_simd_set(MF_KERN_SIMD_AUTO);
-    CHECK(mf_kern_simd_active() == MF_KERN_SIMD_SCALAR, "MOEFLOW_SIMD=scalar ignored");
-    unsetenv("MOEFLOW_SIMD");
-    mf_kern_simd_set(MF_KERN_SIMD_AUTO);
+    /* the setting: SCALAR forces the fallback (the moeflow command maps MOEFLOW_SIMD=scalar to
+     * it); AUTO, the default, is the run-time choice; the library reads no environment */
+    CHECK(mf_kern_simd_set(MF_KERN_SIMD_SCALAR) == 0, "%s", mf_last_error());
+    CHECK(mf_kern_simd_active() == MF_KERN_SIMD_SCALAR, "SCALAR setting ignored");
+    setenv("MOEFLOW_SIMD", "scalar", 1);   /* must not matter any more */
+    CHECK(mf_kern_simd_set(MF_KERN_SIMD_AUTO) == 0, "%s", mf_last_error());
     unsigned ca, cb, cc, cd;   /* F16C: cpuid leaf 1, ECX bit 29 (clang 14 lacks the builtin) */
     int have_f16c = __get_cpuid(1, &ca, &cb, &cc, &cd) && (cc & (1u << 29));
     int have_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && have_f16c;
     CHECK(mf_kern_simd_active() == (have_avx2 ? MF_KERN_SIMD_AVX2 : MF_KERN_SIMD_SCALAR),
-          "auto chose %s", mf_kern_simd_name(mf_kern_simd_active()));
-    if (prev)
-        setenv("MOEFLOW_SIMD", saved, 1);
+          "auto chose %s (MOEFLOW_SIMD=scalar in the environment must be ignored by the library)",
+          mf_kern_simd_name(mf_kern_simd_active()));
+    unsetenv("MOEFLOW_SIMD");
+    CHECK(mf_kern_simd_set((mf_kern_simd)7) == -EINVAL, "an unknown path was accepted");
+    /* the moeflow command turns the environment into the setting (its --help names the path) */
+    const char *bin = getenv("MOEFLOW_BIN");
+    if (bin) {
+        static const struct { const char *env, *want; int rc; } cli[] = {
+            {"scalar", "(now: scalar)", 0}, {"auto", NULL, 0}, {"bogus", NULL, 2}};
+        for (size_t i = 0; i < sizeof cli / sizeof cli[0]; i++) {
+            char cmd[1024], out[4096] = "";
+            snprintf(cmd, sizeof cmd, "MOEFLOW_SIMD=%s '%s' --help 2>&1", cli[i].env, bin);
+            FILE *f = popen(cmd, "r");
+            CHECK(f != NULL, "popen %s", cmd);
+            if (!f) continue;
+            size_t n = fread(out, 1, sizeof out - 1, f);
+            out[n] = 0;
+            int st = pclose(f);
+            int rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+            CHECK(rc == cli[i].rc, "MOEFLOW_SIMD=%s moeflow --help: exit %d, expected %d", cli[i].env, rc,
+                  cli[i].rc);
+            CHECK(!cli[i].want || strstr(out, cli[i].want), "MOEFLOW_SIMD=%s: '%s' not in: %s",
+                  cli[i].env, cli[i].want, out);
+        }
+    } else {
+        printf("test_kernels: MOEFLOW_BIN unset, the command's MOEFLOW_SIMD not checked\n");
+    }
 
     paths[n_paths++] = MF_KERN_SIMD_SCALAR;
     if (mf_kern_simd_set(MF_KERN_SIMD_AVX2) == 0)

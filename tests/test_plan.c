@@ -14,7 +14,9 @@
 #include "graphs/model.h"
 #include "graphs/plan.h"
 #include "graphs/ref.h"
+#include "graphs/ref_internal.h"
 #include "graphs/step.h"
+#include "graphs/stepgraph.h"
 #include "graphs/routing.h"
 #include "sched/error.h"
 #include "sched/graph.h"
@@ -134,14 +136,18 @@ static void test_structure(const char *tmp)
           (long long)r.host_slots);
     mf_plan_free(p);
 
-    /* emulated cards: each device task is preceded by its stream's round trip on a host core,
-     * one lane per stream: 96 device tasks, 96 round trips, 6 more lanes */
+    /* emulated cards: each device task first holds its stream's host thread and a core for the
+     * round trip (a lane option of the simulator, no tasks of its own): the same 186 + 96 tasks
+     * and 1 + 6 lanes; one core (one worker) serializes the 2 slots x 3 device tasks x 8 layers
+     * round trips of 1 ms each */
     f.cards_emulated = 1;
-    CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .placement = MF_STEP_PLACE_SEED}, &p), "%s",
-          mf_last_error());
+    CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .placement = MF_STEP_PLACE_SEED,
+                                       .dev_task_ns = 1e6}, &p), "%s", mf_last_error());
     CHECK(!mf_plan_step(p, &r), "%s", mf_last_error());
-    CHECK(r.n_tasks == 186 + 96 + 96 && r.n_lanes == 1 + 6 + 6, "tiny seed emulated: %d tasks, %d lanes",
-          r.n_tasks, r.n_lanes);
+    CHECK(r.n_tasks == 186 + 96 && r.n_lanes == 1 + 6, "tiny seed emulated: %d tasks, %d lanes", r.n_tasks,
+          r.n_lanes);
+    CHECK(r.step_ns >= 48 * 1000000 && r.step_ns < 49 * 1000000, "tiny seed emulated: makespan %lld ns, expected "
+          "48 ms of round trips on the one core", (long long)r.step_ns);
     mf_plan_free(p);
     remove(trace);
 }
@@ -369,10 +375,50 @@ static void test_core_pool(void)
     mf_graph_destroy(g);
 }
 
-/* The simulated graph is the engine's: on the tiny checkpoint, the real engine's decode step and
- * the plan's have the same number of tasks for 1 and 3 workers, batch 1 and 3, host and seed
- * placement (emulated cards). */
-static void test_mirror(void)
+/* Two step graphs are the same: tasks (name, lane, priority cost), edges, lanes and records. */
+static int same_graph(const mf_stepgraph *a, const mf_stepgraph *b, const char *what)
+{
+    const mf_graph *x = a->g, *y = b->g;
+    int n = mf_graph_n_tasks(x), bad = 0;
+    CHECK(n == mf_graph_n_tasks(y) && a->n_tasks == n && b->n_tasks == n, "%s: %d tasks, simulator %d", what, n,
+          mf_graph_n_tasks(y));
+    CHECK(mf_graph_n_lanes(x) == mf_graph_n_lanes(y), "%s: %d lanes, simulator %d", what, mf_graph_n_lanes(x),
+          mf_graph_n_lanes(y));
+    if (n != mf_graph_n_tasks(y) || mf_graph_n_lanes(x) != mf_graph_n_lanes(y)) return 0;
+    for (int l = 0; l < mf_graph_n_lanes(x); l++) {
+        const mf_lane_desc *p = mf_graph_lane(x, l), *q = mf_graph_lane(y, l);
+        CHECK(p->kind == q->kind && !strcmp(p->name, q->name) && p->concurrency == q->concurrency &&
+                  p->device == q->device && !memcmp(&p->model, &q->model, sizeof p->model),
+              "%s: lane %d: %s (%d) vs the simulator's %s (%d)", what, l, p->name, p->concurrency, q->name,
+              q->concurrency);
+    }
+    for (int t = 0; t < n && bad < 3; t++) {
+        const mf_task_desc *p = mf_graph_task(x, t), *q = mf_graph_task(y, t);
+        const mf_sg_task *r = &a->task[t], *s = &b->task[t];
+        int same = !strcmp(p->name, q->name) && p->lane == q->lane && p->cost.bytes == q->cost.bytes &&
+                   p->cost.time_ns == q->cost.time_ns && mf_graph_rank_ns(x, t) == mf_graph_rank_ns(y, t) &&
+                   mf_graph_n_pred(x, t) == mf_graph_n_pred(y, t) && mf_graph_n_succ(x, t) == mf_graph_n_succ(y, t) &&
+                   !memcmp(mf_graph_pred(x, t), mf_graph_pred(y, t), sizeof(mf_task_id) * mf_graph_n_pred(x, t));
+        same = same && r->op == s->op && r->phase == s->phase && r->kind == s->kind &&
+               r->slot_tokens == s->slot_tokens && r->layer == s->layer && r->stage == s->stage &&
+               r->card == s->card && r->read == s->read && r->slot == s->slot && r->part == s->part && r->i0 == s->i0 && r->i1 == s->i1 &&
+               r->r0 == s->r0 && r->r1 == s->r1 && r->n_tok == s->n_tok && !memcmp(&r->w, &s->w, sizeof r->w);
+        CHECK(same, "%s: task %d: engine '%s' (lane %d, %d preds), simulator '%s' (lane %d, %d preds)", what, t,
+              p->name, p->lane, mf_graph_n_pred(x, t), q->name, q->lane, mf_graph_n_pred(y, t));
+        bad += !same;
+    }
+    CHECK(a->n_slots == b->n_slots && a->tid_per_slot == b->tid_per_slot &&
+              !memcmp(a->slot_tid, b->slot_tid, sizeof *a->slot_tid * (size_t)8 * a->n_slots * a->tid_per_slot),
+          "%s: the slot task tables differ", what);
+    return !bad;
+}
+
+/* The simulated graph IS the engine's: on the tiny checkpoint, the graph the real engine ran for a
+ * decode step and the graph the simulator runs for the same settings are the same tasks, edges,
+ * lanes and records, for host, seed and hybrid placement (emulated cards), with and without a
+ * streamed store, with and without device graphs, 1 and 3 workers, batch 1 and 3; the
+ * simulator then steps through it. */
+static void test_same_graph(void)
 {
     mf_config c;
     char dir[1024];
@@ -381,54 +427,89 @@ static void test_mirror(void)
         CHECK(0, "tiny checkpoint");
         return;
     }
-    mf_model *m = NULL;
-    mf_ref *r = NULL;
-    CHECK(!mf_model_load(dir, &(mf_model_opts){.quiet = 1}, &m) && !mf_ref_new(m, NULL, &r), "%s", mf_last_error());
-    if (!r) {
-        mf_model_free(m);
-        return;
-    }
+    CHECK(c.n_layers == 8, "tiny has %d layers (the slot table check counts 8)", c.n_layers);
     float *logits = malloc(sizeof(float) * 3 * (size_t)c.vocab_size);
-    for (int place = MF_STEP_PLACE_HOST; place <= MF_STEP_PLACE_SEED; place++)
-        for (int threads = 1; threads <= 3; threads += 2)
-            for (int batch = 1; batch <= 3; batch += 2) {
-                mf_dev *d = NULL;
-                mf_step *e = NULL;
-                if (place != MF_STEP_PLACE_HOST) CHECK(!mf_dev_open("emu:2", &d), "%s", mf_last_error());
-                CHECK(!mf_step_new(r, &(mf_step_opts){.n_threads = threads, .dev = d, .placement = place}, &e),
-                      "%s", mf_last_error());
-                mf_ref_state *st[3] = {0};
-                int32_t tok[3] = {5, 9, 13}, prompt[4] = {1, 2, 3, 4};
-                int rc = e ? 0 : -1;
-                for (int s = 0; s < batch && !rc; s++) {
-                    rc = mf_ref_state_new(r, 16, &st[s]);
-                    if (!rc) rc = mf_step_prefill(e, st[s], prompt, 4, logits);
+    int n_same = 0, n_cases = 0;
+    for (int streamed = 0; streamed <= 1; streamed++) {
+        mf_model *m = NULL;
+        mf_ref *r = NULL;
+        CHECK(!mf_model_load(dir, &(mf_model_opts){.quiet = 1, .store = streamed ? MF_MODEL_STORE_STREAMED : 0,
+                                                   .store_budget_bytes = 64 << 20}, &m) &&
+                  !mf_ref_new(m, NULL, &r), "%s", mf_last_error());
+        if (r && !streamed) {   /* the sizes the graph is built from (the layout) are the model's */
+            mf_sg_sizes *sz = NULL;
+            CHECK(!mf_sg_sizes_new(&c, &sz), "%s", mf_last_error());
+            for (int L = 0; sz && L < c.n_layers; L++) {
+                const mf_model_layer *y = mf_model_layer_at(m, L);
+                for (int st = 0; st < MF_RA_N_STAGES; st++) {
+                    mf_ref_attn_lin lin[MF_RA_MAX_LIN];
+                    int nl = mf_ref_attn_linears(r, L, st, lin);
+                    double bytes = 0;
+                    for (int k = 0; k < nl; k++) bytes += (double)mf_weight_data_bytes(lin[k].w);
+                    CHECK(bytes == sz->layer[L].st_data_bytes[st], "layer %d stage %d: the engine's linears have "
+                          "%.0f bytes, the layout's %.0f", L, st, bytes, sz->layer[L].st_data_bytes[st]);
                 }
-                if (!rc) rc = mf_step_decode(e, st, tok, batch, logits);
-                mf_step_times t = {0};
-                if (!rc) mf_step_last_times(e, &t);
-                mf_profile f = free_profile(threads, 1000);
-                mf_plan_report pr = {0};
-                CHECK(!mf_plan_run(&(mf_plan_opts){.config = &c, .profile = &f, .placement = place, .batch = batch,
-                                                   .seed = 1},
-                                   0, 1, &pr),
-                      "%s", mf_last_error());
-                CHECK(!rc && t.n_tasks == pr.n_tasks, "placement %d, %d workers, batch %d: engine %d tasks, plan %d",
-                      place, threads, batch, t.n_tasks, pr.n_tasks);
-                for (int s = 0; s < batch; s++) mf_ref_state_free(st[s]);
-                mf_step_free(e);
-                mf_dev_close(d);
+                if (mf_config_engram_slot(&c, L) >= 0)
+                    CHECK((double)mf_weight_data_bytes(&y->eg_wkv) == sz->layer[L].eng_data_bytes,
+                          "layer %d: Engram wkv %.0f bytes in the layout", L, sz->layer[L].eng_data_bytes);
             }
+            mf_sg_sizes_free(sz);
+        }
+        for (int place = MF_STEP_PLACE_HOST; r && place <= MF_STEP_PLACE_HYBRID; place++)
+            for (int dg = 0; dg <= (place != MF_STEP_PLACE_HOST); dg++)
+                for (int threads = 1; threads <= 3; threads += 2)
+                    for (int batch = 1; batch <= 3; batch += 2) {
+                        char what[128];
+                        snprintf(what, sizeof what, "%s, placement %d, device graphs %d, %d workers, batch %d",
+                                 streamed ? "streamed" : "resident", place, dg, threads, batch);
+                        mf_profile f = free_profile(threads, 1000);
+                        f.cards_emulated = 1;
+                        mf_dev *d = NULL;
+                        mf_step *e = NULL;
+                        if (place != MF_STEP_PLACE_HOST) CHECK(!mf_dev_open("emu:2", &d), "%s", mf_last_error());
+                        CHECK(!mf_step_new(r, &(mf_step_opts){.n_threads = threads, .dev = d, .placement = place,
+                                                              .dev_graphs = dg, .profile = &f}, &e),
+                              "%s: %s", what, mf_last_error());
+                        mf_ref_state *st[3] = {0};
+                        int32_t tok[3] = {5, 9, 13}, prompt[4] = {1, 2, 3, 4};
+                        int rc = e ? 0 : -1;
+                        for (int s = 0; s < batch && !rc; s++) {
+                            rc = mf_ref_state_new(r, 16, &st[s]);
+                            if (!rc) rc = mf_step_prefill(e, st[s], prompt, 4, logits);
+                        }
+                        if (!rc) rc = mf_step_decode(e, st, tok, batch, logits);
+                        CHECK(!rc, "%s: %s", what, mf_last_error());
+                        mf_plan *p = NULL;
+                        CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .placement = place,
+                                                           .n_cards = 2, .batch = batch, .dev_graphs = dg,
+                                                           .store = streamed ? MF_PLAN_STORE_STREAMED : 0,
+                                                           .store_budget_bytes = 64 << 20, .seed = 1},
+                                           &p),
+                              "%s: %s", what, mf_last_error());
+                        const mf_stepgraph *eg = e ? mf_step_graph(e, batch, batch > 1) : NULL;
+                        CHECK(eg, "%s: the engine ran no graph of batch %d", what, batch);
+                        if (eg && p) n_same += same_graph(eg, mf_plan_graph(p), what);
+                        mf_plan_report pr;
+                        CHECK(p && !mf_plan_step(p, &pr) && pr.n_tasks == (eg ? eg->n_tasks : -1),
+                              "%s: simulating the engine's graph: %s", what, mf_last_error());
+                        n_cases++;
+                        mf_plan_free(p);
+                        for (int s = 0; s < batch; s++) mf_ref_state_free(st[s]);
+                        mf_step_free(e);
+                        mf_dev_close(d);
+                    }
+        mf_ref_free(r);
+        mf_model_free(m);
+    }
+    CHECK(n_cases == 40 && n_same == n_cases, "%d of %d settings had the engine's graph", n_same, n_cases);
     free(logits);
-    mf_ref_free(r);
-    mf_model_free(m);
 }
 
 int main(void)
 {
     const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
     test_structure(tmp);
-    test_mirror();
+    test_same_graph();
     test_determinism_and_caches();
     test_hybrid_models();
     test_flash41();

@@ -1,8 +1,9 @@
-/* The IO lane on a real temp file, with io_uring and with the pread fallback (forced by option
- * and by MOEFLOW_IO=pread): reads of many sizes land byte-exact in caller buffers across re-runs
- * with new offsets; a read past end of file fails naming the task, how far it got and cancels its
- * dependent; a bad fd fails with its errno; on io_uring a pipe delivering data in pieces exercises
- * the resubmission of short reads. */
+/* The IO lane on a real temp file, with io_uring and with the pread fallback (forced by option and
+ * by the process-wide default, mf_sched_io_defaults, that MOEFLOW_IO=pread sets in the moeflow
+ * command): reads of many sizes land byte-exact in caller buffers across re-runs with new offsets;
+ * a read past end of file fails naming the task, how far it got and cancels its dependent; a fault
+ * armed through the options (io_fault_kind) fails the first read; a bad fd fails with its errno;
+ * on io_uring a pipe delivering data in pieces exercises the resubmission of short reads. */
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -59,10 +60,10 @@ static void run_engine(const char *engine, int fd, const uint8_t *file)
         {.kind = MF_LANE_IO, .name = "io", .concurrency = 4, .numa_node = -1},
     };
     int force = !strcmp(engine, "pread-option");
-    if (!strcmp(engine, "pread-env")) setenv("MOEFLOW_IO", "pread", 1);
+    if (!strcmp(engine, "pread-default")) mf_sched_io_defaults(1);
     mf_sched *s;
     int rc = mf_sched_create(&(mf_sched_opts){.lanes = lanes, .n_lanes = N_LANES, .io_force_pread = force}, &s);
-    unsetenv("MOEFLOW_IO");
+    mf_sched_io_defaults(0);
     CHECK(rc == 0, "%s: %s", engine, mf_last_error());
     if (rc) return;
     const char *got = mf_sched_io_engine(s);
@@ -159,6 +160,34 @@ static void run_engine(const char *engine, int fd, const uint8_t *file)
     mf_sched_destroy(s);
 }
 
+/* A fault armed through the options: the first read of the first run fails with EIO, the next
+ * run reads the bytes. */
+static void fault_option(int fd, const uint8_t *file)
+{
+    mf_lane_desc lanes[N_LANES] = {
+        {.kind = MF_LANE_CPU, .name = "cpu", .concurrency = 1, .numa_node = -1},
+        {.kind = MF_LANE_IO, .name = "io", .concurrency = 4, .numa_node = -1},
+    };
+    mf_sched *s;
+    int rc = mf_sched_create(&(mf_sched_opts){.lanes = lanes, .n_lanes = N_LANES,
+                                              .io_fault_kind = MF_IO_FAULT_EIO, .io_fault_nth = 1}, &s);
+    CHECK(rc == 0, "fault option: %s", mf_last_error());
+    if (rc) return;
+    static uint8_t buf[4096];
+    mf_io_read rd = {.fd = fd, .offset = 4096, .buf = buf, .n_bytes = sizeof buf};
+    mf_graph *g;
+    CHECK(mf_graph_create(lanes, N_LANES, &g) == 0, "%s", mf_last_error());
+    CHECK(mf_graph_add_task(g, &(mf_task_desc){.name = "faulty", .lane = L_IO, .arg = &rd,
+                                               .place_hint = -1}) == 0, "%s", mf_last_error());
+    CHECK(mf_graph_finalize(g) == 0, "%s", mf_last_error());
+    rc = mf_sched_run(s, g, NULL);
+    CHECK(rc == -EIO && strstr(mf_last_error(), "faulty"), "fault option: rc %d: %s", rc, mf_last_error());
+    rc = mf_sched_run(s, g, NULL);
+    CHECK(rc == 0 && !memcmp(buf, file + 4096, sizeof buf), "fault option, second run: %s", mf_last_error());
+    mf_graph_destroy(g);
+    mf_sched_destroy(s);
+}
+
 int main(void)
 {
     char path[512];
@@ -171,7 +200,8 @@ int main(void)
     CHECK(write(fd, file, FILE_BYTES) == FILE_BYTES, "write %s", path);
     run_engine("io_uring", fd, file);
     run_engine("pread-option", fd, file);
-    run_engine("pread-env", fd, file);
+    run_engine("pread-default", fd, file);
+    fault_option(fd, file);
     free(file);
     close(fd);
     unlink(path);

@@ -402,10 +402,16 @@ static void test_chrome(void)
         CHECK(n_names == 2 + 3 + 8 + 1, "%d named tracks, want 14 (one per slot)", n_names);
         json_decref(root);
     }
+    /* missing folders are made (mkdir -p); a folder that is a file is refused, naming the path */
+    char deep[4200];
+    snprintf(deep, sizeof deep, "%s.d/a/b/x.json", path);
+    rc = mf_timeline_write_chrome(tl, deep);
+    CHECK(rc == 0, "trace into missing folders: %d %s", rc, mf_last_error());
+    remove(deep);
+    snprintf(deep, sizeof deep, "%s/x.json", path);
+    rc = mf_timeline_write_chrome(tl, deep);
+    CHECK(rc == -ENOTDIR && strstr(mf_last_error(), deep), "bad path: %d %s", rc, mf_last_error());
     remove(path);
-    rc = mf_timeline_write_chrome(tl, "/nonexistent-dir/x.json");
-    CHECK(rc < 0 && strstr(mf_last_error(), "/nonexistent-dir/x.json"), "bad path: %d %s", rc,
-          mf_last_error());
     mf_timeline_destroy(tl);
     mf_graph_destroy(g);
 }
@@ -466,8 +472,69 @@ static void test_calibrate(void)
     mf_sched_destroy(s);
 }
 
+/* Interval union and overlap (mf_timeline_union, mf_timeline_overlap) against a count of the
+ * covered nanoseconds on fresh random spans. */
+static void test_union(void)
+{
+    uint64_t x = 0x9e3779b97f4a7c15ULL;
+    for (int rep = 0; rep < 200; rep++) {
+        mf_task_span a[40], b[40];
+        uint8_t in_a[1200] = {0}, in_b[1200] = {0};
+        int na = 1 + rep % 40, nb = 1 + (rep * 7) % 40;
+        for (int k = 0; k < na + nb; k++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            int64_t s0 = (int64_t)(x % 1000), len = (int64_t)((x >> 20) % 120);
+            mf_task_span sp = {s0, s0 + len, 0, 0};
+            uint8_t *cov = k < na ? in_a : in_b;
+            for (int64_t t = sp.start_ns; t < sp.end_ns; t++) cov[t] = 1;
+            if (k < na) a[k] = sp;
+            else b[k - na] = sp;
+        }
+        int64_t want_a = 0, want_b = 0, want_ab = 0, la, lb;
+        for (int t = 0; t < 1200; t++) {
+            want_a += in_a[t];
+            want_b += in_b[t];
+            want_ab += in_a[t] && in_b[t];
+        }
+        int ua = mf_timeline_union(a, na, &la), ub = mf_timeline_union(b, nb, &lb);
+        CHECK(la == want_a && lb == want_b, "union: %lld and %lld ns, counted %lld and %lld", (long long)la,
+              (long long)lb, (long long)want_a, (long long)want_b);
+        for (int k = 1; k < ua; k++) CHECK(a[k].start_ns > a[k - 1].end_ns, "union: spans %d, %d not merged", k - 1, k);
+        int64_t ov = mf_timeline_overlap(a, ua, b, ub);
+        CHECK(ov == want_ab, "overlap %lld ns, counted %lld", (long long)ov, (long long)want_ab);
+    }
+}
+
+/* Lane options of the simulated machine: a concurrency override, and a wake phase on the lane's
+ * own thread (one at a time) before each task. */
+static void test_lane_options(void)
+{
+    mf_lane_desc l = {.kind = MF_LANE_CPU, .name = "cpu", .concurrency = 4, .numa_node = -1,
+                      .model = {.flops_per_s = 1e9}};
+    mf_graph *g;
+    CHECK(mf_graph_create(&l, 1, &g) == 0, "%s", mf_last_error());
+    for (int k = 0; k < 3; k++) add(g, "t", 0, 1.0);   /* three independent tasks of 1 ms */
+    CHECK(mf_graph_finalize(g) == 0, "%s", mf_last_error());
+    mf_timeline *tl;
+    CHECK(mf_timeline_create(g, &tl) == 0, "%s", mf_last_error());
+    mf_timeline_summary s;
+    int one = 1;
+    CHECK(!mf_sim_run_opts(g, &(mf_sim_opts){.concurrency = &one}, tl) && !mf_timeline_summarize(tl, &s) &&
+              s.makespan_ns == 3 * MS, "one slot: makespan %lld", (long long)s.makespan_ns);
+    /* wake 2 ms each on the lane's one thread, then 1 ms on one of 4 slots: 2, 4, 6 ms + 1 */
+    int64_t wake = 2 * MS;
+    CHECK(!mf_sim_run_opts(g, &(mf_sim_opts){.wake_ns = &wake}, tl) && !mf_timeline_summarize(tl, &s) &&
+              s.makespan_ns == 7 * MS, "wake phases: makespan %lld, expected 7 ms", (long long)s.makespan_ns);
+    mf_task_span *sp = mf_timeline_spans(tl);
+    CHECK(sp[0].start_ns == 2 * MS && sp[0].end_ns == 3 * MS, "wake: the span is the lane's part alone");
+    mf_timeline_destroy(tl);
+    mf_graph_destroy(g);
+}
+
 int main(void)
 {
+    test_union();
+    test_lane_options();
     test_chain();
     test_fork_join(2, 6 * MS);
     test_fork_join(4, 4 * MS);

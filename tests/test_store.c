@@ -83,10 +83,10 @@ static void test_identity(void)
 
     const char *engines[2] = {"io_uring", "pread"};
     for (int e = 0; e < 2; e++) {
-        if (e) setenv("MOEFLOW_IO", "pread", 1);
+        if (e) mf_sched_io_defaults(1);   /* the store's own scheduler takes no IO options */
         uint64_t budget = 20 * slot + slot / 2;   /* 20 slots of 128 experts */
         mf_model *ms = load(g_dir, MF_MODEL_STORE_STREAMED, budget, MF_MODEL_STORE_STREAMED);
-        unsetenv("MOEFLOW_IO");
+        mf_sched_io_defaults(0);
         if (!ms) continue;
         mf_store *ss = mf_model_store(ms);
         CHECK(!strcmp(mf_store_io_engine(ss), engines[e]) || e == 0, "engine %s", mf_store_io_engine(ss));
@@ -139,9 +139,9 @@ static int expert_matches(mf_model *m, int L, int e)
 
 static void test_faults(const char *engine)
 {
-    if (!strcmp(engine, "pread")) setenv("MOEFLOW_IO", "pread", 1);
+    if (!strcmp(engine, "pread")) mf_sched_io_defaults(1);
     mf_model *m = load(g_dir, MF_MODEL_STORE_STREAMED, 1 << 20, MF_MODEL_STORE_STREAMED);
-    unsetenv("MOEFLOW_IO");
+    mf_sched_io_defaults(0);
     if (!m) return;
     mf_store *s = mf_model_store(m);
     int32_t ids[3] = {3, 5, 9};

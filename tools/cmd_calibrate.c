@@ -105,7 +105,13 @@ int mf_cmd_calibrate(int argc, char **argv)
         fprintf(stderr, "moeflow calibrate: out of memory\n");
         return 1;
     }
+    /* a fit that the machine's noise broke (-EIO "too noisy": another process took the core
+     * between two timings) is measured again, up to three runs in all, saying so */
     int rc = mf_hwcal_run(&o, p);
+    for (int attempt = 2; rc == -EIO && strstr(mf_last_error(), "too noisy") && attempt <= 3; attempt++) {
+        fprintf(stderr, "moeflow calibrate: %s; measuring again (run %d of 3)\n", mf_last_error(), attempt);
+        rc = mf_hwcal_run(&o, p);
+    }
     if (rc) {
         fprintf(stderr, "moeflow calibrate: %s\n", mf_last_error());
         free(p);

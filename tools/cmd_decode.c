@@ -38,7 +38,7 @@ static void mf_decode_usage(FILE *f)
             "                      [--store resident|streamed [--store-budget SIZE]\n"
             "                       [--store-tables resident|streamed] [--io-depth N]]\n"
             "                      [--devices emu:N|cuda[:IDS] [--placement seed|host|hybrid]\n"
-            "                       [--dev-cache SIZE] [--profile P]] [--record-routing FILE]\n\n"
+            "                       [--dev-cache SIZE] [--dev-graphs] [--profile P]] [--record-routing FILE]\n\n"
             "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
             "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
             "one thread: the correctness oracle). Every prompt goes through the continuous batcher\n"
@@ -94,7 +94,11 @@ static void mf_decode_usage(FILE *f)
             "                      cost models (default with --devices); host: all on the\n"
             "                      host (default without). Per-step device lines on stderr\n"
             "  --dev-cache SIZE    expert cache bytes per card (default: every expert, or as\n"
-            "                      many as the card holds)\n"            "  --profile P         hardware profile (docs/profiles.md, `moeflow calibrate`) whose\n"
+            "                      many as the card holds)\n"
+            "  --dev-graphs        per layer and card, the device FFNs of all slots as one graph\n"
+            "                      (a CUDA graph on CUDA cards; docs/device.md); also with the\n"
+            "                      environment variable MOEFLOW_DEV_GRAPHS=1\n"
+            "  --profile P         hardware profile (docs/profiles.md, `moeflow calibrate`) whose\n"
             "                      host fp4, h2d and card fp4 rates are the lanes' cost models\n"
             "                      that hybrid placement weighs (default: built-in assumptions,\n"
             "                      host 20 GB/s per worker, copies 25 GB/s + 10 us, cards 20 GB/s)\n"
@@ -400,6 +404,7 @@ int mf_cmd_decode(int argc, char **argv)
     double temperature = 0, top_p = 1.0;
     unsigned long long seed = 0;
     int no_bos = 0, ignore_eos = 0, act_quant = 0, quiet = 0, exact = 0;
+    int dev_graphs = mf_tool_env_on("MOEFLOW_DEV_GRAPHS");   /* --dev-graphs */
     int store_mode = 0, store_tables = 0;
     long io_depth = 0, read_window = 0;
     uint64_t store_budget = 0;
@@ -519,6 +524,8 @@ int mf_cmd_decode(int argc, char **argv)
                 fprintf(stderr, "moeflow decode: --dev-cache: expected a size such as 2G or 512M, found '%s'\n", argv[i]);
                 return 2;
             }
+        } else if (!strcmp(a, "--dev-graphs")) {
+            dev_graphs = 1;
         } else if (!strcmp(a, "--profile") && hv) {
             profile_path = argv[++i];
         } else if (!strcmp(a, "--record-routing") && hv) {
@@ -683,6 +690,7 @@ int mf_cmd_decode(int argc, char **argv)
     if (sched && mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact,
                                                  .read_window = (int)read_window, .dev = dev,
                                                  .placement = place, .dev_cache_bytes = dev_cache,
+                                                 .dev_graphs = dev_graphs,
                                                  .profile = profile_path ? &prof : NULL}, &eng))
         goto fail;
     dc = (mf_dec_ctx){.sq = sq, .tok = tok, .stream = n_seq == 1, .out = outf, .quiet = quiet};

@@ -49,6 +49,17 @@ static void mf_info_config(const mf_config *c)
     mf_print_ids("KV sources", c->kv_source_layer_ids, c->n_kv_source);
     mf_print_ids(", index sources", c->index_source_layer_ids, c->n_index_source);
     printf(", candidate source %d\n", c->candidate_source_layer_id);
+    if (c->yarn_factor > 0)
+        printf("  rope: theta %g on ratio-0 layers; theta %g + YaRN factor %g from %lld positions "
+               "(beta_fast %g, beta_slow %g) on the others, %s\n", c->rope_theta,
+               c->compress_rope_theta, c->yarn_factor,
+               (long long)c->yarn_original_max_position_embeddings, c->yarn_beta_fast,
+               c->yarn_beta_slow,
+               c->yarn_defaulted ? "the released defaults: config.json has no rope_scaling"
+                                 : "from config.json's rope_scaling");
+    else
+        printf("  rope: theta %g on ratio-0 layers, theta %g on the others, no YaRN\n",
+               c->rope_theta, c->compress_rope_theta);
     printf("  MoE: %d routed experts, top-%d, %d shared, intermediate %d, %s, scale %g, "
            "swiglu limit %g\n",
            c->n_routed_experts, c->n_experts_per_tok, c->n_shared_experts, c->moe_intermediate_size,
@@ -162,6 +173,13 @@ int mf_cmd_info(int argc, char **argv)
         json_object_set_new(o, "groups", groups);
         json_object_set_new(o, "group_tensors", counts);
         json_object_set_new(o, "config", have_cfg ? json_string(cfg_path) : json_null());
+        if (have_cfg)   /* what positions get: YaRN from the file or the released defaults */
+            json_object_set_new(o, "rope_scaling",
+                json_pack("{s:s, s:f, s:I, s:f, s:f, s:s}", "rope_type", "yarn", "factor", cfg.yarn_factor,
+                          "original_max_position_embeddings",
+                          (json_int_t)cfg.yarn_original_max_position_embeddings, "beta_fast",
+                          cfg.yarn_beta_fast, "beta_slow", cfg.yarn_beta_slow, "source",
+                          cfg.yarn_defaulted ? "default" : "config.json"));
         char *text = json_dumps(o, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
         json_decref(o);
         if (!text) {

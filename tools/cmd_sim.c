@@ -29,7 +29,8 @@ static void mf_sim_usage(FILE *f)
             "                   [--routing uniform|zipf:S|trace:FILE] [--seed S] [--context N]\n"
             "                   [--store resident|streamed] [--store-budget SIZE] [--tables resident|streamed]\n"
             "                   [--dev-cache SIZE] [--cache-policy lfu|lru] [--read-window N]\n"
-            "                   [--copy-slots N] [--dev-task-ns NS] [--trace FILE] [--json] [--measure]\n\n"
+            "                   [--copy-slots N] [--dev-task-ns NS] [--dev-graphs] [--trace FILE] [--json]\n"
+            "                   [--measure]\n\n"
             "Simulates decode steps of the scheduled engine (graphs/step.c's graph, docs/sim.md) on the\n"
             "hardware profile P: --warmup steps (default 2) warm the caches, then --steps (default 8)\n"
             "are reported: predicted time per token, the phase table, each lane's work and busy share,\n"
@@ -51,6 +52,8 @@ static void mf_sim_usage(FILE *f)
             "  --copy-slots N      copy-in streams per card (default 1, the engine's)\n"
             "  --dev-task-ns NS    emulated cards: host core time per device task, from `moeflow\n"
             "                      bench devtasks` (default: the profile's card_fp4_latency_ns)\n"
+            "  --dev-graphs        a layer's FFNs on a card as one device graph task (the engine's\n"
+            "                      --dev-graphs; also MOEFLOW_DEV_GRAPHS=1)\n"
             "  --trace FILE        Chrome trace of the last simulated step\n"
             "  --json              one JSON object instead of the tables\n"
             "  --measure           also decode for real on this machine (a loadable checkpoint;\n"
@@ -87,6 +90,7 @@ int mf_cmd_sim(int argc, char **argv)
     long cards = 0, threads = 0, batch = 1, steps = 8, warmup = 2, seed = 1, context = 16, read_window = 0;
     long copy_slots = 0, dev_task_ns = 0;
     int json = 0, measure = 0, store = MF_PLAN_STORE_RESIDENT, tables = MF_PLAN_STORE_RESIDENT, policy = 0;
+    int dev_graphs = mf_tool_env_on("MOEFLOW_DEV_GRAPHS");   /* --dev-graphs */
     uint64_t store_budget = 0, dev_cache = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -153,6 +157,8 @@ int mf_cmd_sim(int argc, char **argv)
             json = 1;
         } else if (!strcmp(a, "--measure")) {
             measure = 1;
+        } else if (!strcmp(a, "--dev-graphs")) {
+            dev_graphs = 1;
         } else {
             fprintf(stderr, "moeflow sim: unknown or incomplete option '%s'\n\n", a);
             mf_sim_usage(stderr);
@@ -182,7 +188,8 @@ int mf_cmd_sim(int argc, char **argv)
                        .threads_per_socket = (int)threads, .batch = (int)batch, .context = context,
                        .read_window = (int)read_window, .copy_slots = (int)copy_slots, .dev_cache_bytes = dev_cache,
                        .dev_cache_policy = policy, .store = store, .store_budget_bytes = store_budget,
-                       .tables = tables, .routing = rt, .seed = (uint64_t)seed, .dev_task_ns = (double)dev_task_ns};
+                       .tables = tables, .routing = rt, .seed = (uint64_t)seed, .dev_task_ns = (double)dev_task_ns,
+                       .dev_graphs = dev_graphs};
     if ((rc = mf_plan_new(&po, &p))) goto fail;
     for (long k = 0; k < warmup && !rc; k++) rc = mf_plan_step(p, NULL);
     mf_plan_reset_totals(p);

@@ -20,4 +20,8 @@ int mf_bench_dev(int argc, char **argv);       /* tools/bench_dev.c: `bench dev`
 int mf_bench_devtasks(int argc, char **argv);  /* tools/bench_devtasks.c: `bench devtasks` */
 int mf_bench_ref(int argc, char **argv);       /* tools/bench_ref.c: `bench ref` */
 
+/* 1 when environment variable `name` is "1": compatibility switches (MOEFLOW_DEV_GRAPHS=1 for
+ * --dev-graphs) that tools/ turn into options; the library reads no environment (tools/moeflow.c). */
+int mf_tool_env_on(const char *name);
+
 #endif

@@ -1,8 +1,15 @@
 /* `moeflow`: one command with subcommands over libmoeflow. Only subcommands that exist are listed;
- * each one's --help says what it does. */
+ * each one's --help says what it does. The environment is read here (and by tools/ for
+ * MOEFLOW_DEV_GRAPHS), never in the library: MOEFLOW_SIMD=scalar|avx2|auto picks the CPU kernels'
+ * path (host/kernels.h, default auto), MOEFLOW_IO and MOEFLOW_IO_FAULT the IO lanes' engine and
+ * fault injection (mf_env_apply). */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "host/kernels.h"
+#include "sched/error.h"
+#include "sched/sched.h"
 #include "tools/commands.h"
 
 static const struct {
@@ -26,10 +33,64 @@ static void mf_usage(FILE *f)
     fprintf(f, "usage: moeflow <command> [options]   (moeflow <command> --help for each)\n\n");
     for (size_t i = 0; mf_commands[i].name; i++)
         fprintf(f, "  %-10s %s\n", mf_commands[i].name, mf_commands[i].what);
+    fprintf(f, "\nenvironment (read here and turned into options; the library reads none):\n"
+               "  MOEFLOW_SIMD        scalar, avx2 or auto (default): the CPU kernels' path (now: %s)\n"
+               "  MOEFLOW_IO          pread: IO lanes use pread workers instead of io_uring\n"
+               "  MOEFLOW_IO_FAULT    eio:N or short:N: the Nth IO-lane read fails (fault injection)\n"
+               "  MOEFLOW_DEV_GRAPHS  1: as --dev-graphs (decode, sim)\n",
+            mf_kern_simd_name(mf_kern_simd_active()));
+}
+
+/* MOEFLOW_SIMD into mf_kern_simd_set: 0, or 2 (usage) for a value the CPU or the list refuses. */
+static int mf_env_simd(void)
+{
+    const char *env = getenv("MOEFLOW_SIMD");
+    if (!env || !*env) return 0;
+    mf_kern_simd s = !strcmp(env, "scalar") ? MF_KERN_SIMD_SCALAR
+                   : !strcmp(env, "avx2")   ? MF_KERN_SIMD_AVX2
+                   : !strcmp(env, "auto")   ? MF_KERN_SIMD_AUTO
+                                            : (mf_kern_simd)-1;
+    if ((int)s < 0) {
+        fprintf(stderr, "moeflow: MOEFLOW_SIMD=%s: expected scalar, avx2 or auto\n", env);
+        return 2;
+    }
+    if (mf_kern_simd_set(s)) {
+        fprintf(stderr, "moeflow: MOEFLOW_SIMD=%s: %s\n", env, mf_last_error());
+        return 2;
+    }
+    return 0;
+}
+
+int mf_tool_env_on(const char *name)
+{
+    const char *v = getenv(name);
+    return v && !strcmp(v, "1");
+}
+
+/* The environment variables the moeflow command honours, turned into library settings before any
+ * subcommand runs (the library reads none): MOEFLOW_IO=pread makes every IO lane use pread workers
+ * (mf_sched_io_defaults), MOEFLOW_IO_FAULT=eio:N|short:N makes the Nth IO-lane read fail
+ * (mf_io_fault_inject; docs/io.md). Values it does not understand are reported and ignored. */
+static void mf_env_apply(void)
+{
+    const char *e = getenv("MOEFLOW_IO");
+    if (e && *e) {
+        if (!strcmp(e, "pread")) mf_sched_io_defaults(1);
+        else fprintf(stderr, "moeflow: MOEFLOW_IO='%s' ignored (expected pread)\n", e);
+    }
+    e = getenv("MOEFLOW_IO_FAULT");
+    if (e && *e) {
+        long long n = 0;
+        if (!strncmp(e, "eio:", 4) && (n = atoll(e + 4)) > 0) mf_io_fault_inject(MF_IO_FAULT_EIO, n);
+        else if (!strncmp(e, "short:", 6) && (n = atoll(e + 6)) > 0) mf_io_fault_inject(MF_IO_FAULT_SHORT, n);
+        else fprintf(stderr, "moeflow: MOEFLOW_IO_FAULT='%s' ignored (expected eio:N or short:N)\n", e);
+    }
 }
 
 int main(int argc, char **argv)
 {
+    if (mf_env_simd()) return 2;
+    mf_env_apply();
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
         mf_usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;

@@ -11,29 +11,44 @@ jobs=$(nproc)
 bash tools/install-deps.sh
 py=$(bash tools/pyenv.sh)
 
+# each suite's wall time, printed at the end (and the whole run's)
+t_all=$(date +%s)
+times=()
+timed() {  # label, command...
+  local label=$1 t0; shift
+  t0=$(date +%s)
+  "$@"
+  times+=("$(printf '%-12s %5d s' "$label" $(( $(date +%s) - t0 )))")
+}
+
 run_suite() {  # name, ctest filter, cmake args...
   local dir=$1 filter=$2; shift 2
   echo "=== test.sh: $dir ($*)"
   cmake -S "$root" -B "$root/$dir" -G Ninja -DMOEFLOW_PYTHON="$py" "$@" >/dev/null
   cmake --build "$root/$dir" -j "$jobs"
-  if [ -n "$filter" ]; then
-    (cd "$root/$dir" && ctest --output-on-failure -j "$jobs" -R "$filter")
-  else
-    (cd "$root/$dir" && ctest --output-on-failure -j "$jobs")
-  fi
+  local sel=()
+  [ -n "$filter" ] && sel=(-R "$filter")
+  (cd "$root/$dir" && ctest --output-on-failure -j "$jobs" "${sel[@]}") | tee "$root/$dir/ctest.out"
+  # the slowest tests of the suite (each must stay far below its timeout on a busy machine)
+  echo "--- $dir: slowest tests"
+  grep -E 'Test +#[0-9]+: ' "$root/$dir/ctest.out" | sed -E 's/.* ([^ ]+) \.+ *([A-Za-z*]+.*) +([0-9.]+) sec/  \3 s  \1/' |
+    sort -rn | head -5
 }
 
-run_suite build "" -DCMAKE_BUILD_TYPE=RelWithDebInfo
+timed build run_suite build "" -DCMAKE_BUILD_TYPE=RelWithDebInfo
 echo "=== test.sh: conformance (tests/conformance/run.sh)"
-MOEFLOW_BUILD="$root/build" bash tests/conformance/run.sh
-run_suite build-asan "" -DCMAKE_BUILD_TYPE=Debug -DMOEFLOW_CUDA=OFF \
+MOEFLOW_BUILD="$root/build" timed conformance bash tests/conformance/run.sh
+timed build-asan run_suite build-asan "" -DCMAKE_BUILD_TYPE=Debug -DMOEFLOW_CUDA=OFF \
   "-DMOEFLOW_SANITIZE=address;undefined"
 if ls "$root"/tests/test_sched*.c >/dev/null 2>&1; then
-  run_suite build-tsan "sched|sim|step|store|io_lane|test_dev|place|xcache|routing|batch" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOEFLOW_CUDA=OFF \
+  timed build-tsan run_suite build-tsan "sched|sim|step|store|io_lane|test_dev|place|xcache|routing|batch" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOEFLOW_CUDA=OFF \
     -DMOEFLOW_SANITIZE=thread
 fi
 if [ -f "$root/tests/fuzz/CMakeLists.txt" ]; then
-  run_suite build-fuzz "fuzz" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOEFLOW_CUDA=OFF \
+  timed build-fuzz run_suite build-fuzz "fuzz" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOEFLOW_CUDA=OFF \
     -DCMAKE_C_COMPILER=clang -DMOEFLOW_FUZZ=ON
 fi
+echo "=== test.sh: wall time per suite (build + tests)"
+printf '  %s\n' "${times[@]}"
+printf '  %-12s %5d s\n' total $(( $(date +%s) - t_all ))
 echo "=== test.sh: all suites passed"

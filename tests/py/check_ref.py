@@ -99,12 +99,14 @@ def freqs_of(cfg, ratio):
     rd = cfg["qk_rope_head_dim"]
     base = cfg["compress_rope_theta"] if ratio else cfg["rope_theta"]
     f = np.array([base ** (-2.0 * j / rd) for j in range(rd // 2)], F64)
-    rs = cfg.get("rope_scaling") or {}
-    factor = rs.get("factor", 0) if rs else 0
+    # no rope_scaling (or null): the released YaRN, as NeMo AutoModel's config applies it
+    rs = cfg.get("rope_scaling") or {"factor": 16, "original_max_position_embeddings": 65536}
+    factor = rs.get("factor", 0)
     if ratio and factor:
         orig = rs["original_max_position_embeddings"]
         cd = lambda r: rd * math.log(orig / (r * 2 * math.pi)) / (2 * math.log(base))
-        low, high = max(math.floor(cd(rs["beta_fast"])), 0), min(math.ceil(cd(rs["beta_slow"])), rd - 1)
+        low = max(math.floor(cd(rs.get("beta_fast", 32))), 0)
+        high = min(math.ceil(cd(rs.get("beta_slow", 1))), rd - 1)
         if high == low:
             high += 0.001
         ramp = np.clip((np.arange(rd // 2) - low) / (high - low), 0, 1)

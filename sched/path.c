@@ -1,0 +1,63 @@
+/* mkdir -p for the library's writers (sched/path.h): walks the path from its first component,
+ * creating what is missing, so every writer reports the same error for the same cause. */
+#include "sched/path.h"
+
+#include <errno.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "sched/error.h"
+
+/* mkdir of one prefix; EEXIST is fine only when it is a folder */
+static int mf_path_mkdir1(const char *p)
+{
+    if (mkdir(p, 0755) == 0) return 0;
+    int e = errno;
+    struct stat st;
+    if (e == EEXIST || e == EACCES || e == EROFS) {
+        /* an existing folder we may not write into is fine as a prefix */
+        if (stat(p, &st) == 0) {
+            if (S_ISDIR(st.st_mode)) return 0;
+            return mf_error(-ENOTDIR, "%s: exists and is not a directory", p);
+        }
+    }
+    return mf_error(-e, "%s: cannot create directory: %s", p, strerror(e));
+}
+
+int mf_path_mkdirs(const char *dir)
+{
+    if (!dir || !*dir) return 0;
+    char p[4096];
+    size_t n = strlen(dir);
+    if (n >= sizeof p) return mf_error(-ENAMETOOLONG, "%.64s...: path too long", dir);
+    memcpy(p, dir, n + 1);
+    while (n > 1 && p[n - 1] == '/') p[--n] = 0;   /* "a/b/" -> "a/b" */
+    struct stat st;
+    if (stat(p, &st) == 0) {
+        if (S_ISDIR(st.st_mode)) return 0;
+        return mf_error(-ENOTDIR, "%s: exists and is not a directory", p);
+    }
+    for (size_t i = 1; i < n; i++) {
+        if (p[i] != '/' || p[i - 1] == '/') continue;
+        p[i] = 0;
+        int rc = mf_path_mkdir1(p);
+        p[i] = '/';
+        if (rc) return rc;
+    }
+    return mf_path_mkdir1(p);
+}
+
+int mf_path_make_parent(const char *path)
+{
+    if (!path) return 0;
+    const char *slash = strrchr(path, '/');
+    if (!slash || slash == path) return 0;   /* "file" or "/file": nothing to make */
+    char dir[4096];
+    size_t n = (size_t)(slash - path);
+    if (n >= sizeof dir) return mf_error(-ENAMETOOLONG, "%.64s...: path too long", path);
+    memcpy(dir, path, n);
+    dir[n] = 0;
+    int rc = mf_path_mkdirs(dir);
+    if (rc) return mf_error_wrap(rc, "%s: cannot make its folder", path);
+    return 0;
+}

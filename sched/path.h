@@ -1,0 +1,16 @@
+/* Paths of files the library writes (checkpoints, traces, profiles, routing traces): every writer
+ * creates the folders above its output the way `mkdir -p` does, so a first run on a fresh machine
+ * (no ~/.cache yet) works, and a failure names the folder that could not be made. */
+#ifndef MF_PATH_H
+#define MF_PATH_H
+
+/* Creates `dir` and every missing folder above it (mode 0755, as `mkdir -p`). 0 when it exists
+ * as a folder afterwards; -ENOTDIR when it or a prefix is a file; otherwise the negative errno of
+ * the failing mkdir, with a message naming that folder (mf_last_error). */
+int mf_path_mkdirs(const char *dir);
+
+/* Creates the folders above the file `path` (nothing for a bare file name). Same codes as
+ * mf_path_mkdirs; the message says which file's folder could not be made. */
+int mf_path_make_parent(const char *path);
+
+#endif
