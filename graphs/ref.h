@@ -45,13 +45,18 @@ typedef struct mf_ref_state mf_ref_state;   /* caches of one sequence */
 
 int mf_ref_new(const mf_model *m, const mf_ref_opts *opts, mf_ref **out);
 void mf_ref_free(mf_ref *r);
+const mf_config *mf_ref_config(const mf_ref *r);   /* the model's */
 
 /* A state for one sequence of at most max_positions tokens (window ring, compressed KV and index
  * keys of every KV source, token history). -EINVAL when max_positions exceeds the config's
  * max_position_embeddings. */
 int mf_ref_state_new(const mf_ref *r, int64_t max_positions, mf_ref_state **out);
 void mf_ref_state_free(mf_ref_state *s);
+/* Makes s a fresh sequence again (position 0), keeping its memory: a reset state gives the same
+ * logits as a new one (tests/test_batch.c). */
 void mf_ref_state_reset(mf_ref_state *s);
+/* Bytes mf_ref_state_new allocates for max_positions (the state and its one block of caches). */
+int64_t mf_ref_state_bytes(const mf_config *c, int64_t max_positions);
 int64_t mf_ref_state_pos(const mf_ref_state *s);   /* tokens consumed so far */
 
 /* One forward over n items: item i is token tokens[i] of states[i] at that state's next position.

@@ -155,6 +155,21 @@ void mf_ref_free(mf_ref *r)
     free(r);
 }
 
+const mf_config *mf_ref_config(const mf_ref *r) { return r->c; }
+
+int64_t mf_ref_state_bytes(const mf_config *c, int64_t max_positions)
+{
+    int64_t D = c->head_dim, W = c->sliding_window, id = c->index_head_dim;
+    int64_t bytes = max_positions * (int64_t)sizeof(int32_t) + c->n_layers * W * D * (int64_t)sizeof(float) +
+                    c->n_layers * (int64_t)sizeof(mf_ref_cache) + 64;
+    for (int L = 0; L < c->n_layers; L++)
+        if (mf_config_is_kv_source(c, L)) {
+            int64_t cap = max_positions / c->compress_ratios[L] + 1;
+            bytes += cap * (D + id) * (int64_t)sizeof(float) + 2 * D * (int64_t)sizeof(float);
+        }
+    return bytes + (int64_t)sizeof(mf_ref_state);
+}
+
 int mf_ref_state_new(const mf_ref *r, int64_t max_positions, mf_ref_state **out)
 {
     *out = NULL;
@@ -163,13 +178,7 @@ int mf_ref_state_new(const mf_ref *r, int64_t max_positions, mf_ref_state **out)
         return mf_error(-EINVAL, "reference: max_positions %" PRId64 " outside 1..%" PRId64
                         " (max_position_embeddings)", max_positions, c->max_position_embeddings);
     int64_t D = c->head_dim, W = c->sliding_window, id = c->index_head_dim;
-    size_t bytes = (size_t)max_positions * sizeof(int32_t) + (size_t)c->n_layers * W * D * sizeof(float) +
-                   (size_t)c->n_layers * sizeof(mf_ref_cache) + 64;
-    for (int L = 0; L < c->n_layers; L++)
-        if (mf_config_is_kv_source(c, L)) {
-            int64_t cap = max_positions / c->compress_ratios[L] + 1;
-            bytes += (size_t)cap * (D + id) * sizeof(float) + 2 * (size_t)D * sizeof(float);
-        }
+    size_t bytes = (size_t)mf_ref_state_bytes(c, max_positions) - sizeof(mf_ref_state);
     mf_ref_state *s = calloc(1, sizeof *s);
     uint8_t *p = calloc(1, bytes);
     if (!s || !p) {

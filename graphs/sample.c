@@ -43,6 +43,19 @@ int mf_sampler_new(int64_t n_vocab, double temperature, double top_p, uint64_t s
     return 0;
 }
 
+int mf_sampler_reset(mf_sampler *s, double temperature, double top_p, uint64_t seed)
+{
+    if (!(temperature <= 0) && !(top_p > 0 && top_p <= 1))
+        return mf_error(-EINVAL, "sampler: top_p must be in (0, 1], found %g", top_p);
+    if (isnan(temperature)) return mf_error(-EINVAL, "sampler: temperature is NaN");
+    if (temperature > 0 && !s->cand)
+        return mf_error(-EINVAL, "sampler: created greedy, so it has no scratch for temperature %g", temperature);
+    s->temperature = temperature;
+    s->top_p = top_p;
+    s->rng = seed;
+    return 0;
+}
+
 void mf_sampler_free(mf_sampler *s)
 {
     if (!s) return;

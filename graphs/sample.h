@@ -13,6 +13,10 @@ typedef struct mf_sampler mf_sampler;
 int mf_sampler_new(int64_t n_vocab, double temperature, double top_p, uint64_t seed, mf_sampler **out);
 void mf_sampler_free(mf_sampler *s);
 
+/* Gives s new settings and a new seed, keeping its scratch (for a sampler reused by another
+ * request). -EINVAL on bad values, or temperature > 0 on a sampler created greedy (no scratch). */
+int mf_sampler_reset(mf_sampler *s, double temperature, double top_p, uint64_t seed);
+
 /* The next token for logits[n_vocab]. */
 int32_t mf_sampler_pick(mf_sampler *s, const float *logits);
 

@@ -202,6 +202,24 @@ static int mf_utf8_next(const unsigned char *s, size_t n)
     return need + 1;
 }
 
+size_t mf_utf8_lossy(const char *s, size_t n, char *out)
+{
+    size_t o = 0;
+    for (size_t i = 0; i < n;) {
+        int k = mf_utf8_next((const unsigned char *)s + i, n - i);
+        if (k > 0) {
+            memcpy(out + o, s + i, (size_t)k);
+            o += (size_t)k;
+            i += (size_t)k;
+        } else {
+            memcpy(out + o, "\xEF\xBF\xBD", 3);
+            o += 3;
+            i += (size_t)-k;
+        }
+    }
+    return o;
+}
+
 static int32_t mf_utf8_decode1(const unsigned char *s, int len)
 {
     if (len == 1) return s[0];

@@ -49,6 +49,10 @@ int mf_tok_decode(const mf_tok *tok, const int32_t *ids, size_t n, int flags, ch
  * id no token has. */
 int mf_tok_token_bytes(const mf_tok *tok, int32_t id, char *out, size_t cap);
 
+/* Copies s[0..n) to out with each maximal ill-formed UTF-8 subpart replaced by U+FFFD (the rule
+ * mf_tok_decode uses); out must hold 3 * n bytes. Returns the bytes written. */
+size_t mf_utf8_lossy(const char *s, size_t n, char *out);
+
 /* The token string of `id` as stored in tokenizer.json (byte-level alphabet, e.g. "Ġthe"; an
  * added token's content), or NULL when no token has that id. */
 const char *mf_tok_piece(const mf_tok *tok, int32_t id);

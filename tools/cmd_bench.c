@@ -144,6 +144,7 @@ static const struct {
     {"devtasks", mf_bench_devtasks, "core time device-lane tasks take from busy CPU workers (sim --dev-task-ns)"},
     {"ref", mf_bench_ref, "the reference's plain-C loops per unit, as weights against a profile's host_ref (sim)"},
     {"decode", mf_bench_decode, "decode steps: scheduled vs reference engine, phase table per step"},
+    {"serve", mf_bench_serve, "a mixed-length workload: continuous batching vs static batching, tokens/s, TTFT, ITL"},
     {NULL, NULL, NULL},
 };
 

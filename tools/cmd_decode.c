@@ -11,6 +11,9 @@
 #include <unistd.h>
 
 #include "device/dev.h"
+#include <jansson.h>
+
+#include "graphs/batch.h"
 #include "graphs/engram_map.h"
 #include "graphs/model.h"
 #include "graphs/ref.h"
@@ -29,6 +32,7 @@ static void mf_decode_usage(FILE *f)
     fprintf(f,
             "usage: moeflow decode --checkpoint DIR (--prompt TEXT | --tokens IDS | --prompts FILE)\n"
             "                      [--engine scheduled|reference] [--threads N] [--exact] [--batch B]\n"
+            "                      [--step-tokens N] [--output FILE.jsonl]\n"
             "                      [--max-new-tokens N] [--temperature T --top-p P --seed S]\n"
             "                      [--no-bos] [--ignore-eos] [--act-quant] [--quiet] [--trace FILE]\n"
             "                      [--store resident|streamed [--store-budget SIZE]\n"
@@ -37,16 +41,27 @@ static void mf_decode_usage(FILE *f)
             "                       [--dev-cache SIZE] [--dev-graphs] [--profile P]] [--record-routing FILE]\n\n"
             "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
             "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
-            "one thread: the correctness oracle). One sequence is streamed: text when DIR has a\n"
-            "tokenizer.json, token ids otherwise; several are printed one line each, '[i] ...'.\n"
-            "Ends with prefill and aggregate decode tokens/s on stderr.\n\n"
+            "one thread: the correctness oracle). Every prompt goes through the continuous batcher\n"
+            "(graphs/batch.h, docs/serve.md): up to B sequences per step, each step a decode token\n"
+            "of every running sequence plus prefill chunks of new ones under --step-tokens; a\n"
+            "finished sequence's place goes to the next prompt at the next step. Each sequence's\n"
+            "tokens are the ones it gets decoded alone. One sequence is streamed: text when DIR has\n"
+            "a tokenizer.json, token ids otherwise; several are printed one line each, '[i] ...',\n"
+            "with a progress line (done/total, tokens/s, ETA) on stderr. Ends with prefill and\n"
+            "aggregate decode tokens/s on stderr.\n\n"
             "  --checkpoint DIR    config.json + safetensors (e.g. from `moeflow gen`)\n"
             "  --prompt TEXT       text, encoded with DIR/tokenizer.json (BOS prepended)\n"
             "  --tokens IDS        token ids, comma or space separated, used as given\n"
-            "  --prompts FILE      one prompt per line (text with a tokenizer, else token ids);\n"
-            "                      empty lines are skipped\n"
-            "  --batch B           sequences decoded at once (1..64): the first B lines of\n"
-            "                      --prompts (default all), or B copies of --prompt/--tokens\n"
+            "  --prompts FILE      one prompt per line, any number of lines (text with a tokenizer,\n"
+            "                      else token ids); empty lines are skipped\n"
+            "  --batch B           sequences decoded at once (1..64): with --prompts every line\n"
+            "                      runs, B at a time (default: all, at most 64); with --prompt or\n"
+            "                      --tokens, B copies of it\n"
+            "  --step-tokens N     items per step (default 64): decode tokens first, then prefill\n"
+            "                      chunks; smaller N cuts long prompts into more steps\n"
+            "  --output FILE       one JSON object per prompt as it finishes: index, prompt, text\n"
+            "                      (with a tokenizer), tokens, prompt_tokens, finish_reason (eos or\n"
+            "                      length), queue_s, first_token_s, total_s\n"
             "  --engine E          scheduled (default) or reference\n"
             "  --threads N         scheduled engine workers (default: the online CPUs)\n"
             "  --exact             scheduled engine: fp32 kernel path for the FP4 experts (matches\n"
@@ -212,11 +227,32 @@ static int mf_prompt_ids(const mf_tok *tok, const char *text, const char *ids, i
     return 0;
 }
 
-/* --record-routing: the on_route hook writes each (sequence, position, layer) record. */
+/* One prompt of the run and what it produced. */
+typedef struct mf_dec_seq {
+    int index;
+    const char *line;      /* the prompt as given */
+    int32_t *pids, *gen;
+    int n_pid;
+    long n_gen;
+    int done, finish;
+    int64_t submit_ns, admit_ns, first_ns, done_ns;
+} mf_dec_seq;
+
+typedef struct mf_dec_ctx {
+    mf_dec_seq *sq;
+    const mf_tok *tok;
+    int stream;            /* one sequence: print tokens as they come */
+    FILE *out;             /* --output JSONL, or NULL */
+    int quiet, n_done, rc;
+    int64_t t0, generated;
+    char msg[MF_ERROR_MSG_BYTES];
+} mf_dec_ctx;
+
+/* --record-routing: the on_route hook writes each (sequence, position, layer) record; the state
+ * it names belongs to the running request the batcher gives back. */
 typedef struct mf_route_rec_ctx {
     mf_routing_rec *rec;
-    mf_ref_state *const *st;
-    int n_seq;
+    mf_batch *b;
     int rc;   /* first failure, its message in msg (hooks run on worker threads) */
     char msg[MF_ERROR_MSG_BYTES];
 } mf_route_rec_ctx;
@@ -225,11 +261,100 @@ static void mf_on_route_record(void *user, const void *seq, int64_t pos, int lay
                                const float *weights, int n)
 {
     mf_route_rec_ctx *x = user;
-    int s = 0;
-    while (s < x->n_seq && (const void *)x->st[s] != seq) s++;
-    int rc = mf_routing_rec_add(x->rec, s, pos, layer, experts, n), zero = 0;
+    const mf_dec_seq *q = mf_batch_state_user(x->b, seq);
+    int rc = mf_routing_rec_add(x->rec, q ? q->index : 0, pos, layer, experts, n), zero = 0;
+    (void)weights;
     if (rc && __atomic_compare_exchange_n(&x->rc, &zero, rc, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
         snprintf(x->msg, sizeof x->msg, "%s", mf_last_error());
+}
+
+/* --output: one JSON object per finished prompt (in the order they finish). */
+static int mf_dec_write_jsonl(mf_dec_ctx *x, const mf_dec_seq *q)
+{
+    json_t *o = json_object(), *ids = json_array();
+    for (long k = 0; k < q->n_gen; k++) json_array_append_new(ids, json_integer(q->gen[k]));
+    json_object_set_new(o, "index", json_integer(q->index));
+    json_t *pl = json_string(q->line);   /* NULL when the line is not UTF-8 */
+    json_object_set_new(o, "prompt", pl ? pl : json_null());
+    if (x->tok) {
+        size_t cap = 64 + (size_t)q->n_gen * 64, nb = 0;
+        char *t = malloc(cap);
+        int rc = t ? mf_tok_decode(x->tok, q->gen, (size_t)q->n_gen, 0, t, cap, &nb) : -ENOMEM;
+        if (rc == -ENOSPC) {
+            char *u = realloc(t, nb + 1);
+            rc = u ? mf_tok_decode(x->tok, q->gen, (size_t)q->n_gen, 0, t = u, nb + 1, &nb) : -ENOMEM;
+        }
+        json_t *js = rc ? NULL : json_stringn(t, nb);
+        json_object_set_new(o, "text", js ? js : json_null());
+        free(t);
+    }
+    json_object_set_new(o, "tokens", ids);
+    json_object_set_new(o, "prompt_tokens", json_integer(q->n_pid));
+    json_object_set_new(o, "finish_reason", json_string(mf_batch_finish_name((mf_batch_finish)q->finish)));
+    json_object_set_new(o, "queue_s", json_real((q->admit_ns - q->submit_ns) / 1e9));
+    json_object_set_new(o, "first_token_s", json_real(q->first_ns ? (q->first_ns - q->submit_ns) / 1e9 : 0.0));
+    json_object_set_new(o, "total_s", json_real((q->done_ns - q->submit_ns) / 1e9));
+    char *line = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    int rc = line && fprintf(x->out, "%s\n", line) > 0 ? 0 : -EIO;
+    free(line);
+    return rc;
+}
+
+static void mf_dec_on_event(void *user, const mf_batch_event *ev)
+{
+    mf_dec_ctx *x = user;
+    mf_dec_seq *q = ev->user;
+    if (ev->kind == MF_BATCH_TOKEN) {
+        q->gen[q->n_gen++] = ev->token;
+        x->generated++;
+        if (x->stream) mf_emit_token(x->tok, ev->token, q->n_gen == 1);
+        return;
+    }
+    q->done = 1;
+    q->finish = ev->finish;
+    q->submit_ns = ev->submit_ns;
+    q->admit_ns = ev->admit_ns;
+    q->first_ns = ev->first_ns;
+    q->done_ns = ev->now_ns;
+    x->n_done++;
+    if (ev->finish == MF_BATCH_ERROR && !x->rc) {
+        x->rc = ev->err;
+        snprintf(x->msg, sizeof x->msg, "%s", ev->msg ? ev->msg : "forward failed");
+    }
+    if (x->out && mf_dec_write_jsonl(x, q) && !x->rc) {
+        x->rc = -EIO;
+        snprintf(x->msg, sizeof x->msg, "--output: write failed");
+    }
+}
+
+/* The progress line: done/total, generated tokens/s, ETA (from the rate of finished prompts). */
+static void mf_dec_progress(const mf_dec_ctx *x, int total, int64_t now, int last)
+{
+    double sec = (now - x->t0) / 1e9;
+    int tty = isatty(2);
+    char eta[32] = "-";
+    if (x->n_done > 0 && x->n_done < total)
+        snprintf(eta, sizeof eta, "%.0f s", sec / x->n_done * (total - x->n_done));
+    else if (x->n_done == total)
+        snprintf(eta, sizeof eta, "0 s");
+    fprintf(stderr, "%smoeflow decode: %d/%d done, %.2f tokens/s, ETA %s%s", tty ? "\r" : "", x->n_done, total,
+            sec > 0 ? x->generated / sec : 0.0, eta, tty && !last ? "   " : "\n");
+}
+
+static double mf_dec_median_ttft(const mf_dec_seq *sq, int n)
+{
+    double v[64];
+    int k = 0;
+    for (int i = 0; i < n && k < 64; i += n / 64 + 1)   /* a sample of at most 64 */
+        if (sq[i].first_ns) v[k++] = (sq[i].first_ns - sq[i].submit_ns) / 1e9;
+    for (int i = 1; i < k; i++)
+        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
+            double t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    return k ? v[k / 2] : 0.0;
 }
 
 /* Reads FILE's non-empty lines (newline stripped) into a NULL-terminated array of strings. */
@@ -274,7 +399,8 @@ static int mf_read_lines(const char *path, char ***out, int *n_out)
 int mf_cmd_decode(int argc, char **argv)
 {
     const char *dir = NULL, *prompt = NULL, *ids = NULL, *prompts_file = NULL, *engine = "scheduled";
-    long max_new = 16, batch = 0, threads = sysconf(_SC_NPROCESSORS_ONLN);
+    const char *outfile = NULL;
+    long max_new = 16, batch = 0, threads = sysconf(_SC_NPROCESSORS_ONLN), step_tokens = 64;
     double temperature = 0, top_p = 1.0;
     unsigned long long seed = 0;
     int no_bos = 0, ignore_eos = 0, act_quant = 0, quiet = 0, exact = 0;
@@ -317,6 +443,14 @@ int mf_cmd_decode(int argc, char **argv)
                 return 2;
             }
             *(is_b ? &batch : &threads) = v;
+        } else if (!strcmp(a, "--step-tokens") && hv) {
+            step_tokens = strtol(argv[++i], &end, 10);
+            if (*end || !*argv[i] || step_tokens < 1 || step_tokens > 65536) {
+                fprintf(stderr, "moeflow decode: --step-tokens: expected 1..65536, found '%s'\n", argv[i]);
+                return 2;
+            }
+        } else if (!strcmp(a, "--output") && hv) {
+            outfile = argv[++i];
         } else if (!strcmp(a, "--exact")) {
             exact = 1;
         } else if (!strcmp(a, "--max-new-tokens") && hv) {
@@ -449,13 +583,12 @@ int mf_cmd_decode(int argc, char **argv)
     mf_ref *r = NULL;
     mf_step *eng = NULL;
     mf_dev *dev = NULL;
+    mf_batch *bat = NULL;
     char **lines = NULL;
-    mf_ref_state *st[MF_STEP_MAX_ITEMS] = {0};
-    mf_sampler *smp[MF_STEP_MAX_ITEMS] = {0};
-    int32_t *pids[MF_STEP_MAX_ITEMS] = {0}, *gen[MF_STEP_MAX_ITEMS] = {0};
-    int n_pid[MF_STEP_MAX_ITEMS] = {0}, is_text = 0;
-    float *logits = NULL;
-    mf_route_rec_ctx rrec = {.st = st};
+    mf_dec_seq *sq = NULL;
+    FILE *outf = NULL;
+    mf_route_rec_ctx rrec = {0};
+    mf_dec_ctx dc = {0};
 
     char tpath[4200];
     snprintf(tpath, sizeof tpath, "%s/tokenizer.json", dir);
@@ -466,34 +599,37 @@ int mf_cmd_decode(int argc, char **argv)
         return 2;
     }
     if (have_tok && mf_tok_load(tpath, &tok)) goto fail;
+    int is_text = 0;
     if (prompts_file) {
         if (mf_read_lines(prompts_file, &lines, &n_lines)) {
             fprintf(stderr, "moeflow decode: %s\n", mf_last_error());
             return 2;
         }
-        n_seq = batch ? (int)batch : n_lines < MF_STEP_MAX_ITEMS ? n_lines : MF_STEP_MAX_ITEMS;
-        if (n_seq > n_lines) {
-            fprintf(stderr, "moeflow decode: --batch %d but %s has %d prompts\n", n_seq, prompts_file, n_lines);
-            ret = 2;
-            goto out;
-        }
+        n_seq = n_lines;
         is_text = have_tok;
-        for (int i = 0; i < n_seq; i++)
-            if (mf_prompt_ids(tok, have_tok ? lines[i] : NULL, have_tok ? NULL : lines[i], no_bos, &pids[i],
-                              &n_pid[i])) {
-                fprintf(stderr, "moeflow decode: %s line %d: %s\n", prompts_file, i + 1, mf_last_error());
-                ret = 2;
-                goto out;
-            }
     } else {
         n_seq = batch ? (int)batch : 1;
         is_text = prompt != NULL;
-        for (int i = 0; i < n_seq; i++)
-            if (mf_prompt_ids(tok, prompt, ids, no_bos, &pids[i], &n_pid[i])) {
+    }
+    if (!(sq = calloc((size_t)n_seq, sizeof *sq))) goto fail;
+    for (int i = 0; i < n_seq; i++) {
+        const char *text = prompts_file ? (have_tok ? lines[i] : NULL) : prompt;
+        const char *tids = prompts_file ? (have_tok ? NULL : lines[i]) : ids;
+        if (mf_prompt_ids(tok, text, tids, no_bos, &sq[i].pids, &sq[i].n_pid)) {
+            if (prompts_file)
+                fprintf(stderr, "moeflow decode: %s line %d: %s\n", prompts_file, i + 1, mf_last_error());
+            else
                 fprintf(stderr, "moeflow decode: %s\n", mf_last_error());
-                ret = 2;
-                goto out;
-            }
+            ret = 2;
+            goto out;
+        }
+        sq[i].line = prompts_file ? lines[i] : prompt ? prompt : ids;
+    }
+    int max_batch = batch ? (int)batch : n_seq < MF_STEP_MAX_ITEMS ? n_seq : MF_STEP_MAX_ITEMS;
+    if (outfile && !(outf = fopen(outfile, "w"))) {
+        fprintf(stderr, "moeflow decode: --output %s: cannot open: %s\n", outfile, strerror(errno));
+        ret = 2;
+        goto out;
     }
 
     /* the scheduled engine needs the experts in memory: allow up to 64 GiB resident */
@@ -513,15 +649,15 @@ int mf_cmd_decode(int argc, char **argv)
     const mf_config *c = mf_model_config(m);
     int max_prompt = 0;
     for (int s = 0; s < n_seq; s++) {
-        if (is_text && !no_bos) pids[s][0] = c->bos_token_id;
-        for (int i = 0; i < n_pid[s]; i++)
-            if (pids[s][i] >= c->vocab_size) {
+        if (is_text && !no_bos) sq[s].pids[0] = c->bos_token_id;
+        for (int i = 0; i < sq[s].n_pid; i++)
+            if (sq[s].pids[i] >= c->vocab_size) {
                 fprintf(stderr, "moeflow decode: token %d (prompt %d, position %d) is outside the vocabulary of "
-                                "%s (vocab_size %" PRId64 ")\n", pids[s][i], s + 1, i, dir, c->vocab_size);
+                                "%s (vocab_size %" PRId64 ")\n", sq[s].pids[i], s + 1, i, dir, c->vocab_size);
                 ret = 2;
                 goto out;
             }
-        max_prompt = n_pid[s] > max_prompt ? n_pid[s] : max_prompt;
+        max_prompt = sq[s].n_pid > max_prompt ? sq[s].n_pid : max_prompt;
     }
     int64_t total = (int64_t)max_prompt + max_new;
     if (total > c->max_position_embeddings) {
@@ -546,7 +682,6 @@ int mf_cmd_decode(int argc, char **argv)
     if (record) {
         if (mf_routing_rec_open(record, c->n_layers, c->n_routed_experts, c->n_experts_per_tok, &rrec.rec))
             goto fail;
-        rrec.n_seq = n_seq;
         ro.hooks = (mf_ref_hooks){.user = &rrec, .on_route = mf_on_route_record};
     }
     if (profile_path && mf_profile_load(profile_path, &prof)) goto fail;
@@ -558,50 +693,33 @@ int mf_cmd_decode(int argc, char **argv)
                                                  .dev_graphs = dev_graphs,
                                                  .profile = profile_path ? &prof : NULL}, &eng))
         goto fail;
-    for (int s = 0; s < n_seq; s++)
-        if (mf_ref_state_new(r, total > 0 ? total : 1, &st[s]) ||
-            mf_sampler_new(c->vocab_size, temperature, top_p, seed + (unsigned long long)s, &smp[s]) ||
-            !(gen[s] = malloc(sizeof(int32_t) * (size_t)(max_new + 1))))
-            goto fail;
-    logits = malloc(sizeof *logits * (size_t)c->vocab_size * (size_t)n_seq);
-    if (!logits) goto fail;
-
-    int64_t t0 = mf_now_ns(), n_prefill = 0;
-    if (mst) mf_store_step(mst, NULL);
+    dc = (mf_dec_ctx){.sq = sq, .tok = tok, .stream = n_seq == 1, .out = outf, .quiet = quiet};
+    if (mf_batch_new(&(mf_batch_opts){.ref = r, .eng = eng, .tok = tok, .max_batch = max_batch,
+                                      .step_tokens = (int)step_tokens, .max_context = total > 1 ? total : 2,
+                                      .max_queue = n_seq, .on_event = mf_dec_on_event, .user = &dc}, &bat))
+        goto fail;
+    rrec.b = bat;
     for (int s = 0; s < n_seq; s++) {
-        float *lg = logits + (size_t)s * c->vocab_size;
-        if (sched ? mf_step_prefill(eng, st[s], pids[s], n_pid[s], lg) : mf_ref_prefill(r, st[s], pids[s], n_pid[s], lg))
-            goto fail;
-        n_prefill += n_pid[s];
+        if (!(sq[s].gen = malloc(sizeof(int32_t) * (size_t)(max_new + 1)))) goto fail;
+        mf_batch_req rq = {.prompt = sq[s].pids, .n_prompt = sq[s].n_pid, .max_tokens = (int)max_new,
+                           .temperature = temperature, .top_p = top_p, .seed = seed + (unsigned long long)s,
+                           .ignore_eos = ignore_eos, .user = &sq[s]};
+        sq[s].index = s;
+        if (mf_batch_submit(bat, &rq, NULL)) goto fail;
     }
-    if (mst && !quiet) mf_print_step(mst, "prefill", 0, sched);
-    int64_t t1 = mf_now_ns();
-    /* every live sequence: pick, emit, and (unless done) feed the token in one batched step */
-    long n_gen[MF_STEP_MAX_ITEMS] = {0}, steps = 0, fed = 0;
-    int64_t io_busy_ns = 0, io_overlap_ns = 0, ex_busy_ns = 0;   /* scheduled engine with a store: decode steps */
-    int64_t cp_busy_ns = 0, cp_overlap_ns = 0, cm_busy_ns = 0;   /* with devices: decode steps */
+
+    int64_t t0 = mf_now_ns(), next_progress = t0 + 1000000000;
+    long steps = 0;
+    int64_t io_busy_ns = 0, io_overlap_ns = 0, ex_busy_ns = 0;   /* scheduled engine with a store */
+    int64_t cp_busy_ns = 0, cp_overlap_ns = 0, cm_busy_ns = 0;   /* with devices */
     mf_step_dev_stats dtot = {0};
-    int live[MF_STEP_MAX_ITEMS], row_of[MF_STEP_MAX_ITEMS], n_live = n_seq;
-    for (int s = 0; s < n_seq; s++) live[s] = s, row_of[s] = s;
-    while (n_live > 0) {
-        mf_ref_state *bs[MF_STEP_MAX_ITEMS];
-        int32_t bt[MF_STEP_MAX_ITEMS];
-        int nb = 0;
-        for (int j = 0; j < n_live; j++) {
-            int s = live[j];
-            if (n_gen[s] >= max_new) continue;
-            int32_t next = mf_sampler_pick(smp[s], logits + (size_t)row_of[s] * c->vocab_size);
-            if (next == c->eos_token_id && !ignore_eos) continue;
-            gen[s][n_gen[s]] = next;
-            if (n_seq == 1) mf_emit_token(tok, next, n_gen[s] == 0);
-            if (++n_gen[s] == max_new) continue;
-            bs[nb] = st[s];
-            bt[nb] = next;
-            live[nb++] = s;
-        }
-        n_live = nb;
-        if (!nb) break;
-        if (sched ? mf_step_decode(eng, bs, bt, nb, logits) : mf_ref_decode(r, bs, bt, nb, logits)) goto fail;
+    dc.t0 = t0;
+    if (mst) mf_store_step(mst, NULL);
+    for (;;) {
+        int n_items = 0;
+        if (mf_batch_step(bat, &n_items)) goto fail;
+        if (!n_items) break;
+        steps++;
         if (sched && mst) {
             mf_step_times tm;
             mf_step_last_times(eng, &tm);
@@ -624,28 +742,43 @@ int mf_cmd_decode(int argc, char **argv)
             if (!quiet)
                 fprintf(stderr, "moeflow decode: step %ld devices: %" PRId64 " expert slots on cards, %" PRId64
                         " on the host; cache %" PRIu64 " hits, %" PRIu64 " misses, %" PRIu64 " evictions, %.2f MiB "
-                        "copied in; copies %.2f ms, overlapping expert compute %.2f ms\n", steps + 1, x.dev_slots,
+                        "copied in; copies %.2f ms, overlapping expert compute %.2f ms\n", steps, x.dev_slots,
                         x.host_slots, x.hits, x.misses, x.evictions, x.bytes_in / 1048576.0, tm.copy_busy_ns / 1e6,
                         tm.copy_overlap_ns / 1e6);
         }
-        for (int j = 0; j < nb; j++) row_of[live[j]] = j;
-        steps++;
-        fed += nb;
         if (mst && !quiet) mf_print_step(mst, "step", steps, sched);
+        int64_t now = mf_now_ns();
+        if (!quiet && n_seq > 1 && now >= next_progress) {
+            mf_dec_progress(&dc, n_seq, now, 0);
+            next_progress = now + 1000000000;
+        }
+    }
+    if (dc.rc) {
+        mf_error(dc.rc, "%s", dc.msg);
+        goto fail;
     }
     int64_t t2 = mf_now_ns();
-    long out_tokens = 0;
+    if (!quiet && n_seq > 1) mf_dec_progress(&dc, n_seq, t2, 1);
+    long out_tokens = 0, n_prefill = 0;
     if (n_seq == 1) {
         putchar('\n');
     } else {
         for (int s = 0; s < n_seq; s++) {
             printf("[%d] ", s);
-            for (long k = 0; k < n_gen[s]; k++) mf_emit_token(tok, gen[s][k], k == 0);
+            for (long k = 0; k < sq[s].n_gen; k++) mf_emit_token(tok, sq[s].gen[k], k == 0);
             putchar('\n');
         }
     }
-    for (int s = 0; s < n_seq; s++) out_tokens += n_gen[s];
+    for (int s = 0; s < n_seq; s++) out_tokens += sq[s].n_gen, n_prefill += sq[s].n_pid;
     fflush(stdout);
+    if (outf) {
+        int bad = fclose(outf);
+        outf = NULL;
+        if (bad) {
+            mf_error(-EIO, "--output %s: write failed", outfile);
+            goto fail;
+        }
+    }
     if (rrec.rec) {
         mf_routing_rec *w = rrec.rec;
         rrec.rec = NULL;
@@ -671,13 +804,13 @@ int mf_cmd_decode(int argc, char **argv)
             fprintf(stderr, " in %.2f s of store runs (reads + expert compute); io overlapping compute %.1f%% "
                     "of io busy time\n", x.read_wall_ns / 1e9, x.io_busy_ns ? 100.0 * x.overlap_ns / x.io_busy_ns : 0.0);
         if (sched)
-            fprintf(stderr, "moeflow decode: scheduled engine decode steps: IO lane busy %.3f s, expert compute "
+            fprintf(stderr, "moeflow decode: scheduled engine steps: IO lane busy %.3f s, expert compute "
                     "%.3f s, overlapping %.3f s (%.1f%% of IO busy, %.1f%% of expert compute)\n", io_busy_ns / 1e9,
                     ex_busy_ns / 1e9, io_overlap_ns / 1e9, io_busy_ns ? 100.0 * io_overlap_ns / io_busy_ns : 0.0,
                     ex_busy_ns ? 100.0 * io_overlap_ns / ex_busy_ns : 0.0);
     }
     if (dev && !quiet)
-        fprintf(stderr, "moeflow decode: devices (%s, %s placement, %d cache slots per card) decode steps: %" PRId64
+        fprintf(stderr, "moeflow decode: devices (%s, %s placement, %d cache slots per card) steps: %" PRId64
                 " expert slots on cards, %" PRId64 " on the host (%" PRId64 " for want of a free cache slot); "
                 "cache hit rate %.1f%% (%" PRIu64 " hits, %" PRIu64 " misses), %.2f GiB copied in; copies busy %.3f s, "
                 "expert compute %.3f s, overlapping %.3f s (%.1f%% of copy time)\n", devices, placement,
@@ -685,12 +818,18 @@ int mf_cmd_decode(int argc, char **argv)
                 100.0 * dtot.hits / (double)(dtot.hits + dtot.misses ? dtot.hits + dtot.misses : 1), dtot.hits,
                 dtot.misses, dtot.bytes_in / 1073741824.0, cp_busy_ns / 1e9, cm_busy_ns / 1e9, cp_overlap_ns / 1e9,
                 cp_busy_ns ? 100.0 * cp_overlap_ns / cp_busy_ns : 0.0);
-    if (!quiet)
-        fprintf(stderr, "moeflow decode (%s engine%s, %d sequence%s): prefill %" PRId64 " tokens in %.3f s "
-                        "(%.2f tokens/s); decode %ld steps, %ld tokens in %.3f s (%.2f tokens/s aggregate); "
-                        "%ld tokens out\n", engine, sched ? (exact ? ", fp32 experts" : ", int8 experts") : "",
-                n_seq, n_seq > 1 ? "s" : "", n_prefill, (t1 - t0) / 1e9, n_prefill / ((t1 - t0) / 1e9), steps, fed,
-                (t2 - t1) / 1e9, fed ? fed / ((t2 - t1) / 1e9) : 0.0, out_tokens);
+    if (!quiet) {
+        mf_batch_stats bs;
+        mf_batch_get_stats(bat, &bs);
+        double sec = (t2 - t0) / 1e9;
+        fprintf(stderr, "moeflow decode (%s engine%s, %d sequence%s, batch %d, step budget %ld): %ld steps in %.3f s; "
+                        "prefill %" PRId64 " tokens (%.2f tokens/s), decode %" PRId64 " tokens (%.2f tokens/s "
+                        "aggregate); %ld tokens out (%.2f tokens/s); first token after %.3f s (median)\n", engine,
+                sched ? (exact ? ", fp32 experts" : ", int8 experts") : "", n_seq, n_seq > 1 ? "s" : "",
+                bs.n_states, step_tokens, steps, sec, bs.prefill_items, bs.prefill_items / sec,
+                bs.decode_items, bs.decode_items / sec, out_tokens, out_tokens / sec, mf_dec_median_ttft(sq, n_seq));
+    }
+    (void)n_prefill;
     ret = 0;
     goto out;
 fail:
@@ -700,13 +839,13 @@ out:
         mf_routing_rec_close(rrec.rec);
         unlink(record);
     }
-    free(logits);
-    for (int s = 0; s < MF_STEP_MAX_ITEMS; s++) {
-        mf_sampler_free(smp[s]);
-        mf_ref_state_free(st[s]);
-        free(pids[s]);
-        free(gen[s]);
+    if (outf) fclose(outf);
+    mf_batch_free(bat);
+    for (int s = 0; sq && s < n_seq; s++) {
+        free(sq[s].pids);
+        free(sq[s].gen);
     }
+    free(sq);
     mf_step_free(eng);
     mf_dev_close(dev);
     mf_ref_free(r);

@@ -4,6 +4,7 @@
 
 int mf_cmd_gen(int argc, char **argv);    /* tools/cmd_gen.c: synthetic checkpoints */
 int mf_cmd_decode(int argc, char **argv);  /* tools/cmd_decode.c: decoding (scheduled or reference engine) */
+int mf_cmd_serve(int argc, char **argv);  /* tools/cmd_serve.c: OpenAI-compatible HTTP API, continuous batching */
 int mf_cmd_info(int argc, char **argv);   /* tools/cmd_info.c: byte census of a checkpoint */
 int mf_cmd_sim(int argc, char **argv);    /* tools/cmd_sim.c: simulated decode steps on a hardware profile */
 int mf_cmd_tune(int argc, char **argv);   /* tools/cmd_tune.c: strategy sweeps, simulated or real */
@@ -14,6 +15,7 @@ int mf_cmd_bench(int argc, char **argv);
 int mf_bench_io(int argc, char **argv);
 int mf_bench_kernels(int argc, char **argv);   /* tools/bench_kernels.c: `bench kernels` */
 int mf_bench_decode(int argc, char **argv);    /* tools/bench_decode.c: `bench decode` */
+int mf_bench_serve(int argc, char **argv);     /* tools/bench_serve.c: `bench serve` */
 int mf_bench_dev(int argc, char **argv);       /* tools/bench_dev.c: `bench dev` */
 int mf_bench_devtasks(int argc, char **argv);  /* tools/bench_devtasks.c: `bench devtasks` */
 int mf_bench_ref(int argc, char **argv);       /* tools/bench_ref.c: `bench ref` */

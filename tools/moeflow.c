@@ -19,6 +19,9 @@ static const struct {
 } mf_commands[] = {
     {"gen", mf_cmd_gen, "write a synthetic checkpoint with the real layout (tiny, demo, flash41)"},
     {"decode", mf_cmd_decode, "decode text: the scheduled engine (host or cards), or --engine reference"},
+#ifdef MOEFLOW_SERVE
+    {"serve", mf_cmd_serve, "an OpenAI-compatible HTTP API (completions, chat, SSE) over continuous batching"},
+#endif
     {"info", mf_cmd_info, "byte census of a checkpoint by group, config summary and layout check"},
     {"sim", mf_cmd_sim, "simulate decode steps on a hardware profile (--measure: against a real run)"},
     {"tune", mf_cmd_tune, "sweep strategy knobs in simulation (or --real) and rank the settings"},

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Makes (or reuses) the Python environment the oracle checks run in: numpy, ml_dtypes and
-# safetensors from PyPI. Prints the path of its python on stdout. Cached outside the checkout in
+# Makes (or reuses) the Python environment the oracle checks run in: numpy, ml_dtypes,
+# safetensors and openai from PyPI. Prints the path of its python on stdout. Cached outside the checkout in
 # ${MOEFLOW_PYENV:-$HOME/.cache/moeflow/pyenv}; a fresh machine builds it anew.
 set -euo pipefail
 env_dir="${MOEFLOW_PYENV:-$HOME/.cache/moeflow/pyenv}"
 py="$env_dir/bin/python"
 # Pinned: the oracle checks compare bit patterns, and ml_dtypes' rounding quirks (documented in
 # host/formats.h) are matched as of this version.
-reqs=(numpy==2.4.6 ml_dtypes==0.6.0 safetensors==0.8.0)
+# openai: the real client tests/py/check_serve.py drives `moeflow serve` with.
+reqs=(numpy==2.4.6 ml_dtypes==0.6.0 safetensors==0.8.0 openai==1.109.1)
 want=$(printf '%s ' "${reqs[@]}")
 if [ "$(cat "$env_dir/.moeflow-reqs" 2>/dev/null)" != "$want" ] ||
-   ! "$py" -c 'import numpy, ml_dtypes, safetensors' 2>/dev/null; then
+   ! "$py" -c 'import numpy, ml_dtypes, safetensors, openai' 2>/dev/null; then
   echo "pyenv: creating $env_dir ($want)" >&2
   python3 -m venv "$env_dir" >&2
   "$py" -m pip install -q --disable-pip-version-check "${reqs[@]}" >&2

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: installs dependencies, builds the normal configuration
 # (CUDA on when nvcc is found), an ASan+UBSan build (CPU only), a TSan build for the
-# concurrent parts (scheduler, simulator, IO lane, store, scheduled engine, devices),
+# concurrent parts (scheduler, simulator, IO lane, store, scheduled engine, devices, batcher),
 # and a clang libFuzzer build with a short fuzz run; runs ctest in each, and the conformance checks
 # against reference Python packages (tests/conformance/run.sh) on the normal build.
 set -euo pipefail
@@ -42,7 +42,7 @@ MOEFLOW_BUILD="$root/build" timed conformance bash tests/conformance/run.sh
 timed build-asan run_suite build-asan "" -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_C_FLAGS_DEBUG=-g -O1" \
   -DMOEFLOW_CUDA=OFF "-DMOEFLOW_SANITIZE=address;undefined"
 if ls "$root"/tests/test_sched*.c >/dev/null 2>&1; then
-  timed build-tsan run_suite build-tsan "sched|sim|step|store|io_lane|test_dev|place|xcache|routing" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOEFLOW_CUDA=OFF \
+  timed build-tsan run_suite build-tsan "sched|sim|step|store|io_lane|test_dev|place|xcache|routing|batch" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOEFLOW_CUDA=OFF \
     -DMOEFLOW_SANITIZE=thread
 fi
 if [ -f "$root/tests/fuzz/CMakeLists.txt" ]; then

@@ -1,0 +1,311 @@
+/* The OpenAI request parser and chat template of `moeflow serve` (tools/serve_req.h). */
+#include "tools/serve_req.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int mf_req_fail(mf_serve_err *e, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static int mf_req_fail(mf_serve_err *e, const char *param, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    va_end(ap);
+    snprintf(e->param, sizeof e->param, "%s", param);
+    return -EINVAL;
+}
+
+void mf_serve_req_clear(mf_serve_req *r)
+{
+    free(r->prompt);
+    free(r->ids);
+    for (int i = 0; i < r->n_msgs; i++) {
+        free(r->msgs[i].role);
+        free(r->msgs[i].content);
+    }
+    free(r->msgs);
+    for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
+    free(r->model);
+    memset(r, 0, sizeof *r);
+}
+
+static char *mf_req_dup(const char *s, size_t n)
+{
+    char *p = malloc(n + 1);
+    if (p) {
+        memcpy(p, s, n);
+        p[n] = 0;
+    }
+    return p;
+}
+
+/* A prompt given as an array of token ids. */
+static int mf_req_ids(json_t *a, mf_serve_req *r, mf_serve_err *e)
+{
+    size_t n = json_array_size(a);
+    if (n == 0) return mf_req_fail(e, "prompt", "'prompt' is an empty list");
+    if (n > MF_SERVE_MAX_IDS) return mf_req_fail(e, "prompt", "'prompt' has %zu token ids (at most %d)", n, MF_SERVE_MAX_IDS);
+    if (!(r->ids = malloc(sizeof *r->ids * n))) return -ENOMEM;
+    for (size_t i = 0; i < n; i++) {
+        json_t *v = json_array_get(a, i);
+        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > INT32_MAX)
+            return mf_req_fail(e, "prompt", "'prompt' item %zu: expected a token id (a non-negative integer)", i);
+        r->ids[i] = (int32_t)json_integer_value(v);
+    }
+    r->n_ids = (int)n;
+    return 0;
+}
+
+static int mf_req_prompt(json_t *p, mf_serve_req *r, mf_serve_err *e)
+{
+    if (!p) return mf_req_fail(e, "prompt", "'prompt' is required");
+    if (json_is_string(p))
+        return (r->prompt = mf_req_dup(json_string_value(p), json_string_length(p))) ? 0 : -ENOMEM;
+    if (!json_is_array(p)) return mf_req_fail(e, "prompt", "'prompt' must be a string, a list of token ids, or a "
+                                              "list of one of these");
+    json_t *x = json_array_get(p, 0);
+    if (json_array_size(p) >= 1 && (json_is_string(x) || json_is_array(x))) {
+        if (json_array_size(p) > 1)
+            return mf_req_fail(e, "prompt", "'prompt' holds %zu prompts; moeflow serves one prompt per request",
+                               json_array_size(p));
+        if (json_is_string(x))
+            return (r->prompt = mf_req_dup(json_string_value(x), json_string_length(x))) ? 0 : -ENOMEM;
+        return mf_req_ids(x, r, e);
+    }
+    return mf_req_ids(p, r, e);
+}
+
+/* A message's content: a string, or a list of {"type": "text", "text": ...} parts (joined). */
+static int mf_req_content(json_t *c, size_t i, char **out, mf_serve_err *e)
+{
+    if (json_is_string(c)) return (*out = mf_req_dup(json_string_value(c), json_string_length(c))) ? 0 : -ENOMEM;
+    if (json_is_null(c)) return (*out = mf_req_dup("", 0)) ? 0 : -ENOMEM;
+    if (!json_is_array(c))
+        return mf_req_fail(e, "messages", "messages[%zu].content must be a string or a list of text parts", i);
+    size_t n = 0, k;
+    json_t *part;
+    json_array_foreach(c, k, part) {
+        json_t *t = json_object_get(part, "text"), *ty = json_object_get(part, "type");
+        if (!json_is_object(part) || !json_is_string(ty) || strcmp(json_string_value(ty), "text") || !json_is_string(t))
+            return mf_req_fail(e, "messages", "messages[%zu].content[%zu]: only {\"type\": \"text\", \"text\": ...} "
+                               "parts are supported", i, k);
+        n += json_string_length(t);
+    }
+    char *s = malloc(n + 1);
+    if (!s) return -ENOMEM;
+    size_t o = 0;
+    json_array_foreach(c, k, part) {
+        json_t *t = json_object_get(part, "text");
+        memcpy(s + o, json_string_value(t), json_string_length(t));
+        o += json_string_length(t);
+    }
+    s[o] = 0;
+    *out = s;
+    return 0;
+}
+
+static int mf_req_messages(json_t *m, mf_serve_req *r, mf_serve_err *e)
+{
+    if (!m) return mf_req_fail(e, "messages", "'messages' is required");
+    if (!json_is_array(m) || json_array_size(m) == 0)
+        return mf_req_fail(e, "messages", "'messages' must be a non-empty list of messages");
+    size_t n = json_array_size(m);
+    if (n > 4096) return mf_req_fail(e, "messages", "'messages' has %zu messages (at most 4096)", n);
+    if (!(r->msgs = calloc(n, sizeof *r->msgs))) return -ENOMEM;
+    for (size_t i = 0; i < n; i++) {
+        json_t *x = json_array_get(m, i), *role = json_object_get(x, "role");
+        if (!json_is_object(x)) return mf_req_fail(e, "messages", "messages[%zu] must be an object", i);
+        if (!json_is_string(role) || (strcmp(json_string_value(role), "system") && strcmp(json_string_value(role), "user") &&
+                                      strcmp(json_string_value(role), "assistant") &&
+                                      strcmp(json_string_value(role), "developer")))
+            return mf_req_fail(e, "messages", "messages[%zu].role must be \"system\", \"developer\", \"user\" or "
+                               "\"assistant\"", i);
+        r->n_msgs = (int)i + 1;
+        if (!(r->msgs[i].role = strdup(json_string_value(role)))) return -ENOMEM;
+        int rc = mf_req_content(json_object_get(x, "content"), i, &r->msgs[i].content, e);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* A number field in [lo, hi]; absent or null keeps *v. */
+static int mf_req_number(json_t *o, const char *k, double lo, double hi, double *v, mf_serve_err *e)
+{
+    json_t *x = json_object_get(o, k);
+    if (!x || json_is_null(x)) return 0;
+    if (!json_is_number(x)) return mf_req_fail(e, k, "'%s' must be a number", k);
+    double d = json_number_value(x);
+    if (!(d >= lo && d <= hi)) return mf_req_fail(e, k, "'%s' is %g (expected %g..%g)", k, d, lo, hi);
+    *v = d;
+    return 0;
+}
+
+static int mf_req_bool(json_t *o, const char *k, int *v, mf_serve_err *e)
+{
+    json_t *x = json_object_get(o, k);
+    if (!x || json_is_null(x)) return 0;
+    if (!json_is_boolean(x)) return mf_req_fail(e, k, "'%s' must be true or false", k);
+    *v = json_is_true(x);
+    return 0;
+}
+
+static int mf_req_stop(json_t *s, mf_serve_req *r, mf_serve_err *e)
+{
+    if (!s || json_is_null(s)) return 0;
+    json_t *one = json_is_string(s) ? s : NULL;
+    size_t n = one ? 1 : json_array_size(s);
+    if (!one && !json_is_array(s)) return mf_req_fail(e, "stop", "'stop' must be a string or a list of strings");
+    if (n > MF_SERVE_MAX_STOP) return mf_req_fail(e, "stop", "'stop' has %zu strings (at most %d)", n, MF_SERVE_MAX_STOP);
+    for (size_t i = 0; i < n; i++) {
+        json_t *x = one ? one : json_array_get(s, i);
+        if (!json_is_string(x) || json_string_length(x) == 0 || json_string_length(x) > 256)
+            return mf_req_fail(e, "stop", "'stop' strings must be non-empty strings of at most 256 bytes");
+        if (!(r->stop[i] = mf_req_dup(json_string_value(x), json_string_length(x)))) return -ENOMEM;
+        r->n_stop = (int)i + 1;
+    }
+    return 0;
+}
+
+/* Options moeflow does not implement: accepted only at their defaults. */
+static int mf_req_unsupported(json_t *o, mf_serve_err *e)
+{
+    static const char *const zero_num[] = {"presence_penalty", "frequency_penalty"};
+    for (int i = 0; i < 2; i++) {
+        json_t *x = json_object_get(o, zero_num[i]);
+        if (x && !json_is_null(x) && !(json_is_number(x) && json_number_value(x) == 0))
+            return mf_req_fail(e, zero_num[i], "'%s' is not supported (only 0)", zero_num[i]);
+    }
+    static const char *const off[] = {"logprobs", "top_logprobs", "echo", "suffix", "tools", "functions",
+                                      "logit_bias", "response_format", "tool_choice"};
+    for (size_t i = 0; i < sizeof off / sizeof *off; i++) {
+        json_t *x = json_object_get(o, off[i]);
+        int dflt = !x || json_is_null(x) || json_is_false(x) || (json_is_object(x) && !json_object_size(x) &&
+                                                                   strcmp(off[i], "response_format")) ||
+                   (json_is_array(x) && !json_array_size(x));
+        if (!strcmp(off[i], "response_format") && json_is_object(x)) {
+            json_t *t = json_object_get(x, "type");
+            dflt = json_is_string(t) && !strcmp(json_string_value(t), "text");
+        }
+        if (!dflt) return mf_req_fail(e, off[i], "'%s' is not supported by moeflow serve", off[i]);
+    }
+    json_t *b = json_object_get(o, "best_of");
+    if (b && !json_is_null(b) && !(json_is_integer(b) && json_integer_value(b) == 1))
+        return mf_req_fail(e, "best_of", "'best_of' other than 1 is not supported");
+    return 0;
+}
+
+static int mf_req_fields(json_t *o, int chat, mf_serve_req *r, mf_serve_err *e)
+{
+    int rc = chat ? mf_req_messages(json_object_get(o, "messages"), r, e) : mf_req_prompt(json_object_get(o, "prompt"), r, e);
+    if (rc) return rc;
+    json_t *n = json_object_get(o, "n");
+    if (n && !json_is_null(n)) {
+        if (!json_is_integer(n)) return mf_req_fail(e, "n", "'n' must be an integer");
+        if (json_integer_value(n) != 1)
+            return mf_req_fail(e, "n", "'n' is %lld: moeflow serve returns one choice per request (n = 1); send "
+                               "several requests instead", (long long)json_integer_value(n));
+    }
+    const char *mt = chat && json_object_get(o, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
+    json_t *x = json_object_get(o, mt);
+    r->max_tokens = -1;
+    if (x && !json_is_null(x)) {
+        if (!json_is_integer(x) || json_integer_value(x) < 0 || json_integer_value(x) > INT32_MAX / 2)
+            return mf_req_fail(e, mt, "'%s' must be a non-negative integer", mt);
+        r->max_tokens = (int)json_integer_value(x);
+    }
+    r->temperature = 1.0;
+    r->top_p = 1.0;
+    if ((rc = mf_req_number(o, "temperature", 0, 2, &r->temperature, e)) ||
+        (rc = mf_req_number(o, "top_p", 0, 1, &r->top_p, e)))
+        return rc;
+    if (r->top_p == 0) return mf_req_fail(e, "top_p", "'top_p' must be > 0");
+    x = json_object_get(o, "seed");
+    if (x && !json_is_null(x)) {
+        if (!json_is_integer(x)) return mf_req_fail(e, "seed", "'seed' must be an integer");
+        r->seed = (uint64_t)json_integer_value(x);
+    }
+    if ((rc = mf_req_bool(o, "stream", &r->stream, e)) || (rc = mf_req_bool(o, "ignore_eos", &r->ignore_eos, e)) ||
+        (rc = mf_req_stop(json_object_get(o, "stop"), r, e)) || (rc = mf_req_unsupported(o, e)))
+        return rc;
+    x = json_object_get(o, "stream_options");
+    if (x && !json_is_null(x) && !json_is_object(x))
+        return mf_req_fail(e, "stream_options", "'stream_options' must be an object");
+    x = json_object_get(o, "model");
+    if (x && !json_is_null(x)) {
+        if (!json_is_string(x)) return mf_req_fail(e, "model", "'model' must be a string");
+        if (!(r->model = mf_req_dup(json_string_value(x), json_string_length(x)))) return -ENOMEM;
+    }
+    x = json_object_get(o, "user");
+    if (x && !json_is_null(x) && !json_is_string(x)) return mf_req_fail(e, "user", "'user' must be a string");
+    return 0;
+}
+
+int mf_serve_req_parse(const char *body, size_t len, int chat, mf_serve_req *out, mf_serve_err *err)
+{
+    memset(out, 0, sizeof *out);
+    memset(err, 0, sizeof *err);
+    out->chat = chat;
+    json_error_t je;
+    json_t *o = json_loadb(body, len, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &je);
+    if (!o)
+        return mf_req_fail(err, "", "malformed JSON body: %s (line %d, column %d)", je.text, je.line, je.column);
+    int rc = json_is_object(o) ? mf_req_fields(o, chat, out, err)
+                               : mf_req_fail(err, "", "the body must be a JSON object");
+    json_decref(o);
+    if (rc == -ENOMEM) snprintf(err->message, sizeof err->message, "out of memory");
+    if (rc) mf_serve_req_clear(out);
+    if (rc) out->chat = chat;
+    return rc;
+}
+
+static int mf_req_cat(char **s, size_t *n, size_t *cap, const char *add)
+{
+    size_t k = strlen(add);
+    if (*n + k + 1 > *cap) {
+        size_t c = (*n + k + 1) * 2;
+        char *p = realloc(*s, c);
+        if (!p) return -ENOMEM;
+        *s = p;
+        *cap = c;
+    }
+    memcpy(*s + *n, add, k + 1);
+    *n += k;
+    return 0;
+}
+
+int mf_serve_chat_render(const mf_serve_req *r, char **out, size_t *n_out)
+{
+    static const char user[] = "<\xef\xbd\x9cUser\xef\xbd\x9c>", asst[] = "<\xef\xbd\x9c" "Assistant\xef\xbd\x9c>",
+                      eos[] = "<\xef\xbd\x9c" "end\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>";
+    char *s = NULL;
+    size_t n = 0, cap = 0;
+    int rc = mf_req_cat(&s, &n, &cap, "");
+    for (int i = 0; i < r->n_msgs && !rc; i++)   /* system prompts first, as DeepSeek's template */
+        if (!strcmp(r->msgs[i].role, "system") || !strcmp(r->msgs[i].role, "developer"))
+            rc = mf_req_cat(&s, &n, &cap, r->msgs[i].content);
+    for (int i = 0; i < r->n_msgs && !rc; i++) {
+        if (!strcmp(r->msgs[i].role, "user")) {
+            rc = mf_req_cat(&s, &n, &cap, user);
+            if (!rc) rc = mf_req_cat(&s, &n, &cap, r->msgs[i].content);
+        } else if (!strcmp(r->msgs[i].role, "assistant")) {
+            rc = mf_req_cat(&s, &n, &cap, asst);
+            if (!rc) rc = mf_req_cat(&s, &n, &cap, r->msgs[i].content);
+            if (!rc) rc = mf_req_cat(&s, &n, &cap, eos);
+        }
+    }
+    if (!rc) rc = mf_req_cat(&s, &n, &cap, asst);
+    if (rc) {
+        free(s);
+        return rc;
+    }
+    *out = s;
+    *n_out = n;
+    return 0;
+}

@@ -1,0 +1,56 @@
+/* `moeflow serve`'s request parser: an OpenAI /v1/completions or /v1/chat/completions body
+ * (JSON) into a request, every field checked for type and range, and the chat template that
+ * turns messages into prompt text. No HTTP and no engine here, so it can be fuzzed
+ * (tests/fuzz/fuzz_serve_req.c). Fields and refusals: docs/serve.md. */
+#ifndef MF_SERVE_REQ_H
+#define MF_SERVE_REQ_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define MF_SERVE_MAX_STOP 4
+#define MF_SERVE_MAX_IDS (1 << 20)
+
+typedef struct mf_serve_msg {
+    char *role;      /* system, user or assistant */
+    char *content;
+} mf_serve_msg;
+
+typedef struct mf_serve_req {
+    int chat;                   /* 1: /v1/chat/completions */
+    char *prompt;               /* completions: text (NULL when given as token ids) */
+    int32_t *ids;               /* completions: the prompt as token ids */
+    int n_ids;
+    mf_serve_msg *msgs;         /* chat */
+    int n_msgs;
+    int max_tokens;             /* -1: not given */
+    double temperature;         /* default 1 (OpenAI's) */
+    double top_p;               /* default 1 */
+    uint64_t seed;              /* default 0 */
+    int stream, ignore_eos;
+    char *stop[MF_SERVE_MAX_STOP];
+    int n_stop;
+    char *model;                /* NULL: not given */
+} mf_serve_req;
+
+/* Why a body was refused: an OpenAI error object's message and param (the field, or ""). */
+typedef struct mf_serve_err {
+    char message[512];
+    char param[64];
+} mf_serve_err;
+
+/* Parses body[0..len) for the completions (chat 0) or chat endpoint. Returns 0, or -EINVAL with
+ * err filled: malformed JSON (line and column), not an object, a missing prompt / messages, a
+ * field of the wrong type or out of range, n != 1, options moeflow does not implement (logprobs,
+ * echo, best_of > 1, penalties, logit_bias, suffix, tools) when set to anything but their
+ * defaults; -ENOMEM. Unknown fields are ignored. *out is cleared on failure. */
+int mf_serve_req_parse(const char *body, size_t len, int chat, mf_serve_req *out, mf_serve_err *err);
+void mf_serve_req_clear(mf_serve_req *r);
+
+/* The chat template moeflow renders (the DeepSeek-V3 format without tools or thinking): system
+ * messages' contents first, then "<｜User｜>" + content for user messages, "<｜Assistant｜>" +
+ * content + "<｜end▁of▁sentence｜>" for assistant messages, and a final "<｜Assistant｜>". The BOS
+ * token is not part of the text (the caller prepends its id). *out is malloc'ed; 0 or -ENOMEM. */
+int mf_serve_chat_render(const mf_serve_req *r, char **out, size_t *n_out);
+
+#endif
