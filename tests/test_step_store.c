@@ -21,7 +21,7 @@
 #include "tests/tiny_ckpt.h"
 
 #define N_PROMPT 24
-#define N_DEC 16
+#define N_DEC (MF_TEST_SANITIZED ? 6 : 16)   /* ASan/TSan: fewer steps (tests/check.h) */
 #define N_SEQ 3
 #define N_LOG (1 + N_DEC)
 
@@ -164,7 +164,7 @@ int main(void)
         mf_store *st = mf_model_store(m);
         CHECK(mf_store_n_slots(st) == (bi ? g_K : N_SEQ * g_K), "slots %d", mf_store_n_slots(st));
         CHECK(mf_ref_new(m, NULL, &r) == 0, "ref: %s", mf_last_error());
-        for (int w = 1; w <= 4; w *= 2) {
+        for (int w = 1; w <= 4; w *= MF_TEST_TSAN ? 4 : 2) {   /* TSan: 1 and 4 workers */
             e = NULL;
             CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = w}, &e) == 0, "streamed engine: %s", mf_last_error());
             if (!e) continue;
