@@ -2,7 +2,8 @@
  * plain loops, fp32 values with bf16 rounding where the Hugging Face port holds bf16, dot
  * products accumulated in double, no threads. Sequences keep their caches in mf_ref_state; one
  * call runs any batch of (sequence, token) items layer by layer and yields logits.
- * What it computes, step by step, is in docs/reference.md. */
+ * The layer math is graphs/layers.h's, on a context of its own with the double-sum backend; this
+ * is its serial driver. What it computes, step by step, is in docs/reference.md. */
 #ifndef MF_REF_H
 #define MF_REF_H
 
@@ -40,7 +41,7 @@ typedef struct mf_ref_opts {
     mf_ref_hooks hooks;
 } mf_ref_opts;
 
-typedef struct mf_ref mf_ref;               /* model + options + scratch */
+typedef struct mf_ref mf_ref;               /* the model's tables (graphs/layers.h) + one context */
 typedef struct mf_ref_state mf_ref_state;   /* caches of one sequence */
 
 int mf_ref_new(const mf_model *m, const mf_ref_opts *opts, mf_ref **out);
@@ -77,25 +78,9 @@ typedef struct mf_ref_times {
 } mf_ref_times;
 void mf_ref_times_get(const mf_ref *r, mf_ref_times *out);
 
-/* ---- building blocks, exposed for tests ------------------------------------------------- */
-
-/* RoPE inverse frequencies of layer `layer` (qk_rope_head_dim/2 values, fp32): rope_theta without
- * YaRN on ratio-0 layers, compress_rope_theta with YaRN on the others. */
-void mf_ref_rope_freqs(const mf_config *c, int layer, float *freqs);
-
-/* Hyper-connection split of 24 (for hc_mult 4: (2+hc)*hc) mixes into pre[hc], post[hc] and the
- * Sinkhorn-normalized comb[hc][hc] (row = source stream). */
-void mf_ref_hc_split(const mf_config *c, const float *mixes, const float *scale, const float *base,
-                     float *pre, float *post, float *comb);
-
-/* Router of one token: scores[n_routed] are the gate logits; picks the top n_experts_per_tok of
- * sqrtsoftplus(scores) + bias (ties: lower index), weights normalized and scaled. */
-void mf_ref_route(const mf_config *c, const float *logits, const float *bias, int32_t *experts,
-                  float *weights);
-
-/* Engram hash parameters of Engram slot k: multipliers[max_ngram] (odd int64), primes and row
- * offsets [(max_ngram-1) * n_heads] (n-gram major). 0 or -EINVAL. */
-int mf_ref_engram_params(const mf_config *c, int slot, int64_t *multipliers, int64_t *primes,
-                         int64_t *offsets);
+/* The model's tables behind r (graphs/layers.h), for the scheduled engine, which runs the same layer
+ * math on contexts of its own and advances r's states. Valid while r lives. */
+struct mf_layers;
+const struct mf_layers *mf_ref_layers(const mf_ref *r);
 
 #endif
