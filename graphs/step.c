@@ -37,6 +37,13 @@ typedef struct mf_step_targ {
     const mf_sg_task *t;
 } mf_step_targ;
 
+/* A row of a shape's buffer table: sized first, then carved from one allocation. */
+typedef struct mf_step_buf {
+    const char *name;
+    size_t bytes;
+    void **ptr;
+} mf_step_buf;
+
 struct mf_step_shape {
     mf_step *eng;
     int n;              /* items */
@@ -1039,26 +1046,67 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
         sh->ab_ld[b] = (mf_ly_attn_buf_len(c, b) + 15) / 16 * 16;
         ab_sz[b] = (size_t)n * sh->ab_ld[b] * sizeof(float);
     }
-    /* sizes in one list so allocation and carving agree */
-    size_t sz[] = {
-        (size_t)n * sizeof(mf_ly_item),
-        (size_t)n * hc * H * f,                   /* x */
-        (size_t)n * c->index_topk * 4, (size_t)n * n_cb * 4,
-        (size_t)n * H * f, (size_t)n * hc * f, (size_t)n * hc * hc * f, (size_t)n * H * f,
-        nk * 4, nk * f, nk * 4, (size_t)E * 4, (size_t)E * 4, (size_t)E * 4,
-        (size_t)sh->n_slots * 4, (size_t)sh->n_slots * 4, (size_t)sh->n_slots * 4,
-        nk * H * f, nk * f, nk * I * f, ex ? nk * I * f : 0, ex ? nk * I * f : 0, nk * H * f,
-        (size_t)sh->n_slots * sizeof(mf_kern_q8), (size_t)sh->n_slots * sizeof(mf_kern_q8),
-        (size_t)sh->n_slots * q8x, (size_t)sh->n_slots * q8h,
-        (size_t)n * Ish * f, ex ? (size_t)n * Ish * f : 0, ex ? (size_t)n * Ish * f : 0, (size_t)n * H * f,
-        (size_t)n * H * f, (size_t)n * V * f, (size_t)n * 4, (size_t)n * 4,
-        (size_t)n * hc * f, (size_t)n * hc * f, (size_t)n * hc * hc * f,
-        (size_t)n * E * f, (size_t)n * sh->eg_emb_ld * f, (size_t)n * sh->eg_kv_ld * f,
-        ab_sz[0], ab_sz[1], ab_sz[2], ab_sz[3], ab_sz[4], ab_sz[5], ab_sz[6], ab_sz[7], ab_sz[8], ab_sz[9], ab_sz[10],
+    /* the shape's buffers: {name, bytes, &ptr}, sized first, then carved from one allocation */
+    float *x = NULL;
+    int32_t *topk = NULL, *cand = NULL;
+    size_t n_ = (size_t)n, ns = (size_t)sh->n_slots;
+    mf_step_buf tab[] = {
+        {"items", n_ * sizeof(mf_ly_item), (void **)&sh->items},
+        {"streams", n_ * hc * H * f, (void **)&x},
+        {"topk", n_ * c->index_topk * 4, (void **)&topk},
+        {"candidates", n_ * n_cb * 4, (void **)&cand},
+        {"xin", n_ * H * f, (void **)&sh->xin},
+        {"post", n_ * hc * f, (void **)&sh->post},
+        {"comb", n_ * hc * hc * f, (void **)&sh->comb},
+        {"moe_out", n_ * H * f, (void **)&sh->moe_out},
+        {"ex", nk * 4, (void **)&sh->ex},
+        {"wt", nk * f, (void **)&sh->wt},
+        {"asg", nk * 4, (void **)&sh->asg},
+        {"cnt", (size_t)E * 4, (void **)&sh->cnt},
+        {"fill", (size_t)E * 4, (void **)&sh->fill},
+        {"slot_of", (size_t)E * 4, (void **)&sh->slot_of},
+        {"slot_e", ns * 4, (void **)&sh->slot_e},
+        {"slot_off", ns * 4, (void **)&sh->slot_off},
+        {"slot_cnt", ns * 4, (void **)&sh->slot_cnt},
+        {"xg", nk * H * f, (void **)&sh->xg},
+        {"wg", nk * f, (void **)&sh->wg},
+        {"h", nk * I * f, (void **)&sh->h},
+        {"gg", ex ? nk * I * f : 0, (void **)&sh->gg},
+        {"uu", ex ? nk * I * f : 0, (void **)&sh->uu},
+        {"y", nk * H * f, (void **)&sh->y},
+        {"q8x", ns * sizeof(mf_kern_q8), (void **)&sh->q8x},
+        {"q8h", ns * sizeof(mf_kern_q8), (void **)&sh->q8h},
+        {"q8x_mem", ns * q8x, (void **)&sh->q8x_mem},
+        {"q8h_mem", ns * q8h, (void **)&sh->q8h_mem},
+        {"hs", n_ * Ish * f, (void **)&sh->hs},
+        {"gs", ex ? n_ * Ish * f : 0, (void **)&sh->gs},
+        {"us", ex ? n_ * Ish * f : 0, (void **)&sh->us},
+        {"ys", n_ * H * f, (void **)&sh->ys},
+        {"hn", n_ * H * f, (void **)&sh->hn},
+        {"lbuf", n_ * V * f, (void **)&sh->lbuf},
+        {"head_item", n_ * 4, (void **)&sh->head_item},
+        {"head_row", n_ * 4, (void **)&sh->head_row},
+        {"apre", n_ * hc * f, (void **)&sh->apre},
+        {"apost", n_ * hc * f, (void **)&sh->apost},
+        {"acomb", n_ * hc * hc * f, (void **)&sh->acomb},
+        {"logits", n_ * E * f, (void **)&sh->logits},
+        {"eg_emb", n_ * sh->eg_emb_ld * f, (void **)&sh->eg_emb},
+        {"eg_kv", n_ * sh->eg_kv_ld * f, (void **)&sh->eg_kv},
+        {"ab_in", ab_sz[MF_LY_A_IN], (void **)&sh->ab[MF_LY_A_IN]},
+        {"ab_qr", ab_sz[MF_LY_A_QR], (void **)&sh->ab[MF_LY_A_QR]},
+        {"ab_kv", ab_sz[MF_LY_A_KV], (void **)&sh->ab[MF_LY_A_KV]},
+        {"ab_lat", ab_sz[MF_LY_A_LAT], (void **)&sh->ab[MF_LY_A_LAT]},
+        {"ab_gate", ab_sz[MF_LY_A_GATE], (void **)&sh->ab[MF_LY_A_GATE]},
+        {"ab_iw", ab_sz[MF_LY_A_IW], (void **)&sh->ab[MF_LY_A_IW]},
+        {"ab_q", ab_sz[MF_LY_A_Q], (void **)&sh->ab[MF_LY_A_Q]},
+        {"ab_qi", ab_sz[MF_LY_A_QI], (void **)&sh->ab[MF_LY_A_QI]},
+        {"ab_o", ab_sz[MF_LY_A_O], (void **)&sh->ab[MF_LY_A_O]},
+        {"ab_z", ab_sz[MF_LY_A_Z], (void **)&sh->ab[MF_LY_A_Z]},
+        {"ab_out", ab_sz[MF_LY_A_OUT], (void **)&sh->ab[MF_LY_A_OUT]},
     };
-    _Static_assert(MF_LY_A_N == 11, "one size per attention buffer");
-    enum { N_SZ = sizeof sz / sizeof sz[0] };
-    for (int i = 0; i < N_SZ; i++) bytes += (sz[i] + 63) / 64 * 64;
+    _Static_assert(MF_LY_A_N == 11, "one row per attention buffer");
+    enum { N_TAB = sizeof tab / sizeof tab[0] };
+    for (int i = 0; i < N_TAB; i++) bytes += (tab[i].bytes + 63) / 64 * 64;
     uint8_t *p = aligned_alloc(64, bytes);
     if (!p) {
         mf_step_shape_free(sh);
@@ -1066,25 +1114,10 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
     }
     memset(p, 0, bytes);
     sh->mem = p;
-    void *v[N_SZ];
-    for (int i = 0; i < N_SZ; i++) {
-        v[i] = sz[i] ? p : NULL;
-        p += (sz[i] + 63) / 64 * 64;
+    for (int i = 0; i < N_TAB; i++) {
+        *tab[i].ptr = tab[i].bytes ? p : NULL;
+        p += (tab[i].bytes + 63) / 64 * 64;
     }
-    int k = 0;
-    sh->items = v[k++];
-    float *x = v[k++];
-    int32_t *topk = v[k++], *cand = v[k++];
-    sh->xin = v[k++]; sh->post = v[k++]; sh->comb = v[k++]; sh->moe_out = v[k++];
-    sh->ex = v[k++]; sh->wt = v[k++]; sh->asg = v[k++]; sh->cnt = v[k++]; sh->fill = v[k++];
-    sh->slot_of = v[k++]; sh->slot_e = v[k++]; sh->slot_off = v[k++]; sh->slot_cnt = v[k++];
-    sh->xg = v[k++]; sh->wg = v[k++]; sh->h = v[k++]; sh->gg = v[k++]; sh->uu = v[k++]; sh->y = v[k++];
-    sh->q8x = v[k++]; sh->q8h = v[k++]; sh->q8x_mem = v[k++]; sh->q8h_mem = v[k++];
-    sh->hs = v[k++]; sh->gs = v[k++]; sh->us = v[k++]; sh->ys = v[k++];
-    sh->hn = v[k++]; sh->lbuf = v[k++]; sh->head_item = v[k++]; sh->head_row = v[k++];
-    sh->apre = v[k++]; sh->apost = v[k++]; sh->acomb = v[k++];
-    sh->logits = v[k++]; sh->eg_emb = v[k++]; sh->eg_kv = v[k++];
-    for (int b = 0; b < MF_LY_A_N; b++) sh->ab[b] = v[k++];
     sh->q8x_bytes = q8x;
     sh->q8h_bytes = q8h;
     for (int i = 0; i < n; i++) {
