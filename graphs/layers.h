@@ -14,10 +14,42 @@
 
 #include "graphs/config.h"
 #include "graphs/model.h"
-#include "graphs/ref.h"   /* the option and hook types (mf_ref_opts) and the sequence type */
 #include "host/formats.h"
 
 #define MF_LY_MAX_HC 16
+
+/* The options of the layer math (named for the oracle's API, graphs/ref.h, which takes them;
+ * the engine reads them from the same tables). Debug hooks: called during the forward, on the
+ * thread running the item's sublayer. `seq` is the state the item belongs to. Pointers are valid
+ * only during the call. */
+typedef struct mf_ref_hooks {
+    void *user;
+    /* routed experts of one token at one layer, in selection order, with their weights */
+    void (*on_route)(void *user, const void *seq, int64_t pos, int layer, const int32_t *experts,
+                     const float *weights, int n);
+    /* compressed entries attended by one token at one layer, ascending */
+    void (*on_select)(void *user, const void *seq, int64_t pos, int layer, const int32_t *entries,
+                      int n);
+    /* candidate blocks kept by one token at the candidate layer, ascending (block b covers
+     * compressed entries b*candidate_block_size ..); may be NULL */
+    void (*on_candidates)(void *user, const void *seq, int64_t pos, int layer,
+                          const int32_t *blocks, int n);
+} mf_ref_hooks;
+
+typedef struct mf_ref_opts {
+    /* 0 (default, the HF port): linears take their input as is. 1 (DeepSeek's inference/model.py):
+     * the input of every fp8/fp4 linear except wo_a is first fake-quantized to e4m3 in 1x32
+     * blocks with a power-of-two scale. */
+    int act_quant;
+    /* Engram token map: vocab id -> compressed id (n_token_map entries). NULL: the placeholder
+     * map id % engram_compressed_vocab_size (documented in docs/reference.md). Copied. A model
+     * without Engram layers never reads it: it is then accepted and ignored. */
+    const int32_t *token_map;
+    int64_t n_token_map;
+    mf_ref_hooks hooks;
+} mf_ref_opts;
+
+typedef struct mf_ref_state mf_ref_state;   /* caches of one sequence (below) */
 
 /* The model's tables every context reads: built once by mf_layers_new. */
 typedef struct mf_layers {

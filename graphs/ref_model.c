@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "graphs/layers.h"
+#include "graphs/ref.h"
 #include "sched/clock.h"
 #include "sched/error.h"
 
