@@ -803,7 +803,7 @@ int mf_config_preset(const char *name, mf_config *c)
         c->n_experts_per_tok = 2;
         c->moe_intermediate_size = 64;
         /* each table holds exactly the rows its hash primes address (sum of the primes, as in
-         * the released model; see graphs/ref_engram.c) */
+         * the released model; see graphs/layer_engram.c) */
         c->engram_num_embeddings[0] = 2056;
         c->engram_num_embeddings[1] = 2208;
         c->engram_max_ngram_size = 3;

@@ -2,45 +2,16 @@
  * plain loops, fp32 values with bf16 rounding where the Hugging Face port holds bf16, dot
  * products accumulated in double, no threads. Sequences keep their caches in mf_ref_state; one
  * call runs any batch of (sequence, token) items layer by layer and yields logits.
- * What it computes, step by step, is in docs/reference.md. */
+ * The layer math is graphs/layers.h's, on a context of its own with the double-sum backend; this
+ * is its serial driver. What it computes, step by step, is in docs/reference.md. */
 #ifndef MF_REF_H
 #define MF_REF_H
 
 #include <stdint.h>
 
-#include "graphs/config.h"
-#include "graphs/model.h"
+#include "graphs/layers.h"   /* the options (mf_ref_opts), the tables, the sequence type */
 
-/* Debug hooks: called during the forward, on the calling thread. `seq` is the state the item
- * belongs to. Pointers are valid only during the call. */
-typedef struct mf_ref_hooks {
-    void *user;
-    /* routed experts of one token at one layer, in selection order, with their weights */
-    void (*on_route)(void *user, const void *seq, int64_t pos, int layer, const int32_t *experts,
-                     const float *weights, int n);
-    /* compressed entries attended by one token at one layer, ascending */
-    void (*on_select)(void *user, const void *seq, int64_t pos, int layer, const int32_t *entries,
-                      int n);
-    /* candidate blocks kept by one token at the candidate layer, ascending (block b covers
-     * compressed entries b*candidate_block_size ..); may be NULL */
-    void (*on_candidates)(void *user, const void *seq, int64_t pos, int layer,
-                          const int32_t *blocks, int n);
-} mf_ref_hooks;
-
-typedef struct mf_ref_opts {
-    /* 0 (default, the HF port): linears take their input as is. 1 (DeepSeek's inference/model.py):
-     * the input of every fp8/fp4 linear except wo_a is first fake-quantized to e4m3 in 1x32
-     * blocks with a power-of-two scale. */
-    int act_quant;
-    /* Engram token map: vocab id -> compressed id (n_token_map entries). NULL: the placeholder
-     * map id % engram_compressed_vocab_size (documented in docs/reference.md). Copied. A model
-     * without Engram layers never reads it: it is then accepted and ignored. */
-    const int32_t *token_map;
-    int64_t n_token_map;
-    mf_ref_hooks hooks;
-} mf_ref_opts;
-
-typedef struct mf_ref mf_ref;               /* model + options + scratch */
+typedef struct mf_ref mf_ref;               /* the model's tables (graphs/layers.h) + one context */
 typedef struct mf_ref_state mf_ref_state;   /* caches of one sequence */
 
 int mf_ref_new(const mf_model *m, const mf_ref_opts *opts, mf_ref **out);
@@ -82,25 +53,8 @@ typedef struct mf_ref_times {
 } mf_ref_times;
 void mf_ref_times_get(const mf_ref *r, mf_ref_times *out);
 
-/* ---- building blocks, exposed for tests ------------------------------------------------- */
-
-/* RoPE inverse frequencies of layer `layer` (qk_rope_head_dim/2 values, fp32): rope_theta without
- * YaRN on ratio-0 layers, compress_rope_theta with YaRN on the others. */
-void mf_ref_rope_freqs(const mf_config *c, int layer, float *freqs);
-
-/* Hyper-connection split of 24 (for hc_mult 4: (2+hc)*hc) mixes into pre[hc], post[hc] and the
- * Sinkhorn-normalized comb[hc][hc] (row = source stream). */
-void mf_ref_hc_split(const mf_config *c, const float *mixes, const float *scale, const float *base,
-                     float *pre, float *post, float *comb);
-
-/* Router of one token: scores[n_routed] are the gate logits; picks the top n_experts_per_tok of
- * sqrtsoftplus(scores) + bias (ties: lower index), weights normalized and scaled. */
-void mf_ref_route(const mf_config *c, const float *logits, const float *bias, int32_t *experts,
-                  float *weights);
-
-/* Engram hash parameters of Engram slot k: multipliers[max_ngram] (odd int64), primes and row
- * offsets [(max_ngram-1) * n_heads] (n-gram major). 0 or -EINVAL. */
-int mf_ref_engram_params(const mf_config *c, int slot, int64_t *multipliers, int64_t *primes,
-                         int64_t *offsets);
+/* The model's tables behind r (graphs/layers.h), for the scheduled engine, which runs the same layer
+ * math on contexts of its own and advances r's states. Valid while r lives. */
+const mf_layers *mf_ref_layers(const mf_ref *r);
 
 #endif

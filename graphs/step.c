@@ -4,8 +4,8 @@
  * parts -> join -> down parts) -> combine, the shared expert (up parts -> join -> down parts)
  * beside the slots, then norm -> head parts. Tasks read the step's data (items, slot table) from
  * the shape's buffers, so the graph never changes. Engram's gathers and gating, the per-item
- * attention parts, hyper-connections, the top-k and combine call the reference code on the
- * engine's own forward objects (one task per item when the items are distinct sequences); the
+ * attention parts, hyper-connections, the top-k and combine call the layer math (graphs/layers.h)
+ * on the running worker's context (one task per item when the items are distinct sequences); the
  * Engram wkv, attention linears, router gate, expert FFNs and the head are split by rows. */
 #include <errno.h>
 #include <inttypes.h>
@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "graphs/ref_internal.h"
+#include "graphs/layers.h"
 #include "graphs/step.h"
 #include "graphs/stepgraph.h"
 #include "host/kernels.h"
@@ -29,18 +29,25 @@
 
 typedef struct mf_step_shape mf_step_shape;
 
-/* One task's argument: its shape, its record in the step graph (what it is: layer, stage, slot,
- * part, card, items; graphs/stepgraph.h) and the forward object (scratch) it uses. */
+/* One task's argument: its shape and its record in the step graph (what it is: layer, stage,
+ * slot, part, card, items; graphs/stepgraph.h). The layer context (scratch) it uses is its
+ * worker's (mf_step_cx). */
 typedef struct mf_step_targ {
     mf_step_shape *sh;
     const mf_sg_task *t;
-    mf_ref *r;
 } mf_step_targ;
+
+/* A row of a shape's buffer table: sized first, then carved from one allocation. */
+typedef struct mf_step_buf {
+    const char *name;
+    size_t bytes;
+    void **ptr;
+} mf_step_buf;
 
 struct mf_step_shape {
     mf_step *eng;
     int n;              /* items */
-    int par;            /* 1: items of distinct sequences, reference-code parts one task per item */
+    int par;            /* 1: items of distinct sequences, per-item parts one task per item */
     /* the step graph (graphs/stepgraph.h) and its part counts: slots min(n * top_k, experts),
      * row parts per expert, shared expert, head, attention stage (also Engram wkv, router gate) */
     mf_stepgraph *sg;
@@ -50,11 +57,11 @@ struct mf_step_shape {
     mf_task_span *sorted;   /* per task: the last run's spans sorted by start (phase times) */
     mf_step_targ *args;     /* per task */
     /* items and their activations */
-    mf_ref_item *items;
-    /* attention: per MF_RA_* buffer n rows of ab_ld floats (ref_internal.h), the attention mix's
+    mf_ly_item *items;
+    /* attention: per MF_LY_A_* buffer n rows of ab_ld floats (graphs/layers.h), the attention mix's
      * pre, post (n x hc) and comb (n x hc*hc) */
-    float *ab[MF_RA_N];
-    int64_t ab_ld[MF_RA_N];
+    float *ab[MF_LY_A_N];
+    int64_t ab_ld[MF_LY_A_N];
     float *apre, *apost, *acomb;
     float *xin;         /* n x H: MoE input (after ffn_norm) */
     float *logits;      /* n x n_routed_experts: router gate logits */
@@ -107,10 +114,11 @@ struct mf_step_shape {
 };
 
 struct mf_step {
-    mf_ref *r;
-    /* the engine's own forward objects over r's model and options (own scratch, linears on the
-     * kernels): cl[0] for the serial tasks, cl[i] for item i's tasks in parallel shapes */
-    mf_ref *cl[MF_STEP_MAX_ITEMS];
+    const mf_layers *ly;      /* the model's tables (mf_ref_layers of the caller's forward object) */
+    /* the layer contexts of the CPU lane's workers (graphs/layers.h; kernel backend): worker w's
+     * tasks use cx[w], so no two running tasks share scratch */
+    mf_ly_ctx **cx;
+    int n_cx;
     const mf_config *c;
     mf_step_opts o;
     mf_sg_lanes lt;           /* cpu, io with a store, 3 per card (lanes of card c at lane_dev0 + 3c) */
@@ -156,34 +164,50 @@ static mf_kern_mat mf_step_mat(const mf_weight *w)
     return m;
 }
 
-/* Engram (ref_engram.c's phases): per item the hashed table rows, gathered and dequantized into
+/* The layer context of the worker running a task (the tasks that use one run on the CPU lane, whose
+ * workers are 0..n_threads-1); NULL with an error when a task runs elsewhere. */
+static mf_ly_ctx *mf_step_cx(const mf_step_targ *a, const mf_task_ctx *ctx)
+{
+    const mf_step *eng = a->sh->eng;
+    if (ctx->lane < 0 || ctx->lane >= eng->lt.n_lanes || eng->lt.lane[ctx->lane].kind != MF_LANE_CPU ||
+        ctx->worker < 0 || ctx->worker >= eng->n_cx) {
+        mf_error(-EINVAL, "step: a task (op %d) on lane %d worker %d has no layer context", a->t->op, ctx->lane,
+                 ctx->worker);
+        return NULL;
+    }
+    return eng->cx[ctx->worker];
+}
+
+/* Engram (layer_engram.c's phases): per item the hashed table rows, gathered and dequantized into
  * the item's row of eg_emb (the store's gatherer one task at a time). */
 static int mf_task_engram_embed(void *arg, mf_task_ctx *ctx)
 {
-    (void)ctx;
     mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
     if (eng->store) pthread_mutex_lock(&eng->gather_mu);
     int rc = 0;
     for (int i = a->t->i0; i < a->t->i1 && !rc; i++)
-        rc = mf_ref_engram_embed(a->r, &sh->items[i], a->t->layer, sh->eg_emb + (size_t)i * sh->eg_emb_ld);
+        rc = mf_ly_engram_embed(cx, &sh->items[i], a->t->layer, sh->eg_emb + (size_t)i * sh->eg_emb_ld);
     if (eng->store) pthread_mutex_unlock(&eng->gather_mu);
     return rc;
 }
 
-/* Rows of part a->t->part of sh->p_attn of the wkv projection, over all items (as mf_ref_linear
+/* Rows of part a->t->part of sh->p_attn of the wkv projection, over all items (as mf_ly_linear
  * sums them: the same bits for any split). */
 static int mf_task_engram_rows(void *arg, mf_task_ctx *ctx)
 {
-    (void)ctx;
     mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
-    const mf_weight *w = &mf_model_layer_at(a->r->m, a->t->layer)->eg_wkv;
+    const mf_weight *w = &mf_model_layer_at(cx->ly->m, a->t->layer)->eg_wkv;
     int r0, r1;
     mf_step_rows(w->rows, sh->p_attn, a->t->part, &r0, &r1);
     if (r0 >= r1) return 0;
-    int rc = mf_ref_linear_part(a->r, w, a->r->kern_linear, sh->eg_emb, sh->n, sh->eg_emb_ld, sh->eg_kv,
+    int rc = mf_ly_linear_part(cx, w, sh->eg_emb, sh->n, sh->eg_emb_ld, sh->eg_kv,
                                 sh->eg_kv_ld, r0, r1);
     return rc ? mf_error_wrap(rc, "step: layer %d, rows [%d, %d) of the Engram wkv", a->t->layer, r0, r1) : 0;
 }
@@ -191,65 +215,67 @@ static int mf_task_engram_rows(void *arg, mf_task_ctx *ctx)
 /* Per item: the gated value added into its streams. */
 static int mf_task_engram_gate(void *arg, mf_task_ctx *ctx)
 {
-    (void)ctx;
     mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
     for (int i = a->t->i0; i < a->t->i1; i++)
-        mf_ref_engram_gate(a->r, &sh->items[i], a->t->layer, sh->eg_kv + (size_t)i * sh->eg_kv_ld);
+        mf_ly_engram_gate(cx, &sh->items[i], a->t->layer, sh->eg_kv + (size_t)i * sh->eg_kv_ld);
     return 0;
 }
 
-/* The attention sublayer (ref_attn.c's phases) between per-item parts on the engine's forward
- * objects and row-split linear stages over all items. Item i's activations between phases. */
+/* The attention sublayer (layer_attn.c's phases) between per-item parts on the workers' layer
+ * contexts and row-split linear stages over all items. Item i's activations between phases. */
 static void mf_step_abuf(const mf_step_shape *sh, int i, float **b)
 {
-    for (int k = 0; k < MF_RA_N; k++) b[k] = sh->ab[k] + (size_t)i * sh->ab_ld[k];
+    for (int k = 0; k < MF_LY_A_N; k++) b[k] = sh->ab[k] + (size_t)i * sh->ab_ld[k];
 }
 
 /* Per item: the attention mix (pre, post, comb kept for attn post), collapse and attn_norm into
  * the item's input buffer. */
 static int mf_task_attn_pre(void *arg, mf_task_ctx *ctx)
 {
-    (void)ctx;
     mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
-    mf_ref *r = a->r;
-    const mf_config *c = r->c;
-    const mf_model_layer *y = mf_model_layer_at(r->m, a->t->layer);
+    const mf_config *c = cx->ly->c;
+    const mf_model_layer *y = mf_model_layer_at(cx->ly->m, a->t->layer);
     int64_t H = c->hidden_size;
     int hc = c->hc_mult;
     for (int i = a->t->i0; i < a->t->i1; i++) {
-        mf_ref_item *it = &sh->items[i];
-        float mixes[(2 + MF_REF_MAX_HC) * MF_REF_MAX_HC];
-        mf_ref_hc_mixes(r, it->x, &y->hc_attn_fn, mixes);
-        mf_ref_hc_split_w(c, mixes, &y->hc_attn_scale, &y->hc_attn_base, sh->apre + (size_t)i * hc,
+        mf_ly_item *it = &sh->items[i];
+        float mixes[(2 + MF_LY_MAX_HC) * MF_LY_MAX_HC];
+        mf_ly_hc_mixes(cx, it->x, &y->hc_attn_fn, mixes);
+        mf_ly_hc_split_w(c, mixes, &y->hc_attn_scale, &y->hc_attn_base, sh->apre + (size_t)i * hc,
                           sh->apost + (size_t)i * hc, sh->acomb + (size_t)i * hc * hc);
-        mf_ref_hc_collapse(r, it->x, it->pre, r->s[0]);
-        mf_ref_rmsnorm(r->s[0], H, &y->attn_norm, c->rms_norm_eps, sh->ab[MF_RA_IN] + (size_t)i * sh->ab_ld[MF_RA_IN]);
+        mf_ly_hc_collapse(cx, it->x, it->pre, cx->hc_h);
+        mf_ly_rmsnorm(cx->hc_h, H, &y->attn_norm, c->rms_norm_eps, sh->ab[MF_LY_A_IN] + (size_t)i * sh->ab_ld[MF_LY_A_IN]);
     }
     return 0;
 }
 
-/* Rows of linear stage a->t->stage (MF_RA_STAGE_*) of layer a->t->layer, part a->t->part of sh->p_attn:
+/* Rows of linear stage a->t->stage (MF_LY_A_STAGE_*) of layer a->t->layer, part a->t->part of sh->p_attn:
  * the stage's linears taken as one column of output rows, split as mf_step_rows, each part over
  * all items (weights read once for the batch); a row's bits do not depend on the split. */
 static int mf_task_attn_rows(void *arg, mf_task_ctx *ctx)
 {
-    (void)ctx;
     mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
-    mf_ref_attn_lin lin[MF_RA_MAX_LIN];
-    int n = mf_ref_attn_linears(a->r, a->t->layer, a->t->stage, lin);
+    mf_ly_attn_lin lin[MF_LY_A_MAX_LIN];
+    int n = mf_ly_attn_linears(cx->ly, a->t->layer, a->t->stage, lin);
     int64_t total = 0, off = 0;
     for (int k = 0; k < n; k++) total += lin[k].w->rows;
     int r0, r1;
     mf_step_rows(total, sh->p_attn, a->t->part, &r0, &r1);
     for (int k = 0; k < n && r0 < r1; k++) {
-        const mf_ref_attn_lin *l = &lin[k];
+        const mf_ly_attn_lin *l = &lin[k];
         int64_t lo = r0 - off > 0 ? r0 - off : 0, hi = r1 - off < l->w->rows ? r1 - off : l->w->rows;
         off += l->w->rows;
         if (lo >= hi) continue;
-        int rc = mf_ref_attn_lin_rows(a->r, l, sh->ab[l->x], sh->ab_ld[l->x], sh->ab[l->y], sh->ab_ld[l->y], sh->n,
+        int rc = mf_ly_attn_lin_rows(cx, l, sh->ab[l->x], sh->ab_ld[l->x], sh->ab[l->y], sh->ab_ld[l->y], sh->n,
                                       lo, hi);
         if (rc) return mf_error_wrap(rc, "step: layer %d, rows [%lld, %lld) of %s", a->t->layer, (long long)lo,
                                      (long long)hi, l->w->name ? l->w->name : "an attention linear");
@@ -260,25 +286,27 @@ static int mf_task_attn_rows(void *arg, mf_task_ctx *ctx)
 /* All items: round and normalize the low-rank queries (between the IN and QB stages). */
 static int mf_task_attn_qnorm(void *arg, mf_task_ctx *ctx)
 {
-    (void)ctx;
     mf_step_targ *a = arg;
-    float *b[MF_RA_N];
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    float *b[MF_LY_A_N];
     for (int i = a->t->i0; i < a->t->i1; i++) {
         mf_step_abuf(a->sh, i, b);
-        mf_ref_attn_qnorm(a->r, a->t->layer, b);
+        mf_ly_attn_qnorm(cx, a->t->layer, b);
     }
     return 0;
 }
 
-/* Per item, in item order: RoPE, window KV, compressor, indexer, attention (mf_ref_attn_core). */
+/* Per item, in item order: RoPE, window KV, compressor, indexer, attention (mf_ly_attn_core). */
 static int mf_task_attn_core(void *arg, mf_task_ctx *ctx)
 {
-    (void)ctx;
     mf_step_targ *a = arg;
-    float *b[MF_RA_N];
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    float *b[MF_LY_A_N];
     for (int i = a->t->i0; i < a->t->i1; i++) {
         mf_step_abuf(a->sh, i, b);
-        int rc = mf_ref_attn_core(a->r, &a->sh->items[i], a->t->layer, b);
+        int rc = mf_ly_attn_core(cx, &a->sh->items[i], a->t->layer, b);
         if (rc) return rc;
     }
     return 0;
@@ -288,24 +316,24 @@ static int mf_task_attn_core(void *arg, mf_task_ctx *ctx)
  * input): the rest of the first part of the reference's layer (ref_model.c). */
 static int mf_task_attn_post(void *arg, mf_task_ctx *ctx)
 {
-    (void)ctx;
     mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
-    mf_ref *r = a->r;
-    const mf_config *c = r->c;
-    const mf_model_layer *y = mf_model_layer_at(r->m, a->t->layer);
+    const mf_config *c = cx->ly->c;
+    const mf_model_layer *y = mf_model_layer_at(cx->ly->m, a->t->layer);
     int64_t H = c->hidden_size;
     int hc = c->hc_mult;
     for (int i = a->t->i0; i < a->t->i1; i++) {
-        mf_ref_item *it = &sh->items[i];
-        float mixes[(2 + MF_REF_MAX_HC) * MF_REF_MAX_HC], pre_f[MF_REF_MAX_HC];
-        mf_ref_hc_expand(r, it->x, sh->ab[MF_RA_OUT] + (size_t)i * sh->ab_ld[MF_RA_OUT], sh->apost + (size_t)i * hc,
+        mf_ly_item *it = &sh->items[i];
+        float mixes[(2 + MF_LY_MAX_HC) * MF_LY_MAX_HC], pre_f[MF_LY_MAX_HC];
+        mf_ly_hc_expand(cx, it->x, sh->ab[MF_LY_A_OUT] + (size_t)i * sh->ab_ld[MF_LY_A_OUT], sh->apost + (size_t)i * hc,
                          sh->acomb + (size_t)i * hc * hc);
-        mf_ref_hc_mixes(r, it->x, &y->hc_ffn_fn, mixes);
-        mf_ref_hc_split_w(c, mixes, &y->hc_ffn_scale, &y->hc_ffn_base, pre_f,
+        mf_ly_hc_mixes(cx, it->x, &y->hc_ffn_fn, mixes);
+        mf_ly_hc_split_w(c, mixes, &y->hc_ffn_scale, &y->hc_ffn_base, pre_f,
                           sh->post + (size_t)i * hc, sh->comb + (size_t)i * hc * hc);
-        mf_ref_hc_collapse(r, it->x, sh->apre + (size_t)i * hc, r->s[0]);
-        mf_ref_rmsnorm(r->s[0], H, &y->ffn_norm, c->rms_norm_eps, sh->xin + (size_t)i * H);
+        mf_ly_hc_collapse(cx, it->x, sh->apre + (size_t)i * hc, cx->hc_h);
+        mf_ly_rmsnorm(cx->hc_h, H, &y->ffn_norm, c->rms_norm_eps, sh->xin + (size_t)i * H);
         memcpy(it->pre, pre_f, sizeof pre_f);
     }
     return 0;
@@ -315,32 +343,27 @@ static int mf_task_attn_post(void *arg, mf_task_ctx *ctx)
  * the reference sums them (double sums, never the kernels), so the routing is the reference's. */
 static int mf_task_gate_rows(void *arg, mf_task_ctx *ctx)
 {
-    (void)ctx;
     mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
-    const mf_weight *w = &mf_model_layer_at(a->r->m, a->t->layer)->gate;
+    const mf_weight *w = &mf_model_layer_at(cx->ly->m, a->t->layer)->gate;
     int r0, r1;
     mf_step_rows(w->rows, sh->p_attn, a->t->part, &r0, &r1);
     if (r0 >= r1) return 0;
     int64_t H = sh->eng->c->hidden_size;
-    int rc = mf_ref_linear_part(a->r, w, 0, sh->xin, sh->n, H, sh->logits, w->rows, r0, r1);
+    int rc = mf_ly_gate_rows(cx, a->t->layer, sh->xin, sh->n, H, sh->logits, w->rows, r0, r1);
     return rc ? mf_error_wrap(rc, "step: layer %d, rows [%d, %d) of the router gate", a->t->layer, r0, r1) : 0;
 }
 
 /* Top-k of the gate logits of every item, in item order (with the route hook). */
-static void mf_step_topk(mf_step_shape *sh, mf_ref *r, int L)
+static void mf_step_topk(mf_step_shape *sh, mf_ly_ctx *cx, int L)
 {
-    const mf_config *c = r->c;
-    const mf_model_layer *y = mf_model_layer_at(r->m, L);
+    const mf_config *c = cx->ly->c;
     int K = c->n_experts_per_tok, E = c->n_routed_experts;
-    float *bias = r->s[4];   /* s_len >= n_routed_experts */
-    for (int e = 0; e < E; e++) bias[e] = mf_ref_vec(&y->gate_bias, e);
-    for (int i = 0; i < sh->n; i++) {
-        mf_ref_route(c, sh->logits + (size_t)i * E, bias, sh->ex + (size_t)i * K, sh->wt + (size_t)i * K);
-        if (r->opts.hooks.on_route)
-            r->opts.hooks.on_route(r->opts.hooks.user, sh->items[i].st, sh->items[i].pos, L,
-                                   sh->ex + (size_t)i * K, sh->wt + (size_t)i * K, K);
-    }
+    for (int i = 0; i < sh->n; i++)
+        mf_ly_route_item(cx, &sh->items[i], L, sh->logits + (size_t)i * E, sh->ex + (size_t)i * K,
+                         sh->wt + (size_t)i * K);
 }
 
 /* Opens the store's batch for layer L's slots (hits and misses decided, all pinned) and fills
@@ -348,7 +371,7 @@ static void mf_step_topk(mf_step_shape *sh, mf_ref *r, int L)
 static int mf_step_store_begin(mf_step_shape *sh, int L)
 {
     mf_store *st = sh->eng->store;
-    const mf_model_layer *y = mf_model_layer_at(sh->eng->r->m, L);
+    const mf_model_layer *y = mf_model_layer_at(sh->eng->ly->m, L);
     int rc = mf_store_begin(st, L, sh->slot_e, sh->n_used), any = 0;
     if (rc) return mf_error_wrap(rc, "step: layer %d: making its %d experts present", L, sh->n_used);
     sh->store_layer = L;
@@ -382,7 +405,7 @@ static int mf_step_store_begin(mf_step_shape *sh, int L)
 static const mf_weight *mf_step_slot_weights(mf_step_shape *sh, int L, int slot)
 {
     if (sh->slot_w) return &sh->slot_w[(size_t)slot * 3];
-    return &mf_model_layer_at(sh->eng->r->m, L)->experts[sh->slot_e[slot] * 3];
+    return &mf_model_layer_at(sh->eng->ly->m, L)->experts[sh->slot_e[slot] * 3];
 }
 
 void mf_step_lane_models(const mf_profile *p, int threads, mf_lane_model models[4])
@@ -603,14 +626,15 @@ static int mf_task_dev_out(void *arg, mf_task_ctx *ctx)
  * quantized for the int8 path). */
 static int mf_task_route(void *arg, mf_task_ctx *ctx)
 {
-    (void)ctx;
     mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
     const mf_config *c = eng->c;
     int K = c->n_experts_per_tok, E = c->n_routed_experts;
     int64_t H = c->hidden_size;
-    mf_step_topk(sh, a->r, a->t->layer);
+    mf_step_topk(sh, cx, a->t->layer);
     memset(sh->cnt, 0, sizeof *sh->cnt * (size_t)E);
     for (int j = 0; j < sh->n * K; j++) sh->cnt[sh->ex[j]]++;
     int ns = 0, off = 0;
@@ -675,7 +699,7 @@ static int mf_task_moe_done(void *arg, mf_task_ctx *ctx)
 }
 
 /* Phase 1 of one FFN over rows [r0, r1) of its hidden size, for n_tok tokens of x (ld H).
- * exact: w1 and w3 on the fp32 path, then the reference's roundings (ref_moe.c); else fused. */
+ * exact: w1 and w3 on the fp32 path, then the reference's roundings (layer_moe.c); else fused. */
 static int mf_step_ffn_up(mf_step *eng, const mf_weight *w1, const mf_weight *w3, const float *x,
                           const mf_kern_q8 *q8, int n_tok, const float *tok_w, float *h, float *g,
                           float *u, int r0, int r1)
@@ -698,7 +722,7 @@ static int mf_step_ffn_up(mf_step *eng, const mf_weight *w1, const mf_weight *w3
                 ui = fminf(fmaxf(ui, -lim), lim);
                 gi = fminf(gi, lim);
             }
-            h[k] = mf_bf((tok_w ? tok_w[t] : 1.0f) * (mf_ref_silu(gi) * ui));
+            h[k] = mf_bf((tok_w ? tok_w[t] : 1.0f) * (mf_ly_silu(gi) * ui));
         }
     return 0;
 }
@@ -771,7 +795,7 @@ static int mf_task_sh_up(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
-    const mf_model_layer *y = mf_model_layer_at(eng->r->m, a->t->layer);
+    const mf_model_layer *y = mf_model_layer_at(eng->ly->m, a->t->layer);
     int r0, r1;
     mf_step_rows(y->sh_w1.rows, sh->p_sh, a->t->part, &r0, &r1);
     if (r0 >= r1) return 0;
@@ -792,7 +816,7 @@ static int mf_task_sh_down(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
-    const mf_model_layer *y = mf_model_layer_at(eng->r->m, a->t->layer);
+    const mf_model_layer *y = mf_model_layer_at(eng->ly->m, a->t->layer);
     int r0, r1;
     mf_step_rows(eng->c->hidden_size, sh->p_sh, a->t->part, &r0, &r1);
     if (r0 >= r1) return 0;
@@ -804,14 +828,15 @@ static int mf_task_sh_down(void *arg, mf_task_ctx *ctx)
  * bf16 and expanded into the streams with the ffn mix. */
 static int mf_task_combine(void *arg, mf_task_ctx *ctx)
 {
-    (void)ctx;
     mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
     const mf_config *c = eng->c;
     int64_t H = c->hidden_size;
     int K = c->n_experts_per_tok, hc = c->hc_mult;
-    double *acc = (double *)a->r->s[8];
+    double *acc = (double *)cx->moe_acc;
     for (int i = a->t->i0; i < a->t->i1; i++) {
         float *out = sh->moe_out + (size_t)i * H;
         for (int64_t d = 0; d < H; d++) acc[d] = 0;
@@ -825,7 +850,7 @@ static int mf_task_combine(void *arg, mf_task_ctx *ctx)
             for (int64_t d = 0; d < H; d++) acc[d] += yr[d];
         }
         for (int64_t d = 0; d < H; d++) out[d] = mf_bf((float)acc[d]);
-        mf_ref_hc_expand(a->r, sh->items[i].x, out, sh->post + (size_t)i * hc,
+        mf_ly_hc_expand(cx, sh->items[i].x, out, sh->post + (size_t)i * hc,
                          sh->comb + (size_t)i * hc * hc);
     }
     return 0;
@@ -833,17 +858,17 @@ static int mf_task_combine(void *arg, mf_task_ctx *ctx)
 
 static int mf_task_norm(void *arg, mf_task_ctx *ctx)
 {
-    (void)ctx;
     mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
-    mf_ref *r = a->r;
-    int64_t H = r->c->hidden_size;
+    int64_t H = cx->ly->c->hidden_size;
     for (int i = a->t->i0; i < a->t->i1; i++) {
         int j = sh->head_row[i];
         if (j < 0) continue;
-        mf_ref_item *it = &sh->items[i];
-        mf_ref_hc_collapse(r, it->x, it->pre, r->s[0]);
-        mf_ref_rmsnorm(r->s[0], H, mf_model_norm(r->m), r->c->rms_norm_eps, sh->hn + (size_t)j * H);
+        mf_ly_item *it = &sh->items[i];
+        mf_ly_hc_collapse(cx, it->x, it->pre, cx->hc_h);
+        mf_ly_rmsnorm(cx->hc_h, H, mf_model_norm(cx->ly->m), cx->ly->c->rms_norm_eps, sh->hn + (size_t)j * H);
     }
     return 0;
 }
@@ -855,7 +880,7 @@ static int mf_task_head(void *arg, mf_task_ctx *ctx)
     mf_step_shape *sh = a->sh;
     if (!sh->n_head) return 0;
     const mf_config *c = sh->eng->c;
-    const mf_weight *w = mf_model_head(sh->eng->r->m);
+    const mf_weight *w = mf_model_head(sh->eng->ly->m);
     int r0, r1;
     mf_step_rows(c->vocab_size, sh->p_head, a->t->part, &r0, &r1);
     if (r0 >= r1) return 0;
@@ -865,18 +890,6 @@ static int mf_task_head(void *arg, mf_task_ctx *ctx)
 }
 
 /* ---- graph and buffers of one batch size ---------------------------------------------------- */
-
-/* A forward object like r (model, options, token map) with its own scratch, whose FP8/BF16
- * linears run on the kernels (r->kern_linear). */
-static int mf_step_clone(mf_ref *r, mf_ref **out)
-{
-    mf_ref_opts o = r->opts;
-    o.token_map = r->token_map;
-    o.n_token_map = r->c->vocab_size;
-    int rc = mf_ref_new(r->m, &o, out);
-    if (!rc) (*out)->kern_linear = 1;
-    return rc;
-}
 
 static void mf_step_shape_free(mf_step_shape *sh)
 {
@@ -929,9 +942,8 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, mf_stepgraph **out)
                             out);
 }
 
-/* Binds the shape's buffers to its graph's tasks: each task's argument is its record with the
- * forward object of its items (cl[i0]: item i's in a parallel shape, cl[0] otherwise); an IO task's
- * is its slot's read. Then the timeline and the spans' scratch. */
+/* Binds the shape's buffers to its graph's tasks: each task's argument is its record (its worker's
+ * layer context is found when it runs); an IO task's is its slot's read. Then the timeline and the spans' scratch. */
 static int mf_step_bind(mf_step *eng, mf_step_shape *sh)
 {
     mf_stepgraph *sg = sh->sg;
@@ -941,7 +953,7 @@ static int mf_step_bind(mf_step *eng, mf_step_shape *sh)
     if (!sh->args || !sh->sorted) return mf_error(-ENOMEM, "step: out of memory for the graph");
     for (int t = 0; t < n; t++) {
         const mf_sg_task *rec = &sg->task[t];
-        sh->args[t] = (mf_step_targ){sh, rec, eng->cl[rec->i0]};
+        sh->args[t] = (mf_step_targ){sh, rec};
         if (rec->op == MF_SG_SLOT_READ)
             mf_graph_set_arg(sh->g, t, &sh->slot_rd[(size_t)rec->slot * sh->n_parts + rec->read]);
         else
@@ -954,7 +966,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
 {
     const mf_config *c = eng->c;
     int64_t H = c->hidden_size, I = c->moe_intermediate_size, V = c->vocab_size;
-    int64_t Ish = c->n_shared_experts > 0 ? mf_model_layer_at(eng->r->m, 0)->sh_w1.rows : 0;
+    int64_t Ish = c->n_shared_experts > 0 ? mf_model_layer_at(eng->ly->m, 0)->sh_w1.rows : 0;
     int K = c->n_experts_per_tok, E = c->n_routed_experts, hc = c->hc_mult;
     int n_cb = c->candidate_topk_blocks > 0 ? c->candidate_topk_blocks : 1;
     mf_step_shape *sh = calloc(1, sizeof *sh);
@@ -1025,35 +1037,76 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
     }
     size_t nk = (size_t)n * K, q8x = mf_kern_q8_bytes(n, (int)H), q8h = mf_kern_q8_bytes(n, (int)I);
     int ex = eng->o.exact;
-    size_t f = sizeof(float), bytes = 0, ab_sz[MF_RA_N];
+    size_t f = sizeof(float), bytes = 0, ab_sz[MF_LY_A_N];
     if (c->n_engram > 0) {   /* Engram rows of one item, its wkv output */
         sh->eg_emb_ld = ((int64_t)(c->engram_max_ngram_size - 1) * c->engram_n_heads * c->engram_head_dim + 15) / 16 * 16;
         sh->eg_kv_ld = ((int64_t)(hc + 1) * H + 15) / 16 * 16;
     }
-    for (int b = 0; b < MF_RA_N; b++) {
-        sh->ab_ld[b] = (mf_ref_attn_buf_len(c, b) + 15) / 16 * 16;
+    for (int b = 0; b < MF_LY_A_N; b++) {
+        sh->ab_ld[b] = (mf_ly_attn_buf_len(c, b) + 15) / 16 * 16;
         ab_sz[b] = (size_t)n * sh->ab_ld[b] * sizeof(float);
     }
-    /* sizes in one list so allocation and carving agree */
-    size_t sz[] = {
-        (size_t)n * sizeof(mf_ref_item),
-        (size_t)n * hc * H * f,                   /* x */
-        (size_t)n * c->index_topk * 4, (size_t)n * n_cb * 4,
-        (size_t)n * H * f, (size_t)n * hc * f, (size_t)n * hc * hc * f, (size_t)n * H * f,
-        nk * 4, nk * f, nk * 4, (size_t)E * 4, (size_t)E * 4, (size_t)E * 4,
-        (size_t)sh->n_slots * 4, (size_t)sh->n_slots * 4, (size_t)sh->n_slots * 4,
-        nk * H * f, nk * f, nk * I * f, ex ? nk * I * f : 0, ex ? nk * I * f : 0, nk * H * f,
-        (size_t)sh->n_slots * sizeof(mf_kern_q8), (size_t)sh->n_slots * sizeof(mf_kern_q8),
-        (size_t)sh->n_slots * q8x, (size_t)sh->n_slots * q8h,
-        (size_t)n * Ish * f, ex ? (size_t)n * Ish * f : 0, ex ? (size_t)n * Ish * f : 0, (size_t)n * H * f,
-        (size_t)n * H * f, (size_t)n * V * f, (size_t)n * 4, (size_t)n * 4,
-        (size_t)n * hc * f, (size_t)n * hc * f, (size_t)n * hc * hc * f,
-        (size_t)n * E * f, (size_t)n * sh->eg_emb_ld * f, (size_t)n * sh->eg_kv_ld * f,
-        ab_sz[0], ab_sz[1], ab_sz[2], ab_sz[3], ab_sz[4], ab_sz[5], ab_sz[6], ab_sz[7], ab_sz[8], ab_sz[9], ab_sz[10],
+    /* the shape's buffers: {name, bytes, &ptr}, sized first, then carved from one allocation */
+    float *x = NULL;
+    int32_t *topk = NULL, *cand = NULL;
+    size_t n_ = (size_t)n, ns = (size_t)sh->n_slots;
+    mf_step_buf tab[] = {
+        {"items", n_ * sizeof(mf_ly_item), (void **)&sh->items},
+        {"streams", n_ * hc * H * f, (void **)&x},
+        {"topk", n_ * c->index_topk * 4, (void **)&topk},
+        {"candidates", n_ * n_cb * 4, (void **)&cand},
+        {"xin", n_ * H * f, (void **)&sh->xin},
+        {"post", n_ * hc * f, (void **)&sh->post},
+        {"comb", n_ * hc * hc * f, (void **)&sh->comb},
+        {"moe_out", n_ * H * f, (void **)&sh->moe_out},
+        {"ex", nk * 4, (void **)&sh->ex},
+        {"wt", nk * f, (void **)&sh->wt},
+        {"asg", nk * 4, (void **)&sh->asg},
+        {"cnt", (size_t)E * 4, (void **)&sh->cnt},
+        {"fill", (size_t)E * 4, (void **)&sh->fill},
+        {"slot_of", (size_t)E * 4, (void **)&sh->slot_of},
+        {"slot_e", ns * 4, (void **)&sh->slot_e},
+        {"slot_off", ns * 4, (void **)&sh->slot_off},
+        {"slot_cnt", ns * 4, (void **)&sh->slot_cnt},
+        {"xg", nk * H * f, (void **)&sh->xg},
+        {"wg", nk * f, (void **)&sh->wg},
+        {"h", nk * I * f, (void **)&sh->h},
+        {"gg", ex ? nk * I * f : 0, (void **)&sh->gg},
+        {"uu", ex ? nk * I * f : 0, (void **)&sh->uu},
+        {"y", nk * H * f, (void **)&sh->y},
+        {"q8x", ns * sizeof(mf_kern_q8), (void **)&sh->q8x},
+        {"q8h", ns * sizeof(mf_kern_q8), (void **)&sh->q8h},
+        {"q8x_mem", ns * q8x, (void **)&sh->q8x_mem},
+        {"q8h_mem", ns * q8h, (void **)&sh->q8h_mem},
+        {"hs", n_ * Ish * f, (void **)&sh->hs},
+        {"gs", ex ? n_ * Ish * f : 0, (void **)&sh->gs},
+        {"us", ex ? n_ * Ish * f : 0, (void **)&sh->us},
+        {"ys", n_ * H * f, (void **)&sh->ys},
+        {"hn", n_ * H * f, (void **)&sh->hn},
+        {"lbuf", n_ * V * f, (void **)&sh->lbuf},
+        {"head_item", n_ * 4, (void **)&sh->head_item},
+        {"head_row", n_ * 4, (void **)&sh->head_row},
+        {"apre", n_ * hc * f, (void **)&sh->apre},
+        {"apost", n_ * hc * f, (void **)&sh->apost},
+        {"acomb", n_ * hc * hc * f, (void **)&sh->acomb},
+        {"logits", n_ * E * f, (void **)&sh->logits},
+        {"eg_emb", n_ * sh->eg_emb_ld * f, (void **)&sh->eg_emb},
+        {"eg_kv", n_ * sh->eg_kv_ld * f, (void **)&sh->eg_kv},
+        {"ab_in", ab_sz[MF_LY_A_IN], (void **)&sh->ab[MF_LY_A_IN]},
+        {"ab_qr", ab_sz[MF_LY_A_QR], (void **)&sh->ab[MF_LY_A_QR]},
+        {"ab_kv", ab_sz[MF_LY_A_KV], (void **)&sh->ab[MF_LY_A_KV]},
+        {"ab_lat", ab_sz[MF_LY_A_LAT], (void **)&sh->ab[MF_LY_A_LAT]},
+        {"ab_gate", ab_sz[MF_LY_A_GATE], (void **)&sh->ab[MF_LY_A_GATE]},
+        {"ab_iw", ab_sz[MF_LY_A_IW], (void **)&sh->ab[MF_LY_A_IW]},
+        {"ab_q", ab_sz[MF_LY_A_Q], (void **)&sh->ab[MF_LY_A_Q]},
+        {"ab_qi", ab_sz[MF_LY_A_QI], (void **)&sh->ab[MF_LY_A_QI]},
+        {"ab_o", ab_sz[MF_LY_A_O], (void **)&sh->ab[MF_LY_A_O]},
+        {"ab_z", ab_sz[MF_LY_A_Z], (void **)&sh->ab[MF_LY_A_Z]},
+        {"ab_out", ab_sz[MF_LY_A_OUT], (void **)&sh->ab[MF_LY_A_OUT]},
     };
-    _Static_assert(MF_RA_N == 11, "one size per attention buffer");
-    enum { N_SZ = sizeof sz / sizeof sz[0] };
-    for (int i = 0; i < N_SZ; i++) bytes += (sz[i] + 63) / 64 * 64;
+    _Static_assert(MF_LY_A_N == 11, "one row per attention buffer");
+    enum { N_TAB = sizeof tab / sizeof tab[0] };
+    for (int i = 0; i < N_TAB; i++) bytes += (tab[i].bytes + 63) / 64 * 64;
     uint8_t *p = aligned_alloc(64, bytes);
     if (!p) {
         mf_step_shape_free(sh);
@@ -1061,25 +1114,10 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
     }
     memset(p, 0, bytes);
     sh->mem = p;
-    void *v[N_SZ];
-    for (int i = 0; i < N_SZ; i++) {
-        v[i] = sz[i] ? p : NULL;
-        p += (sz[i] + 63) / 64 * 64;
+    for (int i = 0; i < N_TAB; i++) {
+        *tab[i].ptr = tab[i].bytes ? p : NULL;
+        p += (tab[i].bytes + 63) / 64 * 64;
     }
-    int k = 0;
-    sh->items = v[k++];
-    float *x = v[k++];
-    int32_t *topk = v[k++], *cand = v[k++];
-    sh->xin = v[k++]; sh->post = v[k++]; sh->comb = v[k++]; sh->moe_out = v[k++];
-    sh->ex = v[k++]; sh->wt = v[k++]; sh->asg = v[k++]; sh->cnt = v[k++]; sh->fill = v[k++];
-    sh->slot_of = v[k++]; sh->slot_e = v[k++]; sh->slot_off = v[k++]; sh->slot_cnt = v[k++];
-    sh->xg = v[k++]; sh->wg = v[k++]; sh->h = v[k++]; sh->gg = v[k++]; sh->uu = v[k++]; sh->y = v[k++];
-    sh->q8x = v[k++]; sh->q8h = v[k++]; sh->q8x_mem = v[k++]; sh->q8h_mem = v[k++];
-    sh->hs = v[k++]; sh->gs = v[k++]; sh->us = v[k++]; sh->ys = v[k++];
-    sh->hn = v[k++]; sh->lbuf = v[k++]; sh->head_item = v[k++]; sh->head_row = v[k++];
-    sh->apre = v[k++]; sh->apost = v[k++]; sh->acomb = v[k++];
-    sh->logits = v[k++]; sh->eg_emb = v[k++]; sh->eg_kv = v[k++];
-    for (int b = 0; b < MF_RA_N; b++) sh->ab[b] = v[k++];
     sh->q8x_bytes = q8x;
     sh->q8h_bytes = q8h;
     for (int i = 0; i < n; i++) {
@@ -1087,9 +1125,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
         sh->items[i].topk = topk + (size_t)i * c->index_topk;
         sh->items[i].cand = cand + (size_t)i * n_cb;
     }
-    for (int i = 1; par && i < n && !rc; i++)   /* forward objects of the item tasks */
-        if (!eng->cl[i]) rc = mf_step_clone(eng->r, &eng->cl[i]);
-    if (!rc) rc = mf_step_bind(eng, sh);
+    rc = mf_step_bind(eng, sh);
     if (rc) {
         mf_step_shape_free(sh);
         return mf_error_wrap(rc, "step: building the graph of a batch of %d", n);
@@ -1114,7 +1150,7 @@ static int mf_step_dev_setup(mf_step *s)
     if (!(c->swiglu_limit > 0))
         return mf_error(-ENOTSUP, "step: routed experts on devices need a swiglu limit (the fused "
                         "kernel); this model has none");
-    const mf_weight *ew = mf_model_layer_at(s->r->m, 0)->experts;
+    const mf_weight *ew = mf_model_layer_at(s->ly->m, 0)->experts;
     uint64_t off = 0;
     for (int k = 0; k < 3; k++) {
         if (ew[k].kind != MF_W_FP4)
@@ -1155,9 +1191,10 @@ void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out) { *out = s->dsta
 int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
 {
     *out = NULL;
-    const mf_config *c = r->c;
-    mf_store *store = mf_model_store(r->m);
-    if (mf_model_is_lazy(r->m) && !store)
+    const mf_layers *ly = mf_ref_layers(r);
+    const mf_config *c = ly->c;
+    mf_store *store = mf_model_store(ly->m);
+    if (mf_model_is_lazy(ly->m) && !store)
         return mf_error(-ENOTSUP, "step: the model's experts are not resident (lazy load); the "
                         "scheduled engine needs them in memory or behind an expert store");
     int max_items = MF_STEP_MAX_ITEMS;
@@ -1176,12 +1213,12 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
         max_items = fit >= E ? MF_STEP_MAX_ITEMS : fit / K;
         if (max_items > MF_STEP_MAX_ITEMS) max_items = MF_STEP_MAX_ITEMS;
     }
-    if (r->opts.act_quant)
+    if (ly->act_quant)
         return mf_error(-ENOTSUP, "step: act_quant is not supported by the scheduled engine");
     if (c->quant_block_out != 32 || c->quant_block_in != 32)
         return mf_error(-ENOTSUP, "step: FP8 scale tiles %dx%d, the kernels need 32x32",
                         c->quant_block_out, c->quant_block_in);
-    if (mf_model_head(r->m)->kind != MF_W_BF16)
+    if (mf_model_head(ly->m)->kind != MF_W_BF16)
         return mf_error(-ENOTSUP, "step: head.weight is not bf16");
     if (c->n_shared_experts > 1)
         return mf_error(-ENOTSUP, "step: %d shared experts (expected 0 or 1)", c->n_shared_experts);
@@ -1190,7 +1227,7 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
                         " must be multiples of 32", (int64_t)c->hidden_size, (int64_t)c->moe_intermediate_size);
     mf_step *s = calloc(1, sizeof *s);
     if (!s) return mf_error(-ENOMEM, "step: out of memory");
-    s->r = r;
+    s->ly = ly;
     s->c = c;
     if (opts) s->o = *opts;
     if (s->o.n_threads < 1) s->o.n_threads = 1;
@@ -1209,7 +1246,11 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     /* lanes: models for placement and priorities (mf_step_lane_models: the profile's, or the
      * built-in assumptions) */
     mf_sg_lanes_init(&s->lt, s->models, s->o.n_threads, store != NULL, s->n_cards);
-    if (!rc) rc = mf_step_clone(r, &s->cl[0]);
+    /* one layer context per CPU worker, on the kernels */
+    s->cx = calloc((size_t)s->o.n_threads, sizeof *s->cx);
+    if (!rc && !s->cx) rc = mf_error(-ENOMEM, "step: out of memory");
+    for (int w = 0; !rc && w < s->o.n_threads; w++)
+        if (!(rc = mf_ly_ctx_new(ly, MF_LY_LIN_KERN, &s->cx[w]))) s->n_cx = w + 1;
     if (!rc) rc = mf_sg_sizes_new(c, &s->sz);
     if (!rc) rc = mf_sched_create(&(mf_sched_opts){.lanes = s->lt.lane, .n_lanes = s->lt.n_lanes,
                                                    .pin_threads = s->o.pin_threads,
@@ -1218,7 +1259,8 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
                                   &s->sched);
     if (rc) {
         mf_sg_sizes_free(s->sz);
-        mf_ref_free(s->cl[0]);
+        for (int w = 0; w < s->n_cx; w++) mf_ly_ctx_free(s->cx[w]);
+        free(s->cx);
         for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
         pthread_mutex_destroy(&s->gather_mu);
         free(s);
@@ -1237,37 +1279,23 @@ void mf_step_free(mf_step *s)
         mf_step_shape_free(s->shapes[1][i]);
     }
     for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
-    for (int i = 0; i < MF_STEP_MAX_ITEMS; i++) mf_ref_free(s->cl[i]);
+    for (int w = 0; w < s->n_cx; w++) mf_ly_ctx_free(s->cx[w]);
+    free(s->cx);
     mf_sg_sizes_free(s->sz);
     pthread_mutex_destroy(&s->gather_mu);
     free(s);
-}
-
-/* Score buffers of a reference object for states of up to `need` scores (as mf_ref_forward grows
- * them: once per new state size). */
-static int mf_step_grow_scores(mf_ref *r, int64_t need)
-{
-    if (need <= r->s_scores_len) return 0;
-    double *sc = realloc(r->s_scores, (size_t)need * sizeof *sc);
-    if (sc) r->s_scores = sc;
-    mf_ref_pick *pk = realloc(r->s_picks, (size_t)need * sizeof *pk);
-    if (pk) r->s_picks = pk;
-    if (!sc || !pk) return mf_error(-ENOMEM, "step: out of memory for score buffers");
-    r->s_scores_len = need;
-    return 0;
 }
 
 /* Checks as mf_ref_forward does, before any state changes. */
 static int mf_step_check(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n)
 {
     const mf_config *c = s->c;
-    mf_ref *r = s->r;
     int64_t need = 0;
     for (int i = 0; i < n; i++) {
         if (tokens[i] < 0 || tokens[i] >= c->vocab_size)
             return mf_error(-EINVAL, "step: token %d (item %d) outside the vocabulary [0, %" PRId64 ")",
                             tokens[i], i, c->vocab_size);
-        if (states[i]->r != r) return mf_error(-EINVAL, "step: item %d's state belongs to another forward", i);
+        if (states[i]->ly != s->ly) return mf_error(-EINVAL, "step: item %d's state belongs to another forward", i);
         for (int j = 0; i > 0 && states[i - 1] != states[i] && j < i - 1; j++)
             if (states[j] == states[i])
                 return mf_error(-EINVAL, "step: items of one sequence must be consecutive (item %d)", i);
@@ -1276,10 +1304,13 @@ static int mf_step_check(mf_step *s, mf_ref_state *const *states, const int32_t 
         if (states[i]->n_pos + k > states[i]->max_pos)
             return mf_error(-EINVAL, "step: sequence would reach %" PRId64 " positions, past its maximum "
                             "of %" PRId64, states[i]->n_pos + k, states[i]->max_pos);
-        int64_t ns = states[i]->max_pos + c->sliding_window + c->index_topk + 1;
-        need = need > ns ? need : ns;
+        need = need > states[i]->max_pos ? need : states[i]->max_pos;
     }
-    return mf_step_grow_scores(r, need);
+    for (int w = 0; w < s->n_cx; w++) {   /* score buffers for the longest sequence */
+        int rc = mf_ly_ctx_reserve(s->cx[w], need);
+        if (rc) return rc;
+    }
+    return 0;
 }
 
 /* The spans of the last run's tasks of the kinds in mask `kinds`, merged (mf_timeline_union) into
@@ -1336,7 +1367,7 @@ static int mf_step_store_fail(mf_step *s, mf_step_shape *sh, int rc)
     for (int t = 0; t < n; t++) {
         if (sh->sg->task[t].kind != MF_SG_K_IO || sp[t].status >= 0) continue;
         const mf_step_targ *a = &sh->args[t];
-        const mf_model_layer *y = mf_model_layer_at(s->r->m, a->t->layer);
+        const mf_model_layer *y = mf_model_layer_at(s->ly->m, a->t->layer);
         const mf_io_read *rd = &sh->slot_rd[(size_t)a->t->slot * sh->n_parts + a->t->read];
         rc = mf_error_wrap(rc, "step: layer %d expert %d (%s...): reading %" PRIu64 " bytes at offset %"
                            PRIu64 " into the expert store failed", a->t->layer, sh->slot_e[a->t->slot],
@@ -1354,21 +1385,19 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
                          float *const *logits)
 {
     const mf_config *c = s->c;
-    mf_ref *r = s->r;
-    /* items of distinct sequences run their reference-code parts as parallel item tasks, unless
-     * hooks are set (they are called in order on one thread then) */
-    int par = n > 1 && !r->opts.hooks.on_route && !r->opts.hooks.on_select && !r->opts.hooks.on_candidates, rc;
+    const mf_ref_hooks *hk = &s->ly->hooks;
+    /* items of distinct sequences run their per-item parts as parallel item tasks, unless hooks
+     * are set (they are called in order on one thread then) */
+    int par = n > 1 && !hk->on_route && !hk->on_select && !hk->on_candidates, rc;
     for (int i = 1; i < n && par; i++)
         for (int j = 0; j < i && par; j++) par = states[i] != states[j];
     if (!s->shapes[par][n] && (rc = mf_step_shape_new(s, n, par, &s->shapes[par][n]))) return rc;
     mf_step_shape *sh = s->shapes[par][n];
-    for (int i = 0; i < (par ? n : 1); i++)
-        if ((rc = mf_step_grow_scores(s->cl[i], r->s_scores_len))) return rc;
     int64_t H = c->hidden_size;
-    const mf_weight *emb = mf_model_embed(r->m);
+    const mf_weight *emb = mf_model_embed(s->ly->m);
     sh->n_head = 0;
     for (int i = 0; i < n; i++) {
-        mf_ref_item *it = &sh->items[i];
+        mf_ly_item *it = &sh->items[i];
         it->st = states[i];
         it->pos = i > 0 && states[i - 1] == states[i] ? sh->items[i - 1].pos + 1 : states[i]->n_pos;
         it->tok = tokens[i];

@@ -79,8 +79,9 @@ void mf_step_lane_models(const mf_profile *p, int threads, mf_lane_model models[
 
 /* An engine over the reference forward `r`: it advances r's states (mf_ref_state_new(r, ...)) and
  * runs the parts it does not split by rows (Engram, attention's per-item parts, hyper-connections,
- * router) with the reference code on forward objects of its own, copies of r whose FP8/BF16
- * linears run on the kernels; attention's linears run split by rows (docs/decode.md). r must outlive the engine and must not run forwards of its own while
+ * router) with the layer math of graphs/layers.h on r's tables (mf_ref_layers), one context per
+ * CPU worker whose FP8/BF16 linears run on the kernels; attention's linears run split by rows
+ * (docs/decode.md). r must outlive the engine and must not run forwards of its own while
  * an engine call is in progress. Debug hooks of r are called on worker threads, in item order
  * (a batch with hooks runs the serial graph). Fails with -ENOTSUP when the model is lazy without
  * an expert store, the reference uses act_quant, or FP8 tiles are not 32x32.

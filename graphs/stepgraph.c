@@ -17,7 +17,7 @@
 /* The reference code's loops against the profile's REF loop (plain C attention, double sums):
  * what one unit of each costs in REF multiply-adds. Measured on the 2-core development box with a
  * micro-benchmark of each loop in the same minute as `moeflow calibrate` (docs/sim.md "Weights"):
- * a MAC of mf_ref_linear_rows over fp8 weights (0.457 ns) and over bf16 weights (0.728 ns), a
+ * a MAC of mf_ly_linear_rows over fp8 weights (0.457 ns) and over bf16 weights (0.728 ns), a
  * MAC of the hyper-connection mixes over fp32 weights out of cache (0.676 ns), one bf16 rounding
  * (mf_bf on random values, 8.83 ns), against host_ref 2.67 GMAC/s (0.374 ns). */
 #define SG_W_DOT_FP8 1.22
@@ -39,13 +39,13 @@ static void sg_size_tensor(mf_sg_sizes *s, const mf_layout_tensor *t)
     }
     mf_sg_layer_sizes *y = &s->layer[t->layer];
     if (t->group == MF_GROUP_ATTN && strstr(nm, ".wo_a.")) {
-        /* the grouped wo_a runs through mf_ref_linear_rows: scalar, not the kernels */
+        /* the grouped wo_a runs through mf_ly_linear_rows: scalar, not the kernels */
         if (t->role == MF_ROLE_FP8_WEIGHT) {
             y->attn_ref_macs += macs;
             y->st_data_bytes[MF_SG_ST_OA] += b;
         }
     } else if (t->group == MF_GROUP_ATTN) {
-        /* mf_ref_attn_linears: what reads the input (in), the normed low-rank query (qb), the
+        /* mf_ly_attn_linears: what reads the input (in), the normed low-rank query (qb), the
          * heads' output (ob); the indexer's wk reads compressed latents inside the core */
         int st = strstr(nm, ".attn.wq_b.") || strstr(nm, ".indexer.wq_b.") ? MF_SG_ST_QB
                  : strstr(nm, ".attn.wo_b.")                                ? MF_SG_ST_OB

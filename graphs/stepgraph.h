@@ -59,7 +59,7 @@ typedef enum mf_sg_kind {
     MF_SG_K_OTHER, MF_SG_K_IO, MF_SG_K_EXPERT, MF_SG_K_COPY, MF_SG_K_DEV, MF_SG_K_COPY_OUT
 } mf_sg_kind;
 
-/* The attention's linear stages (ref_internal.h MF_RA_STAGE_* has the same order), and the
+/* The attention's linear stages (graphs/layers.h MF_LY_A_STAGE_* has the same order), and the
  * core's own linears (the indexer's wk, inside MF_SG_ATTN_CORE). */
 enum { MF_SG_ST_IN, MF_SG_ST_QB, MF_SG_ST_OA, MF_SG_ST_OB, MF_SG_ST_CORE, MF_SG_N_STAGES };
 

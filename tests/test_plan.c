@@ -14,7 +14,7 @@
 #include "graphs/model.h"
 #include "graphs/plan.h"
 #include "graphs/ref.h"
-#include "graphs/ref_internal.h"
+#include "graphs/layers.h"
 #include "graphs/step.h"
 #include "graphs/stepgraph.h"
 #include "graphs/routing.h"
@@ -441,9 +441,9 @@ static void test_same_graph(void)
             CHECK(!mf_sg_sizes_new(&c, &sz), "%s", mf_last_error());
             for (int L = 0; sz && L < c.n_layers; L++) {
                 const mf_model_layer *y = mf_model_layer_at(m, L);
-                for (int st = 0; st < MF_RA_N_STAGES; st++) {
-                    mf_ref_attn_lin lin[MF_RA_MAX_LIN];
-                    int nl = mf_ref_attn_linears(r, L, st, lin);
+                for (int st = 0; st < MF_LY_A_N_STAGES; st++) {
+                    mf_ly_attn_lin lin[MF_LY_A_MAX_LIN];
+                    int nl = mf_ly_attn_linears(mf_ref_layers(r), L, st, lin);
                     double bytes = 0;
                     for (int k = 0; k < nl; k++) bytes += (double)mf_weight_data_bytes(lin[k].w);
                     CHECK(bytes == sz->layer[L].st_data_bytes[st], "layer %d stage %d: the engine's linears have "

@@ -15,7 +15,7 @@
 #include "graphs/gen.h"
 #include "graphs/model.h"
 #include "graphs/ref.h"
-#include "graphs/ref_internal.h"
+#include "graphs/layers.h"
 #include "graphs/sample.h"
 #include "host/tokenizer.h"
 #include "sched/clock.h"
@@ -62,7 +62,7 @@ static void test_sinkhorn(const mf_config *c)
             b[i] = (float)(urand() * 2 - 1);
         }
         for (int i = 0; i < 3; i++) sc[i] = (float)urand();   /* comb logits within +-2 */
-        mf_ref_hc_split(c, m, sc, b, pre, post, comb);
+        mf_ly_hc_split(c, m, sc, b, pre, post, comb);
         for (int i = 0; i < hc; i++) {
             double rs = 0, cs = 0;
             for (int j = 0; j < hc; j++) {
@@ -98,7 +98,7 @@ static void test_rope(const mf_config *cfg)
         int rd = c->qk_rope_head_dim;
         for (int layer = 0; layer < 3; layer++) {
             float f[256];
-            mf_ref_rope_freqs(c, layer, f);
+            mf_ly_rope_freqs(c, layer, f);
             int yarn = c->compress_ratios[layer] != 0;
             double base = yarn ? c->compress_rope_theta : c->rope_theta;
             double L0 = c->yarn_original_max_position_embeddings;
@@ -138,7 +138,7 @@ static void test_router(const mf_config *c)
             bias[e] = trial % 5 == 0 ? 0.0f : (float)(urand() - 0.5);
         }
         if (trial % 7 == 0) lg[3] = lg[5], bias[3] = bias[5];   /* a tie: lower index first */
-        mf_ref_route(c, lg, bias, ex, w);
+        mf_ly_route(c, lg, bias, ex, w);
         /* brute force: rank every expert by sqrt(softplus) + bias in double */
         int order[64];
         double key[64];
@@ -178,7 +178,7 @@ static void test_engram_params(void)
                                        16000133, 16000183};
     static const int64_t want_rows[2] = {384006168, 384016682};
     for (int s = 0; s < 2; s++) {
-        CHECK(mf_ref_engram_params(&c, s, m, p, o) == 0, "%s", mf_last_error());
+        CHECK(mf_ly_engram_params(&c, s, m, p, o) == 0, "%s", mf_last_error());
         for (int k = 0; k < 4; k++) CHECK(m[k] == want_m[s][k], "slot %d multiplier %d = %lld", s, k, (long long)m[k]);
         CHECK(o[0] == 0, "offsets start at 0");
         CHECK(o[23] + p[23] == want_rows[s], "slot %d rows %lld", s, (long long)(o[23] + p[23]));
@@ -193,17 +193,17 @@ static void test_fake_quant(void)
 {
     /* e2m1 with e8m0 scale: amax 3 -> scale 2^ceil(log2(0.5)) = 0.5; 0.3/0.5 = 0.6 -> 0.5 */
     float x[32] = {3.0f, 0.3f, -1.1f, 0.125f};
-    mf_ref_fq_e2m1_pow2(x, 32, 32);
+    mf_ly_fq_e2m1_pow2(x, 32, 32);
     CHECK(x[0] == 3.0f && x[1] == 0.25f && x[2] == -1.0f && x[3] == 0.0f, "fp4 pow2: %g %g %g %g",
           x[0], x[1], x[2], x[3]);
     /* e4m3 pow2: amax 448*3 -> scale 4; 1344/4 = 336 ties 320/352 -> 320 (even); 1000/4 = 250
      * -> 256 (step 16 in [128, 256)); 1/4 exact */
     float y[32] = {1344.0f, 1000.0f, 1.0f};
-    mf_ref_fq_e4m3_pow2(y, 32, 32);
+    mf_ly_fq_e4m3_pow2(y, 32, 32);
     CHECK(y[0] == 1280.0f && y[1] == 1024.0f && y[2] == 1.0f, "fp8 pow2: %g %g %g", y[0], y[1], y[2]);
     /* e2m1 with e4m3 scale: amax 6 -> scale 1 */
     float z[16] = {6.0f, 2.4f, 0.75f};
-    mf_ref_fq_e2m1_e4m3(z, 16, 16);
+    mf_ly_fq_e2m1_e4m3(z, 16, 16);
     CHECK(z[0] == 6.0f && z[1] == 2.0f && z[2] == 1.0f, "fp4 e4m3: %g %g %g", z[0], z[1], z[2]);
 }
 

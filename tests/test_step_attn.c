@@ -1,6 +1,7 @@
-/* The scheduled engine's row-split attention (graphs/step.c over ref_attn.c's phases) on the tiny
+/* The scheduled engine's row-split attention (graphs/step.c over layer_attn.c's phases) on the tiny
  * preset: each linear stage computed in row ranges (unaligned, across wo_a's groups, over several
- * items) gives the bits of the whole stage, on the oracle's double sums and on the kernels; the
+ * items) gives the bits of the whole stage, on contexts of both linear backends (graphs/layers.h:
+ * the oracle's double sums and the kernels); the
  * reference's per-item stage equals the row-range path bit for bit on the oracle and within 1e-5
  * on the kernels; the engine's logits (prefill + decode, batch 1 and 3) equal across 1, 2, 3, 5
  * and 8 workers (1 to 8 row parts per stage) and stay within the existing tolerance of the
@@ -13,7 +14,7 @@
 
 #include "graphs/model.h"
 #include "graphs/ref.h"
-#include "graphs/ref_internal.h"
+#include "graphs/layers.h"
 #include "graphs/step.h"
 #include "sched/error.h"
 #include "tests/check.h"
@@ -44,13 +45,13 @@ static double max_rel(const float *a, const float *b, int64_t n)
 }
 
 /* Every stage of every layer: row ranges against the whole, per-item reference against both. */
-static void test_stages(const mf_model *m, mf_ref *oracle, mf_ref *kern)
+static void test_stages(const mf_model *m, mf_ly_ctx *oracle, mf_ly_ctx *kern)
 {
     const mf_config *c = mf_model_config(m);
-    float *buf[MF_RA_N], *whole = NULL, *part = NULL;
-    int64_t ld[MF_RA_N], maxld = 0;
-    for (int b = 0; b < MF_RA_N; b++) {
-        ld[b] = mf_ref_attn_buf_len(c, b) + 5;   /* strides that are not the row length */
+    float *buf[MF_LY_A_N], *whole = NULL, *part = NULL;
+    int64_t ld[MF_LY_A_N], maxld = 0;
+    for (int b = 0; b < MF_LY_A_N; b++) {
+        ld[b] = mf_ly_attn_buf_len(c, b) + 5;   /* strides that are not the row length */
         maxld = ld[b] > maxld ? ld[b] : maxld;
         buf[b] = malloc(sizeof(float) * N_ITEMS * ld[b]);
         for (int64_t i = 0; i < N_ITEMS * ld[b]; i++) buf[b][i] = frand();
@@ -61,25 +62,25 @@ static void test_stages(const mf_model *m, mf_ref *oracle, mf_ref *kern)
     int n_lin = 0, n_grouped = 0;
     double worst_kern = 0;
     for (int L = 0; L < c->n_layers; L++)
-        for (int st = 0; st < MF_RA_N_STAGES; st++) {
-            mf_ref_attn_lin lin[MF_RA_MAX_LIN];
-            int n = mf_ref_attn_linears(oracle, L, st, lin);
-            CHECK(n >= 1 && n <= MF_RA_MAX_LIN, "layer %d stage %d: %d linears", L, st, n);
+        for (int st = 0; st < MF_LY_A_N_STAGES; st++) {
+            mf_ly_attn_lin lin[MF_LY_A_MAX_LIN];
+            int n = mf_ly_attn_linears(oracle->ly, L, st, lin);
+            CHECK(n >= 1 && n <= MF_LY_A_MAX_LIN, "layer %d stage %d: %d linears", L, st, n);
             for (int k = 0; k < n; k++) {
-                const mf_ref_attn_lin *l = &lin[k];
+                const mf_ly_attn_lin *l = &lin[k];
                 int64_t R = l->w->rows, lx = ld[l->x], ly = ld[l->y];
                 n_lin++;
                 n_grouped += l->groups > 0;
                 for (int kk = 0; kk < 2; kk++) {
-                    mf_ref *r = kk ? kern : oracle;
+                    mf_ly_ctx *r = kk ? kern : oracle;
                     memset(whole, 0, sizeof(float) * N_ITEMS * ly);
                     memset(part, 0, sizeof(float) * N_ITEMS * ly);
-                    CHECK(mf_ref_attn_lin_rows(r, l, buf[l->x], lx, whole, ly, N_ITEMS, 0, R) == 0, "%s: %s",
+                    CHECK(mf_ly_attn_lin_rows(r, l, buf[l->x], lx, whole, ly, N_ITEMS, 0, R) == 0, "%s: %s",
                           l->w->name, mf_last_error());
                     /* ranges of 1, 7, 13, ... rows: unaligned, crossing group boundaries */
                     for (int64_t a = 0, step = 1; a < R; step += 6) {
                         int64_t b = a + step < R ? a + step : R;
-                        CHECK(mf_ref_attn_lin_rows(r, l, buf[l->x], lx, part, ly, N_ITEMS, a, b) == 0, "%s rows", l->w->name);
+                        CHECK(mf_ly_attn_lin_rows(r, l, buf[l->x], lx, part, ly, N_ITEMS, a, b) == 0, "%s rows", l->w->name);
                         a = b;
                     }
                     int same = 1;
@@ -87,12 +88,12 @@ static void test_stages(const mf_model *m, mf_ref *oracle, mf_ref *kern)
                     CHECK(same, "layer %d %s (%s): row ranges differ from the whole", L, l->w->name, kk ? "kernels" : "oracle");
                     /* the reference's own call, item by item, on its buffers */
                     for (int t = 0; t < N_ITEMS; t++) {
-                        float *b[MF_RA_N];
-                        for (int q = 0; q < MF_RA_N; q++) b[q] = buf[q] + t * ld[q];
+                        float *b[MF_LY_A_N];
+                        for (int q = 0; q < MF_LY_A_N; q++) b[q] = buf[q] + t * ld[q];
                         float *keep = b[l->y];
                         b[l->y] = one;
                         /* the whole stage, this linear's output redirected */
-                        CHECK(mf_ref_attn_stage(oracle, L, st, b) == 0, "stage: %s", mf_last_error());
+                        CHECK(mf_ly_attn_stage(oracle, L, st, b) == 0, "stage: %s", mf_last_error());
                         b[l->y] = keep;
                         if (kk == 0)
                             CHECK(!memcmp(one, whole + t * ly, sizeof(float) * R), "layer %d %s item %d: the reference's "
@@ -107,7 +108,7 @@ static void test_stages(const mf_model *m, mf_ref *oracle, mf_ref *kern)
     CHECK(worst_kern < 1e-5, "kernel rows %.3g off the oracle's double sums", worst_kern);
     printf("stages: %d linears over %d layers, row ranges bit-identical; kernels %.3g off the oracle\n", n_lin,
            c->n_layers, worst_kern);
-    for (int b = 0; b < MF_RA_N; b++) free(buf[b]);
+    for (int b = 0; b < MF_LY_A_N; b++) free(buf[b]);
     free(whole);
     free(part);
     free(one);
@@ -191,14 +192,19 @@ int main(void)
     mf_model *m = NULL;
     CHECK(mf_model_load(dir, &(mf_model_opts){.quiet = 1}, &m) == 0, "load: %s", mf_last_error());
     if (!m) return mf_check_exit("test_step_attn");
-    mf_ref *oracle = NULL, *kern = NULL;
-    CHECK(mf_ref_new(m, NULL, &oracle) == 0 && mf_ref_new(m, NULL, &kern) == 0, "ref: %s", mf_last_error());
-    if (oracle && kern) {
-        kern->kern_linear = 1;
-        if (!MF_TEST_TSAN) test_stages(m, oracle, kern);   /* one thread: nothing for TSan */
+    /* the layer math on both backends over the oracle's tables */
+    mf_ref *oracle = NULL;
+    mf_ly_ctx *dbl = NULL, *kern = NULL;
+    CHECK(mf_ref_new(m, NULL, &oracle) == 0, "ref: %s", mf_last_error());
+    if (oracle)
+        CHECK(mf_ly_ctx_new(mf_ref_layers(oracle), MF_LY_LIN_DOUBLE, &dbl) == 0 &&
+                  mf_ly_ctx_new(mf_ref_layers(oracle), MF_LY_LIN_KERN, &kern) == 0, "contexts: %s", mf_last_error());
+    if (dbl && kern) {
+        if (!MF_TEST_TSAN) test_stages(m, dbl, kern);   /* one thread: nothing for TSan */
         test_engine(oracle, c.vocab_size);
     }
-    mf_ref_free(kern);
+    mf_ly_ctx_free(kern);
+    mf_ly_ctx_free(dbl);
     mf_ref_free(oracle);
     mf_model_free(m);
     return mf_check_exit("test_step_attn");

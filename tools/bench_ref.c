@@ -1,5 +1,5 @@
 /* `moeflow bench ref`: the reference code's scalar loops that the decode engine still runs (the
- * grouped wo_a and the gate through mf_ref_linear_rows, the hyper-connection mixes, bf16
+ * grouped wo_a and the gate through mf_ly_linear_rows, the hyper-connection mixes, bf16
  * roundings), in ns per unit, and with --profile their weights against the profile's
  * host_ref_macs_per_s: the ratios graphs/plan.c builds in (docs/sim.md "Weights"). */
 #include <errno.h>
@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "graphs/ref_internal.h"
+#include "graphs/layers.h"
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "sched/profile.h"
@@ -38,7 +38,7 @@ static double mf_br_dot_fp8(mf_br *b, size_t each)
     uint8_t *w = b->pool + (size_t)(b->k++ % (int)(MF_BR_POOL / each)) * each;
     mf_weight mw = {.kind = MF_W_FP8, .rows = 1024, .cols = 512, .data = w, .scale = w + 1024 * 512,
                     .block_rows = 32, .block_cols = 32};
-    mf_ref_linear_rows(NULL, &mw, 0, 1024, b->x, 512, 0, b->y);
+    mf_ly_linear_rows(NULL, &mw, 0, 1024, b->x, 512, 0, b->y);
     return 1024.0 * 512;
 }
 
@@ -46,11 +46,11 @@ static double mf_br_dot_bf16(mf_br *b, size_t each)
 {
     uint8_t *w = b->pool + (size_t)(b->k++ % (int)(MF_BR_POOL / each)) * each;
     mf_weight mw = {.kind = MF_W_BF16, .rows = 64, .cols = 1024, .data = w};
-    mf_ref_linear_rows(NULL, &mw, 0, 64, b->x, 1024, 0, b->y);
+    mf_ly_linear_rows(NULL, &mw, 0, 64, b->x, 1024, 0, b->y);
     return 64.0 * 1024;
 }
 
-/* mf_ref_hc_mixes' loop: rms-normalize 4096 inputs, 24 rows of fp32 weights summed in double */
+/* mf_ly_hc_mixes' loop: rms-normalize 4096 inputs, 24 rows of fp32 weights summed in double */
 static double mf_br_mix(mf_br *b, size_t each)
 {
     const uint8_t *w = b->pool + (size_t)(b->k++ % (int)(MF_BR_POOL / each)) * each;
@@ -100,7 +100,7 @@ int mf_bench_ref(int argc, char **argv)
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             printf("usage: moeflow bench ref [--profile P]\n\n"
                    "Times the reference loops the decode engine runs in plain C (one thread, weights\n"
-                   "out of cache): mf_ref_linear_rows over fp8 (1024 x 512, wo_a) and bf16 (64 x 1024,\n"
+                   "out of cache): mf_ly_linear_rows over fp8 (1024 x 512, wo_a) and bf16 (64 x 1024,\n"
                    "the gate) weights per multiply-add, the hyper-connection mixes' loop (24 x 4096\n"
                    "fp32) per multiply-add, one bf16 rounding of a random float. With --profile P, each\n"
                    "as a weight: its ns over P's host_ref ns per multiply-add (the ratios of\n"

@@ -1,12 +1,12 @@
-/* Numeric helpers of the reference forward: dequantizing matrix-vector products over every stored
- * weight kind, RMSNorm with the HF port's rounding, interleaved RoPE, the three fake
+/* Numeric helpers of the layer math (graphs/layers.h): matrix-vector products over every stored
+ * weight kind on a context's backend (double sums, or the kernels for resident FP8/BF16), RMSNorm with the HF port's rounding, interleaved RoPE, the three fake
  * quantizations of V4.1 (e4m3 pow2-scaled, e2m1 with e8m0 or e4m3 scales), activations. */
 #include <errno.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "graphs/ref_internal.h"
+#include "graphs/layers.h"
 #include "host/kernels.h"
 #include "sched/error.h"
 
@@ -25,21 +25,21 @@ static inline float mf_bf16_bits(const uint8_t *p)
     return f;
 }
 
-static void mf_ref_luts_fill(void)
+static void mf_ly_luts_fill(void)
 {
     for (int i = 0; i < 256; i++) mf_e4m3_lut[i] = mf_e4m3_to_f32((uint8_t)i);
     for (int i = 0; i < 16; i++) mf_e2m1_lut[i] = mf_e2m1_to_f32((uint8_t)i);
 }
 
 /* filled once per process, so separate forwards may run on separate threads */
-static void mf_ref_luts(void) { pthread_once(&mf_luts_once, mf_ref_luts_fill); }
+static void mf_ly_luts(void) { pthread_once(&mf_luts_once, mf_ly_luts_fill); }
 
 void mf_bf_n(float *x, int64_t n)
 {
     for (int64_t i = 0; i < n; i++) x[i] = mf_bf(x[i]);
 }
 
-float mf_ref_vec(const mf_weight *w, int64_t i)
+float mf_ly_vec(const mf_weight *w, int64_t i)
 {
     if (w->kind == MF_W_F32) {
         float v;
@@ -52,7 +52,7 @@ float mf_ref_vec(const mf_weight *w, int64_t i)
 }
 
 /* One output row: sum over cols [0, n) of W[row][col0 + k] * x[k], in double. */
-static double mf_ref_dot_row(const mf_weight *w, const uint8_t *data, const uint8_t *scale,
+static double mf_ly_dot_row(const mf_weight *w, const uint8_t *data, const uint8_t *scale,
                              int64_t row, int64_t col0, int64_t n, const float *x)
 {
     double acc = 0;
@@ -102,8 +102,8 @@ static double mf_ref_dot_row(const mf_weight *w, const uint8_t *data, const uint
     return acc;
 }
 
-/* Resident data of w, or a read of it into r's lazy buffers. */
-static int mf_ref_weight_bytes(mf_ref *r, const mf_weight *w, const uint8_t **data,
+/* Resident data of w, or a read of it into cx's lazy buffers. */
+static int mf_ly_weight_bytes(mf_ly_ctx *cx, const mf_weight *w, const uint8_t **data,
                                const uint8_t **scale)
 {
     if (w->data) {
@@ -111,68 +111,67 @@ static int mf_ref_weight_bytes(mf_ref *r, const mf_weight *w, const uint8_t **da
         *scale = w->scale;
         return 0;
     }
-    int rc = mf_model_weight_read(r->m, w, 0, w->rows, r->lazy_data, r->lazy_scale);
+    int rc = mf_model_weight_read(cx->ly->m, w, 0, w->rows, cx->lazy_data, cx->lazy_scale);
     if (rc) return rc;
-    *data = r->lazy_data;
-    *scale = r->lazy_scale;
+    *data = cx->lazy_data;
+    *scale = cx->lazy_scale;
     return 0;
 }
 
-int mf_ref_linear_rows(mf_ref *r, const mf_weight *w, int64_t row0, int64_t n, const float *x,
+int mf_ly_linear_rows(mf_ly_ctx *cx, const mf_weight *w, int64_t row0, int64_t n, const float *x,
                        int64_t x_cols, int64_t col0, float *y)
 {
-    mf_ref_luts();
+    mf_ly_luts();
     const uint8_t *data, *scale;
-    int rc = mf_ref_weight_bytes(r, w, &data, &scale);
+    int rc = mf_ly_weight_bytes(cx, w, &data, &scale);
     if (rc) return rc;
     for (int64_t i = 0; i < n; i++)
-        y[i] = (float)mf_ref_dot_row(w, data, scale, row0 + i, col0, x_cols, x);
+        y[i] = (float)mf_ly_dot_row(w, data, scale, row0 + i, col0, x_cols, x);
     return 0;
 }
 
-int mf_ref_linear_part(mf_ref *r, const mf_weight *w, int kern, const float *x, int n_tok, int64_t ld_x,
-                       float *y, int64_t ld_y, int64_t r0, int64_t r1)
+int mf_ly_linear_part(mf_ly_ctx *cx, const mf_weight *w, const float *x, int n_tok, int64_t ld_x, float *y, int64_t ld_y, int64_t r0, int64_t r1)
 {
     if (w->kind == MF_W_NONE || w->kind == MF_W_TABLE)
-        return mf_error(-EINVAL, "reference: %s is not a linear", w->name ? w->name : "(absent)");
+        return mf_error(-EINVAL, "layers: %s is not a linear", w->name ? w->name : "(absent)");
     if (r0 < 0 || r1 > w->rows || r0 > r1 || n_tok < 1)
-        return mf_error(-EINVAL, "reference: rows [%lld, %lld) of %s (%lld rows), %d inputs", (long long)r0,
+        return mf_error(-EINVAL, "layers: rows [%lld, %lld) of %s (%lld rows), %d inputs", (long long)r0,
                         (long long)r1, w->name ? w->name : "(unnamed)", (long long)w->rows, n_tok);
-    if (kern && w->data && w->cols % 32 == 0 &&
+    if (cx->lin == MF_LY_LIN_KERN && w->data && w->cols % 32 == 0 &&
         (w->kind == MF_W_BF16 || (w->kind == MF_W_FP8 && w->block_rows == 32 && w->block_cols == 32))) {
         mf_kern_mat m = {.fmt = w->kind == MF_W_BF16 ? MF_KERN_BF16 : MF_KERN_FP8, .w = w->data,
                          .scale = w->scale, .n_out = (int)w->rows, .n_in = (int)w->cols};
         return mf_kern_matmul(&m, &(mf_kern_in){x, n_tok, (int)ld_x, NULL}, y, (int)ld_y, (int)r0, (int)r1);
     }
     for (int t = 0; t < n_tok; t++) {
-        int rc = mf_ref_linear_rows(r, w, r0, r1 - r0, x + t * ld_x, w->cols, 0, y + t * ld_y + r0);
+        int rc = mf_ly_linear_rows(cx, w, r0, r1 - r0, x + t * ld_x, w->cols, 0, y + t * ld_y + r0);
         if (rc) return rc;
     }
     return 0;
 }
 
-int mf_ref_linear(mf_ref *r, const mf_weight *w, const float *x, float *y, int aq)
+int mf_ly_linear(mf_ly_ctx *cx, const mf_weight *w, const float *x, float *y, int aq)
 {
     if (w->kind == MF_W_NONE || w->kind == MF_W_TABLE)
-        return mf_error(-EINVAL, "reference: %s is not a linear", w->name ? w->name : "(absent)");
-    if (!aq) return mf_ref_linear_part(r, w, r->kern_linear, x, 1, w->cols, y, w->rows, 0, w->rows);
+        return mf_error(-EINVAL, "layers: %s is not a linear", w->name ? w->name : "(absent)");
+    if (!aq) return mf_ly_linear_part(cx, w, x, 1, w->cols, y, w->rows, 0, w->rows);
     if (aq && (w->kind == MF_W_FP8 || w->kind == MF_W_FP4)) {
-        memcpy(r->s_aq, x, (size_t)w->cols * sizeof *x);
-        mf_ref_fq_e4m3_pow2(r->s_aq, w->cols, 32);
-        x = r->s_aq;
+        memcpy(cx->aq, x, (size_t)w->cols * sizeof *x);
+        mf_ly_fq_e4m3_pow2(cx->aq, w->cols, 32);
+        x = cx->aq;
     }
-    return mf_ref_linear_rows(r, w, 0, w->rows, x, w->cols, 0, y);
+    return mf_ly_linear_rows(cx, w, 0, w->rows, x, w->cols, 0, y);
 }
 
-void mf_ref_rmsnorm(const float *x, int64_t n, const mf_weight *w, double eps, float *out)
+void mf_ly_rmsnorm(const float *x, int64_t n, const mf_weight *w, double eps, float *out)
 {
     double ss = 0;
     for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
     float rs = (float)(1.0 / sqrt(ss / (double)n + eps));
-    for (int64_t i = 0; i < n; i++) out[i] = mf_bf(mf_ref_vec(w, i) * mf_bf(x[i] * rs));
+    for (int64_t i = 0; i < n; i++) out[i] = mf_bf(mf_ly_vec(w, i) * mf_bf(x[i] * rs));
 }
 
-void mf_ref_rope(float *x, int n_pairs, const float *freqs, int64_t pos, int inverse)
+void mf_ly_rope(float *x, int n_pairs, const float *freqs, int64_t pos, int inverse)
 {
     for (int i = 0; i < n_pairs; i++) {
         float ang = (float)pos * freqs[i];
@@ -200,9 +199,9 @@ static float mf_block_amax(const float *x, int64_t n)
     return a;
 }
 
-void mf_ref_fq_e4m3_pow2(float *x, int64_t n, int block)
+void mf_ly_fq_e4m3_pow2(float *x, int64_t n, int block)
 {
-    mf_ref_luts();
+    mf_ly_luts();
     for (int64_t b0 = 0; b0 < n; b0 += block) {
         int64_t m = n - b0 < block ? n - b0 : block;
         float s = mf_pow2_ceil(fmaxf(mf_block_amax(x + b0, m), 1e-4f) * (1.0f / 448.0f));
@@ -213,9 +212,9 @@ void mf_ref_fq_e4m3_pow2(float *x, int64_t n, int block)
     }
 }
 
-void mf_ref_fq_e2m1_pow2(float *x, int64_t n, int block)
+void mf_ly_fq_e2m1_pow2(float *x, int64_t n, int block)
 {
-    mf_ref_luts();
+    mf_ly_luts();
     for (int64_t b0 = 0; b0 < n; b0 += block) {
         int64_t m = n - b0 < block ? n - b0 : block;
         float s = mf_pow2_ceil(fmaxf(mf_block_amax(x + b0, m), 6.0f * 0x1p-126f) / 6.0f);
@@ -226,9 +225,9 @@ void mf_ref_fq_e2m1_pow2(float *x, int64_t n, int block)
     }
 }
 
-void mf_ref_fq_e2m1_e4m3(float *x, int64_t n, int block)
+void mf_ly_fq_e2m1_e4m3(float *x, int64_t n, int block)
 {
-    mf_ref_luts();
+    mf_ly_luts();
     for (int64_t b0 = 0; b0 < n; b0 += block) {
         int64_t m = n - b0 < block ? n - b0 : block;
         /* amax/6 past e4m3's 448 would be NaN; clamped (reachable only with |x| > 2688) */
@@ -241,16 +240,16 @@ void mf_ref_fq_e2m1_e4m3(float *x, int64_t n, int block)
     }
 }
 
-float mf_ref_silu(float x) { return (float)((double)x / (1.0 + exp(-(double)x))); }
-float mf_ref_sigmoid(float x) { return (float)(1.0 / (1.0 + exp(-(double)x))); }
-float mf_ref_softplus(float x) { return x > 20.0f ? x : (float)log1p(exp((double)x)); }
+float mf_ly_silu(float x) { return (float)((double)x / (1.0 + exp(-(double)x))); }
+float mf_ly_sigmoid(float x) { return (float)(1.0 / (1.0 + exp(-(double)x))); }
+float mf_ly_softplus(float x) { return x > 20.0f ? x : (float)log1p(exp((double)x)); }
 
 static int mf_pick_cmp(const void *a, const void *b)
 {
-    const mf_ref_pick *x = a, *y = b;
+    const mf_ly_pick *x = a, *y = b;
     if (x->score > y->score) return -1;
     if (x->score < y->score) return 1;
     return (x->idx > y->idx) - (x->idx < y->idx);
 }
 
-void mf_ref_sort_picks(mf_ref_pick *p, int64_t n) { qsort(p, (size_t)n, sizeof *p, mf_pick_cmp); }
+void mf_ly_sort_picks(mf_ly_pick *p, int64_t n) { qsort(p, (size_t)n, sizeof *p, mf_pick_cmp); }

@@ -1,4 +1,4 @@
-/* Engram of the reference forward: n-gram hashing of the (token-mapped) history with the
+/* Engram (graphs/layers.h; the oracle's and the engine's): n-gram hashing of the (token-mapped) history with the
  * published multipliers (numpy default_rng(10007 * layer), reproduced here: SeedSequence, PCG64,
  * Lemire bounded integers) and primes (next unused primes above engram_vocab_size - 1), gather
  * and dequant of the 24 (in V4.1) table rows, the wkv projection, and the per-stream gate. */
@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "graphs/ref_internal.h"
+#include "graphs/layers.h"
 #include "host/store.h"
 #include "sched/error.h"
 
@@ -110,7 +110,7 @@ static int mf_is_prime(int64_t n)
     return 1;
 }
 
-int mf_ref_engram_params(const mf_config *c, int slot, int64_t *mult, int64_t *primes,
+int mf_ly_engram_params(const mf_config *c, int slot, int64_t *mult, int64_t *primes,
                          int64_t *offsets)
 {
     int ng = c->engram_max_ngram_size, nh = c->engram_n_heads, per = (ng - 1) * nh;
@@ -153,14 +153,14 @@ int mf_ref_engram_params(const mf_config *c, int slot, int64_t *mult, int64_t *p
     return 0;
 }
 
-int mf_ref_engram_setup(mf_ref *r)
+int mf_ly_engram_setup(mf_layers *ly)
 {
-    const mf_config *c = r->c;
+    const mf_config *c = ly->c;
     int per = (c->engram_max_ngram_size - 1) * c->engram_n_heads;
     for (int k = 0; k < c->n_engram; k++) {
-        int rc = mf_ref_engram_params(c, k, r->eg_mult[k], r->eg_prime[k], r->eg_off[k]);
+        int rc = mf_ly_engram_params(c, k, ly->eg_mult[k], ly->eg_prime[k], ly->eg_off[k]);
         if (rc) return rc;
-        int64_t need = r->eg_off[k][per - 1] + r->eg_prime[k][per - 1];
+        int64_t need = ly->eg_off[k][per - 1] + ly->eg_prime[k][per - 1];
         if (need > c->engram_num_embeddings[k])
             return mf_error(-EINVAL, "engram: layer %d's table has %" PRId64 " rows but its hash "
                             "primes address %" PRId64 " (engram_num_embeddings[%d] must be the sum "
@@ -170,56 +170,56 @@ int mf_ref_engram_setup(mf_ref *r)
     return 0;
 }
 
-int mf_ref_engram_embed(mf_ref *r, const mf_ref_item *it, int L, float *emb)
+int mf_ly_engram_embed(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *emb)
 {
-    const mf_config *c = r->c;
-    const mf_model_layer *y = mf_model_layer_at(r->m, L);
+    const mf_config *c = cx->ly->c;
+    const mf_model_layer *y = mf_model_layer_at(cx->ly->m, L);
     int slot = mf_config_engram_slot(c, L), ng = c->engram_max_ngram_size, nh = c->engram_n_heads;
     int d = c->engram_head_dim, per = (ng - 1) * nh;
-    int64_t pad = r->token_map[c->engram_pad_token_id];
+    int64_t pad = cx->ly->token_map[c->engram_pad_token_id];
     /* compressed ids of the look-back; blocked once the sequence start is passed */
     int64_t cid[8];
     for (int k = 0; k < ng; k++) {
         int64_t t = it->pos - k;
-        cid[k] = t >= 0 && (k == 0 || cid[k - 1] != -1) ? r->token_map[it->st->tokens[t]] : -1;
+        cid[k] = t >= 0 && (k == 0 || cid[k - 1] != -1) ? cx->ly->token_map[it->st->tokens[t]] : -1;
     }
     for (int k = 0; k < ng; k++)
         if (cid[k] < 0) cid[k] = pad;
-    uint64_t h = (uint64_t)cid[0] * (uint64_t)r->eg_mult[slot][0];
+    uint64_t h = (uint64_t)cid[0] * (uint64_t)cx->ly->eg_mult[slot][0];
     /* every row of this token first, then one batch of reads (the store's gatherer) or a read
      * per row */
     for (int i = 1; i < ng; i++) {
-        h ^= (uint64_t)cid[i] * (uint64_t)r->eg_mult[slot][i];
+        h ^= (uint64_t)cid[i] * (uint64_t)cx->ly->eg_mult[slot][i];
         for (int hd = 0; hd < nh; hd++) {
             int j = (i - 1) * nh + hd;
-            r->eg_rows[j] = (int64_t)(h % (uint64_t)r->eg_prime[slot][j]) + r->eg_off[slot][j];
+            cx->eg_rows[j] = (int64_t)(h % (uint64_t)cx->ly->eg_prime[slot][j]) + cx->ly->eg_off[slot][j];
         }
     }
     int sb = (d + 31) / 32;
-    struct mf_store *st = mf_model_store(r->m);
+    struct mf_store *st = mf_model_store(cx->ly->m);
     if (st) {
-        int rc = mf_store_gather(st, slot, r->eg_rows, per, r->eg_codes, r->eg_scales);
+        int rc = mf_store_gather(st, slot, cx->eg_rows, per, cx->eg_codes, cx->eg_scales);
         if (rc) return rc;
     } else {
         for (int j = 0; j < per; j++) {
-            int rc = mf_model_weight_read(r->m, &y->eg_table, r->eg_rows[j], 1,
-                                          r->eg_codes + (int64_t)j * d, r->eg_scales + (int64_t)j * sb);
+            int rc = mf_model_weight_read(cx->ly->m, &y->eg_table, cx->eg_rows[j], 1,
+                                          cx->eg_codes + (int64_t)j * d, cx->eg_scales + (int64_t)j * sb);
             if (rc) return rc;
         }
     }
     for (int j = 0; j < per; j++) {
-        const uint8_t *codes = r->eg_codes + (int64_t)j * d, *scales = r->eg_scales + (int64_t)j * sb;
+        const uint8_t *codes = cx->eg_codes + (int64_t)j * d, *scales = cx->eg_scales + (int64_t)j * sb;
         for (int e = 0; e < d; e++)
             emb[(int64_t)j * d + e] = mf_e4m3_to_f32(codes[e]) * mf_e8m0_to_f32(scales[e / 32]);
     }
-    if (r->opts.act_quant) mf_bf_n(emb, (int64_t)per * d);   /* REF: rows cast to bf16, then act-quant */
+    if (cx->ly->act_quant) mf_bf_n(emb, (int64_t)per * d);   /* REF: rows cast to bf16, then act-quant */
     return 0;
 }
 
-void mf_ref_engram_gate(mf_ref *r, mf_ref_item *it, int L, const float *kv)
+void mf_ly_engram_gate(mf_ly_ctx *cx, mf_ly_item *it, int L, const float *kv)
 {
-    const mf_config *c = r->c;
-    const mf_model_layer *y = mf_model_layer_at(r->m, L);
+    const mf_config *c = cx->ly->c;
+    const mf_model_layer *y = mf_model_layer_at(cx->ly->m, L);
     int hc = c->hc_mult;
     int64_t H = c->hidden_size;
     const float *value = kv + (int64_t)hc * H;
@@ -228,27 +228,27 @@ void mf_ref_engram_gate(mf_ref *r, mf_ref_item *it, int L, const float *kv)
         const float *key = kv + s * H;
         double sx = 0, sk = 0, dot = 0;
         for (int64_t e = 0; e < H; e++) {
-            float w = mf_ref_vec(&y->eg_q_weight, s * H + e) * mf_ref_vec(&y->eg_k_weight, s * H + e);
+            float w = mf_ly_vec(&y->eg_q_weight, s * H + e) * mf_ly_vec(&y->eg_k_weight, s * H + e);
             sx += (double)x[e] * x[e];
             sk += (double)key[e] * key[e];
             dot += (double)x[e] * w * key[e];
         }
         double rstd = 1.0 / sqrt(sx / (double)H + c->rms_norm_eps) / sqrt(sk / (double)H + c->rms_norm_eps);
         double g = dot * rstd / sqrt((double)H), a = fabs(g) > 1e-6 ? fabs(g) : 1e-6;
-        float gate = mf_ref_sigmoid((float)copysign(sqrt(a), g));
+        float gate = mf_ly_sigmoid((float)copysign(sqrt(a), g));
         for (int64_t e = 0; e < H; e++) x[e] = mf_bf(x[e] + gate * value[e]);
     }
 }
 
-int mf_ref_engram(mf_ref *r, mf_ref_item *it, int L)
+int mf_ly_engram(mf_ly_ctx *cx, mf_ly_item *it, int L)
 {
-    const mf_config *c = r->c;
-    float *emb = r->s[3], *kv = r->s[4];
-    int aq = r->opts.act_quant;
-    int rc = mf_ref_engram_embed(r, it, L, emb);
-    if (!rc) rc = mf_ref_linear(r, &mf_model_layer_at(r->m, L)->eg_wkv, emb, kv, aq);
+    const mf_config *c = cx->ly->c;
+    float *emb = cx->eg_emb, *kv = cx->eg_kv;
+    int aq = cx->ly->act_quant;
+    int rc = mf_ly_engram_embed(cx, it, L, emb);
+    if (!rc) rc = mf_ly_linear(cx, &mf_model_layer_at(cx->ly->m, L)->eg_wkv, emb, kv, aq);
     if (rc) return rc;
     if (aq) mf_bf_n(kv, (int64_t)(c->hc_mult + 1) * c->hidden_size);
-    mf_ref_engram_gate(r, it, L, kv);
+    mf_ly_engram_gate(cx, it, L, kv);
     return 0;
 }

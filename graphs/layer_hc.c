@@ -1,19 +1,19 @@
-/* Hyper-connections of the reference forward (V4.1 "single-pass" mHC): the mixes of the four
+/* Hyper-connections (graphs/layers.h; V4.1 "single-pass" mHC): the mixes of the four
  * residual streams (RMS-normalized, then projected: the HF port's order), their split into pre,
  * post and a Sinkhorn-normalized comb matrix, the collapse into a sublayer input and the expand
  * of its output back into the streams. */
 #include <string.h>
 
-#include "graphs/ref_internal.h"
+#include "graphs/layers.h"
 
-void mf_ref_hc_mixes(const mf_ref *r, const float *x, const mf_weight *fn, float *mixes)
+void mf_ly_hc_mixes(const mf_ly_ctx *cx, const float *x, const mf_weight *fn, float *mixes)
 {
-    const mf_config *c = r->c;
+    const mf_config *c = cx->ly->c;
     int64_t n = (int64_t)c->hc_mult * c->hidden_size;
     double ss = 0;
     for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
     float rs = (float)(1.0 / sqrt(ss / (double)n + c->rms_norm_eps));
-    float *xn = r->s[9];
+    float *xn = cx->hc_xn;
     for (int64_t i = 0; i < n; i++) xn[i] = x[i] * rs;
     int n_mix = (2 + c->hc_mult) * c->hc_mult;
     for (int k = 0; k < n_mix; k++) {
@@ -28,14 +28,14 @@ void mf_ref_hc_mixes(const mf_ref *r, const float *x, const mf_weight *fn, float
     }
 }
 
-void mf_ref_hc_split(const mf_config *c, const float *m, const float *scale, const float *base,
+void mf_ly_hc_split(const mf_config *c, const float *m, const float *scale, const float *base,
                      float *pre, float *post, float *comb)
 {
     int hc = c->hc_mult;
     float eps = (float)c->hc_eps;
     for (int i = 0; i < hc; i++) {
-        pre[i] = mf_ref_sigmoid(m[i] * scale[0] + base[i]) + eps;
-        post[i] = 2.0f * mf_ref_sigmoid(m[hc + i] * scale[1] + base[hc + i]);
+        pre[i] = mf_ly_sigmoid(m[i] * scale[0] + base[i]) + eps;
+        post[i] = 2.0f * mf_ly_sigmoid(m[hc + i] * scale[1] + base[hc + i]);
     }
     /* comb[i][j]: row i = source stream; softmax along j, + eps */
     for (int i = 0; i < hc; i++) {
@@ -67,18 +67,18 @@ void mf_ref_hc_split(const mf_config *c, const float *m, const float *scale, con
     }
 }
 
-void mf_ref_hc_split_w(const mf_config *c, const float *mixes, const mf_weight *scale,
+void mf_ly_hc_split_w(const mf_config *c, const float *mixes, const mf_weight *scale,
                        const mf_weight *base, float *pre, float *post, float *comb)
 {
-    float sc[3], b[(2 + MF_REF_MAX_HC) * MF_REF_MAX_HC];
-    for (int i = 0; i < 3; i++) sc[i] = mf_ref_vec(scale, i);
-    for (int i = 0; i < (2 + c->hc_mult) * c->hc_mult; i++) b[i] = mf_ref_vec(base, i);
-    mf_ref_hc_split(c, mixes, sc, b, pre, post, comb);
+    float sc[3], b[(2 + MF_LY_MAX_HC) * MF_LY_MAX_HC];
+    for (int i = 0; i < 3; i++) sc[i] = mf_ly_vec(scale, i);
+    for (int i = 0; i < (2 + c->hc_mult) * c->hc_mult; i++) b[i] = mf_ly_vec(base, i);
+    mf_ly_hc_split(c, mixes, sc, b, pre, post, comb);
 }
 
-void mf_ref_hc_collapse(const mf_ref *r, const float *x, const float *pre, float *h)
+void mf_ly_hc_collapse(const mf_ly_ctx *cx, const float *x, const float *pre, float *h)
 {
-    const mf_config *c = r->c;
+    const mf_config *c = cx->ly->c;
     int64_t H = c->hidden_size;
     for (int64_t d = 0; d < H; d++) {
         double acc = 0;
@@ -87,13 +87,13 @@ void mf_ref_hc_collapse(const mf_ref *r, const float *x, const float *pre, float
     }
 }
 
-void mf_ref_hc_expand(const mf_ref *r, float *x, const float *out, const float *post,
+void mf_ly_hc_expand(const mf_ly_ctx *cx, float *x, const float *out, const float *post,
                       const float *comb)
 {
-    const mf_config *c = r->c;
+    const mf_config *c = cx->ly->c;
     int64_t H = c->hidden_size;
     int hc = c->hc_mult;
-    float col[MF_REF_MAX_HC];
+    float col[MF_LY_MAX_HC];
     for (int64_t d = 0; d < H; d++) {
         for (int i = 0; i < hc; i++) col[i] = x[i * H + d];
         for (int j = 0; j < hc; j++) {
