@@ -26,6 +26,7 @@
 #include "sched/error.h"
 #include "sched/profile.h"
 #include "tools/commands.h"
+#include "tools/sim_common.h"
 
 static void mf_decode_usage(FILE *f)
 {
@@ -163,21 +164,6 @@ static void mf_emit_token(const mf_tok *tok, int32_t id, int first)
 }
 
 
-/* "2G", "512M", "4096" -> bytes; 0 on a malformed size. */
-static uint64_t mf_parse_size(const char *t)
-{
-    char *end;
-    errno = 0;
-    double v = strtod(t, &end);
-    if (errno || end == t || !(v > 0)) return 0;
-    double mul = 1;
-    if (*end == 'K' || *end == 'k') mul = 1024.0, end++;
-    else if (*end == 'M' || *end == 'm') mul = 1024.0 * 1024, end++;
-    else if (*end == 'G' || *end == 'g') mul = 1024.0 * 1024 * 1024, end++;
-    if (*end == 'i') end++;
-    if (*end == 'B') end++;
-    return *end ? 0 : (uint64_t)(v * mul);
-}
 
 static int mf_parse_store_mode(const char *t)
 {
@@ -495,7 +481,7 @@ int mf_cmd_decode(int argc, char **argv)
                 return 2;
             }
         } else if (!strcmp(a, "--store-budget") && hv) {
-            if (!(store_budget = mf_parse_size(argv[++i]))) {
+            if (!(store_budget = mf_tool_size(argv[++i]))) {
                 fprintf(stderr, "moeflow decode: --store-budget: expected a size such as 2G or 512M, found '%s'\n", argv[i]);
                 return 2;
             }
@@ -520,7 +506,7 @@ int mf_cmd_decode(int argc, char **argv)
                 return 2;
             }
         } else if (!strcmp(a, "--dev-cache") && hv) {
-            if (!(dev_cache = mf_parse_size(argv[++i]))) {
+            if (!(dev_cache = mf_tool_size(argv[++i]))) {
                 fprintf(stderr, "moeflow decode: --dev-cache: expected a size such as 2G or 512M, found '%s'\n", argv[i]);
                 return 2;
             }

@@ -27,6 +27,7 @@
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "tools/commands.h"
+#include "tools/sim_common.h"
 #include "tools/serve_req.h"
 
 /* ---- metrics ---------------------------------------------------------------------------------- */
@@ -693,20 +694,6 @@ static void mf_serve_usage(FILE *f)
             "  --quiet              no log lines on stderr\n");
 }
 
-static uint64_t mf_serve_size(const char *t)
-{
-    char *end;
-    errno = 0;
-    double x = strtod(t, &end);
-    if (errno || end == t || !(x > 0)) return 0;
-    double mul = 1;
-    if (*end == 'K' || *end == 'k') mul = 1024.0, end++;
-    else if (*end == 'M' || *end == 'm') mul = 1024.0 * 1024, end++;
-    else if (*end == 'G' || *end == 'g') mul = 1024.0 * 1024 * 1024, end++;
-    if (*end == 'i') end++;
-    if (*end == 'B') end++;
-    return *end ? 0 : (uint64_t)(x * mul);
-}
 
 static int mf_serve_long(const char *opt, const char *s, long lo, long hi, long *out)
 {
@@ -752,7 +739,7 @@ int mf_cmd_serve(int argc, char **argv)
             bad = strcmp(engine, "scheduled") && strcmp(engine, "reference");
             if (bad) fprintf(stderr, "moeflow serve: --engine: expected scheduled or reference, found '%s'\n", engine);
         } else if ((!strcmp(a, "--state-budget") || !strcmp(a, "--max-body")) && hv) {
-            uint64_t x = mf_serve_size(argv[++i]);
+            uint64_t x = mf_tool_size(argv[++i]);
             if (!x) {
                 fprintf(stderr, "moeflow serve: %s: expected a size such as 2G or 512M, found '%s'\n", a, argv[i]);
                 bad = 1;

@@ -1,5 +1,5 @@
-/* What `moeflow sim` and `moeflow tune` share (tools/sim_common.h): sizes on the command line, and
- * running the real scheduled engine with a simulation's settings (the measured side of the
+/* What the commands share (tools/sim_common.h): the size parser of every command line, and for
+ * `moeflow sim` and `tune` running the real scheduled engine with a simulation's settings (the measured side of the
  * simulator's predictions). */
 #include <errno.h>
 #include <stdint.h>
@@ -19,17 +19,21 @@
 uint64_t mf_tool_size(const char *s)
 {
     char *end;
+    errno = 0;
     double v = strtod(s, &end);
-    if (end == s || !(v > 0)) return 0;
+    if (errno || end == s || !(v > 0)) return 0;
     double m = 1;
-    if (!strcmp(end, "K") || !strcmp(end, "KiB") || !strcmp(end, "k")) m = 1024.0;
-    else if (!strcmp(end, "M") || !strcmp(end, "MiB")) m = 1048576.0;
-    else if (!strcmp(end, "G") || !strcmp(end, "GiB")) m = 1073741824.0;
-    else if (!strcmp(end, "T") || !strcmp(end, "TiB")) m = 1099511627776.0;
-    else if (*end) return 0;
-    return (uint64_t)(v * m);
+    switch (*end) {
+    case 'K': case 'k': m = 1024.0; end++; break;
+    case 'M': case 'm': m = 1048576.0; end++; break;
+    case 'G': case 'g': m = 1073741824.0; end++; break;
+    case 'T': case 't': m = 1099511627776.0; end++; break;
+    default: break;
+    }
+    if (*end == 'i' && m > 1) end++;
+    if (*end == 'B') end++;
+    return *end ? 0 : (uint64_t)(v * m);
 }
-
 
 int mf_tool_placement(const char *s)
 {

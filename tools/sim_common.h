@@ -10,7 +10,8 @@
 #include "graphs/step.h"
 #include "sched/profile.h"
 
-/* "2G", "512M", "64K", "1.5GiB", plain bytes; 1024-based. 0 for anything else (or zero). */
+/* "2G", "512M", "64k", "1.5GiB", "4GB", plain bytes; 1024-based (K, M, G, T in either case, then an
+ * optional "i" and "B"). 0 for anything else (or zero). The one size parser of every command. */
 uint64_t mf_tool_size(const char *s);
 
 /* The words of the options sim and tune share, as values; -1 for any other word. */
