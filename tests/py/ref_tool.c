@@ -4,8 +4,9 @@
  * one mf_ref_decode step at a time (each step feeds the argmax of the previous position's logits,
  * ties to the lower id). ENGINE "ref" (default) is the reference forward; "step" and "step-exact"
  * run the same prefill and decode steps (mf_step_forward, mf_step_decode) on the scheduled engine
- * (graphs/step.h, 2 workers) with its default int8 experts or with --exact's fp32 kernels. Over all T = len(IDS) + GEN positions it writes OUT_PREFIX.tokens
- * (i32 [T]: IDS, then the greedy tokens), OUT_PREFIX.logits (f32 [T, vocab]), OUT_PREFIX.routes
+ * (graphs/step.h, 2 workers) with its default int8 experts or with --exact's fp32 kernels.
+ * Over all T = len(IDS) + GEN positions it writes OUT_PREFIX.tokens (i32 [T]: IDS, then the
+ * greedy tokens), OUT_PREFIX.logits (f32 [T, vocab]), OUT_PREFIX.routes
  * (i32 [T, layers, experts_per_tok]), OUT_PREFIX.select (i32 [T, layers, index_topk], -1
  * padded; compressed entries attended) and OUT_PREFIX.cand (i32 [T, candidate_topk_blocks], -1
  * padded; candidate blocks kept at the candidate layer; absent without one). With "tok" the
@@ -62,7 +63,8 @@ static int dump(const char *prefix, const char *ext, const void *p, size_t n)
 int main(int argc, char **argv)
 {
     if (argc < 4) {
-        fprintf(stderr, "usage: ref_tool DIR IDS OUT_PREFIX [act_quant [tok|notok [GEN [ref|step|step-exact]]]]\n");
+        fprintf(stderr, "usage: ref_tool DIR IDS OUT_PREFIX "
+                        "[act_quant [tok|notok [GEN [ref|step|step-exact]]]]\n");
         return 2;
     }
     int32_t toks[4096];
