@@ -1,9 +1,12 @@
 /* Drives the reference forward for tests/py/check_ref.py and tests/conformance/model:
- * ref_tool DIR IDS OUT_PREFIX [act_quant [tok|notok [GEN]]] runs tokens IDS (comma separated)
- * through one layer-major forward, then, with GEN > 0, greedily decodes GEN more tokens one
- * mf_ref_decode step at a time (each step feeds the argmax of the previous position's logits,
- * ties to the lower id). Over all T = len(IDS) + GEN positions it writes OUT_PREFIX.tokens
- * (i32 [T]: IDS, then the greedy tokens), OUT_PREFIX.logits (f32 [T, vocab]), OUT_PREFIX.routes
+ * ref_tool DIR IDS OUT_PREFIX [act_quant [tok|notok [GEN [ENGINE]]]] runs tokens IDS (comma
+ * separated) through one layer-major forward, then, with GEN > 0, greedily decodes GEN more tokens
+ * one mf_ref_decode step at a time (each step feeds the argmax of the previous position's logits,
+ * ties to the lower id). ENGINE "ref" (default) is the reference forward; "step" and "step-exact"
+ * run the same prefill and decode steps (mf_step_forward, mf_step_decode) on the scheduled engine
+ * (graphs/step.h, 2 workers) with its default int8 experts or with --exact's fp32 kernels.
+ * Over all T = len(IDS) + GEN positions it writes OUT_PREFIX.tokens (i32 [T]: IDS, then the
+ * greedy tokens), OUT_PREFIX.logits (f32 [T, vocab]), OUT_PREFIX.routes
  * (i32 [T, layers, experts_per_tok]), OUT_PREFIX.select (i32 [T, layers, index_topk], -1
  * padded; compressed entries attended) and OUT_PREFIX.cand (i32 [T, candidate_topk_blocks], -1
  * padded; candidate blocks kept at the candidate layer; absent without one). With "tok" the
@@ -16,6 +19,7 @@
 #include "graphs/engram_map.h"
 #include "graphs/model.h"
 #include "graphs/ref.h"
+#include "graphs/step.h"
 #include "host/tokenizer.h"
 #include "sched/error.h"
 
@@ -59,7 +63,8 @@ static int dump(const char *prefix, const char *ext, const void *p, size_t n)
 int main(int argc, char **argv)
 {
     if (argc < 4) {
-        fprintf(stderr, "usage: ref_tool DIR IDS OUT_PREFIX [act_quant [tok|notok [GEN]]]\n");
+        fprintf(stderr, "usage: ref_tool DIR IDS OUT_PREFIX "
+                        "[act_quant [tok|notok [GEN [ref|step|step-exact]]]]\n");
         return 2;
     }
     int32_t toks[4096];
@@ -75,6 +80,12 @@ int main(int argc, char **argv)
         return 2;
     }
     int n = n_prompt + gen;
+    const char *engine = argc > 7 ? argv[7] : "ref";
+    int step = !strcmp(engine, "step") || !strcmp(engine, "step-exact");
+    if (!step && strcmp(engine, "ref")) {
+        fprintf(stderr, "ref_tool: engine '%s' (expected ref, step or step-exact)\n", engine);
+        return 2;
+    }
     mf_model *m;
     if (mf_model_load(argv[1], &(mf_model_opts){.quiet = 1}, &m)) {
         fprintf(stderr, "ref_tool: %s\n", mf_last_error());
@@ -110,12 +121,17 @@ int main(int argc, char **argv)
     }
     mf_ref *ref;
     mf_ref_state *s;
-    if (mf_ref_new(m, &o, &ref) || mf_ref_state_new(ref, n, &s)) {
+    mf_step *eng = NULL;
+    if (mf_ref_new(m, &o, &ref) || mf_ref_state_new(ref, n, &s) ||
+        (step && mf_step_new(ref, &(mf_step_opts){.n_threads = 2,
+                                                   .exact = !strcmp(engine, "step-exact")},
+                             &eng))) {
         fprintf(stderr, "ref_tool: %s\n", mf_last_error());
         return 1;
     }
     for (int i = 0; i < n; i++) st[i] = s, lg[i] = logits + (size_t)i * c->vocab_size;
-    if (mf_ref_forward(ref, st, toks, n_prompt, lg)) {
+    if (eng ? mf_step_forward(eng, st, toks, n_prompt, lg)
+            : mf_ref_forward(ref, st, toks, n_prompt, lg)) {
         fprintf(stderr, "ref_tool: %s\n", mf_last_error());
         return 1;
     }
@@ -125,7 +141,8 @@ int main(int argc, char **argv)
         for (int32_t v = 1; v < c->vocab_size; v++)
             if (prev[v] > prev[best]) best = v;
         toks[i] = best;
-        if (mf_ref_decode(ref, &s, &toks[i], 1, lg[i])) {
+        if (eng ? mf_step_decode(eng, &s, &toks[i], 1, lg[i])
+                : mf_ref_decode(ref, &s, &toks[i], 1, lg[i])) {
             fprintf(stderr, "ref_tool: decode step %d: %s\n", i - n_prompt, mf_last_error());
             return 1;
         }
@@ -135,6 +152,7 @@ int main(int argc, char **argv)
              dump(argv[3], "routes", r.routes, sizeof(int32_t) * (size_t)n * r.n_layers * r.k) ||
              dump(argv[3], "select", r.sel, sizeof(int32_t) * (size_t)n * r.n_layers * r.topk) ||
              (has_cand && dump(argv[3], "cand", r.cand, sizeof(int32_t) * (size_t)n * r.ncand));
+    mf_step_free(eng);
     mf_ref_state_free(s);
     mf_ref_free(ref);
     mf_model_free(m);
