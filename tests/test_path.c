@@ -97,6 +97,13 @@ static void check_gen(const char *base)
         snprintf(cmd, sizeof cmd, "'%s' decode --checkpoint '%s' --tokens 1,2,3 --max-new-tokens 2 "
                  "--quiet --trace '%s' >/dev/null", bin, p, f);
         CHECK(system(cmd) == 0 && is_file(f), "%s: no trace", cmd);
+        /* --output (JSON lines) and --record-routing into missing folders */
+        char g[2400];
+        snprintf(f, sizeof f, "%s/out/o/run.jsonl", base);
+        snprintf(g, sizeof g, "%s/out/r/route.trace", base);
+        snprintf(cmd, sizeof cmd, "'%s' decode --checkpoint '%s' --tokens 1,2,3 --max-new-tokens 2 "
+                 "--quiet --output '%s' --record-routing '%s' >/dev/null", bin, p, f, g);
+        CHECK(system(cmd) == 0 && is_file(f) && is_file(g), "%s: no output or routing trace", cmd);
     }
 }
 

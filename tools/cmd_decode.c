@@ -24,6 +24,7 @@
 #include "host/tokenizer.h"
 #include "sched/clock.h"
 #include "sched/error.h"
+#include "sched/path.h"
 #include "sched/profile.h"
 #include "tools/commands.h"
 #include "tools/sim_common.h"
@@ -612,6 +613,11 @@ int mf_cmd_decode(int argc, char **argv)
         sq[i].line = prompts_file ? lines[i] : prompt ? prompt : ids;
     }
     int max_batch = batch ? (int)batch : n_seq < MF_STEP_MAX_ITEMS ? n_seq : MF_STEP_MAX_ITEMS;
+    if (outfile && mf_path_make_parent(outfile)) {   /* missing folders are made, as mkdir -p */
+        fprintf(stderr, "moeflow decode: --output: %s\n", mf_last_error());
+        ret = 2;
+        goto out;
+    }
     if (outfile && !(outf = fopen(outfile, "w"))) {
         fprintf(stderr, "moeflow decode: --output %s: cannot open: %s\n", outfile, strerror(errno));
         ret = 2;
