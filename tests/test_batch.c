@@ -18,19 +18,9 @@
 #include "host/tokenizer.h"
 #include "sched/error.h"
 #include "tests/check.h"
+#include "tests/cli.h"
 #include "tests/tiny_ckpt.h"
 
-/* Under TSan only one greedy run and the threaded part run (the smallest that exercises it). */
-#if defined(__SANITIZE_THREAD__)
-#define MF_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define MF_TSAN 1
-#endif
-#endif
-#ifndef MF_TSAN
-#define MF_TSAN 0
-#endif
 
 #define N_REQ 8
 #define MAX_GEN 12
@@ -49,19 +39,6 @@ struct solo {
 typedef struct solo solo;
 static int run_solo(mf_ref *r, mf_step *e, solo *s, int max_gen, double temp, double top_p, uint64_t seed,
                     int ignore_eos);
-
-static int cli(const char *args, char *out, size_t cap)
-{
-    const char *bin = getenv("MOEFLOW_BIN");
-    if (!bin) return -1;
-    char cmd[8192];
-    snprintf(cmd, sizeof cmd, "%s %s%s", bin, args, strstr(args, "2>&1") ? "" : " 2>/dev/null");
-    FILE *p = popen(cmd, "r");
-    if (!p) return -1;
-    size_t n = fread(out, 1, cap - 1, p);
-    out[n] = 0;
-    return pclose(p);
-}
 
 /* `moeflow decode --prompts` with more lines than one batch (70 > 64), 4 at a time, under a budget
  * of 8 items: every line's tokens equal its solo run; --output has one object per line. */
@@ -97,7 +74,7 @@ static void test_cli(mf_ref *r, mf_step *e, const char *dir)
     if (f) fclose(f);
     snprintf(cmd, sizeof cmd, "decode --checkpoint %s --prompts %s --batch 4 --step-tokens 8 --max-new-tokens %d "
              "--ignore-eos --threads 2 --quiet --output %s", ids, pf, G, of);
-    CHECK(cli(cmd, out, sizeof out) == 0 && !strcmp(out, want), "decode --prompts of %d lines:\n%s\nwant\n%s", N,
+    CHECK(mf_test_cli(cmd, out, sizeof out) == 0 && !strcmp(out, want), "decode --prompts of %d lines:\n%s\nwant\n%s", N,
           out, want);
     f = fopen(of, "r");
     int lines = 0, ok = 0;
@@ -118,19 +95,19 @@ static void test_cli(mf_ref *r, mf_step *e, const char *dir)
     /* the progress line and the summary on stderr */
     snprintf(cmd, sizeof cmd, "decode --checkpoint %s --prompts %s --batch 8 --max-new-tokens 2 --threads 2 "
              "2>&1 >/dev/null", ids, pf);
-    CHECK(cli(cmd, out, sizeof out) == 0 && strstr(out, "70/70 done") && strstr(out, "tokens/s aggregate"),
+    CHECK(mf_test_cli(cmd, out, sizeof out) == 0 && strstr(out, "70/70 done") && strstr(out, "tokens/s aggregate"),
           "progress: '%s'", out);
     /* bench serve: both modes, the ratio line, the JSON */
     snprintf(cmd, sizeof cmd, "bench serve --checkpoint %s --requests 4 --concurrency 2 --prompt-tokens 3-9 "
              "--output-tokens 2-4 --warmup 0 --threads 2 --json", ids);
-    CHECK(cli(cmd, out, sizeof out) == 0 && strstr(out, "\"mode\":\"continuous\",\"concurrency\":2") &&
+    CHECK(mf_test_cli(cmd, out, sizeof out) == 0 && strstr(out, "\"mode\":\"continuous\",\"concurrency\":2") &&
           strstr(out, "\"mode\":\"static\"") && strstr(out, "\"itl_p99_s\":"), "bench serve --json: '%s'", out);
     snprintf(cmd, sizeof cmd, "bench serve --checkpoint %s --requests 3 --concurrency 1,3 --prompt-tokens 2-5 "
              "--output-tokens 2-3 --warmup 0 --threads 2", ids);
-    CHECK(cli(cmd, out, sizeof out) == 0 && strstr(out, "ratio           3"), "bench serve: '%s'", out);
+    CHECK(mf_test_cli(cmd, out, sizeof out) == 0 && strstr(out, "ratio           3"), "bench serve: '%s'", out);
     /* --max-new-tokens 0: prefill only, empty lines out */
     snprintf(cmd, sizeof cmd, "decode --checkpoint %s --tokens 1,2,3 --batch 2 --max-new-tokens 0 --quiet", ids);
-    CHECK(cli(cmd, out, sizeof out) == 0 && !strcmp(out, "[0] \n[1] \n"), "max-new-tokens 0: '%s'", out);
+    CHECK(mf_test_cli(cmd, out, sizeof out) == 0 && !strcmp(out, "[0] \n[1] \n"), "max-new-tokens 0: '%s'", out);
 }
 
 
@@ -420,7 +397,8 @@ int main(void)
     CHECK(mf_ref_new(m, NULL, &r) == 0, "ref: %s", mf_last_error());
     CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2}, &e) == 0, "step: %s", mf_last_error());
     if (!r || !e) return mf_check_exit("test_batch");
-    int tsan = MF_TSAN, n_req = tsan ? 4 : N_REQ;
+    int tsan = MF_TEST_TSAN,   /* TSan: one greedy run and the threaded part */
+        n_req = tsan ? 4 : N_REQ;
 
     solo so[N_REQ];
     for (int q = 0; q < N_REQ; q++) {

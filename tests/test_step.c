@@ -15,6 +15,7 @@
 #include "graphs/step.h"
 #include "sched/error.h"
 #include "tests/check.h"
+#include "tests/cli.h"
 #include "tests/tiny_ckpt.h"
 
 #define N_PROMPT 24
@@ -102,19 +103,6 @@ static void on_route(void *user, const void *seq, int64_t pos, int layer, const 
     l->n_calls += n;
     for (int k = 0; k < n; k++)
         if (ex[k] < 64 && !l->seen[ex[k]]++) l->distinct++;
-}
-
-static int cli(const char *args, char *out, size_t cap)
-{
-    const char *bin = getenv("MOEFLOW_BIN");
-    if (!bin) return -1;
-    char cmd[8192];
-    snprintf(cmd, sizeof cmd, "%s %s%s", bin, args, strstr(args, "2>&1") ? "" : " 2>/dev/null");
-    FILE *p = popen(cmd, "r");
-    if (!p) return -1;
-    size_t n = fread(out, 1, cap - 1, p);
-    out[n] = 0;
-    return pclose(p);
 }
 
 /* Other model shapes. 8 experts, top-4 (a batch of 3 routes 12 (item, expert) pairs onto at most
@@ -431,10 +419,10 @@ int main(void)
         for (int k = 0; k + 1 < N_DEC; k++) w += snprintf(want + w, sizeof want - w, " %d", greedy1[0][k + 1]);
         char a2[4096];
         snprintf(a2, sizeof a2, "%s --engine reference", args);
-        CHECK(cli(a2, out, sizeof out) == 0 && !strncmp(out, want, strlen(want)), "cli reference: '%s' want '%s'",
+        CHECK(mf_test_cli(a2, out, sizeof out) == 0 && !strncmp(out, want, strlen(want)), "cli reference: '%s' want '%s'",
               out, want);
         snprintf(a2, sizeof a2, "%s --exact --threads 2", args);
-        CHECK(cli(a2, out, sizeof out) == 0 && !strncmp(out, want, strlen(want)), "cli scheduled --exact: '%s' "
+        CHECK(mf_test_cli(a2, out, sizeof out) == 0 && !strncmp(out, want, strlen(want)), "cli scheduled --exact: '%s' "
               "want '%s'", out, want);
         /* a prompts file of three sequences, decoded as one batch: each line the reference's */
         char pf[1200], big[8192];
@@ -454,10 +442,10 @@ int main(void)
             for (int k = 0; k + 1 < N_DEC; k++) wb += snprintf(big + wb, sizeof big - wb, " %d", greedy3[q][k + 1]);
             wb += snprintf(big + wb, sizeof big - wb, "\n");
         }
-        CHECK(cli(a2, out, sizeof out) == 0 && !strcmp(out, big), "cli --prompts: '%s' want '%s'", out, big);
+        CHECK(mf_test_cli(a2, out, sizeof out) == 0 && !strcmp(out, big), "cli --prompts: '%s' want '%s'", out, big);
         snprintf(a2, sizeof a2, "decode --checkpoint %s --max-new-tokens 3 --batch 2 --tokens 5,6,7 --threads 2 2>&1",
                  g_dir);
-        CHECK(cli(a2, out, sizeof out) == 0 && strstr(out, "[1] ") && strstr(out, "tokens/s aggregate") &&
+        CHECK(mf_test_cli(a2, out, sizeof out) == 0 && strstr(out, "[1] ") && strstr(out, "tokens/s aggregate") &&
               strstr(out, "scheduled engine"), "cli --batch 2: '%s'", out);
         /* bench decode: both engines, json summary with phases, a trace file */
         char tr[1200];
@@ -465,12 +453,12 @@ int main(void)
         unlink(tr);
         snprintf(a2, sizeof a2, "bench decode --checkpoint %s --steps 2 --batch 2 --threads 2 --json --trace %s",
                  g_dir, tr);
-        CHECK(cli(a2, out, sizeof out) == 0 && strstr(out, "\"tokens_per_s\":") &&
+        CHECK(mf_test_cli(a2, out, sizeof out) == 0 && strstr(out, "\"tokens_per_s\":") &&
               strstr(out, "\"reference_tokens_per_s\":") && strstr(out, "\"phases\":{\"attention stack\":") &&
               strstr(out, "\"norm + head\":"), "bench decode --json: '%s'", out);
         CHECK(access(tr, R_OK) == 0, "bench decode --trace wrote no %s", tr);
         snprintf(a2, sizeof a2, "%s --engine bogus", args);
-        CHECK(cli(a2, out, sizeof out) == 2 * 256, "cli --engine bogus exits 2");
+        CHECK(mf_test_cli(a2, out, sizeof out) == 2 * 256, "cli --engine bogus exits 2");
     }
 
     free(ref1);

@@ -18,6 +18,7 @@
 #include "sched/error.h"
 #include "sched/sched.h"
 #include "tests/check.h"
+#include "tests/cli.h"
 #include "tests/tiny_ckpt.h"
 
 #define N_PROMPT 24
@@ -89,19 +90,6 @@ static int run(mf_ref *r, mf_step *e, mf_store *st, int n_seq, int32_t (*forced)
     free(step);
     for (int s = 0; s < n_seq; s++) mf_ref_state_free(sts[s]);
     return rc;
-}
-
-static int cli(const char *args, char *out, size_t cap)
-{
-    const char *bin = getenv("MOEFLOW_BIN");
-    if (!bin) return -1;
-    char cmd[8192];
-    snprintf(cmd, sizeof cmd, "%s %s 2>/dev/null", bin, args);
-    FILE *p = popen(cmd, "r");
-    if (!p) return -1;
-    size_t n = fread(out, 1, cap - 1, p);
-    out[n] = 0;
-    return pclose(p);
 }
 
 static mf_model *load_streamed(uint64_t budget)
@@ -250,10 +238,10 @@ int main(void)
         for (int i = 0; i < N_PROMPT; i++) o += snprintf(args + o, sizeof args - o, i ? ",%d" : "%d", p[i]);
         snprintf(tr, sizeof tr, "%s/cli_trace.json", g_dir);
         unlink(tr);
-        CHECK(cli(args, out, sizeof out) == 0 && out[0], "cli resident: '%s'", out);
+        CHECK(mf_test_cli(args, out, sizeof out) == 0 && out[0], "cli resident: '%s'", out);
         snprintf(a2, sizeof a2, "%s --store streamed --store-budget %llu --trace %s", args,
                  (unsigned long long)budgets[0], tr);
-        CHECK(cli(a2, out2, sizeof out2) == 0 && !strcmp(out, out2), "cli streamed: '%s' want '%s'", out2, out);
+        CHECK(mf_test_cli(a2, out2, sizeof out2) == 0 && !strcmp(out, out2), "cli streamed: '%s' want '%s'", out2, out);
         FILE *f = fopen(tr, "rb");
         char *buf = calloc(1, 1 << 24);
         size_t n = f && buf ? fread(buf, 1, (1 << 24) - 1, f) : 0;
