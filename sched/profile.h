@@ -1,7 +1,7 @@
 /* Hardware profiles: the rates and latencies of one machine's lanes (host threads and memory, the
  * disk, PCIe per card, the cards' kernels) in a small text format (docs/profiles.md), every figure
  * with its source beside it. `moeflow calibrate` writes one for the machine it runs on; the
- * simulator (graphs/plan.h) turns a profile into the cost models of a step's tasks. */
+ * simulator (graphs/sim/plan.h) turns a profile into the cost models of a step's tasks. */
 #ifndef MF_PROFILE_H
 #define MF_PROFILE_H
 

@@ -1,6 +1,6 @@
 /* One residency policy for every expert cache: n_items things (a (layer, expert) pair, numbered by
  * the caller) compete for n_slots slots. The host expert store (host/store.c), each card's expert
- * cache (device/expert_cache.c) and the simulator's mirror of both (graphs/plan.c) call it; they
+ * cache (device/expert_cache.c) and the simulator's mirror of both (graphs/sim/plan.c) call it; they
  * own the bytes the slots stand for, this module only decides which item holds which slot.
  *
  * Policies:

@@ -301,7 +301,7 @@ static void ddownload(mf_dev *d, int c, void *dst, const void *src, size_t n)
           mf_last_error());
 }
 
-/* The host path of the FFN, as graphs/step.c runs it (one worker: every row). */
+/* The host path of the FFN, as graphs/step/step.c runs it (one worker: every row). */
 static void host_ffn(const hmat *w1, const hmat *w3, const hmat *w2, const float *x, int T,
                      const float *tw, float lim, int int8, float *h, float *y)
 {

@@ -1,4 +1,4 @@
-/* Continuous batching (graphs/batch.h) on the tiny preset: every request's logits and tokens are
+/* Continuous batching (graphs/step/batch.h) on the tiny preset: every request's logits and tokens are
  * bit-identical to decoding it alone on a fresh state (greedy and seeded sampling), whatever its
  * neighbours, its join step and the token budget (chunked prefill mixed with decode, reused
  * states); the reference forward likewise; stop strings, EOS, cancel, queue and budget refusals;
@@ -10,11 +10,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "graphs/batch.h"
-#include "graphs/model.h"
-#include "graphs/ref.h"
-#include "graphs/sample.h"
-#include "graphs/step.h"
+#include "graphs/step/batch.h"
+#include "graphs/model/model.h"
+#include "graphs/ref/ref.h"
+#include "graphs/step/sample.h"
+#include "graphs/step/step.h"
 #include "host/tokenizer.h"
 #include "sched/error.h"
 #include "tests/check.h"

@@ -1,4 +1,4 @@
-/* Hardware calibration (graphs/hwcal.h, `moeflow calibrate`): a quick calibration with emulated
+/* Hardware calibration (graphs/calib/hwcal.h, `moeflow calibrate`): a quick calibration with emulated
  * cards writes a profile that loads, has a source for every figure and plausible values (not
  * speed: any machine passes); --json has every key; without cards every card figure is 0; bad
  * arguments fail with a message. */
@@ -10,7 +10,7 @@
 
 #include <jansson.h>
 
-#include "graphs/hwcal.h"
+#include "graphs/calib/hwcal.h"
 #include "sched/error.h"
 #include "sched/profile.h"
 #include "tests/check.h"

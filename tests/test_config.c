@@ -9,10 +9,10 @@
 
 #include <inttypes.h>
 
-#include "graphs/config.h"
-#include "graphs/engram_map.h"
-#include "graphs/model.h"
-#include "graphs/ref.h"
+#include "graphs/model/config.h"
+#include "graphs/model/engram_map.h"
+#include "graphs/model/model.h"
+#include "graphs/ref/ref.h"
 #include "host/tokenizer.h"
 #include "sched/error.h"
 #include "tests/check.h"

@@ -14,10 +14,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "graphs/census.h"
-#include "graphs/config.h"
-#include "graphs/gen.h"
-#include "graphs/layout.h"
+#include "graphs/model/census.h"
+#include "graphs/model/config.h"
+#include "graphs/gen/gen.h"
+#include "graphs/model/layout.h"
 #include "host/formats.h"
 #include "host/safetensors.h"
 #include "sched/error.h"

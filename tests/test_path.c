@@ -10,9 +10,9 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "graphs/config.h"
-#include "graphs/gen.h"
-#include "graphs/routing.h"
+#include "graphs/model/config.h"
+#include "graphs/gen/gen.h"
+#include "graphs/sim/routing.h"
 #include "sched/error.h"
 #include "sched/path.h"
 #include "sched/profile.h"

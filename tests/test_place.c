@@ -1,4 +1,4 @@
-/* Routed experts on emulated cards (graphs/step.h placements, device/expert_cache.h) against the
+/* Routed experts on emulated cards (graphs/step/step.h placements, device/expert_cache.h) against the
  * host path of the same engine on the tiny preset: prefill + 16 decode steps, batch 1 and 3, on
  * emu:1..4 with placements seed and hybrid, a streamed expert store, and a small cache that
  * evicts: logits bit for bit equal (the emulated kernels are the host's), cache counters that add
@@ -10,10 +10,10 @@
 #include <unistd.h>
 
 #include "device/dev.h"
-#include "graphs/gen.h"
-#include "graphs/model.h"
-#include "graphs/ref.h"
-#include "graphs/step.h"
+#include "graphs/gen/gen.h"
+#include "graphs/model/model.h"
+#include "graphs/ref/ref.h"
+#include "graphs/step/step.h"
 #include "sched/error.h"
 #include "sched/profile.h"
 #include "tests/check.h"

@@ -1,4 +1,4 @@
-/* The decode-step simulator (graphs/plan.h): task counts per lane against a hand count for the
+/* The decode-step simulator (graphs/sim/plan.h): task counts per lane against a hand count for the
  * tiny config, makespans worked out by hand on a profile where only the executor's overhead (and
  * then the head) costs anything, bit-identical repeats, cache counters that add up, the flash41
  * preset at full size without files, refusals of bad options, and the simulator's core pool. */
@@ -10,14 +10,14 @@
 #include <jansson.h>
 
 #include "device/dev.h"
-#include "graphs/config.h"
-#include "graphs/model.h"
-#include "graphs/plan.h"
-#include "graphs/ref.h"
-#include "graphs/layers.h"
-#include "graphs/step.h"
-#include "graphs/stepgraph.h"
-#include "graphs/routing.h"
+#include "graphs/model/config.h"
+#include "graphs/model/model.h"
+#include "graphs/sim/plan.h"
+#include "graphs/ref/ref.h"
+#include "graphs/layers/layers.h"
+#include "graphs/step/step.h"
+#include "graphs/step/stepgraph.h"
+#include "graphs/sim/routing.h"
 #include "sched/error.h"
 #include "sched/graph.h"
 #include "sched/sim.h"

@@ -11,12 +11,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "graphs/engram_map.h"
-#include "graphs/gen.h"
-#include "graphs/model.h"
-#include "graphs/ref.h"
-#include "graphs/layers.h"
-#include "graphs/sample.h"
+#include "graphs/model/engram_map.h"
+#include "graphs/gen/gen.h"
+#include "graphs/model/model.h"
+#include "graphs/ref/ref.h"
+#include "graphs/layers/layers.h"
+#include "graphs/step/sample.h"
 #include "host/tokenizer.h"
 #include "sched/clock.h"
 #include "sched/error.h"

@@ -1,4 +1,4 @@
-/* Routing for simulation (graphs/routing.h): draws are distinct, in range and deterministic per
+/* Routing for simulation (graphs/sim/routing.h): draws are distinct, in range and deterministic per
  * seed (and independent of batching); Zipf frequencies match their exact expectation; traces
  * recorded from several threads replay in recorded order; mismatched and malformed traces and
  * bad specs are refused with the path, line and what is wrong; `moeflow decode --record-routing`
@@ -11,10 +11,10 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "graphs/config.h"
-#include "graphs/model.h"
-#include "graphs/ref.h"
-#include "graphs/routing.h"
+#include "graphs/model/config.h"
+#include "graphs/model/model.h"
+#include "graphs/ref/ref.h"
+#include "graphs/sim/routing.h"
 #include "sched/error.h"
 #include "tests/check.h"
 

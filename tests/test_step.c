@@ -1,4 +1,4 @@
-/* The scheduled engine (graphs/step.h) on the tiny preset against the reference forward: logits of
+/* The scheduled engine (graphs/step/step.h) on the tiny preset against the reference forward: logits of
  * prefill + teacher-forced decode, batch 1 and 3, on the fp32 kernel path (--exact) and the int8
  * path; greedy tokens; bit-identical logits across 1, 2, 4 workers, pinned workers and repeated
  * runs; expert slots shared by several tokens; serial vs per-item graphs; a second model shape
@@ -9,10 +9,10 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "graphs/gen.h"
-#include "graphs/model.h"
-#include "graphs/ref.h"
-#include "graphs/step.h"
+#include "graphs/gen/gen.h"
+#include "graphs/model/model.h"
+#include "graphs/ref/ref.h"
+#include "graphs/step/step.h"
 #include "sched/error.h"
 #include "tests/check.h"
 #include "tests/cli.h"

@@ -1,6 +1,6 @@
-/* The scheduled engine's row-split attention (graphs/step.c over layer_attn.c's phases) on the tiny
+/* The scheduled engine's row-split attention (graphs/step/step.c over layer_attn.c's phases) on the tiny
  * preset: each linear stage computed in row ranges (unaligned, across wo_a's groups, over several
- * items) gives the bits of the whole stage, on contexts of both linear backends (graphs/layers.h:
+ * items) gives the bits of the whole stage, on contexts of both linear backends (graphs/layers/layers.h:
  * the oracle's double sums and the kernels); the
  * reference's per-item stage equals the row-range path bit for bit on the oracle and within 1e-5
  * on the kernels; the engine's logits (prefill + decode, batch 1 and 3) equal across 1, 2, 3, 5
@@ -12,10 +12,10 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "graphs/model.h"
-#include "graphs/ref.h"
-#include "graphs/layers.h"
-#include "graphs/step.h"
+#include "graphs/model/model.h"
+#include "graphs/ref/ref.h"
+#include "graphs/layers/layers.h"
+#include "graphs/step/step.h"
 #include "sched/error.h"
 #include "tests/check.h"
 #include "tests/tiny_ckpt.h"

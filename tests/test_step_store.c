@@ -1,4 +1,4 @@
-/* The scheduled engine (graphs/step.h) streaming its experts through the expert store (host/store.h)
+/* The scheduled engine (graphs/step/step.h) streaming its experts through the expert store (host/store.h)
  * on the tiny preset: bit-identical logits to the engine on a resident model for prefill + 16
  * decode steps, batch 1 and 3, with 1, 2 and 4 workers, under budgets that force misses every
  * step; store counters add up; IO-lane reads appear in the step's timeline; budgets too small are
@@ -10,10 +10,10 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "graphs/gen.h"
-#include "graphs/model.h"
-#include "graphs/ref.h"
-#include "graphs/step.h"
+#include "graphs/gen/gen.h"
+#include "graphs/model/model.h"
+#include "graphs/ref/ref.h"
+#include "graphs/step/step.h"
 #include "host/store.h"
 #include "sched/error.h"
 #include "sched/sched.h"

@@ -10,10 +10,10 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "graphs/config.h"
-#include "graphs/gen.h"
-#include "graphs/model.h"
-#include "graphs/ref.h"
+#include "graphs/model/config.h"
+#include "graphs/gen/gen.h"
+#include "graphs/model/model.h"
+#include "graphs/ref/ref.h"
 #include "host/store.h"
 #include "sched/error.h"
 #include "sched/sched.h"

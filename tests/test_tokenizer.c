@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "graphs/engram_map.h"
+#include "graphs/model/engram_map.h"
 #include "host/tokenizer.h"
 #include "sched/error.h"
 

@@ -6,7 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "graphs/gen.h"
+#include "graphs/gen/gen.h"
 #include "sched/error.h"
 
 /* The directory goes to dir[0..n). Returns 0, or 1 with the reason on stderr. */

@@ -9,10 +9,10 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "graphs/model.h"
-#include "graphs/ref.h"
-#include "graphs/sample.h"
-#include "graphs/step.h"
+#include "graphs/model/model.h"
+#include "graphs/ref/ref.h"
+#include "graphs/step/sample.h"
+#include "graphs/step/step.h"
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "tools/commands.h"

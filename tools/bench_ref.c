@@ -1,7 +1,7 @@
 /* `moeflow bench ref`: the reference code's scalar loops that the decode engine still runs (the
  * grouped wo_a and the gate through mf_ly_linear_rows, the hyper-connection mixes, bf16
  * roundings), in ns per unit, and with --profile their weights against the profile's
- * host_ref_macs_per_s: the ratios graphs/plan.c builds in (docs/sim.md "Weights"). */
+ * host_ref_macs_per_s: the ratios graphs/sim/plan.c builds in (docs/sim.md "Weights"). */
 #include <errno.h>
 #include <math.h>
 #include <stdint.h>
@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "graphs/layers.h"
+#include "graphs/layers/layers.h"
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "sched/profile.h"
@@ -104,7 +104,7 @@ int mf_bench_ref(int argc, char **argv)
                    "the gate) weights per multiply-add, the hyper-connection mixes' loop (24 x 4096\n"
                    "fp32) per multiply-add, one bf16 rounding of a random float. With --profile P, each\n"
                    "as a weight: its ns over P's host_ref ns per multiply-add (the ratios of\n"
-                   "graphs/plan.c; run it right after moeflow calibrate).\n");
+                   "graphs/sim/plan.c; run it right after moeflow calibrate).\n");
             return 0;
         } else if (!strcmp(argv[i], "--profile") && i + 1 < argc) {
             prof_path = argv[++i];

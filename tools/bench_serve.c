@@ -1,5 +1,5 @@
 /* `moeflow bench serve`: one mixed-length workload (seeded prompt and output lengths) run by C
- * closed-loop clients, first through the continuous batcher (graphs/batch.h), then through static
+ * closed-loop clients, first through the continuous batcher (graphs/step/batch.h), then through static
  * batching (today's `decode --batch`: C sequences prefilled one after another, decoded together
  * until the last one ends, then the next C), in the same run. Prints aggregate tokens/s, time to
  * first token and inter-token latency (p50/p99) per mode and concurrency, and the ratio. */
@@ -10,11 +10,11 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "graphs/batch.h"
-#include "graphs/model.h"
-#include "graphs/ref.h"
-#include "graphs/sample.h"
-#include "graphs/step.h"
+#include "graphs/step/batch.h"
+#include "graphs/model/model.h"
+#include "graphs/ref/ref.h"
+#include "graphs/step/sample.h"
+#include "graphs/step/step.h"
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "tools/commands.h"

@@ -1,4 +1,4 @@
-/* `moeflow calibrate`: measures this machine (graphs/hwcal.h) and prints the hardware profile it
+/* `moeflow calibrate`: measures this machine (graphs/calib/hwcal.h) and prints the hardware profile it
  * makes (sched/profile.h), writing it with --out; the simulator (`moeflow sim --profile`) reads
  * it. docs/profiles.md describes the format and how each figure is measured. */
 #include <errno.h>
@@ -7,7 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "graphs/hwcal.h"
+#include "graphs/calib/hwcal.h"
 #include "sched/error.h"
 #include "sched/profile.h"
 #include "tools/commands.h"

@@ -1,5 +1,5 @@
-/* `moeflow decode`: decodes on a checkpoint with the scheduled engine (graphs/step.h, default) or
- * the plain reference forward (graphs/ref.h): prefill of one prompt or a batch of prompts (text
+/* `moeflow decode`: decodes on a checkpoint with the scheduled engine (graphs/step/step.h, default) or
+ * the plain reference forward (graphs/ref/ref.h): prefill of one prompt or a batch of prompts (text
  * through the checkpoint's tokenizer.json, or token ids), then greedy or seeded temperature/top-p
  * decoding of all sequences at once, streamed (one sequence) or printed per sequence, ending with
  * prefill and aggregate decode tokens/s. */
@@ -13,13 +13,13 @@
 #include "device/dev.h"
 #include <jansson.h>
 
-#include "graphs/batch.h"
-#include "graphs/engram_map.h"
-#include "graphs/model.h"
-#include "graphs/ref.h"
-#include "graphs/routing.h"
-#include "graphs/sample.h"
-#include "graphs/step.h"
+#include "graphs/step/batch.h"
+#include "graphs/model/engram_map.h"
+#include "graphs/model/model.h"
+#include "graphs/ref/ref.h"
+#include "graphs/sim/routing.h"
+#include "graphs/step/sample.h"
+#include "graphs/step/step.h"
 #include "host/store.h"
 #include "host/tokenizer.h"
 #include "sched/clock.h"
@@ -44,7 +44,7 @@ static void mf_decode_usage(FILE *f)
             "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
             "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
             "one thread: the correctness oracle). Every prompt goes through the continuous batcher\n"
-            "(graphs/batch.h, docs/serve.md): up to B sequences per step, each step a decode token\n"
+            "(graphs/step/batch.h, docs/serve.md): up to B sequences per step, each step a decode token\n"
             "of every running sequence plus prefill chunks of new ones under --step-tokens; a\n"
             "finished sequence's place goes to the next prompt at the next step. Each sequence's\n"
             "tokens are the ones it gets decoded alone. One sequence is streamed: text when DIR has\n"

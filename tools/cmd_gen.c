@@ -5,8 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "graphs/config.h"
-#include "graphs/gen.h"
+#include "graphs/model/config.h"
+#include "graphs/gen/gen.h"
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "tools/commands.h"

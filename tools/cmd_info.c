@@ -8,9 +8,9 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "graphs/census.h"
-#include "graphs/config.h"
-#include "graphs/layout.h"
+#include "graphs/model/census.h"
+#include "graphs/model/config.h"
+#include "graphs/model/layout.h"
 #include "host/safetensors.h"
 #include "sched/error.h"
 #include "tools/commands.h"

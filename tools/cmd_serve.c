@@ -1,5 +1,5 @@
 /* `moeflow serve`: an OpenAI-compatible HTTP API (libmicrohttpd, a thread per connection) over the
- * continuous batcher (graphs/batch.h), stepped by one thread. Requests are parsed by
+ * continuous batcher (graphs/step/batch.h), stepped by one thread. Requests are parsed by
  * tools/serve_req.c; each becomes a job that the batcher's events fill (text, tokens, the end) and
  * the connection drains, as one JSON response or as server-sent events. docs/serve.md. */
 #define _GNU_SOURCE
@@ -18,11 +18,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "graphs/batch.h"
-#include "graphs/engram_map.h"
-#include "graphs/model.h"
-#include "graphs/ref.h"
-#include "graphs/step.h"
+#include "graphs/step/batch.h"
+#include "graphs/model/engram_map.h"
+#include "graphs/model/model.h"
+#include "graphs/ref/ref.h"
+#include "graphs/step/step.h"
 #include "host/tokenizer.h"
 #include "sched/clock.h"
 #include "sched/error.h"

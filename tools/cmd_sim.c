@@ -1,7 +1,7 @@
 /* `moeflow sim`: simulates decode steps of the scheduled engine on a hardware profile
- * (graphs/plan.h): the predicted per-token time, the phase table, each lane's busy share and the
+ * (graphs/sim/plan.h): the predicted per-token time, the phase table, each lane's busy share and the
  * bottleneck, the caches, the Chrome trace of the last step. --measure also runs the real engine
- * (graphs/step.h) with the same settings on this machine and prints measured vs predicted. */
+ * (graphs/step/step.h) with the same settings on this machine and prints measured vs predicted. */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -9,13 +9,13 @@
 #include <string.h>
 
 #include "device/dev.h"
-#include "graphs/config.h"
-#include "graphs/model.h"
-#include "graphs/plan.h"
-#include "graphs/ref.h"
-#include "graphs/routing.h"
-#include "graphs/sample.h"
-#include "graphs/step.h"
+#include "graphs/model/config.h"
+#include "graphs/model/model.h"
+#include "graphs/sim/plan.h"
+#include "graphs/ref/ref.h"
+#include "graphs/sim/routing.h"
+#include "graphs/step/sample.h"
+#include "graphs/step/step.h"
 #include "sched/error.h"
 #include "sched/profile.h"
 #include "tools/commands.h"
@@ -31,7 +31,7 @@ static void mf_sim_usage(FILE *f)
             "                   [--dev-cache SIZE] [--cache-policy lfu|lru] [--read-window N]\n"
             "                   [--copy-slots N] [--dev-task-ns NS] [--dev-graphs] [--trace FILE] [--json]\n"
             "                   [--measure]\n\n"
-            "Simulates decode steps of the scheduled engine (graphs/step.c's graph, docs/sim.md) on the\n"
+            "Simulates decode steps of the scheduled engine (graphs/step/step.c's graph, docs/sim.md) on the\n"
             "hardware profile P: --warmup steps (default 2) warm the caches, then --steps (default 8)\n"
             "are reported: predicted time per token, the phase table, each lane's work and busy share,\n"
             "the bottleneck lane, the expert caches. Only the checkpoint's config.json is read (the\n"

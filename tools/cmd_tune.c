@@ -1,6 +1,6 @@
 /* `moeflow tune`: sweeps the engine's strategy knobs (placement, batch, threads per socket, read
  * window, copy slots, device cache size and policy, host store budget) through the simulator
- * (graphs/plan.h) on a hardware profile, or for real on this machine (--real), and prints the
+ * (graphs/sim/plan.h) on a hardware profile, or for real on this machine (--real), and prints the
  * settings ranked, the best one, and the lane that bounds it. */
 #include <errno.h>
 #include <inttypes.h>
@@ -9,9 +9,9 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "graphs/config.h"
-#include "graphs/plan.h"
-#include "graphs/routing.h"
+#include "graphs/model/config.h"
+#include "graphs/sim/plan.h"
+#include "graphs/sim/routing.h"
 #include "sched/error.h"
 #include "sched/profile.h"
 #include "tools/commands.h"
@@ -48,7 +48,7 @@ static void mf_tune_usage(FILE *f)
             "                    [--routing R] [--seed S] [--context N] [--steps N] [--warmup N]\n"
             "                    [--objective throughput|latency] [--top N] [--json]\n\n"
             "Tries every combination of the knobs' values (LIST: comma-separated, e.g. --batch 1,4,16)\n"
-            "in the simulator (graphs/plan.h, as `moeflow sim`) on the hardware profile P and prints them\n"
+            "in the simulator (graphs/sim/plan.h, as `moeflow sim`) on the hardware profile P and prints them\n"
             "ranked, the best setting, and why: the lane that bounds it and how busy it is.\n"
             "Knobs not given are swept over defaults that fit the profile and the options:\n"
             "  --placement         host, plus seed and hybrid when the profile has cards\n"

@@ -8,11 +8,11 @@
 #include <string.h>
 
 #include "device/dev.h"
-#include "graphs/model.h"
-#include "graphs/plan.h"
-#include "graphs/ref.h"
-#include "graphs/sample.h"
-#include "graphs/step.h"
+#include "graphs/model/model.h"
+#include "graphs/sim/plan.h"
+#include "graphs/ref/ref.h"
+#include "graphs/step/sample.h"
+#include "graphs/step/step.h"
 #include "sched/error.h"
 #include "tools/sim_common.h"
 

@@ -1,13 +1,13 @@
 /* What `moeflow sim` and `moeflow tune` share: sizes on the command line and running the real
- * scheduled engine (graphs/step.h) with a simulation's settings (graphs/plan.h) on this machine. */
+ * scheduled engine (graphs/step/step.h) with a simulation's settings (graphs/sim/plan.h) on this machine. */
 #ifndef MF_SIM_COMMON_H
 #define MF_SIM_COMMON_H
 
 #include <stdint.h>
 
-#include "graphs/config.h"
-#include "graphs/plan.h"
-#include "graphs/step.h"
+#include "graphs/model/config.h"
+#include "graphs/sim/plan.h"
+#include "graphs/step/step.h"
 #include "sched/profile.h"
 
 /* "2G", "512M", "64k", "1.5GiB", "4GB", plain bytes; 1024-based (K, M, G, T in either case, then an

@@ -4,7 +4,7 @@
  * one mf_ref_decode step at a time (each step feeds the argmax of the previous position's logits,
  * ties to the lower id). ENGINE "ref" (default) is the reference forward; "step" and "step-exact"
  * run the same prefill and decode steps (mf_step_forward, mf_step_decode) on the scheduled engine
- * (graphs/step.h, 2 workers) with its default int8 experts or with --exact's fp32 kernels.
+ * (graphs/step/step.h, 2 workers) with its default int8 experts or with --exact's fp32 kernels.
  * Over all T = len(IDS) + GEN positions it writes OUT_PREFIX.tokens (i32 [T]: IDS, then the
  * greedy tokens), OUT_PREFIX.logits (f32 [T, vocab]), OUT_PREFIX.routes
  * (i32 [T, layers, experts_per_tok]), OUT_PREFIX.select (i32 [T, layers, index_topk], -1
@@ -16,10 +16,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "graphs/engram_map.h"
-#include "graphs/model.h"
-#include "graphs/ref.h"
-#include "graphs/step.h"
+#include "graphs/model/engram_map.h"
+#include "graphs/model/model.h"
+#include "graphs/ref/ref.h"
+#include "graphs/step/step.h"
 #include "host/tokenizer.h"
 #include "sched/error.h"
 

@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "graphs/engram_map.h"
+#include "graphs/model/engram_map.h"
 #include "host/tokenizer.h"
 #include "sched/error.h"
 

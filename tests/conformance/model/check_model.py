@@ -1,4 +1,4 @@
-"""moeflow's reference forward (graphs/ref.h) and its scheduled engine (graphs/step.h, the default
+"""moeflow's reference forward (graphs/ref/ref.h) and its scheduled engine (graphs/step/step.h, the default
 `moeflow decode` engine, with --exact and with its default int8 experts), all three through
 $MOEFLOW_BUILD/ref_tool, against NVIDIA NeMo AutoModel's DeepSeek-V4.1 port
 (nemo_automodel/components/models/deepseek_v41 of nemo-automodel 0.7.0, a training port of

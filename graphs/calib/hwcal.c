@@ -1,0 +1,697 @@
+/* Hardware calibration, host side (graphs/calib/hwcal.h): topology (hwloc), kernel rates of one thread
+ * for each family with weights out of cache, plain scalar code in the reference's style, streaming
+ * memory bandwidth of one socket's threads, the executor's cost per task; and mf_hwcal_run, which
+ * runs every phase (disk: hwcal_io.c, cards: hwcal_dev.c) into one profile. */
+#define _GNU_SOURCE
+#include "graphs/calib/hwcal_impl.h"
+
+#include <errno.h>
+#include <hwloc.h>
+#include <immintrin.h>
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "host/kernels.h"
+#include "sched/clock.h"
+#include "sched/error.h"
+#include "sched/graph.h"
+#include "sched/sched.h"
+
+/* ---- shared helpers -------------------------------------------------------------------------- */
+
+void mf_hwcal_host_date(char *buf, int cap)
+{
+    char host[64] = "unknown-host";
+    gethostname(host, sizeof host - 1);
+    host[sizeof host - 1] = '\0';
+    time_t t = time(NULL);
+    struct tm tm;
+    gmtime_r(&t, &tm);
+    char date[32];
+    strftime(date, sizeof date, "%Y-%m-%d", &tm);
+    snprintf(buf, (size_t)cap, "%s %s", host, date);
+}
+
+void mf_hwcal_cpu_model(char *buf, int cap)
+{
+    snprintf(buf, (size_t)cap, "unknown CPU");
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (!f) return;
+    char line[512];
+    while (fgets(line, sizeof line, f)) {
+        if (strncmp(line, "model name", 10) != 0) continue;
+        char *c = strchr(line, ':');
+        if (!c) break;
+        c++;
+        while (*c == ' ' || *c == '\t') c++;
+        c[strcspn(c, "\n")] = '\0';
+        snprintf(buf, (size_t)cap, "%s", c);
+        break;
+    }
+    fclose(f);
+}
+
+static int mf_hwcal_vsrc(mf_hwcal *h, const char *key, const char *prefix, const char *fmt, va_list ap)
+{
+    char method[400], src[640];
+    vsnprintf(method, sizeof method, fmt, ap);
+    snprintf(src, sizeof src, "%s%s", prefix, method);
+    src[sizeof h->p->keys[0].source - 1] = '\0';   /* keep within the format's 199 characters */
+    return mf_profile_set_source(h->p, key, src);
+}
+
+int mf_hwcal_src(mf_hwcal *h, const char *key, const char *fmt, ...)
+{
+    char prefix[220];
+    snprintf(prefix, sizeof prefix, "measured by moeflow calibrate on %s: ", h->who);
+    va_list ap;
+    va_start(ap, fmt);
+    int rc = mf_hwcal_vsrc(h, key, prefix, fmt, ap);
+    va_end(ap);
+    return rc;
+}
+
+int mf_hwcal_src_raw(mf_hwcal *h, const char *key, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int rc = mf_hwcal_vsrc(h, key, "", fmt, ap);
+    va_end(ap);
+    return rc;
+}
+
+void mf_hwcal_note(const mf_hwcal *h, const char *fmt, ...)
+{
+    if (h->o->quiet) return;
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "calibrate: ");
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+}
+
+uint64_t mf_hwcal_rand(mf_hwcal *h)
+{
+    h->rng ^= h->rng << 13;
+    h->rng ^= h->rng >> 7;
+    h->rng ^= h->rng << 17;
+    return h->rng;
+}
+
+void mf_hwcal_fill(mf_hwcal *h, void *p, size_t n, int kind)
+{
+    uint8_t *b = p;
+    for (size_t i = 0; i < n; i += 8) {
+        uint64_t v = mf_hwcal_rand(h);
+        size_t m = n - i < 8 ? n - i : 8;
+        for (size_t j = 0; j < m; j++) {
+            uint8_t x = (uint8_t)(v >> (8 * j));
+            if (kind == 2 && (x & 0x7f) == 0x7f) x ^= 1;                 /* E4M3: no NaN */
+            if (kind == 3 && ((i + j) & 1)) x = (uint8_t)((x & 0x80) | 0x3f);  /* bf16: +-[0.5, 2) */
+            if (kind == 4) x = (uint8_t)(118 + x % 8);                   /* E8M0 scales 2^-9 .. 2^-2 */
+            b[i + j] = x;
+        }
+    }
+}
+
+static int mf_cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+double mf_hwcal_median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, mf_cmp_d);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+int mf_hwcal_fit_kern(const char *what, double bytes_a, double t_a1, double bytes_b, double t_b1,
+                      double macs_b, int n_many, double t_bn, mf_profile_kern *out)
+{
+    if (!(t_b1 > t_a1))
+        return mf_error(-EIO, "calibrate %s: the larger matrix (%.0f bytes, %.0f ns) was not slower than the "
+                        "smaller (%.0f bytes, %.0f ns): too noisy to fit; run again on a quieter machine",
+                        what, bytes_b, t_b1, bytes_a, t_a1);
+    if (!(t_bn > t_b1))
+        return mf_error(-EIO, "calibrate %s: %d tokens (%.0f ns) were not slower than 1 (%.0f ns): too noisy "
+                        "to fit", what, n_many, t_bn, t_b1);
+    out->bytes_per_s = (bytes_b - bytes_a) / (t_b1 - t_a1) * 1e9;
+    out->latency_ns = fmax(0.0, t_a1 - bytes_a / out->bytes_per_s * 1e9);
+    out->macs_per_s = (n_many - 1) * macs_b / (t_bn - t_b1) * 1e9;
+    return 0;
+}
+
+/* ---- topology -------------------------------------------------------------------------------- */
+
+typedef struct mf_hwcal_topo {
+    hwloc_topology_t topo;
+    int n_packages, n_numa, cores_per_package;
+} mf_hwcal_topo;
+
+static int mf_hwcal_topo_load(mf_hwcal_topo *t)
+{
+    memset(t, 0, sizeof *t);
+    if (hwloc_topology_init(&t->topo) != 0 || hwloc_topology_load(t->topo) != 0)
+        return mf_error(-EIO, "calibrate: hwloc could not read this machine's topology");
+    t->n_packages = hwloc_get_nbobjs_by_type(t->topo, HWLOC_OBJ_PACKAGE);
+    if (t->n_packages < 1) t->n_packages = 1;
+    t->n_numa = hwloc_get_nbobjs_by_type(t->topo, HWLOC_OBJ_NUMANODE);
+    if (t->n_numa < 1) t->n_numa = 1;
+    int cores = hwloc_get_nbobjs_by_type(t->topo, HWLOC_OBJ_CORE);
+    if (cores < 1) cores = hwloc_get_nbobjs_by_type(t->topo, HWLOC_OBJ_PU);
+    t->cores_per_package = cores / t->n_packages > 0 ? cores / t->n_packages : 1;
+    return 0;
+}
+
+/* The cpuset of package (socket) i, or of the whole machine when there is one. */
+static hwloc_const_cpuset_t mf_hwcal_package_set(const mf_hwcal_topo *t, int i)
+{
+    hwloc_obj_t o = hwloc_get_obj_by_type(t->topo, HWLOC_OBJ_PACKAGE, (unsigned)i);
+    return o ? o->cpuset : hwloc_topology_get_topology_cpuset(t->topo);
+}
+
+/* ---- streaming reads (memory bandwidth) ------------------------------------------------------ */
+
+__attribute__((target("avx2"))) static uint64_t mf_read_avx2(const uint8_t *p, size_t n)
+{
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    size_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        a0 = _mm256_add_epi64(a0, _mm256_load_si256((const __m256i *)(p + i)));
+        a1 = _mm256_add_epi64(a1, _mm256_load_si256((const __m256i *)(p + i + 32)));
+        a2 = _mm256_add_epi64(a2, _mm256_load_si256((const __m256i *)(p + i + 64)));
+        a3 = _mm256_add_epi64(a3, _mm256_load_si256((const __m256i *)(p + i + 96)));
+    }
+    a0 = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
+    return (uint64_t)_mm256_extract_epi64(a0, 0) + (uint64_t)_mm256_extract_epi64(a0, 3);
+}
+
+static uint64_t mf_read_plain(const uint8_t *p, size_t n)
+{
+    const uint64_t *q = (const uint64_t *)p;
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (size_t i = 0; i + 4 <= n / 8; i += 4) {
+        s0 += q[i];
+        s1 += q[i + 1];
+        s2 += q[i + 2];
+        s3 += q[i + 3];
+    }
+    return s0 + s1 + s2 + s3;
+}
+
+typedef struct mf_bw_job {
+    const uint8_t *p;
+    size_t n;
+    int avx2;
+    hwloc_topology_t topo;
+    hwloc_const_cpuset_t bind;   /* NULL: unbound */
+    const int *go;
+    int64_t end_ns;
+    uint64_t sink;
+} mf_bw_job;
+
+static void *mf_bw_thread(void *arg)
+{
+    mf_bw_job *j = arg;
+    if (j->bind) hwloc_set_cpubind(j->topo, j->bind, HWLOC_CPUBIND_THREAD);
+    while (!__atomic_load_n(j->go, __ATOMIC_ACQUIRE)) sched_yield();
+    j->sink = j->avx2 ? mf_read_avx2(j->p, j->n) : mf_read_plain(j->p, j->n);
+    j->end_ns = mf_now_ns();
+    return NULL;
+}
+
+/* Bytes per second of n_threads threads each reading its slice of buf once, started together. */
+static int mf_hwcal_read_bw(const mf_hwcal_topo *t, hwloc_const_cpuset_t bind, const uint8_t *buf,
+                            size_t n, int n_threads, double *bps)
+{
+    mf_bw_job jobs[256];
+    pthread_t th[256];
+    int go = 0;
+    if (n_threads > 256) n_threads = 256;
+    size_t slice = (n / (size_t)n_threads) & ~(size_t)127;
+    int avx2 = __builtin_cpu_supports("avx2");
+    int started = 0, rc = 0;
+    for (int i = 0; i < n_threads; i++) {
+        jobs[i] = (mf_bw_job){buf + slice * (size_t)i, slice, avx2, t->topo, bind, &go, 0, 0};
+        if (pthread_create(&th[i], NULL, mf_bw_thread, &jobs[i]) != 0) {
+            rc = mf_error(-EAGAIN, "calibrate: cannot start memory-bandwidth threads");
+            break;
+        }
+        started++;
+    }
+    struct timespec settle = {0, 2000000};   /* let every thread reach its start line */
+    nanosleep(&settle, NULL);
+    int64_t t0 = mf_now_ns(), t1 = t0;
+    __atomic_store_n(&go, 1, __ATOMIC_RELEASE);
+    uint64_t sink = 0;
+    for (int i = 0; i < started; i++) {
+        pthread_join(th[i], NULL);
+        if (jobs[i].end_ns > t1) t1 = jobs[i].end_ns;
+        sink += jobs[i].sink;
+    }
+    if (rc) return rc;
+    __asm__ volatile("" : : "r"(sink));
+    *bps = (double)slice * n_threads / ((double)(t1 - t0) / 1e9);
+    return 0;
+}
+
+static int mf_hwcal_memory(mf_hwcal *h, const mf_hwcal_topo *t)
+{
+    mf_profile *p = h->p;
+    size_t n = (size_t)(h->o->quick ? 128 : 512) << 20;
+    int reps = h->o->quick ? 3 : 7, n_threads = p->threads_per_socket;
+    uint8_t *buf = NULL;
+    if (posix_memalign((void **)&buf, 4096, n)) return mf_error(-ENOMEM, "calibrate: out of memory (%zu MiB)", n >> 20);
+    for (size_t i = 0; i < n; i += 8) *(uint64_t *)(buf + i) = i * 0x9e3779b97f4a7c15ull;   /* pages in, not zero */
+    hwloc_const_cpuset_t bind = t->n_packages > 1 ? mf_hwcal_package_set(t, 0) : NULL;
+    double v[16];
+    int rc = 0;
+    for (int r = 0; r < reps && !rc; r++) rc = mf_hwcal_read_bw(t, bind, buf, n, n_threads, &v[r]);
+    if (rc) goto out;
+    p->mem_bytes_per_s = mf_hwcal_median(v, reps);
+    mf_hwcal_src(h, "mem_bytes_per_s", "%d threads%s each read a slice of a %zu MiB buffer once (%s loads), "
+                 "median of %d", n_threads, bind ? " bound to socket 0" : "", n >> 20,
+                 __builtin_cpu_supports("avx2") ? "AVX2" : "64-bit", reps);
+    mf_hwcal_note(h, "memory: %.2f GB/s streaming read, %d threads", p->mem_bytes_per_s / 1e9, n_threads);
+
+    if (t->n_numa > 1) {
+        /* one thread on node 0 reading memory of node 0, then of node 1 */
+        hwloc_obj_t n0 = hwloc_get_obj_by_type(t->topo, HWLOC_OBJ_NUMANODE, 0);
+        hwloc_obj_t n1 = hwloc_get_obj_by_type(t->topo, HWLOC_OBJ_NUMANODE, 1);
+        size_t m = (size_t)(h->o->quick ? 64 : 256) << 20;
+        double bw[2] = {0, 0};
+        for (int k = 0; k < 2 && !rc; k++) {
+            hwloc_obj_t where = k ? n1 : n0;
+            void *b = hwloc_alloc_membind(t->topo, m, where->nodeset, HWLOC_MEMBIND_BIND,
+                                          HWLOC_MEMBIND_BYNODESET | HWLOC_MEMBIND_STRICT);
+            if (!b) {
+                rc = mf_error(-ENOMEM, "calibrate: cannot allocate %zu MiB on NUMA node %d", m >> 20, k);
+                break;
+            }
+            memset(b, 1, m);
+            double w[8];
+            for (int r = 0; r < 3 && !rc; r++) rc = mf_hwcal_read_bw(t, n0->cpuset, b, m, 1, &w[r]);
+            if (!rc) bw[k] = mf_hwcal_median(w, 3);
+            hwloc_free(t->topo, b, m);
+        }
+        if (rc) goto out;
+        p->cross_socket_factor = fmin(1.0, bw[1] / bw[0]);
+        mf_hwcal_src(h, "cross_socket_factor", "one thread on NUMA node 0 reading %zu MiB bound to node 1 "
+                     "(%.2f GB/s) vs node 0 (%.2f GB/s), medians of 3", m >> 20, bw[1] / 1e9, bw[0] / 1e9);
+    } else {
+        p->cross_socket_factor = 1;
+        mf_hwcal_src_raw(h, "cross_socket_factor", "not applicable on %s: one NUMA node, no remote memory "
+                         "(1 = no penalty)", h->who);
+    }
+out:
+    free(buf);
+    return rc;
+}
+
+/* ---- host kernels ---------------------------------------------------------------------------- */
+
+typedef struct mf_wpool {
+    int fmt;                 /* MF_KERN_FP4 / FP8 / BF16 */
+    int n_out, n_in, n_copies;
+    size_t w_bytes, s_bytes;
+    uint8_t *mem;            /* n_copies x (w, s), each 64-byte aligned */
+} mf_wpool;
+
+static size_t mf_up64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+static void mf_wpool_sizes(int fmt, int n_out, int n_in, size_t *w, size_t *s)
+{
+    size_t e = (size_t)n_out * (size_t)n_in;
+    *w = fmt == MF_KERN_FP4 ? e / 2 : fmt == MF_KERN_FP8 ? e : 2 * e;
+    *s = fmt == MF_KERN_FP4 ? e / 32 : fmt == MF_KERN_FP8 ? (size_t)((n_out + 31) / 32) * (size_t)(n_in / 32) : 0;
+}
+
+/* Distinct random copies of one matrix, together at least min_bytes. */
+static int mf_wpool_make(mf_hwcal *h, mf_wpool *pl, int fmt, int n_out, int n_in, size_t min_bytes)
+{
+    memset(pl, 0, sizeof *pl);
+    pl->fmt = fmt;
+    pl->n_out = n_out;
+    pl->n_in = n_in;
+    mf_wpool_sizes(fmt, n_out, n_in, &pl->w_bytes, &pl->s_bytes);
+    size_t one = mf_up64(pl->w_bytes) + mf_up64(pl->s_bytes);
+    pl->n_copies = (int)(min_bytes / one) + 2;
+    if (posix_memalign((void **)&pl->mem, 64, one * (size_t)pl->n_copies))
+        return mf_error(-ENOMEM, "calibrate: out of memory for %d copies of a %zu-byte matrix", pl->n_copies, one);
+    for (int c = 0; c < pl->n_copies; c++) {
+        uint8_t *w = pl->mem + one * (size_t)c;
+        mf_hwcal_fill(h, w, pl->w_bytes, fmt == MF_KERN_FP4 ? 1 : fmt == MF_KERN_FP8 ? 2 : 3);
+        mf_hwcal_fill(h, w + mf_up64(pl->w_bytes), pl->s_bytes, 4);
+    }
+    return 0;
+}
+
+static const uint8_t *mf_wpool_w(const mf_wpool *pl, int c)
+{
+    return pl->mem + (mf_up64(pl->w_bytes) + mf_up64(pl->s_bytes)) * (size_t)(c % pl->n_copies);
+}
+
+/* Median ns of one call (a whole matrix on this thread) at n_tok tokens, rotating through the
+ * copies so every call reads its weights from memory. */
+static int mf_hwcal_time_kern(mf_hwcal *h, const mf_wpool *pl, int n_tok, const float *x, float *y, void *qbuf,
+                              size_t qbuf_bytes, int reps, double *ns)
+{
+    double v[64];
+    int rc = 0;
+    mf_kern_q8 q8;
+    if (pl->fmt == MF_KERN_FP4 && (rc = mf_kern_q8_init(&q8, qbuf, qbuf_bytes, n_tok, pl->n_in))) return rc;
+    for (int r = -1; r < reps && !rc; r++) {
+        const uint8_t *w = mf_wpool_w(pl, r + 1);
+        const uint8_t *s = w + mf_up64(pl->w_bytes);
+        int64_t t0 = mf_now_ns();
+        if (pl->fmt == MF_KERN_FP4) {
+            rc = mf_kern_q8_quantize(&q8, x, pl->n_in, 0, n_tok);
+            if (!rc) rc = mf_kern_fp4_matmul(w, s, pl->n_out, pl->n_in, &q8, y, pl->n_out, 0, pl->n_out);
+        } else if (pl->fmt == MF_KERN_FP8) {
+            rc = mf_kern_fp8_matmul(w, s, pl->n_out, pl->n_in, x, n_tok, pl->n_in, y, pl->n_out, 0, pl->n_out);
+        } else {
+            rc = mf_kern_bf16_matmul((const uint16_t *)w, pl->n_out, pl->n_in, x, n_tok, pl->n_in, y, pl->n_out, 0,
+                                     pl->n_out);
+        }
+        if (r >= 0) v[r] = (double)(mf_now_ns() - t0);
+    }
+    if (rc) return rc;
+    *ns = mf_hwcal_median(v, reps);
+    return 0;
+}
+
+static int mf_hwcal_kernels(mf_hwcal *h)
+{
+    static const struct { int fmt; int fam; const char *name, *how; } fams[] = {
+        {MF_KERN_FP4, MF_KF_FP4, "fp4", "fused fp4 int8 path (activation quantization included)"},
+        {MF_KERN_FP8, MF_KF_FP8, "fp8", "fp8 32x32-tile matmul"},
+        {MF_KERN_BF16, MF_KF_BF16, "bf16", "bf16 matmul"},
+    };
+    mf_profile *p = h->p;
+    int reps = h->o->quick ? 5 : 15;
+    size_t pool_min = (h->o->quick ? 1 : 3) * (h->llc_bytes ? h->llc_bytes : (size_t)32 << 20) + ((size_t)8 << 20);
+    float *x = malloc(sizeof(float) * 64 * MF_HWCAL_B_IN), *y = malloc(sizeof(float) * 64 * MF_HWCAL_B_OUT);
+    size_t qb = mf_kern_q8_bytes(64, MF_HWCAL_B_IN);
+    void *qbuf = malloc(qb);
+    int rc = 0;
+    if (!x || !y || !qbuf) {
+        rc = mf_error(-ENOMEM, "calibrate: out of memory");
+        goto out;
+    }
+    for (int i = 0; i < 64 * MF_HWCAL_B_IN; i++) x[i] = (float)((int)(mf_hwcal_rand(h) % 2001) - 1000) * 1e-3f;
+    for (size_t f = 0; f < sizeof fams / sizeof fams[0] && !rc; f++) {
+        mf_wpool a, b;
+        memset(&a, 0, sizeof a);
+        memset(&b, 0, sizeof b);
+        double ta1 = 0, tb1 = 0, tbn = 0;
+        if (!(rc = mf_wpool_make(h, &a, fams[f].fmt, MF_HWCAL_A_OUT, MF_HWCAL_A_IN, pool_min)) &&
+            !(rc = mf_wpool_make(h, &b, fams[f].fmt, MF_HWCAL_B_OUT, MF_HWCAL_B_IN, pool_min)) &&
+            !(rc = mf_hwcal_time_kern(h, &a, 1, x, y, qbuf, qb, reps, &ta1)) &&
+            !(rc = mf_hwcal_time_kern(h, &b, 1, x, y, qbuf, qb, reps, &tb1)) &&
+            !(rc = mf_hwcal_time_kern(h, &b, MF_HWCAL_MANY, x, y, qbuf, qb, reps, &tbn))) {
+            char what[32];
+            snprintf(what, sizeof what, "host %s", fams[f].name);
+            double macs_b = (double)MF_HWCAL_B_OUT * MF_HWCAL_B_IN;
+            mf_profile_kern *k = &p->host[fams[f].fam];
+            rc = mf_hwcal_fit_kern(what, (double)(a.w_bytes + a.s_bytes), ta1, (double)(b.w_bytes + b.s_bytes), tb1,
+                                   macs_b, MF_HWCAL_MANY, tbn, k);
+            if (!rc) {
+                char key[48];
+                const char *simd = mf_kern_simd_name(mf_kern_simd_active());
+                snprintf(key, sizeof key, "host_%s_bytes_per_s", fams[f].name);
+                mf_hwcal_src(h, key, "%s, 1 thread (%s), 1 token, [%dx%d] vs [%dx%d], weights out of cache, "
+                             "medians of %d", fams[f].how, simd, MF_HWCAL_B_OUT, MF_HWCAL_B_IN, MF_HWCAL_A_OUT,
+                             MF_HWCAL_A_IN, reps);
+                snprintf(key, sizeof key, "host_%s_macs_per_s", fams[f].name);
+                mf_hwcal_src(h, key, "%s, 1 thread, [%dx%d] at %d tokens minus 1 token (%.0f vs %.0f ns)",
+                             fams[f].how, MF_HWCAL_B_OUT, MF_HWCAL_B_IN, MF_HWCAL_MANY, tbn, tb1);
+                snprintf(key, sizeof key, "host_%s_latency_ns", fams[f].name);
+                mf_hwcal_src(h, key, "%s, 1 thread: intercept of the [%dx%d]/[%dx%d] 1-token fit", fams[f].how,
+                             MF_HWCAL_A_OUT, MF_HWCAL_A_IN, MF_HWCAL_B_OUT, MF_HWCAL_B_IN);
+                mf_hwcal_note(h, "host %s: %.2f GB/s of weights, %.2f GMAC/s beyond the first token, latency %.1f us "
+                              "(1 thread)", fams[f].name, k->bytes_per_s / 1e9, k->macs_per_s / 1e9, k->latency_ns / 1e3);
+            }
+        }
+        free(a.mem);
+        free(b.mem);
+    }
+out:
+    free(x);
+    free(y);
+    free(qbuf);
+    return rc;
+}
+
+/* The reference's kind of code: attention of one query over n keys, dot products and the weighted
+ * sum accumulated in double, a softmax with exp, no SIMD intrinsics (2 * n * d multiply-adds). */
+__attribute__((noinline)) static double mf_ref_style_attn(const float *q, const float *k, const float *v, int n,
+                                                          int d, double *scores, double *out)
+{
+    double mx = -1e300;
+    for (int j = 0; j < n; j++) {
+        double s = 0;
+        for (int i = 0; i < d; i++) s += (double)q[i] * (double)k[(size_t)j * d + i];
+        scores[j] = s;
+        if (s > mx) mx = s;
+    }
+    double sum = 0;
+    for (int j = 0; j < n; j++) sum += scores[j] = exp(scores[j] - mx);
+    for (int i = 0; i < d; i++) out[i] = 0;
+    for (int j = 0; j < n; j++) {
+        double w = scores[j] / sum;
+        for (int i = 0; i < d; i++) out[i] += w * (double)v[(size_t)j * d + i];
+    }
+    return out[0];
+}
+
+static int mf_hwcal_ref(mf_hwcal *h)
+{
+    enum { D = 256, NA = 32, NB = 512 };
+    int reps = h->o->quick ? 7 : 21;
+    float *q = malloc(sizeof(float) * D), *k = malloc(sizeof(float) * NB * D), *v = malloc(sizeof(float) * NB * D);
+    double *scores = malloc(sizeof(double) * NB), *out = malloc(sizeof(double) * D);
+    if (!q || !k || !v || !scores || !out) {
+        free(q); free(k); free(v); free(scores); free(out);
+        return mf_error(-ENOMEM, "calibrate: out of memory");
+    }
+    for (int i = 0; i < D; i++) q[i] = (float)((int)(mf_hwcal_rand(h) % 2001) - 1000) * 1e-4f;
+    for (int i = 0; i < NB * D; i++) {
+        k[i] = (float)((int)(mf_hwcal_rand(h) % 2001) - 1000) * 1e-3f;
+        v[i] = (float)((int)(mf_hwcal_rand(h) % 2001) - 1000) * 1e-3f;
+    }
+    double t[2], sink = 0;
+    const int ns[2] = {NA, NB};
+    for (int s = 0; s < 2; s++) {
+        double w[64];
+        int inner = s ? 4 : 64;   /* calls per sample: a few hundred microseconds each */
+        for (int r = -1; r < reps; r++) {
+            int64_t t0 = mf_now_ns();
+            for (int i = 0; i < inner; i++) sink += mf_ref_style_attn(q, k, v, ns[s], D, scores, out);
+            if (r >= 0) w[r] = (double)(mf_now_ns() - t0) / inner;
+        }
+        t[s] = mf_hwcal_median(w, reps);
+    }
+    __asm__ volatile("" : : "g"(sink));
+    free(q); free(k); free(v); free(scores); free(out);
+    double macs_a = 2.0 * NA * D, macs_b = 2.0 * NB * D;
+    if (!(t[1] > t[0]))
+        return mf_error(-EIO, "calibrate host ref: %d keys (%.0f ns) not slower than %d (%.0f ns): too noisy", NB,
+                        t[1], NA, t[0]);
+    mf_profile_kern *r = &h->p->host[MF_KF_REF];
+    r->bytes_per_s = 0;
+    r->macs_per_s = (macs_b - macs_a) / (t[1] - t[0]) * 1e9;
+    r->latency_ns = fmax(0.0, t[0] - macs_a / r->macs_per_s * 1e9);
+    mf_hwcal_src(h, "host_ref_macs_per_s", "plain C attention of 1 query (double dot products, exp softmax, "
+                 "weighted sum; d %d) over %d vs %d keys, 1 thread, data in cache, medians of %d", D, NB, NA, reps);
+    mf_hwcal_src(h, "host_ref_latency_ns", "intercept of the same plain C attention fit (%d vs %d keys)", NB, NA);
+    mf_hwcal_note(h, "host ref (plain C, double accumulation): %.2f GMAC/s, latency %.2f us (1 thread)",
+                  r->macs_per_s / 1e9, r->latency_ns / 1e3);
+    return 0;
+}
+
+/* ---- executor -------------------------------------------------------------------------------- */
+
+static int mf_empty_task(void *arg, mf_task_ctx *ctx) { return 0; }
+
+/* Median ns per run of g, divided by `per`. */
+static int mf_hwcal_sched_time(mf_sched *s, mf_graph *g, int reps, double per, double *ns)
+{
+    double v[16];
+    for (int r = -1; r < reps; r++) {
+        int64_t t0 = mf_now_ns();
+        int rc = mf_sched_run(s, g, &(mf_run_opts){0});
+        if (rc) return rc;
+        if (r >= 0) v[r] = (double)(mf_now_ns() - t0) / per;
+    }
+    *ns = mf_hwcal_median(v, reps);
+    return 0;
+}
+
+static mf_task_id mf_empty_add(mf_graph *g)
+{
+    return mf_graph_add_task(g, &(mf_task_desc){.name = "empty", .lane = 0, .fn = mf_empty_task,
+                                                 .place_hint = -1, .cost = {.flops = 1}});
+}
+
+/* Two graphs of empty tasks on one CPU lane over every core: a chain (a successor may run on the
+ * worker that finished its predecessor) and fork-joins as a step's layers make them (one task
+ * releases one task per worker, all of which release the next join), whose critical path is two
+ * tasks per stage and crosses workers. task_overhead_ns is the fork-join time per critical-path
+ * task: what a dependent task waits for beyond its predecessor's work. */
+static int mf_hwcal_executor(mf_hwcal *h)
+{
+    int n = h->o->quick ? 500 : 2000, stages = h->o->quick ? 100 : 400, reps = h->o->quick ? 3 : 5, rc;
+    int workers = h->p->n_sockets * h->p->threads_per_socket;
+    mf_lane_desc lane = {.kind = MF_LANE_CPU, .name = "cpu", .concurrency = 0, .numa_node = -1,
+                         .model = {.flops_per_s = 1e9}};
+    mf_sched *s = NULL;
+    mf_graph *g = NULL, *fj = NULL;
+    double chain_ns = 0, fj_ns = 0;
+    if ((rc = mf_sched_create(&(mf_sched_opts){.lanes = &lane, .n_lanes = 1, .pin_threads = 1}, &s)) ||
+        (rc = mf_graph_create(&lane, 1, &g)) || (rc = mf_graph_create(&lane, 1, &fj)))
+        goto out;
+    for (int i = 0; i < n; i++) {
+        mf_task_id t = mf_empty_add(g);
+        if (t < 0 || (i && (rc = mf_graph_add_dep(g, t - 1, t)))) {
+            rc = t < 0 ? t : rc;
+            goto out;
+        }
+    }
+    mf_task_id join = mf_empty_add(fj);
+    if (join < 0) {
+        rc = join;
+        goto out;
+    }
+    for (int st = 0; st < stages; st++) {
+        mf_task_id next = -1;
+        for (int w = 0; w <= workers; w++) {
+            mf_task_id t = mf_empty_add(fj);   /* workers fan tasks, then the next join */
+            if (t < 0) {
+                rc = t;
+                goto out;
+            }
+            if (w < workers) {
+                if ((rc = mf_graph_add_dep(fj, join, t))) goto out;
+            } else {
+                next = t;
+                for (int k = 0; k < workers; k++)
+                    if ((rc = mf_graph_add_dep(fj, t - workers + k, t))) goto out;
+            }
+        }
+        join = next;
+    }
+    if ((rc = mf_graph_finalize(g)) || (rc = mf_graph_finalize(fj)) ||
+        (rc = mf_hwcal_sched_time(s, g, reps, n, &chain_ns)) ||
+        (rc = mf_hwcal_sched_time(s, fj, reps, 2.0 * stages, &fj_ns)))
+        goto out;
+    h->p->task_overhead_ns = fj_ns;
+    mf_hwcal_src(h, "task_overhead_ns", "%d fork-joins of empty tasks over %d pinned workers (1 -> %d -> 1): time per "
+                 "critical-path task, median of %d (a plain chain: %.0f ns per task)", stages, workers, workers,
+                 reps, chain_ns);
+    mf_hwcal_note(h, "executor: %.2f us per critical-path task in fork-joins over %d workers (%.2f us in a chain)",
+                  fj_ns / 1e3, workers, chain_ns / 1e3);
+out:
+    mf_graph_destroy(g);
+    mf_graph_destroy(fj);
+    mf_sched_destroy(s);
+    return rc ? mf_error_wrap(rc, "calibrate: executor overhead") : 0;
+}
+
+/* ---- the host phase and the whole run -------------------------------------------------------- */
+
+static size_t mf_hwcal_llc(void)
+{
+    size_t best = 0;
+    for (int i = 0; i < 8; i++) {
+        char path[96], buf[32];
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
+        FILE *f = fopen(path, "r");
+        if (!f) continue;
+        if (fgets(buf, sizeof buf, f)) {
+            char *end;
+            size_t v = strtoull(buf, &end, 10);
+            if (*end == 'K') v <<= 10;
+            else if (*end == 'M') v <<= 20;
+            if (v > best) best = v;
+        }
+        fclose(f);
+    }
+    return best;
+}
+
+int mf_hwcal_host(mf_hwcal *h)
+{
+    mf_hwcal_topo t;
+    int rc = mf_hwcal_topo_load(&t);
+    if (rc) return rc;
+    mf_profile *p = h->p;
+    p->n_sockets = t.n_packages;
+    p->threads_per_socket = t.cores_per_package;
+    mf_hwcal_src(h, "n_sockets", "hwloc: %d package%s, %d NUMA node%s", t.n_packages, t.n_packages > 1 ? "s" : "",
+                 t.n_numa, t.n_numa > 1 ? "s" : "");
+    mf_hwcal_src(h, "threads_per_socket", "hwloc: cores per package (the executor runs one CPU worker per core)");
+    h->llc_bytes = mf_hwcal_llc();
+    if (!(rc = mf_hwcal_memory(h, &t)) && !(rc = mf_hwcal_kernels(h)) && !(rc = mf_hwcal_ref(h)))
+        rc = mf_hwcal_executor(h);
+    hwloc_topology_destroy(t.topo);
+    return rc;
+}
+
+/* Measured figures carry 4 significant digits: the rest is noise, and the file stays readable. */
+static void mf_round4(double *v)
+{
+    if (*v == 0 || !isfinite(*v)) return;
+    char b[40];
+    snprintf(b, sizeof b, "%.4g", *v);
+    *v = strtod(b, NULL);
+}
+
+static void mf_hwcal_round(mf_profile *p)
+{
+    double *f[] = {&p->mem_bytes_per_s, &p->cross_socket_factor, &p->task_overhead_ns, &p->disk_bytes_per_s,
+                   &p->disk_latency_ns, &p->h2d_bytes_per_s, &p->h2d_latency_ns, &p->d2h_bytes_per_s,
+                   &p->d2h_latency_ns, &p->h2d_total_bytes_per_s};
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) mf_round4(f[i]);
+    for (int k = 0; k < MF_KF_N; k++) {
+        mf_round4(&p->host[k].bytes_per_s);
+        mf_round4(&p->host[k].macs_per_s);
+        mf_round4(&p->host[k].latency_ns);
+        mf_round4(&p->card[k].bytes_per_s);
+        mf_round4(&p->card[k].macs_per_s);
+        mf_round4(&p->card[k].latency_ns);
+    }
+}
+
+int mf_hwcal_run(const mf_hwcal_opts *o, mf_profile *out)
+{
+    memset(out, 0, sizeof *out);
+    mf_hwcal h = {.o = o, .p = out, .rng = 0x2545f4914f6cdd1dull};
+    mf_hwcal_host_date(h.who, sizeof h.who);
+    if (o->name) {
+        if (!*o->name || strlen(o->name) >= sizeof out->keys[0].value || strpbrk(o->name, "#\n\r"))
+            return mf_error(-EINVAL, "calibrate: profile name '%s': expected 1..%zu characters without '#'", o->name,
+                            sizeof out->keys[0].value - 1);
+        snprintf(out->name, sizeof out->name, "%s", o->name);
+    } else {
+        char host[64] = "host";
+        gethostname(host, sizeof host - 1);
+        host[sizeof host - 1] = '\0';
+        snprintf(out->name, sizeof out->name, "calibrated-%.30s", host);
+    }
+    int64_t t0 = mf_now_ns();
+    int rc;
+    mf_hwcal_note(&h, "measuring %s (%s)", h.who, o->quick ? "quick" : "full");
+    if ((rc = mf_hwcal_host(&h)) || (rc = mf_hwcal_disk(&h)) || (rc = mf_hwcal_cards(&h))) return rc;
+    mf_hwcal_round(out);
+    mf_hwcal_note(&h, "done in %.1f s", (mf_now_ns() - t0) / 1e9);
+    return 0;
+}

@@ -1,0 +1,332 @@
+/* The attention sublayer (graphs/layers/layers.h; the oracle's and the engine's): low-rank q, the fp8 fake-quantized window KV
+ * ring, the compressor of KV-source layers (ratio 2 gated pooling or ratio 1) with fp4 index keys
+ * and fp4 compressed entries, the indexer (scores, the candidate-block mask, top-k), sparse
+ * attention over window + selected entries with a per-head sink, inverse RoPE and the grouped
+ * low-rank output. In phases (linear stages and a per-item core) that the scheduled engine also
+ * runs, its linear stages split by rows across workers (graphs/layers/layers.h). */
+#include <errno.h>
+#include <string.h>
+
+#include "graphs/layers/layers.h"
+#include "sched/error.h"
+
+/* Compressor of KV-source layer L for the token at it->pos, from its linears' outputs lat
+ * (cmp_wkv, overwritten) and sc (cmp_wgate, ratio 2): emits an entry when a group closes. */
+static int mf_ly_compress(mf_ly_ctx *cx, mf_ly_item *it, int L, float *lat, const float *sc)
+{
+    const mf_config *c = cx->ly->c;
+    const mf_model_layer *y = mf_model_layer_at(cx->ly->m, L);
+    mf_ly_cache *ca = &it->st->cache[L];
+    int ratio = c->compress_ratios[L], D = c->head_dim, rd = c->qk_rope_head_dim;
+    int id = c->index_head_dim;
+    int rc;
+    if (ratio == 2) {
+        if (it->pos % 2 == 0) {   /* opens a group */
+            memcpy(ca->pend_kv, lat, (size_t)D * sizeof *lat);
+            memcpy(ca->pend_score, sc, (size_t)D * sizeof *sc);
+            return 0;
+        }
+        for (int d = 0; d < D; d++) {   /* softmax over the group's 2 tokens, per channel */
+            double a = ca->pend_score[d], b = sc[d], m = a > b ? a : b;
+            double ea = exp(a - m), eb = exp(b - m);
+            lat[d] = (float)((ca->pend_kv[d] * ea + lat[d] * eb) / (ea + eb));
+        }
+    }
+    mf_bf_n(lat, D);
+    mf_ly_rmsnorm(lat, D, &y->cmp_norm, c->rms_norm_eps, lat);
+    int64_t g = ca->n, gpos = g * ratio;
+    if (g != (it->pos + 1) / ratio - 1)
+        return mf_error(-EINVAL, "reference: layer %d compressed entry %lld out of step at position %lld",
+                        L, (long long)g, (long long)it->pos);
+    /* index key: k_norm(wk(latent)), RoPE at the group's first position, fp4 (e8m0 per 32) */
+    float *key = ca->key + g * id;
+    if ((rc = mf_ly_linear(cx, &y->idx_wk, lat, key, 0))) return rc;
+    mf_bf_n(key, id);
+    mf_ly_rmsnorm(key, id, &y->idx_k_norm, c->rms_norm_eps, key);
+    mf_ly_rope(key + id - rd, rd / 2, cx->ly->freqs_comp, gpos, 0);
+    mf_bf_n(key, id);
+    mf_ly_fq_e2m1_pow2(key, id, 32);
+    /* entry: the roped latent, fp4 (e4m3 scale per 16) */
+    float *e = ca->kv + g * D;
+    memcpy(e, lat, (size_t)D * sizeof *e);
+    mf_ly_rope(e + D - rd, rd / 2, cx->ly->freqs_comp, gpos, 0);
+    mf_bf_n(e, D);
+    mf_ly_fq_e2m1_e4m3(e, D, 16);
+    ca->n = g + 1;
+    return 0;
+}
+
+/* Indexer of index-source layer L, from its linears' outputs qi (idx_wq_b) and wts
+ * (idx_weights_proj), both overwritten: scores the n_vis visible entries of KV source S, builds the
+ * candidate mask (on the candidate layer) or applies it (on later index layers of the same
+ * source), and leaves the top-k selection, ascending, in it->topk. */
+static void mf_ly_index(mf_ly_ctx *cx, mf_ly_item *it, int L, int S, float *qi, float *wts, int64_t n_vis)
+{
+    const mf_config *c = cx->ly->c;
+    const mf_ly_cache *ca = &it->st->cache[S];
+    int ih = c->index_n_heads, id = c->index_head_dim, rd = c->qk_rope_head_dim;
+    mf_bf_n(qi, (int64_t)ih * id);
+    for (int h = 0; h < ih; h++) mf_ly_rope(qi + h * id + id - rd, rd / 2, cx->ly->freqs_comp, it->pos, 0);
+    mf_bf_n(qi, (int64_t)ih * id);
+    mf_ly_fq_e2m1_pow2(qi, (int64_t)ih * id, 32);
+    float wscale = (float)(1.0 / sqrt((double)id) / sqrt((double)ih));
+    for (int h = 0; h < ih; h++) wts[h] = mf_bf(wts[h]) * wscale;
+
+    double *score = cx->scores;
+    for (int64_t j = 0; j < n_vis; j++) {
+        const float *k = ca->key + j * id;
+        double acc = 0;
+        for (int h = 0; h < ih; h++) {
+            double dot = 0;
+            for (int d = 0; d < id; d++) dot += (double)qi[h * id + d] * k[d];
+            float rl = (float)dot > 0 ? (float)dot : 0.0f;
+            acc += (double)(wts[h] * rl);
+        }
+        score[j] = (float)acc;
+    }
+
+    int bs = c->candidate_block_size, cl = c->candidate_source_layer_id;
+    if (L == cl) {   /* publish the candidate blocks: top blocks by max score, newest pinned */
+        int64_t nb = (n_vis + bs - 1) / bs;
+        mf_ly_pick *pk = cx->picks;
+        for (int64_t b = 0; b < nb; b++) {
+            double mx = -INFINITY;
+            for (int64_t j = b * bs; j < (b + 1) * bs && j < n_vis; j++) mx = score[j] > mx ? score[j] : mx;
+            pk[b].score = b == (n_vis - 1) / bs ? INFINITY : mx;
+            pk[b].idx = (int32_t)b;
+        }
+        mf_ly_sort_picks(pk, nb);
+        int64_t keep = nb < c->candidate_topk_blocks ? nb : c->candidate_topk_blocks;
+        int n = 0;
+        for (int64_t i = 0; i < keep; i++)
+            if (pk[i].score != -INFINITY) it->cand[n++] = pk[i].idx;
+        /* ascending, for the membership test */
+        for (int i = 1; i < n; i++)
+            for (int j = i; j > 0 && it->cand[j - 1] > it->cand[j]; j--) {
+                int32_t t = it->cand[j];
+                it->cand[j] = it->cand[j - 1];
+                it->cand[j - 1] = t;
+            }
+        it->n_cand = n;
+        it->cand_src = S;
+        if (cx->ly->hooks.on_candidates)
+            cx->ly->hooks.on_candidates(cx->ly->hooks.user, it->st, it->pos, L, it->cand, n);
+    } else if (cl >= 0 && cl < L && it->cand_src == S) {
+        int ci = 0;
+        for (int64_t j = 0; j < n_vis; j++) {
+            int32_t b = (int32_t)(j / bs);
+            while (ci < it->n_cand && it->cand[ci] < b) ci++;
+            if (ci >= it->n_cand || it->cand[ci] != b) score[j] = -INFINITY;
+        }
+    }
+
+    int64_t k = n_vis < c->index_topk ? n_vis : c->index_topk;
+    mf_ly_pick *pk = cx->picks;
+    for (int64_t j = 0; j < n_vis; j++) {
+        pk[j].score = score[j];
+        pk[j].idx = (int32_t)j;
+    }
+    mf_ly_sort_picks(pk, n_vis);
+    int n = 0;
+    for (int64_t i = 0; i < k; i++)
+        if (pk[i].score != -INFINITY) it->topk[n++] = pk[i].idx;
+    for (int i = 1; i < n; i++)   /* ascending (position order) */
+        for (int j = i; j > 0 && it->topk[j - 1] > it->topk[j]; j--) {
+            int32_t t = it->topk[j];
+            it->topk[j] = it->topk[j - 1];
+            it->topk[j - 1] = t;
+        }
+    it->n_topk = n;
+    it->topk_src = S;
+}
+
+int64_t mf_ly_attn_buf_len(const mf_config *c, int buf)
+{
+    int64_t qd = (int64_t)c->n_heads * c->head_dim;
+    switch (buf) {
+    case MF_LY_A_IN: case MF_LY_A_OUT: return c->hidden_size;
+    case MF_LY_A_QR: return c->q_lora_rank;
+    case MF_LY_A_KV: return (int64_t)c->n_kv_heads * c->head_dim;
+    case MF_LY_A_LAT: case MF_LY_A_GATE: return c->head_dim;
+    case MF_LY_A_IW: return c->index_n_heads;
+    case MF_LY_A_Q: case MF_LY_A_O: return qd;
+    case MF_LY_A_QI: return (int64_t)c->index_n_heads * c->index_head_dim;
+    case MF_LY_A_Z: return (int64_t)c->o_groups * c->o_lora_rank;
+    default: return 0;
+    }
+}
+
+int mf_ly_attn_linears(const mf_layers *ly, int L, int stage, mf_ly_attn_lin *out)
+{
+    const mf_config *c = ly->c;
+    const mf_model_layer *y = mf_model_layer_at(ly->m, L);
+    int ratio = c->compress_ratios[L], n = 0;
+    int index = ratio > 0 && mf_config_is_index_source(c, L);
+#define MF_LY_A_ADD(w_, x_, y_, aq_, g_, bf_) (out[n++] = (mf_ly_attn_lin){(w_), (x_), (y_), (aq_), (g_), (bf_)})
+    switch (stage) {
+    case MF_LY_A_STAGE_IN:   /* everything that reads the input */
+        MF_LY_A_ADD(&y->wq_a, MF_LY_A_IN, MF_LY_A_QR, 1, 0, 0);
+        MF_LY_A_ADD(&y->wkv, MF_LY_A_IN, MF_LY_A_KV, 1, 0, 0);
+        if (ratio > 0 && ly->src_of[L] == L) {
+            MF_LY_A_ADD(&y->cmp_wkv, MF_LY_A_IN, MF_LY_A_LAT, 0, 0, 0);
+            if (ratio == 2) MF_LY_A_ADD(&y->cmp_wgate, MF_LY_A_IN, MF_LY_A_GATE, 0, 0, 0);   /* fp32 */
+        }
+        if (index) MF_LY_A_ADD(&y->idx_weights_proj, MF_LY_A_IN, MF_LY_A_IW, 0, 0, 0);
+        break;
+    case MF_LY_A_STAGE_QB:   /* everything that reads the normed low-rank query */
+        MF_LY_A_ADD(&y->wq_b, MF_LY_A_QR, MF_LY_A_Q, 1, 0, 0);
+        if (index) MF_LY_A_ADD(&y->idx_wq_b, MF_LY_A_QR, MF_LY_A_QI, 1, 0, 0);
+        break;
+    case MF_LY_A_STAGE_OA:   /* grouped low-rank output: z_g = wo_a[g] o_g, no act quant */
+        MF_LY_A_ADD(&y->wo_a, MF_LY_A_O, MF_LY_A_Z, 0, c->o_groups, 1);
+        break;
+    case MF_LY_A_STAGE_OB:
+        MF_LY_A_ADD(&y->wo_b, MF_LY_A_Z, MF_LY_A_OUT, 1, 0, 1);
+        break;
+    }
+#undef MF_LY_A_ADD
+    return n;
+}
+
+int mf_ly_attn_lin_rows(mf_ly_ctx *cx, const mf_ly_attn_lin *l, const float *x, int64_t ld_x, float *y,
+                         int64_t ld_y, int n_tok, int64_t r0, int64_t r1)
+{
+    const mf_weight *w = l->w;
+    if (!l->groups) {
+        int rc = mf_ly_linear_part(cx, w, x, n_tok, ld_x, y, ld_y, r0, r1);
+        for (int t = 0; t < n_tok && !rc && l->bf; t++) mf_bf_n(y + t * ld_y + r0, r1 - r0);
+        return rc;
+    }
+    int64_t R = w->rows / l->groups;
+    for (int t = 0; t < n_tok; t++)
+        for (int64_t a = r0; a < r1;) {   /* the rows of one group at a time */
+            int64_t g = a / R, b = (g + 1) * R < r1 ? (g + 1) * R : r1;
+            int rc = mf_ly_linear_rows(cx, w, a, b - a, x + t * ld_x + g * w->cols, w->cols, 0, y + t * ld_y + a);
+            if (rc) return rc;
+            if (l->bf) mf_bf_n(y + t * ld_y + a, b - a);
+            a = b;
+        }
+    return 0;
+}
+
+int mf_ly_attn_stage(mf_ly_ctx *cx, int L, int stage, float *const *b)
+{
+    mf_ly_attn_lin lin[MF_LY_A_MAX_LIN];
+    int n = mf_ly_attn_linears(cx->ly, L, stage, lin), aq = cx->ly->act_quant;
+    for (int k = 0; k < n; k++) {
+        const mf_ly_attn_lin *l = &lin[k];
+        int rc;
+        if (l->groups) {   /* per group: rows of group g against its slice of x */
+            int64_t R = l->w->rows / l->groups;
+            for (int g = 0; g < l->groups; g++)
+                if ((rc = mf_ly_linear_rows(cx, l->w, g * R, R, b[l->x] + g * l->w->cols, l->w->cols, 0,
+                                             b[l->y] + g * R)))
+                    return rc;
+        } else if ((rc = mf_ly_linear(cx, l->w, b[l->x], b[l->y], l->aq && aq))) {
+            return rc;
+        }
+        if (l->bf) mf_bf_n(b[l->y], l->w->rows);
+    }
+    return 0;
+}
+
+void mf_ly_attn_qnorm(const mf_ly_ctx *cx, int L, float *const *b)
+{
+    const mf_config *c = cx->ly->c;
+    mf_bf_n(b[MF_LY_A_QR], c->q_lora_rank);
+    mf_ly_rmsnorm(b[MF_LY_A_QR], c->q_lora_rank, &mf_model_layer_at(cx->ly->m, L)->q_norm, c->rms_norm_eps,
+                   b[MF_LY_A_QR]);
+}
+
+int mf_ly_attn_core(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b)
+{
+    const mf_config *c = cx->ly->c;
+    const mf_model_layer *y = mf_model_layer_at(cx->ly->m, L);
+    int D = c->head_dim, nh = c->n_heads, rd = c->qk_rope_head_dim, W = c->sliding_window;
+    int ratio = c->compress_ratios[L];
+    int64_t p = it->pos;
+    const float *freqs = ratio ? cx->ly->freqs_comp : cx->ly->freqs_main;
+    float *q = b[MF_LY_A_Q], *kv = b[MF_LY_A_KV], *o = b[MF_LY_A_O];
+    int rc;
+
+    /* queries */
+    mf_bf_n(q, (int64_t)nh * D);
+    for (int h = 0; h < nh; h++) mf_ly_rope(q + h * D + D - rd, rd / 2, freqs, p, 0);
+    mf_bf_n(q, (int64_t)nh * D);
+
+    /* window KV: norm, RoPE, fp8 fake-quant over all channels in blocks of 32, into the ring */
+    mf_bf_n(kv, D);
+    mf_ly_rmsnorm(kv, D, &y->kv_norm, c->rms_norm_eps, kv);
+    mf_ly_rope(kv + D - rd, rd / 2, freqs, p, 0);
+    mf_bf_n(kv, D);
+    mf_ly_fq_e4m3_pow2(kv, D, 32);
+    float *ring = it->st->ring + (int64_t)L * W * D;
+    memcpy(ring + (p % W) * D, kv, (size_t)D * sizeof *kv);
+
+    /* compressed entries and their selection */
+    const float *ckv = NULL;
+    const int32_t *sel = NULL;
+    int n_sel = 0;
+    if (ratio > 0) {
+        int S = cx->ly->src_of[L];
+        if (S == L && (rc = mf_ly_compress(cx, it, L, b[MF_LY_A_LAT], b[MF_LY_A_GATE]))) return rc;
+        int64_t n_vis = (p + 1) / ratio;
+        if (mf_config_is_index_source(c, L) && n_vis > 0)
+            mf_ly_index(cx, it, L, S, b[MF_LY_A_QI], b[MF_LY_A_IW], n_vis);
+        if (mf_config_is_index_source(c, L) && n_vis == 0) {
+            it->n_topk = 0;
+            it->topk_src = S;
+        }
+        if (it->topk_src == S) {
+            sel = it->topk;
+            n_sel = it->n_topk;
+            ckv = it->st->cache[S].kv;
+        }
+        if (cx->ly->hooks.on_select)
+            cx->ly->hooks.on_select(cx->ly->hooks.user, it->st, p, L, sel, n_sel);
+    }
+
+    /* attention with a sink: window slots of positions max(0, p-W+1)..p, then the selection */
+    int64_t t0 = p - W + 1 < 0 ? 0 : p - W + 1, n_win = p - t0 + 1;
+    double *s = cx->scores, scale = 1.0 / sqrt((double)D);
+    for (int h = 0; h < nh; h++) {
+        const float *qh = q + h * D;
+        double sink = mf_ly_vec(&y->attn_sink, h), mx = sink;
+        for (int64_t i = 0; i < n_win + n_sel; i++) {
+            const float *k = i < n_win ? ring + ((t0 + i) % W) * D : ckv + (int64_t)sel[i - n_win] * D;
+            double dot = 0;
+            for (int d = 0; d < D; d++) dot += (double)qh[d] * k[d];
+            s[i] = dot * scale;
+            mx = s[i] > mx ? s[i] : mx;
+        }
+        double den = exp(sink - mx);
+        double *acc = cx->attn_acc;   /* head_dim doubles */
+        for (int d = 0; d < D; d++) acc[d] = 0;
+        for (int64_t i = 0; i < n_win + n_sel; i++) {
+            const float *v = i < n_win ? ring + ((t0 + i) % W) * D : ckv + (int64_t)sel[i - n_win] * D;
+            double e = exp(s[i] - mx);
+            den += e;
+            for (int d = 0; d < D; d++) acc[d] += e * v[d];
+        }
+        float *oh = o + h * D;
+        for (int d = 0; d < D; d++) oh[d] = mf_bf((float)(acc[d] / den));
+        mf_ly_rope(oh + D - rd, rd / 2, freqs, p, 1);   /* inverse RoPE at the query position */
+        mf_bf_n(oh + D - rd, rd);
+    }
+    return 0;
+}
+
+int mf_ly_attn(mf_ly_ctx *cx, mf_ly_item *it, int L, const float *in, float *out)
+{
+    float *b[MF_LY_A_N];
+    for (int k = 0; k < MF_LY_A_N; k++) b[k] = cx->attn[k];
+    b[MF_LY_A_IN] = (float *)in;
+    b[MF_LY_A_OUT] = out;
+    int rc = mf_ly_attn_stage(cx, L, MF_LY_A_STAGE_IN, b);
+    if (!rc) mf_ly_attn_qnorm(cx, L, b);
+    if (!rc) rc = mf_ly_attn_stage(cx, L, MF_LY_A_STAGE_QB, b);
+    if (!rc) rc = mf_ly_attn_core(cx, it, L, b);
+    if (!rc) rc = mf_ly_attn_stage(cx, L, MF_LY_A_STAGE_OA, b);
+    if (!rc) rc = mf_ly_attn_stage(cx, L, MF_LY_A_STAGE_OB, b);
+    return rc;
+}

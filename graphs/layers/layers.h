@@ -1,0 +1,302 @@
+/* The layer math of DeepSeek-V4.1 shared by the reference forward (graphs/ref/ref_model.c, the oracle)
+ * and the scheduled engine (graphs/step/step.c): hyper-connections, attention (in phases), MoE router
+ * and experts, Engram, and their numeric helpers (graphs/layer_*.c). Every call names its context:
+ * the model's tables (mf_layers: config, weights, options, RoPE tables, Engram hashes), the
+ * scratch it may use (one mf_ly_ctx per thread of work) and the linear backend (the oracle's
+ * double sums or the fused kernels). What it computes is in docs/reference.md.
+ * Threading: an mf_layers is read-only after mf_layers_new and may be shared by any number of
+ * threads; an mf_ly_ctx is used by one thread at a time. */
+#ifndef MF_LAYERS_H
+#define MF_LAYERS_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "graphs/model/config.h"
+#include "graphs/model/model.h"
+#include "host/formats.h"
+
+#define MF_LY_MAX_HC 16
+
+/* The options of the layer math (named for the oracle's API, graphs/ref/ref.h, which takes them;
+ * the engine reads them from the same tables). Debug hooks: called during the forward, on the
+ * thread running the item's sublayer. `seq` is the state the item belongs to. Pointers are valid
+ * only during the call. */
+typedef struct mf_ref_hooks {
+    void *user;
+    /* routed experts of one token at one layer, in selection order, with their weights */
+    void (*on_route)(void *user, const void *seq, int64_t pos, int layer, const int32_t *experts,
+                     const float *weights, int n);
+    /* compressed entries attended by one token at one layer, ascending */
+    void (*on_select)(void *user, const void *seq, int64_t pos, int layer, const int32_t *entries,
+                      int n);
+    /* candidate blocks kept by one token at the candidate layer, ascending (block b covers
+     * compressed entries b*candidate_block_size ..); may be NULL */
+    void (*on_candidates)(void *user, const void *seq, int64_t pos, int layer,
+                          const int32_t *blocks, int n);
+} mf_ref_hooks;
+
+typedef struct mf_ref_opts {
+    /* 0 (default, the HF port): linears take their input as is. 1 (DeepSeek's inference/model.py):
+     * the input of every fp8/fp4 linear except wo_a is first fake-quantized to e4m3 in 1x32
+     * blocks with a power-of-two scale. */
+    int act_quant;
+    /* Engram token map: vocab id -> compressed id (n_token_map entries). NULL: the placeholder
+     * map id % engram_compressed_vocab_size (documented in docs/reference.md). Copied. A model
+     * without Engram layers never reads it: it is then accepted and ignored. */
+    const int32_t *token_map;
+    int64_t n_token_map;
+    mf_ref_hooks hooks;
+} mf_ref_opts;
+
+typedef struct mf_ref_state mf_ref_state;   /* caches of one sequence (below) */
+
+/* The model's tables every context reads: built once by mf_layers_new. */
+typedef struct mf_layers {
+    const mf_model *m;
+    const mf_config *c;
+    int act_quant;                     /* mf_ref_opts.act_quant */
+    mf_ref_hooks hooks;                /* mf_ref_opts.hooks */
+    int32_t *token_map;                /* vocab_size entries: Engram's compressed ids */
+    float *freqs_main, *freqs_comp;    /* rope_dim/2 each: without / with YaRN */
+    int src_of[MF_CONFIG_MAX_LAYERS];  /* KV source of each compressed layer (-1 otherwise) */
+    int64_t eg_mult[MF_CONFIG_MAX_ENGRAM][8];   /* Engram hash parameters per slot */
+    int64_t *eg_prime[MF_CONFIG_MAX_ENGRAM], *eg_off[MF_CONFIG_MAX_ENGRAM];
+    void *mem;
+} mf_layers;
+
+/* The tables of model m with options opts (may be NULL; the token map is copied, hooks kept).
+ * -EINVAL on a model the layer math does not support or a bad token map, -ENOMEM. */
+int mf_layers_new(const mf_model *m, const mf_ref_opts *opts, mf_layers **out);
+void mf_layers_free(mf_layers *ly);
+
+/* Which sums a context's linears use. DOUBLE (the oracle): every linear accumulated in double per
+ * 32-column block. KERN (the scheduled engine): resident FP8/BF16 linears without act quant on
+ * host/kernels.h (fp32 sums, ~1e-7 apart); the others as DOUBLE. The router gate and the grouped
+ * wo_a are double sums on both (mf_ly_gate_rows, mf_ly_attn_lin_rows). */
+typedef enum mf_ly_lin { MF_LY_LIN_DOUBLE, MF_LY_LIN_KERN } mf_ly_lin;
+
+typedef struct mf_ly_pick {
+    double score;
+    int32_t idx;
+} mf_ly_pick;
+
+/* The attention sublayer in phases (layer_attn.c), which the scheduled engine runs with the weight-heavy linears split
+ * by output rows across workers and the rest per item (docs/decode.md). mf_ly_attn is
+ * in -> qnorm -> qb -> core -> oa -> ob over one item's buffers; the linear stages (IN, QB, OA,
+ * OB) are lists of linears (mf_ly_attn_linears). The activations of one item between phases: */
+enum {
+    MF_LY_A_IN,     /* hidden_size: the input (after attn_norm) */
+    MF_LY_A_QR,     /* q_lora_rank: wq_a in (q-normed by the qnorm phase) */
+    MF_LY_A_KV,     /* n_kv_heads x head_dim: wkv in (the first head_dim used) */
+    MF_LY_A_LAT,    /* head_dim: cmp_wkv in (KV-source layers) */
+    MF_LY_A_GATE,   /* head_dim: cmp_wgate in (ratio-2 KV sources) */
+    MF_LY_A_IW,     /* index_n_heads: idx_weights_proj in (index-source layers) */
+    MF_LY_A_Q,      /* n_heads x head_dim: wq_b qr */
+    MF_LY_A_QI,     /* index_n_heads x index_head_dim: idx_wq_b qr (index-source layers) */
+    MF_LY_A_O,      /* n_heads x head_dim: attention output (inverse-roped) */
+    MF_LY_A_Z,      /* o_groups x o_lora_rank: grouped wo_a o, bf16 */
+    MF_LY_A_OUT,    /* hidden_size: wo_b z, bf16 */
+    MF_LY_A_N
+};
+
+/* A context: the tables, the linear backend and named scratch, sized from the model once
+ * (mf_ly_ctx_new: a table of {name, bytes, &ptr}, one allocation) except the score buffers,
+ * which grow with the longest sequence (mf_ly_ctx_reserve, before a forward). */
+typedef struct mf_ly_ctx {
+    const mf_layers *ly;
+    mf_ly_lin lin;
+    float *hc_xn;          /* hc_mult x hidden: the normalized streams of mf_ly_hc_mixes */
+    float *hc_h;           /* hidden: a collapse of the streams (a sublayer's input before its norm) */
+    float *sub_in;         /* hidden: a sublayer's normed input (the oracle's layer loop) */
+    float *sub_out;        /* hidden: a sublayer's output (the oracle's layer loop) */
+    float *aq;             /* widest linear input: its act-quant copy */
+    float *attn[MF_LY_A_N];   /* mf_ly_attn's buffers of one item (IN and OUT are the caller's) */
+    double *attn_acc;      /* head_dim: one head's weighted values */
+    float *gate_logits;    /* n_routed_experts: the router gate's output */
+    float *gate_bias;      /* n_routed_experts: its bias as floats */
+    float *ffn_g, *ffn_u;  /* an expert's hidden size: w1 and w3 outputs */
+    float *ffn_y;          /* hidden: an expert's output */
+    double *moe_acc;       /* hidden: the sum of expert outputs (also the engine's combine) */
+    float *ex_out;         /* with an expert store: n_experts_per_tok x hidden outputs */
+    float *eg_emb;         /* Engram rows of one item (n-gram heads x head_dim), dequantized */
+    float *eg_kv;          /* (hc_mult + 1) x hidden: Engram's wkv output */
+    int64_t *eg_rows;      /* Engram table rows of one item */
+    uint8_t *eg_codes, *eg_scales;
+    uint8_t *lazy_data, *lazy_scale;   /* one lazy weight read in */
+    double *scores;        /* attention and index scores, n_scores long */
+    mf_ly_pick *picks;     /* top-k sorting, n_scores long */
+    int64_t n_scores;
+    void *mem;
+} mf_ly_ctx;
+
+int mf_ly_ctx_new(const mf_layers *ly, mf_ly_lin lin, mf_ly_ctx **out);
+void mf_ly_ctx_free(mf_ly_ctx *cx);
+/* Score buffers for sequences of up to max_positions tokens (grown, never shrunk). -ENOMEM. */
+int mf_ly_ctx_reserve(mf_ly_ctx *cx, int64_t max_positions);
+
+/* Compressed cache of one KV-source layer. */
+typedef struct mf_ly_cache {
+    float *kv;        /* cap x head_dim: roped, fp4 fake-quantized entries */
+    float *key;       /* cap x index_head_dim: roped, fp4 fake-quantized index keys */
+    int64_t n;        /* entries emitted */
+    float *pend_kv;   /* ratio 2: the first token of the open group (fp32 kv and gate score) */
+    float *pend_score;
+} mf_ly_cache;
+
+/* The caches of one sequence (mf_ref_state_new). */
+struct mf_ref_state {
+    const mf_layers *ly;
+    int64_t max_pos;
+    int64_t n_pos;       /* tokens consumed */
+    int32_t *tokens;     /* max_pos: token ids (history, for Engram) */
+    float *ring;         /* n_layers x sliding_window x head_dim (slot = pos % window) */
+    mf_ly_cache *cache;  /* n_layers; kv/key NULL on non-source layers */
+    void *mem;           /* the one allocation behind the arrays */
+};
+
+/* Sorts picks by score descending, ties by index ascending. */
+void mf_ly_sort_picks(mf_ly_pick *p, int64_t n);
+
+/* One (sequence, token) of a forward call, with the activations carried between layers. */
+typedef struct mf_ly_item {
+    mf_ref_state *st;
+    int64_t pos;
+    int32_t tok;
+    float *x;                   /* hc_mult x hidden: the residual streams */
+    float pre[MF_LY_MAX_HC];    /* the pre mix carried one sublayer ahead */
+    int32_t *topk;              /* index_topk: latest selection (entries of the KV source) */
+    int n_topk;
+    int topk_src;               /* KV source the selection refers to (-1: none yet) */
+    int32_t *cand;              /* candidate_topk_blocks: kept blocks, ascending */
+    int n_cand;
+    int cand_src;               /* KV source of the candidate mask (-1: none yet) */
+    float *logits;
+} mf_ly_item;
+
+/* ---- layer_ops.c: numeric helpers ----------------------------------------------------------- */
+
+static inline float mf_bf(float x) { return mf_bf16_to_f32(mf_bf16_from_f32(x)); }
+void mf_bf_n(float *x, int64_t n);
+
+/* y[rows] = W x[cols] on cx's backend, each row rounded to fp32. W of any kind but MF_W_TABLE;
+ * lazy weights are read into cx's scratch. With aq, x is first fake-quantized to e4m3 1x32 (a
+ * copy; x itself is untouched) and the sums are double. -EINVAL on a weight that is no linear. */
+int mf_ly_linear(mf_ly_ctx *cx, const mf_weight *w, const float *x, float *y, int aq);
+/* Rows [r0, r1) of y = W x for n_tok inputs (row t of x at x + t * ld_x, of y at y + t * ld_y),
+ * without act quant, on cx's backend; each row the same bits as mf_ly_linear gives it, so any
+ * split of the rows gives the same bits. */
+int mf_ly_linear_part(mf_ly_ctx *cx, const mf_weight *w, const float *x, int n_tok, int64_t ld_x,
+                      float *y, int64_t ld_y, int64_t r0, int64_t r1);
+/* Rows [row0, row0+n) of W, double sums on every backend (used by the grouped wo_a and the router
+ * gate). cx may be NULL for a resident weight. */
+int mf_ly_linear_rows(mf_ly_ctx *cx, const mf_weight *w, int64_t row0, int64_t n, const float *x,
+                      int64_t x_cols, int64_t col0, float *y);
+/* Element i of a bf16/f32 vector weight. */
+float mf_ly_vec(const mf_weight *w, int64_t i);
+
+/* out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))) (the HF port's rounding). out may be x. */
+void mf_ly_rmsnorm(const float *x, int64_t n, const mf_weight *w, double eps, float *out);
+
+/* Interleaved RoPE on the last 2*n_pairs dims of x (pairs (2i, 2i+1)) at position pos; inverse
+ * rotates by the conjugate. fp32 angle pos*freq, as torch computes it. */
+void mf_ly_rope(float *x, int n_pairs, const float *freqs, int64_t pos, int inverse);
+/* RoPE inverse frequencies of layer `layer` (qk_rope_head_dim/2 values, fp32): rope_theta without
+ * YaRN on ratio-0 layers, compress_rope_theta with YaRN on the others. */
+void mf_ly_rope_freqs(const mf_config *c, int layer, float *freqs);
+
+/* Fake quantization in place over blocks of `block` values:
+ * e4m3 with a power-of-two scale 2^ceil(log2(max(amax, 1e-4)/448)) (window KV, act quant);
+ * e2m1 with an e8m0 scale 2^ceil(log2(max(amax, 6*2^-126)/6)) (index q and keys);
+ * e2m1 with an e4m3 scale e4m3(max(amax, 6*2^-9)/6) (compressed KV entries). */
+void mf_ly_fq_e4m3_pow2(float *x, int64_t n, int block);
+void mf_ly_fq_e2m1_pow2(float *x, int64_t n, int block);
+void mf_ly_fq_e2m1_e4m3(float *x, int64_t n, int block);
+
+float mf_ly_silu(float x);
+float mf_ly_sigmoid(float x);
+float mf_ly_softplus(float x);   /* torch's: x above 20 returns x */
+
+/* ---- layer_hc.c: hyper-connections ---------------------------------------------------------- */
+
+/* The mixes of the streams x against fn (scratch: hc_xn). */
+void mf_ly_hc_mixes(const mf_ly_ctx *cx, const float *x, const mf_weight *fn, float *mixes);
+/* Hyper-connection split of (2+hc)*hc mixes into pre[hc], post[hc] and the Sinkhorn-normalized
+ * comb[hc][hc] (row = source stream); _w reads scale and base from their weights. */
+void mf_ly_hc_split(const mf_config *c, const float *mixes, const float *scale, const float *base,
+                    float *pre, float *post, float *comb);
+void mf_ly_hc_split_w(const mf_config *c, const float *mixes, const mf_weight *scale,
+                      const mf_weight *base, float *pre, float *post, float *comb);
+void mf_ly_hc_collapse(const mf_ly_ctx *cx, const float *x, const float *pre, float *h);
+void mf_ly_hc_expand(const mf_ly_ctx *cx, float *x, const float *out, const float *post,
+                     const float *comb);
+
+/* ---- layer_attn.c: the attention sublayer ---------------------------------------------------- */
+
+/* The attention sublayer of item it at layer L; in = attn input (after attn_norm), out =
+ * hidden_size outputs (bf16 values). Scratch: attn, attn_acc, scores, picks. */
+int mf_ly_attn(mf_ly_ctx *cx, mf_ly_item *it, int L, const float *in, float *out);
+
+int64_t mf_ly_attn_buf_len(const mf_config *c, int buf);
+
+enum { MF_LY_A_STAGE_IN, MF_LY_A_STAGE_QB, MF_LY_A_STAGE_OA, MF_LY_A_STAGE_OB, MF_LY_A_N_STAGES };
+#define MF_LY_A_MAX_LIN 5   /* linears per stage */
+
+/* One linear of a stage: buffer y = W buffer x. groups > 0 (wo_a): row block g of w->rows/groups
+ * rows reads columns [g * w->cols, (g + 1) * w->cols) of x. */
+typedef struct mf_ly_attn_lin {
+    const mf_weight *w;
+    int x, y;     /* MF_LY_A_* */
+    int aq;       /* the reference fake-quantizes x first (with act_quant) */
+    int groups;
+    int bf;       /* y is rounded to bf16 */
+} mf_ly_attn_lin;
+
+/* The linears of stage `stage` of layer L into out[0..MF_LY_A_MAX_LIN); returns their count. */
+int mf_ly_attn_linears(const mf_layers *ly, int L, int stage, mf_ly_attn_lin *out);
+/* Rows [r0, r1) of linear l for n_tok items: item t reads x + t * ld_x and writes y + t * ld_y.
+ * Without act quant only: each row as mf_ly_linear sums it on cx's backend (grouped: double
+ * sums), so any split of the rows gives the same bits. */
+int mf_ly_attn_lin_rows(mf_ly_ctx *cx, const mf_ly_attn_lin *l, const float *x, int64_t ld_x, float *y,
+                        int64_t ld_y, int n_tok, int64_t r0, int64_t r1);
+/* The phases; b[MF_LY_A_*] are one item's buffers. stage runs a linear stage whole (the reference's
+ * calls, act quant included); qnorm rounds and normalizes QR; core is the per-item middle: RoPE,
+ * window KV into the ring, compressor, indexer, attention with the sink into O (items of one
+ * sequence in position order). */
+int mf_ly_attn_stage(mf_ly_ctx *cx, int L, int stage, float *const *b);
+void mf_ly_attn_qnorm(const mf_ly_ctx *cx, int L, float *const *b);
+int mf_ly_attn_core(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b);
+
+/* ---- layer_moe.c: router and experts -------------------------------------------------------- */
+
+/* The MoE sublayer of item it at layer L (router, routed experts, shared expert), in -> out. */
+int mf_ly_moe(mf_ly_ctx *cx, mf_ly_item *it, int L, const float *in, float *out);
+/* Rows [r0, r1) (experts) of layer L's router gate logits for n_tok inputs, double sums on every
+ * backend (the routing is the reference's). */
+int mf_ly_gate_rows(mf_ly_ctx *cx, int L, const float *x, int n_tok, int64_t ld_x, float *logits,
+                    int64_t ld_y, int64_t r0, int64_t r1);
+/* The routing of item it at layer L from its gate logits (scratch: gate_bias), with the route
+ * hook. */
+void mf_ly_route_item(mf_ly_ctx *cx, const mf_ly_item *it, int L, const float *logits, int32_t *experts,
+                      float *weights);
+/* Router of one token: logits[n_routed] are the gate logits; picks the top n_experts_per_tok of
+ * sqrtsoftplus(logits) + bias (ties: lower index), weights normalized and scaled. */
+void mf_ly_route(const mf_config *c, const float *logits, const float *bias, int32_t *experts,
+                 float *weights);
+
+/* ---- layer_engram.c ------------------------------------------------------------------------- */
+
+int mf_ly_engram_setup(mf_layers *ly);
+int mf_ly_engram(mf_ly_ctx *cx, mf_ly_item *it, int L);
+/* Its phases (the engine runs the wkv projection between them, split by rows): embed hashes the
+ * item's n-grams, reads (the store's gatherer or the table) and dequantizes its table rows into
+ * emb (n-gram heads x head_dim floats); gate adds the gated value of kv (= wkv emb, (hc + 1) x
+ * hidden) into the item's streams. */
+int mf_ly_engram_embed(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *emb);
+void mf_ly_engram_gate(mf_ly_ctx *cx, mf_ly_item *it, int L, const float *kv);
+/* Engram hash parameters of Engram slot k: multipliers[max_ngram] (odd int64), primes and row
+ * offsets [(max_ngram-1) * n_heads] (n-gram major). 0 or -EINVAL. */
+int mf_ly_engram_params(const mf_config *c, int slot, int64_t *multipliers, int64_t *primes,
+                        int64_t *offsets);
+
+#endif

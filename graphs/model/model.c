@@ -1,0 +1,428 @@
+/* Loading a DeepSeek-V4.1 text checkpoint: config, supported-config check, the layout checked
+ * tensor by tensor against the safetensors headers, one allocation for everything held in memory,
+ * and per-layer weight views. Routed experts and Engram tables can stay on disk (lazy). */
+#include "graphs/model/model.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "graphs/model/layout.h"
+#include "host/store.h"
+#include "sched/error.h"
+#include "sched/progress.h"
+
+struct mf_model {
+    char dir[4096];
+    mf_config cfg;
+    mf_st *st;
+    mf_layout *layout;
+    uint8_t *block;            /* every resident tensor, one allocation */
+    uint64_t block_bytes;
+    uint64_t *offset;          /* per layout tensor: offset in block, or UINT64_MAX when lazy */
+    const mf_st_tensor **st_of;/* per layout tensor */
+    int lazy;
+    mf_model_layer *layers;
+    mf_weight *experts;        /* n_layers * n_routed * 3 */
+    mf_weight embed, norm, head;
+    mf_store *store;
+};
+
+#define MF_NO_OFFSET UINT64_MAX
+
+static int mf_is_lazy_group(const mf_layout_tensor *t)
+{
+    return t->role == MF_ROLE_FP4_WEIGHT || t->role == MF_ROLE_FP4_SCALE ||
+           t->role == MF_ROLE_TABLE || t->role == MF_ROLE_TABLE_SCALE;
+}
+
+int mf_model_check_supported(const char *what, const mf_config *c)
+{
+    int rc = mf_config_validate(what, c);
+    if (rc) return rc;
+#define UNSUP(...) return mf_error(-EINVAL, __VA_ARGS__)
+    if (c->n_kv_heads != 1)
+        UNSUP("%s: num_key_value_heads %d is not supported (the V4.1 attention has 1 KV head)", what,
+              c->n_kv_heads);
+    if (c->scoring_func != MF_SCORING_SQRTSOFTPLUS)
+        UNSUP("%s: scoring_func '%s' is not supported (V4.1 routes with sqrtsoftplus)", what,
+              mf_scoring_name(c->scoring_func));
+    if (c->qk_rope_head_dim <= 0 || c->qk_rope_head_dim % 2 || c->qk_rope_head_dim > c->head_dim ||
+        c->qk_rope_head_dim > c->index_head_dim)
+        UNSUP("%s: qk_rope_head_dim %d must be even and at most head_dim %d and index_head_dim %d",
+              what, c->qk_rope_head_dim, c->head_dim, c->index_head_dim);
+    if (c->head_dim % 32 || c->index_head_dim % 32 || c->head_dim % 16)
+        UNSUP("%s: head_dim %d and index_head_dim %d must be multiples of 32 (fake-quant blocks)",
+              what, c->head_dim, c->index_head_dim);
+    if (c->hidden_size % 32 || c->moe_intermediate_size % 32 || c->q_lora_rank % 32)
+        UNSUP("%s: hidden_size, moe_intermediate_size and q_lora_rank must be multiples of 32", what);
+    if ((c->n_heads * c->head_dim) % c->o_groups)
+        UNSUP("%s: o_groups %d must divide n_heads*head_dim %d", what, c->o_groups,
+              c->n_heads * c->head_dim);
+    if (c->hc_mult < 1 || c->hc_mult > 16)
+        UNSUP("%s: hc_mult %d is not supported (1..16)", what, c->hc_mult);
+    if (c->n_experts_per_tok > c->n_routed_experts)
+        UNSUP("%s: num_experts_per_tok %d exceeds n_routed_experts %d", what, c->n_experts_per_tok,
+              c->n_routed_experts);
+    if (c->sliding_window < 1) UNSUP("%s: sliding_window must be >= 1", what);
+    /* every compressed layer reads the latest KV source at or before it, of the same ratio, and
+     * takes its top-k from the latest index source at or before it, on that same KV source */
+    int src = -1, idx = -1;
+    for (int L = 0; L < c->n_layers; L++) {
+        int r = c->compress_ratios[L];
+        if (r < 0 || r > 2) UNSUP("%s: compress_ratios[%d] = %d is not supported (0, 1 or 2)", what, L, r);
+        if (mf_config_is_kv_source(c, L)) {
+            if (r == 0) UNSUP("%s: kv_source layer %d has compress ratio 0", what, L);
+            src = L;
+            idx = -1;
+        }
+        if (mf_config_is_index_source(c, L)) {
+            if (r == 0 || src < 0)
+                UNSUP("%s: index_source layer %d has no KV source at or before it", what, L);
+            idx = L;
+        }
+        if (r == 0) continue;
+        if (src < 0 || c->compress_ratios[src] != r)
+            UNSUP("%s: layer %d (compress ratio %d) has no KV-source layer of the same ratio at or "
+                  "before it", what, L, r);
+        if (idx < 0)
+            UNSUP("%s: layer %d (compress ratio %d) has no index-source layer between its KV source "
+                  "%d and itself", what, L, r, src);
+    }
+    if (c->candidate_source_layer_id >= 0) {
+        int cl = c->candidate_source_layer_id;
+        if (cl >= c->n_layers || !mf_config_is_index_source(c, cl))
+            UNSUP("%s: candidate_source_layer_id %d is not an index-source layer", what, cl);
+        if (c->candidate_block_size < 1 || c->candidate_topk_blocks < 1)
+            UNSUP("%s: candidate_block_size and candidate_topk_blocks must be >= 1", what);
+    }
+    if (c->n_engram > 0) {
+        int64_t ng = c->engram_max_ngram_size;
+        if (ng < 2 || ng > 8) UNSUP("%s: engram_max_ngram_size %" PRId64 " is not supported (2..8)", what, ng);
+        if (c->engram_vocab_size < 2) UNSUP("%s: engram_vocab_size must be >= 2", what);
+    }
+#undef UNSUP
+    return 0;
+}
+
+static int mf_shape_str(char *buf, size_t n, int nd, const int64_t *s)
+{
+    int k = snprintf(buf, n, "[");
+    for (int i = 0; i < nd && (size_t)k < n; i++)
+        k += snprintf(buf + k, n - (size_t)k, "%s%" PRId64, i ? "," : "", s[i]);
+    if ((size_t)k < n) k += snprintf(buf + k, n - (size_t)k, "]");
+    return k;
+}
+
+/* Checks every layout tensor against the checkpoint; names up to 4 problems. */
+static int mf_model_check_tensors(mf_model *m)
+{
+    int n = mf_layout_n(m->layout), n_missing = 0, n_bad = 0;
+    char msg[800] = "";
+    size_t used = 0;
+    int named = 0;
+    for (int i = 0; i < n; i++) {
+        const mf_layout_tensor *t = mf_layout_at(m->layout, i);
+        const mf_st_tensor *s = mf_st_find(m->st, t->name);
+        m->st_of[i] = s;
+        char line[320] = "";
+        if (!s) {
+            n_missing++;
+            snprintf(line, sizeof line, "tensor %s is missing (expected %s ", t->name, mf_dtype_name(t->dtype));
+            mf_shape_str(line + strlen(line), sizeof line - strlen(line), t->n_dims, t->shape);
+            strncat(line, ")", sizeof line - strlen(line) - 1);
+        } else {
+            int same = s->dtype == t->dtype && s->n_dims == t->n_dims;
+            for (int d = 0; same && d < t->n_dims; d++) same = s->shape[d] == t->shape[d];
+            if (!same) {
+                n_bad++;
+                char e[64], f[64];
+                mf_shape_str(e, sizeof e, t->n_dims, t->shape);
+                mf_shape_str(f, sizeof f, s->n_dims, s->shape);
+                snprintf(line, sizeof line, "tensor %s: expected %s %s, found %s %s", t->name,
+                         mf_dtype_name(t->dtype), e, mf_dtype_name(s->dtype), f);
+            }
+        }
+        if (line[0] && named < 4 && used + strlen(line) + 3 < sizeof msg) {
+            used += (size_t)snprintf(msg + used, sizeof msg - used, "%s%s", named ? "; " : "", line);
+            named++;
+        }
+    }
+    if (n_missing || n_bad)
+        return mf_error(-EINVAL, "%s: checkpoint does not match the layout of its config.json: %d "
+                        "tensor(s) missing, %d with the wrong dtype/shape: %s%s", m->dir, n_missing,
+                        n_bad, msg, named < n_missing + n_bad ? "; ..." : "");
+    return 0;
+}
+
+static int mf_bind(mf_model *m, mf_weight *w, mf_wkind kind, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* Fills w from the layout tensors named by fmt (+ ".weight"/".scale" for fp8, fp4 and tables). */
+static int mf_bind(mf_model *m, mf_weight *w, mf_wkind kind, const char *fmt, ...)
+{
+    char base[MF_LAYOUT_NAME_BYTES], dn[MF_LAYOUT_NAME_BYTES + 8], sn[MF_LAYOUT_NAME_BYTES + 8];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(base, sizeof base, fmt, ap);
+    va_end(ap);
+    int scaled = kind == MF_W_FP8 || kind == MF_W_FP4 || kind == MF_W_TABLE;
+    if (scaled) {
+        snprintf(dn, sizeof dn, "%s.weight", base);
+        snprintf(sn, sizeof sn, "%s.scale", base);
+    } else {
+        snprintf(dn, sizeof dn, "%s", base);
+    }
+    int di = mf_layout_find(m->layout, dn), si = scaled ? mf_layout_find(m->layout, sn) : -1;
+    if (di < 0 || (scaled && si < 0))   /* the layout and this binder disagree: a bug */
+        return mf_error(-EINVAL, "model: layout has no tensor %s", scaled && di >= 0 ? sn : dn);
+    const mf_layout_tensor *t = mf_layout_at(m->layout, di);
+    memset(w, 0, sizeof *w);
+    w->kind = kind;
+    w->name = t->name;
+    w->rows = t->shape[0];
+    w->cols = t->n_dims > 1 ? t->shape[1] : 1;
+    if (kind == MF_W_FP4) w->cols *= 2;
+    w->st_data = m->st_of[di];
+    w->data = m->offset[di] == MF_NO_OFFSET ? NULL : m->block + m->offset[di];
+    if (scaled) {
+        w->st_scale = m->st_of[si];
+        w->scale = m->offset[si] == MF_NO_OFFSET ? NULL : m->block + m->offset[si];
+    }
+    w->block_rows = m->cfg.quant_block_out;
+    w->block_cols = m->cfg.quant_block_in;
+    return 0;
+}
+
+static int mf_model_bind_all(mf_model *m)
+{
+    const mf_config *c = &m->cfg;
+    int rc = 0;
+#define B(w, k, ...) do { if ((rc = mf_bind(m, (w), (k), __VA_ARGS__))) return rc; } while (0)
+    B(&m->embed, MF_W_BF16, "embed.weight");
+    B(&m->norm, MF_W_BF16, "norm.weight");
+    B(&m->head, MF_W_BF16, "head.weight");
+    for (int L = 0; L < c->n_layers; L++) {
+        mf_model_layer *y = &m->layers[L];
+        if (mf_config_engram_slot(c, L) >= 0) {
+            B(&y->eg_table, MF_W_TABLE, "layers.%d.engram.embed", L);
+            B(&y->eg_wkv, MF_W_FP8, "layers.%d.engram.wkv", L);
+            B(&y->eg_q_weight, MF_W_BF16, "layers.%d.engram.q_weight", L);
+            B(&y->eg_k_weight, MF_W_BF16, "layers.%d.engram.k_weight", L);
+        }
+        B(&y->hc_attn_fn, MF_W_F32, "layers.%d.hc_attn_fn", L);
+        B(&y->hc_attn_base, MF_W_F32, "layers.%d.hc_attn_base", L);
+        B(&y->hc_attn_scale, MF_W_F32, "layers.%d.hc_attn_scale", L);
+        B(&y->attn_norm, MF_W_BF16, "layers.%d.attn_norm.weight", L);
+        B(&y->wq_a, MF_W_FP8, "layers.%d.attn.wq_a", L);
+        B(&y->q_norm, MF_W_BF16, "layers.%d.attn.q_norm.weight", L);
+        B(&y->wq_b, MF_W_FP8, "layers.%d.attn.wq_b", L);
+        B(&y->wkv, MF_W_FP8, "layers.%d.attn.wkv", L);
+        B(&y->kv_norm, MF_W_BF16, "layers.%d.attn.kv_norm.weight", L);
+        B(&y->wo_a, MF_W_FP8, "layers.%d.attn.wo_a", L);
+        B(&y->wo_b, MF_W_FP8, "layers.%d.attn.wo_b", L);
+        B(&y->attn_sink, MF_W_F32, "layers.%d.attn.attn_sink", L);
+        if (mf_config_is_kv_source(c, L)) {
+            B(&y->cmp_wkv, MF_W_BF16, "layers.%d.attn.compressor.wkv.weight", L);
+            if (c->compress_ratios[L] == 2)
+                B(&y->cmp_wgate, MF_W_BF16, "layers.%d.attn.compressor.wgate.weight", L);
+            B(&y->cmp_norm, MF_W_BF16, "layers.%d.attn.compressor.norm.weight", L);
+            B(&y->idx_wk, MF_W_BF16, "layers.%d.attn.indexer.wk.weight", L);
+            B(&y->idx_k_norm, MF_W_BF16, "layers.%d.attn.indexer.k_norm.weight", L);
+        }
+        if (mf_config_is_index_source(c, L)) {
+            B(&y->idx_wq_b, MF_W_FP8, "layers.%d.attn.indexer.wq_b", L);
+            B(&y->idx_weights_proj, MF_W_BF16, "layers.%d.attn.indexer.weights_proj.weight", L);
+        }
+        B(&y->hc_ffn_fn, MF_W_F32, "layers.%d.hc_ffn_fn", L);
+        B(&y->hc_ffn_base, MF_W_F32, "layers.%d.hc_ffn_base", L);
+        B(&y->hc_ffn_scale, MF_W_F32, "layers.%d.hc_ffn_scale", L);
+        B(&y->ffn_norm, MF_W_BF16, "layers.%d.ffn_norm.weight", L);
+        B(&y->gate, MF_W_BF16, "layers.%d.ffn.gate.weight", L);
+        B(&y->gate_bias, MF_W_F32, "layers.%d.ffn.gate.bias", L);
+        B(&y->gate_bias_vl, MF_W_F32, "layers.%d.ffn.gate.bias_vl", L);
+        if (c->n_shared_experts > 0) {
+            B(&y->sh_w1, MF_W_FP8, "layers.%d.ffn.shared_experts.w1", L);
+            B(&y->sh_w2, MF_W_FP8, "layers.%d.ffn.shared_experts.w2", L);
+            B(&y->sh_w3, MF_W_FP8, "layers.%d.ffn.shared_experts.w3", L);
+        }
+        y->experts = m->experts + (size_t)L * c->n_routed_experts * 3;
+        for (int e = 0; e < c->n_routed_experts; e++)
+            for (int k = 0; k < 3; k++)
+                B(&y->experts[e * 3 + k], MF_W_FP4, "layers.%d.ffn.experts.%d.w%d", L, e, k + 1);
+    }
+#undef B
+    return 0;
+}
+
+/* The store over the model's routed experts and Engram tables. */
+static int mf_model_store_open(mf_model *m, const mf_model_opts *o)
+{
+    const mf_config *c = &m->cfg;
+    size_t n = (size_t)c->n_layers * c->n_routed_experts * 6;
+    const mf_st_tensor **parts = malloc((n + 1) * sizeof *parts);
+    const mf_st_tensor *tables[2 * MF_CONFIG_MAX_ENGRAM];
+    if (!parts) return mf_error(-ENOMEM, "model: out of memory");
+    for (int L = 0; L < c->n_layers; L++)
+        for (int e = 0; e < c->n_routed_experts; e++)
+            for (int k = 0; k < 3; k++) {
+                const mf_weight *w = &m->layers[L].experts[e * 3 + k];
+                size_t i = ((size_t)L * c->n_routed_experts + e) * 6 + 2 * k;
+                parts[i] = w->st_data;
+                parts[i + 1] = w->st_scale;
+            }
+    int nt = 0;
+    for (int L = 0; L < c->n_layers; L++)
+        if (mf_config_engram_slot(c, L) >= 0) {
+            tables[2 * nt] = m->layers[L].eg_table.st_data;
+            tables[2 * nt + 1] = m->layers[L].eg_table.st_scale;
+            nt++;
+        }
+    mf_store_layout lay = {.n_layers = c->n_layers, .n_experts = c->n_routed_experts, .n_parts = 6,
+                           .parts = parts, .n_tables = nt, .tables = tables};
+    int mode = o->store == MF_MODEL_STORE_STREAMED ? MF_STORE_STREAMED : MF_STORE_RESIDENT;
+    int tmode = o->store_tables ? (o->store_tables == MF_MODEL_STORE_STREAMED ? MF_STORE_STREAMED
+                                                                              : MF_STORE_RESIDENT)
+                                : mode;
+    mf_store_opts so = {.mode = mode, .table_mode = tmode, .budget_bytes = o->store_budget_bytes,
+                        .io_depth = o->store_io_depth, .numa_node = -1, .quiet = o->quiet,
+                        /* a call names up to a layer's experts (the scheduled engine's slots of a
+                         * batch); the budget must hold at least one token's */
+                        .max_batch = c->n_routed_experts > 16 ? c->n_routed_experts : 16,
+                        .min_slots = c->n_experts_per_tok};
+    int rc = mf_store_create(m->st, &lay, &so, &m->store);
+    free(parts);
+    return rc ? mf_error_wrap(rc, "model %s", m->dir) : 0;
+}
+
+int mf_model_load(const char *dir, const mf_model_opts *opts, mf_model **out)
+{
+    *out = NULL;
+    mf_model_opts o = {0};
+    if (opts) o = *opts;
+    uint64_t limit = o.resident_limit_bytes ? o.resident_limit_bytes : (UINT64_C(4) << 30);
+    mf_model *m = calloc(1, sizeof *m);
+    if (!m) return mf_error(-ENOMEM, "model: out of memory");
+    snprintf(m->dir, sizeof m->dir, "%s", dir);
+    char path[4200];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    int rc = mf_config_load(path, &m->cfg);
+    if (!rc) rc = mf_model_check_supported(path, &m->cfg);
+    if (!rc) rc = mf_st_open(dir, &m->st);
+    if (!rc) rc = mf_layout_build(&m->cfg, &m->layout);
+    if (rc) goto fail;
+    int n = mf_layout_n(m->layout);
+    m->offset = calloc((size_t)n, sizeof *m->offset);
+    m->st_of = calloc((size_t)n, sizeof *m->st_of);
+    m->layers = calloc((size_t)m->cfg.n_layers, sizeof *m->layers);
+    m->experts = calloc((size_t)m->cfg.n_layers * m->cfg.n_routed_experts * 3, sizeof *m->experts);
+    if (!m->offset || !m->st_of || !m->layers || !m->experts) {
+        rc = mf_error(-ENOMEM, "model: out of memory for %d tensor entries", n);
+        goto fail;
+    }
+    if ((rc = mf_model_check_tensors(m))) goto fail;
+
+    uint64_t lazy_bytes = 0;
+    for (int i = 0; i < n; i++) {
+        const mf_layout_tensor *t = mf_layout_at(m->layout, i);
+        if (mf_is_lazy_group(t)) lazy_bytes += t->n_bytes;
+    }
+    m->lazy = lazy_bytes > limit || o.resident_limit_bytes == MF_MODEL_ALL_LAZY || o.store;
+    uint64_t total = 0;
+    for (int i = 0; i < n; i++) {
+        const mf_layout_tensor *t = mf_layout_at(m->layout, i);
+        if (m->lazy && mf_is_lazy_group(t)) {
+            m->offset[i] = MF_NO_OFFSET;
+            continue;
+        }
+        m->offset[i] = total;
+        total += (t->n_bytes + 63) & ~UINT64_C(63);
+    }
+    m->block_bytes = total;
+    m->block = malloc(total ? total : 1);
+    if (!m->block) {
+        rc = mf_error(-ENOMEM, "model: cannot allocate %" PRIu64 " bytes for the resident weights of %s",
+                      total, dir);
+        goto fail;
+    }
+    mf_progress pr;
+    mf_progress_begin(&pr, "load", total, 1, o.quiet);
+    for (int i = 0; i < n; i++) {
+        if (m->offset[i] == MF_NO_OFFSET) continue;
+        const mf_layout_tensor *t = mf_layout_at(m->layout, i);
+        if ((rc = mf_st_read(m->st, m->st_of[i], 0, m->block + m->offset[i], t->n_bytes))) {
+            mf_progress_end(&pr);
+            goto fail;
+        }
+        mf_progress_add(&pr, t->n_bytes);
+    }
+    mf_progress_end(&pr);
+    if ((rc = mf_model_bind_all(m))) goto fail;
+    if (o.store && (rc = mf_model_store_open(m, &o))) goto fail;
+    *out = m;
+    return 0;
+fail:
+    mf_model_free(m);
+    return rc;
+}
+
+void mf_model_free(mf_model *m)
+{
+    if (!m) return;
+    mf_store_destroy(m->store);
+    free(m->block);
+    free(m->offset);
+    free(m->st_of);
+    free(m->layers);
+    free(m->experts);
+    mf_layout_free(m->layout);
+    mf_st_close(m->st);
+    free(m);
+}
+
+const mf_config *mf_model_config(const mf_model *m) { return &m->cfg; }
+const mf_model_layer *mf_model_layer_at(const mf_model *m, int layer)
+{
+    return layer >= 0 && layer < m->cfg.n_layers ? &m->layers[layer] : NULL;
+}
+const mf_weight *mf_model_embed(const mf_model *m) { return &m->embed; }
+const mf_weight *mf_model_norm(const mf_model *m) { return &m->norm; }
+const mf_weight *mf_model_head(const mf_model *m) { return &m->head; }
+const char *mf_model_dir(const mf_model *m) { return m->dir; }
+int mf_model_is_lazy(const mf_model *m) { return m->lazy; }
+struct mf_store *mf_model_store(const mf_model *m) { return m->store; }
+uint64_t mf_model_resident_bytes(const mf_model *m) { return m->block_bytes; }
+
+uint64_t mf_weight_data_bytes(const mf_weight *w) { return w->st_data ? w->st_data->n_bytes : 0; }
+uint64_t mf_weight_scale_bytes(const mf_weight *w) { return w->st_scale ? w->st_scale->n_bytes : 0; }
+
+int mf_model_weight_read(const mf_model *m, const mf_weight *w, int64_t row0, int64_t n_rows,
+                         uint8_t *data, uint8_t *scale)
+{
+    if (row0 < 0 || n_rows < 0 || row0 + n_rows > w->rows)
+        return mf_error(-EINVAL, "%s: rows [%" PRId64 ", %" PRId64 ") out of [0, %" PRId64 ")",
+                        w->name, row0, row0 + n_rows, w->rows);
+    if (w->kind == MF_W_FP8 && (row0 != 0 || n_rows != w->rows))
+        return mf_error(-EINVAL, "%s: fp8 weights are read whole", w->name);
+    uint64_t drow = w->st_data->n_bytes / (uint64_t)(w->rows ? w->rows : 1);
+    int rc;
+    if (w->data) memcpy(data, w->data + (uint64_t)row0 * drow, (size_t)(drow * (uint64_t)n_rows));
+    else if ((rc = mf_st_read(m->st, w->st_data, (uint64_t)row0 * drow, data, (size_t)(drow * (uint64_t)n_rows))))
+        return rc;
+    if (scale && w->st_scale) {
+        if (w->kind == MF_W_FP8) {
+            if (w->scale) memcpy(scale, w->scale, (size_t)w->st_scale->n_bytes);
+            else if ((rc = mf_st_read(m->st, w->st_scale, 0, scale, (size_t)w->st_scale->n_bytes))) return rc;
+        } else {
+            uint64_t srow = w->st_scale->n_bytes / (uint64_t)w->rows;
+            if (w->scale) memcpy(scale, w->scale + (uint64_t)row0 * srow, (size_t)(srow * (uint64_t)n_rows));
+            else if ((rc = mf_st_read(m->st, w->st_scale, (uint64_t)row0 * srow, scale,
+                                      (size_t)(srow * (uint64_t)n_rows))))
+                return rc;
+        }
+    }
+    return 0;
+}

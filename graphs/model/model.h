@@ -1,0 +1,111 @@
+/* A loaded DeepSeek-V4.1 text model: the config and every tensor of the released layout
+ * (graphs/model/layout.h), checked by name, dtype and shape, held in memory as stored (packed fp4 and
+ * fp8 codes with their e8m0 scales, bf16, f32). Routed experts and Engram tables are held too when
+ * they fit under a byte limit; otherwise they stay on disk and are read per use (lazy). */
+#ifndef MF_MODEL_H
+#define MF_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "graphs/model/config.h"
+#include "host/safetensors.h"
+
+typedef enum mf_wkind {
+    MF_W_NONE = 0,  /* absent on this layer */
+    MF_W_FP8,       /* e4m3 codes [rows, cols] + e8m0 tile scales [ceil(rows/bo), ceil(cols/bi)] */
+    MF_W_FP4,       /* packed e2m1 [rows, cols/2] + e8m0 scales [rows, cols/32] */
+    MF_W_BF16,
+    MF_W_F32,
+    MF_W_TABLE,     /* Engram table: e4m3 rows [rows, cols] + e8m0 scales [rows, cols/32] */
+} mf_wkind;
+
+/* One weight as stored. rows x cols is the logical matrix ([out, in] for linears, cols = 1 for
+ * vectors; for fp4 cols counts values, not bytes). data/scale are NULL when the weight is lazy:
+ * read it with mf_model_weight_read. */
+typedef struct mf_weight {
+    mf_wkind kind;
+    int64_t rows, cols;
+    const char *name;              /* the checkpoint name of the data tensor */
+    const uint8_t *data;
+    const uint8_t *scale;
+    const mf_st_tensor *st_data;   /* where it lives in the checkpoint */
+    const mf_st_tensor *st_scale;
+    int block_rows, block_cols;    /* fp8 scale tile (quant_block_out x quant_block_in) */
+} mf_weight;
+
+/* The weights of one layer; absent ones have kind MF_W_NONE. */
+typedef struct mf_model_layer {
+    /* Engram (engram layers only) */
+    mf_weight eg_table, eg_wkv, eg_q_weight, eg_k_weight;
+    /* attention */
+    mf_weight hc_attn_fn, hc_attn_base, hc_attn_scale, attn_norm;
+    mf_weight wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, attn_sink;
+    mf_weight cmp_wkv, cmp_wgate, cmp_norm;              /* KV-source layers */
+    mf_weight idx_wq_b, idx_weights_proj;                /* index-source layers */
+    mf_weight idx_wk, idx_k_norm;                        /* KV-source layers */
+    /* MoE */
+    mf_weight hc_ffn_fn, hc_ffn_base, hc_ffn_scale, ffn_norm;
+    mf_weight gate, gate_bias, gate_bias_vl;
+    mf_weight sh_w1, sh_w2, sh_w3;
+    mf_weight *experts;   /* n_routed_experts x {w1, w2, w3} */
+} mf_model_layer;
+
+typedef struct mf_model mf_model;
+
+typedef struct mf_model_opts {
+    /* Routed experts and Engram tables are read into memory at load when together they take at
+     * most this many bytes; otherwise they are lazy. 0 means the default (4 GiB); use
+     * MF_MODEL_ALL_LAZY to force lazy. */
+    uint64_t resident_limit_bytes;
+    int quiet;   /* no progress on stderr */
+    /* Expert store (host/store.h) for routed experts and Engram tables: MF_MODEL_STORE_NONE (the
+     * resident/lazy handling above), RESIDENT (read in at load through the IO lane) or STREAMED
+     * (a cache of store_budget_bytes, misses read per use). Tables follow store_tables when set
+     * (MF_MODEL_STORE_RESIDENT or STREAMED), else the store's mode. */
+    int store;
+    int store_tables;
+    uint64_t store_budget_bytes;   /* 0: 2 GiB */
+    int store_io_depth;            /* 0: 64 */
+} mf_model_opts;
+
+enum { MF_MODEL_STORE_NONE, MF_MODEL_STORE_RESIDENT, MF_MODEL_STORE_STREAMED };
+
+#define MF_MODEL_ALL_LAZY UINT64_C(1)
+
+/* Opens the checkpoint in `dir` (config.json + safetensors), checks that the config is one the
+ * reference forward supports, and that every tensor of the layout is present with the expected
+ * dtype and shape; reads the weights. Errors name the file/tensor, what was expected and found;
+ * when several tensors are wrong the message counts them and names the first few. */
+int mf_model_load(const char *dir, const mf_model_opts *opts, mf_model **out);
+void mf_model_free(mf_model *m);
+
+const mf_config *mf_model_config(const mf_model *m);
+const mf_model_layer *mf_model_layer_at(const mf_model *m, int layer);
+const mf_weight *mf_model_embed(const mf_model *m);
+const mf_weight *mf_model_norm(const mf_model *m);
+const mf_weight *mf_model_head(const mf_model *m);
+const char *mf_model_dir(const mf_model *m);
+int mf_model_is_lazy(const mf_model *m);       /* experts/tables read per use */
+/* The expert store when one was asked for, else NULL. Expert e of layer L is item (L, e) with
+ * parts w1, w1 scale, w2, w2 scale, w3, w3 scale; Engram slot k is table k. */
+struct mf_store *mf_model_store(const mf_model *m);
+uint64_t mf_model_resident_bytes(const mf_model *m);
+
+/* Bytes of w's data and scale tensors. */
+uint64_t mf_weight_data_bytes(const mf_weight *w);
+uint64_t mf_weight_scale_bytes(const mf_weight *w);
+
+/* Reads rows [row0, row0 + n_rows) of a lazy (or resident) weight into data/scale buffers of
+ * n_rows rows each (scale may be NULL for kinds without scales; fp8 tiles are not row-sliceable,
+ * so fp8 weights must be read whole: row0 = 0, n_rows = rows). */
+int mf_model_weight_read(const mf_model *m, const mf_weight *w, int64_t row0, int64_t n_rows,
+                         uint8_t *data, uint8_t *scale);
+
+/* Checks that a config is one the reference forward computes: one KV head, sqrtsoftplus routing,
+ * RoPE dims even and within head_dim, compress ratios 0/1/2 with each compressed layer after a
+ * KV source of the same ratio and an index source on that source, and so on. 0 or -EINVAL naming
+ * `what` and the field. */
+int mf_model_check_supported(const char *what, const mf_config *c);
+
+#endif

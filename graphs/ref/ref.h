@@ -1,0 +1,60 @@
+/* The plain reference forward of DeepSeek-V4.1 (the oracle every fast path is checked against):
+ * plain loops, fp32 values with bf16 rounding where the Hugging Face port holds bf16, dot
+ * products accumulated in double, no threads. Sequences keep their caches in mf_ref_state; one
+ * call runs any batch of (sequence, token) items layer by layer and yields logits.
+ * The layer math is graphs/layers/layers.h's, on a context of its own with the double-sum backend; this
+ * is its serial driver. What it computes, step by step, is in docs/reference.md. */
+#ifndef MF_REF_H
+#define MF_REF_H
+
+#include <stdint.h>
+
+#include "graphs/layers/layers.h"   /* the options (mf_ref_opts), the tables, the sequence type */
+
+typedef struct mf_ref mf_ref;               /* the model's tables (graphs/layers/layers.h) + one context */
+typedef struct mf_ref_state mf_ref_state;   /* caches of one sequence */
+
+int mf_ref_new(const mf_model *m, const mf_ref_opts *opts, mf_ref **out);
+void mf_ref_free(mf_ref *r);
+const mf_config *mf_ref_config(const mf_ref *r);   /* the model's */
+
+/* A state for one sequence of at most max_positions tokens (window ring, compressed KV and index
+ * keys of every KV source, token history). -EINVAL when max_positions exceeds the config's
+ * max_position_embeddings. */
+int mf_ref_state_new(const mf_ref *r, int64_t max_positions, mf_ref_state **out);
+void mf_ref_state_free(mf_ref_state *s);
+/* Makes s a fresh sequence again (position 0), keeping its memory: a reset state gives the same
+ * logits as a new one (tests/test_batch.c). */
+void mf_ref_state_reset(mf_ref_state *s);
+/* Bytes mf_ref_state_new allocates for max_positions (the state and its one block of caches). */
+int64_t mf_ref_state_bytes(const mf_config *c, int64_t max_positions);
+int64_t mf_ref_state_pos(const mf_ref_state *s);   /* tokens consumed so far */
+
+/* One forward over n items: item i is token tokens[i] of states[i] at that state's next position.
+ * Items of the same state must be consecutive in this list and are consumed in order. When
+ * logits[i] is non-NULL it receives vocab_size fp32 logits of item i. Fails (state unchanged)
+ * with -EINVAL on a token out of the vocabulary or a state that would pass its max_positions. */
+int mf_ref_forward(mf_ref *r, mf_ref_state *const *states, const int32_t *tokens, int n,
+                   float *const *logits);
+
+/* Prefill: n tokens of one sequence; logits (may be NULL) of the last one. */
+int mf_ref_prefill(mf_ref *r, mf_ref_state *s, const int32_t *tokens, int n, float *logits);
+
+/* Decode: one token for each of n_seq sequences; logits is n_seq x vocab_size (row i for
+ * states[i]). */
+int mf_ref_decode(mf_ref *r, mf_ref_state *const *states, const int32_t *tokens, int n_seq,
+                  float *logits);
+
+/* Wall time the forward spent per part, summed over calls since mf_ref_new (for benchmarks):
+ * Engram sublayers, the attention stack (hyper-connection mixes, norms, attention), the MoE
+ * sublayers (router, experts, shared expert), the final norm + head, and the whole calls. */
+typedef struct mf_ref_times {
+    int64_t engram_ns, attn_ns, moe_ns, head_ns, total_ns;
+} mf_ref_times;
+void mf_ref_times_get(const mf_ref *r, mf_ref_times *out);
+
+/* The model's tables behind r (graphs/layers/layers.h), for the scheduled engine, which runs the same layer
+ * math on contexts of its own and advances r's states. Valid while r lives. */
+const mf_layers *mf_ref_layers(const mf_ref *r);
+
+#endif

@@ -1,0 +1,644 @@
+/* The decode-step simulator (graphs/sim/plan.h). It runs the engine's own step graph (graphs/step/stepgraph.h,
+ * the builder graphs/step/step.c uses, for a parallel decode shape of `batch` items), built once; each
+ * step draws its routing, keeps the slot tables and the caches (host store, per-card device caches)
+ * as the engine's route task does, places the slots with the engine's rule (mf_sg_placer), marks
+ * the same noop tasks (mf_stepgraph_mark_noop), prices every task's record from the profile
+ * (docs/sim.md "Cost formulas") and runs mf_sim_run_opts with the simulator's lane options (one disk
+ * pipe, one stream per device lane, emulated cards' host threads). */
+#include "graphs/sim/plan.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "device/expert_cache.h"
+#include "graphs/step/stepgraph.h"
+#include "sched/error.h"
+#include "sched/residency.h"
+#include "sched/sim.h"
+#include "sched/timeline.h"
+
+#define PL_MAX_CARDS MF_SG_MAX_CARDS
+
+/* A slot of this step's table: its expert, tokens, card (-1: host), device cache miss, store miss. */
+typedef struct pl_slot {
+    int e, cnt, card, miss, store_miss;
+} pl_slot;
+
+struct mf_plan {
+    mf_plan_opts o;
+    mf_config c;
+    mf_profile prof;
+    int n_cards, n_threads, n_cores, batch, read_window, copy_slots, emulated;
+    int K, E, n_layers;
+    mf_sg_sizes *sz;
+    double cpu_bytes_per_s;                  /* host kernels: min(thread, socket memory / threads) */
+    mf_lane_model models[4];                 /* the engine's lane models (mf_step_lane_models) */
+    mf_sg_lanes lt;                          /* the engine's lanes */
+    /* the simulator's own lane options (mf_sim_opts) */
+    int conc[MF_PLAN_MAX_LANES];
+    int64_t wake_ns[MF_PLAN_MAX_LANES];
+    uint8_t lane_core[MF_PLAN_MAX_LANES];
+    /* caches */
+    int streamed;
+    mf_resid *store;                          /* the host store's policy (streamed), or NULL */
+    mf_resid *dev[PL_MAX_CARDS];              /* each card's expert cache policy */
+    void *resid_mem;                          /* one block for all of them */
+    /* routing */
+    uint64_t rng;
+    int32_t *ex;                             /* n_layers x batch x K */
+    int64_t pos;                             /* position of the next step's tokens */
+    int stepped;                             /* a step has been simulated */
+    /* the graph, this step's slot tables (n_layers x n_slots) and task durations */
+    mf_stepgraph *sg;
+    mf_timeline *tl;
+    int64_t *task_ns;
+    pl_slot *sl;
+    int32_t *slot_card;
+    int *n_used;                             /* per layer */
+    mf_plan_report total;
+};
+
+/* ---- pricing the records (docs/sim.md "Cost formulas") ------------------------------------- */
+
+/* A kernel of `bytes` weight bytes and `macs` multiply-adds per token over n tokens
+ * (sched/profile.h): latency + bytes / rate + (n - 1) * macs / mac rate. */
+static double pl_kern(const mf_profile_kern *k, double bytes_per_s, double bytes, double macs, int n)
+{
+    double ns = k->latency_ns;
+    if (bytes_per_s > 0) ns += bytes / bytes_per_s * 1e9;
+    if (n > 1 && k->macs_per_s > 0) ns += (n - 1) * macs / k->macs_per_s * 1e9;
+    return ns;
+}
+
+/* Plain scalar code (the reference's dot rows, norms, mixes, scores): flops counted as
+ * multiply-adds at the REF rate, no latency of its own. */
+static double pl_ref(const mf_plan *p, double flops)
+{
+    const mf_profile_kern *k = &p->prof.host[MF_KF_REF];
+    return k->macs_per_s > 0 ? flops / k->macs_per_s * 1e9 : 0;
+}
+
+/* A record's kernels on the host over n tokens: per family its calls' latencies, its bytes at
+ * the thread's rate (capped by its share of the memory bandwidth), its multiply-adds. */
+static double pl_host_work(const mf_plan *p, const mf_sg_work *w, int n)
+{
+    double ns = 0;
+    for (int f = 0; f < MF_KF_REF; f++) {
+        if (!(w->calls[f] > 0)) continue;
+        const mf_profile_kern *k = &p->prof.host[f];
+        double bps = k->bytes_per_s;
+        if (p->cpu_bytes_per_s > 0 && p->cpu_bytes_per_s < bps) bps = p->cpu_bytes_per_s;
+        ns += pl_kern(k, bps, w->w_bytes[f], w->macs[f], n) + (w->calls[f] - 1) * k->latency_ns;
+    }
+    return ns;
+}
+
+/* A card's FFN of slot s (its record's work, or the expert's for the card's FFN graph). */
+static double pl_card_ffn_ns(const mf_plan *p, const pl_slot *sl)
+{
+    const mf_profile_kern *k = &p->prof.card[MF_KF_FP4];
+    double H = p->c.hidden_size, I = p->c.moe_intermediate_size;
+    return pl_kern(k, k->bytes_per_s, p->sz->up_bytes + p->sz->down_bytes, 3 * H * I, sl->cnt);
+}
+
+/* Task t's duration this step without the executor's overhead; *overhead 0 where the task
+ * finishes without it (an empty read). */
+static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int *overhead)
+{
+    const mf_profile *f = &p->prof;
+    const mf_sg_work *w = &t->w;
+    const pl_slot *sl = t->slot >= 0 ? &p->sl[(size_t)t->layer * p->sg->n_slots + t->slot] : NULL;
+    int cnt = sl ? sl->cnt : 0;
+    *overhead = 1;
+    switch (t->op) {
+    case MF_SG_ENGRAM_EMBED: {
+        double ns = pl_ref(p, w->ref_flops);
+        if (p->o.tables == MF_PLAN_STORE_STREAMED) {   /* each item's rows as aligned blocks */
+            ns += w->io_reads * f->disk_latency_ns + w->io_bytes / f->disk_bytes_per_s * 1e9;
+            r->table_bytes_read += (uint64_t)w->io_bytes;
+        }
+        return ns;
+    }
+    case MF_SG_ATTN_CORE:
+        return pl_host_work(p, w, t->n_tok) +
+               pl_ref(p, w->ref_flops + (t->i1 - t->i0) * mf_sg_core_flops(&p->c, t->layer, p->pos));
+    case MF_SG_SLOT_READ:
+        if (!sl || t->slot >= p->n_used[t->layer] || !sl->store_miss) {
+            *overhead = 0;   /* an empty read finishes at once */
+            return 0;
+        }
+        return f->disk_latency_ns / (f->disk_queue_depth > 0 ? f->disk_queue_depth : 1) +
+               w->io_bytes / f->disk_bytes_per_s * 1e9;
+    case MF_SG_SLOT_UP:
+    case MF_SG_SLOT_JOIN:
+    case MF_SG_SLOT_DOWN:
+        return pl_host_work(p, w, cnt) + pl_ref(p, w->ref_flops_tok * cnt);
+    case MF_SG_DEV_IN: {   /* the expert's parts on a miss, then the rows and token weights */
+        double copies = 2 + (sl->miss ? MF_SG_EXPERT_PARTS : 0);
+        return copies * f->h2d_latency_ns + ((sl->miss ? w->copy_bytes : 0) + cnt * w->copy_bytes_tok) /
+                                                f->h2d_bytes_per_s * 1e9;
+    }
+    case MF_SG_DEV_FFN:
+        return pl_card_ffn_ns(p, sl);
+    case MF_SG_DEV_FFN_CARD: {   /* one launch: the slots' FFNs in a row */
+        double ns = 0;
+        int n = 0;
+        for (int s = 0; s < p->n_used[t->layer]; s++) {
+            const pl_slot *x = &p->sl[(size_t)t->layer * p->sg->n_slots + s];
+            if (x->card != t->card) continue;
+            ns += pl_card_ffn_ns(p, x) - (n++ ? f->card[MF_KF_FP4].latency_ns : 0);
+        }
+        return ns;
+    }
+    case MF_SG_DEV_OUT:
+        return f->d2h_latency_ns + cnt * w->copy_bytes_tok / f->d2h_bytes_per_s * 1e9;
+    default:   /* kernels over the record's tokens and scalar work */
+        return pl_host_work(p, w, t->n_tok) + pl_ref(p, w->ref_flops);
+    }
+}
+
+/* ---- setup --------------------------------------------------------------------------------- */
+static int pl_check(const mf_plan_opts *o)
+{
+    if (!o || !o->config || !o->profile)
+        return mf_error(-EINVAL, "plan: options need a config and a profile");
+    const mf_profile *f = o->profile;
+    if (o->placement < MF_STEP_PLACE_HOST || o->placement > MF_STEP_PLACE_HYBRID)
+        return mf_error(-EINVAL, "plan: placement %d (expected host, seed or hybrid)", o->placement);
+    if (o->batch < 0 || o->batch > MF_STEP_MAX_ITEMS)
+        return mf_error(-EINVAL, "plan: batch %d (expected 1..%d)", o->batch, MF_STEP_MAX_ITEMS);
+    if (o->n_cards < 0 || o->n_cards > PL_MAX_CARDS)
+        return mf_error(-EINVAL, "plan: %d cards (expected 0..%d)", o->n_cards, PL_MAX_CARDS);
+    if (o->placement != MF_STEP_PLACE_HOST && (o->n_cards ? o->n_cards : f->n_cards) < 1)
+        return mf_error(-EINVAL, "plan: placement %s needs cards; profile '%s' has none and no card count "
+                        "was given", o->placement == MF_STEP_PLACE_SEED ? "seed" : "hybrid", f->name);
+    if (o->n_sockets < 0 || o->threads_per_socket < 0 || o->threads_per_socket > 256)
+        return mf_error(-EINVAL, "plan: %d sockets x %d threads", o->n_sockets, o->threads_per_socket);
+    if (o->read_window < -1 || o->read_window > 4096)
+        return mf_error(-EINVAL, "plan: read window %d (expected -1 for all, 0 for the default 2, or 1..4096)",
+                        o->read_window);
+    if (o->copy_slots < 0 || o->copy_slots > 64)
+        return mf_error(-EINVAL, "plan: %d copy slots per card (expected 0..64)", o->copy_slots);
+    if (o->dev_cache_policy != MF_PLAN_CACHE_LFU && o->dev_cache_policy != MF_PLAN_CACHE_LRU)
+        return mf_error(-EINVAL, "plan: cache policy %d (expected lfu or lru)", o->dev_cache_policy);
+    if ((o->store != MF_PLAN_STORE_RESIDENT && o->store != MF_PLAN_STORE_STREAMED) ||
+        (o->tables != MF_PLAN_STORE_RESIDENT && o->tables != MF_PLAN_STORE_STREAMED))
+        return mf_error(-EINVAL, "plan: store modes %d / %d (expected resident or streamed)", o->store, o->tables);
+    if (o->context < 0) return mf_error(-EINVAL, "plan: context %" PRId64 " tokens", o->context);
+    if (!(o->dev_task_ns >= 0 && o->dev_task_ns < 1e9))
+        return mf_error(-EINVAL, "plan: device task time %g ns (expected 0..1e9)", o->dev_task_ns);
+    int thr = (o->n_sockets ? o->n_sockets : f->n_sockets) * (o->threads_per_socket ? o->threads_per_socket
+                                                                                  : f->threads_per_socket);
+    if (thr < 1 || thr > 256)
+        return mf_error(-EINVAL, "plan: %d engine threads (expected 1..256; the profile says %d sockets x %d)",
+                        thr, f->n_sockets, f->threads_per_socket);
+    static const char *const fam[MF_KF_N] = {"fp4", "fp8", "bf16", "ref"};
+    for (int k = 0; k < MF_KF_N; k++)
+        if (!(k == MF_KF_REF ? f->host[k].macs_per_s > 0 : f->host[k].bytes_per_s > 0))
+            return mf_error(-EINVAL, "plan: profile '%s' has no host %s rate", f->name, fam[k]);
+    if (o->store == MF_PLAN_STORE_STREAMED || o->tables == MF_PLAN_STORE_STREAMED)
+        if (!(f->disk_bytes_per_s > 0))
+            return mf_error(-EINVAL, "plan: a streamed store needs the profile's disk_bytes_per_s (profile '%s')",
+                            f->name);
+    if (o->placement != MF_STEP_PLACE_HOST &&
+        !(f->card[MF_KF_FP4].bytes_per_s > 0 && f->h2d_bytes_per_s > 0 && f->d2h_bytes_per_s > 0))
+        return mf_error(-EINVAL, "plan: placement on cards needs the profile's card fp4, h2d and d2h rates "
+                        "(profile '%s')", f->name);
+    return mf_config_validate("plan", o->config);
+}
+
+/* The expert caches' bookkeeping: the streamed store's policy (LFU with aging, as host/store.c)
+ * and each card's (dev_policy; LFU as device/expert_cache.c), the policy of sched/residency.h
+ * over (layer, expert) items L x E + e, all carved from one block. -ENOMEM. */
+static int pl_caches_new(mf_plan *p, int store_slots, const int *dev_slots, mf_resid_policy dev_policy)
+{
+    int n_items = p->n_layers * p->E, n = 0;
+    mf_resid_opts ro[1 + PL_MAX_CARDS];
+    mf_resid **dst[1 + PL_MAX_CARDS];
+    if (p->streamed) {
+        ro[n] = (mf_resid_opts){.policy = MF_RESID_LFU, .n_items = n_items, .n_slots = store_slots};
+        dst[n++] = &p->store;
+    }
+    for (int cd = 0; cd < p->n_cards; cd++) {
+        ro[n] = (mf_resid_opts){.policy = dev_policy, .n_items = n_items, .n_slots = dev_slots[cd]};
+        dst[n++] = &p->dev[cd];
+    }
+    if (!n) return 0;
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += mf_resid_bytes(&ro[i]);
+    uint8_t *mem = p->resid_mem = malloc(total);
+    if (!mem) return mf_error(-ENOMEM, "plan: out of memory for the expert caches (%zu bytes)", total);
+    for (int i = 0; i < n; i++) {
+        size_t b = mf_resid_bytes(&ro[i]);
+        int rc = mf_resid_init(&ro[i], mem, b, dst[i]);
+        if (rc) return rc;
+        mem += b;
+    }
+    return 0;
+}
+
+int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
+{
+    *out = NULL;
+    int rc = pl_check(o);
+    if (rc) return rc;
+    mf_plan *p = calloc(1, sizeof *p);
+    if (!p) return mf_error(-ENOMEM, "plan: out of memory");
+    p->o = *o;
+    p->c = *o->config;
+    p->prof = *o->profile;
+    const mf_profile *f = &p->prof;
+    const mf_config *c = &p->c;
+    p->K = c->n_experts_per_tok;
+    p->E = c->n_routed_experts;
+    p->n_layers = c->n_layers;
+    p->batch = o->batch ? o->batch : 1;
+    p->n_threads = (o->n_sockets ? o->n_sockets : f->n_sockets) *
+                   (o->threads_per_socket ? o->threads_per_socket : f->threads_per_socket);
+    p->n_cores = f->n_sockets * f->threads_per_socket;
+    p->n_cards = o->placement == MF_STEP_PLACE_HOST ? 0 : o->n_cards ? o->n_cards : f->n_cards;
+    p->emulated = f->cards_emulated;
+    p->read_window = o->read_window ? o->read_window : 2;
+    p->copy_slots = o->copy_slots ? o->copy_slots : 1;
+    p->streamed = o->store == MF_PLAN_STORE_STREAMED;
+    p->pos = o->context ? o->context : 16;
+    p->rng = o->seed ^ 0x6d6f65666c6f77ULL;
+    /* all threads of a socket streaming weights share its memory bandwidth */
+    int per_socket = o->threads_per_socket ? o->threads_per_socket : f->threads_per_socket;
+    p->cpu_bytes_per_s = f->mem_bytes_per_s > 0 ? f->mem_bytes_per_s / per_socket : 0;
+    if ((rc = mf_sg_sizes_new(c, &p->sz))) goto fail;
+
+    /* the engine's lanes, with its models (from the same profile, as an engine given it:
+     * `moeflow decode --profile P`) for priorities and hybrid placement */
+    mf_step_lane_models(f, p->n_threads, p->models);
+    if (o->cpu_bytes_per_s > 0) p->models[0].bytes_per_s = o->cpu_bytes_per_s;
+    mf_sg_lanes_init(&p->lt, p->models, p->n_threads, p->streamed, p->n_cards);
+    /* the simulator's lane options: the disk is one pipe at its bandwidth (reads queue at depth,
+     * the latency overlaps); a device lane is one stream, its operations in order (copy-ins:
+     * copy_slots streams); emulated cards are host threads: their kernels need a host core, and
+     * each device task's round trip through its stream (the stream's thread, the callback) holds
+     * the stream's thread and a core for dev_task_ns first */
+    p->lane_core[0] = 1;
+    if (p->lt.lane_io >= 0) p->conc[p->lt.lane_io] = 1;
+    for (int cd = 0; cd < p->n_cards; cd++)
+        for (int k = 0; k < 3; k++) {
+            int l = p->lt.lane_dev0 + 3 * cd + k;
+            p->conc[l] = k == 0 ? p->copy_slots : 1;
+            p->lane_core[l] = k == 1 && p->emulated;
+            if (p->emulated)
+                p->wake_ns[l] = llround(o->dev_task_ns > 0 ? o->dev_task_ns : f->card[MF_KF_FP4].latency_ns);
+        }
+
+    /* caches */
+    int store_slots = 0, dev_slots[PL_MAX_CARDS] = {0};
+    double store_slot = p->sz->store_slot_bytes, xslot = p->sz->xslot_bytes;
+    if (p->streamed) {
+        uint64_t budget = o->store_budget_bytes ? o->store_budget_bytes : UINT64_C(2) << 30;
+        int64_t slots = (int64_t)(budget / store_slot);
+        int need = p->batch * p->K < p->E ? p->batch * p->K : p->E;
+        if (slots < need) {
+            rc = mf_error(-ENOSPC, "plan: a store budget of %" PRIu64 " bytes holds %" PRId64 " experts of %.0f "
+                          "bytes; a decode batch of %d pins up to %d experts of a layer: at least %.0f bytes",
+                          budget, slots, store_slot, p->batch, need, need * store_slot);
+            goto fail;
+        }
+        if (slots > (int64_t)p->n_layers * p->E) slots = (int64_t)p->n_layers * p->E;
+        store_slots = (int)slots;
+    }
+    for (int cd = 0; cd < p->n_cards; cd++) {
+        /* mf_dev_xcache_new: the budget's slots, or every expert halved until the card holds them */
+        int64_t n_items = (int64_t)p->n_layers * p->E, slots;
+        if (o->dev_cache_bytes) {
+            slots = (int64_t)(o->dev_cache_bytes / xslot);
+        } else {
+            slots = n_items;
+            while (slots > 1 && f->card_mem_bytes && slots * xslot > (double)f->card_mem_bytes) slots /= 2;
+        }
+        if (slots > n_items) slots = n_items;
+        if (slots < 1) {
+            rc = mf_error(-ENOSPC, "plan: card %d: a cache of %" PRIu64 " bytes holds no expert of %.0f bytes",
+                          cd, o->dev_cache_bytes ? o->dev_cache_bytes : f->card_mem_bytes, xslot);
+            goto fail;
+        }
+        dev_slots[cd] = (int)slots;
+    }
+    if ((rc = pl_caches_new(p, store_slots, dev_slots,
+                            o->dev_cache_policy == MF_PLAN_CACHE_LRU ? MF_RESID_LRU : MF_RESID_LFU)))
+        goto fail;
+    /* the engine's graph of a parallel decode shape (serial at batch 1, as the engine's) */
+    rc = mf_stepgraph_new(&(mf_sg_opts){.c = c, .sz = p->sz, .n = p->batch, .par = p->batch > 1,
+                                        .n_threads = p->n_threads, .n_cards = p->n_cards,
+                                        .dev_graphs = o->dev_graphs, .store = p->streamed,
+                                        .read_window = o->read_window, .lanes = p->lt.lane,
+                                        .n_lanes = p->lt.n_lanes, .lane_io = p->lt.lane_io,
+                                        .lane_dev0 = p->lt.lane_dev0},
+                          &p->sg);
+    if (!rc) rc = mf_timeline_create(p->sg->g, &p->tl);
+    if (rc) goto fail;
+    size_t n_sl = (size_t)p->n_layers * p->sg->n_slots;
+    p->ex = malloc(sizeof *p->ex * (size_t)p->n_layers * p->batch * p->K);
+    p->task_ns = malloc(sizeof *p->task_ns * (size_t)p->sg->n_tasks);
+    p->sl = calloc(n_sl, sizeof *p->sl);
+    p->slot_card = malloc(sizeof *p->slot_card * n_sl);
+    p->n_used = calloc((size_t)p->n_layers, sizeof *p->n_used);
+    if (!p->ex || !p->task_ns || !p->sl || !p->slot_card || !p->n_used) {
+        rc = mf_error(-ENOMEM, "plan: out of memory");
+        goto fail;
+    }
+    *out = p;
+    return 0;
+fail:
+    mf_plan_free(p);
+    return rc;
+}
+
+void mf_plan_free(mf_plan *p)
+{
+    if (!p) return;
+    mf_timeline_destroy(p->tl);
+    mf_stepgraph_free(p->sg);
+    mf_sg_sizes_free(p->sz);
+    free(p->resid_mem);
+    free(p->task_ns);
+    free(p->sl);
+    free(p->slot_card);
+    free(p->n_used);
+    free(p->ex);
+    free(p);
+}
+
+/* ---- routing ------------------------------------------------------------------------------- */
+
+static uint64_t pl_next(uint64_t *s)   /* splitmix64 */
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+/* The step's routes, ex[(L * batch + t) * K + j], from the routing or uniform draws. */
+static int pl_route(mf_plan *p)
+{
+    int n = p->batch, K = p->K, E = p->E;
+    if (p->o.routing) return mf_routing_next(p->o.routing, n, p->ex);
+    for (int L = 0; L < p->n_layers; L++)
+        for (int t = 0; t < n; t++) {
+            int32_t *e = p->ex + ((size_t)L * n + t) * K;
+            for (int j = 0; j < K; j++) {
+                int x, dup;
+                do {
+                    x = (int)(pl_next(&p->rng) % (uint64_t)E);
+                    dup = 0;
+                    for (int i = 0; i < j; i++) dup |= e[i] == x;
+                } while (dup);
+                e[j] = x;
+            }
+        }
+    return 0;
+}
+
+/* ---- the step ------------------------------------------------------------------------------ */
+
+/* Layer L's slot table as the engine's route task builds it (distinct experts ascending, their
+ * token counts), the store's begin (hits and misses, pinned) and the engine's placement (card or
+ * host; cache slots taken and pinned), then the noop marks; the layer's end releases the pins. */
+static int pl_layer_slots(mf_plan *p, int L, mf_plan_report *r)
+{
+    int n = p->batch, K = p->K, E = p->E, ns = 0, n_slots = p->sg->n_slots;
+    pl_slot *sl = p->sl + (size_t)L * n_slots;
+    int32_t *card = p->slot_card + (size_t)L * n_slots;
+    int32_t cnt[4096];
+    int32_t *cn = E <= 4096 ? cnt : calloc((size_t)E, sizeof *cn);
+    if (!cn) return mf_error(-ENOMEM, "plan: out of memory");
+    memset(cn, 0, sizeof *cn * (size_t)E);
+    for (int j = 0; j < n * K; j++) cn[p->ex[(size_t)L * n * K + j]]++;
+    for (int e = 0; e < E; e++)
+        if (cn[e]) sl[ns++] = (pl_slot){.e = e, .cnt = cn[e], .card = -1};
+    if (cn != cnt) free(cn);
+    for (int s = ns; s < n_slots; s++) sl[s] = (pl_slot){.e = -1, .card = -1};
+    p->n_used[L] = ns;
+    for (int s = 0; p->streamed && s < ns; s++) {
+        int slot, hit = mf_resid_acquire(p->store, L * E + sl[s].e, &slot);
+        if (hit < 0) return mf_error(-ENOSPC, "plan: the expert store's slots are all pinned (internal)");
+        sl[s].store_miss = !hit;
+        if (hit) r->store_hits++;
+        else {
+            r->store_misses++;
+            r->store_bytes_read += (uint64_t)p->sz->store_slot_bytes;
+        }
+    }
+    if (!p->n_cards) r->host_slots += ns;
+    mf_sg_placer pl;
+    mf_sg_placer_init(&pl, p->models, p->n_threads, p->o.placement == MF_STEP_PLACE_HYBRID, p->sz->xslot_bytes);
+    for (int s = 0; s < ns && p->n_cards; s++) {
+        int e = sl[s].e, c = mf_dev_xcache_owner(p->n_cards, L, e), slot;
+        if (!mf_sg_place_want_card(&pl, c, sl[s].cnt, mf_resid_slot(p->dev[c], L * E + e) >= 0)) {
+            r->host_slots++;
+            continue;
+        }
+        int hit = mf_resid_acquire(p->dev[c], L * E + e, &slot);
+        if (hit == -ENOSPC) {
+            mf_sg_place_host(&pl);
+            r->host_slots++;
+            r->host_fallbacks++;
+            continue;
+        }
+        mf_sg_place_card(&pl);
+        sl[s].card = c;
+        sl[s].miss = !hit;
+        r->dev_slots++;
+        if (hit) r->dev_hits++;
+        else {
+            r->dev_misses++;
+            r->dev_bytes_in += (uint64_t)p->sz->xslot_bytes;
+        }
+    }
+    for (int s = 0; s < n_slots; s++) card[s] = sl[s].card;
+    mf_stepgraph_mark_noop(p->sg, L, ns, card);
+    for (int s = 0; s < ns; s++) {   /* the layer's end: store batch closed, pins released */
+        int item = L * E + sl[s].e;
+        if (p->streamed) mf_resid_unpin(p->store, mf_resid_slot(p->store, item));
+        if (sl[s].card >= 0) mf_resid_unpin(p->dev[sl[s].card], mf_resid_slot(p->dev[sl[s].card], item));
+    }
+    return 0;
+}
+
+/* This step's slot tables, noop marks and task durations (every task pays the executor's cost of
+ * starting and finishing it; noop tasks cost nothing). */
+static int pl_price(mf_plan *p, mf_plan_report *r)
+{
+    for (int L = 0; L < p->n_layers; L++) {
+        int rc = pl_layer_slots(p, L, r);
+        if (rc) return rc;
+    }
+    for (int t = 0; t < p->sg->n_tasks; t++) {
+        int ov = 1;
+        double ns = mf_graph_noop(p->sg->g, t) ? 0 : pl_task_ns(p, &p->sg->task[t], r, &ov);
+        p->task_ns[t] = mf_graph_noop(p->sg->g, t) ? 0 : llround(ns + (ov ? p->prof.task_overhead_ns : 0));
+    }
+    return 0;
+}
+
+/* ---- reports ------------------------------------------------------------------------------- */
+
+/* The engine's phase accounting (mf_stepgraph_phase_times), lanes' work, the makespan. */
+static int pl_account(mf_plan *p, mf_plan_report *r)
+{
+    const mf_task_span *sp = mf_timeline_spans(p->tl);
+    const mf_graph *g = p->sg->g;
+    int n = mf_graph_n_tasks(g);
+    mf_task_span *scratch = malloc(sizeof *scratch * (size_t)(n ? n : 1));
+    if (!scratch) return mf_error(-ENOMEM, "plan: out of memory");
+    int64_t end = 0;
+    for (int t = 0; t < n; t++) {
+        if (sp[t].end_ns > end) end = sp[t].end_ns;
+        r->lanes[mf_graph_task(g, t)->lane].busy_ns += sp[t].end_ns - sp[t].start_ns;
+    }
+    mf_stepgraph_phase_times(p->sg, sp, scratch, r->phase_ns, r->busy_ns);
+    free(scratch);
+    int64_t rest = end;
+    for (int q = 0; q < MF_STEP_OTHER; q++) rest -= r->phase_ns[q];
+    r->phase_ns[MF_STEP_OTHER] = rest > 0 ? rest : 0;
+    r->step_ns = end;
+    r->n_tasks = n;
+    return 0;
+}
+
+static void pl_shares(const mf_plan *p, mf_plan_report *r, double step_ns)
+{
+    r->n_lanes = p->lt.n_lanes;
+    r->bottleneck = 0;
+    for (int l = 0; l < p->lt.n_lanes; l++) {
+        snprintf(r->lanes[l].name, sizeof r->lanes[l].name, "%s", p->lt.lane[l].name);
+        r->lanes[l].slots = p->conc[l] > 0 ? p->conc[l] : p->lt.lane[l].concurrency;
+        r->lanes[l].share = step_ns > 0 ? r->lanes[l].busy_ns / (double)r->lanes[l].slots / step_ns : 0;
+        if (r->lanes[l].share > r->lanes[r->bottleneck].share) r->bottleneck = l;
+    }
+}
+
+int mf_plan_step(mf_plan *p, mf_plan_report *out)
+{
+    mf_plan_report r = {.n_steps = 1, .batch = p->batch};
+    int rc = pl_route(p);
+    if (rc) return mf_error_wrap(rc, "plan: routing of step %d", p->total.n_steps);
+    mf_resid_stats st;
+    if (p->store) mf_resid_step(p->store, NULL);
+    for (int cd = 0; cd < p->n_cards; cd++) mf_resid_step(p->dev[cd], NULL);
+    if ((rc = pl_price(p, &r))) return mf_error_wrap(rc, "plan: step %d", p->total.n_steps);
+    for (int cd = 0; cd < p->n_cards; cd++) {
+        mf_resid_step(p->dev[cd], &st);
+        r.dev_evictions += st.evictions;
+    }
+    if (p->store) {
+        mf_resid_step(p->store, &st);
+        r.store_evictions = st.evictions;
+    }
+    rc = mf_sim_run_opts(p->sg->g, &(mf_sim_opts){.task_ns = p->task_ns, .lane_core = p->lane_core,
+                                                  .n_cores = p->emulated && p->n_cards ? p->n_cores : 0,
+                                                  .concurrency = p->conc, .wake_ns = p->wake_ns},
+                         p->tl);
+    if (!rc) rc = pl_account(p, &r);
+    if (rc) return rc;
+    p->pos++;
+    p->stepped = 1;
+    pl_shares(p, &r, (double)r.step_ns);
+    r.token_ns = (double)r.step_ns / p->batch;
+    /* totals */
+    mf_plan_report *t = &p->total;
+    t->n_steps++;
+    t->batch = p->batch;
+    t->step_ns += r.step_ns;
+    for (int q = 0; q < MF_STEP_N_PHASES; q++) {
+        t->phase_ns[q] += r.phase_ns[q];
+        t->busy_ns[q] += r.busy_ns[q];
+    }
+    for (int l = 0; l < p->lt.n_lanes; l++) t->lanes[l].busy_ns += r.lanes[l].busy_ns;
+    t->n_tasks = r.n_tasks;
+    t->dev_slots += r.dev_slots;
+    t->host_slots += r.host_slots;
+    t->host_fallbacks += r.host_fallbacks;
+    t->dev_hits += r.dev_hits;
+    t->dev_misses += r.dev_misses;
+    t->dev_bytes_in += r.dev_bytes_in;
+    t->store_hits += r.store_hits;
+    t->store_misses += r.store_misses;
+    t->store_bytes_read += r.store_bytes_read;
+    t->table_bytes_read += r.table_bytes_read;
+    t->dev_evictions += r.dev_evictions;
+    t->store_evictions += r.store_evictions;
+    if (out) *out = r;
+    return 0;
+}
+
+void mf_plan_total(const mf_plan *p, mf_plan_report *out)
+{
+    *out = p->total;
+    int n = out->n_steps;
+    if (!n) {
+        *out = (mf_plan_report){.batch = p->batch};
+        return;
+    }
+    out->step_ns = p->total.step_ns / n;
+    for (int q = 0; q < MF_STEP_N_PHASES; q++) {
+        out->phase_ns[q] /= n;
+        out->busy_ns[q] /= n;
+    }
+    for (int l = 0; l < p->lt.n_lanes; l++) out->lanes[l].busy_ns /= n;
+    pl_shares(p, out, (double)p->total.step_ns / n);
+    out->token_ns = (double)out->step_ns / p->batch;
+}
+
+void mf_plan_reset_totals(mf_plan *p)
+{
+    p->total = (mf_plan_report){.batch = p->batch};
+}
+
+int mf_plan_run(const mf_plan_opts *o, int warmup, int n_steps, mf_plan_report *out)
+{
+    if (warmup < 0 || n_steps < 1)
+        return mf_error(-EINVAL, "plan: %d warm-up and %d measured steps (expected >= 0 and >= 1)", warmup, n_steps);
+    mf_plan *p;
+    int rc = mf_plan_new(o, &p);
+    for (int i = 0; !rc && i < warmup; i++) rc = mf_plan_step(p, NULL);
+    if (!rc) mf_plan_reset_totals(p);
+    for (int i = 0; !rc && i < n_steps; i++) rc = mf_plan_step(p, NULL);
+    if (!rc) mf_plan_total(p, out);
+    mf_plan_free(p);
+    return rc;
+}
+
+const mf_stepgraph *mf_plan_graph(const mf_plan *p) { return p->sg; }
+
+int mf_plan_write_trace(const mf_plan *p, const char *path)
+{
+    if (!p->stepped) return mf_error(-EINVAL, "plan: no step has been simulated yet, nothing to trace");
+    return mf_timeline_write_chrome(p->tl, path);
+}
+
+void mf_plan_print(const mf_plan_report *r, FILE *f)
+{
+    fprintf(f, "predicted: %.3f ms per step of %d, %.3f ms per token (%.2f tokens/s), %d tasks, mean of %d steps\n",
+            r->step_ns / 1e6, r->batch, r->token_ns / 1e6, r->token_ns > 0 ? 1e9 / r->token_ns : 0, r->n_tasks,
+            r->n_steps);
+    fprintf(f, "\n%-16s %12s %12s\n", "phase", "wall ms", "work ms");
+    for (int q = 0; q < MF_STEP_N_PHASES; q++)
+        fprintf(f, "%-16s %12.3f %12.3f\n", mf_step_phase_name((mf_step_phase)q), r->phase_ns[q] / 1e6,
+                r->busy_ns[q] / 1e6);
+    fprintf(f, "\n%-16s %6s %12s %8s\n", "lane", "slots", "work ms", "busy");
+    for (int l = 0; l < r->n_lanes; l++)
+        fprintf(f, "%-16s %6d %12.3f %7.1f%%%s\n", r->lanes[l].name, r->lanes[l].slots, r->lanes[l].busy_ns / 1e6,
+                100 * r->lanes[l].share, l == r->bottleneck ? "  <- bottleneck" : "");
+    fprintf(f, "\nrouted-expert slots: %" PRId64 " on cards, %" PRId64 " on the host (%" PRId64 " fallbacks)\n",
+            r->dev_slots, r->host_slots, r->host_fallbacks);
+    if (r->dev_slots)
+        fprintf(f, "device caches: %" PRIu64 " hits, %" PRIu64 " misses, %" PRIu64 " evictions, %.1f MiB in\n",
+                r->dev_hits, r->dev_misses, r->dev_evictions, r->dev_bytes_in / 1048576.0);
+    if (r->store_hits + r->store_misses)
+        fprintf(f, "host store: %" PRIu64 " hits, %" PRIu64 " misses, %" PRIu64 " evictions, %.1f MiB read\n",
+                r->store_hits, r->store_misses, r->store_evictions, r->store_bytes_read / 1048576.0);
+    if (r->table_bytes_read) fprintf(f, "Engram rows read: %.2f MiB\n", r->table_bytes_read / 1048576.0);
+}

@@ -1,0 +1,115 @@
+/* The simulator of real decode steps: runs the graph one scheduled decode step runs (the engine's
+ * own, from graphs/step/stepgraph.h), prices each task's record from a hardware profile
+ * (sched/profile.h), keeps the expert caches (host store, per-card device caches) across steps
+ * with the engine's replacement policy, places and marks noop tasks as the engine's route task,
+ * and runs it in virtual time (sched/sim.h). Never reads tensor data: a config is enough
+ * (docs/sim.md). */
+#ifndef MF_PLAN_H
+#define MF_PLAN_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "graphs/model/config.h"
+#include "graphs/sim/routing.h"
+#include "graphs/step/step.h"
+#include "sched/profile.h"
+
+/* Replacement policy of the simulated device expert caches (sched/residency.h). LFU is what
+ * device/expert_cache.c and host/store.c run (LFU with aging, LRU among equal counts); LRU is
+ * offered for tuning. */
+typedef enum mf_plan_cache_policy {
+    MF_PLAN_CACHE_LFU = 0,
+    MF_PLAN_CACHE_LRU
+} mf_plan_cache_policy;
+
+/* Where the experts (and Engram tables) live on the host: all in memory, or a cache of a byte
+ * budget whose misses are read from disk on the IO lane (host/store.h). */
+typedef enum mf_plan_store {
+    MF_PLAN_STORE_RESIDENT = 0,
+    MF_PLAN_STORE_STREAMED
+} mf_plan_store;
+
+typedef struct mf_plan_opts {
+    const mf_config *config;     /* the model (validated); no files needed */
+    const mf_profile *profile;   /* the machine */
+    int placement;               /* mf_step_placement: host, seed or hybrid */
+    int n_cards;                 /* cards for seed/hybrid (0: the profile's n_cards) */
+    int n_sockets;               /* sockets whose threads run the engine (0: the profile's) */
+    int threads_per_socket;      /* engine workers per socket (0: the profile's) */
+    int batch;                   /* sequences per decode step, 1..MF_STEP_MAX_ITEMS (0: 1) */
+    int64_t context;             /* tokens already in each sequence at the first step (0: 16) */
+    int read_window;             /* streamed store: slots whose reads are in flight (0: 2, -1: all) */
+    int copy_slots;              /* per card: copy-in streams (0: 1, the engine's one stream) */
+    uint64_t dev_cache_bytes;    /* per card (0: every expert, halved until card_mem_bytes holds it) */
+    int dev_cache_policy;        /* mf_plan_cache_policy */
+    int store;                   /* mf_plan_store for routed experts */
+    uint64_t store_budget_bytes; /* streamed: slab bytes (0: 2 GiB, as host/store.h) */
+    int tables;                  /* mf_plan_store for Engram tables (reads per step when streamed) */
+    int dev_graphs;              /* 1: a layer's FFNs on a card are one device graph (mf_step_opts.dev_graphs) */
+    double dev_task_ns;          /* emulated cards: the host core time of one device task's round
+                                  * trip (`moeflow bench devtasks`; 0: the profile's card_fp4_latency_ns) */
+    double cpu_bytes_per_s;      /* overrides the engine's model of host expert work per worker, as
+                                  * mf_step_opts.cpu_bytes_per_s (0: from the profile, as an engine
+                                  * given it: mf_step_lane_models) */
+    mf_routing *routing;         /* borrowed; NULL: uniform draws from `seed` */
+    uint64_t seed;
+} mf_plan_opts;
+
+#define MF_PLAN_MAX_LANES 64
+
+/* What simulated steps cost: one step (mf_plan_step) or the sum over steps (mf_plan_total, whose
+ * times are per-step means). Phases as mf_step_times (graphs/step/step.h): per phase the union of its
+ * tasks' intervals, OTHER = the rest of the step. */
+typedef struct mf_plan_report {
+    int n_steps, batch;
+    int64_t step_ns;                          /* makespan of a step */
+    double token_ns;                          /* step_ns / batch */
+    int64_t phase_ns[MF_STEP_N_PHASES];
+    int64_t busy_ns[MF_STEP_N_PHASES];        /* summed task durations per phase */
+    int n_lanes;
+    struct {
+        char name[24];
+        int64_t busy_ns;                      /* summed durations of the lane's tasks */
+        double share;                         /* busy_ns / slots / step_ns: 1 = always full */
+        int slots;                            /* the lane's concurrency */
+    } lanes[MF_PLAN_MAX_LANES];
+    int bottleneck;                           /* the lane with the largest share */
+    int n_tasks;
+    /* routed-expert slots (one per distinct expert of a layer's batch) */
+    int64_t dev_slots, host_slots, host_fallbacks;
+    /* device expert caches, summed over cards: hits + misses = dev_slots */
+    uint64_t dev_hits, dev_misses, dev_evictions, dev_bytes_in;
+    /* host expert store (streamed): hits + misses = slots that needed the host copy */
+    uint64_t store_hits, store_misses, store_evictions, store_bytes_read;
+    uint64_t table_bytes_read;                /* streamed Engram rows */
+} mf_plan_report;
+
+typedef struct mf_plan mf_plan;
+
+/* Checks the options (each bad one fails with -EINVAL naming it and the accepted range) and sets up
+ * lanes, cost models and empty caches. */
+int mf_plan_new(const mf_plan_opts *o, mf_plan **out);
+void mf_plan_free(mf_plan *p);
+
+/* Simulates the next decode step: draws its routing, places the slots (mf_sg_placer, as the
+ * engine), updates the caches, marks the noop tasks, prices the records, runs mf_sim_run_opts.
+ * `out` (may be NULL) gets that step's report; the totals accumulate. */
+int mf_plan_step(mf_plan *p, mf_plan_report *out);
+/* Sums over the steps so far, times as per-step means (n_steps 0: all zero). */
+void mf_plan_total(const mf_plan *p, mf_plan_report *out);
+/* Forgets the totals (caches stay warm): for warm-up steps. */
+void mf_plan_reset_totals(mf_plan *p);
+
+/* Convenience: warmup steps then n_steps steps, the report of the latter. */
+int mf_plan_run(const mf_plan_opts *o, int warmup, int n_steps, mf_plan_report *out);
+
+/* The step graph the simulator runs: the engine's for this shape (graphs/step/stepgraph.h). */
+const mf_stepgraph *mf_plan_graph(const mf_plan *p);
+
+/* Chrome trace-event JSON of the last simulated step (sched/timeline.h). */
+int mf_plan_write_trace(const mf_plan *p, const char *path);
+/* The report as tables: per-token time, phases, lanes with busy shares, the bottleneck, caches. */
+void mf_plan_print(const mf_plan_report *r, FILE *f);
+
+#endif

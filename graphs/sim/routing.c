@@ -1,0 +1,509 @@
+/* Routing for simulation (graphs/sim/routing.h): uniform and Zipf draws from per-layer random streams
+ * (so a token's routes do not depend on how tokens are batched), replay of recorded traces, and
+ * the recorder that `moeflow decode --record-routing` feeds from the reference's on_route hook.
+ * Trace format (text): a header line `moeflow-routing 1 layers L experts E top_k K`, then one
+ * line per record `seq pos layer e0 .. e(K-1)`; `#` lines are comments. */
+#include "graphs/sim/routing.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "sched/error.h"
+#include "sched/path.h"
+
+typedef enum { MF_ROUTE_UNIFORM, MF_ROUTE_ZIPF, MF_ROUTE_TRACE } mf_route_kind;
+
+struct mf_routing {
+    mf_route_kind kind;
+    int n_layers, n_experts, top_k;
+    char desc[320];
+    uint64_t *rng;           /* one stream per layer */
+    /* zipf */
+    double s;
+    int32_t *rank_expert;    /* [layer][rank] -> expert */
+    double *weight;          /* [rank] = 1 / (rank + 1)^s */
+    double weight_sum;
+    uint8_t *taken;          /* [rank] scratch */
+    /* trace */
+    int64_t n_tokens, next_token;
+    int32_t *trace;          /* [token][layer][k] */
+};
+
+/* ---- random streams -------------------------------------------------------------------------- */
+
+static uint64_t mf_splitmix(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static double mf_rand01(uint64_t *x) { return (double)(mf_splitmix(x) >> 11) * 0x1.0p-53; }
+
+static int mf_rand_below(uint64_t *x, int n)
+{
+    return (int)(((unsigned __int128)mf_splitmix(x) * (unsigned)n) >> 64);
+}
+
+/* The start of stream `tag` of layer `layer` under `seed`. */
+static uint64_t mf_stream(uint64_t seed, int layer, uint64_t tag)
+{
+    uint64_t x = seed ^ (0xd1b54a32d192ed03ull * (uint64_t)(layer + 1)) ^ (tag << 56);
+    mf_splitmix(&x);
+    return mf_splitmix(&x);
+}
+
+/* ---- traces ---------------------------------------------------------------------------------- */
+
+#define MF_TRACE_MAGIC "moeflow-routing"
+
+typedef struct mf_tok_slot {
+    int seq;
+    int64_t pos;
+    int64_t token;     /* index into the token list; -1: empty slot */
+} mf_tok_slot;
+
+/* Reads a whole trace into r->trace (tokens in order of first appearance). */
+static int mf_trace_load(mf_routing *r, const char *path)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        int e = errno;
+        return mf_error(-e, "%s: cannot open routing trace: %s", path, strerror(e));
+    }
+    int L = r->n_layers, E = r->n_experts, K = r->top_k, rc = 0;
+    int64_t cap_tok = 64, n_tok = 0;
+    int32_t *tr = malloc((size_t)cap_tok * L * K * sizeof *tr);
+    uint64_t *have = calloc((size_t)cap_tok * ((L + 63) / 64), sizeof *have);   /* layers recorded */
+    int *n_have = calloc((size_t)cap_tok, sizeof *n_have);
+    int64_t first_line_cap = cap_tok;
+    int64_t *first_line = malloc((size_t)first_line_cap * sizeof *first_line);
+    size_t n_slots = 1024;
+    mf_tok_slot *slots = malloc(n_slots * sizeof *slots);
+    char *line = NULL;
+    size_t line_cap = 0;
+    int64_t lineno = 0;
+    int header = 0;
+    if (!tr || !have || !n_have || !first_line || !slots) {
+        rc = mf_error(-ENOMEM, "%s: out of memory", path);
+        goto done;
+    }
+    for (size_t i = 0; i < n_slots; i++) slots[i].token = -1;
+    size_t words = (size_t)(L + 63) / 64;
+    ssize_t got;
+    while ((got = getline(&line, &line_cap, f)) >= 0) {
+        lineno++;
+        char *s = line;
+        while (isspace((unsigned char)*s)) s++;
+        if (!*s || *s == '#') continue;
+        if (!header) {
+            int v, fl, fe, fk, n = 0;
+            if (sscanf(s, MF_TRACE_MAGIC " %d layers %d experts %d top_k %d %n", &v, &fl, &fe, &fk, &n) != 4 ||
+                s[n] != '\0') {
+                rc = mf_error(-EINVAL, "%s:%" PRId64 ": expected the header '" MF_TRACE_MAGIC
+                              " 1 layers L experts E top_k K': not a routing trace", path, lineno);
+                goto done;
+            }
+            if (v != 1) {
+                rc = mf_error(-EINVAL, "%s:%" PRId64 ": trace format version %d, expected 1", path, lineno, v);
+                goto done;
+            }
+            if (fl != L || fe != E || fk != K) {
+                char diff[160] = "";
+                size_t n = 0;
+                if (fl != L) n += (size_t)snprintf(diff + n, sizeof diff - n, " layers %d (expected %d)", fl, L);
+                if (fe != E) n += (size_t)snprintf(diff + n, sizeof diff - n, " experts %d (expected %d)", fe, E);
+                if (fk != K) n += (size_t)snprintf(diff + n, sizeof diff - n, " top_k %d (expected %d)", fk, K);
+                rc = mf_error(-EINVAL, "%s: the trace was recorded for another model: differs in%s", path, diff);
+                goto done;
+            }
+            header = 1;
+            continue;
+        }
+        /* seq pos layer e0 .. e(K-1) */
+        char *p = s, *end;
+        long long vals[3 + 256];
+        int n_vals = 0;
+        for (;;) {
+            while (*p == ' ' || *p == '\t') p++;
+            if (*p == '\n' || *p == '\r' || *p == '\0') break;
+            errno = 0;
+            long long v = strtoll(p, &end, 10);
+            if (end == p || errno || (*end && !isspace((unsigned char)*end))) {
+                rc = mf_error(-EINVAL, "%s:%" PRId64 ": expected integers 'seq pos layer' and %d experts, "
+                              "found '%.*s'", path, lineno, K, (int)strcspn(p, " \t\r\n"), p);
+                goto done;
+            }
+            if (n_vals == 3 + K) { n_vals++; break; }
+            vals[n_vals++] = v;
+            p = end;
+        }
+        if (n_vals != 3 + K) {
+            rc = mf_error(-EINVAL, "%s:%" PRId64 ": expected 'seq pos layer' and %d experts (%d numbers), "
+                          "found %s%d", path, lineno, K, 3 + K, n_vals > 3 + K ? "more than " : "",
+                          n_vals > 3 + K ? 3 + K : n_vals);
+            goto done;
+        }
+        if (vals[0] < 0 || vals[0] > INT32_MAX || vals[1] < 0 || vals[2] < 0 || vals[2] >= L) {
+            rc = mf_error(-EINVAL, "%s:%" PRId64 ": seq %lld pos %lld layer %lld: expected seq, pos >= 0 "
+                          "and layer in [0, %d)", path, lineno, vals[0], vals[1], vals[2], L);
+            goto done;
+        }
+        int layer = (int)vals[2];
+        for (int j = 0; j < K; j++) {
+            if (vals[3 + j] < 0 || vals[3 + j] >= E) {
+                rc = mf_error(-EINVAL, "%s:%" PRId64 ": expert %lld out of range [0, %d)", path, lineno,
+                              vals[3 + j], E);
+                goto done;
+            }
+            for (int i = 0; i < j; i++)
+                if (vals[3 + i] == vals[3 + j]) {
+                    rc = mf_error(-EINVAL, "%s:%" PRId64 ": expert %lld chosen twice in one record", path,
+                                  lineno, vals[3 + j]);
+                    goto done;
+                }
+        }
+        /* find the open token of (seq, pos), or start a new one */
+        int seq = (int)vals[0];
+        int64_t pos = vals[1];
+        uint64_t hkey = (uint64_t)seq * 0x9e3779b97f4a7c15ull ^ (uint64_t)pos * 0xc2b2ae3d27d4eb4full;
+        size_t h = (size_t)(hkey ^ (hkey >> 29)) & (n_slots - 1);
+        while (slots[h].token >= 0 && !(slots[h].seq == seq && slots[h].pos == pos)) h = (h + 1) & (n_slots - 1);
+        int64_t t = slots[h].token;
+        if (t >= 0 && n_have[t] == L) t = -1;   /* that token is complete: the same (seq, pos) again */
+        if (t < 0) {
+            if (n_tok == cap_tok) {
+                cap_tok *= 2;
+                int32_t *ntr = realloc(tr, (size_t)cap_tok * L * K * sizeof *tr);
+                if (ntr) tr = ntr;
+                uint64_t *nh = realloc(have, (size_t)cap_tok * words * sizeof *have);
+                if (nh) have = nh;
+                int *nn = realloc(n_have, (size_t)cap_tok * sizeof *n_have);
+                if (nn) n_have = nn;
+                int64_t *nf = realloc(first_line, (size_t)cap_tok * sizeof *first_line);
+                if (nf) first_line = nf;
+                if (!ntr || !nh || !nn || !nf) {
+                    rc = mf_error(-ENOMEM, "%s: out of memory at %" PRId64 " tokens", path, n_tok);
+                    goto done;
+                }
+            }
+            t = n_tok++;
+            memset(have + t * (int64_t)words, 0, words * sizeof *have);
+            n_have[t] = 0;
+            first_line[t] = lineno;
+            int fresh = slots[h].token < 0;
+            slots[h].seq = seq;
+            slots[h].pos = pos;
+            slots[h].token = t;
+            if (fresh && (size_t)n_tok * 2 > n_slots) {   /* grow the table, keep the newest token per key */
+                size_t nn_slots = n_slots * 4;
+                mf_tok_slot *ns = malloc(nn_slots * sizeof *ns);
+                if (!ns) {
+                    rc = mf_error(-ENOMEM, "%s: out of memory", path);
+                    goto done;
+                }
+                for (size_t i = 0; i < nn_slots; i++) ns[i].token = -1;
+                for (size_t i = 0; i < n_slots; i++) {
+                    if (slots[i].token < 0) continue;
+                    uint64_t k2 = (uint64_t)slots[i].seq * 0x9e3779b97f4a7c15ull ^
+                                  (uint64_t)slots[i].pos * 0xc2b2ae3d27d4eb4full;
+                    size_t g = (size_t)(k2 ^ (k2 >> 29)) & (nn_slots - 1);
+                    while (ns[g].token >= 0) g = (g + 1) & (nn_slots - 1);
+                    ns[g] = slots[i];
+                }
+                free(slots);
+                slots = ns;
+                n_slots = nn_slots;
+            }
+        }
+        uint64_t *hv = have + t * (int64_t)words;
+        if (hv[layer / 64] >> (layer % 64) & 1) {
+            rc = mf_error(-EINVAL, "%s:%" PRId64 ": seq %d pos %" PRId64 " layer %d recorded twice", path,
+                          lineno, seq, pos, layer);
+            goto done;
+        }
+        hv[layer / 64] |= 1ull << (layer % 64);
+        n_have[t]++;
+        for (int j = 0; j < K; j++) tr[(t * L + layer) * K + j] = (int32_t)vals[3 + j];
+    }
+    if (ferror(f)) {
+        rc = mf_error(-EIO, "%s: read failed", path);
+        goto done;
+    }
+    if (!header) {
+        rc = mf_error(-EINVAL, "%s: empty: no '" MF_TRACE_MAGIC "' header", path);
+        goto done;
+    }
+    if (n_tok == 0) {
+        rc = mf_error(-EINVAL, "%s: the trace holds no tokens", path);
+        goto done;
+    }
+    for (int64_t t = 0; t < n_tok; t++)
+        if (n_have[t] != L) {
+            int miss = 0;
+            while (have[t * (int64_t)words + miss / 64] >> (miss % 64) & 1) miss++;
+            rc = mf_error(-EINVAL, "%s:%" PRId64 ": the token first recorded here has %d of %d layers "
+                          "(layer %d missing)", path, first_line[t], n_have[t], L, miss);
+            goto done;
+        }
+    r->trace = tr;
+    tr = NULL;
+    r->n_tokens = n_tok;
+done:
+    free(tr);
+    free(have);
+    free(n_have);
+    free(first_line);
+    free(slots);
+    free(line);
+    fclose(f);
+    return rc;
+}
+
+/* ---- opening and drawing --------------------------------------------------------------------- */
+
+int mf_routing_open(const char *spec, int n_layers, int n_experts, int top_k, uint64_t seed,
+                    mf_routing **out)
+{
+    *out = NULL;
+    if (!spec) return mf_error(-EINVAL, "routing: no spec (uniform, zipf:S or trace:PATH)");
+    if (n_layers < 1 || n_experts < 1 || top_k < 1 || top_k > n_experts || top_k > 256)
+        return mf_error(-EINVAL, "routing '%s': expected layers >= 1 and 1 <= top_k <= experts (and <= 256), "
+                        "found %d layers, %d experts, top_k %d", spec, n_layers, n_experts, top_k);
+    mf_routing *r = calloc(1, sizeof *r);
+    if (!r) return mf_error(-ENOMEM, "routing: out of memory");
+    r->n_layers = n_layers;
+    r->n_experts = n_experts;
+    r->top_k = top_k;
+    int rc = 0;
+    if (strcmp(spec, "uniform") == 0) {
+        r->kind = MF_ROUTE_UNIFORM;
+        snprintf(r->desc, sizeof r->desc, "uniform");
+    } else if (strncmp(spec, "zipf:", 5) == 0) {
+        char *end;
+        errno = 0;
+        double s = strtod(spec + 5, &end);
+        if (end == spec + 5 || *end || errno || !isfinite(s) || s < 0 || s > 100) {
+            rc = mf_error(-EINVAL, "routing '%s': expected zipf:S with S a number in [0, 100]", spec);
+            goto fail;
+        }
+        r->kind = s == 0 ? MF_ROUTE_UNIFORM : MF_ROUTE_ZIPF;
+        r->s = s;
+        snprintf(r->desc, sizeof r->desc, "%s", s == 0 ? "uniform" : spec);
+    } else if (strncmp(spec, "trace:", 6) == 0) {
+        if (!spec[6]) {
+            rc = mf_error(-EINVAL, "routing '%s': expected trace:PATH", spec);
+            goto fail;
+        }
+        r->kind = MF_ROUTE_TRACE;
+        if ((rc = mf_trace_load(r, spec + 6))) goto fail;
+        snprintf(r->desc, sizeof r->desc, "trace:%.280s (%" PRId64 " tokens)", spec + 6, r->n_tokens);
+    } else {
+        rc = mf_error(-EINVAL, "routing '%s': unknown spec (expected uniform, zipf:S or trace:PATH)", spec);
+        goto fail;
+    }
+    if (r->kind != MF_ROUTE_TRACE) {
+        r->rng = malloc((size_t)n_layers * sizeof *r->rng);
+        if (!r->rng) goto nomem;
+        for (int l = 0; l < n_layers; l++) r->rng[l] = mf_stream(seed, l, 1);
+    }
+    if (r->kind == MF_ROUTE_ZIPF) {
+        r->rank_expert = malloc((size_t)n_layers * n_experts * sizeof *r->rank_expert);
+        r->weight = malloc((size_t)n_experts * sizeof *r->weight);
+        r->taken = calloc((size_t)n_experts, 1);
+        if (!r->rank_expert || !r->weight || !r->taken) goto nomem;
+        r->weight_sum = 0;
+        for (int i = 0; i < n_experts; i++) r->weight_sum += r->weight[i] = pow(i + 1.0, -r->s);
+        for (int l = 0; l < n_layers; l++) {   /* the layer's ranking: Fisher-Yates from its own stream */
+            uint64_t x = mf_stream(seed, l, 2);
+            int32_t *p = r->rank_expert + (size_t)l * n_experts;
+            for (int i = 0; i < n_experts; i++) p[i] = i;
+            for (int i = n_experts - 1; i > 0; i--) {
+                int j = mf_rand_below(&x, i + 1);
+                int32_t t = p[i];
+                p[i] = p[j];
+                p[j] = t;
+            }
+        }
+    }
+    *out = r;
+    return 0;
+nomem:
+    rc = mf_error(-ENOMEM, "routing '%s': out of memory", spec);
+fail:
+    mf_routing_free(r);
+    return rc;
+}
+
+/* top_k distinct ranks drawn one after another, rank r with weight 1/(r+1)^s among those left. */
+static void mf_draw_zipf(mf_routing *r, int layer, int32_t *ex)
+{
+    uint64_t *x = &r->rng[layer];
+    const int32_t *rank_expert = r->rank_expert + (size_t)layer * r->n_experts;
+    double left = r->weight_sum;
+    int chosen[256];
+    for (int j = 0; j < r->top_k; j++) {
+        double u = mf_rand01(x) * left;
+        int pick = -1;
+        for (int i = 0; i < r->n_experts; i++) {
+            if (r->taken[i]) continue;
+            pick = i;   /* the last untaken rank absorbs rounding at the top */
+            if ((u -= r->weight[i]) < 0) break;
+        }
+        r->taken[pick] = 1;
+        chosen[j] = pick;
+        left -= r->weight[pick];
+        ex[j] = rank_expert[pick];
+    }
+    for (int j = 0; j < r->top_k; j++) r->taken[chosen[j]] = 0;
+}
+
+static void mf_draw_uniform(mf_routing *r, int layer, int32_t *ex)
+{
+    uint64_t *x = &r->rng[layer];
+    for (int j = 0; j < r->top_k; j++) {
+        int e, dup;
+        do {
+            e = mf_rand_below(x, r->n_experts);
+            dup = 0;
+            for (int i = 0; i < j; i++) dup |= ex[i] == e;
+        } while (dup);
+        ex[j] = e;
+    }
+}
+
+int mf_routing_next(mf_routing *r, int n_tokens, int32_t *ex)
+{
+    if (n_tokens < 0) return mf_error(-EINVAL, "routing %s: n_tokens %d < 0", r->desc, n_tokens);
+    int L = r->n_layers, K = r->top_k;
+    if (r->kind == MF_ROUTE_TRACE) {
+        for (int t = 0; t < n_tokens; t++) {
+            const int32_t *src = r->trace + r->next_token * L * K;
+            for (int l = 0; l < L; l++)
+                memcpy(ex + ((size_t)l * n_tokens + t) * K, src + (size_t)l * K, (size_t)K * sizeof *ex);
+            r->next_token = (r->next_token + 1) % r->n_tokens;
+        }
+        return 0;
+    }
+    for (int l = 0; l < L; l++)
+        for (int t = 0; t < n_tokens; t++) {
+            int32_t *dst = ex + ((size_t)l * n_tokens + t) * K;
+            if (r->kind == MF_ROUTE_ZIPF)
+                mf_draw_zipf(r, l, dst);
+            else
+                mf_draw_uniform(r, l, dst);
+        }
+    return 0;
+}
+
+const char *mf_routing_describe(const mf_routing *r) { return r->desc; }
+
+void mf_routing_free(mf_routing *r)
+{
+    if (!r) return;
+    free(r->rng);
+    free(r->rank_expert);
+    free(r->weight);
+    free(r->taken);
+    free(r->trace);
+    free(r);
+}
+
+/* ---- recording ------------------------------------------------------------------------------- */
+
+struct mf_routing_rec {
+    pthread_mutex_t mu;
+    FILE *f;
+    char path[1024], tmp[1100];
+    int n_layers, n_experts, top_k;
+    int err;                 /* first write error */
+    char err_msg[1300];
+};
+
+int mf_routing_rec_open(const char *path, int n_layers, int n_experts, int top_k, mf_routing_rec **out)
+{
+    *out = NULL;
+    if (n_layers < 1 || n_experts < 1 || top_k < 1 || top_k > n_experts || top_k > 256)
+        return mf_error(-EINVAL, "%s: routing trace: expected layers >= 1 and 1 <= top_k <= experts "
+                        "(and <= 256), found %d layers, %d experts, top_k %d", path, n_layers, n_experts, top_k);
+    if (strlen(path) >= 1000) return mf_error(-ENAMETOOLONG, "routing trace path too long");
+    int mk = mf_path_make_parent(path);
+    if (mk) return mk;
+    mf_routing_rec *w = calloc(1, sizeof *w);
+    if (!w) return mf_error(-ENOMEM, "%s: out of memory", path);
+    snprintf(w->path, sizeof w->path, "%s", path);
+    snprintf(w->tmp, sizeof w->tmp, "%s.tmp.%d", path, (int)getpid());
+    w->f = fopen(w->tmp, "w");
+    if (!w->f) {
+        int e = errno;
+        free(w);
+        return mf_error(-e, "%s: cannot create: %s", path, strerror(e));
+    }
+    pthread_mutex_init(&w->mu, NULL);
+    w->n_layers = n_layers;
+    w->n_experts = n_experts;
+    w->top_k = top_k;
+    fprintf(w->f, "# routing trace written by moeflow decode --record-routing; lines: seq pos layer experts\n");
+    fprintf(w->f, MF_TRACE_MAGIC " 1 layers %d experts %d top_k %d\n", n_layers, n_experts, top_k);
+    *out = w;
+    return 0;
+}
+
+int mf_routing_rec_add(mf_routing_rec *w, int seq, int64_t pos, int layer, const int32_t *ex, int k)
+{
+    if (seq < 0 || pos < 0 || layer < 0 || layer >= w->n_layers || k != w->top_k)
+        return mf_error(-EINVAL, "%s: routing record seq %d pos %" PRId64 " layer %d with %d experts: "
+                        "expected seq, pos >= 0, layer in [0, %d) and %d experts", w->path, seq, pos,
+                        layer, k, w->n_layers, w->top_k);
+    for (int j = 0; j < k; j++) {
+        if (ex[j] < 0 || ex[j] >= w->n_experts)
+            return mf_error(-EINVAL, "%s: routing record layer %d: expert %d out of range [0, %d)",
+                            w->path, layer, ex[j], w->n_experts);
+        for (int i = 0; i < j; i++)
+            if (ex[i] == ex[j])
+                return mf_error(-EINVAL, "%s: routing record layer %d: expert %d twice", w->path, layer, ex[j]);
+    }
+    char buf[4096];
+    int n = snprintf(buf, sizeof buf, "%d %" PRId64 " %d", seq, pos, layer);
+    for (int j = 0; j < k; j++) n += snprintf(buf + n, sizeof buf - (size_t)n, " %d", ex[j]);
+    buf[n++] = '\n';
+    pthread_mutex_lock(&w->mu);
+    int rc = w->err;
+    if (!rc && fwrite(buf, 1, (size_t)n, w->f) != (size_t)n) {
+        int e = errno ? errno : EIO;
+        w->err = rc = -e;
+        snprintf(w->err_msg, sizeof w->err_msg, "%s: write failed: %s", w->tmp, strerror(e));
+    }
+    pthread_mutex_unlock(&w->mu);
+    return rc ? mf_error(rc, "%s", w->err_msg) : 0;
+}
+
+int mf_routing_rec_close(mf_routing_rec *w)
+{
+    if (!w) return 0;
+    int rc = w->err;
+    char msg[1300];
+    snprintf(msg, sizeof msg, "%s", w->err_msg);
+    if (fclose(w->f) != 0 && !rc) {
+        int e = errno ? errno : EIO;
+        rc = -e;
+        snprintf(msg, sizeof msg, "%s: write failed: %s", w->tmp, strerror(e));
+    }
+    if (!rc && rename(w->tmp, w->path) != 0) {
+        int e = errno;
+        rc = -e;
+        snprintf(msg, sizeof msg, "%s: cannot rename into place: %s", w->path, strerror(e));
+    }
+    if (rc) unlink(w->tmp);
+    pthread_mutex_destroy(&w->mu);
+    free(w);
+    return rc ? mf_error(rc, "%s", msg) : 0;
+}

@@ -1,0 +1,562 @@
+/* Continuous batching (graphs/step/batch.h): a FIFO queue of requests under a mutex, a fixed pool of
+ * sequence slots (state, sampler, logits row, text buffer) touched only by the stepping thread,
+ * and one forward per step over decode tokens + prefill chunks. docs/serve.md. */
+#include "graphs/step/batch.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "graphs/step/sample.h"
+#include "host/tokenizer.h"
+#include "sched/clock.h"
+#include "sched/error.h"
+
+typedef struct mf_breq {
+    uint64_t id;
+    mf_batch_req r;       /* prompt and stop point into the copies below */
+    int32_t *prompt;
+    char **stop;
+    int cancel;           /* under the mutex */
+    int64_t submit_ns;
+    struct mf_breq *next;
+} mf_breq;
+
+typedef struct mf_bseq {
+    mf_ref_state *st;
+    mf_sampler *smp;
+    float *lrow;          /* vocab_size logits of this sequence's last produced item */
+    mf_breq *req;         /* NULL: free; written by the stepping thread under the mutex */
+    uint64_t order;       /* admission counter: prefill order */
+    int n_fed, n_gen;
+    int32_t pending;      /* generated token to feed next step, or -1 */
+    int in_step, got_logits;
+    char *txt;            /* generated text; grows (amortized) past its first 4 KiB only */
+    size_t n_txt, cap_txt, n_sent;
+    int64_t admit_ns, first_ns;
+} mf_bseq;
+
+struct mf_batch {
+    mf_batch_opts o;
+    const mf_config *c;
+    int64_t V, state_bytes;
+    int n_states, step_cap;
+    int n_dec;            /* decode items at the front of the step's items */
+    mf_bseq *seq;
+    mf_ref_state **it_st;
+    int32_t *it_tok;
+    float **it_lg;
+    int *pf;              /* prefill candidates, sorted by order */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    mf_breq *qhead, *qtail, *dropped;   /* queue; cancelled while queued (DONE pending) */
+    int n_queued, n_running, shut;
+    uint64_t next_id, next_order;
+    mf_batch_stats stats;
+};
+
+const char *mf_batch_finish_name(mf_batch_finish f)
+{
+    static const char *const n[] = {"running", "eos", "stop", "length", "cancelled", "error"};
+    return f >= 0 && f <= MF_BATCH_ERROR ? n[f] : "?";
+}
+
+int64_t mf_batch_state_bytes(const mf_batch *b) { return b->state_bytes; }
+
+static void mf_breq_free(mf_breq *q)
+{
+    if (!q) return;
+    for (int i = 0; q->stop && i < q->r.n_stop; i++) free(q->stop[i]);
+    free(q->stop);
+    free(q->prompt);
+    free(q);
+}
+
+int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
+{
+    *out = NULL;
+    if (!opts->ref) return mf_error(-EINVAL, "batch: no forward (opts.ref)");
+    mf_batch_opts o = *opts;
+    const mf_config *c = mf_ref_config(o.ref);
+    if (!o.max_batch) o.max_batch = 16;
+    if (!o.step_tokens) o.step_tokens = 64;
+    if (!o.max_queue) o.max_queue = 256;
+    if (!o.max_context) o.max_context = c->max_position_embeddings < 4096 ? c->max_position_embeddings : 4096;
+    if (o.max_batch < 1 || o.max_batch > MF_STEP_MAX_ITEMS)
+        return mf_error(-EINVAL, "batch: max_batch %d (expected 1..%d)", o.max_batch, MF_STEP_MAX_ITEMS);
+    if (o.step_tokens < 1 || o.step_tokens > 1 << 16)
+        return mf_error(-EINVAL, "batch: step_tokens %d (expected 1..65536)", o.step_tokens);
+    if (o.max_queue < 1) return mf_error(-EINVAL, "batch: max_queue %d (expected >= 1)", o.max_queue);
+    if (o.max_context < 2 || o.max_context > c->max_position_embeddings)
+        return mf_error(-EINVAL, "batch: max_context %" PRId64 " (expected 2..%" PRId64 ", the model's "
+                        "max_position_embeddings)", o.max_context, c->max_position_embeddings);
+    int64_t sb = mf_ref_state_bytes(c, o.max_context);
+    int64_t fit = o.state_budget_bytes ? (int64_t)(o.state_budget_bytes / (uint64_t)sb) : o.max_batch;
+    if (fit < 1)
+        return mf_error(-ENOSPC, "batch: a state of %" PRId64 " positions takes %" PRId64 " bytes, more than "
+                        "the state budget of %" PRIu64 " bytes", o.max_context, sb, o.state_budget_bytes);
+    mf_batch *b = calloc(1, sizeof *b);
+    if (!b) return mf_error(-ENOMEM, "batch: out of memory");
+    b->o = o;
+    b->c = c;
+    b->V = c->vocab_size;
+    b->state_bytes = sb;
+    b->n_states = fit < o.max_batch ? (int)fit : o.max_batch;
+    b->step_cap = o.step_tokens + b->n_states;
+    b->next_id = 1;
+    pthread_mutex_init(&b->mu, NULL);
+    pthread_cond_init(&b->cv, NULL);
+    b->seq = calloc((size_t)b->n_states, sizeof *b->seq);
+    b->it_st = malloc(sizeof *b->it_st * (size_t)b->step_cap);
+    b->it_tok = malloc(sizeof *b->it_tok * (size_t)b->step_cap);
+    b->it_lg = malloc(sizeof *b->it_lg * (size_t)b->step_cap);
+    b->pf = malloc(sizeof *b->pf * (size_t)b->n_states);
+    int rc = b->seq && b->it_st && b->it_tok && b->it_lg && b->pf ? 0 : mf_error(-ENOMEM, "batch: out of memory");
+    for (int i = 0; i < b->n_states && !rc; i++) {
+        mf_bseq *q = &b->seq[i];
+        q->cap_txt = 4096;
+        if ((rc = mf_ref_state_new(o.ref, o.max_context, &q->st)) ||
+            (rc = mf_sampler_new(b->V, 1.0, 1.0, 0, &q->smp)))
+            break;
+        if (!(q->lrow = malloc(sizeof(float) * (size_t)b->V)) || !(q->txt = malloc(q->cap_txt)))
+            rc = mf_error(-ENOMEM, "batch: out of memory for sequence %d's buffers", i);
+    }
+    b->stats.n_states = b->n_states;
+    if (rc) {
+        mf_batch_free(b);
+        return rc;
+    }
+    *out = b;
+    return 0;
+}
+
+static void mf_batch_emit(mf_batch *b, mf_bseq *q, mf_breq *r, mf_batch_event *ev)
+{
+    ev->id = r->id;
+    ev->user = r->r.user;
+    ev->n_prompt = r->r.n_prompt;
+    ev->submit_ns = r->submit_ns;
+    ev->now_ns = mf_now_ns();
+    if (q) {
+        ev->n_gen = q->n_gen;
+        ev->admit_ns = q->admit_ns;
+        ev->first_ns = q->first_ns;
+    }
+    if (b->o.on_event) b->o.on_event(b->o.user, ev);
+}
+
+/* Ends the request of slot q: DONE event with the rest of its text, slot freed, state reset. */
+static void mf_batch_finish_seq(mf_batch *b, mf_bseq *q, mf_batch_finish f, int err, const char *msg)
+{
+    mf_breq *r = q->req;
+    mf_batch_event ev = {.kind = MF_BATCH_DONE, .finish = f, .err = err, .msg = msg,
+                         .text = q->txt + q->n_sent, .n_text = q->n_txt - q->n_sent};
+    q->n_sent = q->n_txt;
+    mf_batch_emit(b, q, r, &ev);
+    q->admit_ns = 0;
+    pthread_mutex_lock(&b->mu);
+    q->req = NULL;
+    b->n_running--;
+    b->stats.completed += f != MF_BATCH_CANCELLED;
+    b->stats.cancelled += f == MF_BATCH_CANCELLED;
+    pthread_mutex_unlock(&b->mu);
+    mf_ref_state_reset(q->st);
+    mf_breq_free(r);
+}
+
+/* Bytes at the end of txt[from..n) that may begin a stop string or are an unfinished UTF-8
+ * character: they are held back. */
+static size_t mf_batch_hold(const mf_breq *r, const char *txt, size_t from, size_t n)
+{
+    size_t hold = 0;
+    for (int s = 0; s < r->r.n_stop; s++) {
+        size_t ls = strlen(r->stop[s]);
+        for (size_t k = ls - 1; k > hold; k--)
+            if (k <= n - from && !memcmp(txt + n - k, r->stop[s], k)) {
+                hold = k;
+                break;
+            }
+    }
+    for (size_t k = 1; k <= 3 && k <= n - from; k++) {
+        unsigned char ch = (unsigned char)txt[n - k];
+        if ((ch & 0xC0) == 0x80) continue;   /* continuation byte */
+        size_t need = ch >= 0xF0 ? 4 : ch >= 0xE0 ? 3 : ch >= 0xC0 ? 2 : 1;
+        if (need > k && k > hold) hold = k;
+        break;
+    }
+    return hold;
+}
+
+/* Appends token t's bytes to q's text. Returns 1 when a stop string now appears (text cut
+ * before it), 0, or -ENOMEM. */
+static int mf_batch_text(mf_batch *b, mf_bseq *q, int32_t t)
+{
+    if (!b->o.tok) return 0;
+    for (;;) {
+        int n = mf_tok_token_bytes(b->o.tok, t, q->txt + q->n_txt, q->cap_txt - q->n_txt);
+        if (n < 0) return 0;   /* an id the tokenizer lacks contributes no text */
+        if ((size_t)n <= q->cap_txt - q->n_txt) {
+            q->n_txt += (size_t)n;
+            break;
+        }
+        char *g = realloc(q->txt, q->cap_txt * 2 + (size_t)n);
+        if (!g) return mf_error(-ENOMEM, "batch: out of memory for a request's text");
+        q->txt = g;
+        q->cap_txt = q->cap_txt * 2 + (size_t)n;
+    }
+    mf_breq *r = q->req;
+    size_t cut = q->n_txt;
+    for (int s = 0; s < r->r.n_stop; s++) {
+        size_t ls = strlen(r->stop[s]);
+        for (size_t p = q->n_sent; p + ls <= q->n_txt && p < cut; p++)
+            if (!memcmp(q->txt + p, r->stop[s], ls)) {
+                cut = p;
+                break;
+            }
+    }
+    if (cut < q->n_txt) {
+        q->n_txt = cut;
+        return 1;
+    }
+    return 0;
+}
+
+/* Takes the queue's cancellations and admissions (under the mutex), then delivers them. */
+static void mf_batch_admit(mf_batch *b)
+{
+    mf_breq *dropped;
+    int cancel[MF_STEP_MAX_ITEMS] = {0};
+    pthread_mutex_lock(&b->mu);
+    dropped = b->dropped;
+    b->dropped = NULL;
+    for (int i = 0; i < b->n_states; i++) {
+        mf_bseq *q = &b->seq[i];
+        if (q->req) {
+            cancel[i] = q->req->cancel;
+            continue;
+        }
+        if (!b->qhead) continue;
+        mf_breq *r = b->qhead;
+        b->qhead = r->next;
+        if (!b->qhead) b->qtail = NULL;
+        b->n_queued--;
+        b->n_running++;
+        q->req = r;
+    }
+    pthread_mutex_unlock(&b->mu);
+    while (dropped) {
+        mf_breq *r = dropped;
+        dropped = r->next;
+        mf_batch_event ev = {.kind = MF_BATCH_DONE, .finish = MF_BATCH_CANCELLED};
+        mf_batch_emit(b, NULL, r, &ev);
+        mf_breq_free(r);
+    }
+    int64_t now = mf_now_ns();
+    for (int i = 0; i < b->n_states; i++) {
+        mf_bseq *q = &b->seq[i];
+        if (cancel[i]) {
+            mf_batch_finish_seq(b, q, MF_BATCH_CANCELLED, 0, NULL);
+        } else if (q->req && !q->admit_ns) {   /* just admitted (settings were checked at submit) */
+            mf_sampler_reset(q->smp, q->req->r.temperature, q->req->r.top_p, q->req->r.seed);
+            q->order = b->next_order++;
+            q->n_fed = q->n_gen = 0;
+            q->pending = -1;
+            q->n_txt = q->n_sent = 0;
+            q->admit_ns = now;
+            q->first_ns = 0;
+        }
+    }
+}
+
+static int mf_batch_pf_cmp(const void *a, const void *b, void *ctx)
+{
+    const mf_bseq *s = ctx;
+    uint64_t x = s[*(const int *)a].order, y = s[*(const int *)b].order;
+    return (x > y) - (x < y);
+}
+
+/* Fills the step's items: decode tokens, then prefill chunks by admission order. */
+static int mf_batch_items(mf_batch *b)
+{
+    int n = 0, n_pf = 0;
+    for (int i = 0; i < b->n_states; i++) {
+        mf_bseq *q = &b->seq[i];
+        q->in_step = q->got_logits = 0;
+        if (!q->req) continue;
+        if (q->pending >= 0) {
+            b->it_st[n] = q->st;
+            b->it_tok[n] = q->pending;
+            b->it_lg[n++] = q->lrow;
+            q->in_step = q->got_logits = 1;
+        } else {
+            b->pf[n_pf++] = i;
+        }
+    }
+    int n_dec = n;
+    b->n_dec = n;
+    /* insertion sort by admission order (at most 64 entries) */
+    for (int i = 1; i < n_pf; i++)
+        for (int j = i; j > 0 && mf_batch_pf_cmp(&b->pf[j - 1], &b->pf[j], b->seq) > 0; j--) {
+            int t = b->pf[j];
+            b->pf[j] = b->pf[j - 1];
+            b->pf[j - 1] = t;
+        }
+    int budget = b->o.step_tokens - n;
+    if (budget < 1) budget = 1;
+    for (int k = 0; k < n_pf && budget > 0; k++) {
+        mf_bseq *q = &b->seq[b->pf[k]];
+        int left = q->req->r.n_prompt - q->n_fed, take = left < budget ? left : budget;
+        for (int j = 0; j < take; j++) {
+            b->it_st[n] = q->st;
+            b->it_tok[n] = q->req->prompt[q->n_fed + j];
+            b->it_lg[n++] = NULL;
+        }
+        if (take == left && q->req->r.max_tokens > 0) {
+            b->it_lg[n - 1] = q->lrow;
+            q->got_logits = 1;
+        }
+        q->n_fed += take;
+        q->in_step = 1;
+        budget -= take;
+    }
+    pthread_mutex_lock(&b->mu);
+    b->stats.decode_items += n_dec;
+    b->stats.prefill_items += n - n_dec;
+    pthread_mutex_unlock(&b->mu);
+    return n;
+}
+
+/* Samples the next token of q from its logits row and emits it; ends the request when done. */
+static void mf_batch_next(mf_batch *b, mf_bseq *q, int64_t now)
+{
+    mf_breq *r = q->req;
+    int32_t t = mf_sampler_pick(q->smp, q->lrow);
+    if (t == b->c->eos_token_id && !r->r.ignore_eos) {
+        mf_batch_finish_seq(b, q, MF_BATCH_EOS, 0, NULL);
+        return;
+    }
+    q->n_gen++;
+    if (!q->first_ns) q->first_ns = now;
+    int stop = mf_batch_text(b, q, t);
+    if (stop < 0) {
+        mf_batch_finish_seq(b, q, MF_BATCH_ERROR, stop, mf_last_error());
+        return;
+    }
+    size_t hold = stop ? 0 : mf_batch_hold(r, q->txt, q->n_sent, q->n_txt);
+    mf_batch_event ev = {.kind = MF_BATCH_TOKEN, .token = t, .logits = q->lrow, .text = q->txt + q->n_sent,
+                         .n_text = q->n_txt - hold - q->n_sent};
+    q->n_sent = q->n_txt - hold;
+    mf_batch_emit(b, q, r, &ev);
+    pthread_mutex_lock(&b->mu);
+    b->stats.generated++;
+    pthread_mutex_unlock(&b->mu);
+    if (stop)
+        mf_batch_finish_seq(b, q, MF_BATCH_STOP, 0, NULL);
+    else if (q->n_gen >= r->r.max_tokens)
+        mf_batch_finish_seq(b, q, MF_BATCH_LENGTH, 0, NULL);
+    else
+        q->pending = t;
+}
+
+int mf_batch_step(mf_batch *b, int *n_items)
+{
+    if (n_items) *n_items = 0;
+    mf_batch_admit(b);
+    int n = mf_batch_items(b);
+    if (!n) return 0;
+    /* decode tokens and prefill chunks run as two forwards: one forward with a chunk (positions
+     * of one sequence) runs the engine's serial shape, which would run the decode tokens' per-item
+     * parts one after another on one worker; alone they run one task per sequence */
+    int n_dec = b->n_dec, rc = 0;
+    for (int part = 0; part < 2 && !rc; part++) {
+        int from = part ? n_dec : 0, cnt = part ? n - n_dec : n_dec;
+        if (cnt == 0) continue;
+        rc = b->o.eng ? mf_step_forward(b->o.eng, b->it_st + from, b->it_tok + from, cnt, b->it_lg + from)
+                      : mf_ref_forward(b->o.ref, b->it_st + from, b->it_tok + from, cnt, b->it_lg + from);
+    }
+    pthread_mutex_lock(&b->mu);
+    b->stats.steps++;
+    b->stats.items += n;
+    pthread_mutex_unlock(&b->mu);
+    if (n_items) *n_items = n;
+    int64_t now = mf_now_ns();
+    for (int i = 0; i < b->n_states; i++) {
+        mf_bseq *q = &b->seq[i];
+        if (!q->in_step) continue;
+        if (rc) {
+            mf_batch_finish_seq(b, q, MF_BATCH_ERROR, rc, mf_last_error());
+            continue;
+        }
+        if (!q->got_logits) {   /* a prefill chunk short of the prompt's end, or max_tokens 0 */
+            if (q->n_fed == q->req->r.n_prompt && q->req->r.max_tokens == 0)
+                mf_batch_finish_seq(b, q, MF_BATCH_LENGTH, 0, NULL);
+            continue;
+        }
+        q->pending = -1;
+        mf_batch_next(b, q, now);
+    }
+    return rc;
+}
+
+int mf_batch_submit(mf_batch *b, const mf_batch_req *req, uint64_t *id)
+{
+    if (id) *id = 0;
+    const mf_batch_req *x = req;
+    if (x->n_prompt < 1) return mf_error(-EINVAL, "batch: the prompt has no tokens");
+    if (x->max_tokens < 0) return mf_error(-EINVAL, "batch: max_tokens %d (expected >= 0)", x->max_tokens);
+    if ((int64_t)x->n_prompt + x->max_tokens > b->o.max_context)
+        return mf_error(-EINVAL, "batch: prompt of %d tokens + max_tokens %d = %" PRId64 " positions, past the "
+                        "context limit of %" PRId64, x->n_prompt, x->max_tokens,
+                        (int64_t)x->n_prompt + x->max_tokens, b->o.max_context);
+    for (int i = 0; i < x->n_prompt; i++)
+        if (x->prompt[i] < 0 || x->prompt[i] >= b->V)
+            return mf_error(-EINVAL, "batch: prompt token %d (position %d) outside the vocabulary [0, %" PRId64 ")",
+                            x->prompt[i], i, b->V);
+    double top_p = x->top_p ? x->top_p : 1.0;
+    if (x->temperature != x->temperature || x->temperature > 1e6)
+        return mf_error(-EINVAL, "batch: temperature %g (expected a number <= 1e6)", x->temperature);
+    if (x->temperature > 0 && !(top_p > 0 && top_p <= 1))
+        return mf_error(-EINVAL, "batch: top_p %g (expected (0, 1])", x->top_p);
+    if (x->n_stop < 0 || x->n_stop > 16) return mf_error(-EINVAL, "batch: %d stop strings (0..16)", x->n_stop);
+    if (x->n_stop && !b->o.tok) return mf_error(-EINVAL, "batch: stop strings need a tokenizer");
+    for (int i = 0; i < x->n_stop; i++)
+        if (!x->stop[i] || !x->stop[i][0]) return mf_error(-EINVAL, "batch: stop string %d is empty", i);
+    mf_breq *r = calloc(1, sizeof *r);
+    if (!r) return mf_error(-ENOMEM, "batch: out of memory");
+    r->r = *x;
+    r->r.top_p = top_p;
+    r->prompt = malloc(sizeof *r->prompt * (size_t)x->n_prompt);
+    r->stop = x->n_stop ? calloc((size_t)x->n_stop, sizeof *r->stop) : NULL;
+    int ok = r->prompt && (!x->n_stop || r->stop);
+    for (int i = 0; ok && i < x->n_stop; i++) ok = (r->stop[i] = strdup(x->stop[i])) != NULL;
+    if (!ok) {
+        mf_breq_free(r);
+        return mf_error(-ENOMEM, "batch: out of memory");
+    }
+    memcpy(r->prompt, x->prompt, sizeof *r->prompt * (size_t)x->n_prompt);
+    r->r.prompt = r->prompt;
+    r->r.stop = (const char *const *)r->stop;
+    r->submit_ns = mf_now_ns();
+    pthread_mutex_lock(&b->mu);
+    int rc = b->shut ? -ESHUTDOWN : b->n_queued >= b->o.max_queue ? -EAGAIN : 0;
+    uint64_t rid = 0;
+    if (!rc) {
+        r->id = rid = b->next_id++;
+        if (b->qtail) b->qtail->next = r;
+        else b->qhead = r;
+        b->qtail = r;
+        b->n_queued++;
+        pthread_cond_broadcast(&b->cv);
+    } else {
+        b->stats.refused++;
+    }
+    int q = b->n_queued;
+    pthread_mutex_unlock(&b->mu);
+    if (rc) {
+        mf_breq_free(r);
+        return rc == -EAGAIN ? mf_error(rc, "batch: %d requests already wait (max_queue)", q)
+                             : mf_error(rc, "batch: shutting down");
+    }
+    if (id) *id = rid;   /* r may be finished and freed by now */
+    return 0;
+}
+
+int mf_batch_cancel(mf_batch *b, uint64_t id)
+{
+    int rc = -ENOENT;
+    pthread_mutex_lock(&b->mu);
+    for (mf_breq **p = &b->qhead, *prev = NULL; *p; prev = *p, p = &(*p)->next)
+        if ((*p)->id == id) {
+            mf_breq *r = *p;
+            *p = r->next;
+            if (b->qtail == r) b->qtail = prev;
+            b->n_queued--;
+            r->next = b->dropped;
+            b->dropped = r;
+            rc = 0;
+            break;
+        }
+    for (int i = 0; rc && i < b->n_states; i++)
+        if (b->seq[i].req && b->seq[i].req->id == id) {
+            b->seq[i].req->cancel = 1;
+            rc = 0;
+        }
+    if (!rc) pthread_cond_broadcast(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+    return rc ? mf_error(rc, "batch: no request %" PRIu64 " is queued or running", id) : 0;
+}
+
+void mf_batch_shutdown(mf_batch *b)
+{
+    pthread_mutex_lock(&b->mu);
+    b->shut = 1;
+    pthread_cond_broadcast(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+}
+
+int mf_batch_wait(mf_batch *b, int64_t timeout_ns)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    int64_t t = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec + (timeout_ns < 0 ? 0 : timeout_ns);
+    ts.tv_sec = t / 1000000000;
+    ts.tv_nsec = t % 1000000000;
+    pthread_mutex_lock(&b->mu);
+    int work;
+    while (!(work = b->n_queued || b->n_running || b->dropped) && !b->shut)
+        if (timeout_ns < 0 ? pthread_cond_wait(&b->cv, &b->mu) : pthread_cond_timedwait(&b->cv, &b->mu, &ts))
+            break;
+    pthread_mutex_unlock(&b->mu);
+    return work;
+}
+
+void mf_batch_get_stats(mf_batch *b, mf_batch_stats *out)
+{
+    pthread_mutex_lock(&b->mu);
+    *out = b->stats;
+    out->queued = b->n_queued;
+    out->running = b->n_running;
+    pthread_mutex_unlock(&b->mu);
+}
+
+void *mf_batch_state_user(const mf_batch *b, const void *state)
+{
+    for (int i = 0; i < b->n_states; i++)
+        if ((const void *)b->seq[i].st == state) return b->seq[i].req ? b->seq[i].req->r.user : NULL;
+    return NULL;
+}
+
+void mf_batch_free(mf_batch *b)
+{
+    if (!b) return;
+    pthread_mutex_lock(&b->mu);
+    for (mf_breq *r = b->qhead; r;) {   /* queued requests end as cancelled */
+        mf_breq *nx = r->next;
+        r->next = b->dropped;
+        b->dropped = r;
+        r = nx;
+    }
+    b->qhead = b->qtail = NULL;
+    b->n_queued = 0;
+    for (int i = 0; b->seq && i < b->n_states; i++)
+        if (b->seq[i].req) b->seq[i].req->cancel = 1;
+    pthread_mutex_unlock(&b->mu);
+    if (b->seq) mf_batch_admit(b);
+    for (int i = 0; b->seq && i < b->n_states; i++) {
+        mf_ref_state_free(b->seq[i].st);
+        mf_sampler_free(b->seq[i].smp);
+        free(b->seq[i].lrow);
+        free(b->seq[i].txt);
+    }
+    free(b->seq);
+    free(b->it_st);
+    free(b->it_tok);
+    free(b->it_lg);
+    free(b->pf);
+    pthread_mutex_destroy(&b->mu);
+    pthread_cond_destroy(&b->cv);
+    free(b);
+}

@@ -1,0 +1,134 @@
+/* Continuous batching over the scheduled engine (graphs/step/step.h) or the reference forward
+ * (graphs/ref/ref.h): a queue of requests and a running set of sequences whose states and samplers
+ * come from a pool allocated once at start. Each mf_batch_step runs one forward: a decode token
+ * for every running sequence that has one, then prefill chunks of the others under a token budget;
+ * new requests join at the next step, finished or cancelled ones leave at once and their state is
+ * reset for the next request. Policy, knobs and numerics: docs/serve.md. */
+#ifndef MF_BATCH_H
+#define MF_BATCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "graphs/ref/ref.h"
+#include "graphs/step/step.h"
+
+typedef struct mf_tok mf_tok;
+typedef struct mf_batch mf_batch;
+
+/* Why a request ended. */
+typedef enum mf_batch_finish {
+    MF_BATCH_RUNNING = 0,
+    MF_BATCH_EOS,         /* sampled eos_token_id (not part of the output) */
+    MF_BATCH_STOP,        /* the output reached one of the stop strings (cut before it) */
+    MF_BATCH_LENGTH,      /* max_tokens generated */
+    MF_BATCH_CANCELLED,   /* mf_batch_cancel, or mf_batch_close with requests left */
+    MF_BATCH_ERROR        /* the forward failed (event's err and msg) */
+} mf_batch_finish;
+
+const char *mf_batch_finish_name(mf_batch_finish f);   /* "eos", "stop", "length", ... */
+
+typedef enum mf_batch_event_kind {
+    MF_BATCH_TOKEN = 0,   /* a generated token (never EOS) */
+    MF_BATCH_DONE         /* the request ended; always the last event of a request */
+} mf_batch_event_kind;
+
+/* An event of one request, passed to on_event on the thread that calls mf_batch_step.
+ * Pointers are valid during the callback only. */
+typedef struct mf_batch_event {
+    uint64_t id;                 /* from mf_batch_submit */
+    void *user;                  /* the request's user pointer */
+    mf_batch_event_kind kind;
+    int32_t token;               /* TOKEN: the token */
+    const float *logits;         /* TOKEN: vocab_size logits it was sampled from */
+    /* Output text that became final with this event (with a tokenizer; else n_text 0): bytes
+     * that might begin a stop string, or an unfinished UTF-8 character, are held back until they
+     * cannot; DONE flushes what is left (cut before a matched stop string). */
+    const char *text;
+    size_t n_text;
+    mf_batch_finish finish;      /* DONE: why */
+    int n_prompt, n_gen;         /* prompt tokens; tokens generated so far */
+    /* mf_now_ns() (sched/clock.h) of submission, admission into the running set, the first
+     * generated token (0 before it) and this event */
+    int64_t submit_ns, admit_ns, first_ns, now_ns;
+    int err;                     /* DONE with MF_BATCH_ERROR: the negative code */
+    const char *msg;             /* and its message */
+} mf_batch_event;
+
+typedef struct mf_batch_opts {
+    mf_ref *ref;          /* the forward the states belong to (required) */
+    mf_step *eng;         /* the scheduled engine over ref, or NULL: the reference forward */
+    const mf_tok *tok;    /* for text and stop strings; NULL: token ids only (stops refused) */
+    int max_batch;        /* running sequences, 1..MF_STEP_MAX_ITEMS (0: 16) */
+    /* items per step (0: 64): every running sequence's decode token first, then prefill chunks
+     * in admission order fill what is left; at least 1 prefill item per step when the decode
+     * tokens take the whole budget, so a prompt always makes progress */
+    int step_tokens;
+    int64_t max_context;  /* positions per state: prompt + max_tokens (0: min(model's, 4096)) */
+    /* bytes for all states (0: max_batch of them): the pool holds min(max_batch, budget / state
+     * bytes) states; fewer than one is -ENOSPC. A request waits in the queue until a state is free. */
+    uint64_t state_budget_bytes;
+    int max_queue;        /* waiting requests (0: 256); one more is refused with -EAGAIN */
+    void (*on_event)(void *user, const mf_batch_event *ev);
+    void *user;           /* for on_event */
+} mf_batch_opts;
+
+/* One request. Everything is copied by mf_batch_submit. */
+typedef struct mf_batch_req {
+    const int32_t *prompt;
+    int n_prompt;            /* >= 1 */
+    int max_tokens;          /* >= 0 (0: prefill only); n_prompt + max_tokens <= max_context */
+    double temperature;      /* <= 0: greedy */
+    double top_p;            /* (0, 1] when sampling (0: 1) */
+    uint64_t seed;
+    int ignore_eos;
+    const char *const *stop; /* n_stop strings (non-empty), needs opts.tok */
+    int n_stop;
+    void *user;
+} mf_batch_req;
+
+/* Bytes of one state of max_positions positions (what the pool and the budget count). */
+int64_t mf_batch_state_bytes(const mf_batch *b);
+
+/* Allocates the pool (states, samplers, logits rows, step arrays). -EINVAL on bad options,
+ * -ENOSPC when the budget holds no state, -ENOMEM. */
+int mf_batch_new(const mf_batch_opts *opts, mf_batch **out);
+/* Cancels what is left (DONE events with MF_BATCH_CANCELLED, on the calling thread) and frees. */
+void mf_batch_free(mf_batch *b);
+
+/* Queues a request (thread-safe). *id (may be NULL) receives its id, never 0. Fails with
+ * -EINVAL (message names the field: prompt empty or out of the vocabulary, max_tokens, the
+ * context limit, sampling values, stops without a tokenizer), -EAGAIN when max_queue requests
+ * already wait, -ESHUTDOWN after mf_batch_shutdown, -ENOMEM. */
+int mf_batch_submit(mf_batch *b, const mf_batch_req *req, uint64_t *id);
+
+/* Cancels a queued or running request (thread-safe): it gets its DONE (MF_BATCH_CANCELLED) from
+ * the next mf_batch_step and its state is free from then on. -ENOENT when no such request is left. */
+int mf_batch_cancel(mf_batch *b, uint64_t id);
+
+/* Refuses submissions from now on (thread-safe) and wakes mf_batch_wait. */
+void mf_batch_shutdown(mf_batch *b);
+
+/* Blocks until there is work (queued or running requests or pending cancels), shutdown, or
+ * timeout_ns passes (< 0: no limit). Returns 1 when there is work, else 0. Thread-safe. */
+int mf_batch_wait(mf_batch *b, int64_t timeout_ns);
+
+/* One step (one caller thread at a time): admits queued requests into free states, delivers
+ * cancellations, runs one forward, samples, and calls on_event. *n_items (may be NULL) receives
+ * the items run (0: nothing to do). A failed forward ends the requests of that step with
+ * MF_BATCH_ERROR (their states are reset) and returns its code; the batcher stays usable. */
+int mf_batch_step(mf_batch *b, int *n_items);
+
+typedef struct mf_batch_stats {
+    int queued, running, n_states;
+    int64_t steps, items, prefill_items, decode_items, generated;
+    int64_t completed, cancelled, refused;
+} mf_batch_stats;
+
+void mf_batch_get_stats(mf_batch *b, mf_batch_stats *out);   /* thread-safe */
+
+/* The user pointer of the running request whose state is `state` (a hook's `seq`), or NULL. For
+ * debug hooks during mf_batch_step. */
+void *mf_batch_state_user(const mf_batch *b, const void *state);
+
+#endif

@@ -1,0 +1,111 @@
+/* Greedy and seeded temperature/top-p sampling (see graphs/step/sample.h): softmax in double over the
+ * tempered logits, candidates sorted by probability (ties: lower id first), the smallest prefix
+ * whose mass reaches top_p kept, one uniform draw from splitmix64. */
+#include "graphs/step/sample.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+
+#include "sched/error.h"
+
+typedef struct mf_cand {
+    double p;
+    int32_t id;
+} mf_cand;
+
+struct mf_sampler {
+    int64_t n;
+    double temperature, top_p;
+    uint64_t rng;
+    mf_cand *cand;
+};
+
+int mf_sampler_new(int64_t n_vocab, double temperature, double top_p, uint64_t seed, mf_sampler **out)
+{
+    *out = NULL;
+    if (n_vocab < 1 || n_vocab > INT32_MAX)
+        return mf_error(-EINVAL, "sampler: vocabulary of %lld entries", (long long)n_vocab);
+    if (!(temperature <= 0) && !(top_p > 0 && top_p <= 1))
+        return mf_error(-EINVAL, "sampler: top_p must be in (0, 1], found %g", top_p);
+    if (isnan(temperature)) return mf_error(-EINVAL, "sampler: temperature is NaN");
+    mf_sampler *s = calloc(1, sizeof *s);
+    if (!s) return mf_error(-ENOMEM, "sampler: out of memory");
+    s->n = n_vocab;
+    s->temperature = temperature;
+    s->top_p = top_p;
+    s->rng = seed;
+    if (temperature > 0 && !(s->cand = malloc((size_t)n_vocab * sizeof *s->cand))) {
+        free(s);
+        return mf_error(-ENOMEM, "sampler: out of memory for %lld candidates", (long long)n_vocab);
+    }
+    *out = s;
+    return 0;
+}
+
+int mf_sampler_reset(mf_sampler *s, double temperature, double top_p, uint64_t seed)
+{
+    if (!(temperature <= 0) && !(top_p > 0 && top_p <= 1))
+        return mf_error(-EINVAL, "sampler: top_p must be in (0, 1], found %g", top_p);
+    if (isnan(temperature)) return mf_error(-EINVAL, "sampler: temperature is NaN");
+    if (temperature > 0 && !s->cand)
+        return mf_error(-EINVAL, "sampler: created greedy, so it has no scratch for temperature %g", temperature);
+    s->temperature = temperature;
+    s->top_p = top_p;
+    s->rng = seed;
+    return 0;
+}
+
+void mf_sampler_free(mf_sampler *s)
+{
+    if (!s) return;
+    free(s->cand);
+    free(s);
+}
+
+int32_t mf_sample_greedy(const float *logits, int64_t n)
+{
+    int64_t best = 0;
+    for (int64_t i = 1; i < n; i++)
+        if (logits[i] > logits[best]) best = i;
+    return (int32_t)best;
+}
+
+static uint64_t mf_splitmix64(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+static int mf_cand_cmp(const void *a, const void *b)
+{
+    const mf_cand *x = a, *y = b;
+    if (x->p > y->p) return -1;
+    if (x->p < y->p) return 1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+int32_t mf_sampler_pick(mf_sampler *s, const float *logits)
+{
+    if (s->temperature <= 0) return mf_sample_greedy(logits, s->n);
+    double mx = -INFINITY;
+    for (int64_t i = 0; i < s->n; i++) mx = logits[i] > mx ? logits[i] : mx;
+    double sum = 0;
+    for (int64_t i = 0; i < s->n; i++) {
+        s->cand[i].p = exp(((double)logits[i] - mx) / s->temperature);
+        s->cand[i].id = (int32_t)i;
+        sum += s->cand[i].p;
+    }
+    qsort(s->cand, (size_t)s->n, sizeof *s->cand, mf_cand_cmp);
+    double keep = 0;
+    int64_t k = 0;
+    while (k < s->n && (k == 0 || keep < s->top_p * sum)) keep += s->cand[k++].p;
+    double u = (double)(mf_splitmix64(&s->rng) >> 11) * 0x1p-53 * keep, acc = 0;
+    for (int64_t i = 0; i < k; i++) {
+        acc += s->cand[i].p;
+        if (u < acc) return s->cand[i].id;
+    }
+    return s->cand[k - 1].id;
+}

@@ -1,0 +1,1516 @@
+/* The scheduled decode engine (graphs/step/step.h): per batch size one graph, per layer
+ * [engram embed -> wkv row parts -> engram gate] -> attn pre -> attn linear stages (in, qb, oa,
+ * ob; row parts) around attn core -> attn post -> gate row parts -> route -> expert slots (up
+ * parts -> join -> down parts) -> combine, the shared expert (up parts -> join -> down parts)
+ * beside the slots, then norm -> head parts. Tasks read the step's data (items, slot table) from
+ * the shape's buffers, so the graph never changes. Engram's gathers and gating, the per-item
+ * attention parts, hyper-connections, the top-k and combine call the layer math (graphs/layers/layers.h)
+ * on the running worker's context (one task per item when the items are distinct sequences); the
+ * Engram wkv, attention linears, router gate, expert FFNs and the head are split by rows. */
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "graphs/layers/layers.h"
+#include "graphs/step/step.h"
+#include "graphs/step/stepgraph.h"
+#include "host/kernels.h"
+#include "host/store.h"
+#include "sched/clock.h"
+#include "device/dev.h"
+#include "device/expert_cache.h"
+#include "sched/error.h"
+#include "sched/profile.h"
+#include "sched/sched.h"
+#include "sched/timeline.h"
+
+typedef struct mf_step_shape mf_step_shape;
+
+/* One task's argument: its shape and its record in the step graph (what it is: layer, stage,
+ * slot, part, card, items; graphs/step/stepgraph.h). The layer context (scratch) it uses is its
+ * worker's (mf_step_cx). */
+typedef struct mf_step_targ {
+    mf_step_shape *sh;
+    const mf_sg_task *t;
+} mf_step_targ;
+
+/* A row of a shape's buffer table: sized first, then carved from one allocation. */
+typedef struct mf_step_buf {
+    const char *name;
+    size_t bytes;
+    void **ptr;
+} mf_step_buf;
+
+struct mf_step_shape {
+    mf_step *eng;
+    int n;              /* items */
+    int par;            /* 1: items of distinct sequences, per-item parts one task per item */
+    /* the step graph (graphs/step/stepgraph.h) and its part counts: slots min(n * top_k, experts),
+     * row parts per expert, shared expert, head, attention stage (also Engram wkv, router gate) */
+    mf_stepgraph *sg;
+    int n_slots, p_exp, p_sh, p_head, p_attn;
+    mf_graph *g;        /* sg->g */
+    mf_timeline *tl;
+    mf_task_span *sorted;   /* per task: the last run's spans sorted by start (phase times) */
+    mf_step_targ *args;     /* per task */
+    /* items and their activations */
+    mf_ly_item *items;
+    /* attention: per MF_LY_A_* buffer n rows of ab_ld floats (graphs/layers/layers.h), the attention mix's
+     * pre, post (n x hc) and comb (n x hc*hc) */
+    float *ab[MF_LY_A_N];
+    int64_t ab_ld[MF_LY_A_N];
+    float *apre, *apost, *acomb;
+    float *xin;         /* n x H: MoE input (after ffn_norm) */
+    float *logits;      /* n x n_routed_experts: router gate logits */
+    float *eg_emb, *eg_kv;   /* n x eg_emb_ld, n x eg_kv_ld: Engram rows (dequantized), wkv output */
+    int64_t eg_emb_ld, eg_kv_ld;
+    float *post, *comb; /* n x hc, n x hc*hc: the ffn mix's post and comb */
+    float *moe_out;     /* n x H: combine output */
+    /* routing of the current layer */
+    int32_t *ex;        /* n x K: experts of item i in top-k order */
+    float *wt;          /* n x K: their weights */
+    int32_t *asg;       /* n x K: row of (i, k) in the slot-ordered buffers */
+    int32_t *cnt, *fill;   /* n_routed_experts */
+    int32_t *slot_of;   /* n_routed_experts -> slot (-1) */
+    int32_t *slot_e, *slot_off, *slot_cnt;   /* n_slots */
+    int n_used;
+    /* with an expert store: per slot its weights (w1, w2, w3 pointing into the store's slab) and
+     * the reads of its IO tasks (n_parts per slot; empty on hits), filled by the route task */
+    mf_weight *slot_w;      /* n_slots x 3 */
+    mf_io_read *slot_rd;    /* n_slots x n_parts */
+    int n_parts;
+    int store_layer;        /* layer whose store batch is open, -1 */
+    /* with devices: per slot its card (-1: host), its expert's cache slot on the card and whether
+     * it must be copied in (a miss); per card the slot-ordered device buffers (x, token weights,
+     * h, int8 scratch per slot, y), as offsets into dbuf[card] */
+    int32_t *slot_card;
+    uint8_t **slot_dev;
+    uint8_t *slot_miss;
+    int dev_layer;          /* layer whose cache slots are pinned, -1 */
+    uint8_t *dbuf[MF_DEV_MAX_CARDS];
+    size_t d_x, d_w, d_h, d_q, d_y, d_tab, dq_bytes;
+    /* device graphs (opts dev_graphs): per card the slot tables of every layer (pinned host copy
+     * filled by the route task, device copy refreshed by the graph) and each layer's graph,
+     * captured on its first run: the table's h2d copy, then the slot-table FFN */
+    mf_dev_ffn_slot *htab[MF_DEV_MAX_CARDS];
+    mf_dev_graph **dgraph[MF_DEV_MAX_CARDS];
+    /* slot-ordered expert buffers (n x K rows) */
+    float *xg, *wg, *h, *gg, *uu, *y;
+    mf_kern_q8 *q8x, *q8h;   /* n_slots */
+    uint8_t *q8x_mem, *q8h_mem;
+    size_t q8x_bytes, q8h_bytes;   /* per slot */
+    /* shared expert */
+    float *hs, *gs, *us, *ys;
+    /* head */
+    float *hn;          /* n x H */
+    float *lbuf;        /* n x vocab */
+    int32_t *head_item; /* j -> item */
+    int32_t *head_row;  /* item -> j (-1: no logits) */
+    int n_head;
+    void *mem;
+};
+
+struct mf_step {
+    const mf_layers *ly;      /* the model's tables (mf_ref_layers of the caller's forward object) */
+    /* the layer contexts of the CPU lane's workers (graphs/layers/layers.h; kernel backend): worker w's
+     * tasks use cx[w], so no two running tasks share scratch */
+    mf_ly_ctx **cx;
+    int n_cx;
+    const mf_config *c;
+    mf_step_opts o;
+    mf_sg_lanes lt;           /* cpu, io with a store, 3 per card (lanes of card c at lane_dev0 + 3c) */
+    /* routed experts on devices (placement other than host) */
+    mf_dev *dev;
+    int n_cards;
+    mf_dev_xcache *xc[MF_DEV_MAX_CARDS];
+    size_t part_off[6], part_bytes[6];
+    uint64_t xslot_bytes;
+    int dev_graphs;           /* 1: a layer's device FFNs are one captured graph per card */
+    mf_step_dev_stats dstat;
+    mf_store *store;
+    int max_items;           /* items per graph run: one layer's slots fit the store */
+    pthread_mutex_t gather_mu;   /* Engram tasks reach the store's gatherer one at a time */
+    mf_sched *sched;
+    mf_sg_sizes *sz;          /* the model's sizes for the step graphs (from its layout) */
+    mf_step_shape *shapes[2][MF_STEP_MAX_ITEMS + 1];   /* [par][n] */
+    mf_step_shape *last;
+    mf_step_times times;
+    mf_lane_model models[4];   /* mf_step_lane_models: cpu, copy in, card compute, copy out */
+};
+
+const char *mf_step_phase_name(mf_step_phase p)
+{
+    static const char *const names[] = {"attention stack", "MoE", "Engram", "norm + head", "other"};
+    return (unsigned)p < MF_STEP_N_PHASES ? names[p] : "?";
+}
+
+/* ---- tasks --------------------------------------------------------------------------------- */
+
+static void mf_step_rows(int64_t n_rows, int parts, int p, int *r0, int *r1)
+{
+    int64_t a, b;
+    mf_sg_rows(n_rows, parts, p, &a, &b);
+    *r0 = (int)a;
+    *r1 = (int)b;
+}
+
+static mf_kern_mat mf_step_mat(const mf_weight *w)
+{
+    mf_kern_mat m = {.w = w->data, .scale = w->scale, .n_out = (int)w->rows, .n_in = (int)w->cols};
+    m.fmt = w->kind == MF_W_FP4 ? MF_KERN_FP4 : w->kind == MF_W_FP8 ? MF_KERN_FP8 : MF_KERN_BF16;
+    return m;
+}
+
+/* The layer context of the worker running a task (the tasks that use one run on the CPU lane, whose
+ * workers are 0..n_threads-1); NULL with an error when a task runs elsewhere. */
+static mf_ly_ctx *mf_step_cx(const mf_step_targ *a, const mf_task_ctx *ctx)
+{
+    const mf_step *eng = a->sh->eng;
+    if (ctx->lane < 0 || ctx->lane >= eng->lt.n_lanes || eng->lt.lane[ctx->lane].kind != MF_LANE_CPU ||
+        ctx->worker < 0 || ctx->worker >= eng->n_cx) {
+        mf_error(-EINVAL, "step: a task (op %d) on lane %d worker %d has no layer context", a->t->op, ctx->lane,
+                 ctx->worker);
+        return NULL;
+    }
+    return eng->cx[ctx->worker];
+}
+
+/* Engram (layer_engram.c's phases): per item the hashed table rows, gathered and dequantized into
+ * the item's row of eg_emb (the store's gatherer one task at a time). */
+static int mf_task_engram_embed(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    if (eng->store) pthread_mutex_lock(&eng->gather_mu);
+    int rc = 0;
+    for (int i = a->t->i0; i < a->t->i1 && !rc; i++)
+        rc = mf_ly_engram_embed(cx, &sh->items[i], a->t->layer, sh->eg_emb + (size_t)i * sh->eg_emb_ld);
+    if (eng->store) pthread_mutex_unlock(&eng->gather_mu);
+    return rc;
+}
+
+/* Rows of part a->t->part of sh->p_attn of the wkv projection, over all items (as mf_ly_linear
+ * sums them: the same bits for any split). */
+static int mf_task_engram_rows(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    mf_step_shape *sh = a->sh;
+    const mf_weight *w = &mf_model_layer_at(cx->ly->m, a->t->layer)->eg_wkv;
+    int r0, r1;
+    mf_step_rows(w->rows, sh->p_attn, a->t->part, &r0, &r1);
+    if (r0 >= r1) return 0;
+    int rc = mf_ly_linear_part(cx, w, sh->eg_emb, sh->n, sh->eg_emb_ld, sh->eg_kv,
+                                sh->eg_kv_ld, r0, r1);
+    return rc ? mf_error_wrap(rc, "step: layer %d, rows [%d, %d) of the Engram wkv", a->t->layer, r0, r1) : 0;
+}
+
+/* Per item: the gated value added into its streams. */
+static int mf_task_engram_gate(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    mf_step_shape *sh = a->sh;
+    for (int i = a->t->i0; i < a->t->i1; i++)
+        mf_ly_engram_gate(cx, &sh->items[i], a->t->layer, sh->eg_kv + (size_t)i * sh->eg_kv_ld);
+    return 0;
+}
+
+/* The attention sublayer (layer_attn.c's phases) between per-item parts on the workers' layer
+ * contexts and row-split linear stages over all items. Item i's activations between phases. */
+static void mf_step_abuf(const mf_step_shape *sh, int i, float **b)
+{
+    for (int k = 0; k < MF_LY_A_N; k++) b[k] = sh->ab[k] + (size_t)i * sh->ab_ld[k];
+}
+
+/* Per item: the attention mix (pre, post, comb kept for attn post), collapse and attn_norm into
+ * the item's input buffer. */
+static int mf_task_attn_pre(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    mf_step_shape *sh = a->sh;
+    const mf_config *c = cx->ly->c;
+    const mf_model_layer *y = mf_model_layer_at(cx->ly->m, a->t->layer);
+    int64_t H = c->hidden_size;
+    int hc = c->hc_mult;
+    for (int i = a->t->i0; i < a->t->i1; i++) {
+        mf_ly_item *it = &sh->items[i];
+        float mixes[(2 + MF_LY_MAX_HC) * MF_LY_MAX_HC];
+        mf_ly_hc_mixes(cx, it->x, &y->hc_attn_fn, mixes);
+        mf_ly_hc_split_w(c, mixes, &y->hc_attn_scale, &y->hc_attn_base, sh->apre + (size_t)i * hc,
+                          sh->apost + (size_t)i * hc, sh->acomb + (size_t)i * hc * hc);
+        mf_ly_hc_collapse(cx, it->x, it->pre, cx->hc_h);
+        mf_ly_rmsnorm(cx->hc_h, H, &y->attn_norm, c->rms_norm_eps, sh->ab[MF_LY_A_IN] + (size_t)i * sh->ab_ld[MF_LY_A_IN]);
+    }
+    return 0;
+}
+
+/* Rows of linear stage a->t->stage (MF_LY_A_STAGE_*) of layer a->t->layer, part a->t->part of sh->p_attn:
+ * the stage's linears taken as one column of output rows, split as mf_step_rows, each part over
+ * all items (weights read once for the batch); a row's bits do not depend on the split. */
+static int mf_task_attn_rows(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    mf_step_shape *sh = a->sh;
+    mf_ly_attn_lin lin[MF_LY_A_MAX_LIN];
+    int n = mf_ly_attn_linears(cx->ly, a->t->layer, a->t->stage, lin);
+    int64_t total = 0, off = 0;
+    for (int k = 0; k < n; k++) total += lin[k].w->rows;
+    int r0, r1;
+    mf_step_rows(total, sh->p_attn, a->t->part, &r0, &r1);
+    for (int k = 0; k < n && r0 < r1; k++) {
+        const mf_ly_attn_lin *l = &lin[k];
+        int64_t lo = r0 - off > 0 ? r0 - off : 0, hi = r1 - off < l->w->rows ? r1 - off : l->w->rows;
+        off += l->w->rows;
+        if (lo >= hi) continue;
+        int rc = mf_ly_attn_lin_rows(cx, l, sh->ab[l->x], sh->ab_ld[l->x], sh->ab[l->y], sh->ab_ld[l->y], sh->n,
+                                      lo, hi);
+        if (rc) return mf_error_wrap(rc, "step: layer %d, rows [%lld, %lld) of %s", a->t->layer, (long long)lo,
+                                     (long long)hi, l->w->name ? l->w->name : "an attention linear");
+    }
+    return 0;
+}
+
+/* All items: round and normalize the low-rank queries (between the IN and QB stages). */
+static int mf_task_attn_qnorm(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    float *b[MF_LY_A_N];
+    for (int i = a->t->i0; i < a->t->i1; i++) {
+        mf_step_abuf(a->sh, i, b);
+        mf_ly_attn_qnorm(cx, a->t->layer, b);
+    }
+    return 0;
+}
+
+/* Per item, in item order: RoPE, window KV, compressor, indexer, attention (mf_ly_attn_core). */
+static int mf_task_attn_core(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    float *b[MF_LY_A_N];
+    for (int i = a->t->i0; i < a->t->i1; i++) {
+        mf_step_abuf(a->sh, i, b);
+        int rc = mf_ly_attn_core(cx, &a->sh->items[i], a->t->layer, b);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* Per item: the attention output expanded into the streams, then the ffn mix and norm (the MoE
+ * input): the rest of the first part of the reference's layer (ref_model.c). */
+static int mf_task_attn_post(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    mf_step_shape *sh = a->sh;
+    const mf_config *c = cx->ly->c;
+    const mf_model_layer *y = mf_model_layer_at(cx->ly->m, a->t->layer);
+    int64_t H = c->hidden_size;
+    int hc = c->hc_mult;
+    for (int i = a->t->i0; i < a->t->i1; i++) {
+        mf_ly_item *it = &sh->items[i];
+        float mixes[(2 + MF_LY_MAX_HC) * MF_LY_MAX_HC], pre_f[MF_LY_MAX_HC];
+        mf_ly_hc_expand(cx, it->x, sh->ab[MF_LY_A_OUT] + (size_t)i * sh->ab_ld[MF_LY_A_OUT], sh->apost + (size_t)i * hc,
+                         sh->acomb + (size_t)i * hc * hc);
+        mf_ly_hc_mixes(cx, it->x, &y->hc_ffn_fn, mixes);
+        mf_ly_hc_split_w(c, mixes, &y->hc_ffn_scale, &y->hc_ffn_base, pre_f,
+                          sh->post + (size_t)i * hc, sh->comb + (size_t)i * hc * hc);
+        mf_ly_hc_collapse(cx, it->x, sh->apre + (size_t)i * hc, cx->hc_h);
+        mf_ly_rmsnorm(cx->hc_h, H, &y->ffn_norm, c->rms_norm_eps, sh->xin + (size_t)i * H);
+        memcpy(it->pre, pre_f, sizeof pre_f);
+    }
+    return 0;
+}
+
+/* Rows (experts) of part a->t->part of sh->p_attn of the router's gate logits, over all items: as
+ * the reference sums them (double sums, never the kernels), so the routing is the reference's. */
+static int mf_task_gate_rows(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    mf_step_shape *sh = a->sh;
+    const mf_weight *w = &mf_model_layer_at(cx->ly->m, a->t->layer)->gate;
+    int r0, r1;
+    mf_step_rows(w->rows, sh->p_attn, a->t->part, &r0, &r1);
+    if (r0 >= r1) return 0;
+    int64_t H = sh->eng->c->hidden_size;
+    int rc = mf_ly_gate_rows(cx, a->t->layer, sh->xin, sh->n, H, sh->logits, w->rows, r0, r1);
+    return rc ? mf_error_wrap(rc, "step: layer %d, rows [%d, %d) of the router gate", a->t->layer, r0, r1) : 0;
+}
+
+/* Top-k of the gate logits of every item, in item order (with the route hook). */
+static void mf_step_topk(mf_step_shape *sh, mf_ly_ctx *cx, int L)
+{
+    const mf_config *c = cx->ly->c;
+    int K = c->n_experts_per_tok, E = c->n_routed_experts;
+    for (int i = 0; i < sh->n; i++)
+        mf_ly_route_item(cx, &sh->items[i], L, sh->logits + (size_t)i * E, sh->ex + (size_t)i * K,
+                         sh->wt + (size_t)i * K);
+}
+
+/* Opens the store's batch for layer L's slots (hits and misses decided, all pinned) and fills
+ * each slot's IO reads (none on hits) and weight views into the slab. */
+static int mf_step_store_begin(mf_step_shape *sh, int L)
+{
+    mf_store *st = sh->eng->store;
+    const mf_model_layer *y = mf_model_layer_at(sh->eng->ly->m, L);
+    int rc = mf_store_begin(st, L, sh->slot_e, sh->n_used), any = 0;
+    if (rc) return mf_error_wrap(rc, "step: layer %d: making its %d experts present", L, sh->n_used);
+    sh->store_layer = L;
+    for (int s = 0; s < sh->n_slots; s++) {
+        int nr = 0;
+        const mf_io_read *rd = s < sh->n_used ? mf_store_reads(st, s, &nr) : NULL;
+        for (int j = 0; j < sh->n_parts; j++)
+            sh->slot_rd[(size_t)s * sh->n_parts + j] = j < nr ? rd[j] : (mf_io_read){.fd = -1};
+        any |= nr > 0;
+        if (s >= sh->n_used) continue;
+        for (int k = 0; k < 3; k++) {
+            mf_weight *w = &sh->slot_w[(size_t)s * 3 + k];
+            *w = y->experts[sh->slot_e[s] * 3 + k];
+            w->data = mf_store_batch_part(st, s, 2 * k);
+            w->scale = mf_store_batch_part(st, s, 2 * k + 1);
+            if (!w->data || !w->scale) {
+                sh->store_layer = -1;
+                return mf_store_end(st, mf_error(-EFAULT, "step: %s has no place in the expert store "
+                                                 "(internal)", w->name));
+            }
+        }
+    }
+    if (any && (rc = mf_store_check(st))) {
+        sh->store_layer = -1;
+        return mf_store_end(st, rc);
+    }
+    return 0;
+}
+
+/* The experts of a slot: the model's (resident), or their place in the store's slab. */
+static const mf_weight *mf_step_slot_weights(mf_step_shape *sh, int L, int slot)
+{
+    if (sh->slot_w) return &sh->slot_w[(size_t)slot * 3];
+    return &mf_model_layer_at(sh->eng->ly->m, L)->experts[sh->slot_e[slot] * 3];
+}
+
+void mf_step_lane_models(const mf_profile *p, int threads, mf_lane_model models[4])
+{
+    if (!p) {
+        models[0] = (mf_lane_model){.bytes_per_s = 20e9, .latency_ns = 2000};
+        models[1] = models[3] = (mf_lane_model){.bytes_per_s = 25e9, .latency_ns = 10000};
+        models[2] = (mf_lane_model){.bytes_per_s = 20e9, .latency_ns = 5000};
+        return;
+    }
+    if (threads < 1) threads = 1;
+    int tps = p->threads_per_socket > 0 ? p->threads_per_socket : 1;
+    int sockets = (threads + tps - 1) / tps;
+    if (sockets > p->n_sockets) sockets = p->n_sockets > 0 ? p->n_sockets : 1;
+    double bps = p->host[MF_KF_FP4].bytes_per_s, share = p->mem_bytes_per_s * sockets / threads;
+    if (share > 0 && share < bps) bps = share;
+    models[0] = (mf_lane_model){.bytes_per_s = bps, .latency_ns = p->host[MF_KF_FP4].latency_ns};
+    models[1] = (mf_lane_model){.bytes_per_s = p->h2d_bytes_per_s, .latency_ns = p->h2d_latency_ns};
+    models[2] = (mf_lane_model){.bytes_per_s = p->card[MF_KF_FP4].bytes_per_s,
+                                .latency_ns = p->card[MF_KF_FP4].latency_ns};
+    models[3] = (mf_lane_model){.bytes_per_s = p->d2h_bytes_per_s, .latency_ns = p->d2h_latency_ns};
+}
+
+/* Decides where layer L's slots run (sh->slot_card) and takes their cache slots on the cards
+ * (pinned until the layer's end): SEED the owner card; HYBRID the earlier finish by the lanes'
+ * cost models, host work spread over the workers, each card's copy and compute queues apart. */
+static int mf_step_place(mf_step_shape *sh, int L)
+{
+    mf_step *eng = sh->eng;
+    mf_sg_placer pl;
+    mf_sg_placer_init(&pl, eng->models, eng->o.n_threads, eng->o.placement == MF_STEP_PLACE_HYBRID,
+                      (double)eng->xslot_bytes);
+    sh->dev_layer = L;
+    for (int s = 0; s < sh->n_slots; s++) sh->slot_card[s] = -1;
+    for (int s = 0; s < sh->n_used; s++) {
+        int e = sh->slot_e[s], c = mf_dev_xcache_owner(eng->n_cards, L, e);
+        if (!mf_sg_place_want_card(&pl, c, sh->slot_cnt[s], mf_dev_xcache_has(eng->xc[c], L, e))) {
+            eng->dstat.host_slots++;
+            continue;
+        }
+        void *slot = NULL;
+        int hit = 0, rc = mf_dev_xcache_acquire(eng->xc[c], L, e, &slot, &hit);
+        if (rc == -ENOSPC) {   /* every cache slot of the card pinned: the host takes it */
+            mf_sg_place_host(&pl);
+            eng->dstat.host_slots++;
+            eng->dstat.host_fallbacks++;
+            continue;
+        }
+        if (rc) return rc;
+        mf_sg_place_card(&pl);
+        sh->slot_card[s] = c;
+        sh->slot_dev[s] = slot;
+        sh->slot_miss[s] = (uint8_t)!hit;
+        eng->dstat.dev_slots++;
+    }
+    if (eng->dev_graphs)   /* the slot tables of layer L: a card's own slots, the rest unused */
+        for (int c = 0; c < eng->n_cards; c++) {
+            mf_dev_ffn_slot *tab = sh->htab[c] + (size_t)L * sh->n_slots;
+            for (int s = 0; s < sh->n_slots; s++)
+                tab[s] = s < sh->n_used && sh->slot_card[s] == c
+                             ? (mf_dev_ffn_slot){(uint64_t)(uintptr_t)sh->slot_dev[s], sh->slot_off[s], sh->slot_cnt[s]}
+                             : (mf_dev_ffn_slot){0, 0, 0};
+        }
+    return 0;
+}
+
+/* Releases layer L's cache slots (after its device tasks); failed: misses are forgotten, their
+ * slots may hold a partial copy. */
+static void mf_step_dev_release(mf_step_shape *sh, int failed)
+{
+    mf_step *eng = sh->eng;
+    if (sh->dev_layer < 0) return;
+    for (int s = 0; s < sh->n_used; s++) {
+        int c = sh->slot_card[s];
+        if (c < 0) continue;
+        if (failed && sh->slot_miss[s]) mf_dev_xcache_drop(eng->xc[c], sh->dev_layer, sh->slot_e[s]);
+        else mf_dev_xcache_release(eng->xc[c], sh->dev_layer, sh->slot_e[s]);
+        sh->slot_card[s] = -1;
+    }
+    sh->dev_layer = -1;
+}
+
+/* After a failed run in layer sh->dev_layer: names the first device task that failed, with its
+ * expert and card, in the error (the scheduler's message names the task), and releases the
+ * layer's cache slots, dropping those copied in this step (a failed copy may have left them
+ * partial). Returns rc. */
+static int mf_step_dev_fail(mf_step_shape *sh, int rc)
+{
+    mf_task_span *sp = mf_timeline_spans(sh->tl);
+    int L = sh->dev_layer;
+    for (int t = 0; sp && t < mf_graph_n_tasks(sh->g); t++) {
+        int k = sh->sg->task[t].kind;
+        if (sp[t].status >= 0 || (k != MF_SG_K_COPY && k != MF_SG_K_DEV && k != MF_SG_K_COPY_OUT))
+            continue;
+        const mf_step_targ *a = mf_graph_task(sh->g, t)->arg;
+        if (a->t->layer != L || a->t->slot >= sh->n_used) continue;
+        if (a->t->slot < 0) {   /* a card's graph of the layer's FFNs */
+            rc = mf_error_wrap(rc, "layer %d, the routed experts on card %d (their cache slots copied in "
+                               "this step are dropped)", L, a->t->card);
+            break;
+        }
+        int s = a->t->slot;
+        rc = mf_error_wrap(rc, "layer %d, routed expert %d on card %d (%s)", L, sh->slot_e[s], a->t->card,
+                           sh->slot_miss[s] ? "copied in this step: its cache slot is dropped"
+                                            : "a cache hit");
+        break;
+    }
+    mf_step_dev_release(sh, 1);
+    return rc;
+}
+
+/* Device lanes of a slot on card a->t->card (empty unless the route task put the slot there):
+ * copy-in of the packed expert on a miss and of the slot's rows (inputs, token weights); the
+ * expert FFN on the int8 path (the same kernels as the host's); copy-out of the outputs. */
+static int mf_task_dev_in(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    int s = a->t->slot;
+    if (s >= sh->n_used || sh->slot_card[s] != a->t->card) return MF_TASK_NO_WORK;
+    mf_step *eng = sh->eng;
+    mf_dev_stream *st = ctx->queue;
+    int64_t H = eng->c->hidden_size;
+    int rc = 0;
+    if (sh->slot_miss[s]) {
+        const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, s);
+        for (int k = 0; k < 3 && !rc; k++) {
+            rc = mf_dev_copy_h2d(st, sh->slot_dev[s] + eng->part_off[2 * k], ew[k].data, eng->part_bytes[2 * k]);
+            if (!rc) rc = mf_dev_copy_h2d(st, sh->slot_dev[s] + eng->part_off[2 * k + 1], ew[k].scale,
+                                          eng->part_bytes[2 * k + 1]);
+        }
+    }
+    size_t off = (size_t)sh->slot_off[s], cnt = (size_t)sh->slot_cnt[s];
+    uint8_t *db = sh->dbuf[a->t->card];
+    if (!rc) rc = mf_dev_copy_h2d(st, db + sh->d_x + off * H * 4, sh->xg + off * H, cnt * H * 4);
+    if (!rc) rc = mf_dev_copy_h2d(st, db + sh->d_w + off * 4, sh->wg + off, cnt * 4);
+    return rc;
+}
+
+static int mf_task_dev_ffn(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    int s = a->t->slot;
+    if (s >= sh->n_used || sh->slot_card[s] != a->t->card) return MF_TASK_NO_WORK;
+    mf_step *eng = sh->eng;
+    int64_t H = eng->c->hidden_size, I = eng->c->moe_intermediate_size;
+    const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, s);
+    size_t off = (size_t)sh->slot_off[s];
+    uint8_t *db = sh->dbuf[a->t->card], *x = sh->slot_dev[s];
+    mf_dev_ffn f = {.w1 = mf_step_mat(&ew[0]), .w3 = mf_step_mat(&ew[2]), .w2 = mf_step_mat(&ew[1]),
+                    .x = (const float *)(db + sh->d_x) + off * H, .n_tok = sh->slot_cnt[s],
+                    .tok_weight = (const float *)(db + sh->d_w) + off, .limit = (float)eng->c->swiglu_limit,
+                    .h = (float *)(db + sh->d_h) + off * I, .q8_scratch = db + sh->d_q + (size_t)s * sh->dq_bytes,
+                    .y = (float *)(db + sh->d_y) + off * H};
+    f.w1.w = x + eng->part_off[0];
+    f.w1.scale = x + eng->part_off[1];
+    f.w2.w = x + eng->part_off[2];
+    f.w2.scale = x + eng->part_off[3];
+    f.w3.w = x + eng->part_off[4];
+    f.w3.scale = x + eng->part_off[5];
+    return mf_dev_expert_ffn(ctx->queue, &f);
+}
+
+/* Graph mode: the FFNs of every slot of layer a->t->layer on card a->t->card, as the layer's graph
+ * (captured on its first run: the h2d copy of the layer's slot table, then the slot-table FFN
+ * over the shape's buffers), which reads the experts and rows the route task wrote into the
+ * table. Nothing when no slot is on the card. */
+static int mf_task_dev_ffn_card(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    int c = a->t->card, L = a->t->layer, any = 0;
+    for (int s = 0; s < sh->n_used && !any; s++) any = sh->slot_card[s] == c;
+    if (!any) return MF_TASK_NO_WORK;
+    mf_dev_stream *st = ctx->queue;
+    mf_dev_graph **g = &sh->dgraph[c][L];
+    if (!*g) {
+        uint8_t *db = sh->dbuf[c];
+        mf_dev_ffn_slot *dtab = (mf_dev_ffn_slot *)(db + sh->d_tab) + (size_t)L * sh->n_slots;
+        mf_dev_ffn_table t = {.n_in = (int)eng->c->hidden_size, .n_hidden = (int)eng->c->moe_intermediate_size,
+                              .table = dtab, .n_slots = sh->n_slots, .max_tok = sh->n,
+                              .x = (const float *)(db + sh->d_x), .tok_weight = (const float *)(db + sh->d_w),
+                              .limit = (float)eng->c->swiglu_limit, .h = (float *)(db + sh->d_h),
+                              .q8_scratch = db + sh->d_q, .q8_stride = sh->dq_bytes, .y = (float *)(db + sh->d_y)};
+        for (int k = 0; k < 6; k++) t.part_off[k] = eng->part_off[k];
+        int rc = mf_dev_capture_begin(st);
+        if (rc) return rc;
+        rc = mf_dev_copy_h2d(st, dtab, sh->htab[c] + (size_t)L * sh->n_slots, sizeof *dtab * (size_t)sh->n_slots);
+        if (!rc) rc = mf_dev_expert_ffn_table(st, &t);
+        mf_dev_graph *ng = NULL;
+        int rc2 = mf_dev_capture_end(st, &ng);
+        if (!rc) rc = rc2;
+        if (rc) {
+            mf_dev_graph_destroy(ng);
+            return mf_error_wrap(rc, "step: capturing layer %d's device graph on card %d", L, c);
+        }
+        *g = ng;
+    }
+    return mf_dev_graph_launch(*g, st);
+}
+
+static int mf_task_dev_out(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    int s = a->t->slot;
+    if (s >= sh->n_used || sh->slot_card[s] != a->t->card) return MF_TASK_NO_WORK;
+    int64_t H = sh->eng->c->hidden_size;
+    size_t off = (size_t)sh->slot_off[s], cnt = (size_t)sh->slot_cnt[s];
+    return mf_dev_copy_d2h(ctx->queue, sh->y + off * H, (const float *)(sh->dbuf[a->t->card] + sh->d_y) + off * H,
+                           cnt * H * 4);
+}
+
+/* Router: the top-k of the gate logits, then the slot table: the distinct experts in
+ * ascending id, each with its items in item order; inputs gathered into slot order (and
+ * quantized for the int8 path). */
+static int mf_task_route(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    const mf_config *c = eng->c;
+    int K = c->n_experts_per_tok, E = c->n_routed_experts;
+    int64_t H = c->hidden_size;
+    mf_step_topk(sh, cx, a->t->layer);
+    memset(sh->cnt, 0, sizeof *sh->cnt * (size_t)E);
+    for (int j = 0; j < sh->n * K; j++) sh->cnt[sh->ex[j]]++;
+    int ns = 0, off = 0;
+    for (int e = 0; e < E; e++) {
+        sh->slot_of[e] = -1;
+        if (!sh->cnt[e]) continue;
+        if (ns == sh->n_slots) return mf_error(-EINVAL, "step: more experts than slots (internal)");
+        sh->slot_of[e] = ns;
+        sh->slot_e[ns] = e;
+        sh->slot_off[ns] = off;
+        sh->slot_cnt[ns] = sh->cnt[e];
+        sh->fill[e] = off;
+        off += sh->cnt[e];
+        ns++;
+    }
+    sh->n_used = ns;
+    for (int i = 0; i < sh->n; i++)
+        for (int k = 0; k < K; k++) {
+            int e = sh->ex[i * K + k], row = sh->fill[e]++;
+            sh->asg[i * K + k] = row;
+            memcpy(sh->xg + (size_t)row * H, sh->xin + (size_t)i * H, sizeof(float) * (size_t)H);
+            sh->wg[row] = sh->wt[i * K + k];
+        }
+    if (eng->store) {
+        int rc = mf_step_store_begin(sh, a->t->layer);
+        if (rc) return rc;
+    }
+    if (eng->dev) {
+        int rc = mf_step_place(sh, a->t->layer);
+        if (rc) return rc;
+    }
+    /* the slot tasks with nothing to do this step (unused slots; a slot's host tasks when it runs
+     * on a card, its tasks on the other cards): the executor completes them where they become
+     * ready, without waking a lane's thread or a round trip through a card's stream */
+    mf_stepgraph_mark_noop(sh->sg, a->t->layer, sh->n_used, sh->slot_card);
+    if (!eng->o.exact)
+        for (int s = 0; s < ns; s++) {
+            if (sh->slot_card && sh->slot_card[s] >= 0) continue;   /* the card quantizes its own */
+            int rc = mf_kern_q8_init(&sh->q8x[s], sh->q8x_mem + (size_t)s * sh->q8x_bytes, sh->q8x_bytes,
+                                     sh->slot_cnt[s], (int)H);
+            if (!rc) rc = mf_kern_q8_quantize(&sh->q8x[s], sh->xg + (size_t)sh->slot_off[s] * H, (int)H, 0,
+                                              sh->slot_cnt[s]);
+            if (rc) return rc;
+        }
+    return 0;
+}
+
+/* End of a layer's MoE: the store's batch is closed (read experts marked present) and the
+ * layer's experts unpinned, now that no task uses them. */
+static int mf_task_moe_done(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_store *st = sh->eng->store;
+    if (sh->dev_layer == a->t->layer) mf_step_dev_release(sh, 0);
+    if (!st || sh->store_layer != a->t->layer) return 0;
+    int rc = mf_store_end(st, 0);
+    mf_store_unpin(st, a->t->layer, sh->slot_e, sh->n_used);
+    sh->store_layer = -1;
+    return rc;
+}
+
+/* Phase 1 of one FFN over rows [r0, r1) of its hidden size, for n_tok tokens of x (ld H).
+ * exact: w1 and w3 on the fp32 path, then the reference's roundings (layer_moe.c); else fused. */
+static int mf_step_ffn_up(mf_step *eng, const mf_weight *w1, const mf_weight *w3, const float *x,
+                          const mf_kern_q8 *q8, int n_tok, const float *tok_w, float *h, float *g,
+                          float *u, int r0, int r1)
+{
+    const mf_config *c = eng->c;
+    int H = (int)c->hidden_size, I = (int)w1->rows;
+    mf_kern_mat m1 = mf_step_mat(w1), m3 = mf_step_mat(w3);
+    float lim = (float)c->swiglu_limit;
+    if (!eng->o.exact && lim > 0)
+        return mf_kern_ffn_up(&m1, &m3, &(mf_kern_in){x, n_tok, H, q8}, tok_w, lim, h, I, r0, r1);
+    mf_kern_in in = {x, n_tok, H, eng->o.exact ? NULL : q8};
+    int rc = mf_kern_matmul(&m1, &in, g, I, r0, r1);
+    if (!rc) rc = mf_kern_matmul(&m3, &in, u, I, r0, r1);
+    if (rc) return rc;
+    for (int t = 0; t < n_tok; t++)
+        for (int i = r0; i < r1; i++) {
+            size_t k = (size_t)t * I + i;
+            float gi = mf_bf(g[k]), ui = mf_bf(u[k]);
+            if (lim > 0) {
+                ui = fminf(fmaxf(ui, -lim), lim);
+                gi = fminf(gi, lim);
+            }
+            h[k] = mf_bf((tok_w ? tok_w[t] : 1.0f) * (mf_ly_silu(gi) * ui));
+        }
+    return 0;
+}
+
+/* Phase 2: y rows [r0, r1) = w2 h, rounded to bf16 as the reference's expert outputs. */
+static int mf_step_ffn_down(mf_step *eng, const mf_weight *w2, const float *h, const mf_kern_q8 *q8,
+                            int n_tok, float *y, int r0, int r1)
+{
+    int H = (int)eng->c->hidden_size, I = (int)w2->cols;
+    mf_kern_mat m2 = mf_step_mat(w2);
+    int rc = mf_kern_ffn_down(&m2, &(mf_kern_in){h, n_tok, I, eng->o.exact ? NULL : q8}, y, H, r0, r1);
+    if (rc) return rc;
+    for (int t = 0; t < n_tok; t++)
+        for (int o = r0; o < r1; o++) y[(size_t)t * H + o] = mf_bf(y[(size_t)t * H + o]);
+    return 0;
+}
+
+static int mf_task_slot_up(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    if (a->t->slot >= sh->n_used || (sh->slot_card && sh->slot_card[a->t->slot] >= 0)) return 0;
+    mf_step *eng = sh->eng;
+    const mf_config *c = eng->c;
+    int64_t H = c->hidden_size, I = c->moe_intermediate_size;
+    const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, a->t->slot);
+    int r0, r1;
+    mf_step_rows(I, sh->p_exp, a->t->part, &r0, &r1);
+    if (r0 >= r1) return 0;
+    size_t off = (size_t)sh->slot_off[a->t->slot];
+    return mf_step_ffn_up(eng, &ew[0], &ew[2], sh->xg + off * H, &sh->q8x[a->t->slot], sh->slot_cnt[a->t->slot],
+                          sh->wg + off, sh->h + off * I, sh->gg ? sh->gg + off * I : NULL,
+                          sh->uu ? sh->uu + off * I : NULL, r0, r1);
+}
+
+static int mf_task_slot_join(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    if (a->t->slot >= sh->n_used || sh->eng->o.exact || (sh->slot_card && sh->slot_card[a->t->slot] >= 0)) return 0;
+    int I = (int)sh->eng->c->moe_intermediate_size, s = a->t->slot;
+    int rc = mf_kern_q8_init(&sh->q8h[s], sh->q8h_mem + (size_t)s * sh->q8h_bytes, sh->q8h_bytes,
+                             sh->slot_cnt[s], I);
+    if (!rc) rc = mf_kern_q8_quantize(&sh->q8h[s], sh->h + (size_t)sh->slot_off[s] * I, I, 0, sh->slot_cnt[s]);
+    return rc;
+}
+
+static int mf_task_slot_down(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    if (a->t->slot >= sh->n_used || (sh->slot_card && sh->slot_card[a->t->slot] >= 0)) return 0;
+    mf_step *eng = sh->eng;
+    int64_t H = eng->c->hidden_size, I = eng->c->moe_intermediate_size;
+    const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, a->t->slot);
+    int r0, r1;
+    mf_step_rows(H, sh->p_exp, a->t->part, &r0, &r1);
+    if (r0 >= r1) return 0;
+    size_t off = (size_t)sh->slot_off[a->t->slot];
+    return mf_step_ffn_down(eng, &ew[1], sh->h + off * I, &sh->q8h[a->t->slot], sh->slot_cnt[a->t->slot],
+                            sh->y + off * H, r0, r1);
+}
+
+static int mf_task_sh_up(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    const mf_model_layer *y = mf_model_layer_at(eng->ly->m, a->t->layer);
+    int r0, r1;
+    mf_step_rows(y->sh_w1.rows, sh->p_sh, a->t->part, &r0, &r1);
+    if (r0 >= r1) return 0;
+    return mf_step_ffn_up(eng, &y->sh_w1, &y->sh_w3, sh->xin, NULL, sh->n, NULL, sh->hs, sh->gs, sh->us,
+                          r0, r1);
+}
+
+static int mf_task_nop(void *arg, mf_task_ctx *ctx)
+{
+    (void)arg;
+    (void)ctx;
+    return 0;
+}
+
+static int mf_task_sh_down(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    const mf_model_layer *y = mf_model_layer_at(eng->ly->m, a->t->layer);
+    int r0, r1;
+    mf_step_rows(eng->c->hidden_size, sh->p_sh, a->t->part, &r0, &r1);
+    if (r0 >= r1) return 0;
+    return mf_step_ffn_down(eng, &y->sh_w2, sh->hs, NULL, sh->n, sh->ys, r0, r1);
+}
+
+/* Combine: per item, the routed outputs in its top-k order, then the shared expert, summed in
+ * double as the reference does (a fixed order: bit-identical whatever ran where), rounded to
+ * bf16 and expanded into the streams with the ffn mix. */
+static int mf_task_combine(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    const mf_config *c = eng->c;
+    int64_t H = c->hidden_size;
+    int K = c->n_experts_per_tok, hc = c->hc_mult;
+    double *acc = (double *)cx->moe_acc;
+    for (int i = a->t->i0; i < a->t->i1; i++) {
+        float *out = sh->moe_out + (size_t)i * H;
+        for (int64_t d = 0; d < H; d++) acc[d] = 0;
+        for (int k = 0; k < K; k++) {
+            const float *yr = sh->y + (size_t)sh->asg[i * K + k] * H;
+            /* the host's outputs are rounded already (rounding twice changes nothing) */
+            for (int64_t d = 0; d < H; d++) acc[d] += mf_bf(yr[d]);
+        }
+        if (c->n_shared_experts > 0) {
+            const float *yr = sh->ys + (size_t)i * H;
+            for (int64_t d = 0; d < H; d++) acc[d] += yr[d];
+        }
+        for (int64_t d = 0; d < H; d++) out[d] = mf_bf((float)acc[d]);
+        mf_ly_hc_expand(cx, sh->items[i].x, out, sh->post + (size_t)i * hc,
+                         sh->comb + (size_t)i * hc * hc);
+    }
+    return 0;
+}
+
+static int mf_task_norm(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    mf_step_shape *sh = a->sh;
+    int64_t H = cx->ly->c->hidden_size;
+    for (int i = a->t->i0; i < a->t->i1; i++) {
+        int j = sh->head_row[i];
+        if (j < 0) continue;
+        mf_ly_item *it = &sh->items[i];
+        mf_ly_hc_collapse(cx, it->x, it->pre, cx->hc_h);
+        mf_ly_rmsnorm(cx->hc_h, H, mf_model_norm(cx->ly->m), cx->ly->c->rms_norm_eps, sh->hn + (size_t)j * H);
+    }
+    return 0;
+}
+
+static int mf_task_head(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    if (!sh->n_head) return 0;
+    const mf_config *c = sh->eng->c;
+    const mf_weight *w = mf_model_head(sh->eng->ly->m);
+    int r0, r1;
+    mf_step_rows(c->vocab_size, sh->p_head, a->t->part, &r0, &r1);
+    if (r0 >= r1) return 0;
+    return mf_kern_bf16_matmul((const uint16_t *)w->data, (int)c->vocab_size, (int)c->hidden_size,
+                               sh->hn, sh->n_head, (int)c->hidden_size, sh->lbuf, (int)c->vocab_size,
+                               r0, r1);
+}
+
+/* ---- graph and buffers of one batch size ---------------------------------------------------- */
+
+static void mf_step_shape_free(mf_step_shape *sh)
+{
+    if (!sh) return;
+    mf_timeline_destroy(sh->tl);
+    mf_stepgraph_free(sh->sg);
+    free(sh->slot_w);
+    free(sh->slot_rd);
+    free(sh->slot_card);
+    free(sh->slot_dev);
+    free(sh->slot_miss);
+    for (int c = 0; c < sh->eng->n_cards; c++) {
+        for (int L = 0; sh->dgraph[c] && L < sh->eng->c->n_layers; L++) mf_dev_graph_destroy(sh->dgraph[c][L]);
+        free(sh->dgraph[c]);
+        mf_dev_host_free(sh->eng->dev, sh->htab[c]);
+        mf_dev_free(sh->eng->dev, c, sh->dbuf[c]);
+    }
+    free(sh->sorted);
+    free(sh->args);
+    free(sh->mem);
+    free(sh);
+}
+
+/* The engine's task function of each op of the step graph (graphs/step/stepgraph.h). */
+static const mf_task_fn mf_step_fn_of[MF_SG_N_OPS] = {
+    [MF_SG_ENGRAM_EMBED] = mf_task_engram_embed, [MF_SG_ENGRAM_ROWS] = mf_task_engram_rows,
+    [MF_SG_ENGRAM_GATE] = mf_task_engram_gate,   [MF_SG_ATTN_PRE] = mf_task_attn_pre,
+    [MF_SG_ATTN_ROWS] = mf_task_attn_rows,       [MF_SG_ATTN_QNORM] = mf_task_attn_qnorm,
+    [MF_SG_ATTN_CORE] = mf_task_attn_core,       [MF_SG_ATTN_POST] = mf_task_attn_post,
+    [MF_SG_GATE_ROWS] = mf_task_gate_rows,       [MF_SG_ROUTE] = mf_task_route,
+    [MF_SG_MOE_DONE] = mf_task_moe_done,         [MF_SG_SLOT_UP] = mf_task_slot_up,
+    [MF_SG_SLOT_JOIN] = mf_task_slot_join,       [MF_SG_SLOT_DOWN] = mf_task_slot_down,
+    [MF_SG_DEV_IN] = mf_task_dev_in,             [MF_SG_DEV_FFN] = mf_task_dev_ffn,
+    [MF_SG_DEV_FFN_CARD] = mf_task_dev_ffn_card, [MF_SG_DEV_OUT] = mf_task_dev_out,
+    [MF_SG_SHARED_UP] = mf_task_sh_up,           [MF_SG_SHARED_DOWN] = mf_task_sh_down,
+    [MF_SG_COMBINE] = mf_task_combine,           [MF_SG_NORM] = mf_task_norm,
+    [MF_SG_HEAD] = mf_task_head,                 [MF_SG_JOIN] = mf_task_nop,
+};
+
+/* The step graph of a shape of n items (parallel or serial) on the engine's lanes. */
+static int mf_step_graph_new(mf_step *eng, int n, int par, mf_stepgraph **out)
+{
+    return mf_stepgraph_new(&(mf_sg_opts){.c = eng->c, .sz = eng->sz, .n = n, .par = par,
+                                          .n_threads = eng->o.n_threads, .n_cards = eng->n_cards,
+                                          .dev_graphs = eng->dev_graphs, .store = eng->store != NULL,
+                                          .read_window = eng->o.read_window, .lanes = eng->lt.lane,
+                                          .n_lanes = eng->lt.n_lanes, .lane_io = eng->lt.lane_io,
+                                          .lane_dev0 = eng->lt.lane_dev0,
+                                          .fn_of = mf_step_fn_of},
+                            out);
+}
+
+/* Binds the shape's buffers to its graph's tasks: each task's argument is its record (its worker's
+ * layer context is found when it runs); an IO task's is its slot's read. Then the timeline and the spans' scratch. */
+static int mf_step_bind(mf_step *eng, mf_step_shape *sh)
+{
+    mf_stepgraph *sg = sh->sg;
+    int n = sg->n_tasks;
+    sh->args = calloc((size_t)n, sizeof *sh->args);
+    sh->sorted = malloc(sizeof *sh->sorted * 2 * (size_t)n);
+    if (!sh->args || !sh->sorted) return mf_error(-ENOMEM, "step: out of memory for the graph");
+    for (int t = 0; t < n; t++) {
+        const mf_sg_task *rec = &sg->task[t];
+        sh->args[t] = (mf_step_targ){sh, rec};
+        if (rec->op == MF_SG_SLOT_READ)
+            mf_graph_set_arg(sh->g, t, &sh->slot_rd[(size_t)rec->slot * sh->n_parts + rec->read]);
+        else
+            mf_graph_set_arg(sh->g, t, &sh->args[t]);
+    }
+    return mf_timeline_create(sh->g, &sh->tl);
+}
+
+static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
+{
+    const mf_config *c = eng->c;
+    int64_t H = c->hidden_size, I = c->moe_intermediate_size, V = c->vocab_size;
+    int64_t Ish = c->n_shared_experts > 0 ? mf_model_layer_at(eng->ly->m, 0)->sh_w1.rows : 0;
+    int K = c->n_experts_per_tok, E = c->n_routed_experts, hc = c->hc_mult;
+    int n_cb = c->candidate_topk_blocks > 0 ? c->candidate_topk_blocks : 1;
+    mf_step_shape *sh = calloc(1, sizeof *sh);
+    if (!sh) return mf_error(-ENOMEM, "step: out of memory");
+    sh->eng = eng;
+    sh->n = n;
+    sh->par = par;
+    int rc = mf_step_graph_new(eng, n, par, &sh->sg);
+    if (rc) {
+        free(sh);
+        return mf_error_wrap(rc, "step: building the graph of a batch of %d", n);
+    }
+    sh->g = sh->sg->g;
+    sh->n_slots = sh->sg->n_slots;
+    sh->p_exp = sh->sg->p_exp;
+    sh->p_sh = sh->sg->p_sh;
+    sh->p_head = sh->sg->p_head;
+    sh->p_attn = sh->sg->p_attn;
+    sh->store_layer = -1;
+    if (eng->store) {
+        sh->n_parts = mf_store_n_parts(eng->store);
+        sh->slot_w = calloc((size_t)sh->n_slots * 3, sizeof *sh->slot_w);
+        sh->slot_rd = calloc((size_t)sh->n_slots * sh->n_parts, sizeof *sh->slot_rd);
+        if (!sh->slot_w || !sh->slot_rd) {
+            mf_step_shape_free(sh);
+            return mf_error(-ENOMEM, "step: out of memory");
+        }
+        for (int i = 0; i < sh->n_slots * sh->n_parts; i++) sh->slot_rd[i] = (mf_io_read){.fd = -1};
+    }
+    sh->dev_layer = -1;
+    if (eng->n_cards) {
+        size_t nk = (size_t)n * K, al = 256;
+        sh->slot_card = malloc((size_t)sh->n_slots * sizeof *sh->slot_card);
+        sh->slot_dev = calloc((size_t)sh->n_slots, sizeof *sh->slot_dev);
+        sh->slot_miss = calloc((size_t)sh->n_slots, 1);
+        if (!sh->slot_card || !sh->slot_dev || !sh->slot_miss) {
+            mf_step_shape_free(sh);
+            return mf_error(-ENOMEM, "step: out of memory");
+        }
+        for (int s = 0; s < sh->n_slots; s++) sh->slot_card[s] = -1;
+        sh->dq_bytes = (mf_dev_ffn_q8_bytes(n, (int)H, (int)I) + al - 1) / al * al;
+        sh->d_x = 0;
+        sh->d_w = sh->d_x + (nk * H * 4 + al - 1) / al * al;
+        sh->d_h = sh->d_w + (nk * 4 + al - 1) / al * al;
+        sh->d_q = sh->d_h + (nk * I * 4 + al - 1) / al * al;
+        sh->d_y = sh->d_q + (size_t)sh->n_slots * sh->dq_bytes;
+        sh->d_tab = sh->d_y + (nk * H * 4 + al - 1) / al * al;
+        size_t tab_bytes = eng->dev_graphs ? sizeof(mf_dev_ffn_slot) * (size_t)sh->n_slots * c->n_layers : 0;
+        size_t total = sh->d_tab + tab_bytes;
+        for (int cd = 0; cd < eng->n_cards; cd++) {
+            void *p = NULL;
+            int rc = mf_dev_alloc(eng->dev, cd, total, &p);
+            if (rc) {
+                mf_step_shape_free(sh);
+                return mf_error_wrap(rc, "step: device buffers of a batch of %d on card %d", n, cd);
+            }
+            sh->dbuf[cd] = p;
+            if (!eng->dev_graphs) continue;
+            sh->dgraph[cd] = calloc((size_t)c->n_layers, sizeof *sh->dgraph[cd]);
+            rc = sh->dgraph[cd] ? mf_dev_host_alloc(eng->dev, cd, tab_bytes, (void **)&sh->htab[cd])
+                                : mf_error(-ENOMEM, "step: out of memory");
+            if (rc) {
+                mf_step_shape_free(sh);
+                return mf_error_wrap(rc, "step: slot tables on card %d", cd);
+            }
+            memset(sh->htab[cd], 0, tab_bytes);
+        }
+    }
+    size_t nk = (size_t)n * K, q8x = mf_kern_q8_bytes(n, (int)H), q8h = mf_kern_q8_bytes(n, (int)I);
+    int ex = eng->o.exact;
+    size_t f = sizeof(float), bytes = 0, ab_sz[MF_LY_A_N];
+    if (c->n_engram > 0) {   /* Engram rows of one item, its wkv output */
+        sh->eg_emb_ld = ((int64_t)(c->engram_max_ngram_size - 1) * c->engram_n_heads * c->engram_head_dim + 15) / 16 * 16;
+        sh->eg_kv_ld = ((int64_t)(hc + 1) * H + 15) / 16 * 16;
+    }
+    for (int b = 0; b < MF_LY_A_N; b++) {
+        sh->ab_ld[b] = (mf_ly_attn_buf_len(c, b) + 15) / 16 * 16;
+        ab_sz[b] = (size_t)n * sh->ab_ld[b] * sizeof(float);
+    }
+    /* the shape's buffers: {name, bytes, &ptr}, sized first, then carved from one allocation */
+    float *x = NULL;
+    int32_t *topk = NULL, *cand = NULL;
+    size_t n_ = (size_t)n, ns = (size_t)sh->n_slots;
+    mf_step_buf tab[] = {
+        {"items", n_ * sizeof(mf_ly_item), (void **)&sh->items},
+        {"streams", n_ * hc * H * f, (void **)&x},
+        {"topk", n_ * c->index_topk * 4, (void **)&topk},
+        {"candidates", n_ * n_cb * 4, (void **)&cand},
+        {"xin", n_ * H * f, (void **)&sh->xin},
+        {"post", n_ * hc * f, (void **)&sh->post},
+        {"comb", n_ * hc * hc * f, (void **)&sh->comb},
+        {"moe_out", n_ * H * f, (void **)&sh->moe_out},
+        {"ex", nk * 4, (void **)&sh->ex},
+        {"wt", nk * f, (void **)&sh->wt},
+        {"asg", nk * 4, (void **)&sh->asg},
+        {"cnt", (size_t)E * 4, (void **)&sh->cnt},
+        {"fill", (size_t)E * 4, (void **)&sh->fill},
+        {"slot_of", (size_t)E * 4, (void **)&sh->slot_of},
+        {"slot_e", ns * 4, (void **)&sh->slot_e},
+        {"slot_off", ns * 4, (void **)&sh->slot_off},
+        {"slot_cnt", ns * 4, (void **)&sh->slot_cnt},
+        {"xg", nk * H * f, (void **)&sh->xg},
+        {"wg", nk * f, (void **)&sh->wg},
+        {"h", nk * I * f, (void **)&sh->h},
+        {"gg", ex ? nk * I * f : 0, (void **)&sh->gg},
+        {"uu", ex ? nk * I * f : 0, (void **)&sh->uu},
+        {"y", nk * H * f, (void **)&sh->y},
+        {"q8x", ns * sizeof(mf_kern_q8), (void **)&sh->q8x},
+        {"q8h", ns * sizeof(mf_kern_q8), (void **)&sh->q8h},
+        {"q8x_mem", ns * q8x, (void **)&sh->q8x_mem},
+        {"q8h_mem", ns * q8h, (void **)&sh->q8h_mem},
+        {"hs", n_ * Ish * f, (void **)&sh->hs},
+        {"gs", ex ? n_ * Ish * f : 0, (void **)&sh->gs},
+        {"us", ex ? n_ * Ish * f : 0, (void **)&sh->us},
+        {"ys", n_ * H * f, (void **)&sh->ys},
+        {"hn", n_ * H * f, (void **)&sh->hn},
+        {"lbuf", n_ * V * f, (void **)&sh->lbuf},
+        {"head_item", n_ * 4, (void **)&sh->head_item},
+        {"head_row", n_ * 4, (void **)&sh->head_row},
+        {"apre", n_ * hc * f, (void **)&sh->apre},
+        {"apost", n_ * hc * f, (void **)&sh->apost},
+        {"acomb", n_ * hc * hc * f, (void **)&sh->acomb},
+        {"logits", n_ * E * f, (void **)&sh->logits},
+        {"eg_emb", n_ * sh->eg_emb_ld * f, (void **)&sh->eg_emb},
+        {"eg_kv", n_ * sh->eg_kv_ld * f, (void **)&sh->eg_kv},
+        {"ab_in", ab_sz[MF_LY_A_IN], (void **)&sh->ab[MF_LY_A_IN]},
+        {"ab_qr", ab_sz[MF_LY_A_QR], (void **)&sh->ab[MF_LY_A_QR]},
+        {"ab_kv", ab_sz[MF_LY_A_KV], (void **)&sh->ab[MF_LY_A_KV]},
+        {"ab_lat", ab_sz[MF_LY_A_LAT], (void **)&sh->ab[MF_LY_A_LAT]},
+        {"ab_gate", ab_sz[MF_LY_A_GATE], (void **)&sh->ab[MF_LY_A_GATE]},
+        {"ab_iw", ab_sz[MF_LY_A_IW], (void **)&sh->ab[MF_LY_A_IW]},
+        {"ab_q", ab_sz[MF_LY_A_Q], (void **)&sh->ab[MF_LY_A_Q]},
+        {"ab_qi", ab_sz[MF_LY_A_QI], (void **)&sh->ab[MF_LY_A_QI]},
+        {"ab_o", ab_sz[MF_LY_A_O], (void **)&sh->ab[MF_LY_A_O]},
+        {"ab_z", ab_sz[MF_LY_A_Z], (void **)&sh->ab[MF_LY_A_Z]},
+        {"ab_out", ab_sz[MF_LY_A_OUT], (void **)&sh->ab[MF_LY_A_OUT]},
+    };
+    _Static_assert(MF_LY_A_N == 11, "one row per attention buffer");
+    enum { N_TAB = sizeof tab / sizeof tab[0] };
+    for (int i = 0; i < N_TAB; i++) bytes += (tab[i].bytes + 63) / 64 * 64;
+    uint8_t *p = aligned_alloc(64, bytes);
+    if (!p) {
+        mf_step_shape_free(sh);
+        return mf_error(-ENOMEM, "step: cannot allocate %zu bytes of buffers for a batch of %d", bytes, n);
+    }
+    memset(p, 0, bytes);
+    sh->mem = p;
+    for (int i = 0; i < N_TAB; i++) {
+        *tab[i].ptr = tab[i].bytes ? p : NULL;
+        p += (tab[i].bytes + 63) / 64 * 64;
+    }
+    sh->q8x_bytes = q8x;
+    sh->q8h_bytes = q8h;
+    for (int i = 0; i < n; i++) {
+        sh->items[i].x = x + (size_t)i * hc * H;
+        sh->items[i].topk = topk + (size_t)i * c->index_topk;
+        sh->items[i].cand = cand + (size_t)i * n_cb;
+    }
+    rc = mf_step_bind(eng, sh);
+    if (rc) {
+        mf_step_shape_free(sh);
+        return mf_error_wrap(rc, "step: building the graph of a batch of %d", n);
+    }
+    *out = sh;
+    return 0;
+}
+
+/* ---- the engine ---------------------------------------------------------------------------- */
+
+/* Routed experts on s->o.dev: checks that the cards can run them as the host does (int8 path,
+ * swiglu limit, FP4 experts), lays out a packed expert (w1, w2, w3 codes and scales), opens an
+ * expert cache per card and adds three lanes per card. */
+static int mf_step_dev_setup(mf_step *s)
+{
+    const mf_config *c = s->c;
+    if (s->o.placement != MF_STEP_PLACE_SEED && s->o.placement != MF_STEP_PLACE_HYBRID)
+        return mf_error(-EINVAL, "step: unknown placement %d", s->o.placement);
+    if (s->o.exact)
+        return mf_error(-ENOTSUP, "step: routed experts on devices run the int8 path; --exact (the fp32 "
+                        "path with the reference's bf16 roundings) is host-only for now");
+    if (!(c->swiglu_limit > 0))
+        return mf_error(-ENOTSUP, "step: routed experts on devices need a swiglu limit (the fused "
+                        "kernel); this model has none");
+    const mf_weight *ew = mf_model_layer_at(s->ly->m, 0)->experts;
+    uint64_t off = 0;
+    for (int k = 0; k < 3; k++) {
+        if (ew[k].kind != MF_W_FP4)
+            return mf_error(-ENOTSUP, "step: routed experts on devices need FP4 experts; %s is not",
+                            ew[k].name);
+        uint64_t db = ew[k].st_data ? ew[k].st_data->n_bytes : (uint64_t)(ew[k].rows * ew[k].cols / 2);
+        uint64_t sb = ew[k].st_scale ? ew[k].st_scale->n_bytes : (uint64_t)(ew[k].rows * ew[k].cols / 32);
+        s->part_off[2 * k] = off;
+        s->part_bytes[2 * k] = db;
+        off += (db + 255) / 256 * 256;
+        s->part_off[2 * k + 1] = off;
+        s->part_bytes[2 * k + 1] = sb;
+        off += (sb + 255) / 256 * 256;
+    }
+    s->xslot_bytes = off;
+    s->dev = s->o.dev;
+    s->dev_graphs = s->o.dev_graphs;
+    int n = mf_dev_n_cards(s->dev);
+    for (int cd = 0; cd < n; cd++) {
+        int rc = mf_dev_xcache_new(s->dev, &(mf_dev_xcache_opts){.card = cd, .n_layers = c->n_layers,
+                                                                  .n_experts = c->n_routed_experts,
+                                                                  .slot_bytes = s->xslot_bytes,
+                                                                  .budget_bytes = s->o.dev_cache_bytes},
+                                   &s->xc[cd]);
+        if (rc) {
+            for (int k = 0; k < cd; k++) mf_dev_xcache_free(s->xc[k]);
+            return mf_error_wrap(rc, "step: the expert cache of card %d", cd);
+        }
+    }
+    s->n_cards = n;
+    s->dstat.n_cards = n;
+    s->dstat.cache_slots = mf_dev_xcache_n_slots(s->xc[0]);
+    return 0;
+}
+
+void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out) { *out = s->dstat; }
+
+int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
+{
+    *out = NULL;
+    const mf_layers *ly = mf_ref_layers(r);
+    const mf_config *c = ly->c;
+    mf_store *store = mf_model_store(ly->m);
+    if (mf_model_is_lazy(ly->m) && !store)
+        return mf_error(-ENOTSUP, "step: the model's experts are not resident (lazy load); the "
+                        "scheduled engine needs them in memory or behind an expert store");
+    int max_items = MF_STEP_MAX_ITEMS;
+    if (store) {   /* a graph run pins one layer's slots: min(items x top_k, experts) */
+        int K = c->n_experts_per_tok, E = c->n_routed_experts;
+        int fit = mf_store_n_slots(store) < mf_store_max_batch(store) ? mf_store_n_slots(store)
+                                                                        : mf_store_max_batch(store);
+        if (mf_store_n_parts(store) != 6 || mf_store_n_parts(store) > 64)
+            return mf_error(-EINVAL, "step: the expert store holds %d parts per expert, expected 6",
+                            mf_store_n_parts(store));
+        if (fit < K && fit < E)
+            return mf_error(-ENOSPC, "step: the expert store holds %d experts (slots of %" PRIu64 " bytes); "
+                            "the scheduled engine pins the top_k = %d experts of a token's layer at once: "
+                            "a budget of at least %" PRIu64 " bytes", fit, mf_store_slot_bytes(store), K,
+                            (uint64_t)K * mf_store_slot_bytes(store));
+        max_items = fit >= E ? MF_STEP_MAX_ITEMS : fit / K;
+        if (max_items > MF_STEP_MAX_ITEMS) max_items = MF_STEP_MAX_ITEMS;
+    }
+    if (ly->act_quant)
+        return mf_error(-ENOTSUP, "step: act_quant is not supported by the scheduled engine");
+    if (c->quant_block_out != 32 || c->quant_block_in != 32)
+        return mf_error(-ENOTSUP, "step: FP8 scale tiles %dx%d, the kernels need 32x32",
+                        c->quant_block_out, c->quant_block_in);
+    if (mf_model_head(ly->m)->kind != MF_W_BF16)
+        return mf_error(-ENOTSUP, "step: head.weight is not bf16");
+    if (c->n_shared_experts > 1)
+        return mf_error(-ENOTSUP, "step: %d shared experts (expected 0 or 1)", c->n_shared_experts);
+    if (c->hidden_size % 32 || c->moe_intermediate_size % 32)
+        return mf_error(-ENOTSUP, "step: hidden_size %" PRId64 " and moe_intermediate_size %" PRId64
+                        " must be multiples of 32", (int64_t)c->hidden_size, (int64_t)c->moe_intermediate_size);
+    mf_step *s = calloc(1, sizeof *s);
+    if (!s) return mf_error(-ENOMEM, "step: out of memory");
+    s->ly = ly;
+    s->c = c;
+    if (opts) s->o = *opts;
+    if (s->o.n_threads < 1) s->o.n_threads = 1;
+    if (s->o.n_threads > 256) {
+        int n = s->o.n_threads;
+        free(s);
+        return mf_error(-EINVAL, "step: %d threads (max 256)", n);
+    }
+    s->store = store;
+    s->max_items = max_items;
+    mf_step_lane_models(s->o.profile, s->o.n_threads, s->models);
+    if (s->o.cpu_bytes_per_s > 0) s->models[0].bytes_per_s = s->o.cpu_bytes_per_s;
+    pthread_mutex_init(&s->gather_mu, NULL);
+    int rc = 0;
+    if (s->o.dev && s->o.placement != MF_STEP_PLACE_HOST) rc = mf_step_dev_setup(s);
+    /* lanes: models for placement and priorities (mf_step_lane_models: the profile's, or the
+     * built-in assumptions) */
+    mf_sg_lanes_init(&s->lt, s->models, s->o.n_threads, store != NULL, s->n_cards);
+    /* one layer context per CPU worker, on the kernels */
+    s->cx = calloc((size_t)s->o.n_threads, sizeof *s->cx);
+    if (!rc && !s->cx) rc = mf_error(-ENOMEM, "step: out of memory");
+    for (int w = 0; !rc && w < s->o.n_threads; w++)
+        if (!(rc = mf_ly_ctx_new(ly, MF_LY_LIN_KERN, &s->cx[w]))) s->n_cx = w + 1;
+    if (!rc) rc = mf_sg_sizes_new(c, &s->sz);
+    if (!rc) rc = mf_sched_create(&(mf_sched_opts){.lanes = s->lt.lane, .n_lanes = s->lt.n_lanes,
+                                                   .pin_threads = s->o.pin_threads,
+                                                   .dev = s->dev ? mf_dev_lane_ops_of(s->dev) : NULL,
+                                                   .dev_wait_ns = s->o.dev_wait_ns},
+                                  &s->sched);
+    if (rc) {
+        mf_sg_sizes_free(s->sz);
+        for (int w = 0; w < s->n_cx; w++) mf_ly_ctx_free(s->cx[w]);
+        free(s->cx);
+        for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
+        pthread_mutex_destroy(&s->gather_mu);
+        free(s);
+        return rc;
+    }
+    *out = s;
+    return 0;
+}
+
+void mf_step_free(mf_step *s)
+{
+    if (!s) return;
+    mf_sched_destroy(s->sched);
+    for (int i = 0; i <= MF_STEP_MAX_ITEMS; i++) {
+        mf_step_shape_free(s->shapes[0][i]);
+        mf_step_shape_free(s->shapes[1][i]);
+    }
+    for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
+    for (int w = 0; w < s->n_cx; w++) mf_ly_ctx_free(s->cx[w]);
+    free(s->cx);
+    mf_sg_sizes_free(s->sz);
+    pthread_mutex_destroy(&s->gather_mu);
+    free(s);
+}
+
+/* Checks as mf_ref_forward does, before any state changes. */
+static int mf_step_check(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n)
+{
+    const mf_config *c = s->c;
+    int64_t need = 0;
+    for (int i = 0; i < n; i++) {
+        if (tokens[i] < 0 || tokens[i] >= c->vocab_size)
+            return mf_error(-EINVAL, "step: token %d (item %d) outside the vocabulary [0, %" PRId64 ")",
+                            tokens[i], i, c->vocab_size);
+        if (states[i]->ly != s->ly) return mf_error(-EINVAL, "step: item %d's state belongs to another forward", i);
+        for (int j = 0; i > 0 && states[i - 1] != states[i] && j < i - 1; j++)
+            if (states[j] == states[i])
+                return mf_error(-EINVAL, "step: items of one sequence must be consecutive (item %d)", i);
+        int64_t k = 0;
+        for (int j = 0; j < n; j++) k += states[j] == states[i];
+        if (states[i]->n_pos + k > states[i]->max_pos)
+            return mf_error(-EINVAL, "step: sequence would reach %" PRId64 " positions, past its maximum "
+                            "of %" PRId64, states[i]->n_pos + k, states[i]->max_pos);
+        need = need > states[i]->max_pos ? need : states[i]->max_pos;
+    }
+    for (int w = 0; w < s->n_cx; w++) {   /* score buffers for the longest sequence */
+        int rc = mf_ly_ctx_reserve(s->cx[w], need);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* The spans of the last run's tasks of the kinds in mask `kinds`, merged (mf_timeline_union) into
+ * out; returns their count, *busy their length. */
+static int mf_step_union(mf_step_shape *sh, mf_task_span *out, unsigned kinds, int64_t *busy)
+{
+    const mf_task_span *sp = mf_timeline_spans(sh->tl);
+    int n = mf_graph_n_tasks(sh->g), m = 0;
+    for (int t = 0; t < n; t++)
+        if (sp[t].status == 0 && ((kinds >> sh->sg->task[t].kind) & 1) && sp[t].end_ns > sp[t].start_ns)
+            out[m++] = sp[t];
+    return mf_timeline_union(out, m, busy);
+}
+
+/* IO busy time of the last run (union of its IO-lane reads) and the part of it during which an
+ * expert's compute task (routed or shared) was running; with devices the same for copy-ins
+ * against expert compute on the host or a card. */
+static void mf_step_io_overlap(mf_step *s, mf_step_shape *sh)
+{
+    int n = mf_graph_n_tasks(sh->g);
+    mf_task_span *io = sh->sorted, *cp = sh->sorted + n;
+    int64_t bi, bc;
+    if (s->store) {
+        int ni = mf_step_union(sh, io, 1u << MF_SG_K_IO, &bi);
+        int nc = mf_step_union(sh, cp, 1u << MF_SG_K_EXPERT, &bc);
+        s->times.io_busy_ns += bi;
+        s->times.io_overlap_ns += mf_timeline_overlap(io, ni, cp, nc);
+        s->times.expert_busy_ns += bc;
+    }
+    if (s->n_cards) {   /* copy-in tasks vs expert compute on the host or a card */
+        int u = mf_step_union(sh, io, 1u << MF_SG_K_COPY, &bi);
+        int ny = mf_step_union(sh, cp, (1u << MF_SG_K_EXPERT) | (1u << MF_SG_K_DEV), &bc);
+        s->times.copy_busy_ns += bi;
+        s->times.compute_busy_ns += bc;
+        s->times.copy_overlap_ns += mf_timeline_overlap(io, u, cp, ny);
+    }
+}
+
+/* Adds the last run's time per phase to s->times (mf_stepgraph_phase_times: per phase the union
+ * of its tasks' intervals and their summed durations). */
+static void mf_step_account(mf_step *s, mf_step_shape *sh)
+{
+    mf_step_io_overlap(s, sh);
+    mf_stepgraph_phase_times(sh->sg, mf_timeline_spans(sh->tl), sh->sorted, s->times.phase_ns, s->times.busy_ns);
+    s->times.n_tasks = mf_graph_n_tasks(sh->g);
+}
+
+/* After a failed run with a store: names the expert of the first failed read, closes the store's
+ * open batch (its new slots freed, nothing pinned) so that the store stays usable. */
+static int mf_step_store_fail(mf_step *s, mf_step_shape *sh, int rc)
+{
+    const mf_task_span *sp = mf_timeline_spans(sh->tl);
+    int n = mf_graph_n_tasks(sh->g);
+    for (int t = 0; t < n; t++) {
+        if (sh->sg->task[t].kind != MF_SG_K_IO || sp[t].status >= 0) continue;
+        const mf_step_targ *a = &sh->args[t];
+        const mf_model_layer *y = mf_model_layer_at(s->ly->m, a->t->layer);
+        const mf_io_read *rd = &sh->slot_rd[(size_t)a->t->slot * sh->n_parts + a->t->read];
+        rc = mf_error_wrap(rc, "step: layer %d expert %d (%s...): reading %" PRIu64 " bytes at offset %"
+                           PRIu64 " into the expert store failed", a->t->layer, sh->slot_e[a->t->slot],
+                           y->experts[sh->slot_e[a->t->slot] * 3].name, rd->n_bytes, rd->offset);
+        break;
+    }
+    if (sh->store_layer >= 0) {
+        mf_store_end(s->store, rc);
+        sh->store_layer = -1;
+    }
+    return rc;
+}
+
+static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
+                         float *const *logits)
+{
+    const mf_config *c = s->c;
+    const mf_ref_hooks *hk = &s->ly->hooks;
+    /* items of distinct sequences run their per-item parts as parallel item tasks, unless hooks
+     * are set (they are called in order on one thread then) */
+    int par = n > 1 && !hk->on_route && !hk->on_select && !hk->on_candidates, rc;
+    for (int i = 1; i < n && par; i++)
+        for (int j = 0; j < i && par; j++) par = states[i] != states[j];
+    if (!s->shapes[par][n] && (rc = mf_step_shape_new(s, n, par, &s->shapes[par][n]))) return rc;
+    mf_step_shape *sh = s->shapes[par][n];
+    int64_t H = c->hidden_size;
+    const mf_weight *emb = mf_model_embed(s->ly->m);
+    sh->n_head = 0;
+    for (int i = 0; i < n; i++) {
+        mf_ly_item *it = &sh->items[i];
+        it->st = states[i];
+        it->pos = i > 0 && states[i - 1] == states[i] ? sh->items[i - 1].pos + 1 : states[i]->n_pos;
+        it->tok = tokens[i];
+        it->st->tokens[it->pos] = tokens[i];
+        it->topk_src = it->cand_src = -1;
+        it->n_topk = it->n_cand = 0;
+        memset(it->pre, 0, sizeof it->pre);
+        it->pre[0] = 1.0f;
+        it->logits = logits ? logits[i] : NULL;
+        sh->head_row[i] = it->logits ? sh->n_head : -1;
+        if (it->logits) sh->head_item[sh->n_head++] = i;
+        for (int64_t d = 0; d < H; d++) {
+            uint16_t b;
+            memcpy(&b, emb->data + ((int64_t)tokens[i] * H + d) * 2, 2);
+            it->x[d] = mf_bf16_to_f32(b);
+        }
+        for (int k = 1; k < c->hc_mult; k++) memcpy(it->x + k * H, it->x, (size_t)H * sizeof(float));
+    }
+    mf_timeline_reset(sh->tl);
+    rc = mf_sched_run(s->sched, sh->g, &(mf_run_opts){.timeline = sh->tl});
+    s->last = sh;
+    if (rc && sh->dev_layer >= 0) rc = mf_step_dev_fail(sh, rc);
+    if (rc && s->store) rc = mf_step_store_fail(s, sh, rc);
+    if (rc) return rc;
+    for (int j = 0; j < sh->n_head; j++)
+        memcpy(sh->items[sh->head_item[j]].logits, sh->lbuf + (size_t)j * c->vocab_size,
+               sizeof(float) * (size_t)c->vocab_size);
+    for (int i = 0; i < n; i++) sh->items[i].st->n_pos = sh->items[i].pos + 1;
+    mf_step_account(s, sh);
+    return 0;
+}
+
+int mf_step_forward(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
+                    float *const *logits)
+{
+    int64_t t0 = mf_now_ns();
+    memset(&s->times, 0, sizeof s->times);
+    s->dstat.dev_slots = s->dstat.host_slots = s->dstat.host_fallbacks = 0;
+    for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_step(s->xc[c], NULL);
+    if (n < 1) return mf_error(-EINVAL, "step: forward of %d items", n);
+    int rc = mf_step_check(s, states, tokens, n);
+    if (rc) return rc;
+    for (int i = 0; i < n && !rc; i += s->max_items) {
+        int m = n - i < s->max_items ? n - i : s->max_items;
+        rc = mf_step_chunk(s, states + i, tokens + i, m, logits ? logits + i : NULL);
+    }
+    s->times.wall_ns = mf_now_ns() - t0;
+    s->dstat.hits = s->dstat.misses = s->dstat.evictions = s->dstat.bytes_in = 0;
+    for (int c = 0; c < s->n_cards; c++) {
+        mf_dev_xcache_stats x;
+        mf_dev_xcache_step(s->xc[c], &x);
+        s->dstat.hits += x.hits;
+        s->dstat.misses += x.misses;
+        s->dstat.evictions += x.evictions;
+        s->dstat.bytes_in += x.bytes_in;
+    }
+    int64_t rest = s->times.wall_ns;
+    for (int p = 0; p < MF_STEP_OTHER; p++) rest -= s->times.phase_ns[p];
+    s->times.phase_ns[MF_STEP_OTHER] = rest > 0 ? rest : 0;
+    if (rc) return mf_error_wrap(rc, "scheduled forward (the states involved are now inconsistent: reset them)");
+    return 0;
+}
+
+int mf_step_prefill(mf_step *s, mf_ref_state *st, const int32_t *tokens, int n, float *logits)
+{
+    if (n < 1) return mf_error(-EINVAL, "step: prefill of %d tokens", n);
+    mf_ref_state **sts = malloc((size_t)n * sizeof *sts);
+    float **lg = calloc((size_t)n, sizeof *lg);
+    if (!sts || !lg) {
+        free(sts);
+        free(lg);
+        return mf_error(-ENOMEM, "step: out of memory");
+    }
+    for (int i = 0; i < n; i++) sts[i] = st;
+    lg[n - 1] = logits;
+    int rc = mf_step_forward(s, sts, tokens, n, lg);
+    free(sts);
+    free(lg);
+    return rc;
+}
+
+int mf_step_decode(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n_seq,
+                   float *logits)
+{
+    if (n_seq < 1 || n_seq > MF_STEP_MAX_ITEMS)
+        return mf_error(-EINVAL, "step: decode of %d sequences (1..%d)", n_seq, MF_STEP_MAX_ITEMS);
+    float *lg[MF_STEP_MAX_ITEMS];
+    for (int i = 0; i < n_seq; i++) lg[i] = logits ? logits + (size_t)i * s->c->vocab_size : NULL;
+    for (int i = 0; i < n_seq; i++)
+        for (int j = 0; j < i; j++)
+            if (states[i] == states[j]) return mf_error(-EINVAL, "step: decode got sequence %d twice", i);
+    if (n_seq > s->max_items) {
+        int K = s->c->n_experts_per_tok;
+        return mf_error(-ENOSPC, "step: a decode batch of %d sequences pins up to %d experts of a layer "
+                        "at once; the expert store holds %d (slots of %" PRIu64 " bytes): a budget of at "
+                        "least %" PRIu64 " bytes, or at most %d sequences", n_seq, n_seq * K,
+                        mf_store_n_slots(s->store), mf_store_slot_bytes(s->store),
+                        (uint64_t)(n_seq * K < s->c->n_routed_experts ? n_seq * K : s->c->n_routed_experts) *
+                            mf_store_slot_bytes(s->store), s->max_items);
+    }
+    return mf_step_forward(s, states, tokens, n_seq, lg);
+}
+
+void mf_step_last_times(const mf_step *s, mf_step_times *out) { *out = s->times; }
+
+const mf_stepgraph *mf_step_graph(const mf_step *s, int n, int par)
+{
+    if (n < 1 || n > MF_STEP_MAX_ITEMS || !s->shapes[!!par][n]) return NULL;
+    return s->shapes[!!par][n]->sg;
+}
+
+int mf_step_write_trace(const mf_step *s, const char *path)
+{
+    if (!s->last) return mf_error(-EINVAL, "step: no step has run yet, nothing to trace");
+    return mf_timeline_write_chrome(s->last->tl, path);
+}

@@ -1,0 +1,160 @@
+/* The scheduled decode engine: one forward step (a batch of (sequence, token) items) as a scheduler
+ * graph, built once per batch size and re-run: hyper-connection mixes, attention (its linears split
+ * by rows across workers), router, a fixed number of routed-expert slots (split by rows across
+ * workers), the shared expert, a fixed-order combine; Engram and the head likewise. Sequences keep their caches in mf_ref_state (graphs/ref/ref.h),
+ * so the reference and this engine can continue each other's sequences. Layout: docs/decode.md. */
+#ifndef MF_STEP_H
+#define MF_STEP_H
+
+#include <stdint.h>
+
+#include "graphs/ref/ref.h"
+#include "graphs/step/stepgraph.h"
+#include "sched/graph.h"
+
+typedef struct mf_dev mf_dev;
+typedef struct mf_profile mf_profile;
+
+/* Items per forward call (larger prefills are cut into chunks of this many). */
+#define MF_STEP_MAX_ITEMS MF_SG_MAX_ITEMS
+
+typedef struct mf_step_opts {
+    int n_threads;     /* CPU workers of the engine's executor (0: 1) */
+    int pin_threads;   /* 1: bind workers to cores (hwloc) */
+    /* 0 (default): routed experts through the FP4 int8 kernels (activations quantized to int8 per
+     * 256 inputs, ~1% error per matmul), the shared expert fused without the reference's bf16
+     * roundings inside the FFN. 1: every expert matmul on the fp32 kernel path with the
+     * reference's bf16 roundings, so only the summation order differs from the reference. */
+    int exact;
+    /* With an expert store: slots whose reads are in flight at once, in slot order (0: 2; < 0:
+     * all at once), so that the first experts arrive early and their compute overlaps the rest */
+    int read_window;
+    /* Routed experts on devices (docs/decode.md "Placement"): dev (device/dev.h, opened by the
+     * caller, outlives the engine) and a placement; dev NULL or MF_STEP_PLACE_HOST: all on the
+     * host. Every card keeps packed experts in an expert cache (device/expert_cache.h) of
+     * dev_cache_bytes (0: every expert, or as many as the card grants). Device slots run the
+     * int8 path, so placements other than host need exact 0, a swiglu limit and FP4 experts.
+     * On emulated cards (emu:N) the logits equal the host placement's bit for bit; on CUDA cards
+     * they equal them within tolerance, not bit for bit (fp32 summation order inside each expert:
+     * docs/device.md gives the kernels' bounds). */
+    mf_dev *dev;
+    int placement;               /* mf_step_placement */
+    uint64_t dev_cache_bytes;    /* per card */
+    int64_t dev_wait_ns;         /* the scheduler's bound on a device completion (mf_sched_opts) */
+    /* 1 (`moeflow decode --dev-graphs`): per layer and card, the device FFNs of all slots are one
+     * graph (CUDA graph on CUDA cards), captured on the layer's first run with the experts and
+     * rows passed through a device-side slot table, so a new routing needs no new capture; the
+     * card's FFNs then start once all its copy-ins of the layer are done. 0: a task per slot. */
+    int dev_graphs;
+    /* the machine's hardware profile (sched/profile.h, e.g. from `moeflow calibrate`), or NULL:
+     * the lanes' cost models (priorities, and what hybrid placement weighs) come from it, see
+     * mf_step_lane_models; NULL: the built-in assumptions listed there */
+    const mf_profile *profile;
+    /* overrides the CPU lane's model of expert work (bytes of weights per second per worker) when
+     * > 0: what hybrid placement weighs a card against */
+    double cpu_bytes_per_s;
+} mf_step_opts;
+
+/* Where routed experts run. SEED: every routed expert on the card that owns it
+ * (mf_dev_xcache_owner); attention, router, shared expert and combine on the host. HYBRID: per
+ * expert and per step the cheaper, by the lanes' cost models, of the host (its queue of expert
+ * work over the workers) and the owner card (zero copy on a cache hit, else the packed expert's
+ * bytes over the copy lane, then the compute lane). An expert whose card has every cache slot
+ * pinned runs on the host. */
+typedef enum mf_step_placement {
+    MF_STEP_PLACE_HOST = 0,
+    MF_STEP_PLACE_SEED,
+    MF_STEP_PLACE_HYBRID
+} mf_step_placement;
+
+typedef struct mf_step mf_step;
+
+/* The engine's cost models of its lanes for `threads` workers: models[0] the CPU lane (one
+ * worker's fused fp4 rate, capped by its share of the memory bandwidth of the sockets its workers
+ * fill, + latency), models[1] a card's copy-in (h2d), models[2] its compute (card fp4), models[3]
+ * its copy-out (d2h). With p NULL, the built-in assumptions (not measurements): host 20e9 B/s +
+ * 2 us, copies 25e9 B/s + 10 us, cards 20e9 B/s + 5 us. The simulator (graphs/sim/plan.c) weighs its
+ * hybrid placement with the same function. */
+void mf_step_lane_models(const mf_profile *p, int threads, mf_lane_model models[4]);
+
+/* An engine over the reference forward `r`: it advances r's states (mf_ref_state_new(r, ...)) and
+ * runs the parts it does not split by rows (Engram, attention's per-item parts, hyper-connections,
+ * router) with the layer math of graphs/layers/layers.h on r's tables (mf_ref_layers), one context per
+ * CPU worker whose FP8/BF16 linears run on the kernels; attention's linears run split by rows
+ * (docs/decode.md). r must outlive the engine and must not run forwards of its own while
+ * an engine call is in progress. Debug hooks of r are called on worker threads, in item order
+ * (a batch with hooks runs the serial graph). Fails with -ENOTSUP when the model is lazy without
+ * an expert store, the reference uses act_quant, or FP8 tiles are not 32x32.
+ * With an expert store (mf_model_store) the routed experts are streamed: per layer the route task
+ * opens a store batch for the slots' experts (pinned), IO-lane tasks read each slot's misses into
+ * the store (empty on hits) and the slot's up tasks wait only for its own reads, so reads of one
+ * expert overlap compute of another; the layer's end closes the batch and unpins. A graph run
+ * pins min(items x top_k, experts) experts: longer runs are cut into chunks that fit the store,
+ * a decode batch that does not fit fails with -ENOSPC naming the budget needed, and a store
+ * holding fewer than top_k experts fails here with -ENOSPC. Engram rows go through the
+ * reference's path (the store's gatherer), one Engram task at a time. */
+int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out);
+void mf_step_free(mf_step *s);
+
+/* Same contract as mf_ref_forward (graphs/ref/ref.h): item i is token tokens[i] of states[i]; items of
+ * one state consecutive; logits[i] (may be NULL) receives vocab_size fp32 logits. More than
+ * MF_STEP_MAX_ITEMS items run as consecutive chunks. The graph of a batch size is built (and its
+ * buffers allocated) on the first call of that size; later calls allocate nothing. */
+int mf_step_forward(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
+                    float *const *logits);
+int mf_step_prefill(mf_step *s, mf_ref_state *st, const int32_t *tokens, int n, float *logits);
+/* One token for each of n_seq distinct sequences; logits is n_seq x vocab_size. */
+int mf_step_decode(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n_seq,
+                   float *logits);
+
+/* Phases of a step, for reports: each task belongs to one. */
+typedef enum mf_step_phase {
+    MF_STEP_ATTN = MF_SG_PH_ATTN,       /* hyper-connection mixes, norms, attention sublayer */
+    MF_STEP_MOE = MF_SG_PH_MOE,         /* router, routed expert slots, shared expert, combine */
+    MF_STEP_ENGRAM = MF_SG_PH_ENGRAM,
+    MF_STEP_HEAD = MF_SG_PH_HEAD,       /* final collapse, norm and head */
+    MF_STEP_OTHER = MF_SG_PH_OTHER,     /* embedding, argument checks, copies, scheduling gaps */
+    MF_STEP_N_PHASES = MF_SG_N_PHASES
+} mf_step_phase;
+
+const char *mf_step_phase_name(mf_step_phase p);
+
+/* Where the time of the last mf_step_forward call went: per phase the wall time during which a task
+ * of that phase ran (union of its task intervals, summed over chunks), OTHER = the rest of the
+ * call's wall time; busy_ns = summed task durations (worker time) per phase. */
+typedef struct mf_step_times {
+    int64_t wall_ns;
+    int64_t phase_ns[MF_STEP_N_PHASES];
+    int64_t busy_ns[MF_STEP_N_PHASES];
+    int n_tasks;   /* tasks of the last graph run */
+    /* with an expert store: IO-lane busy time (union of the expert reads), expert compute time
+     * (union of routed and shared expert tasks) and the time both ran; IO tasks count in no phase */
+    int64_t io_busy_ns, expert_busy_ns, io_overlap_ns;
+    /* with devices: host-to-device copy time (union of the copy-in tasks), expert compute on the
+     * host or a card (union), and the time both ran */
+    int64_t copy_busy_ns, compute_busy_ns, copy_overlap_ns;
+} mf_step_times;
+
+void mf_step_last_times(const mf_step *s, mf_step_times *out);
+
+/* Where the routed experts of the last mf_step_forward call ran: slots (one per distinct expert
+ * of a layer's batch) on a card and on the host, and the device expert caches' counters over the
+ * call, summed over cards (hits + misses = dev_slots). */
+typedef struct mf_step_dev_stats {
+    int64_t dev_slots, host_slots;
+    int64_t host_fallbacks;      /* slots placed on a card whose cache slots were all pinned */
+    uint64_t hits, misses, evictions, bytes_in;
+    int n_cards, cache_slots;    /* cards in use; cache slots per card */
+} mf_step_dev_stats;
+
+void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out);
+
+/* The step graph of n items (graphs/step/stepgraph.h), parallel (items of distinct sequences) or
+ * serial, as built by an earlier call of that shape; NULL if none ran yet. For tests and tools
+ * (the simulator runs the same graph: graphs/sim/plan.h). */
+const mf_stepgraph *mf_step_graph(const mf_step *s, int n, int par);
+
+/* Chrome trace-event JSON of the last graph run (one chunk of the last call). 0 or negative code. */
+int mf_step_write_trace(const mf_step *s, const char *path);
+
+#endif
