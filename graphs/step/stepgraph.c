@@ -247,7 +247,8 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
         emb[k] = sg_add(b, 0, MF_SG_ENGRAM_EMBED, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t, 0, per * 2e4);
         sg_dep(b, b->o->eg_reads ? pl : unit[k], emb[k]);
         for (int r = 0; b->o->eg_reads && r < nr; r++) {
-            SG_NAME(b, sg->par ? "engram L%d item %d read %d" : "engram L%d read %d", L, sg->par ? k : r, r);
+            if (sg->par) SG_NAME(b, "engram L%d item %d read %d", L, k, r);
+            else SG_NAME(b, "engram L%d read %d", L, r);
             mf_sg_task tr = sg_item(b, L, k);
             tr.n_tok = 0;
             tr.read = (int16_t)r;
