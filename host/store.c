@@ -1,8 +1,11 @@
 /* The host expert store (resident or streamed under a byte budget, LFU with aging) and the Engram
- * row gatherer, both reading through the scheduler's IO lane. One slab and two prebuilt graphs
- * (experts: per batch entry its reads, then a compute task; gathers: a row of reads) are made at
- * start; a call only fills payloads and runs. Which expert holds which slot is the shared policy
- * of sched/residency.h (LFU with aging, pins); host/store.h says how the store drives it. */
+ * row gatherer. The store hands out reads (extents and their place in its slab or the caller's
+ * staging); an engine issues them on its own IO lane. The synchronous calls (start-up loads, the
+ * oracle, tools) issue them on a private run made when first needed (one CPU worker, an IO lane):
+ * one slab and prebuilt graphs (experts: per batch entry its reads, then a compute task; gathers:
+ * a row of reads) are made at start; a call only fills payloads and runs. Which expert holds which
+ * slot is the shared policy of sched/residency.h (LFU with aging, pins); host/store.h says how
+ * the store drives it. */
 #define _GNU_SOURCE
 #include "host/store.h"
 
@@ -44,6 +47,15 @@ typedef struct mf_store_table {
 
 typedef struct mf_span2 { int64_t a, b; } mf_span2;
 typedef struct mf_rowkey { int64_t row; int32_t idx; } mf_rowkey;
+
+/* A planned gather (mf_store_gather_reads), in the caller's scratch: the header, then per row its
+ * key and its unique index, then the staging of the unique rows (codes, then scales). */
+typedef struct mf_gplan {
+    int32_t table, n, n_max, nu;
+    mf_rowkey *keys;
+    int32_t *uniq;
+    uint8_t *stage_d, *stage_s;
+} mf_gplan;
 struct mf_cpu_arg { struct mf_store *s; int k; };
 
 struct mf_store {
@@ -53,7 +65,11 @@ struct mf_store {
     int n_shards;
     mf_dio_file *files;
     int direct;
-    mf_sched *sched;
+    mf_sched *sched;              /* the private run of the synchronous calls; NULL until needed */
+    int sched_reg;                /* 1: the slab is registered with its ring */
+    const char *io_engine;        /* the engine of the last private run ("none" before any) */
+    int fault_kind;               /* armed on the next private run (opts, mf_store_io_fault) */
+    int64_t fault_nth;
     mf_lane_desc lanes[N_LANES];
     /* slab and slots */
     uint8_t *slab;
@@ -91,10 +107,8 @@ struct mf_store {
     mf_task_id *gg_io;
     mf_io_read *greads;
     int max_greads;
-    uint8_t *gstage;
-    uint64_t gstage_bytes;
-    mf_rowkey *gkeys;
-    int32_t *guniq;               /* key index -> unique row index */
+    void *gscratch;               /* the synchronous gather's plan (mf_store_gather_bytes(max_rows)) */
+    uint64_t gscratch_bytes, max_row_bytes, max_srow_bytes;
     mf_store_stats total, step;
 };
 
@@ -243,6 +257,66 @@ static int mf_store_build_graphs(mf_store *s)
     return mf_graph_finalize(s->gg);
 }
 
+/* The slab in pieces of at most 1 GiB (as the rings register them); 0 when over 62 GiB. */
+static int mf_store_slab_pieces(const mf_store *s, void **bufs, uint64_t *lens, int max)
+{
+    int n = 0;
+    if (!s->slab_bytes || s->slab_bytes > (UINT64_C(62) << 30)) return 0;
+    for (uint64_t off = 0; off < s->slab_bytes && n < max; off += UINT64_C(1) << 30, n++) {
+        bufs[n] = s->slab + off;
+        lens[n] = s->slab_bytes - off < (UINT64_C(1) << 30) ? s->slab_bytes - off : UINT64_C(1) << 30;
+    }
+    return n;
+}
+
+int mf_store_io_buffers(const mf_store *s, void **bufs, uint64_t *n_bytes, int max)
+{
+    return s->o.mode == MF_STORE_STREAMED ? mf_store_slab_pieces(s, bufs, n_bytes, max) : 0;
+}
+
+/* The private run of the synchronous calls, made when first needed; with `experts`, the slab is
+ * registered with its ring (fixed-buffer reads) before the first expert read through it. */
+static int mf_store_sync(mf_store *s, int experts)
+{
+    if (!s->sched) {
+        int rc = mf_sched_create(&(mf_sched_opts){.lanes = s->lanes, .n_lanes = N_LANES,
+                                                  .io_force_pread = s->o.force_pread,
+                                                  .io_fault_kind = s->fault_kind,
+                                                  .io_fault_nth = s->fault_nth}, &s->sched);
+        if (rc) return mf_error_wrap(rc, "expert store: its IO lane");
+        s->fault_kind = MF_IO_FAULT_NONE;
+        s->fault_nth = 0;
+        s->io_engine = mf_sched_io_engine(s->sched);
+        s->sched_reg = 0;
+    }
+    if (experts && !s->sched_reg) {
+        void *bufs[63];
+        uint64_t lens[63];
+        int n = mf_store_slab_pieces(s, bufs, lens, 63);
+        if (n) mf_sched_io_register(s->sched, bufs, lens, n);   /* a refusal is logged; reads still work */
+        mf_error_clear();
+        s->sched_reg = 1;
+    }
+    return 0;
+}
+
+void mf_store_io_release(mf_store *s)
+{
+    mf_sched_destroy(s->sched);
+    s->sched = NULL;
+    s->sched_reg = 0;
+}
+
+void mf_store_io_fault(mf_store *s, int kind, int64_t nth)
+{
+    if (s->sched) {
+        mf_sched_io_fault(s->sched, kind, nth);
+    } else {
+        s->fault_kind = kind;
+        s->fault_nth = nth;
+    }
+}
+
 static int mf_store_load_resident(mf_store *s);
 static int mf_store_load_tables(mf_store *s);
 
@@ -302,11 +376,9 @@ int mf_store_create(const mf_st *st, const mf_store_layout *lay, const mf_store_
     s->tables = calloc((size_t)s->n_tables + 1, sizeof *s->tables);
     s->greads = calloc((size_t)s->max_greads, sizeof *s->greads);
     s->gg_io = calloc((size_t)s->max_greads, sizeof *s->gg_io);
-    s->gkeys = calloc((size_t)s->o.max_rows, sizeof *s->gkeys);
-    s->guniq = calloc((size_t)s->o.max_rows, sizeof *s->guniq);
     if (!s->parts || !s->part_off || !s->xr || !s->n_xr || !s->reads || !s->g_io || !s->g_cpu ||
         !s->cargs || !s->b_ids || !s->b_miss || !s->b_nreads || !s->sp_io || !s->sp_cpu ||
-        !s->tables || !s->greads || !s->gg_io || !s->gkeys || !s->guniq) {
+        !s->tables || !s->greads || !s->gg_io) {
         rc = mf_error(-ENOMEM, "expert store: out of memory for %d experts", s->n_items);
         goto fail;
     }
@@ -368,44 +440,33 @@ int mf_store_create(const mf_st *st, const mf_store_layout *lay, const mf_store_
         if (s->o.table_mode == MF_STORE_RESIDENT)
             s->tslab_bytes += mf_up(T->data->n_bytes, 4096) + mf_up(T->scale->n_bytes, 4096) + 2 * 4096;
     }
-    uint64_t max_row = 0;
     for (int t = 0; t < s->n_tables; t++) {
-        uint64_t b = s->tables[t].row_bytes + s->tables[t].srow_bytes;
-        if (b > max_row) max_row = b;
+        if (s->tables[t].row_bytes > s->max_row_bytes) s->max_row_bytes = s->tables[t].row_bytes;
+        if (s->tables[t].srow_bytes > s->max_srow_bytes) s->max_srow_bytes = s->tables[t].srow_bytes;
     }
-    s->gstage_bytes = (uint64_t)s->o.max_rows * max_row;
-    s->gstage = mf_store_map(s->gstage_bytes);
+    s->gscratch_bytes = mf_store_gather_bytes(s, s->o.max_rows);
+    s->gscratch = mf_store_map(s->gscratch_bytes);
     s->tslab = s->tslab_bytes ? mf_store_map(s->tslab_bytes) : NULL;
-    if (!s->gstage || (s->tslab_bytes && !s->tslab)) {
+    if (!s->gscratch || (s->tslab_bytes && !s->tslab)) {
         rc = mf_error(-ENOMEM, "expert store: cannot map %" PRIu64 " bytes for Engram tables",
                       s->tslab_bytes);
         goto fail;
     }
     if (s->tslab && (rc = mf_store_membind(s, s->tslab, s->tslab_bytes))) goto fail;
 
-    /* the scheduler: one compute worker, the IO lane at depth */
+    /* the private run's lanes (mf_store_sync): one compute worker, the IO lane at depth */
     s->lanes[L_CPU] = (mf_lane_desc){.kind = MF_LANE_CPU, .name = "store.cpu", .concurrency = 1,
                                      .numa_node = -1, .model = {.latency_ns = 1e3}};
     s->lanes[L_IO] = (mf_lane_desc){.kind = MF_LANE_IO, .name = "store.io",
                                     .concurrency = s->o.io_depth, .numa_node = -1,
                                     .model = {.bytes_per_s = 2e9, .latency_ns = 1e5}};
-    if ((rc = mf_sched_create(&(mf_sched_opts){.lanes = s->lanes, .n_lanes = N_LANES,
-                                               .io_force_pread = s->o.force_pread}, &s->sched)))
-        goto fail;
+    s->io_engine = "none";
+    s->fault_kind = s->o.io_fault_kind;
+    s->fault_nth = s->o.io_fault_nth;
     if ((rc = mf_store_build_graphs(s))) goto fail;
-    if (s->slab_bytes && s->slab_bytes <= (UINT64_C(62) << 30)) {
-        void *bufs[63];
-        uint64_t lens[63];
-        int n = 0;
-        for (uint64_t off = 0; off < s->slab_bytes; off += UINT64_C(1) << 30, n++) {
-            bufs[n] = s->slab + off;
-            lens[n] = s->slab_bytes - off < (UINT64_C(1) << 30) ? s->slab_bytes - off : UINT64_C(1) << 30;
-        }
-        mf_sched_io_register(s->sched, bufs, lens, n);   /* a refusal is logged; reads still work */
-        mf_error_clear();
-    }
     if (s->o.pin_hook && s->slab_bytes && (rc = s->o.pin_hook(s->o.pin_user, s->slab, s->slab_bytes)) < 0)
         goto fail;
+    if ((rc = mf_store_sync(s, 0))) goto fail;
     if (s->o.mode == MF_STORE_RESIDENT && (rc = mf_store_load_resident(s))) goto fail;
     if ((rc = mf_store_load_tables(s))) goto fail;
     memset(&s->total, 0, sizeof s->total);
@@ -429,7 +490,7 @@ void mf_store_destroy(mf_store *s)
     mf_graph_destroy(s->gg);
     if (s->slab) munmap(s->slab, (size_t)(s->slab_bytes ? s->slab_bytes : 1));
     if (s->tslab) munmap(s->tslab, (size_t)s->tslab_bytes);
-    if (s->gstage) munmap(s->gstage, (size_t)(s->gstage_bytes ? s->gstage_bytes : 1));
+    if (s->gscratch) munmap(s->gscratch, (size_t)(s->gscratch_bytes ? s->gscratch_bytes : 1));
     for (int i = 0; s->files && i < s->n_shards; i++) mf_dio_close(&s->files[i]);
     free(s->files);
     free(s->shard_seen);
@@ -451,8 +512,6 @@ void mf_store_destroy(mf_store *s)
     free(s->tables);
     free(s->greads);
     free(s->gg_io);
-    free(s->gkeys);
-    free(s->guniq);
     free(s);
 }
 
@@ -679,6 +738,7 @@ int mf_store_ensure(mf_store *s, int layer, const int32_t *ids, int n, mf_store_
     for (int k = 0; k < n; k++) n_reads += s->b_nreads[k];
     if (n_reads && (rc = mf_store_check_shards(s))) return mf_store_end(s, rc);
     if (!n_reads && !fn) return mf_store_end(s, 0);
+    if ((rc = mf_store_sync(s, n_reads > 0))) return mf_store_end(s, rc);
     s->fn = fn;
     s->user = user;
     s->g = s->gs[fn ? 0 : 1];
@@ -756,7 +816,9 @@ static int mf_store_load_resident(mf_store *s)
 static int mf_store_run_greads(mf_store *s, int n, const char *what)
 {
     for (int i = n; i < s->max_greads; i++) s->greads[i] = s->zero_read;
-    int rc = mf_sched_run(s->sched, s->gg, NULL);
+    int rc = mf_store_sync(s, 0);
+    if (rc) return rc;
+    rc = mf_sched_run(s->sched, s->gg, NULL);
     for (int i = 0; i < n; i++) s->greads[i] = s->zero_read;
     if (!rc) return 0;
     char lane[MF_ERROR_MSG_BYTES];
@@ -816,8 +878,40 @@ static int mf_cmp_rowkey(const void *a, const void *b)
     return x->row < y->row ? -1 : x->row > y->row;
 }
 
-int mf_store_gather(mf_store *s, int table, const int64_t *rows, int n, uint8_t *data, uint8_t *scale)
+/* The plan in scratch for n rows: header, keys, unique indices, staging (codes, then scales). */
+static mf_gplan *mf_gplan_carve(const mf_store *s, void *scratch, int n)
 {
+    uint8_t *p = scratch;
+    mf_gplan *P = (mf_gplan *)p;
+    p += mf_up(sizeof *P, 16);
+    P->keys = (mf_rowkey *)p;
+    p += mf_up((uint64_t)n * sizeof *P->keys, 16);
+    P->uniq = (int32_t *)p;
+    p += mf_up((uint64_t)n * sizeof *P->uniq, 16);
+    P->stage_d = p;
+    p += mf_up((uint64_t)n * s->max_row_bytes, 16);
+    P->stage_s = p;
+    P->n_max = n;
+    return P;
+}
+
+uint64_t mf_store_gather_bytes(const mf_store *s, int n)
+{
+    uint64_t m = n > 0 ? (uint64_t)n : 0;
+    return mf_up(sizeof(mf_gplan), 16) + mf_up(m * sizeof(mf_rowkey), 16) + mf_up(m * 4, 16) +
+           mf_up(m * s->max_row_bytes, 16) + m * s->max_srow_bytes + 16;
+}
+
+static void mf_store_count(uint64_t *a, uint64_t *b, uint64_t v)
+{
+    __atomic_fetch_add(a, v, __ATOMIC_RELAXED);
+    __atomic_fetch_add(b, v, __ATOMIC_RELAXED);
+}
+
+int mf_store_gather_reads(mf_store *s, int table, const int64_t *rows, int n, void *scratch,
+                          mf_io_read *reads, int max_reads, int *n_reads)
+{
+    *n_reads = 0;
     if (table < 0 || table >= s->n_tables || n < 0)
         return mf_error(-EINVAL, "Engram gather: table %d of %d, %d rows", table, s->n_tables, n);
     mf_store_table *T = &s->tables[table];
@@ -825,70 +919,114 @@ int mf_store_gather(mf_store *s, int table, const int64_t *rows, int n, uint8_t 
         if (rows[i] < 0 || rows[i] >= T->rows)
             return mf_error(-EINVAL, "Engram gather: row %" PRId64 " of %s is outside [0, %" PRId64 ")",
                             rows[i], T->data->name, T->rows);
+    mf_gplan *P = mf_gplan_carve(s, scratch, n);
+    P->table = table;
+    P->n = n;
+    P->nu = 0;
+    mf_store_count(&s->total.rows, &s->step.rows, (uint64_t)n);
+    for (int i = 0; i < n; i++) P->keys[i] = (mf_rowkey){rows[i], i};
+    if (T->res_data) return 0;   /* resident: mf_store_gather_copy copies from memory */
+    if (max_reads < 2 * n)
+        return mf_error(-EINVAL, "Engram gather: room for %d reads, %d rows may need %d", max_reads, n, 2 * n);
     uint64_t rb = T->row_bytes, sb = T->srow_bytes;
-    s->total.rows += (uint64_t)n;
-    s->step.rows += (uint64_t)n;
-    if (T->res_data) {
+    const mf_dio_file *fd = &s->files[T->data->shard], *fs = &s->files[T->scale->shard];
+    qsort(P->keys, (size_t)n, sizeof *P->keys, mf_cmp_rowkey);
+    /* unique rows in order; runs of consecutive rows become one read per tensor */
+    int nu = 0, nr = 0;
+    int64_t run0 = -1, prev = -2;
+    int u_run0 = 0;
+    uint64_t bytes = 0;
+    for (int i = 0; i <= n; i++) {
+        int64_t r = i < n ? P->keys[i].row : -10;
+        if (i < n && r == prev) {
+            P->uniq[i] = nu - 1;
+            continue;
+        }
+        if (i == n || r != prev + 1) {
+            if (run0 >= 0) {   /* close the run [run0, prev] at unique index u_run0 */
+                uint64_t cnt = (uint64_t)(prev - run0 + 1);
+                reads[nr++] = (mf_io_read){.fd = fd->fd, .offset = T->data->file_offset + (uint64_t)run0 * rb,
+                                           .buf = P->stage_d + (size_t)u_run0 * rb, .n_bytes = cnt * rb,
+                                           .dio_align = fd->dio_align};
+                if (sb)
+                    reads[nr++] = (mf_io_read){.fd = fs->fd, .offset = T->scale->file_offset + (uint64_t)run0 * sb,
+                                               .buf = P->stage_s + (size_t)u_run0 * sb, .n_bytes = cnt * sb,
+                                               .dio_align = fs->dio_align};
+            }
+            run0 = r;
+            u_run0 = nu;
+        }
+        if (i == n) break;
+        P->uniq[i] = nu++;
+        prev = r;
+    }
+    P->nu = nu;
+    for (int i = 0; i < nr; i++) bytes += reads[i].n_bytes;
+    mf_store_count(&s->total.row_bytes_read, &s->step.row_bytes_read, bytes);
+    mf_store_count(&s->total.row_reads, &s->step.row_reads, (uint64_t)nr);
+    *n_reads = nr;
+    return 0;
+}
+
+void mf_store_gather_copy(const mf_store *s, const void *scratch, uint8_t *data, uint8_t *scale)
+{
+    const mf_gplan *P = scratch;
+    const mf_store_table *T = &s->tables[P->table];
+    uint64_t rb = T->row_bytes, sb = T->srow_bytes;
+    for (int i = 0; i < P->n; i++) {
+        int o = P->keys[i].idx;
+        const uint8_t *d = T->res_data ? T->res_data + (uint64_t)P->keys[i].row * rb : P->stage_d + (size_t)P->uniq[i] * rb;
+        const uint8_t *c = T->res_data ? T->res_scale + (uint64_t)P->keys[i].row * sb : P->stage_s + (size_t)P->uniq[i] * sb;
+        memcpy(data + (size_t)o * rb, d, (size_t)rb);
+        if (scale) memcpy(scale + (size_t)o * sb, c, (size_t)sb);
+    }
+}
+
+int mf_store_gather_check(mf_store *s, int table)
+{
+    if (table < 0 || table >= s->n_tables) return 0;
+    const mf_dio_file *fd = &s->files[s->tables[table].data->shard], *fs = &s->files[s->tables[table].scale->shard];
+    int c = mf_dio_check(fd);
+    if (!c && fs != fd) c = mf_dio_check(fs);
+    return c ? mf_error_wrap(c, "Engram gather of %s", s->tables[table].data->name) : 0;
+}
+
+int mf_store_gather(mf_store *s, int table, const int64_t *rows, int n, uint8_t *data, uint8_t *scale)
+{
+    if (table < 0 || table >= s->n_tables || n < 0)
+        return mf_error(-EINVAL, "Engram gather: table %d of %d, %d rows", table, s->n_tables, n);
+    mf_store_table *T = &s->tables[table];
+    uint64_t rb = T->row_bytes, sb = T->srow_bytes;
+    const mf_dio_file *fd = &s->files[T->data->shard];
+    if (T->res_data) {   /* copies from memory, no shared scratch: callers may run at once */
+        for (int i = 0; i < n; i++)
+            if (rows[i] < 0 || rows[i] >= T->rows)
+                return mf_error(-EINVAL, "Engram gather: row %" PRId64 " of %s is outside [0, %" PRId64 ")",
+                                rows[i], T->data->name, T->rows);
+        mf_store_count(&s->total.rows, &s->step.rows, (uint64_t)n);
         for (int i = 0; i < n; i++) {
             memcpy(data + (size_t)i * rb, T->res_data + (uint64_t)rows[i] * rb, (size_t)rb);
             if (scale) memcpy(scale + (size_t)i * sb, T->res_scale + (uint64_t)rows[i] * sb, (size_t)sb);
         }
         return 0;
     }
-    const mf_dio_file *fd = &s->files[T->data->shard], *fs = &s->files[T->scale->shard];
-    uint8_t *stage_d = s->gstage, *stage_s = s->gstage + (size_t)s->o.max_rows * rb;
     for (int i0 = 0; i0 < n; i0 += s->o.max_rows) {
-        int m = n - i0 < s->o.max_rows ? n - i0 : s->o.max_rows;
-        for (int i = 0; i < m; i++) s->gkeys[i] = (mf_rowkey){rows[i0 + i], i0 + i};
-        qsort(s->gkeys, (size_t)m, sizeof *s->gkeys, mf_cmp_rowkey);
-        /* unique rows in order; runs of consecutive rows become one read per tensor */
-        int nu = 0, nr = 0;
-        int64_t run0 = -1, prev = -2;
-        int u_run0 = 0;
-        for (int i = 0; i <= m; i++) {
-            int64_t r = i < m ? s->gkeys[i].row : -10;
-            if (i < m && r == prev) {
-                s->guniq[i] = nu - 1;
-                continue;
+        int m = n - i0 < s->o.max_rows ? n - i0 : s->o.max_rows, nr = 0;
+        int rc = mf_store_gather_reads(s, table, rows + i0, m, s->gscratch, s->greads, s->max_greads, &nr);
+        if (rc) return rc;
+        if (nr) {
+            char what[4600];
+            snprintf(what, sizeof what, "Engram gather: reading %d rows of %s from %s", m, T->data->name, fd->path);
+            int64_t t0 = mf_now_ns();
+            rc = mf_store_run_greads(s, nr, what);
+            s->total.read_wall_ns += mf_now_ns() - t0;
+            s->step.read_wall_ns += mf_now_ns() - t0;
+            if (rc) {
+                int c = mf_store_gather_check(s, table);
+                return c ? mf_error_wrap(c, "%s", "Engram gather") : rc;
             }
-            if (i == m || r != prev + 1) {
-                if (run0 >= 0) {   /* close the run [run0, prev] at unique index u_run0 */
-                    uint64_t cnt = (uint64_t)(prev - run0 + 1);
-                    s->greads[nr++] = (mf_io_read){.fd = fd->fd, .offset = T->data->file_offset + (uint64_t)run0 * rb,
-                                                   .buf = stage_d + (size_t)u_run0 * rb, .n_bytes = cnt * rb,
-                                                   .dio_align = fd->dio_align};
-                    if (scale && sb)
-                        s->greads[nr++] = (mf_io_read){.fd = fs->fd, .offset = T->scale->file_offset + (uint64_t)run0 * sb,
-                                                       .buf = stage_s + (size_t)u_run0 * sb, .n_bytes = cnt * sb,
-                                                       .dio_align = fs->dio_align};
-                }
-                run0 = r;
-                u_run0 = nu;
-            }
-            if (i == m) break;
-            s->guniq[i] = nu++;
-            prev = r;
         }
-        for (int i = 0; i < nr; i++) s->total.row_bytes_read += s->greads[i].n_bytes;
-        for (int i = 0; i < nr; i++) s->step.row_bytes_read += s->greads[i].n_bytes;
-        s->total.row_reads += (uint64_t)nr;
-        s->step.row_reads += (uint64_t)nr;
-        char what[4600];
-        snprintf(what, sizeof what, "Engram gather: reading %d rows of %s from %s", m, T->data->name, fd->path);
-        int64_t t0 = mf_now_ns();
-        int rc = mf_store_run_greads(s, nr, what);
-        s->total.read_wall_ns += mf_now_ns() - t0;
-        s->step.read_wall_ns += mf_now_ns() - t0;
-        if (rc) {
-            int c = mf_dio_check(fd);
-            if (!c && fs != fd) c = mf_dio_check(fs);
-            return c ? mf_error_wrap(c, "%s", "Engram gather") : rc;
-        }
-        for (int i = 0; i < m; i++) {
-            int o = s->gkeys[i].idx, u = s->guniq[i];
-            memcpy(data + (size_t)o * rb, stage_d + (size_t)u * rb, (size_t)rb);
-            if (scale) memcpy(scale + (size_t)o * sb, stage_s + (size_t)u * sb, (size_t)sb);
-        }
+        mf_store_gather_copy(s, s->gscratch, data + (size_t)i0 * rb, scale ? scale + (size_t)i0 * sb : NULL);
     }
     return 0;
 }
@@ -923,8 +1061,9 @@ int mf_store_max_batch(const mf_store *s) { return s->o.max_batch; }
 int mf_store_n_parts(const mf_store *s) { return s->n_parts; }
 uint64_t mf_store_slot_bytes(const mf_store *s) { return s->slot_bytes; }
 uint64_t mf_store_slab_bytes(const mf_store *s) { return s->slab_bytes; }
-const char *mf_store_io_engine(const mf_store *s) { return mf_sched_io_engine(s->sched); }
+const char *mf_store_io_engine(const mf_store *s) { return s->sched ? mf_sched_io_engine(s->sched) : s->io_engine; }
 int mf_store_direct(const mf_store *s) { return s->direct; }
+int mf_store_tables_streamed(const mf_store *s) { return s->n_tables > 0 && s->o.table_mode == MF_STORE_STREAMED; }
 
 int mf_store_write_trace(const mf_store *s, const char *path)
 {

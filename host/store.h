@@ -12,8 +12,18 @@
  * takes a free slot, else evicts the unpinned present expert with the lowest count (least
  * recently used among equals). Experts named by the current call are pinned and never evicted
  * until unpinned. A read that fails leaves its slot free: no partially read
- * expert is ever marked present, and the store stays usable. A store is driven from one thread at
- * a time (its compute function runs on the store's own worker while that thread waits). */
+ * expert is ever marked present, and the store stays usable.
+ *
+ * Who issues the reads. The store hands out reads (mf_io_read: extent and destination in its slab
+ * or in the caller's staging): mf_store_begin/mf_store_reads for experts, mf_store_gather_reads for
+ * Engram rows. An engine puts them on IO tasks of its own graph, on its own IO lane, with the slab
+ * registered on that ring (mf_store_io_buffers), and releases the store's private run
+ * (mf_store_io_release): one executor per engine. The synchronous calls (mf_store_ensure,
+ * mf_store_gather, the start-up loads), used by the oracle and the tools, issue them on a private
+ * run of the store's own (one compute worker and an IO lane), made at creation and again when such
+ * a call comes after a release. A store is driven from one thread at a time (its compute function
+ * runs on the private run's worker while that thread waits), except mf_store_gather_reads and
+ * mf_store_gather_copy, which tasks of several items may call at once. */
 #ifndef MF_STORE_H
 #define MF_STORE_H
 
@@ -37,7 +47,10 @@ typedef struct mf_store_opts {
                                   * flight at once, in selection order (0: 2), so that the first
                                   * arrives early and its compute overlaps the others' reads */
     int buffered;                /* 1: no O_DIRECT (page-cache reads) */
-    int force_pread;             /* 1: the pread engine (also mf_sched_io_defaults(1): MOEFLOW_IO=pread of the moeflow command) */
+    int force_pread;             /* 1: the private run's IO lane uses pread workers (the moeflow
+                                  * command sets it for MOEFLOW_IO=pread) */
+    int io_fault_kind;           /* MF_IO_FAULT_* armed on the private run (sched/sched.h) */
+    int64_t io_fault_nth;        /* ... on its nth read (MOEFLOW_IO_FAULT of the moeflow command) */
     int numa_node;               /* slab placement (hwloc membind); -1: first touch */
     int aging_period;            /* accesses between halvings (0: 8 x slots) */
     int quiet;                   /* no progress on stderr */
@@ -57,9 +70,10 @@ typedef struct mf_store_layout {
 
 typedef struct mf_store mf_store;
 
-/* Opens the shard files (O_DIRECT where allowed), allocates the slab once, registers it with the
- * IO ring and, in resident mode, reads everything in. Errors name the file/tensor; -ENOSPC when
- * the budget holds fewer slots than max_batch. */
+/* Opens the shard files (O_DIRECT where allowed), allocates the slab once, starts the private run
+ * and, in resident mode, reads everything in (the slab registered with the private run's ring
+ * before its first expert read). Errors name the file/tensor; -ENOSPC when the budget holds fewer
+ * slots than max_batch. */
 int mf_store_create(const mf_st *st, const mf_store_layout *lay, const mf_store_opts *o,
                     mf_store **out);
 void mf_store_destroy(mf_store *s);
@@ -89,10 +103,38 @@ int mf_store_check(mf_store *s);
 int mf_store_end(mf_store *s, int status);
 
 /* Rows rows[0..n) of Engram table `table`: codes to data (n x row_bytes), scales to scale (n x
- * scale_row_bytes). Streamed tables: one batch of reads per max_rows rows, sorted, duplicates
- * read once, adjacent rows coalesced. */
+ * scale_row_bytes; NULL: codes only). Resident tables: copied from memory (callers on several
+ * threads at once are fine). Streamed tables: on the private run, one batch of reads per max_rows
+ * rows (mf_store_gather_reads), at depth; one caller at a time. */
 int mf_store_gather(mf_store *s, int table, const int64_t *rows, int n, uint8_t *data,
                     uint8_t *scale);
+
+/* The same in pieces, for an engine's IO tasks. mf_store_gather_reads plans the gather of
+ * rows[0..n) of `table` into scratch (the caller's, mf_store_gather_bytes(s, n) bytes, 16-byte
+ * aligned; it holds the plan and the staging): rows sorted, duplicates read once, runs of
+ * consecutive rows one read per tensor (codes, scales), so at most 2n reads, written to
+ * reads[0..*n_reads) (max_reads >= 2n); none for a resident table. Once the reads are done,
+ * mf_store_gather_copy puts the rows in order into data and scale (NULL: codes only).
+ * mf_store_gather_check names a table's shard that was replaced or truncated since open (after a
+ * failed read). 0 or -EINVAL naming the table or row. Both may run on several threads at once
+ * (distinct scratch); the counters are updated atomically. */
+uint64_t mf_store_gather_bytes(const mf_store *s, int n);
+int mf_store_gather_reads(mf_store *s, int table, const int64_t *rows, int n, void *scratch,
+                          mf_io_read *reads, int max_reads, int *n_reads);
+void mf_store_gather_copy(const mf_store *s, const void *scratch, uint8_t *data, uint8_t *scale);
+int mf_store_gather_check(mf_store *s, int table);
+int mf_store_tables_streamed(const mf_store *s);   /* 1: Engram tables are gathered by reads */
+
+/* For an engine that issues the store's reads on its own IO lane. mf_store_io_buffers writes the
+ * buffers the expert reads land in (the slab of a streamed store, in pieces of at most 1 GiB, at
+ * most max) for mf_sched_io_register on that lane and returns their count (0: resident, nothing
+ * is read into the slab after start). mf_store_io_release ends the store's private run (its
+ * ring, its threads) between calls; a later synchronous call starts it again. mf_store_io_fault
+ * arms fault injection (sched/sched.h mf_sched_io_fault) on the private run's nth read from now
+ * on (the run started later, if released). */
+int mf_store_io_buffers(const mf_store *s, void **bufs, uint64_t *n_bytes, int max);
+void mf_store_io_release(mf_store *s);
+void mf_store_io_fault(mf_store *s, int kind, int64_t nth);
 
 typedef struct mf_store_stats {
     uint64_t hits, misses, evictions, bytes_read;      /* experts */
@@ -110,7 +152,7 @@ int mf_store_max_batch(const mf_store *s);
 int mf_store_n_parts(const mf_store *s);
 uint64_t mf_store_slot_bytes(const mf_store *s);
 uint64_t mf_store_slab_bytes(const mf_store *s);
-const char *mf_store_io_engine(const mf_store *s);
+const char *mf_store_io_engine(const mf_store *s);   /* the private run's (the last one's) */
 int mf_store_direct(const mf_store *s);          /* 1: shards read with O_DIRECT */
 /* Writes the last ensure run with a compute function as Chrome trace JSON. */
 int mf_store_write_trace(const mf_store *s, const char *path);

@@ -34,20 +34,17 @@ static _Atomic int mf_io_fallback_logged, mf_io_reg_logged;
 
 /* ---- fault injection ------------------------------------------------------------------------- */
 
-static _Atomic int64_t mf_io_fault_left;   /* reads until the fault; <= 0: disarmed */
-static _Atomic int mf_io_fault_kind;
-
-void mf_io_fault_inject(int kind, int64_t nth)
+void mf_sched_io_fault(mf_sched *s, int kind, int64_t nth)
 {
-    atomic_store(&mf_io_fault_kind, kind);
-    atomic_store(&mf_io_fault_left, kind == MF_IO_FAULT_NONE ? 0 : nth);
+    atomic_store(&s->io_fault_kind, kind);
+    atomic_store(&s->io_fault_left, kind == MF_IO_FAULT_NONE ? 0 : nth);
 }
 
-/* Counts one read started; returns the fault it must suffer, if any. */
-static int mf_io_fault_take(void)
+/* Counts one read started on s; returns the fault it must suffer, if any. */
+static int mf_io_fault_take(mf_sched *s)
 {
-    if (atomic_load_explicit(&mf_io_fault_left, memory_order_relaxed) <= 0) return 0;
-    return atomic_fetch_sub(&mf_io_fault_left, 1) == 1 ? atomic_load(&mf_io_fault_kind) : 0;
+    if (atomic_load_explicit(&s->io_fault_left, memory_order_relaxed) <= 0) return 0;
+    return atomic_fetch_sub(&s->io_fault_left, 1) == 1 ? atomic_load(&s->io_fault_kind) : 0;
 }
 
 /* ---- pieces: straight or through the bounce buffer --------------------------------------------- */
@@ -273,7 +270,7 @@ void *mf_io_uring_main(void *arg)
                 mf_task_finish(s, t, bad, w);
                 continue;
             }
-            L->slots[slot].fault = mf_io_fault_take();
+            L->slots[slot].fault = mf_io_fault_take(s);
             mf_io_prep(L, slot, r);
             inflight++;
         }
@@ -359,7 +356,7 @@ int mf_io_pread(mf_sched *s, mf_task_id t, int worker)
     uint8_t *bounce = L->bounce + (size_t)worker * MF_IO_BOUNCE_BYTES;
     int rc = mf_io_check_align(r);
     if (rc || !r->n_bytes) return rc;
-    int fault = mf_io_fault_take(), eof_next = 0;
+    int fault = mf_io_fault_take(s), eof_next = 0;
     uint64_t done = 0;
     while (done < r->n_bytes) {
         uint64_t off, len;

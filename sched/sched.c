@@ -12,9 +12,6 @@
 #include "sched/error.h"
 
 static _Atomic uint64_t mf_sched_gen;
-static _Atomic int mf_io_pread_default;   /* mf_sched_io_defaults */
-
-void mf_sched_io_defaults(int force_pread) { atomic_store(&mf_io_pread_default, force_pread ? 1 : 0); }
 
 /* ---- keys and heaps -------------------------------------------------------------------------- */
 
@@ -600,8 +597,8 @@ int mf_sched_create(const mf_sched_opts *o, mf_sched **out)
     s->gen = atomic_fetch_add(&mf_sched_gen, 1) + 1;
     s->dev = o->dev;
     s->pin = o->pin_threads;
-    if (o->io_fault_kind != MF_IO_FAULT_NONE) mf_io_fault_inject(o->io_fault_kind, o->io_fault_nth);
-    s->io_pread = o->io_force_pread || atomic_load(&mf_io_pread_default);
+    mf_sched_io_fault(s, o->io_fault_kind, o->io_fault_nth);
+    s->io_pread = o->io_force_pread;
     s->dev_wait_ns = o->dev_wait_ns ? o->dev_wait_ns : MF_SCHED_DEV_WAIT_NS;
     s->io_engine = "none";
     pthread_mutex_init(&s->run_mu, NULL);

@@ -36,7 +36,7 @@ struct mf_task_ctx {
     void *queue;      /* device lanes: the queue to enqueue on */
 };
 
-/* Injected IO faults (mf_sched_opts.io_fault_kind, mf_io_fault_inject). */
+/* Injected IO faults (mf_sched_opts.io_fault_kind, mf_sched_io_fault). */
 enum { MF_IO_FAULT_NONE, MF_IO_FAULT_EIO, MF_IO_FAULT_SHORT };
 
 typedef struct mf_sched_opts {
@@ -44,11 +44,11 @@ typedef struct mf_sched_opts {
     int n_lanes;
     int pin_threads;             /* 1: bind CPU workers to cores with hwloc (default 0) */
     /* 1: the IO lane uses pread workers instead of io_uring. Default 0 (io_uring, pread when the
-     * kernel refuses it); also 1 for every scheduler after mf_sched_io_defaults(1). */
+     * kernel refuses it). The moeflow command sets it (through the engine's and the store's
+     * options) for MOEFLOW_IO=pread; the library reads no environment variable. */
     int io_force_pread;
-    /* Fault injection for tests: MF_IO_FAULT_EIO or MF_IO_FAULT_SHORT arms
-     * mf_io_fault_inject(io_fault_kind, io_fault_nth) when the scheduler is created. Default
-     * MF_IO_FAULT_NONE (0): leaves the process's fault setting as it is. */
+    /* Fault injection: MF_IO_FAULT_EIO or MF_IO_FAULT_SHORT arms mf_sched_io_fault(s,
+     * io_fault_kind, io_fault_nth) when the scheduler is created. Default MF_IO_FAULT_NONE (0). */
     int io_fault_kind;
     int64_t io_fault_nth;
     const mf_dev_lane_ops *dev;  /* NULL when the graph has no device lanes */
@@ -90,18 +90,12 @@ const char *mf_sched_io_engine(const mf_sched *s);
  * (memlock limit) returns its negative code, logged once, and reads stay correct unregistered. */
 int mf_sched_io_register(mf_sched *s, void *const *bufs, const uint64_t *n_bytes, int n);
 
-/* Fault injection for tests: the nth IO-lane read started from now on, in this process, fails:
- * EIO returns -EIO after the read; SHORT delivers half of its bytes and then end of file. nth 0
- * (or kind MF_IO_FAULT_NONE) disarms. Both engines honour it. The moeflow command arms it from
- * MOEFLOW_IO_FAULT=eio:N|short:N at startup. */
-void mf_io_fault_inject(int kind, int64_t nth);
-
-/* Process-wide IO default for the schedulers the library makes itself (the decode engine's, the
- * expert store's), whose callers pass no IO options: with force_pread 1, every scheduler created
- * afterwards uses the pread engine as if its options said io_force_pread; 0 (the default) leaves
- * each to its own options. The moeflow command sets it from MOEFLOW_IO=pread at startup; the
- * library reads no environment variable. */
-void mf_sched_io_defaults(int force_pread);
+/* Fault injection: the nth read started from now on by s's IO lanes fails: EIO returns -EIO
+ * after the read; SHORT delivers half of its bytes and then end of file. nth 0 (or kind
+ * MF_IO_FAULT_NONE) disarms. Both engines honour it. Only s counts: no state is process-wide.
+ * The moeflow command arms it, through the options, from MOEFLOW_IO_FAULT=eio:N|short:N. Safe
+ * between runs and during one (from any thread). */
+void mf_sched_io_fault(mf_sched *s, int kind, int64_t nth);
 
 /* Convenience lane tables: one CPU lane per NUMA node (threads_per_node 0 = all its cores), an IO
  * lane of the given depth. Returns the number of lanes written (<= max). */

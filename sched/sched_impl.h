@@ -126,6 +126,8 @@ struct mf_sched {
     hwloc_topology_t topo;
     int pin;
     int io_pread;
+    _Atomic int64_t io_fault_left;   /* IO-lane reads until the injected fault; <= 0: disarmed */
+    _Atomic int io_fault_kind;       /* MF_IO_FAULT_* (mf_sched_io_fault) */
     uint64_t gen;                 /* identifies this scheduler to graphs' run state */
     const char *io_engine;
     int64_t dev_wait_ns;          /* bound on a device task's completion wait; <= 0: none */

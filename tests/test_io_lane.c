@@ -98,13 +98,13 @@ static void run_engine(const char *engine, const mf_dio_file *f, const uint8_t *
     /* injected faults: the cause is reported and the next run is clean */
     for (int i = 0; i < N_READS; i++) rd[i] = (mf_io_read){.fd = -1};
     rd[0] = (mf_io_read){.fd = f->fd, .offset = 0, .buf = arena, .n_bytes = 1 << 20, .dio_align = f->dio_align};
-    mf_io_fault_inject(MF_IO_FAULT_EIO, 1);
+    mf_sched_io_fault(s, MF_IO_FAULT_EIO, 1);
     rc = mf_sched_run(s, g, NULL);
     CHECK(rc == -EIO && strstr(mf_last_error(), "Input/output error"), "%s: EIO: rc %d: %s", engine, rc, mf_last_error());
-    mf_io_fault_inject(MF_IO_FAULT_SHORT, 1);
+    mf_sched_io_fault(s, MF_IO_FAULT_SHORT, 1);
     rc = mf_sched_run(s, g, NULL);
     CHECK(rc == -EIO && strstr(mf_last_error(), "end of file after"), "%s: short: rc %d: %s", engine, rc, mf_last_error());
-    mf_io_fault_inject(MF_IO_FAULT_NONE, 0);
+    mf_sched_io_fault(s, MF_IO_FAULT_NONE, 0);
     rc = mf_sched_run(s, g, NULL);
     CHECK(rc == 0 && !memcmp(arena, file, 1 << 20), "%s: clean run after faults: %s", engine, mf_last_error());
     /* past end of file */

@@ -416,7 +416,8 @@ static int same_graph(const mf_stepgraph *a, const mf_stepgraph *b, const char *
 /* The simulated graph IS the engine's: on the tiny checkpoint, the graph the real engine ran for a
  * decode step and the graph the simulator runs for the same settings are the same tasks, edges,
  * lanes and records, for host, seed and hybrid placement (emulated cards), with and without a
- * streamed store, with and without device graphs, 1 and 3 workers, batch 1 and 3; the
+ * streamed store (experts and Engram tables: the gathers' IO tasks too), with and without device
+ * graphs, 1 and 3 workers, batch 1 and 3; the
  * simulator then steps through it. */
 static void test_same_graph(void)
 {
@@ -483,6 +484,9 @@ static void test_same_graph(void)
                         CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .placement = place,
                                                            .n_cards = 2, .batch = batch, .dev_graphs = dg,
                                                            .store = streamed ? MF_PLAN_STORE_STREAMED : 0,
+                                                           /* the model's tables follow its store: streamed,
+                                                            * Engram gathers as IO tasks in both graphs */
+                                                           .tables = streamed ? MF_PLAN_STORE_STREAMED : 0,
                                                            .store_budget_bytes = 64 << 20, .seed = 1},
                                            &p),
                               "%s: %s", what, mf_last_error());

@@ -1,6 +1,5 @@
-/* The IO lane on a real temp file, with io_uring and with the pread fallback (forced by option and
- * by the process-wide default, mf_sched_io_defaults, that MOEFLOW_IO=pread sets in the moeflow
- * command): reads of many sizes land byte-exact in caller buffers across re-runs with new offsets;
+/* The IO lane on a real temp file, with io_uring and with the pread fallback (forced by the option
+ * that MOEFLOW_IO=pread sets in the moeflow command): reads of many sizes land byte-exact in caller buffers across re-runs with new offsets;
  * a read past end of file fails naming the task, how far it got and cancels its dependent; a fault
  * armed through the options (io_fault_kind) fails the first read; a bad fd fails with its errno;
  * on io_uring a pipe delivering data in pieces exercises the resubmission of short reads. */
@@ -60,10 +59,8 @@ static void run_engine(const char *engine, int fd, const uint8_t *file)
         {.kind = MF_LANE_IO, .name = "io", .concurrency = 4, .numa_node = -1},
     };
     int force = !strcmp(engine, "pread-option");
-    if (!strcmp(engine, "pread-default")) mf_sched_io_defaults(1);
     mf_sched *s;
     int rc = mf_sched_create(&(mf_sched_opts){.lanes = lanes, .n_lanes = N_LANES, .io_force_pread = force}, &s);
-    mf_sched_io_defaults(0);
     CHECK(rc == 0, "%s: %s", engine, mf_last_error());
     if (rc) return;
     const char *got = mf_sched_io_engine(s);
@@ -200,7 +197,6 @@ int main(void)
     CHECK(write(fd, file, FILE_BYTES) == FILE_BYTES, "write %s", path);
     run_engine("io_uring", fd, file);
     run_engine("pread-option", fd, file);
-    run_engine("pread-default", fd, file);
     fault_option(fd, file);
     free(file);
     close(fd);

@@ -51,14 +51,20 @@ static int decode_logits(mf_model *m, float *out)
     return rc;
 }
 
-static mf_model *load(const char *dir, int store, uint64_t budget, int tables)
+static mf_model *load_io(const char *dir, int store, uint64_t budget, int tables, int pread)
 {
     mf_model *m = NULL;
     int rc = mf_model_load(dir, &(mf_model_opts){.quiet = 1, .store = store, .store_tables = tables,
-                                                 .store_budget_bytes = budget, .store_io_depth = 8},
+                                                 .store_budget_bytes = budget, .store_io_depth = 8,
+                                                 .store_io_pread = pread},
                            &m);
     CHECK(rc == 0, "load %s store %d: %s", dir, store, mf_last_error());
     return m;
+}
+
+static mf_model *load(const char *dir, int store, uint64_t budget, int tables)
+{
+    return load_io(dir, store, budget, tables, 0);
 }
 
 static void test_identity(void)
@@ -83,10 +89,8 @@ static void test_identity(void)
 
     const char *engines[2] = {"io_uring", "pread"};
     for (int e = 0; e < 2; e++) {
-        if (e) mf_sched_io_defaults(1);   /* the store's own scheduler takes no IO options */
         uint64_t budget = 20 * slot + slot / 2;   /* 20 slots of 128 experts */
-        mf_model *ms = load(g_dir, MF_MODEL_STORE_STREAMED, budget, MF_MODEL_STORE_STREAMED);
-        mf_sched_io_defaults(0);
+        mf_model *ms = load_io(g_dir, MF_MODEL_STORE_STREAMED, budget, MF_MODEL_STORE_STREAMED, e);
         if (!ms) continue;
         mf_store *ss = mf_model_store(ms);
         CHECK(!strcmp(mf_store_io_engine(ss), engines[e]) || e == 0, "engine %s", mf_store_io_engine(ss));
@@ -139,18 +143,16 @@ static int expert_matches(mf_model *m, int L, int e)
 
 static void test_faults(const char *engine)
 {
-    if (!strcmp(engine, "pread")) mf_sched_io_defaults(1);
-    mf_model *m = load(g_dir, MF_MODEL_STORE_STREAMED, 1 << 20, MF_MODEL_STORE_STREAMED);
-    mf_sched_io_defaults(0);
+    mf_model *m = load_io(g_dir, MF_MODEL_STORE_STREAMED, 1 << 20, MF_MODEL_STORE_STREAMED, !strcmp(engine, "pread"));
     if (!m) return;
     mf_store *s = mf_model_store(m);
     int32_t ids[3] = {3, 5, 9};
     int kinds[2] = {MF_IO_FAULT_EIO, MF_IO_FAULT_SHORT};
     const char *want[2] = {"Input/output error", "end of file"};
     for (int f = 0; f < 2; f++) {
-        mf_io_fault_inject(kinds[f], 2);   /* the second read of the batch */
+        mf_store_io_fault(s, kinds[f], 2);   /* the second read of the batch */
         int rc = mf_store_ensure(s, 1, ids, 3, NULL, NULL);
-        mf_io_fault_inject(MF_IO_FAULT_NONE, 0);
+        mf_store_io_fault(s, MF_IO_FAULT_NONE, 0);
         const char *msg = mf_last_error();
         CHECK(rc == -EIO, "%s fault %d: rc %d", engine, f, rc);
         CHECK(strstr(msg, "layers.1.ffn.experts.") && strstr(msg, ".safetensors") && strstr(msg, want[f]),
@@ -166,9 +168,9 @@ static void test_faults(const char *engine)
     /* Engram gather: a failed batch, then the same rows succeed */
     int64_t rows[4] = {5, 6, 100, 2000};
     uint8_t d1[4 * 64], s1[4 * 8], d2[4 * 64], s2[4 * 8];
-    mf_io_fault_inject(MF_IO_FAULT_EIO, 1);
+    mf_store_io_fault(s, MF_IO_FAULT_EIO, 1);
     int rc = mf_store_gather(s, 0, rows, 4, d1, s1);
-    mf_io_fault_inject(MF_IO_FAULT_NONE, 0);
+    mf_store_io_fault(s, MF_IO_FAULT_NONE, 0);
     CHECK(rc == -EIO && strstr(mf_last_error(), "engram.embed") && strstr(mf_last_error(), ".safetensors"),
           "%s: gather fault: rc %d: %s", engine, rc, mf_last_error());
     CHECK(mf_store_gather(s, 0, rows, 4, d1, s1) == 0, "%s: gather: %s", engine, mf_last_error());

@@ -191,7 +191,11 @@ int mf_bench_io(int argc, char **argv)
     mf_io_read *rd = NULL, *rr = NULL;
     uint64_t *offs = NULL;
     mf_lane_desc lane = {.kind = MF_LANE_IO, .name = "io", .concurrency = depth, .numa_node = -1};
-    if ((rc = mf_sched_create(&(mf_sched_opts){.lanes = &lane, .n_lanes = 1}, &s))) goto fail;
+    if ((rc = mf_sched_create(&(mf_sched_opts){.lanes = &lane, .n_lanes = 1,
+                                               .io_force_pread = mf_tool_io_env.force_pread,
+                                               .io_fault_kind = mf_tool_io_env.fault_kind,
+                                               .io_fault_nth = mf_tool_io_env.fault_nth}, &s)))
+        goto fail;
 
     /* ---- sequential ---- */
     int n_buf = depth;

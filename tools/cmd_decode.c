@@ -627,7 +627,12 @@ int mf_cmd_decode(int argc, char **argv)
     /* the scheduled engine needs the experts in memory: allow up to 64 GiB resident */
     mf_model_opts mo = {.quiet = quiet, .resident_limit_bytes = sched ? UINT64_C(64) << 30 : 0,
                         .store = store_mode, .store_tables = store_tables,
-                        .store_budget_bytes = store_budget, .store_io_depth = (int)io_depth};
+                        .store_budget_bytes = store_budget, .store_io_depth = (int)io_depth,
+                        .store_io_pread = mf_tool_io_env.force_pread};
+    if (!sched) {   /* the reference engine reads through the store's own run */
+        mo.store_io_fault_kind = mf_tool_io_env.fault_kind;
+        mo.store_io_fault_nth = mf_tool_io_env.fault_nth;
+    }
     int64_t tl0 = mf_now_ns();
     if (mf_model_load(dir, &mo, &m)) goto fail;
     mf_store *mst = mf_model_store(m);
@@ -683,7 +688,11 @@ int mf_cmd_decode(int argc, char **argv)
                                                  .read_window = (int)read_window, .dev = dev,
                                                  .placement = place, .dev_cache_bytes = dev_cache,
                                                  .dev_graphs = dev_graphs,
-                                                 .profile = profile_path ? &prof : NULL}, &eng))
+                                                 .profile = profile_path ? &prof : NULL,
+                                                 .io_depth = (int)io_depth,
+                                                 .io_force_pread = mf_tool_io_env.force_pread,
+                                                 .io_fault_kind = mf_tool_io_env.fault_kind,
+                                                 .io_fault_nth = mf_tool_io_env.fault_nth}, &eng))
         goto fail;
     dc = (mf_dec_ctx){.sq = sq, .tok = tok, .stream = n_seq == 1, .out = outf, .quiet = quiet};
     if (mf_batch_new(&(mf_batch_opts){.ref = r, .eng = eng, .tok = tok, .max_batch = max_batch,

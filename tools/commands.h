@@ -24,4 +24,16 @@ int mf_bench_ref(int argc, char **argv);       /* tools/bench_ref.c: `bench ref`
  * --dev-graphs) that tools/ turn into options; the library reads no environment (tools/moeflow.c). */
 int mf_tool_env_on(const char *name);
 
+/* The IO settings of the environment, parsed once by tools/moeflow.c before any subcommand runs:
+ * MOEFLOW_IO=pread (force_pread 1: IO lanes on pread workers) and MOEFLOW_IO_FAULT=eio:N|short:N
+ * (the Nth read of an IO lane fails; MF_IO_FAULT_* of sched/sched.h). Commands copy them into the
+ * options of the executors they make: the scheduled engine's (mf_step_opts), the expert store's
+ * (mf_model_opts, its private run: the fault only where no engine issues the reads), their own. */
+typedef struct mf_tool_io {
+    int force_pread;
+    int fault_kind;
+    long long fault_nth;
+} mf_tool_io;
+extern mf_tool_io mf_tool_io_env;
+
 #endif

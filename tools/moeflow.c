@@ -69,22 +69,27 @@ int mf_tool_env_on(const char *name)
     return v && !strcmp(v, "1");
 }
 
-/* The environment variables the moeflow command honours, turned into library settings before any
- * subcommand runs (the library reads none): MOEFLOW_IO=pread makes every IO lane use pread workers
- * (mf_sched_io_defaults), MOEFLOW_IO_FAULT=eio:N|short:N makes the Nth IO-lane read fail
- * (mf_io_fault_inject; docs/io.md). Values it does not understand are reported and ignored. */
+mf_tool_io mf_tool_io_env;
+
+/* The environment variables the moeflow command honours, turned into options before any
+ * subcommand runs (the library reads none): MOEFLOW_IO=pread makes the IO lanes of the executors
+ * a command makes use pread workers, MOEFLOW_IO_FAULT=eio:N|short:N makes the Nth read of an IO
+ * lane fail (mf_tool_io_env, commands.h; docs/io.md). Values it does not understand are reported
+ * and ignored. */
 static void mf_env_apply(void)
 {
     const char *e = getenv("MOEFLOW_IO");
     if (e && *e) {
-        if (!strcmp(e, "pread")) mf_sched_io_defaults(1);
+        if (!strcmp(e, "pread")) mf_tool_io_env.force_pread = 1;
         else fprintf(stderr, "moeflow: MOEFLOW_IO='%s' ignored (expected pread)\n", e);
     }
     e = getenv("MOEFLOW_IO_FAULT");
     if (e && *e) {
         long long n = 0;
-        if (!strncmp(e, "eio:", 4) && (n = atoll(e + 4)) > 0) mf_io_fault_inject(MF_IO_FAULT_EIO, n);
-        else if (!strncmp(e, "short:", 6) && (n = atoll(e + 6)) > 0) mf_io_fault_inject(MF_IO_FAULT_SHORT, n);
+        if (!strncmp(e, "eio:", 4) && (n = atoll(e + 4)) > 0)
+            mf_tool_io_env = (mf_tool_io){mf_tool_io_env.force_pread, MF_IO_FAULT_EIO, n};
+        else if (!strncmp(e, "short:", 6) && (n = atoll(e + 6)) > 0)
+            mf_tool_io_env = (mf_tool_io){mf_tool_io_env.force_pread, MF_IO_FAULT_SHORT, n};
         else fprintf(stderr, "moeflow: MOEFLOW_IO_FAULT='%s' ignored (expected eio:N or short:N)\n", e);
     }
 }

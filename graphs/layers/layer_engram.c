@@ -170,32 +170,50 @@ int mf_ly_engram_setup(mf_layers *ly)
     return 0;
 }
 
-int mf_ly_engram_embed(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *emb)
+void mf_ly_engram_rows(const mf_layers *ly, const mf_ly_item *it, int L, int64_t *rows)
 {
-    const mf_config *c = cx->ly->c;
-    const mf_model_layer *y = mf_model_layer_at(cx->ly->m, L);
+    const mf_config *c = ly->c;
     int slot = mf_config_engram_slot(c, L), ng = c->engram_max_ngram_size, nh = c->engram_n_heads;
-    int d = c->engram_head_dim, per = (ng - 1) * nh;
-    int64_t pad = cx->ly->token_map[c->engram_pad_token_id];
+    int64_t pad = ly->token_map[c->engram_pad_token_id];
     /* compressed ids of the look-back; blocked once the sequence start is passed */
     int64_t cid[8];
     for (int k = 0; k < ng; k++) {
         int64_t t = it->pos - k;
-        cid[k] = t >= 0 && (k == 0 || cid[k - 1] != -1) ? cx->ly->token_map[it->st->tokens[t]] : -1;
+        cid[k] = t >= 0 && (k == 0 || cid[k - 1] != -1) ? ly->token_map[it->st->tokens[t]] : -1;
     }
     for (int k = 0; k < ng; k++)
         if (cid[k] < 0) cid[k] = pad;
-    uint64_t h = (uint64_t)cid[0] * (uint64_t)cx->ly->eg_mult[slot][0];
-    /* every row of this token first, then one batch of reads (the store's gatherer) or a read
-     * per row */
+    uint64_t h = (uint64_t)cid[0] * (uint64_t)ly->eg_mult[slot][0];
     for (int i = 1; i < ng; i++) {
-        h ^= (uint64_t)cid[i] * (uint64_t)cx->ly->eg_mult[slot][i];
+        h ^= (uint64_t)cid[i] * (uint64_t)ly->eg_mult[slot][i];
         for (int hd = 0; hd < nh; hd++) {
             int j = (i - 1) * nh + hd;
-            cx->eg_rows[j] = (int64_t)(h % (uint64_t)cx->ly->eg_prime[slot][j]) + cx->ly->eg_off[slot][j];
+            rows[j] = (int64_t)(h % (uint64_t)ly->eg_prime[slot][j]) + ly->eg_off[slot][j];
         }
     }
-    int sb = (d + 31) / 32;
+}
+
+void mf_ly_engram_dequant(const mf_layers *ly, const uint8_t *codes, const uint8_t *scales, float *emb)
+{
+    const mf_config *c = ly->c;
+    int d = c->engram_head_dim, per = (c->engram_max_ngram_size - 1) * c->engram_n_heads, sb = (d + 31) / 32;
+    for (int j = 0; j < per; j++) {
+        const uint8_t *cj = codes + (int64_t)j * d, *sj = scales + (int64_t)j * sb;
+        for (int e = 0; e < d; e++)
+            emb[(int64_t)j * d + e] = mf_e4m3_to_f32(cj[e]) * mf_e8m0_to_f32(sj[e / 32]);
+    }
+    if (ly->act_quant) mf_bf_n(emb, (int64_t)per * d);   /* REF: rows cast to bf16, then act-quant */
+}
+
+int mf_ly_engram_embed(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *emb)
+{
+    const mf_config *c = cx->ly->c;
+    const mf_model_layer *y = mf_model_layer_at(cx->ly->m, L);
+    int slot = mf_config_engram_slot(c, L), d = c->engram_head_dim;
+    int per = (c->engram_max_ngram_size - 1) * c->engram_n_heads, sb = (d + 31) / 32;
+    /* every row of this token first, then one batch of reads (the store's gatherer, on its own
+     * run) or a read per row */
+    mf_ly_engram_rows(cx->ly, it, L, cx->eg_rows);
     struct mf_store *st = mf_model_store(cx->ly->m);
     if (st) {
         int rc = mf_store_gather(st, slot, cx->eg_rows, per, cx->eg_codes, cx->eg_scales);
@@ -207,12 +225,7 @@ int mf_ly_engram_embed(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *emb)
             if (rc) return rc;
         }
     }
-    for (int j = 0; j < per; j++) {
-        const uint8_t *codes = cx->eg_codes + (int64_t)j * d, *scales = cx->eg_scales + (int64_t)j * sb;
-        for (int e = 0; e < d; e++)
-            emb[(int64_t)j * d + e] = mf_e4m3_to_f32(codes[e]) * mf_e8m0_to_f32(scales[e / 32]);
-    }
-    if (cx->ly->act_quant) mf_bf_n(emb, (int64_t)per * d);   /* REF: rows cast to bf16, then act-quant */
+    mf_ly_engram_dequant(cx->ly, cx->eg_codes, cx->eg_scales, emb);
     return 0;
 }
 

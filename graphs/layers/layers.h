@@ -293,6 +293,11 @@ int mf_ly_engram(mf_ly_ctx *cx, mf_ly_item *it, int L);
  * emb (n-gram heads x head_dim floats); gate adds the gated value of kv (= wkv emb, (hc + 1) x
  * hidden) into the item's streams. */
 int mf_ly_engram_embed(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *emb);
+/* embed's own phases, for an engine that reads the rows on its own IO lane: rows writes the
+ * item's table rows ((max_ngram - 1) x n_heads, n-gram major) at layer L; dequant turns their
+ * codes (head_dim bytes each) and scales (head_dim / 32 each), in that order, into emb. */
+void mf_ly_engram_rows(const mf_layers *ly, const mf_ly_item *it, int L, int64_t *rows);
+void mf_ly_engram_dequant(const mf_layers *ly, const uint8_t *codes, const uint8_t *scales, float *emb);
 void mf_ly_engram_gate(mf_ly_ctx *cx, mf_ly_item *it, int L, const float *kv);
 /* Engram hash parameters of Engram slot k: multipliers[max_ngram] (odd int64), primes and row
  * offsets [(max_ngram-1) * n_heads] (n-gram major). 0 or -EINVAL. */

@@ -289,6 +289,8 @@ static int mf_model_store_open(mf_model *m, const mf_model_opts *o)
                                 : mode;
     mf_store_opts so = {.mode = mode, .table_mode = tmode, .budget_bytes = o->store_budget_bytes,
                         .io_depth = o->store_io_depth, .numa_node = -1, .quiet = o->quiet,
+                        .force_pread = o->store_io_pread, .io_fault_kind = o->store_io_fault_kind,
+                        .io_fault_nth = o->store_io_fault_nth,
                         /* a call names up to a layer's experts (the scheduled engine's slots of a
                          * batch); the budget must hold at least one token's */
                         .max_batch = c->n_routed_experts > 16 ? c->n_routed_experts : 16,

@@ -67,6 +67,11 @@ typedef struct mf_model_opts {
     int store_tables;
     uint64_t store_budget_bytes;   /* 0: 2 GiB */
     int store_io_depth;            /* 0: 64 */
+    /* the store's private run (host/store.h): pread workers instead of io_uring; fault injection
+     * (MF_IO_FAULT_* of sched/sched.h on its nth read) */
+    int store_io_pread;
+    int store_io_fault_kind;
+    int64_t store_io_fault_nth;
 } mf_model_opts;
 
 enum { MF_MODEL_STORE_NONE, MF_MODEL_STORE_RESIDENT, MF_MODEL_STORE_STREAMED };

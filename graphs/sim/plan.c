@@ -114,14 +114,10 @@ static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int
     int cnt = sl ? sl->cnt : 0;
     *overhead = 1;
     switch (t->op) {
-    case MF_SG_ENGRAM_EMBED: {
-        double ns = pl_ref(p, w->ref_flops);
-        if (p->o.tables == MF_PLAN_STORE_STREAMED) {   /* each item's rows as aligned blocks */
-            ns += w->io_reads * f->disk_latency_ns + w->io_bytes / f->disk_bytes_per_s * 1e9;
-            r->table_bytes_read += (uint64_t)w->io_bytes;
-        }
-        return ns;
-    }
+    case MF_SG_ENGRAM_READ:   /* streamed tables: a row's codes or scales as an aligned block */
+        r->table_bytes_read += (uint64_t)w->io_bytes;
+        return w->io_reads * f->disk_latency_ns / (f->disk_queue_depth > 0 ? f->disk_queue_depth : 1) +
+               w->io_bytes / f->disk_bytes_per_s * 1e9;
     case MF_SG_ATTN_CORE:
         return pl_host_work(p, w, t->n_tok) +
                pl_ref(p, w->ref_flops + (t->i1 - t->i0) * mf_sg_core_flops(&p->c, t->layer, p->pos));
@@ -275,7 +271,8 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
      * `moeflow decode --profile P`) for priorities and hybrid placement */
     mf_step_lane_models(f, p->n_threads, p->models);
     if (o->cpu_bytes_per_s > 0) p->models[0].bytes_per_s = o->cpu_bytes_per_s;
-    mf_sg_lanes_init(&p->lt, p->models, p->n_threads, p->streamed, p->n_cards);
+    mf_sg_lanes_init(&p->lt, p->models, p->n_threads, p->streamed || o->tables == MF_PLAN_STORE_STREAMED,
+                     p->n_cards);
     /* the simulator's lane options: the disk is one pipe at its bandwidth (reads queue at depth,
      * the latency overlaps); a device lane is one stream, its operations in order (copy-ins:
      * copy_slots streams); emulated cards are host threads: their kernels need a host core, and
@@ -332,6 +329,7 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
     rc = mf_stepgraph_new(&(mf_sg_opts){.c = c, .sz = p->sz, .n = p->batch, .par = p->batch > 1,
                                         .n_threads = p->n_threads, .n_cards = p->n_cards,
                                         .dev_graphs = o->dev_graphs, .store = p->streamed,
+                                        .eg_reads = o->tables == MF_PLAN_STORE_STREAMED,
                                         .read_window = o->read_window, .lanes = p->lt.lane,
                                         .n_lanes = p->lt.n_lanes, .lane_io = p->lt.lane_io,
                                         .lane_dev0 = p->lt.lane_dev0},

@@ -67,6 +67,14 @@ struct mf_step_shape {
     float *logits;      /* n x n_routed_experts: router gate logits */
     float *eg_emb, *eg_kv;   /* n x eg_emb_ld, n x eg_kv_ld: Engram rows (dequantized), wkv output */
     int64_t eg_emb_ld, eg_kv_ld;
+    /* streamed Engram tables (eng->eg_reads): per item its table rows, their codes and scales in
+     * order, the reads of its IO tasks (2 per row at most) and its part of the gather plans'
+     * scratch (an item task's items take consecutive parts: mf_store_gather_bytes) */
+    int64_t *eg_rows;
+    uint8_t *eg_codes, *eg_scales, *eg_scratch;
+    mf_io_read *eg_rd;
+    int eg_per;              /* rows of an item: (max_ngram - 1) x n_heads */
+    size_t eg_scratch_item;
     float *post, *comb; /* n x hc, n x hc*hc: the ffn mix's post and comb */
     float *moe_out;     /* n x H: combine output */
     /* routing of the current layer */
@@ -130,9 +138,9 @@ struct mf_step {
     uint64_t xslot_bytes;
     int dev_graphs;           /* 1: a layer's device FFNs are one captured graph per card */
     mf_step_dev_stats dstat;
-    mf_store *store;
+    mf_store *store;         /* its reads issued on this engine's IO lane (the slab registered there) */
+    int eg_reads;            /* 1: the store's Engram tables are streamed: gathers are IO tasks */
     int max_items;           /* items per graph run: one layer's slots fit the store */
-    pthread_mutex_t gather_mu;   /* Engram tasks reach the store's gatherer one at a time */
     mf_sched *sched;
     mf_sg_sizes *sz;          /* the model's sizes for the step graphs (from its layout) */
     mf_step_shape *shapes[2][MF_STEP_MAX_ITEMS + 1];   /* [par][n] */
@@ -179,20 +187,52 @@ static mf_ly_ctx *mf_step_cx(const mf_step_targ *a, const mf_task_ctx *ctx)
 }
 
 /* Engram (layer_engram.c's phases): per item the hashed table rows, gathered and dequantized into
- * the item's row of eg_emb (the store's gatherer one task at a time). */
+ * the item's row of eg_emb. Resident tables: in one task (the store's gatherer copies from
+ * memory). Streamed tables: the plan task hashes the items' rows and has the store plan their
+ * reads into the IO tasks' arguments (the unused ones marked noop); the embed task, after the
+ * reads, puts the staged rows in order and dequantizes them. */
+static int mf_task_engram_plan(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    const mf_sg_task *t = a->t;
+    const mf_layers *ly = sh->eng->ly;
+    int es = mf_config_engram_slot(ly->c, t->layer), m = (t->i1 - t->i0) * sh->eg_per, nr = 0;
+    int64_t *rows = sh->eg_rows + (size_t)t->i0 * sh->eg_per;
+    for (int i = t->i0; i < t->i1; i++)
+        mf_ly_engram_rows(ly, &sh->items[i], t->layer, sh->eg_rows + (size_t)i * sh->eg_per);
+    int k = sh->par ? t->i0 : 0, max = sh->sg->eg_reads_per_unit;
+    mf_io_read *rd = sh->eg_rd + (size_t)t->i0 * 2 * sh->eg_per;
+    int rc = mf_store_gather_reads(sh->eng->store, es, rows, m, sh->eg_scratch + (size_t)t->i0 * sh->eg_scratch_item,
+                                   rd, max, &nr);
+    if (rc) return mf_error_wrap(rc, "step: layer %d: planning the Engram gather", t->layer);
+    for (int r = nr; r < max; r++) rd[r] = (mf_io_read){.fd = -1};
+    mf_stepgraph_mark_engram(sh->sg, es, k, nr);
+    return 0;
+}
+
 static int mf_task_engram_embed(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
     mf_ly_ctx *cx = mf_step_cx(a, ctx);
     if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
-    mf_step *eng = sh->eng;
-    if (eng->store) pthread_mutex_lock(&eng->gather_mu);
+    const mf_sg_task *t = a->t;
     int rc = 0;
-    for (int i = a->t->i0; i < a->t->i1 && !rc; i++)
-        rc = mf_ly_engram_embed(cx, &sh->items[i], a->t->layer, sh->eg_emb + (size_t)i * sh->eg_emb_ld);
-    if (eng->store) pthread_mutex_unlock(&eng->gather_mu);
-    return rc;
+    if (!sh->eng->eg_reads) {
+        for (int i = t->i0; i < t->i1 && !rc; i++)
+            rc = mf_ly_engram_embed(cx, &sh->items[i], t->layer, sh->eg_emb + (size_t)i * sh->eg_emb_ld);
+        return rc;
+    }
+    const mf_config *c = sh->eng->c;
+    size_t d = (size_t)c->engram_head_dim, sb = (d + 31) / 32, per = (size_t)sh->eg_per;
+    mf_store_gather_copy(sh->eng->store, sh->eg_scratch + (size_t)t->i0 * sh->eg_scratch_item,
+                         sh->eg_codes + (size_t)t->i0 * per * d, sh->eg_scales + (size_t)t->i0 * per * sb);
+    for (int i = t->i0; i < t->i1; i++)
+        mf_ly_engram_dequant(cx->ly, sh->eg_codes + (size_t)i * per * d, sh->eg_scales + (size_t)i * per * sb,
+                             sh->eg_emb + (size_t)i * sh->eg_emb_ld);
+    return 0;
 }
 
 /* Rows of part a->t->part of sh->p_attn of the wkv projection, over all items (as mf_ly_linear
@@ -917,6 +957,7 @@ static void mf_step_shape_free(mf_step_shape *sh)
 static const mf_task_fn mf_step_fn_of[MF_SG_N_OPS] = {
     [MF_SG_ENGRAM_EMBED] = mf_task_engram_embed, [MF_SG_ENGRAM_ROWS] = mf_task_engram_rows,
     [MF_SG_ENGRAM_GATE] = mf_task_engram_gate,   [MF_SG_ATTN_PRE] = mf_task_attn_pre,
+    [MF_SG_ENGRAM_PLAN] = mf_task_engram_plan,
     [MF_SG_ATTN_ROWS] = mf_task_attn_rows,       [MF_SG_ATTN_QNORM] = mf_task_attn_qnorm,
     [MF_SG_ATTN_CORE] = mf_task_attn_core,       [MF_SG_ATTN_POST] = mf_task_attn_post,
     [MF_SG_GATE_ROWS] = mf_task_gate_rows,       [MF_SG_ROUTE] = mf_task_route,
@@ -935,7 +976,8 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, mf_stepgraph **out)
     return mf_stepgraph_new(&(mf_sg_opts){.c = eng->c, .sz = eng->sz, .n = n, .par = par,
                                           .n_threads = eng->o.n_threads, .n_cards = eng->n_cards,
                                           .dev_graphs = eng->dev_graphs, .store = eng->store != NULL,
-                                          .read_window = eng->o.read_window, .lanes = eng->lt.lane,
+                                          .read_window = eng->o.read_window, .eg_reads = eng->eg_reads,
+                                          .lanes = eng->lt.lane,
                                           .n_lanes = eng->lt.n_lanes, .lane_io = eng->lt.lane_io,
                                           .lane_dev0 = eng->lt.lane_dev0,
                                           .fn_of = mf_step_fn_of},
@@ -956,6 +998,8 @@ static int mf_step_bind(mf_step *eng, mf_step_shape *sh)
         sh->args[t] = (mf_step_targ){sh, rec};
         if (rec->op == MF_SG_SLOT_READ)
             mf_graph_set_arg(sh->g, t, &sh->slot_rd[(size_t)rec->slot * sh->n_parts + rec->read]);
+        else if (rec->op == MF_SG_ENGRAM_READ)
+            mf_graph_set_arg(sh->g, t, &sh->eg_rd[(size_t)rec->i0 * 2 * sh->eg_per + rec->read]);
         else
             mf_graph_set_arg(sh->g, t, &sh->args[t]);
     }
@@ -1038,10 +1082,15 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
     size_t nk = (size_t)n * K, q8x = mf_kern_q8_bytes(n, (int)H), q8h = mf_kern_q8_bytes(n, (int)I);
     int ex = eng->o.exact;
     size_t f = sizeof(float), bytes = 0, ab_sz[MF_LY_A_N];
+    size_t eg_d = 0;
     if (c->n_engram > 0) {   /* Engram rows of one item, its wkv output */
-        sh->eg_emb_ld = ((int64_t)(c->engram_max_ngram_size - 1) * c->engram_n_heads * c->engram_head_dim + 15) / 16 * 16;
+        sh->eg_per = (c->engram_max_ngram_size - 1) * c->engram_n_heads;
+        sh->eg_emb_ld = ((int64_t)sh->eg_per * c->engram_head_dim + 15) / 16 * 16;
         sh->eg_kv_ld = ((int64_t)(hc + 1) * H + 15) / 16 * 16;
+        eg_d = (size_t)c->engram_head_dim;
+        if (eng->eg_reads) sh->eg_scratch_item = (mf_store_gather_bytes(eng->store, sh->eg_per) + 15) / 16 * 16;
     }
+    size_t eg_n = eng->eg_reads ? (size_t)n * sh->eg_per : 0;
     for (int b = 0; b < MF_LY_A_N; b++) {
         sh->ab_ld[b] = (mf_ly_attn_buf_len(c, b) + 15) / 16 * 16;
         ab_sz[b] = (size_t)n * sh->ab_ld[b] * sizeof(float);
@@ -1092,6 +1141,11 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
         {"logits", n_ * E * f, (void **)&sh->logits},
         {"eg_emb", n_ * sh->eg_emb_ld * f, (void **)&sh->eg_emb},
         {"eg_kv", n_ * sh->eg_kv_ld * f, (void **)&sh->eg_kv},
+        {"eg_rows", eg_n * sizeof(int64_t), (void **)&sh->eg_rows},
+        {"eg_codes", eg_n * eg_d, (void **)&sh->eg_codes},
+        {"eg_scales", eg_n * ((eg_d + 31) / 32), (void **)&sh->eg_scales},
+        {"eg_rd", 2 * eg_n * sizeof(mf_io_read), (void **)&sh->eg_rd},
+        {"eg_scratch", eng->eg_reads ? n_ * sh->eg_scratch_item : 0, (void **)&sh->eg_scratch},
         {"ab_in", ab_sz[MF_LY_A_IN], (void **)&sh->ab[MF_LY_A_IN]},
         {"ab_qr", ab_sz[MF_LY_A_QR], (void **)&sh->ab[MF_LY_A_QR]},
         {"ab_kv", ab_sz[MF_LY_A_KV], (void **)&sh->ab[MF_LY_A_KV]},
@@ -1188,6 +1242,20 @@ static int mf_step_dev_setup(mf_step *s)
 
 void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out) { *out = s->dstat; }
 
+/* One executor per engine: the store's reads go to this engine's IO lane, whose ring registers the
+ * slab (fixed-buffer reads; a refusal is logged and reads stay correct), and the store's own run
+ * is released (the oracle's synchronous calls start it again when they come). */
+static int mf_step_store_attach(mf_step *s)
+{
+    void *bufs[63];
+    uint64_t lens[63];
+    int n = mf_store_io_buffers(s->store, bufs, lens, 63);
+    if (n) mf_sched_io_register(s->sched, bufs, lens, n);
+    mf_error_clear();
+    mf_store_io_release(s->store);
+    return 0;
+}
+
 int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
 {
     *out = NULL;
@@ -1237,15 +1305,16 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
         return mf_error(-EINVAL, "step: %d threads (max 256)", n);
     }
     s->store = store;
+    s->eg_reads = store && mf_store_tables_streamed(store);
     s->max_items = max_items;
     mf_step_lane_models(s->o.profile, s->o.n_threads, s->models);
     if (s->o.cpu_bytes_per_s > 0) s->models[0].bytes_per_s = s->o.cpu_bytes_per_s;
-    pthread_mutex_init(&s->gather_mu, NULL);
     int rc = 0;
     if (s->o.dev && s->o.placement != MF_STEP_PLACE_HOST) rc = mf_step_dev_setup(s);
     /* lanes: models for placement and priorities (mf_step_lane_models: the profile's, or the
      * built-in assumptions) */
     mf_sg_lanes_init(&s->lt, s->models, s->o.n_threads, store != NULL, s->n_cards);
+    if (s->lt.lane_io >= 0 && s->o.io_depth > 0) s->lt.lane[s->lt.lane_io].concurrency = s->o.io_depth;
     /* one layer context per CPU worker, on the kernels */
     s->cx = calloc((size_t)s->o.n_threads, sizeof *s->cx);
     if (!rc && !s->cx) rc = mf_error(-ENOMEM, "step: out of memory");
@@ -1255,14 +1324,18 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     if (!rc) rc = mf_sched_create(&(mf_sched_opts){.lanes = s->lt.lane, .n_lanes = s->lt.n_lanes,
                                                    .pin_threads = s->o.pin_threads,
                                                    .dev = s->dev ? mf_dev_lane_ops_of(s->dev) : NULL,
-                                                   .dev_wait_ns = s->o.dev_wait_ns},
+                                                   .dev_wait_ns = s->o.dev_wait_ns,
+                                                   .io_force_pread = s->o.io_force_pread,
+                                                   .io_fault_kind = s->o.io_fault_kind,
+                                                   .io_fault_nth = s->o.io_fault_nth},
                                   &s->sched);
+    if (!rc && store) rc = mf_step_store_attach(s);
     if (rc) {
         mf_sg_sizes_free(s->sz);
         for (int w = 0; w < s->n_cx; w++) mf_ly_ctx_free(s->cx[w]);
         free(s->cx);
         for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
-        pthread_mutex_destroy(&s->gather_mu);
+        mf_sched_destroy(s->sched);
         free(s);
         return rc;
     }
@@ -1282,7 +1355,6 @@ void mf_step_free(mf_step *s)
     for (int w = 0; w < s->n_cx; w++) mf_ly_ctx_free(s->cx[w]);
     free(s->cx);
     mf_sg_sizes_free(s->sz);
-    pthread_mutex_destroy(&s->gather_mu);
     free(s);
 }
 
@@ -1367,6 +1439,14 @@ static int mf_step_store_fail(mf_step *s, mf_step_shape *sh, int rc)
     for (int t = 0; t < n; t++) {
         if (sh->sg->task[t].kind != MF_SG_K_IO || sp[t].status >= 0) continue;
         const mf_step_targ *a = &sh->args[t];
+        if (a->t->op == MF_SG_ENGRAM_READ) {
+            const mf_model_layer *y = mf_model_layer_at(s->ly->m, a->t->layer);
+            const mf_io_read *rd = &sh->eg_rd[(size_t)a->t->i0 * 2 * sh->eg_per + a->t->read];
+            int c = mf_store_gather_check(s->store, mf_config_engram_slot(s->c, a->t->layer));
+            rc = mf_error_wrap(c ? c : rc, "step: layer %d: Engram gather of %s: reading %" PRIu64 " bytes at offset %"
+                               PRIu64 " failed", a->t->layer, y->eg_table.name, rd->n_bytes, rd->offset);
+            break;
+        }
         const mf_model_layer *y = mf_model_layer_at(s->ly->m, a->t->layer);
         const mf_io_read *rd = &sh->slot_rd[(size_t)a->t->slot * sh->n_parts + a->t->read];
         rc = mf_error_wrap(rc, "step: layer %d expert %d (%s...): reading %" PRIu64 " bytes at offset %"

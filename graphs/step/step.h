@@ -53,6 +53,14 @@ typedef struct mf_step_opts {
     /* overrides the CPU lane's model of expert work (bytes of weights per second per worker) when
      * > 0: what hybrid placement weighs a card against */
     double cpu_bytes_per_s;
+    /* The engine's IO lane (with an expert store): reads in flight (0: 64), pread workers instead
+     * of io_uring (io_force_pread 1), fault injection on its nth read (io_fault_kind
+     * MF_IO_FAULT_EIO or _SHORT, sched/sched.h; 0: none). The moeflow command fills them from
+     * --io-depth, MOEFLOW_IO and MOEFLOW_IO_FAULT; the library reads no environment variable. */
+    int io_depth;
+    int io_force_pread;
+    int io_fault_kind;
+    int64_t io_fault_nth;
 } mf_step_opts;
 
 /* Where routed experts run. SEED: every routed expert on the card that owns it
@@ -91,8 +99,11 @@ void mf_step_lane_models(const mf_profile *p, int threads, mf_lane_model models[
  * expert overlap compute of another; the layer's end closes the batch and unpins. A graph run
  * pins min(items x top_k, experts) experts: longer runs are cut into chunks that fit the store,
  * a decode batch that does not fit fails with -ENOSPC naming the budget needed, and a store
- * holding fewer than top_k experts fails here with -ENOSPC. Engram rows go through the
- * reference's path (the store's gatherer), one Engram task at a time. */
+ * holding fewer than top_k experts fails here with -ENOSPC. Streamed Engram tables are gathered
+ * the same way: per item task a plan task (rows hashed, the store's reads planned), IO-lane
+ * tasks for the reads, then the embed task; resident ones are copied by the embed task. One
+ * executor: the store's reads all run on this engine's IO lane, whose ring registers the store's
+ * slab; the store's own run is released here (host/store.h). */
 int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out);
 void mf_step_free(mf_step *s);
 

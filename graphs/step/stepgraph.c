@@ -76,6 +76,7 @@ static void sg_size_tensor(mf_sg_sizes *s, const mf_layout_tensor *t)
             y->eng_bf16_bytes += b;
         } else if (t->role == MF_ROLE_TABLE || t->role == MF_ROLE_TABLE_SCALE) {
             y->eng_row_bytes += b / (double)t->shape[0];
+            if (t->role == MF_ROLE_TABLE) y->eng_row_code_bytes += b / (double)t->shape[0];
         }
     } else if (t->role == MF_ROLE_HC_FN) {
         y->hc_macs += macs;
@@ -216,7 +217,9 @@ static void sg_dep(sg_builder *b, mf_task_id before, mf_task_id after)
 
 #define SG_NAME(b, ...) snprintf((b)->name, sizeof (b)->name, __VA_ARGS__)
 
-/* Engram of layer L: per unit embed (after unit[k]) -> wkv parts -> per unit gate, into unit[]. */
+/* Engram of layer L: per unit embed (after unit[k]) -> wkv parts -> per unit gate, into unit[].
+ * With eg_reads the embed is three steps: plan (the rows hashed, the store's reads planned) ->
+ * the reads on the IO lane (those the plan leaves unused are marked noop) -> embed. */
 static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
 {
     const mf_config *c = b->o->c;
@@ -225,14 +228,38 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
     double H = (double)c->hidden_size, per = b->per;
     double rows = (double)(c->engram_max_ngram_size - 1) * c->engram_n_heads;
     mf_task_id emb[MF_SG_MAX_ITEMS], wr[MF_SG_MAX_PARTS];
+    int nr = sg->eg_reads_per_unit, eslot = mf_config_engram_slot(c, L);
+    /* a read of a row's codes or its scales: an aligned block each (O_DIRECT) */
+    double code_io = ceil(y->eng_row_code_bytes / SG_STORE_ALIGN) * SG_STORE_ALIGN;
+    double scale_io = ceil((y->eng_row_bytes - y->eng_row_code_bytes) / SG_STORE_ALIGN) * SG_STORE_ALIGN;
     for (int k = 0; k < b->u; k++) {
+        mf_task_id pl = -1;
+        if (b->o->eg_reads) {
+            SG_NAME(b, sg->par ? "engram L%d plan item %d" : "engram L%d plan", L, k);
+            mf_sg_task t = sg_item(b, L, k);
+            t.w.ref_flops = per * rows * c->engram_max_ngram_size * 4;   /* hashes, sort */
+            pl = sg_add(b, 0, MF_SG_ENGRAM_PLAN, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t, 0, per * 1e4);
+            sg_dep(b, unit[k], pl);
+        }
         SG_NAME(b, sg->par ? "engram L%d embed item %d" : "engram L%d embed", L, k);
         mf_sg_task t = sg_item(b, L, k);
         t.w.ref_flops = per * rows * c->engram_head_dim * 2;
-        t.w.io_bytes = per * rows * ceil(y->eng_row_bytes / SG_STORE_ALIGN) * SG_STORE_ALIGN;
-        t.w.io_reads = t.i1 - t.i0;
         emb[k] = sg_add(b, 0, MF_SG_ENGRAM_EMBED, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t, 0, per * 2e4);
-        sg_dep(b, unit[k], emb[k]);
+        sg_dep(b, b->o->eg_reads ? pl : unit[k], emb[k]);
+        for (int r = 0; b->o->eg_reads && r < nr; r++) {
+            if (sg->par) SG_NAME(b, "engram L%d item %d read %d", L, k, r);
+            else SG_NAME(b, "engram L%d read %d", L, r);
+            mf_sg_task tr = sg_item(b, L, k);
+            tr.n_tok = 0;
+            tr.read = (int16_t)r;
+            tr.w.io_bytes = r % 2 ? scale_io : code_io;
+            tr.w.io_reads = 1;
+            mf_task_id rd = sg_add(b, b->o->lane_io, MF_SG_ENGRAM_READ, MF_SG_PH_ENGRAM, MF_SG_K_IO, tr,
+                                   tr.w.io_bytes, 0);
+            sg->eg_read_tid[((size_t)eslot * sg->n_units + k) * nr + r] = rd;
+            sg_dep(b, pl, rd);
+            sg_dep(b, rd, emb[k]);
+        }
     }
     double R = (double)(c->hc_mult + 1) * H;
     for (int p = 0; p < sg->p_attn; p++) {
@@ -441,7 +468,7 @@ static void sg_slot(sg_builder *b, int L, int s, mf_task_id ro, const mf_task_id
         SG_NAME(b, "read L%d slot %d part %d", L, s, j);
         mf_sg_task tr = t;
         tr.slot_tokens = 0;
-        tr.read = (int8_t)j;
+        tr.read = (int16_t)j;
         tr.w.io_bytes = ceil(z->part_bytes[j] / SG_STORE_ALIGN) * SG_STORE_ALIGN;
         tr.w.io_reads = 1;
         io[j] = sg_add(b, b->o->lane_io, MF_SG_SLOT_READ, MF_SG_PH_MOE, MF_SG_K_IO, tr, z->store_slot_bytes / np, 0);
@@ -602,6 +629,9 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->dev_graphs = o->n_cards > 0 && o->dev_graphs;
     sg->n_io_parts = o->store ? MF_SG_EXPERT_PARTS : 0;
     sg->tid_per_slot = 2 * sg->p_exp + 1 + 3 * sg->n_cards;
+    sg->n_units = o->par ? o->n : 1;
+    sg->eg_reads_per_unit = o->eg_reads ? 2 * (o->n / sg->n_units) * (c->engram_max_ngram_size - 1) *
+                                              c->engram_n_heads : 0;
 }
 
 int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
@@ -617,10 +647,12 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     size_t n_tid = (size_t)c->n_layers * sg->n_slots * sg->tid_per_slot;
     sg->slot_tid = malloc(sizeof *sg->slot_tid * n_tid);
     sg->card_ffn_tid = malloc(sizeof *sg->card_ffn_tid * (size_t)c->n_layers * (sg->n_cards ? sg->n_cards : 1));
+    size_t n_eg = (size_t)c->n_engram * sg->n_units * sg->eg_reads_per_unit;
+    sg->eg_read_tid = malloc(sizeof *sg->eg_read_tid * (n_eg + 1));
     sg_builder b = {.o = o, .sg = sg, .u = o->par ? o->n : 1};
     b.per = (double)o->n / b.u;
     b.io = malloc(sizeof *b.io * ((size_t)sg->n_slots * sg->n_io_parts + 1));
-    int rc = !sg->slot_tid || !sg->card_ffn_tid || !b.io ? mf_error(-ENOMEM, "step graph: out of memory")
+    int rc = !sg->slot_tid || !sg->card_ffn_tid || !b.io || !sg->eg_read_tid ? mf_error(-ENOMEM, "step graph: out of memory")
                                                           : mf_graph_create(o->lanes, o->n_lanes, &sg->g);
     if (rc) {
         free(b.io);
@@ -628,6 +660,7 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
         return rc;
     }
     for (size_t i = 0; i < n_tid; i++) sg->slot_tid[i] = -1;
+    for (size_t i = 0; i < n_eg; i++) sg->eg_read_tid[i] = -1;
     for (int i = 0; i < c->n_layers * sg->n_cards; i++) sg->card_ffn_tid[i] = -1;
     mf_task_id unit[MF_SG_MAX_ITEMS], post[MF_SG_MAX_ITEMS];
     for (int k = 0; k < b.u; k++) unit[k] = -1;
@@ -654,6 +687,7 @@ void mf_stepgraph_free(mf_stepgraph *sg)
     free(sg->task);
     free(sg->slot_tid);
     free(sg->card_ffn_tid);
+    free(sg->eg_read_tid);
     free(sg);
 }
 
@@ -673,6 +707,13 @@ void mf_stepgraph_mark_noop(mf_stepgraph *sg, int L, int n_used, const int32_t *
         for (int s = 0; s < n_used && !any && slot_card; s++) any = slot_card[s] == cd;
         mf_graph_set_noop(sg->g, sg->card_ffn_tid[L * nc + cd], !any);
     }
+}
+
+void mf_stepgraph_mark_engram(mf_stepgraph *sg, int es, int k, int n_used)
+{
+    if (!sg->eg_reads_per_unit || es < 0 || k < 0 || k >= sg->n_units) return;
+    const mf_task_id *tid = sg->eg_read_tid + ((size_t)es * sg->n_units + k) * sg->eg_reads_per_unit;
+    for (int r = 0; r < sg->eg_reads_per_unit; r++) mf_graph_set_noop(sg->g, tid[r], r >= n_used);
 }
 
 /* ---- lanes and placement ------------------------------------------------------------------- */

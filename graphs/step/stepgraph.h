@@ -23,9 +23,12 @@
 
 /* What a task does. The engine has one task function per op. */
 typedef enum mf_sg_op {
-    MF_SG_ENGRAM_EMBED,   /* items: hashed table rows, gathered and dequantized */
+    MF_SG_ENGRAM_EMBED,   /* items: hashed table rows, gathered and dequantized (with eg_reads: the
+                           * rows the reads staged, put in order and dequantized) */
     MF_SG_ENGRAM_ROWS,    /* rows of the Engram wkv projection, all items */
     MF_SG_ENGRAM_GATE,    /* items: the gated value into the streams */
+    MF_SG_ENGRAM_PLAN,    /* eg_reads, items: hashed table rows, the store's reads planned */
+    MF_SG_ENGRAM_READ,    /* eg_reads, IO lane: read `read` of the items' gather (as planned) */
     MF_SG_ATTN_PRE,       /* items: attention mix, collapse, attn_norm */
     MF_SG_ATTN_ROWS,      /* rows of attention linear stage `stage`, all items */
     MF_SG_ATTN_QNORM,     /* all items: low-rank query rounded and normed */
@@ -88,7 +91,9 @@ typedef struct mf_sg_task {
     int16_t layer;     /* -1: after the last layer (norm, head) */
     int8_t stage;      /* MF_SG_ST_* of MF_SG_ATTN_ROWS */
     int8_t card;       /* device tasks: the card */
-    int8_t read;       /* IO tasks: which of the slot's reads (its store extents, w1 .. w3 scale) */
+    int16_t read;      /* IO tasks: which read of their group (a slot's: its store extents, w1 ..
+                        * w3 scale; an Engram gather's: the planned reads in order, codes then
+                        * scales of each run of rows) */
     int32_t slot;      /* expert slot */
     int32_t part;      /* row part */
     int32_t i0, i1;    /* items [i0, i1) (item tasks) */
@@ -110,6 +115,7 @@ typedef struct mf_sg_layer_sizes {
     double attn_ref_macs;     /* wo_a: the reference's scalar dot rows (grouped) */
     double eng_fp8_bytes, eng_data_bytes, eng_bf16_bytes, eng_fp8_macs;   /* Engram wkv; q/k */
     double eng_row_bytes;     /* one table row (codes + scales) */
+    double eng_row_code_bytes;   /* its codes (the scales are the rest) */
 } mf_sg_layer_sizes;
 
 typedef struct mf_sg_sizes {
@@ -145,6 +151,8 @@ typedef struct mf_sg_opts {
     int dev_graphs;     /* 1: a layer's FFNs on a card are one task (MF_SG_DEV_FFN_CARD) */
     int store;          /* 1: routed experts are read through a store (IO tasks per slot) */
     int read_window;    /* slots whose reads are in flight (0: 2, < 0: all) */
+    int eg_reads;       /* 1: Engram tables are gathered by reads on the IO lane (streamed tables):
+                         * per item task a plan task, its reads (IO tasks) and the embed task */
     const mf_lane_desc *lanes;   /* lane 0 the CPU lane, lane_io the IO lane (store), card c's */
     int n_lanes, lane_io, lane_dev0;   /* three lanes at lane_dev0 + 3c (in, compute, out) */
     const mf_task_fn *fn_of;     /* per op: the engine's task functions; NULL: none (simulator) */
@@ -163,6 +171,11 @@ typedef struct mf_stepgraph {
     mf_task_id *slot_tid;
     int tid_per_slot;
     mf_task_id *card_ffn_tid;     /* dev_graphs: per layer and card its FFN graph task */
+    /* eg_reads: per Engram slot (graphs/model/config.h mf_config_engram_slot) and item task k its
+     * reads, eg_read_tid[(slot * n_units + k) * eg_reads_per_unit + r]; an item task's items
+     * times 2 (codes, scales) times the rows of an item, the most a gather can need */
+    mf_task_id *eg_read_tid;
+    int n_units, eg_reads_per_unit;
 } mf_stepgraph;
 
 /* The engine's lanes (the simulator's graph has the same; its own lane options go to
@@ -216,5 +229,9 @@ void mf_stepgraph_free(mf_stepgraph *sg);
  * slots >= n_used; a slot's host tasks when it runs on a card (slot_card[s] >= 0; NULL: every
  * slot on the host); its tasks on the other cards; a card's FFN graph when no slot is on it. */
 void mf_stepgraph_mark_noop(mf_stepgraph *sg, int L, int n_used, const int32_t *slot_card);
+
+/* Marks the reads of item task k's Engram gather of Engram slot es (mf_config_engram_slot) past
+ * the first n_used noop, the rest normal (eg_reads; nothing otherwise). */
+void mf_stepgraph_mark_engram(mf_stepgraph *sg, int es, int k, int n_used);
 
 #endif
