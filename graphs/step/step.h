@@ -127,6 +127,9 @@ typedef struct mf_step_times {
     int64_t phase_ns[MF_STEP_N_PHASES];
     int64_t busy_ns[MF_STEP_N_PHASES];
     int n_tasks;   /* tasks of the last graph run */
+    /* multiply-adds on the kernels over the call's chunks, from the step graph's records
+     * (mf_stepgraph_macs: the head over the items with logits) */
+    double macs;
     /* with an expert store: IO-lane busy time (union of the expert reads), expert compute time
      * (union of routed and shared expert tasks) and the time both ran; IO tasks count in no phase */
     int64_t io_busy_ns, expert_busy_ns, io_overlap_ns;
