@@ -505,6 +505,40 @@ static void test_same_graph(void)
     free(logits);
 }
 
+/* Prefill (mf_plan_prefill): chunks through the engine's serial graph. Hand-computed on the free
+ * profile: chunks of 1 position are the batch-1 graph (186 tasks of 1 us on one worker, the head
+ * parts included though only the last chunk computes logits), so 5 tokens take 5 x 186 us. On the
+ * costly profile: deterministic, a later chunk costs more (its positions see more keys), a shorter
+ * last chunk adds less than a full one, the default chunk is MF_STEP_PREFILL_CHUNK, refusals. */
+static void test_prefill(void)
+{
+    mf_config c;
+    CHECK(!mf_config_preset("tiny", &c), "preset tiny");
+    mf_profile f = free_profile(1, 1000);
+    mf_plan_opts o = {.config = &c, .profile = &f, .seed = 3};
+    mf_plan_report r;
+    int64_t t1, t2, t3, t4;
+    CHECK(!mf_plan_prefill(&o, 5, 1, &r, &t1), "%s", mf_last_error());
+    CHECK(t1 == 5 * 186 * 1000 && r.n_tasks == 186 && r.batch == 1, "5 chunks of 1: %lld ns, %d tasks",
+          (long long)t1, r.n_tasks);
+    mf_plan *p = NULL;
+    CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .prefill = 1, .batch = 8}, &p), "%s", mf_last_error());
+    CHECK(p && !mf_plan_graph(p)->par && mf_plan_graph(p)->n == 8, "prefill plan: the serial graph of 8 items");
+    mf_plan_free(p);
+
+    f = costly_profile();
+    CHECK(!mf_plan_prefill(&o, 16, 8, &r, &t1) && !mf_plan_prefill(&o, 16, 8, NULL, &t2), "%s", mf_last_error());
+    CHECK(t1 == t2 && t1 > 0, "repeat: %lld vs %lld ns", (long long)t1, (long long)t2);
+    CHECK(!mf_plan_prefill(&o, 8, 8, NULL, &t3), "%s", mf_last_error());
+    CHECK(t1 > 2 * t3, "16 tokens %lld ns, not more than twice 8 tokens' %lld ns", (long long)t1, (long long)t3);
+    CHECK(!mf_plan_prefill(&o, 19, 8, NULL, &t4), "%s", mf_last_error());
+    CHECK(t4 > t1 && t4 - t1 < t1 / 2, "19 tokens %lld ns against 16 tokens %lld ns", (long long)t4, (long long)t1);
+    CHECK(!mf_plan_prefill(&o, 70, 0, NULL, &t1) && !mf_plan_prefill(&o, 70, MF_STEP_PREFILL_CHUNK, NULL, &t2) &&
+              t1 == t2, "default chunk: %lld vs %lld ns", (long long)t1, (long long)t2);
+    CHECK(mf_plan_prefill(&o, 16, MF_STEP_MAX_ITEMS + 1, NULL, &t1) == -EINVAL, "chunk over the graph's items");
+    CHECK(mf_plan_prefill(&o, 0, 8, NULL, &t1) == -EINVAL, "an empty prompt");
+}
+
 int main(void)
 {
     const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
@@ -515,5 +549,6 @@ int main(void)
     test_flash41();
     test_refusals();
     test_core_pool();
+    test_prefill();
     return mf_check_exit("test_plan");
 }

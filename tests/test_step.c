@@ -3,6 +3,7 @@
  * path; greedy tokens; bit-identical logits across 1, 2, 4 workers, pinned workers and repeated
  * runs; expert slots shared by several tokens; serial vs per-item graphs; a second model shape
  * (8 experts, top-4, no shared expert); refusals; the CLI and bench decode. */
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -388,6 +389,18 @@ int main(void)
         }
         CHECK(mf_ref_state_pos(sb) == NL, "position after a chunked prefill");
         CHECK(memcmp(lb, lc, sizeof(float) * g_V) == 0, "chunked prefill differs from token by token");
+        /* another chunk size (mf_step_opts.prefill_chunk 17: 17 + 17 + 17 + 17 + 2), the same bits */
+        mf_step *e17 = NULL;
+        mf_ref_state *sd = NULL;
+        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .exact = 1, .prefill_chunk = 17}, &e17) == 0 &&
+              mf_ref_state_new(r, NL, &sd) == 0, "step, chunk 17: %s", mf_last_error());
+        CHECK(e17 && sd && mf_step_prefill(e17, sd, p, NL, lc) == 0 && mf_ref_state_pos(sd) == NL &&
+              memcmp(lb, lc, sizeof(float) * g_V) == 0, "prefill in chunks of 17 differs from chunks of 64");
+        mf_ref_state_free(sd);
+        mf_step_free(e17);
+        mf_step *bad = NULL;
+        CHECK(mf_step_new(r, &(mf_step_opts){.prefill_chunk = MF_STEP_MAX_ITEMS + 1}, &bad) == -EINVAL && !bad &&
+              strstr(mf_last_error(), "prefill chunk"), "prefill chunk over the graph's items: %s", mf_last_error());
         double d = max_rel(la, lb, g_V);
         CHECK(d < 0.15, "prefill of %d tokens (two graphs): %.3g off the reference", NL, d);
         printf("prefill of %d tokens in two chunks: %.3g off the reference\n", NL, d);

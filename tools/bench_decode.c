@@ -25,8 +25,8 @@ static void mf_bench_decode_usage(FILE *f)
 {
     fprintf(f,
             "usage: moeflow bench decode --checkpoint DIR [--steps N] [--batch B] [--threads N]\n"
-            "                            [--prompt-tokens P] [--exact] [--no-reference] [--trace FILE]\n"
-            "                            [--json]\n\n"
+            "                            [--prompt-tokens P] [--chunk T] [--exact] [--no-reference]\n"
+            "                            [--trace FILE] [--json]\n\n"
             "Prefills B sequences of a synthetic P-token prompt (default 16; sequence i's tokens are\n"
             "(37 k + 11 + 101 i) mod vocab) and runs N greedy decode steps (default 8) of the batch\n"
             "with the reference engine, then with the scheduled engine on --threads workers (default\n"
@@ -36,12 +36,13 @@ static void mf_bench_decode_usage(FILE *f)
             "the scheduled engine's kernel multiply-adds per second (the step graph's records) over\n"
             "the fused int8 kernel's rate on the model's expert shape at 64 tokens on the same\n"
             "threads, measured by this command before the engines run. --no-reference skips the\n"
-            "one-thread reference engine (a long prefill takes it minutes). --exact runs the\n"
+            "one-thread reference engine (a long prefill takes it minutes). --chunk T: the scheduled\n"
+            "engine's prefill chunk (positions per graph run; default %d). --exact runs the\n"
             "scheduled engine's experts on the fp32 kernel path. --trace FILE writes the Chrome trace\n"
             "of the last scheduled step. --json prints {\"tokens_per_s\", \"reference_tokens_per_s\",\n"
             "\"speedup\", \"prefill_tokens_per_s\", \"decode_tokens_per_s\", \"compute_fraction\",\n"
             "\"phases\": {phase: seconds per step}, \"reference_phases\": {...}, ...} instead of the\n"
-            "tables (reference fields null with --no-reference).\n");
+            "tables (reference fields null with --no-reference).\n", MF_STEP_PREFILL_CHUNK);
 }
 
 typedef struct mf_bd_run {
@@ -232,7 +233,7 @@ static void mf_bd_json_phases(const char *key, const mf_bd_run *run, int steps)
 int mf_bench_decode(int argc, char **argv)
 {
     const char *dir = NULL, *trace = NULL;
-    long steps = 8, batch = 1, n_prompt = 16, threads = sysconf(_SC_NPROCESSORS_ONLN);
+    long steps = 8, batch = 1, n_prompt = 16, chunk = 0, threads = sysconf(_SC_NPROCESSORS_ONLN);
     int json = 0, exact = 0, no_ref = 0;
     if (threads < 1) threads = 1;
     for (int i = 1; i < argc; i++) {
@@ -240,8 +241,10 @@ int mf_bench_decode(int argc, char **argv)
         int hv = i + 1 < argc;
         char *end = NULL;
         long *num = !strcmp(a, "--steps") ? &steps : !strcmp(a, "--batch") ? &batch
-                  : !strcmp(a, "--threads") ? &threads : !strcmp(a, "--prompt-tokens") ? &n_prompt : NULL;
-        long lo = 1, hi = !strcmp(a, "--batch") ? MF_STEP_MAX_ITEMS : !strcmp(a, "--threads") ? 256 : 100000;
+                  : !strcmp(a, "--threads") ? &threads : !strcmp(a, "--prompt-tokens") ? &n_prompt
+                  : !strcmp(a, "--chunk") ? &chunk : NULL;
+        long lo = 1, hi = !strcmp(a, "--batch") || !strcmp(a, "--chunk") ? MF_STEP_MAX_ITEMS
+                          : !strcmp(a, "--threads") ? 256 : 100000;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             mf_bench_decode_usage(stdout);
             return 0;
@@ -280,7 +283,7 @@ int mf_bench_decode(int argc, char **argv)
     mf_bd_run ref = {0}, sch = {0};
     if (mf_model_load(dir, &(mf_model_opts){.quiet = json, .resident_limit_bytes = UINT64_C(64) << 30}, &m) ||
         mf_ref_new(m, NULL, &r) ||
-        mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact}, &eng))
+        mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact, .prefill_chunk = (int)chunk}, &eng))
         goto fail;
     const mf_config *c = mf_model_config(m);
     if (n_prompt + steps + 1 > c->max_position_embeddings) {
@@ -321,11 +324,11 @@ int mf_bench_decode(int argc, char **argv)
             snprintf(sm, sizeof sm, "%d", same);
         }
         printf("{\"tokens_per_s\":%.6g,\"reference_tokens_per_s\":%s,\"speedup\":%s,\"batch\":%ld,"
-               "\"threads\":%ld,\"steps\":%ld,\"prompt_tokens\":%ld,\"exact\":%d,\"same_tokens\":%s,"
+               "\"threads\":%ld,\"steps\":%ld,\"prompt_tokens\":%ld,\"chunk\":%ld,\"exact\":%d,\"same_tokens\":%s,"
                "\"prefill_tokens_per_s\":%.6g,\"reference_prefill_tokens_per_s\":%s,\"decode_tokens_per_s\":%.6g,"
                "\"compute_fraction\":%.6g,\"prefill_compute_fraction\":%.6g,\"decode_compute_fraction\":%.6g,"
                "\"prefill_macs_per_token\":%.6g,\"decode_macs_per_token\":%.6g,\"kernel_macs_per_s\":%.6g,",
-               tps, rt, sp, batch, threads, steps, n_prompt, exact, sm, ptps, rp, tps, frac, pfrac, dfrac,
+               tps, rt, sp, batch, threads, steps, n_prompt, chunk ? chunk : MF_STEP_PREFILL_CHUNK, exact, sm, ptps, rp, tps, frac, pfrac, dfrac,
                sch.prefill_macs / (batch * n_prompt), sch.decode_macs / (batch * steps), kern_rate);
         mf_bd_json_phases("phases", &sch, (int)steps);
         printf(",");
