@@ -174,27 +174,37 @@ static void mf_kern_f32_gemm2_avx2(const float *wa, const float *wb, int n, cons
     }
 }
 
-/* The fp32 engine at >= MF_KERN_GEMM_MIN_TOK tokens (AVX2): rows in pairs, each pair's tiles
- * decoded once per pass and applied to all the pass's tokens by mf_kern_f32_gemm2_avx2. */
+/* Rows per block of the GEMM: their tiles are decoded together, and each 4-token slice of the
+ * input is applied to all of them while it is in L1 (16 KiB of decoded weights). */
+#define MF_KERN_GEMM_ROWS 8
+
+/* The fp32 engine at >= MF_KERN_GEMM_MIN_TOK tokens (AVX2): blocks of MF_KERN_GEMM_ROWS rows,
+ * each block's tiles decoded once per pass of up to 64 tokens; per tile, every 4 tokens go
+ * through the block's row pairs (mf_kern_f32_gemm2_avx2), an odd last row through the per-row
+ * tile. */
 static void mf_kern_f32_run_gemm(const mf_kern_mat *m, mf_kern_decode_fn dec, const float *x, int n_tok,
                                  int ld_x, float *y, int ld_y, int y_row0, int r0, int r1)
 {
-    _Alignas(32) float wt[2][MF_KERN_TILE];
-    _Alignas(32) float acc[2][MF_KERN_TOK_PASS][32];
+    _Alignas(32) float wt[MF_KERN_GEMM_ROWS][MF_KERN_TILE];
+    _Alignas(32) float acc[MF_KERN_GEMM_ROWS][MF_KERN_TOK_PASS][32];
 
     for (int t0 = 0; t0 < n_tok; t0 += MF_KERN_TOK_PASS) {
         int nt = n_tok - t0 < MF_KERN_TOK_PASS ? n_tok - t0 : MF_KERN_TOK_PASS;
         const float *xc = x + (size_t)t0 * ld_x;
-        for (int o = r0; o < r1; o += 2) {
-            int nr = r1 - o < 2 ? 1 : 2;
-            memset(acc, 0, sizeof acc[0][0] * MF_KERN_TOK_PASS * 2);
+        for (int o = r0; o < r1; o += MF_KERN_GEMM_ROWS) {
+            int nr = r1 - o < MF_KERN_GEMM_ROWS ? r1 - o : MF_KERN_GEMM_ROWS;
+            for (int r = 0; r < nr; r++) memset(acc[r], 0, sizeof acc[0][0] * (size_t)nt);
             for (int k0 = 0; k0 < m->n_in; k0 += MF_KERN_TILE) {
                 int n = m->n_in - k0 < MF_KERN_TILE ? m->n_in - k0 : MF_KERN_TILE;
                 for (int r = 0; r < nr; r++) dec(m, o + r, k0, n, wt[r]);
-                if (nr == 2)
-                    mf_kern_f32_gemm2_avx2(wt[0], wt[1], n, xc, nt, ld_x, k0, acc[0], acc[1]);
-                else
-                    mf_kern_f32_tile_avx2(wt[0], n, xc, nt, ld_x, k0, acc[0]);
+                for (int t = 0; t < nt; t += 4) {
+                    int c = nt - t < 4 ? nt - t : 4;
+                    const float *xt = xc + (size_t)t * ld_x;
+                    int r = 0;
+                    for (; r + 2 <= nr; r += 2)
+                        mf_kern_f32_gemm2_avx2(wt[r], wt[r + 1], n, xt, c, ld_x, k0, acc[r] + t, acc[r + 1] + t);
+                    if (r < nr) mf_kern_f32_tile_avx2(wt[r], n, xt, c, ld_x, k0, acc[r] + t);
+                }
             }
             for (int r = 0; r < nr; r++)
                 for (int t = 0; t < nt; t++)
