@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "graphs/model/model.h"
@@ -41,7 +42,8 @@ static void mf_bench_decode_usage(FILE *f)
             "scheduled engine's experts on the fp32 kernel path. --trace FILE writes the Chrome trace\n"
             "of the last scheduled step. --json prints {\"tokens_per_s\", \"reference_tokens_per_s\",\n"
             "\"speedup\", \"prefill_tokens_per_s\", \"decode_tokens_per_s\", \"compute_fraction\",\n"
-            "\"phases\": {phase: seconds per step}, \"reference_phases\": {...}, ...} instead of the\n"
+            "\"prefill_cpu_s\", \"decode_cpu_s\" (the process's CPU time: what a loaded machine's wall\n"
+            "time hides), \"phases\": {phase: seconds per step}, \"reference_phases\": {...}, ...} instead of the\n"
             "tables (reference fields null with --no-reference).\n", MF_STEP_PREFILL_CHUNK);
 }
 
@@ -49,6 +51,7 @@ typedef struct mf_bd_run {
     double phase_s[MF_STEP_N_PHASES];   /* summed over steps */
     double total_s;
     double prefill_s;                   /* all sequences' prefills */
+    double prefill_cpu_s, decode_cpu_s; /* the process's CPU time over them (all threads) */
     double prefill_macs, decode_macs;   /* scheduled engine: kernel multiply-adds (mf_step_times) */
     int32_t *tokens;                    /* steps x batch: the greedy inputs fed */
 } mf_bd_run;
@@ -144,6 +147,14 @@ static void mf_bd_header(const char *engine, int batch)
     printf(" %10s %10s\n", "total", "tokens/s");
 }
 
+/* The process's CPU time (all threads), seconds: what a loaded machine's wall time hides. */
+static double mf_bd_cpu_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
 /* Prefill + steps on one engine (eng NULL: the reference). */
 static int mf_bd_engine(mf_ref *r, mf_step *eng, int64_t V, int batch, int n_prompt, int steps,
                         int quiet_rows, float *logits, mf_bd_run *out)
@@ -158,8 +169,10 @@ static int mf_bd_engine(mf_ref *r, mf_step *eng, int64_t V, int batch, int n_pro
         if (!rc) {
             float *lg = logits + (size_t)s * V;
             int64_t t0 = mf_now_ns();
+            double c0 = mf_bd_cpu_s();
             rc = eng ? mf_step_prefill(eng, st[s], prompt, n_prompt, lg) : mf_ref_prefill(r, st[s], prompt, n_prompt, lg);
             out->prefill_s += (mf_now_ns() - t0) / 1e9;
+            out->prefill_cpu_s += mf_bd_cpu_s() - c0;
             if (eng && !rc) {
                 mf_step_times t;
                 mf_step_last_times(eng, &t);
@@ -173,6 +186,7 @@ static int mf_bd_engine(mf_ref *r, mf_step *eng, int64_t V, int batch, int n_pro
         int32_t tok[MF_STEP_MAX_ITEMS];
         for (int s = 0; s < batch; s++) tok[s] = out->tokens[k * batch + s] = mf_sample_greedy(logits + (size_t)s * V, V);
         double ph[MF_STEP_N_PHASES] = {0}, total;
+        double c0 = mf_bd_cpu_s();
         if (eng) {
             rc = mf_step_decode(eng, st, tok, batch, logits);
             mf_step_times t;
@@ -195,6 +209,7 @@ static int mf_bd_engine(mf_ref *r, mf_step *eng, int64_t V, int batch, int n_pro
             ph[MF_STEP_OTHER] = rest > 0 ? rest : 0;
         }
         if (rc) break;
+        out->decode_cpu_s += mf_bd_cpu_s() - c0;
         for (int p = 0; p < MF_STEP_N_PHASES; p++) out->phase_s[p] += ph[p];
         out->total_s += total;
         if (!quiet_rows) {
@@ -317,9 +332,11 @@ int mf_bench_decode(int argc, char **argv)
                "\"threads\":%ld,\"steps\":%ld,\"prompt_tokens\":%ld,\"chunk\":%ld,\"exact\":%d,\"same_tokens\":%s,"
                "\"prefill_tokens_per_s\":%.6g,\"reference_prefill_tokens_per_s\":%s,\"decode_tokens_per_s\":%.6g,"
                "\"compute_fraction\":%.6g,\"prefill_compute_fraction\":%.6g,\"decode_compute_fraction\":%.6g,"
-               "\"prefill_macs_per_token\":%.6g,\"decode_macs_per_token\":%.6g,\"kernel_macs_per_s\":%.6g,",
+               "\"prefill_macs_per_token\":%.6g,\"decode_macs_per_token\":%.6g,\"kernel_macs_per_s\":%.6g,"
+               "\"prefill_s\":%.6g,\"prefill_cpu_s\":%.6g,\"decode_s\":%.6g,\"decode_cpu_s\":%.6g,",
                tps, rt, sp, batch, threads, steps, n_prompt, chunk ? chunk : MF_STEP_PREFILL_CHUNK, exact, sm, ptps, rp, tps, frac, pfrac, dfrac,
-               sch.prefill_macs / (batch * n_prompt), sch.decode_macs / (batch * steps), kern_rate);
+               sch.prefill_macs / (batch * n_prompt), sch.decode_macs / (batch * steps), kern_rate, sch.prefill_s,
+               sch.prefill_cpu_s, sch.total_s, sch.decode_cpu_s);
         mf_bd_json_phases("phases", &sch, (int)steps);
         printf(",");
         if (no_ref) printf("\"reference_phases\":null");
@@ -329,8 +346,10 @@ int mf_bench_decode(int argc, char **argv)
         if (!no_ref)
             printf("\ntokens/s: scheduled %.2f, reference %.2f: speedup %.2fx; greedy inputs equal in %d of %ld "
                    "(step, sequence) pairs\n", tps, rtps, tps / rtps, same, steps * batch);
-        printf("%sprefill: %.2f tokens/s%s; decode: %.2f tokens/s\n", no_ref ? "\n" : "", ptps,
-               no_ref ? "" : " (reference engine's shown in --json)", tps);
+        printf("%sprefill: %.2f tokens/s%s; decode: %.2f tokens/s (process CPU time: prefill %.2f s, decode "
+               "%.2f s; wall %.2f s, %.2f s)\n", no_ref ? "\n" : "", ptps,
+               no_ref ? "" : " (reference engine's shown in --json)", tps, sch.prefill_cpu_s, sch.decode_cpu_s,
+               sch.prefill_s, sch.total_s);
         printf("compute fraction: prefill %.3f (%.1f M multiply-adds per token), decode %.3f (%.1f M), all %.3f, "
                "of the fused int8 kernel's %.1f G multiply-adds/s on %ld threads\n", pfrac,
                sch.prefill_macs / (batch * n_prompt) / 1e6, dfrac, sch.decode_macs / (batch * steps) / 1e6, frac,
