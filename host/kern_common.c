@@ -44,7 +44,7 @@ int mf_kern_simd_set(mf_kern_simd s)
     return 0;
 }
 
-void mf_kern_gemm_set(int on) { mf_kern_gemm_on = on != 0; }
+void mf_kern_gemm_set(int on) { __atomic_store_n(&mf_kern_gemm_on, on != 0, __ATOMIC_RELAXED); }
 
 const char *mf_kern_simd_name(mf_kern_simd s)
 {
@@ -218,7 +218,7 @@ void mf_kern_f32_run(const mf_kern_mat *m, mf_kern_decode_fn dec_avx2, mf_kern_d
                      int r1)
 {
     int avx2 = mf_kern_simd_active() == MF_KERN_SIMD_AVX2;
-    if (avx2 && n_tok >= MF_KERN_GEMM_MIN_TOK && mf_kern_gemm_on) {
+    if (avx2 && n_tok >= MF_KERN_GEMM_MIN_TOK && __atomic_load_n(&mf_kern_gemm_on, __ATOMIC_RELAXED)) {
         mf_kern_f32_run_gemm(m, dec_avx2, x, n_tok, ld_x, y, ld_y, y_row0, r0, r1);
         return;
     }
