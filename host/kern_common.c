@@ -1,6 +1,8 @@
 /* Run-time SIMD choice, argument checks and the fp32 tile engine shared by the FP8, BF16 and FP4
  * fp32 kernels: a row's weights are decoded tile by tile into L1 and applied to every token there,
- * so W is read once per call. AVX2+FMA and scalar paths give identical bits (same lanes, fmaf). */
+ * so W is read once per call; at MF_KERN_GEMM_MIN_TOK tokens or more, rows go in pairs through a
+ * register-blocked GEMM tile. AVX2+FMA, GEMM and scalar paths give identical bits (same lanes,
+ * fmaf in k order). */
 #include "host/kern_internal.h"
 
 #include <cpuid.h>
@@ -11,6 +13,7 @@
 #include "sched/error.h"
 
 static int mf_kern_simd_cached = -1;   /* resolved or forced choice; -1 = not yet (AUTO) */
+static int mf_kern_gemm_on = 1;        /* mf_kern_gemm_set */
 
 static int mf_kern_cpu_has_avx2(void)
 {
@@ -40,6 +43,8 @@ int mf_kern_simd_set(mf_kern_simd s)
     __atomic_store_n(&mf_kern_simd_cached, s == MF_KERN_SIMD_AUTO ? -1 : (int)s, __ATOMIC_RELAXED);
     return 0;
 }
+
+void mf_kern_gemm_set(int on) { __atomic_store_n(&mf_kern_gemm_on, on != 0, __ATOMIC_RELAXED); }
 
 const char *mf_kern_simd_name(mf_kern_simd s)
 {
@@ -124,11 +129,99 @@ static void mf_kern_f32_tile_avx2(const float *wt, int n, const float *x, int n_
     }
 }
 
+/* The blocked tile (GEMM) of the fp32 engine: two decoded rows wa, wb against tokens [0, nt) of
+ * x, acc rows acca, accb. Register blocks of 2 rows x 4 tokens x 8 lanes: each weight vector is
+ * loaded once per 4 tokens and each input vector once per 2 rows (the per-row tile loads both per
+ * 2 FMAs). Lanes are independent sums, so each lane group runs over the whole tile on its own;
+ * every lane is still one fmaf chain in k order, so the bits equal mf_kern_f32_tile_avx2's. */
+__attribute__((target("avx2,fma")))
+static void mf_kern_f32_gemm2_avx2(const float *wa, const float *wb, int n, const float *x, int nt,
+                                   int ld_x, int k0, float (*acca)[32], float (*accb)[32])
+{
+    int t = 0;
+    for (; t + 4 <= nt; t += 4) {
+        const float *x0 = x + (size_t)t * ld_x + k0, *x1 = x0 + ld_x, *x2 = x1 + ld_x, *x3 = x2 + ld_x;
+        for (int g = 0; g < 32; g += 8) {
+            __m256 a0 = _mm256_load_ps(acca[t] + g), a1 = _mm256_load_ps(acca[t + 1] + g);
+            __m256 a2 = _mm256_load_ps(acca[t + 2] + g), a3 = _mm256_load_ps(acca[t + 3] + g);
+            __m256 b0 = _mm256_load_ps(accb[t] + g), b1 = _mm256_load_ps(accb[t + 1] + g);
+            __m256 b2 = _mm256_load_ps(accb[t + 2] + g), b3 = _mm256_load_ps(accb[t + 3] + g);
+            for (int j = g; j < n; j += 32) {
+                __m256 w0 = _mm256_load_ps(wa + j), w1 = _mm256_load_ps(wb + j), v;
+                v = _mm256_loadu_ps(x0 + j);
+                a0 = _mm256_fmadd_ps(w0, v, a0);
+                b0 = _mm256_fmadd_ps(w1, v, b0);
+                v = _mm256_loadu_ps(x1 + j);
+                a1 = _mm256_fmadd_ps(w0, v, a1);
+                b1 = _mm256_fmadd_ps(w1, v, b1);
+                v = _mm256_loadu_ps(x2 + j);
+                a2 = _mm256_fmadd_ps(w0, v, a2);
+                b2 = _mm256_fmadd_ps(w1, v, b2);
+                v = _mm256_loadu_ps(x3 + j);
+                a3 = _mm256_fmadd_ps(w0, v, a3);
+                b3 = _mm256_fmadd_ps(w1, v, b3);
+            }
+            _mm256_store_ps(acca[t] + g, a0), _mm256_store_ps(acca[t + 1] + g, a1);
+            _mm256_store_ps(acca[t + 2] + g, a2), _mm256_store_ps(acca[t + 3] + g, a3);
+            _mm256_store_ps(accb[t] + g, b0), _mm256_store_ps(accb[t + 1] + g, b1);
+            _mm256_store_ps(accb[t + 2] + g, b2), _mm256_store_ps(accb[t + 3] + g, b3);
+        }
+    }
+    if (t < nt) {   /* the last 1..3 tokens: the per-row tile, same lanes and order */
+        const float *xt = x + (size_t)t * ld_x;
+        mf_kern_f32_tile_avx2(wa, n, xt, nt - t, ld_x, k0, acca + t);
+        mf_kern_f32_tile_avx2(wb, n, xt, nt - t, ld_x, k0, accb + t);
+    }
+}
+
+/* Rows per block of the GEMM: their tiles are decoded together, and each 4-token slice of the
+ * input is applied to all of them while it is in L1 (16 KiB of decoded weights). */
+#define MF_KERN_GEMM_ROWS 8
+
+/* The fp32 engine at >= MF_KERN_GEMM_MIN_TOK tokens (AVX2): blocks of MF_KERN_GEMM_ROWS rows,
+ * each block's tiles decoded once per pass of up to 64 tokens; per tile, every 4 tokens go
+ * through the block's row pairs (mf_kern_f32_gemm2_avx2), an odd last row through the per-row
+ * tile. */
+static void mf_kern_f32_run_gemm(const mf_kern_mat *m, mf_kern_decode_fn dec, const float *x, int n_tok,
+                                 int ld_x, float *y, int ld_y, int y_row0, int r0, int r1)
+{
+    _Alignas(32) float wt[MF_KERN_GEMM_ROWS][MF_KERN_TILE];
+    _Alignas(32) float acc[MF_KERN_GEMM_ROWS][MF_KERN_TOK_PASS][32];
+
+    for (int t0 = 0; t0 < n_tok; t0 += MF_KERN_TOK_PASS) {
+        int nt = n_tok - t0 < MF_KERN_TOK_PASS ? n_tok - t0 : MF_KERN_TOK_PASS;
+        const float *xc = x + (size_t)t0 * ld_x;
+        for (int o = r0; o < r1; o += MF_KERN_GEMM_ROWS) {
+            int nr = r1 - o < MF_KERN_GEMM_ROWS ? r1 - o : MF_KERN_GEMM_ROWS;
+            for (int r = 0; r < nr; r++) memset(acc[r], 0, sizeof acc[0][0] * (size_t)nt);
+            for (int k0 = 0; k0 < m->n_in; k0 += MF_KERN_TILE) {
+                int n = m->n_in - k0 < MF_KERN_TILE ? m->n_in - k0 : MF_KERN_TILE;
+                for (int r = 0; r < nr; r++) dec(m, o + r, k0, n, wt[r]);
+                for (int t = 0; t < nt; t += 4) {
+                    int c = nt - t < 4 ? nt - t : 4;
+                    const float *xt = xc + (size_t)t * ld_x;
+                    int r = 0;
+                    for (; r + 2 <= nr; r += 2)
+                        mf_kern_f32_gemm2_avx2(wt[r], wt[r + 1], n, xt, c, ld_x, k0, acc[r] + t, acc[r + 1] + t);
+                    if (r < nr) mf_kern_f32_tile_avx2(wt[r], n, xt, c, ld_x, k0, acc[r] + t);
+                }
+            }
+            for (int r = 0; r < nr; r++)
+                for (int t = 0; t < nt; t++)
+                    y[(size_t)(t0 + t) * ld_y + (o + r - y_row0)] = mf_kern_reduce32(acc[r][t]);
+        }
+    }
+}
+
 void mf_kern_f32_run(const mf_kern_mat *m, mf_kern_decode_fn dec_avx2, mf_kern_decode_fn dec_scalar,
                      const float *x, int n_tok, int ld_x, float *y, int ld_y, int y_row0, int r0,
                      int r1)
 {
     int avx2 = mf_kern_simd_active() == MF_KERN_SIMD_AVX2;
+    if (avx2 && n_tok >= MF_KERN_GEMM_MIN_TOK && __atomic_load_n(&mf_kern_gemm_on, __ATOMIC_RELAXED)) {
+        mf_kern_f32_run_gemm(m, dec_avx2, x, n_tok, ld_x, y, ld_y, y_row0, r0, r1);
+        return;
+    }
     mf_kern_decode_fn dec = avx2 ? dec_avx2 : dec_scalar;
     _Alignas(32) float wt[MF_KERN_TILE];
     _Alignas(32) float acc[MF_KERN_TOK_PASS][32];

@@ -44,6 +44,14 @@ mf_kern_simd mf_kern_simd_active(void);
 int mf_kern_simd_set(mf_kern_simd s);
 const char *mf_kern_simd_name(mf_kern_simd s);
 
+/* Tokens from which the FP8, BF16 and FP4 fp32 kernels run as a blocked GEMM (AVX2 path): rows in
+ * pairs, each pair's weights decoded once per tile and applied to the tokens in register blocks of
+ * 2 rows x 4 tokens. Same lanes and fmaf order as below it, so the same bits. */
+#define MF_KERN_GEMM_MIN_TOK 16
+/* 0: the per-row tile at every token count (benches compare the two paths in one run); 1: the
+ * default. Not thread-safe against kernels running at the same time. */
+void mf_kern_gemm_set(int on);
+
 typedef enum mf_kern_fmt {
     MF_KERN_BF16 = 1,   /* w: uint16 [n_out][n_in]; scale: unused */
     MF_KERN_FP8,        /* w: E4M3 [n_out][n_in]; scale: E8M0 [ceil(n_out/32)][n_in/32] */

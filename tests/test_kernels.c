@@ -318,6 +318,60 @@ static void case_matmul(mf_kern_fmt fmt, int n_out, int n_in, int n_tok, int e_l
     mat_free(&m);
 }
 
+/* The blocked GEMM path (>= MF_KERN_GEMM_MIN_TOK tokens on AVX2) against the per-row tile on the
+ * same data (mf_kern_gemm_set(0)) and against one call per token (below the GEMM's threshold):
+ * the same lanes and fmaf order, so bit for bit; and against the fp64 reference within TOL_F32.
+ * Odd row counts (a single-row tail), odd token counts (a 1..3-token tail of the 4-token blocks),
+ * n_in over one 512-input tile and not a multiple of it, a random row split. */
+static void case_gemm(mf_kern_fmt fmt, int n_out, int n_in, int n_tok)
+{
+    test_mat m;
+    mat_make(&m, fmt, n_out, n_in, 118, 128);
+    int ld_x = n_in + 5, ld_y = n_out + 3;
+    size_t nyl = (size_t)n_tok * ld_y, ny = (size_t)n_tok * n_out;
+    float *x = xmalloc((size_t)n_tok * ld_x * 4), *yc = xmalloc(ny * 4);
+    double *xd = xmalloc((size_t)n_tok * n_in * 8), *ref = xmalloc(ny * 8);
+    float *yg = calloc(nyl, 4), *yt = calloc(nyl, 4), *y1 = calloc(nyl, 4);
+    if (!yg || !yt || !y1) {
+        fprintf(stderr, "out of memory\n");
+        exit(2);
+    }
+    for (int t = 0; t < n_tok; t++)
+        for (int k = 0; k < ld_x; k++) {
+            float v = rng_normal();
+            x[(size_t)t * ld_x + k] = k < n_in ? v : NAN;
+            if (k < n_in) xd[(size_t)t * n_in + k] = v;
+        }
+    ref_matmul(m.dec, n_out, n_in, xd, n_tok, ref);
+    char what[80];
+    snprintf(what, sizeof what, "gemm %s [%d, %d] x %d tok",
+             fmt == MF_KERN_FP4 ? "fp4 f32" : fmt == MF_KERN_FP8 ? "fp8" : "bf16", n_out, n_in, n_tok);
+    CHECK(mf_kern_simd_set(MF_KERN_SIMD_AVX2) == 0, "%s", mf_last_error());
+    CHECK(run_matmul(&m, x, ld_x, n_tok, NULL, yg, ld_y, 1 + n_out / 9) == 0, "%s: %s", what, mf_last_error());
+    mf_kern_gemm_set(0);
+    CHECK(run_matmul(&m, x, ld_x, n_tok, NULL, yt, ld_y, 1) == 0, "%s: %s", what, mf_last_error());
+    mf_kern_gemm_set(1);
+    for (int t = 0; t < n_tok; t++)
+        CHECK(run_matmul(&m, x + (size_t)t * ld_x, ld_x, 1, NULL, y1 + (size_t)t * ld_y, ld_y, 1) == 0, "%s: %s",
+              what, mf_last_error());
+    CHECK(bits_equal(yg, yt, nyl), "%s: GEMM and per-row tile differ", what);
+    CHECK(bits_equal(yg, y1, nyl), "%s: GEMM and one call per token differ", what);
+    compact(yg, n_tok, n_out, ld_y, yc);
+    double e = rel_err(yc, ref, ny);
+    note(fmt == MF_KERN_FP4 ? W_FP4F32 : fmt == MF_KERN_FP8 ? W_FP8 : W_BF16, e);
+    CHECK(e < TOL_F32, "%s: rel err %.3g > %.1g", what, e, TOL_F32);
+    for (int t = 0; t < n_tok; t++)
+        for (int o = n_out; o < ld_y; o++) CHECK(yg[(size_t)t * ld_y + o] == 0.0f, "%s: padding of y written", what);
+    free(yg);
+    free(yt);
+    free(y1);
+    free(x);
+    free(yc);
+    free(xd);
+    free(ref);
+    mat_free(&m);
+}
+
 static double silu(double g) { return g / (1.0 + exp(-g)); }
 
 /* The expert FFN: both phases split in random row ranges, int8 and fp32 paths (fp4) or fp8. */
@@ -517,6 +571,16 @@ int main(void)
     case_ffn(MF_KERN_FP4, 64, 256, 67);                      /* two token passes */
     case_ffn(MF_KERN_FP8, 64, 320, 3);
     case_edges();
+    if (n_paths == 2) {
+        static const int gt[] = {MF_KERN_GEMM_MIN_TOK, 19, 64, 71};
+        for (size_t i = 0; i < sizeof gt / sizeof gt[0]; i++) {
+            case_gemm(MF_KERN_FP8, 45, 800, gt[i]);
+            case_gemm(MF_KERN_BF16, 33, 1056, gt[i]);
+            case_gemm(MF_KERN_FP4, 18, 544, gt[i]);
+        }
+    } else {
+        printf("test_kernels: no AVX2, the GEMM path is not checked\n");
+    }
     mf_kern_simd_set(MF_KERN_SIMD_AUTO);
 
     printf("test_kernels: max relative errors (float64 norm) over all cases and paths:\n");

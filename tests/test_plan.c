@@ -3,9 +3,11 @@
  * then the head) costs anything, bit-identical repeats, cache counters that add up, the flash41
  * preset at full size without files, refusals of bad options, and the simulator's core pool. */
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 
 #include <jansson.h>
 
@@ -20,6 +22,7 @@
 #include "graphs/sim/routing.h"
 #include "sched/error.h"
 #include "sched/graph.h"
+#include "sched/profile.h"
 #include "sched/sim.h"
 #include "sched/timeline.h"
 #include "tests/check.h"
@@ -509,6 +512,72 @@ static void test_same_graph(void)
     free(logits);
 }
 
+/* Prefill (mf_plan_prefill): chunks through the engine's serial graph. Hand-computed on the free
+ * profile: chunks of 1 position are the batch-1 graph (186 tasks of 1 us on one worker, the head
+ * parts included though only the last chunk computes logits), so 5 tokens take 5 x 186 us. On the
+ * costly profile: deterministic, a later chunk costs more (its positions see more keys), a shorter
+ * last chunk adds less than a full one, the default chunk is MF_STEP_PREFILL_CHUNK, refusals. */
+static void test_prefill(void)
+{
+    mf_config c;
+    CHECK(!mf_config_preset("tiny", &c), "preset tiny");
+    mf_profile f = free_profile(1, 1000);
+    mf_plan_opts o = {.config = &c, .profile = &f, .seed = 3};
+    mf_plan_report r;
+    int64_t t1, t2, t3, t4;
+    CHECK(!mf_plan_prefill(&o, 5, 1, &r, &t1), "%s", mf_last_error());
+    CHECK(t1 == 5 * 186 * 1000 && r.n_tasks == 186 && r.batch == 1, "5 chunks of 1: %lld ns, %d tasks",
+          (long long)t1, r.n_tasks);
+    mf_plan *p = NULL;
+    CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .prefill = 1, .batch = 8}, &p), "%s", mf_last_error());
+    CHECK(p && !mf_plan_graph(p)->par && mf_plan_graph(p)->n == 8, "prefill plan: the serial graph of 8 items");
+    mf_plan_free(p);
+
+    f = costly_profile();
+    CHECK(!mf_plan_prefill(&o, 16, 8, &r, &t1) && !mf_plan_prefill(&o, 16, 8, NULL, &t2), "%s", mf_last_error());
+    CHECK(t1 == t2 && t1 > 0, "repeat: %lld vs %lld ns", (long long)t1, (long long)t2);
+    CHECK(!mf_plan_prefill(&o, 8, 8, NULL, &t3), "%s", mf_last_error());
+    CHECK(t1 > 2 * t3, "16 tokens %lld ns, not more than twice 8 tokens' %lld ns", (long long)t1, (long long)t3);
+    CHECK(!mf_plan_prefill(&o, 19, 8, NULL, &t4), "%s", mf_last_error());
+    CHECK(t4 > t1 && t4 - t1 < t1 / 2, "19 tokens %lld ns against 16 tokens %lld ns", (long long)t4, (long long)t1);
+    CHECK(!mf_plan_prefill(&o, 70, 0, NULL, &t1) && !mf_plan_prefill(&o, 70, MF_STEP_PREFILL_CHUNK, NULL, &t2) &&
+              t1 == t2, "default chunk: %lld vs %lld ns", (long long)t1, (long long)t2);
+    CHECK(mf_plan_prefill(&o, 16, MF_STEP_MAX_ITEMS + 1, NULL, &t1) == -EINVAL, "chunk over the graph's items");
+    CHECK(mf_plan_prefill(&o, 0, 8, NULL, &t1) == -EINVAL, "an empty prompt");
+
+    /* the command: `moeflow sim --prompt-tokens N --chunk T --json` prints what mf_plan_prefill
+     * predicts with the same profile (uniform routing, seed 1: the command's defaults) */
+    const char *bin = getenv("MOEFLOW_BIN");
+    if (!bin) {
+        printf("test_plan: MOEFLOW_BIN unset, sim --prompt-tokens not checked\n");
+        return;
+    }
+    char prof_path[1024], cmd[2048], out[4096] = "";
+    snprintf(prof_path, sizeof prof_path, "%s/tools/profiles/seed-host.prof", MF_SOURCE_DIR);
+    mf_profile sp;
+    CHECK(mf_profile_load(prof_path, &sp) == 0, "%s", mf_last_error());
+    mf_routing *rt = NULL;
+    CHECK(mf_routing_open("uniform", c.n_layers, c.n_routed_experts, c.n_experts_per_tok, 1, &rt) == 0, "%s",
+          mf_last_error());
+    mf_plan_opts so = {.config = &c, .profile = &sp, .routing = rt, .seed = 1};
+    CHECK(mf_plan_prefill(&so, 20, 8, NULL, &t1) == 0, "%s", mf_last_error());
+    mf_routing_free(rt);
+    snprintf(cmd, sizeof cmd, "'%s' sim --profile %s --preset tiny --prompt-tokens 20 --chunk 8 --json 2>&1", bin,
+             prof_path);
+    FILE *pf = popen(cmd, "r");
+    size_t n = pf ? fread(out, 1, sizeof out - 1, pf) : 0;
+    out[n] = 0;
+    int st = pf ? pclose(pf) : -1;
+    const char *q = strstr(out, "\"ttft_s\":");
+    double ttft = q ? strtod(q + 9, NULL) : -1;
+    CHECK(st == 0 && strstr(out, "\"chunk\":8") && fabs(ttft - t1 / 1e9) <= 1e-8 * (t1 / 1e9) + 1e-9,
+          "sim --prompt-tokens: '%s' (the library: %.9g s)", out, t1 / 1e9);
+    snprintf(cmd, sizeof cmd, "'%s' sim --profile %s --preset tiny --prompt-tokens 20 --measure >/dev/null 2>&1", bin,
+             prof_path);
+    st = system(cmd);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 2, "sim --prompt-tokens --measure: exit %d, expected 2", st);
+}
+
 int main(void)
 {
     const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
@@ -519,5 +588,6 @@ int main(void)
     test_flash41();
     test_refusals();
     test_core_pool();
+    test_prefill();
     return mf_check_exit("test_plan");
 }

@@ -3,6 +3,7 @@
  * path; greedy tokens; bit-identical logits across 1, 2, 4 workers, pinned workers and repeated
  * runs; expert slots shared by several tokens; serial vs per-item graphs; a second model shape
  * (8 experts, top-4, no shared expert); refusals; the CLI and bench decode. */
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -177,6 +178,40 @@ static void test_variant(int n_experts, int top_k, int inter, int b)
     mf_model_free(m);
 }
 
+/* mf_stepgraph_macs, the bench's multiply-adds per token, on the engine's graphs of c: linear in
+ * the items, the same for the serial and the parallel graph, the head counted per item with
+ * logits (vocab x hidden each), more than the routed experts' top_k x 3 x hidden x inter. */
+static void check_graph_macs(const mf_config *c)
+{
+    mf_sg_sizes *sz = NULL;
+    CHECK(mf_sg_sizes_new(c, &sz) == 0, "sizes: %s", mf_last_error());
+    if (!sz) return;
+    mf_lane_model lm[4];
+    mf_step_lane_models(NULL, 2, lm);
+    mf_sg_lanes ln;
+    mf_sg_lanes_init(&ln, lm, 2, 0, 0);
+    double m[3][2] = {{0}};   /* [n = 1, 3 parallel, 3 serial][head 0, all] */
+    for (int k = 0; k < 3; k++) {
+        int n = k ? 3 : 1;
+        mf_stepgraph *sg = NULL;
+        CHECK(mf_stepgraph_new(&(mf_sg_opts){.c = c, .sz = sz, .n = n, .par = k < 2, .n_threads = 2, .lanes = ln.lane,
+                                             .n_lanes = ln.n_lanes, .lane_io = ln.lane_io, .lane_dev0 = ln.lane_dev0},
+                               &sg) == 0, "graph of %d: %s", n, mf_last_error());
+        if (!sg) continue;
+        m[k][0] = mf_stepgraph_macs(sg, c->n_experts_per_tok, 0);
+        m[k][1] = mf_stepgraph_macs(sg, c->n_experts_per_tok, n);
+        mf_stepgraph_free(sg);
+    }
+    double head = (double)c->vocab_size * c->hidden_size;
+    double routed = (double)c->n_layers * c->n_experts_per_tok * 3.0 * c->hidden_size * c->moe_intermediate_size;
+    CHECK(fabs(m[1][0] - 3 * m[0][0]) <= 1e-9 * m[1][0] && m[1][0] == m[2][0], "macs: n=1 %.6g, n=3 %.6g / %.6g",
+          m[0][0], m[1][0], m[2][0]);
+    CHECK(fabs(m[0][1] - m[0][0] - head) <= 1e-9 * m[0][1] && fabs(m[1][1] - m[1][0] - 3 * head) <= 1e-9 * m[1][1],
+          "head macs: %.6g %.6g, expected + %.6g per item", m[0][0], m[0][1], head);
+    CHECK(m[0][0] > routed, "macs per token %.6g, routed experts alone %.6g", m[0][0], routed);
+    mf_sg_sizes_free(sz);
+}
+
 int main(void)
 {
     mf_config c;
@@ -189,6 +224,7 @@ int main(void)
     CHECK(mf_model_load(g_dir, &(mf_model_opts){.quiet = 1}, &m) == 0, "load: %s", mf_last_error());
     if (!m) return mf_check_exit("test_step");
     g_V = c.vocab_size;
+    check_graph_macs(&c);
     mf_ref *r = NULL;
     CHECK(mf_ref_new(m, NULL, &r) == 0, "ref: %s", mf_last_error());
     if (!r) return mf_check_exit("test_step");
@@ -353,6 +389,18 @@ int main(void)
         }
         CHECK(mf_ref_state_pos(sb) == NL, "position after a chunked prefill");
         CHECK(memcmp(lb, lc, sizeof(float) * g_V) == 0, "chunked prefill differs from token by token");
+        /* another chunk size (mf_step_opts.prefill_chunk 17: 17 + 17 + 17 + 17 + 2), the same bits */
+        mf_step *e17 = NULL;
+        mf_ref_state *sd = NULL;
+        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .exact = 1, .prefill_chunk = 17}, &e17) == 0 &&
+              mf_ref_state_new(r, NL, &sd) == 0, "step, chunk 17: %s", mf_last_error());
+        CHECK(e17 && sd && mf_step_prefill(e17, sd, p, NL, lc) == 0 && mf_ref_state_pos(sd) == NL &&
+              memcmp(lb, lc, sizeof(float) * g_V) == 0, "prefill in chunks of 17 differs from chunks of 64");
+        mf_ref_state_free(sd);
+        mf_step_free(e17);
+        mf_step *bad = NULL;
+        CHECK(mf_step_new(r, &(mf_step_opts){.prefill_chunk = MF_STEP_MAX_ITEMS + 1}, &bad) == -EINVAL && !bad &&
+              strstr(mf_last_error(), "prefill chunk"), "prefill chunk over the graph's items: %s", mf_last_error());
         double d = max_rel(la, lb, g_V);
         CHECK(d < 0.15, "prefill of %d tokens (two graphs): %.3g off the reference", NL, d);
         printf("prefill of %d tokens in two chunks: %.3g off the reference\n", NL, d);
@@ -457,6 +505,23 @@ int main(void)
               strstr(out, "\"reference_tokens_per_s\":") && strstr(out, "\"phases\":{\"attention stack\":") &&
               strstr(out, "\"norm + head\":"), "bench decode --json: '%s'", out);
         CHECK(access(tr, R_OK) == 0, "bench decode --trace wrote no %s", tr);
+        /* --no-reference: prefill and decode rates and compute fractions, reference fields null */
+        snprintf(a2, sizeof a2, "bench decode --checkpoint %s --steps 1 --batch 2 --prompt-tokens 20 --threads 2 "
+                 "--no-reference --json", g_dir);
+        CHECK(mf_test_cli(a2, out, sizeof out) == 0 && strstr(out, "\"reference_tokens_per_s\":null") &&
+              strstr(out, "\"reference_phases\":null"), "bench decode --no-reference: '%s'", out);
+        const char *keys[] = {"\"prefill_tokens_per_s\":", "\"decode_tokens_per_s\":", "\"compute_fraction\":",
+                              "\"prefill_macs_per_token\":", "\"decode_macs_per_token\":"};
+        double val[5] = {0};
+        for (int k = 0; k < 5; k++) {
+            const char *q = strstr(out, keys[k]);
+            val[k] = q ? strtod(q + strlen(keys[k]), NULL) : -1;
+            CHECK(val[k] > 0, "bench decode --no-reference: %s %g in '%s'", keys[k], val[k], out);
+        }
+        CHECK(val[2] < 2, "compute fraction %g", val[2]);
+        /* a decode token runs the head (vocab x hidden multiply-adds), a prompt only its last token */
+        CHECK(fabs(val[4] - val[3] - (double)c.vocab_size * c.hidden_size * 19 / 20) < 1e-4 * val[4],
+              "macs per token: prefill %g, decode %g", val[3], val[4]);
         snprintf(a2, sizeof a2, "%s --engine bogus", args);
         CHECK(mf_test_cli(a2, out, sizeof out) == 2 * 256, "cli --engine bogus exits 2");
     }

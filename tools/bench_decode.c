@@ -1,18 +1,23 @@
-/* `moeflow bench decode`: decode steps of the reference engine and the scheduled engine in the same
- * run, on the same synthetic prompt, with a phase table per engine (attention stack, MoE, Engram,
- * norm + head, other) per step, tokens/s and the speedup; --trace writes one scheduled step's
- * timeline, --json a machine-readable summary. */
+/* `moeflow bench decode`: prefill and decode steps of the reference engine and the scheduled engine
+ * in the same run, on the same synthetic prompt, with a phase table per engine (attention stack,
+ * MoE, Engram, norm + head, other) per step, tokens/s and the speedup, and the scheduled engine's
+ * compute fraction: its kernel multiply-adds (the step graph's records) per second over the fused
+ * int8 kernel's rate measured in the same run; --trace writes one scheduled step's timeline,
+ * --json a machine-readable summary. */
 #include <errno.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "graphs/model/model.h"
 #include "graphs/ref/ref.h"
 #include "graphs/step/sample.h"
 #include "graphs/step/step.h"
+#include "host/kernels.h"
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "tools/commands.h"
@@ -21,23 +26,112 @@ static void mf_bench_decode_usage(FILE *f)
 {
     fprintf(f,
             "usage: moeflow bench decode --checkpoint DIR [--steps N] [--batch B] [--threads N]\n"
-            "                            [--prompt-tokens P] [--exact] [--trace FILE] [--json]\n\n"
+            "                            [--prompt-tokens P] [--chunk T] [--exact] [--no-reference]\n"
+            "                            [--trace FILE] [--json]\n\n"
             "Prefills B sequences of a synthetic P-token prompt (default 16; sequence i's tokens are\n"
             "(37 k + 11 + 101 i) mod vocab) and runs N greedy decode steps (default 8) of the batch\n"
             "with the reference engine, then with the scheduled engine on --threads workers (default\n"
             "the online CPUs). Prints per engine and step where the time went (ms): attention stack,\n"
             "MoE, Engram, norm + head, other (embedding, checks, copies, scheduling gaps), tokens/s,\n"
-            "and the speedup scheduled / reference. --exact runs the scheduled engine's experts on\n"
-            "the fp32 kernel path. --trace FILE writes the Chrome trace of the last scheduled step.\n"
-            "--json prints {\"tokens_per_s\", \"reference_tokens_per_s\", \"speedup\", \"phases\":\n"
-            "{phase: seconds per step}, \"reference_phases\": {...}, ...} instead of the tables.\n");
+            "the speedup scheduled / reference, prefill and decode tokens/s, and the compute fraction:\n"
+            "the scheduled engine's kernel multiply-adds per second (the step graph's records) over\n"
+            "the fused int8 kernel's rate on the model's expert shape at 64 tokens on the same\n"
+            "threads, measured by this command before the engines run. --no-reference skips the\n"
+            "one-thread reference engine (a long prefill takes it minutes). --chunk T: the scheduled\n"
+            "engine's prefill chunk (positions per graph run; default %d). --exact runs the\n"
+            "scheduled engine's experts on the fp32 kernel path. --trace FILE writes the Chrome trace\n"
+            "of the last scheduled step. --json prints {\"tokens_per_s\", \"reference_tokens_per_s\",\n"
+            "\"speedup\", \"prefill_tokens_per_s\", \"decode_tokens_per_s\", \"compute_fraction\",\n"
+            "\"prefill_cpu_s\", \"decode_cpu_s\" (the process's CPU time: what a loaded machine's wall\n"
+            "time hides), \"phases\": {phase: seconds per step}, \"reference_phases\": {...}, ...} instead of the\n"
+            "tables (reference fields null with --no-reference).\n", MF_STEP_PREFILL_CHUNK);
 }
 
 typedef struct mf_bd_run {
     double phase_s[MF_STEP_N_PHASES];   /* summed over steps */
     double total_s;
+    double prefill_s;                   /* all sequences' prefills */
+    double prefill_cpu_s, decode_cpu_s; /* the process's CPU time over them (all threads) */
+    double prefill_macs, decode_macs;   /* scheduled engine: kernel multiply-adds (mf_step_times) */
     int32_t *tokens;                    /* steps x batch: the greedy inputs fed */
 } mf_bd_run;
+
+/* ---- the fused kernel's multiply-add rate ---------------------------------------------------- */
+
+typedef struct mf_bd_rate {
+    const uint8_t *w, *scale;
+    int n_out, n_in, n_threads, reps;
+    const mf_kern_q8 *q8;
+    float *y;
+    int rc[256];
+} mf_bd_rate;
+
+typedef struct mf_bd_rate_arg {
+    mf_bd_rate *r;
+    int id;
+} mf_bd_rate_arg;
+
+static void *mf_bd_rate_worker(void *p)
+{
+    mf_bd_rate_arg *a = p;
+    mf_bd_rate *r = a->r;
+    int r0 = (int)((int64_t)r->n_out * a->id / r->n_threads), r1 = (int)((int64_t)r->n_out * (a->id + 1) / r->n_threads);
+    for (int k = 0; k < r->reps && !r->rc[a->id]; k++)
+        r->rc[a->id] = mf_kern_fp4_matmul(r->w, r->scale, r->n_out, r->n_in, r->q8, r->y, r->n_out, r0, r1);
+    return NULL;
+}
+
+/* The fused FP4 int8 kernel's multiply-add rate on `threads` threads: w1's shape of config c
+ * ([moe_intermediate, hidden], random codes, weights warm) over 64 quantized tokens, each thread
+ * its rows, repeated; the best of 5 rounds. 0 or a negative code. */
+static int mf_bd_kernel_rate(const mf_config *c, int threads, double *macs_per_s)
+{
+    int n_out = (int)c->moe_intermediate_size, n_in = (int)c->hidden_size, n_tok = 64, rc = 0;
+    size_t wb = (size_t)n_out * n_in / 2, sb = (size_t)n_out * (n_in / 32), qb = mf_kern_q8_bytes(n_tok, n_in);
+    uint8_t *w = malloc(wb), *sc = malloc(sb);
+    float *x = malloc(sizeof(float) * (size_t)n_tok * n_in), *y = malloc(sizeof(float) * (size_t)n_tok * n_out);
+    void *qbuf = malloc(qb);
+    pthread_t th[256];
+    mf_bd_rate_arg args[256];
+    if (!w || !sc || !x || !y || !qbuf) {
+        rc = mf_error(-ENOMEM, "bench decode: out of memory for the kernel rate");
+        goto out;
+    }
+    uint64_t z = 0x9E3779B97F4A7C15ull;
+    for (size_t i = 0; i < wb; i++) w[i] = (uint8_t)((z = z * 6364136223846793005ull + 1442695040888963407ull) >> 56);
+    for (size_t i = 0; i < sb; i++) sc[i] = (uint8_t)(120 + i % 7);
+    for (size_t i = 0; i < (size_t)n_tok * n_in; i++) x[i] = (float)((int)(i * 2654435761u % 2001) - 1000) * 1e-3f;
+    mf_kern_q8 q8;
+    if ((rc = mf_kern_q8_init(&q8, qbuf, qb, n_tok, n_in)) || (rc = mf_kern_q8_quantize(&q8, x, n_in, 0, n_tok)))
+        goto out;
+    double macs_call = (double)n_out * n_in * n_tok, best = 0;
+    mf_bd_rate r = {.w = w, .scale = sc, .n_out = n_out, .n_in = n_in, .n_threads = threads, .q8 = &q8, .y = y};
+    r.reps = (int)(2e9 / macs_call) + 1;   /* ~2 G multiply-adds a round: tens of ms */
+    /* a round: the threads started, each its rows reps times, joined (starting a thread costs
+     * microseconds against a round's tens of milliseconds) */
+    for (int round = 0; round < 5 && !rc; round++) {
+        int started = 0;
+        int64_t t0 = mf_now_ns();
+        for (; started < threads; started++) {
+            args[started] = (mf_bd_rate_arg){&r, started};
+            if (pthread_create(&th[started], NULL, mf_bd_rate_worker, &args[started])) break;
+        }
+        for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+        double sec = (mf_now_ns() - t0) / 1e9;
+        if (started < threads) rc = mf_error(-EAGAIN, "bench decode: could not start %d threads for the kernel rate", threads);
+        for (int i = 0; i < threads && !rc; i++) rc = r.rc[i];
+        double rate = macs_call * r.reps / sec;
+        if (!rc && rate > best) best = rate;
+    }
+    *macs_per_s = best;
+out:
+    free(w);
+    free(sc);
+    free(x);
+    free(y);
+    free(qbuf);
+    return rc;
+}
 
 static void mf_bd_row(const char *label, const double *ph, double total, double tps)
 {
@@ -53,6 +147,14 @@ static void mf_bd_header(const char *engine, int batch)
     printf(" %10s %10s\n", "total", "tokens/s");
 }
 
+/* The process's CPU time (all threads), seconds: what a loaded machine's wall time hides. */
+static double mf_bd_cpu_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
 /* Prefill + steps on one engine (eng NULL: the reference). */
 static int mf_bd_engine(mf_ref *r, mf_step *eng, int64_t V, int batch, int n_prompt, int steps,
                         int quiet_rows, float *logits, mf_bd_run *out)
@@ -66,7 +168,16 @@ static int mf_bd_engine(mf_ref *r, mf_step *eng, int64_t V, int batch, int n_pro
         rc = mf_ref_state_new(r, n_prompt + steps + 1, &st[s]);
         if (!rc) {
             float *lg = logits + (size_t)s * V;
+            int64_t t0 = mf_now_ns();
+            double c0 = mf_bd_cpu_s();
             rc = eng ? mf_step_prefill(eng, st[s], prompt, n_prompt, lg) : mf_ref_prefill(r, st[s], prompt, n_prompt, lg);
+            out->prefill_s += (mf_now_ns() - t0) / 1e9;
+            out->prefill_cpu_s += mf_bd_cpu_s() - c0;
+            if (eng && !rc) {
+                mf_step_times t;
+                mf_step_last_times(eng, &t);
+                out->prefill_macs += t.macs;
+            }
         }
     }
     free(prompt);
@@ -75,12 +186,14 @@ static int mf_bd_engine(mf_ref *r, mf_step *eng, int64_t V, int batch, int n_pro
         int32_t tok[MF_STEP_MAX_ITEMS];
         for (int s = 0; s < batch; s++) tok[s] = out->tokens[k * batch + s] = mf_sample_greedy(logits + (size_t)s * V, V);
         double ph[MF_STEP_N_PHASES] = {0}, total;
+        double c0 = mf_bd_cpu_s();
         if (eng) {
             rc = mf_step_decode(eng, st, tok, batch, logits);
             mf_step_times t;
             mf_step_last_times(eng, &t);
             for (int p = 0; p < MF_STEP_N_PHASES; p++) ph[p] = t.phase_ns[p] / 1e9;
             total = t.wall_ns / 1e9;
+            out->decode_macs += t.macs;
         } else {
             mf_ref_times a, b;
             mf_ref_times_get(r, &a);
@@ -96,6 +209,7 @@ static int mf_bd_engine(mf_ref *r, mf_step *eng, int64_t V, int batch, int n_pro
             ph[MF_STEP_OTHER] = rest > 0 ? rest : 0;
         }
         if (rc) break;
+        out->decode_cpu_s += mf_bd_cpu_s() - c0;
         for (int p = 0; p < MF_STEP_N_PHASES; p++) out->phase_s[p] += ph[p];
         out->total_s += total;
         if (!quiet_rows) {
@@ -124,16 +238,18 @@ static void mf_bd_json_phases(const char *key, const mf_bd_run *run, int steps)
 int mf_bench_decode(int argc, char **argv)
 {
     const char *dir = NULL, *trace = NULL;
-    long steps = 8, batch = 1, n_prompt = 16, threads = sysconf(_SC_NPROCESSORS_ONLN);
-    int json = 0, exact = 0;
+    long steps = 8, batch = 1, n_prompt = 16, chunk = 0, threads = sysconf(_SC_NPROCESSORS_ONLN);
+    int json = 0, exact = 0, no_ref = 0;
     if (threads < 1) threads = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int hv = i + 1 < argc;
         char *end = NULL;
         long *num = !strcmp(a, "--steps") ? &steps : !strcmp(a, "--batch") ? &batch
-                  : !strcmp(a, "--threads") ? &threads : !strcmp(a, "--prompt-tokens") ? &n_prompt : NULL;
-        long lo = 1, hi = !strcmp(a, "--batch") ? MF_STEP_MAX_ITEMS : !strcmp(a, "--threads") ? 256 : 100000;
+                  : !strcmp(a, "--threads") ? &threads : !strcmp(a, "--prompt-tokens") ? &n_prompt
+                  : !strcmp(a, "--chunk") ? &chunk : NULL;
+        long lo = 1, hi = !strcmp(a, "--batch") || !strcmp(a, "--chunk") ? MF_STEP_MAX_ITEMS
+                          : !strcmp(a, "--threads") ? 256 : 100000;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             mf_bench_decode_usage(stdout);
             return 0;
@@ -145,6 +261,8 @@ int mf_bench_decode(int argc, char **argv)
             json = 1;
         } else if (!strcmp(a, "--exact")) {
             exact = 1;
+        } else if (!strcmp(a, "--no-reference")) {
+            no_ref = 1;
         } else if (num && hv) {
             *num = strtol(argv[++i], &end, 10);
             if (*end || !*argv[i] || *num < lo || *num > hi) {
@@ -170,7 +288,7 @@ int mf_bench_decode(int argc, char **argv)
     mf_bd_run ref = {0}, sch = {0};
     if (mf_model_load(dir, &(mf_model_opts){.quiet = json, .resident_limit_bytes = UINT64_C(64) << 30}, &m) ||
         mf_ref_new(m, NULL, &r) ||
-        mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact}, &eng))
+        mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact, .prefill_chunk = (int)chunk}, &eng))
         goto fail;
     const mf_config *c = mf_model_config(m);
     if (n_prompt + steps + 1 > c->max_position_embeddings) {
@@ -187,25 +305,55 @@ int mf_bench_decode(int argc, char **argv)
     }
     if (!json)
         printf("bench decode: %s, batch %ld, %ld-token prompt, %ld steps; scheduled engine on %ld threads (%s "
-               "experts)\n", dir, batch, n_prompt, steps, threads, exact ? "fp32" : "int8");
-    if (mf_bd_engine(r, NULL, c->vocab_size, (int)batch, (int)n_prompt, (int)steps, json, logits, &ref) ||
+               "experts)%s\n", dir, batch, n_prompt, steps, threads, exact ? "fp32" : "int8",
+               no_ref ? "; no reference engine" : "");
+    double kern_rate = 0;
+    if (mf_bd_kernel_rate(c, (int)threads, &kern_rate)) goto fail;
+    if ((!no_ref && mf_bd_engine(r, NULL, c->vocab_size, (int)batch, (int)n_prompt, (int)steps, json, logits, &ref)) ||
         mf_bd_engine(r, eng, c->vocab_size, (int)batch, (int)n_prompt, (int)steps, json, logits, &sch))
         goto fail;
     if (trace && mf_step_write_trace(eng, trace)) goto fail;
-    double tps = batch * steps / sch.total_s, rtps = batch * steps / ref.total_s;
+    double tps = batch * steps / sch.total_s, rtps = no_ref ? 0 : batch * steps / ref.total_s;
+    double ptps = batch * n_prompt / sch.prefill_s, rptps = no_ref ? 0 : batch * n_prompt / ref.prefill_s;
+    /* compute fraction: kernel multiply-adds per second over the fused kernel's rate */
+    double pfrac = sch.prefill_macs / sch.prefill_s / kern_rate, dfrac = sch.decode_macs / sch.total_s / kern_rate;
+    double frac = (sch.prefill_macs + sch.decode_macs) / (sch.prefill_s + sch.total_s) / kern_rate;
     int same = 0;
-    for (long k = 0; k < steps * batch; k++) same += ref.tokens[k] == sch.tokens[k];
+    for (long k = 0; k < steps * batch && !no_ref; k++) same += ref.tokens[k] == sch.tokens[k];
     if (json) {
-        printf("{\"tokens_per_s\":%.6g,\"reference_tokens_per_s\":%.6g,\"speedup\":%.6g,\"batch\":%ld,"
-               "\"threads\":%ld,\"steps\":%ld,\"exact\":%d,\"same_tokens\":%d,", tps, rtps, tps / rtps, batch,
-               threads, steps, exact, same);
+        char rt[32] = "null", sp[32] = "null", rp[32] = "null", sm[16] = "null";
+        if (!no_ref) {
+            snprintf(rt, sizeof rt, "%.6g", rtps);
+            snprintf(sp, sizeof sp, "%.6g", tps / rtps);
+            snprintf(rp, sizeof rp, "%.6g", rptps);
+            snprintf(sm, sizeof sm, "%d", same);
+        }
+        printf("{\"tokens_per_s\":%.6g,\"reference_tokens_per_s\":%s,\"speedup\":%s,\"batch\":%ld,"
+               "\"threads\":%ld,\"steps\":%ld,\"prompt_tokens\":%ld,\"chunk\":%ld,\"exact\":%d,\"same_tokens\":%s,"
+               "\"prefill_tokens_per_s\":%.6g,\"reference_prefill_tokens_per_s\":%s,\"decode_tokens_per_s\":%.6g,"
+               "\"compute_fraction\":%.6g,\"prefill_compute_fraction\":%.6g,\"decode_compute_fraction\":%.6g,"
+               "\"prefill_macs_per_token\":%.6g,\"decode_macs_per_token\":%.6g,\"kernel_macs_per_s\":%.6g,"
+               "\"prefill_s\":%.6g,\"prefill_cpu_s\":%.6g,\"decode_s\":%.6g,\"decode_cpu_s\":%.6g,",
+               tps, rt, sp, batch, threads, steps, n_prompt, chunk ? chunk : MF_STEP_PREFILL_CHUNK, exact, sm, ptps, rp, tps, frac, pfrac, dfrac,
+               sch.prefill_macs / (batch * n_prompt), sch.decode_macs / (batch * steps), kern_rate, sch.prefill_s,
+               sch.prefill_cpu_s, sch.total_s, sch.decode_cpu_s);
         mf_bd_json_phases("phases", &sch, (int)steps);
         printf(",");
-        mf_bd_json_phases("reference_phases", &ref, (int)steps);
+        if (no_ref) printf("\"reference_phases\":null");
+        else mf_bd_json_phases("reference_phases", &ref, (int)steps);
         printf("}\n");
     } else {
-        printf("\ntokens/s: scheduled %.2f, reference %.2f: speedup %.2fx; greedy inputs equal in %d of %ld "
-               "(step, sequence) pairs\n", tps, rtps, tps / rtps, same, steps * batch);
+        if (!no_ref)
+            printf("\ntokens/s: scheduled %.2f, reference %.2f: speedup %.2fx; greedy inputs equal in %d of %ld "
+                   "(step, sequence) pairs\n", tps, rtps, tps / rtps, same, steps * batch);
+        printf("%sprefill: %.2f tokens/s%s; decode: %.2f tokens/s (process CPU time: prefill %.2f s, decode "
+               "%.2f s; wall %.2f s, %.2f s)\n", no_ref ? "\n" : "", ptps,
+               no_ref ? "" : " (reference engine's shown in --json)", tps, sch.prefill_cpu_s, sch.decode_cpu_s,
+               sch.prefill_s, sch.total_s);
+        printf("compute fraction: prefill %.3f (%.1f M multiply-adds per token), decode %.3f (%.1f M), all %.3f, "
+               "of the fused int8 kernel's %.1f G multiply-adds/s on %ld threads\n", pfrac,
+               sch.prefill_macs / (batch * n_prompt) / 1e6, dfrac, sch.decode_macs / (batch * steps) / 1e6, frac,
+               kern_rate / 1e9, threads);
         if (trace) printf("trace of the last scheduled step: %s\n", trace);
     }
     ret = 0;

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "host/formats.h"
 #include "host/kernels.h"
@@ -18,6 +19,8 @@
 #include "tools/commands.h"
 
 #define MAX_THREADS 16
+#define DENSE_OUT 1024   /* the dense linears' shape: demo's wo_b / shared expert scale */
+#define DENSE_IN 4096
 #define N_TOKS 6
 static const int bench_toks[N_TOKS] = {1, 2, 4, 8, 16, 64};
 
@@ -47,7 +50,7 @@ static void spin_wait(spin_barrier *b)
 
 /* ---- the work items ------------------------------------------------------------------------- */
 
-enum job_kind { JOB_FUSED, JOB_FUSED_F32, JOB_PROBE, JOB_EXPAND, JOB_FFN, JOB_QUIT };
+enum job_kind { JOB_FUSED, JOB_FUSED_F32, JOB_PROBE, JOB_EXPAND, JOB_FFN, JOB_DENSE, JOB_QUIT };
 
 typedef struct {
     int n_out, n_in, n_copies;
@@ -68,6 +71,8 @@ typedef struct {
     mf_kern_q8 qh;
     float *h;
     float *expanded;             /* [n_out][n_in], the baseline's */
+    const mf_kern_mat *dense;    /* JOB_DENSE: an FP8 or BF16 matrix */
+    int64_t cpu_ns[MAX_THREADS]; /* JOB_DENSE: each worker's thread CPU time of the call */
     int n_threads;
     spin_barrier bar;
     volatile uint64_t sink[MAX_THREADS * 8];
@@ -95,6 +100,14 @@ static uint64_t probe_read(const uint8_t *p, size_t n)
     for (; i < n; i++)
         s += p[i];
     return s;
+}
+
+/* This thread's CPU time: what a call costs when other processes take the cores in turn. */
+static int64_t thread_cpu_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
 static void row_range(int n_out, int n_threads, int id, int *r0, int *r1)
@@ -173,6 +186,15 @@ static int do_job(bench_ctx *c, int id)
         mf_kern_in hin = {c->h, n, up->n_out, &c->qh};
         if (!rc)
             rc = mf_kern_ffn_down(&w2, &hin, c->y, dn->n_out, d0, d1);
+        break;
+    }
+    case JOB_DENSE: {
+        const mf_kern_mat *d = c->dense;
+        row_range(d->n_out, c->n_threads, id, &r0, &r1);
+        mf_kern_in in = {c->x, c->n_tok, d->n_in, NULL};
+        int64_t t0 = thread_cpu_ns();
+        rc = mf_kern_matmul(d, &in, c->y, d->n_out, r0, r1);
+        c->cpu_ns[id] = thread_cpu_ns() - t0;
         break;
     }
     case JOB_QUIT:
@@ -456,6 +478,49 @@ int mf_bench_kernels(int argc, char **argv)
                 status = 1;
             }
     }
+    /* dense FP8 / BF16 linears at 16 and 64 tokens: the blocked GEMM against the per-row tile
+     * (mf_kern_gemm_set(0)), alternating within each round; weights warm in the last-level cache
+     * (a decode step's linears are read once per step, the tokens are what grows) */
+    static const int dense_toks[2] = {16, 64};
+    int64_t dense_ns[2][2][2] = {{{0}}};   /* [fp8, bf16][tokens][gemm off, on]: wall, median */
+    int64_t dense_cpu[2][2][2] = {{{0}}};  /* the slowest worker's thread CPU time, least over rounds */
+    uint8_t *dw = malloc((size_t)DENSE_OUT * DENSE_IN * 2), *ds = malloc((size_t)(DENSE_OUT / 32) * (DENSE_IN / 32));
+    if (!dw || !ds) {
+        fprintf(stderr, "bench kernels: out of memory\n");
+        status = 1;
+    }
+    if (!status) {
+        for (size_t j = 0; j < (size_t)DENSE_OUT * DENSE_IN * 2; j++) {
+            uint8_t v = (uint8_t)rnd();
+            dw[j] = (j & 1) || (v & 0x7F) != 0x7F ? v : 0x11;   /* no E4M3 NaN codes; bf16 high bytes any */
+            if (j & 1) dw[j] = (uint8_t)(0x3C + (v & 1) + (v & 0x80));   /* bf16 magnitudes near 1 */
+        }
+        for (int j = 0; j < (DENSE_OUT / 32) * (DENSE_IN / 32); j++) ds[j] = (uint8_t)(120 + rnd() % 4);
+        mf_kern_mat dm[2] = {{MF_KERN_FP8, dw, ds, DENSE_OUT, DENSE_IN}, {MF_KERN_BF16, dw, NULL, DENSE_OUT, DENSE_IN}};
+        int64_t t[2][2][2][64];
+        for (int r = 0; r < reps; r++)
+            for (int f = 0; f < 2; f++)
+                for (int i = 0; i < 2; i++)
+                    for (int g = 0; g < 2; g++) {
+                        c->dense = &dm[f];
+                        mf_kern_gemm_set(g);
+                        t[f][i][g][r] = run_call(c, JOB_DENSE, 0, dense_toks[i]);
+                        int64_t slow = 0;
+                        for (int k = 0; k < n_threads; k++) slow = c->cpu_ns[k] > slow ? c->cpu_ns[k] : slow;
+                        if (!r || slow < dense_cpu[f][i][g]) dense_cpu[f][i][g] = slow;
+                    }
+        mf_kern_gemm_set(1);
+        for (int f = 0; f < 2; f++)
+            for (int i = 0; i < 2; i++)
+                for (int g = 0; g < 2; g++) dense_ns[f][i][g] = median_of(t[f][i][g], reps);
+        for (int i = 0; i < n_threads; i++)
+            if (c->rc[i]) {
+                fprintf(stderr, "bench kernels: %s\n", mf_last_error());
+                status = 1;
+            }
+    }
+    free(dw);
+    free(ds);
     free(qhbuf);
     free(c->h);
     pool_free(&pools[0]);
@@ -509,6 +574,20 @@ int mf_bench_kernels(int argc, char **argv)
                    i == 0 ? "ffn, 1 tok" : i == 1 ? "ffn, 8 tok" : "ffn, 16 tok", ffn_ns[i] / 1e3,
                    ffn_bytes / ffn_ns[i], (double)ffn_ns[i] / ffn_ns[0], 100.0 * ffn_probe / ffn_ns[i]);
     }
+    if (!status && !json) {
+        printf("dense linears [%d, %d], weights warm, %d threads: blocked GEMM vs per-row tile (wall: median;\n"
+               "  cpu: the slowest worker's thread CPU time, least over the rounds, which load does not stretch)\n",
+               DENSE_OUT, DENSE_IN, n_threads);
+        for (int f = 0; f < 2; f++)
+            for (int i = 0; i < 2; i++) {
+                double macs = (double)DENSE_OUT * DENSE_IN * dense_toks[i];
+                printf("  %-5s %2d tok: wall tile %8.1f us, gemm %8.1f us: %.2fx; cpu tile %8.1f us (%5.1f GMAC/s), "
+                       "gemm %8.1f us (%5.1f GMAC/s): %.2fx\n", f ? "bf16" : "fp8", dense_toks[i],
+                       dense_ns[f][i][0] / 1e3, dense_ns[f][i][1] / 1e3, (double)dense_ns[f][i][0] / dense_ns[f][i][1],
+                       dense_cpu[f][i][0] / 1e3, macs / dense_cpu[f][i][0], dense_cpu[f][i][1] / 1e3,
+                       macs / dense_cpu[f][i][1], (double)dense_cpu[f][i][0] / dense_cpu[f][i][1]);
+            }
+    }
     if (!status && json) {
         printf("{\"bw_fraction_1\": %.4f, \"time_ratio_8\": %.4f, \"time_ratio_16\": %.4f, "
                "\"speedup_vs_expand\": %.2f, \"threads\": %d, \"simd\": \"%s\", \"shapes\": [",
@@ -524,8 +603,17 @@ int mf_bench_kernels(int argc, char **argv)
             printf("}, \"fused_f32_ns\": {\"1\": %lld, \"8\": %lld}}", (long long)r->f32_ns[0],
                    (long long)r->f32_ns[1]);
         }
-        printf("], \"ffn_ns\": {\"1\": %lld, \"8\": %lld, \"16\": %lld}}\n", (long long)ffn_ns[0],
+        printf("], \"ffn_ns\": {\"1\": %lld, \"8\": %lld, \"16\": %lld}, \"dense\": [", (long long)ffn_ns[0],
                (long long)ffn_ns[1], (long long)ffn_ns[2]);
+        for (int f = 0; f < 2; f++)
+            for (int i = 0; i < 2; i++)
+                printf("%s{\"fmt\": \"%s\", \"n_out\": %d, \"n_in\": %d, \"tokens\": %d, \"tile_ns\": %lld, "
+                       "\"gemm_ns\": %lld, \"speedup\": %.4f, \"tile_cpu_ns\": %lld, \"gemm_cpu_ns\": %lld, "
+                       "\"cpu_speedup\": %.4f}", f || i ? ", " : "", f ? "bf16" : "fp8", DENSE_OUT,
+                       DENSE_IN, dense_toks[i], (long long)dense_ns[f][i][0], (long long)dense_ns[f][i][1],
+                       (double)dense_ns[f][i][0] / dense_ns[f][i][1], (long long)dense_cpu[f][i][0],
+                       (long long)dense_cpu[f][i][1], (double)dense_cpu[f][i][0] / dense_cpu[f][i][1]);
+        printf("]}\n");
     } else if (!status) {
         printf("worst over shapes: bw_fraction_1 %.3f, time_ratio_8 %.2f, time_ratio_16 %.2f, "
                "speedup_vs_expand %.1f\n", bw_frac, r8, r16, speed);

@@ -30,7 +30,7 @@ static void mf_sim_usage(FILE *f)
             "                   [--store resident|streamed] [--store-budget SIZE] [--tables resident|streamed]\n"
             "                   [--dev-cache SIZE] [--cache-policy lfu|lru] [--read-window N]\n"
             "                   [--copy-slots N] [--dev-task-ns NS] [--dev-graphs] [--trace FILE] [--json]\n"
-            "                   [--measure]\n\n"
+            "                   [--measure] [--prompt-tokens N [--chunk T]]\n\n"
             "Simulates decode steps of the scheduled engine (graphs/step/step.c's graph, docs/sim.md) on the\n"
             "hardware profile P: --warmup steps (default 2) warm the caches, then --steps (default 8)\n"
             "are reported: predicted time per token, the phase table, each lane's work and busy share,\n"
@@ -57,8 +57,12 @@ static void mf_sim_usage(FILE *f)
             "  --trace FILE        Chrome trace of the last simulated step\n"
             "  --json              one JSON object instead of the tables\n"
             "  --measure           also decode for real on this machine (a loadable checkpoint;\n"
-            "                      emu:N cards for seed/hybrid) and print measured vs predicted\n",
-            MF_STEP_MAX_ITEMS);
+            "                      emu:N cards for seed/hybrid) and print measured vs predicted\n"
+            "  --prompt-tokens N   instead of decode steps: the time to first token of an N-token\n"
+            "                      prompt, prefilled in chunks of --chunk T positions (default %d,\n"
+            "                      the engine's) through the engine's serial graph, caches empty at\n"
+            "                      the start (--batch, --steps, --warmup, --context do not apply)\n",
+            MF_STEP_MAX_ITEMS, MF_STEP_PREFILL_CHUNK);
 }
 
 static void mf_sim_json(const mf_plan_report *r, const char *routing, int placement, int measured,
@@ -88,7 +92,7 @@ int mf_cmd_sim(int argc, char **argv)
     const char *prof_path = NULL, *dir = NULL, *preset = NULL, *routing_spec = "uniform", *trace = NULL;
     const char *placement = "host";
     long cards = 0, threads = 0, batch = 1, steps = 8, warmup = 2, seed = 1, context = 16, read_window = 0;
-    long copy_slots = 0, dev_task_ns = 0;
+    long copy_slots = 0, dev_task_ns = 0, prompt_tokens = 0, chunk = 0;
     int json = 0, measure = 0, store = MF_PLAN_STORE_RESIDENT, tables = MF_PLAN_STORE_RESIDENT, policy = 0;
     int dev_graphs = mf_tool_env_on("MOEFLOW_DEV_GRAPHS");   /* --dev-graphs */
     uint64_t store_budget = 0, dev_cache = 0;
@@ -101,6 +105,7 @@ int mf_cmd_sim(int argc, char **argv)
             {"--steps", &steps, 1, 100000}, {"--warmup", &warmup, 0, 100000}, {"--seed", &seed, 0, 1L << 62},
             {"--context", &context, 1, 1L << 40}, {"--read-window", &read_window, -1, 4096},
             {"--copy-slots", &copy_slots, 1, 64}, {"--dev-task-ns", &dev_task_ns, 1, 100000000},
+            {"--prompt-tokens", &prompt_tokens, 1, 1L << 30}, {"--chunk", &chunk, 1, MF_STEP_MAX_ITEMS},
         };
         int k = 0;
         while (k < (int)(sizeof nums / sizeof nums[0]) && strcmp(a, nums[k].name)) k++;
@@ -170,6 +175,15 @@ int mf_cmd_sim(int argc, char **argv)
         mf_sim_usage(stderr);
         return 2;
     }
+    if (prompt_tokens && measure) {
+        fprintf(stderr, "moeflow sim: --prompt-tokens predicts a prefill; --measure measures decode steps: "
+                        "use `moeflow bench decode --prompt-tokens N` for the measured prefill\n");
+        return 2;
+    }
+    if (chunk && !prompt_tokens) {
+        fprintf(stderr, "moeflow sim: --chunk applies to --prompt-tokens\n");
+        return 2;
+    }
     if (measure && !dir) {
         fprintf(stderr, "moeflow sim: --measure decodes for real: it needs --checkpoint DIR\n");
         return 2;
@@ -190,6 +204,27 @@ int mf_cmd_sim(int argc, char **argv)
                        .dev_cache_policy = policy, .store = store, .store_budget_bytes = store_budget,
                        .tables = tables, .routing = rt, .seed = (uint64_t)seed, .dev_task_ns = (double)dev_task_ns,
                        .dev_graphs = dev_graphs};
+    if (prompt_tokens) {
+        mf_plan_report rep;
+        int64_t ttft_ns;
+        int T = chunk ? (int)chunk : MF_STEP_PREFILL_CHUNK;
+        if ((rc = mf_plan_prefill(&po, prompt_tokens, T, &rep, &ttft_ns))) goto fail;
+        double tps = prompt_tokens / (ttft_ns / 1e9);
+        if (json) {
+            printf("{\"placement\":\"%s\",\"routing\":\"%s\",\"prompt_tokens\":%ld,\"chunk\":%d,"
+                   "\"ttft_s\":%.9g,\"prefill_tokens_per_s\":%.6g,\"chunk_s\":%.9g,\"bottleneck\":\"%s\"}\n",
+                   placement, mf_routing_describe(rt), prompt_tokens, T, ttft_ns / 1e9, tps, rep.step_ns / 1e9,
+                   rep.lanes[rep.bottleneck].name);
+        } else {
+            printf("sim: %s on profile %s, placement %s, routing %s: prefill of %ld tokens in chunks of %d\n",
+                   dir ? dir : preset, prof.name, placement, mf_routing_describe(rt), prompt_tokens, T);
+            printf("time to first token: %.3f s (%.1f prompt tokens/s); per chunk (mean of the full chunks; "
+                   "per token = per prompt position):\n", ttft_ns / 1e9, tps);
+            mf_plan_print(&rep, stdout);
+        }
+        ret = 0;
+        goto out;
+    }
     if ((rc = mf_plan_new(&po, &p))) goto fail;
     for (long k = 0; k < warmup && !rc; k++) rc = mf_plan_step(p, NULL);
     mf_plan_reset_totals(p);

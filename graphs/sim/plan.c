@@ -49,7 +49,8 @@ struct mf_plan {
     /* routing */
     uint64_t rng;
     int32_t *ex;                             /* n_layers x batch x K */
-    int64_t pos;                             /* position of the next step's tokens */
+    int64_t pos;                             /* position of the next step's tokens (prefill: its first) */
+    int n_head;                              /* items whose logits the next step computes */
     int stepped;                             /* a step has been simulated */
     /* the graph, this step's slot tables (n_layers x n_slots) and task durations */
     mf_stepgraph *sg;
@@ -118,9 +119,13 @@ static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int
         r->table_bytes_read += (uint64_t)w->io_bytes;
         return w->io_reads * f->disk_latency_ns / (f->disk_queue_depth > 0 ? f->disk_queue_depth : 1) +
                w->io_bytes / f->disk_bytes_per_s * 1e9;
-    case MF_SG_ATTN_CORE:
-        return pl_host_work(p, w, t->n_tok) +
-               pl_ref(p, w->ref_flops + (t->i1 - t->i0) * mf_sg_core_flops(&p->c, t->layer, p->pos));
+    case MF_SG_ATTN_CORE: {   /* decode: every item at pos; prefill: item i at pos + i */
+        double core = 0;
+        for (int i = t->i0; i < t->i1; i++) core += mf_sg_core_flops(&p->c, t->layer, p->pos + (p->o.prefill ? i : 0));
+        return pl_host_work(p, w, t->n_tok) + pl_ref(p, w->ref_flops + core);
+    }
+    case MF_SG_HEAD:   /* the items with logits (a prefill chunk: none, or the prompt's last) */
+        return p->n_head ? pl_host_work(p, w, p->n_head) + pl_ref(p, w->ref_flops) : 0;
     case MF_SG_SLOT_READ:
         if (!sl || t->slot >= p->n_used[t->layer] || !sl->store_miss) {
             *overhead = 0;   /* an empty read finishes at once */
@@ -260,7 +265,8 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
     p->read_window = o->read_window ? o->read_window : 2;
     p->copy_slots = o->copy_slots ? o->copy_slots : 1;
     p->streamed = o->store == MF_PLAN_STORE_STREAMED;
-    p->pos = o->context ? o->context : 16;
+    p->pos = o->prefill ? o->context : o->context ? o->context : 16;
+    p->n_head = o->prefill ? 0 : p->batch;
     p->rng = o->seed ^ 0x6d6f65666c6f77ULL;
     /* all threads of a socket streaming weights share its memory bandwidth */
     int per_socket = o->threads_per_socket ? o->threads_per_socket : f->threads_per_socket;
@@ -325,8 +331,9 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
     if ((rc = pl_caches_new(p, store_slots, dev_slots,
                             o->dev_cache_policy == MF_PLAN_CACHE_LRU ? MF_RESID_LRU : MF_RESID_LFU)))
         goto fail;
-    /* the engine's graph of a parallel decode shape (serial at batch 1, as the engine's) */
-    rc = mf_stepgraph_new(&(mf_sg_opts){.c = c, .sz = p->sz, .n = p->batch, .par = p->batch > 1,
+    /* the engine's graph of a parallel decode shape (serial at batch 1, as the engine's), or of a
+     * prefill chunk (serial) */
+    rc = mf_stepgraph_new(&(mf_sg_opts){.c = c, .sz = p->sz, .n = p->batch, .par = p->batch > 1 && !o->prefill,
                                         .n_threads = p->n_threads, .n_cards = p->n_cards,
                                         .dev_graphs = o->dev_graphs, .store = p->streamed,
                                         .eg_reads = o->tables == MF_PLAN_STORE_STREAMED,
@@ -541,7 +548,7 @@ int mf_plan_step(mf_plan *p, mf_plan_report *out)
                          p->tl);
     if (!rc) rc = pl_account(p, &r);
     if (rc) return rc;
-    p->pos++;
+    p->pos += p->o.prefill ? p->batch : 1;
     p->stepped = 1;
     pl_shares(p, &r, (double)r.step_ns);
     r.token_ns = (double)r.step_ns / p->batch;
@@ -607,6 +614,37 @@ int mf_plan_run(const mf_plan_opts *o, int warmup, int n_steps, mf_plan_report *
     if (!rc) mf_plan_total(p, out);
     mf_plan_free(p);
     return rc;
+}
+
+int mf_plan_prefill(const mf_plan_opts *o, int64_t n_prompt, int chunk, mf_plan_report *out, int64_t *ttft_ns)
+{
+    *ttft_ns = 0;
+    if (chunk == 0) chunk = MF_STEP_PREFILL_CHUNK;
+    if (n_prompt < 1 || chunk < 1 || chunk > MF_STEP_MAX_ITEMS)
+        return mf_error(-EINVAL, "plan: prefill of %" PRId64 " tokens in chunks of %d (expected >= 1 tokens, "
+                        "chunks of 1..%d)", n_prompt, chunk, MF_STEP_MAX_ITEMS);
+    int64_t n_full = n_prompt / chunk, rest = n_prompt % chunk;
+    mf_plan_report last = {0};
+    for (int part = 0; part < 2; part++) {   /* the full chunks, then the shorter last one */
+        int64_t n_steps = part ? (rest > 0) : n_full;
+        if (!n_steps) continue;
+        mf_plan_opts po = *o;
+        po.prefill = 1;
+        po.batch = part ? (int)rest : chunk;
+        po.context = part ? n_full * chunk : 0;
+        mf_plan *p = NULL;
+        int rc = mf_plan_new(&po, &p);
+        for (int64_t k = 0; k < n_steps && !rc; k++) {
+            p->n_head = k + 1 == n_steps && (part || !rest);   /* the prompt's last position */
+            rc = mf_plan_step(p, &last);
+            *ttft_ns += last.step_ns;
+        }
+        if (!rc && out && !part) mf_plan_total(p, out);
+        else if (!rc && out && !n_full) *out = last;
+        mf_plan_free(p);
+        if (rc) return mf_error_wrap(rc, "plan: prefill of %" PRId64 " tokens", n_prompt);
+    }
+    return 0;
 }
 
 const mf_stepgraph *mf_plan_graph(const mf_plan *p) { return p->sg; }

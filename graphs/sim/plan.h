@@ -52,6 +52,10 @@ typedef struct mf_plan_opts {
     double cpu_bytes_per_s;      /* overrides the engine's model of host expert work per worker, as
                                   * mf_step_opts.cpu_bytes_per_s (0: from the profile, as an engine
                                   * given it: mf_step_lane_models) */
+    /* 1: every step is a prefill chunk of `batch` positions of one sequence (the engine's serial
+     * graph, mf_step_prefill), the first at position `context` (0: the prompt's start); the head
+     * runs only where set_logits says (mf_plan_prefill: the prompt's last position) */
+    int prefill;
     mf_routing *routing;         /* borrowed; NULL: uniform draws from `seed` */
     uint64_t seed;
 } mf_plan_opts;
@@ -103,6 +107,15 @@ void mf_plan_reset_totals(mf_plan *p);
 
 /* Convenience: warmup steps then n_steps steps, the report of the latter. */
 int mf_plan_run(const mf_plan_opts *o, int warmup, int n_steps, mf_plan_report *out);
+
+/* Time to first token of an n_prompt-token prompt: the engine's prefill (mf_step_prefill) as
+ * chunks of `chunk` positions (0: MF_STEP_PREFILL_CHUNK) through its serial graph, priced as
+ * mf_plan_step does, each chunk at its positions (the attention's work grows with them), caches
+ * starting empty; a shorter last chunk runs on its own graph (its caches start empty too), and
+ * only the last position runs the head. o's batch, context and prefill are ignored. *ttft_ns: the
+ * chunks' makespans summed; out (may be NULL): the full chunks' totals as mf_plan_total (per-chunk
+ * means; batch = chunk), or the last chunk's when the prompt is shorter than one chunk. */
+int mf_plan_prefill(const mf_plan_opts *o, int64_t n_prompt, int chunk, mf_plan_report *out, int64_t *ttft_ns);
 
 /* The step graph the simulator runs: the engine's for this shape (graphs/step/stepgraph.h). */
 const mf_stepgraph *mf_plan_graph(const mf_plan *p);

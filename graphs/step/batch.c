@@ -82,7 +82,7 @@ int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
     mf_batch_opts o = *opts;
     const mf_config *c = mf_ref_config(o.ref);
     if (!o.max_batch) o.max_batch = 16;
-    if (!o.step_tokens) o.step_tokens = 64;
+    if (!o.step_tokens) o.step_tokens = MF_STEP_PREFILL_CHUNK;
     if (!o.max_queue) o.max_queue = 256;
     if (!o.max_context) o.max_context = c->max_position_embeddings < 4096 ? c->max_position_embeddings : 4096;
     if (o.max_batch < 1 || o.max_batch > MF_STEP_MAX_ITEMS)

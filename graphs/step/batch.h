@@ -60,9 +60,9 @@ typedef struct mf_batch_opts {
     mf_step *eng;         /* the scheduled engine over ref, or NULL: the reference forward */
     const mf_tok *tok;    /* for text and stop strings; NULL: token ids only (stops refused) */
     int max_batch;        /* running sequences, 1..MF_STEP_MAX_ITEMS (0: 16) */
-    /* items per step (0: 64): every running sequence's decode token first, then prefill chunks
-     * in admission order fill what is left; at least 1 prefill item per step when the decode
-     * tokens take the whole budget, so a prompt always makes progress */
+    /* items per step (0: MF_STEP_PREFILL_CHUNK, 64): every running sequence's decode token
+     * first, then prefill chunks in admission order fill what is left; at least 1 prefill item
+     * per step when the decode tokens take the whole budget, so a prompt always makes progress */
     int step_tokens;
     int64_t max_context;  /* positions per state: prompt + max_tokens (0: min(model's, 4096)) */
     /* bytes for all states (0: max_batch of them): the pool holds min(max_batch, budget / state

@@ -1299,6 +1299,12 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     s->c = c;
     if (opts) s->o = *opts;
     if (s->o.n_threads < 1) s->o.n_threads = 1;
+    if (s->o.prefill_chunk < 0 || s->o.prefill_chunk > MF_STEP_MAX_ITEMS) {
+        int n = s->o.prefill_chunk;
+        free(s);
+        return mf_error(-EINVAL, "step: prefill chunk %d (expected 0 for the default %d, or 1..%d)", n,
+                        MF_STEP_PREFILL_CHUNK, MF_STEP_MAX_ITEMS);
+    }
     if (s->o.n_threads > 256) {
         int n = s->o.n_threads;
         free(s);
@@ -1507,11 +1513,13 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
                sizeof(float) * (size_t)c->vocab_size);
     for (int i = 0; i < n; i++) sh->items[i].st->n_pos = sh->items[i].pos + 1;
     mf_step_account(s, sh);
+    s->times.macs += mf_stepgraph_macs(sh->sg, c->n_experts_per_tok, sh->n_head);
     return 0;
 }
 
-int mf_step_forward(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
-                    float *const *logits)
+/* mf_step_forward in graph runs of at most `chunk` items. */
+static int mf_step_forward_chunks(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
+                                  float *const *logits, int chunk)
 {
     int64_t t0 = mf_now_ns();
     memset(&s->times, 0, sizeof s->times);
@@ -1520,8 +1528,8 @@ int mf_step_forward(mf_step *s, mf_ref_state *const *states, const int32_t *toke
     if (n < 1) return mf_error(-EINVAL, "step: forward of %d items", n);
     int rc = mf_step_check(s, states, tokens, n);
     if (rc) return rc;
-    for (int i = 0; i < n && !rc; i += s->max_items) {
-        int m = n - i < s->max_items ? n - i : s->max_items;
+    for (int i = 0; i < n && !rc; i += chunk) {
+        int m = n - i < chunk ? n - i : chunk;
         rc = mf_step_chunk(s, states + i, tokens + i, m, logits ? logits + i : NULL);
     }
     s->times.wall_ns = mf_now_ns() - t0;
@@ -1541,6 +1549,12 @@ int mf_step_forward(mf_step *s, mf_ref_state *const *states, const int32_t *toke
     return 0;
 }
 
+int mf_step_forward(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
+                    float *const *logits)
+{
+    return mf_step_forward_chunks(s, states, tokens, n, logits, s->max_items);
+}
+
 int mf_step_prefill(mf_step *s, mf_ref_state *st, const int32_t *tokens, int n, float *logits)
 {
     if (n < 1) return mf_error(-EINVAL, "step: prefill of %d tokens", n);
@@ -1553,7 +1567,8 @@ int mf_step_prefill(mf_step *s, mf_ref_state *st, const int32_t *tokens, int n, 
     }
     for (int i = 0; i < n; i++) sts[i] = st;
     lg[n - 1] = logits;
-    int rc = mf_step_forward(s, sts, tokens, n, lg);
+    int chunk = s->o.prefill_chunk > 0 ? s->o.prefill_chunk : MF_STEP_PREFILL_CHUNK;
+    int rc = mf_step_forward_chunks(s, sts, tokens, n, lg, chunk < s->max_items ? chunk : s->max_items);
     free(sts);
     free(lg);
     return rc;

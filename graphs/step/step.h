@@ -17,6 +17,9 @@ typedef struct mf_profile mf_profile;
 
 /* Items per forward call (larger prefills are cut into chunks of this many). */
 #define MF_STEP_MAX_ITEMS MF_SG_MAX_ITEMS
+/* Positions per graph run of mf_step_prefill by default (mf_step_opts.prefill_chunk), chosen by
+ * measurement (docs/decode.md "Prefill chunks"); the simulator's prefill uses it too. */
+#define MF_STEP_PREFILL_CHUNK 64
 
 typedef struct mf_step_opts {
     int n_threads;     /* CPU workers of the engine's executor (0: 1) */
@@ -29,6 +32,10 @@ typedef struct mf_step_opts {
     /* With an expert store: slots whose reads are in flight at once, in slot order (0: 2; < 0:
      * all at once), so that the first experts arrive early and their compute overlaps the rest */
     int read_window;
+    /* positions of one sequence per graph run in mf_step_prefill (0: MF_STEP_PREFILL_CHUNK; at
+     * most MF_STEP_MAX_ITEMS, and fewer where the expert store's budget says so): a prompt holds
+     * one chunk's activations at a time */
+    int prefill_chunk;
     /* Routed experts on devices (docs/decode.md "Placement"): dev (device/dev.h, opened by the
      * caller, outlives the engine) and a placement; dev NULL or MF_STEP_PLACE_HOST: all on the
      * host. Every card keeps packed experts in an expert cache (device/expert_cache.h) of
@@ -138,6 +145,9 @@ typedef struct mf_step_times {
     int64_t phase_ns[MF_STEP_N_PHASES];
     int64_t busy_ns[MF_STEP_N_PHASES];
     int n_tasks;   /* tasks of the last graph run */
+    /* multiply-adds on the kernels over the call's chunks, from the step graph's records
+     * (mf_stepgraph_macs: the head over the items with logits) */
+    double macs;
     /* with an expert store: IO-lane busy time (union of the expert reads), expert compute time
      * (union of routed and shared expert tasks) and the time both ran; IO tasks count in no phase */
     int64_t io_busy_ns, expert_busy_ns, io_overlap_ns;

@@ -691,6 +691,20 @@ void mf_stepgraph_free(mf_stepgraph *sg)
     free(sg);
 }
 
+double mf_stepgraph_macs(const mf_stepgraph *sg, int top_k, int n_head)
+{
+    double total = 0;
+    for (int t = 0; t < sg->n_tasks; t++) {
+        const mf_sg_task *r = &sg->task[t];
+        double per = 0;
+        for (int f = 0; f < MF_KF_N; f++) per += r->w.macs[f];
+        if (per == 0 || r->card >= 0) continue;
+        double tok = r->slot_tokens ? (double)sg->n * top_k / sg->n_slots : r->op == MF_SG_HEAD ? n_head : r->n_tok;
+        total += per * tok;
+    }
+    return total;
+}
+
 void mf_stepgraph_mark_noop(mf_stepgraph *sg, int L, int n_used, const int32_t *slot_card)
 {
     int nc = sg->n_cards, pe = sg->p_exp;

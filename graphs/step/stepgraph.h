@@ -221,6 +221,13 @@ void mf_sg_place_host(mf_sg_placer *p);
 void mf_stepgraph_phase_times(const mf_stepgraph *sg, const mf_task_span *spans, mf_task_span *scratch,
                               int64_t *phase_ns, int64_t *busy_ns);
 
+/* Multiply-adds on the kernels in one run of sg, from its records (the macs of every kernel
+ * family): row and item tasks over their n_tok tokens, the head over n_head tokens (the items
+ * that want logits), the routed experts over the run's n x top_k (item, expert) pairs by the host
+ * tasks' records (a slot does the same work wherever it runs; device records are not counted
+ * again). Scalar work (ref_flops: mixes, scores, roundings) is not counted. */
+double mf_stepgraph_macs(const mf_stepgraph *sg, int top_k, int n_head);
+
 /* Builds and finalizes the graph of one shape. 0 or a negative code with a message. */
 int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out);
 void mf_stepgraph_free(mf_stepgraph *sg);
