@@ -122,9 +122,6 @@ static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int
         }
         return ns;
     }
-    case MF_SG_ATTN_CORE:
-        return pl_host_work(p, w, t->n_tok) +
-               pl_ref(p, w->ref_flops + (t->i1 - t->i0) * mf_sg_core_flops(&p->c, t->layer, p->pos));
     case MF_SG_SLOT_READ:
         if (!sl || t->slot >= p->n_used[t->layer] || !sl->store_miss) {
             *overhead = 0;   /* an empty read finishes at once */
@@ -155,8 +152,8 @@ static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int
     }
     case MF_SG_DEV_OUT:
         return f->d2h_latency_ns + cnt * w->copy_bytes_tok / f->d2h_bytes_per_s * 1e9;
-    default:   /* kernels over the record's tokens and scalar work */
-        return pl_host_work(p, w, t->n_tok) + pl_ref(p, w->ref_flops);
+    default:   /* kernels over the record's tokens, scalar work and the positional part of it */
+        return pl_host_work(p, w, t->n_tok) + pl_ref(p, w->ref_flops + mf_sg_pos_flops(&p->c, t, p->pos));
     }
 }
 
