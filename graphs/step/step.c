@@ -1,12 +1,12 @@
-/* The scheduled decode engine (graphs/step/step.h): per batch size one graph, per layer
- * [engram embed -> wkv row parts -> engram gate] -> attn pre -> attn linear stages (in, qb, oa,
- * ob; row parts) around attn core -> attn post -> gate row parts -> route -> expert slots (up
- * parts -> join -> down parts) -> combine, the shared expert (up parts -> join -> down parts)
- * beside the slots, then norm -> head parts. Tasks read the step's data (items, slot table) from
- * the shape's buffers, so the graph never changes. Engram's gathers and gating, the per-item
- * attention parts, hyper-connections, the top-k and combine call the layer math (graphs/layers/layers.h)
- * on the running worker's context (one task per item when the items are distinct sequences); the
- * Engram wkv, attention linears, router gate, expert FFNs and the head are split by rows. */
+/* The scheduled decode engine (graphs/step/step.h): per batch size one graph (graphs/step/stepgraph.c
+ * builds it; docs/decode.md draws it), per layer [engram embed -> wkv row parts -> engram gate] ->
+ * collapse and attn_norm column parts -> attn linear stages (in, qb, oa, ob; row parts) around the
+ * q norm, the core's prep and its head groups -> expand, collapse and ffn_norm column parts ->
+ * gate row parts -> route -> expert slots (up parts -> join -> down parts) and the shared expert
+ * -> combine column parts, the mixes in row parts beside them; then the final collapse and norm
+ * -> head parts. Tasks read the step's data (items, slot table) from the shape's buffers and their
+ * ranges from their records, so the graph never changes. The per-item and per-sequence tasks call
+ * the layer math (graphs/layers/layers.h) on the running worker's context. */
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>

@@ -1,8 +1,11 @@
 /* The step graph (graphs/step/stepgraph.h): per layer [engram embed -> wkv parts -> engram gate] ->
- * attn pre -> attention stages (in, qb, oa, ob; row parts) around q norm and core -> attn post
- * -> gate parts -> route -> expert slots ([reads] -> up parts -> join -> down parts, per card in
- * -> ffn -> out) and the shared expert -> moe done -> combine; then norm -> head join -> head
- * parts. One function per sublayer, each returning the tasks it ends with. */
+ * per item collapse -> attn_norm column parts (and the attention mix's row parts) -> attention
+ * stages (in, qb, oa, ob; row parts) around the q norm, the core's prep (per sequence) and its
+ * head groups (per item) -> per item expand/collapse -> ffn_norm column parts (and the ffn mix) ->
+ * gate parts -> route -> expert slots ([reads] -> up parts -> join -> down parts, per card in ->
+ * ffn -> out) and the shared expert -> moe done -> per item combine column parts; then the final
+ * collapse -> norm column parts -> head join -> head parts. One function per sublayer, each
+ * returning the tasks it ends with. */
 #include "graphs/step/stepgraph.h"
 
 #include <errno.h>
