@@ -171,8 +171,9 @@ static void test_hc_parts(const mf_model *m, mf_ly_ctx *cx)
 
 /* The attention core in parts (layer_attn.c) against mf_ly_attn_core on twin states (the same
  * prompt, past the window and with compressed entries): per layer in order, on the same random
- * buffers, prep + head groups of 1, 2, 3 ... heads reading the item's own KV through a window
- * (the ring written after the heads) give the whole core's output, selection and ring. */
+ * buffers, the prep's kv, index scores in ranges of 1, 3, 5 ... entries and select, then head
+ * groups of 1, 2, 3 ... heads reading the item's own KV through a window (the ring written after
+ * the heads) give the whole core's output, selection and ring. */
 static void test_core_parts(mf_ref *r, mf_ly_ctx *cx)
 {
     const mf_layers *ly = mf_ref_layers(r);
@@ -197,11 +198,20 @@ static void test_core_parts(mf_ref *r, mf_ly_ctx *cx)
         for (int b = 0; b < MF_LY_A_N; b++) buf[k][b] = malloc(sizeof(float) * (mf_ly_attn_buf_len(c, b) + 1));
     }
     int same = 1, n_sel = 0;
+    double score[64];
     for (int L = 0; L < c->n_layers; L++) {
         for (int b = 0; b < MF_LY_A_N; b++)
             for (int64_t i = 0; i < mf_ly_attn_buf_len(c, b); i++) buf[0][b][i] = buf[1][b][i] = frand();
         CHECK(mf_ly_attn_core(cx, &it[0], L, buf[0]) == 0, "core: %s", mf_last_error());
-        CHECK(mf_ly_attn_core_prep(cx, &it[1], L, buf[1]) == 0, "prep: %s", mf_last_error());
+        /* the prep as the engine's tasks run it: kv, index scores in ranges, select */
+        CHECK(mf_ly_attn_core_kv(cx, &it[1], L, buf[1]) == 0, "prep: %s", mf_last_error());
+        int64_t n_vis = mf_ly_index_n_vis(c, L, np);
+        for (int64_t j0 = 0, w = 1; j0 < n_vis; w += 2) {
+            int64_t j1 = j0 + w < n_vis ? j0 + w : n_vis;
+            mf_ly_index_scores(ly, &it[1], L, buf[1], score, j0, j1);
+            j0 = j1;
+        }
+        mf_ly_attn_core_select(cx, &it[1], L, score);
         mf_ly_win win = {.kv = buf[1][MF_LY_A_KV], .ld = 0, .pos0 = np};
         for (int h0 = 0, g = 1; h0 < nh; g++) {
             int h1 = h0 + g < nh ? h0 + g : nh;
@@ -217,7 +227,7 @@ static void test_core_parts(mf_ref *r, mf_ly_ctx *cx)
     CHECK(n_sel > 0, "no compressed entries selected: the test does not reach the selection");
     int64_t ring = (int64_t)c->n_layers * c->sliding_window * c->head_dim;
     CHECK(!memcmp(st[0]->ring, st[1]->ring, sizeof(float) * ring), "rings differ after the core's parts");
-    printf("core parts: prep + head groups + late ring write bit-identical to the whole core, %d layers, %d "
+    printf("core parts: kv, score ranges, select, head groups, late ring write bit-identical to the whole core, %d layers, %d "
            "selected entries\n", c->n_layers, n_sel);
     for (int k = 0; k < 2; k++) {
         for (int b = 0; b < MF_LY_A_N; b++) free(buf[k][b]);

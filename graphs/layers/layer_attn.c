@@ -56,14 +56,14 @@ static int mf_ly_compress(mf_ly_ctx *cx, mf_ly_item *it, int L, float *lat, cons
     return 0;
 }
 
-/* Indexer of index-source layer L, from its linears' outputs qi (idx_wq_b) and wts
- * (idx_weights_proj), both overwritten: scores the n_vis visible entries of KV source S, builds the
- * candidate mask (on the candidate layer) or applies it (on later index layers of the same
- * source), and leaves the top-k selection, ascending, in it->topk. */
-static void mf_ly_index(mf_ly_ctx *cx, mf_ly_item *it, int L, int S, float *qi, float *wts, int64_t n_vis)
+/* The indexer of index-source layer L in three steps (mf_ly_index runs them in a row): q readies
+ * its linears' outputs qi (idx_wq_b) and wts (idx_weights_proj) in place; scores scores the
+ * visible entries [j0, j1) of KV source S into score; select builds the candidate mask (on the
+ * candidate layer) or applies it (on later index layers of the same source) and leaves the top-k
+ * selection of the n_vis entries, ascending, in it->topk. */
+static void mf_ly_index_q(const mf_ly_ctx *cx, const mf_ly_item *it, float *qi, float *wts)
 {
     const mf_config *c = cx->ly->c;
-    const mf_ly_cache *ca = &it->st->cache[S];
     int ih = c->index_n_heads, id = c->index_head_dim, rd = c->qk_rope_head_dim;
     mf_bf_n(qi, (int64_t)ih * id);
     for (int h = 0; h < ih; h++) mf_ly_rope(qi + h * id + id - rd, rd / 2, cx->ly->freqs_comp, it->pos, 0);
@@ -71,9 +71,17 @@ static void mf_ly_index(mf_ly_ctx *cx, mf_ly_item *it, int L, int S, float *qi, 
     mf_ly_fq_e2m1_pow2(qi, (int64_t)ih * id, 32);
     float wscale = (float)(1.0 / sqrt((double)id) / sqrt((double)ih));
     for (int h = 0; h < ih; h++) wts[h] = mf_bf(wts[h]) * wscale;
+}
 
-    double *score = cx->scores;
-    for (int64_t j = 0; j < n_vis; j++) {
+void mf_ly_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float *const *b, double *score, int64_t j0,
+                        int64_t j1)
+{
+    if (j0 >= j1) return;
+    const mf_config *c = ly->c;
+    const mf_ly_cache *ca = &it->st->cache[ly->src_of[L]];
+    const float *qi = b[MF_LY_A_QI], *wts = b[MF_LY_A_IW];
+    int ih = c->index_n_heads, id = c->index_head_dim;
+    for (int64_t j = j0; j < j1; j++) {
         const float *k = ca->key + j * id;
         double acc = 0;
         for (int h = 0; h < ih; h++) {
@@ -84,7 +92,11 @@ static void mf_ly_index(mf_ly_ctx *cx, mf_ly_item *it, int L, int S, float *qi, 
         }
         score[j] = (float)acc;
     }
+}
 
+static void mf_ly_index_select(mf_ly_ctx *cx, mf_ly_item *it, int L, int S, double *score, int64_t n_vis)
+{
+    const mf_config *c = cx->ly->c;
     int bs = c->candidate_block_size, cl = c->candidate_source_layer_id;
     if (L == cl) {   /* publish the candidate blocks: top blocks by max score, newest pinned */
         int64_t nb = (n_vis + bs - 1) / bs;
@@ -238,7 +250,7 @@ void mf_ly_attn_qnorm(const mf_ly_ctx *cx, int L, float *const *b)
                    b[MF_LY_A_QR]);
 }
 
-int mf_ly_attn_core_prep(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b)
+int mf_ly_attn_core_kv(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b)
 {
     const mf_config *c = cx->ly->c;
     const mf_model_layer *y = mf_model_layer_at(cx->ly->m, L);
@@ -257,22 +269,45 @@ int mf_ly_attn_core_prep(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b)
     mf_bf_n(kv, D);
     mf_ly_fq_e4m3_pow2(kv, D, 32);
 
-    /* compressed entries and their selection */
+    /* compressed entries; the index query */
     if (ratio > 0) {
         int S = cx->ly->src_of[L];
         if (S == L && (rc = mf_ly_compress(cx, it, L, b[MF_LY_A_LAT], b[MF_LY_A_GATE]))) return rc;
-        int64_t n_vis = (p + 1) / ratio;
-        if (mf_config_is_index_source(c, L) && n_vis > 0)
-            mf_ly_index(cx, it, L, S, b[MF_LY_A_QI], b[MF_LY_A_IW], n_vis);
-        if (mf_config_is_index_source(c, L) && n_vis == 0) {
-            it->n_topk = 0;
-            it->topk_src = S;
-        }
-        if (cx->ly->hooks.on_select) {
-            int sel = it->topk_src == S;
-            cx->ly->hooks.on_select(cx->ly->hooks.user, it->st, p, L, sel ? it->topk : NULL, sel ? it->n_topk : 0);
-        }
+        if (mf_ly_index_n_vis(c, L, p) > 0) mf_ly_index_q(cx, it, b[MF_LY_A_QI], b[MF_LY_A_IW]);
     }
+    return 0;
+}
+
+int64_t mf_ly_index_n_vis(const mf_config *c, int L, int64_t pos)
+{
+    int ratio = c->compress_ratios[L];
+    return ratio > 0 && mf_config_is_index_source(c, L) ? (pos + 1) / ratio : 0;
+}
+
+void mf_ly_attn_core_select(mf_ly_ctx *cx, mf_ly_item *it, int L, double *score)
+{
+    const mf_config *c = cx->ly->c;
+    int ratio = c->compress_ratios[L];
+    if (ratio == 0) return;
+    int S = cx->ly->src_of[L];
+    int64_t n_vis = mf_ly_index_n_vis(c, L, it->pos);
+    if (n_vis > 0) mf_ly_index_select(cx, it, L, S, score, n_vis);
+    if (mf_config_is_index_source(c, L) && n_vis == 0) {
+        it->n_topk = 0;
+        it->topk_src = S;
+    }
+    if (cx->ly->hooks.on_select) {
+        int sel = it->topk_src == S;
+        cx->ly->hooks.on_select(cx->ly->hooks.user, it->st, it->pos, L, sel ? it->topk : NULL, sel ? it->n_topk : 0);
+    }
+}
+
+int mf_ly_attn_core_prep(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b)
+{
+    int rc = mf_ly_attn_core_kv(cx, it, L, b);
+    if (rc) return rc;
+    mf_ly_index_scores(cx->ly, it, L, b, cx->scores, 0, mf_ly_index_n_vis(cx->ly->c, L, it->pos));
+    mf_ly_attn_core_select(cx, it, L, cx->scores);
     return 0;
 }
 

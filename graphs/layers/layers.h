@@ -291,6 +291,17 @@ typedef struct mf_ly_win {
     int64_t ld, pos0;
 } mf_ly_win;
 int mf_ly_attn_core_prep(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b);
+/* The prep in three steps (mf_ly_attn_core_prep: kv, scores of all visible entries into
+ * cx->scores, select): kv readies the window KV, runs the compressor and readies the index query
+ * (b[QI], b[IW]); index_scores scores the visible entries [j0, j1) of an index-source layer into
+ * score (any split of the entries gives the same bits; reads the layer's KV source, nothing of a
+ * context); select builds the candidate mask, the top-k selection (scratch: picks) and calls the
+ * select hook. index_n_vis: the entries an index-source layer scores at pos (0 on other layers). */
+int mf_ly_attn_core_kv(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b);
+int64_t mf_ly_index_n_vis(const mf_config *c, int L, int64_t pos);
+void mf_ly_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float *const *b, double *score, int64_t j0,
+                        int64_t j1);
+void mf_ly_attn_core_select(mf_ly_ctx *cx, mf_ly_item *it, int L, double *score);
 void mf_ly_attn_core_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b, int h0, int h1,
                            const mf_ly_win *win);
 void mf_ly_attn_ring_write(const mf_ly_ctx *cx, const mf_ly_item *it, int L, const float *kv);

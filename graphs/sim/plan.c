@@ -153,7 +153,7 @@ static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int
     case MF_SG_DEV_OUT:
         return f->d2h_latency_ns + cnt * w->copy_bytes_tok / f->d2h_bytes_per_s * 1e9;
     default:   /* kernels over the record's tokens, scalar work and the positional part of it */
-        return pl_host_work(p, w, t->n_tok) + pl_ref(p, w->ref_flops + mf_sg_pos_flops(&p->c, t, p->pos));
+        return pl_host_work(p, w, t->n_tok) + pl_ref(p, w->ref_flops + mf_sg_pos_flops(&p->c, t, p->sg->p_key, p->pos));
     }
 }
 

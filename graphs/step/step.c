@@ -66,6 +66,8 @@ struct mf_step_shape {
     float *ab[MF_LY_A_N];
     int64_t ab_ld[MF_LY_A_N];
     float *amix, *fmix, *hcol;
+    double *iscore;         /* n x iscore_ld: index scores per item (grown with the longest state) */
+    int64_t iscore_ld;
     float *xin;         /* n x H: MoE input (after ffn_norm) */
     float *logits;      /* n x n_routed_experts: router gate logits */
     float *eg_emb, *eg_kv;   /* n x eg_emb_ld, n x eg_kv_ld: Engram rows (dequantized), wkv output */
@@ -339,19 +341,49 @@ static int mf_task_attn_qnorm(void *arg, mf_task_ctx *ctx)
 }
 
 /* The core's prep per item, in item order: window KV (into the ring unless the ring task writes
- * it), compressor, indexer (mf_ly_attn_core_prep). */
+ * it), compressor, the index query; on layers without score tasks the select (hook). */
 static int mf_task_attn_core(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
     mf_ly_ctx *cx = mf_step_cx(a, ctx);
     if (!cx) return -EINVAL;
+    int scored = mf_sg_layer_scored(cx->ly->c, a->t->layer);
     float *b[MF_LY_A_N];
     for (int i = a->t->i0; i < a->t->i1; i++) {
         mf_step_abuf(a->sh, i, b);
-        int rc = mf_ly_attn_core_prep(cx, &a->sh->items[i], a->t->layer, b);
+        int rc = mf_ly_attn_core_kv(cx, &a->sh->items[i], a->t->layer, b);
         if (rc) return rc;
+        if (!scored) mf_ly_attn_core_select(cx, &a->sh->items[i], a->t->layer, cx->scores);
         if (!a->sh->sg->ring_late) mf_ly_attn_ring_write(cx, &a->sh->items[i], a->t->layer, b[MF_LY_A_KV]);
     }
+    return 0;
+}
+
+/* Part a->t->part of sh->sg->p_key of the item's index scores: its range of the visible entries
+ * into the item's row of iscore. */
+static int mf_task_attn_score(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    const mf_layers *ly = sh->eng->ly;
+    int i = a->t->i0, q = a->t->part, P = sh->sg->p_key;
+    int64_t n_vis = mf_ly_index_n_vis(ly->c, a->t->layer, sh->items[i].pos);
+    float *b[MF_LY_A_N];
+    mf_step_abuf(sh, i, b);
+    mf_ly_index_scores(ly, &sh->items[i], a->t->layer, b, sh->iscore + (size_t)i * sh->iscore_ld, n_vis * q / P,
+                       n_vis * (q + 1) / P);
+    return 0;
+}
+
+/* Per item, in item order: the candidate mask and top-k from its scores (the select hook). */
+static int mf_task_attn_select(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    for (int i = a->t->i0; i < a->t->i1; i++)
+        mf_ly_attn_core_select(cx, &a->sh->items[i], a->t->layer, a->sh->iscore + (size_t)i * a->sh->iscore_ld);
     return 0;
 }
 
@@ -965,6 +997,7 @@ static void mf_step_shape_free(mf_step_shape *sh)
         mf_dev_free(sh->eng->dev, c, sh->dbuf[c]);
     }
     free(sh->sorted);
+    free(sh->iscore);
     free(sh->args);
     free(sh->mem);
     free(sh);
@@ -987,6 +1020,7 @@ static const mf_task_fn mf_step_fn_of[MF_SG_N_OPS] = {
     [MF_SG_ATTN_MIX] = mf_task_attn_mix,         [MF_SG_ATTN_NORM] = mf_task_attn_norm,
     [MF_SG_ATTN_HEADS] = mf_task_attn_heads,     [MF_SG_ATTN_RING] = mf_task_attn_ring,
     [MF_SG_FFN_MIX] = mf_task_ffn_mix,           [MF_SG_FFN_NORM] = mf_task_ffn_norm,
+    [MF_SG_ATTN_SCORE] = mf_task_attn_score,     [MF_SG_ATTN_SELECT] = mf_task_attn_select,
 };
 
 /* The step graph of a shape of n items (parallel or serial) on the engine's lanes. */
@@ -1451,7 +1485,14 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
         for (int j = 0; j < i && par; j++) par = states[i] != states[j];
     if (!s->shapes[par][n] && (rc = mf_step_shape_new(s, n, par, &s->shapes[par][n]))) return rc;
     mf_step_shape *sh = s->shapes[par][n];
-    int64_t H = c->hidden_size;
+    int64_t H = c->hidden_size, need = 0;
+    for (int i = 0; i < n; i++) need = need > states[i]->max_pos ? need : states[i]->max_pos;
+    if (need > sh->iscore_ld) {   /* index scores for the longest sequence (as the workers' score buffers) */
+        double *v = realloc(sh->iscore, sizeof *v * (size_t)n * (size_t)need);
+        if (!v) return mf_error(-ENOMEM, "step: index scores of %d items of up to %" PRId64 " positions", n, need);
+        sh->iscore = v;
+        sh->iscore_ld = need;
+    }
     const mf_weight *emb = mf_model_embed(s->ly->m);
     sh->n_head = 0;
     for (int i = 0; i < n; i++) {

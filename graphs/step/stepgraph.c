@@ -27,6 +27,7 @@
 #define SG_W_DOT_BF16 1.95
 #define SG_W_MIX 1.81
 #define SG_W_ROUND 23.6
+#define SG_W_SORT 1.0   /* estimate, not measured: one REF multiply-add per comparison of the top-k's sort */
 #define SG_STORE_ALIGN 4096.0   /* host/store.c MF_STORE_SLOT_ALIGN: reads are aligned extents */
 #define SG_CARD_ALIGN 256.0     /* a part's alignment in a card's cache slot */
 #define SG_MAX_MIX 4            /* row parts of a hyper-connection mix */
@@ -125,9 +126,9 @@ void mf_sg_sizes_free(mf_sg_sizes *s)
     free(s);
 }
 
-double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int64_t pos)
+double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int p_key, int64_t pos)
 {
-    if (t->op != MF_SG_ATTN_HEADS && t->op != MF_SG_ATTN_CORE) return 0;
+    if (t->op != MF_SG_ATTN_HEADS && t->op != MF_SG_ATTN_SCORE && t->op != MF_SG_ATTN_SELECT) return 0;
     int L = t->layer;
     double D = c->head_dim, items = t->i1 - t->i0;
     int64_t W = c->sliding_window, n_win = pos + 1 < W ? pos + 1 : W, n_sel = 0, n_vis = 0;
@@ -138,9 +139,17 @@ double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int64_t pos)
     }
     if (t->op == MF_SG_ATTN_HEADS)   /* per head: scores and weighted values over the entries */
         return items * (double)(t->r1 - t->r0) / D * 2.0 * D * (double)(n_win + n_sel);
-    if (mf_config_is_index_source(c, L) && n_vis > 0)
-        return items * (double)n_vis * c->index_n_heads * c->index_head_dim;
-    return 0;
+    if (t->op == MF_SG_ATTN_SCORE) {   /* its range of the visible entries, as the engine splits them */
+        double n = (double)(n_vis * (t->part + 1) / p_key - n_vis * t->part / p_key);
+        return items * n * c->index_n_heads * c->index_head_dim;
+    }
+    /* the select: the picks sorted (qsort), SG_W_SORT per comparison */
+    return items * SG_W_SORT * (double)n_vis * log2((double)n_vis + 1);
+}
+
+int mf_sg_layer_scored(const mf_config *c, int L)
+{
+    return c->compress_ratios[L] > 0 && mf_config_is_index_source(c, L);
 }
 
 void mf_sg_rows(int64_t n_rows, int parts, int p, int64_t *r0, int64_t *r1)
@@ -377,6 +386,8 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
     double sink = c->hc_sinkhorn_iters * 4.0 * hc * hc * 2;
     /* rough costs for priorities: reference code ~1 ns per multiply-add, kernels by bytes */
     double core_ns = nh * D * 2.0 * (c->sliding_window + c->index_topk);   /* one item's heads */
+    double key_ns = 4.0 * c->index_topk * c->index_n_heads * c->index_head_dim;   /* its scores */
+    int index = mf_sg_layer_scored(c, L);
     mf_task_id rows[4][MF_SG_MAX_PARTS], amix[MF_SG_MAX_ITEMS][SG_MAX_MIX], ring[MF_SG_MAX_ITEMS];
     for (int st = 0; st < 4; st++)
         for (int p = 0; p < sg->p_attn; p++) rows[st][p] = sg_attn_rows(b, L, st, p);
@@ -419,6 +430,27 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
         t.w.ref_flops = items * (4.0 * D + SG_W_ROUND * 4.0 * D);
         mf_task_id core = sg_add(b, 0, MF_SG_ATTN_CORE, MF_SG_PH_ATTN, MF_SG_K_OTHER, t, 0, items * 4.0 * D * 8);
         for (int p = 0; p < sg->p_attn; p++) sg_dep(b, rows[MF_SG_ST_QB][p], core);
+        if (index) {   /* the index scores in parts per item, then the select, before the heads */
+            SG_NAME(b, "attn L%d select", L);
+            mf_sg_task ts = sg_item(b, L, k);
+            ts.n_tok = 1;
+            mf_task_id sel = sg_add(b, 0, MF_SG_ATTN_SELECT, MF_SG_PH_ATTN, MF_SG_K_OTHER, ts, 0,
+                                    items * c->index_topk * 16.0);
+            for (int i = t.i0; i < t.i1; i++)
+                for (int q = 0; q < sg->p_key; q++) {
+                    SG_NAME(b, "attn L%d score item %d %d", L, i, q);
+                    mf_sg_task tk = sg_rec(L);
+                    tk.i0 = i;
+                    tk.i1 = i + 1;
+                    tk.n_tok = 1;
+                    tk.part = q;
+                    mf_task_id sc = sg_add(b, 0, MF_SG_ATTN_SCORE, MF_SG_PH_ATTN, MF_SG_K_OTHER, tk, 0,
+                                           key_ns / sg->p_key);
+                    sg_dep(b, core, sc);
+                    sg_dep(b, sc, sel);
+                }
+            core = sel;
+        }
         ring[k] = -1;
         if (sg->ring_late) {
             SG_NAME(b, "attn L%d ring", L);
@@ -746,6 +778,7 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->p_qn = o->n < W ? o->n : W;
     if (sg->p_qn > 8) sg->p_qn = 8;
     sg->ring_late = !o->par && o->n > 1;
+    sg->p_key = T < MF_SG_MAX_PARTS ? T : MF_SG_MAX_PARTS;
     sg->n_cards = o->n_cards;
     sg->dev_graphs = o->n_cards > 0 && o->dev_graphs;
     sg->n_io_parts = o->store ? MF_SG_EXPERT_PARTS : 0;

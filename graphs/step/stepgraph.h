@@ -57,6 +57,9 @@ typedef enum mf_sg_op {
     MF_SG_ATTN_RING,      /* items, in order: their window KV into the ring (after the heads) */
     MF_SG_FFN_MIX,        /* item: rows [r0, r1) of the ffn mixes of its streams */
     MF_SG_FFN_NORM,       /* item: columns [r0, r1) of ffn_norm of its collapse (the MoE input) */
+    MF_SG_ATTN_SCORE,     /* item: part `part` of p_key of an index layer's scores of its visible
+                           * entries (the entries grow with the position: ranges at run time) */
+    MF_SG_ATTN_SELECT,    /* items, in order: an index layer's candidate mask and top-k */
     MF_SG_N_OPS
 } mf_sg_op;
 
@@ -139,9 +142,13 @@ void mf_sg_sizes_free(mf_sg_sizes *s);
 
 /* The positional scalar work of task t when its items are at position pos, in REF multiply-adds:
  * the work beyond its record's ref_flops that grows with the context (MF_SG_ATTN_HEADS: the
- * window and selected entries of its heads; MF_SG_ATTN_CORE: the indexer's scores); 0 for the
- * other ops. */
-double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int64_t pos);
+ * window and selected entries of its heads; MF_SG_ATTN_SCORE: its share of the indexer's scores,
+ * parts of p_key; MF_SG_ATTN_SELECT: the top-k's sort); 0 for the other ops. */
+double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int p_key, int64_t pos);
+
+/* 1 when layer L's index scores run as MF_SG_ATTN_SCORE parts and MF_SG_ATTN_SELECT (index-source
+ * layers with compression); 0 when the core's prep selects (nothing to score). */
+int mf_sg_layer_scored(const mf_config *c, int L);
 
 /* Part p of `parts` of n_rows rows (chunks rounded up to 16 rows: the last parts may be empty). */
 void mf_sg_rows(int64_t n_rows, int parts, int p, int64_t *r0, int64_t *r1);
@@ -170,7 +177,7 @@ typedef struct mf_stepgraph {
     int p_exp, p_sh, p_head, p_attn;   /* row parts per expert, shared expert, head, stage */
     /* per item: column parts of the hyper-connection tasks (collapse, norms, expand, combine),
      * row parts of each mix, attention head groups (of ah_heads heads); q norm item ranges */
-    int p_hc, p_mix, p_ah, ah_heads, p_qn;
+    int p_hc, p_mix, p_ah, ah_heads, p_qn, p_key;   /* p_key: index score parts per item */
     int ring_late;                /* 1: the window KV goes into the ring after the heads (items of
                                    * one sequence in one graph: MF_SG_ATTN_RING), else in the prep */
     int n_cards, dev_graphs, n_io_parts;
