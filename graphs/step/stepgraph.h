@@ -30,7 +30,8 @@ typedef enum mf_sg_op {
                            * (the attention's input before attn_norm; layer -1: the final norm's) */
     MF_SG_ATTN_ROWS,      /* rows of attention linear stage `stage`, all items */
     MF_SG_ATTN_QNORM,     /* items: low-rank query rounded and normed */
-    MF_SG_ATTN_CORE,      /* items, in order: window KV, compressor, indexer (the core's prep) */
+    MF_SG_ATTN_CORE,      /* items, in order: window KV, compressor, index query (the core's prep;
+                           * the select too on layers without MF_SG_ATTN_SCORE) */
     MF_SG_ATTN_POST,      /* item: columns [r0, r1) of the expand, collapsed with the attention
                            * mix's pre (the MoE input before ffn_norm) */
     MF_SG_GATE_ROWS,      /* rows (experts) of the router's logits, all items */
