@@ -56,14 +56,14 @@ static int mf_ly_compress(mf_ly_ctx *cx, mf_ly_item *it, int L, float *lat, cons
     return 0;
 }
 
-/* Indexer of index-source layer L, from its linears' outputs qi (idx_wq_b) and wts
- * (idx_weights_proj), both overwritten: scores the n_vis visible entries of KV source S, builds the
- * candidate mask (on the candidate layer) or applies it (on later index layers of the same
- * source), and leaves the top-k selection, ascending, in it->topk. */
-static void mf_ly_index(mf_ly_ctx *cx, mf_ly_item *it, int L, int S, float *qi, float *wts, int64_t n_vis)
+/* The indexer of index-source layer L in three steps (mf_ly_index runs them in a row): q readies
+ * its linears' outputs qi (idx_wq_b) and wts (idx_weights_proj) in place; scores scores the
+ * visible entries [j0, j1) of KV source S into score; select builds the candidate mask (on the
+ * candidate layer) or applies it (on later index layers of the same source) and leaves the top-k
+ * selection of the n_vis entries, ascending, in it->topk. */
+static void mf_ly_index_q(const mf_ly_ctx *cx, const mf_ly_item *it, float *qi, float *wts)
 {
     const mf_config *c = cx->ly->c;
-    const mf_ly_cache *ca = &it->st->cache[S];
     int ih = c->index_n_heads, id = c->index_head_dim, rd = c->qk_rope_head_dim;
     mf_bf_n(qi, (int64_t)ih * id);
     for (int h = 0; h < ih; h++) mf_ly_rope(qi + h * id + id - rd, rd / 2, cx->ly->freqs_comp, it->pos, 0);
@@ -71,9 +71,17 @@ static void mf_ly_index(mf_ly_ctx *cx, mf_ly_item *it, int L, int S, float *qi, 
     mf_ly_fq_e2m1_pow2(qi, (int64_t)ih * id, 32);
     float wscale = (float)(1.0 / sqrt((double)id) / sqrt((double)ih));
     for (int h = 0; h < ih; h++) wts[h] = mf_bf(wts[h]) * wscale;
+}
 
-    double *score = cx->scores;
-    for (int64_t j = 0; j < n_vis; j++) {
+void mf_ly_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float *const *b, double *score, int64_t j0,
+                        int64_t j1)
+{
+    if (j0 >= j1) return;
+    const mf_config *c = ly->c;
+    const mf_ly_cache *ca = &it->st->cache[ly->src_of[L]];
+    const float *qi = b[MF_LY_A_QI], *wts = b[MF_LY_A_IW];
+    int ih = c->index_n_heads, id = c->index_head_dim;
+    for (int64_t j = j0; j < j1; j++) {
         const float *k = ca->key + j * id;
         double acc = 0;
         for (int h = 0; h < ih; h++) {
@@ -84,7 +92,11 @@ static void mf_ly_index(mf_ly_ctx *cx, mf_ly_item *it, int L, int S, float *qi, 
         }
         score[j] = (float)acc;
     }
+}
 
+static void mf_ly_index_select(mf_ly_ctx *cx, mf_ly_item *it, int L, int S, double *score, int64_t n_vis)
+{
+    const mf_config *c = cx->ly->c;
     int bs = c->candidate_block_size, cl = c->candidate_source_layer_id;
     if (L == cl) {   /* publish the candidate blocks: top blocks by max score, newest pinned */
         int64_t nb = (n_vis + bs - 1) / bs;
@@ -238,62 +250,114 @@ void mf_ly_attn_qnorm(const mf_ly_ctx *cx, int L, float *const *b)
                    b[MF_LY_A_QR]);
 }
 
-int mf_ly_attn_core(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b)
+int mf_ly_attn_core_kv(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b)
 {
     const mf_config *c = cx->ly->c;
     const mf_model_layer *y = mf_model_layer_at(cx->ly->m, L);
-    int D = c->head_dim, nh = c->n_heads, rd = c->qk_rope_head_dim, W = c->sliding_window;
+    int D = c->head_dim, rd = c->qk_rope_head_dim;
     int ratio = c->compress_ratios[L];
     int64_t p = it->pos;
     const float *freqs = ratio ? cx->ly->freqs_comp : cx->ly->freqs_main;
-    float *q = b[MF_LY_A_Q], *kv = b[MF_LY_A_KV], *o = b[MF_LY_A_O];
+    float *kv = b[MF_LY_A_KV];
     int rc;
 
-    /* queries */
-    mf_bf_n(q, (int64_t)nh * D);
-    for (int h = 0; h < nh; h++) mf_ly_rope(q + h * D + D - rd, rd / 2, freqs, p, 0);
-    mf_bf_n(q, (int64_t)nh * D);
-
-    /* window KV: norm, RoPE, fp8 fake-quant over all channels in blocks of 32, into the ring */
+    /* window KV: norm, RoPE, fp8 fake-quant over all channels in blocks of 32 (the ring write is
+     * mf_ly_attn_ring_write's) */
     mf_bf_n(kv, D);
     mf_ly_rmsnorm(kv, D, &y->kv_norm, c->rms_norm_eps, kv);
     mf_ly_rope(kv + D - rd, rd / 2, freqs, p, 0);
     mf_bf_n(kv, D);
     mf_ly_fq_e4m3_pow2(kv, D, 32);
-    float *ring = it->st->ring + (int64_t)L * W * D;
-    memcpy(ring + (p % W) * D, kv, (size_t)D * sizeof *kv);
 
-    /* compressed entries and their selection */
-    const float *ckv = NULL;
-    const int32_t *sel = NULL;
-    int n_sel = 0;
+    /* compressed entries; the index query */
     if (ratio > 0) {
         int S = cx->ly->src_of[L];
         if (S == L && (rc = mf_ly_compress(cx, it, L, b[MF_LY_A_LAT], b[MF_LY_A_GATE]))) return rc;
-        int64_t n_vis = (p + 1) / ratio;
-        if (mf_config_is_index_source(c, L) && n_vis > 0)
-            mf_ly_index(cx, it, L, S, b[MF_LY_A_QI], b[MF_LY_A_IW], n_vis);
-        if (mf_config_is_index_source(c, L) && n_vis == 0) {
-            it->n_topk = 0;
-            it->topk_src = S;
-        }
-        if (it->topk_src == S) {
-            sel = it->topk;
-            n_sel = it->n_topk;
-            ckv = it->st->cache[S].kv;
-        }
-        if (cx->ly->hooks.on_select)
-            cx->ly->hooks.on_select(cx->ly->hooks.user, it->st, p, L, sel, n_sel);
+        if (mf_ly_index_n_vis(c, L, p) > 0) mf_ly_index_q(cx, it, b[MF_LY_A_QI], b[MF_LY_A_IW]);
+    }
+    return 0;
+}
+
+int64_t mf_ly_index_n_vis(const mf_config *c, int L, int64_t pos)
+{
+    int ratio = c->compress_ratios[L];
+    return ratio > 0 && mf_config_is_index_source(c, L) ? (pos + 1) / ratio : 0;
+}
+
+void mf_ly_attn_core_select(mf_ly_ctx *cx, mf_ly_item *it, int L, double *score)
+{
+    const mf_config *c = cx->ly->c;
+    int ratio = c->compress_ratios[L];
+    if (ratio == 0) return;
+    int S = cx->ly->src_of[L];
+    int64_t n_vis = mf_ly_index_n_vis(c, L, it->pos);
+    if (n_vis > 0) mf_ly_index_select(cx, it, L, S, score, n_vis);
+    if (mf_config_is_index_source(c, L) && n_vis == 0) {
+        it->n_topk = 0;
+        it->topk_src = S;
+    }
+    if (cx->ly->hooks.on_select) {
+        int sel = it->topk_src == S;
+        cx->ly->hooks.on_select(cx->ly->hooks.user, it->st, it->pos, L, sel ? it->topk : NULL, sel ? it->n_topk : 0);
+    }
+}
+
+int mf_ly_attn_core_prep(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b)
+{
+    int rc = mf_ly_attn_core_kv(cx, it, L, b);
+    if (rc) return rc;
+    mf_ly_index_scores(cx->ly, it, L, b, cx->scores, 0, mf_ly_index_n_vis(cx->ly->c, L, it->pos));
+    mf_ly_attn_core_select(cx, it, L, cx->scores);
+    return 0;
+}
+
+void mf_ly_attn_ring_write(const mf_ly_ctx *cx, const mf_ly_item *it, int L, const float *kv)
+{
+    const mf_config *c = cx->ly->c;
+    int D = c->head_dim, W = c->sliding_window;
+    float *ring = it->st->ring + (int64_t)L * W * D;
+    memcpy(ring + (it->pos % W) * D, kv, (size_t)D * sizeof *kv);
+}
+
+void mf_ly_attn_core_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b, int h0, int h1,
+                           const mf_ly_win *win)
+{
+    const mf_config *c = cx->ly->c;
+    const mf_model_layer *y = mf_model_layer_at(cx->ly->m, L);
+    int D = c->head_dim, rd = c->qk_rope_head_dim, W = c->sliding_window;
+    int ratio = c->compress_ratios[L];
+    int64_t p = it->pos;
+    const float *freqs = ratio ? cx->ly->freqs_comp : cx->ly->freqs_main;
+    const float *ring = it->st->ring + (int64_t)L * W * D;
+    float *q = b[MF_LY_A_Q], *o = b[MF_LY_A_O];
+
+    /* the selection the prep left (compressed layers whose source has one) */
+    const float *ckv = NULL;
+    const int32_t *sel = NULL;
+    int n_sel = 0;
+    if (ratio > 0 && it->topk_src == cx->ly->src_of[L]) {
+        sel = it->topk;
+        n_sel = it->n_topk;
+        ckv = it->st->cache[it->topk_src].kv;
     }
 
-    /* attention with a sink: window slots of positions max(0, p-W+1)..p, then the selection */
+    /* attention with a sink: window slots of positions max(0, p-W+1)..p, then the selection;
+     * window positions at or after win->pos0 are the unwritten rows of win->kv */
     int64_t t0 = p - W + 1 < 0 ? 0 : p - W + 1, n_win = p - t0 + 1;
+    int64_t pos0 = win ? win->pos0 : p + 1;
     double *s = cx->scores, scale = 1.0 / sqrt((double)D);
-    for (int h = 0; h < nh; h++) {
-        const float *qh = q + h * D;
+#define MF_LY_KEY(i)                                                                                    \
+    ((i) < n_win ? (t0 + (i) >= pos0 ? win->kv + (t0 + (i) - pos0) * win->ld : ring + ((t0 + (i)) % W) * D) \
+                 : ckv + (int64_t)sel[(i) - n_win] * D)
+    for (int h = h0; h < h1; h++) {
+        float *qh = q + (int64_t)h * D;
+        /* the head's query: rounded, roped, rounded */
+        mf_bf_n(qh, D);
+        mf_ly_rope(qh + D - rd, rd / 2, freqs, p, 0);
+        mf_bf_n(qh, D);
         double sink = mf_ly_vec(&y->attn_sink, h), mx = sink;
         for (int64_t i = 0; i < n_win + n_sel; i++) {
-            const float *k = i < n_win ? ring + ((t0 + i) % W) * D : ckv + (int64_t)sel[i - n_win] * D;
+            const float *k = MF_LY_KEY(i);
             double dot = 0;
             for (int d = 0; d < D; d++) dot += (double)qh[d] * k[d];
             s[i] = dot * scale;
@@ -303,16 +367,25 @@ int mf_ly_attn_core(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b)
         double *acc = cx->attn_acc;   /* head_dim doubles */
         for (int d = 0; d < D; d++) acc[d] = 0;
         for (int64_t i = 0; i < n_win + n_sel; i++) {
-            const float *v = i < n_win ? ring + ((t0 + i) % W) * D : ckv + (int64_t)sel[i - n_win] * D;
+            const float *v = MF_LY_KEY(i);
             double e = exp(s[i] - mx);
             den += e;
             for (int d = 0; d < D; d++) acc[d] += e * v[d];
         }
-        float *oh = o + h * D;
+        float *oh = o + (int64_t)h * D;
         for (int d = 0; d < D; d++) oh[d] = mf_bf((float)(acc[d] / den));
         mf_ly_rope(oh + D - rd, rd / 2, freqs, p, 1);   /* inverse RoPE at the query position */
         mf_bf_n(oh + D - rd, rd);
     }
+#undef MF_LY_KEY
+}
+
+int mf_ly_attn_core(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b)
+{
+    int rc = mf_ly_attn_core_prep(cx, it, L, b);
+    if (rc) return rc;
+    mf_ly_attn_ring_write(cx, it, L, b[MF_LY_A_KV]);
+    mf_ly_attn_core_heads(cx, it, L, b, 0, cx->ly->c->n_heads, NULL);
     return 0;
 }
 

@@ -6,7 +6,7 @@
 
 #include "graphs/layers/layers.h"
 
-void mf_ly_hc_mixes(const mf_ly_ctx *cx, const float *x, const mf_weight *fn, float *mixes)
+void mf_ly_hc_mixes_rows(const mf_ly_ctx *cx, const float *x, const mf_weight *fn, float *mixes, int k0, int k1)
 {
     const mf_config *c = cx->ly->c;
     int64_t n = (int64_t)c->hc_mult * c->hidden_size;
@@ -15,8 +15,7 @@ void mf_ly_hc_mixes(const mf_ly_ctx *cx, const float *x, const mf_weight *fn, fl
     float rs = (float)(1.0 / sqrt(ss / (double)n + c->rms_norm_eps));
     float *xn = cx->hc_xn;
     for (int64_t i = 0; i < n; i++) xn[i] = x[i] * rs;
-    int n_mix = (2 + c->hc_mult) * c->hc_mult;
-    for (int k = 0; k < n_mix; k++) {
+    for (int k = k0; k < k1; k++) {
         const uint8_t *row = fn->data + (size_t)k * n * 4;
         double acc = 0;
         for (int64_t i = 0; i < n; i++) {
@@ -26,6 +25,12 @@ void mf_ly_hc_mixes(const mf_ly_ctx *cx, const float *x, const mf_weight *fn, fl
         }
         mixes[k] = (float)acc;
     }
+}
+
+void mf_ly_hc_mixes(const mf_ly_ctx *cx, const float *x, const mf_weight *fn, float *mixes)
+{
+    const mf_config *c = cx->ly->c;
+    mf_ly_hc_mixes_rows(cx, x, fn, mixes, 0, (2 + c->hc_mult) * c->hc_mult);
 }
 
 void mf_ly_hc_split(const mf_config *c, const float *m, const float *scale, const float *base,
@@ -76,25 +81,31 @@ void mf_ly_hc_split_w(const mf_config *c, const float *mixes, const mf_weight *s
     mf_ly_hc_split(c, mixes, sc, b, pre, post, comb);
 }
 
-void mf_ly_hc_collapse(const mf_ly_ctx *cx, const float *x, const float *pre, float *h)
+void mf_ly_hc_collapse_cols(const mf_ly_ctx *cx, const float *x, const float *pre, float *h, int64_t d0,
+                            int64_t d1)
 {
     const mf_config *c = cx->ly->c;
     int64_t H = c->hidden_size;
-    for (int64_t d = 0; d < H; d++) {
+    for (int64_t d = d0; d < d1; d++) {
         double acc = 0;
         for (int s = 0; s < c->hc_mult; s++) acc += (double)pre[s] * x[s * H + d];
         h[d] = mf_bf((float)acc);
     }
 }
 
-void mf_ly_hc_expand(const mf_ly_ctx *cx, float *x, const float *out, const float *post,
-                      const float *comb)
+void mf_ly_hc_collapse(const mf_ly_ctx *cx, const float *x, const float *pre, float *h)
+{
+    mf_ly_hc_collapse_cols(cx, x, pre, h, 0, cx->ly->c->hidden_size);
+}
+
+void mf_ly_hc_expand_cols(const mf_ly_ctx *cx, float *x, const float *out, const float *post, const float *comb,
+                          int64_t d0, int64_t d1)
 {
     const mf_config *c = cx->ly->c;
     int64_t H = c->hidden_size;
     int hc = c->hc_mult;
     float col[MF_LY_MAX_HC];
-    for (int64_t d = 0; d < H; d++) {
+    for (int64_t d = d0; d < d1; d++) {
         for (int i = 0; i < hc; i++) col[i] = x[i * H + d];
         for (int j = 0; j < hc; j++) {
             double acc = (double)post[j] * out[d];
@@ -102,4 +113,10 @@ void mf_ly_hc_expand(const mf_ly_ctx *cx, float *x, const float *out, const floa
             x[j * H + d] = mf_bf((float)acc);
         }
     }
+}
+
+void mf_ly_hc_expand(const mf_ly_ctx *cx, float *x, const float *out, const float *post,
+                      const float *comb)
+{
+    mf_ly_hc_expand_cols(cx, x, out, post, comb, 0, cx->ly->c->hidden_size);
 }

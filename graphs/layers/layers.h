@@ -197,6 +197,9 @@ float mf_ly_vec(const mf_weight *w, int64_t i);
 
 /* out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))) (the HF port's rounding). out may be x. */
 void mf_ly_rmsnorm(const float *x, int64_t n, const mf_weight *w, double eps, float *out);
+/* Columns [c0, c1) of the same (the mean over all n): any split gives the whole's bits. */
+void mf_ly_rmsnorm_cols(const float *x, int64_t n, const mf_weight *w, double eps, float *out, int64_t c0,
+                        int64_t c1);
 
 /* Interleaved RoPE on the last 2*n_pairs dims of x (pairs (2i, 2i+1)) at position pos; inverse
  * rotates by the conjugate. fp32 angle pos*freq, as torch computes it. */
@@ -230,6 +233,14 @@ void mf_ly_hc_split_w(const mf_config *c, const float *mixes, const mf_weight *s
 void mf_ly_hc_collapse(const mf_ly_ctx *cx, const float *x, const float *pre, float *h);
 void mf_ly_hc_expand(const mf_ly_ctx *cx, float *x, const float *out, const float *post,
                      const float *comb);
+/* The same in parts, each giving the bits of the whole for its share: mixes [k0, k1) (each part
+ * normalizes all of x again in scratch hc_xn: the norm is one sum), collapse and expand of hidden
+ * columns [d0, d1). */
+void mf_ly_hc_mixes_rows(const mf_ly_ctx *cx, const float *x, const mf_weight *fn, float *mixes, int k0, int k1);
+void mf_ly_hc_collapse_cols(const mf_ly_ctx *cx, const float *x, const float *pre, float *h, int64_t d0,
+                            int64_t d1);
+void mf_ly_hc_expand_cols(const mf_ly_ctx *cx, float *x, const float *out, const float *post, const float *comb,
+                          int64_t d0, int64_t d1);
 
 /* ---- layer_attn.c: the attention sublayer ---------------------------------------------------- */
 
@@ -266,6 +277,34 @@ int mf_ly_attn_lin_rows(mf_ly_ctx *cx, const mf_ly_attn_lin *l, const float *x, 
 int mf_ly_attn_stage(mf_ly_ctx *cx, int L, int stage, float *const *b);
 void mf_ly_attn_qnorm(const mf_ly_ctx *cx, int L, float *const *b);
 int mf_ly_attn_core(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b);
+/* The core in parts (mf_ly_attn_core is prep, ring write, heads 0..n_heads): prep readies the
+ * item's window KV in b[KV] (normed, roped, fake-quantized; not yet in the ring), runs the
+ * compressor and the indexer (their state: items of one sequence in position order) and leaves
+ * the selection in it; heads [h0, h1) round and rope their queries in b[Q] and attend over the
+ * window and the selection into b[O] (scratch: scores, attn_acc), any split of the heads giving
+ * the same bits; ring_write puts the item's window KV into the ring. With win, window positions
+ * from win->pos0 on are read from win->kv (row t - pos0, ld floats apart) instead of the ring:
+ * the items of one chunk attend to each other's KV before it is written (a later item's write
+ * would overwrite a slot an earlier item still reads when the chunk is longer than the window). */
+typedef struct mf_ly_win {
+    const float *kv;
+    int64_t ld, pos0;
+} mf_ly_win;
+int mf_ly_attn_core_prep(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b);
+/* The prep in three steps (mf_ly_attn_core_prep: kv, scores of all visible entries into
+ * cx->scores, select): kv readies the window KV, runs the compressor and readies the index query
+ * (b[QI], b[IW]); index_scores scores the visible entries [j0, j1) of an index-source layer into
+ * score (any split of the entries gives the same bits; reads the layer's KV source, nothing of a
+ * context); select builds the candidate mask, the top-k selection (scratch: picks) and calls the
+ * select hook. index_n_vis: the entries an index-source layer scores at pos (0 on other layers). */
+int mf_ly_attn_core_kv(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b);
+int64_t mf_ly_index_n_vis(const mf_config *c, int L, int64_t pos);
+void mf_ly_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float *const *b, double *score, int64_t j0,
+                        int64_t j1);
+void mf_ly_attn_core_select(mf_ly_ctx *cx, mf_ly_item *it, int L, double *score);
+void mf_ly_attn_core_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b, int h0, int h1,
+                           const mf_ly_win *win);
+void mf_ly_attn_ring_write(const mf_ly_ctx *cx, const mf_ly_item *it, int L, const float *kv);
 
 /* ---- layer_moe.c: router and experts -------------------------------------------------------- */
 

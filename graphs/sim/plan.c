@@ -105,6 +105,21 @@ static double pl_card_ffn_ns(const mf_plan *p, const pl_slot *sl)
     return pl_kern(k, k->bytes_per_s, p->sz->up_bytes + p->sz->down_bytes, 3 * H * I, sl->cnt);
 }
 
+/* Task t's positional work (mf_sg_pos_flops): decode items all at pos; a prefill chunk's item i
+ * at pos + i. */
+static double pl_pos_flops(const mf_plan *p, const mf_sg_task *t)
+{
+    if (!p->o.prefill) return mf_sg_pos_flops(&p->c, t, p->sg->p_key, p->pos);
+    mf_sg_task one = *t;
+    double f = 0;
+    for (int i = t->i0; i < t->i1; i++) {
+        one.i0 = i;
+        one.i1 = i + 1;
+        f += mf_sg_pos_flops(&p->c, &one, p->sg->p_key, p->pos + i);
+    }
+    return f;
+}
+
 /* Task t's duration this step without the executor's overhead; *overhead 0 where the task
  * finishes without it (an empty read). */
 static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int *overhead)
@@ -119,11 +134,6 @@ static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int
         r->table_bytes_read += (uint64_t)w->io_bytes;
         return w->io_reads * f->disk_latency_ns / (f->disk_queue_depth > 0 ? f->disk_queue_depth : 1) +
                w->io_bytes / f->disk_bytes_per_s * 1e9;
-    case MF_SG_ATTN_CORE: {   /* decode: every item at pos; prefill: item i at pos + i */
-        double core = 0;
-        for (int i = t->i0; i < t->i1; i++) core += mf_sg_core_flops(&p->c, t->layer, p->pos + (p->o.prefill ? i : 0));
-        return pl_host_work(p, w, t->n_tok) + pl_ref(p, w->ref_flops + core);
-    }
     case MF_SG_HEAD:   /* the items with logits (a prefill chunk: none, or the prompt's last) */
         return p->n_head ? pl_host_work(p, w, p->n_head) + pl_ref(p, w->ref_flops) : 0;
     case MF_SG_SLOT_READ:
@@ -156,8 +166,8 @@ static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int
     }
     case MF_SG_DEV_OUT:
         return f->d2h_latency_ns + cnt * w->copy_bytes_tok / f->d2h_bytes_per_s * 1e9;
-    default:   /* kernels over the record's tokens and scalar work */
-        return pl_host_work(p, w, t->n_tok) + pl_ref(p, w->ref_flops);
+    default:   /* kernels over the record's tokens, scalar work and the positional part of it */
+        return pl_host_work(p, w, t->n_tok) + pl_ref(p, w->ref_flops + pl_pos_flops(p, t));
     }
 }
 

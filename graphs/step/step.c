@@ -1,12 +1,12 @@
-/* The scheduled decode engine (graphs/step/step.h): per batch size one graph, per layer
- * [engram embed -> wkv row parts -> engram gate] -> attn pre -> attn linear stages (in, qb, oa,
- * ob; row parts) around attn core -> attn post -> gate row parts -> route -> expert slots (up
- * parts -> join -> down parts) -> combine, the shared expert (up parts -> join -> down parts)
- * beside the slots, then norm -> head parts. Tasks read the step's data (items, slot table) from
- * the shape's buffers, so the graph never changes. Engram's gathers and gating, the per-item
- * attention parts, hyper-connections, the top-k and combine call the layer math (graphs/layers/layers.h)
- * on the running worker's context (one task per item when the items are distinct sequences); the
- * Engram wkv, attention linears, router gate, expert FFNs and the head are split by rows. */
+/* The scheduled decode engine (graphs/step/step.h): per batch size one graph (graphs/step/stepgraph.c
+ * builds it; docs/decode.md draws it), per layer [engram embed -> wkv row parts -> engram gate] ->
+ * collapse and attn_norm column parts -> attn linear stages (in, qb, oa, ob; row parts) around the
+ * q norm, the core's prep and its head groups -> expand, collapse and ffn_norm column parts ->
+ * gate row parts -> route -> expert slots (up parts -> join -> down parts) and the shared expert
+ * -> combine column parts, the mixes in row parts beside them; then the final collapse and norm
+ * -> head parts. Tasks read the step's data (items, slot table) from the shape's buffers and their
+ * ranges from their records, so the graph never changes. The per-item and per-sequence tasks call
+ * the layer math (graphs/layers/layers.h) on the running worker's context. */
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -28,6 +28,9 @@
 #include "sched/timeline.h"
 
 typedef struct mf_step_shape mf_step_shape;
+
+/* Floats of one item's hyper-connection mixes ((2 + hc) * hc, at most) */
+#define MF_STEP_N_MIX ((2 + MF_LY_MAX_HC) * MF_LY_MAX_HC)
 
 /* One task's argument: its shape and its record in the step graph (what it is: layer, stage,
  * slot, part, card, items; graphs/step/stepgraph.h). The layer context (scratch) it uses is its
@@ -58,11 +61,13 @@ struct mf_step_shape {
     mf_step_targ *args;     /* per task */
     /* items and their activations */
     mf_ly_item *items;
-    /* attention: per MF_LY_A_* buffer n rows of ab_ld floats (graphs/layers/layers.h), the attention mix's
-     * pre, post (n x hc) and comb (n x hc*hc) */
+    /* attention: per MF_LY_A_* buffer n rows of ab_ld floats (graphs/layers/layers.h); per item the
+     * attention and ffn mixes (MF_STEP_N_MIX floats each) and a collapse of the streams (H) */
     float *ab[MF_LY_A_N];
     int64_t ab_ld[MF_LY_A_N];
-    float *apre, *apost, *acomb;
+    float *amix, *fmix, *hcol;
+    double *iscore;         /* n x iscore_ld: index scores per item (grown with the longest state) */
+    int64_t iscore_ld;
     float *xin;         /* n x H: MoE input (after ffn_norm) */
     float *logits;      /* n x n_routed_experts: router gate logits */
     float *eg_emb, *eg_kv;   /* n x eg_emb_ld, n x eg_kv_ld: Engram rows (dequantized), wkv output */
@@ -75,7 +80,6 @@ struct mf_step_shape {
     mf_io_read *eg_rd;
     int eg_per;              /* rows of an item: (max_ngram - 1) x n_heads */
     size_t eg_scratch_item;
-    float *post, *comb; /* n x hc, n x hc*hc: the ffn mix's post and comb */
     float *moe_out;     /* n x H: combine output */
     /* routing of the current layer */
     int32_t *ex;        /* n x K: experts of item i in top-k order */
@@ -271,29 +275,68 @@ static void mf_step_abuf(const mf_step_shape *sh, int i, float **b)
     for (int k = 0; k < MF_LY_A_N; k++) b[k] = sh->ab[k] + (size_t)i * sh->ab_ld[k];
 }
 
-/* Per item: the attention mix (pre, post, comb kept for attn post), collapse and attn_norm into
- * the item's input buffer. */
+/* The hyper-connection tasks: one item (a->t->i0) each, a part of its columns or its mix rows
+ * [r0, r1) (graphs/step/stepgraph.h); the bits of the whole for any split (layer_hc.c's parts). */
+
+/* Columns of the item's streams collapsed with the carried pre into its row of hcol (the next
+ * sublayer's input before its norm; at layer -1 the final norm's). */
 static int mf_task_attn_pre(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
     mf_ly_ctx *cx = mf_step_cx(a, ctx);
     if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
-    const mf_config *c = cx->ly->c;
-    const mf_model_layer *y = mf_model_layer_at(cx->ly->m, a->t->layer);
-    int64_t H = c->hidden_size;
-    int hc = c->hc_mult;
-    for (int i = a->t->i0; i < a->t->i1; i++) {
-        mf_ly_item *it = &sh->items[i];
-        float mixes[(2 + MF_LY_MAX_HC) * MF_LY_MAX_HC];
-        mf_ly_hc_mixes(cx, it->x, &y->hc_attn_fn, mixes);
-        mf_ly_hc_split_w(c, mixes, &y->hc_attn_scale, &y->hc_attn_base, sh->apre + (size_t)i * hc,
-                          sh->apost + (size_t)i * hc, sh->acomb + (size_t)i * hc * hc);
-        mf_ly_hc_collapse(cx, it->x, it->pre, cx->hc_h);
-        mf_ly_rmsnorm(cx->hc_h, H, &y->attn_norm, c->rms_norm_eps, sh->ab[MF_LY_A_IN] + (size_t)i * sh->ab_ld[MF_LY_A_IN]);
-    }
+    int i = a->t->i0;
+    mf_ly_hc_collapse_cols(cx, sh->items[i].x, sh->items[i].pre, sh->hcol + (size_t)i * cx->ly->c->hidden_size,
+                           a->t->r0, a->t->r1);
     return 0;
 }
+
+/* Columns of a norm of the item's collapse: attn_norm (the attention input), ffn_norm (the MoE
+ * input) or the final norm (the head's input; items without logits have none). */
+static int mf_step_norm_cols(mf_step_targ *a, mf_task_ctx *ctx, int op)
+{
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    mf_step_shape *sh = a->sh;
+    const mf_config *c = cx->ly->c;
+    int64_t H = c->hidden_size;
+    int i = a->t->i0;
+    const mf_weight *w;
+    float *out;
+    if (op == MF_SG_NORM) {
+        if (sh->head_row[i] < 0) return 0;
+        w = mf_model_norm(cx->ly->m);
+        out = sh->hn + (size_t)sh->head_row[i] * H;
+    } else {
+        const mf_model_layer *y = mf_model_layer_at(cx->ly->m, a->t->layer);
+        w = op == MF_SG_ATTN_NORM ? &y->attn_norm : &y->ffn_norm;
+        out = op == MF_SG_ATTN_NORM ? sh->ab[MF_LY_A_IN] + (size_t)i * sh->ab_ld[MF_LY_A_IN] : sh->xin + (size_t)i * H;
+    }
+    mf_ly_rmsnorm_cols(sh->hcol + (size_t)i * H, H, w, c->rms_norm_eps, out, a->t->r0, a->t->r1);
+    return 0;
+}
+
+static int mf_task_attn_norm(void *arg, mf_task_ctx *ctx) { return mf_step_norm_cols(arg, ctx, MF_SG_ATTN_NORM); }
+static int mf_task_ffn_norm(void *arg, mf_task_ctx *ctx) { return mf_step_norm_cols(arg, ctx, MF_SG_FFN_NORM); }
+static int mf_task_norm(void *arg, mf_task_ctx *ctx) { return mf_step_norm_cols(arg, ctx, MF_SG_NORM); }
+
+/* Rows of the attention (amix) or ffn (fmix) mixes of the item's streams. */
+static int mf_step_mix_rows(mf_step_targ *a, mf_task_ctx *ctx, int ffn)
+{
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    mf_step_shape *sh = a->sh;
+    const mf_model_layer *y = mf_model_layer_at(cx->ly->m, a->t->layer);
+    int i = a->t->i0;
+    float *mix = (ffn ? sh->fmix : sh->amix) + (size_t)i * MF_STEP_N_MIX;
+    mf_ly_hc_mixes_rows(cx, sh->items[i].x, ffn ? &y->hc_ffn_fn : &y->hc_attn_fn, mix, (int)a->t->r0,
+                        (int)a->t->r1);
+    return 0;
+}
+
+static int mf_task_attn_mix(void *arg, mf_task_ctx *ctx) { return mf_step_mix_rows(arg, ctx, 0); }
+static int mf_task_ffn_mix(void *arg, mf_task_ctx *ctx) { return mf_step_mix_rows(arg, ctx, 1); }
 
 /* Rows of linear stage a->t->stage (MF_LY_A_STAGE_*) of layer a->t->layer, part a->t->part of sh->p_attn:
  * the stage's linears taken as one column of output rows, split as mf_step_rows, each part over
@@ -337,23 +380,90 @@ static int mf_task_attn_qnorm(void *arg, mf_task_ctx *ctx)
     return 0;
 }
 
-/* Per item, in item order: RoPE, window KV, compressor, indexer, attention (mf_ly_attn_core). */
+/* The core's prep per item, in item order: window KV (into the ring unless the ring task writes
+ * it), compressor, the index query; on layers without score tasks the select (hook). */
 static int mf_task_attn_core(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
     mf_ly_ctx *cx = mf_step_cx(a, ctx);
     if (!cx) return -EINVAL;
+    int scored = mf_sg_layer_scored(cx->ly->c, a->t->layer);
     float *b[MF_LY_A_N];
     for (int i = a->t->i0; i < a->t->i1; i++) {
         mf_step_abuf(a->sh, i, b);
-        int rc = mf_ly_attn_core(cx, &a->sh->items[i], a->t->layer, b);
+        int rc = mf_ly_attn_core_kv(cx, &a->sh->items[i], a->t->layer, b);
         if (rc) return rc;
+        if (!scored) mf_ly_attn_core_select(cx, &a->sh->items[i], a->t->layer, cx->scores);
+        if (!a->sh->sg->ring_late) mf_ly_attn_ring_write(cx, &a->sh->items[i], a->t->layer, b[MF_LY_A_KV]);
     }
     return 0;
 }
 
-/* Per item: the attention output expanded into the streams, then the ffn mix and norm (the MoE
- * input): the rest of the first part of the reference's layer (ref_model.c). */
+/* Part a->t->part of sh->sg->p_key of the item's index scores: its range of the visible entries
+ * into the item's row of iscore. */
+static int mf_task_attn_score(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    const mf_layers *ly = sh->eng->ly;
+    int i = a->t->i0, q = a->t->part, P = sh->sg->p_key;
+    int64_t n_vis = mf_ly_index_n_vis(ly->c, a->t->layer, sh->items[i].pos);
+    float *b[MF_LY_A_N];
+    mf_step_abuf(sh, i, b);
+    mf_ly_index_scores(ly, &sh->items[i], a->t->layer, b, sh->iscore + (size_t)i * sh->iscore_ld, n_vis * q / P,
+                       n_vis * (q + 1) / P);
+    return 0;
+}
+
+/* Per item, in item order: the candidate mask and top-k from its scores (the select hook). */
+static int mf_task_attn_select(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    for (int i = a->t->i0; i < a->t->i1; i++)
+        mf_ly_attn_core_select(cx, &a->sh->items[i], a->t->layer, a->sh->iscore + (size_t)i * a->sh->iscore_ld);
+    return 0;
+}
+
+/* The heads of rows [r0, r1) of the item's attention output. With the ring written late, the
+ * window positions of its sequence's items in this graph are read from their KV rows. */
+static int mf_task_attn_heads(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    mf_step_shape *sh = a->sh;
+    int i = a->t->i0, D = cx->ly->c->head_dim, j0 = i;
+    float *b[MF_LY_A_N];
+    mf_step_abuf(sh, i, b);
+    mf_ly_win win, *wp = NULL;
+    if (sh->sg->ring_late) {   /* the first item of the sequence's run of items */
+        while (j0 > 0 && sh->items[j0 - 1].st == sh->items[i].st) j0--;
+        win = (mf_ly_win){.kv = sh->ab[MF_LY_A_KV] + (size_t)j0 * sh->ab_ld[MF_LY_A_KV], .ld = sh->ab_ld[MF_LY_A_KV],
+                          .pos0 = sh->items[j0].pos};
+        wp = &win;
+    }
+    mf_ly_attn_core_heads(cx, &sh->items[i], a->t->layer, b, (int)(a->t->r0 / D), (int)(a->t->r1 / D), wp);
+    return 0;
+}
+
+/* The items' window KV into the ring, in item order (after every head of the items). */
+static int mf_task_attn_ring(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    for (int i = a->t->i0; i < a->t->i1; i++)
+        mf_ly_attn_ring_write(cx, &a->sh->items[i], a->t->layer,
+                              a->sh->ab[MF_LY_A_KV] + (size_t)i * a->sh->ab_ld[MF_LY_A_KV]);
+    return 0;
+}
+
+/* Columns of the attention output expanded into the item's streams (with the split of its
+ * attention mixes), then collapsed with that mix's pre into hcol (the MoE input before ffn_norm):
+ * the rest of the first part of the reference's layer (ref_model.c). */
 static int mf_task_attn_post(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
@@ -363,19 +473,13 @@ static int mf_task_attn_post(void *arg, mf_task_ctx *ctx)
     const mf_config *c = cx->ly->c;
     const mf_model_layer *y = mf_model_layer_at(cx->ly->m, a->t->layer);
     int64_t H = c->hidden_size;
-    int hc = c->hc_mult;
-    for (int i = a->t->i0; i < a->t->i1; i++) {
-        mf_ly_item *it = &sh->items[i];
-        float mixes[(2 + MF_LY_MAX_HC) * MF_LY_MAX_HC], pre_f[MF_LY_MAX_HC];
-        mf_ly_hc_expand(cx, it->x, sh->ab[MF_LY_A_OUT] + (size_t)i * sh->ab_ld[MF_LY_A_OUT], sh->apost + (size_t)i * hc,
-                         sh->acomb + (size_t)i * hc * hc);
-        mf_ly_hc_mixes(cx, it->x, &y->hc_ffn_fn, mixes);
-        mf_ly_hc_split_w(c, mixes, &y->hc_ffn_scale, &y->hc_ffn_base, pre_f,
-                          sh->post + (size_t)i * hc, sh->comb + (size_t)i * hc * hc);
-        mf_ly_hc_collapse(cx, it->x, sh->apre + (size_t)i * hc, cx->hc_h);
-        mf_ly_rmsnorm(cx->hc_h, H, &y->ffn_norm, c->rms_norm_eps, sh->xin + (size_t)i * H);
-        memcpy(it->pre, pre_f, sizeof pre_f);
-    }
+    int i = a->t->i0;
+    mf_ly_item *it = &sh->items[i];
+    float pre[MF_LY_MAX_HC], post[MF_LY_MAX_HC], comb[MF_LY_MAX_HC * MF_LY_MAX_HC];
+    mf_ly_hc_split_w(c, sh->amix + (size_t)i * MF_STEP_N_MIX, &y->hc_attn_scale, &y->hc_attn_base, pre, post, comb);
+    mf_ly_hc_expand_cols(cx, it->x, sh->ab[MF_LY_A_OUT] + (size_t)i * sh->ab_ld[MF_LY_A_OUT], post, comb, a->t->r0,
+                         a->t->r1);
+    mf_ly_hc_collapse_cols(cx, it->x, pre, sh->hcol + (size_t)i * H, a->t->r0, a->t->r1);
     return 0;
 }
 
@@ -863,9 +967,10 @@ static int mf_task_sh_down(void *arg, mf_task_ctx *ctx)
     return mf_step_ffn_down(eng, &y->sh_w2, sh->hs, NULL, sh->n, sh->ys, r0, r1);
 }
 
-/* Combine: per item, the routed outputs in its top-k order, then the shared expert, summed in
- * double as the reference does (a fixed order: bit-identical whatever ran where), rounded to
- * bf16 and expanded into the streams with the ffn mix. */
+/* Combine, columns [r0, r1) of one item: the routed outputs in its top-k order, then the shared
+ * expert, summed in double as the reference does (a fixed order: bit-identical whatever ran
+ * where), rounded to bf16 and expanded into the streams with the split of its ffn mixes; part 0
+ * carries that split's pre to the next sublayer. */
 static int mf_task_combine(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
@@ -874,42 +979,26 @@ static int mf_task_combine(void *arg, mf_task_ctx *ctx)
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
     const mf_config *c = eng->c;
-    int64_t H = c->hidden_size;
-    int K = c->n_experts_per_tok, hc = c->hc_mult;
+    const mf_model_layer *y = mf_model_layer_at(cx->ly->m, a->t->layer);
+    int64_t H = c->hidden_size, d0 = a->t->r0, d1 = a->t->r1;
+    int K = c->n_experts_per_tok, i = a->t->i0;
     double *acc = (double *)cx->moe_acc;
-    for (int i = a->t->i0; i < a->t->i1; i++) {
-        float *out = sh->moe_out + (size_t)i * H;
-        for (int64_t d = 0; d < H; d++) acc[d] = 0;
-        for (int k = 0; k < K; k++) {
-            const float *yr = sh->y + (size_t)sh->asg[i * K + k] * H;
-            /* the host's outputs are rounded already (rounding twice changes nothing) */
-            for (int64_t d = 0; d < H; d++) acc[d] += mf_bf(yr[d]);
-        }
-        if (c->n_shared_experts > 0) {
-            const float *yr = sh->ys + (size_t)i * H;
-            for (int64_t d = 0; d < H; d++) acc[d] += yr[d];
-        }
-        for (int64_t d = 0; d < H; d++) out[d] = mf_bf((float)acc[d]);
-        mf_ly_hc_expand(cx, sh->items[i].x, out, sh->post + (size_t)i * hc,
-                         sh->comb + (size_t)i * hc * hc);
+    float pre[MF_LY_MAX_HC], post[MF_LY_MAX_HC], comb[MF_LY_MAX_HC * MF_LY_MAX_HC];
+    mf_ly_hc_split_w(c, sh->fmix + (size_t)i * MF_STEP_N_MIX, &y->hc_ffn_scale, &y->hc_ffn_base, pre, post, comb);
+    float *out = sh->moe_out + (size_t)i * H;
+    for (int64_t d = d0; d < d1; d++) acc[d] = 0;
+    for (int k = 0; k < K; k++) {
+        const float *yr = sh->y + (size_t)sh->asg[i * K + k] * H;
+        /* the host's outputs are rounded already (rounding twice changes nothing) */
+        for (int64_t d = d0; d < d1; d++) acc[d] += mf_bf(yr[d]);
     }
-    return 0;
-}
-
-static int mf_task_norm(void *arg, mf_task_ctx *ctx)
-{
-    mf_step_targ *a = arg;
-    mf_ly_ctx *cx = mf_step_cx(a, ctx);
-    if (!cx) return -EINVAL;
-    mf_step_shape *sh = a->sh;
-    int64_t H = cx->ly->c->hidden_size;
-    for (int i = a->t->i0; i < a->t->i1; i++) {
-        int j = sh->head_row[i];
-        if (j < 0) continue;
-        mf_ly_item *it = &sh->items[i];
-        mf_ly_hc_collapse(cx, it->x, it->pre, cx->hc_h);
-        mf_ly_rmsnorm(cx->hc_h, H, mf_model_norm(cx->ly->m), cx->ly->c->rms_norm_eps, sh->hn + (size_t)j * H);
+    if (c->n_shared_experts > 0) {
+        const float *yr = sh->ys + (size_t)i * H;
+        for (int64_t d = d0; d < d1; d++) acc[d] += yr[d];
     }
+    for (int64_t d = d0; d < d1; d++) out[d] = mf_bf((float)acc[d]);
+    mf_ly_hc_expand_cols(cx, sh->items[i].x, out, post, comb, d0, d1);
+    if (a->t->part == 0) memcpy(sh->items[i].pre, pre, sizeof pre);
     return 0;
 }
 
@@ -948,6 +1037,7 @@ static void mf_step_shape_free(mf_step_shape *sh)
         mf_dev_free(sh->eng->dev, c, sh->dbuf[c]);
     }
     free(sh->sorted);
+    free(sh->iscore);
     free(sh->args);
     free(sh->mem);
     free(sh);
@@ -968,6 +1058,10 @@ static const mf_task_fn mf_step_fn_of[MF_SG_N_OPS] = {
     [MF_SG_SHARED_UP] = mf_task_sh_up,           [MF_SG_SHARED_DOWN] = mf_task_sh_down,
     [MF_SG_COMBINE] = mf_task_combine,           [MF_SG_NORM] = mf_task_norm,
     [MF_SG_HEAD] = mf_task_head,                 [MF_SG_JOIN] = mf_task_nop,
+    [MF_SG_ATTN_MIX] = mf_task_attn_mix,         [MF_SG_ATTN_NORM] = mf_task_attn_norm,
+    [MF_SG_ATTN_HEADS] = mf_task_attn_heads,     [MF_SG_ATTN_RING] = mf_task_attn_ring,
+    [MF_SG_FFN_MIX] = mf_task_ffn_mix,           [MF_SG_FFN_NORM] = mf_task_ffn_norm,
+    [MF_SG_ATTN_SCORE] = mf_task_attn_score,     [MF_SG_ATTN_SELECT] = mf_task_attn_select,
 };
 
 /* The step graph of a shape of n items (parallel or serial) on the engine's lanes. */
@@ -1105,8 +1199,6 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
         {"topk", n_ * c->index_topk * 4, (void **)&topk},
         {"candidates", n_ * n_cb * 4, (void **)&cand},
         {"xin", n_ * H * f, (void **)&sh->xin},
-        {"post", n_ * hc * f, (void **)&sh->post},
-        {"comb", n_ * hc * hc * f, (void **)&sh->comb},
         {"moe_out", n_ * H * f, (void **)&sh->moe_out},
         {"ex", nk * 4, (void **)&sh->ex},
         {"wt", nk * f, (void **)&sh->wt},
@@ -1135,9 +1227,9 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
         {"lbuf", n_ * V * f, (void **)&sh->lbuf},
         {"head_item", n_ * 4, (void **)&sh->head_item},
         {"head_row", n_ * 4, (void **)&sh->head_row},
-        {"apre", n_ * hc * f, (void **)&sh->apre},
-        {"apost", n_ * hc * f, (void **)&sh->apost},
-        {"acomb", n_ * hc * hc * f, (void **)&sh->acomb},
+        {"amix", n_ * MF_STEP_N_MIX * f, (void **)&sh->amix},
+        {"fmix", n_ * MF_STEP_N_MIX * f, (void **)&sh->fmix},
+        {"hcol", n_ * H * f, (void **)&sh->hcol},
         {"logits", n_ * E * f, (void **)&sh->logits},
         {"eg_emb", n_ * sh->eg_emb_ld * f, (void **)&sh->eg_emb},
         {"eg_kv", n_ * sh->eg_kv_ld * f, (void **)&sh->eg_kv},
@@ -1479,7 +1571,14 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
         for (int j = 0; j < i && par; j++) par = states[i] != states[j];
     if (!s->shapes[par][n] && (rc = mf_step_shape_new(s, n, par, &s->shapes[par][n]))) return rc;
     mf_step_shape *sh = s->shapes[par][n];
-    int64_t H = c->hidden_size;
+    int64_t H = c->hidden_size, need = 0;
+    for (int i = 0; i < n; i++) need = need > states[i]->max_pos ? need : states[i]->max_pos;
+    if (need > sh->iscore_ld) {   /* index scores for the longest sequence (as the workers' score buffers) */
+        double *v = realloc(sh->iscore, sizeof *v * (size_t)n * (size_t)need);
+        if (!v) return mf_error(-ENOMEM, "step: index scores of %d items of up to %" PRId64 " positions", n, need);
+        sh->iscore = v;
+        sh->iscore_ld = need;
+    }
     const mf_weight *emb = mf_model_embed(s->ly->m);
     sh->n_head = 0;
     for (int i = 0; i < n; i++) {

@@ -1,8 +1,11 @@
 /* The step graph (graphs/step/stepgraph.h): per layer [engram embed -> wkv parts -> engram gate] ->
- * attn pre -> attention stages (in, qb, oa, ob; row parts) around q norm and core -> attn post
- * -> gate parts -> route -> expert slots ([reads] -> up parts -> join -> down parts, per card in
- * -> ffn -> out) and the shared expert -> moe done -> combine; then norm -> head join -> head
- * parts. One function per sublayer, each returning the tasks it ends with. */
+ * per item collapse -> attn_norm column parts (and the attention mix's row parts) -> attention
+ * stages (in, qb, oa, ob; row parts) around the q norm, the core's prep (per sequence) and its
+ * head groups (per item) -> per item expand/collapse -> ffn_norm column parts (and the ffn mix) ->
+ * gate parts -> route -> expert slots ([reads] -> up parts -> join -> down parts, per card in ->
+ * ffn -> out) and the shared expert -> moe done -> per item combine column parts; then the final
+ * collapse -> norm column parts -> head join -> head parts. One function per sublayer, each
+ * returning the tasks it ends with. */
 #include "graphs/step/stepgraph.h"
 
 #include <errno.h>
@@ -24,8 +27,11 @@
 #define SG_W_DOT_BF16 1.95
 #define SG_W_MIX 1.81
 #define SG_W_ROUND 23.6
+#define SG_W_SORT 1.0   /* estimate, not measured: one REF multiply-add per comparison of the top-k's sort */
 #define SG_STORE_ALIGN 4096.0   /* host/store.c MF_STORE_SLOT_ALIGN: reads are aligned extents */
 #define SG_CARD_ALIGN 256.0     /* a part's alignment in a card's cache slot */
+#define SG_MAX_MIX 4            /* row parts of a hyper-connection mix */
+#define SG_MIN_COLS 64          /* columns of a hyper-connection part, at least */
 
 /* ---- sizes --------------------------------------------------------------------------------- */
 
@@ -121,18 +127,30 @@ void mf_sg_sizes_free(mf_sg_sizes *s)
     free(s);
 }
 
-double mf_sg_core_flops(const mf_config *c, int L, int64_t pos)
+double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int p_key, int64_t pos)
 {
-    double D = c->head_dim, nh = c->n_heads;
+    if (t->op != MF_SG_ATTN_HEADS && t->op != MF_SG_ATTN_SCORE && t->op != MF_SG_ATTN_SELECT) return 0;
+    int L = t->layer;
+    double D = c->head_dim, items = t->i1 - t->i0;
     int64_t W = c->sliding_window, n_win = pos + 1 < W ? pos + 1 : W, n_sel = 0, n_vis = 0;
     int ratio = c->compress_ratios[L];
     if (ratio > 0) {
         n_vis = (pos + 1) / ratio;
         n_sel = n_vis < c->index_topk ? n_vis : c->index_topk;
     }
-    double fl = 2.0 * nh * D * (double)(n_win + n_sel);
-    if (mf_config_is_index_source(c, L) && n_vis > 0) fl += (double)n_vis * c->index_n_heads * c->index_head_dim;
-    return fl;
+    if (t->op == MF_SG_ATTN_HEADS)   /* per head: scores and weighted values over the entries */
+        return items * (double)(t->r1 - t->r0) / D * 2.0 * D * (double)(n_win + n_sel);
+    if (t->op == MF_SG_ATTN_SCORE) {   /* its range of the visible entries, as the engine splits them */
+        double n = (double)(n_vis * (t->part + 1) / p_key - n_vis * t->part / p_key);
+        return items * n * c->index_n_heads * c->index_head_dim;
+    }
+    /* the select: the picks sorted (qsort), SG_W_SORT per comparison */
+    return items * SG_W_SORT * (double)n_vis * log2((double)n_vis + 1);
+}
+
+int mf_sg_layer_scored(const mf_config *c, int L)
+{
+    return c->compress_ratios[L] > 0 && mf_config_is_index_source(c, L);
 }
 
 void mf_sg_rows(int64_t n_rows, int parts, int p, int64_t *r0, int64_t *r1)
@@ -153,6 +171,7 @@ typedef struct sg_builder {
     int u;                       /* item-part tasks per layer part: n (parallel) or 1 */
     double per;                  /* items per item task */
     mf_task_id *io;              /* the layer's IO tasks, n_slots x n_io_parts */
+    mf_task_id fmix[MF_SG_MAX_ITEMS][SG_MAX_MIX];   /* the layer's ffn mix parts per item */
     char name[64];
 } sg_builder;
 
@@ -315,64 +334,206 @@ static mf_task_id sg_attn_rows(sg_builder *b, int L, int st, int p)
     return sg_add(b, 0, MF_SG_ATTN_ROWS, MF_SG_PH_ATTN, MF_SG_K_OTHER, t, y->st_data_bytes[st] / parts, 0);
 }
 
-/* The attention sublayer of layer L: per unit pre (after unit[k]) -> in parts -> q norm -> qb
- * parts -> per unit core -> oa parts -> oa join -> ob parts -> per unit post, into post[]. */
+/* Part p of `parts` of an item's n_rows output rows (columns of the hidden size, rows of a mix):
+ * item task record of item i. Columns split as mf_sg_rows; mixes (a few rows) evenly. */
+static mf_sg_task sg_part(int L, int i, int64_t n_rows, int parts, int p, int even)
+{
+    mf_sg_task t = sg_rec(L);
+    t.i0 = i;
+    t.i1 = i + 1;
+    t.n_tok = 1;
+    t.part = p;
+    if (even) {
+        t.r0 = n_rows * p / parts;
+        t.r1 = n_rows * (p + 1) / parts;
+    } else {
+        mf_sg_rows(n_rows, parts, p, &t.r0, &t.r1);
+    }
+    return t;
+}
+
+/* Item i's collapse (MF_SG_ATTN_PRE, after `after`) -> norm `op` column parts, into nrm[]: layer L's
+ * attention input (phase attn) or, at L = -1, the final norm (phase head). */
+static void sg_collapse_norm(sg_builder *b, int L, int i, int op, int phase, mf_task_id after, mf_task_id *nrm)
+{
+    const mf_config *c = b->o->c;
+    int pc = b->sg->p_hc;
+    double H = (double)c->hidden_size, hc = c->hc_mult;
+    mf_task_id col[MF_SG_MAX_PARTS];
+    const char *what = L < 0 ? "final" : "attn";
+    for (int p = 0; p < pc; p++) {
+        SG_NAME(b, L < 0 ? "%s collapse item %d %d" : "%s L%d collapse item %d %d", what, L < 0 ? i : L,
+                L < 0 ? p : i, p);
+        mf_sg_task t = sg_part(L, i, (int64_t)H, pc, p, 0);
+        double cols = (double)(t.r1 - t.r0);
+        t.w.ref_flops = cols * (hc + SG_W_ROUND);
+        col[p] = sg_add(b, 0, MF_SG_ATTN_PRE, phase, MF_SG_K_OTHER, t, 0, cols * (hc + 8));
+        sg_dep(b, after, col[p]);
+    }
+    for (int p = 0; p < pc; p++) {
+        SG_NAME(b, L < 0 ? "%s norm item %d %d" : "%s L%d norm item %d %d", what, L < 0 ? i : L, L < 0 ? p : i, p);
+        mf_sg_task t = sg_part(L, i, (int64_t)H, pc, p, 0);
+        double cols = (double)(t.r1 - t.r0);
+        t.w.ref_flops = H + cols * (2.0 + 2.0 * SG_W_ROUND);   /* the sum of squares over all columns */
+        nrm[p] = sg_add(b, 0, op, phase, MF_SG_K_OTHER, t, 0, H + cols * 16);
+        for (int q = 0; q < pc; q++) sg_dep(b, col[q], nrm[p]);
+    }
+}
+
+/* Item i's mix of layer L (`op`: attention or ffn) in row parts after after[0..n_after) (each
+ * part: the norm of all streams, then its rows), into mix[]. */
+static void sg_mix(sg_builder *b, int L, int i, int op, const mf_task_id *after, int n_after, mf_task_id *mix)
+{
+    const mf_config *c = b->o->c;
+    const mf_sg_layer_sizes *y = &b->o->sz->layer[L];
+    int pm = b->sg->p_mix;
+    double H = (double)c->hidden_size, hc = c->hc_mult, nm = (2.0 + hc) * hc;
+    for (int m = 0; m < pm; m++) {
+        SG_NAME(b, "%s L%d mix item %d %d", op == MF_SG_ATTN_MIX ? "attn" : "ffn", L, i, m);
+        mf_sg_task t = sg_part(L, i, (int64_t)nm, pm, m, 1);
+        double f = (double)(t.r1 - t.r0) / nm;
+        t.w.ref_flops = 2.0 * hc * H + SG_W_MIX * y->hc_macs / 2 * f;
+        mix[m] = sg_add(b, 0, op, MF_SG_PH_ATTN, MF_SG_K_OTHER, t, 0, hc * H * (2 + nm * f));
+        for (int a = 0; a < n_after; a++) sg_dep(b, after[a], mix[m]);
+    }
+}
+
+/* The attention sublayer of layer L. Per item after unit[] (its unit's): collapse -> attn_norm
+ * column parts, and the attention mix in row parts; in parts -> q norm item ranges -> qb parts ->
+ * per unit core prep -> per item head groups [-> per unit ring] -> oa parts -> oa join -> ob parts;
+ * per item post column parts (after ob, its mix, its unit's ring) -> ffn_norm column parts -> per
+ * unit post join, into post[]; the ffn mix in row parts (for the combine: b->fmix). */
 static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *post)
 {
     const mf_config *c = b->o->c;
     const mf_sg_layer_sizes *y = &b->o->sz->layer[L];
     mf_stepgraph *sg = b->sg;
-    int n = sg->n, u = b->u;
-    double H = (double)c->hidden_size, hc = c->hc_mult, per = b->per, D = c->head_dim, nh = c->n_heads;
-    /* rough costs for priorities: reference code ~1 ns per multiply-add, kernels by bytes */
-    double hc_ns = per * H * c->hc_mult * (c->hc_mult + 4.0);
-    double core_ns = per * nh * D * 2.0 * (c->sliding_window + c->index_topk);
+    int n = sg->n, u = b->u, pc = sg->p_hc, pm = sg->p_mix, pa = sg->p_ah;
+    double H = (double)c->hidden_size, hc = c->hc_mult, D = c->head_dim, nh = c->n_heads;
     double sink = c->hc_sinkhorn_iters * 4.0 * hc * hc * 2;
-    mf_task_id pre[MF_SG_MAX_ITEMS], core[MF_SG_MAX_ITEMS], rows[4][MF_SG_MAX_PARTS];
-    for (int k = 0; k < u; k++) {
-        SG_NAME(b, sg->par ? "attn L%d pre item %d" : "attn L%d pre", L, k);
-        mf_sg_task t = sg_item(b, L, k);
-        t.w.ref_flops = per * (SG_W_MIX * y->hc_macs / 2 + 2.0 * hc * H + 4.0 * H + sink + SG_W_ROUND * 2.0 * H);
-        pre[k] = sg_add(b, 0, MF_SG_ATTN_PRE, MF_SG_PH_ATTN, MF_SG_K_OTHER, t, 0, hc_ns);
-        sg_dep(b, unit[k], pre[k]);
-    }
+    /* rough costs for priorities: reference code ~1 ns per multiply-add, kernels by bytes */
+    double core_ns = nh * D * 2.0 * (c->sliding_window + c->index_topk);   /* one item's heads */
+    double key_ns = 4.0 * c->index_topk * c->index_n_heads * c->index_head_dim;   /* its scores */
+    int index = mf_sg_layer_scored(c, L);
+    mf_task_id rows[4][MF_SG_MAX_PARTS], amix[MF_SG_MAX_ITEMS][SG_MAX_MIX], ring[MF_SG_MAX_ITEMS];
     for (int st = 0; st < 4; st++)
         for (int p = 0; p < sg->p_attn; p++) rows[st][p] = sg_attn_rows(b, L, st, p);
-    SG_NAME(b, "attn L%d q norm", L);
-    mf_sg_task t = sg_rec(L);
-    t.i1 = t.n_tok = n;
-    t.w.ref_flops = n * (4.0 + 2.0 * SG_W_ROUND) * c->q_lora_rank;
-    mf_task_id qn = sg_add(b, 0, MF_SG_ATTN_QNORM, MF_SG_PH_ATTN, MF_SG_K_OTHER, t, 0, n * 4.0 * c->q_lora_rank);
+    for (int i = 0; i < n; i++) {
+        mf_task_id nrm[MF_SG_MAX_PARTS];
+        sg_collapse_norm(b, L, i, MF_SG_ATTN_NORM, MF_SG_PH_ATTN, unit[sg->par ? i : 0], nrm);
+        for (int p = 0; p < pc; p++)
+            for (int q = 0; q < sg->p_attn; q++) sg_dep(b, nrm[p], rows[MF_SG_ST_IN][q]);
+        sg_mix(b, L, i, MF_SG_ATTN_MIX, &unit[sg->par ? i : 0], 1, amix[i]);
+    }
+    for (int q = 0; q < sg->p_qn; q++) {
+        SG_NAME(b, "attn L%d q norm %d", L, q);
+        mf_sg_task t = sg_rec(L);
+        t.part = q;
+        t.i0 = n * q / sg->p_qn;
+        t.i1 = n * (q + 1) / sg->p_qn;
+        t.n_tok = t.i1 - t.i0;
+        t.w.ref_flops = t.n_tok * (4.0 + 2.0 * SG_W_ROUND) * c->q_lora_rank;
+        mf_task_id qn = sg_add(b, 0, MF_SG_ATTN_QNORM, MF_SG_PH_ATTN, MF_SG_K_OTHER, t, 0, t.n_tok * 4.0 * c->q_lora_rank);
+        for (int p = 0; p < sg->p_attn; p++) {
+            sg_dep(b, rows[MF_SG_ST_IN][p], qn);
+            sg_dep(b, qn, rows[MF_SG_ST_QB][p]);
+        }
+    }
     SG_NAME(b, "attn L%d oa join", L);
     mf_task_id oj = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, sg_rec(L), 0, 0);
+    for (int p = 0; p < sg->p_attn; p++) {
+        sg_dep(b, rows[MF_SG_ST_OA][p], oj);
+        sg_dep(b, oj, rows[MF_SG_ST_OB][p]);
+    }
     for (int k = 0; k < u; k++) {
         SG_NAME(b, sg->par ? "attn L%d core item %d" : "attn L%d core", L, k);
-        t = sg_item(b, L, k);
-        double items = t.i1 - t.i0;   /* each item: the core's kernels once, its roundings */
+        mf_sg_task t = sg_item(b, L, k);
+        double items = t.i1 - t.i0;   /* each item: the core's kernels once, its window KV */
         t.n_tok = 1;
         t.w.w_bytes[MF_KF_FP8] = items * y->st_fp8_bytes[MF_SG_ST_CORE];
         t.w.calls[MF_KF_FP8] = items * y->st_fp8_calls[MF_SG_ST_CORE];
         t.w.w_bytes[MF_KF_BF16] = items * y->st_bf16_bytes[MF_SG_ST_CORE];
         t.w.calls[MF_KF_BF16] = items * y->st_bf16_calls[MF_SG_ST_CORE];
-        t.w.ref_flops = items * (4.0 * D + SG_W_ROUND * (3.0 * nh * D + nh * (double)c->qk_rope_head_dim + 4.0 * D));
-        core[k] = sg_add(b, 0, MF_SG_ATTN_CORE, MF_SG_PH_ATTN, MF_SG_K_OTHER, t, 0, core_ns);
-        SG_NAME(b, sg->par ? "attn L%d post item %d" : "attn L%d post", L, k);
-        t = sg_item(b, L, k);
-        t.w.ref_flops = per * (SG_W_MIX * y->hc_macs / 2 + 2.0 * hc * H * (1 + hc) + 4.0 * H + sink +
-                               SG_W_ROUND * (4.0 + hc) * H);
-        post[k] = sg_add(b, 0, MF_SG_ATTN_POST, MF_SG_PH_ATTN, MF_SG_K_OTHER, t, 0, 2 * hc_ns);
-    }
-    for (int p = 0; p < sg->p_attn; p++) {
-        for (int k = 0; k < u; k++) {
-            sg_dep(b, pre[k], rows[MF_SG_ST_IN][p]);
-            sg_dep(b, rows[MF_SG_ST_QB][p], core[k]);
-            sg_dep(b, core[k], rows[MF_SG_ST_OA][p]);
-            sg_dep(b, rows[MF_SG_ST_OB][p], post[k]);
+        t.w.ref_flops = items * (4.0 * D + SG_W_ROUND * 4.0 * D);
+        mf_task_id core = sg_add(b, 0, MF_SG_ATTN_CORE, MF_SG_PH_ATTN, MF_SG_K_OTHER, t, 0, items * 4.0 * D * 8);
+        for (int p = 0; p < sg->p_attn; p++) sg_dep(b, rows[MF_SG_ST_QB][p], core);
+        if (index) {   /* the index scores in parts per item, then the select, before the heads */
+            SG_NAME(b, "attn L%d select", L);
+            mf_sg_task ts = sg_item(b, L, k);
+            ts.n_tok = 1;
+            mf_task_id sel = sg_add(b, 0, MF_SG_ATTN_SELECT, MF_SG_PH_ATTN, MF_SG_K_OTHER, ts, 0,
+                                    items * c->index_topk * 16.0);
+            for (int i = t.i0; i < t.i1; i++)
+                for (int q = 0; q < sg->p_key; q++) {
+                    SG_NAME(b, "attn L%d score item %d %d", L, i, q);
+                    mf_sg_task tk = sg_rec(L);
+                    tk.i0 = i;
+                    tk.i1 = i + 1;
+                    tk.n_tok = 1;
+                    tk.part = q;
+                    mf_task_id sc = sg_add(b, 0, MF_SG_ATTN_SCORE, MF_SG_PH_ATTN, MF_SG_K_OTHER, tk, 0,
+                                           key_ns / sg->p_key);
+                    sg_dep(b, core, sc);
+                    sg_dep(b, sc, sel);
+                }
+            core = sel;
         }
-        sg_dep(b, rows[MF_SG_ST_IN][p], qn);
-        sg_dep(b, qn, rows[MF_SG_ST_QB][p]);
-        sg_dep(b, rows[MF_SG_ST_OA][p], oj);
-        sg_dep(b, oj, rows[MF_SG_ST_OB][p]);
+        ring[k] = -1;
+        if (sg->ring_late) {
+            SG_NAME(b, "attn L%d ring", L);
+            mf_sg_task tr = sg_item(b, L, k);
+            tr.n_tok = 1;
+            tr.w.ref_flops = items * D;
+            ring[k] = sg_add(b, 0, MF_SG_ATTN_RING, MF_SG_PH_ATTN, MF_SG_K_OTHER, tr, 0, items * D);
+        }
+        for (int i = t.i0; i < t.i1; i++)
+            for (int g = 0; g < pa; g++) {
+                SG_NAME(b, "attn L%d heads item %d %d", L, i, g);
+                mf_sg_task th = sg_rec(L);
+                int h0 = g * sg->ah_heads, h1 = h0 + sg->ah_heads < (int)nh ? h0 + sg->ah_heads : (int)nh;
+                th.i0 = i;
+                th.i1 = i + 1;
+                th.n_tok = 1;
+                th.part = g;
+                th.r0 = (int64_t)h0 * c->head_dim;
+                th.r1 = (int64_t)h1 * c->head_dim;
+                /* each head: its query rounded twice, its output and the output's roped part */
+                th.w.ref_flops = (h1 - h0) * SG_W_ROUND * (3.0 * D + c->qk_rope_head_dim);
+                mf_task_id hd = sg_add(b, 0, MF_SG_ATTN_HEADS, MF_SG_PH_ATTN, MF_SG_K_OTHER, th, 0,
+                                       core_ns * (h1 - h0) / nh);
+                sg_dep(b, core, hd);
+                sg_dep(b, hd, ring[k]);
+                for (int p = 0; p < sg->p_attn; p++) sg_dep(b, hd, rows[MF_SG_ST_OA][p]);
+            }
+    }
+    for (int k = 0; k < u; k++) {
+        SG_NAME(b, sg->par ? "attn L%d post join item %d" : "attn L%d post join", L, k);
+        post[k] = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, sg_rec(L), 0, 0);
+    }
+    for (int i = 0; i < n; i++) {
+        mf_task_id pst[MF_SG_MAX_PARTS], fin = post[sg->par ? i : 0];
+        for (int p = 0; p < pc; p++) {
+            SG_NAME(b, "attn L%d post item %d %d", L, i, p);
+            mf_sg_task t = sg_part(L, i, (int64_t)H, pc, p, 0);
+            double cols = (double)(t.r1 - t.r0);
+            /* the split of the mixes, per column the expand (rounded) and the collapse (rounded) */
+            t.w.ref_flops = sink + cols * (hc * (1 + hc) + hc * SG_W_ROUND + hc + SG_W_ROUND);
+            pst[p] = sg_add(b, 0, MF_SG_ATTN_POST, MF_SG_PH_ATTN, MF_SG_K_OTHER, t, 0, cols * hc * (hc + 8));
+            for (int q = 0; q < sg->p_attn; q++) sg_dep(b, rows[MF_SG_ST_OB][q], pst[p]);
+            for (int m = 0; m < pm; m++) sg_dep(b, amix[i][m], pst[p]);
+            sg_dep(b, ring[sg->par ? i : 0], pst[p]);
+        }
+        for (int p = 0; p < pc; p++) {
+            SG_NAME(b, "attn L%d ffn norm item %d %d", L, i, p);
+            mf_sg_task t = sg_part(L, i, (int64_t)H, pc, p, 0);
+            double cols = (double)(t.r1 - t.r0);
+            t.w.ref_flops = H + cols * (2.0 + 2.0 * SG_W_ROUND);
+            mf_task_id fn = sg_add(b, 0, MF_SG_FFN_NORM, MF_SG_PH_ATTN, MF_SG_K_OTHER, t, 0, H + cols * 16);
+            for (int q = 0; q < pc; q++) sg_dep(b, pst[q], fn);
+            sg_dep(b, fn, fin);
+        }
+        /* the ffn mix: for the combine, beside the MoE */
+        sg_mix(b, L, i, MF_SG_FFN_MIX, pst, pc, b->fmix[i]);
     }
 }
 
@@ -551,8 +712,8 @@ static void sg_moe(sg_builder *b, int L, const mf_task_id *post, mf_task_id *uni
     const mf_config *c = b->o->c;
     const mf_sg_sizes *z = b->o->sz;
     mf_stepgraph *sg = b->sg;
-    int K = c->n_experts_per_tok, hc = c->hc_mult;
-    double H = (double)c->hidden_size, per = b->per;
+    int K = c->n_experts_per_tok;
+    double H = (double)c->hidden_size, hc = c->hc_mult;
     mf_task_id ro = sg_router(b, L, post);
     SG_NAME(b, "moe L%d done", L);
     mf_sg_task t = sg_rec(L);
@@ -570,31 +731,38 @@ static void sg_moe(sg_builder *b, int L, const mf_task_id *post, mf_task_id *uni
     sg_shared(b, L, post, ro, done);
     sg_dep(b, ro, done);
     for (int k = 0; k < b->u; k++) {
-        SG_NAME(b, sg->par ? "combine L%d item %d" : "combine L%d", L, k);
-        t = sg_item(b, L, k);
-        /* per item: K routed outputs rounded and summed, the shared one, the sum rounded, the
-         * expand into the streams (rounded) */
-        t.w.ref_flops = per * H * (K + 2 + hc * (1 + hc) + SG_W_ROUND * (K + 1 + hc));
-        unit[k] = sg_add(b, 0, MF_SG_COMBINE, MF_SG_PH_MOE, MF_SG_K_OTHER, t, 0, per * H * (K + 2 + 2 * hc));
-        sg_dep(b, done, unit[k]);
+        SG_NAME(b, sg->par ? "combine L%d join item %d" : "combine L%d join", L, k);
+        unit[k] = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_MOE, MF_SG_K_OTHER, sg_rec(L), 0, 0);
     }
+    double sink = c->hc_sinkhorn_iters * 4.0 * hc * hc * 2;
+    for (int i = 0; i < sg->n; i++)
+        for (int p = 0; p < sg->p_hc; p++) {
+            SG_NAME(b, "combine L%d item %d %d", L, i, p);
+            t = sg_part(L, i, (int64_t)H, sg->p_hc, p, 0);
+            double cols = (double)(t.r1 - t.r0);
+            /* the split of the ffn mixes; per column K routed outputs rounded and summed, the
+             * shared one, the sum rounded, the expand into the streams (rounded) */
+            t.w.ref_flops = sink + cols * (K + 2 + hc * (1 + hc) + SG_W_ROUND * (K + 1 + hc));
+            mf_task_id cb = sg_add(b, 0, MF_SG_COMBINE, MF_SG_PH_MOE, MF_SG_K_OTHER, t, 0, cols * (K + 2 + 2 * hc));
+            sg_dep(b, done, cb);
+            for (int m = 0; m < sg->p_mix; m++) sg_dep(b, b->fmix[i][m], cb);
+            sg_dep(b, cb, unit[sg->par ? i : 0]);
+        }
 }
 
-/* After the last layer: per unit norm -> head join -> head parts. */
+/* After the last layer: per item the final collapse -> norm column parts -> head join -> head
+ * parts. */
 static void sg_head(sg_builder *b, const mf_task_id *unit)
 {
     const mf_config *c = b->o->c;
     mf_stepgraph *sg = b->sg;
-    double H = (double)c->hidden_size, V = (double)c->vocab_size, per = b->per;
+    double H = (double)c->hidden_size, V = (double)c->vocab_size;
     SG_NAME(b, "head join");
     mf_task_id hj = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_HEAD, MF_SG_K_OTHER, sg_rec(-1), 0, 0);
-    for (int k = 0; k < b->u; k++) {
-        SG_NAME(b, sg->par ? "norm item %d" : "norm", k);
-        mf_sg_task t = sg_item(b, -1, k);
-        t.w.ref_flops = per * H * (c->hc_mult + 2 + 3 * SG_W_ROUND);
-        mf_task_id no = sg_add(b, 0, MF_SG_NORM, MF_SG_PH_HEAD, MF_SG_K_OTHER, t, 0, per * H * 8);
-        sg_dep(b, unit[k], no);
-        sg_dep(b, no, hj);
+    for (int i = 0; i < sg->n; i++) {
+        mf_task_id nrm[MF_SG_MAX_PARTS];
+        sg_collapse_norm(b, -1, i, MF_SG_NORM, MF_SG_PH_HEAD, unit[sg->par ? i : 0], nrm);
+        for (int p = 0; p < sg->p_hc; p++) sg_dep(b, nrm[p], hj);
     }
     for (int p = 0; p < sg->p_head; p++) {
         SG_NAME(b, "head %d", p);
@@ -625,6 +793,19 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->p_head = 2 * W;
     /* attention stages, Engram wkv, router gate: one part per worker (row chunks of >= 16) */
     sg->p_attn = W < MF_SG_MAX_PARTS ? W : MF_SG_MAX_PARTS;
+    /* per item, the parts that give the workers work when the items are fewer: T = workers per
+     * item; hyper-connection columns in chunks of >= SG_MIN_COLS, mixes in up to SG_MAX_MIX row
+     * parts, heads in equal groups; the q norm in item ranges of up to a worker each */
+    int T = (W + o->n - 1) / o->n, nh = c->n_heads, cols = (int)(c->hidden_size / SG_MIN_COLS);
+    sg->p_hc = T < cols ? T : cols > 0 ? cols : 1;
+    if (sg->p_hc > MF_SG_MAX_PARTS) sg->p_hc = MF_SG_MAX_PARTS;
+    sg->p_mix = T < SG_MAX_MIX ? T : SG_MAX_MIX;
+    sg->ah_heads = (nh + (T < nh ? T : nh) - 1) / (T < nh ? T : nh);
+    sg->p_ah = (nh + sg->ah_heads - 1) / sg->ah_heads;
+    sg->p_qn = o->n < W ? o->n : W;
+    if (sg->p_qn > 8) sg->p_qn = 8;
+    sg->ring_late = !o->par && o->n > 1;
+    sg->p_key = T < MF_SG_MAX_PARTS ? T : MF_SG_MAX_PARTS;
     sg->n_cards = o->n_cards;
     sg->dev_graphs = o->n_cards > 0 && o->dev_graphs;
     sg->n_io_parts = o->store ? MF_SG_EXPERT_PARTS : 0;

@@ -29,11 +29,14 @@ typedef enum mf_sg_op {
     MF_SG_ENGRAM_GATE,    /* items: the gated value into the streams */
     MF_SG_ENGRAM_PLAN,    /* eg_reads, items: hashed table rows, the store's reads planned */
     MF_SG_ENGRAM_READ,    /* eg_reads, IO lane: read `read` of the items' gather (as planned) */
-    MF_SG_ATTN_PRE,       /* items: attention mix, collapse, attn_norm */
+    MF_SG_ATTN_PRE,       /* item: columns [r0, r1) of its streams collapsed with the carried pre
+                           * (the attention's input before attn_norm; layer -1: the final norm's) */
     MF_SG_ATTN_ROWS,      /* rows of attention linear stage `stage`, all items */
-    MF_SG_ATTN_QNORM,     /* all items: low-rank query rounded and normed */
-    MF_SG_ATTN_CORE,      /* items: RoPE, window KV, compressor, indexer, attention */
-    MF_SG_ATTN_POST,      /* items: expand, ffn mix, ffn_norm */
+    MF_SG_ATTN_QNORM,     /* items: low-rank query rounded and normed */
+    MF_SG_ATTN_CORE,      /* items, in order: window KV, compressor, index query (the core's prep;
+                           * the select too on layers without MF_SG_ATTN_SCORE) */
+    MF_SG_ATTN_POST,      /* item: columns [r0, r1) of the expand, collapsed with the attention
+                           * mix's pre (the MoE input before ffn_norm) */
     MF_SG_GATE_ROWS,      /* rows (experts) of the router's logits, all items */
     MF_SG_ROUTE,          /* top-k, slot table, store batch, placement, noop marks */
     MF_SG_MOE_DONE,       /* end of the layer's MoE: store batch closed, pins released */
@@ -47,10 +50,20 @@ typedef enum mf_sg_op {
     MF_SG_DEV_OUT,        /* card `card`: slot's outputs copied out */
     MF_SG_SHARED_UP,      /* hidden rows of the shared expert's w1/w3 */
     MF_SG_SHARED_DOWN,    /* output rows of the shared expert's w2 */
-    MF_SG_COMBINE,        /* items: fixed-order sum of the experts, expand */
-    MF_SG_NORM,           /* items: final collapse and norm */
+    MF_SG_COMBINE,        /* item: columns [r0, r1) of the fixed-order sum of the experts, expand */
+    MF_SG_NORM,           /* item: columns [r0, r1) of the final norm (of its collapse) */
     MF_SG_HEAD,           /* vocabulary rows of the head */
     MF_SG_JOIN,           /* nothing: joins a stage's parts (oa join, shared join, head join) */
+    MF_SG_ATTN_MIX,       /* item: rows [r0, r1) of the attention mixes of its streams */
+    MF_SG_ATTN_NORM,      /* item: columns [r0, r1) of attn_norm of its collapse */
+    MF_SG_ATTN_HEADS,     /* item: the heads of rows [r0, r1) of the attention output: queries
+                           * roped, attention over the window and the selection */
+    MF_SG_ATTN_RING,      /* items, in order: their window KV into the ring (after the heads) */
+    MF_SG_FFN_MIX,        /* item: rows [r0, r1) of the ffn mixes of its streams */
+    MF_SG_FFN_NORM,       /* item: columns [r0, r1) of ffn_norm of its collapse (the MoE input) */
+    MF_SG_ATTN_SCORE,     /* item: part `part` of p_key of an index layer's scores of its visible
+                           * entries (the entries grow with the position: ranges at run time) */
+    MF_SG_ATTN_SELECT,    /* items, in order: an index layer's candidate mask and top-k */
     MF_SG_N_OPS
 } mf_sg_op;
 
@@ -97,7 +110,8 @@ typedef struct mf_sg_task {
     int32_t slot;      /* expert slot */
     int32_t part;      /* row part */
     int32_t i0, i1;    /* items [i0, i1) (item tasks) */
-    int64_t r0, r1;    /* output rows [r0, r1) of a row part (where the total is the config's) */
+    int64_t r0, r1;    /* output rows [r0, r1) of a row part (where the total is the config's;
+                        * per-item parts: of the item's output vector, as each op says) */
     int n_tok;         /* tokens the kernels run over (not slot_tokens) */
     mf_sg_work w;
 } mf_sg_task;
@@ -133,9 +147,15 @@ typedef struct mf_sg_sizes {
 int mf_sg_sizes_new(const mf_config *c, mf_sg_sizes **out);
 void mf_sg_sizes_free(mf_sg_sizes *s);
 
-/* The positional scalar work of one item's attention core at position pos (window and selected
- * entries, the indexer's scores), in REF multiply-adds: MF_SG_ATTN_CORE's work beyond its record. */
-double mf_sg_core_flops(const mf_config *c, int L, int64_t pos);
+/* The positional scalar work of task t when its items are at position pos, in REF multiply-adds:
+ * the work beyond its record's ref_flops that grows with the context (MF_SG_ATTN_HEADS: the
+ * window and selected entries of its heads; MF_SG_ATTN_SCORE: its share of the indexer's scores,
+ * parts of p_key; MF_SG_ATTN_SELECT: the top-k's sort); 0 for the other ops. */
+double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int p_key, int64_t pos);
+
+/* 1 when layer L's index scores run as MF_SG_ATTN_SCORE parts and MF_SG_ATTN_SELECT (index-source
+ * layers with compression); 0 when the core's prep selects (nothing to score). */
+int mf_sg_layer_scored(const mf_config *c, int L);
 
 /* Part p of `parts` of n_rows rows (chunks rounded up to 16 rows: the last parts may be empty). */
 void mf_sg_rows(int64_t n_rows, int parts, int p, int64_t *r0, int64_t *r1);
@@ -164,6 +184,11 @@ typedef struct mf_stepgraph {
     int n_tasks;
     int n, par, n_slots;          /* items, parallel, expert slots min(n * top_k, experts) */
     int p_exp, p_sh, p_head, p_attn;   /* row parts per expert, shared expert, head, stage */
+    /* per item: column parts of the hyper-connection tasks (collapse, norms, expand, combine),
+     * row parts of each mix, attention head groups (of ah_heads heads); q norm item ranges */
+    int p_hc, p_mix, p_ah, ah_heads, p_qn, p_key;   /* p_key: index score parts per item */
+    int ring_late;                /* 1: the window KV goes into the ring after the heads (items of
+                                   * one sequence in one graph: MF_SG_ATTN_RING), else in the prep */
     int n_cards, dev_graphs, n_io_parts;
     /* per layer and slot, the tasks that have nothing to do unless the slot runs on the host
      * (ups, downs, join) or on card c (in, ffn, out): slot_tid[(L * n_slots + s) * tid_per_slot
