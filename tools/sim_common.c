@@ -42,6 +42,11 @@ int mf_tool_placement(const char *s)
                                                   : -1;
 }
 
+int mf_tool_dense(const char *s)
+{
+    return !strcmp(s, "host") ? MF_PLAN_DENSE_HOST : !strcmp(s, "cards") ? MF_PLAN_DENSE_CARDS : -1;
+}
+
 int mf_tool_store_mode(const char *s)
 {
     return !strcmp(s, "resident") ? MF_PLAN_STORE_RESIDENT : !strcmp(s, "streamed") ? MF_PLAN_STORE_STREAMED : -1;
