@@ -110,6 +110,14 @@ struct mf_step_shape {
     int32_t *head_item; /* j -> item */
     int32_t *head_row;  /* item -> j (-1: no logits) */
     int n_head;
+    /* dense work on cards: per card its device copies of the activations a dense task reads and
+     * writes (attention buffers ab, MoE input, gate logits, shared expert's h (and g, u with
+     * exact) and output, normed rows, logits) at offsets dd_* into ddense[card]; the first error
+     * of a card's dense work (set on the card's stream thread, read after the run) */
+    uint8_t *ddense[MF_DEV_MAX_CARDS];
+    size_t dd_ab[MF_LY_A_N], dd_xin, dd_logits, dd_hs, dd_gs, dd_us, dd_ys, dd_hn, dd_lbuf;
+    int dense_rc;
+    char dense_msg[256];
     void *mem;
 };
 
@@ -139,6 +147,10 @@ struct mf_step {
     mf_step_shape *last;
     mf_step_times times;
     mf_lane_model models[4];   /* mf_step_lane_models: cpu, copy in, card compute, copy out */
+    /* dense work on cards (opts dense): cards holding it, cards with lanes (the larger of
+     * n_cards and n_dense), a layer context per card for its stream thread */
+    int n_dense, n_lane_cards;
+    mf_ly_ctx *dcx[MF_DEV_MAX_CARDS];
 };
 
 const char *mf_step_phase_name(mf_step_phase p)
@@ -501,6 +513,10 @@ static int mf_step_dev_fail(mf_step_shape *sh, int rc)
         if (sp[t].status >= 0 || (k != MF_SG_K_COPY && k != MF_SG_K_DEV && k != MF_SG_K_COPY_OUT))
             continue;
         const mf_step_targ *a = mf_graph_task(sh->g, t)->arg;
+        if (a->t->dense >= 0) {   /* a dense sublayer's copy or work */
+            rc = mf_error_wrap(rc, "layer %d, dense work on card %d", a->t->layer, a->t->card);
+            break;
+        }
         if (a->t->layer != L || a->t->slot >= sh->n_used) continue;
         if (a->t->slot < 0) {   /* a card's graph of the layer's FFNs */
             rc = mf_error_wrap(rc, "layer %d, the routed experts on card %d (their cache slots copied in "
@@ -662,7 +678,7 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
         int rc = mf_step_store_begin(sh, a->t->layer);
         if (rc) return rc;
     }
-    if (eng->dev) {
+    if (eng->n_cards) {   /* routed experts on cards */
         int rc = mf_step_place(sh, a->t->layer);
         if (rc) return rc;
     }
@@ -889,6 +905,142 @@ static int mf_task_head(void *arg, mf_task_ctx *ctx)
                                r0, r1);
 }
 
+/* ---- dense work on cards ------------------------------------------------------------------- */
+
+/* One copy of a dense sublayer: host buffer, its device copy on the task's card, bytes. */
+typedef struct mf_step_dcopy {
+    float *host;
+    size_t off, bytes;
+} mf_step_dcopy;
+
+/* The copies into (out 0) or out of (out 1) the card of dense task a, into cp[]; returns their
+ * count (at most MF_LY_A_MAX_LIN). Attention stages: the distinct inputs (outputs) of the stage's
+ * linears (oa's outputs and ob's inputs stay on the card). */
+static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *cp)
+{
+    mf_step_shape *sh = a->sh;
+    const mf_config *c = sh->eng->c;
+    size_t n = (size_t)sh->n, f = sizeof(float), H = (size_t)c->hidden_size;
+    int d = a->t->dense, m = 0;
+    if (d <= MF_SG_D_ATTN_OB) {
+        static const int stage_of[4] = {MF_LY_A_STAGE_IN, MF_LY_A_STAGE_QB, MF_LY_A_STAGE_OA, MF_LY_A_STAGE_OB};
+        if ((d == MF_SG_D_ATTN_OA && out) || (d == MF_SG_D_ATTN_OB && !out)) return 0;
+        mf_ly_attn_lin lin[MF_LY_A_MAX_LIN];
+        int nl = mf_ly_attn_linears(sh->eng->ly, a->t->layer, stage_of[d], lin), seen = 0;
+        for (int k = 0; k < nl; k++) {
+            int b = out ? lin[k].y : lin[k].x;
+            if (seen & (1 << b)) continue;
+            seen |= 1 << b;
+            cp[m++] = (mf_step_dcopy){sh->ab[b], sh->dd_ab[b], n * (size_t)sh->ab_ld[b] * f};
+        }
+        return m;
+    }
+    size_t nh = (size_t)sh->n_head;
+    switch (d) {
+    case MF_SG_D_GATE:
+        cp[m++] = out ? (mf_step_dcopy){sh->logits, sh->dd_logits, n * (size_t)c->n_routed_experts * f}
+                      : (mf_step_dcopy){sh->xin, sh->dd_xin, n * H * f};
+        break;
+    case MF_SG_D_SHARED:
+        if (out) cp[m++] = (mf_step_dcopy){sh->ys, sh->dd_ys, n * H * f};
+        break;
+    case MF_SG_D_HEAD:
+        if (nh) cp[m++] = out ? (mf_step_dcopy){sh->lbuf, sh->dd_lbuf, nh * (size_t)c->vocab_size * f}
+                              : (mf_step_dcopy){sh->hn, sh->dd_hn, nh * H * f};
+        break;
+    }
+    return m;
+}
+
+static int mf_task_dense_in(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_step_dcopy cp[MF_LY_A_MAX_LIN];
+    int m = mf_step_dense_copies(a, 0, cp), rc = 0;
+    if (!m) return MF_TASK_NO_WORK;
+    for (int k = 0; k < m && !rc; k++)
+        rc = mf_dev_copy_h2d(ctx->queue, a->sh->ddense[a->t->card] + cp[k].off, cp[k].host, cp[k].bytes);
+    return rc;
+}
+
+static int mf_task_dense_out(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_step_dcopy cp[MF_LY_A_MAX_LIN];
+    int m = mf_step_dense_copies(a, 1, cp), rc = 0;
+    if (!m) return MF_TASK_NO_WORK;
+    for (int k = 0; k < m && !rc; k++)
+        rc = mf_dev_copy_d2h(ctx->queue, cp[k].host, a->sh->ddense[a->t->card] + cp[k].off, cp[k].bytes);
+    return rc;
+}
+
+/* The dense work of task a on its card's copies of the activations, with the card's layer
+ * context: the same host code as the host placement's tasks over all rows (a row's bits do not
+ * depend on the split), so the results are the host placement's bit for bit. */
+static int mf_step_dense_run(const mf_step_targ *a)
+{
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    const mf_config *c = eng->c;
+    int cd = a->t->card, L = a->t->layer, n = sh->n, d = a->t->dense;
+    uint8_t *db = sh->ddense[cd];
+    mf_ly_ctx *cx = eng->dcx[cd];
+    int64_t H = c->hidden_size, V = c->vocab_size;
+#define DD(off) ((float *)(db + (off)))
+    if (d <= MF_SG_D_ATTN_OB) {
+        static const int stage_of[4] = {MF_LY_A_STAGE_IN, MF_LY_A_STAGE_QB, MF_LY_A_STAGE_OA, MF_LY_A_STAGE_OB};
+        mf_ly_attn_lin lin[MF_LY_A_MAX_LIN];
+        int nl = mf_ly_attn_linears(eng->ly, L, stage_of[d], lin);
+        for (int k = 0; k < nl; k++) {
+            const mf_ly_attn_lin *l = &lin[k];
+            int rc = mf_ly_attn_lin_rows(cx, l, DD(sh->dd_ab[l->x]), sh->ab_ld[l->x], DD(sh->dd_ab[l->y]),
+                                          sh->ab_ld[l->y], n, 0, l->w->rows);
+            if (rc) return mf_error_wrap(rc, "%s", l->w->name ? l->w->name : "an attention linear");
+        }
+        return 0;
+    }
+    const mf_model_layer *y = L >= 0 ? mf_model_layer_at(eng->ly->m, L) : NULL;
+    switch (d) {
+    case MF_SG_D_GATE:
+        return mf_ly_gate_rows(cx, L, DD(sh->dd_xin), n, H, DD(sh->dd_logits), y->gate.rows, 0, y->gate.rows);
+    case MF_SG_D_SHARED: {
+        int rc = mf_step_ffn_up(eng, &y->sh_w1, &y->sh_w3, DD(sh->dd_xin), NULL, n, NULL, DD(sh->dd_hs),
+                                eng->o.exact ? DD(sh->dd_gs) : NULL, eng->o.exact ? DD(sh->dd_us) : NULL, 0,
+                                (int)y->sh_w1.rows);
+        return rc ? rc : mf_step_ffn_down(eng, &y->sh_w2, DD(sh->dd_hs), NULL, n, DD(sh->dd_ys), 0, (int)H);
+    }
+    case MF_SG_D_HEAD: {
+        const mf_weight *w = mf_model_head(eng->ly->m);
+        return mf_kern_bf16_matmul((const uint16_t *)w->data, (int)V, (int)H, DD(sh->dd_hn), sh->n_head, (int)H,
+                                   DD(sh->dd_lbuf), (int)V, 0, (int)V);
+    }
+    }
+#undef DD
+    return mf_error(-EINVAL, "step: dense sublayer %d (internal)", d);
+}
+
+/* On the card's compute stream thread, in stream order: runs the work, keeps the first error. */
+static void mf_step_dense_cb(void *arg)
+{
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    if (__atomic_load_n(&sh->dense_rc, __ATOMIC_ACQUIRE)) return;
+    int rc = mf_step_dense_run(a);
+    int zero = 0;
+    if (rc && __atomic_compare_exchange_n(&sh->dense_rc, &zero, rc, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        snprintf(sh->dense_msg, sizeof sh->dense_msg, "layer %d, dense %s on card %d: %s", a->t->layer,
+                 a->t->dense == MF_SG_D_HEAD ? "head" : "sublayer", a->t->card, mf_last_error());
+}
+
+/* Enqueues the dense work of a on its card's compute stream (emulated cards: the host code on
+ * the stream's thread, mf_step_dense_run). */
+static int mf_task_dense(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    if (a->t->dense == MF_SG_D_HEAD && !a->sh->n_head) return MF_TASK_NO_WORK;
+    return mf_dev_stream_callback(ctx->queue, mf_step_dense_cb, a);
+}
+
 /* ---- graph and buffers of one batch size ---------------------------------------------------- */
 
 static void mf_step_shape_free(mf_step_shape *sh)
@@ -907,6 +1059,7 @@ static void mf_step_shape_free(mf_step_shape *sh)
         mf_dev_host_free(sh->eng->dev, sh->htab[c]);
         mf_dev_free(sh->eng->dev, c, sh->dbuf[c]);
     }
+    for (int c = 0; c < sh->eng->n_dense; c++) mf_dev_free(sh->eng->dev, c, sh->ddense[c]);
     free(sh->sorted);
     free(sh->args);
     free(sh->mem);
@@ -927,6 +1080,8 @@ static const mf_task_fn mf_step_fn_of[MF_SG_N_OPS] = {
     [MF_SG_SHARED_UP] = mf_task_sh_up,           [MF_SG_SHARED_DOWN] = mf_task_sh_down,
     [MF_SG_COMBINE] = mf_task_combine,           [MF_SG_NORM] = mf_task_norm,
     [MF_SG_HEAD] = mf_task_head,                 [MF_SG_JOIN] = mf_task_nop,
+    [MF_SG_DENSE_IN] = mf_task_dense_in,         [MF_SG_DENSE] = mf_task_dense,
+    [MF_SG_DENSE_OUT] = mf_task_dense_out,
 };
 
 /* The step graph of a shape of n items (parallel or serial) on the engine's lanes. */
@@ -934,6 +1089,7 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, mf_stepgraph **out)
 {
     return mf_stepgraph_new(&(mf_sg_opts){.c = eng->c, .sz = eng->sz, .n = n, .par = par,
                                           .n_threads = eng->o.n_threads, .n_cards = eng->n_cards,
+                                          .n_dense_cards = eng->n_dense,
                                           .dev_graphs = eng->dev_graphs, .store = eng->store != NULL,
                                           .read_window = eng->o.read_window, .lanes = eng->lt.lane,
                                           .n_lanes = eng->lt.n_lanes, .lane_io = eng->lt.lane_io,
@@ -1125,6 +1281,32 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
         sh->items[i].topk = topk + (size_t)i * c->index_topk;
         sh->items[i].cand = cand + (size_t)i * n_cb;
     }
+    if (eng->n_dense) {   /* each dense card's copies of the activations: {bytes, &offset} */
+        struct { size_t bytes, *off; } dt[MF_LY_A_N + 8];
+        int m = 0;
+        for (int b = 0; b < MF_LY_A_N; b++) dt[m++] = (typeof(dt[0])){ab_sz[b], &sh->dd_ab[b]};
+        dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_xin};
+        dt[m++] = (typeof(dt[0])){n_ * E * f, &sh->dd_logits};
+        dt[m++] = (typeof(dt[0])){n_ * Ish * f, &sh->dd_hs};
+        dt[m++] = (typeof(dt[0])){ex ? n_ * Ish * f : 0, &sh->dd_gs};
+        dt[m++] = (typeof(dt[0])){ex ? n_ * Ish * f : 0, &sh->dd_us};
+        dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_ys};
+        dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_hn};
+        dt[m++] = (typeof(dt[0])){n_ * V * f, &sh->dd_lbuf};
+        size_t total = 0;
+        for (int i = 0; i < m; i++) {
+            *dt[i].off = total;
+            total += (dt[i].bytes + 255) / 256 * 256;
+        }
+        for (int cd = 0; cd < eng->n_dense; cd++) {
+            void *dp = NULL;
+            if ((rc = mf_dev_alloc(eng->dev, cd, total, &dp))) {
+                mf_step_shape_free(sh);
+                return mf_error_wrap(rc, "step: dense activations of a batch of %d on card %d", n, cd);
+            }
+            sh->ddense[cd] = dp;
+        }
+    }
     rc = mf_step_bind(eng, sh);
     if (rc) {
         mf_step_shape_free(sh);
@@ -1186,6 +1368,25 @@ static int mf_step_dev_setup(mf_step *s)
     return 0;
 }
 
+/* Dense work on s->o.dev's cards: emulated cards only (their compute stream runs the host code);
+ * a layer context per card for it. */
+static int mf_step_dense_setup(mf_step *s)
+{
+    if (s->o.dense != MF_STEP_DENSE_CARDS) return mf_error(-EINVAL, "step: unknown dense placement %d", s->o.dense);
+    if (!s->o.dev) return mf_error(-EINVAL, "step: dense work on cards needs a device (--devices)");
+    if (strcmp(mf_dev_kind(s->o.dev), "emu"))
+        return mf_error(-ENOTSUP, "step: dense work on %s cards is not built yet (no dense card kernels wired "
+                        "into the engine); use --dense host, or emulated cards (emu:N)", mf_dev_kind(s->o.dev));
+    s->dev = s->o.dev;
+    int n = mf_dev_n_cards(s->dev);
+    for (int cd = 0; cd < n; cd++) {
+        int rc = mf_ly_ctx_new(s->ly, MF_LY_LIN_KERN, &s->dcx[cd]);
+        if (rc) return rc;
+        s->n_dense = cd + 1;
+    }
+    return 0;
+}
+
 void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out) { *out = s->dstat; }
 
 int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
@@ -1243,9 +1444,11 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     pthread_mutex_init(&s->gather_mu, NULL);
     int rc = 0;
     if (s->o.dev && s->o.placement != MF_STEP_PLACE_HOST) rc = mf_step_dev_setup(s);
+    if (!rc && s->o.dense) rc = mf_step_dense_setup(s);
+    s->n_lane_cards = s->n_cards > s->n_dense ? s->n_cards : s->n_dense;
     /* lanes: models for placement and priorities (mf_step_lane_models: the profile's, or the
      * built-in assumptions) */
-    mf_sg_lanes_init(&s->lt, s->models, s->o.n_threads, store != NULL, s->n_cards);
+    mf_sg_lanes_init(&s->lt, s->models, s->o.n_threads, store != NULL, s->n_lane_cards);
     /* one layer context per CPU worker, on the kernels */
     s->cx = calloc((size_t)s->o.n_threads, sizeof *s->cx);
     if (!rc && !s->cx) rc = mf_error(-ENOMEM, "step: out of memory");
@@ -1262,6 +1465,7 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
         for (int w = 0; w < s->n_cx; w++) mf_ly_ctx_free(s->cx[w]);
         free(s->cx);
         for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
+        for (int c = 0; c < s->n_dense; c++) mf_ly_ctx_free(s->dcx[c]);
         pthread_mutex_destroy(&s->gather_mu);
         free(s);
         return rc;
@@ -1279,6 +1483,7 @@ void mf_step_free(mf_step *s)
         mf_step_shape_free(s->shapes[1][i]);
     }
     for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
+    for (int c = 0; c < s->n_dense; c++) mf_ly_ctx_free(s->dcx[c]);
     for (int w = 0; w < s->n_cx; w++) mf_ly_ctx_free(s->cx[w]);
     free(s->cx);
     mf_sg_sizes_free(s->sz);
@@ -1417,8 +1622,10 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
         for (int k = 1; k < c->hc_mult; k++) memcpy(it->x + k * H, it->x, (size_t)H * sizeof(float));
     }
     mf_timeline_reset(sh->tl);
+    sh->dense_rc = 0;
     rc = mf_sched_run(s->sched, sh->g, &(mf_run_opts){.timeline = sh->tl});
     s->last = sh;
+    if (!rc && sh->dense_rc) rc = mf_error(sh->dense_rc, "step: %s", sh->dense_msg);
     if (rc && sh->dev_layer >= 0) rc = mf_step_dev_fail(sh, rc);
     if (rc && s->store) rc = mf_step_store_fail(s, sh, rc);
     if (rc) return rc;
