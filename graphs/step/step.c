@@ -1545,7 +1545,7 @@ static void mf_step_io_overlap(mf_step *s, mf_step_shape *sh)
         s->times.io_overlap_ns += mf_timeline_overlap(io, ni, cp, nc);
         s->times.expert_busy_ns += bc;
     }
-    if (s->n_cards) {   /* copy-in tasks vs expert compute on the host or a card */
+    if (s->n_lane_cards) {   /* copy-in tasks (experts, dense activations) vs expert compute on the host or a card */
         int u = mf_step_union(sh, io, 1u << MF_SG_K_COPY, &bi);
         int ny = mf_step_union(sh, cp, (1u << MF_SG_K_EXPERT) | (1u << MF_SG_K_DEV), &bc);
         s->times.copy_busy_ns += bi;
