@@ -3,7 +3,8 @@
  * graph's card chains, and the engine's logits with the dense work on emu:1..3 against the host
  * placement of the same engine, bit for bit (memcmp): tiny at batch 1, 2, 3 and 16, resident and
  * streamed experts, with routed experts on the host and hybrid; demo at batch 1 and 16 on emu:2
- * (not under the sanitizers); CUDA cards refused with a message. */
+ * (not under the sanitizers); CUDA cards refused with a message; the startup self-check refusing a
+ * wrong card and a failing one (device/dev_check.h) while the run continues on the others. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -175,6 +176,50 @@ static void test_engine(mf_ref *r, const char *what, const int *batches, int n_b
     }
 }
 
+/* The startup self-check: a card whose kernels are off (emu bad_card=1) or whose copy fails
+ * (fail_h2d=1: card 0's first) is refused with a message naming the card and kernel; the engine
+ * runs the dense work on the cards that passed (lanes mapped to cards 0 and 2), its logits still
+ * the host placement's; healthy cards refuse nothing. */
+static void test_selfcheck(mf_ref *r)
+{
+    int b = 2, n_dec = 3;
+    size_t per = (size_t)b * (1 + n_dec) * g_V;
+    float *host = malloc(sizeof(float) * per), *got = malloc(sizeof(float) * per);
+    int32_t toks[2 * 3];
+    mf_step *e = NULL;
+    CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2}, &e) == 0, "host: %s", mf_last_error());
+    CHECK(e && run(r, e, b, n_dec, toks, 1, host) == 0, "host run: %s", mf_last_error());
+    mf_step_free(e);
+    static const struct { const char *spec, *want[3]; } cs[] = {
+        {"emu:3,bad_card=1", {"refused card 1 (emu): kernel fp8 matmul", "relative error", "routed experts run on the host"}},
+        {"emu:2,fail_h2d=1", {"refused card 0 (emu): self-check of kernel fp8 matmul", "injected failure", "host"}},
+        {"emu:2", {"", "", ""}},
+    };
+    for (int i = 0; i < 3; i++) {
+        mf_dev *d = NULL;
+        CHECK(mf_dev_open(cs[i].spec, &d) == 0, "open %s: %s", cs[i].spec, mf_last_error());
+        if (!d) continue;
+        e = NULL;
+        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = MF_STEP_PLACE_SEED,
+                                             .dense = MF_STEP_DENSE_CARDS},
+                          &e) == 0,
+              "%s: %s", cs[i].spec, mf_last_error());
+        if (e) {
+            const char *msg = mf_step_refused(e);
+            for (int k = 0; k < 3; k++)
+                CHECK(strstr(msg, cs[i].want[k]) != NULL, "%s: refusal '%s' lacks '%s'", cs[i].spec, msg, cs[i].want[k]);
+            if (!cs[i].want[0][0]) CHECK(!msg[0], "%s: healthy cards refused: %s", cs[i].spec, msg);
+            int rc = run(r, e, b, n_dec, toks, 0, got);
+            CHECK(rc == 0 && !memcmp(host, got, sizeof(float) * per), "%s: after the self-check: rc %d, logits %s", cs[i].spec,
+                  rc, rc ? mf_last_error() : "differ from the host placement's");
+            mf_step_free(e);
+        }
+        mf_dev_close(d);
+    }
+    free(host);
+    free(got);
+}
+
 int main(void)
 {
     test_ranges();
@@ -191,6 +236,7 @@ int main(void)
     /* TSan: batch 3 on 1..2 cards (the concurrent path: copies and card work beside host tasks) */
     static const int all[] = {1, 2, 3, 16}, tsan[] = {3};
     int n_dec = MF_TEST_SANITIZED ? 3 : 8;
+    test_selfcheck(r);
     if (MF_TEST_TSAN) test_engine(r, "tiny resident", tsan, 1, 1, 2, 1, n_dec);
     else test_engine(r, "tiny resident", all, 4, 1, 3, 1, n_dec);
 

@@ -700,6 +700,7 @@ int mf_cmd_decode(int argc, char **argv)
                                                  .dev_graphs = dev_graphs, .dense = dense,
                                                  .profile = profile_path ? &prof : NULL}, &eng))
         goto fail;
+    if (eng && mf_step_refused(eng)[0]) fprintf(stderr, "moeflow decode: card self-check: %s\n", mf_step_refused(eng));
     dc = (mf_dec_ctx){.sq = sq, .tok = tok, .stream = n_seq == 1, .out = outf, .quiet = quiet};
     if (mf_batch_new(&(mf_batch_opts){.ref = r, .eng = eng, .tok = tok, .max_batch = max_batch,
                                       .step_tokens = (int)step_tokens, .max_context = total > 1 ? total : 2,

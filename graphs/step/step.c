@@ -21,6 +21,7 @@
 #include "host/store.h"
 #include "sched/clock.h"
 #include "device/dev.h"
+#include "device/dev_check.h"
 #include "device/expert_cache.h"
 #include "sched/error.h"
 #include "sched/profile.h"
@@ -151,6 +152,9 @@ struct mf_step {
      * n_cards and n_dense), a layer context per card for its stream thread */
     int n_dense, n_lane_cards;
     mf_ly_ctx *dcx[MF_DEV_MAX_CARDS];
+    int dense_card[MF_DEV_MAX_CARDS];   /* dense card k is device card dense_card[k] */
+    char refused[1024];       /* the startup self-check's refusals ("" when none) */
+    unsigned refused_mask;    /* cards refused by it */
 };
 
 const char *mf_step_phase_name(mf_step_phase p)
@@ -1059,7 +1063,7 @@ static void mf_step_shape_free(mf_step_shape *sh)
         mf_dev_host_free(sh->eng->dev, sh->htab[c]);
         mf_dev_free(sh->eng->dev, c, sh->dbuf[c]);
     }
-    for (int c = 0; c < sh->eng->n_dense; c++) mf_dev_free(sh->eng->dev, c, sh->ddense[c]);
+    for (int c = 0; c < sh->eng->n_dense; c++) mf_dev_free(sh->eng->dev, sh->eng->dense_card[c], sh->ddense[c]);
     free(sh->sorted);
     free(sh->args);
     free(sh->mem);
@@ -1300,9 +1304,9 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
         }
         for (int cd = 0; cd < eng->n_dense; cd++) {
             void *dp = NULL;
-            if ((rc = mf_dev_alloc(eng->dev, cd, total, &dp))) {
+            if ((rc = mf_dev_alloc(eng->dev, eng->dense_card[cd], total, &dp))) {
                 mf_step_shape_free(sh);
-                return mf_error_wrap(rc, "step: dense activations of a batch of %d on card %d", n, cd);
+                return mf_error_wrap(rc, "step: dense activations of a batch of %d on card %d", n, eng->dense_card[cd]);
             }
             sh->ddense[cd] = dp;
         }
@@ -1378,14 +1382,41 @@ static int mf_step_dense_setup(mf_step *s)
         return mf_error(-ENOTSUP, "step: dense work on %s cards is not built yet (no dense card kernels wired "
                         "into the engine); use --dense host, or emulated cards (emu:N)", mf_dev_kind(s->o.dev));
     s->dev = s->o.dev;
-    int n = mf_dev_n_cards(s->dev);
-    for (int cd = 0; cd < n; cd++) {
-        int rc = mf_ly_ctx_new(s->ly, MF_LY_LIN_KERN, &s->dcx[cd]);
+    for (int cd = 0; cd < mf_dev_n_cards(s->dev); cd++) {
+        if (s->refused_mask & (1u << cd)) continue;
+        int rc = mf_ly_ctx_new(s->ly, MF_LY_LIN_KERN, &s->dcx[s->n_dense]);
         if (rc) return rc;
-        s->n_dense = cd + 1;
+        s->dense_card[s->n_dense++] = cd;
     }
     return 0;
 }
+
+/* The startup self-check (device/dev_check.h) of every card of s->o.dev: a card that fails is
+ * refused (its message kept in s->refused); with any refused, the routed experts run on the host
+ * and the dense work on the cards that passed (on the host when none did). */
+static void mf_step_selfcheck(mf_step *s)
+{
+    int n = mf_dev_n_cards(s->o.dev), len = 0;
+    for (int cd = 0; cd < n; cd++) {
+        if (!mf_dev_selfcheck(s->o.dev, cd, 1)) continue;
+        s->refused_mask |= 1u << cd;
+        len += snprintf(s->refused + len, sizeof s->refused - (size_t)len, "%srefused %s", len ? "; " : "",
+                        mf_last_error());
+        if (len >= (int)sizeof s->refused) len = (int)sizeof s->refused - 1;
+    }
+    if (!s->refused_mask) return;
+    if (s->o.placement != MF_STEP_PLACE_HOST) {
+        s->o.placement = MF_STEP_PLACE_HOST;
+        len += snprintf(s->refused + len, sizeof s->refused - (size_t)len, "; routed experts run on the host");
+        if (len >= (int)sizeof s->refused) len = (int)sizeof s->refused - 1;
+    }
+    if (s->o.dense && s->refused_mask == (1u << n) - 1) {
+        s->o.dense = MF_STEP_DENSE_HOST;
+        snprintf(s->refused + len, sizeof s->refused - (size_t)len, "; the dense work runs on the host");
+    }
+}
+
+const char *mf_step_refused(const mf_step *s) { return s->refused; }
 
 void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out) { *out = s->dstat; }
 
@@ -1443,12 +1474,15 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     if (s->o.cpu_bytes_per_s > 0) s->models[0].bytes_per_s = s->o.cpu_bytes_per_s;
     pthread_mutex_init(&s->gather_mu, NULL);
     int rc = 0;
+    if (s->o.dev && (s->o.placement != MF_STEP_PLACE_HOST || s->o.dense) && !s->o.no_selfcheck)
+        mf_step_selfcheck(s);
     if (s->o.dev && s->o.placement != MF_STEP_PLACE_HOST) rc = mf_step_dev_setup(s);
     if (!rc && s->o.dense) rc = mf_step_dense_setup(s);
     s->n_lane_cards = s->n_cards > s->n_dense ? s->n_cards : s->n_dense;
     /* lanes: models for placement and priorities (mf_step_lane_models: the profile's, or the
-     * built-in assumptions) */
+     * built-in assumptions); dense-only cards map to the cards that passed the self-check */
     mf_sg_lanes_init(&s->lt, s->models, s->o.n_threads, store != NULL, s->n_lane_cards);
+    if (!s->n_cards) mf_sg_lanes_map(&s->lt, s->dense_card, s->n_dense);
     /* one layer context per CPU worker, on the kernels */
     s->cx = calloc((size_t)s->o.n_threads, sizeof *s->cx);
     if (!rc && !s->cx) rc = mf_error(-ENOMEM, "step: out of memory");

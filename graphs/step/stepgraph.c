@@ -864,6 +864,12 @@ void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threa
         }
 }
 
+void mf_sg_lanes_map(mf_sg_lanes *l, const int *card_of, int n)
+{
+    for (int k = 0; k < n && l->lane_dev0 + 3 * k + 2 < l->n_lanes; k++)
+        for (int j = 0; j < 3; j++) l->lane[l->lane_dev0 + 3 * k + j].device = card_of[k];
+}
+
 static double sg_lane_ns(const mf_lane_model *m, double bytes)
 {
     return m->latency_ns + (m->bytes_per_s > 0 ? bytes / m->bytes_per_s * 1e9 : 0);

@@ -200,6 +200,8 @@ typedef struct mf_sg_lanes {
 } mf_sg_lanes;
 
 void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threads, int store, int n_cards);
+/* Card k's three lanes run on device card card_of[k] (k < n; default: k). */
+void mf_sg_lanes_map(mf_sg_lanes *l, const int *card_of, int n);
 
 /* The card that holds layer L's dense work when it is placed on n_cards cards (L -1: the head,
  * on the last layer's card). Layers go in contiguous ranges, one per card, whose first layers are
