@@ -59,8 +59,8 @@ typedef struct dc_host {
 
 int mf_dev_selfcheck(mf_dev *d, int card, uint64_t seed)
 {
-    static const char *const kname[4] = {"fp8 matmul", "fp4 matmul (fp32 path)", "fp4 matmul (int8 path)",
-                                         "expert ffn (int8 path)"};
+    static const char *const kname[5] = {"fp8 matmul", "fp4 matmul (fp32 path)", "fp4 matmul (int8 path)",
+                                         "expert ffn (int8 path)", "bf16 matmul"};
     const char *kind = mf_dev_kind(d);
     dc_host *hb = malloc(sizeof *hb);
     size_t dbytes = sizeof hb->w + sizeof hb->sc + sizeof hb->x + sizeof hb->tw + sizeof hb->h + sizeof hb->got +
@@ -76,12 +76,20 @@ int mf_dev_selfcheck(mf_dev *d, int card, uint64_t seed)
           *dy = dh + DC_TOK * DC_HID;
     mf_dev_stream *st = mf_dev_stream_of(d, card, MF_DEV_STREAM_COMPUTE);
     dc_rng r = {seed ^ 0x73656c66636b ^ (uint64_t)card};
-    for (int k = 0; k < 4 && !rc; k++)
+    for (int k = 0; k < 5 && !rc; k++)
         for (int T = 1; T <= DC_TOK && !rc; T += DC_TOK - 1) {
             mf_kern_fmt fmt = k == 0 ? MF_KERN_FP8 : MF_KERN_FP4;
             mf_kern_mat m[3], dm[3];
             size_t wo = 0, so = 0;
-            int nm = k == 3 ? 3 : 1;
+            int nm = k == 3 ? 3 : k == 4 ? 0 : 1;
+            if (k == 4) {   /* bf16 [OUT][IN]: random values of about unit size */
+                uint16_t *wb = (uint16_t *)hb->w;
+                for (int i = 0; i < DC_OUT * DC_IN; i++) wb[i] = (uint16_t)(0x3E00 + dc_next(&r) % 0x200 + (dc_next(&r) & 0x8000));
+                m[0] = (mf_kern_mat){.fmt = MF_KERN_BF16, .w = hb->w, .n_out = DC_OUT, .n_in = DC_IN};
+                dm[0] = m[0];
+                dm[0].w = dw;
+                wo = sizeof(uint16_t) * DC_OUT * DC_IN;
+            }
             for (int j = 0; j < nm; j++) {   /* ffn: w1, w3 [HID][IN], w2 [IN][HID] */
                 int no = k == 3 ? (j == 2 ? DC_IN : DC_HID) : DC_OUT, ni = k == 3 && j == 2 ? DC_HID : DC_IN;
                 dc_mat(&r, fmt, no, ni, hb->w + wo, hb->sc + so, &m[j]);
@@ -97,6 +105,8 @@ int mf_dev_selfcheck(mf_dev *d, int card, uint64_t seed)
             /* the host's answer */
             mf_kern_q8 q;
             if (k == 0) rc = mf_kern_fp8_matmul(hb->w, hb->sc, DC_OUT, DC_IN, hb->x, T, DC_IN, hb->ref, DC_OUT, 0, DC_OUT);
+            else if (k == 4)
+                rc = mf_kern_bf16_matmul((const uint16_t *)hb->w, DC_OUT, DC_IN, hb->x, T, DC_IN, hb->ref, DC_OUT, 0, DC_OUT);
             else if (k == 1)
                 rc = mf_kern_fp4_matmul_f32(hb->w, hb->sc, DC_OUT, DC_IN, hb->x, T, DC_IN, hb->ref, DC_OUT, 0, DC_OUT);
             else if (k == 2) {
@@ -120,10 +130,11 @@ int mf_dev_selfcheck(mf_dev *d, int card, uint64_t seed)
             /* the card's */
             memset(hb->got, 0, sizeof hb->got);
             rc = mf_dev_copy_h2d(st, dw, hb->w, wo);
-            if (!rc) rc = mf_dev_copy_h2d(st, dsc, hb->sc, so);
+            if (!rc && so) rc = mf_dev_copy_h2d(st, dsc, hb->sc, so);
             if (!rc) rc = mf_dev_copy_h2d(st, dx, hb->x, sizeof(float) * (size_t)T * DC_IN);
             if (!rc) rc = mf_dev_copy_h2d(st, dtw, hb->tw, sizeof(float) * (size_t)T);
             if (!rc && k == 0) rc = mf_dev_fp8_matmul(st, &dm[0], dx, T, dy);
+            if (!rc && k == 4) rc = mf_dev_bf16_matmul(st, &dm[0], dx, T, dy);
             if (!rc && (k == 1 || k == 2)) rc = mf_dev_fp4_matmul(st, &dm[0], dx, T, dy, k == 2 ? dq : NULL);
             if (!rc && k == 3)
                 rc = mf_dev_expert_ffn(st, &(mf_dev_ffn){.w1 = dm[0], .w3 = dm[1], .w2 = dm[2], .x = dx, .n_tok = T,

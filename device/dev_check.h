@@ -1,5 +1,5 @@
 /* The startup self-check of a card: before a card takes work, each of its kernels (device/dev.h:
- * fp8 matmul, fp4 matmul on the fp32 and int8 paths, the int8 expert FFN) runs once on fresh random
+ * fp8 matmul, fp4 matmul on the fp32 and int8 paths, the int8 expert FFN, bf16 matmul) runs once on fresh random
  * data against the host kernels (host/kernels.h). The engine (graphs/step/step.c) refuses a card
  * that fails and continues on the others or the host; tools/device-check.sh runs it on a GPU. */
 #ifndef MF_DEV_CHECK_H

@@ -26,7 +26,7 @@
 #define EMU_ALLOC_MAGIC 0x6d66656d75646576ULL   /* "mfemudev" */
 #define EMU_HDR_BYTES 64
 
-typedef enum { OP_COPY, OP_CALLBACK, OP_RECORD, OP_WAIT, OP_FP4, OP_FP8, OP_FFN, OP_FFN_TABLE } emu_op_kind;
+typedef enum { OP_COPY, OP_CALLBACK, OP_RECORD, OP_WAIT, OP_FP4, OP_FP8, OP_BF16, OP_FFN, OP_FFN_TABLE } emu_op_kind;
 
 typedef struct emu_event {
     mf_dev_event pub;
@@ -256,6 +256,10 @@ static void emu_run_op(emu_stream *s, emu_op *op)
                                 op->u.mm.x, op->u.mm.n_tok, op->u.mm.w.n_in, op->u.mm.y,
                                 op->u.mm.w.n_out, 0, op->u.mm.w.n_out);
         break;
+    case OP_BF16:
+        rc = mf_kern_bf16_matmul((const uint16_t *)op->u.mm.w.w, op->u.mm.w.n_out, op->u.mm.w.n_in, op->u.mm.x,
+                                 op->u.mm.n_tok, op->u.mm.w.n_in, op->u.mm.y, op->u.mm.w.n_out, 0, op->u.mm.w.n_out);
+        break;
     case OP_FFN:
         rc = emu_ffn(&op->u.ffn);
         break;
@@ -264,7 +268,7 @@ static void emu_run_op(emu_stream *s, emu_op *op)
         break;
     }
     if (!rc && s->pub.card == d->bad_card) {   /* fault injection: a wrong first output */
-        if (op->kind == OP_FP4 || op->kind == OP_FP8) op->u.mm.y[0] += 1.0f;
+        if (op->kind == OP_FP4 || op->kind == OP_FP8 || op->kind == OP_BF16) op->u.mm.y[0] += 1.0f;
         else if (op->kind == OP_FFN) op->u.ffn.y[0] += 1.0f;
     }
     if (rc < 0) emu_stream_fail(s, rc);
@@ -523,6 +527,12 @@ static int emu_fp8_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x
     return emu_enqueue(s, &op);
 }
 
+static int emu_bf16_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y)
+{
+    emu_op op = {.kind = OP_BF16, .u.mm = {*w, x, n_tok, y, NULL}};
+    return emu_enqueue(s, &op);
+}
+
 static int emu_expert_ffn(mf_dev_stream *s, const mf_dev_ffn *a)
 {
     emu_op op = {.kind = OP_FFN, .u.ffn = *a};
@@ -633,6 +643,7 @@ static const mf_dev_ops emu_ops = {
     .stream_sync = emu_stream_sync,
     .fp4_matmul = emu_fp4_matmul,
     .fp8_matmul = emu_fp8_matmul,
+    .bf16_matmul = emu_bf16_matmul,
     .expert_ffn = emu_expert_ffn,
     .expert_ffn_table = emu_expert_ffn_table,
     .capture_begin = emu_capture_begin,
