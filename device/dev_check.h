@@ -17,7 +17,8 @@
 /* Checks every kernel of card `card` of d once at 1 and 3 tokens (data from `seed`), on that
  * card's compute stream, waiting for it. 0 when all agree within the bounds; otherwise -EIO
  * ("card 1 (emu): kernel fp8 matmul: relative error 3.1e-02 at 3 tokens (bound 1e-05)") or the
- * failing call's code, with a message naming the card, the kernel and the error. The card's
+ * failing call's code, with a message naming the card, the kernel and the error; -ENOMEM when
+ * the card cannot hold the check's buffers (about 180 KB). The card's
  * streams are synced; a failed card may keep a sticky error (CUDA). Not thread-safe per card. */
 int mf_dev_selfcheck(mf_dev *d, int card, uint64_t seed);
 

@@ -1398,7 +1398,10 @@ static void mf_step_selfcheck(mf_step *s)
 {
     int n = mf_dev_n_cards(s->o.dev), len = 0;
     for (int cd = 0; cd < n; cd++) {
-        if (!mf_dev_selfcheck(s->o.dev, cd, 1)) continue;
+        /* a card without room for the check's buffers is left to the setup, which refuses a
+         * card too small for its work with its own message */
+        int rc = mf_dev_selfcheck(s->o.dev, cd, 1);
+        if (!rc || rc == -ENOMEM) continue;
         s->refused_mask |= 1u << cd;
         len += snprintf(s->refused + len, sizeof s->refused - (size_t)len, "%srefused %s", len ? "; " : "",
                         mf_last_error());
