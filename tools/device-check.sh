@@ -230,9 +230,11 @@ else log "pinned memory: cudaHostAlloc (the card's NUMA node is unknown: $node)"
 ckpt="${MOEFLOW_DEMO_DIR:-$HOME/.cache/moeflow/demo}"
 echo "== decode of the demo model" | say
 # slot counts and tokens/s from a decode's stderr summary
-dec_stats() { local e="$W/$1.err" on host tps
-  on=$(grep -oE "decode steps: [0-9]+ expert slots on cards" "$e" | grep -oE "[0-9]+" | head -1)
-  host=$(grep -oE "expert slots on cards, [0-9]+ on the host" "$e" | grep -oE "[0-9]+" | head -1)
+dec_stats() { local e="$W/$1.err" on host tps sum
+  # the totals line ("moeflow decode: devices (SPEC, P placement, N cache slots per card) steps: ...")
+  sum=$(tr '\r' '\n' <"$e" | grep -a "^moeflow decode: devices (" | tail -1)
+  on=$(grep -oE "steps: [0-9]+ expert slots on cards" <<<"$sum" | grep -oE "[0-9]+" | head -1)
+  host=$(grep -oE "expert slots on cards, [0-9]+ on the host" <<<"$sum" | grep -oE "[0-9]+" | head -1)
   tps=$(grep -oE "\(([0-9.]+) tokens/s aggregate\)" "$e" | grep -oE "[0-9.]+" | head -1)
   echo "${on:--} ${host:--} ${tps:--}"; }
 if [ "$(left)" -gt 60 ]; then
