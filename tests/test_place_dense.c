@@ -1,6 +1,6 @@
 /* Dense work on emulated cards (mf_step_opts.dense, graphs/step/stepgraph.h MF_SG_DENSE_*): the
  * layer ranges of mf_sg_dense_card (cut at KV sources, head on the last layer's card), the step
- * graph's card chains, and the engine's logits with the dense work on emu:1..3 against the host
+ * graph's card chains, the simulator's pricing of them, and the engine's logits with the dense work on emu:1..3 against the host
  * placement of the same engine, bit for bit (memcmp): tiny at batch 1, 2, 3 and 16, resident and
  * streamed experts, with routed experts on the host and hybrid; demo at batch 1 and 16 on emu:2
  * (not under the sanitizers); CUDA cards refused with a message; the startup self-check refusing a
@@ -14,6 +14,7 @@
 #include "graphs/model/config.h"
 #include "graphs/model/model.h"
 #include "graphs/ref/ref.h"
+#include "graphs/sim/plan.h"
 #include "graphs/step/step.h"
 #include "graphs/step/stepgraph.h"
 #include "sched/error.h"
@@ -88,6 +89,56 @@ static void test_graph(void)
     CHECK(heads == 1, "%d heads", heads);
     mf_stepgraph_free(sg);
     mf_sg_sizes_free(sz);
+}
+
+/* The simulator prices the chains: on a profile whose cards read weights 30x faster than a host
+ * thread, demo at batch 16 with the dense work on 2 cards keeps their compute lanes busy, takes
+ * work off the CPU lane and predicts a shorter step than with the dense work on the host; with
+ * --dense host no card lane has work. A profile without card rates is refused. */
+static void test_sim(void)
+{
+    mf_config c;
+    CHECK(mf_config_preset("demo", &c) == 0, "preset demo");
+    mf_profile f;
+    memset(&f, 0, sizeof f);
+    snprintf(f.name, sizeof f.name, "test");
+    f.n_sockets = 1;
+    f.threads_per_socket = 4;
+    f.mem_bytes_per_s = 40e9;
+    f.cross_socket_factor = 1;
+    f.task_overhead_ns = 2000;
+    for (int k = 0; k < MF_KF_N; k++) {
+        f.host[k] = (mf_profile_kern){.bytes_per_s = k == MF_KF_REF ? 0 : 10e9, .macs_per_s = 2e9, .latency_ns = 1000};
+        f.card[k] = (mf_profile_kern){.bytes_per_s = k == MF_KF_REF ? 0 : 300e9, .macs_per_s = 10e12, .latency_ns = 5000};
+    }
+    f.disk_bytes_per_s = 1e9;
+    f.disk_queue_depth = 1;
+    f.n_cards = 2;
+    f.card_mem_bytes = UINT64_C(8) << 30;
+    f.h2d_bytes_per_s = f.d2h_bytes_per_s = f.h2d_total_bytes_per_s = 8e9;
+    f.h2d_latency_ns = f.d2h_latency_ns = 10000;
+    mf_plan_report rep[2];
+    for (int d = 0; d < 2; d++) {
+        mf_plan_opts po = {.config = &c, .profile = &f, .batch = 16, .seed = 3,
+                           .dense = d ? MF_PLAN_DENSE_CARDS : MF_PLAN_DENSE_HOST};
+        CHECK(mf_plan_run(&po, 1, 2, &rep[d]) == 0, "plan dense %d: %s", d, mf_last_error());
+    }
+    double card_work[2] = {0}, cpu_work[2] = {0};
+    for (int d = 0; d < 2; d++)
+        for (int l = 0; l < rep[d].n_lanes; l++) {
+            if (strstr(rep[d].lanes[l].name, ".compute")) card_work[d] += rep[d].lanes[l].busy_ns;
+            if (!strcmp(rep[d].lanes[l].name, "cpu")) cpu_work[d] = rep[d].lanes[l].busy_ns;
+        }
+    CHECK(card_work[0] == 0 && card_work[1] > 0, "card compute work %.0f (dense host), %.0f ns (cards)", card_work[0],
+          card_work[1]);
+    CHECK(cpu_work[1] < cpu_work[0], "cpu work %.0f ns with dense on cards, %.0f on the host", cpu_work[1], cpu_work[0]);
+    CHECK(rep[1].step_ns < rep[0].step_ns, "dense on cards predicted %lld ns, on the host %lld", (long long)rep[1].step_ns,
+          (long long)rep[0].step_ns);
+    for (int k = 0; k < MF_KF_N; k++) f.card[k].bytes_per_s = 0;
+    mf_plan_opts po = {.config = &c, .profile = &f, .batch = 1, .dense = MF_PLAN_DENSE_CARDS};
+    mf_plan_report r;
+    CHECK(mf_plan_run(&po, 0, 1, &r) == -EINVAL && strstr(mf_last_error(), "card fp8 and bf16"),
+          "no card rates: %s", mf_last_error());
 }
 
 /* n_seq sequences prefilled, then n_dec decode steps teacher-forced by toks (written by the first
@@ -224,6 +275,7 @@ int main(void)
 {
     test_ranges();
     test_graph();
+    test_sim();
     char dir[1024];
     mf_config c;
     CHECK(mf_config_preset("tiny", &c) == 0, "preset");
