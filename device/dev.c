@@ -241,6 +241,19 @@ int mf_dev_fp8_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, in
     return s->dev->ops->fp8_matmul(s, w, x, n_tok, y);
 }
 
+int mf_dev_bf16_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y)
+{
+    static const char *what = "mf_dev_bf16_matmul";
+    if (!s) return mf_error(-EINVAL, "%s: stream is NULL", what);
+    if (!w || w->fmt != MF_KERN_BF16 || !w->w || w->n_out < 1 || w->n_in < 32 || w->n_in % 32)
+        return mf_error(-EINVAL, "%s: w must be a BF16 matrix [n_out >= 1, n_in a positive multiple of 32] "
+                        "with weights (found %s)", what, !w ? "NULL" : w->fmt != MF_KERN_BF16 ? "another format"
+                                                                   : !w->w ? "NULL weights" : "a bad shape");
+    if (!x || !y || n_tok < 1)
+        return mf_error(-EINVAL, "%s: card %d: NULL x or y, or n_tok %d < 1", what, s->card, n_tok);
+    return s->dev->ops->bf16_matmul(s, w, x, n_tok, y);
+}
+
 size_t mf_dev_ffn_q8_bytes(int n_tok, int n_in, int n_hidden)
 {
     size_t a = mf_kern_q8_bytes(n_tok, n_in), b = mf_kern_q8_bytes(n_tok, n_hidden);

@@ -120,6 +120,10 @@ int mf_dev_sync(mf_dev *d);
 int mf_dev_fp4_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y,
                       void *q8_scratch);
 int mf_dev_fp8_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y);
+/* BF16 matmul (the router gate, the head): w->fmt MF_KERN_BF16, w->w [n_out][n_in] bf16, no
+ * scale; as mf_kern_bf16_matmul (bit for bit on the emulated device, fp32 summation order on
+ * CUDA). */
+int mf_dev_bf16_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y);
 
 /* The expert FFN y = w2 (silu(min(w1 x, limit)) * clamp(w3 x, +-limit) * tok_weight), as
  * mf_kern_ffn_up then mf_kern_ffn_down with every row. h is device scratch [n_tok][w1.n_out];

@@ -378,6 +378,13 @@ static int cu_fp8_matmul(mf_dev_stream *ps, const mf_kern_mat *w, const float *x
     return mf_cuda_kern_matmul(s->st, w, x, n_tok, y);
 }
 
+static int cu_bf16_matmul(mf_dev_stream *ps, const mf_kern_mat *w, const float *x, int n_tok, float *y)
+{
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    return mf_cuda_kern_matmul(s->st, w, x, n_tok, y);
+}
+
 static int cu_expert_ffn(mf_dev_stream *ps, const mf_dev_ffn *a)
 {
     cu_stream *s = (cu_stream *)ps;
@@ -508,6 +515,7 @@ static const mf_dev_ops cu_ops = {
     .stream_sync = cu_stream_sync,
     .fp4_matmul = cu_fp4_matmul,
     .fp8_matmul = cu_fp8_matmul,
+    .bf16_matmul = cu_bf16_matmul,
     .expert_ffn = cu_expert_ffn,
     .expert_ffn_table = cu_expert_ffn_table,
     .capture_begin = cu_capture_begin,

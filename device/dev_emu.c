@@ -6,7 +6,9 @@
  * replays them. A failed operation's error goes to the next status callback of its stream (the
  * scheduler fails that task) or, if none takes it, to the next sync. Fault injection for tests:
  * the nth host-to-device copy copies half its bytes and fails (spec fail_h2d=N, mf_dev_emu_fail_h2d);
- * the nth callback is never called, as CUDA calls no host function after a fault (spec lose_cb=N). */
+ * the nth callback is never called, as CUDA calls no host function after a fault (spec lose_cb=N);
+ * every kernel on card C adds 1 to the first element of its output, a card that computes wrong
+ * answers silently (spec bad_card=C, for the startup self-check, device/dev_check.h). */
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -24,7 +26,7 @@
 #define EMU_ALLOC_MAGIC 0x6d66656d75646576ULL   /* "mfemudev" */
 #define EMU_HDR_BYTES 64
 
-typedef enum { OP_COPY, OP_CALLBACK, OP_RECORD, OP_WAIT, OP_FP4, OP_FP8, OP_FFN, OP_FFN_TABLE } emu_op_kind;
+typedef enum { OP_COPY, OP_CALLBACK, OP_RECORD, OP_WAIT, OP_FP4, OP_FP8, OP_BF16, OP_FFN, OP_FFN_TABLE } emu_op_kind;
 
 typedef struct emu_event {
     mf_dev_event pub;
@@ -97,6 +99,7 @@ struct emu_dev {
     emu_stream *streams[MF_DEV_MAX_CARDS][MF_DEV_N_STREAMS];
     _Atomic int64_t fail_h2d;   /* fault injection: h2d copies left until the failing one (0: off) */
     _Atomic int64_t lose_cb;    /* fault injection: callbacks left until the one never called (0: off) */
+    int bad_card;               /* fault injection: card whose kernels are off by one (-1: none) */
 };
 
 static const char *emu_stream_name[MF_DEV_N_STREAMS] = {"copy-in", "compute", "copy-out"};
@@ -253,12 +256,20 @@ static void emu_run_op(emu_stream *s, emu_op *op)
                                 op->u.mm.x, op->u.mm.n_tok, op->u.mm.w.n_in, op->u.mm.y,
                                 op->u.mm.w.n_out, 0, op->u.mm.w.n_out);
         break;
+    case OP_BF16:
+        rc = mf_kern_bf16_matmul((const uint16_t *)op->u.mm.w.w, op->u.mm.w.n_out, op->u.mm.w.n_in, op->u.mm.x,
+                                 op->u.mm.n_tok, op->u.mm.w.n_in, op->u.mm.y, op->u.mm.w.n_out, 0, op->u.mm.w.n_out);
+        break;
     case OP_FFN:
         rc = emu_ffn(&op->u.ffn);
         break;
     case OP_FFN_TABLE:
         rc = emu_ffn_table(&op->u.tab);
         break;
+    }
+    if (!rc && s->pub.card == d->bad_card) {   /* fault injection: a wrong first output */
+        if (op->kind == OP_FP4 || op->kind == OP_FP8 || op->kind == OP_BF16) op->u.mm.y[0] += 1.0f;
+        else if (op->kind == OP_FFN) op->u.ffn.y[0] += 1.0f;
     }
     if (rc < 0) emu_stream_fail(s, rc);
 }
@@ -516,6 +527,12 @@ static int emu_fp8_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x
     return emu_enqueue(s, &op);
 }
 
+static int emu_bf16_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y)
+{
+    emu_op op = {.kind = OP_BF16, .u.mm = {*w, x, n_tok, y, NULL}};
+    return emu_enqueue(s, &op);
+}
+
 static int emu_expert_ffn(mf_dev_stream *s, const mf_dev_ffn *a)
 {
     emu_op op = {.kind = OP_FFN, .u.ffn = *a};
@@ -626,6 +643,7 @@ static const mf_dev_ops emu_ops = {
     .stream_sync = emu_stream_sync,
     .fp4_matmul = emu_fp4_matmul,
     .fp8_matmul = emu_fp8_matmul,
+    .bf16_matmul = emu_bf16_matmul,
     .expert_ffn = emu_expert_ffn,
     .expert_ffn_table = emu_expert_ffn_table,
     .capture_begin = emu_capture_begin,
@@ -664,7 +682,7 @@ int mf_dev_open_emu(const char *opts, mf_dev **out)
         return mf_error(-EINVAL, "device spec 'emu:%s': expected a card count 1..%d after 'emu:'",
                         opts, MF_DEV_MAX_CARDS);
     uint64_t mem = 16ULL << 30;
-    double bw = 25e9, lat = 10000, fail_h2d = 0, lose_cb = 0;
+    double bw = 25e9, lat = 10000, fail_h2d = 0, lose_cb = 0, bad_card = -1;
     while ((tok = strtok_r(NULL, ",", &save))) {
         char *eq = strchr(tok, '=');
         int bad = !eq;
@@ -678,12 +696,15 @@ int mf_dev_open_emu(const char *opts, mf_dev **out)
                 bad = (fail_h2d = strtod(v, &end)) < 0 || *end || end == v || fail_h2d != (int64_t)fail_h2d;
             else if (!strcmp(tok, "lose_cb"))
                 bad = (lose_cb = strtod(v, &end)) < 0 || *end || end == v || lose_cb != (int64_t)lose_cb;
+            else if (!strcmp(tok, "bad_card"))
+                bad = (bad_card = strtod(v, &end)) < 0 || *end || end == v || bad_card != (int)bad_card ||
+                      bad_card >= n;
             else bad = 1;
             if (!bad) continue;
             *eq = '=';
         }
         return mf_error(-EINVAL, "device spec 'emu:%s': bad option '%s' (expected mem=BYTES[K|M|G], "
-                        "bw=BYTES_PER_S, lat_ns=NS, fail_h2d=N, lose_cb=N)", opts, tok);
+                        "bw=BYTES_PER_S, lat_ns=NS, fail_h2d=N, lose_cb=N, bad_card=C)", opts, tok);
     }
     emu_dev *d = calloc(1, sizeof *d);
     if (!d) return mf_error(-ENOMEM, "emu device: out of memory");
@@ -693,6 +714,7 @@ int mf_dev_open_emu(const char *opts, mf_dev **out)
     d->lat_ns = (int64_t)lat;
     atomic_init(&d->fail_h2d, (int64_t)fail_h2d);
     atomic_init(&d->lose_cb, (int64_t)lose_cb);
+    d->bad_card = (int)bad_card;
     pthread_mutex_init(&d->host_mu, NULL);
     for (int c = 0; c < n; c++) {
         pthread_mutex_init(&d->cards[c].mu, NULL);

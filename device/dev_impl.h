@@ -33,6 +33,7 @@ typedef struct mf_dev_ops {
     int (*fp4_matmul)(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y,
                       void *q8_scratch);
     int (*fp8_matmul)(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y);
+    int (*bf16_matmul)(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y);
     int (*expert_ffn)(mf_dev_stream *s, const mf_dev_ffn *a);
     int (*expert_ffn_table)(mf_dev_stream *s, const mf_dev_ffn_table *a);
     /* Capture: the stream's capturing flag is kept by dev.c. */

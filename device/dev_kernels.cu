@@ -1,5 +1,5 @@
-/* CUDA kernels of the device interface: y = W x with W stored as FP4 (E2M1 pairs + 1x32 E8M0) or
- * FP8 (E4M3 + 32x32 E8M0 tiles), decoded in registers and never written out, fp32 accumulation;
+/* CUDA kernels of the device interface: y = W x with W stored as FP4 (E2M1 pairs + 1x32 E8M0),
+ * FP8 (E4M3 + 32x32 E8M0 tiles) or BF16 (widened exactly), decoded in registers and never written out, fp32 accumulation;
  * the FP4 int8 path (activations quantized per token per 256 inputs, E2M1 decoded to int8 with
  * byte permutes, dp4a, E8M0 block factors: device/kern_q8.h); and the expert FFN on either path
  * (w1 and w3 rows together, swiglu with limit, token weight, then w2).
@@ -54,6 +54,9 @@ __device__ static void k_decode(int fmt, const uint8_t *w, const uint8_t *scale,
             wv[2 * i] = k_e2m1(byte & 15u) * sc;
             wv[2 * i + 1] = k_e2m1(byte >> 4) * sc;
         }
+    } else if (fmt == MF_KERN_BF16) {   /* bf16 is the top half of an fp32: exact */
+        const uint16_t *p = (const uint16_t *)w + (size_t)o * n_in + (size_t)b * 32;
+        for (int i = 0; i < 32; i++) wv[i] = __int_as_float((int)((unsigned)p[i] << 16));
     } else {
         const uint8_t *p = w + (size_t)o * n_in + (size_t)b * 32;
         float sc = k_e8m0(scale[(size_t)(o / 32) * nb + b]);
@@ -129,7 +132,8 @@ extern "C" int mf_cuda_kern_matmul(void *stream, const mf_kern_mat *w, const flo
     dim3 grid((unsigned)((w->n_out + WARPS - 1) / WARPS), (unsigned)((n_tok + KT - 1) / KT));
     k_matmul<<<grid, 32 * WARPS, 0, (cudaStream_t)stream>>>((int)w->fmt, (const uint8_t *)w->w,
                                                            w->scale, w->n_out, w->n_in, x, n_tok, y);
-    return k_launched(w->fmt == MF_KERN_FP4 ? "fp4 matmul" : "fp8 matmul", __LINE__);
+    return k_launched(w->fmt == MF_KERN_FP4 ? "fp4 matmul" : w->fmt == MF_KERN_FP8 ? "fp8 matmul" : "bf16 matmul",
+                      __LINE__);
 }
 
 /* ---- the int8 FP4 path ------------------------------------------------------------------------ */

@@ -5,7 +5,9 @@
  * machine without a card. */
 #include <stdio.h>
 
+#include "device/dev_check.h"
 #include "device/kern_q8.h"
+#include "host/formats.h"
 #include "tests/dev_common.h"
 
 /* max |dev - host| / max |host| in float64 */
@@ -62,6 +64,23 @@ static void check_kernels(mf_dev *d)
                 mf_dev_free(d, c, ws);
                 hmat_free(&w);
             }
+            {   /* BF16 (gate, head) */
+                uint16_t *wb = malloc(sizeof(uint16_t) * (size_t)n_out * n_in);
+                for (size_t i = 0; i < (size_t)n_out * n_in; i++) wb[i] = mf_bf16_from_f32(gauss());
+                void *dwb = dupload(d, c, wb, sizeof(uint16_t) * (size_t)n_out * n_in);
+                mf_kern_mat bm = {.fmt = MF_KERN_BF16, .w = dwb, .n_out = n_out, .n_in = n_in};
+                mf_kern_bf16_matmul(wb, n_out, n_in, x, T, n_in, yh, n_out, 0, n_out);
+                CHECK(mf_dev_bf16_matmul(comp, &bm, dx, T, dy) == 0 && mf_dev_stream_sync(comp) == 0, "%s",
+                      mf_last_error());
+                ddownload(d, c, yd, dy, sizeof(float) * T * n_out);
+                double e = rel_err(yd, yh, (size_t)T * n_out);
+                printf("card %d bf16 matmul T=%d: rel err %.3g\n", c, T, e);
+                CHECK(e < 1e-5, "card %d bf16 matmul T=%d: rel err %g", c, T, e);
+                mf_dev_free(d, c, dwb);
+                free(wb);
+            }
+            /* the startup self-check (device/dev_check.h) passes on a healthy card */
+            CHECK(mf_dev_selfcheck(d, c, (uint64_t)T) == 0, "card %d self-check: %s", c, mf_last_error());
             for (int f = 0; f < 2; f++) {
                 mf_kern_fmt fmt = f ? MF_KERN_FP8 : MF_KERN_FP4;
                 hmat w1 = hmat_rand(fmt, I, n_in), w3 = hmat_rand(fmt, I, n_in), w2 = hmat_rand(fmt, n_in, I);

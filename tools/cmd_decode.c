@@ -39,7 +39,7 @@ static void mf_decode_usage(FILE *f)
             "                      [--no-bos] [--ignore-eos] [--act-quant] [--quiet] [--trace FILE]\n"
             "                      [--store resident|streamed [--store-budget SIZE]\n"
             "                       [--store-tables resident|streamed] [--io-depth N]]\n"
-            "                      [--devices emu:N|cuda[:IDS] [--placement seed|host|hybrid]\n"
+            "                      [--devices emu:N|cuda[:IDS] [--placement seed|host|hybrid] [--dense host|cards]\n"
             "                       [--dev-cache SIZE] [--dev-graphs] [--profile P]] [--record-routing FILE]\n\n"
             "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
             "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
@@ -92,6 +92,10 @@ static void mf_decode_usage(FILE *f)
             "                      are in flight at once, in slot order (default 2; -1: all)\n"
             "  --devices SPEC      routed experts on devices (scheduled engine): emu:N emulated\n"
             "                      cards (emu:N,mem=SIZE,bw=B/S,lat_ns=NS) or cuda, cuda:0,1\n"
+            "  --dense D           cards: the dense work (attention linears, router gate, shared\n"
+            "                      expert, head) on the cards by layer ranges, activations copied per\n"
+            "                      sublayer (default with emu:N devices; CUDA cards refuse it: no dense\n"
+            "                      card kernels in the engine yet); host: on the host (default otherwise)\n"
             "  --placement P       seed: routed experts on the card owning them; hybrid: per\n"
             "                      expert and step the cheaper of host and card by the lanes'\n"
             "                      cost models (default with --devices); host: all on the\n"
@@ -396,7 +400,7 @@ int mf_cmd_decode(int argc, char **argv)
     int store_mode = 0, store_tables = 0;
     long io_depth = 0, read_window = 0;
     uint64_t store_budget = 0;
-    const char *trace = NULL, *devices = NULL, *placement = NULL, *record = NULL;
+    const char *trace = NULL, *devices = NULL, *placement = NULL, *record = NULL, *dense_s = NULL;
     uint64_t dev_cache = 0;
     const char *profile_path = NULL;
     static mf_profile prof;
@@ -501,6 +505,12 @@ int mf_cmd_decode(int argc, char **argv)
             }
         } else if (!strcmp(a, "--devices") && hv) {
             devices = argv[++i];
+        } else if (!strcmp(a, "--dense") && hv) {
+            dense_s = argv[++i];
+            if (strcmp(dense_s, "host") && strcmp(dense_s, "cards")) {
+                fprintf(stderr, "moeflow decode: --dense: expected host or cards, found '%s'\n", dense_s);
+                return 2;
+            }
         } else if (!strcmp(a, "--placement") && hv) {
             placement = argv[++i];
             if (strcmp(placement, "seed") && strcmp(placement, "host") && strcmp(placement, "hybrid")) {
@@ -557,6 +567,11 @@ int mf_cmd_decode(int argc, char **argv)
         return 2;
     }
     if (devices && !placement) placement = "hybrid";
+    if (dense_s && !strcmp(dense_s, "cards") && !devices) {
+        fprintf(stderr, "moeflow decode: --dense cards needs --devices\n");
+        return 2;
+    }
+    int dense = dense_s ? !strcmp(dense_s, "cards") : devices && !strncmp(devices, "emu", 3);
     int place = !devices || !strcmp(placement, "host") ? MF_STEP_PLACE_HOST
                 : !strcmp(placement, "seed") ? MF_STEP_PLACE_SEED : MF_STEP_PLACE_HYBRID;
     if (!sched && exact) {
@@ -684,17 +699,18 @@ int mf_cmd_decode(int argc, char **argv)
     }
     if (profile_path && mf_profile_load(profile_path, &prof)) goto fail;
     if (mf_ref_new(m, &ro, &r)) goto fail;
-    if (devices && place != MF_STEP_PLACE_HOST && mf_dev_open(devices, &dev)) goto fail;
+    if (devices && (place != MF_STEP_PLACE_HOST || dense) && mf_dev_open(devices, &dev)) goto fail;
     if (sched && mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact,
                                                  .read_window = (int)read_window, .dev = dev,
                                                  .placement = place, .dev_cache_bytes = dev_cache,
-                                                 .dev_graphs = dev_graphs,
+                                                 .dev_graphs = dev_graphs, .dense = dense,
                                                  .profile = profile_path ? &prof : NULL,
                                                  .io_depth = (int)io_depth,
                                                  .io_force_pread = mf_tool_io_env.force_pread,
                                                  .io_fault_kind = mf_tool_io_env.fault_kind,
                                                  .io_fault_nth = mf_tool_io_env.fault_nth}, &eng))
         goto fail;
+    if (eng && mf_step_refused(eng)[0]) fprintf(stderr, "moeflow decode: card self-check: %s\n", mf_step_refused(eng));
     dc = (mf_dec_ctx){.sq = sq, .tok = tok, .stream = n_seq == 1, .out = outf, .quiet = quiet};
     if (mf_batch_new(&(mf_batch_opts){.ref = r, .eng = eng, .tok = tok, .max_batch = max_batch,
                                       .step_tokens = (int)step_tokens, .max_context = total > 1 ? total : 2,

@@ -29,7 +29,8 @@ static void mf_sim_usage(FILE *f)
             "                   [--routing uniform|zipf:S|trace:FILE] [--seed S] [--context N]\n"
             "                   [--store resident|streamed] [--store-budget SIZE] [--tables resident|streamed]\n"
             "                   [--dev-cache SIZE] [--cache-policy lfu|lru] [--read-window N]\n"
-            "                   [--copy-slots N] [--dev-task-ns NS] [--dev-graphs] [--trace FILE] [--json]\n"
+            "                   [--copy-slots N] [--dev-task-ns NS] [--dev-graphs] [--dense host|cards]\n"
+            "                   [--trace FILE] [--json]\n"
             "                   [--measure] [--prompt-tokens N [--chunk T]]\n\n"
             "Simulates decode steps of the scheduled engine (graphs/step/step.c's graph, docs/sim.md) on the\n"
             "hardware profile P: --warmup steps (default 2) warm the caches, then --steps (default 8)\n"
@@ -37,7 +38,10 @@ static void mf_sim_usage(FILE *f)
             "the bottleneck lane, the expert caches. Only the checkpoint's config.json is read (the\n"
             "sparse flash41 layout works); --preset uses a built-in config instead.\n\n"
             "  --placement P       host (default), seed or hybrid (routed experts on cards)\n"
-            "  --cards N           cards for seed/hybrid (default: the profile's)\n"
+            "  --cards N           cards for seed/hybrid and --dense cards (default: the profile's)\n"
+            "  --dense D           the dense work (attention linears, router gate, shared expert,\n"
+            "                      head) on the host or on the cards, by layer ranges (default: cards\n"
+            "                      when --cards is given or placement is seed/hybrid, else host)\n"
             "  --threads N         engine workers per socket (default: the profile's)\n"
             "  --batch B           sequences per step (1..%d, default 1)\n"
             "  --routing R         uniform (default), zipf:S, or trace:FILE (moeflow decode\n"
@@ -65,13 +69,13 @@ static void mf_sim_usage(FILE *f)
             MF_STEP_MAX_ITEMS, MF_STEP_PREFILL_CHUNK);
 }
 
-static void mf_sim_json(const mf_plan_report *r, const char *routing, int placement, int measured,
+static void mf_sim_json(const mf_plan_report *r, const char *routing, int placement, int dense, int measured,
                         double meas_ns)
 {
     static const char *const pl[] = {"host", "seed", "hybrid"};
-    printf("{\"placement\":\"%s\",\"routing\":\"%s\",\"batch\":%d,\"steps\":%d,\"step_s\":%.9g,\"token_s\":%.9g,"
+    printf("{\"placement\":\"%s\",\"dense\":\"%s\",\"routing\":\"%s\",\"batch\":%d,\"steps\":%d,\"step_s\":%.9g,\"token_s\":%.9g,"
            "\"tokens_per_s\":%.6g,\"n_tasks\":%d,\"phases\":{",
-           pl[placement], routing, r->batch, r->n_steps, r->step_ns / 1e9, r->token_ns / 1e9,
+           pl[placement], dense == MF_PLAN_DENSE_CARDS ? "cards" : "host", routing, r->batch, r->n_steps, r->step_ns / 1e9, r->token_ns / 1e9,
            r->token_ns > 0 ? 1e9 / r->token_ns : 0, r->n_tasks);
     for (int q = 0; q < MF_STEP_N_PHASES; q++)
         printf("%s\"%s\":%.9g", q ? "," : "", mf_step_phase_name((mf_step_phase)q), r->phase_ns[q] / 1e9);
@@ -90,7 +94,7 @@ static void mf_sim_json(const mf_plan_report *r, const char *routing, int placem
 int mf_cmd_sim(int argc, char **argv)
 {
     const char *prof_path = NULL, *dir = NULL, *preset = NULL, *routing_spec = "uniform", *trace = NULL;
-    const char *placement = "host";
+    const char *placement = "host", *dense_s = NULL;
     long cards = 0, threads = 0, batch = 1, steps = 8, warmup = 2, seed = 1, context = 16, read_window = 0;
     long copy_slots = 0, dev_task_ns = 0, prompt_tokens = 0, chunk = 0;
     int json = 0, measure = 0, store = MF_PLAN_STORE_RESIDENT, tables = MF_PLAN_STORE_RESIDENT, policy = 0;
@@ -130,6 +134,12 @@ int mf_cmd_sim(int argc, char **argv)
             routing_spec = argv[++i];
         } else if (!strcmp(a, "--trace") && hv) {
             trace = argv[++i];
+        } else if (!strcmp(a, "--dense") && hv) {
+            dense_s = argv[++i];
+            if (mf_tool_dense(dense_s) < 0) {
+                fprintf(stderr, "moeflow sim: --dense: expected host or cards, found '%s'\n", dense_s);
+                return 2;
+            }
         } else if (!strcmp(a, "--placement") && hv) {
             placement = argv[++i];
             if (mf_tool_placement(placement) < 0) {
@@ -189,6 +199,8 @@ int mf_cmd_sim(int argc, char **argv)
         return 2;
     }
     int place = mf_tool_placement(placement);
+    int dense = dense_s ? mf_tool_dense(dense_s) : cards || place != MF_STEP_PLACE_HOST ? MF_PLAN_DENSE_CARDS
+                                                                                        : MF_PLAN_DENSE_HOST;
     static mf_profile prof;
     mf_config cfg;
     mf_routing *rt = NULL;
@@ -203,7 +215,7 @@ int mf_cmd_sim(int argc, char **argv)
                        .read_window = (int)read_window, .copy_slots = (int)copy_slots, .dev_cache_bytes = dev_cache,
                        .dev_cache_policy = policy, .store = store, .store_budget_bytes = store_budget,
                        .tables = tables, .routing = rt, .seed = (uint64_t)seed, .dev_task_ns = (double)dev_task_ns,
-                       .dev_graphs = dev_graphs};
+                       .dev_graphs = dev_graphs, .dense = dense};
     if (prompt_tokens) {
         mf_plan_report rep;
         int64_t ttft_ns;
@@ -242,10 +254,11 @@ int mf_cmd_sim(int argc, char **argv)
             goto fail;
     }
     if (json) {
-        mf_sim_json(&rep, mf_routing_describe(rt), place, measure, meas_ns);
+        mf_sim_json(&rep, mf_routing_describe(rt), place, dense, measure, meas_ns);
     } else {
-        printf("sim: %s on profile %s, placement %s, routing %s, batch %ld, %ld warm-up + %ld steps\n",
-               dir ? dir : preset, prof.name, placement, mf_routing_describe(rt), batch, warmup, steps);
+        printf("sim: %s on profile %s, placement %s, dense %s, routing %s, batch %ld, %ld warm-up + %ld steps\n",
+               dir ? dir : preset, prof.name, placement, dense == MF_PLAN_DENSE_CARDS ? "cards" : "host",
+               mf_routing_describe(rt), batch, warmup, steps);
         mf_plan_print(&rep, stdout);
         if (trace) printf("trace of the last simulated step: %s\n", trace);
         if (measure) {

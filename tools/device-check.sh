@@ -176,11 +176,17 @@ fi
 
 rc_all=0
 echo "== tests" | say
-for t in test_cuda test_dev_cuda test_dev_kmath test_dev test_xcache test_place; do
+for t in test_cuda test_dev_cuda test_dev_kmath test_dev test_xcache test_place test_place_dense; do
+  # test_place_dense (dense work on emulated cards, the self-check's refusals) writes a demo
+  # checkpoint of its own: only with time to spare
+  if [ $t = test_place_dense ] && [ "$(left)" -lt 200 ]; then log "$t: not run (time)"; continue; fi
+  [ -x "$build/tests/$t" ] || { log "$t: not built"; continue; }
   run_t 90 "$t.log" "$build/tests/$t"
   case $rc in 0) s=PASS ;; 77) s=SKIP ;; *) s="FAIL ($rc)"; rc_all=1 ;; esac
   log "$t: $s in $wall ms ($(tail -1 "$W/$t.log" | cut -c1-200))"
 done
+# the startup self-check on the card (test_dev_cuda runs mf_dev_selfcheck on every card)
+grep -h "self-check" "$W"/test_dev_cuda.log "$W"/test_dev_cuda.err 2>/dev/null | head -3 | say
 grep -h "pinned staging" "$W"/test_*.err 2>/dev/null | sort -u | head -3 | say
 # every kernel error line, sorted by the error, then the largest per category
 cat "$W/test_dev_cuda.log" "$W/test_cuda.log" 2>/dev/null | grep "rel err" |
@@ -224,9 +230,11 @@ else log "pinned memory: cudaHostAlloc (the card's NUMA node is unknown: $node)"
 ckpt="${MOEFLOW_DEMO_DIR:-$HOME/.cache/moeflow/demo}"
 echo "== decode of the demo model" | say
 # slot counts and tokens/s from a decode's stderr summary
-dec_stats() { local e="$W/$1.err" on host tps
-  on=$(grep -oE "decode steps: [0-9]+ expert slots on cards" "$e" | grep -oE "[0-9]+" | head -1)
-  host=$(grep -oE "expert slots on cards, [0-9]+ on the host" "$e" | grep -oE "[0-9]+" | head -1)
+dec_stats() { local e="$W/$1.err" on host tps sum
+  # the totals line ("moeflow decode: devices (SPEC, P placement, N cache slots per card) steps: ...")
+  sum=$(tr '\r' '\n' <"$e" | grep -a "^moeflow decode: devices (" | tail -1)
+  on=$(grep -oE "steps: [0-9]+ expert slots on cards" <<<"$sum" | grep -oE "[0-9]+" | head -1)
+  host=$(grep -oE "expert slots on cards, [0-9]+ on the host" <<<"$sum" | grep -oE "[0-9]+" | head -1)
   tps=$(grep -oE "\(([0-9.]+) tokens/s aggregate\)" "$e" | grep -oE "[0-9.]+" | head -1)
   echo "${on:--} ${host:--} ${tps:--}"; }
 if [ "$(left)" -gt 60 ]; then
@@ -260,6 +268,18 @@ if [ "$(left)" -gt 60 ]; then
       log "FAIL: seed placement ran no expert slot on the cards"; rc_all=1; failed+=("decode_dev4_$tag.txt")
     fi
   done
+  # the dense work on the cards (--dense cards): emulated cards run it (tokens must equal the
+  # host's); CUDA cards refuse it until the dense card kernels are wired into the engine
+  run_t 40 decode_dense.txt "$build/moeflow" "${args[@]}" --devices $dev4 --placement host --dense cards
+  if [ $rc = 0 ] && cmp -s "$W/decode_host.txt" "$W/decode_dense.txt"; then
+    log "decode --devices $dev4 --dense cards: rc 0 in $wall ms, same tokens as the host"
+  elif [ $rc != 0 ] && grep -q "dense work on cuda cards is not built yet" "$W/decode_dense.txt.err"; then
+    log "decode --devices $dev4 --dense cards: refused as expected (no dense card kernels in the engine yet)"
+  else
+    log "FAIL: decode --devices $dev4 --dense cards: rc $rc, tokens differ from the host or an unexpected error"
+    rc_all=1; failed+=("decode_dense.txt")
+  fi
+  grep -h "card self-check" "$W"/decode_*.err 2>/dev/null | sort -u | head -4 | say
   # the per-slot and per-layer-graph runs launch the same kernel bodies with the same placement
   if cmp -s "$W/decode_dev4_hybrid_graphs0.txt" "$W/decode_dev4_hybrid_graphs1.txt" && [ -s "$W/decode_dev4_hybrid_graphs0.txt" ]; then
     log "hybrid per-slot and per-layer-graph runs: byte-identical tokens"

@@ -52,8 +52,19 @@ echo "| setting | ms/token | tokens/s | attention ms | MoE ms | Engram ms | head
 echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
 for batch in 1 16; do
   for place in host seed hybrid; do
-    "$bin" sim --profile $seed --preset flash41 --placement $place --batch $batch --warmup $warm --json >"$tmp/s.json"
+    "$bin" sim --profile $seed --preset flash41 --placement $place --dense host --batch $batch --warmup $warm --json >"$tmp/s.json"
     row "$place, batch $batch" "$tmp/s.json"
+  done
+done
+# batch 64, and the dense work (attention linears, gate, shared expert, head) on the cards
+for place in host hybrid; do
+  "$bin" sim --profile $seed --preset flash41 --placement $place --dense host --batch 64 --warmup $warm --json >"$tmp/s.json"
+  row "$place, batch 64" "$tmp/s.json"
+done
+for batch in 1 16 64; do
+  for place in host hybrid; do
+    "$bin" sim --profile $seed --preset flash41 --placement $place --dense cards --batch $batch --warmup $warm --json >"$tmp/s.json"
+    row "$place, dense on cards, batch $batch" "$tmp/s.json"
   done
 done
 "$bin" sim --profile $seed --preset flash41 --placement host --store streamed --store-budget 64G --warmup $warm \

@@ -42,6 +42,11 @@ int mf_tool_placement(const char *s)
                                                   : -1;
 }
 
+int mf_tool_dense(const char *s)
+{
+    return !strcmp(s, "host") ? MF_PLAN_DENSE_HOST : !strcmp(s, "cards") ? MF_PLAN_DENSE_CARDS : -1;
+}
+
 int mf_tool_store_mode(const char *s)
 {
     return !strcmp(s, "resident") ? MF_PLAN_STORE_RESIDENT : !strcmp(s, "streamed") ? MF_PLAN_STORE_STREAMED : -1;
@@ -89,7 +94,7 @@ int mf_tool_measure(const char *dir, const mf_plan_opts *po, int n_cards, int th
         mo.store_budget_bytes = po->store_budget_bytes;
     }
     if ((rc = mf_model_load(dir, &mo, &m)) || (rc = mf_ref_new(m, NULL, &r))) goto out;
-    if (po->placement != MF_STEP_PLACE_HOST) {
+    if (po->placement != MF_STEP_PLACE_HOST || po->dense == MF_PLAN_DENSE_CARDS) {
         char spec[32];
         snprintf(spec, sizeof spec, "emu:%d", n_cards);
         if ((rc = mf_dev_open(spec, &dev))) goto out;
@@ -97,6 +102,8 @@ int mf_tool_measure(const char *dir, const mf_plan_opts *po, int n_cards, int th
     rc = mf_step_new(r, &(mf_step_opts){.n_threads = threads, .read_window = po->read_window, .dev = dev,
                                         .placement = po->placement, .dev_cache_bytes = po->dev_cache_bytes,
                                         .dev_graphs = po->dev_graphs, .cpu_bytes_per_s = po->cpu_bytes_per_s,
+                                        .dense = po->dense == MF_PLAN_DENSE_CARDS ? MF_STEP_DENSE_CARDS
+                                                                                   : MF_STEP_DENSE_HOST,
                                         .profile = po->profile},
                      &eng);
     if (rc) goto out;

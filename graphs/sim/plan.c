@@ -32,6 +32,8 @@ struct mf_plan {
     mf_config c;
     mf_profile prof;
     int n_cards, n_threads, n_cores, batch, read_window, copy_slots, emulated;
+    int n_dense, n_lane_cards;               /* cards holding dense work (0: host); cards with lanes */
+    double dense_bytes[PL_MAX_CARDS];        /* dense weights per card */
     int K, E, n_layers;
     mf_sg_sizes *sz;
     double cpu_bytes_per_s;                  /* host kernels: min(thread, socket memory / threads) */
@@ -120,6 +122,20 @@ static double pl_pos_flops(const mf_plan *p, const mf_sg_task *t)
     return f;
 }
 
+/* A record's kernels on a card over n tokens (dense work): per family as pl_host_work at the card's
+ * rates, the scalar work (roundings) at the card's REF rate. */
+static double pl_card_work(const mf_plan *p, const mf_sg_work *w, int n)
+{
+    double ns = 0;
+    for (int f = 0; f < MF_KF_REF; f++) {
+        if (!(w->calls[f] > 0)) continue;
+        const mf_profile_kern *k = &p->prof.card[f];
+        ns += pl_kern(k, k->bytes_per_s, w->w_bytes[f], w->macs[f], n) + (w->calls[f] - 1) * k->latency_ns;
+    }
+    const mf_profile_kern *r = &p->prof.card[MF_KF_REF];
+    return ns + (r->macs_per_s > 0 ? w->ref_flops / r->macs_per_s * 1e9 : 0);
+}
+
 /* Task t's duration this step without the executor's overhead; *overhead 0 where the task
  * finishes without it (an empty read). */
 static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int *overhead)
@@ -166,6 +182,12 @@ static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int
     }
     case MF_SG_DEV_OUT:
         return f->d2h_latency_ns + cnt * w->copy_bytes_tok / f->d2h_bytes_per_s * 1e9;
+    case MF_SG_DENSE_IN:   /* one copy of the items' activations */
+        return f->h2d_latency_ns + t->n_tok * w->copy_bytes_tok / f->h2d_bytes_per_s * 1e9;
+    case MF_SG_DENSE:
+        return pl_card_work(p, w, t->n_tok);
+    case MF_SG_DENSE_OUT:
+        return f->d2h_latency_ns + t->n_tok * w->copy_bytes_tok / f->d2h_bytes_per_s * 1e9;
     default:   /* kernels over the record's tokens, scalar work and the positional part of it */
         return pl_host_work(p, w, t->n_tok) + pl_ref(p, w->ref_flops + pl_pos_flops(p, t));
     }
@@ -186,6 +208,14 @@ static int pl_check(const mf_plan_opts *o)
     if (o->placement != MF_STEP_PLACE_HOST && (o->n_cards ? o->n_cards : f->n_cards) < 1)
         return mf_error(-EINVAL, "plan: placement %s needs cards; profile '%s' has none and no card count "
                         "was given", o->placement == MF_STEP_PLACE_SEED ? "seed" : "hybrid", f->name);
+    if (o->dense != MF_PLAN_DENSE_HOST && o->dense != MF_PLAN_DENSE_CARDS)
+        return mf_error(-EINVAL, "plan: dense placement %d (expected host or cards)", o->dense);
+    if (o->dense == MF_PLAN_DENSE_CARDS &&
+        ((o->n_cards ? o->n_cards : f->n_cards) < 1 ||
+         !(f->card[MF_KF_FP8].bytes_per_s > 0 && f->card[MF_KF_BF16].bytes_per_s > 0 && f->h2d_bytes_per_s > 0 &&
+           f->d2h_bytes_per_s > 0)))
+        return mf_error(-EINVAL, "plan: dense work on cards needs cards and the profile's card fp8 and bf16, h2d "
+                        "and d2h rates; profile '%s' has %d cards", f->name, f->n_cards);
     if (o->n_sockets < 0 || o->threads_per_socket < 0 || o->threads_per_socket > 256)
         return mf_error(-EINVAL, "plan: %d sockets x %d threads", o->n_sockets, o->threads_per_socket);
     if (o->read_window < -1 || o->read_window > 4096)
@@ -271,6 +301,8 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
                    (o->threads_per_socket ? o->threads_per_socket : f->threads_per_socket);
     p->n_cores = f->n_sockets * f->threads_per_socket;
     p->n_cards = o->placement == MF_STEP_PLACE_HOST ? 0 : o->n_cards ? o->n_cards : f->n_cards;
+    p->n_dense = o->dense == MF_PLAN_DENSE_CARDS ? (o->n_cards ? o->n_cards : f->n_cards) : 0;
+    p->n_lane_cards = p->n_cards > p->n_dense ? p->n_cards : p->n_dense;
     p->emulated = f->cards_emulated;
     p->read_window = o->read_window ? o->read_window : 2;
     p->copy_slots = o->copy_slots ? o->copy_slots : 1;
@@ -288,7 +320,7 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
     mf_step_lane_models(f, p->n_threads, p->models);
     if (o->cpu_bytes_per_s > 0) p->models[0].bytes_per_s = o->cpu_bytes_per_s;
     mf_sg_lanes_init(&p->lt, p->models, p->n_threads, p->streamed || o->tables == MF_PLAN_STORE_STREAMED,
-                     p->n_cards);
+                     p->n_lane_cards);
     /* the simulator's lane options: the disk is one pipe at its bandwidth (reads queue at depth,
      * the latency overlaps); a device lane is one stream, its operations in order (copy-ins:
      * copy_slots streams); emulated cards are host threads: their kernels need a host core, and
@@ -296,7 +328,7 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
      * the stream's thread and a core for dev_task_ns first */
     p->lane_core[0] = 1;
     if (p->lt.lane_io >= 0) p->conc[p->lt.lane_io] = 1;
-    for (int cd = 0; cd < p->n_cards; cd++)
+    for (int cd = 0; cd < p->n_lane_cards; cd++)
         for (int k = 0; k < 3; k++) {
             int l = p->lt.lane_dev0 + 3 * cd + k;
             p->conc[l] = k == 0 ? p->copy_slots : 1;
@@ -321,14 +353,33 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
         if (slots > (int64_t)p->n_layers * p->E) slots = (int64_t)p->n_layers * p->E;
         store_slots = (int)slots;
     }
+    for (int cd = 0; cd < p->n_dense; cd++) p->dense_bytes[cd] = 0;
+    for (int L = -1; L < p->n_layers && p->n_dense; L++) {   /* the dense weights each card holds */
+        double b = p->sz->head_bytes;
+        if (L >= 0) {
+            const mf_sg_layer_sizes *y = &p->sz->layer[L];
+            b = y->oa_fp8_bytes + y->gate_bytes + p->sz->sh_up_bytes + p->sz->sh_down_bytes;
+            for (int st = 0; st < MF_SG_N_STAGES; st++) b += y->st_fp8_bytes[st] + y->st_bf16_bytes[st];
+            b -= y->st_fp8_bytes[MF_SG_ST_CORE] + y->st_bf16_bytes[MF_SG_ST_CORE];   /* the core's: host */
+        }
+        p->dense_bytes[mf_sg_dense_card(c, p->n_dense, L)] += b;
+    }
+    for (int cd = 0; cd < p->n_dense; cd++)
+        if (f->card_mem_bytes && p->dense_bytes[cd] > (double)f->card_mem_bytes) {
+            rc = mf_error(-ENOSPC, "plan: card %d: its dense layers take %.0f bytes, the card has %" PRIu64, cd,
+                          p->dense_bytes[cd], f->card_mem_bytes);
+            goto fail;
+        }
     for (int cd = 0; cd < p->n_cards; cd++) {
-        /* mf_dev_xcache_new: the budget's slots, or every expert halved until the card holds them */
+        /* mf_dev_xcache_new: the budget's slots, or every expert halved until the card holds them
+         * (what its dense weights leave) */
         int64_t n_items = (int64_t)p->n_layers * p->E, slots;
+        double mem = f->card_mem_bytes ? (double)f->card_mem_bytes - (cd < p->n_dense ? p->dense_bytes[cd] : 0) : 0;
         if (o->dev_cache_bytes) {
             slots = (int64_t)(o->dev_cache_bytes / xslot);
         } else {
             slots = n_items;
-            while (slots > 1 && f->card_mem_bytes && slots * xslot > (double)f->card_mem_bytes) slots /= 2;
+            while (slots > 1 && mem > 0 && slots * xslot > mem) slots /= 2;
         }
         if (slots > n_items) slots = n_items;
         if (slots < 1) {
@@ -345,6 +396,7 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
      * prefill chunk (serial) */
     rc = mf_stepgraph_new(&(mf_sg_opts){.c = c, .sz = p->sz, .n = p->batch, .par = p->batch > 1 && !o->prefill,
                                         .n_threads = p->n_threads, .n_cards = p->n_cards,
+                                        .n_dense_cards = p->n_dense,
                                         .dev_graphs = o->dev_graphs, .store = p->streamed,
                                         .eg_reads = o->tables == MF_PLAN_STORE_STREAMED,
                                         .read_window = o->read_window, .lanes = p->lt.lane,
@@ -553,7 +605,7 @@ int mf_plan_step(mf_plan *p, mf_plan_report *out)
         r.store_evictions = st.evictions;
     }
     rc = mf_sim_run_opts(p->sg->g, &(mf_sim_opts){.task_ns = p->task_ns, .lane_core = p->lane_core,
-                                                  .n_cores = p->emulated && p->n_cards ? p->n_cores : 0,
+                                                  .n_cores = p->emulated && p->n_lane_cards ? p->n_cores : 0,
                                                   .concurrency = p->conc, .wake_ns = p->wake_ns},
                          p->tl);
     if (!rc) rc = pl_account(p, &r);

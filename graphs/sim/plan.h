@@ -18,6 +18,9 @@
 /* Replacement policy of the simulated device expert caches (sched/residency.h). LFU is what
  * device/expert_cache.c and host/store.c run (LFU with aging, LRU among equal counts); LRU is
  * offered for tuning. */
+/* Where the dense work (attention linears, router gate, shared expert, head) runs. */
+typedef enum mf_plan_dense { MF_PLAN_DENSE_HOST = 0, MF_PLAN_DENSE_CARDS } mf_plan_dense;
+
 typedef enum mf_plan_cache_policy {
     MF_PLAN_CACHE_LFU = 0,
     MF_PLAN_CACHE_LRU
@@ -47,6 +50,8 @@ typedef struct mf_plan_opts {
     uint64_t store_budget_bytes; /* streamed: slab bytes (0: 2 GiB, as host/store.h) */
     int tables;                  /* mf_plan_store for Engram tables (reads per step when streamed) */
     int dev_graphs;              /* 1: a layer's FFNs on a card are one device graph (mf_step_opts.dev_graphs) */
+    int dense;                   /* mf_plan_dense: the dense work on the host (0) or on the cards (n_cards or
+                                  * the profile's; mf_sg_dense_card; their weights leave the rest to the caches) */
     double dev_task_ns;          /* emulated cards: the host core time of one device task's round
                                   * trip (`moeflow bench devtasks`; 0: the profile's card_fp4_latency_ns) */
     double cpu_bytes_per_s;      /* overrides the engine's model of host expert work per worker, as

@@ -21,6 +21,7 @@
 #include "host/store.h"
 #include "sched/clock.h"
 #include "device/dev.h"
+#include "device/dev_check.h"
 #include "device/expert_cache.h"
 #include "sched/error.h"
 #include "sched/profile.h"
@@ -122,6 +123,14 @@ struct mf_step_shape {
     int32_t *head_item; /* j -> item */
     int32_t *head_row;  /* item -> j (-1: no logits) */
     int n_head;
+    /* dense work on cards: per card its device copies of the activations a dense task reads and
+     * writes (attention buffers ab, MoE input, gate logits, shared expert's h (and g, u with
+     * exact) and output, normed rows, logits) at offsets dd_* into ddense[card]; the first error
+     * of a card's dense work (set on the card's stream thread, read after the run) */
+    uint8_t *ddense[MF_DEV_MAX_CARDS];
+    size_t dd_ab[MF_LY_A_N], dd_xin, dd_logits, dd_hs, dd_gs, dd_us, dd_ys, dd_hn, dd_lbuf;
+    int dense_rc;
+    char dense_msg[256];
     void *mem;
 };
 
@@ -151,6 +160,13 @@ struct mf_step {
     mf_step_shape *last;
     mf_step_times times;
     mf_lane_model models[4];   /* mf_step_lane_models: cpu, copy in, card compute, copy out */
+    /* dense work on cards (opts dense): cards holding it, cards with lanes (the larger of
+     * n_cards and n_dense), a layer context per card for its stream thread */
+    int n_dense, n_lane_cards;
+    mf_ly_ctx *dcx[MF_DEV_MAX_CARDS];
+    int dense_card[MF_DEV_MAX_CARDS];   /* dense card k is device card dense_card[k] */
+    char refused[1024];       /* the startup self-check's refusals ("" when none) */
+    unsigned refused_mask;    /* cards refused by it */
 };
 
 const char *mf_step_phase_name(mf_step_phase p)
@@ -645,6 +661,10 @@ static int mf_step_dev_fail(mf_step_shape *sh, int rc)
         if (sp[t].status >= 0 || (k != MF_SG_K_COPY && k != MF_SG_K_DEV && k != MF_SG_K_COPY_OUT))
             continue;
         const mf_step_targ *a = mf_graph_task(sh->g, t)->arg;
+        if (a->t->dense >= 0) {   /* a dense sublayer's copy or work */
+            rc = mf_error_wrap(rc, "layer %d, dense work on card %d", a->t->layer, a->t->card);
+            break;
+        }
         if (a->t->layer != L || a->t->slot >= sh->n_used) continue;
         if (a->t->slot < 0) {   /* a card's graph of the layer's FFNs */
             rc = mf_error_wrap(rc, "layer %d, the routed experts on card %d (their cache slots copied in "
@@ -806,7 +826,7 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
         int rc = mf_step_store_begin(sh, a->t->layer);
         if (rc) return rc;
     }
-    if (eng->dev) {
+    if (eng->n_cards) {   /* routed experts on cards */
         int rc = mf_step_place(sh, a->t->layer);
         if (rc) return rc;
     }
@@ -1018,6 +1038,142 @@ static int mf_task_head(void *arg, mf_task_ctx *ctx)
                                r0, r1);
 }
 
+/* ---- dense work on cards ------------------------------------------------------------------- */
+
+/* One copy of a dense sublayer: host buffer, its device copy on the task's card, bytes. */
+typedef struct mf_step_dcopy {
+    float *host;
+    size_t off, bytes;
+} mf_step_dcopy;
+
+/* The copies into (out 0) or out of (out 1) the card of dense task a, into cp[]; returns their
+ * count (at most MF_LY_A_MAX_LIN). Attention stages: the distinct inputs (outputs) of the stage's
+ * linears (oa's outputs and ob's inputs stay on the card). */
+static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *cp)
+{
+    mf_step_shape *sh = a->sh;
+    const mf_config *c = sh->eng->c;
+    size_t n = (size_t)sh->n, f = sizeof(float), H = (size_t)c->hidden_size;
+    int d = a->t->dense, m = 0;
+    if (d <= MF_SG_D_ATTN_OB) {
+        static const int stage_of[4] = {MF_LY_A_STAGE_IN, MF_LY_A_STAGE_QB, MF_LY_A_STAGE_OA, MF_LY_A_STAGE_OB};
+        if ((d == MF_SG_D_ATTN_OA && out) || (d == MF_SG_D_ATTN_OB && !out)) return 0;
+        mf_ly_attn_lin lin[MF_LY_A_MAX_LIN];
+        int nl = mf_ly_attn_linears(sh->eng->ly, a->t->layer, stage_of[d], lin), seen = 0;
+        for (int k = 0; k < nl; k++) {
+            int b = out ? lin[k].y : lin[k].x;
+            if (seen & (1 << b)) continue;
+            seen |= 1 << b;
+            cp[m++] = (mf_step_dcopy){sh->ab[b], sh->dd_ab[b], n * (size_t)sh->ab_ld[b] * f};
+        }
+        return m;
+    }
+    size_t nh = (size_t)sh->n_head;
+    switch (d) {
+    case MF_SG_D_GATE:
+        cp[m++] = out ? (mf_step_dcopy){sh->logits, sh->dd_logits, n * (size_t)c->n_routed_experts * f}
+                      : (mf_step_dcopy){sh->xin, sh->dd_xin, n * H * f};
+        break;
+    case MF_SG_D_SHARED:
+        if (out) cp[m++] = (mf_step_dcopy){sh->ys, sh->dd_ys, n * H * f};
+        break;
+    case MF_SG_D_HEAD:
+        if (nh) cp[m++] = out ? (mf_step_dcopy){sh->lbuf, sh->dd_lbuf, nh * (size_t)c->vocab_size * f}
+                              : (mf_step_dcopy){sh->hn, sh->dd_hn, nh * H * f};
+        break;
+    }
+    return m;
+}
+
+static int mf_task_dense_in(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_step_dcopy cp[MF_LY_A_MAX_LIN];
+    int m = mf_step_dense_copies(a, 0, cp), rc = 0;
+    if (!m) return MF_TASK_NO_WORK;
+    for (int k = 0; k < m && !rc; k++)
+        rc = mf_dev_copy_h2d(ctx->queue, a->sh->ddense[a->t->card] + cp[k].off, cp[k].host, cp[k].bytes);
+    return rc;
+}
+
+static int mf_task_dense_out(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_step_dcopy cp[MF_LY_A_MAX_LIN];
+    int m = mf_step_dense_copies(a, 1, cp), rc = 0;
+    if (!m) return MF_TASK_NO_WORK;
+    for (int k = 0; k < m && !rc; k++)
+        rc = mf_dev_copy_d2h(ctx->queue, cp[k].host, a->sh->ddense[a->t->card] + cp[k].off, cp[k].bytes);
+    return rc;
+}
+
+/* The dense work of task a on its card's copies of the activations, with the card's layer
+ * context: the same host code as the host placement's tasks over all rows (a row's bits do not
+ * depend on the split), so the results are the host placement's bit for bit. */
+static int mf_step_dense_run(const mf_step_targ *a)
+{
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    const mf_config *c = eng->c;
+    int cd = a->t->card, L = a->t->layer, n = sh->n, d = a->t->dense;
+    uint8_t *db = sh->ddense[cd];
+    mf_ly_ctx *cx = eng->dcx[cd];
+    int64_t H = c->hidden_size, V = c->vocab_size;
+#define DD(off) ((float *)(db + (off)))
+    if (d <= MF_SG_D_ATTN_OB) {
+        static const int stage_of[4] = {MF_LY_A_STAGE_IN, MF_LY_A_STAGE_QB, MF_LY_A_STAGE_OA, MF_LY_A_STAGE_OB};
+        mf_ly_attn_lin lin[MF_LY_A_MAX_LIN];
+        int nl = mf_ly_attn_linears(eng->ly, L, stage_of[d], lin);
+        for (int k = 0; k < nl; k++) {
+            const mf_ly_attn_lin *l = &lin[k];
+            int rc = mf_ly_attn_lin_rows(cx, l, DD(sh->dd_ab[l->x]), sh->ab_ld[l->x], DD(sh->dd_ab[l->y]),
+                                          sh->ab_ld[l->y], n, 0, l->w->rows);
+            if (rc) return mf_error_wrap(rc, "%s", l->w->name ? l->w->name : "an attention linear");
+        }
+        return 0;
+    }
+    const mf_model_layer *y = L >= 0 ? mf_model_layer_at(eng->ly->m, L) : NULL;
+    switch (d) {
+    case MF_SG_D_GATE:
+        return mf_ly_gate_rows(cx, L, DD(sh->dd_xin), n, H, DD(sh->dd_logits), y->gate.rows, 0, y->gate.rows);
+    case MF_SG_D_SHARED: {
+        int rc = mf_step_ffn_up(eng, &y->sh_w1, &y->sh_w3, DD(sh->dd_xin), NULL, n, NULL, DD(sh->dd_hs),
+                                eng->o.exact ? DD(sh->dd_gs) : NULL, eng->o.exact ? DD(sh->dd_us) : NULL, 0,
+                                (int)y->sh_w1.rows);
+        return rc ? rc : mf_step_ffn_down(eng, &y->sh_w2, DD(sh->dd_hs), NULL, n, DD(sh->dd_ys), 0, (int)H);
+    }
+    case MF_SG_D_HEAD: {
+        const mf_weight *w = mf_model_head(eng->ly->m);
+        return mf_kern_bf16_matmul((const uint16_t *)w->data, (int)V, (int)H, DD(sh->dd_hn), sh->n_head, (int)H,
+                                   DD(sh->dd_lbuf), (int)V, 0, (int)V);
+    }
+    }
+#undef DD
+    return mf_error(-EINVAL, "step: dense sublayer %d (internal)", d);
+}
+
+/* On the card's compute stream thread, in stream order: runs the work, keeps the first error. */
+static void mf_step_dense_cb(void *arg)
+{
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    if (__atomic_load_n(&sh->dense_rc, __ATOMIC_ACQUIRE)) return;
+    int rc = mf_step_dense_run(a);
+    int zero = 0;
+    if (rc && __atomic_compare_exchange_n(&sh->dense_rc, &zero, rc, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        snprintf(sh->dense_msg, sizeof sh->dense_msg, "layer %d, dense %s on card %d: %s", a->t->layer,
+                 a->t->dense == MF_SG_D_HEAD ? "head" : "sublayer", a->t->card, mf_last_error());
+}
+
+/* Enqueues the dense work of a on its card's compute stream (emulated cards: the host code on
+ * the stream's thread, mf_step_dense_run). */
+static int mf_task_dense(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    if (a->t->dense == MF_SG_D_HEAD && !a->sh->n_head) return MF_TASK_NO_WORK;
+    return mf_dev_stream_callback(ctx->queue, mf_step_dense_cb, a);
+}
+
 /* ---- graph and buffers of one batch size ---------------------------------------------------- */
 
 static void mf_step_shape_free(mf_step_shape *sh)
@@ -1036,6 +1192,7 @@ static void mf_step_shape_free(mf_step_shape *sh)
         mf_dev_host_free(sh->eng->dev, sh->htab[c]);
         mf_dev_free(sh->eng->dev, c, sh->dbuf[c]);
     }
+    for (int c = 0; c < sh->eng->n_dense; c++) mf_dev_free(sh->eng->dev, sh->eng->dense_card[c], sh->ddense[c]);
     free(sh->sorted);
     free(sh->iscore);
     free(sh->args);
@@ -1062,6 +1219,8 @@ static const mf_task_fn mf_step_fn_of[MF_SG_N_OPS] = {
     [MF_SG_ATTN_HEADS] = mf_task_attn_heads,     [MF_SG_ATTN_RING] = mf_task_attn_ring,
     [MF_SG_FFN_MIX] = mf_task_ffn_mix,           [MF_SG_FFN_NORM] = mf_task_ffn_norm,
     [MF_SG_ATTN_SCORE] = mf_task_attn_score,     [MF_SG_ATTN_SELECT] = mf_task_attn_select,
+    [MF_SG_DENSE_IN] = mf_task_dense_in,         [MF_SG_DENSE] = mf_task_dense,
+    [MF_SG_DENSE_OUT] = mf_task_dense_out,
 };
 
 /* The step graph of a shape of n items (parallel or serial) on the engine's lanes. */
@@ -1069,6 +1228,7 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, mf_stepgraph **out)
 {
     return mf_stepgraph_new(&(mf_sg_opts){.c = eng->c, .sz = eng->sz, .n = n, .par = par,
                                           .n_threads = eng->o.n_threads, .n_cards = eng->n_cards,
+                                          .n_dense_cards = eng->n_dense,
                                           .dev_graphs = eng->dev_graphs, .store = eng->store != NULL,
                                           .read_window = eng->o.read_window, .eg_reads = eng->eg_reads,
                                           .lanes = eng->lt.lane,
@@ -1271,6 +1431,32 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
         sh->items[i].topk = topk + (size_t)i * c->index_topk;
         sh->items[i].cand = cand + (size_t)i * n_cb;
     }
+    if (eng->n_dense) {   /* each dense card's copies of the activations: {bytes, &offset} */
+        struct { size_t bytes, *off; } dt[MF_LY_A_N + 8];
+        int m = 0;
+        for (int b = 0; b < MF_LY_A_N; b++) dt[m++] = (typeof(dt[0])){ab_sz[b], &sh->dd_ab[b]};
+        dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_xin};
+        dt[m++] = (typeof(dt[0])){n_ * E * f, &sh->dd_logits};
+        dt[m++] = (typeof(dt[0])){n_ * Ish * f, &sh->dd_hs};
+        dt[m++] = (typeof(dt[0])){ex ? n_ * Ish * f : 0, &sh->dd_gs};
+        dt[m++] = (typeof(dt[0])){ex ? n_ * Ish * f : 0, &sh->dd_us};
+        dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_ys};
+        dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_hn};
+        dt[m++] = (typeof(dt[0])){n_ * V * f, &sh->dd_lbuf};
+        size_t total = 0;
+        for (int i = 0; i < m; i++) {
+            *dt[i].off = total;
+            total += (dt[i].bytes + 255) / 256 * 256;
+        }
+        for (int cd = 0; cd < eng->n_dense; cd++) {
+            void *dp = NULL;
+            if ((rc = mf_dev_alloc(eng->dev, eng->dense_card[cd], total, &dp))) {
+                mf_step_shape_free(sh);
+                return mf_error_wrap(rc, "step: dense activations of a batch of %d on card %d", n, eng->dense_card[cd]);
+            }
+            sh->ddense[cd] = dp;
+        }
+    }
     rc = mf_step_bind(eng, sh);
     if (rc) {
         mf_step_shape_free(sh);
@@ -1331,6 +1517,55 @@ static int mf_step_dev_setup(mf_step *s)
     s->dstat.cache_slots = mf_dev_xcache_n_slots(s->xc[0]);
     return 0;
 }
+
+/* Dense work on s->o.dev's cards: emulated cards only (their compute stream runs the host code);
+ * a layer context per card for it. */
+static int mf_step_dense_setup(mf_step *s)
+{
+    if (s->o.dense != MF_STEP_DENSE_CARDS) return mf_error(-EINVAL, "step: unknown dense placement %d", s->o.dense);
+    if (!s->o.dev) return mf_error(-EINVAL, "step: dense work on cards needs a device (--devices)");
+    if (strcmp(mf_dev_kind(s->o.dev), "emu"))
+        return mf_error(-ENOTSUP, "step: dense work on %s cards is not built yet (no dense card kernels wired "
+                        "into the engine); use --dense host, or emulated cards (emu:N)", mf_dev_kind(s->o.dev));
+    s->dev = s->o.dev;
+    for (int cd = 0; cd < mf_dev_n_cards(s->dev); cd++) {
+        if (s->refused_mask & (1u << cd)) continue;
+        int rc = mf_ly_ctx_new(s->ly, MF_LY_LIN_KERN, &s->dcx[s->n_dense]);
+        if (rc) return rc;
+        s->dense_card[s->n_dense++] = cd;
+    }
+    return 0;
+}
+
+/* The startup self-check (device/dev_check.h) of every card of s->o.dev: a card that fails is
+ * refused (its message kept in s->refused); with any refused, the routed experts run on the host
+ * and the dense work on the cards that passed (on the host when none did). */
+static void mf_step_selfcheck(mf_step *s)
+{
+    int n = mf_dev_n_cards(s->o.dev), len = 0;
+    for (int cd = 0; cd < n; cd++) {
+        /* a card without room for the check's buffers is left to the setup, which refuses a
+         * card too small for its work with its own message */
+        int rc = mf_dev_selfcheck(s->o.dev, cd, 1);
+        if (!rc || rc == -ENOMEM) continue;
+        s->refused_mask |= 1u << cd;
+        len += snprintf(s->refused + len, sizeof s->refused - (size_t)len, "%srefused %s", len ? "; " : "",
+                        mf_last_error());
+        if (len >= (int)sizeof s->refused) len = (int)sizeof s->refused - 1;
+    }
+    if (!s->refused_mask) return;
+    if (s->o.placement != MF_STEP_PLACE_HOST) {
+        s->o.placement = MF_STEP_PLACE_HOST;
+        len += snprintf(s->refused + len, sizeof s->refused - (size_t)len, "; routed experts run on the host");
+        if (len >= (int)sizeof s->refused) len = (int)sizeof s->refused - 1;
+    }
+    if (s->o.dense && s->refused_mask == (1u << n) - 1) {
+        s->o.dense = MF_STEP_DENSE_HOST;
+        snprintf(s->refused + len, sizeof s->refused - (size_t)len, "; the dense work runs on the host");
+    }
+}
+
+const char *mf_step_refused(const mf_step *s) { return s->refused; }
 
 void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out) { *out = s->dstat; }
 
@@ -1408,10 +1643,15 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     mf_step_lane_models(s->o.profile, s->o.n_threads, s->models);
     if (s->o.cpu_bytes_per_s > 0) s->models[0].bytes_per_s = s->o.cpu_bytes_per_s;
     int rc = 0;
+    if (s->o.dev && (s->o.placement != MF_STEP_PLACE_HOST || s->o.dense) && !s->o.no_selfcheck)
+        mf_step_selfcheck(s);
     if (s->o.dev && s->o.placement != MF_STEP_PLACE_HOST) rc = mf_step_dev_setup(s);
+    if (!rc && s->o.dense) rc = mf_step_dense_setup(s);
+    s->n_lane_cards = s->n_cards > s->n_dense ? s->n_cards : s->n_dense;
     /* lanes: models for placement and priorities (mf_step_lane_models: the profile's, or the
-     * built-in assumptions) */
-    mf_sg_lanes_init(&s->lt, s->models, s->o.n_threads, store != NULL, s->n_cards);
+     * built-in assumptions); dense-only cards map to the cards that passed the self-check */
+    mf_sg_lanes_init(&s->lt, s->models, s->o.n_threads, store != NULL, s->n_lane_cards);
+    if (!s->n_cards) mf_sg_lanes_map(&s->lt, s->dense_card, s->n_dense);
     if (s->lt.lane_io >= 0 && s->o.io_depth > 0) s->lt.lane[s->lt.lane_io].concurrency = s->o.io_depth;
     /* one layer context per CPU worker, on the kernels */
     s->cx = calloc((size_t)s->o.n_threads, sizeof *s->cx);
@@ -1433,6 +1673,7 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
         for (int w = 0; w < s->n_cx; w++) mf_ly_ctx_free(s->cx[w]);
         free(s->cx);
         for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
+        for (int c = 0; c < s->n_dense; c++) mf_ly_ctx_free(s->dcx[c]);
         mf_sched_destroy(s->sched);
         free(s);
         return rc;
@@ -1450,6 +1691,7 @@ void mf_step_free(mf_step *s)
         mf_step_shape_free(s->shapes[1][i]);
     }
     for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
+    for (int c = 0; c < s->n_dense; c++) mf_ly_ctx_free(s->dcx[c]);
     for (int w = 0; w < s->n_cx; w++) mf_ly_ctx_free(s->cx[w]);
     free(s->cx);
     mf_sg_sizes_free(s->sz);
@@ -1510,7 +1752,7 @@ static void mf_step_io_overlap(mf_step *s, mf_step_shape *sh)
         s->times.io_overlap_ns += mf_timeline_overlap(io, ni, cp, nc);
         s->times.expert_busy_ns += bc;
     }
-    if (s->n_cards) {   /* copy-in tasks vs expert compute on the host or a card */
+    if (s->n_lane_cards) {   /* copy-in tasks (experts, dense activations) vs expert compute on the host or a card */
         int u = mf_step_union(sh, io, 1u << MF_SG_K_COPY, &bi);
         int ny = mf_step_union(sh, cp, (1u << MF_SG_K_EXPERT) | (1u << MF_SG_K_DEV), &bc);
         s->times.copy_busy_ns += bi;
@@ -1602,8 +1844,10 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
         for (int k = 1; k < c->hc_mult; k++) memcpy(it->x + k * H, it->x, (size_t)H * sizeof(float));
     }
     mf_timeline_reset(sh->tl);
+    sh->dense_rc = 0;
     rc = mf_sched_run(s->sched, sh->g, &(mf_run_opts){.timeline = sh->tl});
     s->last = sh;
+    if (!rc && sh->dense_rc) rc = mf_error(sh->dense_rc, "step: %s", sh->dense_msg);
     if (rc && sh->dev_layer >= 0) rc = mf_step_dev_fail(sh, rc);
     if (rc && s->store) rc = mf_step_store_fail(s, sh, rc);
     if (rc) return rc;

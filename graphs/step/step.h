@@ -53,6 +53,21 @@ typedef struct mf_step_opts {
      * rows passed through a device-side slot table, so a new routing needs no new capture; the
      * card's FFNs then start once all its copy-ins of the layer are done. 0: a task per slot. */
     int dev_graphs;
+    /* mf_step_dense (`moeflow decode --dense`): MF_STEP_DENSE_CARDS puts the dense work (attention
+     * linears, router gate, shared expert, head) on dev's cards by layer ranges
+     * (mf_sg_dense_card: cut at KV-source layers, the head on the last layer's card), each
+     * sublayer's activations copied in and out (graphs/step/stepgraph.h MF_SG_DENSE_*), whatever
+     * the placement of the routed experts; the attention core, norms and mixes stay on the host.
+     * Emulated cards only (the host code on the card's compute stream, logits bit for bit the host
+     * placement's); CUDA cards are refused (-ENOTSUP) until the dense card kernels exist.
+     * MF_STEP_DENSE_HOST (0): on the host. */
+    int dense;
+    /* With dev used (a placement other than host, or dense cards), every card first runs the
+     * startup self-check (device/dev_check.h: each kernel once against the host's); a card that
+     * fails is refused (mf_step_refused says which, with the kernel and error) and the engine
+     * continues: routed experts on the host, the dense work on the cards that passed (the host
+     * when none did). 1: no self-check (tests that count device operations). */
+    int no_selfcheck;
     /* the machine's hardware profile (sched/profile.h, e.g. from `moeflow calibrate`), or NULL:
      * the lanes' cost models (priorities, and what hybrid placement weighs) come from it, see
      * mf_step_lane_models; NULL: the built-in assumptions listed there */
@@ -81,6 +96,8 @@ typedef enum mf_step_placement {
     MF_STEP_PLACE_SEED,
     MF_STEP_PLACE_HYBRID
 } mf_step_placement;
+
+typedef enum mf_step_dense { MF_STEP_DENSE_HOST = 0, MF_STEP_DENSE_CARDS } mf_step_dense;
 
 typedef struct mf_step mf_step;
 
@@ -169,6 +186,10 @@ typedef struct mf_step_dev_stats {
 } mf_step_dev_stats;
 
 void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out);
+
+/* The startup self-check's refusals of the engine's cards ("refused card 1 (emu): kernel fp8
+ * matmul: relative error ...; routed experts run on the host"), "" when every card passed. */
+const char *mf_step_refused(const mf_step *s);
 
 /* The step graph of n items (graphs/step/stepgraph.h), parallel (items of distinct sequences) or
  * serial, as built by an earlier call of that shape; NULL if none ran yet. For tests and tools

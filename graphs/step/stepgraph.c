@@ -49,7 +49,9 @@ static void sg_size_tensor(mf_sg_sizes *s, const mf_layout_tensor *t)
         if (t->role == MF_ROLE_FP8_WEIGHT) {
             y->attn_ref_macs += macs;
             y->st_data_bytes[MF_SG_ST_OA] += b;
+            y->st_out_rows[MF_SG_ST_OA] += (double)t->shape[0];
         }
+        if (t->role == MF_ROLE_FP8_WEIGHT || t->role == MF_ROLE_FP8_SCALE) y->oa_fp8_bytes += b;
     } else if (t->group == MF_GROUP_ATTN) {
         /* mf_ly_attn_linears: what reads the input (in), the normed low-rank query (qb), the
          * heads' output (ob); the indexer's wk reads compressed latents inside the core */
@@ -62,6 +64,7 @@ static void sg_size_tensor(mf_sg_sizes *s, const mf_layout_tensor *t)
             y->st_fp8_macs[st] += macs;
             y->st_data_bytes[st] += b;
         }
+        if (t->role == MF_ROLE_FP8_WEIGHT || t->role == MF_ROLE_LINEAR) y->st_out_rows[st] += (double)t->shape[0];
         if (t->role == MF_ROLE_FP8_WEIGHT || t->role == MF_ROLE_FP8_SCALE) y->st_fp8_bytes[st] += b;
         if (t->role == MF_ROLE_LINEAR) {
             y->st_bf16_bytes[st] += b;
@@ -84,6 +87,8 @@ static void sg_size_tensor(mf_sg_sizes *s, const mf_layout_tensor *t)
             y->eng_row_bytes += b / (double)t->shape[0];
             if (t->role == MF_ROLE_TABLE) y->eng_row_code_bytes += b / (double)t->shape[0];
         }
+    } else if (t->role == MF_ROLE_LINEAR && strstr(nm, ".ffn.gate.")) {
+        y->gate_bytes += b;
     } else if (t->role == MF_ROLE_HC_FN) {
         y->hc_macs += macs;
     } else if (t->group == MF_GROUP_EXPERTS && t->layer == 0 && strstr(nm, ".experts.0.")) {
@@ -172,6 +177,10 @@ typedef struct sg_builder {
     double per;                  /* items per item task */
     mf_task_id *io;              /* the layer's IO tasks, n_slots x n_io_parts */
     mf_task_id fmix[MF_SG_MAX_ITEMS][SG_MAX_MIX];   /* the layer's ffn mix parts per item */
+    /* per task: the task a dependency on it waits for (itself, or the last task of a dense chain
+     * on a card that it begins: sg_dense_chain), cap entries */
+    mf_task_id *exit_of;
+    mf_task_id moe_in;           /* dense on cards: the layer's copy-in of the MoE input */
     char name[64];
 } sg_builder;
 
@@ -188,11 +197,13 @@ static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, m
     if (sg->n_tasks == b->cap) {
         int cap = b->cap ? 2 * b->cap : 1024;
         mf_sg_task *v = realloc(sg->task, sizeof *v * (size_t)cap);
-        if (!v) {
+        if (v) sg->task = v;
+        mf_task_id *x = v ? realloc(b->exit_of, sizeof *x * (size_t)cap) : NULL;
+        if (!x) {
             b->rc = mf_error(-ENOMEM, "step graph: out of memory for %d tasks", cap);
             return -1;
         }
-        sg->task = v;
+        b->exit_of = x;
         b->cap = cap;
     }
     int io = b->o->lanes[lane].kind == MF_LANE_IO;
@@ -210,13 +221,14 @@ static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, m
     t.kind = (uint8_t)kind;
     sg->task[id] = t;
     sg->n_tasks = id + 1;
+    b->exit_of[id] = id;
     return id;
 }
 
 /* A record of layer L with nothing else set. */
 static mf_sg_task sg_rec(int L)
 {
-    return (mf_sg_task){.layer = (int16_t)L, .stage = -1, .card = -1, .read = -1, .slot = -1, .part = -1};
+    return (mf_sg_task){.layer = (int16_t)L, .stage = -1, .card = -1, .read = -1, .dense = -1, .slot = -1, .part = -1};
 }
 
 /* Item task k's record: items [i0, i1) of unit k. */
@@ -229,12 +241,92 @@ static mf_sg_task sg_item(const sg_builder *b, int L, int k)
     return t;
 }
 
+/* after waits for before (for the end of before's chain when before begins a dense chain). */
 static void sg_dep(sg_builder *b, mf_task_id before, mf_task_id after)
 {
-    if (!b->rc && before >= 0 && after >= 0) b->rc = mf_graph_add_dep(b->sg->g, before, after);
+    if (!b->rc && before >= 0 && after >= 0) b->rc = mf_graph_add_dep(b->sg->g, b->exit_of[before], after);
 }
 
 #define SG_NAME(b, ...) snprintf((b)->name, sizeof (b)->name, __VA_ARGS__)
+
+/* ---- dense work on cards ------------------------------------------------------------------- */
+
+int mf_sg_dense_card(const mf_config *c, int n_cards, int L)
+{
+    int nl = c->n_layers, pos[MF_CONFIG_MAX_IDS + 2], m = 0;
+    if (n_cards < 1 || nl < 1) return 0;
+    if (L < 0 || L >= nl) L = nl - 1;
+    pos[m++] = 0;   /* candidate first layers, ascending: 0 and the KV sources */
+    for (int l = 1; l < nl; l++)
+        for (int i = 0; i < c->n_kv_source; i++)
+            if (c->kv_source_layer_ids[i] == l && m < MF_CONFIG_MAX_IDS + 1) {
+                pos[m++] = l;
+                break;
+            }
+    pos[m] = nl;
+    int k = n_cards < m ? n_cards : m;
+    /* f[g][j]: the least largest range covering layers [0, pos[j]) with g ranges; arg: its last cut */
+    int f[MF_SG_MAX_CARDS + 1][MF_CONFIG_MAX_IDS + 2], arg[MF_SG_MAX_CARDS + 1][MF_CONFIG_MAX_IDS + 2];
+    for (int j = 1; j <= m; j++) f[1][j] = pos[j], arg[1][j] = 0;
+    for (int g = 2; g <= k; g++)
+        for (int j = g; j <= m; j++) {
+            f[g][j] = nl + 1;
+            for (int i = g - 1; i < j; i++) {
+                int v = f[g - 1][i] > pos[j] - pos[i] ? f[g - 1][i] : pos[j] - pos[i];
+                if (v < f[g][j]) f[g][j] = v, arg[g][j] = i;
+            }
+        }
+    for (int g = k, j = m; g >= 1; g--) {   /* range g - 1 is [pos[arg], pos[j]) */
+        int i = arg[g][j];
+        if (L >= pos[i]) return g - 1;
+        j = i;
+    }
+    return 0;
+}
+
+static const char *const sg_dense_name[MF_SG_N_DENSE] = {"attn in", "attn qb", "attn oa", "attn ob",
+                                                         "gate",    "shared",  "head"};
+
+/* Dense sublayer d of layer L (-1: the head) on its card: copy in of in_tok bytes per item (0:
+ * none; the card work then waits for after_in, a copy-in of an earlier chain) -> the card's work
+ * (record t) -> copy out of out_tok bytes per item (0: none, the output stays on the card).
+ * Returns the chain's first task; a dependency on it (sg_dep) waits for the chain's last. */
+static mf_task_id sg_dense_chain(sg_builder *b, int L, int d, mf_sg_task t, int phase, double rank_bytes,
+                                 double in_tok, double out_tok, mf_task_id after_in)
+{
+    mf_stepgraph *sg = b->sg;
+    int cd = mf_sg_dense_card(b->o->c, sg->n_dense_cards, L), lane = b->o->lane_dev0 + 3 * cd, n = sg->n;
+    mf_sg_task r = sg_rec(L);
+    r.card = (int8_t)cd;
+    r.dense = (int8_t)d;
+    r.n_tok = n;
+    char pre[24];
+    if (L < 0) snprintf(pre, sizeof pre, "dev%d", cd);
+    else snprintf(pre, sizeof pre, "dev%d L%d", cd, L);
+    mf_task_id in = after_in;
+    if (in_tok > 0) {
+        SG_NAME(b, "%s %s in", pre, sg_dense_name[d]);
+        mf_sg_task ti = r;
+        ti.w.copy_bytes_tok = in_tok;
+        in = sg_add(b, lane, MF_SG_DENSE_IN, phase, MF_SG_K_COPY, ti, n * in_tok, 0);
+    }
+    t.card = r.card;
+    t.dense = r.dense;
+    t.n_tok = n;
+    SG_NAME(b, "%s %s", pre, sg_dense_name[d]);
+    mf_task_id run = sg_add(b, lane + 1, MF_SG_DENSE, phase, MF_SG_K_OTHER, t, rank_bytes, 0), last = run;
+    if (!b->rc && in >= 0) b->rc = mf_graph_add_dep(sg->g, in, run);
+    if (out_tok > 0) {
+        SG_NAME(b, "%s %s out", pre, sg_dense_name[d]);
+        mf_sg_task to = r;
+        to.w.copy_bytes_tok = out_tok;
+        last = sg_add(b, lane + 2, MF_SG_DENSE_OUT, phase, MF_SG_K_COPY_OUT, to, n * out_tok, 0);
+        if (!b->rc) b->rc = mf_graph_add_dep(sg->g, run, last);
+    }
+    mf_task_id first = in_tok > 0 ? in : run;
+    if (!b->rc) b->exit_of[first] = last;
+    return b->rc ? -1 : first;
+}
 
 /* Engram of layer L: per unit embed (after unit[k]) -> wkv parts -> per unit gate, into unit[].
  * With eg_reads the embed is three steps: plan (the rows hashed, the store's reads planned) ->
@@ -306,6 +398,39 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
     }
 }
 
+/* Stage st of layer L on its card, over all items: its kernels whole (oa: the grouped wo_a as an
+ * fp8 kernel), their output roundings; in and qb copy their input in and outputs out, oa its input
+ * in (its output stays for ob), ob its output out. */
+static mf_task_id sg_attn_card(sg_builder *b, int L, int st)
+{
+    const mf_config *c = b->o->c;
+    const mf_sg_layer_sizes *y = &b->o->sz->layer[L];
+    int n = b->sg->n;
+    mf_sg_task t = sg_rec(L);
+    t.stage = (int8_t)st;
+    double in_tok = 0, out_tok = 0;
+    if (st == MF_SG_ST_OA) {
+        t.w.w_bytes[MF_KF_FP8] = y->oa_fp8_bytes;
+        t.w.macs[MF_KF_FP8] = y->attn_ref_macs;
+        t.w.calls[MF_KF_FP8] = 1;
+        t.w.ref_flops = n * SG_W_ROUND * (double)c->o_groups * c->o_lora_rank;
+        in_tok = 4.0 * c->n_heads * c->head_dim;
+    } else {
+        t.w.w_bytes[MF_KF_FP8] = y->st_fp8_bytes[st];
+        t.w.macs[MF_KF_FP8] = y->st_fp8_macs[st];
+        t.w.calls[MF_KF_FP8] = y->st_fp8_calls[st];
+        t.w.w_bytes[MF_KF_BF16] = y->st_bf16_bytes[st];
+        t.w.macs[MF_KF_BF16] = y->st_bf16_macs[st];
+        t.w.calls[MF_KF_BF16] = y->st_bf16_calls[st];
+        double rounds = st == MF_SG_ST_IN ? (double)c->q_lora_rank : st == MF_SG_ST_OB ? (double)c->hidden_size : 0;
+        t.w.ref_flops = SG_W_ROUND * rounds * n;
+        in_tok = st == MF_SG_ST_IN ? 4.0 * c->hidden_size : st == MF_SG_ST_QB ? 4.0 * c->q_lora_rank : 0;
+        out_tok = 4.0 * y->st_out_rows[st];
+    }
+    static const int dense_of[4] = {MF_SG_D_ATTN_IN, MF_SG_D_ATTN_QB, MF_SG_D_ATTN_OA, MF_SG_D_ATTN_OB};
+    return sg_dense_chain(b, L, dense_of[st], t, MF_SG_PH_ATTN, y->st_data_bytes[st], in_tok, out_tok, -1);
+}
+
 /* Stage st's part p of layer L over all items: the stage's kernels split evenly over the parts
  * (oa: the reference's scalar grouped rows), their output roundings. */
 static mf_task_id sg_attn_rows(sg_builder *b, int L, int st, int p)
@@ -314,6 +439,7 @@ static mf_task_id sg_attn_rows(sg_builder *b, int L, int st, int p)
     const mf_config *c = b->o->c;
     const mf_sg_layer_sizes *y = &b->o->sz->layer[L];
     int n = b->sg->n, parts = b->sg->p_attn;
+    if (b->sg->n_dense_cards) return p == 0 ? sg_attn_card(b, L, st) : -1;
     SG_NAME(b, "attn L%d %s %d", L, st_name[st], p);
     mf_sg_task t = sg_rec(L);
     t.stage = (int8_t)st;
@@ -549,6 +675,18 @@ static mf_task_id sg_router(sg_builder *b, int L, const mf_task_id *post)
     t.i1 = t.n_tok = n;
     t.w.ref_flops = n * (H * K * 2.0 + 4.0 * E);
     mf_task_id ro = sg_add(b, 0, MF_SG_ROUTE, MF_SG_PH_MOE, MF_SG_K_OTHER, t, 0, n * (H * K + 4.0 * E));
+    if (sg->n_dense_cards) {   /* on the layer's card: MoE input in, the gate (bf16), logits out */
+        t = sg_rec(L);
+        double gb = b->o->sz->layer[L].gate_bytes;
+        t.w.w_bytes[MF_KF_BF16] = gb;
+        t.w.macs[MF_KF_BF16] = H * E;
+        t.w.calls[MF_KF_BF16] = 1;
+        mf_task_id gp = sg_dense_chain(b, L, MF_SG_D_GATE, t, MF_SG_PH_MOE, gb, 4.0 * H, 4.0 * E, -1);
+        b->moe_in = gp;
+        for (int k = 0; k < b->u; k++) sg_dep(b, post[k], gp);
+        sg_dep(b, gp, ro);
+        return ro;
+    }
     for (int p = 0; p < sg->p_attn; p++) {
         SG_NAME(b, "gate L%d %d", L, p);
         t = sg_rec(L);
@@ -675,6 +813,17 @@ static void sg_shared(sg_builder *b, int L, const mf_task_id *post, mf_task_id r
     int n = sg->n, ps = sg->p_sh;
     double H = (double)c->hidden_size, I = (double)c->moe_intermediate_size;
     double sh_bytes = 3 * H * I * 1.0;   /* priorities */
+    if (sg->n_dense_cards && ps > 0) {   /* on the layer's card, after the gate's copy of the input */
+        mf_sg_task t = sg_rec(L);
+        t.w.w_bytes[MF_KF_FP8] = z->sh_up_bytes + z->sh_down_bytes;
+        t.w.macs[MF_KF_FP8] = 3 * H * z->sh_rows;
+        t.w.calls[MF_KF_FP8] = 2;
+        t.w.ref_flops = SG_W_ROUND * H * n;
+        mf_task_id sc = sg_dense_chain(b, L, MF_SG_D_SHARED, t, MF_SG_PH_MOE, sh_bytes, 0, 4.0 * H, b->moe_in);
+        sg_dep(b, sc, done);
+        return;
+    }
+    (void)I;
     SG_NAME(b, "shared L%d join", L);
     mf_task_id sj = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_MOE, MF_SG_K_OTHER, sg_rec(L), 0, 0);
     for (int p = 0; p < ps; p++) {
@@ -764,6 +913,14 @@ static void sg_head(sg_builder *b, const mf_task_id *unit)
         sg_collapse_norm(b, -1, i, MF_SG_NORM, MF_SG_PH_HEAD, unit[sg->par ? i : 0], nrm);
         for (int p = 0; p < sg->p_hc; p++) sg_dep(b, nrm[p], hj);
     }
+    if (sg->n_dense_cards) {   /* on the last layer's card: the normed rows in, the logits out */
+        mf_sg_task t = sg_rec(-1);
+        t.w.w_bytes[MF_KF_BF16] = b->o->sz->head_bytes;
+        t.w.macs[MF_KF_BF16] = V * H;
+        t.w.calls[MF_KF_BF16] = 1;
+        sg_dep(b, hj, sg_dense_chain(b, -1, MF_SG_D_HEAD, t, MF_SG_PH_HEAD, 2.0 * V * H, 4.0 * H, 4.0 * V, -1));
+        return;
+    }
     for (int p = 0; p < sg->p_head; p++) {
         SG_NAME(b, "head %d", p);
         mf_sg_task t = sg_rec(-1);
@@ -808,6 +965,7 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->p_key = T < MF_SG_MAX_PARTS ? T : MF_SG_MAX_PARTS;
     sg->n_cards = o->n_cards;
     sg->dev_graphs = o->n_cards > 0 && o->dev_graphs;
+    sg->n_dense_cards = o->n_dense_cards;
     sg->n_io_parts = o->store ? MF_SG_EXPERT_PARTS : 0;
     sg->tid_per_slot = 2 * sg->p_exp + 1 + 3 * sg->n_cards;
     sg->n_units = o->par ? o->n : 1;
@@ -821,6 +979,10 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     if (o->n < 1 || o->n > MF_SG_MAX_ITEMS || o->n_cards < 0 || o->n_cards > MF_SG_MAX_CARDS)
         return mf_error(-EINVAL, "step graph: %d items, %d cards (expected 1..%d, 0..%d)", o->n, o->n_cards,
                         MF_SG_MAX_ITEMS, MF_SG_MAX_CARDS);
+    if (o->n_dense_cards < 0 || o->n_dense_cards > MF_SG_MAX_CARDS ||
+        (o->n_dense_cards && o->lane_dev0 + 3 * o->n_dense_cards > o->n_lanes))
+        return mf_error(-EINVAL, "step graph: dense work on %d cards, lanes for %d (expected 0..%d, with lanes)",
+                        o->n_dense_cards, (o->n_lanes - o->lane_dev0) / 3, MF_SG_MAX_CARDS);
     const mf_config *c = o->c;
     mf_stepgraph *sg = calloc(1, sizeof *sg);
     if (!sg) return mf_error(-ENOMEM, "step graph: out of memory");
@@ -852,6 +1014,7 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     }
     sg_head(&b, unit);
     free(b.io);
+    free(b.exit_of);
     rc = b.rc ? b.rc : mf_graph_finalize(sg->g);
     if (rc) {
         mf_stepgraph_free(sg);
@@ -935,6 +1098,12 @@ void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threa
             l->lane[l->n_lanes++] = (mf_lane_desc){.kind = kk[k], .name = nm, .concurrency = 4, .numa_node = -1,
                                                    .device = cd, .model = models[k + 1]};
         }
+}
+
+void mf_sg_lanes_map(mf_sg_lanes *l, const int *card_of, int n)
+{
+    for (int k = 0; k < n && l->lane_dev0 + 3 * k + 2 < l->n_lanes; k++)
+        for (int j = 0; j < 3; j++) l->lane[l->lane_dev0 + 3 * k + j].device = card_of[k];
 }
 
 static double sg_lane_ns(const mf_lane_model *m, double bytes)

@@ -64,6 +64,9 @@ typedef enum mf_sg_op {
     MF_SG_ATTN_SCORE,     /* item: part `part` of p_key of an index layer's scores of its visible
                            * entries (the entries grow with the position: ranges at run time) */
     MF_SG_ATTN_SELECT,    /* items, in order: an index layer's candidate mask and top-k */
+    MF_SG_DENSE_IN,       /* card `card`: sublayer `dense`'s activations copied in (h2d lane) */
+    MF_SG_DENSE,          /* card `card`: sublayer `dense`'s dense work on the card (compute lane) */
+    MF_SG_DENSE_OUT,      /* card `card`: sublayer `dense`'s outputs copied out (d2h lane) */
     MF_SG_N_OPS
 } mf_sg_op;
 
@@ -79,6 +82,16 @@ typedef enum mf_sg_kind {
  * core's own linears (the indexer's wk, inside MF_SG_ATTN_CORE). */
 enum { MF_SG_ST_IN, MF_SG_ST_QB, MF_SG_ST_OA, MF_SG_ST_OB, MF_SG_ST_CORE, MF_SG_N_STAGES };
 
+/* Dense sublayers on a card (mf_sg_opts.n_dense_cards): what MF_SG_DENSE_IN copies in, MF_SG_DENSE
+ * runs, MF_SG_DENSE_OUT copies out. ATTN_IN: the attn_norm output in, the in stage's linears, their
+ * outputs out; ATTN_QB: the normed low-rank query in, the qb stage, its outputs out; ATTN_OA: the
+ * core's output in, the grouped wo_a (its output stays on the card); ATTN_OB: wo_b, the attention
+ * output out; GATE: the MoE input in (the shared expert reads the same copy), the router's gate
+ * logits out; SHARED: the shared expert's FFN, its output out; HEAD: the final norm's output in,
+ * the head, the logits out. */
+enum { MF_SG_D_ATTN_IN, MF_SG_D_ATTN_QB, MF_SG_D_ATTN_OA, MF_SG_D_ATTN_OB, MF_SG_D_GATE, MF_SG_D_SHARED,
+       MF_SG_D_HEAD, MF_SG_N_DENSE };
+
 /* The work of one task. Kernel families as sched/profile.h (MF_KF_*; MF_KF_REF unused here:
  * scalar work is ref_flops). Token-scaled terms multiply by `n_tok`, or with slot_tokens set by
  * the slot's tokens of the step (known once routed). */
@@ -89,7 +102,7 @@ typedef struct mf_sg_work {
     double ref_flops;          /* plain scalar code, in REF multiply-adds, for the whole task */
     double ref_flops_tok;      /* the same per token of the slot */
     double copy_bytes;         /* host<->card: the packed expert, on a cache miss */
-    double copy_bytes_tok;     /* host<->card per token of the slot */
+    double copy_bytes_tok;     /* host<->card per token (of the slot with slot_tokens, else of n_tok) */
     double io_bytes;           /* disk: the aligned extents, when read (a miss; streamed tables) */
     int io_reads;              /* disk requests (each pays the disk's latency) */
 } mf_sg_work;
@@ -107,6 +120,7 @@ typedef struct mf_sg_task {
     int16_t read;      /* IO tasks: which read of their group (a slot's: its store extents, w1 ..
                         * w3 scale; an Engram gather's: the planned reads in order, codes then
                         * scales of each run of rows) */
+    int8_t dense;      /* dense tasks on a card: the sublayer, MF_SG_D_* */
     int32_t slot;      /* expert slot */
     int32_t part;      /* row part */
     int32_t i0, i1;    /* items [i0, i1) (item tasks) */
@@ -125,6 +139,9 @@ typedef struct mf_sg_layer_sizes {
     double st_fp8_macs[MF_SG_N_STAGES], st_bf16_macs[MF_SG_N_STAGES];
     double st_fp8_calls[MF_SG_N_STAGES], st_bf16_calls[MF_SG_N_STAGES];
     double st_data_bytes[MF_SG_N_STAGES];
+    double st_out_rows[MF_SG_N_STAGES];   /* output rows of a stage's linears (oa: wo_a's) */
+    double oa_fp8_bytes;      /* wo_a's codes + scales: what a card's fp8 kernel reads */
+    double gate_bytes;        /* the router's gate weights (bf16) */
     double hc_macs;           /* both hyper-connection projections (fp32, scalar) */
     double attn_ref_macs;     /* wo_a: the reference's scalar dot rows (grouped) */
     double eng_fp8_bytes, eng_data_bytes, eng_bf16_bytes, eng_fp8_macs;   /* Engram wkv; q/k */
@@ -169,6 +186,12 @@ typedef struct mf_sg_opts {
     int n_threads;      /* CPU workers: the row splits */
     int n_cards;        /* cards with device lanes (0: host only) */
     int dev_graphs;     /* 1: a layer's FFNs on a card are one task (MF_SG_DEV_FFN_CARD) */
+    /* cards the dense work is placed on (0: the host): the attention linears, router gate and
+     * shared expert of layer L on card mf_sg_dense_card(c, n_dense_cards, L), the head on the
+     * last layer's card, each sublayer as copy in -> card work -> copy out on that card's lanes
+     * (MF_SG_DENSE_*); the lanes must have n_dense_cards cards (mf_sg_lanes_init's n_cards the
+     * larger of n_cards and n_dense_cards) */
+    int n_dense_cards;
     int store;          /* 1: routed experts are read through a store (IO tasks per slot) */
     int read_window;    /* slots whose reads are in flight (0: 2, < 0: all) */
     int eg_reads;       /* 1: Engram tables are gathered by reads on the IO lane (streamed tables):
@@ -190,6 +213,7 @@ typedef struct mf_stepgraph {
     int ring_late;                /* 1: the window KV goes into the ring after the heads (items of
                                    * one sequence in one graph: MF_SG_ATTN_RING), else in the prep */
     int n_cards, dev_graphs, n_io_parts;
+    int n_dense_cards;            /* as mf_sg_opts: 0 dense work on the host */
     /* per layer and slot, the tasks that have nothing to do unless the slot runs on the host
      * (ups, downs, join) or on card c (in, ffn, out): slot_tid[(L * n_slots + s) * tid_per_slot
      * + k], k < 2 p_exp + 1 host, then 3 per card; -1 where absent */
@@ -214,6 +238,15 @@ typedef struct mf_sg_lanes {
 } mf_sg_lanes;
 
 void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threads, int store, int n_cards);
+/* Card k's three lanes run on device card card_of[k] (k < n; default: k). */
+void mf_sg_lanes_map(mf_sg_lanes *l, const int *card_of, int n);
+
+/* The card that holds layer L's dense work when it is placed on n_cards cards (L -1: the head,
+ * on the last layer's card). Layers go in contiguous ranges, one per card, whose first layers are
+ * layer 0 or KV-source layers (config kv_source_layer_ids), so that a layer writing compressed KV
+ * and the layers reading it share a card; the ranges minimize the largest range's layer count
+ * (first such choice). With fewer candidate starts than cards, the last cards hold nothing. */
+int mf_sg_dense_card(const mf_config *c, int n_cards, int L);
 
 /* Hybrid and seed placement of a layer's slots, in slot order (the engine's and the simulator's
  * rule): a slot goes to the earlier finish of the host (its queue of expert work over the

@@ -1,0 +1,158 @@
+/* The startup self-check of a card (device/dev_check.h): each device kernel once on random data
+ * against host/kernels.h, small shapes (64 x 256 matrices, an FFN of 256 -> 128 -> 256). */
+#include "device/dev_check.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "host/kernels.h"
+#include "sched/error.h"
+
+#define DC_OUT 64
+#define DC_IN 256
+#define DC_HID 128
+#define DC_TOK 3
+
+typedef struct dc_rng {
+    uint64_t s;
+} dc_rng;
+
+static uint32_t dc_next(dc_rng *r)
+{
+    r->s = r->s * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (uint32_t)(r->s >> 33);
+}
+
+/* Random stored weights: codes random (FP8 without NaN codes), E8M0 scales 2^-3..2^3. */
+static void dc_mat(dc_rng *r, mf_kern_fmt fmt, int n_out, int n_in, uint8_t *w, uint8_t *sc, mf_kern_mat *m)
+{
+    size_t wb = fmt == MF_KERN_FP4 ? (size_t)n_out * n_in / 2 : (size_t)n_out * n_in;
+    size_t sb = fmt == MF_KERN_FP4 ? (size_t)n_out * (n_in / 32) : (size_t)((n_out + 31) / 32) * (n_in / 32);
+    for (size_t i = 0; i < wb; i++) {
+        w[i] = (uint8_t)dc_next(r);
+        if (fmt == MF_KERN_FP8 && (w[i] & 0x7f) == 0x7f) w[i] ^= 1;
+    }
+    for (size_t i = 0; i < sb; i++) sc[i] = (uint8_t)(124 + dc_next(r) % 7);
+    *m = (mf_kern_mat){.fmt = fmt, .w = w, .scale = sc, .n_out = n_out, .n_in = n_in};
+}
+
+static double dc_rel(const float *a, const float *b, size_t n)
+{
+    double md = 0, mb = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - b[i]);
+        if (!(d <= md)) md = d;   /* NaN propagates */
+        if (fabs(b[i]) > mb) mb = fabs(b[i]);
+    }
+    return mb > 0 ? md / mb : md;
+}
+
+/* Host memory of one check: weights (w1/w3/w2 or one matrix), x, token weights, outputs. */
+enum { DC_W = 3 * DC_HID * DC_IN, DC_S = 3 * DC_HID * (DC_IN / 32) };   /* the FFN's three */
+typedef struct dc_host {
+    uint8_t w[DC_W], sc[DC_S];
+    float x[DC_TOK * DC_IN], tw[DC_TOK], h[DC_TOK * DC_HID], ref[DC_TOK * DC_IN], got[DC_TOK * DC_IN];
+    uint8_t q8[1 << 16];
+} dc_host;
+
+int mf_dev_selfcheck(mf_dev *d, int card, uint64_t seed)
+{
+    static const char *const kname[5] = {"fp8 matmul", "fp4 matmul (fp32 path)", "fp4 matmul (int8 path)",
+                                         "expert ffn (int8 path)", "bf16 matmul"};
+    const char *kind = mf_dev_kind(d);
+    dc_host *hb = malloc(sizeof *hb);
+    size_t dbytes = sizeof hb->w + sizeof hb->sc + sizeof hb->x + sizeof hb->tw + sizeof hb->h + sizeof hb->got +
+                    sizeof hb->q8 + 6 * 256;
+    uint8_t *db = NULL;
+    int rc = hb ? mf_dev_alloc(d, card, dbytes, (void **)&db) : mf_error(-ENOMEM, "self-check: out of memory");
+    if (rc) {
+        free(hb);
+        return mf_error_wrap(rc, "card %d (%s): self-check buffers", card, kind);
+    }
+    uint8_t *dw = db, *dsc = dw + (sizeof hb->w + 255) / 256 * 256, *dq = dsc + (sizeof hb->sc + 255) / 256 * 256;
+    float *dx = (float *)(dq + sizeof hb->q8), *dtw = dx + DC_TOK * DC_IN, *dh = dtw + DC_TOK + 61,
+          *dy = dh + DC_TOK * DC_HID;
+    mf_dev_stream *st = mf_dev_stream_of(d, card, MF_DEV_STREAM_COMPUTE);
+    dc_rng r = {seed ^ 0x73656c66636b ^ (uint64_t)card};
+    for (int k = 0; k < 5 && !rc; k++)
+        for (int T = 1; T <= DC_TOK && !rc; T += DC_TOK - 1) {
+            mf_kern_fmt fmt = k == 0 ? MF_KERN_FP8 : MF_KERN_FP4;
+            mf_kern_mat m[3], dm[3];
+            size_t wo = 0, so = 0;
+            int nm = k == 3 ? 3 : k == 4 ? 0 : 1;
+            if (k == 4) {   /* bf16 [OUT][IN]: random values of about unit size */
+                uint16_t *wb = (uint16_t *)hb->w;
+                for (int i = 0; i < DC_OUT * DC_IN; i++) wb[i] = (uint16_t)(0x3E00 + dc_next(&r) % 0x200 + (dc_next(&r) & 0x8000));
+                m[0] = (mf_kern_mat){.fmt = MF_KERN_BF16, .w = hb->w, .n_out = DC_OUT, .n_in = DC_IN};
+                dm[0] = m[0];
+                dm[0].w = dw;
+                wo = sizeof(uint16_t) * DC_OUT * DC_IN;
+            }
+            for (int j = 0; j < nm; j++) {   /* ffn: w1, w3 [HID][IN], w2 [IN][HID] */
+                int no = k == 3 ? (j == 2 ? DC_IN : DC_HID) : DC_OUT, ni = k == 3 && j == 2 ? DC_HID : DC_IN;
+                dc_mat(&r, fmt, no, ni, hb->w + wo, hb->sc + so, &m[j]);
+                dm[j] = m[j];
+                dm[j].w = dw + wo;
+                dm[j].scale = dsc + so;
+                wo += (size_t)no * ni;
+                so += fmt == MF_KERN_FP4 ? (size_t)no * (ni / 32) : (size_t)((no + 31) / 32) * (ni / 32);
+            }
+            for (int i = 0; i < T * DC_IN; i++) hb->x[i] = ((float)dc_next(&r) / 2147483648.0f - 1.0f) * 2.0f;
+            for (int i = 0; i < T; i++) hb->tw[i] = 0.25f + (float)(dc_next(&r) % 100) / 100.0f;
+            int n_y = k == 3 ? DC_IN : DC_OUT;
+            /* the host's answer */
+            mf_kern_q8 q;
+            if (k == 0) rc = mf_kern_fp8_matmul(hb->w, hb->sc, DC_OUT, DC_IN, hb->x, T, DC_IN, hb->ref, DC_OUT, 0, DC_OUT);
+            else if (k == 4)
+                rc = mf_kern_bf16_matmul((const uint16_t *)hb->w, DC_OUT, DC_IN, hb->x, T, DC_IN, hb->ref, DC_OUT, 0, DC_OUT);
+            else if (k == 1)
+                rc = mf_kern_fp4_matmul_f32(hb->w, hb->sc, DC_OUT, DC_IN, hb->x, T, DC_IN, hb->ref, DC_OUT, 0, DC_OUT);
+            else if (k == 2) {
+                rc = mf_kern_q8_init(&q, hb->q8, sizeof hb->q8, T, DC_IN);
+                if (!rc) rc = mf_kern_q8_quantize(&q, hb->x, DC_IN, 0, T);
+                if (!rc) rc = mf_kern_fp4_matmul(hb->w, hb->sc, DC_OUT, DC_IN, &q, hb->ref, DC_OUT, 0, DC_OUT);
+            } else {
+                rc = mf_kern_q8_init(&q, hb->q8, sizeof hb->q8, T, DC_IN);
+                if (!rc) rc = mf_kern_q8_quantize(&q, hb->x, DC_IN, 0, T);
+                if (!rc)
+                    rc = mf_kern_ffn_up(&m[0], &m[1], &(mf_kern_in){hb->x, T, DC_IN, &q}, hb->tw, 7.0f, hb->h, DC_HID, 0,
+                                        DC_HID);
+                if (!rc) rc = mf_kern_q8_init(&q, hb->q8, sizeof hb->q8, T, DC_HID);
+                if (!rc) rc = mf_kern_q8_quantize(&q, hb->h, DC_HID, 0, T);
+                if (!rc) rc = mf_kern_ffn_down(&m[2], &(mf_kern_in){hb->h, T, DC_HID, &q}, hb->ref, DC_IN, 0, DC_IN);
+            }
+            if (rc) {
+                rc = mf_error_wrap(rc, "card %d (%s): self-check: the host's %s", card, kind, kname[k]);
+                break;
+            }
+            /* the card's */
+            memset(hb->got, 0, sizeof hb->got);
+            rc = mf_dev_copy_h2d(st, dw, hb->w, wo);
+            if (!rc && so) rc = mf_dev_copy_h2d(st, dsc, hb->sc, so);
+            if (!rc) rc = mf_dev_copy_h2d(st, dx, hb->x, sizeof(float) * (size_t)T * DC_IN);
+            if (!rc) rc = mf_dev_copy_h2d(st, dtw, hb->tw, sizeof(float) * (size_t)T);
+            if (!rc && k == 0) rc = mf_dev_fp8_matmul(st, &dm[0], dx, T, dy);
+            if (!rc && k == 4) rc = mf_dev_bf16_matmul(st, &dm[0], dx, T, dy);
+            if (!rc && (k == 1 || k == 2)) rc = mf_dev_fp4_matmul(st, &dm[0], dx, T, dy, k == 2 ? dq : NULL);
+            if (!rc && k == 3)
+                rc = mf_dev_expert_ffn(st, &(mf_dev_ffn){.w1 = dm[0], .w3 = dm[1], .w2 = dm[2], .x = dx, .n_tok = T,
+                                                         .tok_weight = dtw, .limit = 7.0f, .h = dh, .q8_scratch = dq,
+                                                         .y = dy});
+            if (!rc) rc = mf_dev_copy_d2h(st, hb->got, dy, sizeof(float) * (size_t)T * n_y);
+            int rs = mf_dev_stream_sync(st);
+            if (!rc) rc = rs;
+            if (rc) {
+                rc = mf_error_wrap(rc, "card %d (%s): self-check of kernel %s at %d tokens failed", card, kind, kname[k], T);
+                break;
+            }
+            double e = dc_rel(hb->got, hb->ref, (size_t)T * n_y), tol = k == 3 ? MF_DEV_CHECK_TOL_FFN : MF_DEV_CHECK_TOL_MM;
+            if (!(e <= tol))
+                rc = mf_error(-EIO, "card %d (%s): kernel %s: relative error %.2e at %d tokens against the host "
+                              "kernel (bound %.0e): the card computes wrong answers", card, kind, kname[k], e, T, tol);
+        }
+    mf_dev_free(d, card, db);
+    free(hb);
+    return rc;
+}

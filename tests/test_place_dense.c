@@ -1,0 +1,336 @@
+/* Dense work on emulated cards (mf_step_opts.dense, graphs/step/stepgraph.h MF_SG_DENSE_*): the
+ * layer ranges of mf_sg_dense_card (cut at KV sources, head on the last layer's card), the step
+ * graph's card chains, the simulator's pricing of them, and the engine's logits with the dense work on emu:1..3 against the host
+ * placement of the same engine, bit for bit (memcmp): tiny at batch 1, 2, 3 and 16, resident and
+ * streamed experts, with routed experts on the host and hybrid; demo at batch 1 and 16 on emu:2
+ * (not under the sanitizers); CUDA cards refused with a message; the startup self-check refusing a
+ * wrong card and a failing one (device/dev_check.h) while the run continues on the others. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "device/dev.h"
+#include "graphs/model/config.h"
+#include "graphs/model/model.h"
+#include "graphs/ref/ref.h"
+#include "graphs/sim/plan.h"
+#include "graphs/step/step.h"
+#include "graphs/step/stepgraph.h"
+#include "sched/error.h"
+#include "tests/check.h"
+#include "tests/tiny_ckpt.h"
+
+#define N_PROMPT 6
+#define MAX_SEQ 16
+
+static int64_t g_V;
+
+/* Layer ranges: contiguous, each starting at layer 0 or a KV source, the head with the last
+ * layer; flash41 on 4 cards as the issue names them (sources 2, 8, 14, 20). */
+static void test_ranges(void)
+{
+    mf_config c;
+    CHECK(mf_config_preset("flash41", &c) == 0, "preset flash41");
+    int want[4] = {0, 8, 14, 20}, start[4] = {-1, -1, -1, -1};
+    for (int L = 0; L < c.n_layers; L++) {
+        int cd = mf_sg_dense_card(&c, 4, L);
+        CHECK(cd >= 0 && cd < 4, "flash41 layer %d on card %d", L, cd);
+        if (L > 0) CHECK(cd >= mf_sg_dense_card(&c, 4, L - 1), "flash41: layer %d goes back to card %d", L, cd);
+        if (cd >= 0 && cd < 4 && start[cd] < 0) start[cd] = L;
+    }
+    for (int k = 0; k < 4; k++) CHECK(start[k] == want[k], "flash41 card %d starts at layer %d (expected %d)", k, start[k], want[k]);
+    CHECK(mf_sg_dense_card(&c, 4, -1) == mf_sg_dense_card(&c, 4, c.n_layers - 1), "head not on the last layer's card");
+    for (int nc = 1; nc <= 6; nc++)
+        for (int L = 1; L < c.n_layers; L++) {
+            int a = mf_sg_dense_card(&c, nc, L - 1), b = mf_sg_dense_card(&c, nc, L);
+            int src = 0;
+            for (int i = 0; i < c.n_kv_source; i++) src |= c.kv_source_layer_ids[i] == L;
+            CHECK(a == b || (b == a + 1 && src), "flash41 on %d cards: cut before layer %d (cards %d, %d)", nc, L, a, b);
+        }
+    for (int L = 0; L < c.n_layers; L++) CHECK(mf_sg_dense_card(&c, 1, L) == 0, "one card: layer %d elsewhere", L);
+}
+
+/* The graph of flash41 at batch 16 with dense work on 4 cards: no host dense tasks, every dense
+ * task on its card's lane of its kind, copies with bytes, one head on the last layer's card. */
+static void test_graph(void)
+{
+    mf_config c;
+    CHECK(mf_config_preset("flash41", &c) == 0, "preset flash41");
+    mf_sg_sizes *sz = NULL;
+    CHECK(mf_sg_sizes_new(&c, &sz) == 0, "sizes: %s", mf_last_error());
+    mf_lane_model m[4] = {{.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}};
+    mf_sg_lanes lt;
+    mf_sg_lanes_init(&lt, m, 8, 0, 4);
+    mf_stepgraph *sg = NULL;
+    CHECK(mf_stepgraph_new(&(mf_sg_opts){.c = &c, .sz = sz, .n = 16, .par = 1, .n_threads = 8, .n_dense_cards = 4,
+                                         .lanes = lt.lane, .n_lanes = lt.n_lanes, .lane_io = lt.lane_io,
+                                         .lane_dev0 = lt.lane_dev0},
+                           &sg) == 0,
+          "graph: %s", mf_last_error());
+    int heads = 0, n_dense[3] = {0};
+    for (int t = 0; sg && t < sg->n_tasks; t++) {
+        const mf_sg_task *r = &sg->task[t];
+        CHECK(r->op != MF_SG_ATTN_ROWS && r->op != MF_SG_GATE_ROWS && r->op != MF_SG_SHARED_UP &&
+                  r->op != MF_SG_SHARED_DOWN && r->op != MF_SG_HEAD,
+              "task %d (op %d) left on the host", t, r->op);
+        if (r->op < MF_SG_DENSE_IN || r->op > MF_SG_DENSE_OUT) continue;
+        int k = r->op - MF_SG_DENSE_IN, lane = mf_graph_task(sg->g, t)->lane;
+        n_dense[k]++;
+        CHECK(r->card == mf_sg_dense_card(&c, 4, r->layer) && lane == lt.lane_dev0 + 3 * r->card + k,
+              "task %d of layer %d on card %d lane %d", t, r->layer, r->card, lane);
+        if (k != 1) CHECK(r->w.copy_bytes_tok > 0 && r->n_tok == 16, "copy task %d without bytes", t);
+        heads += r->dense == MF_SG_D_HEAD && k == 1;
+    }
+    /* per layer 5 card tasks (in, qb, oa, ob, gate + shared = 6), plus the head */
+    CHECK(n_dense[1] == 6 * c.n_layers + 1, "%d dense card tasks (expected %d)", n_dense[1], 6 * c.n_layers + 1);
+    CHECK(n_dense[0] == 4 * c.n_layers + 1 && n_dense[2] == 5 * c.n_layers + 1, "%d copies in, %d out", n_dense[0],
+          n_dense[2]);
+    CHECK(heads == 1, "%d heads", heads);
+    mf_stepgraph_free(sg);
+    mf_sg_sizes_free(sz);
+}
+
+/* The simulator prices the chains: on a profile whose cards read weights 30x faster than a host
+ * thread, demo at batch 16 with the dense work on 2 cards keeps their compute lanes busy, takes
+ * work off the CPU lane and predicts a shorter step than with the dense work on the host; with
+ * --dense host no card lane has work. A profile without card rates is refused. */
+static void test_sim(void)
+{
+    mf_config c;
+    CHECK(mf_config_preset("demo", &c) == 0, "preset demo");
+    mf_profile f;
+    memset(&f, 0, sizeof f);
+    snprintf(f.name, sizeof f.name, "test");
+    f.n_sockets = 1;
+    f.threads_per_socket = 4;
+    f.mem_bytes_per_s = 40e9;
+    f.cross_socket_factor = 1;
+    f.task_overhead_ns = 2000;
+    for (int k = 0; k < MF_KF_N; k++) {
+        f.host[k] = (mf_profile_kern){.bytes_per_s = k == MF_KF_REF ? 0 : 10e9, .macs_per_s = 2e9, .latency_ns = 1000};
+        f.card[k] = (mf_profile_kern){.bytes_per_s = k == MF_KF_REF ? 0 : 300e9, .macs_per_s = 10e12, .latency_ns = 5000};
+    }
+    f.disk_bytes_per_s = 1e9;
+    f.disk_queue_depth = 1;
+    f.n_cards = 2;
+    f.card_mem_bytes = UINT64_C(8) << 30;
+    f.h2d_bytes_per_s = f.d2h_bytes_per_s = f.h2d_total_bytes_per_s = 8e9;
+    f.h2d_latency_ns = f.d2h_latency_ns = 10000;
+    mf_plan_report rep[2];
+    for (int d = 0; d < 2; d++) {
+        mf_plan_opts po = {.config = &c, .profile = &f, .batch = 16, .seed = 3,
+                           .dense = d ? MF_PLAN_DENSE_CARDS : MF_PLAN_DENSE_HOST};
+        CHECK(mf_plan_run(&po, 1, 2, &rep[d]) == 0, "plan dense %d: %s", d, mf_last_error());
+    }
+    double card_work[2] = {0}, cpu_work[2] = {0};
+    for (int d = 0; d < 2; d++)
+        for (int l = 0; l < rep[d].n_lanes; l++) {
+            if (strstr(rep[d].lanes[l].name, ".compute")) card_work[d] += rep[d].lanes[l].busy_ns;
+            if (!strcmp(rep[d].lanes[l].name, "cpu")) cpu_work[d] = rep[d].lanes[l].busy_ns;
+        }
+    CHECK(card_work[0] == 0 && card_work[1] > 0, "card compute work %.0f (dense host), %.0f ns (cards)", card_work[0],
+          card_work[1]);
+    CHECK(cpu_work[1] < cpu_work[0], "cpu work %.0f ns with dense on cards, %.0f on the host", cpu_work[1], cpu_work[0]);
+    CHECK(rep[1].step_ns < rep[0].step_ns, "dense on cards predicted %lld ns, on the host %lld", (long long)rep[1].step_ns,
+          (long long)rep[0].step_ns);
+    for (int k = 0; k < MF_KF_N; k++) f.card[k].bytes_per_s = 0;
+    mf_plan_opts po = {.config = &c, .profile = &f, .batch = 1, .dense = MF_PLAN_DENSE_CARDS};
+    mf_plan_report r;
+    CHECK(mf_plan_run(&po, 0, 1, &r) == -EINVAL && strstr(mf_last_error(), "card fp8 and bf16"),
+          "no card rates: %s", mf_last_error());
+}
+
+/* n_seq sequences prefilled, then n_dec decode steps teacher-forced by toks (written by the first
+ * run, toks NULL then: greedy); logits of every call into out (n_seq x (1 + n_dec) x V). */
+static int run(mf_ref *r, mf_step *e, int n_seq, int n_dec, int32_t *toks, int fill, float *out)
+{
+    mf_ref_state *st[MAX_SEQ] = {0};
+    int rc = 0, nl = 1 + n_dec;
+    for (int s = 0; s < n_seq && !rc; s++) {
+        int32_t p[N_PROMPT];
+        for (int i = 0; i < N_PROMPT; i++) p[i] = (int32_t)((i * 37 + s * 101 + (i * i) % 13) % g_V);
+        rc = mf_ref_state_new(r, N_PROMPT + n_dec + 1, &st[s]);
+        if (!rc) rc = mf_step_prefill(e, st[s], p, N_PROMPT, out + (size_t)s * nl * g_V);
+    }
+    float *step = malloc(sizeof(float) * (size_t)n_seq * g_V);
+    for (int k = 0; k < n_dec && !rc; k++) {
+        int32_t tok[MAX_SEQ];
+        for (int s = 0; s < n_seq; s++) {
+            if (fill) {
+                const float *prev = out + ((size_t)s * nl + k) * g_V;
+                int b = 0;
+                for (int64_t i = 1; i < g_V; i++)
+                    if (prev[i] > prev[b]) b = (int)i;
+                toks[s * n_dec + k] = b;
+            }
+            tok[s] = toks[s * n_dec + k];
+        }
+        rc = mf_step_decode(e, st, tok, n_seq, step);
+        for (int s = 0; s < n_seq && !rc; s++)
+            memcpy(out + ((size_t)s * nl + k + 1) * g_V, step + (size_t)s * g_V, sizeof(float) * g_V);
+    }
+    free(step);
+    for (int s = 0; s < n_seq; s++) mf_ref_state_free(st[s]);
+    return rc;
+}
+
+/* The model r's host run against dense on emu:nc for each batch in batches[], placements host
+ * and hybrid (routed experts), n_dec decode steps. */
+static void test_engine(mf_ref *r, const char *what, const int *batches, int n_b, int min_cards, int max_cards,
+                        int hybrid, int n_dec)
+{
+    for (int bi = 0; bi < n_b; bi++) {
+        int b = batches[bi];
+        size_t per = (size_t)b * (1 + n_dec) * g_V;
+        float *host = malloc(sizeof(float) * per), *got = malloc(sizeof(float) * per);
+        int32_t *toks = malloc(sizeof(int32_t) * (size_t)b * (n_dec ? n_dec : 1));
+        mf_step *e = NULL;
+        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2}, &e) == 0, "%s host: %s", what, mf_last_error());
+        CHECK(e && run(r, e, b, n_dec, toks, 1, host) == 0, "%s host run batch %d: %s", what, b, mf_last_error());
+        mf_step_free(e);
+        for (int nc = min_cards; nc <= max_cards; nc++)
+            for (int pl = MF_STEP_PLACE_HOST; pl <= (hybrid ? MF_STEP_PLACE_HYBRID : MF_STEP_PLACE_HOST);
+                 pl += MF_STEP_PLACE_HYBRID) {
+                if (MF_TEST_TSAN && pl != MF_STEP_PLACE_HOST && nc != max_cards) continue;
+                char spec[64];
+                snprintf(spec, sizeof spec, "emu:%d,bw=50e9,lat_ns=2000", nc);
+                mf_dev *d = NULL;
+                CHECK(mf_dev_open(spec, &d) == 0, "open %s: %s", spec, mf_last_error());
+                if (!d) continue;
+                e = NULL;
+                CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = pl,
+                                                     .dense = MF_STEP_DENSE_CARDS},
+                                  &e) == 0,
+                      "%s %s dense: %s", what, spec, mf_last_error());
+                if (e) {
+                    memset(got, 0, sizeof(float) * per);
+                    int rc = run(r, e, b, n_dec, toks, 0, got);
+                    CHECK(rc == 0, "%s %s placement %d batch %d: %s", what, spec, pl, b, mf_last_error());
+                    CHECK(!rc && !memcmp(host, got, sizeof(float) * per),
+                          "%s %s placement %d batch %d: dense-on-card logits differ from the host placement's", what,
+                          spec, pl, b);
+                    /* the copies ran on the device lanes */
+                    mf_step_times t;
+                    mf_step_last_times(e, &t);
+                    CHECK(t.copy_busy_ns > 0, "%s %s: no copy time on the device lanes", what, spec);
+                    mf_step_free(e);
+                }
+                for (int c = 0; c < nc; c++)
+                    CHECK(mf_dev_emu_used_bytes(d, c) == 0, "%s %s: card %d holds %lld bytes after free", what, spec,
+                          c, (long long)mf_dev_emu_used_bytes(d, c));
+                mf_dev_close(d);
+            }
+        free(host);
+        free(got);
+        free(toks);
+    }
+}
+
+/* The startup self-check: a card whose kernels are off (emu bad_card=1) or whose copy fails
+ * (fail_h2d=1: card 0's first) is refused with a message naming the card and kernel; the engine
+ * runs the dense work on the cards that passed (lanes mapped to cards 0 and 2), its logits still
+ * the host placement's; healthy cards refuse nothing. */
+static void test_selfcheck(mf_ref *r)
+{
+    int b = 2, n_dec = 3;
+    size_t per = (size_t)b * (1 + n_dec) * g_V;
+    float *host = malloc(sizeof(float) * per), *got = malloc(sizeof(float) * per);
+    int32_t toks[2 * 3];
+    mf_step *e = NULL;
+    CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2}, &e) == 0, "host: %s", mf_last_error());
+    CHECK(e && run(r, e, b, n_dec, toks, 1, host) == 0, "host run: %s", mf_last_error());
+    mf_step_free(e);
+    static const struct { const char *spec, *want[3]; } cs[] = {
+        {"emu:3,bad_card=1", {"refused card 1 (emu): kernel fp8 matmul", "relative error", "routed experts run on the host"}},
+        {"emu:2,fail_h2d=1", {"refused card 0 (emu): self-check of kernel fp8 matmul", "injected failure", "host"}},
+        {"emu:2", {"", "", ""}},
+    };
+    for (int i = 0; i < 3; i++) {
+        mf_dev *d = NULL;
+        CHECK(mf_dev_open(cs[i].spec, &d) == 0, "open %s: %s", cs[i].spec, mf_last_error());
+        if (!d) continue;
+        e = NULL;
+        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = MF_STEP_PLACE_SEED,
+                                             .dense = MF_STEP_DENSE_CARDS},
+                          &e) == 0,
+              "%s: %s", cs[i].spec, mf_last_error());
+        if (e) {
+            const char *msg = mf_step_refused(e);
+            for (int k = 0; k < 3; k++)
+                CHECK(strstr(msg, cs[i].want[k]) != NULL, "%s: refusal '%s' lacks '%s'", cs[i].spec, msg, cs[i].want[k]);
+            if (!cs[i].want[0][0]) CHECK(!msg[0], "%s: healthy cards refused: %s", cs[i].spec, msg);
+            int rc = run(r, e, b, n_dec, toks, 0, got);
+            CHECK(rc == 0 && !memcmp(host, got, sizeof(float) * per), "%s: after the self-check: rc %d, logits %s", cs[i].spec,
+                  rc, rc ? mf_last_error() : "differ from the host placement's");
+            mf_step_free(e);
+        }
+        mf_dev_close(d);
+    }
+    free(host);
+    free(got);
+}
+
+int main(void)
+{
+    test_ranges();
+    test_graph();
+    test_sim();
+    char dir[1024];
+    mf_config c;
+    CHECK(mf_config_preset("tiny", &c) == 0, "preset");
+    if (mf_test_gen_ckpt(&c, "place_dense_tiny", dir, sizeof dir)) return 1;
+    g_V = c.vocab_size;
+    mf_model *m = NULL;
+    mf_ref *r = NULL;
+    CHECK(mf_model_load(dir, &(mf_model_opts){.quiet = 1}, &m) == 0, "load: %s", mf_last_error());
+    if (!m || mf_ref_new(m, NULL, &r)) return mf_check_exit("test_place_dense");
+    /* TSan: batch 3 on 1..2 cards (the concurrent path: copies and card work beside host tasks) */
+    static const int all[] = {1, 2, 3, 16}, tsan[] = {3};
+    int n_dec = MF_TEST_SANITIZED ? 3 : 8;
+    test_selfcheck(r);
+    if (MF_TEST_TSAN) test_engine(r, "tiny resident", tsan, 1, 1, 2, 1, n_dec);
+    else test_engine(r, "tiny resident", all, 4, 1, 3, 1, n_dec);
+
+    /* CUDA cards are refused with a message (where the build has CUDA and a card) */
+    mf_dev *d = NULL;
+    if (mf_dev_open("cuda", &d) == 0) {
+        mf_step *e = NULL;
+        int rc = mf_step_new(r, &(mf_step_opts){.n_threads = 1, .dev = d, .dense = MF_STEP_DENSE_CARDS}, &e);
+        CHECK(rc == -ENOTSUP && !e && strstr(mf_last_error(), "dense"), "cuda dense: rc %d: %s", rc, mf_last_error());
+        mf_step_free(e);
+        mf_dev_close(d);
+    }
+    mf_ref_free(r);
+    mf_model_free(m);
+
+    /* streamed experts */
+    m = NULL;
+    r = NULL;
+    CHECK(mf_model_load(dir, &(mf_model_opts){.quiet = 1, .store = MF_MODEL_STORE_STREAMED,
+                                              .store_budget_bytes = 64ull << 20}, &m) == 0,
+          "load streamed: %s", mf_last_error());
+    if (m && !mf_ref_new(m, NULL, &r)) {
+        static const int sb[] = {1, 3};
+        test_engine(r, "tiny streamed", sb + (MF_TEST_TSAN ? 1 : 0), MF_TEST_TSAN ? 1 : 2, 1, 2, 1, n_dec);
+    }
+    mf_ref_free(r);
+    mf_model_free(m);
+
+    /* demo (8 layers, hidden 1024): batch 1 and 16 on emu:2, one decode step; not under the sanitizers */
+    if (!MF_TEST_SANITIZED) {
+        CHECK(mf_config_preset("demo", &c) == 0, "preset demo");
+        if (mf_test_gen_ckpt(&c, "place_dense_demo", dir, sizeof dir)) return 1;
+        g_V = c.vocab_size;
+        m = NULL;
+        r = NULL;
+        CHECK(mf_model_load(dir, &(mf_model_opts){.quiet = 1}, &m) == 0, "load demo: %s", mf_last_error());
+        if (m && !mf_ref_new(m, NULL, &r)) {
+            static const int db[] = {1, 16};
+            test_engine(r, "demo", db, 2, 2, 2, 0, 1);
+        }
+        mf_ref_free(r);
+        mf_model_free(m);
+    }
+    return mf_check_exit("test_place_dense");
+}
