@@ -50,7 +50,8 @@ def check_sweep():
         if len(k) == 2 and k[0].strip() == "threads_per_socket":
             tps = int(k[1])
     n_thr = 2 if tps > 1 else 1
-    expect = 3 * n_thr * (1 + (2 * 3 * 3 * 2 if cards else 0))
+    # dense: host, plus cards when the profile has cards (for every placement)
+    expect = 3 * n_thr * (1 + (2 * 3 * 3 * 2 if cards else 0)) * (2 if cards else 1)
     if len(res) != expect:
         fail(f"{len(res)} settings tried, expected {expect}")
     if [r["rank"] for r in res] != list(range(1, len(res) + 1)):
@@ -62,9 +63,11 @@ def check_sweep():
     for r in res:
         if r["placement"] not in ("host", "seed", "hybrid"):
             fail(f"placement {r['placement']}")
+        if r["dense"] not in (("host", "cards") if cards else ("host",)):
+            fail(f"dense {r['dense']}")
         if r["placement"] == "host" and (r["copy_slots"] or r["dev_cache_bytes"]):
             fail(f"host row carries card knobs: {r}")
-        key = (r["placement"], r["batch"], r["threads_per_socket"], r["copy_slots"], r["dev_cache_bytes"],
+        key = (r["placement"], r["dense"], r["batch"], r["threads_per_socket"], r["copy_slots"], r["dev_cache_bytes"],
                r["cache_policy"])
         if key in seen:
             fail(f"setting tried twice: {key}")
@@ -73,7 +76,7 @@ def check_sweep():
             fail(f"implausible row {r}")
     best = res[0]
     args = ["sim", "--profile", PROFILE, "--preset", "tiny", "--json", "--steps", "3", "--warmup", "1",
-            "--placement", best["placement"], "--batch", str(best["batch"]),
+            "--placement", best["placement"], "--dense", best["dense"], "--batch", str(best["batch"]),
             "--threads", str(best["threads_per_socket"])]
     if best["placement"] != "host":
         args += ["--copy-slots", str(best["copy_slots"]), "--dev-cache", str(best["dev_cache_bytes"]),
@@ -121,7 +124,7 @@ def check_real():
         fail(f"tune --real exited {out.returncode}: {out.stderr[-400:]}")
         return
     res = json.loads(out.stdout)["results"]
-    if len(res) != 2 * len(places.split(",")):
+    if len(res) != 2 * len(places.split(",")) * (2 if profile_cards() > 0 else 1):
         fail(f"tune --real tried {len(res)} settings")
     meas = [r["measured_tokens_per_s"] for r in res]
     if meas != sorted(meas, reverse=True) or not all(m > 0 for m in meas):
