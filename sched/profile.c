@@ -66,6 +66,7 @@ static const mf_pkey mf_pkeys[] = {
     {"d2h_bytes_per_s", MF_PK_DBL, OFF(d2h_bytes_per_s), 1, 0, BIG, 1, 1},
     {"d2h_latency_ns", MF_PK_DBL, OFF(d2h_latency_ns), 0, 0, 1e12, 0, 0},
     {"h2d_total_bytes_per_s", MF_PK_DBL, OFF(h2d_total_bytes_per_s), 1, 0, BIG, 1, 1},
+    {"act_copy_latency_ns", MF_PK_DBL, OFF(act_copy_latency_ns), 0, 0, 1e12, 0, 0},
     KERN("card", card, "fp4", MF_KF_FP4, 1),
     KERN("card", card, "fp8", MF_KF_FP8, 1),
     KERN("card", card, "bf16", MF_KF_BF16, 1),

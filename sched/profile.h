@@ -49,6 +49,8 @@ typedef struct mf_profile {
     double h2d_bytes_per_s, h2d_latency_ns;   /* pinned host-to-device, per card */
     double d2h_bytes_per_s, d2h_latency_ns;
     double h2d_total_bytes_per_s;  /* all cards copying at once (shared root complex / memory) */
+    double act_copy_latency_ns;    /* one small copy of activations (tens of KB, either way) between a
+                                    * dense sublayer on a card and the host; 0: the h2d / d2h latency */
     mf_profile_kern card[MF_KF_N];
     /* every key read or set, in file order, with its value text and its source ("" if none) */
     int n_keys;

@@ -123,7 +123,7 @@ static void test_cli(void)
     json_t *j = rc == 0 ? json_loads(out, 0, &e) : NULL;
     CHECK(j != NULL, "--json output parses: rc %d, stderr: %s", rc, err);
     json_t *keys = json_object_get(j, "keys");
-    CHECK(json_is_array(keys) && json_array_size(keys) == 39, "--json has the 39 keys");
+    CHECK(json_is_array(keys) && json_array_size(keys) == 40, "--json has the 40 keys");
     size_t i;
     json_t *k;
     int ok = 1;

@@ -43,6 +43,7 @@ static const char *base_lines[] = {
     "d2h_bytes_per_s = 8Gi",
     "d2h_latency_ns = 10000",
     "h2d_total_bytes_per_s = 12Gi",
+    "act_copy_latency_ns = 7000",
     "card_fp4_bytes_per_s = 300G",
     "card_fp4_macs_per_s = 1e12",
     "card_fp4_latency_ns = 5000",
@@ -263,6 +264,7 @@ static void test_round_trip(const char *tmpdir)
     /* a measured-looking value that has no short form must come back exactly */
     a.host[MF_KF_FP8].macs_per_s = 1234567890.123456789;
     a.h2d_latency_ns = 1.0 / 3.0;
+    a.act_copy_latency_ns = 7000;
     CHECK(mf_profile_set_source(&a, "host_fp8_macs_per_s", "measured by a test: 1/3 of nothing") == 0, "set");
     CHECK(mf_profile_set_source(&a, "no_such", "x") == -ENOENT, "set unknown -> -ENOENT");
     char path[512];
@@ -277,7 +279,7 @@ static void test_round_trip(const char *tmpdir)
     SAME(n_sockets); SAME(threads_per_socket); SAME(mem_bytes_per_s); SAME(cross_socket_factor);
     SAME(task_overhead_ns); SAME(disk_bytes_per_s); SAME(disk_latency_ns); SAME(disk_queue_depth);
     SAME(n_cards); SAME(cards_emulated); SAME(card_mem_bytes); SAME(h2d_bytes_per_s); SAME(h2d_latency_ns);
-    SAME(d2h_bytes_per_s); SAME(d2h_latency_ns); SAME(h2d_total_bytes_per_s);
+    SAME(d2h_bytes_per_s); SAME(d2h_latency_ns); SAME(h2d_total_bytes_per_s); SAME(act_copy_latency_ns);
     for (int k = 0; k < MF_KF_N; k++) {
         SAME(host[k].bytes_per_s); SAME(host[k].macs_per_s); SAME(host[k].latency_ns);
         SAME(card[k].bytes_per_s); SAME(card[k].macs_per_s); SAME(card[k].latency_ns);

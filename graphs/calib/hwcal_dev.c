@@ -18,7 +18,7 @@
 
 static const char *mf_card_keys[] = {
     "card_mem_bytes", "h2d_bytes_per_s", "h2d_latency_ns", "d2h_bytes_per_s", "d2h_latency_ns",
-    "h2d_total_bytes_per_s", "card_fp4_bytes_per_s", "card_fp4_macs_per_s", "card_fp4_latency_ns",
+    "h2d_total_bytes_per_s", "act_copy_latency_ns", "card_fp4_bytes_per_s", "card_fp4_macs_per_s", "card_fp4_latency_ns",
     "card_fp8_bytes_per_s", "card_fp8_macs_per_s", "card_fp8_latency_ns", "card_bf16_bytes_per_s",
     "card_bf16_macs_per_s", "card_bf16_latency_ns", "card_ref_macs_per_s", "card_ref_latency_ns",
 };
@@ -112,6 +112,11 @@ static int mf_hwcal_copies(mf_hwcal *h, mf_dev *d, void **hbuf, void **dbuf, siz
         mf_hwcal_src(h, kl, "card 0, %d pinned 4 KiB %s copies back to back, one sync: time per copy less its "
                      "bytes, median of %d", n_small, name, reps);
         mf_hwcal_note(h, "card 0 %s: %.2f GB/s, latency %.1f us", name, bps / 1e9, lat / 1e3);
+    }
+    if (!rc) {   /* activations are copies of a few KB: the 4 KiB copies' latency, the larger way */
+        p->act_copy_latency_ns = p->h2d_latency_ns > p->d2h_latency_ns ? p->h2d_latency_ns : p->d2h_latency_ns;
+        mf_hwcal_src(h, "act_copy_latency_ns", "card 0: the larger of h2d_latency_ns and d2h_latency_ns (both "
+                     "measured on 4 KiB copies, the size of a sublayer's activations)");
     }
     if (rc) return rc;
     /* every card copying in at once */

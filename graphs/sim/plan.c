@@ -182,12 +182,14 @@ static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int
     }
     case MF_SG_DEV_OUT:
         return f->d2h_latency_ns + cnt * w->copy_bytes_tok / f->d2h_bytes_per_s * 1e9;
-    case MF_SG_DENSE_IN:   /* one copy of the items' activations */
-        return f->h2d_latency_ns + t->n_tok * w->copy_bytes_tok / f->h2d_bytes_per_s * 1e9;
+    case MF_SG_DENSE_IN:   /* one small copy of the items' activations */
+        return (f->act_copy_latency_ns > 0 ? f->act_copy_latency_ns : f->h2d_latency_ns) +
+               t->n_tok * w->copy_bytes_tok / f->h2d_bytes_per_s * 1e9;
     case MF_SG_DENSE:
         return pl_card_work(p, w, t->n_tok);
     case MF_SG_DENSE_OUT:
-        return f->d2h_latency_ns + t->n_tok * w->copy_bytes_tok / f->d2h_bytes_per_s * 1e9;
+        return (f->act_copy_latency_ns > 0 ? f->act_copy_latency_ns : f->d2h_latency_ns) +
+               t->n_tok * w->copy_bytes_tok / f->d2h_bytes_per_s * 1e9;
     default:   /* kernels over the record's tokens, scalar work and the positional part of it */
         return pl_host_work(p, w, t->n_tok) + pl_ref(p, w->ref_flops + pl_pos_flops(p, t));
     }

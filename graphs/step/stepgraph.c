@@ -30,6 +30,7 @@
 #define SG_W_SORT 1.0   /* estimate, not measured: one REF multiply-add per comparison of the top-k's sort */
 #define SG_STORE_ALIGN 4096.0   /* host/store.c MF_STORE_SLOT_ALIGN: reads are aligned extents */
 #define SG_CARD_ALIGN 256.0     /* a part's alignment in a card's cache slot */
+#define SG_MAX_EXP_PARTS 32   /* row parts of one routed expert */
 #define SG_MAX_MIX 4            /* row parts of a hyper-connection mix */
 #define SG_MIN_COLS 64          /* columns of a hyper-connection part, at least */
 
@@ -181,6 +182,8 @@ typedef struct sg_builder {
      * on a card that it begins: sg_dense_chain), cap entries */
     mf_task_id *exit_of;
     mf_task_id moe_in;           /* dense on cards: the layer's copy-in of the MoE input */
+    mf_task_id moe_gate;         /* dense on cards: the layer's gate work on its card */
+    mf_task_id chain_run;        /* the card work of the last sg_dense_chain */
     char name[64];
 } sg_builder;
 
@@ -315,6 +318,7 @@ static mf_task_id sg_dense_chain(sg_builder *b, int L, int d, mf_sg_task t, int 
     t.n_tok = n;
     SG_NAME(b, "%s %s", pre, sg_dense_name[d]);
     mf_task_id run = sg_add(b, lane + 1, MF_SG_DENSE, phase, MF_SG_K_OTHER, t, rank_bytes, 0), last = run;
+    b->chain_run = run;
     if (!b->rc && in >= 0) b->rc = mf_graph_add_dep(sg->g, in, run);
     if (out_tok > 0) {
         SG_NAME(b, "%s %s out", pre, sg_dense_name[d]);
@@ -683,6 +687,7 @@ static mf_task_id sg_router(sg_builder *b, int L, const mf_task_id *post)
         t.w.calls[MF_KF_BF16] = 1;
         mf_task_id gp = sg_dense_chain(b, L, MF_SG_D_GATE, t, MF_SG_PH_MOE, gb, 4.0 * H, 4.0 * E, -1);
         b->moe_in = gp;
+        b->moe_gate = b->chain_run;
         for (int k = 0; k < b->u; k++) sg_dep(b, post[k], gp);
         sg_dep(b, gp, ro);
         return ro;
@@ -820,6 +825,9 @@ static void sg_shared(sg_builder *b, int L, const mf_task_id *post, mf_task_id r
         t.w.calls[MF_KF_FP8] = 2;
         t.w.ref_flops = SG_W_ROUND * H * n;
         mf_task_id sc = sg_dense_chain(b, L, MF_SG_D_SHARED, t, MF_SG_PH_MOE, sh_bytes, 0, 4.0 * H, b->moe_in);
+        /* the gate first on the card: the routed experts wait for its logits, the shared expert's
+         * output only at the layer's end (the upward ranks alone put the shared expert first) */
+        if (!b->rc && b->moe_gate >= 0) b->rc = mf_graph_add_dep(sg->g, b->moe_gate, b->chain_run);
         sg_dep(b, sc, done);
         return;
     }
@@ -943,9 +951,19 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->n = o->n;
     sg->par = o->par;
     sg->n_slots = o->n * K < E ? o->n * K : E;
-    /* split experts by rows when there are fewer slots than two per worker */
-    sg->p_exp = sg->n_slots >= 2 * W ? 1 : (2 * W + sg->n_slots - 1) / sg->n_slots;
-    if (sg->p_exp > 8) sg->p_exp = 8;
+    /* split experts by rows when there are fewer slots than two per worker: the fewest parts that
+     * give at least two tasks per worker and keep the last wave of tasks at least 95% full (6
+     * slots on 44 workers: 8 parts are 48 tasks, a second wave of 4, twice the time; 22 parts
+     * are 132, three full waves), at most SG_MAX_EXP_PARTS */
+    sg->p_exp = 1;
+    if (sg->n_slots < 2 * W) {
+        int p = (2 * W + sg->n_slots - 1) / sg->n_slots;
+        for (; p < SG_MAX_EXP_PARTS; p++) {
+            int tasks = sg->n_slots * p, waves = (tasks + W - 1) / W;
+            if (tasks >= 0.95 * waves * W) break;
+        }
+        sg->p_exp = p;
+    }
     sg->p_sh = c->n_shared_experts > 0 ? (W < 8 ? W : 8) : 0;
     sg->p_head = 2 * W;
     /* attention stages, Engram wkv, router gate: one part per worker (row chunks of >= 16) */
@@ -992,7 +1010,7 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     sg->card_ffn_tid = malloc(sizeof *sg->card_ffn_tid * (size_t)c->n_layers * (sg->n_cards ? sg->n_cards : 1));
     size_t n_eg = (size_t)c->n_engram * sg->n_units * sg->eg_reads_per_unit;
     sg->eg_read_tid = malloc(sizeof *sg->eg_read_tid * (n_eg + 1));
-    sg_builder b = {.o = o, .sg = sg, .u = o->par ? o->n : 1};
+    sg_builder b = {.o = o, .sg = sg, .u = o->par ? o->n : 1, .moe_in = -1, .moe_gate = -1, .chain_run = -1};
     b.per = (double)o->n / b.u;
     b.io = malloc(sizeof *b.io * ((size_t)sg->n_slots * sg->n_io_parts + 1));
     int rc = !sg->slot_tid || !sg->card_ffn_tid || !b.io || !sg->eg_read_tid ? mf_error(-ENOMEM, "step graph: out of memory")
