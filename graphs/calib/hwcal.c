@@ -12,6 +12,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +24,7 @@
 #include "sched/error.h"
 #include "sched/graph.h"
 #include "sched/sched.h"
+#include "sched/timeline.h"
 
 /* ---- shared helpers -------------------------------------------------------------------------- */
 
@@ -710,6 +712,133 @@ out:
     return rc ? mf_error_wrap(rc, "calibrate: executor overhead") : 0;
 }
 
+/* ---- sleeping workers ------------------------------------------------------------------------ */
+
+/* ns of the executor's idle loop (sched/lane_cpu.c): MF_SCHED_SPIN_ROUNDS relaxed loads of a
+ * counter nobody changes, a pause each; the median of 15. */
+static double mf_hwcal_spin_ns(void)
+{
+    _Atomic int seq = 0;
+    double v[15];
+    for (int r = -1; r < 15; r++) {
+        int64_t t0 = mf_now_ns();
+        for (int i = 0; i < MF_SCHED_SPIN_ROUNDS; i++) {
+            if (atomic_load_explicit(&seq, memory_order_relaxed) != 0) break;
+            _mm_pause();
+        }
+        if (r >= 0) v[r] = (double)(mf_now_ns() - t0);
+    }
+    return mf_hwcal_median(v, 15);
+}
+
+static int mf_busy_task(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    int64_t t0 = mf_now_ns(), ns = *(const int64_t *)arg;
+    while (mf_now_ns() - t0 < ns) _mm_pause();
+    return 0;
+}
+
+/* worker_spin_ns: the idle loop timed. worker_wake_ns: stages of one busy task (4 spins long, at
+ * least 200 us: the other workers go to sleep meanwhile) that releases one task of 2 ms per
+ * worker, which all release the next stage, on the real executor (pinned workers, the timeline
+ * on): the median over stages and released tasks not run by the releasing worker of their start
+ * minus the busy task's end. */
+static int mf_hwcal_sleep(mf_hwcal *h)
+{
+    int stages = h->o->quick ? 20 : 60, rc, workers = h->p->n_sockets * h->p->threads_per_socket;
+    double spin = mf_hwcal_spin_ns();
+    int64_t busy_ns = (int64_t)fmax(4 * spin, 200e3), rel_ns = 2000000;   /* a released task: 2 ms */
+    mf_lane_desc lane = {.kind = MF_LANE_CPU, .name = "cpu", .concurrency = 0, .numa_node = -1,
+                         .model = {.flops_per_s = 1e9}};
+    mf_sched *s = NULL;
+    mf_graph *g = NULL;
+    mf_timeline *tl = NULL;
+    double *d = malloc(sizeof *d * (size_t)stages * (size_t)(workers > 1 ? workers : 1));
+    mf_task_id *busy = malloc(sizeof *busy * (size_t)stages);
+    int n_d = 0;
+    if (!d || !busy) {
+        rc = mf_error(-ENOMEM, "calibrate: out of memory");
+        goto out;
+    }
+    if (workers < 2) {   /* one worker never waits for another to wake */
+        h->p->worker_spin_ns = spin;
+        h->p->worker_wake_ns = 0;
+        mf_hwcal_src(h, "worker_spin_ns", "%d rounds of the executor's idle loop (a relaxed load and a pause), "
+                     "median of 15", MF_SCHED_SPIN_ROUNDS);
+        mf_hwcal_src(h, "worker_wake_ns", "one worker: no worker is woken for another's task (0)");
+        rc = 0;
+        goto out;
+    }
+    if ((rc = mf_sched_create(&(mf_sched_opts){.lanes = &lane, .n_lanes = 1, .pin_threads = 1}, &s)) ||
+        (rc = mf_graph_create(&lane, 1, &g)))
+        goto out;
+    mf_task_id prev = -1;
+    for (int st = 0; st < stages && !rc; st++) {
+        mf_task_id b = busy[st] = mf_graph_add_task(g, &(mf_task_desc){.name = "busy", .lane = 0, .fn = mf_busy_task,
+                                                                       .arg = &busy_ns, .place_hint = -1,
+                                                                       .cost = {.flops = 1e6}});
+        if (b < 0) {
+            rc = b;
+            break;
+        }
+        if (prev >= 0) rc = mf_graph_add_dep(g, prev, b);
+        mf_task_id join = -1;
+        for (int w = 0; w <= workers && !rc; w++) {
+            /* released tasks of 2 ms: the releasing worker runs one of them, the others wait for
+             * their own (woken) workers, unless a wake-up takes longer than that */
+            mf_task_id t = w < workers ? mf_graph_add_task(g, &(mf_task_desc){.name = "released", .lane = 0,
+                                                                                .fn = mf_busy_task, .arg = &rel_ns,
+                                                                                .place_hint = -1,
+                                                                                .cost = {.flops = 1e6}})
+                                       : mf_empty_add(g);
+            if (t < 0) {
+                rc = t;
+                break;
+            }
+            if (w < workers) {
+                rc = mf_graph_add_dep(g, b, t);
+            } else {
+                join = t;
+                for (int k = 0; k < workers && !rc; k++) rc = mf_graph_add_dep(g, t - workers + k, t);
+            }
+        }
+        prev = join;
+    }
+    if (rc || (rc = mf_graph_finalize(g)) || (rc = mf_timeline_create(g, &tl))) goto out;
+    for (int r = 0; r < 2 && !rc; r++) {   /* the first run warms up; the second counts */
+        if ((rc = mf_sched_run(s, g, &(mf_run_opts){.timeline = tl}))) break;
+        if (r == 0) continue;
+        const mf_task_span *sp = mf_timeline_spans(tl);
+        for (int st = 0; st < stages; st++) {
+            mf_task_id b = busy[st];
+            for (int w = 0; w < workers; w++) {
+                const mf_task_span *x = &sp[b + 1 + w];
+                if (x->worker != sp[b].worker) d[n_d++] = (double)(x->start_ns - sp[b].end_ns);
+            }
+        }
+    }
+    if (rc) goto out;
+    /* a wake-up slower than a released task loses its sample (the releasing worker ran the task):
+     * with none left, the released task's length is a lower bound */
+    h->p->worker_spin_ns = spin;
+    h->p->worker_wake_ns = n_d ? fmax(0.0, mf_hwcal_median(d, n_d)) : (double)rel_ns;
+    mf_hwcal_src(h, "worker_spin_ns", "%d rounds of the executor's idle loop (a relaxed load and a pause), median "
+                 "of 15", MF_SCHED_SPIN_ROUNDS);
+    mf_hwcal_src(h, "worker_wake_ns", "%d busy tasks of %.0f us on %d pinned workers releasing one 2 ms task per "
+                 "worker: start minus busy end on woken workers, median of %d of %d%s", stages, busy_ns / 1e3,
+                 workers, n_d, stages * (workers - 1), n_d ? "" : " (none: at least 2 ms)");
+    mf_hwcal_note(h, "executor: idle workers spin %.1f us, then sleep; a sleeping worker starts a task %.1f us after "
+                  "its release", spin / 1e3, h->p->worker_wake_ns / 1e3);
+out:
+    mf_timeline_destroy(tl);
+    mf_graph_destroy(g);
+    mf_sched_destroy(s);
+    free(d);
+    free(busy);
+    return rc ? mf_error_wrap(rc, "calibrate: sleeping workers") : 0;
+}
+
 /* ---- the host phase and the whole run -------------------------------------------------------- */
 
 static size_t mf_hwcal_llc(void)
@@ -746,6 +875,7 @@ int mf_hwcal_host(mf_hwcal *h)
     h->llc_bytes = mf_hwcal_llc();
     if (!(rc = mf_hwcal_memory(h, &t)) && !(rc = mf_hwcal_kernels(h, &t)) && !(rc = mf_hwcal_ref(h)))
         rc = mf_hwcal_executor(h);
+    if (!rc) rc = mf_hwcal_sleep(h);
     hwloc_topology_destroy(t.topo);
     return rc;
 }
@@ -761,7 +891,8 @@ static void mf_round4(double *v)
 
 static void mf_hwcal_round(mf_profile *p)
 {
-    double *f[] = {&p->mem_bytes_per_s, &p->cross_socket_factor, &p->task_overhead_ns, &p->disk_bytes_per_s,
+    double *f[] = {&p->mem_bytes_per_s, &p->cross_socket_factor, &p->task_overhead_ns, &p->worker_spin_ns,
+                   &p->worker_wake_ns, &p->disk_bytes_per_s,
                    &p->disk_latency_ns, &p->h2d_bytes_per_s, &p->h2d_latency_ns, &p->d2h_bytes_per_s,
                    &p->d2h_latency_ns, &p->h2d_total_bytes_per_s};
     for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) mf_round4(f[i]);
