@@ -516,7 +516,9 @@ static int mf_hwcal_kernels(mf_hwcal *h, const mf_hwcal_topo *t)
             (a.n_copies < 2 * n_threads || b.n_copies < 2 * n_threads))
             rc = mf_error(-EINVAL, "calibrate: %d threads need %d copies of each matrix (have %d and %d)", n_threads,
                           2 * n_threads, a.n_copies, b.n_copies);
-        if (!rc) rc = mf_hwcal_kern_times(t, &a, &b, 1, x, reps, one);
+        /* one thread alone, for the sources (not with --quick, unless it is the measurement) */
+        int alone_too = !h->o->quick || n_threads == 1;
+        if (!rc && alone_too) rc = mf_hwcal_kern_times(t, &a, &b, 1, x, reps, one);
         if (!rc) rc = n_threads > 1 ? mf_hwcal_kern_times(t, &a, &b, n_threads, x, reps, all) : 0;
         if (!rc && n_threads == 1) memcpy(all, one, sizeof all);
         if (!rc) {
@@ -526,9 +528,9 @@ static int mf_hwcal_kernels(mf_hwcal *h, const mf_hwcal_topo *t)
             double bytes_a = (double)(a.w_bytes + a.s_bytes), bytes_b = (double)(b.w_bytes + b.s_bytes);
             mf_profile_kern *k = &p->host[fams[f].fam], alone;
             rc = mf_hwcal_fit_kern(what, bytes_a, all[0], bytes_b, all[1], macs_b, MF_HWCAL_MANY, all[2], k);
-            if (!rc && mf_hwcal_fit_kern(fams[f].name, bytes_a, one[0], bytes_b, one[1], macs_b, MF_HWCAL_MANY,
-                                         one[2], &alone))
-                alone = (mf_profile_kern){0};   /* the alone figures are only reported */
+            if (!rc && (!alone_too || mf_hwcal_fit_kern(fams[f].name, bytes_a, one[0], bytes_b, one[1], macs_b,
+                                                        MF_HWCAL_MANY, one[2], &alone)))
+                alone = (mf_profile_kern){0};   /* the alone figures are only reported (0: not measured) */
             if (!rc) {
                 char key[48];
                 const char *simd = mf_kern_simd_name(mf_kern_simd_active());
