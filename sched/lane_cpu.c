@@ -8,7 +8,7 @@
 #include "sched/sched_impl.h"
 #include "sched/nvtx.h"
 
-#define MF_SPIN_ROUNDS 2000
+#define MF_SPIN_ROUNDS MF_SCHED_SPIN_ROUNDS
 
 /* Takes the next task for w: the best it holds while nothing in the lane's queue outranks it (no
  * lock); otherwise, under one lock, hands back what it holds and takes up to a batch of the lane's

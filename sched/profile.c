@@ -48,6 +48,8 @@ static const mf_pkey mf_pkeys[] = {
     {"mem_bytes_per_s", MF_PK_DBL, OFF(mem_bytes_per_s), 1, 0, BIG, 1, 0},
     {"cross_socket_factor", MF_PK_DBL, OFF(cross_socket_factor), 0, 0, 1, 1, 0},
     {"task_overhead_ns", MF_PK_DBL, OFF(task_overhead_ns), 0, 0, 1e12, 0, 0},
+    {"worker_spin_ns", MF_PK_DBL, OFF(worker_spin_ns), 0, 0, 1e12, 0, 0},
+    {"worker_wake_ns", MF_PK_DBL, OFF(worker_wake_ns), 0, 0, 1e12, 0, 0},
     KERN("host", host, "fp4", MF_KF_FP4, 0),
     KERN("host", host, "fp8", MF_KF_FP8, 0),
     KERN("host", host, "bf16", MF_KF_BF16, 0),

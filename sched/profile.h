@@ -36,7 +36,9 @@ typedef struct mf_profile {
     int threads_per_socket;      /* worker threads the engine may run per socket (NUMA node) */
     double mem_bytes_per_s;      /* streaming read bandwidth of one socket, all its threads */
     double cross_socket_factor;  /* a thread reading the other socket's memory: this fraction of local */
-    double task_overhead_ns;     /* executor cost per task (start, finish, wake-ups) */
+    double task_overhead_ns;     /* executor cost per task on a critical path (start, finish) */
+    double worker_spin_ns;       /* an idle CPU worker spins this long, then sleeps (0: never sleeps) */
+    double worker_wake_ns;       /* a sleeping worker starts a task released to it this much later */
     mf_profile_kern host[MF_KF_N];   /* one thread, data out of cache */
     /* disk (expert store and streamed Engram tables) */
     double disk_bytes_per_s;

@@ -63,6 +63,10 @@ typedef struct mf_sched_opts {
 
 #define MF_SCHED_DEV_WAIT_NS (60LL * 1000000000LL)
 
+/* An idle CPU worker polls for new work this many times (a relaxed load and a pause each),
+ * then sleeps until a push wakes it (sched/lane_cpu.c; `moeflow calibrate` times the loop). */
+#define MF_SCHED_SPIN_ROUNDS 2000
+
 typedef struct mf_sched mf_sched;
 
 /* Starts the workers of every lane. CPU lane concurrency 0 = all cores of its node. */

@@ -32,8 +32,10 @@ typedef struct sim_event {   /* a running task, keyed by end time */
 typedef struct sim_state {
     const double *rank;
     sim_ready *ready;        /* per lane */
-    int **free_slots;        /* per lane: a min-heap of free slot indices */
+    int **free_slots;        /* per lane: a min-heap of free slot indices (sleeping lanes: a list) */
     int *n_free;
+    int64_t **freed_at;      /* sleeping lanes (CPU lanes with a sleep model): when each slot was freed */
+    int64_t spin_ns, sleep_wake_ns;
     sim_event *events;       /* min-heap */
     int n_events;
 } sim_state;
@@ -161,19 +163,47 @@ int mf_sim_run(const mf_graph *g, const mf_lane_model *models, mf_timeline *tl)
     return mf_sim_run_opts(g, &(mf_sim_opts){.models = models}, tl);
 }
 
-/* Starts lane l's best ready task on its lowest free slot (the caller checked both exist); on
- * a wake lane (l >= n_lanes) its wake phase, of wake_ns[l - n_lanes]. */
+/* A free slot of lane l: the lowest; on a sleeping lane the most recently freed (a spinning
+ * worker takes the task before a sleeping one), lowest on ties, and *start is delayed by the
+ * wake-up when that slot is asleep. */
+static int sim_slot_take(sim_state *s, int l, int64_t now, int64_t *start)
+{
+    *start = now;
+    if (!s->freed_at || !s->freed_at[l]) return slot_pop(s->free_slots[l], &s->n_free[l]);
+    int *f = s->free_slots[l], best = 0;
+    const int64_t *at = s->freed_at[l];
+    for (int i = 1; i < s->n_free[l]; i++)
+        if (at[f[i]] > at[f[best]] || (at[f[i]] == at[f[best]] && f[i] < f[best])) best = i;
+    int slot = f[best];
+    f[best] = f[--s->n_free[l]];
+    if (now - at[slot] > s->spin_ns) *start = now + s->sleep_wake_ns;
+    return slot;
+}
+
+static void sim_slot_give(sim_state *s, int l, int slot, int64_t now)
+{
+    if (!s->freed_at || !s->freed_at[l]) {
+        slot_push(s->free_slots[l], &s->n_free[l], slot);
+        return;
+    }
+    s->free_slots[l][s->n_free[l]++] = slot;
+    s->freed_at[l][slot] = now;
+}
+
+/* Starts lane l's best ready task on a free slot (sim_slot_take; the caller checked both
+ * exist); on a wake lane (l >= n_lanes) its wake phase, of wake_ns[l - n_lanes]. */
 static void sim_start_one(sim_state *s, const mf_graph *g, int l, int64_t now, const int64_t *dur,
                           const int64_t *wake_ns, mf_timeline *tl)
 {
     mf_task_id t = ready_pop(s, &s->ready[l]);
-    int slot = slot_pop(s->free_slots[l], &s->n_free[l]);
+    int64_t start;
+    int slot = sim_slot_take(s, l, now, &start);
     if (l >= g->n_lanes) {
         event_push(s, (sim_event){now + wake_ns[l - g->n_lanes], t + g->n_tasks});
         return;
     }
-    tl->spans[t] = (mf_task_span){now, now + dur[t], slot, 0};
-    event_push(s, (sim_event){now + dur[t], t});
+    tl->spans[t] = (mf_task_span){start, start + dur[t], slot, 0};
+    event_push(s, (sim_event){start + dur[t], t});
 }
 
 /* The lane a task that became ready queues on: its wake lane first, where it has a wake phase. */
@@ -190,6 +220,9 @@ int mf_sim_run_opts(const mf_graph *g, const mf_sim_opts *o, mf_timeline *tl)
     int pool = o && o->n_cores > 0 && o->lane_core ? o->n_cores : 0;
     if (o && o->n_cores < 0)
         return mf_error(-EINVAL, "sim: a core pool of %d cores", o->n_cores);
+    if (o && (o->spin_ns < 0 || o->sleep_wake_ns < 0))
+        return mf_error(-EINVAL, "sim: spin %lld ns, wake %lld ns (expected >= 0)", (long long)o->spin_ns,
+                        (long long)o->sleep_wake_ns);
     if (!g || !tl)
         return mf_error(-EINVAL, "sim: NULL graph or timeline");
     if (!g->finalized)
@@ -211,12 +244,18 @@ int mf_sim_run_opts(const mf_graph *g, const mf_sim_opts *o, mf_timeline *tl)
     mf_task_id *ready_store = malloc((size_t)n * (wake_ns ? 2 : 1) * sizeof *ready_store);
     mf_task_id *noop_stack = malloc((size_t)n * sizeof *noop_stack);   /* a stack */
     sim_state s = {.rank = g->rank_ns};
+    int sleeping = o && o->sleep_wake_ns > 0;
     s.ready = calloc((size_t)n_vl, sizeof *s.ready);
     s.free_slots = calloc((size_t)n_vl, sizeof *s.free_slots);
     s.n_free = calloc((size_t)n_vl, sizeof *s.n_free);
+    if (sleeping) {
+        s.freed_at = calloc((size_t)n_vl, sizeof *s.freed_at);
+        s.spin_ns = o->spin_ns;
+        s.sleep_wake_ns = o->sleep_wake_ns;
+    }
     int rc = 0;
     if (!conc || !on_lane || !lane_core || !dur || !waiting || !ready_store || !noop_stack || !s.ready ||
-        !s.free_slots || !s.n_free) {
+        !s.free_slots || !s.n_free || (sleeping && !s.freed_at)) {
         rc = mf_error(-ENOMEM, "sim: out of memory for %d tasks", n);
         goto out;
     }
@@ -256,7 +295,15 @@ int mf_sim_run_opts(const mf_graph *g, const mf_sim_opts *o, mf_timeline *tl)
             goto out;
         }
         for (int k = 0; k < slots; k++)
-            slot_push(s.free_slots[l], &s.n_free[l], k);
+            slot_push(s.free_slots[l], &s.n_free[l], k);   /* ascending: a heap and a list alike */
+        if (sleeping && l < n_lanes && g->lanes[l].kind == MF_LANE_CPU) {
+            s.freed_at[l] = malloc((size_t)(slots ? slots : 1) * sizeof **s.freed_at);
+            if (!s.freed_at[l]) {
+                rc = mf_error(-ENOMEM, "sim: out of memory");
+                goto out;
+            }
+            for (int k = 0; k < slots; k++) s.freed_at[l][k] = INT64_MIN / 4;   /* asleep at the start */
+        }
     }
 
     for (mf_task_id t = 0; t < n; t++)
@@ -299,7 +346,7 @@ int mf_sim_run_opts(const mf_graph *g, const mf_sim_opts *o, mf_timeline *tl)
             n_done++;
             if (lane_core[l])
                 pool++;
-            slot_push(s.free_slots[l], &s.n_free[l], tl->spans[t].worker);
+            sim_slot_give(&s, l, tl->spans[t].worker, now);
             /* successors; those marked noop (mf_graph_set_noop) complete at once, as the
              * executor completes them where they become ready, and release theirs */
             int top = 0;
@@ -328,6 +375,10 @@ out:
     if (s.free_slots)
         for (int l = 0; l < n_vl; l++)
             free(s.free_slots[l]);
+    if (s.freed_at)
+        for (int l = 0; l < n_vl; l++)
+            free(s.freed_at[l]);
+    free(s.freed_at);
     free(s.free_slots);
     free(s.n_free);
     free(s.ready);

@@ -28,6 +28,13 @@ typedef struct mf_sim_opts {
     int n_cores;
     const int *concurrency;        /* n_lanes, or NULL */
     const int64_t *wake_ns;        /* n_lanes, or NULL */
+    /* Sleeping CPU workers (the executor's idle workers spin, then sleep until a push wakes
+     * them): where sleep_wake_ns > 0, a CPU lane's slot that has been free for longer than
+     * spin_ns is asleep, and a task given to it starts sleep_wake_ns later (its span starts
+     * then). A free slot still spinning is chosen before a sleeping one (the most recently freed
+     * first, lowest index on ties); every slot is asleep at the start of the run. 0: off, free
+     * slots are taken lowest first and start at once. */
+    int64_t spin_ns, sleep_wake_ns;
 } mf_sim_opts;
 int mf_sim_run_opts(const mf_graph *g, const mf_sim_opts *o, mf_timeline *tl);
 

@@ -37,6 +37,10 @@ static void check_profile(const mf_profile *p, int n_cards, const char *what)
     CHECK(plausible_rate(p->mem_bytes_per_s), "%s: mem %g", what, p->mem_bytes_per_s);
     CHECK(p->cross_socket_factor > 0 && p->cross_socket_factor <= 1, "%s: cross-socket factor", what);
     CHECK(p->task_overhead_ns > 0 && p->task_overhead_ns < 1e6, "%s: task overhead %g ns", what, p->task_overhead_ns);
+    CHECK(p->worker_spin_ns > 0 && p->worker_spin_ns < 1e8, "%s: worker spin %g ns", what, p->worker_spin_ns);
+    CHECK(p->worker_wake_ns >= 0 && p->worker_wake_ns < 1e8 && (p->threads_per_socket * p->n_sockets > 1 ||
+                                                               p->worker_wake_ns == 0),
+          "%s: worker wake-up %g ns", what, p->worker_wake_ns);
     for (int k = 0; k < MF_KF_N; k++) {
         CHECK(k == MF_KF_REF ? p->host[k].bytes_per_s == 0 : plausible_rate(p->host[k].bytes_per_s),
               "%s: host kernel %d bytes/s %g", what, k, p->host[k].bytes_per_s);
@@ -123,7 +127,7 @@ static void test_cli(void)
     json_t *j = rc == 0 ? json_loads(out, 0, &e) : NULL;
     CHECK(j != NULL, "--json output parses: rc %d, stderr: %s", rc, err);
     json_t *keys = json_object_get(j, "keys");
-    CHECK(json_is_array(keys) && json_array_size(keys) == 40, "--json has the 40 keys");
+    CHECK(json_is_array(keys) && json_array_size(keys) == 42, "--json has the 42 keys");
     size_t i;
     json_t *k;
     int ok = 1;

@@ -111,6 +111,18 @@ static void test_structure(const char *tmp)
     CHECK(r.host_slots == 16 && r.dev_slots == 0, "slots: %lld host, %lld dev", (long long)r.host_slots,
           (long long)r.dev_slots);
     mf_plan_free(p);
+    /* sleeping workers (worker_wake_ns): the one worker is asleep when the step starts and never
+     * idle after (each task releases the next): one wake-up, whatever the spin */
+    f.worker_wake_ns = 5000;
+    for (int spin = 0; spin <= 1000000; spin += 1000000) {
+        f.worker_spin_ns = spin;
+        CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .seed = 3}, &p), "%s", mf_last_error());
+        CHECK(!mf_plan_step(p, &r), "%s", mf_last_error());
+        CHECK(r.step_ns == 186 * 1000 + 5000, "tiny host, wake 5 us, spin %d ns: makespan %lld, expected 191000",
+              spin, (long long)r.step_ns);
+        mf_plan_free(p);
+    }
+    f.worker_wake_ns = f.worker_spin_ns = 0;
 
     /* routed experts alone cost: fp4 at 417792e3 B/s. One expert is w1, w3 [64, 256] and w2
      * [256, 64], each 64 x 256 / 2 code bytes + 64 x 256 / 32 scale bytes = 8704: 26112 bytes;

@@ -21,6 +21,8 @@ static const char *base_lines[] = {
     "mem_bytes_per_s = 60G   # source: a measurement, somewhere",
     "cross_socket_factor = 0.5",
     "task_overhead_ns = 2500",
+    "worker_spin_ns = 40000",
+    "worker_wake_ns = 30000",
     "host_fp4_bytes_per_s = 1.5Gi",
     "host_fp4_macs_per_s = 3e9",
     "host_fp4_latency_ns = 1000",
@@ -277,7 +279,7 @@ static void test_round_trip(const char *tmpdir)
     CHECK(strcmp(a.name, b.name) == 0, "name");
 #define SAME(f) CHECK(a.f == b.f, #f ": %.17g vs %.17g", (double)a.f, (double)b.f)
     SAME(n_sockets); SAME(threads_per_socket); SAME(mem_bytes_per_s); SAME(cross_socket_factor);
-    SAME(task_overhead_ns); SAME(disk_bytes_per_s); SAME(disk_latency_ns); SAME(disk_queue_depth);
+    SAME(task_overhead_ns); SAME(worker_spin_ns); SAME(worker_wake_ns); SAME(disk_bytes_per_s); SAME(disk_latency_ns); SAME(disk_queue_depth);
     SAME(n_cards); SAME(cards_emulated); SAME(card_mem_bytes); SAME(h2d_bytes_per_s); SAME(h2d_latency_ns);
     SAME(d2h_bytes_per_s); SAME(d2h_latency_ns); SAME(h2d_total_bytes_per_s); SAME(act_copy_latency_ns);
     for (int k = 0; k < MF_KF_N; k++) {

@@ -531,10 +531,50 @@ static void test_lane_options(void)
     mf_graph_destroy(g);
 }
 
+/* Sleeping workers: a free slot idle for longer than spin_ns is asleep and a task given to it
+ * starts sleep_wake_ns later; a spinning slot (the most recently freed) is taken first. Tasks of
+ * 1 ms on 2 slots, spin 0.5 ms, wake 0.3 ms: A -> (B, C) -> D -> (long E, F), F -> G. */
+static void test_sleeping_workers(void)
+{
+    mf_lane_desc l = {.kind = MF_LANE_CPU, .name = "cpu", .concurrency = 2, .numa_node = -1,
+                      .model = {.flops_per_s = 1e9}};
+    mf_graph *g;
+    CHECK(mf_graph_create(&l, 1, &g) == 0, "%s", mf_last_error());
+    mf_task_id a = add(g, "a", 0, 1), b = add(g, "b", 0, 1), c = add(g, "c", 0, 1), d = add(g, "d", 0, 1);
+    mf_task_id e = add(g, "e", 0, 3), f = add(g, "f", 0, 1), h = add(g, "g", 0, 1);
+    dep(g, a, b), dep(g, a, c), dep(g, b, d), dep(g, c, d), dep(g, d, e), dep(g, d, f), dep(g, f, h);
+    CHECK(mf_graph_finalize(g) == 0, "%s", mf_last_error());
+    mf_timeline *tl;
+    CHECK(mf_timeline_create(g, &tl) == 0, "%s", mf_last_error());
+    mf_timeline_summary s;
+    /* off: 0-1 a, 1-2 b c, 2-3 d, 3-6 e, 3-4 f, 4-5 g */
+    CHECK(!mf_sim_run_opts(g, &(mf_sim_opts){.spin_ns = MS / 2}, tl) && !mf_timeline_summarize(tl, &s) &&
+              s.makespan_ns == 6 * MS, "no wake-up: makespan %lld, expected 6 ms", (long long)s.makespan_ns);
+    /* on: a wakes at 0.3 (every slot asleep at the start), ends 1.3 on slot 0; b takes spinning
+     * slot 0 at 1.3 (ends 2.3), c wakes slot 1 (1.6-2.6); d at 2.6 on slot 1, just freed (3.6);
+     * e on slot 1 (3.6-6.6), f on slot 0, idle since 2.3, asleep: 3.9-4.9; g on slot 0, 4.9-5.9 */
+    CHECK(!mf_sim_run_opts(g, &(mf_sim_opts){.spin_ns = MS / 2, .sleep_wake_ns = 3 * MS / 10}, tl) &&
+              !mf_timeline_summarize(tl, &s), "%s", mf_last_error());
+    mf_task_span *sp = mf_timeline_spans(tl);
+    const struct { mf_task_id t; int64_t start; int worker; } want[] = {
+        {a, 3 * MS / 10, 0}, {b, 13 * MS / 10, 0}, {c, 16 * MS / 10, 1}, {d, 26 * MS / 10, 1},
+        {e, 36 * MS / 10, 1}, {f, 39 * MS / 10, 0}, {h, 49 * MS / 10, 0}};
+    for (size_t k = 0; k < sizeof want / sizeof want[0]; k++)
+        CHECK(sp[want[k].t].start_ns == want[k].start && sp[want[k].t].worker == want[k].worker,
+              "sleeping workers: task %d starts %lld on slot %d, expected %lld on %d", want[k].t,
+              (long long)sp[want[k].t].start_ns, sp[want[k].t].worker, (long long)want[k].start, want[k].worker);
+    CHECK(s.makespan_ns == 66 * MS / 10, "sleeping workers: makespan %lld, expected 6.6 ms", (long long)s.makespan_ns);
+    CHECK(mf_sim_run_opts(g, &(mf_sim_opts){.spin_ns = -1, .sleep_wake_ns = 1}, tl) == -EINVAL,
+          "a negative spin is refused");
+    mf_timeline_destroy(tl);
+    mf_graph_destroy(g);
+}
+
 int main(void)
 {
     test_union();
     test_lane_options();
+    test_sleeping_workers();
     test_chain();
     test_fork_join(2, 6 * MS);
     test_fork_join(4, 4 * MS);

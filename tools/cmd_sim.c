@@ -70,7 +70,7 @@ static void mf_sim_usage(FILE *f)
 }
 
 static void mf_sim_json(const mf_plan_report *r, const char *routing, int placement, int dense, int measured,
-                        double meas_ns)
+                        double meas_ns, const mf_step_times *mt)
 {
     static const char *const pl[] = {"host", "seed", "hybrid"};
     printf("{\"placement\":\"%s\",\"dense\":\"%s\",\"routing\":\"%s\",\"batch\":%d,\"steps\":%d,\"step_s\":%.9g,\"token_s\":%.9g,"
@@ -87,7 +87,13 @@ static void mf_sim_json(const mf_plan_report *r, const char *routing, int placem
            ",\"dev_misses\":%" PRIu64 ",\"store_hits\":%" PRIu64 ",\"store_misses\":%" PRIu64,
            r->lanes[r->bottleneck].name, r->dev_slots, r->host_slots, r->dev_hits, r->dev_misses, r->store_hits,
            r->store_misses);
-    if (measured) printf(",\"measured_token_s\":%.9g,\"ratio\":%.6g", meas_ns / 1e9, r->token_ns / meas_ns);
+    if (measured) {
+        printf(",\"measured_token_s\":%.9g,\"ratio\":%.6g,\"measured_phases\":{", meas_ns / 1e9,
+               r->token_ns / meas_ns);
+        for (int q = 0; q < MF_STEP_N_PHASES; q++)
+            printf("%s\"%s\":%.9g", q ? "," : "", mf_step_phase_name((mf_step_phase)q), mt->phase_ns[q] / 1e9);
+        printf("}");
+    }
     printf("}\n");
 }
 
@@ -254,7 +260,7 @@ int mf_cmd_sim(int argc, char **argv)
             goto fail;
     }
     if (json) {
-        mf_sim_json(&rep, mf_routing_describe(rt), place, dense, measure, meas_ns);
+        mf_sim_json(&rep, mf_routing_describe(rt), place, dense, measure, meas_ns, &mt);
     } else {
         printf("sim: %s on profile %s, placement %s, dense %s, routing %s, batch %ld, %ld warm-up + %ld steps\n",
                dir ? dir : preset, prof.name, placement, dense == MF_PLAN_DENSE_CARDS ? "cards" : "host",

@@ -12,6 +12,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +24,7 @@
 #include "sched/error.h"
 #include "sched/graph.h"
 #include "sched/sched.h"
+#include "sched/timeline.h"
 
 /* ---- shared helpers -------------------------------------------------------------------------- */
 
@@ -360,36 +362,135 @@ static const uint8_t *mf_wpool_w(const mf_wpool *pl, int c)
     return pl->mem + (mf_up64(pl->w_bytes) + mf_up64(pl->s_bytes)) * (size_t)(c % pl->n_copies);
 }
 
-/* Median ns of one call (a whole matrix on this thread) at n_tok tokens, rotating through the
- * copies so every call reads its weights from memory. */
-static int mf_hwcal_time_kern(mf_hwcal *h, const mf_wpool *pl, int n_tok, const float *x, float *y, void *qbuf,
-                              size_t qbuf_bytes, int reps, double *ns)
+/* ns of one call (a whole matrix on this thread) at n_tok tokens on copy c of the pool. */
+static int mf_hwcal_time_call(const mf_wpool *pl, int c, int n_tok, const float *x, float *y, void *qbuf,
+                              size_t qbuf_bytes, double *ns)
 {
-    double v[64];
-    int rc = 0;
     mf_kern_q8 q8;
+    int rc = 0;
     if (pl->fmt == MF_KERN_FP4 && (rc = mf_kern_q8_init(&q8, qbuf, qbuf_bytes, n_tok, pl->n_in))) return rc;
-    for (int r = -1; r < reps && !rc; r++) {
-        const uint8_t *w = mf_wpool_w(pl, r + 1);
-        const uint8_t *s = w + mf_up64(pl->w_bytes);
-        int64_t t0 = mf_now_ns();
-        if (pl->fmt == MF_KERN_FP4) {
-            rc = mf_kern_q8_quantize(&q8, x, pl->n_in, 0, n_tok);
-            if (!rc) rc = mf_kern_fp4_matmul(w, s, pl->n_out, pl->n_in, &q8, y, pl->n_out, 0, pl->n_out);
-        } else if (pl->fmt == MF_KERN_FP8) {
-            rc = mf_kern_fp8_matmul(w, s, pl->n_out, pl->n_in, x, n_tok, pl->n_in, y, pl->n_out, 0, pl->n_out);
-        } else {
-            rc = mf_kern_bf16_matmul((const uint16_t *)w, pl->n_out, pl->n_in, x, n_tok, pl->n_in, y, pl->n_out, 0,
-                                     pl->n_out);
-        }
-        if (r >= 0) v[r] = (double)(mf_now_ns() - t0);
+    const uint8_t *w = mf_wpool_w(pl, c);
+    const uint8_t *s = w + mf_up64(pl->w_bytes);
+    int64_t t0 = mf_now_ns();
+    if (pl->fmt == MF_KERN_FP4) {
+        rc = mf_kern_q8_quantize(&q8, x, pl->n_in, 0, n_tok);
+        if (!rc) rc = mf_kern_fp4_matmul(w, s, pl->n_out, pl->n_in, &q8, y, pl->n_out, 0, pl->n_out);
+    } else if (pl->fmt == MF_KERN_FP8) {
+        rc = mf_kern_fp8_matmul(w, s, pl->n_out, pl->n_in, x, n_tok, pl->n_in, y, pl->n_out, 0, pl->n_out);
+    } else {
+        rc = mf_kern_bf16_matmul((const uint16_t *)w, pl->n_out, pl->n_in, x, n_tok, pl->n_in, y, pl->n_out, 0,
+                                 pl->n_out);
     }
-    if (rc) return rc;
-    *ns = mf_hwcal_median(v, reps);
-    return 0;
+    *ns = (double)(mf_now_ns() - t0);
+    return rc;
 }
 
-static int mf_hwcal_kernels(mf_hwcal *h)
+/* One measuring thread: pinned to its core, it times A at 1 token, B at 1 token and B at
+ * MF_HWCAL_MANY tokens in turn, reps times (after one round not counted), each call started
+ * together with the other threads' (a barrier), on its own copies of the pools (copies id,
+ * id + n, ...): the three timings of a fit see the same conditions, a burst of other work
+ * lands on all three. t[k]: the medians. */
+typedef struct mf_kjob {
+    const mf_wpool *a, *b;
+    int id, n;
+    const float *x;
+    float *y;
+    void *qbuf;
+    size_t qbuf_bytes;
+    int reps;
+    hwloc_topology_t topo;
+    hwloc_const_cpuset_t bind;   /* NULL: unbound */
+    pthread_barrier_t *bar;
+    const int *go;               /* 1: every thread started; 2: some could not start, return */
+    double t[3];
+    int rc;
+} mf_kjob;
+
+static void *mf_kjob_run(void *arg)
+{
+    mf_kjob *j = arg;
+    if (j->bind) hwloc_set_cpubind(j->topo, j->bind, HWLOC_CPUBIND_THREAD);
+    int go;
+    while (j->go && !(go = __atomic_load_n(j->go, __ATOMIC_ACQUIRE))) sched_yield();
+    if (j->go && go == 2) return NULL;
+    double v[3][64];
+    for (int r = -1; r < j->reps; r++)
+        for (int k = 0; k < 3; k++) {
+            if (j->bar) pthread_barrier_wait(j->bar);
+            double ns = 0;
+            /* this thread's copies only, and B at many tokens on another copy than B at 1 */
+            const mf_wpool *pl = k ? j->b : j->a;
+            int mine = pl->n_copies / j->n, c = j->id + j->n * ((k ? 2 * (r + 1) + (k == 2) : r + 1) % mine);
+            if (!j->rc)
+                j->rc = mf_hwcal_time_call(pl, c, k == 2 ? MF_HWCAL_MANY : 1, j->x, j->y, j->qbuf, j->qbuf_bytes, &ns);
+            if (r >= 0) v[k][r] = ns;
+        }
+    for (int k = 0; k < 3 && !j->rc; k++) j->t[k] = mf_hwcal_median(v[k], j->reps);
+    return NULL;
+}
+
+/* The three timings of one family on n_threads threads at once (one per core of socket 0, each on
+ * its own weights): per timing the median over threads of their medians. */
+static int mf_hwcal_kern_times(const mf_hwcal_topo *t, const mf_wpool *a, const mf_wpool *b, int n_threads,
+                               const float *x, int reps, double out[3])
+{
+    mf_kjob jobs[256];
+    pthread_t th[256];
+    pthread_barrier_t bar;
+    int go = 0;
+    if (n_threads > 256) n_threads = 256;
+    size_t yb = sizeof(float) * MF_HWCAL_MANY * MF_HWCAL_B_OUT, qb = mf_kern_q8_bytes(MF_HWCAL_MANY, MF_HWCAL_B_IN);
+    uint8_t *mem = malloc((yb + qb + 64) * (size_t)n_threads);
+    if (!mem) return mf_error(-ENOMEM, "calibrate: out of memory");
+    hwloc_const_cpuset_t pkg = mf_hwcal_package_set(t, 0);
+    int n_cores = hwloc_get_nbobjs_inside_cpuset_by_type(t->topo, pkg, HWLOC_OBJ_CORE);
+    int rc = n_threads > 1 ? pthread_barrier_init(&bar, NULL, (unsigned)n_threads) : 0, started = 0;
+    if (rc) {
+        free(mem);
+        return mf_error(-rc, "calibrate: cannot make a barrier of %d threads", n_threads);
+    }
+    for (int i = 0; i < n_threads; i++) {
+        hwloc_obj_t core = n_cores > 0 ? hwloc_get_obj_inside_cpuset_by_type(t->topo, pkg, HWLOC_OBJ_CORE,
+                                                                             (unsigned)(i % n_cores))
+                                       : NULL;
+        uint8_t *m = mem + (yb + qb + 64) * (size_t)i;
+        jobs[i] = (mf_kjob){.a = a, .b = b, .id = i, .n = n_threads, .x = x, .y = (float *)m, .qbuf = m + yb,
+                            .qbuf_bytes = qb, .reps = reps, .topo = t->topo, .bind = core ? core->cpuset : NULL,
+                            .bar = n_threads > 1 ? &bar : NULL, .go = n_threads > 1 ? &go : NULL};
+    }
+    if (n_threads == 1) {
+        mf_kjob_run(&jobs[0]);   /* alone: on the calling thread, unpinned */
+        started = 1;
+    } else {
+        for (int i = 0; i < n_threads; i++) {
+            if (pthread_create(&th[i], NULL, mf_kjob_run, &jobs[i]) != 0) break;
+            started++;
+        }
+        /* the phases' barriers need every thread: if one did not start, the others return at once */
+        __atomic_store_n(&go, started == n_threads ? 1 : 2, __ATOMIC_RELEASE);
+        for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+        pthread_barrier_destroy(&bar);
+        if (started < n_threads) {
+            free(mem);
+            return mf_error(-EAGAIN, "calibrate: cannot start kernel thread %d of %d", started, n_threads);
+        }
+    }
+    double v[256];
+    for (int k = 0; k < 3 && !rc; k++) {
+        for (int i = 0; i < n_threads; i++) {
+            if (jobs[i].rc) rc = jobs[i].rc;
+            v[i] = jobs[i].t[k];
+        }
+        if (!rc) out[k] = mf_hwcal_median(v, n_threads);
+    }
+    free(mem);
+    return rc;
+}
+
+/* Each family's figures per thread while every thread of a socket runs the kernel at once, as the
+ * engine's workers do (they share the socket's memory bandwidth and last-level cache); the same
+ * timings on one thread alone go to the source and the progress line, for comparison. */
+static int mf_hwcal_kernels(mf_hwcal *h, const mf_hwcal_topo *t)
 {
     static const struct { int fmt; int fam; const char *name, *how; } fams[] = {
         {MF_KERN_FP4, MF_KF_FP4, "fp4", "fused fp4 int8 path (activation quantization included)"},
@@ -397,57 +498,64 @@ static int mf_hwcal_kernels(mf_hwcal *h)
         {MF_KERN_BF16, MF_KF_BF16, "bf16", "bf16 matmul"},
     };
     mf_profile *p = h->p;
-    int reps = h->o->quick ? 5 : 15;
+    int reps = h->o->quick ? 5 : 25, n_threads = p->threads_per_socket;
     size_t pool_min = (h->o->quick ? 1 : 3) * (h->llc_bytes ? h->llc_bytes : (size_t)32 << 20) + ((size_t)8 << 20);
-    float *x = malloc(sizeof(float) * 64 * MF_HWCAL_B_IN), *y = malloc(sizeof(float) * 64 * MF_HWCAL_B_OUT);
-    size_t qb = mf_kern_q8_bytes(64, MF_HWCAL_B_IN);
-    void *qbuf = malloc(qb);
+    float *x = malloc(sizeof(float) * 64 * MF_HWCAL_B_IN);
     int rc = 0;
-    if (!x || !y || !qbuf) {
-        rc = mf_error(-ENOMEM, "calibrate: out of memory");
-        goto out;
-    }
+    if (!x) return mf_error(-ENOMEM, "calibrate: out of memory");
     for (int i = 0; i < 64 * MF_HWCAL_B_IN; i++) x[i] = (float)((int)(mf_hwcal_rand(h) % 2001) - 1000) * 1e-3f;
     for (size_t f = 0; f < sizeof fams / sizeof fams[0] && !rc; f++) {
         mf_wpool a, b;
         memset(&a, 0, sizeof a);
         memset(&b, 0, sizeof b);
-        double ta1 = 0, tb1 = 0, tbn = 0;
-        if (!(rc = mf_wpool_make(h, &a, fams[f].fmt, MF_HWCAL_A_OUT, MF_HWCAL_A_IN, pool_min)) &&
-            !(rc = mf_wpool_make(h, &b, fams[f].fmt, MF_HWCAL_B_OUT, MF_HWCAL_B_IN, pool_min)) &&
-            !(rc = mf_hwcal_time_kern(h, &a, 1, x, y, qbuf, qb, reps, &ta1)) &&
-            !(rc = mf_hwcal_time_kern(h, &b, 1, x, y, qbuf, qb, reps, &tb1)) &&
-            !(rc = mf_hwcal_time_kern(h, &b, MF_HWCAL_MANY, x, y, qbuf, qb, reps, &tbn))) {
-            char what[32];
-            snprintf(what, sizeof what, "host %s", fams[f].name);
+        double one[3] = {0}, all[3] = {0};
+        /* every thread rotates through at least 2 copies of its own */
+        size_t min_a = pool_min, min_b = pool_min;
+        if (!(rc = mf_wpool_make(h, &a, fams[f].fmt, MF_HWCAL_A_OUT, MF_HWCAL_A_IN, min_a)) &&
+            !(rc = mf_wpool_make(h, &b, fams[f].fmt, MF_HWCAL_B_OUT, MF_HWCAL_B_IN, min_b)) &&
+            (a.n_copies < 2 * n_threads || b.n_copies < 2 * n_threads))
+            rc = mf_error(-EINVAL, "calibrate: %d threads need %d copies of each matrix (have %d and %d)", n_threads,
+                          2 * n_threads, a.n_copies, b.n_copies);
+        /* one thread alone, for the sources (not with --quick, unless it is the measurement) */
+        int alone_too = !h->o->quick || n_threads == 1;
+        if (!rc && alone_too) rc = mf_hwcal_kern_times(t, &a, &b, 1, x, reps, one);
+        if (!rc) rc = n_threads > 1 ? mf_hwcal_kern_times(t, &a, &b, n_threads, x, reps, all) : 0;
+        if (!rc && n_threads == 1) memcpy(all, one, sizeof all);
+        if (!rc) {
+            char what[48];
+            snprintf(what, sizeof what, "host %s (%d threads at once)", fams[f].name, n_threads);
             double macs_b = (double)MF_HWCAL_B_OUT * MF_HWCAL_B_IN;
-            mf_profile_kern *k = &p->host[fams[f].fam];
-            rc = mf_hwcal_fit_kern(what, (double)(a.w_bytes + a.s_bytes), ta1, (double)(b.w_bytes + b.s_bytes), tb1,
-                                   macs_b, MF_HWCAL_MANY, tbn, k);
+            double bytes_a = (double)(a.w_bytes + a.s_bytes), bytes_b = (double)(b.w_bytes + b.s_bytes);
+            mf_profile_kern *k = &p->host[fams[f].fam], alone;
+            rc = mf_hwcal_fit_kern(what, bytes_a, all[0], bytes_b, all[1], macs_b, MF_HWCAL_MANY, all[2], k);
+            if (!rc && (!alone_too || mf_hwcal_fit_kern(fams[f].name, bytes_a, one[0], bytes_b, one[1], macs_b,
+                                                        MF_HWCAL_MANY, one[2], &alone)))
+                alone = (mf_profile_kern){0};   /* the alone figures are only reported (0: not measured) */
             if (!rc) {
                 char key[48];
                 const char *simd = mf_kern_simd_name(mf_kern_simd_active());
                 snprintf(key, sizeof key, "host_%s_bytes_per_s", fams[f].name);
-                mf_hwcal_src(h, key, "%s, 1 thread (%s), 1 token, [%dx%d] vs [%dx%d], weights out of cache, "
-                             "medians of %d", fams[f].how, simd, MF_HWCAL_B_OUT, MF_HWCAL_B_IN, MF_HWCAL_A_OUT,
-                             MF_HWCAL_A_IN, reps);
+                mf_hwcal_src(h, key, "%s (%s), per thread with %d pinned threads at once, 1 token, [%dx%d] vs "
+                             "[%dx%d], weights out of cache, medians of %d (1 thread alone: %.4g)", fams[f].how, simd,
+                             n_threads, MF_HWCAL_B_OUT, MF_HWCAL_B_IN, MF_HWCAL_A_OUT, MF_HWCAL_A_IN, reps,
+                             alone.bytes_per_s);
                 snprintf(key, sizeof key, "host_%s_macs_per_s", fams[f].name);
-                mf_hwcal_src(h, key, "%s, 1 thread, [%dx%d] at %d tokens minus 1 token (%.0f vs %.0f ns)",
-                             fams[f].how, MF_HWCAL_B_OUT, MF_HWCAL_B_IN, MF_HWCAL_MANY, tbn, tb1);
+                mf_hwcal_src(h, key, "%s, per thread with %d at once, [%dx%d] at %d tokens minus 1 token (%.0f vs "
+                             "%.0f ns; 1 thread alone: %.4g)", fams[f].how, n_threads, MF_HWCAL_B_OUT, MF_HWCAL_B_IN,
+                             MF_HWCAL_MANY, all[2], all[1], alone.macs_per_s);
                 snprintf(key, sizeof key, "host_%s_latency_ns", fams[f].name);
-                mf_hwcal_src(h, key, "%s, 1 thread: intercept of the [%dx%d]/[%dx%d] 1-token fit", fams[f].how,
-                             MF_HWCAL_A_OUT, MF_HWCAL_A_IN, MF_HWCAL_B_OUT, MF_HWCAL_B_IN);
+                mf_hwcal_src(h, key, "%s, %d threads at once: intercept of the [%dx%d]/[%dx%d] 1-token fit (1 "
+                             "thread alone: %.4g)", fams[f].how, n_threads, MF_HWCAL_A_OUT, MF_HWCAL_A_IN,
+                             MF_HWCAL_B_OUT, MF_HWCAL_B_IN, alone.latency_ns);
                 mf_hwcal_note(h, "host %s: %.2f GB/s of weights, %.2f GMAC/s beyond the first token, latency %.1f us "
-                              "(1 thread)", fams[f].name, k->bytes_per_s / 1e9, k->macs_per_s / 1e9, k->latency_ns / 1e3);
+                              "(per thread, %d at once; alone %.2f GB/s)", fams[f].name, k->bytes_per_s / 1e9,
+                              k->macs_per_s / 1e9, k->latency_ns / 1e3, n_threads, alone.bytes_per_s / 1e9);
             }
         }
         free(a.mem);
         free(b.mem);
     }
-out:
     free(x);
-    free(y);
-    free(qbuf);
     return rc;
 }
 
@@ -606,6 +714,133 @@ out:
     return rc ? mf_error_wrap(rc, "calibrate: executor overhead") : 0;
 }
 
+/* ---- sleeping workers ------------------------------------------------------------------------ */
+
+/* ns of the executor's idle loop (sched/lane_cpu.c): MF_SCHED_SPIN_ROUNDS relaxed loads of a
+ * counter nobody changes, a pause each; the median of 15. */
+static double mf_hwcal_spin_ns(void)
+{
+    _Atomic int seq = 0;
+    double v[15];
+    for (int r = -1; r < 15; r++) {
+        int64_t t0 = mf_now_ns();
+        for (int i = 0; i < MF_SCHED_SPIN_ROUNDS; i++) {
+            if (atomic_load_explicit(&seq, memory_order_relaxed) != 0) break;
+            _mm_pause();
+        }
+        if (r >= 0) v[r] = (double)(mf_now_ns() - t0);
+    }
+    return mf_hwcal_median(v, 15);
+}
+
+static int mf_busy_task(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    int64_t t0 = mf_now_ns(), ns = *(const int64_t *)arg;
+    while (mf_now_ns() - t0 < ns) _mm_pause();
+    return 0;
+}
+
+/* worker_spin_ns: the idle loop timed. worker_wake_ns: stages of one busy task (4 spins long, at
+ * least 200 us: the other workers go to sleep meanwhile) that releases one task of 2 ms per
+ * worker, which all release the next stage, on the real executor (pinned workers, the timeline
+ * on): the median over stages and released tasks not run by the releasing worker of their start
+ * minus the busy task's end. */
+static int mf_hwcal_sleep(mf_hwcal *h)
+{
+    int stages = h->o->quick ? 20 : 60, rc, workers = h->p->n_sockets * h->p->threads_per_socket;
+    double spin = mf_hwcal_spin_ns();
+    int64_t busy_ns = (int64_t)fmax(4 * spin, 200e3), rel_ns = 2000000;   /* a released task: 2 ms */
+    mf_lane_desc lane = {.kind = MF_LANE_CPU, .name = "cpu", .concurrency = 0, .numa_node = -1,
+                         .model = {.flops_per_s = 1e9}};
+    mf_sched *s = NULL;
+    mf_graph *g = NULL;
+    mf_timeline *tl = NULL;
+    double *d = malloc(sizeof *d * (size_t)stages * (size_t)(workers > 1 ? workers : 1));
+    mf_task_id *busy = malloc(sizeof *busy * (size_t)stages);
+    int n_d = 0;
+    if (!d || !busy) {
+        rc = mf_error(-ENOMEM, "calibrate: out of memory");
+        goto out;
+    }
+    if (workers < 2) {   /* one worker never waits for another to wake */
+        h->p->worker_spin_ns = spin;
+        h->p->worker_wake_ns = 0;
+        mf_hwcal_src(h, "worker_spin_ns", "%d rounds of the executor's idle loop (a relaxed load and a pause), "
+                     "median of 15", MF_SCHED_SPIN_ROUNDS);
+        mf_hwcal_src(h, "worker_wake_ns", "one worker: no worker is woken for another's task (0)");
+        rc = 0;
+        goto out;
+    }
+    if ((rc = mf_sched_create(&(mf_sched_opts){.lanes = &lane, .n_lanes = 1, .pin_threads = 1}, &s)) ||
+        (rc = mf_graph_create(&lane, 1, &g)))
+        goto out;
+    mf_task_id prev = -1;
+    for (int st = 0; st < stages && !rc; st++) {
+        mf_task_id b = busy[st] = mf_graph_add_task(g, &(mf_task_desc){.name = "busy", .lane = 0, .fn = mf_busy_task,
+                                                                       .arg = &busy_ns, .place_hint = -1,
+                                                                       .cost = {.flops = 1e6}});
+        if (b < 0) {
+            rc = b;
+            break;
+        }
+        if (prev >= 0) rc = mf_graph_add_dep(g, prev, b);
+        mf_task_id join = -1;
+        for (int w = 0; w <= workers && !rc; w++) {
+            /* released tasks of 2 ms: the releasing worker runs one of them, the others wait for
+             * their own (woken) workers, unless a wake-up takes longer than that */
+            mf_task_id t = w < workers ? mf_graph_add_task(g, &(mf_task_desc){.name = "released", .lane = 0,
+                                                                                .fn = mf_busy_task, .arg = &rel_ns,
+                                                                                .place_hint = -1,
+                                                                                .cost = {.flops = 1e6}})
+                                       : mf_empty_add(g);
+            if (t < 0) {
+                rc = t;
+                break;
+            }
+            if (w < workers) {
+                rc = mf_graph_add_dep(g, b, t);
+            } else {
+                join = t;
+                for (int k = 0; k < workers && !rc; k++) rc = mf_graph_add_dep(g, t - workers + k, t);
+            }
+        }
+        prev = join;
+    }
+    if (rc || (rc = mf_graph_finalize(g)) || (rc = mf_timeline_create(g, &tl))) goto out;
+    for (int r = 0; r < 2 && !rc; r++) {   /* the first run warms up; the second counts */
+        if ((rc = mf_sched_run(s, g, &(mf_run_opts){.timeline = tl}))) break;
+        if (r == 0) continue;
+        const mf_task_span *sp = mf_timeline_spans(tl);
+        for (int st = 0; st < stages; st++) {
+            mf_task_id b = busy[st];
+            for (int w = 0; w < workers; w++) {
+                const mf_task_span *x = &sp[b + 1 + w];
+                if (x->worker != sp[b].worker) d[n_d++] = (double)(x->start_ns - sp[b].end_ns);
+            }
+        }
+    }
+    if (rc) goto out;
+    /* a wake-up slower than a released task loses its sample (the releasing worker ran the task):
+     * with none left, the released task's length is a lower bound */
+    h->p->worker_spin_ns = spin;
+    h->p->worker_wake_ns = n_d ? fmax(0.0, mf_hwcal_median(d, n_d)) : (double)rel_ns;
+    mf_hwcal_src(h, "worker_spin_ns", "%d rounds of the executor's idle loop (a relaxed load and a pause), median "
+                 "of 15", MF_SCHED_SPIN_ROUNDS);
+    mf_hwcal_src(h, "worker_wake_ns", "%d busy tasks of %.0f us on %d pinned workers releasing one 2 ms task per "
+                 "worker: start minus busy end on woken workers, median of %d of %d%s", stages, busy_ns / 1e3,
+                 workers, n_d, stages * (workers - 1), n_d ? "" : " (none: at least 2 ms)");
+    mf_hwcal_note(h, "executor: idle workers spin %.1f us, then sleep; a sleeping worker starts a task %.1f us after "
+                  "its release", spin / 1e3, h->p->worker_wake_ns / 1e3);
+out:
+    mf_timeline_destroy(tl);
+    mf_graph_destroy(g);
+    mf_sched_destroy(s);
+    free(d);
+    free(busy);
+    return rc ? mf_error_wrap(rc, "calibrate: sleeping workers") : 0;
+}
+
 /* ---- the host phase and the whole run -------------------------------------------------------- */
 
 static size_t mf_hwcal_llc(void)
@@ -640,8 +875,9 @@ int mf_hwcal_host(mf_hwcal *h)
                  t.n_numa, t.n_numa > 1 ? "s" : "");
     mf_hwcal_src(h, "threads_per_socket", "hwloc: cores per package (the executor runs one CPU worker per core)");
     h->llc_bytes = mf_hwcal_llc();
-    if (!(rc = mf_hwcal_memory(h, &t)) && !(rc = mf_hwcal_kernels(h)) && !(rc = mf_hwcal_ref(h)))
+    if (!(rc = mf_hwcal_memory(h, &t)) && !(rc = mf_hwcal_kernels(h, &t)) && !(rc = mf_hwcal_ref(h)))
         rc = mf_hwcal_executor(h);
+    if (!rc) rc = mf_hwcal_sleep(h);
     hwloc_topology_destroy(t.topo);
     return rc;
 }
@@ -657,7 +893,8 @@ static void mf_round4(double *v)
 
 static void mf_hwcal_round(mf_profile *p)
 {
-    double *f[] = {&p->mem_bytes_per_s, &p->cross_socket_factor, &p->task_overhead_ns, &p->disk_bytes_per_s,
+    double *f[] = {&p->mem_bytes_per_s, &p->cross_socket_factor, &p->task_overhead_ns, &p->worker_spin_ns,
+                   &p->worker_wake_ns, &p->disk_bytes_per_s,
                    &p->disk_latency_ns, &p->h2d_bytes_per_s, &p->h2d_latency_ns, &p->d2h_bytes_per_s,
                    &p->d2h_latency_ns, &p->h2d_total_bytes_per_s};
     for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) mf_round4(f[i]);

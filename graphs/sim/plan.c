@@ -608,7 +608,9 @@ int mf_plan_step(mf_plan *p, mf_plan_report *out)
     }
     rc = mf_sim_run_opts(p->sg->g, &(mf_sim_opts){.task_ns = p->task_ns, .lane_core = p->lane_core,
                                                   .n_cores = p->emulated && p->n_lane_cards ? p->n_cores : 0,
-                                                  .concurrency = p->conc, .wake_ns = p->wake_ns},
+                                                  .concurrency = p->conc, .wake_ns = p->wake_ns,
+                                                  .spin_ns = llround(p->prof.worker_spin_ns),
+                                                  .sleep_wake_ns = llround(p->prof.worker_wake_ns)},
                          p->tl);
     if (!rc) rc = pl_account(p, &r);
     if (rc) return rc;
