@@ -522,6 +522,16 @@ int main(void)
         /* a decode token runs the head (vocab x hidden multiply-adds), a prompt only its last token */
         CHECK(fabs(val[4] - val[3] - (double)c.vocab_size * c.hidden_size * 19 / 20) < 1e-4 * val[4],
               "macs per token: prefill %g, decode %g", val[3], val[4]);
+        /* floor fraction: the weight bytes a step's host kernels read (at least the head's, one byte
+         * a weight) over the measured read rate, against the step; a ratio, no timing asserted */
+        const char *fk[] = {"\"decode_weight_bytes_per_step\":", "\"read_bytes_per_s\":", "\"floor_fraction\":"};
+        double fv[3];
+        for (int k = 0; k < 3; k++) {
+            const char *q = strstr(out, fk[k]);
+            fv[k] = q ? strtod(q + strlen(fk[k]), NULL) : -1;
+            CHECK(fv[k] > 0, "bench decode --no-reference: %s %g in '%s'", fk[k], fv[k], out);
+        }
+        CHECK(fv[0] >= (double)c.vocab_size * c.hidden_size, "weight bytes per step %g below the head's", fv[0]);
         snprintf(a2, sizeof a2, "%s --engine bogus", args);
         CHECK(mf_test_cli(a2, out, sizeof out) == 2 * 256, "cli --engine bogus exits 2");
     }

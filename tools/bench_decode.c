@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "graphs/calib/hwcal.h"
 #include "graphs/model/model.h"
 #include "graphs/ref/ref.h"
 #include "graphs/step/sample.h"
@@ -36,12 +37,17 @@ static void mf_bench_decode_usage(FILE *f)
             "the speedup scheduled / reference, prefill and decode tokens/s, and the compute fraction:\n"
             "the scheduled engine's kernel multiply-adds per second (the step graph's records) over\n"
             "the fused int8 kernel's rate on the model's expert shape at 64 tokens on the same\n"
-            "threads, measured by this command before the engines run. --no-reference skips the\n"
-            "one-thread reference engine (a long prefill takes it minutes). --chunk T: the scheduled\n"
+            "threads, measured by this command before the engines run; and the floor fraction: the\n"
+            "time a decode step's weights (the bytes its host kernels read, from the records) take at\n"
+            "the streaming read rate of the same threads (measured as calibrate does, best of 5) over\n"
+            "the measured step time (at batch 1: how close a token is to the memory floor).\n"
+            "--no-reference skips the one-thread reference engine (a long prefill takes it\n"
+            "minutes). --chunk T: the scheduled\n"
             "engine's prefill chunk (positions per graph run; default %d). --exact runs the\n"
             "scheduled engine's experts on the fp32 kernel path. --trace FILE writes the Chrome trace\n"
             "of the last scheduled step. --json prints {\"tokens_per_s\", \"reference_tokens_per_s\",\n"
             "\"speedup\", \"prefill_tokens_per_s\", \"decode_tokens_per_s\", \"compute_fraction\",\n"
+            "\"floor_fraction\", \"decode_weight_bytes_per_step\", \"read_bytes_per_s\",\n"
             "\"prefill_cpu_s\", \"decode_cpu_s\" (the process's CPU time: what a loaded machine's wall\n"
             "time hides), \"phases\": {phase: seconds per step}, \"reference_phases\": {...}, ...} instead of the\n"
             "tables (reference fields null with --no-reference).\n", MF_STEP_PREFILL_CHUNK);
@@ -53,6 +59,7 @@ typedef struct mf_bd_run {
     double prefill_s;                   /* all sequences' prefills */
     double prefill_cpu_s, decode_cpu_s; /* the process's CPU time over them (all threads) */
     double prefill_macs, decode_macs;   /* scheduled engine: kernel multiply-adds (mf_step_times) */
+    double decode_weight_bytes;         /* scheduled engine: weight bytes its kernels read in decode */
     int32_t *tokens;                    /* steps x batch: the greedy inputs fed */
 } mf_bd_run;
 
@@ -194,6 +201,7 @@ static int mf_bd_engine(mf_ref *r, mf_step *eng, int64_t V, int batch, int n_pro
             for (int p = 0; p < MF_STEP_N_PHASES; p++) ph[p] = t.phase_ns[p] / 1e9;
             total = t.wall_ns / 1e9;
             out->decode_macs += t.macs;
+            out->decode_weight_bytes += t.weight_bytes;
         } else {
             mf_ref_times a, b;
             mf_ref_times_get(r, &a);
@@ -307,8 +315,10 @@ int mf_bench_decode(int argc, char **argv)
         printf("bench decode: %s, batch %ld, %ld-token prompt, %ld steps; scheduled engine on %ld threads (%s "
                "experts)%s\n", dir, batch, n_prompt, steps, threads, exact ? "fp32" : "int8",
                no_ref ? "; no reference engine" : "");
-    double kern_rate = 0;
+    double kern_rate = 0, read_rate = 0;
     if (mf_bd_kernel_rate(c, (int)threads, &kern_rate)) goto fail;
+    /* the read rate, as calibrate's mem_bytes_per_s: 256 MiB (out of the caches), best of 5 */
+    if (mf_hwcal_read_rate((int)threads, (size_t)256 << 20, 5, &read_rate)) goto fail;
     if ((!no_ref && mf_bd_engine(r, NULL, c->vocab_size, (int)batch, (int)n_prompt, (int)steps, json, logits, &ref)) ||
         mf_bd_engine(r, eng, c->vocab_size, (int)batch, (int)n_prompt, (int)steps, json, logits, &sch))
         goto fail;
@@ -318,6 +328,9 @@ int mf_bench_decode(int argc, char **argv)
     /* compute fraction: kernel multiply-adds per second over the fused kernel's rate */
     double pfrac = sch.prefill_macs / sch.prefill_s / kern_rate, dfrac = sch.decode_macs / sch.total_s / kern_rate;
     double frac = (sch.prefill_macs + sch.decode_macs) / (sch.prefill_s + sch.total_s) / kern_rate;
+    /* floor fraction: the time to read a step's weights at the read rate over the measured step */
+    double step_bytes = sch.decode_weight_bytes / steps, floor_s = step_bytes / read_rate;
+    double floor_frac = floor_s / (sch.total_s / steps);
     int same = 0;
     for (long k = 0; k < steps * batch && !no_ref; k++) same += ref.tokens[k] == sch.tokens[k];
     if (json) {
@@ -333,10 +346,11 @@ int mf_bench_decode(int argc, char **argv)
                "\"prefill_tokens_per_s\":%.6g,\"reference_prefill_tokens_per_s\":%s,\"decode_tokens_per_s\":%.6g,"
                "\"compute_fraction\":%.6g,\"prefill_compute_fraction\":%.6g,\"decode_compute_fraction\":%.6g,"
                "\"prefill_macs_per_token\":%.6g,\"decode_macs_per_token\":%.6g,\"kernel_macs_per_s\":%.6g,"
-               "\"prefill_s\":%.6g,\"prefill_cpu_s\":%.6g,\"decode_s\":%.6g,\"decode_cpu_s\":%.6g,",
+               "\"prefill_s\":%.6g,\"prefill_cpu_s\":%.6g,\"decode_s\":%.6g,\"decode_cpu_s\":%.6g,"
+               "\"decode_weight_bytes_per_step\":%.6g,\"read_bytes_per_s\":%.6g,\"floor_fraction\":%.6g,",
                tps, rt, sp, batch, threads, steps, n_prompt, chunk ? chunk : MF_STEP_PREFILL_CHUNK, exact, sm, ptps, rp, tps, frac, pfrac, dfrac,
                sch.prefill_macs / (batch * n_prompt), sch.decode_macs / (batch * steps), kern_rate, sch.prefill_s,
-               sch.prefill_cpu_s, sch.total_s, sch.decode_cpu_s);
+               sch.prefill_cpu_s, sch.total_s, sch.decode_cpu_s, step_bytes, read_rate, floor_frac);
         mf_bd_json_phases("phases", &sch, (int)steps);
         printf(",");
         if (no_ref) printf("\"reference_phases\":null");
@@ -354,6 +368,9 @@ int mf_bench_decode(int argc, char **argv)
                "of the fused int8 kernel's %.1f G multiply-adds/s on %ld threads\n", pfrac,
                sch.prefill_macs / (batch * n_prompt) / 1e6, dfrac, sch.decode_macs / (batch * steps) / 1e6, frac,
                kern_rate / 1e9, threads);
+        printf("floor fraction: %.3f (a decode step's %.1f MB of weights at the measured read rate of %.2f GB/s "
+               "on %ld threads take %.2f ms; the step took %.2f ms)\n", floor_frac, step_bytes / 1e6, read_rate / 1e9,
+               threads, floor_s * 1e3, sch.total_s / steps * 1e3);
         if (trace) printf("trace of the last scheduled step: %s\n", trace);
     }
     ret = 0;

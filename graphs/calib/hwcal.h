@@ -26,6 +26,11 @@ typedef struct mf_hwcal_opts {
  * fitted (too noisy). */
 int mf_hwcal_run(const mf_hwcal_opts *o, mf_profile *out);
 
+/* The streaming read rate of n_threads threads (unbound) each reading its slice of a `bytes`
+ * buffer once, as calibrate measures mem_bytes_per_s: the best of `reps` rounds, bytes/s. 0 or
+ * -ENOMEM / -EAGAIN with a message. */
+int mf_hwcal_read_rate(int n_threads, size_t bytes, int reps, double *bytes_per_s);
+
 /* "HOST DATE" (UTC date) as the sources name it, and the CPU model from /proc/cpuinfo. */
 void mf_hwcal_host_date(char *buf, int cap);
 void mf_hwcal_cpu_model(char *buf, int cap);

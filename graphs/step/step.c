@@ -1857,6 +1857,7 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
     for (int i = 0; i < n; i++) sh->items[i].st->n_pos = sh->items[i].pos + 1;
     mf_step_account(s, sh);
     s->times.macs += mf_stepgraph_macs(sh->sg, c->n_experts_per_tok, sh->n_head);
+    s->times.weight_bytes += mf_stepgraph_weight_bytes(sh->sg);
     return 0;
 }
 

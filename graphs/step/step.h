@@ -165,6 +165,8 @@ typedef struct mf_step_times {
     /* multiply-adds on the kernels over the call's chunks, from the step graph's records
      * (mf_stepgraph_macs: the head over the items with logits) */
     double macs;
+    /* weight bytes the host's kernels read over the call's chunks (mf_stepgraph_weight_bytes) */
+    double weight_bytes;
     /* with an expert store: IO-lane busy time (union of the expert reads), expert compute time
      * (union of routed and shared expert tasks) and the time both ran; IO tasks count in no phase */
     int64_t io_busy_ns, expert_busy_ns, io_overlap_ns;

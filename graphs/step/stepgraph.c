@@ -1067,6 +1067,17 @@ double mf_stepgraph_macs(const mf_stepgraph *sg, int top_k, int n_head)
     return total;
 }
 
+double mf_stepgraph_weight_bytes(const mf_stepgraph *sg)
+{
+    double total = 0;
+    for (int t = 0; t < sg->n_tasks; t++) {
+        const mf_sg_task *r = &sg->task[t];
+        if (r->card >= 0 || mf_graph_noop(sg->g, t)) continue;
+        for (int f = 0; f < MF_KF_N; f++) total += r->w.w_bytes[f];
+    }
+    return total;
+}
+
 void mf_stepgraph_mark_noop(mf_stepgraph *sg, int L, int n_used, const int32_t *slot_card)
 {
     int nc = sg->n_cards, pe = sg->p_exp;

@@ -286,6 +286,11 @@ void mf_stepgraph_phase_times(const mf_stepgraph *sg, const mf_task_span *spans,
  * again). Scalar work (ref_flops: mixes, scores, roundings) is not counted. */
 double mf_stepgraph_macs(const mf_stepgraph *sg, int top_k, int n_head);
 
+/* Weight bytes (codes + scales, every kernel family) that the host's kernels read in the run of sg
+ * just finished: the records of the host tasks not marked noop (a slot's parts count once for
+ * the slot, whatever its tokens; the head once). Device tasks are not counted. */
+double mf_stepgraph_weight_bytes(const mf_stepgraph *sg);
+
 /* Builds and finalizes the graph of one shape. 0 or a negative code with a message. */
 int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out);
 void mf_stepgraph_free(mf_stepgraph *sg);
