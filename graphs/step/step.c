@@ -1260,6 +1260,83 @@ static int mf_step_bind(mf_step *eng, mf_step_shape *sh)
     return mf_timeline_create(sh->g, &sh->tl);
 }
 
+/* The card buffers of shape sh (experts on cards): slot tables, one device allocation per card
+ * (rows in, token weights, h, quantized h, outputs, the FFN graphs' slot tables). 0 or a negative
+ * code; the caller frees sh. */
+static int mf_step_shape_cards(mf_step *eng, mf_step_shape *sh)
+{
+    const mf_config *c = eng->c;
+    int n = sh->n, K = c->n_experts_per_tok;
+    int64_t H = c->hidden_size, I = c->moe_intermediate_size;
+    if (!eng->n_cards) return 0;
+    size_t nk = (size_t)n * K, al = 256;
+    sh->slot_card = malloc((size_t)sh->n_slots * sizeof *sh->slot_card);
+    sh->slot_dev = calloc((size_t)sh->n_slots, sizeof *sh->slot_dev);
+    sh->slot_miss = calloc((size_t)sh->n_slots, 1);
+    if (!sh->slot_card || !sh->slot_dev || !sh->slot_miss) return mf_error(-ENOMEM, "step: out of memory");
+    for (int s = 0; s < sh->n_slots; s++) sh->slot_card[s] = -1;
+    sh->dq_bytes = (mf_dev_ffn_q8_bytes(n, (int)H, (int)I) + al - 1) / al * al;
+    sh->d_x = 0;
+    sh->d_w = sh->d_x + (nk * H * 4 + al - 1) / al * al;
+    sh->d_h = sh->d_w + (nk * 4 + al - 1) / al * al;
+    sh->d_q = sh->d_h + (nk * I * 4 + al - 1) / al * al;
+    sh->d_y = sh->d_q + (size_t)sh->n_slots * sh->dq_bytes;
+    sh->d_tab = sh->d_y + (nk * H * 4 + al - 1) / al * al;
+    size_t tab_bytes = eng->dev_graphs ? sizeof(mf_dev_ffn_slot) * (size_t)sh->n_slots * c->n_layers : 0;
+    size_t total = sh->d_tab + tab_bytes;
+    for (int cd = 0; cd < eng->n_cards; cd++) {
+        void *p = NULL;
+        int rc = mf_dev_alloc(eng->dev, cd, total, &p);
+        if (rc) return mf_error_wrap(rc, "step: device buffers of a batch of %d on card %d", n, cd);
+        sh->dbuf[cd] = p;
+        if (!eng->dev_graphs) continue;
+        sh->dgraph[cd] = calloc((size_t)c->n_layers, sizeof *sh->dgraph[cd]);
+        rc = sh->dgraph[cd] ? mf_dev_host_alloc(eng->dev, cd, tab_bytes, (void **)&sh->htab[cd])
+                            : mf_error(-ENOMEM, "step: out of memory");
+        if (rc) return mf_error_wrap(rc, "step: slot tables on card %d", cd);
+        memset(sh->htab[cd], 0, tab_bytes);
+    }
+    return 0;
+}
+
+/* Each dense card's copies of shape sh's activations (--dense cards): offsets in one device
+ * allocation per card. ab_sz: the attention buffers' bytes. 0 or a negative code; the caller
+ * frees sh. */
+static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh, const size_t *ab_sz)
+{
+    const mf_config *c = eng->c;
+    size_t n_ = (size_t)sh->n, f = sizeof(float);
+    int64_t H = c->hidden_size, V = c->vocab_size, E = c->n_routed_experts;
+    int64_t Ish = c->n_shared_experts > 0 ? mf_model_layer_at(eng->ly->m, 0)->sh_w1.rows : 0;
+    int ex = eng->o.exact;
+    if (!eng->n_dense) return 0;
+    /* each dense card's copies of the activations: {bytes, &offset} */
+    struct { size_t bytes, *off; } dt[MF_LY_A_N + 8];
+    int m = 0;
+    for (int b = 0; b < MF_LY_A_N; b++) dt[m++] = (typeof(dt[0])){ab_sz[b], &sh->dd_ab[b]};
+    dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_xin};
+    dt[m++] = (typeof(dt[0])){n_ * E * f, &sh->dd_logits};
+    dt[m++] = (typeof(dt[0])){n_ * Ish * f, &sh->dd_hs};
+    dt[m++] = (typeof(dt[0])){ex ? n_ * Ish * f : 0, &sh->dd_gs};
+    dt[m++] = (typeof(dt[0])){ex ? n_ * Ish * f : 0, &sh->dd_us};
+    dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_ys};
+    dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_hn};
+    dt[m++] = (typeof(dt[0])){n_ * V * f, &sh->dd_lbuf};
+    size_t total = 0;
+    for (int i = 0; i < m; i++) {
+        *dt[i].off = total;
+        total += (dt[i].bytes + 255) / 256 * 256;
+    }
+    for (int cd = 0; cd < eng->n_dense; cd++) {
+        void *dp = NULL;
+        int rc = mf_dev_alloc(eng->dev, eng->dense_card[cd], total, &dp);
+        if (rc)
+            return mf_error_wrap(rc, "step: dense activations of a batch of %d on card %d", sh->n, eng->dense_card[cd]);
+        sh->ddense[cd] = dp;
+    }
+    return 0;
+}
+
 static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
 {
     const mf_config *c = eng->c;
@@ -1295,43 +1372,9 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
         for (int i = 0; i < sh->n_slots * sh->n_parts; i++) sh->slot_rd[i] = (mf_io_read){.fd = -1};
     }
     sh->dev_layer = -1;
-    if (eng->n_cards) {
-        size_t nk = (size_t)n * K, al = 256;
-        sh->slot_card = malloc((size_t)sh->n_slots * sizeof *sh->slot_card);
-        sh->slot_dev = calloc((size_t)sh->n_slots, sizeof *sh->slot_dev);
-        sh->slot_miss = calloc((size_t)sh->n_slots, 1);
-        if (!sh->slot_card || !sh->slot_dev || !sh->slot_miss) {
-            mf_step_shape_free(sh);
-            return mf_error(-ENOMEM, "step: out of memory");
-        }
-        for (int s = 0; s < sh->n_slots; s++) sh->slot_card[s] = -1;
-        sh->dq_bytes = (mf_dev_ffn_q8_bytes(n, (int)H, (int)I) + al - 1) / al * al;
-        sh->d_x = 0;
-        sh->d_w = sh->d_x + (nk * H * 4 + al - 1) / al * al;
-        sh->d_h = sh->d_w + (nk * 4 + al - 1) / al * al;
-        sh->d_q = sh->d_h + (nk * I * 4 + al - 1) / al * al;
-        sh->d_y = sh->d_q + (size_t)sh->n_slots * sh->dq_bytes;
-        sh->d_tab = sh->d_y + (nk * H * 4 + al - 1) / al * al;
-        size_t tab_bytes = eng->dev_graphs ? sizeof(mf_dev_ffn_slot) * (size_t)sh->n_slots * c->n_layers : 0;
-        size_t total = sh->d_tab + tab_bytes;
-        for (int cd = 0; cd < eng->n_cards; cd++) {
-            void *p = NULL;
-            int rc = mf_dev_alloc(eng->dev, cd, total, &p);
-            if (rc) {
-                mf_step_shape_free(sh);
-                return mf_error_wrap(rc, "step: device buffers of a batch of %d on card %d", n, cd);
-            }
-            sh->dbuf[cd] = p;
-            if (!eng->dev_graphs) continue;
-            sh->dgraph[cd] = calloc((size_t)c->n_layers, sizeof *sh->dgraph[cd]);
-            rc = sh->dgraph[cd] ? mf_dev_host_alloc(eng->dev, cd, tab_bytes, (void **)&sh->htab[cd])
-                                : mf_error(-ENOMEM, "step: out of memory");
-            if (rc) {
-                mf_step_shape_free(sh);
-                return mf_error_wrap(rc, "step: slot tables on card %d", cd);
-            }
-            memset(sh->htab[cd], 0, tab_bytes);
-        }
+    if ((rc = mf_step_shape_cards(eng, sh))) {
+        mf_step_shape_free(sh);
+        return rc;
     }
     size_t nk = (size_t)n * K, q8x = mf_kern_q8_bytes(n, (int)H), q8h = mf_kern_q8_bytes(n, (int)I);
     int ex = eng->o.exact;
@@ -1431,31 +1474,9 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
         sh->items[i].topk = topk + (size_t)i * c->index_topk;
         sh->items[i].cand = cand + (size_t)i * n_cb;
     }
-    if (eng->n_dense) {   /* each dense card's copies of the activations: {bytes, &offset} */
-        struct { size_t bytes, *off; } dt[MF_LY_A_N + 8];
-        int m = 0;
-        for (int b = 0; b < MF_LY_A_N; b++) dt[m++] = (typeof(dt[0])){ab_sz[b], &sh->dd_ab[b]};
-        dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_xin};
-        dt[m++] = (typeof(dt[0])){n_ * E * f, &sh->dd_logits};
-        dt[m++] = (typeof(dt[0])){n_ * Ish * f, &sh->dd_hs};
-        dt[m++] = (typeof(dt[0])){ex ? n_ * Ish * f : 0, &sh->dd_gs};
-        dt[m++] = (typeof(dt[0])){ex ? n_ * Ish * f : 0, &sh->dd_us};
-        dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_ys};
-        dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_hn};
-        dt[m++] = (typeof(dt[0])){n_ * V * f, &sh->dd_lbuf};
-        size_t total = 0;
-        for (int i = 0; i < m; i++) {
-            *dt[i].off = total;
-            total += (dt[i].bytes + 255) / 256 * 256;
-        }
-        for (int cd = 0; cd < eng->n_dense; cd++) {
-            void *dp = NULL;
-            if ((rc = mf_dev_alloc(eng->dev, eng->dense_card[cd], total, &dp))) {
-                mf_step_shape_free(sh);
-                return mf_error_wrap(rc, "step: dense activations of a batch of %d on card %d", n, eng->dense_card[cd]);
-            }
-            sh->ddense[cd] = dp;
-        }
+    if ((rc = mf_step_shape_dense(eng, sh, ab_sz))) {
+        mf_step_shape_free(sh);
+        return rc;
     }
     rc = mf_step_bind(eng, sh);
     if (rc) {
