@@ -44,7 +44,6 @@ struct mf_batch {
     const mf_config *c;
     int64_t V, state_bytes;
     int n_states, step_cap;
-    int n_dec;            /* decode items at the front of the step's items */
     mf_bseq *seq;
     mf_ref_state **it_st;
     int32_t *it_tok;
@@ -296,7 +295,6 @@ static int mf_batch_items(mf_batch *b)
         }
     }
     int n_dec = n;
-    b->n_dec = n;
     /* insertion sort by admission order (at most 64 entries) */
     for (int i = 1; i < n_pf; i++)
         for (int j = i; j > 0 && mf_batch_pf_cmp(&b->pf[j - 1], &b->pf[j], b->seq) > 0; j--) {
@@ -367,16 +365,10 @@ int mf_batch_step(mf_batch *b, int *n_items)
     mf_batch_admit(b);
     int n = mf_batch_items(b);
     if (!n) return 0;
-    /* decode tokens and prefill chunks run as two forwards: one forward with a chunk (positions
-     * of one sequence) runs the engine's serial shape, which would run the decode tokens' per-item
-     * parts one after another on one worker; alone they run one task per sequence */
-    int n_dec = b->n_dec, rc = 0;
-    for (int part = 0; part < 2 && !rc; part++) {
-        int from = part ? n_dec : 0, cnt = part ? n - n_dec : n_dec;
-        if (cnt == 0) continue;
-        rc = b->o.eng ? mf_step_forward(b->o.eng, b->it_st + from, b->it_tok + from, cnt, b->it_lg + from)
-                      : mf_ref_forward(b->o.ref, b->it_st + from, b->it_tok + from, cnt, b->it_lg + from);
-    }
+    /* one forward over decode tokens and prefill chunks: the engine runs each sequence's items
+     * as one unit of per-item tasks, the sequences' units in parallel (graphs/step/step.h) */
+    int rc = b->o.eng ? mf_step_forward(b->o.eng, b->it_st, b->it_tok, n, b->it_lg)
+                      : mf_ref_forward(b->o.ref, b->it_st, b->it_tok, n, b->it_lg);
     pthread_mutex_lock(&b->mu);
     b->stats.steps++;
     b->stats.items += n;

@@ -203,8 +203,8 @@ static mf_sg_task sg_rec(int L)
 static mf_sg_task sg_item(const sg_builder *b, int L, int k)
 {
     mf_sg_task t = sg_rec(L);
-    t.i0 = b->sg->par ? k : 0;
-    t.i1 = b->sg->par ? k + 1 : b->sg->n;
+    t.i0 = k > 0 ? b->sg->unit_end[k - 1] : 0;
+    t.i1 = b->sg->unit_end[k];
     t.n_tok = t.i1 - t.i0;
     return t;
 }
@@ -590,6 +590,10 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     int K = c->n_experts_per_tok, E = c->n_routed_experts, W = o->n_threads > 0 ? o->n_threads : 1;
     sg->n = o->n;
     sg->par = o->par;
+    /* units: o's, else n of one item (par) or one of all */
+    sg->n_units = o->n_units > 0 ? o->n_units : o->par ? o->n : 1;
+    for (int k = 0; k < sg->n_units; k++)
+        sg->unit_end[k] = o->n_units > 0 ? o->unit_end[k] : o->par ? k + 1 : o->n;
     sg->n_slots = o->n * K < E ? o->n * K : E;
     /* split experts by rows when there are fewer slots than two per worker */
     sg->p_exp = sg->n_slots >= 2 * W ? 1 : (2 * W + sg->n_slots - 1) / sg->n_slots;
@@ -610,6 +614,11 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     if (o->n < 1 || o->n > MF_SG_MAX_ITEMS || o->n_cards < 0 || o->n_cards > MF_SG_MAX_CARDS)
         return mf_error(-EINVAL, "step graph: %d items, %d cards (expected 1..%d, 0..%d)", o->n, o->n_cards,
                         MF_SG_MAX_ITEMS, MF_SG_MAX_CARDS);
+    for (int k = 0; k < o->n_units; k++)
+        if (o->unit_end[k] <= (k ? o->unit_end[k - 1] : 0) || o->unit_end[k] > o->n || o->n_units > o->n ||
+            (k == o->n_units - 1 && o->unit_end[k] != o->n))
+            return mf_error(-EINVAL, "step graph: unit %d of %d ends at item %d (expected increasing, the last at %d)",
+                            k, o->n_units, o->unit_end[k], o->n);
     const mf_config *c = o->c;
     mf_stepgraph *sg = calloc(1, sizeof *sg);
     if (!sg) return mf_error(-ENOMEM, "step graph: out of memory");
@@ -617,7 +626,7 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     size_t n_tid = (size_t)c->n_layers * sg->n_slots * sg->tid_per_slot;
     sg->slot_tid = malloc(sizeof *sg->slot_tid * n_tid);
     sg->card_ffn_tid = malloc(sizeof *sg->card_ffn_tid * (size_t)c->n_layers * (sg->n_cards ? sg->n_cards : 1));
-    sg_builder b = {.o = o, .sg = sg, .u = o->par ? o->n : 1};
+    sg_builder b = {.o = o, .sg = sg, .u = sg->n_units};
     b.per = (double)o->n / b.u;
     b.io = malloc(sizeof *b.io * ((size_t)sg->n_slots * sg->n_io_parts + 1));
     int rc = !sg->slot_tid || !sg->card_ffn_tid || !b.io ? mf_error(-ENOMEM, "step graph: out of memory")

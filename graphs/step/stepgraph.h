@@ -140,6 +140,11 @@ typedef struct mf_sg_opts {
     const mf_sg_sizes *sz;
     int n;              /* items, 1..MF_SG_MAX_ITEMS */
     int par;            /* 1: items of distinct sequences, item parts one task per item */
+    /* > 0: units instead of par: the item parts are one task per unit, unit k being items
+     * [unit_end[k - 1], unit_end[k]) (unit_end[-1] = 0, unit_end[n_units - 1] = n), run in order;
+     * the items of one sequence must lie in one unit. 0: par's units (n of one item, or one) */
+    int n_units;
+    const int *unit_end;
     int n_threads;      /* CPU workers: the row splits */
     int n_cards;        /* cards with device lanes (0: host only) */
     int dev_graphs;     /* 1: a layer's FFNs on a card are one task (MF_SG_DEV_FFN_CARD) */
@@ -155,6 +160,8 @@ typedef struct mf_stepgraph {
     mf_sg_task *task;             /* per task id */
     int n_tasks;
     int n, par, n_slots;          /* items, parallel, expert slots min(n * top_k, experts) */
+    int n_units;                  /* item tasks per item part; unit k: items [unit_end[k-1], unit_end[k]) */
+    int unit_end[MF_SG_MAX_ITEMS];
     int p_exp, p_sh, p_head, p_attn;   /* row parts per expert, shared expert, head, stage */
     int n_cards, dev_graphs, n_io_parts;
     /* per layer and slot, the tasks that have nothing to do unless the slot runs on the host
