@@ -82,12 +82,15 @@ int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
     const mf_config *c = mf_ref_config(o.ref);
     if (!o.max_batch) o.max_batch = 16;
     if (!o.step_tokens) o.step_tokens = 64;
+    if (!o.prefill_split) o.prefill_split = 2;
     if (!o.max_queue) o.max_queue = 256;
     if (!o.max_context) o.max_context = c->max_position_embeddings < 4096 ? c->max_position_embeddings : 4096;
     if (o.max_batch < 1 || o.max_batch > MF_STEP_MAX_ITEMS)
         return mf_error(-EINVAL, "batch: max_batch %d (expected 1..%d)", o.max_batch, MF_STEP_MAX_ITEMS);
     if (o.step_tokens < 1 || o.step_tokens > 1 << 16)
         return mf_error(-EINVAL, "batch: step_tokens %d (expected 1..65536)", o.step_tokens);
+    if (o.prefill_split < 1 || o.prefill_split > MF_STEP_MAX_ITEMS)
+        return mf_error(-EINVAL, "batch: prefill_split %d (expected 1..%d)", o.prefill_split, MF_STEP_MAX_ITEMS);
     if (o.max_queue < 1) return mf_error(-EINVAL, "batch: max_queue %d (expected >= 1)", o.max_queue);
     if (o.max_context < 2 || o.max_context > c->max_position_embeddings)
         return mf_error(-EINVAL, "batch: max_context %" PRId64 " (expected 2..%" PRId64 ", the model's "
@@ -304,9 +307,12 @@ static int mf_batch_items(mf_batch *b)
         }
     int budget = b->o.step_tokens - n;
     if (budget < 1) budget = 1;
+    /* the first `split` prefilling sequences share the budget evenly, the rest take what is left */
+    int split = n_pf < b->o.prefill_split ? n_pf : b->o.prefill_split;
     for (int k = 0; k < n_pf && budget > 0; k++) {
         mf_bseq *q = &b->seq[b->pf[k]];
-        int left = q->req->r.n_prompt - q->n_fed, take = left < budget ? left : budget;
+        int cap = k < split ? (budget + split - k - 1) / (split - k) : budget;
+        int left = q->req->r.n_prompt - q->n_fed, take = left < cap ? left : cap;
         for (int j = 0; j < take; j++) {
             b->it_st[n] = q->st;
             b->it_tok[n] = q->req->prompt[q->n_fed + j];
