@@ -3,7 +3,7 @@
 client: completions and chat, streaming and not, n > 1, greedy responses equal to `moeflow decode` on
 the same prompts (token ids and text); SSE framing over a raw socket; OpenAI-style errors
 (malformed JSON, wrong types, n out of range, oversize body, context limit, unknown endpoint, missing API
-key, full queue with Retry-After, a partial request closed at the timeout); a bounded load test (48 concurrent clients, mixed prompt and
+key, full queue with Retry-After, a partial request closed at the timeout); a bounded load test (64 concurrent clients, some with n = 2, mixed prompt and
 output lengths, some disconnecting mid-stream) where every completed response equals its
 sequential run and the server stays up; graceful shutdown on SIGTERM (exit 0). Loopback only.
 Exits non-zero on any mismatch."""
@@ -253,16 +253,18 @@ def main():
         st, _, data = srv.raw("GET", "/v1/nothing")
         check(st == 404 and b"error" in data, f"404: {st} {data[:100]!r}")
         check_n(cl, prompts, ref, N, msgs, chat_ref)
-        # the load test: 48 clients, mixed prompts and lengths, some disconnecting mid-stream
+        # the load test: 64 clients, mixed prompts and lengths, some with n = 2, some disconnecting
+        # mid-stream (half of those with n = 2: both choices are cancelled)
         lens = [1, 3, 6, 11, 16]
-        jobs = [(k, k % len(prompts), lens[k % len(lens)], k % 3 == 0, k % 8 == 5) for k in range(48)]
+        jobs = [(k, k % len(prompts), lens[k % len(lens)], k % 3 == 0, k % 8 == 5, 2 if k % 7 == 2 else 1)
+                for k in range(64)]
 
         def client(job):
-            k, pi, n, stream, leave = job
+            k, pi, n, stream, leave, nc = job
             if leave:   # a raw streaming request dropped after the first event
                 s = socket.create_connection((HOST, srv.port), timeout=60)
                 body = json.dumps({"prompt": prompts[pi], "max_tokens": 200, "temperature": 0, "stream": True,
-                                   "ignore_eos": True})
+                                   "ignore_eos": True, "n": 1 + (k % 16 == 5)})
                 s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                           f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
                 got = b""
@@ -275,16 +277,19 @@ def main():
                 return ("left", k, None)
             c = openai.OpenAI(base_url=srv.url(), api_key="unused", max_retries=0, timeout=120)
             if stream:
-                toks = []
+                toks = {}
                 for ch in c.completions.create(model="tiny", prompt=prompts[pi], max_tokens=n, temperature=0,
-                                               stream=True):
-                    toks += ch.model_dump()["choices"][0].get("tokens") or []
-                return ("done", k, toks)
-            r = c.completions.create(model="tiny", prompt=prompts[pi], max_tokens=n, temperature=0)
-            return ("done", k, r.model_dump()["choices"][0]["tokens"])
+                                               stream=True, n=nc):
+                    for x in ch.model_dump()["choices"]:
+                        toks.setdefault(x["index"], []).extend(x.get("tokens") or [])
+                return ("done", k, toks.get(0) if sorted(toks) == list(range(nc)) and
+                        all(t == toks[0] for t in toks.values()) else toks)
+            r = c.completions.create(model="tiny", prompt=prompts[pi], max_tokens=n, temperature=0, n=nc)
+            toks = [x["tokens"] for x in r.model_dump()["choices"]]
+            return ("done", k, toks[0] if len(toks) == nc and all(t == toks[0] for t in toks) else toks)
 
         t0 = time.time()
-        with cf.ThreadPoolExecutor(48) as ex:
+        with cf.ThreadPoolExecutor(64) as ex:
             results = list(ex.map(client, jobs, timeout=max(10, DEADLINE - time.time())))
         same = sum(1 for st, k, toks in results if st == "done" and toks == ref[jobs[k][1]][0][:jobs[k][2]])
         done = sum(1 for r in results if r[0] == "done")
