@@ -94,6 +94,7 @@ typedef struct mf_srv {
     const char *api_key;
     size_t max_body;
     int draining, stop_stepper, quiet;
+    int n_inflight;            /* requests begun and not completed (mf_srv_done): drained at shutdown */
     pthread_t stepper;
     pthread_mutex_t mu;        /* live jobs and metrics */
     mf_job *jobs;
@@ -669,6 +670,9 @@ static enum MHD_Result mf_srv_handle(void *cls, struct MHD_Connection *c, const 
     if (!cn) {
         if (!(cn = calloc(1, sizeof *cn))) return MHD_NO;
         *ctx = cn;
+        pthread_mutex_lock(&v->mu);
+        v->n_inflight++;
+        pthread_mutex_unlock(&v->mu);
         return MHD_YES;
     }
     if (*upload_size) {
@@ -712,11 +716,15 @@ static enum MHD_Result mf_srv_handle(void *cls, struct MHD_Connection *c, const 
 
 static void mf_srv_done(void *cls, struct MHD_Connection *c, void **ctx, enum MHD_RequestTerminationCode t)
 {
-    (void)cls, (void)c, (void)t;
+    mf_srv *v = cls;
+    (void)c, (void)t;
     mf_conn *cn = *ctx;
     if (cn) {
         free(cn->body);
         free(cn);
+        pthread_mutex_lock(&v->mu);
+        v->n_inflight--;
+        pthread_mutex_unlock(&v->mu);
     }
     *ctx = NULL;
 }
@@ -935,6 +943,15 @@ int mf_cmd_serve(int argc, char **argv)
             if (!bs.queued && !bs.running) break;
             usleep(20000);
         }
+    }
+    /* the answers of the requests that just ended (the cancelled ones' 503) are sent before the
+     * daemon closes the connections: wait, bounded, until every begun request has completed */
+    for (int k = 0; k < 250; k++) {
+        pthread_mutex_lock(&v.mu);
+        int busy = v.n_inflight;
+        pthread_mutex_unlock(&v.mu);
+        if (!busy) break;
+        usleep(20000);
     }
     MHD_stop_daemon(d);   /* waits for the connections' threads, which end with their jobs */
     d = NULL;
