@@ -527,7 +527,7 @@ static enum MHD_Result mf_srv_complete(mf_srv *v, struct MHD_Connection *c, mf_c
         snprintf(m, sizeof m, "%s", mf_last_error());
         /* the choices submitted before the refusal are cancelled; their DONE events drop their refs */
         pthread_mutex_lock(&j->mu);
-        j->refs -= q.n - n_sub;
+        j->refs -= j->n_ch - n_sub;   /* (q is cleared by now) */
         for (int i = n_sub; i < j->n_ch; i++) j->ch[i].done = 1;
         pthread_mutex_unlock(&j->mu);
         mf_job_cancel(v->b, j);
