@@ -44,7 +44,13 @@ int main(void)
     refused("{\"prompt\": 5}", 0, "prompt", "must be");
     refused("{\"prompt\": [1, -2]}", 0, "prompt", "token id");
     refused("{\"prompt\": [\"a\", \"b\"]}", 0, "prompt", "one prompt");
-    refused("{\"prompt\": \"x\", \"n\": 3}", 0, "n", "n = 1");
+    CHECK(parse("{\"prompt\": \"x\", \"n\": 3}", 0, &r, &e) == 0 && r.n == 3, "n 3: %s", e.message);
+    mf_serve_req_clear(&r);
+    CHECK(parse("{\"prompt\": \"x\"}", 0, &r, &e) == 0 && r.n == 1, "n default: %s", e.message);
+    mf_serve_req_clear(&r);
+    refused("{\"prompt\": \"x\", \"n\": 0}", 0, "n", "1..16");
+    refused("{\"prompt\": \"x\", \"n\": 17}", 0, "n", "1..16");
+    refused("{\"prompt\": \"x\", \"n\": 2.5}", 0, "n", "integer");
     refused("{\"prompt\": \"x\", \"max_tokens\": 1.5}", 0, "max_tokens", "non-negative integer");
     refused("{\"prompt\": \"x\", \"temperature\": 3}", 0, "temperature", "0..2");
     refused("{\"prompt\": \"x\", \"top_p\": 0}", 0, "top_p", "> 0");

@@ -24,11 +24,13 @@ static void mf_bench_serve_usage(FILE *f)
     fprintf(f,
             "usage: moeflow bench serve --checkpoint DIR [--requests N] [--concurrency C,C,..]\n"
             "                           [--prompt-tokens MIN-MAX] [--output-tokens MIN-MAX]\n"
-            "                           [--step-tokens N] [--threads N] [--seed S] [--warmup N] [--json]\n\n"
+            "                           [--step-tokens N] [--prefill-split K] [--threads N] [--seed S]\n"
+            "                           [--warmup N] [--json]\n\n"
             "N requests (default 32) with prompt and output lengths drawn uniformly from the ranges\n"
             "(default 16-128 and 8-64, seeded) are run by C closed-loop clients (default 1,4,16): a\n"
             "client sends its next request when its previous one ends. Continuous: every request\n"
-            "goes through the batcher (max batch C, --step-tokens, default 64). Static: batches of C\n"
+            "goes through the batcher (max batch C, --step-tokens, default 64; --prefill-split: prefilling\n"
+            "sequences sharing a step's budget, default 2). Static: batches of C\n"
             "requests, each prompt prefilled alone, then decoded together until the batch's last\n"
             "request ends. Greedy, EOS ignored, so both modes generate the same tokens. Prints per\n"
             "mode generated tokens/s, time to first token and inter-token latency (p50, p99, from\n"
@@ -84,11 +86,12 @@ static void mf_bs_on_event(void *user, const mf_batch_event *ev)
     }
 }
 
-static int mf_bs_continuous(mf_ref *r, mf_step *e, mf_bs_req *q, int n, int conc, int step_tokens, int64_t ctx,
-                            mf_bs_lat *lat, double *sec)
+static int mf_bs_continuous(mf_ref *r, mf_step *e, mf_bs_req *q, int n, int conc, int step_tokens, int split,
+                            int64_t ctx, mf_bs_lat *lat, double *sec)
 {
     mf_bs_ctx x = {.q = q, .n = n, .lat = lat};
     int rc = mf_batch_new(&(mf_batch_opts){.ref = r, .eng = e, .max_batch = conc, .step_tokens = step_tokens,
+                                           .prefill_split = split,
                                            .max_context = ctx, .max_queue = n, .on_event = mf_bs_on_event,
                                            .user = &x}, &x.b);
     if (rc) return rc;
@@ -185,7 +188,7 @@ static int mf_bs_range(const char *s, int *lo, int *hi)
 int mf_bench_serve(int argc, char **argv)
 {
     const char *dir = NULL, *concs = "1,4,16";
-    int n = 32, p_lo = 16, p_hi = 128, o_lo = 8, o_hi = 64, step_tokens = 64, json = 0, warmup = 1;
+    int n = 32, p_lo = 16, p_hi = 128, o_lo = 8, o_hi = 64, step_tokens = 64, json = 0, warmup = 1, split = 2;
     long threads = sysconf(_SC_NPROCESSORS_ONLN);
     unsigned long long seed = 1;
     for (int i = 1; i < argc; i++) {
@@ -200,6 +203,7 @@ int mf_bench_serve(int argc, char **argv)
         else if (!strcmp(a, "--prompt-tokens") && hv) bad = mf_bs_range(argv[++i], &p_lo, &p_hi);
         else if (!strcmp(a, "--output-tokens") && hv) bad = mf_bs_range(argv[++i], &o_lo, &o_hi);
         else if (!strcmp(a, "--step-tokens") && hv) bad = (step_tokens = atoi(argv[++i])) < 1;
+        else if (!strcmp(a, "--prefill-split") && hv) bad = (split = atoi(argv[++i])) < 1 || split > MF_STEP_MAX_ITEMS;
         else if (!strcmp(a, "--threads") && hv) bad = (threads = atol(argv[++i])) < 1 || threads > 256;
         else if (!strcmp(a, "--seed") && hv) seed = strtoull(argv[++i], NULL, 0);
         else if (!strcmp(a, "--warmup") && hv) bad = (warmup = atoi(argv[++i])) < 0 || warmup > 10;
@@ -254,8 +258,8 @@ int mf_bench_serve(int argc, char **argv)
     if (!lat.ttft || !lat.itl) goto fail;
     if (!json)
         printf("bench serve: %s, %d requests, prompts %d-%d tokens, outputs %d-%d (%" PRId64 " tokens), %ld threads, "
-               "step budget %d\n%-11s %5s %9s %10s %10s %10s %10s %9s\n", dir, n, p_lo, p_hi, o_lo, o_hi, total_out,
-               threads, step_tokens, "mode", "conc", "tokens/s", "ttft p50", "ttft p99", "itl p50", "itl p99", "wall s");
+               "step budget %d, prefill split %d\n%-11s %5s %9s %10s %10s %10s %10s %9s\n", dir, n, p_lo, p_hi, o_lo, o_hi, total_out,
+               threads, step_tokens, split, "mode", "conc", "tokens/s", "ttft p50", "ttft p99", "itl p50", "itl p99", "wall s");
     else
         printf("{\"requests\":%d,\"results\":[", n);
     for (int k = 0; k < n_c; k++) {
@@ -267,7 +271,7 @@ int mf_bench_serve(int argc, char **argv)
             for (int i = 0; i < n; i++) q[i].n_gen = 0, q[i].first_ns = q[i].last_ns = 0;
             lat.n_ttft = lat.n_itl = 0;
             double sec = 0;
-            int rc = mode == 0 ? mf_bs_continuous(r, e, q, n, cl[k], step_tokens, ctx, &lat, &sec)
+            int rc = mode == 0 ? mf_bs_continuous(r, e, q, n, cl[k], step_tokens, split, ctx, &lat, &sec)
                                : mf_bs_static(r, e, q, n, cl[k], ctx, &lat, &sec);
             if (rc) goto fail;
             if (pass < warmup) continue;

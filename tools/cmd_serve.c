@@ -53,21 +53,36 @@ static void mf_hist_add(mf_hist *h, const double *le, double v)
 
 /* ---- jobs ------------------------------------------------------------------------------------- */
 
-typedef struct mf_job {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    int refs;                  /* the connection and the batcher (until DONE) */
+typedef struct mf_job mf_job;
+
+/* One of a job's `n` choices: a batcher request of its own (seed + index). */
+typedef struct mf_choice {
+    mf_job *j;
+    int index;
     uint64_t id;
-    int chat, stream, n_prompt, n_gen, done, finish, err;
-    char msg[512];
-    char *text;                /* non-stream: the output text; stream: SSE bytes not yet sent */
-    size_t n_text, cap_text, n_out_sent;
+    int n_gen, done, finish;
+    char *text;                /* non-stream: the output text */
+    size_t n_text, cap_text;
     int32_t *toks;
     int n_toks, cap_toks;
-    int64_t created, last_ns;
+    int64_t last_ns;
+} mf_choice;
+
+struct mf_job {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int refs;                  /* the connection and the batcher (each choice until its DONE) */
+    int chat, stream, n_prompt, done, err;   /* done: every choice has ended */
+    int n_ch, n_done, n_live;  /* choices; ended; submitted and not ended (under the server's mu) */
+    mf_choice *ch;
+    char msg[512];             /* the first failed choice's message */
+    int failed, cancelled;     /* some choice ended with an error / cancelled */
+    char *text;                /* stream: SSE bytes not yet sent */
+    size_t n_text, cap_text, n_out_sent;
+    int64_t created;
     char rid[48];
     struct mf_job *prev, *next;   /* the server's list of live jobs */
-} mf_job;
+};
 
 typedef struct mf_srv {
     mf_batch *b;
@@ -79,6 +94,7 @@ typedef struct mf_srv {
     const char *api_key;
     size_t max_body;
     int draining, stop_stepper, quiet;
+    int n_inflight;            /* requests begun and not completed (mf_srv_done): drained at shutdown */
     pthread_t stepper;
     pthread_mutex_t mu;        /* live jobs and metrics */
     mf_job *jobs;
@@ -115,8 +131,24 @@ static void mf_job_unref(mf_job *j)
     pthread_mutex_destroy(&j->mu);
     pthread_cond_destroy(&j->cv);
     free(j->text);
-    free(j->toks);
+    for (int i = 0; i < j->n_ch; i++) {
+        free(j->ch[i].text);
+        free(j->ch[i].toks);
+    }
+    free(j->ch);
     free(j);
+}
+
+/* Cancels every choice of j that has not ended (their sequences leave at the next step). */
+static void mf_job_cancel(mf_batch *b, mf_job *j)
+{
+    uint64_t ids[MF_SERVE_MAX_N];
+    int n = 0;
+    pthread_mutex_lock(&j->mu);
+    for (int i = 0; i < j->n_ch; i++)
+        if (!j->ch[i].done) ids[n++] = j->ch[i].id;
+    pthread_mutex_unlock(&j->mu);
+    for (int i = 0; i < n; i++) mf_batch_cancel(b, ids[i]);
 }
 
 /* A JSON string of s[0..n) as UTF-8 (ill-formed bytes become U+FFFD). */
@@ -144,10 +176,10 @@ static void mf_sse_add(mf_job *j, json_t *o)
     free(s);
 }
 
-static json_t *mf_chunk(const mf_srv *v, const mf_job *j, const char *text, size_t n, int finish)
+static json_t *mf_chunk(const mf_srv *v, const mf_job *j, const mf_choice *c, const char *text, size_t n, int finish)
 {
     json_t *ch = json_object();
-    json_object_set_new(ch, "index", json_integer(0));
+    json_object_set_new(ch, "index", json_integer(c->index));
     if (j->chat) {
         json_t *d = json_object();
         if (text) json_object_set_new(d, "content", mf_json_text(text, n));
@@ -157,17 +189,20 @@ static json_t *mf_chunk(const mf_srv *v, const mf_job *j, const char *text, size
         json_object_set_new(ch, "text", mf_json_text(text ? text : "", text ? n : 0));
         json_object_set_new(ch, "logprobs", json_null());
     }
-    json_object_set_new(ch, "finish_reason", finish ? json_string(mf_finish_openai(j->finish)) : json_null());
+    json_object_set_new(ch, "finish_reason", finish ? json_string(mf_finish_openai(c->finish)) : json_null());
     json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:[o]}", "id", j->rid, "object",
                           j->chat ? "chat.completion.chunk" : "text_completion", "created", (json_int_t)j->created,
                           "model", v->model, "choices", ch);
     return o;
 }
 
+/* Usage of j: the prompt once, the tokens of every choice. */
 static json_t *mf_usage(const mf_job *j)
 {
-    return json_pack("{s:i, s:i, s:i}", "prompt_tokens", j->n_prompt, "completion_tokens", j->n_gen, "total_tokens",
-                     j->n_prompt + j->n_gen);
+    int gen = 0;
+    for (int i = 0; i < j->n_ch; i++) gen += j->ch[i].n_gen;
+    return json_pack("{s:i, s:i, s:i}", "prompt_tokens", j->n_prompt, "completion_tokens", gen, "total_tokens",
+                     j->n_prompt + gen);
 }
 
 static json_t *mf_error_obj(const char *msg, const char *type, const char *param, const char *code)
@@ -176,66 +211,75 @@ static json_t *mf_error_obj(const char *msg, const char *type, const char *param
                      param && *param ? json_string(param) : json_null(), "code", code ? json_string(code) : json_null());
 }
 
-/* The batcher's events (on the stepping thread). */
+/* The batcher's events (on the stepping thread): ev->user is a choice. */
 static void mf_srv_on_event(void *user, const mf_batch_event *ev)
 {
     mf_srv *v = user;
-    mf_job *j = ev->user;
+    mf_choice *c = ev->user;
+    mf_job *j = c->j;
     pthread_mutex_lock(&v->mu);
     if (ev->kind == MF_BATCH_TOKEN) {
         v->gen_tokens++;
         if (ev->n_gen == 1) mf_hist_add(&v->ttft, mf_ttft_le, (ev->now_ns - ev->submit_ns) / 1e9);
-        else mf_hist_add(&v->itl, mf_itl_le, (ev->now_ns - j->last_ns) / 1e9);
+        else mf_hist_add(&v->itl, mf_itl_le, (ev->now_ns - c->last_ns) / 1e9);
         int64_t sec = ev->now_ns / 1000000000;
         int slot = (int)(sec % 16);
         if (v->rate_sec[slot] != sec) v->rate_sec[slot] = sec, v->rate_n[slot] = 0;
         v->rate_n[slot]++;
     } else {
         v->requests[ev->finish]++;
-        if (j->prev) j->prev->next = j->next;
-        else if (v->jobs == j) v->jobs = j->next;
-        if (j->next) j->next->prev = j->prev;
-        j->prev = j->next = NULL;
+        if (--j->n_live == 0) {   /* its last choice: the job leaves the list */
+            if (j->prev) j->prev->next = j->next;
+            else if (v->jobs == j) v->jobs = j->next;
+            if (j->next) j->next->prev = j->prev;
+            j->prev = j->next = NULL;
+        }
     }
     pthread_mutex_unlock(&v->mu);
     pthread_mutex_lock(&j->mu);
-    j->last_ns = ev->now_ns;
-    j->n_gen = ev->n_gen;
+    c->last_ns = ev->now_ns;
+    c->n_gen = ev->n_gen;
     if (ev->kind == MF_BATCH_TOKEN) {
-        if (j->n_toks == j->cap_toks) {
-            int c = j->cap_toks ? j->cap_toks * 2 : 64;
-            int32_t *t = realloc(j->toks, sizeof *t * (size_t)c);
-            if (t) j->toks = t, j->cap_toks = c;
+        if (c->n_toks == c->cap_toks) {
+            int cap = c->cap_toks ? c->cap_toks * 2 : 64;
+            int32_t *t = realloc(c->toks, sizeof *t * (size_t)cap);
+            if (t) c->toks = t, c->cap_toks = cap;
         }
-        if (j->n_toks < j->cap_toks) j->toks[j->n_toks++] = ev->token;
+        if (c->n_toks < c->cap_toks) c->toks[c->n_toks++] = ev->token;
     }
+    int last = ev->kind == MF_BATCH_DONE && j->n_done + 1 == j->n_ch;
+    if (ev->kind == MF_BATCH_DONE) c->finish = ev->finish;
     if (j->stream) {
         if (ev->kind == MF_BATCH_TOKEN) {   /* a chunk per token, with its id (moeflow's addition) */
-            json_t *o = mf_chunk(v, j, ev->text, ev->n_text, 0);
+            json_t *o = mf_chunk(v, j, c, ev->text, ev->n_text, 0);
             json_object_set_new(json_array_get(json_object_get(o, "choices"), 0), "tokens", json_pack("[i]", ev->token));
             mf_sse_add(j, o);
         } else if (ev->n_text) {
-            mf_sse_add(j, mf_chunk(v, j, ev->text, ev->n_text, 0));
+            mf_sse_add(j, mf_chunk(v, j, c, ev->text, ev->n_text, 0));
         }
         if (ev->kind == MF_BATCH_DONE) {
-            j->finish = ev->finish;
             if (ev->finish == MF_BATCH_ERROR) {
                 mf_sse_add(j, mf_error_obj(ev->msg ? ev->msg : "the forward failed", "server_error", NULL, NULL));
-            } else if (ev->finish != MF_BATCH_CANCELLED) {
-                json_t *o = mf_chunk(v, j, NULL, 0, 1);
-                json_object_set_new(o, "usage", mf_usage(j));
+            } else if (ev->finish != MF_BATCH_CANCELLED) {   /* the choice's end; usage with the last */
+                json_t *o = mf_chunk(v, j, c, NULL, 0, 1);
+                if (last) json_object_set_new(o, "usage", mf_usage(j));
                 mf_sse_add(j, o);
             }
-            mf_buf_add(&j->text, &j->n_text, &j->cap_text, "data: [DONE]\n\n", 14);
+            if (last) mf_buf_add(&j->text, &j->n_text, &j->cap_text, "data: [DONE]\n\n", 14);
         }
     } else if (ev->n_text) {
-        mf_buf_add(&j->text, &j->n_text, &j->cap_text, ev->text, ev->n_text);
+        mf_buf_add(&c->text, &c->n_text, &c->cap_text, ev->text, ev->n_text);
     }
     if (ev->kind == MF_BATCH_DONE) {
-        j->done = 1;
-        j->finish = ev->finish;
-        j->err = ev->err;
-        if (ev->msg) snprintf(j->msg, sizeof j->msg, "%s", ev->msg);
+        c->done = 1;
+        j->n_done++;
+        j->done = j->n_done == j->n_ch;
+        j->cancelled |= ev->finish == MF_BATCH_CANCELLED;
+        if (ev->finish == MF_BATCH_ERROR && !j->failed) {
+            j->failed = 1;
+            j->err = ev->err;
+            snprintf(j->msg, sizeof j->msg, "%s", ev->msg ? ev->msg : "the forward failed");
+        }
     }
     pthread_cond_broadcast(&j->cv);
     pthread_mutex_unlock(&j->mu);
@@ -345,9 +389,8 @@ static ssize_t mf_stream_read(void *cls, uint64_t pos, char *buf, size_t max)
         if (ts.tv_nsec >= 1000000000) ts.tv_sec++, ts.tv_nsec -= 1000000000;
         pthread_cond_timedwait(&j->cv, &j->mu, &ts);
         if (!j->done && j->n_out_sent == j->n_text && mf_peer_gone(s->c)) {
-            uint64_t id = j->id;
             pthread_mutex_unlock(&j->mu);
-            mf_batch_cancel(s->v->b, id);
+            mf_job_cancel(s->v->b, j);
             return MHD_CONTENT_READER_END_WITH_ERROR;
         }
     }
@@ -358,9 +401,8 @@ static void mf_stream_free(void *cls)
     mf_stream *s = cls;
     pthread_mutex_lock(&s->j->mu);
     int done = s->j->done;
-    uint64_t id = s->j->id;
     pthread_mutex_unlock(&s->j->mu);
-    if (!done) mf_batch_cancel(s->v->b, id);   /* the client went away: its sequence leaves at the next step */
+    if (!done) mf_job_cancel(s->v->b, s->j);   /* the client went away: its sequences leave at the next step */
     mf_job_unref(s->j);
     free(s);
 }
@@ -437,14 +479,18 @@ static enum MHD_Result mf_srv_complete(mf_srv *v, struct MHD_Connection *c, mf_c
                              "context_length_exceeded", NULL);
     }
     mf_job *j = calloc(1, sizeof *j);
-    if (!j) {
+    if (j) j->ch = calloc((size_t)q.n, sizeof *j->ch);
+    if (!j || !j->ch) {
+        free(j);
         free(ids);
         mf_serve_req_clear(&q);
         return MHD_NO;
     }
     pthread_mutex_init(&j->mu, NULL);
     pthread_cond_init(&j->cv, NULL);
-    j->refs = 2;
+    j->n_ch = q.n;
+    for (int i = 0; i < q.n; i++) j->ch[i] = (mf_choice){.j = j, .index = i};
+    j->refs = 1 + q.n;
     j->chat = chat;
     j->stream = q.stream;
     j->n_prompt = n_ids;
@@ -452,28 +498,39 @@ static enum MHD_Result mf_srv_complete(mf_srv *v, struct MHD_Connection *c, mf_c
     static uint64_t next_rid;
     snprintf(j->rid, sizeof j->rid, "%s-%" PRIu64, chat ? "chatcmpl" : "cmpl",
              __atomic_add_fetch(&next_rid, 1, __ATOMIC_RELAXED));
-    if (j->stream && chat) mf_sse_add(j, mf_chunk(v, j, NULL, 0, 0));   /* the role delta comes first */
-    mf_batch_req br = {.prompt = ids, .n_prompt = n_ids, .max_tokens = max_tokens, .temperature = q.temperature,
-                       .top_p = q.top_p, .seed = q.seed, .ignore_eos = q.ignore_eos,
-                       .stop = (const char *const *)q.stop, .n_stop = q.n_stop, .user = j};
-    /* the job is listed before it can end: the DONE event unlinks it */
+    for (int i = 0; j->stream && chat && i < q.n; i++)   /* each choice's role delta comes first */
+        mf_sse_add(j, mf_chunk(v, j, &j->ch[i], NULL, 0, 0));
+    /* choice i is a request of its own, seeded seed + i; the job is listed before any can end
+     * (the last DONE event unlinks it) */
     pthread_mutex_lock(&v->mu);
-    rc = mf_batch_submit(v->b, &br, &j->id);
-    if (!rc) {
+    int n_sub = 0;
+    for (; n_sub < q.n && !rc; n_sub++) {
+        mf_batch_req br = {.prompt = ids, .n_prompt = n_ids, .max_tokens = max_tokens, .temperature = q.temperature,
+                           .top_p = q.top_p, .seed = q.seed + (uint64_t)n_sub, .ignore_eos = q.ignore_eos,
+                           .stop = (const char *const *)q.stop, .n_stop = q.n_stop, .user = &j->ch[n_sub]};
+        rc = mf_batch_submit(v->b, &br, &j->ch[n_sub].id);
+        if (rc) break;
+    }
+    j->n_live = n_sub;
+    if (n_sub) {
         j->next = v->jobs;
         if (v->jobs) v->jobs->prev = j;
         v->jobs = j;
         v->prompt_tokens += (uint64_t)n_ids;
-    } else if (rc == -EAGAIN) {
-        v->rejected_429++;
     }
+    if (rc == -EAGAIN) v->rejected_429++;
     pthread_mutex_unlock(&v->mu);
     free(ids);
     mf_serve_req_clear(&q);
     if (rc) {
         char m[MF_ERROR_MSG_BYTES];
         snprintf(m, sizeof m, "%s", mf_last_error());
-        j->refs = 1;
+        /* the choices submitted before the refusal are cancelled; their DONE events drop their refs */
+        pthread_mutex_lock(&j->mu);
+        j->refs -= j->n_ch - n_sub;   /* (q is cleared by now) */
+        for (int i = n_sub; i < j->n_ch; i++) j->ch[i].done = 1;
+        pthread_mutex_unlock(&j->mu);
+        mf_job_cancel(v->b, j);
         mf_job_unref(j);
         if (rc == -EAGAIN)
             return mf_send_error(c, 429, "the server's queue is full; retry later", "rate_limit_error", NULL,
@@ -488,7 +545,7 @@ static enum MHD_Result mf_srv_complete(mf_srv *v, struct MHD_Connection *c, mf_c
                                                                        mf_stream_free) : NULL;
         if (!r) {
             free(s);
-            mf_batch_cancel(v->b, j->id);
+            mf_job_cancel(v->b, j);
             mf_job_unref(j);
             return MHD_NO;
         }
@@ -509,34 +566,37 @@ static enum MHD_Result mf_srv_complete(mf_srv *v, struct MHD_Connection *c, mf_c
         if (ts.tv_nsec >= 1000000000) ts.tv_sec++, ts.tv_nsec -= 1000000000;
         pthread_cond_timedwait(&j->cv, &j->mu, &ts);
         if (!j->done && !cancelled && mf_peer_gone(c)) {
-            uint64_t id = j->id;
             cancelled = 1;
             pthread_mutex_unlock(&j->mu);
-            mf_batch_cancel(v->b, id);
+            mf_job_cancel(v->b, j);
             pthread_mutex_lock(&j->mu);
         }
     }
     pthread_mutex_unlock(&j->mu);
     enum MHD_Result ok;
-    if (j->finish == MF_BATCH_ERROR || j->finish == MF_BATCH_CANCELLED) {
-        ok = j->finish == MF_BATCH_ERROR ? mf_send_error(c, 500, j->msg, "server_error", NULL, NULL, NULL)
-                                         : mf_send_error(c, 503, "the request was cancelled", "server_error", NULL,
-                                                         "cancelled", NULL);
+    if (j->failed || j->cancelled) {
+        ok = j->failed ? mf_send_error(c, 500, j->msg, "server_error", NULL, NULL, NULL)
+                       : mf_send_error(c, 503, "the request was cancelled", "server_error", NULL, "cancelled", NULL);
     } else {
-        json_t *ch = json_object(), *toks = json_array();
-        for (int k = 0; k < j->n_toks; k++) json_array_append_new(toks, json_integer(j->toks[k]));
-        json_object_set_new(ch, "index", json_integer(0));
-        if (chat)
-            json_object_set_new(ch, "message", json_pack("{s:s, s:o}", "role", "assistant", "content",
-                                                         mf_json_text(j->text ? j->text : "", j->n_text)));
-        else
-            json_object_set_new(ch, "text", mf_json_text(j->text ? j->text : "", j->n_text));
-        json_object_set_new(ch, "logprobs", json_null());
-        json_object_set_new(ch, "finish_reason", json_string(mf_finish_openai(j->finish)));
-        json_object_set_new(ch, "tokens", toks);   /* moeflow's addition: the generated token ids */
-        json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o}", "id", j->rid, "object",
+        json_t *chs = json_array();
+        for (int i = 0; i < j->n_ch; i++) {
+            const mf_choice *x = &j->ch[i];
+            json_t *ch = json_object(), *toks = json_array();
+            for (int k = 0; k < x->n_toks; k++) json_array_append_new(toks, json_integer(x->toks[k]));
+            json_object_set_new(ch, "index", json_integer(i));
+            if (chat)
+                json_object_set_new(ch, "message", json_pack("{s:s, s:o}", "role", "assistant", "content",
+                                                             mf_json_text(x->text ? x->text : "", x->n_text)));
+            else
+                json_object_set_new(ch, "text", mf_json_text(x->text ? x->text : "", x->n_text));
+            json_object_set_new(ch, "logprobs", json_null());
+            json_object_set_new(ch, "finish_reason", json_string(mf_finish_openai(x->finish)));
+            json_object_set_new(ch, "tokens", toks);   /* moeflow's addition: the generated token ids */
+            json_array_append_new(chs, ch);
+        }
+        json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:o, s:o}", "id", j->rid, "object",
                               chat ? "chat.completion" : "text_completion", "created", (json_int_t)j->created, "model",
-                              v->model, "choices", ch, "usage", mf_usage(j));
+                              v->model, "choices", chs, "usage", mf_usage(j));
         ok = mf_send_json(c, 200, o, NULL);
     }
     mf_job_unref(j);
@@ -610,6 +670,9 @@ static enum MHD_Result mf_srv_handle(void *cls, struct MHD_Connection *c, const 
     if (!cn) {
         if (!(cn = calloc(1, sizeof *cn))) return MHD_NO;
         *ctx = cn;
+        pthread_mutex_lock(&v->mu);
+        v->n_inflight++;
+        pthread_mutex_unlock(&v->mu);
         return MHD_YES;
     }
     if (*upload_size) {
@@ -653,11 +716,15 @@ static enum MHD_Result mf_srv_handle(void *cls, struct MHD_Connection *c, const 
 
 static void mf_srv_done(void *cls, struct MHD_Connection *c, void **ctx, enum MHD_RequestTerminationCode t)
 {
-    (void)cls, (void)c, (void)t;
+    mf_srv *v = cls;
+    (void)c, (void)t;
     mf_conn *cn = *ctx;
     if (cn) {
         free(cn->body);
         free(cn);
+        pthread_mutex_lock(&v->mu);
+        v->n_inflight--;
+        pthread_mutex_unlock(&v->mu);
     }
     *ctx = NULL;
 }
@@ -862,10 +929,11 @@ int mf_cmd_serve(int argc, char **argv)
     if (bs.queued || bs.running) {   /* past the deadline: cancel what is left */
         pthread_mutex_lock(&v.mu);
         int n = 0;
-        for (mf_job *j = v.jobs; j; j = j->next) n++;
+        for (mf_job *j = v.jobs; j; j = j->next) n += j->n_ch;
         uint64_t *ids = calloc((size_t)n + 1, sizeof *ids);
         n = 0;
-        for (mf_job *j = v.jobs; j && ids; j = j->next) ids[n++] = j->id;
+        for (mf_job *j = v.jobs; j && ids; j = j->next)
+            for (int i = 0; i < j->n_ch; i++) ids[n++] = j->ch[i].id;   /* ended ones: cancel finds nothing */
         pthread_mutex_unlock(&v.mu);
         for (int i = 0; i < n; i++) mf_batch_cancel(v.b, ids[i]);
         free(ids);
@@ -875,6 +943,15 @@ int mf_cmd_serve(int argc, char **argv)
             if (!bs.queued && !bs.running) break;
             usleep(20000);
         }
+    }
+    /* the answers of the requests that just ended (the cancelled ones' 503) are sent before the
+     * daemon closes the connections: wait, bounded, until every begun request has completed */
+    for (int k = 0; k < 250; k++) {
+        pthread_mutex_lock(&v.mu);
+        int busy = v.n_inflight;
+        pthread_mutex_unlock(&v.mu);
+        if (!busy) break;
+        usleep(20000);
     }
     MHD_stop_daemon(d);   /* waits for the connections' threads, which end with their jobs */
     d = NULL;

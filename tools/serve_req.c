@@ -208,9 +208,10 @@ static int mf_req_fields(json_t *o, int chat, mf_serve_req *r, mf_serve_err *e)
     json_t *n = json_object_get(o, "n");
     if (n && !json_is_null(n)) {
         if (!json_is_integer(n)) return mf_req_fail(e, "n", "'n' must be an integer");
-        if (json_integer_value(n) != 1)
-            return mf_req_fail(e, "n", "'n' is %lld: moeflow serve returns one choice per request (n = 1); send "
-                               "several requests instead", (long long)json_integer_value(n));
+        if (json_integer_value(n) < 1 || json_integer_value(n) > MF_SERVE_MAX_N)
+            return mf_req_fail(e, "n", "'n' is %lld: choices per request must be 1..%d", (long long)json_integer_value(n),
+                               MF_SERVE_MAX_N);
+        r->n = (int)json_integer_value(n);
     }
     const char *mt = chat && json_object_get(o, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
     json_t *x = json_object_get(o, mt);
@@ -252,6 +253,7 @@ int mf_serve_req_parse(const char *body, size_t len, int chat, mf_serve_req *out
     memset(out, 0, sizeof *out);
     memset(err, 0, sizeof *err);
     out->chat = chat;
+    out->n = 1;
     json_error_t je;
     json_t *o = json_loadb(body, len, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &je);
     if (!o)
@@ -261,7 +263,7 @@ int mf_serve_req_parse(const char *body, size_t len, int chat, mf_serve_req *out
     json_decref(o);
     if (rc == -ENOMEM) snprintf(err->message, sizeof err->message, "out of memory");
     if (rc) mf_serve_req_clear(out);
-    if (rc) out->chat = chat;
+    if (rc) out->chat = chat, out->n = 1;
     return rc;
 }
 

@@ -10,6 +10,7 @@
 
 #define MF_SERVE_MAX_STOP 4
 #define MF_SERVE_MAX_IDS (1 << 20)
+#define MF_SERVE_MAX_N 16   /* choices per request (`n`) */
 
 typedef struct mf_serve_msg {
     char *role;      /* system, user or assistant */
@@ -23,6 +24,7 @@ typedef struct mf_serve_req {
     int n_ids;
     mf_serve_msg *msgs;         /* chat */
     int n_msgs;
+    int n;                      /* choices, 1..MF_SERVE_MAX_N (default 1); choice i samples with seed + i */
     int max_tokens;             /* -1: not given */
     double temperature;         /* default 1 (OpenAI's) */
     double top_p;               /* default 1 */
@@ -41,7 +43,7 @@ typedef struct mf_serve_err {
 
 /* Parses body[0..len) for the completions (chat 0) or chat endpoint. Returns 0, or -EINVAL with
  * err filled: malformed JSON (line and column), not an object, a missing prompt / messages, a
- * field of the wrong type or out of range, n != 1, options moeflow does not implement (logprobs,
+ * field of the wrong type or out of range, n outside 1..MF_SERVE_MAX_N, options moeflow does not implement (logprobs,
  * echo, best_of > 1, penalties, logit_bias, suffix, tools) when set to anything but their
  * defaults; -ENOMEM. Unknown fields are ignored. *out is cleared on failure. */
 int mf_serve_req_parse(const char *body, size_t len, int chat, mf_serve_req *out, mf_serve_err *err);

@@ -44,7 +44,6 @@ struct mf_batch {
     const mf_config *c;
     int64_t V, state_bytes;
     int n_states, step_cap;
-    int n_dec;            /* decode items at the front of the step's items */
     mf_bseq *seq;
     mf_ref_state **it_st;
     int32_t *it_tok;
@@ -83,12 +82,15 @@ int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
     const mf_config *c = mf_ref_config(o.ref);
     if (!o.max_batch) o.max_batch = 16;
     if (!o.step_tokens) o.step_tokens = MF_STEP_PREFILL_CHUNK;
+    if (!o.prefill_split) o.prefill_split = 2;
     if (!o.max_queue) o.max_queue = 256;
     if (!o.max_context) o.max_context = c->max_position_embeddings < 4096 ? c->max_position_embeddings : 4096;
     if (o.max_batch < 1 || o.max_batch > MF_STEP_MAX_ITEMS)
         return mf_error(-EINVAL, "batch: max_batch %d (expected 1..%d)", o.max_batch, MF_STEP_MAX_ITEMS);
     if (o.step_tokens < 1 || o.step_tokens > 1 << 16)
         return mf_error(-EINVAL, "batch: step_tokens %d (expected 1..65536)", o.step_tokens);
+    if (o.prefill_split < 1 || o.prefill_split > MF_STEP_MAX_ITEMS)
+        return mf_error(-EINVAL, "batch: prefill_split %d (expected 1..%d)", o.prefill_split, MF_STEP_MAX_ITEMS);
     if (o.max_queue < 1) return mf_error(-EINVAL, "batch: max_queue %d (expected >= 1)", o.max_queue);
     if (o.max_context < 2 || o.max_context > c->max_position_embeddings)
         return mf_error(-EINVAL, "batch: max_context %" PRId64 " (expected 2..%" PRId64 ", the model's "
@@ -296,7 +298,6 @@ static int mf_batch_items(mf_batch *b)
         }
     }
     int n_dec = n;
-    b->n_dec = n;
     /* insertion sort by admission order (at most 64 entries) */
     for (int i = 1; i < n_pf; i++)
         for (int j = i; j > 0 && mf_batch_pf_cmp(&b->pf[j - 1], &b->pf[j], b->seq) > 0; j--) {
@@ -306,9 +307,12 @@ static int mf_batch_items(mf_batch *b)
         }
     int budget = b->o.step_tokens - n;
     if (budget < 1) budget = 1;
+    /* the first `split` prefilling sequences share the budget evenly, the rest take what is left */
+    int split = n_pf < b->o.prefill_split ? n_pf : b->o.prefill_split;
     for (int k = 0; k < n_pf && budget > 0; k++) {
         mf_bseq *q = &b->seq[b->pf[k]];
-        int left = q->req->r.n_prompt - q->n_fed, take = left < budget ? left : budget;
+        int cap = k < split ? (budget + split - k - 1) / (split - k) : budget;
+        int left = q->req->r.n_prompt - q->n_fed, take = left < cap ? left : cap;
         for (int j = 0; j < take; j++) {
             b->it_st[n] = q->st;
             b->it_tok[n] = q->req->prompt[q->n_fed + j];
@@ -367,16 +371,10 @@ int mf_batch_step(mf_batch *b, int *n_items)
     mf_batch_admit(b);
     int n = mf_batch_items(b);
     if (!n) return 0;
-    /* decode tokens and prefill chunks run as two forwards: one forward with a chunk (positions
-     * of one sequence) runs the engine's serial shape, which would run the decode tokens' per-item
-     * parts one after another on one worker; alone they run one task per sequence */
-    int n_dec = b->n_dec, rc = 0;
-    for (int part = 0; part < 2 && !rc; part++) {
-        int from = part ? n_dec : 0, cnt = part ? n - n_dec : n_dec;
-        if (cnt == 0) continue;
-        rc = b->o.eng ? mf_step_forward(b->o.eng, b->it_st + from, b->it_tok + from, cnt, b->it_lg + from)
-                      : mf_ref_forward(b->o.ref, b->it_st + from, b->it_tok + from, cnt, b->it_lg + from);
-    }
+    /* one forward over decode tokens and prefill chunks: the engine runs each sequence's items
+     * as one unit of per-item tasks, the sequences' units in parallel (graphs/step/step.h) */
+    int rc = b->o.eng ? mf_step_forward(b->o.eng, b->it_st, b->it_tok, n, b->it_lg)
+                      : mf_ref_forward(b->o.ref, b->it_st, b->it_tok, n, b->it_lg);
     pthread_mutex_lock(&b->mu);
     b->stats.steps++;
     b->stats.items += n;

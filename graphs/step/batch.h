@@ -64,6 +64,11 @@ typedef struct mf_batch_opts {
      * first, then prefill chunks in admission order fill what is left; at least 1 prefill item
      * per step when the decode tokens take the whole budget, so a prompt always makes progress */
     int step_tokens;
+    /* prefilling sequences that share a step's prefill budget (0: 2): the first k = min(this,
+     * prefilling) in admission order take ceil(left / k) each (what one leaves, the next take);
+     * each sequence's chunk is one unit of the engine's per-item tasks, so k chunks run their
+     * per-item parts in parallel. 1: the first takes all it can (earliest first token). */
+    int prefill_split;
     int64_t max_context;  /* positions per state: prompt + max_tokens (0: min(model's, 4096)) */
     /* bytes for all states (0: max_batch of them): the pool holds min(max_batch, budget / state
      * bytes) states; fewer than one is -ENOSPC. A request waits in the queue until a state is free. */

@@ -32,6 +32,9 @@ typedef struct mf_step_shape mf_step_shape;
 
 /* Floats of one item's hyper-connection mixes ((2 + hc) * hc, at most) */
 #define MF_STEP_N_MIX ((2 + MF_LY_MAX_HC) * MF_LY_MAX_HC)
+/* Shapes kept for unit patterns other than all-parallel and serial (each holds its graph and
+ * buffers for its items, the logits rows among them). */
+#define MF_STEP_UNIT_SHAPES 8
 
 /* One task's argument: its shape and its record in the step graph (what it is: layer, stage,
  * slot, part, card, items; graphs/step/stepgraph.h). The layer context (scratch) it uses is its
@@ -157,6 +160,10 @@ struct mf_step {
     mf_sched *sched;
     mf_sg_sizes *sz;          /* the model's sizes for the step graphs (from its layout) */
     mf_step_shape *shapes[2][MF_STEP_MAX_ITEMS + 1];   /* [par][n] */
+    /* shapes of other units (runs of a sequence's items beside single items: chunked prefill
+     * mixed with decode), the least recently used replaced; used[k] the call count of last use */
+    mf_step_shape *ushapes[MF_STEP_UNIT_SHAPES];
+    uint64_t ushape_used[MF_STEP_UNIT_SHAPES], n_calls;
     mf_step_shape *last;
     mf_step_times times;
     mf_lane_model models[4];   /* mf_step_lane_models: cpu, copy in, card compute, copy out */
@@ -222,7 +229,9 @@ static int mf_task_engram_plan(void *arg, mf_task_ctx *ctx)
     int64_t *rows = sh->eg_rows + (size_t)t->i0 * sh->eg_per;
     for (int i = t->i0; i < t->i1; i++)
         mf_ly_engram_rows(ly, &sh->items[i], t->layer, sh->eg_rows + (size_t)i * sh->eg_per);
-    int k = sh->par ? t->i0 : 0, max = sh->sg->eg_reads_per_unit;
+    /* the unit's reads: 2 per row of its items (the graph has as many read tasks for it) */
+    int k = mf_stepgraph_unit_of(sh->sg, t->i0), max = 2 * m;
+    if (max > sh->sg->eg_reads_per_unit) max = sh->sg->eg_reads_per_unit;
     mf_io_read *rd = sh->eg_rd + (size_t)t->i0 * 2 * sh->eg_per;
     int rc = mf_store_gather_reads(sh->eng->store, es, rows, m, sh->eg_scratch + (size_t)t->i0 * sh->eg_scratch_item,
                                    rd, max, &nr);
@@ -1223,10 +1232,12 @@ static const mf_task_fn mf_step_fn_of[MF_SG_N_OPS] = {
     [MF_SG_DENSE_OUT] = mf_task_dense_out,
 };
 
-/* The step graph of a shape of n items (parallel or serial) on the engine's lanes. */
-static int mf_step_graph_new(mf_step *eng, int n, int par, mf_stepgraph **out)
+/* The step graph of a shape of n items (parallel, serial, or n_units units ending at unit_end[])
+ * on the engine's lanes. */
+static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const int *unit_end, mf_stepgraph **out)
 {
     return mf_stepgraph_new(&(mf_sg_opts){.c = eng->c, .sz = eng->sz, .n = n, .par = par,
+                                          .n_units = n_units, .unit_end = unit_end,
                                           .n_threads = eng->o.n_threads, .n_cards = eng->n_cards,
                                           .n_dense_cards = eng->n_dense,
                                           .dev_graphs = eng->dev_graphs, .store = eng->store != NULL,
@@ -1337,7 +1348,7 @@ static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh, const size_t *ab
     return 0;
 }
 
-static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
+static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const int *unit_end, mf_step_shape **out)
 {
     const mf_config *c = eng->c;
     int64_t H = c->hidden_size, I = c->moe_intermediate_size, V = c->vocab_size;
@@ -1349,7 +1360,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, mf_step_shape **out)
     sh->eng = eng;
     sh->n = n;
     sh->par = par;
-    int rc = mf_step_graph_new(eng, n, par, &sh->sg);
+    int rc = mf_step_graph_new(eng, n, par, n_units, unit_end, &sh->sg);
     if (rc) {
         free(sh);
         return mf_error_wrap(rc, "step: building the graph of a batch of %d", n);
@@ -1711,6 +1722,7 @@ void mf_step_free(mf_step *s)
         mf_step_shape_free(s->shapes[0][i]);
         mf_step_shape_free(s->shapes[1][i]);
     }
+    for (int k = 0; k < MF_STEP_UNIT_SHAPES; k++) mf_step_shape_free(s->ushapes[k]);
     for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
     for (int c = 0; c < s->n_dense; c++) mf_ly_ctx_free(s->dcx[c]);
     for (int w = 0; w < s->n_cx; w++) mf_ly_ctx_free(s->cx[w]);
@@ -1822,18 +1834,51 @@ static int mf_step_store_fail(mf_step *s, mf_step_shape *sh, int rc)
     return rc;
 }
 
+/* The shape for items of `states` (one state's items consecutive): per-item parts one task per
+ * run of a state's items (a unit), run in order; with hooks set, one task for all (the hooks are
+ * called in order on one thread then). Units all single: the parallel shape; one unit: the
+ * serial one; else a unit shape, built on first use and kept among the last
+ * MF_STEP_UNIT_SHAPES used. */
+static int mf_step_shape_of(mf_step *s, mf_ref_state *const *states, int n, mf_step_shape **out)
+{
+    const mf_ref_hooks *hk = &s->ly->hooks;
+    int hooks = hk->on_route || hk->on_select || hk->on_candidates, n_units = 0, unit_end[MF_STEP_MAX_ITEMS];
+    for (int i = 1; i <= n; i++)
+        if (i == n || states[i] != states[i - 1]) unit_end[n_units++] = i;
+    int par = n > 1 && !hooks && n_units == n, rc;
+    if (hooks || n_units == 1 || par) {
+        if (!s->shapes[par][n] && (rc = mf_step_shape_new(s, n, par, 0, NULL, &s->shapes[par][n]))) return rc;
+        *out = s->shapes[par][n];
+        return 0;
+    }
+    s->n_calls++;
+    int lru = 0;
+    for (int k = 0; k < MF_STEP_UNIT_SHAPES; k++) {
+        const mf_stepgraph *g = s->ushapes[k] ? s->ushapes[k]->sg : NULL;
+        if (g && g->n == n && g->n_units == n_units && !memcmp(g->unit_end, unit_end, sizeof(int) * (size_t)n_units)) {
+            s->ushape_used[k] = s->n_calls;
+            *out = s->ushapes[k];
+            return 0;
+        }
+        if (s->ushape_used[k] < s->ushape_used[lru]) lru = k;
+    }
+    if (s->last == s->ushapes[lru]) s->last = NULL;
+    mf_step_shape_free(s->ushapes[lru]);
+    s->ushapes[lru] = NULL;
+    s->ushape_used[lru] = 0;
+    if ((rc = mf_step_shape_new(s, n, 0, n_units, unit_end, &s->ushapes[lru]))) return rc;
+    s->ushape_used[lru] = s->n_calls;
+    *out = s->ushapes[lru];
+    return 0;
+}
+
 static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
                          float *const *logits)
 {
     const mf_config *c = s->c;
-    const mf_ref_hooks *hk = &s->ly->hooks;
-    /* items of distinct sequences run their per-item parts as parallel item tasks, unless hooks
-     * are set (they are called in order on one thread then) */
-    int par = n > 1 && !hk->on_route && !hk->on_select && !hk->on_candidates, rc;
-    for (int i = 1; i < n && par; i++)
-        for (int j = 0; j < i && par; j++) par = states[i] != states[j];
-    if (!s->shapes[par][n] && (rc = mf_step_shape_new(s, n, par, &s->shapes[par][n]))) return rc;
-    mf_step_shape *sh = s->shapes[par][n];
+    mf_step_shape *sh;
+    int rc = mf_step_shape_of(s, states, n, &sh);
+    if (rc) return rc;
     int64_t H = c->hidden_size, need = 0;
     for (int i = 0; i < n; i++) need = need > states[i]->max_pos ? need : states[i]->max_pos;
     if (need > sh->iscore_ld) {   /* index scores for the longest sequence (as the workers' score buffers) */

@@ -238,8 +238,8 @@ static mf_sg_task sg_rec(int L)
 static mf_sg_task sg_item(const sg_builder *b, int L, int k)
 {
     mf_sg_task t = sg_rec(L);
-    t.i0 = b->sg->par ? k : 0;
-    t.i1 = b->sg->par ? k + 1 : b->sg->n;
+    t.i0 = k > 0 ? b->sg->unit_end[k - 1] : 0;
+    t.i1 = b->sg->unit_end[k];
     t.n_tok = t.i1 - t.i0;
     return t;
 }
@@ -361,7 +361,9 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
         t.w.ref_flops = per * rows * c->engram_head_dim * 2;
         emb[k] = sg_add(b, 0, MF_SG_ENGRAM_EMBED, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t, 0, per * 2e4);
         sg_dep(b, b->o->eg_reads ? pl : unit[k], emb[k]);
-        for (int r = 0; b->o->eg_reads && r < nr; r++) {
+        /* the unit's own reads (2 per row of its items); the table's other entries stay -1 */
+        int nr_k = 2 * (t.i1 - t.i0) * (int)rows;
+        for (int r = 0; b->o->eg_reads && r < nr && r < nr_k; r++) {
             if (sg->par) SG_NAME(b, "engram L%d item %d read %d", L, k, r);
             else SG_NAME(b, "engram L%d read %d", L, r);
             mf_sg_task tr = sg_item(b, L, k);
@@ -550,10 +552,10 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
         for (int p = 0; p < sg->p_attn; p++) rows[st][p] = sg_attn_rows(b, L, st, p);
     for (int i = 0; i < n; i++) {
         mf_task_id nrm[MF_SG_MAX_PARTS];
-        sg_collapse_norm(b, L, i, MF_SG_ATTN_NORM, MF_SG_PH_ATTN, unit[sg->par ? i : 0], nrm);
+        sg_collapse_norm(b, L, i, MF_SG_ATTN_NORM, MF_SG_PH_ATTN, unit[mf_stepgraph_unit_of(sg, i)], nrm);
         for (int p = 0; p < pc; p++)
             for (int q = 0; q < sg->p_attn; q++) sg_dep(b, nrm[p], rows[MF_SG_ST_IN][q]);
-        sg_mix(b, L, i, MF_SG_ATTN_MIX, &unit[sg->par ? i : 0], 1, amix[i]);
+        sg_mix(b, L, i, MF_SG_ATTN_MIX, &unit[mf_stepgraph_unit_of(sg, i)], 1, amix[i]);
     }
     for (int q = 0; q < sg->p_qn; q++) {
         SG_NAME(b, "attn L%d q norm %d", L, q);
@@ -641,7 +643,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
         post[k] = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, sg_rec(L), 0, 0);
     }
     for (int i = 0; i < n; i++) {
-        mf_task_id pst[MF_SG_MAX_PARTS], fin = post[sg->par ? i : 0];
+        mf_task_id pst[MF_SG_MAX_PARTS], fin = post[mf_stepgraph_unit_of(sg, i)];
         for (int p = 0; p < pc; p++) {
             SG_NAME(b, "attn L%d post item %d %d", L, i, p);
             mf_sg_task t = sg_part(L, i, (int64_t)H, pc, p, 0);
@@ -651,7 +653,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
             pst[p] = sg_add(b, 0, MF_SG_ATTN_POST, MF_SG_PH_ATTN, MF_SG_K_OTHER, t, 0, cols * hc * (hc + 8));
             for (int q = 0; q < sg->p_attn; q++) sg_dep(b, rows[MF_SG_ST_OB][q], pst[p]);
             for (int m = 0; m < pm; m++) sg_dep(b, amix[i][m], pst[p]);
-            sg_dep(b, ring[sg->par ? i : 0], pst[p]);
+            sg_dep(b, ring[mf_stepgraph_unit_of(sg, i)], pst[p]);
         }
         for (int p = 0; p < pc; p++) {
             SG_NAME(b, "attn L%d ffn norm item %d %d", L, i, p);
@@ -903,7 +905,7 @@ static void sg_moe(sg_builder *b, int L, const mf_task_id *post, mf_task_id *uni
             mf_task_id cb = sg_add(b, 0, MF_SG_COMBINE, MF_SG_PH_MOE, MF_SG_K_OTHER, t, 0, cols * (K + 2 + 2 * hc));
             sg_dep(b, done, cb);
             for (int m = 0; m < sg->p_mix; m++) sg_dep(b, b->fmix[i][m], cb);
-            sg_dep(b, cb, unit[sg->par ? i : 0]);
+            sg_dep(b, cb, unit[mf_stepgraph_unit_of(sg, i)]);
         }
 }
 
@@ -918,7 +920,7 @@ static void sg_head(sg_builder *b, const mf_task_id *unit)
     mf_task_id hj = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_HEAD, MF_SG_K_OTHER, sg_rec(-1), 0, 0);
     for (int i = 0; i < sg->n; i++) {
         mf_task_id nrm[MF_SG_MAX_PARTS];
-        sg_collapse_norm(b, -1, i, MF_SG_NORM, MF_SG_PH_HEAD, unit[sg->par ? i : 0], nrm);
+        sg_collapse_norm(b, -1, i, MF_SG_NORM, MF_SG_PH_HEAD, unit[mf_stepgraph_unit_of(sg, i)], nrm);
         for (int p = 0; p < sg->p_hc; p++) sg_dep(b, nrm[p], hj);
     }
     if (sg->n_dense_cards) {   /* on the last layer's card: the normed rows in, the logits out */
@@ -950,6 +952,10 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     int K = c->n_experts_per_tok, E = c->n_routed_experts, W = o->n_threads > 0 ? o->n_threads : 1;
     sg->n = o->n;
     sg->par = o->par;
+    /* units: o's, else n of one item (par) or one of all */
+    sg->n_units = o->n_units > 0 ? o->n_units : o->par ? o->n : 1;
+    for (int k = 0; k < sg->n_units; k++)
+        sg->unit_end[k] = o->n_units > 0 ? o->unit_end[k] : o->par ? k + 1 : o->n;
     sg->n_slots = o->n * K < E ? o->n * K : E;
     /* split experts by rows when there are fewer slots than two per worker: the fewest parts that
      * give at least two tasks per worker and keep the last wave of tasks at least 95% full (6
@@ -986,9 +992,13 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->n_dense_cards = o->n_dense_cards;
     sg->n_io_parts = o->store ? MF_SG_EXPERT_PARTS : 0;
     sg->tid_per_slot = 2 * sg->p_exp + 1 + 3 * sg->n_cards;
-    sg->n_units = o->par ? o->n : 1;
-    sg->eg_reads_per_unit = o->eg_reads ? 2 * (o->n / sg->n_units) * (c->engram_max_ngram_size - 1) *
-                                              c->engram_n_heads : 0;
+    /* Engram reads: a unit's items x rows x (codes, scales), the table's stride the largest unit's */
+    int max_unit = 0;
+    for (int k = 0; k < sg->n_units; k++) {
+        int len = sg->unit_end[k] - (k ? sg->unit_end[k - 1] : 0);
+        if (len > max_unit) max_unit = len;
+    }
+    sg->eg_reads_per_unit = o->eg_reads ? 2 * max_unit * (c->engram_max_ngram_size - 1) * c->engram_n_heads : 0;
 }
 
 int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
@@ -1001,6 +1011,11 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
         (o->n_dense_cards && o->lane_dev0 + 3 * o->n_dense_cards > o->n_lanes))
         return mf_error(-EINVAL, "step graph: dense work on %d cards, lanes for %d (expected 0..%d, with lanes)",
                         o->n_dense_cards, (o->n_lanes - o->lane_dev0) / 3, MF_SG_MAX_CARDS);
+    for (int k = 0; k < o->n_units; k++)
+        if (o->unit_end[k] <= (k ? o->unit_end[k - 1] : 0) || o->unit_end[k] > o->n || o->n_units > o->n ||
+            (k == o->n_units - 1 && o->unit_end[k] != o->n))
+            return mf_error(-EINVAL, "step graph: unit %d of %d ends at item %d (expected increasing, the last at %d)",
+                            k, o->n_units, o->unit_end[k], o->n);
     const mf_config *c = o->c;
     mf_stepgraph *sg = calloc(1, sizeof *sg);
     if (!sg) return mf_error(-ENOMEM, "step graph: out of memory");
@@ -1010,11 +1025,12 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     sg->card_ffn_tid = malloc(sizeof *sg->card_ffn_tid * (size_t)c->n_layers * (sg->n_cards ? sg->n_cards : 1));
     size_t n_eg = (size_t)c->n_engram * sg->n_units * sg->eg_reads_per_unit;
     sg->eg_read_tid = malloc(sizeof *sg->eg_read_tid * (n_eg + 1));
-    sg_builder b = {.o = o, .sg = sg, .u = o->par ? o->n : 1, .moe_in = -1, .moe_gate = -1, .chain_run = -1};
+    sg_builder b = {.o = o, .sg = sg, .u = sg->n_units, .moe_in = -1, .moe_gate = -1, .chain_run = -1};
     b.per = (double)o->n / b.u;
     b.io = malloc(sizeof *b.io * ((size_t)sg->n_slots * sg->n_io_parts + 1));
     int rc = !sg->slot_tid || !sg->card_ffn_tid || !b.io || !sg->eg_read_tid ? mf_error(-ENOMEM, "step graph: out of memory")
                                                           : mf_graph_create(o->lanes, o->n_lanes, &sg->g);
+    for (size_t k = 0; !rc && k < n_eg; k++) sg->eg_read_tid[k] = -1;
     if (rc) {
         free(b.io);
         mf_stepgraph_free(sg);
@@ -1100,7 +1116,15 @@ void mf_stepgraph_mark_engram(mf_stepgraph *sg, int es, int k, int n_used)
 {
     if (!sg->eg_reads_per_unit || es < 0 || k < 0 || k >= sg->n_units) return;
     const mf_task_id *tid = sg->eg_read_tid + ((size_t)es * sg->n_units + k) * sg->eg_reads_per_unit;
-    for (int r = 0; r < sg->eg_reads_per_unit; r++) mf_graph_set_noop(sg->g, tid[r], r >= n_used);
+    for (int r = 0; r < sg->eg_reads_per_unit; r++)
+        if (tid[r] >= 0) mf_graph_set_noop(sg->g, tid[r], r >= n_used);
+}
+
+int mf_stepgraph_unit_of(const mf_stepgraph *sg, int item)
+{
+    for (int k = 0; k < sg->n_units; k++)
+        if (item < sg->unit_end[k]) return k;
+    return -1;
 }
 
 /* ---- lanes and placement ------------------------------------------------------------------- */

@@ -183,6 +183,11 @@ typedef struct mf_sg_opts {
     const mf_sg_sizes *sz;
     int n;              /* items, 1..MF_SG_MAX_ITEMS */
     int par;            /* 1: items of distinct sequences, item parts one task per item */
+    /* > 0: units instead of par: the item parts are one task per unit, unit k being items
+     * [unit_end[k - 1], unit_end[k]) (unit_end[-1] = 0, unit_end[n_units - 1] = n), run in order;
+     * the items of one sequence must lie in one unit. 0: par's units (n of one item, or one) */
+    int n_units;
+    const int *unit_end;
     int n_threads;      /* CPU workers: the row splits */
     int n_cards;        /* cards with device lanes (0: host only) */
     int dev_graphs;     /* 1: a layer's FFNs on a card are one task (MF_SG_DEV_FFN_CARD) */
@@ -206,6 +211,8 @@ typedef struct mf_stepgraph {
     mf_sg_task *task;             /* per task id */
     int n_tasks;
     int n, par, n_slots;          /* items, parallel, expert slots min(n * top_k, experts) */
+    int n_units;                  /* item tasks per item part; unit k: items [unit_end[k-1], unit_end[k]) */
+    int unit_end[MF_SG_MAX_ITEMS];
     int p_exp, p_sh, p_head, p_attn;   /* row parts per expert, shared expert, head, stage */
     /* per item: column parts of the hyper-connection tasks (collapse, norms, expand, combine),
      * row parts of each mix, attention head groups (of ah_heads heads); q norm item ranges */
@@ -220,11 +227,12 @@ typedef struct mf_stepgraph {
     mf_task_id *slot_tid;
     int tid_per_slot;
     mf_task_id *card_ffn_tid;     /* dev_graphs: per layer and card its FFN graph task */
-    /* eg_reads: per Engram slot (graphs/model/config.h mf_config_engram_slot) and item task k its
-     * reads, eg_read_tid[(slot * n_units + k) * eg_reads_per_unit + r]; an item task's items
-     * times 2 (codes, scales) times the rows of an item, the most a gather can need */
+    /* eg_reads: per Engram slot (graphs/model/config.h mf_config_engram_slot) and unit k its
+     * reads, eg_read_tid[(slot * n_units + k) * eg_reads_per_unit + r]: unit k's items times 2
+     * (codes, scales) times the rows of an item, the most its gather can need; the stride is the
+     * largest unit's, a smaller unit's other entries -1 */
     mf_task_id *eg_read_tid;
-    int n_units, eg_reads_per_unit;
+    int eg_reads_per_unit;
 } mf_stepgraph;
 
 /* The engine's lanes (the simulator's graph has the same; its own lane options go to
@@ -303,5 +311,8 @@ void mf_stepgraph_mark_noop(mf_stepgraph *sg, int L, int n_used, const int32_t *
 /* Marks the reads of item task k's Engram gather of Engram slot es (mf_config_engram_slot) past
  * the first n_used noop, the rest normal (eg_reads; nothing otherwise). */
 void mf_stepgraph_mark_engram(mf_stepgraph *sg, int es, int k, int n_used);
+
+/* The unit (0..n_units-1) that holds item `item`, -1 if none. */
+int mf_stepgraph_unit_of(const mf_stepgraph *sg, int item);
 
 #endif

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """`moeflow serve` on a tiny checkpoint, on 127.0.0.1 with a free port, through the real `openai`
-client: completions and chat, streaming and not, greedy responses equal to `moeflow decode` on
+client: completions and chat, streaming and not, n > 1, greedy responses equal to `moeflow decode` on
 the same prompts (token ids and text); SSE framing over a raw socket; OpenAI-style errors
-(malformed JSON, wrong types, n > 1, oversize body, context limit, unknown endpoint, missing API
-key, full queue with Retry-After, a partial request closed at the timeout); a bounded load test (48 concurrent clients, mixed prompt and
+(malformed JSON, wrong types, n out of range, oversize body, context limit, unknown endpoint, missing API
+key, full queue with Retry-After, a partial request closed at the timeout); a bounded load test (64 concurrent clients, some with n = 2, mixed prompt and
 output lengths, some disconnecting mid-stream) where every completed response equals its
 sequential run and the server stays up; graceful shutdown on SIGTERM (exit 0). Loopback only.
 Exits non-zero on any mismatch."""
@@ -112,6 +112,44 @@ def sse_events(data):
     return payloads
 
 
+def check_n(cl, prompts, ref, N, msgs, chat_ref):
+    """n > 1 on both endpoints: greedy choices all equal decode's; sampled choice k equals a single
+    request seeded seed + k; streamed choices are told apart by their index."""
+    def toks(c):
+        return c.model_dump()["tokens"]
+    r = cl.completions.create(model="tiny", prompt=prompts[4], max_tokens=N, temperature=0, n=3)
+    check([c.index for c in r.choices] == [0, 1, 2] and all(toks(c) == ref[4][0] and c.text == ref[4][1]
+                                                             for c in r.choices), f"n=3 greedy: {r}")
+    check(r.usage.completion_tokens == 3 * len(ref[4][0]), f"n=3 usage {r.usage}")
+    r = cl.completions.create(model="tiny", prompt=prompts[0], max_tokens=10, temperature=0.9, seed=11, n=3)
+    solo = [cl.completions.create(model="tiny", prompt=prompts[0], max_tokens=10, temperature=0.9, seed=11 + k)
+            for k in range(3)]
+    check([toks(c) for c in r.choices] == [toks(x.choices[0]) for x in solo] and
+          [c.text for c in r.choices] == [x.choices[0].text for x in solo], "n=3 sampled: choice k != seed + k")
+    check(len({tuple(toks(c)) for c in r.choices}) > 1, f"n=3 sampled: all choices equal {r.choices}")
+    got, fins, usage = {}, {}, None
+    for ch in cl.completions.create(model="tiny", prompt=prompts[1], max_tokens=N, temperature=0, n=2, stream=True):
+        for c in ch.choices:
+            got.setdefault(c.index, []).extend(c.model_dump().get("tokens") or [])
+            fins[c.index] = c.finish_reason or fins.get(c.index)
+        usage = ch.usage or usage
+    check(got == {0: ref[1][0], 1: ref[1][0]} and all(fins.get(k) for k in (0, 1)) and usage is not None and
+          usage.completion_tokens == 2 * len(ref[1][0]), f"n=2 streamed: {got} {fins} {usage}")
+    r = cl.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0.7, seed=3, n=2)
+    solo = [cl.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0.7, seed=3 + k)
+            for k in range(2)]
+    check([c.message.content for c in r.choices] == [x.choices[0].message.content for x in solo] and
+          [toks(c) for c in r.choices] == [toks(x.choices[0]) for x in solo], "chat n=2 sampled: choice k != seed + k")
+    got, roles = {}, {}
+    for ch in cl.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0, n=2, stream=True):
+        for c in ch.choices:
+            if c.delta.role:
+                roles[c.index] = roles.get(c.index, []) + [c.delta.role]
+            got.setdefault(c.index, []).extend(c.model_dump().get("tokens") or [])
+    check(roles == {0: ["assistant"], 1: ["assistant"]} and got == {0: chat_ref[0], 1: chat_ref[0]},
+          f"chat n=2 streamed: {roles} {got}")
+
+
 def main():
     os.makedirs(TMP, exist_ok=True)
     ckpt = os.path.join(TMP, "tiny")
@@ -203,7 +241,8 @@ def main():
         err('{"prompt": "x", "temperature": "hot"}', 400, "temperature")
         err('{"prompt": "x", "stream": 1}', 400, "stream")
         err('{"prompt": "x", "stop": [1]}', 400, "stop")
-        err('{"prompt": "x", "n": 2}', 400, "n")
+        err('{"prompt": "x", "n": 0}', 400, "n")
+        err('{"prompt": "x", "n": 17}', 400, "n")
         err('{"prompt": ["a", "b"]}', 400, "prompt")
         err('{"prompt": "x", "logprobs": 3}', 400, "logprobs")
         err('{"messages": "hi"}', 400, "messages", path="/v1/chat/completions")
@@ -213,21 +252,19 @@ def main():
         err(json.dumps({"prompt": "a" * (2 << 20)}), 413, None, "body_too_large")
         st, _, data = srv.raw("GET", "/v1/nothing")
         check(st == 404 and b"error" in data, f"404: {st} {data[:100]!r}")
-        try:
-            cl.completions.create(model="tiny", prompt="x", n=2)
-            fail("n=2 accepted")
-        except openai.BadRequestError as e:
-            check("n = 1" in str(e), f"n=2 message: {e}")
-        # the load test: 48 clients, mixed prompts and lengths, some disconnecting mid-stream
+        check_n(cl, prompts, ref, N, msgs, chat_ref)
+        # the load test: 64 clients, mixed prompts and lengths, some with n = 2, some disconnecting
+        # mid-stream (half of those with n = 2: both choices are cancelled)
         lens = [1, 3, 6, 11, 16]
-        jobs = [(k, k % len(prompts), lens[k % len(lens)], k % 3 == 0, k % 8 == 5) for k in range(48)]
+        jobs = [(k, k % len(prompts), lens[k % len(lens)], k % 3 == 0, k % 8 == 5, 2 if k % 7 == 2 else 1)
+                for k in range(64)]
 
         def client(job):
-            k, pi, n, stream, leave = job
+            k, pi, n, stream, leave, nc = job
             if leave:   # a raw streaming request dropped after the first event
                 s = socket.create_connection((HOST, srv.port), timeout=60)
                 body = json.dumps({"prompt": prompts[pi], "max_tokens": 200, "temperature": 0, "stream": True,
-                                   "ignore_eos": True})
+                                   "ignore_eos": True, "n": 1 + (k % 16 == 5)})
                 s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                           f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
                 got = b""
@@ -240,16 +277,19 @@ def main():
                 return ("left", k, None)
             c = openai.OpenAI(base_url=srv.url(), api_key="unused", max_retries=0, timeout=120)
             if stream:
-                toks = []
+                toks = {}
                 for ch in c.completions.create(model="tiny", prompt=prompts[pi], max_tokens=n, temperature=0,
-                                               stream=True):
-                    toks += ch.model_dump()["choices"][0].get("tokens") or []
-                return ("done", k, toks)
-            r = c.completions.create(model="tiny", prompt=prompts[pi], max_tokens=n, temperature=0)
-            return ("done", k, r.model_dump()["choices"][0]["tokens"])
+                                               stream=True, n=nc):
+                    for x in ch.model_dump()["choices"]:
+                        toks.setdefault(x["index"], []).extend(x.get("tokens") or [])
+                return ("done", k, toks.get(0) if sorted(toks) == list(range(nc)) and
+                        all(t == toks[0] for t in toks.values()) else toks)
+            r = c.completions.create(model="tiny", prompt=prompts[pi], max_tokens=n, temperature=0, n=nc)
+            toks = [x["tokens"] for x in r.model_dump()["choices"]]
+            return ("done", k, toks[0] if len(toks) == nc and all(t == toks[0] for t in toks) else toks)
 
         t0 = time.time()
-        with cf.ThreadPoolExecutor(48) as ex:
+        with cf.ThreadPoolExecutor(64) as ex:
             results = list(ex.map(client, jobs, timeout=max(10, DEADLINE - time.time())))
         same = sum(1 for st, k, toks in results if st == "done" and toks == ref[jobs[k][1]][0][:jobs[k][2]])
         done = sum(1 for r in results if r[0] == "done")
