@@ -3,8 +3,10 @@
 #include "sched/path.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "sched/error.h"
 
@@ -59,5 +61,35 @@ int mf_path_make_parent(const char *path)
     dir[n] = 0;
     int rc = mf_path_mkdirs(dir);
     if (rc) return mf_error_wrap(rc, "%s: cannot make its folder", path);
+    return 0;
+}
+
+int mf_path_open_tmp(const char *path, char *tmp, size_t cap, FILE **f)
+{
+    *f = NULL;
+    int rc = mf_path_make_parent(path);
+    if (rc) return rc;
+    snprintf(tmp, cap, "%s.tmp.%d", path, (int)getpid());
+    *f = fopen(tmp, "wb");
+    if (!*f) {
+        int e = errno;
+        return mf_error(-e, "%s: cannot create: %s", tmp, strerror(e));
+    }
+    return 0;
+}
+
+int mf_path_commit_tmp(FILE *f, const char *tmp, const char *path)
+{
+    int ok = !ferror(f);
+    ok = (fclose(f) == 0) && ok;
+    if (!ok) {
+        unlink(tmp);
+        return mf_error(-EIO, "%s: write failed", tmp);
+    }
+    if (rename(tmp, path) != 0) {
+        int e = errno;
+        unlink(tmp);
+        return mf_error(-e, "%s: cannot rename into place: %s", path, strerror(e));
+    }
     return 0;
 }

@@ -406,15 +406,9 @@ int mf_profile_write_header(const mf_profile *p, const char *path, const char *h
     if (rc) return mf_error_wrap(rc, "not writing an invalid profile");
     if (strpbrk(p->name, "#\n\r"))
         return mf_error(-EINVAL, "%s: profile name '%s' may not hold '#' or line breaks", path, p->name);
-    rc = mf_path_make_parent(path);
-    if (rc) return rc;
     char tmp[4096];
-    snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
-    FILE *f = fopen(tmp, "wb");
-    if (!f) {
-        int e = errno;
-        return mf_error(-e, "%s: cannot create: %s", tmp, strerror(e));
-    }
+    FILE *f;
+    if ((rc = mf_path_open_tmp(path, tmp, sizeof tmp, &f))) return rc;
     fprintf(f, "# moeflow hardware profile (format: docs/profiles.md)\n");
     if (header && *header) {
         const char *s = header;
@@ -442,18 +436,7 @@ int mf_profile_write_header(const mf_profile *p, const char *path, const char *h
         else
             fprintf(f, "%-24s = %s\n", k->key, val);
     }
-    int ok = !ferror(f);
-    ok = (fclose(f) == 0) && ok;
-    if (!ok) {
-        unlink(tmp);
-        return mf_error(-EIO, "%s: write failed", tmp);
-    }
-    if (rename(tmp, path) != 0) {
-        int e = errno;
-        unlink(tmp);
-        return mf_error(-e, "%s: cannot rename into place: %s", path, strerror(e));
-    }
-    return 0;
+    return mf_path_commit_tmp(f, tmp, path);
 }
 
 int mf_profile_write(const mf_profile *p, const char *path)

@@ -697,33 +697,16 @@ int mf_config_write_json(const mf_config *c, const char *path)
 {
     char *text = mf_config_to_json(c);
     if (!text) return -ENOMEM;
-    int mk = mf_path_make_parent(path);
-    if (mk) {
-        free(text);
-        return mk;
-    }
     char tmp[4096];
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    FILE *f = fopen(tmp, "wb");
-    if (!f) {
-        int e = errno;
-        free(text);
-        return mf_error(-e, "%s: cannot create: %s", tmp, strerror(e));
+    FILE *f;
+    int rc = mf_path_open_tmp(path, tmp, sizeof tmp, &f);
+    if (!rc) {
+        fputs(text, f);   /* a failed write sets the stream's error: the commit refuses it */
+        fputc('\n', f);
+        rc = mf_path_commit_tmp(f, tmp, path);
     }
-    size_t len = strlen(text);
-    int ok = fwrite(text, 1, len, f) == len && fputc('\n', f) != EOF;
-    ok = (fclose(f) == 0) && ok;
     free(text);
-    if (!ok) {
-        unlink(tmp);
-        return mf_error(-EIO, "%s: write failed", tmp);
-    }
-    if (rename(tmp, path) != 0) {
-        int e = errno;
-        unlink(tmp);
-        return mf_error(-e, "%s: cannot rename into place: %s", path, strerror(e));
-    }
-    return 0;
+    return rc;
 }
 
 /* ---- presets ------------------------------------------------------------------------------- */

@@ -273,8 +273,7 @@ static int mf_task_engram_rows(void *arg, mf_task_ctx *ctx)
     if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
     const mf_weight *w = &mf_model_layer_at(cx->ly->m, a->t->layer)->eg_wkv;
-    int r0, r1;
-    mf_step_rows(w->rows, sh->p_attn, a->t->part, &r0, &r1);
+    int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
     int rc = mf_ly_linear_part(cx, w, sh->eg_emb, sh->n, sh->eg_emb_ld, sh->eg_kv,
                                 sh->eg_kv_ld, r0, r1);
@@ -517,8 +516,7 @@ static int mf_task_gate_rows(void *arg, mf_task_ctx *ctx)
     if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
     const mf_weight *w = &mf_model_layer_at(cx->ly->m, a->t->layer)->gate;
-    int r0, r1;
-    mf_step_rows(w->rows, sh->p_attn, a->t->part, &r0, &r1);
+    int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
     int64_t H = sh->eng->c->hidden_size;
     int rc = mf_ly_gate_rows(cx, a->t->layer, sh->xin, sh->n, H, sh->logits, w->rows, r0, r1);
@@ -923,8 +921,7 @@ static int mf_task_slot_up(void *arg, mf_task_ctx *ctx)
     const mf_config *c = eng->c;
     int64_t H = c->hidden_size, I = c->moe_intermediate_size;
     const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, a->t->slot);
-    int r0, r1;
-    mf_step_rows(I, sh->p_exp, a->t->part, &r0, &r1);
+    int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
     size_t off = (size_t)sh->slot_off[a->t->slot];
     return mf_step_ffn_up(eng, &ew[0], &ew[2], sh->xg + off * H, &sh->q8x[a->t->slot], sh->slot_cnt[a->t->slot],
@@ -954,8 +951,7 @@ static int mf_task_slot_down(void *arg, mf_task_ctx *ctx)
     mf_step *eng = sh->eng;
     int64_t H = eng->c->hidden_size, I = eng->c->moe_intermediate_size;
     const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, a->t->slot);
-    int r0, r1;
-    mf_step_rows(H, sh->p_exp, a->t->part, &r0, &r1);
+    int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
     size_t off = (size_t)sh->slot_off[a->t->slot];
     return mf_step_ffn_down(eng, &ew[1], sh->h + off * I, &sh->q8h[a->t->slot], sh->slot_cnt[a->t->slot],
@@ -969,8 +965,7 @@ static int mf_task_sh_up(void *arg, mf_task_ctx *ctx)
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
     const mf_model_layer *y = mf_model_layer_at(eng->ly->m, a->t->layer);
-    int r0, r1;
-    mf_step_rows(y->sh_w1.rows, sh->p_sh, a->t->part, &r0, &r1);
+    int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
     return mf_step_ffn_up(eng, &y->sh_w1, &y->sh_w3, sh->xin, NULL, sh->n, NULL, sh->hs, sh->gs, sh->us,
                           r0, r1);
@@ -990,8 +985,7 @@ static int mf_task_sh_down(void *arg, mf_task_ctx *ctx)
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
     const mf_model_layer *y = mf_model_layer_at(eng->ly->m, a->t->layer);
-    int r0, r1;
-    mf_step_rows(eng->c->hidden_size, sh->p_sh, a->t->part, &r0, &r1);
+    int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
     return mf_step_ffn_down(eng, &y->sh_w2, sh->hs, NULL, sh->n, sh->ys, r0, r1);
 }
@@ -1039,8 +1033,7 @@ static int mf_task_head(void *arg, mf_task_ctx *ctx)
     if (!sh->n_head) return 0;
     const mf_config *c = sh->eng->c;
     const mf_weight *w = mf_model_head(sh->eng->ly->m);
-    int r0, r1;
-    mf_step_rows(c->vocab_size, sh->p_head, a->t->part, &r0, &r1);
+    int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
     return mf_kern_bf16_matmul((const uint16_t *)w->data, (int)c->vocab_size, (int)c->hidden_size,
                                sh->hn, sh->n_head, (int)c->hidden_size, sh->lbuf, (int)c->vocab_size,
