@@ -711,6 +711,10 @@ int mf_cmd_decode(int argc, char **argv)
                                                  .io_fault_nth = mf_tool_io_env.fault_nth}, &eng))
         goto fail;
     if (eng && mf_step_refused(eng)[0]) fprintf(stderr, "moeflow decode: card self-check: %s\n", mf_step_refused(eng));
+    for (int k = 0, cd = 0; eng && dense && mf_step_dense_bytes(eng, k, &cd); k++)
+        if (!quiet)
+            fprintf(stderr, "moeflow decode: dense weights on card %d (%s): %.1f MB\n", cd, devices,
+                    (double)mf_step_dense_bytes(eng, k, NULL) / 1e6);
     dc = (mf_dec_ctx){.sq = sq, .tok = tok, .stream = n_seq == 1, .out = outf, .quiet = quiet};
     if (mf_batch_new(&(mf_batch_opts){.ref = r, .eng = eng, .tok = tok, .max_batch = max_batch,
                                       .step_tokens = (int)step_tokens, .max_context = total > 1 ? total : 2,
