@@ -1861,8 +1861,9 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     int rc = 0;
     if (s->o.dev && (s->o.placement != MF_STEP_PLACE_HOST || s->o.dense) && !s->o.no_selfcheck)
         mf_step_selfcheck(s);
-    if (s->o.dev && s->o.placement != MF_STEP_PLACE_HOST) rc = mf_step_dev_setup(s);
-    if (!rc && s->o.dense) rc = mf_step_dense_setup(s);
+    /* the dense weights first: the expert caches then take what the cards have left */
+    if (s->o.dense) rc = mf_step_dense_setup(s);
+    if (!rc && s->o.dev && s->o.placement != MF_STEP_PLACE_HOST) rc = mf_step_dev_setup(s);
     s->n_lane_cards = s->n_cards > s->n_dense ? s->n_cards : s->n_dense;
     /* lanes: models for placement and priorities (mf_step_lane_models: the profile's, or the
      * built-in assumptions); dense-only cards map to the cards that passed the self-check */
