@@ -16,7 +16,8 @@
 # step's result and wall time, the first lines of every failing log, the kernels' relative errors)
 # and device-check.tar.gz (every log, trace and listing). Budget: under 5 minutes (every step has a
 # timeout inside a 290 s budget). NOT RUN YET on a card: written on machines without a GPU.
-# DEVICE_CHECK_BUDGET_S (default 290) replaces the budget, e.g. for --fake on a loaded machine.
+# DEVICE_CHECK_BUDGET_S (default 290) replaces the budget, e.g. for --fake on a loaded machine;
+# every step's own limit scales with it (budget / 290).
 # Options: --fake (or DEVICE_CHECK_FAKE=1) skips the GPU presence check, to try the build and the
 # packing on a machine without a GPU (the GPU tests SKIP; bench and decode run on emulated cards);
 # --deps auto|system|prefix (or DEVICE_CHECK_DEPS): where the libraries come from: the system's
@@ -50,7 +51,8 @@ failed=()                         # logs of failing steps, excerpted into the su
 ms_now() { echo $(($(date +%s%N) / 1000000)); }
 # run_t LIMIT NAME CMD...: runs CMD with a timeout of at most LIMIT s and the time left, stdout to
 # $W/NAME and stderr to $W/NAME.err; sets rc and wall (ms); a failure's logs are excerpted later.
-run_t() { local lim=$1 name=$2; shift 2; local l t0; l=$(left); [ "$l" -lt "$lim" ] && lim=$l
+# LIMIT is for the default budget of 290 s and scales with DEVICE_CHECK_BUDGET_S.
+run_t() { local lim=$(($1 * budget / 290)) name=$2; shift 2; local l t0; l=$(left); [ "$l" -lt "$lim" ] && lim=$l
   if [ "$lim" -le 5 ]; then echo "not run: no time left in the ${budget} s budget" >"$W/$name"; rc=124; wall=0
   else t0=$(ms_now); timeout -k 5 "$lim" "$@" >"$W/$name" 2>"$W/$name.err"; rc=$?; wall=$(($(ms_now) - t0))
     [ "$rc" = 124 ] && echo "(killed by its ${lim} s timeout)" >>"$W/$name.err"; fi
