@@ -10,6 +10,7 @@
 
 extern "C" {
 #include "device/dev_cuda_kern.h"
+#include "device/kern_dense.h"
 #include "device/kern_q8.h"
 #include "sched/error.h"
 }
@@ -150,23 +151,8 @@ struct k_lin_args {
     int aligned;
 };
 
-/* E4M3 from its bits: normal 2^(e-7) (1 + m/8), subnormal m 2^-9, S.1111.111 NaN. */
-__device__ static float k_e4m3_bits(unsigned b)
-{
-    unsigned e = (b >> 3) & 15u, m = b & 7u;
-    float v = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;
-    if ((b & 0x7Fu) == 0x7Fu) v = __int_as_float(0x7FC00000);
-    return (b & 0x80u) ? -v : v;
-}
-
-/* Round to nearest even bf16, NaN to the quiet NaN of its sign: host/formats.h's bits. */
-__device__ static float k_bf(float x)
-{
-    unsigned b = __float_as_uint(x);
-    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return __uint_as_float((b & 0x80000000u) | 0x7FC00000u);
-    b += 0x7FFFu + ((b >> 16) & 1u);
-    return __uint_as_float(b & 0xFFFF0000u);
-}
+/* bf16 rounding in bits (device/kern_dense.h, also the host's) */
+__device__ static float k_bf(float x) { return mf_dk_bf16(x); }
 
 __device__ static void k_load16(const uint8_t *p, int aligned, uint32_t q[4])
 {
@@ -184,10 +170,10 @@ __device__ static void k_load16(const uint8_t *p, int aligned, uint32_t q[4])
 template <int FMT, int REF>
 __device__ static void k_lin_row(const k_lin_args &a, int i, int t0, int nt, float out[KT])
 {
-    const int cpc = FMT == MF_KERN_FP8 ? 16 : 8;   /* columns per 16-byte chunk */
-    int lane = threadIdx.x & 31, nb = a.n_in / 32, nch = a.n_in / cpc;
+    const int cpc = MF_DK_CPC(FMT);
+    int lane = threadIdx.x & 31, nch = a.n_in / cpc;
     const uint8_t *wr = a.w + (size_t)i * (size_t)a.n_in * (FMT == MF_KERN_FP8 ? 1 : 2);
-    long long xoff = a.group_rows ? (a.row0 + i) / a.group_rows * a.n_in : 0;
+    long long xoff = mf_dk_xoff(a.row0, a.group_rows, a.n_in, i);
     float accf[KT];
     double accd[KT];
 #pragma unroll
@@ -195,18 +181,8 @@ __device__ static void k_lin_row(const k_lin_args &a, int i, int t0, int nt, flo
     for (int c = lane; c < nch; c += 32) {
         uint32_t q[4];
         k_load16(wr + (size_t)c * 16, a.aligned, q);
-        float wv[cpc], sc = 1.0f;
-        if (FMT == MF_KERN_FP8) {
-            sc = k_e8m0(a.scale[(size_t)(i / 32) * nb + (c * cpc) / 32]);
-#pragma unroll
-            for (int j = 0; j < cpc; j++) {
-                float v = k_e4m3_bits((q[j / 4] >> (8 * (j % 4))) & 0xFFu);
-                wv[j] = REF ? v : v * sc;
-            }
-        } else {
-#pragma unroll
-            for (int j = 0; j < cpc; j++) wv[j] = __uint_as_float(((q[j / 2] >> (16 * (j % 2))) & 0xFFFFu) << 16);
-        }
+        float wv[16], sc = FMT == MF_KERN_FP8 ? k_e8m0(a.scale[mf_dk_scale_at(a.n_in, i, c)]) : 1.0f;
+        mf_dk_decode(FMT, q, REF ? 1.0f : sc, wv);
         const float *xc = a.x + xoff + (long long)c * cpc;
 #pragma unroll
         for (int t = 0; t < KT; t++)
