@@ -254,6 +254,75 @@ int mf_dev_bf16_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, i
     return s->dev->ops->bf16_matmul(s, w, x, n_tok, y);
 }
 
+/* A dense weight slice: FP8 (with scales) or BF16, n_out >= 1, n_in a positive multiple of 32. */
+static int mf_dev_dense_mat_ok(const mf_kern_mat *w, const char *what, const char *name)
+{
+    if (w->fmt != MF_KERN_FP8 && w->fmt != MF_KERN_BF16)
+        return mf_error(-EINVAL, "%s: %s has format %d, expected FP8 or BF16", what, name, (int)w->fmt);
+    if (!w->w || (w->fmt == MF_KERN_FP8 && !w->scale))
+        return mf_error(-EINVAL, "%s: %s: NULL weights or scales", what, name);
+    if (w->n_out < 1 || w->n_in < 32 || w->n_in % 32)
+        return mf_error(-EINVAL, "%s: %s is [%d, %d]; expected n_out >= 1 and n_in a positive multiple of 32",
+                        what, name, w->n_out, w->n_in);
+    return 0;
+}
+
+int mf_dev_linear(mf_dev_stream *s, const mf_dev_lin *a)
+{
+    static const char *what = "mf_dev_linear";
+    if (!s || !a) return mf_error(-EINVAL, "%s: NULL %s", what, !s ? "stream" : "arguments");
+    int rc = mf_dev_dense_mat_ok(&a->w, what, "w");
+    if (rc) return rc;
+    if (a->sums != MF_DEV_SUMS_KERN && a->sums != MF_DEV_SUMS_REF)
+        return mf_error(-EINVAL, "%s: sums %d (expected MF_DEV_SUMS_KERN or _REF)", what, (int)a->sums);
+    if (a->row0 < 0 || a->group_rows < 0)
+        return mf_error(-EINVAL, "%s: row0 %lld, group_rows %d (expected >= 0)", what, (long long)a->row0,
+                        a->group_rows);
+    if (!a->x || !a->y || a->n_tok < 1)
+        return mf_error(-EINVAL, "%s: card %d: NULL x or y, or n_tok %d < 1", what, s->card, a->n_tok);
+    int64_t need_x = a->group_rows ? (a->row0 + a->w.n_out - 1) / a->group_rows * a->w.n_in + a->w.n_in : a->w.n_in;
+    if (a->ld_x < need_x || a->ld_y < a->w.n_out)
+        return mf_error(-EINVAL, "%s: ld_x %lld, ld_y %lld (expected >= %lld and >= %d)", what, (long long)a->ld_x,
+                        (long long)a->ld_y, (long long)need_x, a->w.n_out);
+    return s->dev->ops->linear(s, a);
+}
+
+int mf_dev_round_bf16(mf_dev_stream *s, float *y, int n_tok, int64_t ld, int n)
+{
+    if (!s) return mf_error(-EINVAL, "mf_dev_round_bf16: stream is NULL");
+    if (!y || n_tok < 1 || n < 1 || ld < n)
+        return mf_error(-EINVAL, "mf_dev_round_bf16: card %d: y %p, %d tokens of %d values, ld %lld", s->card,
+                        (void *)y, n_tok, n, (long long)ld);
+    return s->dev->ops->round_bf16(s, y, n_tok, ld, n);
+}
+
+int mf_dev_ffn_up(mf_dev_stream *s, const mf_dev_up *a)
+{
+    static const char *what = "mf_dev_ffn_up";
+    if (!s || !a) return mf_error(-EINVAL, "%s: NULL %s", what, !s ? "stream" : "arguments");
+    int rc = mf_dev_dense_mat_ok(&a->w1, what, "w1");
+    if (!rc) rc = mf_dev_dense_mat_ok(&a->w3, what, "w3");
+    if (rc) return rc;
+    if (a->w1.fmt != a->w3.fmt || a->w1.n_out != a->w3.n_out || a->w1.n_in != a->w3.n_in)
+        return mf_error(-EINVAL, "%s: w1 [%d, %d] and w3 [%d, %d] differ in shape or format", what, a->w1.n_out,
+                        a->w1.n_in, a->w3.n_out, a->w3.n_in);
+    if (!(a->limit > 0.0f)) return mf_error(-EINVAL, "%s: swiglu limit %g, expected > 0", what, (double)a->limit);
+    if (!a->x || !a->h || a->n_tok < 1 || a->ld_x < a->w1.n_in || a->ld_h < a->w1.n_out)
+        return mf_error(-EINVAL, "%s: card %d: NULL x or h, n_tok %d, ld_x %lld, ld_h %lld", what, s->card, a->n_tok,
+                        (long long)a->ld_x, (long long)a->ld_h);
+    return s->dev->ops->ffn_up(s, a);
+}
+
+int mf_dev_swiglu_bf16(mf_dev_stream *s, const float *g, const float *u, int n_tok, int64_t ld, int n,
+                       float limit, float *h)
+{
+    if (!s) return mf_error(-EINVAL, "mf_dev_swiglu_bf16: stream is NULL");
+    if (!g || !u || !h || n_tok < 1 || n < 1 || ld < n)
+        return mf_error(-EINVAL, "mf_dev_swiglu_bf16: card %d: NULL g, u or h, or %d tokens of %d values, ld %lld",
+                        s->card, n_tok, n, (long long)ld);
+    return s->dev->ops->swiglu_bf16(s, g, u, n_tok, ld, n, limit, h);
+}
+
 size_t mf_dev_ffn_q8_bytes(int n_tok, int n_in, int n_hidden)
 {
     size_t a = mf_kern_q8_bytes(n_tok, n_in), b = mf_kern_q8_bytes(n_tok, n_hidden);

@@ -125,6 +125,52 @@ int mf_dev_fp8_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, in
  * CUDA). */
 int mf_dev_bf16_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y);
 
+/* Dense linears of the dense sublayers on a card (the attention linears, router gate, shared
+ * expert, head: graphs/step/step.c). A weight slice: w holds rows [row0, row0 + w.n_out) of a
+ * weight (FP8 E4M3 with 32x32 E8M0 tiles, the slice starting at a tile row, or BF16) in device
+ * memory; x rows are ld_x floats apart, y rows ld_y floats apart, and y[t * ld_y + i] is written
+ * for i in [0, w.n_out) (y points at the slice's first output). group_rows > 0 (the grouped
+ * wo_a): row r of the whole weight reads x columns [(r / group_rows) * w.n_in, + w.n_in). sums:
+ * MF_DEV_SUMS_KERN as host/kernels.h sums (mf_kern_matmul: fp32); MF_DEV_SUMS_REF the reference's
+ * double sums (graphs/layers mf_ly_linear_rows: per 32-column block a double sum, times its scale,
+ * summed in double; the router gate and wo_a use them). Emulated cards: bit for bit those host
+ * sums. CUDA: fp32 FMAs in another order (REF: fp32 within a 16-column chunk, double across
+ * chunks); bounds in docs/device.md. -EINVAL for bad shapes, formats or pointers. */
+typedef enum mf_dev_sums { MF_DEV_SUMS_KERN = 0, MF_DEV_SUMS_REF } mf_dev_sums;
+typedef struct mf_dev_lin {
+    mf_kern_mat w;
+    int64_t row0;
+    int group_rows;
+    mf_dev_sums sums;
+    const float *x;
+    int64_t ld_x;
+    int n_tok;
+    float *y;
+    int64_t ld_y;
+} mf_dev_lin;
+int mf_dev_linear(mf_dev_stream *s, const mf_dev_lin *a);
+/* Rounds y[t * ld + i] (t < n_tok, i < n) to bf16 in place (round to nearest even, as
+ * host/formats.h mf_bf16_from_f32): bit for bit on every backend. */
+int mf_dev_round_bf16(mf_dev_stream *s, float *y, int n_tok, int64_t ld, int n);
+/* Phase 1 of a dense FFN (the shared expert), as mf_kern_ffn_up without token weights on the
+ * fp32 path: rows [0, w1.n_out) of slices w1, w3 (FP8 or BF16, same rows) against x (ld_x),
+ * h[t * ld_h + i] = silu(min(w1 x, limit)) * clamp(w3 x, +-limit); limit > 0. */
+typedef struct mf_dev_up {
+    mf_kern_mat w1, w3;
+    const float *x;
+    int64_t ld_x;
+    int n_tok;
+    float limit;
+    float *h;
+    int64_t ld_h;
+} mf_dev_up;
+int mf_dev_ffn_up(mf_dev_stream *s, const mf_dev_up *a);
+/* The reference's gating of a dense FFN's hidden rows (the engine's exact path): with g' =
+ * bf16(g), u' = bf16(u) (limit > 0: g' = min(g', limit), u' clamped to +-limit), h = bf16(silu(g')
+ * * u'), silu in double as the reference; g, u, h share ld; element [t * ld + i], i < n. */
+int mf_dev_swiglu_bf16(mf_dev_stream *s, const float *g, const float *u, int n_tok, int64_t ld, int n,
+                       float limit, float *h);
+
 /* The expert FFN y = w2 (silu(min(w1 x, limit)) * clamp(w3 x, +-limit) * tok_weight), as
  * mf_kern_ffn_up then mf_kern_ffn_down with every row. h is device scratch [n_tok][w1.n_out];
  * q8_scratch (at least mf_dev_ffn_q8_bytes) selects the int8 path for FP4 matrices (x and then h

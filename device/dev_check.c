@@ -1,5 +1,6 @@
 /* The startup self-check of a card (device/dev_check.h): each device kernel once on random data
- * against host/kernels.h, small shapes (64 x 256 matrices, an FFN of 256 -> 128 -> 256). */
+ * against host/kernels.h, small shapes (64 x 256 matrices, an FFN of 256 -> 128 -> 256), then the
+ * dense sublayers' ops against device/dense_host.h. */
 #include "device/dev_check.h"
 
 #include <errno.h>
@@ -7,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "device/dense_host.h"
 #include "host/kernels.h"
 #include "sched/error.h"
 
@@ -53,9 +55,109 @@ static double dc_rel(const float *a, const float *b, size_t n)
 enum { DC_W = 3 * DC_HID * DC_IN, DC_S = 3 * DC_HID * (DC_IN / 32) };   /* the FFN's three */
 typedef struct dc_host {
     uint8_t w[DC_W], sc[DC_S];
-    float x[DC_TOK * DC_IN], tw[DC_TOK], h[DC_TOK * DC_HID], ref[DC_TOK * DC_IN], got[DC_TOK * DC_IN];
+    float x[DC_TOK * DC_IN], x2[DC_TOK * DC_HID], tw[DC_TOK], h[DC_TOK * DC_HID], ref[DC_TOK * DC_IN], got[DC_TOK * DC_IN];
     uint8_t q8[1 << 16];
 } dc_host;
+
+/* The dense ops (device/dev.h mf_dev_linear and the roundings) of the dense sublayers, each at
+ * 1 and 3 tokens against device/dense_host.h on the same data: an FP8 row slice [32, 96) of a
+ * 128 x 256 matrix with strided outputs, a BF16 64 x 256 with reference sums (the router gate),
+ * an FP8 128 x 64 grouped (4 groups of 32 rows) slice from row 32 with reference sums (wo_a),
+ * the FP8 FFN phase 1 (64 x 256, limit 7), the bf16 rounding and the exact gating. Device
+ * buffers: dw (weights), dsc (scales), dx, dh, dy (x, a second input, outputs). */
+enum { DD_LIN, DD_GATE, DD_WOA, DD_UP, DD_ROUND, DD_SWIGLU, DD_N };
+static const char *const dd_name[DD_N] = {"fp8 linear (row slice, strides)", "bf16 linear (reference sums)",
+                                          "fp8 grouped linear (reference sums)", "dense ffn up (fp8)",
+                                          "bf16 rounding", "swiglu (bf16 roundings)"};
+
+static int dc_dense(mf_dev *d, int card, mf_dev_stream *st, dc_rng *r, dc_host *hb, uint8_t *dw, uint8_t *dsc,
+                    float *dx, float *dh, float *dy)
+{
+    const char *kind = mf_dev_kind(d);
+    float *hx2 = hb->x2;
+    int rc = 0;
+    for (int k = 0; k < DD_N && !rc; k++)
+        for (int T = 1; T <= DC_TOK && !rc; T += DC_TOK - 1) {
+            mf_kern_mat m[2];
+            int ld_y = k == DD_LIN ? 100 : k == DD_SWIGLU ? DC_HID : 64, n_y = 64;
+            size_t wo = 0, so = 0;
+            if (k == DD_GATE) {
+                uint16_t *wb = (uint16_t *)hb->w;
+                for (int i = 0; i < 64 * DC_IN; i++) wb[i] = (uint16_t)(0x3E00 + dc_next(r) % 0x200 + (dc_next(r) & 0x8000));
+                m[0] = (mf_kern_mat){.fmt = MF_KERN_BF16, .w = hb->w, .n_out = 64, .n_in = DC_IN};
+                wo = sizeof(uint16_t) * 64 * DC_IN;
+            } else if (k == DD_LIN || k == DD_WOA) {   /* the whole matrix; the card gets the slice */
+                int no = 128, ni = k == DD_LIN ? DC_IN : 64;
+                dc_mat(r, MF_KERN_FP8, no, ni, hb->w, hb->sc, &m[0]);
+                m[0].w = hb->w + 32 * ni;   /* rows [32, ...): from the second tile row */
+                m[0].scale = hb->sc + ni / 32;
+                m[0].n_out = k == DD_LIN ? 64 : 96;
+                wo = (size_t)m[0].n_out * ni;
+                so = (size_t)(m[0].n_out / 32) * (ni / 32);
+                n_y = m[0].n_out;
+                ld_y = k == DD_LIN ? 100 : 96;
+            } else if (k == DD_UP) {
+                dc_mat(r, MF_KERN_FP8, 64, DC_IN, hb->w, hb->sc, &m[0]);
+                dc_mat(r, MF_KERN_FP8, 64, DC_IN, hb->w + 64 * DC_IN, hb->sc + 2 * 8, &m[1]);
+                wo = 2 * 64 * DC_IN;
+                so = 2 * 2 * 8;
+            }
+            int n_x = k == DD_SWIGLU ? DC_HID : DC_IN;
+            for (int i = 0; i < T * n_x; i++) hb->x[i] = ((float)dc_next(r) / 2147483648.0f - 1.0f) * (k >= DD_ROUND ? 8.0f : 2.0f);
+            for (int i = 0; i < T * DC_HID; i++) hx2[i] = ((float)dc_next(r) / 2147483648.0f - 1.0f) * 8.0f;
+            if (k == DD_ROUND) n_y = 64, ld_y = DC_IN;
+            if (k == DD_SWIGLU) n_y = DC_HID;
+            size_t ny_all = (size_t)T * ld_y;
+            memset(hb->ref, 0, sizeof hb->ref);
+            /* the host's answer, on host pointers */
+            mf_dev_lin hl = {.w = m[0], .row0 = 32, .group_rows = k == DD_WOA ? 32 : 0,
+                             .sums = k == DD_LIN ? MF_DEV_SUMS_KERN : MF_DEV_SUMS_REF, .x = hb->x, .ld_x = DC_IN,
+                             .n_tok = T, .y = hb->ref, .ld_y = ld_y};
+            mf_dev_up hu = {.w1 = m[0], .w3 = m[1], .x = hb->x, .ld_x = DC_IN, .n_tok = T, .limit = 7.0f, .h = hb->ref,
+                            .ld_h = ld_y};
+            if (k <= DD_WOA) rc = mf_dense_host_linear(&hl);
+            else if (k == DD_UP) rc = mf_dense_host_ffn_up(&hu);
+            else if (k == DD_ROUND) {
+                memcpy(hb->ref, hb->x, sizeof(float) * ny_all);
+                mf_dense_host_round_bf16(hb->ref, T, ld_y, n_y);
+            } else {
+                mf_dense_host_swiglu_bf16(hb->x, hx2, T, DC_HID, DC_HID, 7.0f, hb->ref);
+            }
+            if (rc) return mf_error_wrap(rc, "card %d (%s): self-check: the host's %s", card, kind, dd_name[k]);
+            /* the card's */
+            memset(hb->got, 0, sizeof hb->got);
+            mf_dev_lin dl = hl;
+            mf_dev_up du = hu;
+            dl.w.w = du.w1.w = dw;
+            dl.w.scale = du.w1.scale = dsc;
+            du.w3.w = dw + wo / 2;
+            du.w3.scale = dsc + so / 2;
+            dl.x = du.x = dx;
+            dl.y = du.h = dy;
+            rc = wo ? mf_dev_copy_h2d(st, dw, m[0].w, wo) : 0;
+            if (!rc && so) rc = mf_dev_copy_h2d(st, dsc, m[0].scale, so);
+            if (!rc) rc = mf_dev_copy_h2d(st, dx, hb->x, sizeof(float) * (size_t)T * n_x);
+            if (!rc) rc = mf_dev_copy_h2d(st, dh, hx2, sizeof(float) * (size_t)T * DC_HID);
+            if (!rc) rc = mf_dev_copy_h2d(st, dy, k == DD_ROUND ? hb->x : hb->got, sizeof(float) * ny_all);
+            if (!rc && k <= DD_WOA) rc = mf_dev_linear(st, &dl);
+            if (!rc && k == DD_UP) rc = mf_dev_ffn_up(st, &du);
+            if (!rc && k == DD_ROUND) rc = mf_dev_round_bf16(st, dy, T, ld_y, n_y);
+            if (!rc && k == DD_SWIGLU) rc = mf_dev_swiglu_bf16(st, dx, dh, T, DC_HID, DC_HID, 7.0f, dy);
+            if (!rc) rc = mf_dev_copy_d2h(st, hb->got, dy, sizeof(float) * ny_all);
+            int rs = mf_dev_stream_sync(st);
+            if (!rc) rc = rs;
+            if (rc)
+                return mf_error_wrap(rc, "card %d (%s): self-check of kernel %s at %d tokens failed", card, kind,
+                                     dd_name[k], T);
+            double e = dc_rel(hb->got, hb->ref, ny_all);
+            double tol = k == DD_ROUND ? 0 : k == DD_SWIGLU ? MF_DEV_CHECK_TOL_BF16 : k == DD_UP ? MF_DEV_CHECK_TOL_FFN
+                                                                                          : MF_DEV_CHECK_TOL_MM;
+            if (!(e <= tol))
+                rc = mf_error(-EIO, "card %d (%s): kernel %s: relative error %.2e at %d tokens against the host "
+                              "kernel (bound %.0e): the card computes wrong answers", card, kind, dd_name[k], e, T, tol);
+        }
+    return rc;
+}
 
 int mf_dev_selfcheck(mf_dev *d, int card, uint64_t seed)
 {
@@ -152,6 +254,7 @@ int mf_dev_selfcheck(mf_dev *d, int card, uint64_t seed)
                 rc = mf_error(-EIO, "card %d (%s): kernel %s: relative error %.2e at %d tokens against the host "
                               "kernel (bound %.0e): the card computes wrong answers", card, kind, kname[k], e, T, tol);
         }
+    if (!rc) rc = dc_dense(d, card, st, &r, hb, dw, dsc, dx, dh, dy);
     mf_dev_free(d, card, db);
     free(hb);
     return rc;

@@ -399,6 +399,36 @@ static int cu_expert_ffn_table(mf_dev_stream *ps, const mf_dev_ffn_table *a)
     return mf_cuda_kern_ffn_table(s->st, a);
 }
 
+/* The dense ops (device/dev_kernels.cu: warp-per-row FP8/BF16 linears, elementwise roundings). */
+static int cu_linear(mf_dev_stream *ps, const mf_dev_lin *a)
+{
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    return mf_cuda_kern_linear(s->st, a);
+}
+
+static int cu_round_bf16(mf_dev_stream *ps, float *y, int n_tok, int64_t ld, int n)
+{
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    return mf_cuda_kern_round_bf16(s->st, y, n_tok, ld, n);
+}
+
+static int cu_ffn_up(mf_dev_stream *ps, const mf_dev_up *a)
+{
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    return mf_cuda_kern_ffn_up(s->st, a);
+}
+
+static int cu_swiglu_bf16(mf_dev_stream *ps, const float *g, const float *u, int n_tok, int64_t ld, int n,
+                          float limit, float *h)
+{
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    return mf_cuda_kern_swiglu_bf16(s->st, g, u, n_tok, ld, n, limit, h);
+}
+
 /* Capture: cudaStreamBeginCapture in thread-local mode (other threads' unsafe calls are not
  * disturbed), instantiated once at the end, launched with cudaGraphLaunch. */
 typedef struct cu_graph {
@@ -518,6 +548,10 @@ static const mf_dev_ops cu_ops = {
     .bf16_matmul = cu_bf16_matmul,
     .expert_ffn = cu_expert_ffn,
     .expert_ffn_table = cu_expert_ffn_table,
+    .linear = cu_linear,
+    .round_bf16 = cu_round_bf16,
+    .ffn_up = cu_ffn_up,
+    .swiglu_bf16 = cu_swiglu_bf16,
     .capture_begin = cu_capture_begin,
     .capture_end = cu_capture_end,
     .graph_launch = cu_graph_launch,

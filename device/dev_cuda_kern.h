@@ -16,5 +16,12 @@ int mf_cuda_kern_fp4_q8(void *stream, const mf_kern_mat *w, const float *x, int 
 int mf_cuda_kern_ffn(void *stream, const mf_dev_ffn *a);
 /* The slot-table FFN (int8 path): blockIdx.z per slot, entries read when the kernels run. */
 int mf_cuda_kern_ffn_table(void *stream, const mf_dev_ffn_table *a);
+/* The dense ops (device/dev.h mf_dev_linear, mf_dev_round_bf16, mf_dev_ffn_up, mf_dev_swiglu_bf16);
+ * FP8 and BF16 mf_cuda_kern_matmul run the same linear kernel. */
+int mf_cuda_kern_linear(void *stream, const mf_dev_lin *a);
+int mf_cuda_kern_round_bf16(void *stream, float *y, int n_tok, int64_t ld, int n);
+int mf_cuda_kern_ffn_up(void *stream, const mf_dev_up *a);
+int mf_cuda_kern_swiglu_bf16(void *stream, const float *g, const float *u, int n_tok, int64_t ld, int n,
+                             float limit, float *h);
 
 #endif

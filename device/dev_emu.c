@@ -18,6 +18,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "device/dense_host.h"
 #include "device/dev_impl.h"
 #include "sched/clock.h"
 #include "sched/error.h"
@@ -26,7 +27,8 @@
 #define EMU_ALLOC_MAGIC 0x6d66656d75646576ULL   /* "mfemudev" */
 #define EMU_HDR_BYTES 64
 
-typedef enum { OP_COPY, OP_CALLBACK, OP_RECORD, OP_WAIT, OP_FP4, OP_FP8, OP_BF16, OP_FFN, OP_FFN_TABLE } emu_op_kind;
+typedef enum { OP_COPY, OP_CALLBACK, OP_RECORD, OP_WAIT, OP_FP4, OP_FP8, OP_BF16, OP_FFN, OP_FFN_TABLE,
+               OP_LIN, OP_ROUND, OP_UP, OP_SWIGLU } emu_op_kind;
 
 typedef struct emu_event {
     mf_dev_event pub;
@@ -47,6 +49,9 @@ typedef struct emu_op {
         struct { mf_kern_mat w; const float *x; int n_tok; float *y; void *q8; } mm;
         mf_dev_ffn ffn;
         mf_dev_ffn_table tab;
+        mf_dev_lin lin;
+        mf_dev_up up;
+        struct { const float *g, *u; float *y; int n_tok, n; int64_t ld; float limit; } ew;   /* round, swiglu */
     } u;
 } emu_op;
 
@@ -266,10 +271,26 @@ static void emu_run_op(emu_stream *s, emu_op *op)
     case OP_FFN_TABLE:
         rc = emu_ffn_table(&op->u.tab);
         break;
+    case OP_LIN:
+        rc = mf_dense_host_linear(&op->u.lin);
+        break;
+    case OP_ROUND:
+        mf_dense_host_round_bf16(op->u.ew.y, op->u.ew.n_tok, op->u.ew.ld, op->u.ew.n);
+        break;
+    case OP_UP:
+        rc = mf_dense_host_ffn_up(&op->u.up);
+        break;
+    case OP_SWIGLU:
+        mf_dense_host_swiglu_bf16(op->u.ew.g, op->u.ew.u, op->u.ew.n_tok, op->u.ew.ld, op->u.ew.n, op->u.ew.limit,
+                                  op->u.ew.y);
+        break;
     }
     if (!rc && s->pub.card == d->bad_card) {   /* fault injection: a wrong first output */
         if (op->kind == OP_FP4 || op->kind == OP_FP8 || op->kind == OP_BF16) op->u.mm.y[0] += 1.0f;
         else if (op->kind == OP_FFN) op->u.ffn.y[0] += 1.0f;
+        else if (op->kind == OP_LIN) op->u.lin.y[0] += 1.0f;
+        else if (op->kind == OP_UP) op->u.up.h[0] += 1.0f;
+        else if (op->kind == OP_SWIGLU || op->kind == OP_ROUND) op->u.ew.y[0] += 1.0f;
     }
     if (rc < 0) emu_stream_fail(s, rc);
 }
@@ -545,6 +566,31 @@ static int emu_expert_ffn_table(mf_dev_stream *s, const mf_dev_ffn_table *a)
     return emu_enqueue(s, &op);
 }
 
+static int emu_linear(mf_dev_stream *s, const mf_dev_lin *a)
+{
+    emu_op op = {.kind = OP_LIN, .u.lin = *a};
+    return emu_enqueue(s, &op);
+}
+
+static int emu_round_bf16(mf_dev_stream *s, float *y, int n_tok, int64_t ld, int n)
+{
+    emu_op op = {.kind = OP_ROUND, .u.ew = {.y = y, .n_tok = n_tok, .n = n, .ld = ld}};
+    return emu_enqueue(s, &op);
+}
+
+static int emu_ffn_up(mf_dev_stream *s, const mf_dev_up *a)
+{
+    emu_op op = {.kind = OP_UP, .u.up = *a};
+    return emu_enqueue(s, &op);
+}
+
+static int emu_swiglu_bf16(mf_dev_stream *s, const float *g, const float *u, int n_tok, int64_t ld, int n,
+                           float limit, float *h)
+{
+    emu_op op = {.kind = OP_SWIGLU, .u.ew = {g, u, h, n_tok, n, ld, limit}};
+    return emu_enqueue(s, &op);
+}
+
 static int emu_capture_begin(mf_dev_stream *ps)
 {
     emu_stream *s = (emu_stream *)ps;
@@ -646,6 +692,10 @@ static const mf_dev_ops emu_ops = {
     .bf16_matmul = emu_bf16_matmul,
     .expert_ffn = emu_expert_ffn,
     .expert_ffn_table = emu_expert_ffn_table,
+    .linear = emu_linear,
+    .round_bf16 = emu_round_bf16,
+    .ffn_up = emu_ffn_up,
+    .swiglu_bf16 = emu_swiglu_bf16,
     .capture_begin = emu_capture_begin,
     .capture_end = emu_capture_end,
     .graph_launch = emu_graph_launch,

@@ -36,6 +36,11 @@ typedef struct mf_dev_ops {
     int (*bf16_matmul)(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y);
     int (*expert_ffn)(mf_dev_stream *s, const mf_dev_ffn *a);
     int (*expert_ffn_table)(mf_dev_stream *s, const mf_dev_ffn_table *a);
+    int (*linear)(mf_dev_stream *s, const mf_dev_lin *a);
+    int (*round_bf16)(mf_dev_stream *s, float *y, int n_tok, int64_t ld, int n);
+    int (*ffn_up)(mf_dev_stream *s, const mf_dev_up *a);
+    int (*swiglu_bf16)(mf_dev_stream *s, const float *g, const float *u, int n_tok, int64_t ld, int n,
+                       float limit, float *h);
     /* Capture: the stream's capturing flag is kept by dev.c. */
     int (*capture_begin)(mf_dev_stream *s);
     int (*capture_end)(mf_dev_stream *s, mf_dev_graph **out);

@@ -10,6 +10,7 @@
 
 extern "C" {
 #include "device/dev_cuda_kern.h"
+#include "device/kern_dense.h"
 #include "device/kern_q8.h"
 #include "sched/error.h"
 }
@@ -126,14 +127,208 @@ static int k_launched(const char *what, int line)
     return 0;
 }
 
+/* ---- dense linears: FP8 (E4M3 x 32x32 E8M0 tiles) and BF16 weight slices --------------------
+ * One warp per output row of the slice and up to KT tokens (blockIdx.y: the token group). Lane l
+ * takes the row's 16-byte chunks l, l + 32, ..., so each load instruction of a warp reads 512
+ * consecutive bytes (one uint4 per lane where the row is 16-byte aligned); a chunk is 16 FP8 or 8
+ * BF16 weights inside one 32-column block, hence inside one 32x32 scale tile, whose scale is read
+ * once per chunk. Weights are decoded in registers (E4M3 from its bits, times the tile's E8M0
+ * scale: exact, as the host's decode) and FMA'd against each token's x through the L1 cache:
+ * fp32 accumulators (KERN), or (REF, the reference's double sums) the chunk's products of the
+ * unscaled codes summed in fp32, times the scale, accumulated in double. A warp shuffle reduction
+ * ends the row. Decode at 1-8 tokens is bound by the weight bytes; each further group of 8 tokens
+ * reads the weights again (from L2 where the matrix fits). Not tuned, never run on a GPU. */
+struct k_lin_args {
+    const uint8_t *w, *scale;
+    int n_out, n_in;
+    long long row0;
+    int group_rows;
+    const float *x;
+    long long ld_x;
+    int n_tok;
+    float *y;
+    long long ld_y;
+    int aligned;
+};
+
+/* bf16 rounding in bits (device/kern_dense.h, also the host's) */
+__device__ static float k_bf(float x) { return mf_dk_bf16(x); }
+
+__device__ static void k_load16(const uint8_t *p, int aligned, uint32_t q[4])
+{
+    if (aligned) {
+        uint4 v = *(const uint4 *)p;
+        q[0] = v.x; q[1] = v.y; q[2] = v.z; q[3] = v.w;
+    } else {
+        for (int k = 0; k < 4; k++)
+            q[k] = (uint32_t)p[4 * k] | (uint32_t)p[4 * k + 1] << 8 | (uint32_t)p[4 * k + 2] << 16 |
+                   (uint32_t)p[4 * k + 3] << 24;
+    }
+}
+
+/* out[t] = row i of the slice against token t0 + t, for nt tokens (lane 0 holds the sums). */
+template <int FMT, int REF>
+__device__ static void k_lin_row(const k_lin_args &a, int i, int t0, int nt, float out[KT])
+{
+    const int cpc = MF_DK_CPC(FMT);
+    int lane = threadIdx.x & 31, nch = a.n_in / cpc;
+    const uint8_t *wr = a.w + (size_t)i * (size_t)a.n_in * (FMT == MF_KERN_FP8 ? 1 : 2);
+    long long xoff = mf_dk_xoff(a.row0, a.group_rows, a.n_in, i);
+    float accf[KT];
+    double accd[KT];
+#pragma unroll
+    for (int t = 0; t < KT; t++) accf[t] = 0.0f, accd[t] = 0.0;
+    for (int c = lane; c < nch; c += 32) {
+        uint32_t q[4];
+        k_load16(wr + (size_t)c * 16, a.aligned, q);
+        float wv[16], sc = FMT == MF_KERN_FP8 ? k_e8m0(a.scale[mf_dk_scale_at(a.n_in, i, c)]) : 1.0f;
+        mf_dk_decode(FMT, q, REF ? 1.0f : sc, wv);
+        const float *xc = a.x + xoff + (long long)c * cpc;
+#pragma unroll
+        for (int t = 0; t < KT; t++)
+            if (t < nt) {
+                const float *xt = xc + (long long)(t0 + t) * a.ld_x;
+                float s = REF ? 0.0f : accf[t];
+#pragma unroll
+                for (int j = 0; j < cpc; j++) s = fmaf(wv[j], __ldg(xt + j), s);
+                if (REF) accd[t] += (double)s * sc;
+                else accf[t] = s;
+            }
+    }
+#pragma unroll
+    for (int t = 0; t < KT; t++) {
+        if (REF) {
+            double v = accd[t];
+            for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+            out[t] = (float)v;
+        } else {
+            float v = accf[t];
+            for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+            out[t] = v;
+        }
+    }
+}
+
+template <int FMT, int REF>
+__global__ static void k_lin(k_lin_args a)
+{
+    int i = blockIdx.x * WARPS + (threadIdx.x >> 5), t0 = blockIdx.y * KT;
+    if (i >= a.n_out || t0 >= a.n_tok) return;   /* whole warps leave together */
+    int nt = a.n_tok - t0 < KT ? a.n_tok - t0 : KT;
+    float acc[KT];
+    k_lin_row<FMT, REF>(a, i, t0, nt, acc);
+    if ((threadIdx.x & 31) == 0)
+#pragma unroll
+        for (int t = 0; t < KT; t++)
+            if (t < nt) a.y[(long long)(t0 + t) * a.ld_y + i] = acc[t];
+}
+
+/* Phase 1 of a dense FFN: rows i of w1 and w3, then mf_kern_ffn_up's clamp and silu. */
+template <int FMT>
+__global__ static void k_lin_up(k_lin_args a1, k_lin_args a3, float limit, float *h, long long ld_h)
+{
+    int i = blockIdx.x * WARPS + (threadIdx.x >> 5), t0 = blockIdx.y * KT;
+    if (i >= a1.n_out || t0 >= a1.n_tok) return;
+    int nt = a1.n_tok - t0 < KT ? a1.n_tok - t0 : KT;
+    float g[KT], u[KT];
+    k_lin_row<FMT, 0>(a1, i, t0, nt, g);
+    k_lin_row<FMT, 0>(a3, i, t0, nt, u);
+    if ((threadIdx.x & 31) != 0) return;
+#pragma unroll
+    for (int t = 0; t < KT; t++)
+        if (t < nt) {
+            float gv = g[t] > limit ? limit : g[t];   /* NaN stays, as on the host */
+            float uv = u[t] > limit ? limit : u[t] < -limit ? -limit : u[t];
+            float silu = gv / (1.0f + expf(-gv));
+            h[(long long)(t0 + t) * ld_h + i] = (silu * uv) * 1.0f;
+        }
+}
+
+__global__ static void k_round_bf16(float *y, int n_tok, long long ld, int n)
+{
+    long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= (long long)n_tok * n) return;
+    long long e = k / n * ld + k % n;
+    y[e] = k_bf(y[e]);
+}
+
+__global__ static void k_swiglu_bf16(const float *g, const float *u, int n_tok, long long ld, int n, float limit,
+                                     float *h)
+{
+    long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= (long long)n_tok * n) return;
+    long long e = k / n * ld + k % n;
+    float gi = k_bf(g[e]), ui = k_bf(u[e]);
+    if (limit > 0.0f) {
+        ui = fminf(fmaxf(ui, -limit), limit);
+        gi = fminf(gi, limit);
+    }
+    float silu = (float)((double)gi / (1.0 + exp(-(double)gi)));
+    h[e] = k_bf(1.0f * (silu * ui));
+}
+
+static k_lin_args k_lin_of(const mf_kern_mat *w, long long row0, int group_rows, const float *x, long long ld_x,
+                           int n_tok, float *y, long long ld_y)
+{
+    k_lin_args a = {(const uint8_t *)w->w, w->scale, w->n_out, w->n_in, row0, group_rows, x, ld_x, n_tok, y, ld_y,
+                    ((uintptr_t)w->w & 15u) == 0};
+    return a;
+}
+
+static int k_lin_launch(cudaStream_t st, int fmt, int ref, const k_lin_args &a)
+{
+    dim3 grid((unsigned)((a.n_out + WARPS - 1) / WARPS), (unsigned)((a.n_tok + KT - 1) / KT));
+    if (fmt == MF_KERN_FP8 && ref) k_lin<MF_KERN_FP8, 1><<<grid, 32 * WARPS, 0, st>>>(a);
+    else if (fmt == MF_KERN_FP8) k_lin<MF_KERN_FP8, 0><<<grid, 32 * WARPS, 0, st>>>(a);
+    else if (ref) k_lin<MF_KERN_BF16, 1><<<grid, 32 * WARPS, 0, st>>>(a);
+    else k_lin<MF_KERN_BF16, 0><<<grid, 32 * WARPS, 0, st>>>(a);
+    return k_launched(fmt == MF_KERN_FP8 ? (ref ? "fp8 linear (reference sums)" : "fp8 linear")
+                                         : (ref ? "bf16 linear (reference sums)" : "bf16 linear"),
+                      __LINE__);
+}
+
+extern "C" int mf_cuda_kern_linear(void *stream, const mf_dev_lin *a)
+{
+    return k_lin_launch((cudaStream_t)stream, (int)a->w.fmt, a->sums == MF_DEV_SUMS_REF,
+                        k_lin_of(&a->w, a->row0, a->group_rows, a->x, a->ld_x, a->n_tok, a->y, a->ld_y));
+}
+
+extern "C" int mf_cuda_kern_ffn_up(void *stream, const mf_dev_up *a)
+{
+    k_lin_args a1 = k_lin_of(&a->w1, 0, 0, a->x, a->ld_x, a->n_tok, NULL, 0);
+    k_lin_args a3 = k_lin_of(&a->w3, 0, 0, a->x, a->ld_x, a->n_tok, NULL, 0);
+    dim3 grid((unsigned)((a->w1.n_out + WARPS - 1) / WARPS), (unsigned)((a->n_tok + KT - 1) / KT));
+    cudaStream_t st = (cudaStream_t)stream;
+    if (a->w1.fmt == MF_KERN_FP8) k_lin_up<MF_KERN_FP8><<<grid, 32 * WARPS, 0, st>>>(a1, a3, a->limit, a->h, a->ld_h);
+    else k_lin_up<MF_KERN_BF16><<<grid, 32 * WARPS, 0, st>>>(a1, a3, a->limit, a->h, a->ld_h);
+    return k_launched("dense ffn up", __LINE__);
+}
+
+extern "C" int mf_cuda_kern_round_bf16(void *stream, float *y, int n_tok, int64_t ld, int n)
+{
+    long long m = (long long)n_tok * n;
+    k_round_bf16<<<(unsigned)((m + 255) / 256), 256, 0, (cudaStream_t)stream>>>(y, n_tok, ld, n);
+    return k_launched("bf16 rounding", __LINE__);
+}
+
+extern "C" int mf_cuda_kern_swiglu_bf16(void *stream, const float *g, const float *u, int n_tok, int64_t ld, int n,
+                                        float limit, float *h)
+{
+    long long m = (long long)n_tok * n;
+    k_swiglu_bf16<<<(unsigned)((m + 255) / 256), 256, 0, (cudaStream_t)stream>>>(g, u, n_tok, ld, n, limit, h);
+    return k_launched("swiglu (bf16 roundings)", __LINE__);
+}
+
+/* FP4 on the fp32 path: k_matmul; FP8 and BF16: the dense linear kernel over the whole matrix. */
 extern "C" int mf_cuda_kern_matmul(void *stream, const mf_kern_mat *w, const float *x, int n_tok,
                                    float *y)
 {
+    if (w->fmt != MF_KERN_FP4)
+        return k_lin_launch((cudaStream_t)stream, (int)w->fmt, 0, k_lin_of(w, 0, 0, x, w->n_in, n_tok, y, w->n_out));
     dim3 grid((unsigned)((w->n_out + WARPS - 1) / WARPS), (unsigned)((n_tok + KT - 1) / KT));
     k_matmul<<<grid, 32 * WARPS, 0, (cudaStream_t)stream>>>((int)w->fmt, (const uint8_t *)w->w,
                                                            w->scale, w->n_out, w->n_in, x, n_tok, y);
-    return k_launched(w->fmt == MF_KERN_FP4 ? "fp4 matmul" : w->fmt == MF_KERN_FP8 ? "fp8 matmul" : "bf16 matmul",
-                      __LINE__);
+    return k_launched("fp4 matmul", __LINE__);
 }
 
 /* ---- the int8 FP4 path ------------------------------------------------------------------------ */

@@ -11,6 +11,9 @@
 #include <time.h>
 
 #include "device/dev.h"
+#include "graphs/layers/layers.h"
+#include "graphs/model/model.h"
+#include "host/formats.h"
 #include "sched/error.h"
 #include "sched/sched.h"
 #include "tests/check.h"
@@ -546,6 +549,143 @@ static void dev_check_sched_copies(mf_dev *d, int n_jobs, size_t n)
         mf_dev_free(d, jobs[i].card, jobs[i].b);
     }
     free(jobs);
+}
+
+/* ---- the dense ops (device/dev.h mf_dev_linear, rounding, FFN phase 1, gating) -------------------- */
+
+/* What the host placement of the dense work computes (graphs/step/step.c and graphs/layers): the
+ * kernels' rows of the whole matrix (mf_kern_matmul), the reference's double sums
+ * (mf_ly_linear_rows, grouped mf_ly_attn_lin_rows), mf_bf_n, mf_kern_ffn_up, and the engine's exact
+ * gating loop; against the card's ops on a row slice [r0, r1) of each matrix with strided x and y,
+ * at 1..64 tokens. exact: bit for bit (emulated cards); else within the CUDA bounds printed as
+ * "rel err" lines (docs/device.md). */
+static void dv_dense_cmp(const char *what, int T, const float *got, const float *ref, int64_t ld, int n, double tol,
+                         int exact)
+{
+    double md = 0, mh = 0;
+    int same = 1;
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < n; i++) {
+            float a = got[t * ld + i], b = ref[t * ld + i];
+            same &= !memcmp(&a, &b, sizeof a);
+            double df = fabs((double)a - b);
+            if (!(df <= md)) md = df;
+            if (fabs(b) > mh) mh = fabs(b);
+        }
+    double e = mh > 0 ? md / mh : md;
+    if (exact) CHECK(same, "dense %s T=%d: not bit for bit the host's (rel err %.3e)", what, T, e);
+    else {
+        printf("dense %s T=%d: rel err %.3e\n", what, T, e);
+        CHECK(e <= tol, "dense %s T=%d: rel err %.3e (bound %.0e)", what, T, e, tol);
+    }
+}
+
+static void dev_check_dense(mf_dev *d, int exact)
+{
+    enum { O = 256, IN = 512, LDX = 520, LDY = 264, R0 = 64, R1 = 192, GI = 128, TMAX = 64 };
+    static const int toks[] = {1, 2, 5, 8, 9, 17, 64};
+    mf_dev_stream *st = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COMPUTE);
+    hmat f8 = hmat_rand(MF_KERN_FP8, O, IN), wa = hmat_rand(MF_KERN_FP8, O, GI), w3 = hmat_rand(MF_KERN_FP8, O, IN);
+    uint16_t *bw = malloc(sizeof(uint16_t) * O * IN);
+    for (int i = 0; i < O * IN; i++) bw[i] = mf_bf16_from_f32(gauss() * 0.05f);
+    size_t xn = (size_t)TMAX * LDX, yn = (size_t)TMAX * LDY;
+    float *x = malloc(sizeof(float) * xn), *ref = malloc(sizeof(float) * yn), *got = malloc(sizeof(float) * yn);
+    float *g = malloc(sizeof(float) * yn), *u = malloc(sizeof(float) * yn);
+    for (size_t i = 0; i < xn; i++) x[i] = gauss();
+    for (size_t i = 0; i < yn; i++) g[i] = gauss() * 6, u[i] = gauss() * 6;
+    /* the card's copies of rows [R0, R1) */
+    size_t sc8 = IN / 32, sca = GI / 32;
+    void *dw8 = dupload(d, 0, f8.w + (size_t)R0 * IN, (size_t)(R1 - R0) * IN);
+    void *ds8 = dupload(d, 0, f8.scale + R0 / 32 * sc8, (size_t)(R1 - R0) / 32 * sc8);
+    void *dw3 = dupload(d, 0, w3.w + (size_t)R0 * IN, (size_t)(R1 - R0) * IN);
+    void *ds3 = dupload(d, 0, w3.scale + R0 / 32 * sc8, (size_t)(R1 - R0) / 32 * sc8);
+    void *dwa = dupload(d, 0, wa.w + (size_t)R0 * GI, (size_t)(R1 - R0) * GI);
+    void *dsa = dupload(d, 0, wa.scale + R0 / 32 * sca, (size_t)(R1 - R0) / 32 * sca);
+    void *dbw = dupload(d, 0, bw + (size_t)R0 * IN, sizeof(uint16_t) * (R1 - R0) * IN);
+    float *dx = dupload(d, 0, x, sizeof(float) * xn), *dg = dupload(d, 0, g, sizeof(float) * yn);
+    float *du = dupload(d, 0, u, sizeof(float) * yn), *dy = NULL;
+    CHECK(mf_dev_alloc(d, 0, sizeof(float) * yn, (void **)&dy) == 0, "alloc: %s", mf_last_error());
+    mf_weight wwa = {.kind = MF_W_FP8, .rows = O, .cols = GI, .data = wa.w, .scale = wa.scale, .block_rows = 32,
+                     .block_cols = 32};
+    mf_weight wbf = {.kind = MF_W_BF16, .rows = O, .cols = IN, .data = (const uint8_t *)bw, .block_rows = 32,
+                     .block_cols = 32};
+    mf_ly_attn_lin l_wa = {.w = &wwa, .groups = 4, .bf = 1};   /* 4 groups of 64 rows; x 4 x 128 columns */
+    int n = R1 - R0;
+    for (size_t ti = 0; ti < sizeof toks / sizeof toks[0] && dy; ti++) {
+        int T = toks[ti];
+        for (int op = 0; op < 6; op++) {
+            static const char *const name[6] = {"fp8 linear", "bf16 linear (reference sums)",
+                                                "fp8 grouped linear (reference sums) + bf16", "ffn up (fp8)",
+                                                "bf16 rounding", "swiglu (bf16 roundings)"};
+            float *hy = malloc(sizeof(float) * yn);   /* the host's, rows from 0 */
+            memset(hy, 0, sizeof(float) * yn);
+            int rc = 0;
+            mf_dev_lin dl = {.row0 = R0, .x = dx, .ld_x = LDX, .n_tok = T, .y = dy, .ld_y = LDY};
+            if (op == 0) {
+                rc = mf_kern_matmul(&f8.m, &(mf_kern_in){x, T, LDX, NULL}, hy, LDY, R0, R1);
+                dl.w = (mf_kern_mat){MF_KERN_FP8, dw8, ds8, n, IN};
+                if (!rc) rc = mf_dev_linear(st, &dl);
+            } else if (op == 1) {
+                for (int t = 0; t < T && !rc; t++) rc = mf_ly_linear_rows(NULL, &wbf, R0, n, x + t * LDX, IN, 0, hy + t * LDY + R0);
+                dl.w = (mf_kern_mat){MF_KERN_BF16, dbw, NULL, n, IN};
+                dl.sums = MF_DEV_SUMS_REF;
+                if (!rc) rc = mf_dev_linear(st, &dl);
+            } else if (op == 2) {
+                rc = mf_ly_attn_lin_rows(NULL, &l_wa, x, LDX, hy, LDY, T, R0, R1);
+                dl.w = (mf_kern_mat){MF_KERN_FP8, dwa, dsa, n, GI};
+                dl.sums = MF_DEV_SUMS_REF;
+                dl.group_rows = O / 4;
+                if (!rc) rc = mf_dev_linear(st, &dl);
+                if (!rc) rc = mf_dev_round_bf16(st, dy, T, LDY, n);
+            } else if (op == 3) {
+                rc = mf_kern_ffn_up(&f8.m, &w3.m, &(mf_kern_in){x, T, LDX, NULL}, NULL, 7.0f, hy, LDY, R0, R1);
+                mf_dev_up a = {.w1 = {MF_KERN_FP8, dw8, ds8, n, IN}, .w3 = {MF_KERN_FP8, dw3, ds3, n, IN}, .x = dx,
+                               .ld_x = LDX, .n_tok = T, .limit = 7.0f, .h = dy, .ld_h = LDY};
+                if (!rc) rc = mf_dev_ffn_up(st, &a);
+            } else if (op == 4) {
+                for (int t = 0; t < T; t++) {
+                    memcpy(hy + t * LDY + R0, g + t * LDY, sizeof(float) * n);
+                    mf_bf_n(hy + t * LDY + R0, n);
+                }
+                rc = mf_dev_copy_d2d(st, 0, dy, 0, dg, sizeof(float) * yn);
+                if (!rc) rc = mf_dev_round_bf16(st, dy, T, LDY, n);
+            } else {
+                for (int t = 0; t < T; t++)   /* graphs/step/step.c mf_step_ffn_up's exact epilogue */
+                    for (int i = 0; i < n; i++) {
+                        float gi = mf_bf(g[t * LDY + i]), ui = mf_bf(u[t * LDY + i]), lim = 7.0f;
+                        ui = fminf(fmaxf(ui, -lim), lim);
+                        gi = fminf(gi, lim);
+                        hy[t * LDY + R0 + i] = mf_bf(1.0f * (mf_ly_silu(gi) * ui));
+                    }
+                rc = mf_dev_swiglu_bf16(st, dg, du, T, LDY, n, 7.0f, dy);
+            }
+            CHECK(rc == 0, "dense %s T=%d: %s", name[op], T, mf_last_error());
+            CHECK(mf_dev_stream_sync(st) == 0, "dense %s: sync: %s", name[op], mf_last_error());
+            ddownload(d, 0, got, dy, sizeof(float) * yn);
+            for (int t = 0; t < T; t++) memcpy(ref + t * LDY, hy + t * LDY + R0, sizeof(float) * n);
+            static const double tol[6] = {1e-5, 1e-6, 8e-3, 1e-4, 0, 8e-3};
+            dv_dense_cmp(name[op], T, got, ref, LDY, n, tol[op], exact);
+            free(hy);
+        }
+    }
+    void *dev[] = {dw8, ds8, dw3, ds3, dwa, dsa, dbw, dx, dg, du, dy};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) mf_dev_free(d, 0, dev[i]);
+    /* refusals: a format the dense ops do not take, a short ld */
+    mf_dev_lin bad = {.w = {MF_KERN_FP4, f8.w, f8.scale, n, IN}, .x = x, .ld_x = IN, .n_tok = 1, .y = got, .ld_y = n};
+    CHECK(mf_dev_linear(st, &bad) == -EINVAL && strstr(mf_last_error(), "expected FP8 or BF16"), "fp4: %s",
+          mf_last_error());
+    bad.w.fmt = MF_KERN_FP8;
+    bad.ld_y = n - 1;
+    CHECK(mf_dev_linear(st, &bad) == -EINVAL && strstr(mf_last_error(), "ld_y"), "short ld_y: %s", mf_last_error());
+    hmat_free(&f8);
+    hmat_free(&wa);
+    hmat_free(&w3);
+    free(bw);
+    free(x);
+    free(ref);
+    free(got);
+    free(g);
+    free(u);
 }
 
 #endif

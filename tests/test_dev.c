@@ -682,6 +682,7 @@ int main(void)
         dev_check_capture(d, 3000);
         if (n == 1 || n == 4) check_kernels(d);
         if (n == 1 || n == 3) dev_check_ffn_table(d, 1);
+        if (n == 2) dev_check_dense(d, 1);
         check_capture_kernels(d);   /* its buffers are left for close */
         mf_dev_close(d);
     }

@@ -250,6 +250,7 @@ int main(void)
     check_kernels(d);
     check_int8(d);
     dev_check_ffn_table(d, 0);
+    dev_check_dense(d, 0);
     CHECK(mf_dev_sync(d) == 0, "%s", mf_last_error());
     mf_dev_close(d);
     return mf_check_exit("test_dev_cuda");

@@ -6,6 +6,8 @@
 #include <math.h>
 #include <stdio.h>
 
+#include "device/dense_host.h"
+#include "device/kern_dense.h"
 #include "device/kern_q8.h"
 #include "host/formats.h"
 #pragma GCC diagnostic ignored "-Wunused-function"   /* dev_common.h's device helpers */
@@ -306,6 +308,106 @@ static void check_ffn(void)
     }
 }
 
+/* ---- the dense linears (k_lin) -------------------------------------------------------------- */
+
+/* k_lin's lane schedule on the host: one warp per row i, lane l the row's 16-byte chunks l, l + 32,
+ * ..., each decoded by device/kern_dense.h and FMA'd against token t's x (fp32 accumulation per
+ * lane, or with REF sums the chunk's fp32 sum times its scale in double), then
+ * __shfl_down_sync's tree (a lane past the end keeps its own value); lane 0's sum is written. */
+static void emu_lin(const mf_dev_lin *a)
+{
+    int fmt = a->w.fmt, cpc = MF_DK_CPC(fmt), n_in = a->w.n_in, nch = n_in / cpc, ref = a->sums == MF_DEV_SUMS_REF;
+    size_t rb = (size_t)n_in * (fmt == MF_KERN_FP8 ? 1 : 2);
+    for (int i = 0; i < a->w.n_out; i++)
+        for (int t = 0; t < a->n_tok; t++) {
+            float vf[32], nf[32];
+            double vd[32], nd[32];
+            for (int l = 0; l < 32; l++) {
+                vf[l] = 0.0f;
+                vd[l] = 0.0;
+                for (int c = l; c < nch; c += 32) {
+                    uint32_t q[4];
+                    memcpy(q, (const uint8_t *)a->w.w + i * rb + (size_t)c * 16, 16);
+                    float sc = fmt == MF_KERN_FP8 ? mf_e8m0_to_f32(a->w.scale[mf_dk_scale_at(n_in, i, c)]) : 1.0f, wv[16];
+                    mf_dk_decode(fmt, q, ref ? 1.0f : sc, wv);
+                    const float *xt = a->x + mf_dk_xoff(a->row0, a->group_rows, n_in, i) + (long long)c * cpc +
+                                      (long long)t * a->ld_x;
+                    float sm = ref ? 0.0f : vf[l];
+                    for (int j = 0; j < cpc; j++) sm = fmaf(wv[j], xt[j], sm);
+                    if (ref) vd[l] += (double)sm * sc;
+                    else vf[l] = sm;
+                }
+            }
+            for (int off = 16; off > 0; off >>= 1) {
+                for (int l = 0; l < 32; l++) {
+                    nf[l] = vf[l] + (l + off < 32 ? vf[l + off] : vf[l]);
+                    nd[l] = vd[l] + (l + off < 32 ? vd[l + off] : vd[l]);
+                }
+                memcpy(vf, nf, sizeof vf);
+                memcpy(vd, nd, sizeof vd);
+            }
+            a->y[t * a->ld_y + i] = ref ? (float)vd[0] : vf[0];
+        }
+}
+
+/* The E4M3 decode and the bf16 rounding bit for bit against host/formats.h (every code; random
+ * bit patterns with inf, NaN, subnormals and the largest finite values), then k_lin's schedule
+ * against device/dense_host.h: FP8 and BF16, kernel and reference sums, a grouped FP8 slice from
+ * row 32, strided x and y, 1..64 tokens, relative error bounds 1e-5 (kernel sums), 1e-6 (REF). */
+static void check_dense(void)
+{
+    int bad = 0;
+    for (uint32_t b = 0; b < 256; b++) {
+        float a = mf_dk_e4m3(b), h = mf_e4m3_to_f32((uint8_t)b);
+        bad += !(isnan(a) && isnan(h)) && memcmp(&a, &h, 4);
+    }
+    CHECK(bad == 0, "e4m3 decode: %d of 256 codes differ from mf_e4m3_to_f32", bad);
+    static const uint32_t special[] = {0x7F800000u, 0xFF800000u, 0x7FC00001u, 0xFF812345u, 0x7F7FFFFFu, 0x7F7F8000u,
+                                       0x00000001u, 0x807FFFFFu, 0x3F808000u, 0x3F818000u, 0x00008000u, 0};
+    bad = 0;
+    for (int k = 0; k < 200000 + 12; k++) {
+        uint32_t u = k < 12 ? special[k] : dv_rnd() ^ (dv_rnd() << 16);
+        float x, a, h;
+        memcpy(&x, &u, 4);
+        a = mf_dk_bf16(x);
+        h = mf_bf16_to_f32(mf_bf16_from_f32(x));
+        bad += memcmp(&a, &h, 4) != 0;
+    }
+    CHECK(bad == 0, "bf16 rounding: %d of 200012 values differ from host/formats.h", bad);
+
+    enum { O = 96, IN = 512, GI = 128, LDX = 520, LDY = 100 };
+    hmat f8 = hmat_rand(MF_KERN_FP8, O, IN), wa = hmat_rand(MF_KERN_FP8, O, GI);
+    uint16_t *bw = malloc(sizeof(uint16_t) * O * IN);
+    for (int i = 0; i < O * IN; i++) bw[i] = mf_bf16_from_f32(gauss() * 0.05f);
+    float *x = malloc(sizeof(float) * 64 * LDX), *y = malloc(sizeof(float) * 64 * LDY), *ref = malloc(sizeof(float) * 64 * LDY);
+    for (int i = 0; i < 64 * LDX; i++) x[i] = gauss();
+    static const int toks[] = {1, 3, 8, 9, 64};
+    for (int kind = 0; kind < 4; kind++)
+        for (size_t ti = 0; ti < sizeof toks / sizeof toks[0]; ti++) {
+            int T = toks[ti];
+            static const char *const name[4] = {"fp8", "bf16", "bf16 reference sums", "fp8 grouped reference sums"};
+            mf_dev_lin a = {.x = x, .ld_x = LDX, .n_tok = T, .y = y, .ld_y = LDY};
+            if (kind == 0) a.w = f8.m;
+            else if (kind < 3) a.w = (mf_kern_mat){MF_KERN_BF16, bw, NULL, O, IN};
+            else a.w = wa.m, a.row0 = 32, a.group_rows = 64;   /* rows 32..127 of 2 x 64: x 2 x 128 columns */
+            if (kind >= 2) a.sums = MF_DEV_SUMS_REF;
+            memset(y, 0, sizeof(float) * 64 * LDY);
+            memset(ref, 0, sizeof(float) * 64 * LDY);
+            emu_lin(&a);
+            a.y = ref;
+            CHECK(mf_dense_host_linear(&a) == 0, "host %s: %s", name[kind], mf_last_error());
+            double e = rel_err(y, ref, (size_t)64 * LDY), tol = kind >= 2 ? 1e-6 : 1e-5;
+            printf("dense %s linear, lane schedule T=%d: rel err %.3e\n", name[kind], T, e);
+            CHECK(e <= tol, "dense %s linear T=%d: rel err %.3e (bound %.0e)", name[kind], T, e, tol);
+        }
+    hmat_free(&f8);
+    hmat_free(&wa);
+    free(bw);
+    free(x);
+    free(y);
+    free(ref);
+}
+
 int main(void)
 {
     check_decode();
@@ -314,5 +416,6 @@ int main(void)
     check_matmul(1);
     check_nan();
     check_ffn();
+    check_dense();
     return mf_check_exit("test_dev_kmath");
 }

@@ -1,5 +1,6 @@
 /* `moeflow bench dev`: on one card of a device (emu:N or cuda), the FP4 expert matmul (fp32 and
- * int8 paths) and the int8 expert FFN (w1, w3, w2) against a device-to-device copy of the same
+ * int8 paths), the int8 expert FFN (w1, w3, w2) and the dense FP8 and BF16 linears (the same bytes
+ * viewed as [rows/2, cols] FP8 and [rows/4, cols] BF16) against a device-to-device copy of the same
  * weight bytes, and pinned host-to-device copies of one expert matrix against the largest single
  * copy tried; weights rotating over more than the card's L2, each op warmed up and then timed by
  * device events around replays of a captured graph. One line per measurement and a JSON summary. */
@@ -52,6 +53,23 @@ static int mf_bench_dev_ffn(mf_dev_stream *s, mf_bench_dev_args *a, int i)
     f.w3 = mf_bench_dev_mat(a, 3 * i + 1, a->w.n_out, a->w.n_in);
     f.w2 = mf_bench_dev_mat(a, 3 * i + 2, a->w.n_in, a->w.n_out);
     return mf_dev_expert_ffn(s, &f);
+}
+/* The dense linears over a set's bytes (the wb codes bytes): FP8 [n_out / 2, n_in] (its 32x32
+ * tile scales from the set's scale bytes, all 1) and BF16 [n_out / 4, n_in], the same bytes as the
+ * FP4 matrix and its d2d copy. */
+static int mf_bench_dev_fp8_lin(mf_dev_stream *s, mf_bench_dev_args *a, int i)
+{
+    const uint8_t *b = a->set[i % a->n_sets];
+    mf_dev_lin l = {.w = {MF_KERN_FP8, b, b + a->wb, a->w.n_out / 2, a->w.n_in}, .x = a->x, .ld_x = a->w.n_in,
+                    .n_tok = a->n_tok, .y = a->y, .ld_y = a->w.n_out / 2};
+    return mf_dev_linear(s, &l);
+}
+static int mf_bench_dev_bf16_lin(mf_dev_stream *s, mf_bench_dev_args *a, int i)
+{
+    const uint8_t *b = a->set[i % a->n_sets];
+    mf_dev_lin l = {.w = {MF_KERN_BF16, b, NULL, a->w.n_out / 4, a->w.n_in}, .x = a->x, .ld_x = a->w.n_in,
+                    .n_tok = a->n_tok, .y = a->y, .ld_y = a->w.n_out / 4};
+    return mf_dev_linear(s, &l);
 }
 /* the codes of set i onto set i + n/2 (every set holds the same bytes, so they stay valid) */
 static int mf_bench_dev_d2d(mf_dev_stream *s, mf_bench_dev_args *a, int i)
@@ -182,8 +200,8 @@ int mf_bench_dev(int argc, char **argv)
     if (!rc) rc = mf_dev_event_create_timed(d, 0, &tm.t0);
     if (!rc) rc = mf_dev_event_create_timed(d, 0, &tm.t1);
     mf_dev_stream *cs = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COMPUTE), *in = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COPY_IN);
-    int64_t t_mm = -1, t_d2d = -1, t_h2d = -1, t_big = -1, t_q8 = -1, t_ffn = -1;
-    int64_t n_mm = 0, n_d2d = 0, n_h2d = 0, n_big = 0, n_q8 = 0, n_ffn = 0;
+    int64_t t_mm = -1, t_d2d = -1, t_h2d = -1, t_big = -1, t_q8 = -1, t_ffn = -1, t_f8 = -1, t_b16 = -1;
+    int64_t n_mm = 0, n_d2d = 0, n_h2d = 0, n_big = 0, n_q8 = 0, n_ffn = 0, n_f8 = 0, n_b16 = 0;
     if (!rc) {
         uint8_t *hb = hw;
         for (size_t i = 0; i < wb; i++) hb[i] = (uint8_t)(i * 2654435761u >> 13);
@@ -200,6 +218,10 @@ int mf_bench_dev(int argc, char **argv)
     if (!rc && (t_mm = mf_bench_dev_time(cs, mf_bench_dev_matmul, &a, &tm, &n_mm)) < 0) rc = (int)t_mm;
     if (!rc && (t_q8 = mf_bench_dev_time(cs, mf_bench_dev_matmul_q8, &a, &tm, &n_q8)) < 0) rc = (int)t_q8;
     if (!rc && (t_ffn = mf_bench_dev_time(cs, mf_bench_dev_ffn, &a, &tm, &n_ffn)) < 0) rc = (int)t_ffn;
+    if (!rc && n_out % 64 == 0 && (t_f8 = mf_bench_dev_time(cs, mf_bench_dev_fp8_lin, &a, &tm, &n_f8)) < 0)
+        rc = (int)t_f8;
+    if (!rc && n_out >= 4 && (t_b16 = mf_bench_dev_time(cs, mf_bench_dev_bf16_lin, &a, &tm, &n_b16)) < 0)
+        rc = (int)t_b16;
     if (!rc && (t_d2d = mf_bench_dev_time(cs, mf_bench_dev_d2d, &a, &tm, &n_d2d)) < 0) rc = (int)t_d2d;
     if (!rc && (t_h2d = mf_bench_dev_time(in, mf_bench_dev_h2d, &a, &tm, &n_h2d)) < 0) rc = (int)t_h2d;
     /* the largest single copy: halve until the card and the host grant it */
@@ -237,6 +259,14 @@ int mf_bench_dev(int argc, char **argv)
         printf("d2d copy of the %zu weight bytes: %.2f us (%.1f GB/s read; %" PRId64 " ops); matmul / copy = "
                "%.2f (fp32), %.2f (int8)\n", wb, t_d2d / 1e3, wb / 1e9 / (t_d2d / 1e9), n_d2d,
                (double)t_mm / (double)t_d2d, (double)t_q8 / (double)t_d2d);
+        if (t_f8 > 0)
+            printf("FP8 dense linear %d x %d (the same %zu bytes, 32x32 tile scales): %.2f us (%.1f GB/s; %" PRId64
+                   " ops); linear / copy = %.2f\n", n_out / 2, n_in, wb, t_f8 / 1e3, wb / 1e9 / (t_f8 / 1e9), n_f8,
+                   (double)t_f8 / (double)t_d2d);
+        if (t_b16 > 0)
+            printf("BF16 dense linear %d x %d (the same %zu bytes): %.2f us (%.1f GB/s; %" PRId64
+                   " ops); linear / copy = %.2f\n", n_out / 4, n_in, wb, t_b16 / 1e3, wb / 1e9 / (t_b16 / 1e9), n_b16,
+                   (double)t_b16 / (double)t_d2d);
         printf("expert FFN, int8 path (w1, w3, w2: 3 x %zu bytes): %.2f us (%.1f GB/s of weights; %" PRId64
                " ops); FFN / (3 x copy) = %.2f\n", wb + sb, t_ffn / 1e3, 3 * wgb / (t_ffn / 1e9), n_ffn,
                (double)t_ffn / (3.0 * (double)t_d2d));
@@ -248,8 +278,9 @@ int mf_bench_dev(int argc, char **argv)
         printf("{\"device\": \"%s\", \"rows\": %d, \"cols\": %d, \"tokens\": %d, \"rotate_sets\": %d, "
                "\"matmul_ns\": %" PRId64 ", \"matmul_int8_ns\": %" PRId64 ", \"ffn_int8_ns\": %" PRId64
                ", \"d2d_ns\": %" PRId64 ", \"weight_bytes\": %zu, \"h2d_expert_ns\": %" PRId64
-               ", \"h2d_big_bytes\": %" PRIu64 ", \"h2d_big_ns\": %" PRId64 "}\n", spec, n_out, n_in, n_tok,
-               n_sets, t_mm, t_q8, t_ffn, t_d2d, wb + sb, t_h2d, t_big > 0 ? big : 0, t_big);
+               ", \"h2d_big_bytes\": %" PRIu64 ", \"h2d_big_ns\": %" PRId64 ", \"fp8_linear_ns\": %" PRId64
+               ", \"bf16_linear_ns\": %" PRId64 "}\n", spec, n_out, n_in, n_tok,
+               n_sets, t_mm, t_q8, t_ffn, t_d2d, wb + sb, t_h2d, t_big > 0 ? big : 0, t_big, t_f8, t_b16);
     }
     mf_dev_event_destroy(tm.t0);
     mf_dev_event_destroy(tm.t1);

@@ -94,8 +94,9 @@ static void mf_decode_usage(FILE *f)
             "                      cards (emu:N,mem=SIZE,bw=B/S,lat_ns=NS) or cuda, cuda:0,1\n"
             "  --dense D           cards: the dense work (attention linears, router gate, shared\n"
             "                      expert, head) on the cards by layer ranges, activations copied per\n"
-            "                      sublayer (default with emu:N devices; CUDA cards refuse it: no dense\n"
-            "                      card kernels in the engine yet); host: on the host (default otherwise)\n"
+            "                      sublayer, weights resident on the cards (default with emu:N devices;\n"
+            "                      on CUDA cards only when asked: never run on a GPU yet); host: on the\n"
+            "                      host (default otherwise)\n"
             "  --placement P       seed: routed experts on the card owning them; hybrid: per\n"
             "                      expert and step the cheaper of host and card by the lanes'\n"
             "                      cost models (default with --devices); host: all on the\n"
@@ -711,6 +712,10 @@ int mf_cmd_decode(int argc, char **argv)
                                                  .io_fault_nth = mf_tool_io_env.fault_nth}, &eng))
         goto fail;
     if (eng && mf_step_refused(eng)[0]) fprintf(stderr, "moeflow decode: card self-check: %s\n", mf_step_refused(eng));
+    for (int k = 0, cd = 0; eng && dense && mf_step_dense_bytes(eng, k, &cd); k++)
+        if (!quiet)
+            fprintf(stderr, "moeflow decode: dense weights on card %d (%s): %.1f MB\n", cd, devices,
+                    (double)mf_step_dense_bytes(eng, k, NULL) / 1e6);
     dc = (mf_dec_ctx){.sq = sq, .tok = tok, .stream = n_seq == 1, .out = outf, .quiet = quiet};
     if (mf_batch_new(&(mf_batch_opts){.ref = r, .eng = eng, .tok = tok, .max_batch = max_batch,
                                       .step_tokens = (int)step_tokens, .max_context = total > 1 ? total : 2,

@@ -137,6 +137,15 @@ struct mf_step_shape {
     void *mem;
 };
 
+/* A dense card's copy of rows [r0, r1) of a weight (FP8 rows from a 32-row tile boundary, or
+ * BF16): m views device memory; w NULL: an unused entry. */
+typedef struct mf_step_dmat {
+    const mf_weight *w;
+    mf_kern_mat m;
+    int64_t r0, r1;
+} mf_step_dmat;
+#define MF_STEP_DW_MAX 16   /* dense weights of one layer: attention stages, gate, shared expert */
+
 struct mf_step {
     const mf_layers *ly;      /* the model's tables (mf_ref_layers of the caller's forward object) */
     /* the layer contexts of the CPU lane's workers (graphs/layers/layers.h; kernel backend): worker w's
@@ -168,10 +177,14 @@ struct mf_step {
     mf_step_times times;
     mf_lane_model models[4];   /* mf_step_lane_models: cpu, copy in, card compute, copy out */
     /* dense work on cards (opts dense): cards holding it, cards with lanes (the larger of
-     * n_cards and n_dense), a layer context per card for its stream thread */
+     * n_cards and n_dense); each dense card's resident weights (mf_step_dense_weights): one device
+     * allocation of dw_bytes, a view per weight it holds, per layer MF_STEP_DW_MAX (the head in
+     * row n_layers) */
     int n_dense, n_lane_cards;
-    mf_ly_ctx *dcx[MF_DEV_MAX_CARDS];
     int dense_card[MF_DEV_MAX_CARDS];   /* dense card k is device card dense_card[k] */
+    uint8_t *dwmem[MF_DEV_MAX_CARDS];
+    uint64_t dw_bytes[MF_DEV_MAX_CARDS];
+    mf_step_dmat *dmat[MF_DEV_MAX_CARDS];
     char refused[1024];       /* the startup self-check's refusals ("" when none) */
     unsigned refused_mask;    /* cards refused by it */
 };
@@ -1109,71 +1122,142 @@ static int mf_task_dense_out(void *arg, mf_task_ctx *ctx)
     return rc;
 }
 
-/* The dense work of task a on its card's copies of the activations, with the card's layer
- * context: the same host code as the host placement's tasks over all rows (a row's bits do not
- * depend on the split), so the results are the host placement's bit for bit. */
-static int mf_step_dense_run(const mf_step_targ *a)
+/* The row range of n_rows rows (a linear's outputs) that dense task a computes on its card:
+ * every row (the rows split across cards is another rule of this one function). */
+static void mf_step_dense_rows(const mf_step_targ *a, int64_t n_rows, int64_t *r0, int64_t *r1)
+{
+    (void)a;
+    *r0 = 0;
+    *r1 = n_rows;
+}
+
+/* Dense card k's copy of weight w of layer L (-1: the head), NULL when it holds none. */
+static const mf_step_dmat *mf_step_dense_view(const mf_step *eng, int k, int L, const mf_weight *w)
+{
+    const mf_step_dmat *row = eng->dmat[k] + (size_t)(L < 0 ? eng->c->n_layers : L) * MF_STEP_DW_MAX;
+    for (int i = 0; i < MF_STEP_DW_MAX; i++)
+        if (row[i].w == w) return &row[i];
+    return NULL;
+}
+
+/* Rows [r0, r1) of weight w of layer L as a device matrix of card k (its copy must hold them,
+ * FP8 from a row of a 32-row tile of the copy). */
+static int mf_step_dense_mat(const mf_step *eng, int k, int L, const mf_weight *w, int64_t r0, int64_t r1,
+                             mf_kern_mat *out)
+{
+    const mf_step_dmat *v = mf_step_dense_view(eng, k, L, w);
+    const char *name = w->name ? w->name : "a dense weight";
+    if (!v || r0 < v->r0 || r1 > v->r1 || (w->kind == MF_W_FP8 && (r0 - v->r0) % 32))
+        return mf_error(-EINVAL, "step: rows [%lld, %lld) of %s: dense card %d holds %s", (long long)r0, (long long)r1,
+                        name, k, v ? "other rows (FP8 slices start at a 32-row tile)" : "no copy of it");
+    *out = v->m;
+    int64_t d = r0 - v->r0;
+    out->n_out = (int)(r1 - r0);
+    if (w->kind == MF_W_FP8) {
+        out->w = (const uint8_t *)v->m.w + d * w->cols;
+        out->scale = v->m.scale + d / 32 * ((w->cols + 31) / 32);
+    } else {
+        out->w = (const uint16_t *)v->m.w + d * w->cols;
+    }
+    return 0;
+}
+
+/* rows [r0, r1) of y = w x on stream st: x rows ld_x apart, y (its row r0 at y) ld_y apart;
+ * grouped (wo_a) with reference sums, else the kernels' sums; bf: y rounded to bf16. */
+static int mf_step_dense_lin(const mf_step_targ *a, mf_dev_stream *st, const mf_weight *w, int groups, int ref,
+                             int bf, const float *x, int64_t ld_x, int n_tok, float *y, int64_t ld_y)
+{
+    int64_t r0, r1;
+    mf_step_dense_rows(a, w->rows, &r0, &r1);
+    if (r0 >= r1) return 0;
+    mf_dev_lin l = {.row0 = r0, .group_rows = groups ? (int)(w->rows / groups) : 0,
+                    .sums = ref ? MF_DEV_SUMS_REF : MF_DEV_SUMS_KERN, .x = x, .ld_x = ld_x, .n_tok = n_tok,
+                    .y = y + r0, .ld_y = ld_y};
+    int rc = mf_step_dense_mat(a->sh->eng, a->t->card, a->t->layer, w, r0, r1, &l.w);
+    if (!rc) rc = mf_dev_linear(st, &l);
+    if (!rc && bf) rc = mf_dev_round_bf16(st, y + r0, n_tok, ld_y, (int)(r1 - r0));
+    return rc ? mf_error_wrap(rc, "%s", w->name ? w->name : "a dense linear") : 0;
+}
+
+/* The shared expert on stream st: phase 1 over rows of its hidden size (fused as mf_kern_ffn_up,
+ * or with exact the two linears and the reference's gating), phase 2 over rows of the model size,
+ * rounded to bf16: the launches of what mf_step_ffn_up and mf_step_ffn_down compute. */
+static int mf_step_dense_shared(const mf_step_targ *a, mf_dev_stream *st, const mf_model_layer *y)
+{
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    int n = sh->n, k = a->t->card, L = a->t->layer;
+    int64_t H = eng->c->hidden_size, I = y->sh_w1.rows, r0, r1;
+    float lim = (float)eng->c->swiglu_limit;
+    uint8_t *db = sh->ddense[k];
+    float *x = (float *)(db + sh->dd_xin), *h = (float *)(db + sh->dd_hs);
+    int rc = 0;
+    mf_step_dense_rows(a, I, &r0, &r1);
+    if (r0 < r1 && !eng->o.exact && lim > 0) {
+        mf_dev_up u = {.x = x, .ld_x = H, .n_tok = n, .limit = lim, .h = h + r0, .ld_h = I};
+        rc = mf_step_dense_mat(eng, k, L, &y->sh_w1, r0, r1, &u.w1);
+        if (!rc) rc = mf_step_dense_mat(eng, k, L, &y->sh_w3, r0, r1, &u.w3);
+        if (!rc) rc = mf_dev_ffn_up(st, &u);
+        if (rc) return mf_error_wrap(rc, "the shared expert's w1 and w3");
+    } else if (r0 < r1) {
+        if (!eng->o.exact)
+            return mf_error(-ENOTSUP, "step: the shared expert on a card without a swiglu limit needs exact");
+        float *g = (float *)(db + sh->dd_gs), *u = (float *)(db + sh->dd_us);
+        rc = mf_step_dense_lin(a, st, &y->sh_w1, 0, 0, 0, x, H, n, g, I);
+        if (!rc) rc = mf_step_dense_lin(a, st, &y->sh_w3, 0, 0, 0, x, H, n, u, I);
+        if (!rc) rc = mf_dev_swiglu_bf16(st, g + r0, u + r0, n, I, (int)(r1 - r0), lim, h + r0);
+        if (rc) return rc;
+    }
+    return mf_step_dense_lin(a, st, &y->sh_w2, 0, 0, 1, h, I, n, (float *)(db + sh->dd_ys), H);
+}
+
+/* The dense work of task a as launches on its card's compute stream st, on the card's copies of
+ * the activations and its resident weights: per linear of the sublayer its rows
+ * (mf_step_dense_rows), with the sums and roundings the host placement's code uses (the grouped
+ * wo_a and the router gate: reference sums; wo_a, wo_b and the shared expert's output: bf16), so
+ * emulated cards give the host placement's bits. */
+static int mf_step_dense_launch(const mf_step_targ *a, mf_dev_stream *st)
 {
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
     const mf_config *c = eng->c;
-    int cd = a->t->card, L = a->t->layer, n = sh->n, d = a->t->dense;
-    uint8_t *db = sh->ddense[cd];
-    mf_ly_ctx *cx = eng->dcx[cd];
-    int64_t H = c->hidden_size, V = c->vocab_size;
+    int k = a->t->card, L = a->t->layer, n = sh->n, d = a->t->dense;
+    uint8_t *db = sh->ddense[k];
+    int64_t H = c->hidden_size;
 #define DD(off) ((float *)(db + (off)))
     if (d <= MF_SG_D_ATTN_OB) {
         static const int stage_of[4] = {MF_LY_A_STAGE_IN, MF_LY_A_STAGE_QB, MF_LY_A_STAGE_OA, MF_LY_A_STAGE_OB};
         mf_ly_attn_lin lin[MF_LY_A_MAX_LIN];
         int nl = mf_ly_attn_linears(eng->ly, L, stage_of[d], lin);
-        for (int k = 0; k < nl; k++) {
-            const mf_ly_attn_lin *l = &lin[k];
-            int rc = mf_ly_attn_lin_rows(cx, l, DD(sh->dd_ab[l->x]), sh->ab_ld[l->x], DD(sh->dd_ab[l->y]),
-                                          sh->ab_ld[l->y], n, 0, l->w->rows);
-            if (rc) return mf_error_wrap(rc, "%s", l->w->name ? l->w->name : "an attention linear");
+        for (int j = 0; j < nl; j++) {
+            const mf_ly_attn_lin *l = &lin[j];
+            int rc = mf_step_dense_lin(a, st, l->w, l->groups, l->groups > 0, l->bf, DD(sh->dd_ab[l->x]),
+                                       sh->ab_ld[l->x], n, DD(sh->dd_ab[l->y]), sh->ab_ld[l->y]);
+            if (rc) return rc;
         }
         return 0;
     }
     const mf_model_layer *y = L >= 0 ? mf_model_layer_at(eng->ly->m, L) : NULL;
     switch (d) {
     case MF_SG_D_GATE:
-        return mf_ly_gate_rows(cx, L, DD(sh->dd_xin), n, H, DD(sh->dd_logits), y->gate.rows, 0, y->gate.rows);
-    case MF_SG_D_SHARED: {
-        int rc = mf_step_ffn_up(eng, &y->sh_w1, &y->sh_w3, DD(sh->dd_xin), NULL, n, NULL, DD(sh->dd_hs),
-                                eng->o.exact ? DD(sh->dd_gs) : NULL, eng->o.exact ? DD(sh->dd_us) : NULL, 0,
-                                (int)y->sh_w1.rows);
-        return rc ? rc : mf_step_ffn_down(eng, &y->sh_w2, DD(sh->dd_hs), NULL, n, DD(sh->dd_ys), 0, (int)H);
-    }
-    case MF_SG_D_HEAD: {
-        const mf_weight *w = mf_model_head(eng->ly->m);
-        return mf_kern_bf16_matmul((const uint16_t *)w->data, (int)V, (int)H, DD(sh->dd_hn), sh->n_head, (int)H,
-                                   DD(sh->dd_lbuf), (int)V, 0, (int)V);
-    }
+        return mf_step_dense_lin(a, st, &y->gate, 0, 1, 0, DD(sh->dd_xin), H, n, DD(sh->dd_logits), y->gate.rows);
+    case MF_SG_D_SHARED:
+        return mf_step_dense_shared(a, st, y);
+    case MF_SG_D_HEAD:
+        return mf_step_dense_lin(a, st, mf_model_head(eng->ly->m), 0, 0, 0, DD(sh->dd_hn), H, sh->n_head,
+                                 DD(sh->dd_lbuf), c->vocab_size);
     }
 #undef DD
     return mf_error(-EINVAL, "step: dense sublayer %d (internal)", d);
 }
 
-/* On the card's compute stream thread, in stream order: runs the work, keeps the first error. */
-static void mf_step_dense_cb(void *arg)
-{
-    mf_step_targ *a = arg;
-    mf_step_shape *sh = a->sh;
-    if (__atomic_load_n(&sh->dense_rc, __ATOMIC_ACQUIRE)) return;
-    int rc = mf_step_dense_run(a);
-    int zero = 0;
-    if (rc && __atomic_compare_exchange_n(&sh->dense_rc, &zero, rc, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-        snprintf(sh->dense_msg, sizeof sh->dense_msg, "layer %d, dense %s on card %d: %s", a->t->layer,
-                 a->t->dense == MF_SG_D_HEAD ? "head" : "sublayer", a->t->card, mf_last_error());
-}
-
-/* Enqueues the dense work of a on its card's compute stream (emulated cards: the host code on
- * the stream's thread, mf_step_dense_run). */
+/* Enqueues the dense work of a on its card's compute stream (the scheduler's completion after
+ * it; an asynchronous failure of a launch fails the task through the status callback). */
 static int mf_task_dense(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
     if (a->t->dense == MF_SG_D_HEAD && !a->sh->n_head) return MF_TASK_NO_WORK;
-    return mf_dev_stream_callback(ctx->queue, mf_step_dense_cb, a);
+    return mf_step_dense_launch(a, ctx->queue);
 }
 
 /* ---- graph and buffers of one batch size ---------------------------------------------------- */
@@ -1543,23 +1627,130 @@ static int mf_step_dev_setup(mf_step *s)
     return 0;
 }
 
-/* Dense work on s->o.dev's cards: emulated cards only (their compute stream runs the host code);
- * a layer context per card for it. */
+/* The dense weights of layer L (-1: the head) into w[]: the attention stages' linears (one home:
+ * mf_ly_attn_linears), the router gate, the shared expert's three. Returns their count. */
+static int mf_step_dense_weights_of(const mf_step *s, int L, const mf_weight **w)
+{
+    if (L < 0) {
+        w[0] = mf_model_head(s->ly->m);
+        return 1;
+    }
+    const mf_model_layer *y = mf_model_layer_at(s->ly->m, L);
+    int n = 0;
+    for (int st = 0; st < MF_LY_A_N_STAGES; st++) {
+        mf_ly_attn_lin lin[MF_LY_A_MAX_LIN];
+        int nl = mf_ly_attn_linears(s->ly, L, st, lin);
+        for (int j = 0; j < nl; j++) w[n++] = lin[j].w;
+    }
+    w[n++] = &y->gate;
+    if (s->c->n_shared_experts > 0) {
+        w[n++] = &y->sh_w1;
+        w[n++] = &y->sh_w3;
+        w[n++] = &y->sh_w2;
+    }
+    return n;
+}
+
+/* Rows [r0, r1) of weight w onto dense card k at offset *off of its weight memory (NULL: only
+ * sized), the copies enqueued on st; fills *v. FP8 slices start at a 32-row tile (their scale
+ * rows); each part 256-byte aligned. */
+static int mf_step_dense_upload(mf_step *s, int k, mf_dev_stream *st, const mf_weight *w, int64_t r0, int64_t r1,
+                                size_t *off, mf_step_dmat *v)
+{
+    const char *name = w->name ? w->name : "a dense weight";
+    if (!w->data || w->cols % 32 || !(w->kind == MF_W_BF16 || (w->kind == MF_W_FP8 && w->block_rows == 32 &&
+                                                                w->block_cols == 32)))
+        return mf_error(-ENOTSUP, "step: %s cannot go on a card (%s): the dense card kernels take resident "
+                        "FP8 with 32x32 tiles or BF16, columns a multiple of 32", name, !w->data ? "not resident"
+                                                                                       : "format or shape");
+    if (w->kind == MF_W_FP8 && r0 % 32)
+        return mf_error(-EINVAL, "step: rows [%lld, %lld) of %s: FP8 slices start at a 32-row tile", (long long)r0,
+                        (long long)r1, name);
+    size_t sc_cols = (size_t)(w->cols + 31) / 32;
+    size_t wb = (size_t)(r1 - r0) * w->cols * (w->kind == MF_W_FP8 ? 1 : 2);
+    size_t sb = w->kind == MF_W_FP8 ? (size_t)((r1 + 31) / 32 - r0 / 32) * sc_cols : 0;
+    size_t o_w = *off, o_s = o_w + (wb + 255) / 256 * 256;
+    *off = o_s + (sb + 255) / 256 * 256;
+    uint8_t *base = s->dwmem[k];
+    *v = (mf_step_dmat){.w = w, .r0 = r0, .r1 = r1,
+                        .m = {.fmt = w->kind == MF_W_FP8 ? MF_KERN_FP8 : MF_KERN_BF16, .n_out = (int)(r1 - r0),
+                              .n_in = (int)w->cols}};
+    if (!base) return 0;
+    v->m.w = base + o_w;
+    v->m.scale = sb ? base + o_s : NULL;
+    int rc = mf_dev_copy_h2d(st, base + o_w, w->data + (size_t)r0 * w->cols * (w->kind == MF_W_FP8 ? 1 : 2), wb);
+    if (!rc && sb) rc = mf_dev_copy_h2d(st, base + o_s, w->scale + (size_t)(r0 / 32) * sc_cols, sb);
+    return rc ? mf_error_wrap(rc, "step: copying %s to dense card %d", name, k) : 0;
+}
+
+/* Each dense card's resident weights: the layers mf_sg_dense_card gives it (and the head on the
+ * last layer's card), every row (mf_step_dense_upload takes a row range), sized first, then one
+ * allocation and the copies on the card's copy-in stream, waited for. A card without room fails
+ * with -ENOMEM naming the card and the bytes. */
+static int mf_step_dense_weights(mf_step *s)
+{
+    const mf_config *c = s->c;
+    int NL = c->n_layers;
+    for (int k = 0; k < s->n_dense; k++) {
+        int cd = s->dense_card[k];
+        mf_dev_stream *st = mf_dev_stream_of(s->dev, cd, MF_DEV_STREAM_COPY_IN);
+        s->dmat[k] = calloc((size_t)(NL + 1) * MF_STEP_DW_MAX, sizeof *s->dmat[k]);
+        if (!s->dmat[k]) return mf_error(-ENOMEM, "step: out of memory");
+        for (int pass = 0; pass < 2; pass++) {
+            size_t off = 0;
+            int first = -1, last = -1;
+            for (int L = -1; L < NL; L++) {
+                if (mf_sg_dense_card(c, s->n_dense, L) != k) continue;
+                if (L >= 0 && first < 0) first = L;
+                if (L >= 0) last = L;
+                const mf_weight *w[MF_STEP_DW_MAX];
+                int nw = mf_step_dense_weights_of(s, L, w);
+                mf_step_dmat *row = s->dmat[k] + (size_t)(L < 0 ? NL : L) * MF_STEP_DW_MAX;
+                for (int j = 0; j < nw; j++) {
+                    int rc = mf_step_dense_upload(s, k, st, w[j], 0, w[j]->rows, &off, &row[j]);
+                    if (rc) return rc;
+                }
+            }
+            if (pass) break;
+            s->dw_bytes[k] = off;
+            if (!off) break;
+            int rc = mf_dev_alloc(s->dev, cd, off, (void **)&s->dwmem[k]);
+            if (rc)
+                return mf_error_wrap(rc, "step: the dense weights of layers %d..%d%s (%llu bytes) do not fit on "
+                                     "card %d (%s)", first, last, mf_sg_dense_card(c, s->n_dense, -1) == k ? " and the head" : "",
+                                     (unsigned long long)off, cd, mf_dev_kind(s->dev));
+        }
+        int rc = mf_dev_stream_sync(st);
+        if (rc) return mf_error_wrap(rc, "step: copying the dense weights to card %d", cd);
+    }
+    return 0;
+}
+
+static void mf_step_dense_free(mf_step *s)
+{
+    for (int k = 0; k < s->n_dense; k++) {
+        mf_dev_free(s->dev, s->dense_card[k], s->dwmem[k]);
+        free(s->dmat[k]);
+    }
+}
+
+uint64_t mf_step_dense_bytes(const mf_step *s, int k, int *card)
+{
+    if (k < 0 || k >= s->n_dense) return 0;
+    if (card) *card = s->dense_card[k];
+    return s->dw_bytes[k];
+}
+
+/* Dense work on s->o.dev's cards (emulated or CUDA, through the device API): the cards that passed
+ * the self-check, each with its resident weights (mf_step_dense_weights). */
 static int mf_step_dense_setup(mf_step *s)
 {
     if (s->o.dense != MF_STEP_DENSE_CARDS) return mf_error(-EINVAL, "step: unknown dense placement %d", s->o.dense);
     if (!s->o.dev) return mf_error(-EINVAL, "step: dense work on cards needs a device (--devices)");
-    if (strcmp(mf_dev_kind(s->o.dev), "emu"))
-        return mf_error(-ENOTSUP, "step: dense work on %s cards is not built yet (no dense card kernels wired "
-                        "into the engine); use --dense host, or emulated cards (emu:N)", mf_dev_kind(s->o.dev));
     s->dev = s->o.dev;
-    for (int cd = 0; cd < mf_dev_n_cards(s->dev); cd++) {
-        if (s->refused_mask & (1u << cd)) continue;
-        int rc = mf_ly_ctx_new(s->ly, MF_LY_LIN_KERN, &s->dcx[s->n_dense]);
-        if (rc) return rc;
-        s->dense_card[s->n_dense++] = cd;
-    }
-    return 0;
+    for (int cd = 0; cd < mf_dev_n_cards(s->dev); cd++)
+        if (!(s->refused_mask & (1u << cd))) s->dense_card[s->n_dense++] = cd;
+    return mf_step_dense_weights(s);
 }
 
 /* The startup self-check (device/dev_check.h) of every card of s->o.dev: a card that fails is
@@ -1670,8 +1861,9 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     int rc = 0;
     if (s->o.dev && (s->o.placement != MF_STEP_PLACE_HOST || s->o.dense) && !s->o.no_selfcheck)
         mf_step_selfcheck(s);
-    if (s->o.dev && s->o.placement != MF_STEP_PLACE_HOST) rc = mf_step_dev_setup(s);
-    if (!rc && s->o.dense) rc = mf_step_dense_setup(s);
+    /* the dense weights first: the expert caches then take what the cards have left */
+    if (s->o.dense) rc = mf_step_dense_setup(s);
+    if (!rc && s->o.dev && s->o.placement != MF_STEP_PLACE_HOST) rc = mf_step_dev_setup(s);
     s->n_lane_cards = s->n_cards > s->n_dense ? s->n_cards : s->n_dense;
     /* lanes: models for placement and priorities (mf_step_lane_models: the profile's, or the
      * built-in assumptions); dense-only cards map to the cards that passed the self-check */
@@ -1698,7 +1890,7 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
         for (int w = 0; w < s->n_cx; w++) mf_ly_ctx_free(s->cx[w]);
         free(s->cx);
         for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
-        for (int c = 0; c < s->n_dense; c++) mf_ly_ctx_free(s->dcx[c]);
+        mf_step_dense_free(s);
         mf_sched_destroy(s->sched);
         free(s);
         return rc;
@@ -1717,7 +1909,7 @@ void mf_step_free(mf_step *s)
     }
     for (int k = 0; k < MF_STEP_UNIT_SHAPES; k++) mf_step_shape_free(s->ushapes[k]);
     for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
-    for (int c = 0; c < s->n_dense; c++) mf_ly_ctx_free(s->dcx[c]);
+    mf_step_dense_free(s);
     for (int w = 0; w < s->n_cx; w++) mf_ly_ctx_free(s->cx[w]);
     free(s->cx);
     mf_sg_sizes_free(s->sz);

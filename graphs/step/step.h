@@ -58,8 +58,11 @@ typedef struct mf_step_opts {
      * (mf_sg_dense_card: cut at KV-source layers, the head on the last layer's card), each
      * sublayer's activations copied in and out (graphs/step/stepgraph.h MF_SG_DENSE_*), whatever
      * the placement of the routed experts; the attention core, norms and mixes stay on the host.
-     * Emulated cards only (the host code on the card's compute stream, logits bit for bit the host
-     * placement's); CUDA cards are refused (-ENOTSUP) until the dense card kernels exist.
+     * Each dense card holds its layers' weights resident (copied at mf_step_new; a card without
+     * room fails it with -ENOMEM naming the card and the bytes; mf_step_dense_bytes) and runs each
+     * sublayer as device launches on its compute stream (device/dev.h mf_dev_linear and the
+     * roundings): emulated cards run the host code, logits bit for bit the host placement's; CUDA
+     * cards the card kernels, logits within tolerance (docs/device.md; never run on a GPU yet).
      * MF_STEP_DENSE_HOST (0): on the host. */
     int dense;
     /* With dev used (a placement other than host, or dense cards), every card first runs the
@@ -192,6 +195,10 @@ void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out);
 /* The startup self-check's refusals of the engine's cards ("refused card 1 (emu): kernel fp8
  * matmul: relative error ...; routed experts run on the host"), "" when every card passed. */
 const char *mf_step_refused(const mf_step *s);
+
+/* With the dense work on cards: the bytes of resident weights dense card k holds and (card) its
+ * device card; 0 for k out of range (0..number of dense cards - 1) or without dense cards. */
+uint64_t mf_step_dense_bytes(const mf_step *s, int k, int *card);
 
 /* The step graph of n items (graphs/step/stepgraph.h), parallel (items of distinct sequences) or
  * serial, as built by an earlier call of that shape; NULL if none ran yet. For tests and tools

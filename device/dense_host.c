@@ -1,0 +1,98 @@
+/* The host side of the dense device ops (device/dense_host.h): host/kernels.h for the fp32 sums,
+ * and the reference's double sums and exact gating in the reference's order. */
+#include "device/dense_host.h"
+
+#include <math.h>
+#include <pthread.h>
+
+#include "host/formats.h"
+#include "host/kernels.h"
+
+static float dh_e4m3[256];
+static pthread_once_t dh_once = PTHREAD_ONCE_INIT;
+static void dh_fill(void)
+{
+    for (int i = 0; i < 256; i++) dh_e4m3[i] = mf_e4m3_to_f32((uint8_t)i);
+}
+
+static float dh_bf(float x) { return mf_bf16_to_f32(mf_bf16_from_f32(x)); }
+
+/* Row i of the slice against x (n_in floats), in double as mf_ly_linear_rows: FP8 per 32-column
+ * block a double sum times the block's scale; BF16 one double sum. */
+static double dh_dot_ref(const mf_kern_mat *w, int i, const float *x)
+{
+    int n = w->n_in;
+    double acc = 0;
+    if (w->fmt == MF_KERN_FP8) {
+        const uint8_t *d = (const uint8_t *)w->w + (size_t)i * n, *srow = w->scale + (size_t)(i / 32) * (n / 32);
+        for (int k = 0; k < n;) {
+            int blk = k / 32, end = (blk + 1) * 32;
+            double part = 0;
+            for (; k < end; k++) part += (double)dh_e4m3[d[k]] * x[k];
+            acc += part * mf_e8m0_to_f32(srow[blk]);
+        }
+    } else {
+        const uint16_t *d = (const uint16_t *)w->w + (size_t)i * n;
+        for (int k = 0; k < n; k++) acc += (double)mf_bf16_to_f32(d[k]) * x[k];
+    }
+    return acc;
+}
+
+/* Rows [i0, i1) of the slice against x offset by xoff columns. */
+static int dh_rows(const mf_dev_lin *a, int64_t xoff, int i0, int i1)
+{
+    const mf_kern_mat *w = &a->w;
+    if (a->sums == MF_DEV_SUMS_KERN) {
+        if (w->fmt == MF_KERN_FP8)
+            return mf_kern_fp8_matmul(w->w, w->scale, w->n_out, w->n_in, a->x + xoff, a->n_tok, (int)a->ld_x, a->y,
+                                      (int)a->ld_y, i0, i1);
+        return mf_kern_bf16_matmul(w->w, w->n_out, w->n_in, a->x + xoff, a->n_tok, (int)a->ld_x, a->y, (int)a->ld_y,
+                                   i0, i1);
+    }
+    pthread_once(&dh_once, dh_fill);
+    for (int t = 0; t < a->n_tok; t++)
+        for (int i = i0; i < i1; i++)
+            a->y[t * a->ld_y + i] = (float)dh_dot_ref(w, i, a->x + t * a->ld_x + xoff);
+    return 0;
+}
+
+int mf_dense_host_linear(const mf_dev_lin *a)
+{
+    if (!a->group_rows) return dh_rows(a, 0, 0, a->w.n_out);
+    for (int i = 0; i < a->w.n_out;) {   /* the rows of one group at a time */
+        int64_t g = (a->row0 + i) / a->group_rows;
+        int64_t end = (g + 1) * a->group_rows - a->row0;
+        int i1 = end < a->w.n_out ? (int)end : a->w.n_out;
+        int rc = dh_rows(a, g * a->w.n_in, i, i1);
+        if (rc) return rc;
+        i = i1;
+    }
+    return 0;
+}
+
+void mf_dense_host_round_bf16(float *y, int n_tok, int64_t ld, int n)
+{
+    for (int t = 0; t < n_tok; t++)
+        for (int i = 0; i < n; i++) y[t * ld + i] = dh_bf(y[t * ld + i]);
+}
+
+int mf_dense_host_ffn_up(const mf_dev_up *a)
+{
+    return mf_kern_ffn_up(&a->w1, &a->w3, &(mf_kern_in){a->x, a->n_tok, (int)a->ld_x, NULL}, NULL, a->limit, a->h,
+                          (int)a->ld_h, 0, a->w1.n_out);
+}
+
+void mf_dense_host_swiglu_bf16(const float *g, const float *u, int n_tok, int64_t ld, int n, float limit, float *h)
+{
+    for (int t = 0; t < n_tok; t++)
+        for (int i = 0; i < n; i++) {
+            int64_t k = t * ld + i;
+            float gi = dh_bf(g[k]), ui = dh_bf(u[k]);
+            if (limit > 0) {
+                ui = fminf(fmaxf(ui, -limit), limit);
+                gi = fminf(gi, limit);
+            }
+            float silu = (float)((double)gi / (1.0 + exp(-(double)gi)));
+            h[k] = dh_bf(1.0f * (silu * ui));
+        }
+}

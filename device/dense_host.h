@@ -1,0 +1,18 @@
+/* The host implementations of the dense device ops (device/dev.h mf_dev_linear, mf_dev_round_bf16,
+ * mf_dev_ffn_up, mf_dev_swiglu_bf16): what an emulated card runs on its compute stream, and the
+ * answer the startup self-check and the CUDA tests hold a card to. Host pointers; arguments as
+ * device/dev.c checked them. The KERN sums and the FFN phase call host/kernels.h; the REF sums and
+ * the exact gating restate graphs/layers' mf_ly_linear_rows and the engine's exact epilogue loop
+ * for loop (device/ cannot call graphs/), and tests/test_dev_dense.c holds them to those bit for
+ * bit. Not a public header of the device interface. */
+#ifndef MF_DENSE_HOST_H
+#define MF_DENSE_HOST_H
+
+#include "device/dev.h"
+
+int mf_dense_host_linear(const mf_dev_lin *a);
+void mf_dense_host_round_bf16(float *y, int n_tok, int64_t ld, int n);
+int mf_dense_host_ffn_up(const mf_dev_up *a);
+void mf_dense_host_swiglu_bf16(const float *g, const float *u, int n_tok, int64_t ld, int n, float limit, float *h);
+
+#endif
