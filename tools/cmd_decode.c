@@ -20,6 +20,7 @@
 #include "graphs/sim/routing.h"
 #include "graphs/step/sample.h"
 #include "graphs/step/step.h"
+#include "graphs/step/stepgraph.h"
 #include "host/store.h"
 #include "host/tokenizer.h"
 #include "sched/clock.h"
@@ -40,6 +41,7 @@ static void mf_decode_usage(FILE *f)
             "                      [--store resident|streamed [--store-budget SIZE]\n"
             "                       [--store-tables resident|streamed] [--io-depth N]]\n"
             "                      [--devices emu:N|cuda[:IDS] [--placement seed|host|hybrid] [--dense host|cards]\n"
+            "                       [--dense-split layers|rows]\n"
             "                       [--dev-cache SIZE] [--dev-graphs] [--profile P]] [--record-routing FILE]\n\n"
             "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
             "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
@@ -96,6 +98,9 @@ static void mf_decode_usage(FILE *f)
             "                      expert, head) on the cards by layer ranges, activations copied per\n"
             "                      sublayer (default with emu:N devices; CUDA cards refuse it: no dense\n"
             "                      card kernels in the engine yet); host: on the host (default otherwise)\n"
+            "  --dense-split S     with --dense cards: layers (default: each layer's dense work on one\n"
+            "                      card) or rows (every dense matrix but the shared expert split by\n"
+            "                      output rows across all cards; the same logits)\n"
             "  --placement P       seed: routed experts on the card owning them; hybrid: per\n"
             "                      expert and step the cheaper of host and card by the lanes'\n"
             "                      cost models (default with --devices); host: all on the\n"
@@ -401,6 +406,7 @@ int mf_cmd_decode(int argc, char **argv)
     long io_depth = 0, read_window = 0;
     uint64_t store_budget = 0;
     const char *trace = NULL, *devices = NULL, *placement = NULL, *record = NULL, *dense_s = NULL;
+    int dense_split = MF_SG_SPLIT_LAYERS;
     uint64_t dev_cache = 0;
     const char *profile_path = NULL;
     static mf_profile prof;
@@ -509,6 +515,11 @@ int mf_cmd_decode(int argc, char **argv)
             dense_s = argv[++i];
             if (strcmp(dense_s, "host") && strcmp(dense_s, "cards")) {
                 fprintf(stderr, "moeflow decode: --dense: expected host or cards, found '%s'\n", dense_s);
+                return 2;
+            }
+        } else if (!strcmp(a, "--dense-split") && hv) {
+            if ((dense_split = mf_tool_dense_split(argv[++i])) < 0) {
+                fprintf(stderr, "moeflow decode: --dense-split: expected layers or rows, found '%s'\n", argv[i]);
                 return 2;
             }
         } else if (!strcmp(a, "--placement") && hv) {
@@ -704,6 +715,7 @@ int mf_cmd_decode(int argc, char **argv)
                                                  .read_window = (int)read_window, .dev = dev,
                                                  .placement = place, .dev_cache_bytes = dev_cache,
                                                  .dev_graphs = dev_graphs, .dense = dense,
+                                                 .dense_split = dense_split,
                                                  .profile = profile_path ? &prof : NULL,
                                                  .io_depth = (int)io_depth,
                                                  .io_force_pread = mf_tool_io_env.force_pread,

@@ -12,6 +12,7 @@
 #include "graphs/model/config.h"
 #include "graphs/model/model.h"
 #include "graphs/sim/plan.h"
+#include "graphs/step/stepgraph.h"
 #include "graphs/ref/ref.h"
 #include "graphs/sim/routing.h"
 #include "graphs/step/sample.h"
@@ -30,6 +31,7 @@ static void mf_sim_usage(FILE *f)
             "                   [--store resident|streamed] [--store-budget SIZE] [--tables resident|streamed]\n"
             "                   [--dev-cache SIZE] [--cache-policy lfu|lru] [--read-window N]\n"
             "                   [--copy-slots N] [--dev-task-ns NS] [--dev-graphs] [--dense host|cards]\n"
+            "                   [--dense-split layers|rows]\n"
             "                   [--trace FILE] [--json]\n"
             "                   [--measure] [--prompt-tokens N [--chunk T]]\n\n"
             "Simulates decode steps of the scheduled engine (graphs/step/step.c's graph, docs/sim.md) on the\n"
@@ -101,6 +103,7 @@ int mf_cmd_sim(int argc, char **argv)
 {
     const char *prof_path = NULL, *dir = NULL, *preset = NULL, *routing_spec = "uniform", *trace = NULL;
     const char *placement = "host", *dense_s = NULL;
+    int dense_split = MF_SG_SPLIT_LAYERS;
     long cards = 0, threads = 0, batch = 1, steps = 8, warmup = 2, seed = 1, context = 16, read_window = 0;
     long copy_slots = 0, dev_task_ns = 0, prompt_tokens = 0, chunk = 0;
     int json = 0, measure = 0, store = MF_PLAN_STORE_RESIDENT, tables = MF_PLAN_STORE_RESIDENT, policy = 0;
@@ -144,6 +147,11 @@ int mf_cmd_sim(int argc, char **argv)
             dense_s = argv[++i];
             if (mf_tool_dense(dense_s) < 0) {
                 fprintf(stderr, "moeflow sim: --dense: expected host or cards, found '%s'\n", dense_s);
+                return 2;
+            }
+        } else if (!strcmp(a, "--dense-split") && hv) {
+            if ((dense_split = mf_tool_dense_split(argv[++i])) < 0) {
+                fprintf(stderr, "moeflow sim: --dense-split: expected layers or rows, found '%s'\n", argv[i]);
                 return 2;
             }
         } else if (!strcmp(a, "--placement") && hv) {
@@ -221,7 +229,8 @@ int mf_cmd_sim(int argc, char **argv)
                        .read_window = (int)read_window, .copy_slots = (int)copy_slots, .dev_cache_bytes = dev_cache,
                        .dev_cache_policy = policy, .store = store, .store_budget_bytes = store_budget,
                        .tables = tables, .routing = rt, .seed = (uint64_t)seed, .dev_task_ns = (double)dev_task_ns,
-                       .dev_graphs = dev_graphs, .dense = dense};
+                       .dev_graphs = dev_graphs, .dense = dense,
+                       .dense_split = dense_split};
     if (prompt_tokens) {
         mf_plan_report rep;
         int64_t ttft_ns;
@@ -263,7 +272,8 @@ int mf_cmd_sim(int argc, char **argv)
         mf_sim_json(&rep, mf_routing_describe(rt), place, dense, measure, meas_ns, &mt);
     } else {
         printf("sim: %s on profile %s, placement %s, dense %s, routing %s, batch %ld, %ld warm-up + %ld steps\n",
-               dir ? dir : preset, prof.name, placement, dense == MF_PLAN_DENSE_CARDS ? "cards" : "host",
+               dir ? dir : preset, prof.name, placement,
+               dense != MF_PLAN_DENSE_CARDS ? "host" : dense_split == MF_SG_SPLIT_ROWS ? "cards (rows)" : "cards",
                mf_routing_describe(rt), batch, warmup, steps);
         mf_plan_print(&rep, stdout);
         if (trace) printf("trace of the last simulated step: %s\n", trace);

@@ -17,6 +17,7 @@ uint64_t mf_tool_size(const char *s);
 /* The words of the options sim and tune share, as values; -1 for any other word. */
 int mf_tool_placement(const char *s);      /* host, seed, hybrid: mf_step_placement */
 int mf_tool_dense(const char *s);          /* host, cards: mf_plan_dense (also mf_step_opts.dense) */
+int mf_tool_dense_split(const char *s);    /* layers, rows: mf_sg_dense_split (mf_plan_opts, mf_step_opts) */
 int mf_tool_store_mode(const char *s);     /* resident, streamed: mf_plan_store */
 int mf_tool_cache_policy(const char *s);   /* lfu, lru: mf_plan_cache_policy */
 

@@ -1042,46 +1042,85 @@ static int mf_task_head(void *arg, mf_task_ctx *ctx)
 
 /* ---- dense work on cards ------------------------------------------------------------------- */
 
-/* One copy of a dense sublayer: host buffer, its device copy on the task's card, bytes. */
+/* One copy of a dense sublayer: host buffer, its device copy on the task's card (the same layout),
+ * `rows` rows of `bytes` each, `pitch` bytes apart on both sides (rows 1: one block). */
 typedef struct mf_step_dcopy {
     float *host;
-    size_t off, bytes;
+    size_t off, bytes, rows, pitch;
 } mf_step_dcopy;
 
+/* Rows [r0, r1) of its sublayer's n_rows output rows that dense task a owns: the builder's rule
+ * (graphs/step/stepgraph.h mf_sg_dense_rows: all of them on one card, a card's chunk with
+ * --dense-split rows). The rows of an attention stage are its linears' one after another. */
+static void mf_step_dense_rows(const mf_step_targ *a, int64_t n_rows, int64_t *r0, int64_t *r1)
+{
+    const mf_stepgraph *sg = a->sh->sg;
+    mf_sg_dense_rows(mf_sg_dense_parts(sg->n_dense_cards, sg->dense_split, a->t->dense), a->t->part, n_rows, r0, r1);
+}
+
+/* The rows task a computes: its own (mf_step_dense_rows), less the last one under the test fault
+ * (mf_step_opts.dense_fault_skip_row: card 0's split tasks). */
+static void mf_step_dense_run_rows(const mf_step_targ *a, int64_t n_rows, int64_t *r0, int64_t *r1)
+{
+    mf_step_dense_rows(a, n_rows, r0, r1);
+    if (a->sh->eng->o.dense_fault_skip_row && a->t->part == 0 && *r1 > *r0) (*r1)--;
+}
+
+/* Rows [r0, r1) of n_tok items' vectors of ld floats, host buffer host at device offset off. */
+static mf_step_dcopy mf_step_dcopy_rows(float *host, size_t off, int64_t ld, int64_t r0, int64_t r1, size_t n_tok)
+{
+    size_t f = sizeof(float);
+    return (mf_step_dcopy){host + r0, off + (size_t)r0 * f, (size_t)(r1 - r0) * f, n_tok, (size_t)ld * f};
+}
+
 /* The copies into (out 0) or out of (out 1) the card of dense task a, into cp[]; returns their
- * count (at most MF_LY_A_MAX_LIN). Attention stages: the distinct inputs (outputs) of the stage's
- * linears (oa's outputs and ob's inputs stay on the card). */
+ * count (at most MF_LY_A_MAX_LIN). Attention stages: the distinct inputs of the stage's linears,
+ * and the rows the task owns of their outputs (on one card oa's outputs and ob's inputs stay on
+ * the card; split by rows every card's wo_a rows go out and all of them come back for wo_b). */
 static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *cp)
 {
     mf_step_shape *sh = a->sh;
     const mf_config *c = sh->eng->c;
     size_t n = (size_t)sh->n, f = sizeof(float), H = (size_t)c->hidden_size;
-    int d = a->t->dense, m = 0;
+    int d = a->t->dense, m = 0, split = a->t->part >= 0;
+    int64_t r0, r1;
     if (d <= MF_SG_D_ATTN_OB) {
         static const int stage_of[4] = {MF_LY_A_STAGE_IN, MF_LY_A_STAGE_QB, MF_LY_A_STAGE_OA, MF_LY_A_STAGE_OB};
-        if ((d == MF_SG_D_ATTN_OA && out) || (d == MF_SG_D_ATTN_OB && !out)) return 0;
+        if (!split && ((d == MF_SG_D_ATTN_OA && out) || (d == MF_SG_D_ATTN_OB && !out))) return 0;
         mf_ly_attn_lin lin[MF_LY_A_MAX_LIN];
         int nl = mf_ly_attn_linears(sh->eng->ly, a->t->layer, stage_of[d], lin), seen = 0;
+        int64_t total = 0, base = 0;
+        for (int k = 0; k < nl; k++) total += lin[k].w->rows;
+        mf_step_dense_rows(a, total, &r0, &r1);
         for (int k = 0; k < nl; k++) {
             int b = out ? lin[k].y : lin[k].x;
+            int64_t rows = lin[k].w->rows, lo = r0 - base > 0 ? r0 - base : 0, hi = r1 - base < rows ? r1 - base : rows;
+            base += rows;
+            if (out && split) {   /* this card's rows of the linear's output */
+                if (lo < hi) cp[m++] = mf_step_dcopy_rows(sh->ab[b], sh->dd_ab[b], sh->ab_ld[b], lo, hi, n);
+                continue;
+            }
             if (seen & (1 << b)) continue;
             seen |= 1 << b;
-            cp[m++] = (mf_step_dcopy){sh->ab[b], sh->dd_ab[b], n * (size_t)sh->ab_ld[b] * f};
+            cp[m++] = (mf_step_dcopy){sh->ab[b], sh->dd_ab[b], n * (size_t)sh->ab_ld[b] * f, 1, 0};
         }
         return m;
     }
     size_t nh = (size_t)sh->n_head;
+    int64_t E = c->n_routed_experts, V = c->vocab_size;
     switch (d) {
     case MF_SG_D_GATE:
-        cp[m++] = out ? (mf_step_dcopy){sh->logits, sh->dd_logits, n * (size_t)c->n_routed_experts * f}
-                      : (mf_step_dcopy){sh->xin, sh->dd_xin, n * H * f};
+        mf_step_dense_rows(a, E, &r0, &r1);
+        if (out && r0 < r1) cp[m++] = mf_step_dcopy_rows(sh->logits, sh->dd_logits, E, r0, r1, n);
+        if (!out) cp[m++] = (mf_step_dcopy){sh->xin, sh->dd_xin, n * H * f, 1, 0};
         break;
     case MF_SG_D_SHARED:
-        if (out) cp[m++] = (mf_step_dcopy){sh->ys, sh->dd_ys, n * H * f};
+        if (out) cp[m++] = (mf_step_dcopy){sh->ys, sh->dd_ys, n * H * f, 1, 0};
         break;
     case MF_SG_D_HEAD:
-        if (nh) cp[m++] = out ? (mf_step_dcopy){sh->lbuf, sh->dd_lbuf, nh * (size_t)c->vocab_size * f}
-                              : (mf_step_dcopy){sh->hn, sh->dd_hn, nh * H * f};
+        mf_step_dense_rows(a, V, &r0, &r1);
+        if (nh && out && r0 < r1) cp[m++] = mf_step_dcopy_rows(sh->lbuf, sh->dd_lbuf, V, r0, r1, nh);
+        if (nh && !out) cp[m++] = (mf_step_dcopy){sh->hn, sh->dd_hn, nh * H * f, 1, 0};
         break;
     }
     return m;
@@ -1094,7 +1133,9 @@ static int mf_task_dense_in(void *arg, mf_task_ctx *ctx)
     int m = mf_step_dense_copies(a, 0, cp), rc = 0;
     if (!m) return MF_TASK_NO_WORK;
     for (int k = 0; k < m && !rc; k++)
-        rc = mf_dev_copy_h2d(ctx->queue, a->sh->ddense[a->t->card] + cp[k].off, cp[k].host, cp[k].bytes);
+        rc = cp[k].rows > 1 ? mf_dev_copy_h2d_2d(ctx->queue, a->sh->ddense[a->t->card] + cp[k].off, cp[k].pitch,
+                                                 cp[k].host, cp[k].pitch, cp[k].bytes, cp[k].rows)
+                            : mf_dev_copy_h2d(ctx->queue, a->sh->ddense[a->t->card] + cp[k].off, cp[k].host, cp[k].bytes);
     return rc;
 }
 
@@ -1105,13 +1146,17 @@ static int mf_task_dense_out(void *arg, mf_task_ctx *ctx)
     int m = mf_step_dense_copies(a, 1, cp), rc = 0;
     if (!m) return MF_TASK_NO_WORK;
     for (int k = 0; k < m && !rc; k++)
-        rc = mf_dev_copy_d2h(ctx->queue, cp[k].host, a->sh->ddense[a->t->card] + cp[k].off, cp[k].bytes);
+        rc = cp[k].rows > 1 ? mf_dev_copy_d2h_2d(ctx->queue, cp[k].host, cp[k].pitch,
+                                                 a->sh->ddense[a->t->card] + cp[k].off, cp[k].pitch, cp[k].bytes,
+                                                 cp[k].rows)
+                            : mf_dev_copy_d2h(ctx->queue, cp[k].host, a->sh->ddense[a->t->card] + cp[k].off, cp[k].bytes);
     return rc;
 }
 
 /* The dense work of task a on its card's copies of the activations, with the card's layer
- * context: the same host code as the host placement's tasks over all rows (a row's bits do not
- * depend on the split), so the results are the host placement's bit for bit. */
+ * context: the same host code as the host placement's tasks over the task's rows
+ * (mf_step_dense_rows; a row's bits do not depend on the split), so the results are the host
+ * placement's bit for bit. */
 static int mf_step_dense_run(const mf_step_targ *a)
 {
     mf_step_shape *sh = a->sh;
@@ -1126,18 +1171,27 @@ static int mf_step_dense_run(const mf_step_targ *a)
         static const int stage_of[4] = {MF_LY_A_STAGE_IN, MF_LY_A_STAGE_QB, MF_LY_A_STAGE_OA, MF_LY_A_STAGE_OB};
         mf_ly_attn_lin lin[MF_LY_A_MAX_LIN];
         int nl = mf_ly_attn_linears(eng->ly, L, stage_of[d], lin);
-        for (int k = 0; k < nl; k++) {
+        int64_t total = 0, base = 0, r0, r1;
+        for (int k = 0; k < nl; k++) total += lin[k].w->rows;
+        mf_step_dense_run_rows(a, total, &r0, &r1);
+        for (int k = 0; k < nl; k++) {   /* each linear's share of the task's rows */
             const mf_ly_attn_lin *l = &lin[k];
+            int64_t lo = r0 - base > 0 ? r0 - base : 0, hi = r1 - base < l->w->rows ? r1 - base : l->w->rows;
+            base += l->w->rows;
+            if (lo >= hi) continue;
             int rc = mf_ly_attn_lin_rows(cx, l, DD(sh->dd_ab[l->x]), sh->ab_ld[l->x], DD(sh->dd_ab[l->y]),
-                                          sh->ab_ld[l->y], n, 0, l->w->rows);
+                                          sh->ab_ld[l->y], n, lo, hi);
             if (rc) return mf_error_wrap(rc, "%s", l->w->name ? l->w->name : "an attention linear");
         }
         return 0;
     }
     const mf_model_layer *y = L >= 0 ? mf_model_layer_at(eng->ly->m, L) : NULL;
     switch (d) {
-    case MF_SG_D_GATE:
-        return mf_ly_gate_rows(cx, L, DD(sh->dd_xin), n, H, DD(sh->dd_logits), y->gate.rows, 0, y->gate.rows);
+    case MF_SG_D_GATE: {
+        int64_t r0, r1;
+        mf_step_dense_run_rows(a, y->gate.rows, &r0, &r1);
+        return r0 < r1 ? mf_ly_gate_rows(cx, L, DD(sh->dd_xin), n, H, DD(sh->dd_logits), y->gate.rows, r0, r1) : 0;
+    }
     case MF_SG_D_SHARED: {
         int rc = mf_step_ffn_up(eng, &y->sh_w1, &y->sh_w3, DD(sh->dd_xin), NULL, n, NULL, DD(sh->dd_hs),
                                 eng->o.exact ? DD(sh->dd_gs) : NULL, eng->o.exact ? DD(sh->dd_us) : NULL, 0,
@@ -1146,8 +1200,11 @@ static int mf_step_dense_run(const mf_step_targ *a)
     }
     case MF_SG_D_HEAD: {
         const mf_weight *w = mf_model_head(eng->ly->m);
-        return mf_kern_bf16_matmul((const uint16_t *)w->data, (int)V, (int)H, DD(sh->dd_hn), sh->n_head, (int)H,
-                                   DD(sh->dd_lbuf), (int)V, 0, (int)V);
+        int64_t r0, r1;
+        mf_step_dense_run_rows(a, V, &r0, &r1);
+        return r0 < r1 ? mf_kern_bf16_matmul((const uint16_t *)w->data, (int)V, (int)H, DD(sh->dd_hn), sh->n_head,
+                                             (int)H, DD(sh->dd_lbuf), (int)V, (int)r0, (int)r1)
+                       : 0;
     }
     }
 #undef DD
@@ -1232,7 +1289,7 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const in
     return mf_stepgraph_new(&(mf_sg_opts){.c = eng->c, .sz = eng->sz, .n = n, .par = par,
                                           .n_units = n_units, .unit_end = unit_end,
                                           .n_threads = eng->o.n_threads, .n_cards = eng->n_cards,
-                                          .n_dense_cards = eng->n_dense,
+                                          .n_dense_cards = eng->n_dense, .dense_split = eng->o.dense_split,
                                           .dev_graphs = eng->dev_graphs, .store = eng->store != NULL,
                                           .read_window = eng->o.read_window, .eg_reads = eng->eg_reads,
                                           .lanes = eng->lt.lane,
