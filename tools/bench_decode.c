@@ -256,7 +256,7 @@ static void mf_bd_json_phases(const char *key, const mf_bd_run *run, int steps)
 int mf_bench_decode(int argc, char **argv)
 {
     const char *dir = NULL, *trace = NULL, *devices = NULL, *dense_s = NULL;
-    int dense_split = MF_SG_SPLIT_LAYERS;
+    int dense_split = MF_TOOL_DENSE_SPLIT;
     long steps = 8, batch = 1, n_prompt = 16, chunk = 0, threads = sysconf(_SC_NPROCESSORS_ONLN);
     int json = 0, exact = 0, no_ref = 0;
     if (threads < 1) threads = 1;

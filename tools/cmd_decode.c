@@ -98,8 +98,8 @@ static void mf_decode_usage(FILE *f)
             "                      expert, head) on the cards by layer ranges, activations copied per\n"
             "                      sublayer (default with emu:N devices; CUDA cards refuse it: no dense\n"
             "                      card kernels in the engine yet); host: on the host (default otherwise)\n"
-            "  --dense-split S     with --dense cards: layers (default: each layer's dense work on one\n"
-            "                      card) or rows (every dense matrix but the shared expert split by\n"
+            "  --dense-split S     with --dense cards: layers (each layer's dense work on one card) or\n"
+            "                      rows (default: every dense matrix but the shared expert split by\n"
             "                      output rows across all cards; the same logits)\n"
             "  --placement P       seed: routed experts on the card owning them; hybrid: per\n"
             "                      expert and step the cheaper of host and card by the lanes'\n"
@@ -406,7 +406,7 @@ int mf_cmd_decode(int argc, char **argv)
     long io_depth = 0, read_window = 0;
     uint64_t store_budget = 0;
     const char *trace = NULL, *devices = NULL, *placement = NULL, *record = NULL, *dense_s = NULL;
-    int dense_split = MF_SG_SPLIT_LAYERS;
+    int dense_split = MF_TOOL_DENSE_SPLIT;
     uint64_t dev_cache = 0;
     const char *profile_path = NULL;
     static mf_profile prof;
