@@ -1100,6 +1100,12 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
                 if (lo < hi) cp[m++] = mf_step_dcopy_rows(sh->ab[b], sh->dd_ab[b], sh->ab_ld[b], lo, hi, n);
                 continue;
             }
+            if (split && lin[k].groups) {   /* grouped (wo_a): the input slices of the groups its rows touch */
+                int64_t R = rows / lin[k].groups, cols = lin[k].w->cols;
+                if (lo < hi) cp[m++] = mf_step_dcopy_rows(sh->ab[b], sh->dd_ab[b], sh->ab_ld[b], lo / R * cols,
+                                                          (hi + R - 1) / R * cols, n);
+                continue;
+            }
             if (seen & (1 << b)) continue;
             seen |= 1 << b;
             cp[m++] = (mf_step_dcopy){sh->ab[b], sh->dd_ab[b], n * (size_t)sh->ab_ld[b] * f, 1, 0};

@@ -359,6 +359,16 @@ double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_c
     return b;
 }
 
+/* The share of the heads' output that part k of `parts` of the grouped wo_a's n_rows rows reads:
+ * the groups its rows touch (each group's rows read their own slice of the input). */
+static double sg_dense_oa_in_share(const mf_config *c, int parts, int k, double n_rows)
+{
+    int64_t r0, r1, G = c->o_groups > 0 ? c->o_groups : 1, R = (int64_t)n_rows / G;
+    if (parts <= 1 || R < 1) return 1;
+    mf_sg_dense_rows(parts, k, (int64_t)n_rows, &r0, &r1);
+    return r1 > r0 ? (double)((r1 + R - 1) / R - r0 / R) / (double)G : 0;
+}
+
 /* The task of group g (sg_dense_chain: linked by next_of) on card cd; g itself when none is. */
 static mf_task_id sg_dense_member(const sg_builder *b, mf_task_id g, int cd)
 {
@@ -403,8 +413,8 @@ static mf_task_id sg_dense_chain(sg_builder *b, int L, int d, mf_sg_task t, int 
         if (in_tok > 0) {
             SG_NAME(b, "%s %s in", pre, sg_dense_name[d]);
             mf_sg_task ti = r;
-            ti.w.copy_bytes_tok = in_tok;
-            in = sg_add(b, lane, MF_SG_DENSE_IN, phase, MF_SG_K_COPY, ti, n * in_tok, 0);
+            ti.w.copy_bytes_tok = in_tok * (d == MF_SG_D_ATTN_OA ? sg_dense_oa_in_share(b->o->c, parts, k, out_tok / 4) : 1);
+            in = sg_add(b, lane, MF_SG_DENSE_IN, phase, MF_SG_K_COPY, ti, n * ti.w.copy_bytes_tok, 0);
         }
         mf_sg_task tk = t;
         tk.card = r.card;
