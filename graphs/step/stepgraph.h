@@ -271,7 +271,8 @@ typedef enum mf_sg_dense_split { MF_SG_SPLIT_LAYERS = 0, MF_SG_SPLIT_ROWS } mf_s
  * are those of its linears one after another (mf_ly_attn_linears' order; the gate's experts, the
  * head's vocabulary). wo_a and wo_b are split alike: wo_a's rows go out to the host and all of
  * them come back in to every card for wo_b (one extra copy each way, cheaper than wo_a and wo_b
- * whole on one card at the seed host's figures: docs/measurements.md part 1). */
+ * whole on one card at the seed host's figures: docs/measurements.md part 1); a card's wo_a copies
+ * in only the heads' output slices of the groups its rows touch. */
 int mf_sg_dense_parts(int n_dense_cards, int split, int dense);
 /* The one rule for which rows a dense task owns: rows [r0, r1) of its sublayer's n_rows output
  * rows. Part -1 (a sublayer on one card): all of them. Part k of `parts`: chunks of
