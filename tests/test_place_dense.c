@@ -352,18 +352,21 @@ static void test_selfcheck(mf_ref *r)
     CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2}, &e) == 0, "host: %s", mf_last_error());
     CHECK(e && run(r, e, b, n_dec, toks, 1, host) == 0, "host run: %s", mf_last_error());
     mf_step_free(e);
-    static const struct { const char *spec, *want[3]; } cs[] = {
-        {"emu:3,bad_card=1", {"refused card 1 (emu): kernel fp8 matmul", "relative error", "routed experts run on the host"}},
-        {"emu:2,fail_h2d=1", {"refused card 0 (emu): self-check of kernel fp8 matmul", "injected failure", "host"}},
-        {"emu:2", {"", "", ""}},
+    static const struct { const char *spec, *want[3]; int split; } cs[] = {
+        {"emu:3,bad_card=1", {"refused card 1 (emu): kernel fp8 matmul", "relative error", "routed experts run on the host"}, 0},
+        {"emu:2,fail_h2d=1", {"refused card 0 (emu): self-check of kernel fp8 matmul", "injected failure", "host"}, 0},
+        {"emu:2", {"", "", ""}, 0},
+        /* split by rows over the cards that passed (device cards 0 and 2) */
+        {"emu:3,bad_card=1", {"refused card 1 (emu): kernel fp8 matmul", "relative error", "routed experts run on the host"},
+         MF_SG_SPLIT_ROWS},
     };
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < (int)(sizeof cs / sizeof cs[0]); i++) {
         mf_dev *d = NULL;
         CHECK(mf_dev_open(cs[i].spec, &d) == 0, "open %s: %s", cs[i].spec, mf_last_error());
         if (!d) continue;
         e = NULL;
         CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = MF_STEP_PLACE_SEED,
-                                             .dense = MF_STEP_DENSE_CARDS},
+                                             .dense = MF_STEP_DENSE_CARDS, .dense_split = cs[i].split},
                           &e) == 0,
               "%s: %s", cs[i].spec, mf_last_error());
         if (e) {
