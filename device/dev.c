@@ -106,6 +106,38 @@ int mf_dev_copy_d2d(mf_dev_stream *s, int dst_card, void *dst, int src_card, con
     return s->dev->ops->copy(s, MF_DEV_D2D, dst_card, dst, src_card, src, n_bytes);
 }
 
+/* A 2D copy of kind k (H2D or D2H): the backend's, or a copy per row. */
+static int mf_dev_copy_2d(mf_dev_stream *s, mf_dev_copy_kind k, void *dst, size_t dst_pitch, const void *src,
+                          size_t src_pitch, size_t width, size_t height, const char *what)
+{
+    int rc = mf_dev_copy_ok(s, dst, src, what);
+    if (rc) return rc;
+    if (dst_pitch < width || src_pitch < width)
+        return mf_error(-EINVAL, "%s: card %d: pitches %zu, %zu below the width %zu", what, s->card, dst_pitch,
+                        src_pitch, width);
+    if (!width || !height) return 0;
+    if (height == 1 || (dst_pitch == width && src_pitch == width))
+        return s->dev->ops->copy(s, k, k == MF_DEV_H2D ? s->card : -1, dst, k == MF_DEV_D2H ? s->card : -1, src,
+                                 width * height);
+    if (s->dev->ops->copy_2d) return s->dev->ops->copy_2d(s, k, dst, dst_pitch, src, src_pitch, width, height);
+    for (size_t i = 0; i < height && !rc; i++)
+        rc = s->dev->ops->copy(s, k, k == MF_DEV_H2D ? s->card : -1, (char *)dst + i * dst_pitch,
+                               k == MF_DEV_D2H ? s->card : -1, (const char *)src + i * src_pitch, width);
+    return rc;
+}
+
+int mf_dev_copy_h2d_2d(mf_dev_stream *s, void *dst_dev, size_t dst_pitch, const void *src_host, size_t src_pitch,
+                       size_t width, size_t height)
+{
+    return mf_dev_copy_2d(s, MF_DEV_H2D, dst_dev, dst_pitch, src_host, src_pitch, width, height, "mf_dev_copy_h2d_2d");
+}
+
+int mf_dev_copy_d2h_2d(mf_dev_stream *s, void *dst_host, size_t dst_pitch, const void *src_dev, size_t src_pitch,
+                       size_t width, size_t height)
+{
+    return mf_dev_copy_2d(s, MF_DEV_D2H, dst_host, dst_pitch, src_dev, src_pitch, width, height, "mf_dev_copy_d2h_2d");
+}
+
 static int mf_dev_event_make(mf_dev *d, int card, int timed, mf_dev_event **out)
 {
     int rc = mf_dev_card_ok(d, card, "mf_dev_event_create");

@@ -70,6 +70,13 @@ int mf_dev_copy_h2d(mf_dev_stream *s, void *dst_dev, const void *src_host, size_
 int mf_dev_copy_d2h(mf_dev_stream *s, void *dst_host, const void *src_dev, size_t n_bytes);
 int mf_dev_copy_d2d(mf_dev_stream *s, int dst_card, void *dst, int src_card, const void *src,
                     size_t n_bytes);
+/* Async 2D copies (as above): `height` rows of `width` bytes, row i from src + i * src_pitch to
+ * dst + i * dst_pitch (pitches >= width; -EINVAL otherwise): a strided block such as some rows of
+ * every item's vector. One copy (one latency) where the backend has it, else a copy per row. */
+int mf_dev_copy_h2d_2d(mf_dev_stream *s, void *dst_dev, size_t dst_pitch, const void *src_host, size_t src_pitch,
+                       size_t width, size_t height);
+int mf_dev_copy_d2h_2d(mf_dev_stream *s, void *dst_host, size_t dst_pitch, const void *src_dev, size_t src_pitch,
+                       size_t width, size_t height);
 
 /* Events: record marks the point reached by everything enqueued on s so far; wait makes later
  * work on s start only after the event's last recorded point has been reached (a no-op for an

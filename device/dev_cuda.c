@@ -236,6 +236,16 @@ static int cu_copy(mf_dev_stream *ps, mf_dev_copy_kind k, int dst_card, void *ds
     return 0;
 }
 
+static int cu_copy_2d(mf_dev_stream *ps, mf_dev_copy_kind k, void *dst, size_t dst_pitch, const void *src,
+                      size_t src_pitch, size_t width, size_t height)
+{
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    CU_TRY(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height,
+                             k == MF_DEV_H2D ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, s->st));
+    return 0;
+}
+
 static int cu_event_create(mf_dev *pd, int card, int timed, mf_dev_event **out)
 {
     cu_dev *d = (cu_dev *)pd;
@@ -556,6 +566,7 @@ static const mf_dev_ops cu_ops = {
     .capture_end = cu_capture_end,
     .graph_launch = cu_graph_launch,
     .graph_destroy = cu_graph_destroy,
+    .copy_2d = cu_copy_2d,
 };
 
 /* Creates the streams of every card and turns on peer access between cards that support it. */

@@ -27,7 +27,7 @@
 #define EMU_ALLOC_MAGIC 0x6d66656d75646576ULL   /* "mfemudev" */
 #define EMU_HDR_BYTES 64
 
-typedef enum { OP_COPY, OP_CALLBACK, OP_RECORD, OP_WAIT, OP_FP4, OP_FP8, OP_BF16, OP_FFN, OP_FFN_TABLE,
+typedef enum { OP_COPY, OP_COPY_2D, OP_CALLBACK, OP_RECORD, OP_WAIT, OP_FP4, OP_FP8, OP_BF16, OP_FFN, OP_FFN_TABLE,
                OP_LIN, OP_ROUND, OP_UP, OP_SWIGLU } emu_op_kind;
 
 typedef struct emu_event {
@@ -44,6 +44,7 @@ typedef struct emu_op {
     emu_op_kind kind;
     union {
         struct { void *dst; const void *src; size_t n; mf_dev_copy_kind k; } copy;
+        struct { void *dst; const void *src; size_t dpitch, spitch, width, height; } copy_2d;
         struct { void (*fn)(void *); void (*fn_status)(void *, int, const char *); void *arg; } cb;
         struct { emu_event *e; uint64_t seq; } ev;
         struct { mf_kern_mat w; const float *x; int n_tok; float *y; void *q8; } mm;
@@ -215,6 +216,17 @@ static void emu_run_op(emu_stream *s, emu_op *op)
         memcpy(op->u.copy.dst, op->u.copy.src, op->u.copy.n);
         double model_ns = (double)d->lat_ns;
         if (d->bw_bytes_per_s > 0) model_ns += (double)op->u.copy.n / d->bw_bytes_per_s * 1e9;
+        emu_sleep_until(t0 + (int64_t)model_ns);
+        break;
+    }
+    case OP_COPY_2D: {   /* one modelled copy of the rows' bytes */
+        int64_t t0 = mf_now_ns();
+        for (size_t i = 0; i < op->u.copy_2d.height; i++)
+            memcpy((char *)op->u.copy_2d.dst + i * op->u.copy_2d.dpitch,
+                   (const char *)op->u.copy_2d.src + i * op->u.copy_2d.spitch, op->u.copy_2d.width);
+        double model_ns = (double)d->lat_ns;
+        if (d->bw_bytes_per_s > 0)
+            model_ns += (double)(op->u.copy_2d.width * op->u.copy_2d.height) / d->bw_bytes_per_s * 1e9;
         emu_sleep_until(t0 + (int64_t)model_ns);
         break;
     }
@@ -446,6 +458,14 @@ static int emu_copy(mf_dev_stream *s, mf_dev_copy_kind k, int dst_card, void *ds
     (void)dst_card;
     (void)src_card;
     emu_op op = {.kind = OP_COPY, .u.copy = {dst, src, n_bytes, k}};
+    return emu_enqueue(s, &op);
+}
+
+static int emu_copy_2d(mf_dev_stream *s, mf_dev_copy_kind k, void *dst, size_t dst_pitch, const void *src,
+                       size_t src_pitch, size_t width, size_t height)
+{
+    (void)k;
+    emu_op op = {.kind = OP_COPY_2D, .u.copy_2d = {dst, src, dst_pitch, src_pitch, width, height}};
     return emu_enqueue(s, &op);
 }
 
@@ -700,6 +720,7 @@ static const mf_dev_ops emu_ops = {
     .capture_end = emu_capture_end,
     .graph_launch = emu_graph_launch,
     .graph_destroy = emu_graph_destroy,
+    .copy_2d = emu_copy_2d,
 };
 
 /* ---- opening --------------------------------------------------------------------------------- */

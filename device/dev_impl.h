@@ -46,6 +46,10 @@ typedef struct mf_dev_ops {
     int (*capture_end)(mf_dev_stream *s, mf_dev_graph **out);
     int (*graph_launch)(mf_dev_graph *g, mf_dev_stream *s);
     void (*graph_destroy)(mf_dev_graph *g);
+    /* Optional (NULL: dev.c copies row by row): a 2D copy of height rows of width bytes (H2D or
+     * D2H), arguments checked by dev.c. */
+    int (*copy_2d)(mf_dev_stream *s, mf_dev_copy_kind k, void *dst, size_t dst_pitch, const void *src,
+                   size_t src_pitch, size_t width, size_t height);
 } mf_dev_ops;
 
 struct mf_dev {

@@ -671,6 +671,7 @@ int main(void)
         CHECK(mf_dev_open(spec, &d) == 0, "%s: %s", spec, mf_last_error());
         if (!d) continue;
         dev_check_copies(d, (1 << 16) + 13);
+        dev_check_copies_2d(d);
         dev_check_order(d);
         if (n == 2) {   /* the modelled copy: 1 MiB at 50 GB/s + 2 us, slept, so at least that long */
             int64_t ns = dev_check_event_timing(d, 1 << 20);

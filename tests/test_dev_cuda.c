@@ -241,6 +241,7 @@ int main(void)
     CHECK(rc == -ENOMEM && !big && strstr(mf_last_error(), "cudaMalloc"), "1 PiB: rc %d %s", rc,
           mf_last_error());
     dev_check_copies(d, (8 << 20) + 13);
+    dev_check_copies_2d(d);
     dev_check_order(d);
     printf("test_dev_cuda: pinned h2d of 64 MiB between timed events: %.1f us\n",
            (double)dev_check_event_timing(d, 64 << 20) / 1e3);

@@ -1,6 +1,8 @@
 /* Dense work on emulated cards (mf_step_opts.dense, graphs/step/stepgraph.h MF_SG_DENSE_*): the
- * layer ranges of mf_sg_dense_card (cut at KV sources, head on the last layer's card), the step
- * graph's card chains, the simulator's pricing of them, and the engine's logits with the dense work on emu:1..3 against the host
+ * layer ranges of mf_sg_dense_card (cut at KV sources, head on the last layer's card), the rows
+ * split (--dense-split rows: mf_sg_dense_rows tiling each sublayer, each card's bytes), the step
+ * graph's card chains, the simulator's pricing of them, and the engine's logits with the dense work on emu:1..3
+ * (split by layers and, on 2..3 cards, by rows; a card skipping a row must be caught) against the host
  * placement of the same engine, bit for bit (memcmp): tiny at batch 1, 2, 3 and 16, resident and
  * streamed experts, with routed experts on the host and hybrid; demo at batch 1 and 16 on emu:2
  * (not under the sanitizers); CUDA cards (where present) within tolerance; the startup self-check refusing a
@@ -89,6 +91,75 @@ static void test_graph(void)
           n_dense[2]);
     CHECK(heads == 1, "%d heads", heads);
     mf_stepgraph_free(sg);
+    mf_sg_sizes_free(sz);
+}
+
+/* --dense-split rows: flash41 at batch 1 and 16 on 4 cards. Every dense sublayer but the shared
+ * expert is one chain per card (its record's part the card, on that card's lanes); the parts'
+ * rows (mf_sg_dense_rows) tile each sublayer's rows without gaps or overlaps, 32-row aligned; the
+ * records' weight bytes per card are mf_sg_dense_card_bytes's (each weight read once, on one
+ * card: no mirror), their sum the layer-range split's, and each card's share fits the seed
+ * host's cards. */
+static void test_graph_rows(void)
+{
+    mf_config c;
+    CHECK(mf_config_preset("flash41", &c) == 0, "preset flash41");
+    mf_sg_sizes *sz = NULL;
+    CHECK(mf_sg_sizes_new(&c, &sz) == 0, "sizes: %s", mf_last_error());
+    mf_lane_model m[4] = {{.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}};
+    mf_sg_lanes lt;
+    mf_sg_lanes_init(&lt, m, 8, 0, 4);
+    for (int64_t n_rows = 1; n_rows < 4000; n_rows = n_rows * 3 + 7)
+        for (int parts = 1; parts <= 5; parts++) {
+            int64_t next = 0, r0, r1;
+            for (int k = 0; k < parts; k++) {
+                mf_sg_dense_rows(parts, parts > 1 ? k : -1, n_rows, &r0, &r1);
+                CHECK(r0 == next && r1 >= r0 && (r0 % 32 == 0 || r0 == n_rows), "%lld rows, part %d of %d: [%lld, %lld)",
+                      (long long)n_rows, k, parts, (long long)r0, (long long)r1);
+                next = r1;
+            }
+            CHECK(next == n_rows, "%lld rows in %d parts end at %lld", (long long)n_rows, parts, (long long)next);
+        }
+    double total[2] = {0};
+    for (int sp = 0; sp < 2; sp++)
+        for (int cd = 0; cd < 4; cd++) total[sp] += mf_sg_dense_card_bytes(&c, sz, 4, sp, cd);
+    CHECK(total[0] > 7e9 && fabs(total[1] - total[0]) < 1e-6 * total[0], "dense bytes %.0f (layers), %.0f (rows)",
+          total[0], total[1]);
+    static const int ns[2] = {1, 16};
+    for (int ni = 0; ni < 2; ni++) {
+        mf_stepgraph *sg = NULL;
+        CHECK(mf_stepgraph_new(&(mf_sg_opts){.c = &c, .sz = sz, .n = ns[ni], .par = ns[ni] > 1, .n_threads = 8,
+                                             .n_dense_cards = 4, .dense_split = MF_SG_SPLIT_ROWS, .lanes = lt.lane,
+                                             .n_lanes = lt.n_lanes, .lane_io = lt.lane_io, .lane_dev0 = lt.lane_dev0},
+                               &sg) == 0,
+              "rows graph: %s", mf_last_error());
+        double bytes[4] = {0};
+        int runs[MF_SG_N_DENSE] = {0};
+        for (int t = 0; sg && t < sg->n_tasks; t++) {
+            const mf_sg_task *r = &sg->task[t];
+            if (r->op < MF_SG_DENSE_IN || r->op > MF_SG_DENSE_OUT) continue;
+            int k = r->op - MF_SG_DENSE_IN, lane = mf_graph_task(sg->g, t)->lane;
+            int parts = mf_sg_dense_parts(4, MF_SG_SPLIT_ROWS, r->dense);
+            int want = parts > 1 ? r->part : mf_sg_dense_card(&c, 4, r->layer);
+            CHECK(r->card == want && lane == lt.lane_dev0 + 3 * r->card + k && (parts > 1) == (r->part >= 0),
+                  "rows task %d (layer %d, dense %d, part %d) on card %d lane %d", t, r->layer, r->dense, r->part,
+                  r->card, lane);
+            if (k != 1) continue;
+            runs[r->dense]++;
+            for (int f = 0; f < MF_KF_REF; f++) bytes[r->card] += r->w.w_bytes[f];
+        }
+        for (int d = 0; d < MF_SG_N_DENSE; d++) {
+            int want = (d == MF_SG_D_HEAD ? 1 : c.n_layers) * mf_sg_dense_parts(4, MF_SG_SPLIT_ROWS, d);
+            CHECK(runs[d] == want, "batch %d: sublayer %d: %d card tasks (expected %d)", ns[ni], d, runs[d], want);
+        }
+        for (int cd = 0; cd < 4; cd++) {
+            double want = mf_sg_dense_card_bytes(&c, sz, 4, MF_SG_SPLIT_ROWS, cd);
+            CHECK(fabs(bytes[cd] - want) < 1e-6 * want, "batch %d card %d: records read %.0f bytes, the card holds %.0f",
+                  ns[ni], cd, bytes[cd], want);
+            CHECK(want < 11e9 && want > total[1] / 8, "card %d holds %.0f of %.0f dense bytes", cd, want, total[1]);
+        }
+        mf_stepgraph_free(sg);
+    }
     mf_sg_sizes_free(sz);
 }
 
@@ -181,6 +252,7 @@ static int run(mf_ref *r, mf_step *e, int n_seq, int n_dec, int32_t *toks, int f
 static void test_engine(mf_ref *r, const char *what, const int *batches, int n_b, int min_cards, int max_cards,
                         int hybrid, int n_dec)
 {
+    static const char *const split_name[2] = {"layers", "rows"};
     for (int bi = 0; bi < n_b; bi++) {
         int b = batches[bi];
         size_t per = (size_t)b * (1 + n_dec) * g_V;
@@ -192,40 +264,78 @@ static void test_engine(mf_ref *r, const char *what, const int *batches, int n_b
         mf_step_free(e);
         for (int nc = min_cards; nc <= max_cards; nc++)
             for (int pl = MF_STEP_PLACE_HOST; pl <= (hybrid ? MF_STEP_PLACE_HYBRID : MF_STEP_PLACE_HOST);
-                 pl += MF_STEP_PLACE_HYBRID) {
-                if (MF_TEST_TSAN && pl != MF_STEP_PLACE_HOST && nc != max_cards) continue;
-                char spec[64];
-                snprintf(spec, sizeof spec, "emu:%d,bw=50e9,lat_ns=2000", nc);
-                mf_dev *d = NULL;
-                CHECK(mf_dev_open(spec, &d) == 0, "open %s: %s", spec, mf_last_error());
-                if (!d) continue;
-                e = NULL;
-                CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = pl,
-                                                     .dense = MF_STEP_DENSE_CARDS},
-                                  &e) == 0,
-                      "%s %s dense: %s", what, spec, mf_last_error());
-                if (e) {
-                    memset(got, 0, sizeof(float) * per);
-                    int rc = run(r, e, b, n_dec, toks, 0, got);
-                    CHECK(rc == 0, "%s %s placement %d batch %d: %s", what, spec, pl, b, mf_last_error());
-                    CHECK(!rc && !memcmp(host, got, sizeof(float) * per),
-                          "%s %s placement %d batch %d: dense-on-card logits differ from the host placement's", what,
-                          spec, pl, b);
-                    /* the copies ran on the device lanes */
-                    mf_step_times t;
-                    mf_step_last_times(e, &t);
-                    CHECK(t.copy_busy_ns > 0, "%s %s: no copy time on the device lanes", what, spec);
-                    mf_step_free(e);
+                 pl += MF_STEP_PLACE_HYBRID)
+                for (int sp = MF_SG_SPLIT_LAYERS; sp <= MF_SG_SPLIT_ROWS; sp++) {
+                    if (MF_TEST_TSAN && pl != MF_STEP_PLACE_HOST && nc != max_cards) continue;
+                    if (sp == MF_SG_SPLIT_ROWS && nc == 1) continue;   /* one card: the same graph */
+                    char spec[64];
+                    snprintf(spec, sizeof spec, "emu:%d,bw=50e9,lat_ns=2000", nc);
+                    mf_dev *d = NULL;
+                    CHECK(mf_dev_open(spec, &d) == 0, "open %s: %s", spec, mf_last_error());
+                    if (!d) continue;
+                    e = NULL;
+                    CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = pl,
+                                                         .dense = MF_STEP_DENSE_CARDS, .dense_split = sp},
+                                      &e) == 0,
+                          "%s %s dense: %s", what, spec, mf_last_error());
+                    if (e) {
+                        memset(got, 0, sizeof(float) * per);
+                        int rc = run(r, e, b, n_dec, toks, 0, got);
+                        CHECK(rc == 0, "%s %s placement %d batch %d %s: %s", what, spec, pl, b, split_name[sp],
+                              mf_last_error());
+                        CHECK(!rc && !memcmp(host, got, sizeof(float) * per),
+                              "%s %s placement %d batch %d, split %s: dense-on-card logits differ from the host "
+                              "placement's", what, spec, pl, b, split_name[sp]);
+                        /* the copies ran on the device lanes */
+                        mf_step_times t;
+                        mf_step_last_times(e, &t);
+                        CHECK(t.copy_busy_ns > 0, "%s %s: no copy time on the device lanes", what, spec);
+                        mf_step_free(e);
+                    }
+                    for (int c = 0; c < nc; c++)
+                        CHECK(mf_dev_emu_used_bytes(d, c) == 0, "%s %s: card %d holds %lld bytes after free", what, spec,
+                              c, (long long)mf_dev_emu_used_bytes(d, c));
+                    mf_dev_close(d);
                 }
-                for (int c = 0; c < nc; c++)
-                    CHECK(mf_dev_emu_used_bytes(d, c) == 0, "%s %s: card %d holds %lld bytes after free", what, spec,
-                          c, (long long)mf_dev_emu_used_bytes(d, c));
-                mf_dev_close(d);
-            }
         free(host);
         free(got);
         free(toks);
     }
+}
+
+/* The mutation the bit-identity checks must catch: with --dense-split rows, card 0 computing one
+ * row fewer than it owns (mf_step_opts.dense_fault_skip_row) gives logits that differ from the
+ * host placement's; the same engine without the fault matches them. */
+static void test_rows_mutation(mf_ref *r)
+{
+    int b = 2, n_dec = 2;
+    size_t per = (size_t)b * (1 + n_dec) * g_V;
+    float *host = malloc(sizeof(float) * per), *got = malloc(sizeof(float) * per);
+    int32_t toks[2 * 2];
+    mf_step *e = NULL;
+    CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2}, &e) == 0, "mutation host: %s", mf_last_error());
+    CHECK(e && run(r, e, b, n_dec, toks, 1, host) == 0, "mutation host run: %s", mf_last_error());
+    mf_step_free(e);
+    for (int fault = 0; fault < 2; fault++) {
+        mf_dev *d = NULL;
+        CHECK(mf_dev_open("emu:2,bw=50e9,lat_ns=2000", &d) == 0, "open emu:2: %s", mf_last_error());
+        e = NULL;
+        CHECK(d && mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .dense = MF_STEP_DENSE_CARDS,
+                                                  .dense_split = MF_SG_SPLIT_ROWS, .dense_fault_skip_row = fault},
+                               &e) == 0,
+              "mutation engine: %s", mf_last_error());
+        if (e) {
+            memset(got, 0, sizeof(float) * per);
+            CHECK(run(r, e, b, n_dec, toks, 0, got) == 0, "mutation run: %s", mf_last_error());
+            int same = !memcmp(host, got, sizeof(float) * per);
+            CHECK(same == !fault, fault ? "card 0 skipping its last row went unnoticed (logits the host's)"
+                                        : "rows split without the fault: logits differ from the host's");
+            mf_step_free(e);
+        }
+        mf_dev_close(d);
+    }
+    free(host);
+    free(got);
 }
 
 /* The startup self-check: a card whose kernels are off (emu bad_card=1) or whose copy fails
@@ -242,18 +352,21 @@ static void test_selfcheck(mf_ref *r)
     CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2}, &e) == 0, "host: %s", mf_last_error());
     CHECK(e && run(r, e, b, n_dec, toks, 1, host) == 0, "host run: %s", mf_last_error());
     mf_step_free(e);
-    static const struct { const char *spec, *want[3]; } cs[] = {
-        {"emu:3,bad_card=1", {"refused card 1 (emu): kernel fp8 matmul", "relative error", "routed experts run on the host"}},
-        {"emu:2,fail_h2d=1", {"refused card 0 (emu): self-check of kernel fp8 matmul", "injected failure", "host"}},
-        {"emu:2", {"", "", ""}},
+    static const struct { const char *spec, *want[3]; int split; } cs[] = {
+        {"emu:3,bad_card=1", {"refused card 1 (emu): kernel fp8 matmul", "relative error", "routed experts run on the host"}, 0},
+        {"emu:2,fail_h2d=1", {"refused card 0 (emu): self-check of kernel fp8 matmul", "injected failure", "host"}, 0},
+        {"emu:2", {"", "", ""}, 0},
+        /* split by rows over the cards that passed (device cards 0 and 2) */
+        {"emu:3,bad_card=1", {"refused card 1 (emu): kernel fp8 matmul", "relative error", "routed experts run on the host"},
+         MF_SG_SPLIT_ROWS},
     };
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < (int)(sizeof cs / sizeof cs[0]); i++) {
         mf_dev *d = NULL;
         CHECK(mf_dev_open(cs[i].spec, &d) == 0, "open %s: %s", cs[i].spec, mf_last_error());
         if (!d) continue;
         e = NULL;
         CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = MF_STEP_PLACE_SEED,
-                                             .dense = MF_STEP_DENSE_CARDS},
+                                             .dense = MF_STEP_DENSE_CARDS, .dense_split = cs[i].split},
                           &e) == 0,
               "%s: %s", cs[i].spec, mf_last_error());
         if (e) {
@@ -330,6 +443,7 @@ int main(void)
 {
     test_ranges();
     test_graph();
+    test_graph_rows();
     test_sim();
     char dir[1024];
     mf_config c;
@@ -345,6 +459,7 @@ int main(void)
     int n_dec = MF_TEST_SANITIZED ? 3 : 8;
     test_selfcheck(r);
     test_weights_exact(r);
+    test_rows_mutation(r);
     if (MF_TEST_TSAN) test_engine(r, "tiny resident", tsan, 1, 1, 2, 1, n_dec);
     else test_engine(r, "tiny resident", all, 4, 1, 3, 1, n_dec);
 

@@ -13,22 +13,28 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "device/dev.h"
 #include "graphs/calib/hwcal.h"
 #include "graphs/model/model.h"
 #include "graphs/ref/ref.h"
 #include "graphs/step/sample.h"
+#include "graphs/sim/plan.h"
 #include "graphs/step/step.h"
+#include "graphs/step/stepgraph.h"
 #include "host/kernels.h"
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "tools/commands.h"
+#include "tools/sim_common.h"
 
 static void mf_bench_decode_usage(FILE *f)
 {
     fprintf(f,
             "usage: moeflow bench decode --checkpoint DIR [--steps N] [--batch B] [--threads N]\n"
             "                            [--prompt-tokens P] [--chunk T] [--exact] [--no-reference]\n"
-            "                            [--trace FILE] [--json]\n\n"
+            "                            [--trace FILE] [--json]\n"
+            "                            [--devices emu:N|cuda[:IDS] [--dense host|cards]\n"
+            "                             [--dense-split layers|rows]]\n\n"
             "Prefills B sequences of a synthetic P-token prompt (default 16; sequence i's tokens are\n"
             "(37 k + 11 + 101 i) mod vocab) and runs N greedy decode steps (default 8) of the batch\n"
             "with the reference engine, then with the scheduled engine on --threads workers (default\n"
@@ -50,7 +56,11 @@ static void mf_bench_decode_usage(FILE *f)
             "\"floor_fraction\", \"decode_weight_bytes_per_step\", \"read_bytes_per_s\",\n"
             "\"prefill_cpu_s\", \"decode_cpu_s\" (the process's CPU time: what a loaded machine's wall\n"
             "time hides), \"phases\": {phase: seconds per step}, \"reference_phases\": {...}, ...} instead of the\n"
-            "tables (reference fields null with --no-reference).\n", MF_STEP_PREFILL_CHUNK);
+            "tables (reference fields null with --no-reference).\n"
+            "--devices SPEC with --dense cards (the default with devices) runs the scheduled engine's\n"
+            "dense work on those cards (routed experts on the host), by layer ranges or, with\n"
+            "--dense-split rows, every dense matrix but the shared expert split by rows across all.\n",
+            MF_STEP_PREFILL_CHUNK);
 }
 
 typedef struct mf_bd_run {
@@ -245,7 +255,8 @@ static void mf_bd_json_phases(const char *key, const mf_bd_run *run, int steps)
 
 int mf_bench_decode(int argc, char **argv)
 {
-    const char *dir = NULL, *trace = NULL;
+    const char *dir = NULL, *trace = NULL, *devices = NULL, *dense_s = NULL;
+    int dense_split = MF_TOOL_DENSE_SPLIT;
     long steps = 8, batch = 1, n_prompt = 16, chunk = 0, threads = sysconf(_SC_NPROCESSORS_ONLN);
     int json = 0, exact = 0, no_ref = 0;
     if (threads < 1) threads = 1;
@@ -265,6 +276,20 @@ int mf_bench_decode(int argc, char **argv)
             dir = argv[++i];
         } else if (!strcmp(a, "--trace") && hv) {
             trace = argv[++i];
+        } else if (!strcmp(a, "--devices") && hv) {
+            devices = argv[++i];
+        } else if (!strcmp(a, "--dense") && hv) {
+            dense_s = argv[++i];
+            if (mf_tool_dense(dense_s) < 0) {
+                fprintf(stderr, "moeflow bench decode: --dense: expected host or cards, found '%s'\n", dense_s);
+                return 2;
+            }
+        } else if (!strcmp(a, "--dense-split") && hv) {
+            if ((dense_split = mf_tool_dense_split(argv[++i])) < 0) {
+                fprintf(stderr, "moeflow bench decode: --dense-split: expected layers or rows, found '%s'\n",
+                        argv[i]);
+                return 2;
+            }
         } else if (!strcmp(a, "--json")) {
             json = 1;
         } else if (!strcmp(a, "--exact")) {
@@ -288,15 +313,24 @@ int mf_bench_decode(int argc, char **argv)
         mf_bench_decode_usage(stderr);
         return 2;
     }
+    int dense = dense_s ? mf_tool_dense(dense_s) == MF_PLAN_DENSE_CARDS : devices != NULL;
+    if (dense && !devices) {
+        fprintf(stderr, "moeflow bench decode: --dense cards needs --devices\n");
+        return 2;
+    }
     int ret = 1;
     mf_model *m = NULL;
     mf_ref *r = NULL;
     mf_step *eng = NULL;
+    mf_dev *dev = NULL;
     float *logits = NULL;
     mf_bd_run ref = {0}, sch = {0};
     if (mf_model_load(dir, &(mf_model_opts){.quiet = json, .resident_limit_bytes = UINT64_C(64) << 30}, &m) ||
-        mf_ref_new(m, NULL, &r) ||
-        mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact, .prefill_chunk = (int)chunk}, &eng))
+        mf_ref_new(m, NULL, &r) || (dense && mf_dev_open(devices, &dev)) ||
+        mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact, .prefill_chunk = (int)chunk,
+                                       .dev = dev, .dense = dense ? MF_STEP_DENSE_CARDS : MF_STEP_DENSE_HOST,
+                                       .dense_split = dense_split},
+                    &eng))
         goto fail;
     const mf_config *c = mf_model_config(m);
     if (n_prompt + steps + 1 > c->max_position_embeddings) {
@@ -382,6 +416,7 @@ out:
     free(ref.tokens);
     free(sch.tokens);
     mf_step_free(eng);
+    mf_dev_close(dev);
     mf_ref_free(r);
     mf_model_free(m);
     return ret;

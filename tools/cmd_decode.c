@@ -20,6 +20,7 @@
 #include "graphs/sim/routing.h"
 #include "graphs/step/sample.h"
 #include "graphs/step/step.h"
+#include "graphs/step/stepgraph.h"
 #include "host/store.h"
 #include "host/tokenizer.h"
 #include "sched/clock.h"
@@ -40,6 +41,7 @@ static void mf_decode_usage(FILE *f)
             "                      [--store resident|streamed [--store-budget SIZE]\n"
             "                       [--store-tables resident|streamed] [--io-depth N]]\n"
             "                      [--devices emu:N|cuda[:IDS] [--placement seed|host|hybrid] [--dense host|cards]\n"
+            "                       [--dense-split layers|rows]\n"
             "                       [--dev-cache SIZE] [--dev-graphs] [--profile P]] [--record-routing FILE]\n\n"
             "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
             "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
@@ -93,10 +95,14 @@ static void mf_decode_usage(FILE *f)
             "  --devices SPEC      routed experts on devices (scheduled engine): emu:N emulated\n"
             "                      cards (emu:N,mem=SIZE,bw=B/S,lat_ns=NS) or cuda, cuda:0,1\n"
             "  --dense D           cards: the dense work (attention linears, router gate, shared\n"
-            "                      expert, head) on the cards by layer ranges, activations copied per\n"
+            "                      expert, head) on the cards (split as --dense-split), activations copied per\n"
             "                      sublayer, weights resident on the cards (default with emu:N devices;\n"
             "                      on CUDA cards only when asked: never run on a GPU yet); host: on the\n"
             "                      host (default otherwise)\n"
+            "  --dense-split S     with --dense cards: layers (each layer's dense work on one card) or\n"
+            "                      rows (default: every dense matrix but the shared expert split by\n"
+            "                      output rows across all cards; either gives the host's logits bit for\n"
+            "                      bit on emulated cards)\n"
             "  --placement P       seed: routed experts on the card owning them; hybrid: per\n"
             "                      expert and step the cheaper of host and card by the lanes'\n"
             "                      cost models (default with --devices); host: all on the\n"
@@ -402,6 +408,7 @@ int mf_cmd_decode(int argc, char **argv)
     long io_depth = 0, read_window = 0;
     uint64_t store_budget = 0;
     const char *trace = NULL, *devices = NULL, *placement = NULL, *record = NULL, *dense_s = NULL;
+    int dense_split = MF_TOOL_DENSE_SPLIT;
     uint64_t dev_cache = 0;
     const char *profile_path = NULL;
     static mf_profile prof;
@@ -510,6 +517,11 @@ int mf_cmd_decode(int argc, char **argv)
             dense_s = argv[++i];
             if (strcmp(dense_s, "host") && strcmp(dense_s, "cards")) {
                 fprintf(stderr, "moeflow decode: --dense: expected host or cards, found '%s'\n", dense_s);
+                return 2;
+            }
+        } else if (!strcmp(a, "--dense-split") && hv) {
+            if ((dense_split = mf_tool_dense_split(argv[++i])) < 0) {
+                fprintf(stderr, "moeflow decode: --dense-split: expected layers or rows, found '%s'\n", argv[i]);
                 return 2;
             }
         } else if (!strcmp(a, "--placement") && hv) {
@@ -705,6 +717,7 @@ int mf_cmd_decode(int argc, char **argv)
                                                  .read_window = (int)read_window, .dev = dev,
                                                  .placement = place, .dev_cache_bytes = dev_cache,
                                                  .dev_graphs = dev_graphs, .dense = dense,
+                                                 .dense_split = dense_split,
                                                  .profile = profile_path ? &prof : NULL,
                                                  .io_depth = (int)io_depth,
                                                  .io_force_pread = mf_tool_io_env.force_pread,

@@ -12,6 +12,7 @@
 #include "graphs/model/config.h"
 #include "graphs/model/model.h"
 #include "graphs/sim/plan.h"
+#include "graphs/step/stepgraph.h"
 #include "graphs/ref/ref.h"
 #include "graphs/sim/routing.h"
 #include "graphs/step/sample.h"
@@ -30,6 +31,7 @@ static void mf_sim_usage(FILE *f)
             "                   [--store resident|streamed] [--store-budget SIZE] [--tables resident|streamed]\n"
             "                   [--dev-cache SIZE] [--cache-policy lfu|lru] [--read-window N]\n"
             "                   [--copy-slots N] [--dev-task-ns NS] [--dev-graphs] [--dense host|cards]\n"
+            "                   [--dense-split layers|rows]\n"
             "                   [--trace FILE] [--json]\n"
             "                   [--measure] [--prompt-tokens N [--chunk T]]\n\n"
             "Simulates decode steps of the scheduled engine (graphs/step/step.c's graph, docs/sim.md) on the\n"
@@ -40,8 +42,11 @@ static void mf_sim_usage(FILE *f)
             "  --placement P       host (default), seed or hybrid (routed experts on cards)\n"
             "  --cards N           cards for seed/hybrid and --dense cards (default: the profile's)\n"
             "  --dense D           the dense work (attention linears, router gate, shared expert,\n"
-            "                      head) on the host or on the cards, by layer ranges (default: cards\n"
-            "                      when --cards is given or placement is seed/hybrid, else host)\n"
+            "                      head) on the host or on the cards (default: cards when --cards is\n"
+            "                      given or placement is seed/hybrid, else host)\n"
+            "  --dense-split S     dense cards: layers (each layer's dense work on one card, by layer\n"
+            "                      ranges) or rows (default: every dense matrix but the shared expert\n"
+            "                      split by output rows across all cards)\n"
             "  --threads N         engine workers per socket (default: the profile's)\n"
             "  --batch B           sequences per step (1..%d, default 1)\n"
             "  --routing R         uniform (default), zipf:S, or trace:FILE (moeflow decode\n"
@@ -69,13 +74,13 @@ static void mf_sim_usage(FILE *f)
             MF_STEP_MAX_ITEMS, MF_STEP_PREFILL_CHUNK);
 }
 
-static void mf_sim_json(const mf_plan_report *r, const char *routing, int placement, int dense, int measured,
+static void mf_sim_json(const mf_plan_report *r, const char *routing, int placement, int dense, int split, int measured,
                         double meas_ns, const mf_step_times *mt)
 {
     static const char *const pl[] = {"host", "seed", "hybrid"};
-    printf("{\"placement\":\"%s\",\"dense\":\"%s\",\"routing\":\"%s\",\"batch\":%d,\"steps\":%d,\"step_s\":%.9g,\"token_s\":%.9g,"
+    printf("{\"placement\":\"%s\",\"dense\":\"%s\",\"dense_split\":\"%s\",\"routing\":\"%s\",\"batch\":%d,\"steps\":%d,\"step_s\":%.9g,\"token_s\":%.9g,"
            "\"tokens_per_s\":%.6g,\"n_tasks\":%d,\"phases\":{",
-           pl[placement], dense == MF_PLAN_DENSE_CARDS ? "cards" : "host", routing, r->batch, r->n_steps, r->step_ns / 1e9, r->token_ns / 1e9,
+           pl[placement], dense == MF_PLAN_DENSE_CARDS ? "cards" : "host", split == MF_SG_SPLIT_ROWS ? "rows" : "layers", routing, r->batch, r->n_steps, r->step_ns / 1e9, r->token_ns / 1e9,
            r->token_ns > 0 ? 1e9 / r->token_ns : 0, r->n_tasks);
     for (int q = 0; q < MF_STEP_N_PHASES; q++)
         printf("%s\"%s\":%.9g", q ? "," : "", mf_step_phase_name((mf_step_phase)q), r->phase_ns[q] / 1e9);
@@ -101,6 +106,7 @@ int mf_cmd_sim(int argc, char **argv)
 {
     const char *prof_path = NULL, *dir = NULL, *preset = NULL, *routing_spec = "uniform", *trace = NULL;
     const char *placement = "host", *dense_s = NULL;
+    int dense_split = MF_TOOL_DENSE_SPLIT;
     long cards = 0, threads = 0, batch = 1, steps = 8, warmup = 2, seed = 1, context = 16, read_window = 0;
     long copy_slots = 0, dev_task_ns = 0, prompt_tokens = 0, chunk = 0;
     int json = 0, measure = 0, store = MF_PLAN_STORE_RESIDENT, tables = MF_PLAN_STORE_RESIDENT, policy = 0;
@@ -144,6 +150,11 @@ int mf_cmd_sim(int argc, char **argv)
             dense_s = argv[++i];
             if (mf_tool_dense(dense_s) < 0) {
                 fprintf(stderr, "moeflow sim: --dense: expected host or cards, found '%s'\n", dense_s);
+                return 2;
+            }
+        } else if (!strcmp(a, "--dense-split") && hv) {
+            if ((dense_split = mf_tool_dense_split(argv[++i])) < 0) {
+                fprintf(stderr, "moeflow sim: --dense-split: expected layers or rows, found '%s'\n", argv[i]);
                 return 2;
             }
         } else if (!strcmp(a, "--placement") && hv) {
@@ -221,7 +232,8 @@ int mf_cmd_sim(int argc, char **argv)
                        .read_window = (int)read_window, .copy_slots = (int)copy_slots, .dev_cache_bytes = dev_cache,
                        .dev_cache_policy = policy, .store = store, .store_budget_bytes = store_budget,
                        .tables = tables, .routing = rt, .seed = (uint64_t)seed, .dev_task_ns = (double)dev_task_ns,
-                       .dev_graphs = dev_graphs, .dense = dense};
+                       .dev_graphs = dev_graphs, .dense = dense,
+                       .dense_split = dense_split};
     if (prompt_tokens) {
         mf_plan_report rep;
         int64_t ttft_ns;
@@ -260,12 +272,22 @@ int mf_cmd_sim(int argc, char **argv)
             goto fail;
     }
     if (json) {
-        mf_sim_json(&rep, mf_routing_describe(rt), place, dense, measure, meas_ns, &mt);
+        mf_sim_json(&rep, mf_routing_describe(rt), place, dense, dense_split, measure, meas_ns, &mt);
     } else {
         printf("sim: %s on profile %s, placement %s, dense %s, routing %s, batch %ld, %ld warm-up + %ld steps\n",
-               dir ? dir : preset, prof.name, placement, dense == MF_PLAN_DENSE_CARDS ? "cards" : "host",
+               dir ? dir : preset, prof.name, placement,
+               dense != MF_PLAN_DENSE_CARDS ? "host" : dense_split == MF_SG_SPLIT_ROWS ? "cards (rows)" : "cards",
                mf_routing_describe(rt), batch, warmup, steps);
         mf_plan_print(&rep, stdout);
+        mf_sg_sizes *sz = NULL;
+        int nd = (int)(cards ? cards : prof.n_cards);
+        if (dense == MF_PLAN_DENSE_CARDS && !mf_sg_sizes_new(&cfg, &sz)) {   /* mf_sg_dense_card_bytes */
+            printf("dense weights per card (%s):", dense_split == MF_SG_SPLIT_ROWS ? "split by rows" : "by layers");
+            for (int cd = 0; cd < nd; cd++)
+                printf(" %.2f GB", mf_sg_dense_card_bytes(&cfg, sz, nd, dense_split, cd) / 1e9);
+            printf(" (of %.2f GB each)\n", prof.card_mem_bytes / 1e9);
+            mf_sg_sizes_free(sz);
+        }
         if (trace) printf("trace of the last simulated step: %s\n", trace);
         if (measure) {
             printf("\nmeasured on this machine (real engine%s, median of %ld steps): %.3f ms per token\n",

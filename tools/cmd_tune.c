@@ -12,6 +12,7 @@
 #include "graphs/model/config.h"
 #include "graphs/sim/plan.h"
 #include "graphs/sim/routing.h"
+#include "graphs/step/stepgraph.h"
 #include "sched/error.h"
 #include "sched/profile.h"
 #include "tools/commands.h"
@@ -29,7 +30,7 @@ typedef struct mf_tune_knob {
     int given;         /* set on the command line */
 } mf_tune_knob;
 
-enum { K_PLACE, K_BATCH, K_THREADS, K_WINDOW, K_COPY, K_CACHE, K_POLICY, K_BUDGET, K_DENSE, K_N };
+enum { K_PLACE, K_BATCH, K_THREADS, K_WINDOW, K_COPY, K_CACHE, K_POLICY, K_BUDGET, K_DENSE, K_SPLIT, K_N };
 
 typedef struct mf_tune_result {
     int64_t v[K_N];
@@ -44,7 +45,8 @@ static void mf_tune_usage(FILE *f)
             "usage: moeflow tune --profile P (--checkpoint DIR | --preset NAME) [--real]\n"
             "                    [--placement LIST] [--batch LIST] [--threads LIST] [--read-window LIST]\n"
             "                    [--copy-slots LIST] [--dev-cache LIST] [--cache-policy LIST]\n"
-            "                    [--store-budget LIST] [--dense LIST] [--store resident|streamed]\n"
+            "                    [--store-budget LIST] [--dense LIST] [--dense-split LIST]\n"
+            "                    [--store resident|streamed]\n"
             "                    [--tables resident|streamed]\n"
             "                    [--routing R] [--seed S] [--context N] [--steps N] [--warmup N]\n"
             "                    [--objective throughput|latency] [--top N] [--json]\n\n"
@@ -62,7 +64,10 @@ static void mf_tune_usage(FILE *f)
             "  --store-budget      the simulator's default (2G) with --store streamed\n"
             "  --dense             host, plus cards when the profile has cards (the dense work\n"
             "                      on the cards by layer ranges, as `moeflow sim --dense cards`)\n"
-            "Settings that cannot differ (card knobs under host placement) are tried once.\n\n"
+            "  --dense-split       layers, rows for dense cards (rows: every dense matrix but the\n"
+            "                      shared expert split by rows across all cards, `sim --dense-split`)\n"
+            "Settings that cannot differ (card knobs under host placement, the dense split with the\n"
+            "dense work on the host) are tried once.\n\n"
             "  --real              decode for real on this machine instead (needs --checkpoint with a\n"
             "                      loadable model, e.g. the demo; cards are emulated, emu:N): only the\n"
             "                      knobs the engine has (placement, batch, threads, read window, device\n"
@@ -89,6 +94,9 @@ static int mf_tune_parse_list(int k, const char *opt, const char *list, mf_tune_
         char *end = NULL;
         if (k == K_DENSE) {
             if ((v = mf_tool_dense(tok)) < 0) return mf_error(-EINVAL, "%s: expected host or cards, found '%s'", opt, tok);
+        } else if (k == K_SPLIT) {
+            if ((v = mf_tool_dense_split(tok)) < 0)
+                return mf_error(-EINVAL, "%s: expected layers or rows, found '%s'", opt, tok);
         } else if (k == K_PLACE) {
             if ((v = mf_tool_placement(tok)) < 0)
                 return mf_error(-EINVAL, "%s: expected host, seed or hybrid, found '%s'", opt, tok);
@@ -161,7 +169,7 @@ int mf_cmd_tune(int argc, char **argv)
     int json = 0, real = 0, latency = 0, store = MF_PLAN_STORE_RESIDENT, tables = MF_PLAN_STORE_RESIDENT;
     static const char *const knob_opt[K_N] = {"--placement", "--batch", "--threads", "--read-window",
                                               "--copy-slots", "--dev-cache", "--cache-policy", "--store-budget",
-                                              "--dense"};
+                                              "--dense", "--dense-split"};
     mf_tune_knob kn[K_N];
     memset(kn, 0, sizeof kn);
     for (int k = 0; k < K_N; k++) kn[k].opt = knob_opt[k];
@@ -305,6 +313,11 @@ int mf_cmd_tune(int argc, char **argv)
                 goto fail;
             }
     }
+    if (!kn[K_SPLIT].given) {
+        kn[K_SPLIT].n = cards ? 2 : 1;
+        kn[K_SPLIT].v[0] = MF_SG_SPLIT_LAYERS;
+        kn[K_SPLIT].v[1] = MF_SG_SPLIT_ROWS;
+    }
     if (store != MF_PLAN_STORE_STREAMED && (kn[K_WINDOW].given || kn[K_BUDGET].given)) {
         rc = mf_error(-EINVAL, "--read-window and --store-budget sweep a streamed store: add --store streamed");
         goto fail;
@@ -327,13 +340,15 @@ int mf_cmd_tune(int argc, char **argv)
         int64_t v[K_N];
         for (int k = 0; k < K_N; k++) v[k] = kn[k].v[idx[k]];
         int host = v[K_PLACE] == MF_STEP_PLACE_HOST;
-        int skip = host && (idx[K_COPY] || idx[K_CACHE] || idx[K_POLICY]);
+        int skip = (host && (idx[K_COPY] || idx[K_CACHE] || idx[K_POLICY])) ||
+                   (v[K_DENSE] == MF_PLAN_DENSE_HOST && idx[K_SPLIT]);
         for (int k = K_N - 1; k >= 0; k--) {   /* next combination */
             if (++idx[k] < kn[k].n) break;
             idx[k] = 0;
         }
         if (skip) continue;
         if (host) v[K_COPY] = v[K_CACHE] = v[K_POLICY] = 0;
+        if (v[K_DENSE] == MF_PLAN_DENSE_HOST) v[K_SPLIT] = MF_SG_SPLIT_LAYERS;
         memcpy(res[n_res++].v, v, sizeof v);
     }
 
@@ -349,7 +364,8 @@ int mf_cmd_tune(int argc, char **argv)
                            .context = context, .read_window = (int)r->v[K_WINDOW], .copy_slots = (int)r->v[K_COPY],
                            .dev_cache_bytes = (uint64_t)r->v[K_CACHE], .dev_cache_policy = (int)r->v[K_POLICY],
                            .store = store, .store_budget_bytes = (uint64_t)r->v[K_BUDGET], .tables = tables,
-                           .routing = rt, .seed = (uint64_t)seed, .dense = (int)r->v[K_DENSE]};
+                           .routing = rt, .seed = (uint64_t)seed, .dense = (int)r->v[K_DENSE],
+                           .dense_split = (int)r->v[K_SPLIT]};
         rc = mf_plan_run(&po, (int)warmup, (int)steps, &r->rep);
         if (!rc && real) {
             if (tty) fprintf(stderr, "\rtune: setting %d of %d: decoding for real ...", i + 1, n_res);
@@ -380,12 +396,12 @@ int mf_cmd_tune(int argc, char **argv)
         for (int i = 0; i < n_res; i++) {
             const mf_tune_result *r = &res[i];
             const mf_plan_report *p = &r->rep;
-            printf("%s{\"rank\":%d,\"placement\":\"%s\",\"dense\":\"%s\",\"batch\":%" PRId64 ",\"threads_per_socket\":%" PRId64
+            printf("%s{\"rank\":%d,\"placement\":\"%s\",\"dense\":\"%s\",\"dense_split\":\"%s\",\"batch\":%" PRId64 ",\"threads_per_socket\":%" PRId64
                    ",\"read_window\":%" PRId64 ",\"copy_slots\":%" PRId64 ",\"dev_cache_bytes\":%" PRId64
                    ",\"cache_policy\":\"%s\",\"store_budget_bytes\":%" PRId64 ",\"predicted_step_s\":%.9g,"
                    "\"predicted_tokens_per_s\":%.6g,\"bottleneck\":\"%s\",\"bottleneck_busy\":%.4f",
                    i ? "," : "", i + 1, mf_tune_place_names[r->v[K_PLACE]], r->v[K_DENSE] ? "cards" : "host",
-                   r->v[K_BATCH], r->v[K_THREADS],
+                   r->v[K_SPLIT] == MF_SG_SPLIT_ROWS ? "rows" : "layers", r->v[K_BATCH], r->v[K_THREADS],
                    r->v[K_WINDOW], r->v[K_COPY], r->v[K_CACHE], r->v[K_POLICY] ? "lru" : "lfu", r->v[K_BUDGET],
                    p->step_ns / 1e9, p->token_ns > 0 ? 1e9 / p->token_ns : 0, p->lanes[p->bottleneck].name,
                    p->lanes[p->bottleneck].share);
@@ -414,7 +430,7 @@ int mf_cmd_tune(int argc, char **argv)
     }
     for (int i = 0; i < n_res; i++) {
         const mf_tune_result *r = &res[i], *q = n_rows ? &res[row[n_rows - 1]] : NULL;
-        if (q && q->v[K_PLACE] == r->v[K_PLACE] && q->v[K_DENSE] == r->v[K_DENSE] && q->v[K_BATCH] == r->v[K_BATCH] &&
+        if (q && q->v[K_PLACE] == r->v[K_PLACE] && q->v[K_DENSE] == r->v[K_DENSE] && q->v[K_SPLIT] == r->v[K_SPLIT] && q->v[K_BATCH] == r->v[K_BATCH] &&
             q->v[K_THREADS] == r->v[K_THREADS] && r->score >= q->score * 0.999)
             ties[n_rows - 1]++;
         else
@@ -434,7 +450,7 @@ int mf_cmd_tune(int argc, char **argv)
         printf("%4d %10.2f %10.*f %-7s %-5s %5" PRId64 " %7" PRId64 " %6s %5s %8s %6s %8s  %s (%.0f%%)\n", i + 1,
                real ? 1e9 / r->meas_token_ns : 1e9 / p->token_ns, real ? 2 : 3,
                real ? 1e9 / p->token_ns : p->step_ns / 1e6, mf_tune_place_names[r->v[K_PLACE]],
-               r->v[K_DENSE] ? "cards" : "host", r->v[K_BATCH],
+               !r->v[K_DENSE] ? "host" : r->v[K_SPLIT] == MF_SG_SPLIT_ROWS ? "rows" : "cards", r->v[K_BATCH],
                r->v[K_THREADS], store == MF_PLAN_STORE_STREAMED ? win : "-",
                host ? "-" : copy, host ? "-" : cache,
                host ? "-" : (r->v[K_POLICY] ? "lru" : "lfu"), store == MF_PLAN_STORE_STREAMED ? budget : "-",
@@ -447,7 +463,9 @@ int mf_cmd_tune(int argc, char **argv)
     free(ties);
     const mf_tune_result *b = &res[0];
     printf("\nbest: placement %s, dense %s, batch %" PRId64 ", %" PRId64 " threads per socket",
-           mf_tune_place_names[b->v[K_PLACE]], b->v[K_DENSE] ? "cards" : "host", b->v[K_BATCH], b->v[K_THREADS]);
+           mf_tune_place_names[b->v[K_PLACE]],
+           !b->v[K_DENSE] ? "host" : b->v[K_SPLIT] == MF_SG_SPLIT_ROWS ? "cards (split by rows)" : "cards",
+           b->v[K_BATCH], b->v[K_THREADS]);
     if (b->v[K_PLACE] != MF_STEP_PLACE_HOST) {
         char cache[16];
         mf_tune_fmt_size(b->v[K_CACHE], cache, sizeof cache);

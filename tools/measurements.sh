@@ -70,10 +70,22 @@ for place in host hybrid; do
   "$bin" sim --profile $seed --preset flash41 --placement $place --dense host --batch 64 --warmup $warm --json >"$tmp/s.json"
   row "$place, batch 64" "$tmp/s.json"
 done
+# the dense work on the cards by layer ranges (--dense-split layers), then split by rows across
+# all four (rows, the default), with uniform and zipf:1.0 routing
+for split in layers rows; do
+  for batch in 1 16 64; do
+    for place in host hybrid; do
+      "$bin" sim --profile $seed --preset flash41 --placement $place --dense cards --dense-split $split --batch $batch \
+        --warmup $warm --json >"$tmp/s.json"
+      row "$place, dense on cards ($split), batch $batch" "$tmp/s.json"
+    done
+  done
+done
 for batch in 1 16 64; do
   for place in host hybrid; do
-    "$bin" sim --profile $seed --preset flash41 --placement $place --dense cards --batch $batch --warmup $warm --json >"$tmp/s.json"
-    row "$place, dense on cards, batch $batch" "$tmp/s.json"
+    "$bin" sim --profile $seed --preset flash41 --placement $place --dense cards --dense-split rows --batch $batch \
+      --routing zipf:1.0 --warmup $warm --json >"$tmp/s.json"
+    row "$place, dense on cards (rows), batch $batch, zipf:1.0" "$tmp/s.json"
   done
 done
 "$bin" sim --profile $seed --preset flash41 --placement host --store streamed --store-budget 64G --warmup $warm \

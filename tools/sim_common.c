@@ -12,6 +12,7 @@
 #include "graphs/sim/plan.h"
 #include "graphs/ref/ref.h"
 #include "graphs/step/sample.h"
+#include "graphs/step/stepgraph.h"
 #include "graphs/step/step.h"
 #include "sched/error.h"
 #include "tools/sim_common.h"
@@ -45,6 +46,11 @@ int mf_tool_placement(const char *s)
 int mf_tool_dense(const char *s)
 {
     return !strcmp(s, "host") ? MF_PLAN_DENSE_HOST : !strcmp(s, "cards") ? MF_PLAN_DENSE_CARDS : -1;
+}
+
+int mf_tool_dense_split(const char *s)
+{
+    return !strcmp(s, "layers") ? MF_SG_SPLIT_LAYERS : !strcmp(s, "rows") ? MF_SG_SPLIT_ROWS : -1;
 }
 
 int mf_tool_store_mode(const char *s)
@@ -104,7 +110,7 @@ int mf_tool_measure(const char *dir, const mf_plan_opts *po, int n_cards, int th
                                         .dev_graphs = po->dev_graphs, .cpu_bytes_per_s = po->cpu_bytes_per_s,
                                         .dense = po->dense == MF_PLAN_DENSE_CARDS ? MF_STEP_DENSE_CARDS
                                                                                    : MF_STEP_DENSE_HOST,
-                                        .profile = po->profile},
+                                        .dense_split = po->dense_split, .profile = po->profile},
                      &eng);
     if (rc) goto out;
     const mf_config *c = mf_model_config(m);

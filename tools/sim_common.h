@@ -8,6 +8,7 @@
 #include "graphs/model/config.h"
 #include "graphs/sim/plan.h"
 #include "graphs/step/step.h"
+#include "graphs/step/stepgraph.h"
 #include "sched/profile.h"
 
 /* "2G", "512M", "64k", "1.5GiB", "4GB", plain bytes; 1024-based (K, M, G, T in either case, then an
@@ -17,6 +18,11 @@ uint64_t mf_tool_size(const char *s);
 /* The words of the options sim and tune share, as values; -1 for any other word. */
 int mf_tool_placement(const char *s);      /* host, seed, hybrid: mf_step_placement */
 int mf_tool_dense(const char *s);          /* host, cards: mf_plan_dense (also mf_step_opts.dense) */
+int mf_tool_dense_split(const char *s);    /* layers, rows: mf_sg_dense_split (mf_plan_opts, mf_step_opts) */
+/* The commands' default --dense-split (decode, sim, bench decode): rows, which the simulator
+ * predicts faster than layers on the seed host at batch 1, 16 and 64, uniform and zipf:1.0
+ * routing (docs/measurements.md part 1); the library's zero (mf_step_opts, mf_plan_opts) is layers. */
+#define MF_TOOL_DENSE_SPLIT MF_SG_SPLIT_ROWS
 int mf_tool_store_mode(const char *s);     /* resident, streamed: mf_plan_store */
 int mf_tool_cache_policy(const char *s);   /* lfu, lru: mf_plan_cache_policy */
 

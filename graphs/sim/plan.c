@@ -355,17 +355,8 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
         if (slots > (int64_t)p->n_layers * p->E) slots = (int64_t)p->n_layers * p->E;
         store_slots = (int)slots;
     }
-    for (int cd = 0; cd < p->n_dense; cd++) p->dense_bytes[cd] = 0;
-    for (int L = -1; L < p->n_layers && p->n_dense; L++) {   /* the dense weights each card holds */
-        double b = p->sz->head_bytes;
-        if (L >= 0) {
-            const mf_sg_layer_sizes *y = &p->sz->layer[L];
-            b = y->oa_fp8_bytes + y->gate_bytes + p->sz->sh_up_bytes + p->sz->sh_down_bytes;
-            for (int st = 0; st < MF_SG_N_STAGES; st++) b += y->st_fp8_bytes[st] + y->st_bf16_bytes[st];
-            b -= y->st_fp8_bytes[MF_SG_ST_CORE] + y->st_bf16_bytes[MF_SG_ST_CORE];   /* the core's: host */
-        }
-        p->dense_bytes[mf_sg_dense_card(c, p->n_dense, L)] += b;
-    }
+    for (int cd = 0; cd < p->n_dense; cd++)   /* the dense weights each card holds */
+        p->dense_bytes[cd] = mf_sg_dense_card_bytes(c, p->sz, p->n_dense, o->dense_split, cd);
     for (int cd = 0; cd < p->n_dense; cd++)
         if (f->card_mem_bytes && p->dense_bytes[cd] > (double)f->card_mem_bytes) {
             rc = mf_error(-ENOSPC, "plan: card %d: its dense layers take %.0f bytes, the card has %" PRIu64, cd,
@@ -398,7 +389,7 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
      * prefill chunk (serial) */
     rc = mf_stepgraph_new(&(mf_sg_opts){.c = c, .sz = p->sz, .n = p->batch, .par = p->batch > 1 && !o->prefill,
                                         .n_threads = p->n_threads, .n_cards = p->n_cards,
-                                        .n_dense_cards = p->n_dense,
+                                        .n_dense_cards = p->n_dense, .dense_split = o->dense_split,
                                         .dev_graphs = o->dev_graphs, .store = p->streamed,
                                         .eg_reads = o->tables == MF_PLAN_STORE_STREAMED,
                                         .read_window = o->read_window, .lanes = p->lt.lane,

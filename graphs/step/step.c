@@ -1055,46 +1055,91 @@ static int mf_task_head(void *arg, mf_task_ctx *ctx)
 
 /* ---- dense work on cards ------------------------------------------------------------------- */
 
-/* One copy of a dense sublayer: host buffer, its device copy on the task's card, bytes. */
+/* One copy of a dense sublayer: host buffer, its device copy on the task's card (the same layout),
+ * `rows` rows of `bytes` each, `pitch` bytes apart on both sides (rows 1: one block). */
 typedef struct mf_step_dcopy {
     float *host;
-    size_t off, bytes;
+    size_t off, bytes, rows, pitch;
 } mf_step_dcopy;
 
+/* Rows [r0, r1) of its sublayer's n_rows output rows that dense task a owns: the builder's rule
+ * (graphs/step/stepgraph.h mf_sg_dense_rows: all of them on one card, a card's chunk with
+ * --dense-split rows). The rows of an attention stage are its linears' one after another. */
+static void mf_step_dense_rows(const mf_step_targ *a, int64_t n_rows, int64_t *r0, int64_t *r1)
+{
+    const mf_stepgraph *sg = a->sh->sg;
+    mf_sg_dense_rows(mf_sg_dense_parts(sg->n_dense_cards, sg->dense_split, a->t->dense), a->t->part, n_rows, r0, r1);
+}
+
+/* The rows task a computes: its own (mf_step_dense_rows), less the last one under the test fault
+ * (mf_step_opts.dense_fault_skip_row: card 0's split tasks). */
+static void mf_step_dense_run_rows(const mf_step_targ *a, int64_t n_rows, int64_t *r0, int64_t *r1)
+{
+    mf_step_dense_rows(a, n_rows, r0, r1);
+    if (a->sh->eng->o.dense_fault_skip_row && a->t->part == 0 && *r1 > *r0) (*r1)--;
+}
+
+/* Rows [r0, r1) of n_tok items' vectors of ld floats, host buffer host at device offset off. */
+static mf_step_dcopy mf_step_dcopy_rows(float *host, size_t off, int64_t ld, int64_t r0, int64_t r1, size_t n_tok)
+{
+    size_t f = sizeof(float);
+    return (mf_step_dcopy){host + r0, off + (size_t)r0 * f, (size_t)(r1 - r0) * f, n_tok, (size_t)ld * f};
+}
+
 /* The copies into (out 0) or out of (out 1) the card of dense task a, into cp[]; returns their
- * count (at most MF_LY_A_MAX_LIN). Attention stages: the distinct inputs (outputs) of the stage's
- * linears (oa's outputs and ob's inputs stay on the card). */
+ * count (at most MF_LY_A_MAX_LIN). Attention stages: the distinct inputs of the stage's linears,
+ * and the rows the task owns of their outputs (on one card oa's outputs and ob's inputs stay on
+ * the card; split by rows every card's wo_a rows go out and all of them come back for wo_b). */
 static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *cp)
 {
     mf_step_shape *sh = a->sh;
     const mf_config *c = sh->eng->c;
     size_t n = (size_t)sh->n, f = sizeof(float), H = (size_t)c->hidden_size;
-    int d = a->t->dense, m = 0;
+    int d = a->t->dense, m = 0, split = a->t->part >= 0;
+    int64_t r0, r1;
     if (d <= MF_SG_D_ATTN_OB) {
         static const int stage_of[4] = {MF_LY_A_STAGE_IN, MF_LY_A_STAGE_QB, MF_LY_A_STAGE_OA, MF_LY_A_STAGE_OB};
-        if ((d == MF_SG_D_ATTN_OA && out) || (d == MF_SG_D_ATTN_OB && !out)) return 0;
+        if (!split && ((d == MF_SG_D_ATTN_OA && out) || (d == MF_SG_D_ATTN_OB && !out))) return 0;
         mf_ly_attn_lin lin[MF_LY_A_MAX_LIN];
         int nl = mf_ly_attn_linears(sh->eng->ly, a->t->layer, stage_of[d], lin), seen = 0;
+        int64_t total = 0, base = 0;
+        for (int k = 0; k < nl; k++) total += lin[k].w->rows;
+        mf_step_dense_rows(a, total, &r0, &r1);
         for (int k = 0; k < nl; k++) {
             int b = out ? lin[k].y : lin[k].x;
+            int64_t rows = lin[k].w->rows, lo = r0 - base > 0 ? r0 - base : 0, hi = r1 - base < rows ? r1 - base : rows;
+            base += rows;
+            if (out && split) {   /* this card's rows of the linear's output */
+                if (lo < hi) cp[m++] = mf_step_dcopy_rows(sh->ab[b], sh->dd_ab[b], sh->ab_ld[b], lo, hi, n);
+                continue;
+            }
+            if (split && lin[k].groups) {   /* grouped (wo_a): the input slices of the groups its rows touch */
+                int64_t R = rows / lin[k].groups, cols = lin[k].w->cols;
+                if (lo < hi) cp[m++] = mf_step_dcopy_rows(sh->ab[b], sh->dd_ab[b], sh->ab_ld[b], lo / R * cols,
+                                                          (hi + R - 1) / R * cols, n);
+                continue;
+            }
             if (seen & (1 << b)) continue;
             seen |= 1 << b;
-            cp[m++] = (mf_step_dcopy){sh->ab[b], sh->dd_ab[b], n * (size_t)sh->ab_ld[b] * f};
+            cp[m++] = (mf_step_dcopy){sh->ab[b], sh->dd_ab[b], n * (size_t)sh->ab_ld[b] * f, 1, 0};
         }
         return m;
     }
     size_t nh = (size_t)sh->n_head;
+    int64_t E = c->n_routed_experts, V = c->vocab_size;
     switch (d) {
     case MF_SG_D_GATE:
-        cp[m++] = out ? (mf_step_dcopy){sh->logits, sh->dd_logits, n * (size_t)c->n_routed_experts * f}
-                      : (mf_step_dcopy){sh->xin, sh->dd_xin, n * H * f};
+        mf_step_dense_rows(a, E, &r0, &r1);
+        if (out && r0 < r1) cp[m++] = mf_step_dcopy_rows(sh->logits, sh->dd_logits, E, r0, r1, n);
+        if (!out) cp[m++] = (mf_step_dcopy){sh->xin, sh->dd_xin, n * H * f, 1, 0};
         break;
     case MF_SG_D_SHARED:
-        if (out) cp[m++] = (mf_step_dcopy){sh->ys, sh->dd_ys, n * H * f};
+        if (out) cp[m++] = (mf_step_dcopy){sh->ys, sh->dd_ys, n * H * f, 1, 0};
         break;
     case MF_SG_D_HEAD:
-        if (nh) cp[m++] = out ? (mf_step_dcopy){sh->lbuf, sh->dd_lbuf, nh * (size_t)c->vocab_size * f}
-                              : (mf_step_dcopy){sh->hn, sh->dd_hn, nh * H * f};
+        mf_step_dense_rows(a, V, &r0, &r1);
+        if (nh && out && r0 < r1) cp[m++] = mf_step_dcopy_rows(sh->lbuf, sh->dd_lbuf, V, r0, r1, nh);
+        if (nh && !out) cp[m++] = (mf_step_dcopy){sh->hn, sh->dd_hn, nh * H * f, 1, 0};
         break;
     }
     return m;
@@ -1107,7 +1152,9 @@ static int mf_task_dense_in(void *arg, mf_task_ctx *ctx)
     int m = mf_step_dense_copies(a, 0, cp), rc = 0;
     if (!m) return MF_TASK_NO_WORK;
     for (int k = 0; k < m && !rc; k++)
-        rc = mf_dev_copy_h2d(ctx->queue, a->sh->ddense[a->t->card] + cp[k].off, cp[k].host, cp[k].bytes);
+        rc = cp[k].rows > 1 ? mf_dev_copy_h2d_2d(ctx->queue, a->sh->ddense[a->t->card] + cp[k].off, cp[k].pitch,
+                                                 cp[k].host, cp[k].pitch, cp[k].bytes, cp[k].rows)
+                            : mf_dev_copy_h2d(ctx->queue, a->sh->ddense[a->t->card] + cp[k].off, cp[k].host, cp[k].bytes);
     return rc;
 }
 
@@ -1118,17 +1165,11 @@ static int mf_task_dense_out(void *arg, mf_task_ctx *ctx)
     int m = mf_step_dense_copies(a, 1, cp), rc = 0;
     if (!m) return MF_TASK_NO_WORK;
     for (int k = 0; k < m && !rc; k++)
-        rc = mf_dev_copy_d2h(ctx->queue, cp[k].host, a->sh->ddense[a->t->card] + cp[k].off, cp[k].bytes);
+        rc = cp[k].rows > 1 ? mf_dev_copy_d2h_2d(ctx->queue, cp[k].host, cp[k].pitch,
+                                                 a->sh->ddense[a->t->card] + cp[k].off, cp[k].pitch, cp[k].bytes,
+                                                 cp[k].rows)
+                            : mf_dev_copy_d2h(ctx->queue, cp[k].host, a->sh->ddense[a->t->card] + cp[k].off, cp[k].bytes);
     return rc;
-}
-
-/* The row range of n_rows rows (a linear's outputs) that dense task a computes on its card:
- * every row (the rows split across cards is another rule of this one function). */
-static void mf_step_dense_rows(const mf_step_targ *a, int64_t n_rows, int64_t *r0, int64_t *r1)
-{
-    (void)a;
-    *r0 = 0;
-    *r1 = n_rows;
 }
 
 /* Dense card k's copy of weight w of layer L (-1: the head), NULL when it holds none. */
@@ -1162,13 +1203,13 @@ static int mf_step_dense_mat(const mf_step *eng, int k, int L, const mf_weight *
     return 0;
 }
 
-/* rows [r0, r1) of y = w x on stream st: x rows ld_x apart, y (its row r0 at y) ld_y apart;
- * grouped (wo_a) with reference sums, else the kernels' sums; bf: y rounded to bf16. */
-static int mf_step_dense_lin(const mf_step_targ *a, mf_dev_stream *st, const mf_weight *w, int groups, int ref,
-                             int bf, const float *x, int64_t ld_x, int n_tok, float *y, int64_t ld_y)
+/* Rows [r0, r1) of y = w x on stream st (the rows task a owns of w: mf_step_dense_rows): x rows
+ * ld_x apart, y (its row r0 at y + r0) ld_y apart; grouped (wo_a) with reference sums, else the
+ * kernels' sums; bf: y rounded to bf16. */
+static int mf_step_dense_lin(const mf_step_targ *a, mf_dev_stream *st, const mf_weight *w, int64_t r0, int64_t r1,
+                             int groups, int ref, int bf, const float *x, int64_t ld_x, int n_tok, float *y,
+                             int64_t ld_y)
 {
-    int64_t r0, r1;
-    mf_step_dense_rows(a, w->rows, &r0, &r1);
     if (r0 >= r1) return 0;
     mf_dev_lin l = {.row0 = r0, .group_rows = groups ? (int)(w->rows / groups) : 0,
                     .sums = ref ? MF_DEV_SUMS_REF : MF_DEV_SUMS_KERN, .x = x, .ld_x = ld_x, .n_tok = n_tok,
@@ -1203,17 +1244,18 @@ static int mf_step_dense_shared(const mf_step_targ *a, mf_dev_stream *st, const 
         if (!eng->o.exact)
             return mf_error(-ENOTSUP, "step: the shared expert on a card without a swiglu limit needs exact");
         float *g = (float *)(db + sh->dd_gs), *u = (float *)(db + sh->dd_us);
-        rc = mf_step_dense_lin(a, st, &y->sh_w1, 0, 0, 0, x, H, n, g, I);
-        if (!rc) rc = mf_step_dense_lin(a, st, &y->sh_w3, 0, 0, 0, x, H, n, u, I);
+        rc = mf_step_dense_lin(a, st, &y->sh_w1, r0, r1, 0, 0, 0, x, H, n, g, I);
+        if (!rc) rc = mf_step_dense_lin(a, st, &y->sh_w3, r0, r1, 0, 0, 0, x, H, n, u, I);
         if (!rc) rc = mf_dev_swiglu_bf16(st, g + r0, u + r0, n, I, (int)(r1 - r0), lim, h + r0);
         if (rc) return rc;
     }
-    return mf_step_dense_lin(a, st, &y->sh_w2, 0, 0, 1, h, I, n, (float *)(db + sh->dd_ys), H);
+    mf_step_dense_rows(a, H, &r0, &r1);
+    return mf_step_dense_lin(a, st, &y->sh_w2, r0, r1, 0, 0, 1, h, I, n, (float *)(db + sh->dd_ys), H);
 }
 
 /* The dense work of task a as launches on its card's compute stream st, on the card's copies of
- * the activations and its resident weights: per linear of the sublayer its rows
- * (mf_step_dense_rows), with the sums and roundings the host placement's code uses (the grouped
+ * the activations and its resident weights: per linear of the sublayer the rows the task owns
+ * (mf_step_dense_run_rows: an attention stage's linears one after another), with the sums and roundings the host placement's code uses (the grouped
  * wo_a and the router gate: reference sums; wo_a, wo_b and the shared expert's output: bf16), so
  * emulated cards give the host placement's bits. */
 static int mf_step_dense_launch(const mf_step_targ *a, mf_dev_stream *st)
@@ -1229,9 +1271,14 @@ static int mf_step_dense_launch(const mf_step_targ *a, mf_dev_stream *st)
         static const int stage_of[4] = {MF_LY_A_STAGE_IN, MF_LY_A_STAGE_QB, MF_LY_A_STAGE_OA, MF_LY_A_STAGE_OB};
         mf_ly_attn_lin lin[MF_LY_A_MAX_LIN];
         int nl = mf_ly_attn_linears(eng->ly, L, stage_of[d], lin);
-        for (int j = 0; j < nl; j++) {
+        int64_t total = 0, base = 0, r0, r1;
+        for (int j = 0; j < nl; j++) total += lin[j].w->rows;
+        mf_step_dense_run_rows(a, total, &r0, &r1);
+        for (int j = 0; j < nl; j++) {   /* each linear's share of the task's rows */
             const mf_ly_attn_lin *l = &lin[j];
-            int rc = mf_step_dense_lin(a, st, l->w, l->groups, l->groups > 0, l->bf, DD(sh->dd_ab[l->x]),
+            int64_t lo = r0 - base > 0 ? r0 - base : 0, hi = r1 - base < l->w->rows ? r1 - base : l->w->rows;
+            base += l->w->rows;
+            int rc = mf_step_dense_lin(a, st, l->w, lo, hi, l->groups, l->groups > 0, l->bf, DD(sh->dd_ab[l->x]),
                                        sh->ab_ld[l->x], n, DD(sh->dd_ab[l->y]), sh->ab_ld[l->y]);
             if (rc) return rc;
         }
@@ -1239,13 +1286,20 @@ static int mf_step_dense_launch(const mf_step_targ *a, mf_dev_stream *st)
     }
     const mf_model_layer *y = L >= 0 ? mf_model_layer_at(eng->ly->m, L) : NULL;
     switch (d) {
-    case MF_SG_D_GATE:
-        return mf_step_dense_lin(a, st, &y->gate, 0, 1, 0, DD(sh->dd_xin), H, n, DD(sh->dd_logits), y->gate.rows);
+    case MF_SG_D_GATE: {
+        int64_t r0, r1;
+        mf_step_dense_run_rows(a, y->gate.rows, &r0, &r1);
+        return mf_step_dense_lin(a, st, &y->gate, r0, r1, 0, 1, 0, DD(sh->dd_xin), H, n, DD(sh->dd_logits),
+                                 y->gate.rows);
+    }
     case MF_SG_D_SHARED:
         return mf_step_dense_shared(a, st, y);
-    case MF_SG_D_HEAD:
-        return mf_step_dense_lin(a, st, mf_model_head(eng->ly->m), 0, 0, 0, DD(sh->dd_hn), H, sh->n_head,
+    case MF_SG_D_HEAD: {
+        int64_t r0, r1;
+        mf_step_dense_run_rows(a, c->vocab_size, &r0, &r1);
+        return mf_step_dense_lin(a, st, mf_model_head(eng->ly->m), r0, r1, 0, 0, 0, DD(sh->dd_hn), H, sh->n_head,
                                  DD(sh->dd_lbuf), c->vocab_size);
+    }
     }
 #undef DD
     return mf_error(-EINVAL, "step: dense sublayer %d (internal)", d);
@@ -1316,7 +1370,7 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const in
     return mf_stepgraph_new(&(mf_sg_opts){.c = eng->c, .sz = eng->sz, .n = n, .par = par,
                                           .n_units = n_units, .unit_end = unit_end,
                                           .n_threads = eng->o.n_threads, .n_cards = eng->n_cards,
-                                          .n_dense_cards = eng->n_dense,
+                                          .n_dense_cards = eng->n_dense, .dense_split = eng->o.dense_split,
                                           .dev_graphs = eng->dev_graphs, .store = eng->store != NULL,
                                           .read_window = eng->o.read_window, .eg_reads = eng->eg_reads,
                                           .lanes = eng->lt.lane,
@@ -1629,25 +1683,44 @@ static int mf_step_dev_setup(mf_step *s)
 
 /* The dense weights of layer L (-1: the head) into w[]: the attention stages' linears (one home:
  * mf_ly_attn_linears), the router gate, the shared expert's three. Returns their count. */
-static int mf_step_dense_weights_of(const mf_step *s, int L, const mf_weight **w)
+/* Rows [*r0, *r1) of weight w (rows base.. of its sublayer d's total rows) that dense card k holds:
+ * mf_sg_dense_rows' share of the card when d is split by rows (an attention stage's linears one
+ * after another), every row on the layer-range card of a sublayer that is not. 0: none. */
+static int mf_step_dense_wrows(const mf_step *s, int k, int L, int d, const mf_weight *w, int64_t base,
+                               int64_t total, int64_t *r0, int64_t *r1)
 {
+    int parts = mf_sg_dense_parts(s->n_dense, s->o.dense_split, d);
+    int64_t a = 0, b = total;
+    if (parts > 1) mf_sg_dense_rows(parts, k, total, &a, &b);
+    else if (mf_sg_dense_card(s->c, s->n_dense, L) != k) b = 0;
+    *r0 = a - base > 0 ? a - base : 0;
+    *r1 = b - base < w->rows ? b - base : w->rows;
+    return *r0 < *r1;
+}
+
+/* The dense weights of layer L (-1: the head) that dense card k holds rows of, with those rows;
+ * returns their count. */
+static int mf_step_dense_weights_of(const mf_step *s, int L, int k, const mf_weight **w, int64_t *r0, int64_t *r1)
+{
+    int n = 0;
     if (L < 0) {
         w[0] = mf_model_head(s->ly->m);
-        return 1;
+        return mf_step_dense_wrows(s, k, L, MF_SG_D_HEAD, w[0], 0, w[0]->rows, &r0[0], &r1[0]);
     }
     const mf_model_layer *y = mf_model_layer_at(s->ly->m, L);
-    int n = 0;
-    for (int st = 0; st < MF_LY_A_N_STAGES; st++) {
+    for (int st = 0; st < MF_LY_A_N_STAGES; st++) {   /* sublayer MF_SG_D_ATTN_IN + st */
         mf_ly_attn_lin lin[MF_LY_A_MAX_LIN];
         int nl = mf_ly_attn_linears(s->ly, L, st, lin);
-        for (int j = 0; j < nl; j++) w[n++] = lin[j].w;
+        int64_t total = 0, base = 0;
+        for (int j = 0; j < nl; j++) total += lin[j].w->rows;
+        for (int j = 0; j < nl; base += lin[j++].w->rows)
+            if (mf_step_dense_wrows(s, k, L, MF_SG_D_ATTN_IN + st, lin[j].w, base, total, &r0[n], &r1[n]))
+                w[n++] = lin[j].w;
     }
-    w[n++] = &y->gate;
-    if (s->c->n_shared_experts > 0) {
-        w[n++] = &y->sh_w1;
-        w[n++] = &y->sh_w3;
-        w[n++] = &y->sh_w2;
-    }
+    const mf_weight *rest[4] = {&y->gate, &y->sh_w1, &y->sh_w3, &y->sh_w2};
+    for (int j = 0; j < (s->c->n_shared_experts > 0 ? 4 : 1); j++)
+        if (mf_step_dense_wrows(s, k, L, j ? MF_SG_D_SHARED : MF_SG_D_GATE, rest[j], 0, rest[j]->rows, &r0[n], &r1[n]))
+            w[n++] = rest[j];
     return n;
 }
 
@@ -1683,8 +1756,9 @@ static int mf_step_dense_upload(mf_step *s, int k, mf_dev_stream *st, const mf_w
     return rc ? mf_error_wrap(rc, "step: copying %s to dense card %d", name, k) : 0;
 }
 
-/* Each dense card's resident weights: the layers mf_sg_dense_card gives it (and the head on the
- * last layer's card), every row (mf_step_dense_upload takes a row range), sized first, then one
+/* Each dense card's resident weights: the rows of each dense weight it computes
+ * (mf_step_dense_weights_of: the layers mf_sg_dense_card gives it and the head on the last
+ * layer's card; split by rows, its share of every layer's and the head's), sized first, then one
  * allocation and the copies on the card's copy-in stream, waited for. A card without room fails
  * with -ENOMEM naming the card and the bytes. */
 static int mf_step_dense_weights(mf_step *s)
@@ -1698,16 +1772,18 @@ static int mf_step_dense_weights(mf_step *s)
         if (!s->dmat[k]) return mf_error(-ENOMEM, "step: out of memory");
         for (int pass = 0; pass < 2; pass++) {
             size_t off = 0;
-            int first = -1, last = -1;
+            int first = -1, last = -1, head = 0;
             for (int L = -1; L < NL; L++) {
-                if (mf_sg_dense_card(c, s->n_dense, L) != k) continue;
+                const mf_weight *w[MF_STEP_DW_MAX];
+                int64_t r0[MF_STEP_DW_MAX], r1[MF_STEP_DW_MAX];
+                int nw = mf_step_dense_weights_of(s, L, k, w, r0, r1);
+                if (!nw) continue;
+                head |= L < 0;
                 if (L >= 0 && first < 0) first = L;
                 if (L >= 0) last = L;
-                const mf_weight *w[MF_STEP_DW_MAX];
-                int nw = mf_step_dense_weights_of(s, L, w);
                 mf_step_dmat *row = s->dmat[k] + (size_t)(L < 0 ? NL : L) * MF_STEP_DW_MAX;
                 for (int j = 0; j < nw; j++) {
-                    int rc = mf_step_dense_upload(s, k, st, w[j], 0, w[j]->rows, &off, &row[j]);
+                    int rc = mf_step_dense_upload(s, k, st, w[j], r0[j], r1[j], &off, &row[j]);
                     if (rc) return rc;
                 }
             }
@@ -1717,7 +1793,7 @@ static int mf_step_dense_weights(mf_step *s)
             int rc = mf_dev_alloc(s->dev, cd, off, (void **)&s->dwmem[k]);
             if (rc)
                 return mf_error_wrap(rc, "step: the dense weights of layers %d..%d%s (%llu bytes) do not fit on "
-                                     "card %d (%s)", first, last, mf_sg_dense_card(c, s->n_dense, -1) == k ? " and the head" : "",
+                                     "card %d (%s)", first, last, head ? " and the head" : "",
                                      (unsigned long long)off, cd, mf_dev_kind(s->dev));
         }
         int rc = mf_dev_stream_sync(st);

@@ -65,12 +65,21 @@ typedef struct mf_step_opts {
      * cards the card kernels, logits within tolerance (docs/device.md; never run on a GPU yet).
      * MF_STEP_DENSE_HOST (0): on the host. */
     int dense;
+    /* With dense cards, graphs/step/stepgraph.h mf_sg_dense_split (`--dense-split`): each layer's
+     * dense work on one card by layer ranges (MF_SG_SPLIT_LAYERS, 0), or every dense matrix but
+     * the shared expert split by output rows across all the cards (MF_SG_SPLIT_ROWS: each card
+     * computes and copies out its rows, mf_sg_dense_rows; logits the same bits). */
+    int dense_split;
     /* With dev used (a placement other than host, or dense cards), every card first runs the
      * startup self-check (device/dev_check.h: each kernel once against the host's); a card that
      * fails is refused (mf_step_refused says which, with the kernel and error) and the engine
      * continues: routed experts on the host, the dense work on the cards that passed (the host
      * when none did). 1: no self-check (tests that count device operations). */
     int no_selfcheck;
+    /* Tests only (a mutation the bit-identity checks must catch): 1 makes card 0's dense tasks
+     * split by rows compute one row fewer than they own (its last row is left as the card's
+     * buffer holds it, then copied out). 0: off. */
+    int dense_fault_skip_row;
     /* the machine's hardware profile (sched/profile.h, e.g. from `moeflow calibrate`), or NULL:
      * the lanes' cost models (priorities, and what hybrid placement weighs) come from it, see
      * mf_step_lane_models; NULL: the built-in assumptions listed there */

@@ -181,6 +181,10 @@ typedef struct sg_builder {
     /* per task: the task a dependency on it waits for (itself, or the last task of a dense chain
      * on a card that it begins: sg_dense_chain), cap entries */
     mf_task_id *exit_of;
+    /* per task: the next task of its group (-1: none): the chains of a dense sublayer split by
+     * rows link their first tasks (and their card works) so that a dependency on the group's
+     * first task is one on every chain (sg_dep), cap entries */
+    mf_task_id *next_of;
     mf_task_id moe_in;           /* dense on cards: the layer's copy-in of the MoE input */
     mf_task_id moe_gate;         /* dense on cards: the layer's gate work on its card */
     mf_task_id chain_run;        /* the card work of the last sg_dense_chain */
@@ -202,11 +206,13 @@ static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, m
         mf_sg_task *v = realloc(sg->task, sizeof *v * (size_t)cap);
         if (v) sg->task = v;
         mf_task_id *x = v ? realloc(b->exit_of, sizeof *x * (size_t)cap) : NULL;
-        if (!x) {
+        if (x) b->exit_of = x;
+        mf_task_id *nx = x ? realloc(b->next_of, sizeof *nx * (size_t)cap) : NULL;
+        if (!nx) {
             b->rc = mf_error(-ENOMEM, "step graph: out of memory for %d tasks", cap);
             return -1;
         }
-        b->exit_of = x;
+        b->next_of = nx;
         b->cap = cap;
     }
     int io = b->o->lanes[lane].kind == MF_LANE_IO;
@@ -225,6 +231,7 @@ static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, m
     sg->task[id] = t;
     sg->n_tasks = id + 1;
     b->exit_of[id] = id;
+    b->next_of[id] = -1;
     return id;
 }
 
@@ -244,10 +251,14 @@ static mf_sg_task sg_item(const sg_builder *b, int L, int k)
     return t;
 }
 
-/* after waits for before (for the end of before's chain when before begins a dense chain). */
+/* after waits for before (for the end of before's chain when before begins a dense chain; for
+ * every chain of a group when either begins one: sg_dense_chain). */
 static void sg_dep(sg_builder *b, mf_task_id before, mf_task_id after)
 {
-    if (!b->rc && before >= 0 && after >= 0) b->rc = mf_graph_add_dep(b->sg->g, b->exit_of[before], after);
+    if (before < 0 || after < 0) return;
+    for (mf_task_id x = before; x >= 0 && !b->rc; x = b->next_of[x])
+        for (mf_task_id y = after; y >= 0 && !b->rc; y = b->next_of[y])
+            b->rc = mf_graph_add_dep(b->sg->g, b->exit_of[x], y);
 }
 
 #define SG_NAME(b, ...) snprintf((b)->name, sizeof (b)->name, __VA_ARGS__)
@@ -290,46 +301,151 @@ int mf_sg_dense_card(const mf_config *c, int n_cards, int L)
 static const char *const sg_dense_name[MF_SG_N_DENSE] = {"attn in", "attn qb", "attn oa", "attn ob",
                                                          "gate",    "shared",  "head"};
 
-/* Dense sublayer d of layer L (-1: the head) on its card: copy in of in_tok bytes per item (0:
- * none; the card work then waits for after_in, a copy-in of an earlier chain) -> the card's work
- * (record t) -> copy out of out_tok bytes per item (0: none, the output stays on the card).
- * Returns the chain's first task; a dependency on it (sg_dep) waits for the chain's last. */
+int mf_sg_dense_parts(int n_dense_cards, int split, int dense)
+{
+    return split == MF_SG_SPLIT_ROWS && dense != MF_SG_D_SHARED && n_dense_cards > 1 ? n_dense_cards : 1;
+}
+
+void mf_sg_dense_rows(int parts, int part, int64_t n_rows, int64_t *r0, int64_t *r1)
+{
+    if (part < 0 || parts <= 1) {
+        *r0 = 0;
+        *r1 = n_rows;
+        return;
+    }
+    int64_t chunk = (n_rows + parts - 1) / parts;
+    chunk = (chunk + 31) / 32 * 32;
+    int64_t a = part * chunk, e = a + chunk;
+    *r0 = a < n_rows ? a : n_rows;
+    *r1 = e < n_rows ? e : n_rows;
+}
+
+/* The share of n_rows rows that part k of `parts` owns (mf_sg_dense_rows). */
+static double sg_dense_share(int parts, int k, double n_rows)
+{
+    int64_t r0, r1;
+    mf_sg_dense_rows(parts, parts > 1 ? k : -1, (int64_t)n_rows, &r0, &r1);
+    return n_rows > 0 ? (double)(r1 - r0) / n_rows : 0;
+}
+
+double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int card)
+{
+    double b = 0;
+    for (int L = -1; L < c->n_layers && n_cards > 0; L++) {
+        int dense[MF_SG_N_DENSE], nd = 0;
+        if (L < 0) dense[nd++] = MF_SG_D_HEAD;
+        else
+            for (int d = MF_SG_D_ATTN_IN; d <= MF_SG_D_SHARED; d++) dense[nd++] = d;
+        for (int i = 0; i < nd; i++) {
+            int d = dense[i], parts = mf_sg_dense_parts(n_cards, split, d);
+            if (parts == 1 && mf_sg_dense_card(c, n_cards, L) != card) continue;
+            double w, rows;
+            if (L < 0) {
+                w = sz->head_bytes, rows = (double)c->vocab_size;
+            } else if (d == MF_SG_D_GATE) {
+                w = sz->layer[L].gate_bytes, rows = (double)c->n_routed_experts;
+            } else if (d == MF_SG_D_SHARED) {
+                w = sz->sh_up_bytes + sz->sh_down_bytes, rows = 1;
+            } else {
+                static const int st_of[4] = {MF_SG_ST_IN, MF_SG_ST_QB, MF_SG_ST_OA, MF_SG_ST_OB};
+                const mf_sg_layer_sizes *y = &sz->layer[L];
+                int st = st_of[d];
+                w = st == MF_SG_ST_OA ? y->oa_fp8_bytes : y->st_fp8_bytes[st] + y->st_bf16_bytes[st];
+                rows = y->st_out_rows[st];
+            }
+            b += w * sg_dense_share(parts, card, rows);
+        }
+    }
+    return b;
+}
+
+/* The share of the heads' output that part k of `parts` of the grouped wo_a's n_rows rows reads:
+ * the groups its rows touch (each group's rows read their own slice of the input). */
+static double sg_dense_oa_in_share(const mf_config *c, int parts, int k, double n_rows)
+{
+    int64_t r0, r1, G = c->o_groups > 0 ? c->o_groups : 1, R = (int64_t)n_rows / G;
+    if (parts <= 1 || R < 1) return 1;
+    mf_sg_dense_rows(parts, k, (int64_t)n_rows, &r0, &r1);
+    return r1 > r0 ? (double)((r1 + R - 1) / R - r0 / R) / (double)G : 0;
+}
+
+/* The task of group g (sg_dense_chain: linked by next_of) on card cd; g itself when none is. */
+static mf_task_id sg_dense_member(const sg_builder *b, mf_task_id g, int cd)
+{
+    for (mf_task_id x = g; x >= 0; x = b->next_of[x])
+        if (b->sg->task[x].card == cd) return x;
+    return g;
+}
+
+/* Each card work of group `after` waits for the member of group `before` on its card. */
+static void sg_dense_after(sg_builder *b, mf_task_id before, mf_task_id after)
+{
+    for (mf_task_id y = after; y >= 0 && before >= 0 && !b->rc; y = b->next_of[y])
+        b->rc = mf_graph_add_dep(b->sg->g, sg_dense_member(b, before, b->sg->task[y].card), y);
+}
+
+/* Dense sublayer d of layer L (-1: the head) on its card, or with --dense-split rows on every
+ * card (mf_sg_dense_parts), each card a chain over its rows (mf_sg_dense_rows of the
+ * sublayer's out_tok / 4 output rows; its record's part the card, its work and copy-out that
+ * share): copy in of in_tok bytes per item (0: none; the card work then waits for after_in's
+ * member on its card, a copy-in of an earlier chain) -> the card's work (record t) -> copy out
+ * of out_tok bytes per item (0: none, the output stays on the card). Returns the first chain's
+ * first task; the chains' first tasks are a group (a dependency on it is one on each chain's
+ * last task, sg_dep), their card works another (b->chain_run its first: sg_dense_after). */
 static mf_task_id sg_dense_chain(sg_builder *b, int L, int d, mf_sg_task t, int phase, double rank_bytes,
                                  double in_tok, double out_tok, mf_task_id after_in)
 {
     mf_stepgraph *sg = b->sg;
-    int cd = mf_sg_dense_card(b->o->c, sg->n_dense_cards, L), lane = b->o->lane_dev0 + 3 * cd, n = sg->n;
-    mf_sg_task r = sg_rec(L);
-    r.card = (int8_t)cd;
-    r.dense = (int8_t)d;
-    r.n_tok = n;
-    char pre[24];
-    if (L < 0) snprintf(pre, sizeof pre, "dev%d", cd);
-    else snprintf(pre, sizeof pre, "dev%d L%d", cd, L);
-    mf_task_id in = after_in;
-    if (in_tok > 0) {
-        SG_NAME(b, "%s %s in", pre, sg_dense_name[d]);
-        mf_sg_task ti = r;
-        ti.w.copy_bytes_tok = in_tok;
-        in = sg_add(b, lane, MF_SG_DENSE_IN, phase, MF_SG_K_COPY, ti, n * in_tok, 0);
+    int n = sg->n, parts = mf_sg_dense_parts(sg->n_dense_cards, sg->dense_split, d);
+    mf_task_id head = -1, prev_first = -1, prev_run = -1;
+    for (int k = 0; k < parts && !b->rc; k++) {
+        int cd = parts > 1 ? k : mf_sg_dense_card(b->o->c, sg->n_dense_cards, L), lane = b->o->lane_dev0 + 3 * cd;
+        double share = parts > 1 ? sg_dense_share(parts, k, out_tok / 4) : 1;
+        mf_sg_task r = sg_rec(L);
+        r.card = (int8_t)cd;
+        r.dense = (int8_t)d;
+        r.part = parts > 1 ? k : -1;
+        r.n_tok = n;
+        char pre[24];
+        if (L < 0) snprintf(pre, sizeof pre, "dev%d", cd);
+        else snprintf(pre, sizeof pre, "dev%d L%d", cd, L);
+        mf_task_id in = after_in >= 0 ? sg_dense_member(b, after_in, cd) : -1;
+        if (in_tok > 0) {
+            SG_NAME(b, "%s %s in", pre, sg_dense_name[d]);
+            mf_sg_task ti = r;
+            ti.w.copy_bytes_tok = in_tok * (d == MF_SG_D_ATTN_OA ? sg_dense_oa_in_share(b->o->c, parts, k, out_tok / 4) : 1);
+            in = sg_add(b, lane, MF_SG_DENSE_IN, phase, MF_SG_K_COPY, ti, n * ti.w.copy_bytes_tok, 0);
+        }
+        mf_sg_task tk = t;
+        tk.card = r.card;
+        tk.dense = r.dense;
+        tk.part = r.part;
+        tk.n_tok = n;
+        for (int f = 0; f < MF_KF_N; f++) {   /* the card's share of the rows (calls: each card's) */
+            tk.w.w_bytes[f] *= share;
+            tk.w.macs[f] *= share;
+        }
+        tk.w.ref_flops *= share;
+        SG_NAME(b, "%s %s", pre, sg_dense_name[d]);
+        mf_task_id run = sg_add(b, lane + 1, MF_SG_DENSE, phase, MF_SG_K_OTHER, tk, rank_bytes * share, 0), last = run;
+        if (!b->rc && in >= 0) b->rc = mf_graph_add_dep(sg->g, in, run);
+        if (out_tok > 0 && share > 0) {
+            SG_NAME(b, "%s %s out", pre, sg_dense_name[d]);
+            mf_sg_task to = r;
+            to.w.copy_bytes_tok = out_tok * share;
+            last = sg_add(b, lane + 2, MF_SG_DENSE_OUT, phase, MF_SG_K_COPY_OUT, to, n * out_tok * share, 0);
+            if (!b->rc) b->rc = mf_graph_add_dep(sg->g, run, last);
+        }
+        if (b->rc) break;
+        mf_task_id first = in_tok > 0 ? in : run;
+        b->exit_of[first] = last;
+        if (prev_first >= 0) b->next_of[prev_first] = first;
+        if (prev_run >= 0 && prev_run != prev_first) b->next_of[prev_run] = run;
+        if (head < 0) head = first, b->chain_run = run;
+        prev_first = first;
+        prev_run = run;
     }
-    t.card = r.card;
-    t.dense = r.dense;
-    t.n_tok = n;
-    SG_NAME(b, "%s %s", pre, sg_dense_name[d]);
-    mf_task_id run = sg_add(b, lane + 1, MF_SG_DENSE, phase, MF_SG_K_OTHER, t, rank_bytes, 0), last = run;
-    b->chain_run = run;
-    if (!b->rc && in >= 0) b->rc = mf_graph_add_dep(sg->g, in, run);
-    if (out_tok > 0) {
-        SG_NAME(b, "%s %s out", pre, sg_dense_name[d]);
-        mf_sg_task to = r;
-        to.w.copy_bytes_tok = out_tok;
-        last = sg_add(b, lane + 2, MF_SG_DENSE_OUT, phase, MF_SG_K_COPY_OUT, to, n * out_tok, 0);
-        if (!b->rc) b->rc = mf_graph_add_dep(sg->g, run, last);
-    }
-    mf_task_id first = in_tok > 0 ? in : run;
-    if (!b->rc) b->exit_of[first] = last;
-    return b->rc ? -1 : first;
+    return b->rc ? -1 : head;
 }
 
 /* Engram of layer L: per unit embed (after unit[k]) -> wkv parts -> per unit gate, into unit[].
@@ -404,14 +520,15 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
     }
 }
 
-/* Stage st of layer L on its card, over all items: its kernels whole (oa: the grouped wo_a as an
- * fp8 kernel), their output roundings; in and qb copy their input in and outputs out, oa its input
- * in (its output stays for ob), ob its output out. */
+/* Stage st of layer L on its card (split by rows: on every card, sg_dense_chain), over all items:
+ * its kernels (oa: the grouped wo_a as an fp8 kernel), their output roundings; in and qb copy
+ * their input in and outputs out, oa its input in (its output stays for ob; split by rows: out, and
+ * ob copies all of it in), ob its output out. */
 static mf_task_id sg_attn_card(sg_builder *b, int L, int st)
 {
     const mf_config *c = b->o->c;
     const mf_sg_layer_sizes *y = &b->o->sz->layer[L];
-    int n = b->sg->n;
+    int n = b->sg->n, rows = mf_sg_dense_parts(b->sg->n_dense_cards, b->sg->dense_split, MF_SG_D_ATTN_OA) > 1;
     mf_sg_task t = sg_rec(L);
     t.stage = (int8_t)st;
     double in_tok = 0, out_tok = 0;
@@ -421,6 +538,7 @@ static mf_task_id sg_attn_card(sg_builder *b, int L, int st)
         t.w.calls[MF_KF_FP8] = 1;
         t.w.ref_flops = n * SG_W_ROUND * (double)c->o_groups * c->o_lora_rank;
         in_tok = 4.0 * c->n_heads * c->head_dim;
+        if (rows) out_tok = 4.0 * y->st_out_rows[st];   /* each card's rows of wo_a out, all back in for wo_b */
     } else {
         t.w.w_bytes[MF_KF_FP8] = y->st_fp8_bytes[st];
         t.w.macs[MF_KF_FP8] = y->st_fp8_macs[st];
@@ -430,7 +548,10 @@ static mf_task_id sg_attn_card(sg_builder *b, int L, int st)
         t.w.calls[MF_KF_BF16] = y->st_bf16_calls[st];
         double rounds = st == MF_SG_ST_IN ? (double)c->q_lora_rank : st == MF_SG_ST_OB ? (double)c->hidden_size : 0;
         t.w.ref_flops = SG_W_ROUND * rounds * n;
-        in_tok = st == MF_SG_ST_IN ? 4.0 * c->hidden_size : st == MF_SG_ST_QB ? 4.0 * c->q_lora_rank : 0;
+        in_tok = st == MF_SG_ST_IN   ? 4.0 * c->hidden_size
+                 : st == MF_SG_ST_QB ? 4.0 * c->q_lora_rank
+                 : rows              ? 4.0 * y->st_out_rows[MF_SG_ST_OA]
+                                     : 0;
         out_tok = 4.0 * y->st_out_rows[st];
     }
     static const int dense_of[4] = {MF_SG_D_ATTN_IN, MF_SG_D_ATTN_QB, MF_SG_D_ATTN_OA, MF_SG_D_ATTN_OB};
@@ -829,7 +950,7 @@ static void sg_shared(sg_builder *b, int L, const mf_task_id *post, mf_task_id r
         mf_task_id sc = sg_dense_chain(b, L, MF_SG_D_SHARED, t, MF_SG_PH_MOE, sh_bytes, 0, 4.0 * H, b->moe_in);
         /* the gate first on the card: the routed experts wait for its logits, the shared expert's
          * output only at the layer's end (the upward ranks alone put the shared expert first) */
-        if (!b->rc && b->moe_gate >= 0) b->rc = mf_graph_add_dep(sg->g, b->moe_gate, b->chain_run);
+        sg_dense_after(b, b->moe_gate, b->chain_run);
         sg_dep(b, sc, done);
         return;
     }
@@ -990,6 +1111,7 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->n_cards = o->n_cards;
     sg->dev_graphs = o->n_cards > 0 && o->dev_graphs;
     sg->n_dense_cards = o->n_dense_cards;
+    sg->dense_split = o->dense_split;
     sg->n_io_parts = o->store ? MF_SG_EXPERT_PARTS : 0;
     sg->tid_per_slot = 2 * sg->p_exp + 1 + 3 * sg->n_cards;
     /* Engram reads: a unit's items x rows x (codes, scales), the table's stride the largest unit's */
@@ -1011,6 +1133,8 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
         (o->n_dense_cards && o->lane_dev0 + 3 * o->n_dense_cards > o->n_lanes))
         return mf_error(-EINVAL, "step graph: dense work on %d cards, lanes for %d (expected 0..%d, with lanes)",
                         o->n_dense_cards, (o->n_lanes - o->lane_dev0) / 3, MF_SG_MAX_CARDS);
+    if (o->dense_split != MF_SG_SPLIT_LAYERS && o->dense_split != MF_SG_SPLIT_ROWS)
+        return mf_error(-EINVAL, "step graph: dense split %d (expected layers or rows)", o->dense_split);
     for (int k = 0; k < o->n_units; k++)
         if (o->unit_end[k] <= (k ? o->unit_end[k - 1] : 0) || o->unit_end[k] > o->n || o->n_units > o->n ||
             (k == o->n_units - 1 && o->unit_end[k] != o->n))
@@ -1049,6 +1173,7 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     sg_head(&b, unit);
     free(b.io);
     free(b.exit_of);
+    free(b.next_of);
     rc = b.rc ? b.rc : mf_graph_finalize(sg->g);
     if (rc) {
         mf_stepgraph_free(sg);

@@ -197,6 +197,10 @@ typedef struct mf_sg_opts {
      * (MF_SG_DENSE_*); the lanes must have n_dense_cards cards (mf_sg_lanes_init's n_cards the
      * larger of n_cards and n_dense_cards) */
     int n_dense_cards;
+    /* mf_sg_dense_split: how the dense work is spread over the n_dense_cards cards: by layer
+     * ranges (MF_SG_SPLIT_LAYERS, 0) or by output rows across all of them (MF_SG_SPLIT_ROWS:
+     * mf_sg_dense_rows) */
+    int dense_split;
     int store;          /* 1: routed experts are read through a store (IO tasks per slot) */
     int read_window;    /* slots whose reads are in flight (0: 2, < 0: all) */
     int eg_reads;       /* 1: Engram tables are gathered by reads on the IO lane (streamed tables):
@@ -221,6 +225,7 @@ typedef struct mf_stepgraph {
                                    * one sequence in one graph: MF_SG_ATTN_RING), else in the prep */
     int n_cards, dev_graphs, n_io_parts;
     int n_dense_cards;            /* as mf_sg_opts: 0 dense work on the host */
+    int dense_split;              /* as mf_sg_opts */
     /* per layer and slot, the tasks that have nothing to do unless the slot runs on the host
      * (ups, downs, join) or on card c (in, ffn, out): slot_tid[(L * n_slots + s) * tid_per_slot
      * + k], k < 2 p_exp + 1 host, then 3 per card; -1 where absent */
@@ -255,6 +260,28 @@ void mf_sg_lanes_map(mf_sg_lanes *l, const int *card_of, int n);
  * and the layers reading it share a card; the ranges minimize the largest range's layer count
  * (first such choice). With fewer candidate starts than cards, the last cards hold nothing. */
 int mf_sg_dense_card(const mf_config *c, int n_cards, int L);
+
+/* How dense work is spread over its cards (mf_sg_opts.dense_split). */
+typedef enum mf_sg_dense_split { MF_SG_SPLIT_LAYERS = 0, MF_SG_SPLIT_ROWS } mf_sg_dense_split;
+
+/* With MF_SG_SPLIT_ROWS, every dense sublayer but the shared expert (whose up and down
+ * projections stay together on mf_sg_dense_card's card: it runs beside the routed experts, off
+ * the batch-1 critical path, and a split would add a round trip through the host between them)
+ * runs as one task chain per card, the record's `part` being the card; a sublayer's output rows
+ * are those of its linears one after another (mf_ly_attn_linears' order; the gate's experts, the
+ * head's vocabulary). wo_a and wo_b are split alike: wo_a's rows go out to the host and all of
+ * them come back in to every card for wo_b (one extra copy each way, cheaper than wo_a and wo_b
+ * whole on one card at the seed host's figures: docs/measurements.md part 1); a card's wo_a copies
+ * in only the heads' output slices of the groups its rows touch. */
+int mf_sg_dense_parts(int n_dense_cards, int split, int dense);
+/* The one rule for which rows a dense task owns: rows [r0, r1) of its sublayer's n_rows output
+ * rows. Part -1 (a sublayer on one card): all of them. Part k of `parts`: chunks of
+ * ceil(n_rows / parts) rounded up to 32 rows (an fp8 tile), the last parts possibly short or
+ * empty. The builder prices each task by these rows and the engine computes and copies them. */
+void mf_sg_dense_rows(int parts, int part, int64_t n_rows, int64_t *r0, int64_t *r1);
+/* The dense weight bytes card `card` of n_cards holds under `split` (codes + scales, bf16): what
+ * its dense tasks' records read per step. */
+double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int card);
 
 /* Hybrid and seed placement of a layer's slots, in slot order (the engine's and the simulator's
  * rule): a slot goes to the earlier finish of the host (its queue of expert work over the

@@ -50,8 +50,8 @@ def check_sweep():
         if len(k) == 2 and k[0].strip() == "threads_per_socket":
             tps = int(k[1])
     n_thr = 2 if tps > 1 else 1
-    # dense: host, plus cards when the profile has cards (for every placement)
-    expect = 3 * n_thr * (1 + (2 * 3 * 3 * 2 if cards else 0)) * (2 if cards else 1)
+    # dense: host, plus cards split by layers and by rows when the profile has cards (every placement)
+    expect = 3 * n_thr * (1 + (2 * 3 * 3 * 2 if cards else 0)) * (3 if cards else 1)
     if len(res) != expect:
         fail(f"{len(res)} settings tried, expected {expect}")
     if [r["rank"] for r in res] != list(range(1, len(res) + 1)):
@@ -67,7 +67,9 @@ def check_sweep():
             fail(f"dense {r['dense']}")
         if r["placement"] == "host" and (r["copy_slots"] or r["dev_cache_bytes"]):
             fail(f"host row carries card knobs: {r}")
-        key = (r["placement"], r["dense"], r["batch"], r["threads_per_socket"], r["copy_slots"], r["dev_cache_bytes"],
+        if r["dense_split"] not in ("layers", "rows") or (r["dense"] == "host" and r["dense_split"] != "layers"):
+            fail(f"dense split {r['dense_split']} with dense {r['dense']}")
+        key = (r["placement"], r["dense"], r["dense_split"], r["batch"], r["threads_per_socket"], r["copy_slots"], r["dev_cache_bytes"],
                r["cache_policy"])
         if key in seen:
             fail(f"setting tried twice: {key}")
@@ -76,7 +78,8 @@ def check_sweep():
             fail(f"implausible row {r}")
     best = res[0]
     args = ["sim", "--profile", PROFILE, "--preset", "tiny", "--json", "--steps", "3", "--warmup", "1",
-            "--placement", best["placement"], "--dense", best["dense"], "--batch", str(best["batch"]),
+            "--placement", best["placement"], "--dense", best["dense"], "--dense-split", best["dense_split"],
+            "--batch", str(best["batch"]),
             "--threads", str(best["threads_per_socket"])]
     if best["placement"] != "host":
         args += ["--copy-slots", str(best["copy_slots"]), "--dev-cache", str(best["dev_cache_bytes"]),
@@ -124,7 +127,8 @@ def check_real():
         fail(f"tune --real exited {out.returncode}: {out.stderr[-400:]}")
         return
     res = json.loads(out.stdout)["results"]
-    if len(res) != 2 * len(places.split(",")) * (2 if profile_cards() > 0 else 1):
+    # dense: host, cards split by layers, cards split by rows (with cards)
+    if len(res) != 2 * len(places.split(",")) * (3 if profile_cards() > 0 else 1):
         fail(f"tune --real tried {len(res)} settings")
     meas = [r["measured_tokens_per_s"] for r in res]
     if meas != sorted(meas, reverse=True) or not all(m > 0 for m in meas):
