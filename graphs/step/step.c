@@ -20,6 +20,7 @@
 #include "host/kernels.h"
 #include "host/store.h"
 #include "sched/clock.h"
+#include "sched/cost.h"
 #include "device/dev.h"
 #include "device/dev_check.h"
 #include "device/expert_cache.h"
@@ -577,17 +578,8 @@ static const mf_weight *mf_step_slot_weights(mf_step_shape *sh, int L, int slot)
 
 void mf_step_lane_models(const mf_profile *p, int threads, mf_lane_model models[4])
 {
-    if (!p) {
-        models[0] = (mf_lane_model){.bytes_per_s = 20e9, .latency_ns = 2000};
-        models[1] = models[3] = (mf_lane_model){.bytes_per_s = 25e9, .latency_ns = 10000};
-        models[2] = (mf_lane_model){.bytes_per_s = 20e9, .latency_ns = 5000};
-        return;
-    }
-    if (threads < 1) threads = 1;
-    int tps = p->threads_per_socket > 0 ? p->threads_per_socket : 1;
-    int sockets = (threads + tps - 1) / tps;
-    if (sockets > p->n_sockets) sockets = p->n_sockets > 0 ? p->n_sockets : 1;
-    double bps = p->host[MF_KF_FP4].bytes_per_s, share = p->mem_bytes_per_s * sockets / threads;
+    if (!p) p = mf_cost_default_profile();
+    double bps = p->host[MF_KF_FP4].bytes_per_s, share = mf_cost_thread_share(p, threads);
     if (share > 0 && share < bps) bps = share;
     models[0] = (mf_lane_model){.bytes_per_s = bps, .latency_ns = p->host[MF_KF_FP4].latency_ns};
     models[1] = (mf_lane_model){.bytes_per_s = p->h2d_bytes_per_s, .latency_ns = p->h2d_latency_ns};

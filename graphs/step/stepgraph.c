@@ -168,6 +168,47 @@ void mf_sg_rows(int64_t n_rows, int parts, int p, int64_t *r0, int64_t *r1)
     *r1 = b < n_rows ? b : n_rows;
 }
 
+/* ---- pricing a record (sched/cost.h; docs/sim.md "Cost formulas") ------------------------- */
+
+double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_step_cost *s)
+{
+    const mf_sg_work *w = &t->w;
+    int tok = t->slot_tokens ? s->slot_tokens : t->n_tok;
+    switch (t->op) {
+    case MF_SG_ENGRAM_READ:   /* streamed tables: a row's codes or scales as an aligned block */
+    case MF_SG_SLOT_READ:     /* a store miss: one extent of the slot's expert */
+        return mf_cost_disk(m, w->io_bytes, w->io_reads);
+    case MF_SG_HEAD:   /* the items with logits (a prefill chunk: none, or the prompt's last) */
+        return s->n_head ? mf_cost_host(m, w, s->n_head, 0) : 0;
+    case MF_SG_DEV_IN:   /* the expert's parts on a miss, then the rows and token weights */
+        return mf_cost_copy(m, 0, 2 + (s->dev_miss ? MF_SG_EXPERT_PARTS : 0),
+                            (s->dev_miss ? w->copy_bytes : 0) + tok * w->copy_bytes_tok);
+    case MF_SG_DEV_FFN:
+        return mf_cost_card(m, w, tok);
+    case MF_SG_DEV_FFN_CARD:
+        return 0;
+    case MF_SG_DEV_OUT:
+        return mf_cost_copy(m, 1, 1, tok * w->copy_bytes_tok);
+    case MF_SG_DENSE_IN:   /* one small copy of the items' activations */
+        return mf_cost_act_copy(m, 0, tok * w->copy_bytes_tok);
+    case MF_SG_DENSE:
+        return mf_cost_card(m, w, tok);
+    case MF_SG_DENSE_OUT:
+        return mf_cost_act_copy(m, 1, tok * w->copy_bytes_tok);
+    default:   /* kernels over the record's tokens, scalar work and the positional part of it */
+        return mf_cost_host(m, w, tok, s->pos_flops);
+    }
+}
+
+void mf_sg_expert_work(const mf_config *c, const mf_sg_sizes *sz, mf_work *w)
+{
+    double H = (double)c->hidden_size, I = (double)c->moe_intermediate_size;
+    *w = (mf_work){0};
+    w->w_bytes[MF_KF_FP4] = sz->up_bytes + sz->down_bytes;
+    w->macs[MF_KF_FP4] = 3 * H * I;
+    w->calls[MF_KF_FP4] = 1;
+}
+
 /* ---- the builder --------------------------------------------------------------------------- */
 
 typedef struct sg_builder {
