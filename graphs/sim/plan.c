@@ -334,7 +334,7 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
                                         .eg_reads = o->tables == MF_PLAN_STORE_STREAMED,
                                         .read_window = o->read_window, .lanes = p->lt.lane,
                                         .n_lanes = p->lt.n_lanes, .lane_io = p->lt.lane_io,
-                                        .lane_dev0 = p->lt.lane_dev0},
+                                        .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof},
                           &p->sg);
     if (!rc) rc = mf_timeline_create(p->sg->g, &p->tl);
     if (rc) goto fail;

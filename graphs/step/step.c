@@ -175,6 +175,7 @@ struct mf_step {
     int dense_card[MF_DEV_MAX_CARDS];   /* dense card k is device card dense_card[k] */
     char refused[1024];       /* the startup self-check's refusals ("" when none) */
     unsigned refused_mask;    /* cards refused by it */
+    mf_profile prof;          /* a copy of the caller's o.profile (o.profile points here when given) */
 };
 
 const char *mf_step_phase_name(mf_step_phase p)
@@ -1230,7 +1231,7 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const in
                                           .lanes = eng->lt.lane,
                                           .n_lanes = eng->lt.n_lanes, .lane_io = eng->lt.lane_io,
                                           .lane_dev0 = eng->lt.lane_dev0,
-                                          .fn_of = mf_step_fn_of},
+                                          .fn_of = mf_step_fn_of, .profile = eng->o.profile},
                             out);
 }
 
@@ -1657,6 +1658,10 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     s->store = store;
     s->eg_reads = store && mf_store_tables_streamed(store);
     s->max_items = max_items;
+    if (s->o.profile) {   /* the shapes' graphs are priced on it later (mf_sg_opts.profile) */
+        s->prof = *s->o.profile;
+        s->o.profile = &s->prof;
+    }
     mf_step_lane_models(s->o.profile, s->o.n_threads, s->models);
     if (s->o.cpu_bytes_per_s > 0) s->models[0].bytes_per_s = s->o.cpu_bytes_per_s;
     int rc = 0;

@@ -231,12 +231,14 @@ typedef struct sg_builder {
 static mf_io_read sg_no_read = {.fd = -1};
 
 /* Adds a task: its record `t` (layer, slot, ... and work; op, phase and kind given here) on
- * `lane` with the priority cost (bytes over the lane's model, time). Returns its id, or -1 after
+ * `lane`. rank_bytes and rank_ns are no longer used: the priorities are the cost model's prices
+ * of the records, set once the graph is built (sg_set_priorities). Returns its id, or -1 after
  * an error (kept in b->rc). */
 static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, mf_sg_task t, double rank_bytes,
                          double rank_ns)
 {
     mf_stepgraph *sg = b->sg;
+    (void)rank_bytes, (void)rank_ns;
     if (b->rc) return -1;
     if (sg->n_tasks == b->cap) {
         int cap = b->cap ? 2 * b->cap : 1024;
@@ -254,7 +256,6 @@ static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, m
     mf_task_id id = mf_graph_add_task(sg->g, &(mf_task_desc){.name = b->name, .lane = lane,
                                                              .fn = b->o->fn_of && !io ? b->o->fn_of[op] : NULL,
                                                              .arg = io ? &sg_no_read : NULL,
-                                                             .cost = {.bytes = rank_bytes, .time_ns = rank_ns},
                                                              .place_hint = -1});
     if (id < 0) {
         b->rc = id;
@@ -1042,6 +1043,38 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->eg_reads_per_unit = o->eg_reads ? 2 * max_unit * (c->engram_max_ngram_size - 1) * c->engram_n_heads : 0;
 }
 
+/* The executor's priorities: every task's cost (mf_graph_set_cost, before finalize) is the cost
+ * model's price of its record on its lane's side (mf_sg_task_ns) on o->profile, or the built-in
+ * machine (mf_cost_default_profile), for what the shape leaves open expected: a slot's tokens the
+ * mean n top_k / experts rounded up (at least 1), a copy-in a cache miss, a read a store miss, the
+ * head every item's logits, a card's FFN graph its share of the slots, and the attention at its
+ * steady state (the window full, the index's top-k selected). 0 or the graph's error. */
+static int sg_set_priorities(const mf_sg_opts *o, mf_stepgraph *sg)
+{
+    const mf_config *c = o->c;
+    const mf_profile *p = o->profile ? o->profile : mf_cost_default_profile();
+    mf_cost_model m = {.p = p, .host_bytes_per_s = mf_cost_thread_share(p, o->n_threads)};
+    int K = c->n_experts_per_tok, E = c->n_routed_experts;
+    int tok = (sg->n * K + E - 1) / E;
+    mf_sg_step_cost st = {.slot_tokens = tok > 1 ? tok : 1, .n_head = sg->n, .dev_miss = 1};
+    int64_t pos = c->sliding_window;
+    for (int L = 0; L < c->n_layers; L++)
+        if ((int64_t)c->compress_ratios[L] * c->index_topk > pos) pos = (int64_t)c->compress_ratios[L] * c->index_topk;
+    mf_work ew;
+    mf_sg_expert_work(c, o->sz, &ew);
+    double ffn_ns = mf_cost_card(&m, &ew, st.slot_tokens);
+    int per_card = sg->n_cards ? (sg->n_slots + sg->n_cards - 1) / sg->n_cards : 0;
+    for (int t = 0; t < sg->n_tasks; t++) {
+        const mf_sg_task *r = &sg->task[t];
+        st.pos_flops = mf_sg_pos_flops(c, r, sg->p_key, pos);
+        double ns = r->op == MF_SG_DEV_FFN_CARD ? per_card * ffn_ns - (per_card - 1) * p->card[MF_KF_FP4].latency_ns
+                                                : mf_sg_task_ns(r, &m, &st);
+        int rc = mf_graph_set_cost(sg->g, t, (mf_cost){.time_ns = ns});
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
 {
     *out = NULL;
@@ -1090,7 +1123,8 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     sg_head(&b, unit);
     free(b.io);
     free(b.exit_of);
-    rc = b.rc ? b.rc : mf_graph_finalize(sg->g);
+    rc = b.rc ? b.rc : sg_set_priorities(o, sg);
+    if (!rc) rc = mf_graph_finalize(sg->g);
     if (rc) {
         mf_stepgraph_free(sg);
         return mf_error_wrap(rc, "step graph: a batch of %d", o->n);

@@ -215,6 +215,9 @@ typedef struct mf_sg_opts {
     const mf_lane_desc *lanes;   /* lane 0 the CPU lane, lane_io the IO lane (store), card c's */
     int n_lanes, lane_io, lane_dev0;   /* three lanes at lane_dev0 + 3c (in, compute, out) */
     const mf_task_fn *fn_of;     /* per op: the engine's task functions; NULL: none (simulator) */
+    /* the machine the priorities are priced on (every task's cost: its record's price, sched/cost.h);
+     * NULL: the built-in machine (mf_cost_default_profile) */
+    const mf_profile *profile;
 } mf_sg_opts;
 
 typedef struct mf_stepgraph {
