@@ -870,7 +870,9 @@ static void sg_shared(sg_builder *b, int L, const mf_task_id *post, mf_task_id r
         t.w.ref_flops = SG_W_ROUND * H * n;
         mf_task_id sc = sg_dense_chain(b, L, MF_SG_D_SHARED, t, MF_SG_PH_MOE, sh_bytes, 0, 4.0 * H, b->moe_in);
         /* the gate first on the card: the routed experts wait for its logits, the shared expert's
-         * output only at the layer's end (the upward ranks alone put the shared expert first) */
+         * output only at the layer's end (the upward ranks alone, even from the cost model's
+         * prices, put the shared expert first on the built-in machine at batch 16: a critical path
+         * counts one slot's chain after the route, not the slots' work sharing the workers) */
         if (!b->rc && b->moe_gate >= 0) b->rc = mf_graph_add_dep(sg->g, b->moe_gate, b->chain_run);
         sg_dep(b, sc, done);
         return;
