@@ -320,16 +320,9 @@ void mf_store_io_fault(mf_store *s, int kind, int64_t nth)
 static int mf_store_load_resident(mf_store *s);
 static int mf_store_load_tables(mf_store *s);
 
-int mf_store_create(const mf_st *st, const mf_store_layout *lay, const mf_store_opts *opts,
-                    mf_store **out)
+/* The options with their defaults, the layout's counts. */
+static void mf_store_init_opts(mf_store *s, const mf_store_layout *lay, const mf_store_opts *opts)
 {
-    *out = NULL;
-    if (!lay || lay->n_layers < 0 || lay->n_experts < 0 || lay->n_parts < 1 || lay->n_parts > 64 ||
-        lay->n_tables < 0 || (lay->n_layers > 0 && lay->n_experts > 0 && !lay->parts))
-        return mf_error(-EINVAL, "expert store: bad layout (%d parts per expert, 1..64)",
-                        lay ? lay->n_parts : 0);
-    mf_store *s = calloc(1, sizeof *s);
-    if (!s) return mf_error(-ENOMEM, "expert store: out of memory");
     if (opts) s->o = *opts;
     else s->o.numa_node = -1;
     if (!s->o.budget_bytes) s->o.budget_bytes = UINT64_C(2) << 30;
@@ -343,23 +336,32 @@ int mf_store_create(const mf_st *st, const mf_store_layout *lay, const mf_store_
     s->n_items = lay->n_layers * lay->n_experts;
     s->n_tables = lay->n_tables;
     s->zero_read = (mf_io_read){.fd = -1};
-    int np = s->n_parts, mb = s->o.max_batch, rc = 0;
     s->max_greads = 2 * s->o.max_rows;
+}
 
-    /* files */
+/* Every shard of st opened (O_DIRECT unless buffered; direct stays 1 only if all are). */
+static int mf_store_open_files(mf_store *s, const mf_st *st)
+{
     s->n_shards = mf_st_n_shards(st);
     s->files = calloc((size_t)s->n_shards, sizeof *s->files);
     s->shard_seen = calloc((size_t)s->n_shards, sizeof *s->shard_seen);
-    if (!s->files || !s->shard_seen) { rc = mf_error(-ENOMEM, "expert store: out of memory"); goto fail; }
+    if (!s->files || !s->shard_seen) return mf_error(-ENOMEM, "expert store: out of memory");
     for (int i = 0; i < s->n_shards; i++) s->files[i].fd = -1;
     s->direct = !s->o.buffered;
     for (int i = 0; i < s->n_shards; i++) {
-        if ((rc = mf_dio_open(mf_st_shard_path(st, i), !s->o.buffered, &s->files[i]))) goto fail;
+        int rc = mf_dio_open(mf_st_shard_path(st, i), !s->o.buffered, &s->files[i]);
+        if (rc) return rc;
         if (!s->files[i].dio_align) s->direct = 0;
     }
+    return 0;
+}
 
-    /* per-expert bookkeeping, then the slab */
+/* Per-expert bookkeeping (its parts from the layout, their offsets and reads) and the per-call
+ * arrays of a batch of max_batch experts and of a gather of max_greads reads. */
+static int mf_store_alloc_items(mf_store *s, const mf_store_layout *lay)
+{
     size_t ni = (size_t)s->n_items;
+    int np = s->n_parts, mb = s->o.max_batch;
     s->parts = malloc(ni * np * sizeof *s->parts + 1);
     s->part_off = calloc(ni * np + 1, sizeof *s->part_off);
     s->xr = calloc(ni * np + 1, sizeof *s->xr);
@@ -378,31 +380,36 @@ int mf_store_create(const mf_st *st, const mf_store_layout *lay, const mf_store_
     s->gg_io = calloc((size_t)s->max_greads, sizeof *s->gg_io);
     if (!s->parts || !s->part_off || !s->xr || !s->n_xr || !s->reads || !s->g_io || !s->g_cpu ||
         !s->cargs || !s->b_ids || !s->b_miss || !s->b_nreads || !s->sp_io || !s->sp_cpu ||
-        !s->tables || !s->greads || !s->gg_io) {
-        rc = mf_error(-ENOMEM, "expert store: out of memory for %d experts", s->n_items);
-        goto fail;
-    }
+        !s->tables || !s->greads || !s->gg_io)
+        return mf_error(-ENOMEM, "expert store: out of memory for %d experts", s->n_items);
     if (ni) memcpy(s->parts, lay->parts, ni * np * sizeof *s->parts);
     for (size_t i = 0; i < ni * np; i++)
-        if (!s->parts[i]) { rc = mf_error(-EINVAL, "expert store: part %zu of the layout is NULL", i); goto fail; }
+        if (!s->parts[i]) return mf_error(-EINVAL, "expert store: part %zu of the layout is NULL", i);
+    return 0;
+}
+
+/* Each expert's reads planned (the largest makes slot_bytes), the slots (every expert resident,
+ * else what the budget holds, at least what one call may pin), their residency policy and the
+ * slab, mapped and bound to the NUMA node. */
+static int mf_store_plan_slots(mf_store *s)
+{
+    int mb = s->o.max_batch, rc;
     s->slot_bytes = 0;
     for (int i = 0; i < s->n_items; i++) {
         uint64_t b = mf_store_plan_item(s, i);
         if (b > s->slot_bytes) s->slot_bytes = b;
     }
-    if (s->slot_bytes > UINT32_MAX) { rc = mf_error(-EINVAL, "expert store: an expert spans over 4 GiB"); goto fail; }
+    if (s->slot_bytes > UINT32_MAX) return mf_error(-EINVAL, "expert store: an expert spans over 4 GiB");
     if (s->o.mode == MF_STORE_RESIDENT) {
         s->n_slots = s->n_items;
     } else {
         uint64_t n = s->slot_bytes ? s->o.budget_bytes / s->slot_bytes : 0;
         if (n > (uint64_t)s->n_items) n = (uint64_t)s->n_items;
         int need = s->o.min_slots > 0 && s->o.min_slots < mb ? s->o.min_slots : mb;
-        if (n < (uint64_t)need && n < (uint64_t)s->n_items) {
-            rc = mf_error(-ENOSPC, "expert store: a budget of %" PRIu64 " bytes holds %" PRIu64
-                          " experts of %" PRIu64 " bytes, fewer than the %d one call may pin",
-                          s->o.budget_bytes, n, s->slot_bytes, need);
-            goto fail;
-        }
+        if (n < (uint64_t)need && n < (uint64_t)s->n_items)
+            return mf_error(-ENOSPC, "expert store: a budget of %" PRIu64 " bytes holds %" PRIu64
+                            " experts of %" PRIu64 " bytes, fewer than the %d one call may pin",
+                            s->o.budget_bytes, n, s->slot_bytes, need);
         s->n_slots = (int)n;
     }
     mf_resid_opts ro = {.policy = MF_RESID_LFU, .n_items = s->n_items, .n_slots = s->n_slots,
@@ -410,31 +417,29 @@ int mf_store_create(const mf_st *st, const mf_store_layout *lay, const mf_store_
     size_t res_bytes = mf_resid_bytes(&ro);
     s->res_mem = malloc(res_bytes ? res_bytes : 1);
     s->slot_state = calloc((size_t)s->n_slots + 1, 1);
-    if (!s->res_mem || !s->slot_state) {
-        rc = mf_error(-ENOMEM, "expert store: out of memory for %d slots", s->n_slots);
-        goto fail;
-    }
-    if ((rc = mf_resid_init(&ro, s->res_mem, res_bytes, &s->res))) goto fail;
+    if (!s->res_mem || !s->slot_state)
+        return mf_error(-ENOMEM, "expert store: out of memory for %d slots", s->n_slots);
+    if ((rc = mf_resid_init(&ro, s->res_mem, res_bytes, &s->res))) return rc;
     s->slab_bytes = (uint64_t)s->n_slots * s->slot_bytes;
     s->slab = mf_store_map(s->slab_bytes);
-    if (!s->slab) {
-        rc = mf_error(-ENOMEM, "expert store: cannot map %" PRIu64 " bytes for %d expert slots",
-                      s->slab_bytes, s->n_slots);
-        goto fail;
-    }
-    if ((rc = mf_store_membind(s, s->slab, s->slab_bytes))) goto fail;
+    if (!s->slab)
+        return mf_error(-ENOMEM, "expert store: cannot map %" PRIu64 " bytes for %d expert slots",
+                        s->slab_bytes, s->n_slots);
+    return mf_store_membind(s, s->slab, s->slab_bytes);
+}
 
-    /* tables */
+/* The Engram tables of the layout (data and scale per table, rows agreeing), their row sizes,
+ * the gather scratch and, resident, the tables' slab. */
+static int mf_store_plan_tables(mf_store *s, const mf_store_layout *lay)
+{
     for (int t = 0; t < s->n_tables; t++) {
         mf_store_table *T = &s->tables[t];
         T->data = lay->tables[2 * t];
         T->scale = lay->tables[2 * t + 1];
         T->rows = T->data->n_dims ? T->data->shape[0] : 0;
-        if (T->rows < 1 || T->scale->shape[0] != T->rows) {
-            rc = mf_error(-EINVAL, "expert store: table %s has %" PRId64 " rows, its scales %s %" PRId64,
-                          T->data->name, T->rows, T->scale->name, T->scale->shape[0]);
-            goto fail;
-        }
+        if (T->rows < 1 || T->scale->shape[0] != T->rows)
+            return mf_error(-EINVAL, "expert store: table %s has %" PRId64 " rows, its scales %s %" PRId64,
+                            T->data->name, T->rows, T->scale->name, T->scale->shape[0]);
         T->row_bytes = T->data->n_bytes / (uint64_t)T->rows;
         T->srow_bytes = T->scale->n_bytes / (uint64_t)T->rows;
         if (s->o.table_mode == MF_STORE_RESIDENT)
@@ -447,14 +452,16 @@ int mf_store_create(const mf_st *st, const mf_store_layout *lay, const mf_store_
     s->gscratch_bytes = mf_store_gather_bytes(s, s->o.max_rows);
     s->gscratch = mf_store_map(s->gscratch_bytes);
     s->tslab = s->tslab_bytes ? mf_store_map(s->tslab_bytes) : NULL;
-    if (!s->gscratch || (s->tslab_bytes && !s->tslab)) {
-        rc = mf_error(-ENOMEM, "expert store: cannot map %" PRIu64 " bytes for Engram tables",
-                      s->tslab_bytes);
-        goto fail;
-    }
-    if (s->tslab && (rc = mf_store_membind(s, s->tslab, s->tslab_bytes))) goto fail;
+    if (!s->gscratch || (s->tslab_bytes && !s->tslab))
+        return mf_error(-ENOMEM, "expert store: cannot map %" PRIu64 " bytes for Engram tables", s->tslab_bytes);
+    return s->tslab ? mf_store_membind(s, s->tslab, s->tslab_bytes) : 0;
+}
 
-    /* the private run's lanes (mf_store_sync): one compute worker, the IO lane at depth */
+/* The private run's lanes (mf_store_sync: one compute worker, the IO lane at depth) and graphs,
+ * the slab pinned (pin_hook), the IO engine started, the resident experts and tables read in. */
+static int mf_store_start(mf_store *s)
+{
+    int rc;
     s->lanes[L_CPU] = (mf_lane_desc){.kind = MF_LANE_CPU, .name = "store.cpu", .concurrency = 1,
                                      .numa_node = -1, .model = {.latency_ns = 1e3}};
     s->lanes[L_IO] = (mf_lane_desc){.kind = MF_LANE_IO, .name = "store.io",
@@ -463,20 +470,39 @@ int mf_store_create(const mf_st *st, const mf_store_layout *lay, const mf_store_
     s->io_engine = "none";
     s->fault_kind = s->o.io_fault_kind;
     s->fault_nth = s->o.io_fault_nth;
-    if ((rc = mf_store_build_graphs(s))) goto fail;
+    if ((rc = mf_store_build_graphs(s))) return rc;
     if (s->o.pin_hook && s->slab_bytes && (rc = s->o.pin_hook(s->o.pin_user, s->slab, s->slab_bytes)) < 0)
-        goto fail;
-    if ((rc = mf_store_sync(s, 0))) goto fail;
-    if (s->o.mode == MF_STORE_RESIDENT && (rc = mf_store_load_resident(s))) goto fail;
-    if ((rc = mf_store_load_tables(s))) goto fail;
+        return rc;
+    if ((rc = mf_store_sync(s, 0))) return rc;
+    if (s->o.mode == MF_STORE_RESIDENT && (rc = mf_store_load_resident(s))) return rc;
+    return mf_store_load_tables(s);
+}
+
+int mf_store_create(const mf_st *st, const mf_store_layout *lay, const mf_store_opts *opts,
+                    mf_store **out)
+{
+    *out = NULL;
+    if (!lay || lay->n_layers < 0 || lay->n_experts < 0 || lay->n_parts < 1 || lay->n_parts > 64 ||
+        lay->n_tables < 0 || (lay->n_layers > 0 && lay->n_experts > 0 && !lay->parts))
+        return mf_error(-EINVAL, "expert store: bad layout (%d parts per expert, 1..64)",
+                        lay ? lay->n_parts : 0);
+    mf_store *s = calloc(1, sizeof *s);
+    if (!s) return mf_error(-ENOMEM, "expert store: out of memory");
+    mf_store_init_opts(s, lay, opts);
+    int rc = mf_store_open_files(s, st);
+    if (!rc) rc = mf_store_alloc_items(s, lay);
+    if (!rc) rc = mf_store_plan_slots(s);
+    if (!rc) rc = mf_store_plan_tables(s, lay);
+    if (!rc) rc = mf_store_start(s);
+    if (rc) {
+        mf_store_destroy(s);
+        return rc;
+    }
     memset(&s->total, 0, sizeof s->total);
     memset(&s->step, 0, sizeof s->step);
     mf_resid_stats_reset(s->res);
     *out = s;
     return 0;
-fail:
-    mf_store_destroy(s);
-    return rc;
 }
 
 void mf_store_destroy(mf_store *s)

@@ -258,6 +258,14 @@ void mf_graph_set_arg(mf_graph *g, mf_task_id t, void *arg)
     g->tasks[t].arg = arg;
 }
 
+int mf_graph_set_cost(mf_graph *g, mf_task_id t, mf_cost cost)
+{
+    if (g->finalized) return mf_error(-EPERM, "graph: cannot set a task's cost after finalize");
+    if (t < 0 || t >= g->n_tasks) return mf_error(-EINVAL, "graph: task %d unknown (graph has %d)", t, g->n_tasks);
+    g->tasks[t].cost = cost;
+    return 0;
+}
+
 void mf_graph_set_noop(mf_graph *g, mf_task_id t, int noop)
 {
     assert(g->finalized && t >= 0 && t < g->n_tasks);

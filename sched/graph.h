@@ -87,6 +87,10 @@ int mf_graph_add_dep(mf_graph *g, mf_task_id before, mf_task_id after);
 /* Checks for cycles and bad lanes, packs adjacency, computes upward ranks. */
 int mf_graph_finalize(mf_graph *g);
 
+/* Replaces task t's cost estimate (what its priority is computed from) before finalize: 0,
+ * -EPERM after finalize, -EINVAL for an unknown task. */
+int mf_graph_set_cost(mf_graph *g, mf_task_id t, mf_cost cost);
+
 /* Per-run payload update (allowed after finalize, between runs). */
 void mf_graph_set_arg(mf_graph *g, mf_task_id t, void *arg);
 /* Marks task t as having nothing to do (noop 1) or as normal (0), until changed. Allowed after

@@ -213,11 +213,27 @@ static int sim_ready_lane(const mf_graph *g, const int64_t *wake_ns, mf_task_id 
     return wake_ns && wake_ns[l] > 0 ? g->n_lanes + l : l;
 }
 
-int mf_sim_run_opts(const mf_graph *g, const mf_sim_opts *o, mf_timeline *tl)
+/* One run of mf_sim_run_opts: the graph, its options and every array the run uses. Virtual lanes
+ * (n_vl): the graph's lanes, then with wake phases one wake lane per lane. */
+typedef struct sim_run {
+    const mf_graph *g;
+    const mf_sim_opts *o;
+    const mf_lane_model *models;
+    const int64_t *wake_ns;
+    mf_timeline *tl;
+    int n, n_lanes, n_vl, pool;
+    int *conc, *on_lane;         /* per virtual lane: slots, tasks queued on it */
+    uint8_t *lane_core;          /* per virtual lane: its slots take a core of the pool */
+    int64_t *dur;                /* per task */
+    int32_t *waiting;            /* per task: unfinished predecessors */
+    mf_task_id *ready_store;     /* the lanes' ready heaps, carved */
+    mf_task_id *noop_stack;
+    sim_state s;
+} sim_run;
+
+/* The options' and the graph's checks. 0 or -EINVAL with a message. */
+static int sim_check(const mf_graph *g, const mf_sim_opts *o, const mf_timeline *tl)
 {
-    const mf_lane_model *models = o ? o->models : NULL;
-    const int64_t *wake_ns = o ? o->wake_ns : NULL;
-    int pool = o && o->n_cores > 0 && o->lane_core ? o->n_cores : 0;
     if (o && o->n_cores < 0)
         return mf_error(-EINVAL, "sim: a core pool of %d cores", o->n_cores);
     if (o && (o->spin_ns < 0 || o->sleep_wake_ns < 0))
@@ -230,165 +246,217 @@ int mf_sim_run_opts(const mf_graph *g, const mf_sim_opts *o, mf_timeline *tl)
     if (tl->g != g || tl->n != g->n_tasks)
         return mf_error(-EINVAL, "sim: the timeline was made for another graph (%d tasks, graph "
                         "has %d)", tl->n, g->n_tasks);
-    int n = g->n_tasks, n_lanes = g->n_lanes, n_vl = wake_ns ? 2 * n_lanes : n_lanes;
-    mf_timeline_reset(tl);
-    if (n == 0)
-        return 0;
+    return 0;
+}
 
-    long n_cores = sysconf(_SC_NPROCESSORS_ONLN);
-    int *conc = malloc((size_t)n_vl * sizeof *conc);
-    int *on_lane = calloc((size_t)n_vl, sizeof *on_lane);
-    uint8_t *lane_core = calloc((size_t)n_vl, 1);   /* in the pool */
-    int64_t *dur = malloc((size_t)n * sizeof *dur);
-    int32_t *waiting = malloc((size_t)n * sizeof *waiting);
-    mf_task_id *ready_store = malloc((size_t)n * (wake_ns ? 2 : 1) * sizeof *ready_store);
-    mf_task_id *noop_stack = malloc((size_t)n * sizeof *noop_stack);   /* a stack */
-    sim_state s = {.rank = g->rank_ns};
-    int sleeping = o && o->sleep_wake_ns > 0;
-    s.ready = calloc((size_t)n_vl, sizeof *s.ready);
-    s.free_slots = calloc((size_t)n_vl, sizeof *s.free_slots);
-    s.n_free = calloc((size_t)n_vl, sizeof *s.n_free);
+/* The run's per-lane and per-task arrays. 0 or -ENOMEM. */
+static int sim_alloc(sim_run *r)
+{
+    int n = r->n, n_vl = r->n_vl;
+    r->conc = malloc((size_t)n_vl * sizeof *r->conc);
+    r->on_lane = calloc((size_t)n_vl, sizeof *r->on_lane);
+    r->lane_core = calloc((size_t)n_vl, 1);
+    r->dur = malloc((size_t)n * sizeof *r->dur);
+    r->waiting = malloc((size_t)n * sizeof *r->waiting);
+    r->ready_store = malloc((size_t)n * (r->wake_ns ? 2 : 1) * sizeof *r->ready_store);
+    r->noop_stack = malloc((size_t)n * sizeof *r->noop_stack);
+    sim_state *s = &r->s;
+    int sleeping = r->o && r->o->sleep_wake_ns > 0;
+    s->ready = calloc((size_t)n_vl, sizeof *s->ready);
+    s->free_slots = calloc((size_t)n_vl, sizeof *s->free_slots);
+    s->n_free = calloc((size_t)n_vl, sizeof *s->n_free);
     if (sleeping) {
-        s.freed_at = calloc((size_t)n_vl, sizeof *s.freed_at);
-        s.spin_ns = o->spin_ns;
-        s.sleep_wake_ns = o->sleep_wake_ns;
+        s->freed_at = calloc((size_t)n_vl, sizeof *s->freed_at);
+        s->spin_ns = r->o->spin_ns;
+        s->sleep_wake_ns = r->o->sleep_wake_ns;
     }
-    int rc = 0;
-    if (!conc || !on_lane || !lane_core || !dur || !waiting || !ready_store || !noop_stack || !s.ready ||
-        !s.free_slots || !s.n_free || (sleeping && !s.freed_at)) {
-        rc = mf_error(-ENOMEM, "sim: out of memory for %d tasks", n);
-        goto out;
-    }
+    if (!r->conc || !r->on_lane || !r->lane_core || !r->dur || !r->waiting || !r->ready_store || !r->noop_stack ||
+        !s->ready || !s->free_slots || !s->n_free || (sleeping && !s->freed_at))
+        return mf_error(-ENOMEM, "sim: out of memory for %d tasks", n);
+    return 0;
+}
 
+/* Each virtual lane's slots and pool membership, each task's duration and predecessor count;
+ * returns the slots of all lanes. */
+static int64_t sim_durations(sim_run *r)
+{
+    const mf_graph *g = r->g;
+    const mf_sim_opts *o = r->o;
+    long n_cores = sysconf(_SC_NPROCESSORS_ONLN);
     int64_t total_slots = 0;
-    for (int l = 0; l < n_vl; l++) {
-        const mf_lane_desc *ld = &g->lanes[l % n_lanes];
-        conc[l] = l >= n_lanes ? 1
-                  : o && o->concurrency && o->concurrency[l] > 0 ? o->concurrency[l]
-                  : ld->concurrency > 0 ? ld->concurrency
-                  : ld->kind == MF_LANE_CPU && n_cores > 0 ? (int)n_cores : 1;
-        lane_core[l] = pool > 0 && (l >= n_lanes || o->lane_core[l]);
-        total_slots += conc[l];
+    for (int l = 0; l < r->n_vl; l++) {
+        const mf_lane_desc *ld = &g->lanes[l % r->n_lanes];
+        r->conc[l] = l >= r->n_lanes ? 1
+                     : o && o->concurrency && o->concurrency[l] > 0 ? o->concurrency[l]
+                     : ld->concurrency > 0 ? ld->concurrency
+                     : ld->kind == MF_LANE_CPU && n_cores > 0 ? (int)n_cores : 1;
+        r->lane_core[l] = r->pool > 0 && (l >= r->n_lanes || o->lane_core[l]);
+        total_slots += r->conc[l];
     }
-    for (mf_task_id t = 0; t < n; t++) {
+    for (mf_task_id t = 0; t < r->n; t++) {
         const mf_task_desc *d = &g->tasks[t];
-        on_lane[d->lane]++;
-        if (wake_ns && wake_ns[d->lane] > 0)
-            on_lane[n_lanes + d->lane]++;
-        dur[t] = o && o->task_ns ? (o->task_ns[t] > 0 ? o->task_ns[t] : 0)
-                 : sim_duration_ns(models ? &models[d->lane] : &g->lanes[d->lane].model, &d->cost);
-        waiting[t] = g->pred_off[t + 1] - g->pred_off[t];
+        r->on_lane[d->lane]++;
+        if (r->wake_ns && r->wake_ns[d->lane] > 0)
+            r->on_lane[r->n_lanes + d->lane]++;
+        r->dur[t] = o && o->task_ns ? (o->task_ns[t] > 0 ? o->task_ns[t] : 0)
+                    : sim_duration_ns(r->models ? &r->models[d->lane] : &g->lanes[d->lane].model, &d->cost);
+        r->waiting[t] = g->pred_off[t + 1] - g->pred_off[t];
     }
-    s.events = malloc((size_t)(total_slots < 2 * (int64_t)n ? total_slots : 2 * (int64_t)n) * sizeof *s.events);
-    if (!s.events) {
-        rc = mf_error(-ENOMEM, "sim: out of memory");
-        goto out;
-    }
-    for (int l = 0, off = 0; l < n_vl; l++) {
-        s.ready[l].ids = ready_store + off;
-        off += on_lane[l];
-        /* A lane never has more busy slots than tasks. */
-        int slots = conc[l] < on_lane[l] ? conc[l] : on_lane[l];
-        s.free_slots[l] = malloc((size_t)(slots ? slots : 1) * sizeof **s.free_slots);
-        if (!s.free_slots[l]) {
-            rc = mf_error(-ENOMEM, "sim: out of memory");
-            goto out;
-        }
-        for (int k = 0; k < slots; k++)
-            slot_push(s.free_slots[l], &s.n_free[l], k);   /* ascending: a heap and a list alike */
-        if (sleeping && l < n_lanes && g->lanes[l].kind == MF_LANE_CPU) {
-            s.freed_at[l] = malloc((size_t)(slots ? slots : 1) * sizeof **s.freed_at);
-            if (!s.freed_at[l]) {
-                rc = mf_error(-ENOMEM, "sim: out of memory");
-                goto out;
-            }
-            for (int k = 0; k < slots; k++) s.freed_at[l][k] = INT64_MIN / 4;   /* asleep at the start */
-        }
-    }
+    return total_slots;
+}
 
-    for (mf_task_id t = 0; t < n; t++)
-        if (!waiting[t])
-            ready_push(&s, &s.ready[sim_ready_lane(g, wake_ns, t)], t);
+/* The event heap, each lane's ready heap and free slots (every slot free, sleeping lanes' slots
+ * asleep). 0 or -ENOMEM. */
+static int sim_queues(sim_run *r, int64_t total_slots)
+{
+    sim_state *s = &r->s;
+    int64_t n = r->n;
+    s->events = malloc((size_t)(total_slots < 2 * n ? total_slots : 2 * n) * sizeof *s->events);
+    if (!s->events)
+        return mf_error(-ENOMEM, "sim: out of memory");
+    for (int l = 0, off = 0; l < r->n_vl; l++) {
+        s->ready[l].ids = r->ready_store + off;
+        off += r->on_lane[l];
+        /* A lane never has more busy slots than tasks. */
+        int slots = r->conc[l] < r->on_lane[l] ? r->conc[l] : r->on_lane[l];
+        s->free_slots[l] = malloc((size_t)(slots ? slots : 1) * sizeof **s->free_slots);
+        if (!s->free_slots[l])
+            return mf_error(-ENOMEM, "sim: out of memory");
+        for (int k = 0; k < slots; k++)
+            slot_push(s->free_slots[l], &s->n_free[l], k);   /* ascending: a heap and a list alike */
+        if (s->freed_at && l < r->n_lanes && r->g->lanes[l].kind == MF_LANE_CPU) {
+            s->freed_at[l] = malloc((size_t)(slots ? slots : 1) * sizeof **s->freed_at);
+            if (!s->freed_at[l])
+                return mf_error(-ENOMEM, "sim: out of memory");
+            for (int k = 0; k < slots; k++) s->freed_at[l][k] = INT64_MIN / 4;   /* asleep at the start */
+        }
+    }
+    return 0;
+}
+
+/* Starts whatever fits at `now`: lanes outside the pool are independent, so their order does not
+ * matter; pooled lanes take the free cores best rank first. */
+static void sim_start_ready(sim_run *r, int64_t now)
+{
+    sim_state *s = &r->s;
+    for (int l = 0; l < r->n_vl; l++)
+        while (!r->lane_core[l] && s->ready[l].n && s->n_free[l])
+            sim_start_one(s, r->g, l, now, r->dur, r->wake_ns, r->tl);
+    while (r->pool > 0) {
+        int best = -1;
+        for (int l = 0; l < r->n_vl; l++)
+            if (r->lane_core[l] && s->ready[l].n && s->n_free[l] &&
+                (best < 0 || ready_before(s, s->ready[l].ids[0], s->ready[best].ids[0])))
+                best = l;
+        if (best < 0)
+            break;
+        sim_start_one(s, r->g, best, now, r->dur, r->wake_ns, r->tl);
+        r->pool--;
+    }
+}
+
+/* Event t (a task, or t - n's wake phase) ended at `now`: its slot freed, a woken task queued on
+ * its lane, or a finished task's successors released; those marked noop (mf_graph_set_noop)
+ * complete at once, as the executor completes them where they become ready, and release theirs.
+ * Returns the tasks completed. */
+static int sim_complete(sim_run *r, mf_task_id t, int64_t now)
+{
+    const mf_graph *g = r->g;
+    sim_state *s = &r->s;
+    if (t >= r->n) {   /* a wake phase ended: the task queues on its lane */
+        int wl = r->n_lanes + g->tasks[t - r->n].lane;
+        if (r->lane_core[wl])
+            r->pool++;
+        slot_push(s->free_slots[wl], &s->n_free[wl], 0);
+        ready_push(s, &s->ready[wl - r->n_lanes], t - r->n);
+        return 0;
+    }
+    int l = g->tasks[t].lane, done = 1;
+    if (r->lane_core[l])
+        r->pool++;
+    sim_slot_give(s, l, r->tl->spans[t].worker, now);
+    int top = 0;
+    r->noop_stack[top++] = t;
+    while (top) {
+        mf_task_id x = r->noop_stack[--top];
+        for (int k = g->succ_off[x]; k < g->succ_off[x + 1]; k++) {
+            mf_task_id u = g->succ[k];
+            if (--r->waiting[u] != 0)
+                continue;
+            if (mf_graph_noop(g, u)) {
+                r->tl->spans[u] = (mf_task_span){now, now, -1, 0};
+                done++;
+                r->noop_stack[top++] = u;
+            } else {
+                ready_push(s, &s->ready[sim_ready_lane(g, r->wake_ns, u)], u);
+            }
+        }
+    }
+    return done;
+}
+
+/* The event loop from time 0: returns the tasks that ran. */
+static int sim_events(sim_run *r)
+{
+    sim_state *s = &r->s;
+    for (mf_task_id t = 0; t < r->n; t++)
+        if (!r->waiting[t])
+            ready_push(s, &s->ready[sim_ready_lane(r->g, r->wake_ns, t)], t);
     int64_t now = 0;
     int n_done = 0;
     for (;;) {
-        /* Start whatever fits: lanes outside the pool are independent, so their order does not
-         * matter; pooled lanes take the free cores best rank first. */
-        for (int l = 0; l < n_vl; l++)
-            while (!lane_core[l] && s.ready[l].n && s.n_free[l])
-                sim_start_one(&s, g, l, now, dur, wake_ns, tl);
-        while (pool > 0) {
-            int best = -1;
-            for (int l = 0; l < n_vl; l++)
-                if (lane_core[l] && s.ready[l].n && s.n_free[l] &&
-                    (best < 0 || ready_before(&s, s.ready[l].ids[0], s.ready[best].ids[0])))
-                    best = l;
-            if (best < 0)
-                break;
-            sim_start_one(&s, g, best, now, dur, wake_ns, tl);
-            pool--;
-        }
-        if (!s.n_events)
+        sim_start_ready(r, now);
+        if (!s->n_events)
             break;
         /* Apply every completion at the next instant before starting anything. */
-        now = s.events[0].end_ns;
-        while (s.n_events && s.events[0].end_ns == now) {
-            mf_task_id t = event_pop(&s).id;
-            if (t >= n) {   /* a wake phase ended: the task queues on its lane */
-                int wl = n_lanes + g->tasks[t - n].lane;
-                if (lane_core[wl])
-                    pool++;
-                slot_push(s.free_slots[wl], &s.n_free[wl], 0);
-                ready_push(&s, &s.ready[wl - n_lanes], t - n);
-                continue;
-            }
-            int l = g->tasks[t].lane;
-            n_done++;
-            if (lane_core[l])
-                pool++;
-            sim_slot_give(&s, l, tl->spans[t].worker, now);
-            /* successors; those marked noop (mf_graph_set_noop) complete at once, as the
-             * executor completes them where they become ready, and release theirs */
-            int top = 0;
-            noop_stack[top++] = t;
-            while (top) {
-                mf_task_id x = noop_stack[--top];
-                for (int k = g->succ_off[x]; k < g->succ_off[x + 1]; k++) {
-                    mf_task_id u = g->succ[k];
-                    if (--waiting[u] != 0)
-                        continue;
-                    if (mf_graph_noop(g, u)) {
-                        tl->spans[u] = (mf_task_span){now, now, -1, 0};
-                        n_done++;
-                        noop_stack[top++] = u;
-                    } else {
-                        ready_push(&s, &s.ready[sim_ready_lane(g, wake_ns, u)], u);
-                    }
-                }
-            }
-        }
+        now = s->events[0].end_ns;
+        while (s->n_events && s->events[0].end_ns == now)
+            n_done += sim_complete(r, event_pop(s).id, now);
     }
-    if (n_done != n)   /* finalize rejects cycles, so this means a corrupt graph */
-        rc = mf_error(-EINVAL, "sim: only %d of %d tasks could run", n_done, n);
+    return n_done;
+}
 
-out:
-    if (s.free_slots)
-        for (int l = 0; l < n_vl; l++)
-            free(s.free_slots[l]);
-    if (s.freed_at)
-        for (int l = 0; l < n_vl; l++)
-            free(s.freed_at[l]);
-    free(s.freed_at);
-    free(s.free_slots);
-    free(s.n_free);
-    free(s.ready);
-    free(s.events);
-    free(ready_store);
-    free(noop_stack);
-    free(waiting);
-    free(dur);
-    free(on_lane);
-    free(lane_core);
-    free(conc);
+static void sim_run_free(sim_run *r)
+{
+    sim_state *s = &r->s;
+    if (s->free_slots)
+        for (int l = 0; l < r->n_vl; l++)
+            free(s->free_slots[l]);
+    if (s->freed_at)
+        for (int l = 0; l < r->n_vl; l++)
+            free(s->freed_at[l]);
+    free(s->freed_at);
+    free(s->free_slots);
+    free(s->n_free);
+    free(s->ready);
+    free(s->events);
+    free(r->ready_store);
+    free(r->noop_stack);
+    free(r->waiting);
+    free(r->dur);
+    free(r->on_lane);
+    free(r->lane_core);
+    free(r->conc);
+}
+
+int mf_sim_run_opts(const mf_graph *g, const mf_sim_opts *o, mf_timeline *tl)
+{
+    int rc = sim_check(g, o, tl);
+    if (rc)
+        return rc;
+    sim_run r = {.g = g, .o = o, .models = o ? o->models : NULL, .wake_ns = o ? o->wake_ns : NULL, .tl = tl,
+                 .n = g->n_tasks, .n_lanes = g->n_lanes,
+                 .pool = o && o->n_cores > 0 && o->lane_core ? o->n_cores : 0, .s = {.rank = g->rank_ns}};
+    r.n_vl = r.wake_ns ? 2 * r.n_lanes : r.n_lanes;
+    mf_timeline_reset(tl);
+    if (r.n == 0)
+        return 0;
+    rc = sim_alloc(&r);
+    if (!rc)
+        rc = sim_queues(&r, sim_durations(&r));
+    int n_done = rc ? 0 : sim_events(&r);
+    if (!rc && n_done != r.n)   /* finalize rejects cycles, so this means a corrupt graph */
+        rc = mf_error(-EINVAL, "sim: only %d of %d tasks could run", n_done, r.n);
+    sim_run_free(&r);
     return rc;
 }

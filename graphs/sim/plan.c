@@ -36,7 +36,8 @@ struct mf_plan {
     double dense_bytes[PL_MAX_CARDS];        /* dense weights per card */
     int K, E, n_layers;
     mf_sg_sizes *sz;
-    double cpu_bytes_per_s;                  /* host kernels: min(thread, socket memory / threads) */
+    mf_cost_model cm;                        /* prices on prof; host threads' rate capped at the
+                                              * socket's memory over its threads */
     mf_lane_model models[4];                 /* the engine's lane models (mf_step_lane_models) */
     mf_sg_lanes lt;                          /* the engine's lanes */
     /* the simulator's own lane options (mf_sim_opts) */
@@ -64,47 +65,14 @@ struct mf_plan {
     mf_plan_report total;
 };
 
-/* ---- pricing the records (docs/sim.md "Cost formulas") ------------------------------------- */
+/* ---- pricing the records (sched/cost.h mf_work, graphs/step/stepgraph.h mf_sg_task_ns) ---- */
 
-/* A kernel of `bytes` weight bytes and `macs` multiply-adds per token over n tokens
- * (sched/profile.h): latency + bytes / rate + (n - 1) * macs / mac rate. */
-static double pl_kern(const mf_profile_kern *k, double bytes_per_s, double bytes, double macs, int n)
-{
-    double ns = k->latency_ns;
-    if (bytes_per_s > 0) ns += bytes / bytes_per_s * 1e9;
-    if (n > 1 && k->macs_per_s > 0) ns += (n - 1) * macs / k->macs_per_s * 1e9;
-    return ns;
-}
-
-/* Plain scalar code (the reference's dot rows, norms, mixes, scores): flops counted as
- * multiply-adds at the REF rate, no latency of its own. */
-static double pl_ref(const mf_plan *p, double flops)
-{
-    const mf_profile_kern *k = &p->prof.host[MF_KF_REF];
-    return k->macs_per_s > 0 ? flops / k->macs_per_s * 1e9 : 0;
-}
-
-/* A record's kernels on the host over n tokens: per family its calls' latencies, its bytes at
- * the thread's rate (capped by its share of the memory bandwidth), its multiply-adds. */
-static double pl_host_work(const mf_plan *p, const mf_sg_work *w, int n)
-{
-    double ns = 0;
-    for (int f = 0; f < MF_KF_REF; f++) {
-        if (!(w->calls[f] > 0)) continue;
-        const mf_profile_kern *k = &p->prof.host[f];
-        double bps = k->bytes_per_s;
-        if (p->cpu_bytes_per_s > 0 && p->cpu_bytes_per_s < bps) bps = p->cpu_bytes_per_s;
-        ns += pl_kern(k, bps, w->w_bytes[f], w->macs[f], n) + (w->calls[f] - 1) * k->latency_ns;
-    }
-    return ns;
-}
-
-/* A card's FFN of slot s (its record's work, or the expert's for the card's FFN graph). */
+/* A card's FFN of slot s (one expert over its tokens). */
 static double pl_card_ffn_ns(const mf_plan *p, const pl_slot *sl)
 {
-    const mf_profile_kern *k = &p->prof.card[MF_KF_FP4];
-    double H = p->c.hidden_size, I = p->c.moe_intermediate_size;
-    return pl_kern(k, k->bytes_per_s, p->sz->up_bytes + p->sz->down_bytes, 3 * H * I, sl->cnt);
+    mf_work w;
+    mf_sg_expert_work(&p->c, p->sz, &w);
+    return mf_cost_card(&p->cm, &w, sl->cnt);
 }
 
 /* Task t's positional work (mf_sg_pos_flops): decode items all at pos; a prefill chunk's item i
@@ -122,77 +90,39 @@ static double pl_pos_flops(const mf_plan *p, const mf_sg_task *t)
     return f;
 }
 
-/* A record's kernels on a card over n tokens (dense work): per family as pl_host_work at the card's
- * rates, the scalar work (roundings) at the card's REF rate. */
-static double pl_card_work(const mf_plan *p, const mf_sg_work *w, int n)
-{
-    double ns = 0;
-    for (int f = 0; f < MF_KF_REF; f++) {
-        if (!(w->calls[f] > 0)) continue;
-        const mf_profile_kern *k = &p->prof.card[f];
-        ns += pl_kern(k, k->bytes_per_s, w->w_bytes[f], w->macs[f], n) + (w->calls[f] - 1) * k->latency_ns;
-    }
-    const mf_profile_kern *r = &p->prof.card[MF_KF_REF];
-    return ns + (r->macs_per_s > 0 ? w->ref_flops / r->macs_per_s * 1e9 : 0);
-}
-
-/* Task t's duration this step without the executor's overhead; *overhead 0 where the task
- * finishes without it (an empty read). */
+/* Task t's duration this step without the executor's overhead, from the cost model and what this
+ * step drew (the slot's tokens, its cache and store misses, the position); *overhead 0 where the
+ * task finishes without it (an empty read). */
 static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int *overhead)
 {
-    const mf_profile *f = &p->prof;
-    const mf_sg_work *w = &t->w;
     const pl_slot *sl = t->slot >= 0 ? &p->sl[(size_t)t->layer * p->sg->n_slots + t->slot] : NULL;
-    int cnt = sl ? sl->cnt : 0;
+    mf_sg_step_cost s = {.slot_tokens = sl ? sl->cnt : 0, .n_head = p->n_head, .dev_miss = sl && sl->miss};
     *overhead = 1;
     switch (t->op) {
-    case MF_SG_ENGRAM_READ:   /* streamed tables: a row's codes or scales as an aligned block */
-        r->table_bytes_read += (uint64_t)w->io_bytes;
-        return w->io_reads * f->disk_latency_ns / (f->disk_queue_depth > 0 ? f->disk_queue_depth : 1) +
-               w->io_bytes / f->disk_bytes_per_s * 1e9;
-    case MF_SG_HEAD:   /* the items with logits (a prefill chunk: none, or the prompt's last) */
-        return p->n_head ? pl_host_work(p, w, p->n_head) + pl_ref(p, w->ref_flops) : 0;
+    case MF_SG_ENGRAM_READ:
+        r->table_bytes_read += (uint64_t)t->w.io_bytes;
+        break;
     case MF_SG_SLOT_READ:
         if (!sl || t->slot >= p->n_used[t->layer] || !sl->store_miss) {
             *overhead = 0;   /* an empty read finishes at once */
             return 0;
         }
-        return f->disk_latency_ns / (f->disk_queue_depth > 0 ? f->disk_queue_depth : 1) +
-               w->io_bytes / f->disk_bytes_per_s * 1e9;
-    case MF_SG_SLOT_UP:
-    case MF_SG_SLOT_JOIN:
-    case MF_SG_SLOT_DOWN:
-        return pl_host_work(p, w, cnt) + pl_ref(p, w->ref_flops_tok * cnt);
-    case MF_SG_DEV_IN: {   /* the expert's parts on a miss, then the rows and token weights */
-        double copies = 2 + (sl->miss ? MF_SG_EXPERT_PARTS : 0);
-        return copies * f->h2d_latency_ns + ((sl->miss ? w->copy_bytes : 0) + cnt * w->copy_bytes_tok) /
-                                                f->h2d_bytes_per_s * 1e9;
-    }
-    case MF_SG_DEV_FFN:
-        return pl_card_ffn_ns(p, sl);
+        break;
     case MF_SG_DEV_FFN_CARD: {   /* one launch: the slots' FFNs in a row */
         double ns = 0;
         int n = 0;
-        for (int s = 0; s < p->n_used[t->layer]; s++) {
-            const pl_slot *x = &p->sl[(size_t)t->layer * p->sg->n_slots + s];
+        for (int k = 0; k < p->n_used[t->layer]; k++) {
+            const pl_slot *x = &p->sl[(size_t)t->layer * p->sg->n_slots + k];
             if (x->card != t->card) continue;
-            ns += pl_card_ffn_ns(p, x) - (n++ ? f->card[MF_KF_FP4].latency_ns : 0);
+            ns += pl_card_ffn_ns(p, x) - (n++ ? p->prof.card[MF_KF_FP4].latency_ns : 0);
         }
         return ns;
     }
-    case MF_SG_DEV_OUT:
-        return f->d2h_latency_ns + cnt * w->copy_bytes_tok / f->d2h_bytes_per_s * 1e9;
-    case MF_SG_DENSE_IN:   /* one small copy of the items' activations */
-        return (f->act_copy_latency_ns > 0 ? f->act_copy_latency_ns : f->h2d_latency_ns) +
-               t->n_tok * w->copy_bytes_tok / f->h2d_bytes_per_s * 1e9;
-    case MF_SG_DENSE:
-        return pl_card_work(p, w, t->n_tok);
-    case MF_SG_DENSE_OUT:
-        return (f->act_copy_latency_ns > 0 ? f->act_copy_latency_ns : f->d2h_latency_ns) +
-               t->n_tok * w->copy_bytes_tok / f->d2h_bytes_per_s * 1e9;
-    default:   /* kernels over the record's tokens, scalar work and the positional part of it */
-        return pl_host_work(p, w, t->n_tok) + pl_ref(p, w->ref_flops + pl_pos_flops(p, t));
+    default:
+        break;
     }
+    s.pos_flops = pl_pos_flops(p, t);   /* 0 but for the ops whose work grows with the context */
+    return mf_sg_task_ns(t, &p->cm, &s);
 }
 
 /* ---- setup --------------------------------------------------------------------------------- */
@@ -314,7 +244,8 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
     p->rng = o->seed ^ 0x6d6f65666c6f77ULL;
     /* all threads of a socket streaming weights share its memory bandwidth */
     int per_socket = o->threads_per_socket ? o->threads_per_socket : f->threads_per_socket;
-    p->cpu_bytes_per_s = f->mem_bytes_per_s > 0 ? f->mem_bytes_per_s / per_socket : 0;
+    p->cm = (mf_cost_model){.p = &p->prof,
+                            .host_bytes_per_s = f->mem_bytes_per_s > 0 ? f->mem_bytes_per_s / per_socket : 0};
     if ((rc = mf_sg_sizes_new(c, &p->sz))) goto fail;
 
     /* the engine's lanes, with its models (from the same profile, as an engine given it:
@@ -394,7 +325,7 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
                                         .eg_reads = o->tables == MF_PLAN_STORE_STREAMED,
                                         .read_window = o->read_window, .lanes = p->lt.lane,
                                         .n_lanes = p->lt.n_lanes, .lane_io = p->lt.lane_io,
-                                        .lane_dev0 = p->lt.lane_dev0},
+                                        .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof},
                           &p->sg);
     if (!rc) rc = mf_timeline_create(p->sg->g, &p->tl);
     if (rc) goto fail;

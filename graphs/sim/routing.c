@@ -71,6 +71,176 @@ typedef struct mf_tok_slot {
     int64_t token;     /* index into the token list; -1: empty slot */
 } mf_tok_slot;
 
+/* A trace being read: per token (in order of first appearance) its routes tr[token][layer][k],
+ * which layers it has (have: a bit per layer, words per token; n_have), the line it first
+ * appeared on; an open-addressing table from (seq, pos) to the newest token of that key. */
+typedef struct mf_trace_rd {
+    const char *path;
+    int L, E, K;
+    int64_t cap_tok, n_tok;
+    int32_t *tr;
+    uint64_t *have;
+    size_t words;
+    int *n_have;
+    int64_t *first_line;
+    mf_tok_slot *slots;
+    size_t n_slots;
+} mf_trace_rd;
+
+static size_t mf_trace_hash(int seq, int64_t pos, size_t n_slots)
+{
+    uint64_t k = (uint64_t)seq * 0x9e3779b97f4a7c15ull ^ (uint64_t)pos * 0xc2b2ae3d27d4eb4full;
+    return (size_t)(k ^ (k >> 29)) & (n_slots - 1);
+}
+
+/* The header line s: format version 1 and the routing's layers, experts and top-k. */
+static int mf_trace_header(const mf_trace_rd *rd, const char *s, int64_t lineno)
+{
+    int v, fl, fe, fk, n = 0, L = rd->L, E = rd->E, K = rd->K;
+    if (sscanf(s, MF_TRACE_MAGIC " %d layers %d experts %d top_k %d %n", &v, &fl, &fe, &fk, &n) != 4 || s[n] != '\0')
+        return mf_error(-EINVAL, "%s:%" PRId64 ": expected the header '" MF_TRACE_MAGIC
+                        " 1 layers L experts E top_k K': not a routing trace", rd->path, lineno);
+    if (v != 1)
+        return mf_error(-EINVAL, "%s:%" PRId64 ": trace format version %d, expected 1", rd->path, lineno, v);
+    if (fl != L || fe != E || fk != K) {
+        char diff[160] = "";
+        size_t m = 0;
+        if (fl != L) m += (size_t)snprintf(diff + m, sizeof diff - m, " layers %d (expected %d)", fl, L);
+        if (fe != E) m += (size_t)snprintf(diff + m, sizeof diff - m, " experts %d (expected %d)", fe, E);
+        if (fk != K) m += (size_t)snprintf(diff + m, sizeof diff - m, " top_k %d (expected %d)", fk, K);
+        return mf_error(-EINVAL, "%s: the trace was recorded for another model: differs in%s", rd->path, diff);
+    }
+    return 0;
+}
+
+/* A record line s, `seq pos layer e0 .. e(K-1)`, into vals[3 + K]: integers, seq and pos >= 0,
+ * the layer and the experts in range, no expert twice. */
+static int mf_trace_record(const mf_trace_rd *rd, char *s, int64_t lineno, long long *vals)
+{
+    int K = rd->K, n_vals = 0;
+    char *p = s, *end;
+    for (;;) {
+        while (*p == ' ' || *p == '\t') p++;
+        if (*p == '\n' || *p == '\r' || *p == '\0') break;
+        errno = 0;
+        long long v = strtoll(p, &end, 10);
+        if (end == p || errno || (*end && !isspace((unsigned char)*end)))
+            return mf_error(-EINVAL, "%s:%" PRId64 ": expected integers 'seq pos layer' and %d experts, "
+                            "found '%.*s'", rd->path, lineno, K, (int)strcspn(p, " \t\r\n"), p);
+        if (n_vals == 3 + K) { n_vals++; break; }
+        vals[n_vals++] = v;
+        p = end;
+    }
+    if (n_vals != 3 + K)
+        return mf_error(-EINVAL, "%s:%" PRId64 ": expected 'seq pos layer' and %d experts (%d numbers), "
+                        "found %s%d", rd->path, lineno, K, 3 + K, n_vals > 3 + K ? "more than " : "",
+                        n_vals > 3 + K ? 3 + K : n_vals);
+    if (vals[0] < 0 || vals[0] > INT32_MAX || vals[1] < 0 || vals[2] < 0 || vals[2] >= rd->L)
+        return mf_error(-EINVAL, "%s:%" PRId64 ": seq %lld pos %lld layer %lld: expected seq, pos >= 0 "
+                        "and layer in [0, %d)", rd->path, lineno, vals[0], vals[1], vals[2], rd->L);
+    for (int j = 0; j < K; j++) {
+        if (vals[3 + j] < 0 || vals[3 + j] >= rd->E)
+            return mf_error(-EINVAL, "%s:%" PRId64 ": expert %lld out of range [0, %d)", rd->path, lineno,
+                            vals[3 + j], rd->E);
+        for (int i = 0; i < j; i++)
+            if (vals[3 + i] == vals[3 + j])
+                return mf_error(-EINVAL, "%s:%" PRId64 ": expert %lld chosen twice in one record", rd->path,
+                                lineno, vals[3 + j]);
+    }
+    return 0;
+}
+
+/* Room for twice the tokens. 0 or -ENOMEM. */
+static int mf_trace_grow(mf_trace_rd *rd)
+{
+    int64_t cap = rd->cap_tok * 2;
+    int32_t *ntr = realloc(rd->tr, (size_t)cap * rd->L * rd->K * sizeof *ntr);
+    if (ntr) rd->tr = ntr;
+    uint64_t *nh = realloc(rd->have, (size_t)cap * rd->words * sizeof *nh);
+    if (nh) rd->have = nh;
+    int *nn = realloc(rd->n_have, (size_t)cap * sizeof *nn);
+    if (nn) rd->n_have = nn;
+    int64_t *nf = realloc(rd->first_line, (size_t)cap * sizeof *nf);
+    if (nf) rd->first_line = nf;
+    if (!ntr || !nh || !nn || !nf)
+        return mf_error(-ENOMEM, "%s: out of memory at %" PRId64 " tokens", rd->path, rd->n_tok);
+    rd->cap_tok = cap;
+    return 0;
+}
+
+/* The (seq, pos) table four times larger, the newest token per key kept. 0 or -ENOMEM. */
+static int mf_trace_rehash(mf_trace_rd *rd)
+{
+    size_t nn_slots = rd->n_slots * 4;
+    mf_tok_slot *ns = malloc(nn_slots * sizeof *ns);
+    if (!ns) return mf_error(-ENOMEM, "%s: out of memory", rd->path);
+    for (size_t i = 0; i < nn_slots; i++) ns[i].token = -1;
+    for (size_t i = 0; i < rd->n_slots; i++) {
+        if (rd->slots[i].token < 0) continue;
+        size_t g = mf_trace_hash(rd->slots[i].seq, rd->slots[i].pos, nn_slots);
+        while (ns[g].token >= 0) g = (g + 1) & (nn_slots - 1);
+        ns[g] = rd->slots[i];
+    }
+    free(rd->slots);
+    rd->slots = ns;
+    rd->n_slots = nn_slots;
+    return 0;
+}
+
+/* The open token of (seq, pos) into *t, or a new one (first seen on lineno) when there is none or
+ * that token already has every layer. 0 or -ENOMEM. */
+static int mf_trace_token(mf_trace_rd *rd, int seq, int64_t pos, int64_t lineno, int64_t *t)
+{
+    size_t h = mf_trace_hash(seq, pos, rd->n_slots);
+    while (rd->slots[h].token >= 0 && !(rd->slots[h].seq == seq && rd->slots[h].pos == pos))
+        h = (h + 1) & (rd->n_slots - 1);
+    *t = rd->slots[h].token;
+    if (*t >= 0 && rd->n_have[*t] == rd->L) *t = -1;   /* that token is complete: the same (seq, pos) again */
+    if (*t >= 0) return 0;
+    int rc = rd->n_tok == rd->cap_tok ? mf_trace_grow(rd) : 0;
+    if (rc) return rc;
+    *t = rd->n_tok++;
+    memset(rd->have + *t * (int64_t)rd->words, 0, rd->words * sizeof *rd->have);
+    rd->n_have[*t] = 0;
+    rd->first_line[*t] = lineno;
+    int fresh = rd->slots[h].token < 0;
+    rd->slots[h] = (mf_tok_slot){.seq = seq, .pos = pos, .token = *t};
+    if (fresh && (size_t)rd->n_tok * 2 > rd->n_slots) return mf_trace_rehash(rd);
+    return 0;
+}
+
+/* Record vals (mf_trace_record's, first seen on lineno) into its token. */
+static int mf_trace_add(mf_trace_rd *rd, const long long *vals, int64_t lineno)
+{
+    int seq = (int)vals[0], layer = (int)vals[2], K = rd->K;
+    int64_t pos = vals[1], t;
+    int rc = mf_trace_token(rd, seq, pos, lineno, &t);
+    if (rc) return rc;
+    uint64_t *hv = rd->have + t * (int64_t)rd->words;
+    if (hv[layer / 64] >> (layer % 64) & 1)
+        return mf_error(-EINVAL, "%s:%" PRId64 ": seq %d pos %" PRId64 " layer %d recorded twice", rd->path,
+                        lineno, seq, pos, layer);
+    hv[layer / 64] |= 1ull << (layer % 64);
+    rd->n_have[t]++;
+    for (int j = 0; j < K; j++) rd->tr[(t * rd->L + layer) * K + j] = (int32_t)vals[3 + j];
+    return 0;
+}
+
+/* The whole trace read: a header, tokens, every token with every layer. */
+static int mf_trace_complete(const mf_trace_rd *rd, int header)
+{
+    if (!header) return mf_error(-EINVAL, "%s: empty: no '" MF_TRACE_MAGIC "' header", rd->path);
+    if (rd->n_tok == 0) return mf_error(-EINVAL, "%s: the trace holds no tokens", rd->path);
+    for (int64_t t = 0; t < rd->n_tok; t++)
+        if (rd->n_have[t] != rd->L) {
+            int miss = 0;
+            while (rd->have[t * (int64_t)rd->words + miss / 64] >> (miss % 64) & 1) miss++;
+            return mf_error(-EINVAL, "%s:%" PRId64 ": the token first recorded here has %d of %d layers "
+                            "(layer %d missing)", rd->path, rd->first_line[t], rd->n_have[t], rd->L, miss);
+        }
+    return 0;
+}
+
 /* Reads a whole trace into r->trace (tokens in order of first appearance). */
 static int mf_trace_load(mf_routing *r, const char *path)
 {
@@ -79,190 +249,41 @@ static int mf_trace_load(mf_routing *r, const char *path)
         int e = errno;
         return mf_error(-e, "%s: cannot open routing trace: %s", path, strerror(e));
     }
-    int L = r->n_layers, E = r->n_experts, K = r->top_k, rc = 0;
-    int64_t cap_tok = 64, n_tok = 0;
-    int32_t *tr = malloc((size_t)cap_tok * L * K * sizeof *tr);
-    uint64_t *have = calloc((size_t)cap_tok * ((L + 63) / 64), sizeof *have);   /* layers recorded */
-    int *n_have = calloc((size_t)cap_tok, sizeof *n_have);
-    int64_t first_line_cap = cap_tok;
-    int64_t *first_line = malloc((size_t)first_line_cap * sizeof *first_line);
-    size_t n_slots = 1024;
-    mf_tok_slot *slots = malloc(n_slots * sizeof *slots);
+    int L = r->n_layers, rc = 0, header = 0;
+    mf_trace_rd rd = {.path = path, .L = L, .E = r->n_experts, .K = r->top_k, .cap_tok = 64, .n_slots = 1024,
+                      .words = (size_t)(L + 63) / 64};
+    rd.tr = malloc((size_t)rd.cap_tok * L * rd.K * sizeof *rd.tr);
+    rd.have = calloc((size_t)rd.cap_tok * rd.words, sizeof *rd.have);   /* layers recorded */
+    rd.n_have = calloc((size_t)rd.cap_tok, sizeof *rd.n_have);
+    rd.first_line = malloc((size_t)rd.cap_tok * sizeof *rd.first_line);
+    rd.slots = malloc(rd.n_slots * sizeof *rd.slots);
     char *line = NULL;
     size_t line_cap = 0;
     int64_t lineno = 0;
-    int header = 0;
-    if (!tr || !have || !n_have || !first_line || !slots) {
+    if (!rd.tr || !rd.have || !rd.n_have || !rd.first_line || !rd.slots)
         rc = mf_error(-ENOMEM, "%s: out of memory", path);
-        goto done;
-    }
-    for (size_t i = 0; i < n_slots; i++) slots[i].token = -1;
-    size_t words = (size_t)(L + 63) / 64;
-    ssize_t got;
-    while ((got = getline(&line, &line_cap, f)) >= 0) {
+    for (size_t i = 0; !rc && i < rd.n_slots; i++) rd.slots[i].token = -1;
+    while (!rc && getline(&line, &line_cap, f) >= 0) {
         lineno++;
         char *s = line;
         while (isspace((unsigned char)*s)) s++;
         if (!*s || *s == '#') continue;
-        if (!header) {
-            int v, fl, fe, fk, n = 0;
-            if (sscanf(s, MF_TRACE_MAGIC " %d layers %d experts %d top_k %d %n", &v, &fl, &fe, &fk, &n) != 4 ||
-                s[n] != '\0') {
-                rc = mf_error(-EINVAL, "%s:%" PRId64 ": expected the header '" MF_TRACE_MAGIC
-                              " 1 layers L experts E top_k K': not a routing trace", path, lineno);
-                goto done;
-            }
-            if (v != 1) {
-                rc = mf_error(-EINVAL, "%s:%" PRId64 ": trace format version %d, expected 1", path, lineno, v);
-                goto done;
-            }
-            if (fl != L || fe != E || fk != K) {
-                char diff[160] = "";
-                size_t n = 0;
-                if (fl != L) n += (size_t)snprintf(diff + n, sizeof diff - n, " layers %d (expected %d)", fl, L);
-                if (fe != E) n += (size_t)snprintf(diff + n, sizeof diff - n, " experts %d (expected %d)", fe, E);
-                if (fk != K) n += (size_t)snprintf(diff + n, sizeof diff - n, " top_k %d (expected %d)", fk, K);
-                rc = mf_error(-EINVAL, "%s: the trace was recorded for another model: differs in%s", path, diff);
-                goto done;
-            }
-            header = 1;
-            continue;
-        }
-        /* seq pos layer e0 .. e(K-1) */
-        char *p = s, *end;
         long long vals[3 + 256];
-        int n_vals = 0;
-        for (;;) {
-            while (*p == ' ' || *p == '\t') p++;
-            if (*p == '\n' || *p == '\r' || *p == '\0') break;
-            errno = 0;
-            long long v = strtoll(p, &end, 10);
-            if (end == p || errno || (*end && !isspace((unsigned char)*end))) {
-                rc = mf_error(-EINVAL, "%s:%" PRId64 ": expected integers 'seq pos layer' and %d experts, "
-                              "found '%.*s'", path, lineno, K, (int)strcspn(p, " \t\r\n"), p);
-                goto done;
-            }
-            if (n_vals == 3 + K) { n_vals++; break; }
-            vals[n_vals++] = v;
-            p = end;
-        }
-        if (n_vals != 3 + K) {
-            rc = mf_error(-EINVAL, "%s:%" PRId64 ": expected 'seq pos layer' and %d experts (%d numbers), "
-                          "found %s%d", path, lineno, K, 3 + K, n_vals > 3 + K ? "more than " : "",
-                          n_vals > 3 + K ? 3 + K : n_vals);
-            goto done;
-        }
-        if (vals[0] < 0 || vals[0] > INT32_MAX || vals[1] < 0 || vals[2] < 0 || vals[2] >= L) {
-            rc = mf_error(-EINVAL, "%s:%" PRId64 ": seq %lld pos %lld layer %lld: expected seq, pos >= 0 "
-                          "and layer in [0, %d)", path, lineno, vals[0], vals[1], vals[2], L);
-            goto done;
-        }
-        int layer = (int)vals[2];
-        for (int j = 0; j < K; j++) {
-            if (vals[3 + j] < 0 || vals[3 + j] >= E) {
-                rc = mf_error(-EINVAL, "%s:%" PRId64 ": expert %lld out of range [0, %d)", path, lineno,
-                              vals[3 + j], E);
-                goto done;
-            }
-            for (int i = 0; i < j; i++)
-                if (vals[3 + i] == vals[3 + j]) {
-                    rc = mf_error(-EINVAL, "%s:%" PRId64 ": expert %lld chosen twice in one record", path,
-                                  lineno, vals[3 + j]);
-                    goto done;
-                }
-        }
-        /* find the open token of (seq, pos), or start a new one */
-        int seq = (int)vals[0];
-        int64_t pos = vals[1];
-        uint64_t hkey = (uint64_t)seq * 0x9e3779b97f4a7c15ull ^ (uint64_t)pos * 0xc2b2ae3d27d4eb4full;
-        size_t h = (size_t)(hkey ^ (hkey >> 29)) & (n_slots - 1);
-        while (slots[h].token >= 0 && !(slots[h].seq == seq && slots[h].pos == pos)) h = (h + 1) & (n_slots - 1);
-        int64_t t = slots[h].token;
-        if (t >= 0 && n_have[t] == L) t = -1;   /* that token is complete: the same (seq, pos) again */
-        if (t < 0) {
-            if (n_tok == cap_tok) {
-                cap_tok *= 2;
-                int32_t *ntr = realloc(tr, (size_t)cap_tok * L * K * sizeof *tr);
-                if (ntr) tr = ntr;
-                uint64_t *nh = realloc(have, (size_t)cap_tok * words * sizeof *have);
-                if (nh) have = nh;
-                int *nn = realloc(n_have, (size_t)cap_tok * sizeof *n_have);
-                if (nn) n_have = nn;
-                int64_t *nf = realloc(first_line, (size_t)cap_tok * sizeof *first_line);
-                if (nf) first_line = nf;
-                if (!ntr || !nh || !nn || !nf) {
-                    rc = mf_error(-ENOMEM, "%s: out of memory at %" PRId64 " tokens", path, n_tok);
-                    goto done;
-                }
-            }
-            t = n_tok++;
-            memset(have + t * (int64_t)words, 0, words * sizeof *have);
-            n_have[t] = 0;
-            first_line[t] = lineno;
-            int fresh = slots[h].token < 0;
-            slots[h].seq = seq;
-            slots[h].pos = pos;
-            slots[h].token = t;
-            if (fresh && (size_t)n_tok * 2 > n_slots) {   /* grow the table, keep the newest token per key */
-                size_t nn_slots = n_slots * 4;
-                mf_tok_slot *ns = malloc(nn_slots * sizeof *ns);
-                if (!ns) {
-                    rc = mf_error(-ENOMEM, "%s: out of memory", path);
-                    goto done;
-                }
-                for (size_t i = 0; i < nn_slots; i++) ns[i].token = -1;
-                for (size_t i = 0; i < n_slots; i++) {
-                    if (slots[i].token < 0) continue;
-                    uint64_t k2 = (uint64_t)slots[i].seq * 0x9e3779b97f4a7c15ull ^
-                                  (uint64_t)slots[i].pos * 0xc2b2ae3d27d4eb4full;
-                    size_t g = (size_t)(k2 ^ (k2 >> 29)) & (nn_slots - 1);
-                    while (ns[g].token >= 0) g = (g + 1) & (nn_slots - 1);
-                    ns[g] = slots[i];
-                }
-                free(slots);
-                slots = ns;
-                n_slots = nn_slots;
-            }
-        }
-        uint64_t *hv = have + t * (int64_t)words;
-        if (hv[layer / 64] >> (layer % 64) & 1) {
-            rc = mf_error(-EINVAL, "%s:%" PRId64 ": seq %d pos %" PRId64 " layer %d recorded twice", path,
-                          lineno, seq, pos, layer);
-            goto done;
-        }
-        hv[layer / 64] |= 1ull << (layer % 64);
-        n_have[t]++;
-        for (int j = 0; j < K; j++) tr[(t * L + layer) * K + j] = (int32_t)vals[3 + j];
+        if (!header) rc = mf_trace_header(&rd, s, lineno), header = !rc;
+        else if (!(rc = mf_trace_record(&rd, s, lineno, vals))) rc = mf_trace_add(&rd, vals, lineno);
     }
-    if (ferror(f)) {
-        rc = mf_error(-EIO, "%s: read failed", path);
-        goto done;
+    if (!rc && ferror(f)) rc = mf_error(-EIO, "%s: read failed", path);
+    if (!rc) rc = mf_trace_complete(&rd, header);
+    if (!rc) {
+        r->trace = rd.tr;
+        rd.tr = NULL;
+        r->n_tokens = rd.n_tok;
     }
-    if (!header) {
-        rc = mf_error(-EINVAL, "%s: empty: no '" MF_TRACE_MAGIC "' header", path);
-        goto done;
-    }
-    if (n_tok == 0) {
-        rc = mf_error(-EINVAL, "%s: the trace holds no tokens", path);
-        goto done;
-    }
-    for (int64_t t = 0; t < n_tok; t++)
-        if (n_have[t] != L) {
-            int miss = 0;
-            while (have[t * (int64_t)words + miss / 64] >> (miss % 64) & 1) miss++;
-            rc = mf_error(-EINVAL, "%s:%" PRId64 ": the token first recorded here has %d of %d layers "
-                          "(layer %d missing)", path, first_line[t], n_have[t], L, miss);
-            goto done;
-        }
-    r->trace = tr;
-    tr = NULL;
-    r->n_tokens = n_tok;
-done:
-    free(tr);
-    free(have);
-    free(n_have);
-    free(first_line);
-    free(slots);
+    free(rd.tr);
+    free(rd.have);
+    free(rd.n_have);
+    free(rd.first_line);
+    free(rd.slots);
     free(line);
     fclose(f);
     return rc;

@@ -20,6 +20,7 @@
 #include "host/kernels.h"
 #include "host/store.h"
 #include "sched/clock.h"
+#include "sched/cost.h"
 #include "device/dev.h"
 #include "device/dev_check.h"
 #include "device/expert_cache.h"
@@ -187,6 +188,7 @@ struct mf_step {
     mf_step_dmat *dmat[MF_DEV_MAX_CARDS];
     char refused[1024];       /* the startup self-check's refusals ("" when none) */
     unsigned refused_mask;    /* cards refused by it */
+    mf_profile prof;          /* a copy of the caller's o.profile (o.profile points here when given) */
 };
 
 const char *mf_step_phase_name(mf_step_phase p)
@@ -590,17 +592,8 @@ static const mf_weight *mf_step_slot_weights(mf_step_shape *sh, int L, int slot)
 
 void mf_step_lane_models(const mf_profile *p, int threads, mf_lane_model models[4])
 {
-    if (!p) {
-        models[0] = (mf_lane_model){.bytes_per_s = 20e9, .latency_ns = 2000};
-        models[1] = models[3] = (mf_lane_model){.bytes_per_s = 25e9, .latency_ns = 10000};
-        models[2] = (mf_lane_model){.bytes_per_s = 20e9, .latency_ns = 5000};
-        return;
-    }
-    if (threads < 1) threads = 1;
-    int tps = p->threads_per_socket > 0 ? p->threads_per_socket : 1;
-    int sockets = (threads + tps - 1) / tps;
-    if (sockets > p->n_sockets) sockets = p->n_sockets > 0 ? p->n_sockets : 1;
-    double bps = p->host[MF_KF_FP4].bytes_per_s, share = p->mem_bytes_per_s * sockets / threads;
+    if (!p) p = mf_cost_default_profile();
+    double bps = p->host[MF_KF_FP4].bytes_per_s, share = mf_cost_thread_share(p, threads);
     if (share > 0 && share < bps) bps = share;
     models[0] = (mf_lane_model){.bytes_per_s = bps, .latency_ns = p->host[MF_KF_FP4].latency_ns};
     models[1] = (mf_lane_model){.bytes_per_s = p->h2d_bytes_per_s, .latency_ns = p->h2d_latency_ns};
@@ -1376,7 +1369,7 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const in
                                           .lanes = eng->lt.lane,
                                           .n_lanes = eng->lt.n_lanes, .lane_io = eng->lt.lane_io,
                                           .lane_dev0 = eng->lt.lane_dev0,
-                                          .fn_of = mf_step_fn_of},
+                                          .fn_of = mf_step_fn_of, .profile = eng->o.profile},
                             out);
 }
 
@@ -1932,6 +1925,10 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     s->store = store;
     s->eg_reads = store && mf_store_tables_streamed(store);
     s->max_items = max_items;
+    if (s->o.profile) {   /* the shapes' graphs are priced on it later (mf_sg_opts.profile) */
+        s->prof = *s->o.profile;
+        s->o.profile = &s->prof;
+    }
     mf_step_lane_models(s->o.profile, s->o.n_threads, s->models);
     if (s->o.cpu_bytes_per_s > 0) s->models[0].bytes_per_s = s->o.cpu_bytes_per_s;
     int rc = 0;

@@ -116,8 +116,9 @@ typedef struct mf_step mf_step;
 /* The engine's cost models of its lanes for `threads` workers: models[0] the CPU lane (one
  * worker's fused fp4 rate, capped by its share of the memory bandwidth of the sockets its workers
  * fill, + latency), models[1] a card's copy-in (h2d), models[2] its compute (card fp4), models[3]
- * its copy-out (d2h). With p NULL, the built-in assumptions (not measurements): host 20e9 B/s +
- * 2 us, copies 25e9 B/s + 10 us, cards 20e9 B/s + 5 us. The simulator (graphs/sim/plan.c) weighs its
+ * its copy-out (d2h). With p NULL, the built-in machine (sched/cost.h mf_cost_default_profile;
+ * assumptions, not measurements: host 20e9 B/s + 2 us, copies 25e9 B/s + 10 us, cards 20e9 B/s +
+ * 5 us). The simulator (graphs/sim/plan.c) weighs its
  * hybrid placement with the same function. */
 void mf_step_lane_models(const mf_profile *p, int threads, mf_lane_model models[4]);
 

@@ -168,6 +168,47 @@ void mf_sg_rows(int64_t n_rows, int parts, int p, int64_t *r0, int64_t *r1)
     *r1 = b < n_rows ? b : n_rows;
 }
 
+/* ---- pricing a record (sched/cost.h; docs/sim.md "Cost formulas") ------------------------- */
+
+double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_step_cost *s)
+{
+    const mf_sg_work *w = &t->w;
+    int tok = t->slot_tokens ? s->slot_tokens : t->n_tok;
+    switch (t->op) {
+    case MF_SG_ENGRAM_READ:   /* streamed tables: a row's codes or scales as an aligned block */
+    case MF_SG_SLOT_READ:     /* a store miss: one extent of the slot's expert */
+        return mf_cost_disk(m, w->io_bytes, w->io_reads);
+    case MF_SG_HEAD:   /* the items with logits (a prefill chunk: none, or the prompt's last) */
+        return s->n_head ? mf_cost_host(m, w, s->n_head, 0) : 0;
+    case MF_SG_DEV_IN:   /* the expert's parts on a miss, then the rows and token weights */
+        return mf_cost_copy(m, 0, 2 + (s->dev_miss ? MF_SG_EXPERT_PARTS : 0),
+                            (s->dev_miss ? w->copy_bytes : 0) + tok * w->copy_bytes_tok);
+    case MF_SG_DEV_FFN:
+        return mf_cost_card(m, w, tok);
+    case MF_SG_DEV_FFN_CARD:
+        return 0;
+    case MF_SG_DEV_OUT:
+        return mf_cost_copy(m, 1, 1, tok * w->copy_bytes_tok);
+    case MF_SG_DENSE_IN:   /* one small copy of the items' activations */
+        return mf_cost_act_copy(m, 0, tok * w->copy_bytes_tok);
+    case MF_SG_DENSE:
+        return mf_cost_card(m, w, tok);
+    case MF_SG_DENSE_OUT:
+        return mf_cost_act_copy(m, 1, tok * w->copy_bytes_tok);
+    default:   /* kernels over the record's tokens, scalar work and the positional part of it */
+        return mf_cost_host(m, w, tok, s->pos_flops);
+    }
+}
+
+void mf_sg_expert_work(const mf_config *c, const mf_sg_sizes *sz, mf_work *w)
+{
+    double H = (double)c->hidden_size, I = (double)c->moe_intermediate_size;
+    *w = (mf_work){0};
+    w->w_bytes[MF_KF_FP4] = sz->up_bytes + sz->down_bytes;
+    w->macs[MF_KF_FP4] = 3 * H * I;
+    w->calls[MF_KF_FP4] = 1;
+}
+
 /* ---- the builder --------------------------------------------------------------------------- */
 
 typedef struct sg_builder {
@@ -194,12 +235,14 @@ typedef struct sg_builder {
 static mf_io_read sg_no_read = {.fd = -1};
 
 /* Adds a task: its record `t` (layer, slot, ... and work; op, phase and kind given here) on
- * `lane` with the priority cost (bytes over the lane's model, time). Returns its id, or -1 after
+ * `lane`. rank_bytes and rank_ns are no longer used: the priorities are the cost model's prices
+ * of the records, set once the graph is built (sg_set_priorities). Returns its id, or -1 after
  * an error (kept in b->rc). */
 static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, mf_sg_task t, double rank_bytes,
                          double rank_ns)
 {
     mf_stepgraph *sg = b->sg;
+    (void)rank_bytes, (void)rank_ns;
     if (b->rc) return -1;
     if (sg->n_tasks == b->cap) {
         int cap = b->cap ? 2 * b->cap : 1024;
@@ -219,7 +262,6 @@ static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, m
     mf_task_id id = mf_graph_add_task(sg->g, &(mf_task_desc){.name = b->name, .lane = lane,
                                                              .fn = b->o->fn_of && !io ? b->o->fn_of[op] : NULL,
                                                              .arg = io ? &sg_no_read : NULL,
-                                                             .cost = {.bytes = rank_bytes, .time_ns = rank_ns},
                                                              .place_hint = -1});
     if (id < 0) {
         b->rc = id;
@@ -949,7 +991,9 @@ static void sg_shared(sg_builder *b, int L, const mf_task_id *post, mf_task_id r
         t.w.ref_flops = SG_W_ROUND * H * n;
         mf_task_id sc = sg_dense_chain(b, L, MF_SG_D_SHARED, t, MF_SG_PH_MOE, sh_bytes, 0, 4.0 * H, b->moe_in);
         /* the gate first on the card: the routed experts wait for its logits, the shared expert's
-         * output only at the layer's end (the upward ranks alone put the shared expert first) */
+         * output only at the layer's end (the upward ranks alone, even from the cost model's
+         * prices, put the shared expert first on the built-in machine at batch 16: a critical path
+         * counts one slot's chain after the route, not the slots' work sharing the workers) */
         sg_dense_after(b, b->moe_gate, b->chain_run);
         sg_dep(b, sc, done);
         return;
@@ -1123,6 +1167,38 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->eg_reads_per_unit = o->eg_reads ? 2 * max_unit * (c->engram_max_ngram_size - 1) * c->engram_n_heads : 0;
 }
 
+/* The executor's priorities: every task's cost (mf_graph_set_cost, before finalize) is the cost
+ * model's price of its record on its lane's side (mf_sg_task_ns) on o->profile, or the built-in
+ * machine (mf_cost_default_profile), for what the shape leaves open expected: a slot's tokens the
+ * mean n top_k / experts rounded up (at least 1), a copy-in a cache miss, a read a store miss, the
+ * head every item's logits, a card's FFN graph its share of the slots, and the attention at its
+ * steady state (the window full, the index's top-k selected). 0 or the graph's error. */
+static int sg_set_priorities(const mf_sg_opts *o, mf_stepgraph *sg)
+{
+    const mf_config *c = o->c;
+    const mf_profile *p = o->profile ? o->profile : mf_cost_default_profile();
+    mf_cost_model m = {.p = p, .host_bytes_per_s = mf_cost_thread_share(p, o->n_threads)};
+    int K = c->n_experts_per_tok, E = c->n_routed_experts;
+    int tok = (sg->n * K + E - 1) / E;
+    mf_sg_step_cost st = {.slot_tokens = tok > 1 ? tok : 1, .n_head = sg->n, .dev_miss = 1};
+    int64_t pos = c->sliding_window;
+    for (int L = 0; L < c->n_layers; L++)
+        if ((int64_t)c->compress_ratios[L] * c->index_topk > pos) pos = (int64_t)c->compress_ratios[L] * c->index_topk;
+    mf_work ew;
+    mf_sg_expert_work(c, o->sz, &ew);
+    double ffn_ns = mf_cost_card(&m, &ew, st.slot_tokens);
+    int per_card = sg->n_cards ? (sg->n_slots + sg->n_cards - 1) / sg->n_cards : 0;
+    for (int t = 0; t < sg->n_tasks; t++) {
+        const mf_sg_task *r = &sg->task[t];
+        st.pos_flops = mf_sg_pos_flops(c, r, sg->p_key, pos);
+        double ns = r->op == MF_SG_DEV_FFN_CARD ? per_card * ffn_ns - (per_card - 1) * p->card[MF_KF_FP4].latency_ns
+                                                : mf_sg_task_ns(r, &m, &st);
+        int rc = mf_graph_set_cost(sg->g, t, (mf_cost){.time_ns = ns});
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
 {
     *out = NULL;
@@ -1174,7 +1250,8 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     free(b.io);
     free(b.exit_of);
     free(b.next_of);
-    rc = b.rc ? b.rc : mf_graph_finalize(sg->g);
+    rc = b.rc ? b.rc : sg_set_priorities(o, sg);
+    if (!rc) rc = mf_graph_finalize(sg->g);
     if (rc) {
         mf_stepgraph_free(sg);
         return mf_error_wrap(rc, "step graph: a batch of %d", o->n);

@@ -12,6 +12,7 @@
 
 #include "device/dev.h"
 #include "graphs/model/config.h"
+#include "sched/cost.h"
 #include "sched/graph.h"
 #include "sched/profile.h"
 #include "sched/timeline.h"
@@ -92,20 +93,11 @@ enum { MF_SG_ST_IN, MF_SG_ST_QB, MF_SG_ST_OA, MF_SG_ST_OB, MF_SG_ST_CORE, MF_SG_
 enum { MF_SG_D_ATTN_IN, MF_SG_D_ATTN_QB, MF_SG_D_ATTN_OA, MF_SG_D_ATTN_OB, MF_SG_D_GATE, MF_SG_D_SHARED,
        MF_SG_D_HEAD, MF_SG_N_DENSE };
 
-/* The work of one task. Kernel families as sched/profile.h (MF_KF_*; MF_KF_REF unused here:
- * scalar work is ref_flops). Token-scaled terms multiply by `n_tok`, or with slot_tokens set by
- * the slot's tokens of the step (known once routed). */
-typedef struct mf_sg_work {
-    double w_bytes[MF_KF_N];   /* weight bytes read (codes + scales) */
-    double macs[MF_KF_N];      /* multiply-adds per token */
-    double calls[MF_KF_N];     /* kernel calls (each pays the family's latency) */
-    double ref_flops;          /* plain scalar code, in REF multiply-adds, for the whole task */
-    double ref_flops_tok;      /* the same per token of the slot */
-    double copy_bytes;         /* host<->card: the packed expert, on a cache miss */
-    double copy_bytes_tok;     /* host<->card per token (of the slot with slot_tokens, else of n_tok) */
-    double io_bytes;           /* disk: the aligned extents, when read (a miss; streamed tables) */
-    int io_reads;              /* disk requests (each pays the disk's latency) */
-} mf_sg_work;
+/* The work of one task: the cost model's (sched/cost.h mf_work), which prices it. Token-scaled
+ * terms multiply by `n_tok`, or with slot_tokens set by the slot's tokens of the step (known once
+ * routed). copy_bytes: the packed expert on a cache miss; io_bytes: the aligned extents when read
+ * (a store miss; streamed tables). */
+typedef mf_work mf_sg_work;
 
 /* One task's record. Fields that do not apply are -1 (layer, stage, slot, part, card) or empty
  * ranges. One meaning per field. */
@@ -177,6 +169,25 @@ int mf_sg_layer_scored(const mf_config *c, int L);
 /* Part p of `parts` of n_rows rows (chunks rounded up to 16 rows: the last parts may be empty). */
 void mf_sg_rows(int64_t n_rows, int parts, int p, int64_t *r0, int64_t *r1);
 
+/* What a step decides that a record's price depends on: the simulator's draws and cache state, or
+ * the builder's expectations for the priorities. */
+typedef struct mf_sg_step_cost {
+    int slot_tokens;    /* records with slot_tokens: the slot's tokens this step */
+    int n_head;         /* MF_SG_HEAD: the items whose logits it computes */
+    int dev_miss;       /* MF_SG_DEV_IN: the slot's expert is copied in (a miss of the card's cache) */
+    double pos_flops;   /* the task's positional scalar work (mf_sg_pos_flops) */
+} mf_sg_step_cost;
+
+/* Task t's time on its lane's side (the host's kernels and scalar code, a card's, a copy, a disk
+ * read) priced by m (sched/cost.h) from its record and the step's state s, without the executor's
+ * cost per task (docs/sim.md "Cost formulas"). MF_SG_SLOT_READ: its extent read (a store miss);
+ * MF_SG_DEV_FFN_CARD: 0 (its record has no work: the card's slots' mf_sg_expert_work). */
+double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_step_cost *s);
+
+/* One routed expert's FFN as one kernel on a card: w1 + w3 + w2 bytes, 3 H I multiply-adds per
+ * token, one call (what a MF_SG_DEV_FFN record holds; a card's FFN graph runs one per slot). */
+void mf_sg_expert_work(const mf_config *c, const mf_sg_sizes *sz, mf_work *w);
+
 /* A shape and its lanes. */
 typedef struct mf_sg_opts {
     const mf_config *c;
@@ -208,6 +219,9 @@ typedef struct mf_sg_opts {
     const mf_lane_desc *lanes;   /* lane 0 the CPU lane, lane_io the IO lane (store), card c's */
     int n_lanes, lane_io, lane_dev0;   /* three lanes at lane_dev0 + 3c (in, compute, out) */
     const mf_task_fn *fn_of;     /* per op: the engine's task functions; NULL: none (simulator) */
+    /* the machine the priorities are priced on (every task's cost: its record's price, sched/cost.h);
+     * NULL: the built-in machine (mf_cost_default_profile) */
+    const mf_profile *profile;
 } mf_sg_opts;
 
 typedef struct mf_stepgraph {

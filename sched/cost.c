@@ -1,0 +1,97 @@
+/* The cost model (sched/cost.h): a task's work priced from a hardware profile, on the host or on a
+ * card, and the built-in machine for an engine given no profile. */
+#include "sched/cost.h"
+
+static const mf_profile mf_cost_builtin = {
+    .name = "built-in",
+    .n_sockets = 1,
+    .threads_per_socket = 64,
+    .host = {[MF_KF_FP4] = {.bytes_per_s = 20e9, .macs_per_s = 0, .latency_ns = 2000},
+             [MF_KF_FP8] = {.bytes_per_s = 20e9, .macs_per_s = 0, .latency_ns = 2000},
+             [MF_KF_BF16] = {.bytes_per_s = 20e9, .macs_per_s = 0, .latency_ns = 2000},
+             [MF_KF_REF] = {.macs_per_s = 1e9}},
+    .disk_bytes_per_s = 1e9,
+    .disk_latency_ns = 100000,
+    .disk_queue_depth = 1,
+    .h2d_bytes_per_s = 25e9,
+    .h2d_latency_ns = 10000,
+    .d2h_bytes_per_s = 25e9,
+    .d2h_latency_ns = 10000,
+    .h2d_total_bytes_per_s = 25e9,
+    .card = {[MF_KF_FP4] = {.bytes_per_s = 20e9, .latency_ns = 5000},
+             [MF_KF_FP8] = {.bytes_per_s = 20e9, .latency_ns = 5000},
+             [MF_KF_BF16] = {.bytes_per_s = 20e9, .latency_ns = 5000},
+             [MF_KF_REF] = {.macs_per_s = 1e9}},
+};
+
+const mf_profile *mf_cost_default_profile(void) { return &mf_cost_builtin; }
+
+double mf_cost_thread_share(const mf_profile *p, int n_threads)
+{
+    if (n_threads < 1) n_threads = 1;
+    int tps = p->threads_per_socket > 0 ? p->threads_per_socket : 1;
+    int sockets = (n_threads + tps - 1) / tps;
+    if (sockets > p->n_sockets) sockets = p->n_sockets > 0 ? p->n_sockets : 1;
+    return p->mem_bytes_per_s * sockets / n_threads;
+}
+
+double mf_cost_kern(const mf_profile_kern *k, double bytes_per_s, double bytes, double macs, int n)
+{
+    double ns = k->latency_ns;
+    if (bytes_per_s > 0) ns += bytes / bytes_per_s * 1e9;
+    if (n > 1 && k->macs_per_s > 0) ns += (n - 1) * macs / k->macs_per_s * 1e9;
+    return ns;
+}
+
+double mf_cost_ref(const mf_profile *p, int card, double flops)
+{
+    const mf_profile_kern *k = card ? &p->card[MF_KF_REF] : &p->host[MF_KF_REF];
+    return k->macs_per_s > 0 ? flops / k->macs_per_s * 1e9 : 0;
+}
+
+/* w's kernels over n tokens on `kern` (a host thread's or a card's), bytes at most `cap` (0: none). */
+static double mf_cost_kernels(const mf_profile_kern *kern, double cap, const mf_work *w, int n)
+{
+    double ns = 0;
+    for (int f = 0; f < MF_KF_REF; f++) {
+        if (!(w->calls[f] > 0)) continue;
+        const mf_profile_kern *k = &kern[f];
+        double bps = k->bytes_per_s;
+        if (cap > 0 && cap < bps) bps = cap;
+        ns += mf_cost_kern(k, bps, w->w_bytes[f], w->macs[f], n) + (w->calls[f] - 1) * k->latency_ns;
+    }
+    return ns;
+}
+
+double mf_cost_host(const mf_cost_model *m, const mf_work *w, int n, double extra_flops)
+{
+    return mf_cost_kernels(m->p->host, m->host_bytes_per_s, w, n) +
+           mf_cost_ref(m->p, 0, w->ref_flops + w->ref_flops_tok * n + extra_flops);
+}
+
+double mf_cost_card(const mf_cost_model *m, const mf_work *w, int n)
+{
+    return mf_cost_kernels(m->p->card, 0, w, n) + mf_cost_ref(m->p, 1, w->ref_flops + w->ref_flops_tok * n);
+}
+
+double mf_cost_disk(const mf_cost_model *m, double bytes, int reads)
+{
+    const mf_profile *p = m->p;
+    double ns = reads * p->disk_latency_ns / (p->disk_queue_depth > 0 ? p->disk_queue_depth : 1);
+    return ns + (p->disk_bytes_per_s > 0 ? bytes / p->disk_bytes_per_s * 1e9 : 0);
+}
+
+double mf_cost_copy(const mf_cost_model *m, int dir, double n_copies, double bytes)
+{
+    const mf_profile *p = m->p;
+    double lat = dir ? p->d2h_latency_ns : p->h2d_latency_ns, bps = dir ? p->d2h_bytes_per_s : p->h2d_bytes_per_s;
+    return n_copies * lat + (bps > 0 ? bytes / bps * 1e9 : 0);
+}
+
+double mf_cost_act_copy(const mf_cost_model *m, int dir, double bytes)
+{
+    const mf_profile *p = m->p;
+    double lat = p->act_copy_latency_ns > 0 ? p->act_copy_latency_ns : dir ? p->d2h_latency_ns : p->h2d_latency_ns;
+    double bps = dir ? p->d2h_bytes_per_s : p->h2d_bytes_per_s;
+    return lat + (bps > 0 ? bytes / bps * 1e9 : 0);
+}

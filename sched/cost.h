@@ -1,0 +1,73 @@
+/* The cost model: what one task's work is (mf_work: weight bytes and multiply-adds per kernel
+ * family, scalar work, host<->card copies, disk reads) and what it takes on a machine described by
+ * a hardware profile (sched/profile.h), on the host or on a card. The simulator prices every
+ * task's record with it (graphs/sim/plan.c) and the step graph's builder sets the executor's
+ * priorities from the same prices (graphs/step/stepgraph.c). Formulas: docs/sim.md "Cost
+ * formulas". Nothing here knows about models; all functions are pure. */
+#ifndef MF_COST_H
+#define MF_COST_H
+
+#include "sched/profile.h"
+
+/* The work of one task. Kernel families as sched/profile.h (MF_KF_*; the MF_KF_REF entries of
+ * the arrays unused: scalar work is ref_flops). Token-scaled terms multiply by the task's tokens
+ * (the caller says which: the items it runs over, or an expert slot's tokens of the step). */
+typedef struct mf_work {
+    double w_bytes[MF_KF_N];   /* weight bytes read (codes + scales) */
+    double macs[MF_KF_N];      /* multiply-adds per token */
+    double calls[MF_KF_N];     /* kernel calls (each pays the family's latency) */
+    double ref_flops;          /* plain scalar code, in REF multiply-adds, for the whole task */
+    double ref_flops_tok;      /* the same per token */
+    double copy_bytes;         /* host<->card: the packed expert, on a cache miss */
+    double copy_bytes_tok;     /* host<->card per token */
+    double io_bytes;           /* disk: the aligned extents, when read */
+    int io_reads;              /* disk requests (each pays the disk's latency) */
+} mf_work;
+
+/* What prices work on a machine: its profile and the cap on one host thread's weight-byte rate
+ * (its share of the socket's memory bandwidth when all workers stream; 0: no cap). */
+typedef struct mf_cost_model {
+    const mf_profile *p;
+    double host_bytes_per_s;
+} mf_cost_model;
+
+/* The built-in machine for an engine given no profile (graphs/step/step.h mf_step_opts.profile
+ * NULL): host kernels at 20 GB/s of weights and 2 us a call, scalar code at 1 G MACs/s, copies at
+ * 25 GB/s and 10 us either way, card kernels at 20 GB/s and 5 us, no memory-bandwidth cap, one
+ * socket of 64 threads; rough, for priorities and hybrid placement only. Static, never NULL. */
+const mf_profile *mf_cost_default_profile(void);
+
+/* One host thread's share of the memory bandwidth when n_threads workers stream weights:
+ * mem_bytes_per_s times the sockets they span (of threads_per_socket each, at most n_sockets)
+ * over n_threads; 0 when the profile gives no memory bandwidth. */
+double mf_cost_thread_share(const mf_profile *p, int n_threads);
+
+/* A kernel of `bytes` weight bytes and `macs` multiply-adds per token over n tokens at byte rate
+ * bytes_per_s (0: bytes cost nothing): latency + bytes / rate + (n - 1) * macs / mac rate. */
+double mf_cost_kern(const mf_profile_kern *k, double bytes_per_s, double bytes, double macs, int n);
+
+/* Scalar work of `flops` REF multiply-adds at the host's (card 0) or a card's (card 1) REF rate,
+ * no latency of its own; 0 where the profile has no such rate. */
+double mf_cost_ref(const mf_profile *p, int card, double flops);
+
+/* w on one host thread over n tokens: per kernel family with calls its calls' latencies, its
+ * bytes at the thread's rate (capped at m->host_bytes_per_s), its multiply-adds; then the scalar
+ * work ref_flops + n ref_flops_tok + extra_flops at the host's REF rate. */
+double mf_cost_host(const mf_cost_model *m, const mf_work *w, int n, double extra_flops);
+
+/* w on a card over n tokens: its kernels as mf_cost_host's at the card's rates (no cap), its
+ * scalar work ref_flops + n ref_flops_tok at the card's REF rate. */
+double mf_cost_card(const mf_cost_model *m, const mf_work *w, int n);
+
+/* Disk: `reads` requests of `bytes` in all, their latency overlapped over the queue depth:
+ * reads * disk_latency / depth + bytes / disk rate. */
+double mf_cost_disk(const mf_cost_model *m, double bytes, int reads);
+
+/* Host-to-card (dir 0) or card-to-host (dir 1) copies: n_copies latencies + bytes / rate. */
+double mf_cost_copy(const mf_cost_model *m, int dir, double n_copies, double bytes);
+
+/* One small copy of activations between a dense sublayer on a card and the host (dir as
+ * mf_cost_copy): act_copy_latency (0 in the profile: the direction's latency) + bytes / rate. */
+double mf_cost_act_copy(const mf_cost_model *m, int dir, double bytes);
+
+#endif

@@ -1,0 +1,133 @@
+/* The cost model (sched/cost.h): each price against the formula written out by hand on a made-up
+ * profile (relative error 1e-12), the built-in machine against the lane models it replaced, and
+ * the step graph's priorities (graphs/step/stepgraph.c) as the prices of the records. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "graphs/model/config.h"
+#include "graphs/step/step.h"
+#include "graphs/step/stepgraph.h"
+#include "sched/cost.h"
+#include "sched/error.h"
+#include "tests/check.h"
+
+static int near(double a, double b) { return fabs(a - b) <= 1e-12 * (fabs(b) > 1 ? fabs(b) : 1); }
+
+static mf_profile made_up(void)
+{
+    mf_profile p;
+    memset(&p, 0, sizeof p);
+    p.n_sockets = 2;
+    p.threads_per_socket = 4;
+    p.mem_bytes_per_s = 40e9;
+    p.host[MF_KF_FP4] = (mf_profile_kern){.bytes_per_s = 30e9, .macs_per_s = 100e9, .latency_ns = 1500};
+    p.host[MF_KF_FP8] = (mf_profile_kern){.bytes_per_s = 8e9, .macs_per_s = 50e9, .latency_ns = 700};
+    p.host[MF_KF_REF] = (mf_profile_kern){.macs_per_s = 2e9};
+    p.card[MF_KF_FP4] = (mf_profile_kern){.bytes_per_s = 900e9, .macs_per_s = 400e12, .latency_ns = 9000};
+    p.card[MF_KF_REF] = (mf_profile_kern){.macs_per_s = 50e9};
+    p.disk_bytes_per_s = 2e9;
+    p.disk_latency_ns = 80000;
+    p.disk_queue_depth = 4;
+    p.h2d_bytes_per_s = 24e9;
+    p.h2d_latency_ns = 11000;
+    p.d2h_bytes_per_s = 20e9;
+    p.d2h_latency_ns = 13000;
+    return p;
+}
+
+static void test_formulas(void)
+{
+    mf_profile p = made_up();
+    CHECK(near(mf_cost_thread_share(&p, 6), 40e9 * 2 / 6), "share of 6 threads over 2 sockets");
+    CHECK(near(mf_cost_thread_share(&p, 3), 40e9 / 3), "share of 3 threads on 1 socket");
+    mf_cost_model m = {.p = &p, .host_bytes_per_s = 10e9};
+    const mf_profile_kern *k4 = &p.host[MF_KF_FP4];
+    CHECK(near(mf_cost_kern(k4, 30e9, 3e6, 2e6, 1), 1500 + 3e6 / 30e9 * 1e9), "kernel, one token");
+    CHECK(near(mf_cost_kern(k4, 30e9, 3e6, 2e6, 5), 1500 + 3e6 / 30e9 * 1e9 + 4 * 2e6 / 100e9 * 1e9), "kernel, 5 tokens");
+    mf_work w = {0};
+    w.w_bytes[MF_KF_FP4] = 6e6, w.macs[MF_KF_FP4] = 4e6, w.calls[MF_KF_FP4] = 3;
+    w.w_bytes[MF_KF_FP8] = 1e6, w.macs[MF_KF_FP8] = 1e6, w.calls[MF_KF_FP8] = 1;
+    w.ref_flops = 5e5, w.ref_flops_tok = 1e4;
+    /* fp4 capped at the thread's share (10e9 < 30e9), fp8 under it (8e9); 2 more fp4 calls' latencies */
+    double host = 1500 + 6e6 / 10e9 * 1e9 + 3 * 4e6 / 100e9 * 1e9 + 2 * 1500 + 700 + 1e6 / 8e9 * 1e9 +
+                  3 * 1e6 / 50e9 * 1e9 + (5e5 + 4 * 1e4 + 7e3) / 2e9 * 1e9;
+    CHECK(near(mf_cost_host(&m, &w, 4, 7e3), host), "host work: %.3f ns, expected %.3f", mf_cost_host(&m, &w, 4, 7e3), host);
+    mf_work e = {0};
+    e.w_bytes[MF_KF_FP4] = 6e6, e.macs[MF_KF_FP4] = 4e6, e.calls[MF_KF_FP4] = 1, e.ref_flops = 1e6;
+    double card = 9000 + 6e6 / 900e9 * 1e9 + 2 * 4e6 / 400e12 * 1e9 + 1e6 / 50e9 * 1e9;
+    CHECK(near(mf_cost_card(&m, &e, 3), card), "card work: %.3f ns, expected %.3f", mf_cost_card(&m, &e, 3), card);
+    CHECK(near(mf_cost_disk(&m, 1e6, 6), 6 * 80000.0 / 4 + 1e6 / 2e9 * 1e9), "disk reads");
+    CHECK(near(mf_cost_copy(&m, 0, 8, 3e6), 8 * 11000.0 + 3e6 / 24e9 * 1e9), "h2d copies");
+    CHECK(near(mf_cost_copy(&m, 1, 1, 3e6), 13000 + 3e6 / 20e9 * 1e9), "d2h copy");
+    CHECK(near(mf_cost_act_copy(&m, 1, 4e4), 13000 + 4e4 / 20e9 * 1e9), "act copy without its own latency");
+    p.act_copy_latency_ns = 3000;
+    CHECK(near(mf_cost_act_copy(&m, 0, 4e4), 3000 + 4e4 / 24e9 * 1e9), "act copy with its latency");
+}
+
+/* The built-in machine gives the lane models the engine had without a profile. */
+static void test_builtin(void)
+{
+    mf_lane_model m[4];
+    mf_step_lane_models(NULL, 2, m);
+    CHECK(m[0].bytes_per_s == 20e9 && m[0].latency_ns == 2000 && m[0].flops_per_s == 0, "cpu lane model");
+    CHECK(m[1].bytes_per_s == 25e9 && m[1].latency_ns == 10000, "h2d lane model");
+    CHECK(m[2].bytes_per_s == 20e9 && m[2].latency_ns == 5000, "card lane model");
+    CHECK(m[3].bytes_per_s == 25e9 && m[3].latency_ns == 10000, "d2h lane model");
+    const mf_profile *d = mf_cost_default_profile();
+    CHECK(d && d->host[MF_KF_REF].macs_per_s > 0 && d->card[MF_KF_FP8].bytes_per_s > 0, "built-in rates");
+}
+
+/* Every task's cost in the demo's graph at batch 4 (with a store and 2 cards) is its lane's
+ * latency plus its record's price at the expected shape, on the given profile or the built-in. */
+static void test_priorities(void)
+{
+    mf_config c;
+    CHECK(mf_config_preset("demo", &c) == 0, "preset demo");
+    mf_sg_sizes *sz = NULL;
+    CHECK(mf_sg_sizes_new(&c, &sz) == 0, "sizes: %s", mf_last_error());
+    mf_profile made = made_up();
+    const mf_profile *profs[2] = {NULL, &made};
+    for (int k = 0; k < 2 && sz; k++) {
+        const mf_profile *f = profs[k], *pf = f ? f : mf_cost_default_profile();
+        mf_lane_model lm[4];
+        mf_step_lane_models(f, 2, lm);
+        mf_sg_lanes lt;
+        mf_sg_lanes_init(&lt, lm, 2, 1, 2);
+        mf_stepgraph *sg = NULL;
+        int n = 4;
+        CHECK(mf_stepgraph_new(&(mf_sg_opts){.c = &c, .sz = sz, .n = n, .par = 1, .n_threads = 2, .n_cards = 2,
+                                             .store = 1, .lanes = lt.lane, .n_lanes = lt.n_lanes,
+                                             .lane_io = lt.lane_io, .lane_dev0 = lt.lane_dev0, .profile = f},
+                               &sg) == 0,
+              "graph: %s", mf_last_error());
+        mf_cost_model m = {.p = pf, .host_bytes_per_s = mf_cost_thread_share(pf, 2)};
+        int tok = (n * c.n_experts_per_tok + c.n_routed_experts - 1) / c.n_routed_experts;
+        mf_sg_step_cost st = {.slot_tokens = tok > 1 ? tok : 1, .n_head = n, .dev_miss = 1};
+        int bad = 0, checked = 0;
+        for (int t = 0; sg && t < sg->n_tasks; t++) {
+            const mf_sg_task *r = &sg->task[t];
+            if (r->op == MF_SG_ATTN_HEADS || r->op == MF_SG_ATTN_SCORE || r->op == MF_SG_ATTN_SELECT ||
+                r->op == MF_SG_DEV_FFN_CARD)
+                continue;   /* positional work at the steady state; a card's share of the slots */
+            double want = mf_graph_lane(sg->g, mf_graph_task(sg->g, t)->lane)->model.latency_ns +
+                          mf_sg_task_ns(r, &m, &st);
+            double got = mf_graph_task_cost_ns(sg->g, t);
+            checked++;
+            if (!near(got, want) && bad++ < 5)
+                CHECK(0, "%s: task %d (op %d): cost %.3f ns, expected %.3f", f ? "made up" : "built-in", t, r->op,
+                      got, want);
+        }
+        CHECK(checked > 100 && !bad, "%d of %d tasks' costs differ", bad, checked);
+        mf_stepgraph_free(sg);
+    }
+    mf_sg_sizes_free(sz);
+}
+
+int main(void)
+{
+    test_formulas();
+    test_builtin();
+    test_priorities();
+    return mf_check_exit("test_cost");
+}
