@@ -96,6 +96,9 @@ static void mf_decode_usage(FILE *f)
             "                      expert, head) on the cards by layer ranges, activations copied per\n"
             "                      sublayer (default with emu:N devices; CUDA cards refuse it: no dense\n"
             "                      card kernels in the engine yet); host: on the host (default otherwise)\n"
+            "  --micro-batches M   scheduled engine, batch >= 2: 2 splits the batch into two halves\n"
+            "                      in flight at once (one half's routed experts beside the other's\n"
+            "                      attention; the same logits bit for bit); 1: one (default)\n"
             "  --placement P       seed: routed experts on the card owning them; hybrid: per\n"
             "                      expert and step the cheaper of host and card by the lanes'\n"
             "                      cost models (default with --devices); host: all on the\n"
@@ -398,7 +401,7 @@ int mf_cmd_decode(int argc, char **argv)
     int no_bos = 0, ignore_eos = 0, act_quant = 0, quiet = 0, exact = 0;
     int dev_graphs = mf_tool_env_on("MOEFLOW_DEV_GRAPHS");   /* --dev-graphs */
     int store_mode = 0, store_tables = 0;
-    long io_depth = 0, read_window = 0;
+    long io_depth = 0, read_window = 0, micro = 1;
     uint64_t store_budget = 0;
     const char *trace = NULL, *devices = NULL, *placement = NULL, *record = NULL, *dense_s = NULL;
     uint64_t dev_cache = 0;
@@ -509,6 +512,12 @@ int mf_cmd_decode(int argc, char **argv)
             dense_s = argv[++i];
             if (strcmp(dense_s, "host") && strcmp(dense_s, "cards")) {
                 fprintf(stderr, "moeflow decode: --dense: expected host or cards, found '%s'\n", dense_s);
+                return 2;
+            }
+        } else if (!strcmp(a, "--micro-batches") && hv) {
+            micro = strtol(argv[++i], &end, 10);
+            if (*end || (micro != 1 && micro != 2)) {
+                fprintf(stderr, "moeflow decode: --micro-batches: expected 1 or 2, found '%s'\n", argv[i]);
                 return 2;
             }
         } else if (!strcmp(a, "--placement") && hv) {
@@ -704,6 +713,7 @@ int mf_cmd_decode(int argc, char **argv)
                                                  .read_window = (int)read_window, .dev = dev,
                                                  .placement = place, .dev_cache_bytes = dev_cache,
                                                  .dev_graphs = dev_graphs, .dense = dense,
+                                                 .micro = (int)micro,
                                                  .profile = profile_path ? &prof : NULL,
                                                  .io_depth = (int)io_depth,
                                                  .io_force_pread = mf_tool_io_env.force_pread,

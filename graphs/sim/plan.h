@@ -52,6 +52,8 @@ typedef struct mf_plan_opts {
     int dev_graphs;              /* 1: a layer's FFNs on a card are one device graph (mf_step_opts.dev_graphs) */
     int dense;                   /* mf_plan_dense: the dense work on the host (0) or on the cards (n_cards or
                                   * the profile's; mf_sg_dense_card; their weights leave the rest to the caches) */
+    int micro;                   /* 2: two micro-batches in flight (mf_step_opts.micro; routing drawn per
+                                  * half as the engine routes it); 0 or 1: one */
     double dev_task_ns;          /* emulated cards: the host core time of one device task's round
                                   * trip (`moeflow bench devtasks`; 0: the profile's card_fp4_latency_ns) */
     double cpu_bytes_per_s;      /* overrides the engine's model of host expert work per worker, as

@@ -92,13 +92,14 @@ struct mf_step_shape {
     int32_t *cnt, *fill;   /* n_routed_experts */
     int32_t *slot_of;   /* n_routed_experts -> slot (-1) */
     int32_t *slot_e, *slot_off, *slot_cnt;   /* n_slots */
-    int n_used;
+    int n_used[2];      /* per micro-batch (sg->n_halves): its first slots used (mf_step_slot_live) */
     /* with an expert store: per slot its weights (w1, w2, w3 pointing into the store's slab) and
      * the reads of its IO tasks (n_parts per slot; empty on hits), filled by the route task */
     mf_weight *slot_w;      /* n_slots x 3 */
     mf_io_read *slot_rd;    /* n_slots x n_parts */
     int n_parts;
     int store_layer;        /* layer whose store batch is open, -1 */
+    int store_half;         /* the micro-batch whose slots it holds */
     /* with devices: per slot its card (-1: host), its expert's cache slot on the card and whether
      * it must be copied in (a miss); per card the slot-ordered device buffers (x, token weights,
      * h, int8 scratch per slot, y), as offsets into dbuf[card] */
@@ -106,13 +107,15 @@ struct mf_step_shape {
     uint8_t **slot_dev;
     uint8_t *slot_miss;
     int dev_layer;          /* layer whose cache slots are pinned, -1 */
+    int dev_half;           /* the micro-batch whose slots they are */
     uint8_t *dbuf[MF_DEV_MAX_CARDS];
     size_t d_x, d_w, d_h, d_q, d_y, d_tab, dq_bytes;
     /* device graphs (opts dev_graphs): per card the slot tables of every layer (pinned host copy
      * filled by the route task, device copy refreshed by the graph) and each layer's graph,
      * captured on its first run: the table's h2d copy, then the slot-table FFN */
     mf_dev_ffn_slot *htab[MF_DEV_MAX_CARDS];
-    mf_dev_graph **dgraph[MF_DEV_MAX_CARDS];
+    mf_dev_graph **dgraph[MF_DEV_MAX_CARDS];   /* n_dgraph each: per layer and micro-batch */
+    int n_dgraph;
     /* slot-ordered expert buffers (n x K rows) */
     float *xg, *wg, *h, *gg, *uu, *y;
     mf_kern_q8 *q8x, *q8h;   /* n_slots */
@@ -275,8 +278,9 @@ static int mf_task_engram_rows(void *arg, mf_task_ctx *ctx)
     const mf_weight *w = &mf_model_layer_at(cx->ly->m, a->t->layer)->eg_wkv;
     int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
-    int rc = mf_ly_linear_part(cx, w, sh->eg_emb, sh->n, sh->eg_emb_ld, sh->eg_kv,
-                                sh->eg_kv_ld, r0, r1);
+    size_t i0 = (size_t)a->t->i0;   /* the micro-batch's items */
+    int rc = mf_ly_linear_part(cx, w, sh->eg_emb + i0 * sh->eg_emb_ld, a->t->n_tok, sh->eg_emb_ld,
+                                sh->eg_kv + i0 * sh->eg_kv_ld, sh->eg_kv_ld, r0, r1);
     return rc ? mf_error_wrap(rc, "step: layer %d, rows [%d, %d) of the Engram wkv", a->t->layer, r0, r1) : 0;
 }
 
@@ -382,8 +386,9 @@ static int mf_task_attn_rows(void *arg, mf_task_ctx *ctx)
         int64_t lo = r0 - off > 0 ? r0 - off : 0, hi = r1 - off < l->w->rows ? r1 - off : l->w->rows;
         off += l->w->rows;
         if (lo >= hi) continue;
-        int rc = mf_ly_attn_lin_rows(cx, l, sh->ab[l->x], sh->ab_ld[l->x], sh->ab[l->y], sh->ab_ld[l->y], sh->n,
-                                      lo, hi);
+        size_t i0 = (size_t)a->t->i0;   /* the micro-batch's items */
+        int rc = mf_ly_attn_lin_rows(cx, l, sh->ab[l->x] + i0 * sh->ab_ld[l->x], sh->ab_ld[l->x],
+                                      sh->ab[l->y] + i0 * sh->ab_ld[l->y], sh->ab_ld[l->y], a->t->n_tok, lo, hi);
         if (rc) return mf_error_wrap(rc, "step: layer %d, rows [%lld, %lld) of %s", a->t->layer, (long long)lo,
                                      (long long)hi, l->w->name ? l->w->name : "an attention linear");
     }
@@ -519,41 +524,52 @@ static int mf_task_gate_rows(void *arg, mf_task_ctx *ctx)
     int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
     int64_t H = sh->eng->c->hidden_size;
-    int rc = mf_ly_gate_rows(cx, a->t->layer, sh->xin, sh->n, H, sh->logits, w->rows, r0, r1);
+    size_t i0 = (size_t)a->t->i0;   /* the micro-batch's items */
+    int rc = mf_ly_gate_rows(cx, a->t->layer, sh->xin + i0 * H, a->t->i1 - a->t->i0, H, sh->logits + i0 * w->rows,
+                             w->rows, r0, r1);
     return rc ? mf_error_wrap(rc, "step: layer %d, rows [%d, %d) of the router gate", a->t->layer, r0, r1) : 0;
 }
 
-/* Top-k of the gate logits of every item, in item order (with the route hook). */
-static void mf_step_topk(mf_step_shape *sh, mf_ly_ctx *cx, int L)
+/* Top-k of the gate logits of items [i0, i1), in item order (with the route hook). */
+static void mf_step_topk(mf_step_shape *sh, mf_ly_ctx *cx, int L, int i0, int i1)
 {
     const mf_config *c = cx->ly->c;
     int K = c->n_experts_per_tok, E = c->n_routed_experts;
-    for (int i = 0; i < sh->n; i++)
+    for (int i = i0; i < i1; i++)
         mf_ly_route_item(cx, &sh->items[i], L, sh->logits + (size_t)i * E, sh->ex + (size_t)i * K,
                          sh->wt + (size_t)i * K);
 }
 
-/* Opens the store's batch for layer L's slots (hits and misses decided, all pinned) and fills
- * each slot's IO reads (none on hits) and weight views into the slab. */
-static int mf_step_store_begin(mf_step_shape *sh, int L)
+/* 1 when slot s is used in this layer (among its micro-batch's first n_used). */
+static int mf_step_slot_live(const mf_step_shape *sh, int s)
+{
+    int h = mf_stepgraph_half_of_slot(sh->sg, s);
+    return s - sh->sg->half_slot[h] < sh->n_used[h];
+}
+
+/* Opens the store's batch for micro-batch h's slots of layer L (hits and misses decided, all
+ * pinned) and fills each slot's IO reads (none on hits) and weight views into the slab. */
+static int mf_step_store_begin(mf_step_shape *sh, int L, int h)
 {
     mf_store *st = sh->eng->store;
     const mf_model_layer *y = mf_model_layer_at(sh->eng->ly->m, L);
-    int rc = mf_store_begin(st, L, sh->slot_e, sh->n_used), any = 0;
-    if (rc) return mf_error_wrap(rc, "step: layer %d: making its %d experts present", L, sh->n_used);
+    int s0 = sh->sg->half_slot[h], nu = sh->n_used[h];
+    int rc = mf_store_begin(st, L, sh->slot_e + s0, nu), any = 0;
+    if (rc) return mf_error_wrap(rc, "step: layer %d: making its %d experts present", L, nu);
     sh->store_layer = L;
-    for (int s = 0; s < sh->n_slots; s++) {
-        int nr = 0;
-        const mf_io_read *rd = s < sh->n_used ? mf_store_reads(st, s, &nr) : NULL;
+    sh->store_half = h;
+    for (int s = s0; s < sh->sg->half_slot[h + 1]; s++) {
+        int nr = 0, q = s - s0;   /* the slot's place in the store's batch */
+        const mf_io_read *rd = q < nu ? mf_store_reads(st, q, &nr) : NULL;
         for (int j = 0; j < sh->n_parts; j++)
             sh->slot_rd[(size_t)s * sh->n_parts + j] = j < nr ? rd[j] : (mf_io_read){.fd = -1};
         any |= nr > 0;
-        if (s >= sh->n_used) continue;
+        if (q >= nu) continue;
         for (int k = 0; k < 3; k++) {
             mf_weight *w = &sh->slot_w[(size_t)s * 3 + k];
             *w = y->experts[sh->slot_e[s] * 3 + k];
-            w->data = mf_store_batch_part(st, s, 2 * k);
-            w->scale = mf_store_batch_part(st, s, 2 * k + 1);
+            w->data = mf_store_batch_part(st, q, 2 * k);
+            w->scale = mf_store_batch_part(st, q, 2 * k + 1);
             if (!w->data || !w->scale) {
                 sh->store_layer = -1;
                 return mf_store_end(st, mf_error(-EFAULT, "step: %s has no place in the expert store "
@@ -596,18 +612,20 @@ void mf_step_lane_models(const mf_profile *p, int threads, mf_lane_model models[
     models[3] = (mf_lane_model){.bytes_per_s = p->d2h_bytes_per_s, .latency_ns = p->d2h_latency_ns};
 }
 
-/* Decides where layer L's slots run (sh->slot_card) and takes their cache slots on the cards
- * (pinned until the layer's end): SEED the owner card; HYBRID the earlier finish by the lanes'
- * cost models, host work spread over the workers, each card's copy and compute queues apart. */
-static int mf_step_place(mf_step_shape *sh, int L)
+/* Decides where micro-batch h's slots of layer L run (sh->slot_card) and takes their cache slots
+ * on the cards (pinned until its MoE's end): SEED the owner card; HYBRID the earlier finish by the
+ * lanes' cost models, host work spread over the workers, each card's copy and compute queues apart. */
+static int mf_step_place(mf_step_shape *sh, int L, int h)
 {
     mf_step *eng = sh->eng;
     mf_sg_placer pl;
+    int s0 = sh->sg->half_slot[h], s1 = sh->sg->half_slot[h + 1];
     mf_sg_placer_init(&pl, eng->models, eng->o.n_threads, eng->o.placement == MF_STEP_PLACE_HYBRID,
                       (double)eng->xslot_bytes);
     sh->dev_layer = L;
-    for (int s = 0; s < sh->n_slots; s++) sh->slot_card[s] = -1;
-    for (int s = 0; s < sh->n_used; s++) {
+    sh->dev_half = h;
+    for (int s = s0; s < s1; s++) sh->slot_card[s] = -1;
+    for (int s = s0; s < s0 + sh->n_used[h]; s++) {
         int e = sh->slot_e[s], c = mf_dev_xcache_owner(eng->n_cards, L, e);
         if (!mf_sg_place_want_card(&pl, c, sh->slot_cnt[s], mf_dev_xcache_has(eng->xc[c], L, e))) {
             eng->dstat.host_slots++;
@@ -631,8 +649,8 @@ static int mf_step_place(mf_step_shape *sh, int L)
     if (eng->dev_graphs)   /* the slot tables of layer L: a card's own slots, the rest unused */
         for (int c = 0; c < eng->n_cards; c++) {
             mf_dev_ffn_slot *tab = sh->htab[c] + (size_t)L * sh->n_slots;
-            for (int s = 0; s < sh->n_slots; s++)
-                tab[s] = s < sh->n_used && sh->slot_card[s] == c
+            for (int s = s0; s < s1; s++)
+                tab[s] = mf_step_slot_live(sh, s) && sh->slot_card[s] == c
                              ? (mf_dev_ffn_slot){(uint64_t)(uintptr_t)sh->slot_dev[s], sh->slot_off[s], sh->slot_cnt[s]}
                              : (mf_dev_ffn_slot){0, 0, 0};
         }
@@ -645,7 +663,8 @@ static void mf_step_dev_release(mf_step_shape *sh, int failed)
 {
     mf_step *eng = sh->eng;
     if (sh->dev_layer < 0) return;
-    for (int s = 0; s < sh->n_used; s++) {
+    int s0 = sh->sg->half_slot[sh->dev_half];
+    for (int s = s0; s < s0 + sh->n_used[sh->dev_half]; s++) {
         int c = sh->slot_card[s];
         if (c < 0) continue;
         if (failed && sh->slot_miss[s]) mf_dev_xcache_drop(eng->xc[c], sh->dev_layer, sh->slot_e[s]);
@@ -672,7 +691,8 @@ static int mf_step_dev_fail(mf_step_shape *sh, int rc)
             rc = mf_error_wrap(rc, "layer %d, dense work on card %d", a->t->layer, a->t->card);
             break;
         }
-        if (a->t->layer != L || a->t->slot >= sh->n_used) continue;
+        if (a->t->layer != L || a->t->half != sh->dev_half || (a->t->slot >= 0 && !mf_step_slot_live(sh, a->t->slot)))
+            continue;
         if (a->t->slot < 0) {   /* a card's graph of the layer's FFNs */
             rc = mf_error_wrap(rc, "layer %d, the routed experts on card %d (their cache slots copied in "
                                "this step are dropped)", L, a->t->card);
@@ -696,7 +716,7 @@ static int mf_task_dev_in(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     int s = a->t->slot;
-    if (s >= sh->n_used || sh->slot_card[s] != a->t->card) return MF_TASK_NO_WORK;
+    if (!mf_step_slot_live(sh, s) || sh->slot_card[s] != a->t->card) return MF_TASK_NO_WORK;
     mf_step *eng = sh->eng;
     mf_dev_stream *st = ctx->queue;
     int64_t H = eng->c->hidden_size;
@@ -721,7 +741,7 @@ static int mf_task_dev_ffn(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     int s = a->t->slot;
-    if (s >= sh->n_used || sh->slot_card[s] != a->t->card) return MF_TASK_NO_WORK;
+    if (!mf_step_slot_live(sh, s) || sh->slot_card[s] != a->t->card) return MF_TASK_NO_WORK;
     mf_step *eng = sh->eng;
     int64_t H = eng->c->hidden_size, I = eng->c->moe_intermediate_size;
     const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, s);
@@ -750,23 +770,25 @@ static int mf_task_dev_ffn_card(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
-    int c = a->t->card, L = a->t->layer, any = 0;
-    for (int s = 0; s < sh->n_used && !any; s++) any = sh->slot_card[s] == c;
+    int c = a->t->card, L = a->t->layer, h = a->t->half, any = 0;
+    int s0 = sh->sg->half_slot[h], ns = sh->sg->half_slot[h + 1] - s0;   /* the micro-batch's slots */
+    for (int s = s0; s < s0 + sh->n_used[h] && !any; s++) any = sh->slot_card[s] == c;
     if (!any) return MF_TASK_NO_WORK;
     mf_dev_stream *st = ctx->queue;
-    mf_dev_graph **g = &sh->dgraph[c][L];
+    mf_dev_graph **g = &sh->dgraph[c][L * sh->sg->n_halves + h];
     if (!*g) {
         uint8_t *db = sh->dbuf[c];
-        mf_dev_ffn_slot *dtab = (mf_dev_ffn_slot *)(db + sh->d_tab) + (size_t)L * sh->n_slots;
+        mf_dev_ffn_slot *dtab = (mf_dev_ffn_slot *)(db + sh->d_tab) + (size_t)L * sh->n_slots + s0;
         mf_dev_ffn_table t = {.n_in = (int)eng->c->hidden_size, .n_hidden = (int)eng->c->moe_intermediate_size,
-                              .table = dtab, .n_slots = sh->n_slots, .max_tok = sh->n,
+                              .table = dtab, .n_slots = ns, .max_tok = sh->n,
                               .x = (const float *)(db + sh->d_x), .tok_weight = (const float *)(db + sh->d_w),
                               .limit = (float)eng->c->swiglu_limit, .h = (float *)(db + sh->d_h),
-                              .q8_scratch = db + sh->d_q, .q8_stride = sh->dq_bytes, .y = (float *)(db + sh->d_y)};
+                              .q8_scratch = db + sh->d_q + (size_t)s0 * sh->dq_bytes, .q8_stride = sh->dq_bytes,
+                              .y = (float *)(db + sh->d_y)};
         for (int k = 0; k < 6; k++) t.part_off[k] = eng->part_off[k];
         int rc = mf_dev_capture_begin(st);
         if (rc) return rc;
-        rc = mf_dev_copy_h2d(st, dtab, sh->htab[c] + (size_t)L * sh->n_slots, sizeof *dtab * (size_t)sh->n_slots);
+        rc = mf_dev_copy_h2d(st, dtab, sh->htab[c] + (size_t)L * sh->n_slots + s0, sizeof *dtab * (size_t)ns);
         if (!rc) rc = mf_dev_expert_ffn_table(st, &t);
         mf_dev_graph *ng = NULL;
         int rc2 = mf_dev_capture_end(st, &ng);
@@ -785,7 +807,7 @@ static int mf_task_dev_out(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     int s = a->t->slot;
-    if (s >= sh->n_used || sh->slot_card[s] != a->t->card) return MF_TASK_NO_WORK;
+    if (!mf_step_slot_live(sh, s) || sh->slot_card[s] != a->t->card) return MF_TASK_NO_WORK;
     int64_t H = sh->eng->c->hidden_size;
     size_t off = (size_t)sh->slot_off[s], cnt = (size_t)sh->slot_cnt[s];
     return mf_dev_copy_d2h(ctx->queue, sh->y + off * H, (const float *)(sh->dbuf[a->t->card] + sh->d_y) + off * H,
@@ -805,14 +827,18 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
     const mf_config *c = eng->c;
     int K = c->n_experts_per_tok, E = c->n_routed_experts;
     int64_t H = c->hidden_size;
-    mf_step_topk(sh, cx, a->t->layer);
+    /* the micro-batch's items [i0, i1) and slots [s0, s1) (its rows in slot order from i0 * K):
+     * the other micro-batch's route runs before this one's MoE starts or after it ends, so the
+     * expert counts and fills are this route's alone */
+    int h = a->t->half, i0 = a->t->i0, i1 = a->t->i1, s0 = sh->sg->half_slot[h], s1 = sh->sg->half_slot[h + 1];
+    mf_step_topk(sh, cx, a->t->layer, i0, i1);
     memset(sh->cnt, 0, sizeof *sh->cnt * (size_t)E);
-    for (int j = 0; j < sh->n * K; j++) sh->cnt[sh->ex[j]]++;
-    int ns = 0, off = 0;
+    for (int j = i0 * K; j < i1 * K; j++) sh->cnt[sh->ex[j]]++;
+    int ns = s0, off = i0 * K;
     for (int e = 0; e < E; e++) {
         sh->slot_of[e] = -1;
         if (!sh->cnt[e]) continue;
-        if (ns == sh->n_slots) return mf_error(-EINVAL, "step: more experts than slots (internal)");
+        if (ns == s1) return mf_error(-EINVAL, "step: more experts than slots (internal)");
         sh->slot_of[e] = ns;
         sh->slot_e[ns] = e;
         sh->slot_off[ns] = off;
@@ -821,8 +847,8 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
         off += sh->cnt[e];
         ns++;
     }
-    sh->n_used = ns;
-    for (int i = 0; i < sh->n; i++)
+    sh->n_used[h] = ns - s0;
+    for (int i = i0; i < i1; i++)
         for (int k = 0; k < K; k++) {
             int e = sh->ex[i * K + k], row = sh->fill[e]++;
             sh->asg[i * K + k] = row;
@@ -830,19 +856,19 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
             sh->wg[row] = sh->wt[i * K + k];
         }
     if (eng->store) {
-        int rc = mf_step_store_begin(sh, a->t->layer);
+        int rc = mf_step_store_begin(sh, a->t->layer, h);
         if (rc) return rc;
     }
     if (eng->n_cards) {   /* routed experts on cards */
-        int rc = mf_step_place(sh, a->t->layer);
+        int rc = mf_step_place(sh, a->t->layer, h);
         if (rc) return rc;
     }
     /* the slot tasks with nothing to do this step (unused slots; a slot's host tasks when it runs
      * on a card, its tasks on the other cards): the executor completes them where they become
      * ready, without waking a lane's thread or a round trip through a card's stream */
-    mf_stepgraph_mark_noop(sh->sg, a->t->layer, sh->n_used, sh->slot_card);
+    mf_stepgraph_mark_noop_half(sh->sg, a->t->layer, h, sh->n_used[h], sh->slot_card ? sh->slot_card + s0 : NULL);
     if (!eng->o.exact)
-        for (int s = 0; s < ns; s++) {
+        for (int s = s0; s < ns; s++) {
             if (sh->slot_card && sh->slot_card[s] >= 0) continue;   /* the card quantizes its own */
             int rc = mf_kern_q8_init(&sh->q8x[s], sh->q8x_mem + (size_t)s * sh->q8x_bytes, sh->q8x_bytes,
                                      sh->slot_cnt[s], (int)H);
@@ -861,10 +887,11 @@ static int mf_task_moe_done(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     mf_store *st = sh->eng->store;
-    if (sh->dev_layer == a->t->layer) mf_step_dev_release(sh, 0);
-    if (!st || sh->store_layer != a->t->layer) return 0;
+    int h = a->t->half, s0 = sh->sg->half_slot[h];
+    if (sh->dev_layer == a->t->layer && sh->dev_half == h) mf_step_dev_release(sh, 0);
+    if (!st || sh->store_layer != a->t->layer || sh->store_half != h) return 0;
     int rc = mf_store_end(st, 0);
-    mf_store_unpin(st, a->t->layer, sh->slot_e, sh->n_used);
+    mf_store_unpin(st, a->t->layer, sh->slot_e + s0, sh->n_used[h]);
     sh->store_layer = -1;
     return rc;
 }
@@ -916,7 +943,7 @@ static int mf_task_slot_up(void *arg, mf_task_ctx *ctx)
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    if (a->t->slot >= sh->n_used || (sh->slot_card && sh->slot_card[a->t->slot] >= 0)) return 0;
+    if (!mf_step_slot_live(sh, a->t->slot) || (sh->slot_card && sh->slot_card[a->t->slot] >= 0)) return 0;
     mf_step *eng = sh->eng;
     const mf_config *c = eng->c;
     int64_t H = c->hidden_size, I = c->moe_intermediate_size;
@@ -934,7 +961,8 @@ static int mf_task_slot_join(void *arg, mf_task_ctx *ctx)
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    if (a->t->slot >= sh->n_used || sh->eng->o.exact || (sh->slot_card && sh->slot_card[a->t->slot] >= 0)) return 0;
+    if (!mf_step_slot_live(sh, a->t->slot) || sh->eng->o.exact || (sh->slot_card && sh->slot_card[a->t->slot] >= 0))
+        return 0;
     int I = (int)sh->eng->c->moe_intermediate_size, s = a->t->slot;
     int rc = mf_kern_q8_init(&sh->q8h[s], sh->q8h_mem + (size_t)s * sh->q8h_bytes, sh->q8h_bytes,
                              sh->slot_cnt[s], I);
@@ -947,7 +975,7 @@ static int mf_task_slot_down(void *arg, mf_task_ctx *ctx)
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    if (a->t->slot >= sh->n_used || (sh->slot_card && sh->slot_card[a->t->slot] >= 0)) return 0;
+    if (!mf_step_slot_live(sh, a->t->slot) || (sh->slot_card && sh->slot_card[a->t->slot] >= 0)) return 0;
     mf_step *eng = sh->eng;
     int64_t H = eng->c->hidden_size, I = eng->c->moe_intermediate_size;
     const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, a->t->slot);
@@ -967,8 +995,9 @@ static int mf_task_sh_up(void *arg, mf_task_ctx *ctx)
     const mf_model_layer *y = mf_model_layer_at(eng->ly->m, a->t->layer);
     int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
-    return mf_step_ffn_up(eng, &y->sh_w1, &y->sh_w3, sh->xin, NULL, sh->n, NULL, sh->hs, sh->gs, sh->us,
-                          r0, r1);
+    size_t i0 = (size_t)a->t->i0, I = (size_t)y->sh_w1.rows;   /* the micro-batch's items */
+    return mf_step_ffn_up(eng, &y->sh_w1, &y->sh_w3, sh->xin + i0 * eng->c->hidden_size, NULL, a->t->n_tok, NULL,
+                          sh->hs + i0 * I, sh->gs ? sh->gs + i0 * I : NULL, sh->us ? sh->us + i0 * I : NULL, r0, r1);
 }
 
 static int mf_task_nop(void *arg, mf_task_ctx *ctx)
@@ -987,7 +1016,9 @@ static int mf_task_sh_down(void *arg, mf_task_ctx *ctx)
     const mf_model_layer *y = mf_model_layer_at(eng->ly->m, a->t->layer);
     int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
-    return mf_step_ffn_down(eng, &y->sh_w2, sh->hs, NULL, sh->n, sh->ys, r0, r1);
+    size_t i0 = (size_t)a->t->i0;   /* the micro-batch's items */
+    return mf_step_ffn_down(eng, &y->sh_w2, sh->hs + i0 * y->sh_w1.rows, NULL, a->t->n_tok,
+                            sh->ys + i0 * eng->c->hidden_size, r0, r1);
 }
 
 /* Combine, columns [r0, r1) of one item: the routed outputs in its top-k order, then the shared
@@ -1055,7 +1086,9 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
 {
     mf_step_shape *sh = a->sh;
     const mf_config *c = sh->eng->c;
-    size_t n = (size_t)sh->n, f = sizeof(float), H = (size_t)c->hidden_size;
+    /* the micro-batch's items [i0, i0 + n) */
+    size_t i0 = (size_t)a->t->i0, n = (size_t)(a->t->i1 - a->t->i0), f = sizeof(float), H = (size_t)c->hidden_size;
+    size_t E = (size_t)c->n_routed_experts;
     int d = a->t->dense, m = 0;
     if (d <= MF_SG_D_ATTN_OB) {
         static const int stage_of[4] = {MF_LY_A_STAGE_IN, MF_LY_A_STAGE_QB, MF_LY_A_STAGE_OA, MF_LY_A_STAGE_OB};
@@ -1066,18 +1099,19 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
             int b = out ? lin[k].y : lin[k].x;
             if (seen & (1 << b)) continue;
             seen |= 1 << b;
-            cp[m++] = (mf_step_dcopy){sh->ab[b], sh->dd_ab[b], n * (size_t)sh->ab_ld[b] * f};
+            size_t ld = (size_t)sh->ab_ld[b];
+            cp[m++] = (mf_step_dcopy){sh->ab[b] + i0 * ld, sh->dd_ab[b] + i0 * ld * f, n * ld * f};
         }
         return m;
     }
     size_t nh = (size_t)sh->n_head;
     switch (d) {
     case MF_SG_D_GATE:
-        cp[m++] = out ? (mf_step_dcopy){sh->logits, sh->dd_logits, n * (size_t)c->n_routed_experts * f}
-                      : (mf_step_dcopy){sh->xin, sh->dd_xin, n * H * f};
+        cp[m++] = out ? (mf_step_dcopy){sh->logits + i0 * E, sh->dd_logits + i0 * E * f, n * E * f}
+                      : (mf_step_dcopy){sh->xin + i0 * H, sh->dd_xin + i0 * H * f, n * H * f};
         break;
     case MF_SG_D_SHARED:
-        if (out) cp[m++] = (mf_step_dcopy){sh->ys, sh->dd_ys, n * H * f};
+        if (out) cp[m++] = (mf_step_dcopy){sh->ys + i0 * H, sh->dd_ys + i0 * H * f, n * H * f};
         break;
     case MF_SG_D_HEAD:
         if (nh) cp[m++] = out ? (mf_step_dcopy){sh->lbuf, sh->dd_lbuf, nh * (size_t)c->vocab_size * f}
@@ -1117,7 +1151,8 @@ static int mf_step_dense_run(const mf_step_targ *a)
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
     const mf_config *c = eng->c;
-    int cd = a->t->card, L = a->t->layer, n = sh->n, d = a->t->dense;
+    int cd = a->t->card, L = a->t->layer, n = a->t->i1 - a->t->i0, d = a->t->dense;
+    size_t i0 = (size_t)a->t->i0;   /* the micro-batch's items [i0, i0 + n) (the head: all) */
     uint8_t *db = sh->ddense[cd];
     mf_ly_ctx *cx = eng->dcx[cd];
     int64_t H = c->hidden_size, V = c->vocab_size;
@@ -1128,8 +1163,9 @@ static int mf_step_dense_run(const mf_step_targ *a)
         int nl = mf_ly_attn_linears(eng->ly, L, stage_of[d], lin);
         for (int k = 0; k < nl; k++) {
             const mf_ly_attn_lin *l = &lin[k];
-            int rc = mf_ly_attn_lin_rows(cx, l, DD(sh->dd_ab[l->x]), sh->ab_ld[l->x], DD(sh->dd_ab[l->y]),
-                                          sh->ab_ld[l->y], n, 0, l->w->rows);
+            int rc = mf_ly_attn_lin_rows(cx, l, DD(sh->dd_ab[l->x]) + i0 * sh->ab_ld[l->x], sh->ab_ld[l->x],
+                                          DD(sh->dd_ab[l->y]) + i0 * sh->ab_ld[l->y], sh->ab_ld[l->y], n, 0,
+                                          l->w->rows);
             if (rc) return mf_error_wrap(rc, "%s", l->w->name ? l->w->name : "an attention linear");
         }
         return 0;
@@ -1137,12 +1173,15 @@ static int mf_step_dense_run(const mf_step_targ *a)
     const mf_model_layer *y = L >= 0 ? mf_model_layer_at(eng->ly->m, L) : NULL;
     switch (d) {
     case MF_SG_D_GATE:
-        return mf_ly_gate_rows(cx, L, DD(sh->dd_xin), n, H, DD(sh->dd_logits), y->gate.rows, 0, y->gate.rows);
+        return mf_ly_gate_rows(cx, L, DD(sh->dd_xin) + i0 * H, n, H, DD(sh->dd_logits) + i0 * y->gate.rows,
+                               y->gate.rows, 0, y->gate.rows);
     case MF_SG_D_SHARED: {
-        int rc = mf_step_ffn_up(eng, &y->sh_w1, &y->sh_w3, DD(sh->dd_xin), NULL, n, NULL, DD(sh->dd_hs),
-                                eng->o.exact ? DD(sh->dd_gs) : NULL, eng->o.exact ? DD(sh->dd_us) : NULL, 0,
-                                (int)y->sh_w1.rows);
-        return rc ? rc : mf_step_ffn_down(eng, &y->sh_w2, DD(sh->dd_hs), NULL, n, DD(sh->dd_ys), 0, (int)H);
+        size_t I = (size_t)y->sh_w1.rows;
+        int rc = mf_step_ffn_up(eng, &y->sh_w1, &y->sh_w3, DD(sh->dd_xin) + i0 * H, NULL, n, NULL,
+                                DD(sh->dd_hs) + i0 * I, eng->o.exact ? DD(sh->dd_gs) + i0 * I : NULL,
+                                eng->o.exact ? DD(sh->dd_us) + i0 * I : NULL, 0, (int)y->sh_w1.rows);
+        return rc ? rc : mf_step_ffn_down(eng, &y->sh_w2, DD(sh->dd_hs) + i0 * I, NULL, n, DD(sh->dd_ys) + i0 * H, 0,
+                                          (int)H);
     }
     case MF_SG_D_HEAD: {
         const mf_weight *w = mf_model_head(eng->ly->m);
@@ -1189,7 +1228,7 @@ static void mf_step_shape_free(mf_step_shape *sh)
     free(sh->slot_dev);
     free(sh->slot_miss);
     for (int c = 0; c < sh->eng->n_cards; c++) {
-        for (int L = 0; sh->dgraph[c] && L < sh->eng->c->n_layers; L++) mf_dev_graph_destroy(sh->dgraph[c][L]);
+        for (int L = 0; sh->dgraph[c] && L < sh->n_dgraph; L++) mf_dev_graph_destroy(sh->dgraph[c][L]);
         free(sh->dgraph[c]);
         mf_dev_host_free(sh->eng->dev, sh->htab[c]);
         mf_dev_free(sh->eng->dev, c, sh->dbuf[c]);
@@ -1237,7 +1276,7 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const in
                                           .read_window = eng->o.read_window, .eg_reads = eng->eg_reads,
                                           .lanes = eng->lt.lane,
                                           .n_lanes = eng->lt.n_lanes, .lane_io = eng->lt.lane_io,
-                                          .lane_dev0 = eng->lt.lane_dev0,
+                                          .lane_dev0 = eng->lt.lane_dev0, .micro = eng->o.micro,
                                           .fn_of = mf_step_fn_of},
                             out);
 }
@@ -1294,7 +1333,8 @@ static int mf_step_shape_cards(mf_step *eng, mf_step_shape *sh)
         if (rc) return mf_error_wrap(rc, "step: device buffers of a batch of %d on card %d", n, cd);
         sh->dbuf[cd] = p;
         if (!eng->dev_graphs) continue;
-        sh->dgraph[cd] = calloc((size_t)c->n_layers, sizeof *sh->dgraph[cd]);
+        sh->n_dgraph = c->n_layers * sh->sg->n_halves;   /* per layer and micro-batch */
+        sh->dgraph[cd] = calloc((size_t)sh->n_dgraph, sizeof *sh->dgraph[cd]);
         rc = sh->dgraph[cd] ? mf_dev_host_alloc(eng->dev, cd, tab_bytes, (void **)&sh->htab[cd])
                             : mf_error(-ENOMEM, "step: out of memory");
         if (rc) return mf_error_wrap(rc, "step: slot tables on card %d", cd);
