@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "device/dev.h"
 #include "graphs/calib/hwcal.h"
 #include "graphs/model/model.h"
 #include "graphs/ref/ref.h"
@@ -28,6 +29,7 @@ static void mf_bench_decode_usage(FILE *f)
     fprintf(f,
             "usage: moeflow bench decode --checkpoint DIR [--steps N] [--batch B] [--threads N]\n"
             "                            [--prompt-tokens P] [--chunk T] [--exact] [--no-reference]\n"
+            "                            [--micro-batches 1|2] [--devices emu:N [--dense host|cards]]\n"
             "                            [--trace FILE] [--json]\n\n"
             "Prefills B sequences of a synthetic P-token prompt (default 16; sequence i's tokens are\n"
             "(37 k + 11 + 101 i) mod vocab) and runs N greedy decode steps (default 8) of the batch\n"
@@ -41,6 +43,9 @@ static void mf_bench_decode_usage(FILE *f)
             "time a decode step's weights (the bytes its host kernels read, from the records) take at\n"
             "the streaming read rate of the same threads (measured as calibrate does, best of 5) over\n"
             "the measured step time (at batch 1: how close a token is to the memory floor).\n"
+            "--micro-batches 2: the scheduled engine with two micro-batches in flight (batch >= 2).\n"
+            "--devices emu:N: the dense work on N emulated cards (--dense cards, the default with\n"
+            "--devices; routed experts on the host).\n"
             "--no-reference skips the one-thread reference engine (a long prefill takes it\n"
             "minutes). --chunk T: the scheduled\n"
             "engine's prefill chunk (positions per graph run; default %d). --exact runs the\n"
@@ -247,7 +252,9 @@ int mf_bench_decode(int argc, char **argv)
 {
     const char *dir = NULL, *trace = NULL;
     long steps = 8, batch = 1, n_prompt = 16, chunk = 0, threads = sysconf(_SC_NPROCESSORS_ONLN);
-    int json = 0, exact = 0, no_ref = 0;
+    int json = 0, exact = 0, no_ref = 0, micro = 1, dense = -1;
+    const char *devices = NULL;
+    mf_dev *dev = NULL;
     if (threads < 1) threads = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -271,6 +278,20 @@ int mf_bench_decode(int argc, char **argv)
             exact = 1;
         } else if (!strcmp(a, "--no-reference")) {
             no_ref = 1;
+        } else if (!strcmp(a, "--micro-batches") && hv) {
+            micro = atoi(argv[++i]);
+            if (micro != 1 && micro != 2) {
+                fprintf(stderr, "moeflow bench decode: --micro-batches: expected 1 or 2, found '%s'\n", argv[i]);
+                return 2;
+            }
+        } else if (!strcmp(a, "--devices") && hv) {
+            devices = argv[++i];
+        } else if (!strcmp(a, "--dense") && hv) {
+            dense = !strcmp(argv[++i], "cards") ? 1 : !strcmp(argv[i], "host") ? 0 : -2;
+            if (dense == -2) {
+                fprintf(stderr, "moeflow bench decode: --dense: expected host or cards, found '%s'\n", argv[i]);
+                return 2;
+            }
         } else if (num && hv) {
             *num = strtol(argv[++i], &end, 10);
             if (*end || !*argv[i] || *num < lo || *num > hi) {
@@ -295,8 +316,11 @@ int mf_bench_decode(int argc, char **argv)
     float *logits = NULL;
     mf_bd_run ref = {0}, sch = {0};
     if (mf_model_load(dir, &(mf_model_opts){.quiet = json, .resident_limit_bytes = UINT64_C(64) << 30}, &m) ||
-        mf_ref_new(m, NULL, &r) ||
-        mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact, .prefill_chunk = (int)chunk}, &eng))
+        mf_ref_new(m, NULL, &r) || (devices && mf_dev_open(devices, &dev)) ||
+        mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact, .prefill_chunk = (int)chunk,
+                                       .micro = micro, .dev = dev,
+                                       .dense = devices && dense != 0 ? MF_STEP_DENSE_CARDS : MF_STEP_DENSE_HOST},
+                    &eng))
         goto fail;
     const mf_config *c = mf_model_config(m);
     if (n_prompt + steps + 1 > c->max_position_embeddings) {
@@ -382,6 +406,7 @@ out:
     free(ref.tokens);
     free(sch.tokens);
     mf_step_free(eng);
+    mf_dev_close(dev);
     mf_ref_free(r);
     mf_model_free(m);
     return ret;
