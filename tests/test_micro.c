@@ -3,8 +3,10 @@
  * combine over its own items, one MoE at a time), the simulator running the same graph, and the
  * engine's logits with two micro-batches against one, bit for bit (memcmp), on tiny: batch 2, 3 and
  * 16, host placement on 1 and 2 threads, hybrid on emu:2, dense work on emu:2, resident and
- * streamed experts. A token routed or combined with the other half's rows changes the logits. */
+ * streamed experts. A token routed or combined with the other half's rows changes the logits; a
+ * half's attention made to wait for the other half's MoE fails the graph's reachability check. */
 #include <errno.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +26,56 @@
 #define MAX_SEQ 16
 
 static int64_t g_V;
+
+/* Marks in seen[] every task reachable from `from` (itself included). */
+static void reach(const mf_graph *g, mf_task_id from, uint8_t *seen, mf_task_id *stack)
+{
+    int top = 0;
+    stack[top++] = from;
+    seen[from] = 1;
+    while (top) {
+        mf_task_id t = stack[--top];
+        const mf_task_id *su = mf_graph_succ(g, t);
+        for (int k = 0; k < mf_graph_n_succ(g, t); k++)
+            if (!seen[su[k]]) {
+                seen[su[k]] = 1;
+                stack[top++] = su[k];
+            }
+    }
+}
+
+/* What the graph allows: per layer L, nothing of half 1's attention of L waits for half 0's route
+ * of L (so it can run beside half 0's MoE), and nothing of half 0's attention of L + 1 waits for
+ * half 1's route of L; half 1's route of L does wait for half 0's (one MoE at a time). */
+static void test_overlap(const mf_stepgraph *sg, int n_layers)
+{
+    int nt = sg->n_tasks;
+    uint8_t *seen = malloc((size_t)nt);
+    mf_task_id *stack = malloc(sizeof *stack * (size_t)nt);
+    for (int L = 0; L < n_layers; L++)
+        for (int h = 0; h < 2; h++) {
+            mf_task_id ro = -1, ro_next = -1;
+            for (int t = 0; t < nt; t++)
+                if (sg->task[t].op == MF_SG_ROUTE && sg->task[t].layer == L && sg->task[t].half == h) ro = t;
+            for (int t = 0; t < nt; t++)
+                if (sg->task[t].op == MF_SG_ROUTE && sg->task[t].layer == L + h && sg->task[t].half == 1 - h)
+                    ro_next = t;
+            CHECK(ro >= 0, "no route of layer %d half %d", L, h);
+            if (ro < 0) continue;
+            memset(seen, 0, (size_t)nt);
+            reach(sg->g, ro, seen, stack);
+            int bad = -1;
+            for (int t = 0; t < nt && bad < 0; t++)
+                if (seen[t] && sg->task[t].phase == MF_SG_PH_ATTN && sg->task[t].half == 1 - h &&
+                    sg->task[t].layer == L + h)
+                    bad = t;
+            CHECK(bad < 0, "layer %d: attention task %d of half %d (layer %d) waits for half %d's route", L, bad,
+                  1 - h, L + h, h);
+            if (ro_next >= 0) CHECK(seen[ro_next], "layer %d: the next half's route does not wait for half %d's", L, h);
+        }
+    free(seen);
+    free(stack);
+}
 
 /* The graph of tiny at batch n (parallel) with two micro-batches: the halves and their slots, every
  * route over its half's items, every MoE task in a half, the head after both. */
@@ -64,6 +116,7 @@ static void test_graph(const mf_config *c, int n)
             if (r->op == MF_SG_HEAD) CHECK(r->half == -1, "head in half %d", r->half);
         }
         CHECK(routes == 2 * c->n_layers, "%d routes (expected %d)", routes, 2 * c->n_layers);
+        test_overlap(sg, c->n_layers);
         mf_stepgraph_free(sg);
     }
     /* one unit (a sequence's items): one half; micro 3 refused */
