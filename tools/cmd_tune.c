@@ -63,8 +63,7 @@ static void mf_tune_usage(FILE *f)
             "  --store-budget      the simulator's default (2G) with --store streamed\n"
             "  --dense             host, plus cards when the profile has cards (the dense work\n"
             "                      on the cards by layer ranges, as `moeflow sim --dense cards`)\n"
-            "  --micro-batches     1 (--micro-batches 1,2 also tries two micro-batches in flight,\n"
-            "                      for batches of 2 or more)\n"
+            "  --micro-batches     1, 2 (two micro-batches in flight; 2 only for batches of 2 or more)\n"
             "Settings that cannot differ (card knobs under host placement) are tried once.\n\n"
             "  --real              decode for real on this machine instead (needs --checkpoint with a\n"
             "                      loadable model, e.g. the demo; cards are emulated, emu:N): only the\n"
@@ -309,9 +308,10 @@ int mf_cmd_tune(int argc, char **argv)
                 goto fail;
             }
     }
-    if (!kn[K_MICRO].given) {   /* one micro-batch unless the list is given (--micro-batches 1,2) */
-        kn[K_MICRO].n = 1;
+    if (!kn[K_MICRO].given) {   /* 1 and 2 (2 tried for batches of 2 or more) */
+        kn[K_MICRO].n = 2;
         kn[K_MICRO].v[0] = 1;
+        kn[K_MICRO].v[1] = 2;
     }
     if (store != MF_PLAN_STORE_STREAMED && (kn[K_WINDOW].given || kn[K_BUDGET].given)) {
         rc = mf_error(-EINVAL, "--read-window and --store-budget sweep a streamed store: add --store streamed");
