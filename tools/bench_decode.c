@@ -32,7 +32,7 @@ static void mf_bench_decode_usage(FILE *f)
     fprintf(f,
             "usage: moeflow bench decode --checkpoint DIR [--steps N] [--batch B] [--threads N]\n"
             "                            [--prompt-tokens P] [--chunk T] [--exact] [--no-reference]\n"
-            "                            [--trace FILE] [--json]\n"
+            "                            [--micro-batches 1|2] [--trace FILE] [--json]\n"
             "                            [--devices emu:N|cuda[:IDS] [--dense host|cards]\n"
             "                             [--dense-split layers|rows]]\n\n"
             "Prefills B sequences of a synthetic P-token prompt (default 16; sequence i's tokens are\n"
@@ -47,6 +47,7 @@ static void mf_bench_decode_usage(FILE *f)
             "time a decode step's weights (the bytes its host kernels read, from the records) take at\n"
             "the streaming read rate of the same threads (measured as calibrate does, best of 5) over\n"
             "the measured step time (at batch 1: how close a token is to the memory floor).\n"
+            "--micro-batches 2: the scheduled engine with two micro-batches in flight (batch >= 2).\n"
             "--no-reference skips the one-thread reference engine (a long prefill takes it\n"
             "minutes). --chunk T: the scheduled\n"
             "engine's prefill chunk (positions per graph run; default %d). --exact runs the\n"
@@ -59,7 +60,8 @@ static void mf_bench_decode_usage(FILE *f)
             "tables (reference fields null with --no-reference).\n"
             "--devices SPEC with --dense cards (the default with devices) runs the scheduled engine's\n"
             "dense work on those cards (routed experts on the host), by layer ranges or, with\n"
-            "--dense-split rows, every dense matrix but the shared expert split by rows across all.\n",
+            "--dense-split rows (the default), every dense matrix but the shared expert split by rows\n"
+            "across all.\n",
             MF_STEP_PREFILL_CHUNK);
 }
 
@@ -258,7 +260,7 @@ int mf_bench_decode(int argc, char **argv)
     const char *dir = NULL, *trace = NULL, *devices = NULL, *dense_s = NULL;
     int dense_split = MF_TOOL_DENSE_SPLIT;
     long steps = 8, batch = 1, n_prompt = 16, chunk = 0, threads = sysconf(_SC_NPROCESSORS_ONLN);
-    int json = 0, exact = 0, no_ref = 0;
+    int json = 0, exact = 0, no_ref = 0, micro = 1;
     if (threads < 1) threads = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -296,6 +298,12 @@ int mf_bench_decode(int argc, char **argv)
             exact = 1;
         } else if (!strcmp(a, "--no-reference")) {
             no_ref = 1;
+        } else if (!strcmp(a, "--micro-batches") && hv) {
+            micro = atoi(argv[++i]);
+            if (micro != 1 && micro != 2) {
+                fprintf(stderr, "moeflow bench decode: --micro-batches: expected 1 or 2, found '%s'\n", argv[i]);
+                return 2;
+            }
         } else if (num && hv) {
             *num = strtol(argv[++i], &end, 10);
             if (*end || !*argv[i] || *num < lo || *num > hi) {
@@ -329,7 +337,7 @@ int mf_bench_decode(int argc, char **argv)
         mf_ref_new(m, NULL, &r) || (dense && mf_dev_open(devices, &dev)) ||
         mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact, .prefill_chunk = (int)chunk,
                                        .dev = dev, .dense = dense ? MF_STEP_DENSE_CARDS : MF_STEP_DENSE_HOST,
-                                       .dense_split = dense_split},
+                                       .dense_split = dense_split, .micro = micro},
                     &eng))
         goto fail;
     const mf_config *c = mf_model_config(m);

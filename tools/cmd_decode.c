@@ -103,6 +103,9 @@ static void mf_decode_usage(FILE *f)
             "                      rows (default: every dense matrix but the shared expert split by\n"
             "                      output rows across all cards; either gives the host's logits bit for\n"
             "                      bit on emulated cards)\n"
+            "  --micro-batches M   scheduled engine, batch >= 2: 2 splits the batch into two halves\n"
+            "                      in flight at once (one half's routed experts beside the other's\n"
+            "                      attention; the same logits bit for bit); 1: one (default)\n"
             "  --placement P       seed: routed experts on the card owning them; hybrid: per\n"
             "                      expert and step the cheaper of host and card by the lanes'\n"
             "                      cost models (default with --devices); host: all on the\n"
@@ -405,7 +408,7 @@ int mf_cmd_decode(int argc, char **argv)
     int no_bos = 0, ignore_eos = 0, act_quant = 0, quiet = 0, exact = 0;
     int dev_graphs = mf_tool_env_on("MOEFLOW_DEV_GRAPHS");   /* --dev-graphs */
     int store_mode = 0, store_tables = 0;
-    long io_depth = 0, read_window = 0;
+    long io_depth = 0, read_window = 0, micro = 1;
     uint64_t store_budget = 0;
     const char *trace = NULL, *devices = NULL, *placement = NULL, *record = NULL, *dense_s = NULL;
     int dense_split = MF_TOOL_DENSE_SPLIT;
@@ -522,6 +525,12 @@ int mf_cmd_decode(int argc, char **argv)
         } else if (!strcmp(a, "--dense-split") && hv) {
             if ((dense_split = mf_tool_dense_split(argv[++i])) < 0) {
                 fprintf(stderr, "moeflow decode: --dense-split: expected layers or rows, found '%s'\n", argv[i]);
+                return 2;
+            }
+        } else if (!strcmp(a, "--micro-batches") && hv) {
+            micro = strtol(argv[++i], &end, 10);
+            if (*end || (micro != 1 && micro != 2)) {
+                fprintf(stderr, "moeflow decode: --micro-batches: expected 1 or 2, found '%s'\n", argv[i]);
                 return 2;
             }
         } else if (!strcmp(a, "--placement") && hv) {
@@ -718,6 +727,7 @@ int mf_cmd_decode(int argc, char **argv)
                                                  .placement = place, .dev_cache_bytes = dev_cache,
                                                  .dev_graphs = dev_graphs, .dense = dense,
                                                  .dense_split = dense_split,
+                                                 .micro = (int)micro,
                                                  .profile = profile_path ? &prof : NULL,
                                                  .io_depth = (int)io_depth,
                                                  .io_force_pread = mf_tool_io_env.force_pread,

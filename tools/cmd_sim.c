@@ -32,6 +32,7 @@ static void mf_sim_usage(FILE *f)
             "                   [--dev-cache SIZE] [--cache-policy lfu|lru] [--read-window N]\n"
             "                   [--copy-slots N] [--dev-task-ns NS] [--dev-graphs] [--dense host|cards]\n"
             "                   [--dense-split layers|rows]\n"
+            "                   [--micro-batches 1|2]\n"
             "                   [--trace FILE] [--json]\n"
             "                   [--measure] [--prompt-tokens N [--chunk T]]\n\n"
             "Simulates decode steps of the scheduled engine (graphs/step/step.c's graph, docs/sim.md) on the\n"
@@ -47,6 +48,8 @@ static void mf_sim_usage(FILE *f)
             "  --dense-split S     dense cards: layers (each layer's dense work on one card, by layer\n"
             "                      ranges) or rows (default: every dense matrix but the shared expert\n"
             "                      split by output rows across all cards)\n"
+            "  --micro-batches M   2: two micro-batches in flight (batch >= 2; the engine's\n"
+            "                      --micro-batches), 1: one (default)\n"
             "  --threads N         engine workers per socket (default: the profile's)\n"
             "  --batch B           sequences per step (1..%d, default 1)\n"
             "  --routing R         uniform (default), zipf:S, or trace:FILE (moeflow decode\n"
@@ -111,6 +114,7 @@ int mf_cmd_sim(int argc, char **argv)
     long copy_slots = 0, dev_task_ns = 0, prompt_tokens = 0, chunk = 0;
     int json = 0, measure = 0, store = MF_PLAN_STORE_RESIDENT, tables = MF_PLAN_STORE_RESIDENT, policy = 0;
     int dev_graphs = mf_tool_env_on("MOEFLOW_DEV_GRAPHS");   /* --dev-graphs */
+    long micro = 1;
     uint64_t store_budget = 0, dev_cache = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -191,6 +195,13 @@ int mf_cmd_sim(int argc, char **argv)
             measure = 1;
         } else if (!strcmp(a, "--dev-graphs")) {
             dev_graphs = 1;
+        } else if (!strcmp(a, "--micro-batches") && hv) {
+            char *end;
+            micro = strtol(argv[++i], &end, 10);
+            if (*end || (micro != 1 && micro != 2)) {
+                fprintf(stderr, "moeflow sim: --micro-batches: expected 1 or 2, found '%s'\n", argv[i]);
+                return 2;
+            }
         } else {
             fprintf(stderr, "moeflow sim: unknown or incomplete option '%s'\n\n", a);
             mf_sim_usage(stderr);
@@ -233,7 +244,7 @@ int mf_cmd_sim(int argc, char **argv)
                        .dev_cache_policy = policy, .store = store, .store_budget_bytes = store_budget,
                        .tables = tables, .routing = rt, .seed = (uint64_t)seed, .dev_task_ns = (double)dev_task_ns,
                        .dev_graphs = dev_graphs, .dense = dense,
-                       .dense_split = dense_split};
+                       .dense_split = dense_split, .micro = (int)micro};
     if (prompt_tokens) {
         mf_plan_report rep;
         int64_t ttft_ns;

@@ -30,7 +30,7 @@ typedef struct mf_tune_knob {
     int given;         /* set on the command line */
 } mf_tune_knob;
 
-enum { K_PLACE, K_BATCH, K_THREADS, K_WINDOW, K_COPY, K_CACHE, K_POLICY, K_BUDGET, K_DENSE, K_SPLIT, K_N };
+enum { K_PLACE, K_BATCH, K_THREADS, K_WINDOW, K_COPY, K_CACHE, K_POLICY, K_BUDGET, K_DENSE, K_SPLIT, K_MICRO, K_N };
 
 typedef struct mf_tune_result {
     int64_t v[K_N];
@@ -46,6 +46,7 @@ static void mf_tune_usage(FILE *f)
             "                    [--placement LIST] [--batch LIST] [--threads LIST] [--read-window LIST]\n"
             "                    [--copy-slots LIST] [--dev-cache LIST] [--cache-policy LIST]\n"
             "                    [--store-budget LIST] [--dense LIST] [--dense-split LIST]\n"
+            "                    [--micro-batches LIST]\n"
             "                    [--store resident|streamed]\n"
             "                    [--tables resident|streamed]\n"
             "                    [--routing R] [--seed S] [--context N] [--steps N] [--warmup N]\n"
@@ -66,8 +67,9 @@ static void mf_tune_usage(FILE *f)
             "                      on the cards by layer ranges, as `moeflow sim --dense cards`)\n"
             "  --dense-split       layers, rows for dense cards (rows: every dense matrix but the\n"
             "                      shared expert split by rows across all cards, `sim --dense-split`)\n"
+            "  --micro-batches     1, 2 (two micro-batches in flight; 2 only for batches of 2 or more)\n"
             "Settings that cannot differ (card knobs under host placement, the dense split with the\n"
-            "dense work on the host) are tried once.\n\n"
+            "dense work on the host, two micro-batches at batch 1) are tried once.\n\n"
             "  --real              decode for real on this machine instead (needs --checkpoint with a\n"
             "                      loadable model, e.g. the demo; cards are emulated, emu:N): only the\n"
             "                      knobs the engine has (placement, batch, threads, read window, device\n"
@@ -108,7 +110,8 @@ static int mf_tune_parse_list(int k, const char *opt, const char *list, mf_tune_
                 return mf_error(-EINVAL, "%s: expected sizes such as 4G or 512M, found '%s'", opt, tok);
         } else {
             v = strtoll(tok, &end, 10);
-            int64_t lo = k == K_WINDOW ? -1 : 1, hi = k == K_BATCH ? MF_STEP_MAX_ITEMS : k == K_THREADS ? 256 : 4096;
+            int64_t lo = k == K_WINDOW ? -1 : 1,
+                    hi = k == K_BATCH ? MF_STEP_MAX_ITEMS : k == K_THREADS ? 256 : k == K_MICRO ? 2 : 4096;
             if (!*tok || *end || v < lo || v > hi || (k == K_WINDOW && v == 0))
                 return mf_error(-EINVAL, "%s: expected whole numbers in %" PRId64 "..%" PRId64 "%s, found '%s'", opt,
                                 lo, hi, k == K_WINDOW ? " (not 0; -1: all)" : "", tok);
@@ -169,7 +172,7 @@ int mf_cmd_tune(int argc, char **argv)
     int json = 0, real = 0, latency = 0, store = MF_PLAN_STORE_RESIDENT, tables = MF_PLAN_STORE_RESIDENT;
     static const char *const knob_opt[K_N] = {"--placement", "--batch", "--threads", "--read-window",
                                               "--copy-slots", "--dev-cache", "--cache-policy", "--store-budget",
-                                              "--dense", "--dense-split"};
+                                              "--dense", "--dense-split", "--micro-batches"};
     mf_tune_knob kn[K_N];
     memset(kn, 0, sizeof kn);
     for (int k = 0; k < K_N; k++) kn[k].opt = knob_opt[k];
@@ -317,6 +320,10 @@ int mf_cmd_tune(int argc, char **argv)
         kn[K_SPLIT].n = cards ? 2 : 1;
         kn[K_SPLIT].v[0] = MF_SG_SPLIT_LAYERS;
         kn[K_SPLIT].v[1] = MF_SG_SPLIT_ROWS;
+    if (!kn[K_MICRO].given) {   /* 1 and 2 (2 tried for batches of 2 or more) */
+        kn[K_MICRO].n = 2;
+        kn[K_MICRO].v[0] = 1;
+        kn[K_MICRO].v[1] = 2;
     }
     if (store != MF_PLAN_STORE_STREAMED && (kn[K_WINDOW].given || kn[K_BUDGET].given)) {
         rc = mf_error(-EINVAL, "--read-window and --store-budget sweep a streamed store: add --store streamed");
@@ -341,7 +348,8 @@ int mf_cmd_tune(int argc, char **argv)
         for (int k = 0; k < K_N; k++) v[k] = kn[k].v[idx[k]];
         int host = v[K_PLACE] == MF_STEP_PLACE_HOST;
         int skip = (host && (idx[K_COPY] || idx[K_CACHE] || idx[K_POLICY])) ||
-                   (v[K_DENSE] == MF_PLAN_DENSE_HOST && idx[K_SPLIT]);
+                   (v[K_DENSE] == MF_PLAN_DENSE_HOST && idx[K_SPLIT]) ||
+                   (v[K_BATCH] < 2 && v[K_MICRO] == 2);
         for (int k = K_N - 1; k >= 0; k--) {   /* next combination */
             if (++idx[k] < kn[k].n) break;
             idx[k] = 0;
@@ -365,7 +373,7 @@ int mf_cmd_tune(int argc, char **argv)
                            .dev_cache_bytes = (uint64_t)r->v[K_CACHE], .dev_cache_policy = (int)r->v[K_POLICY],
                            .store = store, .store_budget_bytes = (uint64_t)r->v[K_BUDGET], .tables = tables,
                            .routing = rt, .seed = (uint64_t)seed, .dense = (int)r->v[K_DENSE],
-                           .dense_split = (int)r->v[K_SPLIT]};
+                           .dense_split = (int)r->v[K_SPLIT], .micro = (int)r->v[K_MICRO]};
         rc = mf_plan_run(&po, (int)warmup, (int)steps, &r->rep);
         if (!rc && real) {
             if (tty) fprintf(stderr, "\rtune: setting %d of %d: decoding for real ...", i + 1, n_res);
@@ -398,12 +406,13 @@ int mf_cmd_tune(int argc, char **argv)
             const mf_plan_report *p = &r->rep;
             printf("%s{\"rank\":%d,\"placement\":\"%s\",\"dense\":\"%s\",\"dense_split\":\"%s\",\"batch\":%" PRId64 ",\"threads_per_socket\":%" PRId64
                    ",\"read_window\":%" PRId64 ",\"copy_slots\":%" PRId64 ",\"dev_cache_bytes\":%" PRId64
-                   ",\"cache_policy\":\"%s\",\"store_budget_bytes\":%" PRId64 ",\"predicted_step_s\":%.9g,"
+                   ",\"cache_policy\":\"%s\",\"store_budget_bytes\":%" PRId64 ",\"micro_batches\":%" PRId64
+                   ",\"predicted_step_s\":%.9g,"
                    "\"predicted_tokens_per_s\":%.6g,\"bottleneck\":\"%s\",\"bottleneck_busy\":%.4f",
                    i ? "," : "", i + 1, mf_tune_place_names[r->v[K_PLACE]], r->v[K_DENSE] ? "cards" : "host",
                    r->v[K_SPLIT] == MF_SG_SPLIT_ROWS ? "rows" : "layers", r->v[K_BATCH], r->v[K_THREADS],
                    r->v[K_WINDOW], r->v[K_COPY], r->v[K_CACHE], r->v[K_POLICY] ? "lru" : "lfu", r->v[K_BUDGET],
-                   p->step_ns / 1e9, p->token_ns > 0 ? 1e9 / p->token_ns : 0, p->lanes[p->bottleneck].name,
+                   r->v[K_MICRO], p->step_ns / 1e9, p->token_ns > 0 ? 1e9 / p->token_ns : 0, p->lanes[p->bottleneck].name,
                    p->lanes[p->bottleneck].share);
             if (real) printf(",\"measured_token_s\":%.9g,\"measured_tokens_per_s\":%.6g", r->meas_token_ns / 1e9,
                              1e9 / r->meas_token_ns);
@@ -416,9 +425,9 @@ int mf_cmd_tune(int argc, char **argv)
     printf("tune: %s on profile %s, %d settings %s (%ld warm-up + %ld steps each, routing %s), ranked by %s\n\n",
            dir ? dir : preset, prof.name, n_res, src, warmup, steps, routing_spec,
            latency ? "step time" : "tokens per second");
-    printf("%4s %10s %10s %-7s %-5s %5s %7s %6s %5s %8s %6s %8s  %s\n", "row", real ? "meas tok/s" : "tok/s",
-           real ? "pred tok/s" : "step ms", "place", "dense", "batch", "threads", "window", "copy", "devcache", "policy",
-           "budget", "bottleneck (busy)");
+    printf("%4s %10s %10s %-7s %-5s %5s %5s %7s %6s %5s %8s %6s %8s  %s\n", "row", real ? "meas tok/s" : "tok/s",
+           real ? "pred tok/s" : "step ms", "place", "dense", "batch", "micro", "threads", "window", "copy", "devcache",
+           "policy", "budget", "bottleneck (busy)");
     /* rows within 0.1% of the row above with the same placement, batch and threads are ties: counted
      * in that row instead of shown (the knobs that differ do not matter there) */
     int n_rows = 0, *row = malloc(sizeof(int) * (size_t)n_res), *ties = calloc((size_t)n_res, sizeof(int));
@@ -430,8 +439,9 @@ int mf_cmd_tune(int argc, char **argv)
     }
     for (int i = 0; i < n_res; i++) {
         const mf_tune_result *r = &res[i], *q = n_rows ? &res[row[n_rows - 1]] : NULL;
-        if (q && q->v[K_PLACE] == r->v[K_PLACE] && q->v[K_DENSE] == r->v[K_DENSE] && q->v[K_SPLIT] == r->v[K_SPLIT] && q->v[K_BATCH] == r->v[K_BATCH] &&
-            q->v[K_THREADS] == r->v[K_THREADS] && r->score >= q->score * 0.999)
+        if (q && q->v[K_PLACE] == r->v[K_PLACE] && q->v[K_DENSE] == r->v[K_DENSE] && q->v[K_SPLIT] == r->v[K_SPLIT] &&
+            q->v[K_BATCH] == r->v[K_BATCH] && q->v[K_MICRO] == r->v[K_MICRO] && q->v[K_THREADS] == r->v[K_THREADS] &&
+            r->score >= q->score * 0.999)
             ties[n_rows - 1]++;
         else
             row[n_rows++] = i;
@@ -447,10 +457,10 @@ int mf_cmd_tune(int argc, char **argv)
         snprintf(win, sizeof win, "%" PRId64, r->v[K_WINDOW]);
         snprintf(copy, sizeof copy, "%" PRId64, r->v[K_COPY]);
         int host = r->v[K_PLACE] == MF_STEP_PLACE_HOST;
-        printf("%4d %10.2f %10.*f %-7s %-5s %5" PRId64 " %7" PRId64 " %6s %5s %8s %6s %8s  %s (%.0f%%)\n", i + 1,
-               real ? 1e9 / r->meas_token_ns : 1e9 / p->token_ns, real ? 2 : 3,
+        printf("%4d %10.2f %10.*f %-7s %-5s %5" PRId64 " %5" PRId64 " %7" PRId64 " %6s %5s %8s %6s %8s  %s (%.0f%%)\n",
+               i + 1, real ? 1e9 / r->meas_token_ns : 1e9 / p->token_ns, real ? 2 : 3,
                real ? 1e9 / p->token_ns : p->step_ns / 1e6, mf_tune_place_names[r->v[K_PLACE]],
-               !r->v[K_DENSE] ? "host" : r->v[K_SPLIT] == MF_SG_SPLIT_ROWS ? "rows" : "cards", r->v[K_BATCH],
+               !r->v[K_DENSE] ? "host" : r->v[K_SPLIT] == MF_SG_SPLIT_ROWS ? "rows" : "cards", r->v[K_BATCH], r->v[K_MICRO],
                r->v[K_THREADS], store == MF_PLAN_STORE_STREAMED ? win : "-",
                host ? "-" : copy, host ? "-" : cache,
                host ? "-" : (r->v[K_POLICY] ? "lru" : "lfu"), store == MF_PLAN_STORE_STREAMED ? budget : "-",
@@ -462,10 +472,10 @@ int mf_cmd_tune(int argc, char **argv)
     free(row);
     free(ties);
     const mf_tune_result *b = &res[0];
-    printf("\nbest: placement %s, dense %s, batch %" PRId64 ", %" PRId64 " threads per socket",
+    printf("\nbest: placement %s, dense %s, batch %" PRId64 ", %" PRId64 " micro-batch%s, %" PRId64 " threads per socket",
            mf_tune_place_names[b->v[K_PLACE]],
            !b->v[K_DENSE] ? "host" : b->v[K_SPLIT] == MF_SG_SPLIT_ROWS ? "cards (split by rows)" : "cards",
-           b->v[K_BATCH], b->v[K_THREADS]);
+           b->v[K_BATCH], b->v[K_MICRO], b->v[K_MICRO] > 1 ? "es" : "", b->v[K_THREADS]);
     if (b->v[K_PLACE] != MF_STEP_PLACE_HOST) {
         char cache[16];
         mf_tune_fmt_size(b->v[K_CACHE], cache, sizeof cache);

@@ -88,6 +88,19 @@ for batch in 1 16 64; do
     row "$place, dense on cards (rows), batch $batch, zipf:1.0" "$tmp/s.json"
   done
 done
+# two micro-batches in flight (one half's MoE beside the other's attention), and zipf:1.0 routing
+for batch in 16 64; do
+  for place in host hybrid; do
+    "$bin" sim --profile $seed --preset flash41 --placement $place --dense cards --batch $batch --micro-batches 2 \
+      --warmup $warm --json >"$tmp/s.json"
+    row "$place, dense on cards, batch $batch, 2 micro-batches" "$tmp/s.json"
+  done
+  for micro in 1 2; do
+    "$bin" sim --profile $seed --preset flash41 --placement hybrid --dense cards --batch $batch --micro-batches $micro \
+      --routing zipf:1.0 --warmup $warm --json >"$tmp/s.json"
+    row "hybrid, dense on cards, batch $batch, $micro micro-batch(es), zipf:1.0 routing" "$tmp/s.json"
+  done
+done
 "$bin" sim --profile $seed --preset flash41 --placement host --store streamed --store-budget 64G --warmup $warm \
   --json >"$tmp/s.json"
 row "host, batch 1, experts streamed from the SMR disk through a 64 GiB store" "$tmp/s.json"

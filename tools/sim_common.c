@@ -108,6 +108,7 @@ int mf_tool_measure(const char *dir, const mf_plan_opts *po, int n_cards, int th
     rc = mf_step_new(r, &(mf_step_opts){.n_threads = threads, .read_window = po->read_window, .dev = dev,
                                         .placement = po->placement, .dev_cache_bytes = po->dev_cache_bytes,
                                         .dev_graphs = po->dev_graphs, .cpu_bytes_per_s = po->cpu_bytes_per_s,
+                                        .micro = po->micro,
                                         .dense = po->dense == MF_PLAN_DENSE_CARDS ? MF_STEP_DENSE_CARDS
                                                                                    : MF_STEP_DENSE_HOST,
                                         .dense_split = po->dense_split, .profile = po->profile},

@@ -61,11 +61,18 @@ struct mf_plan {
     int64_t *task_ns;
     pl_slot *sl;
     int32_t *slot_card;
-    int *n_used;                             /* per layer */
+    int *n_used;                             /* per layer and micro-batch, n_used[2 L + h] */
     mf_plan_report total;
 };
 
 /* ---- pricing the records (sched/cost.h mf_work, graphs/step/stepgraph.h mf_sg_task_ns) ---- */
+
+/* 1 when slot s of layer L is used this step (among its micro-batch's first n_used). */
+static int pl_slot_live(const mf_plan *p, int L, int s)
+{
+    int h = mf_stepgraph_half_of_slot(p->sg, s);
+    return s - p->sg->half_slot[h] < p->n_used[2 * L + h];
+}
 
 /* A card's FFN of slot s (one expert over its tokens). */
 static double pl_card_ffn_ns(const mf_plan *p, const pl_slot *sl)
@@ -103,7 +110,7 @@ static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int
         r->table_bytes_read += (uint64_t)t->w.io_bytes;
         break;
     case MF_SG_SLOT_READ:
-        if (!sl || t->slot >= p->n_used[t->layer] || !sl->store_miss) {
+        if (!sl || !pl_slot_live(p, t->layer, t->slot) || !sl->store_miss) {
             *overhead = 0;   /* an empty read finishes at once */
             return 0;
         }
@@ -111,8 +118,9 @@ static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int
     case MF_SG_DEV_FFN_CARD: {   /* one launch: the slots' FFNs in a row */
         double ns = 0;
         int n = 0;
-        for (int k = 0; k < p->n_used[t->layer]; k++) {
-            const pl_slot *x = &p->sl[(size_t)t->layer * p->sg->n_slots + k];
+        int s0 = p->sg->half_slot[t->half];   /* the micro-batch's slots */
+        for (int s = s0; s < s0 + p->n_used[2 * t->layer + t->half]; s++) {
+            const pl_slot *x = &p->sl[(size_t)t->layer * p->sg->n_slots + s];
             if (x->card != t->card) continue;
             ns += pl_card_ffn_ns(p, x) - (n++ ? p->prof.card[MF_KF_FP4].latency_ns : 0);
         }
@@ -323,7 +331,7 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
                                         .n_dense_cards = p->n_dense, .dense_split = o->dense_split,
                                         .dev_graphs = o->dev_graphs, .store = p->streamed,
                                         .eg_reads = o->tables == MF_PLAN_STORE_STREAMED,
-                                        .read_window = o->read_window, .lanes = p->lt.lane,
+                                        .read_window = o->read_window, .micro = o->micro, .lanes = p->lt.lane,
                                         .n_lanes = p->lt.n_lanes, .lane_io = p->lt.lane_io,
                                         .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof},
                           &p->sg);
@@ -334,7 +342,7 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
     p->task_ns = malloc(sizeof *p->task_ns * (size_t)p->sg->n_tasks);
     p->sl = calloc(n_sl, sizeof *p->sl);
     p->slot_card = malloc(sizeof *p->slot_card * n_sl);
-    p->n_used = calloc((size_t)p->n_layers, sizeof *p->n_used);
+    p->n_used = calloc((size_t)p->n_layers * 2, sizeof *p->n_used);
     if (!p->ex || !p->task_ns || !p->sl || !p->slot_card || !p->n_used) {
         rc = mf_error(-ENOMEM, "plan: out of memory");
         goto fail;
@@ -394,24 +402,27 @@ static int pl_route(mf_plan *p)
 
 /* ---- the step ------------------------------------------------------------------------------ */
 
-/* Layer L's slot table as the engine's route task builds it (distinct experts ascending, their
- * token counts), the store's begin (hits and misses, pinned) and the engine's placement (card or
- * host; cache slots taken and pinned), then the noop marks; the layer's end releases the pins. */
-static int pl_layer_slots(mf_plan *p, int L, mf_plan_report *r)
+/* Micro-batch h's slot table of layer L as the engine's route task builds it (distinct experts of
+ * its tokens ascending, their token counts), the store's begin (hits and misses, pinned) and the
+ * engine's placement (card or host; cache slots taken and pinned), then the noop marks; its MoE's
+ * end releases the pins (before the next micro-batch's route, as the graph orders them). */
+static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
 {
-    int n = p->batch, K = p->K, E = p->E, ns = 0, n_slots = p->sg->n_slots;
-    pl_slot *sl = p->sl + (size_t)L * n_slots;
-    int32_t *card = p->slot_card + (size_t)L * n_slots;
+    int n = p->batch, K = p->K, E = p->E, n_slots = p->sg->n_slots;
+    int i0 = h ? p->sg->half_end[h - 1] : 0, i1 = p->sg->half_end[h], s0 = p->sg->half_slot[h];
+    int n_half = p->sg->half_slot[h + 1] - s0, ns = 0;
+    pl_slot *sl = p->sl + (size_t)L * n_slots + s0;   /* the micro-batch's slots */
+    int32_t *card = p->slot_card + (size_t)L * n_slots + s0;
     int32_t cnt[4096];
     int32_t *cn = E <= 4096 ? cnt : calloc((size_t)E, sizeof *cn);
     if (!cn) return mf_error(-ENOMEM, "plan: out of memory");
     memset(cn, 0, sizeof *cn * (size_t)E);
-    for (int j = 0; j < n * K; j++) cn[p->ex[(size_t)L * n * K + j]]++;
+    for (int j = i0 * K; j < i1 * K; j++) cn[p->ex[(size_t)L * n * K + j]]++;
     for (int e = 0; e < E; e++)
         if (cn[e]) sl[ns++] = (pl_slot){.e = e, .cnt = cn[e], .card = -1};
     if (cn != cnt) free(cn);
-    for (int s = ns; s < n_slots; s++) sl[s] = (pl_slot){.e = -1, .card = -1};
-    p->n_used[L] = ns;
+    for (int s = ns; s < n_half; s++) sl[s] = (pl_slot){.e = -1, .card = -1};
+    p->n_used[2 * L + h] = ns;
     for (int s = 0; p->streamed && s < ns; s++) {
         int slot, hit = mf_resid_acquire(p->store, L * E + sl[s].e, &slot);
         if (hit < 0) return mf_error(-ENOSPC, "plan: the expert store's slots are all pinned (internal)");
@@ -448,8 +459,8 @@ static int pl_layer_slots(mf_plan *p, int L, mf_plan_report *r)
             r->dev_bytes_in += (uint64_t)p->sz->xslot_bytes;
         }
     }
-    for (int s = 0; s < n_slots; s++) card[s] = sl[s].card;
-    mf_stepgraph_mark_noop(p->sg, L, ns, card);
+    for (int s = 0; s < n_half; s++) card[s] = sl[s].card;
+    mf_stepgraph_mark_noop_half(p->sg, L, h, ns, card);
     for (int s = 0; s < ns; s++) {   /* the layer's end: store batch closed, pins released */
         int item = L * E + sl[s].e;
         if (p->streamed) mf_resid_unpin(p->store, mf_resid_slot(p->store, item));
@@ -462,10 +473,11 @@ static int pl_layer_slots(mf_plan *p, int L, mf_plan_report *r)
  * starting and finishing it; noop tasks cost nothing). */
 static int pl_price(mf_plan *p, mf_plan_report *r)
 {
-    for (int L = 0; L < p->n_layers; L++) {
-        int rc = pl_layer_slots(p, L, r);
-        if (rc) return rc;
-    }
+    for (int L = 0; L < p->n_layers; L++)
+        for (int h = 0; h < p->sg->n_halves; h++) {
+            int rc = pl_layer_slots(p, L, h, r);
+            if (rc) return rc;
+        }
     for (int t = 0; t < p->sg->n_tasks; t++) {
         int ov = 1;
         double ns = mf_graph_noop(p->sg->g, t) ? 0 : pl_task_ns(p, &p->sg->task[t], r, &ov);

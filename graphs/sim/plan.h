@@ -54,6 +54,8 @@ typedef struct mf_plan_opts {
                                   * the profile's; mf_sg_dense_card; their weights leave the rest to the caches) */
     int dense_split;             /* mf_sg_dense_split: dense cards by layer ranges (0) or by rows across all
                                   * (mf_sg_dense_rows; mf_sg_dense_card_bytes per card) */
+    int micro;                   /* 2: two micro-batches in flight (mf_step_opts.micro; routing drawn per
+                                  * half as the engine routes it); 0 or 1: one */
     double dev_task_ns;          /* emulated cards: the host core time of one device task's round
                                   * trip (`moeflow bench devtasks`; 0: the profile's card_fp4_latency_ns) */
     double cpu_bytes_per_s;      /* overrides the engine's model of host expert work per worker, as

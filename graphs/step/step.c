@@ -93,13 +93,14 @@ struct mf_step_shape {
     int32_t *cnt, *fill;   /* n_routed_experts */
     int32_t *slot_of;   /* n_routed_experts -> slot (-1) */
     int32_t *slot_e, *slot_off, *slot_cnt;   /* n_slots */
-    int n_used;
+    int n_used[2];      /* per micro-batch (sg->n_halves): its first slots used (mf_step_slot_live) */
     /* with an expert store: per slot its weights (w1, w2, w3 pointing into the store's slab) and
      * the reads of its IO tasks (n_parts per slot; empty on hits), filled by the route task */
     mf_weight *slot_w;      /* n_slots x 3 */
     mf_io_read *slot_rd;    /* n_slots x n_parts */
     int n_parts;
     int store_layer;        /* layer whose store batch is open, -1 */
+    int store_half;         /* the micro-batch whose slots it holds */
     /* with devices: per slot its card (-1: host), its expert's cache slot on the card and whether
      * it must be copied in (a miss); per card the slot-ordered device buffers (x, token weights,
      * h, int8 scratch per slot, y), as offsets into dbuf[card] */
@@ -107,13 +108,15 @@ struct mf_step_shape {
     uint8_t **slot_dev;
     uint8_t *slot_miss;
     int dev_layer;          /* layer whose cache slots are pinned, -1 */
+    int dev_half;           /* the micro-batch whose slots they are */
     uint8_t *dbuf[MF_DEV_MAX_CARDS];
     size_t d_x, d_w, d_h, d_q, d_y, d_tab, dq_bytes;
     /* device graphs (opts dev_graphs): per card the slot tables of every layer (pinned host copy
      * filled by the route task, device copy refreshed by the graph) and each layer's graph,
      * captured on its first run: the table's h2d copy, then the slot-table FFN */
     mf_dev_ffn_slot *htab[MF_DEV_MAX_CARDS];
-    mf_dev_graph **dgraph[MF_DEV_MAX_CARDS];
+    mf_dev_graph **dgraph[MF_DEV_MAX_CARDS];   /* n_dgraph each: per layer and micro-batch */
+    int n_dgraph;
     /* slot-ordered expert buffers (n x K rows) */
     float *xg, *wg, *h, *gg, *uu, *y;
     mf_kern_q8 *q8x, *q8h;   /* n_slots */
@@ -290,8 +293,9 @@ static int mf_task_engram_rows(void *arg, mf_task_ctx *ctx)
     const mf_weight *w = &mf_model_layer_at(cx->ly->m, a->t->layer)->eg_wkv;
     int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
-    int rc = mf_ly_linear_part(cx, w, sh->eg_emb, sh->n, sh->eg_emb_ld, sh->eg_kv,
-                                sh->eg_kv_ld, r0, r1);
+    size_t i0 = (size_t)a->t->i0;   /* the micro-batch's items */
+    int rc = mf_ly_linear_part(cx, w, sh->eg_emb + i0 * sh->eg_emb_ld, a->t->n_tok, sh->eg_emb_ld,
+                                sh->eg_kv + i0 * sh->eg_kv_ld, sh->eg_kv_ld, r0, r1);
     return rc ? mf_error_wrap(rc, "step: layer %d, rows [%d, %d) of the Engram wkv", a->t->layer, r0, r1) : 0;
 }
 
@@ -397,8 +401,9 @@ static int mf_task_attn_rows(void *arg, mf_task_ctx *ctx)
         int64_t lo = r0 - off > 0 ? r0 - off : 0, hi = r1 - off < l->w->rows ? r1 - off : l->w->rows;
         off += l->w->rows;
         if (lo >= hi) continue;
-        int rc = mf_ly_attn_lin_rows(cx, l, sh->ab[l->x], sh->ab_ld[l->x], sh->ab[l->y], sh->ab_ld[l->y], sh->n,
-                                      lo, hi);
+        size_t i0 = (size_t)a->t->i0;   /* the micro-batch's items */
+        int rc = mf_ly_attn_lin_rows(cx, l, sh->ab[l->x] + i0 * sh->ab_ld[l->x], sh->ab_ld[l->x],
+                                      sh->ab[l->y] + i0 * sh->ab_ld[l->y], sh->ab_ld[l->y], a->t->n_tok, lo, hi);
         if (rc) return mf_error_wrap(rc, "step: layer %d, rows [%lld, %lld) of %s", a->t->layer, (long long)lo,
                                      (long long)hi, l->w->name ? l->w->name : "an attention linear");
     }
@@ -534,41 +539,52 @@ static int mf_task_gate_rows(void *arg, mf_task_ctx *ctx)
     int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
     int64_t H = sh->eng->c->hidden_size;
-    int rc = mf_ly_gate_rows(cx, a->t->layer, sh->xin, sh->n, H, sh->logits, w->rows, r0, r1);
+    size_t i0 = (size_t)a->t->i0;   /* the micro-batch's items */
+    int rc = mf_ly_gate_rows(cx, a->t->layer, sh->xin + i0 * H, a->t->i1 - a->t->i0, H, sh->logits + i0 * w->rows,
+                             w->rows, r0, r1);
     return rc ? mf_error_wrap(rc, "step: layer %d, rows [%d, %d) of the router gate", a->t->layer, r0, r1) : 0;
 }
 
-/* Top-k of the gate logits of every item, in item order (with the route hook). */
-static void mf_step_topk(mf_step_shape *sh, mf_ly_ctx *cx, int L)
+/* Top-k of the gate logits of items [i0, i1), in item order (with the route hook). */
+static void mf_step_topk(mf_step_shape *sh, mf_ly_ctx *cx, int L, int i0, int i1)
 {
     const mf_config *c = cx->ly->c;
     int K = c->n_experts_per_tok, E = c->n_routed_experts;
-    for (int i = 0; i < sh->n; i++)
+    for (int i = i0; i < i1; i++)
         mf_ly_route_item(cx, &sh->items[i], L, sh->logits + (size_t)i * E, sh->ex + (size_t)i * K,
                          sh->wt + (size_t)i * K);
 }
 
-/* Opens the store's batch for layer L's slots (hits and misses decided, all pinned) and fills
- * each slot's IO reads (none on hits) and weight views into the slab. */
-static int mf_step_store_begin(mf_step_shape *sh, int L)
+/* 1 when slot s is used in this layer (among its micro-batch's first n_used). */
+static int mf_step_slot_live(const mf_step_shape *sh, int s)
+{
+    int h = mf_stepgraph_half_of_slot(sh->sg, s);
+    return s - sh->sg->half_slot[h] < sh->n_used[h];
+}
+
+/* Opens the store's batch for micro-batch h's slots of layer L (hits and misses decided, all
+ * pinned) and fills each slot's IO reads (none on hits) and weight views into the slab. */
+static int mf_step_store_begin(mf_step_shape *sh, int L, int h)
 {
     mf_store *st = sh->eng->store;
     const mf_model_layer *y = mf_model_layer_at(sh->eng->ly->m, L);
-    int rc = mf_store_begin(st, L, sh->slot_e, sh->n_used), any = 0;
-    if (rc) return mf_error_wrap(rc, "step: layer %d: making its %d experts present", L, sh->n_used);
+    int s0 = sh->sg->half_slot[h], nu = sh->n_used[h];
+    int rc = mf_store_begin(st, L, sh->slot_e + s0, nu), any = 0;
+    if (rc) return mf_error_wrap(rc, "step: layer %d: making its %d experts present", L, nu);
     sh->store_layer = L;
-    for (int s = 0; s < sh->n_slots; s++) {
-        int nr = 0;
-        const mf_io_read *rd = s < sh->n_used ? mf_store_reads(st, s, &nr) : NULL;
+    sh->store_half = h;
+    for (int s = s0; s < sh->sg->half_slot[h + 1]; s++) {
+        int nr = 0, q = s - s0;   /* the slot's place in the store's batch */
+        const mf_io_read *rd = q < nu ? mf_store_reads(st, q, &nr) : NULL;
         for (int j = 0; j < sh->n_parts; j++)
             sh->slot_rd[(size_t)s * sh->n_parts + j] = j < nr ? rd[j] : (mf_io_read){.fd = -1};
         any |= nr > 0;
-        if (s >= sh->n_used) continue;
+        if (q >= nu) continue;
         for (int k = 0; k < 3; k++) {
             mf_weight *w = &sh->slot_w[(size_t)s * 3 + k];
             *w = y->experts[sh->slot_e[s] * 3 + k];
-            w->data = mf_store_batch_part(st, s, 2 * k);
-            w->scale = mf_store_batch_part(st, s, 2 * k + 1);
+            w->data = mf_store_batch_part(st, q, 2 * k);
+            w->scale = mf_store_batch_part(st, q, 2 * k + 1);
             if (!w->data || !w->scale) {
                 sh->store_layer = -1;
                 return mf_store_end(st, mf_error(-EFAULT, "step: %s has no place in the expert store "
@@ -602,18 +618,20 @@ void mf_step_lane_models(const mf_profile *p, int threads, mf_lane_model models[
     models[3] = (mf_lane_model){.bytes_per_s = p->d2h_bytes_per_s, .latency_ns = p->d2h_latency_ns};
 }
 
-/* Decides where layer L's slots run (sh->slot_card) and takes their cache slots on the cards
- * (pinned until the layer's end): SEED the owner card; HYBRID the earlier finish by the lanes'
- * cost models, host work spread over the workers, each card's copy and compute queues apart. */
-static int mf_step_place(mf_step_shape *sh, int L)
+/* Decides where micro-batch h's slots of layer L run (sh->slot_card) and takes their cache slots
+ * on the cards (pinned until its MoE's end): SEED the owner card; HYBRID the earlier finish by the
+ * lanes' cost models, host work spread over the workers, each card's copy and compute queues apart. */
+static int mf_step_place(mf_step_shape *sh, int L, int h)
 {
     mf_step *eng = sh->eng;
     mf_sg_placer pl;
+    int s0 = sh->sg->half_slot[h], s1 = sh->sg->half_slot[h + 1];
     mf_sg_placer_init(&pl, eng->models, eng->o.n_threads, eng->o.placement == MF_STEP_PLACE_HYBRID,
                       (double)eng->xslot_bytes);
     sh->dev_layer = L;
-    for (int s = 0; s < sh->n_slots; s++) sh->slot_card[s] = -1;
-    for (int s = 0; s < sh->n_used; s++) {
+    sh->dev_half = h;
+    for (int s = s0; s < s1; s++) sh->slot_card[s] = -1;
+    for (int s = s0; s < s0 + sh->n_used[h]; s++) {
         int e = sh->slot_e[s], c = mf_dev_xcache_owner(eng->n_cards, L, e);
         if (!mf_sg_place_want_card(&pl, c, sh->slot_cnt[s], mf_dev_xcache_has(eng->xc[c], L, e))) {
             eng->dstat.host_slots++;
@@ -637,8 +655,8 @@ static int mf_step_place(mf_step_shape *sh, int L)
     if (eng->dev_graphs)   /* the slot tables of layer L: a card's own slots, the rest unused */
         for (int c = 0; c < eng->n_cards; c++) {
             mf_dev_ffn_slot *tab = sh->htab[c] + (size_t)L * sh->n_slots;
-            for (int s = 0; s < sh->n_slots; s++)
-                tab[s] = s < sh->n_used && sh->slot_card[s] == c
+            for (int s = s0; s < s1; s++)
+                tab[s] = mf_step_slot_live(sh, s) && sh->slot_card[s] == c
                              ? (mf_dev_ffn_slot){(uint64_t)(uintptr_t)sh->slot_dev[s], sh->slot_off[s], sh->slot_cnt[s]}
                              : (mf_dev_ffn_slot){0, 0, 0};
         }
@@ -651,7 +669,8 @@ static void mf_step_dev_release(mf_step_shape *sh, int failed)
 {
     mf_step *eng = sh->eng;
     if (sh->dev_layer < 0) return;
-    for (int s = 0; s < sh->n_used; s++) {
+    int s0 = sh->sg->half_slot[sh->dev_half];
+    for (int s = s0; s < s0 + sh->n_used[sh->dev_half]; s++) {
         int c = sh->slot_card[s];
         if (c < 0) continue;
         if (failed && sh->slot_miss[s]) mf_dev_xcache_drop(eng->xc[c], sh->dev_layer, sh->slot_e[s]);
@@ -678,7 +697,8 @@ static int mf_step_dev_fail(mf_step_shape *sh, int rc)
             rc = mf_error_wrap(rc, "layer %d, dense work on card %d", a->t->layer, a->t->card);
             break;
         }
-        if (a->t->layer != L || a->t->slot >= sh->n_used) continue;
+        if (a->t->layer != L || a->t->half != sh->dev_half || (a->t->slot >= 0 && !mf_step_slot_live(sh, a->t->slot)))
+            continue;
         if (a->t->slot < 0) {   /* a card's graph of the layer's FFNs */
             rc = mf_error_wrap(rc, "layer %d, the routed experts on card %d (their cache slots copied in "
                                "this step are dropped)", L, a->t->card);
@@ -702,7 +722,7 @@ static int mf_task_dev_in(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     int s = a->t->slot;
-    if (s >= sh->n_used || sh->slot_card[s] != a->t->card) return MF_TASK_NO_WORK;
+    if (!mf_step_slot_live(sh, s) || sh->slot_card[s] != a->t->card) return MF_TASK_NO_WORK;
     mf_step *eng = sh->eng;
     mf_dev_stream *st = ctx->queue;
     int64_t H = eng->c->hidden_size;
@@ -727,7 +747,7 @@ static int mf_task_dev_ffn(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     int s = a->t->slot;
-    if (s >= sh->n_used || sh->slot_card[s] != a->t->card) return MF_TASK_NO_WORK;
+    if (!mf_step_slot_live(sh, s) || sh->slot_card[s] != a->t->card) return MF_TASK_NO_WORK;
     mf_step *eng = sh->eng;
     int64_t H = eng->c->hidden_size, I = eng->c->moe_intermediate_size;
     const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, s);
@@ -756,23 +776,25 @@ static int mf_task_dev_ffn_card(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
-    int c = a->t->card, L = a->t->layer, any = 0;
-    for (int s = 0; s < sh->n_used && !any; s++) any = sh->slot_card[s] == c;
+    int c = a->t->card, L = a->t->layer, h = a->t->half, any = 0;
+    int s0 = sh->sg->half_slot[h], ns = sh->sg->half_slot[h + 1] - s0;   /* the micro-batch's slots */
+    for (int s = s0; s < s0 + sh->n_used[h] && !any; s++) any = sh->slot_card[s] == c;
     if (!any) return MF_TASK_NO_WORK;
     mf_dev_stream *st = ctx->queue;
-    mf_dev_graph **g = &sh->dgraph[c][L];
+    mf_dev_graph **g = &sh->dgraph[c][L * sh->sg->n_halves + h];
     if (!*g) {
         uint8_t *db = sh->dbuf[c];
-        mf_dev_ffn_slot *dtab = (mf_dev_ffn_slot *)(db + sh->d_tab) + (size_t)L * sh->n_slots;
+        mf_dev_ffn_slot *dtab = (mf_dev_ffn_slot *)(db + sh->d_tab) + (size_t)L * sh->n_slots + s0;
         mf_dev_ffn_table t = {.n_in = (int)eng->c->hidden_size, .n_hidden = (int)eng->c->moe_intermediate_size,
-                              .table = dtab, .n_slots = sh->n_slots, .max_tok = sh->n,
+                              .table = dtab, .n_slots = ns, .max_tok = sh->n,
                               .x = (const float *)(db + sh->d_x), .tok_weight = (const float *)(db + sh->d_w),
                               .limit = (float)eng->c->swiglu_limit, .h = (float *)(db + sh->d_h),
-                              .q8_scratch = db + sh->d_q, .q8_stride = sh->dq_bytes, .y = (float *)(db + sh->d_y)};
+                              .q8_scratch = db + sh->d_q + (size_t)s0 * sh->dq_bytes, .q8_stride = sh->dq_bytes,
+                              .y = (float *)(db + sh->d_y)};
         for (int k = 0; k < 6; k++) t.part_off[k] = eng->part_off[k];
         int rc = mf_dev_capture_begin(st);
         if (rc) return rc;
-        rc = mf_dev_copy_h2d(st, dtab, sh->htab[c] + (size_t)L * sh->n_slots, sizeof *dtab * (size_t)sh->n_slots);
+        rc = mf_dev_copy_h2d(st, dtab, sh->htab[c] + (size_t)L * sh->n_slots + s0, sizeof *dtab * (size_t)ns);
         if (!rc) rc = mf_dev_expert_ffn_table(st, &t);
         mf_dev_graph *ng = NULL;
         int rc2 = mf_dev_capture_end(st, &ng);
@@ -791,7 +813,7 @@ static int mf_task_dev_out(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     int s = a->t->slot;
-    if (s >= sh->n_used || sh->slot_card[s] != a->t->card) return MF_TASK_NO_WORK;
+    if (!mf_step_slot_live(sh, s) || sh->slot_card[s] != a->t->card) return MF_TASK_NO_WORK;
     int64_t H = sh->eng->c->hidden_size;
     size_t off = (size_t)sh->slot_off[s], cnt = (size_t)sh->slot_cnt[s];
     return mf_dev_copy_d2h(ctx->queue, sh->y + off * H, (const float *)(sh->dbuf[a->t->card] + sh->d_y) + off * H,
@@ -811,14 +833,18 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
     const mf_config *c = eng->c;
     int K = c->n_experts_per_tok, E = c->n_routed_experts;
     int64_t H = c->hidden_size;
-    mf_step_topk(sh, cx, a->t->layer);
+    /* the micro-batch's items [i0, i1) and slots [s0, s1) (its rows in slot order from i0 * K):
+     * the other micro-batch's route runs before this one's MoE starts or after it ends, so the
+     * expert counts and fills are this route's alone */
+    int h = a->t->half, i0 = a->t->i0, i1 = a->t->i1, s0 = sh->sg->half_slot[h], s1 = sh->sg->half_slot[h + 1];
+    mf_step_topk(sh, cx, a->t->layer, i0, i1);
     memset(sh->cnt, 0, sizeof *sh->cnt * (size_t)E);
-    for (int j = 0; j < sh->n * K; j++) sh->cnt[sh->ex[j]]++;
-    int ns = 0, off = 0;
+    for (int j = i0 * K; j < i1 * K; j++) sh->cnt[sh->ex[j]]++;
+    int ns = s0, off = i0 * K;
     for (int e = 0; e < E; e++) {
         sh->slot_of[e] = -1;
         if (!sh->cnt[e]) continue;
-        if (ns == sh->n_slots) return mf_error(-EINVAL, "step: more experts than slots (internal)");
+        if (ns == s1) return mf_error(-EINVAL, "step: more experts than slots (internal)");
         sh->slot_of[e] = ns;
         sh->slot_e[ns] = e;
         sh->slot_off[ns] = off;
@@ -827,8 +853,8 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
         off += sh->cnt[e];
         ns++;
     }
-    sh->n_used = ns;
-    for (int i = 0; i < sh->n; i++)
+    sh->n_used[h] = ns - s0;
+    for (int i = i0; i < i1; i++)
         for (int k = 0; k < K; k++) {
             int e = sh->ex[i * K + k], row = sh->fill[e]++;
             sh->asg[i * K + k] = row;
@@ -836,19 +862,19 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
             sh->wg[row] = sh->wt[i * K + k];
         }
     if (eng->store) {
-        int rc = mf_step_store_begin(sh, a->t->layer);
+        int rc = mf_step_store_begin(sh, a->t->layer, h);
         if (rc) return rc;
     }
     if (eng->n_cards) {   /* routed experts on cards */
-        int rc = mf_step_place(sh, a->t->layer);
+        int rc = mf_step_place(sh, a->t->layer, h);
         if (rc) return rc;
     }
     /* the slot tasks with nothing to do this step (unused slots; a slot's host tasks when it runs
      * on a card, its tasks on the other cards): the executor completes them where they become
      * ready, without waking a lane's thread or a round trip through a card's stream */
-    mf_stepgraph_mark_noop(sh->sg, a->t->layer, sh->n_used, sh->slot_card);
+    mf_stepgraph_mark_noop_half(sh->sg, a->t->layer, h, sh->n_used[h], sh->slot_card ? sh->slot_card + s0 : NULL);
     if (!eng->o.exact)
-        for (int s = 0; s < ns; s++) {
+        for (int s = s0; s < ns; s++) {
             if (sh->slot_card && sh->slot_card[s] >= 0) continue;   /* the card quantizes its own */
             int rc = mf_kern_q8_init(&sh->q8x[s], sh->q8x_mem + (size_t)s * sh->q8x_bytes, sh->q8x_bytes,
                                      sh->slot_cnt[s], (int)H);
@@ -867,10 +893,11 @@ static int mf_task_moe_done(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     mf_store *st = sh->eng->store;
-    if (sh->dev_layer == a->t->layer) mf_step_dev_release(sh, 0);
-    if (!st || sh->store_layer != a->t->layer) return 0;
+    int h = a->t->half, s0 = sh->sg->half_slot[h];
+    if (sh->dev_layer == a->t->layer && sh->dev_half == h) mf_step_dev_release(sh, 0);
+    if (!st || sh->store_layer != a->t->layer || sh->store_half != h) return 0;
     int rc = mf_store_end(st, 0);
-    mf_store_unpin(st, a->t->layer, sh->slot_e, sh->n_used);
+    mf_store_unpin(st, a->t->layer, sh->slot_e + s0, sh->n_used[h]);
     sh->store_layer = -1;
     return rc;
 }
@@ -922,7 +949,7 @@ static int mf_task_slot_up(void *arg, mf_task_ctx *ctx)
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    if (a->t->slot >= sh->n_used || (sh->slot_card && sh->slot_card[a->t->slot] >= 0)) return 0;
+    if (!mf_step_slot_live(sh, a->t->slot) || (sh->slot_card && sh->slot_card[a->t->slot] >= 0)) return 0;
     mf_step *eng = sh->eng;
     const mf_config *c = eng->c;
     int64_t H = c->hidden_size, I = c->moe_intermediate_size;
@@ -940,7 +967,8 @@ static int mf_task_slot_join(void *arg, mf_task_ctx *ctx)
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    if (a->t->slot >= sh->n_used || sh->eng->o.exact || (sh->slot_card && sh->slot_card[a->t->slot] >= 0)) return 0;
+    if (!mf_step_slot_live(sh, a->t->slot) || sh->eng->o.exact || (sh->slot_card && sh->slot_card[a->t->slot] >= 0))
+        return 0;
     int I = (int)sh->eng->c->moe_intermediate_size, s = a->t->slot;
     int rc = mf_kern_q8_init(&sh->q8h[s], sh->q8h_mem + (size_t)s * sh->q8h_bytes, sh->q8h_bytes,
                              sh->slot_cnt[s], I);
@@ -953,7 +981,7 @@ static int mf_task_slot_down(void *arg, mf_task_ctx *ctx)
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
-    if (a->t->slot >= sh->n_used || (sh->slot_card && sh->slot_card[a->t->slot] >= 0)) return 0;
+    if (!mf_step_slot_live(sh, a->t->slot) || (sh->slot_card && sh->slot_card[a->t->slot] >= 0)) return 0;
     mf_step *eng = sh->eng;
     int64_t H = eng->c->hidden_size, I = eng->c->moe_intermediate_size;
     const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, a->t->slot);
@@ -973,8 +1001,9 @@ static int mf_task_sh_up(void *arg, mf_task_ctx *ctx)
     const mf_model_layer *y = mf_model_layer_at(eng->ly->m, a->t->layer);
     int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
-    return mf_step_ffn_up(eng, &y->sh_w1, &y->sh_w3, sh->xin, NULL, sh->n, NULL, sh->hs, sh->gs, sh->us,
-                          r0, r1);
+    size_t i0 = (size_t)a->t->i0, I = (size_t)y->sh_w1.rows;   /* the micro-batch's items */
+    return mf_step_ffn_up(eng, &y->sh_w1, &y->sh_w3, sh->xin + i0 * eng->c->hidden_size, NULL, a->t->n_tok, NULL,
+                          sh->hs + i0 * I, sh->gs ? sh->gs + i0 * I : NULL, sh->us ? sh->us + i0 * I : NULL, r0, r1);
 }
 
 static int mf_task_nop(void *arg, mf_task_ctx *ctx)
@@ -993,7 +1022,9 @@ static int mf_task_sh_down(void *arg, mf_task_ctx *ctx)
     const mf_model_layer *y = mf_model_layer_at(eng->ly->m, a->t->layer);
     int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
-    return mf_step_ffn_down(eng, &y->sh_w2, sh->hs, NULL, sh->n, sh->ys, r0, r1);
+    size_t i0 = (size_t)a->t->i0;   /* the micro-batch's items */
+    return mf_step_ffn_down(eng, &y->sh_w2, sh->hs + i0 * y->sh_w1.rows, NULL, a->t->n_tok,
+                            sh->ys + i0 * eng->c->hidden_size, r0, r1);
 }
 
 /* Combine, columns [r0, r1) of one item: the routed outputs in its top-k order, then the shared
@@ -1072,11 +1103,13 @@ static void mf_step_dense_run_rows(const mf_step_targ *a, int64_t n_rows, int64_
     if (a->sh->eng->o.dense_fault_skip_row && a->t->part == 0 && *r1 > *r0) (*r1)--;
 }
 
-/* Rows [r0, r1) of n_tok items' vectors of ld floats, host buffer host at device offset off. */
-static mf_step_dcopy mf_step_dcopy_rows(float *host, size_t off, int64_t ld, int64_t r0, int64_t r1, size_t n_tok)
+/* Rows [r0, r1) of the vectors (ld floats each) of n_tok items from item i0, host buffer host at
+ * device offset off. */
+static mf_step_dcopy mf_step_dcopy_rows(float *host, size_t off, int64_t ld, int64_t r0, int64_t r1, size_t i0,
+                                        size_t n_tok)
 {
-    size_t f = sizeof(float);
-    return (mf_step_dcopy){host + r0, off + (size_t)r0 * f, (size_t)(r1 - r0) * f, n_tok, (size_t)ld * f};
+    size_t f = sizeof(float), at = i0 * (size_t)ld + (size_t)r0;
+    return (mf_step_dcopy){host + at, off + at * f, (size_t)(r1 - r0) * f, n_tok, (size_t)ld * f};
 }
 
 /* The copies into (out 0) or out of (out 1) the card of dense task a, into cp[]; returns their
@@ -1087,7 +1120,8 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
 {
     mf_step_shape *sh = a->sh;
     const mf_config *c = sh->eng->c;
-    size_t n = (size_t)sh->n, f = sizeof(float), H = (size_t)c->hidden_size;
+    /* the micro-batch's items [i0, i0 + n) (the head: the items with logits, from 0) */
+    size_t i0 = (size_t)a->t->i0, n = (size_t)(a->t->i1 - a->t->i0), f = sizeof(float), H = (size_t)c->hidden_size;
     int d = a->t->dense, m = 0, split = a->t->part >= 0;
     int64_t r0, r1;
     if (d <= MF_SG_D_ATTN_OB) {
@@ -1103,18 +1137,19 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
             int64_t rows = lin[k].w->rows, lo = r0 - base > 0 ? r0 - base : 0, hi = r1 - base < rows ? r1 - base : rows;
             base += rows;
             if (out && split) {   /* this card's rows of the linear's output */
-                if (lo < hi) cp[m++] = mf_step_dcopy_rows(sh->ab[b], sh->dd_ab[b], sh->ab_ld[b], lo, hi, n);
+                if (lo < hi) cp[m++] = mf_step_dcopy_rows(sh->ab[b], sh->dd_ab[b], sh->ab_ld[b], lo, hi, i0, n);
                 continue;
             }
             if (split && lin[k].groups) {   /* grouped (wo_a): the input slices of the groups its rows touch */
                 int64_t R = rows / lin[k].groups, cols = lin[k].w->cols;
                 if (lo < hi) cp[m++] = mf_step_dcopy_rows(sh->ab[b], sh->dd_ab[b], sh->ab_ld[b], lo / R * cols,
-                                                          (hi + R - 1) / R * cols, n);
+                                                          (hi + R - 1) / R * cols, i0, n);
                 continue;
             }
             if (seen & (1 << b)) continue;
             seen |= 1 << b;
-            cp[m++] = (mf_step_dcopy){sh->ab[b], sh->dd_ab[b], n * (size_t)sh->ab_ld[b] * f, 1, 0};
+            size_t ld = (size_t)sh->ab_ld[b];
+            cp[m++] = (mf_step_dcopy){sh->ab[b] + i0 * ld, sh->dd_ab[b] + i0 * ld * f, n * ld * f, 1, 0};
         }
         return m;
     }
@@ -1123,15 +1158,15 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
     switch (d) {
     case MF_SG_D_GATE:
         mf_step_dense_rows(a, E, &r0, &r1);
-        if (out && r0 < r1) cp[m++] = mf_step_dcopy_rows(sh->logits, sh->dd_logits, E, r0, r1, n);
-        if (!out) cp[m++] = (mf_step_dcopy){sh->xin, sh->dd_xin, n * H * f, 1, 0};
+        if (out && r0 < r1) cp[m++] = mf_step_dcopy_rows(sh->logits, sh->dd_logits, E, r0, r1, i0, n);
+        if (!out) cp[m++] = (mf_step_dcopy){sh->xin + i0 * H, sh->dd_xin + i0 * H * f, n * H * f, 1, 0};
         break;
     case MF_SG_D_SHARED:
-        if (out) cp[m++] = (mf_step_dcopy){sh->ys, sh->dd_ys, n * H * f, 1, 0};
+        if (out) cp[m++] = (mf_step_dcopy){sh->ys + i0 * H, sh->dd_ys + i0 * H * f, n * H * f, 1, 0};
         break;
     case MF_SG_D_HEAD:
         mf_step_dense_rows(a, V, &r0, &r1);
-        if (nh && out && r0 < r1) cp[m++] = mf_step_dcopy_rows(sh->lbuf, sh->dd_lbuf, V, r0, r1, nh);
+        if (nh && out && r0 < r1) cp[m++] = mf_step_dcopy_rows(sh->lbuf, sh->dd_lbuf, V, r0, r1, 0, nh);
         if (nh && !out) cp[m++] = (mf_step_dcopy){sh->hn, sh->dd_hn, nh * H * f, 1, 0};
         break;
     }
@@ -1220,11 +1255,11 @@ static int mf_step_dense_shared(const mf_step_targ *a, mf_dev_stream *st, const 
 {
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
-    int n = sh->n, k = a->t->card, L = a->t->layer;
-    int64_t H = eng->c->hidden_size, I = y->sh_w1.rows, r0, r1;
+    int n = a->t->i1 - a->t->i0, k = a->t->card, L = a->t->layer;
+    int64_t H = eng->c->hidden_size, I = y->sh_w1.rows, r0, r1, i0 = a->t->i0;   /* the micro-batch's items */
     float lim = (float)eng->c->swiglu_limit;
     uint8_t *db = sh->ddense[k];
-    float *x = (float *)(db + sh->dd_xin), *h = (float *)(db + sh->dd_hs);
+    float *x = (float *)(db + sh->dd_xin) + i0 * H, *h = (float *)(db + sh->dd_hs) + i0 * I;
     int rc = 0;
     mf_step_dense_rows(a, I, &r0, &r1);
     if (r0 < r1 && !eng->o.exact && lim > 0) {
@@ -1236,19 +1271,20 @@ static int mf_step_dense_shared(const mf_step_targ *a, mf_dev_stream *st, const 
     } else if (r0 < r1) {
         if (!eng->o.exact)
             return mf_error(-ENOTSUP, "step: the shared expert on a card without a swiglu limit needs exact");
-        float *g = (float *)(db + sh->dd_gs), *u = (float *)(db + sh->dd_us);
+        float *g = (float *)(db + sh->dd_gs) + i0 * I, *u = (float *)(db + sh->dd_us) + i0 * I;
         rc = mf_step_dense_lin(a, st, &y->sh_w1, r0, r1, 0, 0, 0, x, H, n, g, I);
         if (!rc) rc = mf_step_dense_lin(a, st, &y->sh_w3, r0, r1, 0, 0, 0, x, H, n, u, I);
         if (!rc) rc = mf_dev_swiglu_bf16(st, g + r0, u + r0, n, I, (int)(r1 - r0), lim, h + r0);
         if (rc) return rc;
     }
     mf_step_dense_rows(a, H, &r0, &r1);
-    return mf_step_dense_lin(a, st, &y->sh_w2, r0, r1, 0, 0, 1, h, I, n, (float *)(db + sh->dd_ys), H);
+    return mf_step_dense_lin(a, st, &y->sh_w2, r0, r1, 0, 0, 1, h, I, n, (float *)(db + sh->dd_ys) + i0 * H, H);
 }
 
 /* The dense work of task a as launches on its card's compute stream st, on the card's copies of
  * the activations and its resident weights: per linear of the sublayer the rows the task owns
- * (mf_step_dense_run_rows: an attention stage's linears one after another), with the sums and roundings the host placement's code uses (the grouped
+ * (mf_step_dense_run_rows: an attention stage's linears one after another) over the task's items
+ * (its micro-batch's), with the sums and roundings the host placement's code uses (the grouped
  * wo_a and the router gate: reference sums; wo_a, wo_b and the shared expert's output: bf16), so
  * emulated cards give the host placement's bits. */
 static int mf_step_dense_launch(const mf_step_targ *a, mf_dev_stream *st)
@@ -1256,7 +1292,8 @@ static int mf_step_dense_launch(const mf_step_targ *a, mf_dev_stream *st)
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
     const mf_config *c = eng->c;
-    int k = a->t->card, L = a->t->layer, n = sh->n, d = a->t->dense;
+    int k = a->t->card, L = a->t->layer, n = a->t->i1 - a->t->i0, d = a->t->dense;
+    int64_t i0 = a->t->i0;   /* the micro-batch's items [i0, i0 + n) (the head: all, from 0) */
     uint8_t *db = sh->ddense[k];
     int64_t H = c->hidden_size;
 #define DD(off) ((float *)(db + (off)))
@@ -1271,8 +1308,9 @@ static int mf_step_dense_launch(const mf_step_targ *a, mf_dev_stream *st)
             const mf_ly_attn_lin *l = &lin[j];
             int64_t lo = r0 - base > 0 ? r0 - base : 0, hi = r1 - base < l->w->rows ? r1 - base : l->w->rows;
             base += l->w->rows;
-            int rc = mf_step_dense_lin(a, st, l->w, lo, hi, l->groups, l->groups > 0, l->bf, DD(sh->dd_ab[l->x]),
-                                       sh->ab_ld[l->x], n, DD(sh->dd_ab[l->y]), sh->ab_ld[l->y]);
+            int rc = mf_step_dense_lin(a, st, l->w, lo, hi, l->groups, l->groups > 0, l->bf,
+                                       DD(sh->dd_ab[l->x]) + i0 * sh->ab_ld[l->x], sh->ab_ld[l->x], n,
+                                       DD(sh->dd_ab[l->y]) + i0 * sh->ab_ld[l->y], sh->ab_ld[l->y]);
             if (rc) return rc;
         }
         return 0;
@@ -1282,8 +1320,8 @@ static int mf_step_dense_launch(const mf_step_targ *a, mf_dev_stream *st)
     case MF_SG_D_GATE: {
         int64_t r0, r1;
         mf_step_dense_run_rows(a, y->gate.rows, &r0, &r1);
-        return mf_step_dense_lin(a, st, &y->gate, r0, r1, 0, 1, 0, DD(sh->dd_xin), H, n, DD(sh->dd_logits),
-                                 y->gate.rows);
+        return mf_step_dense_lin(a, st, &y->gate, r0, r1, 0, 1, 0, DD(sh->dd_xin) + i0 * H, H, n,
+                                 DD(sh->dd_logits) + i0 * y->gate.rows, y->gate.rows);
     }
     case MF_SG_D_SHARED:
         return mf_step_dense_shared(a, st, y);
@@ -1320,7 +1358,7 @@ static void mf_step_shape_free(mf_step_shape *sh)
     free(sh->slot_dev);
     free(sh->slot_miss);
     for (int c = 0; c < sh->eng->n_cards; c++) {
-        for (int L = 0; sh->dgraph[c] && L < sh->eng->c->n_layers; L++) mf_dev_graph_destroy(sh->dgraph[c][L]);
+        for (int L = 0; sh->dgraph[c] && L < sh->n_dgraph; L++) mf_dev_graph_destroy(sh->dgraph[c][L]);
         free(sh->dgraph[c]);
         mf_dev_host_free(sh->eng->dev, sh->htab[c]);
         mf_dev_free(sh->eng->dev, c, sh->dbuf[c]);
@@ -1369,7 +1407,7 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const in
                                           .lanes = eng->lt.lane,
                                           .n_lanes = eng->lt.n_lanes, .lane_io = eng->lt.lane_io,
                                           .lane_dev0 = eng->lt.lane_dev0,
-                                          .fn_of = mf_step_fn_of, .profile = eng->o.profile},
+                                          .micro = eng->o.micro, .fn_of = mf_step_fn_of, .profile = eng->o.profile},
                             out);
 }
 
@@ -1425,7 +1463,8 @@ static int mf_step_shape_cards(mf_step *eng, mf_step_shape *sh)
         if (rc) return mf_error_wrap(rc, "step: device buffers of a batch of %d on card %d", n, cd);
         sh->dbuf[cd] = p;
         if (!eng->dev_graphs) continue;
-        sh->dgraph[cd] = calloc((size_t)c->n_layers, sizeof *sh->dgraph[cd]);
+        sh->n_dgraph = c->n_layers * sh->sg->n_halves;   /* per layer and micro-batch */
+        sh->dgraph[cd] = calloc((size_t)sh->n_dgraph, sizeof *sh->dgraph[cd]);
         rc = sh->dgraph[cd] ? mf_dev_host_alloc(eng->dev, cd, tab_bytes, (void **)&sh->htab[cd])
                             : mf_error(-ENOMEM, "step: out of memory");
         if (rc) return mf_error_wrap(rc, "step: slot tables on card %d", cd);

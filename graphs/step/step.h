@@ -70,6 +70,11 @@ typedef struct mf_step_opts {
      * the shared expert split by output rows across all the cards (MF_SG_SPLIT_ROWS: each card
      * computes and copies out its rows, mf_sg_dense_rows; logits the same bits). */
     int dense_split;
+    /* 2 (`moeflow decode --micro-batches 2`): two micro-batches in flight for batches of two or
+     * more sequences (graphs/step/stepgraph.h mf_sg_opts.micro): each half of the batch routed,
+     * placed and combined on its own, one half's MoE beside the other's attention; the logits are
+     * those of one micro-batch bit for bit. 0 or 1: one. */
+    int micro;
     /* With dev used (a placement other than host, or dense cards), every card first runs the
      * startup self-check (device/dev_check.h: each kernel once against the host's); a card that
      * fails is refused (mf_step_refused says which, with the kernel and error) and the engine

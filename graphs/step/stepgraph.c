@@ -229,6 +229,10 @@ typedef struct sg_builder {
     mf_task_id moe_in;           /* dense on cards: the layer's copy-in of the MoE input */
     mf_task_id moe_gate;         /* dense on cards: the layer's gate work on its card */
     mf_task_id chain_run;        /* the card work of the last sg_dense_chain */
+    /* the micro-batch being built: half h (-1: the head, after both), its items [h0, h1) and
+     * units [k0, k1); the MoE done of the half built before it (its route waits for it) */
+    int h, h0, h1, k0, k1;
+    mf_task_id last_done;
     char name[64];
 } sg_builder;
 
@@ -259,6 +263,10 @@ static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, m
         b->cap = cap;
     }
     int io = b->o->lanes[lane].kind == MF_LANE_IO;
+    if (sg->n_halves > 1 && b->h >= 0) {   /* which micro-batch, in the trace */
+        size_t len = strlen(b->name);
+        snprintf(b->name + len, sizeof b->name - len, " mb%d", b->h);
+    }
     mf_task_id id = mf_graph_add_task(sg->g, &(mf_task_desc){.name = b->name, .lane = lane,
                                                              .fn = b->o->fn_of && !io ? b->o->fn_of[op] : NULL,
                                                              .arg = io ? &sg_no_read : NULL,
@@ -270,6 +278,7 @@ static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, m
     t.op = (uint8_t)op;
     t.phase = (uint8_t)phase;
     t.kind = (uint8_t)kind;
+    t.half = (int8_t)b->h;
     sg->task[id] = t;
     sg->n_tasks = id + 1;
     b->exit_of[id] = id;
@@ -291,6 +300,14 @@ static mf_sg_task sg_item(const sg_builder *b, int L, int k)
     t.i1 = b->sg->unit_end[k];
     t.n_tok = t.i1 - t.i0;
     return t;
+}
+
+/* A task over the items of the micro-batch being built: its items and tokens. */
+static void sg_span(const sg_builder *b, mf_sg_task *t)
+{
+    t->i0 = b->h0;
+    t->i1 = b->h1;
+    t->n_tok = b->h1 - b->h0;
 }
 
 /* after waits for before (for the end of before's chain when before begins a dense chain; for
@@ -438,7 +455,7 @@ static mf_task_id sg_dense_chain(sg_builder *b, int L, int d, mf_sg_task t, int 
                                  double in_tok, double out_tok, mf_task_id after_in)
 {
     mf_stepgraph *sg = b->sg;
-    int n = sg->n, parts = mf_sg_dense_parts(sg->n_dense_cards, sg->dense_split, d);
+    int n = b->h1 - b->h0, parts = mf_sg_dense_parts(sg->n_dense_cards, sg->dense_split, d);
     mf_task_id head = -1, prev_first = -1, prev_run = -1;
     for (int k = 0; k < parts && !b->rc; k++) {
         int cd = parts > 1 ? k : mf_sg_dense_card(b->o->c, sg->n_dense_cards, L), lane = b->o->lane_dev0 + 3 * cd;
@@ -447,7 +464,7 @@ static mf_task_id sg_dense_chain(sg_builder *b, int L, int d, mf_sg_task t, int 
         r.card = (int8_t)cd;
         r.dense = (int8_t)d;
         r.part = parts > 1 ? k : -1;
-        r.n_tok = n;
+        sg_span(b, &r);
         char pre[24];
         if (L < 0) snprintf(pre, sizeof pre, "dev%d", cd);
         else snprintf(pre, sizeof pre, "dev%d L%d", cd, L);
@@ -462,7 +479,7 @@ static mf_task_id sg_dense_chain(sg_builder *b, int L, int d, mf_sg_task t, int 
         tk.card = r.card;
         tk.dense = r.dense;
         tk.part = r.part;
-        tk.n_tok = n;
+        sg_span(b, &tk);
         for (int f = 0; f < MF_KF_N; f++) {   /* the card's share of the rows (calls: each card's) */
             tk.w.w_bytes[f] *= share;
             tk.w.macs[f] *= share;
@@ -505,7 +522,7 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
     /* a read of a row's codes or its scales: an aligned block each (O_DIRECT) */
     double code_io = ceil(y->eng_row_code_bytes / SG_STORE_ALIGN) * SG_STORE_ALIGN;
     double scale_io = ceil((y->eng_row_bytes - y->eng_row_code_bytes) / SG_STORE_ALIGN) * SG_STORE_ALIGN;
-    for (int k = 0; k < b->u; k++) {
+    for (int k = b->k0; k < b->k1; k++) {
         mf_task_id pl = -1;
         if (b->o->eg_reads) {
             SG_NAME(b, sg->par ? "engram L%d plan item %d" : "engram L%d plan", L, k);
@@ -542,15 +559,15 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
         mf_sg_task t = sg_rec(L);
         t.part = p;
         mf_sg_rows((int64_t)R, sg->p_attn, p, &t.r0, &t.r1);
-        t.n_tok = sg->n;
+        sg_span(b, &t);
         double f = (double)(t.r1 - t.r0) / R;
         t.w.w_bytes[MF_KF_FP8] = y->eng_fp8_bytes * f;
         t.w.macs[MF_KF_FP8] = y->eng_fp8_macs * f;
         t.w.calls[MF_KF_FP8] = f > 0;
         wr[p] = sg_add(b, 0, MF_SG_ENGRAM_ROWS, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t, y->eng_data_bytes / sg->p_attn, 0);
-        for (int k = 0; k < b->u; k++) sg_dep(b, emb[k], wr[p]);
+        for (int k = b->k0; k < b->k1; k++) sg_dep(b, emb[k], wr[p]);
     }
-    for (int k = 0; k < b->u; k++) {
+    for (int k = b->k0; k < b->k1; k++) {
         SG_NAME(b, sg->par ? "engram L%d gate item %d" : "engram L%d gate", L, k);
         mf_sg_task t = sg_item(b, L, k);
         t.n_tok = 1;   /* the q/k weights once per item */
@@ -570,7 +587,7 @@ static mf_task_id sg_attn_card(sg_builder *b, int L, int st)
 {
     const mf_config *c = b->o->c;
     const mf_sg_layer_sizes *y = &b->o->sz->layer[L];
-    int n = b->sg->n, rows = mf_sg_dense_parts(b->sg->n_dense_cards, b->sg->dense_split, MF_SG_D_ATTN_OA) > 1;
+    int n = b->h1 - b->h0, rows = mf_sg_dense_parts(b->sg->n_dense_cards, b->sg->dense_split, MF_SG_D_ATTN_OA) > 1;
     mf_sg_task t = sg_rec(L);
     t.stage = (int8_t)st;
     double in_tok = 0, out_tok = 0;
@@ -607,13 +624,13 @@ static mf_task_id sg_attn_rows(sg_builder *b, int L, int st, int p)
     static const char *const st_name[4] = {"in", "qb", "oa", "ob"};
     const mf_config *c = b->o->c;
     const mf_sg_layer_sizes *y = &b->o->sz->layer[L];
-    int n = b->sg->n, parts = b->sg->p_attn;
+    int n = b->h1 - b->h0, parts = b->sg->p_attn;
     if (b->sg->n_dense_cards) return p == 0 ? sg_attn_card(b, L, st) : -1;
     SG_NAME(b, "attn L%d %s %d", L, st_name[st], p);
     mf_sg_task t = sg_rec(L);
     t.stage = (int8_t)st;
     t.part = p;
-    t.n_tok = n;
+    sg_span(b, &t);
     if (st == MF_SG_ST_OA) {
         t.w.ref_flops = n * (SG_W_DOT_FP8 * y->attn_ref_macs + SG_W_ROUND * (double)c->o_groups * c->o_lora_rank) / parts;
     } else {
@@ -703,7 +720,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
     const mf_config *c = b->o->c;
     const mf_sg_layer_sizes *y = &b->o->sz->layer[L];
     mf_stepgraph *sg = b->sg;
-    int n = sg->n, u = b->u, pc = sg->p_hc, pm = sg->p_mix, pa = sg->p_ah;
+    int n = b->h1 - b->h0, pc = sg->p_hc, pm = sg->p_mix, pa = sg->p_ah;
     double H = (double)c->hidden_size, hc = c->hc_mult, D = c->head_dim, nh = c->n_heads;
     double sink = c->hc_sinkhorn_iters * 4.0 * hc * hc * 2;
     /* rough costs for priorities: reference code ~1 ns per multiply-add, kernels by bytes */
@@ -713,7 +730,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
     mf_task_id rows[4][MF_SG_MAX_PARTS], amix[MF_SG_MAX_ITEMS][SG_MAX_MIX], ring[MF_SG_MAX_ITEMS];
     for (int st = 0; st < 4; st++)
         for (int p = 0; p < sg->p_attn; p++) rows[st][p] = sg_attn_rows(b, L, st, p);
-    for (int i = 0; i < n; i++) {
+    for (int i = b->h0; i < b->h1; i++) {
         mf_task_id nrm[MF_SG_MAX_PARTS];
         sg_collapse_norm(b, L, i, MF_SG_ATTN_NORM, MF_SG_PH_ATTN, unit[mf_stepgraph_unit_of(sg, i)], nrm);
         for (int p = 0; p < pc; p++)
@@ -724,8 +741,8 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
         SG_NAME(b, "attn L%d q norm %d", L, q);
         mf_sg_task t = sg_rec(L);
         t.part = q;
-        t.i0 = n * q / sg->p_qn;
-        t.i1 = n * (q + 1) / sg->p_qn;
+        t.i0 = b->h0 + n * q / sg->p_qn;
+        t.i1 = b->h0 + n * (q + 1) / sg->p_qn;
         t.n_tok = t.i1 - t.i0;
         t.w.ref_flops = t.n_tok * (4.0 + 2.0 * SG_W_ROUND) * c->q_lora_rank;
         mf_task_id qn = sg_add(b, 0, MF_SG_ATTN_QNORM, MF_SG_PH_ATTN, MF_SG_K_OTHER, t, 0, t.n_tok * 4.0 * c->q_lora_rank);
@@ -740,7 +757,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
         sg_dep(b, rows[MF_SG_ST_OA][p], oj);
         sg_dep(b, oj, rows[MF_SG_ST_OB][p]);
     }
-    for (int k = 0; k < u; k++) {
+    for (int k = b->k0; k < b->k1; k++) {
         SG_NAME(b, sg->par ? "attn L%d core item %d" : "attn L%d core", L, k);
         mf_sg_task t = sg_item(b, L, k);
         double items = t.i1 - t.i0;   /* each item: the core's kernels once, its window KV */
@@ -801,11 +818,11 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
                 for (int p = 0; p < sg->p_attn; p++) sg_dep(b, hd, rows[MF_SG_ST_OA][p]);
             }
     }
-    for (int k = 0; k < u; k++) {
+    for (int k = b->k0; k < b->k1; k++) {
         SG_NAME(b, sg->par ? "attn L%d post join item %d" : "attn L%d post join", L, k);
         post[k] = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, sg_rec(L), 0, 0);
     }
-    for (int i = 0; i < n; i++) {
+    for (int i = b->h0; i < b->h1; i++) {
         mf_task_id pst[MF_SG_MAX_PARTS], fin = post[mf_stepgraph_unit_of(sg, i)];
         for (int p = 0; p < pc; p++) {
             SG_NAME(b, "attn L%d post item %d %d", L, i, p);
@@ -837,11 +854,11 @@ static mf_task_id sg_router(sg_builder *b, int L, const mf_task_id *post)
 {
     const mf_config *c = b->o->c;
     mf_stepgraph *sg = b->sg;
-    int n = sg->n, K = c->n_experts_per_tok, E = c->n_routed_experts;
+    int n = b->h1 - b->h0, K = c->n_experts_per_tok, E = c->n_routed_experts;
     double H = (double)c->hidden_size;
     SG_NAME(b, "route L%d", L);
     mf_sg_task t = sg_rec(L);
-    t.i1 = t.n_tok = n;
+    sg_span(b, &t);
     t.w.ref_flops = n * (H * K * 2.0 + 4.0 * E);
     mf_task_id ro = sg_add(b, 0, MF_SG_ROUTE, MF_SG_PH_MOE, MF_SG_K_OTHER, t, 0, n * (H * K + 4.0 * E));
     if (sg->n_dense_cards) {   /* on the layer's card: MoE input in, the gate (bf16), logits out */
@@ -853,7 +870,7 @@ static mf_task_id sg_router(sg_builder *b, int L, const mf_task_id *post)
         mf_task_id gp = sg_dense_chain(b, L, MF_SG_D_GATE, t, MF_SG_PH_MOE, gb, 4.0 * H, 4.0 * E, -1);
         b->moe_in = gp;
         b->moe_gate = b->chain_run;
-        for (int k = 0; k < b->u; k++) sg_dep(b, post[k], gp);
+        for (int k = b->k0; k < b->k1; k++) sg_dep(b, post[k], gp);
         sg_dep(b, gp, ro);
         return ro;
     }
@@ -861,11 +878,11 @@ static mf_task_id sg_router(sg_builder *b, int L, const mf_task_id *post)
         SG_NAME(b, "gate L%d %d", L, p);
         t = sg_rec(L);
         t.part = p;
-        t.n_tok = n;
+        sg_span(b, &t);
         mf_sg_rows(E, sg->p_attn, p, &t.r0, &t.r1);
         t.w.ref_flops = n * SG_W_DOT_BF16 * H * (double)(t.r1 - t.r0);
         mf_task_id gp = sg_add(b, 0, MF_SG_GATE_ROWS, MF_SG_PH_MOE, MF_SG_K_OTHER, t, 0, n * H * E / sg->p_attn);
-        for (int k = 0; k < b->u; k++) sg_dep(b, post[k], gp);
+        for (int k = b->k0; k < b->k1; k++) sg_dep(b, post[k], gp);
         sg_dep(b, gp, ro);
     }
     return ro;
@@ -944,7 +961,8 @@ static void sg_slot(sg_builder *b, int L, int s, mf_task_id ro, const mf_task_id
         sg_dep(b, ro, io[j]);
         /* read window: slot s's reads start once slot s - win's are in, so that the first
          * slots' experts arrive early and their compute overlaps the later reads */
-        for (int i = 0; win > 0 && s >= win && i < np; i++) sg_dep(b, b->io[(size_t)(s - win) * np + i], io[j]);
+        int first = b->sg->half_slot[b->h];   /* the half's first slot */
+        for (int i = 0; win > 0 && s - first >= win && i < np; i++) sg_dep(b, b->io[(size_t)(s - win) * np + i], io[j]);
     }
     for (int p = 0; p < pe; p++) {
         SG_NAME(b, "expert L%d slot %d up %d", L, s, p);
@@ -980,7 +998,7 @@ static void sg_shared(sg_builder *b, int L, const mf_task_id *post, mf_task_id r
     const mf_config *c = b->o->c;
     const mf_sg_sizes *z = b->o->sz;
     mf_stepgraph *sg = b->sg;
-    int n = sg->n, ps = sg->p_sh;
+    int n = b->h1 - b->h0, ps = sg->p_sh;
     double H = (double)c->hidden_size, I = (double)c->moe_intermediate_size;
     double sh_bytes = 3 * H * I * 1.0;   /* priorities */
     if (sg->n_dense_cards && ps > 0) {   /* on the layer's card, after the gate's copy of the input */
@@ -1005,7 +1023,7 @@ static void sg_shared(sg_builder *b, int L, const mf_task_id *post, mf_task_id r
         SG_NAME(b, "shared L%d up %d", L, p);
         mf_sg_task t = sg_rec(L);
         t.part = p;
-        t.n_tok = n;
+        sg_span(b, &t);
         mf_sg_rows((int64_t)z->sh_rows, ps, p, &t.r0, &t.r1);
         t.w.w_bytes[MF_KF_FP8] = z->sh_up_bytes / ps;
         t.w.macs[MF_KF_FP8] = 2 * H * z->sh_rows / ps;
@@ -1014,14 +1032,14 @@ static void sg_shared(sg_builder *b, int L, const mf_task_id *post, mf_task_id r
         SG_NAME(b, "shared L%d down %d", L, p);
         t = sg_rec(L);
         t.part = p;
-        t.n_tok = n;
+        sg_span(b, &t);
         mf_sg_rows((int64_t)H, ps, p, &t.r0, &t.r1);
         t.w.w_bytes[MF_KF_FP8] = z->sh_down_bytes / ps;
         t.w.macs[MF_KF_FP8] = H * z->sh_rows / ps;
         t.w.calls[MF_KF_FP8] = 1;
         t.w.ref_flops = SG_W_ROUND * H / ps * n;
         mf_task_id dn = sg_add(b, 0, MF_SG_SHARED_DOWN, MF_SG_PH_MOE, MF_SG_K_EXPERT, t, sh_bytes / 3 / ps, 0);
-        for (int k = 0; k < b->u; k++) sg_dep(b, post[k], up);
+        for (int k = b->k0; k < b->k1; k++) sg_dep(b, post[k], up);
         /* streamed experts: the shared expert runs while the routed experts are read */
         if (b->o->store) sg_dep(b, ro, up);
         sg_dep(b, up, sj);
@@ -1039,27 +1057,31 @@ static void sg_moe(sg_builder *b, int L, const mf_task_id *post, mf_task_id *uni
     int K = c->n_experts_per_tok;
     double H = (double)c->hidden_size, hc = c->hc_mult;
     mf_task_id ro = sg_router(b, L, post);
+    /* two micro-batches: one MoE at a time (the store's batch, the cards' pins) */
+    if (sg->n_halves > 1) sg_dep(b, b->last_done, ro);
     SG_NAME(b, "moe L%d done", L);
     mf_sg_task t = sg_rec(L);
+    sg_span(b, &t);
     mf_task_id done = sg_add(b, 0, MF_SG_MOE_DONE, MF_SG_PH_MOE, MF_SG_K_OTHER, t, 0, 0);
+    b->last_done = done;
     mf_task_id cffn[MF_SG_MAX_CARDS];   /* graph mode: a card's FFNs of the layer */
     for (int cd = 0; cd < sg->n_cards && sg->dev_graphs; cd++) {
         SG_NAME(b, "dev%d L%d ffn graph", cd, L);
         t = sg_rec(L);
         t.card = (int8_t)cd;
-        cffn[cd] = sg->card_ffn_tid[L * sg->n_cards + cd] =
+        cffn[cd] = sg->card_ffn_tid[(L * sg->n_halves + b->h) * sg->n_cards + cd] =
             sg_add(b, b->o->lane_dev0 + 3 * cd + 1, MF_SG_DEV_FFN_CARD, MF_SG_PH_MOE, MF_SG_K_DEV, t,
                    z->xslot_bytes * K / sg->n_cards, 0);
     }
-    for (int s = 0; s < sg->n_slots; s++) sg_slot(b, L, s, ro, cffn, done);
+    for (int s = sg->half_slot[b->h]; s < sg->half_slot[b->h + 1]; s++) sg_slot(b, L, s, ro, cffn, done);
     sg_shared(b, L, post, ro, done);
     sg_dep(b, ro, done);
-    for (int k = 0; k < b->u; k++) {
+    for (int k = b->k0; k < b->k1; k++) {
         SG_NAME(b, sg->par ? "combine L%d join item %d" : "combine L%d join", L, k);
         unit[k] = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_MOE, MF_SG_K_OTHER, sg_rec(L), 0, 0);
     }
     double sink = c->hc_sinkhorn_iters * 4.0 * hc * hc * 2;
-    for (int i = 0; i < sg->n; i++)
+    for (int i = b->h0; i < b->h1; i++)
         for (int p = 0; p < sg->p_hc; p++) {
             SG_NAME(b, "combine L%d item %d %d", L, i, p);
             t = sg_part(L, i, (int64_t)H, sg->p_hc, p, 0);
@@ -1110,27 +1132,61 @@ static void sg_head(sg_builder *b, const mf_task_id *unit)
     }
 }
 
+/* The micro-batches of the shape (o->micro; sg's units set): two halves at the unit boundary
+ * whose halves are the most equal in items (the first such), else one; each half's slots. */
+static void sg_halves(const mf_sg_opts *o, mf_stepgraph *sg)
+{
+    const mf_config *c = o->c;
+    int K = c->n_experts_per_tok, E = c->n_routed_experts, best = 0;
+    sg->n_halves = 1;
+    sg->half_end[0] = sg->n;
+    sg->half_unit[0] = 0;
+    sg->half_unit[1] = sg->n_units;
+    for (int k = 1; o->micro == 2 && k < sg->n_units; k++) {   /* half 0: units [0, k) */
+        int d = abs(2 * sg->unit_end[k - 1] - sg->n);
+        if (!best || d < abs(2 * sg->half_end[0] - sg->n)) {
+            best = k;
+            sg->half_end[0] = sg->unit_end[k - 1];
+        }
+    }
+    if (best) {
+        sg->n_halves = 2;
+        sg->half_end[1] = sg->n;
+        sg->half_unit[1] = best;
+        sg->half_unit[2] = sg->n_units;
+    }
+    sg->half_slot[0] = 0;
+    for (int h = 0; h < sg->n_halves; h++) {
+        int items = sg->half_end[h] - (h ? sg->half_end[h - 1] : 0);
+        sg->half_slot[h + 1] = sg->half_slot[h] + (items * K < E ? items * K : E);
+    }
+    sg->n_slots = sg->half_slot[sg->n_halves];
+}
+
 /* Part counts of the shape (one home: the engine's buffers and the simulator read them here). */
 static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
 {
     const mf_config *c = o->c;
-    int K = c->n_experts_per_tok, E = c->n_routed_experts, W = o->n_threads > 0 ? o->n_threads : 1;
+    int W = o->n_threads > 0 ? o->n_threads : 1;
     sg->n = o->n;
     sg->par = o->par;
     /* units: o's, else n of one item (par) or one of all */
     sg->n_units = o->n_units > 0 ? o->n_units : o->par ? o->n : 1;
     for (int k = 0; k < sg->n_units; k++)
         sg->unit_end[k] = o->n_units > 0 ? o->unit_end[k] : o->par ? k + 1 : o->n;
-    sg->n_slots = o->n * K < E ? o->n * K : E;
+    sg_halves(o, sg);
+    int ns_half = 0;   /* the larger half's slots: what one MoE runs at a time */
+    for (int h = 0; h < sg->n_halves; h++)
+        if (sg->half_slot[h + 1] - sg->half_slot[h] > ns_half) ns_half = sg->half_slot[h + 1] - sg->half_slot[h];
     /* split experts by rows when there are fewer slots than two per worker: the fewest parts that
      * give at least two tasks per worker and keep the last wave of tasks at least 95% full (6
      * slots on 44 workers: 8 parts are 48 tasks, a second wave of 4, twice the time; 22 parts
      * are 132, three full waves), at most SG_MAX_EXP_PARTS */
     sg->p_exp = 1;
-    if (sg->n_slots < 2 * W) {
-        int p = (2 * W + sg->n_slots - 1) / sg->n_slots;
+    if (ns_half < 2 * W) {
+        int p = (2 * W + ns_half - 1) / ns_half;
         for (; p < SG_MAX_EXP_PARTS; p++) {
-            int tasks = sg->n_slots * p, waves = (tasks + W - 1) / W;
+            int tasks = ns_half * p, waves = (tasks + W - 1) / W;
             if (tasks >= 0.95 * waves * W) break;
         }
         sg->p_exp = p;
@@ -1199,6 +1255,18 @@ static int sg_set_priorities(const mf_sg_opts *o, mf_stepgraph *sg)
     return 0;
 }
 
+/* Builds the chains of micro-batch h next (-1: the head, over all items). */
+static void sg_half(sg_builder *b, int h)
+{
+    const mf_stepgraph *sg = b->sg;
+    b->h = h;
+    b->h0 = h > 0 ? sg->half_end[h - 1] : 0;
+    b->h1 = h >= 0 ? sg->half_end[h] : sg->n;
+    b->k0 = h >= 0 ? sg->half_unit[h] : 0;
+    b->k1 = h >= 0 ? sg->half_unit[h + 1] : sg->n_units;
+    b->per = (double)(b->h1 - b->h0) / (b->k1 - b->k0);
+}
+
 int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
 {
     *out = NULL;
@@ -1216,16 +1284,19 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
             (k == o->n_units - 1 && o->unit_end[k] != o->n))
             return mf_error(-EINVAL, "step graph: unit %d of %d ends at item %d (expected increasing, the last at %d)",
                             k, o->n_units, o->unit_end[k], o->n);
+    if (o->micro < 0 || o->micro > 2)
+        return mf_error(-EINVAL, "step graph: %d micro-batches (expected 1 or 2)", o->micro);
     const mf_config *c = o->c;
     mf_stepgraph *sg = calloc(1, sizeof *sg);
     if (!sg) return mf_error(-ENOMEM, "step graph: out of memory");
     sg_parts(o, sg);
     size_t n_tid = (size_t)c->n_layers * sg->n_slots * sg->tid_per_slot;
     sg->slot_tid = malloc(sizeof *sg->slot_tid * n_tid);
-    sg->card_ffn_tid = malloc(sizeof *sg->card_ffn_tid * (size_t)c->n_layers * (sg->n_cards ? sg->n_cards : 1));
+    sg->card_ffn_tid = malloc(sizeof *sg->card_ffn_tid * (size_t)c->n_layers * sg->n_halves * (sg->n_cards ? sg->n_cards : 1));
     size_t n_eg = (size_t)c->n_engram * sg->n_units * sg->eg_reads_per_unit;
     sg->eg_read_tid = malloc(sizeof *sg->eg_read_tid * (n_eg + 1));
-    sg_builder b = {.o = o, .sg = sg, .u = sg->n_units, .moe_in = -1, .moe_gate = -1, .chain_run = -1};
+    sg_builder b = {.o = o, .sg = sg, .u = sg->n_units, .moe_in = -1, .moe_gate = -1, .chain_run = -1,
+                    .last_done = -1};
     b.per = (double)o->n / b.u;
     b.io = malloc(sizeof *b.io * ((size_t)sg->n_slots * sg->n_io_parts + 1));
     int rc = !sg->slot_tid || !sg->card_ffn_tid || !b.io || !sg->eg_read_tid ? mf_error(-ENOMEM, "step graph: out of memory")
@@ -1238,14 +1309,17 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     }
     for (size_t i = 0; i < n_tid; i++) sg->slot_tid[i] = -1;
     for (size_t i = 0; i < n_eg; i++) sg->eg_read_tid[i] = -1;
-    for (int i = 0; i < c->n_layers * sg->n_cards; i++) sg->card_ffn_tid[i] = -1;
+    for (int i = 0; i < c->n_layers * sg->n_halves * sg->n_cards; i++) sg->card_ffn_tid[i] = -1;
     mf_task_id unit[MF_SG_MAX_ITEMS], post[MF_SG_MAX_ITEMS];
     for (int k = 0; k < b.u; k++) unit[k] = -1;
-    for (int L = 0; L < c->n_layers && !b.rc; L++) {
-        if (mf_config_engram_slot(c, L) >= 0) sg_engram(&b, L, unit);
-        sg_attn(&b, L, unit, post);
-        sg_moe(&b, L, post, unit);
-    }
+    for (int L = 0; L < c->n_layers && !b.rc; L++)
+        for (int h = 0; h < sg->n_halves; h++) {   /* each micro-batch's chain of the layer */
+            sg_half(&b, h);
+            if (mf_config_engram_slot(c, L) >= 0) sg_engram(&b, L, unit);
+            sg_attn(&b, L, unit, post);
+            sg_moe(&b, L, post, unit);
+        }
+    sg_half(&b, -1);
     sg_head(&b, unit);
     free(b.io);
     free(b.exit_of);
@@ -1298,10 +1372,20 @@ double mf_stepgraph_weight_bytes(const mf_stepgraph *sg)
 
 void mf_stepgraph_mark_noop(mf_stepgraph *sg, int L, int n_used, const int32_t *slot_card)
 {
-    int nc = sg->n_cards, pe = sg->p_exp;
-    for (int s = 0; s < sg->n_slots; s++) {
+    mf_stepgraph_mark_noop_half(sg, L, 0, n_used, slot_card);
+}
+
+int mf_stepgraph_half_of_slot(const mf_stepgraph *sg, int s)
+{
+    return sg->n_halves > 1 && s >= sg->half_slot[1];
+}
+
+void mf_stepgraph_mark_noop_half(mf_stepgraph *sg, int L, int h, int n_used, const int32_t *slot_card)
+{
+    int nc = sg->n_cards, pe = sg->p_exp, s0 = sg->half_slot[h];
+    for (int s = s0; s < sg->half_slot[h + 1]; s++) {
         const mf_task_id *tid = sg->slot_tid + ((size_t)L * sg->n_slots + s) * sg->tid_per_slot;
-        int used = s < n_used, card = used && slot_card ? slot_card[s] : -1;
+        int used = s - s0 < n_used, card = used && slot_card ? slot_card[s - s0] : -1;
         for (int k = 0; k < 2 * pe + 1; k++) mf_graph_set_noop(sg->g, tid[k], !used || card >= 0);
         for (int cd = 0; cd < nc; cd++)
             for (int k = 0; k < 3; k++)
@@ -1310,7 +1394,7 @@ void mf_stepgraph_mark_noop(mf_stepgraph *sg, int L, int n_used, const int32_t *
     for (int cd = 0; cd < nc && sg->dev_graphs; cd++) {
         int any = 0;
         for (int s = 0; s < n_used && !any && slot_card; s++) any = slot_card[s] == cd;
-        mf_graph_set_noop(sg->g, sg->card_ffn_tid[L * nc + cd], !any);
+        mf_graph_set_noop(sg->g, sg->card_ffn_tid[(L * sg->n_halves + h) * nc + cd], !any);
     }
 }
 

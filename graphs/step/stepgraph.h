@@ -113,9 +113,12 @@ typedef struct mf_sg_task {
                         * w3 scale; an Engram gather's: the planned reads in order, codes then
                         * scales of each run of rows) */
     int8_t dense;      /* dense tasks on a card: the sublayer, MF_SG_D_* */
+    int8_t half;       /* the micro-batch whose chain the task is in (0 or 1; -1: the head, after
+                        * both); with one micro-batch 0 */
     int32_t slot;      /* expert slot */
     int32_t part;      /* row part */
-    int32_t i0, i1;    /* items [i0, i1) (item tasks) */
+    int32_t i0, i1;    /* items [i0, i1) (item tasks; the tasks over a micro-batch's items: its
+                        * items, those of the step with one micro-batch) */
     int64_t r0, r1;    /* output rows [r0, r1) of a row part (where the total is the config's;
                         * per-item parts: of the item's output vector, as each op says) */
     int n_tok;         /* tokens the kernels run over (not slot_tokens) */
@@ -222,13 +225,25 @@ typedef struct mf_sg_opts {
     /* the machine the priorities are priced on (every task's cost: its record's price, sched/cost.h);
      * NULL: the built-in machine (mf_cost_default_profile) */
     const mf_profile *profile;
+    /* 2: two micro-batches in flight: the items split in two halves (at the unit boundary that
+     * makes them the most equal in tokens; one half when there is one unit), each with its own
+     * chain per layer (Engram, attention, router, its slots, shared expert, combine), so that one
+     * half's MoE runs beside the other's attention; the halves' MoEs of a layer run in order
+     * (half 1's route after half 0's MoE done, half 0's route of the next layer after half 1's
+     * MoE done: one store batch and one set of card pins at a time). 0 or 1: one. */
+    int micro;
 } mf_sg_opts;
 
 typedef struct mf_stepgraph {
     mf_graph *g;                  /* finalized; args NULL except the IO tasks' (an empty read) */
     mf_sg_task *task;             /* per task id */
     int n_tasks;
-    int n, par, n_slots;          /* items, parallel, expert slots min(n * top_k, experts) */
+    int n, par, n_slots;          /* items, parallel, expert slots (the halves' together) */
+    /* micro-batches (1 or 2): half h has items [half_end[h - 1], half_end[h]) (half_end[-1] = 0),
+     * units [half_unit[h], half_unit[h + 1]), slots [half_slot[h], half_slot[h + 1]) (each half
+     * min(its items * top_k, experts); the slot table of a half is its own) */
+    int n_halves;
+    int half_end[2], half_unit[3], half_slot[3];
     int n_units;                  /* item tasks per item part; unit k: items [unit_end[k-1], unit_end[k]) */
     int unit_end[MF_SG_MAX_ITEMS];
     int p_exp, p_sh, p_head, p_attn;   /* row parts per expert, shared expert, head, stage */
@@ -245,7 +260,8 @@ typedef struct mf_stepgraph {
      * + k], k < 2 p_exp + 1 host, then 3 per card; -1 where absent */
     mf_task_id *slot_tid;
     int tid_per_slot;
-    mf_task_id *card_ffn_tid;     /* dev_graphs: per layer and card its FFN graph task */
+    mf_task_id *card_ffn_tid;     /* dev_graphs: per layer, half and card its FFN graph task,
+                                   * card_ffn_tid[(L * n_halves + h) * n_cards + c] */
     /* eg_reads: per Engram slot (graphs/model/config.h mf_config_engram_slot) and unit k its
      * reads, eg_read_tid[(slot * n_units + k) * eg_reads_per_unit + r]: unit k's items times 2
      * (codes, scales) times the rows of an item, the most its gather can need; the stride is the
@@ -346,8 +362,14 @@ void mf_stepgraph_free(mf_stepgraph *sg);
 
 /* Marks layer L's slot tasks with nothing to do as noop (mf_graph_set_noop), the rest normal:
  * slots >= n_used; a slot's host tasks when it runs on a card (slot_card[s] >= 0; NULL: every
- * slot on the host); its tasks on the other cards; a card's FFN graph when no slot is on it. */
+ * slot on the host); its tasks on the other cards; a card's FFN graph when no slot is on it.
+ * With two micro-batches: half 0's slots (mf_stepgraph_mark_noop_half for each half). */
 void mf_stepgraph_mark_noop(mf_stepgraph *sg, int L, int n_used, const int32_t *slot_card);
+/* The same for half h's slots of layer L: its first n_used slots are used, slot_card[j] (NULL:
+ * all on the host) the card of its slot j (slot half_slot[h] + j of the graph). */
+void mf_stepgraph_mark_noop_half(mf_stepgraph *sg, int L, int h, int n_used, const int32_t *slot_card);
+/* The half (0 or 1) whose slots include slot s. */
+int mf_stepgraph_half_of_slot(const mf_stepgraph *sg, int s);
 
 /* Marks the reads of item task k's Engram gather of Engram slot es (mf_config_engram_slot) past
  * the first n_used noop, the rest normal (eg_reads; nothing otherwise). */

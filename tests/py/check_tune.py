@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """`moeflow tune` end to end: the default sweep on the tiny preset with the shipped profile of this
-machine tries exactly the combinations its --help promises (card knobs once under host placement),
+machine tries exactly the combinations its --help promises (card knobs once under host placement,
+two micro-batches only for batches of 2 or more),
 ranks them by predicted tokens per second, and its best row is what `moeflow sim` predicts for the
 same settings (the simulator is deterministic); bad options fail with exit 2 or 1 and a message
 naming the option; --real decodes a generated tiny checkpoint and ranks by the measured time.
@@ -50,8 +51,9 @@ def check_sweep():
         if len(k) == 2 and k[0].strip() == "threads_per_socket":
             tps = int(k[1])
     n_thr = 2 if tps > 1 else 1
-    # dense: host, plus cards split by layers and by rows when the profile has cards (every placement)
-    expect = 3 * n_thr * (1 + (2 * 3 * 3 * 2 if cards else 0)) * (3 if cards else 1)
+    # dense: host, plus cards split by layers and by rows when the profile has cards (every
+    # placement); batches 1, 4, 16, the last two with one and two micro-batches
+    expect = (1 + 2 * 2) * n_thr * (1 + (2 * 3 * 3 * 2 if cards else 0)) * (3 if cards else 1)
     if len(res) != expect:
         fail(f"{len(res)} settings tried, expected {expect}")
     if [r["rank"] for r in res] != list(range(1, len(res) + 1)):
@@ -69,8 +71,10 @@ def check_sweep():
             fail(f"host row carries card knobs: {r}")
         if r["dense_split"] not in ("layers", "rows") or (r["dense"] == "host" and r["dense_split"] != "layers"):
             fail(f"dense split {r['dense_split']} with dense {r['dense']}")
-        key = (r["placement"], r["dense"], r["dense_split"], r["batch"], r["threads_per_socket"], r["copy_slots"], r["dev_cache_bytes"],
-               r["cache_policy"])
+        if r["micro_batches"] not in ((1,) if r["batch"] < 2 else (1, 2)):
+            fail(f"batch {r['batch']} with {r['micro_batches']} micro-batches")
+        key = (r["placement"], r["dense"], r["dense_split"], r["batch"], r["micro_batches"], r["threads_per_socket"],
+               r["copy_slots"], r["dev_cache_bytes"], r["cache_policy"])
         if key in seen:
             fail(f"setting tried twice: {key}")
         seen.add(key)
@@ -79,8 +83,8 @@ def check_sweep():
     best = res[0]
     args = ["sim", "--profile", PROFILE, "--preset", "tiny", "--json", "--steps", "3", "--warmup", "1",
             "--placement", best["placement"], "--dense", best["dense"], "--dense-split", best["dense_split"],
-            "--batch", str(best["batch"]),
-            "--threads", str(best["threads_per_socket"])]
+            "--batch", str(best["batch"]), "--threads", str(best["threads_per_socket"]),
+            "--micro-batches", str(best["micro_batches"])]
     if best["placement"] != "host":
         args += ["--copy-slots", str(best["copy_slots"]), "--dev-cache", str(best["dev_cache_bytes"]),
                  "--cache-policy", best["cache_policy"]]
@@ -127,8 +131,8 @@ def check_real():
         fail(f"tune --real exited {out.returncode}: {out.stderr[-400:]}")
         return
     res = json.loads(out.stdout)["results"]
-    # dense: host, cards split by layers, cards split by rows (with cards)
-    if len(res) != 2 * len(places.split(",")) * (3 if profile_cards() > 0 else 1):
+    # dense: host, cards split by layers, cards split by rows (with cards); batch 2: 1 and 2 micro-batches
+    if len(res) != 3 * len(places.split(",")) * (3 if profile_cards() > 0 else 1):
         fail(f"tune --real tried {len(res)} settings")
     meas = [r["measured_tokens_per_s"] for r in res]
     if meas != sorted(meas, reverse=True) or not all(m > 0 for m in meas):
