@@ -320,6 +320,7 @@ int mf_cmd_tune(int argc, char **argv)
         kn[K_SPLIT].n = cards ? 2 : 1;
         kn[K_SPLIT].v[0] = MF_SG_SPLIT_LAYERS;
         kn[K_SPLIT].v[1] = MF_SG_SPLIT_ROWS;
+    }
     if (!kn[K_MICRO].given) {   /* 1 and 2 (2 tried for batches of 2 or more) */
         kn[K_MICRO].n = 2;
         kn[K_MICRO].v[0] = 1;
