@@ -93,12 +93,12 @@ for batch in 16 64; do
   for place in host hybrid; do
     "$bin" sim --profile $seed --preset flash41 --placement $place --dense cards --batch $batch --micro-batches 2 \
       --warmup $warm --json >"$tmp/s.json"
-    row "$place, dense on cards, batch $batch, 2 micro-batches" "$tmp/s.json"
+    row "$place, dense on cards (rows), batch $batch, 2 micro-batches" "$tmp/s.json"
   done
   for micro in 1 2; do
     "$bin" sim --profile $seed --preset flash41 --placement hybrid --dense cards --batch $batch --micro-batches $micro \
       --routing zipf:1.0 --warmup $warm --json >"$tmp/s.json"
-    row "hybrid, dense on cards, batch $batch, $micro micro-batch(es), zipf:1.0 routing" "$tmp/s.json"
+    row "hybrid, dense on cards (rows), batch $batch, $micro micro-batch(es), zipf:1.0 routing" "$tmp/s.json"
   done
 done
 "$bin" sim --profile $seed --preset flash41 --placement host --store streamed --store-budget 64G --warmup $warm \
