@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "graphs/layers/layers.h"
+#include "graphs/step/fast_attn.h"
 #include "graphs/step/step.h"
 #include "graphs/step/stepgraph.h"
 #include "host/kernels.h"
@@ -311,8 +312,8 @@ static int mf_task_attn_pre(void *arg, mf_task_ctx *ctx)
     if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
     int i = a->t->i0;
-    mf_ly_hc_collapse_cols(cx, sh->items[i].x, sh->items[i].pre, sh->hcol + (size_t)i * cx->ly->c->hidden_size,
-                           a->t->r0, a->t->r1);
+    (sh->eng->o.exact ? mf_ly_hc_collapse_cols : mf_fa_hc_collapse_cols)(
+        cx, sh->items[i].x, sh->items[i].pre, sh->hcol + (size_t)i * cx->ly->c->hidden_size, a->t->r0, a->t->r1);
     return 0;
 }
 
@@ -354,8 +355,8 @@ static int mf_step_mix_rows(mf_step_targ *a, mf_task_ctx *ctx, int ffn)
     const mf_model_layer *y = mf_model_layer_at(cx->ly->m, a->t->layer);
     int i = a->t->i0;
     float *mix = (ffn ? sh->fmix : sh->amix) + (size_t)i * MF_STEP_N_MIX;
-    mf_ly_hc_mixes_rows(cx, sh->items[i].x, ffn ? &y->hc_ffn_fn : &y->hc_attn_fn, mix, (int)a->t->r0,
-                        (int)a->t->r1);
+    (sh->eng->o.exact ? mf_ly_hc_mixes_rows : mf_fa_hc_mixes_rows)(
+        cx, sh->items[i].x, ffn ? &y->hc_ffn_fn : &y->hc_attn_fn, mix, (int)a->t->r0, (int)a->t->r1);
     return 0;
 }
 
@@ -382,8 +383,8 @@ static int mf_task_attn_rows(void *arg, mf_task_ctx *ctx)
         int64_t lo = r0 - off > 0 ? r0 - off : 0, hi = r1 - off < l->w->rows ? r1 - off : l->w->rows;
         off += l->w->rows;
         if (lo >= hi) continue;
-        int rc = mf_ly_attn_lin_rows(cx, l, sh->ab[l->x], sh->ab_ld[l->x], sh->ab[l->y], sh->ab_ld[l->y], sh->n,
-                                      lo, hi);
+        int rc = (l->groups && !sh->eng->o.exact ? mf_fa_grouped_rows : mf_ly_attn_lin_rows)(
+            cx, l, sh->ab[l->x], sh->ab_ld[l->x], sh->ab[l->y], sh->ab_ld[l->y], sh->n, lo, hi);
         if (rc) return mf_error_wrap(rc, "step: layer %d, rows [%lld, %lld) of %s", a->t->layer, (long long)lo,
                                      (long long)hi, l->w->name ? l->w->name : "an attention linear");
     }
@@ -435,8 +436,8 @@ static int mf_task_attn_score(void *arg, mf_task_ctx *ctx)
     int64_t n_vis = mf_ly_index_n_vis(ly->c, a->t->layer, sh->items[i].pos);
     float *b[MF_LY_A_N];
     mf_step_abuf(sh, i, b);
-    mf_ly_index_scores(ly, &sh->items[i], a->t->layer, b, sh->iscore + (size_t)i * sh->iscore_ld, n_vis * q / P,
-                       n_vis * (q + 1) / P);
+    (sh->eng->o.exact ? mf_ly_index_scores : mf_fa_index_scores)(
+        ly, &sh->items[i], a->t->layer, b, sh->iscore + (size_t)i * sh->iscore_ld, n_vis * q / P, n_vis * (q + 1) / P);
     return 0;
 }
 
@@ -469,7 +470,8 @@ static int mf_task_attn_heads(void *arg, mf_task_ctx *ctx)
                           .pos0 = sh->items[j0].pos};
         wp = &win;
     }
-    mf_ly_attn_core_heads(cx, &sh->items[i], a->t->layer, b, (int)(a->t->r0 / D), (int)(a->t->r1 / D), wp);
+    (sh->eng->o.exact ? mf_ly_attn_core_heads : mf_fa_attn_heads)(cx, &sh->items[i], a->t->layer, b,
+                                                                  (int)(a->t->r0 / D), (int)(a->t->r1 / D), wp);
     return 0;
 }
 
@@ -501,9 +503,10 @@ static int mf_task_attn_post(void *arg, mf_task_ctx *ctx)
     mf_ly_item *it = &sh->items[i];
     float pre[MF_LY_MAX_HC], post[MF_LY_MAX_HC], comb[MF_LY_MAX_HC * MF_LY_MAX_HC];
     mf_ly_hc_split_w(c, sh->amix + (size_t)i * MF_STEP_N_MIX, &y->hc_attn_scale, &y->hc_attn_base, pre, post, comb);
-    mf_ly_hc_expand_cols(cx, it->x, sh->ab[MF_LY_A_OUT] + (size_t)i * sh->ab_ld[MF_LY_A_OUT], post, comb, a->t->r0,
-                         a->t->r1);
-    mf_ly_hc_collapse_cols(cx, it->x, pre, sh->hcol + (size_t)i * H, a->t->r0, a->t->r1);
+    int ex = sh->eng->o.exact;
+    (ex ? mf_ly_hc_expand_cols : mf_fa_hc_expand_cols)(cx, it->x, sh->ab[MF_LY_A_OUT] + (size_t)i * sh->ab_ld[MF_LY_A_OUT],
+                                                       post, comb, a->t->r0, a->t->r1);
+    (ex ? mf_ly_hc_collapse_cols : mf_fa_hc_collapse_cols)(cx, it->x, pre, sh->hcol + (size_t)i * H, a->t->r0, a->t->r1);
     return 0;
 }
 

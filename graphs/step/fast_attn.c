@@ -1,0 +1,433 @@
+/* The engine's fast per-item layer math (graphs/step/fast_attn.h): fp32 16-lane dots and fmaf
+ * chains with an AVX2 path and a scalar path of the same lanes and order, over the caches read
+ * through one accessor per cache (mf_fa_ring_row, mf_fa_kv_row, mf_fa_key_row), so a change of
+ * how the sequence state stores them touches those three lines. */
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include "graphs/step/fast_attn.h"
+#include "host/kernels.h"
+
+/* ---- the caches ------------------------------------------------------------------------------ */
+
+/* Window slot of position t of layer L (ring slot t mod W). */
+static inline const float *mf_fa_ring_row(const mf_ref_state *st, const mf_config *c, int L, int64_t t)
+{
+    int64_t W = c->sliding_window, D = c->head_dim;
+    return st->ring + ((int64_t)L * W + t % W) * D;
+}
+
+/* Compressed entry j of KV source S. */
+static inline const float *mf_fa_kv_row(const mf_ref_state *st, const mf_config *c, int S, int64_t j)
+{
+    return st->cache[S].kv + j * c->head_dim;
+}
+
+/* Index key j of KV source S. */
+static inline const float *mf_fa_key_row(const mf_ref_state *st, const mf_config *c, int S, int64_t j)
+{
+    return st->cache[S].key + j * c->index_head_dim;
+}
+
+/* ---- numeric pieces -------------------------------------------------------------------------- */
+
+/* mf_bf by the bits (round to nearest even, NaN to the quiet NaN of its sign): mf_bf16_from_f32's
+ * result for every input. */
+static inline float mf_fa_bf(float x)
+{
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u)
+        b = (b & 0x80000000u) | 0x7FC00000u;
+    else
+        b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&x, &b, 4);
+    return x;
+}
+
+static void mf_fa_bf_n(float *x, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) x[i] = mf_fa_bf(x[i]);
+}
+
+/* RoPE as mf_ly_rope, with the position's cos/sin computed once for several vectors (the same
+ * values, so the same bits). */
+typedef struct mf_fa_rope {
+    float c[64], s[64];
+    int n;
+} mf_fa_rope;
+
+static void mf_fa_rope_init(mf_fa_rope *r, int n_pairs, const float *freqs, int64_t pos)
+{
+    r->n = n_pairs;
+    for (int i = 0; i < n_pairs; i++) {
+        float ang = (float)pos * freqs[i];
+        r->c[i] = (float)cos((double)ang);
+        r->s[i] = (float)sin((double)ang);
+    }
+}
+
+static void mf_fa_rope_apply(const mf_fa_rope *r, float *x, int inverse)
+{
+    for (int i = 0; i < r->n; i++) {
+        float c = r->c[i], s = inverse ? -r->s[i] : r->s[i];
+        float a = x[2 * i], b = x[2 * i + 1];
+        float ac = a * c, bs = b * s, as = a * s, bc = b * c;   /* products rounded first, as mf_ly_rope */
+        x[2 * i] = ac - bs;
+        x[2 * i + 1] = as + bc;
+    }
+}
+
+/* The 16-lane tree of fast_attn.h. */
+static float mf_fa_tree16(const float *l)
+{
+    float t[8], u[4];
+    for (int i = 0; i < 8; i++) t[i] = l[i] + l[i + 8];
+    for (int i = 0; i < 4; i++) u[i] = t[i] + t[i + 4];
+    return (u[0] + u[2]) + (u[1] + u[3]);
+}
+
+static float mf_fa_dot_scalar(const float *a, const float *b, int n)
+{
+    float l[16] = {0};
+    for (int k = 0; k < n; k++) l[k % 16] = fmaf(a[k], b[k], l[k % 16]);
+    return mf_fa_tree16(l);
+}
+
+__attribute__((target("avx2,fma"))) static inline float mf_fa_tree16_avx2(__m256 lo, __m256 hi)
+{
+    __m256 t = _mm256_add_ps(lo, hi);                                                 /* l + l+8 */
+    __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));   /* + l+4 */
+    __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));                                    /* u0+u2, u1+u3 */
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+/* out[g] = dot(q[g], k) for G <= 4 queries against one key of n (multiple of 16) floats. */
+__attribute__((target("avx2,fma"))) static void mf_fa_dots_avx2(const float *const *q, int G, const float *k, int n,
+                                                              float *out)
+{
+    __m256 lo[4], hi[4];
+    for (int g = 0; g < 4; g++) lo[g] = hi[g] = _mm256_setzero_ps();
+    for (int d = 0; d < n; d += 16) {
+        __m256 k0 = _mm256_loadu_ps(k + d), k1 = _mm256_loadu_ps(k + d + 8);
+        for (int g = 0; g < G; g++) {
+            lo[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), k0, lo[g]);
+            hi[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d + 8), k1, hi[g]);
+        }
+    }
+    for (int g = 0; g < G; g++) out[g] = mf_fa_tree16_avx2(lo[g], hi[g]);
+}
+
+static int mf_fa_avx2(int n) { return n % 16 == 0 && mf_kern_simd_active() == MF_KERN_SIMD_AVX2; }
+
+static void mf_fa_dots(const float *const *q, int G, const float *k, int n, float *out)
+{
+    if (mf_fa_avx2(n)) {
+        mf_fa_dots_avx2(q, G, k, n, out);
+        return;
+    }
+    for (int g = 0; g < G; g++) out[g] = mf_fa_dot_scalar(q[g], k, n);
+}
+
+/* ---- attention heads ------------------------------------------------------------------------- */
+
+#define MF_FA_MAX_D 512   /* widest head the stack scratch holds */
+
+/* The keys of one item's attention: window positions t0..t0+n_win-1 (from win->kv from pos0 on,
+ * else the ring), then the selected entries of the KV source. */
+typedef struct mf_fa_keys {
+    const mf_ref_state *st;
+    const mf_config *c;
+    int L, S;
+    int64_t t0, n_win, pos0;
+    const mf_ly_win *win;
+    const int32_t *sel;
+} mf_fa_keys;
+
+static inline const float *mf_fa_key(const mf_fa_keys *k, int64_t i)
+{
+    if (i >= k->n_win) return mf_fa_kv_row(k->st, k->c, k->S, k->sel[i - k->n_win]);
+    int64_t t = k->t0 + i;
+    return t >= k->pos0 ? k->win->kv + (t - k->pos0) * k->win->ld : mf_fa_ring_row(k->st, k->c, k->L, t);
+}
+
+/* acc[g][d] = sum_i e[g][i] * v_i[d], one fmaf chain per (g, d) in key order; e rows ld_e apart. */
+__attribute__((target("avx2,fma"))) static void mf_fa_values_avx2(const mf_fa_keys *ks, int64_t n, const float *e,
+                                                                int64_t ld_e, int G, int D, float *acc)
+{
+    for (int d = 0; d < D; d += 16) {
+        __m256 lo[4], hi[4];
+        for (int g = 0; g < 4; g++) lo[g] = hi[g] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i++) {
+            const float *v = mf_fa_key(ks, i) + d;
+            __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+            for (int g = 0; g < G; g++) {
+                __m256 w = _mm256_broadcast_ss(e + g * ld_e + i);
+                lo[g] = _mm256_fmadd_ps(w, v0, lo[g]);
+                hi[g] = _mm256_fmadd_ps(w, v1, hi[g]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            _mm256_storeu_ps(acc + g * D + d, lo[g]);
+            _mm256_storeu_ps(acc + g * D + d + 8, hi[g]);
+        }
+    }
+}
+
+static void mf_fa_values(const mf_fa_keys *ks, int64_t n, const float *e, int64_t ld_e, int G, int D, float *acc)
+{
+    if (mf_fa_avx2(D)) {
+        mf_fa_values_avx2(ks, n, e, ld_e, G, D, acc);
+        return;
+    }
+    for (int i = 0; i < G * D; i++) acc[i] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float *v = mf_fa_key(ks, i);
+        for (int g = 0; g < G; g++)
+            for (int d = 0; d < D; d++) acc[g * D + d] = fmaf(e[g * ld_e + i], v[d], acc[g * D + d]);
+    }
+}
+
+void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b, int h0, int h1,
+                      const mf_ly_win *win)
+{
+    const mf_config *c = cx->ly->c;
+    const mf_model_layer *y = mf_model_layer_at(cx->ly->m, L);
+    int D = c->head_dim, rd = c->qk_rope_head_dim, W = c->sliding_window;
+    int ratio = c->compress_ratios[L];
+    int64_t p = it->pos;
+    const float *freqs = ratio ? cx->ly->freqs_comp : cx->ly->freqs_main;
+    float *q = b[MF_LY_A_Q], *o = b[MF_LY_A_O];
+    if (D > MF_FA_MAX_D || rd / 2 > 64) {   /* wider than the scratch below: the module */
+        mf_ly_attn_core_heads(cx, it, L, b, h0, h1, win);
+        return;
+    }
+
+    mf_fa_keys ks = {.st = it->st, .c = c, .L = L, .S = -1, .win = win};
+    int64_t n_sel = 0;
+    if (ratio > 0 && it->topk_src == cx->ly->src_of[L]) {
+        ks.sel = it->topk;
+        ks.S = it->topk_src;
+        n_sel = it->n_topk;
+    }
+    ks.t0 = p - W + 1 < 0 ? 0 : p - W + 1;
+    ks.n_win = p - ks.t0 + 1;
+    ks.pos0 = win ? win->pos0 : p + 1;
+    int64_t n = ks.n_win + n_sel;
+    float scale = (float)(1.0 / sqrt((double)D));
+    mf_fa_rope rope;
+    mf_fa_rope_init(&rope, rd / 2, freqs, p);
+
+    /* scores of G heads as floats in cx->scores (n_scores doubles >= n keys: G >= 2), their
+     * weighted values on the stack */
+    float *s = (float *)cx->scores;
+    int64_t cap = 2 * cx->n_scores / (n > 0 ? n : 1);
+    int Gmax = cap < 4 ? (int)cap : 4;
+    float acc[4 * MF_FA_MAX_D];
+    for (int hg = h0; hg < h1; hg += Gmax) {
+        int G = h1 - hg < Gmax ? h1 - hg : Gmax;
+        const float *qh[4];
+        float mx[4];
+        for (int g = 0; g < G; g++) {
+            float *qq = q + (int64_t)(hg + g) * D;
+            mf_fa_bf_n(qq, D);
+            mf_fa_rope_apply(&rope, qq + D - rd, 0);
+            mf_fa_bf_n(qq, D);
+            qh[g] = qq;
+            mx[g] = mf_ly_vec(&y->attn_sink, hg + g);
+        }
+        for (int64_t i = 0; i < n; i++) {
+            float d4[4];
+            mf_fa_dots(qh, G, mf_fa_key(&ks, i), D, d4);
+            for (int g = 0; g < G; g++) {
+                float v = d4[g] * scale;
+                s[g * n + i] = v;
+                mx[g] = v > mx[g] ? v : mx[g];
+            }
+        }
+        double den[4];
+        for (int g = 0; g < G; g++) {
+            float sink = mf_ly_vec(&y->attn_sink, hg + g);
+            den[g] = expf(sink - mx[g]);
+            for (int64_t i = 0; i < n; i++) {
+                float e = expf(s[g * n + i] - mx[g]);
+                s[g * n + i] = e;
+                den[g] += e;
+            }
+        }
+        mf_fa_values(&ks, n, s, n, G, D, acc);
+        for (int g = 0; g < G; g++) {
+            float *oh = o + (int64_t)(hg + g) * D;
+            for (int d = 0; d < D; d++) oh[d] = mf_fa_bf((float)((double)acc[g * D + d] / den[g]));
+            mf_fa_rope_apply(&rope, oh + D - rd, 1);   /* inverse RoPE at the query position */
+            mf_fa_bf_n(oh + D - rd, rd);
+        }
+    }
+}
+
+/* ---- index scores ---------------------------------------------------------------------------- */
+
+void mf_fa_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float *const *b, double *score,
+                        int64_t j0, int64_t j1)
+{
+    if (j0 >= j1) return;
+    const mf_config *c = ly->c;
+    int S = ly->src_of[L];
+    const float *qi = b[MF_LY_A_QI], *wts = b[MF_LY_A_IW];
+    int ih = c->index_n_heads, id = c->index_head_dim;
+    for (int64_t j = j0; j < j1; j++) {
+        const float *k = mf_fa_key_row(it->st, c, S, j);
+        double acc = 0;
+        for (int h0 = 0; h0 < ih; h0 += 4) {
+            int G = ih - h0 < 4 ? ih - h0 : 4;
+            const float *qh[4];
+            float d4[4];
+            for (int g = 0; g < G; g++) qh[g] = qi + (int64_t)(h0 + g) * id;
+            mf_fa_dots(qh, G, k, id, d4);
+            for (int g = 0; g < G; g++) {
+                float rl = d4[g] > 0 ? d4[g] : 0.0f;
+                float w = wts[h0 + g] * rl;
+                acc += (double)w;
+            }
+        }
+        score[j] = (float)acc;
+    }
+}
+
+/* ---- hyper-connections ----------------------------------------------------------------------- */
+
+void mf_fa_hc_mixes_rows(const mf_ly_ctx *cx, const float *x, const mf_weight *fn, float *mixes, int k0, int k1)
+{
+    const mf_config *c = cx->ly->c;
+    int n = c->hc_mult * (int)c->hidden_size;
+    if (fn->kind != MF_W_F32 || !fn->data) {
+        mf_ly_hc_mixes_rows(cx, x, fn, mixes, k0, k1);
+        return;
+    }
+    const float *xx[1] = {x};
+    float ss;
+    mf_fa_dots(xx, 1, x, n, &ss);
+    float rs = (float)(1.0 / sqrt((double)ss / (double)n + c->rms_norm_eps));
+    float *xn = cx->hc_xn;
+    for (int i = 0; i < n; i++) xn[i] = x[i] * rs;
+    const float *xq[1] = {xn};
+    for (int k = k0; k < k1; k++) {
+        const float *row = (const float *)(const void *)(fn->data + (size_t)k * n * 4);
+        mf_fa_dots(xq, 1, row, n, &mixes[k]);
+    }
+}
+
+/* bf16 rounding of 8 floats by the bits (mf_fa_bf's rule). */
+__attribute__((target("avx2,fma"))) static inline __m256 mf_fa_bf8_avx2(__m256 x)
+{
+    __m256i bi = _mm256_castps_si256(x);
+    __m256i a = _mm256_and_si256(bi, _mm256_set1_epi32(0x7FFFFFFF));
+    __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bi, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(bi, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u));
+    __m256i q = _mm256_or_si256(_mm256_and_si256(bi, _mm256_set1_epi32((int)0x80000000u)),
+                                _mm256_set1_epi32(0x7FC00000));
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(r, q, nan));
+}
+
+/* 4 columns of a double sum of exact products (p * x, both float): the order of mf_ly_hc_*'s. */
+__attribute__((target("avx2,fma"))) static inline __m256d mf_fa_mac4(__m256d acc, float p, const float *x)
+{
+    __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x));
+    return _mm256_add_pd(acc, _mm256_mul_pd(_mm256_set1_pd((double)p), v));
+}
+
+__attribute__((target("avx2,fma"))) static int64_t mf_fa_collapse_avx2(const float *x, const float *pre, int hc,
+                                                                     int64_t H, float *h, int64_t d0, int64_t d1)
+{
+    int64_t d = d0;
+    for (; d + 8 <= d1; d += 8) {
+        __m256d a = _mm256_setzero_pd(), bb = _mm256_setzero_pd();
+        for (int s = 0; s < hc; s++) {
+            a = mf_fa_mac4(a, pre[s], x + s * H + d);
+            bb = mf_fa_mac4(bb, pre[s], x + s * H + d + 4);
+        }
+        __m256 f = _mm256_set_m128(_mm256_cvtpd_ps(bb), _mm256_cvtpd_ps(a));
+        _mm256_storeu_ps(h + d, mf_fa_bf8_avx2(f));
+    }
+    return d;
+}
+
+void mf_fa_hc_collapse_cols(const mf_ly_ctx *cx, const float *x, const float *pre, float *h, int64_t d0, int64_t d1)
+{
+    const mf_config *c = cx->ly->c;
+    int64_t H = c->hidden_size, d = d0;
+    if (mf_kern_simd_active() == MF_KERN_SIMD_AVX2) d = mf_fa_collapse_avx2(x, pre, c->hc_mult, H, h, d0, d1);
+    for (; d < d1; d++) {
+        double acc = 0;
+        for (int s = 0; s < c->hc_mult; s++) acc += (double)pre[s] * x[s * H + d];
+        h[d] = mf_fa_bf((float)acc);
+    }
+}
+
+__attribute__((target("avx2,fma"))) static int64_t mf_fa_expand_avx2(float *x, const float *out, const float *post,
+                                                                   const float *comb, int hc, int64_t H, int64_t d0,
+                                                                   int64_t d1)
+{
+    int64_t d = d0;
+    for (; d + 4 <= d1; d += 4) {
+        __m256d col[MF_LY_MAX_HC], o = _mm256_cvtps_pd(_mm_loadu_ps(out + d));
+        __m128 res[MF_LY_MAX_HC];
+        for (int i = 0; i < hc; i++) col[i] = _mm256_cvtps_pd(_mm_loadu_ps(x + i * H + d));
+        for (int j = 0; j < hc; j++) {
+            __m256d acc = _mm256_mul_pd(_mm256_set1_pd((double)post[j]), o);
+            for (int i = 0; i < hc; i++)
+                acc = _mm256_add_pd(acc, _mm256_mul_pd(_mm256_set1_pd((double)comb[i * hc + j]), col[i]));
+            res[j] = _mm256_cvtpd_ps(acc);
+        }
+        for (int j = 0; j < hc; j++) {
+            __m256 f = mf_fa_bf8_avx2(_mm256_castps128_ps256(res[j]));
+            _mm_storeu_ps(x + j * H + d, _mm256_castps256_ps128(f));
+        }
+    }
+    return d;
+}
+
+void mf_fa_hc_expand_cols(const mf_ly_ctx *cx, float *x, const float *out, const float *post, const float *comb,
+                          int64_t d0, int64_t d1)
+{
+    const mf_config *c = cx->ly->c;
+    int64_t H = c->hidden_size, d = d0;
+    int hc = c->hc_mult;
+    if (mf_kern_simd_active() == MF_KERN_SIMD_AVX2) d = mf_fa_expand_avx2(x, out, post, comb, hc, H, d0, d1);
+    float col[MF_LY_MAX_HC];
+    for (; d < d1; d++) {
+        for (int i = 0; i < hc; i++) col[i] = x[i * H + d];
+        for (int j = 0; j < hc; j++) {
+            double acc = (double)post[j] * out[d];
+            for (int i = 0; i < hc; i++) acc += (double)comb[i * hc + j] * col[i];
+            x[j * H + d] = mf_fa_bf((float)acc);
+        }
+    }
+}
+
+/* ---- grouped wo_a ---------------------------------------------------------------------------- */
+
+int mf_fa_grouped_rows(mf_ly_ctx *cx, const mf_ly_attn_lin *l, const float *x, int64_t ld_x, float *y,
+                       int64_t ld_y, int n_tok, int64_t r0, int64_t r1)
+{
+    const mf_weight *w = l->w;
+    if (cx->lin != MF_LY_LIN_KERN || !w->data || w->kind != MF_W_FP8 || w->block_rows != 32 ||
+        w->block_cols != 32 || w->cols % 32 || (w->rows / l->groups) % 32)
+        return mf_ly_attn_lin_rows(cx, l, x, ld_x, y, ld_y, n_tok, r0, r1);
+    mf_kern_mat m = {.fmt = MF_KERN_FP8, .w = w->data, .scale = w->scale, .n_out = (int)w->rows,
+                     .n_in = (int)w->cols};
+    int64_t R = w->rows / l->groups;
+    for (int64_t a = r0; a < r1;) {   /* the rows of one group at a time, all items */
+        int64_t g = a / R, e = (g + 1) * R < r1 ? (g + 1) * R : r1;
+        int rc = mf_kern_matmul(&m, &(mf_kern_in){x + g * w->cols, n_tok, (int)ld_x, NULL}, y, (int)ld_y, (int)a,
+                                (int)e);
+        if (rc) return rc;
+        if (l->bf)
+            for (int t = 0; t < n_tok; t++) mf_fa_bf_n(y + t * ld_y + a, e - a);
+        a = e;
+    }
+    return 0;
+}
