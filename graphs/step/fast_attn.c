@@ -32,23 +32,9 @@ static inline const float *mf_fa_key_row(const mf_ref_state *st, const mf_config
 
 /* ---- numeric pieces -------------------------------------------------------------------------- */
 
-/* mf_bf by the bits (round to nearest even, NaN to the quiet NaN of its sign): mf_bf16_from_f32's
- * result for every input. */
-static inline float mf_fa_bf(float x)
-{
-    uint32_t b;
-    memcpy(&b, &x, 4);
-    if ((b & 0x7FFFFFFFu) > 0x7F800000u)
-        b = (b & 0x80000000u) | 0x7FC00000u;
-    else
-        b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
-    memcpy(&x, &b, 4);
-    return x;
-}
-
 static void mf_fa_bf_n(float *x, int64_t n)
 {
-    for (int64_t i = 0; i < n; i++) x[i] = mf_fa_bf(x[i]);
+    for (int64_t i = 0; i < n; i++) x[i] = mf_bf(x[i]);
 }
 
 /* RoPE as mf_ly_rope, with the position's cos/sin computed once for several vectors (the same
@@ -259,7 +245,7 @@ void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *
         mf_fa_values(&ks, n, s, n, G, D, acc);
         for (int g = 0; g < G; g++) {
             float *oh = o + (int64_t)(hg + g) * D;
-            for (int d = 0; d < D; d++) oh[d] = mf_fa_bf((float)((double)acc[g * D + d] / den[g]));
+            for (int d = 0; d < D; d++) oh[d] = mf_bf((float)((double)acc[g * D + d] / den[g]));
             mf_fa_rope_apply(&rope, oh + D - rd, 1);   /* inverse RoPE at the query position */
             mf_fa_bf_n(oh + D - rd, rd);
         }
@@ -318,7 +304,7 @@ void mf_fa_hc_mixes_rows(const mf_ly_ctx *cx, const float *x, const mf_weight *f
     }
 }
 
-/* bf16 rounding of 8 floats by the bits (mf_fa_bf's rule). */
+/* bf16 rounding of 8 floats by the bits (mf_bf's rule). */
 __attribute__((target("avx2,fma"))) static inline __m256 mf_fa_bf8_avx2(__m256 x)
 {
     __m256i bi = _mm256_castps_si256(x);
@@ -363,7 +349,7 @@ void mf_fa_hc_collapse_cols(const mf_ly_ctx *cx, const float *x, const float *pr
     for (; d < d1; d++) {
         double acc = 0;
         for (int s = 0; s < c->hc_mult; s++) acc += (double)pre[s] * x[s * H + d];
-        h[d] = mf_fa_bf((float)acc);
+        h[d] = mf_bf((float)acc);
     }
 }
 
@@ -403,7 +389,7 @@ void mf_fa_hc_expand_cols(const mf_ly_ctx *cx, float *x, const float *out, const
         for (int j = 0; j < hc; j++) {
             double acc = (double)post[j] * out[d];
             for (int i = 0; i < hc; i++) acc += (double)comb[i * hc + j] * col[i];
-            x[j * H + d] = mf_fa_bf((float)acc);
+            x[j * H + d] = mf_bf((float)acc);
         }
     }
 }
