@@ -2,7 +2,7 @@
  * the default path (graphs/layers/layers.h), on the tiny preset with fresh random data:
  *  - attention heads, index scores, hyper-connection mixes and the grouped wo_a within stated
  *    tolerances of the module (fp32 sums vs double), collapse and expand bit for bit (also on
- *    NaN, inf and overflowing inputs);
+ *    NaN, inf and overflowing inputs), the selection (top-k, candidate blocks) equal to it;
  *  - every fast piece gives the same bits in parts (head groups, entry ranges, row and column
  *    ranges) as whole, and on the scalar path as on the AVX2 path;
  *  - the engine's default path: chunked prefills + batch decodes on 1, 2, 3 and 8 workers give the
@@ -257,6 +257,55 @@ static void test_core(mf_ref *r, mf_ly_ctx *cx)
     mf_ref_state_free(st);
 }
 
+/* The selection on long random score rows (few distinct levels: ties broken by the index; some
+ * -inf), every compressed layer in order on twin items (candidate blocks, then their mask on the
+ * later index layers): the module's items and the fast version's hold the same top-k and blocks. */
+static void test_select(mf_ref *r, mf_ly_ctx *cx)
+{
+    const mf_layers *ly = mf_ref_layers(r);
+    const mf_config *c = ly->c;
+    int64_t pos = 3001;
+    CHECK(mf_ly_ctx_reserve(cx, pos + 1) == 0, "reserve");
+    double *s1 = malloc(sizeof(double) * (pos + 1)), *s2 = malloc(sizeof(double) * (pos + 1));
+    int32_t *tk[2], *cd[2];
+    for (int k = 0; k < 2; k++) {
+        tk[k] = malloc(sizeof(int32_t) * c->index_topk);
+        cd[k] = malloc(sizeof(int32_t) * c->candidate_topk_blocks);
+    }
+    int same = 1, n_layers = 0, n_cand = 0;
+    int64_t max_vis = 0;
+    for (int rep = 0; rep < 6; rep++) {
+        mf_ly_item it[2];
+        for (int k = 0; k < 2; k++)
+            it[k] = (mf_ly_item){.pos = pos - rep * 397, .topk = tk[k], .topk_src = -1, .cand = cd[k], .cand_src = -1};
+        for (int L = 0; L < c->n_layers; L++) {
+            int64_t n_vis = mf_ly_index_n_vis(c, L, it[0].pos);
+            for (int64_t j = 0; j < n_vis; j++) {
+                double v = rep % 2 ? (double)(int)(frand() * 6) : frand();   /* ties on odd reps */
+                s1[j] = s2[j] = frand() > 0.9f ? -INFINITY : v;
+            }
+            mf_ly_attn_core_select(cx, &it[0], L, s1);
+            mf_fa_attn_select(cx, &it[1], L, s2);
+            same &= it[0].n_topk == it[1].n_topk && it[0].topk_src == it[1].topk_src &&
+                    !memcmp(tk[0], tk[1], sizeof(int32_t) * it[0].n_topk) && it[0].n_cand == it[1].n_cand &&
+                    it[0].cand_src == it[1].cand_src && !memcmp(cd[0], cd[1], sizeof(int32_t) * it[0].n_cand);
+            n_layers += n_vis > 0;
+            max_vis = n_vis > max_vis ? n_vis : max_vis;
+            n_cand += it[0].n_cand;
+        }
+    }
+    CHECK(same, "fast selection differs from the module's");
+    CHECK(n_layers > 0 && n_cand > 0, "the selection test reaches no scored layer or no candidate blocks");
+    printf("select: %d scored layer rows of up to %lld entries: top-k and candidate blocks %s the module's\n",
+           n_layers, (long long)max_vis, same ? "equal to" : "DIFFER from");
+    free(s1);
+    free(s2);
+    for (int k = 0; k < 2; k++) {
+        free(tk[k]);
+        free(cd[k]);
+    }
+}
+
 #define N_SEQ 3
 #define NP 40   /* past two windows of tiny (16) */
 #define ND 4
@@ -339,6 +388,7 @@ int main(void)
             test_hc(m, kern);
             test_grouped(m, kern);
             test_core(oracle, kern);
+            test_select(oracle, kern);
         }
         test_engine(oracle, c.vocab_size);
     }

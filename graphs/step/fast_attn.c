@@ -417,3 +417,109 @@ int mf_fa_grouped_rows(mf_ly_ctx *cx, const mf_ly_attn_lin *l, const float *x, i
     }
     return 0;
 }
+
+/* ---- the indexer's selection ----------------------------------------------------------------- */
+
+/* a before b in mf_ly_sort_picks's order (score descending, index ascending): a strict total
+ * order on picks without NaN scores, so the k first of it are one set however they are found */
+static inline int mf_fa_before(const mf_ly_pick *a, const mf_ly_pick *b)
+{
+    return a->score > b->score || (a->score == b->score && a->idx < b->idx);
+}
+
+static inline void mf_fa_swap(mf_ly_pick *a, mf_ly_pick *b)
+{
+    mf_ly_pick t = *a;
+    *a = *b;
+    *b = t;
+}
+
+/* Reorders p so that p[0, k) are its k first picks (in no particular order): quickselect with a
+ * median-of-three pivot, insertion sort below 16. */
+static void mf_fa_top(mf_ly_pick *p, int64_t n, int64_t k)
+{
+    if (k <= 0 || k >= n) return;
+    int64_t lo = 0, hi = n;
+    while (hi - lo > 16) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (mf_fa_before(&p[mid], &p[lo])) mf_fa_swap(&p[mid], &p[lo]);
+        if (mf_fa_before(&p[hi - 1], &p[lo])) mf_fa_swap(&p[hi - 1], &p[lo]);
+        if (mf_fa_before(&p[hi - 1], &p[mid])) mf_fa_swap(&p[hi - 1], &p[mid]);
+        mf_fa_swap(&p[mid], &p[hi - 1]);   /* the median as pivot, at the end */
+        mf_ly_pick piv = p[hi - 1];
+        int64_t st = lo;
+        for (int64_t i = lo; i < hi - 1; i++)
+            if (mf_fa_before(&p[i], &piv)) mf_fa_swap(&p[i], &p[st++]);
+        mf_fa_swap(&p[st], &p[hi - 1]);
+        if (k <= st) hi = st;
+        else if (k > st + 1) lo = st + 1;
+        else return;
+    }
+    for (int64_t i = lo + 1; i < hi; i++)
+        for (int64_t j = i; j > lo && mf_fa_before(&p[j], &p[j - 1]); j--) mf_fa_swap(&p[j], &p[j - 1]);
+}
+
+/* The indices of the k first picks whose score is not -inf, ascending, into out; their count. */
+static int mf_fa_top_idx(mf_ly_pick *p, int64_t n, int64_t k, int32_t *out)
+{
+    mf_fa_top(p, n, k);
+    int m = 0;
+    for (int64_t i = 0; i < k; i++)
+        if (p[i].score != -INFINITY) out[m++] = p[i].idx;
+    for (int i = 1; i < m; i++)
+        for (int j = i; j > 0 && out[j - 1] > out[j]; j--) {
+            int32_t t = out[j];
+            out[j] = out[j - 1];
+            out[j - 1] = t;
+        }
+    return m;
+}
+
+void mf_fa_attn_select(mf_ly_ctx *cx, mf_ly_item *it, int L, double *score)
+{
+    const mf_config *c = cx->ly->c;
+    int ratio = c->compress_ratios[L];
+    if (ratio == 0) return;
+    int S = cx->ly->src_of[L];
+    int64_t n_vis = mf_ly_index_n_vis(c, L, it->pos);
+    for (int64_t j = 0; j < n_vis; j++)
+        if (isnan(score[j])) {   /* no total order: the module's sort decides */
+            mf_ly_attn_core_select(cx, it, L, score);
+            return;
+        }
+    if (n_vis > 0) {
+        int bs = c->candidate_block_size, cl = c->candidate_source_layer_id;
+        mf_ly_pick *pk = cx->picks;
+        if (L == cl) {   /* the candidate blocks: top blocks by max score, the newest pinned */
+            int64_t nb = (n_vis + bs - 1) / bs;
+            for (int64_t b = 0; b < nb; b++) {
+                double mx = -INFINITY;
+                for (int64_t j = b * bs; j < (b + 1) * bs && j < n_vis; j++) mx = score[j] > mx ? score[j] : mx;
+                pk[b].score = b == (n_vis - 1) / bs ? INFINITY : mx;
+                pk[b].idx = (int32_t)b;
+            }
+            it->n_cand = mf_fa_top_idx(pk, nb, nb < c->candidate_topk_blocks ? nb : c->candidate_topk_blocks, it->cand);
+            it->cand_src = S;
+            if (cx->ly->hooks.on_candidates)
+                cx->ly->hooks.on_candidates(cx->ly->hooks.user, it->st, it->pos, L, it->cand, it->n_cand);
+        } else if (cl >= 0 && cl < L && it->cand_src == S) {   /* outside the candidate blocks: -inf */
+            int ci = 0;
+            for (int64_t j = 0; j < n_vis; j++) {
+                int32_t b = (int32_t)(j / bs);
+                while (ci < it->n_cand && it->cand[ci] < b) ci++;
+                if (ci >= it->n_cand || it->cand[ci] != b) score[j] = -INFINITY;
+            }
+        }
+        for (int64_t j = 0; j < n_vis; j++) pk[j] = (mf_ly_pick){score[j], (int32_t)j};
+        it->n_topk = mf_fa_top_idx(pk, n_vis, n_vis < c->index_topk ? n_vis : c->index_topk, it->topk);
+        it->topk_src = S;
+    }
+    if (mf_config_is_index_source(c, L) && n_vis == 0) {
+        it->n_topk = 0;
+        it->topk_src = S;
+    }
+    if (cx->ly->hooks.on_select) {
+        int sel = it->topk_src == S;
+        cx->ly->hooks.on_select(cx->ly->hooks.user, it->st, it->pos, L, sel ? it->topk : NULL, sel ? it->n_topk : 0);
+    }
+}

@@ -1,7 +1,7 @@
 /* The scheduled engine's own fast versions of per-item layer math (graphs/layers/layers.h is the
  * module they are tested against; the engine's --exact path keeps the module): the attention
- * core's heads, the indexer's scores, the hyper-connection mixes, collapse and expand, and the
- * grouped wo_a on the kernels. graphs/step/step.c calls them from its tasks.
+ * core's heads, the indexer's scores and selection, the hyper-connection mixes, collapse and
+ * expand, and the grouped wo_a on the kernels. graphs/step/step.c calls them from its tasks.
  *
  * Sums: a dot product of n floats is 16 lanes (lane l sums elements k = l mod 16 in k order with
  * fmaf), then a fixed tree (lanes l and l+8, then l+4, l+2, l+1); the attention's weighted values
@@ -28,6 +28,10 @@ void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *
 /* mf_ly_index_scores with fp32 dots: score[j] for j in [j0, j1). */
 void mf_fa_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float *const *b, double *score,
                         int64_t j0, int64_t j1);
+/* mf_ly_attn_core_select with the same result (the top-k and the candidate blocks as sets are
+ * the k first of a total order, found by quickselect instead of a sort of all entries; scores
+ * holding NaN go to the module, whose sort decides them). */
+void mf_fa_attn_select(mf_ly_ctx *cx, mf_ly_item *it, int L, double *score);
 /* mf_ly_hc_mixes_rows with fp32 sums (the streams' mean square and each row). */
 void mf_fa_hc_mixes_rows(const mf_ly_ctx *cx, const float *x, const mf_weight *fn, float *mixes, int k0, int k1);
 /* mf_ly_hc_collapse_cols and mf_ly_hc_expand_cols, vectorized: the module's bits. */

@@ -448,7 +448,8 @@ static int mf_task_attn_select(void *arg, mf_task_ctx *ctx)
     mf_ly_ctx *cx = mf_step_cx(a, ctx);
     if (!cx) return -EINVAL;
     for (int i = a->t->i0; i < a->t->i1; i++)
-        mf_ly_attn_core_select(cx, &a->sh->items[i], a->t->layer, a->sh->iscore + (size_t)i * a->sh->iscore_ld);
+        (a->sh->eng->o.exact ? mf_ly_attn_core_select : mf_fa_attn_select)(
+            cx, &a->sh->items[i], a->t->layer, a->sh->iscore + (size_t)i * a->sh->iscore_ld);
     return 0;
 }
 
