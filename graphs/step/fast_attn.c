@@ -118,7 +118,8 @@ static void mf_fa_dots(const float *const *q, int G, const float *k, int n, floa
 
 /* ---- attention heads ------------------------------------------------------------------------- */
 
-#define MF_FA_MAX_D 512   /* widest head the stack scratch holds */
+#define MF_FA_MAX_D 512      /* widest head the stack scratch holds */
+#define MF_FA_MAX_KEYS 4096  /* most keys (window + selection) a call's pointer table holds */
 
 /* The keys of one item's attention: window positions t0..t0+n_win-1 (from win->kv from pos0 on,
  * else the ring), then the selected entries of the KV source. */
@@ -139,14 +140,14 @@ static inline const float *mf_fa_key(const mf_fa_keys *k, int64_t i)
 }
 
 /* acc[g][d] = sum_i e[g][i] * v_i[d], one fmaf chain per (g, d) in key order; e rows ld_e apart. */
-__attribute__((target("avx2,fma"))) static void mf_fa_values_avx2(const mf_fa_keys *ks, int64_t n, const float *e,
+__attribute__((target("avx2,fma"))) static void mf_fa_values_avx2(const float *const *kp, int64_t n, const float *e,
                                                                 int64_t ld_e, int G, int D, float *acc)
 {
     for (int d = 0; d < D; d += 16) {
         __m256 lo[4], hi[4];
         for (int g = 0; g < 4; g++) lo[g] = hi[g] = _mm256_setzero_ps();
         for (int64_t i = 0; i < n; i++) {
-            const float *v = mf_fa_key(ks, i) + d;
+            const float *v = kp[i] + d;
             __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
             for (int g = 0; g < G; g++) {
                 __m256 w = _mm256_broadcast_ss(e + g * ld_e + i);
@@ -161,15 +162,15 @@ __attribute__((target("avx2,fma"))) static void mf_fa_values_avx2(const mf_fa_ke
     }
 }
 
-static void mf_fa_values(const mf_fa_keys *ks, int64_t n, const float *e, int64_t ld_e, int G, int D, float *acc)
+static void mf_fa_values(const float *const *kp, int64_t n, const float *e, int64_t ld_e, int G, int D, float *acc)
 {
     if (mf_fa_avx2(D)) {
-        mf_fa_values_avx2(ks, n, e, ld_e, G, D, acc);
+        mf_fa_values_avx2(kp, n, e, ld_e, G, D, acc);
         return;
     }
     for (int i = 0; i < G * D; i++) acc[i] = 0;
     for (int64_t i = 0; i < n; i++) {
-        const float *v = mf_fa_key(ks, i);
+        const float *v = kp[i];
         for (int g = 0; g < G; g++)
             for (int d = 0; d < D; d++) acc[g * D + d] = fmaf(e[g * ld_e + i], v[d], acc[g * D + d]);
     }
@@ -201,6 +202,12 @@ void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *
     ks.n_win = p - ks.t0 + 1;
     ks.pos0 = win ? win->pos0 : p + 1;
     int64_t n = ks.n_win + n_sel;
+    if (n > MF_FA_MAX_KEYS) {   /* more keys than the pointer table below holds: the module */
+        mf_ly_attn_core_heads(cx, it, L, b, h0, h1, win);
+        return;
+    }
+    const float *kp[MF_FA_MAX_KEYS];   /* each key's row, found once */
+    for (int64_t i = 0; i < n; i++) kp[i] = mf_fa_key(&ks, i);
     float scale = (float)(1.0 / sqrt((double)D));
     mf_fa_rope rope;
     mf_fa_rope_init(&rope, rd / 2, freqs, p);
@@ -225,7 +232,7 @@ void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *
         }
         for (int64_t i = 0; i < n; i++) {
             float d4[4];
-            mf_fa_dots(qh, G, mf_fa_key(&ks, i), D, d4);
+            mf_fa_dots(qh, G, kp[i], D, d4);
             for (int g = 0; g < G; g++) {
                 float v = d4[g] * scale;
                 s[g * n + i] = v;
@@ -242,7 +249,7 @@ void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *
                 den[g] += e;
             }
         }
-        mf_fa_values(&ks, n, s, n, G, D, acc);
+        mf_fa_values(kp, n, s, n, G, D, acc);
         for (int g = 0; g < G; g++) {
             float *oh = o + (int64_t)(hg + g) * D;
             for (int d = 0; d < D; d++) oh[d] = mf_bf((float)((double)acc[g * D + d] / den[g]));
