@@ -71,6 +71,7 @@ static void test_hc(const mf_model *m, mf_ly_ctx *cx)
     int hc = c->hc_mult, nm = (2 + hc) * hc;
     float *x = malloc(sizeof(float) * hc * H), *x1 = malloc(sizeof(float) * hc * H), *x2 = malloc(sizeof(float) * hc * H);
     float *out = malloc(sizeof(float) * H), *h1 = malloc(sizeof(float) * H), *h2 = malloc(sizeof(float) * H);
+    float *n1 = malloc(sizeof(float) * H), *n2 = malloc(sizeof(float) * H);
     float mm[64], mf[64], mp[64], ms[64];
     float pre[MF_LY_MAX_HC], post[MF_LY_MAX_HC], comb[MF_LY_MAX_HC * MF_LY_MAX_HC];
     double worst = 0;
@@ -111,6 +112,13 @@ static void test_hc(const mf_model *m, mf_ly_ctx *cx)
             d0 = d1;
         }
         exact &= !memcmp(h1, h2, sizeof(float) * H) && !memcmp(x1, x2, sizeof(float) * hc * H);
+        mf_ly_rmsnorm(h1, H, &y->attn_norm, c->rms_norm_eps, n1);   /* the norm: the module's bits too */
+        for (int64_t d0 = 0, w = 1; d0 < H; w += 6) {
+            int64_t d1 = d0 + w < H ? d0 + w : H;
+            mf_fa_rmsnorm_cols(h1, H, &y->attn_norm, c->rms_norm_eps, n2, d0, d1);
+            d0 = d1;
+        }
+        exact &= !memcmp(n1, n2, sizeof(float) * H);
         CHECK(set_simd(1) == 0, "scalar path");
         memcpy(x2, x, sizeof(float) * hc * H);
         mf_fa_hc_collapse_cols(cx, x2, pre, h2, 0, H);
@@ -120,8 +128,8 @@ static void test_hc(const mf_model *m, mf_ly_ctx *cx)
     }
     CHECK(worst < TOL_SUM, "hc mixes %.3g off the module (tolerance %.1g)", worst, TOL_SUM);
     CHECK(same, "hc mixes: rows or the scalar path differ from the whole AVX2 call");
-    CHECK(exact, "hc collapse / expand differ from the module");
-    printf("hc: mixes %.3g off the module (tolerance %.1g), rows and scalar %s; collapse and expand %s the module "
+    CHECK(exact, "hc collapse / expand or the norm differ from the module");
+    printf("hc: mixes %.3g off the module (tolerance %.1g), rows and scalar %s; collapse, expand and norm %s the module "
            "(specials included)\n", worst, TOL_SUM, same ? "bit-identical" : "DIFFER", exact ? "bit-identical to" : "DIFFER from");
     free(x);
     free(x1);
@@ -129,6 +137,8 @@ static void test_hc(const mf_model *m, mf_ly_ctx *cx)
     free(out);
     free(h1);
     free(h2);
+    free(n1);
+    free(n2);
 }
 
 /* The grouped wo_a on the kernels against the module's double sums (kernel contexts both), in row

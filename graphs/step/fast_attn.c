@@ -530,3 +530,29 @@ void mf_fa_attn_select(mf_ly_ctx *cx, mf_ly_item *it, int L, double *score)
         cx->ly->hooks.on_select(cx->ly->hooks.user, it->st, it->pos, L, sel ? it->topk : NULL, sel ? it->n_topk : 0);
     }
 }
+
+/* ---- norms ----------------------------------------------------------------------------------- */
+
+void mf_fa_rmsnorm_cols(const float *x, int64_t n, const mf_weight *w, double eps, float *out, int64_t c0,
+                        int64_t c1)
+{
+    if ((w->kind != MF_W_BF16 && w->kind != MF_W_F32) || !w->data) {
+        mf_ly_rmsnorm_cols(x, n, w, eps, out, c0, c1);
+        return;
+    }
+    double ss = 0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];   /* the module's order */
+    float rs = (float)(1.0 / sqrt(ss / (double)n + eps));
+    for (int64_t i = c0; i < c1; i++) {
+        float wv;
+        if (w->kind == MF_W_F32) {
+            memcpy(&wv, w->data + 4 * i, 4);
+        } else {
+            uint16_t h;
+            memcpy(&h, w->data + 2 * i, 2);
+            uint32_t u = (uint32_t)h << 16;
+            memcpy(&wv, &u, 4);
+        }
+        out[i] = mf_bf(wv * mf_bf(x[i] * rs));
+    }
+}

@@ -38,6 +38,9 @@ void mf_fa_hc_mixes_rows(const mf_ly_ctx *cx, const float *x, const mf_weight *f
 void mf_fa_hc_collapse_cols(const mf_ly_ctx *cx, const float *x, const float *pre, float *h, int64_t d0, int64_t d1);
 void mf_fa_hc_expand_cols(const mf_ly_ctx *cx, float *x, const float *out, const float *post, const float *comb,
                           int64_t d0, int64_t d1);
+/* mf_ly_rmsnorm_cols with the weights read inline: the module's bits. */
+void mf_fa_rmsnorm_cols(const float *x, int64_t n, const mf_weight *w, double eps, float *out, int64_t c0,
+                        int64_t c1);
 /* mf_ly_attn_lin_rows for a grouped linear (wo_a) on the FP8 kernels (fp32 sums; the module sums in
  * double) when the weight is resident FP8 in 32x32 blocks and cx's backend is the kernels; else
  * the module's. Rows [r0, r1) for n_tok items; 0 or the kernels' / module's error. */

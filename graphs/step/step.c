@@ -338,7 +338,8 @@ static int mf_step_norm_cols(mf_step_targ *a, mf_task_ctx *ctx, int op)
         w = op == MF_SG_ATTN_NORM ? &y->attn_norm : &y->ffn_norm;
         out = op == MF_SG_ATTN_NORM ? sh->ab[MF_LY_A_IN] + (size_t)i * sh->ab_ld[MF_LY_A_IN] : sh->xin + (size_t)i * H;
     }
-    mf_ly_rmsnorm_cols(sh->hcol + (size_t)i * H, H, w, c->rms_norm_eps, out, a->t->r0, a->t->r1);
+    (sh->eng->o.exact ? mf_ly_rmsnorm_cols : mf_fa_rmsnorm_cols)(sh->hcol + (size_t)i * H, H, w, c->rms_norm_eps, out,
+                                                                 a->t->r0, a->t->r1);
     return 0;
 }
 
