@@ -1133,8 +1133,9 @@ static int mf_step_dense_run(const mf_step_targ *a)
         int nl = mf_ly_attn_linears(eng->ly, L, stage_of[d], lin);
         for (int k = 0; k < nl; k++) {
             const mf_ly_attn_lin *l = &lin[k];
-            int rc = mf_ly_attn_lin_rows(cx, l, DD(sh->dd_ab[l->x]), sh->ab_ld[l->x], DD(sh->dd_ab[l->y]),
-                                          sh->ab_ld[l->y], n, 0, l->w->rows);
+            /* the host's choice (mf_task_attn_rows), so emulated cards give the host's bits */
+            int rc = (l->groups && !eng->o.exact ? mf_fa_grouped_rows : mf_ly_attn_lin_rows)(
+                cx, l, DD(sh->dd_ab[l->x]), sh->ab_ld[l->x], DD(sh->dd_ab[l->y]), sh->ab_ld[l->y], n, 0, l->w->rows);
             if (rc) return mf_error_wrap(rc, "%s", l->w->name ? l->w->name : "an attention linear");
         }
         return 0;
