@@ -217,6 +217,10 @@ void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *
     float *s = (float *)cx->scores;
     int64_t cap = 2 * cx->n_scores / (n > 0 ? n : 1);
     int Gmax = cap < 4 ? (int)cap : 4;
+    if (Gmax < 1) {   /* score buffers not reserved for this length: the module (which needs them too) */
+        mf_ly_attn_core_heads(cx, it, L, b, h0, h1, win);
+        return;
+    }
     float acc[4 * MF_FA_MAX_D];
     for (int hg = h0; hg < h1; hg += Gmax) {
         int G = h1 - hg < Gmax ? h1 - hg : Gmax;
