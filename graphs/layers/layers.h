@@ -11,6 +11,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "graphs/model/config.h"
 #include "graphs/model/model.h"
@@ -176,7 +177,18 @@ typedef struct mf_ly_item {
 
 /* ---- layer_ops.c: numeric helpers ----------------------------------------------------------- */
 
-static inline float mf_bf(float x) { return mf_bf16_to_f32(mf_bf16_from_f32(x)); }
+/* bf16 rounding, = mf_bf16_to_f32(mf_bf16_from_f32(x)) for every input, inlined on the bits */
+static inline float mf_bf(float x)
+{
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u)
+        b = (b & 0x80000000u) | 0x7FC00000u;   /* any NaN -> the quiet NaN of its sign */
+    else
+        b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&x, &b, 4);
+    return x;
+}
 void mf_bf_n(float *x, int64_t n);
 
 /* y[rows] = W x[cols] on cx's backend, each row rounded to fp32. W of any kind but MF_W_TABLE;

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "graphs/layers/layers.h"
+#include "graphs/step/fast_attn.h"
 #include "graphs/step/step.h"
 #include "graphs/step/stepgraph.h"
 #include "host/kernels.h"
@@ -330,8 +331,8 @@ static int mf_task_attn_pre(void *arg, mf_task_ctx *ctx)
     if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
     int i = a->t->i0;
-    mf_ly_hc_collapse_cols(cx, sh->items[i].x, sh->items[i].pre, sh->hcol + (size_t)i * cx->ly->c->hidden_size,
-                           a->t->r0, a->t->r1);
+    (sh->eng->o.exact ? mf_ly_hc_collapse_cols : mf_fa_hc_collapse_cols)(
+        cx, sh->items[i].x, sh->items[i].pre, sh->hcol + (size_t)i * cx->ly->c->hidden_size, a->t->r0, a->t->r1);
     return 0;
 }
 
@@ -356,7 +357,8 @@ static int mf_step_norm_cols(mf_step_targ *a, mf_task_ctx *ctx, int op)
         w = op == MF_SG_ATTN_NORM ? &y->attn_norm : &y->ffn_norm;
         out = op == MF_SG_ATTN_NORM ? sh->ab[MF_LY_A_IN] + (size_t)i * sh->ab_ld[MF_LY_A_IN] : sh->xin + (size_t)i * H;
     }
-    mf_ly_rmsnorm_cols(sh->hcol + (size_t)i * H, H, w, c->rms_norm_eps, out, a->t->r0, a->t->r1);
+    (sh->eng->o.exact ? mf_ly_rmsnorm_cols : mf_fa_rmsnorm_cols)(sh->hcol + (size_t)i * H, H, w, c->rms_norm_eps, out,
+                                                                 a->t->r0, a->t->r1);
     return 0;
 }
 
@@ -373,8 +375,8 @@ static int mf_step_mix_rows(mf_step_targ *a, mf_task_ctx *ctx, int ffn)
     const mf_model_layer *y = mf_model_layer_at(cx->ly->m, a->t->layer);
     int i = a->t->i0;
     float *mix = (ffn ? sh->fmix : sh->amix) + (size_t)i * MF_STEP_N_MIX;
-    mf_ly_hc_mixes_rows(cx, sh->items[i].x, ffn ? &y->hc_ffn_fn : &y->hc_attn_fn, mix, (int)a->t->r0,
-                        (int)a->t->r1);
+    (sh->eng->o.exact ? mf_ly_hc_mixes_rows : mf_fa_hc_mixes_rows)(
+        cx, sh->items[i].x, ffn ? &y->hc_ffn_fn : &y->hc_attn_fn, mix, (int)a->t->r0, (int)a->t->r1);
     return 0;
 }
 
@@ -402,8 +404,9 @@ static int mf_task_attn_rows(void *arg, mf_task_ctx *ctx)
         off += l->w->rows;
         if (lo >= hi) continue;
         size_t i0 = (size_t)a->t->i0;   /* the micro-batch's items */
-        int rc = mf_ly_attn_lin_rows(cx, l, sh->ab[l->x] + i0 * sh->ab_ld[l->x], sh->ab_ld[l->x],
-                                      sh->ab[l->y] + i0 * sh->ab_ld[l->y], sh->ab_ld[l->y], a->t->n_tok, lo, hi);
+        int rc = (l->groups && !sh->eng->o.exact ? mf_fa_grouped_rows : mf_ly_attn_lin_rows)(
+            cx, l, sh->ab[l->x] + i0 * sh->ab_ld[l->x], sh->ab_ld[l->x], sh->ab[l->y] + i0 * sh->ab_ld[l->y],
+            sh->ab_ld[l->y], a->t->n_tok, lo, hi);
         if (rc) return mf_error_wrap(rc, "step: layer %d, rows [%lld, %lld) of %s", a->t->layer, (long long)lo,
                                      (long long)hi, l->w->name ? l->w->name : "an attention linear");
     }
@@ -455,8 +458,8 @@ static int mf_task_attn_score(void *arg, mf_task_ctx *ctx)
     int64_t n_vis = mf_ly_index_n_vis(ly->c, a->t->layer, sh->items[i].pos);
     float *b[MF_LY_A_N];
     mf_step_abuf(sh, i, b);
-    mf_ly_index_scores(ly, &sh->items[i], a->t->layer, b, sh->iscore + (size_t)i * sh->iscore_ld, n_vis * q / P,
-                       n_vis * (q + 1) / P);
+    (sh->eng->o.exact ? mf_ly_index_scores : mf_fa_index_scores)(
+        ly, &sh->items[i], a->t->layer, b, sh->iscore + (size_t)i * sh->iscore_ld, n_vis * q / P, n_vis * (q + 1) / P);
     return 0;
 }
 
@@ -467,7 +470,8 @@ static int mf_task_attn_select(void *arg, mf_task_ctx *ctx)
     mf_ly_ctx *cx = mf_step_cx(a, ctx);
     if (!cx) return -EINVAL;
     for (int i = a->t->i0; i < a->t->i1; i++)
-        mf_ly_attn_core_select(cx, &a->sh->items[i], a->t->layer, a->sh->iscore + (size_t)i * a->sh->iscore_ld);
+        (a->sh->eng->o.exact ? mf_ly_attn_core_select : mf_fa_attn_select)(
+            cx, &a->sh->items[i], a->t->layer, a->sh->iscore + (size_t)i * a->sh->iscore_ld);
     return 0;
 }
 
@@ -489,7 +493,8 @@ static int mf_task_attn_heads(void *arg, mf_task_ctx *ctx)
                           .pos0 = sh->items[j0].pos};
         wp = &win;
     }
-    mf_ly_attn_core_heads(cx, &sh->items[i], a->t->layer, b, (int)(a->t->r0 / D), (int)(a->t->r1 / D), wp);
+    (sh->eng->o.exact ? mf_ly_attn_core_heads : mf_fa_attn_heads)(cx, &sh->items[i], a->t->layer, b,
+                                                                  (int)(a->t->r0 / D), (int)(a->t->r1 / D), wp);
     return 0;
 }
 
@@ -521,9 +526,10 @@ static int mf_task_attn_post(void *arg, mf_task_ctx *ctx)
     mf_ly_item *it = &sh->items[i];
     float pre[MF_LY_MAX_HC], post[MF_LY_MAX_HC], comb[MF_LY_MAX_HC * MF_LY_MAX_HC];
     mf_ly_hc_split_w(c, sh->amix + (size_t)i * MF_STEP_N_MIX, &y->hc_attn_scale, &y->hc_attn_base, pre, post, comb);
-    mf_ly_hc_expand_cols(cx, it->x, sh->ab[MF_LY_A_OUT] + (size_t)i * sh->ab_ld[MF_LY_A_OUT], post, comb, a->t->r0,
-                         a->t->r1);
-    mf_ly_hc_collapse_cols(cx, it->x, pre, sh->hcol + (size_t)i * H, a->t->r0, a->t->r1);
+    int ex = sh->eng->o.exact;
+    (ex ? mf_ly_hc_expand_cols : mf_fa_hc_expand_cols)(cx, it->x, sh->ab[MF_LY_A_OUT] + (size_t)i * sh->ab_ld[MF_LY_A_OUT],
+                                                       post, comb, a->t->r0, a->t->r1);
+    (ex ? mf_ly_hc_collapse_cols : mf_fa_hc_collapse_cols)(cx, it->x, pre, sh->hcol + (size_t)i * H, a->t->r0, a->t->r1);
     return 0;
 }
 
@@ -1308,7 +1314,10 @@ static int mf_step_dense_launch(const mf_step_targ *a, mf_dev_stream *st)
             const mf_ly_attn_lin *l = &lin[j];
             int64_t lo = r0 - base > 0 ? r0 - base : 0, hi = r1 - base < l->w->rows ? r1 - base : l->w->rows;
             base += l->w->rows;
-            int rc = mf_step_dense_lin(a, st, l->w, lo, hi, l->groups, l->groups > 0, l->bf,
+            /* the host's sums (mf_task_attn_rows): the grouped wo_a on the kernels as mf_fa_grouped_rows
+             * where it can, else (and with exact) the reference's, so emulated cards give the host's bits */
+            int ref = l->groups > 0 && (eng->o.exact || !mf_fa_grouped_kern(l));
+            int rc = mf_step_dense_lin(a, st, l->w, lo, hi, l->groups, ref, l->bf,
                                        DD(sh->dd_ab[l->x]) + i0 * sh->ab_ld[l->x], sh->ab_ld[l->x], n,
                                        DD(sh->dd_ab[l->y]) + i0 * sh->ab_ld[l->y], sh->ab_ld[l->y]);
             if (rc) return rc;

@@ -1,0 +1,568 @@
+/* The engine's fast per-item layer math (graphs/step/fast_attn.h): fp32 16-lane dots and fmaf
+ * chains with an AVX2 path and a scalar path of the same lanes and order, over the caches read
+ * through one accessor per cache (mf_fa_ring_row, mf_fa_kv_row, mf_fa_key_row), so a change of
+ * how the sequence state stores them touches those three lines. */
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include "graphs/step/fast_attn.h"
+#include "host/kernels.h"
+
+/* ---- the caches ------------------------------------------------------------------------------ */
+
+/* Window slot of position t of layer L (ring slot t mod W). */
+static inline const float *mf_fa_ring_row(const mf_ref_state *st, const mf_config *c, int L, int64_t t)
+{
+    int64_t W = c->sliding_window, D = c->head_dim;
+    return st->ring + ((int64_t)L * W + t % W) * D;
+}
+
+/* Compressed entry j of KV source S. */
+static inline const float *mf_fa_kv_row(const mf_ref_state *st, const mf_config *c, int S, int64_t j)
+{
+    return st->cache[S].kv + j * c->head_dim;
+}
+
+/* Index key j of KV source S. */
+static inline const float *mf_fa_key_row(const mf_ref_state *st, const mf_config *c, int S, int64_t j)
+{
+    return st->cache[S].key + j * c->index_head_dim;
+}
+
+/* ---- numeric pieces -------------------------------------------------------------------------- */
+
+static void mf_fa_bf_n(float *x, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) x[i] = mf_bf(x[i]);
+}
+
+/* RoPE as mf_ly_rope, with the position's cos/sin computed once for several vectors (the same
+ * values, so the same bits). */
+typedef struct mf_fa_rope {
+    float c[64], s[64];
+    int n;
+} mf_fa_rope;
+
+static void mf_fa_rope_init(mf_fa_rope *r, int n_pairs, const float *freqs, int64_t pos)
+{
+    r->n = n_pairs;
+    for (int i = 0; i < n_pairs; i++) {
+        float ang = (float)pos * freqs[i];
+        r->c[i] = (float)cos((double)ang);
+        r->s[i] = (float)sin((double)ang);
+    }
+}
+
+static void mf_fa_rope_apply(const mf_fa_rope *r, float *x, int inverse)
+{
+    for (int i = 0; i < r->n; i++) {
+        float c = r->c[i], s = inverse ? -r->s[i] : r->s[i];
+        float a = x[2 * i], b = x[2 * i + 1];
+        float ac = a * c, bs = b * s, as = a * s, bc = b * c;   /* products rounded first, as mf_ly_rope */
+        x[2 * i] = ac - bs;
+        x[2 * i + 1] = as + bc;
+    }
+}
+
+/* The 16-lane tree of fast_attn.h. */
+static float mf_fa_tree16(const float *l)
+{
+    float t[8], u[4];
+    for (int i = 0; i < 8; i++) t[i] = l[i] + l[i + 8];
+    for (int i = 0; i < 4; i++) u[i] = t[i] + t[i + 4];
+    return (u[0] + u[2]) + (u[1] + u[3]);
+}
+
+static float mf_fa_dot_scalar(const float *a, const float *b, int n)
+{
+    float l[16] = {0};
+    for (int k = 0; k < n; k++) l[k % 16] = fmaf(a[k], b[k], l[k % 16]);
+    return mf_fa_tree16(l);
+}
+
+__attribute__((target("avx2,fma"))) static inline float mf_fa_tree16_avx2(__m256 lo, __m256 hi)
+{
+    __m256 t = _mm256_add_ps(lo, hi);                                                 /* l + l+8 */
+    __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));   /* + l+4 */
+    __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));                                    /* u0+u2, u1+u3 */
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+/* out[g] = dot(q[g], k) for G <= 4 queries against one key of n (multiple of 16) floats. */
+__attribute__((target("avx2,fma"))) static void mf_fa_dots_avx2(const float *const *q, int G, const float *k, int n,
+                                                              float *out)
+{
+    __m256 lo[4], hi[4];
+    for (int g = 0; g < 4; g++) lo[g] = hi[g] = _mm256_setzero_ps();
+    for (int d = 0; d < n; d += 16) {
+        __m256 k0 = _mm256_loadu_ps(k + d), k1 = _mm256_loadu_ps(k + d + 8);
+        for (int g = 0; g < G; g++) {
+            lo[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), k0, lo[g]);
+            hi[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d + 8), k1, hi[g]);
+        }
+    }
+    for (int g = 0; g < G; g++) out[g] = mf_fa_tree16_avx2(lo[g], hi[g]);
+}
+
+static int mf_fa_avx2(int n) { return n % 16 == 0 && mf_kern_simd_active() == MF_KERN_SIMD_AVX2; }
+
+static void mf_fa_dots(const float *const *q, int G, const float *k, int n, float *out)
+{
+    if (mf_fa_avx2(n)) {
+        mf_fa_dots_avx2(q, G, k, n, out);
+        return;
+    }
+    for (int g = 0; g < G; g++) out[g] = mf_fa_dot_scalar(q[g], k, n);
+}
+
+/* ---- attention heads ------------------------------------------------------------------------- */
+
+#define MF_FA_MAX_D 512      /* widest head the stack scratch holds */
+#define MF_FA_MAX_KEYS 4096  /* most keys (window + selection) a call's pointer table holds */
+
+/* The keys of one item's attention: window positions t0..t0+n_win-1 (from win->kv from pos0 on,
+ * else the ring), then the selected entries of the KV source. */
+typedef struct mf_fa_keys {
+    const mf_ref_state *st;
+    const mf_config *c;
+    int L, S;
+    int64_t t0, n_win, pos0;
+    const mf_ly_win *win;
+    const int32_t *sel;
+} mf_fa_keys;
+
+static inline const float *mf_fa_key(const mf_fa_keys *k, int64_t i)
+{
+    if (i >= k->n_win) return mf_fa_kv_row(k->st, k->c, k->S, k->sel[i - k->n_win]);
+    int64_t t = k->t0 + i;
+    return t >= k->pos0 ? k->win->kv + (t - k->pos0) * k->win->ld : mf_fa_ring_row(k->st, k->c, k->L, t);
+}
+
+/* acc[g][d] = sum_i e[g][i] * v_i[d], one fmaf chain per (g, d) in key order; e rows ld_e apart. */
+__attribute__((target("avx2,fma"))) static void mf_fa_values_avx2(const float *const *kp, int64_t n, const float *e,
+                                                                int64_t ld_e, int G, int D, float *acc)
+{
+    for (int d = 0; d < D; d += 16) {
+        __m256 lo[4], hi[4];
+        for (int g = 0; g < 4; g++) lo[g] = hi[g] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i++) {
+            const float *v = kp[i] + d;
+            __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+            for (int g = 0; g < G; g++) {
+                __m256 w = _mm256_broadcast_ss(e + g * ld_e + i);
+                lo[g] = _mm256_fmadd_ps(w, v0, lo[g]);
+                hi[g] = _mm256_fmadd_ps(w, v1, hi[g]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            _mm256_storeu_ps(acc + g * D + d, lo[g]);
+            _mm256_storeu_ps(acc + g * D + d + 8, hi[g]);
+        }
+    }
+}
+
+static void mf_fa_values(const float *const *kp, int64_t n, const float *e, int64_t ld_e, int G, int D, float *acc)
+{
+    if (mf_fa_avx2(D)) {
+        mf_fa_values_avx2(kp, n, e, ld_e, G, D, acc);
+        return;
+    }
+    for (int i = 0; i < G * D; i++) acc[i] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float *v = kp[i];
+        for (int g = 0; g < G; g++)
+            for (int d = 0; d < D; d++) acc[g * D + d] = fmaf(e[g * ld_e + i], v[d], acc[g * D + d]);
+    }
+}
+
+void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b, int h0, int h1,
+                      const mf_ly_win *win)
+{
+    const mf_config *c = cx->ly->c;
+    const mf_model_layer *y = mf_model_layer_at(cx->ly->m, L);
+    int D = c->head_dim, rd = c->qk_rope_head_dim, W = c->sliding_window;
+    int ratio = c->compress_ratios[L];
+    int64_t p = it->pos;
+    const float *freqs = ratio ? cx->ly->freqs_comp : cx->ly->freqs_main;
+    float *q = b[MF_LY_A_Q], *o = b[MF_LY_A_O];
+    if (D > MF_FA_MAX_D || rd / 2 > 64) {   /* wider than the scratch below: the module */
+        mf_ly_attn_core_heads(cx, it, L, b, h0, h1, win);
+        return;
+    }
+
+    mf_fa_keys ks = {.st = it->st, .c = c, .L = L, .S = -1, .win = win};
+    int64_t n_sel = 0;
+    if (ratio > 0 && it->topk_src == cx->ly->src_of[L]) {
+        ks.sel = it->topk;
+        ks.S = it->topk_src;
+        n_sel = it->n_topk;
+    }
+    ks.t0 = p - W + 1 < 0 ? 0 : p - W + 1;
+    ks.n_win = p - ks.t0 + 1;
+    ks.pos0 = win ? win->pos0 : p + 1;
+    int64_t n = ks.n_win + n_sel;
+    if (n > MF_FA_MAX_KEYS) {   /* more keys than the pointer table below holds: the module */
+        mf_ly_attn_core_heads(cx, it, L, b, h0, h1, win);
+        return;
+    }
+    const float *kp[MF_FA_MAX_KEYS];   /* each key's row, found once */
+    for (int64_t i = 0; i < n; i++) kp[i] = mf_fa_key(&ks, i);
+    float scale = (float)(1.0 / sqrt((double)D));
+    mf_fa_rope rope;
+    mf_fa_rope_init(&rope, rd / 2, freqs, p);
+
+    /* scores of G heads as floats in cx->scores (n_scores doubles >= n keys: G >= 2), their
+     * weighted values on the stack */
+    float *s = (float *)cx->scores;
+    int64_t cap = 2 * cx->n_scores / (n > 0 ? n : 1);
+    int Gmax = cap < 4 ? (int)cap : 4;
+    if (Gmax < 1) {   /* score buffers not reserved for this length: the module (which needs them too) */
+        mf_ly_attn_core_heads(cx, it, L, b, h0, h1, win);
+        return;
+    }
+    float acc[4 * MF_FA_MAX_D];
+    for (int hg = h0; hg < h1; hg += Gmax) {
+        int G = h1 - hg < Gmax ? h1 - hg : Gmax;
+        const float *qh[4];
+        float mx[4];
+        for (int g = 0; g < G; g++) {
+            float *qq = q + (int64_t)(hg + g) * D;
+            mf_fa_bf_n(qq, D);
+            mf_fa_rope_apply(&rope, qq + D - rd, 0);
+            mf_fa_bf_n(qq, D);
+            qh[g] = qq;
+            mx[g] = mf_ly_vec(&y->attn_sink, hg + g);
+        }
+        for (int64_t i = 0; i < n; i++) {
+            float d4[4];
+            mf_fa_dots(qh, G, kp[i], D, d4);
+            for (int g = 0; g < G; g++) {
+                float v = d4[g] * scale;
+                s[g * n + i] = v;
+                mx[g] = v > mx[g] ? v : mx[g];
+            }
+        }
+        double den[4];
+        for (int g = 0; g < G; g++) {
+            float sink = mf_ly_vec(&y->attn_sink, hg + g);
+            den[g] = expf(sink - mx[g]);
+            for (int64_t i = 0; i < n; i++) {
+                float e = expf(s[g * n + i] - mx[g]);
+                s[g * n + i] = e;
+                den[g] += e;
+            }
+        }
+        mf_fa_values(kp, n, s, n, G, D, acc);
+        for (int g = 0; g < G; g++) {
+            float *oh = o + (int64_t)(hg + g) * D;
+            for (int d = 0; d < D; d++) oh[d] = mf_bf((float)((double)acc[g * D + d] / den[g]));
+            mf_fa_rope_apply(&rope, oh + D - rd, 1);   /* inverse RoPE at the query position */
+            mf_fa_bf_n(oh + D - rd, rd);
+        }
+    }
+}
+
+/* ---- index scores ---------------------------------------------------------------------------- */
+
+void mf_fa_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float *const *b, double *score,
+                        int64_t j0, int64_t j1)
+{
+    if (j0 >= j1) return;
+    const mf_config *c = ly->c;
+    int S = ly->src_of[L];
+    const float *qi = b[MF_LY_A_QI], *wts = b[MF_LY_A_IW];
+    int ih = c->index_n_heads, id = c->index_head_dim;
+    for (int64_t j = j0; j < j1; j++) {
+        const float *k = mf_fa_key_row(it->st, c, S, j);
+        double acc = 0;
+        for (int h0 = 0; h0 < ih; h0 += 4) {
+            int G = ih - h0 < 4 ? ih - h0 : 4;
+            const float *qh[4];
+            float d4[4];
+            for (int g = 0; g < G; g++) qh[g] = qi + (int64_t)(h0 + g) * id;
+            mf_fa_dots(qh, G, k, id, d4);
+            for (int g = 0; g < G; g++) {
+                float rl = d4[g] > 0 ? d4[g] : 0.0f;
+                float w = wts[h0 + g] * rl;
+                acc += (double)w;
+            }
+        }
+        score[j] = (float)acc;
+    }
+}
+
+/* ---- hyper-connections ----------------------------------------------------------------------- */
+
+void mf_fa_hc_mixes_rows(const mf_ly_ctx *cx, const float *x, const mf_weight *fn, float *mixes, int k0, int k1)
+{
+    const mf_config *c = cx->ly->c;
+    int n = c->hc_mult * (int)c->hidden_size;
+    if (fn->kind != MF_W_F32 || !fn->data) {
+        mf_ly_hc_mixes_rows(cx, x, fn, mixes, k0, k1);
+        return;
+    }
+    const float *xx[1] = {x};
+    float ss;
+    mf_fa_dots(xx, 1, x, n, &ss);
+    float rs = (float)(1.0 / sqrt((double)ss / (double)n + c->rms_norm_eps));
+    float *xn = cx->hc_xn;
+    for (int i = 0; i < n; i++) xn[i] = x[i] * rs;
+    const float *xq[1] = {xn};
+    for (int k = k0; k < k1; k++) {
+        const float *row = (const float *)(const void *)(fn->data + (size_t)k * n * 4);
+        mf_fa_dots(xq, 1, row, n, &mixes[k]);
+    }
+}
+
+/* bf16 rounding of 8 floats by the bits (mf_bf's rule). */
+__attribute__((target("avx2,fma"))) static inline __m256 mf_fa_bf8_avx2(__m256 x)
+{
+    __m256i bi = _mm256_castps_si256(x);
+    __m256i a = _mm256_and_si256(bi, _mm256_set1_epi32(0x7FFFFFFF));
+    __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bi, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(bi, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u));
+    __m256i q = _mm256_or_si256(_mm256_and_si256(bi, _mm256_set1_epi32((int)0x80000000u)),
+                                _mm256_set1_epi32(0x7FC00000));
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(r, q, nan));
+}
+
+/* 4 columns of a double sum of exact products (p * x, both float): the order of mf_ly_hc_*'s. */
+__attribute__((target("avx2,fma"))) static inline __m256d mf_fa_mac4(__m256d acc, float p, const float *x)
+{
+    __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x));
+    return _mm256_add_pd(acc, _mm256_mul_pd(_mm256_set1_pd((double)p), v));
+}
+
+__attribute__((target("avx2,fma"))) static int64_t mf_fa_collapse_avx2(const float *x, const float *pre, int hc,
+                                                                     int64_t H, float *h, int64_t d0, int64_t d1)
+{
+    int64_t d = d0;
+    for (; d + 8 <= d1; d += 8) {
+        __m256d a = _mm256_setzero_pd(), bb = _mm256_setzero_pd();
+        for (int s = 0; s < hc; s++) {
+            a = mf_fa_mac4(a, pre[s], x + s * H + d);
+            bb = mf_fa_mac4(bb, pre[s], x + s * H + d + 4);
+        }
+        __m256 f = _mm256_set_m128(_mm256_cvtpd_ps(bb), _mm256_cvtpd_ps(a));
+        _mm256_storeu_ps(h + d, mf_fa_bf8_avx2(f));
+    }
+    return d;
+}
+
+void mf_fa_hc_collapse_cols(const mf_ly_ctx *cx, const float *x, const float *pre, float *h, int64_t d0, int64_t d1)
+{
+    const mf_config *c = cx->ly->c;
+    int64_t H = c->hidden_size, d = d0;
+    if (mf_kern_simd_active() == MF_KERN_SIMD_AVX2) d = mf_fa_collapse_avx2(x, pre, c->hc_mult, H, h, d0, d1);
+    for (; d < d1; d++) {
+        double acc = 0;
+        for (int s = 0; s < c->hc_mult; s++) acc += (double)pre[s] * x[s * H + d];
+        h[d] = mf_bf((float)acc);
+    }
+}
+
+__attribute__((target("avx2,fma"))) static int64_t mf_fa_expand_avx2(float *x, const float *out, const float *post,
+                                                                   const float *comb, int hc, int64_t H, int64_t d0,
+                                                                   int64_t d1)
+{
+    int64_t d = d0;
+    for (; d + 4 <= d1; d += 4) {
+        __m256d col[MF_LY_MAX_HC], o = _mm256_cvtps_pd(_mm_loadu_ps(out + d));
+        __m128 res[MF_LY_MAX_HC];
+        for (int i = 0; i < hc; i++) col[i] = _mm256_cvtps_pd(_mm_loadu_ps(x + i * H + d));
+        for (int j = 0; j < hc; j++) {
+            __m256d acc = _mm256_mul_pd(_mm256_set1_pd((double)post[j]), o);
+            for (int i = 0; i < hc; i++)
+                acc = _mm256_add_pd(acc, _mm256_mul_pd(_mm256_set1_pd((double)comb[i * hc + j]), col[i]));
+            res[j] = _mm256_cvtpd_ps(acc);
+        }
+        for (int j = 0; j < hc; j++) {
+            __m256 f = mf_fa_bf8_avx2(_mm256_castps128_ps256(res[j]));
+            _mm_storeu_ps(x + j * H + d, _mm256_castps256_ps128(f));
+        }
+    }
+    return d;
+}
+
+void mf_fa_hc_expand_cols(const mf_ly_ctx *cx, float *x, const float *out, const float *post, const float *comb,
+                          int64_t d0, int64_t d1)
+{
+    const mf_config *c = cx->ly->c;
+    int64_t H = c->hidden_size, d = d0;
+    int hc = c->hc_mult;
+    if (mf_kern_simd_active() == MF_KERN_SIMD_AVX2) d = mf_fa_expand_avx2(x, out, post, comb, hc, H, d0, d1);
+    float col[MF_LY_MAX_HC];
+    for (; d < d1; d++) {
+        for (int i = 0; i < hc; i++) col[i] = x[i * H + d];
+        for (int j = 0; j < hc; j++) {
+            double acc = (double)post[j] * out[d];
+            for (int i = 0; i < hc; i++) acc += (double)comb[i * hc + j] * col[i];
+            x[j * H + d] = mf_bf((float)acc);
+        }
+    }
+}
+
+/* ---- grouped wo_a ---------------------------------------------------------------------------- */
+
+int mf_fa_grouped_kern(const mf_ly_attn_lin *l)
+{
+    const mf_weight *w = l->w;
+    return l->groups > 0 && w->data && w->kind == MF_W_FP8 && w->block_rows == 32 && w->block_cols == 32 &&
+           !(w->cols % 32) && !((w->rows / l->groups) % 32);
+}
+
+int mf_fa_grouped_rows(mf_ly_ctx *cx, const mf_ly_attn_lin *l, const float *x, int64_t ld_x, float *y,
+                       int64_t ld_y, int n_tok, int64_t r0, int64_t r1)
+{
+    const mf_weight *w = l->w;
+    if (cx->lin != MF_LY_LIN_KERN || !mf_fa_grouped_kern(l))
+        return mf_ly_attn_lin_rows(cx, l, x, ld_x, y, ld_y, n_tok, r0, r1);
+    mf_kern_mat m = {.fmt = MF_KERN_FP8, .w = w->data, .scale = w->scale, .n_out = (int)w->rows,
+                     .n_in = (int)w->cols};
+    int64_t R = w->rows / l->groups;
+    for (int64_t a = r0; a < r1;) {   /* the rows of one group at a time, all items */
+        int64_t g = a / R, e = (g + 1) * R < r1 ? (g + 1) * R : r1;
+        int rc = mf_kern_matmul(&m, &(mf_kern_in){x + g * w->cols, n_tok, (int)ld_x, NULL}, y, (int)ld_y, (int)a,
+                                (int)e);
+        if (rc) return rc;
+        if (l->bf)
+            for (int t = 0; t < n_tok; t++) mf_fa_bf_n(y + t * ld_y + a, e - a);
+        a = e;
+    }
+    return 0;
+}
+
+/* ---- the indexer's selection ----------------------------------------------------------------- */
+
+/* a before b in mf_ly_sort_picks's order (score descending, index ascending): a strict total
+ * order on picks without NaN scores, so the k first of it are one set however they are found */
+static inline int mf_fa_before(const mf_ly_pick *a, const mf_ly_pick *b)
+{
+    return a->score > b->score || (a->score == b->score && a->idx < b->idx);
+}
+
+static inline void mf_fa_swap(mf_ly_pick *a, mf_ly_pick *b)
+{
+    mf_ly_pick t = *a;
+    *a = *b;
+    *b = t;
+}
+
+/* Reorders p so that p[0, k) are its k first picks (in no particular order): quickselect with a
+ * median-of-three pivot, insertion sort below 16. */
+static void mf_fa_top(mf_ly_pick *p, int64_t n, int64_t k)
+{
+    if (k <= 0 || k >= n) return;
+    int64_t lo = 0, hi = n;
+    while (hi - lo > 16) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (mf_fa_before(&p[mid], &p[lo])) mf_fa_swap(&p[mid], &p[lo]);
+        if (mf_fa_before(&p[hi - 1], &p[lo])) mf_fa_swap(&p[hi - 1], &p[lo]);
+        if (mf_fa_before(&p[hi - 1], &p[mid])) mf_fa_swap(&p[hi - 1], &p[mid]);
+        mf_fa_swap(&p[mid], &p[hi - 1]);   /* the median as pivot, at the end */
+        mf_ly_pick piv = p[hi - 1];
+        int64_t st = lo;
+        for (int64_t i = lo; i < hi - 1; i++)
+            if (mf_fa_before(&p[i], &piv)) mf_fa_swap(&p[i], &p[st++]);
+        mf_fa_swap(&p[st], &p[hi - 1]);
+        if (k <= st) hi = st;
+        else if (k > st + 1) lo = st + 1;
+        else return;
+    }
+    for (int64_t i = lo + 1; i < hi; i++)
+        for (int64_t j = i; j > lo && mf_fa_before(&p[j], &p[j - 1]); j--) mf_fa_swap(&p[j], &p[j - 1]);
+}
+
+/* The indices of the k first picks whose score is not -inf, ascending, into out; their count. */
+static int mf_fa_top_idx(mf_ly_pick *p, int64_t n, int64_t k, int32_t *out)
+{
+    mf_fa_top(p, n, k);
+    int m = 0;
+    for (int64_t i = 0; i < k; i++)
+        if (p[i].score != -INFINITY) out[m++] = p[i].idx;
+    for (int i = 1; i < m; i++)
+        for (int j = i; j > 0 && out[j - 1] > out[j]; j--) {
+            int32_t t = out[j];
+            out[j] = out[j - 1];
+            out[j - 1] = t;
+        }
+    return m;
+}
+
+void mf_fa_attn_select(mf_ly_ctx *cx, mf_ly_item *it, int L, double *score)
+{
+    const mf_config *c = cx->ly->c;
+    int ratio = c->compress_ratios[L];
+    if (ratio == 0) return;
+    int S = cx->ly->src_of[L];
+    int64_t n_vis = mf_ly_index_n_vis(c, L, it->pos);
+    for (int64_t j = 0; j < n_vis; j++)
+        if (isnan(score[j])) {   /* no total order: the module's sort decides */
+            mf_ly_attn_core_select(cx, it, L, score);
+            return;
+        }
+    if (n_vis > 0) {
+        int bs = c->candidate_block_size, cl = c->candidate_source_layer_id;
+        mf_ly_pick *pk = cx->picks;
+        if (L == cl) {   /* the candidate blocks: top blocks by max score, the newest pinned */
+            int64_t nb = (n_vis + bs - 1) / bs;
+            for (int64_t b = 0; b < nb; b++) {
+                double mx = -INFINITY;
+                for (int64_t j = b * bs; j < (b + 1) * bs && j < n_vis; j++) mx = score[j] > mx ? score[j] : mx;
+                pk[b].score = b == (n_vis - 1) / bs ? INFINITY : mx;
+                pk[b].idx = (int32_t)b;
+            }
+            it->n_cand = mf_fa_top_idx(pk, nb, nb < c->candidate_topk_blocks ? nb : c->candidate_topk_blocks, it->cand);
+            it->cand_src = S;
+            if (cx->ly->hooks.on_candidates)
+                cx->ly->hooks.on_candidates(cx->ly->hooks.user, it->st, it->pos, L, it->cand, it->n_cand);
+        } else if (cl >= 0 && cl < L && it->cand_src == S) {   /* outside the candidate blocks: -inf */
+            int ci = 0;
+            for (int64_t j = 0; j < n_vis; j++) {
+                int32_t b = (int32_t)(j / bs);
+                while (ci < it->n_cand && it->cand[ci] < b) ci++;
+                if (ci >= it->n_cand || it->cand[ci] != b) score[j] = -INFINITY;
+            }
+        }
+        for (int64_t j = 0; j < n_vis; j++) pk[j] = (mf_ly_pick){score[j], (int32_t)j};
+        it->n_topk = mf_fa_top_idx(pk, n_vis, n_vis < c->index_topk ? n_vis : c->index_topk, it->topk);
+        it->topk_src = S;
+    }
+    if (mf_config_is_index_source(c, L) && n_vis == 0) {
+        it->n_topk = 0;
+        it->topk_src = S;
+    }
+    if (cx->ly->hooks.on_select) {
+        int sel = it->topk_src == S;
+        cx->ly->hooks.on_select(cx->ly->hooks.user, it->st, it->pos, L, sel ? it->topk : NULL, sel ? it->n_topk : 0);
+    }
+}
+
+/* ---- norms ----------------------------------------------------------------------------------- */
+
+void mf_fa_rmsnorm_cols(const float *x, int64_t n, const mf_weight *w, double eps, float *out, int64_t c0,
+                        int64_t c1)
+{
+    if ((w->kind != MF_W_BF16 && w->kind != MF_W_F32) || !w->data) {
+        mf_ly_rmsnorm_cols(x, n, w, eps, out, c0, c1);
+        return;
+    }
+    double ss = 0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];   /* the module's order */
+    float rs = (float)(1.0 / sqrt(ss / (double)n + eps));
+    for (int64_t i = c0; i < c1; i++) {
+        float wv;
+        if (w->kind == MF_W_F32) {
+            memcpy(&wv, w->data + 4 * i, 4);
+        } else {
+            uint16_t h;
+            memcpy(&h, w->data + 2 * i, 2);
+            uint32_t u = (uint32_t)h << 16;
+            memcpy(&wv, &u, 4);
+        }
+        out[i] = mf_bf(wv * mf_bf(x[i] * rs));
+    }
+}

@@ -1,0 +1,54 @@
+/* The scheduled engine's own fast versions of per-item layer math (graphs/layers/layers.h is the
+ * module they are tested against; the engine's --exact path keeps the module): the attention
+ * core's heads, the indexer's scores and selection, the hyper-connection mixes, collapse and
+ * expand, and the grouped wo_a on the kernels. graphs/step/step.c calls them from its tasks.
+ *
+ * Sums: a dot product of n floats is 16 lanes (lane l sums elements k = l mod 16 in k order with
+ * fmaf), then a fixed tree (lanes l and l+8, then l+4, l+2, l+1); the attention's weighted values
+ * are one fmaf chain per output element in key order. The AVX2 path (host/kernels.h's run-time
+ * choice, mf_kern_simd_active) and the scalar path compute exactly that, so both give the same
+ * bits, and every output element depends only on its own item, head or row: any split of heads,
+ * rows, columns or entries, any thread count and any chunk size give the same bits.
+ *
+ * Against the module (tests/test_fast_attn.c, fresh random data): the heads, scores and mixes sum
+ * in fp32 where the module sums in double (outputs within ~1e-6 relative before their bf16
+ * rounding, which can then move single elements by one bf16 step); collapse and expand equal the
+ * module bit for bit (their products are exact in double, so the order is the module's). */
+#ifndef MF_FAST_ATTN_H
+#define MF_FAST_ATTN_H
+
+#include "graphs/layers/layers.h"
+
+/* mf_ly_attn_core_heads (same arguments, scratch: cx->scores as floats) with fp32 sums: queries
+ * rounded and roped as the module does, q.k over the window and the selection for up to 4 heads
+ * per pass over the keys (heads share the keys), softmax with the sink (expf, the denominator in
+ * double), weighted values, inverse RoPE. */
+void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b, int h0, int h1,
+                      const mf_ly_win *win);
+/* mf_ly_index_scores with fp32 dots: score[j] for j in [j0, j1). */
+void mf_fa_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float *const *b, double *score,
+                        int64_t j0, int64_t j1);
+/* mf_ly_attn_core_select with the same result (the top-k and the candidate blocks as sets are
+ * the k first of a total order, found by quickselect instead of a sort of all entries; scores
+ * holding NaN go to the module, whose sort decides them). */
+void mf_fa_attn_select(mf_ly_ctx *cx, mf_ly_item *it, int L, double *score);
+/* mf_ly_hc_mixes_rows with fp32 sums (the streams' mean square and each row). */
+void mf_fa_hc_mixes_rows(const mf_ly_ctx *cx, const float *x, const mf_weight *fn, float *mixes, int k0, int k1);
+/* mf_ly_hc_collapse_cols and mf_ly_hc_expand_cols, vectorized: the module's bits. */
+void mf_fa_hc_collapse_cols(const mf_ly_ctx *cx, const float *x, const float *pre, float *h, int64_t d0, int64_t d1);
+void mf_fa_hc_expand_cols(const mf_ly_ctx *cx, float *x, const float *out, const float *post, const float *comb,
+                          int64_t d0, int64_t d1);
+/* mf_ly_rmsnorm_cols with the weights read inline: the module's bits. */
+void mf_fa_rmsnorm_cols(const float *x, int64_t n, const mf_weight *w, double eps, float *out, int64_t c0,
+                        int64_t c1);
+/* 1 when grouped linear l (wo_a) runs on the FP8 kernels in mf_fa_grouped_rows (resident FP8 in
+ * 32x32 blocks, columns and group rows multiples of 32): the one rule the host's tasks and the
+ * dense cards' launches follow. */
+int mf_fa_grouped_kern(const mf_ly_attn_lin *l);
+/* mf_ly_attn_lin_rows for a grouped linear (wo_a) on the FP8 kernels (fp32 sums; the module sums in
+ * double) when the weight is resident FP8 in 32x32 blocks and cx's backend is the kernels; else
+ * the module's. Rows [r0, r1) for n_tok items; 0 or the kernels' / module's error. */
+int mf_fa_grouped_rows(mf_ly_ctx *cx, const mf_ly_attn_lin *l, const float *x, int64_t ld_x, float *y,
+                       int64_t ld_y, int n_tok, int64_t r0, int64_t r1);
+
+#endif
