@@ -239,14 +239,11 @@ typedef struct sg_builder {
 static mf_io_read sg_no_read = {.fd = -1};
 
 /* Adds a task: its record `t` (layer, slot, ... and work; op, phase and kind given here) on
- * `lane`. rank_bytes and rank_ns are no longer used: the priorities are the cost model's prices
- * of the records, set once the graph is built (sg_set_priorities). Returns its id, or -1 after
- * an error (kept in b->rc). */
-static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, mf_sg_task t, double rank_bytes,
-                         double rank_ns)
+ * `lane`; its priority is the cost model's price of the record, set once the graph is built
+ * (sg_set_priorities). Returns its id, or -1 after an error (kept in b->rc). */
+static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, mf_sg_task t)
 {
     mf_stepgraph *sg = b->sg;
-    (void)rank_bytes, (void)rank_ns;
     if (b->rc) return -1;
     if (sg->n_tasks == b->cap) {
         int cap = b->cap ? 2 * b->cap : 1024;
@@ -451,11 +448,10 @@ static void sg_dense_after(sg_builder *b, mf_task_id before, mf_task_id after)
  * of out_tok bytes per item (0: none, the output stays on the card). Returns the first chain's
  * first task; the chains' first tasks are a group (a dependency on it is one on each chain's
  * last task, sg_dep), their card works another (b->chain_run its first: sg_dense_after). */
-static mf_task_id sg_dense_chain(sg_builder *b, int L, int d, mf_sg_task t, int phase, double rank_bytes,
-                                 double in_tok, double out_tok, mf_task_id after_in)
+static mf_task_id sg_dense_chain(sg_builder *b, int L, int d, mf_sg_task t, int phase, double in_tok, double out_tok, mf_task_id after_in)
 {
     mf_stepgraph *sg = b->sg;
-    int n = b->h1 - b->h0, parts = mf_sg_dense_parts(sg->n_dense_cards, sg->dense_split, d);
+    int parts = mf_sg_dense_parts(sg->n_dense_cards, sg->dense_split, d);
     mf_task_id head = -1, prev_first = -1, prev_run = -1;
     for (int k = 0; k < parts && !b->rc; k++) {
         int cd = parts > 1 ? k : mf_sg_dense_card(b->o->c, sg->n_dense_cards, L), lane = b->o->lane_dev0 + 3 * cd;
@@ -473,7 +469,7 @@ static mf_task_id sg_dense_chain(sg_builder *b, int L, int d, mf_sg_task t, int 
             SG_NAME(b, "%s %s in", pre, sg_dense_name[d]);
             mf_sg_task ti = r;
             ti.w.copy_bytes_tok = in_tok * (d == MF_SG_D_ATTN_OA ? sg_dense_oa_in_share(b->o->c, parts, k, out_tok / 4) : 1);
-            in = sg_add(b, lane, MF_SG_DENSE_IN, phase, MF_SG_K_COPY, ti, n * ti.w.copy_bytes_tok, 0);
+            in = sg_add(b, lane, MF_SG_DENSE_IN, phase, MF_SG_K_COPY, ti);
         }
         mf_sg_task tk = t;
         tk.card = r.card;
@@ -486,13 +482,13 @@ static mf_task_id sg_dense_chain(sg_builder *b, int L, int d, mf_sg_task t, int 
         }
         tk.w.ref_flops *= share;
         SG_NAME(b, "%s %s", pre, sg_dense_name[d]);
-        mf_task_id run = sg_add(b, lane + 1, MF_SG_DENSE, phase, MF_SG_K_OTHER, tk, rank_bytes * share, 0), last = run;
+        mf_task_id run = sg_add(b, lane + 1, MF_SG_DENSE, phase, MF_SG_K_OTHER, tk), last = run;
         if (!b->rc && in >= 0) b->rc = mf_graph_add_dep(sg->g, in, run);
         if (out_tok > 0 && share > 0) {
             SG_NAME(b, "%s %s out", pre, sg_dense_name[d]);
             mf_sg_task to = r;
             to.w.copy_bytes_tok = out_tok * share;
-            last = sg_add(b, lane + 2, MF_SG_DENSE_OUT, phase, MF_SG_K_COPY_OUT, to, n * out_tok * share, 0);
+            last = sg_add(b, lane + 2, MF_SG_DENSE_OUT, phase, MF_SG_K_COPY_OUT, to);
             if (!b->rc) b->rc = mf_graph_add_dep(sg->g, run, last);
         }
         if (b->rc) break;
@@ -528,13 +524,13 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
             SG_NAME(b, sg->par ? "engram L%d plan item %d" : "engram L%d plan", L, k);
             mf_sg_task t = sg_item(b, L, k);
             t.w.ref_flops = per * rows * c->engram_max_ngram_size * 4;   /* hashes, sort */
-            pl = sg_add(b, 0, MF_SG_ENGRAM_PLAN, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t, 0, per * 1e4);
+            pl = sg_add(b, 0, MF_SG_ENGRAM_PLAN, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
             sg_dep(b, unit[k], pl);
         }
         SG_NAME(b, sg->par ? "engram L%d embed item %d" : "engram L%d embed", L, k);
         mf_sg_task t = sg_item(b, L, k);
         t.w.ref_flops = per * rows * c->engram_head_dim * 2;
-        emb[k] = sg_add(b, 0, MF_SG_ENGRAM_EMBED, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t, 0, per * 2e4);
+        emb[k] = sg_add(b, 0, MF_SG_ENGRAM_EMBED, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
         sg_dep(b, b->o->eg_reads ? pl : unit[k], emb[k]);
         /* the unit's own reads (2 per row of its items); the table's other entries stay -1 */
         int nr_k = 2 * (t.i1 - t.i0) * (int)rows;
@@ -546,8 +542,7 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
             tr.read = (int16_t)r;
             tr.w.io_bytes = r % 2 ? scale_io : code_io;
             tr.w.io_reads = 1;
-            mf_task_id rd = sg_add(b, b->o->lane_io, MF_SG_ENGRAM_READ, MF_SG_PH_ENGRAM, MF_SG_K_IO, tr,
-                                   tr.w.io_bytes, 0);
+            mf_task_id rd = sg_add(b, b->o->lane_io, MF_SG_ENGRAM_READ, MF_SG_PH_ENGRAM, MF_SG_K_IO, tr);
             sg->eg_read_tid[((size_t)eslot * sg->n_units + k) * nr + r] = rd;
             sg_dep(b, pl, rd);
             sg_dep(b, rd, emb[k]);
@@ -564,7 +559,7 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
         t.w.w_bytes[MF_KF_FP8] = y->eng_fp8_bytes * f;
         t.w.macs[MF_KF_FP8] = y->eng_fp8_macs * f;
         t.w.calls[MF_KF_FP8] = f > 0;
-        wr[p] = sg_add(b, 0, MF_SG_ENGRAM_ROWS, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t, y->eng_data_bytes / sg->p_attn, 0);
+        wr[p] = sg_add(b, 0, MF_SG_ENGRAM_ROWS, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
         for (int k = b->k0; k < b->k1; k++) sg_dep(b, emb[k], wr[p]);
     }
     for (int k = b->k0; k < b->k1; k++) {
@@ -574,7 +569,7 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
         t.w.w_bytes[MF_KF_BF16] = per * y->eng_bf16_bytes;
         t.w.calls[MF_KF_BF16] = per;
         t.w.ref_flops = per * (6.0 * (c->hc_mult + 1) * H + SG_W_ROUND * (c->hc_mult + 1.0) * H);
-        unit[k] = sg_add(b, 0, MF_SG_ENGRAM_GATE, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t, 0, per * 8.0 * c->hc_mult * H);
+        unit[k] = sg_add(b, 0, MF_SG_ENGRAM_GATE, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
         for (int p = 0; p < sg->p_attn; p++) sg_dep(b, wr[p], unit[k]);
     }
 }
@@ -614,7 +609,7 @@ static mf_task_id sg_attn_card(sg_builder *b, int L, int st)
         out_tok = 4.0 * y->st_out_rows[st];
     }
     static const int dense_of[4] = {MF_SG_D_ATTN_IN, MF_SG_D_ATTN_QB, MF_SG_D_ATTN_OA, MF_SG_D_ATTN_OB};
-    return sg_dense_chain(b, L, dense_of[st], t, MF_SG_PH_ATTN, y->st_data_bytes[st], in_tok, out_tok, -1);
+    return sg_dense_chain(b, L, dense_of[st], t, MF_SG_PH_ATTN, in_tok, out_tok, -1);
 }
 
 /* Stage st's part p of layer L over all items: the stage's kernels split evenly over the parts
@@ -643,7 +638,7 @@ static mf_task_id sg_attn_rows(sg_builder *b, int L, int st, int p)
         double rounds = st == MF_SG_ST_IN ? (double)c->q_lora_rank : st == MF_SG_ST_OB ? (double)c->hidden_size : 0;
         t.w.ref_flops = SG_W_ROUND * rounds * n / parts;
     }
-    return sg_add(b, 0, MF_SG_ATTN_ROWS, MF_SG_PH_ATTN, MF_SG_K_OTHER, t, y->st_data_bytes[st] / parts, 0);
+    return sg_add(b, 0, MF_SG_ATTN_ROWS, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
 }
 
 /* Part p of `parts` of an item's n_rows output rows (columns of the hidden size, rows of a mix):
@@ -679,7 +674,7 @@ static void sg_collapse_norm(sg_builder *b, int L, int i, int op, int phase, mf_
         mf_sg_task t = sg_part(L, i, (int64_t)H, pc, p, 0);
         double cols = (double)(t.r1 - t.r0);
         t.w.ref_flops = cols * (hc + SG_W_ROUND);
-        col[p] = sg_add(b, 0, MF_SG_ATTN_PRE, phase, MF_SG_K_OTHER, t, 0, cols * (hc + 8));
+        col[p] = sg_add(b, 0, MF_SG_ATTN_PRE, phase, MF_SG_K_OTHER, t);
         sg_dep(b, after, col[p]);
     }
     for (int p = 0; p < pc; p++) {
@@ -687,7 +682,7 @@ static void sg_collapse_norm(sg_builder *b, int L, int i, int op, int phase, mf_
         mf_sg_task t = sg_part(L, i, (int64_t)H, pc, p, 0);
         double cols = (double)(t.r1 - t.r0);
         t.w.ref_flops = H + cols * (2.0 + 2.0 * SG_W_ROUND);   /* the sum of squares over all columns */
-        nrm[p] = sg_add(b, 0, op, phase, MF_SG_K_OTHER, t, 0, H + cols * 16);
+        nrm[p] = sg_add(b, 0, op, phase, MF_SG_K_OTHER, t);
         for (int q = 0; q < pc; q++) sg_dep(b, col[q], nrm[p]);
     }
 }
@@ -705,7 +700,7 @@ static void sg_mix(sg_builder *b, int L, int i, int op, const mf_task_id *after,
         mf_sg_task t = sg_part(L, i, (int64_t)nm, pm, m, 1);
         double f = (double)(t.r1 - t.r0) / nm;
         t.w.ref_flops = 2.0 * hc * H + SG_W_MIX * y->hc_macs / 2 * f;
-        mix[m] = sg_add(b, 0, op, MF_SG_PH_ATTN, MF_SG_K_OTHER, t, 0, hc * H * (2 + nm * f));
+        mix[m] = sg_add(b, 0, op, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
         for (int a = 0; a < n_after; a++) sg_dep(b, after[a], mix[m]);
     }
 }
@@ -724,8 +719,6 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
     double H = (double)c->hidden_size, hc = c->hc_mult, D = c->head_dim, nh = c->n_heads;
     double sink = c->hc_sinkhorn_iters * 4.0 * hc * hc * 2;
     /* rough costs for priorities: reference code ~1 ns per multiply-add, kernels by bytes */
-    double core_ns = nh * D * 2.0 * (c->sliding_window + c->index_topk);   /* one item's heads */
-    double key_ns = 4.0 * c->index_topk * c->index_n_heads * c->index_head_dim;   /* its scores */
     int index = mf_sg_layer_scored(c, L);
     mf_task_id rows[4][MF_SG_MAX_PARTS], amix[MF_SG_MAX_ITEMS][SG_MAX_MIX], ring[MF_SG_MAX_ITEMS];
     for (int st = 0; st < 4; st++)
@@ -745,14 +738,14 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
         t.i1 = b->h0 + n * (q + 1) / sg->p_qn;
         t.n_tok = t.i1 - t.i0;
         t.w.ref_flops = t.n_tok * (4.0 + 2.0 * SG_W_ROUND) * c->q_lora_rank;
-        mf_task_id qn = sg_add(b, 0, MF_SG_ATTN_QNORM, MF_SG_PH_ATTN, MF_SG_K_OTHER, t, 0, t.n_tok * 4.0 * c->q_lora_rank);
+        mf_task_id qn = sg_add(b, 0, MF_SG_ATTN_QNORM, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
         for (int p = 0; p < sg->p_attn; p++) {
             sg_dep(b, rows[MF_SG_ST_IN][p], qn);
             sg_dep(b, qn, rows[MF_SG_ST_QB][p]);
         }
     }
     SG_NAME(b, "attn L%d oa join", L);
-    mf_task_id oj = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, sg_rec(L), 0, 0);
+    mf_task_id oj = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, sg_rec(L));
     for (int p = 0; p < sg->p_attn; p++) {
         sg_dep(b, rows[MF_SG_ST_OA][p], oj);
         sg_dep(b, oj, rows[MF_SG_ST_OB][p]);
@@ -767,14 +760,13 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
         t.w.w_bytes[MF_KF_BF16] = items * y->st_bf16_bytes[MF_SG_ST_CORE];
         t.w.calls[MF_KF_BF16] = items * y->st_bf16_calls[MF_SG_ST_CORE];
         t.w.ref_flops = items * (4.0 * D + SG_W_ROUND * 4.0 * D);
-        mf_task_id core = sg_add(b, 0, MF_SG_ATTN_CORE, MF_SG_PH_ATTN, MF_SG_K_OTHER, t, 0, items * 4.0 * D * 8);
+        mf_task_id core = sg_add(b, 0, MF_SG_ATTN_CORE, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
         for (int p = 0; p < sg->p_attn; p++) sg_dep(b, rows[MF_SG_ST_QB][p], core);
         if (index) {   /* the index scores in parts per item, then the select, before the heads */
             SG_NAME(b, "attn L%d select", L);
             mf_sg_task ts = sg_item(b, L, k);
             ts.n_tok = 1;
-            mf_task_id sel = sg_add(b, 0, MF_SG_ATTN_SELECT, MF_SG_PH_ATTN, MF_SG_K_OTHER, ts, 0,
-                                    items * c->index_topk * 16.0);
+            mf_task_id sel = sg_add(b, 0, MF_SG_ATTN_SELECT, MF_SG_PH_ATTN, MF_SG_K_OTHER, ts);
             for (int i = t.i0; i < t.i1; i++)
                 for (int q = 0; q < sg->p_key; q++) {
                     SG_NAME(b, "attn L%d score item %d %d", L, i, q);
@@ -783,8 +775,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
                     tk.i1 = i + 1;
                     tk.n_tok = 1;
                     tk.part = q;
-                    mf_task_id sc = sg_add(b, 0, MF_SG_ATTN_SCORE, MF_SG_PH_ATTN, MF_SG_K_OTHER, tk, 0,
-                                           key_ns / sg->p_key);
+                    mf_task_id sc = sg_add(b, 0, MF_SG_ATTN_SCORE, MF_SG_PH_ATTN, MF_SG_K_OTHER, tk);
                     sg_dep(b, core, sc);
                     sg_dep(b, sc, sel);
                 }
@@ -796,7 +787,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
             mf_sg_task tr = sg_item(b, L, k);
             tr.n_tok = 1;
             tr.w.ref_flops = items * D;
-            ring[k] = sg_add(b, 0, MF_SG_ATTN_RING, MF_SG_PH_ATTN, MF_SG_K_OTHER, tr, 0, items * D);
+            ring[k] = sg_add(b, 0, MF_SG_ATTN_RING, MF_SG_PH_ATTN, MF_SG_K_OTHER, tr);
         }
         for (int i = t.i0; i < t.i1; i++)
             for (int g = 0; g < pa; g++) {
@@ -811,8 +802,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
                 th.r1 = (int64_t)h1 * c->head_dim;
                 /* each head: its query rounded twice, its output and the output's roped part */
                 th.w.ref_flops = (h1 - h0) * SG_W_ROUND * (3.0 * D + c->qk_rope_head_dim);
-                mf_task_id hd = sg_add(b, 0, MF_SG_ATTN_HEADS, MF_SG_PH_ATTN, MF_SG_K_OTHER, th, 0,
-                                       core_ns * (h1 - h0) / nh);
+                mf_task_id hd = sg_add(b, 0, MF_SG_ATTN_HEADS, MF_SG_PH_ATTN, MF_SG_K_OTHER, th);
                 sg_dep(b, core, hd);
                 sg_dep(b, hd, ring[k]);
                 for (int p = 0; p < sg->p_attn; p++) sg_dep(b, hd, rows[MF_SG_ST_OA][p]);
@@ -820,7 +810,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
     }
     for (int k = b->k0; k < b->k1; k++) {
         SG_NAME(b, sg->par ? "attn L%d post join item %d" : "attn L%d post join", L, k);
-        post[k] = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, sg_rec(L), 0, 0);
+        post[k] = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, sg_rec(L));
     }
     for (int i = b->h0; i < b->h1; i++) {
         mf_task_id pst[MF_SG_MAX_PARTS], fin = post[mf_stepgraph_unit_of(sg, i)];
@@ -830,7 +820,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
             double cols = (double)(t.r1 - t.r0);
             /* the split of the mixes, per column the expand (rounded) and the collapse (rounded) */
             t.w.ref_flops = sink + cols * (hc * (1 + hc) + hc * SG_W_ROUND + hc + SG_W_ROUND);
-            pst[p] = sg_add(b, 0, MF_SG_ATTN_POST, MF_SG_PH_ATTN, MF_SG_K_OTHER, t, 0, cols * hc * (hc + 8));
+            pst[p] = sg_add(b, 0, MF_SG_ATTN_POST, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
             for (int q = 0; q < sg->p_attn; q++) sg_dep(b, rows[MF_SG_ST_OB][q], pst[p]);
             for (int m = 0; m < pm; m++) sg_dep(b, amix[i][m], pst[p]);
             sg_dep(b, ring[mf_stepgraph_unit_of(sg, i)], pst[p]);
@@ -840,7 +830,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
             mf_sg_task t = sg_part(L, i, (int64_t)H, pc, p, 0);
             double cols = (double)(t.r1 - t.r0);
             t.w.ref_flops = H + cols * (2.0 + 2.0 * SG_W_ROUND);
-            mf_task_id fn = sg_add(b, 0, MF_SG_FFN_NORM, MF_SG_PH_ATTN, MF_SG_K_OTHER, t, 0, H + cols * 16);
+            mf_task_id fn = sg_add(b, 0, MF_SG_FFN_NORM, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
             for (int q = 0; q < pc; q++) sg_dep(b, pst[q], fn);
             sg_dep(b, fn, fin);
         }
@@ -860,14 +850,14 @@ static mf_task_id sg_router(sg_builder *b, int L, const mf_task_id *post)
     mf_sg_task t = sg_rec(L);
     sg_span(b, &t);
     t.w.ref_flops = n * (H * K * 2.0 + 4.0 * E);
-    mf_task_id ro = sg_add(b, 0, MF_SG_ROUTE, MF_SG_PH_MOE, MF_SG_K_OTHER, t, 0, n * (H * K + 4.0 * E));
+    mf_task_id ro = sg_add(b, 0, MF_SG_ROUTE, MF_SG_PH_MOE, MF_SG_K_OTHER, t);
     if (sg->n_dense_cards) {   /* on the layer's card: MoE input in, the gate (bf16), logits out */
         t = sg_rec(L);
         double gb = b->o->sz->layer[L].gate_bytes;
         t.w.w_bytes[MF_KF_BF16] = gb;
         t.w.macs[MF_KF_BF16] = H * E;
         t.w.calls[MF_KF_BF16] = 1;
-        mf_task_id gp = sg_dense_chain(b, L, MF_SG_D_GATE, t, MF_SG_PH_MOE, gb, 4.0 * H, 4.0 * E, -1);
+        mf_task_id gp = sg_dense_chain(b, L, MF_SG_D_GATE, t, MF_SG_PH_MOE, 4.0 * H, 4.0 * E, -1);
         b->moe_in = gp;
         b->moe_gate = b->chain_run;
         for (int k = b->k0; k < b->k1; k++) sg_dep(b, post[k], gp);
@@ -881,7 +871,7 @@ static mf_task_id sg_router(sg_builder *b, int L, const mf_task_id *post)
         sg_span(b, &t);
         mf_sg_rows(E, sg->p_attn, p, &t.r0, &t.r1);
         t.w.ref_flops = n * SG_W_DOT_BF16 * H * (double)(t.r1 - t.r0);
-        mf_task_id gp = sg_add(b, 0, MF_SG_GATE_ROWS, MF_SG_PH_MOE, MF_SG_K_OTHER, t, 0, n * H * E / sg->p_attn);
+        mf_task_id gp = sg_add(b, 0, MF_SG_GATE_ROWS, MF_SG_PH_MOE, MF_SG_K_OTHER, t);
         for (int k = b->k0; k < b->k1; k++) sg_dep(b, post[k], gp);
         sg_dep(b, gp, ro);
     }
@@ -906,7 +896,7 @@ static void sg_slot_card(sg_builder *b, int L, int s, int cd, mf_task_id ro, mf_
     mf_sg_task ti = t;
     ti.w.copy_bytes = z->xslot_bytes;
     ti.w.copy_bytes_tok = H * 4.0 + 4.0;
-    mf_task_id din = sg_add(b, lane, MF_SG_DEV_IN, MF_SG_PH_MOE, MF_SG_K_COPY, ti, z->xslot_bytes, 0);
+    mf_task_id din = sg_add(b, lane, MF_SG_DEV_IN, MF_SG_PH_MOE, MF_SG_K_COPY, ti);
     mf_task_id dff = cffn;
     if (!sg->dev_graphs) {
         SG_NAME(b, "dev%d L%d slot %d ffn", cd, L, s);
@@ -914,12 +904,12 @@ static void sg_slot_card(sg_builder *b, int L, int s, int cd, mf_task_id ro, mf_
         tf.w.w_bytes[MF_KF_FP4] = z->up_bytes + z->down_bytes;
         tf.w.macs[MF_KF_FP4] = 3 * H * I;
         tf.w.calls[MF_KF_FP4] = 1;
-        dff = sg_add(b, lane + 1, MF_SG_DEV_FFN, MF_SG_PH_MOE, MF_SG_K_DEV, tf, z->xslot_bytes, 0);
+        dff = sg_add(b, lane + 1, MF_SG_DEV_FFN, MF_SG_PH_MOE, MF_SG_K_DEV, tf);
     }
     SG_NAME(b, "dev%d L%d slot %d out", cd, L, s);
     mf_sg_task to = t;
     to.w.copy_bytes_tok = H * 4.0;
-    mf_task_id dout = sg_add(b, lane + 2, MF_SG_DEV_OUT, MF_SG_PH_MOE, MF_SG_K_COPY_OUT, to, sg->n * H * 4.0, 0);
+    mf_task_id dout = sg_add(b, lane + 2, MF_SG_DEV_OUT, MF_SG_PH_MOE, MF_SG_K_COPY_OUT, to);
     tid[0] = din;
     tid[1] = sg->dev_graphs ? -1 : dff;
     tid[2] = dout;
@@ -938,7 +928,6 @@ static void sg_slot(sg_builder *b, int L, int s, mf_task_id ro, const mf_task_id
     const mf_sg_sizes *z = b->o->sz;
     mf_stepgraph *sg = b->sg;
     double H = (double)c->hidden_size, I = (double)c->moe_intermediate_size;
-    double exp_bytes = 3 * H * I * 0.53;   /* priorities: an fp4 expert's bytes, roughly */
     int np = sg->n_io_parts, pe = sg->p_exp;
     int win = b->o->read_window ? b->o->read_window : 2;
     mf_task_id *tid = sg->slot_tid + ((size_t)L * sg->n_slots + s) * sg->tid_per_slot;
@@ -948,7 +937,7 @@ static void sg_slot(sg_builder *b, int L, int s, mf_task_id ro, const mf_task_id
     SG_NAME(b, "expert L%d slot %d join", L, s);
     mf_sg_task tj = t;
     tj.w.ref_flops_tok = 2.0 * I;
-    mf_task_id jo = tid[2 * pe] = sg_add(b, 0, MF_SG_SLOT_JOIN, MF_SG_PH_MOE, MF_SG_K_EXPERT, tj, 0, I * 2);
+    mf_task_id jo = tid[2 * pe] = sg_add(b, 0, MF_SG_SLOT_JOIN, MF_SG_PH_MOE, MF_SG_K_EXPERT, tj);
     mf_task_id *io = b->io + (size_t)s * np;
     for (int j = 0; j < np; j++) {
         SG_NAME(b, "read L%d slot %d part %d", L, s, j);
@@ -957,7 +946,7 @@ static void sg_slot(sg_builder *b, int L, int s, mf_task_id ro, const mf_task_id
         tr.read = (int16_t)j;
         tr.w.io_bytes = ceil(z->part_bytes[j] / SG_STORE_ALIGN) * SG_STORE_ALIGN;
         tr.w.io_reads = 1;
-        io[j] = sg_add(b, b->o->lane_io, MF_SG_SLOT_READ, MF_SG_PH_MOE, MF_SG_K_IO, tr, z->store_slot_bytes / np, 0);
+        io[j] = sg_add(b, b->o->lane_io, MF_SG_SLOT_READ, MF_SG_PH_MOE, MF_SG_K_IO, tr);
         sg_dep(b, ro, io[j]);
         /* read window: slot s's reads start once slot s - win's are in, so that the first
          * slots' experts arrive early and their compute overlaps the later reads */
@@ -972,7 +961,7 @@ static void sg_slot(sg_builder *b, int L, int s, mf_task_id ro, const mf_task_id
         tu.w.w_bytes[MF_KF_FP4] = z->up_bytes / pe;
         tu.w.macs[MF_KF_FP4] = 2 * H * I / pe;
         tu.w.calls[MF_KF_FP4] = 1;
-        mf_task_id up = tid[p] = sg_add(b, 0, MF_SG_SLOT_UP, MF_SG_PH_MOE, MF_SG_K_EXPERT, tu, exp_bytes * 2 / 3 / pe, 0);
+        mf_task_id up = tid[p] = sg_add(b, 0, MF_SG_SLOT_UP, MF_SG_PH_MOE, MF_SG_K_EXPERT, tu);
         SG_NAME(b, "expert L%d slot %d down %d", L, s, p);
         mf_sg_task td = t;
         td.part = p;
@@ -981,7 +970,7 @@ static void sg_slot(sg_builder *b, int L, int s, mf_task_id ro, const mf_task_id
         td.w.macs[MF_KF_FP4] = H * I / pe;
         td.w.calls[MF_KF_FP4] = 1;
         td.w.ref_flops_tok = SG_W_ROUND * H / pe;   /* each output rounded to bf16 */
-        mf_task_id dn = tid[pe + p] = sg_add(b, 0, MF_SG_SLOT_DOWN, MF_SG_PH_MOE, MF_SG_K_EXPERT, td, exp_bytes / 3 / pe, 0);
+        mf_task_id dn = tid[pe + p] = sg_add(b, 0, MF_SG_SLOT_DOWN, MF_SG_PH_MOE, MF_SG_K_EXPERT, td);
         sg_dep(b, ro, up);
         for (int j = 0; j < np; j++) sg_dep(b, io[j], up);
         sg_dep(b, up, jo);
@@ -1000,14 +989,13 @@ static void sg_shared(sg_builder *b, int L, const mf_task_id *post, mf_task_id r
     mf_stepgraph *sg = b->sg;
     int n = b->h1 - b->h0, ps = sg->p_sh;
     double H = (double)c->hidden_size, I = (double)c->moe_intermediate_size;
-    double sh_bytes = 3 * H * I * 1.0;   /* priorities */
     if (sg->n_dense_cards && ps > 0) {   /* on the layer's card, after the gate's copy of the input */
         mf_sg_task t = sg_rec(L);
         t.w.w_bytes[MF_KF_FP8] = z->sh_up_bytes + z->sh_down_bytes;
         t.w.macs[MF_KF_FP8] = 3 * H * z->sh_rows;
         t.w.calls[MF_KF_FP8] = 2;
         t.w.ref_flops = SG_W_ROUND * H * n;
-        mf_task_id sc = sg_dense_chain(b, L, MF_SG_D_SHARED, t, MF_SG_PH_MOE, sh_bytes, 0, 4.0 * H, b->moe_in);
+        mf_task_id sc = sg_dense_chain(b, L, MF_SG_D_SHARED, t, MF_SG_PH_MOE, 0, 4.0 * H, b->moe_in);
         /* the gate first on the card: the routed experts wait for its logits, the shared expert's
          * output only at the layer's end (the upward ranks alone, even from the cost model's
          * prices, put the shared expert first on the built-in machine at batch 16: a critical path
@@ -1018,7 +1006,7 @@ static void sg_shared(sg_builder *b, int L, const mf_task_id *post, mf_task_id r
     }
     (void)I;
     SG_NAME(b, "shared L%d join", L);
-    mf_task_id sj = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_MOE, MF_SG_K_OTHER, sg_rec(L), 0, 0);
+    mf_task_id sj = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_MOE, MF_SG_K_OTHER, sg_rec(L));
     for (int p = 0; p < ps; p++) {
         SG_NAME(b, "shared L%d up %d", L, p);
         mf_sg_task t = sg_rec(L);
@@ -1028,7 +1016,7 @@ static void sg_shared(sg_builder *b, int L, const mf_task_id *post, mf_task_id r
         t.w.w_bytes[MF_KF_FP8] = z->sh_up_bytes / ps;
         t.w.macs[MF_KF_FP8] = 2 * H * z->sh_rows / ps;
         t.w.calls[MF_KF_FP8] = 1;
-        mf_task_id up = sg_add(b, 0, MF_SG_SHARED_UP, MF_SG_PH_MOE, MF_SG_K_EXPERT, t, sh_bytes * 2 / 3 / ps, 0);
+        mf_task_id up = sg_add(b, 0, MF_SG_SHARED_UP, MF_SG_PH_MOE, MF_SG_K_EXPERT, t);
         SG_NAME(b, "shared L%d down %d", L, p);
         t = sg_rec(L);
         t.part = p;
@@ -1038,7 +1026,7 @@ static void sg_shared(sg_builder *b, int L, const mf_task_id *post, mf_task_id r
         t.w.macs[MF_KF_FP8] = H * z->sh_rows / ps;
         t.w.calls[MF_KF_FP8] = 1;
         t.w.ref_flops = SG_W_ROUND * H / ps * n;
-        mf_task_id dn = sg_add(b, 0, MF_SG_SHARED_DOWN, MF_SG_PH_MOE, MF_SG_K_EXPERT, t, sh_bytes / 3 / ps, 0);
+        mf_task_id dn = sg_add(b, 0, MF_SG_SHARED_DOWN, MF_SG_PH_MOE, MF_SG_K_EXPERT, t);
         for (int k = b->k0; k < b->k1; k++) sg_dep(b, post[k], up);
         /* streamed experts: the shared expert runs while the routed experts are read */
         if (b->o->store) sg_dep(b, ro, up);
@@ -1052,7 +1040,6 @@ static void sg_shared(sg_builder *b, int L, const mf_task_id *post, mf_task_id r
 static void sg_moe(sg_builder *b, int L, const mf_task_id *post, mf_task_id *unit)
 {
     const mf_config *c = b->o->c;
-    const mf_sg_sizes *z = b->o->sz;
     mf_stepgraph *sg = b->sg;
     int K = c->n_experts_per_tok;
     double H = (double)c->hidden_size, hc = c->hc_mult;
@@ -1062,7 +1049,7 @@ static void sg_moe(sg_builder *b, int L, const mf_task_id *post, mf_task_id *uni
     SG_NAME(b, "moe L%d done", L);
     mf_sg_task t = sg_rec(L);
     sg_span(b, &t);
-    mf_task_id done = sg_add(b, 0, MF_SG_MOE_DONE, MF_SG_PH_MOE, MF_SG_K_OTHER, t, 0, 0);
+    mf_task_id done = sg_add(b, 0, MF_SG_MOE_DONE, MF_SG_PH_MOE, MF_SG_K_OTHER, t);
     b->last_done = done;
     mf_task_id cffn[MF_SG_MAX_CARDS];   /* graph mode: a card's FFNs of the layer */
     for (int cd = 0; cd < sg->n_cards && sg->dev_graphs; cd++) {
@@ -1070,15 +1057,14 @@ static void sg_moe(sg_builder *b, int L, const mf_task_id *post, mf_task_id *uni
         t = sg_rec(L);
         t.card = (int8_t)cd;
         cffn[cd] = sg->card_ffn_tid[(L * sg->n_halves + b->h) * sg->n_cards + cd] =
-            sg_add(b, b->o->lane_dev0 + 3 * cd + 1, MF_SG_DEV_FFN_CARD, MF_SG_PH_MOE, MF_SG_K_DEV, t,
-                   z->xslot_bytes * K / sg->n_cards, 0);
+            sg_add(b, b->o->lane_dev0 + 3 * cd + 1, MF_SG_DEV_FFN_CARD, MF_SG_PH_MOE, MF_SG_K_DEV, t);
     }
     for (int s = sg->half_slot[b->h]; s < sg->half_slot[b->h + 1]; s++) sg_slot(b, L, s, ro, cffn, done);
     sg_shared(b, L, post, ro, done);
     sg_dep(b, ro, done);
     for (int k = b->k0; k < b->k1; k++) {
         SG_NAME(b, sg->par ? "combine L%d join item %d" : "combine L%d join", L, k);
-        unit[k] = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_MOE, MF_SG_K_OTHER, sg_rec(L), 0, 0);
+        unit[k] = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_MOE, MF_SG_K_OTHER, sg_rec(L));
     }
     double sink = c->hc_sinkhorn_iters * 4.0 * hc * hc * 2;
     for (int i = b->h0; i < b->h1; i++)
@@ -1089,7 +1075,7 @@ static void sg_moe(sg_builder *b, int L, const mf_task_id *post, mf_task_id *uni
             /* the split of the ffn mixes; per column K routed outputs rounded and summed, the
              * shared one, the sum rounded, the expand into the streams (rounded) */
             t.w.ref_flops = sink + cols * (K + 2 + hc * (1 + hc) + SG_W_ROUND * (K + 1 + hc));
-            mf_task_id cb = sg_add(b, 0, MF_SG_COMBINE, MF_SG_PH_MOE, MF_SG_K_OTHER, t, 0, cols * (K + 2 + 2 * hc));
+            mf_task_id cb = sg_add(b, 0, MF_SG_COMBINE, MF_SG_PH_MOE, MF_SG_K_OTHER, t);
             sg_dep(b, done, cb);
             for (int m = 0; m < sg->p_mix; m++) sg_dep(b, b->fmix[i][m], cb);
             sg_dep(b, cb, unit[mf_stepgraph_unit_of(sg, i)]);
@@ -1104,7 +1090,7 @@ static void sg_head(sg_builder *b, const mf_task_id *unit)
     mf_stepgraph *sg = b->sg;
     double H = (double)c->hidden_size, V = (double)c->vocab_size;
     SG_NAME(b, "head join");
-    mf_task_id hj = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_HEAD, MF_SG_K_OTHER, sg_rec(-1), 0, 0);
+    mf_task_id hj = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_HEAD, MF_SG_K_OTHER, sg_rec(-1));
     for (int i = 0; i < sg->n; i++) {
         mf_task_id nrm[MF_SG_MAX_PARTS];
         sg_collapse_norm(b, -1, i, MF_SG_NORM, MF_SG_PH_HEAD, unit[mf_stepgraph_unit_of(sg, i)], nrm);
@@ -1115,7 +1101,7 @@ static void sg_head(sg_builder *b, const mf_task_id *unit)
         t.w.w_bytes[MF_KF_BF16] = b->o->sz->head_bytes;
         t.w.macs[MF_KF_BF16] = V * H;
         t.w.calls[MF_KF_BF16] = 1;
-        sg_dep(b, hj, sg_dense_chain(b, -1, MF_SG_D_HEAD, t, MF_SG_PH_HEAD, 2.0 * V * H, 4.0 * H, 4.0 * V, -1));
+        sg_dep(b, hj, sg_dense_chain(b, -1, MF_SG_D_HEAD, t, MF_SG_PH_HEAD, 4.0 * H, 4.0 * V, -1));
         return;
     }
     for (int p = 0; p < sg->p_head; p++) {
@@ -1127,7 +1113,7 @@ static void sg_head(sg_builder *b, const mf_task_id *unit)
         t.w.w_bytes[MF_KF_BF16] = b->o->sz->head_bytes / sg->p_head;
         t.w.macs[MF_KF_BF16] = V * H / sg->p_head;
         t.w.calls[MF_KF_BF16] = 1;
-        mf_task_id hd = sg_add(b, 0, MF_SG_HEAD, MF_SG_PH_HEAD, MF_SG_K_OTHER, t, 2.0 * V * H / sg->p_head, 0);
+        mf_task_id hd = sg_add(b, 0, MF_SG_HEAD, MF_SG_PH_HEAD, MF_SG_K_OTHER, t);
         sg_dep(b, hj, hd);
     }
 }
