@@ -12,6 +12,7 @@
 
 static float mf_e4m3_lut[256];
 static float mf_e2m1_lut[16];
+static float mf_e2m1_pair_lut[256][2];   /* a byte of two packed e2m1 codes: low nibble first */
 static pthread_once_t mf_luts_once = PTHREAD_ONCE_INIT;
 
 /* bf16 -> f32 is the top half of the float: exact, as mf_bf16_to_f32 (inlined for the head) */
@@ -29,6 +30,10 @@ static void mf_ly_luts_fill(void)
 {
     for (int i = 0; i < 256; i++) mf_e4m3_lut[i] = mf_e4m3_to_f32((uint8_t)i);
     for (int i = 0; i < 16; i++) mf_e2m1_lut[i] = mf_e2m1_to_f32((uint8_t)i);
+    for (int i = 0; i < 256; i++) {
+        mf_e2m1_pair_lut[i][0] = mf_e2m1_lut[i & 15];
+        mf_e2m1_pair_lut[i][1] = mf_e2m1_lut[i >> 4];
+    }
 }
 
 /* filled once per process, so separate forwards may run on separate threads */
@@ -286,7 +291,14 @@ static void mf_ly_unpack_e2m1(const uint8_t *codes, const uint8_t *scales, int64
     for (int64_t b0 = 0, k = 0; b0 < n; b0 += block, k++) {
         int64_t end = n - b0 < block ? n : b0 + block;
         float s = e4m3_scales ? mf_e4m3_lut[scales[k]] : mf_ue8m0_f32(scales[k]);
-        for (int64_t i = b0; i < end; i++) out[i] = mf_e2m1_lut[mf_e2m1_get(codes, (size_t)i)] * s;
+        int64_t i = b0;
+        if (!(b0 & 1))   /* whole bytes: two values each */
+            for (; i + 1 < end; i += 2) {
+                const float *v = mf_e2m1_pair_lut[codes[i >> 1]];
+                out[i] = v[0] * s;
+                out[i + 1] = v[1] * s;
+            }
+        for (; i < end; i++) out[i] = mf_e2m1_lut[mf_e2m1_get(codes, (size_t)i)] * s;
     }
 }
 

@@ -47,7 +47,8 @@ int64_t mf_ref_state_pos(const mf_ref_state *s);   /* tokens consumed so far */
 /* One forward over n items: item i is token tokens[i] of states[i] at that state's next position.
  * Items of the same state must be consecutive in this list and are consumed in order. When
  * logits[i] is non-NULL it receives vocab_size fp32 logits of item i. Fails (state unchanged)
- * with -EINVAL on a token out of the vocabulary or a state that would pass its max_positions. */
+ * with -EINVAL on a token out of the vocabulary or a state that would pass its max_positions, and
+ * with -ENOMEM when a state cannot get the pages its new positions need. */
 int mf_ref_forward(mf_ref *r, mf_ref_state *const *states, const int32_t *tokens, int n,
                    float *const *logits);
 
