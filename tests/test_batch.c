@@ -295,12 +295,12 @@ static void test_single(mf_ref *r, mf_step *e, solo *so, const mf_config *cp)
     bo.state_budget_bytes = (uint64_t)sb - 1;
     CHECK(mf_batch_new(&bo, &tmp) == -ENOSPC && strstr(mf_last_error(), "state budget"), "budget below one state: %s",
           mf_last_error());
-    bo.state_budget_bytes = (uint64_t)sb * 2 + 5;
-    CHECK(mf_batch_new(&bo, &tmp) == 0, "budget of 2 states");
+    bo.state_budget_bytes = (uint64_t)sb;
+    CHECK(mf_batch_new(&bo, &tmp) == 0, "budget of 1 state");
     mf_batch_stats bs;
     if (tmp) {
         mf_batch_get_stats(tmp, &bs);
-        CHECK(bs.n_states == 2, "budget of 2 states holds %d", bs.n_states);
+        CHECK(bs.n_states == 1, "budget of one state of max_context holds %d", bs.n_states);
         mf_batch_free(tmp);
     }
     mf_batch_req rq = {.prompt = so[0].prompt, .n_prompt = so[0].n_prompt, .max_tokens = CTX, .user = 0};
@@ -380,6 +380,46 @@ static void test_single(mf_ref *r, mf_step *e, solo *so, const mf_config *cp)
 
 }
 
+/* Admission by need: with a budget that holds two states of max_context beside two idle ones,
+ * two long requests run at once and four short ones do (their states hold one page each); what
+ * the states hold stays within the budget. */
+static void test_budget(mf_ref *r, const mf_config *c)
+{
+    enum { LONG_CTX = 4 * MF_LY_PAGE_POSITIONS };
+    int64_t fixed = mf_ref_state_bytes(c, 0), lng = mf_ref_state_bytes(c, LONG_CTX);
+    int64_t shrt = mf_ref_state_bytes(c, 16);
+    uint64_t budget = (uint64_t)(4 * fixed + 2 * (lng - fixed));
+    mf_batch *b = NULL;
+    CHECK(mf_batch_new(&(mf_batch_opts){.ref = r, .max_batch = 4, .max_context = LONG_CTX, .state_budget_bytes = budget},
+                       &b) == 0, "batch: %s", mf_last_error());
+    if (!b) return;
+    CHECK(mf_batch_request_bytes(b, 8, LONG_CTX - 8) == lng && mf_batch_request_bytes(b, 8, 8) == shrt && shrt < lng,
+          "request bytes: long %lld, short %lld", (long long)lng, (long long)shrt);
+    int32_t prompt[8];
+    for (int i = 0; i < 8; i++) prompt[i] = 5 + i;
+    for (int round = 0; round < 2; round++) {
+        int max_tokens = round ? 8 : LONG_CTX - 8, n = 0;
+        uint64_t ids[4];
+        for (int i = 0; i < 4; i++)
+            CHECK(mf_batch_submit(b, &(mf_batch_req){.prompt = prompt, .n_prompt = 8, .max_tokens = max_tokens,
+                                                     .ignore_eos = 1}, &ids[i]) == 0, "submit: %s", mf_last_error());
+        CHECK(mf_batch_step(b, &n) == 0 && n > 0, "step: %s", mf_last_error());
+        mf_batch_stats bs;
+        mf_batch_get_stats(b, &bs);
+        int want = round ? 4 : 2;
+        CHECK(bs.n_states == 4 && bs.running == want && bs.queued == 4 - want,
+              "%s requests: %d running, %d queued (expected %d running)", round ? "short" : "long", bs.running,
+              bs.queued, want);
+        CHECK(bs.state_bytes_held > 0 && (uint64_t)bs.state_bytes_held <= budget, "states hold %lld of %llu",
+              (long long)bs.state_bytes_held, (unsigned long long)budget);
+        for (int i = 0; i < 4; i++) mf_batch_cancel(b, ids[i]);
+        for (int k = 0; k < 8 && mf_batch_wait(b, 0); k++) mf_batch_step(b, &n);
+        mf_batch_get_stats(b, &bs);
+        CHECK(bs.running == 0 && bs.queued == 0, "all cancelled: %d running, %d queued", bs.running, bs.queued);
+    }
+    mf_batch_free(b);
+}
+
 int main(void)
 {
     mf_config c;
@@ -438,6 +478,7 @@ int main(void)
     }
 
     if (!tsan) test_single(r, e, so, &c);
+    if (!tsan) test_budget(r, &c);
     got g[N_REQ];
     mf_batch *b = NULL;
     mf_batch_stats bs;

@@ -17,6 +17,7 @@
 #include "graphs/model/census.h"
 #include "graphs/model/config.h"
 #include "graphs/gen/gen.h"
+#include "graphs/ref/ref.h"
 #include "graphs/model/layout.h"
 #include "host/formats.h"
 #include "host/safetensors.h"
@@ -361,6 +362,16 @@ static void check_flash41(void)
                 CHECK(json_integer_value(json_object_get(gr, mf_group_name(k))) ==
                           (json_int_t)cs.bytes[k],
                       "group %s", mf_group_name(k));
+            /* the sequence state by need: graphs/ref's sizes; per token the packed caches' 890
+             * bytes (the public figure for flash41) + 4 of token history + the page tables */
+            json_t *ss = json_object_get(j, "sequence_state");
+            mf_config fc;
+            CHECK(mf_config_preset("flash41", &fc) == 0, "preset");
+            double bpt = json_real_value(json_object_get(ss, "bytes_per_token"));
+            CHECK(json_integer_value(json_object_get(ss, "bytes_8k")) == mf_ref_state_bytes(&fc, 8192) &&
+                      json_integer_value(json_object_get(ss, "fixed_bytes")) == mf_ref_state_bytes(&fc, 0) &&
+                      bpt > 890 && bpt < 900,
+                  "sequence_state: bytes_8k %lld, bytes_per_token %g", (long long)json_integer_value(json_object_get(ss, "bytes_8k")), bpt);
             json_decref(j);
         }
         free(out);

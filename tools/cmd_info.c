@@ -11,6 +11,7 @@
 #include "graphs/model/census.h"
 #include "graphs/model/config.h"
 #include "graphs/model/layout.h"
+#include "graphs/ref/ref.h"
 #include "host/safetensors.h"
 #include "sched/error.h"
 #include "tools/commands.h"
@@ -34,6 +35,24 @@ static void mf_print_ids(const char *label, const int *ids, int n)
     printf("%s [", label);
     for (int i = 0; i < n; i++) printf("%s%d", i ? "," : "", ids[i]);
     printf("]");
+}
+
+/* A sequence state's size by need (graphs/ref/ref.h): the fixed part, the average bytes per
+ * position over a page (token history + packed compressed KV and index keys), an 8k-token
+ * sequence, and how many of those a 64 GiB state budget holds. */
+typedef struct mf_info_state {
+    int64_t fixed_bytes, bytes_8k, seqs_8k_64g;
+    double bytes_per_token;
+} mf_info_state;
+
+static mf_info_state mf_info_state_of(const mf_config *c)
+{
+    mf_info_state s;
+    s.fixed_bytes = mf_ref_state_bytes(c, 0);
+    s.bytes_per_token = (double)(mf_ref_state_bytes(c, MF_LY_PAGE_POSITIONS) - s.fixed_bytes) / MF_LY_PAGE_POSITIONS;
+    s.bytes_8k = mf_ref_state_bytes(c, 8192);
+    s.seqs_8k_64g = (int64_t)((64.0 * GIB) / (double)s.bytes_8k);
+    return s;
 }
 
 static void mf_info_config(const mf_config *c)
@@ -76,6 +95,11 @@ static void mf_info_config(const mf_config *c)
            "resident %.2f GiB\n",
            mf_config_expert_bytes(c) / 1048576.0, mf_config_expert_bank_bytes(c) / GIB,
            mf_config_engram_table_bytes(c) / GIB, mf_config_resident_bytes(c) / GIB);
+    mf_info_state ss = mf_info_state_of(c);
+    printf("  sequence state: %.2f MiB fixed (window ring) + %.1f bytes per token (packed fp4 compressed KV "
+           "and index keys, pages of %d positions); 8k tokens %.2f MiB, %lld of them in 64 GiB\n",
+           ss.fixed_bytes / 1048576.0, ss.bytes_per_token, MF_LY_PAGE_POSITIONS, ss.bytes_8k / 1048576.0,
+           (long long)ss.seqs_8k_64g);
 }
 
 /* Compares the checkpoint with the layout of `c`: prints missing, mismatched and extra tensors
@@ -180,6 +204,13 @@ int mf_cmd_info(int argc, char **argv)
                           (json_int_t)cfg.yarn_original_max_position_embeddings, "beta_fast",
                           cfg.yarn_beta_fast, "beta_slow", cfg.yarn_beta_slow, "source",
                           cfg.yarn_defaulted ? "default" : "config.json"));
+        if (have_cfg) {
+            mf_info_state ss = mf_info_state_of(&cfg);
+            json_object_set_new(o, "sequence_state",
+                json_pack("{s:I, s:f, s:I, s:I, s:I}", "fixed_bytes", (json_int_t)ss.fixed_bytes, "bytes_per_token",
+                          ss.bytes_per_token, "page_positions", (json_int_t)MF_LY_PAGE_POSITIONS, "bytes_8k",
+                          (json_int_t)ss.bytes_8k, "sequences_8k_in_64gib", (json_int_t)ss.seqs_8k_64g));
+        }
         char *text = json_dumps(o, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
         json_decref(o);
         if (!text) {

@@ -39,19 +39,17 @@ static int mf_ly_compress(mf_ly_ctx *cx, mf_ly_item *it, int L, float *lat, cons
         return mf_error(-EINVAL, "reference: layer %d compressed entry %lld out of step at position %lld",
                         L, (long long)g, (long long)it->pos);
     /* index key: k_norm(wk(latent)), RoPE at the group's first position, fp4 (e8m0 per 32) */
-    float *key = ca->key + g * id;
+    float *key = cx->cache_row;
     if ((rc = mf_ly_linear(cx, &y->idx_wk, lat, key, 0))) return rc;
     mf_bf_n(key, id);
     mf_ly_rmsnorm(key, id, &y->idx_k_norm, c->rms_norm_eps, key);
     mf_ly_rope(key + id - rd, rd / 2, cx->ly->freqs_comp, gpos, 0);
     mf_bf_n(key, id);
-    mf_ly_fq_e2m1_pow2(key, id, 32);
-    /* entry: the roped latent, fp4 (e4m3 scale per 16) */
-    float *e = ca->kv + g * D;
-    memcpy(e, lat, (size_t)D * sizeof *e);
-    mf_ly_rope(e + D - rd, rd / 2, cx->ly->freqs_comp, gpos, 0);
-    mf_bf_n(e, D);
-    mf_ly_fq_e2m1_e4m3(e, D, 16);
+    mf_ly_cache_put_key(c, L, ca, g, key);
+    /* entry: the roped latent, fp4 (e4m3 scale per 16); lat is the caller's to overwrite */
+    mf_ly_rope(lat + D - rd, rd / 2, cx->ly->freqs_comp, gpos, 0);
+    mf_bf_n(lat, D);
+    mf_ly_cache_put_kv(c, L, ca, g, lat);
     ca->n = g + 1;
     return 0;
 }
@@ -78,11 +76,13 @@ void mf_ly_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float 
 {
     if (j0 >= j1) return;
     const mf_config *c = ly->c;
-    const mf_ly_cache *ca = &it->st->cache[ly->src_of[L]];
+    int S = ly->src_of[L];
+    const mf_ly_cache *ca = &it->st->cache[S];
     const float *qi = b[MF_LY_A_QI], *wts = b[MF_LY_A_IW];
     int ih = c->index_n_heads, id = c->index_head_dim;
+    float k[MF_LY_MAX_INDEX_DIM];   /* the key, unpacked once for all heads */
     for (int64_t j = j0; j < j1; j++) {
-        const float *k = ca->key + j * id;
+        mf_ly_cache_get_key(c, S, ca, j, k);
         double acc = 0;
         for (int h = 0; h < ih; h++) {
             double dot = 0;
@@ -335,10 +335,12 @@ void mf_ly_attn_core_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *co
     const float *ckv = NULL;
     const int32_t *sel = NULL;
     int n_sel = 0;
-    if (ratio > 0 && it->topk_src == cx->ly->src_of[L]) {
+    if (ratio > 0 && it->topk_src == cx->ly->src_of[L] && h0 < h1) {
         sel = it->topk;
         n_sel = it->n_topk;
-        ckv = it->st->cache[it->topk_src].kv;
+        /* unpacked once for the heads of this call */
+        mf_ly_cache_get_kv_rows(c, it->topk_src, &it->st->cache[it->topk_src], sel, n_sel, cx->sel_kv);
+        ckv = cx->sel_kv;
     }
 
     /* attention with a sink: window slots of positions max(0, p-W+1)..p, then the selection;
@@ -348,7 +350,7 @@ void mf_ly_attn_core_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *co
     double *s = cx->scores, scale = 1.0 / sqrt((double)D);
 #define MF_LY_KEY(i)                                                                                    \
     ((i) < n_win ? (t0 + (i) >= pos0 ? win->kv + (t0 + (i) - pos0) * win->ld : ring + ((t0 + (i)) % W) * D) \
-                 : ckv + (int64_t)sel[(i) - n_win] * D)
+                 : ckv + (int64_t)((i) - n_win) * D)
     for (int h = h0; h < h1; h++) {
         float *qh = q + (int64_t)h * D;
         /* the head's query: rounded, roped, rounded */

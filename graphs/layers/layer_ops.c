@@ -12,6 +12,7 @@
 
 static float mf_e4m3_lut[256];
 static float mf_e2m1_lut[16];
+static float mf_e2m1_pair_lut[256][2];   /* a byte of two packed e2m1 codes: low nibble first */
 static pthread_once_t mf_luts_once = PTHREAD_ONCE_INIT;
 
 /* bf16 -> f32 is the top half of the float: exact, as mf_bf16_to_f32 (inlined for the head) */
@@ -29,6 +30,10 @@ static void mf_ly_luts_fill(void)
 {
     for (int i = 0; i < 256; i++) mf_e4m3_lut[i] = mf_e4m3_to_f32((uint8_t)i);
     for (int i = 0; i < 16; i++) mf_e2m1_lut[i] = mf_e2m1_to_f32((uint8_t)i);
+    for (int i = 0; i < 256; i++) {
+        mf_e2m1_pair_lut[i][0] = mf_e2m1_lut[i & 15];
+        mf_e2m1_pair_lut[i][1] = mf_e2m1_lut[i >> 4];
+    }
 }
 
 /* filled once per process, so separate forwards may run on separate threads */
@@ -205,6 +210,34 @@ static float mf_block_amax(const float *x, int64_t n)
     return a;
 }
 
+/* A UE8M0 scale byte b is the float with exponent field b and no mantissa: 2^(b-127), 255 inf. */
+static float mf_ue8m0_f32(uint8_t e)
+{
+    uint32_t b = (uint32_t)e << 23;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* The scales of one block of m values, as the byte the packed caches store: the e2m1 pow2
+ * scale's UE8M0 byte (the scale is a power of two >= 2^-126, or inf) and the e2m1 e4m3 scale's
+ * E4M3 code. */
+static uint8_t mf_blk_e2m1_ue8m0(const float *x, int64_t m)
+{
+    float s = mf_pow2_ceil(fmaxf(mf_block_amax(x, m), 6.0f * 0x1p-126f) / 6.0f);
+    uint32_t b;
+    memcpy(&b, &s, 4);
+    return (uint8_t)(b >> 23);
+}
+
+static uint8_t mf_blk_e2m1_e4m3(const float *x, int64_t m)
+{
+    /* amax/6 past e4m3's 448 would be NaN; clamped (reachable only with |x| > 2688) */
+    return mf_e4m3_from_f32(fminf(fmaxf(mf_block_amax(x, m), 6.0f * 0x1p-9f) / 6.0f, 448.0f));
+}
+
+static inline uint8_t mf_e2m1_code(float x, float s) { return mf_e2m1_from_f32(fminf(fmaxf(x / s, -6.0f), 6.0f)); }
+
 void mf_ly_fq_e4m3_pow2(float *x, int64_t n, int block)
 {
     mf_ly_luts();
@@ -223,11 +256,8 @@ void mf_ly_fq_e2m1_pow2(float *x, int64_t n, int block)
     mf_ly_luts();
     for (int64_t b0 = 0; b0 < n; b0 += block) {
         int64_t m = n - b0 < block ? n - b0 : block;
-        float s = mf_pow2_ceil(fmaxf(mf_block_amax(x + b0, m), 6.0f * 0x1p-126f) / 6.0f);
-        for (int64_t i = 0; i < m; i++) {
-            float q = fminf(fmaxf(x[b0 + i] / s, -6.0f), 6.0f);
-            x[b0 + i] = mf_e2m1_lut[mf_e2m1_from_f32(q)] * s;
-        }
+        float s = mf_ue8m0_f32(mf_blk_e2m1_ue8m0(x + b0, m));
+        for (int64_t i = 0; i < m; i++) x[b0 + i] = mf_e2m1_lut[mf_e2m1_code(x[b0 + i], s)] * s;
     }
 }
 
@@ -236,14 +266,60 @@ void mf_ly_fq_e2m1_e4m3(float *x, int64_t n, int block)
     mf_ly_luts();
     for (int64_t b0 = 0; b0 < n; b0 += block) {
         int64_t m = n - b0 < block ? n - b0 : block;
-        /* amax/6 past e4m3's 448 would be NaN; clamped (reachable only with |x| > 2688) */
-        float v = fminf(fmaxf(mf_block_amax(x + b0, m), 6.0f * 0x1p-9f) / 6.0f, 448.0f);
-        float s = mf_e4m3_lut[mf_e4m3_from_f32(v)];
-        for (int64_t i = 0; i < m; i++) {
-            float q = fminf(fmaxf(x[b0 + i] / s, -6.0f), 6.0f);
-            x[b0 + i] = mf_e2m1_lut[mf_e2m1_from_f32(q)] * s;
-        }
+        float s = mf_e4m3_lut[mf_blk_e2m1_e4m3(x + b0, m)];
+        for (int64_t i = 0; i < m; i++) x[b0 + i] = mf_e2m1_lut[mf_e2m1_code(x[b0 + i], s)] * s;
     }
+}
+
+/* The packed forms: the same codes and scales the fake quantizations above round to. */
+static void mf_ly_pack_e2m1(const float *x, int64_t n, int block, int e4m3_scales, uint8_t *codes, uint8_t *scales)
+{
+    mf_ly_luts();
+    memset(codes, 0, (size_t)(n + 1) / 2);
+    for (int64_t b0 = 0, k = 0; b0 < n; b0 += block, k++) {
+        int64_t m = n - b0 < block ? n - b0 : block;
+        scales[k] = e4m3_scales ? mf_blk_e2m1_e4m3(x + b0, m) : mf_blk_e2m1_ue8m0(x + b0, m);
+        float s = e4m3_scales ? mf_e4m3_lut[scales[k]] : mf_ue8m0_f32(scales[k]);
+        for (int64_t i = b0; i < b0 + m; i++) codes[i >> 1] |= (uint8_t)(mf_e2m1_code(x[i], s) << ((i & 1) * 4));
+    }
+}
+
+static void mf_ly_unpack_e2m1(const uint8_t *codes, const uint8_t *scales, int64_t n, int block, int e4m3_scales,
+                              float *out)
+{
+    mf_ly_luts();
+    for (int64_t b0 = 0, k = 0; b0 < n; b0 += block, k++) {
+        int64_t end = n - b0 < block ? n : b0 + block;
+        float s = e4m3_scales ? mf_e4m3_lut[scales[k]] : mf_ue8m0_f32(scales[k]);
+        int64_t i = b0;
+        if (!(b0 & 1))   /* whole bytes: two values each */
+            for (; i + 1 < end; i += 2) {
+                const float *v = mf_e2m1_pair_lut[codes[i >> 1]];
+                out[i] = v[0] * s;
+                out[i + 1] = v[1] * s;
+            }
+        for (; i < end; i++) out[i] = mf_e2m1_lut[mf_e2m1_get(codes, (size_t)i)] * s;
+    }
+}
+
+void mf_ly_pack_e2m1_pow2(const float *x, int64_t n, int block, uint8_t *codes, uint8_t *scales)
+{
+    mf_ly_pack_e2m1(x, n, block, 0, codes, scales);
+}
+
+void mf_ly_pack_e2m1_e4m3(const float *x, int64_t n, int block, uint8_t *codes, uint8_t *scales)
+{
+    mf_ly_pack_e2m1(x, n, block, 1, codes, scales);
+}
+
+void mf_ly_unpack_e2m1_pow2(const uint8_t *codes, const uint8_t *scales, int64_t n, int block, float *out)
+{
+    mf_ly_unpack_e2m1(codes, scales, n, block, 0, out);
+}
+
+void mf_ly_unpack_e2m1_e4m3(const uint8_t *codes, const uint8_t *scales, int64_t n, int block, float *out)
+{
+    mf_ly_unpack_e2m1(codes, scales, n, block, 1, out);
 }
 
 float mf_ly_silu(float x) { return (float)((double)x / (1.0 + exp(-(double)x))); }

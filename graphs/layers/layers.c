@@ -78,6 +78,9 @@ int mf_layers_new(const mf_model *m, const mf_ref_opts *opts, mf_layers **out)
     if (c->n_experts_per_tok > 256 || c->engram_head_dim > 4096)
         return mf_error(-EINVAL, "reference: num_experts_per_tok %d (max 256) or engram_head_dim %d "
                         "(max 4096) not supported", c->n_experts_per_tok, c->engram_head_dim);
+    if (c->index_head_dim > MF_LY_MAX_INDEX_DIM)
+        return mf_error(-EINVAL, "reference: index_head_dim %d (max %d) not supported", c->index_head_dim,
+                        MF_LY_MAX_INDEX_DIM);
     mf_layers *ly = calloc(1, sizeof *ly);
     if (!ly) return mf_error(-ENOMEM, "layers: out of memory");
     ly->m = m;
@@ -180,6 +183,8 @@ int mf_ly_ctx_new(const mf_layers *ly, mf_ly_lin lin, mf_ly_ctx **out)
         {"sub_out", (size_t)H * f, (void **)&cx->sub_out},
         {"aq", (size_t)wide * f, (void **)&cx->aq},
         {"attn_acc", (size_t)c->head_dim * sizeof(double), (void **)&cx->attn_acc},
+        {"sel_kv", (size_t)c->index_topk * c->head_dim * f, (void **)&cx->sel_kv},
+        {"cache_row", (size_t)mf_max64(c->head_dim, c->index_head_dim) * f, (void **)&cx->cache_row},
         {"gate_logits", (size_t)E * f, (void **)&cx->gate_logits},
         {"gate_bias", (size_t)E * f, (void **)&cx->gate_bias},
         {"ffn_g", (size_t)ffn * f, (void **)&cx->ffn_g},
@@ -195,7 +200,7 @@ int mf_ly_ctx_new(const mf_layers *ly, mf_ly_lin lin, mf_ly_ctx **out)
         {"lazy_data", (size_t)lazy_d, (void **)&cx->lazy_data},
         {"lazy_scale", (size_t)lazy_s, (void **)&cx->lazy_scale},
     };
-    int n = 20;
+    int n = 22;
     for (int k = 0; k < MF_LY_A_N; k++)
         if (k != MF_LY_A_IN && k != MF_LY_A_OUT)
             b[n++] = (mf_ly_buf){"attn", (size_t)mf_ly_attn_buf_len(c, k) * f, (void **)&cx->attn[k]};

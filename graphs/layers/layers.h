@@ -18,6 +18,7 @@
 #include "host/formats.h"
 
 #define MF_LY_MAX_HC 16
+#define MF_LY_MAX_INDEX_DIM 4096   /* index_head_dim the layer math supports (an index key on the stack) */
 
 /* The options of the layer math (named for the oracle's API, graphs/ref/ref.h, which takes them;
  * the engine reads them from the same tables). Debug hooks: called during the forward, on the
@@ -114,6 +115,8 @@ typedef struct mf_ly_ctx {
     float *aq;             /* widest linear input: its act-quant copy */
     float *attn[MF_LY_A_N];   /* mf_ly_attn's buffers of one item (IN and OUT are the caller's) */
     double *attn_acc;      /* head_dim: one head's weighted values */
+    float *sel_kv;         /* index_topk x head_dim: the selected compressed entries, unpacked */
+    float *cache_row;      /* max(head_dim, index_head_dim): an entry or index key before packing */
     float *gate_logits;    /* n_routed_experts: the router gate's output */
     float *gate_bias;      /* n_routed_experts: its bias as floats */
     float *ffn_g, *ffn_u;  /* an expert's hidden size: w1 and w3 outputs */
@@ -136,24 +139,59 @@ void mf_ly_ctx_free(mf_ly_ctx *cx);
 /* Score buffers for sequences of up to max_positions tokens (grown, never shrunk). -ENOMEM. */
 int mf_ly_ctx_reserve(mf_ly_ctx *cx, int64_t max_positions);
 
-/* Compressed cache of one KV-source layer. */
+/* ---- layer_cache.c: the compressed caches, packed and paged --------------------------------- */
+
+/* A KV-source layer's cache holds what the compressor emits, in the packed form its fake
+ * quantization rounds to (so the store is lossless): entry j is head_dim E2M1 codes (two a byte,
+ * low nibble first) with one E4M3 scale per 16 values (mf_ly_fq_e2m1_e4m3), and its index key
+ * index_head_dim E2M1 codes with one UE8M0 scale byte per 32 (mf_ly_fq_e2m1_pow2; the scale is
+ * 2^(byte-127)). Every dim is quantized, the RoPE part included. Entries live in pages of
+ * mf_ly_cache_page_entries entries (MF_LY_PAGE_POSITIONS positions' worth); the state
+ * (graphs/ref/ref.h) adds pages as positions arrive and keeps them over a reset. */
+#define MF_LY_PAGE_POSITIONS 256   /* positions a page of every cache covers (tokens too) */
+
 typedef struct mf_ly_cache {
-    float *kv;        /* cap x head_dim: roped, fp4 fake-quantized entries */
-    float *key;       /* cap x index_head_dim: roped, fp4 fake-quantized index keys */
+    uint8_t **page;   /* n_pages pages; page p holds entries [p * page_entries, (p + 1) * page_entries) */
+    int64_t n_pages;
     int64_t n;        /* entries emitted */
     float *pend_kv;   /* ratio 2: the first token of the open group (fp32 kv and gate score) */
     float *pend_score;
 } mf_ly_cache;
 
-/* The caches of one sequence (mf_ref_state_new). */
+/* Entries a page of KV-source layer L holds (ceil(MF_LY_PAGE_POSITIONS / ratio)), the bytes of one
+ * packed entry (KV + index key, codes + scales) and of one page. */
+int64_t mf_ly_cache_page_entries(const mf_config *c, int L);
+int64_t mf_ly_cache_entry_bytes(const mf_config *c);
+int64_t mf_ly_cache_page_bytes(const mf_config *c, int L);
+
+/* The one place each cache is written and read (the attention and index-score code calls nothing
+ * else; fast versions read through these too). All need entry j inside the cache's pages
+ * (j < n_pages * page entries; the state reserves them before a forward), L the KV-source layer.
+ * put_kv fake-quantizes kv (head_dim floats, as mf_ly_fq_e2m1_e4m3 per 16) into entry j's codes,
+ * put_key the index key (index_head_dim floats, as mf_ly_fq_e2m1_pow2 per 32); the floats are
+ * left as they were. get_kv / get_key write the entry's values (exactly what the fake
+ * quantization gives) into out. get_kv_rows unpacks entries rows[0..n) into out (n x head_dim):
+ * done once per item and layer into scratch, where every head then reads the same rows.
+ * Thread-safe for distinct entries; reads may run in parallel. */
+void mf_ly_cache_put_kv(const mf_config *c, int L, mf_ly_cache *ca, int64_t j, const float *kv);
+void mf_ly_cache_put_key(const mf_config *c, int L, mf_ly_cache *ca, int64_t j, const float *key);
+void mf_ly_cache_get_kv(const mf_config *c, int L, const mf_ly_cache *ca, int64_t j, float *out);
+void mf_ly_cache_get_key(const mf_config *c, int L, const mf_ly_cache *ca, int64_t j, float *out);
+void mf_ly_cache_get_kv_rows(const mf_config *c, int L, const mf_ly_cache *ca, const int32_t *rows, int n,
+                             float *out);
+
+/* The caches of one sequence (mf_ref_state_new, graphs/ref/ref_state.c). The fixed part (ring,
+ * pending groups, the page tables' owner) is one allocation; the token history and the caches'
+ * pages grow with the positions reserved (mf_ref_state_reserve). */
 struct mf_ref_state {
     const mf_layers *ly;
     int64_t max_pos;
     int64_t n_pos;       /* tokens consumed */
-    int32_t *tokens;     /* max_pos: token ids (history, for Engram) */
+    int64_t cap_pos;     /* positions the pages (and tokens) hold: a multiple of MF_LY_PAGE_POSITIONS */
+    int32_t *tokens;     /* cap_pos: token ids (history, for Engram) */
     float *ring;         /* n_layers x sliding_window x head_dim (slot = pos % window) */
-    mf_ly_cache *cache;  /* n_layers; kv/key NULL on non-source layers */
-    void *mem;           /* the one allocation behind the arrays */
+    mf_ly_cache *cache;  /* n_layers; pages only on KV-source layers */
+    void *mem;           /* the fixed part's one allocation */
 };
 
 /* Sorts picks by score descending, ties by index ascending. */
@@ -227,6 +265,14 @@ void mf_ly_rope_freqs(const mf_config *c, int layer, float *freqs);
 void mf_ly_fq_e4m3_pow2(float *x, int64_t n, int block);
 void mf_ly_fq_e2m1_pow2(float *x, int64_t n, int block);
 void mf_ly_fq_e2m1_e4m3(float *x, int64_t n, int block);
+/* The same two e2m1 roundings as codes and scales: pack writes (n + 1) / 2 code bytes (low nibble
+ * first, an odd n's last high nibble 0) and ceil(n / block) scale bytes (UE8M0 exponent bytes
+ * for pow2, E4M3 codes for e4m3); unpack writes the n floats the fake quantization gives, bit for
+ * bit (tests/test_kvpack.c). */
+void mf_ly_pack_e2m1_pow2(const float *x, int64_t n, int block, uint8_t *codes, uint8_t *scales);
+void mf_ly_pack_e2m1_e4m3(const float *x, int64_t n, int block, uint8_t *codes, uint8_t *scales);
+void mf_ly_unpack_e2m1_pow2(const uint8_t *codes, const uint8_t *scales, int64_t n, int block, float *out);
+void mf_ly_unpack_e2m1_e4m3(const uint8_t *codes, const uint8_t *scales, int64_t n, int block, float *out);
 
 float mf_ly_silu(float x);
 float mf_ly_sigmoid(float x);

@@ -47,76 +47,6 @@ void mf_ref_free(mf_ref *r)
 
 const mf_config *mf_ref_config(const mf_ref *r) { return r->ly->c; }
 
-int64_t mf_ref_state_bytes(const mf_config *c, int64_t max_positions)
-{
-    int64_t D = c->head_dim, W = c->sliding_window, id = c->index_head_dim;
-    int64_t bytes = max_positions * (int64_t)sizeof(int32_t) + c->n_layers * W * D * (int64_t)sizeof(float) +
-                    c->n_layers * (int64_t)sizeof(mf_ly_cache) + 64;
-    for (int L = 0; L < c->n_layers; L++)
-        if (mf_config_is_kv_source(c, L)) {
-            int64_t cap = max_positions / c->compress_ratios[L] + 1;
-            bytes += cap * (D + id) * (int64_t)sizeof(float) + 2 * D * (int64_t)sizeof(float);
-        }
-    return bytes + (int64_t)sizeof(mf_ref_state);
-}
-
-int mf_ref_state_new(const mf_ref *r, int64_t max_positions, mf_ref_state **out)
-{
-    *out = NULL;
-    const mf_config *c = r->ly->c;
-    if (max_positions < 1 || max_positions > c->max_position_embeddings)
-        return mf_error(-EINVAL, "reference: max_positions %" PRId64 " outside 1..%" PRId64
-                        " (max_position_embeddings)", max_positions, c->max_position_embeddings);
-    int64_t D = c->head_dim, W = c->sliding_window, id = c->index_head_dim;
-    size_t bytes = (size_t)mf_ref_state_bytes(c, max_positions) - sizeof(mf_ref_state);
-    mf_ref_state *s = calloc(1, sizeof *s);
-    uint8_t *p = calloc(1, bytes);
-    if (!s || !p) {
-        free(s);
-        free(p);
-        return mf_error(-ENOMEM, "reference: cannot allocate %zu bytes of caches for %" PRId64
-                        " positions", bytes, max_positions);
-    }
-    s->ly = r->ly;
-    s->max_pos = max_positions;
-    s->mem = p;
-    s->cache = (mf_ly_cache *)p;
-    p += (size_t)c->n_layers * sizeof(mf_ly_cache);
-    s->ring = (float *)p;
-    p += (size_t)c->n_layers * W * D * sizeof(float);
-    for (int L = 0; L < c->n_layers; L++)
-        if (mf_config_is_kv_source(c, L)) {
-            int64_t cap = max_positions / c->compress_ratios[L] + 1;
-            mf_ly_cache *ca = &s->cache[L];
-            ca->kv = (float *)p;
-            p += (size_t)cap * D * sizeof(float);
-            ca->key = (float *)p;
-            p += (size_t)cap * id * sizeof(float);
-            ca->pend_kv = (float *)p;
-            p += (size_t)D * sizeof(float);
-            ca->pend_score = (float *)p;
-            p += (size_t)D * sizeof(float);
-        }
-    s->tokens = (int32_t *)p;
-    *out = s;
-    return 0;
-}
-
-void mf_ref_state_free(mf_ref_state *s)
-{
-    if (!s) return;
-    free(s->mem);
-    free(s);
-}
-
-void mf_ref_state_reset(mf_ref_state *s)
-{
-    s->n_pos = 0;
-    for (int L = 0; L < s->ly->c->n_layers; L++) s->cache[L].n = 0;
-}
-
-int64_t mf_ref_state_pos(const mf_ref_state *s) { return s->n_pos; }
-
 static int mf_ref_layer(mf_ref *r, mf_ly_item *it, int L)
 {
     mf_ly_ctx *cx = r->cx;
@@ -177,6 +107,7 @@ int mf_ref_forward(mf_ref *r, mf_ref_state *const *states, const int32_t *tokens
         need_pos = need_pos > states[i]->max_pos ? need_pos : states[i]->max_pos;
     }
     int rc = mf_ly_ctx_reserve(r->cx, need_pos);
+    if (!rc) rc = mf_ref_states_reserve(states, n);   /* pages for every position the items reach */
     if (rc) return rc;
     int64_t H = c->hidden_size, X = (int64_t)c->hc_mult * H;
     int n_cb = c->candidate_topk_blocks > 0 ? c->candidate_topk_blocks : 1;

@@ -34,6 +34,7 @@ typedef struct mf_bseq {
     int n_fed, n_gen;
     int32_t pending;      /* generated token to feed next step, or -1 */
     int in_step, got_logits;
+    int admit_rc;         /* the state's reservation at admission (0, or -ENOMEM: the request ends in error) */
     char *txt;            /* generated text; grows (amortized) past its first 4 KiB only */
     size_t n_txt, cap_txt, n_sent;
     int64_t admit_ns, first_ns;
@@ -95,11 +96,15 @@ int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
     if (o.max_context < 2 || o.max_context > c->max_position_embeddings)
         return mf_error(-EINVAL, "batch: max_context %" PRId64 " (expected 2..%" PRId64 ", the model's "
                         "max_position_embeddings)", o.max_context, c->max_position_embeddings);
-    int64_t sb = mf_ref_state_bytes(c, o.max_context);
-    int64_t fit = o.state_budget_bytes ? (int64_t)(o.state_budget_bytes / (uint64_t)sb) : o.max_batch;
-    if (fit < 1)
+    /* a state holds its fixed part from the start and pages for the positions of the request
+     * it runs (graphs/ref/ref.h); the budget bounds what all states hold */
+    int64_t sb = mf_ref_state_bytes(c, o.max_context), fixed = mf_ref_state_bytes(c, 0);
+    if (o.state_budget_bytes && (uint64_t)sb > o.state_budget_bytes)
         return mf_error(-ENOSPC, "batch: a state of %" PRId64 " positions takes %" PRId64 " bytes, more than "
                         "the state budget of %" PRIu64 " bytes", o.max_context, sb, o.state_budget_bytes);
+    /* states enough that one of max_context fits beside all the others idle */
+    int64_t fit = o.state_budget_bytes ? 1 + (int64_t)((o.state_budget_bytes - (uint64_t)sb) / (uint64_t)fixed)
+                                       : o.max_batch;
     mf_batch *b = calloc(1, sizeof *b);
     if (!b) return mf_error(-ENOMEM, "batch: out of memory");
     b->o = o;
@@ -226,7 +231,41 @@ static int mf_batch_text(mf_batch *b, mf_bseq *q, int32_t t)
     return 0;
 }
 
-/* Takes the queue's cancellations and admissions (under the mutex), then delivers them. */
+int64_t mf_batch_request_bytes(const mf_batch *b, int n_prompt, int max_tokens)
+{
+    return mf_ref_state_bytes(b->c, (int64_t)n_prompt + max_tokens);
+}
+
+/* Whether request r may take free slot i under the state budget: the bytes every other state
+ * holds plus what r needs. Idle states give back their pages (largest first) when that makes
+ * room. Then i's state is trimmed to r's positions and reserved for them (its admit_rc). */
+static int mf_batch_fits(mf_batch *b, int i, const mf_breq *r)
+{
+    int64_t n = (int64_t)r->r.n_prompt + r->r.max_tokens;
+    if (b->o.state_budget_bytes) {
+        int64_t need = mf_ref_state_bytes(b->c, n), used = 0;
+        for (int j = 0; j < b->n_states; j++)
+            if (j != i) used += mf_ref_state_held_bytes(b->seq[j].st);
+        while ((uint64_t)(used + need) > b->o.state_budget_bytes) {
+            int big = -1;
+            for (int j = 0; j < b->n_states; j++)
+                if (j != i && !b->seq[j].req && mf_ref_state_held_bytes(b->seq[j].st) > mf_ref_state_bytes(b->c, 0) &&
+                    (big < 0 || mf_ref_state_held_bytes(b->seq[j].st) > mf_ref_state_held_bytes(b->seq[big].st)))
+                    big = j;
+            if (big < 0) return 0;   /* waits for a running sequence to finish */
+            used -= mf_ref_state_held_bytes(b->seq[big].st);
+            mf_ref_state_trim(b->seq[big].st, 0);
+            used += mf_ref_state_held_bytes(b->seq[big].st);
+        }
+    }
+    mf_bseq *q = &b->seq[i];
+    if (b->o.state_budget_bytes) mf_ref_state_trim(q->st, n);   /* without a budget it keeps its pages for reuse */
+    q->admit_rc = mf_ref_state_reserve(q->st, n);   /* no allocation on the step path from here on */
+    return 1;
+}
+
+/* Takes the queue's cancellations and admissions (under the mutex), then delivers them. A request
+ * is admitted in queue order when a state is free and the state budget holds what it needs. */
 static void mf_batch_admit(mf_batch *b)
 {
     mf_breq *dropped;
@@ -240,7 +279,7 @@ static void mf_batch_admit(mf_batch *b)
             cancel[i] = q->req->cancel;
             continue;
         }
-        if (!b->qhead) continue;
+        if (!b->qhead || !mf_batch_fits(b, i, b->qhead)) continue;
         mf_breq *r = b->qhead;
         b->qhead = r->next;
         if (!b->qhead) b->qtail = NULL;
@@ -248,6 +287,9 @@ static void mf_batch_admit(mf_batch *b)
         b->n_running++;
         q->req = r;
     }
+    int64_t held = 0;
+    for (int i = 0; i < b->n_states; i++) held += mf_ref_state_held_bytes(b->seq[i].st);
+    b->stats.state_bytes_held = held;
     pthread_mutex_unlock(&b->mu);
     while (dropped) {
         mf_breq *r = dropped;
@@ -261,6 +303,8 @@ static void mf_batch_admit(mf_batch *b)
         mf_bseq *q = &b->seq[i];
         if (cancel[i]) {
             mf_batch_finish_seq(b, q, MF_BATCH_CANCELLED, 0, NULL);
+        } else if (q->req && !q->admit_ns && q->admit_rc) {   /* its state could not grow */
+            mf_batch_finish_seq(b, q, MF_BATCH_ERROR, q->admit_rc, mf_last_error());
         } else if (q->req && !q->admit_ns) {   /* just admitted (settings were checked at submit) */
             mf_sampler_reset(q->smp, q->req->r.temperature, q->req->r.top_p, q->req->r.seed);
             q->order = b->next_order++;

@@ -70,8 +70,14 @@ typedef struct mf_batch_opts {
      * per-item parts in parallel. 1: the first takes all it can (earliest first token). */
     int prefill_split;
     int64_t max_context;  /* positions per state: prompt + max_tokens (0: min(model's, 4096)) */
-    /* bytes for all states (0: max_batch of them): the pool holds min(max_batch, budget / state
-     * bytes) states; fewer than one is -ENOSPC. A request waits in the queue until a state is free. */
+    /* bytes all states may hold (0: no limit). A state holds a fixed part (the window ring) and
+     * pages for the positions of the request it runs (graphs/ref/ref.h): a request is admitted, in
+     * queue order, when a state is free and the bytes every state holds plus what it needs
+     * (mf_batch_request_bytes: prompt + max_tokens positions) fit; it waits in the queue until
+     * then (idle states give back their pages when that makes room; without a budget a state keeps
+     * its pages for the next request). The pool holds min(max_batch, 1 + (budget - one state of
+     * max_context) / the fixed part) states, so that a request of max_context always fits beside
+     * idle states; a budget below one state of max_context is -ENOSPC. */
     uint64_t state_budget_bytes;
     int max_queue;        /* waiting requests (0: 256); one more is refused with -EAGAIN */
     void (*on_event)(void *user, const mf_batch_event *ev);
@@ -92,8 +98,10 @@ typedef struct mf_batch_req {
     void *user;
 } mf_batch_req;
 
-/* Bytes of one state of max_positions positions (what the pool and the budget count). */
+/* Bytes of one state of max_context positions (the most a request may need). */
 int64_t mf_batch_state_bytes(const mf_batch *b);
+/* Bytes the state of a request of n_prompt + max_tokens positions holds (what the budget counts). */
+int64_t mf_batch_request_bytes(const mf_batch *b, int n_prompt, int max_tokens);
 
 /* Allocates the pool (states, samplers, logits rows, step arrays). -EINVAL on bad options,
  * -ENOSPC when the budget holds no state, -ENOMEM. */
@@ -128,6 +136,7 @@ typedef struct mf_batch_stats {
     int queued, running, n_states;
     int64_t steps, items, prefill_items, decode_items, generated;
     int64_t completed, cancelled, refused;
+    int64_t state_bytes_held;   /* what all states hold, as of the last admission */
 } mf_batch_stats;
 
 void mf_batch_get_stats(mf_batch *b, mf_batch_stats *out);   /* thread-safe */

@@ -1,7 +1,8 @@
 /* The engine's fast per-item layer math (graphs/step/fast_attn.h): fp32 16-lane dots and fmaf
  * chains with an AVX2 path and a scalar path of the same lanes and order, over the caches read
- * through one accessor per cache (mf_fa_ring_row, mf_fa_kv_row, mf_fa_key_row), so a change of
- * how the sequence state stores them touches those three lines. */
+ * as the module reads them: the window ring (mf_fa_ring_row), the selected compressed entries
+ * unpacked once per heads call (mf_ly_cache_get_kv_rows into cx->sel_kv), an index key unpacked
+ * once for all index heads (mf_fa_key_row). */
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
@@ -18,16 +19,12 @@ static inline const float *mf_fa_ring_row(const mf_ref_state *st, const mf_confi
     return st->ring + ((int64_t)L * W + t % W) * D;
 }
 
-/* Compressed entry j of KV source S. */
-static inline const float *mf_fa_kv_row(const mf_ref_state *st, const mf_config *c, int S, int64_t j)
+/* Index key j of KV source S, unpacked into buf (the caches are packed: graphs/layers/layers.h
+ * mf_ly_cache_get_key); returns buf. */
+static inline const float *mf_fa_key_row(const mf_ref_state *st, const mf_config *c, int S, int64_t j, float *buf)
 {
-    return st->cache[S].kv + j * c->head_dim;
-}
-
-/* Index key j of KV source S. */
-static inline const float *mf_fa_key_row(const mf_ref_state *st, const mf_config *c, int S, int64_t j)
-{
-    return st->cache[S].key + j * c->index_head_dim;
+    mf_ly_cache_get_key(c, S, &st->cache[S], j, buf);
+    return buf;
 }
 
 /* ---- numeric pieces -------------------------------------------------------------------------- */
@@ -129,12 +126,12 @@ typedef struct mf_fa_keys {
     int L, S;
     int64_t t0, n_win, pos0;
     const mf_ly_win *win;
-    const int32_t *sel;
+    const float *sel_kv;   /* the selected entries, unpacked in selection order */
 } mf_fa_keys;
 
 static inline const float *mf_fa_key(const mf_fa_keys *k, int64_t i)
 {
-    if (i >= k->n_win) return mf_fa_kv_row(k->st, k->c, k->S, k->sel[i - k->n_win]);
+    if (i >= k->n_win) return k->sel_kv + (i - k->n_win) * k->c->head_dim;
     int64_t t = k->t0 + i;
     return t >= k->pos0 ? k->win->kv + (t - k->pos0) * k->win->ld : mf_fa_ring_row(k->st, k->c, k->L, t);
 }
@@ -193,8 +190,7 @@ void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *
 
     mf_fa_keys ks = {.st = it->st, .c = c, .L = L, .S = -1, .win = win};
     int64_t n_sel = 0;
-    if (ratio > 0 && it->topk_src == cx->ly->src_of[L]) {
-        ks.sel = it->topk;
+    if (ratio > 0 && it->topk_src == cx->ly->src_of[L] && h0 < h1) {
         ks.S = it->topk_src;
         n_sel = it->n_topk;
     }
@@ -205,6 +201,10 @@ void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *
     if (n > MF_FA_MAX_KEYS) {   /* more keys than the pointer table below holds: the module */
         mf_ly_attn_core_heads(cx, it, L, b, h0, h1, win);
         return;
+    }
+    if (n_sel) {   /* the selected entries unpacked once for the heads of this call, as the module */
+        mf_ly_cache_get_kv_rows(c, ks.S, &it->st->cache[ks.S], it->topk, (int)n_sel, cx->sel_kv);
+        ks.sel_kv = cx->sel_kv;
     }
     const float *kp[MF_FA_MAX_KEYS];   /* each key's row, found once */
     for (int64_t i = 0; i < n; i++) kp[i] = mf_fa_key(&ks, i);
@@ -273,8 +273,9 @@ void mf_fa_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float 
     int S = ly->src_of[L];
     const float *qi = b[MF_LY_A_QI], *wts = b[MF_LY_A_IW];
     int ih = c->index_n_heads, id = c->index_head_dim;
+    float kbuf[MF_LY_MAX_INDEX_DIM];   /* the key, unpacked once for all index heads */
     for (int64_t j = j0; j < j1; j++) {
-        const float *k = mf_fa_key_row(it->st, c, S, j);
+        const float *k = mf_fa_key_row(it->st, c, S, j, kbuf);
         double acc = 0;
         for (int h0 = 0; h0 < ih; h0 += 4) {
             int G = ih - h0 < 4 ? ih - h0 : 4;

@@ -2061,7 +2061,7 @@ static int mf_step_check(mf_step *s, mf_ref_state *const *states, const int32_t 
         int rc = mf_ly_ctx_reserve(s->cx[w], need);
         if (rc) return rc;
     }
-    return 0;
+    return mf_ref_states_reserve(states, n);   /* the states' pages for every position the items reach */
 }
 
 /* The spans of the last run's tasks of the kinds in mask `kinds`, merged (mf_timeline_union) into

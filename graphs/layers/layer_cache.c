@@ -1,0 +1,88 @@
+/* The compressed caches of KV-source layers (graphs/layers/layers.h): entries and index keys stored as
+ * the E2M1 codes and scales their fake quantization rounds to, in pages, and the one place the
+ * attention and the indexer write and read them. The pages themselves are the state's
+ * (graphs/ref/ref_state.c). A page of n entries: KV codes (n x head_dim/2), KV scales (n x
+ * head_dim/16), key codes (n x index_head_dim/2), key scales (n x index_head_dim/32). */
+#include "graphs/layers/layers.h"
+
+#define MF_LY_KV_BLOCK 16    /* values per E4M3 scale of an entry */
+#define MF_LY_KEY_BLOCK 32   /* values per UE8M0 scale of an index key */
+
+typedef struct mf_ly_cgeom {
+    int64_t kv_codes, kv_scales, key_codes, key_scales;   /* bytes per entry of each part */
+    int64_t per_page;
+} mf_ly_cgeom;
+
+static mf_ly_cgeom mf_ly_cache_geom(const mf_config *c, int L)
+{
+    int64_t D = c->head_dim, id = c->index_head_dim;
+    mf_ly_cgeom g = {(D + 1) / 2, (D + MF_LY_KV_BLOCK - 1) / MF_LY_KV_BLOCK, (id + 1) / 2,
+                     (id + MF_LY_KEY_BLOCK - 1) / MF_LY_KEY_BLOCK, 0};
+    int r = c->compress_ratios[L] > 0 ? c->compress_ratios[L] : 1;
+    g.per_page = (MF_LY_PAGE_POSITIONS + r - 1) / r;
+    return g;
+}
+
+int64_t mf_ly_cache_page_entries(const mf_config *c, int L) { return mf_ly_cache_geom(c, L).per_page; }
+
+int64_t mf_ly_cache_entry_bytes(const mf_config *c)
+{
+    mf_ly_cgeom g = mf_ly_cache_geom(c, 0);
+    return g.kv_codes + g.kv_scales + g.key_codes + g.key_scales;
+}
+
+int64_t mf_ly_cache_page_bytes(const mf_config *c, int L)
+{
+    return mf_ly_cache_page_entries(c, L) * mf_ly_cache_entry_bytes(c);
+}
+
+/* Where entry j's parts are: the page, then each part's row (part k's rows start after k parts) */
+typedef struct mf_ly_cref {
+    uint8_t *kv_codes, *kv_scales, *key_codes, *key_scales;
+} mf_ly_cref;
+
+static mf_ly_cref mf_ly_cache_at(const mf_config *c, int L, const mf_ly_cache *ca, int64_t j)
+{
+    mf_ly_cgeom g = mf_ly_cache_geom(c, L);
+    int64_t p = j / g.per_page, r = j % g.per_page, n = g.per_page;
+    uint8_t *base = ca->page[p];
+    mf_ly_cref e;
+    e.kv_codes = base + r * g.kv_codes;
+    base += n * g.kv_codes;
+    e.kv_scales = base + r * g.kv_scales;
+    base += n * g.kv_scales;
+    e.key_codes = base + r * g.key_codes;
+    base += n * g.key_codes;
+    e.key_scales = base + r * g.key_scales;
+    return e;
+}
+
+void mf_ly_cache_put_kv(const mf_config *c, int L, mf_ly_cache *ca, int64_t j, const float *kv)
+{
+    mf_ly_cref e = mf_ly_cache_at(c, L, ca, j);
+    mf_ly_pack_e2m1_e4m3(kv, c->head_dim, MF_LY_KV_BLOCK, e.kv_codes, e.kv_scales);
+}
+
+void mf_ly_cache_put_key(const mf_config *c, int L, mf_ly_cache *ca, int64_t j, const float *key)
+{
+    mf_ly_cref e = mf_ly_cache_at(c, L, ca, j);
+    mf_ly_pack_e2m1_pow2(key, c->index_head_dim, MF_LY_KEY_BLOCK, e.key_codes, e.key_scales);
+}
+
+void mf_ly_cache_get_kv(const mf_config *c, int L, const mf_ly_cache *ca, int64_t j, float *out)
+{
+    mf_ly_cref e = mf_ly_cache_at(c, L, ca, j);
+    mf_ly_unpack_e2m1_e4m3(e.kv_codes, e.kv_scales, c->head_dim, MF_LY_KV_BLOCK, out);
+}
+
+void mf_ly_cache_get_key(const mf_config *c, int L, const mf_ly_cache *ca, int64_t j, float *out)
+{
+    mf_ly_cref e = mf_ly_cache_at(c, L, ca, j);
+    mf_ly_unpack_e2m1_pow2(e.key_codes, e.key_scales, c->index_head_dim, MF_LY_KEY_BLOCK, out);
+}
+
+void mf_ly_cache_get_kv_rows(const mf_config *c, int L, const mf_ly_cache *ca, const int32_t *rows, int n,
+                             float *out)
+{
+    for (int i = 0; i < n; i++) mf_ly_cache_get_kv(c, L, ca, rows[i], out + (int64_t)i * c->head_dim);
+}

@@ -1,0 +1,179 @@
+/* Sequence states (graphs/ref/ref.h): a fixed part (the window ring, the open compressor groups,
+ * the caches' headers) allocated once, and what grows with the positions: the token history and
+ * the pages of the packed compressed caches (graphs/layers/layer_cache.c). Pages are added before a
+ * forward touches the state (mf_ref_state_reserve) and kept over a reset. */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "graphs/layers/layers.h"
+#include "graphs/ref/ref.h"
+#include "sched/error.h"
+
+static int64_t mf_st_round(int64_t n) { return (n + MF_LY_PAGE_POSITIONS - 1) / MF_LY_PAGE_POSITIONS * MF_LY_PAGE_POSITIONS; }
+
+/* Pages KV-source layer L's cache needs for positions [0, cap): its entries, floor(cap / ratio). */
+static int64_t mf_st_pages(const mf_config *c, int L, int64_t cap)
+{
+    int64_t per = mf_ly_cache_page_entries(c, L), n = cap / c->compress_ratios[L];
+    return (n + per - 1) / per;
+}
+
+static int64_t mf_st_fixed_bytes(const mf_config *c)
+{
+    int64_t D = c->head_dim, W = c->sliding_window, n_src = 0;
+    for (int L = 0; L < c->n_layers; L++) n_src += mf_config_is_kv_source(c, L);
+    return (int64_t)sizeof(mf_ref_state) + c->n_layers * (int64_t)sizeof(mf_ly_cache) +
+           c->n_layers * W * D * (int64_t)sizeof(float) + n_src * 2 * D * (int64_t)sizeof(float);
+}
+
+/* Bytes of what grows, for positions [0, cap) with cap a multiple of the page */
+static int64_t mf_st_grown_bytes(const mf_config *c, int64_t cap)
+{
+    int64_t bytes = cap * (int64_t)sizeof(int32_t);
+    for (int L = 0; L < c->n_layers; L++)
+        if (mf_config_is_kv_source(c, L))
+            bytes += mf_st_pages(c, L, cap) * (mf_ly_cache_page_bytes(c, L) + (int64_t)sizeof(uint8_t *));
+    return bytes;
+}
+
+int64_t mf_ref_state_bytes(const mf_config *c, int64_t n_positions)
+{
+    return mf_st_fixed_bytes(c) + mf_st_grown_bytes(c, mf_st_round(n_positions < 0 ? 0 : n_positions));
+}
+
+int64_t mf_ref_state_held_bytes(const mf_ref_state *s)
+{
+    return mf_st_fixed_bytes(s->ly->c) + mf_st_grown_bytes(s->ly->c, s->cap_pos);
+}
+
+int mf_ref_state_new(const mf_ref *r, int64_t max_positions, mf_ref_state **out)
+{
+    *out = NULL;
+    const mf_layers *ly = mf_ref_layers(r);
+    const mf_config *c = ly->c;
+    if (max_positions < 1 || max_positions > c->max_position_embeddings)
+        return mf_error(-EINVAL, "reference: max_positions %" PRId64 " outside 1..%" PRId64
+                        " (max_position_embeddings)", max_positions, c->max_position_embeddings);
+    int64_t D = c->head_dim, W = c->sliding_window;
+    size_t bytes = (size_t)(mf_st_fixed_bytes(c) - (int64_t)sizeof(mf_ref_state));
+    mf_ref_state *s = calloc(1, sizeof *s);
+    uint8_t *p = calloc(1, bytes);
+    if (!s || !p) {
+        free(s);
+        free(p);
+        return mf_error(-ENOMEM, "reference: cannot allocate %zu bytes for a sequence state", bytes);
+    }
+    s->ly = ly;
+    s->max_pos = max_positions;
+    s->mem = p;
+    s->cache = (mf_ly_cache *)p;
+    p += (size_t)c->n_layers * sizeof(mf_ly_cache);
+    s->ring = (float *)p;
+    p += (size_t)c->n_layers * W * D * sizeof(float);
+    for (int L = 0; L < c->n_layers; L++)
+        if (mf_config_is_kv_source(c, L)) {
+            mf_ly_cache *ca = &s->cache[L];
+            ca->pend_kv = (float *)p;
+            p += (size_t)D * sizeof(float);
+            ca->pend_score = (float *)p;
+            p += (size_t)D * sizeof(float);
+        }
+    *out = s;
+    return 0;
+}
+
+/* Frees the pages of every cache past what positions [0, cap) need and sizes the tables and the
+ * token history to cap (shrinking never fails: a failed realloc keeps the larger block). */
+static void mf_st_shrink(mf_ref_state *s, int64_t cap)
+{
+    const mf_config *c = s->ly->c;
+    for (int L = 0; L < c->n_layers; L++) {
+        mf_ly_cache *ca = &s->cache[L];
+        if (!mf_config_is_kv_source(c, L)) continue;
+        int64_t keep = mf_st_pages(c, L, cap);
+        while (ca->n_pages > keep) free(ca->page[--ca->n_pages]);
+        if (!keep) {
+            free(ca->page);
+            ca->page = NULL;
+        } else {
+            uint8_t **t = realloc(ca->page, (size_t)keep * sizeof *t);
+            if (t) ca->page = t;
+        }
+    }
+    if (!cap) {
+        free(s->tokens);
+        s->tokens = NULL;
+    } else if (cap < s->cap_pos) {
+        int32_t *t = realloc(s->tokens, (size_t)cap * sizeof *t);
+        if (t) s->tokens = t;
+    }
+    s->cap_pos = cap;
+}
+
+int mf_ref_state_reserve(mf_ref_state *s, int64_t n_positions)
+{
+    if (n_positions > s->max_pos)
+        return mf_error(-EINVAL, "reference: %" PRId64 " positions reserved, past the state's maximum of %" PRId64,
+                        n_positions, s->max_pos);
+    if (n_positions <= s->cap_pos) return 0;
+    const mf_config *c = s->ly->c;
+    int64_t cap = mf_st_round(n_positions), old = s->cap_pos;
+    if (cap > s->max_pos) cap = mf_st_round(s->max_pos);
+    int32_t *tok = realloc(s->tokens, (size_t)cap * sizeof *tok);
+    if (!tok)
+        return mf_error(-ENOMEM, "reference: cannot grow a state's token history to %" PRId64 " positions", cap);
+    s->tokens = tok;
+    for (int L = 0; L < c->n_layers; L++) {
+        mf_ly_cache *ca = &s->cache[L];
+        if (!mf_config_is_kv_source(c, L)) continue;
+        int64_t need = mf_st_pages(c, L, cap), pb = mf_ly_cache_page_bytes(c, L);
+        if (need <= ca->n_pages) continue;
+        uint8_t **t = realloc(ca->page, (size_t)need * sizeof *t);
+        if (t) ca->page = t;
+        while (t && ca->n_pages < need && (ca->page[ca->n_pages] = malloc((size_t)pb))) ca->n_pages++;
+        if (ca->n_pages < need) {   /* back to what it held: the state is as it was */
+            s->cap_pos = cap;
+            mf_st_shrink(s, old);
+            return mf_error(-ENOMEM, "reference: cannot allocate page %" PRId64 " (%" PRId64 " bytes) of layer %d's "
+                            "compressed cache, growing a state to %" PRId64 " positions", ca->n_pages, pb, L, cap);
+        }
+    }
+    s->cap_pos = cap;
+    return 0;
+}
+
+int mf_ref_states_reserve(mf_ref_state *const *states, int n)
+{
+    for (int i = 0, j = 0; i < n; i++) {
+        if (i > 0 && states[i] != states[i - 1]) j = i;   /* j: the first item of i's run */
+        if (i + 1 < n && states[i + 1] == states[i]) continue;
+        int rc = mf_ref_state_reserve(states[i], states[i]->n_pos + (i - j + 1));
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+void mf_ref_state_trim(mf_ref_state *s, int64_t n_positions)
+{
+    int64_t keep = n_positions > s->n_pos ? n_positions : s->n_pos;
+    int64_t cap = mf_st_round(keep);
+    if (cap < s->cap_pos) mf_st_shrink(s, cap);
+}
+
+void mf_ref_state_free(mf_ref_state *s)
+{
+    if (!s) return;
+    mf_st_shrink(s, 0);
+    free(s->mem);
+    free(s);
+}
+
+void mf_ref_state_reset(mf_ref_state *s)
+{
+    s->n_pos = 0;
+    for (int L = 0; L < s->ly->c->n_layers; L++) s->cache[L].n = 0;
+}
+
+int64_t mf_ref_state_pos(const mf_ref_state *s) { return s->n_pos; }
