@@ -903,8 +903,8 @@ int mf_cmd_serve(int argc, char **argv)
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
     mf_batch_stats bs;
     mf_batch_get_stats(v.b, &bs);
-    fprintf(stderr, "moeflow serve: listening on http://%s:%u (model %s, %s engine, %d states of %.1f MiB, context "
-            "%" PRId64 ", step budget %ld)\n", host, di ? di->port : (unsigned)port, v.model, engine, bs.n_states,
+    fprintf(stderr, "moeflow serve: listening on http://%s:%u (model %s, %s engine, up to %d states, %.1f MiB each "
+            "at the full context of %" PRId64 " (pages as positions arrive), step budget %ld)\n", host, di ? di->port : (unsigned)port, v.model, engine, bs.n_states,
             mf_batch_state_bytes(v.b) / 1048576.0, v.max_context, step_tokens);
     snprintf(tpath, sizeof tpath, "%s/tokenizer_config.json", dir);
     if (!quiet && access(tpath, R_OK) == 0)
