@@ -1063,7 +1063,7 @@ static int mf_task_combine(void *arg, mf_task_ctx *ctx)
         for (int64_t d = d0; d < d1; d++) acc[d] += yr[d];
     }
     for (int64_t d = d0; d < d1; d++) out[d] = mf_bf((float)acc[d]);
-    mf_ly_hc_expand_cols(cx, sh->items[i].x, out, post, comb, d0, d1);
+    (sh->eng->o.exact ? mf_ly_hc_expand_cols : mf_fa_hc_expand_cols)(cx, sh->items[i].x, out, post, comb, d0, d1);
     if (a->t->part == 0) memcpy(sh->items[i].pre, pre, sizeof pre);
     return 0;
 }
