@@ -133,12 +133,10 @@ struct mf_step_shape {
     int n_head;
     /* dense work on cards: per card its device copies of the activations a dense task reads and
      * writes (attention buffers ab, MoE input, gate logits, shared expert's h (and g, u with
-     * exact) and output, normed rows, logits) at offsets dd_* into ddense[card]; the first error
-     * of a card's dense work (set on the card's stream thread, read after the run) */
+     * exact) and output, normed rows, logits) at offsets dd_* into ddense[card] (a launch's
+     * failure fails its task through the stream's status callback) */
     uint8_t *ddense[MF_DEV_MAX_CARDS];
     size_t dd_ab[MF_LY_A_N], dd_xin, dd_logits, dd_hs, dd_gs, dd_us, dd_ys, dd_hn, dd_lbuf;
-    int dense_rc;
-    char dense_msg[256];
     void *mem;
 };
 
@@ -2216,10 +2214,8 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
         for (int k = 1; k < c->hc_mult; k++) memcpy(it->x + k * H, it->x, (size_t)H * sizeof(float));
     }
     mf_timeline_reset(sh->tl);
-    sh->dense_rc = 0;
     rc = mf_sched_run(s->sched, sh->g, &(mf_run_opts){.timeline = sh->tl});
     s->last = sh;
-    if (!rc && sh->dense_rc) rc = mf_error(sh->dense_rc, "step: %s", sh->dense_msg);
     if (rc && sh->dev_layer >= 0) rc = mf_step_dev_fail(sh, rc);
     if (rc && s->store) rc = mf_step_store_fail(s, sh, rc);
     if (rc) return rc;
