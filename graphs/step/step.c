@@ -1414,7 +1414,8 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const in
                                           .lanes = eng->lt.lane,
                                           .n_lanes = eng->lt.n_lanes, .lane_io = eng->lt.lane_io,
                                           .lane_dev0 = eng->lt.lane_dev0,
-                                          .micro = eng->o.micro, .fn_of = mf_step_fn_of, .profile = eng->o.profile},
+                                          .micro = eng->o.micro, .exact = eng->o.exact, .fn_of = mf_step_fn_of,
+                                          .profile = eng->o.profile},
                             out);
 }
 

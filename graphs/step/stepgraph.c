@@ -626,8 +626,13 @@ static mf_task_id sg_attn_rows(sg_builder *b, int L, int st, int p)
     t.stage = (int8_t)st;
     t.part = p;
     sg_span(b, &t);
-    if (st == MF_SG_ST_OA) {
+    if (st == MF_SG_ST_OA && b->o->exact) {   /* the reference's double sums */
         t.w.ref_flops = n * (SG_W_DOT_FP8 * y->attn_ref_macs + SG_W_ROUND * (double)c->o_groups * c->o_lora_rank) / parts;
+    } else if (st == MF_SG_ST_OA) {   /* the FP8 kernels, one call per group of the part's rows */
+        t.w.w_bytes[MF_KF_FP8] = y->oa_fp8_bytes / parts;
+        t.w.macs[MF_KF_FP8] = y->attn_ref_macs / parts;
+        t.w.calls[MF_KF_FP8] = c->o_groups > parts ? (double)c->o_groups / parts : 1;
+        t.w.ref_flops = n * SG_W_ROUND * (double)c->o_groups * c->o_lora_rank / parts;
     } else {
         t.w.w_bytes[MF_KF_FP8] = y->st_fp8_bytes[st] / parts;
         t.w.macs[MF_KF_FP8] = y->st_fp8_macs[st] / parts;

@@ -222,6 +222,10 @@ typedef struct mf_sg_opts {
     const mf_lane_desc *lanes;   /* lane 0 the CPU lane, lane_io the IO lane (store), card c's */
     int n_lanes, lane_io, lane_dev0;   /* three lanes at lane_dev0 + 3c (in, compute, out) */
     const mf_task_fn *fn_of;     /* per op: the engine's task functions; NULL: none (simulator) */
+    /* 1: the engine's --exact path, whose grouped wo_a sums in double as the reference (scalar
+     * work); 0: the default path, wo_a on the FP8 kernels (graphs/step/fast_attn.h
+     * mf_fa_grouped_rows), as the simulator prices it */
+    int exact;
     /* the machine the priorities are priced on (every task's cost: its record's price, sched/cost.h);
      * NULL: the built-in machine (mf_cost_default_profile) */
     const mf_profile *profile;
