@@ -150,6 +150,7 @@ static void mf_ly_index_select(mf_ly_ctx *cx, mf_ly_item *it, int L, int S, doub
         }
     it->n_topk = n;
     it->topk_src = S;
+    mf_ly_item_selected(c, it);
 }
 
 int64_t mf_ly_attn_buf_len(const mf_config *c, int buf)
@@ -333,14 +334,10 @@ void mf_ly_attn_core_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *co
 
     /* the selection the prep left (compressed layers whose source has one) */
     const float *ckv = NULL;
-    const int32_t *sel = NULL;
     int n_sel = 0;
     if (ratio > 0 && it->topk_src == cx->ly->src_of[L] && h0 < h1) {
-        sel = it->topk;
         n_sel = it->n_topk;
-        /* unpacked once for the heads of this call */
-        mf_ly_cache_get_kv_rows(c, it->topk_src, &it->st->cache[it->topk_src], sel, n_sel, cx->sel_kv);
-        ckv = cx->sel_kv;
+        ckv = mf_ly_item_sel_kv(c, it, cx->sel_kv);   /* unpacked at the selection, or here */
     }
 
     /* attention with a sink: window slots of positions max(0, p-W+1)..p, then the selection;

@@ -86,3 +86,16 @@ void mf_ly_cache_get_kv_rows(const mf_config *c, int L, const mf_ly_cache *ca, c
 {
     for (int i = 0; i < n; i++) mf_ly_cache_get_kv(c, L, ca, rows[i], out + (int64_t)i * c->head_dim);
 }
+
+void mf_ly_item_selected(const mf_config *c, mf_ly_item *it)
+{
+    if (it->sel_kv && it->n_topk > 0)
+        mf_ly_cache_get_kv_rows(c, it->topk_src, &it->st->cache[it->topk_src], it->topk, it->n_topk, it->sel_kv);
+}
+
+const float *mf_ly_item_sel_kv(const mf_config *c, const mf_ly_item *it, float *scratch)
+{
+    if (it->sel_kv) return it->sel_kv;
+    mf_ly_cache_get_kv_rows(c, it->topk_src, &it->st->cache[it->topk_src], it->topk, it->n_topk, scratch);
+    return scratch;
+}

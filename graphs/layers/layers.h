@@ -207,11 +207,22 @@ typedef struct mf_ly_item {
     int32_t *topk;              /* index_topk: latest selection (entries of the KV source) */
     int n_topk;
     int topk_src;               /* KV source the selection refers to (-1: none yet) */
+    float *sel_kv;              /* NULL, or index_topk x head_dim: the selection's entries, unpacked
+                                 * once when it is made (mf_ly_item_selected) for every heads call
+                                 * of every layer that reads it; NULL: each heads call unpacks them
+                                 * into its context's scratch */
     int32_t *cand;              /* candidate_topk_blocks: kept blocks, ascending */
     int n_cand;
     int cand_src;               /* KV source of the candidate mask (-1: none yet) */
     float *logits;
 } mf_ly_item;
+
+/* After a selection is made for item it (it->topk, n_topk, topk_src set): its entries unpacked
+ * into it->sel_kv when the item has one. */
+void mf_ly_item_selected(const mf_config *c, mf_ly_item *it);
+/* The selection's entries for a heads call: it->sel_kv, or unpacked into scratch (index_topk x
+ * head_dim) when the item has no sel_kv. */
+const float *mf_ly_item_sel_kv(const mf_config *c, const mf_ly_item *it, float *scratch);
 
 /* ---- layer_ops.c: numeric helpers ----------------------------------------------------------- */
 

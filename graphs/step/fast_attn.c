@@ -1,8 +1,8 @@
 /* The engine's fast per-item layer math (graphs/step/fast_attn.h): fp32 16-lane dots and fmaf
  * chains with an AVX2 path and a scalar path of the same lanes and order, over the caches read
  * as the module reads them: the window ring (mf_fa_ring_row), the selected compressed entries
- * unpacked once per heads call (mf_ly_cache_get_kv_rows into cx->sel_kv), an index key unpacked
- * once for all index heads (mf_fa_key_row). */
+ * as mf_ly_item_sel_kv gives them (unpacked once at the selection), an index key unpacked once
+ * for all index heads (mf_fa_key_row). */
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
@@ -202,10 +202,7 @@ void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *
         mf_ly_attn_core_heads(cx, it, L, b, h0, h1, win);
         return;
     }
-    if (n_sel) {   /* the selected entries unpacked once for the heads of this call, as the module */
-        mf_ly_cache_get_kv_rows(c, ks.S, &it->st->cache[ks.S], it->topk, (int)n_sel, cx->sel_kv);
-        ks.sel_kv = cx->sel_kv;
-    }
+    if (n_sel) ks.sel_kv = mf_ly_item_sel_kv(c, it, cx->sel_kv);   /* unpacked at the selection, or here */
     const float *kp[MF_FA_MAX_KEYS];   /* each key's row, found once */
     for (int64_t i = 0; i < n; i++) kp[i] = mf_fa_key(&ks, i);
     float scale = (float)(1.0 / sqrt((double)D));
@@ -531,6 +528,7 @@ void mf_fa_attn_select(mf_ly_ctx *cx, mf_ly_item *it, int L, double *score)
         for (int64_t j = 0; j < n_vis; j++) pk[j] = (mf_ly_pick){score[j], (int32_t)j};
         it->n_topk = mf_fa_top_idx(pk, n_vis, n_vis < c->index_topk ? n_vis : c->index_topk, it->topk);
         it->topk_src = S;
+        mf_ly_item_selected(c, it);
     }
     if (mf_config_is_index_source(c, L) && n_vis == 0) {
         it->n_topk = 0;

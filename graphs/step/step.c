@@ -1577,11 +1577,15 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
     /* the shape's buffers: {name, bytes, &ptr}, sized first, then carved from one allocation */
     float *x = NULL;
     int32_t *topk = NULL, *cand = NULL;
+    float *sel_kv = NULL;   /* per item its selection's entries, unpacked once (mf_ly_item.sel_kv) */
+    int has_comp = 0;
+    for (int L = 0; L < c->n_layers; L++) has_comp |= c->compress_ratios[L] > 0;
     size_t n_ = (size_t)n, ns = (size_t)sh->n_slots;
     mf_step_buf tab[] = {
         {"items", n_ * sizeof(mf_ly_item), (void **)&sh->items},
         {"streams", n_ * hc * H * f, (void **)&x},
         {"topk", n_ * c->index_topk * 4, (void **)&topk},
+        {"sel_kv", has_comp ? n_ * c->index_topk * c->head_dim * f : 0, (void **)&sel_kv},
         {"candidates", n_ * n_cb * 4, (void **)&cand},
         {"xin", n_ * H * f, (void **)&sh->xin},
         {"moe_out", n_ * H * f, (void **)&sh->moe_out},
@@ -1654,6 +1658,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
     for (int i = 0; i < n; i++) {
         sh->items[i].x = x + (size_t)i * hc * H;
         sh->items[i].topk = topk + (size_t)i * c->index_topk;
+        sh->items[i].sel_kv = sel_kv ? sel_kv + (size_t)i * c->index_topk * c->head_dim : NULL;
         sh->items[i].cand = cand + (size_t)i * n_cb;
     }
     if ((rc = mf_step_shape_dense(eng, sh, ab_sz))) {
