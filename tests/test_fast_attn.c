@@ -20,6 +20,7 @@
 #include "host/kernels.h"
 #include "sched/error.h"
 #include "tests/check.h"
+#include "tests/num.h"
 #include "tests/tiny_ckpt.h"
 
 /* Tolerances, max|fast - module| / max|module| over a call's outputs: */
@@ -28,24 +29,6 @@
 #define MAX_BF_FLIPS 0.05   /* share of rounded outputs allowed a different bf16 value */
 
 static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
-
-static float frand(void)
-{
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return (float)((double)(g_rng >> 11) / 9007199254740992.0 * 2.0 - 1.0);
-}
-
-static double max_rel(const float *a, const float *b, int64_t n)
-{
-    double scale = 0, d = 0;
-    for (int64_t i = 0; i < n; i++) {
-        scale = fmax(scale, fabs(a[i]));
-        d = fmax(d, fabs((double)a[i] - b[i]));
-    }
-    return scale > 0 ? d / scale : d;
-}
 
 static int n_diff(const float *a, const float *b, int64_t n)
 {
@@ -77,8 +60,8 @@ static void test_hc(const mf_model *m, mf_ly_ctx *cx)
     double worst = 0;
     int same = 1, exact = 1;
     for (int rep = 0; rep < 4; rep++) {
-        for (int64_t i = 0; i < hc * H; i++) x[i] = frand() * (rep + 1) * 3;
-        for (int64_t i = 0; i < H; i++) out[i] = frand() * 2;
+        for (int64_t i = 0; i < hc * H; i++) x[i] = mf_test_frand(&g_rng) * (rep + 1) * 3;
+        for (int64_t i = 0; i < H; i++) out[i] = mf_test_frand(&g_rng) * 2;
         mf_ly_hc_mixes(cx, x, &y->hc_attn_fn, mm);
         mf_fa_hc_mixes_rows(cx, x, &y->hc_attn_fn, mf, 0, nm);
         for (int k0 = 0, w = 1; k0 < nm; w += 2) {
@@ -89,7 +72,7 @@ static void test_hc(const mf_model *m, mf_ly_ctx *cx)
         CHECK(set_simd(1) == 0, "scalar path");
         mf_fa_hc_mixes_rows(cx, x, &y->hc_attn_fn, ms, 0, nm);
         set_simd(0);
-        worst = fmax(worst, max_rel(mm, mf, nm));
+        worst = fmax(worst, mf_test_max_rel(mm, mf, nm));
         same &= !memcmp(mf, mp, sizeof(float) * nm) && !memcmp(mf, ms, sizeof(float) * nm);
 
         mf_ly_hc_split_w(c, mm, &y->hc_attn_scale, &y->hc_attn_base, pre, post, comb);
@@ -155,12 +138,12 @@ static void test_grouped(const mf_model *m, mf_ly_ctx *kern)
     int64_t ldx = mf_ly_attn_buf_len(c, MF_LY_A_O) + 3, ldy = l->w->rows + 5, R = l->w->rows;
     float *x = malloc(sizeof(float) * nt * ldx), *y1 = calloc((size_t)nt * ldy, 4), *y2 = calloc((size_t)nt * ldy, 4);
     float *y3 = calloc((size_t)nt * ldy, 4);
-    for (int64_t i = 0; i < nt * ldx; i++) x[i] = frand();
+    for (int64_t i = 0; i < nt * ldx; i++) x[i] = mf_test_frand(&g_rng);
     mf_ly_attn_lin nb = *l;
     nb.bf = 0;   /* before the rounding: the sums themselves */
     CHECK(mf_ly_attn_lin_rows(kern, &nb, x, ldx, y1, ldy, nt, 0, R) == 0, "module wo_a: %s", mf_last_error());
     CHECK(mf_fa_grouped_rows(kern, &nb, x, ldx, y2, ldy, nt, 0, R) == 0, "fast wo_a: %s", mf_last_error());
-    double worst = max_rel(y1, y2, nt * ldy);
+    double worst = mf_test_max_rel(y1, y2, nt * ldy);
     CHECK(worst < TOL_SUM, "wo_a %.3g off the module (tolerance %.1g)", worst, TOL_SUM);
     for (int64_t r0 = 0, w = 1; r0 < R; w += 37) {
         int64_t r1 = r0 + w < R ? r0 + w : R;
@@ -203,7 +186,7 @@ static void test_core(mf_ref *r, mf_ly_ctx *cx)
     int same = 1, flips = 0, n_out = 0, n_sel = 0, n_scored = 0;
     for (int L = 0; L < c->n_layers; L++) {
         for (int b = 0; b < MF_LY_A_N; b++)
-            for (int64_t i = 0; i < mf_ly_attn_buf_len(c, b); i++) buf[b][i] = frand();
+            for (int64_t i = 0; i < mf_ly_attn_buf_len(c, b); i++) buf[b][i] = mf_test_frand(&g_rng);
         CHECK(mf_ly_attn_core_kv(cx, &it, L, buf) == 0, "prep: %s", mf_last_error());
         int64_t n_vis = mf_ly_index_n_vis(c, L, np);
         if (n_vis > 0) {
@@ -223,7 +206,7 @@ static void test_core(mf_ref *r, mf_ly_ctx *cx)
                 ff[j] = (float)sf[j];
                 same &= sf[j] == sp[j] && sf[j] == ss[j];
             }
-            worst_s = fmax(worst_s, max_rel(fm, ff, n_vis));
+            worst_s = fmax(worst_s, mf_test_max_rel(fm, ff, n_vis));
             n_scored += (int)n_vis;
         }
         mf_ly_attn_core_select(cx, &it, L, sm);
@@ -234,7 +217,7 @@ static void test_core(mf_ref *r, mf_ly_ctx *cx)
         memcpy(buf[MF_LY_A_Q], q0, sizeof(float) * nq);
         mf_fa_attn_heads(cx, &it, L, buf, 0, nh, &win);
         memcpy(o_fast, buf[MF_LY_A_O], sizeof(float) * no);
-        worst_o = fmax(worst_o, max_rel(o_mod, o_fast, no));
+        worst_o = fmax(worst_o, mf_test_max_rel(o_mod, o_fast, no));
         flips += n_diff(o_mod, o_fast, no);
         n_out += (int)no;
         for (int h0 = 0, g = 1; h0 < nh; g++) {   /* head groups 1, 2, 3 ... */
@@ -291,8 +274,8 @@ static void test_select(mf_ref *r, mf_ly_ctx *cx)
         for (int L = 0; L < c->n_layers; L++) {
             int64_t n_vis = mf_ly_index_n_vis(c, L, it[0].pos);
             for (int64_t j = 0; j < n_vis; j++) {
-                double v = rep % 2 ? (double)(int)(frand() * 6) : frand();   /* ties on odd reps */
-                s1[j] = s2[j] = frand() > 0.9f ? -INFINITY : v;
+                double v = rep % 2 ? (double)(int)(mf_test_frand(&g_rng) * 6) : mf_test_frand(&g_rng);   /* ties on odd reps */
+                s1[j] = s2[j] = mf_test_frand(&g_rng) > 0.9f ? -INFINITY : v;
             }
             mf_ly_attn_core_select(cx, &it[0], L, s1);
             mf_fa_attn_select(cx, &it[1], L, s2);

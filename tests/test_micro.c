@@ -20,6 +20,7 @@
 #include "graphs/step/stepgraph.h"
 #include "sched/error.h"
 #include "tests/check.h"
+#include "tests/step_run.h"
 #include "tests/tiny_ckpt.h"
 
 #define N_PROMPT 5
@@ -154,38 +155,13 @@ static void test_sim(const mf_config *c)
     }
 }
 
-/* n_seq sequences prefilled (distinct prompts), then n_dec decode steps teacher-forced by toks
- * (written by the first run, toks filled then: greedy); logits of every call into out. */
+/* Token i of sequence s's prompt (distinct prompts). */
+static int32_t prompt_tok(int s, int i) { return (int32_t)((i * 53 + s * 97 + (i * s) % 11) % g_V); }
+
+/* The engine's logits of every call (tests/step_run.h). */
 static int run(mf_ref *r, mf_step *e, int n_seq, int n_dec, int32_t *toks, int fill, float *out)
 {
-    mf_ref_state *st[MAX_SEQ] = {0};
-    int rc = 0, nl = 1 + n_dec;
-    for (int s = 0; s < n_seq && !rc; s++) {
-        int32_t p[N_PROMPT];
-        for (int i = 0; i < N_PROMPT; i++) p[i] = (int32_t)((i * 53 + s * 97 + (i * s) % 11) % g_V);
-        rc = mf_ref_state_new(r, N_PROMPT + n_dec + 1, &st[s]);
-        if (!rc) rc = mf_step_prefill(e, st[s], p, N_PROMPT, out + (size_t)s * nl * g_V);
-    }
-    float *step = malloc(sizeof(float) * (size_t)n_seq * g_V);
-    for (int k = 0; k < n_dec && !rc; k++) {
-        int32_t tok[MAX_SEQ];
-        for (int s = 0; s < n_seq; s++) {
-            if (fill) {
-                const float *prev = out + ((size_t)s * nl + k) * g_V;
-                int b = 0;
-                for (int64_t i = 1; i < g_V; i++)
-                    if (prev[i] > prev[b]) b = (int)i;
-                toks[s * n_dec + k] = b;
-            }
-            tok[s] = toks[s * n_dec + k];
-        }
-        rc = mf_step_decode(e, st, tok, n_seq, step);
-        for (int s = 0; s < n_seq && !rc; s++)
-            memcpy(out + ((size_t)s * nl + k + 1) * g_V, step + (size_t)s * g_V, sizeof(float) * g_V);
-    }
-    free(step);
-    for (int s = 0; s < n_seq; s++) mf_ref_state_free(st[s]);
-    return rc;
+    return mf_test_run_steps(r, e, g_V, n_seq, N_PROMPT, prompt_tok, n_dec, toks, fill, out);
 }
 
 /* A setting of the engine: threads, cards (0: none), placement, dense work, device graphs. */

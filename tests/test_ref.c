@@ -21,6 +21,7 @@
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "tests/check.h"
+#include "tests/num.h"
 #include "tests/tiny_ckpt.h"
 
 static char g_dir[1024];
@@ -37,16 +38,6 @@ static double urand(void)   /* [0, 1) */
 static void make_tokens(int32_t *t, int n, int vocab, int salt)
 {
     for (int i = 0; i < n; i++) t[i] = (int32_t)((i * 37 + salt * 101 + (i * i) % 13) % vocab);
-}
-
-static double max_rel(const float *a, const float *b, int64_t n)
-{
-    double scale = 0, d = 0;
-    for (int64_t i = 0; i < n; i++) {
-        scale = fmax(scale, fabs(a[i]));
-        d = fmax(d, fabs((double)a[i] - b[i]));
-    }
-    return scale > 0 ? d / scale : d;
 }
 
 /* ---- building blocks -------------------------------------------------------------------- */
@@ -543,7 +534,7 @@ int main(void)
         float **lg = malloc(sizeof *lg * (N + K));
         for (int i = 0; i < N + K; i++) st[i] = s2, lg[i] = all + (int64_t)i * V;
         CHECK(mf_ref_forward(r, st, toks, N + K, lg) == 0, "forward: %s", mf_last_error());
-        double d = max_rel(step, all, V * (N + K));
+        double d = mf_test_max_rel(step, all, V * (N + K));
         CHECK(d == 0, "prefill vs token-at-a-time: max rel diff %g", d);
         printf("prefill(%d) vs one token at a time: max rel diff %g\n", N + K, d);
         free(st);
@@ -554,10 +545,10 @@ int main(void)
         mf_ref_state_reset(s2);
         float *lg = malloc(sizeof(float) * V);
         CHECK(mf_ref_prefill(r, s2, toks, N, lg) == 0, "prefill: %s", mf_last_error());
-        double d = max_rel(step + (int64_t)(N - 1) * V, lg, V);
+        double d = mf_test_max_rel(step + (int64_t)(N - 1) * V, lg, V);
         for (int i = 0; i < K; i++) {
             CHECK(mf_ref_decode(r, &s2, &toks[N + i], 1, lg) == 0, "decode: %s", mf_last_error());
-            d = fmax(d, max_rel(step + (int64_t)(N + i) * V, lg, V));
+            d = fmax(d, mf_test_max_rel(step + (int64_t)(N + i) * V, lg, V));
         }
         CHECK(d == 0, "prefill + decode vs from scratch: max rel diff %g", d);
         free(lg);
@@ -591,7 +582,7 @@ int main(void)
             mf_ref_prefill(r, alone, base, starts[q], NULL);
             for (int k = 0; k < 5; k++) {
                 mf_ref_decode(r, &alone, &src[q][k], 1, one);
-                d = fmax(d, max_rel(batched + ((int64_t)k * 3 + q) * V, one, V));
+                d = fmax(d, mf_test_max_rel(batched + ((int64_t)k * 3 + q) * V, one, V));
             }
         }
         CHECK(d == 0, "batch of 3 vs alone: max rel diff %g", d);
@@ -630,7 +621,7 @@ int main(void)
         mf_ref_state_new(ra, 128, &sa);
         float *la = malloc(sizeof(float) * V);
         mf_ref_prefill(ra, sa, toks, 50, la);
-        double d = max_rel(step + 49 * V, la, V);
+        double d = mf_test_max_rel(step + 49 * V, la, V);
         int fin = 1;
         for (int64_t i = 0; i < V; i++) fin &= isfinite(la[i]);
         CHECK(fin && d > 0, "act-quant logits finite and different (rel %g)", d);

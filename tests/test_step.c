@@ -16,6 +16,7 @@
 #include "graphs/step/step.h"
 #include "sched/error.h"
 #include "tests/check.h"
+#include "tests/num.h"
 #include "tests/cli.h"
 #include "tests/tiny_ckpt.h"
 
@@ -26,16 +27,6 @@
 
 static char g_dir[1024];
 static int64_t g_V;
-
-static double max_rel(const float *a, const float *b, int64_t n)
-{
-    double scale = 0, d = 0;
-    for (int64_t i = 0; i < n; i++) {
-        scale = fmax(scale, fabs(a[i]));
-        d = fmax(d, fabs((double)a[i] - b[i]));
-    }
-    return scale > 0 ? d / scale : d;
-}
 
 static int argmax(const float *x, int64_t n)
 {
@@ -153,13 +144,13 @@ static void test_variant(int n_experts, int top_k, int inter, int b)
             CHECK(mf_step_prefill(e, se[s], p, NP, le[w] + s * V) == 0, "step prefill: %s", mf_last_error());
         }
         for (int k = 0; e && k < ND; k++) {
-            worst = fmax(worst, max_rel(lr, le[w], B * V));
+            worst = fmax(worst, mf_test_max_rel(lr, le[w], B * V));
             int32_t t[3];
             for (int s = 0; s < B; s++) t[s] = argmax(lr + s * V, V);
             CHECK(mf_ref_decode(r, sr, t, B, lr) == 0, "ref decode");
             CHECK(mf_step_decode(e, se, t, B, le[w]) == 0, "step decode: %s", mf_last_error());
         }
-        worst = fmax(worst, max_rel(lr, le[w], B * V));
+        worst = fmax(worst, mf_test_max_rel(lr, le[w], B * V));
         for (int s = 0; s < B; s++) {
             mf_ref_state_free(sr[s]);
             mf_ref_state_free(se[s]);
@@ -252,7 +243,7 @@ int main(void)
             double worst = 0, sum = 0;
             int n_far = 0, n = b * N_LOG;
             for (int j = 0; j < n; j++) {
-                double d = max_rel(ref + (size_t)j * g_V, got + (size_t)j * g_V, g_V);
+                double d = mf_test_max_rel(ref + (size_t)j * g_V, got + (size_t)j * g_V, g_V);
                 worst = fmax(worst, d);
                 sum += d;
                 n_far += d > 1e-6;
@@ -340,7 +331,7 @@ int main(void)
             CHECK(mf_ref_prefill(rh, st[s], p[s], N_PROMPT, NULL) == 0, "ref prefill");
         }
         if (e) CHECK(mf_ref_decode(rh, st, tok, 3, lr) == 0, "ref decode");
-        CHECK(max_rel(lr, lg, 3 * g_V) < 1e-4, "shared slots: %.3g off the reference", max_rel(lr, lg, 3 * g_V));
+        CHECK(mf_test_max_rel(lr, lg, 3 * g_V) < 1e-4, "shared slots: %.3g off the reference", mf_test_max_rel(lr, lg, 3 * g_V));
         /* without hooks the three items run their attention etc. as parallel item tasks (a
          * different graph): the same bits */
         mf_step *ep = NULL;
@@ -401,7 +392,7 @@ int main(void)
         mf_step *bad = NULL;
         CHECK(mf_step_new(r, &(mf_step_opts){.prefill_chunk = MF_STEP_MAX_ITEMS + 1}, &bad) == -EINVAL && !bad &&
               strstr(mf_last_error(), "prefill chunk"), "prefill chunk over the graph's items: %s", mf_last_error());
-        double d = max_rel(la, lb, g_V);
+        double d = mf_test_max_rel(la, lb, g_V);
         CHECK(d < 0.15, "prefill of %d tokens (two graphs): %.3g off the reference", NL, d);
         printf("prefill of %d tokens in two chunks: %.3g off the reference\n", NL, d);
         mf_ref_state_free(sa);

@@ -20,6 +20,7 @@
 #include "graphs/step/step.h"
 #include "sched/error.h"
 #include "tests/check.h"
+#include "tests/num.h"
 #include "tests/tiny_ckpt.h"
 
 #define N_ITEMS 3
@@ -28,24 +29,6 @@
 #define ND 6
 
 static uint64_t g_rng = 88172645463325252ull;
-
-static float frand(void)
-{
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return (float)((double)(g_rng >> 11) / 9007199254740992.0 * 2.0 - 1.0);
-}
-
-static double max_rel(const float *a, const float *b, int64_t n)
-{
-    double scale = 0, d = 0;
-    for (int64_t i = 0; i < n; i++) {
-        scale = fmax(scale, fabs(a[i]));
-        d = fmax(d, fabs((double)a[i] - b[i]));
-    }
-    return scale > 0 ? d / scale : d;
-}
 
 /* Every stage of every layer: row ranges against the whole, per-item reference against both. */
 static void test_stages(const mf_model *m, mf_ly_ctx *oracle, mf_ly_ctx *kern)
@@ -57,7 +40,7 @@ static void test_stages(const mf_model *m, mf_ly_ctx *oracle, mf_ly_ctx *kern)
         ld[b] = mf_ly_attn_buf_len(c, b) + 5;   /* strides that are not the row length */
         maxld = ld[b] > maxld ? ld[b] : maxld;
         buf[b] = malloc(sizeof(float) * N_ITEMS * ld[b]);
-        for (int64_t i = 0; i < N_ITEMS * ld[b]; i++) buf[b][i] = frand();
+        for (int64_t i = 0; i < N_ITEMS * ld[b]; i++) buf[b][i] = mf_test_frand(&g_rng);
     }
     whole = malloc(sizeof(float) * N_ITEMS * maxld);
     part = malloc(sizeof(float) * N_ITEMS * maxld);
@@ -102,7 +85,7 @@ static void test_stages(const mf_model *m, mf_ly_ctx *oracle, mf_ly_ctx *kern)
                             CHECK(!memcmp(one, whole + t * ly, sizeof(float) * R), "layer %d %s item %d: the reference's "
                                   "stage differs from its row-range path", L, l->w->name, t);
                         else
-                            worst_kern = fmax(worst_kern, max_rel(one, whole + t * ly, R));
+                            worst_kern = fmax(worst_kern, mf_test_max_rel(one, whole + t * ly, R));
                     }
                 }
             }
@@ -132,8 +115,8 @@ static void test_hc_parts(const mf_model *m, mf_ly_ctx *cx)
     float pre[MF_LY_MAX_HC], post[MF_LY_MAX_HC], comb[MF_LY_MAX_HC * MF_LY_MAX_HC];
     int same = 1;
     for (int rep = 0; rep < 3; rep++) {
-        for (int64_t i = 0; i < hc * H; i++) x[i] = frand() * 4;
-        for (int64_t i = 0; i < H; i++) out[i] = frand();
+        for (int64_t i = 0; i < hc * H; i++) x[i] = mf_test_frand(&g_rng) * 4;
+        for (int64_t i = 0; i < H; i++) out[i] = mf_test_frand(&g_rng);
         mf_ly_hc_mixes(cx, x, &y->hc_attn_fn, mix);
         for (int k0 = 0, w = 1; k0 < nm; w += 2) {
             int k1 = k0 + w < nm ? k0 + w : nm;
@@ -201,7 +184,7 @@ static void test_core_parts(mf_ref *r, mf_ly_ctx *cx)
     double score[64];
     for (int L = 0; L < c->n_layers; L++) {
         for (int b = 0; b < MF_LY_A_N; b++)
-            for (int64_t i = 0; i < mf_ly_attn_buf_len(c, b); i++) buf[0][b][i] = buf[1][b][i] = frand();
+            for (int64_t i = 0; i < mf_ly_attn_buf_len(c, b); i++) buf[0][b][i] = buf[1][b][i] = mf_test_frand(&g_rng);
         CHECK(mf_ly_attn_core(cx, &it[0], L, buf[0]) == 0, "core: %s", mf_last_error());
         /* the prep as the engine's tasks run it: kv, index scores in ranges, select */
         CHECK(mf_ly_attn_core_kv(cx, &it[1], L, buf[1]) == 0, "prep: %s", mf_last_error());
@@ -326,7 +309,7 @@ static void test_engine(mf_ref *r, int64_t V)
                 continue;
             }
             for (size_t j = 0; j < nv; j++) {
-                double d = max_rel(ref + j * V, first + j * V, V);
+                double d = mf_test_max_rel(ref + j * V, first + j * V, V);
                 worst = fmax(worst, d);
                 n_far += d > 1e-6;
             }

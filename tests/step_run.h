@@ -1,0 +1,55 @@
+/* Runs an engine the way the placement tests compare them (tests/test_place_dense.c,
+ * tests/test_micro.c): n_seq sequences prefilled with their prompts, then n_dec decode steps
+ * teacher-forced by toks (with fill: toks written from the logits first: greedy), every call's
+ * logits kept. */
+#ifndef MF_TEST_STEP_RUN_H
+#define MF_TEST_STEP_RUN_H
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "graphs/ref/ref.h"
+#include "graphs/step/step.h"
+
+#define MF_TEST_RUN_MAX_SEQ 64
+#define MF_TEST_RUN_MAX_PROMPT 64
+
+/* prompt(s, i): token i of sequence s's n_prompt-token prompt. out: n_seq x (1 + n_dec) x V,
+ * sequence s's prefill logits then one row per decode step. 0 or the engine's error. */
+static int mf_test_run_steps(mf_ref *r, mf_step *e, int64_t V, int n_seq, int n_prompt,
+                             int32_t (*prompt)(int s, int i), int n_dec, int32_t *toks, int fill, float *out)
+{
+    mf_ref_state *st[MF_TEST_RUN_MAX_SEQ] = {0};
+    if (n_seq > MF_TEST_RUN_MAX_SEQ || n_prompt > MF_TEST_RUN_MAX_PROMPT) return -EINVAL;
+    int rc = 0, nl = 1 + n_dec;
+    for (int s = 0; s < n_seq && !rc; s++) {
+        int32_t p[MF_TEST_RUN_MAX_PROMPT];
+        for (int i = 0; i < n_prompt; i++) p[i] = prompt(s, i);
+        rc = mf_ref_state_new(r, n_prompt + n_dec + 1, &st[s]);
+        if (!rc) rc = mf_step_prefill(e, st[s], p, n_prompt, out + (size_t)s * nl * V);
+    }
+    float *step = malloc(sizeof(float) * (size_t)n_seq * V);
+    if (!step && !rc) rc = -ENOMEM;
+    for (int k = 0; k < n_dec && !rc; k++) {
+        int32_t tok[MF_TEST_RUN_MAX_SEQ];
+        for (int s = 0; s < n_seq; s++) {
+            if (fill) {
+                const float *prev = out + ((size_t)s * nl + k) * V;
+                int b = 0;
+                for (int64_t i = 1; i < V; i++)
+                    if (prev[i] > prev[b]) b = (int)i;
+                toks[s * n_dec + k] = b;
+            }
+            tok[s] = toks[s * n_dec + k];
+        }
+        rc = mf_step_decode(e, st, tok, n_seq, step);
+        for (int s = 0; s < n_seq && !rc; s++)
+            memcpy(out + ((size_t)s * nl + k + 1) * V, step + (size_t)s * V, sizeof(float) * V);
+    }
+    free(step);
+    for (int s = 0; s < n_seq; s++) mf_ref_state_free(st[s]);
+    return rc;
+}
+
+#endif
