@@ -154,6 +154,7 @@ struct k_lin_args {
 /* bf16 rounding in bits (device/kern_dense.h, also the host's) */
 __device__ static float k_bf(float x) { return mf_dk_bf16(x); }
 
+/* 16 bytes at p as 4 little-endian words: one vector load when p is 16-byte aligned */
 __device__ static void k_load16(const uint8_t *p, int aligned, uint32_t q[4])
 {
     if (aligned) {
@@ -376,15 +377,7 @@ __global__ static void k_q8_quantize(const float *x, int n_tok, int n_in, int8_t
 /* The 16 packed bytes of block b of row o (as 4 words), vector-loaded when w is 16-byte aligned. */
 __device__ static void k_fp4_load(const uint8_t *w, int aligned, int n_in, int o, int b, uint32_t wq[4])
 {
-    const uint8_t *p = w + (size_t)o * (n_in / 2) + (size_t)b * 16;
-    if (aligned) {
-        uint4 v = *(const uint4 *)p;
-        wq[0] = v.x; wq[1] = v.y; wq[2] = v.z; wq[3] = v.w;
-    } else {
-        for (int k = 0; k < 4; k++)
-            wq[k] = (uint32_t)p[4 * k] | (uint32_t)p[4 * k + 1] << 8 | (uint32_t)p[4 * k + 2] << 16 |
-                    (uint32_t)p[4 * k + 3] << 24;
-    }
+    k_load16(w + (size_t)o * (n_in / 2) + (size_t)b * 16, aligned, wq);
 }
 
 /* acc[t] = row o of W (FP4) times token t0 + t of the quantized x, for nt tokens, over the warp
