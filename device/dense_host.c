@@ -15,8 +15,6 @@ static void dh_fill(void)
     for (int i = 0; i < 256; i++) dh_e4m3[i] = mf_e4m3_to_f32((uint8_t)i);
 }
 
-static float dh_bf(float x) { return mf_bf16_to_f32(mf_bf16_from_f32(x)); }
-
 /* Row i of the slice against x (n_in floats), in double as mf_ly_linear_rows: FP8 per 32-column
  * block a double sum times the block's scale; BF16 one double sum. */
 static double dh_dot_ref(const mf_kern_mat *w, int i, const float *x)
@@ -73,7 +71,7 @@ int mf_dense_host_linear(const mf_dev_lin *a)
 void mf_dense_host_round_bf16(float *y, int n_tok, int64_t ld, int n)
 {
     for (int t = 0; t < n_tok; t++)
-        for (int i = 0; i < n; i++) y[t * ld + i] = dh_bf(y[t * ld + i]);
+        for (int i = 0; i < n; i++) y[t * ld + i] = mf_bf16_round(y[t * ld + i]);
 }
 
 int mf_dense_host_ffn_up(const mf_dev_up *a)
@@ -87,12 +85,12 @@ void mf_dense_host_swiglu_bf16(const float *g, const float *u, int n_tok, int64_
     for (int t = 0; t < n_tok; t++)
         for (int i = 0; i < n; i++) {
             int64_t k = t * ld + i;
-            float gi = dh_bf(g[k]), ui = dh_bf(u[k]);
+            float gi = mf_bf16_round(g[k]), ui = mf_bf16_round(u[k]);
             if (limit > 0) {
                 ui = fminf(fmaxf(ui, -limit), limit);
                 gi = fminf(gi, limit);
             }
             float silu = (float)((double)gi / (1.0 + exp(-(double)gi)));
-            h[k] = dh_bf(1.0f * (silu * ui));
+            h[k] = mf_bf16_round(1.0f * (silu * ui));
         }
 }

@@ -150,21 +150,8 @@ uint8_t mf_e4m3_from_f32(float x)
 
 /* ---- BF16 ------------------------------------------------------------------------------------ */
 
-float mf_bf16_to_f32(uint16_t code)
-{
-    return f32_from_bits((uint32_t)code << 16);
-}
-
-/* bf16 keeps float32's exponent, so round_magnitude(a, 7, 127) is rounding the low 16 bits to even,
- * a carry moving into the exponent (the largest finite values round to inf): done on the bits,
- * the same result for all 2^32 inputs (checked exhaustively against the round_magnitude form). */
-uint16_t mf_bf16_from_f32(float x)
-{
-    uint32_t b = f32_bits(x);
-    if ((b & F32_ABS) > F32_INF)
-        return (uint16_t)(((b & F32_SIGN) >> 16) | 0x7FC0);   /* any NaN -> the quiet NaN of its sign */
-    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
+/* mf_bf16_to_f32 and mf_bf16_from_f32 are inline in host/formats.h (the engine rounds to bf16
+ * on every hot path). */
 
 /* ---- F16 ------------------------------------------------------------------------------------- */
 

@@ -10,6 +10,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* E2M1: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0; magnitudes 0,.5,1,1.5,2,3,4,6.
  * Encode: RNE (so 5 -> 4, 0.25 -> 0, 0.75 -> 1); every |x| > 5, +-inf included, gives +-6
@@ -37,8 +38,26 @@ uint8_t mf_e4m3_from_f32(float x);
 /* BF16: the top half of a float32; decode is exact, NaN payloads included. Encode: RNE with
  * float32 subnormals kept (no flush); overflow (>= 0x1.FFp127) -> +-inf; every NaN -> the
  * quiet NaN of its sign, 0x7FC0 or 0xFFC0 (payload dropped, as ml_dtypes/Eigen do). */
-float mf_bf16_to_f32(uint16_t code);
-uint16_t mf_bf16_from_f32(float x);
+static inline float mf_bf16_to_f32(uint16_t code)
+{
+    uint32_t b = (uint32_t)code << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+static inline uint16_t mf_bf16_from_f32(float x)
+{
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)(((b & 0x80000000u) >> 16) | 0x7FC0);
+    /* bf16 keeps float32's exponent, so rounding to it is rounding the low 16 bits to even, a
+     * carry moving into the exponent: the same result as the round-magnitude form for all 2^32
+     * inputs (checked exhaustively) */
+    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+/* x rounded to the nearest bf16 (ties to even), as a float: the engine's and the reference's
+ * bf16 roundings (graphs/layers/layers.h mf_bf). */
+static inline float mf_bf16_round(float x) { return mf_bf16_to_f32(mf_bf16_from_f32(x)); }
 
 /* F16 (IEEE binary16, numpy float16): decode exact, NaN payload kept (shifted up 13 bits).
  * Encode: RNE with subnormals; |x| >= 65520 -> +-inf; NaN keeps its sign and the top 10

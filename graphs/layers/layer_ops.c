@@ -15,15 +15,12 @@ static float mf_e2m1_lut[16];
 static float mf_e2m1_pair_lut[256][2];   /* a byte of two packed e2m1 codes: low nibble first */
 static pthread_once_t mf_luts_once = PTHREAD_ONCE_INIT;
 
-/* bf16 -> f32 is the top half of the float: exact, as mf_bf16_to_f32 (inlined for the head) */
+/* bf16 -> f32 of the 2 bytes at p (host/formats.h mf_bf16_to_f32, inline) */
 static inline float mf_bf16_bits(const uint8_t *p)
 {
     uint16_t b;
     memcpy(&b, p, 2);
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    return mf_bf16_to_f32(b);
 }
 
 static void mf_ly_luts_fill(void)

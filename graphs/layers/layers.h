@@ -226,18 +226,8 @@ const float *mf_ly_item_sel_kv(const mf_config *c, const mf_ly_item *it, float *
 
 /* ---- layer_ops.c: numeric helpers ----------------------------------------------------------- */
 
-/* bf16 rounding, = mf_bf16_to_f32(mf_bf16_from_f32(x)) for every input, inlined on the bits */
-static inline float mf_bf(float x)
-{
-    uint32_t b;
-    memcpy(&b, &x, 4);
-    if ((b & 0x7FFFFFFFu) > 0x7F800000u)
-        b = (b & 0x80000000u) | 0x7FC00000u;   /* any NaN -> the quiet NaN of its sign */
-    else
-        b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
-    memcpy(&x, &b, 4);
-    return x;
-}
+/* bf16 rounding (host/formats.h mf_bf16_round, inline) */
+static inline float mf_bf(float x) { return mf_bf16_round(x); }
 void mf_bf_n(float *x, int64_t n);
 
 /* y[rows] = W x[cols] on cx's backend, each row rounded to fp32. W of any kind but MF_W_TABLE;
