@@ -124,4 +124,22 @@ int mf_kern_ffn_up(const mf_kern_mat *w1, const mf_kern_mat *w3, const mf_kern_i
                    const float *tok_weight, float limit, float *h, int ld_h, int r0, int r1);
 int mf_kern_ffn_down(const mf_kern_mat *w2, const mf_kern_in *h, float *y, int ld_y, int r0, int r1);
 
+/* ---- fp32 vector code (host/kern_vec.c) ----
+ * The engine's fast per-item attention math (graphs/step/fast_attn.c) and what `moeflow calibrate`
+ * times for the profile's host_vec rate. A dot product of n floats is 16 lanes (lane l sums
+ * elements k = l mod 16 in k order with fmaf), then a fixed tree (lanes l and l+8, then l+4, l+2,
+ * l+1); a weighted value sum is one fmaf chain per output element in key order. The AVX2 path
+ * (n or D a multiple of 16) and the scalar path compute exactly that: the same bits. */
+
+/* out[g] = q[g] . k for G (1..4) queries against one vector k of n floats. */
+void mf_kern_vec_dots(const float *const *q, int G, const float *k, int n, float *out);
+/* acc[g * D + d] = sum over i in [0, n) of e[g * ld_e + i] * kp[i][d], for G (1..4) weight rows. */
+void mf_kern_vec_values(const float *const *kp, int64_t n, const float *e, int64_t ld_e, int G, int D, float *acc);
+/* One group of G (1..4) attention heads over the same n keys kp[i] (D floats each, values = keys):
+ * s[g * n + i] = expf(scale * q[g].kp[i] - mx[g]) with mx[g] the largest of sink[g] and the scaled
+ * scores, den[g] = expf(sink[g] - mx[g]) + the sum of s[g * n + i] in key order (double), acc as
+ * mf_kern_vec_values of s. 2 G n D multiply-adds. s holds G n floats, acc G D. */
+void mf_kern_vec_attn(const float *const *q, int G, const float *const *kp, int64_t n, int D, float scale,
+                      const float *sink, float *s, float *acc, double *den);
+
 #endif

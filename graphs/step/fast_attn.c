@@ -1,5 +1,6 @@
 /* The engine's fast per-item layer math (graphs/step/fast_attn.h): fp32 16-lane dots and fmaf
- * chains with an AVX2 path and a scalar path of the same lanes and order, over the caches read
+ * chains (host/kernels.h's vector code: mf_kern_vec_*, an AVX2 path and a scalar path of the same
+ * lanes and order) and the vectorized hyper-connection pieces here, over the caches read
  * as the module reads them: the window ring (mf_fa_ring_row), the selected compressed entries
  * as mf_ly_item_sel_kv gives them (unpacked once at the selection), an index key unpacked once
  * for all index heads (mf_fa_key_row). */
@@ -62,57 +63,6 @@ static void mf_fa_rope_apply(const mf_fa_rope *r, float *x, int inverse)
     }
 }
 
-/* The 16-lane tree of fast_attn.h. */
-static float mf_fa_tree16(const float *l)
-{
-    float t[8], u[4];
-    for (int i = 0; i < 8; i++) t[i] = l[i] + l[i + 8];
-    for (int i = 0; i < 4; i++) u[i] = t[i] + t[i + 4];
-    return (u[0] + u[2]) + (u[1] + u[3]);
-}
-
-static float mf_fa_dot_scalar(const float *a, const float *b, int n)
-{
-    float l[16] = {0};
-    for (int k = 0; k < n; k++) l[k % 16] = fmaf(a[k], b[k], l[k % 16]);
-    return mf_fa_tree16(l);
-}
-
-__attribute__((target("avx2,fma"))) static inline float mf_fa_tree16_avx2(__m256 lo, __m256 hi)
-{
-    __m256 t = _mm256_add_ps(lo, hi);                                                 /* l + l+8 */
-    __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));   /* + l+4 */
-    __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));                                    /* u0+u2, u1+u3 */
-    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
-}
-
-/* out[g] = dot(q[g], k) for G <= 4 queries against one key of n (multiple of 16) floats. */
-__attribute__((target("avx2,fma"))) static void mf_fa_dots_avx2(const float *const *q, int G, const float *k, int n,
-                                                              float *out)
-{
-    __m256 lo[4], hi[4];
-    for (int g = 0; g < 4; g++) lo[g] = hi[g] = _mm256_setzero_ps();
-    for (int d = 0; d < n; d += 16) {
-        __m256 k0 = _mm256_loadu_ps(k + d), k1 = _mm256_loadu_ps(k + d + 8);
-        for (int g = 0; g < G; g++) {
-            lo[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), k0, lo[g]);
-            hi[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d + 8), k1, hi[g]);
-        }
-    }
-    for (int g = 0; g < G; g++) out[g] = mf_fa_tree16_avx2(lo[g], hi[g]);
-}
-
-static int mf_fa_avx2(int n) { return n % 16 == 0 && mf_kern_simd_active() == MF_KERN_SIMD_AVX2; }
-
-static void mf_fa_dots(const float *const *q, int G, const float *k, int n, float *out)
-{
-    if (mf_fa_avx2(n)) {
-        mf_fa_dots_avx2(q, G, k, n, out);
-        return;
-    }
-    for (int g = 0; g < G; g++) out[g] = mf_fa_dot_scalar(q[g], k, n);
-}
-
 /* ---- attention heads ------------------------------------------------------------------------- */
 
 #define MF_FA_MAX_D 512      /* widest head the stack scratch holds */
@@ -134,43 +84,6 @@ static inline const float *mf_fa_key(const mf_fa_keys *k, int64_t i)
     if (i >= k->n_win) return k->sel_kv + (i - k->n_win) * k->c->head_dim;
     int64_t t = k->t0 + i;
     return t >= k->pos0 ? k->win->kv + (t - k->pos0) * k->win->ld : mf_fa_ring_row(k->st, k->c, k->L, t);
-}
-
-/* acc[g][d] = sum_i e[g][i] * v_i[d], one fmaf chain per (g, d) in key order; e rows ld_e apart. */
-__attribute__((target("avx2,fma"))) static void mf_fa_values_avx2(const float *const *kp, int64_t n, const float *e,
-                                                                int64_t ld_e, int G, int D, float *acc)
-{
-    for (int d = 0; d < D; d += 16) {
-        __m256 lo[4], hi[4];
-        for (int g = 0; g < 4; g++) lo[g] = hi[g] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < n; i++) {
-            const float *v = kp[i] + d;
-            __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
-            for (int g = 0; g < G; g++) {
-                __m256 w = _mm256_broadcast_ss(e + g * ld_e + i);
-                lo[g] = _mm256_fmadd_ps(w, v0, lo[g]);
-                hi[g] = _mm256_fmadd_ps(w, v1, hi[g]);
-            }
-        }
-        for (int g = 0; g < G; g++) {
-            _mm256_storeu_ps(acc + g * D + d, lo[g]);
-            _mm256_storeu_ps(acc + g * D + d + 8, hi[g]);
-        }
-    }
-}
-
-static void mf_fa_values(const float *const *kp, int64_t n, const float *e, int64_t ld_e, int G, int D, float *acc)
-{
-    if (mf_fa_avx2(D)) {
-        mf_fa_values_avx2(kp, n, e, ld_e, G, D, acc);
-        return;
-    }
-    for (int i = 0; i < G * D; i++) acc[i] = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const float *v = kp[i];
-        for (int g = 0; g < G; g++)
-            for (int d = 0; d < D; d++) acc[g * D + d] = fmaf(e[g * ld_e + i], v[d], acc[g * D + d]);
-    }
 }
 
 void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b, int h0, int h1,
@@ -222,35 +135,17 @@ void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *
     for (int hg = h0; hg < h1; hg += Gmax) {
         int G = h1 - hg < Gmax ? h1 - hg : Gmax;
         const float *qh[4];
-        float mx[4];
+        float sink[4];
         for (int g = 0; g < G; g++) {
             float *qq = q + (int64_t)(hg + g) * D;
             mf_fa_bf_n(qq, D);
             mf_fa_rope_apply(&rope, qq + D - rd, 0);
             mf_fa_bf_n(qq, D);
             qh[g] = qq;
-            mx[g] = mf_ly_vec(&y->attn_sink, hg + g);
-        }
-        for (int64_t i = 0; i < n; i++) {
-            float d4[4];
-            mf_fa_dots(qh, G, kp[i], D, d4);
-            for (int g = 0; g < G; g++) {
-                float v = d4[g] * scale;
-                s[g * n + i] = v;
-                mx[g] = v > mx[g] ? v : mx[g];
-            }
+            sink[g] = mf_ly_vec(&y->attn_sink, hg + g);
         }
         double den[4];
-        for (int g = 0; g < G; g++) {
-            float sink = mf_ly_vec(&y->attn_sink, hg + g);
-            den[g] = expf(sink - mx[g]);
-            for (int64_t i = 0; i < n; i++) {
-                float e = expf(s[g * n + i] - mx[g]);
-                s[g * n + i] = e;
-                den[g] += e;
-            }
-        }
-        mf_fa_values(kp, n, s, n, G, D, acc);
+        mf_kern_vec_attn(qh, G, kp, n, D, scale, sink, s, acc, den);
         for (int g = 0; g < G; g++) {
             float *oh = o + (int64_t)(hg + g) * D;
             for (int d = 0; d < D; d++) oh[d] = mf_bf((float)((double)acc[g * D + d] / den[g]));
@@ -279,7 +174,7 @@ void mf_fa_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float 
             const float *qh[4];
             float d4[4];
             for (int g = 0; g < G; g++) qh[g] = qi + (int64_t)(h0 + g) * id;
-            mf_fa_dots(qh, G, k, id, d4);
+            mf_kern_vec_dots(qh, G, k, id, d4);
             for (int g = 0; g < G; g++) {
                 float rl = d4[g] > 0 ? d4[g] : 0.0f;
                 float w = wts[h0 + g] * rl;
@@ -302,14 +197,14 @@ void mf_fa_hc_mixes_rows(const mf_ly_ctx *cx, const float *x, const mf_weight *f
     }
     const float *xx[1] = {x};
     float ss;
-    mf_fa_dots(xx, 1, x, n, &ss);
+    mf_kern_vec_dots(xx, 1, x, n, &ss);
     float rs = (float)(1.0 / sqrt((double)ss / (double)n + c->rms_norm_eps));
     float *xn = cx->hc_xn;
     for (int i = 0; i < n; i++) xn[i] = x[i] * rs;
     const float *xq[1] = {xn};
     for (int k = k0; k < k1; k++) {
         const float *row = (const float *)(const void *)(fn->data + (size_t)k * n * 4);
-        mf_fa_dots(xq, 1, row, n, &mixes[k]);
+        mf_kern_vec_dots(xq, 1, row, n, &mixes[k]);
     }
 }
 

@@ -1,0 +1,122 @@
+/* The fp32 16-lane vector code (host/kernels.h "fp32 vector code"): dots of up to 4 queries
+ * against one key, weighted value sums in key order, and one head group's attention over a set
+ * of keys built from them. graphs/step/fast_attn.c's heads, index scores and hyper-connection
+ * mixes run on these, and `moeflow calibrate` times mf_kern_vec_attn for the profile's vec rate.
+ * An AVX2 path and a scalar path of the same lanes and order: the same bits. */
+#include <immintrin.h>
+#include <math.h>
+
+#include "host/kernels.h"
+
+/* The 16-lane tree: lanes l and l+8, then l+4, l+2, l+1. */
+static float mf_vec_tree16(const float *l)
+{
+    float t[8], u[4];
+    for (int i = 0; i < 8; i++) t[i] = l[i] + l[i + 8];
+    for (int i = 0; i < 4; i++) u[i] = t[i] + t[i + 4];
+    return (u[0] + u[2]) + (u[1] + u[3]);
+}
+
+static float mf_vec_dot_scalar(const float *a, const float *b, int n)
+{
+    float l[16] = {0};
+    for (int k = 0; k < n; k++) l[k % 16] = fmaf(a[k], b[k], l[k % 16]);
+    return mf_vec_tree16(l);
+}
+
+__attribute__((target("avx2,fma"))) static inline float mf_vec_tree16_avx2(__m256 lo, __m256 hi)
+{
+    __m256 t = _mm256_add_ps(lo, hi);                                                 /* l + l+8 */
+    __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));   /* + l+4 */
+    __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));                                    /* u0+u2, u1+u3 */
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+/* out[g] = dot(q[g], k) for G <= 4 queries against one key of n (multiple of 16) floats. */
+__attribute__((target("avx2,fma"))) static void mf_vec_dots_avx2(const float *const *q, int G, const float *k, int n,
+                                                               float *out)
+{
+    __m256 lo[4], hi[4];
+    for (int g = 0; g < 4; g++) lo[g] = hi[g] = _mm256_setzero_ps();
+    for (int d = 0; d < n; d += 16) {
+        __m256 k0 = _mm256_loadu_ps(k + d), k1 = _mm256_loadu_ps(k + d + 8);
+        for (int g = 0; g < G; g++) {
+            lo[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), k0, lo[g]);
+            hi[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d + 8), k1, hi[g]);
+        }
+    }
+    for (int g = 0; g < G; g++) out[g] = mf_vec_tree16_avx2(lo[g], hi[g]);
+}
+
+static int mf_vec_avx2(int n) { return n % 16 == 0 && mf_kern_simd_active() == MF_KERN_SIMD_AVX2; }
+
+void mf_kern_vec_dots(const float *const *q, int G, const float *k, int n, float *out)
+{
+    if (mf_vec_avx2(n)) {
+        mf_vec_dots_avx2(q, G, k, n, out);
+        return;
+    }
+    for (int g = 0; g < G; g++) out[g] = mf_vec_dot_scalar(q[g], k, n);
+}
+
+/* acc[g][d] = sum_i e[g][i] * v_i[d], one fmaf chain per (g, d) in key order; e rows ld_e apart. */
+__attribute__((target("avx2,fma"))) static void mf_vec_values_avx2(const float *const *kp, int64_t n, const float *e,
+                                                                 int64_t ld_e, int G, int D, float *acc)
+{
+    for (int d = 0; d < D; d += 16) {
+        __m256 lo[4], hi[4];
+        for (int g = 0; g < 4; g++) lo[g] = hi[g] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i++) {
+            const float *v = kp[i] + d;
+            __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+            for (int g = 0; g < G; g++) {
+                __m256 w = _mm256_broadcast_ss(e + g * ld_e + i);
+                lo[g] = _mm256_fmadd_ps(w, v0, lo[g]);
+                hi[g] = _mm256_fmadd_ps(w, v1, hi[g]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            _mm256_storeu_ps(acc + g * D + d, lo[g]);
+            _mm256_storeu_ps(acc + g * D + d + 8, hi[g]);
+        }
+    }
+}
+
+void mf_kern_vec_values(const float *const *kp, int64_t n, const float *e, int64_t ld_e, int G, int D, float *acc)
+{
+    if (mf_vec_avx2(D)) {
+        mf_vec_values_avx2(kp, n, e, ld_e, G, D, acc);
+        return;
+    }
+    for (int i = 0; i < G * D; i++) acc[i] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float *v = kp[i];
+        for (int g = 0; g < G; g++)
+            for (int d = 0; d < D; d++) acc[g * D + d] = fmaf(e[g * ld_e + i], v[d], acc[g * D + d]);
+    }
+}
+
+void mf_kern_vec_attn(const float *const *q, int G, const float *const *kp, int64_t n, int D, float scale,
+                      const float *sink, float *s, float *acc, double *den)
+{
+    float mx[4];
+    for (int g = 0; g < G; g++) mx[g] = sink[g];
+    for (int64_t i = 0; i < n; i++) {
+        float d4[4];
+        mf_kern_vec_dots(q, G, kp[i], D, d4);
+        for (int g = 0; g < G; g++) {
+            float v = d4[g] * scale;
+            s[g * n + i] = v;
+            mx[g] = v > mx[g] ? v : mx[g];
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        den[g] = expf(sink[g] - mx[g]);
+        for (int64_t i = 0; i < n; i++) {
+            float e = expf(s[g * n + i] - mx[g]);
+            s[g * n + i] = e;
+            den[g] += e;
+        }
+    }
+    mf_kern_vec_values(kp, n, s, n, G, D, acc);
+}
