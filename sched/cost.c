@@ -10,6 +10,7 @@ static const mf_profile mf_cost_builtin = {
              [MF_KF_FP8] = {.bytes_per_s = 20e9, .macs_per_s = 0, .latency_ns = 2000},
              [MF_KF_BF16] = {.bytes_per_s = 20e9, .macs_per_s = 0, .latency_ns = 2000},
              [MF_KF_REF] = {.macs_per_s = 1e9}},
+    .host_vec = {.macs_per_s = 8e9},
     .disk_bytes_per_s = 1e9,
     .disk_latency_ns = 100000,
     .disk_queue_depth = 1,
@@ -63,10 +64,20 @@ static double mf_cost_kernels(const mf_profile_kern *kern, double cap, const mf_
     return ns;
 }
 
+double mf_cost_vec(const mf_cost_model *m, double flops, double bytes)
+{
+    double rate = m->p->host_vec.macs_per_s, ns = rate > 0 ? flops / rate * 1e9 : 0;
+    double bns = m->host_bytes_per_s > 0 ? bytes / m->host_bytes_per_s * 1e9 : 0;
+    return ns > bns ? ns : bns;
+}
+
 double mf_cost_host(const mf_cost_model *m, const mf_work *w, int n, double extra_flops)
 {
-    return mf_cost_kernels(m->p->host, m->host_bytes_per_s, w, n) +
-           mf_cost_ref(m->p, 0, w->ref_flops + w->ref_flops_tok * n + extra_flops);
+    double ref = w->ref_flops + w->ref_flops_tok * n + (w->extra_vec ? 0 : extra_flops);
+    double ns = mf_cost_kernels(m->p->host, m->host_bytes_per_s, w, n) + mf_cost_ref(m->p, 0, ref);
+    if (w->vec_flops > 0 || w->vec_bytes > 0 || (w->extra_vec && extra_flops > 0))
+        ns += mf_cost_vec(m, w->vec_flops + (w->extra_vec ? extra_flops : 0), w->vec_bytes);
+    return ns;
 }
 
 double mf_cost_card(const mf_cost_model *m, const mf_work *w, int n)

@@ -18,6 +18,11 @@ typedef struct mf_work {
     double calls[MF_KF_N];     /* kernel calls (each pays the family's latency) */
     double ref_flops;          /* plain scalar code, in REF multiply-adds, for the whole task */
     double ref_flops_tok;      /* the same per token */
+    double vec_flops;          /* the engine's fp32 vector code (host/kernels.h mf_kern_vec_*: the fast
+                                * attention heads, index scores, mixes), multiply-adds, whole task */
+    double vec_bytes;          /* fp32 data that vector code streams from memory (the mixes' weights) */
+    int extra_vec;             /* 1: mf_cost_host's extra_flops (a task's positional work) are vector
+                                * code, priced with vec_flops; 0: scalar, with ref_flops */
     double copy_bytes;         /* host<->card: the packed expert, on a cache miss */
     double copy_bytes_tok;     /* host<->card per token */
     double io_bytes;           /* disk: the aligned extents, when read */
@@ -32,7 +37,8 @@ typedef struct mf_cost_model {
 } mf_cost_model;
 
 /* The built-in machine for an engine given no profile (graphs/step/step.h mf_step_opts.profile
- * NULL): host kernels at 20 GB/s of weights and 2 us a call, scalar code at 1 G MACs/s, copies at
+ * NULL): host kernels at 20 GB/s of weights and 2 us a call, scalar code at 1 G MACs/s, vector code
+ * at 8 G MACs/s, copies at
  * 25 GB/s and 10 us either way, card kernels at 20 GB/s and 5 us, no memory-bandwidth cap, one
  * socket of 64 threads; rough, for priorities and hybrid placement only. Static, never NULL. */
 const mf_profile *mf_cost_default_profile(void);
@@ -50,9 +56,15 @@ double mf_cost_kern(const mf_profile_kern *k, double bytes_per_s, double bytes, 
  * no latency of its own; 0 where the profile has no such rate. */
 double mf_cost_ref(const mf_profile *p, int card, double flops);
 
+/* Vector code of `flops` multiply-adds streaming `bytes` from memory on one host thread: the larger
+ * of flops at the profile's host_vec rate and bytes at m->host_bytes_per_s (0: bytes cost
+ * nothing), no latency of its own; 0 where the profile has no vec rate and no bytes are priced. */
+double mf_cost_vec(const mf_cost_model *m, double flops, double bytes);
+
 /* w on one host thread over n tokens: per kernel family with calls its calls' latencies, its
  * bytes at the thread's rate (capped at m->host_bytes_per_s), its multiply-adds; then the scalar
- * work ref_flops + n ref_flops_tok + extra_flops at the host's REF rate. */
+ * work ref_flops + n ref_flops_tok (+ extra_flops unless w->extra_vec) at the host's REF rate;
+ * then the vector code mf_cost_vec(vec_flops (+ extra_flops with w->extra_vec), vec_bytes). */
 double mf_cost_host(const mf_cost_model *m, const mf_work *w, int n, double extra_flops);
 
 /* w on a card over n tokens: its kernels as mf_cost_host's at the card's rates (no cap), its

@@ -55,6 +55,8 @@ static const mf_pkey mf_pkeys[] = {
     KERN("host", host, "bf16", MF_KF_BF16, 0),
     {"host_ref_macs_per_s", MF_PK_DBL, KOFF(host, MF_KF_REF, macs_per_s), 1, 0, BIG, 1, 0},
     {"host_ref_latency_ns", MF_PK_DBL, KOFF(host, MF_KF_REF, latency_ns), 0, 0, 1e12, 0, 0},
+    {"host_vec_macs_per_s", MF_PK_DBL, OFF(host_vec.macs_per_s), 1, 0, BIG, 1, 0},
+    {"host_vec_latency_ns", MF_PK_DBL, OFF(host_vec.latency_ns), 0, 0, 1e12, 0, 0},
     /* disk */
     {"disk_bytes_per_s", MF_PK_DBL, OFF(disk_bytes_per_s), 1, 0, BIG, 1, 0},
     {"disk_latency_ns", MF_PK_DBL, OFF(disk_latency_ns), 0, 0, 1e12, 0, 0},

@@ -40,6 +40,10 @@ typedef struct mf_profile {
     double worker_spin_ns;       /* an idle CPU worker spins this long, then sleeps (0: never sleeps) */
     double worker_wake_ns;       /* a sleeping worker starts a task released to it this much later */
     mf_profile_kern host[MF_KF_N];   /* one thread, data out of cache */
+    /* the engine's fp32 16-lane vector code (host/kernels.h mf_kern_vec_*: the fast attention
+     * heads, index scores and hyper-connection mixes) per thread while every thread of a socket
+     * runs it, data in cache: macs_per_s and latency_ns as MF_KF_REF's (bytes_per_s 0) */
+    mf_profile_kern host_vec;
     /* disk (expert store and streamed Engram tables) */
     double disk_bytes_per_s;
     double disk_latency_ns;      /* per request at depth 1 */

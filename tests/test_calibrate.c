@@ -47,6 +47,12 @@ static void check_profile(const mf_profile *p, int n_cards, const char *what)
         CHECK(plausible_rate(p->host[k].macs_per_s), "%s: host kernel %d macs/s %g", what, k, p->host[k].macs_per_s);
         CHECK(p->host[k].latency_ns >= 0 && p->host[k].latency_ns < 1e7, "%s: host kernel %d latency", what, k);
     }
+    CHECK(p->host_vec.bytes_per_s == 0 && plausible_rate(p->host_vec.macs_per_s), "%s: host vec macs/s %g", what,
+          p->host_vec.macs_per_s);
+    CHECK(p->host_vec.latency_ns >= 0 && p->host_vec.latency_ns < 1e7, "%s: host vec latency", what);
+    CHECK(mf_profile_source(p, "host_vec_macs_per_s") && strstr(mf_profile_source(p, "host_vec_macs_per_s"),
+                                                                  "mf_kern_vec_attn"),
+          "%s: host vec source names what it timed", what);
     /* a per-thread fp4 stream should not beat the whole socket by much, but the two are timed at
      * different moments: on a busy machine either can be preempted, so this is reported, never
      * asserted (no timing assertions in unit tests) */
@@ -127,7 +133,7 @@ static void test_cli(void)
     json_t *j = rc == 0 ? json_loads(out, 0, &e) : NULL;
     CHECK(j != NULL, "--json output parses: rc %d, stderr: %s", rc, err);
     json_t *keys = json_object_get(j, "keys");
-    CHECK(json_is_array(keys) && json_array_size(keys) == 42, "--json has the 42 keys");
+    CHECK(json_is_array(keys) && json_array_size(keys) == 44, "--json has the 44 keys");
     size_t i;
     json_t *k;
     int ok = 1;

@@ -24,6 +24,7 @@ static mf_profile made_up(void)
     p.host[MF_KF_FP4] = (mf_profile_kern){.bytes_per_s = 30e9, .macs_per_s = 100e9, .latency_ns = 1500};
     p.host[MF_KF_FP8] = (mf_profile_kern){.bytes_per_s = 8e9, .macs_per_s = 50e9, .latency_ns = 700};
     p.host[MF_KF_REF] = (mf_profile_kern){.macs_per_s = 2e9};
+    p.host_vec = (mf_profile_kern){.macs_per_s = 16e9, .latency_ns = 300};
     p.card[MF_KF_FP4] = (mf_profile_kern){.bytes_per_s = 900e9, .macs_per_s = 400e12, .latency_ns = 9000};
     p.card[MF_KF_REF] = (mf_profile_kern){.macs_per_s = 50e9};
     p.disk_bytes_per_s = 2e9;
@@ -53,6 +54,20 @@ static void test_formulas(void)
     double host = 1500 + 6e6 / 10e9 * 1e9 + 3 * 4e6 / 100e9 * 1e9 + 2 * 1500 + 700 + 1e6 / 8e9 * 1e9 +
                   3 * 1e6 / 50e9 * 1e9 + (5e5 + 4 * 1e4 + 7e3) / 2e9 * 1e9;
     CHECK(near(mf_cost_host(&m, &w, 4, 7e3), host), "host work: %.3f ns, expected %.3f", mf_cost_host(&m, &w, 4, 7e3), host);
+    /* vector code: the larger of its flops at the vec rate and its bytes at the thread's share */
+    CHECK(near(mf_cost_vec(&m, 8e6, 1e6), 8e6 / 16e9 * 1e9), "vec, compute bound");
+    CHECK(near(mf_cost_vec(&m, 8e6, 8e6), 8e6 / 10e9 * 1e9), "vec, memory bound");
+    mf_cost_model nocap = {.p = &p};
+    CHECK(near(mf_cost_vec(&nocap, 8e6, 8e9), 8e6 / 16e9 * 1e9), "vec without a cap: bytes free");
+    mf_work v = {0};
+    v.ref_flops = 4e5, v.vec_flops = 2e6, v.vec_bytes = 4e5;
+    double vw = 4e5 / 2e9 * 1e9 + (2e6 + 0) / 16e9 * 1e9;
+    CHECK(near(mf_cost_host(&m, &v, 1, 0), vw), "vec work: %.3f ns, expected %.3f", mf_cost_host(&m, &v, 1, 0), vw);
+    /* positional work: at REF without extra_vec, with vec_flops with it */
+    CHECK(near(mf_cost_host(&m, &v, 1, 6e6), vw + 6e6 / 2e9 * 1e9), "extra at REF");
+    v.extra_vec = 1;
+    double vx = 4e5 / 2e9 * 1e9 + (2e6 + 6e6) / 16e9 * 1e9;
+    CHECK(near(mf_cost_host(&m, &v, 1, 6e6), vx), "extra as vec: %.3f ns, expected %.3f", mf_cost_host(&m, &v, 1, 6e6), vx);
     mf_work e = {0};
     e.w_bytes[MF_KF_FP4] = 6e6, e.macs[MF_KF_FP4] = 4e6, e.calls[MF_KF_FP4] = 1, e.ref_flops = 1e6;
     double card = 9000 + 6e6 / 900e9 * 1e9 + 2 * 4e6 / 400e12 * 1e9 + 1e6 / 50e9 * 1e9;
@@ -124,8 +139,56 @@ static void test_priorities(void)
     mf_sg_sizes_free(sz);
 }
 
+/* The fast path's records (exact 0) carry the heads', index scores' and mixes' work as vector
+ * code, the --exact path's (exact 1) as scalar work; a heads task's price is its roundings at
+ * REF plus its positional work at the vec rate. */
+static void test_vec_records(void)
+{
+    mf_config c;
+    CHECK(mf_config_preset("demo", &c) == 0, "preset demo");
+    mf_sg_sizes *sz = NULL;
+    CHECK(mf_sg_sizes_new(&c, &sz) == 0, "sizes: %s", mf_last_error());
+    mf_profile made = made_up();
+    for (int exact = 0; exact < 2 && sz; exact++) {
+        mf_lane_model lm[4];
+        mf_step_lane_models(&made, 2, lm);
+        mf_sg_lanes lt;
+        mf_sg_lanes_init(&lt, lm, 2, 0, 0);
+        mf_stepgraph *sg = NULL;
+        CHECK(mf_stepgraph_new(&(mf_sg_opts){.c = &c, .sz = sz, .n = 2, .par = 1, .n_threads = 2,
+                                             .lanes = lt.lane, .n_lanes = lt.n_lanes, .lane_io = lt.lane_io,
+                                             .lane_dev0 = lt.lane_dev0, .profile = &made, .exact = exact},
+                               &sg) == 0,
+              "graph: %s", mf_last_error());
+        mf_cost_model m = {.p = &made, .host_bytes_per_s = mf_cost_thread_share(&made, 2)};
+        int n_heads = 0, n_score = 0, n_mix = 0, bad = 0;
+        for (int t = 0; sg && t < sg->n_tasks; t++) {
+            const mf_sg_task *r = &sg->task[t];
+            if (r->op == MF_SG_ATTN_HEADS || r->op == MF_SG_ATTN_SCORE) {
+                r->op == MF_SG_ATTN_HEADS ? n_heads++ : n_score++;
+                bad += r->w.extra_vec != !exact || r->w.vec_flops != 0;
+                if (r->op == MF_SG_ATTN_HEADS) {
+                    mf_sg_step_cost st = {.pos_flops = 3e6};
+                    double want = r->w.ref_flops / 2e9 * 1e9 + 3e6 / (exact ? 2e9 : 16e9) * 1e9;
+                    if (!near(mf_sg_task_ns(r, &m, &st), want) && bad++ < 3)
+                        CHECK(0, "heads task %d: %.3f ns, expected %.3f", t, mf_sg_task_ns(r, &m, &st), want);
+                }
+            } else if (r->op == MF_SG_ATTN_MIX || r->op == MF_SG_FFN_MIX) {
+                n_mix++;
+                bad += exact ? !(r->w.ref_flops > 0) || r->w.vec_flops != 0 || r->w.vec_bytes != 0
+                             : r->w.ref_flops != 0 || !(r->w.vec_flops > 0) || !(r->w.vec_bytes > 0);
+            }
+        }
+        CHECK(n_heads > 0 && n_score > 0 && n_mix > 0 && !bad, "exact %d: %d heads, %d score, %d mix records, %d wrong",
+              exact, n_heads, n_score, n_mix, bad);
+        mf_stepgraph_free(sg);
+    }
+    mf_sg_sizes_free(sz);
+}
+
 int main(void)
 {
+    test_vec_records();
     test_formulas();
     test_builtin();
     test_priorities();

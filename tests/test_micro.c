@@ -144,6 +144,7 @@ static void test_sim(const mf_config *c)
     prof.task_overhead_ns = 2000;
     for (int k = 0; k < MF_KF_N; k++)
         prof.host[k] = (mf_profile_kern){.bytes_per_s = k == MF_KF_REF ? 0 : 10e9, .macs_per_s = 2e9, .latency_ns = 1000};
+    prof.host_vec = (mf_profile_kern){.macs_per_s = 2e9};
     prof.disk_bytes_per_s = 1e9;
     prof.disk_queue_depth = 1;
     for (int micro = 1; micro <= 2; micro++) {

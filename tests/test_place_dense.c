@@ -184,6 +184,7 @@ static void test_sim(void)
         f.host[k] = (mf_profile_kern){.bytes_per_s = k == MF_KF_REF ? 0 : 10e9, .macs_per_s = 2e9, .latency_ns = 1000};
         f.card[k] = (mf_profile_kern){.bytes_per_s = k == MF_KF_REF ? 0 : 300e9, .macs_per_s = 10e12, .latency_ns = 5000};
     }
+    f.host_vec = (mf_profile_kern){.macs_per_s = 2e9};
     f.disk_bytes_per_s = 1e9;
     f.disk_queue_depth = 1;
     f.n_cards = 2;

@@ -46,6 +46,7 @@ static mf_profile free_profile(int threads, double overhead_ns)
         p.host[k] = (mf_profile_kern){.bytes_per_s = k == MF_KF_REF ? 0 : FREE, .macs_per_s = FREE};
         p.card[k] = p.host[k];
     }
+    p.host_vec = (mf_profile_kern){.macs_per_s = FREE};
     p.disk_bytes_per_s = FREE;
     p.disk_queue_depth = 1;
     p.n_cards = 2;
@@ -192,6 +193,7 @@ static mf_profile costly_profile(void)
         f.host[k] = (mf_profile_kern){.bytes_per_s = k == MF_KF_REF ? 0 : 10e9, .macs_per_s = 2e9, .latency_ns = 1000};
         f.card[k] = (mf_profile_kern){.bytes_per_s = k == MF_KF_REF ? 0 : 300e9, .macs_per_s = 10e12, .latency_ns = 5000};
     }
+    f.host_vec = (mf_profile_kern){.macs_per_s = 2e9};
     f.disk_bytes_per_s = 1e9;
     f.disk_latency_ns = 100000;
     f.disk_queue_depth = 8;

@@ -34,6 +34,8 @@ static const char *base_lines[] = {
     "host_bf16_latency_ns = 700",
     "host_ref_macs_per_s = 1e9   # plain comment, not a source",
     "host_ref_latency_ns = 0",
+    "host_vec_macs_per_s = 8e9",
+    "host_vec_latency_ns = 0",
     "disk_bytes_per_s = 271Mi  # source: seed page, 'SMR disk at 271 MiB/s'",
     "disk_latency_ns = 8e6",
     "disk_queue_depth = 4",
@@ -110,6 +112,7 @@ static void test_parse_and_units(void)
     CHECK(p.card_mem_bytes == 22ull << 30, "card_mem_bytes %llu", (unsigned long long)p.card_mem_bytes);
     CHECK(p.host[MF_KF_REF].bytes_per_s == 0 && p.host[MF_KF_REF].macs_per_s == 1e9, "ref");
     CHECK(p.card[MF_KF_BF16].macs_per_s == 2e12, "card bf16");
+    CHECK(p.host_vec.bytes_per_s == 0 && p.host_vec.macs_per_s == 8e9, "vec");
     CHECK(p.n_keys == N_BASE, "n_keys %d", p.n_keys);
     CHECK(strcmp(mf_profile_source(&p, "disk_bytes_per_s"), "seed page, 'SMR disk at 271 MiB/s'") == 0,
           "source '%s'", mf_profile_source(&p, "disk_bytes_per_s"));
@@ -282,6 +285,7 @@ static void test_round_trip(const char *tmpdir)
     SAME(task_overhead_ns); SAME(worker_spin_ns); SAME(worker_wake_ns); SAME(disk_bytes_per_s); SAME(disk_latency_ns); SAME(disk_queue_depth);
     SAME(n_cards); SAME(cards_emulated); SAME(card_mem_bytes); SAME(h2d_bytes_per_s); SAME(h2d_latency_ns);
     SAME(d2h_bytes_per_s); SAME(d2h_latency_ns); SAME(h2d_total_bytes_per_s); SAME(act_copy_latency_ns);
+    SAME(host_vec.macs_per_s); SAME(host_vec.latency_ns);
     for (int k = 0; k < MF_KF_N; k++) {
         SAME(host[k].bytes_per_s); SAME(host[k].macs_per_s); SAME(host[k].latency_ns);
         SAME(card[k].bytes_per_s); SAME(card[k].macs_per_s); SAME(card[k].latency_ns);

@@ -644,6 +644,126 @@ static int mf_hwcal_ref(mf_hwcal *h)
     return 0;
 }
 
+/* ---- vector code (the fast attention) --------------------------------------------------------- */
+
+/* One thread of the vec measurement: pinned to its core, on its own queries and keys, it times
+ * mf_kern_vec_attn (4 heads, head dim MF_VEC_D) over MF_VEC_NA and over MF_VEC_NB keys in turn,
+ * reps times after one round not counted, each sample started with the other threads' (a barrier).
+ * t[0], t[1]: the medians, ns per call. */
+enum { MF_VEC_G = 4, MF_VEC_D = 512, MF_VEC_NA = 64, MF_VEC_NB = 512, MF_VEC_INNER_A = 8 };
+typedef struct mf_vjob {
+    float *mem;   /* queries G x D, keys NB x D, scores G x NB, acc G x D */
+    int reps;
+    hwloc_topology_t topo;
+    hwloc_const_cpuset_t bind;
+    pthread_barrier_t *bar;
+    const int *go;   /* 1: every thread started; 2: some could not start, return */
+    double t[2];
+} mf_vjob;
+
+static void *mf_vjob_run(void *arg)
+{
+    mf_vjob *j = arg;
+    if (j->bind) hwloc_set_cpubind(j->topo, j->bind, HWLOC_CPUBIND_THREAD);
+    int go;
+    while (j->go && !(go = __atomic_load_n(j->go, __ATOMIC_ACQUIRE))) sched_yield();
+    if (j->go && go == 2) return NULL;
+    float *q = j->mem, *k = q + MF_VEC_G * MF_VEC_D, *sc = k + (size_t)MF_VEC_NB * MF_VEC_D, *acc = sc + MF_VEC_G * MF_VEC_NB;
+    const float *qh[MF_VEC_G], *kp[MF_VEC_NB];
+    for (int g = 0; g < MF_VEC_G; g++) qh[g] = q + g * MF_VEC_D;
+    for (int i = 0; i < MF_VEC_NB; i++) kp[i] = k + (size_t)i * MF_VEC_D;
+    const float sink[MF_VEC_G] = {0.5f, -0.5f, 1.0f, 0.0f};
+    float scale = (float)(1.0 / sqrt((double)MF_VEC_D));
+    double den[MF_VEC_G], v[2][64], keep = 0;
+    for (int r = -1; r < j->reps; r++)
+        for (int s = 0; s < 2; s++) {
+            if (j->bar) pthread_barrier_wait(j->bar);
+            int n = s ? MF_VEC_NB : MF_VEC_NA, inner = s ? 1 : MF_VEC_INNER_A;
+            int64_t t0 = mf_now_ns();
+            for (int i = 0; i < inner; i++) {
+                mf_kern_vec_attn(qh, MF_VEC_G, kp, n, MF_VEC_D, scale, sink, sc, acc, den);
+                keep += den[0] + acc[i];
+            }
+            if (r >= 0) v[s][r] = (double)(mf_now_ns() - t0) / inner;
+        }
+    __asm__ volatile("" : : "g"(keep));
+    for (int s = 0; s < 2; s++) j->t[s] = mf_hwcal_median(v[s], j->reps);
+    return NULL;
+}
+
+/* host_vec: mf_kern_vec_attn (what the engine's fast attention heads run, host/kernels.h) on
+ * threads_per_socket threads at once, pinned one per core of socket 0, each on its own data (in
+ * cache: 1 MiB of keys); 2 G n D multiply-adds a call; two-point fit of the medians over threads. */
+static int mf_hwcal_vec(mf_hwcal *h, const mf_hwcal_topo *t)
+{
+    mf_profile *p = h->p;
+    int n_threads = p->threads_per_socket > 256 ? 256 : p->threads_per_socket, reps = h->o->quick ? 7 : 25;
+    size_t per = (size_t)MF_VEC_G * MF_VEC_D + (size_t)MF_VEC_NB * MF_VEC_D + MF_VEC_G * MF_VEC_NB + MF_VEC_G * MF_VEC_D;
+    per = (per + 15) / 16 * 16;   /* each thread's block on its own cache lines */
+    float *mem = malloc(sizeof(float) * per * (size_t)n_threads);
+    mf_vjob *jobs = calloc((size_t)n_threads, sizeof *jobs);
+    pthread_t *th = calloc((size_t)n_threads, sizeof *th);
+    pthread_barrier_t bar;
+    int rc = 0, started = 0, go = 0;
+    if (!mem || !jobs || !th) {
+        free(mem); free(jobs); free(th);
+        return mf_error(-ENOMEM, "calibrate: out of memory");
+    }
+    for (size_t i = 0; i < per * (size_t)n_threads; i++) mem[i] = (float)((int)(mf_hwcal_rand(h) % 2001) - 1000) * 1e-3f;
+    hwloc_const_cpuset_t pkg = mf_hwcal_package_set(t, 0);
+    int n_cores = hwloc_get_nbobjs_inside_cpuset_by_type(t->topo, pkg, HWLOC_OBJ_CORE);
+    if (n_threads > 1 && (rc = pthread_barrier_init(&bar, NULL, (unsigned)n_threads))) {
+        free(mem); free(jobs); free(th);
+        return mf_error(-rc, "calibrate: cannot make a barrier of %d threads", n_threads);
+    }
+    for (int i = 0; i < n_threads; i++) {
+        hwloc_obj_t core = n_cores > 0 ? hwloc_get_obj_inside_cpuset_by_type(t->topo, pkg, HWLOC_OBJ_CORE,
+                                                                             (unsigned)(i % n_cores))
+                                       : NULL;
+        jobs[i] = (mf_vjob){.mem = mem + per * (size_t)i, .reps = reps, .topo = t->topo,
+                            .bind = core ? core->cpuset : NULL, .bar = n_threads > 1 ? &bar : NULL,
+                            .go = n_threads > 1 ? &go : NULL};
+    }
+    if (n_threads == 1) {
+        mf_vjob_run(&jobs[0]);
+        started = 1;
+    } else {
+        for (int i = 0; i < n_threads; i++) {
+            if (pthread_create(&th[i], NULL, mf_vjob_run, &jobs[i]) != 0) break;
+            started++;
+        }
+        /* the barriers need every thread: if one did not start, the others return at once */
+        __atomic_store_n(&go, started == n_threads ? 1 : 2, __ATOMIC_RELEASE);
+        for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+        pthread_barrier_destroy(&bar);
+        if (started < n_threads) {
+            free(mem); free(jobs); free(th);
+            return mf_error(-EAGAIN, "calibrate: cannot start vec thread %d of %d", started, n_threads);
+        }
+    }
+    double va[256], vb[256];
+    for (int i = 0; i < n_threads; i++) va[i] = jobs[i].t[0], vb[i] = jobs[i].t[1];
+    double ta = mf_hwcal_median(va, n_threads), tb = mf_hwcal_median(vb, n_threads);
+    free(mem); free(jobs); free(th);
+    double macs_a = 2.0 * MF_VEC_G * MF_VEC_NA * MF_VEC_D, macs_b = 2.0 * MF_VEC_G * MF_VEC_NB * MF_VEC_D;
+    if (!(tb > ta))
+        return mf_error(-EIO, "calibrate host vec: %d keys (%.0f ns) not slower than %d (%.0f ns): too noisy",
+                        MF_VEC_NB, tb, MF_VEC_NA, ta);
+    mf_profile_kern *r = &p->host_vec;
+    r->bytes_per_s = 0;
+    r->macs_per_s = (macs_b - macs_a) / (tb - ta) * 1e9;
+    r->latency_ns = fmax(0.0, ta - macs_a / r->macs_per_s * 1e9);
+    const char *simd = mf_kern_simd_name(mf_kern_simd_active());
+    mf_hwcal_src(h, "host_vec_macs_per_s", "mf_kern_vec_attn (fast attention heads, %s): %d heads x dim %d, %d vs %d "
+                 "keys, per thread, %d pinned threads at once, data in cache, medians of %d",
+                 simd, MF_VEC_G, MF_VEC_D, MF_VEC_NB, MF_VEC_NA, n_threads, reps);
+    mf_hwcal_src(h, "host_vec_latency_ns", "intercept of the same mf_kern_vec_attn fit (%d vs %d keys, %d threads at "
+                 "once)", MF_VEC_NB, MF_VEC_NA, n_threads);
+    mf_hwcal_note(h, "host vec (fp32 16-lane attention): %.2f GMAC/s, latency %.2f us (per thread, %d at once)",
+                  r->macs_per_s / 1e9, r->latency_ns / 1e3, n_threads);
+    return 0;
+}
+
 /* ---- executor -------------------------------------------------------------------------------- */
 
 static int mf_empty_task(void *arg, mf_task_ctx *ctx) { return 0; }
@@ -893,7 +1013,8 @@ int mf_hwcal_host(mf_hwcal *h)
                  t.n_numa, t.n_numa > 1 ? "s" : "");
     mf_hwcal_src(h, "threads_per_socket", "hwloc: cores per package (the executor runs one CPU worker per core)");
     h->llc_bytes = mf_hwcal_llc();
-    if (!(rc = mf_hwcal_memory(h, &t)) && !(rc = mf_hwcal_kernels(h, &t)) && !(rc = mf_hwcal_ref(h)))
+    if (!(rc = mf_hwcal_memory(h, &t)) && !(rc = mf_hwcal_kernels(h, &t)) && !(rc = mf_hwcal_ref(h)) &&
+        !(rc = mf_hwcal_vec(h, &t)))
         rc = mf_hwcal_executor(h);
     if (!rc) rc = mf_hwcal_sleep(h);
     hwloc_topology_destroy(t.topo);
@@ -916,6 +1037,8 @@ static void mf_hwcal_round(mf_profile *p)
                    &p->disk_latency_ns, &p->h2d_bytes_per_s, &p->h2d_latency_ns, &p->d2h_bytes_per_s,
                    &p->d2h_latency_ns, &p->h2d_total_bytes_per_s};
     for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) mf_round4(f[i]);
+    mf_round4(&p->host_vec.macs_per_s);
+    mf_round4(&p->host_vec.latency_ns);
     for (int k = 0; k < MF_KF_N; k++) {
         mf_round4(&p->host[k].bytes_per_s);
         mf_round4(&p->host[k].macs_per_s);

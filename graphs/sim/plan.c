@@ -180,6 +180,8 @@ static int pl_check(const mf_plan_opts *o)
     for (int k = 0; k < MF_KF_N; k++)
         if (!(k == MF_KF_REF ? f->host[k].macs_per_s > 0 : f->host[k].bytes_per_s > 0))
             return mf_error(-EINVAL, "plan: profile '%s' has no host %s rate", f->name, fam[k]);
+    if (!(f->host_vec.macs_per_s > 0))
+        return mf_error(-EINVAL, "plan: profile '%s' has no host vec rate", f->name);
     if (o->store == MF_PLAN_STORE_STREAMED || o->tables == MF_PLAN_STORE_STREAMED)
         if (!(f->disk_bytes_per_s > 0))
             return mf_error(-EINVAL, "plan: a streamed store needs the profile's disk_bytes_per_s (profile '%s')",

@@ -704,7 +704,12 @@ static void sg_mix(sg_builder *b, int L, int i, int op, const mf_task_id *after,
         SG_NAME(b, "%s L%d mix item %d %d", op == MF_SG_ATTN_MIX ? "attn" : "ffn", L, i, m);
         mf_sg_task t = sg_part(L, i, (int64_t)nm, pm, m, 1);
         double f = (double)(t.r1 - t.r0) / nm;
-        t.w.ref_flops = 2.0 * hc * H + SG_W_MIX * y->hc_macs / 2 * f;
+        if (b->o->exact) {   /* the module's double sums */
+            t.w.ref_flops = 2.0 * hc * H + SG_W_MIX * y->hc_macs / 2 * f;
+        } else {   /* mf_fa_hc_mixes_rows: the vector dots, its rows' fp32 weights from memory */
+            t.w.vec_flops = 2.0 * hc * H + y->hc_macs / 2 * f;
+            t.w.vec_bytes = 4.0 * y->hc_macs / 2 * f;
+        }
         mix[m] = sg_add(b, 0, op, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
         for (int a = 0; a < n_after; a++) sg_dep(b, after[a], mix[m]);
     }
@@ -780,6 +785,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
                     tk.i1 = i + 1;
                     tk.n_tok = 1;
                     tk.part = q;
+                    tk.w.extra_vec = !b->o->exact;   /* mf_fa_index_scores: the vector dots */
                     mf_task_id sc = sg_add(b, 0, MF_SG_ATTN_SCORE, MF_SG_PH_ATTN, MF_SG_K_OTHER, tk);
                     sg_dep(b, core, sc);
                     sg_dep(b, sc, sel);
@@ -807,6 +813,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
                 th.r1 = (int64_t)h1 * c->head_dim;
                 /* each head: its query rounded twice, its output and the output's roped part */
                 th.w.ref_flops = (h1 - h0) * SG_W_ROUND * (3.0 * D + c->qk_rope_head_dim);
+                th.w.extra_vec = !b->o->exact;   /* mf_fa_attn_heads: scores and values as vector code */
                 mf_task_id hd = sg_add(b, 0, MF_SG_ATTN_HEADS, MF_SG_PH_ATTN, MF_SG_K_OTHER, th);
                 sg_dep(b, core, hd);
                 sg_dep(b, hd, ring[k]);

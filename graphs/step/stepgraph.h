@@ -222,9 +222,11 @@ typedef struct mf_sg_opts {
     const mf_lane_desc *lanes;   /* lane 0 the CPU lane, lane_io the IO lane (store), card c's */
     int n_lanes, lane_io, lane_dev0;   /* three lanes at lane_dev0 + 3c (in, compute, out) */
     const mf_task_fn *fn_of;     /* per op: the engine's task functions; NULL: none (simulator) */
-    /* 1: the engine's --exact path, whose grouped wo_a sums in double as the reference (scalar
-     * work); 0: the default path, wo_a on the FP8 kernels (graphs/step/fast_attn.h
-     * mf_fa_grouped_rows), as the simulator prices it */
+    /* 1: the engine's --exact path, which keeps the module's scalar math (graphs/layers/): the
+     * grouped wo_a, the heads' scores and values, the index scores and the mixes sum in double,
+     * priced as scalar work at the REF rate; 0: the default path, graphs/step/fast_attn.h (wo_a
+     * on the FP8 kernels, the rest as vector code at the profile's host_vec rate), as the
+     * simulator prices it */
     int exact;
     /* the machine the priorities are priced on (every task's cost: its record's price, sched/cost.h);
      * NULL: the built-in machine (mf_cost_default_profile) */
