@@ -195,8 +195,11 @@ double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_st
         return mf_cost_card(m, w, tok);
     case MF_SG_DENSE_OUT:
         return mf_cost_act_copy(m, 1, tok * w->copy_bytes_tok);
-    default:   /* kernels over the record's tokens, scalar work and the positional part of it */
-        return mf_cost_host(m, w, tok, s->pos_flops);
+    default: {   /* kernels over the record's tokens, scalar work and the positional part of it */
+        if (!s->cross) return mf_cost_host(m, w, tok, s->pos_flops);
+        mf_cost_model x = mf_cost_cross(m);
+        return mf_cost_host(&x, w, tok, s->pos_flops);
+    }
     }
 }
 
@@ -1415,6 +1418,9 @@ void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threa
                                 .model = models[0]};
     l->n_lanes = 1;
     l->lane_io = -1;
+    l->n_sockets = 1;
+    for (size_t k = 0; k < sizeof l->sock_of_lane; k++) l->sock_of_lane[k] = -1;
+    l->sock_of_lane[0] = 0;
     if (store) {
         l->lane_io = l->n_lanes++;
         l->lane[l->lane_io] = (mf_lane_desc){.kind = MF_LANE_IO, .name = "io", .concurrency = 64, .numa_node = -1,
@@ -1428,6 +1434,77 @@ void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threa
             l->lane[l->n_lanes++] = (mf_lane_desc){.kind = kk[k], .name = nm, .concurrency = 4, .numa_node = -1,
                                                    .device = cd, .model = models[k + 1]};
         }
+}
+
+static double sg_lane_ns(const mf_lane_model *m, double bytes);
+
+int mf_sg_lanes_sockets(mf_sg_lanes *l, int n_sockets, const int *threads, const int *numa)
+{
+    if (n_sockets <= 1) return 0;
+    if (n_sockets > MF_SG_MAX_SOCKETS || l->n_sockets != 1)
+        return mf_error(-EINVAL, "step graph: %d sockets (expected 1..%d, once)", n_sockets, MF_SG_MAX_SOCKETS);
+    int total = 0;
+    for (int k = 0; k < n_sockets; k++) {
+        if (threads[k] < 1) return mf_error(-EINVAL, "step graph: socket %d has %d workers", k, threads[k]);
+        total += threads[k];
+    }
+    if (total != l->lane[0].concurrency)
+        return mf_error(-EINVAL, "step graph: the sockets' %d workers are not the CPU lane's %d", total,
+                        l->lane[0].concurrency);
+    mf_lane_desc cpu = l->lane[0];
+    for (int k = 0; k < n_sockets; k++) {
+        int lane = k ? l->n_lanes++ : 0;
+        char *nm = l->names[3 * MF_SG_MAX_CARDS + k];
+        snprintf(nm, sizeof l->names[0], "cpu%d", k);
+        l->lane[lane] = cpu;
+        l->lane[lane].name = nm;
+        l->lane[lane].concurrency = threads[k];
+        l->lane[lane].numa_node = numa ? numa[k] : -1;
+        l->lane_sock[k] = lane;
+        l->sock_of_lane[lane] = (int8_t)k;
+        l->cpu_base[lane] = k ? l->cpu_base[l->lane_sock[k - 1]] + threads[k - 1] : 0;
+    }
+    l->n_sockets = n_sockets;
+    return 0;
+}
+
+void mf_sg_socket_place(const mf_sg_lanes *l, const mf_lane_model *cpu, double cross_factor, double expert_bytes,
+                        int n, const int *home, const int *cnt, int *sock, int *n_cross)
+{
+    double q[MF_SG_MAX_SOCKETS] = {0};
+    *n_cross = 0;
+    for (int s = 0; s < n; s++) {
+        sock[s] = home[s];
+        if (home[s] < 0) continue;
+        double ns = sg_lane_ns(cpu, expert_bytes) * (1 + 0.02 * cnt[s]);
+        int best = home[s];
+        double t_best = (q[best] + ns) / l->lane[l->lane_sock[best]].concurrency;
+        for (int k = 0; cross_factor > 0 && k < l->n_sockets; k++) {
+            if (k == home[s]) continue;
+            double t = (q[k] + ns / cross_factor) / l->lane[l->lane_sock[k]].concurrency;
+            if (t < t_best) {
+                best = k;
+                t_best = t;
+            }
+        }
+        q[best] += best == home[s] ? ns : ns / cross_factor;
+        sock[s] = best;
+        *n_cross += best != home[s];
+    }
+}
+
+int mf_stepgraph_set_slot_lanes(mf_stepgraph *sg, const mf_sg_lanes *l, int L, int h, int n, const int *sock)
+{
+    int pe = sg->p_exp, s0 = sg->half_slot[h];
+    for (int k = 0; k < n && s0 + k < sg->half_slot[h + 1]; k++) {
+        if (sock[k] < 0) continue;
+        const mf_task_id *tid = sg->slot_tid + ((size_t)L * sg->n_slots + s0 + k) * sg->tid_per_slot;
+        for (int j = 0; j < 2 * pe + 1; j++) {
+            int rc = tid[j] >= 0 ? mf_graph_set_lane(sg->g, tid[j], l->lane_sock[sock[k]]) : 0;
+            if (rc) return rc;
+        }
+    }
+    return 0;
 }
 
 void mf_sg_lanes_map(mf_sg_lanes *l, const int *card_of, int n)
