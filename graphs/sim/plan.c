@@ -341,7 +341,8 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
                                         .n_dense_cards = p->n_dense, .dense_split = o->dense_split,
                                         .dev_graphs = o->dev_graphs, .store = p->streamed,
                                         .eg_reads = o->tables == MF_PLAN_STORE_STREAMED,
-                                        .read_window = o->read_window, .micro = o->micro, .lanes = p->lt.lane,
+                                        .read_window = o->read_window, .micro = o->micro,
+                                        .n_sockets = p->lt.n_sockets, .lane_sock = p->lt.lane_sock, .lanes = p->lt.lane,
                                         .n_lanes = p->lt.n_lanes, .lane_io = p->lt.lane_io,
                                         .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof},
                           &p->sg);

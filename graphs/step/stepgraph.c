@@ -263,6 +263,12 @@ static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, m
         b->cap = cap;
     }
     int io = b->o->lanes[lane].kind == MF_LANE_IO;
+    if (lane == 0 && b->o->n_sockets > 1 && b->o->lane_sock && t.slot < 0 && (t.part >= 0 || t.i1 - t.i0 == 1)) {
+        double wb = 0;   /* no weights, one item or a part: spread over the sockets (mf_sg_opts.n_sockets) */
+        for (int f = 0; f < MF_KF_N; f++) wb += t.w.w_bytes[f];
+        int key = (t.i1 - t.i0 == 1 ? t.i0 : 0) + (t.part > 0 ? t.part : 0);
+        if (wb == 0) lane = b->o->lane_sock[key % b->o->n_sockets];
+    }
     if (sg->n_halves > 1 && b->h >= 0) {   /* which micro-batch, in the trace */
         size_t len = strlen(b->name);
         snprintf(b->name + len, sizeof b->name - len, " mb%d", b->h);
@@ -1471,25 +1477,32 @@ int mf_sg_lanes_sockets(mf_sg_lanes *l, int n_sockets, const int *threads, const
 void mf_sg_socket_place(const mf_sg_lanes *l, const mf_lane_model *cpu, double cross_factor, double expert_bytes,
                         int n, const int *home, const int *cnt, int *sock, int *n_cross)
 {
-    double q[MF_SG_MAX_SOCKETS] = {0};
+    double q[MF_SG_MAX_SOCKETS] = {0}, w[MF_SG_MAX_SOCKETS];
+    int S = l->n_sockets;
     *n_cross = 0;
-    for (int s = 0; s < n; s++) {
+    for (int k = 0; k < S; k++) w[k] = l->lane[l->lane_sock[k]].concurrency;
+    for (int s = 0; s < n; s++) {   /* every slot at home first */
         sock[s] = home[s];
-        if (home[s] < 0) continue;
-        double ns = sg_lane_ns(cpu, expert_bytes) * (1 + 0.02 * cnt[s]);
-        int best = home[s];
-        double t_best = (q[best] + ns) / l->lane[l->lane_sock[best]].concurrency;
-        for (int k = 0; cross_factor > 0 && k < l->n_sockets; k++) {
-            if (k == home[s]) continue;
-            double t = (q[k] + ns / cross_factor) / l->lane[l->lane_sock[k]].concurrency;
-            if (t < t_best) {
-                best = k;
-                t_best = t;
-            }
+        if (home[s] >= 0) q[home[s]] += sg_lane_ns(cpu, expert_bytes) * (1 + 0.02 * cnt[s]);
+    }
+    /* then, while it shortens the busiest socket's queue (over its workers) without making another
+     * longer than that, one of its slots (the last not yet moved) goes to the least busy socket at
+     * the cross price */
+    for (int moves = 0; cross_factor > 0 && S > 1 && moves < n; moves++) {
+        int a = 0, c = 0;
+        for (int k = 1; k < S; k++) {
+            if (q[k] / w[k] > q[a] / w[a]) a = k;
+            if (q[k] / w[k] < q[c] / w[c]) c = k;
         }
-        q[best] += best == home[s] ? ns : ns / cross_factor;
-        sock[s] = best;
-        *n_cross += best != home[s];
+        int s = n - 1;
+        while (s >= 0 && !(sock[s] == a && home[s] == a)) s--;
+        if (s < 0 || a == c) break;
+        double ns = sg_lane_ns(cpu, expert_bytes) * (1 + 0.02 * cnt[s]);
+        if (!((q[c] + ns / cross_factor) / w[c] < q[a] / w[a])) break;
+        q[a] -= ns;
+        q[c] += ns / cross_factor;
+        sock[s] = c;
+        ++*n_cross;
     }
 }
 

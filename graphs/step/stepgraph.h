@@ -239,6 +239,14 @@ typedef struct mf_sg_opts {
      * (half 1's route after half 0's MoE done, half 0's route of the next layer after half 1's
      * MoE done: one store batch and one set of card pins at a time). 0 or 1: one. */
     int micro;
+    /* > 1: one CPU lane per socket, socket k's at lane_sock[k] (mf_sg_lanes_sockets). The host
+     * tasks that read no weights and are one item's or one of several parts (attention head
+     * groups, index score parts, q norm parts, an item's mixes, norms and combines: activations
+     * and KV, no home of their own) go to socket (item + part) mod n_sockets's lane;
+     * every other host task stays on lane 0 (socket 0's: the dense weights the host keeps are not
+     * split), and the routed experts move at route (mf_stepgraph_set_slot_lanes). 0 or 1: none. */
+    int n_sockets;
+    const int *lane_sock;
 } mf_sg_opts;
 
 typedef struct mf_stepgraph {
@@ -305,11 +313,12 @@ void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threa
 int mf_sg_lanes_sockets(mf_sg_lanes *l, int n_sockets, const int *threads, const int *numa);
 
 /* Which socket runs each of a layer's n routed-expert slots run on the host (their experts'
- * homes home[], tokens cnt[]): its home, unless the other socket would finish it sooner reading
- * across at the profile's cross_socket_factor (the expert's bytes over the CPU lane's model per
- * worker, divided by the factor, queued behind that socket's work so far; factor 0: never
- * across). sock[s] gets the socket; *n_cross the slots placed across. Slots with home[s] < 0 (on
- * a card) get -1. */
+ * homes home[], tokens cnt[]): every slot at its home, then, while it shortens the busiest
+ * socket's queue of expert work over its workers (each slot its expert's bytes over the CPU
+ * lane's model, 2% more a token) and leaves the receiving socket below that, the busiest
+ * socket's last slot still at home goes to the least busy socket at the cross price (its time
+ * over cross_factor, the profile's cross_socket_factor; 0: never across). sock[s] gets the
+ * socket; *n_cross the slots placed across. Slots with home[s] < 0 (on a card) get -1. */
 void mf_sg_socket_place(const mf_sg_lanes *l, const mf_lane_model *cpu, double cross_factor, double expert_bytes,
                         int n, const int *home, const int *cnt, int *sock, int *n_cross);
 /* Card k's three lanes run on device card card_of[k] (k < n; default: k). */
