@@ -269,8 +269,9 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
      * copy_slots streams); emulated cards are host threads: their kernels need a host core, and
      * each device task's round trip through its stream (the stream's thread, the callback) holds
      * the stream's thread and a core for dev_task_ns first */
-    /* one CPU lane per socket (the engine's --sockets): socket 0's runs every host task but the
-     * routed experts, which run on their home socket's (or across, priced: pl_layer_slots) */
+    /* one CPU lane per socket (the engine's --sockets): the host tasks with weights on socket
+     * 0's, those without spread by item and part (the builder), the routed experts on their home
+     * socket's or across, priced (pl_layer_slots) */
     int n_sock = o->n_sockets ? o->n_sockets : f->n_sockets;
     if (n_sock > 1) {
         int thr[MF_SG_MAX_SOCKETS];

@@ -832,9 +832,6 @@ static int mf_task_dev_out(void *arg, mf_task_ctx *ctx)
                            cnt * H * 4);
 }
 
-/* Router: the top-k of the gate logits, then the slot table: the distinct experts in
- * ascending id, each with its items in item order; inputs gathered into slot order (and
- * quantized for the int8 path). */
 /* Micro-batch h's host slots of layer L on their experts' home sockets' lanes, or across where
  * the cost model says (mf_sg_socket_place). */
 static int mf_step_sockets(mf_step_shape *sh, int L, int h)
@@ -851,6 +848,9 @@ static int mf_step_sockets(mf_step_shape *sh, int L, int h)
     return mf_stepgraph_set_slot_lanes(sh->sg, &eng->lt, L, h, n, sock);
 }
 
+/* Router: the top-k of the gate logits, then the slot table: the distinct experts in
+ * ascending id, each with its items in item order; inputs gathered into slot order (and
+ * quantized for the int8 path). */
 static int mf_task_route(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
