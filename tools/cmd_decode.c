@@ -779,6 +779,7 @@ int mf_cmd_decode(int argc, char **argv)
     long steps = 0;
     int64_t io_busy_ns = 0, io_overlap_ns = 0, ex_busy_ns = 0;   /* scheduled engine with a store */
     int64_t cp_busy_ns = 0, cp_overlap_ns = 0, cm_busy_ns = 0;   /* with devices */
+    int64_t sock_home = 0, sock_cross = 0;                       /* with sockets */
     mf_step_dev_stats dtot = {0};
     dc.t0 = t0;
     if (mst) mf_store_step(mst, NULL);
@@ -793,6 +794,12 @@ int mf_cmd_decode(int argc, char **argv)
             io_busy_ns += tm.io_busy_ns;
             io_overlap_ns += tm.io_overlap_ns;
             ex_busy_ns += tm.expert_busy_ns;
+        }
+        if (sched && sk.n > 1) {   /* where the host expert slots ran */
+            mf_step_dev_stats x;
+            mf_step_last_dev(eng, &x);
+            sock_home += x.sock_home;
+            sock_cross += x.sock_cross;
         }
         if (dev) {
             mf_step_times tm;
@@ -876,6 +883,9 @@ int mf_cmd_decode(int argc, char **argv)
                     ex_busy_ns / 1e9, io_overlap_ns / 1e9, io_busy_ns ? 100.0 * io_overlap_ns / io_busy_ns : 0.0,
                     ex_busy_ns ? 100.0 * io_overlap_ns / ex_busy_ns : 0.0);
     }
+    if (sched && sk.n > 1 && !quiet)
+        fprintf(stderr, "moeflow decode: %d sockets: %" PRId64 " host expert slots on their home socket's workers, "
+                "%" PRId64 " on another's (the cost model's choice)\n", sk.n, sock_home, sock_cross);
     if (dev && !quiet)
         fprintf(stderr, "moeflow decode: devices (%s, %s placement, %d cache slots per card) steps: %" PRId64
                 " expert slots on cards, %" PRId64 " on the host (%" PRId64 " for want of a free cache slot); "
