@@ -110,6 +110,9 @@ struct mf_store {
     void *gscratch;               /* the synchronous gather's plan (mf_store_gather_bytes(max_rows)) */
     uint64_t gscratch_bytes, max_row_bytes, max_srow_bytes;
     mf_store_stats total, step;
+    /* n_sockets > 1 (resident): socket k's experts in slots [sock_slot0[k], sock_slot0[k + 1]) */
+    int n_sock, n_bound;
+    int sock_slot0[MF_TOPO_MAX_SOCKETS + 1];
 };
 
 static uint64_t mf_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
@@ -196,6 +199,40 @@ static int mf_store_membind(mf_store *s, void *p, uint64_t n)
     hwloc_topology_destroy(topo);
     return rc;
 }
+
+/* Socket k's region bound to its node; a node that does not exist or a refused binding is a
+ * note (the region stays first touch), not an error. */
+static void mf_store_bind_socket(mf_store *s, int k)
+{
+    uint64_t a = (uint64_t)s->sock_slot0[k] * s->slot_bytes, b = (uint64_t)s->sock_slot0[k + 1] * s->slot_bytes;
+    if (b <= a) return;
+    int node = s->o.socket_node[k], saved = s->o.numa_node, rc = -EINVAL;
+    if (node >= 0) {
+        s->o.numa_node = node;
+        rc = mf_store_membind(s, s->slab + a, b - a);
+        s->o.numa_node = saved;
+    }
+    if (!rc) {
+        s->n_bound++;
+        return;
+    }
+    if (!s->o.quiet)
+        fprintf(stderr, "expert store: socket %d's %.1f MB of experts not bound to NUMA node %d (%s); first touch\n",
+                k, (double)(b - a) / 1e6, node, node < 0 ? "it has none of its own" : mf_last_error());
+    mf_error_clear();
+}
+
+int mf_store_socket_of(const mf_store *s, const void *p)
+{
+    const uint8_t *q = p;
+    if (s->n_sock < 2 || q < s->slab || q >= s->slab + s->slab_bytes) return -1;
+    uint64_t slot = (uint64_t)(q - s->slab) / s->slot_bytes;
+    for (int k = 0; k < s->n_sock; k++)
+        if (slot < (uint64_t)s->sock_slot0[k + 1]) return k;
+    return -1;
+}
+
+int mf_store_n_bound(const mf_store *s) { return s->n_bound; }
 
 static void *mf_store_map(uint64_t n)
 {
@@ -425,7 +462,15 @@ static int mf_store_plan_slots(mf_store *s)
     if (!s->slab)
         return mf_error(-ENOMEM, "expert store: cannot map %" PRIu64 " bytes for %d expert slots",
                         s->slab_bytes, s->n_slots);
-    return mf_store_membind(s, s->slab, s->slab_bytes);
+    if (s->o.mode != MF_STORE_RESIDENT || s->o.n_sockets < 2) return mf_store_membind(s, s->slab, s->slab_bytes);
+    /* one region per socket, in socket order (the resident load fills the slots in that order) */
+    s->n_sock = s->o.n_sockets > MF_TOPO_MAX_SOCKETS ? MF_TOPO_MAX_SOCKETS : s->o.n_sockets;
+    int cnt[MF_TOPO_MAX_SOCKETS] = {0};
+    for (int L = 0; L < s->n_layers; L++)
+        for (int e = 0; e < s->n_experts; e++) cnt[mf_topo_home(s->n_sock, L, e)]++;
+    for (int k = 0; k < s->n_sock; k++) s->sock_slot0[k + 1] = s->sock_slot0[k] + cnt[k];
+    for (int k = 0; k < s->n_sock; k++) mf_store_bind_socket(s, k);
+    return 0;
 }
 
 /* The Engram tables of the layout (data and scale per table, rows agreeing), their row sizes,
@@ -818,11 +863,16 @@ static int mf_store_load_resident(mf_store *s)
     mf_progress pr;
     mf_progress_begin(&pr, "experts", (uint64_t)s->n_items * s->slot_bytes, 1, s->o.quiet);
     int32_t ids[256];
-    int mb = s->o.max_batch < 256 ? s->o.max_batch : 256;
+    int mb = s->o.max_batch < 256 ? s->o.max_batch : 256, ns = s->n_sock > 1 ? s->n_sock : 1;
+    /* socket by socket: the free slots are taken in ascending order, so socket k's experts fill
+     * its region (mf_store_plan_slots) */
+    for (int sk = 0; sk < ns; sk++)
     for (int L = 0; L < s->n_layers; L++)
-        for (int e0 = 0; e0 < s->n_experts; e0 += mb) {
-            int n = s->n_experts - e0 < mb ? s->n_experts - e0 : mb;
-            for (int k = 0; k < n; k++) ids[k] = e0 + k;
+        for (int e0 = 0; e0 < s->n_experts;) {
+            int n = 0;
+            for (; e0 < s->n_experts && n < mb; e0++)
+                if (ns == 1 || mf_topo_home(ns, L, e0) == sk) ids[n++] = e0;
+            if (!n) continue;
             uint64_t before = s->total.bytes_read;
             int rc = mf_store_ensure(s, L, ids, n, NULL, NULL);
             if (rc) {

@@ -31,6 +31,7 @@
 
 #include "host/safetensors.h"
 #include "sched/graph.h"
+#include "sched/sched.h"
 
 typedef enum mf_store_mode { MF_STORE_RESIDENT, MF_STORE_STREAMED } mf_store_mode;
 
@@ -52,6 +53,14 @@ typedef struct mf_store_opts {
     int io_fault_kind;           /* MF_IO_FAULT_* armed on the private run (sched/sched.h) */
     int64_t io_fault_nth;        /* ... on its nth read (MOEFLOW_IO_FAULT of the moeflow command) */
     int numa_node;               /* slab placement (hwloc membind); -1: first touch */
+    /* > 1, resident mode: the experts split across the sockets' memory, one copy: expert (layer,
+     * e) lies in the slab's region of socket mf_topo_home(n_sockets, layer, e) (sched/sched.h),
+     * bound to OS node socket_node[k] (numa_node is then unused). A node that does not exist, or a
+     * binding the kernel refuses, leaves that region to first touch with one line on stderr
+     * naming the node (unless quiet). Streamed mode: the slots are shared by the replacement
+     * policy, so the slab is not split (numa_node as above). 0 or 1: one region. */
+    int n_sockets;
+    int socket_node[MF_TOPO_MAX_SOCKETS];
     int aging_period;            /* accesses between halvings (0: 8 x slots) */
     int quiet;                   /* no progress on stderr */
     /* Called once on the slab when a device will copy from it (cudaHostRegister, mlock);
@@ -146,6 +155,11 @@ typedef struct mf_store_stats {
 /* Counters since creation (total) and since the previous mf_store_step call (step; resets). */
 void mf_store_stats_total(const mf_store *s, mf_store_stats *out);
 void mf_store_step(mf_store *s, mf_store_stats *step);
+
+/* The socket whose region of the slab holds p (n_sockets > 1, resident), else -1; how many regions
+ * were bound to their node (the rest are first touch). */
+int mf_store_socket_of(const mf_store *s, const void *p);
+int mf_store_n_bound(const mf_store *s);
 
 int mf_store_n_slots(const mf_store *s);
 int mf_store_max_batch(const mf_store *s);

@@ -272,6 +272,23 @@ void mf_graph_set_noop(mf_graph *g, mf_task_id t, int noop)
     atomic_store_explicit(&g->noop[t], (unsigned char)!!noop, memory_order_relaxed);
 }
 
+int mf_graph_set_lane(mf_graph *g, mf_task_id t, int lane)
+{
+    if (!g->finalized || t < 0 || t >= g->n_tasks || lane < 0 || lane >= g->n_lanes)
+        return mf_error(-EINVAL, "graph: set_lane of task %d to lane %d (graph: %d tasks, %d lanes, %s)", t,
+                        lane, g->n_tasks, g->n_lanes, g->finalized ? "finalized" : "not finalized");
+    mf_task_desc *d = &g->tasks[t];
+    if (d->lane == lane) return 0;
+    if (g->lanes[d->lane].kind != MF_LANE_CPU || g->lanes[lane].kind != MF_LANE_CPU || d->place_hint >= 0 ||
+        g->pred_off[t + 1] == g->pred_off[t])
+        return mf_error(-EINVAL, "graph: task '%s' cannot move from lane '%s' to '%s' (CPU lanes only, a task "
+                        "with predecessors and no place hint)", d->name, g->lanes[d->lane].name,
+                        g->lanes[lane].name);
+    d->lane = lane;
+    if (g->rt && g->rt_set_lane) g->rt_set_lane(g->rt, t, lane);
+    return 0;
+}
+
 int mf_graph_noop(const mf_graph *g, mf_task_id t)
 {
     return g->noop ? atomic_load_explicit(&g->noop[t], memory_order_relaxed) : 0;

@@ -101,6 +101,11 @@ void mf_graph_set_arg(mf_graph *g, mf_task_id t, void *arg);
  * runs normally. Marks of a run that fails are honoured as cancellations. */
 void mf_graph_set_noop(mf_graph *g, mf_task_id t, int noop);
 int mf_graph_noop(const mf_graph *g, mf_task_id t);
+/* Moves task t to another CPU lane (e.g. the pool of the socket that holds the data it reads),
+ * until changed. Allowed after finalize, between runs and during one from a predecessor's fn (the
+ * move is then seen when t becomes ready, as a noop mark is). Both lanes must be CPU lanes; t must
+ * have predecessors and no place_hint. 0, or -EINVAL naming what was wrong. */
+int mf_graph_set_lane(mf_graph *g, mf_task_id t, int lane);
 
 /* Read access for executors, the simulator and the timeline. */
 int mf_graph_n_tasks(const mf_graph *g);

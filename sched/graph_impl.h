@@ -35,6 +35,8 @@ struct mf_graph {
     /* The executor's per-graph run state (queues, counters), made at the first run, freed here. */
     void *rt;
     void (*rt_free)(void *rt);
+    /* The run state's copy of a task's lane, kept in step by mf_graph_set_lane (NULL: none). */
+    void (*rt_set_lane)(void *rt, mf_task_id t, int lane);
 };
 
 #endif

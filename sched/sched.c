@@ -445,6 +445,13 @@ static int mf_key_desc(const void *a, const void *b)
     return (x < y) - (x > y);
 }
 
+/* mf_graph_set_lane's update of the run state's copy (the task is not ready: nothing queued). */
+static void mf_grt_set_lane(void *p, mf_task_id t, int lane)
+{
+    mf_grt *rt = p;
+    rt->lane[t] = (int16_t)lane;
+}
+
 /* Makes g's run state for s: counters, keys, and queues big enough that a run never allocates. */
 static int mf_grt_make(mf_sched *s, mf_graph *g, mf_grt **out)
 {
@@ -491,9 +498,12 @@ static int mf_grt_make(mf_sched *s, mf_graph *g, mf_grt **out)
         if (rt->hint[t] >= 0) rt->q[d->lane].n_wheap[rt->hint[t]]++;   /* capacity count */
         else if (!rt->pend_init[t]) rt->q[d->lane].n_roots++;
     }
+    int n_cpu = 0;   /* tasks may move between CPU lanes (mf_graph_set_lane): room for all of them */
+    for (int l = 0; l < nl; l++) n_cpu += s->lanes[l].engine == MF_ENG_CPU ? n_lane[l] : 0;
     for (int l = 0; l < nl; l++) {
         mf_lane_q *q = &rt->q[l];
-        q->heap = malloc((size_t)(n_lane[l] ? n_lane[l] : 1) * sizeof *q->heap);
+        int cap = s->lanes[l].engine == MF_ENG_CPU ? n_cpu : n_lane[l];
+        q->heap = malloc((size_t)(cap ? cap : 1) * sizeof *q->heap);
         q->roots = malloc((size_t)(q->n_roots ? q->n_roots : 1) * sizeof *q->roots);
         if (!q->heap || !q->roots) goto oom;
         for (int w = 0; q->wheap && w < q->n_w; w++) {
@@ -608,13 +618,7 @@ int mf_sched_create(const mf_sched_opts *o, mf_sched **out)
     pthread_cond_init(&s->run_cond, &ca);
     pthread_condattr_destroy(&ca);
     int rc;
-    if (hwloc_topology_init(&s->topo) < 0 || hwloc_topology_load(s->topo) < 0) {
-        rc = mf_error(-errno ? -errno : -EIO, "sched: hwloc cannot load the machine topology "
-                      "(%s:%d)", __FILE__, __LINE__);
-        hwloc_topology_destroy(s->topo);
-        s->topo = NULL;
-        goto fail;
-    }
+    if ((rc = mf_topo_load(o->topology, &s->topo))) goto fail;
     s->lanes = calloc((size_t)o->n_lanes, sizeof *s->lanes);
     if (!s->lanes) {
         rc = mf_error(-ENOMEM, "sched: out of memory");
@@ -754,6 +758,7 @@ int mf_sched_run(mf_sched *s, mf_graph *g, const mf_run_opts *ro)
         if (g->rt_free) g->rt_free(g->rt);
         g->rt = NULL;
         g->rt_free = NULL;
+        g->rt_set_lane = NULL;
         rc = mf_grt_make(s, g, &rt);
         if (rc) {
             atomic_store(&s->running, 0);
@@ -761,6 +766,7 @@ int mf_sched_run(mf_sched *s, mf_graph *g, const mf_run_opts *ro)
         }
         g->rt = rt;
         g->rt_free = mf_grt_free;
+        g->rt_set_lane = mf_grt_set_lane;
     }
     int n = g->n_tasks;
     if (tl) mf_timeline_reset(tl);
@@ -859,6 +865,7 @@ int mf_sched_run(mf_sched *s, mf_graph *g, const mf_run_opts *ro)
     if (n_abandoned) {   /* a late callback may still read its token, even after destroy */
         g->rt = NULL;
         g->rt_free = NULL;
+        g->rt_set_lane = NULL;
         pthread_mutex_lock(&mf_orphans_mu);
         rt->orphan_next = mf_orphans;
         mf_orphans = rt;

@@ -59,6 +59,12 @@ typedef struct mf_sched_opts {
      * hanging. That run's state (a few bytes per task of the graph) is then kept for the rest of
      * the process, since the callback may still come late, in any order of teardown. */
     int64_t dev_wait_ns;
+    /* The topology workers are placed on: NULL (default) this machine's; else an hwloc synthetic
+     * description ("package:2 numa:1 core:2 pu:1": a NUMA node per package) or the path of an
+     * hwloc XML file (ending in .xml), taken as this system's (its PU numbers bind real CPUs:
+     * for tests). The moeflow command sets it from MOEFLOW_TOPOLOGY; the library reads no
+     * environment variable. */
+    const char *topology;
 } mf_sched_opts;
 
 #define MF_SCHED_DEV_WAIT_NS (60LL * 1000000000LL)
@@ -100,6 +106,32 @@ int mf_sched_io_register(mf_sched *s, void *const *bufs, const uint64_t *n_bytes
  * The moeflow command arms it, through the options, from MOEFLOW_IO_FAULT=eio:N|short:N. Safe
  * between runs and during one (from any thread). */
 void mf_sched_io_fault(mf_sched *s, int kind, int64_t nth);
+
+/* Sockets, as the engine splits its workers and the expert store its memory: the NUMA nodes that
+ * have cores (one per package on a two-socket Xeon without sub-NUMA clusters), in hwloc's
+ * logical order, each with its cores (PUs where hwloc shows no cores) and its OS node number
+ * (what memory is bound to). */
+#define MF_TOPO_MAX_SOCKETS 8
+typedef struct mf_topo_sockets {
+    int n;
+    int cores[MF_TOPO_MAX_SOCKETS];
+    int node[MF_TOPO_MAX_SOCKETS];   /* OS node number (memory binding); -1: none of its own */
+    int numa[MF_TOPO_MAX_SOCKETS];   /* hwloc's logical node index (mf_lane_desc.numa_node); -1 */
+} mf_topo_sockets;
+
+/* The sockets of `topology` (as mf_sched_opts.topology; NULL: this machine). 0, or a negative
+ * code naming the topology that hwloc could not load; a machine whose one node spans every core
+ * has one socket. */
+int mf_topo_sockets_of(const char *topology, mf_topo_sockets *out);
+
+/* The one home of a routed expert across n_sockets sockets: the socket whose memory holds it
+ * and whose workers run it (the store places it there, the engine's route task and the simulator
+ * run it there). Interleaved (layer + expert) mod n_sockets: every socket holds the same count
+ * of each layer's experts, give or take one, and so its bytes (a layer's experts are one size). */
+static inline int mf_topo_home(int n_sockets, int layer, int expert)
+{
+    return n_sockets > 1 ? (layer + expert) % n_sockets : 0;
+}
 
 /* Convenience lane tables: one CPU lane per NUMA node (threads_per_node 0 = all its cores), an IO
  * lane of the given depth. Returns the number of lanes written (<= max). */

@@ -196,6 +196,8 @@ void mf_lane_wake(mf_sched *s, mf_lane_rt *L, int hint);   /* lane->mu held */
 void mf_lane_wake_n(mf_sched *s, mf_lane_rt *L, int n);    /* lane->mu held */
 
 /* topo.c */
+/* Loads `desc` (mf_sched_opts.topology; NULL: this machine) into *out. 0 or a negative code. */
+int mf_topo_load(const char *desc, hwloc_topology_t *out);
 int mf_topo_plan(mf_sched *s, mf_lane_rt *L);   /* resolves CPU lane size and pin sets */
 int mf_topo_bind(mf_sched *s, mf_lane_rt *L, int w);
 

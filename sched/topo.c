@@ -7,6 +7,58 @@
 #include "sched/error.h"
 #include "sched/sched_impl.h"
 
+int mf_topo_load(const char *desc, hwloc_topology_t *out)
+{
+    hwloc_topology_t t;
+    *out = NULL;
+    if (hwloc_topology_init(&t) < 0)
+        return mf_error(-ENOMEM, "sched: hwloc_topology_init failed (%s:%d)", __FILE__, __LINE__);
+    int rc = 0;
+    if (desc && *desc) {
+        size_t n = strlen(desc);
+        int xml = n > 4 && !strcmp(desc + n - 4, ".xml");
+        if ((xml ? hwloc_topology_set_xml(t, desc) : hwloc_topology_set_synthetic(t, desc)) < 0 ||
+            hwloc_topology_set_flags(t, HWLOC_TOPOLOGY_FLAG_IS_THISSYSTEM) < 0)
+            rc = mf_error(-EINVAL, "sched: hwloc refuses the %s topology '%s' (%s:%d)",
+                          xml ? "XML" : "synthetic", desc, __FILE__, __LINE__);
+    }
+    if (!rc && hwloc_topology_load(t) < 0)
+        rc = mf_error(errno ? -errno : -EIO, "sched: hwloc cannot load the topology '%s' (%s:%d)",
+                      desc && *desc ? desc : "of this machine", __FILE__, __LINE__);
+    if (rc) {
+        hwloc_topology_destroy(t);
+        return rc;
+    }
+    *out = t;
+    return 0;
+}
+
+int mf_topo_sockets_of(const char *topology, mf_topo_sockets *out)
+{
+    memset(out, 0, sizeof *out);
+    hwloc_topology_t t;
+    int rc = mf_topo_load(topology, &t);
+    if (rc) return rc;
+    int n = hwloc_get_nbobjs_by_type(t, HWLOC_OBJ_NUMANODE);
+    for (int i = 0; i < n && out->n < MF_TOPO_MAX_SOCKETS; i++) {
+        hwloc_obj_t o = hwloc_get_obj_by_type(t, HWLOC_OBJ_NUMANODE, (unsigned)i);
+        if (!o || !o->cpuset || hwloc_bitmap_iszero(o->cpuset)) continue;
+        int c = hwloc_get_nbobjs_inside_cpuset_by_type(t, o->cpuset, HWLOC_OBJ_CORE);
+        if (c <= 0) c = hwloc_get_nbobjs_inside_cpuset_by_type(t, o->cpuset, HWLOC_OBJ_PU);
+        out->cores[out->n] = c > 0 ? c : 1;
+        out->numa[out->n] = i;
+        out->node[out->n++] = (int)o->os_index;
+    }
+    if (!out->n) {   /* no node with cores: the machine is one socket */
+        int c = hwloc_get_nbobjs_by_type(t, HWLOC_OBJ_CORE);
+        out->n = 1;
+        out->cores[0] = c > 0 ? c : 1;
+        out->node[0] = out->numa[0] = -1;
+    }
+    hwloc_topology_destroy(t);
+    return 0;
+}
+
 /* The cpuset serving a lane: its NUMA node's, or the whole machine's for node -1. */
 static hwloc_const_cpuset_t mf_topo_lane_set(mf_sched *s, const mf_lane_rt *L)
 {

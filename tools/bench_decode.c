@@ -32,7 +32,7 @@ static void mf_bench_decode_usage(FILE *f)
     fprintf(f,
             "usage: moeflow bench decode --checkpoint DIR [--steps N] [--batch B] [--threads N]\n"
             "                            [--prompt-tokens P] [--chunk T] [--exact] [--no-reference]\n"
-            "                            [--micro-batches 1|2] [--trace FILE] [--json]\n"
+            "                            [--micro-batches 1|2] [--sockets N|auto] [--trace FILE] [--json]\n"
             "                            [--devices emu:N|cuda[:IDS] [--dense host|cards]\n"
             "                             [--dense-split layers|rows]]\n\n"
             "Prefills B sequences of a synthetic P-token prompt (default 16; sequence i's tokens are\n"
@@ -48,6 +48,10 @@ static void mf_bench_decode_usage(FILE *f)
             "the streaming read rate of the same threads (measured as calibrate does, best of 5) over\n"
             "the measured step time (at batch 1: how close a token is to the memory floor).\n"
             "--micro-batches 2: the scheduled engine with two micro-batches in flight (batch >= 2).\n"
+            "--sockets N|auto (default auto: one lane where hwloc finds one NUMA node): the\n"
+            "scheduled engine with one CPU lane per socket, workers pinned,\n"
+            "each routed expert on its home socket's workers (as moeflow decode --sockets; the\n"
+            "experts here are the model's resident copies, not a store split across the sockets).\n"
             "--no-reference skips the one-thread reference engine (a long prefill takes it\n"
             "minutes). --chunk T: the scheduled\n"
             "engine's prefill chunk (positions per graph run; default %d). --exact runs the\n"
@@ -261,6 +265,7 @@ int mf_bench_decode(int argc, char **argv)
     int dense_split = MF_TOOL_DENSE_SPLIT;
     long steps = 8, batch = 1, n_prompt = 16, chunk = 0, threads = sysconf(_SC_NPROCESSORS_ONLN);
     int json = 0, exact = 0, no_ref = 0, micro = 1;
+    mf_tool_sockets sk = {.n = 0};   /* 0: --sockets not given (auto)*/
     if (threads < 1) threads = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -292,6 +297,8 @@ int mf_bench_decode(int argc, char **argv)
                         argv[i]);
                 return 2;
             }
+        } else if (!strcmp(a, "--sockets") && hv) {
+            if (mf_tool_sockets_arg("bench decode", argv[++i], &sk)) return 2;
         } else if (!strcmp(a, "--json")) {
             json = 1;
         } else if (!strcmp(a, "--exact")) {
@@ -316,6 +323,10 @@ int mf_bench_decode(int argc, char **argv)
             return 2;
         }
     }
+    if (!sk.n) {   /* auto: every socket hwloc finds, at most one per worker */
+        if (mf_tool_sockets_arg("bench decode", "auto", &sk)) return 2;
+        if (sk.n > threads) sk.n = (int)threads;
+    }
     if (!dir) {
         fprintf(stderr, "moeflow bench decode: --checkpoint DIR is required\n\n");
         mf_bench_decode_usage(stderr);
@@ -337,7 +348,8 @@ int mf_bench_decode(int argc, char **argv)
         mf_ref_new(m, NULL, &r) || (dense && mf_dev_open(devices, &dev)) ||
         mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact, .prefill_chunk = (int)chunk,
                                        .dev = dev, .dense = dense ? MF_STEP_DENSE_CARDS : MF_STEP_DENSE_HOST,
-                                       .dense_split = dense_split, .micro = micro},
+                                       .dense_split = dense_split, .micro = micro, .n_sockets = sk.n,
+                                       .topology = sk.topology, .pin_threads = sk.n > 1},
                     &eng))
         goto fail;
     const mf_config *c = mf_model_config(m);

@@ -34,7 +34,8 @@ static void mf_decode_usage(FILE *f)
 {
     fprintf(f,
             "usage: moeflow decode --checkpoint DIR (--prompt TEXT | --tokens IDS | --prompts FILE)\n"
-            "                      [--engine scheduled|reference] [--threads N] [--exact] [--batch B]\n"
+            "                      [--engine scheduled|reference] [--threads N] [--sockets N|auto]\n"
+            "                      [--exact] [--batch B]\n"
             "                      [--step-tokens N] [--output FILE.jsonl]\n"
             "                      [--max-new-tokens N] [--temperature T --top-p P --seed S]\n"
             "                      [--no-bos] [--ignore-eos] [--act-quant] [--quiet] [--trace FILE]\n"
@@ -69,6 +70,15 @@ static void mf_decode_usage(FILE *f)
             "                      length), queue_s, first_token_s, total_s\n"
             "  --engine E          scheduled (default) or reference\n"
             "  --threads N         scheduled engine workers (default: the online CPUs)\n"
+            "  --sockets N|auto    scheduled engine: one CPU lane per socket (NUMA node with cores;\n"
+            "                      auto: all hwloc finds), the --threads workers split across them\n"
+            "                      by cores and pinned there; a routed expert runs on the workers\n"
+            "                      of the socket whose memory holds it (--store resident splits the\n"
+            "                      experts across the sockets' memory, one copy, bound with hwloc;\n"
+            "                      a node that does not exist is a one-line note). Logits as with\n"
+            "                      one lane. MOEFLOW_TOPOLOGY=DESC|FILE.xml: an hwloc synthetic or\n"
+            "                      XML topology instead of this machine's (tests). Default auto\n"
+            "                      (one lane on a machine with one NUMA node, as before)\n"
             "  --exact             scheduled engine: fp32 kernel path for the FP4 experts (matches\n"
             "                      the reference to ~1e-7) instead of the int8 path (~1%% per matmul)\n"
             "  --max-new-tokens N  tokens to generate (default 16)\n"
@@ -415,6 +425,7 @@ int mf_cmd_decode(int argc, char **argv)
     uint64_t dev_cache = 0;
     const char *profile_path = NULL;
     static mf_profile prof;
+    mf_tool_sockets sk = {.n = 0};   /* 0: --sockets not given (auto)*/
     if (threads < 1) threads = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -446,6 +457,8 @@ int mf_cmd_decode(int argc, char **argv)
                 return 2;
             }
             *(is_b ? &batch : &threads) = v;
+        } else if (!strcmp(a, "--sockets") && hv) {
+            if (mf_tool_sockets_arg("decode", argv[++i], &sk)) return 2;
         } else if (!strcmp(a, "--step-tokens") && hv) {
             step_tokens = strtol(argv[++i], &end, 10);
             if (*end || !*argv[i] || step_tokens < 1 || step_tokens > 65536) {
@@ -560,6 +573,10 @@ int mf_cmd_decode(int argc, char **argv)
             return 2;
         }
     }
+    if (!sk.n) {   /* auto: every socket hwloc finds, at most one per worker */
+        if (mf_tool_sockets_arg("decode", "auto", &sk)) return 2;
+        if (sk.n > threads) sk.n = (int)threads;
+    }
     if (!dir || (!!prompt + !!ids + !!prompts_file) != 1) {
         fprintf(stderr, "moeflow decode: --checkpoint and exactly one of --prompt / --tokens / --prompts are "
                         "required\n\n");
@@ -666,7 +683,9 @@ int mf_cmd_decode(int argc, char **argv)
     mf_model_opts mo = {.quiet = quiet, .resident_limit_bytes = sched ? UINT64_C(64) << 30 : 0,
                         .store = store_mode, .store_tables = store_tables,
                         .store_budget_bytes = store_budget, .store_io_depth = (int)io_depth,
-                        .store_io_pread = mf_tool_io_env.force_pread};
+                        .store_io_pread = mf_tool_io_env.force_pread,
+                        .store_n_sockets = sched ? sk.n : 1};
+    memcpy(mo.store_socket_node, sk.node, sizeof mo.store_socket_node);
     if (!sched) {   /* the reference engine reads through the store's own run */
         mo.store_io_fault_kind = mf_tool_io_env.fault_kind;
         mo.store_io_fault_nth = mf_tool_io_env.fault_nth;
@@ -723,6 +742,8 @@ int mf_cmd_decode(int argc, char **argv)
     if (mf_ref_new(m, &ro, &r)) goto fail;
     if (devices && (place != MF_STEP_PLACE_HOST || dense) && mf_dev_open(devices, &dev)) goto fail;
     if (sched && mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact,
+                                                 .n_sockets = sk.n, .topology = sk.topology,
+                                                 .pin_threads = sk.n > 1,
                                                  .read_window = (int)read_window, .dev = dev,
                                                  .placement = place, .dev_cache_bytes = dev_cache,
                                                  .dev_graphs = dev_graphs, .dense = dense,
@@ -758,6 +779,7 @@ int mf_cmd_decode(int argc, char **argv)
     long steps = 0;
     int64_t io_busy_ns = 0, io_overlap_ns = 0, ex_busy_ns = 0;   /* scheduled engine with a store */
     int64_t cp_busy_ns = 0, cp_overlap_ns = 0, cm_busy_ns = 0;   /* with devices */
+    int64_t sock_home = 0, sock_cross = 0;                       /* with sockets */
     mf_step_dev_stats dtot = {0};
     dc.t0 = t0;
     if (mst) mf_store_step(mst, NULL);
@@ -772,6 +794,12 @@ int mf_cmd_decode(int argc, char **argv)
             io_busy_ns += tm.io_busy_ns;
             io_overlap_ns += tm.io_overlap_ns;
             ex_busy_ns += tm.expert_busy_ns;
+        }
+        if (sched && sk.n > 1) {   /* where the host expert slots ran */
+            mf_step_dev_stats x;
+            mf_step_last_dev(eng, &x);
+            sock_home += x.sock_home;
+            sock_cross += x.sock_cross;
         }
         if (dev) {
             mf_step_times tm;
@@ -855,6 +883,9 @@ int mf_cmd_decode(int argc, char **argv)
                     ex_busy_ns / 1e9, io_overlap_ns / 1e9, io_busy_ns ? 100.0 * io_overlap_ns / io_busy_ns : 0.0,
                     ex_busy_ns ? 100.0 * io_overlap_ns / ex_busy_ns : 0.0);
     }
+    if (sched && sk.n > 1 && !quiet)
+        fprintf(stderr, "moeflow decode: %d sockets: %" PRId64 " host expert slots on their home socket's workers, "
+                "%" PRId64 " on another's (the cost model's choice)\n", sk.n, sock_home, sock_cross);
     if (dev && !quiet)
         fprintf(stderr, "moeflow decode: devices (%s, %s placement, %d cache slots per card) steps: %" PRId64
                 " expert slots on cards, %" PRId64 " on the host (%" PRId64 " for want of a free cache slot); "

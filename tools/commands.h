@@ -36,4 +36,16 @@ typedef struct mf_tool_io {
 } mf_tool_io;
 extern mf_tool_io mf_tool_io_env;
 
+/* --sockets (moeflow decode, bench decode): "auto" (the sockets hwloc finds: sched/sched.h
+ * mf_topo_sockets) or 1..8, on the topology MOEFLOW_TOPOLOGY names (an hwloc synthetic
+ * description such as "package:2 numa:1 core:1 pu:1" or an XML file, for tests; unset: this
+ * machine). Fills n and each socket's OS node (for the store's memory) and returns 0; prints why
+ * to stderr (prefixed by cmd) and returns 2 on a bad value or a topology with fewer sockets. */
+typedef struct mf_tool_sockets {
+    int n;
+    int node[8];
+    const char *topology;   /* MOEFLOW_TOPOLOGY or NULL */
+} mf_tool_sockets;
+int mf_tool_sockets_arg(const char *cmd, const char *arg, mf_tool_sockets *out);
+
 #endif

@@ -71,6 +71,33 @@ int mf_tool_env_on(const char *name)
 
 mf_tool_io mf_tool_io_env;
 
+int mf_tool_sockets_arg(const char *cmd, const char *arg, mf_tool_sockets *out)
+{
+    const char *topo = getenv("MOEFLOW_TOPOLOGY");
+    *out = (mf_tool_sockets){.n = 1, .node = {-1, -1, -1, -1, -1, -1, -1, -1},
+                             .topology = topo && *topo ? topo : NULL};
+    mf_topo_sockets ts;
+    if (mf_topo_sockets_of(out->topology, &ts)) {
+        fprintf(stderr, "moeflow %s: --sockets: %s\n", cmd, mf_last_error());
+        return 2;
+    }
+    char *end;
+    long n = strtol(arg, &end, 10);
+    if (!strcmp(arg, "auto")) n = ts.n;
+    else if (*end || !*arg || n < 1 || n > MF_TOPO_MAX_SOCKETS) {
+        fprintf(stderr, "moeflow %s: --sockets: expected auto or 1..%d, found '%s'\n", cmd, MF_TOPO_MAX_SOCKETS, arg);
+        return 2;
+    }
+    if (n > ts.n) {
+        fprintf(stderr, "moeflow %s: --sockets %ld: the topology (%s) has %d socket(s) (NUMA nodes with cores)\n",
+                cmd, n, out->topology ? out->topology : "this machine", ts.n);
+        return 2;
+    }
+    out->n = (int)n;
+    for (int k = 0; k < out->n; k++) out->node[k] = ts.node[k];
+    return 0;
+}
+
 /* The environment variables the moeflow command honours, turned into options before any
  * subcommand runs (the library reads none): MOEFLOW_IO=pread makes the IO lanes of the executors
  * a command makes use pread workers, MOEFLOW_IO_FAULT=eio:N|short:N makes the Nth read of an IO

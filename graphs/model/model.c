@@ -294,7 +294,8 @@ static int mf_model_store_open(mf_model *m, const mf_model_opts *o)
                         /* a call names up to a layer's experts (the scheduled engine's slots of a
                          * batch); the budget must hold at least one token's */
                         .max_batch = c->n_routed_experts > 16 ? c->n_routed_experts : 16,
-                        .min_slots = c->n_experts_per_tok};
+                        .min_slots = c->n_experts_per_tok, .n_sockets = o->store_n_sockets};
+    memcpy(so.socket_node, o->store_socket_node, sizeof so.socket_node);
     int rc = mf_store_create(m->st, &lay, &so, &m->store);
     free(parts);
     return rc ? mf_error_wrap(rc, "model %s", m->dir) : 0;

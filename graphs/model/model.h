@@ -10,6 +10,7 @@
 
 #include "graphs/model/config.h"
 #include "host/safetensors.h"
+#include "sched/sched.h"
 
 typedef enum mf_wkind {
     MF_W_NONE = 0,  /* absent on this layer */
@@ -72,6 +73,11 @@ typedef struct mf_model_opts {
     int store_io_pread;
     int store_io_fault_kind;
     int64_t store_io_fault_nth;
+    /* > 1, resident store: the routed experts split across the sockets' memory (host/store.h
+     * mf_store_opts n_sockets, socket_node: the OS NUMA node of each socket, sched/sched.h
+     * mf_topo_sockets). 0 or 1: one region. */
+    int store_n_sockets;
+    int store_socket_node[MF_TOPO_MAX_SOCKETS];
 } mf_model_opts;
 
 enum { MF_MODEL_STORE_NONE, MF_MODEL_STORE_RESIDENT, MF_MODEL_STORE_STREAMED };

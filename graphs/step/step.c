@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -166,6 +167,7 @@ struct mf_step {
     uint64_t xslot_bytes;
     int dev_graphs;           /* 1: a layer's device FFNs are one captured graph per card */
     mf_step_dev_stats dstat;
+    _Atomic int64_t sock_home, sock_cross;   /* this call's (mf_step_dev_stats) */
     mf_store *store;         /* its reads issued on this engine's IO lane (the slab registered there) */
     int eg_reads;            /* 1: the store's Engram tables are streamed: gathers are IO tasks */
     int max_items;           /* items per graph run: one layer's slots fit the store */
@@ -227,7 +229,13 @@ static mf_ly_ctx *mf_step_cx(const mf_step_targ *a, const mf_task_ctx *ctx)
                  ctx->worker);
         return NULL;
     }
-    return eng->cx[ctx->worker];
+    int w = eng->lt.cpu_base[ctx->lane] + ctx->worker;   /* workers numbered across the sockets' lanes */
+    if (w >= eng->n_cx) {
+        mf_error(-EINVAL, "step: a task (op %d) on lane %d worker %d has no layer context", a->t->op, ctx->lane,
+                 ctx->worker);
+        return NULL;
+    }
+    return eng->cx[w];
 }
 
 /* Engram (layer_engram.c's phases): per item the hashed table rows, gathered and dequantized into
@@ -824,6 +832,22 @@ static int mf_task_dev_out(void *arg, mf_task_ctx *ctx)
                            cnt * H * 4);
 }
 
+/* Micro-batch h's host slots of layer L on their experts' home sockets' lanes, or across where
+ * the cost model says (mf_sg_socket_place). */
+static int mf_step_sockets(mf_step_shape *sh, int L, int h)
+{
+    mf_step *eng = sh->eng;
+    int s0 = sh->sg->half_slot[h], n = sh->n_used[h], n_cross;
+    int home[MF_STEP_MAX_ITEMS * 64], sock[MF_STEP_MAX_ITEMS * 64];
+    if (n > (int)(sizeof home / sizeof home[0])) return mf_error(-EINVAL, "step: %d slots (internal)", n);
+    for (int k = 0; k < n; k++)
+        home[k] = sh->slot_card && sh->slot_card[s0 + k] >= 0 ? -1
+                                                              : mf_topo_home(eng->lt.n_sockets, L, sh->slot_e[s0 + k]);
+    mf_sg_socket_place(&eng->lt, &eng->models[0], eng->o.profile ? eng->o.profile->cross_socket_factor : 0,
+                       eng->sz->up_bytes + eng->sz->down_bytes, n, home, sh->slot_cnt + s0, sock, &n_cross);
+    return mf_stepgraph_set_slot_lanes(sh->sg, &eng->lt, L, h, n, sock);
+}
+
 /* Router: the top-k of the gate logits, then the slot table: the distinct experts in
  * ascending id, each with its items in item order; inputs gathered into slot order (and
  * quantized for the int8 path). */
@@ -877,6 +901,10 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
      * on a card, its tasks on the other cards): the executor completes them where they become
      * ready, without waking a lane's thread or a round trip through a card's stream */
     mf_stepgraph_mark_noop_half(sh->sg, a->t->layer, h, sh->n_used[h], sh->slot_card ? sh->slot_card + s0 : NULL);
+    if (eng->lt.n_sockets > 1) {   /* the host slots to their experts' sockets' workers */
+        int rc = mf_step_sockets(sh, a->t->layer, h);
+        if (rc) return rc;
+    }
     if (!eng->o.exact)
         for (int s = s0; s < ns; s++) {
             if (sh->slot_card && sh->slot_card[s] >= 0) continue;   /* the card quantizes its own */
@@ -960,6 +988,11 @@ static int mf_task_slot_up(void *arg, mf_task_ctx *ctx)
     const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, a->t->slot);
     int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
+    if (eng->lt.n_sockets > 1 && r0 == 0 && ctx->lane >= 0 && ctx->lane < eng->lt.n_lanes) {
+        int home = mf_topo_home(eng->lt.n_sockets, a->t->layer, sh->slot_e[a->t->slot]);
+        atomic_fetch_add_explicit(eng->lt.sock_of_lane[ctx->lane] == home ? &eng->sock_home : &eng->sock_cross, 1,
+                                  memory_order_relaxed);
+    }
     size_t off = (size_t)sh->slot_off[a->t->slot];
     return mf_step_ffn_up(eng, &ew[0], &ew[2], sh->xg + off * H, &sh->q8x[a->t->slot], sh->slot_cnt[a->t->slot],
                           sh->wg + off, sh->h + off * I, sh->gg ? sh->gg + off * I : NULL,
@@ -1411,7 +1444,8 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const in
                                           .n_dense_cards = eng->n_dense, .dense_split = eng->o.dense_split,
                                           .dev_graphs = eng->dev_graphs, .store = eng->store != NULL,
                                           .read_window = eng->o.read_window, .eg_reads = eng->eg_reads,
-                                          .lanes = eng->lt.lane,
+                                          .lanes = eng->lt.lane, .n_sockets = eng->lt.n_sockets,
+                                          .lane_sock = eng->lt.lane_sock,
                                           .n_lanes = eng->lt.n_lanes, .lane_io = eng->lt.lane_io,
                                           .lane_dev0 = eng->lt.lane_dev0,
                                           .micro = eng->o.micro, .exact = eng->o.exact, .fn_of = mf_step_fn_of,
@@ -1904,7 +1938,12 @@ static void mf_step_selfcheck(mf_step *s)
 
 const char *mf_step_refused(const mf_step *s) { return s->refused; }
 
-void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out) { *out = s->dstat; }
+void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out)
+{
+    *out = s->dstat;
+    out->sock_home = atomic_load(&s->sock_home);
+    out->sock_cross = atomic_load(&s->sock_cross);
+}
 
 /* One executor per engine: the store's reads go to this engine's IO lane, whose ring registers the
  * slab (fixed-buffer reads; a refusal is logged and reads stay correct), and the store's own run
@@ -1918,6 +1957,30 @@ static int mf_step_store_attach(mf_step *s)
     mf_error_clear();
     mf_store_io_release(s->store);
     return 0;
+}
+
+/* One CPU lane per socket (mf_step_opts.n_sockets): the topology's sockets, the workers split in
+ * proportion to their cores (at least one each). */
+static int mf_step_socket_lanes(mf_step *s)
+{
+    mf_topo_sockets ts;
+    int n = s->o.n_sockets, rc = mf_topo_sockets_of(s->o.topology, &ts);
+    if (rc) return rc;
+    if (ts.n < n || n > s->o.n_threads)
+        return mf_error(-EINVAL, "step: %d sockets asked; the topology%s%s has %d, and %d workers to share",
+                        n, s->o.topology ? " " : "", s->o.topology ? s->o.topology : "", ts.n, s->o.n_threads);
+    int thr[MF_TOPO_MAX_SOCKETS], cores = 0, given = 0;
+    for (int k = 0; k < n; k++) cores += ts.cores[k];
+    for (int k = 0; k < n; k++) {
+        thr[k] = (int)((int64_t)s->o.n_threads * ts.cores[k] / cores);
+        if (thr[k] < 1) thr[k] = 1;
+        given += thr[k];
+    }
+    for (int k = 0; given != s->o.n_threads; k = (k + 1) % n) {   /* the rounding, one at a time */
+        if (given < s->o.n_threads) thr[k]++, given++;
+        else if (thr[k] > 1) thr[k]--, given--;
+    }
+    return mf_sg_lanes_sockets(&s->lt, n, thr, ts.numa);
 }
 
 int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
@@ -1994,6 +2057,7 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
      * built-in assumptions); dense-only cards map to the cards that passed the self-check */
     mf_sg_lanes_init(&s->lt, s->models, s->o.n_threads, store != NULL, s->n_lane_cards);
     if (!s->n_cards) mf_sg_lanes_map(&s->lt, s->dense_card, s->n_dense);
+    if (!rc && s->o.n_sockets > 1) rc = mf_step_socket_lanes(s);
     if (s->lt.lane_io >= 0 && s->o.io_depth > 0) s->lt.lane[s->lt.lane_io].concurrency = s->o.io_depth;
     /* one layer context per CPU worker, on the kernels */
     s->cx = calloc((size_t)s->o.n_threads, sizeof *s->cx);
@@ -2007,7 +2071,8 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
                                                    .dev_wait_ns = s->o.dev_wait_ns,
                                                    .io_force_pread = s->o.io_force_pread,
                                                    .io_fault_kind = s->o.io_fault_kind,
-                                                   .io_fault_nth = s->o.io_fault_nth},
+                                                   .io_fault_nth = s->o.io_fault_nth,
+                                                   .topology = s->o.topology},
                                   &s->sched);
     if (!rc && store) rc = mf_step_store_attach(s);
     if (rc) {
@@ -2242,6 +2307,8 @@ static int mf_step_forward_chunks(mf_step *s, mf_ref_state *const *states, const
     int64_t t0 = mf_now_ns();
     memset(&s->times, 0, sizeof s->times);
     s->dstat.dev_slots = s->dstat.host_slots = s->dstat.host_fallbacks = 0;
+    atomic_store(&s->sock_home, 0);
+    atomic_store(&s->sock_cross, 0);
     for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_step(s->xc[c], NULL);
     if (n < 1) return mf_error(-EINVAL, "step: forward of %d items", n);
     int rc = mf_step_check(s, states, tokens, n);

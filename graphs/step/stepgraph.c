@@ -195,8 +195,11 @@ double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_st
         return mf_cost_card(m, w, tok);
     case MF_SG_DENSE_OUT:
         return mf_cost_act_copy(m, 1, tok * w->copy_bytes_tok);
-    default:   /* kernels over the record's tokens, scalar work and the positional part of it */
-        return mf_cost_host(m, w, tok, s->pos_flops);
+    default: {   /* kernels over the record's tokens, scalar work and the positional part of it */
+        if (!s->cross) return mf_cost_host(m, w, tok, s->pos_flops);
+        mf_cost_model x = mf_cost_cross(m);
+        return mf_cost_host(&x, w, tok, s->pos_flops);
+    }
     }
 }
 
@@ -260,6 +263,12 @@ static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, m
         b->cap = cap;
     }
     int io = b->o->lanes[lane].kind == MF_LANE_IO;
+    if (lane == 0 && b->o->n_sockets > 1 && b->o->lane_sock && t.slot < 0 && (t.part >= 0 || t.i1 - t.i0 == 1)) {
+        double wb = 0;   /* no weights, one item or a part: spread over the sockets (mf_sg_opts.n_sockets) */
+        for (int f = 0; f < MF_KF_N; f++) wb += t.w.w_bytes[f];
+        int key = (t.i1 - t.i0 == 1 ? t.i0 : 0) + (t.part > 0 ? t.part : 0);
+        if (wb == 0) lane = b->o->lane_sock[key % b->o->n_sockets];
+    }
     if (sg->n_halves > 1 && b->h >= 0) {   /* which micro-batch, in the trace */
         size_t len = strlen(b->name);
         snprintf(b->name + len, sizeof b->name - len, " mb%d", b->h);
@@ -1422,6 +1431,9 @@ void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threa
                                 .model = models[0]};
     l->n_lanes = 1;
     l->lane_io = -1;
+    l->n_sockets = 1;
+    for (size_t k = 0; k < sizeof l->sock_of_lane; k++) l->sock_of_lane[k] = -1;
+    l->sock_of_lane[0] = 0;
     if (store) {
         l->lane_io = l->n_lanes++;
         l->lane[l->lane_io] = (mf_lane_desc){.kind = MF_LANE_IO, .name = "io", .concurrency = 64, .numa_node = -1,
@@ -1435,6 +1447,84 @@ void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threa
             l->lane[l->n_lanes++] = (mf_lane_desc){.kind = kk[k], .name = nm, .concurrency = 4, .numa_node = -1,
                                                    .device = cd, .model = models[k + 1]};
         }
+}
+
+static double sg_lane_ns(const mf_lane_model *m, double bytes);
+
+int mf_sg_lanes_sockets(mf_sg_lanes *l, int n_sockets, const int *threads, const int *numa)
+{
+    if (n_sockets <= 1) return 0;
+    if (n_sockets > MF_SG_MAX_SOCKETS || l->n_sockets != 1)
+        return mf_error(-EINVAL, "step graph: %d sockets (expected 1..%d, once)", n_sockets, MF_SG_MAX_SOCKETS);
+    int total = 0;
+    for (int k = 0; k < n_sockets; k++) {
+        if (threads[k] < 1) return mf_error(-EINVAL, "step graph: socket %d has %d workers", k, threads[k]);
+        total += threads[k];
+    }
+    if (total != l->lane[0].concurrency)
+        return mf_error(-EINVAL, "step graph: the sockets' %d workers are not the CPU lane's %d", total,
+                        l->lane[0].concurrency);
+    mf_lane_desc cpu = l->lane[0];
+    for (int k = 0; k < n_sockets; k++) {
+        int lane = k ? l->n_lanes++ : 0;
+        char *nm = l->names[3 * MF_SG_MAX_CARDS + k];
+        snprintf(nm, sizeof l->names[0], "cpu%d", k);
+        l->lane[lane] = cpu;
+        l->lane[lane].name = nm;
+        l->lane[lane].concurrency = threads[k];
+        l->lane[lane].numa_node = numa ? numa[k] : -1;
+        l->lane_sock[k] = lane;
+        l->sock_of_lane[lane] = (int8_t)k;
+        l->cpu_base[lane] = k ? l->cpu_base[l->lane_sock[k - 1]] + threads[k - 1] : 0;
+    }
+    l->n_sockets = n_sockets;
+    return 0;
+}
+
+void mf_sg_socket_place(const mf_sg_lanes *l, const mf_lane_model *cpu, double cross_factor, double expert_bytes,
+                        int n, const int *home, const int *cnt, int *sock, int *n_cross)
+{
+    double q[MF_SG_MAX_SOCKETS] = {0}, w[MF_SG_MAX_SOCKETS];
+    int S = l->n_sockets;
+    *n_cross = 0;
+    for (int k = 0; k < S; k++) w[k] = l->lane[l->lane_sock[k]].concurrency;
+    for (int s = 0; s < n; s++) {   /* every slot at home first */
+        sock[s] = home[s];
+        if (home[s] >= 0) q[home[s]] += sg_lane_ns(cpu, expert_bytes) * (1 + 0.02 * cnt[s]);
+    }
+    /* then, while it shortens the busiest socket's queue (over its workers) without making another
+     * longer than that, one of its slots (the last not yet moved) goes to the least busy socket at
+     * the cross price */
+    for (int moves = 0; cross_factor > 0 && S > 1 && moves < n; moves++) {
+        int a = 0, c = 0;
+        for (int k = 1; k < S; k++) {
+            if (q[k] / w[k] > q[a] / w[a]) a = k;
+            if (q[k] / w[k] < q[c] / w[c]) c = k;
+        }
+        int s = n - 1;
+        while (s >= 0 && !(sock[s] == a && home[s] == a)) s--;
+        if (s < 0 || a == c) break;
+        double ns = sg_lane_ns(cpu, expert_bytes) * (1 + 0.02 * cnt[s]);
+        if (!((q[c] + ns / cross_factor) / w[c] < q[a] / w[a])) break;
+        q[a] -= ns;
+        q[c] += ns / cross_factor;
+        sock[s] = c;
+        ++*n_cross;
+    }
+}
+
+int mf_stepgraph_set_slot_lanes(mf_stepgraph *sg, const mf_sg_lanes *l, int L, int h, int n, const int *sock)
+{
+    int pe = sg->p_exp, s0 = sg->half_slot[h];
+    for (int k = 0; k < n && s0 + k < sg->half_slot[h + 1]; k++) {
+        if (sock[k] < 0) continue;
+        const mf_task_id *tid = sg->slot_tid + ((size_t)L * sg->n_slots + s0 + k) * sg->tid_per_slot;
+        for (int j = 0; j < 2 * pe + 1; j++) {
+            int rc = tid[j] >= 0 ? mf_graph_set_lane(sg->g, tid[j], l->lane_sock[sock[k]]) : 0;
+            if (rc) return rc;
+        }
+    }
+    return 0;
 }
 
 void mf_sg_lanes_map(mf_sg_lanes *l, const int *card_of, int n)

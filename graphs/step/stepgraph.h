@@ -15,6 +15,7 @@
 #include "sched/cost.h"
 #include "sched/graph.h"
 #include "sched/profile.h"
+#include "sched/sched.h"
 #include "sched/timeline.h"
 
 #define MF_SG_MAX_ITEMS 64   /* items of one graph (graphs/step/step.h MF_STEP_MAX_ITEMS) */
@@ -179,6 +180,8 @@ typedef struct mf_sg_step_cost {
     int n_head;         /* MF_SG_HEAD: the items whose logits it computes */
     int dev_miss;       /* MF_SG_DEV_IN: the slot's expert is copied in (a miss of the card's cache) */
     double pos_flops;   /* the task's positional scalar work (mf_sg_pos_flops) */
+    int cross;          /* host tasks: 1 when the task's workers read another socket's memory
+                         * (mf_sg_socket_place took it across): priced by mf_cost_cross */
 } mf_sg_step_cost;
 
 /* Task t's time on its lane's side (the host's kernels and scalar code, a card's, a copy, a disk
@@ -238,6 +241,14 @@ typedef struct mf_sg_opts {
      * (half 1's route after half 0's MoE done, half 0's route of the next layer after half 1's
      * MoE done: one store batch and one set of card pins at a time). 0 or 1: one. */
     int micro;
+    /* > 1: one CPU lane per socket, socket k's at lane_sock[k] (mf_sg_lanes_sockets). The host
+     * tasks that read no weights and are one item's or one of several parts (attention head
+     * groups, index score parts, q norm parts, an item's mixes, norms and combines: activations
+     * and KV, no home of their own) go to socket (item + part) mod n_sockets's lane;
+     * every other host task stays on lane 0 (socket 0's: the dense weights the host keeps are not
+     * split), and the routed experts move at route (mf_stepgraph_set_slot_lanes). 0 or 1: none. */
+    int n_sockets;
+    const int *lane_sock;
 } mf_sg_opts;
 
 typedef struct mf_stepgraph {
@@ -280,13 +291,38 @@ typedef struct mf_stepgraph {
  * mf_sim_opts): lane 0 the CPU lane (n_threads workers, models[0]); with a store, lane 1 the IO
  * lane (io_uring, depth 64); then per card c three lanes at lane_dev0 + 3c, "devC.h2d",
  * "devC.compute", "devC.d2h" (concurrency 4, models[1..3]: mf_step_lane_models). */
+#define MF_SG_MAX_SOCKETS MF_TOPO_MAX_SOCKETS
 typedef struct mf_sg_lanes {
-    mf_lane_desc lane[2 + 3 * MF_SG_MAX_CARDS];
-    char names[3 * MF_SG_MAX_CARDS][16];
+    mf_lane_desc lane[2 + 3 * MF_SG_MAX_CARDS + MF_SG_MAX_SOCKETS - 1];
+    char names[3 * MF_SG_MAX_CARDS + MF_SG_MAX_SOCKETS][16];
     int n_lanes, lane_io, lane_dev0;
+    /* sockets (mf_sg_lanes_sockets; 1 by default): socket k's CPU lane lane_sock[k] (socket 0's
+     * is lane 0, the others after the cards' lanes); per lane its socket (-1 not a CPU lane) and
+     * the engine's number of its first worker (workers numbered across the CPU lanes) */
+    int n_sockets;
+    int lane_sock[MF_SG_MAX_SOCKETS];
+    int8_t sock_of_lane[2 + 3 * MF_SG_MAX_CARDS + MF_SG_MAX_SOCKETS - 1];
+    int cpu_base[2 + 3 * MF_SG_MAX_CARDS + MF_SG_MAX_SOCKETS - 1];
 } mf_sg_lanes;
 
 void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threads, int store, int n_cards);
+/* One CPU lane per socket instead of one over the machine (after mf_sg_lanes_init): socket k gets
+ * threads[k] of the workers (they sum to the n_threads given to init) on NUMA node numa[k]
+ * (mf_topo_sockets numa; -1: any core), named "cpuK"; lane 0 stays socket 0's. Every host task is
+ * built on lane 0; a routed expert's host tasks move to its socket's lane when it is routed
+ * (mf_sg_socket_place, mf_stepgraph_set_slot_lanes). n_sockets 1 leaves l as it is. 0 or
+ * -EINVAL. */
+int mf_sg_lanes_sockets(mf_sg_lanes *l, int n_sockets, const int *threads, const int *numa);
+
+/* Which socket runs each of a layer's n routed-expert slots run on the host (their experts'
+ * homes home[], tokens cnt[]): every slot at its home, then, while it shortens the busiest
+ * socket's queue of expert work over its workers (each slot its expert's bytes over the CPU
+ * lane's model, 2% more a token) and leaves the receiving socket below that, the busiest
+ * socket's last slot still at home goes to the least busy socket at the cross price (its time
+ * over cross_factor, the profile's cross_socket_factor; 0: never across). sock[s] gets the
+ * socket; *n_cross the slots placed across. Slots with home[s] < 0 (on a card) get -1. */
+void mf_sg_socket_place(const mf_sg_lanes *l, const mf_lane_model *cpu, double cross_factor, double expert_bytes,
+                        int n, const int *home, const int *cnt, int *sock, int *n_cross);
 /* Card k's three lanes run on device card card_of[k] (k < n; default: k). */
 void mf_sg_lanes_map(mf_sg_lanes *l, const int *card_of, int n);
 
@@ -374,6 +410,10 @@ void mf_stepgraph_mark_noop(mf_stepgraph *sg, int L, int n_used, const int32_t *
 /* The same for half h's slots of layer L: its first n_used slots are used, slot_card[j] (NULL:
  * all on the host) the card of its slot j (slot half_slot[h] + j of the graph). */
 void mf_stepgraph_mark_noop_half(mf_stepgraph *sg, int L, int h, int n_used, const int32_t *slot_card);
+/* Micro-batch h's slot s0 + k of layer L runs its host tasks (ups, join, downs) on socket
+ * sock[k]'s CPU lane (k < n; sock[k] < 0: left where it is). Between runs, or from the layer's
+ * route task. 0 or mf_graph_set_lane's error. */
+int mf_stepgraph_set_slot_lanes(mf_stepgraph *sg, const mf_sg_lanes *l, int L, int h, int n, const int *sock);
 /* The half (0 or 1) whose slots include slot s. */
 int mf_stepgraph_half_of_slot(const mf_stepgraph *sg, int s);
 
