@@ -45,8 +45,8 @@ int mf_kern_simd_set(mf_kern_simd s);
 const char *mf_kern_simd_name(mf_kern_simd s);
 
 /* Tokens from which the FP8, BF16 and FP4 fp32 kernels run as a blocked GEMM (AVX2 path): rows in
- * pairs, each pair's weights decoded once per tile and applied to the tokens in register blocks of
- * 2 rows x 4 tokens. Same lanes and fmaf order as below it, so the same bits. */
+ * blocks of 9, each block's weights decoded once per tile and applied to the tokens in register
+ * blocks of 3 rows x 4 tokens. Same lanes and fmaf order as below it, so the same bits. */
 #define MF_KERN_GEMM_MIN_TOK 16
 /* 0: the per-row tile at every token count (benches compare the two paths in one run); 1: the
  * default. Not thread-safe against kernels running at the same time. */
