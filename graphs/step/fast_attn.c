@@ -565,3 +565,13 @@ void mf_fa_rmsnorm_cols(const float *x, int64_t n, const mf_weight *w, double ep
         out[i] = mf_bf(wv * mf_bf(x[i] * rs));
     }
 }
+
+/* ---- the router gate ------------------------------------------------------------------------- */
+
+int mf_fa_gate_rows(mf_ly_ctx *cx, int L, const float *x, int n_tok, int64_t ld_x, float *logits, int64_t ld_y,
+                    int64_t r0, int64_t r1)
+{
+    const mf_weight *w = &mf_model_layer_at(cx->ly->m, L)->gate;
+    if (cx->lin != MF_LY_LIN_KERN || !mf_ly_linear_kern(w)) return mf_ly_gate_rows(cx, L, x, n_tok, ld_x, logits, ld_y, r0, r1);
+    return mf_ly_linear_part(cx, w, x, n_tok, ld_x, logits, ld_y, r0, r1);
+}
