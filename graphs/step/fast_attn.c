@@ -104,6 +104,45 @@ __attribute__((target("avx2,fma"))) static void mf_fa_dots_avx2(const float *con
 
 static int mf_fa_avx2(int n) { return n % 16 == 0 && mf_kern_simd_active() == MF_KERN_SIMD_AVX2; }
 
+/* out[j][g] = dot(q[g], k[j]) for 4 queries against 3 keys of n (multiple of 16) floats, the bits
+ * of mf_fa_dots_avx2 per key: lanes 0-7 of all twelve dots first, then lanes 8-15, so twelve
+ * accumulators stay in registers and each query vector, loaded once, serves three keys (7 loads
+ * per 12 FMAs; one key at a time loads 10 per 8). Each lane is the same fmaf chain in d order. */
+__attribute__((target("avx2,fma"))) static void mf_fa_dots4x3_avx2(const float *const *q, const float *const *k, int n,
+                                                                 float (*out)[4])
+{
+    __m256 lo[3][4];
+    for (int h = 0; h < 16; h += 8) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+        for (int d = h; d < n; d += 16) {
+            __m256 k0 = _mm256_loadu_ps(k[0] + d), k1 = _mm256_loadu_ps(k[1] + d), k2 = _mm256_loadu_ps(k[2] + d), v;
+/* v in a register: folded into the FMAs it would be loaded three times */
+#define MF_FA_DOTS_STEP(g, A, B, C)                                                                        \
+            v = _mm256_loadu_ps(q[g] + d);                                                                 \
+            __asm__("" : "+x"(v));                                                                         \
+            A = _mm256_fmadd_ps(v, k0, A), B = _mm256_fmadd_ps(v, k1, B), C = _mm256_fmadd_ps(v, k2, C)
+            MF_FA_DOTS_STEP(0, a0, b0, c0);
+            MF_FA_DOTS_STEP(1, a1, b1, c1);
+            MF_FA_DOTS_STEP(2, a2, b2, c2);
+            MF_FA_DOTS_STEP(3, a3, b3, c3);
+#undef MF_FA_DOTS_STEP
+        }
+        if (!h) {
+            lo[0][0] = a0, lo[0][1] = a1, lo[0][2] = a2, lo[0][3] = a3;
+            lo[1][0] = b0, lo[1][1] = b1, lo[1][2] = b2, lo[1][3] = b3;
+            lo[2][0] = c0, lo[2][1] = c1, lo[2][2] = c2, lo[2][3] = c3;
+        } else {
+            out[0][0] = mf_fa_tree16_avx2(lo[0][0], a0), out[0][1] = mf_fa_tree16_avx2(lo[0][1], a1);
+            out[0][2] = mf_fa_tree16_avx2(lo[0][2], a2), out[0][3] = mf_fa_tree16_avx2(lo[0][3], a3);
+            out[1][0] = mf_fa_tree16_avx2(lo[1][0], b0), out[1][1] = mf_fa_tree16_avx2(lo[1][1], b1);
+            out[1][2] = mf_fa_tree16_avx2(lo[1][2], b2), out[1][3] = mf_fa_tree16_avx2(lo[1][3], b3);
+            out[2][0] = mf_fa_tree16_avx2(lo[2][0], c0), out[2][1] = mf_fa_tree16_avx2(lo[2][1], c1);
+            out[2][2] = mf_fa_tree16_avx2(lo[2][2], c2), out[2][3] = mf_fa_tree16_avx2(lo[2][3], c3);
+        }
+    }
+}
+
 static void mf_fa_dots(const float *const *q, int G, const float *k, int n, float *out)
 {
     if (mf_fa_avx2(n)) {
@@ -111,6 +150,16 @@ static void mf_fa_dots(const float *const *q, int G, const float *k, int n, floa
         return;
     }
     for (int g = 0; g < G; g++) out[g] = mf_fa_dot_scalar(q[g], k, n);
+}
+
+/* out[j][g] = dot(q[g], k[j]) for G <= 4 queries and nk keys: mf_fa_dots per key, four queries in
+ * threes of keys on the AVX2 path (mf_fa_dots4x3_avx2, the same bits). */
+static void mf_fa_dots_keys(const float *const *q, int G, const float *const *k, int64_t nk, int n, float (*out)[4])
+{
+    int64_t j = 0;
+    if (G == 4 && mf_fa_avx2(n))
+        for (; j + 3 <= nk; j += 3) mf_fa_dots4x3_avx2(q, k + j, n, out + j);
+    for (; j < nk; j++) mf_fa_dots(q, G, k[j], n, out[j]);
 }
 
 /* ---- attention heads ------------------------------------------------------------------------- */
@@ -231,14 +280,16 @@ void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *
             qh[g] = qq;
             mx[g] = mf_ly_vec(&y->attn_sink, hg + g);
         }
-        for (int64_t i = 0; i < n; i++) {
-            float d4[4];
-            mf_fa_dots(qh, G, kp[i], D, d4);
-            for (int g = 0; g < G; g++) {
-                float v = d4[g] * scale;
-                s[g * n + i] = v;
-                mx[g] = v > mx[g] ? v : mx[g];
-            }
+        for (int64_t i0 = 0; i0 < n; i0 += 48) {   /* keys in blocks (threes in mf_fa_dots_keys) */
+            float d4[48][4];
+            int64_t nb = n - i0 < 48 ? n - i0 : 48;
+            mf_fa_dots_keys(qh, G, kp + i0, nb, D, d4);
+            for (int64_t j = 0; j < nb; j++)
+                for (int g = 0; g < G; g++) {
+                    float v = d4[j][g] * scale;
+                    s[g * n + i0 + j] = v;
+                    mx[g] = v > mx[g] ? v : mx[g];
+                }
         }
         double den[4];
         for (int g = 0; g < G; g++) {
