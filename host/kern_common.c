@@ -1,7 +1,7 @@
 /* Run-time SIMD choice, argument checks and the fp32 tile engine shared by the FP8, BF16 and FP4
  * fp32 kernels: a row's weights are decoded tile by tile into L1 and applied to every token there,
- * so W is read once per call; at MF_KERN_GEMM_MIN_TOK tokens or more, rows go in pairs through a
- * register-blocked GEMM tile. AVX2+FMA, GEMM and scalar paths give identical bits (same lanes,
+ * so W is read once per call; at MF_KERN_GEMM_MIN_TOK tokens or more, rows go in blocks of 9
+ * through register-blocked GEMM tiles (3 rows x 4 tokens). AVX2+FMA, GEMM and scalar paths give identical bits (same lanes,
  * fmaf in k order). */
 #include "host/kern_internal.h"
 
@@ -174,14 +174,82 @@ static void mf_kern_f32_gemm2_avx2(const float *wa, const float *wb, int n, cons
     }
 }
 
-/* Rows per block of the GEMM: their tiles are decoded together, and each 4-token slice of the
- * input is applied to all of them while it is in L1 (16 KiB of decoded weights). */
-#define MF_KERN_GEMM_ROWS 8
+/* The main tile of the GEMM: three decoded rows against four tokens of x, in register blocks of
+ * 3 rows x 4 tokens x 8 lanes (12 accumulators): per step each weight vector is used by 4 tokens
+ * and each input vector, loaded once into a register, by 3 rows (7 loads per 12 FMAs; the pair
+ * tile above loads 6 per 8 and its inputs twice, as the compiler folds them into the FMAs).
+ * first: the accumulators start at +0 (the first tile of the row; no memset before it). Every
+ * lane is still one fmaf chain in k order, so the bits equal mf_kern_f32_tile_avx2's. */
+__attribute__((target("avx2,fma")))
+static void mf_kern_f32_gemm3x4_avx2(const float *wa, const float *wb, const float *wc, int n,
+                                     const float *x, int ld_x, int k0, float (*acca)[32],
+                                     float (*accb)[32], float (*accc)[32], int first)
+{
+    const float *x0 = x + k0, *x1 = x0 + ld_x, *x2 = x1 + ld_x, *x3 = x2 + ld_x;
+    for (int g = 0; g < 32; g += 8) {
+        __m256 a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3;
+        if (first) {
+            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = _mm256_setzero_ps();
+        } else {
+            a0 = _mm256_load_ps(acca[0] + g), a1 = _mm256_load_ps(acca[1] + g);
+            a2 = _mm256_load_ps(acca[2] + g), a3 = _mm256_load_ps(acca[3] + g);
+            b0 = _mm256_load_ps(accb[0] + g), b1 = _mm256_load_ps(accb[1] + g);
+            b2 = _mm256_load_ps(accb[2] + g), b3 = _mm256_load_ps(accb[3] + g);
+            c0 = _mm256_load_ps(accc[0] + g), c1 = _mm256_load_ps(accc[1] + g);
+            c2 = _mm256_load_ps(accc[2] + g), c3 = _mm256_load_ps(accc[3] + g);
+        }
+        for (int j = g; j < n; j += 32) {
+            __m256 w0 = _mm256_load_ps(wa + j), w1 = _mm256_load_ps(wb + j), w2 = _mm256_load_ps(wc + j), v;
+/* keeps v in a register: folded into each FMA it would be loaded three times */
+#define MF_KERN_GEMM_STEP(xp, A, B, C)                                                                     \
+            v = _mm256_loadu_ps((xp) + j);                                                                 \
+            __asm__("" : "+x"(v));                                                                         \
+            A = _mm256_fmadd_ps(w0, v, A), B = _mm256_fmadd_ps(w1, v, B), C = _mm256_fmadd_ps(w2, v, C)
+            MF_KERN_GEMM_STEP(x0, a0, b0, c0);
+            MF_KERN_GEMM_STEP(x1, a1, b1, c1);
+            MF_KERN_GEMM_STEP(x2, a2, b2, c2);
+            MF_KERN_GEMM_STEP(x3, a3, b3, c3);
+#undef MF_KERN_GEMM_STEP
+        }
+        _mm256_store_ps(acca[0] + g, a0), _mm256_store_ps(acca[1] + g, a1);
+        _mm256_store_ps(acca[2] + g, a2), _mm256_store_ps(acca[3] + g, a3);
+        _mm256_store_ps(accb[0] + g, b0), _mm256_store_ps(accb[1] + g, b1);
+        _mm256_store_ps(accb[2] + g, b2), _mm256_store_ps(accb[3] + g, b3);
+        _mm256_store_ps(accc[0] + g, c0), _mm256_store_ps(accc[1] + g, c1);
+        _mm256_store_ps(accc[2] + g, c2), _mm256_store_ps(accc[3] + g, c3);
+    }
+}
+
+/* mf_kern_reduce32 on the vector unit, the same adds in the same order (lane-wise
+ * (v0 + v1) + (v2 + v3), then l + (l + 4), then (0 + 2, 1 + 3), then the two): the same bits. */
+__attribute__((target("avx2,fma")))
+static inline float mf_kern_reduce32_avx2(const float *v)
+{
+    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(v), _mm256_load_ps(v + 8)),
+                             _mm256_add_ps(_mm256_load_ps(v + 16), _mm256_load_ps(v + 24)));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    __m128 r = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)));
+}
+
+/* y[t * ld_y + r] = mf_kern_reduce32(acc[r][t]) for nr rows and nt tokens of a block. */
+__attribute__((target("avx2,fma")))
+static void mf_kern_reduce_block_avx2(float (*acc)[MF_KERN_TOK_PASS][32], int nr, int nt, float *y, int ld_y)
+{
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < nt; t++) y[(size_t)t * ld_y + r] = mf_kern_reduce32_avx2(acc[r][t]);
+}
+
+/* Rows per block of the GEMM (three 3-row tiles): their tiles are decoded together (18 KiB of
+ * decoded weights in L1), and each 4-token slice of the input (8 KiB) is applied to all of them
+ * while it is in L1. */
+#define MF_KERN_GEMM_ROWS 9
 
 /* The fp32 engine at >= MF_KERN_GEMM_MIN_TOK tokens (AVX2): blocks of MF_KERN_GEMM_ROWS rows,
  * each block's tiles decoded once per pass of up to 64 tokens; per tile, every 4 tokens go
- * through the block's row pairs (mf_kern_f32_gemm2_avx2), an odd last row through the per-row
- * tile. */
+ * through the block's row triples (mf_kern_f32_gemm3x4_avx2), the last 1 or 2 rows of a short
+ * block through the pair tile or the per-row tile, the last 1..3 tokens of the pass through the
+ * per-row tile (their accumulators zeroed first; the triples' start at zero in the kernel). */
 static void mf_kern_f32_run_gemm(const mf_kern_mat *m, mf_kern_decode_fn dec, const float *x, int n_tok,
                                  int ld_x, float *y, int ld_y, int y_row0, int r0, int r1)
 {
@@ -189,26 +257,34 @@ static void mf_kern_f32_run_gemm(const mf_kern_mat *m, mf_kern_decode_fn dec, co
     _Alignas(32) float acc[MF_KERN_GEMM_ROWS][MF_KERN_TOK_PASS][32];
 
     for (int t0 = 0; t0 < n_tok; t0 += MF_KERN_TOK_PASS) {
-        int nt = n_tok - t0 < MF_KERN_TOK_PASS ? n_tok - t0 : MF_KERN_TOK_PASS;
+        int nt = n_tok - t0 < MF_KERN_TOK_PASS ? n_tok - t0 : MF_KERN_TOK_PASS, nt4 = nt / 4 * 4;
         const float *xc = x + (size_t)t0 * ld_x;
         for (int o = r0; o < r1; o += MF_KERN_GEMM_ROWS) {
-            int nr = r1 - o < MF_KERN_GEMM_ROWS ? r1 - o : MF_KERN_GEMM_ROWS;
-            for (int r = 0; r < nr; r++) memset(acc[r], 0, sizeof acc[0][0] * (size_t)nt);
+            int nr = r1 - o < MF_KERN_GEMM_ROWS ? r1 - o : MF_KERN_GEMM_ROWS, nr3 = nr / 3 * 3;
+            for (int r = 0; r < nr; r++)
+                if (r >= nr3)
+                    memset(acc[r], 0, sizeof acc[0][0] * (size_t)nt);
+                else if (nt4 < nt)
+                    memset(acc[r][nt4], 0, sizeof acc[0][0] * (size_t)(nt - nt4));
             for (int k0 = 0; k0 < m->n_in; k0 += MF_KERN_TILE) {
                 int n = m->n_in - k0 < MF_KERN_TILE ? m->n_in - k0 : MF_KERN_TILE;
                 for (int r = 0; r < nr; r++) dec(m, o + r, k0, n, wt[r]);
-                for (int t = 0; t < nt; t += 4) {
-                    int c = nt - t < 4 ? nt - t : 4;
+                for (int t = 0; t < nt4; t += 4) {
                     const float *xt = xc + (size_t)t * ld_x;
-                    int r = 0;
-                    for (; r + 2 <= nr; r += 2)
-                        mf_kern_f32_gemm2_avx2(wt[r], wt[r + 1], n, xt, c, ld_x, k0, acc[r] + t, acc[r + 1] + t);
-                    if (r < nr) mf_kern_f32_tile_avx2(wt[r], n, xt, c, ld_x, k0, acc[r] + t);
+                    for (int r = 0; r < nr3; r += 3)
+                        mf_kern_f32_gemm3x4_avx2(wt[r], wt[r + 1], wt[r + 2], n, xt, ld_x, k0, acc[r] + t,
+                                                 acc[r + 1] + t, acc[r + 2] + t, k0 == 0);
+                    if (nr - nr3 == 2)
+                        mf_kern_f32_gemm2_avx2(wt[nr3], wt[nr3 + 1], n, xt, 4, ld_x, k0, acc[nr3] + t,
+                                               acc[nr3 + 1] + t);
+                    else if (nr - nr3 == 1)
+                        mf_kern_f32_tile_avx2(wt[nr3], n, xt, 4, ld_x, k0, acc[nr3] + t);
                 }
+                if (nt4 < nt)
+                    for (int r = 0; r < nr; r++)
+                        mf_kern_f32_tile_avx2(wt[r], n, xc + (size_t)nt4 * ld_x, nt - nt4, ld_x, k0, acc[r] + nt4);
             }
-            for (int r = 0; r < nr; r++)
-                for (int t = 0; t < nt; t++)
-                    y[(size_t)(t0 + t) * ld_y + (o + r - y_row0)] = mf_kern_reduce32(acc[r][t]);
+            mf_kern_reduce_block_avx2(acc, nr, nt, y + (size_t)t0 * ld_y + (o - y_row0), ld_y);
         }
     }
 }

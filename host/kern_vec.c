@@ -59,6 +59,53 @@ void mf_kern_vec_dots(const float *const *q, int G, const float *k, int n, float
     for (int g = 0; g < G; g++) out[g] = mf_vec_dot_scalar(q[g], k, n);
 }
 
+/* out[j][g] = dot(q[g], k[j]) for 4 queries against 3 keys of n (multiple of 16) floats, the bits
+ * of mf_vec_dots_avx2 per key: lanes 0-7 of all twelve dots first, then lanes 8-15, so twelve
+ * accumulators stay in registers and each query vector, loaded once, serves three keys (7 loads
+ * per 12 FMAs; one key at a time loads 10 per 8). Each lane is the same fmaf chain in d order. */
+__attribute__((target("avx2,fma"))) static void mf_vec_dots4x3_avx2(const float *const *q, const float *const *k, int n,
+                                                                 float (*out)[4])
+{
+    __m256 lo[3][4];
+    for (int h = 0; h < 16; h += 8) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+        for (int d = h; d < n; d += 16) {
+            __m256 k0 = _mm256_loadu_ps(k[0] + d), k1 = _mm256_loadu_ps(k[1] + d), k2 = _mm256_loadu_ps(k[2] + d), v;
+/* v in a register: folded into the FMAs it would be loaded three times */
+#define MF_VEC_DOTS_STEP(g, A, B, C)                                                                        \
+            v = _mm256_loadu_ps(q[g] + d);                                                                 \
+            __asm__("" : "+x"(v));                                                                         \
+            A = _mm256_fmadd_ps(v, k0, A), B = _mm256_fmadd_ps(v, k1, B), C = _mm256_fmadd_ps(v, k2, C)
+            MF_VEC_DOTS_STEP(0, a0, b0, c0);
+            MF_VEC_DOTS_STEP(1, a1, b1, c1);
+            MF_VEC_DOTS_STEP(2, a2, b2, c2);
+            MF_VEC_DOTS_STEP(3, a3, b3, c3);
+#undef MF_VEC_DOTS_STEP
+        }
+        if (!h) {
+            lo[0][0] = a0, lo[0][1] = a1, lo[0][2] = a2, lo[0][3] = a3;
+            lo[1][0] = b0, lo[1][1] = b1, lo[1][2] = b2, lo[1][3] = b3;
+            lo[2][0] = c0, lo[2][1] = c1, lo[2][2] = c2, lo[2][3] = c3;
+        } else {
+            out[0][0] = mf_vec_tree16_avx2(lo[0][0], a0), out[0][1] = mf_vec_tree16_avx2(lo[0][1], a1);
+            out[0][2] = mf_vec_tree16_avx2(lo[0][2], a2), out[0][3] = mf_vec_tree16_avx2(lo[0][3], a3);
+            out[1][0] = mf_vec_tree16_avx2(lo[1][0], b0), out[1][1] = mf_vec_tree16_avx2(lo[1][1], b1);
+            out[1][2] = mf_vec_tree16_avx2(lo[1][2], b2), out[1][3] = mf_vec_tree16_avx2(lo[1][3], b3);
+            out[2][0] = mf_vec_tree16_avx2(lo[2][0], c0), out[2][1] = mf_vec_tree16_avx2(lo[2][1], c1);
+            out[2][2] = mf_vec_tree16_avx2(lo[2][2], c2), out[2][3] = mf_vec_tree16_avx2(lo[2][3], c3);
+        }
+    }
+}
+
+void mf_kern_vec_dots_keys(const float *const *q, int G, const float *const *k, int64_t nk, int n, float (*out)[4])
+{
+    int64_t j = 0;
+    if (G == 4 && mf_vec_avx2(n))
+        for (; j + 3 <= nk; j += 3) mf_vec_dots4x3_avx2(q, k + j, n, out + j);
+    for (; j < nk; j++) mf_kern_vec_dots(q, G, k[j], n, out[j]);
+}
+
 /* acc[g][d] = sum_i e[g][i] * v_i[d], one fmaf chain per (g, d) in key order; e rows ld_e apart. */
 __attribute__((target("avx2,fma"))) static void mf_vec_values_avx2(const float *const *kp, int64_t n, const float *e,
                                                                  int64_t ld_e, int G, int D, float *acc)
@@ -101,14 +148,16 @@ void mf_kern_vec_attn(const float *const *q, int G, const float *const *kp, int6
 {
     float mx[4];
     for (int g = 0; g < G; g++) mx[g] = sink[g];
-    for (int64_t i = 0; i < n; i++) {
-        float d4[4];
-        mf_kern_vec_dots(q, G, kp[i], D, d4);
-        for (int g = 0; g < G; g++) {
-            float v = d4[g] * scale;
-            s[g * n + i] = v;
-            mx[g] = v > mx[g] ? v : mx[g];
-        }
+    for (int64_t i0 = 0; i0 < n; i0 += 48) {   /* keys in blocks (threes in mf_kern_vec_dots_keys) */
+        float d4[48][4];
+        int64_t nb = n - i0 < 48 ? n - i0 : 48;
+        mf_kern_vec_dots_keys(q, G, kp + i0, nb, D, d4);
+        for (int64_t j = 0; j < nb; j++)
+            for (int g = 0; g < G; g++) {
+                float v = d4[j][g] * scale;
+                s[g * n + i0 + j] = v;
+                mx[g] = v > mx[g] ? v : mx[g];
+            }
     }
     for (int g = 0; g < G; g++) {
         den[g] = expf(sink[g] - mx[g]);

@@ -45,8 +45,8 @@ int mf_kern_simd_set(mf_kern_simd s);
 const char *mf_kern_simd_name(mf_kern_simd s);
 
 /* Tokens from which the FP8, BF16 and FP4 fp32 kernels run as a blocked GEMM (AVX2 path): rows in
- * pairs, each pair's weights decoded once per tile and applied to the tokens in register blocks of
- * 2 rows x 4 tokens. Same lanes and fmaf order as below it, so the same bits. */
+ * blocks of 9, each block's weights decoded once per tile and applied to the tokens in register
+ * blocks of 3 rows x 4 tokens. Same lanes and fmaf order as below it, so the same bits. */
 #define MF_KERN_GEMM_MIN_TOK 16
 /* 0: the per-row tile at every token count (benches compare the two paths in one run); 1: the
  * default. Not thread-safe against kernels running at the same time. */
@@ -133,6 +133,10 @@ int mf_kern_ffn_down(const mf_kern_mat *w2, const mf_kern_in *h, float *y, int l
 
 /* out[g] = q[g] . k for G (1..4) queries against one vector k of n floats. */
 void mf_kern_vec_dots(const float *const *q, int G, const float *k, int n, float *out);
+/* out[j][g] = q[g] . k[j] for G (1..4) queries and nk keys: per key the bits of mf_kern_vec_dots;
+ * four queries go in threes of keys on the AVX2 path (twelve dots in registers, each query vector
+ * loaded once for three keys). */
+void mf_kern_vec_dots_keys(const float *const *q, int G, const float *const *k, int64_t nk, int n, float (*out)[4]);
 /* acc[g * D + d] = sum over i in [0, n) of e[g * ld_e + i] * kp[i][d], for G (1..4) weight rows. */
 void mf_kern_vec_values(const float *const *kp, int64_t n, const float *e, int64_t ld_e, int G, int D, float *acc);
 /* One group of G (1..4) attention heads over the same n keys kp[i] (D floats each, values = keys):

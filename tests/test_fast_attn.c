@@ -1,6 +1,6 @@
 /* The engine's fast per-item layer math (graphs/step/fast_attn.h) against the module it replaces on
  * the default path (graphs/layers/layers.h), on the tiny preset with fresh random data:
- *  - attention heads, index scores, hyper-connection mixes and the grouped wo_a within stated
+ *  - attention heads, index scores, hyper-connection mixes, the grouped wo_a and the router gate within stated
  *    tolerances of the module (fp32 sums vs double), collapse and expand bit for bit (also on
  *    NaN, inf and overflowing inputs), the selection (top-k, candidate blocks) equal to it;
  *  - every fast piece gives the same bits in parts (head groups, entry ranges, row and column
@@ -157,6 +157,46 @@ static void test_grouped(const mf_model *m, mf_ly_ctx *kern)
     free(y1);
     free(y2);
     free(y3);
+}
+
+/* The router gate on the kernels against the module's double sums (kernel contexts both), over
+ * 19 items (the kernels' GEMM) and one item at a time (their per-row tile), in row ranges, and on
+ * the scalar path. */
+static void test_gate(const mf_model *m, mf_ly_ctx *kern)
+{
+    const mf_config *c = mf_model_config(m);
+    int L = c->n_layers - 1, nt = 19;
+    const mf_weight *w = &mf_model_layer_at(m, L)->gate;
+    CHECK(mf_ly_linear_kern(w), "the tiny preset's gate is not on the kernels (kind %d)", (int)w->kind);
+    int64_t H = c->hidden_size, E = w->rows, ldx = H + 3, ldy = E + 5;
+    size_t ny = (size_t)nt * ldy;
+    float *x = malloc(sizeof(float) * nt * ldx), *y1 = calloc(ny, 4), *y2 = calloc(ny, 4), *y3 = calloc(ny, 4);
+    float *y4 = calloc(ny, 4);
+    for (int64_t i = 0; i < nt * ldx; i++) x[i] = mf_test_frand(&g_rng);
+    CHECK(mf_ly_gate_rows(kern, L, x, nt, ldx, y1, ldy, 0, E) == 0, "module gate: %s", mf_last_error());
+    CHECK(mf_fa_gate_rows(kern, L, x, nt, ldx, y2, ldy, 0, E) == 0, "fast gate: %s", mf_last_error());
+    double worst = mf_test_max_rel(y1, y2, (int64_t)ny);
+    CHECK(worst < TOL_SUM, "gate %.3g off the module (tolerance %.1g)", worst, TOL_SUM);
+    for (int64_t r0 = 0, k = 1; r0 < E; k += 5) {   /* row ranges, one item per call */
+        int64_t r1 = r0 + k < E ? r0 + k : E;
+        for (int t = 0; t < nt; t++)
+            CHECK(mf_fa_gate_rows(kern, L, x + t * ldx, 1, ldx, y3 + t * ldy, ldy, r0, r1) == 0, "fast gate rows");
+        r0 = r1;
+    }
+    int same = !memcmp(y2, y3, sizeof(float) * ny);
+    CHECK(same, "gate: row ranges of one item differ from the whole batch");
+    CHECK(set_simd(1) == 0, "scalar path");
+    CHECK(mf_fa_gate_rows(kern, L, x, nt, ldx, y4, ldy, 0, E) == 0, "fast gate, scalar: %s", mf_last_error());
+    set_simd(0);
+    int same_s = !memcmp(y2, y4, sizeof(float) * ny);
+    CHECK(same_s, "gate: the scalar path differs from the AVX2 path");
+    printf("router gate on the kernels: %.3g off the module (tolerance %.1g), one item and row ranges %s, "
+           "scalar %s\n", worst, TOL_SUM, same ? "bit-identical" : "DIFFER", same_s ? "bit-identical" : "DIFFERS");
+    free(x);
+    free(y1);
+    free(y2);
+    free(y3);
+    free(y4);
 }
 
 /* Attention heads and index scores on states past the window with compressed entries, per layer:
@@ -380,6 +420,7 @@ int main(void)
         if (!MF_TEST_TSAN) {   /* one thread: nothing for TSan */
             test_hc(m, kern);
             test_grouped(m, kern);
+            test_gate(m, kern);
             test_core(oracle, kern);
             test_select(oracle, kern);
         }

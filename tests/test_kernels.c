@@ -321,7 +321,8 @@ static void case_matmul(mf_kern_fmt fmt, int n_out, int n_in, int n_tok, int e_l
 /* The blocked GEMM path (>= MF_KERN_GEMM_MIN_TOK tokens on AVX2) against the per-row tile on the
  * same data (mf_kern_gemm_set(0)) and against one call per token (below the GEMM's threshold):
  * the same lanes and fmaf order, so bit for bit; and against the fp64 reference within TOL_F32.
- * Odd row counts (a single-row tail), odd token counts (a 1..3-token tail of the 4-token blocks),
+ * Row counts leaving 1 or 2 rows after the 3-row tiles, odd token counts (a 1..3-token tail of the
+ * 4-token blocks),
  * n_in over one 512-input tile and not a multiple of it, a random row split. */
 static void case_gemm(mf_kern_fmt fmt, int n_out, int n_in, int n_tok)
 {
@@ -577,6 +578,8 @@ int main(void)
             case_gemm(MF_KERN_FP8, 45, 800, gt[i]);
             case_gemm(MF_KERN_BF16, 33, 1056, gt[i]);
             case_gemm(MF_KERN_FP4, 18, 544, gt[i]);
+            case_gemm(MF_KERN_BF16, 38, 544, gt[i]);   /* 4 x 9 + 2: a pair after the triples */
+            case_gemm(MF_KERN_FP8, 37, 1024, gt[i]);   /* 4 x 9 + 1: a single row after them */
         }
     } else {
         printf("test_kernels: no AVX2, the GEMM path is not checked\n");

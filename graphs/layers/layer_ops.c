@@ -132,6 +132,12 @@ int mf_ly_linear_rows(mf_ly_ctx *cx, const mf_weight *w, int64_t row0, int64_t n
     return 0;
 }
 
+int mf_ly_linear_kern(const mf_weight *w)
+{
+    return w->data && w->cols % 32 == 0 &&
+           (w->kind == MF_W_BF16 || (w->kind == MF_W_FP8 && w->block_rows == 32 && w->block_cols == 32));
+}
+
 int mf_ly_linear_part(mf_ly_ctx *cx, const mf_weight *w, const float *x, int n_tok, int64_t ld_x, float *y, int64_t ld_y, int64_t r0, int64_t r1)
 {
     if (w->kind == MF_W_NONE || w->kind == MF_W_TABLE)
@@ -139,8 +145,7 @@ int mf_ly_linear_part(mf_ly_ctx *cx, const mf_weight *w, const float *x, int n_t
     if (r0 < 0 || r1 > w->rows || r0 > r1 || n_tok < 1)
         return mf_error(-EINVAL, "layers: rows [%lld, %lld) of %s (%lld rows), %d inputs", (long long)r0,
                         (long long)r1, w->name ? w->name : "(unnamed)", (long long)w->rows, n_tok);
-    if (cx->lin == MF_LY_LIN_KERN && w->data && w->cols % 32 == 0 &&
-        (w->kind == MF_W_BF16 || (w->kind == MF_W_FP8 && w->block_rows == 32 && w->block_cols == 32))) {
+    if (cx->lin == MF_LY_LIN_KERN && mf_ly_linear_kern(w)) {
         mf_kern_mat m = {.fmt = w->kind == MF_W_BF16 ? MF_KERN_BF16 : MF_KERN_FP8, .w = w->data,
                          .scale = w->scale, .n_out = (int)w->rows, .n_in = (int)w->cols};
         return mf_kern_matmul(&m, &(mf_kern_in){x, n_tok, (int)ld_x, NULL}, y, (int)ld_y, (int)r0, (int)r1);

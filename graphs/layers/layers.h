@@ -239,6 +239,10 @@ int mf_ly_linear(mf_ly_ctx *cx, const mf_weight *w, const float *x, float *y, in
  * split of the rows gives the same bits. */
 int mf_ly_linear_part(mf_ly_ctx *cx, const mf_weight *w, const float *x, int n_tok, int64_t ld_x,
                       float *y, int64_t ld_y, int64_t r0, int64_t r1);
+/* 1 when mf_ly_linear_part runs w on the kernels (with the kernels' backend): resident BF16, or
+ * FP8 in 32x32 blocks, with columns a multiple of 32; else it sums in double. The one rule the
+ * engine's host tasks and its dense cards' launches follow. */
+int mf_ly_linear_kern(const mf_weight *w);
 /* Rows [row0, row0+n) of W, double sums on every backend (used by the grouped wo_a and the router
  * gate). cx may be NULL for a resident weight. */
 int mf_ly_linear_rows(mf_ly_ctx *cx, const mf_weight *w, int64_t row0, int64_t n, const float *x,

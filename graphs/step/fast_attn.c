@@ -165,23 +165,26 @@ void mf_fa_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float 
     int S = ly->src_of[L];
     const float *qi = b[MF_LY_A_QI], *wts = b[MF_LY_A_IW];
     int ih = c->index_n_heads, id = c->index_head_dim;
-    float kbuf[MF_LY_MAX_INDEX_DIM];   /* the key, unpacked once for all index heads */
-    for (int64_t j = j0; j < j1; j++) {
-        const float *k = mf_fa_key_row(it->st, c, S, j, kbuf);
-        double acc = 0;
+    float kbuf[3][MF_LY_MAX_INDEX_DIM];   /* up to three keys, each unpacked once for all index heads */
+    for (int64_t jb = j0; jb < j1; jb += 3) {
+        int nk = j1 - jb < 3 ? (int)(j1 - jb) : 3;
+        const float *k[3];
+        for (int u = 0; u < nk; u++) k[u] = mf_fa_key_row(it->st, c, S, jb + u, kbuf[u]);
+        double acc[3] = {0, 0, 0};
         for (int h0 = 0; h0 < ih; h0 += 4) {
             int G = ih - h0 < 4 ? ih - h0 : 4;
             const float *qh[4];
-            float d4[4];
+            float d4[3][4];
             for (int g = 0; g < G; g++) qh[g] = qi + (int64_t)(h0 + g) * id;
-            mf_kern_vec_dots(qh, G, k, id, d4);
-            for (int g = 0; g < G; g++) {
-                float rl = d4[g] > 0 ? d4[g] : 0.0f;
-                float w = wts[h0 + g] * rl;
-                acc += (double)w;
-            }
+            mf_kern_vec_dots_keys(qh, G, k, nk, id, d4);   /* per key the bits of one key at a time */
+            for (int u = 0; u < nk; u++)
+                for (int g = 0; g < G; g++) {
+                    float rl = d4[u][g] > 0 ? d4[u][g] : 0.0f;
+                    float w = wts[h0 + g] * rl;
+                    acc[u] += (double)w;
+                }
         }
-        score[j] = (float)acc;
+        for (int u = 0; u < nk; u++) score[jb + u] = (float)acc[u];
     }
 }
 
@@ -459,4 +462,14 @@ void mf_fa_rmsnorm_cols(const float *x, int64_t n, const mf_weight *w, double ep
         }
         out[i] = mf_bf(wv * mf_bf(x[i] * rs));
     }
+}
+
+/* ---- the router gate ------------------------------------------------------------------------- */
+
+int mf_fa_gate_rows(mf_ly_ctx *cx, int L, const float *x, int n_tok, int64_t ld_x, float *logits, int64_t ld_y,
+                    int64_t r0, int64_t r1)
+{
+    const mf_weight *w = &mf_model_layer_at(cx->ly->m, L)->gate;
+    if (cx->lin != MF_LY_LIN_KERN || !mf_ly_linear_kern(w)) return mf_ly_gate_rows(cx, L, x, n_tok, ld_x, logits, ld_y, r0, r1);
+    return mf_ly_linear_part(cx, w, x, n_tok, ld_x, logits, ld_y, r0, r1);
 }

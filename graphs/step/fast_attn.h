@@ -1,7 +1,7 @@
 /* The scheduled engine's own fast versions of per-item layer math (graphs/layers/layers.h is the
  * module they are tested against; the engine's --exact path keeps the module): the attention
  * core's heads, the indexer's scores and selection, the hyper-connection mixes, collapse and
- * expand, and the grouped wo_a on the kernels. graphs/step/step.c calls them from its tasks.
+ * expand, the grouped wo_a and the router gate on the kernels. graphs/step/step.c calls them from its tasks.
  *
  * Sums: a dot product of n floats is 16 lanes (lane l sums elements k = l mod 16 in k order with
  * fmaf), then a fixed tree (lanes l and l+8, then l+4, l+2, l+1); the attention's weighted values
@@ -50,5 +50,12 @@ int mf_fa_grouped_kern(const mf_ly_attn_lin *l);
  * the module's. Rows [r0, r1) for n_tok items; 0 or the kernels' / module's error. */
 int mf_fa_grouped_rows(mf_ly_ctx *cx, const mf_ly_attn_lin *l, const float *x, int64_t ld_x, float *y,
                        int64_t ld_y, int n_tok, int64_t r0, int64_t r1);
+
+/* mf_ly_gate_rows (same arguments) with the kernels' fp32 sums (host/kernels.h: 32 lanes, fmaf in
+ * k order, a fixed tree; the module sums in double) where mf_ly_linear_part runs the gate on them
+ * (cx's backend the kernels and mf_ly_linear_kern), else the module's. Every logit depends only on its row and item: any row split, token
+ * count or thread count gives the same bits, the scalar path the AVX2 path's. 0 or the error. */
+int mf_fa_gate_rows(mf_ly_ctx *cx, int L, const float *x, int n_tok, int64_t ld_x, float *logits, int64_t ld_y,
+                    int64_t r0, int64_t r1);
 
 #endif

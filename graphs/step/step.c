@@ -539,8 +539,9 @@ static int mf_task_attn_post(void *arg, mf_task_ctx *ctx)
     return 0;
 }
 
-/* Rows (experts) of part a->t->part of sh->p_attn of the router's gate logits, over all items: as
- * the reference sums them (double sums, never the kernels), so the routing is the reference's. */
+/* Rows (experts) of part a->t->part of sh->p_attn of the router's gate logits, over all items: on
+ * the kernels' fp32 sums (mf_fa_gate_rows), with exact as the reference sums them (double sums),
+ * so the routing is the reference's. */
 static int mf_task_gate_rows(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
@@ -552,7 +553,7 @@ static int mf_task_gate_rows(void *arg, mf_task_ctx *ctx)
     if (r0 >= r1) return 0;
     int64_t H = sh->eng->c->hidden_size;
     size_t i0 = (size_t)a->t->i0;   /* the micro-batch's items */
-    int rc = mf_ly_gate_rows(cx, a->t->layer, sh->xin + i0 * H, a->t->i1 - a->t->i0, H, sh->logits + i0 * w->rows,
+    int rc = (sh->eng->o.exact ? mf_ly_gate_rows : mf_fa_gate_rows)(cx, a->t->layer, sh->xin + i0 * H, a->t->i1 - a->t->i0, H, sh->logits + i0 * w->rows,
                              w->rows, r0, r1);
     return rc ? mf_error_wrap(rc, "step: layer %d, rows [%d, %d) of the router gate", a->t->layer, r0, r1) : 0;
 }
@@ -1322,7 +1323,8 @@ static int mf_step_dense_shared(const mf_step_targ *a, mf_dev_stream *st, const 
  * the activations and its resident weights: per linear of the sublayer the rows the task owns
  * (mf_step_dense_run_rows: an attention stage's linears one after another) over the task's items
  * (its micro-batch's), with the sums and roundings the host placement's code uses (the grouped
- * wo_a and the router gate: reference sums; wo_a, wo_b and the shared expert's output: bf16), so
+ * wo_a where it is not on the kernels, and with exact the router gate: reference sums; wo_a, wo_b
+ * and the shared expert's output: bf16), so
  * emulated cards give the host placement's bits. */
 static int mf_step_dense_launch(const mf_step_targ *a, mf_dev_stream *st)
 {
@@ -1360,7 +1362,9 @@ static int mf_step_dense_launch(const mf_step_targ *a, mf_dev_stream *st)
     case MF_SG_D_GATE: {
         int64_t r0, r1;
         mf_step_dense_run_rows(a, y->gate.rows, &r0, &r1);
-        return mf_step_dense_lin(a, st, &y->gate, r0, r1, 0, 1, 0, DD(sh->dd_xin) + i0 * H, H, n,
+        /* the host's sums (mf_task_gate_rows): the kernels' where mf_fa_gate_rows takes them */
+        int ref = eng->o.exact || !mf_ly_linear_kern(&y->gate);
+        return mf_step_dense_lin(a, st, &y->gate, r0, r1, 0, ref, 0, DD(sh->dd_xin) + i0 * H, H, n,
                                  DD(sh->dd_logits) + i0 * y->gate.rows, y->gate.rows);
     }
     case MF_SG_D_SHARED:
