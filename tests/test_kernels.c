@@ -566,6 +566,9 @@ int main(void)
     case_matmul(MF_KERN_FP4, 64, 2304, 3, 120, 130, 0);         /* w2's n_in: 72 blocks */
     case_matmul(MF_KERN_FP4, 16, 5120, 17, 120, 130, 1);        /* w1/w3's n_in */
     case_matmul(MF_KERN_FP8, 40, 1280, 8, 120, 127, 0);
+    /* one token over several 512-input tiles and a partial one (the batch-1 register paths) */
+    case_matmul(MF_KERN_FP8, 67, 1056, 1, 110, 135, 0);
+    case_matmul(MF_KERN_BF16, 37, 1312, 1, 0, 0, 1);
     case_ffn(MF_KERN_FP4, 96, 256, 5);
     case_ffn(MF_KERN_FP4, 160, 544, 64);
     case_ffn(MF_KERN_FP4, 64, 256, 67);                      /* two token passes */
