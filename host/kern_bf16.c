@@ -30,9 +30,63 @@ static void mf_kern_bf16_decode_avx2(const mf_kern_mat *m, int row, int k0, int 
     }
 }
 
+/* 8 BF16 weights at w widened to fp32 in order (bf16 << 16). */
+__attribute__((target("avx2,fma")))
+static inline __m256 mf_kern_bf16_load8(const uint16_t *w)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
+}
+
+/* One token (batch-1 decode: the head, the router, the compressor): the weights widened in
+ * registers and applied at once, two rows at a time (eight independent sums in flight), instead
+ * of decoded to an L1 tile and read back. Each output's 32 lanes are the tile engine's (lane = k
+ * mod 32, fmaf in k order from +0) and reduced by the same tree, so the bits are the engine's. */
+__attribute__((target("avx2,fma")))
+static void mf_kern_bf16_tok1_avx2(const mf_kern_mat *m, const float *x, float *y, int y_row0, int r0, int r1)
+{
+    const int n = m->n_in;
+    int o = r0;
+    for (; o + 2 <= r1; o += 2) {
+        const uint16_t *wa = (const uint16_t *)m->w + (size_t)o * n, *wb = wa + n;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (int k = 0; k < n; k += 32) {
+            __builtin_prefetch((const char *)(wa + k) + MF_KERN_PREFETCH, 0, 3);
+            __builtin_prefetch((const char *)(wb + k) + MF_KERN_PREFETCH, 0, 3);
+            __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+            __m256 x2 = _mm256_loadu_ps(x + k + 16), x3 = _mm256_loadu_ps(x + k + 24);
+            a0 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k), x0, a0);
+            a1 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k + 8), x1, a1);
+            a2 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k + 16), x2, a2);
+            a3 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k + 24), x3, a3);
+            b0 = _mm256_fmadd_ps(mf_kern_bf16_load8(wb + k), x0, b0);
+            b1 = _mm256_fmadd_ps(mf_kern_bf16_load8(wb + k + 8), x1, b1);
+            b2 = _mm256_fmadd_ps(mf_kern_bf16_load8(wb + k + 16), x2, b2);
+            b3 = _mm256_fmadd_ps(mf_kern_bf16_load8(wb + k + 24), x3, b3);
+        }
+        y[o - y_row0] = mf_kern_reduce4x8_avx2(a0, a1, a2, a3);
+        y[o + 1 - y_row0] = mf_kern_reduce4x8_avx2(b0, b1, b2, b3);
+    }
+    if (o < r1) {
+        const uint16_t *wa = (const uint16_t *)m->w + (size_t)o * n;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int k = 0; k < n; k += 32) {
+            __builtin_prefetch((const char *)(wa + k) + MF_KERN_PREFETCH, 0, 3);
+            a0 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k), _mm256_loadu_ps(x + k), a0);
+            a1 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+            a2 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+            a3 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+        }
+        y[o - y_row0] = mf_kern_reduce4x8_avx2(a0, a1, a2, a3);
+    }
+}
+
 void mf_kern_bf16_rows(const mf_kern_mat *m, const float *x, int n_tok, int ld_x, float *y,
                        int ld_y, int y_row0, int r0, int r1)
 {
+    if (n_tok == 1 && mf_kern_simd_active() == MF_KERN_SIMD_AVX2) {
+        mf_kern_bf16_tok1_avx2(m, x, y, y_row0, r0, r1);
+        return;
+    }
     mf_kern_f32_run(m, mf_kern_bf16_decode_avx2, mf_kern_bf16_decode_scalar, x, n_tok, ld_x, y,
                     ld_y, y_row0, r0, r1);
 }

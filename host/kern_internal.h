@@ -6,6 +6,8 @@
 
 #include "host/kernels.h"
 
+#include <immintrin.h>
+
 /* Inputs per decoded tile of the fp32 engine (a multiple of 32; 2 KiB of floats). */
 #define MF_KERN_TILE 512
 
@@ -61,6 +63,15 @@ static inline float mf_kern_reduce32(const float *v)
     for (int i = 0; i < 8; i++)
         s[i] = (v[i] + v[8 + i]) + (v[16 + i] + v[24 + i]);
     return mf_kern_reduce8(s);
+}
+
+/* mf_kern_reduce32 of the 32 lanes held in four 8-lane sums (lanes 0-7, 8-15, 16-23, 24-31). */
+__attribute__((target("avx2,fma")))
+static inline float mf_kern_reduce4x8_avx2(__m256 v0, __m256 v1, __m256 v2, __m256 v3)
+{
+    _Alignas(32) float l[8];
+    _mm256_store_ps(l, _mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+    return mf_kern_reduce8(l);
 }
 
 /* 2^(e - 127 - shift) as float for an E8M0 code e (0xFF: NaN); exact, subnormals included, for

@@ -18,6 +18,7 @@
 #include <sys/mman.h>
 
 #include "host/dio.h"
+#include "host/hostmem.h"
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "sched/path.h"
@@ -234,12 +235,7 @@ int mf_store_socket_of(const mf_store *s, const void *p)
 
 int mf_store_n_bound(const mf_store *s) { return s->n_bound; }
 
-static void *mf_store_map(uint64_t n)
-{
-    void *p = mmap(NULL, (size_t)(n ? n : 1), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS |
-                   MAP_NORESERVE, -1, 0);
-    return p == MAP_FAILED ? NULL : p;
-}
+static void *mf_store_map(uint64_t n) { return mf_hostmem_map((size_t)n, 0); }
 
 /* Graph w = 0 (calls with a compute function): at most read_window experts' reads in flight, in
  * selection order, each expert's compute after its reads and the previous compute; w = 1 (bulk

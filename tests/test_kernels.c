@@ -445,6 +445,41 @@ static void case_ffn(mf_kern_fmt fmt, int n_hid, int n_model, int n_tok)
 }
 
 /* A NaN scale (E8M0 0xFF) makes its row NaN on every path; bad arguments are refused. */
+/* E4M3 codes under every kind of E8M0 scale (subnormal 2^-127, small, ordinary, the largest the
+ * one-token path folds, 247..254 where 2^8 * scale overflows, NaN), one 32x32 tile per scale: rows
+ * of positive non-NaN codes (finite or +inf sums, so a wrong value shows) and a last row holding a
+ * NaN code. The one-token call (AVX2's register path) against the scalar path and against the same
+ * rows taken by the tile engine inside a two-token call, bit for bit (NaN as NaN). */
+static void case_fp8_codes(void)
+{
+    enum { N = 32 };
+    static const uint8_t scales[] = {0, 1, 7, 100, 127, 140, 246, 247, 250, 254, 255};
+    uint8_t w[N * N], sc[1];
+    float x[2 * N], y[3][2 * N];
+    for (int i = 0; i < 2 * N; i++) x[i] = 0.5f + (float)rng_unif();
+    for (size_t c = 0; c < sizeof scales; c++) {
+        for (int i = 0; i < N * N; i++) {
+            uint8_t v;
+            do v = (uint8_t)(rng_next() & 0x7F);
+            while (v == 0x7F);
+            w[i] = v;
+        }
+        w[(N - 1) * N + (int)(rng_next() % N)] = (uint8_t)(0x7F | (rng_next() & 0x80));
+        sc[0] = scales[c];
+        for (int p = 0; p < n_paths; p++) {
+            CHECK(mf_kern_simd_set(paths[p]) == 0, "%s", mf_last_error());
+            CHECK(mf_kern_fp8_matmul(w, sc, N, N, x, 1, N, y[p], N, 0, N) == 0, "%s", mf_last_error());
+        }
+        if (n_paths < 2) continue;
+        CHECK(bits_equal(y[0], y[1], N), "fp8 codes, scale %d: one token, scalar and avx2 differ", scales[c]);
+        CHECK(mf_kern_fp8_matmul(w, sc, N, N, x, 2, N, y[2], N, 0, N) == 0, "%s", mf_last_error());
+        CHECK(bits_equal(y[1], y[2], N), "fp8 codes, scale %d: one-token path and tile engine differ", scales[c]);
+        CHECK(isnan(y[1][N - 1]) && (scales[c] == 255 || !isnan(y[1][0])), "fp8 codes, scale %d: NaN rows",
+              scales[c]);
+    }
+    mf_kern_simd_set(MF_KERN_SIMD_AUTO);
+}
+
 static void case_edges(void)
 {
     test_mat m;
@@ -567,11 +602,15 @@ int main(void)
     case_matmul(MF_KERN_FP4, 64, 2304, 3, 120, 130, 0);         /* w2's n_in: 72 blocks */
     case_matmul(MF_KERN_FP4, 16, 5120, 17, 120, 130, 1);        /* w1/w3's n_in */
     case_matmul(MF_KERN_FP8, 40, 1280, 8, 120, 127, 0);
+    /* one token over several 512-input tiles and a partial one (the batch-1 register paths) */
+    case_matmul(MF_KERN_FP8, 67, 1056, 1, 110, 135, 0);
+    case_matmul(MF_KERN_BF16, 37, 1312, 1, 0, 0, 1);
     case_ffn(MF_KERN_FP4, 96, 256, 5);
     case_ffn(MF_KERN_FP4, 160, 544, 64);
     case_ffn(MF_KERN_FP4, 64, 256, 67);                      /* two token passes */
     case_ffn(MF_KERN_FP8, 64, 320, 3);
     case_edges();
+    case_fp8_codes();
     if (n_paths == 2) {
         static const int gt[] = {MF_KERN_GEMM_MIN_TOK, 19, 64, 71};
         for (size_t i = 0; i < sizeof gt / sizeof gt[0]; i++) {

@@ -151,6 +151,7 @@ static void test_engine(const char *dir)
     prof.cross_socket_factor = 1;
     for (int k = 0; k < MF_KF_N; k++)
         prof.host[k] = (mf_profile_kern){.bytes_per_s = k == MF_KF_REF ? 0 : 10e9, .macs_per_s = 2e9, .latency_ns = 1000};
+    prof.host_vec = (mf_profile_kern){.macs_per_s = 8e9};
     static const int batches[] = {1, 3};
     int n_dec = MF_TEST_SANITIZED ? 2 : 4;
     for (int bi = 0; bi < 2; bi++)
@@ -218,6 +219,7 @@ static void test_sim(const mf_config *c)
     prof.task_overhead_ns = 2000;
     for (int k = 0; k < MF_KF_N; k++)
         prof.host[k] = (mf_profile_kern){.bytes_per_s = k == MF_KF_REF ? 0 : 10e9, .macs_per_s = 2e9, .latency_ns = 1000};
+    prof.host_vec = (mf_profile_kern){.macs_per_s = 8e9};
     double f[2] = {1, 0.01};
     int64_t cross[2] = {0};
     for (int k = 0; k < 2; k++) {

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "graphs/model/layout.h"
+#include "host/hostmem.h"
 #include "host/store.h"
 #include "sched/error.h"
 #include "sched/progress.h"
@@ -345,7 +346,8 @@ int mf_model_load(const char *dir, const mf_model_opts *opts, mf_model **out)
         total += (t->n_bytes + 63) & ~UINT64_C(63);
     }
     m->block_bytes = total;
-    m->block = malloc(total ? total : 1);
+    m->block = mf_hostmem_map(total, 1);   /* 2 MiB pages where the kernel allows: the head and
+                                               * experts are streamed every step */
     if (!m->block) {
         rc = mf_error(-ENOMEM, "model: cannot allocate %" PRIu64 " bytes for the resident weights of %s",
                       total, dir);
@@ -376,7 +378,7 @@ void mf_model_free(mf_model *m)
 {
     if (!m) return;
     mf_store_destroy(m->store);
-    free(m->block);
+    mf_hostmem_unmap(m->block, m->block_bytes, 1);
     free(m->offset);
     free(m->st_of);
     free(m->layers);
