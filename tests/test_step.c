@@ -441,7 +441,7 @@ int main(void)
         mf_ref_state *sa = NULL, *sb = NULL, *sc = NULL;
         mf_step *e = NULL;
         float *la = malloc(sizeof(float) * g_V), *lb = malloc(sizeof(float) * g_V), *lc = malloc(sizeof(float) * g_V);
-        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .exact = 1}, &e) == 0, "step");
+        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .exact = 1, .prefill_chunk = 64}, &e) == 0, "step");
         CHECK(mf_ref_state_new(r, NL, &sa) == 0 && mf_ref_state_new(r, NL, &sb) == 0 &&
               mf_ref_state_new(r, NL, &sc) == 0, "states");
         CHECK(mf_ref_prefill(r, sa, p, NL, la) == 0, "ref prefill");

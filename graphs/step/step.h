@@ -22,8 +22,9 @@ typedef struct mf_profile mf_profile;
  * its serial graph runs the per-item tasks over item groups (graphs/step/stepgraph.h). */
 #define MF_STEP_MAX_CHUNK MF_SG_MAX_CHUNK
 /* Positions per graph run of mf_step_prefill by default (mf_step_opts.prefill_chunk), chosen by
- * measurement (docs/decode.md "Prefill chunks"); the simulator's prefill uses it too. */
-#define MF_STEP_PREFILL_CHUNK 64
+ * measurement (docs/decode.md "Prefill chunks": on demo, 2 threads, 512 took the least CPU time
+ * per 2,048-token prefill of 64, 256, 512, 1024 and 2048); the simulator's prefill uses it too. */
+#define MF_STEP_PREFILL_CHUNK 512
 
 typedef struct mf_step_opts {
     int n_threads;     /* CPU workers of the engine's executor (0: 1) */
