@@ -674,7 +674,8 @@ static mf_task_id sg_attn_rows(sg_builder *b, int L, int st, int p)
 }
 
 /* Part p of `parts` of an item's n_rows output rows (columns of the hidden size, rows of a mix):
- * the per-item task record of item group g (its items, tokens; work per item times them). Columns split as mf_sg_rows; mixes (a few rows) evenly. */
+ * the per-item task record of item group g (its items and tokens; the caller's work per item
+ * times them). Columns split as mf_sg_rows; mixes (a few rows) evenly. */
 static mf_sg_task sg_part(const mf_stepgraph *sg, int L, int g, int64_t n_rows, int parts, int p, int even)
 {
     mf_sg_task t = sg_rec(L);
