@@ -535,6 +535,29 @@ static void test_same_graph(void)
  * so 5 tokens take 5 x 249 us. On the
  * costly profile: deterministic, a later chunk costs more (its positions see more keys), a shorter
  * last chunk adds less than a full one, the default chunk is MF_STEP_PREFILL_CHUNK, refusals. */
+/* The hybrid placer (graphs/step/stepgraph.h mf_sg_placer) weighs a slot's tokens by the
+ * profile's fp4 multiply-add rates: on costly_profile (host 2 GMAC/s a thread, cards 10 TMAC/s),
+ * an expert of 1 MB and 3 M multiply-adds a token, not cached: 1 token on the host (100 us of
+ * bytes over 2 workers against a 125 us copy), 100 tokens on the card (149 ms of the host's
+ * multiply-adds against 0.2 ms); without multiply-add rates (the 2% a token rule) 100 tokens stay
+ * on the host (0.3 ms over 2 workers against 0.16 ms). */
+static void test_placer_tokens(void)
+{
+    mf_profile f = costly_profile();
+    mf_lane_model m[4];
+    mf_step_lane_models(&f, 2, m);
+    mf_sg_placer pl;
+    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6);
+    CHECK(mf_sg_place_want_card(&pl, 0, 1, 0) == 0, "1 token: the host");
+    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6);
+    CHECK(mf_sg_place_want_card(&pl, 0, 100, 0) == 1, "100 tokens: the card (host %.0f ns, card %.0f ns)",
+          pl.host_ns, pl.t_dev);
+    for (int k = 0; k < MF_KF_N; k++) f.host[k].macs_per_s = f.card[k].macs_per_s = 0;
+    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6);
+    CHECK(mf_sg_place_want_card(&pl, 0, 100, 0) == 0, "100 tokens, no multiply-add rates: the host (%.0f, %.0f ns)",
+          pl.host_ns, pl.t_dev);
+}
+
 static void test_prefill(void)
 {
     mf_config c;
@@ -560,7 +583,27 @@ static void test_prefill(void)
     CHECK(t4 > t1 && t4 - t1 < t1 / 2, "19 tokens %lld ns against 16 tokens %lld ns", (long long)t4, (long long)t1);
     CHECK(!mf_plan_prefill(&o, 70, 0, NULL, &t1) && !mf_plan_prefill(&o, 70, MF_STEP_PREFILL_CHUNK, NULL, &t2) &&
               t1 == t2, "default chunk: %lld vs %lld ns", (long long)t1, (long long)t2);
-    CHECK(mf_plan_prefill(&o, 16, MF_STEP_MAX_ITEMS + 1, NULL, &t1) == -EINVAL, "chunk over the graph's items");
+    CHECK(mf_plan_prefill(&o, 16, MF_STEP_MAX_CHUNK + 1, NULL, &t1) == -EINVAL, "chunk over the graph's items");
+    /* a long chunk (item groups): its serial graph, no more tasks than at 128 items, and fewer
+     * expert slots over the prompt than at 64 (each expert at most once per layer of a chunk; the
+     * reports' slot counts are sums over their chunks) */
+    CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .prefill = 1, .batch = 300}, &p), "%s",
+          mf_last_error());
+    mf_plan *p128 = NULL;
+    CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .prefill = 1, .batch = 128}, &p128), "%s",
+          mf_last_error());
+    CHECK(p && p128 && mf_plan_graph(p)->n == 300 && mf_plan_graph(p)->n_groups == MF_SG_MAX_GROUPS &&
+              mf_plan_graph(p)->n_tasks <= mf_plan_graph(p128)->n_tasks,
+          "a 300-position chunk: %d groups, %d tasks (128: %d)", p ? mf_plan_graph(p)->n_groups : -1,
+          p ? mf_plan_graph(p)->n_tasks : -1, p128 ? mf_plan_graph(p128)->n_tasks : -1);
+    mf_plan_free(p);
+    mf_plan_free(p128);
+    mf_plan_report r64, r600;
+    CHECK(!mf_plan_prefill(&o, 600, 64, &r64, &t1) && !mf_plan_prefill(&o, 600, 600, &r600, &t2), "%s",
+          mf_last_error());
+    CHECK(r600.host_slots <= (int64_t)c.n_layers * c.n_routed_experts && 4 * r600.host_slots < r64.host_slots,
+          "600 positions: %lld slots in one chunk, %lld in the 9 chunks of 64", (long long)r600.host_slots,
+          (long long)r64.host_slots);
     CHECK(mf_plan_prefill(&o, 0, 8, NULL, &t1) == -EINVAL, "an empty prompt");
 
     /* the command: `moeflow sim --prompt-tokens N --chunk T --json` prints what mf_plan_prefill
@@ -607,5 +650,6 @@ int main(void)
     test_refusals();
     test_core_pool();
     test_prefill();
+    test_placer_tokens();
     return mf_check_exit("test_plan");
 }

@@ -172,6 +172,76 @@ static void test_variant(int n_experts, int top_k, int inter, int b)
 /* mf_stepgraph_macs, the bench's multiply-adds per token, on the engine's graphs of c: linear in
  * the items, the same for the serial and the parallel graph, the head counted per item with
  * logits (vocab x hidden each), more than the routed experts' top_k x 3 x hidden x inter. */
+/* Long prefill chunks (graphs/step/stepgraph.h MF_SG_MAX_CHUNK: per-item tasks over item groups)
+ * give the logits of 64-position chunks bit for bit, on the int8 path with 2 workers: a prompt of
+ * NP positions (past the tiny preset's window and compression) at chunks 64, 100 (one item per
+ * group), 300 (groups of 2-3), NP (one graph run) and by mf_step_forward of all its items (one
+ * sequence: chunks of up to MF_STEP_MAX_CHUNK), then two decode steps after each; a long chunk's
+ * graph has no more tasks than a 128-item one. */
+static void test_long_chunks(mf_ref *r)
+{
+    enum { NP = 600, N_RUN = 5, N_AFTER = 2 };
+    int chunks[N_RUN] = {64, 100, 300, NP, -1};   /* -1: mf_step_forward */
+    int32_t *p = malloc(sizeof *p * NP);
+    float *lg = malloc(sizeof(float) * (size_t)N_RUN * (1 + N_AFTER) * g_V);
+    float **rows = malloc(sizeof *rows * NP);
+    if (!p || !lg || !rows) {
+        CHECK(0, "out of memory");
+        return;
+    }
+    for (int i = 0; i < NP; i++) p[i] = (int32_t)((i * 53 + (i * i) % 17 + 3) % g_V);
+    for (int k = 0; k < N_RUN; k++) {
+        mf_step *e = NULL;
+        mf_ref_state *st = NULL;
+        float *out = lg + (size_t)k * (1 + N_AFTER) * g_V;
+        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .prefill_chunk = chunks[k] > 0 ? chunks[k] : 0}, &e) == 0 &&
+                  mf_ref_state_new(r, NP + N_AFTER, &st) == 0, "step, chunk %d: %s", chunks[k], mf_last_error());
+        if (!e || !st) {
+            mf_step_free(e);
+            mf_ref_state_free(st);
+            continue;
+        }
+        int rc;
+        if (chunks[k] > 0) rc = mf_step_prefill(e, st, p, NP, out);
+        else {
+            mf_ref_state *sts[NP];
+            for (int i = 0; i < NP; i++) sts[i] = st, rows[i] = i == NP - 1 ? out : NULL;
+            rc = mf_step_forward(e, sts, p, NP, rows);
+        }
+        CHECK(rc == 0 && mf_ref_state_pos(st) == NP, "prefill of %d in chunks of %d: %s", NP, chunks[k], mf_last_error());
+        for (int j = 0; j < N_AFTER && !rc; j++) {
+            int32_t t = (int32_t)argmax(out + (size_t)j * g_V, g_V);
+            rc = mf_step_decode(e, &st, &t, 1, out + (size_t)(j + 1) * g_V);
+            CHECK(rc == 0, "decode after chunks of %d: %s", chunks[k], mf_last_error());
+        }
+        if (chunks[k] == 300) {   /* grouped: no more tasks than a 128-item serial graph */
+            mf_ref_state *s2 = NULL;
+            CHECK(mf_ref_state_new(r, 128, &s2) == 0 && mf_step_prefill(e, s2, p, 128, NULL) == 0, "128: %s",
+                  mf_last_error());
+            const mf_stepgraph *g128 = mf_step_graph(e, 128, 0);
+            mf_ref_state_free(s2);
+            mf_ref_state *s3 = NULL;   /* the long shape is replaced by a 300 one again */
+            CHECK(mf_ref_state_new(r, 300, &s3) == 0 && mf_step_prefill(e, s3, p, 300, NULL) == 0, "300: %s",
+                  mf_last_error());
+            const mf_stepgraph *g300 = mf_step_graph(e, 300, 0);
+            CHECK(g128 && g300 && g300->n_groups == MF_SG_MAX_GROUPS && g300->n_tasks <= g128->n_tasks,
+                  "a 300-item graph: %d groups, %d tasks (128 items: %d)", g300 ? g300->n_groups : -1,
+                  g300 ? g300->n_tasks : -1, g128 ? g128->n_tasks : -1);
+            mf_ref_state_free(s3);
+        }
+        if (k > 0)
+            for (int j = 0; j <= N_AFTER; j++)
+                CHECK(memcmp(lg + (size_t)j * g_V, out + (size_t)j * g_V, sizeof(float) * g_V) == 0,
+                      "logits %d after a prefill in chunks of %d differ from chunks of 64", j, chunks[k]);
+        mf_ref_state_free(st);
+        mf_step_free(e);
+    }
+    printf("long chunks: prefill of %d tokens at chunks 64, 100, 300, %d and one forward: the same logits\n", NP, NP);
+    free(p);
+    free(lg);
+    free(rows);
+}
+
 static void check_graph_macs(const mf_config *c)
 {
     mf_sg_sizes *sz = NULL;
@@ -219,6 +289,7 @@ int main(void)
     mf_ref *r = NULL;
     CHECK(mf_ref_new(m, NULL, &r) == 0, "ref: %s", mf_last_error());
     if (!r) return mf_check_exit("test_step");
+    test_long_chunks(r);
 
     size_t per = (size_t)N_SEQ * N_LOG * g_V;
     float *ref1 = malloc(sizeof(float) * per), *ref3 = malloc(sizeof(float) * per);
@@ -370,7 +441,7 @@ int main(void)
         mf_ref_state *sa = NULL, *sb = NULL, *sc = NULL;
         mf_step *e = NULL;
         float *la = malloc(sizeof(float) * g_V), *lb = malloc(sizeof(float) * g_V), *lc = malloc(sizeof(float) * g_V);
-        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .exact = 1}, &e) == 0, "step");
+        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .exact = 1, .prefill_chunk = 64}, &e) == 0, "step");
         CHECK(mf_ref_state_new(r, NL, &sa) == 0 && mf_ref_state_new(r, NL, &sb) == 0 &&
               mf_ref_state_new(r, NL, &sc) == 0, "states");
         CHECK(mf_ref_prefill(r, sa, p, NL, la) == 0, "ref prefill");
@@ -390,7 +461,7 @@ int main(void)
         mf_ref_state_free(sd);
         mf_step_free(e17);
         mf_step *bad = NULL;
-        CHECK(mf_step_new(r, &(mf_step_opts){.prefill_chunk = MF_STEP_MAX_ITEMS + 1}, &bad) == -EINVAL && !bad &&
+        CHECK(mf_step_new(r, &(mf_step_opts){.prefill_chunk = MF_STEP_MAX_CHUNK + 1}, &bad) == -EINVAL && !bad &&
               strstr(mf_last_error(), "prefill chunk"), "prefill chunk over the graph's items: %s", mf_last_error());
         double d = mf_test_max_rel(la, lb, g_V);
         CHECK(d < 0.15, "prefill of %d tokens (two graphs): %.3g off the reference", NL, d);

@@ -54,7 +54,7 @@ static void mf_bench_decode_usage(FILE *f)
             "experts here are the model's resident copies, not a store split across the sockets).\n"
             "--no-reference skips the one-thread reference engine (a long prefill takes it\n"
             "minutes). --chunk T: the scheduled\n"
-            "engine's prefill chunk (positions per graph run; default %d). --exact runs the\n"
+            "engine's prefill chunk (positions per graph run, 1..%d; default %d). --exact runs the\n"
             "scheduled engine's experts on the fp32 kernel path. --trace FILE writes the Chrome trace\n"
             "of the last scheduled step. --json prints {\"tokens_per_s\", \"reference_tokens_per_s\",\n"
             "\"speedup\", \"prefill_tokens_per_s\", \"decode_tokens_per_s\", \"compute_fraction\",\n"
@@ -66,7 +66,7 @@ static void mf_bench_decode_usage(FILE *f)
             "dense work on those cards (routed experts on the host), by layer ranges or, with\n"
             "--dense-split rows (the default), every dense matrix but the shared expert split by rows\n"
             "across all.\n",
-            MF_STEP_PREFILL_CHUNK);
+            MF_STEP_MAX_CHUNK, MF_STEP_PREFILL_CHUNK);
 }
 
 typedef struct mf_bd_run {
@@ -274,7 +274,7 @@ int mf_bench_decode(int argc, char **argv)
         long *num = !strcmp(a, "--steps") ? &steps : !strcmp(a, "--batch") ? &batch
                   : !strcmp(a, "--threads") ? &threads : !strcmp(a, "--prompt-tokens") ? &n_prompt
                   : !strcmp(a, "--chunk") ? &chunk : NULL;
-        long lo = 1, hi = !strcmp(a, "--batch") || !strcmp(a, "--chunk") ? MF_STEP_MAX_ITEMS
+        long lo = 1, hi = !strcmp(a, "--batch") ? MF_STEP_MAX_ITEMS : !strcmp(a, "--chunk") ? MF_STEP_MAX_CHUNK
                           : !strcmp(a, "--threads") ? 256 : 100000;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             mf_bench_decode_usage(stdout);

@@ -62,9 +62,10 @@ static void mf_decode_usage(FILE *f)
             "  --batch B           sequences decoded at once (1..64): with --prompts every line\n"
             "                      runs, B at a time (default: all, at most 64); with --prompt or\n"
             "                      --tokens, B copies of it\n"
-            "  --step-tokens N     items per step (default %d, the engine's measured prefill\n"
-            "                      chunk): decode tokens first, then prefill\n"
-            "                      chunks; smaller N cuts long prompts into more steps\n"
+            "  --step-tokens N     items per step (default %d): decode tokens first, then prefill\n"
+            "                      chunks; smaller N cuts long prompts into more steps; a step\n"
+            "                      of one sequence's prefill alone runs as one graph of up to\n"
+            "                      8192 positions (long chunks), mixed steps in graphs of 64\n"
             "  --output FILE       one JSON object per prompt as it finishes: index, prompt, text\n"
             "                      (with a tokenizer), tokens, prompt_tokens, finish_reason (eos or\n"
             "                      length), queue_s, first_token_s, total_s\n"
@@ -135,7 +136,7 @@ static void mf_decode_usage(FILE *f)
             "                      reference's on_route hook, and with a hook set the scheduled\n"
             "                      engine runs its serial graph (a batch's per-sequence parts one\n"
             "                      after another), so timings differ from a run without it\n"
-            "  --quiet             no progress or timing on stderr\n", MF_STEP_PREFILL_CHUNK);
+            "  --quiet             no progress or timing on stderr\n", MF_BATCH_STEP_TOKENS);
 }
 
 static int mf_parse_tokens(const char *s, int32_t **out, int *n_out)
@@ -412,7 +413,7 @@ int mf_cmd_decode(int argc, char **argv)
 {
     const char *dir = NULL, *prompt = NULL, *ids = NULL, *prompts_file = NULL, *engine = "scheduled";
     const char *outfile = NULL;
-    long max_new = 16, batch = 0, threads = sysconf(_SC_NPROCESSORS_ONLN), step_tokens = MF_STEP_PREFILL_CHUNK;
+    long max_new = 16, batch = 0, threads = sysconf(_SC_NPROCESSORS_ONLN), step_tokens = MF_BATCH_STEP_TOKENS;
     double temperature = 0, top_p = 1.0;
     unsigned long long seed = 0;
     int no_bos = 0, ignore_eos = 0, act_quant = 0, quiet = 0, exact = 0;

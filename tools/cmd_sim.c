@@ -71,10 +71,11 @@ static void mf_sim_usage(FILE *f)
             "  --measure           also decode for real on this machine (a loadable checkpoint;\n"
             "                      emu:N cards for seed/hybrid) and print measured vs predicted\n"
             "  --prompt-tokens N   instead of decode steps: the time to first token of an N-token\n"
-            "                      prompt, prefilled in chunks of --chunk T positions (default %d,\n"
-            "                      the engine's) through the engine's serial graph, caches empty at\n"
-            "                      the start (--batch, --steps, --warmup, --context do not apply)\n",
-            MF_STEP_MAX_ITEMS, MF_STEP_PREFILL_CHUNK);
+            "                      prompt, prefilled in chunks of --chunk T positions (1..%d,\n"
+            "                      default %d, the engine's) through the engine's serial graph,\n"
+            "                      caches empty at the start (--batch, --steps, --warmup, --context\n"
+            "                      do not apply)\n",
+            MF_STEP_MAX_ITEMS, MF_STEP_MAX_CHUNK, MF_STEP_PREFILL_CHUNK);
 }
 
 static void mf_sim_json(const mf_plan_report *r, const char *routing, int placement, int dense, int split, int measured,
@@ -125,7 +126,7 @@ int mf_cmd_sim(int argc, char **argv)
             {"--steps", &steps, 1, 100000}, {"--warmup", &warmup, 0, 100000}, {"--seed", &seed, 0, 1L << 62},
             {"--context", &context, 1, 1L << 40}, {"--read-window", &read_window, -1, 4096},
             {"--copy-slots", &copy_slots, 1, 64}, {"--dev-task-ns", &dev_task_ns, 1, 100000000},
-            {"--prompt-tokens", &prompt_tokens, 1, 1L << 30}, {"--chunk", &chunk, 1, MF_STEP_MAX_ITEMS},
+            {"--prompt-tokens", &prompt_tokens, 1, 1L << 30}, {"--chunk", &chunk, 1, MF_STEP_MAX_CHUNK},
         };
         int k = 0;
         while (k < (int)(sizeof nums / sizeof nums[0]) && strcmp(a, nums[k].name)) k++;

@@ -143,8 +143,10 @@ static int pl_check(const mf_plan_opts *o)
     const mf_profile *f = o->profile;
     if (o->placement < MF_STEP_PLACE_HOST || o->placement > MF_STEP_PLACE_HYBRID)
         return mf_error(-EINVAL, "plan: placement %d (expected host, seed or hybrid)", o->placement);
-    if (o->batch < 0 || o->batch > MF_STEP_MAX_ITEMS)
-        return mf_error(-EINVAL, "plan: batch %d (expected 1..%d)", o->batch, MF_STEP_MAX_ITEMS);
+    int max_batch = o->prefill ? MF_STEP_MAX_CHUNK : MF_STEP_MAX_ITEMS;   /* a prefill chunk: one sequence */
+    if (o->batch < 0 || o->batch > max_batch)
+        return mf_error(-EINVAL, "plan: %s %d (expected 1..%d)", o->prefill ? "prefill chunk" : "batch", o->batch,
+                        max_batch);
     if (o->n_cards < 0 || o->n_cards > PL_MAX_CARDS)
         return mf_error(-EINVAL, "plan: %d cards (expected 0..%d)", o->n_cards, PL_MAX_CARDS);
     if (o->placement != MF_STEP_PLACE_HOST && (o->n_cards ? o->n_cards : f->n_cards) < 1)
@@ -449,7 +451,10 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
     }
     if (!p->n_cards) r->host_slots += ns;
     mf_sg_placer pl;
-    mf_sg_placer_init(&pl, p->models, p->n_threads, p->o.placement == MF_STEP_PLACE_HYBRID, p->sz->xslot_bytes);
+    mf_work ew;
+    mf_sg_expert_work(&p->c, p->sz, &ew);
+    mf_sg_placer_init(&pl, p->models, &p->prof, p->n_threads, p->o.placement == MF_STEP_PLACE_HYBRID,
+                      p->sz->xslot_bytes, ew.macs[MF_KF_FP4]);
     for (int s = 0; s < ns && p->n_cards; s++) {
         int e = sl[s].e, c = mf_dev_xcache_owner(p->n_cards, L, e), slot;
         if (!mf_sg_place_want_card(&pl, c, sl[s].cnt, mf_resid_slot(p->dev[c], L * E + e) >= 0)) {
@@ -650,9 +655,9 @@ int mf_plan_prefill(const mf_plan_opts *o, int64_t n_prompt, int chunk, mf_plan_
 {
     *ttft_ns = 0;
     if (chunk == 0) chunk = MF_STEP_PREFILL_CHUNK;
-    if (n_prompt < 1 || chunk < 1 || chunk > MF_STEP_MAX_ITEMS)
+    if (n_prompt < 1 || chunk < 1 || chunk > MF_STEP_MAX_CHUNK)
         return mf_error(-EINVAL, "plan: prefill of %" PRId64 " tokens in chunks of %d (expected >= 1 tokens, "
-                        "chunks of 1..%d)", n_prompt, chunk, MF_STEP_MAX_ITEMS);
+                        "chunks of 1..%d)", n_prompt, chunk, MF_STEP_MAX_CHUNK);
     int64_t n_full = n_prompt / chunk, rest = n_prompt % chunk;
     mf_plan_report last = {0};
     for (int part = 0; part < 2; part++) {   /* the full chunks, then the shorter last one */

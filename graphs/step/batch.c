@@ -82,7 +82,7 @@ int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
     mf_batch_opts o = *opts;
     const mf_config *c = mf_ref_config(o.ref);
     if (!o.max_batch) o.max_batch = 16;
-    if (!o.step_tokens) o.step_tokens = MF_STEP_PREFILL_CHUNK;
+    if (!o.step_tokens) o.step_tokens = MF_BATCH_STEP_TOKENS;
     if (!o.prefill_split) o.prefill_split = 2;
     if (!o.max_queue) o.max_queue = 256;
     if (!o.max_context) o.max_context = c->max_position_embeddings < 4096 ? c->max_position_embeddings : 4096;

@@ -55,12 +55,19 @@ typedef struct mf_batch_event {
     const char *msg;             /* and its message */
 } mf_batch_event;
 
+/* Items per step by default (mf_batch_opts.step_tokens): the most a graph of several sequences
+ * takes (MF_STEP_MAX_ITEMS), so a step's decode tokens never wait behind a longer prefill chunk. A
+ * larger budget lets a lone prompt's prefill run as long chunks (graphs/step/step.h
+ * mf_step_forward: the items of one sequence in chunks of up to MF_STEP_MAX_CHUNK); mixed steps
+ * run in graphs of 64. */
+#define MF_BATCH_STEP_TOKENS 64
+
 typedef struct mf_batch_opts {
     mf_ref *ref;          /* the forward the states belong to (required) */
     mf_step *eng;         /* the scheduled engine over ref, or NULL: the reference forward */
     const mf_tok *tok;    /* for text and stop strings; NULL: token ids only (stops refused) */
     int max_batch;        /* running sequences, 1..MF_STEP_MAX_ITEMS (0: 16) */
-    /* items per step (0: MF_STEP_PREFILL_CHUNK, 64): every running sequence's decode token
+    /* items per step (0: MF_BATCH_STEP_TOKENS): every running sequence's decode token
      * first, then prefill chunks in admission order fill what is left; at least 1 prefill item
      * per step when the decode tokens take the whole budget, so a prompt always makes progress */
     int step_tokens;

@@ -171,9 +171,14 @@ struct mf_step {
     mf_store *store;         /* its reads issued on this engine's IO lane (the slab registered there) */
     int eg_reads;            /* 1: the store's Engram tables are streamed: gathers are IO tasks */
     int max_items;           /* items per graph run: one layer's slots fit the store */
+    int max_chunk;           /* positions of one sequence per graph run (a prefill chunk), likewise */
     mf_sched *sched;
     mf_sg_sizes *sz;          /* the model's sizes for the step graphs (from its layout) */
     mf_step_shape *shapes[2][MF_STEP_MAX_ITEMS + 1];   /* [par][n] */
+    /* the serial shape of more than MF_STEP_MAX_ITEMS items (a long prefill chunk): one at a time,
+     * replaced when another length is asked for (a prompt's shorter last chunk), so that a
+     * prompt never holds more than one long chunk's activations */
+    mf_step_shape *long_shape;
     /* shapes of other units (runs of a sequence's items beside single items: chunked prefill
      * mixed with decode), the least recently used replaced; used[k] the call count of last use */
     mf_step_shape *ushapes[MF_STEP_UNIT_SHAPES];
@@ -639,8 +644,10 @@ static int mf_step_place(mf_step_shape *sh, int L, int h)
     mf_step *eng = sh->eng;
     mf_sg_placer pl;
     int s0 = sh->sg->half_slot[h], s1 = sh->sg->half_slot[h + 1];
-    mf_sg_placer_init(&pl, eng->models, eng->o.n_threads, eng->o.placement == MF_STEP_PLACE_HYBRID,
-                      (double)eng->xslot_bytes);
+    mf_work ew;
+    mf_sg_expert_work(eng->c, eng->sz, &ew);
+    mf_sg_placer_init(&pl, eng->models, eng->o.profile, eng->o.n_threads, eng->o.placement == MF_STEP_PLACE_HYBRID,
+                      (double)eng->xslot_bytes, ew.macs[MF_KF_FP4]);
     sh->dev_layer = L;
     sh->dev_half = h;
     for (int s = s0; s < s1; s++) sh->slot_card[s] = -1;
@@ -1438,10 +1445,31 @@ static const mf_task_fn mf_step_fn_of[MF_SG_N_OPS] = {
     [MF_SG_DENSE_OUT] = mf_task_dense_out,
 };
 
+/* A per-item op's task over its record's item group (graphs/step/stepgraph.h mf_sg_op_per_item):
+ * the op's function once per item, in item order, each seeing a record of that one item. */
+static int mf_task_items(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_task_fn fn = mf_step_fn_of[a->t->op];
+    if (a->t->i1 - a->t->i0 <= 1) return fn(arg, ctx);
+    mf_sg_task one = *a->t;
+    mf_step_targ b = {a->sh, &one};
+    for (int i = a->t->i0; i < a->t->i1; i++) {
+        one.i0 = i;
+        one.i1 = i + 1;
+        one.n_tok = 1;
+        int rc = fn(&b, ctx);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 /* The step graph of a shape of n items (parallel, serial, or n_units units ending at unit_end[])
  * on the engine's lanes. */
 static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const int *unit_end, mf_stepgraph **out)
 {
+    mf_task_fn fn_of[MF_SG_N_OPS];   /* the per-item ops over their item groups */
+    for (int op = 0; op < MF_SG_N_OPS; op++) fn_of[op] = mf_sg_op_per_item(op) ? mf_task_items : mf_step_fn_of[op];
     return mf_stepgraph_new(&(mf_sg_opts){.c = eng->c, .sz = eng->sz, .n = n, .par = par,
                                           .n_units = n_units, .unit_end = unit_end,
                                           .n_threads = eng->o.n_threads, .n_cards = eng->n_cards,
@@ -1452,7 +1480,7 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const in
                                           .lane_sock = eng->lt.lane_sock,
                                           .n_lanes = eng->lt.n_lanes, .lane_io = eng->lt.lane_io,
                                           .lane_dev0 = eng->lt.lane_dev0,
-                                          .micro = eng->o.micro, .exact = eng->o.exact, .fn_of = mf_step_fn_of,
+                                          .micro = eng->o.micro, .exact = eng->o.exact, .fn_of = fn_of,
                                           .profile = eng->o.profile},
                             out);
 }
@@ -1996,7 +2024,7 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     if (mf_model_is_lazy(ly->m) && !store)
         return mf_error(-ENOTSUP, "step: the model's experts are not resident (lazy load); the "
                         "scheduled engine needs them in memory or behind an expert store");
-    int max_items = MF_STEP_MAX_ITEMS;
+    int max_items = MF_STEP_MAX_ITEMS, max_chunk = MF_STEP_MAX_CHUNK;
     if (store) {   /* a graph run pins one layer's slots: min(items x top_k, experts) */
         int K = c->n_experts_per_tok, E = c->n_routed_experts;
         int fit = mf_store_n_slots(store) < mf_store_max_batch(store) ? mf_store_n_slots(store)
@@ -2011,6 +2039,8 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
                             (uint64_t)K * mf_store_slot_bytes(store));
         max_items = fit >= E ? MF_STEP_MAX_ITEMS : fit / K;
         if (max_items > MF_STEP_MAX_ITEMS) max_items = MF_STEP_MAX_ITEMS;
+        max_chunk = fit >= E ? MF_STEP_MAX_CHUNK : fit / K;
+        if (max_chunk > MF_STEP_MAX_CHUNK) max_chunk = MF_STEP_MAX_CHUNK;
     }
     if (ly->act_quant)
         return mf_error(-ENOTSUP, "step: act_quant is not supported by the scheduled engine");
@@ -2030,11 +2060,11 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     s->c = c;
     if (opts) s->o = *opts;
     if (s->o.n_threads < 1) s->o.n_threads = 1;
-    if (s->o.prefill_chunk < 0 || s->o.prefill_chunk > MF_STEP_MAX_ITEMS) {
+    if (s->o.prefill_chunk < 0 || s->o.prefill_chunk > MF_STEP_MAX_CHUNK) {
         int n = s->o.prefill_chunk;
         free(s);
         return mf_error(-EINVAL, "step: prefill chunk %d (expected 0 for the default %d, or 1..%d)", n,
-                        MF_STEP_PREFILL_CHUNK, MF_STEP_MAX_ITEMS);
+                        MF_STEP_PREFILL_CHUNK, MF_STEP_MAX_CHUNK);
     }
     if (s->o.n_threads > 256) {
         int n = s->o.n_threads;
@@ -2044,6 +2074,7 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     s->store = store;
     s->eg_reads = store && mf_store_tables_streamed(store);
     s->max_items = max_items;
+    s->max_chunk = max_chunk;
     if (s->o.profile) {   /* the shapes' graphs are priced on it later (mf_sg_opts.profile) */
         s->prof = *s->o.profile;
         s->o.profile = &s->prof;
@@ -2102,6 +2133,7 @@ void mf_step_free(mf_step *s)
         mf_step_shape_free(s->shapes[1][i]);
     }
     for (int k = 0; k < MF_STEP_UNIT_SHAPES; k++) mf_step_shape_free(s->ushapes[k]);
+    mf_step_shape_free(s->long_shape);
     for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
     mf_step_dense_free(s);
     for (int w = 0; w < s->n_cx; w++) mf_ly_ctx_free(s->cx[w]);
@@ -2221,10 +2253,20 @@ static int mf_step_store_fail(mf_step *s, mf_step_shape *sh, int rc)
 static int mf_step_shape_of(mf_step *s, mf_ref_state *const *states, int n, mf_step_shape **out)
 {
     const mf_ref_hooks *hk = &s->ly->hooks;
-    int hooks = hk->on_route || hk->on_select || hk->on_candidates, n_units = 0, unit_end[MF_STEP_MAX_ITEMS];
+    int hooks = hk->on_route || hk->on_select || hk->on_candidates, n_units = 0, unit_end[MF_STEP_MAX_ITEMS], rc;
+    if (n > MF_STEP_MAX_ITEMS) {   /* a long chunk of one sequence (mf_step_forward_chunks checked it) */
+        if (!s->long_shape || s->long_shape->n != n) {
+            if (s->last == s->long_shape) s->last = NULL;
+            mf_step_shape_free(s->long_shape);
+            s->long_shape = NULL;
+            if ((rc = mf_step_shape_new(s, n, 0, 0, NULL, &s->long_shape))) return rc;
+        }
+        *out = s->long_shape;
+        return 0;
+    }
     for (int i = 1; i <= n; i++)
         if (i == n || states[i] != states[i - 1]) unit_end[n_units++] = i;
-    int par = n > 1 && !hooks && n_units == n, rc;
+    int par = n > 1 && !hooks && n_units == n;
     if (hooks || n_units == 1 || par) {
         if (!s->shapes[par][n] && (rc = mf_step_shape_new(s, n, par, 0, NULL, &s->shapes[par][n]))) return rc;
         *out = s->shapes[par][n];
@@ -2341,7 +2383,9 @@ static int mf_step_forward_chunks(mf_step *s, mf_ref_state *const *states, const
 int mf_step_forward(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
                     float *const *logits)
 {
-    return mf_step_forward_chunks(s, states, tokens, n, logits, s->max_items);
+    int one = 1;   /* items all of one sequence: its serial graph runs up to max_chunk of them */
+    for (int i = 1; i < n && one; i++) one = states[i] == states[0];
+    return mf_step_forward_chunks(s, states, tokens, n, logits, one && n > s->max_items ? s->max_chunk : s->max_items);
 }
 
 int mf_step_prefill(mf_step *s, mf_ref_state *st, const int32_t *tokens, int n, float *logits)
@@ -2357,7 +2401,7 @@ int mf_step_prefill(mf_step *s, mf_ref_state *st, const int32_t *tokens, int n, 
     for (int i = 0; i < n; i++) sts[i] = st;
     lg[n - 1] = logits;
     int chunk = s->o.prefill_chunk > 0 ? s->o.prefill_chunk : MF_STEP_PREFILL_CHUNK;
-    int rc = mf_step_forward_chunks(s, sts, tokens, n, lg, chunk < s->max_items ? chunk : s->max_items);
+    int rc = mf_step_forward_chunks(s, sts, tokens, n, lg, chunk < s->max_chunk ? chunk : s->max_chunk);
     free(sts);
     free(lg);
     return rc;
@@ -2389,6 +2433,7 @@ void mf_step_last_times(const mf_step *s, mf_step_times *out) { *out = s->times;
 
 const mf_stepgraph *mf_step_graph(const mf_step *s, int n, int par)
 {
+    if (n > MF_STEP_MAX_ITEMS && !par && s->long_shape && s->long_shape->n == n) return s->long_shape->sg;
     if (n < 1 || n > MF_STEP_MAX_ITEMS || !s->shapes[!!par][n]) return NULL;
     return s->shapes[!!par][n]->sg;
 }

@@ -15,11 +15,16 @@
 typedef struct mf_dev mf_dev;
 typedef struct mf_profile mf_profile;
 
-/* Items per forward call (larger prefills are cut into chunks of this many). */
+/* Items per graph run of mf_step_forward (larger calls are cut into chunks of this many) and
+ * sequences per decode step. */
 #define MF_STEP_MAX_ITEMS MF_SG_MAX_ITEMS
+/* Positions of one sequence per graph run of mf_step_prefill at most (mf_step_opts.prefill_chunk):
+ * its serial graph runs the per-item tasks over item groups (graphs/step/stepgraph.h). */
+#define MF_STEP_MAX_CHUNK MF_SG_MAX_CHUNK
 /* Positions per graph run of mf_step_prefill by default (mf_step_opts.prefill_chunk), chosen by
- * measurement (docs/decode.md "Prefill chunks"); the simulator's prefill uses it too. */
-#define MF_STEP_PREFILL_CHUNK 64
+ * measurement (docs/decode.md "Prefill chunks": on demo, 2 threads, 512 took the least CPU time
+ * per 2,048-token prefill of 64, 256, 512, 1024 and 2048); the simulator's prefill uses it too. */
+#define MF_STEP_PREFILL_CHUNK 512
 
 typedef struct mf_step_opts {
     int n_threads;     /* CPU workers of the engine's executor (0: 1) */
@@ -33,8 +38,9 @@ typedef struct mf_step_opts {
      * all at once), so that the first experts arrive early and their compute overlaps the rest */
     int read_window;
     /* positions of one sequence per graph run in mf_step_prefill (0: MF_STEP_PREFILL_CHUNK; at
-     * most MF_STEP_MAX_ITEMS, and fewer where the expert store's budget says so): a prompt holds
-     * one chunk's activations at a time */
+     * most MF_STEP_MAX_CHUNK, and fewer where the expert store's budget says so): a prompt holds
+     * one chunk's activations at a time (the engine keeps one shape longer than
+     * MF_STEP_MAX_ITEMS, replaced when a prompt's last chunk is shorter) */
     int prefill_chunk;
     /* Routed experts on devices (docs/decode.md "Placement"): dev (device/dev.h, opened by the
      * caller, outlives the engine) and a placement; dev NULL or MF_STEP_PLACE_HOST: all on the
@@ -162,7 +168,8 @@ void mf_step_free(mf_step *s);
 
 /* Same contract as mf_ref_forward (graphs/ref/ref.h): item i is token tokens[i] of states[i]; items of
  * one state consecutive; logits[i] (may be NULL) receives vocab_size fp32 logits. More than
- * MF_STEP_MAX_ITEMS items run as consecutive chunks. The graph of a batch size is built (and its
+ * MF_STEP_MAX_ITEMS items run as consecutive chunks of that many, or, when they are all of one
+ * sequence, of up to MF_STEP_MAX_CHUNK (fewer where the expert store's budget says so). The graph of a batch size is built (and its
  * buffers allocated) on the first call of that size; later calls allocate nothing. */
 int mf_step_forward(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
                     float *const *logits);

@@ -154,6 +154,17 @@ double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int p_key, int64
     return items * SG_W_SORT * (double)n_vis * log2((double)n_vis + 1);
 }
 
+int mf_sg_op_per_item(int op)
+{
+    switch (op) {
+    case MF_SG_ATTN_PRE: case MF_SG_ATTN_POST: case MF_SG_COMBINE: case MF_SG_NORM: case MF_SG_ATTN_MIX:
+    case MF_SG_ATTN_NORM: case MF_SG_ATTN_HEADS: case MF_SG_FFN_MIX: case MF_SG_FFN_NORM: case MF_SG_ATTN_SCORE:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
 int mf_sg_layer_scored(const mf_config *c, int L)
 {
     return c->compress_ratios[L] > 0 && mf_config_is_index_source(c, L);
@@ -221,7 +232,7 @@ typedef struct sg_builder {
     int u;                       /* item-part tasks per layer part: n (parallel) or 1 */
     double per;                  /* items per item task */
     mf_task_id *io;              /* the layer's IO tasks, n_slots x n_io_parts */
-    mf_task_id fmix[MF_SG_MAX_ITEMS][SG_MAX_MIX];   /* the layer's ffn mix parts per item */
+    mf_task_id fmix[MF_SG_MAX_GROUPS][SG_MAX_MIX];   /* the layer's ffn mix parts per item group */
     /* per task: the task a dependency on it waits for (itself, or the last task of a dense chain
      * on a card that it begins: sg_dense_chain), cap entries */
     mf_task_id *exit_of;
@@ -235,6 +246,7 @@ typedef struct sg_builder {
     /* the micro-batch being built: half h (-1: the head, after both), its items [h0, h1) and
      * units [k0, k1); the MoE done of the half built before it (its route waits for it) */
     int h, h0, h1, k0, k1;
+    int g0, g1;                  /* its item groups [g0, g1) */
     mf_task_id last_done;
     char name[64];
 } sg_builder;
@@ -314,6 +326,21 @@ static void sg_span(const sg_builder *b, mf_sg_task *t)
     t->i0 = b->h0;
     t->i1 = b->h1;
     t->n_tok = b->h1 - b->h0;
+}
+
+/* The item group holding item i, and the unit holding item group g (groups lie in one unit). */
+static int sg_group_of(const mf_stepgraph *sg, int i)
+{
+    if (sg->n_groups == sg->n) return i;
+    int g = (int)((int64_t)i * sg->n_groups / sg->n);   /* near it: groups are n / n_groups or one more */
+    while (g > 0 && i < sg->group_end[g - 1]) g--;
+    while (i >= sg->group_end[g]) g++;
+    return g;
+}
+
+static int sg_group_unit(const mf_stepgraph *sg, int g)
+{
+    return mf_stepgraph_unit_of(sg, g ? sg->group_end[g - 1] : 0);
 }
 
 /* after waits for before (for the end of before's chain when before begins a dense chain; for
@@ -656,13 +683,14 @@ static mf_task_id sg_attn_rows(sg_builder *b, int L, int st, int p)
 }
 
 /* Part p of `parts` of an item's n_rows output rows (columns of the hidden size, rows of a mix):
- * item task record of item i. Columns split as mf_sg_rows; mixes (a few rows) evenly. */
-static mf_sg_task sg_part(int L, int i, int64_t n_rows, int parts, int p, int even)
+ * the per-item task record of item group g (its items and tokens; the caller's work per item
+ * times them). Columns split as mf_sg_rows; mixes (a few rows) evenly. */
+static mf_sg_task sg_part(const mf_stepgraph *sg, int L, int g, int64_t n_rows, int parts, int p, int even)
 {
     mf_sg_task t = sg_rec(L);
-    t.i0 = i;
-    t.i1 = i + 1;
-    t.n_tok = 1;
+    t.i0 = g > 0 ? sg->group_end[g - 1] : 0;
+    t.i1 = sg->group_end[g];
+    t.n_tok = t.i1 - t.i0;
     t.part = p;
     if (even) {
         t.r0 = n_rows * p / parts;
@@ -673,8 +701,8 @@ static mf_sg_task sg_part(int L, int i, int64_t n_rows, int parts, int p, int ev
     return t;
 }
 
-/* Item i's collapse (MF_SG_ATTN_PRE, after `after`) -> norm `op` column parts, into nrm[]: layer L's
- * attention input (phase attn) or, at L = -1, the final norm (phase head). */
+/* Item group i's collapse (MF_SG_ATTN_PRE, after `after`) -> norm `op` column parts, into nrm[]:
+ * layer L's attention input (phase attn) or, at L = -1, the final norm (phase head). */
 static void sg_collapse_norm(sg_builder *b, int L, int i, int op, int phase, mf_task_id after, mf_task_id *nrm)
 {
     const mf_config *c = b->o->c;
@@ -685,23 +713,23 @@ static void sg_collapse_norm(sg_builder *b, int L, int i, int op, int phase, mf_
     for (int p = 0; p < pc; p++) {
         SG_NAME(b, L < 0 ? "%s collapse item %d %d" : "%s L%d collapse item %d %d", what, L < 0 ? i : L,
                 L < 0 ? p : i, p);
-        mf_sg_task t = sg_part(L, i, (int64_t)H, pc, p, 0);
+        mf_sg_task t = sg_part(b->sg, L, i, (int64_t)H, pc, p, 0);
         double cols = (double)(t.r1 - t.r0);
-        t.w.ref_flops = cols * (hc + SG_W_ROUND);
+        t.w.ref_flops = t.n_tok * cols * (hc + SG_W_ROUND);
         col[p] = sg_add(b, 0, MF_SG_ATTN_PRE, phase, MF_SG_K_OTHER, t);
         sg_dep(b, after, col[p]);
     }
     for (int p = 0; p < pc; p++) {
         SG_NAME(b, L < 0 ? "%s norm item %d %d" : "%s L%d norm item %d %d", what, L < 0 ? i : L, L < 0 ? p : i, p);
-        mf_sg_task t = sg_part(L, i, (int64_t)H, pc, p, 0);
+        mf_sg_task t = sg_part(b->sg, L, i, (int64_t)H, pc, p, 0);
         double cols = (double)(t.r1 - t.r0);
-        t.w.ref_flops = H + cols * (2.0 + 2.0 * SG_W_ROUND);   /* the sum of squares over all columns */
+        t.w.ref_flops = t.n_tok * (H + cols * (2.0 + 2.0 * SG_W_ROUND));   /* the sum of squares over all columns */
         nrm[p] = sg_add(b, 0, op, phase, MF_SG_K_OTHER, t);
         for (int q = 0; q < pc; q++) sg_dep(b, col[q], nrm[p]);
     }
 }
 
-/* Item i's mix of layer L (`op`: attention or ffn) in row parts after after[0..n_after) (each
+/* Item group i's mix of layer L (`op`: attention or ffn) in row parts after after[0..n_after) (each
  * part: the norm of all streams, then its rows), into mix[]. */
 static void sg_mix(sg_builder *b, int L, int i, int op, const mf_task_id *after, int n_after, mf_task_id *mix)
 {
@@ -711,13 +739,13 @@ static void sg_mix(sg_builder *b, int L, int i, int op, const mf_task_id *after,
     double H = (double)c->hidden_size, hc = c->hc_mult, nm = (2.0 + hc) * hc;
     for (int m = 0; m < pm; m++) {
         SG_NAME(b, "%s L%d mix item %d %d", op == MF_SG_ATTN_MIX ? "attn" : "ffn", L, i, m);
-        mf_sg_task t = sg_part(L, i, (int64_t)nm, pm, m, 1);
+        mf_sg_task t = sg_part(b->sg, L, i, (int64_t)nm, pm, m, 1);
         double f = (double)(t.r1 - t.r0) / nm;
-        if (b->o->exact) {   /* the module's double sums */
-            t.w.ref_flops = 2.0 * hc * H + SG_W_MIX * y->hc_macs / 2 * f;
-        } else {   /* mf_fa_hc_mixes_rows: the vector dots, its rows' fp32 weights from memory */
-            t.w.vec_flops = 2.0 * hc * H + y->hc_macs / 2 * f;
-            t.w.vec_bytes = 4.0 * y->hc_macs / 2 * f;
+        if (b->o->exact) {   /* the module's double sums, per item of the group */
+            t.w.ref_flops = t.n_tok * (2.0 * hc * H + SG_W_MIX * y->hc_macs / 2 * f);
+        } else {   /* mf_fa_hc_mixes_rows per item: the vector dots, its rows' fp32 weights from memory */
+            t.w.vec_flops = t.n_tok * (2.0 * hc * H + y->hc_macs / 2 * f);
+            t.w.vec_bytes = t.n_tok * 4.0 * y->hc_macs / 2 * f;
         }
         mix[m] = sg_add(b, 0, op, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
         for (int a = 0; a < n_after; a++) sg_dep(b, after[a], mix[m]);
@@ -739,15 +767,15 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
     double sink = c->hc_sinkhorn_iters * 4.0 * hc * hc * 2;
     /* rough costs for priorities: reference code ~1 ns per multiply-add, kernels by bytes */
     int index = mf_sg_layer_scored(c, L);
-    mf_task_id rows[4][MF_SG_MAX_PARTS], amix[MF_SG_MAX_ITEMS][SG_MAX_MIX], ring[MF_SG_MAX_ITEMS];
+    mf_task_id rows[4][MF_SG_MAX_PARTS], amix[MF_SG_MAX_GROUPS][SG_MAX_MIX], ring[MF_SG_MAX_ITEMS];
     for (int st = 0; st < 4; st++)
         for (int p = 0; p < sg->p_attn; p++) rows[st][p] = sg_attn_rows(b, L, st, p);
-    for (int i = b->h0; i < b->h1; i++) {
-        mf_task_id nrm[MF_SG_MAX_PARTS];
-        sg_collapse_norm(b, L, i, MF_SG_ATTN_NORM, MF_SG_PH_ATTN, unit[mf_stepgraph_unit_of(sg, i)], nrm);
+    for (int i = b->g0; i < b->g1; i++) {   /* item groups */
+        mf_task_id nrm[MF_SG_MAX_PARTS], u = unit[sg_group_unit(sg, i)];
+        sg_collapse_norm(b, L, i, MF_SG_ATTN_NORM, MF_SG_PH_ATTN, u, nrm);
         for (int p = 0; p < pc; p++)
             for (int q = 0; q < sg->p_attn; q++) sg_dep(b, nrm[p], rows[MF_SG_ST_IN][q]);
-        sg_mix(b, L, i, MF_SG_ATTN_MIX, &unit[mf_stepgraph_unit_of(sg, i)], 1, amix[i]);
+        sg_mix(b, L, i, MF_SG_ATTN_MIX, &u, 1, amix[i]);
     }
     for (int q = 0; q < sg->p_qn; q++) {
         SG_NAME(b, "attn L%d q norm %d", L, q);
@@ -786,13 +814,13 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
             mf_sg_task ts = sg_item(b, L, k);
             ts.n_tok = 1;
             mf_task_id sel = sg_add(b, 0, MF_SG_ATTN_SELECT, MF_SG_PH_ATTN, MF_SG_K_OTHER, ts);
-            for (int i = t.i0; i < t.i1; i++)
+            for (int i = sg_group_of(sg, t.i0); i <= sg_group_of(sg, t.i1 - 1); i++)   /* the unit's groups */
                 for (int q = 0; q < sg->p_key; q++) {
                     SG_NAME(b, "attn L%d score item %d %d", L, i, q);
                     mf_sg_task tk = sg_rec(L);
-                    tk.i0 = i;
-                    tk.i1 = i + 1;
-                    tk.n_tok = 1;
+                    tk.i0 = i ? sg->group_end[i - 1] : 0;
+                    tk.i1 = sg->group_end[i];
+                    tk.n_tok = tk.i1 - tk.i0;
                     tk.part = q;
                     tk.w.extra_vec = !b->o->exact;   /* mf_fa_index_scores: the vector dots */
                     mf_task_id sc = sg_add(b, 0, MF_SG_ATTN_SCORE, MF_SG_PH_ATTN, MF_SG_K_OTHER, tk);
@@ -809,19 +837,19 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
             tr.w.ref_flops = items * D;
             ring[k] = sg_add(b, 0, MF_SG_ATTN_RING, MF_SG_PH_ATTN, MF_SG_K_OTHER, tr);
         }
-        for (int i = t.i0; i < t.i1; i++)
+        for (int i = sg_group_of(sg, t.i0); i <= sg_group_of(sg, t.i1 - 1); i++)   /* the unit's groups */
             for (int g = 0; g < pa; g++) {
                 SG_NAME(b, "attn L%d heads item %d %d", L, i, g);
                 mf_sg_task th = sg_rec(L);
                 int h0 = g * sg->ah_heads, h1 = h0 + sg->ah_heads < (int)nh ? h0 + sg->ah_heads : (int)nh;
-                th.i0 = i;
-                th.i1 = i + 1;
-                th.n_tok = 1;
+                th.i0 = i ? sg->group_end[i - 1] : 0;
+                th.i1 = sg->group_end[i];
+                th.n_tok = th.i1 - th.i0;
                 th.part = g;
                 th.r0 = (int64_t)h0 * c->head_dim;
                 th.r1 = (int64_t)h1 * c->head_dim;
                 /* each head: its query rounded twice, its output and the output's roped part */
-                th.w.ref_flops = (h1 - h0) * SG_W_ROUND * (3.0 * D + c->qk_rope_head_dim);
+                th.w.ref_flops = th.n_tok * (h1 - h0) * SG_W_ROUND * (3.0 * D + c->qk_rope_head_dim);
                 th.w.extra_vec = !b->o->exact;   /* mf_fa_attn_heads: scores and values as vector code */
                 mf_task_id hd = sg_add(b, 0, MF_SG_ATTN_HEADS, MF_SG_PH_ATTN, MF_SG_K_OTHER, th);
                 sg_dep(b, core, hd);
@@ -833,24 +861,25 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
         SG_NAME(b, sg->par ? "attn L%d post join item %d" : "attn L%d post join", L, k);
         post[k] = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, sg_rec(L));
     }
-    for (int i = b->h0; i < b->h1; i++) {
-        mf_task_id pst[MF_SG_MAX_PARTS], fin = post[mf_stepgraph_unit_of(sg, i)];
+    for (int i = b->g0; i < b->g1; i++) {   /* item groups */
+        int u = sg_group_unit(sg, i);
+        mf_task_id pst[MF_SG_MAX_PARTS], fin = post[u];
         for (int p = 0; p < pc; p++) {
             SG_NAME(b, "attn L%d post item %d %d", L, i, p);
-            mf_sg_task t = sg_part(L, i, (int64_t)H, pc, p, 0);
+            mf_sg_task t = sg_part(sg, L, i, (int64_t)H, pc, p, 0);
             double cols = (double)(t.r1 - t.r0);
             /* the split of the mixes, per column the expand (rounded) and the collapse (rounded) */
-            t.w.ref_flops = sink + cols * (hc * (1 + hc) + hc * SG_W_ROUND + hc + SG_W_ROUND);
+            t.w.ref_flops = t.n_tok * (sink + cols * (hc * (1 + hc) + hc * SG_W_ROUND + hc + SG_W_ROUND));
             pst[p] = sg_add(b, 0, MF_SG_ATTN_POST, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
             for (int q = 0; q < sg->p_attn; q++) sg_dep(b, rows[MF_SG_ST_OB][q], pst[p]);
             for (int m = 0; m < pm; m++) sg_dep(b, amix[i][m], pst[p]);
-            sg_dep(b, ring[mf_stepgraph_unit_of(sg, i)], pst[p]);
+            sg_dep(b, ring[u], pst[p]);
         }
         for (int p = 0; p < pc; p++) {
             SG_NAME(b, "attn L%d ffn norm item %d %d", L, i, p);
-            mf_sg_task t = sg_part(L, i, (int64_t)H, pc, p, 0);
+            mf_sg_task t = sg_part(sg, L, i, (int64_t)H, pc, p, 0);
             double cols = (double)(t.r1 - t.r0);
-            t.w.ref_flops = H + cols * (2.0 + 2.0 * SG_W_ROUND);
+            t.w.ref_flops = t.n_tok * (H + cols * (2.0 + 2.0 * SG_W_ROUND));
             mf_task_id fn = sg_add(b, 0, MF_SG_FFN_NORM, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
             for (int q = 0; q < pc; q++) sg_dep(b, pst[q], fn);
             sg_dep(b, fn, fin);
@@ -1088,18 +1117,18 @@ static void sg_moe(sg_builder *b, int L, const mf_task_id *post, mf_task_id *uni
         unit[k] = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_MOE, MF_SG_K_OTHER, sg_rec(L));
     }
     double sink = c->hc_sinkhorn_iters * 4.0 * hc * hc * 2;
-    for (int i = b->h0; i < b->h1; i++)
+    for (int i = b->g0; i < b->g1; i++)   /* item groups */
         for (int p = 0; p < sg->p_hc; p++) {
             SG_NAME(b, "combine L%d item %d %d", L, i, p);
-            t = sg_part(L, i, (int64_t)H, sg->p_hc, p, 0);
+            t = sg_part(sg, L, i, (int64_t)H, sg->p_hc, p, 0);
             double cols = (double)(t.r1 - t.r0);
             /* the split of the ffn mixes; per column K routed outputs rounded and summed, the
              * shared one, the sum rounded, the expand into the streams (rounded) */
-            t.w.ref_flops = sink + cols * (K + 2 + hc * (1 + hc) + SG_W_ROUND * (K + 1 + hc));
+            t.w.ref_flops = t.n_tok * (sink + cols * (K + 2 + hc * (1 + hc) + SG_W_ROUND * (K + 1 + hc)));
             mf_task_id cb = sg_add(b, 0, MF_SG_COMBINE, MF_SG_PH_MOE, MF_SG_K_OTHER, t);
             sg_dep(b, done, cb);
             for (int m = 0; m < sg->p_mix; m++) sg_dep(b, b->fmix[i][m], cb);
-            sg_dep(b, cb, unit[mf_stepgraph_unit_of(sg, i)]);
+            sg_dep(b, cb, unit[sg_group_unit(sg, i)]);
         }
 }
 
@@ -1112,9 +1141,9 @@ static void sg_head(sg_builder *b, const mf_task_id *unit)
     double H = (double)c->hidden_size, V = (double)c->vocab_size;
     SG_NAME(b, "head join");
     mf_task_id hj = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_HEAD, MF_SG_K_OTHER, sg_rec(-1));
-    for (int i = 0; i < sg->n; i++) {
+    for (int i = 0; i < sg->n_groups; i++) {
         mf_task_id nrm[MF_SG_MAX_PARTS];
-        sg_collapse_norm(b, -1, i, MF_SG_NORM, MF_SG_PH_HEAD, unit[mf_stepgraph_unit_of(sg, i)], nrm);
+        sg_collapse_norm(b, -1, i, MF_SG_NORM, MF_SG_PH_HEAD, unit[sg_group_unit(sg, i)], nrm);
         for (int p = 0; p < sg->p_hc; p++) sg_dep(b, nrm[p], hj);
     }
     if (sg->n_dense_cards) {   /* on the last layer's card: the normed rows in, the logits out */
@@ -1181,6 +1210,10 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->n_units = o->n_units > 0 ? o->n_units : o->par ? o->n : 1;
     for (int k = 0; k < sg->n_units; k++)
         sg->unit_end[k] = o->n_units > 0 ? o->unit_end[k] : o->par ? k + 1 : o->n;
+    /* item groups: one item each, or MF_SG_MAX_GROUPS of consecutive items (one unit: a serial graph) */
+    sg->n_groups = o->n < MF_SG_MAX_GROUPS ? o->n : MF_SG_MAX_GROUPS;
+    for (int g = 0; g < sg->n_groups; g++)
+        sg->group_end[g] = (int)((int64_t)o->n * (g + 1) / sg->n_groups);
     sg_halves(o, sg);
     int ns_half = 0;   /* the larger half's slots: what one MoE runs at a time */
     for (int h = 0; h < sg->n_halves; h++)
@@ -1205,7 +1238,7 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     /* per item, the parts that give the workers work when the items are fewer: T = workers per
      * item; hyper-connection columns in chunks of >= SG_MIN_COLS, mixes in up to SG_MAX_MIX row
      * parts, heads in equal groups; the q norm in item ranges of up to a worker each */
-    int T = (W + o->n - 1) / o->n, nh = c->n_heads, cols = (int)(c->hidden_size / SG_MIN_COLS);
+    int T = (W + sg->n_groups - 1) / sg->n_groups, nh = c->n_heads, cols = (int)(c->hidden_size / SG_MIN_COLS);
     sg->p_hc = T < cols ? T : cols > 0 ? cols : 1;
     if (sg->p_hc > MF_SG_MAX_PARTS) sg->p_hc = MF_SG_MAX_PARTS;
     sg->p_mix = T < SG_MAX_MIX ? T : SG_MAX_MIX;
@@ -1272,14 +1305,17 @@ static void sg_half(sg_builder *b, int h)
     b->k0 = h >= 0 ? sg->half_unit[h] : 0;
     b->k1 = h >= 0 ? sg->half_unit[h + 1] : sg->n_units;
     b->per = (double)(b->h1 - b->h0) / (b->k1 - b->k0);
+    b->g0 = sg_group_of(sg, b->h0);
+    b->g1 = sg_group_of(sg, b->h1 - 1) + 1;
 }
 
 int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
 {
     *out = NULL;
-    if (o->n < 1 || o->n > MF_SG_MAX_ITEMS || o->n_cards < 0 || o->n_cards > MF_SG_MAX_CARDS)
-        return mf_error(-EINVAL, "step graph: %d items, %d cards (expected 1..%d, 0..%d)", o->n, o->n_cards,
-                        MF_SG_MAX_ITEMS, MF_SG_MAX_CARDS);
+    int serial = !o->par && o->n_units <= 1, max_n = serial ? MF_SG_MAX_CHUNK : MF_SG_MAX_ITEMS;
+    if (o->n < 1 || o->n > max_n || o->n_cards < 0 || o->n_cards > MF_SG_MAX_CARDS)
+        return mf_error(-EINVAL, "step graph: %d items (%s), %d cards (expected 1..%d, 0..%d)", o->n,
+                        serial ? "one sequence" : "several units", o->n_cards, max_n, MF_SG_MAX_CARDS);
     if (o->n_dense_cards < 0 || o->n_dense_cards > MF_SG_MAX_CARDS ||
         (o->n_dense_cards && o->lane_dev0 + 3 * o->n_dense_cards > o->n_lanes))
         return mf_error(-EINVAL, "step graph: dense work on %d cards, lanes for %d (expected 0..%d, with lanes)",
@@ -1538,10 +1574,23 @@ static double sg_lane_ns(const mf_lane_model *m, double bytes)
     return m->latency_ns + (m->bytes_per_s > 0 ? bytes / m->bytes_per_s * 1e9 : 0);
 }
 
-void mf_sg_placer_init(mf_sg_placer *p, const mf_lane_model models[4], int n_threads, int hybrid,
-                       double expert_bytes)
+/* An expert of `bytes` and `macs` per token over cnt tokens on a lane of model m whose kernels
+ * multiply-add at macs_per_s (mf_cost_kern's formula; 0: each token adds 2% to the bytes' time). */
+static double sg_place_ns(const mf_lane_model *m, double macs_per_s, double bytes, double macs, int cnt)
+{
+    if (!(macs_per_s > 0) || !(macs > 0)) return sg_lane_ns(m, bytes) * (1 + 0.02 * cnt);
+    mf_profile_kern k = {.bytes_per_s = m->bytes_per_s, .macs_per_s = macs_per_s, .latency_ns = m->latency_ns};
+    return mf_cost_kern(&k, k.bytes_per_s, bytes, macs, cnt);
+}
+
+void mf_sg_placer_init(mf_sg_placer *p, const mf_lane_model models[4], const mf_profile *prof, int n_threads,
+                       int hybrid, double expert_bytes, double expert_macs)
 {
     memset(p, 0, sizeof *p);
+    if (!prof) prof = mf_cost_default_profile();
+    p->macs = expert_macs;
+    p->host_macs_per_s = prof->host[MF_KF_FP4].macs_per_s;
+    p->card_macs_per_s = prof->card[MF_KF_FP4].macs_per_s;
     p->cpu = models[0];
     p->copy = models[1];
     p->comp = models[2];
@@ -1554,9 +1603,9 @@ int mf_sg_place_want_card(mf_sg_placer *p, int card, int cnt, int cached)
 {
     int c = card;
     p->card = c;
-    p->host_ns = sg_lane_ns(&p->cpu, p->bytes) * (1 + 0.02 * cnt);
+    p->host_ns = sg_place_ns(&p->cpu, p->host_macs_per_s, p->bytes, p->macs, cnt);
     p->copy_ns = cached ? 0 : sg_lane_ns(&p->copy, p->bytes);
-    double comp_ns = sg_lane_ns(&p->comp, p->bytes) * (1 + 0.02 * cnt);
+    double comp_ns = sg_place_ns(&p->comp, p->card_macs_per_s, p->bytes, p->macs, cnt);
     p->t_dev = (p->copy_q[c] + p->copy_ns > p->comp_q[c] ? p->copy_q[c] + p->copy_ns : p->comp_q[c]) + comp_ns;
     double t_host = (p->host_q + p->host_ns) / p->workers;
     if (p->hybrid && t_host <= p->t_dev) {

@@ -18,12 +18,21 @@
 #include "sched/sched.h"
 #include "sched/timeline.h"
 
-#define MF_SG_MAX_ITEMS 64   /* items of one graph (graphs/step/step.h MF_STEP_MAX_ITEMS) */
+#define MF_SG_MAX_ITEMS 64   /* items of a graph of several units (decode batches; graphs/step/step.h
+                              * MF_STEP_MAX_ITEMS), and the most units of any graph */
+/* Items of a serial graph (one unit: one sequence's positions, a prefill chunk). Its per-item
+ * tasks (collapses, norms, mixes, heads, scores, post, combine) run over item groups of
+ * consecutive items: one item each up to MF_SG_MAX_GROUPS items, else MF_SG_MAX_GROUPS groups
+ * (mf_stepgraph.group_end), so a long chunk's graph has no more tasks than a 128-item one. */
+#define MF_SG_MAX_CHUNK 8192
+#define MF_SG_MAX_GROUPS 128
 #define MF_SG_MAX_PARTS 64   /* row parts of an attention stage */
 #define MF_SG_MAX_CARDS MF_DEV_MAX_CARDS
 #define MF_SG_EXPERT_PARTS 6 /* a routed expert's parts: w1, w2, w3 codes and scales */
 
-/* What a task does. The engine has one task function per op. */
+/* What a task does. The engine has one task function per op. The ops marked "item:" run per item
+ * group (mf_sg_op_per_item): each item of the record's [i0, i1), one after another, each as a
+ * task of that one item would. */
 typedef enum mf_sg_op {
     MF_SG_ENGRAM_EMBED,   /* items: hashed table rows, gathered and dequantized (with eg_reads: the
                            * rows the reads staged, put in order and dequantized) */
@@ -166,6 +175,9 @@ void mf_sg_sizes_free(mf_sg_sizes *s);
  * parts of p_key; MF_SG_ATTN_SELECT: the top-k's sort); 0 for the other ops. */
 double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int p_key, int64_t pos);
 
+/* 1 for the per-item ops (the "item:" ones of mf_sg_op), whose records cover an item group. */
+int mf_sg_op_per_item(int op);
+
 /* 1 when layer L's index scores run as MF_SG_ATTN_SCORE parts and MF_SG_ATTN_SELECT (index-source
  * layers with compression); 0 when the core's prep selects (nothing to score). */
 int mf_sg_layer_scored(const mf_config *c, int L);
@@ -198,7 +210,7 @@ void mf_sg_expert_work(const mf_config *c, const mf_sg_sizes *sz, mf_work *w);
 typedef struct mf_sg_opts {
     const mf_config *c;
     const mf_sg_sizes *sz;
-    int n;              /* items, 1..MF_SG_MAX_ITEMS */
+    int n;              /* items, 1..MF_SG_MAX_ITEMS (serial, one unit: 1..MF_SG_MAX_CHUNK) */
     int par;            /* 1: items of distinct sequences, item parts one task per item */
     /* > 0: units instead of par: the item parts are one task per unit, unit k being items
      * [unit_end[k - 1], unit_end[k]) (unit_end[-1] = 0, unit_end[n_units - 1] = n), run in order;
@@ -263,6 +275,11 @@ typedef struct mf_stepgraph {
     int half_end[2], half_unit[3], half_slot[3];
     int n_units;                  /* item tasks per item part; unit k: items [unit_end[k-1], unit_end[k]) */
     int unit_end[MF_SG_MAX_ITEMS];
+    /* the per-item tasks' item groups: group g holds items [group_end[g - 1], group_end[g])
+     * (group_end[-1] = 0); one item each when n <= MF_SG_MAX_GROUPS, else MF_SG_MAX_GROUPS groups
+     * of n / MF_SG_MAX_GROUPS items or one more (a serial graph: its one unit holds them all) */
+    int n_groups;
+    int group_end[MF_SG_MAX_GROUPS];
     int p_exp, p_sh, p_head, p_attn;   /* row parts per expert, shared expert, head, stage */
     /* per item: column parts of the hyper-connection tasks (collapse, norms, expand, combine),
      * row parts of each mix, attention head groups (of ah_heads heads); q norm item ranges */
@@ -359,19 +376,27 @@ double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_c
  * rule): a slot goes to the earlier finish of the host (its queue of expert work over the
  * workers, by the CPU lane's model) and its owner card (the copy queue: nothing when cached,
  * else the packed expert's bytes over the copy lane's model; then the compute queue). An
- * expert's time is its bytes over a lane's model; each token of the slot adds 2%. */
+ * expert's time on the host or a card is the cost model's kernel time (sched/cost.h
+ * mf_cost_kern): the lane's latency, its bytes over the lane's byte rate, and each token past
+ * the first its multiply-adds over the profile's fp4 multiply-add rate there (a thread's on the
+ * host); where the profile has no such rate (the built-in machine) each token adds 2% instead.
+ * A long prefill chunk's thousands of tokens per expert so weigh the host's compute against a
+ * card's. */
 typedef struct mf_sg_placer {
     mf_lane_model cpu, copy, comp;
     double workers, bytes;
+    double macs, host_macs_per_s, card_macs_per_s;   /* per token of an expert; 0: the 2% rule */
     int hybrid;
     double host_q, copy_q[MF_SG_MAX_CARDS], comp_q[MF_SG_MAX_CARDS];
     double host_ns, copy_ns, t_dev;   /* the slot being placed */
     int card;
 } mf_sg_placer;
 
-/* A layer's placer: models as mf_sg_lanes_init's, hybrid 0 for seed (always the card). */
-void mf_sg_placer_init(mf_sg_placer *p, const mf_lane_model models[4], int n_threads, int hybrid,
-                       double expert_bytes);
+/* A layer's placer: models as mf_sg_lanes_init's, hybrid 0 for seed (always the card); the
+ * packed expert's bytes and its multiply-adds per token (mf_sg_expert_work), the fp4 multiply-add
+ * rates from prof (NULL: the built-in machine, mf_cost_default_profile). */
+void mf_sg_placer_init(mf_sg_placer *p, const mf_lane_model models[4], const mf_profile *prof, int n_threads,
+                       int hybrid, double expert_bytes, double expert_macs);
 /* The next slot, of cnt tokens, owned by `card` (cached: its expert is in that card's cache):
  * 1 when it should run on the card (then mf_sg_place_card, or mf_sg_place_host when the card
  * cannot take it), 0 when on the host (already queued there). */
