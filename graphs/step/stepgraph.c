@@ -256,6 +256,16 @@ static mf_io_read sg_no_read = {.fd = -1};
 /* Adds a task: its record `t` (layer, slot, ... and work; op, phase and kind given here) on
  * `lane`; its priority is the cost model's price of the record, set once the graph is built
  * (sg_set_priorities). Returns its id, or -1 after an error (kept in b->rc). */
+/* The item group holding item i. */
+static int sg_group_of(const mf_stepgraph *sg, int i)
+{
+    if (sg->n_groups == sg->n) return i;
+    int g = (int)((int64_t)i * sg->n_groups / sg->n);   /* near it: groups are n / n_groups or one more */
+    while (g > 0 && i < sg->group_end[g - 1]) g--;
+    while (i >= sg->group_end[g]) g++;
+    return g;
+}
+
 static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, mf_sg_task t)
 {
     mf_stepgraph *sg = b->sg;
@@ -275,10 +285,12 @@ static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, m
         b->cap = cap;
     }
     int io = b->o->lanes[lane].kind == MF_LANE_IO;
-    if (lane == 0 && b->o->n_sockets > 1 && b->o->lane_sock && t.slot < 0 && (t.part >= 0 || t.i1 - t.i0 == 1)) {
-        double wb = 0;   /* no weights, one item or a part: spread over the sockets (mf_sg_opts.n_sockets) */
+    int grp = t.i1 > t.i0 && t.i0 < sg->n ? sg_group_of(sg, t.i0) : -1;   /* the task's one item group, or -1 */
+    if (grp >= 0 && (t.i0 != (grp ? sg->group_end[grp - 1] : 0) || t.i1 != sg->group_end[grp])) grp = -1;
+    if (lane == 0 && b->o->n_sockets > 1 && b->o->lane_sock && t.slot < 0 && (t.part >= 0 || grp >= 0)) {
+        double wb = 0;   /* no weights, one item (group) or a part: spread over the sockets (mf_sg_opts.n_sockets) */
         for (int f = 0; f < MF_KF_N; f++) wb += t.w.w_bytes[f];
-        int key = (t.i1 - t.i0 == 1 ? t.i0 : 0) + (t.part > 0 ? t.part : 0);
+        int key = (grp >= 0 ? grp : 0) + (t.part > 0 ? t.part : 0);
         if (wb == 0) lane = b->o->lane_sock[key % b->o->n_sockets];
     }
     if (sg->n_halves > 1 && b->h >= 0) {   /* which micro-batch, in the trace */
@@ -328,16 +340,7 @@ static void sg_span(const sg_builder *b, mf_sg_task *t)
     t->n_tok = b->h1 - b->h0;
 }
 
-/* The item group holding item i, and the unit holding item group g (groups lie in one unit). */
-static int sg_group_of(const mf_stepgraph *sg, int i)
-{
-    if (sg->n_groups == sg->n) return i;
-    int g = (int)((int64_t)i * sg->n_groups / sg->n);   /* near it: groups are n / n_groups or one more */
-    while (g > 0 && i < sg->group_end[g - 1]) g--;
-    while (i >= sg->group_end[g]) g++;
-    return g;
-}
-
+/* The unit holding item group g (groups lie in one unit). */
 static int sg_group_unit(const mf_stepgraph *sg, int g)
 {
     return mf_stepgraph_unit_of(sg, g ? sg->group_end[g - 1] : 0);
