@@ -174,6 +174,48 @@ void mf_dev_xcache_step(mf_dev_xcache *c, mf_dev_xcache_stats *out)
     if (out) *out = mf_dev_xcache_stats_of(c, r);
 }
 
+void mf_dev_xcache_stats_reset(mf_dev_xcache *c)
+{
+    pthread_mutex_lock(&c->mu);
+    mf_resid_stats_reset(c->res);
+    pthread_mutex_unlock(&c->mu);
+}
+
+static int mf_dev_xcache_key_cmp(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+int mf_dev_xcache_fill_plan(int n_cards, int card, int n_layers, int n_experts, const uint32_t *counts,
+                            int n_slots, int32_t *items)
+{
+    int n = n_cards > 1 ? n_cards : 1;
+    if (n_layers <= 0 || n_experts <= 0 || n_slots <= 0 || card < 0 || card >= n) return 0;
+    /* key: (UINT32_MAX - count) << 32 | (rank x n_layers + layer), rank = the expert's place among
+     * the layer's owned experts: sorted ascending, the most counted first, then round-robin over
+     * layers by rank */
+    int64_t n_items = (int64_t)n_layers * n_experts, m = 0;
+    uint64_t *key = malloc(sizeof *key * (size_t)n_items);
+    if (!key) return mf_error(-ENOMEM, "expert cache: out of memory for a fill plan of %" PRId64 " experts", n_items);
+    for (int L = 0; L < n_layers; L++)
+        for (int id = 0, rank = 0; id < n_experts; id++) {
+            if (mf_dev_xcache_owner(n, L, id) != card) continue;
+            uint32_t cnt = counts ? counts[(int64_t)L * n_experts + id] : 0;
+            key[m++] = (uint64_t)(UINT32_MAX - cnt) << 32 | (uint64_t)((int64_t)rank++ * n_layers + L);
+        }
+    qsort(key, (size_t)m, sizeof *key, mf_dev_xcache_key_cmp);
+    int k = 0;
+    for (; k < m && k < n_slots; k++) {
+        int64_t pos = (int64_t)(key[k] & 0xffffffffu);
+        int L = (int)(pos % n_layers), rank = (int)(pos / n_layers);
+        int id0 = ((card - L) % n + n) % n;   /* the layer's first owned expert (mf_dev_xcache_owner) */
+        items[k] = (int32_t)((int64_t)L * n_experts + id0 + (int64_t)rank * n);
+    }
+    free(key);
+    return k;
+}
+
 int mf_dev_xcache_n_slots(const mf_dev_xcache *c) { return c->n_slots; }
 uint64_t mf_dev_xcache_slot_bytes(const mf_dev_xcache *c) { return c->o.slot_bytes; }
 int mf_dev_xcache_card(const mf_dev_xcache *c) { return c->o.card; }

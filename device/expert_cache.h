@@ -50,6 +50,9 @@ typedef struct mf_dev_xcache_stats {
 /* Counters since creation, and since the previous mf_dev_xcache_step call (which resets them). */
 void mf_dev_xcache_stats_total(const mf_dev_xcache *c, mf_dev_xcache_stats *out);
 void mf_dev_xcache_step(mf_dev_xcache *c, mf_dev_xcache_stats *out);
+/* Zeroes both counters (after a fill, whose copies are not the decode's misses); what the cache
+ * holds and the policy's access counts stay. */
+void mf_dev_xcache_stats_reset(mf_dev_xcache *c);
 
 int mf_dev_xcache_n_slots(const mf_dev_xcache *c);
 uint64_t mf_dev_xcache_slot_bytes(const mf_dev_xcache *c);
@@ -59,5 +62,17 @@ int mf_dev_xcache_card(const mf_dev_xcache *c);
  * each layer's experts round-robin, rotated by layer so that expert 0 of every layer does not
  * land on card 0. */
 int mf_dev_xcache_owner(int n_cards, int layer, int id);
+
+/* Warming (the fill before the first step, `--dev-cache-fill`): which experts card `card` of
+ * n_cards takes, in fill order, written to items[] as layer x n_experts + id; returns how many
+ * (at most n_slots and the experts the card owns), -ENOMEM. Only experts the card owns
+ * (mf_dev_xcache_owner) are taken: placement looks for an expert on its owner only. Order: by
+ * counts (n_layers x n_experts accesses, e.g. a recorded routing trace's; NULL: all equal), the
+ * most counted first; among equals spread evenly over the layers: every layer's first owned
+ * expert (lowest id), then every layer's second, and so on, so a partial fill gives each layer
+ * the same share. One home for the engine (graphs/step/step.c) and the simulator
+ * (graphs/sim/plan.c); items needs room for n_layers x n_experts. */
+int mf_dev_xcache_fill_plan(int n_cards, int card, int n_layers, int n_experts, const uint32_t *counts,
+                            int n_slots, int32_t *items);
 
 #endif

@@ -43,7 +43,7 @@ static void mf_decode_usage(FILE *f)
             "                       [--store-tables resident|streamed] [--io-depth N]]\n"
             "                      [--devices emu:N|cuda[:IDS] [--placement seed|host|hybrid] [--dense host|cards]\n"
             "                       [--dense-split layers|rows]\n"
-            "                       [--dev-cache SIZE] [--dev-graphs] [--profile P]] [--record-routing FILE]\n\n"
+            "                       [--dev-cache SIZE] [--dev-cache-fill on|off|trace:FILE] [--dev-graphs] [--profile P]] [--record-routing FILE]\n\n"
             "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
             "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
             "one thread: the correctness oracle). Every prompt goes through the continuous batcher\n"
@@ -123,6 +123,10 @@ static void mf_decode_usage(FILE *f)
             "                      host (default without). Per-step device lines on stderr\n"
             "  --dev-cache SIZE    expert cache bytes per card (default: every expert, or as\n"
             "                      many as the card holds)\n"
+            "  --dev-cache-fill F  on (default): fill each card's expert cache before the first\n"
+            "                      token, spread evenly over layers (progress on stderr); trace:FILE:\n"
+            "                      the experts a --record-routing trace routes most first; off: the\n"
+            "                      caches start empty\n"
             "  --dev-graphs        per layer and card, the device FFNs of all slots as one graph\n"
             "                      (a CUDA graph on CUDA cards; docs/device.md); also with the\n"
             "                      environment variable MOEFLOW_DEV_GRAPHS=1\n"
@@ -424,6 +428,8 @@ int mf_cmd_decode(int argc, char **argv)
     const char *trace = NULL, *devices = NULL, *placement = NULL, *record = NULL, *dense_s = NULL;
     int dense_split = MF_TOOL_DENSE_SPLIT;
     uint64_t dev_cache = 0;
+    const char *fill_spec = MF_TOOL_DEV_CACHE_FILL ? "on" : "off";
+    uint32_t *fill_counts = NULL;
     const char *profile_path = NULL;
     static mf_profile prof;
     mf_tool_sockets sk = {.n = 0};   /* 0: --sockets not given (auto)*/
@@ -556,6 +562,13 @@ int mf_cmd_decode(int argc, char **argv)
         } else if (!strcmp(a, "--dev-cache") && hv) {
             if (!(dev_cache = mf_tool_size(argv[++i]))) {
                 fprintf(stderr, "moeflow decode: --dev-cache: expected a size such as 2G or 512M, found '%s'\n", argv[i]);
+                return 2;
+            }
+        } else if (!strcmp(a, "--dev-cache-fill") && hv) {
+            fill_spec = argv[++i];
+            if (strncmp(fill_spec, "trace:", 6) && mf_tool_on_off(fill_spec) < 0) {
+                fprintf(stderr, "moeflow decode: --dev-cache-fill: expected on, off or trace:FILE, found '%s'\n",
+                        fill_spec);
                 return 2;
             }
         } else if (!strcmp(a, "--dev-graphs")) {
@@ -742,11 +755,21 @@ int mf_cmd_decode(int argc, char **argv)
     if (profile_path && mf_profile_load(profile_path, &prof)) goto fail;
     if (mf_ref_new(m, &ro, &r)) goto fail;
     if (devices && (place != MF_STEP_PLACE_HOST || dense) && mf_dev_open(devices, &dev)) goto fail;
+    if (dev && place != MF_STEP_PLACE_HOST && !strncmp(fill_spec, "trace:", 6)) {   /* the trace's counts */
+        mf_routing *frt = NULL;
+        if (mf_routing_open(fill_spec, c->n_layers, c->n_routed_experts, c->n_experts_per_tok, 0, &frt)) goto fail;
+        fill_counts = malloc(sizeof *fill_counts * (size_t)c->n_layers * c->n_routed_experts);
+        if (fill_counts) mf_routing_counts(frt, fill_counts);
+        mf_routing_free(frt);
+        if (!fill_counts) goto fail;
+    }
     if (sched && mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact,
                                                  .n_sockets = sk.n, .topology = sk.topology,
                                                  .pin_threads = sk.n > 1,
                                                  .read_window = (int)read_window, .dev = dev,
                                                  .placement = place, .dev_cache_bytes = dev_cache,
+                                                 .dev_cache_fill = strcmp(fill_spec, "off") != 0,
+                                                 .dev_fill_counts = fill_counts, .dev_fill_progress = !quiet,
                                                  .dev_graphs = dev_graphs, .dense = dense,
                                                  .dense_split = dense_split,
                                                  .micro = (int)micro,
@@ -756,6 +779,15 @@ int mf_cmd_decode(int argc, char **argv)
                                                  .io_fault_kind = mf_tool_io_env.fault_kind,
                                                  .io_fault_nth = mf_tool_io_env.fault_nth}, &eng))
         goto fail;
+    free(fill_counts);
+    fill_counts = NULL;
+    if (eng && !quiet) {
+        mf_step_fill_stats fs;
+        mf_step_fill(eng, &fs);
+        if (fs.experts)
+            fprintf(stderr, "moeflow decode: warmed the card caches: %" PRId64 " experts, %.1f MB in %.3f s%s\n",
+                    fs.experts, fs.bytes / 1e6, fs.wall_ns / 1e9, fs.skipped ? " (some not held by the host: left out)" : "");
+    }
     if (eng && mf_step_refused(eng)[0]) fprintf(stderr, "moeflow decode: card self-check: %s\n", mf_step_refused(eng));
     for (int k = 0, cd = 0; eng && dense && mf_step_dense_bytes(eng, k, &cd); k++)
         if (!quiet)
@@ -913,6 +945,7 @@ int mf_cmd_decode(int argc, char **argv)
 fail:
     fprintf(stderr, "moeflow decode: %s\n", mf_last_error()[0] ? mf_last_error() : "out of memory");
 out:
+    free(fill_counts);
     if (rrec.rec) {   /* failed before the end: no partial trace is left behind */
         mf_routing_rec_close(rrec.rec);
         unlink(record);

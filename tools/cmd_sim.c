@@ -29,7 +29,7 @@ static void mf_sim_usage(FILE *f)
             "                   [--cards N] [--threads N] [--batch B] [--steps N] [--warmup N]\n"
             "                   [--routing uniform|zipf:S|trace:FILE] [--seed S] [--context N]\n"
             "                   [--store resident|streamed] [--store-budget SIZE] [--tables resident|streamed]\n"
-            "                   [--dev-cache SIZE] [--cache-policy lfu|lru] [--read-window N]\n"
+            "                   [--dev-cache SIZE] [--dev-cache-fill on|off] [--cache-policy lfu|lru] [--read-window N]\n"
             "                   [--copy-slots N] [--dev-task-ns NS] [--dev-graphs] [--dense host|cards]\n"
             "                   [--dense-split layers|rows]\n"
             "                   [--micro-batches 1|2]\n"
@@ -59,6 +59,10 @@ static void mf_sim_usage(FILE *f)
             "                      a cache of --store-budget bytes (default 2G)\n"
             "  --tables MODE       Engram tables resident (default) or streamed\n"
             "  --dev-cache SIZE    expert cache bytes per card (default: every expert the card holds)\n"
+            "  --dev-cache-fill on|off  fill each card's expert cache before the first step (on,\n"
+            "                      the default: a trace routing's most routed experts first, else\n"
+            "                      spread evenly over layers; the fill's time is reported), or start\n"
+            "                      empty (off)\n"
             "  --cache-policy P    lfu (default, the engine's) or lru\n"
             "  --read-window N     streamed store: slots whose reads are in flight (default 2, -1 all)\n"
             "  --copy-slots N      copy-in streams per card (default 1, the engine's)\n"
@@ -117,6 +121,7 @@ int mf_cmd_sim(int argc, char **argv)
     int dev_graphs = mf_tool_env_on("MOEFLOW_DEV_GRAPHS");   /* --dev-graphs */
     long micro = 1;
     uint64_t store_budget = 0, dev_cache = 0;
+    int fill = MF_TOOL_DEV_CACHE_FILL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int hv = i + 1 < argc;
@@ -183,6 +188,11 @@ int mf_cmd_sim(int argc, char **argv)
                 return 2;
             }
             *(!strcmp(a, "--store-budget") ? &store_budget : &dev_cache) = v;
+        } else if (!strcmp(a, "--dev-cache-fill") && hv) {
+            if ((fill = mf_tool_on_off(argv[++i])) < 0) {
+                fprintf(stderr, "moeflow sim: --dev-cache-fill: expected on or off, found '%s'\n", argv[i]);
+                return 2;
+            }
         } else if (!strcmp(a, "--cache-policy") && hv) {
             const char *v = argv[++i];
             policy = mf_tool_cache_policy(v);
@@ -242,8 +252,8 @@ int mf_cmd_sim(int argc, char **argv)
     mf_plan_opts po = {.config = &cfg, .profile = &prof, .placement = place, .n_cards = (int)cards,
                        .threads_per_socket = (int)threads, .batch = (int)batch, .context = context,
                        .read_window = (int)read_window, .copy_slots = (int)copy_slots, .dev_cache_bytes = dev_cache,
-                       .dev_cache_policy = policy, .store = store, .store_budget_bytes = store_budget,
-                       .tables = tables, .routing = rt, .seed = (uint64_t)seed, .dev_task_ns = (double)dev_task_ns,
+                       .dev_cache_policy = policy, .dev_cache_fill = fill, .store = store,
+                       .store_budget_bytes = store_budget, .tables = tables, .routing = rt, .seed = (uint64_t)seed, .dev_task_ns = (double)dev_task_ns,
                        .dev_graphs = dev_graphs, .dense = dense,
                        .dense_split = dense_split, .micro = (int)micro};
     if (prompt_tokens) {

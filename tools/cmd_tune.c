@@ -62,6 +62,8 @@ static void mf_tune_usage(FILE *f)
             "  --copy-slots        1, 2, 4 (copy-in streams per card) for seed and hybrid\n"
             "  --dev-cache         a quarter, half and all of a card's memory, for seed and hybrid\n"
             "  --cache-policy      lfu, lru, for seed and hybrid\n"
+            "  --dev-cache-fill on|off  not swept: every candidate's card caches start warm (on,\n"
+            "                      the default, as `moeflow sim`) or empty\n"
             "  --store-budget      the simulator's default (2G) with --store streamed\n"
             "  --dense             host, plus cards when the profile has cards (the dense work\n"
             "                      on the cards by layer ranges, as `moeflow sim --dense cards`)\n"
@@ -165,6 +167,9 @@ static void mf_tune_why(const mf_tune_result *r, int real, FILE *f)
     if (real) fprintf(f, "     (--real: ranked by the measured time; the bottleneck is the simulator's reading.)\n");
 }
 
+/* --dev-cache-fill (not swept): every candidate's caches start warm (on) or empty */
+static int g_tune_fill = MF_TOOL_DEV_CACHE_FILL;
+
 int mf_cmd_tune(int argc, char **argv)
 {
     const char *prof_path = NULL, *dir = NULL, *preset = NULL, *routing_spec = "uniform";
@@ -207,6 +212,11 @@ int mf_cmd_tune(int argc, char **argv)
             dir = argv[++i];
         } else if (!strcmp(a, "--preset") && hv) {
             preset = argv[++i];
+        } else if (!strcmp(a, "--dev-cache-fill") && hv) {
+            if ((g_tune_fill = mf_tool_on_off(argv[++i])) < 0) {
+                fprintf(stderr, "moeflow tune: --dev-cache-fill: expected on or off, found '%s'\n", argv[i]);
+                return 2;
+            }
         } else if (!strcmp(a, "--routing") && hv) {
             routing_spec = argv[++i];
         } else if ((!strcmp(a, "--store") || !strcmp(a, "--tables")) && hv) {
@@ -372,6 +382,7 @@ int mf_cmd_tune(int argc, char **argv)
                            .threads_per_socket = (int)r->v[K_THREADS], .batch = (int)r->v[K_BATCH],
                            .context = context, .read_window = (int)r->v[K_WINDOW], .copy_slots = (int)r->v[K_COPY],
                            .dev_cache_bytes = (uint64_t)r->v[K_CACHE], .dev_cache_policy = (int)r->v[K_POLICY],
+                           .dev_cache_fill = g_tune_fill,
                            .store = store, .store_budget_bytes = (uint64_t)r->v[K_BUDGET], .tables = tables,
                            .routing = rt, .seed = (uint64_t)seed, .dense = (int)r->v[K_DENSE],
                            .dense_split = (int)r->v[K_SPLIT], .micro = (int)r->v[K_MICRO]};

@@ -58,6 +58,11 @@ int mf_tool_store_mode(const char *s)
     return !strcmp(s, "resident") ? MF_PLAN_STORE_RESIDENT : !strcmp(s, "streamed") ? MF_PLAN_STORE_STREAMED : -1;
 }
 
+int mf_tool_on_off(const char *s)
+{
+    return !strcmp(s, "on") ? 1 : !strcmp(s, "off") ? 0 : -1;
+}
+
 int mf_tool_cache_policy(const char *s)
 {
     return !strcmp(s, "lfu") ? MF_PLAN_CACHE_LFU : !strcmp(s, "lru") ? MF_PLAN_CACHE_LRU : -1;
@@ -107,6 +112,7 @@ int mf_tool_measure(const char *dir, const mf_plan_opts *po, int n_cards, int th
     }
     rc = mf_step_new(r, &(mf_step_opts){.n_threads = threads, .read_window = po->read_window, .dev = dev,
                                         .placement = po->placement, .dev_cache_bytes = po->dev_cache_bytes,
+                                        .dev_cache_fill = po->dev_cache_fill,
                                         .dev_graphs = po->dev_graphs, .cpu_bytes_per_s = po->cpu_bytes_per_s,
                                         .micro = po->micro,
                                         .dense = po->dense == MF_PLAN_DENSE_CARDS ? MF_STEP_DENSE_CARDS

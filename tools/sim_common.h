@@ -25,6 +25,12 @@ int mf_tool_dense_split(const char *s);    /* layers, rows: mf_sg_dense_split (m
 #define MF_TOOL_DENSE_SPLIT MF_SG_SPLIT_ROWS
 int mf_tool_store_mode(const char *s);     /* resident, streamed: mf_plan_store */
 int mf_tool_cache_policy(const char *s);   /* lfu, lru: mf_plan_cache_policy */
+int mf_tool_on_off(const char *s);         /* on 1, off 0 (--dev-cache-fill) */
+/* The commands' default --dev-cache-fill (decode, bench decode, sim, tune): on. With cards and a
+ * seed or hybrid placement a warm cache costs one start-up copy (on the seed host ~80 GB at
+ * h2d_total_bytes_per_s, ~2 s) and turns batch-1 slots that hybrid sends to the host (a miss's
+ * copy costs more than the host's compute) into hits on the card; the library's zero is off. */
+#define MF_TOOL_DEV_CACHE_FILL 1
 
 /* Loads the hardware profile at `profile` and the model's config: DIR/config.json when dir is
  * given, else the built-in preset. 0 or a negative code (mf_last_error names the file). */

@@ -46,6 +46,9 @@ typedef struct mf_plan_opts {
     int copy_slots;              /* per card: copy-in streams (0: 1, the engine's one stream) */
     uint64_t dev_cache_bytes;    /* per card (0: every expert, halved until card_mem_bytes holds it) */
     int dev_cache_policy;        /* mf_plan_cache_policy */
+    int dev_cache_fill;          /* 1: the caches start warm (mf_step_opts.dev_cache_fill): each card's slots
+                                  * filled by device/expert_cache.h mf_dev_xcache_fill_plan, by the counts of
+                                  * a trace routing (mf_routing_counts) else spread over layers; 0: empty */
     int store;                   /* mf_plan_store for routed experts */
     uint64_t store_budget_bytes; /* streamed: slab bytes (0: 2 GiB, as host/store.h) */
     int tables;                  /* mf_plan_store for Engram tables (reads per step when streamed) */
@@ -97,6 +100,11 @@ typedef struct mf_plan_report {
     /* host expert store (streamed): hits + misses = slots that needed the host copy */
     uint64_t store_hits, store_misses, store_evictions, store_bytes_read;
     uint64_t table_bytes_read;                /* streamed Engram rows */
+    /* the warm fill before the first step (dev_cache_fill), once, kept by mf_plan_reset_totals:
+     * experts and bytes over all cards; its time: the larger of bytes / h2d_total_bytes_per_s and
+     * the fullest card's bytes / h2d_bytes_per_s */
+    int64_t fill_experts;
+    double fill_bytes, fill_ns;
 } mf_plan_report;
 
 typedef struct mf_plan mf_plan;

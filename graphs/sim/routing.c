@@ -425,6 +425,20 @@ int mf_routing_next(mf_routing *r, int n_tokens, int32_t *ex)
     return 0;
 }
 
+int mf_routing_counts(const mf_routing *r, uint32_t *counts)
+{
+    if (r->kind != MF_ROUTE_TRACE) return 0;
+    int L = r->n_layers, E = r->n_experts, K = r->top_k;
+    for (int64_t i = 0; i < (int64_t)L * E; i++) counts[i] = 0;
+    for (int64_t t = 0; t < r->n_tokens; t++)
+        for (int l = 0; l < L; l++)
+            for (int k = 0; k < K; k++) {
+                uint32_t *c = &counts[(int64_t)l * E + r->trace[(t * L + l) * K + k]];
+                if (*c < UINT32_MAX) (*c)++;
+            }
+    return 1;
+}
+
 const char *mf_routing_describe(const mf_routing *r) { return r->desc; }
 
 void mf_routing_free(mf_routing *r)

@@ -22,6 +22,11 @@ int mf_routing_open(const char *spec, int n_layers, int n_experts, int top_k, ui
 /* The routes of the next n_tokens tokens in every layer: ex[(layer * n_tokens + t) * top_k + j]
  * (distinct within a token and layer). Each call advances by n_tokens tokens. */
 int mf_routing_next(mf_routing *r, int n_tokens, int32_t *ex);
+/* A trace's accesses per (layer, expert) over all its tokens: counts[layer x n_experts + e]
+ * (n_layers x n_experts, overwritten) and 1; 0 (counts untouched) for drawn routings, whose
+ * popularity an engine cannot know before decoding. For the warm fill's order
+ * (device/expert_cache.h mf_dev_xcache_fill_plan). */
+int mf_routing_counts(const mf_routing *r, uint32_t *counts);
 /* What it is, for reports ("zipf:1.1", "trace:PATH (N tokens)"). */
 const char *mf_routing_describe(const mf_routing *r);
 void mf_routing_free(mf_routing *r);

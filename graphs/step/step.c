@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "graphs/layers/layers.h"
+#include "graphs/step/dev_fill.h"
 #include "graphs/step/fast_attn.h"
 #include "graphs/step/step.h"
 #include "graphs/step/stepgraph.h"
@@ -168,6 +169,7 @@ struct mf_step {
     int dev_graphs;           /* 1: a layer's device FFNs are one captured graph per card */
     mf_step_dev_stats dstat;
     _Atomic int64_t sock_home, sock_cross;   /* this call's (mf_step_dev_stats) */
+    mf_step_fill_stats fill;  /* the warm fill at mf_step_new (mf_step_opts.dev_cache_fill) */
     mf_store *store;         /* its reads issued on this engine's IO lane (the slab registered there) */
     int eg_reads;            /* 1: the store's Engram tables are streamed: gathers are IO tasks */
     int max_items;           /* items per graph run: one layer's slots fit the store */
@@ -1977,6 +1979,8 @@ void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out)
     out->sock_cross = atomic_load(&s->sock_cross);
 }
 
+void mf_step_fill(const mf_step *s, mf_step_fill_stats *out) { *out = s->fill; }
+
 /* One executor per engine: the store's reads go to this engine's IO lane, whose ring registers the
  * slab (fixed-buffer reads; a refusal is logged and reads stay correct), and the store's own run
  * is released (the oracle's synchronous calls start it again when they come). */
@@ -2110,6 +2114,12 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
                                                    .topology = s->o.topology},
                                   &s->sched);
     if (!rc && store) rc = mf_step_store_attach(s);
+    if (!rc && s->o.dev_cache_fill && s->n_cards)
+        rc = mf_dev_fill(&(mf_dev_fill_in){.dev = s->dev, .xc = s->xc, .n_cards = s->n_cards, .m = s->ly->m,
+                                           .store = store, .part_off = s->part_off, .part_bytes = s->part_bytes,
+                                           .counts = s->o.dev_fill_counts, .progress = s->o.dev_fill_progress},
+                         &s->fill);
+    s->o.dev_fill_counts = NULL;   /* read only here */
     if (rc) {
         mf_sg_sizes_free(s->sz);
         for (int w = 0; w < s->n_cx; w++) mf_ly_ctx_free(s->cx[w]);

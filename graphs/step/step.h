@@ -54,6 +54,18 @@ typedef struct mf_step_opts {
     int placement;               /* mf_step_placement */
     uint64_t dev_cache_bytes;    /* per card */
     int64_t dev_wait_ns;         /* the scheduler's bound on a device completion (mf_sched_opts) */
+    /* 1 (`moeflow decode --dev-cache-fill on`, the command's default with cards): warm the
+     * expert caches at mf_step_new, before the first step: each card's cache is filled up to its
+     * slots with the experts device/expert_cache.h mf_dev_xcache_fill_plan picks for it (the card
+     * owns them; by dev_fill_counts, the most routed first, else spread evenly over the layers),
+     * copied on the card's copy-in stream through the device API as a miss's copy is, then the
+     * caches' counters zeroed (the fill is no decode miss; mf_step_fill says what it moved). The
+     * copies come from the host's resident experts or the store's present ones (a streamed
+     * store's absent experts are left out). dev_fill_progress 1: progress on stderr. 0: the
+     * caches start empty and fill by misses (the library's default). */
+    int dev_cache_fill;
+    const uint32_t *dev_fill_counts;   /* n_layers x n_routed_experts accesses (read at mf_step_new), or NULL */
+    int dev_fill_progress;
     /* 1 (`moeflow decode --dev-graphs`): per layer and card, the device FFNs of all slots are one
      * graph (CUDA graph on CUDA cards), captured on the layer's first run with the experts and
      * rows passed through a device-side slot table, so a new routing needs no new capture; the
@@ -227,6 +239,15 @@ typedef struct mf_step_dev_stats {
 } mf_step_dev_stats;
 
 void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out);
+
+/* What the warm fill at mf_step_new (mf_step_opts.dev_cache_fill) copied: experts and bytes over
+ * all cards, experts left out (not held by the host), and its wall time. Zeros without a fill. */
+typedef struct mf_step_fill_stats {
+    int64_t experts, skipped;
+    uint64_t bytes;
+    int64_t wall_ns;
+} mf_step_fill_stats;
+void mf_step_fill(const mf_step *s, mf_step_fill_stats *out);
 
 /* The startup self-check's refusals of the engine's cards ("refused card 1 (emu): kernel fp8
  * matmul: relative error ...; routed experts run on the host"), "" when every card passed. */
