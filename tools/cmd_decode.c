@@ -884,8 +884,8 @@ int mf_cmd_decode(int argc, char **argv)
                     ex_busy_ns ? 100.0 * io_overlap_ns / ex_busy_ns : 0.0);
     }
     if (sched && sk.n > 1 && !quiet)
-        fprintf(stderr, "moeflow decode: %d sockets: %" PRId64 " host expert slots on their home socket's workers, "
-                "%" PRId64 " on another's (the cost model's choice)\n", sk.n, sock_home, sock_cross);
+        fprintf(stderr, "moeflow decode: %d sockets: %" PRId64 " host expert part weights read by the workers of "
+                "the socket holding their rows, %" PRId64 " by another's\n", sk.n, sock_home, sock_cross);
     if (dev && !quiet)
         fprintf(stderr, "moeflow decode: devices (%s, %s placement, %d cache slots per card) steps: %" PRId64
                 " expert slots on cards, %" PRId64 " on the host (%" PRId64 " for want of a free cache slot); "
