@@ -124,15 +124,6 @@ typedef struct mf_topo_sockets {
  * has one socket. */
 int mf_topo_sockets_of(const char *topology, mf_topo_sockets *out);
 
-/* The one home of a routed expert across n_sockets sockets: the socket whose memory holds it
- * and whose workers run it (the store places it there, the engine's route task and the simulator
- * run it there). Interleaved (layer + expert) mod n_sockets: every socket holds the same count
- * of each layer's experts, give or take one, and so its bytes (a layer's experts are one size). */
-static inline int mf_topo_home(int n_sockets, int layer, int expert)
-{
-    return n_sockets > 1 ? (layer + expert) % n_sockets : 0;
-}
-
 /* Socket k's share of a routed expert's output rows [*r0, *r1) of n_rows, n_sockets > 1: the
  * rows split in n_sockets parts on 16-row boundaries (the host kernels' row tile, as the step
  * graph's row parts, mf_sg_rows). Every expert's w1/w3 rows (of moe_intermediate_size) and w2 rows
