@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "host/dio.h"
 #include "host/hostmem.h"
@@ -111,9 +112,8 @@ struct mf_store {
     void *gscratch;               /* the synchronous gather's plan (mf_store_gather_bytes(max_rows)) */
     uint64_t gscratch_bytes, max_row_bytes, max_srow_bytes;
     mf_store_stats total, step;
-    /* n_sockets > 1 (resident): socket k's experts in slots [sock_slot0[k], sock_slot0[k + 1]) */
+    /* n_sockets > 1 (resident): every expert's rows split in n_sock shares (mf_store_bind_sockets) */
     int n_sock, n_bound;
-    int sock_slot0[MF_TOPO_MAX_SOCKETS + 1];
 };
 
 static uint64_t mf_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
@@ -201,35 +201,74 @@ static int mf_store_membind(mf_store *s, void *p, uint64_t n)
     return rc;
 }
 
-/* Socket k's region bound to its node; a node that does not exist or a refused binding is a
- * note (the region stays first touch), not an error. */
-static void mf_store_bind_socket(mf_store *s, int k)
+/* n_sockets > 1 (resident): every expert's parts split by rows (mf_topo_rows of the pair's data
+ * rows; a part's scales share its codes' rows), socket k's share of each part bound to socket k's
+ * node, page by page: a page belongs to the share that holds its first byte (a share's last rows
+ * before a boundary inside a page lie on the next share's node: at most one page per boundary).
+ * The slab is bound before the resident load, whose first touch then lands on each page's node;
+ * slot i holds item i (the load takes the items in order into ascending free slots; checked
+ * after it). A node that does not exist, or a refused binding, is a note (that socket's pages
+ * stay first touch), not an error. */
+static void mf_store_part_rows(const mf_store *s, int i, int p, int64_t *rows, uint64_t *row_bytes)
 {
-    uint64_t a = (uint64_t)s->sock_slot0[k] * s->slot_bytes, b = (uint64_t)s->sock_slot0[k + 1] * s->slot_bytes;
-    if (b <= a) return;
-    int node = s->o.socket_node[k], saved = s->o.numa_node, rc = -EINVAL;
-    if (node >= 0) {
-        s->o.numa_node = node;
-        rc = mf_store_membind(s, s->slab + a, b - a);
-        s->o.numa_node = saved;
-    }
-    if (!rc) {
-        s->n_bound++;
+    const mf_st_tensor *d = s->parts[(size_t)i * s->n_parts + (p & ~1)], *t = s->parts[(size_t)i * s->n_parts + p];
+    *rows = d->n_dims > 0 && d->shape[0] > 0 ? d->shape[0] : 1;
+    *row_bytes = t->n_bytes / (uint64_t)*rows;
+}
+
+static void mf_store_bind_sockets(mf_store *s)
+{
+    hwloc_topology_t topo;
+    if (hwloc_topology_init(&topo) < 0 || hwloc_topology_load(topo) < 0) {
+        if (!s->o.quiet) fprintf(stderr, "expert store: hwloc cannot load the topology; the sockets' shares stay first touch\n");
         return;
     }
-    if (!s->o.quiet)
-        fprintf(stderr, "expert store: socket %d's %.1f MB of experts not bound to NUMA node %d (%s); first touch\n",
-                k, (double)(b - a) / 1e6, node, node < 0 ? "it has none of its own" : mf_last_error());
-    mf_error_clear();
+    uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE), np = (uint64_t)s->n_parts;
+    for (int k = 0; k < s->n_sock; k++) {
+        int node = s->o.socket_node[k], ok = 1;
+        hwloc_obj_t obj = node >= 0 ? hwloc_get_obj_by_type(topo, HWLOC_OBJ_NUMANODE, (unsigned)node) : NULL;
+        for (int i = 0; obj && ok && i < s->n_items; i++)
+            for (uint64_t p = 0; ok && p < np; p++) {
+                int64_t R, r0, r1;
+                uint64_t rb, base = (uint64_t)i * s->slot_bytes + s->part_off[(size_t)i * np + p];
+                mf_store_part_rows(s, i, (int)p, &R, &rb);
+                mf_topo_rows(R, s->n_sock, k, &r0, &r1);
+                /* pages whose first byte is in the share: [up(a), up(b)), the first share from
+                 * the part's first page */
+                uint64_t a = base + (uint64_t)r0 * rb, b = base + (uint64_t)r1 * rb;
+                a = r0 == 0 ? a / pg * pg : mf_up(a, pg);
+                b = mf_up(b, pg);
+                if (b <= a) continue;
+                ok = hwloc_set_area_membind(topo, s->slab + a, (size_t)(b - a), obj->nodeset, HWLOC_MEMBIND_BIND,
+                                            HWLOC_MEMBIND_BYNODESET) == 0;
+            }
+        if (obj && ok) {
+            s->n_bound++;
+            continue;
+        }
+        if (!s->o.quiet)
+            fprintf(stderr, "expert store: socket %d's share of the experts' rows not bound to NUMA node %d (%s); "
+                    "first touch\n", k, node, node < 0 ? "it has none of its own" : !obj ? "no such node" : strerror(errno));
+    }
+    hwloc_topology_destroy(topo);
 }
 
 int mf_store_socket_of(const mf_store *s, const void *p)
 {
     const uint8_t *q = p;
     if (s->n_sock < 2 || q < s->slab || q >= s->slab + s->slab_bytes) return -1;
-    uint64_t slot = (uint64_t)(q - s->slab) / s->slot_bytes;
-    for (int k = 0; k < s->n_sock; k++)
-        if (slot < (uint64_t)s->sock_slot0[k + 1]) return k;
+    uint64_t off = (uint64_t)(q - s->slab), i = off / s->slot_bytes, in = off % s->slot_bytes;
+    for (int j = 0; j < s->n_parts; j++) {   /* the part holding q, its row, that row's share */
+        uint64_t o0 = s->part_off[i * (uint64_t)s->n_parts + (uint64_t)j], rb;
+        int64_t R, r0, r1;
+        if (in < o0 || in >= o0 + s->parts[i * (uint64_t)s->n_parts + (uint64_t)j]->n_bytes) continue;
+        mf_store_part_rows(s, (int)i, j, &R, &rb);
+        int64_t row = rb ? (int64_t)((in - o0) / rb) : 0;
+        for (int k = 0; k < s->n_sock; k++) {
+            mf_topo_rows(R, s->n_sock, k, &r0, &r1);
+            if (row >= r0 && row < r1) return k;
+        }
+    }
     return -1;
 }
 
@@ -459,13 +498,9 @@ static int mf_store_plan_slots(mf_store *s)
         return mf_error(-ENOMEM, "expert store: cannot map %" PRIu64 " bytes for %d expert slots",
                         s->slab_bytes, s->n_slots);
     if (s->o.mode != MF_STORE_RESIDENT || s->o.n_sockets < 2) return mf_store_membind(s, s->slab, s->slab_bytes);
-    /* one region per socket, in socket order (the resident load fills the slots in that order) */
+    /* every expert's rows shared by the sockets (mf_store_bind_sockets) */
     s->n_sock = s->o.n_sockets > MF_TOPO_MAX_SOCKETS ? MF_TOPO_MAX_SOCKETS : s->o.n_sockets;
-    int cnt[MF_TOPO_MAX_SOCKETS] = {0};
-    for (int L = 0; L < s->n_layers; L++)
-        for (int e = 0; e < s->n_experts; e++) cnt[mf_topo_home(s->n_sock, L, e)]++;
-    for (int k = 0; k < s->n_sock; k++) s->sock_slot0[k + 1] = s->sock_slot0[k] + cnt[k];
-    for (int k = 0; k < s->n_sock; k++) mf_store_bind_socket(s, k);
+    mf_store_bind_sockets(s);
     return 0;
 }
 
@@ -859,15 +894,13 @@ static int mf_store_load_resident(mf_store *s)
     mf_progress pr;
     mf_progress_begin(&pr, "experts", (uint64_t)s->n_items * s->slot_bytes, 1, s->o.quiet);
     int32_t ids[256];
-    int mb = s->o.max_batch < 256 ? s->o.max_batch : 256, ns = s->n_sock > 1 ? s->n_sock : 1;
-    /* socket by socket: the free slots are taken in ascending order, so socket k's experts fill
-     * its region (mf_store_plan_slots) */
-    for (int sk = 0; sk < ns; sk++)
+    int mb = s->o.max_batch < 256 ? s->o.max_batch : 256;
+    /* in item order: the free slots are taken in ascending order, so slot i holds item i (the
+     * sockets' shares were bound by that, mf_store_bind_sockets; checked below) */
     for (int L = 0; L < s->n_layers; L++)
         for (int e0 = 0; e0 < s->n_experts;) {
             int n = 0;
-            for (; e0 < s->n_experts && n < mb; e0++)
-                if (ns == 1 || mf_topo_home(ns, L, e0) == sk) ids[n++] = e0;
+            for (; e0 < s->n_experts && n < mb; e0++) ids[n++] = e0;
             if (!n) continue;
             uint64_t before = s->total.bytes_read;
             int rc = mf_store_ensure(s, L, ids, n, NULL, NULL);
@@ -879,6 +912,10 @@ static int mf_store_load_resident(mf_store *s)
             mf_progress_add(&pr, s->total.bytes_read - before);
         }
     mf_progress_end(&pr);
+    for (int i = 0; s->n_sock > 1 && i < s->n_items; i++)
+        if (mf_resid_slot(s->res, i) != i)
+            return mf_error(-EFAULT, "expert store: expert %d loaded into slot %d, not its own (internal)", i,
+                            mf_resid_slot(s->res, i));
     return 0;
 }
 

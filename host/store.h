@@ -53,9 +53,10 @@ typedef struct mf_store_opts {
     int io_fault_kind;           /* MF_IO_FAULT_* armed on the private run (sched/sched.h) */
     int64_t io_fault_nth;        /* ... on its nth read (MOEFLOW_IO_FAULT of the moeflow command) */
     int numa_node;               /* slab placement (hwloc membind); -1: first touch */
-    /* > 1, resident mode: the experts split across the sockets' memory, one copy: expert (layer,
-     * e) lies in the slab's region of socket mf_topo_home(n_sockets, layer, e) (sched/sched.h),
-     * bound to OS node socket_node[k] (numa_node is then unused). A node that does not exist, or a
+    /* > 1, resident mode: every expert split across the sockets' memory by rows, one copy: the
+     * rows mf_topo_rows(rows, n_sockets, k) (sched/sched.h) of each of its parts (codes and
+     * scales) bound to OS node socket_node[k], page by page (a page straddling a share boundary
+     * goes to the later share; numa_node is then unused). A node that does not exist, or a
      * binding the kernel refuses, leaves that region to first touch with one line on stderr
      * naming the node (unless quiet). Streamed mode: the slots are shared by the replacement
      * policy, so the slab is not split (numa_node as above). 0 or 1: one region. */
@@ -156,8 +157,9 @@ typedef struct mf_store_stats {
 void mf_store_stats_total(const mf_store *s, mf_store_stats *out);
 void mf_store_step(mf_store *s, mf_store_stats *step);
 
-/* The socket whose region of the slab holds p (n_sockets > 1, resident), else -1; how many regions
- * were bound to their node (the rest are first touch). */
+/* The socket whose share of an expert's rows holds p (n_sockets > 1, resident: the share of the
+ * row of the part p lies in), else -1; how many sockets' shares were bound to their node (the rest
+ * are first touch). */
 int mf_store_socket_of(const mf_store *s, const void *p);
 int mf_store_n_bound(const mf_store *s);
 

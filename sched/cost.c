@@ -80,18 +80,6 @@ double mf_cost_host(const mf_cost_model *m, const mf_work *w, int n, double extr
     return ns;
 }
 
-mf_cost_model mf_cost_cross(const mf_cost_model *m)
-{
-    mf_cost_model x = *m;
-    double f = m->p->cross_socket_factor > 0 ? m->p->cross_socket_factor : 1;
-    double cap = m->host_bytes_per_s;
-    if (!(cap > 0))   /* no cap: the fastest kernel's rate */
-        for (int k = 0; k < MF_KF_REF; k++)
-            if (m->p->host[k].bytes_per_s > cap) cap = m->p->host[k].bytes_per_s;
-    x.host_bytes_per_s = cap * f;
-    return x;
-}
-
 double mf_cost_card(const mf_cost_model *m, const mf_work *w, int n)
 {
     return mf_cost_kernels(m->p->card, 0, w, n) + mf_cost_ref(m->p, 1, w->ref_flops + w->ref_flops_tok * n);

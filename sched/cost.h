@@ -67,11 +67,6 @@ double mf_cost_vec(const mf_cost_model *m, double flops, double bytes);
  * then the vector code mf_cost_vec(vec_flops (+ extra_flops with w->extra_vec), vec_bytes). */
 double mf_cost_host(const mf_cost_model *m, const mf_work *w, int n, double extra_flops);
 
-/* The model of a host thread reading the other socket's memory: m's weight-byte cap (the thread's
- * share of its socket's bandwidth; without a cap, the kernels' rates) times the profile's
- * cross_socket_factor (0 in the profile: 1, nothing known about a second socket). */
-mf_cost_model mf_cost_cross(const mf_cost_model *m);
-
 /* w on a card over n tokens: its kernels as mf_cost_host's at the card's rates (no cap), its
  * scalar work ref_flops + n ref_flops_tok at the card's REF rate. */
 double mf_cost_card(const mf_cost_model *m, const mf_work *w, int n);

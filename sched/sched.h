@@ -124,13 +124,22 @@ typedef struct mf_topo_sockets {
  * has one socket. */
 int mf_topo_sockets_of(const char *topology, mf_topo_sockets *out);
 
-/* The one home of a routed expert across n_sockets sockets: the socket whose memory holds it
- * and whose workers run it (the store places it there, the engine's route task and the simulator
- * run it there). Interleaved (layer + expert) mod n_sockets: every socket holds the same count
- * of each layer's experts, give or take one, and so its bytes (a layer's experts are one size). */
-static inline int mf_topo_home(int n_sockets, int layer, int expert)
+/* Socket k's share of a routed expert's output rows [*r0, *r1) of n_rows, n_sockets > 1: the
+ * rows split in n_sockets parts on 16-row boundaries (the host kernels' row tile, as the step
+ * graph's row parts, mf_sg_rows). Every expert's w1/w3 rows (of moe_intermediate_size) and w2 rows
+ * (of hidden_size) lie in these shares in each socket's memory (the resident store) and are
+ * computed by that socket's workers (the step graph's expert row parts), one copy, never
+ * mirrored. n_sockets <= 1: all rows are socket 0's. */
+static inline void mf_topo_rows(int64_t n_rows, int n_sockets, int k, int64_t *r0, int64_t *r1)
 {
-    return n_sockets > 1 ? (layer + expert) % n_sockets : 0;
+    if (n_sockets <= 1) {
+        *r0 = 0;
+        *r1 = n_rows;
+        return;
+    }
+    int64_t chunk = ((n_rows + n_sockets - 1) / n_sockets + 15) / 16 * 16, a = k * chunk, b = a + chunk;
+    *r0 = a < n_rows ? a : n_rows;
+    *r1 = b < n_rows ? b : n_rows;
 }
 
 /* Convenience lane tables: one CPU lane per NUMA node (threads_per_node 0 = all its cores), an IO

@@ -50,7 +50,7 @@ static void mf_bench_decode_usage(FILE *f)
             "--micro-batches 2: the scheduled engine with two micro-batches in flight (batch >= 2).\n"
             "--sockets N|auto (default auto: one lane where hwloc finds one NUMA node): the\n"
             "scheduled engine with one CPU lane per socket, workers pinned,\n"
-            "each routed expert on its home socket's workers (as moeflow decode --sockets; the\n"
+            "each routed expert's rows split across the sockets' workers (as moeflow decode --sockets; the\n"
             "experts here are the model's resident copies, not a store split across the sockets).\n"
             "--no-reference skips the one-thread reference engine (a long prefill takes it\n"
             "minutes). --chunk T: the scheduled\n"

@@ -73,9 +73,10 @@ static void mf_decode_usage(FILE *f)
             "  --threads N         scheduled engine workers (default: the online CPUs)\n"
             "  --sockets N|auto    scheduled engine: one CPU lane per socket (NUMA node with cores;\n"
             "                      auto: all hwloc finds), the --threads workers split across them\n"
-            "                      by cores and pinned there; a routed expert runs on the workers\n"
-            "                      of the socket whose memory holds it (--store resident splits the\n"
-            "                      experts across the sockets' memory, one copy, bound with hwloc;\n"
+            "                      by cores and pinned there; each routed expert's rows are split\n"
+            "                      across the sockets, each share run by the workers of the socket\n"
+            "                      whose memory holds it (--store resident binds the shares to the\n"
+            "                      sockets' nodes, one copy, bound with hwloc;\n"
             "                      a node that does not exist is a one-line note). Logits as with\n"
             "                      one lane. MOEFLOW_TOPOLOGY=DESC|FILE.xml: an hwloc synthetic or\n"
             "                      XML topology instead of this machine's (tests). Default auto\n"
@@ -917,8 +918,8 @@ int mf_cmd_decode(int argc, char **argv)
                     ex_busy_ns ? 100.0 * io_overlap_ns / ex_busy_ns : 0.0);
     }
     if (sched && sk.n > 1 && !quiet)
-        fprintf(stderr, "moeflow decode: %d sockets: %" PRId64 " host expert slots on their home socket's workers, "
-                "%" PRId64 " on another's (the cost model's choice)\n", sk.n, sock_home, sock_cross);
+        fprintf(stderr, "moeflow decode: %d sockets: %" PRId64 " host expert part weights read by the workers of "
+                "the socket holding their rows, %" PRId64 " by another's\n", sk.n, sock_home, sock_cross);
     if (dev && !quiet)
         fprintf(stderr, "moeflow decode: devices (%s, %s placement, %d cache slots per card) steps: %" PRId64
                 " expert slots on cards, %" PRId64 " on the host (%" PRId64 " for want of a free cache slot); "

@@ -25,7 +25,6 @@
 /* A slot of this step's table: its expert, tokens, card (-1: host), device cache miss, store miss. */
 typedef struct pl_slot {
     int e, cnt, card, miss, store_miss;
-    int cross;   /* on the host, run by another socket's workers than its expert's home */
 } pl_slot;
 
 struct mf_plan {
@@ -104,8 +103,7 @@ static double pl_pos_flops(const mf_plan *p, const mf_sg_task *t)
 static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int *overhead)
 {
     const pl_slot *sl = t->slot >= 0 ? &p->sl[(size_t)t->layer * p->sg->n_slots + t->slot] : NULL;
-    mf_sg_step_cost s = {.slot_tokens = sl ? sl->cnt : 0, .n_head = p->n_head, .dev_miss = sl && sl->miss,
-                         .cross = sl && sl->cross && t->card < 0};
+    mf_sg_step_cost s = {.slot_tokens = sl ? sl->cnt : 0, .n_head = p->n_head, .dev_miss = sl && sl->miss};
     *overhead = 1;
     switch (t->op) {
     case MF_SG_ENGRAM_READ:
@@ -315,8 +313,8 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
      * each device task's round trip through its stream (the stream's thread, the callback) holds
      * the stream's thread and a core for dev_task_ns first */
     /* one CPU lane per socket (the engine's --sockets): the host tasks with weights on socket
-     * 0's, those without spread by item and part (the builder), the routed experts on their home
-     * socket's or across, priced (pl_layer_slots) */
+     * 0's, those without spread by item and part (the builder), each routed expert's row parts on
+     * the lane of the socket whose share of its rows they read (mf_sg_expert_rows) */
     int n_sock = o->n_sockets ? o->n_sockets : f->n_sockets;
     if (n_sock > 1) {
         int thr[MF_SG_MAX_SOCKETS];
@@ -522,21 +520,6 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
     }
     for (int s = 0; s < n_half; s++) card[s] = sl[s].card;
     mf_stepgraph_mark_noop_half(p->sg, L, h, ns, card);
-    if (p->lt.n_sockets > 1) {   /* the host slots on their experts' sockets (mf_step_sockets) */
-        int home[4096], sock[4096], n_cross;
-        if (ns > 4096) return mf_error(-EINVAL, "plan: %d slots of a layer (at most 4096)", ns);
-        int cnt_[4096];
-        for (int s = 0; s < ns; s++) {
-            home[s] = sl[s].card >= 0 ? -1 : mf_topo_home(p->lt.n_sockets, L, sl[s].e);
-            cnt_[s] = sl[s].cnt;
-        }
-        mf_sg_socket_place(&p->lt, &p->models[0], p->prof.cross_socket_factor, p->sz->up_bytes + p->sz->down_bytes,
-                           ns, home, cnt_, sock, &n_cross);
-        for (int s = 0; s < ns; s++) sl[s].cross = sock[s] >= 0 && sock[s] != home[s];
-        r->cross_slots += n_cross;
-        int rc = mf_stepgraph_set_slot_lanes(p->sg, &p->lt, L, h, ns, sock);
-        if (rc) return rc;
-    }
     for (int s = 0; s < ns; s++) {   /* the layer's end: store batch closed, pins released */
         int item = L * E + sl[s].e;
         if (p->streamed) mf_resid_unpin(p->store, mf_resid_slot(p->store, item));
@@ -642,7 +625,6 @@ int mf_plan_step(mf_plan *p, mf_plan_report *out)
     t->dev_slots += r.dev_slots;
     t->host_slots += r.host_slots;
     t->host_fallbacks += r.host_fallbacks;
-    t->cross_slots += r.cross_slots;
     t->dev_hits += r.dev_hits;
     t->dev_misses += r.dev_misses;
     t->dev_bytes_in += r.dev_bytes_in;
@@ -749,9 +731,6 @@ void mf_plan_print(const mf_plan_report *r, FILE *f)
                 100 * r->lanes[l].share, l == r->bottleneck ? "  <- bottleneck" : "");
     fprintf(f, "\nrouted-expert slots: %" PRId64 " on cards, %" PRId64 " on the host (%" PRId64 " fallbacks)\n",
             r->dev_slots, r->host_slots, r->host_fallbacks);
-    if (r->cross_slots)
-        fprintf(f, "host slots run across sockets (another socket's workers, at cross_socket_factor): %" PRId64 "\n",
-                r->cross_slots);
     if (r->dev_slots)
         fprintf(f, "device caches: %" PRIu64 " hits, %" PRIu64 " misses, %" PRIu64 " evictions, %.1f MiB in\n",
                 r->dev_hits, r->dev_misses, r->dev_evictions, r->dev_bytes_in / 1048576.0);

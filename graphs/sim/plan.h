@@ -94,7 +94,6 @@ typedef struct mf_plan_report {
     int n_tasks;
     /* routed-expert slots (one per distinct expert of a layer's batch) */
     int64_t dev_slots, host_slots, host_fallbacks;
-    int64_t cross_slots;   /* host slots run by another socket than their expert's home (n_sockets > 1) */
     /* device expert caches, summed over cards: hits + misses = dev_slots */
     uint64_t dev_hits, dev_misses, dev_evictions, dev_bytes_in;
     /* host expert store (streamed): hits + misses = slots that needed the host copy */

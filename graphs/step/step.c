@@ -842,20 +842,24 @@ static int mf_task_dev_out(void *arg, mf_task_ctx *ctx)
                            cnt * H * 4);
 }
 
-/* Micro-batch h's host slots of layer L on their experts' home sockets' lanes, or across where
- * the cost model says (mf_sg_socket_place). */
-static int mf_step_sockets(mf_step_shape *sh, int L, int h)
+/* With sockets: whether a host expert part task reading rows [r0, r1) of w ran on a worker of the
+ * socket whose share holds them (mf_topo_rows; with a store split by sockets, the store's socket
+ * of the rows' first and last bytes as well), counted for mf_step_last_dev. */
+static void mf_step_count_socket(mf_step *eng, const mf_task_ctx *ctx, const mf_weight *w, int r0, int r1)
 {
-    mf_step *eng = sh->eng;
-    int s0 = sh->sg->half_slot[h], n = sh->n_used[h], n_cross;
-    int home[MF_STEP_MAX_ITEMS * 64], sock[MF_STEP_MAX_ITEMS * 64];
-    if (n > (int)(sizeof home / sizeof home[0])) return mf_error(-EINVAL, "step: %d slots (internal)", n);
-    for (int k = 0; k < n; k++)
-        home[k] = sh->slot_card && sh->slot_card[s0 + k] >= 0 ? -1
-                                                              : mf_topo_home(eng->lt.n_sockets, L, sh->slot_e[s0 + k]);
-    mf_sg_socket_place(&eng->lt, &eng->models[0], eng->o.profile ? eng->o.profile->cross_socket_factor : 0,
-                       eng->sz->up_bytes + eng->sz->down_bytes, n, home, sh->slot_cnt + s0, sock, &n_cross);
-    return mf_stepgraph_set_slot_lanes(sh->sg, &eng->lt, L, h, n, sock);
+    if (eng->lt.n_sockets <= 1 || ctx->lane < 0 || ctx->lane >= eng->lt.n_lanes || r0 >= r1 || w->rows <= 0) return;
+    int k = eng->lt.sock_of_lane[ctx->lane], ok = 0;
+    for (int j = 0; j < eng->lt.n_sockets; j++) {
+        int64_t a, b;
+        mf_topo_rows(w->rows, eng->lt.n_sockets, j, &a, &b);
+        if (r0 >= a && r0 < b) ok = j == k && r1 <= b;
+    }
+    if (ok && eng->store && w->st_data && mf_store_socket_of(eng->store, w->data) >= 0) {
+        uint64_t rb = w->st_data->n_bytes / (uint64_t)w->rows;
+        ok = mf_store_socket_of(eng->store, w->data + (uint64_t)r0 * rb) == k &&
+             mf_store_socket_of(eng->store, w->data + (uint64_t)r1 * rb - 1) == k;
+    }
+    atomic_fetch_add_explicit(ok ? &eng->sock_home : &eng->sock_cross, 1, memory_order_relaxed);
 }
 
 /* Router: the top-k of the gate logits, then the slot table: the distinct experts in
@@ -911,10 +915,6 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
      * on a card, its tasks on the other cards): the executor completes them where they become
      * ready, without waking a lane's thread or a round trip through a card's stream */
     mf_stepgraph_mark_noop_half(sh->sg, a->t->layer, h, sh->n_used[h], sh->slot_card ? sh->slot_card + s0 : NULL);
-    if (eng->lt.n_sockets > 1) {   /* the host slots to their experts' sockets' workers */
-        int rc = mf_step_sockets(sh, a->t->layer, h);
-        if (rc) return rc;
-    }
     if (!eng->o.exact)
         for (int s = s0; s < ns; s++) {
             if (sh->slot_card && sh->slot_card[s] >= 0) continue;   /* the card quantizes its own */
@@ -998,11 +998,8 @@ static int mf_task_slot_up(void *arg, mf_task_ctx *ctx)
     const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, a->t->slot);
     int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
-    if (eng->lt.n_sockets > 1 && r0 == 0 && ctx->lane >= 0 && ctx->lane < eng->lt.n_lanes) {
-        int home = mf_topo_home(eng->lt.n_sockets, a->t->layer, sh->slot_e[a->t->slot]);
-        atomic_fetch_add_explicit(eng->lt.sock_of_lane[ctx->lane] == home ? &eng->sock_home : &eng->sock_cross, 1,
-                                  memory_order_relaxed);
-    }
+    mf_step_count_socket(eng, ctx, &ew[0], r0, r1);
+    mf_step_count_socket(eng, ctx, &ew[2], r0, r1);
     size_t off = (size_t)sh->slot_off[a->t->slot];
     return mf_step_ffn_up(eng, &ew[0], &ew[2], sh->xg + off * H, &sh->q8x[a->t->slot], sh->slot_cnt[a->t->slot],
                           sh->wg + off, sh->h + off * I, sh->gg ? sh->gg + off * I : NULL,
@@ -1025,7 +1022,6 @@ static int mf_task_slot_join(void *arg, mf_task_ctx *ctx)
 
 static int mf_task_slot_down(void *arg, mf_task_ctx *ctx)
 {
-    (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     if (!mf_step_slot_live(sh, a->t->slot) || (sh->slot_card && sh->slot_card[a->t->slot] >= 0)) return 0;
@@ -1034,6 +1030,7 @@ static int mf_task_slot_down(void *arg, mf_task_ctx *ctx)
     const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, a->t->slot);
     int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
+    mf_step_count_socket(eng, ctx, &ew[1], r0, r1);
     size_t off = (size_t)sh->slot_off[a->t->slot];
     return mf_step_ffn_down(eng, &ew[1], sh->h + off * I, &sh->q8h[a->t->slot], sh->slot_cnt[a->t->slot],
                             sh->y + off * H, r0, r1);

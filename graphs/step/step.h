@@ -120,12 +120,11 @@ typedef struct mf_step_opts {
     int64_t io_fault_nth;
     /* > 1 (`moeflow decode --sockets N`): one CPU lane per socket (sched/sched.h mf_topo_sockets:
      * the NUMA nodes with cores of `topology`), the n_threads workers split across them in
-     * proportion to their cores, each pinned to its socket's cores when pin_threads is set. A
-     * routed expert run on the host runs on its home socket's workers (mf_topo_home: where the
-     * store puts it when created with the same socket count), unless the profile's cost model says
-     * another socket, reading across at cross_socket_factor, finishes it sooner
-     * (graphs/step/stepgraph.h mf_sg_socket_place; no profile: never across); every other host
-     * task runs on socket 0's lane. Logits are the one-lane engine's bit for bit. -EINVAL when the
+     * proportion to their cores, each pinned to its socket's cores when pin_threads is set. Every
+     * routed expert run on the host is shared by all the sockets: each socket's workers compute
+     * its share of the expert's output rows (sched/sched.h mf_topo_rows: where the store puts
+     * them when created with the same socket count; graphs/step/stepgraph.h mf_sg_expert_rows);
+     * the host tasks with other weights run on socket 0's lane. Logits are the one-lane engine's bit for bit. -EINVAL when the
      * topology has fewer sockets, or fewer than n_threads can share. 0 or 1: one CPU lane. */
     int n_sockets;
     const char *topology;        /* mf_sched_opts.topology (NULL: this machine) */
@@ -233,8 +232,9 @@ typedef struct mf_step_dev_stats {
     int64_t host_fallbacks;      /* slots placed on a card whose cache slots were all pinned */
     uint64_t hits, misses, evictions, bytes_in;
     int n_cards, cache_slots;    /* cards in use; cache slots per card */
-    /* with sockets (mf_step_opts.n_sockets > 1): host slots' first up task run by a worker of
-     * the expert's home socket, of another socket (placed across by the cost model) */
+    /* with sockets (mf_step_opts.n_sockets > 1): host expert part tasks (ups: w1 and w3, downs:
+     * w2, each weight counted) run by a worker of the socket holding their rows (the store's
+     * socket of their first and last bytes too, with a store split by sockets), and not */
     int64_t sock_home, sock_cross;
 } mf_step_dev_stats;
 

@@ -170,6 +170,18 @@ int mf_sg_layer_scored(const mf_config *c, int L)
     return c->compress_ratios[L] > 0 && mf_config_is_index_source(c, L);
 }
 
+int mf_sg_expert_rows(int64_t n_rows, int parts, int n_sockets, int p, int64_t *r0, int64_t *r1)
+{
+    int S = n_sockets > 1 ? n_sockets : 1, per = parts / S > 0 ? parts / S : 1, k = p / per;
+    if (k >= S) k = S - 1;
+    int64_t a, b;
+    mf_topo_rows(n_rows, S, k, &a, &b);
+    mf_sg_rows(b - a, per, p - k * per, r0, r1);
+    *r0 += a;
+    *r1 += a;
+    return k;
+}
+
 void mf_sg_rows(int64_t n_rows, int parts, int p, int64_t *r0, int64_t *r1)
 {
     int64_t chunk = (n_rows + parts - 1) / parts;
@@ -206,11 +218,8 @@ double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_st
         return mf_cost_card(m, w, tok);
     case MF_SG_DENSE_OUT:
         return mf_cost_act_copy(m, 1, tok * w->copy_bytes_tok);
-    default: {   /* kernels over the record's tokens, scalar work and the positional part of it */
-        if (!s->cross) return mf_cost_host(m, w, tok, s->pos_flops);
-        mf_cost_model x = mf_cost_cross(m);
-        return mf_cost_host(&x, w, tok, s->pos_flops);
-    }
+    default:   /* kernels over the record's tokens, scalar work and the positional part of it */
+        return mf_cost_host(m, w, tok, s->pos_flops);
     }
 }
 
@@ -1006,24 +1015,26 @@ static void sg_slot(sg_builder *b, int L, int s, mf_task_id ro, const mf_task_id
         int first = b->sg->half_slot[b->h];   /* the half's first slot */
         for (int i = 0; win > 0 && s - first >= win && i < np; i++) sg_dep(b, b->io[(size_t)(s - win) * np + i], io[j]);
     }
+    /* each part on the lane of the socket whose memory holds its rows (mf_sg_expert_rows) */
+    int S = b->o->n_sockets > 1 && b->o->lane_sock ? b->o->n_sockets : 1;
     for (int p = 0; p < pe; p++) {
         SG_NAME(b, "expert L%d slot %d up %d", L, s, p);
         mf_sg_task tu = t;
         tu.part = p;
-        mf_sg_rows((int64_t)I, pe, p, &tu.r0, &tu.r1);
+        int k = mf_sg_expert_rows((int64_t)I, pe, S, p, &tu.r0, &tu.r1), ln = S > 1 ? b->o->lane_sock[k] : 0;
         tu.w.w_bytes[MF_KF_FP4] = z->up_bytes / pe;
         tu.w.macs[MF_KF_FP4] = 2 * H * I / pe;
         tu.w.calls[MF_KF_FP4] = 1;
-        mf_task_id up = tid[p] = sg_add(b, 0, MF_SG_SLOT_UP, MF_SG_PH_MOE, MF_SG_K_EXPERT, tu);
+        mf_task_id up = tid[p] = sg_add(b, ln, MF_SG_SLOT_UP, MF_SG_PH_MOE, MF_SG_K_EXPERT, tu);
         SG_NAME(b, "expert L%d slot %d down %d", L, s, p);
         mf_sg_task td = t;
         td.part = p;
-        mf_sg_rows((int64_t)H, pe, p, &td.r0, &td.r1);
+        mf_sg_expert_rows((int64_t)H, pe, S, p, &td.r0, &td.r1);
         td.w.w_bytes[MF_KF_FP4] = z->down_bytes / pe;
         td.w.macs[MF_KF_FP4] = H * I / pe;
         td.w.calls[MF_KF_FP4] = 1;
         td.w.ref_flops_tok = SG_W_ROUND * H / pe;   /* each output rounded to bf16 */
-        mf_task_id dn = tid[pe + p] = sg_add(b, 0, MF_SG_SLOT_DOWN, MF_SG_PH_MOE, MF_SG_K_EXPERT, td);
+        mf_task_id dn = tid[pe + p] = sg_add(b, ln, MF_SG_SLOT_DOWN, MF_SG_PH_MOE, MF_SG_K_EXPERT, td);
         sg_dep(b, ro, up);
         for (int j = 0; j < np; j++) sg_dep(b, io[j], up);
         sg_dep(b, up, jo);
@@ -1234,6 +1245,10 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
         }
         sg->p_exp = p;
     }
+    /* with sockets, a multiple of them: each socket's share of the rows (mf_topo_rows) in equal
+     * parts, so that every part lies in one socket's memory */
+    int S = o->n_sockets > 1 && o->lane_sock ? o->n_sockets : 1;
+    sg->p_exp = (sg->p_exp + S - 1) / S * S;
     sg->p_sh = c->n_shared_experts > 0 ? (W < 8 ? W : 8) : 0;
     sg->p_head = 2 * W;
     /* attention stages, Engram wkv, router gate: one part per worker (row chunks of >= 16) */
@@ -1517,52 +1532,6 @@ int mf_sg_lanes_sockets(mf_sg_lanes *l, int n_sockets, const int *threads, const
         l->cpu_base[lane] = k ? l->cpu_base[l->lane_sock[k - 1]] + threads[k - 1] : 0;
     }
     l->n_sockets = n_sockets;
-    return 0;
-}
-
-void mf_sg_socket_place(const mf_sg_lanes *l, const mf_lane_model *cpu, double cross_factor, double expert_bytes,
-                        int n, const int *home, const int *cnt, int *sock, int *n_cross)
-{
-    double q[MF_SG_MAX_SOCKETS] = {0}, w[MF_SG_MAX_SOCKETS];
-    int S = l->n_sockets;
-    *n_cross = 0;
-    for (int k = 0; k < S; k++) w[k] = l->lane[l->lane_sock[k]].concurrency;
-    for (int s = 0; s < n; s++) {   /* every slot at home first */
-        sock[s] = home[s];
-        if (home[s] >= 0) q[home[s]] += sg_lane_ns(cpu, expert_bytes) * (1 + 0.02 * cnt[s]);
-    }
-    /* then, while it shortens the busiest socket's queue (over its workers) without making another
-     * longer than that, one of its slots (the last not yet moved) goes to the least busy socket at
-     * the cross price */
-    for (int moves = 0; cross_factor > 0 && S > 1 && moves < n; moves++) {
-        int a = 0, c = 0;
-        for (int k = 1; k < S; k++) {
-            if (q[k] / w[k] > q[a] / w[a]) a = k;
-            if (q[k] / w[k] < q[c] / w[c]) c = k;
-        }
-        int s = n - 1;
-        while (s >= 0 && !(sock[s] == a && home[s] == a)) s--;
-        if (s < 0 || a == c) break;
-        double ns = sg_lane_ns(cpu, expert_bytes) * (1 + 0.02 * cnt[s]);
-        if (!((q[c] + ns / cross_factor) / w[c] < q[a] / w[a])) break;
-        q[a] -= ns;
-        q[c] += ns / cross_factor;
-        sock[s] = c;
-        ++*n_cross;
-    }
-}
-
-int mf_stepgraph_set_slot_lanes(mf_stepgraph *sg, const mf_sg_lanes *l, int L, int h, int n, const int *sock)
-{
-    int pe = sg->p_exp, s0 = sg->half_slot[h];
-    for (int k = 0; k < n && s0 + k < sg->half_slot[h + 1]; k++) {
-        if (sock[k] < 0) continue;
-        const mf_task_id *tid = sg->slot_tid + ((size_t)L * sg->n_slots + s0 + k) * sg->tid_per_slot;
-        for (int j = 0; j < 2 * pe + 1; j++) {
-            int rc = tid[j] >= 0 ? mf_graph_set_lane(sg->g, tid[j], l->lane_sock[sock[k]]) : 0;
-            if (rc) return rc;
-        }
-    }
     return 0;
 }
 

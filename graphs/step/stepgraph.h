@@ -184,6 +184,11 @@ int mf_sg_layer_scored(const mf_config *c, int L);
 
 /* Part p of `parts` of n_rows rows (chunks rounded up to 16 rows: the last parts may be empty). */
 void mf_sg_rows(int64_t n_rows, int parts, int p, int64_t *r0, int64_t *r1);
+/* Row part p of `parts` of a routed expert's n_rows output rows with n_sockets sockets: socket
+ * k = p / (parts / n_sockets) holds rows mf_topo_rows(n_rows, n_sockets, k) (sched/sched.h), split
+ * by mf_sg_rows in parts / n_sockets; returns k (n_sockets <= 1: 0, as mf_sg_rows). parts is a
+ * multiple of n_sockets (sg_parts makes p_exp one). */
+int mf_sg_expert_rows(int64_t n_rows, int parts, int n_sockets, int p, int64_t *r0, int64_t *r1);
 
 /* What a step decides that a record's price depends on: the simulator's draws and cache state, or
  * the builder's expectations for the priorities. */
@@ -192,8 +197,6 @@ typedef struct mf_sg_step_cost {
     int n_head;         /* MF_SG_HEAD: the items whose logits it computes */
     int dev_miss;       /* MF_SG_DEV_IN: the slot's expert is copied in (a miss of the card's cache) */
     double pos_flops;   /* the task's positional scalar work (mf_sg_pos_flops) */
-    int cross;          /* host tasks: 1 when the task's workers read another socket's memory
-                         * (mf_sg_socket_place took it across): priced by mf_cost_cross */
 } mf_sg_step_cost;
 
 /* Task t's time on its lane's side (the host's kernels and scalar code, a card's, a copy, a disk
@@ -257,8 +260,9 @@ typedef struct mf_sg_opts {
      * tasks that read no weights and are one item's or one of several parts (attention head
      * groups, index score parts, q norm parts, an item's mixes, norms and combines: activations
      * and KV, no home of their own) go to socket (item + part) mod n_sockets's lane;
-     * every other host task stays on lane 0 (socket 0's: the dense weights the host keeps are not
-     * split), and the routed experts move at route (mf_stepgraph_set_slot_lanes). 0 or 1: none. */
+     * a routed expert's row parts go to the lane of the socket whose share of its rows they
+     * compute (mf_sg_expert_rows: p_exp a multiple of n_sockets); every other host task stays on
+     * lane 0 (socket 0's: the dense weights the host keeps are not split). 0 or 1: none. */
     int n_sockets;
     const int *lane_sock;
 } mf_sg_opts;
@@ -325,21 +329,11 @@ typedef struct mf_sg_lanes {
 void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threads, int store, int n_cards);
 /* One CPU lane per socket instead of one over the machine (after mf_sg_lanes_init): socket k gets
  * threads[k] of the workers (they sum to the n_threads given to init) on NUMA node numa[k]
- * (mf_topo_sockets numa; -1: any core), named "cpuK"; lane 0 stays socket 0's. Every host task is
- * built on lane 0; a routed expert's host tasks move to its socket's lane when it is routed
- * (mf_sg_socket_place, mf_stepgraph_set_slot_lanes). n_sockets 1 leaves l as it is. 0 or
- * -EINVAL. */
+ * (mf_topo_sockets numa; -1: any core), named "cpuK"; lane 0 stays socket 0's. A routed expert's
+ * row parts are built on the lanes of the sockets holding their rows (mf_sg_expert_rows); the
+ * other host tasks as mf_sg_opts.n_sockets says. n_sockets 1 leaves l as it is. 0 or -EINVAL. */
 int mf_sg_lanes_sockets(mf_sg_lanes *l, int n_sockets, const int *threads, const int *numa);
 
-/* Which socket runs each of a layer's n routed-expert slots run on the host (their experts'
- * homes home[], tokens cnt[]): every slot at its home, then, while it shortens the busiest
- * socket's queue of expert work over its workers (each slot its expert's bytes over the CPU
- * lane's model, 2% more a token) and leaves the receiving socket below that, the busiest
- * socket's last slot still at home goes to the least busy socket at the cross price (its time
- * over cross_factor, the profile's cross_socket_factor; 0: never across). sock[s] gets the
- * socket; *n_cross the slots placed across. Slots with home[s] < 0 (on a card) get -1. */
-void mf_sg_socket_place(const mf_sg_lanes *l, const mf_lane_model *cpu, double cross_factor, double expert_bytes,
-                        int n, const int *home, const int *cnt, int *sock, int *n_cross);
 /* Card k's three lanes run on device card card_of[k] (k < n; default: k). */
 void mf_sg_lanes_map(mf_sg_lanes *l, const int *card_of, int n);
 
@@ -435,10 +429,6 @@ void mf_stepgraph_mark_noop(mf_stepgraph *sg, int L, int n_used, const int32_t *
 /* The same for half h's slots of layer L: its first n_used slots are used, slot_card[j] (NULL:
  * all on the host) the card of its slot j (slot half_slot[h] + j of the graph). */
 void mf_stepgraph_mark_noop_half(mf_stepgraph *sg, int L, int h, int n_used, const int32_t *slot_card);
-/* Micro-batch h's slot s0 + k of layer L runs its host tasks (ups, join, downs) on socket
- * sock[k]'s CPU lane (k < n; sock[k] < 0: left where it is). Between runs, or from the layer's
- * route task. 0 or mf_graph_set_lane's error. */
-int mf_stepgraph_set_slot_lanes(mf_stepgraph *sg, const mf_sg_lanes *l, int L, int h, int n, const int *sock);
 /* The half (0 or 1) whose slots include slot s. */
 int mf_stepgraph_half_of_slot(const mf_stepgraph *sg, int s);
 
