@@ -301,7 +301,7 @@ static int jj_lex(jlex *L)
             while (p < len && jj_isws(s[p])) p++;
             if (p >= len) return jj_err(s, (int)q, -EINVAL, "tag not closed ('%s')", var ? "}}" : "%}");
             char cl = var ? '}' : '%';
-            int m = (s[p] == '-' || s[p] == '+') && p + 2 < len && s[p + 1] == cl && s[p + 2] == '}';
+            int m = (s[p] == '-' || (s[p] == '+' && !var)) && p + 2 < len && s[p + 1] == cl && s[p + 2] == '}';
             if (m || (p + 1 < len && s[p] == cl && s[p + 1] == '}')) {
                 if ((rc = jl_push(L, (jtok){.type = var ? T_VCLOSE : T_BCLOSE, .pos = (int)p}))) return rc;
                 after = m && s[p] == '-' ? 1 : (!var && !(m && s[p] == '+')) ? 2 : 0;
