@@ -420,6 +420,57 @@ static void test_budget(mf_ref *r, const mf_config *c)
     mf_batch_free(b);
 }
 
+/* Admission past a head that does not fit: budget for two long states and two short ones beside
+ * them. Three long requests then three short: the third long one waits, and short ones start in
+ * the room it leaves, at most max_bypass of them while it waits; once it has been passed that
+ * often, nothing starts ahead of it (a short one that would fit waits), and it starts as soon as
+ * a long one ends. Strict FIFO (-1) starts none ahead of it. */
+static void test_bypass(mf_ref *r, const mf_config *c)
+{
+    enum { LONG_CTX = 4 * MF_LY_PAGE_POSITIONS };
+    int64_t fixed = mf_ref_state_bytes(c, 0), lng = mf_ref_state_bytes(c, LONG_CTX), shrt = mf_ref_state_bytes(c, 16);
+    uint64_t budget = (uint64_t)(2 * lng + 2 * shrt);
+    int32_t prompt[8];
+    for (int i = 0; i < 8; i++) prompt[i] = 5 + i;
+    static const struct { int max_bypass, running, queued, bypassed; } cases[] = {
+        {0, 4, 2, 2},    /* default (16): two short ones start beside the two long ones */
+        {1, 3, 3, 1},    /* one may pass; the second short one waits although it fits */
+        {-1, 2, 4, 0},   /* strict FIFO */
+    };
+    for (int k = 0; k < 3; k++) {
+        mf_batch *b = NULL;
+        CHECK(mf_batch_new(&(mf_batch_opts){.ref = r, .max_batch = 4, .max_context = LONG_CTX, .state_budget_bytes = budget,
+                                            .max_bypass = cases[k].max_bypass}, &b) == 0, "batch: %s", mf_last_error());
+        if (!b) return;
+        CHECK(fixed < shrt && 2 * lng + fixed + lng > (int64_t)budget, "sizes: fixed %lld short %lld long %lld",
+              (long long)fixed, (long long)shrt, (long long)lng);
+        uint64_t ids[6];
+        for (int i = 0; i < 6; i++)
+            CHECK(mf_batch_submit(b, &(mf_batch_req){.prompt = prompt, .n_prompt = 8, .max_tokens = i < 3 ? LONG_CTX - 8 : 8,
+                                                     .ignore_eos = 1, .user = (void *)(intptr_t)i}, &ids[i]) == 0,
+                  "submit: %s", mf_last_error());
+        int n = 0;
+        CHECK(mf_batch_step(b, &n) == 0 && n > 0, "step: %s", mf_last_error());
+        mf_batch_stats bs;
+        mf_batch_get_stats(b, &bs);
+        CHECK(bs.running == cases[k].running && bs.queued == cases[k].queued && bs.bypassed == cases[k].bypassed,
+              "max_bypass %d: %d running, %d queued, %lld bypassed (expected %d, %d, %d)", cases[k].max_bypass,
+              bs.running, bs.queued, (long long)bs.bypassed, cases[k].running, cases[k].queued, cases[k].bypassed);
+        CHECK((uint64_t)bs.state_bytes_held <= budget, "states hold %lld of %llu", (long long)bs.state_bytes_held,
+              (unsigned long long)budget);
+        /* the first long one is cancelled (its state is free after that step): the waiting long
+         * one starts at the next step, and behind it what fits, in order; one short one is left */
+        mf_batch_cancel(b, ids[0]);
+        CHECK(mf_batch_step(b, &n) == 0 && mf_batch_step(b, &n) == 0, "step: %s", mf_last_error());
+        mf_batch_get_stats(b, &bs);
+        CHECK(bs.running == 4 && bs.queued == 1, "max_bypass %d after a long one ends: %d running, %d queued "
+              "(expected 4, 1)", cases[k].max_bypass, bs.running, bs.queued);
+        for (int i = 0; i < 6; i++) mf_batch_cancel(b, ids[i]);
+        for (int s = 0; s < 8 && mf_batch_wait(b, 0); s++) mf_batch_step(b, &n);
+        mf_batch_free(b);
+    }
+}
+
 int main(void)
 {
     mf_config c;
@@ -479,6 +530,7 @@ int main(void)
 
     if (!tsan) test_single(r, e, so, &c);
     if (!tsan) test_budget(r, &c);
+    if (!tsan) test_bypass(r, &c);
     got g[N_REQ];
     mf_batch *b = NULL;
     mf_batch_stats bs;

@@ -6,6 +6,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <jansson.h>
+#include "sched/error.h"
 
 #include "tests/check.h"
 #include "tests/fuzz/fuzz_serve_req.c"
@@ -70,10 +75,60 @@ int main(void)
                 "\"max_completion_tokens\": 4}", 1, &r, &e) == 0 && r.n_msgs == 4 && r.max_tokens == 4, "chat: %s", e.message);
     char *t = NULL;
     size_t n = 0;
-    CHECK(mf_serve_chat_render(&r, &t, &n) == 0 &&
+    int bos_in_text = -1;
+    CHECK(mf_serve_chat_render(&r, NULL, &t, &n, &bos_in_text) == 0 && bos_in_text == 0 &&
           !strcmp(t, "S<\xef\xbd\x9cUser\xef\xbd\x9c>hi<\xef\xbd\x9c" "Assistant\xef\xbd\x9c>yo<\xef\xbd\x9c" "end\xe2\x96\x81of"
                      "\xe2\x96\x81sentence\xef\xbd\x9c><\xef\xbd\x9cUser\xef\xbd\x9c>again<\xef\xbd\x9c" "Assistant\xef\xbd\x9c>") &&
           n == strlen(t), "template: '%s'", t ? t : "");
+    /* a checkpoint's chat template (tokenizer_config.json): tests/py/chat_templates/deepseek_v3_style.jinja
+     * writes the built-in format (one system message), after the bos_token */
+    const char *tmp = getenv("MOEFLOW_TMP") ? getenv("MOEFLOW_TMP") : "/tmp";
+    char ck[900], cfgp[1000], tp[1000];
+    snprintf(ck, sizeof ck, "%s/serve_req_chat", tmp);
+    snprintf(cfgp, sizeof cfgp, "%s/tokenizer_config.json", ck);
+    snprintf(tp, sizeof tp, "%s/tests/py/chat_templates/deepseek_v3_style.jinja", MF_SOURCE_DIR);
+    mkdir(ck, 0755);
+    FILE *tf = fopen(tp, "rb");
+    char src[8192];
+    size_t ns = tf ? fread(src, 1, sizeof src - 1, tf) : 0;
+    if (tf) fclose(tf);
+    src[ns] = 0;
+    CHECK(ns > 0, "cannot read %s", tp);
+    static const char bos[] = "<\xef\xbd\x9c" "begin\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>";
+    json_t *cfg = json_pack("{s:{s:s},s:s,s:s}", "bos_token", "content", bos,
+                            "eos_token", "</s>", "chat_template", src);
+    CHECK(cfg && json_dump_file(cfg, cfgp, 0) == 0, "cannot write %s", cfgp);
+    json_decref(cfg);
+    mf_chat_tmpl *ct = NULL;
+    char desc[4400];
+    CHECK(mf_chat_tmpl_load(ck, NULL, &ct, desc, sizeof desc) == 0 && ct && strstr(desc, "tokenizer_config.json"),
+          "load: %s", mf_last_error());
+    char *t2 = NULL;
+    size_t n2 = 0;
+    bos_in_text = -1;
+    CHECK(ct && mf_serve_chat_render(&r, ct, &t2, &n2, &bos_in_text) == 0 && bos_in_text == 1 &&
+          !strncmp(t2, bos, strlen(bos)) && !strcmp(t2 + strlen(bos), t),
+          "checkpoint template: '%s' against the built-in '%s' (%s)", t2 ? t2 : "", t, mf_last_error());
+    free(t2);
+    mf_chat_tmpl_free(ct);
+    ct = NULL;
+    CHECK(mf_chat_tmpl_load(ck, "builtin", &ct, desc, sizeof desc) == 0 && !ct && strstr(desc, "built-in"), "builtin");
+    /* a template moeflow does not render: refused at load with its position */
+    cfg = json_pack("{s:s}", "chat_template", "{{ bos_token }}\n{% macro x() %}{% endmacro %}");
+    CHECK(cfg && json_dump_file(cfg, cfgp, 0) == 0, "cannot write %s", cfgp);
+    json_decref(cfg);
+    CHECK(mf_chat_tmpl_load(ck, NULL, &ct, desc, sizeof desc) == -EINVAL && !ct &&
+          strstr(mf_last_error(), "line 2 column 4: unsupported tag 'macro'"), "refusal: %s", mf_last_error());
+    CHECK(mf_chat_tmpl_load(ck, "/nonexistent/t.jinja", &ct, desc, sizeof desc) == -ENOENT, "missing file");
+    /* a template's raise_exception is the request's error */
+    cfg = json_pack("{s:s}", "chat_template", "{% for m in messages if m.role == 'system' %}{{ raise_exception('no system messages') }}{% endfor %}");
+    CHECK(cfg && json_dump_file(cfg, cfgp, 0) == 0, "cannot write %s", cfgp);
+    json_decref(cfg);
+    CHECK(mf_chat_tmpl_load(ck, NULL, &ct, desc, sizeof desc) == 0 && ct, "load: %s", mf_last_error());
+    CHECK(ct && mf_serve_chat_render(&r, ct, &t2, &n2, &bos_in_text) == -EINVAL && strstr(mf_last_error(), "no system messages"),
+          "raise_exception: %s", mf_last_error());
+    mf_chat_tmpl_free(ct);
+    unlink(cfgp);
     free(t);
     mf_serve_req_clear(&r);
 

@@ -28,6 +28,7 @@
 #include "sched/path.h"
 #include "sched/profile.h"
 #include "tools/commands.h"
+#include "tools/serve_req.h"
 #include "tools/sim_common.h"
 
 static void mf_decode_usage(FILE *f)
@@ -39,6 +40,7 @@ static void mf_decode_usage(FILE *f)
             "                      [--step-tokens N] [--output FILE.jsonl]\n"
             "                      [--max-new-tokens N] [--temperature T --top-p P --seed S]\n"
             "                      [--no-bos] [--ignore-eos] [--act-quant] [--quiet] [--trace FILE]\n"
+            "                      [--chat [--chat-template FILE|builtin]]\n"
             "                      [--store resident|streamed [--store-budget SIZE]\n"
             "                       [--store-tables resident|streamed] [--io-depth N]]\n"
             "                      [--devices emu:N|cuda[:IDS] [--placement seed|host|hybrid] [--dense host|cards]\n"
@@ -88,6 +90,12 @@ static void mf_decode_usage(FILE *f)
             "  --top-p P           nucleus mass in (0, 1] (default 1)\n"
             "  --seed S            sampling seed (default 0)\n"
             "  --no-bos            do not prepend bos_token_id to --prompt\n"
+            "  --chat              each prompt is one user message, rendered with the chat template\n"
+            "                      as `moeflow serve` renders /v1/chat/completions: DIR's\n"
+            "                      tokenizer_config.json chat_template (no BOS id prepended: the\n"
+            "                      template writes it), else the built-in DeepSeek-V3 format\n"
+            "  --chat-template T   with --chat: FILE (a template, or a tokenizer_config.json) or\n"
+            "                      builtin, instead of DIR's\n"
             "  --ignore-eos        keep going after eos_token_id\n"
             "  --act-quant         quantize linear inputs to e4m3 as DeepSeek's inference code\n"
             "                      does (default: the Hugging Face port, which does not);\n"
@@ -417,7 +425,9 @@ static int mf_read_lines(const char *path, char ***out, int *n_out)
 int mf_cmd_decode(int argc, char **argv)
 {
     const char *dir = NULL, *prompt = NULL, *ids = NULL, *prompts_file = NULL, *engine = "scheduled";
-    const char *outfile = NULL;
+    const char *outfile = NULL, *chat_spec = NULL;
+    int chat = 0;
+    mf_chat_tmpl *ct = NULL;
     long max_new = 16, batch = 0, threads = sysconf(_SC_NPROCESSORS_ONLN), step_tokens = MF_BATCH_STEP_TOKENS;
     double temperature = 0, top_p = 1.0;
     unsigned long long seed = 0;
@@ -450,6 +460,10 @@ int mf_cmd_decode(int argc, char **argv)
             ids = argv[++i];
         } else if (!strcmp(a, "--prompts") && hv) {
             prompts_file = argv[++i];
+        } else if (!strcmp(a, "--chat")) {
+            chat = 1;
+        } else if (!strcmp(a, "--chat-template") && hv) {
+            chat_spec = argv[++i];
         } else if (!strcmp(a, "--engine") && hv) {
             engine = argv[++i];
             if (strcmp(engine, "scheduled") && strcmp(engine, "reference")) {
@@ -656,6 +670,26 @@ int mf_cmd_decode(int argc, char **argv)
         return 2;
     }
     if (have_tok && mf_tok_load(tpath, &tok)) goto fail;
+    if (chat_spec && !chat) {
+        fprintf(stderr, "moeflow decode: --chat-template applies with --chat\n");
+        ret = 2;
+        goto out;
+    }
+    if (chat) {
+        char desc[4400];
+        if (!have_tok || ids) {
+            fprintf(stderr, "moeflow decode: --chat needs prompt text and %s/tokenizer.json\n", dir);
+            ret = 2;
+            goto out;
+        }
+        if (mf_chat_tmpl_load(dir, chat_spec, &ct, desc, sizeof desc)) {
+            fprintf(stderr, "moeflow decode: %s\n", mf_last_error());
+            ret = 2;
+            goto out;
+        }
+        if (!quiet) fprintf(stderr, "moeflow decode: chat: %s\n", desc);
+        if (ct) no_bos = 1;   /* the template writes BOS as text, if it wants one */
+    }
     int is_text = 0;
     if (prompts_file) {
         if (mf_read_lines(prompts_file, &lines, &n_lines)) {
@@ -672,7 +706,22 @@ int mf_cmd_decode(int argc, char **argv)
     for (int i = 0; i < n_seq; i++) {
         const char *text = prompts_file ? (have_tok ? lines[i] : NULL) : prompt;
         const char *tids = prompts_file ? (have_tok ? NULL : lines[i]) : ids;
-        if (mf_prompt_ids(tok, text, tids, no_bos, &sq[i].pids, &sq[i].n_pid)) {
+        char *rendered = NULL;
+        if (chat && text) {   /* one user message through the chat template */
+            mf_serve_msg msg = {.role = "user", .content = (char *)text};
+            mf_serve_req q = {.chat = 1, .msgs = &msg, .n_msgs = 1};
+            size_t rn;
+            int bos_in_text;
+            if (mf_serve_chat_render(&q, ct, &rendered, &rn, &bos_in_text)) {
+                fprintf(stderr, "moeflow decode: prompt %d: the chat template: %s\n", i + 1, mf_last_error());
+                ret = 2;
+                goto out;
+            }
+            text = rendered;
+        }
+        int prc = mf_prompt_ids(tok, text, tids, no_bos, &sq[i].pids, &sq[i].n_pid);
+        free(rendered);
+        if (prc) {
             if (prompts_file)
                 fprintf(stderr, "moeflow decode: %s line %d: %s\n", prompts_file, i + 1, mf_last_error());
             else
@@ -964,6 +1013,7 @@ out:
     mf_model_free(m);
     mf_engram_map_free(emap);
     mf_tok_free(tok);
+    mf_chat_tmpl_free(ct);
     for (int i = 0; i < n_lines; i++) free(lines[i]);
     free(lines);
     return ret;

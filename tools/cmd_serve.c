@@ -87,6 +87,7 @@ struct mf_job {
 typedef struct mf_srv {
     mf_batch *b;
     mf_tok *tok;
+    mf_chat_tmpl *chat;        /* NULL: the built-in chat format */
     mf_step *eng;
     const mf_config *c;
     char model[256];
@@ -423,8 +424,13 @@ static int mf_srv_prompt(mf_srv *v, const mf_serve_req *q, int32_t **ids, int *n
     }
     char *text = NULL;
     size_t len = 0;
+    int bos_in_text = 0;
     if (q->chat) {
-        if (mf_serve_chat_render(q, &text, &len)) return -ENOMEM;
+        int rc = mf_serve_chat_render(q, v->chat, &text, &len, &bos_in_text);
+        if (rc) {
+            snprintf(why, cap, "the chat template cannot render these messages: %s", mf_last_error());
+            return rc == -ENOMEM ? rc : -EINVAL;
+        }
     } else {
         text = q->prompt;
         len = strlen(q->prompt);
@@ -439,8 +445,15 @@ static int mf_srv_prompt(mf_srv *v, const mf_serve_req *q, int32_t **ids, int *n
         return rc == -ENOMEM ? rc : -EINVAL;
     }
     p[0] = v->c->bos_token_id;
+    if (bos_in_text) memmove(p, p + 1, sizeof *p * got);   /* the template's text holds what it wants */
+    else got++;
+    if (got == 0) {
+        free(p);
+        snprintf(why, cap, "the prompt encodes to no tokens");
+        return -EINVAL;
+    }
     *ids = p;
-    *n = (int)got + 1;
+    *n = (int)got;
     return 0;
 }
 
@@ -737,7 +750,8 @@ static void mf_serve_usage(FILE *f)
             "usage: moeflow serve --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--max-batch N]\n"
             "                     [--step-tokens N] [--state-budget BYTES] [--max-queue N] [--api-key KEY]\n"
             "                     [--max-context N] [--threads N] [--exact] [--engine scheduled|reference]\n"
-            "                     [--model-name NAME] [--max-body BYTES] [--timeout S] [--drain-timeout S] [--quiet]\n\n"
+            "                     [--model-name NAME] [--max-body BYTES] [--timeout S] [--drain-timeout S]\n"
+            "                     [--chat-template FILE|builtin] [--quiet]\n\n"
             "Serves an OpenAI-compatible HTTP API over the continuous batcher (docs/serve.md):\n"
             "POST /v1/completions, POST /v1/chat/completions (stream: true for server-sent events),\n"
             "GET /v1/models, /health, /metrics (Prometheus text). SIGTERM or SIGINT stop accepting,\n"
@@ -758,6 +772,9 @@ static void mf_serve_usage(FILE *f)
             "  --max-body SIZE      largest request body (default 1M); larger: 413\n"
             "  --timeout S          close connections idle for S seconds (default 30)\n"
             "  --drain-timeout S    on SIGTERM/SIGINT, seconds to let running requests finish (default 10)\n"
+            "  --chat-template T    the chat template: DIR/tokenizer_config.json's chat_template by default\n"
+            "                       (Jinja2, the subset of docs/serve.md; the built-in DeepSeek-V3 format\n"
+            "                       without one), FILE (a template, or a tokenizer_config.json), or builtin\n"
             "  --quiet              no log lines on stderr\n");
 }
 
@@ -778,6 +795,7 @@ static int mf_serve_long(const char *opt, const char *s, long lo, long hi, long 
 int mf_cmd_serve(int argc, char **argv)
 {
     const char *dir = NULL, *host = "127.0.0.1", *api_key = NULL, *model_name = NULL, *engine = "scheduled";
+    const char *chat_spec = NULL;
     long port = 8000, max_batch = 16, step_tokens = 64, max_queue = 256, max_context = 0, timeout = 30, drain = 10;
     long threads = sysconf(_SC_NPROCESSORS_ONLN);
     uint64_t budget = 0, max_body = 1 << 20;
@@ -801,6 +819,7 @@ int mf_cmd_serve(int argc, char **argv)
         else if (!strcmp(a, "--drain-timeout") && hv) bad = mf_serve_long(a, argv[++i], 0, 86400, &drain);
         else if (!strcmp(a, "--api-key") && hv) api_key = argv[++i];
         else if (!strcmp(a, "--model-name") && hv) model_name = argv[++i];
+        else if (!strcmp(a, "--chat-template") && hv) chat_spec = argv[++i];
         else if (!strcmp(a, "--engine") && hv) {
             engine = argv[++i];
             bad = strcmp(engine, "scheduled") && strcmp(engine, "reference");
@@ -853,6 +872,13 @@ int mf_cmd_serve(int argc, char **argv)
     char tpath[4200];
     snprintf(tpath, sizeof tpath, "%s/tokenizer.json", dir);
     if (access(tpath, R_OK) == 0 && mf_tok_load(tpath, &v.tok)) goto fail;
+    char chat_desc[4400];
+    if (mf_chat_tmpl_load(dir, chat_spec, &v.chat, chat_desc, sizeof chat_desc)) {
+        fprintf(stderr, "moeflow serve: %s\n(--chat-template builtin serves the built-in DeepSeek-V3 chat format instead)\n",
+                mf_last_error());
+        ret = 2;
+        goto out;
+    }
     if (mf_model_load(dir, &(mf_model_opts){.quiet = quiet, .resident_limit_bytes = sched ? UINT64_C(64) << 30 : 0}, &m))
         goto fail;
     v.c = mf_model_config(m);
@@ -906,10 +932,7 @@ int mf_cmd_serve(int argc, char **argv)
     fprintf(stderr, "moeflow serve: listening on http://%s:%u (model %s, %s engine, up to %d states, %.1f MiB each "
             "at the full context of %" PRId64 " (pages as positions arrive), step budget %ld)\n", host, di ? di->port : (unsigned)port, v.model, engine, bs.n_states,
             mf_batch_state_bytes(v.b) / 1048576.0, v.max_context, step_tokens);
-    snprintf(tpath, sizeof tpath, "%s/tokenizer_config.json", dir);
-    if (!quiet && access(tpath, R_OK) == 0)
-        fprintf(stderr, "moeflow serve: %s may hold a Jinja chat_template; moeflow does not render Jinja and uses its "
-                "built-in DeepSeek-V3 chat format (docs/serve.md)\n", tpath);
+    if (!quiet) fprintf(stderr, "moeflow serve: chat: %s\n", chat_desc);
     fflush(stderr);
 
     int sig = 0;
@@ -975,6 +998,7 @@ out:
     mf_model_free(m);
     mf_engram_map_free(emap);
     mf_tok_free(v.tok);
+    mf_chat_tmpl_free(v.chat);
     pthread_mutex_destroy(&v.mu);
     return ret;
 }

@@ -1,6 +1,9 @@
 /* The OpenAI request parser and chat template of `moeflow serve` (tools/serve_req.h). */
 #include "tools/serve_req.h"
 
+#include "host/jinja.h"
+#include "sched/error.h"
+
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
@@ -8,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static int mf_req_fail(mf_serve_err *e, const char *param, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -129,6 +133,7 @@ static int mf_req_messages(json_t *m, mf_serve_req *r, mf_serve_err *e)
                                "\"assistant\"", i);
         r->n_msgs = (int)i + 1;
         if (!(r->msgs[i].role = strdup(json_string_value(role)))) return -ENOMEM;
+        r->msgs[i].content_null = json_is_null(json_object_get(x, "content"));
         int rc = mf_req_content(json_object_get(x, "content"), i, &r->msgs[i].content, e);
         if (rc) return rc;
     }
@@ -282,7 +287,7 @@ static int mf_req_cat(char **s, size_t *n, size_t *cap, const char *add)
     return 0;
 }
 
-int mf_serve_chat_render(const mf_serve_req *r, char **out, size_t *n_out)
+static int mf_chat_builtin(const mf_serve_req *r, char **out, size_t *n_out)
 {
     static const char user[] = "<\xef\xbd\x9cUser\xef\xbd\x9c>", asst[] = "<\xef\xbd\x9c" "Assistant\xef\xbd\x9c>",
                       eos[] = "<\xef\xbd\x9c" "end\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>";
@@ -310,4 +315,159 @@ int mf_serve_chat_render(const mf_serve_req *r, char **out, size_t *n_out)
     *out = s;
     *n_out = n;
     return 0;
+}
+
+struct mf_chat_tmpl {
+    mf_jinja *jinja;
+    char *bos, *eos;   /* NULL: not given (undefined in the template) */
+};
+
+void mf_chat_tmpl_free(mf_chat_tmpl *t)
+{
+    if (!t) return;
+    mf_jinja_free(t->jinja);
+    free(t->bos);
+    free(t->eos);
+    free(t);
+}
+
+/* bos_token / eos_token of a tokenizer_config.json: a string or an AddedToken {"content": ...} */
+static int mf_chat_special(json_t *cfg, const char *key, char **out)
+{
+    json_t *v = json_object_get(cfg, key);
+    if (json_is_object(v)) v = json_object_get(v, "content");
+    if (!json_is_string(v)) return 0;
+    return (*out = mf_req_dup(json_string_value(v), json_string_length(v))) ? 0 : -ENOMEM;
+}
+
+static int mf_chat_read(const char *path, char **text, size_t *n)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) return mf_error(-ENOENT, "%s: cannot open: %s", path, strerror(errno));
+    size_t cap = 1 << 14, len = 0, k;
+    char *p = malloc(cap);
+    while (p && (k = fread(p + len, 1, cap - len - 1, f)) > 0) {
+        len += k;
+        if (len + 1 == cap) {
+            char *q = cap < ((size_t)64 << 20) ? realloc(p, cap *= 2) : NULL;
+            if (!q) {
+                free(p);
+                p = NULL;
+            }
+            p = q;
+        }
+    }
+    fclose(f);
+    if (!p) return mf_error(-ENOMEM, "%s: cannot read (out of memory, or over 64 MiB)", path);
+    p[len] = 0;
+    *text = p;
+    *n = len;
+    return 0;
+}
+
+int mf_chat_tmpl_load(const char *dir, const char *spec, mf_chat_tmpl **out, char *desc, size_t desc_cap)
+{
+    char cfg_path[4200];
+    json_t *cfg = NULL, *spec_cfg = NULL;
+    json_error_t je;
+    char *src = NULL;
+    size_t n_src = 0;
+    int rc = 0;
+    *out = NULL;
+    if (spec && !strcmp(spec, "builtin")) {
+        snprintf(desc, desc_cap, "the built-in DeepSeek-V3 chat format (--chat-template builtin)");
+        return 0;
+    }
+    snprintf(cfg_path, sizeof cfg_path, "%s/tokenizer_config.json", dir);
+    FILE *probe = fopen(cfg_path, "rb");
+    if (probe) {
+        fclose(probe);
+        if (!(cfg = json_load_file(cfg_path, 0, &je)))
+            return mf_error(-EINVAL, "%s line %d: %s", cfg_path, je.line, je.text);
+    }
+    if (!spec && !cfg) {
+        snprintf(desc, desc_cap, "the built-in DeepSeek-V3 chat format (no tokenizer_config.json)");
+        return 0;
+    }
+    const char *from = cfg_path;
+    json_t *tcfg = cfg;   /* where the template comes from */
+    size_t sl = spec ? strlen(spec) : 0;
+    if (spec && sl > 5 && !strcmp(spec + sl - 5, ".json")) {
+        if (!(spec_cfg = json_load_file(spec, 0, &je))) {
+            rc = mf_error(access(spec, R_OK) ? -ENOENT : -EINVAL, "--chat-template %s: %s", spec, je.text);
+            goto done;
+        }
+        tcfg = spec_cfg;
+        from = spec;
+    } else if (spec) {
+        if ((rc = mf_chat_read(spec, &src, &n_src))) goto done;
+        from = spec;
+        tcfg = NULL;
+    }
+    if (tcfg) {
+        json_t *t = json_object_get(tcfg, "chat_template");
+        if (json_is_array(t)) {   /* named templates: the default one */
+            size_t i;
+            json_t *e, *pick = NULL;
+            json_array_foreach(t, i, e) {
+                json_t *nm = json_object_get(e, "name");
+                if (json_is_string(nm) && !strcmp(json_string_value(nm), "default")) pick = json_object_get(e, "template");
+            }
+            t = pick;
+        }
+        if (!json_is_string(t)) {
+            if (spec) rc = mf_error(-EINVAL, "--chat-template %s: no chat_template string in it", spec);
+            else snprintf(desc, desc_cap, "the built-in DeepSeek-V3 chat format (tokenizer_config.json has no chat_template)");
+            goto done;
+        }
+        if (!(src = mf_req_dup(json_string_value(t), json_string_length(t)))) {
+            rc = -ENOMEM;
+            goto done;
+        }
+        n_src = json_string_length(t);
+    }
+    mf_chat_tmpl *ct = calloc(1, sizeof *ct);
+    if (!ct) {
+        rc = -ENOMEM;
+        goto done;
+    }
+    json_t *sp = spec_cfg ? spec_cfg : cfg;
+    if ((rc = mf_jinja_parse(src, n_src, &ct->jinja))) {
+        mf_chat_tmpl_free(ct);
+        rc = mf_error_wrap(rc, "%s", from);
+        goto done;
+    }
+    if (sp && ((rc = mf_chat_special(sp, "bos_token", &ct->bos)) || (rc = mf_chat_special(sp, "eos_token", &ct->eos)))) {
+        mf_chat_tmpl_free(ct);
+        goto done;
+    }
+    snprintf(desc, desc_cap, "the chat template of %s (%zu bytes)", from, n_src);
+    *out = ct;
+done:
+    free(src);
+    if (cfg) json_decref(cfg);
+    if (spec_cfg) json_decref(spec_cfg);
+    return rc;
+}
+
+int mf_serve_chat_render(const mf_serve_req *r, const mf_chat_tmpl *t, char **out, size_t *n_out, int *bos_in_text)
+{
+    *bos_in_text = 0;
+    if (!t) return mf_chat_builtin(r, out, n_out);
+    json_t *msgs = json_array(), *ctx = NULL;
+    int rc = msgs ? 0 : -ENOMEM;
+    for (int i = 0; i < r->n_msgs && !rc; i++) {
+        const mf_serve_msg *m = &r->msgs[i];
+        json_t *o = json_pack("{s:s,s:o}", "role", m->role, "content",
+                              m->content_null ? json_null() : json_stringn_nocheck(m->content, strlen(m->content)));
+        if (!o || json_array_append_new(msgs, o)) rc = -ENOMEM;
+    }
+    if (!rc && !(ctx = json_pack("{s:o,s:b}", "messages", json_incref(msgs), "add_generation_prompt", 1))) rc = -ENOMEM;
+    if (!rc && t->bos && json_object_set_new(ctx, "bos_token", json_string(t->bos))) rc = -ENOMEM;
+    if (!rc && t->eos && json_object_set_new(ctx, "eos_token", json_string(t->eos))) rc = -ENOMEM;
+    if (!rc) rc = mf_jinja_render(t->jinja, ctx, out, n_out);
+    if (msgs) json_decref(msgs);
+    if (ctx) json_decref(ctx);
+    if (!rc) *bos_in_text = 1;
+    return rc;
 }

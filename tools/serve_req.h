@@ -13,8 +13,9 @@
 #define MF_SERVE_MAX_N 16   /* choices per request (`n`) */
 
 typedef struct mf_serve_msg {
-    char *role;      /* system, user or assistant */
-    char *content;
+    char *role;      /* system, developer, user or assistant */
+    char *content;   /* "" when null (content_null 1) */
+    int content_null;
 } mf_serve_msg;
 
 typedef struct mf_serve_req {
@@ -49,10 +50,29 @@ typedef struct mf_serve_err {
 int mf_serve_req_parse(const char *body, size_t len, int chat, mf_serve_req *out, mf_serve_err *err);
 void mf_serve_req_clear(mf_serve_req *r);
 
-/* The chat template moeflow renders (the DeepSeek-V3 format without tools or thinking): system
- * messages' contents first, then "<｜User｜>" + content for user messages, "<｜Assistant｜>" +
- * content + "<｜end▁of▁sentence｜>" for assistant messages, and a final "<｜Assistant｜>". The BOS
- * token is not part of the text (the caller prepends its id). *out is malloc'ed; 0 or -ENOMEM. */
-int mf_serve_chat_render(const mf_serve_req *r, char **out, size_t *n_out);
+/* A chat template: a Jinja2 template (host/jinja.h) with the bos_token and eos_token strings it is
+ * rendered with. Opaque; NULL stands for the built-in format below. */
+typedef struct mf_chat_tmpl mf_chat_tmpl;
+
+/* The chat template for checkpoint dir. spec NULL: dir/tokenizer_config.json's `chat_template` (a
+ * string, or the entry named "default" of a list) with its bos_token / eos_token (strings or
+ * {"content": ...}); 0 and *out NULL when the file or the field is absent. spec "builtin": *out
+ * NULL. Else spec is a file: a tokenizer_config.json when it ends in .json, a template otherwise
+ * (bos/eos from dir's tokenizer_config.json when it has them). desc gets what was chosen, for the
+ * start line. Fails with -EINVAL (a template moeflow cannot render: mf_last_error names the file,
+ * line and column; a malformed tokenizer_config.json), -ENOENT (spec missing), -ENOMEM. */
+int mf_chat_tmpl_load(const char *dir, const char *spec, mf_chat_tmpl **out, char *desc, size_t desc_cap);
+void mf_chat_tmpl_free(mf_chat_tmpl *t);
+
+/* Renders r's messages as prompt text. With t: the template, with messages [{role, content}]
+ * (content null where it was), add_generation_prompt true, bos_token and eos_token; *bos_in_text 1:
+ * the caller adds no BOS id (as apply_chat_template: BOS is in the text if the template writes it,
+ * and the text is encoded without special tokens added). Its failures
+ * (raise_exception, a type error) are -EINVAL with mf_last_error() naming line and column.
+ * t NULL, the built-in format (the DeepSeek-V3 format without tools or thinking): system messages'
+ * contents first, then "<｜User｜>" + content for user messages, "<｜Assistant｜>" + content +
+ * "<｜end▁of▁sentence｜>" for assistant messages, and a final "<｜Assistant｜>"; BOS is not part of
+ * the text (*bos_in_text 0: the caller prepends its id). *out is malloc'ed; 0, -EINVAL or -ENOMEM. */
+int mf_serve_chat_render(const mf_serve_req *r, const mf_chat_tmpl *t, char **out, size_t *n_out, int *bos_in_text);
 
 #endif

@@ -21,6 +21,7 @@ typedef struct mf_breq {
     int32_t *prompt;
     char **stop;
     int cancel;           /* under the mutex */
+    int n_passed;         /* requests admitted ahead of this one while it was the queue's head */
     int64_t submit_ns;
     struct mf_breq *next;
 } mf_breq;
@@ -54,6 +55,7 @@ struct mf_batch {
     pthread_cond_t cv;
     mf_breq *qhead, *qtail, *dropped;   /* queue; cancelled while queued (DONE pending) */
     int n_queued, n_running, shut;
+    int max_bypass;       /* opts.max_bypass resolved: 0 is strict FIFO */
     uint64_t next_id, next_order;
     mf_batch_stats stats;
 };
@@ -114,6 +116,7 @@ int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
     b->n_states = fit < o.max_batch ? (int)fit : o.max_batch;
     b->step_cap = o.step_tokens + b->n_states;
     b->next_id = 1;
+    b->max_bypass = o.max_bypass == 0 ? MF_BATCH_MAX_BYPASS : o.max_bypass < 0 ? 0 : o.max_bypass;
     pthread_mutex_init(&b->mu, NULL);
     pthread_cond_init(&b->cv, NULL);
     b->seq = calloc((size_t)b->n_states, sizeof *b->seq);
@@ -264,8 +267,9 @@ static int mf_batch_fits(mf_batch *b, int i, const mf_breq *r)
     return 1;
 }
 
-/* Takes the queue's cancellations and admissions (under the mutex), then delivers them. A request
- * is admitted in queue order when a state is free and the state budget holds what it needs. */
+/* Takes the queue's cancellations and admissions (under the mutex), then delivers them. A free
+ * state takes the queue's head when the state budget holds what it needs; else the first request
+ * behind it that fits, while the head has been passed fewer than max_bypass times. */
 static void mf_batch_admit(mf_batch *b)
 {
     mf_breq *dropped;
@@ -279,10 +283,21 @@ static void mf_batch_admit(mf_batch *b)
             cancel[i] = q->req->cancel;
             continue;
         }
-        if (!b->qhead || !mf_batch_fits(b, i, b->qhead)) continue;
-        mf_breq *r = b->qhead;
-        b->qhead = r->next;
-        if (!b->qhead) b->qtail = NULL;
+        if (!b->qhead) continue;
+        mf_breq *r = b->qhead, **link = &b->qhead, *prev = NULL;
+        if (!mf_batch_fits(b, i, r)) {
+            /* the head does not fit the budget: the first request behind it that fits may start,
+             * while the head has been passed fewer than max_bypass times (then FIFO until it starts) */
+            if (r->n_passed >= b->max_bypass) continue;
+            for (prev = r, link = &r->next; *link && !mf_batch_fits(b, i, *link); prev = *link, link = &(*link)->next) {
+            }
+            if (!*link) continue;
+            r = *link;
+            b->qhead->n_passed++;
+            b->stats.bypassed++;
+        }
+        *link = r->next;
+        if (b->qtail == r) b->qtail = link == &b->qhead ? NULL : prev;
         b->n_queued--;
         b->n_running++;
         q->req = r;

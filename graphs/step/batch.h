@@ -61,6 +61,7 @@ typedef struct mf_batch_event {
  * mf_step_forward: the items of one sequence in chunks of up to MF_STEP_MAX_CHUNK); mixed steps
  * run in graphs of 64. */
 #define MF_BATCH_STEP_TOKENS 64
+#define MF_BATCH_MAX_BYPASS 16   /* mf_batch_opts.max_bypass's default */
 
 typedef struct mf_batch_opts {
     mf_ref *ref;          /* the forward the states belong to (required) */
@@ -78,14 +79,20 @@ typedef struct mf_batch_opts {
     int prefill_split;
     int64_t max_context;  /* positions per state: prompt + max_tokens (0: min(model's, 4096)) */
     /* bytes all states may hold (0: no limit). A state holds a fixed part (the window ring) and
-     * pages for the positions of the request it runs (graphs/ref/ref.h): a request is admitted, in
-     * queue order, when a state is free and the bytes every state holds plus what it needs
+     * pages for the positions of the request it runs (graphs/ref/ref.h): a request is admitted
+     * (in queue order, but see max_bypass) when a state is free and the bytes every state holds plus what it needs
      * (mf_batch_request_bytes: prompt + max_tokens positions) fit; it waits in the queue until
      * then (idle states give back their pages when that makes room; without a budget a state keeps
      * its pages for the next request). The pool holds min(max_batch, 1 + (budget - one state of
      * max_context) / the fixed part) states, so that a request of max_context always fits beside
      * idle states; a budget below one state of max_context is -ENOSPC. */
     uint64_t state_budget_bytes;
+    /* admission past a queue head that does not fit the budget (0: MF_BATCH_MAX_BYPASS; -1: none,
+     * strict FIFO): a free state takes the first request behind the head whose bytes fit, at most
+     * this many times while that head waits; then no request starts ahead of it until it has. So
+     * short requests use the room a long head leaves, and the head waits at most for the running
+     * requests and these max_bypass ones to end. Without a budget the head always fits. */
+    int max_bypass;
     int max_queue;        /* waiting requests (0: 256); one more is refused with -EAGAIN */
     void (*on_event)(void *user, const mf_batch_event *ev);
     void *user;           /* for on_event */
@@ -144,6 +151,7 @@ typedef struct mf_batch_stats {
     int64_t steps, items, prefill_items, decode_items, generated;
     int64_t completed, cancelled, refused;
     int64_t state_bytes_held;   /* what all states hold, as of the last admission */
+    int64_t bypassed;           /* requests admitted ahead of a queue head that did not fit (max_bypass) */
 } mf_batch_stats;
 
 void mf_batch_get_stats(mf_batch *b, mf_batch_stats *out);   /* thread-safe */

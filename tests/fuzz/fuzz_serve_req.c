@@ -39,7 +39,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         for (int i = 0; i < r.n_msgs; i++) FUZZ_REQUIRE(r.msgs[i].role && r.msgs[i].content);
         char *t = NULL;
         size_t n = 0;
-        FUZZ_REQUIRE(mf_serve_chat_render(&r, &t, &n) == 0 && t && strlen(t) <= n);
+        int bos_in_text = -1;
+        FUZZ_REQUIRE(mf_serve_chat_render(&r, NULL, &t, &n, &bos_in_text) == 0 && t && strlen(t) <= n && bos_in_text == 0);
         free(t);
     } else {
         FUZZ_REQUIRE(r.prompt || (r.ids && r.n_ids >= 1 && r.n_ids <= MF_SERVE_MAX_IDS));

@@ -1,0 +1,57 @@
+/* Renders a chat template (host/jinja.h) for tests/py/check_jinja.py: jinja_render TEMPLATE CONTEXT.json
+ * writes the output to stdout and exits 0, or writes the error to stderr and exits 2 (parse) or
+ * 3 (render). */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "host/jinja.h"
+#include "sched/error.h"
+
+static char *slurp(const char *path, size_t *n)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    size_t cap = 1 << 16, len = 0;
+    char *p = malloc(cap);
+    size_t k;
+    while (p && (k = fread(p + len, 1, cap - len, f)) > 0) {
+        len += k;
+        if (len == cap) p = realloc(p, cap *= 2);
+    }
+    fclose(f);
+    *n = len;
+    return p;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 3) {
+        fprintf(stderr, "usage: jinja_render TEMPLATE CONTEXT.json\n");
+        return 1;
+    }
+    size_t n;
+    char *src = slurp(argv[1], &n);
+    json_error_t je;
+    json_t *ctx = json_load_file(argv[2], JSON_ALLOW_NUL, &je);
+    if (!src || !ctx) {
+        fprintf(stderr, "jinja_render: cannot read %s\n", !src ? argv[1] : argv[2]);
+        return 1;
+    }
+    mf_jinja *t;
+    if (mf_jinja_parse(src, n, &t)) {
+        fprintf(stderr, "%s\n", mf_last_error());
+        return 2;
+    }
+    char *out;
+    size_t n_out;
+    if (mf_jinja_render(t, ctx, &out, &n_out)) {
+        fprintf(stderr, "%s\n", mf_last_error());
+        return 3;
+    }
+    fwrite(out, 1, n_out, stdout);
+    free(out);
+    mf_jinja_free(t);
+    json_decref(ctx);
+    free(src);
+    return 0;
+}
