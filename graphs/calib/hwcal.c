@@ -428,7 +428,7 @@ static void *mf_kjob_run(void *arg)
 {
     mf_kjob *j = arg;
     if (j->bind) hwloc_set_cpubind(j->topo, j->bind, HWLOC_CPUBIND_THREAD);
-    int go;
+    int go = 0;
     while (j->go && !(go = __atomic_load_n(j->go, __ATOMIC_ACQUIRE))) sched_yield();
     if (j->go && go == 2) return NULL;
     double v[3][64];
@@ -665,7 +665,7 @@ static void *mf_vjob_run(void *arg)
 {
     mf_vjob *j = arg;
     if (j->bind) hwloc_set_cpubind(j->topo, j->bind, HWLOC_CPUBIND_THREAD);
-    int go;
+    int go = 0;
     while (j->go && !(go = __atomic_load_n(j->go, __ATOMIC_ACQUIRE))) sched_yield();
     if (j->go && go == 2) return NULL;
     float *q = j->mem, *k = q + MF_VEC_G * MF_VEC_D, *sc = k + (size_t)MF_VEC_NB * MF_VEC_D, *acc = sc + MF_VEC_G * MF_VEC_NB;

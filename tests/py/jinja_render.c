@@ -37,21 +37,22 @@ int main(int argc, char **argv)
         fprintf(stderr, "jinja_render: cannot read %s\n", !src ? argv[1] : argv[2]);
         return 1;
     }
-    mf_jinja *t;
+    mf_jinja *t = NULL;
+    char *out = NULL;
+    size_t n_out = 0;
+    int rc = 0;
     if (mf_jinja_parse(src, n, &t)) {
         fprintf(stderr, "%s\n", mf_last_error());
-        return 2;
-    }
-    char *out;
-    size_t n_out;
-    if (mf_jinja_render(t, ctx, &out, &n_out)) {
+        rc = 2;
+    } else if (mf_jinja_render(t, ctx, &out, &n_out)) {
         fprintf(stderr, "%s\n", mf_last_error());
-        return 3;
+        rc = 3;
+    } else {
+        fwrite(out, 1, n_out, stdout);
     }
-    fwrite(out, 1, n_out, stdout);
-    free(out);
+    free(out);   /* everything freed on every path: the ASan build's leak check runs this too */
     mf_jinja_free(t);
     json_decref(ctx);
     free(src);
-    return 0;
+    return rc;
 }
