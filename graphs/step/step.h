@@ -259,7 +259,9 @@ uint64_t mf_step_dense_bytes(const mf_step *s, int k, int *card);
 
 /* The step graph of n items (graphs/step/stepgraph.h), parallel (items of distinct sequences) or
  * serial, as built by an earlier call of that shape; NULL if none ran yet. For tests and tools
- * (the simulator runs the same graph: graphs/sim/plan.h). */
+ * (the simulator runs the same graph: graphs/sim/plan.h). Valid until the engine's next call: a
+ * serial graph of more than MF_STEP_MAX_ITEMS items is the one long shape, freed when a call of
+ * another long length replaces it (and other shapes when their LRU drops them). */
 const mf_stepgraph *mf_step_graph(const mf_step *s, int n, int par);
 
 /* Chrome trace-event JSON of the last graph run (one chunk of the last call). 0 or negative code. */
