@@ -7,31 +7,12 @@
 #include <string.h>
 
 #include "tests/check.h"
+#include "tests/slurp.h"
 #include "tests/fuzz/fuzz_st_header.c"
 
 #ifndef MF_SOURCE_DIR
 #error "MF_SOURCE_DIR must name the source tree (tests/CMakeLists.txt defines it)"
 #endif
-
-static unsigned char *slurp(const char *path, size_t *n)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    size_t cap = 4096, len = 0;
-    unsigned char *buf = malloc(cap);
-    size_t got;
-    while (buf && (got = fread(buf + len, 1, cap - len, f)) > 0) {
-        len += got;
-        if (len == cap) {
-            unsigned char *nb = realloc(buf, cap *= 2);
-            if (!nb) free(buf);
-            buf = nb;
-        }
-    }
-    fclose(f);
-    *n = len;
-    return buf;
-}
 
 int main(void)
 {
@@ -46,7 +27,7 @@ int main(void)
         char path[1024];
         snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
         size_t n = 0;
-        unsigned char *buf = slurp(path, &n);
+        unsigned char *buf = mf_test_slurp(path, &n);
         CHECK(buf != NULL, "cannot read %s", path);
         if (!buf) continue;
         LLVMFuzzerTestOneInput(buf, n);   /* aborts on a broken invariant */

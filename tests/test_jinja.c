@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "tests/check.h"
+#include "tests/slurp.h"
 #include "tests/fuzz/fuzz_jinja.c"
 
 #ifndef MF_SOURCE_DIR
@@ -44,25 +45,6 @@ static void fails(const char *src, const char *ctx, const char *words)
 {
     const char *got = render(src, ctx);
     CHECK(!strncmp(got, "ERR: ", 5) && strstr(got, words), "%s: want an error with '%s', got '%s'", src, words, got);
-}
-
-static unsigned char *slurp(const char *path, size_t *n)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    size_t cap = 4096, len = 0, got;
-    unsigned char *buf = malloc(cap);
-    while (buf && (got = fread(buf + len, 1, cap - len, f)) > 0) {
-        len += got;
-        if (len == cap) {
-            unsigned char *nb = realloc(buf, cap *= 2);
-            if (!nb) free(buf);
-            buf = nb;
-        }
-    }
-    fclose(f);
-    *n = len;
-    return buf;
 }
 
 int main(void)
@@ -119,7 +101,7 @@ int main(void)
         char path[1024];
         snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
         size_t n = 0;
-        unsigned char *buf = slurp(path, &n);
+        unsigned char *buf = mf_test_slurp(path, &n);
         CHECK(buf != NULL, "cannot read %s", path);
         if (!buf) continue;
         int r = fuzz_jinja_one(buf, n);   /* aborts on a broken invariant */

@@ -6,22 +6,7 @@
 
 #include "host/jinja.h"
 #include "sched/error.h"
-
-static char *slurp(const char *path, size_t *n)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    size_t cap = 1 << 16, len = 0;
-    char *p = malloc(cap);
-    size_t k;
-    while (p && (k = fread(p + len, 1, cap - len, f)) > 0) {
-        len += k;
-        if (len == cap) p = realloc(p, cap *= 2);
-    }
-    fclose(f);
-    *n = len;
-    return p;
-}
+#include "tests/slurp.h"
 
 int main(int argc, char **argv)
 {
@@ -30,7 +15,7 @@ int main(int argc, char **argv)
         return 1;
     }
     size_t n;
-    char *src = slurp(argv[1], &n);
+    char *src = (char *)mf_test_slurp(argv[1], &n);
     json_error_t je;
     json_t *ctx = json_load_file(argv[2], JSON_ALLOW_NUL, &je);
     if (!src || !ctx) {
