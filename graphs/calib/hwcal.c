@@ -403,12 +403,70 @@ static int mf_hwcal_time_call(const mf_wpool *pl, int c, int n_tok, const float 
     return rc;
 }
 
+/* The head of every job mf_hwcal_pinned runs (its first member): where the thread is pinned and
+ * what it starts with. */
+typedef struct mf_hwcal_thr {
+    hwloc_topology_t topo;
+    hwloc_const_cpuset_t bind;   /* NULL: unbound */
+    pthread_barrier_t *bar;      /* NULL with one thread */
+    const int *go;               /* 1: every thread started; 2: some could not start, return */
+} mf_hwcal_thr;
+
+/* A job's first step: pin and wait until every thread started; 1 when it must return at once. */
+static int mf_hwcal_thr_begin(const mf_hwcal_thr *h)
+{
+    if (h->bind) hwloc_set_cpubind(h->topo, h->bind, HWLOC_CPUBIND_THREAD);
+    int go = 0;
+    while (h->go && !(go = __atomic_load_n(h->go, __ATOMIC_ACQUIRE))) sched_yield();
+    return h->go && go == 2;
+}
+
+/* fn over n_threads jobs of job_bytes each (an mf_hwcal_thr first, filled here), all at once, job
+ * i pinned to core i of socket 0, each sample started together (the thr's barrier); one thread
+ * runs on the calling thread. `what` names them in the errors. */
+static int mf_hwcal_pinned(const mf_hwcal_topo *t, int n_threads, void *(*fn)(void *), void *jobs, size_t job_bytes,
+                           const char *what)
+{
+    pthread_t th[256];
+    pthread_barrier_t bar;
+    int go = 0, started = 0;
+    if (n_threads > 256) return mf_error(-EINVAL, "calibrate: %d %s threads (at most 256)", n_threads, what);
+    hwloc_const_cpuset_t pkg = mf_hwcal_package_set(t, 0);
+    int n_cores = hwloc_get_nbobjs_inside_cpuset_by_type(t->topo, pkg, HWLOC_OBJ_CORE);
+    int rc = n_threads > 1 ? pthread_barrier_init(&bar, NULL, (unsigned)n_threads) : 0;
+    if (rc) return mf_error(-rc, "calibrate: cannot make a barrier of %d threads", n_threads);
+    for (int i = 0; i < n_threads; i++) {
+        hwloc_obj_t core = n_cores > 0 ? hwloc_get_obj_inside_cpuset_by_type(t->topo, pkg, HWLOC_OBJ_CORE,
+                                                                             (unsigned)(i % n_cores))
+                                       : NULL;
+        *(mf_hwcal_thr *)((char *)jobs + job_bytes * (size_t)i) =
+            (mf_hwcal_thr){.topo = t->topo, .bind = core ? core->cpuset : NULL, .bar = n_threads > 1 ? &bar : NULL,
+                           .go = n_threads > 1 ? &go : NULL};
+    }
+    if (n_threads == 1) {
+        fn(jobs);
+        return 0;
+    }
+    for (int i = 0; i < n_threads; i++) {
+        if (pthread_create(&th[i], NULL, fn, (char *)jobs + job_bytes * (size_t)i) != 0) break;
+        started++;
+    }
+    /* the samples' barriers need every thread: if one did not start, the others return at once */
+    __atomic_store_n(&go, started == n_threads ? 1 : 2, __ATOMIC_RELEASE);
+    for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+    pthread_barrier_destroy(&bar);
+    if (started < n_threads)
+        return mf_error(-EAGAIN, "calibrate: cannot start %s thread %d of %d", what, started, n_threads);
+    return 0;
+}
+
 /* One measuring thread: pinned to its core, it times A at 1 token, B at 1 token and B at
  * MF_HWCAL_MANY tokens in turn, reps times (after one round not counted), each call started
  * together with the other threads' (a barrier), on its own copies of the pools (copies id,
  * id + n, ...): the three timings of a fit see the same conditions, a burst of other work
  * lands on all three. t[k]: the medians. */
 typedef struct mf_kjob {
+    mf_hwcal_thr thr;   /* first: mf_hwcal_pinned */
     const mf_wpool *a, *b;
     int id, n;
     const float *x;
@@ -416,10 +474,6 @@ typedef struct mf_kjob {
     void *qbuf;
     size_t qbuf_bytes;
     int reps;
-    hwloc_topology_t topo;
-    hwloc_const_cpuset_t bind;   /* NULL: unbound */
-    pthread_barrier_t *bar;
-    const int *go;               /* 1: every thread started; 2: some could not start, return */
     double t[3];
     int rc;
 } mf_kjob;
@@ -427,14 +481,11 @@ typedef struct mf_kjob {
 static void *mf_kjob_run(void *arg)
 {
     mf_kjob *j = arg;
-    if (j->bind) hwloc_set_cpubind(j->topo, j->bind, HWLOC_CPUBIND_THREAD);
-    int go = 0;
-    while (j->go && !(go = __atomic_load_n(j->go, __ATOMIC_ACQUIRE))) sched_yield();
-    if (j->go && go == 2) return NULL;
+    if (mf_hwcal_thr_begin(&j->thr)) return NULL;
     double v[3][64];
     for (int r = -1; r < j->reps; r++)
         for (int k = 0; k < 3; k++) {
-            if (j->bar) pthread_barrier_wait(j->bar);
+            if (j->thr.bar) pthread_barrier_wait(j->thr.bar);
             double ns = 0;
             /* this thread's copies only, and B at many tokens on another copy than B at 1 */
             const mf_wpool *pl = k ? j->b : j->a;
@@ -453,45 +504,19 @@ static int mf_hwcal_kern_times(const mf_hwcal_topo *t, const mf_wpool *a, const 
                                const float *x, int reps, double out[3])
 {
     mf_kjob jobs[256];
-    pthread_t th[256];
-    pthread_barrier_t bar;
-    int go = 0;
     if (n_threads > 256) n_threads = 256;
     size_t yb = sizeof(float) * MF_HWCAL_MANY * MF_HWCAL_B_OUT, qb = mf_kern_q8_bytes(MF_HWCAL_MANY, MF_HWCAL_B_IN);
     uint8_t *mem = malloc((yb + qb + 64) * (size_t)n_threads);
     if (!mem) return mf_error(-ENOMEM, "calibrate: out of memory");
-    hwloc_const_cpuset_t pkg = mf_hwcal_package_set(t, 0);
-    int n_cores = hwloc_get_nbobjs_inside_cpuset_by_type(t->topo, pkg, HWLOC_OBJ_CORE);
-    int rc = n_threads > 1 ? pthread_barrier_init(&bar, NULL, (unsigned)n_threads) : 0, started = 0;
-    if (rc) {
-        free(mem);
-        return mf_error(-rc, "calibrate: cannot make a barrier of %d threads", n_threads);
-    }
     for (int i = 0; i < n_threads; i++) {
-        hwloc_obj_t core = n_cores > 0 ? hwloc_get_obj_inside_cpuset_by_type(t->topo, pkg, HWLOC_OBJ_CORE,
-                                                                             (unsigned)(i % n_cores))
-                                       : NULL;
         uint8_t *m = mem + (yb + qb + 64) * (size_t)i;
         jobs[i] = (mf_kjob){.a = a, .b = b, .id = i, .n = n_threads, .x = x, .y = (float *)m, .qbuf = m + yb,
-                            .qbuf_bytes = qb, .reps = reps, .topo = t->topo, .bind = core ? core->cpuset : NULL,
-                            .bar = n_threads > 1 ? &bar : NULL, .go = n_threads > 1 ? &go : NULL};
+                            .qbuf_bytes = qb, .reps = reps};
     }
-    if (n_threads == 1) {
-        mf_kjob_run(&jobs[0]);   /* alone: on the calling thread, unpinned */
-        started = 1;
-    } else {
-        for (int i = 0; i < n_threads; i++) {
-            if (pthread_create(&th[i], NULL, mf_kjob_run, &jobs[i]) != 0) break;
-            started++;
-        }
-        /* the phases' barriers need every thread: if one did not start, the others return at once */
-        __atomic_store_n(&go, started == n_threads ? 1 : 2, __ATOMIC_RELEASE);
-        for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
-        pthread_barrier_destroy(&bar);
-        if (started < n_threads) {
-            free(mem);
-            return mf_error(-EAGAIN, "calibrate: cannot start kernel thread %d of %d", started, n_threads);
-        }
+    int rc = mf_hwcal_pinned(t, n_threads, mf_kjob_run, jobs, sizeof jobs[0], "kernel");
+    if (rc) {
+        free(mem);
+        return rc;
     }
     double v[256];
     for (int k = 0; k < 3 && !rc; k++) {
@@ -652,22 +677,16 @@ static int mf_hwcal_ref(mf_hwcal *h)
  * t[0], t[1]: the medians, ns per call. */
 enum { MF_VEC_G = 4, MF_VEC_D = 512, MF_VEC_NA = 64, MF_VEC_NB = 512, MF_VEC_INNER_A = 8 };
 typedef struct mf_vjob {
+    mf_hwcal_thr thr;   /* first: mf_hwcal_pinned */
     float *mem;   /* queries G x D, keys NB x D, scores G x NB, acc G x D */
     int reps;
-    hwloc_topology_t topo;
-    hwloc_const_cpuset_t bind;
-    pthread_barrier_t *bar;
-    const int *go;   /* 1: every thread started; 2: some could not start, return */
     double t[2];
 } mf_vjob;
 
 static void *mf_vjob_run(void *arg)
 {
     mf_vjob *j = arg;
-    if (j->bind) hwloc_set_cpubind(j->topo, j->bind, HWLOC_CPUBIND_THREAD);
-    int go = 0;
-    while (j->go && !(go = __atomic_load_n(j->go, __ATOMIC_ACQUIRE))) sched_yield();
-    if (j->go && go == 2) return NULL;
+    if (mf_hwcal_thr_begin(&j->thr)) return NULL;
     float *q = j->mem, *k = q + MF_VEC_G * MF_VEC_D, *sc = k + (size_t)MF_VEC_NB * MF_VEC_D, *acc = sc + MF_VEC_G * MF_VEC_NB;
     const float *qh[MF_VEC_G], *kp[MF_VEC_NB];
     for (int g = 0; g < MF_VEC_G; g++) qh[g] = q + g * MF_VEC_D;
@@ -677,7 +696,7 @@ static void *mf_vjob_run(void *arg)
     double den[MF_VEC_G], v[2][64], keep = 0;
     for (int r = -1; r < j->reps; r++)
         for (int s = 0; s < 2; s++) {
-            if (j->bar) pthread_barrier_wait(j->bar);
+            if (j->thr.bar) pthread_barrier_wait(j->thr.bar);
             int n = s ? MF_VEC_NB : MF_VEC_NA, inner = s ? 1 : MF_VEC_INNER_A;
             int64_t t0 = mf_now_ns();
             for (int i = 0; i < inner; i++) {
@@ -702,49 +721,24 @@ static int mf_hwcal_vec(mf_hwcal *h, const mf_hwcal_topo *t)
     per = (per + 15) / 16 * 16;   /* each thread's block on its own cache lines */
     float *mem = malloc(sizeof(float) * per * (size_t)n_threads);
     mf_vjob *jobs = calloc((size_t)n_threads, sizeof *jobs);
-    pthread_t *th = calloc((size_t)n_threads, sizeof *th);
-    pthread_barrier_t bar;
-    int rc = 0, started = 0, go = 0;
-    if (!mem || !jobs || !th) {
-        free(mem); free(jobs); free(th);
+    if (!mem || !jobs) {
+        free(mem);
+        free(jobs);
         return mf_error(-ENOMEM, "calibrate: out of memory");
     }
     for (size_t i = 0; i < per * (size_t)n_threads; i++) mem[i] = (float)((int)(mf_hwcal_rand(h) % 2001) - 1000) * 1e-3f;
-    hwloc_const_cpuset_t pkg = mf_hwcal_package_set(t, 0);
-    int n_cores = hwloc_get_nbobjs_inside_cpuset_by_type(t->topo, pkg, HWLOC_OBJ_CORE);
-    if (n_threads > 1 && (rc = pthread_barrier_init(&bar, NULL, (unsigned)n_threads))) {
-        free(mem); free(jobs); free(th);
-        return mf_error(-rc, "calibrate: cannot make a barrier of %d threads", n_threads);
-    }
-    for (int i = 0; i < n_threads; i++) {
-        hwloc_obj_t core = n_cores > 0 ? hwloc_get_obj_inside_cpuset_by_type(t->topo, pkg, HWLOC_OBJ_CORE,
-                                                                             (unsigned)(i % n_cores))
-                                       : NULL;
-        jobs[i] = (mf_vjob){.mem = mem + per * (size_t)i, .reps = reps, .topo = t->topo,
-                            .bind = core ? core->cpuset : NULL, .bar = n_threads > 1 ? &bar : NULL,
-                            .go = n_threads > 1 ? &go : NULL};
-    }
-    if (n_threads == 1) {
-        mf_vjob_run(&jobs[0]);
-        started = 1;
-    } else {
-        for (int i = 0; i < n_threads; i++) {
-            if (pthread_create(&th[i], NULL, mf_vjob_run, &jobs[i]) != 0) break;
-            started++;
-        }
-        /* the barriers need every thread: if one did not start, the others return at once */
-        __atomic_store_n(&go, started == n_threads ? 1 : 2, __ATOMIC_RELEASE);
-        for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
-        pthread_barrier_destroy(&bar);
-        if (started < n_threads) {
-            free(mem); free(jobs); free(th);
-            return mf_error(-EAGAIN, "calibrate: cannot start vec thread %d of %d", started, n_threads);
-        }
+    for (int i = 0; i < n_threads; i++) jobs[i] = (mf_vjob){.mem = mem + per * (size_t)i, .reps = reps};
+    int rc = mf_hwcal_pinned(t, n_threads, mf_vjob_run, jobs, sizeof jobs[0], "vec");
+    if (rc) {
+        free(mem);
+        free(jobs);
+        return rc;
     }
     double va[256], vb[256];
     for (int i = 0; i < n_threads; i++) va[i] = jobs[i].t[0], vb[i] = jobs[i].t[1];
     double ta = mf_hwcal_median(va, n_threads), tb = mf_hwcal_median(vb, n_threads);
-    free(mem); free(jobs); free(th);
+    free(mem);
+    free(jobs);
     double macs_a = 2.0 * MF_VEC_G * MF_VEC_NA * MF_VEC_D, macs_b = 2.0 * MF_VEC_G * MF_VEC_NB * MF_VEC_D;
     if (!(tb > ta))
         return mf_error(-EIO, "calibrate host vec: %d keys (%.0f ns) not slower than %d (%.0f ns): too noisy",
