@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -91,5 +92,34 @@ int mf_path_commit_tmp(FILE *f, const char *tmp, const char *path)
         unlink(tmp);
         return mf_error(-e, "%s: cannot rename into place: %s", path, strerror(e));
     }
+    return 0;
+}
+
+int mf_path_read(const char *path, size_t max, char **text, size_t *n)
+{
+    *text = NULL;
+    *n = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) return mf_error(-ENOENT, "%s: cannot open: %s", path, strerror(errno));
+    size_t cap = 1 << 14, len = 0, k;
+    char *p = malloc(cap);
+    while (p && (k = fread(p + len, 1, cap - len - 1, f)) > 0) {
+        len += k;
+        if (len + 1 == cap) {
+            char *q = cap < max ? realloc(p, cap *= 2) : NULL;
+            if (!q) free(p);
+            p = q;
+        }
+    }
+    int bad = ferror(f);
+    fclose(f);
+    if (!p) return mf_error(-ENOMEM, "%s: cannot read (out of memory, or over %zu bytes)", path, max);
+    if (bad) {
+        free(p);
+        return mf_error(-EIO, "%s: read error", path);
+    }
+    p[len] = 0;
+    *text = p;
+    *n = len;
     return 0;
 }

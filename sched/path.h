@@ -24,4 +24,9 @@ int mf_path_make_parent(const char *path);
 int mf_path_open_tmp(const char *path, char *tmp, size_t cap, FILE **f);
 int mf_path_commit_tmp(FILE *f, const char *tmp, const char *path);
 
+/* Reads the file `path` whole into a malloc'ed, NUL-terminated buffer *text of *n bytes (the NUL
+ * not counted): 0, or -ENOENT (cannot open) / -ENOMEM (out of memory, or over max bytes) / -EIO
+ * (a read error) with a message naming the file; *text is NULL then. */
+int mf_path_read(const char *path, size_t max, char **text, size_t *n);
+
 #endif

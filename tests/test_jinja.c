@@ -8,8 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "sched/path.h"
 #include "tests/check.h"
-#include "tests/slurp.h"
 #include "tests/fuzz/fuzz_jinja.c"
 
 #ifndef MF_SOURCE_DIR
@@ -101,7 +101,9 @@ int main(void)
         char path[1024];
         snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
         size_t n = 0;
-        unsigned char *buf = mf_test_slurp(path, &n);
+        char *text = NULL;
+        mf_path_read(path, (size_t)1 << 26, &text, &n);
+        unsigned char *buf = (unsigned char *)text;
         CHECK(buf != NULL, "cannot read %s", path);
         if (!buf) continue;
         int r = fuzz_jinja_one(buf, n);   /* aborts on a broken invariant */

@@ -3,6 +3,7 @@
 
 #include "host/jinja.h"
 #include "sched/error.h"
+#include "sched/path.h"
 
 #include <errno.h>
 #include <jansson.h>
@@ -340,30 +341,6 @@ static int mf_chat_special(json_t *cfg, const char *key, char **out)
     return (*out = mf_req_dup(json_string_value(v), json_string_length(v))) ? 0 : -ENOMEM;
 }
 
-static int mf_chat_read(const char *path, char **text, size_t *n)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return mf_error(-ENOENT, "%s: cannot open: %s", path, strerror(errno));
-    size_t cap = 1 << 14, len = 0, k;
-    char *p = malloc(cap);
-    while (p && (k = fread(p + len, 1, cap - len - 1, f)) > 0) {
-        len += k;
-        if (len + 1 == cap) {
-            char *q = cap < ((size_t)64 << 20) ? realloc(p, cap *= 2) : NULL;
-            if (!q) {
-                free(p);
-                p = NULL;
-            }
-            p = q;
-        }
-    }
-    fclose(f);
-    if (!p) return mf_error(-ENOMEM, "%s: cannot read (out of memory, or over 64 MiB)", path);
-    p[len] = 0;
-    *text = p;
-    *n = len;
-    return 0;
-}
 
 int mf_chat_tmpl_load(const char *dir, const char *spec, mf_chat_tmpl **out, char *desc, size_t desc_cap)
 {
@@ -400,7 +377,7 @@ int mf_chat_tmpl_load(const char *dir, const char *spec, mf_chat_tmpl **out, cha
         tcfg = spec_cfg;
         from = spec;
     } else if (spec) {
-        if ((rc = mf_chat_read(spec, &src, &n_src))) goto done;
+        if ((rc = mf_path_read(spec, (size_t)64 << 20, &src, &n_src))) goto done;
         from = spec;
         tcfg = NULL;
     }

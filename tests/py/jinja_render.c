@@ -6,7 +6,7 @@
 
 #include "host/jinja.h"
 #include "sched/error.h"
-#include "tests/slurp.h"
+#include "sched/path.h"
 
 int main(int argc, char **argv)
 {
@@ -15,7 +15,8 @@ int main(int argc, char **argv)
         return 1;
     }
     size_t n;
-    char *src = (char *)mf_test_slurp(argv[1], &n);
+    char *src = NULL;
+    mf_path_read(argv[1], (size_t)1 << 26, &src, &n);
     json_error_t je;
     json_t *ctx = json_load_file(argv[2], JSON_ALLOW_NUL, &je);
     if (!src || !ctx) {
