@@ -7,6 +7,7 @@
 
 #include "host/formats.h"
 #include "host/kernels.h"
+#include "sched/error.h"
 
 static float dh_e4m3[256];
 static pthread_once_t dh_once = PTHREAD_ONCE_INIT;
@@ -93,4 +94,36 @@ void mf_dense_host_swiglu_bf16(const float *g, const float *u, int n_tok, int64_
             float silu = (float)((double)gi / (1.0 + exp(-(double)gi)));
             h[k] = mf_bf16_round(1.0f * (silu * ui));
         }
+}
+
+int mf_dense_host_attn(const mf_dev_attn *a, float *scratch)
+{
+    int D = a->D;
+    for (int t = 0; t < a->n_tok; t++) {
+        int64_t n = a->n_keys[t];
+        if (n < 0 || n > MF_DEV_ATTN_MAX_KEYS)
+            return mf_error(-EINVAL, "attention heads: token %d has %lld keys (expected 0..%d)", t, (long long)n,
+                            MF_DEV_ATTN_MAX_KEYS);
+        const float *kp[MF_DEV_ATTN_MAX_KEYS];
+        const int32_t *row = a->keys + (size_t)t * (size_t)a->ld_keys;
+        for (int64_t i = 0; i < n; i++) {
+            if (row[i] < 0 || row[i] >= a->n_kv)
+                return mf_error(-EINVAL, "attention heads: token %d key %lld is row %d (expected 0..%lld)", t,
+                                (long long)i, (int)row[i], (long long)a->n_kv - 1);
+            kp[i] = a->kv + (size_t)row[i] * (size_t)D;
+        }
+        for (int h0 = 0; h0 < a->n_heads; h0 += 4) {
+            int G = a->n_heads - h0 < 4 ? a->n_heads - h0 : 4;
+            const float *qh[4];
+            float acc[4 * MF_DEV_ATTN_MAX_D];
+            double den[4];
+            for (int g = 0; g < G; g++) qh[g] = a->q + (size_t)t * (size_t)a->ld_q + (size_t)(h0 + g) * (size_t)D;
+            mf_kern_vec_attn(qh, G, kp, n, D, a->scale, a->sink + h0, scratch, acc, den);
+            for (int g = 0; g < G; g++) {
+                float *oh = a->o + (size_t)t * (size_t)a->ld_o + (size_t)(h0 + g) * (size_t)D;
+                for (int d = 0; d < D; d++) oh[d] = mf_bf16_round((float)((double)acc[g * D + d] / den[g]));
+            }
+        }
+    }
+    return 0;
 }

@@ -15,4 +15,8 @@ void mf_dense_host_round_bf16(float *y, int n_tok, int64_t ld, int n);
 int mf_dense_host_ffn_up(const mf_dev_up *a);
 void mf_dense_host_swiglu_bf16(const float *g, const float *u, int n_tok, int64_t ld, int n, float limit, float *h);
 
+/* mf_dev_attn_heads on host pointers: per token and group of up to 4 heads mf_kern_vec_attn (scratch:
+ * 4 x MF_DEV_ATTN_MAX_KEYS floats), then the output's division and bf16 rounding. 0, or -EINVAL
+ * for a token's key count or key row out of range (read here). */
+int mf_dense_host_attn(const mf_dev_attn *a, float *scratch);
 #endif

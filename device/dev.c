@@ -355,6 +355,23 @@ int mf_dev_swiglu_bf16(mf_dev_stream *s, const float *g, const float *u, int n_t
     return s->dev->ops->swiglu_bf16(s, g, u, n_tok, ld, n, limit, h);
 }
 
+int mf_dev_attn_heads(mf_dev_stream *s, const mf_dev_attn *a)
+{
+    static const char *what = "mf_dev_attn_heads";
+    if (!s || !a) return mf_error(-EINVAL, "%s: NULL %s", what, !s ? "stream" : "arguments");
+    if (!a->q || !a->sink || !a->kv || !a->keys || !a->n_keys || !a->o)
+        return mf_error(-EINVAL, "%s: card %d: NULL q, sink, kv, keys, n_keys or o", what, s->card);
+    if (a->n_tok < 1 || a->n_heads < 1 || a->D < 16 || a->D % 16 || a->D > MF_DEV_ATTN_MAX_D || a->n_kv < 0)
+        return mf_error(-EINVAL, "%s: %d tokens, %d heads of %d (expected >= 1, >= 1, a multiple of 16 up to %d), "
+                        "%lld key rows", what, a->n_tok, a->n_heads, a->D, MF_DEV_ATTN_MAX_D, (long long)a->n_kv);
+    int64_t w = (int64_t)a->n_heads * a->D;
+    if (a->ld_q < w || a->ld_o < w || a->ld_keys < 0)
+        return mf_error(-EINVAL, "%s: ld_q %lld, ld_o %lld (expected >= %lld), ld_keys %lld", what,
+                        (long long)a->ld_q, (long long)a->ld_o, (long long)w, (long long)a->ld_keys);
+    if (!s->dev->ops->attn_heads) return mf_error(-ENOTSUP, "%s: the %s backend has no attention", what, s->dev->ops->kind);
+    return s->dev->ops->attn_heads(s, a);
+}
+
 size_t mf_dev_ffn_q8_bytes(int n_tok, int n_in, int n_hidden)
 {
     size_t a = mf_kern_q8_bytes(n_tok, n_in), b = mf_kern_q8_bytes(n_tok, n_hidden);

@@ -178,6 +178,37 @@ int mf_dev_ffn_up(mf_dev_stream *s, const mf_dev_up *a);
 int mf_dev_swiglu_bf16(mf_dev_stream *s, const float *g, const float *u, int n_tok, int64_t ld, int n,
                        float limit, float *h);
 
+/* The attention core of a chunk's items on a card (long prefill chunks; graphs/step/fast_attn.c
+ * mf_fa_attn_heads computes the same on the host): for token t < n_tok and head h < n_heads, with
+ * q_th = q + t * ld_q + h * D (already rounded and roped) and the token's n_keys[t] key rows
+ * kv + keys[t * ld_keys + i] * D (values = keys, D floats each), the scores scale * q_th . k_i as
+ * host/kernels.h's 16-lane dots, softmax with sink[h] as mf_kern_vec_attn (max, expf, the
+ * denominator in double in key order), the weighted values as one fmaf chain per element in key
+ * order, and o[t * ld_o + h * D + d] = bf16((float)((double)acc_d / den)): the output before its
+ * inverse RoPE. keys, n_keys, q, kv, sink and o are device memory of the stream's card; n_keys[t]
+ * in [0, MF_DEV_ATTN_MAX_KEYS] and key rows in [0, n_kv) are read when the work runs (emulated:
+ * an asynchronous -EINVAL otherwise; CUDA: such a token is skipped). D a multiple of 16, at most
+ * MF_DEV_ATTN_MAX_D. Emulated cards: mf_kern_vec_attn itself, so the host's bits. CUDA: the same
+ * lanes and orders but CUDA's expf (not bit for bit; compiled for sm_75 and sm_90, never run on a
+ * card in this project yet). -EINVAL for bad shapes or NULL pointers. */
+#define MF_DEV_ATTN_MAX_KEYS 4096
+#define MF_DEV_ATTN_MAX_D 512
+typedef struct mf_dev_attn {
+    const float *q;
+    int64_t ld_q;
+    int n_tok, n_heads, D;
+    float scale;
+    const float *sink;       /* [n_heads] */
+    const float *kv;         /* [n_kv][D] */
+    int64_t n_kv;
+    const int32_t *keys;     /* [n_tok][ld_keys] key rows */
+    const int32_t *n_keys;   /* [n_tok] */
+    int64_t ld_keys;
+    float *o;
+    int64_t ld_o;
+} mf_dev_attn;
+int mf_dev_attn_heads(mf_dev_stream *s, const mf_dev_attn *a);
+
 /* The expert FFN y = w2 (silu(min(w1 x, limit)) * clamp(w3 x, +-limit) * tok_weight), as
  * mf_kern_ffn_up then mf_kern_ffn_down with every row. h is device scratch [n_tok][w1.n_out];
  * q8_scratch (at least mf_dev_ffn_q8_bytes) selects the int8 path for FP4 matrices (x and then h

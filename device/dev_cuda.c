@@ -439,6 +439,13 @@ static int cu_swiglu_bf16(mf_dev_stream *ps, const float *g, const float *u, int
     return mf_cuda_kern_swiglu_bf16(s->st, g, u, n_tok, ld, n, limit, h);
 }
 
+static int cu_attn_heads(mf_dev_stream *ps, const mf_dev_attn *a)
+{
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    return mf_cuda_kern_attn_heads(s->st, a);
+}
+
 /* Capture: cudaStreamBeginCapture in thread-local mode (other threads' unsafe calls are not
  * disturbed), instantiated once at the end, launched with cudaGraphLaunch. */
 typedef struct cu_graph {
@@ -562,6 +569,7 @@ static const mf_dev_ops cu_ops = {
     .round_bf16 = cu_round_bf16,
     .ffn_up = cu_ffn_up,
     .swiglu_bf16 = cu_swiglu_bf16,
+    .attn_heads = cu_attn_heads,
     .capture_begin = cu_capture_begin,
     .capture_end = cu_capture_end,
     .graph_launch = cu_graph_launch,

@@ -23,5 +23,8 @@ int mf_cuda_kern_round_bf16(void *stream, float *y, int n_tok, int64_t ld, int n
 int mf_cuda_kern_ffn_up(void *stream, const mf_dev_up *a);
 int mf_cuda_kern_swiglu_bf16(void *stream, const float *g, const float *u, int n_tok, int64_t ld, int n,
                              float limit, float *h);
+/* mf_dev_attn_heads: a block per (token, head), device/kern_attn.h's lanes (device/dev.h says
+ * where the bits differ from the host's). */
+int mf_cuda_kern_attn_heads(void *stream, const mf_dev_attn *a);
 
 #endif

@@ -41,6 +41,8 @@ typedef struct mf_dev_ops {
     int (*ffn_up)(mf_dev_stream *s, const mf_dev_up *a);
     int (*swiglu_bf16)(mf_dev_stream *s, const float *g, const float *u, int n_tok, int64_t ld, int n,
                        float limit, float *h);
+    /* Optional (NULL: mf_dev_attn_heads is -ENOTSUP). */
+    int (*attn_heads)(mf_dev_stream *s, const mf_dev_attn *a);
     /* Capture: the stream's capturing flag is kept by dev.c. */
     int (*capture_begin)(mf_dev_stream *s);
     int (*capture_end)(mf_dev_stream *s, mf_dev_graph **out);

@@ -10,6 +10,7 @@
 
 extern "C" {
 #include "device/dev_cuda_kern.h"
+#include "device/kern_attn.h"
 #include "device/kern_dense.h"
 #include "device/kern_q8.h"
 #include "sched/error.h"
@@ -585,4 +586,69 @@ extern "C" int mf_cuda_kern_ffn(void *stream, const mf_dev_ffn *a)
     if (a->q8_scratch && a->w2.fmt == MF_KERN_FP4)
         return mf_cuda_kern_fp4_q8(stream, &a->w2, a->h, a->n_tok, a->y, a->q8_scratch);
     return mf_cuda_kern_matmul(stream, &a->w2, a->h, a->n_tok, a->y);
+}
+
+/* ---- attention heads (mf_dev_attn_heads) ------------------------------------------------------ */
+
+#define KA_THREADS 256
+
+/* Block (token t, head h): q in shared memory; each half-warp scores keys hw, hw + 16, ... (lane l
+ * of device/kern_attn.h, the shuffle tree in mf_da_tree16's order); the max (order-free); the
+ * exponentials; the denominator in double in key order by thread 0; each thread a value element's
+ * fmaf chain in key order; the division in double and the bf16 rounding. */
+__global__ static void k_attn(mf_dev_attn a)
+{
+    __shared__ float qs[MF_DEV_ATTN_MAX_D];
+    __shared__ float s[MF_DEV_ATTN_MAX_KEYS];
+    __shared__ float red[KA_THREADS / 32];
+    __shared__ double den;
+    int t = blockIdx.x, h = blockIdx.y, D = a.D, tid = threadIdx.x;
+    int n = a.n_keys[t];
+    const int32_t *rows = a.keys + (long long)t * a.ld_keys;
+    if (n < 0 || n > MF_DEV_ATTN_MAX_KEYS) return;   /* skipped (device/dev.h) */
+    for (int i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= a.n_kv) return;
+    const float *q = a.q + (long long)t * a.ld_q + (long long)h * D;
+    for (int d = tid; d < D; d += KA_THREADS) qs[d] = q[d];
+    __syncthreads();
+    int hw = tid / 16, l = tid % 16;
+    unsigned m = 0xffffu << (tid & 16);   /* the half-warp's lanes: the two halves may loop apart */
+    for (int i = hw; i < n; i += KA_THREADS / 16) {
+        float v = mf_da_lane(qs, a.kv + (long long)rows[i] * D, D, l);
+        v += __shfl_down_sync(m, v, 8, 16);
+        v += __shfl_down_sync(m, v, 4, 16);
+        float u2 = __shfl_down_sync(m, v, 2, 16);   /* lanes 0, 1: u0 + u2, u1 + u3 */
+        v += u2;
+        v += __shfl_down_sync(m, v, 1, 16);
+        if (l == 0) s[i] = v * a.scale;
+    }
+    __syncthreads();
+    float mx = a.sink[h];
+    for (int i = tid; i < n; i += KA_THREADS) mx = s[i] > mx ? s[i] : mx;
+    for (int o = 16; o > 0; o /= 2) {
+        float w = __shfl_down_sync(0xffffffffu, mx, o);
+        mx = w > mx ? w : mx;
+    }
+    if (tid % 32 == 0) red[tid / 32] = mx;
+    __syncthreads();
+    mx = red[0];
+    for (int w = 1; w < KA_THREADS / 32; w++) mx = red[w] > mx ? red[w] : mx;
+    __syncthreads();
+    for (int i = tid; i < n; i += KA_THREADS) s[i] = expf(s[i] - mx);
+    __syncthreads();
+    if (tid == 0) {
+        double dn = expf(a.sink[h] - mx);
+        for (int i = 0; i < n; i++) dn += s[i];
+        den = dn;
+    }
+    __syncthreads();
+    float *o = a.o + (long long)t * a.ld_o + (long long)h * D;
+    for (int d = tid; d < D; d += KA_THREADS) o[d] = k_bf((float)((double)mf_da_value(s, a.kv, rows, n, D, d) / den));
+}
+
+extern "C" int mf_cuda_kern_attn_heads(void *stream, const mf_dev_attn *a)
+{
+    dim3 grid((unsigned)a->n_tok, (unsigned)a->n_heads);
+    k_attn<<<grid, KA_THREADS, 0, (cudaStream_t)stream>>>(*a);
+    return k_launched("attention heads", __LINE__);
 }

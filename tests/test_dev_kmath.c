@@ -7,11 +7,13 @@
 #include <stdio.h>
 
 #include "device/dense_host.h"
+#include "device/kern_attn.h"
 #include "device/kern_dense.h"
 #include "device/kern_q8.h"
 #include "host/formats.h"
 #pragma GCC diagnostic ignored "-Wunused-function"   /* dev_common.h's device helpers */
 #include "tests/dev_common.h"
+#include "tests/num.h"
 
 /* max |a - b| / max |b| in float64; NaN positions must agree (a NaN anywhere else gives inf). */
 static double rel_err(const float *a, const float *b, size_t n)
@@ -408,6 +410,50 @@ static void check_dense(void)
     free(ref);
 }
 
+
+/* k_attn's schedule (a block per token and head: each key's 16 lanes and the half-warp's shuffle
+ * tree, the max, expf, the denominator in key order, each value element's chain) with the host's
+ * expf, against mf_dense_host_attn: bit for bit (on a card only expf may differ). */
+static void check_attn(void)
+{
+    enum { T = 3, NH = 5, D = 128, NKV = 300, MK = 200 };
+    uint64_t seed = 0xa77e5eedull;
+    static float q[T * NH * D], kv[NKV * D], o_ref[T * NH * D], o_emu[T * NH * D], scratch[4 * MF_DEV_ATTN_MAX_KEYS];
+    static int32_t keys[T * MK], n_keys[T];
+    float sink[NH];
+    for (int i = 0; i < T * NH * D; i++) q[i] = mf_bf16_round(mf_test_frand(&seed) * 2.0f);
+    for (int i = 0; i < NKV * D; i++) kv[i] = mf_bf16_round(mf_test_frand(&seed) * 2.0f);
+    for (int h = 0; h < NH; h++) sink[h] = mf_test_frand(&seed) * 3.0f;
+    for (int t = 0; t < T; t++) {
+        n_keys[t] = t == 1 ? 0 : MK - 17 * t;
+        for (int i = 0; i < n_keys[t]; i++) keys[t * MK + i] = (int32_t)((mf_test_frand(&seed) + 1.0f) * 0.5f * (NKV - 1));
+    }
+    mf_dev_attn a = {.q = q, .ld_q = NH * D, .n_tok = T, .n_heads = NH, .D = D, .scale = (float)(1.0 / sqrt((double)D)),
+                     .sink = sink, .kv = kv, .n_kv = NKV, .keys = keys, .n_keys = n_keys, .ld_keys = MK, .o = o_ref,
+                     .ld_o = NH * D};
+    CHECK(mf_dense_host_attn(&a, scratch) == 0, "mf_dense_host_attn failed");
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < NH; h++) {
+            const float *qh = q + (t * NH + h) * D;
+            const int32_t *rows = keys + t * MK;
+            int n = n_keys[t];
+            float s[MK], mx = sink[h];
+            for (int i = 0; i < n; i++) {
+                float l[16];
+                for (int j = 0; j < 16; j++) l[j] = mf_da_lane(qh, kv + (size_t)rows[i] * D, D, j);
+                s[i] = mf_da_tree16(l) * a.scale;
+            }
+            for (int i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+            for (int i = 0; i < n; i++) s[i] = expf(s[i] - mx);
+            double den = expf(sink[h] - mx);
+            for (int i = 0; i < n; i++) den += s[i];
+            for (int d = 0; d < D; d++)
+                o_emu[(t * NH + h) * D + d] = mf_dk_bf16((float)((double)mf_da_value(s, kv, rows, n, D, d) / den));
+        }
+    CHECK(!memcmp(o_emu, o_ref, sizeof o_ref), "k_attn's lane schedule: not mf_dense_host_attn's bits");
+    printf("attention lanes (%d tokens, %d heads of %d): bit-identical to the host op\n", T, NH, D);
+}
+
 int main(void)
 {
     check_decode();
@@ -417,5 +463,6 @@ int main(void)
     check_nan();
     check_ffn();
     check_dense();
+    check_attn();
     return mf_check_exit("test_dev_kmath");
 }
