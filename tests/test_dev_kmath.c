@@ -421,6 +421,7 @@ static void check_attn(void)
     static float q[T * NH * D], kv[NKV * D], o_ref[T * NH * D], o_emu[T * NH * D], scratch[4 * MF_DEV_ATTN_MAX_KEYS];
     static int32_t keys[T * MK], n_keys[T];
     float sink[NH];
+    int n_dot_diff = 0;   /* the dots alone: the bf16 output hides most one-ulp differences */
     for (int i = 0; i < T * NH * D; i++) q[i] = mf_bf16_round(mf_test_frand(&seed) * 2.0f);
     for (int i = 0; i < NKV * D; i++) kv[i] = mf_bf16_round(mf_test_frand(&seed) * 2.0f);
     for (int h = 0; h < NH; h++) sink[h] = mf_test_frand(&seed) * 3.0f;
@@ -437,11 +438,14 @@ static void check_attn(void)
             const float *qh = q + (t * NH + h) * D;
             const int32_t *rows = keys + t * MK;
             int n = n_keys[t];
-            float s[MK], mx = sink[h];
+            float s[MK] = {0}, mx = sink[h];
             for (int i = 0; i < n; i++) {
                 float l[16];
                 for (int j = 0; j < 16; j++) l[j] = mf_da_lane(qh, kv + (size_t)rows[i] * D, D, j);
-                s[i] = mf_da_tree16(l) * a.scale;
+                float dot = mf_da_tree16(l), host;
+                mf_kern_vec_dots(&qh, 1, kv + (size_t)rows[i] * D, D, &host);
+                n_dot_diff += memcmp(&dot, &host, sizeof dot) != 0;
+                s[i] = dot * a.scale;
             }
             for (int i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
             for (int i = 0; i < n; i++) s[i] = expf(s[i] - mx);
@@ -450,6 +454,7 @@ static void check_attn(void)
             for (int d = 0; d < D; d++)
                 o_emu[(t * NH + h) * D + d] = mf_dk_bf16((float)((double)mf_da_value(s, kv, rows, n, D, d) / den));
         }
+    CHECK(n_dot_diff == 0, "k_attn's lanes and tree: %d dots not mf_kern_vec_dots' bits", n_dot_diff);
     CHECK(!memcmp(o_emu, o_ref, sizeof o_ref), "k_attn's lane schedule: not mf_dense_host_attn's bits");
     printf("attention lanes (%d tokens, %d heads of %d): bit-identical to the host op\n", T, NH, D);
 }
