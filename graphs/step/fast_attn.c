@@ -2,8 +2,8 @@
  * chains (host/kernels.h's vector code: mf_kern_vec_*, an AVX2 path and a scalar path of the same
  * lanes and order) and the vectorized hyper-connection pieces here, over the caches read
  * as the module reads them: the window ring (mf_fa_ring_row), the selected compressed entries
- * as mf_ly_item_sel_kv gives them (unpacked once at the selection), an index key unpacked once
- * for all index heads (mf_fa_key_row). */
+ * as mf_ly_item_sel_kv gives them (unpacked once at the selection), index keys unpacked in blocks
+ * (mf_ly_cache_get_keys), each once for all index heads. */
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
@@ -18,14 +18,6 @@ static inline const float *mf_fa_ring_row(const mf_ref_state *st, const mf_confi
 {
     int64_t W = c->sliding_window, D = c->head_dim;
     return st->ring + ((int64_t)L * W + t % W) * D;
-}
-
-/* Index key j of KV source S, unpacked into buf (the caches are packed: graphs/layers/layers.h
- * mf_ly_cache_get_key); returns buf. */
-static inline const float *mf_fa_key_row(const mf_ref_state *st, const mf_config *c, int S, int64_t j, float *buf)
-{
-    mf_ly_cache_get_key(c, S, &st->cache[S], j, buf);
-    return buf;
 }
 
 /* ---- numeric pieces -------------------------------------------------------------------------- */
@@ -166,7 +158,8 @@ void mf_fa_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float 
     const float *qi = b[MF_LY_A_QI], *wts = b[MF_LY_A_IW];
     int ih = c->index_n_heads, id = c->index_head_dim;
     enum { NB = 48, KB = 48 * 128 };   /* keys per block (id <= 128): unpacked with one page walk */
-    float kbuf[KB];   /* >= MF_LY_MAX_INDEX_DIM: one key of any width */
+    _Static_assert(KB >= MF_LY_MAX_INDEX_DIM, "a block holds one key of any width");
+    float kbuf[KB];
     int nb = KB / id < NB ? KB / id : NB;
     const float *k[NB];
     for (int u = 0; u < nb; u++) k[u] = kbuf + (int64_t)u * id;
