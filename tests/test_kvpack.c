@@ -130,6 +130,18 @@ static void test_cache_rows(mf_ref *r, const mf_config *c)
             int64_t at;
             bad += !same_bits(kv, kv + D, D, &at) || !same_bits(key, key + id, id, &at);
         }
+        /* runs of keys (mf_ly_cache_get_keys) starting anywhere, crossing pages, against one at a time */
+        for (int64_t j0 = 0; j0 < n; j0 += 37 + j0 % 61) {
+            int64_t m = n - j0 < 300 ? n - j0 : 300;
+            float *run = malloc(sizeof(float) * (size_t)(id * m));
+            mf_ly_cache_get_keys(c, L, ca, j0, m, run);
+            for (int64_t j = 0; j < m; j++) {
+                mf_ly_cache_get_key(c, L, ca, j0 + j, key);
+                int64_t at;
+                bad += !same_bits(key, run + j * id, id, &at);
+            }
+            free(run);
+        }
         for (int i = 0; i < 8; i++) pick[i] = (int32_t)((int64_t)(i * 131 + 7) % n);
         mf_ly_cache_get_kv_rows(c, L, ca, pick, 8, rows);
         for (int i = 0; i < 8; i++) {

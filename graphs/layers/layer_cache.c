@@ -81,6 +81,19 @@ void mf_ly_cache_get_key(const mf_config *c, int L, const mf_ly_cache *ca, int64
     mf_ly_unpack_e2m1_pow2(e.key_codes, e.key_scales, c->index_head_dim, MF_LY_KEY_BLOCK, out);
 }
 
+void mf_ly_cache_get_keys(const mf_config *c, int L, const mf_ly_cache *ca, int64_t j0, int64_t n, float *out)
+{
+    mf_ly_cgeom g = mf_ly_cache_geom(c, L);
+    int64_t id = c->index_head_dim;
+    for (int64_t j = j0; j < j0 + n;) {   /* the keys of one page at a time */
+        mf_ly_cref e = mf_ly_cache_at(c, L, ca, j);
+        int64_t end = (j / g.per_page + 1) * g.per_page < j0 + n ? (j / g.per_page + 1) * g.per_page : j0 + n;
+        for (int64_t r = 0; j < end; j++, r++, out += id)
+            mf_ly_unpack_e2m1_pow2(e.key_codes + r * g.key_codes, e.key_scales + r * g.key_scales, id,
+                                   MF_LY_KEY_BLOCK, out);
+    }
+}
+
 void mf_ly_cache_get_kv_rows(const mf_config *c, int L, const mf_ly_cache *ca, const int32_t *rows, int n,
                              float *out)
 {

@@ -177,6 +177,9 @@ void mf_ly_cache_put_kv(const mf_config *c, int L, mf_ly_cache *ca, int64_t j, c
 void mf_ly_cache_put_key(const mf_config *c, int L, mf_ly_cache *ca, int64_t j, const float *key);
 void mf_ly_cache_get_kv(const mf_config *c, int L, const mf_ly_cache *ca, int64_t j, float *out);
 void mf_ly_cache_get_key(const mf_config *c, int L, const mf_ly_cache *ca, int64_t j, float *out);
+/* Index keys j0..j0+n-1 into out (n x index_head_dim), each the bits of mf_ly_cache_get_key: the
+ * page found once per page, not once per key. */
+void mf_ly_cache_get_keys(const mf_config *c, int L, const mf_ly_cache *ca, int64_t j0, int64_t n, float *out);
 void mf_ly_cache_get_kv_rows(const mf_config *c, int L, const mf_ly_cache *ca, const int32_t *rows, int n,
                              float *out);
 

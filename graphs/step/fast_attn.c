@@ -2,8 +2,8 @@
  * chains (host/kernels.h's vector code: mf_kern_vec_*, an AVX2 path and a scalar path of the same
  * lanes and order) and the vectorized hyper-connection pieces here, over the caches read
  * as the module reads them: the window ring (mf_fa_ring_row), the selected compressed entries
- * as mf_ly_item_sel_kv gives them (unpacked once at the selection), an index key unpacked once
- * for all index heads (mf_fa_key_row). */
+ * as mf_ly_item_sel_kv gives them (unpacked once at the selection), index keys unpacked in blocks
+ * (mf_ly_cache_get_keys), each once for all index heads. */
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
@@ -18,14 +18,6 @@ static inline const float *mf_fa_ring_row(const mf_ref_state *st, const mf_confi
 {
     int64_t W = c->sliding_window, D = c->head_dim;
     return st->ring + ((int64_t)L * W + t % W) * D;
-}
-
-/* Index key j of KV source S, unpacked into buf (the caches are packed: graphs/layers/layers.h
- * mf_ly_cache_get_key); returns buf. */
-static inline const float *mf_fa_key_row(const mf_ref_state *st, const mf_config *c, int S, int64_t j, float *buf)
-{
-    mf_ly_cache_get_key(c, S, &st->cache[S], j, buf);
-    return buf;
 }
 
 /* ---- numeric pieces -------------------------------------------------------------------------- */
@@ -165,16 +157,21 @@ void mf_fa_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float 
     int S = ly->src_of[L];
     const float *qi = b[MF_LY_A_QI], *wts = b[MF_LY_A_IW];
     int ih = c->index_n_heads, id = c->index_head_dim;
-    float kbuf[3][MF_LY_MAX_INDEX_DIM];   /* up to three keys, each unpacked once for all index heads */
-    for (int64_t jb = j0; jb < j1; jb += 3) {
-        int nk = j1 - jb < 3 ? (int)(j1 - jb) : 3;
-        const float *k[3];
-        for (int u = 0; u < nk; u++) k[u] = mf_fa_key_row(it->st, c, S, jb + u, kbuf[u]);
-        double acc[3] = {0, 0, 0};
-        for (int h0 = 0; h0 < ih; h0 += 4) {
+    enum { NB = 48, KB = 48 * 128 };   /* keys per block (id <= 128): unpacked with one page walk */
+    _Static_assert(KB >= MF_LY_MAX_INDEX_DIM, "a block holds one key of any width");
+    float kbuf[KB];
+    int nb = KB / id < NB ? KB / id : NB;
+    const float *k[NB];
+    for (int u = 0; u < nb; u++) k[u] = kbuf + (int64_t)u * id;
+    for (int64_t jb = j0; jb < j1; jb += nb) {
+        int nk = j1 - jb < nb ? (int)(j1 - jb) : nb;
+        mf_ly_cache_get_keys(c, S, &it->st->cache[S], jb, nk, kbuf);
+        double acc[NB];
+        for (int u = 0; u < nk; u++) acc[u] = 0;
+        for (int h0 = 0; h0 < ih; h0 += 4) {   /* per key: heads in order, as the module sums them */
             int G = ih - h0 < 4 ? ih - h0 : 4;
             const float *qh[4];
-            float d4[3][4];
+            float d4[NB][4];
             for (int g = 0; g < G; g++) qh[g] = qi + (int64_t)(h0 + g) * id;
             mf_kern_vec_dots_keys(qh, G, k, nk, id, d4);   /* per key the bits of one key at a time */
             for (int u = 0; u < nk; u++)
@@ -204,10 +201,11 @@ void mf_fa_hc_mixes_rows(const mf_ly_ctx *cx, const float *x, const mf_weight *f
     float rs = (float)(1.0 / sqrt((double)ss / (double)n + c->rms_norm_eps));
     float *xn = cx->hc_xn;
     for (int i = 0; i < n; i++) xn[i] = x[i] * rs;
-    const float *xq[1] = {xn};
-    for (int k = k0; k < k1; k++) {
-        const float *row = (const float *)(const void *)(fn->data + (size_t)k * n * 4);
-        mf_kern_vec_dots(xq, 1, row, n, &mixes[k]);
+    for (int k = k0; k < k1; k += 4) {   /* four rows against xn at a time: row . xn has xn . row's bits */
+        int G = k1 - k < 4 ? k1 - k : 4;
+        const float *rows[4];
+        for (int g = 0; g < G; g++) rows[g] = (const float *)(const void *)(fn->data + (size_t)(k + g) * n * 4);
+        mf_kern_vec_dots(rows, G, xn, n, &mixes[k]);
     }
 }
 
