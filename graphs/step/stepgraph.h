@@ -381,8 +381,7 @@ double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_c
  * latency, its bytes over the lane's byte rate, and each token past the first its multiply-adds
  * over the profile's fp4 multiply-add rate there (a thread's on the host); where the profile has
  * no such rate (the built-in machine) each token adds 2% instead. A long prefill chunk's
- * thousands of tokens per expert so weigh the
- * host's compute against a card's. */
+ * thousands of tokens per expert so weigh the host's compute against a card's. */
 typedef struct mf_sg_placer {
     mf_lane_model cpu, comp;
     mf_cost_model cm;                 /* the copies' prices (mf_cost_copy) */
@@ -391,7 +390,7 @@ typedef struct mf_sg_placer {
     double tok_in, tok_out;           /* bytes a slot's token copies in and out (mf_sg_slot_tok_bytes) */
     int hybrid;
     double host_q, copy_q[MF_SG_MAX_CARDS], comp_q[MF_SG_MAX_CARDS];
-    double host_ns, copy_ns, t_dev;   /* the slot being placed (t_dev: its copy-out's end) */
+    double host_ns, copy_ns, t_dev;   /* the slot being placed (t_dev: its compute's end) */
     int card;
 } mf_sg_placer;
 
