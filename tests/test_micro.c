@@ -165,13 +165,19 @@ static int run(mf_ref *r, mf_step *e, int n_seq, int n_dec, int32_t *toks, int f
     return mf_test_run_steps(r, e, g_V, n_seq, N_PROMPT, prompt_tok, n_dec, toks, fill, out);
 }
 
-/* A setting of the engine: threads, cards (0: none), placement, dense work, device graphs. */
+/* A setting of the engine: threads, cards (0: none), placement, dense work, device graphs, and split:
+ * the CPU model g_split_bps (a tiny expert about twice a card's miss, as tests/test_place.c) under
+ * which hybrid puts some slots of the last step on the cards and some on the host (checked at batch
+ * 16). */
 typedef struct setting {
     const char *name;
-    int threads, cards, placement, dense, dev_graphs;
+    int threads, cards, placement, dense, dev_graphs, split;
 } setting;
 
-/* For each batch and setting: the engine with one micro-batch, then with two, the same logits. */
+static double g_split_bps;
+
+/* For each batch and setting: the engine with one micro-batch, then with two, the same logits, and
+ * the same as the first setting's (the host's) with one. */
 static void test_engine(mf_ref *r, const char *what, const int *batches, int n_b, const setting *set, int n_set,
                         int n_dec)
 {
@@ -179,6 +185,7 @@ static void test_engine(mf_ref *r, const char *what, const int *batches, int n_b
         int b = batches[bi];
         size_t per = (size_t)b * (1 + n_dec) * g_V;
         float *one = malloc(sizeof(float) * per), *two = malloc(sizeof(float) * per);
+        float *first = malloc(sizeof(float) * per);
         int32_t *toks = malloc(sizeof(int32_t) * (size_t)b * n_dec);
         for (int k = 0; k < n_set; k++) {
             const setting *x = &set[k];
@@ -192,7 +199,8 @@ static void test_engine(mf_ref *r, const char *what, const int *batches, int n_b
             for (int micro = 1; micro <= 2; micro++) {
                 mf_step *e = NULL;
                 CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = x->threads, .dev = d, .placement = x->placement,
-                                                     .dense = x->dense, .dev_graphs = x->dev_graphs, .micro = micro},
+                                                     .dense = x->dense, .dev_graphs = x->dev_graphs, .micro = micro,
+                                                     .cpu_bytes_per_s = x->split ? g_split_bps : 0},
                                   &e) == 0,
                       "%s %s: %s", what, x->name, mf_last_error());
                 if (!e) continue;
@@ -200,6 +208,17 @@ static void test_engine(mf_ref *r, const char *what, const int *batches, int n_b
                 memset(out, 0, sizeof(float) * per);
                 int rc = run(r, e, b, n_dec, toks, micro == 1, out);
                 CHECK(rc == 0, "%s %s micro %d batch %d: %s", what, x->name, micro, b, mf_last_error());
+                if (micro == 1 && !rc && k == 0) memcpy(first, one, sizeof(float) * per);
+                if (micro == 1 && !rc && k > 0)
+                    CHECK(!memcmp(first, one, sizeof(float) * per), "%s %s batch %d: logits differ from %s's", what,
+                          x->name, b, set[0].name);
+                if (!rc && x->split && b >= 16) {
+                    mf_step_dev_stats ds;
+                    mf_step_last_dev(e, &ds);
+                    CHECK(ds.dev_slots > 0 && ds.host_slots > 0, "%s %s micro %d batch %d: the last step put %lld "
+                          "slots on cards, %lld on the host", what, x->name, micro, b, (long long)ds.dev_slots,
+                          (long long)ds.host_slots);
+                }
                 if (micro == 2 && !rc) {
                     size_t bad = per;
                     for (size_t i = 0; i < per && bad == per; i++)
@@ -216,6 +235,7 @@ static void test_engine(mf_ref *r, const char *what, const int *batches, int n_b
         }
         free(one);
         free(two);
+        free(first);
         free(toks);
     }
 }
@@ -231,12 +251,14 @@ int main(void)
     if (mf_test_gen_ckpt(&c, "micro_tiny", dir, sizeof dir)) return 1;
     g_V = c.vocab_size;
     static const setting all[] = {
-        {"host 1 thread", 1, 0, MF_STEP_PLACE_HOST, 0, 0},
-        {"host 2 threads", 2, 0, MF_STEP_PLACE_HOST, 0, 0},
-        {"hybrid emu:2", 2, 2, MF_STEP_PLACE_HYBRID, 0, 0},
-        {"seed emu:2 device graphs", 2, 2, MF_STEP_PLACE_SEED, 0, 1},
-        {"dense emu:2", 2, 2, MF_STEP_PLACE_HOST, MF_STEP_DENSE_CARDS, 0},
-        {"dense + hybrid emu:2", 2, 2, MF_STEP_PLACE_HYBRID, MF_STEP_DENSE_CARDS, 0},
+        {"host 1 thread", 1, 0, MF_STEP_PLACE_HOST, 0, 0, 0},
+        {"host 2 threads", 2, 0, MF_STEP_PLACE_HOST, 0, 0, 0},
+        {"hybrid emu:2", 2, 2, MF_STEP_PLACE_HYBRID, 0, 0, 0},
+        {"hybrid emu:2 split", 2, 2, MF_STEP_PLACE_HYBRID, 0, 0, 1},
+        {"seed emu:2 device graphs", 2, 2, MF_STEP_PLACE_SEED, 0, 1, 0},
+        {"dense emu:2", 2, 2, MF_STEP_PLACE_HOST, MF_STEP_DENSE_CARDS, 0, 0},
+        {"dense + hybrid emu:2", 2, 2, MF_STEP_PLACE_HYBRID, MF_STEP_DENSE_CARDS, 0, 0},
+        {"dense + hybrid emu:2 split", 2, 2, MF_STEP_PLACE_HYBRID, MF_STEP_DENSE_CARDS, 0, 1},
     };
     /* TSan: batch 3, the settings with cards and 2 threads (the concurrent paths), 2 steps */
     static const int batches[] = {2, 3, 16}, tsan_b[] = {3};
@@ -251,9 +273,13 @@ int main(void)
         }
         CHECK(mf_model_load(dir, &mo, &m) == 0, "load: %s", mf_last_error());
         if (!m || mf_ref_new(m, NULL, &r)) return mf_check_exit("test_micro");
+        const mf_weight *ew = mf_model_layer_at(m, 0)->experts;
+        double xb = 0;
+        for (int k = 0; k < 3; k++) xb += (double)(ew[k].st_data->n_bytes + ew[k].st_scale->n_bytes);
+        g_split_bps = xb / 200e-6;
         const char *what = store ? "tiny streamed" : "tiny resident";
         if (MF_TEST_TSAN) test_engine(r, what, tsan_b, 1, all + 2, store ? 1 : 4, n_dec);
-        else test_engine(r, what, batches, 3, all, store ? 5 : 6, n_dec);
+        else test_engine(r, what, batches, 3, all, store ? 6 : 8, n_dec);
         mf_ref_free(r);
         mf_model_free(m);
     }

@@ -547,15 +547,55 @@ static void test_placer_tokens(void)
     mf_lane_model m[4];
     mf_step_lane_models(&f, 2, m);
     mf_sg_placer pl;
-    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6);
+    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6, 0, 0);
+    mf_sg_place_host_work(&pl, 1);
     CHECK(mf_sg_place_want_card(&pl, 0, 1, 0) == 0, "1 token: the host");
-    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6);
+    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6, 0, 0);
+    mf_sg_place_host_work(&pl, 100);
     CHECK(mf_sg_place_want_card(&pl, 0, 100, 0) == 1, "100 tokens: the card (host %.0f ns, card %.0f ns)",
           pl.host_ns, pl.t_dev);
     for (int k = 0; k < MF_KF_N; k++) f.host[k].macs_per_s = f.card[k].macs_per_s = 0;
-    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6);
+    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6, 0, 0);
+    mf_sg_place_host_work(&pl, 100);
     CHECK(mf_sg_place_want_card(&pl, 0, 100, 0) == 0, "100 tokens, no multiply-add rates: the host (%.0f, %.0f ns)",
           pl.host_ns, pl.t_dev);
+}
+
+/* The placer's order and prices (graphs/step/stepgraph.h mf_sg_placer): a slot's copy-in is priced as
+ * the graph's MF_SG_DEV_IN record is (mf_sg_task_ns: rows, token weights and, on a miss, the
+ * expert's parts, each copy paying the h2d latency), hit or miss; a slot is weighed against the
+ * host's whole queue, so the same uncached slot offered first stays on the host when the queue is
+ * one slot and moves to its card when the queue is 20; moving it takes its work off the host's
+ * queue. costly_profile, 2 workers, an expert of 1 MB and 3 M multiply-adds, 16 kB rows. */
+static void test_placer_queue(void)
+{
+    mf_profile f = costly_profile();
+    mf_lane_model m[4];
+    mf_step_lane_models(&f, 2, m);
+    mf_cost_model cm = {.p = &f};
+    for (int cached = 0; cached < 2; cached++) {
+        mf_sg_placer pl;
+        mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6, 16388, 16384);
+        mf_sg_place_host_work(&pl, 3);
+        (void)mf_sg_place_want_card(&pl, 1, 3, cached);
+        mf_sg_task t = {.op = MF_SG_DEV_IN, .slot_tokens = 1, .w = {.copy_bytes = 1e6, .copy_bytes_tok = 16388}};
+        mf_sg_step_cost st = {.slot_tokens = 3, .dev_miss = !cached};
+        double want = mf_sg_task_ns(&t, &cm, &st);
+        CHECK(fabs(pl.copy_ns - want) < 1e-6 * want, "cached %d: the placer's copy-in %.1f ns, the record's %.1f ns",
+              cached, pl.copy_ns, want);
+    }
+    mf_sg_placer pl;
+    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6, 16388, 16384);
+    mf_sg_place_host_work(&pl, 1);
+    CHECK(mf_sg_place_want_card(&pl, 0, 1, 0) == 0, "a queue of one slot: the miss stays on the host (host %.0f ns, "
+          "card %.0f ns)", pl.host_q / 2, pl.t_dev);
+    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6, 16388, 16384);
+    for (int s = 0; s < 20; s++) mf_sg_place_host_work(&pl, 1);
+    double q = pl.host_q;
+    CHECK(mf_sg_place_want_card(&pl, 0, 1, 0) == 1, "a queue of 20 slots: the first offered moves to its card (host "
+          "%.0f ns, card %.0f ns)", pl.host_q / 2, pl.t_dev);
+    mf_sg_place_card(&pl);
+    CHECK(fabs(pl.host_q - (q - pl.host_ns)) < 1e-6 * q && pl.host_ns > 0, "the moved slot's work left the host's queue");
 }
 
 static void test_prefill(void)
@@ -651,5 +691,6 @@ int main(void)
     test_core_pool();
     test_prefill();
     test_placer_tokens();
+    test_placer_queue();
     return mf_check_exit("test_plan");
 }

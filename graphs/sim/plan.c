@@ -1,7 +1,8 @@
 /* The decode-step simulator (graphs/sim/plan.h). It runs the engine's own step graph (graphs/step/stepgraph.h,
  * the builder graphs/step/step.c uses, for a parallel decode shape of `batch` items), built once; each
  * step draws its routing, keeps the slot tables and the caches (host store, per-card device caches)
- * as the engine's route task does, places the slots with the engine's rule (mf_sg_placer), marks
+ * as the engine's route task does, places the slots with the engine's rule (mf_sg_placer: every
+ * used slot queued on the host, then the cached ones offered to their cards, then the rest), marks
  * the same noop tasks (mf_stepgraph_mark_noop), prices every task's record from the profile
  * (docs/sim.md "Cost formulas") and runs mf_sim_run_opts with the simulator's lane options (one disk
  * pipe, one stream per device lane, emulated cards' host threads). */
@@ -494,30 +495,37 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
     mf_work ew;
     mf_sg_expert_work(&p->c, p->sz, &ew);
     mf_sg_placer_init(&pl, p->models, &p->prof, p->n_threads, p->o.placement == MF_STEP_PLACE_HYBRID,
-                      p->sz->xslot_bytes, ew.macs[MF_KF_FP4]);
-    for (int s = 0; s < ns && p->n_cards; s++) {
-        int e = sl[s].e, c = mf_dev_xcache_owner(p->n_cards, L, e), slot;
-        if (!mf_sg_place_want_card(&pl, c, sl[s].cnt, mf_resid_slot(p->dev[c], L * E + e) >= 0)) {
-            r->host_slots++;
-            continue;
-        }
-        int hit = mf_resid_acquire(p->dev[c], L * E + e, &slot);
-        if (hit == -ENOSPC) {
-            mf_sg_place_host(&pl);
-            r->host_slots++;
-            r->host_fallbacks++;
-            continue;
-        }
-        mf_sg_place_card(&pl);
-        sl[s].card = c;
-        sl[s].miss = !hit;
-        r->dev_slots++;
-        if (hit) r->dev_hits++;
-        else {
-            r->dev_misses++;
-            r->dev_bytes_in += (uint64_t)p->sz->xslot_bytes;
-        }
+                      p->sz->xslot_bytes, ew.macs[MF_KF_FP4], mf_sg_slot_tok_bytes(&p->c, 0),
+                      mf_sg_slot_tok_bytes(&p->c, 1));
+    for (int s = 0; s < ns && p->n_cards; s++) {   /* all on the host's queue; miss: not cached (the pass) */
+        int e = sl[s].e;
+        sl[s].miss = mf_resid_slot(p->dev[mf_dev_xcache_owner(p->n_cards, L, e)], L * E + e) < 0;
+        mf_sg_place_host_work(&pl, sl[s].cnt);
     }
+    for (int pass = 0; pass < 2 && p->n_cards; pass++)   /* the cached slots first, then the rest */
+        for (int s = 0; s < ns; s++) {
+            if (sl[s].miss != pass) continue;
+            int e = sl[s].e, c = mf_dev_xcache_owner(p->n_cards, L, e), slot;
+            if (!mf_sg_place_want_card(&pl, c, sl[s].cnt, !pass)) {
+                r->host_slots++;
+                continue;
+            }
+            int hit = mf_resid_acquire(p->dev[c], L * E + e, &slot);
+            if (hit == -ENOSPC) {
+                r->host_slots++;
+                r->host_fallbacks++;
+                continue;
+            }
+            mf_sg_place_card(&pl);
+            sl[s].card = c;
+            sl[s].miss = !hit;
+            r->dev_slots++;
+            if (hit) r->dev_hits++;
+            else {
+                r->dev_misses++;
+                r->dev_bytes_in += (uint64_t)p->sz->xslot_bytes;
+            }
+        }
     for (int s = 0; s < n_half; s++) card[s] = sl[s].card;
     mf_stepgraph_mark_noop_half(p->sg, L, h, ns, card);
     for (int s = 0; s < ns; s++) {   /* the layer's end: store batch closed, pins released */

@@ -639,8 +639,9 @@ void mf_step_lane_models(const mf_profile *p, int threads, mf_lane_model models[
 }
 
 /* Decides where micro-batch h's slots of layer L run (sh->slot_card) and takes their cache slots
- * on the cards (pinned until its MoE's end): SEED the owner card; HYBRID the earlier finish by the
- * lanes' cost models, host work spread over the workers, each card's copy and compute queues apart. */
+ * on the cards (pinned until its MoE's end): SEED the owner card; HYBRID by mf_sg_placer (the
+ * cached slots offered first, each moved to its card while the card ends no later than the host's
+ * queue of expert work over the workers). */
 static int mf_step_place(mf_step_shape *sh, int L, int h)
 {
     mf_step *eng = sh->eng;
@@ -649,31 +650,39 @@ static int mf_step_place(mf_step_shape *sh, int L, int h)
     mf_work ew;
     mf_sg_expert_work(eng->c, eng->sz, &ew);
     mf_sg_placer_init(&pl, eng->models, eng->o.profile, eng->o.n_threads, eng->o.placement == MF_STEP_PLACE_HYBRID,
-                      (double)eng->xslot_bytes, ew.macs[MF_KF_FP4]);
+                      (double)eng->xslot_bytes, ew.macs[MF_KF_FP4], mf_sg_slot_tok_bytes(eng->c, 0),
+                      mf_sg_slot_tok_bytes(eng->c, 1));
     sh->dev_layer = L;
     sh->dev_half = h;
+    int s_end = s0 + sh->n_used[h];
     for (int s = s0; s < s1; s++) sh->slot_card[s] = -1;
-    for (int s = s0; s < s0 + sh->n_used[h]; s++) {
-        int e = sh->slot_e[s], c = mf_dev_xcache_owner(eng->n_cards, L, e);
-        if (!mf_sg_place_want_card(&pl, c, sh->slot_cnt[s], mf_dev_xcache_has(eng->xc[c], L, e))) {
-            eng->dstat.host_slots++;
-            continue;
-        }
-        void *slot = NULL;
-        int hit = 0, rc = mf_dev_xcache_acquire(eng->xc[c], L, e, &slot, &hit);
-        if (rc == -ENOSPC) {   /* every cache slot of the card pinned: the host takes it */
-            mf_sg_place_host(&pl);
-            eng->dstat.host_slots++;
-            eng->dstat.host_fallbacks++;
-            continue;
-        }
-        if (rc) return rc;
-        mf_sg_place_card(&pl);
-        sh->slot_card[s] = c;
-        sh->slot_dev[s] = slot;
-        sh->slot_miss[s] = (uint8_t)!hit;
-        eng->dstat.dev_slots++;
+    for (int s = s0; s < s_end; s++) {   /* all on the host's queue; slot_miss: not cached (the pass) */
+        int e = sh->slot_e[s];
+        sh->slot_miss[s] = (uint8_t)!mf_dev_xcache_has(eng->xc[mf_dev_xcache_owner(eng->n_cards, L, e)], L, e);
+        mf_sg_place_host_work(&pl, sh->slot_cnt[s]);
     }
+    for (int pass = 0; pass < 2; pass++)   /* the cached slots first, then the rest */
+        for (int s = s0; s < s_end; s++) {
+            if (sh->slot_miss[s] != pass) continue;
+            int e = sh->slot_e[s], c = mf_dev_xcache_owner(eng->n_cards, L, e);
+            if (!mf_sg_place_want_card(&pl, c, sh->slot_cnt[s], !pass)) {
+                eng->dstat.host_slots++;
+                continue;
+            }
+            void *slot = NULL;
+            int hit = 0, rc = mf_dev_xcache_acquire(eng->xc[c], L, e, &slot, &hit);
+            if (rc == -ENOSPC) {   /* every cache slot of the card pinned: the host keeps it */
+                eng->dstat.host_slots++;
+                eng->dstat.host_fallbacks++;
+                continue;
+            }
+            if (rc) return rc;
+            mf_sg_place_card(&pl);
+            sh->slot_card[s] = c;
+            sh->slot_dev[s] = slot;
+            sh->slot_miss[s] = (uint8_t)!hit;
+            eng->dstat.dev_slots++;
+        }
     if (eng->dev_graphs)   /* the slot tables of layer L: a card's own slots, the rest unused */
         for (int c = 0; c < eng->n_cards; c++) {
             mf_dev_ffn_slot *tab = sh->htab[c] + (size_t)L * sh->n_slots;

@@ -957,7 +957,7 @@ static void sg_slot_card(sg_builder *b, int L, int s, int cd, mf_task_id ro, mf_
     SG_NAME(b, "dev%d L%d slot %d in", cd, L, s);
     mf_sg_task ti = t;
     ti.w.copy_bytes = z->xslot_bytes;
-    ti.w.copy_bytes_tok = H * 4.0 + 4.0;
+    ti.w.copy_bytes_tok = mf_sg_slot_tok_bytes(c, 0);
     mf_task_id din = sg_add(b, lane, MF_SG_DEV_IN, MF_SG_PH_MOE, MF_SG_K_COPY, ti);
     mf_task_id dff = cffn;
     if (!sg->dev_graphs) {
@@ -970,7 +970,7 @@ static void sg_slot_card(sg_builder *b, int L, int s, int cd, mf_task_id ro, mf_
     }
     SG_NAME(b, "dev%d L%d slot %d out", cd, L, s);
     mf_sg_task to = t;
-    to.w.copy_bytes_tok = H * 4.0;
+    to.w.copy_bytes_tok = mf_sg_slot_tok_bytes(c, 1);
     mf_task_id dout = sg_add(b, lane + 2, MF_SG_DEV_OUT, MF_SG_PH_MOE, MF_SG_K_COPY_OUT, to);
     tid[0] = din;
     tid[1] = sg->dev_graphs ? -1 : dff;
@@ -1555,20 +1555,32 @@ static double sg_place_ns(const mf_lane_model *m, double macs_per_s, double byte
     return mf_cost_kern(&k, k.bytes_per_s, bytes, macs, cnt);
 }
 
+double mf_sg_slot_tok_bytes(const mf_config *c, int dir)
+{
+    return (double)c->hidden_size * 4.0 + (dir ? 0 : 4.0);
+}
+
 void mf_sg_placer_init(mf_sg_placer *p, const mf_lane_model models[4], const mf_profile *prof, int n_threads,
-                       int hybrid, double expert_bytes, double expert_macs)
+                       int hybrid, double expert_bytes, double expert_macs, double tok_in, double tok_out)
 {
     memset(p, 0, sizeof *p);
     if (!prof) prof = mf_cost_default_profile();
+    p->cm = (mf_cost_model){.p = prof};
     p->macs = expert_macs;
     p->host_macs_per_s = prof->host[MF_KF_FP4].macs_per_s;
     p->card_macs_per_s = prof->card[MF_KF_FP4].macs_per_s;
     p->cpu = models[0];
-    p->copy = models[1];
     p->comp = models[2];
     p->workers = n_threads;
     p->hybrid = hybrid;
     p->bytes = expert_bytes;
+    p->tok_in = tok_in;
+    p->tok_out = tok_out;
+}
+
+void mf_sg_place_host_work(mf_sg_placer *p, int cnt)
+{
+    p->host_q += sg_place_ns(&p->cpu, p->host_macs_per_s, p->bytes, p->macs, cnt);
 }
 
 int mf_sg_place_want_card(mf_sg_placer *p, int card, int cnt, int cached)
@@ -1576,26 +1588,19 @@ int mf_sg_place_want_card(mf_sg_placer *p, int card, int cnt, int cached)
     int c = card;
     p->card = c;
     p->host_ns = sg_place_ns(&p->cpu, p->host_macs_per_s, p->bytes, p->macs, cnt);
-    p->copy_ns = cached ? 0 : sg_lane_ns(&p->copy, p->bytes);
+    /* the copy-in as mf_sg_task_ns prices MF_SG_DEV_IN: rows and weights, and the parts on a miss */
+    p->copy_ns = mf_cost_copy(&p->cm, 0, 2 + (cached ? 0 : MF_SG_EXPERT_PARTS), (cached ? 0 : p->bytes) + cnt * p->tok_in);
     double comp_ns = sg_place_ns(&p->comp, p->card_macs_per_s, p->bytes, p->macs, cnt);
+    double out_ns = mf_cost_copy(&p->cm, 1, 1, cnt * p->tok_out);
     p->t_dev = (p->copy_q[c] + p->copy_ns > p->comp_q[c] ? p->copy_q[c] + p->copy_ns : p->comp_q[c]) + comp_ns;
-    double t_host = (p->host_q + p->host_ns) / p->workers;
-    if (p->hybrid && t_host <= p->t_dev) {
-        p->host_q += p->host_ns;
-        return 0;
-    }
-    return 1;
+    return !p->hybrid || p->t_dev + out_ns <= p->host_q / p->workers;
 }
 
 void mf_sg_place_card(mf_sg_placer *p)
 {
     p->copy_q[p->card] += p->copy_ns;
     p->comp_q[p->card] = p->t_dev;
-}
-
-void mf_sg_place_host(mf_sg_placer *p)
-{
-    p->host_q += p->host_ns;
+    p->host_q -= p->host_ns;
 }
 
 void mf_stepgraph_phase_times(const mf_stepgraph *sg, const mf_task_span *spans, mf_task_span *scratch,

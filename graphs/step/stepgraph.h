@@ -366,37 +366,53 @@ void mf_sg_dense_rows(int parts, int part, int64_t n_rows, int64_t *r0, int64_t 
  * its dense tasks' records read per step. */
 double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int card);
 
-/* Hybrid and seed placement of a layer's slots, in slot order (the engine's and the simulator's
- * rule): a slot goes to the earlier finish of the host (its queue of expert work over the
- * workers, by the CPU lane's model) and its owner card (the copy queue: nothing when cached,
- * else the packed expert's bytes over the copy lane's model; then the compute queue). An
- * expert's time on the host or a card is the cost model's kernel time (sched/cost.h
- * mf_cost_kern): the lane's latency, its bytes over the lane's byte rate, and each token past
- * the first its multiply-adds over the profile's fp4 multiply-add rate there (a thread's on the
- * host); where the profile has no such rate (the built-in machine) each token adds 2% instead.
- * A long prefill chunk's thousands of tokens per expert so weigh the host's compute against a
- * card's. */
+/* Hybrid and seed placement of a layer's slots (the engine's and the simulator's rule): every
+ * used slot's host work is queued first (mf_sg_place_host_work: the host's end if all stayed
+ * there), then the slots whose experts are cached on their owner card are offered, in slot
+ * order, then the rest (a hit frees as much host work as a miss for a fraction of the link's
+ * time). An offered slot moves to its card when the card's end with it (the copy queue: the
+ * slot's copy-in as the graph's record prices it, mf_sg_task_ns MF_SG_DEV_IN: its rows and token
+ * weights, and on a miss the packed expert's parts, each copy paying the profile's h2d latency;
+ * then the compute queue; then the copy-out of its rows) is no later than the host's end with
+ * it (the queued work over the workers). Placing each slot against the host's whole queue, not
+ * the slots before it, keeps the order from deciding: at batch 1 a cached expert among the
+ * first slots went to the host though the host ended later than its card. An expert's time on
+ * the host or a card is the cost model's kernel time (sched/cost.h mf_cost_kern): the lane's
+ * latency, its bytes over the lane's byte rate, and each token past the first its multiply-adds
+ * over the profile's fp4 multiply-add rate there (a thread's on the host); where the profile has
+ * no such rate (the built-in machine) each token adds 2% instead. A long prefill chunk's
+ * thousands of tokens per expert so weigh the host's compute against a card's. */
 typedef struct mf_sg_placer {
-    mf_lane_model cpu, copy, comp;
+    mf_lane_model cpu, comp;
+    mf_cost_model cm;                 /* the copies' prices (mf_cost_copy) */
     double workers, bytes;
     double macs, host_macs_per_s, card_macs_per_s;   /* per token of an expert; 0: the 2% rule */
+    double tok_in, tok_out;           /* bytes a slot's token copies in and out (mf_sg_slot_tok_bytes) */
     int hybrid;
     double host_q, copy_q[MF_SG_MAX_CARDS], comp_q[MF_SG_MAX_CARDS];
-    double host_ns, copy_ns, t_dev;   /* the slot being placed */
+    double host_ns, copy_ns, t_dev;   /* the slot being placed (t_dev: its compute's end) */
     int card;
 } mf_sg_placer;
 
+/* Bytes one token of a slot on a card copies in (dir 0: its input row and its weight) or out
+ * (dir 1: its output row): the one home of the slot copies' sizes (the builder's records, the
+ * placer). */
+double mf_sg_slot_tok_bytes(const mf_config *c, int dir);
+
 /* A layer's placer: models as mf_sg_lanes_init's, hybrid 0 for seed (always the card); the
- * packed expert's bytes and its multiply-adds per token (mf_sg_expert_work), the fp4 multiply-add
- * rates from prof (NULL: the built-in machine, mf_cost_default_profile). */
+ * packed expert's bytes on a card (mf_sg_sizes xslot_bytes) and its multiply-adds per token
+ * (mf_sg_expert_work), the bytes a token copies in and out (mf_sg_slot_tok_bytes), the fp4
+ * multiply-add rates and the copies' figures from prof (NULL: the built-in machine,
+ * mf_cost_default_profile; prof must outlive the placer). */
 void mf_sg_placer_init(mf_sg_placer *p, const mf_lane_model models[4], const mf_profile *prof, int n_threads,
-                       int hybrid, double expert_bytes, double expert_macs);
-/* The next slot, of cnt tokens, owned by `card` (cached: its expert is in that card's cache):
- * 1 when it should run on the card (then mf_sg_place_card, or mf_sg_place_host when the card
- * cannot take it), 0 when on the host (already queued there). */
+                       int hybrid, double expert_bytes, double expert_macs, double tok_in, double tok_out);
+/* Queues a used slot of cnt tokens on the host (every used slot, before any is offered). */
+void mf_sg_place_host_work(mf_sg_placer *p, int cnt);
+/* Offers a queued slot, of cnt tokens, owned by `card` (cached: its expert is in that card's
+ * cache; the cached ones first): 1 when it should run on the card (then mf_sg_place_card once
+ * the card took it; a card that cannot leaves it on the host), 0 when it stays on the host. */
 int mf_sg_place_want_card(mf_sg_placer *p, int card, int cnt, int cached);
 void mf_sg_place_card(mf_sg_placer *p);
-void mf_sg_place_host(mf_sg_placer *p);
 
 /* Phase times of a run of sg (spans per task, as the timeline's): per phase the length of the
  * union of its tasks' spans and their summed durations, over the tasks that ran (status 0) except
