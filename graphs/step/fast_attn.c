@@ -13,16 +13,19 @@
 
 /* ---- the caches ------------------------------------------------------------------------------ */
 
-/* 8 E4M3 codes times a scale, as mf_ly_unpack_e4m3_pow2 computes them: the code's float (its 7
- * magnitude bits at the float's mantissa top, times 2^120, exact: subnormal codes too; NaN codes
- * as mf_e4m3_to_f32 makes them, sign | 0x7FC00000), then the one product by the scale. */
+/* 8 E4M3 codes times a scale, as mf_ly_unpack_e4m3_pow2 computes them: the code's float built
+ * exactly without a subnormal operand (normal codes: the 7 magnitude bits under the float's
+ * exponent, +120 on it; subnormal codes m: m * 2^-9; NaN codes as mf_e4m3_to_f32 makes them,
+ * sign | 0x7FC00000), the sign, then the one product by the scale. */
 __attribute__((target("avx2,fma"))) static inline __m256 mf_fa_e4m3x8_avx2(const uint8_t *codes, __m256 s)
 {
     __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)codes));
     __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7F));
     __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
-    __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 20)), _mm256_set1_ps(0x1p120f));
-    __m256i bits = _mm256_or_si256(_mm256_castps_si256(v), sign);
+    __m256i nrm = _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23));
+    __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(0x1p-9f));
+    __m256i bits = _mm256_blendv_epi8(nrm, _mm256_castps_si256(sub), _mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag));
+    bits = _mm256_or_si256(bits, sign);
     __m256i nan = _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F));
     bits = _mm256_blendv_epi8(bits, _mm256_or_si256(sign, _mm256_set1_epi32(0x7FC00000)), nan);
     return _mm256_mul_ps(_mm256_castsi256_ps(bits), s);
