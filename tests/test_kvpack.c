@@ -110,7 +110,7 @@ static void test_e4m3_roundtrip(void)
 {
     static const int64_t lens[] = {32, 64, 128, 512, 37, 7, 1, 96};
     float x[512], fq[512], out[512];
-    uint8_t codes[512], scales[16];
+    uint8_t codes[512], scales[512 / 16];
     int bad = 0, n_special = 0;
     for (int trial = 0; trial < 6000; trial++) {
         int64_t n = lens[trial % 8];
