@@ -1,6 +1,7 @@
 /* The packed, paged sequence state: the e2m1 pack/unpack pairs give exactly the fake
- * quantizations' floats on fresh random data (bit for bit, edge values included); the caches'
- * put/get round trip across pages; a state grown page by page gives the logits of one reserved
+ * quantizations' floats on fresh random data (bit for bit, edge values included), and the e4m3
+ * pair the window ring uses gives back what mf_ly_fq_e4m3_pow2 left; the caches' put/get round
+ * trip across pages; the ring's put/get and the engine's vectorized ring unpack give the rows put; a state grown page by page gives the logits of one reserved
  * whole, keeps its pages over a reset (same logits again), trims back, holds what
  * mf_ref_state_bytes says, refuses positions past its maximum, and (outside sanitizer builds) an
  * allocation failure is -ENOMEM with the state as it was. */
@@ -16,6 +17,7 @@
 #include "graphs/layers/layers.h"
 #include "graphs/model/model.h"
 #include "graphs/ref/ref.h"
+#include "graphs/step/fast_attn.h"
 #include "sched/error.h"
 #include "tests/check.h"
 #include "tests/tiny_ckpt.h"
@@ -99,6 +101,85 @@ static void test_pack_roundtrip(void)
         }
     }
     CHECK(bad == 0, "%d pack/unpack mismatches", bad);
+}
+
+/* The window ring's pair: mf_ly_pack_e4m3_pow2 of what mf_ly_fq_e4m3_pow2 gives unpacks to it bit
+ * for bit, on fresh random rows of every kind of value (NaN and inf included: a NaN input rounds
+ * to a finite value, an inf makes its block NaN and +-inf). */
+static void test_e4m3_roundtrip(void)
+{
+    static const int64_t lens[] = {32, 64, 128, 512, 37, 7, 1, 96};
+    float x[512], fq[512], out[512];
+    uint8_t codes[512], scales[512 / 16];
+    int bad = 0, n_special = 0;
+    for (int trial = 0; trial < 6000; trial++) {
+        int64_t n = lens[trial % 8];
+        int block = trial % 3 ? 32 : 16;
+        double mag = ldexp(1.0, (int)(next_u64() % 60) - 40);   /* below the 1e-4 floor too */
+        for (int64_t i = 0; i < n; i++) {
+            x[i] = trial % 4 ? (float)((urand() * 2 - 1) * mag) : rand_value(1);
+            if (trial % 4 == 0 && next_u64() % 64 == 0) x[i] = next_u64() % 2 ? NAN : (next_u64() % 2 ? -1 : 1) * INFINITY;
+            if (trial % 7 == 0) x[i] = mf_bf(x[i]);   /* the attention rounds to bf16 first */
+        }
+        memcpy(fq, x, sizeof(float) * (size_t)n);
+        mf_ly_fq_e4m3_pow2(fq, n, block);
+        memset(codes, 0xAA, sizeof codes);
+        memset(scales, 0xAA, sizeof scales);
+        mf_ly_pack_e4m3_pow2(fq, n, block, codes, scales);
+        mf_ly_unpack_e4m3_pow2(codes, scales, n, block, out);
+        for (int64_t k = 0; k < (n + block - 1) / block; k++) n_special += scales[k] == 255;
+        int64_t at = -1;
+        if (!same_bits(fq, out, n, &at) && bad++ < 5)
+            CHECK(0, "trial %d e4m3 n %lld block %d: value %lld: fake quant %a, unpacked %a (input %a)", trial,
+                  (long long)n, block, (long long)at, fq[at], out[at], x[at]);
+    }
+    CHECK(bad == 0, "%d e4m3 pack/unpack mismatches", bad);
+    CHECK(n_special > 0, "no block with an inf: the test does not reach the inf scale");
+}
+
+/* Ring slots through a state: put then get gives the fake-quantized rows; the engine's vectorized
+ * unpack (mf_fa_ring_rows) gives mf_ly_ring_get's floats on every slot of random bytes (every
+ * code, NaN codes and every exponent byte included). */
+static void test_ring(mf_ref *r, const mf_config *c)
+{
+    mf_ref_state *s;
+    CHECK(mf_ref_state_new(r, 64, &s) == 0, "state: %s", mf_last_error());
+    int D = c->head_dim, W = c->sliding_window, bad = 0;
+    float *kv = malloc(sizeof(float) * (size_t)D), *a = malloc(sizeof(float) * (size_t)W * D),
+          *b = malloc(sizeof(float) * (size_t)W * D), *want = malloc(sizeof(float) * (size_t)W * D);
+    for (int L = 0; L < c->n_layers; L++)
+        for (int64_t t = 0; t < 3 * W; t++) {   /* the last W positions stay */
+            for (int d = 0; d < D; d++) kv[d] = rand_value(1);
+            mf_ly_fq_e4m3_pow2(kv, D, MF_LY_RING_BLOCK);
+            mf_ly_ring_put(c, s, L, t, kv);
+            if (t >= 2 * W) memcpy(want + (t - 2 * W) * D, kv, sizeof(float) * (size_t)D);
+            if (t == 3 * W - 1) {
+                int64_t at;
+                mf_ly_ring_get(c, s, L, 2 * W, W, a);
+                mf_fa_ring_rows(c, s, L, 2 * W, W, b);
+                bad += !same_bits(want, a, (int64_t)W * D, &at) + !same_bits(want, b, (int64_t)W * D, &at);
+                mf_ly_ring_get(c, s, L, 2 * W + 3, 5, a);   /* a range inside the window */
+                bad += !same_bits(want + 3 * D, a, 5 * D, &at);
+            }
+        }
+    CHECK(bad == 0, "%d ring ranges differ from the rows put", bad);
+    bad = 0;
+    int64_t rb = mf_ly_ring_row_bytes(c);
+    for (int64_t i = 0; i < mf_ly_ring_bytes(c); i++)
+        s->ring[i] = (uint8_t)(i % rb < D && i % 3 ? (uint64_t)(i / rb + i % rb) : next_u64());
+    for (int L = 0; L < c->n_layers; L++) {
+        int64_t at = -1;
+        mf_ly_ring_get(c, s, L, 7, W, a);
+        mf_fa_ring_rows(c, s, L, 7, W, b);
+        if (!same_bits(a, b, (int64_t)W * D, &at) && bad++ < 3)
+            CHECK(0, "layer %d: fast ring unpack %a, module %a at %lld", L, b[at], a[at], (long long)at);
+    }
+    CHECK(bad == 0, "%d layers' random ring bytes unpack differently", bad);
+    free(kv);
+    free(a);
+    free(b);
+    free(want);
+    mf_ref_state_free(s);
 }
 
 /* put/get through a state's caches at entries on several pages, against the fake quantizations */
@@ -264,6 +345,7 @@ static void test_growth(mf_ref *r, const mf_config *c)
 int main(void)
 {
     test_pack_roundtrip();
+    test_e4m3_roundtrip();
     mf_config c;
     char dir[1024];
     CHECK(mf_config_preset("tiny", &c) == 0, "preset");
@@ -274,6 +356,7 @@ int main(void)
     CHECK(m && mf_ref_new(m, NULL, &r) == 0, "ref: %s", mf_last_error());
     if (!r) return mf_check_exit("test_kvpack");
     test_cache_rows(r, mf_ref_config(r));
+    test_ring(r, mf_ref_config(r));
     test_growth(r, mf_ref_config(r));
     mf_ref_free(r);
     mf_model_free(m);

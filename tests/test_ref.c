@@ -512,15 +512,16 @@ int main(void)
      * window KV of layer 0 computed by a state that stopped at p (layer 0's KV depends only on
      * token and position) */
     {
-        int W = c.sliding_window, D = c.head_dim, okk = 1;
+        int W = c.sliding_window, okk = 1;
+        int64_t RB = mf_ly_ring_row_bytes(&c);   /* layer 0's slots first */
         mf_ref_state *t;
         CHECK(mf_ref_state_new(r, 128, &t) == 0, "state");
         for (int p = 0; p < N + K; p++) {
             mf_ref_decode(r, &t, &toks[p], 1, NULL);
             if (p >= N + K - W)
-                okk &= !memcmp(s1->ring + (p % W) * D, t->ring + (p % W) * D, sizeof(float) * D);
+                okk &= !memcmp(s1->ring + (p % W) * RB, t->ring + (p % W) * RB, (size_t)RB);
             if (p == N + K - W - 1)   /* a position one window older: evicted from the long state */
-                okk &= memcmp(s1->ring + (p % W) * D, t->ring + (p % W) * D, sizeof(float) * D) != 0;
+                okk &= memcmp(s1->ring + (p % W) * RB, t->ring + (p % W) * RB, (size_t)RB) != 0;
         }
         CHECK(okk, "window ring holds the last %d positions and evicts older ones", W);
         CHECK(s1->cache[2].n == (N + K) / 2 && s1->cache[4].n == N + K, "compressed entries: %lld, %lld",

@@ -208,8 +208,7 @@ static void test_core_parts(mf_ref *r, mf_ly_ctx *cx)
         n_sel += it[0].topk_src >= 0 ? it[0].n_topk : 0;
     }
     CHECK(n_sel > 0, "no compressed entries selected: the test does not reach the selection");
-    int64_t ring = (int64_t)c->n_layers * c->sliding_window * c->head_dim;
-    CHECK(!memcmp(st[0]->ring, st[1]->ring, sizeof(float) * ring), "rings differ after the core's parts");
+    CHECK(!memcmp(st[0]->ring, st[1]->ring, (size_t)mf_ly_ring_bytes(c)), "rings differ after the core's parts");
     printf("core parts: kv, score ranges, select, head groups, late ring write bit-identical to the whole core, %d layers, %d "
            "selected entries\n", c->n_layers, n_sel);
     for (int k = 0; k < 2; k++) {

@@ -96,7 +96,7 @@ static void mf_info_config(const mf_config *c)
            mf_config_expert_bytes(c) / 1048576.0, mf_config_expert_bank_bytes(c) / GIB,
            mf_config_engram_table_bytes(c) / GIB, mf_config_resident_bytes(c) / GIB);
     mf_info_state ss = mf_info_state_of(c);
-    printf("  sequence state: %.2f MiB fixed (window ring) + %.1f bytes per token (packed fp4 compressed KV "
+    printf("  sequence state: %.2f MiB fixed (packed E4M3 window ring) + %.1f bytes per token (packed fp4 compressed KV "
            "and index keys, pages of %d positions); 8k tokens %.2f MiB, %lld of them in 64 GiB\n",
            ss.fixed_bytes / 1048576.0, ss.bytes_per_token, MF_LY_PAGE_POSITIONS, ss.bytes_8k / 1048576.0,
            (long long)ss.seqs_8k_64g);

@@ -314,10 +314,7 @@ int mf_ly_attn_core_prep(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b)
 
 void mf_ly_attn_ring_write(const mf_ly_ctx *cx, const mf_ly_item *it, int L, const float *kv)
 {
-    const mf_config *c = cx->ly->c;
-    int D = c->head_dim, W = c->sliding_window;
-    float *ring = it->st->ring + (int64_t)L * W * D;
-    memcpy(ring + (it->pos % W) * D, kv, (size_t)D * sizeof *kv);
+    mf_ly_ring_put(cx->ly->c, it->st, L, it->pos, kv);
 }
 
 void mf_ly_attn_core_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b, int h0, int h1,
@@ -329,7 +326,6 @@ void mf_ly_attn_core_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *co
     int ratio = c->compress_ratios[L];
     int64_t p = it->pos;
     const float *freqs = ratio ? cx->ly->freqs_comp : cx->ly->freqs_main;
-    const float *ring = it->st->ring + (int64_t)L * W * D;
     float *q = b[MF_LY_A_Q], *o = b[MF_LY_A_O];
 
     /* the selection the prep left (compressed layers whose source has one) */
@@ -344,9 +340,13 @@ void mf_ly_attn_core_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *co
      * window positions at or after win->pos0 are the unwritten rows of win->kv */
     int64_t t0 = p - W + 1 < 0 ? 0 : p - W + 1, n_win = p - t0 + 1;
     int64_t pos0 = win ? win->pos0 : p + 1;
+    /* the window rows before pos0 come from the ring, unpacked once for the call's heads */
+    int64_t n_ring = (pos0 < p + 1 ? pos0 : p + 1) - t0;
+    if (n_ring > 0 && h0 < h1) mf_ly_ring_get(c, it->st, L, t0, n_ring, cx->win_kv);
+    const float *ring = cx->win_kv;
     double *s = cx->scores, scale = 1.0 / sqrt((double)D);
 #define MF_LY_KEY(i)                                                                                    \
-    ((i) < n_win ? (t0 + (i) >= pos0 ? win->kv + (t0 + (i) - pos0) * win->ld : ring + ((t0 + (i)) % W) * D) \
+    ((i) < n_win ? (t0 + (i) >= pos0 ? win->kv + (t0 + (i) - pos0) * win->ld : ring + (int64_t)(i) * D) \
                  : ckv + (int64_t)((i) - n_win) * D)
     for (int h = h0; h < h1; h++) {
         float *qh = q + (int64_t)h * D;

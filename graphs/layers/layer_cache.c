@@ -1,6 +1,7 @@
 /* The compressed caches of KV-source layers (graphs/layers/layers.h): entries and index keys stored as
  * the E2M1 codes and scales their fake quantization rounds to, in pages, and the one place the
- * attention and the indexer write and read them. The pages themselves are the state's
+ * attention and the indexer write and read them; the window ring's slots (E4M3 codes and
+ * exponents) likewise. The pages themselves are the state's
  * (graphs/ref/ref_state.c). A page of n entries: KV codes (n x head_dim/2), KV scales (n x
  * head_dim/16), key codes (n x index_head_dim/2), key scales (n x index_head_dim/32). */
 #include "graphs/layers/layers.h"
@@ -111,4 +112,40 @@ const float *mf_ly_item_sel_kv(const mf_config *c, const mf_ly_item *it, float *
     if (it->sel_kv) return it->sel_kv;
     mf_ly_cache_get_kv_rows(c, it->topk_src, &it->st->cache[it->topk_src], it->topk, it->n_topk, scratch);
     return scratch;
+}
+
+/* ---- the window ring ------------------------------------------------------------------------- */
+
+/* A slot: head_dim E4M3 codes, then ceil(head_dim / MF_LY_RING_BLOCK) exponent bytes. */
+int64_t mf_ly_ring_row_bytes(const mf_config *c)
+{
+    return c->head_dim + (c->head_dim + MF_LY_RING_BLOCK - 1) / MF_LY_RING_BLOCK;
+}
+
+int64_t mf_ly_ring_bytes(const mf_config *c) { return (int64_t)c->n_layers * c->sliding_window * mf_ly_ring_row_bytes(c); }
+
+static uint8_t *mf_ly_ring_slot(const mf_config *c, const mf_ref_state *st, int L, int64_t t)
+{
+    return st->ring + ((int64_t)L * c->sliding_window + t % c->sliding_window) * mf_ly_ring_row_bytes(c);
+}
+
+const uint8_t *mf_ly_ring_row(const mf_config *c, const mf_ref_state *st, int L, int64_t t, const uint8_t **scales)
+{
+    const uint8_t *row = mf_ly_ring_slot(c, st, L, t);
+    *scales = row + c->head_dim;
+    return row;
+}
+
+void mf_ly_ring_put(const mf_config *c, mf_ref_state *st, int L, int64_t pos, const float *kv)
+{
+    uint8_t *row = mf_ly_ring_slot(c, st, L, pos);
+    mf_ly_pack_e4m3_pow2(kv, c->head_dim, MF_LY_RING_BLOCK, row, row + c->head_dim);
+}
+
+void mf_ly_ring_get(const mf_config *c, const mf_ref_state *st, int L, int64_t t0, int64_t n, float *out)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *sc, *row = mf_ly_ring_row(c, st, L, t0 + i, &sc);
+        mf_ly_unpack_e4m3_pow2(row, sc, c->head_dim, MF_LY_RING_BLOCK, out + i * c->head_dim);
+    }
 }

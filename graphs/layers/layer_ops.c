@@ -238,6 +238,12 @@ static uint8_t mf_blk_e2m1_e4m3(const float *x, int64_t m)
     return mf_e4m3_from_f32(fminf(fmaxf(mf_block_amax(x, m), 6.0f * 0x1p-9f) / 6.0f, 448.0f));
 }
 
+/* The e4m3 pow2 rounding's scale of a block of m values (mf_ly_fq_e4m3_pow2's formula) */
+static float mf_blk_e4m3_pow2(const float *x, int64_t m)
+{
+    return mf_pow2_ceil(fmaxf(mf_block_amax(x, m), 1e-4f) * (1.0f / 448.0f));
+}
+
 static inline uint8_t mf_e2m1_code(float x, float s) { return mf_e2m1_from_f32(fminf(fmaxf(x / s, -6.0f), 6.0f)); }
 
 void mf_ly_fq_e4m3_pow2(float *x, int64_t n, int block)
@@ -245,7 +251,7 @@ void mf_ly_fq_e4m3_pow2(float *x, int64_t n, int block)
     mf_ly_luts();
     for (int64_t b0 = 0; b0 < n; b0 += block) {
         int64_t m = n - b0 < block ? n - b0 : block;
-        float s = mf_pow2_ceil(fmaxf(mf_block_amax(x + b0, m), 1e-4f) * (1.0f / 448.0f));
+        float s = mf_blk_e4m3_pow2(x + b0, m);
         for (int64_t i = 0; i < m; i++) {
             float q = fminf(fmaxf(x[b0 + i] / s, -448.0f), 448.0f);
             x[b0 + i] = mf_e4m3_lut[mf_e4m3_from_f32(q)] * s;
@@ -322,6 +328,37 @@ void mf_ly_unpack_e2m1_pow2(const uint8_t *codes, const uint8_t *scales, int64_t
 void mf_ly_unpack_e2m1_e4m3(const uint8_t *codes, const uint8_t *scales, int64_t n, int block, float *out)
 {
     mf_ly_unpack_e2m1(codes, scales, n, block, 1, out);
+}
+
+void mf_ly_pack_e4m3_pow2(const float *x, int64_t n, int block, uint8_t *codes, uint8_t *scales)
+{
+    for (int64_t b0 = 0, k = 0; b0 < n; b0 += block, k++) {
+        int64_t m = n - b0 < block ? n - b0 : block;
+        int finite = 1;
+        for (int64_t i = b0; i < b0 + m; i++) finite &= isfinite(x[i]) != 0;
+        if (!finite) {   /* the rounding's scale was inf: code 0 * inf is NaN, +-1 * inf is +-inf */
+            scales[k] = 255;
+            for (int64_t i = b0; i < b0 + m; i++) codes[i] = isnan(x[i]) ? 0x00 : x[i] > 0 ? 0x38 : 0xB8;
+            continue;
+        }
+        /* the scale found again is at most the rounding's (its values are within 448 of it), and a
+         * value c * s over a smaller power of two s' is c * (s / s') <= 448: an E4M3 value again */
+        float s = mf_blk_e4m3_pow2(x + b0, m);
+        uint32_t sb;
+        memcpy(&sb, &s, 4);
+        scales[k] = (uint8_t)(sb >> 23);
+        for (int64_t i = b0; i < b0 + m; i++) codes[i] = mf_e4m3_from_f32(fminf(fmaxf(x[i] / s, -448.0f), 448.0f));
+    }
+}
+
+void mf_ly_unpack_e4m3_pow2(const uint8_t *codes, const uint8_t *scales, int64_t n, int block, float *out)
+{
+    mf_ly_luts();
+    for (int64_t b0 = 0, k = 0; b0 < n; b0 += block, k++) {
+        int64_t end = n - b0 < block ? n : b0 + block;
+        float s = mf_ue8m0_f32(scales[k]);
+        for (int64_t i = b0; i < end; i++) out[i] = mf_e4m3_lut[codes[i]] * s;
+    }
 }
 
 float mf_ly_silu(float x) { return (float)((double)x / (1.0 + exp(-(double)x))); }

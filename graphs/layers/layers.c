@@ -184,6 +184,7 @@ int mf_ly_ctx_new(const mf_layers *ly, mf_ly_lin lin, mf_ly_ctx **out)
         {"aq", (size_t)wide * f, (void **)&cx->aq},
         {"attn_acc", (size_t)c->head_dim * sizeof(double), (void **)&cx->attn_acc},
         {"sel_kv", (size_t)c->index_topk * c->head_dim * f, (void **)&cx->sel_kv},
+        {"win_kv", (size_t)c->sliding_window * c->head_dim * f, (void **)&cx->win_kv},
         {"cache_row", (size_t)mf_max64(c->head_dim, c->index_head_dim) * f, (void **)&cx->cache_row},
         {"gate_logits", (size_t)E * f, (void **)&cx->gate_logits},
         {"gate_bias", (size_t)E * f, (void **)&cx->gate_bias},
@@ -200,7 +201,7 @@ int mf_ly_ctx_new(const mf_layers *ly, mf_ly_lin lin, mf_ly_ctx **out)
         {"lazy_data", (size_t)lazy_d, (void **)&cx->lazy_data},
         {"lazy_scale", (size_t)lazy_s, (void **)&cx->lazy_scale},
     };
-    int n = 22;
+    int n = 23;
     for (int k = 0; k < MF_LY_A_N; k++)
         if (k != MF_LY_A_IN && k != MF_LY_A_OUT)
             b[n++] = (mf_ly_buf){"attn", (size_t)mf_ly_attn_buf_len(c, k) * f, (void **)&cx->attn[k]};

@@ -116,6 +116,7 @@ typedef struct mf_ly_ctx {
     float *attn[MF_LY_A_N];   /* mf_ly_attn's buffers of one item (IN and OUT are the caller's) */
     double *attn_acc;      /* head_dim: one head's weighted values */
     float *sel_kv;         /* index_topk x head_dim: the selected compressed entries, unpacked */
+    float *win_kv;         /* sliding_window x head_dim: a heads call's window rows from the ring, unpacked */
     float *cache_row;      /* max(head_dim, index_head_dim): an entry or index key before packing */
     float *gate_logits;    /* n_routed_experts: the router gate's output */
     float *gate_bias;      /* n_routed_experts: its bias as floats */
@@ -183,6 +184,22 @@ void mf_ly_cache_get_keys(const mf_config *c, int L, const mf_ly_cache *ca, int6
 void mf_ly_cache_get_kv_rows(const mf_config *c, int L, const mf_ly_cache *ca, const int32_t *rows, int n,
                              float *out);
 
+/* The window ring of a sequence, packed (the one place it is written and read; the layout is
+ * layer_cache.c's): slot t % sliding_window of layer L holds position t's window KV, which the
+ * attention has fake-quantized with mf_ly_fq_e4m3_pow2 per 32 (every dim, the RoPE tail
+ * included), as its E4M3 codes (head_dim bytes) and one exponent byte per 32 values
+ * (mf_ly_pack_e4m3_pow2): head_dim + ceil(head_dim / 32) bytes a slot instead of 4 x head_dim.
+ * ring_put packs kv (values of mf_ly_fq_e4m3_pow2 per 32) into position pos's slot; ring_get
+ * unpacks positions [t0, t0 + n) (all inside the window that holds them) into out (n x head_dim),
+ * exactly the floats that were put. ring_row gives a slot's codes and scales for fast readers
+ * (graphs/step/fast_attn.c), which must give ring_get's floats. Thread-safe for distinct slots. */
+#define MF_LY_RING_BLOCK 32   /* values per exponent byte of a ring slot */
+int64_t mf_ly_ring_row_bytes(const mf_config *c);
+int64_t mf_ly_ring_bytes(const mf_config *c);   /* all layers' slots */
+void mf_ly_ring_put(const mf_config *c, mf_ref_state *st, int L, int64_t pos, const float *kv);
+void mf_ly_ring_get(const mf_config *c, const mf_ref_state *st, int L, int64_t t0, int64_t n, float *out);
+const uint8_t *mf_ly_ring_row(const mf_config *c, const mf_ref_state *st, int L, int64_t t, const uint8_t **scales);
+
 /* The caches of one sequence (mf_ref_state_new, graphs/ref/ref_state.c). The fixed part (ring,
  * pending groups, the page tables' owner) is one allocation; the token history and the caches'
  * pages grow with the positions reserved (mf_ref_state_reserve). */
@@ -192,7 +209,7 @@ struct mf_ref_state {
     int64_t n_pos;       /* tokens consumed */
     int64_t cap_pos;     /* positions the pages (and tokens) hold: a multiple of MF_LY_PAGE_POSITIONS */
     int32_t *tokens;     /* cap_pos: token ids (history, for Engram) */
-    float *ring;         /* n_layers x sliding_window x head_dim (slot = pos % window) */
+    uint8_t *ring;       /* n_layers x sliding_window packed slots (slot = pos % window, mf_ly_ring_*) */
     mf_ly_cache *cache;  /* n_layers; pages only on KV-source layers */
     void *mem;           /* the fixed part's one allocation */
 };
@@ -281,6 +298,15 @@ void mf_ly_pack_e2m1_pow2(const float *x, int64_t n, int block, uint8_t *codes, 
 void mf_ly_pack_e2m1_e4m3(const float *x, int64_t n, int block, uint8_t *codes, uint8_t *scales);
 void mf_ly_unpack_e2m1_pow2(const uint8_t *codes, const uint8_t *scales, int64_t n, int block, float *out);
 void mf_ly_unpack_e2m1_e4m3(const uint8_t *codes, const uint8_t *scales, int64_t n, int block, float *out);
+/* The e4m3 pow2 rounding's values stored: pack takes x as mf_ly_fq_e4m3_pow2 left it (its output,
+ * not its input) and writes n E4M3 codes and ceil(n / block) exponent bytes (the scale is
+ * 2^(byte-127), 255 inf); unpack writes those n floats back bit for bit (tests/test_kvpack.c).
+ * A block's scale is found again from its values (pow2_ceil(max(amax, 1e-4) / 448), at most the
+ * rounding's own: every value is then a code times it exactly); a block that held an inf (scale
+ * inf: every value NaN or +-inf) is scale 255 with codes 0 (NaN), 1.0 or -1.0. Values no
+ * rounding gives (finite values beside a NaN or inf) are not kept. */
+void mf_ly_pack_e4m3_pow2(const float *x, int64_t n, int block, uint8_t *codes, uint8_t *scales);
+void mf_ly_unpack_e4m3_pow2(const uint8_t *codes, const uint8_t *scales, int64_t n, int block, float *out);
 
 float mf_ly_silu(float x);
 float mf_ly_sigmoid(float x);

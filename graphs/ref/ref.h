@@ -18,7 +18,7 @@ int mf_ref_new(const mf_model *m, const mf_ref_opts *opts, mf_ref **out);
 void mf_ref_free(mf_ref *r);
 const mf_config *mf_ref_config(const mf_ref *r);   /* the model's */
 
-/* A state for one sequence of at most max_positions tokens: a fixed part (the window ring of every
+/* A state for one sequence of at most max_positions tokens: a fixed part (the packed window ring of every
  * layer, the open compressor groups) allocated here, and what grows with the positions (the token
  * history, the packed compressed KV and index keys of every KV source, graphs/layers/layers.h) in
  * pages of MF_LY_PAGE_POSITIONS positions, added before a forward reaches them. -EINVAL when

@@ -1,5 +1,5 @@
-/* Sequence states (graphs/ref/ref.h): a fixed part (the window ring, the open compressor groups,
- * the caches' headers) allocated once, and what grows with the positions: the token history and
+/* Sequence states (graphs/ref/ref.h): a fixed part (the packed window ring, the open compressor
+ * groups, the caches' headers) allocated once, and what grows with the positions: the token history and
  * the pages of the packed compressed caches (graphs/layers/layer_cache.c). Pages are added before a
  * forward touches the state (mf_ref_state_reserve) and kept over a reset. */
 #include <errno.h>
@@ -22,10 +22,10 @@ static int64_t mf_st_pages(const mf_config *c, int L, int64_t cap)
 
 static int64_t mf_st_fixed_bytes(const mf_config *c)
 {
-    int64_t D = c->head_dim, W = c->sliding_window, n_src = 0;
+    int64_t D = c->head_dim, n_src = 0;
     for (int L = 0; L < c->n_layers; L++) n_src += mf_config_is_kv_source(c, L);
     return (int64_t)sizeof(mf_ref_state) + c->n_layers * (int64_t)sizeof(mf_ly_cache) +
-           c->n_layers * W * D * (int64_t)sizeof(float) + n_src * 2 * D * (int64_t)sizeof(float);
+           n_src * 2 * D * (int64_t)sizeof(float) + mf_ly_ring_bytes(c);
 }
 
 /* Bytes of what grows, for positions [0, cap) with cap a multiple of the page */
@@ -56,7 +56,7 @@ int mf_ref_state_new(const mf_ref *r, int64_t max_positions, mf_ref_state **out)
     if (max_positions < 1 || max_positions > c->max_position_embeddings)
         return mf_error(-EINVAL, "reference: max_positions %" PRId64 " outside 1..%" PRId64
                         " (max_position_embeddings)", max_positions, c->max_position_embeddings);
-    int64_t D = c->head_dim, W = c->sliding_window;
+    int64_t D = c->head_dim;
     size_t bytes = (size_t)(mf_st_fixed_bytes(c) - (int64_t)sizeof(mf_ref_state));
     mf_ref_state *s = calloc(1, sizeof *s);
     uint8_t *p = calloc(1, bytes);
@@ -70,8 +70,6 @@ int mf_ref_state_new(const mf_ref *r, int64_t max_positions, mf_ref_state **out)
     s->mem = p;
     s->cache = (mf_ly_cache *)p;
     p += (size_t)c->n_layers * sizeof(mf_ly_cache);
-    s->ring = (float *)p;
-    p += (size_t)c->n_layers * W * D * sizeof(float);
     for (int L = 0; L < c->n_layers; L++)
         if (mf_config_is_kv_source(c, L)) {
             mf_ly_cache *ca = &s->cache[L];
@@ -80,6 +78,7 @@ int mf_ref_state_new(const mf_ref *r, int64_t max_positions, mf_ref_state **out)
             ca->pend_score = (float *)p;
             p += (size_t)D * sizeof(float);
         }
+    s->ring = p;   /* last: its bytes leave the floats above aligned */
     *out = s;
     return 0;
 }

@@ -78,7 +78,7 @@ typedef struct mf_batch_opts {
      * per-item parts in parallel. 1: the first takes all it can (earliest first token). */
     int prefill_split;
     int64_t max_context;  /* positions per state: prompt + max_tokens (0: min(model's, 4096)) */
-    /* bytes all states may hold (0: no limit). A state holds a fixed part (the window ring) and
+    /* bytes all states may hold (0: no limit). A state holds a fixed part (the packed window ring) and
      * pages for the positions of the request it runs (graphs/ref/ref.h): a request is admitted
      * (in queue order, but see max_bypass) when a state is free and the bytes every state holds plus what it needs
      * (mf_batch_request_bytes: prompt + max_tokens positions) fit; it waits in the queue until

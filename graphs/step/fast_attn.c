@@ -1,9 +1,9 @@
 /* The engine's fast per-item layer math (graphs/step/fast_attn.h): fp32 16-lane dots and fmaf
  * chains (host/kernels.h's vector code: mf_kern_vec_*, an AVX2 path and a scalar path of the same
  * lanes and order) and the vectorized hyper-connection pieces here, over the caches read
- * as the module reads them: the window ring (mf_fa_ring_row), the selected compressed entries
- * as mf_ly_item_sel_kv gives them (unpacked once at the selection), index keys unpacked in blocks
- * (mf_ly_cache_get_keys), each once for all index heads. */
+ * as the module reads them: the window ring (mf_fa_ring_rows, unpacked per heads call), the selected
+ * compressed entries as mf_ly_item_sel_kv gives them (unpacked once at the selection), index keys
+ * unpacked in blocks (mf_ly_cache_get_keys), each once for all index heads. */
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
@@ -13,11 +13,48 @@
 
 /* ---- the caches ------------------------------------------------------------------------------ */
 
-/* Window slot of position t of layer L (ring slot t mod W). */
-static inline const float *mf_fa_ring_row(const mf_ref_state *st, const mf_config *c, int L, int64_t t)
+/* 8 E4M3 codes times a scale, as mf_ly_unpack_e4m3_pow2 computes them: the code's float built
+ * exactly without a subnormal operand (normal codes: the 7 magnitude bits under the float's
+ * exponent, +120 on it; subnormal codes m: m * 2^-9; NaN codes as mf_e4m3_to_f32 makes them,
+ * sign | 0x7FC00000), the sign, then the one product by the scale. */
+__attribute__((target("avx2,fma"))) static inline __m256 mf_fa_e4m3x8_avx2(const uint8_t *codes, __m256 s)
 {
-    int64_t W = c->sliding_window, D = c->head_dim;
-    return st->ring + ((int64_t)L * W + t % W) * D;
+    __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)codes));
+    __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7F));
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+    __m256i nrm = _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23));
+    __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(0x1p-9f));
+    __m256i bits = _mm256_blendv_epi8(nrm, _mm256_castps_si256(sub), _mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag));
+    bits = _mm256_or_si256(bits, sign);
+    __m256i nan = _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F));
+    bits = _mm256_blendv_epi8(bits, _mm256_or_si256(sign, _mm256_set1_epi32(0x7FC00000)), nan);
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), s);
+}
+
+/* a slot of n values, n a multiple of MF_LY_RING_BLOCK */
+__attribute__((target("avx2,fma"))) static void mf_fa_ring_slot_avx2(const uint8_t *codes, const uint8_t *sc, int64_t n,
+                                                                   float *out)
+{
+    for (int64_t i = 0; i < n; i += MF_LY_RING_BLOCK) {
+        uint32_t e = (uint32_t)sc[i / MF_LY_RING_BLOCK] << 23;
+        float f;
+        memcpy(&f, &e, 4);
+        __m256 s = _mm256_set1_ps(f);
+        for (int k = 0; k < MF_LY_RING_BLOCK; k += 8) _mm256_storeu_ps(out + i + k, mf_fa_e4m3x8_avx2(codes + i + k, s));
+    }
+}
+
+void mf_fa_ring_rows(const mf_config *c, const mf_ref_state *st, int L, int64_t t0, int64_t n, float *out)
+{
+    int64_t D = c->head_dim;
+    if (mf_kern_simd_active() != MF_KERN_SIMD_AVX2 || D % MF_LY_RING_BLOCK) {
+        mf_ly_ring_get(c, st, L, t0, n, out);
+        return;
+    }
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *sc, *codes = mf_ly_ring_row(c, st, L, t0 + r, &sc);
+        mf_fa_ring_slot_avx2(codes, sc, D, out + r * D);
+    }
 }
 
 /* ---- numeric pieces -------------------------------------------------------------------------- */
@@ -61,13 +98,13 @@ static void mf_fa_rope_apply(const mf_fa_rope *r, float *x, int inverse)
 #define MF_FA_MAX_KEYS 4096  /* most keys (window + selection) a call's pointer table holds */
 
 /* The keys of one item's attention: window positions t0..t0+n_win-1 (from win->kv from pos0 on,
- * else the ring), then the selected entries of the KV source. */
+ * else the ring's rows, unpacked into ring_kv), then the selected entries of the KV source. */
 typedef struct mf_fa_keys {
-    const mf_ref_state *st;
     const mf_config *c;
-    int L, S;
+    int S;
     int64_t t0, n_win, pos0;
     const mf_ly_win *win;
+    const float *ring_kv;  /* window positions t0..pos0-1, unpacked */
     const float *sel_kv;   /* the selected entries, unpacked in selection order */
 } mf_fa_keys;
 
@@ -75,7 +112,7 @@ static inline const float *mf_fa_key(const mf_fa_keys *k, int64_t i)
 {
     if (i >= k->n_win) return k->sel_kv + (i - k->n_win) * k->c->head_dim;
     int64_t t = k->t0 + i;
-    return t >= k->pos0 ? k->win->kv + (t - k->pos0) * k->win->ld : mf_fa_ring_row(k->st, k->c, k->L, t);
+    return t >= k->pos0 ? k->win->kv + (t - k->pos0) * k->win->ld : k->ring_kv + i * k->c->head_dim;
 }
 
 void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b, int h0, int h1,
@@ -93,7 +130,7 @@ void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *
         return;
     }
 
-    mf_fa_keys ks = {.st = it->st, .c = c, .L = L, .S = -1, .win = win};
+    mf_fa_keys ks = {.c = c, .S = -1, .win = win, .ring_kv = cx->win_kv};
     int64_t n_sel = 0;
     if (ratio > 0 && it->topk_src == cx->ly->src_of[L] && h0 < h1) {
         ks.S = it->topk_src;
@@ -108,6 +145,8 @@ void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *
         return;
     }
     if (n_sel) ks.sel_kv = mf_ly_item_sel_kv(c, it, cx->sel_kv);   /* unpacked at the selection, or here */
+    int64_t n_ring = (ks.pos0 < p + 1 ? ks.pos0 : p + 1) - ks.t0;   /* window rows from the ring */
+    if (n_ring > 0 && h0 < h1) mf_fa_ring_rows(c, it->st, L, ks.t0, n_ring, cx->win_kv);
     const float *kp[MF_FA_MAX_KEYS];   /* each key's row, found once */
     for (int64_t i = 0; i < n; i++) kp[i] = mf_fa_key(&ks, i);
     float scale = (float)(1.0 / sqrt((double)D));

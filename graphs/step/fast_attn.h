@@ -25,6 +25,10 @@
  * double), weighted values, inverse RoPE. */
 void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b, int h0, int h1,
                       const mf_ly_win *win);
+/* mf_ly_ring_get (same arguments) vectorized where the kernels run AVX2 and head_dim is a
+ * multiple of MF_LY_RING_BLOCK: the module's floats bit for bit (tests/test_kvpack.c), NaN codes
+ * and the inf scale included. */
+void mf_fa_ring_rows(const mf_config *c, const mf_ref_state *st, int L, int64_t t0, int64_t n, float *out);
 /* mf_ly_index_scores with fp32 dots: score[j] for j in [j0, j1). */
 void mf_fa_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float *const *b, double *score,
                         int64_t j0, int64_t j1);
