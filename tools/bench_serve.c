@@ -37,7 +37,12 @@ static void mf_bench_serve_usage(FILE *f)
             "mode generated tokens/s, time to first token and inter-token latency (p50, p99, from\n"
             "the request's arrival), and continuous / static throughput. Each concurrency first runs\n"
             "both modes --warmup times untimed (default 1), so that the engine's graphs for the step\n"
-            "sizes of the workload exist (a size's graph is built on its first step).\n");
+            "sizes of the workload exist (a size's graph is built on its first step).\n"
+            "Per mode it also says where the time went: engine forwards (steps), items a step,\n"
+            "forward wall time, step shapes built during the pass and their build time, the\n"
+            "workers' busy time (summed task durations), the process's CPU time (all threads;\n"
+            "less sensitive to other load than wall time), and the forwards that carried prefill\n"
+            "items (static: the prefills) with their prefill items and time.\n");
 }
 
 typedef struct mf_bs_req {
@@ -56,6 +61,7 @@ typedef struct mf_bs_lat {
  * shapes built during the pass (mf_step_builds). */
 typedef struct mf_bs_prof {
     int64_t steps, items, fwd_ns, busy_ns, n_built, build_ns;
+    int64_t pf_steps, pf_items, pf_ns;   /* of those, forwards with prefill items (static: the prefills) */
     double cpu_s;   /* the process's CPU time over the pass (all threads) */
 } mf_bs_prof;
 
@@ -66,10 +72,15 @@ static double mf_bs_cpu_s(void)
     return ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
-static void mf_bs_fwd(mf_step *e, mf_bs_prof *p, int items)
+static void mf_bs_fwd(mf_step *e, mf_bs_prof *p, int items, int pf_items)
 {
     mf_step_times t;
     mf_step_last_times(e, &t);
+    if (pf_items) {
+        p->pf_steps++;
+        p->pf_items += pf_items;
+        p->pf_ns += t.wall_ns;
+    }
     p->steps++;
     p->items += items;
     p->fwd_ns += t.wall_ns;
@@ -129,8 +140,11 @@ static int mf_bs_continuous(mf_ref *r, mf_step *e, mf_bs_req *q, int n, int conc
     }
     while (!rc && !x.rc && x.done < n) {
         int items = 0;
+        mf_batch_stats s0, s1;
+        mf_batch_get_stats(x.b, &s0);
         rc = mf_batch_step(x.b, &items);
-        if (items) mf_bs_fwd(e, pr, items);
+        mf_batch_get_stats(x.b, &s1);
+        if (items) mf_bs_fwd(e, pr, items, (int)(s1.prefill_items - s0.prefill_items));
         if (!rc && !items && x.done < n) rc = mf_error(-EIO, "bench serve: the batcher stalled");
     }
     *sec = (mf_now_ns() - t0) / 1e9;
@@ -157,7 +171,7 @@ static int mf_bs_static(mf_ref *r, mf_step *e, mf_bs_req *q, int n, int conc, in
         for (int i = 0; i < nb && !rc; i++) {
             mf_ref_state_reset(st[i]);
             rc = mf_step_prefill(e, st[i], q[base + i].prompt, q[base + i].n_prompt, lg + (size_t)i * V);
-            mf_bs_fwd(e, pr, q[base + i].n_prompt);
+            mf_bs_fwd(e, pr, q[base + i].n_prompt, q[base + i].n_prompt);
         }
         int live[MF_STEP_MAX_ITEMS], n_live = nb;
         for (int i = 0; i < nb; i++) live[i] = i;
@@ -185,7 +199,7 @@ static int mf_bs_static(mf_ref *r, mf_step *e, mf_bs_req *q, int n, int conc, in
             n_live = k;
             if (k) {
                 rc = mf_step_decode(e, bs, bt, k, lg);
-                mf_bs_fwd(e, pr, k);
+                mf_bs_fwd(e, pr, k, 0);
             }
             for (int j = 0; j < k; j++) row[live[j]] = j;
         }
@@ -319,15 +333,19 @@ int mf_bench_serve(int argc, char **argv)
             if (json)
                 printf("%s{\"mode\":\"%s\",\"concurrency\":%d,\"tokens_per_s\":%.3f,\"ttft_p50_s\":%.4f,"
                        "\"ttft_p99_s\":%.4f,\"itl_p50_s\":%.4f,\"itl_p99_s\":%.4f,\"wall_s\":%.3f,\"steps\":%" PRId64 ",\"items\":%" PRId64
-                       ",\"forward_s\":%.3f,\"shapes_built\":%" PRId64 ",\"build_s\":%.3f,\"busy_s\":%.3f,\"cpu_s\":%.3f}", k + mode ? "," : "",
+                       ",\"forward_s\":%.3f,\"shapes_built\":%" PRId64 ",\"build_s\":%.3f,\"busy_s\":%.3f,\"cpu_s\":%.3f,\"prefill_forwards\":%" PRId64
+                       ",\"prefill_items\":%" PRId64 ",\"prefill_forward_s\":%.3f}", k + mode ? "," : "",
                        mode ? "static" : "continuous", cl[k], tps[mode], t50, t99, i50, i99, sec, pr.steps, pr.items,
-                       pr.fwd_ns / 1e9, pr.n_built, pr.build_ns / 1e9, pr.busy_ns / 1e9, pr.cpu_s);
+                       pr.fwd_ns / 1e9, pr.n_built, pr.build_ns / 1e9, pr.busy_ns / 1e9, pr.cpu_s,
+                       pr.pf_steps, pr.pf_items, pr.pf_ns / 1e9);
             else
                 printf("%-11s %5d %9.2f %10.3f %10.3f %10.4f %10.4f %9.2f\n"
                        "%-11s %5s steps %" PRId64 ", %.1f items a step, forwards %.2f s (of which %" PRId64
-                       " shapes built in %.2f s), workers busy %.2f s, CPU %.2f s\n", mode ? "static" : "continuous", cl[k], tps[mode], t50, t99, i50,
+                       " shapes built in %.2f s), workers busy %.2f s, CPU %.2f s\n"
+                       "%-11s %5s with prefill: %" PRId64 " forwards, %" PRId64 " prefill items, %.2f s\n", mode ? "static" : "continuous", cl[k], tps[mode], t50, t99, i50,
                        i99, sec, "", "", pr.steps, pr.steps ? (double)pr.items / pr.steps : 0.0, pr.fwd_ns / 1e9,
-                       pr.n_built, pr.build_ns / 1e9, pr.busy_ns / 1e9, pr.cpu_s);
+                       pr.n_built, pr.build_ns / 1e9, pr.busy_ns / 1e9, pr.cpu_s, "", "", pr.pf_steps, pr.pf_items,
+                       pr.pf_ns / 1e9);
             fflush(stdout);
         }
         if (!json) printf("%-11s %5d %8.2fx\n", "ratio", cl[k], tps[0] / tps[1]);
