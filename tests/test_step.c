@@ -216,14 +216,25 @@ static void test_long_chunks(mf_ref *r)
         }
         if (chunks[k] == 300) {   /* grouped: no more tasks than a 128-item serial graph */
             mf_ref_state *s2 = NULL;
+            mf_step_build_stats b0, b1, b2, b3;
+            mf_step_builds(e, &b0);
             CHECK(mf_ref_state_new(r, 128, &s2) == 0 && mf_step_prefill(e, s2, p, 128, NULL) == 0, "128: %s",
                   mf_last_error());
+            mf_step_builds(e, &b1);
             const mf_stepgraph *g128 = mf_step_graph(e, 128, 0);
             int n128 = g128 ? g128->n_tasks : -1;   /* read now: the 300 shape below replaces (frees) it */
             mf_ref_state_free(s2);
             mf_ref_state *s3 = NULL;   /* the long shape is replaced by a 300 one again */
             CHECK(mf_ref_state_new(r, 300, &s3) == 0 && mf_step_prefill(e, s3, p, 300, NULL) == 0, "300: %s",
                   mf_last_error());
+            mf_step_builds(e, &b2);
+            mf_ref_state_reset(s3);   /* the same length again: the kept shape, nothing built */
+            CHECK(mf_step_prefill(e, s3, p, 300, NULL) == 0, "300 again: %s", mf_last_error());
+            mf_step_builds(e, &b3);
+            CHECK(b1.n_built == b0.n_built + 1 && b2.n_built == b1.n_built + 1 && b3.n_built == b2.n_built &&
+                      b1.build_ns > b0.build_ns && b3.build_ns == b2.build_ns,
+                  "shapes built: %lld, +128: %lld, +300: %lld, +300 again: %lld (expected +1, +1, +0)",
+                  (long long)b0.n_built, (long long)b1.n_built, (long long)b2.n_built, (long long)b3.n_built);
             const mf_stepgraph *g300 = mf_step_graph(e, 300, 0);
             CHECK(n128 > 0 && g300 && g300->n_groups == MF_SG_MAX_GROUPS && g300->n_tasks <= n128,
                   "a 300-item graph: %d groups, %d tasks (128 items: %d)", g300 ? g300->n_groups : -1,

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "graphs/step/batch.h"
@@ -36,7 +37,12 @@ static void mf_bench_serve_usage(FILE *f)
             "mode generated tokens/s, time to first token and inter-token latency (p50, p99, from\n"
             "the request's arrival), and continuous / static throughput. Each concurrency first runs\n"
             "both modes --warmup times untimed (default 1), so that the engine's graphs for the step\n"
-            "sizes of the workload exist (a size's graph is built on its first step).\n");
+            "sizes of the workload exist (a size's graph is built on its first step).\n"
+            "Per mode it also says where the time went: engine forwards (steps), items a step,\n"
+            "forward wall time, step shapes built during the pass and their build time, the\n"
+            "workers' busy time (summed task durations), the process's CPU time (all threads;\n"
+            "less sensitive to other load than wall time), and the forwards that carried prefill\n"
+            "items (static: the prefills) with their prefill items and time.\n");
 }
 
 typedef struct mf_bs_req {
@@ -50,6 +56,36 @@ typedef struct mf_bs_lat {
     double *ttft, *itl;
     int n_ttft, n_itl;
 } mf_bs_lat;
+
+/* Where a mode's time went: engine forwards (steps), their items, their wall time, and the step
+ * shapes built during the pass (mf_step_builds). */
+typedef struct mf_bs_prof {
+    int64_t steps, items, fwd_ns, busy_ns, n_built, build_ns;
+    int64_t pf_steps, pf_items, pf_ns;   /* of those, forwards with prefill items (static: the prefills) */
+    double cpu_s;   /* the process's CPU time over the pass (all threads) */
+} mf_bs_prof;
+
+static double mf_bs_cpu_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static void mf_bs_fwd(mf_step *e, mf_bs_prof *p, int items, int pf_items)
+{
+    mf_step_times t;
+    mf_step_last_times(e, &t);
+    if (pf_items) {
+        p->pf_steps++;
+        p->pf_items += pf_items;
+        p->pf_ns += t.wall_ns;
+    }
+    p->steps++;
+    p->items += items;
+    p->fwd_ns += t.wall_ns;
+    for (int k = 0; k < MF_STEP_N_PHASES; k++) p->busy_ns += t.busy_ns[k];
+}
 
 typedef struct mf_bs_ctx {
     mf_batch *b;
@@ -87,7 +123,7 @@ static void mf_bs_on_event(void *user, const mf_batch_event *ev)
 }
 
 static int mf_bs_continuous(mf_ref *r, mf_step *e, mf_bs_req *q, int n, int conc, int step_tokens, int split,
-                            int64_t ctx, mf_bs_lat *lat, double *sec)
+                            int64_t ctx, mf_bs_lat *lat, double *sec, mf_bs_prof *pr)
 {
     mf_bs_ctx x = {.q = q, .n = n, .lat = lat};
     int rc = mf_batch_new(&(mf_batch_opts){.ref = r, .eng = e, .max_batch = conc, .step_tokens = step_tokens,
@@ -104,7 +140,11 @@ static int mf_bs_continuous(mf_ref *r, mf_step *e, mf_bs_req *q, int n, int conc
     }
     while (!rc && !x.rc && x.done < n) {
         int items = 0;
+        mf_batch_stats s0, s1;
+        mf_batch_get_stats(x.b, &s0);
         rc = mf_batch_step(x.b, &items);
+        mf_batch_get_stats(x.b, &s1);
+        if (items) mf_bs_fwd(e, pr, items, (int)(s1.prefill_items - s0.prefill_items));
         if (!rc && !items && x.done < n) rc = mf_error(-EIO, "bench serve: the batcher stalled");
     }
     *sec = (mf_now_ns() - t0) / 1e9;
@@ -116,7 +156,7 @@ static int mf_bs_continuous(mf_ref *r, mf_step *e, mf_bs_req *q, int n, int conc
  * batch (shrinking as requests end) until all are done. Client k's next request arrives when its
  * previous one ends and waits for the next batch. */
 static int mf_bs_static(mf_ref *r, mf_step *e, mf_bs_req *q, int n, int conc, int64_t ctx, mf_bs_lat *lat,
-                        double *sec)
+                        double *sec, mf_bs_prof *pr)
 {
     const mf_config *c = mf_ref_config(r);
     int64_t V = c->vocab_size;
@@ -131,6 +171,7 @@ static int mf_bs_static(mf_ref *r, mf_step *e, mf_bs_req *q, int n, int conc, in
         for (int i = 0; i < nb && !rc; i++) {
             mf_ref_state_reset(st[i]);
             rc = mf_step_prefill(e, st[i], q[base + i].prompt, q[base + i].n_prompt, lg + (size_t)i * V);
+            mf_bs_fwd(e, pr, q[base + i].n_prompt, q[base + i].n_prompt);
         }
         int live[MF_STEP_MAX_ITEMS], n_live = nb;
         for (int i = 0; i < nb; i++) live[i] = i;
@@ -156,7 +197,10 @@ static int mf_bs_static(mf_ref *r, mf_step *e, mf_bs_req *q, int n, int conc, in
                 live[k++] = i;
             }
             n_live = k;
-            if (k) rc = mf_step_decode(e, bs, bt, k, lg);
+            if (k) {
+                rc = mf_step_decode(e, bs, bt, k, lg);
+                mf_bs_fwd(e, pr, k, 0);
+            }
             for (int j = 0; j < k; j++) row[live[j]] = j;
         }
     }
@@ -271,20 +315,37 @@ int mf_bench_serve(int argc, char **argv)
             for (int i = 0; i < n; i++) q[i].n_gen = 0, q[i].first_ns = q[i].last_ns = 0;
             lat.n_ttft = lat.n_itl = 0;
             double sec = 0;
-            int rc = mode == 0 ? mf_bs_continuous(r, e, q, n, cl[k], step_tokens, split, ctx, &lat, &sec)
-                               : mf_bs_static(r, e, q, n, cl[k], ctx, &lat, &sec);
+            mf_bs_prof pr = {0};
+            mf_step_build_stats b0, b1;
+            mf_step_builds(e, &b0);
+            double cpu0 = mf_bs_cpu_s();
+            int rc = mode == 0 ? mf_bs_continuous(r, e, q, n, cl[k], step_tokens, split, ctx, &lat, &sec, &pr)
+                               : mf_bs_static(r, e, q, n, cl[k], ctx, &lat, &sec, &pr);
             if (rc) goto fail;
+            mf_step_builds(e, &b1);
+            pr.cpu_s = mf_bs_cpu_s() - cpu0;
+            pr.n_built = b1.n_built - b0.n_built;
+            pr.build_ns = b1.build_ns - b0.build_ns;
             if (pass < warmup) continue;
             tps[mode] = total_out / sec;
             double t50 = mf_bs_pct(lat.ttft, lat.n_ttft, 0.5), t99 = mf_bs_pct(lat.ttft, lat.n_ttft, 0.99);
             double i50 = mf_bs_pct(lat.itl, lat.n_itl, 0.5), i99 = mf_bs_pct(lat.itl, lat.n_itl, 0.99);
             if (json)
                 printf("%s{\"mode\":\"%s\",\"concurrency\":%d,\"tokens_per_s\":%.3f,\"ttft_p50_s\":%.4f,"
-                       "\"ttft_p99_s\":%.4f,\"itl_p50_s\":%.4f,\"itl_p99_s\":%.4f,\"wall_s\":%.3f}", k + mode ? "," : "",
-                       mode ? "static" : "continuous", cl[k], tps[mode], t50, t99, i50, i99, sec);
+                       "\"ttft_p99_s\":%.4f,\"itl_p50_s\":%.4f,\"itl_p99_s\":%.4f,\"wall_s\":%.3f,\"steps\":%" PRId64 ",\"items\":%" PRId64
+                       ",\"forward_s\":%.3f,\"shapes_built\":%" PRId64 ",\"build_s\":%.3f,\"busy_s\":%.3f,\"cpu_s\":%.3f,\"prefill_forwards\":%" PRId64
+                       ",\"prefill_items\":%" PRId64 ",\"prefill_forward_s\":%.3f}", k + mode ? "," : "",
+                       mode ? "static" : "continuous", cl[k], tps[mode], t50, t99, i50, i99, sec, pr.steps, pr.items,
+                       pr.fwd_ns / 1e9, pr.n_built, pr.build_ns / 1e9, pr.busy_ns / 1e9, pr.cpu_s,
+                       pr.pf_steps, pr.pf_items, pr.pf_ns / 1e9);
             else
-                printf("%-11s %5d %9.2f %10.3f %10.3f %10.4f %10.4f %9.2f\n", mode ? "static" : "continuous", cl[k],
-                       tps[mode], t50, t99, i50, i99, sec);
+                printf("%-11s %5d %9.2f %10.3f %10.3f %10.4f %10.4f %9.2f\n"
+                       "%-11s %5s steps %" PRId64 ", %.1f items a step, forwards %.2f s (of which %" PRId64
+                       " shapes built in %.2f s), workers busy %.2f s, CPU %.2f s\n"
+                       "%-11s %5s with prefill: %" PRId64 " forwards, %" PRId64 " prefill items, %.2f s\n", mode ? "static" : "continuous", cl[k], tps[mode], t50, t99, i50,
+                       i99, sec, "", "", pr.steps, pr.steps ? (double)pr.items / pr.steps : 0.0, pr.fwd_ns / 1e9,
+                       pr.n_built, pr.build_ns / 1e9, pr.busy_ns / 1e9, pr.cpu_s, "", "", pr.pf_steps, pr.pf_items,
+                       pr.pf_ns / 1e9);
             fflush(stdout);
         }
         if (!json) printf("%-11s %5d %8.2fx\n", "ratio", cl[k], tps[0] / tps[1]);

@@ -186,6 +186,7 @@ struct mf_step {
     mf_step_shape *ushapes[MF_STEP_UNIT_SHAPES];
     uint64_t ushape_used[MF_STEP_UNIT_SHAPES], n_calls;
     mf_step_shape *last;
+    mf_step_build_stats builds;   /* shapes built since mf_step_new (mf_step_builds) */
     mf_step_times times;
     mf_lane_model models[4];   /* mf_step_lane_models: cpu, copy in, card compute, copy out */
     /* dense work on cards (opts dense): cards holding it, cards with lanes (the larger of
@@ -1600,6 +1601,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
     int64_t Ish = c->n_shared_experts > 0 ? mf_model_layer_at(eng->ly->m, 0)->sh_w1.rows : 0;
     int K = c->n_experts_per_tok, E = c->n_routed_experts, hc = c->hc_mult;
     int n_cb = c->candidate_topk_blocks > 0 ? c->candidate_topk_blocks : 1;
+    int64_t t0 = mf_now_ns();
     mf_step_shape *sh = calloc(1, sizeof *sh);
     if (!sh) return mf_error(-ENOMEM, "step: out of memory");
     sh->eng = eng;
@@ -1744,6 +1746,8 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         mf_step_shape_free(sh);
         return mf_error_wrap(rc, "step: building the graph of a batch of %d", n);
     }
+    eng->builds.n_built++;
+    eng->builds.build_ns += mf_now_ns() - t0;
     *out = sh;
     return 0;
 }
@@ -2446,6 +2450,8 @@ int mf_step_decode(mf_step *s, mf_ref_state *const *states, const int32_t *token
 }
 
 void mf_step_last_times(const mf_step *s, mf_step_times *out) { *out = s->times; }
+
+void mf_step_builds(const mf_step *s, mf_step_build_stats *out) { *out = s->builds; }
 
 const mf_stepgraph *mf_step_graph(const mf_step *s, int n, int par)
 {

@@ -224,6 +224,14 @@ typedef struct mf_step_times {
 
 void mf_step_last_times(const mf_step *s, mf_step_times *out);
 
+/* Step shapes (graph and buffers) built since mf_step_new, and the wall time their building took
+ * (graph, binding, buffer allocation): a forward of a shape not kept builds one first. */
+typedef struct mf_step_build_stats {
+    int64_t n_built;
+    int64_t build_ns;
+} mf_step_build_stats;
+void mf_step_builds(const mf_step *s, mf_step_build_stats *out);
+
 /* Where the routed experts of the last mf_step_forward call ran: slots (one per distinct expert
  * of a layer's batch) on a card and on the host, and the device expert caches' counters over the
  * call, summed over cards (hits + misses = dev_slots). */
