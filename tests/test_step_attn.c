@@ -3,8 +3,10 @@
  * items) gives the bits of the whole stage, on contexts of both linear backends (graphs/layers/layers.h:
  * the oracle's double sums and the kernels); the
  * reference's per-item stage equals the row-range path bit for bit on the oracle and within 1e-5
- * on the kernels; the hyper-connection and attention-core parts (rows, columns, head groups, the
- * late ring write) give the whole calls' bits on fresh random data; the engine's logits (prefill
+ * on the kernels (the low-rank query leaves its stage rounded to bf16); the hyper-connection,
+ * q norm (scale, column parts) and attention-core parts (rows, columns, the window KV and index
+ * query in reversed order, head groups, the late ring write) give the whole calls' bits on fresh
+ * random data; the engine's logits (prefill
  * + decode, batch 1 and 3) equal across 1, 2, 3, 5 and 8 workers (1 to 8 row parts per stage,
  * head groups, column parts) and stay within the existing tolerance of the reference forward;
  * prefill chunks longer than the window give the bits of one token per call. */
@@ -72,6 +74,12 @@ static void test_stages(const mf_model *m, mf_ly_ctx *oracle, mf_ly_ctx *kern)
                     int same = 1;
                     for (int t = 0; t < N_ITEMS; t++) same &= !memcmp(whole + t * ly, part + t * ly, sizeof(float) * R);
                     CHECK(same, "layer %d %s (%s): row ranges differ from the whole", L, l->w->name, kk ? "kernels" : "oracle");
+                    if (l->y == MF_LY_A_QR) {   /* the q norm's scale task reads it as bf16 */
+                        int bf = 1;
+                        for (int64_t i = 0; i < N_ITEMS * ly; i++) bf &= whole[i] == mf_bf(whole[i]);
+                        CHECK(bf, "layer %d %s (%s): the low-rank query is not rounded to bf16", L, l->w->name,
+                              kk ? "kernels" : "oracle");
+                    }
                     /* the reference's own call, item by item, on its buffers */
                     for (int t = 0; t < N_ITEMS; t++) {
                         float *b[MF_LY_A_N];
@@ -157,6 +165,37 @@ static void test_hc_parts(const mf_model *m, mf_ly_ctx *cx)
  * buffers, the prep's kv, index scores in ranges of 1, 3, 5 ... entries and select, then head
  * groups of 1, 2, 3 ... heads reading the item's own KV through a window (the ring written after
  * the heads) give the whole core's output, selection and ring. */
+/* The q norm as the engine's tasks run it (MF_SG_ATTN_QSCALE, then MF_SG_ATTN_QNORM column parts in
+ * place): on fresh random low-rank queries rounded as the IN stage leaves them, the scale once and
+ * the columns in uneven parts give mf_ly_attn_qnorm's bits, every layer. */
+static void test_qnorm_parts(const mf_layers *ly, mf_ly_ctx *cx)
+{
+    const mf_config *c = ly->c;
+    int64_t R = c->q_lora_rank;
+    float *buf[MF_LY_A_N] = {0}, *part = malloc(sizeof(float) * R);
+    buf[MF_LY_A_QR] = malloc(sizeof(float) * R);
+    int same = 1, n_parts = 0;
+    for (int L = 0; L < c->n_layers && part && buf[MF_LY_A_QR]; L++) {
+        for (int64_t i = 0; i < R; i++) buf[MF_LY_A_QR][i] = 4.0f * (float)mf_test_frand(&g_rng);
+        mf_bf_n(buf[MF_LY_A_QR], R);
+        memcpy(part, buf[MF_LY_A_QR], sizeof(float) * R);
+        mf_ly_attn_qnorm(cx, L, buf);
+        float rs = mf_ly_rms_scale(part, R, c->rms_norm_eps);
+        const mf_weight *w = &mf_model_layer_at(ly->m, L)->q_norm;
+        for (int64_t c0 = 0, k = 1; c0 < R; k += 3, n_parts++) {   /* widths 1, 4, 7, ... */
+            int64_t c1 = c0 + k < R ? c0 + k : R;
+            mf_ly_rmsnorm_apply(part, w, rs, part, c0, c1);
+            c0 = c1;
+        }
+        same &= !memcmp(part, buf[MF_LY_A_QR], sizeof(float) * R);
+        CHECK(same, "layer %d: the q norm's scale and column parts differ from mf_ly_attn_qnorm", L);
+    }
+    printf("q norm parts: scale + %d column parts over %d layers bit-identical to the whole q norm\n", n_parts,
+           c->n_layers);
+    free(buf[MF_LY_A_QR]);
+    free(part);
+}
+
 static void test_core_parts(mf_ref *r, mf_ly_ctx *cx)
 {
     const mf_layers *ly = mf_ref_layers(r);
@@ -186,8 +225,11 @@ static void test_core_parts(mf_ref *r, mf_ly_ctx *cx)
         for (int b = 0; b < MF_LY_A_N; b++)
             for (int64_t i = 0; i < mf_ly_attn_buf_len(c, b); i++) buf[0][b][i] = buf[1][b][i] = mf_test_frand(&g_rng);
         CHECK(mf_ly_attn_core(cx, &it[0], L, buf[0]) == 0, "core: %s", mf_last_error());
-        /* the prep as the engine's tasks run it: kv, index scores in ranges, select */
-        CHECK(mf_ly_attn_core_kv(cx, &it[1], L, buf[1]) == 0, "prep: %s", mf_last_error());
+        /* the prep as the engine's tasks run it: kv in its halves (the index query first: they
+         * touch disjoint data, so the engine may run them in either order), index scores in
+         * ranges, select */
+        mf_ly_attn_index_query(cx, &it[1], L, buf[1]);
+        CHECK(mf_ly_attn_window_kv(cx, &it[1], L, buf[1]) == 0, "prep: %s", mf_last_error());
         int64_t n_vis = mf_ly_index_n_vis(c, L, np);
         for (int64_t j0 = 0, w = 1; j0 < n_vis; w += 2) {
             int64_t j1 = j0 + w < n_vis ? j0 + w : n_vis;
@@ -345,6 +387,7 @@ int main(void)
         if (!MF_TEST_TSAN) {   /* one thread: nothing for TSan */
             test_stages(m, dbl, kern);
             test_hc_parts(m, dbl);
+            test_qnorm_parts(mf_ref_layers(oracle), dbl);
             test_core_parts(oracle, dbl);
         }
         test_engine(oracle, c.vocab_size);

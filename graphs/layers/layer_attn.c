@@ -178,7 +178,7 @@ int mf_ly_attn_linears(const mf_layers *ly, int L, int stage, mf_ly_attn_lin *ou
 #define MF_LY_A_ADD(w_, x_, y_, aq_, g_, bf_) (out[n++] = (mf_ly_attn_lin){(w_), (x_), (y_), (aq_), (g_), (bf_)})
     switch (stage) {
     case MF_LY_A_STAGE_IN:   /* everything that reads the input */
-        MF_LY_A_ADD(&y->wq_a, MF_LY_A_IN, MF_LY_A_QR, 1, 0, 0);
+        MF_LY_A_ADD(&y->wq_a, MF_LY_A_IN, MF_LY_A_QR, 1, 0, 1);   /* rounded: the q norm's input */
         MF_LY_A_ADD(&y->wkv, MF_LY_A_IN, MF_LY_A_KV, 1, 0, 0);
         if (ratio > 0 && ly->src_of[L] == L) {
             MF_LY_A_ADD(&y->cmp_wkv, MF_LY_A_IN, MF_LY_A_LAT, 0, 0, 0);
@@ -246,12 +246,11 @@ int mf_ly_attn_stage(mf_ly_ctx *cx, int L, int stage, float *const *b)
 void mf_ly_attn_qnorm(const mf_ly_ctx *cx, int L, float *const *b)
 {
     const mf_config *c = cx->ly->c;
-    mf_bf_n(b[MF_LY_A_QR], c->q_lora_rank);
     mf_ly_rmsnorm(b[MF_LY_A_QR], c->q_lora_rank, &mf_model_layer_at(cx->ly->m, L)->q_norm, c->rms_norm_eps,
                    b[MF_LY_A_QR]);
 }
 
-int mf_ly_attn_core_kv(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b)
+int mf_ly_attn_window_kv(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b)
 {
     const mf_config *c = cx->ly->c;
     const mf_model_layer *y = mf_model_layer_at(cx->ly->m, L);
@@ -270,13 +269,23 @@ int mf_ly_attn_core_kv(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b)
     mf_bf_n(kv, D);
     mf_ly_fq_e4m3_pow2(kv, D, 32);
 
-    /* compressed entries; the index query */
-    if (ratio > 0) {
-        int S = cx->ly->src_of[L];
-        if (S == L && (rc = mf_ly_compress(cx, it, L, b[MF_LY_A_LAT], b[MF_LY_A_GATE]))) return rc;
-        if (mf_ly_index_n_vis(c, L, p) > 0) mf_ly_index_q(cx, it, b[MF_LY_A_QI], b[MF_LY_A_IW]);
-    }
+    /* compressed entries */
+    if (ratio > 0 && cx->ly->src_of[L] == L && (rc = mf_ly_compress(cx, it, L, b[MF_LY_A_LAT], b[MF_LY_A_GATE])))
+        return rc;
     return 0;
+}
+
+void mf_ly_attn_index_query(const mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b)
+{
+    if (cx->ly->c->compress_ratios[L] > 0 && mf_ly_index_n_vis(cx->ly->c, L, it->pos) > 0)
+        mf_ly_index_q(cx, it, b[MF_LY_A_QI], b[MF_LY_A_IW]);
+}
+
+int mf_ly_attn_core_kv(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b)
+{
+    int rc = mf_ly_attn_window_kv(cx, it, L, b);
+    if (!rc) mf_ly_attn_index_query(cx, it, L, b);
+    return rc;
 }
 
 int64_t mf_ly_index_n_vis(const mf_config *c, int L, int64_t pos)

@@ -170,13 +170,22 @@ int mf_ly_linear(mf_ly_ctx *cx, const mf_weight *w, const float *x, float *y, in
     return mf_ly_linear_rows(cx, w, 0, w->rows, x, w->cols, 0, y);
 }
 
-void mf_ly_rmsnorm_cols(const float *x, int64_t n, const mf_weight *w, double eps, float *out, int64_t c0,
-                        int64_t c1)
+float mf_ly_rms_scale(const float *x, int64_t n, double eps)
 {
     double ss = 0;
     for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
-    float rs = (float)(1.0 / sqrt(ss / (double)n + eps));
+    return (float)(1.0 / sqrt(ss / (double)n + eps));
+}
+
+void mf_ly_rmsnorm_apply(const float *x, const mf_weight *w, float rs, float *out, int64_t c0, int64_t c1)
+{
     for (int64_t i = c0; i < c1; i++) out[i] = mf_bf(mf_ly_vec(w, i) * mf_bf(x[i] * rs));
+}
+
+void mf_ly_rmsnorm_cols(const float *x, int64_t n, const mf_weight *w, double eps, float *out, int64_t c0,
+                        int64_t c1)
+{
+    mf_ly_rmsnorm_apply(x, w, mf_ly_rms_scale(x, n, eps), out, c0, c1);
 }
 
 void mf_ly_rmsnorm(const float *x, int64_t n, const mf_weight *w, double eps, float *out)

@@ -275,6 +275,11 @@ void mf_ly_rmsnorm(const float *x, int64_t n, const mf_weight *w, double eps, fl
 /* Columns [c0, c1) of the same (the mean over all n): any split gives the whole's bits. */
 void mf_ly_rmsnorm_cols(const float *x, int64_t n, const mf_weight *w, double eps, float *out, int64_t c0,
                         int64_t c1);
+/* The two halves of mf_ly_rmsnorm_cols: the scale 1 / rms(x) (over all n, eps added to the mean)
+ * and columns [c0, c1) of out = bf16(w * bf16(x * rs)); out may be x (each column reads only its
+ * own x). Split this way, the scale once and the columns in parts, the bits are the whole's. */
+float mf_ly_rms_scale(const float *x, int64_t n, double eps);
+void mf_ly_rmsnorm_apply(const float *x, const mf_weight *w, float rs, float *out, int64_t c0, int64_t c1);
 
 /* Interleaved RoPE on the last 2*n_pairs dims of x (pairs (2i, 2i+1)) at position pos; inverse
  * rotates by the conjugate. fp32 angle pos*freq, as torch computes it. */
@@ -367,6 +372,7 @@ int mf_ly_attn_lin_rows(mf_ly_ctx *cx, const mf_ly_attn_lin *l, const float *x, 
  * window KV into the ring, compressor, indexer, attention with the sink into O (items of one
  * sequence in position order). */
 int mf_ly_attn_stage(mf_ly_ctx *cx, int L, int stage, float *const *b);
+/* The low-rank query (rounded by the IN stage: wq_a's outputs are bf16) normed with q_norm in place. */
 void mf_ly_attn_qnorm(const mf_ly_ctx *cx, int L, float *const *b);
 int mf_ly_attn_core(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b);
 /* The core in parts (mf_ly_attn_core is prep, ring write, heads 0..n_heads): prep readies the
@@ -390,6 +396,12 @@ int mf_ly_attn_core_prep(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b);
  * context); select builds the candidate mask, the top-k selection (scratch: picks) and calls the
  * select hook. index_n_vis: the entries an index-source layer scores at pos (0 on other layers). */
 int mf_ly_attn_core_kv(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b);
+/* The kv step in its two halves (core_kv runs them in a row): window_kv readies the window KV and
+ * runs the compressor (it reads only the IN stage's outputs b[KV], b[LAT], b[GATE]; items of one
+ * sequence in position order); index_query readies the index query in place (b[QI] of the QB
+ * stage, b[IW]). They touch disjoint data, so they may run in either order or at once. */
+int mf_ly_attn_window_kv(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b);
+void mf_ly_attn_index_query(const mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b);
 int64_t mf_ly_index_n_vis(const mf_config *c, int L, int64_t pos);
 void mf_ly_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float *const *b, double *score, int64_t j0,
                         int64_t j1);

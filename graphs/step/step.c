@@ -1,8 +1,8 @@
 /* The scheduled decode engine (graphs/step/step.h): per batch size one graph (graphs/step/stepgraph.c
  * builds it; docs/decode.md draws it), per layer [engram embed -> wkv row parts -> engram gate] ->
  * collapse and attn_norm column parts -> attn linear stages (in, qb, oa, ob; row parts) around the
- * q norm, the core's prep and its head groups -> expand, collapse and ffn_norm column parts ->
- * gate row parts -> route -> expert slots (up parts -> join -> down parts) and the shared expert
+ * q norm (scale, column parts), the core's prep and its head groups -> expand, collapse and
+ * ffn_norm column parts -> gate row parts -> route -> expert slots (up parts -> join -> down parts) and the shared expert
  * -> combine column parts, the mixes in row parts beside them; then the final collapse and norm
  * -> head parts. Tasks read the step's data (items, slot table) from the shape's buffers and their
  * ranges from their records, so the graph never changes. The per-item and per-sequence tasks call
@@ -74,6 +74,7 @@ struct mf_step_shape {
     float *ab[MF_LY_A_N];
     int64_t ab_ld[MF_LY_A_N];
     float *amix, *fmix, *hcol;
+    float *qrs;         /* n: the q norm's scale per item (MF_SG_ATTN_QSCALE) */
     double *iscore;         /* n x iscore_ld: index scores per item (grown with the longest state) */
     int64_t iscore_ld;
     float *xin;         /* n x H: MoE input (after ffn_norm) */
@@ -427,8 +428,36 @@ static int mf_task_attn_rows(void *arg, mf_task_ctx *ctx)
     return 0;
 }
 
-/* All items: round and normalize the low-rank queries (between the IN and QB stages). */
+/* Items: the q norm's scale of each one's low-rank query (rounded by the IN stage), into qrs. */
+static int mf_task_attn_qscale(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    const mf_config *c = sh->eng->c;
+    for (int i = a->t->i0; i < a->t->i1; i++)
+        sh->qrs[i] = mf_ly_rms_scale(sh->ab[MF_LY_A_QR] + (size_t)i * sh->ab_ld[MF_LY_A_QR], c->q_lora_rank,
+                                     c->rms_norm_eps);
+    return 0;
+}
+
+/* Columns [r0, r1) of the item's low-rank query normed in place with its scale (after the QSCALE
+ * task of its group): mf_ly_attn_qnorm's bits for any split. */
 static int mf_task_attn_qnorm(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    int i = a->t->i0;
+    float *q = sh->ab[MF_LY_A_QR] + (size_t)i * sh->ab_ld[MF_LY_A_QR];
+    mf_ly_rmsnorm_apply(q, &mf_model_layer_at(sh->eng->ly->m, a->t->layer)->q_norm, sh->qrs[i], q, a->t->r0,
+                        a->t->r1);
+    return 0;
+}
+
+/* The core's window KV per item, in item order: window KV (into the ring unless the ring task
+ * writes it), compressor; after the IN stage, beside the q norm and the QB stage. */
+static int mf_task_attn_kv(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
     mf_ly_ctx *cx = mf_step_cx(a, ctx);
@@ -436,13 +465,15 @@ static int mf_task_attn_qnorm(void *arg, mf_task_ctx *ctx)
     float *b[MF_LY_A_N];
     for (int i = a->t->i0; i < a->t->i1; i++) {
         mf_step_abuf(a->sh, i, b);
-        mf_ly_attn_qnorm(cx, a->t->layer, b);
+        int rc = mf_ly_attn_window_kv(cx, &a->sh->items[i], a->t->layer, b);
+        if (rc) return rc;
+        if (!a->sh->sg->ring_late) mf_ly_attn_ring_write(cx, &a->sh->items[i], a->t->layer, b[MF_LY_A_KV]);
     }
     return 0;
 }
 
-/* The core's prep per item, in item order: window KV (into the ring unless the ring task writes
- * it), compressor, the index query; on layers without score tasks the select (hook). */
+/* The rest of the core's prep per item, in item order (after the window KV and the QB stage): the
+ * index query; on layers without score tasks the select (hook). */
 static int mf_task_attn_core(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
@@ -452,10 +483,8 @@ static int mf_task_attn_core(void *arg, mf_task_ctx *ctx)
     float *b[MF_LY_A_N];
     for (int i = a->t->i0; i < a->t->i1; i++) {
         mf_step_abuf(a->sh, i, b);
-        int rc = mf_ly_attn_core_kv(cx, &a->sh->items[i], a->t->layer, b);
-        if (rc) return rc;
+        mf_ly_attn_index_query(cx, &a->sh->items[i], a->t->layer, b);
         if (!scored) mf_ly_attn_core_select(cx, &a->sh->items[i], a->t->layer, cx->scores);
-        if (!a->sh->sg->ring_late) mf_ly_attn_ring_write(cx, &a->sh->items[i], a->t->layer, b[MF_LY_A_KV]);
     }
     return 0;
 }
@@ -1451,7 +1480,8 @@ static const mf_task_fn mf_step_fn_of[MF_SG_N_OPS] = {
     [MF_SG_FFN_MIX] = mf_task_ffn_mix,           [MF_SG_FFN_NORM] = mf_task_ffn_norm,
     [MF_SG_ATTN_SCORE] = mf_task_attn_score,     [MF_SG_ATTN_SELECT] = mf_task_attn_select,
     [MF_SG_DENSE_IN] = mf_task_dense_in,         [MF_SG_DENSE] = mf_task_dense,
-    [MF_SG_DENSE_OUT] = mf_task_dense_out,
+    [MF_SG_DENSE_OUT] = mf_task_dense_out,       [MF_SG_ATTN_QSCALE] = mf_task_attn_qscale,
+    [MF_SG_ATTN_KV] = mf_task_attn_kv,
 };
 
 /* A per-item op's task over its record's item group (graphs/step/stepgraph.h mf_sg_op_per_item):
@@ -1695,6 +1725,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         {"amix", n_ * MF_STEP_N_MIX * f, (void **)&sh->amix},
         {"fmix", n_ * MF_STEP_N_MIX * f, (void **)&sh->fmix},
         {"hcol", n_ * H * f, (void **)&sh->hcol},
+        {"qrs", n_ * f, (void **)&sh->qrs},
         {"logits", n_ * E * f, (void **)&sh->logits},
         {"eg_emb", n_ * sh->eg_emb_ld * f, (void **)&sh->eg_emb},
         {"eg_kv", n_ * sh->eg_kv_ld * f, (void **)&sh->eg_kv},

@@ -1,7 +1,7 @@
 /* The step graph (graphs/step/stepgraph.h): per layer [engram embed -> wkv parts -> engram gate] ->
  * per item collapse -> attn_norm column parts (and the attention mix's row parts) -> attention
- * stages (in, qb, oa, ob; row parts) around the q norm, the core's prep (per sequence) and its
- * head groups (per item) -> per item expand/collapse -> ffn_norm column parts (and the ffn mix) ->
+ * stages (in, qb, oa, ob; row parts) around the q norm (scale, column parts), the core's prep
+ * (per sequence) and its head groups (per item) -> per item expand/collapse -> ffn_norm column parts (and the ffn mix) ->
  * gate parts -> route -> expert slots ([reads] -> up parts -> join -> down parts, per card in ->
  * ffn -> out) and the shared expert -> moe done -> per item combine column parts; then the final
  * collapse -> norm column parts -> head join -> head parts. One function per sublayer, each
@@ -33,6 +33,7 @@
 #define SG_MAX_EXP_PARTS 32   /* row parts of one routed expert */
 #define SG_MAX_MIX 4            /* row parts of a hyper-connection mix */
 #define SG_MIN_COLS 64          /* columns of a hyper-connection part, at least */
+#define SG_MIN_QCOLS 16         /* columns of a q norm part, at least (tiny's 64: 4 parts) */
 
 /* ---- sizes --------------------------------------------------------------------------------- */
 
@@ -159,6 +160,7 @@ int mf_sg_op_per_item(int op)
     switch (op) {
     case MF_SG_ATTN_PRE: case MF_SG_ATTN_POST: case MF_SG_COMBINE: case MF_SG_NORM: case MF_SG_ATTN_MIX:
     case MF_SG_ATTN_NORM: case MF_SG_ATTN_HEADS: case MF_SG_FFN_MIX: case MF_SG_FFN_NORM: case MF_SG_ATTN_SCORE:
+    case MF_SG_ATTN_QNORM:
         return 1;
     default:
         return 0;
@@ -765,16 +767,18 @@ static void sg_mix(sg_builder *b, int L, int i, int op, const mf_task_id *after,
 }
 
 /* The attention sublayer of layer L. Per item after unit[] (its unit's): collapse -> attn_norm
- * column parts, and the attention mix in row parts; in parts -> q norm item ranges -> qb parts ->
- * per unit core prep -> per item head groups [-> per unit ring] -> oa parts -> oa join -> ob parts;
- * per item post column parts (after ob, its mix, its unit's ring) -> ffn_norm column parts -> per
- * unit post join, into post[]; the ffn mix in row parts (for the combine: b->fmix). */
+ * column parts, and the attention mix in row parts; in parts -> per item group q scale -> q norm
+ * column parts -> qb parts; in parts -> per unit kv (window KV, compressor: beside the q path) ->
+ * per unit core prep (after kv and qb) -> per item head groups [-> per unit ring] -> oa parts ->
+ * oa join -> ob parts; per item post column parts (after ob, its mix, its unit's ring) -> ffn_norm
+ * column parts -> per unit post join, into post[]; the ffn mix in row parts (for the combine:
+ * b->fmix). */
 static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *post)
 {
     const mf_config *c = b->o->c;
     const mf_sg_layer_sizes *y = &b->o->sz->layer[L];
     mf_stepgraph *sg = b->sg;
-    int n = b->h1 - b->h0, pc = sg->p_hc, pm = sg->p_mix, pa = sg->p_ah;
+    int pc = sg->p_hc, pm = sg->p_mix, pa = sg->p_ah;
     double H = (double)c->hidden_size, hc = c->hc_mult, D = c->head_dim, nh = c->n_heads;
     double sink = c->hc_sinkhorn_iters * 4.0 * hc * hc * 2;
     /* rough costs for priorities: reference code ~1 ns per multiply-add, kernels by bytes */
@@ -789,18 +793,19 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
             for (int q = 0; q < sg->p_attn; q++) sg_dep(b, nrm[p], rows[MF_SG_ST_IN][q]);
         sg_mix(b, L, i, MF_SG_ATTN_MIX, &u, 1, amix[i]);
     }
-    for (int q = 0; q < sg->p_qn; q++) {
-        SG_NAME(b, "attn L%d q norm %d", L, q);
-        mf_sg_task t = sg_rec(L);
-        t.part = q;
-        t.i0 = b->h0 + n * q / sg->p_qn;
-        t.i1 = b->h0 + n * (q + 1) / sg->p_qn;
-        t.n_tok = t.i1 - t.i0;
-        t.w.ref_flops = t.n_tok * (4.0 + 2.0 * SG_W_ROUND) * c->q_lora_rank;
-        mf_task_id qn = sg_add(b, 0, MF_SG_ATTN_QNORM, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
-        for (int p = 0; p < sg->p_attn; p++) {
-            sg_dep(b, rows[MF_SG_ST_IN][p], qn);
-            sg_dep(b, qn, rows[MF_SG_ST_QB][p]);
+    for (int i = b->g0; i < b->g1; i++) {   /* item groups: the q norm's scale -> its column parts */
+        SG_NAME(b, "attn L%d q scale item %d", L, i);
+        mf_sg_task t = sg_part(sg, L, i, 1, 1, 0, 1);
+        t.w.ref_flops = t.n_tok * 2.0 * c->q_lora_rank;
+        mf_task_id qs = sg_add(b, 0, MF_SG_ATTN_QSCALE, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
+        for (int p = 0; p < sg->p_attn; p++) sg_dep(b, rows[MF_SG_ST_IN][p], qs);
+        for (int q = 0; q < sg->p_qn; q++) {
+            SG_NAME(b, "attn L%d q norm item %d %d", L, i, q);
+            mf_sg_task tq = sg_part(sg, L, i, c->q_lora_rank, sg->p_qn, q, 0);
+            tq.w.ref_flops = tq.n_tok * (double)(tq.r1 - tq.r0) * (2.0 + 2.0 * SG_W_ROUND);
+            mf_task_id qn = sg_add(b, 0, MF_SG_ATTN_QNORM, MF_SG_PH_ATTN, MF_SG_K_OTHER, tq);
+            sg_dep(b, qs, qn);
+            for (int p = 0; p < sg->p_attn; p++) sg_dep(b, qn, rows[MF_SG_ST_QB][p]);
         }
     }
     SG_NAME(b, "attn L%d oa join", L);
@@ -810,16 +815,22 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
         sg_dep(b, oj, rows[MF_SG_ST_OB][p]);
     }
     for (int k = b->k0; k < b->k1; k++) {
-        SG_NAME(b, sg->par ? "attn L%d core item %d" : "attn L%d core", L, k);
+        SG_NAME(b, sg->par ? "attn L%d kv item %d" : "attn L%d kv", L, k);
         mf_sg_task t = sg_item(b, L, k);
-        double items = t.i1 - t.i0;   /* each item: the core's kernels once, its window KV */
+        double items = t.i1 - t.i0;   /* each item: the compressor's kernels once, its window KV */
         t.n_tok = 1;
         t.w.w_bytes[MF_KF_FP8] = items * y->st_fp8_bytes[MF_SG_ST_CORE];
         t.w.calls[MF_KF_FP8] = items * y->st_fp8_calls[MF_SG_ST_CORE];
         t.w.w_bytes[MF_KF_BF16] = items * y->st_bf16_bytes[MF_SG_ST_CORE];
         t.w.calls[MF_KF_BF16] = items * y->st_bf16_calls[MF_SG_ST_CORE];
         t.w.ref_flops = items * (4.0 * D + SG_W_ROUND * 4.0 * D);
-        mf_task_id core = sg_add(b, 0, MF_SG_ATTN_CORE, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
+        mf_task_id kv = sg_add(b, 0, MF_SG_ATTN_KV, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
+        for (int p = 0; p < sg->p_attn; p++) sg_dep(b, rows[MF_SG_ST_IN][p], kv);
+        SG_NAME(b, sg->par ? "attn L%d core item %d" : "attn L%d core", L, k);
+        mf_sg_task tc = sg_item(b, L, k);
+        tc.n_tok = 1;   /* the index query: not priced (as before the split) */
+        mf_task_id core = sg_add(b, 0, MF_SG_ATTN_CORE, MF_SG_PH_ATTN, MF_SG_K_OTHER, tc);
+        sg_dep(b, kv, core);
         for (int p = 0; p < sg->p_attn; p++) sg_dep(b, rows[MF_SG_ST_QB][p], core);
         if (index) {   /* the index scores in parts per item, then the select, before the heads */
             SG_NAME(b, "attn L%d select", L);
@@ -1255,15 +1266,16 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->p_attn = W < MF_SG_MAX_PARTS ? W : MF_SG_MAX_PARTS;
     /* per item, the parts that give the workers work when the items are fewer: T = workers per
      * item; hyper-connection columns in chunks of >= SG_MIN_COLS, mixes in up to SG_MAX_MIX row
-     * parts, heads in equal groups; the q norm in item ranges of up to a worker each */
+     * parts, heads in equal groups; the q norm's columns in chunks of >= SG_MIN_QCOLS */
     int T = (W + sg->n_groups - 1) / sg->n_groups, nh = c->n_heads, cols = (int)(c->hidden_size / SG_MIN_COLS);
     sg->p_hc = T < cols ? T : cols > 0 ? cols : 1;
     if (sg->p_hc > MF_SG_MAX_PARTS) sg->p_hc = MF_SG_MAX_PARTS;
     sg->p_mix = T < SG_MAX_MIX ? T : SG_MAX_MIX;
     sg->ah_heads = (nh + (T < nh ? T : nh) - 1) / (T < nh ? T : nh);
     sg->p_ah = (nh + sg->ah_heads - 1) / sg->ah_heads;
-    sg->p_qn = o->n < W ? o->n : W;
-    if (sg->p_qn > 8) sg->p_qn = 8;
+    int qcols = (int)(c->q_lora_rank / SG_MIN_QCOLS);
+    sg->p_qn = T < qcols ? T : qcols > 0 ? qcols : 1;
+    if (sg->p_qn > MF_SG_MAX_PARTS) sg->p_qn = MF_SG_MAX_PARTS;
     sg->ring_late = !o->par && o->n > 1;
     sg->p_key = T < MF_SG_MAX_PARTS ? T : MF_SG_MAX_PARTS;
     sg->n_cards = o->n_cards;

@@ -43,9 +43,9 @@ typedef enum mf_sg_op {
     MF_SG_ATTN_PRE,       /* item: columns [r0, r1) of its streams collapsed with the carried pre
                            * (the attention's input before attn_norm; layer -1: the final norm's) */
     MF_SG_ATTN_ROWS,      /* rows of attention linear stage `stage`, all items */
-    MF_SG_ATTN_QNORM,     /* items: low-rank query rounded and normed */
-    MF_SG_ATTN_CORE,      /* items, in order: window KV, compressor, index query (the core's prep;
-                           * the select too on layers without MF_SG_ATTN_SCORE) */
+    MF_SG_ATTN_QNORM,     /* item: columns [r0, r1) of its low-rank query normed with its scale */
+    MF_SG_ATTN_CORE,      /* items, in order: the index query (the rest of the core's prep after
+                           * MF_SG_ATTN_KV; the select too on layers without MF_SG_ATTN_SCORE) */
     MF_SG_ATTN_POST,      /* item: columns [r0, r1) of the expand, collapsed with the attention
                            * mix's pre (the MoE input before ffn_norm) */
     MF_SG_GATE_ROWS,      /* rows (experts) of the router's logits, all items */
@@ -78,6 +78,9 @@ typedef enum mf_sg_op {
     MF_SG_DENSE_IN,       /* card `card`: sublayer `dense`'s activations copied in (h2d lane) */
     MF_SG_DENSE,          /* card `card`: sublayer `dense`'s dense work on the card (compute lane) */
     MF_SG_DENSE_OUT,      /* card `card`: sublayer `dense`'s outputs copied out (d2h lane) */
+    MF_SG_ATTN_QSCALE,    /* items: the q norm's scale of their low-rank queries (rounded by IN) */
+    MF_SG_ATTN_KV,        /* items, in order: window KV (into the ring unless ring_late), compressor
+                           * (the core's prep that reads only the IN stage) */
     MF_SG_N_OPS
 } mf_sg_op;
 
@@ -90,7 +93,7 @@ typedef enum mf_sg_kind {
 } mf_sg_kind;
 
 /* The attention's linear stages (graphs/layers/layers.h MF_LY_A_STAGE_* has the same order), and the
- * core's own linears (the indexer's wk, inside MF_SG_ATTN_CORE). */
+ * core's own linears (the indexer's wk, inside MF_SG_ATTN_KV's compressor). */
 enum { MF_SG_ST_IN, MF_SG_ST_QB, MF_SG_ST_OA, MF_SG_ST_OB, MF_SG_ST_CORE, MF_SG_N_STAGES };
 
 /* Dense sublayers on a card (mf_sg_opts.n_dense_cards): what MF_SG_DENSE_IN copies in, MF_SG_DENSE
@@ -286,7 +289,7 @@ typedef struct mf_stepgraph {
     int group_end[MF_SG_MAX_GROUPS];
     int p_exp, p_sh, p_head, p_attn;   /* row parts per expert, shared expert, head, stage */
     /* per item: column parts of the hyper-connection tasks (collapse, norms, expand, combine),
-     * row parts of each mix, attention head groups (of ah_heads heads); q norm item ranges */
+     * row parts of each mix, attention head groups (of ah_heads heads); q norm column parts */
     int p_hc, p_mix, p_ah, ah_heads, p_qn, p_key;   /* p_key: index score parts per item */
     int ring_late;                /* 1: the window KV goes into the ring after the heads (items of
                                    * one sequence in one graph: MF_SG_ATTN_RING), else in the prep */
