@@ -748,8 +748,8 @@ int mf_cmd_decode(int argc, char **argv)
                         .store = store_mode, .store_tables = store_tables,
                         .store_budget_bytes = store_budget, .store_io_depth = (int)io_depth,
                         .store_io_pread = mf_tool_io_env.force_pread,
-                        .store_n_sockets = sched ? sk.n : 1};
-    memcpy(mo.store_socket_node, sk.node, sizeof mo.store_socket_node);
+                        .n_sockets = sched ? sk.n : 1};
+    memcpy(mo.socket_node, sk.node, sizeof mo.socket_node);
     if (!sched) {   /* the reference engine reads through the store's own run */
         mo.store_io_fault_kind = mf_tool_io_env.fault_kind;
         mo.store_io_fault_nth = mf_tool_io_env.fault_nth;
