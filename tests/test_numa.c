@@ -285,7 +285,7 @@ static int move_dense_parts(mf_step *e, int n)
  * (split with the dense weights). Every host expert part and dense row part runs on the socket
  * holding its rows; moving the dense parts to the other socket is caught (the counters), with the
  * same logits. */
-static void test_engine(const char *dir, int store)
+static void test_engine(const char *dir, int store, int n_dec)
 {
     mf_model *m = NULL;
     mf_ref *r = NULL;
@@ -293,8 +293,8 @@ static void test_engine(const char *dir, int store)
                         .socket_node = {0, 1}};
     CHECK(mf_model_load(dir, &mo, &m) == 0 && mf_ref_new(m, NULL, &r) == 0, "load: %s", mf_last_error());
     if (!r) return;
+    g_V = mf_model_config(m)->vocab_size;
     static const int batches[] = {1, 3};
-    int n_dec = MF_TEST_SANITIZED ? 2 : 4;
     for (int bi = 0; bi < 2; bi++)
         for (int micro = 1; micro <= (batches[bi] > 1 ? 2 : 1); micro++) {
             int b = batches[bi];
@@ -404,10 +404,20 @@ int main(void)
     test_sched();
     test_sim(&c);
     if (mf_test_gen_ckpt(&c, "numa_tiny", dir, sizeof dir)) return 1;
-    g_V = c.vocab_size;
     test_store(dir);
     test_dense_mem(dir);
-    test_engine(dir, 1);
-    test_engine(dir, 0);
+    test_engine(dir, 1, MF_TEST_SANITIZED ? 2 : 4);
+    test_engine(dir, 0, MF_TEST_SANITIZED ? 2 : 4);
+    /* demo-sized, where the generated demo checkpoint is at hand (`moeflow gen --preset demo`) */
+    const char *home = getenv("HOME");
+    char demo[1200];
+    snprintf(demo, sizeof demo, "%s/.cache/moeflow/demo/config.json", home ? home : "");
+    if (!MF_TEST_SANITIZED && home && access(demo, R_OK) == 0) {
+        demo[strlen(demo) - strlen("/config.json")] = 0;
+        test_engine(demo, 0, 2);
+        printf("demo (%s): one lane and two sockets compared\n", demo);
+    } else {
+        printf("demo: skipped (%s)\n", MF_TEST_SANITIZED ? "a sanitizer" : "no ~/.cache/moeflow/demo");
+    }
     return mf_check_exit("test_numa");
 }
