@@ -862,7 +862,7 @@ int mf_cmd_decode(int argc, char **argv)
     long steps = 0;
     int64_t io_busy_ns = 0, io_overlap_ns = 0, ex_busy_ns = 0;   /* scheduled engine with a store */
     int64_t cp_busy_ns = 0, cp_overlap_ns = 0, cm_busy_ns = 0;   /* with devices */
-    int64_t sock_home = 0, sock_cross = 0;                       /* with sockets */
+    int64_t sock_home = 0, sock_cross = 0, dense_home = 0, dense_cross = 0;   /* with sockets */
     mf_step_dev_stats dtot = {0};
     dc.t0 = t0;
     if (mst) mf_store_step(mst, NULL);
@@ -883,6 +883,8 @@ int mf_cmd_decode(int argc, char **argv)
             mf_step_last_dev(eng, &x);
             sock_home += x.sock_home;
             sock_cross += x.sock_cross;
+            dense_home += x.dense_home;
+            dense_cross += x.dense_cross;
         }
         if (dev) {
             mf_step_times tm;
@@ -968,7 +970,9 @@ int mf_cmd_decode(int argc, char **argv)
     }
     if (sched && sk.n > 1 && !quiet)
         fprintf(stderr, "moeflow decode: %d sockets: %" PRId64 " host expert part weights read by the workers of "
-                "the socket holding their rows, %" PRId64 " by another's\n", sk.n, sock_home, sock_cross);
+                "the socket holding their rows, %" PRId64 " by another's; %" PRId64 " dense part weights by the "
+                "socket holding their rows, %" PRId64 " by another's\n", sk.n, sock_home, sock_cross, dense_home,
+                dense_cross);
     if (dev && !quiet)
         fprintf(stderr, "moeflow decode: devices (%s, %s placement, %d cache slots per card) steps: %" PRId64
                 " expert slots on cards, %" PRId64 " on the host (%" PRId64 " for want of a free cache slot); "
