@@ -8,6 +8,7 @@
  * returning the tasks it ends with. */
 #include "graphs/step/stepgraph.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -172,6 +173,7 @@ int mf_sg_layer_scored(const mf_config *c, int L)
 
 int mf_sg_stage_rows(const int64_t *rows, int n_lin, int parts, int n_sockets, int p, int64_t *r0, int64_t *r1)
 {
+    assert(n_lin >= 1 && n_lin <= MF_SG_MAX_STAGE_LIN);
     int S = n_sockets > 1 ? n_sockets : 1, per = parts / S > 0 ? parts / S : 1, k = p / per;
     if (k >= S) k = S - 1;
     int64_t a[MF_SG_MAX_STAGE_LIN], b[MF_SG_MAX_STAGE_LIN], total = 0, lo, hi, off = 0;
@@ -1276,8 +1278,8 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
      * parts, so that every part lies in one socket's memory */
     int S = o->n_sockets > 1 && o->lane_sock ? o->n_sockets : 1;
     sg->p_exp = (sg->p_exp + S - 1) / S * S;
-    /* the dense matrices' row parts likewise (mf_sg_stage_rows; MF_SG_MAX_PARTS is a multiple of
-     * any socket count up to MF_SG_MAX_SOCKETS) */
+    /* the dense matrices' row parts likewise (mf_sg_stage_rows; p_attn's cap MF_SG_MAX_PARTS is a
+     * multiple of 2, 4 and 8 sockets: with another count the last socket's extra parts are empty) */
     sg->p_sh = c->n_shared_experts > 0 ? ((W < 8 ? W : 8) + S - 1) / S * S : 0;
     sg->p_head = (2 * W + S - 1) / S * S;
     /* attention stages, Engram wkv, router gate: one part per worker (row chunks of >= 16) */
