@@ -50,8 +50,9 @@ static void mf_bench_decode_usage(FILE *f)
             "--micro-batches 2: the scheduled engine with two micro-batches in flight (batch >= 2).\n"
             "--sockets N|auto (default auto: one lane where hwloc finds one NUMA node): the\n"
             "scheduled engine with one CPU lane per socket, workers pinned,\n"
-            "each routed expert's rows split across the sockets' workers (as moeflow decode --sockets; the\n"
-            "experts here are the model's resident copies, not a store split across the sockets).\n"
+            "each routed expert's and dense matrix's rows split across the sockets' workers and memory\n"
+            "(as moeflow decode --sockets; the experts here are the model's resident copies, split\n"
+            "with the dense weights in the model's memory).\n"
             "--no-reference skips the one-thread reference engine (a long prefill takes it\n"
             "minutes). --chunk T: the scheduled\n"
             "engine's prefill chunk (positions per graph run, 1..%d; default %d). --exact runs the\n"
@@ -344,7 +345,10 @@ int mf_bench_decode(int argc, char **argv)
     mf_dev *dev = NULL;
     float *logits = NULL;
     mf_bd_run ref = {0}, sch = {0};
-    if (mf_model_load(dir, &(mf_model_opts){.quiet = json, .resident_limit_bytes = UINT64_C(64) << 30}, &m) ||
+    /* with sockets, the weights split over their memory as the engine's row parts are */
+    mf_model_opts mo = {.quiet = json, .resident_limit_bytes = UINT64_C(64) << 30, .n_sockets = sk.n};
+    memcpy(mo.socket_node, sk.node, sizeof mo.socket_node);
+    if (mf_model_load(dir, &mo, &m) ||
         mf_ref_new(m, NULL, &r) || (dense && mf_dev_open(devices, &dev)) ||
         mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact, .prefill_chunk = (int)chunk,
                                        .dev = dev, .dense = dense ? MF_STEP_DENSE_CARDS : MF_STEP_DENSE_HOST,

@@ -748,8 +748,8 @@ int mf_cmd_decode(int argc, char **argv)
                         .store = store_mode, .store_tables = store_tables,
                         .store_budget_bytes = store_budget, .store_io_depth = (int)io_depth,
                         .store_io_pread = mf_tool_io_env.force_pread,
-                        .store_n_sockets = sched ? sk.n : 1};
-    memcpy(mo.store_socket_node, sk.node, sizeof mo.store_socket_node);
+                        .n_sockets = sched ? sk.n : 1};
+    memcpy(mo.socket_node, sk.node, sizeof mo.socket_node);
     if (!sched) {   /* the reference engine reads through the store's own run */
         mo.store_io_fault_kind = mf_tool_io_env.fault_kind;
         mo.store_io_fault_nth = mf_tool_io_env.fault_nth;
@@ -862,7 +862,7 @@ int mf_cmd_decode(int argc, char **argv)
     long steps = 0;
     int64_t io_busy_ns = 0, io_overlap_ns = 0, ex_busy_ns = 0;   /* scheduled engine with a store */
     int64_t cp_busy_ns = 0, cp_overlap_ns = 0, cm_busy_ns = 0;   /* with devices */
-    int64_t sock_home = 0, sock_cross = 0;                       /* with sockets */
+    int64_t sock_home = 0, sock_cross = 0, dense_home = 0, dense_cross = 0;   /* with sockets */
     mf_step_dev_stats dtot = {0};
     dc.t0 = t0;
     if (mst) mf_store_step(mst, NULL);
@@ -883,6 +883,8 @@ int mf_cmd_decode(int argc, char **argv)
             mf_step_last_dev(eng, &x);
             sock_home += x.sock_home;
             sock_cross += x.sock_cross;
+            dense_home += x.dense_home;
+            dense_cross += x.dense_cross;
         }
         if (dev) {
             mf_step_times tm;
@@ -968,7 +970,9 @@ int mf_cmd_decode(int argc, char **argv)
     }
     if (sched && sk.n > 1 && !quiet)
         fprintf(stderr, "moeflow decode: %d sockets: %" PRId64 " host expert part weights read by the workers of "
-                "the socket holding their rows, %" PRId64 " by another's\n", sk.n, sock_home, sock_cross);
+                "the socket holding their rows, %" PRId64 " by another's; %" PRId64 " dense part weights by the "
+                "socket holding their rows, %" PRId64 " by another's\n", sk.n, sock_home, sock_cross, dense_home,
+                dense_cross);
     if (dev && !quiet)
         fprintf(stderr, "moeflow decode: devices (%s, %s placement, %d cache slots per card) steps: %" PRId64
                 " expert slots on cards, %" PRId64 " on the host (%" PRId64 " for want of a free cache slot); "

@@ -4,11 +4,13 @@
 #include "graphs/model/model.h"
 
 #include <errno.h>
+#include <hwloc.h>
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "graphs/model/layout.h"
 #include "host/hostmem.h"
@@ -30,6 +32,13 @@ struct mf_model {
     mf_weight *experts;        /* n_layers * n_routed * 3 */
     mf_weight embed, norm, head;
     mf_store *store;
+    /* n_sockets > 1: the split matrices' tensors (codes, scales) in block order, each socket's
+     * share of their rows (mf_model_bind_sockets); how many sockets' shares were bound */
+    struct mf_model_region {
+        uint64_t off, n_bytes;
+        int64_t rows, w_rows, per;   /* the tensor's rows, its matrix's rows, matrix rows per row */
+    } *reg;
+    int n_reg, n_sock, n_bound;
 };
 
 #define MF_NO_OFFSET UINT64_MAX
@@ -259,6 +268,134 @@ static int mf_model_bind_all(mf_model *m)
     return 0;
 }
 
+int mf_model_split_weights(const mf_model *m, int L, const mf_weight **out, int max)
+{
+    int n = 0;
+    if (L < 0) {
+        if (max > 0 && m->head.data) out[n++] = &m->head;
+        return n;
+    }
+    const mf_model_layer *y = mf_model_layer_at(m, L);
+    if (!y) return 0;
+    const mf_weight *d[] = {&y->eg_wkv, &y->wq_a, &y->wkv, &y->cmp_wkv, &y->cmp_wgate, &y->idx_weights_proj,
+                            &y->wq_b, &y->idx_wq_b, &y->wo_a, &y->wo_b, &y->gate, &y->sh_w1, &y->sh_w2, &y->sh_w3};
+    for (size_t i = 0; i < sizeof d / sizeof d[0] && n < max; i++)
+        if (d[i]->kind != MF_W_NONE && d[i]->data) out[n++] = d[i];
+    for (int e = 0; e < 3 * m->cfg.n_routed_experts && n < max; e++)
+        if (y->experts[e].data) out[n++] = &y->experts[e];
+    return n;
+}
+
+static int mf_model_reg_cmp(const void *a, const void *b)
+{
+    const struct mf_model_region *x = a, *y = b;
+    return x->off < y->off ? -1 : x->off > y->off;
+}
+
+/* The split matrices' tensors as regions of the block, in block order (mf_model_socket_of). */
+static int mf_model_regions(mf_model *m)
+{
+    const mf_config *c = &m->cfg;
+    int cap = 2 * (c->n_layers * (14 + 3 * c->n_routed_experts) + 1);
+    const mf_weight **w = malloc(sizeof *w * (size_t)(16 + 3 * c->n_routed_experts));
+    m->reg = malloc(sizeof *m->reg * (size_t)cap);
+    if (!w || !m->reg) {
+        free(w);
+        return mf_error(-ENOMEM, "model: out of memory");
+    }
+    for (int L = -1; L < c->n_layers; L++) {
+        int nw = mf_model_split_weights(m, L, w, 16 + 3 * c->n_routed_experts);
+        for (int i = 0; i < nw && m->n_reg + 2 <= cap; i++)
+            for (int q = 0; q < 2; q++) {
+                const mf_st_tensor *t = q ? w[i]->st_scale : w[i]->st_data;
+                const uint8_t *base = q ? w[i]->scale : w[i]->data;
+                if (!t || !base || t->n_dims < 1 || t->shape[0] < 1) continue;
+                /* an fp8 scale row covers a tile of block_rows matrix rows; fp4 scales a row each */
+                int64_t per = q && w[i]->kind == MF_W_FP8 ? w[i]->block_rows : 1;
+                m->reg[m->n_reg++] = (struct mf_model_region){.off = (uint64_t)(base - m->block), .n_bytes = t->n_bytes,
+                                                              .rows = t->shape[0], .w_rows = w[i]->rows, .per = per};
+            }
+    }
+    free(w);
+    qsort(m->reg, (size_t)m->n_reg, sizeof *m->reg, mf_model_reg_cmp);
+    return 0;
+}
+
+/* Region r's rows that socket k's share of its matrix covers, [*a, *b). */
+static void mf_model_reg_rows(const mf_model *m, const struct mf_model_region *r, int k, int64_t *a, int64_t *b)
+{
+    int64_t r0, r1;
+    mf_topo_rows(r->w_rows, m->n_sock, k, &r0, &r1);
+    *a = (r0 + r->per - 1) / r->per;
+    *b = (r1 + r->per - 1) / r->per;
+    if (*b > r->rows) *b = r->rows;
+    if (*a > *b) *a = *b;
+}
+
+/* n_sockets > 1: socket k's share of every split matrix bound to socket_node[k], page by page,
+ * before the weights are read in (the reads' first touch then lands on each page's node): a page
+ * belongs to the share holding its first byte (split tensors start on pages: mf_model_load). A
+ * node that does not exist, or a refused binding, is a note (that socket's pages stay first
+ * touch), not an error. */
+static void mf_model_bind_sockets(mf_model *m, const mf_model_opts *o)
+{
+    hwloc_topology_t topo;
+    if (hwloc_topology_init(&topo) < 0 || hwloc_topology_load(topo) < 0) {
+        if (!o->quiet) fprintf(stderr, "model: hwloc cannot load the topology; the sockets' shares of the dense "
+                               "weights stay first touch\n");
+        return;
+    }
+    uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE);
+    for (int k = 0; k < m->n_sock; k++) {
+        int node = o->socket_node[k], ok = 1;
+        hwloc_obj_t obj = node >= 0 ? hwloc_get_numanode_obj_by_os_index(topo, (unsigned)node) : NULL;
+        for (int i = 0; obj && ok && i < m->n_reg; i++) {
+            const struct mf_model_region *r = &m->reg[i];
+            int64_t a, b;
+            mf_model_reg_rows(m, r, k, &a, &b);
+            uint64_t rb = r->n_bytes / (uint64_t)r->rows, x = r->off + (uint64_t)a * rb, y = r->off + (uint64_t)b * rb;
+            x = a == 0 ? x / pg * pg : (x + pg - 1) / pg * pg;
+            y = (y + pg - 1) / pg * pg;
+            if (y > m->block_bytes) y = m->block_bytes;
+            if (y <= x) continue;
+            ok = hwloc_set_area_membind(topo, m->block + x, (size_t)(y - x), obj->nodeset, HWLOC_MEMBIND_BIND,
+                                        HWLOC_MEMBIND_BYNODESET) == 0;
+        }
+        if (obj && ok) {
+            m->n_bound++;
+            continue;
+        }
+        if (!o->quiet)
+            fprintf(stderr, "model: socket %d's share of the dense weights' rows not bound to NUMA node %d (%s); "
+                    "first touch\n", k, node, node < 0 ? "it has none of its own" : !obj ? "no such node" : strerror(errno));
+    }
+    hwloc_topology_destroy(topo);
+}
+
+int mf_model_socket_of(const mf_model *m, const void *p)
+{
+    const uint8_t *q = p;
+    if (m->n_sock < 2 || q < m->block || q >= m->block + m->block_bytes) return -1;
+    uint64_t off = (uint64_t)(q - m->block);
+    int lo = 0, hi = m->n_reg;   /* the last region starting at or before off */
+    while (hi - lo > 1) {
+        int mid = (lo + hi) / 2;
+        if (m->reg[mid].off <= off) lo = mid;
+        else hi = mid;
+    }
+    if (!m->n_reg || m->reg[lo].off > off || off >= m->reg[lo].off + m->reg[lo].n_bytes) return -1;
+    const struct mf_model_region *r = &m->reg[lo];
+    int64_t row = (int64_t)((off - r->off) / (r->n_bytes / (uint64_t)r->rows));
+    for (int k = 0; k < m->n_sock; k++) {
+        int64_t a, b;
+        mf_model_reg_rows(m, r, k, &a, &b);
+        if (row >= a && row < b) return k;
+    }
+    return -1;
+}
+
+int mf_model_n_bound(const mf_model *m) { return m->n_bound; }
+
 /* The store over the model's routed experts and Engram tables. */
 static int mf_model_store_open(mf_model *m, const mf_model_opts *o)
 {
@@ -295,8 +432,8 @@ static int mf_model_store_open(mf_model *m, const mf_model_opts *o)
                         /* a call names up to a layer's experts (the scheduled engine's slots of a
                          * batch); the budget must hold at least one token's */
                         .max_batch = c->n_routed_experts > 16 ? c->n_routed_experts : 16,
-                        .min_slots = c->n_experts_per_tok, .n_sockets = o->store_n_sockets};
-    memcpy(so.socket_node, o->store_socket_node, sizeof so.socket_node);
+                        .min_slots = c->n_experts_per_tok, .n_sockets = o->n_sockets};
+    memcpy(so.socket_node, o->socket_node, sizeof so.socket_node);
     int rc = mf_store_create(m->st, &lay, &so, &m->store);
     free(parts);
     return rc ? mf_error_wrap(rc, "model %s", m->dir) : 0;
@@ -336,6 +473,9 @@ int mf_model_load(const char *dir, const mf_model_opts *opts, mf_model **out)
     }
     m->lazy = lazy_bytes > limit || o.resident_limit_bytes == MF_MODEL_ALL_LAZY || o.store;
     uint64_t total = 0;
+    /* split across sockets: every tensor on its own pages (each page's node is one share's) */
+    m->n_sock = o.n_sockets > MF_TOPO_MAX_SOCKETS ? MF_TOPO_MAX_SOCKETS : o.n_sockets > 1 ? o.n_sockets : 1;
+    uint64_t align = m->n_sock > 1 ? (uint64_t)sysconf(_SC_PAGESIZE) : 64;
     for (int i = 0; i < n; i++) {
         const mf_layout_tensor *t = mf_layout_at(m->layout, i);
         if (m->lazy && mf_is_lazy_group(t)) {
@@ -343,7 +483,7 @@ int mf_model_load(const char *dir, const mf_model_opts *opts, mf_model **out)
             continue;
         }
         m->offset[i] = total;
-        total += (t->n_bytes + 63) & ~UINT64_C(63);
+        total += (t->n_bytes + align - 1) / align * align;
     }
     m->block_bytes = total;
     m->block = mf_hostmem_map(total, 1);   /* 2 MiB pages where the kernel allows: the head and
@@ -352,6 +492,12 @@ int mf_model_load(const char *dir, const mf_model_opts *opts, mf_model **out)
         rc = mf_error(-ENOMEM, "model: cannot allocate %" PRIu64 " bytes for the resident weights of %s",
                       total, dir);
         goto fail;
+    }
+    /* the views first: with sockets, the split matrices' shares are bound before the reads */
+    if ((rc = mf_model_bind_all(m))) goto fail;
+    if (m->n_sock > 1) {
+        if ((rc = mf_model_regions(m))) goto fail;
+        mf_model_bind_sockets(m, &o);
     }
     mf_progress pr;
     mf_progress_begin(&pr, "load", total, 1, o.quiet);
@@ -365,7 +511,6 @@ int mf_model_load(const char *dir, const mf_model_opts *opts, mf_model **out)
         mf_progress_add(&pr, t->n_bytes);
     }
     mf_progress_end(&pr);
-    if ((rc = mf_model_bind_all(m))) goto fail;
     if (o.store && (rc = mf_model_store_open(m, &o))) goto fail;
     *out = m;
     return 0;
@@ -383,6 +528,7 @@ void mf_model_free(mf_model *m)
     free(m->st_of);
     free(m->layers);
     free(m->experts);
+    free(m->reg);
     mf_layout_free(m->layout);
     mf_st_close(m->st);
     free(m);

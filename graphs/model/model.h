@@ -73,11 +73,16 @@ typedef struct mf_model_opts {
     int store_io_pread;
     int store_io_fault_kind;
     int64_t store_io_fault_nth;
-    /* > 1, resident store: the routed experts split across the sockets' memory (host/store.h
-     * mf_store_opts n_sockets, socket_node: the OS NUMA node of each socket, sched/sched.h
-     * mf_topo_sockets). 0 or 1: one region. */
-    int store_n_sockets;
-    int store_socket_node[MF_TOPO_MAX_SOCKETS];
+    /* > 1: the weights the host computes in row parts split across the sockets' memory, one
+     * copy: socket k holds rows mf_topo_rows(rows, n_sockets, k) (sched/sched.h) of each, bound to
+     * OS NUMA node socket_node[k] (sched/sched.h mf_topo_sockets node): the routed experts in a
+     * resident store (host/store.h mf_store_opts n_sockets, socket_node), the matrices of
+     * mf_model_split_weights in the model's memory (each tensor then starts on a page; a page
+     * straddling a share boundary goes to the share holding its first byte).
+     * A node that does not exist, or a binding the kernel refuses, leaves that socket's pages to
+     * first touch with one line on stderr (unless quiet). 0 or 1: no split. */
+    int n_sockets;
+    int socket_node[MF_TOPO_MAX_SOCKETS];
 } mf_model_opts;
 
 enum { MF_MODEL_STORE_NONE, MF_MODEL_STORE_RESIDENT, MF_MODEL_STORE_STREAMED };
@@ -102,6 +107,22 @@ int mf_model_is_lazy(const mf_model *m);       /* experts/tables read per use */
  * parts w1, w1 scale, w2, w2 scale, w3, w3 scale; Engram slot k is table k. */
 struct mf_store *mf_model_store(const mf_model *m);
 uint64_t mf_model_resident_bytes(const mf_model *m);
+
+/* The matrices of layer L (-1: the head) in the model's memory that the host computes in row
+ * parts (graphs/step/stepgraph.h mf_sg_stage_rows), split across the sockets with
+ * mf_model_opts.n_sockets > 1: the Engram wkv, the attention stages' linears (wq_a, wkv, the
+ * compressor's wkv and wgate, the indexer's weights_proj and wq_b, wq_b, wo_a, wo_b), the router
+ * gate, the shared expert's w1, w2, w3, the routed experts' w1, w2, w3 when they are in the
+ * model's memory (no store, not lazy); the head. Not split: vectors, the embedding and Engram
+ * tables (gathered rows), the hyper-connection mixes' weights and the Engram gate's (read whole by
+ * every item's tasks), the indexer's wk (read whole by the core). Up to max into out (16 plus 3
+ * per routed expert hold any layer's); returns their count. */
+int mf_model_split_weights(const mf_model *m, int L, const mf_weight **out, int max);
+/* The socket whose share of a split matrix's rows holds p (mf_model_opts.n_sockets > 1: the share
+ * of the row p lies in; an fp8 scale row, of its tile's first row), else -1; how many sockets'
+ * shares were bound to their node (the rest are first touch). */
+int mf_model_socket_of(const mf_model *m, const void *p);
+int mf_model_n_bound(const mf_model *m);
 
 /* Bytes of w's data and scale tensors. */
 uint64_t mf_weight_data_bytes(const mf_weight *w);

@@ -313,9 +313,10 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
      * copy_slots streams); emulated cards are host threads: their kernels need a host core, and
      * each device task's round trip through its stream (the stream's thread, the callback) holds
      * the stream's thread and a core for dev_task_ns first */
-    /* one CPU lane per socket (the engine's --sockets): the host tasks with weights on socket
-     * 0's, those without spread by item and part (the builder), each routed expert's row parts on
-     * the lane of the socket whose share of its rows they read (mf_sg_expert_rows) */
+    /* one CPU lane per socket (the engine's --sockets): every row part of a matrix the host
+     * keeps (routed experts, dense weights) on the lane of the socket whose share of its rows it
+     * reads (mf_sg_stage_rows), the host tasks without weights spread by item and part, the rest
+     * (core prep, Engram gate, route, joins) on socket 0's (the builder) */
     int n_sock = o->n_sockets ? o->n_sockets : f->n_sockets;
     if (n_sock > 1) {
         int thr[MF_SG_MAX_SOCKETS];

@@ -170,6 +170,7 @@ struct mf_step {
     int dev_graphs;           /* 1: a layer's device FFNs are one captured graph per card */
     mf_step_dev_stats dstat;
     _Atomic int64_t sock_home, sock_cross;   /* this call's (mf_step_dev_stats) */
+    _Atomic int64_t dense_home, dense_cross;
     mf_step_fill_stats fill;  /* the warm fill at mf_step_new (mf_step_opts.dev_cache_fill) */
     mf_store *store;         /* its reads issued on this engine's IO lane (the slab registered there) */
     int eg_reads;            /* 1: the store's Engram tables are streamed: gathers are IO tasks */
@@ -212,12 +213,30 @@ const char *mf_step_phase_name(mf_step_phase p)
 
 /* ---- tasks --------------------------------------------------------------------------------- */
 
-static void mf_step_rows(int64_t n_rows, int parts, int p, int *r0, int *r1)
+/* With sockets: whether a host row part task reading rows [r0, r1) of w (a routed expert's part;
+ * dense: a dense matrix of the model's) ran on a worker of the socket whose share holds them
+ * (mf_topo_rows; with the store or the model split by sockets, their socket of the rows' first and
+ * last bytes as well), counted for mf_step_last_dev. */
+static void mf_step_count_socket(mf_step *eng, const mf_task_ctx *ctx, const mf_weight *w, int64_t r0, int64_t r1,
+                                 int dense)
 {
-    int64_t a, b;
-    mf_sg_rows(n_rows, parts, p, &a, &b);
-    *r0 = (int)a;
-    *r1 = (int)b;
+    if (eng->lt.n_sockets <= 1 || ctx->lane < 0 || ctx->lane >= eng->lt.n_lanes || r0 >= r1 || w->rows <= 0) return;
+    int k = eng->lt.sock_of_lane[ctx->lane], ok = 0;
+    for (int j = 0; j < eng->lt.n_sockets; j++) {
+        int64_t a, b;
+        mf_topo_rows(w->rows, eng->lt.n_sockets, j, &a, &b);
+        if (r0 >= a && r0 < b) ok = j == k && r1 <= b;
+    }
+    if (ok && w->st_data && w->data) {
+        uint64_t rb = w->st_data->n_bytes / (uint64_t)w->rows;
+        const uint8_t *p0 = w->data + (uint64_t)r0 * rb, *p1 = w->data + (uint64_t)r1 * rb - 1;
+        int in_store = eng->store && mf_store_socket_of(eng->store, w->data) >= 0;
+        const mf_model *m = eng->ly->m;
+        if (in_store) ok = mf_store_socket_of(eng->store, p0) == k && mf_store_socket_of(eng->store, p1) == k;
+        else if (mf_model_socket_of(m, w->data) >= 0) ok = mf_model_socket_of(m, p0) == k && mf_model_socket_of(m, p1) == k;
+    }
+    _Atomic int64_t *c = dense ? (ok ? &eng->dense_home : &eng->dense_cross) : ok ? &eng->sock_home : &eng->sock_cross;
+    atomic_fetch_add_explicit(c, 1, memory_order_relaxed);
 }
 
 static mf_kern_mat mf_step_mat(const mf_weight *w)
@@ -307,8 +326,9 @@ static int mf_task_engram_rows(void *arg, mf_task_ctx *ctx)
     if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
     const mf_weight *w = &mf_model_layer_at(cx->ly->m, a->t->layer)->eg_wkv;
-    int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
+    int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_expert_rows) */
     if (r0 >= r1) return 0;
+    mf_step_count_socket(sh->eng, ctx, w, r0, r1, 1);
     size_t i0 = (size_t)a->t->i0;   /* the micro-batch's items */
     int rc = mf_ly_linear_part(cx, w, sh->eg_emb + i0 * sh->eg_emb_ld, a->t->n_tok, sh->eg_emb_ld,
                                 sh->eg_kv + i0 * sh->eg_kv_ld, sh->eg_kv_ld, r0, r1);
@@ -399,8 +419,9 @@ static int mf_task_attn_mix(void *arg, mf_task_ctx *ctx) { return mf_step_mix_ro
 static int mf_task_ffn_mix(void *arg, mf_task_ctx *ctx) { return mf_step_mix_rows(arg, ctx, 1); }
 
 /* Rows of linear stage a->t->stage (MF_LY_A_STAGE_*) of layer a->t->layer, part a->t->part of sh->p_attn:
- * the stage's linears taken as one column of output rows, split as mf_step_rows, each part over
- * all items (weights read once for the batch); a row's bits do not depend on the split. */
+ * the rows of each linear mf_sg_stage_rows gives the part (with sockets: of its socket's share of
+ * each), each part over all items (weights read once for the batch); a row's bits do not depend on
+ * the split. */
 static int mf_task_attn_rows(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
@@ -409,15 +430,14 @@ static int mf_task_attn_rows(void *arg, mf_task_ctx *ctx)
     mf_step_shape *sh = a->sh;
     mf_ly_attn_lin lin[MF_LY_A_MAX_LIN];
     int n = mf_ly_attn_linears(cx->ly, a->t->layer, a->t->stage, lin);
-    int64_t total = 0, off = 0;
-    for (int k = 0; k < n; k++) total += lin[k].w->rows;
-    int r0, r1;
-    mf_step_rows(total, sh->p_attn, a->t->part, &r0, &r1);
-    for (int k = 0; k < n && r0 < r1; k++) {
+    int64_t rows[MF_SG_MAX_STAGE_LIN], r0[MF_SG_MAX_STAGE_LIN], r1[MF_SG_MAX_STAGE_LIN];
+    for (int k = 0; k < n; k++) rows[k] = lin[k].w->rows;
+    mf_sg_stage_rows(rows, n, sh->p_attn, sh->eng->lt.n_sockets, a->t->part, r0, r1);
+    for (int k = 0; k < n; k++) {
         const mf_ly_attn_lin *l = &lin[k];
-        int64_t lo = r0 - off > 0 ? r0 - off : 0, hi = r1 - off < l->w->rows ? r1 - off : l->w->rows;
-        off += l->w->rows;
+        int64_t lo = r0[k], hi = r1[k];
         if (lo >= hi) continue;
+        mf_step_count_socket(sh->eng, ctx, l->w, lo, hi, 1);
         size_t i0 = (size_t)a->t->i0;   /* the micro-batch's items */
         int rc = (l->groups && !sh->eng->o.exact ? mf_fa_grouped_rows : mf_ly_attn_lin_rows)(
             cx, l, sh->ab[l->x] + i0 * sh->ab_ld[l->x], sh->ab_ld[l->x], sh->ab[l->y] + i0 * sh->ab_ld[l->y],
@@ -586,8 +606,9 @@ static int mf_task_gate_rows(void *arg, mf_task_ctx *ctx)
     if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
     const mf_weight *w = &mf_model_layer_at(cx->ly->m, a->t->layer)->gate;
-    int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
+    int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_expert_rows) */
     if (r0 >= r1) return 0;
+    mf_step_count_socket(sh->eng, ctx, w, r0, r1, 1);
     int64_t H = sh->eng->c->hidden_size;
     size_t i0 = (size_t)a->t->i0;   /* the micro-batch's items */
     int rc = (sh->eng->o.exact ? mf_ly_gate_rows : mf_fa_gate_rows)(cx, a->t->layer, sh->xin + i0 * H, a->t->i1 - a->t->i0, H, sh->logits + i0 * w->rows,
@@ -881,26 +902,6 @@ static int mf_task_dev_out(void *arg, mf_task_ctx *ctx)
                            cnt * H * 4);
 }
 
-/* With sockets: whether a host expert part task reading rows [r0, r1) of w ran on a worker of the
- * socket whose share holds them (mf_topo_rows; with a store split by sockets, the store's socket
- * of the rows' first and last bytes as well), counted for mf_step_last_dev. */
-static void mf_step_count_socket(mf_step *eng, const mf_task_ctx *ctx, const mf_weight *w, int r0, int r1)
-{
-    if (eng->lt.n_sockets <= 1 || ctx->lane < 0 || ctx->lane >= eng->lt.n_lanes || r0 >= r1 || w->rows <= 0) return;
-    int k = eng->lt.sock_of_lane[ctx->lane], ok = 0;
-    for (int j = 0; j < eng->lt.n_sockets; j++) {
-        int64_t a, b;
-        mf_topo_rows(w->rows, eng->lt.n_sockets, j, &a, &b);
-        if (r0 >= a && r0 < b) ok = j == k && r1 <= b;
-    }
-    if (ok && eng->store && w->st_data && mf_store_socket_of(eng->store, w->data) >= 0) {
-        uint64_t rb = w->st_data->n_bytes / (uint64_t)w->rows;
-        ok = mf_store_socket_of(eng->store, w->data + (uint64_t)r0 * rb) == k &&
-             mf_store_socket_of(eng->store, w->data + (uint64_t)r1 * rb - 1) == k;
-    }
-    atomic_fetch_add_explicit(ok ? &eng->sock_home : &eng->sock_cross, 1, memory_order_relaxed);
-}
-
 /* Router: the top-k of the gate logits, then the slot table: the distinct experts in
  * ascending id, each with its items in item order; inputs gathered into slot order (and
  * quantized for the int8 path). */
@@ -1037,8 +1038,8 @@ static int mf_task_slot_up(void *arg, mf_task_ctx *ctx)
     const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, a->t->slot);
     int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
-    mf_step_count_socket(eng, ctx, &ew[0], r0, r1);
-    mf_step_count_socket(eng, ctx, &ew[2], r0, r1);
+    mf_step_count_socket(eng, ctx, &ew[0], r0, r1, 0);
+    mf_step_count_socket(eng, ctx, &ew[2], r0, r1, 0);
     size_t off = (size_t)sh->slot_off[a->t->slot];
     return mf_step_ffn_up(eng, &ew[0], &ew[2], sh->xg + off * H, &sh->q8x[a->t->slot], sh->slot_cnt[a->t->slot],
                           sh->wg + off, sh->h + off * I, sh->gg ? sh->gg + off * I : NULL,
@@ -1069,7 +1070,7 @@ static int mf_task_slot_down(void *arg, mf_task_ctx *ctx)
     const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, a->t->slot);
     int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
     if (r0 >= r1) return 0;
-    mf_step_count_socket(eng, ctx, &ew[1], r0, r1);
+    mf_step_count_socket(eng, ctx, &ew[1], r0, r1, 0);
     size_t off = (size_t)sh->slot_off[a->t->slot];
     return mf_step_ffn_down(eng, &ew[1], sh->h + off * I, &sh->q8h[a->t->slot], sh->slot_cnt[a->t->slot],
                             sh->y + off * H, r0, r1);
@@ -1077,13 +1078,14 @@ static int mf_task_slot_down(void *arg, mf_task_ctx *ctx)
 
 static int mf_task_sh_up(void *arg, mf_task_ctx *ctx)
 {
-    (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
     const mf_model_layer *y = mf_model_layer_at(eng->ly->m, a->t->layer);
-    int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
+    int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_expert_rows) */
     if (r0 >= r1) return 0;
+    mf_step_count_socket(eng, ctx, &y->sh_w1, r0, r1, 1);
+    mf_step_count_socket(eng, ctx, &y->sh_w3, r0, r1, 1);
     size_t i0 = (size_t)a->t->i0, I = (size_t)y->sh_w1.rows;   /* the micro-batch's items */
     return mf_step_ffn_up(eng, &y->sh_w1, &y->sh_w3, sh->xin + i0 * eng->c->hidden_size, NULL, a->t->n_tok, NULL,
                           sh->hs + i0 * I, sh->gs ? sh->gs + i0 * I : NULL, sh->us ? sh->us + i0 * I : NULL, r0, r1);
@@ -1098,13 +1100,13 @@ static int mf_task_nop(void *arg, mf_task_ctx *ctx)
 
 static int mf_task_sh_down(void *arg, mf_task_ctx *ctx)
 {
-    (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
     const mf_model_layer *y = mf_model_layer_at(eng->ly->m, a->t->layer);
-    int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
+    int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_expert_rows) */
     if (r0 >= r1) return 0;
+    mf_step_count_socket(eng, ctx, &y->sh_w2, r0, r1, 1);
     size_t i0 = (size_t)a->t->i0;   /* the micro-batch's items */
     return mf_step_ffn_down(eng, &y->sh_w2, sh->hs + i0 * y->sh_w1.rows, NULL, a->t->n_tok,
                             sh->ys + i0 * eng->c->hidden_size, r0, r1);
@@ -1147,14 +1149,14 @@ static int mf_task_combine(void *arg, mf_task_ctx *ctx)
 
 static int mf_task_head(void *arg, mf_task_ctx *ctx)
 {
-    (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     if (!sh->n_head) return 0;
     const mf_config *c = sh->eng->c;
     const mf_weight *w = mf_model_head(sh->eng->ly->m);
-    int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_rows) */
+    int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_expert_rows) */
     if (r0 >= r1) return 0;
+    mf_step_count_socket(sh->eng, ctx, w, r0, r1, 1);
     return mf_kern_bf16_matmul((const uint16_t *)w->data, (int)c->vocab_size, (int)c->hidden_size,
                                sh->hn, sh->n_head, (int)c->hidden_size, sh->lbuf, (int)c->vocab_size,
                                r0, r1);
@@ -2018,6 +2020,8 @@ void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out)
     *out = s->dstat;
     out->sock_home = atomic_load(&s->sock_home);
     out->sock_cross = atomic_load(&s->sock_cross);
+    out->dense_home = atomic_load(&s->dense_home);
+    out->dense_cross = atomic_load(&s->dense_cross);
 }
 
 void mf_step_fill(const mf_step *s, mf_step_fill_stats *out) { *out = s->fill; }
@@ -2406,6 +2410,8 @@ static int mf_step_forward_chunks(mf_step *s, mf_ref_state *const *states, const
     s->dstat.dev_slots = s->dstat.host_slots = s->dstat.host_fallbacks = 0;
     atomic_store(&s->sock_home, 0);
     atomic_store(&s->sock_cross, 0);
+    atomic_store(&s->dense_home, 0);
+    atomic_store(&s->dense_cross, 0);
     for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_step(s->xc[c], NULL);
     if (n < 1) return mf_error(-EINVAL, "step: forward of %d items", n);
     int rc = mf_step_check(s, states, tokens, n);

@@ -121,11 +121,14 @@ typedef struct mf_step_opts {
     /* > 1 (`moeflow decode --sockets N`): one CPU lane per socket (sched/sched.h mf_topo_sockets:
      * the NUMA nodes with cores of `topology`), the n_threads workers split across them in
      * proportion to their cores, each pinned to its socket's cores when pin_threads is set. Every
-     * routed expert run on the host is shared by all the sockets: each socket's workers compute
-     * its share of the expert's output rows (sched/sched.h mf_topo_rows: where the store puts
-     * them when created with the same socket count; graphs/step/stepgraph.h mf_sg_expert_rows);
-     * the host tasks with other weights run on socket 0's lane. Logits are the one-lane engine's bit for bit. -EINVAL when the
-     * topology has fewer sockets, or fewer than n_threads can share. 0 or 1: one CPU lane. */
+     * matrix the host computes in row parts (a routed expert run on the host; the dense weights
+     * the host keeps: attention stages, Engram wkv, router gate, shared expert, head) is shared
+     * by all the sockets: each socket's workers compute its share of the matrix's output rows
+     * (sched/sched.h mf_topo_rows: where the store and the model put them when created with the
+     * same socket count; graphs/step/stepgraph.h mf_sg_stage_rows); the host tasks with other
+     * weights (the core's, the Engram gate's) run on socket 0's lane. Logits are the one-lane
+     * engine's bit for bit. -EINVAL when the topology has fewer sockets, or fewer than n_threads
+     * can share. 0 or 1: one CPU lane. */
     int n_sockets;
     const char *topology;        /* mf_sched_opts.topology (NULL: this machine) */
 } mf_step_opts;
@@ -244,6 +247,10 @@ typedef struct mf_step_dev_stats {
      * w2, each weight counted) run by a worker of the socket holding their rows (the store's
      * socket of their first and last bytes too, with a store split by sockets), and not */
     int64_t sock_home, sock_cross;
+    /* the same for the host's dense row parts (attention stages, Engram wkv, router gate, shared
+     * expert, head: each matrix counted per part), against the model's shares
+     * (graphs/model/model.h mf_model_split_weights) */
+    int64_t dense_home, dense_cross;
 } mf_step_dev_stats;
 
 void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out);

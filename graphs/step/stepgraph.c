@@ -8,6 +8,7 @@
  * returning the tasks it ends with. */
 #include "graphs/step/stepgraph.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -172,16 +173,31 @@ int mf_sg_layer_scored(const mf_config *c, int L)
     return c->compress_ratios[L] > 0 && mf_config_is_index_source(c, L);
 }
 
-int mf_sg_expert_rows(int64_t n_rows, int parts, int n_sockets, int p, int64_t *r0, int64_t *r1)
+int mf_sg_stage_rows(const int64_t *rows, int n_lin, int parts, int n_sockets, int p, int64_t *r0, int64_t *r1)
 {
+    assert(n_lin >= 1 && n_lin <= MF_SG_MAX_STAGE_LIN);
     int S = n_sockets > 1 ? n_sockets : 1, per = parts / S > 0 ? parts / S : 1, k = p / per;
     if (k >= S) k = S - 1;
-    int64_t a, b;
-    mf_topo_rows(n_rows, S, k, &a, &b);
-    mf_sg_rows(b - a, per, p - k * per, r0, r1);
-    *r0 += a;
-    *r1 += a;
+    int64_t a[MF_SG_MAX_STAGE_LIN], b[MF_SG_MAX_STAGE_LIN], total = 0, lo, hi, off = 0;
+    for (int l = 0; l < n_lin; l++) {   /* socket k's share of each linear, one after another */
+        mf_topo_rows(rows[l], S, k, &a[l], &b[l]);
+        total += b[l] - a[l];
+    }
+    mf_sg_rows(total, per, p - k * per, &lo, &hi);
+    for (int l = 0; l < n_lin; l++) {
+        int64_t n = b[l] - a[l], x = lo - off, y = hi - off;
+        x = x < 0 ? 0 : x > n ? n : x;
+        y = y < x ? x : y > n ? n : y;
+        r0[l] = a[l] + x;
+        r1[l] = a[l] + y;
+        off += n;
+    }
     return k;
+}
+
+int mf_sg_expert_rows(int64_t n_rows, int parts, int n_sockets, int p, int64_t *r0, int64_t *r1)
+{
+    return mf_sg_stage_rows(&n_rows, 1, parts, n_sockets, p, r0, r1);
 }
 
 void mf_sg_rows(int64_t n_rows, int parts, int p, int64_t *r0, int64_t *r1)
@@ -325,6 +341,17 @@ static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, m
     b->exit_of[id] = id;
     b->next_of[id] = -1;
     return id;
+}
+
+/* The CPU lane of the socket that row part p of `parts` of a host matrix computes for
+ * (mf_sg_stage_rows), and that socket's rows [*r0, *r1) of the matrix's n_rows (r0 NULL: none). */
+static int sg_rows_lane(const sg_builder *b, int64_t n_rows, int parts, int p, int64_t *r0, int64_t *r1)
+{
+    int S = b->o->n_sockets > 1 && b->o->lane_sock ? b->o->n_sockets : 1;
+    int64_t a, e;
+    int k = mf_sg_expert_rows(n_rows, parts, S, p, &a, &e);
+    if (r0) *r0 = a, *r1 = e;
+    return S > 1 ? b->o->lane_sock[k] : 0;
 }
 
 /* A record of layer L with nothing else set. */
@@ -603,13 +630,13 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
         SG_NAME(b, "engram L%d wkv %d", L, p);
         mf_sg_task t = sg_rec(L);
         t.part = p;
-        mf_sg_rows((int64_t)R, sg->p_attn, p, &t.r0, &t.r1);
+        int ln = sg_rows_lane(b, (int64_t)R, sg->p_attn, p, &t.r0, &t.r1);
         sg_span(b, &t);
         double f = (double)(t.r1 - t.r0) / R;
         t.w.w_bytes[MF_KF_FP8] = y->eng_fp8_bytes * f;
         t.w.macs[MF_KF_FP8] = y->eng_fp8_macs * f;
         t.w.calls[MF_KF_FP8] = f > 0;
-        wr[p] = sg_add(b, 0, MF_SG_ENGRAM_ROWS, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
+        wr[p] = sg_add(b, ln, MF_SG_ENGRAM_ROWS, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
         for (int k = b->k0; k < b->k1; k++) sg_dep(b, emb[k], wr[p]);
     }
     for (int k = b->k0; k < b->k1; k++) {
@@ -693,7 +720,9 @@ static mf_task_id sg_attn_rows(sg_builder *b, int L, int st, int p)
         double rounds = st == MF_SG_ST_IN ? (double)c->q_lora_rank : st == MF_SG_ST_OB ? (double)c->hidden_size : 0;
         t.w.ref_flops = SG_W_ROUND * rounds * n / parts;
     }
-    return sg_add(b, 0, MF_SG_ATTN_ROWS, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
+    /* the part's rows of each linear are the engine's (mf_sg_stage_rows over the stage's linears);
+     * its socket is the same for any row count */
+    return sg_add(b, sg_rows_lane(b, 1, parts, p, NULL, NULL), MF_SG_ATTN_ROWS, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
 }
 
 /* Part p of `parts` of an item's n_rows output rows (columns of the hidden size, rows of a mix):
@@ -942,9 +971,9 @@ static mf_task_id sg_router(sg_builder *b, int L, const mf_task_id *post)
         t = sg_rec(L);
         t.part = p;
         sg_span(b, &t);
-        mf_sg_rows(E, sg->p_attn, p, &t.r0, &t.r1);
+        int ln = sg_rows_lane(b, E, sg->p_attn, p, &t.r0, &t.r1);
         t.w.ref_flops = n * SG_W_DOT_BF16 * H * (double)(t.r1 - t.r0);
-        mf_task_id gp = sg_add(b, 0, MF_SG_GATE_ROWS, MF_SG_PH_MOE, MF_SG_K_OTHER, t);
+        mf_task_id gp = sg_add(b, ln, MF_SG_GATE_ROWS, MF_SG_PH_MOE, MF_SG_K_OTHER, t);
         for (int k = b->k0; k < b->k1; k++) sg_dep(b, post[k], gp);
         sg_dep(b, gp, ro);
     }
@@ -1087,21 +1116,21 @@ static void sg_shared(sg_builder *b, int L, const mf_task_id *post, mf_task_id r
         mf_sg_task t = sg_rec(L);
         t.part = p;
         sg_span(b, &t);
-        mf_sg_rows((int64_t)z->sh_rows, ps, p, &t.r0, &t.r1);
+        int ln = sg_rows_lane(b, (int64_t)z->sh_rows, ps, p, &t.r0, &t.r1);
         t.w.w_bytes[MF_KF_FP8] = z->sh_up_bytes / ps;
         t.w.macs[MF_KF_FP8] = 2 * H * z->sh_rows / ps;
         t.w.calls[MF_KF_FP8] = 1;
-        mf_task_id up = sg_add(b, 0, MF_SG_SHARED_UP, MF_SG_PH_MOE, MF_SG_K_EXPERT, t);
+        mf_task_id up = sg_add(b, ln, MF_SG_SHARED_UP, MF_SG_PH_MOE, MF_SG_K_EXPERT, t);
         SG_NAME(b, "shared L%d down %d", L, p);
         t = sg_rec(L);
         t.part = p;
         sg_span(b, &t);
-        mf_sg_rows((int64_t)H, ps, p, &t.r0, &t.r1);
+        ln = sg_rows_lane(b, (int64_t)H, ps, p, &t.r0, &t.r1);
         t.w.w_bytes[MF_KF_FP8] = z->sh_down_bytes / ps;
         t.w.macs[MF_KF_FP8] = H * z->sh_rows / ps;
         t.w.calls[MF_KF_FP8] = 1;
         t.w.ref_flops = SG_W_ROUND * H / ps * n;
-        mf_task_id dn = sg_add(b, 0, MF_SG_SHARED_DOWN, MF_SG_PH_MOE, MF_SG_K_EXPERT, t);
+        mf_task_id dn = sg_add(b, ln, MF_SG_SHARED_DOWN, MF_SG_PH_MOE, MF_SG_K_EXPERT, t);
         for (int k = b->k0; k < b->k1; k++) sg_dep(b, post[k], up);
         /* streamed experts: the shared expert runs while the routed experts are read */
         if (b->o->store) sg_dep(b, ro, up);
@@ -1184,11 +1213,11 @@ static void sg_head(sg_builder *b, const mf_task_id *unit)
         mf_sg_task t = sg_rec(-1);
         t.part = p;
         t.n_tok = sg->n;
-        mf_sg_rows((int64_t)V, sg->p_head, p, &t.r0, &t.r1);
+        int ln = sg_rows_lane(b, (int64_t)V, sg->p_head, p, &t.r0, &t.r1);
         t.w.w_bytes[MF_KF_BF16] = b->o->sz->head_bytes / sg->p_head;
         t.w.macs[MF_KF_BF16] = V * H / sg->p_head;
         t.w.calls[MF_KF_BF16] = 1;
-        mf_task_id hd = sg_add(b, 0, MF_SG_HEAD, MF_SG_PH_HEAD, MF_SG_K_OTHER, t);
+        mf_task_id hd = sg_add(b, ln, MF_SG_HEAD, MF_SG_PH_HEAD, MF_SG_K_OTHER, t);
         sg_dep(b, hj, hd);
     }
 }
@@ -1260,10 +1289,13 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
      * parts, so that every part lies in one socket's memory */
     int S = o->n_sockets > 1 && o->lane_sock ? o->n_sockets : 1;
     sg->p_exp = (sg->p_exp + S - 1) / S * S;
-    sg->p_sh = c->n_shared_experts > 0 ? (W < 8 ? W : 8) : 0;
-    sg->p_head = 2 * W;
+    /* the dense matrices' row parts likewise (mf_sg_stage_rows; p_attn's cap MF_SG_MAX_PARTS is a
+     * multiple of 2, 4 and 8 sockets: with another count the last socket's extra parts are empty) */
+    sg->p_sh = c->n_shared_experts > 0 ? ((W < 8 ? W : 8) + S - 1) / S * S : 0;
+    sg->p_head = (2 * W + S - 1) / S * S;
     /* attention stages, Engram wkv, router gate: one part per worker (row chunks of >= 16) */
-    sg->p_attn = W < MF_SG_MAX_PARTS ? W : MF_SG_MAX_PARTS;
+    sg->p_attn = ((W < MF_SG_MAX_PARTS ? W : MF_SG_MAX_PARTS) + S - 1) / S * S;
+    if (sg->p_attn > MF_SG_MAX_PARTS) sg->p_attn = MF_SG_MAX_PARTS;
     /* per item, the parts that give the workers work when the items are fewer: T = workers per
      * item; hyper-connection columns in chunks of >= SG_MIN_COLS, mixes in up to SG_MAX_MIX row
      * parts, heads in equal groups; the q norm's columns in chunks of >= SG_MIN_QCOLS */

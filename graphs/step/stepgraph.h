@@ -187,10 +187,17 @@ int mf_sg_layer_scored(const mf_config *c, int L);
 
 /* Part p of `parts` of n_rows rows (chunks rounded up to 16 rows: the last parts may be empty). */
 void mf_sg_rows(int64_t n_rows, int parts, int p, int64_t *r0, int64_t *r1);
-/* Row part p of `parts` of a routed expert's n_rows output rows with n_sockets sockets: socket
- * k = p / (parts / n_sockets) holds rows mf_topo_rows(n_rows, n_sockets, k) (sched/sched.h), split
- * by mf_sg_rows in parts / n_sockets; returns k (n_sockets <= 1: 0, as mf_sg_rows). parts is a
- * multiple of n_sockets (sg_parts makes p_exp one). */
+/* The one rule for which rows a host row part computes with n_sockets sockets (the memory rule is
+ * sched/sched.h mf_topo_rows: socket k holds rows mf_topo_rows(rows, n_sockets, k) of every matrix
+ * the host computes in row parts, graphs/model/model.h mf_model_split_weights, host/store.h). Row
+ * part p of `parts` of a stage of n_lin linears (rows[l] output rows each; at most
+ * MF_SG_MAX_STAGE_LIN) is socket k = p / (parts / n_sockets)'s: socket k's shares of the linears
+ * taken one after another and split by mf_sg_rows in parts / n_sockets; r0[l], r1[l] get linear l's
+ * rows (possibly empty). Returns k. parts is a multiple of n_sockets (sg_parts makes the row part
+ * counts so). n_sockets <= 1: the linears' rows one after another split by mf_sg_rows. */
+#define MF_SG_MAX_STAGE_LIN 8
+int mf_sg_stage_rows(const int64_t *rows, int n_lin, int parts, int n_sockets, int p, int64_t *r0, int64_t *r1);
+/* The same for one matrix of n_rows rows (a routed expert's, the gate's, the head's, ...). */
 int mf_sg_expert_rows(int64_t n_rows, int parts, int n_sockets, int p, int64_t *r0, int64_t *r1);
 
 /* What a step decides that a record's price depends on: the simulator's draws and cache state, or
@@ -263,9 +270,11 @@ typedef struct mf_sg_opts {
      * tasks that read no weights and are one item's or one of several parts (attention head
      * groups, index score parts, q norm parts, an item's mixes, norms and combines: activations
      * and KV, no home of their own) go to socket (item + part) mod n_sockets's lane;
-     * a routed expert's row parts go to the lane of the socket whose share of its rows they
-     * compute (mf_sg_expert_rows: p_exp a multiple of n_sockets); every other host task stays on
-     * lane 0 (socket 0's: the dense weights the host keeps are not split). 0 or 1: none. */
+     * every row part of a matrix the host keeps (a routed expert's, an attention stage's, the
+     * Engram wkv's, the router gate's, the shared expert's, the head's) goes to the lane of the
+     * socket whose share of the rows it computes (mf_sg_stage_rows, mf_sg_expert_rows: the part
+     * counts multiples of n_sockets); every other host task stays on lane 0 (socket 0's). 0 or 1:
+     * none. */
     int n_sockets;
     const int *lane_sock;
 } mf_sg_opts;
