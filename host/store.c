@@ -216,41 +216,26 @@ static void mf_store_part_rows(const mf_store *s, int i, int p, int64_t *rows, u
     *row_bytes = t->n_bytes / (uint64_t)*rows;
 }
 
+/* range i of socket k's share: part i % n_parts of slot i / n_parts, socket k's rows of it
+ * (mf_topo_share_fn) */
+static void mf_store_share(void *ctx, int k, int64_t i, uint64_t *a, uint64_t *b, int *first)
+{
+    const mf_store *s = ctx;
+    uint64_t np = (uint64_t)s->n_parts, it = (uint64_t)i / np, p = (uint64_t)i % np, rb;
+    uint64_t base = it * s->slot_bytes + s->part_off[it * np + p];
+    int64_t R, r0, r1;
+    mf_store_part_rows(s, (int)it, (int)p, &R, &rb);
+    mf_topo_rows(R, s->n_sock, k, &r0, &r1);
+    *a = base + (uint64_t)r0 * rb;
+    *b = base + (uint64_t)r1 * rb;
+    *first = r0 == 0;
+}
+
 static void mf_store_bind_sockets(mf_store *s)
 {
-    hwloc_topology_t topo;
-    if (hwloc_topology_init(&topo) < 0 || hwloc_topology_load(topo) < 0) {
-        if (!s->o.quiet) fprintf(stderr, "expert store: hwloc cannot load the topology; the sockets' shares stay first touch\n");
-        return;
-    }
-    uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE), np = (uint64_t)s->n_parts;
-    for (int k = 0; k < s->n_sock; k++) {
-        int node = s->o.socket_node[k], ok = 1;
-        hwloc_obj_t obj = node >= 0 ? hwloc_get_obj_by_type(topo, HWLOC_OBJ_NUMANODE, (unsigned)node) : NULL;
-        for (int i = 0; obj && ok && i < s->n_items; i++)
-            for (uint64_t p = 0; ok && p < np; p++) {
-                int64_t R, r0, r1;
-                uint64_t rb, base = (uint64_t)i * s->slot_bytes + s->part_off[(size_t)i * np + p];
-                mf_store_part_rows(s, i, (int)p, &R, &rb);
-                mf_topo_rows(R, s->n_sock, k, &r0, &r1);
-                /* pages whose first byte is in the share: [up(a), up(b)), the first share from
-                 * the part's first page */
-                uint64_t a = base + (uint64_t)r0 * rb, b = base + (uint64_t)r1 * rb;
-                a = r0 == 0 ? a / pg * pg : mf_up(a, pg);
-                b = mf_up(b, pg);
-                if (b <= a) continue;
-                ok = hwloc_set_area_membind(topo, s->slab + a, (size_t)(b - a), obj->nodeset, HWLOC_MEMBIND_BIND,
-                                            HWLOC_MEMBIND_BYNODESET) == 0;
-            }
-        if (obj && ok) {
-            s->n_bound++;
-            continue;
-        }
-        if (!s->o.quiet)
-            fprintf(stderr, "expert store: socket %d's share of the experts' rows not bound to NUMA node %d (%s); "
-                    "first touch\n", k, node, node < 0 ? "it has none of its own" : !obj ? "no such node" : strerror(errno));
-    }
-    hwloc_topology_destroy(topo);
+    s->n_bound = mf_topo_bind_shares(s->slab, s->slab_bytes, s->n_sock, s->o.socket_node,
+                                     (int64_t)s->n_items * s->n_parts, mf_store_share, s, "expert store",
+                                     "the experts' rows", s->o.quiet);
 }
 
 int mf_store_socket_of(const mf_store *s, const void *p)

@@ -142,6 +142,22 @@ static inline void mf_topo_rows(int64_t n_rows, int n_sockets, int k, int64_t *r
     *r1 = b < n_rows ? b : n_rows;
 }
 
+/* Range i of socket k's share of a region bound by mf_topo_bind_shares: bytes [*a, *b) from the
+ * region's base; *first != 0 when the range begins its part (its first page is then the share's,
+ * wherever in the page it starts). An empty range (*b <= *a) is skipped. */
+typedef void (*mf_topo_share_fn)(void *ctx, int k, int64_t i, uint64_t *a, uint64_t *b, int *first);
+
+/* The one binding of socket shares to NUMA nodes (the resident store's experts, the model's dense
+ * rows): for every socket k < n_sockets, the pages of each of its n_ranges ranges (share()) bound to
+ * OS NUMA node node[k] (mf_topo_sockets node) before anything touches them. A page belongs to the
+ * share holding its first byte: [a, b) binds pages [up(a), up(b)), or [down(a), up(b)) for a
+ * range that begins its part; clipped to n_bytes. A node that does not exist (or node[k] < 0), a
+ * topology hwloc cannot load, or a refused binding is a one-line note on stderr unless quiet
+ * ("<who>: socket k's share of <what> not bound to NUMA node n (why); first touch"), never an
+ * error: those pages stay first touch. Returns the number of shares bound. */
+int mf_topo_bind_shares(uint8_t *base, uint64_t n_bytes, int n_sockets, const int *node, int64_t n_ranges,
+                        mf_topo_share_fn share, void *ctx, const char *who, const char *what, int quiet);
+
 /* Convenience lane tables: one CPU lane per NUMA node (threads_per_node 0 = all its cores), an IO
  * lane of the given depth. Returns the number of lanes written (<= max). */
 int mf_lanes_default(mf_lane_desc *lanes, int max, int threads_per_node, int io_depth);

@@ -1,8 +1,10 @@
 /* Worker placement with hwloc: how many workers a CPU lane gets (all cores of its NUMA node when
  * its concurrency is 0), the core each is pinned to, and the default lane table (one CPU lane per
  * NUMA node plus an IO lane). */
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "sched/error.h"
 #include "sched/sched_impl.h"
@@ -134,4 +136,41 @@ int mf_lanes_default(mf_lane_desc *lanes, int max, int threads_per_node, int io_
         lanes[n++] = (mf_lane_desc){.kind = MF_LANE_IO, .name = "io", .concurrency = io_depth,
                                     .numa_node = -1, .device = -1};
     return n;
+}
+
+int mf_topo_bind_shares(uint8_t *base, uint64_t n_bytes, int n_sockets, const int *node, int64_t n_ranges,
+                        mf_topo_share_fn share, void *ctx, const char *who, const char *what, int quiet)
+{
+    hwloc_topology_t topo;
+    if (hwloc_topology_init(&topo) < 0 || hwloc_topology_load(topo) < 0) {
+        if (!quiet) fprintf(stderr, "%s: hwloc cannot load the topology; the sockets' shares of %s stay first touch\n",
+                            who, what);
+        return 0;
+    }
+    uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE);
+    int n_bound = 0;
+    for (int k = 0; k < n_sockets; k++) {
+        int ok = 1;
+        hwloc_obj_t obj = node[k] >= 0 ? hwloc_get_numanode_obj_by_os_index(topo, (unsigned)node[k]) : NULL;
+        for (int64_t i = 0; obj && ok && i < n_ranges; i++) {
+            uint64_t a, b;
+            int first;
+            share(ctx, k, i, &a, &b, &first);
+            a = first ? a / pg * pg : (a + pg - 1) / pg * pg;
+            b = (b + pg - 1) / pg * pg;
+            if (b > n_bytes) b = n_bytes;
+            if (b <= a) continue;
+            ok = hwloc_set_area_membind(topo, base + a, (size_t)(b - a), obj->nodeset, HWLOC_MEMBIND_BIND,
+                                        HWLOC_MEMBIND_BYNODESET) == 0;
+        }
+        if (obj && ok) {
+            n_bound++;
+            continue;
+        }
+        if (!quiet)
+            fprintf(stderr, "%s: socket %d's share of %s not bound to NUMA node %d (%s); first touch\n", who, k, what,
+                    node[k], node[k] < 0 ? "it has none of its own" : !obj ? "no such node" : strerror(errno));
+    }
+    hwloc_topology_destroy(topo);
+    return n_bound;
 }

@@ -4,7 +4,6 @@
 #include "graphs/model/model.h"
 
 #include <errno.h>
-#include <hwloc.h>
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -337,39 +336,23 @@ static void mf_model_reg_rows(const mf_model *m, const struct mf_model_region *r
  * belongs to the share holding its first byte (split tensors start on pages: mf_model_load). A
  * node that does not exist, or a refused binding, is a note (that socket's pages stay first
  * touch), not an error. */
+/* range i of socket k's share: region i's rows of socket k (mf_topo_share_fn) */
+static void mf_model_share(void *ctx, int k, int64_t i, uint64_t *x, uint64_t *y, int *first)
+{
+    const mf_model *m = ctx;
+    const struct mf_model_region *r = &m->reg[i];
+    int64_t a, b;
+    mf_model_reg_rows(m, r, k, &a, &b);
+    uint64_t rb = r->n_bytes / (uint64_t)r->rows;
+    *x = r->off + (uint64_t)a * rb;
+    *y = r->off + (uint64_t)b * rb;
+    *first = a == 0;
+}
+
 static void mf_model_bind_sockets(mf_model *m, const mf_model_opts *o)
 {
-    hwloc_topology_t topo;
-    if (hwloc_topology_init(&topo) < 0 || hwloc_topology_load(topo) < 0) {
-        if (!o->quiet) fprintf(stderr, "model: hwloc cannot load the topology; the sockets' shares of the dense "
-                               "weights stay first touch\n");
-        return;
-    }
-    uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE);
-    for (int k = 0; k < m->n_sock; k++) {
-        int node = o->socket_node[k], ok = 1;
-        hwloc_obj_t obj = node >= 0 ? hwloc_get_numanode_obj_by_os_index(topo, (unsigned)node) : NULL;
-        for (int i = 0; obj && ok && i < m->n_reg; i++) {
-            const struct mf_model_region *r = &m->reg[i];
-            int64_t a, b;
-            mf_model_reg_rows(m, r, k, &a, &b);
-            uint64_t rb = r->n_bytes / (uint64_t)r->rows, x = r->off + (uint64_t)a * rb, y = r->off + (uint64_t)b * rb;
-            x = a == 0 ? x / pg * pg : (x + pg - 1) / pg * pg;
-            y = (y + pg - 1) / pg * pg;
-            if (y > m->block_bytes) y = m->block_bytes;
-            if (y <= x) continue;
-            ok = hwloc_set_area_membind(topo, m->block + x, (size_t)(y - x), obj->nodeset, HWLOC_MEMBIND_BIND,
-                                        HWLOC_MEMBIND_BYNODESET) == 0;
-        }
-        if (obj && ok) {
-            m->n_bound++;
-            continue;
-        }
-        if (!o->quiet)
-            fprintf(stderr, "model: socket %d's share of the dense weights' rows not bound to NUMA node %d (%s); "
-                    "first touch\n", k, node, node < 0 ? "it has none of its own" : !obj ? "no such node" : strerror(errno));
-    }
-    hwloc_topology_destroy(topo);
+    m->n_bound = mf_topo_bind_shares(m->block, m->block_bytes, m->n_sock, o->socket_node, m->n_reg, mf_model_share, m,
+                                     "model", "the dense weights' rows", o->quiet);
 }
 
 int mf_model_socket_of(const mf_model *m, const void *p)
