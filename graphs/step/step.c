@@ -1511,8 +1511,10 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const in
 {
     mf_task_fn fn_of[MF_SG_N_OPS];   /* the per-item ops over their item groups */
     for (int op = 0; op < MF_SG_N_OPS; op++) fn_of[op] = mf_sg_op_per_item(op) ? mf_task_items : mf_step_fn_of[op];
+    const mf_ref_hooks *hk = &eng->ly->hooks;
+    int ordered = hk->on_route || hk->on_select || hk->on_candidates;   /* the hooks in item order */
     return mf_stepgraph_new(&(mf_sg_opts){.c = eng->c, .sz = eng->sz, .n = n, .par = par,
-                                          .n_units = n_units, .unit_end = unit_end,
+                                          .n_units = n_units, .unit_end = unit_end, .ordered = ordered,
                                           .n_threads = eng->o.n_threads, .n_cards = eng->n_cards,
                                           .n_dense_cards = eng->n_dense, .dense_split = eng->o.dense_split,
                                           .dev_graphs = eng->dev_graphs, .store = eng->store != NULL,

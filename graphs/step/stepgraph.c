@@ -813,6 +813,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
     /* rough costs for priorities: reference code ~1 ns per multiply-add, kernels by bytes */
     int index = mf_sg_layer_scored(c, L);
     mf_task_id rows[4][MF_SG_MAX_PARTS], amix[MF_SG_MAX_GROUPS][SG_MAX_MIX], ring[MF_SG_MAX_ITEMS];
+    mf_task_id gate[MF_SG_MAX_GROUPS];   /* per item group: the task its heads wait for (core or select) */
     for (int st = 0; st < 4; st++)
         for (int p = 0; p < sg->p_attn; p++) rows[st][p] = sg_attn_rows(b, L, st, p);
     for (int i = b->g0; i < b->g1; i++) {   /* item groups */
@@ -855,18 +856,36 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
         t.w.ref_flops = items * (4.0 * D + SG_W_ROUND * 4.0 * D);
         mf_task_id kv = sg_add(b, 0, MF_SG_ATTN_KV, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
         for (int p = 0; p < sg->p_attn; p++) sg_dep(b, rows[MF_SG_ST_IN][p], kv);
-        SG_NAME(b, sg->par ? "attn L%d core item %d" : "attn L%d core", L, k);
-        mf_sg_task tc = sg_item(b, L, k);
-        tc.n_tok = 1;   /* the index query: not priced (as before the split) */
-        mf_task_id core = sg_add(b, 0, MF_SG_ATTN_CORE, MF_SG_PH_ATTN, MF_SG_K_OTHER, tc);
-        sg_dep(b, kv, core);
-        for (int p = 0; p < sg->p_attn; p++) sg_dep(b, rows[MF_SG_ST_QB][p], core);
-        if (index) {   /* the index scores in parts per item, then the select, before the heads */
-            SG_NAME(b, "attn L%d select", L);
-            mf_sg_task ts = sg_item(b, L, k);
-            ts.n_tok = 1;
-            mf_task_id sel = sg_add(b, 0, MF_SG_ATTN_SELECT, MF_SG_PH_ATTN, MF_SG_K_OTHER, ts);
-            for (int i = sg_group_of(sg, t.i0); i <= sg_group_of(sg, t.i1 - 1); i++)   /* the unit's groups */
+        /* the core's prep and the select: one task per unit when ordered (the hooks in item
+         * order), else one per item group, each group's heads after its own (gate[]) */
+        int gu0 = sg_group_of(sg, t.i0), gu1 = sg_group_of(sg, t.i1 - 1), whole = b->o->ordered;
+        for (int i = gu0; i <= gu1; i++) {
+            int solo = whole ? i == gu0 : 1;   /* a task of its own: whole unit, or group i */
+            if (solo) {
+                SG_NAME(b, sg->par ? "attn L%d core item %d" : whole ? "attn L%d core" : "attn L%d core %d", L,
+                        sg->par ? k : i);
+                mf_sg_task tc = whole ? sg_item(b, L, k) : sg_part(sg, L, i, 0, 1, 0, 1);
+                tc.part = -1;
+                tc.n_tok = 1;   /* the index query: not priced (as before the split) */
+                gate[i] = sg_add(b, 0, MF_SG_ATTN_CORE, MF_SG_PH_ATTN, MF_SG_K_OTHER, tc);
+                sg_dep(b, kv, gate[i]);
+                for (int p = 0; p < sg->p_attn; p++) sg_dep(b, rows[MF_SG_ST_QB][p], gate[i]);
+            } else {
+                gate[i] = gate[gu0];
+            }
+        }
+        if (index) {   /* the index scores in parts per item group, then the select, before the heads */
+            mf_task_id sel = -1;
+            for (int i = gu0; i <= gu1; i++) {
+                mf_task_id core = gate[i];
+                if (!whole || i == gu0) {
+                    SG_NAME(b, sg->par ? "attn L%d select item %d" : whole ? "attn L%d select" : "attn L%d select %d",
+                            L, sg->par ? k : i);
+                    mf_sg_task ts = whole ? sg_item(b, L, k) : sg_part(sg, L, i, 0, 1, 0, 1);
+                    ts.part = -1;
+                    ts.n_tok = 1;
+                    sel = sg_add(b, 0, MF_SG_ATTN_SELECT, MF_SG_PH_ATTN, MF_SG_K_OTHER, ts);
+                }
                 for (int q = 0; q < sg->p_key; q++) {
                     SG_NAME(b, "attn L%d score item %d %d", L, i, q);
                     mf_sg_task tk = sg_rec(L);
@@ -879,7 +898,9 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
                     sg_dep(b, core, sc);
                     sg_dep(b, sc, sel);
                 }
-            core = sel;
+                gate[i] = sel;
+            }
+            for (int i = gu0; whole && i <= gu1; i++) gate[i] = sel;
         }
         ring[k] = -1;
         if (sg->ring_late) {
@@ -904,7 +925,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
                 th.w.ref_flops = th.n_tok * (h1 - h0) * SG_W_ROUND * (3.0 * D + c->qk_rope_head_dim);
                 th.w.extra_vec = !b->o->exact;   /* mf_fa_attn_heads: scores and values as vector code */
                 mf_task_id hd = sg_add(b, 0, MF_SG_ATTN_HEADS, MF_SG_PH_ATTN, MF_SG_K_OTHER, th);
-                sg_dep(b, core, hd);
+                sg_dep(b, gate[i], hd);
                 sg_dep(b, hd, ring[k]);
                 for (int p = 0; p < sg->p_attn; p++) sg_dep(b, hd, rows[MF_SG_ST_OA][p]);
             }

@@ -44,8 +44,9 @@ typedef enum mf_sg_op {
                            * (the attention's input before attn_norm; layer -1: the final norm's) */
     MF_SG_ATTN_ROWS,      /* rows of attention linear stage `stage`, all items */
     MF_SG_ATTN_QNORM,     /* item: columns [r0, r1) of its low-rank query normed with its scale */
-    MF_SG_ATTN_CORE,      /* items, in order: the index query (the rest of the core's prep after
-                           * MF_SG_ATTN_KV; the select too on layers without MF_SG_ATTN_SCORE) */
+    MF_SG_ATTN_CORE,      /* items (a group's, or in order a unit's: mf_sg_opts.ordered): the index
+                           * query (the rest of the core's prep after MF_SG_ATTN_KV; the select too
+                           * on layers without MF_SG_ATTN_SCORE) */
     MF_SG_ATTN_POST,      /* item: columns [r0, r1) of the expand, collapsed with the attention
                            * mix's pre (the MoE input before ffn_norm) */
     MF_SG_GATE_ROWS,      /* rows (experts) of the router's logits, all items */
@@ -74,7 +75,8 @@ typedef enum mf_sg_op {
     MF_SG_FFN_NORM,       /* item: columns [r0, r1) of ffn_norm of its collapse (the MoE input) */
     MF_SG_ATTN_SCORE,     /* item: part `part` of p_key of an index layer's scores of its visible
                            * entries (the entries grow with the position: ranges at run time) */
-    MF_SG_ATTN_SELECT,    /* items, in order: an index layer's candidate mask and top-k */
+    MF_SG_ATTN_SELECT,    /* items (a group's, or in order a unit's: mf_sg_opts.ordered): an index
+                           * layer's candidate mask and top-k */
     MF_SG_DENSE_IN,       /* card `card`: sublayer `dense`'s activations copied in (h2d lane) */
     MF_SG_DENSE,          /* card `card`: sublayer `dense`'s dense work on the card (compute lane) */
     MF_SG_DENSE_OUT,      /* card `card`: sublayer `dense`'s outputs copied out (d2h lane) */
@@ -230,6 +232,11 @@ typedef struct mf_sg_opts {
      * the items of one sequence must lie in one unit. 0: par's units (n of one item, or one) */
     int n_units;
     const int *unit_end;
+    /* 1: the core's prep (MF_SG_ATTN_CORE) and the select (MF_SG_ATTN_SELECT) are one task per
+     * unit, each running its items in order (the engine with layer hooks set: they are called in
+     * item order on one thread); 0: one per item group, so the items of a long unit (a prefill
+     * chunk) spread over the workers, each group's heads after its own select */
+    int ordered;
     int n_threads;      /* CPU workers: the row splits */
     int n_cards;        /* cards with device lanes (0: host only) */
     int dev_graphs;     /* 1: a layer's FFNs on a card are one task (MF_SG_DEV_FFN_CARD) */
