@@ -232,12 +232,49 @@ static inline float mf_kern_reduce32_avx2(const float *v)
     return _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)));
 }
 
-/* y[t * ld_y + r] = mf_kern_reduce32(acc[r][t]) for nr rows and nt tokens of a block. */
+/* The four lane-wise sums (v0 + v1) + (v2 + v3) of mf_kern_reduce32 for one accumulator. */
+__attribute__((target("avx2,fma")))
+static inline __m256 mf_kern_reduce32_lanes(const float *v)
+{
+    return _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(v), _mm256_load_ps(v + 8)),
+                         _mm256_add_ps(_mm256_load_ps(v + 16), _mm256_load_ps(v + 24)));
+}
+
+/* mf_kern_reduce32 of eight accumulators a[0..8) at once, into one vector (a[k]'s sum in lane k):
+ * the same adds of the same operands as mf_kern_reduce32_avx2, moved between registers so that
+ * each step adds eight at a time (s[l] + s[l + 4], then (0 + 2, 1 + 3), then the two). */
+__attribute__((target("avx2,fma")))
+static inline __m256 mf_kern_reduce32x8_avx2(const float *const a[8])
+{
+    __m256 s[8], q[4], r[2];
+    for (int k = 0; k < 8; k++) s[k] = mf_kern_reduce32_lanes(a[k]);
+    for (int k = 0; k < 4; k++)   /* [q of 2k | q of 2k + 1], q[l] = s[l] + s[l + 4] */
+        q[k] = _mm256_add_ps(_mm256_permute2f128_ps(s[2 * k], s[2 * k + 1], 0x20),
+                             _mm256_permute2f128_ps(s[2 * k], s[2 * k + 1], 0x31));
+    for (int k = 0; k < 2; k++)   /* [r0 r1 of 4k, 4k + 2 | of 4k + 1, 4k + 3], r0 = q0 + q2, r1 = q1 + q3 */
+        r[k] = _mm256_add_ps(_mm256_shuffle_ps(q[2 * k], q[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(q[2 * k], q[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* r0 + r1: [0 2 4 6 | 1 3 5 7], then in order */
+    __m256 f = _mm256_add_ps(_mm256_shuffle_ps(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm256_shuffle_ps(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* y[t * ld_y + r] = mf_kern_reduce32(acc[r][t]) for nr rows and nt tokens of a block: per token,
+ * eight rows at a time into one store, the rest one by one (the same bits). */
 __attribute__((target("avx2,fma")))
 static void mf_kern_reduce_block_avx2(float (*acc)[MF_KERN_TOK_PASS][32], int nr, int nt, float *y, int ld_y)
 {
-    for (int r = 0; r < nr; r++)
-        for (int t = 0; t < nt; t++) y[(size_t)t * ld_y + r] = mf_kern_reduce32_avx2(acc[r][t]);
+    for (int t = 0; t < nt; t++) {
+        float *yt = y + (size_t)t * ld_y;
+        int r = 0;
+        for (; r + 8 <= nr; r += 8) {
+            const float *a[8];
+            for (int k = 0; k < 8; k++) a[k] = acc[r + k][t];
+            _mm256_storeu_ps(yt + r, mf_kern_reduce32x8_avx2(a));
+        }
+        for (; r < nr; r++) yt[r] = mf_kern_reduce32_avx2(acc[r][t]);
+    }
 }
 
 /* Rows per block of the GEMM (three 3-row tiles): their tiles are decoded together (18 KiB of
