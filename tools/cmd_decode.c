@@ -64,7 +64,9 @@ static void mf_decode_usage(FILE *f)
             "  --batch B           sequences decoded at once (1..64): with --prompts every line\n"
             "                      runs, B at a time (default: all, at most 64); with --prompt or\n"
             "                      --tokens, B copies of it\n"
-            "  --step-tokens N     items per step (default %d): decode tokens first, then prefill\n"
+            "  --step-tokens N     items per step (default %d; one sequence on the scheduled\n"
+            "                      engine: %d, its prompt in the engine's prefill chunks):\n"
+            "                      decode tokens first, then prefill\n"
             "                      chunks; smaller N cuts long prompts into more steps; a step\n"
             "                      of one sequence's prefill alone runs as one graph of up to\n"
             "                      8192 positions (long chunks), mixed steps in graphs of 64\n"
@@ -149,7 +151,7 @@ static void mf_decode_usage(FILE *f)
             "                      reference's on_route hook, and with a hook set the scheduled\n"
             "                      engine runs its serial graph (a batch's per-sequence parts one\n"
             "                      after another), so timings differ from a run without it\n"
-            "  --quiet             no progress or timing on stderr\n", MF_BATCH_STEP_TOKENS);
+            "  --quiet             no progress or timing on stderr\n", MF_BATCH_STEP_TOKENS, MF_STEP_PREFILL_CHUNK);
 }
 
 static int mf_parse_tokens(const char *s, int32_t **out, int *n_out)
@@ -428,7 +430,7 @@ int mf_cmd_decode(int argc, char **argv)
     const char *outfile = NULL, *chat_spec = NULL;
     int chat = 0;
     mf_chat_tmpl *ct = NULL;
-    long max_new = 16, batch = 0, threads = sysconf(_SC_NPROCESSORS_ONLN), step_tokens = MF_BATCH_STEP_TOKENS;
+    long max_new = 16, batch = 0, threads = sysconf(_SC_NPROCESSORS_ONLN), step_tokens = 0;
     double temperature = 0, top_p = 1.0;
     unsigned long long seed = 0;
     int no_bos = 0, ignore_eos = 0, act_quant = 0, quiet = 0, exact = 0;
@@ -702,6 +704,9 @@ int mf_cmd_decode(int argc, char **argv)
         n_seq = batch ? (int)batch : 1;
         is_text = prompt != NULL;
     }
+    /* one sequence on the scheduled engine: nothing waits behind its prefill, which runs in the
+     * engine's prefill chunks (fewer weight passes than graphs of 64: docs/decode.md) */
+    if (!step_tokens) step_tokens = n_seq == 1 && sched ? MF_STEP_PREFILL_CHUNK : MF_BATCH_STEP_TOKENS;
     if (!(sq = calloc((size_t)n_seq, sizeof *sq))) goto fail;
     for (int i = 0; i < n_seq; i++) {
         const char *text = prompts_file ? (have_tok ? lines[i] : NULL) : prompt;
