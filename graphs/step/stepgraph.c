@@ -384,6 +384,17 @@ static int sg_group_unit(const mf_stepgraph *sg, int g)
     return mf_stepgraph_unit_of(sg, g ? sg->group_end[g - 1] : 0);
 }
 
+static mf_sg_task sg_part(const mf_stepgraph *sg, int L, int g, int64_t n_rows, int parts, int p, int even);
+
+/* Unit k's item groups [*g0, *g1) (groups lie in one unit); returns their count. */
+static int sg_unit_groups(const mf_stepgraph *sg, int k, int *g0, int *g1)
+{
+    int i0 = k > 0 ? sg->unit_end[k - 1] : 0, i1 = sg->unit_end[k];
+    *g0 = sg_group_of(sg, i0);
+    *g1 = sg_group_of(sg, i1 - 1) + 1;
+    return *g1 - *g0;
+}
+
 /* after waits for before (for the end of before's chain when before begins a dense chain; for
  * every chain of a group when either begins one: sg_dense_chain). */
 static void sg_dep(sg_builder *b, mf_task_id before, mf_task_id after)
@@ -592,6 +603,7 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
     double rows = (double)(c->engram_max_ngram_size - 1) * c->engram_n_heads;
     mf_task_id emb[MF_SG_MAX_ITEMS], wr[MF_SG_MAX_PARTS];
     int nr = sg->eg_reads_per_unit, eslot = mf_config_engram_slot(c, L);
+    int g0, g1;   /* a unit's item groups */
     /* a read of a row's codes or its scales: an aligned block each (O_DIRECT) */
     double code_io = ceil(y->eng_row_code_bytes / SG_STORE_ALIGN) * SG_STORE_ALIGN;
     double scale_io = ceil((y->eng_row_bytes - y->eng_row_code_bytes) / SG_STORE_ALIGN) * SG_STORE_ALIGN;
@@ -607,8 +619,22 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
         SG_NAME(b, sg->par ? "engram L%d embed item %d" : "engram L%d embed", L, k);
         mf_sg_task t = sg_item(b, L, k);
         t.w.ref_flops = per * rows * c->engram_head_dim * 2;
-        emb[k] = sg_add(b, 0, MF_SG_ENGRAM_EMBED, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
-        sg_dep(b, b->o->eg_reads ? pl : unit[k], emb[k]);
+        if (b->o->eg_reads || b->o->store || sg_unit_groups(sg, k, &g0, &g1) == 1) {
+            emb[k] = sg_add(b, 0, MF_SG_ENGRAM_EMBED, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
+            sg_dep(b, b->o->eg_reads ? pl : unit[k], emb[k]);
+        } else {   /* the tables in memory: the unit's items in groups on any worker, then a join */
+            SG_NAME(b, "engram L%d embed join", L);
+            emb[k] = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, sg_rec(L));
+            for (int g = g0; g < g1; g++) {
+                SG_NAME(b, "engram L%d embed %d", L, g);
+                mf_sg_task tg = sg_part(sg, L, g, 0, 1, 0, 1);
+                tg.part = -1;
+                tg.w.ref_flops = tg.n_tok * rows * c->engram_head_dim * 2;
+                mf_task_id e = sg_add(b, 0, MF_SG_ENGRAM_EMBED, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, tg);
+                sg_dep(b, unit[k], e);
+                sg_dep(b, e, emb[k]);
+            }
+        }
         /* the unit's own reads (2 per row of its items); the table's other entries stay -1 */
         int nr_k = 2 * (t.i1 - t.i0) * (int)rows;
         for (int r = 0; b->o->eg_reads && r < nr && r < nr_k; r++) {
@@ -640,14 +666,27 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
         for (int k = b->k0; k < b->k1; k++) sg_dep(b, emb[k], wr[p]);
     }
     for (int k = b->k0; k < b->k1; k++) {
-        SG_NAME(b, sg->par ? "engram L%d gate item %d" : "engram L%d gate", L, k);
-        mf_sg_task t = sg_item(b, L, k);
-        t.n_tok = 1;   /* the q/k weights once per item */
-        t.w.w_bytes[MF_KF_BF16] = per * y->eng_bf16_bytes;
-        t.w.calls[MF_KF_BF16] = per;
-        t.w.ref_flops = per * (6.0 * (c->hc_mult + 1) * H + SG_W_ROUND * (c->hc_mult + 1.0) * H);
-        unit[k] = sg_add(b, 0, MF_SG_ENGRAM_GATE, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
-        for (int p = 0; p < sg->p_attn; p++) sg_dep(b, wr[p], unit[k]);
+        /* the gate per item group (one task when the unit is one group), joined for the unit */
+        int ng = sg_unit_groups(sg, k, &g0, &g1);
+        if (ng > 1) {
+            SG_NAME(b, "engram L%d gate join", L);
+            unit[k] = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, sg_rec(L));
+        }
+        for (int g = g0; g < g1; g++) {
+            if (ng > 1) SG_NAME(b, "engram L%d gate %d", L, g);
+            else SG_NAME(b, sg->par ? "engram L%d gate item %d" : "engram L%d gate", L, k);
+            mf_sg_task t = ng > 1 ? sg_part(sg, L, g, 0, 1, 0, 1) : sg_item(b, L, k);
+            double items = t.i1 - t.i0;
+            t.part = -1;
+            t.n_tok = 1;   /* the q/k weights once per item */
+            t.w.w_bytes[MF_KF_BF16] = items * y->eng_bf16_bytes;
+            t.w.calls[MF_KF_BF16] = items;
+            t.w.ref_flops = items * (6.0 * (c->hc_mult + 1) * H + SG_W_ROUND * (c->hc_mult + 1.0) * H);
+            mf_task_id gt = sg_add(b, 0, MF_SG_ENGRAM_GATE, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
+            for (int p = 0; p < sg->p_attn; p++) sg_dep(b, wr[p], gt);
+            if (ng > 1) sg_dep(b, gt, unit[k]);
+            else unit[k] = gt;
+        }
     }
 }
 
