@@ -433,7 +433,7 @@ int mf_sg_dense_card(const mf_config *c, int n_cards, int L)
 }
 
 static const char *const sg_dense_name[MF_SG_N_DENSE] = {"attn in", "attn qb", "attn oa", "attn ob",
-                                                         "gate",    "shared",  "head",    "heads"};
+                                                         "gate",    "shared",  "head"};
 
 int mf_sg_dense_parts(int n_dense_cards, int split, int dense)
 {

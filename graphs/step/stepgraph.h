@@ -111,11 +111,12 @@ enum { MF_SG_ST_IN, MF_SG_ST_QB, MF_SG_ST_OA, MF_SG_ST_OB, MF_SG_ST_CORE, MF_SG_
  * logits out; SHARED: the shared expert's FFN, its output out; HEAD: the final norm's output in,
  * the head, the logits out. */
 enum { MF_SG_D_ATTN_IN, MF_SG_D_ATTN_QB, MF_SG_D_ATTN_OA, MF_SG_D_ATTN_OB, MF_SG_D_GATE, MF_SG_D_SHARED,
-       MF_SG_D_HEAD, MF_SG_D_HEADS, MF_SG_N_DENSE };
-/* MF_SG_D_HEADS (the attention heads' scores and values, device/dev.h mf_dev_attn_heads): in the
+       MF_SG_D_HEAD, MF_SG_N_DENSE };
+/* Not a sublayer with weights (MF_SG_N_DENSE counts those): MF_SG_D_HEADS (the attention heads' scores and values, device/dev.h mf_dev_attn_heads): in the
  * prepared queries of the record's heads (rows [r0, r1) of the MF_LY_A_Q rows, into the card's copy
  * of them), the key table (the gather's rows, the chunk's own KV rows), the key lists and the
  * sinks; out the heads' outputs before their inverse RoPE (rows [r0, r1) of MF_LY_A_O). */
+#define MF_SG_D_HEADS MF_SG_N_DENSE
 
 /* The work of one task: the cost model's (sched/cost.h mf_work), which prices it. Token-scaled
  * terms multiply by `n_tok`, or with slot_tokens set by the slot's tokens of the step (known once
