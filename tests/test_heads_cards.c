@@ -1,6 +1,6 @@
 /* The attention heads' scores and values on (emulated) cards (graphs/step/stepgraph.h
  * MF_SG_ATTN_GATHER, MF_SG_ATTN_QPREP, MF_SG_D_HEADS, MF_SG_ATTN_OPOST; mf_step_opts.heads): the
- * cost model's choice on the seed host's profile (flash41: an 8,192-token chunk's heads on the
+ * cost model's choice on the seed host's profile (flash41: a 512- and an 8,192-token chunk's heads on the
  * cards, batch-1 and batch-64 decode's on the host), the graph's card chains (tiny, forced on 2
  * cards: 3 tasks per card and layer, no host heads task), and the engine's logits of a 40-token
  * prompt in chunks of 16 then 3 decode steps with the heads on emu:1 and emu:2 (split by heads),
@@ -38,15 +38,19 @@ static void test_choice(void)
     mf_profile f;
     CHECK(mf_config_preset("flash41", &c) == 0, "preset flash41");
     CHECK(mf_profile_load(MF_SOURCE_DIR "/tools/profiles/seed-host.prof", &f) == 0, "profile: %s", mf_last_error());
-    mf_sg_opts o = {.c = &c, .n = 8192, .n_threads = 44, .n_dense_cards = 4, .profile = &f};
-    int on = 0, split = 0;
-    for (int L = 0; L < c.n_layers; L++) {
-        int k = mf_sg_heads_choice(&o, L);
-        on += k > 0;
-        split += k == 4;
+    mf_sg_opts o = {.c = &c, .n_threads = 44, .n_dense_cards = 4, .profile = &f};
+    static const int chunks[2] = {512, 8192};
+    for (int ci = 0; ci < 2; ci++) {
+        o.n = chunks[ci];
+        int on = 0, split = 0;
+        for (int L = 0; L < c.n_layers; L++) {
+            int k = mf_sg_heads_choice(&o, L);
+            on += k > 0;
+            split += k == 4;
+        }
+        CHECK(on == c.n_layers, "chunk %d: heads of %d of %d layers on cards", o.n, on, c.n_layers);
+        printf("chunk %d: %d layers' heads on cards, %d of them split over 4\n", o.n, on, split);
     }
-    CHECK(on == c.n_layers, "chunk 8192: heads of %d of %d layers on cards", on, c.n_layers);
-    printf("chunk 8192: %d layers' heads on cards, %d of them split over 4\n", on, split);
     o.n = 1;
     for (int L = 0; L < c.n_layers; L++) CHECK(mf_sg_heads_choice(&o, L) == 0, "batch 1: layer %d's heads on cards", L);
     o.n = 64;
