@@ -115,14 +115,12 @@ int mf_dense_host_attn(const mf_dev_attn *a, float *scratch)
         for (int h0 = 0; h0 < a->n_heads; h0 += 4) {
             int G = a->n_heads - h0 < 4 ? a->n_heads - h0 : 4;
             const float *qh[4];
-            float acc[4 * MF_DEV_ATTN_MAX_D];
-            double den[4];
-            for (int g = 0; g < G; g++) qh[g] = a->q + (size_t)t * (size_t)a->ld_q + (size_t)(h0 + g) * (size_t)D;
-            mf_kern_vec_attn(qh, G, kp, n, D, a->scale, a->sink + h0, scratch, acc, den);
+            float *oh[4];
             for (int g = 0; g < G; g++) {
-                float *oh = a->o + (size_t)t * (size_t)a->ld_o + (size_t)(h0 + g) * (size_t)D;
-                for (int d = 0; d < D; d++) oh[d] = mf_bf16_round((float)((double)acc[g * D + d] / den[g]));
+                qh[g] = a->q + (size_t)t * (size_t)a->ld_q + (size_t)(h0 + g) * (size_t)D;
+                oh[g] = a->o + (size_t)t * (size_t)a->ld_o + (size_t)(h0 + g) * (size_t)D;
             }
+            mf_kern_vec_attn_out(qh, G, kp, n, D, a->scale, a->sink + h0, scratch, oh);
         }
     }
     return 0;

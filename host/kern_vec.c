@@ -6,6 +6,7 @@
 #include <immintrin.h>
 #include <math.h>
 
+#include "host/formats.h"
 #include "host/kernels.h"
 
 /* The 16-lane tree: lanes l and l+8, then l+4, l+2, l+1. */
@@ -168,4 +169,14 @@ void mf_kern_vec_attn(const float *const *q, int G, const float *const *kp, int6
         }
     }
     mf_kern_vec_values(kp, n, s, n, G, D, acc);
+}
+
+void mf_kern_vec_attn_out(const float *const *q, int G, const float *const *kp, int64_t n, int D, float scale,
+                          const float *sink, float *s, float *const *o)
+{
+    float acc[4 * MF_KERN_VEC_ATTN_MAX_D];
+    double den[4];
+    mf_kern_vec_attn(q, G, kp, n, D, scale, sink, s, acc, den);
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < D; d++) o[g][d] = mf_bf16_round((float)((double)acc[g * D + d] / den[g]));
 }

@@ -145,5 +145,12 @@ void mf_kern_vec_values(const float *const *kp, int64_t n, const float *e, int64
  * mf_kern_vec_values of s. 2 G n D multiply-adds. s holds G n floats, acc G D. */
 void mf_kern_vec_attn(const float *const *q, int G, const float *const *kp, int64_t n, int D, float scale,
                       const float *sink, float *s, float *acc, double *den);
+/* The heads of a group as the engine's attention gives them (graphs/step/fast_attn.c on the host,
+ * device/dense_host.c on emulated cards: one home): mf_kern_vec_attn, then o[g][d] =
+ * bf16((float)((double)acc[g * D + d] / den[g])). D at most MF_KERN_VEC_ATTN_MAX_D; s as
+ * mf_kern_vec_attn's. */
+#define MF_KERN_VEC_ATTN_MAX_D 512
+void mf_kern_vec_attn_out(const float *const *q, int G, const float *const *kp, int64_t n, int D, float scale,
+                          const float *sink, float *s, float *const *o);
 
 #endif

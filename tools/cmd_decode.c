@@ -44,7 +44,7 @@ static void mf_decode_usage(FILE *f)
             "                      [--store resident|streamed [--store-budget SIZE]\n"
             "                       [--store-tables resident|streamed] [--io-depth N]]\n"
             "                      [--devices emu:N|cuda[:IDS] [--placement seed|host|hybrid] [--dense host|cards]\n"
-            "                       [--dense-split layers|rows]\n"
+            "                       [--dense-split layers|rows] [--heads cost|cards|host]\n"
             "                       [--dev-cache SIZE] [--dev-cache-fill on|off|trace:FILE] [--dev-graphs] [--profile P]] [--record-routing FILE]\n\n"
             "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
             "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
@@ -125,6 +125,10 @@ static void mf_decode_usage(FILE *f)
             "                      rows (default: every dense matrix but the shared expert split by\n"
             "                      output rows across all cards; either gives the host's logits bit for\n"
             "                      bit on emulated cards)\n"
+            "  --heads H           with --dense cards: the attention heads' scores and values of one\n"
+            "                      sequence's positions (prefill chunks, batch 1) per layer by the cost\n"
+            "                      model on --profile (cost, the default), on the cards wherever they\n"
+            "                      can, or on the host (host logits bit for bit on emulated cards)\n"
             "  --micro-batches M   scheduled engine, batch >= 2: 2 splits the batch into two halves\n"
             "                      in flight at once (one half's routed experts beside the other's\n"
             "                      attention; the same logits bit for bit); 1: one (default)\n"
@@ -439,7 +443,7 @@ int mf_cmd_decode(int argc, char **argv)
     long io_depth = 0, read_window = 0, micro = 1;
     uint64_t store_budget = 0;
     const char *trace = NULL, *devices = NULL, *placement = NULL, *record = NULL, *dense_s = NULL;
-    int dense_split = MF_TOOL_DENSE_SPLIT;
+    int dense_split = MF_TOOL_DENSE_SPLIT, heads = MF_SG_HEADS_COST;
     uint64_t dev_cache = 0;
     const char *fill_spec = MF_TOOL_DEV_CACHE_FILL ? "on" : "off";
     uint32_t *fill_counts = NULL;
@@ -557,6 +561,11 @@ int mf_cmd_decode(int argc, char **argv)
             dense_s = argv[++i];
             if (strcmp(dense_s, "host") && strcmp(dense_s, "cards")) {
                 fprintf(stderr, "moeflow decode: --dense: expected host or cards, found '%s'\n", dense_s);
+                return 2;
+            }
+        } else if (!strcmp(a, "--heads") && hv) {
+            if ((heads = mf_tool_heads(argv[++i])) < 0) {
+                fprintf(stderr, "moeflow decode: --heads: expected cost, cards or host, found '%s'\n", argv[i]);
                 return 2;
             }
         } else if (!strcmp(a, "--dense-split") && hv) {
@@ -826,7 +835,7 @@ int mf_cmd_decode(int argc, char **argv)
                                                  .dev_cache_fill = strcmp(fill_spec, "off") != 0,
                                                  .dev_fill_counts = fill_counts, .dev_fill_progress = !quiet,
                                                  .dev_graphs = dev_graphs, .dense = dense,
-                                                 .dense_split = dense_split,
+                                                 .dense_split = dense_split, .heads = heads,
                                                  .micro = (int)micro,
                                                  .profile = profile_path ? &prof : NULL,
                                                  .io_depth = (int)io_depth,

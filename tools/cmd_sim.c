@@ -31,7 +31,7 @@ static void mf_sim_usage(FILE *f)
             "                   [--store resident|streamed] [--store-budget SIZE] [--tables resident|streamed]\n"
             "                   [--dev-cache SIZE] [--dev-cache-fill on|off] [--cache-policy lfu|lru] [--read-window N]\n"
             "                   [--copy-slots N] [--dev-task-ns NS] [--dev-graphs] [--dense host|cards]\n"
-            "                   [--dense-split layers|rows]\n"
+            "                   [--dense-split layers|rows] [--heads cost|cards|host]\n"
             "                   [--micro-batches 1|2]\n"
             "                   [--trace FILE] [--json]\n"
             "                   [--measure] [--prompt-tokens N [--chunk T]]\n\n"
@@ -48,6 +48,9 @@ static void mf_sim_usage(FILE *f)
             "  --dense-split S     dense cards: layers (each layer's dense work on one card, by layer\n"
             "                      ranges) or rows (default: every dense matrix but the shared expert\n"
             "                      split by output rows across all cards)\n"
+            "  --heads H           dense cards: the attention heads' scores and values of a serial graph\n"
+            "                      (a prefill chunk, batch 1) per layer by the cost model (cost, the\n"
+            "                      default), on the cards wherever they can, or on the host\n"
             "  --micro-batches M   2: two micro-batches in flight (batch >= 2; the engine's\n"
             "                      --micro-batches), 1: one (default)\n"
             "  --threads N         engine workers per socket (default: the profile's)\n"
@@ -114,7 +117,7 @@ int mf_cmd_sim(int argc, char **argv)
 {
     const char *prof_path = NULL, *dir = NULL, *preset = NULL, *routing_spec = "uniform", *trace = NULL;
     const char *placement = "host", *dense_s = NULL;
-    int dense_split = MF_TOOL_DENSE_SPLIT;
+    int dense_split = MF_TOOL_DENSE_SPLIT, heads = MF_SG_HEADS_COST;
     long cards = 0, threads = 0, batch = 1, steps = 8, warmup = 2, seed = 1, context = 16, read_window = 0;
     long copy_slots = 0, dev_task_ns = 0, prompt_tokens = 0, chunk = 0;
     int json = 0, measure = 0, store = MF_PLAN_STORE_RESIDENT, tables = MF_PLAN_STORE_RESIDENT, policy = 0;
@@ -160,6 +163,11 @@ int mf_cmd_sim(int argc, char **argv)
             dense_s = argv[++i];
             if (mf_tool_dense(dense_s) < 0) {
                 fprintf(stderr, "moeflow sim: --dense: expected host or cards, found '%s'\n", dense_s);
+                return 2;
+            }
+        } else if (!strcmp(a, "--heads") && hv) {
+            if ((heads = mf_tool_heads(argv[++i])) < 0) {
+                fprintf(stderr, "moeflow sim: --heads: expected cost, cards or host, found '%s'\n", argv[i]);
                 return 2;
             }
         } else if (!strcmp(a, "--dense-split") && hv) {
@@ -255,7 +263,7 @@ int mf_cmd_sim(int argc, char **argv)
                        .dev_cache_policy = policy, .dev_cache_fill = fill, .store = store,
                        .store_budget_bytes = store_budget, .tables = tables, .routing = rt, .seed = (uint64_t)seed, .dev_task_ns = (double)dev_task_ns,
                        .dev_graphs = dev_graphs, .dense = dense,
-                       .dense_split = dense_split, .micro = (int)micro};
+                       .dense_split = dense_split, .heads = heads, .micro = (int)micro};
     if (prompt_tokens) {
         mf_plan_report rep;
         int64_t ttft_ns;

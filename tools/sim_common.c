@@ -53,6 +53,12 @@ int mf_tool_dense_split(const char *s)
     return !strcmp(s, "layers") ? MF_SG_SPLIT_LAYERS : !strcmp(s, "rows") ? MF_SG_SPLIT_ROWS : -1;
 }
 
+int mf_tool_heads(const char *s)
+{
+    return !strcmp(s, "cost") ? MF_SG_HEADS_COST : !strcmp(s, "cards") ? MF_SG_HEADS_CARDS
+           : !strcmp(s, "host") ? MF_SG_HEADS_HOST : -1;
+}
+
 int mf_tool_store_mode(const char *s)
 {
     return !strcmp(s, "resident") ? MF_PLAN_STORE_RESIDENT : !strcmp(s, "streamed") ? MF_PLAN_STORE_STREAMED : -1;

@@ -19,6 +19,7 @@ uint64_t mf_tool_size(const char *s);
 int mf_tool_placement(const char *s);      /* host, seed, hybrid: mf_step_placement */
 int mf_tool_dense(const char *s);          /* host, cards: mf_plan_dense (also mf_step_opts.dense) */
 int mf_tool_dense_split(const char *s);    /* layers, rows: mf_sg_dense_split (mf_plan_opts, mf_step_opts) */
+int mf_tool_heads(const char *s);          /* cost, cards, host: mf_sg_heads_mode (mf_plan_opts, mf_step_opts) */
 /* The commands' default --dense-split (decode, sim, bench decode): rows, which the simulator
  * predicts faster than layers on the seed host at batch 1, 16 and 64, uniform and zipf:1.0
  * routing (docs/measurements.md part 1); the library's zero (mf_step_opts, mf_plan_opts) is layers. */

@@ -385,7 +385,7 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
      * prefill chunk (serial) */
     rc = mf_stepgraph_new(&(mf_sg_opts){.c = c, .sz = p->sz, .n = p->batch, .par = p->batch > 1 && !o->prefill,
                                         .n_threads = p->n_threads, .n_cards = p->n_cards,
-                                        .n_dense_cards = p->n_dense, .dense_split = o->dense_split,
+                                        .n_dense_cards = p->n_dense, .dense_split = o->dense_split, .heads = o->heads,
                                         .dev_graphs = o->dev_graphs, .store = p->streamed,
                                         .eg_reads = o->tables == MF_PLAN_STORE_STREAMED,
                                         .read_window = o->read_window, .micro = o->micro,

@@ -57,6 +57,8 @@ typedef struct mf_plan_opts {
                                   * the profile's; mf_sg_dense_card; their weights leave the rest to the caches) */
     int dense_split;             /* mf_sg_dense_split: dense cards by layer ranges (0) or by rows across all
                                   * (mf_sg_dense_rows; mf_sg_dense_card_bytes per card) */
+    int heads;                   /* mf_sg_heads_mode: with dense cards, the attention heads of a prefill chunk
+                                  * (a serial graph) by cost (0), on the cards or on the host (mf_step_opts.heads) */
     int micro;                   /* 2: two micro-batches in flight (mf_step_opts.micro; routing drawn per
                                   * half as the engine routes it); 0 or 1: one */
     double dev_task_ns;          /* emulated cards: the host core time of one device task's round

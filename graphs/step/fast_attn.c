@@ -115,17 +115,53 @@ static inline const float *mf_fa_key(const mf_fa_keys *k, int64_t i)
     return t >= k->pos0 ? k->win->kv + (t - k->pos0) * k->win->ld : k->ring_kv + i * k->c->head_dim;
 }
 
+int mf_fa_heads_fast(const mf_config *c)
+{
+    return c->head_dim <= MF_FA_MAX_D && c->qk_rope_head_dim / 2 <= 64;
+}
+
+/* The RoPE of item it's position for layer L's heads (compressed layers: freqs_comp). */
+static void mf_fa_heads_rope(const mf_layers *ly, const mf_ly_item *it, int L, mf_fa_rope *r)
+{
+    int ratio = ly->c->compress_ratios[L];
+    mf_fa_rope_init(r, ly->c->qk_rope_head_dim / 2, ratio ? ly->freqs_comp : ly->freqs_main, it->pos);
+}
+
+void mf_fa_heads_q(const mf_layers *ly, const mf_ly_item *it, int L, float *q, int h0, int h1)
+{
+    int D = ly->c->head_dim, rd = ly->c->qk_rope_head_dim;
+    mf_fa_rope rope;
+    mf_fa_heads_rope(ly, it, L, &rope);
+    for (int h = h0; h < h1; h++) {
+        float *qq = q + (int64_t)h * D;
+        mf_fa_bf_n(qq, D);
+        mf_fa_rope_apply(&rope, qq + D - rd, 0);
+        mf_fa_bf_n(qq, D);
+    }
+}
+
+void mf_fa_heads_o(const mf_layers *ly, const mf_ly_item *it, int L, float *o, int h0, int h1)
+{
+    int D = ly->c->head_dim, rd = ly->c->qk_rope_head_dim;
+    mf_fa_rope rope;
+    mf_fa_heads_rope(ly, it, L, &rope);
+    for (int h = h0; h < h1; h++) {
+        float *oh = o + (int64_t)h * D;
+        mf_fa_rope_apply(&rope, oh + D - rd, 1);   /* inverse RoPE at the query position */
+        mf_fa_bf_n(oh + D - rd, rd);
+    }
+}
+
 void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b, int h0, int h1,
                       const mf_ly_win *win)
 {
     const mf_config *c = cx->ly->c;
     const mf_model_layer *y = mf_model_layer_at(cx->ly->m, L);
-    int D = c->head_dim, rd = c->qk_rope_head_dim, W = c->sliding_window;
+    int D = c->head_dim, W = c->sliding_window;
     int ratio = c->compress_ratios[L];
     int64_t p = it->pos;
-    const float *freqs = ratio ? cx->ly->freqs_comp : cx->ly->freqs_main;
     float *q = b[MF_LY_A_Q], *o = b[MF_LY_A_O];
-    if (D > MF_FA_MAX_D || rd / 2 > 64) {   /* wider than the scratch below: the module */
+    if (!mf_fa_heads_fast(c)) {   /* wider than the scratch below: the module */
         mf_ly_attn_core_heads(cx, it, L, b, h0, h1, win);
         return;
     }
@@ -144,17 +180,7 @@ void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *
         mf_ly_attn_core_heads(cx, it, L, b, h0, h1, win);
         return;
     }
-    if (n_sel) ks.sel_kv = mf_ly_item_sel_kv(c, it, cx->sel_kv);   /* unpacked at the selection, or here */
-    int64_t n_ring = (ks.pos0 < p + 1 ? ks.pos0 : p + 1) - ks.t0;   /* window rows from the ring */
-    if (n_ring > 0 && h0 < h1) mf_fa_ring_rows(c, it->st, L, ks.t0, n_ring, cx->win_kv);
-    const float *kp[MF_FA_MAX_KEYS];   /* each key's row, found once */
-    for (int64_t i = 0; i < n; i++) kp[i] = mf_fa_key(&ks, i);
-    float scale = (float)(1.0 / sqrt((double)D));
-    mf_fa_rope rope;
-    mf_fa_rope_init(&rope, rd / 2, freqs, p);
-
-    /* scores of G heads as floats in cx->scores (n_scores doubles >= n keys: G >= 2), their
-     * weighted values on the stack */
+    /* scores of G heads as floats in cx->scores (n_scores doubles >= n keys: G >= 2) */
     float *s = (float *)cx->scores;
     int64_t cap = 2 * cx->n_scores / (n > 0 ? n : 1);
     int Gmax = cap < 4 ? (int)cap : 4;
@@ -162,28 +188,25 @@ void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *
         mf_ly_attn_core_heads(cx, it, L, b, h0, h1, win);
         return;
     }
-    float acc[4 * MF_FA_MAX_D];
+    if (n_sel) ks.sel_kv = mf_ly_item_sel_kv(c, it, cx->sel_kv);   /* unpacked at the selection, or here */
+    int64_t n_ring = (ks.pos0 < p + 1 ? ks.pos0 : p + 1) - ks.t0;   /* window rows from the ring */
+    if (n_ring > 0 && h0 < h1) mf_fa_ring_rows(c, it->st, L, ks.t0, n_ring, cx->win_kv);
+    const float *kp[MF_FA_MAX_KEYS];   /* each key's row, found once */
+    for (int64_t i = 0; i < n; i++) kp[i] = mf_fa_key(&ks, i);
+    float scale = (float)(1.0 / sqrt((double)D));
+    mf_fa_heads_q(cx->ly, it, L, q, h0, h1);
     for (int hg = h0; hg < h1; hg += Gmax) {
         int G = h1 - hg < Gmax ? h1 - hg : Gmax;
         const float *qh[4];
-        float sink[4];
+        float *oh[4], sink[4];
         for (int g = 0; g < G; g++) {
-            float *qq = q + (int64_t)(hg + g) * D;
-            mf_fa_bf_n(qq, D);
-            mf_fa_rope_apply(&rope, qq + D - rd, 0);
-            mf_fa_bf_n(qq, D);
-            qh[g] = qq;
+            qh[g] = q + (int64_t)(hg + g) * D;
+            oh[g] = o + (int64_t)(hg + g) * D;
             sink[g] = mf_ly_vec(&y->attn_sink, hg + g);
         }
-        double den[4];
-        mf_kern_vec_attn(qh, G, kp, n, D, scale, sink, s, acc, den);
-        for (int g = 0; g < G; g++) {
-            float *oh = o + (int64_t)(hg + g) * D;
-            for (int d = 0; d < D; d++) oh[d] = mf_bf((float)((double)acc[g * D + d] / den[g]));
-            mf_fa_rope_apply(&rope, oh + D - rd, 1);   /* inverse RoPE at the query position */
-            mf_fa_bf_n(oh + D - rd, rd);
-        }
+        mf_kern_vec_attn_out(qh, G, kp, n, D, scale, sink, s, oh);
     }
+    mf_fa_heads_o(cx->ly, it, L, o, h0, h1);
 }
 
 /* ---- index scores ---------------------------------------------------------------------------- */

@@ -25,6 +25,15 @@
  * double), weighted values, inverse RoPE. */
 void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b, int h0, int h1,
                       const mf_ly_win *win);
+/* The pieces of mf_fa_attn_heads that a card's heads (device/dev.h mf_dev_attn_heads, which computes
+ * the rest) leave to the host, for heads [h0, h1) of item it on layer L: the queries q (the item's
+ * MF_LY_A_Q row) rounded, roped at the item's position and rounded again, and the outputs o (its
+ * MF_LY_A_O row) inverse-roped and their roped part rounded. The fast heads run (these pieces and
+ * 16-lane dots) where mf_fa_heads_fast(c) is 1 (head_dim <= 512, qk_rope_head_dim <= 128); else
+ * mf_fa_attn_heads calls the module. */
+int mf_fa_heads_fast(const mf_config *c);
+void mf_fa_heads_q(const mf_layers *ly, const mf_ly_item *it, int L, float *q, int h0, int h1);
+void mf_fa_heads_o(const mf_layers *ly, const mf_ly_item *it, int L, float *o, int h0, int h1);
 /* mf_ly_ring_get (same arguments) vectorized where the kernels run AVX2 and head_dim is a
  * multiple of MF_LY_RING_BLOCK: the module's floats bit for bit (tests/test_kvpack.c), NaN codes
  * and the inf scale included. */

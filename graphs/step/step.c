@@ -39,6 +39,10 @@ typedef struct mf_step_shape mf_step_shape;
 /* Shapes kept for unit patterns other than all-parallel and serial (each holds its graph and
  * buffers for its items, the logits rows among them). */
 #define MF_STEP_UNIT_SHAPES 8
+/* Compressed entries a prefill chunk's key table for the heads on cards holds at most (with
+ * head_dim 512: 32 MiB per card): a chunk whose items' selections together touch more runs the
+ * host's heads (mf_step_shape.hk_host) */
+#define MF_STEP_HEADS_ENTRIES 16384
 
 /* One task's argument: its shape and its record in the step graph (what it is: layer, stage,
  * slot, part, card, items; graphs/step/stepgraph.h). The layer context (scratch) it uses is its
@@ -140,6 +144,18 @@ struct mf_step_shape {
      * failure fails its task through the stream's status callback) */
     uint8_t *ddense[MF_DEV_MAX_CARDS];
     size_t dd_ab[MF_LY_A_N], dd_xin, dd_logits, dd_hs, dd_gs, dd_us, dd_ys, dd_hn, dd_lbuf;
+    /* the heads on cards (sg->heads_any): the layer's key table as the gather leaves it on the host
+     * (hk_tab: the ring's hk_nring rows of positions from hk_t0, then the hk_nent entries of the
+     * union of the items' selections, hk_map[j] their rows in the card's table, which has the
+     * chunk's hk_nchunk KV rows of positions from hk_pos0 between the two), per item its key list
+     * (hk_keys, sg->heads_keys apart) and count (hk_nk), the sinks; hk_host 1 when the entries
+     * exceed the table's hk_ecap (the q prep tasks then run the host's heads, the card tasks
+     * nothing); the cards' copies at dd_hk_* */
+    float *hk_tab, *hk_sink;
+    int32_t *hk_keys, *hk_nk, *hk_map;
+    int64_t hk_map_cap, hk_t0, hk_pos0, hk_ring_hi;
+    int hk_nring, hk_nchunk, hk_nent, hk_ecap, hk_host;
+    size_t dd_hk_tab, dd_hk_keys, dd_hk_nk, dd_hk_sink;
     void *mem;
 };
 
@@ -538,15 +554,12 @@ static int mf_task_attn_select(void *arg, mf_task_ctx *ctx)
     return 0;
 }
 
-/* The heads of rows [r0, r1) of the item's attention output. With the ring written late, the
- * window positions of its sequence's items in this graph are read from their KV rows. */
-static int mf_task_attn_heads(void *arg, mf_task_ctx *ctx)
+/* Heads [h0, h1) of item a->t->i0 on the host. With the ring written late, the window positions
+ * of its sequence's items in this graph are read from their KV rows. */
+static void mf_step_heads_host(const mf_step_targ *a, mf_ly_ctx *cx, int h0, int h1)
 {
-    mf_step_targ *a = arg;
-    mf_ly_ctx *cx = mf_step_cx(a, ctx);
-    if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
-    int i = a->t->i0, D = cx->ly->c->head_dim, j0 = i;
+    int i = a->t->i0, j0 = i;
     float *b[MF_LY_A_N];
     mf_step_abuf(sh, i, b);
     mf_ly_win win, *wp = NULL;
@@ -556,9 +569,176 @@ static int mf_task_attn_heads(void *arg, mf_task_ctx *ctx)
                           .pos0 = sh->items[j0].pos};
         wp = &win;
     }
-    (sh->eng->o.exact ? mf_ly_attn_core_heads : mf_fa_attn_heads)(cx, &sh->items[i], a->t->layer, b,
-                                                                  (int)(a->t->r0 / D), (int)(a->t->r1 / D), wp);
+    (sh->eng->o.exact ? mf_ly_attn_core_heads : mf_fa_attn_heads)(cx, &sh->items[i], a->t->layer, b, h0, h1, wp);
+}
+
+/* The heads of rows [r0, r1) of the item's attention output. */
+static int mf_task_attn_heads(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    int D = cx->ly->c->head_dim;
+    mf_step_heads_host(a, cx, (int)(a->t->r0 / D), (int)(a->t->r1 / D));
     return 0;
+}
+
+/* ---- the heads on cards (graphs/step/stepgraph.h MF_SG_ATTN_GATHER, _QPREP, MF_SG_D_HEADS, _OPOST) */
+
+/* The unit's key table: its items consecutive positions of one sequence; the ring's window rows
+ * before the chunk (all the window when the ring is written before the heads) unpacked as the
+ * host's heads unpack them (mf_fa_ring_rows), the union of the items' selections of layer L's KV
+ * source in entry order, each entry unpacked once as mf_ly_item_sel_kv does (mf_ly_cache_get_kv),
+ * and the sinks. */
+static int mf_task_attn_gather(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    const mf_layers *ly = sh->eng->ly;
+    const mf_config *c = ly->c;
+    int L = a->t->layer, i0 = a->t->i0, i1 = a->t->i1, D = c->head_dim, W = c->sliding_window;
+    const mf_ly_item *it = sh->items;
+    for (int i = i0 + 1; i < i1; i++)
+        if (it[i].st != it[i0].st || it[i].pos != it[i0].pos + (i - i0))
+            return mf_error(-EINVAL, "step: heads on cards: item %d is not the position after item %d of its sequence",
+                            i, i - 1);
+    int64_t pos0 = it[i0].pos, last = it[i1 - 1].pos;
+    sh->hk_pos0 = pos0;
+    sh->hk_t0 = pos0 - W + 1 < 0 ? 0 : pos0 - W + 1;
+    sh->hk_ring_hi = sh->sg->ring_late ? pos0 : last + 1;   /* the window rows the ring holds */
+    sh->hk_nring = (int)(sh->hk_ring_hi - sh->hk_t0);
+    sh->hk_nchunk = sh->sg->ring_late ? i1 - i0 : 0;
+    sh->hk_nent = 0;
+    sh->hk_host = 0;
+    if (sh->hk_nring > 0) mf_fa_ring_rows(c, it[i0].st, L, sh->hk_t0, sh->hk_nring, sh->hk_tab);
+    int S = ly->src_of[L];
+    if (c->compress_ratios[L] > 0) {
+        int64_t nv = 0;   /* entries [0, nv) hold every selected one */
+        for (int i = i0; i < i1; i++)
+            for (int j = 0; it[i].topk_src == S && j < it[i].n_topk; j++)
+                if (it[i].topk[j] + 1 > nv) nv = it[i].topk[j] + 1;
+        if (nv > sh->hk_map_cap) {
+            int32_t *m = realloc(sh->hk_map, sizeof *m * (size_t)nv);
+            if (!m) return mf_error(-ENOMEM, "step: heads on cards: a map of %lld entries", (long long)nv);
+            sh->hk_map = m;
+            sh->hk_map_cap = nv;
+        }
+        for (int64_t j = 0; j < nv; j++) sh->hk_map[j] = -1;
+        for (int i = i0; i < i1; i++)
+            for (int j = 0; it[i].topk_src == S && j < it[i].n_topk; j++) sh->hk_map[it[i].topk[j]] = -2;
+        int base = sh->hk_nring + sh->hk_nchunk;
+        for (int64_t j = 0; j < nv; j++) {
+            if (sh->hk_map[j] != -2) continue;
+            if (sh->hk_nent == sh->hk_ecap) {   /* more than the card's table holds: the host's heads */
+                sh->hk_host = 1;
+                return 0;
+            }
+            sh->hk_map[j] = base + sh->hk_nent;
+            mf_ly_cache_get_kv(c, S, &it[i0].st->cache[S], j, sh->hk_tab + (int64_t)(sh->hk_nring + sh->hk_nent++) * D);
+        }
+    }
+    const mf_model_layer *y = mf_model_layer_at(ly->m, L);
+    for (int h = 0; h < c->n_heads; h++) sh->hk_sink[h] = mf_ly_vec(&y->attn_sink, h);
+    return 0;
+}
+
+/* The item's queries prepared (mf_fa_heads_q) and its key list: its window positions in order
+ * (the ring's rows, then the chunk's), then its selection in selection order, as
+ * mf_fa_attn_heads takes them. With hk_host: the host's heads of the item instead. */
+static int mf_task_attn_qprep(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    mf_step_shape *sh = a->sh;
+    const mf_config *c = cx->ly->c;
+    int i = a->t->i0, L = a->t->layer, W = c->sliding_window, KK = sh->sg->heads_keys;
+    if (sh->hk_host) {
+        mf_step_heads_host(a, cx, 0, c->n_heads);
+        return 0;
+    }
+    const mf_ly_item *it = &sh->items[i];
+    float *b[MF_LY_A_N];
+    mf_step_abuf(sh, i, b);
+    mf_fa_heads_q(cx->ly, it, L, b[MF_LY_A_Q], 0, c->n_heads);
+    int32_t *row = sh->hk_keys + (size_t)i * KK;
+    int64_t p = it->pos, t0 = p - W + 1 < 0 ? 0 : p - W + 1, m = 0;
+    for (int64_t t = t0; t <= p; t++)
+        row[m++] = (int32_t)(t < sh->hk_ring_hi ? t - sh->hk_t0 : sh->hk_nring + (t - sh->hk_pos0));
+    if (c->compress_ratios[L] > 0 && it->topk_src == cx->ly->src_of[L])
+        for (int j = 0; j < it->n_topk; j++) row[m++] = sh->hk_map[it->topk[j]];
+    sh->hk_nk[i] = (int32_t)m;
+    return 0;
+}
+
+/* The item's heads' outputs inverse-roped (mf_fa_heads_o); nothing with hk_host. */
+static int mf_task_attn_opost(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    mf_step_shape *sh = a->sh;
+    if (sh->hk_host) return 0;
+    float *b[MF_LY_A_N];
+    mf_step_abuf(sh, a->t->i0, b);
+    mf_fa_heads_o(cx->ly, &sh->items[a->t->i0], a->t->layer, b[MF_LY_A_O], 0, cx->ly->c->n_heads);
+    return 0;
+}
+
+/* The heads' copy in (out 0) or out (out 1) on the task's card: in the prepared queries of its
+ * heads, the key table (the ring's rows, the chunk's KV rows, the entries), the items' key lists
+ * and counts, the sinks; out its heads' outputs. */
+static int mf_step_heads_copy(const mf_step_targ *a, mf_dev_stream *q, int out)
+{
+    mf_step_shape *sh = a->sh;
+    if (sh->hk_host) return MF_TASK_NO_WORK;
+    const mf_config *c = sh->eng->c;
+    int i0 = a->t->i0, n = a->t->i1 - i0, D = c->head_dim, KK = sh->sg->heads_keys;
+    uint8_t *db = sh->ddense[a->t->card];
+    size_t f = sizeof(float), row = (size_t)D * f, w = (size_t)(a->t->r1 - a->t->r0) * f;
+    int b = out ? MF_LY_A_O : MF_LY_A_Q;
+    size_t ld = (size_t)sh->ab_ld[b] * f, off = (size_t)i0 * ld + (size_t)a->t->r0 * f;
+    if (out) return mf_dev_copy_d2h_2d(q, (uint8_t *)sh->ab[b] + off, ld, db + sh->dd_ab[b] + off, ld, w, (size_t)n);
+    int rc = mf_dev_copy_h2d_2d(q, db + sh->dd_ab[b] + off, ld, (uint8_t *)sh->ab[b] + off, ld, w, (size_t)n);
+    uint8_t *tab = db + sh->dd_hk_tab;
+    if (!rc && sh->hk_nring) rc = mf_dev_copy_h2d(q, tab, sh->hk_tab, (size_t)sh->hk_nring * row);
+    if (!rc && sh->hk_nchunk) {
+        size_t ldkv = (size_t)sh->ab_ld[MF_LY_A_KV] * f;
+        rc = mf_dev_copy_h2d_2d(q, tab + (size_t)sh->hk_nring * row, row, (uint8_t *)sh->ab[MF_LY_A_KV] + (size_t)i0 * ldkv,
+                                ldkv, row, (size_t)sh->hk_nchunk);
+    }
+    if (!rc && sh->hk_nent)
+        rc = mf_dev_copy_h2d(q, tab + (size_t)(sh->hk_nring + sh->hk_nchunk) * row, sh->hk_tab + (size_t)sh->hk_nring * D,
+                             (size_t)sh->hk_nent * row);
+    if (!rc)
+        rc = mf_dev_copy_h2d(q, db + sh->dd_hk_keys + (size_t)i0 * KK * 4, sh->hk_keys + (size_t)i0 * KK,
+                             (size_t)n * KK * 4);
+    if (!rc) rc = mf_dev_copy_h2d(q, db + sh->dd_hk_nk + (size_t)i0 * 4, sh->hk_nk + i0, (size_t)n * 4);
+    if (!rc) rc = mf_dev_copy_h2d(q, db + sh->dd_hk_sink, sh->hk_sink, (size_t)c->n_heads * f);
+    return rc;
+}
+
+/* The task's heads' scores and values on its card's compute stream st (mf_dev_attn_heads: the
+ * host's heads' arithmetic; mf_step_opts.heads_fault: the scale 1% off). */
+static int mf_step_heads_launch(const mf_step_targ *a, mf_dev_stream *st)
+{
+    mf_step_shape *sh = a->sh;
+    const mf_config *c = sh->eng->c;
+    int i0 = a->t->i0, D = c->head_dim, KK = sh->sg->heads_keys;
+    uint8_t *db = sh->ddense[a->t->card];
+    mf_dev_attn at = {.q = (const float *)(db + sh->dd_ab[MF_LY_A_Q]) + i0 * sh->ab_ld[MF_LY_A_Q] + a->t->r0,
+                      .ld_q = sh->ab_ld[MF_LY_A_Q], .n_tok = a->t->i1 - i0, .n_heads = (int)((a->t->r1 - a->t->r0) / D),
+                      .D = D, .scale = (float)(1.0 / sqrt((double)D)),
+                      .sink = (const float *)(db + sh->dd_hk_sink) + a->t->r0 / D,
+                      .kv = (const float *)(db + sh->dd_hk_tab), .n_kv = sh->hk_nring + sh->hk_nchunk + sh->hk_nent,
+                      .keys = (const int32_t *)(db + sh->dd_hk_keys) + (size_t)i0 * KK,
+                      .n_keys = (const int32_t *)(db + sh->dd_hk_nk) + i0, .ld_keys = KK,
+                      .o = (float *)(db + sh->dd_ab[MF_LY_A_O]) + i0 * sh->ab_ld[MF_LY_A_O] + a->t->r0,
+                      .ld_o = sh->ab_ld[MF_LY_A_O]};
+    if (sh->eng->o.heads_fault) at.scale *= 1.01f;
+    int rc = mf_dev_attn_heads(st, &at);
+    return rc ? mf_error_wrap(rc, "the heads of layer %d on card %d", a->t->layer, a->t->card) : 0;
 }
 
 /* The items' window KV into the ring, in item order (after every head of the items). */
@@ -1261,6 +1441,7 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
 static int mf_task_dense_in(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
+    if (a->t->dense == MF_SG_D_HEADS) return mf_step_heads_copy(a, ctx->queue, 0);
     mf_step_dcopy cp[MF_LY_A_MAX_LIN];
     int m = mf_step_dense_copies(a, 0, cp), rc = 0;
     if (!m) return MF_TASK_NO_WORK;
@@ -1274,6 +1455,7 @@ static int mf_task_dense_in(void *arg, mf_task_ctx *ctx)
 static int mf_task_dense_out(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
+    if (a->t->dense == MF_SG_D_HEADS) return mf_step_heads_copy(a, ctx->queue, 1);
     mf_step_dcopy cp[MF_LY_A_MAX_LIN];
     int m = mf_step_dense_copies(a, 1, cp), rc = 0;
     if (!m) return MF_TASK_NO_WORK;
@@ -1433,6 +1615,7 @@ static int mf_task_dense(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
     if (a->t->dense == MF_SG_D_HEAD && !a->sh->n_head) return MF_TASK_NO_WORK;
+    if (a->t->dense == MF_SG_D_HEADS) return a->sh->hk_host ? MF_TASK_NO_WORK : mf_step_heads_launch(a, ctx->queue);
     return mf_step_dense_launch(a, ctx->queue);
 }
 
@@ -1456,6 +1639,7 @@ static void mf_step_shape_free(mf_step_shape *sh)
     }
     for (int c = 0; c < sh->eng->n_dense; c++) mf_dev_free(sh->eng->dev, sh->eng->dense_card[c], sh->ddense[c]);
     free(sh->sorted);
+    free(sh->hk_map);
     free(sh->iscore);
     free(sh->args);
     free(sh->mem);
@@ -1483,7 +1667,8 @@ static const mf_task_fn mf_step_fn_of[MF_SG_N_OPS] = {
     [MF_SG_ATTN_SCORE] = mf_task_attn_score,     [MF_SG_ATTN_SELECT] = mf_task_attn_select,
     [MF_SG_DENSE_IN] = mf_task_dense_in,         [MF_SG_DENSE] = mf_task_dense,
     [MF_SG_DENSE_OUT] = mf_task_dense_out,       [MF_SG_ATTN_QSCALE] = mf_task_attn_qscale,
-    [MF_SG_ATTN_KV] = mf_task_attn_kv,
+    [MF_SG_ATTN_KV] = mf_task_attn_kv,           [MF_SG_ATTN_GATHER] = mf_task_attn_gather,
+    [MF_SG_ATTN_QPREP] = mf_task_attn_qprep,     [MF_SG_ATTN_OPOST] = mf_task_attn_opost,
 };
 
 /* A per-item op's task over its record's item group (graphs/step/stepgraph.h mf_sg_op_per_item):
@@ -1523,7 +1708,8 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const in
                                           .lane_sock = eng->lt.lane_sock,
                                           .n_lanes = eng->lt.n_lanes, .lane_io = eng->lt.lane_io,
                                           .lane_dev0 = eng->lt.lane_dev0,
-                                          .micro = eng->o.micro, .exact = eng->o.exact, .fn_of = fn_of,
+                                          .micro = eng->o.micro, .exact = eng->o.exact, .heads = eng->o.heads,
+                                          .fn_of = fn_of,
                                           .profile = eng->o.profile},
                             out);
 }
@@ -1602,7 +1788,7 @@ static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh, const size_t *ab
     int ex = eng->o.exact;
     if (!eng->n_dense) return 0;
     /* each dense card's copies of the activations: {bytes, &offset} */
-    struct { size_t bytes, *off; } dt[MF_LY_A_N + 8];
+    struct { size_t bytes, *off; } dt[MF_LY_A_N + 12];
     int m = 0;
     for (int b = 0; b < MF_LY_A_N; b++) dt[m++] = (typeof(dt[0])){ab_sz[b], &sh->dd_ab[b]};
     dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_xin};
@@ -1613,6 +1799,11 @@ static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh, const size_t *ab
     dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_ys};
     dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_hn};
     dt[m++] = (typeof(dt[0])){n_ * V * f, &sh->dd_lbuf};
+    int hk = sh->sg->heads_any, D = (int)c->head_dim;   /* the heads' key table, lists, counts, sinks */
+    dt[m++] = (typeof(dt[0])){hk ? ((size_t)c->sliding_window + n_ + (size_t)sh->hk_ecap) * D * f : 0, &sh->dd_hk_tab};
+    dt[m++] = (typeof(dt[0])){hk ? n_ * sh->sg->heads_keys * 4 : 0, &sh->dd_hk_keys};
+    dt[m++] = (typeof(dt[0])){hk ? n_ * 4 : 0, &sh->dd_hk_nk};
+    dt[m++] = (typeof(dt[0])){hk ? (size_t)c->n_heads * f : 0, &sh->dd_hk_sink};
     size_t total = 0;
     for (int i = 0; i < m; i++) {
         *dt[i].off = total;
@@ -1691,6 +1882,10 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
     int has_comp = 0;
     for (int L = 0; L < c->n_layers; L++) has_comp |= c->compress_ratios[L] > 0;
     size_t n_ = (size_t)n, ns = (size_t)sh->n_slots;
+    /* the heads on cards: the key table's entries at most (a longer union runs the host's heads) */
+    int hk = sh->sg->heads_any;
+    int64_t ecap = (int64_t)n * c->index_topk;
+    sh->hk_ecap = (int)(ecap < MF_STEP_HEADS_ENTRIES ? ecap : MF_STEP_HEADS_ENTRIES);
     mf_step_buf tab[] = {
         {"items", n_ * sizeof(mf_ly_item), (void **)&sh->items},
         {"streams", n_ * hc * H * f, (void **)&x},
@@ -1749,6 +1944,10 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         {"ab_o", ab_sz[MF_LY_A_O], (void **)&sh->ab[MF_LY_A_O]},
         {"ab_z", ab_sz[MF_LY_A_Z], (void **)&sh->ab[MF_LY_A_Z]},
         {"ab_out", ab_sz[MF_LY_A_OUT], (void **)&sh->ab[MF_LY_A_OUT]},
+        {"hk_tab", hk ? ((size_t)c->sliding_window + (size_t)sh->hk_ecap) * c->head_dim * f : 0, (void **)&sh->hk_tab},
+        {"hk_keys", hk ? n_ * sh->sg->heads_keys * 4 : 0, (void **)&sh->hk_keys},
+        {"hk_nk", hk ? n_ * 4 : 0, (void **)&sh->hk_nk},
+        {"hk_sink", hk ? (size_t)c->n_heads * f : 0, (void **)&sh->hk_sink},
     };
     _Static_assert(MF_LY_A_N == 11, "one row per attention buffer");
     enum { N_TAB = sizeof tab / sizeof tab[0] };

@@ -88,6 +88,19 @@ typedef struct mf_step_opts {
      * the shared expert split by output rows across all the cards (MF_SG_SPLIT_ROWS: each card
      * computes and copies out its rows, mf_sg_dense_rows; logits the same bits). */
     int dense_split;
+    /* With dense cards, graphs/step/stepgraph.h mf_sg_heads_mode (`--heads`): where the attention
+     * heads' scores and values of a graph of one sequence's positions (a prefill chunk, batch-1
+     * decode) run: MF_SG_HEADS_COST (0) per layer by the cost model on `profile` (the host, the
+     * layer's dense card or all of them, heads split: mf_sg_heads_choice), MF_SG_HEADS_CARDS on the
+     * cards wherever the card op takes the layer, MF_SG_HEADS_HOST on the host. On the cards the
+     * host gathers the chunk's key table, prepares the queries and inverse-ropes the outputs
+     * (graphs/step/stepgraph.h MF_SG_ATTN_GATHER ...); device/dev.h mf_dev_attn_heads computes the
+     * rest: emulated cards the host's bits (logits bit for bit the host placement's), CUDA cards
+     * within tolerance (CUDA's expf; never run on a GPU yet). */
+    int heads;
+    /* Tests only (a mutation the bit-identity checks must catch): 1 makes the heads on cards
+     * compute with their scale 1% off. 0: off. */
+    int heads_fault;
     /* 2 (`moeflow decode --micro-batches 2`): two micro-batches in flight for batches of two or
      * more sequences (graphs/step/stepgraph.h mf_sg_opts.micro): each half of the batch routed,
      * placed and combined on its own, one half's MoE beside the other's attention; the logits are

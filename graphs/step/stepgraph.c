@@ -137,7 +137,8 @@ void mf_sg_sizes_free(mf_sg_sizes *s)
 
 double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int p_key, int64_t pos)
 {
-    if (t->op != MF_SG_ATTN_HEADS && t->op != MF_SG_ATTN_SCORE && t->op != MF_SG_ATTN_SELECT) return 0;
+    int card_heads = t->op == MF_SG_DENSE && t->dense == MF_SG_D_HEADS;
+    if (t->op != MF_SG_ATTN_HEADS && t->op != MF_SG_ATTN_SCORE && t->op != MF_SG_ATTN_SELECT && !card_heads) return 0;
     int L = t->layer;
     double D = c->head_dim, items = t->i1 - t->i0;
     int64_t W = c->sliding_window, n_win = pos + 1 < W ? pos + 1 : W, n_sel = 0, n_vis = 0;
@@ -146,7 +147,7 @@ double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int p_key, int64
         n_vis = (pos + 1) / ratio;
         n_sel = n_vis < c->index_topk ? n_vis : c->index_topk;
     }
-    if (t->op == MF_SG_ATTN_HEADS)   /* per head: scores and weighted values over the entries */
+    if (t->op == MF_SG_ATTN_HEADS || card_heads)   /* per head: scores and weighted values over the entries */
         return items * (double)(t->r1 - t->r0) / D * 2.0 * D * (double)(n_win + n_sel);
     if (t->op == MF_SG_ATTN_SCORE) {   /* its range of the visible entries, as the engine splits them */
         double n = (double)(n_vis * (t->part + 1) / p_key - n_vis * t->part / p_key);
@@ -161,7 +162,7 @@ int mf_sg_op_per_item(int op)
     switch (op) {
     case MF_SG_ATTN_PRE: case MF_SG_ATTN_POST: case MF_SG_COMBINE: case MF_SG_NORM: case MF_SG_ATTN_MIX:
     case MF_SG_ATTN_NORM: case MF_SG_ATTN_HEADS: case MF_SG_FFN_MIX: case MF_SG_FFN_NORM: case MF_SG_ATTN_SCORE:
-    case MF_SG_ATTN_QNORM:
+    case MF_SG_ATTN_QNORM: case MF_SG_ATTN_QPREP: case MF_SG_ATTN_OPOST:
         return 1;
     default:
         return 0;
@@ -230,10 +231,10 @@ double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_st
         return 0;
     case MF_SG_DEV_OUT:
         return mf_cost_copy(m, 1, 1, tok * w->copy_bytes_tok);
-    case MF_SG_DENSE_IN:   /* one small copy of the items' activations */
-        return mf_cost_act_copy(m, 0, tok * w->copy_bytes_tok);
-    case MF_SG_DENSE:
-        return mf_cost_card(m, w, tok);
+    case MF_SG_DENSE_IN:   /* one small copy of the items' activations (the heads: and the key table) */
+        return mf_cost_act_copy(m, 0, w->copy_bytes + tok * w->copy_bytes_tok);
+    case MF_SG_DENSE:   /* the heads' scores and values: their positional work at the card's fp32 rate */
+        return mf_cost_card(m, w, tok) + (t->dense == MF_SG_D_HEADS ? mf_cost_ref(m->p, 1, s->pos_flops) : 0);
     case MF_SG_DENSE_OUT:
         return mf_cost_act_copy(m, 1, tok * w->copy_bytes_tok);
     default:   /* kernels over the record's tokens, scalar work and the positional part of it */
@@ -834,6 +835,177 @@ static void sg_mix(sg_builder *b, int L, int i, int op, const mf_task_id *after,
     }
 }
 
+/* ---- the heads' scores and values (host or cards) ---------------------------------------- */
+
+#define SG_W_UNPACK 2.0   /* estimate, not measured: REF multiply-adds per element of a packed KV row unpacked */
+
+/* The position the priorities and the heads' placement price the attention at: the window full
+ * and every compressed layer's top-k selected. */
+static int64_t sg_steady_pos(const mf_config *c)
+{
+    int64_t pos = c->sliding_window;
+    for (int L = 0; L < c->n_layers; L++)
+        if ((int64_t)c->compress_ratios[L] * c->index_topk > pos) pos = (int64_t)c->compress_ratios[L] * c->index_topk;
+    return pos;
+}
+
+/* Keys of an item of layer L at most: the window and, on compressed layers, the top-k. */
+static int sg_heads_keys(const mf_config *c, int L)
+{
+    return c->sliding_window + (c->compress_ratios[L] > 0 ? c->index_topk : 0);
+}
+
+void mf_sg_heads_range(int n_heads, int parts, int k, int *h0, int *h1)
+{
+    int per = n_heads / parts, extra = n_heads % parts;
+    *h0 = k * per + (k < extra ? k : extra);
+    *h1 = *h0 + per + (k < extra);
+}
+
+/* The record of a heads task `op` of layer L over items [i0, i1) and heads [h0, h1) (n items in the
+ * unit): MF_SG_ATTN_HEADS on the host; the cards' path MF_SG_ATTN_GATHER, MF_SG_ATTN_QPREP,
+ * MF_SG_DENSE_IN / MF_SG_DENSE / MF_SG_DENSE_OUT of MF_SG_D_HEADS, MF_SG_ATTN_OPOST. The work of
+ * the scores and values is positional (mf_sg_pos_flops); the key table is priced at the steady
+ * state (the ring's rows before the chunk, the chunk's rows, top-k entries: a long chunk's union
+ * of selections can be larger, up to its last item's visible entries). */
+static mf_sg_task sg_heads_rec(const mf_config *c, int L, int op, int i0, int i1, int h0, int h1, int n, int exact)
+{
+    double D = c->head_dim, rd = c->qk_rope_head_dim, W = c->sliding_window, nh = c->n_heads;
+    double keys = sg_heads_keys(c, L), sel = c->compress_ratios[L] > 0 ? c->index_topk : 0, hh = h1 - h0;
+    mf_sg_task t = sg_rec(L);
+    t.i0 = i0;
+    t.i1 = i1;
+    t.n_tok = i1 - i0;
+    t.r0 = (int64_t)h0 * c->head_dim;
+    t.r1 = (int64_t)h1 * c->head_dim;
+    t.op = (uint8_t)op;
+    switch (op) {
+    case MF_SG_ATTN_HEADS:   /* each head: its query rounded twice, its output and the output's roped part */
+        t.w.ref_flops = t.n_tok * hh * SG_W_ROUND * (3.0 * D + rd);
+        t.w.extra_vec = !exact;   /* mf_fa_attn_heads: scores and values as vector code */
+        break;
+    case MF_SG_ATTN_GATHER:   /* the ring's rows and the entries unpacked, the sinks */
+        t.n_tok = 1;
+        t.w.ref_flops = SG_W_UNPACK * D * (W - 1 + sel) + nh;
+        break;
+    case MF_SG_ATTN_QPREP:   /* the queries rounded twice (the RoPE with them), the key list */
+        t.w.ref_flops = t.n_tok * (hh * SG_W_ROUND * 2.0 * D + keys);
+        break;
+    case MF_SG_DENSE_IN:   /* the queries, the key table (every card its own), the lists and sinks */
+        t.dense = MF_SG_D_HEADS;
+        t.w.copy_bytes = 4.0 * ((W - 1 + n + sel) * D + nh);
+        t.w.copy_bytes_tok = 4.0 * (hh * D + keys + 1);
+        break;
+    case MF_SG_DENSE:
+        t.dense = MF_SG_D_HEADS;
+        break;
+    case MF_SG_DENSE_OUT:
+        t.dense = MF_SG_D_HEADS;
+        t.w.copy_bytes_tok = 4.0 * hh * D;
+        break;
+    case MF_SG_ATTN_OPOST:   /* the outputs' roped part rounded (the inverse RoPE with it) */
+        t.w.ref_flops = t.n_tok * hh * SG_W_ROUND * rd;
+        break;
+    }
+    return t;
+}
+
+/* The price of a heads record over its items at position pos. */
+static double sg_heads_ns(const mf_config *c, const mf_cost_model *m, const mf_sg_task *t, int64_t pos)
+{
+    mf_sg_step_cost st = {.slot_tokens = 1, .pos_flops = mf_sg_pos_flops(c, t, 1, pos)};
+    return mf_sg_task_ns(t, m, &st);
+}
+
+int mf_sg_heads_choice(const mf_sg_opts *o, int L)
+{
+    const mf_config *c = o->c;
+    int nc = o->n_dense_cards, n = o->n, nh = c->n_heads, D = c->head_dim;
+    int units = o->n_units > 0 ? o->n_units : o->par ? o->n : 1;
+    if (nc < 1 || o->exact || units != 1 || o->heads == MF_SG_HEADS_HOST || L < 0 || L >= c->n_layers) return 0;
+    if (D % 16 || D > MF_DEV_ATTN_MAX_D || c->qk_rope_head_dim / 2 > 64 || sg_heads_keys(c, L) > MF_DEV_ATTN_MAX_KEYS)
+        return 0;
+    if (o->heads == MF_SG_HEADS_CARDS) return nc;
+    const mf_profile *p = o->profile ? o->profile : mf_cost_default_profile();
+    mf_cost_model m = {.p = p, .host_bytes_per_s = mf_cost_thread_share(p, o->n_threads)};
+    double W = o->n_threads > 0 ? o->n_threads : 1;
+    int64_t pos = sg_steady_pos(c);
+    mf_sg_task host = sg_heads_rec(c, L, MF_SG_ATTN_HEADS, 0, n, 0, nh, n, 0);
+    double best = sg_heads_ns(c, &m, &host, pos) / W;   /* the host's head tasks over the workers */
+    int choice = 0;
+    for (int parts = 1; parts <= nc; parts = parts < nc ? nc : nc + 1) {
+        mf_sg_task g = sg_heads_rec(c, L, MF_SG_ATTN_GATHER, 0, n, 0, nh, n, 0);
+        mf_sg_task qp = sg_heads_rec(c, L, MF_SG_ATTN_QPREP, 0, n, 0, nh, n, 0);
+        mf_sg_task op = sg_heads_rec(c, L, MF_SG_ATTN_OPOST, 0, n, 0, nh, n, 0);
+        double ns = sg_heads_ns(c, &m, &g, pos) + (sg_heads_ns(c, &m, &qp, pos) + sg_heads_ns(c, &m, &op, pos)) / W;
+        double chain = 0;
+        for (int k = 0; k < parts; k++) {   /* the chains run side by side: the slowest card's */
+            int h0, h1;
+            mf_sg_heads_range(nh, parts, k, &h0, &h1);
+            double x = 0;
+            for (int q = MF_SG_DENSE_IN; q <= MF_SG_DENSE_OUT; q++) {
+                mf_sg_task r = sg_heads_rec(c, L, q, 0, n, h0, h1, n, 0);
+                x += sg_heads_ns(c, &m, &r, pos);
+            }
+            chain = x > chain ? x : chain;
+        }
+        if (ns + chain < best) best = ns + chain, choice = parts;
+    }
+    return choice;
+}
+
+/* The heads of unit k of layer L on the cards (sg->heads_cards[L] of them): after `core`, the
+ * gather -> per item group its q prep -> per card copy in -> attention -> copy out -> per item
+ * group its o post, before `ring` and the oa stage's tasks oa[0..n_oa). */
+static void sg_heads_on_cards(sg_builder *b, int L, int k, mf_task_id core, mf_task_id ring, const mf_task_id *oa,
+                              int n_oa)
+{
+    const mf_config *c = b->o->c;
+    mf_stepgraph *sg = b->sg;
+    int nh = c->n_heads, parts = sg->heads_cards[L], ex = b->o->exact;
+    int i0 = k > 0 ? sg->unit_end[k - 1] : 0, i1 = sg->unit_end[k], n = i1 - i0;
+    int g0 = sg_group_of(sg, i0), g1 = sg_group_of(sg, i1 - 1) + 1;
+    mf_task_id qp[MF_SG_MAX_GROUPS], out[MF_SG_MAX_CARDS];
+    SG_NAME(b, "attn L%d gather", L);
+    mf_task_id ga = sg_add(b, 0, MF_SG_ATTN_GATHER, MF_SG_PH_ATTN, MF_SG_K_OTHER,
+                           sg_heads_rec(c, L, MF_SG_ATTN_GATHER, i0, i1, 0, nh, n, ex));
+    sg_dep(b, core, ga);
+    for (int i = g0; i < g1; i++) {
+        SG_NAME(b, "attn L%d qprep item %d", L, i);
+        qp[i] = sg_add(b, 0, MF_SG_ATTN_QPREP, MF_SG_PH_ATTN, MF_SG_K_OTHER,
+                       sg_heads_rec(c, L, MF_SG_ATTN_QPREP, i ? sg->group_end[i - 1] : 0, sg->group_end[i], 0, nh, n, ex));
+        sg_dep(b, ga, qp[i]);
+    }
+    static const int kind_of[3] = {MF_SG_K_COPY, MF_SG_K_OTHER, MF_SG_K_COPY_OUT};
+    static const char *const what[3] = {"in", "", "out"};
+    for (int p = 0; p < parts && !b->rc; p++) {
+        int cd = parts > 1 ? p : mf_sg_dense_card(c, sg->n_dense_cards, L), h0, h1;
+        mf_sg_heads_range(nh, parts, p, &h0, &h1);
+        mf_task_id prev = -1;
+        for (int q = 0; q < 3; q++) {
+            mf_sg_task t = sg_heads_rec(c, L, MF_SG_DENSE_IN + q, i0, i1, h0, h1, n, ex);
+            t.card = (int8_t)cd;
+            t.part = parts > 1 ? p : -1;
+            SG_NAME(b, "dev%d L%d heads%s%s", cd, L, q == 1 ? "" : " ", what[q]);
+            mf_task_id id = sg_add(b, b->o->lane_dev0 + 3 * cd + q, MF_SG_DENSE_IN + q, MF_SG_PH_ATTN, kind_of[q], t);
+            if (q == 0)
+                for (int i = g0; i < g1; i++) sg_dep(b, qp[i], id);
+            else sg_dep(b, prev, id);
+            prev = id;
+        }
+        out[p] = prev;
+    }
+    for (int i = g0; i < g1; i++) {
+        SG_NAME(b, "attn L%d opost item %d", L, i);
+        mf_task_id op = sg_add(b, 0, MF_SG_ATTN_OPOST, MF_SG_PH_ATTN, MF_SG_K_OTHER,
+                               sg_heads_rec(c, L, MF_SG_ATTN_OPOST, i ? sg->group_end[i - 1] : 0, sg->group_end[i], 0,
+                                            nh, n, ex));
+        for (int p = 0; p < parts; p++) sg_dep(b, out[p], op);
+        sg_dep(b, op, ring);
+        for (int q = 0; q < n_oa; q++) sg_dep(b, op, oa[q]);
+    }
+}
+
 /* The attention sublayer of layer L. Per item after unit[] (its unit's): collapse -> attn_norm
  * column parts, and the attention mix in row parts; in parts -> per item group q scale -> q norm
  * column parts -> qb parts; in parts -> per unit kv (window KV, compressor: beside the q path) ->
@@ -949,20 +1121,17 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
             tr.w.ref_flops = items * D;
             ring[k] = sg_add(b, 0, MF_SG_ATTN_RING, MF_SG_PH_ATTN, MF_SG_K_OTHER, tr);
         }
+        if (sg->heads_cards[L]) {
+            sg_heads_on_cards(b, L, k, core, ring[k], rows[MF_SG_ST_OA], sg->p_attn);
+            continue;
+        }
         for (int i = sg_group_of(sg, t.i0); i <= sg_group_of(sg, t.i1 - 1); i++)   /* the unit's groups */
             for (int g = 0; g < pa; g++) {
                 SG_NAME(b, "attn L%d heads item %d %d", L, i, g);
-                mf_sg_task th = sg_rec(L);
                 int h0 = g * sg->ah_heads, h1 = h0 + sg->ah_heads < (int)nh ? h0 + sg->ah_heads : (int)nh;
-                th.i0 = i ? sg->group_end[i - 1] : 0;
-                th.i1 = sg->group_end[i];
-                th.n_tok = th.i1 - th.i0;
+                mf_sg_task th = sg_heads_rec(c, L, MF_SG_ATTN_HEADS, i ? sg->group_end[i - 1] : 0, sg->group_end[i], h0,
+                                             h1, t.i1 - t.i0, b->o->exact);
                 th.part = g;
-                th.r0 = (int64_t)h0 * c->head_dim;
-                th.r1 = (int64_t)h1 * c->head_dim;
-                /* each head: its query rounded twice, its output and the output's roped part */
-                th.w.ref_flops = th.n_tok * (h1 - h0) * SG_W_ROUND * (3.0 * D + c->qk_rope_head_dim);
-                th.w.extra_vec = !b->o->exact;   /* mf_fa_attn_heads: scores and values as vector code */
                 mf_task_id hd = sg_add(b, 0, MF_SG_ATTN_HEADS, MF_SG_PH_ATTN, MF_SG_K_OTHER, th);
                 sg_dep(b, gate[i], hd);
                 sg_dep(b, hd, ring[k]);
@@ -1374,6 +1543,11 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->dev_graphs = o->n_cards > 0 && o->dev_graphs;
     sg->n_dense_cards = o->n_dense_cards;
     sg->dense_split = o->dense_split;
+    for (int L = 0; L < c->n_layers && L < MF_CONFIG_MAX_LAYERS; L++) {
+        sg->heads_cards[L] = (int8_t)mf_sg_heads_choice(o, L);
+        if (sg->heads_cards[L] && sg_heads_keys(c, L) > sg->heads_keys) sg->heads_keys = sg_heads_keys(c, L);
+        sg->heads_any |= sg->heads_cards[L] > 0;
+    }
     sg->n_io_parts = o->store ? MF_SG_EXPERT_PARTS : 0;
     sg->tid_per_slot = 2 * sg->p_exp + 1 + 3 * sg->n_cards;
     /* Engram reads: a unit's items x rows x (codes, scales), the table's stride the largest unit's */
@@ -1399,9 +1573,7 @@ static int sg_set_priorities(const mf_sg_opts *o, mf_stepgraph *sg)
     int K = c->n_experts_per_tok, E = c->n_routed_experts;
     int tok = (sg->n * K + E - 1) / E;
     mf_sg_step_cost st = {.slot_tokens = tok > 1 ? tok : 1, .n_head = sg->n, .dev_miss = 1};
-    int64_t pos = c->sliding_window;
-    for (int L = 0; L < c->n_layers; L++)
-        if ((int64_t)c->compress_ratios[L] * c->index_topk > pos) pos = (int64_t)c->compress_ratios[L] * c->index_topk;
+    int64_t pos = sg_steady_pos(c);
     mf_work ew;
     mf_sg_expert_work(c, o->sz, &ew);
     double ffn_ns = mf_cost_card(&m, &ew, st.slot_tokens);

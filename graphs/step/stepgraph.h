@@ -83,6 +83,13 @@ typedef enum mf_sg_op {
     MF_SG_ATTN_QSCALE,    /* items: the q norm's scale of their low-rank queries (rounded by IN) */
     MF_SG_ATTN_KV,        /* items, in order: window KV (into the ring unless ring_late), compressor
                            * (the core's prep that reads only the IN stage) */
+    /* the heads on cards (mf_stepgraph.heads_cards[L] > 0): gather -> per item group qprep -> per
+     * card MF_SG_DENSE_* of MF_SG_D_HEADS -> per item group opost */
+    MF_SG_ATTN_GATHER,    /* items (the unit's, one sequence): the chunk's key table on the host (the
+                           * window rows before the chunk from the ring, the union of the items'
+                           * selected compressed entries, each unpacked once) and the sinks */
+    MF_SG_ATTN_QPREP,     /* item: its queries rounded and roped (mf_fa_heads_q), its key list */
+    MF_SG_ATTN_OPOST,     /* item: the heads' outputs inverse-roped (mf_fa_heads_o) */
     MF_SG_N_OPS
 } mf_sg_op;
 
@@ -107,6 +114,11 @@ enum { MF_SG_ST_IN, MF_SG_ST_QB, MF_SG_ST_OA, MF_SG_ST_OB, MF_SG_ST_CORE, MF_SG_
  * the head, the logits out. */
 enum { MF_SG_D_ATTN_IN, MF_SG_D_ATTN_QB, MF_SG_D_ATTN_OA, MF_SG_D_ATTN_OB, MF_SG_D_GATE, MF_SG_D_SHARED,
        MF_SG_D_HEAD, MF_SG_N_DENSE };
+/* Not a sublayer with weights (MF_SG_N_DENSE counts those): MF_SG_D_HEADS (the attention heads' scores and values, device/dev.h mf_dev_attn_heads): in the
+ * prepared queries of the record's heads (rows [r0, r1) of the MF_LY_A_Q rows, into the card's copy
+ * of them), the key table (the gather's rows, the chunk's own KV rows), the key lists and the
+ * sinks; out the heads' outputs before their inverse RoPE (rows [r0, r1) of MF_LY_A_O). */
+#define MF_SG_D_HEADS MF_SG_N_DENSE
 
 /* The work of one task: the cost model's (sched/cost.h mf_work), which prices it. Token-scaled
  * terms multiply by `n_tok`, or with slot_tokens set by the slot's tokens of the step (known once
@@ -263,6 +275,12 @@ typedef struct mf_sg_opts {
      * on the FP8 kernels, the rest as vector code at the profile's host_vec rate), as the
      * simulator prices it */
     int exact;
+    /* mf_sg_heads_mode: where the heads' scores and values of a graph of one unit (a prefill
+     * chunk; batch-1 decode) run when the dense work is on cards (n_dense_cards > 0, exact 0):
+     * MF_SG_HEADS_COST (0) per layer the cheapest of the host, the layer's dense card and all
+     * the dense cards (heads split evenly) by the cost model on `profile` (mf_sg_heads_choice),
+     * MF_SG_HEADS_CARDS all the dense cards wherever they can (tests), MF_SG_HEADS_HOST the host */
+    int heads;
     /* the machine the priorities are priced on (every task's cost: its record's price, sched/cost.h);
      * NULL: the built-in machine (mf_cost_default_profile) */
     const mf_profile *profile;
@@ -312,6 +330,12 @@ typedef struct mf_stepgraph {
     int n_cards, dev_graphs, n_io_parts;
     int n_dense_cards;            /* as mf_sg_opts: 0 dense work on the host */
     int dense_split;              /* as mf_sg_opts */
+    /* per layer: 0 its heads on the host (MF_SG_ATTN_HEADS), else the cards its heads' scores and
+     * values run on (1: the layer's dense card; n_dense_cards: every card, the heads split by
+     * mf_sg_heads_range); heads_keys: the most keys of an item (window + top-k), the stride of the
+     * key lists; heads_any: some layer's heads are on cards */
+    int8_t heads_cards[MF_CONFIG_MAX_LAYERS];
+    int heads_keys, heads_any;
     /* per layer and slot, the tasks that have nothing to do unless the slot runs on the host
      * (ups, downs, join) or on card c (in, ffn, out): slot_tid[(L * n_slots + s) * tid_per_slot
      * + k], k < 2 p_exp + 1 host, then 3 per card; -1 where absent */
@@ -362,6 +386,20 @@ void mf_sg_lanes_map(mf_sg_lanes *l, const int *card_of, int n);
  * and the layers reading it share a card; the ranges minimize the largest range's layer count
  * (first such choice). With fewer candidate starts than cards, the last cards hold nothing. */
 int mf_sg_dense_card(const mf_config *c, int n_cards, int L);
+
+/* Where the heads' scores and values run (mf_sg_opts.heads). */
+typedef enum mf_sg_heads_mode { MF_SG_HEADS_COST = 0, MF_SG_HEADS_CARDS, MF_SG_HEADS_HOST } mf_sg_heads_mode;
+/* The cards layer L's heads run on in a graph of o's shape (mf_stepgraph.heads_cards): 0 (the
+ * host) unless o's graph is one unit with dense cards, o->exact 0, the head fits the card op
+ * (head_dim a multiple of 16, at most MF_DEV_ATTN_MAX_D; the fast heads' rope) and an item's keys
+ * (window + top-k) at most MF_DEV_ATTN_MAX_KEYS; then, by o->heads, the cheaper of the host's heads
+ * tasks over the workers and the card chains (the gather, the host's q and o work over the
+ * workers, the slowest card's copy in, attention and copy out) priced at the steady state (the
+ * window full, top-k entries per item) on o->profile (NULL: the built-in machine), for 1 card and
+ * for all of them; the records' own prices (mf_sg_task_ns), so the builder prices what it chose. */
+int mf_sg_heads_choice(const mf_sg_opts *o, int L);
+/* Card k of `parts`' heads [*h0, *h1) of n_heads: equal shares, the first ones a head more. */
+void mf_sg_heads_range(int n_heads, int parts, int k, int *h0, int *h1);
 
 /* How dense work is spread over its cards (mf_sg_opts.dense_split). */
 typedef enum mf_sg_dense_split { MF_SG_SPLIT_LAYERS = 0, MF_SG_SPLIT_ROWS } mf_sg_dense_split;

@@ -1,0 +1,168 @@
+/* The attention heads' scores and values on (emulated) cards (graphs/step/stepgraph.h
+ * MF_SG_ATTN_GATHER, MF_SG_ATTN_QPREP, MF_SG_D_HEADS, MF_SG_ATTN_OPOST; mf_step_opts.heads): the
+ * cost model's choice on the seed host's profile (flash41: a 512- and an 8,192-token chunk's heads on the
+ * cards, batch-1 and batch-64 decode's on the host), the graph's card chains (tiny, forced on 2
+ * cards: 3 tasks per card and layer, no host heads task), and the engine's logits of a 40-token
+ * prompt in chunks of 16 then 3 decode steps with the heads on emu:1 and emu:2 (split by heads),
+ * bit for bit (memcmp) the host placement's, and different with the card op perturbed
+ * (mf_step_opts.heads_fault). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "device/dev.h"
+#include "graphs/model/config.h"
+#include "graphs/model/model.h"
+#include "graphs/ref/ref.h"
+#include "graphs/step/step.h"
+#include "graphs/step/stepgraph.h"
+#include "sched/error.h"
+#include "sched/profile.h"
+#include "tests/check.h"
+#include "tests/step_run.h"
+#include "tests/tiny_ckpt.h"
+
+#define N_PROMPT 40
+#define N_DEC 3
+
+static int64_t g_V;
+
+static int32_t prompt_tok(int s, int i) { return (int32_t)((i * 37 + s * 101 + (i * i) % 13) % g_V); }
+
+/* flash41 on the seed host (4 dense cards, 44 workers): by cost, the heads of every layer of an
+ * 8,192-token prefill chunk go to the cards, batch-1 decode's (one item: the copies cost more than
+ * they save) and a 64-sequence batch's (several units) stay on the host; --heads host keeps all. */
+static void test_choice(void)
+{
+    mf_config c;
+    mf_profile f;
+    CHECK(mf_config_preset("flash41", &c) == 0, "preset flash41");
+    CHECK(mf_profile_load(MF_SOURCE_DIR "/tools/profiles/seed-host.prof", &f) == 0, "profile: %s", mf_last_error());
+    mf_sg_opts o = {.c = &c, .n_threads = 44, .n_dense_cards = 4, .profile = &f};
+    static const int chunks[2] = {512, 8192};
+    for (int ci = 0; ci < 2; ci++) {
+        o.n = chunks[ci];
+        int on = 0, split = 0;
+        for (int L = 0; L < c.n_layers; L++) {
+            int k = mf_sg_heads_choice(&o, L);
+            on += k > 0;
+            split += k == 4;
+        }
+        CHECK(on == c.n_layers, "chunk %d: heads of %d of %d layers on cards", o.n, on, c.n_layers);
+        printf("chunk %d: %d layers' heads on cards, %d of them split over 4\n", o.n, on, split);
+    }
+    o.n = 1;
+    for (int L = 0; L < c.n_layers; L++) CHECK(mf_sg_heads_choice(&o, L) == 0, "batch 1: layer %d's heads on cards", L);
+    o.n = 64;
+    o.par = 1;
+    for (int L = 0; L < c.n_layers; L++) CHECK(mf_sg_heads_choice(&o, L) == 0, "batch 64: layer %d's heads on cards", L);
+    o.n = 8192;
+    o.par = 0;
+    o.heads = MF_SG_HEADS_HOST;
+    for (int L = 0; L < c.n_layers; L++) CHECK(mf_sg_heads_choice(&o, L) == 0, "--heads host: layer %d on cards", L);
+    o.heads = MF_SG_HEADS_COST;
+    o.exact = 1;
+    CHECK(mf_sg_heads_choice(&o, 0) == 0, "exact: heads on cards");
+}
+
+/* tiny, 16 items of one sequence, heads forced on 2 dense cards: per layer and card an in, a
+ * compute and an out task of MF_SG_D_HEADS on that card's lanes with the card's half of the heads,
+ * a gather, q preps and o posts on the CPU lane, no MF_SG_ATTN_HEADS. */
+static void test_graph(void)
+{
+    mf_config c;
+    CHECK(mf_config_preset("tiny", &c) == 0, "preset tiny");
+    mf_sg_sizes *sz = NULL;
+    CHECK(mf_sg_sizes_new(&c, &sz) == 0, "sizes: %s", mf_last_error());
+    mf_lane_model m[4] = {{.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}};
+    mf_sg_lanes lt;
+    mf_sg_lanes_init(&lt, m, 2, 0, 2);
+    mf_stepgraph *sg = NULL;
+    CHECK(mf_stepgraph_new(&(mf_sg_opts){.c = &c, .sz = sz, .n = 16, .n_threads = 2, .n_dense_cards = 2,
+                                         .heads = MF_SG_HEADS_CARDS, .lanes = lt.lane, .n_lanes = lt.n_lanes,
+                                         .lane_io = lt.lane_io, .lane_dev0 = lt.lane_dev0},
+                           &sg) == 0,
+          "graph: %s", mf_last_error());
+    int cnt[3] = {0}, host_heads = 0, gathers = 0, heads_rows[2] = {0};
+    for (int t = 0; sg && t < sg->n_tasks; t++) {
+        const mf_sg_task *r = &sg->task[t];
+        host_heads += r->op == MF_SG_ATTN_HEADS;
+        gathers += r->op == MF_SG_ATTN_GATHER;
+        if (r->dense != MF_SG_D_HEADS) continue;
+        int k = r->op - MF_SG_DENSE_IN;
+        CHECK(k >= 0 && k < 3 && r->card >= 0 && r->card < 2, "heads task %d: op %d card %d", t, r->op, r->card);
+        if (k < 0 || k >= 3 || r->card < 0 || r->card >= 2) continue;
+        cnt[k]++;
+        int lane = mf_graph_task(sg->g, t)->lane;
+        CHECK(lane == lt.lane_dev0 + 3 * r->card + k, "heads task %d of card %d on lane %d", t, r->card, lane);
+        if (k == 1) heads_rows[r->card] += (int)((r->r1 - r->r0) / c.head_dim);
+    }
+    CHECK(host_heads == 0, "%d host heads tasks", host_heads);
+    CHECK(gathers == c.n_layers, "%d gathers (expected %d)", gathers, c.n_layers);
+    for (int k = 0; k < 3; k++) CHECK(cnt[k] == 2 * c.n_layers, "%d heads tasks of kind %d (expected %d)", cnt[k], k, 2 * c.n_layers);
+    for (int cd = 0; cd < 2; cd++)
+        CHECK(heads_rows[cd] == c.n_layers * c.n_heads / 2, "card %d computes %d heads over the layers", cd, heads_rows[cd]);
+    mf_stepgraph_free(sg);
+    mf_sg_sizes_free(sz);
+}
+
+/* The logits of the host placement against the heads on emu:nc (fault: perturbed). */
+static int run_cards(mf_ref *r, int nc, int fault, float *out, int32_t *toks)
+{
+    char spec[64];
+    snprintf(spec, sizeof spec, "emu:%d,bw=50e9,lat_ns=2000", nc);
+    mf_dev *d = NULL;
+    int rc = mf_dev_open(spec, &d);
+    mf_step *e = NULL;
+    if (!rc)
+        rc = mf_step_new(r, &(mf_step_opts){.n_threads = 2, .prefill_chunk = 16, .dev = d, .dense = MF_STEP_DENSE_CARDS,
+                                            .heads = MF_SG_HEADS_CARDS, .heads_fault = fault},
+                         &e);
+    if (!rc) rc = mf_test_run_steps(r, e, g_V, 1, N_PROMPT, prompt_tok, N_DEC, toks, 0, out);
+    mf_step_free(e);
+    mf_dev_close(d);
+    return rc;
+}
+
+static void test_engine(mf_ref *r)
+{
+    size_t per = (size_t)(1 + N_DEC) * g_V;
+    float *host = malloc(sizeof(float) * per), *got = malloc(sizeof(float) * per);
+    int32_t toks[N_DEC];
+    mf_step *e = NULL;
+    CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .prefill_chunk = 16}, &e) == 0, "host: %s", mf_last_error());
+    CHECK(e && mf_test_run_steps(r, e, g_V, 1, N_PROMPT, prompt_tok, N_DEC, toks, 1, host) == 0, "host run: %s",
+          mf_last_error());
+    mf_step_free(e);
+    for (int nc = 1; nc <= 2; nc++) {
+        memset(got, 0, sizeof(float) * per);
+        int rc = run_cards(r, nc, 0, got, toks);
+        CHECK(rc == 0, "emu:%d heads on cards: %s", nc, mf_last_error());
+        CHECK(!rc && !memcmp(host, got, sizeof(float) * per), "emu:%d: logits with the heads on cards differ from the "
+              "host placement's", nc);
+        rc = run_cards(r, nc, 1, got, toks);
+        CHECK(rc == 0, "emu:%d perturbed: %s", nc, mf_last_error());
+        CHECK(!rc && memcmp(host, got, sizeof(float) * per), "emu:%d: the perturbed card op went unnoticed", nc);
+    }
+    free(host);
+    free(got);
+}
+
+int main(void)
+{
+    test_choice();
+    test_graph();
+    char dir[1024];
+    mf_config c;
+    CHECK(mf_config_preset("tiny", &c) == 0, "preset");
+    if (mf_test_gen_ckpt(&c, "heads_cards_tiny", dir, sizeof dir)) return 1;
+    g_V = c.vocab_size;
+    mf_model *m = NULL;
+    mf_ref *r = NULL;
+    CHECK(mf_model_load(dir, &(mf_model_opts){.quiet = 1}, &m) == 0, "load: %s", mf_last_error());
+    if (!m || mf_ref_new(m, NULL, &r)) return mf_check_exit("test_heads_cards");
+    test_engine(r);
+    mf_ref_free(r);
+    mf_model_free(m);
+    return mf_check_exit("test_heads_cards");
+}
