@@ -81,6 +81,9 @@ typedef enum mf_sg_op {
     MF_SG_ATTN_QSCALE,    /* items: the q norm's scale of their low-rank queries (rounded by IN) */
     MF_SG_ATTN_KV,        /* items, in order: window KV (into the ring unless ring_late), compressor
                            * (the core's prep that reads only the IN stage) */
+    MF_SG_ROUTE_ROWS,     /* part `part` of p_gather of the micro-batch's used slots (in slot order,
+                           * equal counts): their rows gathered from the items, the host slots'
+                           * rows quantized (with p_gather 1 MF_SG_ROUTE does it, no such task) */
     MF_SG_N_OPS
 } mf_sg_op;
 
@@ -297,6 +300,7 @@ typedef struct mf_stepgraph {
     int n_groups;
     int group_end[MF_SG_MAX_GROUPS];
     int p_exp, p_sh, p_head, p_attn;   /* row parts per expert, shared expert, head, stage */
+    int p_gather;                 /* parts of a route's row gather (MF_SG_ROUTE_ROWS; 1: in the route) */
     /* per item: column parts of the hyper-connection tasks (collapse, norms, expand, combine),
      * row parts of each mix, attention head groups (of ah_heads heads); q norm column parts */
     int p_hc, p_mix, p_ah, ah_heads, p_qn, p_key;   /* p_key: index score parts per item */
