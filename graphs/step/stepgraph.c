@@ -32,7 +32,7 @@
 #define SG_STORE_ALIGN 4096.0   /* host/store.c MF_STORE_SLOT_ALIGN: reads are aligned extents */
 #define SG_CARD_ALIGN 256.0     /* a part's alignment in a card's cache slot */
 #define SG_MAX_EXP_PARTS 32   /* row parts of one routed expert */
-#define SG_MIN_GATHER 16        /* rows of a route's gather part, at least */
+#define SG_MIN_GATHER 4         /* rows of a route's gather part, at least */
 #define SG_MAX_GATHER 16        /* parts of a route's gather, at most */
 #define SG_MAX_MIX 4            /* row parts of a hyper-connection mix */
 #define SG_MIN_COLS 64          /* columns of a hyper-connection part, at least */
