@@ -1276,6 +1276,18 @@ static void sg_halves(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->n_slots = sg->half_slot[sg->n_halves];
 }
 
+/* Parts per task of n tasks on W workers: the fewest from p_min that keep the last wave of the
+ * n p tasks at least 95% full, at most p_max. */
+static int sg_wave_parts(int n, int W, int p_min, int p_max)
+{
+    int p = p_min;
+    for (; p < p_max; p++) {
+        int tasks = n * p, waves = (tasks + W - 1) / W;
+        if (tasks >= 0.95 * waves * W) break;
+    }
+    return p;
+}
+
 /* Part counts of the shape (one home: the engine's buffers and the simulator read them here). */
 static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
 {
@@ -1299,15 +1311,7 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
      * give at least two tasks per worker and keep the last wave of tasks at least 95% full (6
      * slots on 44 workers: 8 parts are 48 tasks, a second wave of 4, twice the time; 22 parts
      * are 132, three full waves), at most SG_MAX_EXP_PARTS */
-    sg->p_exp = 1;
-    if (ns_half < 2 * W) {
-        int p = (2 * W + ns_half - 1) / ns_half;
-        for (; p < SG_MAX_EXP_PARTS; p++) {
-            int tasks = ns_half * p, waves = (tasks + W - 1) / W;
-            if (tasks >= 0.95 * waves * W) break;
-        }
-        sg->p_exp = p;
-    }
+    sg->p_exp = ns_half < 2 * W ? sg_wave_parts(ns_half, W, (2 * W + ns_half - 1) / ns_half, SG_MAX_EXP_PARTS) : 1;
     /* with sockets, a multiple of them: each socket's share of the rows (mf_topo_rows) in equal
      * parts, so that every part lies in one socket's memory */
     int S = o->n_sockets > 1 && o->lane_sock ? o->n_sockets : 1;
@@ -1338,7 +1342,10 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->p_hc = T < cols ? T : cols > 0 ? cols : 1;
     if (sg->p_hc > MF_SG_MAX_PARTS) sg->p_hc = MF_SG_MAX_PARTS;
     sg->p_mix = T < SG_MAX_MIX ? T : SG_MAX_MIX;
-    sg->ah_heads = (nh + (T < nh ? T : nh) - 1) / (T < nh ? T : nh);
+    /* head groups: from T, the fewest that keep the last wave of the groups' tasks 95% full
+     * (batch 64 on 44 workers: 2 groups, 128 tasks in three waves, not 64 in two) */
+    int ta = sg_wave_parts(sg->n_groups, W, T < nh ? T : nh, nh);
+    sg->ah_heads = (nh + ta - 1) / ta;
     sg->p_ah = (nh + sg->ah_heads - 1) / sg->ah_heads;
     int qcols = (int)(c->q_lora_rank / SG_MIN_QCOLS);
     sg->p_qn = T < qcols ? T : qcols > 0 ? qcols : 1;
