@@ -1339,9 +1339,9 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
      * item; hyper-connection columns in chunks of >= SG_MIN_COLS, mixes in up to SG_MAX_MIX row
      * parts, heads in equal groups; the q norm's columns in chunks of >= SG_MIN_QCOLS */
     int T = (W + sg->n_groups - 1) / sg->n_groups, nh = c->n_heads, cols = (int)(c->hidden_size / SG_MIN_COLS);
-    sg->p_hc = T < cols ? T : cols > 0 ? cols : 1;
-    if (sg->p_hc > MF_SG_MAX_PARTS) sg->p_hc = MF_SG_MAX_PARTS;
-    sg->p_mix = T < SG_MAX_MIX ? T : SG_MAX_MIX;
+    int hc_max = cols < 1 ? 1 : cols < MF_SG_MAX_PARTS ? cols : MF_SG_MAX_PARTS;
+    sg->p_hc = sg_wave_parts(sg->n_groups, W, T < hc_max ? T : hc_max, hc_max);
+    sg->p_mix = sg_wave_parts(sg->n_groups, W, T < SG_MAX_MIX ? T : SG_MAX_MIX, SG_MAX_MIX);
     /* head groups: from T, the fewest that keep the last wave of the groups' tasks 95% full
      * (batch 64 on 44 workers: 2 groups, 128 tasks in three waves, not 64 in two) */
     int ta = sg_wave_parts(sg->n_groups, W, T < nh ? T : nh, nh);
