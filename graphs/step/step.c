@@ -1085,6 +1085,8 @@ static int mf_task_dev_out(void *arg, mf_task_ctx *ctx)
 /* Router: the top-k of the gate logits, then the slot table: the distinct experts in
  * ascending id, each with its items in item order; inputs gathered into slot order (and
  * quantized for the int8 path). */
+static int mf_step_gather_rows(mf_step_shape *sh, int h, int i0, int i1, int p, int P);
+
 static int mf_task_route(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
@@ -1094,7 +1096,6 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
     mf_step *eng = sh->eng;
     const mf_config *c = eng->c;
     int K = c->n_experts_per_tok, E = c->n_routed_experts;
-    int64_t H = c->hidden_size;
     /* the micro-batch's items [i0, i1) and slots [s0, s1) (its rows in slot order from i0 * K):
      * the other micro-batch's route runs before this one's MoE starts or after it ends, so the
      * expert counts and fills are this route's alone */
@@ -1120,7 +1121,6 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
         for (int k = 0; k < K; k++) {
             int e = sh->ex[i * K + k], row = sh->fill[e]++;
             sh->asg[i * K + k] = row;
-            memcpy(sh->xg + (size_t)row * H, sh->xin + (size_t)i * H, sizeof(float) * (size_t)H);
             sh->wg[row] = sh->wt[i * K + k];
         }
     if (eng->store) {
@@ -1135,8 +1135,29 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
      * on a card, its tasks on the other cards): the executor completes them where they become
      * ready, without waking a lane's thread or a round trip through a card's stream */
     mf_stepgraph_mark_noop_half(sh->sg, a->t->layer, h, sh->n_used[h], sh->slot_card ? sh->slot_card + s0 : NULL);
+        return sh->sg->p_gather > 1 ? 0 : mf_step_gather_rows(sh, h, i0, i1, 0, 1);
+}
+
+/* Part p of P of micro-batch h's row gather: the used slots [s0 + n p / P, s0 + n (p + 1) / P)
+ * of its n, their rows (in slot order, as the route assigned them: asg) copied from the inputs
+ * of items [i0, i1), the host slots' rows quantized (the cards quantize their own). Any split
+ * gives the same bytes. */
+static int mf_step_gather_rows(mf_step_shape *sh, int h, int i0, int i1, int p, int P)
+{
+    mf_step *eng = sh->eng;
+    int K = eng->c->n_experts_per_tok, n = sh->n_used[h], s0 = sh->sg->half_slot[h];
+    int64_t H = eng->c->hidden_size;
+    int a = s0 + (int)((int64_t)n * p / P), b = s0 + (int)((int64_t)n * (p + 1) / P);
+    if (a >= b) return 0;
+    int r0 = sh->slot_off[a], r1 = sh->slot_off[b - 1] + sh->slot_cnt[b - 1];
+    for (int i = i0; i < i1; i++)
+        for (int k = 0; k < K; k++) {
+            int row = sh->asg[i * K + k];
+            if (row >= r0 && row < r1)
+                memcpy(sh->xg + (size_t)row * H, sh->xin + (size_t)i * H, sizeof(float) * (size_t)H);
+        }
     if (!eng->o.exact)
-        for (int s = s0; s < ns; s++) {
+        for (int s = a; s < b; s++) {
             if (sh->slot_card && sh->slot_card[s] >= 0) continue;   /* the card quantizes its own */
             int rc = mf_kern_q8_init(&sh->q8x[s], sh->q8x_mem + (size_t)s * sh->q8x_bytes, sh->q8x_bytes,
                                      sh->slot_cnt[s], (int)H);
@@ -1145,6 +1166,13 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
             if (rc) return rc;
         }
     return 0;
+}
+
+static int mf_task_route_rows(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    return mf_step_gather_rows(a->sh, a->t->half, a->t->i0, a->t->i1, a->t->part, a->sh->sg->p_gather);
 }
 
 /* End of a layer's MoE: the store's batch is closed (read experts marked present) and the
@@ -1654,6 +1682,7 @@ static const mf_task_fn mf_step_fn_of[MF_SG_N_OPS] = {
     [MF_SG_ATTN_ROWS] = mf_task_attn_rows,       [MF_SG_ATTN_QNORM] = mf_task_attn_qnorm,
     [MF_SG_ATTN_CORE] = mf_task_attn_core,       [MF_SG_ATTN_POST] = mf_task_attn_post,
     [MF_SG_GATE_ROWS] = mf_task_gate_rows,       [MF_SG_ROUTE] = mf_task_route,
+    [MF_SG_ROUTE_ROWS] = mf_task_route_rows,
     [MF_SG_MOE_DONE] = mf_task_moe_done,         [MF_SG_SLOT_UP] = mf_task_slot_up,
     [MF_SG_SLOT_JOIN] = mf_task_slot_join,       [MF_SG_SLOT_DOWN] = mf_task_slot_down,
     [MF_SG_DEV_IN] = mf_task_dev_in,             [MF_SG_DEV_FFN] = mf_task_dev_ffn,

@@ -32,6 +32,8 @@
 #define SG_STORE_ALIGN 4096.0   /* host/store.c MF_STORE_SLOT_ALIGN: reads are aligned extents */
 #define SG_CARD_ALIGN 256.0     /* a part's alignment in a card's cache slot */
 #define SG_MAX_EXP_PARTS 32   /* row parts of one routed expert */
+#define SG_MIN_GATHER 4         /* rows of a route's gather part, at least */
+#define SG_MAX_GATHER 16        /* parts of a route's gather, at most */
 #define SG_MAX_MIX 4            /* row parts of a hyper-connection mix */
 #define SG_MIN_COLS 64          /* columns of a hyper-connection part, at least */
 #define SG_MIN_QCOLS 16         /* columns of a q norm part, at least (tiny's 64: 4 parts) */
@@ -276,6 +278,8 @@ typedef struct sg_builder {
     int h, h0, h1, k0, k1;
     int g0, g1;                  /* its item groups [g0, g1) */
     mf_task_id last_done;
+    mf_task_id route, rows;       /* the layer's route task and what its slots' work waits for (the
+                                   * rows join, or the route with one gather part) */
     char name[64];
 } sg_builder;
 
@@ -1175,13 +1179,32 @@ static mf_task_id sg_router(sg_builder *b, int L, const mf_task_id *post)
 {
     const mf_config *c = b->o->c;
     mf_stepgraph *sg = b->sg;
-    int n = b->h1 - b->h0, K = c->n_experts_per_tok, E = c->n_routed_experts;
+    int n = b->h1 - b->h0, K = c->n_experts_per_tok, E = c->n_routed_experts, pg = sg->p_gather;
     double H = (double)c->hidden_size;
     SG_NAME(b, "route L%d", L);
     mf_sg_task t = sg_rec(L);
     sg_span(b, &t);
-    t.w.ref_flops = n * (H * K * 2.0 + 4.0 * E);
+    /* top-k and tables; the gather of the n K rows (a copy and a quantize: 2 per value) here with
+     * one part, else in its parts */
+    t.w.ref_flops = n * ((pg > 1 ? 0 : H * K * 2.0) + 4.0 * E);
     mf_task_id ro = sg_add(b, 0, MF_SG_ROUTE, MF_SG_PH_MOE, MF_SG_K_OTHER, t);
+    b->route = ro;
+    if (pg > 1) {   /* route -> row parts -> rows join: what the slots' work waits for */
+        SG_NAME(b, "route L%d rows join", L);
+        mf_task_id rj = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_MOE, MF_SG_K_OTHER, sg_rec(L));
+        for (int p = 0; p < pg; p++) {
+            SG_NAME(b, "route L%d rows %d", L, p);
+            mf_sg_task tg = sg_rec(L);
+            sg_span(b, &tg);
+            tg.part = p;
+            tg.w.ref_flops = n * H * K * 2.0 / pg;
+            mf_task_id gt = sg_add(b, 0, MF_SG_ROUTE_ROWS, MF_SG_PH_MOE, MF_SG_K_OTHER, tg);
+            sg_dep(b, ro, gt);
+            sg_dep(b, gt, rj);
+        }
+        b->rows = rj;
+    } else
+        b->rows = ro;
     if (sg->n_dense_cards) {   /* on the layer's card: MoE input in, the gate (bf16), logits out */
         t = sg_rec(L);
         double gb = b->o->sz->layer[L].gate_bytes;
@@ -1210,8 +1233,8 @@ static mf_task_id sg_router(sg_builder *b, int L, const mf_task_id *post)
 }
 
 /* Slot s of layer L on card cd: in -> ffn (or the card's FFN graph cffn) -> out, between the
- * slot's reads (after route) and done. */
-static void sg_slot_card(sg_builder *b, int L, int s, int cd, mf_task_id ro, mf_task_id cffn, mf_task_id done)
+ * slot's reads and gathered rows (b->rows) and done. */
+static void sg_slot_card(sg_builder *b, int L, int s, int cd, mf_task_id cffn, mf_task_id done)
 {
     const mf_config *c = b->o->c;
     const mf_sg_sizes *z = b->o->sz;
@@ -1244,7 +1267,7 @@ static void sg_slot_card(sg_builder *b, int L, int s, int cd, mf_task_id ro, mf_
     tid[0] = din;
     tid[1] = sg->dev_graphs ? -1 : dff;
     tid[2] = dout;
-    sg_dep(b, ro, din);
+    sg_dep(b, b->rows, din);
     for (int j = 0; j < sg->n_io_parts; j++) sg_dep(b, b->io[(size_t)s * sg->n_io_parts + j], din);
     sg_dep(b, din, dff);
     sg_dep(b, dff, dout);
@@ -1252,7 +1275,7 @@ static void sg_slot_card(sg_builder *b, int L, int s, int cd, mf_task_id ro, mf_
 }
 
 /* Slot s of layer L: [reads] -> up parts -> join -> down parts on the host, and per card its
- * device tasks, between route and done. */
+ * device tasks, between route (the reads) or its gathered rows (b->rows: the work) and done. */
 static void sg_slot(sg_builder *b, int L, int s, mf_task_id ro, const mf_task_id *cffn, mf_task_id done)
 {
     const mf_config *c = b->o->c;
@@ -1304,13 +1327,13 @@ static void sg_slot(sg_builder *b, int L, int s, mf_task_id ro, const mf_task_id
         td.w.calls[MF_KF_FP4] = 1;
         td.w.ref_flops_tok = SG_W_ROUND * H / pe;   /* each output rounded to bf16 */
         mf_task_id dn = tid[pe + p] = sg_add(b, ln, MF_SG_SLOT_DOWN, MF_SG_PH_MOE, MF_SG_K_EXPERT, td);
-        sg_dep(b, ro, up);
+        sg_dep(b, b->rows, up);
         for (int j = 0; j < np; j++) sg_dep(b, io[j], up);
         sg_dep(b, up, jo);
         sg_dep(b, jo, dn);
         sg_dep(b, dn, done);
     }
-    for (int cd = 0; cd < sg->n_cards; cd++) sg_slot_card(b, L, s, cd, ro, sg->dev_graphs ? cffn[cd] : -1, done);
+    for (int cd = 0; cd < sg->n_cards; cd++) sg_slot_card(b, L, s, cd, sg->dev_graphs ? cffn[cd] : -1, done);
 }
 
 /* The shared expert of layer L: up parts (after post[], and route with a store) -> join -> down
@@ -1482,6 +1505,18 @@ static void sg_halves(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->n_slots = sg->half_slot[sg->n_halves];
 }
 
+/* Parts per task of n tasks on W workers: the fewest from p_min that keep the last wave of the
+ * n p tasks at least 95% full, at most p_max. */
+static int sg_wave_parts(int n, int W, int p_min, int p_max)
+{
+    int p = p_min;
+    for (; p < p_max; p++) {
+        int tasks = n * p, waves = (tasks + W - 1) / W;
+        if (tasks >= 0.95 * waves * W) break;
+    }
+    return p;
+}
+
 /* Part counts of the shape (one home: the engine's buffers and the simulator read them here). */
 static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
 {
@@ -1505,15 +1540,7 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
      * give at least two tasks per worker and keep the last wave of tasks at least 95% full (6
      * slots on 44 workers: 8 parts are 48 tasks, a second wave of 4, twice the time; 22 parts
      * are 132, three full waves), at most SG_MAX_EXP_PARTS */
-    sg->p_exp = 1;
-    if (ns_half < 2 * W) {
-        int p = (2 * W + ns_half - 1) / ns_half;
-        for (; p < SG_MAX_EXP_PARTS; p++) {
-            int tasks = ns_half * p, waves = (tasks + W - 1) / W;
-            if (tasks >= 0.95 * waves * W) break;
-        }
-        sg->p_exp = p;
-    }
+    sg->p_exp = ns_half < 2 * W ? sg_wave_parts(ns_half, W, (2 * W + ns_half - 1) / ns_half, SG_MAX_EXP_PARTS) : 1;
     /* with sockets, a multiple of them: each socket's share of the rows (mf_topo_rows) in equal
      * parts, so that every part lies in one socket's memory */
     int S = o->n_sockets > 1 && o->lane_sock ? o->n_sockets : 1;
@@ -1522,6 +1549,18 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
      * multiple of 2, 4 and 8 sockets: with another count the last socket's extra parts are empty) */
     sg->p_sh = c->n_shared_experts > 0 ? ((W < 8 ? W : 8) + S - 1) / S * S : 0;
     sg->p_head = (2 * W + S - 1) / S * S;
+    /* a route's row gather: parts of >= SG_MIN_GATHER rows, at most one per worker and
+     * SG_MAX_GATHER (batch 64: 384 rows, 16 parts), one (in the route) for a few rows */
+    int max_items = 0;
+    for (int h = 0; h < sg->n_halves; h++) {
+        int items = sg->half_end[h] - (h ? sg->half_end[h - 1] : 0);
+        if (items > max_items) max_items = items;
+    }
+    int g_rows = max_items * c->n_experts_per_tok;
+    sg->p_gather = (g_rows + SG_MIN_GATHER - 1) / SG_MIN_GATHER;
+    if (sg->p_gather > W) sg->p_gather = W;
+    if (sg->p_gather > SG_MAX_GATHER) sg->p_gather = SG_MAX_GATHER;
+    if (sg->p_gather < 1) sg->p_gather = 1;
     /* attention stages, Engram wkv, router gate: one part per worker (row chunks of >= 16) */
     sg->p_attn = ((W < MF_SG_MAX_PARTS ? W : MF_SG_MAX_PARTS) + S - 1) / S * S;
     if (sg->p_attn > MF_SG_MAX_PARTS) sg->p_attn = MF_SG_MAX_PARTS;
@@ -1529,10 +1568,13 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
      * item; hyper-connection columns in chunks of >= SG_MIN_COLS, mixes in up to SG_MAX_MIX row
      * parts, heads in equal groups; the q norm's columns in chunks of >= SG_MIN_QCOLS */
     int T = (W + sg->n_groups - 1) / sg->n_groups, nh = c->n_heads, cols = (int)(c->hidden_size / SG_MIN_COLS);
-    sg->p_hc = T < cols ? T : cols > 0 ? cols : 1;
-    if (sg->p_hc > MF_SG_MAX_PARTS) sg->p_hc = MF_SG_MAX_PARTS;
-    sg->p_mix = T < SG_MAX_MIX ? T : SG_MAX_MIX;
-    sg->ah_heads = (nh + (T < nh ? T : nh) - 1) / (T < nh ? T : nh);
+    int hc_max = cols < 1 ? 1 : cols < MF_SG_MAX_PARTS ? cols : MF_SG_MAX_PARTS;
+    sg->p_hc = sg_wave_parts(sg->n_groups, W, T < hc_max ? T : hc_max, hc_max);
+    sg->p_mix = sg_wave_parts(sg->n_groups, W, T < SG_MAX_MIX ? T : SG_MAX_MIX, SG_MAX_MIX);
+    /* head groups: from T, the fewest that keep the last wave of the groups' tasks 95% full
+     * (batch 64 on 44 workers: 2 groups, 128 tasks in three waves, not 64 in two) */
+    int ta = sg_wave_parts(sg->n_groups, W, T < nh ? T : nh, nh);
+    sg->ah_heads = (nh + ta - 1) / ta;
     sg->p_ah = (nh + sg->ah_heads - 1) / sg->ah_heads;
     int qcols = (int)(c->q_lora_rank / SG_MIN_QCOLS);
     sg->p_qn = T < qcols ? T : qcols > 0 ? qcols : 1;

@@ -90,6 +90,9 @@ typedef enum mf_sg_op {
                            * selected compressed entries, each unpacked once) and the sinks */
     MF_SG_ATTN_QPREP,     /* item: its queries rounded and roped (mf_fa_heads_q), its key list */
     MF_SG_ATTN_OPOST,     /* item: the heads' outputs inverse-roped (mf_fa_heads_o) */
+    MF_SG_ROUTE_ROWS,     /* part `part` of p_gather of the micro-batch's used slots (in slot order,
+                           * equal counts): their rows gathered from the items, the host slots'
+                           * rows quantized (with p_gather 1 MF_SG_ROUTE does it, no such task) */
     MF_SG_N_OPS
 } mf_sg_op;
 
@@ -322,6 +325,7 @@ typedef struct mf_stepgraph {
     int n_groups;
     int group_end[MF_SG_MAX_GROUPS];
     int p_exp, p_sh, p_head, p_attn;   /* row parts per expert, shared expert, head, stage */
+    int p_gather;                 /* parts of a route's row gather (MF_SG_ROUTE_ROWS; 1: in the route) */
     /* per item: column parts of the hyper-connection tasks (collapse, norms, expand, combine),
      * row parts of each mix, attention head groups (of ah_heads heads); q norm column parts */
     int p_hc, p_mix, p_ah, ah_heads, p_qn, p_key;   /* p_key: index score parts per item */
