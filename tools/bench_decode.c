@@ -45,8 +45,13 @@ static void mf_bench_decode_usage(FILE *f)
             "the fused int8 kernel's rate on the model's expert shape at 64 tokens on the same\n"
             "threads, measured by this command before the engines run; and the floor fraction: the\n"
             "time a decode step's weights (the bytes its host kernels read, from the records) take at\n"
-            "the streaming read rate of the same threads (measured as calibrate does, best of 5) over\n"
-            "the measured step time (at batch 1: how close a token is to the memory floor).\n"
+            "the streaming read rate of the same threads over the mean measured step time (at batch 1:\n"
+            "how close a token is to the memory floor). The read rate is the best pass of a probe: the\n"
+            "--threads threads, unbound as the engine's workers, each read its slice of a 256 MiB buffer\n"
+            "(2 MiB pages where the kernel allows, as the weights) once with 32-byte loads, timed from a\n"
+            "common start to the last one's end; 5 passes before the engines run and one after every\n"
+            "scheduled decode step (untimed), so a rate that moves during the run is seen at its best.\n"
+            "The JSON adds the passes' median and lowest, and the floor fraction of the median step.\n"
             "--micro-batches 2: the scheduled engine with two micro-batches in flight (batch >= 2).\n"
             "--sockets N|auto (default auto: one lane where hwloc finds one NUMA node): the\n"
             "scheduled engine with one CPU lane per socket, workers pinned,\n"
@@ -78,7 +83,23 @@ typedef struct mf_bd_run {
     double prefill_macs, decode_macs;   /* scheduled engine: kernel multiply-adds (mf_step_times) */
     double decode_weight_bytes;         /* scheduled engine: weight bytes its kernels read in decode */
     int32_t *tokens;                    /* steps x batch: the greedy inputs fed */
+    double *step_s;                     /* steps: each step's wall time */
+    /* the read probe: when set, one pass on probe_threads after every decode step (untimed) */
+    mf_hwcal_probe *probe;
+    int probe_threads, n_read;
+    double *read_v;                     /* the passes' rates, n_read of them */
 } mf_bd_run;
+
+/* The read probe: a buffer of MF_BD_READ_BYTES (8x a 32 MiB last-level cache: read from DRAM),
+ * MF_BD_READ_FIRST passes before the engines run and one after every scheduled decode step. */
+#define MF_BD_READ_BYTES ((size_t)256 << 20)
+#define MF_BD_READ_FIRST 5
+
+static int mf_bd_cmp(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
 
 /* ---- the fused kernel's multiply-add rate ---------------------------------------------------- */
 
@@ -237,6 +258,9 @@ static int mf_bd_engine(mf_ref *r, mf_step *eng, int64_t V, int batch, int n_pro
         out->decode_cpu_s += mf_bd_cpu_s() - c0;
         for (int p = 0; p < MF_STEP_N_PHASES; p++) out->phase_s[p] += ph[p];
         out->total_s += total;
+        if (out->step_s) out->step_s[k] = total;
+        if (out->probe && (rc = mf_hwcal_probe_pass(out->probe, out->probe_threads, &out->read_v[out->n_read++])))
+            break;
         if (!quiet_rows) {
             char label[16];
             snprintf(label, sizeof label, "%d", k);
@@ -365,7 +389,9 @@ int mf_bench_decode(int argc, char **argv)
     logits = malloc(sizeof(float) * (size_t)c->vocab_size * (size_t)batch);
     ref.tokens = malloc(sizeof(int32_t) * (size_t)(steps * batch));
     sch.tokens = malloc(sizeof(int32_t) * (size_t)(steps * batch));
-    if (!logits || !ref.tokens || !sch.tokens) {
+    sch.step_s = malloc(sizeof(double) * (size_t)steps);
+    sch.read_v = malloc(sizeof(double) * (size_t)(steps + MF_BD_READ_FIRST));
+    if (!logits || !ref.tokens || !sch.tokens || !sch.step_s || !sch.read_v) {
         mf_error(-ENOMEM, "out of memory");
         goto fail;
     }
@@ -373,14 +399,24 @@ int mf_bench_decode(int argc, char **argv)
         printf("bench decode: %s, batch %ld, %ld-token prompt, %ld steps; scheduled engine on %ld threads (%s "
                "experts)%s\n", dir, batch, n_prompt, steps, threads, exact ? "fp32" : "int8",
                no_ref ? "; no reference engine" : "");
-    double kern_rate = 0, read_rate = 0;
+    double kern_rate = 0, read_rate = 0, read_med = 0, read_min = 0;
     if (mf_bd_kernel_rate(c, (int)threads, &kern_rate)) goto fail;
-    /* the read rate, as calibrate's mem_bytes_per_s: 256 MiB (out of the caches), best of 5 */
-    if (mf_hwcal_read_rate((int)threads, (size_t)256 << 20, 5, &read_rate)) goto fail;
+    /* the read rate (the usage text says what and why): MF_BD_READ_FIRST passes now, one after
+     * every scheduled decode step, the best of all */
+    if (mf_hwcal_probe_new(MF_BD_READ_BYTES, &sch.probe)) goto fail;
+    sch.probe_threads = (int)threads;
+    for (int k = 0; k < MF_BD_READ_FIRST; k++)
+        if (mf_hwcal_probe_pass(sch.probe, (int)threads, &sch.read_v[sch.n_read++])) goto fail;
     if ((!no_ref && mf_bd_engine(r, NULL, c->vocab_size, (int)batch, (int)n_prompt, (int)steps, json, logits, &ref)) ||
         mf_bd_engine(r, eng, c->vocab_size, (int)batch, (int)n_prompt, (int)steps, json, logits, &sch))
         goto fail;
     if (trace && mf_step_write_trace(eng, trace)) goto fail;
+    qsort(sch.read_v, (size_t)sch.n_read, sizeof(double), mf_bd_cmp);
+    read_rate = sch.read_v[sch.n_read - 1];
+    read_min = sch.read_v[0];
+    read_med = sch.read_v[sch.n_read / 2];
+    qsort(sch.step_s, (size_t)steps, sizeof(double), mf_bd_cmp);
+    double step_med = sch.step_s[steps / 2];
     double tps = batch * steps / sch.total_s, rtps = no_ref ? 0 : batch * steps / ref.total_s;
     double ptps = batch * n_prompt / sch.prefill_s, rptps = no_ref ? 0 : batch * n_prompt / ref.prefill_s;
     /* compute fraction: kernel multiply-adds per second over the fused kernel's rate */
@@ -388,7 +424,7 @@ int mf_bench_decode(int argc, char **argv)
     double frac = (sch.prefill_macs + sch.decode_macs) / (sch.prefill_s + sch.total_s) / kern_rate;
     /* floor fraction: the time to read a step's weights at the read rate over the measured step */
     double step_bytes = sch.decode_weight_bytes / steps, floor_s = step_bytes / read_rate;
-    double floor_frac = floor_s / (sch.total_s / steps);
+    double floor_frac = floor_s / (sch.total_s / steps), floor_frac_med = floor_s / step_med;
     int same = 0;
     for (long k = 0; k < steps * batch && !no_ref; k++) same += ref.tokens[k] == sch.tokens[k];
     if (json) {
@@ -405,10 +441,13 @@ int mf_bench_decode(int argc, char **argv)
                "\"compute_fraction\":%.6g,\"prefill_compute_fraction\":%.6g,\"decode_compute_fraction\":%.6g,"
                "\"prefill_macs_per_token\":%.6g,\"decode_macs_per_token\":%.6g,\"kernel_macs_per_s\":%.6g,"
                "\"prefill_s\":%.6g,\"prefill_cpu_s\":%.6g,\"decode_s\":%.6g,\"decode_cpu_s\":%.6g,"
-               "\"decode_weight_bytes_per_step\":%.6g,\"read_bytes_per_s\":%.6g,\"floor_fraction\":%.6g,",
+               "\"decode_weight_bytes_per_step\":%.6g,\"read_bytes_per_s\":%.6g,\"floor_fraction\":%.6g,"
+               "\"read_bytes_per_s_median\":%.6g,\"read_bytes_per_s_min\":%.6g,\"read_passes\":%d,"
+               "\"step_s_median\":%.6g,\"floor_fraction_median_step\":%.6g,",
                tps, rt, sp, batch, threads, steps, n_prompt, chunk ? chunk : MF_STEP_PREFILL_CHUNK, exact, sm, ptps, rp, tps, frac, pfrac, dfrac,
                sch.prefill_macs / (batch * n_prompt), sch.decode_macs / (batch * steps), kern_rate, sch.prefill_s,
-               sch.prefill_cpu_s, sch.total_s, sch.decode_cpu_s, step_bytes, read_rate, floor_frac);
+               sch.prefill_cpu_s, sch.total_s, sch.decode_cpu_s, step_bytes, read_rate, floor_frac, read_med, read_min,
+               sch.n_read, step_med, floor_frac_med);
         mf_bd_json_phases("phases", &sch, (int)steps);
         printf(",");
         if (no_ref) printf("\"reference_phases\":null");
@@ -427,8 +466,10 @@ int mf_bench_decode(int argc, char **argv)
                sch.prefill_macs / (batch * n_prompt) / 1e6, dfrac, sch.decode_macs / (batch * steps) / 1e6, frac,
                kern_rate / 1e9, threads);
         printf("floor fraction: %.3f (a decode step's %.1f MB of weights at the measured read rate of %.2f GB/s "
-               "on %ld threads take %.2f ms; the step took %.2f ms)\n", floor_frac, step_bytes / 1e6, read_rate / 1e9,
-               threads, floor_s * 1e3, sch.total_s / steps * 1e3);
+               "on %ld threads take %.2f ms; the step took %.2f ms); %.3f of the median step (%.2f ms); read "
+               "rate: best of %d passes, median %.2f, lowest %.2f GB/s\n", floor_frac, step_bytes / 1e6,
+               read_rate / 1e9, threads, floor_s * 1e3, sch.total_s / steps * 1e3, floor_frac_med, step_med * 1e3,
+               sch.n_read, read_med / 1e9, read_min / 1e9);
         if (trace) printf("trace of the last scheduled step: %s\n", trace);
     }
     ret = 0;
@@ -439,6 +480,9 @@ out:
     free(logits);
     free(ref.tokens);
     free(sch.tokens);
+    free(sch.step_s);
+    free(sch.read_v);
+    mf_hwcal_probe_free(sch.probe);
     mf_step_free(eng);
     mf_dev_close(dev);
     mf_ref_free(r);

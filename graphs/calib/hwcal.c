@@ -19,6 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "host/hostmem.h"
 #include "host/kernels.h"
 #include "sched/clock.h"
 #include "sched/error.h"
@@ -266,21 +267,50 @@ static int mf_hwcal_read_bw(const mf_hwcal_topo *t, hwloc_const_cpuset_t bind, c
     return 0;
 }
 
+struct mf_hwcal_probe {
+    uint8_t *buf;
+    size_t bytes;
+    mf_hwcal_topo t;   /* unused (unbound threads); mf_hwcal_read_bw's argument */
+};
+
+int mf_hwcal_probe_new(size_t bytes, mf_hwcal_probe **out)
+{
+    *out = NULL;
+    mf_hwcal_probe *p = calloc(1, sizeof *p);
+    if (!p || !(p->buf = mf_hostmem_map(bytes, 1))) {
+        free(p);
+        return mf_error(-ENOMEM, "read probe: out of memory (%zu MiB)", bytes >> 20);
+    }
+    p->bytes = bytes;
+    for (size_t i = 0; i + 8 <= bytes; i += 8) *(uint64_t *)(p->buf + i) = i * 0x9e3779b97f4a7c15ull;   /* pages in, not zero */
+    *out = p;
+    return 0;
+}
+
+int mf_hwcal_probe_pass(mf_hwcal_probe *p, int n_threads, double *bytes_per_s)
+{
+    *bytes_per_s = 0;
+    return mf_hwcal_read_bw(&p->t, NULL, p->buf, p->bytes, n_threads < 1 ? 1 : n_threads, bytes_per_s);
+}
+
+void mf_hwcal_probe_free(mf_hwcal_probe *p)
+{
+    if (!p) return;
+    mf_hostmem_unmap(p->buf, p->bytes, 1);
+    free(p);
+}
+
 int mf_hwcal_read_rate(int n_threads, size_t bytes, int reps, double *bytes_per_s)
 {
-    mf_hwcal_topo t = {0};
-    uint8_t *buf = NULL;
+    mf_hwcal_probe *p = NULL;
     *bytes_per_s = 0;
-    if (n_threads < 1) n_threads = 1;
-    if (posix_memalign((void **)&buf, 4096, bytes)) return mf_error(-ENOMEM, "read rate: out of memory (%zu MiB)", bytes >> 20);
-    for (size_t i = 0; i < bytes; i += 8) *(uint64_t *)(buf + i) = i * 0x9e3779b97f4a7c15ull;   /* pages in, not zero */
-    int rc = 0;
+    int rc = mf_hwcal_probe_new(bytes, &p);
     for (int r = 0; r < reps && !rc; r++) {
         double v = 0;
-        rc = mf_hwcal_read_bw(&t, NULL, buf, bytes, n_threads, &v);
+        rc = mf_hwcal_probe_pass(p, n_threads, &v);
         if (!rc && v > *bytes_per_s) *bytes_per_s = v;
     }
-    free(buf);
+    mf_hwcal_probe_free(p);
     return rc;
 }
 

@@ -27,9 +27,20 @@ typedef struct mf_hwcal_opts {
 int mf_hwcal_run(const mf_hwcal_opts *o, mf_profile *out);
 
 /* The streaming read rate of n_threads threads (unbound) each reading its slice of a `bytes`
- * buffer once, as calibrate measures mem_bytes_per_s: the best of `reps` rounds, bytes/s. 0 or
- * -ENOMEM / -EAGAIN with a message. */
+ * buffer once, started together and timed to the last one's end, as calibrate measures
+ * mem_bytes_per_s: the best of `reps` rounds, bytes/s. The buffer is mapped as the model's
+ * weights are (mf_hostmem_map: 2 MiB pages where the kernel allows) and filled before the first
+ * round. 0 or -ENOMEM / -EAGAIN with a message. */
 int mf_hwcal_read_rate(int n_threads, size_t bytes, int reps, double *bytes_per_s);
+
+/* The same measure one pass at a time over a buffer kept between passes, so a caller can
+ * interleave passes with other work (bench decode: one after every decode step). _new maps and
+ * fills `bytes` (0 or -ENOMEM); _pass is one round of mf_hwcal_read_rate (0 or -EAGAIN);
+ * _free takes NULL. Not thread-safe: one pass at a time. */
+typedef struct mf_hwcal_probe mf_hwcal_probe;
+int mf_hwcal_probe_new(size_t bytes, mf_hwcal_probe **out);
+int mf_hwcal_probe_pass(mf_hwcal_probe *p, int n_threads, double *bytes_per_s);
+void mf_hwcal_probe_free(mf_hwcal_probe *p);
 
 /* "HOST DATE" (UTC date) as the sources name it, and the CPU model from /proc/cpuinfo. */
 void mf_hwcal_host_date(char *buf, int cap);
