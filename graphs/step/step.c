@@ -38,7 +38,7 @@ typedef struct mf_step_shape mf_step_shape;
 #define MF_STEP_N_MIX ((2 + MF_LY_MAX_HC) * MF_LY_MAX_HC)
 /* Shapes kept for unit patterns other than all-parallel and serial. Each holds its graph (and
  * its cards' buffers); their host buffers are one arena for all (mf_step.umem). */
-#define MF_STEP_UNIT_SHAPES 64
+#define MF_STEP_UNIT_SHAPES 32
 
 /* One task's argument: its shape and its record in the step graph (what it is: layer, stage,
  * slot, part, card, items; graphs/step/stepgraph.h). The layer context (scratch) it uses is its
