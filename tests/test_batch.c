@@ -102,6 +102,17 @@ static void test_cli(mf_ref *r, mf_step *e, const char *dir)
              "--output-tokens 2-4 --warmup 0 --threads 2 --json", ids);
     CHECK(mf_test_cli(cmd, out, sizeof out) == 0 && strstr(out, "\"mode\":\"continuous\",\"concurrency\":2") &&
           strstr(out, "\"mode\":\"static\"") && strstr(out, "\"itl_p99_s\":"), "bench serve --json: '%s'", out);
+    {   /* both modes prefill the same prompt tokens; static's prefills carry no decode items */
+        const char *st = strstr(out, "\"mode\":\"static\"");
+        long pc = -1, ps = -1, dc = -1, ds = -1;
+        const char *a = strstr(out, "\"prefill_items\":"), *b = st ? strstr(st, "\"prefill_items\":") : NULL;
+        const char *c = strstr(out, "\"prefill_forward_decode_items\":"), *d = st ? strstr(st, "\"prefill_forward_decode_items\":") : NULL;
+        if (a && b && c && d && a < st && c < st) {
+            pc = atol(a + 16), ps = atol(b + 16), dc = atol(c + 31), ds = atol(d + 31);
+        }
+        CHECK(pc > 0 && pc == ps && dc >= 0 && ds == 0 && strstr(out, "\"prefill_forward_cpu_s\":"),
+              "bench serve --json prefill accounting: %ld %ld %ld %ld in '%s'", pc, ps, dc, ds, out);
+    }
     snprintf(cmd, sizeof cmd, "bench serve --checkpoint %s --requests 3 --concurrency 1,3 --prompt-tokens 2-5 "
              "--output-tokens 2-3 --warmup 0 --threads 2", ids);
     CHECK(mf_test_cli(cmd, out, sizeof out) == 0 && strstr(out, "ratio           3"), "bench serve: '%s'", out);

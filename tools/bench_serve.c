@@ -42,7 +42,8 @@ static void mf_bench_serve_usage(FILE *f)
             "forward wall time, step shapes built during the pass and their build time, the\n"
             "workers' busy time (summed task durations), the process's CPU time (all threads;\n"
             "less sensitive to other load than wall time), and the forwards that carried prefill\n"
-            "items (static: the prefills) with their prefill items and time.\n");
+            "items (static: the prefills) with their prefill items, the decode items beside them\n"
+            "(continuous: the step's decode tokens) and their wall and CPU time.\n");
 }
 
 typedef struct mf_bs_req {
@@ -61,8 +62,11 @@ typedef struct mf_bs_lat {
  * shapes built during the pass (mf_step_builds). */
 typedef struct mf_bs_prof {
     int64_t steps, items, fwd_ns, busy_ns, n_built, build_ns;
-    int64_t pf_steps, pf_items, pf_ns;   /* of those, forwards with prefill items (static: the prefills) */
-    double cpu_s;   /* the process's CPU time over the pass (all threads) */
+    /* of those, forwards with prefill items (static: the prefills): their prefill items, the
+     * decode items beside them (continuous: a step's decode tokens; static: none), wall time */
+    int64_t pf_steps, pf_items, pf_dec, pf_ns;
+    double cpu_s;      /* the process's CPU time over the pass (all threads) */
+    double fwd_cpu_s, pf_cpu_s;   /* of it, during the forwards; during those with prefill items */
 } mf_bs_prof;
 
 static double mf_bs_cpu_s(void)
@@ -72,18 +76,23 @@ static double mf_bs_cpu_s(void)
     return ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
-static void mf_bs_fwd(mf_step *e, mf_bs_prof *p, int items, int pf_items)
+/* Accounts the forward that just ended (begun at process CPU time cpu0). */
+static void mf_bs_fwd(mf_step *e, mf_bs_prof *p, int items, int pf_items, double cpu0)
 {
     mf_step_times t;
     mf_step_last_times(e, &t);
+    double cpu = mf_bs_cpu_s() - cpu0;
     if (pf_items) {
         p->pf_steps++;
         p->pf_items += pf_items;
+        p->pf_dec += items - pf_items;
         p->pf_ns += t.wall_ns;
+        p->pf_cpu_s += cpu;
     }
     p->steps++;
     p->items += items;
     p->fwd_ns += t.wall_ns;
+    p->fwd_cpu_s += cpu;
     for (int k = 0; k < MF_STEP_N_PHASES; k++) p->busy_ns += t.busy_ns[k];
 }
 
@@ -142,9 +151,10 @@ static int mf_bs_continuous(mf_ref *r, mf_step *e, mf_bs_req *q, int n, int conc
         int items = 0;
         mf_batch_stats s0, s1;
         mf_batch_get_stats(x.b, &s0);
+        double cpu0 = mf_bs_cpu_s();
         rc = mf_batch_step(x.b, &items);
         mf_batch_get_stats(x.b, &s1);
-        if (items) mf_bs_fwd(e, pr, items, (int)(s1.prefill_items - s0.prefill_items));
+        if (items) mf_bs_fwd(e, pr, items, (int)(s1.prefill_items - s0.prefill_items), cpu0);
         if (!rc && !items && x.done < n) rc = mf_error(-EIO, "bench serve: the batcher stalled");
     }
     *sec = (mf_now_ns() - t0) / 1e9;
@@ -170,8 +180,9 @@ static int mf_bs_static(mf_ref *r, mf_step *e, mf_bs_req *q, int n, int conc, in
         int nb = n - base < conc ? n - base : conc;
         for (int i = 0; i < nb && !rc; i++) {
             mf_ref_state_reset(st[i]);
+            double cpu0 = mf_bs_cpu_s();
             rc = mf_step_prefill(e, st[i], q[base + i].prompt, q[base + i].n_prompt, lg + (size_t)i * V);
-            mf_bs_fwd(e, pr, q[base + i].n_prompt, q[base + i].n_prompt);
+            mf_bs_fwd(e, pr, q[base + i].n_prompt, q[base + i].n_prompt, cpu0);
         }
         int live[MF_STEP_MAX_ITEMS], n_live = nb;
         for (int i = 0; i < nb; i++) live[i] = i;
@@ -198,8 +209,9 @@ static int mf_bs_static(mf_ref *r, mf_step *e, mf_bs_req *q, int n, int conc, in
             }
             n_live = k;
             if (k) {
+                double cpu0 = mf_bs_cpu_s();
                 rc = mf_step_decode(e, bs, bt, k, lg);
-                mf_bs_fwd(e, pr, k, 0);
+                mf_bs_fwd(e, pr, k, 0, cpu0);
             }
             for (int j = 0; j < k; j++) row[live[j]] = j;
         }
@@ -333,19 +345,21 @@ int mf_bench_serve(int argc, char **argv)
             if (json)
                 printf("%s{\"mode\":\"%s\",\"concurrency\":%d,\"tokens_per_s\":%.3f,\"ttft_p50_s\":%.4f,"
                        "\"ttft_p99_s\":%.4f,\"itl_p50_s\":%.4f,\"itl_p99_s\":%.4f,\"wall_s\":%.3f,\"steps\":%" PRId64 ",\"items\":%" PRId64
-                       ",\"forward_s\":%.3f,\"shapes_built\":%" PRId64 ",\"build_s\":%.3f,\"busy_s\":%.3f,\"cpu_s\":%.3f,\"prefill_forwards\":%" PRId64
-                       ",\"prefill_items\":%" PRId64 ",\"prefill_forward_s\":%.3f}", k + mode ? "," : "",
+                       ",\"forward_s\":%.3f,\"shapes_built\":%" PRId64 ",\"build_s\":%.3f,\"busy_s\":%.3f,\"cpu_s\":%.3f,\"forward_cpu_s\":%.3f,"
+                       "\"prefill_forwards\":%" PRId64 ",\"prefill_items\":%" PRId64 ",\"prefill_forward_decode_items\":%" PRId64
+                       ",\"prefill_forward_s\":%.3f,\"prefill_forward_cpu_s\":%.3f}", k + mode ? "," : "",
                        mode ? "static" : "continuous", cl[k], tps[mode], t50, t99, i50, i99, sec, pr.steps, pr.items,
-                       pr.fwd_ns / 1e9, pr.n_built, pr.build_ns / 1e9, pr.busy_ns / 1e9, pr.cpu_s,
-                       pr.pf_steps, pr.pf_items, pr.pf_ns / 1e9);
+                       pr.fwd_ns / 1e9, pr.n_built, pr.build_ns / 1e9, pr.busy_ns / 1e9, pr.cpu_s, pr.fwd_cpu_s,
+                       pr.pf_steps, pr.pf_items, pr.pf_dec, pr.pf_ns / 1e9, pr.pf_cpu_s);
             else
                 printf("%-11s %5d %9.2f %10.3f %10.3f %10.4f %10.4f %9.2f\n"
                        "%-11s %5s steps %" PRId64 ", %.1f items a step, forwards %.2f s (of which %" PRId64
                        " shapes built in %.2f s), workers busy %.2f s, CPU %.2f s\n"
-                       "%-11s %5s with prefill: %" PRId64 " forwards, %" PRId64 " prefill items, %.2f s\n", mode ? "static" : "continuous", cl[k], tps[mode], t50, t99, i50,
+                       "%-11s %5s with prefill: %" PRId64 " forwards, %" PRId64 " prefill items beside %" PRId64
+                       " decode items, %.2f s (CPU %.2f s)\n", mode ? "static" : "continuous", cl[k], tps[mode], t50, t99, i50,
                        i99, sec, "", "", pr.steps, pr.steps ? (double)pr.items / pr.steps : 0.0, pr.fwd_ns / 1e9,
                        pr.n_built, pr.build_ns / 1e9, pr.busy_ns / 1e9, pr.cpu_s, "", "", pr.pf_steps, pr.pf_items,
-                       pr.pf_ns / 1e9);
+                       pr.pf_dec, pr.pf_ns / 1e9, pr.pf_cpu_s);
             fflush(stdout);
         }
         if (!json) printf("%-11s %5d %8.2fx\n", "ratio", cl[k], tps[0] / tps[1]);

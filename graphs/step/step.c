@@ -36,9 +36,9 @@ typedef struct mf_step_shape mf_step_shape;
 
 /* Floats of one item's hyper-connection mixes ((2 + hc) * hc, at most) */
 #define MF_STEP_N_MIX ((2 + MF_LY_MAX_HC) * MF_LY_MAX_HC)
-/* Shapes kept for unit patterns other than all-parallel and serial (each holds its graph and
- * buffers for its items, the logits rows among them). */
-#define MF_STEP_UNIT_SHAPES 8
+/* Shapes kept for unit patterns other than all-parallel and serial. Each holds its graph (and
+ * its cards' buffers); their host buffers are one arena for all (mf_step.umem). */
+#define MF_STEP_UNIT_SHAPES 32
 /* Compressed entries a prefill chunk's key table for the heads on cards holds at most (with
  * head_dim 512: 32 MiB per card): a chunk whose items' selections together touch more runs the
  * host's heads (mf_step_shape.hk_host) */
@@ -156,7 +156,7 @@ struct mf_step_shape {
     int64_t hk_map_cap, hk_t0, hk_pos0, hk_ring_hi;
     int hk_nring, hk_nchunk, hk_nent, hk_ecap, hk_host;
     size_t dd_hk_tab, dd_hk_keys, dd_hk_nk, dd_hk_sink;
-    void *mem;
+    void *mem;              /* its buffers; NULL when they are the engine's umem (unit shapes) */
 };
 
 /* A dense card's copy of rows [r0, r1) of a weight (FP8 rows from a 32-row tile boundary, or
@@ -203,6 +203,12 @@ struct mf_step {
      * mixed with decode), the least recently used replaced; used[k] the call count of last use */
     mf_step_shape *ushapes[MF_STEP_UNIT_SHAPES];
     uint64_t ushape_used[MF_STEP_UNIT_SHAPES], n_calls;
+    /* the buffers every unit shape uses (mf_step_shape.mem of none of them): laid out for
+     * max_items items, whatever a shape's own count, so that a kept unit shape costs its graph
+     * only. One graph runs at a time and a run leaves nothing in them for the next, as a shape
+     * run twice relies on already. */
+    uint8_t *umem;
+    size_t umem_bytes;
     mf_step_shape *last;
     mf_step_build_stats builds;   /* shapes built since mf_step_new (mf_step_builds) */
     mf_step_times times;
@@ -1848,6 +1854,9 @@ static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh, const size_t *ab
     return 0;
 }
 
+/* A shape of n items: parallel, serial, or n_units units ending at unit_end[]. A unit shape
+ * (n_units > 0) carves its buffers from the engine's umem, laid out for max_items items (the
+ * first n used); the others own theirs. */
 static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const int *unit_end, mf_step_shape **out)
 {
     const mf_config *c = eng->c;
@@ -1888,7 +1897,8 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         mf_step_shape_free(sh);
         return rc;
     }
-    size_t nk = (size_t)n * K, q8x = mf_kern_q8_bytes(n, (int)H), q8h = mf_kern_q8_bytes(n, (int)I);
+    int shared = n_units > 0, ln = shared ? eng->max_items : n;   /* the layout's items */
+    size_t nk = (size_t)ln * K, q8x = mf_kern_q8_bytes(ln, (int)H), q8h = mf_kern_q8_bytes(ln, (int)I);
     int ex = eng->o.exact;
     size_t f = sizeof(float), bytes = 0, ab_sz[MF_LY_A_N];
     size_t eg_d = 0;
@@ -1899,10 +1909,10 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         eg_d = (size_t)c->engram_head_dim;
         if (eng->eg_reads) sh->eg_scratch_item = (mf_store_gather_bytes(eng->store, sh->eg_per) + 15) / 16 * 16;
     }
-    size_t eg_n = eng->eg_reads ? (size_t)n * sh->eg_per : 0;
+    size_t eg_n = eng->eg_reads ? (size_t)ln * sh->eg_per : 0;
     for (int b = 0; b < MF_LY_A_N; b++) {
         sh->ab_ld[b] = (mf_ly_attn_buf_len(c, b) + 15) / 16 * 16;
-        ab_sz[b] = (size_t)n * sh->ab_ld[b] * sizeof(float);
+        ab_sz[b] = (size_t)ln * sh->ab_ld[b] * sizeof(float);
     }
     /* the shape's buffers: {name, bytes, &ptr}, sized first, then carved from one allocation */
     float *x = NULL;
@@ -1910,10 +1920,19 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
     float *sel_kv = NULL;   /* per item its selection's entries, unpacked once (mf_ly_item.sel_kv) */
     int has_comp = 0;
     for (int L = 0; L < c->n_layers; L++) has_comp |= c->compress_ratios[L] > 0;
-    size_t n_ = (size_t)n, ns = (size_t)sh->n_slots;
-    /* the heads on cards: the key table's entries at most (a longer union runs the host's heads) */
+    size_t n_ = (size_t)ln, ns = (size_t)sh->n_slots;
+    if (shared) {   /* the most slots a shape of ln items has (two micro-batches: E per half at most) */
+        size_t cap = (size_t)(eng->o.micro == 2 ? 2 : 1) * E;
+        ns = nk < cap ? nk : cap;
+        if ((size_t)sh->n_slots > ns) {
+            mf_step_shape_free(sh);
+            return mf_error(-EINVAL, "step: a unit shape of %d items has %d expert slots, past the %zu laid out",
+                            n, sh->n_slots, ns);
+        }
+    }
+        /* the heads on cards: the key table's entries at most (a longer union runs the host's heads) */
     int hk = sh->sg->heads_any;
-    int64_t ecap = (int64_t)n * c->index_topk;
+    int64_t ecap = (int64_t)ln * c->index_topk;
     sh->hk_ecap = (int)(ecap < MF_STEP_HEADS_ENTRIES ? ecap : MF_STEP_HEADS_ENTRIES);
     mf_step_buf tab[] = {
         {"items", n_ * sizeof(mf_ly_item), (void **)&sh->items},
@@ -1981,13 +2000,24 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
     _Static_assert(MF_LY_A_N == 11, "one row per attention buffer");
     enum { N_TAB = sizeof tab / sizeof tab[0] };
     for (int i = 0; i < N_TAB; i++) bytes += (tab[i].bytes + 63) / 64 * 64;
-    uint8_t *p = aligned_alloc(64, bytes);
-    if (!p) {
+    uint8_t *p = shared ? eng->umem : NULL;
+    if (shared && p && bytes != eng->umem_bytes) {
         mf_step_shape_free(sh);
-        return mf_error(-ENOMEM, "step: cannot allocate %zu bytes of buffers for a batch of %d", bytes, n);
+        return mf_error(-EINVAL, "step: unit shape buffers of %zu bytes, the engine laid out %zu", bytes, eng->umem_bytes);
     }
-    memset(p, 0, bytes);
-    sh->mem = p;
+    if (!p) {
+        if (!(p = aligned_alloc(64, bytes))) {
+            mf_step_shape_free(sh);
+            return mf_error(-ENOMEM, "step: cannot allocate %zu bytes of buffers for a batch of %d", bytes, ln);
+        }
+        memset(p, 0, bytes);
+        if (shared) {
+            eng->umem = p;
+            eng->umem_bytes = bytes;
+        } else {
+            sh->mem = p;
+        }
+    }
     for (int i = 0; i < N_TAB; i++) {
         *tab[i].ptr = tab[i].bytes ? p : NULL;
         p += (tab[i].bytes + 63) / 64 * 64;
@@ -2418,6 +2448,7 @@ void mf_step_free(mf_step *s)
         mf_step_shape_free(s->shapes[1][i]);
     }
     for (int k = 0; k < MF_STEP_UNIT_SHAPES; k++) mf_step_shape_free(s->ushapes[k]);
+    free(s->umem);
     mf_step_shape_free(s->long_shape);
     for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
     mf_step_dense_free(s);
