@@ -1126,7 +1126,14 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
             ring[k] = sg_add(b, 0, MF_SG_ATTN_RING, MF_SG_PH_ATTN, MF_SG_K_OTHER, tr);
         }
         if (sg->heads_cards[L]) {
-            sg_heads_on_cards(b, L, k, core, ring[k], rows[MF_SG_ST_OA], sg->p_attn);
+            /* the gather reads every item's selection: after all the unit's selects */
+            mf_task_id sj = gate[gu0];
+            if (gu1 > gu0 && !whole) {
+                SG_NAME(b, "attn L%d select join", L);
+                sj = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, sg_rec(L));
+                for (int i = gu0; i <= gu1; i++) sg_dep(b, gate[i], sj);
+            }
+            sg_heads_on_cards(b, L, k, sj, ring[k], rows[MF_SG_ST_OA], sg->p_attn);
             continue;
         }
         for (int i = sg_group_of(sg, t.i0); i <= sg_group_of(sg, t.i1 - 1); i++)   /* the unit's groups */
