@@ -73,7 +73,8 @@ static void mf_sim_usage(FILE *f)
             "                      bench devtasks` (default: the profile's card_fp4_latency_ns)\n"
             "  --dev-graphs        a layer's FFNs on a card as one device graph task (the engine's\n"
             "                      --dev-graphs; also MOEFLOW_DEV_GRAPHS=1)\n"
-            "  --trace FILE        Chrome trace of the last simulated step\n"
+            "  --trace FILE        Chrome trace of the last simulated step (with --prompt-tokens:\n"
+            "                      of the prompt's last chunk)\n"
             "  --json              one JSON object instead of the tables\n"
             "  --measure           also decode for real on this machine (a loadable checkpoint;\n"
             "                      emu:N cards for seed/hybrid) and print measured vs predicted\n"
@@ -268,6 +269,7 @@ int mf_cmd_sim(int argc, char **argv)
         mf_plan_report rep;
         int64_t ttft_ns;
         int T = chunk ? (int)chunk : MF_STEP_PREFILL_CHUNK;
+        po.prefill_trace = trace;
         if ((rc = mf_plan_prefill(&po, prompt_tokens, T, &rep, &ttft_ns))) goto fail;
         double tps = prompt_tokens / (ttft_ns / 1e9);
         if (json) {
@@ -281,6 +283,7 @@ int mf_cmd_sim(int argc, char **argv)
             printf("time to first token: %.3f s (%.1f prompt tokens/s); per chunk (mean of the full chunks; "
                    "per token = per prompt position):\n", ttft_ns / 1e9, tps);
             mf_plan_print(&rep, stdout);
+            if (trace) printf("trace of the last chunk: %s\n", trace);
         }
         ret = 0;
         goto out;
