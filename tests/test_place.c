@@ -216,6 +216,92 @@ static void test_copy_fault(mf_ref *r, double cpu_bps)
     free(lg);
 }
 
+/* The experts' prefetch (mf_step_opts.prefetch_min; by default from mf_sg_prefetch_min positions,
+ * 21 on the tiny preset, longer than these prompts): forced from 1 position, so the 12-position
+ * prefill and the batch-1 decode steps place each layer's every expert at the layer's start and
+ * copy the cards' ones in before the route. On emu:1..4, seed and hybrid, device graphs on 2 and
+ * 4 cards, a resident cache and one of 2 x top_k experts per card (the rest pinned: the host keeps
+ * them): logits bit for bit the host's; the prefill counts every expert of every layer (the normal
+ * path counts the used ones, fewer than 16 of 24 picks); a failing prefetch copy names its task and
+ * expert, and the engine runs the sequence again with the host's logits. */
+static void test_prefetch(mf_ref *r, const mf_config *c, uint64_t small_cache, double cpu_bps)
+{
+    size_t per = (size_t)N_LOG * g_V;
+    float *host = malloc(sizeof(float) * per), *got = malloc(sizeof(float) * per);
+    float *lg = malloc(sizeof(float) * g_V * N_PROMPT);
+    int32_t toks[N_SEQ][N_DEC];
+    mf_step *e = NULL;
+    mf_step_dev_stats ds = {0};
+    CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2}, &e) == 0 && run(r, e, 1, toks, 0, host, &ds) == 0,
+          "host run: %s", mf_last_error());
+    mf_step_free(e);
+    int64_t want = (int64_t)c->n_layers * c->n_routed_experts;
+    for (int cache = 0; cache < 2; cache++)
+        for (int nc = 1; nc <= (MF_TEST_TSAN ? 2 : 4); nc++)
+            for (int pl = MF_STEP_PLACE_SEED; pl <= MF_STEP_PLACE_HYBRID; pl++) {
+                char spec[64];
+                snprintf(spec, sizeof spec, "emu:%d,bw=50e9,lat_ns=2000", nc);
+                mf_dev *d = NULL;
+                CHECK(mf_dev_open(spec, &d) == 0, "open %s: %s", spec, mf_last_error());
+                if (!d) continue;
+                e = NULL;
+                int graphs = nc % 2 == 0;
+                CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = pl, .prefetch_min = 1,
+                                                     .dev_cache_bytes = cache ? small_cache : 0,
+                                                     .cpu_bytes_per_s = cpu_bps, .dev_graphs = graphs},
+                                     &e) == 0,
+                      "prefetch %s placement %d: %s", spec, pl, mf_last_error());
+                if (e) {
+                    mf_ref_state *st = NULL;
+                    int32_t p[N_PROMPT];
+                    for (int i = 0; i < N_PROMPT; i++) p[i] = (int32_t)((i * 37 + (i * i) % 13) % g_V);
+                    int rc;
+                    if (nc == 2 && pl == MF_STEP_PLACE_SEED && !cache) {   /* a failing prefetch copy (the first
+                                                                           * h2d copies: layer 0's experts) */
+                        CHECK(mf_ref_state_new(r, N_PROMPT + N_DEC + 1, &st) == 0, "%s", mf_last_error());
+                        CHECK(mf_dev_emu_fail_h2d(d, 3) == 0, "%s", mf_last_error());
+                        rc = mf_step_prefill(e, st, p, N_PROMPT, lg);
+                        const char *m = mf_last_error();
+                        CHECK(rc == -EIO && strstr(m, "injected failure") && strstr(m, " pre'") &&
+                                  strstr(m, "ahead of its route"), "prefetch: prefill with a failing copy: %d %s", rc, m);
+                        printf("test_place: a prefetch copy failed: %.300s\n", m);
+                        mf_dev_emu_fail_h2d(d, 0);
+                        mf_ref_state_free(st);
+                        st = NULL;
+                    }
+                    rc = mf_ref_state_new(r, N_PROMPT + N_DEC + 1, &st);
+                    if (!rc) rc = mf_step_prefill(e, st, p, N_PROMPT, lg);
+                    mf_step_dev_stats x = {0};
+                    mf_step_last_dev(e, &x);
+                    CHECK(rc == 0 && x.dev_slots + x.host_slots == want && x.dev_slots > 0 &&
+                              x.hits + x.misses == (uint64_t)x.dev_slots,
+                          "prefetch %s placement %d cache %d: prefill rc %d, %lld + %lld experts placed (want %lld), "
+                          "%llu hits + %llu misses: %s", spec, pl, cache, rc, (long long)x.dev_slots,
+                          (long long)x.host_slots, (long long)want, (unsigned long long)x.hits,
+                          (unsigned long long)x.misses, rc ? mf_last_error() : "");
+                    /* 2 top_k = 4 cache slots per card: fewer than a layer's 16 / nc experts on 1 or 2 cards */
+                    if (cache && nc <= 2)
+                        CHECK(x.host_fallbacks > 0, "prefetch %s: a small cache never left an expert to the host", spec);
+                    if (!cache && pl == MF_STEP_PLACE_SEED)
+                        CHECK(x.host_slots == 0, "prefetch %s seed: %lld experts on the host", spec, (long long)x.host_slots);
+                    mf_ref_state_free(st);
+                    memset(got, 0, sizeof(float) * per);
+                    ds = (mf_step_dev_stats){0};
+                    rc = run(r, e, 1, toks, 1, got, &ds);
+                    CHECK(rc == 0 && !memcmp(host, got, sizeof(float) * per),
+                          "prefetch %s placement %d cache %d%s: %d %s", spec, pl, cache, graphs ? " (device graphs)" : "",
+                          rc, rc ? mf_last_error() : "logits differ from the host path");
+                    mf_step_free(e);
+                }
+                for (int k = 0; k < nc; k++)
+                    CHECK(mf_dev_emu_used_bytes(d, k) == 0, "prefetch %s: card %d holds bytes after free", spec, k);
+                mf_dev_close(d);
+            }
+    free(host);
+    free(got);
+    free(lg);
+}
+
 /* Hybrid placement weighs the lanes' models of a hardware profile (mf_step_opts.profile): with slow
  * host kernels every slot goes to a card, with slow copies none does; logits equal the host's. */
 static void test_profile_models(mf_ref *r)
@@ -332,6 +418,7 @@ int main(void)
     double cpu_bps = (double)xb / 200e-6;
     test_cli(dir);
     test_copy_fault(r, cpu_bps);
+    test_prefetch(r, &c, (uint64_t)(2 * c.n_experts_per_tok) * (xb + 6 * 256), cpu_bps);
     test_profile_models(r);
     test_placements(r, "resident", 0, 0, cpu_bps);
     /* a cache of 2 x top_k experts per card: misses evict (and are pinned slots respected) */

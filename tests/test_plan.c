@@ -598,6 +598,74 @@ static void test_placer_queue(void)
     CHECK(fabs(pl.host_q - (q - pl.host_ns)) < 1e-6 * q && pl.host_ns > 0, "the moved slot's work left the host's queue");
 }
 
+/* The experts' prefetch (graphs/step/stepgraph.h mf_stepgraph.prefetch): the default threshold is
+ * the length at which every expert is expected used (tiny: 16 experts, top 2: ceil(ln 16 /
+ * -ln(7/8)) = 21; flash41: 378); a prefill chunk of 32 on 2 hybrid cards builds it (one place task
+ * and 16 copy tasks a layer) and its report counts every expert of every layer per chunk, a chunk
+ * of 8 or --prefetch-min -1 does not; the placer's head start: an uncached expert whose copy fits
+ * in it costs the card what a cached one does; the last chunk's trace names the copy tasks. */
+static void test_prefetch_plan(void)
+{
+    mf_config c;
+    CHECK(!mf_config_preset("tiny", &c), "preset tiny");
+    mf_config f41;
+    CHECK(!mf_config_preset("flash41", &f41), "preset flash41");
+    CHECK(mf_sg_prefetch_min(&c) == 21 && mf_sg_prefetch_min(&f41) == 378, "thresholds %d, %d",
+          mf_sg_prefetch_min(&c), mf_sg_prefetch_min(&f41));
+    mf_profile f = costly_profile();
+    for (int k = 0; k < 3; k++) {
+        int chunk = k == 1 ? 8 : 32, pm = k == 2 ? -1 : 0;
+        mf_plan_opts o = {.config = &c, .profile = &f, .seed = 3, .placement = MF_STEP_PLACE_HYBRID, .n_cards = 2,
+                          .prefill = 1, .batch = chunk, .prefetch_min = pm};
+        mf_plan *p = NULL;
+        CHECK(!mf_plan_new(&o, &p), "%s", mf_last_error());
+        if (!p) continue;
+        int want = k == 0, pre = 0, place = 0;
+        const mf_stepgraph *sg = mf_plan_graph(p);
+        for (int t = 0; t < sg->n_tasks; t++) {
+            pre += sg->task[t].op == MF_SG_DEV_PRE;
+            place += sg->task[t].op == MF_SG_MOE_PLACE;
+        }
+        CHECK(sg->prefetch == want && pre == want * c.n_layers * c.n_routed_experts && place == want * c.n_layers,
+              "chunk %d, prefetch_min %d: prefetch %d, %d copy and %d place tasks", chunk, pm, sg->prefetch, pre, place);
+        mf_plan_free(p);
+        char trace[1100];
+        snprintf(trace, sizeof trace, "%s/plan_prefetch.json", getenv("MOEFLOW_TMP") ? getenv("MOEFLOW_TMP") : ".");
+        o.prefill_trace = trace;
+        mf_plan_report r;
+        int64_t ns;
+        CHECK(!mf_plan_prefill(&o, 2 * chunk, chunk, &r, &ns) && ns > 0, "%s", mf_last_error());
+        int64_t all = 2LL * c.n_layers * c.n_routed_experts;
+        CHECK(want ? r.dev_slots + r.host_slots == all && r.dev_slots > 0 : r.dev_slots + r.host_slots < all,
+              "chunk %d, prefetch_min %d: %lld + %lld slots over 2 chunks (every expert: %lld)", chunk, pm,
+              (long long)r.dev_slots, (long long)r.host_slots, (long long)all);
+        CHECK(r.dev_hits + r.dev_misses == (uint64_t)r.dev_slots, "chunk %d: hits + misses", chunk);
+        FILE *tf = fopen(trace, "r");
+        char *buf = malloc(1 << 22);
+        size_t nr = tf && buf ? fread(buf, 1, (1 << 22) - 1, tf) : 0;
+        if (buf) buf[nr] = 0;
+        if (tf) fclose(tf);
+        remove(trace);
+        CHECK(nr > 0 && (strstr(buf, " expert 0 pre") != NULL) == want, "chunk %d: the prefill's trace (%zu bytes)",
+              chunk, nr);
+        free(buf);
+    }
+    mf_lane_model m[4];
+    mf_step_lane_models(&f, 2, m);
+    mf_sg_placer a, b;
+    mf_sg_placer_init(&a, m, &f, 2, 1, 1e6, 3e6, 16388, 16384);
+    mf_sg_placer_init(&b, m, &f, 2, 1, 1e6, 3e6, 16388, 16384);
+    mf_sg_place_ahead(&b, 1e9);
+    mf_sg_place_host_work(&a, 3);
+    mf_sg_place_host_work(&b, 3);
+    (void)mf_sg_place_want_card(&a, 1, 3, 1);
+    (void)mf_sg_place_want_card(&b, 1, 3, 0);
+    CHECK(fabs(a.t_dev - b.t_dev) < 1e-6 * a.t_dev && b.pre_ns > 0,
+          "a miss within the head start: %.1f ns on the card, a hit %.1f ns", b.t_dev, a.t_dev);
+    mf_sg_place_card(&b);
+    CHECK(fabs(b.pre_q[1] - (-1e9 + b.pre_ns)) < 1 && b.copy_q[1] > 0, "the parts' queue and the rows' queue");
+}
+
 static void test_prefill(void)
 {
     mf_config c;
@@ -690,6 +758,7 @@ int main(void)
     test_refusals();
     test_core_pool();
     test_prefill();
+    test_prefetch_plan();
     test_placer_tokens();
     test_placer_queue();
     return mf_check_exit("test_plan");

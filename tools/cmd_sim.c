@@ -32,7 +32,7 @@ static void mf_sim_usage(FILE *f)
             "                   [--dev-cache SIZE] [--dev-cache-fill on|off] [--cache-policy lfu|lru] [--read-window N]\n"
             "                   [--copy-slots N] [--dev-task-ns NS] [--dev-graphs] [--dense host|cards]\n"
             "                   [--dense-split layers|rows] [--heads cost|cards|host]\n"
-            "                   [--micro-batches 1|2]\n"
+            "                   [--micro-batches 1|2] [--prefetch-min N]\n"
             "                   [--trace FILE] [--json]\n"
             "                   [--measure] [--prompt-tokens N [--chunk T]]\n\n"
             "Simulates decode steps of the scheduled engine (graphs/step/step.c's graph, docs/sim.md) on the\n"
@@ -51,6 +51,10 @@ static void mf_sim_usage(FILE *f)
             "  --heads H           dense cards: the attention heads' scores and values of a serial graph\n"
             "                      (a prefill chunk, batch 1) per layer by the cost model (cost, the\n"
             "                      default), on the cards wherever they can, or on the host\n"
+            "  --prefetch-min N    a prefill chunk of at least N positions places each layer's\n"
+            "                      experts at the layer's start and copies the cards' ones in\n"
+            "                      while its attention runs (0, the default: from the length at\n"
+            "                      which every expert is expected used, 378 on flash41; -1: never)\n"
             "  --micro-batches M   2: two micro-batches in flight (batch >= 2; the engine's\n"
             "                      --micro-batches), 1: one (default)\n"
             "  --threads N         engine workers per socket (default: the profile's)\n"
@@ -73,7 +77,8 @@ static void mf_sim_usage(FILE *f)
             "                      bench devtasks` (default: the profile's card_fp4_latency_ns)\n"
             "  --dev-graphs        a layer's FFNs on a card as one device graph task (the engine's\n"
             "                      --dev-graphs; also MOEFLOW_DEV_GRAPHS=1)\n"
-            "  --trace FILE        Chrome trace of the last simulated step\n"
+            "  --trace FILE        Chrome trace of the last simulated step (with --prompt-tokens:\n"
+            "                      of the prompt's last chunk)\n"
             "  --json              one JSON object instead of the tables\n"
             "  --measure           also decode for real on this machine (a loadable checkpoint;\n"
             "                      emu:N cards for seed/hybrid) and print measured vs predicted\n"
@@ -122,7 +127,7 @@ int mf_cmd_sim(int argc, char **argv)
     long copy_slots = 0, dev_task_ns = 0, prompt_tokens = 0, chunk = 0;
     int json = 0, measure = 0, store = MF_PLAN_STORE_RESIDENT, tables = MF_PLAN_STORE_RESIDENT, policy = 0;
     int dev_graphs = mf_tool_env_on("MOEFLOW_DEV_GRAPHS");   /* --dev-graphs */
-    long micro = 1;
+    long micro = 1, prefetch_min = 0;
     uint64_t store_budget = 0, dev_cache = 0;
     int fill = MF_TOOL_DEV_CACHE_FILL;
     for (int i = 1; i < argc; i++) {
@@ -214,6 +219,13 @@ int mf_cmd_sim(int argc, char **argv)
             measure = 1;
         } else if (!strcmp(a, "--dev-graphs")) {
             dev_graphs = 1;
+        } else if (!strcmp(a, "--prefetch-min") && hv) {
+            char *end;
+            prefetch_min = strtol(argv[++i], &end, 10);
+            if (*end || prefetch_min < -1 || prefetch_min > MF_STEP_MAX_CHUNK) {
+                fprintf(stderr, "moeflow sim: --prefetch-min: expected -1..%d, found '%s'\n", MF_STEP_MAX_CHUNK, argv[i]);
+                return 2;
+            }
         } else if (!strcmp(a, "--micro-batches") && hv) {
             char *end;
             micro = strtol(argv[++i], &end, 10);
@@ -263,11 +275,13 @@ int mf_cmd_sim(int argc, char **argv)
                        .dev_cache_policy = policy, .dev_cache_fill = fill, .store = store,
                        .store_budget_bytes = store_budget, .tables = tables, .routing = rt, .seed = (uint64_t)seed, .dev_task_ns = (double)dev_task_ns,
                        .dev_graphs = dev_graphs, .dense = dense,
-                       .dense_split = dense_split, .heads = heads, .micro = (int)micro};
+                       .dense_split = dense_split, .heads = heads, .micro = (int)micro,
+                       .prefetch_min = (int)prefetch_min};
     if (prompt_tokens) {
         mf_plan_report rep;
         int64_t ttft_ns;
         int T = chunk ? (int)chunk : MF_STEP_PREFILL_CHUNK;
+        po.prefill_trace = trace;
         if ((rc = mf_plan_prefill(&po, prompt_tokens, T, &rep, &ttft_ns))) goto fail;
         double tps = prompt_tokens / (ttft_ns / 1e9);
         if (json) {
@@ -281,6 +295,7 @@ int mf_cmd_sim(int argc, char **argv)
             printf("time to first token: %.3f s (%.1f prompt tokens/s); per chunk (mean of the full chunks; "
                    "per token = per prompt position):\n", ttft_ns / 1e9, tps);
             mf_plan_print(&rep, stdout);
+            if (trace) printf("trace of the last chunk: %s\n", trace);
         }
         ret = 0;
         goto out;

@@ -62,6 +62,8 @@ struct mf_plan {
     int64_t *task_ns;
     pl_slot *sl;
     int32_t *slot_card;
+    int32_t *pre_card;                       /* prefetch: a layer's experts' cards (-1 the host) */
+    uint8_t *pre_miss, *pre_cached;          /* and whether copied in; scratch: in the cache */
     int *n_used;                             /* per layer and micro-batch, n_used[2 L + h] */
     mf_plan_report total;
 };
@@ -391,7 +393,8 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
                                         .read_window = o->read_window, .micro = o->micro,
                                         .n_sockets = p->lt.n_sockets, .lane_sock = p->lt.lane_sock, .lanes = p->lt.lane,
                                         .n_lanes = p->lt.n_lanes, .lane_io = p->lt.lane_io,
-                                        .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof},
+                                        .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof,
+                                        .prefetch_min = o->prefetch_min},
                           &p->sg);
     if (!rc) rc = mf_timeline_create(p->sg->g, &p->tl);
     if (rc) goto fail;
@@ -400,8 +403,12 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
     p->task_ns = malloc(sizeof *p->task_ns * (size_t)p->sg->n_tasks);
     p->sl = calloc(n_sl, sizeof *p->sl);
     p->slot_card = malloc(sizeof *p->slot_card * n_sl);
+    p->pre_card = malloc(sizeof *p->pre_card * (size_t)p->E);
+    p->pre_miss = malloc((size_t)p->E);
+    p->pre_cached = malloc((size_t)p->E);
     p->n_used = calloc((size_t)p->n_layers * 2, sizeof *p->n_used);
-    if (!p->ex || !p->task_ns || !p->sl || !p->slot_card || !p->n_used) {
+    if (!p->ex || !p->task_ns || !p->sl || !p->slot_card || !p->n_used || !p->pre_card || !p->pre_miss ||
+        !p->pre_cached) {
         rc = mf_error(-ENOMEM, "plan: out of memory");
         goto fail;
     }
@@ -422,6 +429,9 @@ void mf_plan_free(mf_plan *p)
     free(p->task_ns);
     free(p->sl);
     free(p->slot_card);
+    free(p->pre_card);
+    free(p->pre_miss);
+    free(p->pre_cached);
     free(p->n_used);
     free(p->ex);
     free(p);
@@ -460,6 +470,55 @@ static int pl_route(mf_plan *p)
 
 /* ---- the step ------------------------------------------------------------------------------ */
 
+/* Prefetch: a cache slot on card cd for expert e of layer ctx's (mf_sg_take_fn). */
+typedef struct pl_take {
+    mf_plan *p;
+    int L;
+    mf_plan_report *r;
+} pl_take;
+
+static int pl_take_slot(void *ctx, int cd, int e, int *hit)
+{
+    pl_take *k = ctx;
+    int slot, h = mf_resid_acquire(k->p->dev[cd], k->L * k->p->E + e, &slot);
+    if (h == -ENOSPC) {
+        k->r->host_fallbacks++;
+        return 0;
+    }
+    *hit = h;
+    return 1;
+}
+
+/* Prefetch: layer L's experts placed as the engine's place task does (mf_sg_place_all, every
+ * expert with the chunk's expected tokens, the copies' head start pre_ahead_ns), their cache slots
+ * taken and pinned, the copy tasks marked; the counts are of experts (every one, used or not). */
+static void pl_prefetch(mf_plan *p, int L, mf_plan_report *r)
+{
+    int E = p->E, tok = (p->batch * p->K + E - 1) / E;
+    for (int e = 0; e < E; e++)
+        p->pre_cached[e] = mf_resid_slot(p->dev[mf_dev_xcache_owner(p->n_cards, L, e)], L * E + e) >= 0;
+    mf_sg_placer pl;
+    mf_work ew;
+    mf_sg_expert_work(&p->c, p->sz, &ew);
+    mf_sg_placer_init(&pl, p->models, &p->prof, p->n_threads, p->o.placement == MF_STEP_PLACE_HYBRID,
+                      p->sz->xslot_bytes, ew.macs[MF_KF_FP4], mf_sg_slot_tok_bytes(&p->c, 0),
+                      mf_sg_slot_tok_bytes(&p->c, 1));
+    mf_sg_place_ahead(&pl, p->sg->pre_ahead_ns[L]);
+    pl_take k = {p, L, r};
+    int on = mf_sg_place_all(&pl, &p->c, L, p->n_cards, tok, p->pre_cached, pl_take_slot, &k, p->pre_card, p->pre_miss);
+    r->dev_slots += on;
+    r->host_slots += E - on;
+    for (int e = 0; e < E; e++) {
+        if (p->pre_card[e] < 0) continue;
+        if (!p->pre_miss[e]) r->dev_hits++;
+        else {
+            r->dev_misses++;
+            r->dev_bytes_in += (uint64_t)p->sz->xslot_bytes;
+        }
+    }
+    mf_stepgraph_mark_prefetch(p->sg, L, p->pre_card, p->pre_miss);
+}
+
 /* Micro-batch h's slot table of layer L as the engine's route task builds it (distinct experts of
  * its tokens ascending, their token counts), the store's begin (hits and misses, pinned) and the
  * engine's placement (card or host; cache slots taken and pinned), then the noop marks; its MoE's
@@ -492,6 +551,18 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
         }
     }
     if (!p->n_cards) r->host_slots += ns;
+    if (p->sg->prefetch) {   /* placed at the layer's start: the slots take their experts' places */
+        pl_prefetch(p, L, r);
+        for (int s = 0; s < ns; s++) {
+            sl[s].card = p->pre_card[sl[s].e];
+            sl[s].miss = 0;
+        }
+        for (int s = 0; s < n_half; s++) card[s] = sl[s].card;
+        mf_stepgraph_mark_noop_half(p->sg, L, h, ns, card);
+        for (int e = 0; e < E; e++)   /* the layer's end: pins released */
+            if (p->pre_card[e] >= 0) mf_resid_unpin(p->dev[p->pre_card[e]], mf_resid_slot(p->dev[p->pre_card[e]], L * E + e));
+        return 0;
+    }
     mf_sg_placer pl;
     mf_work ew;
     mf_sg_expert_work(&p->c, p->sz, &ew);
@@ -711,6 +782,7 @@ int mf_plan_prefill(const mf_plan_opts *o, int64_t n_prompt, int chunk, mf_plan_
         }
         if (!rc && out && !part) mf_plan_total(p, out);
         else if (!rc && out && !n_full) *out = last;
+        if (!rc && o->prefill_trace && (part || !rest)) rc = mf_plan_write_trace(p, o->prefill_trace);
         mf_plan_free(p);
         if (rc) return mf_error_wrap(rc, "plan: prefill of %" PRId64 " tokens", n_prompt);
     }

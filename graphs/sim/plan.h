@@ -70,6 +70,10 @@ typedef struct mf_plan_opts {
      * graph, mf_step_prefill), the first at position `context` (0: the prompt's start); the head
      * runs only where set_logits says (mf_plan_prefill: the prompt's last position) */
     int prefill;
+    int prefetch_min;            /* mf_sg_opts.prefetch_min: a prefill chunk's experts placed and copied in
+                                  * at each layer's start from this many positions (0: mf_sg_prefetch_min,
+                                  * < 0: never), as mf_step_opts.prefetch_min */
+    const char *prefill_trace;   /* mf_plan_prefill: a Chrome trace of its last chunk written here (NULL: none) */
     mf_routing *routing;         /* borrowed; NULL: uniform draws from `seed` */
     uint64_t seed;
 } mf_plan_opts;

@@ -115,6 +115,11 @@ struct mf_step_shape {
     int32_t *slot_card;
     uint8_t **slot_dev;
     uint8_t *slot_miss;
+    /* prefetch (sg->prefetch): per expert of the layer being placed its card (-1: host), cache
+     * slot, whether it is copied in (MF_SG_DEV_PRE), and whether it was cached (scratch) */
+    int32_t *pre_card;
+    uint8_t **pre_dev;
+    uint8_t *pre_miss, *pre_cached;
     int dev_layer;          /* layer whose cache slots are pinned, -1 */
     int dev_half;           /* the micro-batch whose slots they are */
     uint8_t *dbuf[MF_DEV_MAX_CARDS];
@@ -875,6 +880,24 @@ void mf_step_lane_models(const mf_profile *p, int threads, mf_lane_model models[
     models[3] = (mf_lane_model){.bytes_per_s = p->d2h_bytes_per_s, .latency_ns = p->d2h_latency_ns};
 }
 
+static void mf_step_dev_release(mf_step_shape *sh, int failed);
+
+/* With device graphs: the slot tables of micro-batch h's slots of layer L: a card's own slots, the
+ * rest unused. */
+static void mf_step_dev_tables(mf_step_shape *sh, int L, int h)
+{
+    mf_step *eng = sh->eng;
+    int s0 = sh->sg->half_slot[h], s1 = sh->sg->half_slot[h + 1];
+    if (eng->dev_graphs)
+        for (int c = 0; c < eng->n_cards; c++) {
+            mf_dev_ffn_slot *tab = sh->htab[c] + (size_t)L * sh->n_slots;
+            for (int s = s0; s < s1; s++)
+                tab[s] = mf_step_slot_live(sh, s) && sh->slot_card[s] == c
+                             ? (mf_dev_ffn_slot){(uint64_t)(uintptr_t)sh->slot_dev[s], sh->slot_off[s], sh->slot_cnt[s]}
+                             : (mf_dev_ffn_slot){0, 0, 0};
+        }
+}
+
 /* Decides where micro-batch h's slots of layer L run (sh->slot_card) and takes their cache slots
  * on the cards (pinned until its MoE's end): SEED the owner card; HYBRID by mf_sg_placer (the
  * cached slots offered first, each moved to its card while the card ends no later than the host's
@@ -920,15 +943,101 @@ static int mf_step_place(mf_step_shape *sh, int L, int h)
             sh->slot_miss[s] = (uint8_t)!hit;
             eng->dstat.dev_slots++;
         }
-    if (eng->dev_graphs)   /* the slot tables of layer L: a card's own slots, the rest unused */
-        for (int c = 0; c < eng->n_cards; c++) {
-            mf_dev_ffn_slot *tab = sh->htab[c] + (size_t)L * sh->n_slots;
-            for (int s = s0; s < s1; s++)
-                tab[s] = mf_step_slot_live(sh, s) && sh->slot_card[s] == c
-                             ? (mf_dev_ffn_slot){(uint64_t)(uintptr_t)sh->slot_dev[s], sh->slot_off[s], sh->slot_cnt[s]}
-                             : (mf_dev_ffn_slot){0, 0, 0};
-        }
+    mf_step_dev_tables(sh, L, h);
     return 0;
+}
+
+/* Prefetch: layer L's experts placed by the expected tokens of the chunk (mf_sg_place_all, as the
+ * simulator's pl_prefetch), their cache slots taken and pinned until the layer's MoE done, the
+ * copy tasks of hits and host experts marked noop. */
+typedef struct mf_step_take {
+    mf_step_shape *sh;
+    int L, rc;
+} mf_step_take;
+
+static int mf_step_take_slot(void *ctx, int c, int e, int *hit)
+{
+    mf_step_take *k = ctx;
+    mf_step *eng = k->sh->eng;
+    void *slot = NULL;
+    if (k->rc) return 0;
+    int rc = mf_dev_xcache_acquire(eng->xc[c], k->L, e, &slot, hit);
+    if (rc == -ENOSPC) {   /* every cache slot of the card pinned: the host keeps it */
+        eng->dstat.host_fallbacks++;
+        return 0;
+    }
+    if (rc) {
+        k->rc = rc;
+        return 0;
+    }
+    k->sh->pre_dev[e] = slot;
+    return 1;
+}
+
+static int mf_task_moe_place(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    int L = a->t->layer, E = eng->c->n_routed_experts, tok = (sh->sg->n * eng->c->n_experts_per_tok + E - 1) / E;
+    if (sh->dev_layer >= 0) return mf_error(-EINVAL, "step: layer %d placed while layer %d's experts are pinned "
+                                            "(internal)", L, sh->dev_layer);
+    for (int e = 0; e < E; e++)
+        sh->pre_cached[e] = (uint8_t)mf_dev_xcache_has(eng->xc[mf_dev_xcache_owner(eng->n_cards, L, e)], L, e);
+    mf_sg_placer pl;
+    mf_work ew;
+    mf_sg_expert_work(eng->c, eng->sz, &ew);
+    mf_sg_placer_init(&pl, eng->models, eng->o.profile, eng->o.n_threads, eng->o.placement == MF_STEP_PLACE_HYBRID,
+                      (double)eng->xslot_bytes, ew.macs[MF_KF_FP4], mf_sg_slot_tok_bytes(eng->c, 0),
+                      mf_sg_slot_tok_bytes(eng->c, 1));
+    mf_sg_place_ahead(&pl, sh->sg->pre_ahead_ns[L]);
+    mf_step_take k = {sh, L, 0};
+    int on = mf_sg_place_all(&pl, eng->c, L, eng->n_cards, tok, sh->pre_cached, mf_step_take_slot, &k, sh->pre_card,
+                             sh->pre_miss);
+    sh->dev_layer = L;
+    sh->dev_half = 0;
+    if (k.rc) {
+        mf_step_dev_release(sh, 1);
+        return mf_error_wrap(k.rc, "step: layer %d: the experts' cache slots on the cards", L);
+    }
+    eng->dstat.dev_slots += on;
+    eng->dstat.host_slots += E - on;
+    mf_stepgraph_mark_prefetch(sh->sg, L, sh->pre_card, sh->pre_miss);
+    return 0;
+}
+
+/* Prefetch, card a->t->card's h2d lane: expert a->t->part's parts into its cache slot (nothing on a
+ * hit or when the host keeps it). */
+static int mf_task_dev_pre(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    mf_step *eng = sh->eng;
+    int e = a->t->part;
+    if (sh->pre_card[e] != a->t->card || !sh->pre_miss[e]) return MF_TASK_NO_WORK;
+    const mf_weight *ew = &mf_model_layer_at(eng->ly->m, a->t->layer)->experts[e * 3];
+    int rc = 0;
+    for (int k = 0; k < 3 && !rc; k++) {
+        rc = mf_dev_copy_h2d(ctx->queue, sh->pre_dev[e] + eng->part_off[2 * k], ew[k].data, eng->part_bytes[2 * k]);
+        if (!rc) rc = mf_dev_copy_h2d(ctx->queue, sh->pre_dev[e] + eng->part_off[2 * k + 1], ew[k].scale,
+                                      eng->part_bytes[2 * k + 1]);
+    }
+    return rc;
+}
+
+/* Prefetch, in the route: each used slot where its expert was placed (in its cache slot already,
+ * so its copy-in copies the rows only). */
+static void mf_step_place_pre(mf_step_shape *sh, int L, int h)
+{
+    int s0 = sh->sg->half_slot[h];
+    for (int s = s0; s < sh->sg->half_slot[h + 1]; s++) {
+        int used = s - s0 < sh->n_used[h], e = used ? sh->slot_e[s] : -1;
+        sh->slot_card[s] = used ? sh->pre_card[e] : -1;
+        sh->slot_dev[s] = used ? sh->pre_dev[e] : NULL;
+        sh->slot_miss[s] = 0;
+    }
+    mf_step_dev_tables(sh, L, h);
 }
 
 /* Releases layer L's cache slots (after its device tasks); failed: misses are forgotten, their
@@ -937,6 +1046,18 @@ static void mf_step_dev_release(mf_step_shape *sh, int failed)
 {
     mf_step *eng = sh->eng;
     if (sh->dev_layer < 0) return;
+    if (sh->sg->prefetch) {   /* the layer's placed experts, used or not */
+        for (int e = 0; e < eng->c->n_routed_experts; e++) {
+            int c = sh->pre_card[e];
+            if (c < 0) continue;
+            if (failed && sh->pre_miss[e]) mf_dev_xcache_drop(eng->xc[c], sh->dev_layer, e);
+            else mf_dev_xcache_release(eng->xc[c], sh->dev_layer, e);
+            sh->pre_card[e] = -1;
+        }
+        for (int s = 0; s < sh->n_slots; s++) sh->slot_card[s] = -1;
+        sh->dev_layer = -1;
+        return;
+    }
     int s0 = sh->sg->half_slot[sh->dev_half];
     for (int s = s0; s < s0 + sh->n_used[sh->dev_half]; s++) {
         int c = sh->slot_card[s];
@@ -961,6 +1082,11 @@ static int mf_step_dev_fail(mf_step_shape *sh, int rc)
         if (sp[t].status >= 0 || (k != MF_SG_K_COPY && k != MF_SG_K_DEV && k != MF_SG_K_COPY_OUT))
             continue;
         const mf_step_targ *a = mf_graph_task(sh->g, t)->arg;
+        if (a->t->op == MF_SG_DEV_PRE) {   /* a prefetch copy */
+            rc = mf_error_wrap(rc, "layer %d, routed expert %d copied onto card %d ahead of its route (the "
+                               "layer's cache slots copied in this step are dropped)", a->t->layer, a->t->part, a->t->card);
+            break;
+        }
         if (a->t->dense >= 0) {   /* a dense sublayer's copy or work */
             rc = mf_error_wrap(rc, "layer %d, dense work on card %d", a->t->layer, a->t->card);
             break;
@@ -1133,7 +1259,8 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
         int rc = mf_step_store_begin(sh, a->t->layer, h);
         if (rc) return rc;
     }
-    if (eng->n_cards) {   /* routed experts on cards */
+    if (eng->n_cards && sh->sg->prefetch) mf_step_place_pre(sh, a->t->layer, h);   /* placed at the layer's start */
+    else if (eng->n_cards) {   /* routed experts on cards */
         int rc = mf_step_place(sh, a->t->layer, h);
         if (rc) return rc;
     }
@@ -1665,6 +1792,10 @@ static void mf_step_shape_free(mf_step_shape *sh)
     free(sh->slot_card);
     free(sh->slot_dev);
     free(sh->slot_miss);
+    free(sh->pre_card);
+    free(sh->pre_dev);
+    free(sh->pre_miss);
+    free(sh->pre_cached);
     for (int c = 0; c < sh->eng->n_cards; c++) {
         for (int L = 0; sh->dgraph[c] && L < sh->n_dgraph; L++) mf_dev_graph_destroy(sh->dgraph[c][L]);
         free(sh->dgraph[c]);
@@ -1704,6 +1835,7 @@ static const mf_task_fn mf_step_fn_of[MF_SG_N_OPS] = {
     [MF_SG_DENSE_OUT] = mf_task_dense_out,       [MF_SG_ATTN_QSCALE] = mf_task_attn_qscale,
     [MF_SG_ATTN_KV] = mf_task_attn_kv,           [MF_SG_ATTN_GATHER] = mf_task_attn_gather,
     [MF_SG_ATTN_QPREP] = mf_task_attn_qprep,     [MF_SG_ATTN_OPOST] = mf_task_attn_opost,
+    [MF_SG_MOE_PLACE] = mf_task_moe_place,       [MF_SG_DEV_PRE] = mf_task_dev_pre,
 };
 
 /* A per-item op's task over its record's item group (graphs/step/stepgraph.h mf_sg_op_per_item):
@@ -1744,6 +1876,7 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const in
                                           .n_lanes = eng->lt.n_lanes, .lane_io = eng->lt.lane_io,
                                           .lane_dev0 = eng->lt.lane_dev0,
                                           .micro = eng->o.micro, .exact = eng->o.exact, .heads = eng->o.heads,
+                                          .prefetch_min = eng->o.prefetch_min,
                                           .fn_of = fn_of,
                                           .profile = eng->o.profile},
                             out);
@@ -1786,6 +1919,16 @@ static int mf_step_shape_cards(mf_step *eng, mf_step_shape *sh)
     sh->slot_miss = calloc((size_t)sh->n_slots, 1);
     if (!sh->slot_card || !sh->slot_dev || !sh->slot_miss) return mf_error(-ENOMEM, "step: out of memory");
     for (int s = 0; s < sh->n_slots; s++) sh->slot_card[s] = -1;
+    if (sh->sg->prefetch) {
+        size_t E = (size_t)c->n_routed_experts;
+        sh->pre_card = malloc(E * sizeof *sh->pre_card);
+        sh->pre_dev = calloc(E, sizeof *sh->pre_dev);
+        sh->pre_miss = calloc(E, 1);
+        sh->pre_cached = calloc(E, 1);
+        if (!sh->pre_card || !sh->pre_dev || !sh->pre_miss || !sh->pre_cached)
+            return mf_error(-ENOMEM, "step: out of memory");
+        for (size_t e = 0; e < E; e++) sh->pre_card[e] = -1;
+    }
     sh->dq_bytes = (mf_dev_ffn_q8_bytes(n, (int)H, (int)I) + al - 1) / al * al;
     sh->d_x = 0;
     sh->d_w = sh->d_x + (nk * H * 4 + al - 1) / al * al;

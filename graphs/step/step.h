@@ -106,6 +106,13 @@ typedef struct mf_step_opts {
      * placed and combined on its own, one half's MoE beside the other's attention; the logits are
      * those of one micro-batch bit for bit. 0 or 1: one. */
     int micro;
+    /* The experts' prefetch of a prefill chunk (graphs/step/stepgraph.h mf_stepgraph.prefetch): with
+     * routed experts on cards and no store, a chunk of at least this many positions places every
+     * expert of a layer at the layer's start by its expected tokens and copies the card's ones in
+     * while the layer's attention runs (the slots then copy only their rows). 0: from
+     * mf_sg_prefetch_min positions (every expert expected used), < 0: never. The logits are the
+     * same bits either way. */
+    int prefetch_min;
     /* With dev used (a placement other than host, or dense cards), every card first runs the
      * startup self-check (device/dev_check.h: each kernel once against the host's); a card that
      * fails is refused (mf_step_refused says which, with the kernel and error) and the engine

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "device/expert_cache.h"
 #include "graphs/model/layout.h"
 #include "sched/error.h"
 
@@ -227,6 +228,8 @@ double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_st
     case MF_SG_DEV_IN:   /* the expert's parts on a miss, then the rows and token weights */
         return mf_cost_copy(m, 0, 2 + (s->dev_miss ? MF_SG_EXPERT_PARTS : 0),
                             (s->dev_miss ? w->copy_bytes : 0) + tok * w->copy_bytes_tok);
+    case MF_SG_DEV_PRE:   /* prefetch: an expert's parts (the task is noop on a hit or the host) */
+        return mf_cost_copy(m, 0, MF_SG_EXPERT_PARTS, w->copy_bytes);
     case MF_SG_DEV_FFN:
         return mf_cost_card(m, w, tok);
     case MF_SG_DEV_FFN_CARD:
@@ -280,6 +283,7 @@ typedef struct sg_builder {
     mf_task_id last_done;
     mf_task_id route, rows;       /* the layer's route task and what its slots' work waits for (the
                                    * rows join, or the route with one gather part) */
+    mf_task_id pre_join[MF_SG_MAX_CARDS];   /* prefetch: per card the join of the layer's copies */
     char name[64];
 } sg_builder;
 
@@ -1275,6 +1279,7 @@ static void sg_slot_card(sg_builder *b, int L, int s, int cd, mf_task_id cffn, m
     tid[1] = sg->dev_graphs ? -1 : dff;
     tid[2] = dout;
     sg_dep(b, b->rows, din);
+    if (sg->prefetch) sg_dep(b, b->pre_join[cd], din);   /* the expert is in: the rows only */
     for (int j = 0; j < sg->n_io_parts; j++) sg_dep(b, b->io[(size_t)s * sg->n_io_parts + j], din);
     sg_dep(b, din, dff);
     sg_dep(b, dff, dout);
@@ -1396,6 +1401,38 @@ static void sg_shared(sg_builder *b, int L, const mf_task_id *post, mf_task_id r
         sg_dep(b, up, sj);
         sg_dep(b, sj, dn);
         sg_dep(b, dn, done);
+    }
+}
+
+/* Prefetch: layer L's place task (after the previous layer's MoE done: one set of card pins at a
+ * time) -> per expert its copy on its owner card's h2d lane -> per card a join, which the slots'
+ * copy-ins on that card wait for. Built before the layer's attention, so the copies overlap it. */
+static void sg_prefetch(sg_builder *b, int L)
+{
+    const mf_config *c = b->o->c;
+    mf_stepgraph *sg = b->sg;
+    int E = c->n_routed_experts;
+    SG_NAME(b, "moe L%d place", L);
+    mf_sg_task t = sg_rec(L);
+    sg_span(b, &t);
+    t.w.ref_flops = 8.0 * E;   /* the placer's sums and the cache's look-ups per expert */
+    mf_task_id pl = sg_add(b, 0, MF_SG_MOE_PLACE, MF_SG_PH_OTHER, MF_SG_K_OTHER, t);
+    sg_dep(b, b->last_done, pl);
+    for (int cd = 0; cd < sg->n_cards; cd++) {
+        SG_NAME(b, "dev%d L%d prefetched", cd, L);
+        b->pre_join[cd] = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_OTHER, MF_SG_K_OTHER, sg_rec(L));
+    }
+    for (int e = 0; e < E; e++) {
+        int cd = mf_dev_xcache_owner(sg->n_cards, L, e);
+        SG_NAME(b, "dev%d L%d expert %d pre", cd, L, e);
+        mf_sg_task tp = sg_rec(L);
+        tp.card = (int8_t)cd;
+        tp.part = e;
+        tp.w.copy_bytes = b->o->sz->xslot_bytes;
+        mf_task_id pt = sg->pre_tid[(size_t)L * E + e] =
+            sg_add(b, b->o->lane_dev0 + 3 * cd, MF_SG_DEV_PRE, MF_SG_PH_OTHER, MF_SG_K_COPY, tp);
+        sg_dep(b, pl, pt);
+        sg_dep(b, pt, b->pre_join[cd]);
     }
 }
 
@@ -1608,6 +1645,28 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->eg_reads_per_unit = o->eg_reads ? 2 * max_unit * (c->engram_max_ngram_size - 1) * c->engram_n_heads : 0;
 }
 
+/* Prefetch: per layer the links' head start before its route (mf_stepgraph.pre_ahead_ns): the
+ * priced host work of the layer's attention and Engram over the workers, less the most any card's
+ * h2d lane copies for them (its dense inputs), at least 0. */
+static void sg_pre_ahead(const mf_sg_opts *o, mf_stepgraph *sg)
+{
+    int W = o->n_threads > 0 ? o->n_threads : 1;
+    double cpu[MF_CONFIG_MAX_LAYERS] = {0}, h2d[MF_CONFIG_MAX_LAYERS][MF_SG_MAX_CARDS] = {{0}};
+    for (int t = 0; t < sg->n_tasks; t++) {
+        const mf_sg_task *r = &sg->task[t];
+        if (r->layer < 0 || (r->phase != MF_SG_PH_ATTN && r->phase != MF_SG_PH_ENGRAM)) continue;
+        double ns = mf_graph_task(sg->g, t)->cost.time_ns;
+        if (r->kind == MF_SG_K_COPY && r->card >= 0) h2d[r->layer][r->card] += ns;
+        else if (r->kind != MF_SG_K_COPY_OUT && r->kind != MF_SG_K_DEV && r->kind != MF_SG_K_IO) cpu[r->layer] += ns;
+    }
+    for (int L = 0; L < o->c->n_layers; L++) {
+        double most = 0;
+        for (int cd = 0; cd < MF_SG_MAX_CARDS; cd++) most = h2d[L][cd] > most ? h2d[L][cd] : most;
+        double a = cpu[L] / W - most;
+        sg->pre_ahead_ns[L] = a > 0 ? a : 0;
+    }
+}
+
 /* The executor's priorities: every task's cost (mf_graph_set_cost, before finalize) is the cost
  * model's price of its record on its lane's side (mf_sg_task_ns) on o->profile, or the built-in
  * machine (mf_cost_default_profile), for what the shape leaves open expected: a slot's tokens the
@@ -1635,6 +1694,7 @@ static int sg_set_priorities(const mf_sg_opts *o, mf_stepgraph *sg)
         int rc = mf_graph_set_cost(sg->g, t, (mf_cost){.time_ns = ns});
         if (rc) return rc;
     }
+    if (sg->prefetch) sg_pre_ahead(o, sg);
     return 0;
 }
 
@@ -1676,6 +1736,11 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     mf_stepgraph *sg = calloc(1, sizeof *sg);
     if (!sg) return mf_error(-ENOMEM, "step graph: out of memory");
     sg_parts(o, sg);
+    sg->prefetch = mf_sg_prefetch_on(o);
+    sg->pre_experts = sg->prefetch ? c->n_routed_experts : 0;
+    size_t n_pre = sg->prefetch ? (size_t)c->n_layers * c->n_routed_experts : 0;
+    sg->pre_tid = malloc(sizeof *sg->pre_tid * (n_pre + 1));
+    for (size_t i = 0; sg->pre_tid && i < n_pre; i++) sg->pre_tid[i] = -1;
     size_t n_tid = (size_t)c->n_layers * sg->n_slots * sg->tid_per_slot;
     sg->slot_tid = malloc(sizeof *sg->slot_tid * n_tid);
     sg->card_ffn_tid = malloc(sizeof *sg->card_ffn_tid * (size_t)c->n_layers * sg->n_halves * (sg->n_cards ? sg->n_cards : 1));
@@ -1685,7 +1750,7 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
                     .last_done = -1};
     b.per = (double)o->n / b.u;
     b.io = malloc(sizeof *b.io * ((size_t)sg->n_slots * sg->n_io_parts + 1));
-    int rc = !sg->slot_tid || !sg->card_ffn_tid || !b.io || !sg->eg_read_tid ? mf_error(-ENOMEM, "step graph: out of memory")
+    int rc = !sg->slot_tid || !sg->card_ffn_tid || !b.io || !sg->eg_read_tid || !sg->pre_tid ? mf_error(-ENOMEM, "step graph: out of memory")
                                                           : mf_graph_create(o->lanes, o->n_lanes, &sg->g);
     for (size_t k = 0; !rc && k < n_eg; k++) sg->eg_read_tid[k] = -1;
     if (rc) {
@@ -1701,6 +1766,7 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     for (int L = 0; L < c->n_layers && !b.rc; L++)
         for (int h = 0; h < sg->n_halves; h++) {   /* each micro-batch's chain of the layer */
             sg_half(&b, h);
+            if (sg->prefetch) sg_prefetch(&b, L);
             if (mf_config_engram_slot(c, L) >= 0) sg_engram(&b, L, unit);
             sg_attn(&b, L, unit, post);
             sg_moe(&b, L, post, unit);
@@ -1728,6 +1794,7 @@ void mf_stepgraph_free(mf_stepgraph *sg)
     free(sg->slot_tid);
     free(sg->card_ffn_tid);
     free(sg->eg_read_tid);
+    free(sg->pre_tid);
     free(sg);
 }
 
@@ -1913,20 +1980,86 @@ int mf_sg_place_want_card(mf_sg_placer *p, int card, int cnt, int cached)
     int c = card;
     p->card = c;
     p->host_ns = sg_place_ns(&p->cpu, p->host_macs_per_s, p->bytes, p->macs, cnt);
-    /* the copy-in as mf_sg_task_ns prices MF_SG_DEV_IN: rows and weights, and the parts on a miss */
-    p->copy_ns = mf_cost_copy(&p->cm, 0, 2 + (cached ? 0 : MF_SG_EXPERT_PARTS), (cached ? 0 : p->bytes) + cnt * p->tok_in);
+    /* the copy-in as mf_sg_task_ns prices MF_SG_DEV_IN: rows and weights, and the parts on a miss;
+     * ahead (prefetch): the parts as MF_SG_DEV_PRE on their own queue from its head start, the rows
+     * after the route and the parts */
+    double copy_end;
+    if (p->ahead) {
+        p->pre_ns = cached ? 0 : mf_cost_copy(&p->cm, 0, MF_SG_EXPERT_PARTS, p->bytes);
+        p->copy_ns = mf_cost_copy(&p->cm, 0, 2, cnt * p->tok_in);
+        double pre_end = p->pre_q[c] + p->pre_ns;
+        p->copy_end = (pre_end > p->copy_q[c] ? pre_end : p->copy_q[c]) + p->copy_ns;
+        copy_end = p->copy_end;
+    } else {
+        p->copy_ns = mf_cost_copy(&p->cm, 0, 2 + (cached ? 0 : MF_SG_EXPERT_PARTS),
+                                  (cached ? 0 : p->bytes) + cnt * p->tok_in);
+        copy_end = p->copy_q[c] + p->copy_ns;
+    }
     double comp_ns = sg_place_ns(&p->comp, p->card_macs_per_s, p->bytes, p->macs, cnt);
     double out_ns = mf_cost_copy(&p->cm, 1, 1, cnt * p->tok_out);
-    p->t_dev = (p->copy_q[c] + p->copy_ns > p->comp_q[c] ? p->copy_q[c] + p->copy_ns : p->comp_q[c]) + comp_ns;
+    p->t_dev = (copy_end > p->comp_q[c] ? copy_end : p->comp_q[c]) + comp_ns;
     return !p->hybrid || p->t_dev + out_ns <= p->host_q / p->workers;
 }
 
 void mf_sg_place_card(mf_sg_placer *p)
 {
-    p->copy_q[p->card] += p->copy_ns;
+    if (p->ahead) {
+        p->pre_q[p->card] += p->pre_ns;
+        p->copy_q[p->card] = p->copy_end;
+    } else
+        p->copy_q[p->card] += p->copy_ns;
     p->comp_q[p->card] = p->t_dev;
     p->host_q -= p->host_ns;
 }
+
+int mf_sg_prefetch_min(const mf_config *c)
+{
+    double E = c->n_routed_experts, K = c->n_experts_per_tok;
+    if (!(E > 1) || K >= E) return 1;
+    return (int)ceil(log(E) / -log(1 - K / E));
+}
+
+int mf_sg_prefetch_on(const mf_sg_opts *o)
+{
+    int serial = !o->par && o->n_units <= 1;
+    int min = o->prefetch_min > 0 ? o->prefetch_min : mf_sg_prefetch_min(o->c);
+    return o->prefetch_min >= 0 && serial && o->micro < 2 && o->n_cards > 0 && !o->store && o->n >= min;
+}
+
+void mf_sg_place_ahead(mf_sg_placer *p, double ahead_ns)
+{
+    p->ahead = 1;
+    for (int c = 0; c < MF_SG_MAX_CARDS; c++) p->pre_q[c] = -ahead_ns;
+}
+
+int mf_sg_place_all(mf_sg_placer *p, const mf_config *c, int L, int n_cards, int tok, const uint8_t *cached,
+                    mf_sg_take_fn take, void *ctx, int32_t *card, uint8_t *miss)
+{
+    int E = c->n_routed_experts, n = 0;
+    for (int e = 0; e < E; e++) {
+        card[e] = -1;
+        miss[e] = 0;
+        mf_sg_place_host_work(p, tok);
+    }
+    for (int pass = 0; pass < 2; pass++)   /* the cached experts first, then the rest */
+        for (int e = 0; e < E; e++) {
+            if (cached[e] == pass) continue;
+            int cd = mf_dev_xcache_owner(n_cards, L, e), hit = 0;
+            if (!mf_sg_place_want_card(p, cd, tok, !pass) || !take(ctx, cd, e, &hit)) continue;
+            mf_sg_place_card(p);
+            card[e] = cd;
+            miss[e] = (uint8_t)!hit;
+            n++;
+        }
+    return n;
+}
+
+void mf_stepgraph_mark_prefetch(mf_stepgraph *sg, int L, const int32_t *card, const uint8_t *miss)
+{
+    for (int e = 0; sg->prefetch && e < sg->pre_experts; e++)
+        mf_graph_set_noop(sg->g, sg->pre_tid[(size_t)L * sg->pre_experts + e], card[e] < 0 || !miss[e]);
+}
+
 
 void mf_stepgraph_phase_times(const mf_stepgraph *sg, const mf_task_span *spans, mf_task_span *scratch,
                               int64_t *phase_ns, int64_t *busy_ns)

@@ -93,6 +93,11 @@ typedef enum mf_sg_op {
     MF_SG_ROUTE_ROWS,     /* part `part` of p_gather of the micro-batch's used slots (in slot order,
                            * equal counts): their rows gathered from the items, the host slots'
                            * rows quantized (with p_gather 1 MF_SG_ROUTE does it, no such task) */
+    /* prefetch (mf_stepgraph.prefetch): a layer's routed experts placed and copied in at its start,
+     * before its route (a long chunk uses every expert: mf_sg_prefetch_min) */
+    MF_SG_MOE_PLACE,      /* layer's experts placed by their expected tokens (mf_sg_place_all), cache
+                           * slots taken and pinned, the copy tasks of the host's experts and hits marked noop */
+    MF_SG_DEV_PRE,        /* card `card` (h2d lane): expert `part`'s parts copied in on a miss */
     MF_SG_N_OPS
 } mf_sg_op;
 
@@ -294,6 +299,10 @@ typedef struct mf_sg_opts {
      * (half 1's route after half 0's MoE done, half 0's route of the next layer after half 1's
      * MoE done: one store batch and one set of card pins at a time). 0 or 1: one. */
     int micro;
+    /* the experts' prefetch (mf_stepgraph.prefetch) of a serial graph of one micro-batch with cards
+     * for the routed experts and no store: 0 from mf_sg_prefetch_min(c) positions, > 0 from that
+     * many, < 0 never */
+    int prefetch_min;
     /* > 1: one CPU lane per socket, socket k's at lane_sock[k] (mf_sg_lanes_sockets). The host
      * tasks that read no weights and are one item's or one of several parts (attention head
      * groups, index score parts, q norm parts, an item's mixes, norms and combines: activations
@@ -353,6 +362,15 @@ typedef struct mf_stepgraph {
      * largest unit's, a smaller unit's other entries -1 */
     mf_task_id *eg_read_tid;
     int eg_reads_per_unit;
+    /* 1 (mf_sg_opts.prefetch_min): every layer's experts placed at the layer's start
+     * (MF_SG_MOE_PLACE, after the previous layer's MoE done) and copied in by MF_SG_DEV_PRE
+     * tasks while its attention runs; the slots' copy-ins then copy only their rows, after their
+     * card's copies (a join per card). pre_tid[L * experts + e]: expert e's copy task, on its owner
+     * card's h2d lane (mf_dev_xcache_owner); pre_ahead_ns[L]: how long the links have before
+     * the layer's route by the priorities' prices (mf_sg_place_ahead) */
+    int prefetch, pre_experts;
+    mf_task_id *pre_tid;
+    double pre_ahead_ns[MF_CONFIG_MAX_LAYERS];
 } mf_stepgraph;
 
 /* The engine's lanes (the simulator's graph has the same; its own lane options go to
@@ -453,6 +471,10 @@ typedef struct mf_sg_placer {
     double host_q, copy_q[MF_SG_MAX_CARDS], comp_q[MF_SG_MAX_CARDS];
     double host_ns, copy_ns, t_dev;   /* the slot being placed (t_dev: its compute's end) */
     int card;
+    /* mf_sg_place_ahead: the parts' copies (prefetch) queue per card from their head start;
+     * pre_ns, copy_end: the slot being placed's parts and the end of its rows' copy */
+    int ahead;
+    double pre_q[MF_SG_MAX_CARDS], pre_ns, copy_end;
 } mf_sg_placer;
 
 /* Bytes one token of a slot on a card copies in (dir 0: its input row and its weight) or out
@@ -465,6 +487,28 @@ double mf_sg_slot_tok_bytes(const mf_config *c, int dir);
  * (mf_sg_expert_work), the bytes a token copies in and out (mf_sg_slot_tok_bytes), the fp4
  * multiply-add rates and the copies' figures from prof (NULL: the built-in machine,
  * mf_cost_default_profile; prof must outlive the placer). */
+/* The chunk length from which a serial graph prefetches its experts by default: the fewest
+ * positions n at which fewer than one of the E experts is expected unused under uniform routing,
+ * E (1 - K / E)^n < 1 (flash41, 384 experts, top 6: 378). */
+int mf_sg_prefetch_min(const mf_config *c);
+/* 1 when a graph of these options prefetches (mf_stepgraph.prefetch): serial (one unit), one
+ * micro-batch, routed experts on cards, no store, n >= the threshold of o->prefetch_min. */
+int mf_sg_prefetch_on(const mf_sg_opts *o);
+/* Prefetch: the placer's copy queues start ahead_ns before the route (the experts' copies run
+ * while the layer's attention does: mf_stepgraph.pre_ahead_ns), so a card takes an expert while
+ * its copy, less that head start, and compute end no later than the host's share. */
+void mf_sg_place_ahead(mf_sg_placer *p, double ahead_ns);
+/* Prefetch: the layer's E experts placed as mf_sg_placer places a route's slots (the cached ones
+ * first), each with tok = ceil(n top_k / E) expected tokens, with the copy head start ahead_ns.
+ * cached[e]: 1 when expert e is in its owner card's cache (mf_dev_xcache_owner); take(card, e):
+ * the caller's cache slot for it, 1 taken (want: hit 1 / miss 0 in *hit), 0 none (the host keeps
+ * it). card[e] gets the card or -1, miss[e] 1 where it must be copied in. Returns the experts on
+ * cards. */
+typedef int (*mf_sg_take_fn)(void *ctx, int card, int e, int *hit);
+int mf_sg_place_all(mf_sg_placer *p, const mf_config *c, int L, int n_cards, int tok, const uint8_t *cached,
+                    mf_sg_take_fn take, void *ctx, int32_t *card, uint8_t *miss);
+/* Marks layer L's prefetch copies: noop unless card[e] >= 0 and miss[e]. */
+void mf_stepgraph_mark_prefetch(mf_stepgraph *sg, int L, const int32_t *card, const uint8_t *miss);
 void mf_sg_placer_init(mf_sg_placer *p, const mf_lane_model models[4], const mf_profile *prof, int n_threads,
                        int hybrid, double expert_bytes, double expert_macs, double tok_in, double tok_out);
 /* Queues a used slot of cnt tokens on the host (every used slot, before any is offered). */
