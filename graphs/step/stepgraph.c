@@ -224,8 +224,8 @@ double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_st
         return mf_cost_disk(m, w->io_bytes, w->io_reads);
     case MF_SG_HEAD:   /* the items with logits (a prefill chunk: none, or the prompt's last) */
         return s->n_head ? mf_cost_host(m, w, s->n_head, 0) : 0;
-    case MF_SG_DEV_IN:   /* the expert's parts on a miss, then the rows and token weights */
-        return mf_cost_copy(m, 0, 2 + (s->dev_miss ? MF_SG_EXPERT_PARTS : 0),
+    case MF_SG_DEV_IN:   /* the expert on a miss (one span or its parts), then the rows and token weights */
+        return mf_cost_copy(m, 0, 2 + (s->dev_miss ? (w->copies > 0 ? w->copies : MF_SG_EXPERT_PARTS) : 0),
                             (s->dev_miss ? w->copy_bytes : 0) + tok * w->copy_bytes_tok);
     case MF_SG_DEV_FFN:
         return mf_cost_card(m, w, tok);
@@ -1256,6 +1256,7 @@ static void sg_slot_card(sg_builder *b, int L, int s, int cd, mf_task_id cffn, m
     SG_NAME(b, "dev%d L%d slot %d in", cd, L, s);
     mf_sg_task ti = t;
     ti.w.copy_bytes = z->xslot_bytes;
+    ti.w.copies = b->o->miss_copies > 0 ? b->o->miss_copies : MF_SG_EXPERT_PARTS;
     ti.w.copy_bytes_tok = mf_sg_slot_tok_bytes(c, 0);
     mf_task_id din = sg_add(b, lane, MF_SG_DEV_IN, MF_SG_PH_MOE, MF_SG_K_COPY, ti);
     mf_task_id dff = cffn;
@@ -1886,7 +1887,8 @@ double mf_sg_slot_tok_bytes(const mf_config *c, int dir)
 }
 
 void mf_sg_placer_init(mf_sg_placer *p, const mf_lane_model models[4], const mf_profile *prof, int n_threads,
-                       int hybrid, double expert_bytes, double expert_macs, double tok_in, double tok_out)
+                       int hybrid, double expert_bytes, double expert_macs, double tok_in, double tok_out,
+                       int miss_copies)
 {
     memset(p, 0, sizeof *p);
     if (!prof) prof = mf_cost_default_profile();
@@ -1901,6 +1903,7 @@ void mf_sg_placer_init(mf_sg_placer *p, const mf_lane_model models[4], const mf_
     p->bytes = expert_bytes;
     p->tok_in = tok_in;
     p->tok_out = tok_out;
+    p->miss_copies = miss_copies > 0 ? miss_copies : MF_SG_EXPERT_PARTS;
 }
 
 void mf_sg_place_host_work(mf_sg_placer *p, int cnt)
@@ -1913,8 +1916,8 @@ int mf_sg_place_want_card(mf_sg_placer *p, int card, int cnt, int cached)
     int c = card;
     p->card = c;
     p->host_ns = sg_place_ns(&p->cpu, p->host_macs_per_s, p->bytes, p->macs, cnt);
-    /* the copy-in as mf_sg_task_ns prices MF_SG_DEV_IN: rows and weights, and the parts on a miss */
-    p->copy_ns = mf_cost_copy(&p->cm, 0, 2 + (cached ? 0 : MF_SG_EXPERT_PARTS), (cached ? 0 : p->bytes) + cnt * p->tok_in);
+    /* the copy-in as mf_sg_task_ns prices MF_SG_DEV_IN: rows and weights, and the expert on a miss */
+    p->copy_ns = mf_cost_copy(&p->cm, 0, 2 + (cached ? 0 : p->miss_copies), (cached ? 0 : p->bytes) + cnt * p->tok_in);
     double comp_ns = sg_place_ns(&p->comp, p->card_macs_per_s, p->bytes, p->macs, cnt);
     double out_ns = mf_cost_copy(&p->cm, 1, 1, cnt * p->tok_out);
     p->t_dev = (p->copy_q[c] + p->copy_ns > p->comp_q[c] ? p->copy_q[c] + p->copy_ns : p->comp_q[c]) + comp_ns;
