@@ -2053,7 +2053,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
  * and every expert's six parts lie at the same offsets from its w1 codes (the model block keeps
  * a layer's tensors in layout order, each expert's w1, w1 scale, w2, ... one after another, the
  * parts MF_MODEL_EXPERT_ALIGN-aligned: graphs/model/model.c), each offset a multiple of the
- * card's 256-byte part alignment and the span at most 6 pages over the parts' packing, the slot
+ * card's 256-byte part alignment and the span at most 6 x 4 KiB over the parts' packing, the slot
  * takes those offsets (s->part_off, s->part_bytes, s->xslot_bytes) and 1 is returned: a miss is
  * then one copy of the span (mf_dev_copy_expert). 0 otherwise (nothing set). */
 static int mf_step_xslot_layout(mf_step *s)
@@ -2111,18 +2111,18 @@ static int mf_step_dev_setup(mf_step *s)
             return mf_error(-ENOTSUP, "step: routed experts on devices need FP4 experts; %s is not",
                             ew[k].name);
     if (!(s->miss_span = mf_step_xslot_layout(s))) {   /* else the parts packed 256-aligned */
-    uint64_t off = 0;
-    for (int k = 0; k < 3; k++) {
-        uint64_t db = ew[k].st_data ? ew[k].st_data->n_bytes : (uint64_t)(ew[k].rows * ew[k].cols / 2);
-        uint64_t sb = ew[k].st_scale ? ew[k].st_scale->n_bytes : (uint64_t)(ew[k].rows * ew[k].cols / 32);
-        s->part_off[2 * k] = off;
-        s->part_bytes[2 * k] = db;
-        off += (db + 255) / 256 * 256;
-        s->part_off[2 * k + 1] = off;
-        s->part_bytes[2 * k + 1] = sb;
-        off += (sb + 255) / 256 * 256;
-    }
-    s->xslot_bytes = off;
+        uint64_t off = 0;
+        for (int k = 0; k < 3; k++) {
+            uint64_t db = ew[k].st_data ? ew[k].st_data->n_bytes : (uint64_t)(ew[k].rows * ew[k].cols / 2);
+            uint64_t sb = ew[k].st_scale ? ew[k].st_scale->n_bytes : (uint64_t)(ew[k].rows * ew[k].cols / 32);
+            s->part_off[2 * k] = off;
+            s->part_bytes[2 * k] = db;
+            off += (db + 255) / 256 * 256;
+            s->part_off[2 * k + 1] = off;
+            s->part_bytes[2 * k + 1] = sb;
+            off += (sb + 255) / 256 * 256;
+        }
+        s->xslot_bytes = off;
     }
     s->dev = s->o.dev;
     s->dev_graphs = s->o.dev_graphs;
