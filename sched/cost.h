@@ -24,6 +24,7 @@ typedef struct mf_work {
     int extra_vec;             /* 1: mf_cost_host's extra_flops (a task's positional work) are vector
                                 * code, priced with vec_flops; 0: scalar, with ref_flops */
     double copy_bytes;         /* host<->card: the packed expert, on a cache miss */
+    int copies;                /* the host->card copies copy_bytes take (0: one per expert part) */
     double copy_bytes_tok;     /* host<->card per token */
     double io_bytes;           /* disk: the aligned extents, when read */
     int io_reads;              /* disk requests (each pays the disk's latency) */

@@ -43,6 +43,7 @@ static int run(mf_ref *r, mf_step *e, int n_seq, int32_t (*toks)[N_DEC], int for
         mf_step_last_dev(e, &x);
         ds->dev_slots += x.dev_slots, ds->host_slots += x.host_slots, ds->hits += x.hits, ds->misses += x.misses;
         ds->evictions += x.evictions, ds->bytes_in += x.bytes_in, ds->host_fallbacks += x.host_fallbacks;
+        ds->miss_spans += x.miss_spans;
     }
     float *step = malloc(sizeof(float) * (size_t)n_seq * g_V);
     for (int k = 0; k < N_DEC && !rc; k++) {
@@ -61,6 +62,7 @@ static int run(mf_ref *r, mf_step *e, int n_seq, int32_t (*toks)[N_DEC], int for
         mf_step_last_dev(e, &x);
         ds->dev_slots += x.dev_slots, ds->host_slots += x.host_slots, ds->hits += x.hits, ds->misses += x.misses;
         ds->evictions += x.evictions, ds->bytes_in += x.bytes_in, ds->host_fallbacks += x.host_fallbacks;
+        ds->miss_spans += x.miss_spans;
         for (int s = 0; s < n_seq && !rc; s++)
             memcpy(logits + ((size_t)s * N_LOG + k + 1) * g_V, step + (size_t)s * g_V, sizeof(float) * g_V);
     }
@@ -69,8 +71,10 @@ static int run(mf_ref *r, mf_step *e, int n_seq, int32_t (*toks)[N_DEC], int for
     return rc;
 }
 
-/* Every placement on emu:1..4 against the host run of the same model (r). */
-static void test_placements(mf_ref *r, const char *what, uint64_t cache_bytes, int want_evictions, double cpu_bps)
+/* Every placement on emu:1..4 against the host run of the same model (r); resident: r's experts
+ * are the model's resident ones (every miss then one span), else a store's. */
+static void test_placements(mf_ref *r, const char *what, uint64_t cache_bytes, int want_evictions, double cpu_bps,
+                            int resident)
 {
     size_t per = (size_t)N_SEQ * N_LOG * g_V;
     float *host = malloc(sizeof(float) * per), *got = malloc(sizeof(float) * per);
@@ -115,6 +119,9 @@ static void test_placements(mf_ref *r, const char *what, uint64_t cache_bytes, i
                     CHECK(ds.bytes_in > 0 && ds.misses > 0 && ds.bytes_in % ds.misses == 0,
                           "%s %s placement %d: %llu bytes in for %llu misses", what, spec, pl,
                           (unsigned long long)ds.bytes_in, (unsigned long long)ds.misses);
+                    /* resident experts: the card slot mirrors their layout, every miss one copy */
+                    CHECK(resident ? ds.miss_spans == (int64_t)ds.misses : ds.miss_spans <= (int64_t)ds.misses, "%s %s placement %d: %lld of %llu misses copied "
+                          "as one span", what, spec, pl, (long long)ds.miss_spans, (unsigned long long)ds.misses);
                     if (pl == MF_STEP_PLACE_SEED)
                         CHECK(ds.host_slots == ds.host_fallbacks && ds.dev_slots > 0,
                               "%s %s seed: %lld slots on the host, %lld fallbacks", what, spec,
@@ -420,10 +427,10 @@ int main(void)
     test_copy_fault(r, cpu_bps);
     test_prefetch(r, &c, (uint64_t)(2 * c.n_experts_per_tok) * (xb + 6 * 256), cpu_bps);
     test_profile_models(r);
-    test_placements(r, "resident", 0, 0, cpu_bps);
+    test_placements(r, "resident", 0, 0, cpu_bps, 1);
     /* a cache of 2 x top_k experts per card: misses evict (and are pinned slots respected) */
     if (!MF_TEST_TSAN)   /* TSan: the resident and streamed sweeps carry the concurrent paths */
-        test_placements(r, "small cache", (uint64_t)(2 * c.n_experts_per_tok) * (xb + 6 * 256), 1, cpu_bps);
+        test_placements(r, "small cache", (uint64_t)(2 * c.n_experts_per_tok) * (xb + 6 * 256), 1, cpu_bps, 1);
 
     /* refusals: a card too small for one expert; --exact */
     mf_dev *d = NULL;
@@ -448,7 +455,7 @@ int main(void)
     CHECK(mf_model_load(dir, &(mf_model_opts){.quiet = 1, .store = MF_MODEL_STORE_STREAMED,
                                               .store_budget_bytes = 64ull << 20}, &m) == 0,
           "load streamed: %s", mf_last_error());
-    if (m && !mf_ref_new(m, NULL, &r)) test_placements(r, "streamed", 0, 0, cpu_bps);
+    if (m && !mf_ref_new(m, NULL, &r)) test_placements(r, "streamed", 0, 0, cpu_bps, 0);
     mf_ref_free(r);
     mf_model_free(m);
     return mf_check_exit("test_place");

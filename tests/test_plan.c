@@ -547,15 +547,15 @@ static void test_placer_tokens(void)
     mf_lane_model m[4];
     mf_step_lane_models(&f, 2, m);
     mf_sg_placer pl;
-    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6, 0, 0);
+    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6, 0, 0, 0);
     mf_sg_place_host_work(&pl, 1);
     CHECK(mf_sg_place_want_card(&pl, 0, 1, 0) == 0, "1 token: the host");
-    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6, 0, 0);
+    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6, 0, 0, 0);
     mf_sg_place_host_work(&pl, 100);
     CHECK(mf_sg_place_want_card(&pl, 0, 100, 0) == 1, "100 tokens: the card (host %.0f ns, card %.0f ns)",
           pl.host_ns, pl.t_dev);
     for (int k = 0; k < MF_KF_N; k++) f.host[k].macs_per_s = f.card[k].macs_per_s = 0;
-    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6, 0, 0);
+    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6, 0, 0, 0);
     mf_sg_place_host_work(&pl, 100);
     CHECK(mf_sg_place_want_card(&pl, 0, 100, 0) == 0, "100 tokens, no multiply-add rates: the host (%.0f, %.0f ns)",
           pl.host_ns, pl.t_dev);
@@ -573,23 +573,30 @@ static void test_placer_queue(void)
     mf_lane_model m[4];
     mf_step_lane_models(&f, 2, m);
     mf_cost_model cm = {.p = &f};
-    for (int cached = 0; cached < 2; cached++) {
-        mf_sg_placer pl;
-        mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6, 16388, 16384);
-        mf_sg_place_host_work(&pl, 3);
-        (void)mf_sg_place_want_card(&pl, 1, 3, cached);
-        mf_sg_task t = {.op = MF_SG_DEV_IN, .slot_tokens = 1, .w = {.copy_bytes = 1e6, .copy_bytes_tok = 16388}};
-        mf_sg_step_cost st = {.slot_tokens = 3, .dev_miss = !cached};
-        double want = mf_sg_task_ns(&t, &cm, &st);
-        CHECK(fabs(pl.copy_ns - want) < 1e-6 * want, "cached %d: the placer's copy-in %.1f ns, the record's %.1f ns",
-              cached, pl.copy_ns, want);
-    }
+    double miss_ns[2] = {0, 0};
+    for (int span = 0; span < 2; span++)   /* a miss one copy per part (0), one span (1) */
+        for (int cached = 0; cached < 2; cached++) {
+            mf_sg_placer pl;
+            mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6, 16388, 16384, span);
+            mf_sg_place_host_work(&pl, 3);
+            (void)mf_sg_place_want_card(&pl, 1, 3, cached);
+            mf_sg_task t = {.op = MF_SG_DEV_IN, .slot_tokens = 1,
+                            .w = {.copy_bytes = 1e6, .copy_bytes_tok = 16388, .copies = span}};
+            mf_sg_step_cost st = {.slot_tokens = 3, .dev_miss = !cached};
+            double want = mf_sg_task_ns(&t, &cm, &st);
+            CHECK(fabs(pl.copy_ns - want) < 1e-6 * want, "span %d, cached %d: the placer's copy-in %.1f ns, the "
+                  "record's %.1f ns", span, cached, pl.copy_ns, want);
+            if (!cached) miss_ns[span] = want;
+        }
+    CHECK(fabs(miss_ns[0] - miss_ns[1] - (MF_SG_EXPERT_PARTS - 1) * f.h2d_latency_ns) < 1e-6 * miss_ns[0],
+          "a miss as one span saves %d copies' latency: %.1f against %.1f ns", MF_SG_EXPERT_PARTS - 1, miss_ns[1],
+          miss_ns[0]);
     mf_sg_placer pl;
-    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6, 16388, 16384);
+    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6, 16388, 16384, 0);
     mf_sg_place_host_work(&pl, 1);
     CHECK(mf_sg_place_want_card(&pl, 0, 1, 0) == 0, "a queue of one slot: the miss stays on the host (host %.0f ns, "
           "card %.0f ns)", pl.host_q / 2, pl.t_dev);
-    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6, 16388, 16384);
+    mf_sg_placer_init(&pl, m, &f, 2, 1, 1e6, 3e6, 16388, 16384, 0);
     for (int s = 0; s < 20; s++) mf_sg_place_host_work(&pl, 1);
     double q = pl.host_q;
     CHECK(mf_sg_place_want_card(&pl, 0, 1, 0) == 1, "a queue of 20 slots: the first offered moves to its card (host "
@@ -653,8 +660,8 @@ static void test_prefetch_plan(void)
     mf_lane_model m[4];
     mf_step_lane_models(&f, 2, m);
     mf_sg_placer a, b;
-    mf_sg_placer_init(&a, m, &f, 2, 1, 1e6, 3e6, 16388, 16384);
-    mf_sg_placer_init(&b, m, &f, 2, 1, 1e6, 3e6, 16388, 16384);
+    mf_sg_placer_init(&a, m, &f, 2, 1, 1e6, 3e6, 16388, 16384, 0);
+    mf_sg_placer_init(&b, m, &f, 2, 1, 1e6, 3e6, 16388, 16384, 0);
     mf_sg_place_ahead(&b, 1e9);
     mf_sg_place_host_work(&a, 3);
     mf_sg_place_host_work(&b, 3);

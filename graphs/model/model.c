@@ -465,9 +465,15 @@ int mf_model_load(const char *dir, const mf_model_opts *opts, mf_model **out)
             m->offset[i] = MF_NO_OFFSET;
             continue;
         }
+        /* a routed expert's parts (layout order: w1 codes, scales, w2 ..., w3 ...) one after another
+         * at the card slot's part alignment, so that a card's cache miss copies them as one span
+         * (graphs/step/step.c mf_step_xslot_layout) */
+        uint64_t a = mf_is_lazy_group(t) && align < MF_MODEL_EXPERT_ALIGN ? MF_MODEL_EXPERT_ALIGN : align;
+        total = (total + a - 1) / a * a;
         m->offset[i] = total;
-        total += (t->n_bytes + align - 1) / align * align;
+        total += t->n_bytes;
     }
+    total = (total + align - 1) / align * align;
     m->block_bytes = total;
     m->block = mf_hostmem_map(total, 1);   /* 2 MiB pages where the kernel allows: the head and
                                                * experts are streamed every step */

@@ -389,6 +389,9 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
                                         .n_threads = p->n_threads, .n_cards = p->n_cards,
                                         .n_dense_cards = p->n_dense, .dense_split = o->dense_split, .heads = o->heads,
                                         .dev_graphs = o->dev_graphs, .store = p->streamed,
+                                        /* the engine's resident experts: a miss one span (step.c
+                                         * mf_step_xslot_layout); a store's slots: one copy a part */
+                                        .miss_copies = p->streamed ? 0 : 1,
                                         .eg_reads = o->tables == MF_PLAN_STORE_STREAMED,
                                         .read_window = o->read_window, .micro = o->micro,
                                         .n_sockets = p->lt.n_sockets, .lane_sock = p->lt.lane_sock, .lanes = p->lt.lane,
@@ -502,7 +505,7 @@ static void pl_prefetch(mf_plan *p, int L, mf_plan_report *r)
     mf_sg_expert_work(&p->c, p->sz, &ew);
     mf_sg_placer_init(&pl, p->models, &p->prof, p->n_threads, p->o.placement == MF_STEP_PLACE_HYBRID,
                       p->sz->xslot_bytes, ew.macs[MF_KF_FP4], mf_sg_slot_tok_bytes(&p->c, 0),
-                      mf_sg_slot_tok_bytes(&p->c, 1));
+                      mf_sg_slot_tok_bytes(&p->c, 1), p->streamed ? 0 : 1);
     mf_sg_place_ahead(&pl, p->sg->pre_ahead_ns[L]);
     pl_take k = {p, L, r};
     int on = mf_sg_place_all(&pl, &p->c, L, p->n_cards, tok, p->pre_cached, pl_take_slot, &k, p->pre_card, p->pre_miss);
@@ -568,7 +571,7 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
     mf_sg_expert_work(&p->c, p->sz, &ew);
     mf_sg_placer_init(&pl, p->models, &p->prof, p->n_threads, p->o.placement == MF_STEP_PLACE_HYBRID,
                       p->sz->xslot_bytes, ew.macs[MF_KF_FP4], mf_sg_slot_tok_bytes(&p->c, 0),
-                      mf_sg_slot_tok_bytes(&p->c, 1));
+                      mf_sg_slot_tok_bytes(&p->c, 1), p->streamed ? 0 : 1);
     for (int s = 0; s < ns && p->n_cards; s++) {   /* all on the host's queue; miss: not cached (the pass) */
         int e = sl[s].e;
         sl[s].miss = mf_resid_slot(p->dev[mf_dev_xcache_owner(p->n_cards, L, e)], L * E + e) < 0;

@@ -8,6 +8,21 @@
 #include "sched/error.h"
 #include "sched/progress.h"
 
+int mf_dev_copy_expert(mf_dev_stream *st, void *slot, const void *const src[6], const size_t *part_off,
+                       const size_t *part_bytes)
+{
+    const uint8_t *b = src[0];
+    int span = 1;
+    for (int p = 1; p < 6 && span; p++) span = (const uint8_t *)src[p] == b + part_off[p];
+    if (span && part_off[0] == 0) {
+        int rc = mf_dev_copy_h2d(st, slot, b, part_off[5] + part_bytes[5]);
+        return rc ? rc : 1;
+    }
+    int rc = 0;
+    for (int p = 0; p < 6 && !rc; p++) rc = mf_dev_copy_h2d(st, (uint8_t *)slot + part_off[p], src[p], part_bytes[p]);
+    return rc;
+}
+
 /* The 6 parts of expert (L, e) on the host: the model's resident bytes, else the store's. 0 when
  * the host does not hold it. */
 static int mf_dev_fill_src(const mf_dev_fill_in *in, int L, int e, const void *src[6])
@@ -58,8 +73,8 @@ static int mf_dev_fill_card(const mf_dev_fill_in *in, int cd, const int32_t *ite
         int hit = 0;
         if ((rc = mf_dev_xcache_acquire(c, L, e, &slot, &hit))) break;
         batch[pend++] = items[i];
-        for (int p = 0; p < 6 && !rc; p++)
-            rc = mf_dev_copy_h2d(st, (uint8_t *)slot + in->part_off[p], src[p], in->part_bytes[p]);
+        rc = mf_dev_copy_expert(st, slot, src, in->part_off, in->part_bytes);
+        rc = rc > 0 ? 0 : rc;
         if (rc) {
             mf_dev_stream_sync(st);
             for (int j = 0; j < pend; j++) mf_dev_xcache_drop(c, batch[j] / E, batch[j] % E);

@@ -26,9 +26,18 @@ typedef struct mf_dev_fill_in {
     int progress;               /* 1: progress on stderr */
 } mf_dev_fill_in;
 
+/* Enqueues the copy of a packed expert's six parts src[p] (w1 codes, w1 scales, w2 ..., w3 ...)
+ * into a card slot, part p at slot + part_off[p] (part_bytes[p] bytes), on stream st: one copy of
+ * the span part_off[5] + part_bytes[5] from src[0] when the parts lie on the host as in the slot
+ * (src[p] == src[0] + part_off[p] for every p: the model's resident experts, whose layout the
+ * slot then mirrors), else one copy per part. 1: one span, 0: per part, or the first copy's
+ * error (negative). The one home of a miss's copies (the engine's misses, the warm fill). */
+int mf_dev_copy_expert(mf_dev_stream *st, void *slot, const void *const src[6], const size_t *part_off,
+                       const size_t *part_bytes);
+
 /* Per card: the plan's experts (mf_dev_xcache_fill_plan for the card's slots) acquired in its
- * cache, copied on its copy-in stream part by part, the stream waited for every 64 experts (and
- * the progress advanced), each slot released; an expert the host does not hold is left out
+ * cache, copied on its copy-in stream (mf_dev_copy_expert), the stream waited for every 64
+ * experts (and the progress advanced), each slot released; an expert the host does not hold is left out
  * (counted in skipped). Then every cache's counters are zeroed. A failed copy drops the slot and
  * fails with the card and expert named. */
 int mf_dev_fill(const mf_dev_fill_in *in, mf_step_fill_stats *out);

@@ -188,6 +188,8 @@ struct mf_step {
     mf_dev_xcache *xc[MF_DEV_MAX_CARDS];
     size_t part_off[6], part_bytes[6];
     uint64_t xslot_bytes;
+    int miss_span;            /* 1: the slot mirrors the resident experts' layout (mf_step_xslot_layout) */
+    _Atomic int64_t miss_spans;   /* this call's misses copied as one span (mf_step_dev_stats) */
     int dev_graphs;           /* 1: a layer's device FFNs are one captured graph per card */
     mf_step_dev_stats dstat;
     _Atomic int64_t sock_home, sock_cross;   /* this call's (mf_step_dev_stats) */
@@ -911,7 +913,7 @@ static int mf_step_place(mf_step_shape *sh, int L, int h)
     mf_sg_expert_work(eng->c, eng->sz, &ew);
     mf_sg_placer_init(&pl, eng->models, eng->o.profile, eng->o.n_threads, eng->o.placement == MF_STEP_PLACE_HYBRID,
                       (double)eng->xslot_bytes, ew.macs[MF_KF_FP4], mf_sg_slot_tok_bytes(eng->c, 0),
-                      mf_sg_slot_tok_bytes(eng->c, 1));
+                      mf_sg_slot_tok_bytes(eng->c, 1), eng->miss_span ? 1 : 0);
     sh->dev_layer = L;
     sh->dev_half = h;
     int s_end = s0 + sh->n_used[h];
@@ -990,7 +992,7 @@ static int mf_task_moe_place(void *arg, mf_task_ctx *ctx)
     mf_sg_expert_work(eng->c, eng->sz, &ew);
     mf_sg_placer_init(&pl, eng->models, eng->o.profile, eng->o.n_threads, eng->o.placement == MF_STEP_PLACE_HYBRID,
                       (double)eng->xslot_bytes, ew.macs[MF_KF_FP4], mf_sg_slot_tok_bytes(eng->c, 0),
-                      mf_sg_slot_tok_bytes(eng->c, 1));
+                      mf_sg_slot_tok_bytes(eng->c, 1), eng->miss_span ? 1 : 0);
     mf_sg_place_ahead(&pl, sh->sg->pre_ahead_ns[L]);
     mf_step_take k = {sh, L, 0};
     int on = mf_sg_place_all(&pl, eng->c, L, eng->n_cards, tok, sh->pre_cached, mf_step_take_slot, &k, sh->pre_card,
@@ -1017,13 +1019,10 @@ static int mf_task_dev_pre(void *arg, mf_task_ctx *ctx)
     int e = a->t->part;
     if (sh->pre_card[e] != a->t->card || !sh->pre_miss[e]) return MF_TASK_NO_WORK;
     const mf_weight *ew = &mf_model_layer_at(eng->ly->m, a->t->layer)->experts[e * 3];
-    int rc = 0;
-    for (int k = 0; k < 3 && !rc; k++) {
-        rc = mf_dev_copy_h2d(ctx->queue, sh->pre_dev[e] + eng->part_off[2 * k], ew[k].data, eng->part_bytes[2 * k]);
-        if (!rc) rc = mf_dev_copy_h2d(ctx->queue, sh->pre_dev[e] + eng->part_off[2 * k + 1], ew[k].scale,
-                                      eng->part_bytes[2 * k + 1]);
-    }
-    return rc;
+    const void *src[6] = {ew[0].data, ew[0].scale, ew[1].data, ew[1].scale, ew[2].data, ew[2].scale};
+    int rc = mf_dev_copy_expert(ctx->queue, sh->pre_dev[e], src, eng->part_off, eng->part_bytes);
+    if (rc > 0) atomic_fetch_add_explicit(&eng->miss_spans, 1, memory_order_relaxed);
+    return rc > 0 ? 0 : rc;
 }
 
 /* Prefetch, in the route: each used slot where its expert was placed (in its cache slot already,
@@ -1123,11 +1122,10 @@ static int mf_task_dev_in(void *arg, mf_task_ctx *ctx)
     int rc = 0;
     if (sh->slot_miss[s]) {
         const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, s);
-        for (int k = 0; k < 3 && !rc; k++) {
-            rc = mf_dev_copy_h2d(st, sh->slot_dev[s] + eng->part_off[2 * k], ew[k].data, eng->part_bytes[2 * k]);
-            if (!rc) rc = mf_dev_copy_h2d(st, sh->slot_dev[s] + eng->part_off[2 * k + 1], ew[k].scale,
-                                          eng->part_bytes[2 * k + 1]);
-        }
+        const void *src[6] = {ew[0].data, ew[0].scale, ew[1].data, ew[1].scale, ew[2].data, ew[2].scale};
+        rc = mf_dev_copy_expert(st, sh->slot_dev[s], src, eng->part_off, eng->part_bytes);
+        if (rc > 0) atomic_fetch_add_explicit(&eng->miss_spans, 1, memory_order_relaxed);
+        rc = rc > 0 ? 0 : rc;
     }
     size_t off = (size_t)sh->slot_off[s], cnt = (size_t)sh->slot_cnt[s];
     uint8_t *db = sh->dbuf[a->t->card];
@@ -1870,6 +1868,7 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const in
                                           .n_threads = eng->o.n_threads, .n_cards = eng->n_cards,
                                           .n_dense_cards = eng->n_dense, .dense_split = eng->o.dense_split,
                                           .dev_graphs = eng->dev_graphs, .store = eng->store != NULL,
+                                          .miss_copies = eng->miss_span ? 1 : 0,
                                           .read_window = eng->o.read_window, .eg_reads = eng->eg_reads,
                                           .lanes = eng->lt.lane, .n_sockets = eng->lt.n_sockets,
                                           .lane_sock = eng->lt.lane_sock,
@@ -2190,6 +2189,48 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
 
 /* ---- the engine ---------------------------------------------------------------------------- */
 
+/* The card slot's layout mirrors the host's: when the model's experts are resident (no store)
+ * and every expert's six parts lie at the same offsets from its w1 codes (the model block keeps
+ * a layer's tensors in layout order, each expert's w1, w1 scale, w2, ... one after another, the
+ * parts MF_MODEL_EXPERT_ALIGN-aligned: graphs/model/model.c), each offset a multiple of the
+ * card's 256-byte part alignment and the span at most 6 x 4 KiB over the parts' packing, the slot
+ * takes those offsets (s->part_off, s->part_bytes, s->xslot_bytes) and 1 is returned: a miss is
+ * then one copy of the span (mf_dev_copy_expert). 0 otherwise (nothing set). */
+static int mf_step_xslot_layout(mf_step *s)
+{
+    const mf_config *c = s->c;
+    const mf_model *m = s->ly->m;
+    if (s->store) return 0;
+    size_t off[6], bytes[6], packed = 0;
+    const uint8_t *b0 = NULL;
+    for (int L = 0; L < c->n_layers; L++)
+        for (int e = 0; e < c->n_routed_experts; e++) {
+            const mf_weight *ew = &mf_model_layer_at(m, L)->experts[(size_t)e * 3];
+            const uint8_t *src[6] = {ew[0].data, ew[0].scale, ew[1].data, ew[1].scale, ew[2].data, ew[2].scale};
+            for (int p = 0; p < 6; p++) {
+                if (!src[p]) return 0;
+                if (!L && !e) {
+                    const mf_weight *w = &ew[p / 2];
+                    bytes[p] = p % 2 ? (w->st_scale ? w->st_scale->n_bytes : (size_t)(w->rows * w->cols / 32))
+                                     : (w->st_data ? w->st_data->n_bytes : (size_t)(w->rows * w->cols / 2));
+                    if (src[p] < src[0]) return 0;
+                    off[p] = (size_t)(src[p] - src[0]);
+                    if (off[p] % 256 || (p && off[p] < off[p - 1] + bytes[p - 1])) return 0;
+                    packed += (bytes[p] + 255) / 256 * 256;
+                } else if (src[p] < src[0] || (size_t)(src[p] - src[0]) != off[p]) {
+                    return 0;
+                }
+            }
+            b0 = src[0];
+        }
+    size_t span = (off[5] + bytes[5] + 255) / 256 * 256;
+    if (!b0 || span > packed + 6 * 4096) return 0;
+    memcpy(s->part_off, off, sizeof off);
+    memcpy(s->part_bytes, bytes, sizeof bytes);
+    s->xslot_bytes = span;
+    return 1;
+}
+
 /* Routed experts on s->o.dev: checks that the cards can run them as the host does (int8 path,
  * swiglu limit, FP4 experts), lays out a packed expert (w1, w2, w3 codes and scales), opens an
  * expert cache per card and adds three lanes per card. */
@@ -2205,21 +2246,24 @@ static int mf_step_dev_setup(mf_step *s)
         return mf_error(-ENOTSUP, "step: routed experts on devices need a swiglu limit (the fused "
                         "kernel); this model has none");
     const mf_weight *ew = mf_model_layer_at(s->ly->m, 0)->experts;
-    uint64_t off = 0;
-    for (int k = 0; k < 3; k++) {
+    for (int k = 0; k < 3; k++)
         if (ew[k].kind != MF_W_FP4)
             return mf_error(-ENOTSUP, "step: routed experts on devices need FP4 experts; %s is not",
                             ew[k].name);
-        uint64_t db = ew[k].st_data ? ew[k].st_data->n_bytes : (uint64_t)(ew[k].rows * ew[k].cols / 2);
-        uint64_t sb = ew[k].st_scale ? ew[k].st_scale->n_bytes : (uint64_t)(ew[k].rows * ew[k].cols / 32);
-        s->part_off[2 * k] = off;
-        s->part_bytes[2 * k] = db;
-        off += (db + 255) / 256 * 256;
-        s->part_off[2 * k + 1] = off;
-        s->part_bytes[2 * k + 1] = sb;
-        off += (sb + 255) / 256 * 256;
+    if (!(s->miss_span = mf_step_xslot_layout(s))) {   /* else the parts packed 256-aligned */
+        uint64_t off = 0;
+        for (int k = 0; k < 3; k++) {
+            uint64_t db = ew[k].st_data ? ew[k].st_data->n_bytes : (uint64_t)(ew[k].rows * ew[k].cols / 2);
+            uint64_t sb = ew[k].st_scale ? ew[k].st_scale->n_bytes : (uint64_t)(ew[k].rows * ew[k].cols / 32);
+            s->part_off[2 * k] = off;
+            s->part_bytes[2 * k] = db;
+            off += (db + 255) / 256 * 256;
+            s->part_off[2 * k + 1] = off;
+            s->part_bytes[2 * k + 1] = sb;
+            off += (sb + 255) / 256 * 256;
+        }
+        s->xslot_bytes = off;
     }
-    s->xslot_bytes = off;
     s->dev = s->o.dev;
     s->dev_graphs = s->o.dev_graphs;
     int n = mf_dev_n_cards(s->dev);
@@ -2425,6 +2469,7 @@ void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out)
     out->sock_cross = atomic_load(&s->sock_cross);
     out->dense_home = atomic_load(&s->dense_home);
     out->dense_cross = atomic_load(&s->dense_cross);
+    out->miss_spans = atomic_load(&s->miss_spans);
 }
 
 void mf_step_fill(const mf_step *s, mf_step_fill_stats *out) { *out = s->fill; }
@@ -2816,6 +2861,7 @@ static int mf_step_forward_chunks(mf_step *s, mf_ref_state *const *states, const
     atomic_store(&s->sock_cross, 0);
     atomic_store(&s->dense_home, 0);
     atomic_store(&s->dense_cross, 0);
+    atomic_store(&s->miss_spans, 0);
     for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_step(s->xc[c], NULL);
     if (n < 1) return mf_error(-EINVAL, "step: forward of %d items", n);
     int rc = mf_step_check(s, states, tokens, n);

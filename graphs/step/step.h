@@ -262,6 +262,9 @@ typedef struct mf_step_dev_stats {
     int64_t dev_slots, host_slots;
     int64_t host_fallbacks;      /* slots placed on a card whose cache slots were all pinned */
     uint64_t hits, misses, evictions, bytes_in;
+    /* misses copied as one span: the expert's parts lie on the host as in the card's slot (the
+     * model's resident experts, the slot mirroring their layout); the others one copy per part */
+    int64_t miss_spans;
     int n_cards, cache_slots;    /* cards in use; cache slots per card */
     /* with sockets (mf_step_opts.n_sockets > 1): host expert part tasks (ups: w1 and w3, downs:
      * w2, each weight counted) run by a worker of the socket holding their rows (the store's

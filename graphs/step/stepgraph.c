@@ -225,11 +225,11 @@ double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_st
         return mf_cost_disk(m, w->io_bytes, w->io_reads);
     case MF_SG_HEAD:   /* the items with logits (a prefill chunk: none, or the prompt's last) */
         return s->n_head ? mf_cost_host(m, w, s->n_head, 0) : 0;
-    case MF_SG_DEV_IN:   /* the expert's parts on a miss, then the rows and token weights */
-        return mf_cost_copy(m, 0, 2 + (s->dev_miss ? MF_SG_EXPERT_PARTS : 0),
+    case MF_SG_DEV_IN:   /* the expert on a miss (one span or its parts), then the rows and token weights */
+        return mf_cost_copy(m, 0, 2 + (s->dev_miss ? (w->copies > 0 ? w->copies : MF_SG_EXPERT_PARTS) : 0),
                             (s->dev_miss ? w->copy_bytes : 0) + tok * w->copy_bytes_tok);
-    case MF_SG_DEV_PRE:   /* prefetch: an expert's parts (the task is noop on a hit or the host) */
-        return mf_cost_copy(m, 0, MF_SG_EXPERT_PARTS, w->copy_bytes);
+    case MF_SG_DEV_PRE:   /* prefetch: the expert, one span or its parts (noop on a hit or the host) */
+        return mf_cost_copy(m, 0, w->copies > 0 ? w->copies : MF_SG_EXPERT_PARTS, w->copy_bytes);
     case MF_SG_DEV_FFN:
         return mf_cost_card(m, w, tok);
     case MF_SG_DEV_FFN_CARD:
@@ -1260,6 +1260,7 @@ static void sg_slot_card(sg_builder *b, int L, int s, int cd, mf_task_id cffn, m
     SG_NAME(b, "dev%d L%d slot %d in", cd, L, s);
     mf_sg_task ti = t;
     ti.w.copy_bytes = z->xslot_bytes;
+    ti.w.copies = b->o->miss_copies > 0 ? b->o->miss_copies : MF_SG_EXPERT_PARTS;
     ti.w.copy_bytes_tok = mf_sg_slot_tok_bytes(c, 0);
     mf_task_id din = sg_add(b, lane, MF_SG_DEV_IN, MF_SG_PH_MOE, MF_SG_K_COPY, ti);
     mf_task_id dff = cffn;
@@ -1429,6 +1430,7 @@ static void sg_prefetch(sg_builder *b, int L)
         tp.card = (int8_t)cd;
         tp.part = e;
         tp.w.copy_bytes = b->o->sz->xslot_bytes;
+        tp.w.copies = b->o->miss_copies > 0 ? b->o->miss_copies : MF_SG_EXPERT_PARTS;
         mf_task_id pt = sg->pre_tid[(size_t)L * E + e] =
             sg_add(b, b->o->lane_dev0 + 3 * cd, MF_SG_DEV_PRE, MF_SG_PH_OTHER, MF_SG_K_COPY, tp);
         sg_dep(b, pl, pt);
@@ -1953,7 +1955,8 @@ double mf_sg_slot_tok_bytes(const mf_config *c, int dir)
 }
 
 void mf_sg_placer_init(mf_sg_placer *p, const mf_lane_model models[4], const mf_profile *prof, int n_threads,
-                       int hybrid, double expert_bytes, double expert_macs, double tok_in, double tok_out)
+                       int hybrid, double expert_bytes, double expert_macs, double tok_in, double tok_out,
+                       int miss_copies)
 {
     memset(p, 0, sizeof *p);
     if (!prof) prof = mf_cost_default_profile();
@@ -1968,6 +1971,7 @@ void mf_sg_placer_init(mf_sg_placer *p, const mf_lane_model models[4], const mf_
     p->bytes = expert_bytes;
     p->tok_in = tok_in;
     p->tok_out = tok_out;
+    p->miss_copies = miss_copies > 0 ? miss_copies : MF_SG_EXPERT_PARTS;
 }
 
 void mf_sg_place_host_work(mf_sg_placer *p, int cnt)
@@ -1980,18 +1984,18 @@ int mf_sg_place_want_card(mf_sg_placer *p, int card, int cnt, int cached)
     int c = card;
     p->card = c;
     p->host_ns = sg_place_ns(&p->cpu, p->host_macs_per_s, p->bytes, p->macs, cnt);
-    /* the copy-in as mf_sg_task_ns prices MF_SG_DEV_IN: rows and weights, and the parts on a miss;
-     * ahead (prefetch): the parts as MF_SG_DEV_PRE on their own queue from its head start, the rows
+    /* the copy-in as mf_sg_task_ns prices MF_SG_DEV_IN: rows and weights, and the expert on a miss (one span or its parts);
+     * ahead (prefetch): the expert as MF_SG_DEV_PRE on their own queue from its head start, the rows
      * after the route and the parts */
     double copy_end;
     if (p->ahead) {
-        p->pre_ns = cached ? 0 : mf_cost_copy(&p->cm, 0, MF_SG_EXPERT_PARTS, p->bytes);
+        p->pre_ns = cached ? 0 : mf_cost_copy(&p->cm, 0, p->miss_copies, p->bytes);
         p->copy_ns = mf_cost_copy(&p->cm, 0, 2, cnt * p->tok_in);
         double pre_end = p->pre_q[c] + p->pre_ns;
         p->copy_end = (pre_end > p->copy_q[c] ? pre_end : p->copy_q[c]) + p->copy_ns;
         copy_end = p->copy_end;
     } else {
-        p->copy_ns = mf_cost_copy(&p->cm, 0, 2 + (cached ? 0 : MF_SG_EXPERT_PARTS),
+        p->copy_ns = mf_cost_copy(&p->cm, 0, 2 + (cached ? 0 : p->miss_copies),
                                   (cached ? 0 : p->bytes) + cnt * p->tok_in);
         copy_end = p->copy_q[c] + p->copy_ns;
     }

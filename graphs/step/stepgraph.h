@@ -271,6 +271,10 @@ typedef struct mf_sg_opts {
      * mf_sg_dense_rows) */
     int dense_split;
     int store;          /* 1: routed experts are read through a store (IO tasks per slot) */
+    /* host->card copies of a card cache miss's packed expert: 1 when its parts lie in host memory
+     * as they lie in the card's slot, one span (the engine's resident experts: step.c
+     * mf_step_xslot_layout); 0: one copy per part (MF_SG_EXPERT_PARTS: a store's slots) */
+    int miss_copies;
     int read_window;    /* slots whose reads are in flight (0: 2, < 0: all) */
     int eg_reads;       /* 1: Engram tables are gathered by reads on the IO lane (streamed tables):
                          * per item task a plan task, its reads (IO tasks) and the embed task */
@@ -468,6 +472,7 @@ typedef struct mf_sg_placer {
     double macs, host_macs_per_s, card_macs_per_s;   /* per token of an expert; 0: the 2% rule */
     double tok_in, tok_out;           /* bytes a slot's token copies in and out (mf_sg_slot_tok_bytes) */
     int hybrid;
+    int miss_copies;                  /* a miss's copies of the packed expert (mf_sg_opts miss_copies) */
     double host_q, copy_q[MF_SG_MAX_CARDS], comp_q[MF_SG_MAX_CARDS];
     double host_ns, copy_ns, t_dev;   /* the slot being placed (t_dev: its compute's end) */
     int card;
@@ -486,7 +491,11 @@ double mf_sg_slot_tok_bytes(const mf_config *c, int dir);
  * packed expert's bytes on a card (mf_sg_sizes xslot_bytes) and its multiply-adds per token
  * (mf_sg_expert_work), the bytes a token copies in and out (mf_sg_slot_tok_bytes), the fp4
  * multiply-add rates and the copies' figures from prof (NULL: the built-in machine,
- * mf_cost_default_profile; prof must outlive the placer). */
+ * mf_cost_default_profile; prof must outlive the placer); miss_copies: the copies of the packed
+ * expert on a miss (mf_sg_opts miss_copies: 1 one span, 0 one per part). */
+void mf_sg_placer_init(mf_sg_placer *p, const mf_lane_model models[4], const mf_profile *prof, int n_threads,
+                       int hybrid, double expert_bytes, double expert_macs, double tok_in, double tok_out,
+                       int miss_copies);
 /* The chunk length from which a serial graph prefetches its experts by default: the fewest
  * positions n at which fewer than one of the E experts is expected unused under uniform routing,
  * E (1 - K / E)^n < 1 (flash41, 384 experts, top 6: 378). */
@@ -509,8 +518,6 @@ int mf_sg_place_all(mf_sg_placer *p, const mf_config *c, int L, int n_cards, int
                     mf_sg_take_fn take, void *ctx, int32_t *card, uint8_t *miss);
 /* Marks layer L's prefetch copies: noop unless card[e] >= 0 and miss[e]. */
 void mf_stepgraph_mark_prefetch(mf_stepgraph *sg, int L, const int32_t *card, const uint8_t *miss);
-void mf_sg_placer_init(mf_sg_placer *p, const mf_lane_model models[4], const mf_profile *prof, int n_threads,
-                       int hybrid, double expert_bytes, double expert_macs, double tok_in, double tok_out);
 /* Queues a used slot of cnt tokens on the host (every used slot, before any is offered). */
 void mf_sg_place_host_work(mf_sg_placer *p, int cnt);
 /* Offers a queued slot, of cnt tokens, owned by `card` (cached: its expert is in that card's
