@@ -195,6 +195,9 @@ void mf_sg_sizes_free(mf_sg_sizes *s);
  * parts of p_key; MF_SG_ATTN_SELECT: the top-k's sort); 0 for the other ops. */
 double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int p_key, int64_t pos);
 
+/* The op's short name (MF_SG_ATTN_CORE: "attn_core"), for reports (`moeflow sim --json`'s "ops"). */
+const char *mf_sg_op_name(int op);
+
 /* 1 for the per-item ops (the "item:" ones of mf_sg_op), whose records cover an item group. */
 int mf_sg_op_per_item(int op);
 
