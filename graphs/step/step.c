@@ -516,11 +516,15 @@ static int mf_task_attn_kv(void *arg, mf_task_ctx *ctx)
     mf_ly_ctx *cx = mf_step_cx(a, ctx);
     if (!cx) return -EINVAL;
     float *b[MF_LY_A_N];
+    int part = a->t->part;   /* -1: the window KV and the compressor; 0: the window KV; 1: the compressor */
     for (int i = a->t->i0; i < a->t->i1; i++) {
         mf_step_abuf(a->sh, i, b);
-        int rc = mf_ly_attn_window_kv(cx, &a->sh->items[i], a->t->layer, b);
+        int rc = 0;
+        if (part < 0) rc = mf_ly_attn_window_kv(cx, &a->sh->items[i], a->t->layer, b);
+        else if (part == 0) mf_ly_attn_kv_window(cx, &a->sh->items[i], a->t->layer, b);
+        else rc = mf_ly_attn_kv_compress(cx, &a->sh->items[i], a->t->layer, b);
         if (rc) return rc;
-        if (!a->sh->sg->ring_late) mf_ly_attn_ring_write(cx, &a->sh->items[i], a->t->layer, b[MF_LY_A_KV]);
+        if (part < 0 && !a->sh->sg->ring_late) mf_ly_attn_ring_write(cx, &a->sh->items[i], a->t->layer, b[MF_LY_A_KV]);
     }
     return 0;
 }

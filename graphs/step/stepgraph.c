@@ -29,10 +29,11 @@
 #define SG_W_MIX 1.81
 #define SG_W_ROUND 23.6
 /* The engine's bf16 roundings of the heads' queries and outputs (fast_attn.c mf_fa_bf_n: 8 lanes
- * under AVX2), in vector multiply-adds (host_vec): measured on an AMD EPYC VM (2 vCPUs, load
+ * under AVX2), in vector multiply-adds (host_vec): measured on an AMD EPYC VM (family 25 model 17, 2 vCPUs, load
  * average 4.6) on 2026-12-03 with a micro-benchmark of that loop over one item's 64 x 512 queries in
  * cache, 0.1179 ns per element, against 4-query mf_kern_vec_dots in cache in the same run, 11.04
- * GMAC/s (0.0906 ns): 1.30. (Scalar mf_bf16_round there: 0.391 ns.) docs/measurements.md, ttftattn. */
+ * GMAC/s (0.0906 ns): 1.30 (a second run: 1.32). (Scalar mf_bf16_round there: 0.391 ns.)
+ * docs/measurements.md, ttftattn; `moeflow bench ref --profile P` times the loop. */
 #define SG_W_ROUND_VEC 1.30
 #define SG_W_ROPE 3.0   /* estimate, not measured: REF multiply-adds per roped element (a pair's 4 products and 2 sums) */
 #define SG_W_SORT 1.0   /* estimate, not measured: one REF multiply-add per comparison of the top-k's sort */
@@ -1084,23 +1085,42 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
         sg_dep(b, oj, rows[MF_SG_ST_OB][p]);
     }
     for (int k = b->k0; k < b->k1; k++) {
-        SG_NAME(b, sg->par ? "attn L%d kv item %d" : "attn L%d kv", L, k);
+        /* each item its window KV (the four roundings of D: two mf_bf_n, 8 lanes under AVX2, the
+         * norm's and the fp8 fake-quant's at REF; its RoPE); each compressed entry the compressor's
+         * kernels once (the indexer's wk on the entry: one per `ratio` items, mf_ly_compress; ratio 2
+         * in a step of one item: half an entry, the mean over steps). With the ring written late
+         * (a serial graph of several item groups) the window KV runs per item group (part 0) beside
+         * the compressor over the unit in order (part 1), both before a join; else one task (part -1). */
         mf_sg_task t = sg_item(b, L, k);
-        /* each item its window KV; each compressed entry the compressor's kernels once (the indexer's
-         * wk on the entry: one per `ratio` items, mf_ly_compress; ratio 2 in a step of one item: half
-         * an entry, the mean over steps) */
-        double items = t.i1 - t.i0, ratio = c->compress_ratios[L], ent = ratio > 0 ? items / ratio : 0;
-        t.n_tok = 1;
-        t.w.w_bytes[MF_KF_FP8] = ent * y->st_fp8_bytes[MF_SG_ST_CORE];
-        t.w.calls[MF_KF_FP8] = ent * y->st_fp8_calls[MF_SG_ST_CORE];
-        t.w.w_bytes[MF_KF_BF16] = ent * y->st_bf16_bytes[MF_SG_ST_CORE];
-        t.w.calls[MF_KF_BF16] = ent * y->st_bf16_calls[MF_SG_ST_CORE];
-        /* the window KV's four roundings of D: two mf_bf_n (8 lanes under AVX2), the norm's and the
-         * fp8 fake-quant's at REF; its RoPE */
-        t.w.ref_flops = items * (4.0 * D + SG_W_ROUND * 2.0 * D + SG_W_ROPE * c->qk_rope_head_dim);
-        t.w.vec_flops = items * SG_W_ROUND_VEC * 2.0 * D;
-        mf_task_id kv = sg_add(b, 0, MF_SG_ATTN_KV, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
-        for (int p = 0; p < sg->p_attn; p++) sg_dep(b, rows[MF_SG_ST_IN][p], kv);
+        double ratio = c->compress_ratios[L];
+        int gk0 = sg_group_of(sg, t.i0), gk1 = sg_group_of(sg, t.i1 - 1), split = sg->ring_late && gk1 > gk0;
+        mf_task_id kv = -1;
+        if (split) {
+            SG_NAME(b, "attn L%d kv join", L);
+            kv = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, sg_rec(L));
+        }
+        for (int w = split ? gk0 : 0; w <= (split ? gk1 + 1 : 0) && !b->rc; w++) {
+            int comp = split && w == gk1 + 1;   /* the split's compressor task */
+            mf_sg_task tw = split && !comp ? sg_part(sg, L, w, 0, 1, 0, 1) : t;
+            tw.part = split ? comp : -1;
+            double items = tw.i1 - tw.i0, ent = ratio > 0 && tw.part != 0 ? items / ratio : 0;
+            tw.n_tok = 1;
+            tw.w.w_bytes[MF_KF_FP8] = ent * y->st_fp8_bytes[MF_SG_ST_CORE];
+            tw.w.calls[MF_KF_FP8] = ent * y->st_fp8_calls[MF_SG_ST_CORE];
+            tw.w.w_bytes[MF_KF_BF16] = ent * y->st_bf16_bytes[MF_SG_ST_CORE];
+            tw.w.calls[MF_KF_BF16] = ent * y->st_bf16_calls[MF_SG_ST_CORE];
+            if (tw.part != 1) {
+                tw.w.ref_flops = items * (4.0 * D + SG_W_ROUND * 2.0 * D + SG_W_ROPE * c->qk_rope_head_dim);
+                tw.w.vec_flops = items * SG_W_ROUND_VEC * 2.0 * D;
+            }
+            if (!split) SG_NAME(b, sg->par ? "attn L%d kv item %d" : "attn L%d kv", L, k);
+            else if (comp) SG_NAME(b, "attn L%d compress", L);
+            else SG_NAME(b, "attn L%d kv %d", L, w);
+            mf_task_id id = sg_add(b, 0, MF_SG_ATTN_KV, MF_SG_PH_ATTN, MF_SG_K_OTHER, tw);
+            for (int p = 0; p < sg->p_attn; p++) sg_dep(b, rows[MF_SG_ST_IN][p], id);
+            if (split) sg_dep(b, id, kv);
+            else kv = id;
+        }
         /* the core's prep and the select: one task per unit when ordered (the hooks in item
          * order), else one per item group, each group's heads after its own (gate[]) */
         int gu0 = sg_group_of(sg, t.i0), gu1 = sg_group_of(sg, t.i1 - 1), whole = b->o->ordered;
@@ -1152,7 +1172,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
             SG_NAME(b, "attn L%d ring", L);
             mf_sg_task tr = sg_item(b, L, k);
             tr.n_tok = 1;
-            tr.w.ref_flops = items * D;
+            tr.w.ref_flops = (double)(t.i1 - t.i0) * D;
             ring[k] = sg_add(b, 0, MF_SG_ATTN_RING, MF_SG_PH_ATTN, MF_SG_K_OTHER, tr);
         }
         if (sg->heads_cards[L]) {
