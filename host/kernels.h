@@ -131,6 +131,9 @@ int mf_kern_ffn_down(const mf_kern_mat *w2, const mf_kern_in *h, float *y, int l
  * l+1); a weighted value sum is one fmaf chain per output element in key order. The AVX2 path
  * (n or D a multiple of 16) and the scalar path compute exactly that: the same bits. */
 
+/* x[0..n) rounded to bf16 in place (host/formats.h mf_bf16_round, NaN included): 8 lanes at a time
+ * on the AVX2 path, the same bits. graphs/layers mf_bf_n and the engine's heads run on it. */
+void mf_kern_vec_bf16_round(float *x, int64_t n);
 /* out[g] = q[g] . k for G (1..4) queries against one vector k of n floats. */
 void mf_kern_vec_dots(const float *const *q, int G, const float *k, int n, float *out);
 /* out[j][g] = q[g] . k[j] for G (1..4) queries and nk keys: per key the bits of mf_kern_vec_dots;

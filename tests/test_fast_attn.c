@@ -109,6 +109,35 @@ static void test_hc(const mf_model *m, mf_ly_ctx *cx)
         set_simd(0);
         exact &= !memcmp(h1, h2, sizeof(float) * H) && !memcmp(x1, x2, sizeof(float) * hc * H);
     }
+    /* the engine's mixes of an item group (mf_fa_hc_mixes_rows_items): per item the bits of
+     * mf_fa_hc_mixes_rows, for 1..9 items (fours and the rest), row ranges of 1..nm rows, both paths */
+    enum { NI = 9 };
+    float *xs = malloc(sizeof(float) * NI * hc * H), gm[NI][64], gr[NI][64];
+    int grouped = 1;
+    for (int64_t i = 0; i < NI * hc * H; i++) xs[i] = mf_test_frand(&g_rng) * 4;
+    xs[7] = NAN;   /* one item with a NaN: its mixes are NaN, the others' unchanged */
+    for (int simd = 0; simd < 2; simd++) {
+        CHECK(set_simd(simd) == 0, "simd %d", simd);
+        for (int ni = 1; ni <= NI; ni += 2)
+            for (int k0 = 0, w = 1; k0 < nm; w += 3) {
+                int k1 = k0 + w < nm ? k0 + w : nm;
+                const float *xp[NI];
+                float *mp2[NI];
+                for (int i = 0; i < ni; i++) {
+                    xp[i] = xs + (size_t)i * hc * H;
+                    mp2[i] = gm[i];
+                    memset(gm[i], 0x5a, sizeof gm[i]);
+                    memset(gr[i], 0x5a, sizeof gr[i]);
+                    mf_fa_hc_mixes_rows(cx, xp[i], &y->hc_attn_fn, gr[i], k0, k1);
+                }
+                mf_fa_hc_mixes_rows_items(cx, xp, ni, &y->hc_attn_fn, mp2, k0, k1);
+                for (int i = 0; i < ni; i++) grouped &= !memcmp(gm[i], gr[i], sizeof gm[i]);
+                k0 = k1;
+            }
+    }
+    set_simd(0);
+    free(xs);
+    CHECK(grouped, "hc mixes of an item group differ from one item's");
     CHECK(worst < TOL_SUM, "hc mixes %.3g off the module (tolerance %.1g)", worst, TOL_SUM);
     CHECK(same, "hc mixes: rows or the scalar path differ from the whole AVX2 call");
     CHECK(exact, "hc collapse / expand or the norm differ from the module");
@@ -272,6 +301,21 @@ static void test_core(mf_ref *r, mf_ly_ctx *cx)
         mf_fa_attn_heads(cx, &it, L, buf, 0, nh, &win);
         set_simd(0);
         same &= !memcmp(o_fast, buf[MF_LY_A_O], sizeof(float) * no);
+        {   /* the queries' and outputs' roundings (8 lanes under AVX2) with specials and ties: the scalar path's bits */
+            float *qa = malloc(sizeof(float) * nq), *qs = malloc(sizeof(float) * nq);
+            memcpy(qa, q0, sizeof(float) * nq);
+            qa[1] = NAN, qa[2] = -INFINITY, qa[3] = 3.4e38f, qa[4] = 1e-41f, qa[5] = 1.00390625f, qa[nq - 1] = -0.0f;
+            memcpy(qs, qa, sizeof(float) * nq);
+            mf_fa_heads_q(ly, &it, L, qa, 0, nh);
+            mf_fa_heads_o(ly, &it, L, qa, 0, nh);
+            CHECK(set_simd(1) == 0, "scalar path");
+            mf_fa_heads_q(ly, &it, L, qs, 0, nh);
+            mf_fa_heads_o(ly, &it, L, qs, 0, nh);
+            set_simd(0);
+            same &= !memcmp(qa, qs, sizeof(float) * nq);
+            free(qa);
+            free(qs);
+        }
         CHECK(same, "layer %d: fast heads or scores differ between parts, groups or SIMD paths", L);
         mf_ly_attn_ring_write(cx, &it, L, buf[MF_LY_A_KV]);
         n_sel += it.topk_src >= 0 ? it.n_topk : 0;

@@ -538,6 +538,39 @@ static void case_edges(void)
     mat_free(&m);
 }
 
+/* mf_kern_vec_bf16_round on every path: mf_bf16_round's bits for random bit patterns (NaNs, infs,
+ * subnormals, ties among them), lengths that leave a tail of 0..7 */
+static void test_bf16_round(const mf_kern_simd *paths, int n_paths)
+{
+    enum { N = 1 << 16 };
+    float *x = xmalloc(sizeof(float) * N), *y = xmalloc(sizeof(float) * N);
+    static const uint32_t special[] = {0x7F800000u, 0xFF800000u, 0x7FC00001u, 0xFF800001u, 0x7F7FFFFFu, 0x00000001u,
+                                       0x80008000u, 0x3F808000u, 0x3F818000u, 0x7F7F8000u, 0x00000000u, 0x80000000u};
+    int same = 1;
+    for (int p = 0; p < n_paths; p++) {
+        CHECK(mf_kern_simd_set(paths[p]) == 0, "%s", mf_last_error());
+        for (int rep = 0; rep < 4; rep++) {
+            for (int i = 0; i < N; i++) {
+                uint32_t b = (uint32_t)rng_next();
+                if (i % 5 == 0) b = (b & 0xFFFF0000u) | 0x8000u;   /* ties */
+                if (i < (int)(sizeof special / sizeof special[0])) b = special[i];
+                memcpy(&x[i], &b, 4);
+            }
+            int n = N - rep * 3;
+            memcpy(y, x, sizeof(float) * N);
+            mf_kern_vec_bf16_round(y, n);
+            for (int i = 0; i < N; i++) {
+                float want = i < n ? mf_bf16_round(x[i]) : x[i];
+                same &= !memcmp(&want, &y[i], 4);
+            }
+        }
+        CHECK(same, "%s: mf_kern_vec_bf16_round differs from mf_bf16_round", mf_kern_simd_name(paths[p]));
+    }
+    mf_kern_simd_set(MF_KERN_SIMD_AUTO);
+    free(x);
+    free(y);
+}
+
 int main(void)
 {
     const char *env = getenv("MOEFLOW_TEST_SEED");
@@ -590,6 +623,7 @@ int main(void)
     else
         printf("test_kernels: no AVX2+FMA here, scalar path only (%s)\n", mf_last_error());
 
+    test_bf16_round(paths, n_paths);
     static const int toks[] = {1, 2, 3, 8, 17, 64, 71};   /* 71: two token passes */
     for (size_t i = 0; i < sizeof toks / sizeof toks[0]; i++) {
         int nt = toks[i];

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <jansson.h>
 
@@ -638,10 +639,9 @@ static void test_prefetch_plan(void)
         mf_plan_free(p);
         char trace[1100];
         snprintf(trace, sizeof trace, "%s/plan_prefetch.json", getenv("MOEFLOW_TMP") ? getenv("MOEFLOW_TMP") : ".");
-        o.prefill_trace = trace;
         mf_plan_report r;
         int64_t ns;
-        CHECK(!mf_plan_prefill(&o, 2 * chunk, chunk, &r, &ns) && ns > 0, "%s", mf_last_error());
+        CHECK(!mf_plan_prefill_trace(&o, 2 * chunk, chunk, &r, &ns, trace) && ns > 0, "%s", mf_last_error());
         int64_t all = 2LL * c.n_layers * c.n_routed_experts;
         CHECK(want ? r.dev_slots + r.host_slots == all && r.dev_slots > 0 : r.dev_slots + r.host_slots < all,
               "chunk %d, prefetch_min %d: %lld + %lld slots over 2 chunks (every expert: %lld)", chunk, pm,
@@ -720,6 +720,31 @@ static void test_prefill(void)
           "600 positions: %lld slots in one chunk, %lld in the 9 chunks of 64", (long long)r600.host_slots,
           (long long)r64.host_slots);
     CHECK(mf_plan_prefill(&o, 0, 8, NULL, &t1) == -EINVAL, "an empty prompt");
+    /* per op: the tasks that ran and their work add up to the lanes' (per-chunk means, so up to
+     * one ns of rounding per op and lane) */
+    int64_t lane_sum = 0, op_sum = 0;
+    int op_tasks = 0;
+    for (int l = 0; l < r64.n_lanes; l++) lane_sum += r64.lanes[l].busy_ns;
+    for (int op = 0; op < MF_SG_N_OPS; op++) op_sum += r64.op_cpu_ns[op] + r64.op_other_ns[op], op_tasks += r64.op_tasks[op];
+    CHECK(op_sum > 0 && llabs(op_sum - lane_sum) <= MF_SG_N_OPS + r64.n_lanes && op_tasks > 0 && op_tasks <= r64.n_tasks,
+          "per-op work %lld ns against the lanes' %lld ns, %d of %d tasks", (long long)op_sum, (long long)lane_sum,
+          op_tasks, r64.n_tasks);
+    CHECK(r64.op_tasks[MF_SG_ATTN_MIX] > 0 && r64.op_cpu_ns[MF_SG_ATTN_MIX] > 0 && !r64.op_other_ns[MF_SG_ATTN_MIX] &&
+              !strcmp(mf_sg_op_name(MF_SG_ATTN_MIX), "attn_mix") && !strcmp(mf_sg_op_name(MF_SG_N_OPS), "?"),
+          "the mixes run on the CPU lanes");
+    /* the trace of a prefill: the last full chunk's */
+    char tpath[] = "/tmp/test_plan_trace_XXXXXX";
+    int tfd = mkstemp(tpath);
+    CHECK(tfd >= 0, "mkstemp");
+    if (tfd >= 0) close(tfd);
+    CHECK(!mf_plan_prefill_trace(&o, 19, 8, NULL, &t2, tpath) && t2 == t4, "%s", mf_last_error());
+    FILE *tf = fopen(tpath, "r");
+    char head[64] = "";
+    size_t tn = tf ? fread(head, 1, sizeof head - 1, tf) : 0;
+    if (tf) fclose(tf);
+    head[tn] = 0;
+    CHECK(strstr(head, "traceEvents") != NULL, "prefill trace: '%s'", head);
+    unlink(tpath);
 
     /* the command: `moeflow sim --prompt-tokens N --chunk T --json` prints what mf_plan_prefill
      * predicts with the same profile (uniform routing, seed 1: the command's defaults) */
@@ -728,7 +753,7 @@ static void test_prefill(void)
         printf("test_plan: MOEFLOW_BIN unset, sim --prompt-tokens not checked\n");
         return;
     }
-    char prof_path[1024], cmd[2048], out[4096] = "";
+    char prof_path[1024], cmd[2048], out[65536] = "";
     snprintf(prof_path, sizeof prof_path, "%s/tools/profiles/seed-host.prof", MF_SOURCE_DIR);
     mf_profile sp;
     CHECK(mf_profile_load(prof_path, &sp) == 0, "%s", mf_last_error());

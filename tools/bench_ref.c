@@ -70,7 +70,21 @@ static double mf_br_mix(mf_br *b, size_t each)
     return 24.0 * 4096;
 }
 
+/* one mf_bf at a time (the module's loops round inline; mf_bf_n is now the 8-lane kernel, below) */
 static double mf_br_round(mf_br *b, size_t each)
+{
+    (void)each;
+    memcpy(b->y, b->x, sizeof(float) * MF_BR_N);
+    for (int i = 0; i < MF_BR_N; i++) {
+        float v = mf_bf(b->y[i]);
+        __asm__ volatile("" : "+x"(v));   /* kept one at a time: not vectorized by the compiler */
+        b->y[i] = v;
+    }
+    return MF_BR_N;
+}
+
+/* mf_bf_n (mf_kern_vec_bf16_round: 8 lanes under AVX2), what SG_W_ROUND_VEC prices in host_vec MACs */
+static double mf_br_round_vec(mf_br *b, size_t each)
 {
     (void)each;
     memcpy(b->y, b->x, sizeof(float) * MF_BR_N);
@@ -102,9 +116,10 @@ int mf_bench_ref(int argc, char **argv)
                    "Times the reference loops the decode engine runs in plain C (one thread, weights\n"
                    "out of cache): mf_ly_linear_rows over fp8 (1024 x 512, wo_a) and bf16 (64 x 1024,\n"
                    "the gate) weights per multiply-add, the hyper-connection mixes' loop (24 x 4096\n"
-                   "fp32) per multiply-add, one bf16 rounding of a random float. With --profile P, each\n"
-                   "as a weight: its ns over P's host_ref ns per multiply-add (the ratios of\n"
-                   "graphs/sim/plan.c; run it right after moeflow calibrate).\n");
+                   "fp32) per multiply-add, one bf16 rounding of a random float, and the 8-lane rounding\n"
+                   "loop (mf_bf_n). With --profile P, each as a weight: its ns over P's host_ref ns per\n"
+                   "multiply-add (the 8-lane rounding: over P's host_vec ns; the weights of\n"
+                   "graphs/step/stepgraph.c; run it right after moeflow calibrate).\n");
             return 0;
         } else if (!strcmp(argv[i], "--profile") && i + 1 < argc) {
             prof_path = argv[++i];
@@ -145,6 +160,7 @@ int mf_bench_ref(int argc, char **argv)
         {"bf16 dot rows (gate), per MAC", mf_br_dot_bf16, 64 * 1024 * 2 + 4096},
         {"hc mixes, per MAC", mf_br_mix, 24 * 4096 * 4 + 4096},
         {"bf16 rounding, per element", mf_br_round, 0},
+        {"bf16 rounding, 8 lanes (mf_bf_n)", mf_br_round_vec, 0},
     };
     double ref_ns = prof_path && prof.host[MF_KF_REF].macs_per_s > 0 ? 1e9 / prof.host[MF_KF_REF].macs_per_s : 0;
     printf("bench ref: the reference's plain-C loops, 1 thread, weights out of cache%s\n",
@@ -152,7 +168,9 @@ int mf_bench_ref(int argc, char **argv)
     if (ref_ns > 0) printf("  %-32s %8.3f ns (profile %s)\n", "host_ref, per MAC", ref_ns, prof_path);
     for (size_t i = 0; i < sizeof loops / sizeof loops[0]; i++) {
         double ns = mf_br_time(&b, loops[i].fn, loops[i].each);
-        if (ref_ns > 0) printf("  %-32s %8.3f ns   weight %.2f\n", loops[i].what, ns, ns / ref_ns);
+        int vec = loops[i].fn == mf_br_round_vec;   /* its weight: against host_vec (SG_W_ROUND_VEC) */
+        double unit = vec ? (prof_path && prof.host_vec.macs_per_s > 0 ? 1e9 / prof.host_vec.macs_per_s : 0) : ref_ns;
+        if (unit > 0) printf("  %-32s %8.3f ns   weight %.2f%s\n", loops[i].what, ns, ns / unit, vec ? " (host_vec MACs)" : "");
         else printf("  %-32s %8.3f ns\n", loops[i].what, ns);
     }
     free(b.pool);

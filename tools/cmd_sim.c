@@ -33,7 +33,7 @@ static void mf_sim_usage(FILE *f)
             "                   [--copy-slots N] [--dev-task-ns NS] [--dev-graphs] [--dense host|cards]\n"
             "                   [--dense-split layers|rows] [--heads cost|cards|host]\n"
             "                   [--micro-batches 1|2] [--prefetch-min N]\n"
-            "                   [--trace FILE] [--json]\n"
+            "                   [--trace FILE] [--json] [--ops]\n"
             "                   [--measure] [--prompt-tokens N [--chunk T]]\n\n"
             "Simulates decode steps of the scheduled engine (graphs/step/step.c's graph, docs/sim.md) on the\n"
             "hardware profile P: --warmup steps (default 2) warm the caches, then --steps (default 8)\n"
@@ -78,8 +78,10 @@ static void mf_sim_usage(FILE *f)
             "  --dev-graphs        a layer's FFNs on a card as one device graph task (the engine's\n"
             "                      --dev-graphs; also MOEFLOW_DEV_GRAPHS=1)\n"
             "  --trace FILE        Chrome trace of the last simulated step (with --prompt-tokens:\n"
-            "                      of the prompt's last chunk)\n"
-            "  --json              one JSON object instead of the tables\n"
+            "                      of the last full chunk)\n"
+            "  --json              one JSON object instead of the tables (its \"ops\": per op the\n"
+            "                      tasks and their work on the CPU lanes and on the other lanes)\n"
+            "  --ops               also a table of the work per op (mf_sg_op), largest first\n"
             "  --measure           also decode for real on this machine (a loadable checkpoint;\n"
             "                      emu:N cards for seed/hybrid) and print measured vs predicted\n"
             "  --prompt-tokens N   instead of decode steps: the time to first token of an N-token\n"
@@ -88,6 +90,37 @@ static void mf_sim_usage(FILE *f)
             "                      caches empty at the start (--batch, --steps, --warmup, --context\n"
             "                      do not apply)\n",
             MF_STEP_MAX_ITEMS, MF_STEP_MAX_CHUNK, MF_STEP_PREFILL_CHUNK);
+}
+
+/* Per op: its tasks, their work on the CPU lanes and on the others (cards, IO), per step. */
+static void mf_sim_json_ops(const mf_plan_report *r)
+{
+    printf(",\"ops\":{");
+    for (int op = 0, k = 0; op < MF_SG_N_OPS; op++)
+        if (r->op_tasks[op])
+            printf("%s\"%s\":{\"tasks\":%d,\"cpu_work_s\":%.9g,\"other_work_s\":%.9g}", k++ ? "," : "",
+                   mf_sg_op_name(op), r->op_tasks[op], r->op_cpu_ns[op] / 1e9, r->op_other_ns[op] / 1e9);
+    printf("}");
+}
+
+static void mf_sim_print_ops(const mf_plan_report *r)
+{
+    int order[MF_SG_N_OPS], n = 0;
+    for (int op = 0; op < MF_SG_N_OPS; op++)
+        if (r->op_tasks[op]) order[n++] = op;
+    for (int a = 1; a < n; a++)   /* largest CPU work first, then the other lanes' */
+        for (int b = a; b > 0; b--) {
+            int x = order[b - 1], y = order[b];
+            if (r->op_cpu_ns[x] > r->op_cpu_ns[y] ||
+                (r->op_cpu_ns[x] == r->op_cpu_ns[y] && r->op_other_ns[x] >= r->op_other_ns[y]))
+                break;
+            order[b - 1] = y;
+            order[b] = x;
+        }
+    printf("\n%-16s %8s %14s %14s\n", "op", "tasks", "cpu work ms", "other work ms");
+    for (int k = 0; k < n; k++)
+        printf("%-16s %8d %14.3f %14.3f\n", mf_sg_op_name(order[k]), r->op_tasks[order[k]],
+               r->op_cpu_ns[order[k]] / 1e6, r->op_other_ns[order[k]] / 1e6);
 }
 
 static void mf_sim_json(const mf_plan_report *r, const char *routing, int placement, int dense, int split, int measured,
@@ -108,6 +141,7 @@ static void mf_sim_json(const mf_plan_report *r, const char *routing, int placem
            ",\"dev_misses\":%" PRIu64 ",\"store_hits\":%" PRIu64 ",\"store_misses\":%" PRIu64,
            r->lanes[r->bottleneck].name, r->dev_slots, r->host_slots, r->dev_hits, r->dev_misses, r->store_hits,
            r->store_misses);
+    mf_sim_json_ops(r);
     if (measured) {
         printf(",\"measured_token_s\":%.9g,\"ratio\":%.6g,\"measured_phases\":{", meas_ns / 1e9,
                r->token_ns / meas_ns);
@@ -125,7 +159,7 @@ int mf_cmd_sim(int argc, char **argv)
     int dense_split = MF_TOOL_DENSE_SPLIT, heads = MF_SG_HEADS_COST;
     long cards = 0, threads = 0, batch = 1, steps = 8, warmup = 2, seed = 1, context = 16, read_window = 0;
     long copy_slots = 0, dev_task_ns = 0, prompt_tokens = 0, chunk = 0;
-    int json = 0, measure = 0, store = MF_PLAN_STORE_RESIDENT, tables = MF_PLAN_STORE_RESIDENT, policy = 0;
+    int json = 0, ops = 0, measure = 0, store = MF_PLAN_STORE_RESIDENT, tables = MF_PLAN_STORE_RESIDENT, policy = 0;
     int dev_graphs = mf_tool_env_on("MOEFLOW_DEV_GRAPHS");   /* --dev-graphs */
     long micro = 1, prefetch_min = 0;
     uint64_t store_budget = 0, dev_cache = 0;
@@ -215,6 +249,8 @@ int mf_cmd_sim(int argc, char **argv)
             }
         } else if (!strcmp(a, "--json")) {
             json = 1;
+        } else if (!strcmp(a, "--ops")) {
+            ops = 1;
         } else if (!strcmp(a, "--measure")) {
             measure = 1;
         } else if (!strcmp(a, "--dev-graphs")) {
@@ -281,21 +317,32 @@ int mf_cmd_sim(int argc, char **argv)
         mf_plan_report rep;
         int64_t ttft_ns;
         int T = chunk ? (int)chunk : MF_STEP_PREFILL_CHUNK;
-        po.prefill_trace = trace;
-        if ((rc = mf_plan_prefill(&po, prompt_tokens, T, &rep, &ttft_ns))) goto fail;
+        if ((rc = mf_plan_prefill_trace(&po, prompt_tokens, T, &rep, &ttft_ns, trace))) goto fail;
         double tps = prompt_tokens / (ttft_ns / 1e9);
         if (json) {
             printf("{\"placement\":\"%s\",\"routing\":\"%s\",\"prompt_tokens\":%ld,\"chunk\":%d,"
-                   "\"ttft_s\":%.9g,\"prefill_tokens_per_s\":%.6g,\"chunk_s\":%.9g,\"bottleneck\":\"%s\"}\n",
+                   "\"ttft_s\":%.9g,\"prefill_tokens_per_s\":%.6g,\"chunk_s\":%.9g,\"bottleneck\":\"%s\"",
                    placement, mf_routing_describe(rt), prompt_tokens, T, ttft_ns / 1e9, tps, rep.step_ns / 1e9,
                    rep.lanes[rep.bottleneck].name);
+            printf(",\"phases\":{");
+            for (int q = 0; q < MF_STEP_N_PHASES; q++)
+                printf("%s\"%s\":{\"wall_s\":%.9g,\"work_s\":%.9g}", q ? "," : "",
+                       mf_step_phase_name((mf_step_phase)q), rep.phase_ns[q] / 1e9, rep.busy_ns[q] / 1e9);
+            printf("},\"lanes\":[");
+            for (int l = 0; l < rep.n_lanes; l++)
+                printf("%s{\"name\":\"%s\",\"slots\":%d,\"work_s\":%.9g,\"busy\":%.6g}", l ? "," : "",
+                       rep.lanes[l].name, rep.lanes[l].slots, rep.lanes[l].busy_ns / 1e9, rep.lanes[l].share);
+            printf("]");
+            mf_sim_json_ops(&rep);
+            printf("}\n");
         } else {
             printf("sim: %s on profile %s, placement %s, routing %s: prefill of %ld tokens in chunks of %d\n",
                    dir ? dir : preset, prof.name, placement, mf_routing_describe(rt), prompt_tokens, T);
             printf("time to first token: %.3f s (%.1f prompt tokens/s); per chunk (mean of the full chunks; "
                    "per token = per prompt position):\n", ttft_ns / 1e9, tps);
             mf_plan_print(&rep, stdout);
-            if (trace) printf("trace of the last chunk: %s\n", trace);
+            if (ops) mf_sim_print_ops(&rep);
+            if (trace) printf("trace of the last full chunk: %s\n", trace);
         }
         ret = 0;
         goto out;
@@ -324,6 +371,7 @@ int mf_cmd_sim(int argc, char **argv)
                dense != MF_PLAN_DENSE_CARDS ? "host" : dense_split == MF_SG_SPLIT_ROWS ? "cards (rows)" : "cards",
                mf_routing_describe(rt), batch, warmup, steps);
         mf_plan_print(&rep, stdout);
+        if (ops) mf_sim_print_ops(&rep);
         mf_sg_sizes *sz = NULL;
         int nd = (int)(cards ? cards : prof.n_cards);
         if (dense == MF_PLAN_DENSE_CARDS && !mf_sg_sizes_new(&cfg, &sz)) {   /* mf_sg_dense_card_bytes */

@@ -250,29 +250,34 @@ void mf_ly_attn_qnorm(const mf_ly_ctx *cx, int L, float *const *b)
                    b[MF_LY_A_QR]);
 }
 
-int mf_ly_attn_window_kv(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b)
+void mf_ly_attn_kv_window(const mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b)
 {
     const mf_config *c = cx->ly->c;
     const mf_model_layer *y = mf_model_layer_at(cx->ly->m, L);
     int D = c->head_dim, rd = c->qk_rope_head_dim;
-    int ratio = c->compress_ratios[L];
-    int64_t p = it->pos;
-    const float *freqs = ratio ? cx->ly->freqs_comp : cx->ly->freqs_main;
+    const float *freqs = c->compress_ratios[L] ? cx->ly->freqs_comp : cx->ly->freqs_main;
     float *kv = b[MF_LY_A_KV];
-    int rc;
-
     /* window KV: norm, RoPE, fp8 fake-quant over all channels in blocks of 32 (the ring write is
      * mf_ly_attn_ring_write's) */
     mf_bf_n(kv, D);
     mf_ly_rmsnorm(kv, D, &y->kv_norm, c->rms_norm_eps, kv);
-    mf_ly_rope(kv + D - rd, rd / 2, freqs, p, 0);
+    mf_ly_rope(kv + D - rd, rd / 2, freqs, it->pos, 0);
     mf_bf_n(kv, D);
     mf_ly_fq_e4m3_pow2(kv, D, 32);
+}
 
+int mf_ly_attn_kv_compress(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b)
+{
     /* compressed entries */
-    if (ratio > 0 && cx->ly->src_of[L] == L && (rc = mf_ly_compress(cx, it, L, b[MF_LY_A_LAT], b[MF_LY_A_GATE])))
-        return rc;
+    if (cx->ly->c->compress_ratios[L] > 0 && cx->ly->src_of[L] == L)
+        return mf_ly_compress(cx, it, L, b[MF_LY_A_LAT], b[MF_LY_A_GATE]);
     return 0;
+}
+
+int mf_ly_attn_window_kv(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b)
+{
+    mf_ly_attn_kv_window(cx, it, L, b);
+    return mf_ly_attn_kv_compress(cx, it, L, b);
 }
 
 void mf_ly_attn_index_query(const mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b)

@@ -36,10 +36,7 @@ static void mf_ly_luts_fill(void)
 /* filled once per process, so separate forwards may run on separate threads */
 static void mf_ly_luts(void) { pthread_once(&mf_luts_once, mf_ly_luts_fill); }
 
-void mf_bf_n(float *x, int64_t n)
-{
-    for (int64_t i = 0; i < n; i++) x[i] = mf_bf(x[i]);
-}
+void mf_bf_n(float *x, int64_t n) { mf_kern_vec_bf16_round(x, n); }   /* mf_bf's bits, 8 lanes under AVX2 */
 
 float mf_ly_vec(const mf_weight *w, int64_t i)
 {

@@ -108,7 +108,8 @@ enum {
 typedef struct mf_ly_ctx {
     const mf_layers *ly;
     mf_ly_lin lin;
-    float *hc_xn;          /* hc_mult x hidden: the normalized streams of mf_ly_hc_mixes */
+    float *hc_xn;          /* 4 x hc_mult x hidden: the normalized streams of mf_ly_hc_mixes (the first
+                            * hc_mult x hidden), of four items in the engine's mixes (fast_attn.h) */
     float *hc_h;           /* hidden: a collapse of the streams (a sublayer's input before its norm) */
     float *sub_in;         /* hidden: a sublayer's normed input (the oracle's layer loop) */
     float *sub_out;        /* hidden: a sublayer's output (the oracle's layer loop) */
@@ -401,6 +402,11 @@ int mf_ly_attn_core_kv(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b);
  * sequence in position order); index_query readies the index query in place (b[QI] of the QB
  * stage, b[IW]). They touch disjoint data, so they may run in either order or at once. */
 int mf_ly_attn_window_kv(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b);
+/* window_kv's two parts (it runs them in a row), which touch disjoint data: the window KV in place
+ * (b[KV]; any item on its own) and the compressor (b[LAT], b[GATE] and the layer's cache: items of
+ * one sequence in position order). */
+void mf_ly_attn_kv_window(const mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b);
+int mf_ly_attn_kv_compress(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b);
 void mf_ly_attn_index_query(const mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b);
 int64_t mf_ly_index_n_vis(const mf_config *c, int L, int64_t pos);
 void mf_ly_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float *const *b, double *score, int64_t j0,

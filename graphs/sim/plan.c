@@ -641,7 +641,14 @@ static int pl_account(mf_plan *p, mf_plan_report *r)
     int64_t end = 0;
     for (int t = 0; t < n; t++) {
         if (sp[t].end_ns > end) end = sp[t].end_ns;
-        r->lanes[mf_graph_task(g, t)->lane].busy_ns += sp[t].end_ns - sp[t].start_ns;
+        int lane = mf_graph_task(g, t)->lane;
+        int64_t d = sp[t].end_ns - sp[t].start_ns;
+        r->lanes[lane].busy_ns += d;
+        int op = p->sg->task[t].op;
+        if (op < MF_SG_N_OPS && !mf_graph_noop(g, t)) {
+            *(p->lt.sock_of_lane[lane] >= 0 ? &r->op_cpu_ns[op] : &r->op_other_ns[op]) += d;
+            r->op_tasks[op]++;
+        }
     }
     mf_stepgraph_phase_times(p->sg, sp, scratch, r->phase_ns, r->busy_ns);
     free(scratch);
@@ -704,6 +711,11 @@ int mf_plan_step(mf_plan *p, mf_plan_report *out)
         t->busy_ns[q] += r.busy_ns[q];
     }
     for (int l = 0; l < p->lt.n_lanes; l++) t->lanes[l].busy_ns += r.lanes[l].busy_ns;
+    for (int op = 0; op < MF_SG_N_OPS; op++) {
+        t->op_cpu_ns[op] += r.op_cpu_ns[op];
+        t->op_other_ns[op] += r.op_other_ns[op];
+        t->op_tasks[op] += r.op_tasks[op];
+    }
     t->n_tasks = r.n_tasks;
     t->dev_slots += r.dev_slots;
     t->host_slots += r.host_slots;
@@ -736,6 +748,11 @@ void mf_plan_total(const mf_plan *p, mf_plan_report *out)
         out->busy_ns[q] /= n;
     }
     for (int l = 0; l < p->lt.n_lanes; l++) out->lanes[l].busy_ns /= n;
+    for (int op = 0; op < MF_SG_N_OPS; op++) {
+        out->op_cpu_ns[op] /= n;
+        out->op_other_ns[op] /= n;
+        out->op_tasks[op] /= n;
+    }
     pl_shares(p, out, (double)p->total.step_ns / n);
     out->token_ns = (double)out->step_ns / p->batch;
 }
@@ -762,6 +779,12 @@ int mf_plan_run(const mf_plan_opts *o, int warmup, int n_steps, mf_plan_report *
 
 int mf_plan_prefill(const mf_plan_opts *o, int64_t n_prompt, int chunk, mf_plan_report *out, int64_t *ttft_ns)
 {
+    return mf_plan_prefill_trace(o, n_prompt, chunk, out, ttft_ns, NULL);
+}
+
+int mf_plan_prefill_trace(const mf_plan_opts *o, int64_t n_prompt, int chunk, mf_plan_report *out,
+                          int64_t *ttft_ns, const char *trace_path)
+{
     *ttft_ns = 0;
     if (chunk == 0) chunk = MF_STEP_PREFILL_CHUNK;
     if (n_prompt < 1 || chunk < 1 || chunk > MF_STEP_MAX_CHUNK)
@@ -785,7 +808,7 @@ int mf_plan_prefill(const mf_plan_opts *o, int64_t n_prompt, int chunk, mf_plan_
         }
         if (!rc && out && !part) mf_plan_total(p, out);
         else if (!rc && out && !n_full) *out = last;
-        if (!rc && o->prefill_trace && (part || !rest)) rc = mf_plan_write_trace(p, o->prefill_trace);
+        if (!rc && trace_path && (!part || !n_full)) rc = mf_plan_write_trace(p, trace_path);
         mf_plan_free(p);
         if (rc) return mf_error_wrap(rc, "plan: prefill of %" PRId64 " tokens", n_prompt);
     }

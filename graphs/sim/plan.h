@@ -73,7 +73,6 @@ typedef struct mf_plan_opts {
     int prefetch_min;            /* mf_sg_opts.prefetch_min: a prefill chunk's experts placed and copied in
                                   * at each layer's start from this many positions (0: mf_sg_prefetch_min,
                                   * < 0: never), as mf_step_opts.prefetch_min */
-    const char *prefill_trace;   /* mf_plan_prefill: a Chrome trace of its last chunk written here (NULL: none) */
     mf_routing *routing;         /* borrowed; NULL: uniform draws from `seed` */
     uint64_t seed;
 } mf_plan_opts;
@@ -110,6 +109,10 @@ typedef struct mf_plan_report {
      * the fullest card's bytes / h2d_bytes_per_s */
     int64_t fill_experts;
     double fill_bytes, fill_ns;
+    /* per op (mf_sg_op, named by mf_sg_op_name): summed task durations on the CPU lanes and on
+     * the other lanes (cards' copies and compute, IO), and the tasks that ran (noop ones left out) */
+    int64_t op_cpu_ns[MF_SG_N_OPS], op_other_ns[MF_SG_N_OPS];
+    int op_tasks[MF_SG_N_OPS];
 } mf_plan_report;
 
 typedef struct mf_plan mf_plan;
@@ -139,6 +142,10 @@ int mf_plan_run(const mf_plan_opts *o, int warmup, int n_steps, mf_plan_report *
  * chunks' makespans summed; out (may be NULL): the full chunks' totals as mf_plan_total (per-chunk
  * means; batch = chunk), or the last chunk's when the prompt is shorter than one chunk. */
 int mf_plan_prefill(const mf_plan_opts *o, int64_t n_prompt, int chunk, mf_plan_report *out, int64_t *ttft_ns);
+/* As mf_plan_prefill, and with trace_path set, the Chrome trace (mf_plan_write_trace) of the last
+ * full chunk (the shorter last chunk's when the prompt is shorter than one chunk). */
+int mf_plan_prefill_trace(const mf_plan_opts *o, int64_t n_prompt, int chunk, mf_plan_report *out,
+                          int64_t *ttft_ns, const char *trace_path);
 
 /* The step graph the simulator runs: the engine's for this shape (graphs/step/stepgraph.h). */
 const mf_stepgraph *mf_plan_graph(const mf_plan *p);

@@ -59,10 +59,8 @@ void mf_fa_ring_rows(const mf_config *c, const mf_ref_state *st, int L, int64_t 
 
 /* ---- numeric pieces -------------------------------------------------------------------------- */
 
-static void mf_fa_bf_n(float *x, int64_t n)
-{
-    for (int64_t i = 0; i < n; i++) x[i] = mf_bf(x[i]);
-}
+/* x[0..n) rounded to bf16 (mf_bf), 8 lanes at a time under AVX2 (mf_kern_vec_bf16_round) */
+static void mf_fa_bf_n(float *x, int64_t n) { mf_kern_vec_bf16_round(x, n); }
 
 /* RoPE as mf_ly_rope, with the position's cos/sin computed once for several vectors (the same
  * values, so the same bits). */
@@ -268,6 +266,37 @@ void mf_fa_hc_mixes_rows(const mf_ly_ctx *cx, const float *x, const mf_weight *f
         const float *rows[4];
         for (int g = 0; g < G; g++) rows[g] = (const float *)(const void *)(fn->data + (size_t)(k + g) * n * 4);
         mf_kern_vec_dots(rows, G, xn, n, &mixes[k]);
+    }
+}
+
+void mf_fa_hc_mixes_rows_items(const mf_ly_ctx *cx, const float *const *x, int n_items, const mf_weight *fn,
+                               float *const *mixes, int k0, int k1)
+{
+    const mf_config *c = cx->ly->c;
+    int n = c->hc_mult * (int)c->hidden_size, R = k1 - k0;
+    if (fn->kind != MF_W_F32 || !fn->data || R > MF_FA_MIX_MAX_ROWS) {
+        for (int i = 0; i < n_items; i++) mf_fa_hc_mixes_rows(cx, x[i], fn, mixes[i], k0, k1);
+        return;
+    }
+    const float *rows[MF_FA_MIX_MAX_ROWS];
+    for (int r = 0; r < R; r++) rows[r] = (const float *)(const void *)(fn->data + (size_t)(k0 + r) * n * 4);
+    for (int i0 = 0; i0 < n_items; i0 += MF_FA_MIX_ITEMS) {
+        int G = n_items - i0 < MF_FA_MIX_ITEMS ? n_items - i0 : MF_FA_MIX_ITEMS;
+        const float *xn[MF_FA_MIX_ITEMS];
+        for (int g = 0; g < G; g++) {   /* as mf_fa_hc_mixes_rows: the mean square, then x * rs */
+            const float *xi = x[i0 + g], *xx[1] = {xi};
+            float ss, *o = cx->hc_xn + (size_t)g * n;
+            mf_kern_vec_dots(xx, 1, xi, n, &ss);
+            float rs = (float)(1.0 / sqrt((double)ss / (double)n + c->rms_norm_eps));
+            for (int d = 0; d < n; d++) o[d] = xi[d] * rs;
+            xn[g] = o;
+        }
+        /* the items' normed streams as the queries, the rows as the keys: xn . row per key has the
+         * bits of mf_kern_vec_dots(xn, G, row), which are row . xn's (the products commute) */
+        float out[MF_FA_MIX_MAX_ROWS][4];
+        mf_kern_vec_dots_keys(xn, G, rows, R, n, out);
+        for (int g = 0; g < G; g++)
+            for (int r = 0; r < R; r++) mixes[i0 + g][k0 + r] = out[r][g];
     }
 }
 

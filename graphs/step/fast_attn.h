@@ -47,6 +47,14 @@ void mf_fa_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float 
 void mf_fa_attn_select(mf_ly_ctx *cx, mf_ly_item *it, int L, double *score);
 /* mf_ly_hc_mixes_rows with fp32 sums (the streams' mean square and each row). */
 void mf_fa_hc_mixes_rows(const mf_ly_ctx *cx, const float *x, const mf_weight *fn, float *mixes, int k0, int k1);
+/* mf_fa_hc_mixes_rows of n_items items (streams x[i], rows [k0, k1) into mixes[i]), the items in
+ * fours (MF_FA_MIX_ITEMS; scratch: cx->hc_xn holds four items' normed streams) against each row
+ * (mf_kern_vec_dots_keys), so a row is read once per four items: the bits of mf_fa_hc_mixes_rows
+ * per item. More than MF_FA_MIX_MAX_ROWS rows, or weights not fp32: mf_fa_hc_mixes_rows per item. */
+#define MF_FA_MIX_ITEMS 4
+#define MF_FA_MIX_MAX_ROWS 64
+void mf_fa_hc_mixes_rows_items(const mf_ly_ctx *cx, const float *const *x, int n_items, const mf_weight *fn,
+                               float *const *mixes, int k0, int k1);
 /* mf_ly_hc_collapse_cols and mf_ly_hc_expand_cols, vectorized: the module's bits. */
 void mf_fa_hc_collapse_cols(const mf_ly_ctx *cx, const float *x, const float *pre, float *h, int64_t d0, int64_t d1);
 void mf_fa_hc_expand_cols(const mf_ly_ctx *cx, float *x, const float *out, const float *post, const float *comb,

@@ -430,17 +430,28 @@ static int mf_task_attn_norm(void *arg, mf_task_ctx *ctx) { return mf_step_norm_
 static int mf_task_ffn_norm(void *arg, mf_task_ctx *ctx) { return mf_step_norm_cols(arg, ctx, MF_SG_FFN_NORM); }
 static int mf_task_norm(void *arg, mf_task_ctx *ctx) { return mf_step_norm_cols(arg, ctx, MF_SG_NORM); }
 
-/* Rows of the attention (amix) or ffn (fmix) mixes of the item's streams. */
+/* Rows of the attention (amix) or ffn (fmix) mixes of the streams of the record's items (its item
+ * group: not run per item by mf_task_items, so the fast path reads each row once per four items,
+ * mf_fa_hc_mixes_rows_items; the bits of one item's task per item). */
 static int mf_step_mix_rows(mf_step_targ *a, mf_task_ctx *ctx, int ffn)
 {
     mf_ly_ctx *cx = mf_step_cx(a, ctx);
     if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
     const mf_model_layer *y = mf_model_layer_at(cx->ly->m, a->t->layer);
-    int i = a->t->i0;
-    float *mix = (ffn ? sh->fmix : sh->amix) + (size_t)i * MF_STEP_N_MIX;
-    (sh->eng->o.exact ? mf_ly_hc_mixes_rows : mf_fa_hc_mixes_rows)(
-        cx, sh->items[i].x, ffn ? &y->hc_ffn_fn : &y->hc_attn_fn, mix, (int)a->t->r0, (int)a->t->r1);
+    const mf_weight *fn = ffn ? &y->hc_ffn_fn : &y->hc_attn_fn;
+    int k0 = (int)a->t->r0, k1 = (int)a->t->r1;
+    for (int i0 = a->t->i0; i0 < a->t->i1; i0 += MF_FA_MIX_ITEMS) {
+        int G = a->t->i1 - i0 < MF_FA_MIX_ITEMS ? a->t->i1 - i0 : MF_FA_MIX_ITEMS;
+        const float *x[MF_FA_MIX_ITEMS];
+        float *mix[MF_FA_MIX_ITEMS];
+        for (int g = 0; g < G; g++) {
+            x[g] = sh->items[i0 + g].x;
+            mix[g] = (ffn ? sh->fmix : sh->amix) + (size_t)(i0 + g) * MF_STEP_N_MIX;
+            if (sh->eng->o.exact) mf_ly_hc_mixes_rows(cx, x[g], fn, mix[g], k0, k1);
+        }
+        if (!sh->eng->o.exact) mf_fa_hc_mixes_rows_items(cx, x, G, fn, mix, k0, k1);
+    }
     return 0;
 }
 
@@ -512,11 +523,15 @@ static int mf_task_attn_kv(void *arg, mf_task_ctx *ctx)
     mf_ly_ctx *cx = mf_step_cx(a, ctx);
     if (!cx) return -EINVAL;
     float *b[MF_LY_A_N];
+    int part = a->t->part;   /* -1: the window KV and the compressor; 0: the window KV; 1: the compressor */
     for (int i = a->t->i0; i < a->t->i1; i++) {
         mf_step_abuf(a->sh, i, b);
-        int rc = mf_ly_attn_window_kv(cx, &a->sh->items[i], a->t->layer, b);
+        int rc = 0;
+        if (part < 0) rc = mf_ly_attn_window_kv(cx, &a->sh->items[i], a->t->layer, b);
+        else if (part == 0) mf_ly_attn_kv_window(cx, &a->sh->items[i], a->t->layer, b);
+        else rc = mf_ly_attn_kv_compress(cx, &a->sh->items[i], a->t->layer, b);
         if (rc) return rc;
-        if (!a->sh->sg->ring_late) mf_ly_attn_ring_write(cx, &a->sh->items[i], a->t->layer, b[MF_LY_A_KV]);
+        if (part < 0 && !a->sh->sg->ring_late) mf_ly_attn_ring_write(cx, &a->sh->items[i], a->t->layer, b[MF_LY_A_KV]);
     }
     return 0;
 }
@@ -1860,7 +1875,9 @@ static int mf_task_items(void *arg, mf_task_ctx *ctx)
 static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const int *unit_end, mf_stepgraph **out)
 {
     mf_task_fn fn_of[MF_SG_N_OPS];   /* the per-item ops over their item groups */
-    for (int op = 0; op < MF_SG_N_OPS; op++) fn_of[op] = mf_sg_op_per_item(op) ? mf_task_items : mf_step_fn_of[op];
+    for (int op = 0; op < MF_SG_N_OPS; op++)   /* the mixes take their whole item group (mf_step_mix_rows) */
+        fn_of[op] = mf_sg_op_per_item(op) && op != MF_SG_ATTN_MIX && op != MF_SG_FFN_MIX ? mf_task_items
+                                                                                          : mf_step_fn_of[op];
     const mf_ref_hooks *hk = &eng->ly->hooks;
     int ordered = hk->on_route || hk->on_select || hk->on_candidates;   /* the hooks in item order */
     return mf_stepgraph_new(&(mf_sg_opts){.c = eng->c, .sz = eng->sz, .n = n, .par = par,

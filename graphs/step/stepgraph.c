@@ -29,6 +29,14 @@
 #define SG_W_DOT_BF16 1.95
 #define SG_W_MIX 1.81
 #define SG_W_ROUND 23.6
+/* The engine's bf16 roundings of the heads' queries and outputs (fast_attn.c mf_fa_bf_n: 8 lanes
+ * under AVX2), in vector multiply-adds (host_vec): measured on an AMD EPYC VM (family 25 model 17, 2 vCPUs, load
+ * average 4.6) on 2026-12-03 with a micro-benchmark of that loop over one item's 64 x 512 queries in
+ * cache, 0.1179 ns per element, against 4-query mf_kern_vec_dots in cache in the same run, 11.04
+ * GMAC/s (0.0906 ns): 1.30 (a second run: 1.32). (Scalar mf_bf16_round there: 0.391 ns.)
+ * docs/measurements.md, ttftattn; `moeflow bench ref --profile P` times the loop. */
+#define SG_W_ROUND_VEC 1.30
+#define SG_W_ROPE 3.0   /* estimate, not measured: REF multiply-adds per roped element (a pair's 4 products and 2 sums) */
 #define SG_W_SORT 1.0   /* estimate, not measured: one REF multiply-add per comparison of the top-k's sort */
 #define SG_STORE_ALIGN 4096.0   /* host/store.c MF_STORE_SLOT_ALIGN: reads are aligned extents */
 #define SG_CARD_ALIGN 256.0     /* a part's alignment in a card's cache slot */
@@ -158,6 +166,13 @@ double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int p_key, int64
     }
     /* the select: the picks sorted (qsort), SG_W_SORT per comparison */
     return items * SG_W_SORT * (double)n_vis * log2((double)n_vis + 1);
+}
+
+const char *mf_sg_op_name(int op)
+{
+    static const char *const names[] = {"engram_embed", "engram_rows", "engram_gate", "engram_plan", "engram_read", "attn_pre", "attn_rows", "attn_qnorm", "attn_core", "attn_post", "gate_rows", "route", "moe_done", "slot_read", "slot_up", "slot_join", "slot_down", "dev_in", "dev_ffn", "dev_ffn_card", "dev_out", "shared_up", "shared_down", "combine", "norm", "head", "join", "attn_mix", "attn_norm", "attn_heads", "attn_ring", "ffn_mix", "ffn_norm", "attn_score", "attn_select", "dense_in", "dense", "dense_out", "attn_qscale", "attn_kv", "attn_gather", "attn_qprep", "attn_opost", "route_rows", "moe_place", "dev_pre"};
+    _Static_assert(sizeof names / sizeof names[0] == MF_SG_N_OPS, "one name per mf_sg_op");
+    return (unsigned)op < MF_SG_N_OPS ? names[op] : "?";
 }
 
 int mf_sg_op_per_item(int op)
@@ -835,8 +850,9 @@ static void sg_mix(sg_builder *b, int L, int i, int op, const mf_task_id *after,
         if (b->o->exact) {   /* the module's double sums, per item of the group */
             t.w.ref_flops = t.n_tok * (2.0 * hc * H + SG_W_MIX * y->hc_macs / 2 * f);
         } else {   /* mf_fa_hc_mixes_rows per item: the vector dots, its rows' fp32 weights from memory */
+            /* mf_fa_hc_mixes_rows_items: the rows read once per MF_FA_MIX_ITEMS (4) items of the group */
             t.w.vec_flops = t.n_tok * (2.0 * hc * H + y->hc_macs / 2 * f);
-            t.w.vec_bytes = t.n_tok * 4.0 * y->hc_macs / 2 * f;
+            t.w.vec_bytes = ceil(t.n_tok / 4.0) * 4.0 * y->hc_macs / 2 * f;
         }
         mix[m] = sg_add(b, 0, op, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
         for (int a = 0; a < n_after; a++) sg_dep(b, after[a], mix[m]);
@@ -889,15 +905,23 @@ static mf_sg_task sg_heads_rec(const mf_config *c, int L, int op, int i0, int i1
     t.op = (uint8_t)op;
     switch (op) {
     case MF_SG_ATTN_HEADS:   /* each head: its query rounded twice, its output and the output's roped part */
-        t.w.ref_flops = t.n_tok * hh * SG_W_ROUND * (3.0 * D + rd);
-        t.w.extra_vec = !exact;   /* mf_fa_attn_heads: scores and values as vector code */
+        if (exact) {
+            t.w.ref_flops = t.n_tok * hh * SG_W_ROUND * (3.0 * D + rd);
+        } else {   /* mf_fa_attn_heads: the query's and the roped part's roundings 8 lanes at a time
+                    * (mf_fa_heads_q, _o), the output's in the kernel at REF; the RoPE twice; scores
+                    * and values as vector code */
+            t.w.ref_flops = t.n_tok * hh * (SG_W_ROUND * D + SG_W_ROPE * 2.0 * rd);
+            t.w.vec_flops = t.n_tok * hh * SG_W_ROUND_VEC * (2.0 * D + rd);
+            t.w.extra_vec = 1;
+        }
         break;
     case MF_SG_ATTN_GATHER:   /* the ring's rows and the entries unpacked, the sinks */
         t.n_tok = 1;
         t.w.ref_flops = SG_W_UNPACK * D * (W - 1 + sel) + nh;
         break;
-    case MF_SG_ATTN_QPREP:   /* the queries rounded twice (the RoPE with them), the key list */
-        t.w.ref_flops = t.n_tok * (hh * SG_W_ROUND * 2.0 * D + keys);
+    case MF_SG_ATTN_QPREP:   /* the queries rounded twice, 8 lanes at a time (mf_fa_heads_q), the RoPE, the key list */
+        t.w.ref_flops = t.n_tok * (hh * SG_W_ROPE * rd + keys);
+        t.w.vec_flops = t.n_tok * hh * SG_W_ROUND_VEC * 2.0 * D;
         break;
     case MF_SG_DENSE_IN:   /* the queries, the key table (every card its own), the lists and sinks */
         t.dense = MF_SG_D_HEADS;
@@ -911,8 +935,9 @@ static mf_sg_task sg_heads_rec(const mf_config *c, int L, int op, int i0, int i1
         t.dense = MF_SG_D_HEADS;
         t.w.copy_bytes_tok = 4.0 * hh * D;
         break;
-    case MF_SG_ATTN_OPOST:   /* the outputs' roped part rounded (the inverse RoPE with it) */
-        t.w.ref_flops = t.n_tok * hh * SG_W_ROUND * rd;
+    case MF_SG_ATTN_OPOST:   /* the inverse RoPE, the outputs' roped part rounded 8 lanes at a time (mf_fa_heads_o) */
+        t.w.ref_flops = t.n_tok * hh * SG_W_ROPE * rd;
+        t.w.vec_flops = t.n_tok * hh * SG_W_ROUND_VEC * rd;
         break;
     }
     return t;
@@ -1064,17 +1089,42 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
         sg_dep(b, oj, rows[MF_SG_ST_OB][p]);
     }
     for (int k = b->k0; k < b->k1; k++) {
-        SG_NAME(b, sg->par ? "attn L%d kv item %d" : "attn L%d kv", L, k);
+        /* each item its window KV (the four roundings of D: two mf_bf_n, 8 lanes under AVX2, the
+         * norm's and the fp8 fake-quant's at REF; its RoPE); each compressed entry the compressor's
+         * kernels once (the indexer's wk on the entry: one per `ratio` items, mf_ly_compress; ratio 2
+         * in a step of one item: half an entry, the mean over steps). With the ring written late
+         * (a serial graph of several item groups) the window KV runs per item group (part 0) beside
+         * the compressor over the unit in order (part 1), both before a join; else one task (part -1). */
         mf_sg_task t = sg_item(b, L, k);
-        double items = t.i1 - t.i0;   /* each item: the compressor's kernels once, its window KV */
-        t.n_tok = 1;
-        t.w.w_bytes[MF_KF_FP8] = items * y->st_fp8_bytes[MF_SG_ST_CORE];
-        t.w.calls[MF_KF_FP8] = items * y->st_fp8_calls[MF_SG_ST_CORE];
-        t.w.w_bytes[MF_KF_BF16] = items * y->st_bf16_bytes[MF_SG_ST_CORE];
-        t.w.calls[MF_KF_BF16] = items * y->st_bf16_calls[MF_SG_ST_CORE];
-        t.w.ref_flops = items * (4.0 * D + SG_W_ROUND * 4.0 * D);
-        mf_task_id kv = sg_add(b, 0, MF_SG_ATTN_KV, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
-        for (int p = 0; p < sg->p_attn; p++) sg_dep(b, rows[MF_SG_ST_IN][p], kv);
+        double ratio = c->compress_ratios[L];
+        int gk0 = sg_group_of(sg, t.i0), gk1 = sg_group_of(sg, t.i1 - 1), split = sg->ring_late && gk1 > gk0;
+        mf_task_id kv = -1;
+        if (split) {
+            SG_NAME(b, "attn L%d kv join", L);
+            kv = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, sg_rec(L));
+        }
+        for (int w = split ? gk0 : 0; w <= (split ? gk1 + 1 : 0) && !b->rc; w++) {
+            int comp = split && w == gk1 + 1;   /* the split's compressor task */
+            mf_sg_task tw = split && !comp ? sg_part(sg, L, w, 0, 1, 0, 1) : t;
+            tw.part = split ? comp : -1;
+            double items = tw.i1 - tw.i0, ent = ratio > 0 && tw.part != 0 ? items / ratio : 0;
+            tw.n_tok = 1;
+            tw.w.w_bytes[MF_KF_FP8] = ent * y->st_fp8_bytes[MF_SG_ST_CORE];
+            tw.w.calls[MF_KF_FP8] = ent * y->st_fp8_calls[MF_SG_ST_CORE];
+            tw.w.w_bytes[MF_KF_BF16] = ent * y->st_bf16_bytes[MF_SG_ST_CORE];
+            tw.w.calls[MF_KF_BF16] = ent * y->st_bf16_calls[MF_SG_ST_CORE];
+            if (tw.part != 1) {
+                tw.w.ref_flops = items * (4.0 * D + SG_W_ROUND * 2.0 * D + SG_W_ROPE * c->qk_rope_head_dim);
+                tw.w.vec_flops = items * SG_W_ROUND_VEC * 2.0 * D;
+            }
+            if (!split) SG_NAME(b, sg->par ? "attn L%d kv item %d" : "attn L%d kv", L, k);
+            else if (comp) SG_NAME(b, "attn L%d compress", L);
+            else SG_NAME(b, "attn L%d kv %d", L, w);
+            mf_task_id id = sg_add(b, 0, MF_SG_ATTN_KV, MF_SG_PH_ATTN, MF_SG_K_OTHER, tw);
+            for (int p = 0; p < sg->p_attn; p++) sg_dep(b, rows[MF_SG_ST_IN][p], id);
+            if (split) sg_dep(b, id, kv);
+            else kv = id;
+        }
         /* the core's prep and the select: one task per unit when ordered (the hooks in item
          * order), else one per item group, each group's heads after its own (gate[]) */
         int gu0 = sg_group_of(sg, t.i0), gu1 = sg_group_of(sg, t.i1 - 1), whole = b->o->ordered;
@@ -1126,7 +1176,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
             SG_NAME(b, "attn L%d ring", L);
             mf_sg_task tr = sg_item(b, L, k);
             tr.n_tok = 1;
-            tr.w.ref_flops = items * D;
+            tr.w.ref_flops = (double)(t.i1 - t.i0) * D;
             ring[k] = sg_add(b, 0, MF_SG_ATTN_RING, MF_SG_PH_ATTN, MF_SG_K_OTHER, tr);
         }
         if (sg->heads_cards[L]) {

@@ -97,7 +97,7 @@ typedef enum mf_sg_op {
      * before its route (a long chunk uses every expert: mf_sg_prefetch_min) */
     MF_SG_MOE_PLACE,      /* layer's experts placed by their expected tokens (mf_sg_place_all), cache
                            * slots taken and pinned, the copy tasks of the host's experts and hits marked noop */
-    MF_SG_DEV_PRE,        /* card `card` (h2d lane): expert `part`'s parts copied in on a miss */
+    MF_SG_DEV_PRE,        /* card `card` (h2d lane): expert `part` copied in on a miss (one span or its parts) */
     MF_SG_N_OPS
 } mf_sg_op;
 
@@ -199,6 +199,9 @@ void mf_sg_sizes_free(mf_sg_sizes *s);
  * window and selected entries of its heads; MF_SG_ATTN_SCORE: its share of the indexer's scores,
  * parts of p_key; MF_SG_ATTN_SELECT: the top-k's sort); 0 for the other ops. */
 double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int p_key, int64_t pos);
+
+/* The op's short name (MF_SG_ATTN_CORE: "attn_core"), for reports (`moeflow sim --json`'s "ops"). */
+const char *mf_sg_op_name(int op);
 
 /* 1 for the per-item ops (the "item:" ones of mf_sg_op), whose records cover an item group. */
 int mf_sg_op_per_item(int op);
