@@ -50,8 +50,8 @@ static void mf_kern_bf16_tok1_avx2(const mf_kern_mat *m, const float *x, float *
         const uint16_t *wa = (const uint16_t *)m->w + (size_t)o * n, *wb = wa + n;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
         for (int k = 0; k < n; k += 32) {
-            __builtin_prefetch((const char *)(wa + k) + MF_KERN_PREFETCH_TOK1, 0, 3);
-            __builtin_prefetch((const char *)(wb + k) + MF_KERN_PREFETCH_TOK1, 0, 3);
+            mf_kern_prefetch_tok1(wa + k);
+            mf_kern_prefetch_tok1(wb + k);
             __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
             __m256 x2 = _mm256_loadu_ps(x + k + 16), x3 = _mm256_loadu_ps(x + k + 24);
             a0 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k), x0, a0);
@@ -70,7 +70,7 @@ static void mf_kern_bf16_tok1_avx2(const mf_kern_mat *m, const float *x, float *
         const uint16_t *wa = (const uint16_t *)m->w + (size_t)o * n;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int k = 0; k < n; k += 32) {
-            __builtin_prefetch((const char *)(wa + k) + MF_KERN_PREFETCH_TOK1, 0, 3);
+            mf_kern_prefetch_tok1(wa + k);
             a0 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k), _mm256_loadu_ps(x + k), a0);
             a1 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k + 8), _mm256_loadu_ps(x + k + 8), a1);
             a2 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k + 16), _mm256_loadu_ps(x + k + 16), a2);

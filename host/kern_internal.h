@@ -50,10 +50,17 @@ static inline void mf_kern_prefetch(const void *p, size_t bytes)
 
 /* The one-token register paths (BF16 head, FP8 linears) prefetch each row's stream this far
  * ahead instead: they consume a row pair's 2-4 KiB in a few hundred cycles, so 2 KiB ahead is
- * under one DRAM latency. Measured on a 2-vCPU EPYC VM, one thread, weights out of cache: the
- * 129,280 x 1,024 BF16 head went from 10-15 to 25-30 GB/s (2 KiB -> 8 KiB ahead; 4 KiB ~22,
- * 16 KiB ~20), the FP8 attention shapes from 4.5 (no prefetch) to 8-10 GB/s. */
+ * under one DRAM latency. Into L2 (prefetcht1), not L1: a T0 prefetch holds one of L1's few
+ * miss buffers until its line arrives, and 8 KiB ahead of two interleaved row streams they run
+ * out, stalling the loop on the prefetch itself (perf annotate: a quarter of the kernel's samples
+ * on prefetcht0). Measured on a 2-vCPU EPYC VM (family 25 model 17), the 129,280 x 1,024 BF16
+ * head out of cache, medians of 5-9 passes: 8-14 GB/s with T0 at 8 KiB, 22-26 GB/s with T1 at
+ * 8 KiB (about the rate with no software prefetch: 20-27). */
 #define MF_KERN_PREFETCH_TOK1 8192
+static inline void mf_kern_prefetch_tok1(const void *p)
+{
+    __builtin_prefetch((const char *)p + MF_KERN_PREFETCH_TOK1, 0, 2);   /* prefetcht1: to L2 */
+}
 
 /* Fixed-order sums: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) for 8 lanes; 32 lanes first add
  * (v0+v1)+(v2+v3) lane-wise over the four 8-lane vectors. */
