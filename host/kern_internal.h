@@ -48,14 +48,13 @@ static inline void mf_kern_prefetch(const void *p, size_t bytes)
         __builtin_prefetch(c + i, 0, 3);
 }
 
-/* The one-token register paths (BF16 head, FP8 linears) prefetch each row's stream this far
- * ahead instead: they consume a row pair's 2-4 KiB in a few hundred cycles, so 2 KiB ahead is
- * under one DRAM latency. Into L2 (prefetcht1), not L1: a T0 prefetch holds one of L1's few
- * miss buffers until its line arrives, and 8 KiB ahead of two interleaved row streams they run
- * out, stalling the loop on the prefetch itself (perf annotate: a quarter of the kernel's samples
- * on prefetcht0). Measured on a 2-vCPU EPYC VM (family 25 model 17), the 129,280 x 1,024 BF16
- * head out of cache, medians of 5-9 passes: 8-14 GB/s with T0 at 8 KiB, 22-26 GB/s with T1 at
- * 8 KiB (about the rate with no software prefetch: 20-27). */
+/* The FP8 one-token register path prefetches each row of its pair this far ahead instead: it
+ * consumes a row pair's 2-4 KiB in a few hundred cycles, so 2 KiB ahead is under one DRAM
+ * latency. Into L2 (prefetcht1), not L1: a T0 prefetch holds one of L1's few miss buffers until
+ * its line arrives, and 8 KiB ahead of two interleaved row streams they run out, stalling the
+ * loop on the prefetch itself (perf annotate of the BF16 head, which used it until issue 15: a
+ * quarter of the kernel's samples on prefetcht0). docs/kernels.md "The one-token prefetch" has
+ * the measurements; the BF16 one-token path now streams one row at a time without it. */
 #define MF_KERN_PREFETCH_TOK1 8192
 static inline void mf_kern_prefetch_tok1(const void *p)
 {
