@@ -38,39 +38,20 @@ static inline __m256 mf_kern_bf16_load8(const uint16_t *w)
 }
 
 /* One token (batch-1 decode: the head, the router, the compressor): the weights widened in
- * registers and applied at once, two rows at a time (eight independent sums in flight), instead
- * of decoded to an L1 tile and read back. Each output's 32 lanes are the tile engine's (lane = k
- * mod 32, fmaf in k order from +0) and reduced by the same tree, so the bits are the engine's. */
+ * registers and applied at once, one row at a time (four independent sums in flight), instead of
+ * decoded to an L1 tile and read back. Each output's 32 lanes are the tile engine's (lane = k mod
+ * 32, fmaf in k order from +0) and reduced by the same tree, so the bits are the engine's. One row
+ * at a time the weights are one forward stream, which the hardware prefetcher follows alone: no
+ * software prefetch (docs/kernels.md "The one-token prefetch": two interleaved rows with one were
+ * slower, and slower still without). */
 __attribute__((target("avx2,fma")))
 static void mf_kern_bf16_tok1_avx2(const mf_kern_mat *m, const float *x, float *y, int y_row0, int r0, int r1)
 {
     const int n = m->n_in;
-    int o = r0;
-    for (; o + 2 <= r1; o += 2) {
-        const uint16_t *wa = (const uint16_t *)m->w + (size_t)o * n, *wb = wa + n;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-        for (int k = 0; k < n; k += 32) {
-            __builtin_prefetch((const char *)(wa + k) + MF_KERN_PREFETCH_TOK1, 0, 3);
-            __builtin_prefetch((const char *)(wb + k) + MF_KERN_PREFETCH_TOK1, 0, 3);
-            __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-            __m256 x2 = _mm256_loadu_ps(x + k + 16), x3 = _mm256_loadu_ps(x + k + 24);
-            a0 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k), x0, a0);
-            a1 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k + 8), x1, a1);
-            a2 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k + 16), x2, a2);
-            a3 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k + 24), x3, a3);
-            b0 = _mm256_fmadd_ps(mf_kern_bf16_load8(wb + k), x0, b0);
-            b1 = _mm256_fmadd_ps(mf_kern_bf16_load8(wb + k + 8), x1, b1);
-            b2 = _mm256_fmadd_ps(mf_kern_bf16_load8(wb + k + 16), x2, b2);
-            b3 = _mm256_fmadd_ps(mf_kern_bf16_load8(wb + k + 24), x3, b3);
-        }
-        y[o - y_row0] = mf_kern_reduce4x8_avx2(a0, a1, a2, a3);
-        y[o + 1 - y_row0] = mf_kern_reduce4x8_avx2(b0, b1, b2, b3);
-    }
-    if (o < r1) {
+    for (int o = r0; o < r1; o++) {
         const uint16_t *wa = (const uint16_t *)m->w + (size_t)o * n;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int k = 0; k < n; k += 32) {
-            __builtin_prefetch((const char *)(wa + k) + MF_KERN_PREFETCH_TOK1, 0, 3);
             a0 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k), _mm256_loadu_ps(x + k), a0);
             a1 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k + 8), _mm256_loadu_ps(x + k + 8), a1);
             a2 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k + 16), _mm256_loadu_ps(x + k + 16), a2);

@@ -99,8 +99,8 @@ static void mf_kern_fp8_tok1_avx2(const mf_kern_mat *m, const float *x, float *y
         __m256 a[4], b[4];
         for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
         for (int k = 0; k < n; k += 32) {
-            __builtin_prefetch((const char *)(wa + k) + MF_KERN_PREFETCH_TOK1, 0, 3);
-            __builtin_prefetch((const char *)(wb + k) + MF_KERN_PREFETCH_TOK1, 0, 3);
+            mf_kern_prefetch_tok1(wa + k);
+            mf_kern_prefetch_tok1(wb + k);
             mf_kern_fp8_fma32(wa + k, sa[k / 32], x + k, a);
             mf_kern_fp8_fma32(wb + k, sb[k / 32], x + k, b);
         }

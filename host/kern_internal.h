@@ -48,12 +48,18 @@ static inline void mf_kern_prefetch(const void *p, size_t bytes)
         __builtin_prefetch(c + i, 0, 3);
 }
 
-/* The one-token register paths (BF16 head, FP8 linears) prefetch each row's stream this far
- * ahead instead: they consume a row pair's 2-4 KiB in a few hundred cycles, so 2 KiB ahead is
- * under one DRAM latency. Measured on a 2-vCPU EPYC VM, one thread, weights out of cache: the
- * 129,280 x 1,024 BF16 head went from 10-15 to 25-30 GB/s (2 KiB -> 8 KiB ahead; 4 KiB ~22,
- * 16 KiB ~20), the FP8 attention shapes from 4.5 (no prefetch) to 8-10 GB/s. */
+/* The FP8 one-token register path prefetches each row of its pair this far ahead instead: it
+ * consumes a row pair's 2-4 KiB in a few hundred cycles, so 2 KiB ahead is under one DRAM
+ * latency. Into L2 (prefetcht1), not L1: a T0 prefetch holds one of L1's few miss buffers until
+ * its line arrives, and 8 KiB ahead of two interleaved row streams they run out, stalling the
+ * loop on the prefetch itself (perf annotate of the BF16 head, which used it until issue 15: a
+ * quarter of the kernel's samples on prefetcht0). docs/kernels.md "The one-token prefetch" has
+ * the measurements; the BF16 one-token path now streams one row at a time without it. */
 #define MF_KERN_PREFETCH_TOK1 8192
+static inline void mf_kern_prefetch_tok1(const void *p)
+{
+    __builtin_prefetch((const char *)p + MF_KERN_PREFETCH_TOK1, 0, 2);   /* prefetcht1: to L2 */
+}
 
 /* Fixed-order sums: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) for 8 lanes; 32 lanes first add
  * (v0+v1)+(v2+v3) lane-wise over the four 8-lane vectors. */
