@@ -139,8 +139,9 @@ static void test_priorities(void)
     mf_sg_sizes_free(sz);
 }
 
-/* The fast path's records (exact 0) carry the heads', index scores' and mixes' work as vector
- * code, the --exact path's (exact 1) as scalar work; a fast heads task's price is its scalar
+/* The fast path's records (exact 0) carry the heads', index scores', mixes', collapses', posts',
+ * norms' and combines' work as vector code, the --exact path's (exact 1) as scalar work (but the
+ * combine's sum, vector code on both); a fast heads task's price is its scalar
  * roundings and RoPE at REF plus its 8-lane roundings and positional work at the vec rate. */
 static void test_vec_records(void)
 {
@@ -149,6 +150,7 @@ static void test_vec_records(void)
     mf_sg_sizes *sz = NULL;
     CHECK(mf_sg_sizes_new(&c, &sz) == 0, "sizes: %s", mf_last_error());
     mf_profile made = made_up();
+    double comb_fast = 0, comb_ex = 0;   /* the combine records' vector work per path */
     for (int exact = 0; exact < 2 && sz; exact++) {
         mf_lane_model lm[4];
         mf_step_lane_models(&made, 2, lm);
@@ -161,7 +163,7 @@ static void test_vec_records(void)
                                &sg) == 0,
               "graph: %s", mf_last_error());
         mf_cost_model m = {.p = &made, .host_bytes_per_s = mf_cost_thread_share(&made, 2)};
-        int n_heads = 0, n_score = 0, n_mix = 0, bad = 0;
+        int n_heads = 0, n_score = 0, n_mix = 0, n_col = 0, n_comb = 0, bad = 0;
         for (int t = 0; sg && t < sg->n_tasks; t++) {
             const mf_sg_task *r = &sg->task[t];
             if (r->op == MF_SG_ATTN_HEADS || r->op == MF_SG_ATTN_SCORE) {
@@ -179,12 +181,31 @@ static void test_vec_records(void)
                 n_mix++;
                 bad += exact ? !(r->w.ref_flops > 0) || r->w.vec_flops != 0 || r->w.vec_bytes != 0
                              : r->w.ref_flops != 0 || !(r->w.vec_flops > 0) || !(r->w.vec_bytes > 0);
+            } else if (r->op == MF_SG_ATTN_PRE || r->op == MF_SG_ATTN_POST || r->op == MF_SG_ATTN_NORM ||
+                       r->op == MF_SG_FFN_NORM || r->op == MF_SG_NORM) {
+                /* the collapse, the post's expand and collapse, the norms' columns: fast_attn.c's
+                 * vector loops on the fast path (the post's split and a norm's sum of squares stay
+                 * scalar), the module's scalar loops with exact */
+                n_col++;
+                int scalar = r->op != MF_SG_ATTN_PRE && r->r1 > r->r0;   /* split or sum of squares */
+                bad += exact ? !(r->w.ref_flops > 0) || r->w.vec_flops != 0
+                             : !(r->w.vec_flops > 0) || (scalar && !(r->w.ref_flops > 0)) ||
+                                   (r->op == MF_SG_ATTN_PRE && r->w.ref_flops != 0);
+            } else if (r->op == MF_SG_COMBINE) {
+                /* the sum is mf_fa_combine_cols either way (vector work); the expand vector code
+                 * only on the fast path */
+                n_comb++;
+                bad += !(r->w.vec_flops > 0) || !(r->w.ref_flops > 0);
+                if (exact) comb_ex += r->w.vec_flops;
+                else comb_fast += r->w.vec_flops;
             }
         }
-        CHECK(n_heads > 0 && n_score > 0 && n_mix > 0 && !bad, "exact %d: %d heads, %d score, %d mix records, %d wrong",
-              exact, n_heads, n_score, n_mix, bad);
+        CHECK(n_heads > 0 && n_score > 0 && n_mix > 0 && n_col > 0 && n_comb > 0 && !bad,
+              "exact %d: %d heads, %d score, %d mix, %d column, %d combine records, %d wrong", exact, n_heads,
+              n_score, n_mix, n_col, n_comb, bad);
         mf_stepgraph_free(sg);
     }
+    CHECK(comb_fast > comb_ex && comb_ex > 0, "combine vector work: fast %.0f, exact %.0f", comb_fast, comb_ex);
     mf_sg_sizes_free(sz);
 }
 

@@ -106,8 +106,10 @@ static void test_hc(const mf_model *m, mf_ly_ctx *cx)
         memcpy(x2, x, sizeof(float) * hc * H);
         mf_fa_hc_collapse_cols(cx, x2, pre, h2, 0, H);
         mf_fa_hc_expand_cols(cx, x2, out, post, comb, 0, H);
+        mf_fa_rmsnorm_cols(h1, H, &y->attn_norm, c->rms_norm_eps, n2, 0, H);
         set_simd(0);
         exact &= !memcmp(h1, h2, sizeof(float) * H) && !memcmp(x1, x2, sizeof(float) * hc * H);
+        exact &= !memcmp(n1, n2, sizeof(float) * H);
     }
     /* the engine's mixes of an item group (mf_fa_hc_mixes_rows_items): per item the bits of
      * mf_fa_hc_mixes_rows, for 1..9 items (fours and the rest), row ranges of 1..nm rows, both paths */
@@ -446,6 +448,72 @@ out:
     free(got);
 }
 
+/* The combine's sum (mf_fa_combine_cols) against its plain loop (each column: the outputs' roundings
+ * summed in double in their order, the shared output, the sum rounded) bit for bit, for 1..9
+ * outputs with and without the shared one, unaligned column ranges, special values, both paths;
+ * and mf_fa_rmsnorm_cols over fp32 and bf16 weights against mf_ly_rmsnorm_cols, both paths. */
+static void test_combine(void)
+{
+    enum { H = 203, NR = 12, NO = 9 };
+    float *y = malloc(sizeof(float) * NR * H), sh[H], want[H], got[H], wf[H];
+    uint16_t wb[H];
+    int32_t rows[NO];
+    int same = 1;
+    for (int64_t i = 0; i < NR * H; i++) y[i] = mf_test_frand(&g_rng) * 8;
+    for (int i = 0; i < H; i++) {
+        sh[i] = mf_bf16_round(mf_test_frand(&g_rng) * 4);
+        wf[i] = mf_test_frand(&g_rng) * 2;
+        float b = mf_bf16_round(wf[i]);
+        uint32_t u;
+        memcpy(&u, &b, 4);
+        wb[i] = (uint16_t)(u >> 16);
+    }
+    y[3] = NAN;
+    y[H + 17] = INFINITY;
+    y[2 * H + 17] = -INFINITY;
+    y[3 * H + 40] = 3e38f;
+    y[4 * H + 40] = 3e38f;
+    y[5 * H + 41] = 1e-40f;
+    y[6 * H + 50] = -0.0f;
+    sh[60] = -0.0f;
+    for (int simd = 0; simd < 2; simd++) {
+        CHECK(set_simd(simd) == 0, "simd %d", simd);
+        for (int n = 1; n <= NO; n++)
+            for (int with_sh = 0; with_sh < 2; with_sh++) {
+                for (int k = 0; k < n; k++) rows[k] = (int32_t)((k * 5 + n) % NR);
+                for (int d = 0; d < H; d++) {
+                    double acc = 0;
+                    for (int k = 0; k < n; k++) acc += mf_bf16_round(y[(size_t)rows[k] * H + d]);
+                    if (with_sh) acc += sh[d];
+                    want[d] = mf_bf16_round((float)acc);
+                }
+                memset(got, 0x5a, sizeof got);
+                for (int64_t d0 = 0, w = 1; d0 < H; w += 5) {
+                    int64_t d1 = d0 + w < H ? d0 + w : H;
+                    mf_fa_combine_cols(y, H, rows, n, with_sh ? sh : NULL, got, d0, d1);
+                    d0 = d1;
+                }
+                same &= n_diff(want, got, H) == 0;
+            }
+        /* the norm: 8 columns at a time against the module's loop, both weight kinds */
+        mf_weight w32 = {.kind = MF_W_F32, .rows = H, .cols = 1, .data = (uint8_t *)wf};
+        mf_weight w16 = {.kind = MF_W_BF16, .rows = H, .cols = 1, .data = (uint8_t *)wb};
+        for (int kind = 0; kind < 2; kind++) {
+            const mf_weight *w = kind ? &w16 : &w32;
+            mf_ly_rmsnorm_cols(y + 7 * H, H, w, 1e-6, want, 0, H);
+            for (int64_t d0 = 0, wd = 1; d0 < H; wd += 5) {
+                int64_t d1 = d0 + wd < H ? d0 + wd : H;
+                mf_fa_rmsnorm_cols(y + 7 * H, H, w, 1e-6, got, d0, d1);
+                d0 = d1;
+            }
+            same &= n_diff(want, got, H) == 0;
+        }
+    }
+    set_simd(0);
+    CHECK(same, "mf_fa_combine_cols / mf_fa_rmsnorm_cols differ from their plain loops");
+    free(y);
+}
+
 int main(void)
 {
     mf_config c;
@@ -463,6 +531,7 @@ int main(void)
     if (kern) {
         if (!MF_TEST_TSAN) {   /* one thread: nothing for TSan */
             test_hc(m, kern);
+            test_combine();
             test_grouped(m, kern);
             test_gate(m, kern);
             test_core(oracle, kern);

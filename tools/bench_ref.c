@@ -10,6 +10,8 @@
 #include <string.h>
 
 #include "graphs/layers/layers.h"
+#include "graphs/step/fast_attn.h"
+#include "host/kernels.h"
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "sched/profile.h"
@@ -92,6 +94,80 @@ static double mf_br_round_vec(mf_br *b, size_t each)
     return MF_BR_N;
 }
 
+/* The engine's vector column loops (graphs/step/fast_attn.c) at flash41's shape (hidden 5120, 4
+ * streams, 6 routed outputs and the shared one), in cache: what SG_W_COMBINE_VEC, SG_W_EXPAND_VEC,
+ * SG_W_COLLAPSE_VEC and SG_W_NORM_VEC price in host_vec MACs. */
+#define MF_BR_H 5120
+#define MF_BR_HC 4
+#define MF_BR_K 6
+
+static mf_ly_ctx *mf_br_cx(void)
+{
+    static mf_config c;
+    static mf_layers ly;
+    static mf_ly_ctx cx;
+    c.hidden_size = MF_BR_H;
+    c.hc_mult = MF_BR_HC;
+    ly.c = &c;
+    cx.ly = &ly;
+    return &cx;
+}
+
+/* mf_fa_combine_cols: per column and summed output (6 routed and the shared one) */
+static double mf_br_combine(mf_br *b, size_t each)
+{
+    (void)each;
+    static const int32_t rows[MF_BR_K] = {5, 2, 7, 0, 3, 6};
+    mf_fa_combine_cols(b->x, MF_BR_H, rows, MF_BR_K, b->x + 8 * MF_BR_H, b->y, 0, MF_BR_H);
+    return (double)MF_BR_H * (MF_BR_K + 1);
+}
+
+/* mf_fa_hc_expand_cols: per column and stream */
+static double mf_br_expand(mf_br *b, size_t each)
+{
+    (void)each;
+    static const float post[MF_BR_HC] = {0.5f, 1.25f, 0.75f, 1.0f};
+    static const float comb[MF_BR_HC * MF_BR_HC] = {0.25f, 0.5f, 0.125f, 0.125f, 0.5f, 0.25f, 0.125f, 0.125f,
+                                                   0.125f, 0.125f, 0.5f, 0.25f, 0.125f, 0.125f, 0.25f, 0.5f};
+    memcpy(b->y, b->x, sizeof(float) * MF_BR_HC * MF_BR_H);   /* the streams, fresh (the copy is timed too) */
+    mf_fa_hc_expand_cols(mf_br_cx(), b->y, b->x + 8 * MF_BR_H, post, comb, 0, MF_BR_H);
+    return (double)MF_BR_H * MF_BR_HC;
+}
+
+/* mf_fa_hc_collapse_cols: per column and stream */
+static double mf_br_collapse(mf_br *b, size_t each)
+{
+    (void)each;
+    static const float pre[MF_BR_HC] = {0.5f, 0.25f, 0.75f, 1.0f};
+    mf_fa_hc_collapse_cols(mf_br_cx(), b->x, pre, b->y, 0, MF_BR_H);
+    return (double)MF_BR_H * MF_BR_HC;
+}
+
+/* mf_fa_rmsnorm_cols over bf16 weights: per column (its column loop; the sum of squares over all
+ * columns, which every part of a norm redoes, is the scalar double loop priced at host_ref) */
+static double mf_br_norm(mf_br *b, size_t each)
+{
+    (void)each;
+    mf_weight w = {.kind = MF_W_BF16, .rows = MF_BR_H, .cols = 1, .data = b->pool};   /* finite bf16, in cache */
+    mf_fa_rmsnorm_cols(b->x, 8, &w, 1e-6, b->y, 0, MF_BR_H);   /* the scale over 8: the column loop timed */
+    return (double)MF_BR_H;
+}
+
+/* mf_kern_vec_dots, 4 queries of 1024 floats against 16 keys in cache: host_vec's loop in this run,
+ * the unit of the vector loops' weights (as `moeflow calibrate` times host_vec) */
+static double mf_br_vec_dots(mf_br *b, size_t each)
+{
+    (void)each;
+    const float *q[4] = {b->x, b->x + 1024, b->x + 2048, b->x + 3072};
+    float out[4], sum = 0;
+    for (int k = 0; k < 16; k++) {
+        mf_kern_vec_dots(q, 4, b->x + 4096 + (size_t)k * 1024, 1024, out);
+        sum += out[0];
+    }
+    b->y[0] = sum;
+    return 4.0 * 16 * 1024;
+}
+
 /* Median over 11 rounds of 20 ms each: ns per unit. */
 static double mf_br_time(mf_br *b, mf_br_fn fn, size_t each)
 {
@@ -117,8 +193,11 @@ int mf_bench_ref(int argc, char **argv)
                    "out of cache): mf_ly_linear_rows over fp8 (1024 x 512, wo_a) and bf16 (64 x 1024,\n"
                    "the gate) weights per multiply-add, the hyper-connection mixes' loop (24 x 4096\n"
                    "fp32) per multiply-add, one bf16 rounding of a random float, and the 8-lane rounding\n"
-                   "loop (mf_bf_n). With --profile P, each as a weight: its ns over P's host_ref ns per\n"
-                   "multiply-add (the 8-lane rounding: over P's host_vec ns; the weights of\n"
+                   "loop (mf_bf_n), and the engine's vector column loops at flash41's shape (the combine's\n"
+                   "sum, the hyper-connection expand and collapse, a norm's columns). With --profile P, each\n"
+                   "as a weight: its ns over P's host_ref ns per\n"
+                   "multiply-add (the vector loops, with or without P: over this run's in-cache 4-query\n"
+                   "mf_kern_vec_dots ns per multiply-add, host_vec's loop; the weights of\n"
                    "graphs/step/stepgraph.c; run it right after moeflow calibrate).\n");
             return 0;
         } else if (!strcmp(argv[i], "--profile") && i + 1 < argc) {
@@ -161,15 +240,24 @@ int mf_bench_ref(int argc, char **argv)
         {"hc mixes, per MAC", mf_br_mix, 24 * 4096 * 4 + 4096},
         {"bf16 rounding, per element", mf_br_round, 0},
         {"bf16 rounding, 8 lanes (mf_bf_n)", mf_br_round_vec, 0},
+        {"combine sum, per col x output", mf_br_combine, 0},
+        {"hc expand, per col x stream", mf_br_expand, 0},
+        {"hc collapse, per col x stream", mf_br_collapse, 0},
+        {"norm columns (bf16 w), per col", mf_br_norm, 0},
     };
     double ref_ns = prof_path && prof.host[MF_KF_REF].macs_per_s > 0 ? 1e9 / prof.host[MF_KF_REF].macs_per_s : 0;
     printf("bench ref: the reference's plain-C loops, 1 thread, weights out of cache%s\n",
            ref_ns > 0 ? "; weight = ns / the profile's host_ref ns per MAC" : "");
     if (ref_ns > 0) printf("  %-32s %8.3f ns (profile %s)\n", "host_ref, per MAC", ref_ns, prof_path);
+    double vec_ns = mf_br_time(&b, mf_br_vec_dots, 0);   /* this run's host_vec ns per MAC */
+    printf("  %-32s %8.3f ns (%.2f GMAC/s: the vector loops' unit)\n", "host_vec here, 4-query dots", vec_ns,
+           1 / vec_ns);
     for (size_t i = 0; i < sizeof loops / sizeof loops[0]; i++) {
         double ns = mf_br_time(&b, loops[i].fn, loops[i].each);
-        int vec = loops[i].fn == mf_br_round_vec;   /* its weight: against host_vec (SG_W_ROUND_VEC) */
-        double unit = vec ? (prof_path && prof.host_vec.macs_per_s > 0 ? 1e9 / prof.host_vec.macs_per_s : 0) : ref_ns;
+        /* the vector loops' weights: against host_vec (SG_W_ROUND_VEC and the column loops') */
+        int vec = loops[i].fn == mf_br_round_vec || loops[i].fn == mf_br_combine || loops[i].fn == mf_br_expand ||
+                  loops[i].fn == mf_br_collapse || loops[i].fn == mf_br_norm;
+        double unit = vec ? vec_ns : ref_ns;
         if (unit > 0) printf("  %-32s %8.3f ns   weight %.2f%s\n", loops[i].what, ns, ns / unit, vec ? " (host_vec MACs)" : "");
         else printf("  %-32s %8.3f ns\n", loops[i].what, ns);
     }

@@ -59,7 +59,13 @@ void mf_fa_hc_mixes_rows_items(const mf_ly_ctx *cx, const float *const *x, int n
 void mf_fa_hc_collapse_cols(const mf_ly_ctx *cx, const float *x, const float *pre, float *h, int64_t d0, int64_t d1);
 void mf_fa_hc_expand_cols(const mf_ly_ctx *cx, float *x, const float *out, const float *post, const float *comb,
                           int64_t d0, int64_t d1);
-/* mf_ly_rmsnorm_cols with the weights read inline: the module's bits. */
+/* The combine's sum, columns [d0, d1): out[d] = bf(sum in double of bf(y[rows[k] * ld + d]) for k in
+ * [0, n) in that order, then + sh[d] when sh is not NULL), 8 columns at a time under AVX2: the bits
+ * of the scalar loop (each column's sum in the same order). */
+void mf_fa_combine_cols(const float *y, int64_t ld, const int32_t *rows, int n, const float *sh, float *out, int64_t d0,
+                        int64_t d1);
+/* mf_ly_rmsnorm_cols with the weights read inline, the columns 8 at a time under AVX2 (the sum of
+ * squares over all n in the module's order, scalar): the module's bits. */
 void mf_fa_rmsnorm_cols(const float *x, int64_t n, const mf_weight *w, double eps, float *out, int64_t c0,
                         int64_t c1);
 /* 1 when grouped linear l (wo_a) runs on the FP8 kernels in mf_fa_grouped_rows (resident FP8 in

@@ -36,6 +36,19 @@
  * GMAC/s (0.0906 ns): 1.30 (a second run: 1.32). (Scalar mf_bf16_round there: 0.391 ns.)
  * docs/measurements.md, ttftattn; `moeflow bench ref --profile P` times the loop. */
 #define SG_W_ROUND_VEC 1.30
+/* The engine's vector column loops (graphs/step/fast_attn.c, 8 or 4 columns under AVX2), in
+ * host_vec multiply-adds: `moeflow bench ref` at flash41's shape (hidden 5120, 4 streams, 6 routed
+ * outputs and the shared one, in cache) against 4-query in-cache mf_kern_vec_dots in the same run,
+ * on an AMD EPYC VM (family 25 model 17, 2 vCPUs shared, load average 0.3-0.5) on 2026-12-03, the
+ * median of four runs (dots at 11.97, 10.79, 11.53, 10.07 GMAC/s; combine 4.10 2.71 3.69 4.31,
+ * expand 19.17 9.99 14.15 12.28, collapse 2.42 1.52 1.78 1.56, norm 8.47 5.71 5.87 5.46;
+ * docs/measurements.md, vecprice). The combine's sum per column and summed output (its rounding, the double
+ * add; the sum's rounding shared out), the expand and the collapse per column and stream, a norm's
+ * column loop per column (its sum of squares over all columns stays the scalar double loop, host_ref). */
+#define SG_W_COMBINE_VEC 3.90
+#define SG_W_EXPAND_VEC 13.2
+#define SG_W_COLLAPSE_VEC 1.67
+#define SG_W_NORM_VEC 5.79
 #define SG_W_ROPE 3.0   /* estimate, not measured: REF multiply-adds per roped element (a pair's 4 products and 2 sums) */
 #define SG_W_SORT 1.0   /* estimate, not measured: one REF multiply-add per comparison of the top-k's sort */
 #define SG_STORE_ALIGN 4096.0   /* host/store.c MF_STORE_SLOT_ALIGN: reads are aligned extents */
@@ -809,6 +822,18 @@ static mf_sg_task sg_part(const mf_stepgraph *sg, int L, int g, int64_t n_rows, 
 
 /* Item group i's collapse (MF_SG_ATTN_PRE, after `after`) -> norm `op` column parts, into nrm[]:
  * layer L's attention input (phase attn) or, at L = -1, the final norm (phase head). */
+/* A norm part of `cols` columns: the sum of squares over all H columns (the scalar double loop),
+ * the columns as mf_ly_rmsnorm_cols (exact) or mf_fa_rmsnorm_cols's vector loop. */
+static void sg_norm_price(const sg_builder *b, mf_sg_task *t, double H, double cols)
+{
+    if (b->o->exact) {
+        t->w.ref_flops = t->n_tok * (H + cols * (2.0 + 2.0 * SG_W_ROUND));
+    } else {
+        t->w.ref_flops = t->n_tok * H;
+        t->w.vec_flops = t->n_tok * cols * SG_W_NORM_VEC;
+    }
+}
+
 static void sg_collapse_norm(sg_builder *b, int L, int i, int op, int phase, mf_task_id after, mf_task_id *nrm)
 {
     const mf_config *c = b->o->c;
@@ -821,7 +846,8 @@ static void sg_collapse_norm(sg_builder *b, int L, int i, int op, int phase, mf_
                 L < 0 ? p : i, p);
         mf_sg_task t = sg_part(b->sg, L, i, (int64_t)H, pc, p, 0);
         double cols = (double)(t.r1 - t.r0);
-        t.w.ref_flops = t.n_tok * cols * (hc + SG_W_ROUND);
+        if (b->o->exact) t.w.ref_flops = t.n_tok * cols * (hc + SG_W_ROUND);   /* mf_ly_hc_collapse_cols */
+        else t.w.vec_flops = t.n_tok * cols * hc * SG_W_COLLAPSE_VEC;              /* mf_fa_hc_collapse_cols */
         col[p] = sg_add(b, 0, MF_SG_ATTN_PRE, phase, MF_SG_K_OTHER, t);
         sg_dep(b, after, col[p]);
     }
@@ -829,7 +855,7 @@ static void sg_collapse_norm(sg_builder *b, int L, int i, int op, int phase, mf_
         SG_NAME(b, L < 0 ? "%s norm item %d %d" : "%s L%d norm item %d %d", what, L < 0 ? i : L, L < 0 ? p : i, p);
         mf_sg_task t = sg_part(b->sg, L, i, (int64_t)H, pc, p, 0);
         double cols = (double)(t.r1 - t.r0);
-        t.w.ref_flops = t.n_tok * (H + cols * (2.0 + 2.0 * SG_W_ROUND));   /* the sum of squares over all columns */
+        sg_norm_price(b, &t, H, cols);
         nrm[p] = sg_add(b, 0, op, phase, MF_SG_K_OTHER, t);
         for (int q = 0; q < pc; q++) sg_dep(b, col[q], nrm[p]);
     }
@@ -1214,8 +1240,14 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
             SG_NAME(b, "attn L%d post item %d %d", L, i, p);
             mf_sg_task t = sg_part(sg, L, i, (int64_t)H, pc, p, 0);
             double cols = (double)(t.r1 - t.r0);
-            /* the split of the mixes, per column the expand (rounded) and the collapse (rounded) */
-            t.w.ref_flops = t.n_tok * (sink + cols * (hc * (1 + hc) + hc * SG_W_ROUND + hc + SG_W_ROUND));
+            /* the split of the mixes, per column the expand (rounded) and the collapse (rounded):
+             * the module's loops (exact) or fast_attn.c's vector ones */
+            if (b->o->exact) {
+                t.w.ref_flops = t.n_tok * (sink + cols * (hc * (1 + hc) + hc * SG_W_ROUND + hc + SG_W_ROUND));
+            } else {
+                t.w.ref_flops = t.n_tok * sink;
+                t.w.vec_flops = t.n_tok * cols * hc * (SG_W_EXPAND_VEC + SG_W_COLLAPSE_VEC);
+            }
             pst[p] = sg_add(b, 0, MF_SG_ATTN_POST, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
             for (int q = 0; q < sg->p_attn; q++) sg_dep(b, rows[MF_SG_ST_OB][q], pst[p]);
             for (int m = 0; m < pm; m++) sg_dep(b, amix[i][m], pst[p]);
@@ -1225,7 +1257,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
             SG_NAME(b, "attn L%d ffn norm item %d %d", L, i, p);
             mf_sg_task t = sg_part(sg, L, i, (int64_t)H, pc, p, 0);
             double cols = (double)(t.r1 - t.r0);
-            t.w.ref_flops = t.n_tok * (H + cols * (2.0 + 2.0 * SG_W_ROUND));
+            sg_norm_price(b, &t, H, cols);
             mf_task_id fn = sg_add(b, 0, MF_SG_FFN_NORM, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
             for (int q = 0; q < pc; q++) sg_dep(b, pst[q], fn);
             sg_dep(b, fn, fin);
@@ -1525,8 +1557,16 @@ static void sg_moe(sg_builder *b, int L, const mf_task_id *post, mf_task_id *uni
             t = sg_part(sg, L, i, (int64_t)H, sg->p_hc, p, 0);
             double cols = (double)(t.r1 - t.r0);
             /* the split of the ffn mixes; per column K routed outputs rounded and summed, the
-             * shared one, the sum rounded, the expand into the streams (rounded) */
-            t.w.ref_flops = t.n_tok * (sink + cols * (K + 2 + hc * (1 + hc) + SG_W_ROUND * (K + 1 + hc)));
+             * shared one, the sum rounded (mf_fa_combine_cols, vector code either way), the expand
+             * into the streams (rounded; the module's loop when exact, else fast_attn.c's) */
+            double nsum = K + (c->n_shared_experts > 0);
+            t.w.vec_flops = t.n_tok * cols * nsum * SG_W_COMBINE_VEC;
+            if (b->o->exact) {
+                t.w.ref_flops = t.n_tok * (sink + cols * (hc * (1 + hc) + SG_W_ROUND * hc));
+            } else {
+                t.w.ref_flops = t.n_tok * sink;
+                t.w.vec_flops += t.n_tok * cols * hc * SG_W_EXPAND_VEC;
+            }
             mf_task_id cb = sg_add(b, 0, MF_SG_COMBINE, MF_SG_PH_MOE, MF_SG_K_OTHER, t);
             sg_dep(b, done, cb);
             for (int m = 0; m < sg->p_mix; m++) sg_dep(b, b->fmix[i][m], cb);
