@@ -312,6 +312,7 @@ typedef struct sg_builder {
     mf_task_id route, rows;       /* the layer's route task and what its slots' work waits for (the
                                    * rows join, or the route with one gather part) */
     mf_task_id pre_join[MF_SG_MAX_CARDS];   /* prefetch: per card the join of the layer's copies */
+    mf_task_id pre_place;                   /* prefetch: the layer's place task (the route reads its placement) */
     char name[64];
 } sg_builder;
 
@@ -1282,6 +1283,7 @@ static mf_task_id sg_router(sg_builder *b, int L, const mf_task_id *post)
     t.w.ref_flops = n * ((pg > 1 ? 0 : H * K * 2.0) + 4.0 * E);
     mf_task_id ro = sg_add(b, 0, MF_SG_ROUTE, MF_SG_PH_MOE, MF_SG_K_OTHER, t);
     b->route = ro;
+    if (sg->prefetch) sg_dep(b, b->pre_place, ro);   /* mf_step_place_pre reads the place task's cards */
     if (pg > 1) {   /* route -> row parts -> rows join: what the slots' work waits for */
         SG_NAME(b, "route L%d rows join", L);
         mf_task_id rj = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_MOE, MF_SG_K_OTHER, sg_rec(L));
@@ -1501,6 +1503,7 @@ static void sg_prefetch(sg_builder *b, int L)
     t.w.ref_flops = 8.0 * E;   /* the placer's sums and the cache's look-ups per expert */
     mf_task_id pl = sg_add(b, 0, MF_SG_MOE_PLACE, MF_SG_PH_OTHER, MF_SG_K_OTHER, t);
     sg_dep(b, b->last_done, pl);
+    b->pre_place = pl;
     for (int cd = 0; cd < sg->n_cards; cd++) {
         SG_NAME(b, "dev%d L%d prefetched", cd, L);
         b->pre_join[cd] = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_OTHER, MF_SG_K_OTHER, sg_rec(L));
