@@ -8,6 +8,7 @@
 
 #include "host/formats.h"
 #include "host/kernels.h"
+#include "host/simd_bf16.h"
 
 /* The 16-lane tree: lanes l and l+8, then l+4, l+2, l+1. */
 static float mf_vec_tree16(const float *l)
@@ -181,21 +182,10 @@ void mf_kern_vec_attn_out(const float *const *q, int G, const float *const *kp, 
         for (int d = 0; d < D; d++) o[g][d] = mf_bf16_round((float)((double)acc[g * D + d] / den[g]));
 }
 
-/* bf16 rounding of 8 floats by the bits: mf_bf16_from_f32's rule (NaN: its sign, 0x7FC00000; else
- * the low 16 bits rounded to even, a carry moving into the exponent), as a float. */
+/* x[0..n) (n a multiple of 8) rounded to bf16, 8 lanes at a time */
 __attribute__((target("avx2,fma"))) static void mf_vec_bf16_round_avx2(float *x, int64_t n)
 {
-    for (int64_t i = 0; i < n; i += 8) {
-        __m256i bi = _mm256_castps_si256(_mm256_loadu_ps(x + i));
-        __m256i a = _mm256_and_si256(bi, _mm256_set1_epi32(0x7FFFFFFF));
-        __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
-        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bi, 16), _mm256_set1_epi32(1));
-        __m256i r = _mm256_add_epi32(bi, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
-        r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u));
-        __m256i q = _mm256_or_si256(_mm256_and_si256(bi, _mm256_set1_epi32((int)0x80000000u)),
-                                    _mm256_set1_epi32(0x7FC00000));
-        _mm256_storeu_ps(x + i, _mm256_castsi256_ps(_mm256_blendv_epi8(r, q, nan)));
-    }
+    for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(x + i, mf_simd_bf16_round8(_mm256_loadu_ps(x + i)));
 }
 
 void mf_kern_vec_bf16_round(float *x, int64_t n)

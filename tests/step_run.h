@@ -6,18 +6,28 @@
 #define MF_TEST_STEP_RUN_H
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "graphs/ref/ref.h"
+#include "device/dev.h"
 #include "graphs/step/step.h"
 
 #define MF_TEST_RUN_MAX_SEQ 64
 #define MF_TEST_RUN_MAX_PROMPT 64
 
+/* The placement tests' emulated cards: n_cards of them with the same link figures (50 GB/s, 2 us a
+ * copy); the spec written into spec[cap] for the caller's messages. */
+static inline int mf_test_emu_open(int n_cards, char *spec, size_t cap, mf_dev **d)
+{
+    snprintf(spec, cap, "emu:%d,bw=50e9,lat_ns=2000", n_cards);
+    return mf_dev_open(spec, d);
+}
+
 /* prompt(s, i): token i of sequence s's n_prompt-token prompt. out: n_seq x (1 + n_dec) x V,
  * sequence s's prefill logits then one row per decode step. 0 or the engine's error. */
-static int mf_test_run_steps(mf_ref *r, mf_step *e, int64_t V, int n_seq, int n_prompt,
+static inline int mf_test_run_steps(mf_ref *r, mf_step *e, int64_t V, int n_seq, int n_prompt,
                              int32_t (*prompt)(int s, int i), int n_dec, int32_t *toks, int fill, float *out)
 {
     mf_ref_state *st[MF_TEST_RUN_MAX_SEQ] = {0};

@@ -110,9 +110,8 @@ static void test_graph(void)
 static int run_cards(mf_ref *r, int nc, int fault, float *out, int32_t *toks)
 {
     char spec[64];
-    snprintf(spec, sizeof spec, "emu:%d,bw=50e9,lat_ns=2000", nc);
     mf_dev *d = NULL;
-    int rc = mf_dev_open(spec, &d);
+    int rc = mf_test_emu_open(nc, spec, sizeof spec, &d);
     mf_step *e = NULL;
     if (!rc)
         rc = mf_step_new(r, &(mf_step_opts){.n_threads = 2, .prefill_chunk = 16, .dev = d, .dense = MF_STEP_DENSE_CARDS,

@@ -192,8 +192,7 @@ static void test_engine(mf_ref *r, const char *what, const int *batches, int n_b
             mf_dev *d = NULL;
             if (x->cards) {
                 char spec[64];
-                snprintf(spec, sizeof spec, "emu:%d,bw=50e9,lat_ns=2000", x->cards);
-                CHECK(mf_dev_open(spec, &d) == 0, "open %s: %s", spec, mf_last_error());
+                CHECK(mf_test_emu_open(x->cards, spec, sizeof spec, &d) == 0, "open %s: %s", spec, mf_last_error());
                 if (!d) continue;
             }
             for (int micro = 1; micro <= 2; micro++) {

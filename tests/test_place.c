@@ -17,6 +17,7 @@
 #include "sched/error.h"
 #include "sched/profile.h"
 #include "tests/check.h"
+#include "tests/step_run.h"
 #include "tests/tiny_ckpt.h"
 
 #define N_PROMPT 12
@@ -26,6 +27,16 @@
 
 static int64_t g_V;
 
+/* Adds the last call's device stats (mf_step_last_dev) to *ds. */
+static void add_dev_stats(mf_step *e, mf_step_dev_stats *ds)
+{
+    mf_step_dev_stats x;
+    mf_step_last_dev(e, &x);
+    ds->dev_slots += x.dev_slots, ds->host_slots += x.host_slots, ds->hits += x.hits, ds->misses += x.misses;
+    ds->evictions += x.evictions, ds->bytes_in += x.bytes_in, ds->host_fallbacks += x.host_fallbacks;
+    ds->miss_spans += x.miss_spans;
+}
+
 /* n_seq sequences: prefill each, then N_DEC batched greedy decode steps (tokens from the host run
  * when `forced` is given, so a divergence cannot hide behind different inputs). Adds the device
  * stats of every call to *ds. */
@@ -34,16 +45,12 @@ static int run(mf_ref *r, mf_step *e, int n_seq, int32_t (*toks)[N_DEC], int for
 {
     mf_ref_state *st[N_SEQ] = {0};
     int rc = 0;
-    mf_step_dev_stats x;
     for (int s = 0; s < n_seq && !rc; s++) {
         int32_t p[N_PROMPT];
         for (int i = 0; i < N_PROMPT; i++) p[i] = (int32_t)((i * 37 + s * 101 + (i * i) % 13) % g_V);
         rc = mf_ref_state_new(r, N_PROMPT + N_DEC + 1, &st[s]);
         if (!rc) rc = mf_step_prefill(e, st[s], p, N_PROMPT, logits + (size_t)s * N_LOG * g_V);
-        mf_step_last_dev(e, &x);
-        ds->dev_slots += x.dev_slots, ds->host_slots += x.host_slots, ds->hits += x.hits, ds->misses += x.misses;
-        ds->evictions += x.evictions, ds->bytes_in += x.bytes_in, ds->host_fallbacks += x.host_fallbacks;
-        ds->miss_spans += x.miss_spans;
+        add_dev_stats(e, ds);
     }
     float *step = malloc(sizeof(float) * (size_t)n_seq * g_V);
     for (int k = 0; k < N_DEC && !rc; k++) {
@@ -59,16 +66,23 @@ static int run(mf_ref *r, mf_step *e, int n_seq, int32_t (*toks)[N_DEC], int for
             tok[s] = toks[s][k];
         }
         rc = mf_step_decode(e, st, tok, n_seq, step);
-        mf_step_last_dev(e, &x);
-        ds->dev_slots += x.dev_slots, ds->host_slots += x.host_slots, ds->hits += x.hits, ds->misses += x.misses;
-        ds->evictions += x.evictions, ds->bytes_in += x.bytes_in, ds->host_fallbacks += x.host_fallbacks;
-        ds->miss_spans += x.miss_spans;
+        add_dev_stats(e, ds);
         for (int s = 0; s < n_seq && !rc; s++)
             memcpy(logits + ((size_t)s * N_LOG + k + 1) * g_V, step + (size_t)s * g_V, sizeof(float) * g_V);
     }
     free(step);
     for (int s = 0; s < n_seq; s++) mf_ref_state_free(st[s]);
     return rc;
+}
+
+/* One sequence on the host placement: its greedy tokens into toks, its logits into host. */
+static void host_run(mf_ref *r, int32_t (*toks)[N_DEC], float *host)
+{
+    mf_step *e = NULL;
+    mf_step_dev_stats ds = {0};
+    CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2}, &e) == 0 && run(r, e, 1, toks, 0, host, &ds) == 0,
+          "host run: %s", mf_last_error());
+    mf_step_free(e);
 }
 
 /* Every placement on emu:1..4 against the host run of the same model (r); resident: r's experts
@@ -93,9 +107,8 @@ static void test_placements(mf_ref *r, const char *what, uint64_t cache_bytes, i
         for (int nc = 1; nc <= (MF_TEST_TSAN ? 2 : 4); nc++)
             for (int pl = MF_STEP_PLACE_SEED; pl <= MF_STEP_PLACE_HYBRID; pl++) {
                 char spec[64];
-                snprintf(spec, sizeof spec, "emu:%d,bw=50e9,lat_ns=2000", nc);
                 mf_dev *d = NULL;
-                CHECK(mf_dev_open(spec, &d) == 0, "open %s: %s", spec, mf_last_error());
+                CHECK(mf_test_emu_open(nc, spec, sizeof spec, &d) == 0, "open %s: %s", spec, mf_last_error());
                 if (!d) continue;
                 e = NULL;
                 /* 2 and 4 cards: each layer's device FFNs as one captured graph per card */
@@ -179,9 +192,7 @@ static void test_copy_fault(mf_ref *r, double cpu_bps)
     int32_t toks[N_SEQ][N_DEC];
     mf_step *e = NULL;
     mf_step_dev_stats ds = {0};
-    CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2}, &e) == 0 && run(r, e, 1, toks, 0, host, &ds) == 0,
-          "host run: %s", mf_last_error());
-    mf_step_free(e);
+    host_run(r, toks, host);
     int partial = 0;
     /* TSan: the 1st copy (a cache hit's activations) and the 5th (an expert copied in this step) */
     for (int nth = 1; nth <= 6; nth += MF_TEST_TSAN ? 4 : 1) {
@@ -239,17 +250,14 @@ static void test_prefetch(mf_ref *r, const mf_config *c, uint64_t small_cache, d
     int32_t toks[N_SEQ][N_DEC];
     mf_step *e = NULL;
     mf_step_dev_stats ds = {0};
-    CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2}, &e) == 0 && run(r, e, 1, toks, 0, host, &ds) == 0,
-          "host run: %s", mf_last_error());
-    mf_step_free(e);
+    host_run(r, toks, host);
     int64_t want = (int64_t)c->n_layers * c->n_routed_experts;
     for (int cache = 0; cache < 2; cache++)
         for (int nc = 1; nc <= (MF_TEST_TSAN ? 2 : 4); nc++)
             for (int pl = MF_STEP_PLACE_SEED; pl <= MF_STEP_PLACE_HYBRID; pl++) {
                 char spec[64];
-                snprintf(spec, sizeof spec, "emu:%d,bw=50e9,lat_ns=2000", nc);
                 mf_dev *d = NULL;
-                CHECK(mf_dev_open(spec, &d) == 0, "open %s: %s", spec, mf_last_error());
+                CHECK(mf_test_emu_open(nc, spec, sizeof spec, &d) == 0, "open %s: %s", spec, mf_last_error());
                 if (!d) continue;
                 e = NULL;
                 int graphs = nc % 2 == 0;
@@ -318,9 +326,7 @@ static void test_profile_models(mf_ref *r)
     int32_t toks[N_SEQ][N_DEC];
     mf_step *e = NULL;
     mf_step_dev_stats ds = {0};
-    CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2}, &e) == 0 && run(r, e, 1, toks, 0, host, &ds) == 0,
-          "host run: %s", mf_last_error());
-    mf_step_free(e);
+    host_run(r, toks, host);
     mf_profile f;
     memset(&f, 0, sizeof f);
     f.n_sockets = 1;

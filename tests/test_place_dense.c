@@ -246,9 +246,8 @@ static void test_engine(mf_ref *r, const char *what, const int *batches, int n_b
                     if (MF_TEST_TSAN && pl != MF_STEP_PLACE_HOST && nc != max_cards) continue;
                     if (sp == MF_SG_SPLIT_ROWS && nc == 1) continue;   /* one card: the same graph */
                     char spec[64];
-                    snprintf(spec, sizeof spec, "emu:%d,bw=50e9,lat_ns=2000", nc);
                     mf_dev *d = NULL;
-                    CHECK(mf_dev_open(spec, &d) == 0, "open %s: %s", spec, mf_last_error());
+                    CHECK(mf_test_emu_open(nc, spec, sizeof spec, &d) == 0, "open %s: %s", spec, mf_last_error());
                     if (!d) continue;
                     e = NULL;
                     CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = pl,

@@ -492,6 +492,17 @@ static int pl_take_slot(void *ctx, int cd, int e, int *hit)
     return 1;
 }
 
+/* The placer as the engine makes it (graphs/step/step.c mf_step_placer_init): a miss one copy
+ * without a streamed store (the model's resident layout), one per part with one. */
+static void pl_placer_init(const mf_plan *p, mf_sg_placer *pl)
+{
+    mf_work ew;
+    mf_sg_expert_work(&p->c, p->sz, &ew);
+    mf_sg_placer_init(pl, p->models, &p->prof, p->n_threads, p->o.placement == MF_STEP_PLACE_HYBRID,
+                      p->sz->xslot_bytes, ew.macs[MF_KF_FP4], mf_sg_slot_tok_bytes(&p->c, 0),
+                      mf_sg_slot_tok_bytes(&p->c, 1), p->streamed ? 0 : 1);
+}
+
 /* Prefetch: layer L's experts placed as the engine's place task does (mf_sg_place_all, every
  * expert with the chunk's expected tokens, the copies' head start pre_ahead_ns), their cache slots
  * taken and pinned, the copy tasks marked; the counts are of experts (every one, used or not). */
@@ -501,11 +512,7 @@ static void pl_prefetch(mf_plan *p, int L, mf_plan_report *r)
     for (int e = 0; e < E; e++)
         p->pre_cached[e] = mf_resid_slot(p->dev[mf_dev_xcache_owner(p->n_cards, L, e)], L * E + e) >= 0;
     mf_sg_placer pl;
-    mf_work ew;
-    mf_sg_expert_work(&p->c, p->sz, &ew);
-    mf_sg_placer_init(&pl, p->models, &p->prof, p->n_threads, p->o.placement == MF_STEP_PLACE_HYBRID,
-                      p->sz->xslot_bytes, ew.macs[MF_KF_FP4], mf_sg_slot_tok_bytes(&p->c, 0),
-                      mf_sg_slot_tok_bytes(&p->c, 1), p->streamed ? 0 : 1);
+    pl_placer_init(p, &pl);
     mf_sg_place_ahead(&pl, p->sg->pre_ahead_ns[L]);
     pl_take k = {p, L, r};
     int on = mf_sg_place_all(&pl, &p->c, L, p->n_cards, tok, p->pre_cached, pl_take_slot, &k, p->pre_card, p->pre_miss);
@@ -567,11 +574,7 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
         return 0;
     }
     mf_sg_placer pl;
-    mf_work ew;
-    mf_sg_expert_work(&p->c, p->sz, &ew);
-    mf_sg_placer_init(&pl, p->models, &p->prof, p->n_threads, p->o.placement == MF_STEP_PLACE_HYBRID,
-                      p->sz->xslot_bytes, ew.macs[MF_KF_FP4], mf_sg_slot_tok_bytes(&p->c, 0),
-                      mf_sg_slot_tok_bytes(&p->c, 1), p->streamed ? 0 : 1);
+    pl_placer_init(p, &pl);
     for (int s = 0; s < ns && p->n_cards; s++) {   /* all on the host's queue; miss: not cached (the pass) */
         int e = sl[s].e;
         sl[s].miss = mf_resid_slot(p->dev[mf_dev_xcache_owner(p->n_cards, L, e)], L * E + e) < 0;

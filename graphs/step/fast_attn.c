@@ -10,6 +10,7 @@
 
 #include "graphs/step/fast_attn.h"
 #include "host/kernels.h"
+#include "host/simd_bf16.h"
 
 /* ---- the caches ------------------------------------------------------------------------------ */
 
@@ -300,20 +301,6 @@ void mf_fa_hc_mixes_rows_items(const mf_ly_ctx *cx, const float *const *x, int n
     }
 }
 
-/* bf16 rounding of 8 floats by the bits (mf_bf's rule). */
-__attribute__((target("avx2,fma"))) static inline __m256 mf_fa_bf8_avx2(__m256 x)
-{
-    __m256i bi = _mm256_castps_si256(x);
-    __m256i a = _mm256_and_si256(bi, _mm256_set1_epi32(0x7FFFFFFF));
-    __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bi, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(bi, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
-    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u));
-    __m256i q = _mm256_or_si256(_mm256_and_si256(bi, _mm256_set1_epi32((int)0x80000000u)),
-                                _mm256_set1_epi32(0x7FC00000));
-    return _mm256_castsi256_ps(_mm256_blendv_epi8(r, q, nan));
-}
-
 /* 4 columns of a double sum of exact products (p * x, both float): the order of mf_ly_hc_*'s. */
 __attribute__((target("avx2,fma"))) static inline __m256d mf_fa_mac4(__m256d acc, float p, const float *x)
 {
@@ -332,7 +319,7 @@ __attribute__((target("avx2,fma"))) static int64_t mf_fa_collapse_avx2(const flo
             bb = mf_fa_mac4(bb, pre[s], x + s * H + d + 4);
         }
         __m256 f = _mm256_set_m128(_mm256_cvtpd_ps(bb), _mm256_cvtpd_ps(a));
-        _mm256_storeu_ps(h + d, mf_fa_bf8_avx2(f));
+        _mm256_storeu_ps(h + d, mf_simd_bf16_round8(f));
     }
     return d;
 }
@@ -365,7 +352,7 @@ __attribute__((target("avx2,fma"))) static int64_t mf_fa_expand_avx2(float *x, c
             res[j] = _mm256_cvtpd_ps(acc);
         }
         for (int j = 0; j < hc; j++) {
-            __m256 f = mf_fa_bf8_avx2(_mm256_castps128_ps256(res[j]));
+            __m256 f = mf_simd_bf16_round8(_mm256_castps128_ps256(res[j]));
             _mm_storeu_ps(x + j * H + d, _mm256_castps256_ps128(f));
         }
     }
@@ -397,7 +384,7 @@ __attribute__((target("avx2,fma"))) static int64_t mf_fa_combine_avx2(const floa
     for (; d + 8 <= d1; d += 8) {
         __m256d a = _mm256_setzero_pd(), bb = _mm256_setzero_pd();
         for (int k = 0; k < n; k++) {   /* the outputs in their order: each column's double sum as the scalar loop */
-            __m256 v = mf_fa_bf8_avx2(_mm256_loadu_ps(y + (size_t)rows[k] * ld + d));
+            __m256 v = mf_simd_bf16_round8(_mm256_loadu_ps(y + (size_t)rows[k] * ld + d));
             a = _mm256_add_pd(a, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
             bb = _mm256_add_pd(bb, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
         }
@@ -406,7 +393,7 @@ __attribute__((target("avx2,fma"))) static int64_t mf_fa_combine_avx2(const floa
             bb = _mm256_add_pd(bb, _mm256_cvtps_pd(_mm_loadu_ps(sh + d + 4)));
         }
         __m256 f = _mm256_set_m128(_mm256_cvtpd_ps(bb), _mm256_cvtpd_ps(a));
-        _mm256_storeu_ps(out + d, mf_fa_bf8_avx2(f));
+        _mm256_storeu_ps(out + d, mf_simd_bf16_round8(f));
     }
     return d;
 }
@@ -570,11 +557,11 @@ __attribute__((target("avx2,fma"))) static int64_t mf_fa_norm_avx2(const float *
     __m256 r = _mm256_set1_ps(rs);
     int64_t i = c0;
     for (; i + 8 <= c1; i += 8) {
-        __m256 t = mf_fa_bf8_avx2(_mm256_mul_ps(_mm256_loadu_ps(x + i), r));
+        __m256 t = mf_simd_bf16_round8(_mm256_mul_ps(_mm256_loadu_ps(x + i), r));
         __m256 wv = f32 ? _mm256_loadu_ps((const float *)(const void *)(w + 4 * i))
                         : _mm256_castsi256_ps(_mm256_slli_epi32(
                               _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)(w + 2 * i))), 16));
-        _mm256_storeu_ps(out + i, mf_fa_bf8_avx2(_mm256_mul_ps(wv, t)));
+        _mm256_storeu_ps(out + i, mf_simd_bf16_round8(_mm256_mul_ps(wv, t)));
     }
     return i;
 }

@@ -915,6 +915,18 @@ static void mf_step_dev_tables(mf_step_shape *sh, int L, int h)
         }
 }
 
+/* The engine's placer for a layer's routed experts (mf_sg_placer): its lanes' models, profile and
+ * workers, the packed expert's card bytes and multiply-adds, a slot's token bytes, and a miss's
+ * copies as the engine makes them (one span when the model's layout allows). */
+static void mf_step_placer_init(const mf_step *eng, mf_sg_placer *pl)
+{
+    mf_work ew;
+    mf_sg_expert_work(eng->c, eng->sz, &ew);
+    mf_sg_placer_init(pl, eng->models, eng->o.profile, eng->o.n_threads, eng->o.placement == MF_STEP_PLACE_HYBRID,
+                      (double)eng->xslot_bytes, ew.macs[MF_KF_FP4], mf_sg_slot_tok_bytes(eng->c, 0),
+                      mf_sg_slot_tok_bytes(eng->c, 1), eng->miss_span ? 1 : 0);
+}
+
 /* Decides where micro-batch h's slots of layer L run (sh->slot_card) and takes their cache slots
  * on the cards (pinned until its MoE's end): SEED the owner card; HYBRID by mf_sg_placer (the
  * cached slots offered first, each moved to its card while the card ends no later than the host's
@@ -924,11 +936,7 @@ static int mf_step_place(mf_step_shape *sh, int L, int h)
     mf_step *eng = sh->eng;
     mf_sg_placer pl;
     int s0 = sh->sg->half_slot[h], s1 = sh->sg->half_slot[h + 1];
-    mf_work ew;
-    mf_sg_expert_work(eng->c, eng->sz, &ew);
-    mf_sg_placer_init(&pl, eng->models, eng->o.profile, eng->o.n_threads, eng->o.placement == MF_STEP_PLACE_HYBRID,
-                      (double)eng->xslot_bytes, ew.macs[MF_KF_FP4], mf_sg_slot_tok_bytes(eng->c, 0),
-                      mf_sg_slot_tok_bytes(eng->c, 1), eng->miss_span ? 1 : 0);
+    mf_step_placer_init(eng, &pl);
     sh->dev_layer = L;
     sh->dev_half = h;
     int s_end = s0 + sh->n_used[h];
@@ -1003,11 +1011,7 @@ static int mf_task_moe_place(void *arg, mf_task_ctx *ctx)
     for (int e = 0; e < E; e++)
         sh->pre_cached[e] = (uint8_t)mf_dev_xcache_has(eng->xc[mf_dev_xcache_owner(eng->n_cards, L, e)], L, e);
     mf_sg_placer pl;
-    mf_work ew;
-    mf_sg_expert_work(eng->c, eng->sz, &ew);
-    mf_sg_placer_init(&pl, eng->models, eng->o.profile, eng->o.n_threads, eng->o.placement == MF_STEP_PLACE_HYBRID,
-                      (double)eng->xslot_bytes, ew.macs[MF_KF_FP4], mf_sg_slot_tok_bytes(eng->c, 0),
-                      mf_sg_slot_tok_bytes(eng->c, 1), eng->miss_span ? 1 : 0);
+    mf_step_placer_init(eng, &pl);
     mf_sg_place_ahead(&pl, sh->sg->pre_ahead_ns[L]);
     mf_step_take k = {sh, L, 0};
     int on = mf_sg_place_all(&pl, eng->c, L, eng->n_cards, tok, sh->pre_cached, mf_step_take_slot, &k, sh->pre_card,
