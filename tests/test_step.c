@@ -176,12 +176,14 @@ static void test_variant(int n_experts, int top_k, int inter, int b)
  * give the logits of 64-position chunks bit for bit, on the int8 path with 2 workers: a prompt of
  * NP positions (past the tiny preset's window and compression) at chunks 64, 100 (one item per
  * group), 300 (groups of 2-3), NP (one graph run) and by mf_step_forward of all its items (one
- * sequence: chunks of up to MF_STEP_MAX_CHUNK), then two decode steps after each; a long chunk's
- * graph has no more tasks than a 128-item one. */
+ * sequence: chunks of up to MF_STEP_MAX_CHUNK), and at odd chunks on 5 and 3 workers (77, 255:
+ * the compressor's item ranges start at odd positions, its open group carried over chunks), then
+ * two decode steps after each; a long chunk's graph has no more tasks than a 128-item one. */
 static void test_long_chunks(mf_ref *r)
 {
-    enum { NP = 600, N_RUN = 5, N_AFTER = 2 };
-    int chunks[N_RUN] = {64, 100, 300, NP, -1};   /* -1: mf_step_forward */
+    enum { NP = 600, N_RUN = 7, N_AFTER = 2 };
+    int chunks[N_RUN] = {64, 100, 300, NP, -1, 77, 255};   /* -1: mf_step_forward */
+    int threads[N_RUN] = {2, 2, 2, 2, 2, 5, 3};   /* odd chunks on more workers: compressor ranges from odd positions */
     int32_t *p = malloc(sizeof *p * NP);
     float *lg = malloc(sizeof(float) * (size_t)N_RUN * (1 + N_AFTER) * g_V);
     float **rows = malloc(sizeof *rows * NP);
@@ -194,7 +196,8 @@ static void test_long_chunks(mf_ref *r)
         mf_step *e = NULL;
         mf_ref_state *st = NULL;
         float *out = lg + (size_t)k * (1 + N_AFTER) * g_V;
-        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .prefill_chunk = chunks[k] > 0 ? chunks[k] : 0}, &e) == 0 &&
+        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = threads[k], .prefill_chunk = chunks[k] > 0 ? chunks[k] : 0},
+                          &e) == 0 &&
                   mf_ref_state_new(r, NP + N_AFTER, &st) == 0, "step, chunk %d: %s", chunks[k], mf_last_error());
         if (!e || !st) {
             mf_step_free(e);
@@ -248,7 +251,8 @@ static void test_long_chunks(mf_ref *r)
         mf_ref_state_free(st);
         mf_step_free(e);
     }
-    printf("long chunks: prefill of %d tokens at chunks 64, 100, 300, %d and one forward: the same logits\n", NP, NP);
+    printf("long chunks: prefill of %d tokens at chunks 64, 100, 300, %d, one forward, 77 (5 workers) and 255 (3): the "
+           "same logits\n", NP, NP);
     free(p);
     free(lg);
     free(rows);

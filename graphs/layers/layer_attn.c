@@ -10,34 +10,27 @@
 #include "graphs/layers/layers.h"
 #include "sched/error.h"
 
-/* Compressor of KV-source layer L for the token at it->pos, from its linears' outputs lat
- * (cmp_wkv, overwritten) and sc (cmp_wgate, ratio 2): emits an entry when a group closes. */
-static int mf_ly_compress(mf_ly_ctx *cx, mf_ly_item *it, int L, float *lat, const float *sc)
+/* The compressor's entry of KV-source layer L closed by the token at pos, from its linears'
+ * outputs lat (cmp_wkv, overwritten) and sc (cmp_wgate, ratio 2) and, ratio 2, the group's first
+ * token's (pend_kv, pend_score): entry (pos + 1) / ratio - 1 and its index key into ca. */
+static int mf_ly_compress_entry(mf_ly_ctx *cx, mf_ly_cache *ca, int L, int64_t pos, float *lat, const float *sc,
+                                const float *pend_kv, const float *pend_score)
 {
     const mf_config *c = cx->ly->c;
     const mf_model_layer *y = mf_model_layer_at(cx->ly->m, L);
-    mf_ly_cache *ca = &it->st->cache[L];
     int ratio = c->compress_ratios[L], D = c->head_dim, rd = c->qk_rope_head_dim;
     int id = c->index_head_dim;
     int rc;
     if (ratio == 2) {
-        if (it->pos % 2 == 0) {   /* opens a group */
-            memcpy(ca->pend_kv, lat, (size_t)D * sizeof *lat);
-            memcpy(ca->pend_score, sc, (size_t)D * sizeof *sc);
-            return 0;
-        }
         for (int d = 0; d < D; d++) {   /* softmax over the group's 2 tokens, per channel */
-            double a = ca->pend_score[d], b = sc[d], m = a > b ? a : b;
+            double a = pend_score[d], b = sc[d], m = a > b ? a : b;
             double ea = exp(a - m), eb = exp(b - m);
-            lat[d] = (float)((ca->pend_kv[d] * ea + lat[d] * eb) / (ea + eb));
+            lat[d] = (float)((pend_kv[d] * ea + lat[d] * eb) / (ea + eb));
         }
     }
     mf_bf_n(lat, D);
     mf_ly_rmsnorm(lat, D, &y->cmp_norm, c->rms_norm_eps, lat);
-    int64_t g = ca->n, gpos = g * ratio;
-    if (g != (it->pos + 1) / ratio - 1)
-        return mf_error(-EINVAL, "reference: layer %d compressed entry %lld out of step at position %lld",
-                        L, (long long)g, (long long)it->pos);
+    int64_t g = (pos + 1) / ratio - 1, gpos = g * ratio;
     /* index key: k_norm(wk(latent)), RoPE at the group's first position, fp4 (e8m0 per 32) */
     float *key = cx->cache_row;
     if ((rc = mf_ly_linear(cx, &y->idx_wk, lat, key, 0))) return rc;
@@ -50,8 +43,31 @@ static int mf_ly_compress(mf_ly_ctx *cx, mf_ly_item *it, int L, float *lat, cons
     mf_ly_rope(lat + D - rd, rd / 2, cx->ly->freqs_comp, gpos, 0);
     mf_bf_n(lat, D);
     mf_ly_cache_put_kv(c, L, ca, g, lat);
-    ca->n = g + 1;
     return 0;
+}
+
+/* Entries of the compressed cache before position pos (what the compressor has emitted). */
+static int64_t mf_ly_compress_before(const mf_config *c, int L, int64_t pos) { return pos / c->compress_ratios[L]; }
+
+/* Compressor of KV-source layer L for the token at it->pos, from its linears' outputs lat
+ * (cmp_wkv, overwritten) and sc (cmp_wgate, ratio 2): emits an entry when a group closes, the
+ * open group's first token kept in the state. */
+static int mf_ly_compress(mf_ly_ctx *cx, mf_ly_item *it, int L, float *lat, const float *sc)
+{
+    const mf_config *c = cx->ly->c;
+    mf_ly_cache *ca = &it->st->cache[L];
+    int ratio = c->compress_ratios[L], D = c->head_dim;
+    if (ratio == 2 && it->pos % 2 == 0) {   /* opens a group */
+        memcpy(ca->pend_kv, lat, (size_t)D * sizeof *lat);
+        memcpy(ca->pend_score, sc, (size_t)D * sizeof *sc);
+        return 0;
+    }
+    if (ca->n != mf_ly_compress_before(c, L, it->pos))
+        return mf_error(-EINVAL, "reference: layer %d compressed entry %lld out of step at position %lld",
+                        L, (long long)ca->n, (long long)it->pos);
+    int rc = mf_ly_compress_entry(cx, ca, L, it->pos, lat, sc, ca->pend_kv, ca->pend_score);
+    if (!rc) ca->n = (it->pos + 1) / ratio;
+    return rc;
 }
 
 /* The indexer of index-source layer L in three steps (mf_ly_index runs them in a row): q readies
@@ -266,11 +282,47 @@ void mf_ly_attn_kv_window(const mf_ly_ctx *cx, const mf_ly_item *it, int L, floa
     mf_ly_fq_e4m3_pow2(kv, D, 32);
 }
 
+/* 1 when layer L's compressor runs (a KV source with compression). */
+static int mf_ly_compressing(const mf_layers *ly, int L)
+{
+    return ly->c->compress_ratios[L] > 0 && ly->src_of[L] == L;
+}
+
 int mf_ly_attn_kv_compress(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b)
 {
     /* compressed entries */
-    if (cx->ly->c->compress_ratios[L] > 0 && cx->ly->src_of[L] == L)
+    if (mf_ly_compressing(cx->ly, L))
         return mf_ly_compress(cx, it, L, b[MF_LY_A_LAT], b[MF_LY_A_GATE]);
+    return 0;
+}
+
+int mf_ly_attn_kv_compress_item(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b, float *const *prev)
+{
+    if (!mf_ly_compressing(cx->ly, L)) return 0;
+    const mf_config *c = cx->ly->c;
+    mf_ly_cache *ca = &it->st->cache[L];
+    int ratio = c->compress_ratios[L];
+    if (ratio == 2 && it->pos % 2 == 0) return 0;   /* opens a group: read by the next item, or the state's */
+    const float *pk = ratio == 2 ? (prev ? prev[MF_LY_A_LAT] : ca->pend_kv) : NULL;
+    const float *ps = ratio == 2 ? (prev ? prev[MF_LY_A_GATE] : ca->pend_score) : NULL;
+    return mf_ly_compress_entry(cx, ca, L, it->pos, b[MF_LY_A_LAT], b[MF_LY_A_GATE], pk, ps);
+}
+
+int mf_ly_attn_kv_compress_state(mf_ly_ctx *cx, const mf_ly_item *first, const mf_ly_item *last, int L,
+                                 float *const *b_last)
+{
+    if (!mf_ly_compressing(cx->ly, L)) return 0;
+    const mf_config *c = cx->ly->c;
+    mf_ly_cache *ca = &first->st->cache[L];
+    int ratio = c->compress_ratios[L], D = c->head_dim;
+    if (ca->n != mf_ly_compress_before(c, L, first->pos))
+        return mf_error(-EINVAL, "step: layer %d compressed entry %lld out of step at position %lld", L,
+                        (long long)ca->n, (long long)first->pos);
+    if (ratio == 2 && last->pos % 2 == 0) {   /* the last item opens a group: the next step's */
+        memcpy(ca->pend_kv, b_last[MF_LY_A_LAT], (size_t)D * sizeof *ca->pend_kv);
+        memcpy(ca->pend_score, b_last[MF_LY_A_GATE], (size_t)D * sizeof *ca->pend_score);
+    }
+    ca->n = (last->pos + 1) / ratio;
     return 0;
 }
 

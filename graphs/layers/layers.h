@@ -407,6 +407,18 @@ int mf_ly_attn_window_kv(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b);
  * one sequence in position order). */
 void mf_ly_attn_kv_window(const mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b);
 int mf_ly_attn_kv_compress(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b);
+/* The compressor of a sequence's run of items in one step split over threads (kv_compress's bits,
+ * entry by entry): compress_item runs an item's part, any items at once: the entry its position
+ * closes (b[LAT] overwritten), a ratio-2 group's first token read from prev, the buffers of the
+ * item before it in the run (at an even position: compress_item leaves them as they are), or with
+ * prev NULL (the run's first item) from the state; it writes nothing of the state but the entry.
+ * compress_state, once per run after compress_item of the run's first item (which reads the
+ * state's open group), checks the state's entry count against first's position (-EINVAL: out of
+ * step) and leaves it as kv_compress of every item would: the open group of the last item (its
+ * buffers b_last) and the count. */
+int mf_ly_attn_kv_compress_item(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b, float *const *prev);
+int mf_ly_attn_kv_compress_state(mf_ly_ctx *cx, const mf_ly_item *first, const mf_ly_item *last, int L,
+                                 float *const *b_last);
 void mf_ly_attn_index_query(const mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b);
 int64_t mf_ly_index_n_vis(const mf_config *c, int L, int64_t pos);
 void mf_ly_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float *const *b, double *score, int64_t j0,

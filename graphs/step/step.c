@@ -516,22 +516,36 @@ static int mf_task_attn_qnorm(void *arg, mf_task_ctx *ctx)
 }
 
 /* The core's window KV per item, in item order: window KV (into the ring unless the ring task
- * writes it), compressor; after the IN stage, beside the q norm and the QB stage. */
+ * writes it), compressor; after the IN stage, beside the q norm and the QB stage. The compressor
+ * of a long unit (part 1) runs in item ranges, several at once (mf_ly_attn_kv_compress_item: an
+ * item reads the one before it, not the state); the range holding a sequence's first item of the
+ * step leaves the state (mf_ly_attn_kv_compress_state) after that item. */
 static int mf_task_attn_kv(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
     mf_ly_ctx *cx = mf_step_cx(a, ctx);
     if (!cx) return -EINVAL;
-    float *b[MF_LY_A_N];
-    int part = a->t->part;   /* -1: the window KV and the compressor; 0: the window KV; 1: the compressor */
+    mf_step_shape *sh = a->sh;
+    const mf_ly_item *items = sh->items;
+    float *b[MF_LY_A_N], *prev[MF_LY_A_N];
+    int part = a->t->part, L = a->t->layer;   /* -1: the window KV and the compressor; 0: the window KV; 1: the compressor */
     for (int i = a->t->i0; i < a->t->i1; i++) {
-        mf_step_abuf(a->sh, i, b);
-        int rc = 0;
-        if (part < 0) rc = mf_ly_attn_window_kv(cx, &a->sh->items[i], a->t->layer, b);
-        else if (part == 0) mf_ly_attn_kv_window(cx, &a->sh->items[i], a->t->layer, b);
-        else rc = mf_ly_attn_kv_compress(cx, &a->sh->items[i], a->t->layer, b);
+        mf_step_abuf(sh, i, b);
+        int rc = 0, first = i == 0 || items[i - 1].st != items[i].st;
+        if (part < 0) rc = mf_ly_attn_window_kv(cx, &sh->items[i], L, b);
+        else if (part == 0) mf_ly_attn_kv_window(cx, &sh->items[i], L, b);
+        else {
+            if (!first) mf_step_abuf(sh, i - 1, prev);
+            rc = mf_ly_attn_kv_compress_item(cx, &items[i], L, b, first ? NULL : prev);
+            if (!rc && first) {   /* the state, from the sequence's last item in the step */
+                int j = i;
+                while (j + 1 < sh->n && items[j + 1].st == items[i].st) j++;
+                mf_step_abuf(sh, j, prev);
+                rc = mf_ly_attn_kv_compress_state(cx, &items[i], &items[j], L, prev);
+            }
+        }
         if (rc) return rc;
-        if (part < 0 && !a->sh->sg->ring_late) mf_ly_attn_ring_write(cx, &a->sh->items[i], a->t->layer, b[MF_LY_A_KV]);
+        if (part < 0 && !sh->sg->ring_late) mf_ly_attn_ring_write(cx, &sh->items[i], L, b[MF_LY_A_KV]);
     }
     return 0;
 }

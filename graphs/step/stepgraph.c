@@ -1121,18 +1121,27 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
          * kernels once (the indexer's wk on the entry: one per `ratio` items, mf_ly_compress; ratio 2
          * in a step of one item: half an entry, the mean over steps). With the ring written late
          * (a serial graph of several item groups) the window KV runs per item group (part 0) beside
-         * the compressor over the unit in order (part 1), both before a join; else one task (part -1). */
+         * the compressor over the unit in item ranges (part 1: mf_sg_rows of p_attn, each range's
+         * items in order), all before a join; else one task (part -1). */
         mf_sg_task t = sg_item(b, L, k);
         double ratio = c->compress_ratios[L];
         int gk0 = sg_group_of(sg, t.i0), gk1 = sg_group_of(sg, t.i1 - 1), split = sg->ring_late && gk1 > gk0;
+        int n_cmp = !split ? 0 : ratio > 0 && mf_config_is_kv_source(c, L) ? sg->p_attn : 1;   /* compressor tasks */
         mf_task_id kv = -1;
         if (split) {
             SG_NAME(b, "attn L%d kv join", L);
             kv = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, sg_rec(L));
         }
-        for (int w = split ? gk0 : 0; w <= (split ? gk1 + 1 : 0) && !b->rc; w++) {
-            int comp = split && w == gk1 + 1;   /* the split's compressor task */
+        for (int w = split ? gk0 : 0; w <= (split ? gk1 + n_cmp : 0) && !b->rc; w++) {
+            int comp = split && w > gk1;   /* a compressor task of the split: range w - gk1 - 1 */
             mf_sg_task tw = split && !comp ? sg_part(sg, L, w, 0, 1, 0, 1) : t;
+            if (comp) {
+                int64_t r0, r1;
+                mf_sg_rows(t.i1 - t.i0, n_cmp, w - gk1 - 1, &r0, &r1);
+                if (r0 >= r1) continue;   /* the last ranges of a short unit: empty */
+                tw.i0 = t.i0 + (int)r0;
+                tw.i1 = t.i0 + (int)r1;
+            }
             tw.part = split ? comp : -1;
             double items = tw.i1 - tw.i0, ent = ratio > 0 && tw.part != 0 ? items / ratio : 0;
             tw.n_tok = 1;
@@ -1145,7 +1154,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
                 tw.w.vec_flops = items * SG_W_ROUND_VEC * 2.0 * D;
             }
             if (!split) SG_NAME(b, sg->par ? "attn L%d kv item %d" : "attn L%d kv", L, k);
-            else if (comp) SG_NAME(b, "attn L%d compress", L);
+            else if (comp) SG_NAME(b, "attn L%d compress %d", L, w - gk1 - 1);
             else SG_NAME(b, "attn L%d kv %d", L, w);
             mf_task_id id = sg_add(b, 0, MF_SG_ATTN_KV, MF_SG_PH_ATTN, MF_SG_K_OTHER, tw);
             for (int p = 0; p < sg->p_attn; p++) sg_dep(b, rows[MF_SG_ST_IN][p], id);
