@@ -186,6 +186,48 @@ static int same_report(const mf_plan_report *a, const mf_plan_report *b)
 }
 
 /* A profile with costs everywhere (figures of no machine in particular). */
+/* A serial graph's tasks but the index score parts and the compressor's item ranges (the parts of
+ * a long unit that are not per item group). */
+static int long_tasks(const mf_stepgraph *sg)
+{
+    int n = 0;
+    for (int t = 0; t < sg->n_tasks; t++)
+        n += sg->task[t].op != MF_SG_ATTN_SCORE && !(sg->task[t].op == MF_SG_ATTN_KV && sg->task[t].part == 1);
+    return n;
+}
+
+/* Those parts of a one-unit serial graph: per scored layer key_parts[g] score tasks of group g
+ * (p_key..MF_SG_MAX_PARTS each, the last group's at least the first's: its items see more
+ * entries), none elsewhere; per layer the compressor's ranges (at most p_attn) tile the items in
+ * order. */
+static void check_long_parts(const mf_config *c, const mf_stepgraph *sg)
+{
+    for (int L = 0; L < c->n_layers; L++) {
+        int n_score = 0, want = 0, next = 0, n_cmp = 0;
+        for (int g = 0; g < sg->n_groups; g++) {
+            want += mf_sg_layer_scored(c, L) ? sg->key_parts[g] : 0;
+            CHECK(sg->key_parts[g] >= sg->p_key && sg->key_parts[g] <= MF_SG_MAX_PARTS, "group %d: %d score parts", g,
+                  sg->key_parts[g]);
+        }
+        for (int t = 0; t < sg->n_tasks; t++) {
+            const mf_sg_task *r = &sg->task[t];
+            if (r->layer != L) continue;
+            n_score += r->op == MF_SG_ATTN_SCORE;
+            if (r->op == MF_SG_ATTN_KV && r->part == 1) {
+                CHECK(r->i0 == next && r->i1 > r->i0, "layer %d: a compressor range [%d, %d) after %d", L, r->i0, r->i1,
+                      next);
+                next = r->i1;
+                n_cmp++;
+            }
+        }
+        CHECK(n_score == want, "layer %d: %d score tasks (expected %d)", L, n_score, want);
+        CHECK(next == sg->n && n_cmp >= 1 && n_cmp <= sg->p_attn, "layer %d: %d compressor ranges to item %d of %d", L,
+              n_cmp, next, sg->n);
+    }
+    CHECK(sg->key_parts[sg->n_groups - 1] >= sg->key_parts[0], "score parts: the last group %d, the first %d",
+          sg->key_parts[sg->n_groups - 1], sg->key_parts[0]);
+}
+
 static mf_profile costly_profile(void)
 {
     mf_profile f = free_profile(4, 2000);
@@ -708,9 +750,11 @@ static void test_prefill(void)
     CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .prefill = 1, .batch = 128}, &p128), "%s",
           mf_last_error());
     CHECK(p && p128 && mf_plan_graph(p)->n == 300 && mf_plan_graph(p)->n_groups == MF_SG_MAX_GROUPS &&
-              mf_plan_graph(p)->n_tasks <= mf_plan_graph(p128)->n_tasks,
+              long_tasks(mf_plan_graph(p)) <= long_tasks(mf_plan_graph(p128)),
           "a 300-position chunk: %d groups, %d tasks (128: %d)", p ? mf_plan_graph(p)->n_groups : -1,
           p ? mf_plan_graph(p)->n_tasks : -1, p128 ? mf_plan_graph(p128)->n_tasks : -1);
+    for (int k = 0; k < 2; k++)   /* the parts that are not per group: as many as the builder says */
+        if (p && p128) check_long_parts(&c, mf_plan_graph(k ? p : p128));
     mf_plan_free(p);
     mf_plan_free(p128);
     mf_plan_report r64, r600;

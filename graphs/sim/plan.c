@@ -89,13 +89,14 @@ static double pl_card_ffn_ns(const mf_plan *p, const pl_slot *sl)
  * at pos + i. */
 static double pl_pos_flops(const mf_plan *p, const mf_sg_task *t)
 {
-    if (!p->o.prefill) return mf_sg_pos_flops(&p->c, t, p->sg->p_key, p->pos);
+    int P = mf_stepgraph_key_parts(p->sg, t->i0);
+    if (!p->o.prefill) return mf_sg_pos_flops(&p->c, t, P, p->pos);
     mf_sg_task one = *t;
     double f = 0;
     for (int i = t->i0; i < t->i1; i++) {
         one.i0 = i;
         one.i1 = i + 1;
-        f += mf_sg_pos_flops(&p->c, &one, p->sg->p_key, p->pos + i);
+        f += mf_sg_pos_flops(&p->c, &one, P, p->pos + i);
     }
     return f;
 }

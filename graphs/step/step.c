@@ -567,15 +567,15 @@ static int mf_task_attn_core(void *arg, mf_task_ctx *ctx)
     return 0;
 }
 
-/* Part a->t->part of sh->sg->p_key of the item's index scores: its range of the visible entries
- * into the item's row of iscore. */
+/* Part a->t->part of the item's index score parts (mf_stepgraph_key_parts): its range of the
+ * visible entries into the item's row of iscore (disjoint ranges: any split, the same bits). */
 static int mf_task_attn_score(void *arg, mf_task_ctx *ctx)
 {
     (void)ctx;
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     const mf_layers *ly = sh->eng->ly;
-    int i = a->t->i0, q = a->t->part, P = sh->sg->p_key;
+    int i = a->t->i0, q = a->t->part, P = mf_stepgraph_key_parts(sh->sg, i);
     int64_t n_vis = mf_ly_index_n_vis(ly->c, a->t->layer, sh->items[i].pos);
     float *b[MF_LY_A_N];
     mf_step_abuf(sh, i, b);

@@ -59,6 +59,7 @@
 #define SG_MAX_MIX 4            /* row parts of a hyper-connection mix */
 #define SG_MIN_COLS 64          /* columns of a hyper-connection part, at least */
 #define SG_MIN_QCOLS 16         /* columns of a q norm part, at least (tiny's 64: 4 parts) */
+#define SG_KEY_WAVES 16          /* index score parts of a long unit: waves of the workers (sg_key_parts) */
 
 /* ---- sizes --------------------------------------------------------------------------------- */
 
@@ -1191,7 +1192,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
                     ts.n_tok = 1;
                     sel = sg_add(b, 0, MF_SG_ATTN_SELECT, MF_SG_PH_ATTN, MF_SG_K_OTHER, ts);
                 }
-                for (int q = 0; q < sg->p_key; q++) {
+                for (int q = 0; q < sg->key_parts[i]; q++) {
                     SG_NAME(b, "attn L%d score item %d %d", L, i, q);
                     mf_sg_task tk = sg_rec(L);
                     tk.i0 = i ? sg->group_end[i - 1] : 0;
@@ -1665,6 +1666,28 @@ static int sg_wave_parts(int n, int W, int p_min, int p_max)
     return p;
 }
 
+/* The index score parts of each item group (mf_stepgraph.key_parts): p_key, or in a unit of
+ * several groups (a long chunk, its items at consecutive positions) parts by the entries its items
+ * see from a unit at position 0 (item j of the unit: j + 1, in ratios), the unit's
+ * SG_KEY_WAVES x W parts shared out so (rounded up): a chunk's last groups see twice the mean, and
+ * one part each left them the last of the tasks (128 groups on 44 workers: 387 ms of scores where
+ * the work over the workers is 288 ms). A later chunk's groups see about the same: there the
+ * parts are finer than they need be, no worse balanced. */
+static void sg_key_parts(mf_stepgraph *sg, int W)
+{
+    for (int k = 0; k < sg->n_units; k++) {
+        int i0 = k > 0 ? sg->unit_end[k - 1] : 0, i1 = sg->unit_end[k];
+        int g0 = sg_group_of(sg, i0), g1 = sg_group_of(sg, i1 - 1) + 1;
+        double n = i1 - i0, total = n * (n + 1) / 2;   /* sum of j + 1 over the unit's items */
+        for (int g = g0; g < g1; g++) {
+            double a = (g ? sg->group_end[g - 1] : 0) - i0, b = sg->group_end[g] - i0;
+            double share = (b * (b + 1) - a * (a + 1)) / 2 / total;
+            int q = g1 - g0 > 1 ? (int)ceil(SG_KEY_WAVES * W * share) : sg->p_key;
+            sg->key_parts[g] = q < sg->p_key ? sg->p_key : q > MF_SG_MAX_PARTS ? MF_SG_MAX_PARTS : q;
+        }
+    }
+}
+
 /* Part counts of the shape (one home: the engine's buffers and the simulator read them here). */
 static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
 {
@@ -1729,6 +1752,7 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     if (sg->p_qn > MF_SG_MAX_PARTS) sg->p_qn = MF_SG_MAX_PARTS;
     sg->ring_late = !o->par && o->n > 1;
     sg->p_key = T < MF_SG_MAX_PARTS ? T : MF_SG_MAX_PARTS;
+    sg_key_parts(sg, W);
     sg->n_cards = o->n_cards;
     sg->dev_graphs = o->n_cards > 0 && o->dev_graphs;
     sg->n_dense_cards = o->n_dense_cards;
@@ -1792,7 +1816,7 @@ static int sg_set_priorities(const mf_sg_opts *o, mf_stepgraph *sg)
     int per_card = sg->n_cards ? (sg->n_slots + sg->n_cards - 1) / sg->n_cards : 0;
     for (int t = 0; t < sg->n_tasks; t++) {
         const mf_sg_task *r = &sg->task[t];
-        st.pos_flops = mf_sg_pos_flops(c, r, sg->p_key, pos);
+        st.pos_flops = mf_sg_pos_flops(c, r, r->op == MF_SG_ATTN_SCORE ? mf_stepgraph_key_parts(sg, r->i0) : 1, pos);
         double ns = r->op == MF_SG_DEV_FFN_CARD ? per_card * ffn_ns - (per_card - 1) * p->card[MF_KF_FP4].latency_ns
                                                 : mf_sg_task_ns(r, &m, &st);
         int rc = mf_graph_set_cost(sg->g, t, (mf_cost){.time_ns = ns});
@@ -1962,6 +1986,8 @@ void mf_stepgraph_mark_engram(mf_stepgraph *sg, int es, int k, int n_used)
     for (int r = 0; r < sg->eg_reads_per_unit; r++)
         if (tid[r] >= 0) mf_graph_set_noop(sg->g, tid[r], r >= n_used);
 }
+
+int mf_stepgraph_key_parts(const mf_stepgraph *sg, int item) { return sg->key_parts[sg_group_of(sg, item)]; }
 
 int mf_stepgraph_unit_of(const mf_stepgraph *sg, int item)
 {

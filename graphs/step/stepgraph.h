@@ -73,7 +73,7 @@ typedef enum mf_sg_op {
     MF_SG_ATTN_RING,      /* items, in order: their window KV into the ring (after the heads) */
     MF_SG_FFN_MIX,        /* item: rows [r0, r1) of the ffn mixes of its streams */
     MF_SG_FFN_NORM,       /* item: columns [r0, r1) of ffn_norm of its collapse (the MoE input) */
-    MF_SG_ATTN_SCORE,     /* item: part `part` of p_key of an index layer's scores of its visible
+    MF_SG_ATTN_SCORE,     /* item: part `part` of key_parts of an index layer's scores of its visible
                            * entries (the entries grow with the position: ranges at run time) */
     MF_SG_ATTN_SELECT,    /* items (a group's, or in order a unit's: mf_sg_opts.ordered): an index
                            * layer's candidate mask and top-k */
@@ -197,7 +197,8 @@ void mf_sg_sizes_free(mf_sg_sizes *s);
 /* The positional scalar work of task t when its items are at position pos, in REF multiply-adds:
  * the work beyond its record's ref_flops that grows with the context (MF_SG_ATTN_HEADS: the
  * window and selected entries of its heads; MF_SG_ATTN_SCORE: its share of the indexer's scores,
- * parts of p_key; MF_SG_ATTN_SELECT: the top-k's sort); 0 for the other ops. */
+ * part `part` of p_key (mf_stepgraph_key_parts); MF_SG_ATTN_SELECT: the top-k's sort); 0 for the
+ * other ops. */
 double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int p_key, int64_t pos);
 
 /* The op's short name (MF_SG_ATTN_CORE: "attn_core"), for reports (`moeflow sim --json`'s "ops"). */
@@ -344,7 +345,11 @@ typedef struct mf_stepgraph {
     int p_gather;                 /* parts of a route's row gather (MF_SG_ROUTE_ROWS; 1: in the route) */
     /* per item: column parts of the hyper-connection tasks (collapse, norms, expand, combine),
      * row parts of each mix, attention head groups (of ah_heads heads); q norm column parts */
-    int p_hc, p_mix, p_ah, ah_heads, p_qn, p_key;   /* p_key: index score parts per item */
+    int p_hc, p_mix, p_ah, ah_heads, p_qn, p_key;   /* p_key: index score parts per item, at least */
+    /* index score parts of item group g's items (MF_SG_ATTN_SCORE part q of key_parts[g]): p_key,
+     * or in a unit of several groups more for the groups whose items see more entries (their
+     * offsets in the unit), SG_KEY_WAVES waves of the workers over the unit; at most MF_SG_MAX_PARTS */
+    int key_parts[MF_SG_MAX_GROUPS];
     int ring_late;                /* 1: the window KV goes into the ring after the heads (items of
                                    * one sequence in one graph: MF_SG_ATTN_RING), else in the prep */
     int n_cards, dev_graphs, n_io_parts;
@@ -569,5 +574,9 @@ void mf_stepgraph_mark_engram(mf_stepgraph *sg, int es, int k, int n_used);
 
 /* The unit (0..n_units-1) that holds item `item`, -1 if none. */
 int mf_stepgraph_unit_of(const mf_stepgraph *sg, int item);
+
+/* Index score parts of item `item`'s scores (key_parts of its group): what the engine splits its
+ * visible entries in and mf_sg_pos_flops's p_key for its MF_SG_ATTN_SCORE records. */
+int mf_stepgraph_key_parts(const mf_stepgraph *sg, int item);
 
 #endif
