@@ -515,6 +515,12 @@ int main(void)
         CHECK(run_batched(r, e, so, 8, 64, 1, NULL, 1, "greedy") == 0, "greedy, batch 8, budget 64");
         CHECK(run_batched(r, e, so, 5, 2, 3, NULL, 1, "greedy") == 0, "greedy, batch 5, budget 2");
         CHECK(run_batched(r, e, so, 1, 16, 0, NULL, 1, "greedy") == 0, "greedy, batch 1");
+        /* 5 workers: each prefill unit's compressor in more item ranges and its index scores in
+         * more parts (graphs/step/stepgraph.h key_parts), the bits of the solo runs on 2 */
+        mf_step *e5 = NULL;
+        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 5}, &e5) == 0, "step, 5 workers: %s", mf_last_error());
+        if (e5) CHECK(run_batched(r, e5, so, 8, 64, 1, NULL, 1, "greedy") == 0, "greedy, batch 8, budget 64, 5 workers");
+        mf_step_free(e5);
     }
     /* sampling: per-request temperature and seed, equal to the same sampler alone */
     double temp[N_REQ];
