@@ -89,7 +89,7 @@ static double pl_card_ffn_ns(const mf_plan *p, const pl_slot *sl)
  * at pos + i. */
 static double pl_pos_flops(const mf_plan *p, const mf_sg_task *t)
 {
-    int P = mf_stepgraph_key_parts(p->sg, t->i0);
+    int P = t->op == MF_SG_ATTN_SCORE ? mf_stepgraph_key_parts(p->sg, t->i0) : 1;   /* the others' take no parts */
     if (!p->o.prefill) return mf_sg_pos_flops(&p->c, t, P, p->pos);
     mf_sg_task one = *t;
     double f = 0;

@@ -59,7 +59,7 @@
 #define SG_MAX_MIX 4            /* row parts of a hyper-connection mix */
 #define SG_MIN_COLS 64          /* columns of a hyper-connection part, at least */
 #define SG_MIN_QCOLS 16         /* columns of a q norm part, at least (tiny's 64: 4 parts) */
-#define SG_KEY_WAVES 16          /* index score parts of a long unit: waves of the workers (sg_key_parts) */
+#define SG_KEY_WAVES 16         /* index score parts of a long unit: waves of the workers (sg_key_parts) */
 
 /* ---- sizes --------------------------------------------------------------------------------- */
 
@@ -1668,7 +1668,7 @@ static int sg_wave_parts(int n, int W, int p_min, int p_max)
 
 /* The index score parts of each item group (mf_stepgraph.key_parts): p_key, or in a unit of
  * several groups (a long chunk, its items at consecutive positions) parts by the entries its items
- * see from a unit at position 0 (item j of the unit: j + 1, in ratios), the unit's
+ * see in a unit from position 0 (item j of the unit about (j + 1) / ratio), the unit's
  * SG_KEY_WAVES x W parts shared out so (rounded up): a chunk's last groups see twice the mean, and
  * one part each left them the last of the tasks (128 groups on 44 workers: 387 ms of scores where
  * the work over the workers is 288 ms). A later chunk's groups see about the same: there the
@@ -1987,7 +1987,11 @@ void mf_stepgraph_mark_engram(mf_stepgraph *sg, int es, int k, int n_used)
         if (tid[r] >= 0) mf_graph_set_noop(sg->g, tid[r], r >= n_used);
 }
 
-int mf_stepgraph_key_parts(const mf_stepgraph *sg, int item) { return sg->key_parts[sg_group_of(sg, item)]; }
+int mf_stepgraph_key_parts(const mf_stepgraph *sg, int item)
+{
+    assert(item >= 0 && item < sg->n);
+    return sg->key_parts[sg_group_of(sg, item)];
+}
 
 int mf_stepgraph_unit_of(const mf_stepgraph *sg, int item)
 {
