@@ -154,12 +154,15 @@ static void test_graph_rows(void)
          * every card copies in all of in's input, the MoE input and wo_a's output, and out its rows */
         const mf_sg_layer_sizes *y3 = &sz->layer[3];
         double H = (double)c.hidden_size, nq = (double)c.n_heads * c.head_dim, nz = y3->st_out_rows[MF_SG_ST_OA];
-        static const char *const cp_name[6] = {"in's in", "qb's out", "oa's out", "ob's in", "ob's out", "the gate's in"};
-        double cp_got[6] = {cp_tok[MF_SG_D_ATTN_IN][0], cp_tok[MF_SG_D_ATTN_QB][2], cp_tok[MF_SG_D_ATTN_OA][2],
-                            cp_tok[MF_SG_D_ATTN_OB][0], cp_tok[MF_SG_D_ATTN_OB][2], cp_tok[MF_SG_D_GATE][0]};
-        double cp_want[6] = {4 * 2 * H, 2 * nq + 4 * (y3->st_out_rows[MF_SG_ST_QB] - nq), 2 * nz, 4 * 2 * nz, 2 * H,
-                             4 * 2 * H};
-        for (int q = 0; q < 6; q++)
+        double qr = (double)c.q_lora_rank;
+        static const char *const cp_name[8] = {"in's in", "in's out", "qb's in", "qb's out", "oa's out", "ob's in",
+                                               "ob's out", "the gate's in"};
+        double cp_got[8] = {cp_tok[MF_SG_D_ATTN_IN][0], cp_tok[MF_SG_D_ATTN_IN][2], cp_tok[MF_SG_D_ATTN_QB][0],
+                            cp_tok[MF_SG_D_ATTN_QB][2], cp_tok[MF_SG_D_ATTN_OA][2], cp_tok[MF_SG_D_ATTN_OB][0],
+                            cp_tok[MF_SG_D_ATTN_OB][2], cp_tok[MF_SG_D_GATE][0]};
+        double cp_want[8] = {4 * 2 * H, 2 * qr + 4 * (y3->st_out_rows[MF_SG_ST_IN] - qr), 4 * 2 * qr,
+                             2 * nq + 4 * (y3->st_out_rows[MF_SG_ST_QB] - nq), 2 * nz, 4 * 2 * nz, 2 * H, 4 * 2 * H};
+        for (int q = 0; q < 8; q++)
             CHECK(fabs(cp_got[q] - cp_want[q]) < 1e-9 * cp_want[q], "batch %d layer 3: %s copies %.0f bytes an item "
                   "(expected %.0f: bf16 where mf_sg_attn_buf_bf16 says)", ns[ni], cp_name[q], cp_got[q], cp_want[q]);
         CHECK(cp_tok[MF_SG_D_SHARED][2] == 2 * H, "batch %d: the shared expert copies out %.0f bytes an item",

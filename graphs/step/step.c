@@ -521,9 +521,11 @@ static int mf_task_attn_qscale(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     const mf_config *c = sh->eng->c;
-    for (int i = a->t->i0; i < a->t->i1; i++)
+    for (int i = a->t->i0; i < a->t->i1; i++) {
+        mf_step_ab_cast(sh, MF_LY_A_QR, 0, i, 0, c->q_lora_rank);   /* in's copy out */
         sh->qrs[i] = mf_ly_rms_scale(sh->ab[MF_LY_A_QR] + (size_t)i * sh->ab_ld[MF_LY_A_QR], c->q_lora_rank,
                                      c->rms_norm_eps);
+    }
     return 0;
 }
 
@@ -538,6 +540,7 @@ static int mf_task_attn_qnorm(void *arg, mf_task_ctx *ctx)
     float *q = sh->ab[MF_LY_A_QR] + (size_t)i * sh->ab_ld[MF_LY_A_QR];
     mf_ly_rmsnorm_apply(q, &mf_model_layer_at(sh->eng->ly->m, a->t->layer)->q_norm, sh->qrs[i], q, a->t->r0,
                         a->t->r1);
+    mf_step_ab_cast(sh, MF_LY_A_QR, 1, i, a->t->r0, a->t->r1);   /* for qb's copy in */
     return 0;
 }
 
@@ -2223,6 +2226,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         {"hk_nk", hk ? n_ * 4 : 0, (void **)&sh->hk_nk},
         {"hk_sink", hk ? (size_t)c->n_heads * f : 0, (void **)&sh->hk_sink},
         {"ab16_in", ab16_sz[MF_LY_A_IN], (void **)&sh->ab16[MF_LY_A_IN]},
+        {"ab16_qr", ab16_sz[MF_LY_A_QR], (void **)&sh->ab16[MF_LY_A_QR]},
         {"ab16_q", ab16_sz[MF_LY_A_Q], (void **)&sh->ab16[MF_LY_A_Q]},
         {"ab16_o", ab16_sz[MF_LY_A_O], (void **)&sh->ab16[MF_LY_A_O]},
         {"ab16_z", ab16_sz[MF_LY_A_Z], (void **)&sh->ab16[MF_LY_A_Z]},

@@ -549,7 +549,8 @@ double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_c
 
 int mf_sg_attn_buf_bf16(int buf)
 {
-    return buf == MF_LY_A_IN || buf == MF_LY_A_Q || buf == MF_LY_A_O || buf == MF_LY_A_Z || buf == MF_LY_A_OUT;
+    return buf == MF_LY_A_IN || buf == MF_LY_A_QR || buf == MF_LY_A_Q || buf == MF_LY_A_O || buf == MF_LY_A_Z ||
+           buf == MF_LY_A_OUT;
 }
 
 int mf_sg_dense_bf16(int dense, int out)
@@ -782,11 +783,13 @@ static mf_task_id sg_attn_card(sg_builder *b, int L, int st)
         double rounds = st == MF_SG_ST_IN ? (double)c->q_lora_rank : st == MF_SG_ST_OB ? (double)c->hidden_size : 0;
         t.w.ref_flops = SG_W_ROUND * rounds * n;
         in_tok = st == MF_SG_ST_IN   ? sg_attn_val_bytes(MF_LY_A_IN) * c->hidden_size
-                 : st == MF_SG_ST_QB ? 4.0 * c->q_lora_rank
+                 : st == MF_SG_ST_QB ? sg_attn_val_bytes(MF_LY_A_QR) * c->q_lora_rank
                  : rows              ? sg_attn_val_bytes(MF_LY_A_Z) * y->st_out_rows[MF_SG_ST_OA]
                                      : 0;
         out_tok = 4.0 * y->st_out_rows[st];
-        /* bf16 rows of the output (mf_ly_attn_linears' order): qb's queries (wq_b's rows, first), ob's all */
+        /* bf16 rows of the output (mf_ly_attn_linears' order): in's low-rank query (wq_a's rows, first),
+         * qb's queries (wq_b's rows, first), ob's all */
+        if (st == MF_SG_ST_IN && mf_sg_attn_buf_bf16(MF_LY_A_QR)) out_bf = (double)c->q_lora_rank;
         if (st == MF_SG_ST_QB && mf_sg_attn_buf_bf16(MF_LY_A_Q)) out_bf = (double)c->n_heads * c->head_dim;
         if (st == MF_SG_ST_OB && mf_sg_attn_buf_bf16(MF_LY_A_OUT)) out_bf = y->st_out_rows[st];
     }
@@ -1139,12 +1142,16 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
         SG_NAME(b, "attn L%d q scale item %d", L, i);
         mf_sg_task t = sg_part(sg, L, i, 1, 1, 0, 1);
         t.w.ref_flops = t.n_tok * 2.0 * c->q_lora_rank;
+        if (sg->n_dense_cards && mf_sg_attn_buf_bf16(MF_LY_A_QR))   /* in's copy out unpacked */
+            t.w.vec_flops = t.n_tok * SG_W_CAST_VEC * c->q_lora_rank;
         mf_task_id qs = sg_add(b, 0, MF_SG_ATTN_QSCALE, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
         for (int p = 0; p < sg->p_attn; p++) sg_dep(b, rows[MF_SG_ST_IN][p], qs);
         for (int q = 0; q < sg->p_qn; q++) {
             SG_NAME(b, "attn L%d q norm item %d %d", L, i, q);
             mf_sg_task tq = sg_part(sg, L, i, c->q_lora_rank, sg->p_qn, q, 0);
             tq.w.ref_flops = tq.n_tok * (double)(tq.r1 - tq.r0) * (2.0 + 2.0 * SG_W_ROUND);
+            if (sg->n_dense_cards && mf_sg_attn_buf_bf16(MF_LY_A_QR))   /* packed for qb's copy in */
+                tq.w.vec_flops = tq.n_tok * (double)(tq.r1 - tq.r0) * SG_W_CAST_VEC;
             mf_task_id qn = sg_add(b, 0, MF_SG_ATTN_QNORM, MF_SG_PH_ATTN, MF_SG_K_OTHER, tq);
             sg_dep(b, qs, qn);
             for (int p = 0; p < sg->p_attn; p++) sg_dep(b, qn, rows[MF_SG_ST_QB][p]);

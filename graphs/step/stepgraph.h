@@ -454,6 +454,8 @@ void mf_sg_dense_rows(int parts, int part, int64_t n_rows, int64_t *r0, int64_t 
  * cannot change, each already bf16 or read only through a bf16 rounding that comes first.
  * mf_sg_attn_buf_bf16(buf), buf an attention buffer (graphs/layers/layers.h MF_LY_A_*), is 1 for
  *   MF_LY_A_IN   the attn_norm's output (mf_ly_rmsnorm's bf16(w * bf16(x * rs))): in for the in stage;
+ *   MF_LY_A_QR   wq_a's output, rounded (mf_ly_attn_linears' bf): out of in; then the q norm's
+ *                output (bf16(w * bf16(x * rs)) in place): in for qb;
  *   MF_LY_A_Q    wq_b's output (fp32) out of qb: read only by the heads, which round each head's
  *                query to bf16 before any other use (mf_fa_heads_q, mf_ly_attn_core_heads); in for
  *                the heads on cards after the q prep, which rounds it last (mf_fa_heads_q);
@@ -461,9 +463,8 @@ void mf_sg_dense_rows(int parts, int part, int64_t n_rows, int64_t *r0, int64_t 
  *                heads), whose part it rounds again (mf_fa_heads_o): out of the heads, in for oa;
  *   MF_LY_A_Z    wo_a's output, rounded (mf_ly_attn_linears' bf): out of oa, in for ob (by rows);
  *   MF_LY_A_OUT  wo_b's output, rounded: out of ob;
- * 0 for the others: QR (bf16 both ways, in's output and the q norm's, not done: 1.5% of the
- * chain's bytes at flash41), KV (wkv's output, read first by the window KV's rounding, not done:
- * 0.3%), LAT, GATE, IW and QI (fp32 values the compressor and the indexer read as they are). The
+ * 0 for the others: KV (wkv's output, read first by the window KV's rounding of its first head,
+ * not done: 0.3% of the chain's bytes at flash41), LAT, GATE, IW and QI (fp32 values the compressor and the indexer read as they are). The
  * heads' key table stays fp32 (fp8-exact rows, not done: the queries are 94% of the heads' bytes
  * in at 8192 items), their key lists int32.
  * mf_sg_dense_bf16(dense, out) for the other sublayers' copies: 1 for the gate's in (the MoE input,
