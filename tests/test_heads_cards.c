@@ -98,8 +98,9 @@ static void test_graph(void)
         CHECK(lane == lt.lane_dev0 + 3 * r->card + k, "heads task %d of card %d on lane %d", t, r->card, lane);
         if (k == 1) heads_rows[r->card] += (int)((r->r1 - r->r0) / c.head_dim);
         /* the queries in and the outputs out as bf16 (mf_sg_attn_buf_bf16): 2 bytes a value */
-        if (k == 2) CHECK(r->w.copy_bytes_tok == 2.0 * (double)(r->r1 - r->r0), "heads out: %.0f bytes an item for %lld values",
-                          r->w.copy_bytes_tok, (long long)(r->r1 - r->r0));
+        if (k == 2)
+            CHECK(r->w.copy_bytes_tok == 2.0 * (double)(r->r1 - r->r0), "heads out: %.0f bytes an item for %lld values",
+                  r->w.copy_bytes_tok, (long long)(r->r1 - r->r0));
         double keys = (r->w.copy_bytes_tok - 2.0 * (double)(r->r1 - r->r0)) / 4 - 1;   /* the key list's entries */
         if (k == 0) CHECK(keys == floor(keys) && keys >= 1 && keys <= sg->heads_keys,
                           "heads in: %.0f bytes an item for %lld query values and a list of at most %d keys",

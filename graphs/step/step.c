@@ -1666,10 +1666,12 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
     case MF_SG_D_GATE:
         mf_step_dense_rows(a, E, &r0, &r1);
         if (out && r0 < r1) cp[m++] = mf_step_dcopy_cols(sh->logits, NULL, sh->dd_logits, 0, E, r0, r1, i0, n);
-        if (!out) cp[m++] = mf_step_dcopy_cols(sh->xin, sh->xin16, sh->dd_xin, sh->dd16_xin, (int64_t)H, 0, (int64_t)H, i0, n);
+        if (!out)
+            cp[m++] = mf_step_dcopy_cols(sh->xin, sh->xin16, sh->dd_xin, sh->dd16_xin, (int64_t)H, 0, (int64_t)H, i0, n);
         break;
     case MF_SG_D_SHARED:
-        if (out) cp[m++] = mf_step_dcopy_cols(sh->ys, sh->ys16, sh->dd_ys, sh->dd16_ys, (int64_t)H, 0, (int64_t)H, i0, n);
+        if (out)
+            cp[m++] = mf_step_dcopy_cols(sh->ys, sh->ys16, sh->dd_ys, sh->dd16_ys, (int64_t)H, 0, (int64_t)H, i0, n);
         break;
     case MF_SG_D_HEAD:
         mf_step_dense_rows(a, V, &r0, &r1);

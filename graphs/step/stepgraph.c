@@ -592,9 +592,10 @@ static void sg_dense_after(sg_builder *b, mf_task_id before, mf_task_id after)
  * share): copy in of in_tok bytes per item (0: none; the card work then waits for after_in's
  * member on its card, a copy-in of an earlier chain) -> the card's work (record t) -> copy out
  * of the card's rows per item (out_tok 0: none, the output stays on the card), the first
- * out_bf_rows of all the rows as bf16 (2 bytes: mf_sg_attn_buf_bf16), the others fp32. Returns the first chain's
- * first task; the chains' first tasks are a group (a dependency on it is one on each chain's
- * last task, sg_dep), their card works another (b->chain_run its first: sg_dense_after). */
+ * out_bf_rows of all the rows as bf16 (2 bytes: mf_sg_attn_buf_bf16), the others fp32; in_tok
+ * counts the bytes as they travel. Returns the first chain's first task; the chains' first tasks
+ * are a group (a dependency on it is one on each chain's last task, sg_dep), their card works
+ * another (b->chain_run its first: sg_dense_after). */
 static mf_task_id sg_dense_chain(sg_builder *b, int L, int d, mf_sg_task t, int phase, double in_tok, double out_tok,
                                  mf_task_id after_in, double out_bf_rows)
 {
@@ -982,7 +983,7 @@ static mf_sg_task sg_heads_rec(const mf_config *c, int L, int op, int i0, int i1
     case MF_SG_ATTN_QPREP:   /* the queries rounded twice, 8 lanes at a time (mf_fa_heads_q), the RoPE, the key list;
                               * unpacked from qb's copy and packed for the heads' (mf_sg_attn_buf_bf16) */
         t.w.ref_flops = t.n_tok * (hh * SG_W_ROPE * rd + keys);
-        t.w.vec_flops = t.n_tok * hh * (SG_W_ROUND_VEC * 2.0 + SG_W_CAST_VEC * 2.0 * mf_sg_attn_buf_bf16(MF_LY_A_Q)) * D;
+        t.w.vec_flops = t.n_tok * hh * D * (SG_W_ROUND_VEC * 2.0 + SG_W_CAST_VEC * 2.0 * mf_sg_attn_buf_bf16(MF_LY_A_Q));
         break;
     case MF_SG_DENSE_IN:   /* the queries, the key table (every card its own), the lists and sinks */
         t.dense = MF_SG_D_HEADS;

@@ -463,10 +463,11 @@ void mf_sg_dense_rows(int parts, int part, int64_t n_rows, int64_t *r0, int64_t 
  *                heads), whose part it rounds again (mf_fa_heads_o): out of the heads, in for oa;
  *   MF_LY_A_Z    wo_a's output, rounded (mf_ly_attn_linears' bf): out of oa, in for ob (by rows);
  *   MF_LY_A_OUT  wo_b's output, rounded: out of ob;
- * 0 for the others: KV (wkv's output, read first by the window KV's rounding of its first head,
- * not done: 0.3% of the chain's bytes at flash41), LAT, GATE, IW and QI (fp32 values the compressor and the indexer read as they are). The
- * heads' key table stays fp32 (fp8-exact rows, not done: the queries are 94% of the heads' bytes
- * in at 8192 items), their key lists int32.
+ * 0 for the others: KV (wkv's output, its first head rounded first by the window KV; under 1% of
+ * the chain's bytes at flash41: not done), LAT, GATE, IW and QI (fp32 values the compressor and
+ * the indexer read as they are). The heads' key table stays fp32 (the window rows are fp8
+ * fake-quantized, the compressed entries' unpacking is not proven bf16-exact here; 10% of a card's
+ * heads' bytes in at flash41's 8192 items, the bf16 queries 77%), the key lists int32.
  * mf_sg_dense_bf16(dense, out) for the other sublayers' copies: 1 for the gate's in (the MoE input,
  * the ffn_norm's output: bf16; the shared expert reads the same copy) and the shared expert's out
  * (w2's output, rounded); 0 for the gate's logits (fp32, the route reads them as they are) and
