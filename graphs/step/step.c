@@ -574,8 +574,11 @@ static int mf_task_attn_core(void *arg, mf_task_ctx *ctx)
     if (!cx) return -EINVAL;
     int scored = mf_sg_layer_scored(cx->ly->c, a->t->layer);
     float *b[MF_LY_A_N];
+    const mf_config *c = cx->ly->c;
     for (int i = a->t->i0; i < a->t->i1; i++) {
         mf_step_abuf(a->sh, i, b);
+        if (scored)   /* qb's copy out of the indexer's queries (their only reader rounds them first) */
+            mf_step_ab_cast(a->sh, MF_LY_A_QI, 0, i, 0, (int64_t)c->index_n_heads * c->index_head_dim);
         mf_ly_attn_index_query(cx, &a->sh->items[i], a->t->layer, b);
         if (!scored) mf_ly_attn_core_select(cx, &a->sh->items[i], a->t->layer, cx->scores);
     }
@@ -2230,6 +2233,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         {"ab16_in", ab16_sz[MF_LY_A_IN], (void **)&sh->ab16[MF_LY_A_IN]},
         {"ab16_qr", ab16_sz[MF_LY_A_QR], (void **)&sh->ab16[MF_LY_A_QR]},
         {"ab16_q", ab16_sz[MF_LY_A_Q], (void **)&sh->ab16[MF_LY_A_Q]},
+        {"ab16_qi", ab16_sz[MF_LY_A_QI], (void **)&sh->ab16[MF_LY_A_QI]},
         {"ab16_o", ab16_sz[MF_LY_A_O], (void **)&sh->ab16[MF_LY_A_O]},
         {"ab16_z", ab16_sz[MF_LY_A_Z], (void **)&sh->ab16[MF_LY_A_Z]},
         {"ab16_out", ab16_sz[MF_LY_A_OUT], (void **)&sh->ab16[MF_LY_A_OUT]},

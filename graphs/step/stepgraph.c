@@ -549,8 +549,8 @@ double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_c
 
 int mf_sg_attn_buf_bf16(int buf)
 {
-    return buf == MF_LY_A_IN || buf == MF_LY_A_QR || buf == MF_LY_A_Q || buf == MF_LY_A_O || buf == MF_LY_A_Z ||
-           buf == MF_LY_A_OUT;
+    return buf == MF_LY_A_IN || buf == MF_LY_A_QR || buf == MF_LY_A_Q || buf == MF_LY_A_QI || buf == MF_LY_A_O ||
+           buf == MF_LY_A_Z || buf == MF_LY_A_OUT;
 }
 
 int mf_sg_dense_bf16(int dense, int out)
@@ -789,9 +789,11 @@ static mf_task_id sg_attn_card(sg_builder *b, int L, int st)
                                      : 0;
         out_tok = 4.0 * y->st_out_rows[st];
         /* bf16 rows of the output (mf_ly_attn_linears' order): in's low-rank query (wq_a's rows, first),
-         * qb's queries (wq_b's rows, first), ob's all */
+         * qb's queries (wq_b's rows, first) and the indexer's (idx_wq_b's, after them), ob's all */
+        double nq = (double)c->n_heads * c->head_dim;
         if (st == MF_SG_ST_IN && mf_sg_attn_buf_bf16(MF_LY_A_QR)) out_bf = (double)c->q_lora_rank;
-        if (st == MF_SG_ST_QB && mf_sg_attn_buf_bf16(MF_LY_A_Q)) out_bf = (double)c->n_heads * c->head_dim;
+        if (st == MF_SG_ST_QB && mf_sg_attn_buf_bf16(MF_LY_A_Q))
+            out_bf = mf_sg_attn_buf_bf16(MF_LY_A_QI) ? y->st_out_rows[st] : nq;
         if (st == MF_SG_ST_OB && mf_sg_attn_buf_bf16(MF_LY_A_OUT)) out_bf = y->st_out_rows[st];
     }
     static const int dense_of[4] = {MF_SG_D_ATTN_IN, MF_SG_D_ATTN_QB, MF_SG_D_ATTN_OA, MF_SG_D_ATTN_OB};
@@ -1212,6 +1214,8 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
                 mf_sg_task tc = whole ? sg_item(b, L, k) : sg_part(sg, L, i, 0, 1, 0, 1);
                 tc.part = -1;
                 tc.n_tok = 1;   /* the index query: not priced (as before the split) */
+                if (sg->n_dense_cards && index && mf_sg_attn_buf_bf16(MF_LY_A_QI))   /* its queries unpacked */
+                    tc.w.vec_flops = (double)(tc.i1 - tc.i0) * c->index_n_heads * c->index_head_dim * SG_W_CAST_VEC;
                 gate[i] = sg_add(b, 0, MF_SG_ATTN_CORE, MF_SG_PH_ATTN, MF_SG_K_OTHER, tc);
                 sg_dep(b, kv, gate[i]);
                 for (int p = 0; p < sg->p_attn; p++) sg_dep(b, rows[MF_SG_ST_QB][p], gate[i]);

@@ -459,13 +459,15 @@ void mf_sg_dense_rows(int parts, int part, int64_t n_rows, int64_t *r0, int64_t 
  *   MF_LY_A_Q    wq_b's output (fp32) out of qb: read only by the heads, which round each head's
  *                query to bf16 before any other use (mf_fa_heads_q, mf_ly_attn_core_heads); in for
  *                the heads on cards after the q prep, which rounds it last (mf_fa_heads_q);
+ *   MF_LY_A_QI   the indexer's wq_b output (fp32) out of qb: read only by the index query, which
+ *                rounds it first (graphs/layers mf_ly_index_q);
  *   MF_LY_A_O    the heads' output, bf16 before its inverse RoPE (mf_dev_attn_heads, the host's
  *                heads), whose part it rounds again (mf_fa_heads_o): out of the heads, in for oa;
  *   MF_LY_A_Z    wo_a's output, rounded (mf_ly_attn_linears' bf): out of oa, in for ob (by rows);
  *   MF_LY_A_OUT  wo_b's output, rounded: out of ob;
- * 0 for the others: KV (wkv's output, its first head rounded first by the window KV; under 1% of
- * the chain's bytes at flash41: not done), LAT, GATE, IW and QI (fp32 values the compressor and
- * the indexer read as they are). The heads' key table stays fp32 (the window rows are fp8
+ * 0 for the others: KV (wkv's output, its first head rounded first by the window KV) and IW (the
+ * index weights, rounded first by the index query): under 1% of the chain's bytes at flash41, not
+ * done; LAT and GATE (fp32 values the compressor reads as they are). The heads' key table stays fp32 (the window rows are fp8
  * fake-quantized, the compressed entries' unpacking is not proven bf16-exact here; 10% of a card's
  * heads' bytes in at flash41's 8192 items, the bf16 queries 77%), the key lists int32.
  * mf_sg_dense_bf16(dense, out) for the other sublayers' copies: 1 for the gate's in (the MoE input,
