@@ -159,6 +159,14 @@ int mf_dev_linear(mf_dev_stream *s, const mf_dev_lin *a);
 /* Rounds y[t * ld + i] (t < n_tok, i < n) to bf16 in place (round to nearest even, as
  * host/formats.h mf_bf16_from_f32): bit for bit on every backend. */
 int mf_dev_round_bf16(mf_dev_stream *s, float *y, int n_tok, int64_t ld, int n);
+/* Activations copied as bf16 (2 bytes a value; graphs/step/stepgraph.h mf_sg_attn_buf_bf16): pack
+ * writes y[t * ld_y + i] = the bf16 code of x[t * ld_x + i] (host/formats.h mf_bf16_from_f32,
+ * NaN included), unpack x[t * ld_x + i] = the float of code y[t * ld_y + i] (exact); t < n_tok,
+ * i < n. unpack(pack(x)) is mf_dev_round_bf16's rounding: x itself for a value already bf16. Bit
+ * for bit on every backend; enqueued on any stream of the card (the copy streams: before a d2h of
+ * y, after an h2d into y). -EINVAL for NULL pointers, n_tok or n < 1, or ld < n. */
+int mf_dev_bf16_pack(mf_dev_stream *s, const float *x, int64_t ld_x, uint16_t *y, int64_t ld_y, int n_tok, int n);
+int mf_dev_bf16_unpack(mf_dev_stream *s, const uint16_t *y, int64_t ld_y, float *x, int64_t ld_x, int n_tok, int n);
 /* Phase 1 of a dense FFN (the shared expert), as mf_kern_ffn_up without token weights on the
  * fp32 path: rows [0, w1.n_out) of slices w1, w3 (FP8 or BF16, same rows) against x (ld_x),
  * h[t * ld_h + i] = silu(min(w1 x, limit)) * clamp(w3 x, +-limit); limit > 0. */

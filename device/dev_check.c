@@ -63,12 +63,13 @@ typedef struct dc_host {
  * 1 and 3 tokens against device/dense_host.h on the same data: an FP8 row slice [32, 96) of a
  * 128 x 256 matrix with strided outputs, a BF16 64 x 256 with reference sums (the router gate),
  * an FP8 128 x 64 grouped (4 groups of 32 rows) slice from row 32 with reference sums (wo_a),
- * the FP8 FFN phase 1 (64 x 256, limit 7), the bf16 rounding and the exact gating. Device
+ * the FP8 FFN phase 1 (64 x 256, limit 7), the bf16 rounding, a bf16 pack and unpack (strided,
+ * through dh: the rounding's bits) and the exact gating. Device
  * buffers: dw (weights), dsc (scales), dx, dh, dy (x, a second input, outputs). */
-enum { DD_LIN, DD_GATE, DD_WOA, DD_UP, DD_ROUND, DD_SWIGLU, DD_N };
+enum { DD_LIN, DD_GATE, DD_WOA, DD_UP, DD_ROUND, DD_CAST, DD_SWIGLU, DD_N };
 static const char *const dd_name[DD_N] = {"fp8 linear (row slice, strides)", "bf16 linear (reference sums)",
                                           "fp8 grouped linear (reference sums)", "dense ffn up (fp8)",
-                                          "bf16 rounding", "swiglu (bf16 roundings)"};
+                                          "bf16 rounding", "bf16 pack and unpack", "swiglu (bf16 roundings)"};
 
 static int dc_dense(mf_dev *d, int card, mf_dev_stream *st, dc_rng *r, dc_host *hb, uint8_t *dw, uint8_t *dsc,
                     float *dx, float *dh, float *dy)
@@ -105,7 +106,8 @@ static int dc_dense(mf_dev *d, int card, mf_dev_stream *st, dc_rng *r, dc_host *
             int n_x = k == DD_SWIGLU ? DC_HID : DC_IN;
             for (int i = 0; i < T * n_x; i++) hb->x[i] = ((float)dc_next(r) / 2147483648.0f - 1.0f) * (k >= DD_ROUND ? 8.0f : 2.0f);
             for (int i = 0; i < T * DC_HID; i++) hx2[i] = ((float)dc_next(r) / 2147483648.0f - 1.0f) * 8.0f;
-            if (k == DD_ROUND) n_y = 64, ld_y = DC_IN;
+            int rnd = k == DD_ROUND || k == DD_CAST;   /* y: x, rounded in place or through codes */
+            if (rnd) n_y = 64, ld_y = DC_IN;
             if (k == DD_SWIGLU) n_y = DC_HID;
             size_t ny_all = (size_t)T * ld_y;
             memset(hb->ref, 0, sizeof hb->ref);
@@ -117,7 +119,7 @@ static int dc_dense(mf_dev *d, int card, mf_dev_stream *st, dc_rng *r, dc_host *
                             .ld_h = ld_y};
             if (k <= DD_WOA) rc = mf_dense_host_linear(&hl);
             else if (k == DD_UP) rc = mf_dense_host_ffn_up(&hu);
-            else if (k == DD_ROUND) {
+            else if (rnd) {
                 memcpy(hb->ref, hb->x, sizeof(float) * ny_all);
                 mf_dense_host_round_bf16(hb->ref, T, ld_y, n_y);
             } else {
@@ -138,10 +140,12 @@ static int dc_dense(mf_dev *d, int card, mf_dev_stream *st, dc_rng *r, dc_host *
             if (!rc && so) rc = mf_dev_copy_h2d(st, dsc, m[0].scale, so);
             if (!rc) rc = mf_dev_copy_h2d(st, dx, hb->x, sizeof(float) * (size_t)T * n_x);
             if (!rc) rc = mf_dev_copy_h2d(st, dh, hx2, sizeof(float) * (size_t)T * DC_HID);
-            if (!rc) rc = mf_dev_copy_h2d(st, dy, k == DD_ROUND ? hb->x : hb->got, sizeof(float) * ny_all);
+            if (!rc) rc = mf_dev_copy_h2d(st, dy, rnd ? hb->x : hb->got, sizeof(float) * ny_all);
             if (!rc && k <= DD_WOA) rc = mf_dev_linear(st, &dl);
             if (!rc && k == DD_UP) rc = mf_dev_ffn_up(st, &du);
             if (!rc && k == DD_ROUND) rc = mf_dev_round_bf16(st, dy, T, ld_y, n_y);
+            if (!rc && k == DD_CAST) rc = mf_dev_bf16_pack(st, dx, DC_IN, (uint16_t *)dh, 70, T, n_y);
+            if (!rc && k == DD_CAST) rc = mf_dev_bf16_unpack(st, (const uint16_t *)dh, 70, dy, ld_y, T, n_y);
             if (!rc && k == DD_SWIGLU) rc = mf_dev_swiglu_bf16(st, dx, dh, T, DC_HID, DC_HID, 7.0f, dy);
             if (!rc) rc = mf_dev_copy_d2h(st, hb->got, dy, sizeof(float) * ny_all);
             int rs = mf_dev_stream_sync(st);
@@ -150,7 +154,7 @@ static int dc_dense(mf_dev *d, int card, mf_dev_stream *st, dc_rng *r, dc_host *
                 return mf_error_wrap(rc, "card %d (%s): self-check of kernel %s at %d tokens failed", card, kind,
                                      dd_name[k], T);
             double e = dc_rel(hb->got, hb->ref, ny_all);
-            double tol = k == DD_ROUND ? 0 : k == DD_SWIGLU ? MF_DEV_CHECK_TOL_BF16 : k == DD_UP ? MF_DEV_CHECK_TOL_FFN
+            double tol = rnd ? 0 : k == DD_SWIGLU ? MF_DEV_CHECK_TOL_BF16 : k == DD_UP ? MF_DEV_CHECK_TOL_FFN
                                                                                           : MF_DEV_CHECK_TOL_MM;
             if (!(e <= tol))
                 rc = mf_error(-EIO, "card %d (%s): kernel %s: relative error %.2e at %d tokens against the host "

@@ -424,6 +424,14 @@ static int cu_round_bf16(mf_dev_stream *ps, float *y, int n_tok, int64_t ld, int
     return mf_cuda_kern_round_bf16(s->st, y, n_tok, ld, n);
 }
 
+static int cu_bf16_cast(mf_dev_stream *ps, int pack, float *x, int64_t ld_x, uint16_t *y, int64_t ld_y, int n_tok,
+                        int n)
+{
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    return mf_cuda_kern_bf16_cast(s->st, pack, x, ld_x, y, ld_y, n_tok, n);
+}
+
 static int cu_ffn_up(mf_dev_stream *ps, const mf_dev_up *a)
 {
     cu_stream *s = (cu_stream *)ps;
@@ -567,6 +575,7 @@ static const mf_dev_ops cu_ops = {
     .expert_ffn_table = cu_expert_ffn_table,
     .linear = cu_linear,
     .round_bf16 = cu_round_bf16,
+    .bf16_cast = cu_bf16_cast,
     .ffn_up = cu_ffn_up,
     .swiglu_bf16 = cu_swiglu_bf16,
     .attn_heads = cu_attn_heads,

@@ -20,6 +20,8 @@ int mf_cuda_kern_ffn_table(void *stream, const mf_dev_ffn_table *a);
  * FP8 and BF16 mf_cuda_kern_matmul run the same linear kernel. */
 int mf_cuda_kern_linear(void *stream, const mf_dev_lin *a);
 int mf_cuda_kern_round_bf16(void *stream, float *y, int n_tok, int64_t ld, int n);
+/* mf_dev_bf16_pack (pack 1) and _unpack (pack 0). */
+int mf_cuda_kern_bf16_cast(void *stream, int pack, float *x, int64_t ld_x, uint16_t *y, int64_t ld_y, int n_tok, int n);
 int mf_cuda_kern_ffn_up(void *stream, const mf_dev_up *a);
 int mf_cuda_kern_swiglu_bf16(void *stream, const float *g, const float *u, int n_tok, int64_t ld, int n,
                              float limit, float *h);

@@ -28,7 +28,7 @@
 #define EMU_HDR_BYTES 64
 
 typedef enum { OP_COPY, OP_COPY_2D, OP_CALLBACK, OP_RECORD, OP_WAIT, OP_FP4, OP_FP8, OP_BF16, OP_FFN, OP_FFN_TABLE,
-               OP_LIN, OP_ROUND, OP_UP, OP_SWIGLU, OP_ATTN } emu_op_kind;
+               OP_LIN, OP_ROUND, OP_CAST, OP_UP, OP_SWIGLU, OP_ATTN } emu_op_kind;
 
 typedef struct emu_event {
     mf_dev_event pub;
@@ -54,6 +54,7 @@ typedef struct emu_op {
         mf_dev_up up;
         mf_dev_attn attn;
         struct { const float *g, *u; float *y; int n_tok, n; int64_t ld; float limit; } ew;   /* round, swiglu */
+        struct { float *x; uint16_t *y; int64_t ld_x, ld_y; int n_tok, n, pack; } cast;
     } u;
 } emu_op;
 
@@ -290,6 +291,10 @@ static void emu_run_op(emu_stream *s, emu_op *op)
         break;
     case OP_ROUND:
         mf_dense_host_round_bf16(op->u.ew.y, op->u.ew.n_tok, op->u.ew.ld, op->u.ew.n);
+        break;
+    case OP_CAST:
+        mf_dense_host_bf16_cast(op->u.cast.pack, op->u.cast.x, op->u.cast.ld_x, op->u.cast.y, op->u.cast.ld_y,
+                                op->u.cast.n_tok, op->u.cast.n);
         break;
     case OP_UP:
         rc = mf_dense_host_ffn_up(&op->u.up);
@@ -604,6 +609,13 @@ static int emu_round_bf16(mf_dev_stream *s, float *y, int n_tok, int64_t ld, int
     return emu_enqueue(s, &op);
 }
 
+static int emu_bf16_cast(mf_dev_stream *s, int pack, float *x, int64_t ld_x, uint16_t *y, int64_t ld_y, int n_tok,
+                         int n)
+{
+    emu_op op = {.kind = OP_CAST, .u.cast = {x, y, ld_x, ld_y, n_tok, n, pack}};
+    return emu_enqueue(s, &op);
+}
+
 static int emu_ffn_up(mf_dev_stream *s, const mf_dev_up *a)
 {
     emu_op op = {.kind = OP_UP, .u.up = *a};
@@ -726,6 +738,7 @@ static const mf_dev_ops emu_ops = {
     .expert_ffn_table = emu_expert_ffn_table,
     .linear = emu_linear,
     .round_bf16 = emu_round_bf16,
+    .bf16_cast = emu_bf16_cast,
     .ffn_up = emu_ffn_up,
     .swiglu_bf16 = emu_swiglu_bf16,
     .attn_heads = emu_attn_heads,

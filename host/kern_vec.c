@@ -197,3 +197,41 @@ void mf_kern_vec_bf16_round(float *x, int64_t n)
     }
     for (; i < n; i++) x[i] = mf_bf16_round(x[i]);
 }
+
+/* x[0..n) (n a multiple of 8) as bf16 codes into y, 8 lanes at a time: the rounding's top halves */
+__attribute__((target("avx2,fma"))) static void mf_vec_bf16_pack_avx2(const float *x, uint16_t *y, int64_t n)
+{
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256i r = _mm256_srli_epi32(_mm256_castps_si256(mf_simd_bf16_round8(_mm256_loadu_ps(x + i))), 16);
+        __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);   /* lanes 0-3, 4-7 */
+        _mm_storeu_si128((__m128i *)(void *)(y + i), _mm256_castsi256_si128(p));
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void mf_vec_bf16_unpack_avx2(const uint16_t *y, float *x, int64_t n)
+{
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)(y + i)));
+        _mm256_storeu_ps(x + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+    }
+}
+
+void mf_kern_vec_bf16_pack(const float *x, uint16_t *y, int64_t n)
+{
+    int64_t i = 0;
+    if (n >= 8 && mf_kern_simd_active() == MF_KERN_SIMD_AVX2) {
+        i = n & ~(int64_t)7;
+        mf_vec_bf16_pack_avx2(x, y, i);
+    }
+    for (; i < n; i++) y[i] = mf_bf16_from_f32(x[i]);
+}
+
+void mf_kern_vec_bf16_unpack(const uint16_t *y, float *x, int64_t n)
+{
+    int64_t i = 0;
+    if (n >= 8 && mf_kern_simd_active() == MF_KERN_SIMD_AVX2) {
+        i = n & ~(int64_t)7;
+        mf_vec_bf16_unpack_avx2(y, x, i);
+    }
+    for (; i < n; i++) x[i] = mf_bf16_to_f32(y[i]);
+}

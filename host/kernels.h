@@ -134,6 +134,13 @@ int mf_kern_ffn_down(const mf_kern_mat *w2, const mf_kern_in *h, float *y, int l
 /* x[0..n) rounded to bf16 in place (host/formats.h mf_bf16_round, NaN included): 8 lanes at a time
  * on the AVX2 path, the same bits. graphs/layers mf_bf_n and the engine's heads run on it. */
 void mf_kern_vec_bf16_round(float *x, int64_t n);
+/* y[0..n) = the bf16 codes of x[0..n) (host/formats.h mf_bf16_from_f32, NaN included), and back:
+ * x[0..n) = the floats of codes y[0..n) (exact). unpack(pack(x)) is mf_kern_vec_bf16_round(x): x
+ * itself for a value already rounded to bf16, so an activation that is bf16 travels in 2 bytes
+ * without loss (the dense chains' copies, graphs/step/stepgraph.h mf_sg_attn_buf_bf16). 8 lanes at
+ * a time on the AVX2 path, the same bits. */
+void mf_kern_vec_bf16_pack(const float *x, uint16_t *y, int64_t n);
+void mf_kern_vec_bf16_unpack(const uint16_t *y, float *x, int64_t n);
 /* out[g] = q[g] . k for G (1..4) queries against one vector k of n floats. */
 void mf_kern_vec_dots(const float *const *q, int G, const float *k, int n, float *out);
 /* out[j][g] = q[g] . k[j] for G (1..4) queries and nk keys: per key the bits of mf_kern_vec_dots;

@@ -6,6 +6,7 @@
  * prompt in chunks of 16 then 3 decode steps with the heads on emu:1 and emu:2 (split by heads),
  * bit for bit (memcmp) the host placement's, and different with the card op perturbed
  * (mf_step_opts.heads_fault). */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -96,6 +97,14 @@ static void test_graph(void)
         int lane = mf_graph_task(sg->g, t)->lane;
         CHECK(lane == lt.lane_dev0 + 3 * r->card + k, "heads task %d of card %d on lane %d", t, r->card, lane);
         if (k == 1) heads_rows[r->card] += (int)((r->r1 - r->r0) / c.head_dim);
+        /* the queries in and the outputs out as bf16 (mf_sg_attn_buf_bf16): 2 bytes a value */
+        if (k == 2)
+            CHECK(r->w.copy_bytes_tok == 2.0 * (double)(r->r1 - r->r0), "heads out: %.0f bytes an item for %lld values",
+                  r->w.copy_bytes_tok, (long long)(r->r1 - r->r0));
+        double keys = (r->w.copy_bytes_tok - 2.0 * (double)(r->r1 - r->r0)) / 4 - 1;   /* the key list's entries */
+        if (k == 0) CHECK(keys == floor(keys) && keys >= 1 && keys <= sg->heads_keys,
+                          "heads in: %.0f bytes an item for %lld query values and a list of at most %d keys",
+                          r->w.copy_bytes_tok, (long long)(r->r1 - r->r0), sg->heads_keys);
     }
     CHECK(host_heads == 0, "%d host heads tasks", host_heads);
     CHECK(gathers == c.n_layers, "%d gathers (expected %d)", gathers, c.n_layers);

@@ -538,15 +538,16 @@ static void case_edges(void)
     mat_free(&m);
 }
 
-/* mf_kern_vec_bf16_round on every path: mf_bf16_round's bits for random bit patterns (NaNs, infs,
+/* mf_kern_vec_bf16_round, _pack and _unpack on every path: mf_bf16_round's bits for random bit patterns (NaNs, infs,
  * subnormals, ties among them), lengths that leave a tail of 0..7 */
 static void test_bf16_round(const mf_kern_simd *paths, int n_paths)
 {
     enum { N = 1 << 16 };
-    float *x = xmalloc(sizeof(float) * N), *y = xmalloc(sizeof(float) * N);
+    float *x = xmalloc(sizeof(float) * N), *y = xmalloc(sizeof(float) * N), *z = xmalloc(sizeof(float) * N);
+    uint16_t *code = xmalloc(sizeof(uint16_t) * N);
     static const uint32_t special[] = {0x7F800000u, 0xFF800000u, 0x7FC00001u, 0xFF800001u, 0x7F7FFFFFu, 0x00000001u,
                                        0x80008000u, 0x3F808000u, 0x3F818000u, 0x7F7F8000u, 0x00000000u, 0x80000000u};
-    int same = 1;
+    int same = 1, packed = 1;
     for (int p = 0; p < n_paths; p++) {
         CHECK(mf_kern_simd_set(paths[p]) == 0, "%s", mf_last_error());
         for (int rep = 0; rep < 4; rep++) {
@@ -563,12 +564,23 @@ static void test_bf16_round(const mf_kern_simd *paths, int n_paths)
                 float want = i < n ? mf_bf16_round(x[i]) : x[i];
                 same &= !memcmp(&want, &y[i], 4);
             }
+            /* pack: mf_bf16_from_f32's codes; unpack of them: the rounding's bits (tail untouched) */
+            for (int i = 0; i < N; i++) code[i] = 0x5A5A;
+            mf_kern_vec_bf16_pack(x, code, n);
+            for (int i = 0; i < N; i++) packed &= code[i] == (i < n ? mf_bf16_from_f32(x[i]) : 0x5A5A);
+            memcpy(z, x, sizeof(float) * N);
+            mf_kern_vec_bf16_unpack(code, z, n);
+            packed &= !memcmp(z, y, sizeof(float) * N);
         }
         CHECK(same, "%s: mf_kern_vec_bf16_round differs from mf_bf16_round", mf_kern_simd_name(paths[p]));
+        CHECK(packed, "%s: mf_kern_vec_bf16_pack/unpack differ from mf_bf16_from_f32/mf_bf16_round",
+              mf_kern_simd_name(paths[p]));
     }
     mf_kern_simd_set(MF_KERN_SIMD_AUTO);
     free(x);
     free(y);
+    free(z);
+    free(code);
 }
 
 int main(void)

@@ -100,7 +100,7 @@ static void test_graph(void)
  * rows (mf_sg_dense_rows) tile each sublayer's rows without gaps or overlaps, 32-row aligned; the
  * records' weight bytes per card are mf_sg_dense_card_bytes's (each weight read once, on one
  * card: no mirror), their sum the layer-range split's, and each card's share fits the seed
- * host's cards. */
+ * host's cards; the copies move 2 bytes a value where they are bf16 (mf_sg_attn_buf_bf16). */
 static void test_graph_rows(void)
 {
     mf_config c;
@@ -134,12 +134,16 @@ static void test_graph_rows(void)
                                              .n_lanes = lt.n_lanes, .lane_io = lt.lane_io, .lane_dev0 = lt.lane_dev0},
                                &sg) == 0,
               "rows graph: %s", mf_last_error());
-        double bytes[4] = {0};
-        int runs[MF_SG_N_DENSE] = {0};
+        double bytes[4] = {0}, cp_tok[MF_SG_N_DENSE][3] = {{0}};   /* layer 3's copies per item, all cards */
+        double qbi_out = 0;   /* qb's copies out of the first layer with an indexer (its queries too) */
+        int runs[MF_SG_N_DENSE] = {0}, li = 0;
+        while (li < c.n_layers && !mf_sg_layer_scored(&c, li)) li++;
         for (int t = 0; sg && t < sg->n_tasks; t++) {
             const mf_sg_task *r = &sg->task[t];
             if (r->op < MF_SG_DENSE_IN || r->op > MF_SG_DENSE_OUT) continue;
             int k = r->op - MF_SG_DENSE_IN, lane = mf_graph_task(sg->g, t)->lane;
+            if (r->layer == 3 && r->dense < MF_SG_N_DENSE) cp_tok[r->dense][k] += r->w.copy_bytes_tok;
+            if (r->layer == li && r->dense == MF_SG_D_ATTN_QB && k == 2) qbi_out += r->w.copy_bytes_tok;
             int parts = mf_sg_dense_parts(4, MF_SG_SPLIT_ROWS, r->dense);
             int want = parts > 1 ? r->part : mf_sg_dense_card(&c, 4, r->layer);
             CHECK(r->card == want && lane == lt.lane_dev0 + 3 * r->card + k && (parts > 1) == (r->part >= 0),
@@ -149,6 +153,28 @@ static void test_graph_rows(void)
             runs[r->dense]++;
             for (int f = 0; f < MF_KF_REF; f++) bytes[r->card] += r->w.w_bytes[f];
         }
+        /* the bf16 copies (mf_sg_attn_buf_bf16, mf_sg_dense_bf16) at 2 bytes a value, the others at 4:
+         * every card copies in all of in's input, the MoE input and wo_a's output, and out its rows */
+        const mf_sg_layer_sizes *y3 = &sz->layer[3];
+        double H = (double)c.hidden_size, nz = y3->st_out_rows[MF_SG_ST_OA];
+        double qr = (double)c.q_lora_rank;
+        static const char *const cp_name[8] = {"in's in", "in's out", "qb's in", "qb's out", "oa's out", "ob's in",
+                                               "ob's out", "the gate's in"};
+        double cp_got[8] = {cp_tok[MF_SG_D_ATTN_IN][0], cp_tok[MF_SG_D_ATTN_IN][2], cp_tok[MF_SG_D_ATTN_QB][0],
+                            cp_tok[MF_SG_D_ATTN_QB][2], cp_tok[MF_SG_D_ATTN_OA][2], cp_tok[MF_SG_D_ATTN_OB][0],
+                            cp_tok[MF_SG_D_ATTN_OB][2], cp_tok[MF_SG_D_GATE][0]};
+        double cp_want[8] = {4 * 2 * H, 2 * qr + 4 * (y3->st_out_rows[MF_SG_ST_IN] - qr), 4 * 2 * qr,
+                             2 * y3->st_out_rows[MF_SG_ST_QB], 2 * nz, 4 * 2 * nz, 2 * H, 4 * 2 * H};
+        for (int q = 0; q < 8; q++)
+            CHECK(fabs(cp_got[q] - cp_want[q]) < 1e-9 * cp_want[q], "batch %d layer 3: %s copies %.0f bytes an item "
+                  "(expected %.0f: bf16 where mf_sg_attn_buf_bf16 says)", ns[ni], cp_name[q], cp_got[q], cp_want[q]);
+        double qbi_want = 2 * sz->layer[li].st_out_rows[MF_SG_ST_QB];
+        CHECK(li < c.n_layers && sz->layer[li].st_out_rows[MF_SG_ST_QB] > (double)c.n_heads * c.head_dim &&
+                  qbi_out == qbi_want,
+              "batch %d layer %d (an indexer's): qb copies out %.0f bytes an item (expected %.0f)", ns[ni], li, qbi_out,
+              qbi_want);
+        CHECK(cp_tok[MF_SG_D_SHARED][2] == 2 * H, "batch %d: the shared expert copies out %.0f bytes an item",
+              ns[ni], cp_tok[MF_SG_D_SHARED][2]);
         for (int d = 0; d < MF_SG_N_DENSE; d++) {
             int want = (d == MF_SG_D_HEAD ? 1 : c.n_layers) * mf_sg_dense_parts(4, MF_SG_SPLIT_ROWS, d);
             CHECK(runs[d] == want, "batch %d: sublayer %d: %d card tasks (expected %d)", ns[ni], d, runs[d], want);

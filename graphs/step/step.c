@@ -149,6 +149,13 @@ struct mf_step_shape {
      * failure fails its task through the stream's status callback) */
     uint8_t *ddense[MF_DEV_MAX_CARDS];
     size_t dd_ab[MF_LY_A_N], dd_xin, dd_logits, dd_hs, dd_gs, dd_us, dd_ys, dd_hn, dd_lbuf;
+    /* the activations the dense chains copy as bf16 (graphs/step/stepgraph.h mf_sg_attn_buf_bf16,
+     * mf_sg_dense_bf16; with dense cards only, else NULL): on the host a mirror of codes beside the
+     * floats (the same layout), packed by the host task that writes the floats and unpacked by the
+     * one that first reads them (mf_step_bf16_cols); on each card its copy at dd16_* (the card's
+     * copy streams pack and unpack it: mf_dev_bf16_pack, _unpack) */
+    uint16_t *ab16[MF_LY_A_N], *xin16, *ys16;
+    size_t dd16_ab[MF_LY_A_N], dd16_xin, dd16_ys;
     /* the heads on cards (sg->heads_any): the layer's key table as the gather leaves it on the host
      * (hk_tab: the ring's hk_nring rows of positions from hk_t0, then the hk_nent entries of the
      * union of the items' selections, hk_map[j] their rows in the card's table, which has the
@@ -383,6 +390,23 @@ static void mf_step_abuf(const mf_step_shape *sh, int i, float **b)
     for (int k = 0; k < MF_LY_A_N; k++) b[k] = sh->ab[k] + (size_t)i * sh->ab_ld[k];
 }
 
+/* Columns [c0, c1) of item i's row (ld values apart) of activation x packed into its bf16 mirror m
+ * (pack 1) or unpacked from it (pack 0): the host's side of a dense chain's bf16 copy; nothing
+ * without a mirror (m NULL). Lossless for the values the copies carry (mf_sg_attn_buf_bf16). */
+static void mf_step_bf16_cols(int pack, float *x, uint16_t *m, int64_t ld, int i, int64_t c0, int64_t c1)
+{
+    if (!m || c0 >= c1) return;
+    size_t at = (size_t)i * (size_t)ld + (size_t)c0;
+    if (pack) mf_kern_vec_bf16_pack(x + at, m + at, c1 - c0);
+    else mf_kern_vec_bf16_unpack(m + at, x + at, c1 - c0);
+}
+
+/* The same for attention buffer b. */
+static void mf_step_ab_cast(mf_step_shape *sh, int b, int pack, int i, int64_t c0, int64_t c1)
+{
+    mf_step_bf16_cols(pack, sh->ab[b], sh->ab16[b], sh->ab_ld[b], i, c0, c1);
+}
+
 /* The hyper-connection tasks: one item (a->t->i0) each, a part of its columns or its mix rows
  * [r0, r1) (graphs/step/stepgraph.h); the bits of the whole for any split (layer_hc.c's parts). */
 
@@ -423,6 +447,8 @@ static int mf_step_norm_cols(mf_step_targ *a, mf_task_ctx *ctx, int op)
     }
     (sh->eng->o.exact ? mf_ly_rmsnorm_cols : mf_fa_rmsnorm_cols)(sh->hcol + (size_t)i * H, H, w, c->rms_norm_eps, out,
                                                                  a->t->r0, a->t->r1);
+    if (op == MF_SG_ATTN_NORM) mf_step_ab_cast(sh, MF_LY_A_IN, 1, i, a->t->r0, a->t->r1);   /* for the cards' copies */
+    if (op == MF_SG_FFN_NORM) mf_step_bf16_cols(1, sh->xin, sh->xin16, H, i, a->t->r0, a->t->r1);
     return 0;
 }
 
@@ -495,9 +521,11 @@ static int mf_task_attn_qscale(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     const mf_config *c = sh->eng->c;
-    for (int i = a->t->i0; i < a->t->i1; i++)
+    for (int i = a->t->i0; i < a->t->i1; i++) {
+        mf_step_ab_cast(sh, MF_LY_A_QR, 0, i, 0, c->q_lora_rank);   /* in's copy out */
         sh->qrs[i] = mf_ly_rms_scale(sh->ab[MF_LY_A_QR] + (size_t)i * sh->ab_ld[MF_LY_A_QR], c->q_lora_rank,
                                      c->rms_norm_eps);
+    }
     return 0;
 }
 
@@ -512,6 +540,7 @@ static int mf_task_attn_qnorm(void *arg, mf_task_ctx *ctx)
     float *q = sh->ab[MF_LY_A_QR] + (size_t)i * sh->ab_ld[MF_LY_A_QR];
     mf_ly_rmsnorm_apply(q, &mf_model_layer_at(sh->eng->ly->m, a->t->layer)->q_norm, sh->qrs[i], q, a->t->r0,
                         a->t->r1);
+    mf_step_ab_cast(sh, MF_LY_A_QR, 1, i, a->t->r0, a->t->r1);   /* for qb's copy in */
     return 0;
 }
 
@@ -559,8 +588,11 @@ static int mf_task_attn_core(void *arg, mf_task_ctx *ctx)
     if (!cx) return -EINVAL;
     int scored = mf_sg_layer_scored(cx->ly->c, a->t->layer);
     float *b[MF_LY_A_N];
+    const mf_config *c = cx->ly->c;
     for (int i = a->t->i0; i < a->t->i1; i++) {
         mf_step_abuf(a->sh, i, b);
+        if (scored)   /* qb's copy out of the indexer's queries (their only reader rounds them first) */
+            mf_step_ab_cast(a->sh, MF_LY_A_QI, 0, i, 0, (int64_t)c->index_n_heads * c->index_head_dim);
         mf_ly_attn_index_query(cx, &a->sh->items[i], a->t->layer, b);
         if (!scored) mf_ly_attn_core_select(cx, &a->sh->items[i], a->t->layer, cx->scores);
     }
@@ -611,7 +643,10 @@ static void mf_step_heads_host(const mf_step_targ *a, mf_ly_ctx *cx, int h0, int
                           .pos0 = sh->items[j0].pos};
         wp = &win;
     }
+    int D = sh->eng->c->head_dim;
+    mf_step_ab_cast(sh, MF_LY_A_Q, 0, i, (int64_t)h0 * D, (int64_t)h1 * D);   /* qb's queries from a card */
     (sh->eng->o.exact ? mf_ly_attn_core_heads : mf_fa_attn_heads)(cx, &sh->items[i], a->t->layer, b, h0, h1, wp);
+    mf_step_ab_cast(sh, MF_LY_A_O, 1, i, (int64_t)h0 * D, (int64_t)h1 * D);   /* for oa's copy */
 }
 
 /* The heads of rows [r0, r1) of the item's attention output. */
@@ -623,6 +658,55 @@ static int mf_task_attn_heads(void *arg, mf_task_ctx *ctx)
     int D = cx->ly->c->head_dim;
     mf_step_heads_host(a, cx, (int)(a->t->r0 / D), (int)(a->t->r1 / D));
     return 0;
+}
+
+/* ---- copies of the dense work on cards ---------------------------------------------------- */
+
+/* One copy of a dense sublayer: `rows` rows of n values, ld values apart, from the value at host
+ * (its device copy at offset off of the card's buffer, the same layout); with host16 (the value's
+ * place in its bf16 mirror, its card's copy at off16) it moves as bf16 (mf_sg_attn_buf_bf16). */
+typedef struct mf_step_dcopy {
+    float *host;
+    uint16_t *host16;
+    size_t off, off16, n, rows, ld;
+} mf_step_dcopy;
+
+/* Columns [c0, c1) of the vectors (ld floats each) of n_tok items from item i0: host buffer host at
+ * device offset off, its bf16 mirror host16 (NULL: none) at off16. */
+static mf_step_dcopy mf_step_dcopy_cols(float *host, uint16_t *host16, size_t off, size_t off16, int64_t ld, int64_t c0,
+                                        int64_t c1, size_t i0, size_t n_tok)
+{
+    size_t at = i0 * (size_t)ld + (size_t)c0;
+    return (mf_step_dcopy){host + at, host16 ? host16 + at : NULL, off + at * sizeof(float), off16 + at * 2,
+                           (size_t)(c1 - c0), n_tok, (size_t)ld};
+}
+
+/* The columns of attention buffer b. */
+static mf_step_dcopy mf_step_dcopy_ab(const mf_step_shape *sh, int b, int64_t c0, int64_t c1, size_t i0, size_t n_tok)
+{
+    return mf_step_dcopy_cols(sh->ab[b], sh->ab16[b], sh->dd_ab[b], sh->dd16_ab[b], sh->ab_ld[b], c0, c1, i0, n_tok);
+}
+
+/* Enqueues copy cp on q into (out 0) or out of (out 1) the card's buffer db: one block when its rows
+ * are whole, else one 2D copy; as bf16 the card's copy stream packs the floats before (out) or
+ * unpacks them after (in) the copy of the codes (mf_dev_bf16_pack, _unpack). */
+static int mf_step_dcopy_run(mf_dev_stream *q, uint8_t *db, const mf_step_dcopy *cp, int out)
+{
+    int bf = cp->host16 != NULL, rows = (int)cp->rows, n = (int)cp->n;
+    size_t vb = bf ? 2 : sizeof(float), w = cp->n * vb, pitch = cp->ld * vb;
+    float *df = (float *)(void *)(db + cp->off);
+    uint16_t *d16 = (uint16_t *)(void *)(db + cp->off16);
+    uint8_t *dev = bf ? (uint8_t *)d16 : (uint8_t *)df, *host = bf ? (uint8_t *)cp->host16 : (uint8_t *)cp->host;
+    int rc = 0;
+    if (out && bf) rc = mf_dev_bf16_pack(q, df, (int64_t)cp->ld, d16, (int64_t)cp->ld, rows, n);
+    if (!rc && (rows == 1 || cp->n == cp->ld))
+        rc = out ? mf_dev_copy_d2h(q, host, dev, (cp->rows - 1) * pitch + w)
+                 : mf_dev_copy_h2d(q, dev, host, (cp->rows - 1) * pitch + w);
+    else if (!rc)
+        rc = out ? mf_dev_copy_d2h_2d(q, host, pitch, dev, pitch, w, cp->rows)
+                 : mf_dev_copy_h2d_2d(q, dev, pitch, host, pitch, w, cp->rows);
+    if (!rc && !out && bf) rc = mf_dev_bf16_unpack(q, d16, (int64_t)cp->ld, df, (int64_t)cp->ld, rows, n);
+    return rc;
 }
 
 /* ---- the heads on cards (graphs/step/stepgraph.h MF_SG_ATTN_GATHER, _QPREP, MF_SG_D_HEADS, _OPOST) */
@@ -702,8 +786,11 @@ static int mf_task_attn_qprep(void *arg, mf_task_ctx *ctx)
     }
     const mf_ly_item *it = &sh->items[i];
     float *b[MF_LY_A_N];
+    int64_t nq = (int64_t)c->n_heads * c->head_dim;
     mf_step_abuf(sh, i, b);
+    mf_step_ab_cast(sh, MF_LY_A_Q, 0, i, 0, nq);   /* qb's copy out, then the heads' copy in */
     mf_fa_heads_q(cx->ly, it, L, b[MF_LY_A_Q], 0, c->n_heads);
+    mf_step_ab_cast(sh, MF_LY_A_Q, 1, i, 0, nq);
     int32_t *row = sh->hk_keys + (size_t)i * KK;
     int64_t p = it->pos, t0 = p - W + 1 < 0 ? 0 : p - W + 1, m = 0;
     for (int64_t t = t0; t <= p; t++)
@@ -723,8 +810,12 @@ static int mf_task_attn_opost(void *arg, mf_task_ctx *ctx)
     mf_step_shape *sh = a->sh;
     if (sh->hk_host) return 0;
     float *b[MF_LY_A_N];
-    mf_step_abuf(sh, a->t->i0, b);
-    mf_fa_heads_o(cx->ly, &sh->items[a->t->i0], a->t->layer, b[MF_LY_A_O], 0, cx->ly->c->n_heads);
+    int i = a->t->i0;
+    int64_t no = (int64_t)cx->ly->c->n_heads * cx->ly->c->head_dim;
+    mf_step_abuf(sh, i, b);
+    mf_step_ab_cast(sh, MF_LY_A_O, 0, i, 0, no);   /* the heads' copy out, then oa's copy in */
+    mf_fa_heads_o(cx->ly, &sh->items[i], a->t->layer, b[MF_LY_A_O], 0, cx->ly->c->n_heads);
+    mf_step_ab_cast(sh, MF_LY_A_O, 1, i, 0, no);
     return 0;
 }
 
@@ -738,11 +829,11 @@ static int mf_step_heads_copy(const mf_step_targ *a, mf_dev_stream *q, int out)
     const mf_config *c = sh->eng->c;
     int i0 = a->t->i0, n = a->t->i1 - i0, D = c->head_dim, KK = sh->sg->heads_keys;
     uint8_t *db = sh->ddense[a->t->card];
-    size_t f = sizeof(float), row = (size_t)D * f, w = (size_t)(a->t->r1 - a->t->r0) * f;
-    int b = out ? MF_LY_A_O : MF_LY_A_Q;
-    size_t ld = (size_t)sh->ab_ld[b] * f, off = (size_t)i0 * ld + (size_t)a->t->r0 * f;
-    if (out) return mf_dev_copy_d2h_2d(q, (uint8_t *)sh->ab[b] + off, ld, db + sh->dd_ab[b] + off, ld, w, (size_t)n);
-    int rc = mf_dev_copy_h2d_2d(q, db + sh->dd_ab[b] + off, ld, (uint8_t *)sh->ab[b] + off, ld, w, (size_t)n);
+    size_t f = sizeof(float), row = (size_t)D * f;
+    /* the task's heads' columns of the queries or outputs (bf16: mf_sg_attn_buf_bf16) */
+    mf_step_dcopy cq = mf_step_dcopy_ab(sh, out ? MF_LY_A_O : MF_LY_A_Q, a->t->r0, a->t->r1, (size_t)i0, (size_t)n);
+    int rc = mf_step_dcopy_run(q, db, &cq, out);
+    if (out) return rc;
     uint8_t *tab = db + sh->dd_hk_tab;
     if (!rc && sh->hk_nring) rc = mf_dev_copy_h2d(q, tab, sh->hk_tab, (size_t)sh->hk_nring * row);
     if (!rc && sh->hk_nchunk) {
@@ -812,6 +903,7 @@ static int mf_task_attn_post(void *arg, mf_task_ctx *ctx)
     float pre[MF_LY_MAX_HC], post[MF_LY_MAX_HC], comb[MF_LY_MAX_HC * MF_LY_MAX_HC];
     mf_ly_hc_split_w(c, sh->amix + (size_t)i * MF_STEP_N_MIX, &y->hc_attn_scale, &y->hc_attn_base, pre, post, comb);
     int ex = sh->eng->o.exact;
+    mf_step_ab_cast(sh, MF_LY_A_OUT, 0, i, a->t->r0, a->t->r1);   /* ob's copy out */
     (ex ? mf_ly_hc_expand_cols : mf_fa_hc_expand_cols)(cx, it->x, sh->ab[MF_LY_A_OUT] + (size_t)i * sh->ab_ld[MF_LY_A_OUT],
                                                        post, comb, a->t->r0, a->t->r1);
     (ex ? mf_ly_hc_collapse_cols : mf_fa_hc_collapse_cols)(cx, it->x, pre, sh->hcol + (size_t)i * H, a->t->r0, a->t->r1);
@@ -1502,6 +1594,7 @@ static int mf_task_combine(void *arg, mf_task_ctx *ctx)
     float pre[MF_LY_MAX_HC], post[MF_LY_MAX_HC], comb[MF_LY_MAX_HC * MF_LY_MAX_HC];
     mf_ly_hc_split_w(c, sh->fmix + (size_t)i * MF_STEP_N_MIX, &y->hc_ffn_scale, &y->hc_ffn_base, pre, post, comb);
     float *out = sh->moe_out + (size_t)i * H;
+    mf_step_bf16_cols(0, sh->ys, sh->ys16, H, i, d0, d1);   /* the shared expert's copy out from its card */
     /* the host's outputs are rounded already (rounding twice changes nothing); 8 columns at a time
      * under AVX2, each column's sum in the scalar order */
     mf_fa_combine_cols(sh->y, H, sh->asg + (size_t)i * K, K, c->n_shared_experts > 0 ? sh->ys + (size_t)i * H : NULL,
@@ -1528,13 +1621,6 @@ static int mf_task_head(void *arg, mf_task_ctx *ctx)
 
 /* ---- dense work on cards ------------------------------------------------------------------- */
 
-/* One copy of a dense sublayer: host buffer, its device copy on the task's card (the same layout),
- * `rows` rows of `bytes` each, `pitch` bytes apart on both sides (rows 1: one block). */
-typedef struct mf_step_dcopy {
-    float *host;
-    size_t off, bytes, rows, pitch;
-} mf_step_dcopy;
-
 /* Rows [r0, r1) of its sublayer's n_rows output rows that dense task a owns: the builder's rule
  * (graphs/step/stepgraph.h mf_sg_dense_rows: all of them on one card, a card's chunk with
  * --dense-split rows). The rows of an attention stage are its linears' one after another. */
@@ -1552,15 +1638,6 @@ static void mf_step_dense_run_rows(const mf_step_targ *a, int64_t n_rows, int64_
     if (a->sh->eng->o.dense_fault_skip_row && a->t->part == 0 && *r1 > *r0) (*r1)--;
 }
 
-/* Rows [r0, r1) of the vectors (ld floats each) of n_tok items from item i0, host buffer host at
- * device offset off. */
-static mf_step_dcopy mf_step_dcopy_rows(float *host, size_t off, int64_t ld, int64_t r0, int64_t r1, size_t i0,
-                                        size_t n_tok)
-{
-    size_t f = sizeof(float), at = i0 * (size_t)ld + (size_t)r0;
-    return (mf_step_dcopy){host + at, off + at * f, (size_t)(r1 - r0) * f, n_tok, (size_t)ld * f};
-}
-
 /* The copies into (out 0) or out of (out 1) the card of dense task a, into cp[]; returns their
  * count (at most MF_LY_A_MAX_LIN). Attention stages: the distinct inputs of the stage's linears,
  * and the rows the task owns of their outputs (on one card oa's outputs and ob's inputs stay on
@@ -1570,7 +1647,7 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
     mf_step_shape *sh = a->sh;
     const mf_config *c = sh->eng->c;
     /* the micro-batch's items [i0, i0 + n) (the head: the items with logits, from 0) */
-    size_t i0 = (size_t)a->t->i0, n = (size_t)(a->t->i1 - a->t->i0), f = sizeof(float), H = (size_t)c->hidden_size;
+    size_t i0 = (size_t)a->t->i0, n = (size_t)(a->t->i1 - a->t->i0), H = (size_t)c->hidden_size;
     int d = a->t->dense, m = 0, split = a->t->part >= 0;
     int64_t r0, r1;
     if (d <= MF_SG_D_ATTN_OB) {
@@ -1586,19 +1663,17 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
             int64_t rows = lin[k].w->rows, lo = r0 - base > 0 ? r0 - base : 0, hi = r1 - base < rows ? r1 - base : rows;
             base += rows;
             if (out && split) {   /* this card's rows of the linear's output */
-                if (lo < hi) cp[m++] = mf_step_dcopy_rows(sh->ab[b], sh->dd_ab[b], sh->ab_ld[b], lo, hi, i0, n);
+                if (lo < hi) cp[m++] = mf_step_dcopy_ab(sh, b, lo, hi, i0, n);
                 continue;
             }
             if (split && lin[k].groups) {   /* grouped (wo_a): the input slices of the groups its rows touch */
                 int64_t R = rows / lin[k].groups, cols = lin[k].w->cols;
-                if (lo < hi) cp[m++] = mf_step_dcopy_rows(sh->ab[b], sh->dd_ab[b], sh->ab_ld[b], lo / R * cols,
-                                                          (hi + R - 1) / R * cols, i0, n);
+                if (lo < hi) cp[m++] = mf_step_dcopy_ab(sh, b, lo / R * cols, (hi + R - 1) / R * cols, i0, n);
                 continue;
             }
             if (seen & (1 << b)) continue;
             seen |= 1 << b;
-            size_t ld = (size_t)sh->ab_ld[b];
-            cp[m++] = (mf_step_dcopy){sh->ab[b] + i0 * ld, sh->dd_ab[b] + i0 * ld * f, n * ld * f, 1, 0};
+            cp[m++] = mf_step_dcopy_ab(sh, b, 0, sh->ab_ld[b], i0, n);   /* whole rows: one block */
         }
         return m;
     }
@@ -1607,16 +1682,18 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
     switch (d) {
     case MF_SG_D_GATE:
         mf_step_dense_rows(a, E, &r0, &r1);
-        if (out && r0 < r1) cp[m++] = mf_step_dcopy_rows(sh->logits, sh->dd_logits, E, r0, r1, i0, n);
-        if (!out) cp[m++] = (mf_step_dcopy){sh->xin + i0 * H, sh->dd_xin + i0 * H * f, n * H * f, 1, 0};
+        if (out && r0 < r1) cp[m++] = mf_step_dcopy_cols(sh->logits, NULL, sh->dd_logits, 0, E, r0, r1, i0, n);
+        if (!out)
+            cp[m++] = mf_step_dcopy_cols(sh->xin, sh->xin16, sh->dd_xin, sh->dd16_xin, (int64_t)H, 0, (int64_t)H, i0, n);
         break;
     case MF_SG_D_SHARED:
-        if (out) cp[m++] = (mf_step_dcopy){sh->ys + i0 * H, sh->dd_ys + i0 * H * f, n * H * f, 1, 0};
+        if (out)
+            cp[m++] = mf_step_dcopy_cols(sh->ys, sh->ys16, sh->dd_ys, sh->dd16_ys, (int64_t)H, 0, (int64_t)H, i0, n);
         break;
     case MF_SG_D_HEAD:
         mf_step_dense_rows(a, V, &r0, &r1);
-        if (nh && out && r0 < r1) cp[m++] = mf_step_dcopy_rows(sh->lbuf, sh->dd_lbuf, V, r0, r1, 0, nh);
-        if (nh && !out) cp[m++] = (mf_step_dcopy){sh->hn, sh->dd_hn, nh * H * f, 1, 0};
+        if (nh && out && r0 < r1) cp[m++] = mf_step_dcopy_cols(sh->lbuf, NULL, sh->dd_lbuf, 0, V, r0, r1, 0, nh);
+        if (nh && !out) cp[m++] = mf_step_dcopy_cols(sh->hn, NULL, sh->dd_hn, 0, (int64_t)H, 0, (int64_t)H, 0, nh);
         break;
     }
     return m;
@@ -1629,10 +1706,7 @@ static int mf_task_dense_in(void *arg, mf_task_ctx *ctx)
     mf_step_dcopy cp[MF_LY_A_MAX_LIN];
     int m = mf_step_dense_copies(a, 0, cp), rc = 0;
     if (!m) return MF_TASK_NO_WORK;
-    for (int k = 0; k < m && !rc; k++)
-        rc = cp[k].rows > 1 ? mf_dev_copy_h2d_2d(ctx->queue, a->sh->ddense[a->t->card] + cp[k].off, cp[k].pitch,
-                                                 cp[k].host, cp[k].pitch, cp[k].bytes, cp[k].rows)
-                            : mf_dev_copy_h2d(ctx->queue, a->sh->ddense[a->t->card] + cp[k].off, cp[k].host, cp[k].bytes);
+    for (int k = 0; k < m && !rc; k++) rc = mf_step_dcopy_run(ctx->queue, a->sh->ddense[a->t->card], &cp[k], 0);
     return rc;
 }
 
@@ -1643,11 +1717,7 @@ static int mf_task_dense_out(void *arg, mf_task_ctx *ctx)
     mf_step_dcopy cp[MF_LY_A_MAX_LIN];
     int m = mf_step_dense_copies(a, 1, cp), rc = 0;
     if (!m) return MF_TASK_NO_WORK;
-    for (int k = 0; k < m && !rc; k++)
-        rc = cp[k].rows > 1 ? mf_dev_copy_d2h_2d(ctx->queue, cp[k].host, cp[k].pitch,
-                                                 a->sh->ddense[a->t->card] + cp[k].off, cp[k].pitch, cp[k].bytes,
-                                                 cp[k].rows)
-                            : mf_dev_copy_d2h(ctx->queue, cp[k].host, a->sh->ddense[a->t->card] + cp[k].off, cp[k].bytes);
+    for (int k = 0; k < m && !rc; k++) rc = mf_step_dcopy_run(ctx->queue, a->sh->ddense[a->t->card], &cp[k], 1);
     return rc;
 }
 
@@ -1992,9 +2062,13 @@ static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh, const size_t *ab
     int ex = eng->o.exact;
     if (!eng->n_dense) return 0;
     /* each dense card's copies of the activations: {bytes, &offset} */
-    struct { size_t bytes, *off; } dt[MF_LY_A_N + 12];
+    struct { size_t bytes, *off; } dt[2 * MF_LY_A_N + 14];
     int m = 0;
     for (int b = 0; b < MF_LY_A_N; b++) dt[m++] = (typeof(dt[0])){ab_sz[b], &sh->dd_ab[b]};
+    for (int b = 0; b < MF_LY_A_N; b++)   /* the bf16 copies (the host's mirrors' layouts) */
+        dt[m++] = (typeof(dt[0])){sh->ab16[b] ? ab_sz[b] / 2 : 0, &sh->dd16_ab[b]};
+    dt[m++] = (typeof(dt[0])){sh->xin16 ? n_ * H * 2 : 0, &sh->dd16_xin};
+    dt[m++] = (typeof(dt[0])){sh->ys16 ? n_ * H * 2 : 0, &sh->dd16_ys};
     dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_xin};
     dt[m++] = (typeof(dt[0])){n_ * E * f, &sh->dd_logits};
     dt[m++] = (typeof(dt[0])){n_ * Ish * f, &sh->dd_hs};
@@ -2079,10 +2153,15 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         if (eng->eg_reads) sh->eg_scratch_item = (mf_store_gather_bytes(eng->store, sh->eg_per) + 15) / 16 * 16;
     }
     size_t eg_n = eng->eg_reads ? (size_t)ln * sh->eg_per : 0;
+    /* with dense cards: the bf16 mirrors of what their chains copy as bf16 (mf_sg_attn_buf_bf16) */
+    size_t ab16_sz[MF_LY_A_N], dn = eng->n_dense > 0 ? (size_t)ln : 0;
     for (int b = 0; b < MF_LY_A_N; b++) {
         sh->ab_ld[b] = (mf_ly_attn_buf_len(c, b) + 15) / 16 * 16;
         ab_sz[b] = (size_t)ln * sh->ab_ld[b] * sizeof(float);
+        ab16_sz[b] = mf_sg_attn_buf_bf16(b) ? dn * sh->ab_ld[b] * 2 : 0;
     }
+    size_t xin16_sz = mf_sg_dense_bf16(MF_SG_D_GATE, 0) ? dn * H * 2 : 0;
+    size_t ys16_sz = mf_sg_dense_bf16(MF_SG_D_SHARED, 1) && c->n_shared_experts > 0 ? dn * H * 2 : 0;
     /* the shape's buffers: {name, bytes, &ptr}, sized first, then carved from one allocation */
     float *x = NULL;
     int32_t *topk = NULL, *cand = NULL;
@@ -2165,6 +2244,15 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         {"hk_keys", hk ? n_ * sh->sg->heads_keys * 4 : 0, (void **)&sh->hk_keys},
         {"hk_nk", hk ? n_ * 4 : 0, (void **)&sh->hk_nk},
         {"hk_sink", hk ? (size_t)c->n_heads * f : 0, (void **)&sh->hk_sink},
+        {"ab16_in", ab16_sz[MF_LY_A_IN], (void **)&sh->ab16[MF_LY_A_IN]},
+        {"ab16_qr", ab16_sz[MF_LY_A_QR], (void **)&sh->ab16[MF_LY_A_QR]},
+        {"ab16_q", ab16_sz[MF_LY_A_Q], (void **)&sh->ab16[MF_LY_A_Q]},
+        {"ab16_qi", ab16_sz[MF_LY_A_QI], (void **)&sh->ab16[MF_LY_A_QI]},
+        {"ab16_o", ab16_sz[MF_LY_A_O], (void **)&sh->ab16[MF_LY_A_O]},
+        {"ab16_z", ab16_sz[MF_LY_A_Z], (void **)&sh->ab16[MF_LY_A_Z]},
+        {"ab16_out", ab16_sz[MF_LY_A_OUT], (void **)&sh->ab16[MF_LY_A_OUT]},
+        {"xin16", xin16_sz, (void **)&sh->xin16},
+        {"ys16", ys16_sz, (void **)&sh->ys16},
     };
     _Static_assert(MF_LY_A_N == 11, "one row per attention buffer");
     enum { N_TAB = sizeof tab / sizeof tab[0] };
@@ -2191,6 +2279,11 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         *tab[i].ptr = tab[i].bytes ? p : NULL;
         p += (tab[i].bytes + 63) / 64 * 64;
     }
+    for (int b = 0; b < MF_LY_A_N; b++)
+        if (ab16_sz[b] && !sh->ab16[b]) {   /* a bf16 buffer (mf_sg_attn_buf_bf16) without a row above */
+            mf_step_shape_free(sh);
+            return mf_error(-EINVAL, "step: attention buffer %d is copied as bf16 but has no mirror (internal)", b);
+        }
     sh->q8x_bytes = q8x;
     sh->q8h_bytes = q8h;
     for (int i = 0; i < n; i++) {

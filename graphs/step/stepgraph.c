@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "device/expert_cache.h"
+#include "graphs/layers/layers.h"
 #include "graphs/model/layout.h"
 #include "sched/error.h"
 
@@ -36,6 +37,11 @@
  * GMAC/s (0.0906 ns): 1.30 (a second run: 1.32). (Scalar mf_bf16_round there: 0.391 ns.)
  * docs/measurements.md, ttftattn; `moeflow bench ref --profile P` times the loop. */
 #define SG_W_ROUND_VEC 1.30
+/* A value packed to or unpacked from bf16 in a host task (host/kernels.h mf_kern_vec_bf16_pack,
+ * _unpack, 8 lanes under AVX2: the dense chains' bf16 copies, mf_sg_attn_buf_bf16), in vector
+ * multiply-adds: an estimate, not measured, the rounding's weight (the pack is that rounding and a
+ * narrowing store; the unpack a widening shift, cheaper). */
+#define SG_W_CAST_VEC SG_W_ROUND_VEC
 /* The engine's vector column loops (graphs/step/fast_attn.c, 8 or 4 columns under AVX2), in
  * host_vec multiply-adds: `moeflow bench ref` at flash41's shape (hidden 5120, 4 streams, 6 routed
  * outputs and the shared one, in cache) against 4-query in-cache mf_kern_vec_dots in the same run,
@@ -542,6 +548,20 @@ double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_c
     return b;
 }
 
+int mf_sg_attn_buf_bf16(int buf)
+{
+    return buf == MF_LY_A_IN || buf == MF_LY_A_QR || buf == MF_LY_A_Q || buf == MF_LY_A_QI || buf == MF_LY_A_O ||
+           buf == MF_LY_A_Z || buf == MF_LY_A_OUT;
+}
+
+int mf_sg_dense_bf16(int dense, int out)
+{
+    return (dense == MF_SG_D_GATE && !out) || (dense == MF_SG_D_SHARED && out);
+}
+
+/* Bytes a value of attention buffer buf travels in (mf_sg_attn_buf_bf16). */
+static double sg_attn_val_bytes(int buf) { return mf_sg_attn_buf_bf16(buf) ? 2.0 : 4.0; }
+
 /* The share of the heads' output that part k of `parts` of the grouped wo_a's n_rows rows reads:
  * the groups its rows touch (each group's rows read their own slice of the input). */
 static double sg_dense_oa_in_share(const mf_config *c, int parts, int k, double n_rows)
@@ -572,10 +592,13 @@ static void sg_dense_after(sg_builder *b, mf_task_id before, mf_task_id after)
  * sublayer's out_tok / 4 output rows; its record's part the card, its work and copy-out that
  * share): copy in of in_tok bytes per item (0: none; the card work then waits for after_in's
  * member on its card, a copy-in of an earlier chain) -> the card's work (record t) -> copy out
- * of out_tok bytes per item (0: none, the output stays on the card). Returns the first chain's
- * first task; the chains' first tasks are a group (a dependency on it is one on each chain's
- * last task, sg_dep), their card works another (b->chain_run its first: sg_dense_after). */
-static mf_task_id sg_dense_chain(sg_builder *b, int L, int d, mf_sg_task t, int phase, double in_tok, double out_tok, mf_task_id after_in)
+ * of the card's rows per item (out_tok 0: none, the output stays on the card), the first
+ * out_bf_rows of all the rows as bf16 (2 bytes: mf_sg_attn_buf_bf16), the others fp32; in_tok
+ * counts the bytes as they travel. Returns the first chain's first task; the chains' first tasks
+ * are a group (a dependency on it is one on each chain's last task, sg_dep), their card works
+ * another (b->chain_run its first: sg_dense_after). */
+static mf_task_id sg_dense_chain(sg_builder *b, int L, int d, mf_sg_task t, int phase, double in_tok, double out_tok,
+                                 mf_task_id after_in, double out_bf_rows)
 {
     mf_stepgraph *sg = b->sg;
     int parts = mf_sg_dense_parts(sg->n_dense_cards, sg->dense_split, d);
@@ -614,7 +637,10 @@ static mf_task_id sg_dense_chain(sg_builder *b, int L, int d, mf_sg_task t, int 
         if (out_tok > 0 && share > 0) {
             SG_NAME(b, "%s %s out", pre, sg_dense_name[d]);
             mf_sg_task to = r;
-            to.w.copy_bytes_tok = out_tok * share;
+            int64_t r0, r1, bf = (int64_t)out_bf_rows;   /* the card's rows, those of them bf16 */
+            mf_sg_dense_rows(parts, parts > 1 ? k : -1, (int64_t)(out_tok / 4), &r0, &r1);
+            double n_bf = (double)((r1 < bf ? r1 : bf) - (r0 < bf ? r0 : bf));
+            to.w.copy_bytes_tok = out_tok * share - 2.0 * n_bf;
             last = sg_add(b, lane + 2, MF_SG_DENSE_OUT, phase, MF_SG_K_COPY_OUT, to);
             if (!b->rc) b->rc = mf_graph_add_dep(sg->g, run, last);
         }
@@ -732,7 +758,7 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
 /* Stage st of layer L on its card (split by rows: on every card, sg_dense_chain), over all items:
  * its kernels (oa: the grouped wo_a as an fp8 kernel), their output roundings; in and qb copy
  * their input in and outputs out, oa its input in (its output stays for ob; split by rows: out, and
- * ob copies all of it in), ob its output out. */
+ * ob copies all of it in), ob its output out; the bf16 ones in 2 bytes a value (mf_sg_attn_buf_bf16). */
 static mf_task_id sg_attn_card(sg_builder *b, int L, int st)
 {
     const mf_config *c = b->o->c;
@@ -740,14 +766,15 @@ static mf_task_id sg_attn_card(sg_builder *b, int L, int st)
     int n = b->h1 - b->h0, rows = mf_sg_dense_parts(b->sg->n_dense_cards, b->sg->dense_split, MF_SG_D_ATTN_OA) > 1;
     mf_sg_task t = sg_rec(L);
     t.stage = (int8_t)st;
-    double in_tok = 0, out_tok = 0;
+    double in_tok = 0, out_tok = 0, out_bf = 0;
     if (st == MF_SG_ST_OA) {
         t.w.w_bytes[MF_KF_FP8] = y->oa_fp8_bytes;
         t.w.macs[MF_KF_FP8] = y->attn_ref_macs;
         t.w.calls[MF_KF_FP8] = 1;
         t.w.ref_flops = n * SG_W_ROUND * (double)c->o_groups * c->o_lora_rank;
-        in_tok = 4.0 * c->n_heads * c->head_dim;
+        in_tok = sg_attn_val_bytes(MF_LY_A_O) * c->n_heads * c->head_dim;
         if (rows) out_tok = 4.0 * y->st_out_rows[st];   /* each card's rows of wo_a out, all back in for wo_b */
+        out_bf = mf_sg_attn_buf_bf16(MF_LY_A_Z) ? y->st_out_rows[st] : 0;
     } else {
         t.w.w_bytes[MF_KF_FP8] = y->st_fp8_bytes[st];
         t.w.macs[MF_KF_FP8] = y->st_fp8_macs[st];
@@ -757,14 +784,21 @@ static mf_task_id sg_attn_card(sg_builder *b, int L, int st)
         t.w.calls[MF_KF_BF16] = y->st_bf16_calls[st];
         double rounds = st == MF_SG_ST_IN ? (double)c->q_lora_rank : st == MF_SG_ST_OB ? (double)c->hidden_size : 0;
         t.w.ref_flops = SG_W_ROUND * rounds * n;
-        in_tok = st == MF_SG_ST_IN   ? 4.0 * c->hidden_size
-                 : st == MF_SG_ST_QB ? 4.0 * c->q_lora_rank
-                 : rows              ? 4.0 * y->st_out_rows[MF_SG_ST_OA]
+        in_tok = st == MF_SG_ST_IN   ? sg_attn_val_bytes(MF_LY_A_IN) * c->hidden_size
+                 : st == MF_SG_ST_QB ? sg_attn_val_bytes(MF_LY_A_QR) * c->q_lora_rank
+                 : rows              ? sg_attn_val_bytes(MF_LY_A_Z) * y->st_out_rows[MF_SG_ST_OA]
                                      : 0;
         out_tok = 4.0 * y->st_out_rows[st];
+        /* bf16 rows of the output (mf_ly_attn_linears' order): in's low-rank query (wq_a's rows, first),
+         * qb's queries (wq_b's rows, first) and the indexer's (idx_wq_b's, after them), ob's all */
+        double nq = (double)c->n_heads * c->head_dim;
+        if (st == MF_SG_ST_IN && mf_sg_attn_buf_bf16(MF_LY_A_QR)) out_bf = (double)c->q_lora_rank;
+        if (st == MF_SG_ST_QB && mf_sg_attn_buf_bf16(MF_LY_A_Q))
+            out_bf = mf_sg_attn_buf_bf16(MF_LY_A_QI) ? y->st_out_rows[st] : nq;
+        if (st == MF_SG_ST_OB && mf_sg_attn_buf_bf16(MF_LY_A_OUT)) out_bf = y->st_out_rows[st];
     }
     static const int dense_of[4] = {MF_SG_D_ATTN_IN, MF_SG_D_ATTN_QB, MF_SG_D_ATTN_OA, MF_SG_D_ATTN_OB};
-    return sg_dense_chain(b, L, dense_of[st], t, MF_SG_PH_ATTN, in_tok, out_tok, -1);
+    return sg_dense_chain(b, L, dense_of[st], t, MF_SG_PH_ATTN, in_tok, out_tok, -1, out_bf);
 }
 
 /* Stage st's part p of layer L over all items: the stage's kernels split evenly over the parts
@@ -858,6 +892,8 @@ static void sg_collapse_norm(sg_builder *b, int L, int i, int op, int phase, mf_
         mf_sg_task t = sg_part(b->sg, L, i, (int64_t)H, pc, p, 0);
         double cols = (double)(t.r1 - t.r0);
         sg_norm_price(b, &t, H, cols);
+        if (op == MF_SG_ATTN_NORM && b->sg->n_dense_cards && mf_sg_attn_buf_bf16(MF_LY_A_IN))
+            t.w.vec_flops += t.n_tok * cols * SG_W_CAST_VEC;   /* its columns packed for the in stage's copy */
         nrm[p] = sg_add(b, 0, op, phase, MF_SG_K_OTHER, t);
         for (int q = 0; q < pc; q++) sg_dep(b, col[q], nrm[p]);
     }
@@ -947,28 +983,38 @@ static mf_sg_task sg_heads_rec(const mf_config *c, int L, int op, int i0, int i1
         t.n_tok = 1;
         t.w.ref_flops = SG_W_UNPACK * D * (W - 1 + sel) + nh;
         break;
-    case MF_SG_ATTN_QPREP:   /* the queries rounded twice, 8 lanes at a time (mf_fa_heads_q), the RoPE, the key list */
+    case MF_SG_ATTN_QPREP:   /* the queries rounded twice, 8 lanes at a time (mf_fa_heads_q), the RoPE, the key list;
+                              * unpacked from qb's copy and packed for the heads' (mf_sg_attn_buf_bf16) */
         t.w.ref_flops = t.n_tok * (hh * SG_W_ROPE * rd + keys);
-        t.w.vec_flops = t.n_tok * hh * SG_W_ROUND_VEC * 2.0 * D;
+        t.w.vec_flops = t.n_tok * hh * D * (SG_W_ROUND_VEC * 2.0 + SG_W_CAST_VEC * 2.0 * mf_sg_attn_buf_bf16(MF_LY_A_Q));
         break;
     case MF_SG_DENSE_IN:   /* the queries, the key table (every card its own), the lists and sinks */
         t.dense = MF_SG_D_HEADS;
         t.w.copy_bytes = 4.0 * ((W - 1 + n + sel) * D + nh);
-        t.w.copy_bytes_tok = 4.0 * (hh * D + keys + 1);
+        t.w.copy_bytes_tok = sg_attn_val_bytes(MF_LY_A_Q) * hh * D + 4.0 * (keys + 1);
         break;
     case MF_SG_DENSE:
         t.dense = MF_SG_D_HEADS;
         break;
     case MF_SG_DENSE_OUT:
         t.dense = MF_SG_D_HEADS;
-        t.w.copy_bytes_tok = 4.0 * hh * D;
+        t.w.copy_bytes_tok = sg_attn_val_bytes(MF_LY_A_O) * hh * D;
         break;
-    case MF_SG_ATTN_OPOST:   /* the inverse RoPE, the outputs' roped part rounded 8 lanes at a time (mf_fa_heads_o) */
+    case MF_SG_ATTN_OPOST:   /* the inverse RoPE, the outputs' roped part rounded 8 lanes at a time (mf_fa_heads_o);
+                              * unpacked from the heads' copy and packed for oa's (mf_sg_attn_buf_bf16) */
         t.w.ref_flops = t.n_tok * hh * SG_W_ROPE * rd;
-        t.w.vec_flops = t.n_tok * hh * SG_W_ROUND_VEC * rd;
+        t.w.vec_flops = t.n_tok * hh * (SG_W_ROUND_VEC * rd + SG_W_CAST_VEC * 2.0 * D * mf_sg_attn_buf_bf16(MF_LY_A_O));
         break;
     }
     return t;
+}
+
+/* A host heads record (MF_SG_ATTN_HEADS) with the attention's linears on cards: its heads' queries
+ * unpacked from qb's bf16 copy, their outputs packed for oa's (mf_sg_attn_buf_bf16). */
+static void sg_heads_host_cast(mf_sg_task *t)
+{
+    double vals = t->n_tok * (double)(t->r1 - t->r0);   /* r0, r1: the heads' rows of D each */
+    t->w.vec_flops += vals * SG_W_CAST_VEC * (mf_sg_attn_buf_bf16(MF_LY_A_Q) + mf_sg_attn_buf_bf16(MF_LY_A_O));
 }
 
 /* The price of a heads record over its items at position pos. */
@@ -992,6 +1038,7 @@ int mf_sg_heads_choice(const mf_sg_opts *o, int L)
     double W = o->n_threads > 0 ? o->n_threads : 1;
     int64_t pos = sg_steady_pos(c);
     mf_sg_task host = sg_heads_rec(c, L, MF_SG_ATTN_HEADS, 0, n, 0, nh, n, 0);
+    sg_heads_host_cast(&host);
     double best = sg_heads_ns(c, &m, &host, pos) / W;   /* the host's head tasks over the workers */
     int choice = 0;
     for (int parts = 1; parts <= nc; parts = parts < nc ? nc : nc + 1) {
@@ -1099,12 +1146,16 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
         SG_NAME(b, "attn L%d q scale item %d", L, i);
         mf_sg_task t = sg_part(sg, L, i, 1, 1, 0, 1);
         t.w.ref_flops = t.n_tok * 2.0 * c->q_lora_rank;
+        if (sg->n_dense_cards && mf_sg_attn_buf_bf16(MF_LY_A_QR))   /* in's copy out unpacked */
+            t.w.vec_flops = t.n_tok * SG_W_CAST_VEC * c->q_lora_rank;
         mf_task_id qs = sg_add(b, 0, MF_SG_ATTN_QSCALE, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
         for (int p = 0; p < sg->p_attn; p++) sg_dep(b, rows[MF_SG_ST_IN][p], qs);
         for (int q = 0; q < sg->p_qn; q++) {
             SG_NAME(b, "attn L%d q norm item %d %d", L, i, q);
             mf_sg_task tq = sg_part(sg, L, i, c->q_lora_rank, sg->p_qn, q, 0);
             tq.w.ref_flops = tq.n_tok * (double)(tq.r1 - tq.r0) * (2.0 + 2.0 * SG_W_ROUND);
+            if (sg->n_dense_cards && mf_sg_attn_buf_bf16(MF_LY_A_QR))   /* packed for qb's copy in */
+                tq.w.vec_flops = tq.n_tok * (double)(tq.r1 - tq.r0) * SG_W_CAST_VEC;
             mf_task_id qn = sg_add(b, 0, MF_SG_ATTN_QNORM, MF_SG_PH_ATTN, MF_SG_K_OTHER, tq);
             sg_dep(b, qs, qn);
             for (int p = 0; p < sg->p_attn; p++) sg_dep(b, qn, rows[MF_SG_ST_QB][p]);
@@ -1173,6 +1224,8 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
                 mf_sg_task tc = whole ? sg_item(b, L, k) : sg_part(sg, L, i, 0, 1, 0, 1);
                 tc.part = -1;
                 tc.n_tok = 1;   /* the index query: not priced (as before the split) */
+                if (sg->n_dense_cards && index && mf_sg_attn_buf_bf16(MF_LY_A_QI))   /* its queries unpacked */
+                    tc.w.vec_flops = (double)(tc.i1 - tc.i0) * c->index_n_heads * c->index_head_dim * SG_W_CAST_VEC;
                 gate[i] = sg_add(b, 0, MF_SG_ATTN_CORE, MF_SG_PH_ATTN, MF_SG_K_OTHER, tc);
                 sg_dep(b, kv, gate[i]);
                 for (int p = 0; p < sg->p_attn; p++) sg_dep(b, rows[MF_SG_ST_QB][p], gate[i]);
@@ -1234,6 +1287,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
                 mf_sg_task th = sg_heads_rec(c, L, MF_SG_ATTN_HEADS, i ? sg->group_end[i - 1] : 0, sg->group_end[i], h0,
                                              h1, t.i1 - t.i0, b->o->exact);
                 th.part = g;
+                if (sg->n_dense_cards) sg_heads_host_cast(&th);
                 mf_task_id hd = sg_add(b, 0, MF_SG_ATTN_HEADS, MF_SG_PH_ATTN, MF_SG_K_OTHER, th);
                 sg_dep(b, gate[i], hd);
                 sg_dep(b, hd, ring[k]);
@@ -1259,6 +1313,8 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
                 t.w.ref_flops = t.n_tok * sink;
                 t.w.vec_flops = t.n_tok * cols * hc * (SG_W_EXPAND_VEC + SG_W_COLLAPSE_VEC);
             }
+            if (sg->n_dense_cards && mf_sg_attn_buf_bf16(MF_LY_A_OUT))
+                t.w.vec_flops += t.n_tok * cols * SG_W_CAST_VEC;   /* ob's output columns unpacked */
             pst[p] = sg_add(b, 0, MF_SG_ATTN_POST, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
             for (int q = 0; q < sg->p_attn; q++) sg_dep(b, rows[MF_SG_ST_OB][q], pst[p]);
             for (int m = 0; m < pm; m++) sg_dep(b, amix[i][m], pst[p]);
@@ -1269,6 +1325,8 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
             mf_sg_task t = sg_part(sg, L, i, (int64_t)H, pc, p, 0);
             double cols = (double)(t.r1 - t.r0);
             sg_norm_price(b, &t, H, cols);
+            if (sg->n_dense_cards && mf_sg_dense_bf16(MF_SG_D_GATE, 0))
+                t.w.vec_flops += t.n_tok * cols * SG_W_CAST_VEC;   /* packed for the gate's copy */
             mf_task_id fn = sg_add(b, 0, MF_SG_FFN_NORM, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
             for (int q = 0; q < pc; q++) sg_dep(b, pst[q], fn);
             sg_dep(b, fn, fin);
@@ -1316,7 +1374,8 @@ static mf_task_id sg_router(sg_builder *b, int L, const mf_task_id *post)
         t.w.w_bytes[MF_KF_BF16] = gb;
         t.w.macs[MF_KF_BF16] = H * E;
         t.w.calls[MF_KF_BF16] = 1;
-        mf_task_id gp = sg_dense_chain(b, L, MF_SG_D_GATE, t, MF_SG_PH_MOE, 4.0 * H, 4.0 * E, -1);
+        double vin = mf_sg_dense_bf16(MF_SG_D_GATE, 0) ? 2.0 : 4.0;
+        mf_task_id gp = sg_dense_chain(b, L, MF_SG_D_GATE, t, MF_SG_PH_MOE, vin * H, 4.0 * E, -1, 0);
         b->moe_in = gp;
         b->moe_gate = b->chain_run;
         for (int k = b->k0; k < b->k1; k++) sg_dep(b, post[k], gp);
@@ -1458,7 +1517,8 @@ static void sg_shared(sg_builder *b, int L, const mf_task_id *post, mf_task_id r
         t.w.macs[MF_KF_FP8] = 3 * H * z->sh_rows;
         t.w.calls[MF_KF_FP8] = 2;
         t.w.ref_flops = SG_W_ROUND * H * n;
-        mf_task_id sc = sg_dense_chain(b, L, MF_SG_D_SHARED, t, MF_SG_PH_MOE, 0, 4.0 * H, b->moe_in);
+        mf_task_id sc = sg_dense_chain(b, L, MF_SG_D_SHARED, t, MF_SG_PH_MOE, 0, 4.0 * H, b->moe_in,
+                                       mf_sg_dense_bf16(MF_SG_D_SHARED, 1) ? H : 0);
         /* the gate first on the card: the routed experts wait for its logits, the shared expert's
          * output only at the layer's end (the upward ranks alone, even from the cost model's
          * prices, put the shared expert first on the built-in machine at batch 16: a critical path
@@ -1580,6 +1640,8 @@ static void sg_moe(sg_builder *b, int L, const mf_task_id *post, mf_task_id *uni
                 t.w.ref_flops = t.n_tok * sink;
                 t.w.vec_flops += t.n_tok * cols * hc * SG_W_EXPAND_VEC;
             }
+            if (sg->n_dense_cards && sg->p_sh > 0 && mf_sg_dense_bf16(MF_SG_D_SHARED, 1))
+                t.w.vec_flops += t.n_tok * cols * SG_W_CAST_VEC;   /* the shared expert's output columns unpacked */
             mf_task_id cb = sg_add(b, 0, MF_SG_COMBINE, MF_SG_PH_MOE, MF_SG_K_OTHER, t);
             sg_dep(b, done, cb);
             for (int m = 0; m < sg->p_mix; m++) sg_dep(b, b->fmix[i][m], cb);
@@ -1606,7 +1668,7 @@ static void sg_head(sg_builder *b, const mf_task_id *unit)
         t.w.w_bytes[MF_KF_BF16] = b->o->sz->head_bytes;
         t.w.macs[MF_KF_BF16] = V * H;
         t.w.calls[MF_KF_BF16] = 1;
-        sg_dep(b, hj, sg_dense_chain(b, -1, MF_SG_D_HEAD, t, MF_SG_PH_HEAD, 4.0 * H, 4.0 * V, -1));
+        sg_dep(b, hj, sg_dense_chain(b, -1, MF_SG_D_HEAD, t, MF_SG_PH_HEAD, 4.0 * H, 4.0 * V, -1, 0));
         return;
     }
     for (int p = 0; p < sg->p_head; p++) {

@@ -453,6 +453,35 @@ int mf_sg_dense_parts(int n_dense_cards, int split, int dense);
  * ceil(n_rows / parts) rounded up to 32 rows (an fp8 tile), the last parts possibly short or
  * empty. The builder prices each task by these rows and the engine computes and copies them. */
 void mf_sg_dense_rows(int parts, int part, int64_t n_rows, int64_t *r0, int64_t *r1);
+/* The activations the dense chains copy as bf16, 2 bytes a value instead of 4 (device/dev.h
+ * mf_dev_bf16_pack / _unpack on the card's copy stream; host/kernels.h mf_kern_vec_bf16_pack /
+ * _unpack in the host task that writes the values or first reads them): only values the copy
+ * cannot change, each already bf16 or read only through a bf16 rounding that comes first.
+ * mf_sg_attn_buf_bf16(buf), buf an attention buffer (graphs/layers/layers.h MF_LY_A_*), is 1 for
+ *   MF_LY_A_IN   the attn_norm's output (mf_ly_rmsnorm's bf16(w * bf16(x * rs))): in for the in stage;
+ *   MF_LY_A_QR   wq_a's output, rounded (mf_ly_attn_linears' bf): out of in; then the q norm's
+ *                output (bf16(w * bf16(x * rs)) in place): in for qb;
+ *   MF_LY_A_Q    wq_b's output (fp32) out of qb: read only by the heads, which round each head's
+ *                query to bf16 before any other use (mf_fa_heads_q, mf_ly_attn_core_heads); in for
+ *                the heads on cards after the q prep, which rounds it last (mf_fa_heads_q);
+ *   MF_LY_A_QI   the indexer's wq_b output (fp32) out of qb: read only by the index query, which
+ *                rounds it first (graphs/layers mf_ly_index_q);
+ *   MF_LY_A_O    the heads' output, bf16 before its inverse RoPE (mf_dev_attn_heads, the host's
+ *                heads), whose part it rounds again (mf_fa_heads_o): out of the heads, in for oa;
+ *   MF_LY_A_Z    wo_a's output, rounded (mf_ly_attn_linears' bf): out of oa, in for ob (by rows);
+ *   MF_LY_A_OUT  wo_b's output, rounded: out of ob;
+ * 0 for the others: KV (wkv's output, its first head rounded first by the window KV) and IW (the
+ * index weights, rounded first by the index query): under 1% of the chain's bytes at flash41, not
+ * done; LAT and GATE (fp32 values the compressor reads as they are). The heads' key table stays fp32 (the window rows are fp8
+ * fake-quantized, the compressed entries' unpacking is not proven bf16-exact here; 10% of a card's
+ * heads' bytes in at flash41's 8192 items, the bf16 queries 77%), the key lists int32.
+ * mf_sg_dense_bf16(dense, out) for the other sublayers' copies: 1 for the gate's in (the MoE input,
+ * the ffn_norm's output: bf16; the shared expert reads the same copy) and the shared expert's out
+ * (w2's output, rounded); 0 for the gate's logits (fp32, the route reads them as they are) and
+ * the head's (its input, the final norm's output, is bf16 but one item's per prefill chunk: not
+ * done). */
+int mf_sg_attn_buf_bf16(int buf);
+int mf_sg_dense_bf16(int dense, int out);
 /* The dense weight bytes card `card` of n_cards holds under `split` (codes + scales, bf16): what
  * its dense tasks' records read per step. */
 double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int card);
