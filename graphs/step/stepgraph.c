@@ -917,10 +917,11 @@ void mf_sg_heads_range(int n_heads, int parts, int k, int *h0, int *h1)
 
 /* ---- the index scores on cards --------------------------------------------------------------- */
 
-/* Estimate from the spec, not measured: an fp64 add on the seed host's cards (sm_75: 2 fp64 units
- * per SM against 64 fp32 lanes, 1/32 of the fp32 rate) costs 32 fp32 multiply-adds; the index
- * scores add each head's term in double (mf_dev_index_scores). */
-#define SG_W_CARD_DADD 32.0
+/* Estimate, not measured: the card's index-score kernel's work per (key, head) beside the dot's
+ * index_head_dim multiply-adds, in fp32 multiply-add slots: its half-warp's shuffle tree (4
+ * shuffles and 4 adds on 16 lanes: 128) and lane 0's add in double (sm_75 runs fp64 at 1/32 of the
+ * fp32 rate, RTX 2080 Ti spec: 32). */
+#define SG_W_CARD_ISCORE 160.0
 
 int mf_sg_scores_task(const mf_sg_task *t)
 {
@@ -943,8 +944,8 @@ void mf_sg_scores_pos(const mf_config *c, const mf_sg_task *t, int64_t pos0, int
     case MF_SG_DENSE_IN:
         *bytes = 4.0 * id * last;
         break;
-    case MF_SG_DENSE:   /* per visible entry and head a dot of id and its term added in double */
-        *flops = sum * ih * (id + SG_W_CARD_DADD);
+    case MF_SG_DENSE:   /* per visible entry and head a dot of id, its tree and its term added in double */
+        *flops = sum * ih * (id + SG_W_CARD_ISCORE);
         break;
     default:   /* the scores out, doubles */
         *bytes = 8.0 * sum;
