@@ -10,7 +10,9 @@
  * none at batch 1), the graph (tiny: per scored layer a keys task and per card an in, a scores
  * and an out task over half the items, no host score task), the logits (tiny; demo, whose top-k
  * of 128 a 200-token prompt in chunks of 96 exceeds) bit for bit and different with the card's
- * scores perturbed (mf_step_opts.scores_fault). */
+ * scores perturbed (mf_step_opts.scores_fault); with the cards taking fewer entries
+ * (mf_step_opts.scores_entries 12, then 1) the host's fallback scores, bit for bit, and with 1 the
+ * card's perturbation unseen (no chunk scored there). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -141,7 +143,7 @@ static void test_graph(void)
 
 /* The logits of the host placement against the heads (and the index scores) on emu:nc (fault 1:
  * the heads perturbed, 2: the index scores). */
-static int run_cards(mf_ref *r, int nc, int fault, int n_prompt, int chunk, float *out, int32_t *toks)
+static int run_cards(mf_ref *r, int nc, int fault, int n_prompt, int chunk, float *out, int32_t *toks, int entries)
 {
     char spec[64];
     mf_dev *d = NULL;
@@ -150,7 +152,7 @@ static int run_cards(mf_ref *r, int nc, int fault, int n_prompt, int chunk, floa
     if (!rc)
         rc = mf_step_new(r, &(mf_step_opts){.n_threads = 2, .prefill_chunk = chunk, .dev = d, .dense = MF_STEP_DENSE_CARDS,
                                             .heads = MF_SG_HEADS_CARDS, .heads_fault = fault == 1,
-                                            .scores_fault = fault == 2},
+                                            .scores_fault = fault == 2, .scores_entries = entries},
                          &e);
     if (!rc) rc = mf_test_run_steps(r, e, g_V, 1, n_prompt, prompt_tok, N_DEC, toks, 0, out);
     mf_step_free(e);
@@ -170,18 +172,28 @@ static void test_engine(mf_ref *r, const char *name, int n_prompt, int chunk, in
     mf_step_free(e);
     for (int nc = 1; nc <= max_cards; nc++) {
         memset(got, 0, sizeof(float) * per);
-        int rc = run_cards(r, nc, 0, n_prompt, chunk, got, toks);
+        int rc = run_cards(r, nc, 0, n_prompt, chunk, got, toks, 0);
         CHECK(rc == 0, "%s emu:%d heads on cards: %s", name, nc, mf_last_error());
         CHECK(!rc && !memcmp(host, got, sizeof(float) * per), "%s emu:%d: logits with the heads and index scores on "
               "cards differ from the host placement's", name, nc);
         for (int fault = 1; fault <= 2; fault++) {
-            rc = run_cards(r, nc, fault, n_prompt, chunk, got, toks);
+            rc = run_cards(r, nc, fault, n_prompt, chunk, got, toks, 0);
             CHECK(rc == 0, "%s emu:%d perturbed: %s", name, nc, mf_last_error());
             CHECK(!rc && memcmp(host, got, sizeof(float) * per), "%s emu:%d: the perturbed card %s went unnoticed", name,
                   nc, fault == 1 ? "heads" : "index scores");
         }
-        printf("%s: a %d-token prompt in chunks of %d, %d decode steps on emu:%d: the host's logits bit for bit\n",
-               name, n_prompt, chunk, N_DEC, nc);
+        /* the host's scores where a chunk sees more entries than the cards take (here 12: the
+         * ratio-1 layers of every chunk, the ratio-2 one's first chunk on the cards), and the
+         * card's perturbation then caught only where the cards still score */
+        memset(got, 0, sizeof(float) * per);
+        rc = run_cards(r, nc, 0, n_prompt, chunk, got, toks, 12);
+        CHECK(rc == 0 && !memcmp(host, got, sizeof(float) * per), "%s emu:%d: the host's fallback scores: %s", name, nc,
+              rc ? mf_last_error() : "logits differ from the host placement's");
+        rc = run_cards(r, nc, 2, n_prompt, chunk, got, toks, 1);
+        CHECK(rc == 0 && !memcmp(host, got, sizeof(float) * per), "%s emu:%d: every chunk on the host's scores, yet "
+              "the card's perturbation changed the logits (%s)", name, nc, rc ? mf_last_error() : "");
+        printf("%s: a %d-token prompt in chunks of %d, %d decode steps on emu:%d: the host's logits bit for bit (and "
+               "with the host's fallback scores)\n", name, n_prompt, chunk, N_DEC, nc);
     }
     free(host);
     free(got);

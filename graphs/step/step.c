@@ -611,7 +611,7 @@ static int mf_task_attn_select(void *arg, mf_task_ctx *ctx)
 /* The unit's index keys: the entries of layer L's index source its last item sees, unpacked as
  * the host's scores unpack them (mf_ly_cache_get_keys), and each item's visible count; sk_host
  * when the items are not consecutive positions of one sequence or see more than
- * MF_STEP_SCORE_ENTRIES entries. */
+ * MF_STEP_SCORE_ENTRIES entries (mf_step_opts.scores_entries: fewer). */
 static int mf_task_attn_keys(void *arg, mf_task_ctx *ctx)
 {
     (void)ctx;
@@ -625,7 +625,9 @@ static int mf_task_attn_keys(void *arg, mf_task_ctx *ctx)
     for (int i = i0 + 1; i < i1; i++)
         if (it[i].st != it[i0].st || it[i].pos != it[i0].pos + (i - i0)) sh->sk_host = 1;
     sh->sk_nkeys = mf_ly_index_n_vis(c, L, it[i1 - 1].pos);
-    if (sh->sk_nkeys > MF_STEP_SCORE_ENTRIES) sh->sk_host = 1;
+    int cap = sh->eng->o.scores_entries > 0 && sh->eng->o.scores_entries < MF_STEP_SCORE_ENTRIES
+                  ? sh->eng->o.scores_entries : MF_STEP_SCORE_ENTRIES;
+    if (sh->sk_nkeys > cap) sh->sk_host = 1;
     if (sh->sk_host) return 0;
     for (int i = i0; i < i1; i++) sh->sk_nvis[i] = (int32_t)mf_ly_index_n_vis(c, L, it[i].pos);
     int S = ly->src_of[L];
