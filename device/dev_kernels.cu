@@ -695,8 +695,18 @@ __global__ static void k_iscore(mf_dev_iscore a)
 extern "C" int mf_cuda_kern_index_scores(void *stream, const mf_dev_iscore *a)
 {
     if (a->n_keys == 0) return 0;
-    dim3 grid((unsigned)((a->n_keys + KI_KEYS - 1) / KI_KEYS), (unsigned)a->n_tok);
     size_t shm = sizeof(float) * ((size_t)a->n_heads * a->D + a->n_heads);
-    k_iscore<<<grid, KI_THREADS, shm, (cudaStream_t)stream>>>(*a);
-    return k_launched("index scores", __LINE__);
+    for (int t0 = 0; t0 < a->n_tok; t0 += 65535) {   /* gridDim.y's limit */
+        mf_dev_iscore s = *a;
+        s.n_tok = a->n_tok - t0 < 65535 ? a->n_tok - t0 : 65535;
+        s.q += (long long)t0 * a->ld_q;
+        s.w += (long long)t0 * a->ld_w;
+        s.n_vis += t0;
+        s.score += (long long)t0 * a->ld_s;
+        dim3 grid((unsigned)((a->n_keys + KI_KEYS - 1) / KI_KEYS), (unsigned)s.n_tok);
+        k_iscore<<<grid, KI_THREADS, shm, (cudaStream_t)stream>>>(s);
+        int rc = k_launched("index scores", __LINE__);
+        if (rc) return rc;
+    }
+    return 0;
 }
