@@ -169,8 +169,8 @@ struct mf_step_shape {
      * them (sk_tab: the sk_nkeys entries the last item sees, unpacked), per item its visible count
      * (sk_nvis); sk_host 1 when the chunk's items are not one sequence's consecutive positions or
      * see more than MF_STEP_SCORE_ENTRIES (the selects then score on the host, the card tasks do
-     * nothing); the cards' copies at dd_sk_* (scores: sk_rows items of at most
-     * MF_STEP_SCORE_ENTRIES, sk_nkeys apart) */
+     * nothing); the cards' copies at dd_sk_* (a card: the keys its items see; its items' scores,
+     * sk_rows rows of at most MF_STEP_SCORE_ENTRIES, as many apart as its last item sees) */
     float *sk_tab;
     int32_t *sk_nvis;
     int64_t sk_nkeys;
@@ -635,19 +635,28 @@ static int mf_task_attn_keys(void *arg, mf_task_ctx *ctx)
     return 0;
 }
 
-/* The scores' copy in (out 0: the items' index queries and head weights, their counts, the keys)
- * or out (out 1: their scores into their rows of iscore) on the task's card. */
+/* The most entries any of the task's items sees: the keys its card reads, its score rows' width. */
+static int64_t mf_step_scores_keys(const mf_step_targ *a)
+{
+    int64_t m = 0;
+    for (int i = a->t->i0; i < a->t->i1; i++) m = a->sh->sk_nvis[i] > m ? a->sh->sk_nvis[i] : m;
+    return m;
+}
+
+/* The scores' copy in (out 0: the items' index queries and head weights, their counts, the keys
+ * they see) or out (out 1: their scores into their rows of iscore) on the task's card. */
 static int mf_step_scores_copy(const mf_step_targ *a, mf_dev_stream *q, int out)
 {
     mf_step_shape *sh = a->sh;
     if (sh->sk_host) return MF_TASK_NO_WORK;
     const mf_config *c = sh->eng->c;
     int i0 = a->t->i0, n = a->t->i1 - i0, ih = c->index_n_heads, id = c->index_head_dim;
+    int64_t nk = mf_step_scores_keys(a);
     uint8_t *db = sh->ddense[a->t->card];
     size_t f = sizeof(float);
     if (out) {
-        if (!sh->sk_nkeys) return MF_TASK_NO_WORK;
-        size_t w = (size_t)sh->sk_nkeys * sizeof(double);
+        if (!nk) return MF_TASK_NO_WORK;
+        size_t w = (size_t)nk * sizeof(double);
         return mf_dev_copy_d2h_2d(q, sh->iscore + (size_t)i0 * sh->iscore_ld, (size_t)sh->iscore_ld * sizeof(double),
                                   db + sh->dd_sk_score, w, w, (size_t)n);
     }
@@ -659,7 +668,7 @@ static int mf_step_scores_copy(const mf_step_targ *a, mf_dev_stream *q, int out)
                                 (size_t)(k ? ih : ih * id) * f, (size_t)n);
     }
     if (!rc) rc = mf_dev_copy_h2d(q, db + sh->dd_sk_nvis + (size_t)i0 * 4, sh->sk_nvis + i0, (size_t)n * 4);
-    if (!rc && sh->sk_nkeys) rc = mf_dev_copy_h2d(q, db + sh->dd_sk_tab, sh->sk_tab, (size_t)sh->sk_nkeys * id * f);
+    if (!rc && nk) rc = mf_dev_copy_h2d(q, db + sh->dd_sk_tab, sh->sk_tab, (size_t)nk * id * f);
     return rc;
 }
 
@@ -668,7 +677,8 @@ static int mf_step_scores_copy(const mf_step_targ *a, mf_dev_stream *q, int out)
 static int mf_step_scores_launch(const mf_step_targ *a, mf_dev_stream *st)
 {
     mf_step_shape *sh = a->sh;
-    if (sh->sk_host || !sh->sk_nkeys) return MF_TASK_NO_WORK;
+    int64_t nk = sh->sk_host ? 0 : mf_step_scores_keys(a);
+    if (!nk) return MF_TASK_NO_WORK;
     const mf_config *c = sh->eng->c;
     int i0 = a->t->i0;
     uint8_t *db = sh->ddense[a->t->card];
@@ -676,9 +686,9 @@ static int mf_step_scores_launch(const mf_step_targ *a, mf_dev_stream *st)
                         .ld_q = sh->ab_ld[MF_LY_A_QI],
                         .w = (const float *)(db + sh->dd_ab[MF_LY_A_IW]) + i0 * sh->ab_ld[MF_LY_A_IW],
                         .ld_w = sh->ab_ld[MF_LY_A_IW], .n_tok = a->t->i1 - i0, .n_heads = c->index_n_heads,
-                        .D = c->index_head_dim, .keys = (const float *)(db + sh->dd_sk_tab), .n_keys = sh->sk_nkeys,
+                        .D = c->index_head_dim, .keys = (const float *)(db + sh->dd_sk_tab), .n_keys = nk,
                         .n_vis = (const int32_t *)(db + sh->dd_sk_nvis) + i0, .score = (double *)(db + sh->dd_sk_score),
-                        .ld_s = sh->sk_nkeys};
+                        .ld_s = nk};
     if (sh->eng->o.scores_fault && is.n_heads > 1) is.n_heads--;
     int rc = mf_dev_index_scores(st, &is);
     return rc ? mf_error_wrap(rc, "the index scores of layer %d on card %d", a->t->layer, a->t->card) : 0;

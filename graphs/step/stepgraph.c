@@ -935,7 +935,8 @@ void mf_sg_scores_pos(const mf_config *c, const mf_sg_task *t, int64_t pos0, int
     int ratio = c->compress_ratios[t->layer], n = t->i1 - t->i0;
     if (!mf_sg_scores_task(t) || ratio <= 0 || n < 1) return;
     double ih = c->index_n_heads, id = c->index_head_dim, sum = 0;
-    double last = (double)((pos0 + (int64_t)(n - 1) * step + 1) / ratio);   /* the table: the last item's entries */
+    /* the table and each score row: the entries the last item sees */
+    double last = (double)((pos0 + (int64_t)(n - 1) * step + 1) / ratio);
     for (int k = 0; k < n; k++) sum += (double)((pos0 + (int64_t)k * step + 1) / ratio);
     switch (t->op) {
     case MF_SG_ATTN_KEYS:   /* each entry's key unpacked, each item's count */
@@ -947,8 +948,8 @@ void mf_sg_scores_pos(const mf_config *c, const mf_sg_task *t, int64_t pos0, int
     case MF_SG_DENSE:   /* per visible entry and head a dot of id, its tree and its term added in double */
         *flops = sum * ih * (id + SG_W_CARD_ISCORE);
         break;
-    default:   /* the scores out, doubles */
-        *bytes = 8.0 * sum;
+    default:   /* the scores out, doubles: a row of the last item's width per item */
+        *bytes = 8.0 * n * last;
         break;
     }
 }

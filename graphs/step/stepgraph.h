@@ -217,8 +217,8 @@ int mf_sg_scores_task(const mf_sg_task *t);
 /* Their positional work and copy bytes when their items are at positions pos0 + k * step (k < the
  * items; step 1 a prefill chunk, 0 decode): *flops the keys' unpacking (MF_SG_ATTN_KEYS, REF) or
  * the card's scores (MF_SG_DENSE: the dots' multiply-adds and the double sums at the card's REF
- * rate), *bytes the key table and visible counts in (MF_SG_DENSE_IN) or the scores out
- * (MF_SG_DENSE_OUT). */
+ * rate), *bytes the key table in (MF_SG_DENSE_IN: the entries the last item sees) or the
+ * scores out (MF_SG_DENSE_OUT: as many per item, doubles). */
 void mf_sg_scores_pos(const mf_config *c, const mf_sg_task *t, int64_t pos0, int step, double *flops, double *bytes);
 
 /* The op's short name (MF_SG_ATTN_CORE: "attn_core"), for reports (`moeflow sim --json`'s "ops"). */
