@@ -133,3 +133,23 @@ int mf_dense_host_attn(const mf_dev_attn *a, float *scratch)
     }
     return 0;
 }
+
+int mf_dense_host_iscore(const mf_dev_iscore *a)
+{
+    enum { NB = 48 };
+    const float *kp[NB];
+    for (int t = 0; t < a->n_tok; t++) {
+        int64_t n = a->n_vis[t];
+        if (n < 0 || n > a->n_keys)
+            return mf_error(-EINVAL, "index scores: token %d sees %lld keys (expected 0..%lld)", t, (long long)n,
+                            (long long)a->n_keys);
+        const float *q = a->q + (size_t)t * (size_t)a->ld_q, *w = a->w + (size_t)t * (size_t)a->ld_w;
+        double *sc = a->score + (size_t)t * (size_t)a->ld_s;
+        for (int64_t j0 = 0; j0 < n; j0 += NB) {
+            int nb = n - j0 < NB ? (int)(n - j0) : NB;
+            for (int u = 0; u < nb; u++) kp[u] = a->keys + (size_t)(j0 + u) * (size_t)a->D;
+            mf_kern_vec_index_scores(q, w, a->n_heads, kp, nb, a->D, sc + j0);
+        }
+    }
+    return 0;
+}

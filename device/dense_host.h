@@ -21,4 +21,8 @@ void mf_dense_host_swiglu_bf16(const float *g, const float *u, int n_tok, int64_
  * 4 x MF_DEV_ATTN_MAX_KEYS floats), then the output's division and bf16 rounding. 0, or -EINVAL
  * for a token's key count or key row out of range (read here). */
 int mf_dense_host_attn(const mf_dev_attn *a, float *scratch);
+
+/* mf_dev_index_scores on host pointers: per token mf_kern_vec_index_scores over its visible keys.
+ * 0, or -EINVAL for a token's n_vis out of range (read here). */
+int mf_dense_host_iscore(const mf_dev_iscore *a);
 #endif

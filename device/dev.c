@@ -393,6 +393,25 @@ int mf_dev_attn_heads(mf_dev_stream *s, const mf_dev_attn *a)
     return s->dev->ops->attn_heads(s, a);
 }
 
+int mf_dev_index_scores(mf_dev_stream *s, const mf_dev_iscore *a)
+{
+    static const char *what = "mf_dev_index_scores";
+    if (!s || !a) return mf_error(-EINVAL, "%s: NULL %s", what, !s ? "stream" : "arguments");
+    if (!a->q || !a->w || !a->keys || !a->n_vis || !a->score)
+        return mf_error(-EINVAL, "%s: card %d: NULL q, w, keys, n_vis or score", what, s->card);
+    if (a->n_tok < 1 || a->n_heads < 1 || a->D < 1 || (int64_t)a->n_heads * a->D > MF_DEV_ISCORE_MAX_QD ||
+        a->n_keys < 0)
+        return mf_error(-EINVAL, "%s: %d tokens, %d heads of %d (expected >= 1, and heads x dim up to %d), %lld keys",
+                        what, a->n_tok, a->n_heads, a->D, MF_DEV_ISCORE_MAX_QD, (long long)a->n_keys);
+    if (a->ld_q < (int64_t)a->n_heads * a->D || a->ld_w < a->n_heads || a->ld_s < a->n_keys)
+        return mf_error(-EINVAL, "%s: ld_q %lld, ld_w %lld, ld_s %lld (expected >= %lld, %d, %lld)", what,
+                        (long long)a->ld_q, (long long)a->ld_w, (long long)a->ld_s,
+                        (long long)a->n_heads * a->D, a->n_heads, (long long)a->n_keys);
+    if (!s->dev->ops->index_scores)
+        return mf_error(-ENOTSUP, "%s: the %s backend has no index scores", what, s->dev->ops->kind);
+    return s->dev->ops->index_scores(s, a);
+}
+
 size_t mf_dev_ffn_q8_bytes(int n_tok, int n_in, int n_hidden)
 {
     size_t a = mf_kern_q8_bytes(n_tok, n_in), b = mf_kern_q8_bytes(n_tok, n_hidden);

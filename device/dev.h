@@ -217,6 +217,35 @@ typedef struct mf_dev_attn {
 } mf_dev_attn;
 int mf_dev_attn_heads(mf_dev_stream *s, const mf_dev_attn *a);
 
+/* The indexer's scores of a chunk's items on a card (long prefill chunks; graphs/step/fast_attn.c
+ * mf_fa_index_scores computes the same on the host): for token t < n_tok and key j < n_vis[t],
+ * with q_th = q + t * ld_q + h * D (the item's index queries, MF_LY_A_QI), w_th = w[t * ld_w + h]
+ * (its head weights, MF_LY_A_IW) and the key rows keys + j * D (the visible compressed entries'
+ * index keys, unpacked), score[t * ld_s + j] = (float) of the sum in double over heads h in order
+ * of the float w_th * max(q_th . k_j, 0), the dots host/kernels.h's 16-lane dots
+ * (mf_kern_vec_index_scores). q, w, keys, n_vis and score are device memory of the stream's card;
+ * n_vis[t] in [0, n_keys] is read when the work runs (emulated: an asynchronous -EINVAL otherwise;
+ * CUDA: such a token is skipped); score beyond n_vis[t] is not written. n_heads x D at most
+ * MF_DEV_ISCORE_MAX_QD (a token's queries in the CUDA kernel's shared memory). Emulated cards:
+ * mf_kern_vec_index_scores itself, so the host's bits. CUDA: the same lanes, tree and orders
+ * (fmaf, IEEE adds and products in fp32 and double; device/kern_attn.h), so the same bits where
+ * nvcc keeps IEEE arithmetic (no fast-math); compiled for sm_75 and sm_90, never run on a card in
+ * this project yet. -EINVAL for bad shapes or NULL pointers. */
+#define MF_DEV_ISCORE_MAX_QD 8192
+typedef struct mf_dev_iscore {
+    const float *q;          /* [n_tok] rows ld_q apart: n_heads x D queries */
+    int64_t ld_q;
+    const float *w;          /* [n_tok] rows ld_w apart: n_heads weights */
+    int64_t ld_w;
+    int n_tok, n_heads, D;
+    const float *keys;       /* [n_keys][D] */
+    int64_t n_keys;
+    const int32_t *n_vis;    /* [n_tok] */
+    double *score;           /* [n_tok] rows ld_s apart */
+    int64_t ld_s;
+} mf_dev_iscore;
+int mf_dev_index_scores(mf_dev_stream *s, const mf_dev_iscore *a);
+
 /* The expert FFN y = w2 (silu(min(w1 x, limit)) * clamp(w3 x, +-limit) * tok_weight), as
  * mf_kern_ffn_up then mf_kern_ffn_down with every row. h is device scratch [n_tok][w1.n_out];
  * q8_scratch (at least mf_dev_ffn_q8_bytes) selects the int8 path for FP4 matrices (x and then h

@@ -163,6 +163,54 @@ static int dc_dense(mf_dev *d, int card, mf_dev_stream *st, dc_rng *r, dc_host *
     return rc;
 }
 
+/* The indexer's scores (mf_dev_index_scores) at 1 and 3 tokens against device/dense_host.h on the
+ * same data: 4 heads of 32, 40 keys, the tokens seeing 40, 17 and 1 of them, the weights and
+ * queries about unit size (ReLU zeroes about half the dots). Device buffers: dk (keys), dv (the
+ * counts), dq, dw (queries, weights), ds (scores). */
+enum { DI_H = 4, DI_D = 32, DI_K = 40 };
+static int dc_iscore(mf_dev *d, int card, mf_dev_stream *st, dc_rng *r, float *dk, int32_t *dv, float *dq, float *dw,
+                     double *ds)
+{
+    const char *kind = mf_dev_kind(d);
+    static const int32_t nvis[DC_TOK] = {DI_K, 17, 1};
+    float q[DC_TOK * DI_H * DI_D], w[DC_TOK * DI_H], k[DI_K * DI_D];
+    double ref[DC_TOK * DI_K], got[DC_TOK * DI_K];
+    int rc = 0;
+    for (int T = 1; T <= DC_TOK && !rc; T += DC_TOK - 1) {
+        for (int i = 0; i < T * DI_H * DI_D; i++) q[i] = (float)dc_next(r) / 2147483648.0f - 1.0f;
+        for (int i = 0; i < T * DI_H; i++) w[i] = (float)dc_next(r) / 2147483648.0f - 1.0f;
+        for (int i = 0; i < DI_K * DI_D; i++) k[i] = (float)dc_next(r) / 2147483648.0f - 1.0f;
+        memset(ref, 0, sizeof ref);
+        memset(got, 0, sizeof got);
+        mf_dev_iscore a = {.q = q, .ld_q = DI_H * DI_D, .w = w, .ld_w = DI_H, .n_tok = T, .n_heads = DI_H, .D = DI_D,
+                           .keys = k, .n_keys = DI_K, .n_vis = nvis, .score = ref, .ld_s = DI_K};
+        rc = mf_dense_host_iscore(&a);
+        if (rc) return mf_error_wrap(rc, "card %d (%s): self-check: the host's index scores", card, kind);
+        a.q = dq, a.w = dw, a.keys = dk, a.n_vis = dv, a.score = ds;
+        rc = mf_dev_copy_h2d(st, dq, q, sizeof(float) * (size_t)T * DI_H * DI_D);
+        if (!rc) rc = mf_dev_copy_h2d(st, dw, w, sizeof(float) * (size_t)T * DI_H);
+        if (!rc) rc = mf_dev_copy_h2d(st, dk, k, sizeof k);
+        if (!rc) rc = mf_dev_copy_h2d(st, dv, nvis, sizeof nvis);
+        if (!rc) rc = mf_dev_copy_h2d(st, ds, got, sizeof(double) * (size_t)T * DI_K);
+        if (!rc) rc = mf_dev_index_scores(st, &a);
+        if (!rc) rc = mf_dev_copy_d2h(st, got, ds, sizeof(double) * (size_t)T * DI_K);
+        int rs = mf_dev_stream_sync(st);
+        if (!rc) rc = rs;
+        if (rc) return mf_error_wrap(rc, "card %d (%s): self-check of kernel index scores at %d tokens failed", card, kind, T);
+        double md = 0, mb = 0;
+        for (int i = 0; i < T * DI_K; i++) {
+            double e = fabs(got[i] - ref[i]);
+            if (!(e <= md)) md = e;
+            if (fabs(ref[i]) > mb) mb = fabs(ref[i]);
+        }
+        double e = mb > 0 ? md / mb : md;
+        if (!(e <= MF_DEV_CHECK_TOL_MM))
+            rc = mf_error(-EIO, "card %d (%s): kernel index scores: relative error %.2e at %d tokens against the host "
+                          "kernel (bound %.0e): the card computes wrong answers", card, kind, e, T, MF_DEV_CHECK_TOL_MM);
+    }
+    return rc;
+}
+
 int mf_dev_selfcheck(mf_dev *d, int card, uint64_t seed)
 {
     static const char *const kname[5] = {"fp8 matmul", "fp4 matmul (fp32 path)", "fp4 matmul (int8 path)",
@@ -259,6 +307,7 @@ int mf_dev_selfcheck(mf_dev *d, int card, uint64_t seed)
                               "kernel (bound %.0e): the card computes wrong answers", card, kind, kname[k], e, T, tol);
         }
     if (!rc) rc = dc_dense(d, card, st, &r, hb, dw, dsc, dx, dh, dy);
+    if (!rc) rc = dc_iscore(d, card, st, &r, (float *)dw, (int32_t *)dsc, dx, dh, (double *)dy);
     mf_dev_free(d, card, db);
     free(hb);
     return rc;

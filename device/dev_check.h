@@ -1,7 +1,7 @@
 /* The startup self-check of a card: before a card takes work, each of its kernels (device/dev.h:
  * fp8 matmul, fp4 matmul on the fp32 and int8 paths, the int8 expert FFN, bf16 matmul, and the
  * dense sublayers' ops: strided FP8 linear of a row slice, BF16 and grouped FP8 linears with
- * reference sums, the dense FFN phase 1, bf16 rounding, the exact gating) runs once on fresh
+ * reference sums, the dense FFN phase 1, bf16 rounding, the exact gating; the indexer's scores) runs once on fresh
  * random data against the host kernels (host/kernels.h, device/dense_host.h). The engine (graphs/step/step.c) refuses a card
  * that fails and continues on the others or the host; tools/device-check.sh runs it on a GPU. */
 #ifndef MF_DEV_CHECK_H

@@ -454,6 +454,13 @@ static int cu_attn_heads(mf_dev_stream *ps, const mf_dev_attn *a)
     return mf_cuda_kern_attn_heads(s->st, a);
 }
 
+static int cu_index_scores(mf_dev_stream *ps, const mf_dev_iscore *a)
+{
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    return mf_cuda_kern_index_scores(s->st, a);
+}
+
 /* Capture: cudaStreamBeginCapture in thread-local mode (other threads' unsafe calls are not
  * disturbed), instantiated once at the end, launched with cudaGraphLaunch. */
 typedef struct cu_graph {
@@ -579,6 +586,7 @@ static const mf_dev_ops cu_ops = {
     .ffn_up = cu_ffn_up,
     .swiglu_bf16 = cu_swiglu_bf16,
     .attn_heads = cu_attn_heads,
+    .index_scores = cu_index_scores,
     .capture_begin = cu_capture_begin,
     .capture_end = cu_capture_end,
     .graph_launch = cu_graph_launch,

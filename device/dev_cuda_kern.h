@@ -28,5 +28,7 @@ int mf_cuda_kern_swiglu_bf16(void *stream, const float *g, const float *u, int n
 /* mf_dev_attn_heads: a block per (token, head), device/kern_attn.h's lanes (device/dev.h says
  * where the bits differ from the host's). */
 int mf_cuda_kern_attn_heads(void *stream, const mf_dev_attn *a);
+/* mf_dev_index_scores: a block per (16 keys, token), a half-warp per key (device/dev.h). */
+int mf_cuda_kern_index_scores(void *stream, const mf_dev_iscore *a);
 
 #endif

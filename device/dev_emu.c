@@ -28,7 +28,7 @@
 #define EMU_HDR_BYTES 64
 
 typedef enum { OP_COPY, OP_COPY_2D, OP_CALLBACK, OP_RECORD, OP_WAIT, OP_FP4, OP_FP8, OP_BF16, OP_FFN, OP_FFN_TABLE,
-               OP_LIN, OP_ROUND, OP_CAST, OP_UP, OP_SWIGLU, OP_ATTN } emu_op_kind;
+               OP_LIN, OP_ROUND, OP_CAST, OP_UP, OP_SWIGLU, OP_ATTN, OP_ISCORE } emu_op_kind;
 
 typedef struct emu_event {
     mf_dev_event pub;
@@ -53,6 +53,7 @@ typedef struct emu_op {
         mf_dev_lin lin;
         mf_dev_up up;
         mf_dev_attn attn;
+        mf_dev_iscore isc;
         struct { const float *g, *u; float *y; int n_tok, n; int64_t ld; float limit; } ew;   /* round, swiglu */
         struct { float *x; uint16_t *y; int64_t ld_x, ld_y; int n_tok, n, pack; } cast;
     } u;
@@ -302,6 +303,9 @@ static void emu_run_op(emu_stream *s, emu_op *op)
     case OP_ATTN:
         rc = mf_dense_host_attn(&op->u.attn, s->attn_scratch);
         break;
+    case OP_ISCORE:
+        rc = mf_dense_host_iscore(&op->u.isc);
+        break;
     case OP_SWIGLU:
         mf_dense_host_swiglu_bf16(op->u.ew.g, op->u.ew.u, op->u.ew.n_tok, op->u.ew.ld, op->u.ew.n, op->u.ew.limit,
                                   op->u.ew.y);
@@ -313,6 +317,7 @@ static void emu_run_op(emu_stream *s, emu_op *op)
         else if (op->kind == OP_LIN) op->u.lin.y[0] += 1.0f;
         else if (op->kind == OP_UP) op->u.up.h[0] += 1.0f;
         else if (op->kind == OP_ATTN) op->u.attn.o[0] += 1.0f;
+        else if (op->kind == OP_ISCORE) op->u.isc.score[0] += 1.0;
         else if (op->kind == OP_SWIGLU || op->kind == OP_ROUND) op->u.ew.y[0] += 1.0f;
     }
     if (rc < 0) emu_stream_fail(s, rc);
@@ -635,6 +640,12 @@ static int emu_attn_heads(mf_dev_stream *s, const mf_dev_attn *a)
     return emu_enqueue(s, &op);
 }
 
+static int emu_index_scores(mf_dev_stream *s, const mf_dev_iscore *a)
+{
+    emu_op op = {.kind = OP_ISCORE, .u.isc = *a};
+    return emu_enqueue(s, &op);
+}
+
 static int emu_capture_begin(mf_dev_stream *ps)
 {
     emu_stream *s = (emu_stream *)ps;
@@ -742,6 +753,7 @@ static const mf_dev_ops emu_ops = {
     .ffn_up = emu_ffn_up,
     .swiglu_bf16 = emu_swiglu_bf16,
     .attn_heads = emu_attn_heads,
+    .index_scores = emu_index_scores,
     .capture_begin = emu_capture_begin,
     .capture_end = emu_capture_end,
     .graph_launch = emu_graph_launch,

@@ -45,6 +45,8 @@ typedef struct mf_dev_ops {
                        float limit, float *h);
     /* Optional (NULL: mf_dev_attn_heads is -ENOTSUP). */
     int (*attn_heads)(mf_dev_stream *s, const mf_dev_attn *a);
+    /* Optional (NULL: mf_dev_index_scores is -ENOTSUP). */
+    int (*index_scores)(mf_dev_stream *s, const mf_dev_iscore *a);
     /* Capture: the stream's capturing flag is kept by dev.c. */
     int (*capture_begin)(mf_dev_stream *s);
     int (*capture_end)(mf_dev_stream *s, mf_dev_graph **out);

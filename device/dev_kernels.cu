@@ -670,3 +670,61 @@ extern "C" int mf_cuda_kern_attn_heads(void *stream, const mf_dev_attn *a)
     k_attn<<<grid, KA_THREADS, 0, (cudaStream_t)stream>>>(*a);
     return k_launched("attention heads", __LINE__);
 }
+
+/* ---- index scores (mf_dev_index_scores) ------------------------------------------------------- */
+
+#define KI_THREADS 256
+#define KI_KEYS (KI_THREADS / 16)   /* keys per block: one per half-warp */
+
+/* Block (key block x, token y): the token's queries and weights in shared memory; half-warp hw
+ * scores key x * KI_KEYS + hw: per head in order lane l of device/kern_attn.h's 16-lane dot, the
+ * shuffle tree in mf_da_tree16's order, then lane 0 the float product by the head's weight of the
+ * dot's ReLU added in double (mf_kern_vec_index_scores' order); the score (float) of the sum. */
+__global__ static void k_iscore(mf_dev_iscore a)
+{
+    extern __shared__ float ks[];   /* n_heads x D queries, then n_heads weights */
+    int t = blockIdx.y, D = a.D, H = a.n_heads, tid = threadIdx.x;
+    long long n = a.n_vis[t], j0 = (long long)blockIdx.x * KI_KEYS;
+    if (n < 0 || n > a.n_keys) return;   /* skipped (device/dev.h) */
+    if (j0 >= n) return;
+    const float *q = a.q + (long long)t * a.ld_q, *w = a.w + (long long)t * a.ld_w;
+    for (int i = tid; i < H * D; i += KI_THREADS) ks[i] = q[i];
+    for (int i = tid; i < H; i += KI_THREADS) ks[H * D + i] = w[i];
+    __syncthreads();
+    int hw = tid / 16, l = tid % 16;
+    long long j = j0 + hw;
+    if (j >= n) return;   /* the whole half-warp: its shuffles stay within it */
+    unsigned m = 0xffffu << (tid & 16);
+    const float *k = a.keys + j * D;
+    double acc = 0;
+    for (int h = 0; h < H; h++) {
+        float v = mf_da_lane(ks + h * D, k, D, l);
+        v += __shfl_down_sync(m, v, 8, 16);
+        v += __shfl_down_sync(m, v, 4, 16);
+        float u2 = __shfl_down_sync(m, v, 2, 16);   /* lanes 0, 1: u0 + u2, u1 + u3 */
+        v += u2;
+        v += __shfl_down_sync(m, v, 1, 16);
+        float rl = v > 0 ? v : 0.0f;
+        acc = __dadd_rn(acc, (double)__fmul_rn(ks[H * D + h], rl));
+    }
+    if (l == 0) a.score[(long long)t * a.ld_s + j] = (double)(float)acc;
+}
+
+extern "C" int mf_cuda_kern_index_scores(void *stream, const mf_dev_iscore *a)
+{
+    if (a->n_keys == 0) return 0;
+    size_t shm = sizeof(float) * ((size_t)a->n_heads * a->D + a->n_heads);
+    for (int t0 = 0; t0 < a->n_tok; t0 += 65535) {   /* gridDim.y's limit */
+        mf_dev_iscore s = *a;
+        s.n_tok = a->n_tok - t0 < 65535 ? a->n_tok - t0 : 65535;
+        s.q += (long long)t0 * a->ld_q;
+        s.w += (long long)t0 * a->ld_w;
+        s.n_vis += t0;
+        s.score += (long long)t0 * a->ld_s;
+        dim3 grid((unsigned)((a->n_keys + KI_KEYS - 1) / KI_KEYS), (unsigned)s.n_tok);
+        k_iscore<<<grid, KI_THREADS, shm, (cudaStream_t)stream>>>(s);
+        int rc = k_launched("index scores", __LINE__);
+        if (rc) return rc;
+    }
+    return 0;
+}

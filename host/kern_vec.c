@@ -108,6 +108,31 @@ void mf_kern_vec_dots_keys(const float *const *q, int G, const float *const *k, 
     for (; j < nk; j++) mf_kern_vec_dots(q, G, k[j], n, out[j]);
 }
 
+void mf_kern_vec_index_scores(const float *q, const float *w, int n_heads, const float *const *k, int64_t nk, int n,
+                              double *score)
+{
+    enum { NB = 48 };   /* keys per block: their sums in registers across the heads */
+    for (int64_t j0 = 0; j0 < nk; j0 += NB) {
+        int nb = nk - j0 < NB ? (int)(nk - j0) : NB;
+        double acc[NB];
+        float d4[NB][4];
+        for (int u = 0; u < nb; u++) acc[u] = 0;
+        for (int h0 = 0; h0 < n_heads; h0 += 4) {   /* per key: heads in order */
+            int G = n_heads - h0 < 4 ? n_heads - h0 : 4;
+            const float *qh[4];
+            for (int g = 0; g < G; g++) qh[g] = q + (int64_t)(h0 + g) * n;
+            mf_kern_vec_dots_keys(qh, G, k + j0, nb, n, d4);
+            for (int u = 0; u < nb; u++)
+                for (int g = 0; g < G; g++) {
+                    float rl = d4[u][g] > 0 ? d4[u][g] : 0.0f;
+                    float x = w[h0 + g] * rl;
+                    acc[u] += (double)x;
+                }
+        }
+        for (int u = 0; u < nb; u++) score[j0 + u] = (float)acc[u];
+    }
+}
+
 /* acc[g][d] = sum_i e[g][i] * v_i[d], one fmaf chain per (g, d) in key order; e rows ld_e apart. */
 __attribute__((target("avx2,fma"))) static void mf_vec_values_avx2(const float *const *kp, int64_t n, const float *e,
                                                                  int64_t ld_e, int G, int D, float *acc)

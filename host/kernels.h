@@ -147,6 +147,13 @@ void mf_kern_vec_dots(const float *const *q, int G, const float *k, int n, float
  * four queries go in threes of keys on the AVX2 path (twelve dots in registers, each query vector
  * loaded once for three keys). */
 void mf_kern_vec_dots_keys(const float *const *q, int G, const float *const *k, int64_t nk, int n, float (*out)[4]);
+/* The indexer's scores of one item against nk keys k[j] (n floats each): score[j] = (float) of the
+ * sum in double, over heads h in order, of the float w[h] * max(q_h . k[j], 0), q_h = q + h * n
+ * (mf_kern_vec_dots_keys' dots, four heads at a time). graphs/step/fast_attn.c on the host and
+ * device/dense_host.c on emulated cards run it (one home); the CUDA kernel computes the same
+ * lanes, tree and order (device/kern_attn.h). */
+void mf_kern_vec_index_scores(const float *q, const float *w, int n_heads, const float *const *k, int64_t nk, int n,
+                              double *score);
 /* acc[g * D + d] = sum over i in [0, n) of e[g * ld_e + i] * kp[i][d], for G (1..4) weight rows. */
 void mf_kern_vec_values(const float *const *kp, int64_t n, const float *e, int64_t ld_e, int G, int D, float *acc);
 /* One group of G (1..4) attention heads over the same n keys kp[i] (D floats each, values = keys):

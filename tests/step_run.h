@@ -15,7 +15,7 @@
 #include "graphs/step/step.h"
 
 #define MF_TEST_RUN_MAX_SEQ 64
-#define MF_TEST_RUN_MAX_PROMPT 64
+#define MF_TEST_RUN_MAX_PROMPT 256
 
 /* The placement tests' emulated cards: n_cards of them with the same link figures (50 GB/s, 2 us a
  * copy); the spec written into spec[cap] for the caller's messages. */

@@ -5,10 +5,12 @@
  * machine without a card. */
 #include <stdio.h>
 
+#include "device/dense_host.h"
 #include "device/dev_check.h"
 #include "device/kern_q8.h"
 #include "host/formats.h"
 #include "tests/dev_common.h"
+#include "tests/num.h"
 
 /* max |dev - host| / max |host| in float64 */
 static double rel_err(const float *dev, const float *host, size_t n)
@@ -222,6 +224,54 @@ static void check_int8(mf_dev *d)
         }
 }
 
+/* mf_dev_index_scores on card 0 against device/dense_host.h (the host's bits, tests/test_dev_iscore.c):
+ * 9 tokens, 32 heads of 128 (flash41's indexer), 700 keys, the tokens seeing a growing prefix;
+ * within 1e-5 of the largest score (the kernel's lanes, tree and sums are the host's: bit for bit
+ * expected, reported). */
+static void check_iscore(mf_dev *d)
+{
+    enum { T = 9, H = 32, D = 128, K = 700 };
+    uint64_t seed = 0x15c0;
+    float *q = malloc(sizeof(float) * T * H * D), *w = malloc(sizeof(float) * T * H), *k = malloc(sizeof(float) * K * D);
+    double *ref = calloc((size_t)T * K, sizeof(double)), *got = calloc((size_t)T * K, sizeof(double));
+    int32_t nv[T];
+    for (int i = 0; i < T * H * D; i++) q[i] = mf_test_frand(&seed);
+    for (int i = 0; i < T * H; i++) w[i] = mf_test_frand(&seed);
+    for (int i = 0; i < K * D; i++) k[i] = mf_test_frand(&seed);
+    for (int t = 0; t < T; t++) nv[t] = K * (t + 1) / T;
+    mf_dev_iscore a = {.q = q, .ld_q = H * D, .w = w, .ld_w = H, .n_tok = T, .n_heads = H, .D = D, .keys = k,
+                       .n_keys = K, .n_vis = nv, .score = ref, .ld_s = K};
+    CHECK(mf_dense_host_iscore(&a) == 0, "host index scores: %s", mf_last_error());
+    void *dq = NULL, *dw = NULL, *dk = NULL, *dv = NULL, *ds = NULL;
+    int rc = mf_dev_alloc(d, 0, sizeof(float) * T * H * D, &dq);
+    if (!rc) rc = mf_dev_alloc(d, 0, sizeof(float) * T * H, &dw);
+    if (!rc) rc = mf_dev_alloc(d, 0, sizeof(float) * K * D, &dk);
+    if (!rc) rc = mf_dev_alloc(d, 0, sizeof nv, &dv);
+    if (!rc) rc = mf_dev_alloc(d, 0, sizeof(double) * T * K, &ds);
+    mf_dev_stream *s = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COMPUTE);
+    if (!rc) rc = mf_dev_copy_h2d(s, dq, q, sizeof(float) * T * H * D);
+    if (!rc) rc = mf_dev_copy_h2d(s, dw, w, sizeof(float) * T * H);
+    if (!rc) rc = mf_dev_copy_h2d(s, dk, k, sizeof(float) * K * D);
+    if (!rc) rc = mf_dev_copy_h2d(s, dv, nv, sizeof nv);
+    if (!rc) rc = mf_dev_copy_h2d(s, ds, got, sizeof(double) * T * K);
+    a.q = dq, a.w = dw, a.keys = dk, a.n_vis = dv, a.score = ds;
+    if (!rc) rc = mf_dev_index_scores(s, &a);
+    if (!rc) rc = mf_dev_copy_d2h(s, got, ds, sizeof(double) * T * K);
+    if (!rc) rc = mf_dev_stream_sync(s);
+    CHECK(rc == 0, "cuda index scores: %s", mf_last_error());
+    double md = 0, mb = 0;
+    for (int i = 0; i < T * K; i++) {
+        double e = fabs(got[i] - ref[i]);
+        if (!(e <= md)) md = e;
+        if (fabs(ref[i]) > mb) mb = fabs(ref[i]);
+    }
+    CHECK(md <= 1e-5 * mb, "cuda index scores: max error %.3g of largest %.3g", md, mb);
+    printf("test_dev_cuda: index scores %d tok x %d heads of %d, %d keys: max rel err %.2e, %s\n", T, H, D, K,
+           mb > 0 ? md / mb : md, !memcmp(got, ref, sizeof(double) * T * K) ? "bit-identical" : "NOT bit-identical");
+    mf_dev_free(d, 0, dq), mf_dev_free(d, 0, dw), mf_dev_free(d, 0, dk), mf_dev_free(d, 0, dv), mf_dev_free(d, 0, ds);
+    free(q), free(w), free(k), free(ref), free(got);
+}
+
 int main(void)
 {
     mf_dev *d = NULL;
@@ -252,6 +302,7 @@ int main(void)
     check_int8(d);
     dev_check_ffn_table(d, 0);
     dev_check_dense(d, 0);
+    check_iscore(d);
     CHECK(mf_dev_sync(d) == 0, "%s", mf_last_error());
     mf_dev_close(d);
     return mf_check_exit("test_dev_cuda");

@@ -5,7 +5,14 @@
  * cards: 3 tasks per card and layer, no host heads task), and the engine's logits of a 40-token
  * prompt in chunks of 16 then 3 decode steps with the heads on emu:1 and emu:2 (split by heads),
  * bit for bit (memcmp) the host placement's, and different with the card op perturbed
- * (mf_step_opts.heads_fault). */
+ * (mf_step_opts.heads_fault). With the heads, the scored layers' index scores (MF_SG_ATTN_KEYS,
+ * MF_SG_D_SCORES): the choice (flash41's 8 scored layers at chunks 512 and 8,192 on the 4 cards,
+ * none at batch 1), the graph (tiny: per scored layer a keys task and per card an in, a scores
+ * and an out task over half the items, no host score task), the logits (tiny; demo, whose top-k
+ * of 128 a 200-token prompt in chunks of 96 exceeds) bit for bit and different with the card's
+ * scores perturbed (mf_step_opts.scores_fault); with the cards taking fewer entries
+ * (mf_step_opts.scores_entries 12, then 1) the host's fallback scores, bit for bit, and with 1 the
+ * card's perturbation unseen (no chunk scored there). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,17 +50,25 @@ static void test_choice(void)
     static const int chunks[2] = {512, 8192};
     for (int ci = 0; ci < 2; ci++) {
         o.n = chunks[ci];
-        int on = 0, split = 0;
+        int on = 0, split = 0, scored = 0, sc = 0;
         for (int L = 0; L < c.n_layers; L++) {
-            int k = mf_sg_heads_choice(&o, L);
+            int k = mf_sg_heads_choice(&o, L), s = mf_sg_scores_choice(&o, L, k);
             on += k > 0;
             split += k == 4;
+            scored += mf_sg_layer_scored(&c, L);
+            sc += s == 4;
+            CHECK(s == (mf_sg_layer_scored(&c, L) ? 4 : 0), "chunk %d: layer %d's index scores on %d cards", o.n, L, s);
         }
         CHECK(on == c.n_layers, "chunk %d: heads of %d of %d layers on cards", o.n, on, c.n_layers);
-        printf("chunk %d: %d layers' heads on cards, %d of them split over 4\n", o.n, on, split);
+        CHECK(scored == 8 && sc == scored, "chunk %d: %d scored layers, %d with their scores on 4 cards", o.n, scored, sc);
+        printf("chunk %d: %d layers' heads on cards, %d of them split over 4; the %d scored layers' index scores on 4\n",
+               o.n, on, split, sc);
     }
     o.n = 1;
-    for (int L = 0; L < c.n_layers; L++) CHECK(mf_sg_heads_choice(&o, L) == 0, "batch 1: layer %d's heads on cards", L);
+    for (int L = 0; L < c.n_layers; L++) {
+        CHECK(mf_sg_heads_choice(&o, L) == 0, "batch 1: layer %d's heads on cards", L);
+        CHECK(mf_sg_scores_choice(&o, L, 0) == 0, "batch 1: layer %d's index scores on cards", L);
+    }
     o.n = 64;
     o.par = 1;
     for (int L = 0; L < c.n_layers; L++) CHECK(mf_sg_heads_choice(&o, L) == 0, "batch 64: layer %d's heads on cards", L);
@@ -84,11 +99,24 @@ static void test_graph(void)
                                          .lane_io = lt.lane_io, .lane_dev0 = lt.lane_dev0},
                            &sg) == 0,
           "graph: %s", mf_last_error());
-    int cnt[3] = {0}, host_heads = 0, gathers = 0, heads_rows[2] = {0};
+    int cnt[3] = {0}, host_heads = 0, gathers = 0, heads_rows[2] = {0}, n_scored = 0, keys = 0, host_scores = 0;
+    int sc_cnt[3] = {0}, sc_items[2] = {0};
+    for (int L = 0; L < c.n_layers; L++) n_scored += mf_sg_layer_scored(&c, L);
     for (int t = 0; sg && t < sg->n_tasks; t++) {
         const mf_sg_task *r = &sg->task[t];
         host_heads += r->op == MF_SG_ATTN_HEADS;
         gathers += r->op == MF_SG_ATTN_GATHER;
+        keys += r->op == MF_SG_ATTN_KEYS;
+        host_scores += r->op == MF_SG_ATTN_SCORE;
+        if (r->dense == MF_SG_D_SCORES) {   /* the index scores: per scored layer and card in, run, out */
+            int k = r->op - MF_SG_DENSE_IN, lane = mf_graph_task(sg->g, t)->lane;
+            CHECK(k >= 0 && k < 3 && r->card >= 0 && r->card < 2 && lane == lt.lane_dev0 + 3 * r->card + k,
+                  "scores task %d: op %d card %d lane %d", t, r->op, r->card, lane);
+            if (k < 0 || k >= 3 || r->card < 0 || r->card >= 2) continue;
+            sc_cnt[k]++;
+            if (k == 1) sc_items[r->card] += r->i1 - r->i0;
+            continue;
+        }
         if (r->dense != MF_SG_D_HEADS) continue;
         int k = r->op - MF_SG_DENSE_IN;
         CHECK(k >= 0 && k < 3 && r->card >= 0 && r->card < 2, "heads task %d: op %d card %d", t, r->op, r->card);
@@ -107,6 +135,13 @@ static void test_graph(void)
                           r->w.copy_bytes_tok, (long long)(r->r1 - r->r0), sg->heads_keys);
     }
     CHECK(host_heads == 0, "%d host heads tasks", host_heads);
+    CHECK(host_scores == 0 && keys == n_scored, "%d host score tasks, %d key tasks (expected 0, %d)", host_scores, keys,
+          n_scored);
+    for (int k = 0; k < 3; k++)
+        CHECK(sc_cnt[k] == 2 * n_scored, "%d scores tasks of kind %d (expected %d)", sc_cnt[k], k, 2 * n_scored);
+    for (int cd = 0; cd < 2; cd++)
+        CHECK(sc_items[cd] == n_scored * 8, "card %d scores %d items over the layers (expected %d)", cd, sc_items[cd],
+              n_scored * 8);
     CHECK(gathers == c.n_layers, "%d gathers (expected %d)", gathers, c.n_layers);
     for (int k = 0; k < 3; k++) CHECK(cnt[k] == 2 * c.n_layers, "%d heads tasks of kind %d (expected %d)", cnt[k], k, 2 * c.n_layers);
     for (int cd = 0; cd < 2; cd++)
@@ -115,42 +150,59 @@ static void test_graph(void)
     mf_sg_sizes_free(sz);
 }
 
-/* The logits of the host placement against the heads on emu:nc (fault: perturbed). */
-static int run_cards(mf_ref *r, int nc, int fault, float *out, int32_t *toks)
+/* The logits of the host placement against the heads (and the index scores) on emu:nc (fault 1:
+ * the heads perturbed, 2: the index scores). */
+static int run_cards(mf_ref *r, int nc, int fault, int n_prompt, int chunk, float *out, int32_t *toks, int entries)
 {
     char spec[64];
     mf_dev *d = NULL;
     int rc = mf_test_emu_open(nc, spec, sizeof spec, &d);
     mf_step *e = NULL;
     if (!rc)
-        rc = mf_step_new(r, &(mf_step_opts){.n_threads = 2, .prefill_chunk = 16, .dev = d, .dense = MF_STEP_DENSE_CARDS,
-                                            .heads = MF_SG_HEADS_CARDS, .heads_fault = fault},
+        rc = mf_step_new(r, &(mf_step_opts){.n_threads = 2, .prefill_chunk = chunk, .dev = d, .dense = MF_STEP_DENSE_CARDS,
+                                            .heads = MF_SG_HEADS_CARDS, .heads_fault = fault == 1,
+                                            .scores_fault = fault == 2, .scores_entries = entries},
                          &e);
-    if (!rc) rc = mf_test_run_steps(r, e, g_V, 1, N_PROMPT, prompt_tok, N_DEC, toks, 0, out);
+    if (!rc) rc = mf_test_run_steps(r, e, g_V, 1, n_prompt, prompt_tok, N_DEC, toks, 0, out);
     mf_step_free(e);
     mf_dev_close(d);
     return rc;
 }
 
-static void test_engine(mf_ref *r)
+static void test_engine(mf_ref *r, const char *name, int n_prompt, int chunk, int max_cards)
 {
     size_t per = (size_t)(1 + N_DEC) * g_V;
     float *host = malloc(sizeof(float) * per), *got = malloc(sizeof(float) * per);
     int32_t toks[N_DEC];
     mf_step *e = NULL;
-    CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .prefill_chunk = 16}, &e) == 0, "host: %s", mf_last_error());
-    CHECK(e && mf_test_run_steps(r, e, g_V, 1, N_PROMPT, prompt_tok, N_DEC, toks, 1, host) == 0, "host run: %s",
+    CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .prefill_chunk = chunk}, &e) == 0, "host: %s", mf_last_error());
+    CHECK(e && mf_test_run_steps(r, e, g_V, 1, n_prompt, prompt_tok, N_DEC, toks, 1, host) == 0, "host run: %s",
           mf_last_error());
     mf_step_free(e);
-    for (int nc = 1; nc <= 2; nc++) {
+    for (int nc = 1; nc <= max_cards; nc++) {
         memset(got, 0, sizeof(float) * per);
-        int rc = run_cards(r, nc, 0, got, toks);
-        CHECK(rc == 0, "emu:%d heads on cards: %s", nc, mf_last_error());
-        CHECK(!rc && !memcmp(host, got, sizeof(float) * per), "emu:%d: logits with the heads on cards differ from the "
-              "host placement's", nc);
-        rc = run_cards(r, nc, 1, got, toks);
-        CHECK(rc == 0, "emu:%d perturbed: %s", nc, mf_last_error());
-        CHECK(!rc && memcmp(host, got, sizeof(float) * per), "emu:%d: the perturbed card op went unnoticed", nc);
+        int rc = run_cards(r, nc, 0, n_prompt, chunk, got, toks, 0);
+        CHECK(rc == 0, "%s emu:%d heads on cards: %s", name, nc, mf_last_error());
+        CHECK(!rc && !memcmp(host, got, sizeof(float) * per), "%s emu:%d: logits with the heads and index scores on "
+              "cards differ from the host placement's", name, nc);
+        for (int fault = 1; fault <= 2; fault++) {
+            rc = run_cards(r, nc, fault, n_prompt, chunk, got, toks, 0);
+            CHECK(rc == 0, "%s emu:%d perturbed: %s", name, nc, mf_last_error());
+            CHECK(!rc && memcmp(host, got, sizeof(float) * per), "%s emu:%d: the perturbed card %s went unnoticed", name,
+                  nc, fault == 1 ? "heads" : "index scores");
+        }
+        /* the host's scores where a chunk sees more entries than the cards take (here 12: the
+         * ratio-1 layers of every chunk, the ratio-2 one's first chunk on the cards), and the
+         * card's perturbation then caught only where the cards still score */
+        memset(got, 0, sizeof(float) * per);
+        rc = run_cards(r, nc, 0, n_prompt, chunk, got, toks, 12);
+        CHECK(rc == 0 && !memcmp(host, got, sizeof(float) * per), "%s emu:%d: the host's fallback scores: %s", name, nc,
+              rc ? mf_last_error() : "logits differ from the host placement's");
+        rc = run_cards(r, nc, 2, n_prompt, chunk, got, toks, 1);
+        CHECK(rc == 0 && !memcmp(host, got, sizeof(float) * per), "%s emu:%d: every chunk on the host's scores, yet "
+              "the card's perturbation changed the logits (%s)", name, nc, rc ? mf_last_error() : "");
+        printf("%s: a %d-token prompt in chunks of %d, %d decode steps on emu:%d: the host's logits bit for bit (and "
+               "with the host's fallback scores)\n", name, n_prompt, chunk, N_DEC, nc);
     }
     free(host);
     free(got);
@@ -169,8 +221,21 @@ int main(void)
     mf_ref *r = NULL;
     CHECK(mf_model_load(dir, &(mf_model_opts){.quiet = 1}, &m) == 0, "load: %s", mf_last_error());
     if (!m || mf_ref_new(m, NULL, &r)) return mf_check_exit("test_heads_cards");
-    test_engine(r);
+    test_engine(r, "tiny", N_PROMPT, 16, 2);
     mf_ref_free(r);
     mf_model_free(m);
+    /* demo (index top-k 128): a 200-token prompt, so the scored layers see more entries than they
+     * select; not under the sanitizers */
+    if (!MF_TEST_SANITIZED) {
+        CHECK(mf_config_preset("demo", &c) == 0, "preset demo");
+        if (mf_test_gen_ckpt(&c, "heads_cards_demo", dir, sizeof dir)) return 1;
+        g_V = c.vocab_size;
+        m = NULL;
+        r = NULL;
+        CHECK(mf_model_load(dir, &(mf_model_opts){.quiet = 1}, &m) == 0, "load demo: %s", mf_last_error());
+        if (m && !mf_ref_new(m, NULL, &r)) test_engine(r, "demo", 200, 96, 2);
+        mf_ref_free(r);
+        mf_model_free(m);
+    }
     return mf_check_exit("test_heads_cards");
 }

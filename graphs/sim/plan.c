@@ -133,7 +133,9 @@ static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int
     default:
         break;
     }
-    s.pos_flops = pl_pos_flops(p, t);   /* 0 but for the ops whose work grows with the context */
+    if (mf_sg_scores_task(t))   /* the index scores on cards: the items' positions together */
+        mf_sg_scores_pos(&p->c, t, p->pos + (p->o.prefill ? t->i0 : 0), p->o.prefill != 0, &s.pos_flops, &s.pos_bytes);
+    else s.pos_flops = pl_pos_flops(p, t);   /* 0 but for the ops whose work grows with the context */
     return mf_sg_task_ns(t, &p->cm, &s);
 }
 

@@ -215,9 +215,7 @@ void mf_fa_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float 
 {
     if (j0 >= j1) return;
     const mf_config *c = ly->c;
-    int S = ly->src_of[L];
-    const float *qi = b[MF_LY_A_QI], *wts = b[MF_LY_A_IW];
-    int ih = c->index_n_heads, id = c->index_head_dim;
+    int S = ly->src_of[L], id = c->index_head_dim;
     enum { NB = 48, KB = 48 * 128 };   /* keys per block (id <= 128): unpacked with one page walk */
     _Static_assert(KB >= MF_LY_MAX_INDEX_DIM, "a block holds one key of any width");
     float kbuf[KB];
@@ -227,22 +225,7 @@ void mf_fa_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float 
     for (int64_t jb = j0; jb < j1; jb += nb) {
         int nk = j1 - jb < nb ? (int)(j1 - jb) : nb;
         mf_ly_cache_get_keys(c, S, &it->st->cache[S], jb, nk, kbuf);
-        double acc[NB];
-        for (int u = 0; u < nk; u++) acc[u] = 0;
-        for (int h0 = 0; h0 < ih; h0 += 4) {   /* per key: heads in order, as the module sums them */
-            int G = ih - h0 < 4 ? ih - h0 : 4;
-            const float *qh[4];
-            float d4[NB][4];
-            for (int g = 0; g < G; g++) qh[g] = qi + (int64_t)(h0 + g) * id;
-            mf_kern_vec_dots_keys(qh, G, k, nk, id, d4);   /* per key the bits of one key at a time */
-            for (int u = 0; u < nk; u++)
-                for (int g = 0; g < G; g++) {
-                    float rl = d4[u][g] > 0 ? d4[u][g] : 0.0f;
-                    float w = wts[h0 + g] * rl;
-                    acc[u] += (double)w;
-                }
-        }
-        for (int u = 0; u < nk; u++) score[jb + u] = (float)acc[u];
+        mf_kern_vec_index_scores(b[MF_LY_A_QI], b[MF_LY_A_IW], c->index_n_heads, k, nk, id, score + jb);
     }
 }
 

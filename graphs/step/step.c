@@ -43,6 +43,10 @@ typedef struct mf_step_shape mf_step_shape;
  * head_dim 512: 32 MiB per card): a chunk whose items' selections together touch more runs the
  * host's heads (mf_step_shape.hk_host) */
 #define MF_STEP_HEADS_ENTRIES 16384
+/* Visible compressed entries the index scores on cards take at most (a card's score buffer: its
+ * share of the chunk's items x this many doubles; chunk 8,192 on 4 cards: 256 MiB a card): a chunk
+ * whose last item sees more scores on the host (mf_step_shape.sk_host) */
+#define MF_STEP_SCORE_ENTRIES 16384
 
 /* One task's argument: its shape and its record in the step graph (what it is: layer, stage,
  * slot, part, card, items; graphs/step/stepgraph.h). The layer context (scratch) it uses is its
@@ -168,6 +172,17 @@ struct mf_step_shape {
     int64_t hk_map_cap, hk_t0, hk_pos0, hk_ring_hi;
     int hk_nring, hk_nchunk, hk_nent, hk_ecap, hk_host;
     size_t dd_hk_tab, dd_hk_keys, dd_hk_nk, dd_hk_sink;
+    /* the index scores on cards (sg->scores_any): the unit's index keys as MF_SG_ATTN_KEYS leaves
+     * them (sk_tab: the sk_nkeys entries the last item sees, unpacked), per item its visible count
+     * (sk_nvis); sk_host 1 when the chunk's items are not one sequence's consecutive positions or
+     * see more than MF_STEP_SCORE_ENTRIES (the selects then score on the host, the card tasks do
+     * nothing); the cards' copies at dd_sk_* (a card: the keys its items see; its items' scores,
+     * sk_rows rows of at most MF_STEP_SCORE_ENTRIES, as many apart as its last item sees) */
+    float *sk_tab;
+    int32_t *sk_nvis;
+    int64_t sk_nkeys;
+    int sk_host, sk_rows;
+    size_t dd_sk_tab, dd_sk_nvis, dd_sk_score;
     void *mem;              /* its buffers; NULL when they are the engine's umem (unit shapes) */
 };
 
@@ -616,16 +631,113 @@ static int mf_task_attn_score(void *arg, mf_task_ctx *ctx)
     return 0;
 }
 
-/* Per item, in item order: the candidate mask and top-k from its scores (the select hook). */
+/* Per item, in item order: the candidate mask and top-k from its scores (the select hook). With
+ * the scores on cards and sk_host, the item's scores on the host first. */
 static int mf_task_attn_select(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
     mf_ly_ctx *cx = mf_step_cx(a, ctx);
     if (!cx) return -EINVAL;
-    for (int i = a->t->i0; i < a->t->i1; i++)
-        (a->sh->eng->o.exact ? mf_ly_attn_core_select : mf_fa_attn_select)(
-            cx, &a->sh->items[i], a->t->layer, a->sh->iscore + (size_t)i * a->sh->iscore_ld);
+    mf_step_shape *sh = a->sh;
+    int L = a->t->layer, host = sh->sg->scores_cards[L] && sh->sk_host;
+    for (int i = a->t->i0; i < a->t->i1; i++) {
+        double *score = sh->iscore + (size_t)i * sh->iscore_ld;
+        if (host) {
+            float *b[MF_LY_A_N];
+            mf_step_abuf(sh, i, b);
+            mf_fa_index_scores(cx->ly, &sh->items[i], L, b, score, 0, mf_ly_index_n_vis(cx->ly->c, L, sh->items[i].pos));
+        }
+        (sh->eng->o.exact ? mf_ly_attn_core_select : mf_fa_attn_select)(cx, &sh->items[i], L, score);
+    }
     return 0;
+}
+
+/* ---- the index scores on cards (graphs/step/stepgraph.h MF_SG_ATTN_KEYS, MF_SG_D_SCORES) ----- */
+
+/* The unit's index keys: the entries of layer L's index source its last item sees, unpacked as
+ * the host's scores unpack them (mf_ly_cache_get_keys), and each item's visible count; sk_host
+ * when the items are not consecutive positions of one sequence or see more than
+ * MF_STEP_SCORE_ENTRIES entries (mf_step_opts.scores_entries: fewer). */
+static int mf_task_attn_keys(void *arg, mf_task_ctx *ctx)
+{
+    (void)ctx;
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    const mf_layers *ly = sh->eng->ly;
+    const mf_config *c = ly->c;
+    int L = a->t->layer, i0 = a->t->i0, i1 = a->t->i1;
+    const mf_ly_item *it = sh->items;
+    sh->sk_host = 0;
+    for (int i = i0 + 1; i < i1; i++)
+        if (it[i].st != it[i0].st || it[i].pos != it[i0].pos + (i - i0)) sh->sk_host = 1;
+    sh->sk_nkeys = mf_ly_index_n_vis(c, L, it[i1 - 1].pos);
+    int cap = sh->eng->o.scores_entries > 0 && sh->eng->o.scores_entries < MF_STEP_SCORE_ENTRIES
+                  ? sh->eng->o.scores_entries : MF_STEP_SCORE_ENTRIES;
+    if (sh->sk_nkeys > cap) sh->sk_host = 1;
+    if (sh->sk_host) return 0;
+    for (int i = i0; i < i1; i++) sh->sk_nvis[i] = (int32_t)mf_ly_index_n_vis(c, L, it[i].pos);
+    int S = ly->src_of[L];
+    if (sh->sk_nkeys > 0) mf_ly_cache_get_keys(c, S, &it[i0].st->cache[S], 0, sh->sk_nkeys, sh->sk_tab);
+    return 0;
+}
+
+/* The most entries any of the task's items sees: the keys its card reads, its score rows' width. */
+static int64_t mf_step_scores_keys(const mf_step_targ *a)
+{
+    int64_t m = 0;
+    for (int i = a->t->i0; i < a->t->i1; i++) m = a->sh->sk_nvis[i] > m ? a->sh->sk_nvis[i] : m;
+    return m;
+}
+
+/* The scores' copy in (out 0: the items' index queries and head weights, their counts, the keys
+ * they see) or out (out 1: their scores into their rows of iscore) on the task's card. */
+static int mf_step_scores_copy(const mf_step_targ *a, mf_dev_stream *q, int out)
+{
+    mf_step_shape *sh = a->sh;
+    if (sh->sk_host) return MF_TASK_NO_WORK;
+    const mf_config *c = sh->eng->c;
+    int i0 = a->t->i0, n = a->t->i1 - i0, ih = c->index_n_heads, id = c->index_head_dim;
+    int64_t nk = mf_step_scores_keys(a);
+    uint8_t *db = sh->ddense[a->t->card];
+    size_t f = sizeof(float);
+    if (out) {
+        if (!nk) return MF_TASK_NO_WORK;
+        size_t w = (size_t)nk * sizeof(double);
+        return mf_dev_copy_d2h_2d(q, sh->iscore + (size_t)i0 * sh->iscore_ld, (size_t)sh->iscore_ld * sizeof(double),
+                                  db + sh->dd_sk_score, w, w, (size_t)n);
+    }
+    int rc = 0;
+    for (int k = 0; k < 2 && !rc; k++) {   /* the queries, the head weights: the items' rows, as on the host */
+        int b = k ? MF_LY_A_IW : MF_LY_A_QI;
+        size_t ld = (size_t)sh->ab_ld[b] * f, off = (size_t)i0 * ld;
+        rc = mf_dev_copy_h2d_2d(q, db + sh->dd_ab[b] + off, ld, (uint8_t *)sh->ab[b] + off, ld,
+                                (size_t)(k ? ih : ih * id) * f, (size_t)n);
+    }
+    if (!rc) rc = mf_dev_copy_h2d(q, db + sh->dd_sk_nvis + (size_t)i0 * 4, sh->sk_nvis + i0, (size_t)n * 4);
+    if (!rc && nk) rc = mf_dev_copy_h2d(q, db + sh->dd_sk_tab, sh->sk_tab, (size_t)nk * id * f);
+    return rc;
+}
+
+/* The task's items' index scores on its card's compute stream (mf_dev_index_scores: the host's
+ * arithmetic; mf_step_opts.scores_fault: the last index head left out). */
+static int mf_step_scores_launch(const mf_step_targ *a, mf_dev_stream *st)
+{
+    mf_step_shape *sh = a->sh;
+    int64_t nk = sh->sk_host ? 0 : mf_step_scores_keys(a);
+    if (!nk) return MF_TASK_NO_WORK;
+    const mf_config *c = sh->eng->c;
+    int i0 = a->t->i0;
+    uint8_t *db = sh->ddense[a->t->card];
+    mf_dev_iscore is = {.q = (const float *)(db + sh->dd_ab[MF_LY_A_QI]) + i0 * sh->ab_ld[MF_LY_A_QI],
+                        .ld_q = sh->ab_ld[MF_LY_A_QI],
+                        .w = (const float *)(db + sh->dd_ab[MF_LY_A_IW]) + i0 * sh->ab_ld[MF_LY_A_IW],
+                        .ld_w = sh->ab_ld[MF_LY_A_IW], .n_tok = a->t->i1 - i0, .n_heads = c->index_n_heads,
+                        .D = c->index_head_dim, .keys = (const float *)(db + sh->dd_sk_tab), .n_keys = nk,
+                        .n_vis = (const int32_t *)(db + sh->dd_sk_nvis) + i0, .score = (double *)(db + sh->dd_sk_score),
+                        .ld_s = nk};
+    if (sh->eng->o.scores_fault && is.n_heads > 1) is.n_heads--;
+    int rc = mf_dev_index_scores(st, &is);
+    return rc ? mf_error_wrap(rc, "the index scores of layer %d on card %d", a->t->layer, a->t->card) : 0;
 }
 
 /* Heads [h0, h1) of item a->t->i0 on the host. With the ring written late, the window positions
@@ -1703,6 +1815,7 @@ static int mf_task_dense_in(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
     if (a->t->dense == MF_SG_D_HEADS) return mf_step_heads_copy(a, ctx->queue, 0);
+    if (a->t->dense == MF_SG_D_SCORES) return mf_step_scores_copy(a, ctx->queue, 0);
     mf_step_dcopy cp[MF_LY_A_MAX_LIN];
     int m = mf_step_dense_copies(a, 0, cp), rc = 0;
     if (!m) return MF_TASK_NO_WORK;
@@ -1714,6 +1827,7 @@ static int mf_task_dense_out(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
     if (a->t->dense == MF_SG_D_HEADS) return mf_step_heads_copy(a, ctx->queue, 1);
+    if (a->t->dense == MF_SG_D_SCORES) return mf_step_scores_copy(a, ctx->queue, 1);
     mf_step_dcopy cp[MF_LY_A_MAX_LIN];
     int m = mf_step_dense_copies(a, 1, cp), rc = 0;
     if (!m) return MF_TASK_NO_WORK;
@@ -1870,6 +1984,7 @@ static int mf_task_dense(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     if (a->t->dense == MF_SG_D_HEAD && !a->sh->n_head) return MF_TASK_NO_WORK;
     if (a->t->dense == MF_SG_D_HEADS) return a->sh->hk_host ? MF_TASK_NO_WORK : mf_step_heads_launch(a, ctx->queue);
+    if (a->t->dense == MF_SG_D_SCORES) return mf_step_scores_launch(a, ctx->queue);
     return mf_step_dense_launch(a, ctx->queue);
 }
 
@@ -1927,6 +2042,7 @@ static const mf_task_fn mf_step_fn_of[MF_SG_N_OPS] = {
     [MF_SG_DENSE_IN] = mf_task_dense_in,         [MF_SG_DENSE] = mf_task_dense,
     [MF_SG_DENSE_OUT] = mf_task_dense_out,       [MF_SG_ATTN_QSCALE] = mf_task_attn_qscale,
     [MF_SG_ATTN_KV] = mf_task_attn_kv,           [MF_SG_ATTN_GATHER] = mf_task_attn_gather,
+    [MF_SG_ATTN_KEYS] = mf_task_attn_keys,
     [MF_SG_ATTN_QPREP] = mf_task_attn_qprep,     [MF_SG_ATTN_OPOST] = mf_task_attn_opost,
     [MF_SG_MOE_PLACE] = mf_task_moe_place,       [MF_SG_DEV_PRE] = mf_task_dev_pre,
 };
@@ -2062,7 +2178,7 @@ static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh, const size_t *ab
     int ex = eng->o.exact;
     if (!eng->n_dense) return 0;
     /* each dense card's copies of the activations: {bytes, &offset} */
-    struct { size_t bytes, *off; } dt[2 * MF_LY_A_N + 14];
+    struct { size_t bytes, *off; } dt[2 * MF_LY_A_N + 17];
     int m = 0;
     for (int b = 0; b < MF_LY_A_N; b++) dt[m++] = (typeof(dt[0])){ab_sz[b], &sh->dd_ab[b]};
     for (int b = 0; b < MF_LY_A_N; b++)   /* the bf16 copies (the host's mirrors' layouts) */
@@ -2082,6 +2198,10 @@ static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh, const size_t *ab
     dt[m++] = (typeof(dt[0])){hk ? n_ * sh->sg->heads_keys * 4 : 0, &sh->dd_hk_keys};
     dt[m++] = (typeof(dt[0])){hk ? n_ * 4 : 0, &sh->dd_hk_nk};
     dt[m++] = (typeof(dt[0])){hk ? (size_t)c->n_heads * f : 0, &sh->dd_hk_sink};
+    int sk = sh->sg->scores_any;   /* the index scores' keys, counts, scores */
+    dt[m++] = (typeof(dt[0])){sk ? (size_t)MF_STEP_SCORE_ENTRIES * c->index_head_dim * f : 0, &sh->dd_sk_tab};
+    dt[m++] = (typeof(dt[0])){sk ? n_ * 4 : 0, &sh->dd_sk_nvis};
+    dt[m++] = (typeof(dt[0])){sk ? (size_t)sh->sk_rows * MF_STEP_SCORE_ENTRIES * sizeof(double) : 0, &sh->dd_sk_score};
     size_t total = 0;
     for (int i = 0; i < m; i++) {
         *dt[i].off = total;
@@ -2179,7 +2299,13 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         }
     }
         /* the heads on cards: the key table's entries at most (a longer union runs the host's heads) */
-    int hk = sh->sg->heads_any;
+    int hk = sh->sg->heads_any, sk = sh->sg->scores_any;
+    for (int L = 0; L < c->n_layers; L++)   /* a card's items of the index scores at most */
+        if (sh->sg->scores_cards[L]) {
+            int a, e;
+            mf_sg_heads_range(sh->sg->n, sh->sg->scores_cards[L], 0, &a, &e);
+            if (e - a > sh->sk_rows) sh->sk_rows = e - a;
+        }
     int64_t ecap = (int64_t)ln * c->index_topk;
     sh->hk_ecap = (int)(ecap < MF_STEP_HEADS_ENTRIES ? ecap : MF_STEP_HEADS_ENTRIES);
     mf_step_buf tab[] = {
@@ -2253,6 +2379,8 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         {"ab16_out", ab16_sz[MF_LY_A_OUT], (void **)&sh->ab16[MF_LY_A_OUT]},
         {"xin16", xin16_sz, (void **)&sh->xin16},
         {"ys16", ys16_sz, (void **)&sh->ys16},
+        {"sk_tab", sk ? (size_t)MF_STEP_SCORE_ENTRIES * c->index_head_dim * f : 0, (void **)&sh->sk_tab},
+        {"sk_nvis", sk ? n_ * 4 : 0, (void **)&sh->sk_nvis},
     };
     _Static_assert(MF_LY_A_N == 11, "one row per attention buffer");
     enum { N_TAB = sizeof tab / sizeof tab[0] };

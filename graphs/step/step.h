@@ -101,6 +101,12 @@ typedef struct mf_step_opts {
     /* Tests only (a mutation the bit-identity checks must catch): 1 makes the heads on cards
      * compute with their scale 1% off. 0: off. */
     int heads_fault;
+    /* Tests only, as heads_fault: 1 makes the index scores on cards (graphs/step/stepgraph.h
+     * MF_SG_D_SCORES, where the heads run on cards) leave out their last index head. 0: off. */
+    int scores_fault;
+    /* Tests only: > 0 lowers the visible entries the index scores on cards take (beyond them a
+     * chunk's selects score on the host) below the engine's 16,384, to reach that path. 0: off. */
+    int scores_entries;
     /* 2 (`moeflow decode --micro-batches 2`): two micro-batches in flight for batches of two or
      * more sequences (graphs/step/stepgraph.h mf_sg_opts.micro): each half of the batch routed,
      * placed and combined on its own, one half's MoE beside the other's attention; the logits are

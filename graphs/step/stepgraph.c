@@ -190,7 +190,7 @@ double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int p_key, int64
 
 const char *mf_sg_op_name(int op)
 {
-    static const char *const names[] = {"engram_embed", "engram_rows", "engram_gate", "engram_plan", "engram_read", "attn_pre", "attn_rows", "attn_qnorm", "attn_core", "attn_post", "gate_rows", "route", "moe_done", "slot_read", "slot_up", "slot_join", "slot_down", "dev_in", "dev_ffn", "dev_ffn_card", "dev_out", "shared_up", "shared_down", "combine", "norm", "head", "join", "attn_mix", "attn_norm", "attn_heads", "attn_ring", "ffn_mix", "ffn_norm", "attn_score", "attn_select", "dense_in", "dense", "dense_out", "attn_qscale", "attn_kv", "attn_gather", "attn_qprep", "attn_opost", "route_rows", "moe_place", "dev_pre"};
+    static const char *const names[] = {"engram_embed", "engram_rows", "engram_gate", "engram_plan", "engram_read", "attn_pre", "attn_rows", "attn_qnorm", "attn_core", "attn_post", "gate_rows", "route", "moe_done", "slot_read", "slot_up", "slot_join", "slot_down", "dev_in", "dev_ffn", "dev_ffn_card", "dev_out", "shared_up", "shared_down", "combine", "norm", "head", "join", "attn_mix", "attn_norm", "attn_heads", "attn_ring", "ffn_mix", "ffn_norm", "attn_score", "attn_select", "dense_in", "dense", "dense_out", "attn_qscale", "attn_kv", "attn_gather", "attn_qprep", "attn_opost", "route_rows", "moe_place", "dev_pre", "attn_keys"};
     _Static_assert(sizeof names / sizeof names[0] == MF_SG_N_OPS, "one name per mf_sg_op");
     return (unsigned)op < MF_SG_N_OPS ? names[op] : "?";
 }
@@ -271,12 +271,14 @@ double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_st
         return 0;
     case MF_SG_DEV_OUT:
         return mf_cost_copy(m, 1, 1, tok * w->copy_bytes_tok);
-    case MF_SG_DENSE_IN:   /* one small copy of the items' activations (the heads: and the key table) */
-        return mf_cost_act_copy(m, 0, w->copy_bytes + tok * w->copy_bytes_tok);
-    case MF_SG_DENSE:   /* the heads' scores and values: their positional work at the card's fp32 rate */
-        return mf_cost_card(m, w, tok) + (t->dense == MF_SG_D_HEADS ? mf_cost_ref(m->p, 1, s->pos_flops) : 0);
+    case MF_SG_DENSE_IN:   /* one small copy of the items' activations (the heads: and the key table;
+                            * the index scores: and their positional key table) */
+        return mf_cost_act_copy(m, 0, w->copy_bytes + tok * w->copy_bytes_tok + s->pos_bytes);
+    case MF_SG_DENSE:   /* the heads' and index scores' positional work at the card's fp32 rate */
+        return mf_cost_card(m, w, tok) +
+               (t->dense == MF_SG_D_HEADS || t->dense == MF_SG_D_SCORES ? mf_cost_ref(m->p, 1, s->pos_flops) : 0);
     case MF_SG_DENSE_OUT:
-        return mf_cost_act_copy(m, 1, tok * w->copy_bytes_tok);
+        return mf_cost_act_copy(m, 1, tok * w->copy_bytes_tok + s->pos_bytes);
     default:   /* kernels over the record's tokens, scalar work and the positional part of it */
         return mf_cost_host(m, w, tok, s->pos_flops);
     }
@@ -950,6 +952,97 @@ void mf_sg_heads_range(int n_heads, int parts, int k, int *h0, int *h1)
     *h1 = *h0 + per + (k < extra);
 }
 
+/* ---- the index scores on cards --------------------------------------------------------------- */
+
+/* Estimate, not measured: the card's index-score kernel's work per (key, head) beside the dot's
+ * index_head_dim multiply-adds, in fp32 multiply-add slots: its half-warp's shuffle tree (4
+ * shuffles and 4 adds on 16 lanes: 128) and lane 0's add in double (sm_75 runs fp64 at 1/32 of the
+ * fp32 rate, RTX 2080 Ti spec: 32). */
+#define SG_W_CARD_ISCORE 160.0
+
+int mf_sg_scores_task(const mf_sg_task *t)
+{
+    return t->op == MF_SG_ATTN_KEYS || ((t->op == MF_SG_DENSE_IN || t->op == MF_SG_DENSE || t->op == MF_SG_DENSE_OUT) &&
+                                        t->dense == MF_SG_D_SCORES);
+}
+
+void mf_sg_scores_pos(const mf_config *c, const mf_sg_task *t, int64_t pos0, int step, double *flops, double *bytes)
+{
+    *flops = *bytes = 0;
+    int ratio = c->compress_ratios[t->layer], n = t->i1 - t->i0;
+    if (!mf_sg_scores_task(t) || ratio <= 0 || n < 1) return;
+    double ih = c->index_n_heads, id = c->index_head_dim, sum = 0;
+    /* the table and each score row: the entries the last item sees */
+    double last = (double)((pos0 + (int64_t)(n - 1) * step + 1) / ratio);
+    for (int k = 0; k < n; k++) sum += (double)((pos0 + (int64_t)k * step + 1) / ratio);
+    switch (t->op) {
+    case MF_SG_ATTN_KEYS:   /* each entry's key unpacked, each item's count */
+        *flops = SG_W_UNPACK * id * last + n;
+        break;
+    case MF_SG_DENSE_IN:
+        *bytes = 4.0 * id * last;
+        break;
+    case MF_SG_DENSE:   /* per visible entry and head a dot of id, its tree and its term added in double */
+        *flops = sum * ih * (id + SG_W_CARD_ISCORE);
+        break;
+    default:   /* the scores out, doubles: a row of the last item's width per item */
+        *bytes = 8.0 * n * last;
+        break;
+    }
+}
+
+int mf_sg_scores_choice(const mf_sg_opts *o, int L, int heads_cards)
+{
+    const mf_config *c = o->c;
+    if (heads_cards < 1 || !mf_sg_layer_scored(c, L) ||
+        (int64_t)c->index_n_heads * c->index_head_dim > MF_DEV_ISCORE_MAX_QD)
+        return 0;
+    return o->n_dense_cards < o->n ? o->n_dense_cards : o->n;
+}
+
+/* The index scores of unit k of layer L on the cards (sg->scores_cards[L] of them): after the
+ * cores of its item groups [gu0, gu1] (gate[]), the keys -> per card (its share of the unit's items,
+ * mf_sg_heads_range) copy in -> scores -> copy out -> the join it returns, which the selects wait for. */
+static mf_task_id sg_scores_on_cards(sg_builder *b, int L, int k, const mf_task_id *gate, int gu0, int gu1)
+{
+    const mf_config *c = b->o->c;
+    mf_stepgraph *sg = b->sg;
+    int parts = sg->scores_cards[L], i0 = k > 0 ? sg->unit_end[k - 1] : 0, n = sg->unit_end[k] - i0;
+    double ih = c->index_n_heads, id = c->index_head_dim;
+    SG_NAME(b, "attn L%d keys", L);
+    mf_sg_task tk = sg_item(b, L, k);
+    tk.n_tok = 1;
+    mf_task_id keys = sg_add(b, 0, MF_SG_ATTN_KEYS, MF_SG_PH_ATTN, MF_SG_K_OTHER, tk);
+    for (int i = gu0; i <= gu1; i++)
+        if (i == gu0 || gate[i] != gate[i - 1]) sg_dep(b, gate[i], keys);
+    SG_NAME(b, "attn L%d scores join", L);
+    mf_task_id join = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, sg_rec(L));
+    sg_dep(b, keys, join);
+    static const int kind_of[3] = {MF_SG_K_COPY, MF_SG_K_OTHER, MF_SG_K_COPY_OUT};
+    static const char *const what[3] = {" in", "", " out"};
+    for (int p = 0; p < parts && !b->rc; p++) {
+        int cd = parts > 1 ? p : mf_sg_dense_card(c, sg->n_dense_cards, L), a, e;
+        mf_sg_heads_range(n, parts, p, &a, &e);
+        mf_task_id prev = keys;
+        for (int q = 0; q < 3 && e > a; q++) {
+            mf_sg_task t = sg_rec(L);
+            t.i0 = i0 + a;
+            t.i1 = i0 + e;
+            t.n_tok = e - a;
+            t.card = (int8_t)cd;
+            t.part = p;
+            t.dense = MF_SG_D_SCORES;
+            if (q == 0) t.w.copy_bytes_tok = 4.0 * (ih * id + ih + 1);   /* queries, weights, count */
+            SG_NAME(b, "dev%d L%d scores%s", cd, L, what[q]);
+            mf_task_id x = sg_add(b, b->o->lane_dev0 + 3 * cd + q, MF_SG_DENSE_IN + q, MF_SG_PH_ATTN, kind_of[q], t);
+            sg_dep(b, prev, x);
+            prev = x;
+        }
+        sg_dep(b, prev, join);
+    }
+    return join;
+}
+
 /* The record of a heads task `op` of layer L over items [i0, i1) and heads [h0, h1) (n items in the
  * unit): MF_SG_ATTN_HEADS on the host; the cards' path MF_SG_ATTN_GATHER, MF_SG_ATTN_QPREP,
  * MF_SG_DENSE_IN / MF_SG_DENSE / MF_SG_DENSE_OUT of MF_SG_D_HEADS, MF_SG_ATTN_OPOST. The work of
@@ -1234,7 +1327,7 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
             }
         }
         if (index) {   /* the index scores in parts per item group, then the select, before the heads */
-            mf_task_id sel = -1;
+            mf_task_id sel = -1, cards = sg->scores_cards[L] ? sg_scores_on_cards(b, L, k, gate, gu0, gu1) : -1;
             for (int i = gu0; i <= gu1; i++) {
                 mf_task_id core = gate[i];
                 if (!whole || i == gu0) {
@@ -1244,8 +1337,9 @@ static void sg_attn(sg_builder *b, int L, const mf_task_id *unit, mf_task_id *po
                     ts.part = -1;
                     ts.n_tok = 1;
                     sel = sg_add(b, 0, MF_SG_ATTN_SELECT, MF_SG_PH_ATTN, MF_SG_K_OTHER, ts);
+                    sg_dep(b, cards, sel);
                 }
-                for (int q = 0; q < sg->key_parts[i]; q++) {
+                for (int q = 0; q < sg->key_parts[i] && cards < 0; q++) {
                     SG_NAME(b, "attn L%d score item %d %d", L, i, q);
                     mf_sg_task tk = sg_rec(L);
                     tk.i0 = i ? sg->group_end[i - 1] : 0;
@@ -1823,6 +1917,8 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
         sg->heads_cards[L] = (int8_t)mf_sg_heads_choice(o, L);
         if (sg->heads_cards[L] && sg_heads_keys(c, L) > sg->heads_keys) sg->heads_keys = sg_heads_keys(c, L);
         sg->heads_any |= sg->heads_cards[L] > 0;
+        sg->scores_cards[L] = (int8_t)mf_sg_scores_choice(o, L, sg->heads_cards[L]);
+        sg->scores_any |= sg->scores_cards[L] > 0;
     }
     sg->n_io_parts = o->store ? MF_SG_EXPERT_PARTS : 0;
     sg->tid_per_slot = 2 * sg->p_exp + 1 + 3 * sg->n_cards;
@@ -1879,6 +1975,8 @@ static int sg_set_priorities(const mf_sg_opts *o, mf_stepgraph *sg)
     for (int t = 0; t < sg->n_tasks; t++) {
         const mf_sg_task *r = &sg->task[t];
         st.pos_flops = mf_sg_pos_flops(c, r, r->op == MF_SG_ATTN_SCORE ? mf_stepgraph_key_parts(sg, r->i0) : 1, pos);
+        if (mf_sg_scores_task(r)) mf_sg_scores_pos(c, r, pos, sg->ring_late, &st.pos_flops, &st.pos_bytes);
+        else st.pos_bytes = 0;
         double ns = r->op == MF_SG_DEV_FFN_CARD ? per_card * ffn_ns - (per_card - 1) * p->card[MF_KF_FP4].latency_ns
                                                 : mf_sg_task_ns(r, &m, &st);
         int rc = mf_graph_set_cost(sg->g, t, (mf_cost){.time_ns = ns});

@@ -98,6 +98,11 @@ typedef enum mf_sg_op {
     MF_SG_MOE_PLACE,      /* layer's experts placed by their expected tokens (mf_sg_place_all), cache
                            * slots taken and pinned, the copy tasks of the host's experts and hits marked noop */
     MF_SG_DEV_PRE,        /* card `card` (h2d lane): expert `part` copied in on a miss (one span or its parts) */
+    /* the index scores on cards (mf_stepgraph.scores_cards[L] > 0): keys -> per card MF_SG_DENSE_*
+     * of MF_SG_D_SCORES -> the select(s) on the host */
+    MF_SG_ATTN_KEYS,      /* items (the unit's, one sequence): the index keys of the entries the
+                           * last item sees unpacked on the host (mf_ly_cache_get_keys), the items'
+                           * visible counts */
     MF_SG_N_OPS
 } mf_sg_op;
 
@@ -127,6 +132,12 @@ enum { MF_SG_D_ATTN_IN, MF_SG_D_ATTN_QB, MF_SG_D_ATTN_OA, MF_SG_D_ATTN_OB, MF_SG
  * of them), the key table (the gather's rows, the chunk's own KV rows), the key lists and the
  * sinks; out the heads' outputs before their inverse RoPE (rows [r0, r1) of MF_LY_A_O). */
 #define MF_SG_D_HEADS MF_SG_N_DENSE
+/* Nor MF_SG_D_SCORES (the indexer's scores, device/dev.h mf_dev_index_scores), over the record's
+ * items [i0, i1) (card `part` of scores_cards[L]: mf_sg_heads_range of the unit's items): in their
+ * index queries and head weights (their MF_LY_A_QI and MF_LY_A_IW rows, into the card's copies),
+ * their visible counts and the keys table; out their scores, doubles, into the items' rows of the
+ * engine's score buffer, which the select reads. */
+#define MF_SG_D_SCORES (MF_SG_N_DENSE + 1)
 
 /* The work of one task: the cost model's (sched/cost.h mf_work), which prices it. Token-scaled
  * terms multiply by `n_tok`, or with slot_tokens set by the slot's tokens of the step (known once
@@ -200,6 +211,16 @@ void mf_sg_sizes_free(mf_sg_sizes *s);
  * part `part` of p_key (mf_stepgraph_key_parts); MF_SG_ATTN_SELECT: the top-k's sort); 0 for the
  * other ops. */
 double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int p_key, int64_t pos);
+/* 1 for the records of the index scores on cards (MF_SG_ATTN_KEYS, MF_SG_D_SCORES), whose
+ * positional work and copies depend on their items' positions together (the key table is the last
+ * item's visible entries): mf_sg_scores_pos prices them, not mf_sg_pos_flops (0 for them). */
+int mf_sg_scores_task(const mf_sg_task *t);
+/* Their positional work and copy bytes when their items are at positions pos0 + k * step (k < the
+ * items; step 1 a prefill chunk, 0 decode): *flops the keys' unpacking (MF_SG_ATTN_KEYS, REF) or
+ * the card's scores (MF_SG_DENSE: the dots' multiply-adds and the double sums at the card's REF
+ * rate), *bytes the key table in (MF_SG_DENSE_IN: the entries the last item sees) or the
+ * scores out (MF_SG_DENSE_OUT: as many per item, doubles). */
+void mf_sg_scores_pos(const mf_config *c, const mf_sg_task *t, int64_t pos0, int step, double *flops, double *bytes);
 
 /* The op's short name (MF_SG_ATTN_CORE: "attn_core"), for reports (`moeflow sim --json`'s "ops"). */
 const char *mf_sg_op_name(int op);
@@ -233,6 +254,7 @@ typedef struct mf_sg_step_cost {
     int n_head;         /* MF_SG_HEAD: the items whose logits it computes */
     int dev_miss;       /* MF_SG_DEV_IN: the slot's expert is copied in (a miss of the card's cache) */
     double pos_flops;   /* the task's positional scalar work (mf_sg_pos_flops) */
+    double pos_bytes;   /* the task's positional copy bytes (mf_sg_scores_pos: MF_SG_D_SCORES) */
 } mf_sg_step_cost;
 
 /* Task t's time on its lane's side (the host's kernels and scalar code, a card's, a copy, a disk
@@ -361,6 +383,10 @@ typedef struct mf_stepgraph {
      * key lists; heads_any: some layer's heads are on cards */
     int8_t heads_cards[MF_CONFIG_MAX_LAYERS];
     int heads_keys, heads_any;
+    /* per layer: 0 its index scores on the host (MF_SG_ATTN_SCORE parts), else the cards they run
+     * on (mf_sg_scores_choice); scores_any: some layer's are */
+    int8_t scores_cards[MF_CONFIG_MAX_LAYERS];
+    int scores_any;
     /* per layer and slot, the tasks that have nothing to do unless the slot runs on the host
      * (ups, downs, join) or on card c (in, ffn, out): slot_tid[(L * n_slots + s) * tid_per_slot
      * + k], k < 2 p_exp + 1 host, then 3 per card; -1 where absent */
@@ -432,6 +458,11 @@ typedef enum mf_sg_heads_mode { MF_SG_HEADS_COST = 0, MF_SG_HEADS_CARDS, MF_SG_H
  * window full, top-k entries per item) on o->profile (NULL: the built-in machine), for 1 card and
  * for all of them; the records' own prices (mf_sg_task_ns), so the builder prices what it chose. */
 int mf_sg_heads_choice(const mf_sg_opts *o, int L);
+/* The cards layer L's index scores run on (mf_stepgraph.scores_cards): where its heads run on cards
+ * (heads_cards, mf_sg_heads_choice) and it is scored (mf_sg_layer_scored) with an indexer the card op
+ * takes (index_n_heads x index_head_dim at most MF_DEV_ISCORE_MAX_QD), every dense card (the
+ * unit's items split by mf_sg_heads_range); else 0 (the host's score parts). */
+int mf_sg_scores_choice(const mf_sg_opts *o, int L, int heads_cards);
 /* Card k of `parts`' heads [*h0, *h1) of n_heads: equal shares, the first ones a head more. */
 void mf_sg_heads_range(int n_heads, int parts, int k, int *h0, int *h1);
 
