@@ -1,7 +1,8 @@
 /* `moeflow bench ref`: the reference code's scalar loops that the decode engine still runs (the
  * grouped wo_a and the gate through mf_ly_linear_rows, the hyper-connection mixes, bf16
  * roundings), in ns per unit, and with --profile their weights against the profile's
- * host_ref_macs_per_s: the ratios graphs/sim/plan.c builds in (docs/sim.md "Weights"). */
+ * host_ref_macs_per_s: the ratios graphs/sim/plan.c builds in (docs/sim.md "Weights"); then the
+ * engine's hyper-connection mixes of an item group, blocked against in fours (--mixes: only that). */
 #include <errno.h>
 #include <math.h>
 #include <stdint.h>
