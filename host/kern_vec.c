@@ -61,10 +61,28 @@ void mf_kern_vec_dots(const float *const *q, int G, const float *k, int n, float
     for (int g = 0; g < G; g++) out[g] = mf_vec_dot_scalar(q[g], k, n);
 }
 
+/* The loop of four queries against three keys over lanes h..h+7 of every 16 elements of [0, n), n
+ * a multiple of 16, into the twelve accumulators a0..a3 (key 0), b0..b3 (key 1), c0..c3 (key 2):
+ * each query vector, loaded once (v kept in a register: folded into the FMAs it would be loaded
+ * three times), serves three keys (7 loads per 12 FMAs; one key at a time loads 10 per 8). Each
+ * lane is one fmaf chain in element order. */
+#define MF_VEC_DOTS4X3_LOOP(q, k, h, n)                                                                      \
+    for (int d = (h); d < (n); d += 16) {                                                                   \
+        __m256 k0 = _mm256_loadu_ps((k)[0] + d), k1 = _mm256_loadu_ps((k)[1] + d), k2 = _mm256_loadu_ps((k)[2] + d); \
+        __m256 v;                                                                                           \
+        MF_VEC_DOTS_STEP(q, 0, a0, b0, c0);                                                                 \
+        MF_VEC_DOTS_STEP(q, 1, a1, b1, c1);                                                                 \
+        MF_VEC_DOTS_STEP(q, 2, a2, b2, c2);                                                                 \
+        MF_VEC_DOTS_STEP(q, 3, a3, b3, c3);                                                                 \
+    }
+#define MF_VEC_DOTS_STEP(q, g, A, B, C)                                                                     \
+    v = _mm256_loadu_ps((q)[g] + d);                                                                        \
+    __asm__("" : "+x"(v));                                                                                  \
+    A = _mm256_fmadd_ps(v, k0, A), B = _mm256_fmadd_ps(v, k1, B), C = _mm256_fmadd_ps(v, k2, C)
+
 /* out[j][g] = dot(q[g], k[j]) for 4 queries against 3 keys of n (multiple of 16) floats, the bits
  * of mf_vec_dots_avx2 per key: lanes 0-7 of all twelve dots first, then lanes 8-15, so twelve
- * accumulators stay in registers and each query vector, loaded once, serves three keys (7 loads
- * per 12 FMAs; one key at a time loads 10 per 8). Each lane is the same fmaf chain in d order. */
+ * accumulators stay in registers (MF_VEC_DOTS4X3_LOOP). */
 __attribute__((target("avx2,fma"))) static void mf_vec_dots4x3_avx2(const float *const *q, const float *const *k, int n,
                                                                  float (*out)[4])
 {
@@ -72,19 +90,7 @@ __attribute__((target("avx2,fma"))) static void mf_vec_dots4x3_avx2(const float 
     for (int h = 0; h < 16; h += 8) {
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
         __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
-        for (int d = h; d < n; d += 16) {
-            __m256 k0 = _mm256_loadu_ps(k[0] + d), k1 = _mm256_loadu_ps(k[1] + d), k2 = _mm256_loadu_ps(k[2] + d), v;
-/* v in a register: folded into the FMAs it would be loaded three times */
-#define MF_VEC_DOTS_STEP(g, A, B, C)                                                                        \
-            v = _mm256_loadu_ps(q[g] + d);                                                                 \
-            __asm__("" : "+x"(v));                                                                         \
-            A = _mm256_fmadd_ps(v, k0, A), B = _mm256_fmadd_ps(v, k1, B), C = _mm256_fmadd_ps(v, k2, C)
-            MF_VEC_DOTS_STEP(0, a0, b0, c0);
-            MF_VEC_DOTS_STEP(1, a1, b1, c1);
-            MF_VEC_DOTS_STEP(2, a2, b2, c2);
-            MF_VEC_DOTS_STEP(3, a3, b3, c3);
-#undef MF_VEC_DOTS_STEP
-        }
+        MF_VEC_DOTS4X3_LOOP(q, k, h, n)
         if (!h) {
             lo[0][0] = a0, lo[0][1] = a1, lo[0][2] = a2, lo[0][3] = a3;
             lo[1][0] = b0, lo[1][1] = b1, lo[1][2] = b2, lo[1][3] = b3;
@@ -132,6 +138,67 @@ void mf_kern_vec_index_scores(const float *q, const float *w, int n_heads, const
         for (int u = 0; u < nb; u++) score[j0 + u] = (float)acc[u];
     }
 }
+/* The lanes of 4 queries against 3 keys over n (multiple of 16) floats carried in acc (see
+ * mf_kern_vec_dots_lanes): the loop of mf_vec_dots4x3_avx2 from the lanes in acc instead of zero. */
+__attribute__((target("avx2,fma"))) static void mf_vec_lanes4x3_avx2(const float *const *q, const float *const *k, int n,
+                                                                  float *acc, int ld)
+{
+    float *l[3][4];
+    for (int j = 0; j < 3; j++)
+        for (int g = 0; g < 4; g++) l[j][g] = acc + ((size_t)g * ld + j) * 16;
+    for (int h = 0; h < 16; h += 8) {
+        __m256 a0 = _mm256_loadu_ps(l[0][0] + h), a1 = _mm256_loadu_ps(l[0][1] + h), a2 = _mm256_loadu_ps(l[0][2] + h);
+        __m256 a3 = _mm256_loadu_ps(l[0][3] + h), b0 = _mm256_loadu_ps(l[1][0] + h), b1 = _mm256_loadu_ps(l[1][1] + h);
+        __m256 b2 = _mm256_loadu_ps(l[1][2] + h), b3 = _mm256_loadu_ps(l[1][3] + h), c0 = _mm256_loadu_ps(l[2][0] + h);
+        __m256 c1 = _mm256_loadu_ps(l[2][1] + h), c2 = _mm256_loadu_ps(l[2][2] + h), c3 = _mm256_loadu_ps(l[2][3] + h);
+        MF_VEC_DOTS4X3_LOOP(q, k, h, n)
+        _mm256_storeu_ps(l[0][0] + h, a0), _mm256_storeu_ps(l[0][1] + h, a1), _mm256_storeu_ps(l[0][2] + h, a2);
+        _mm256_storeu_ps(l[0][3] + h, a3), _mm256_storeu_ps(l[1][0] + h, b0), _mm256_storeu_ps(l[1][1] + h, b1);
+        _mm256_storeu_ps(l[1][2] + h, b2), _mm256_storeu_ps(l[1][3] + h, b3), _mm256_storeu_ps(l[2][0] + h, c0);
+        _mm256_storeu_ps(l[2][1] + h, c1), _mm256_storeu_ps(l[2][2] + h, c2), _mm256_storeu_ps(l[2][3] + h, c3);
+    }
+}
+#undef MF_VEC_DOTS_STEP
+#undef MF_VEC_DOTS4X3_LOOP
+
+/* The lanes of G (1..4) queries against one key over n (multiple of 16) floats: mf_vec_dots_avx2's
+ * loop from the lanes in l[g] (16 floats each). */
+__attribute__((target("avx2,fma"))) static void mf_vec_lanes_avx2(const float *const *q, int G, const float *k, int n,
+                                                                float *const *l)
+{
+    __m256 lo[4], hi[4];
+    for (int g = 0; g < G; g++) lo[g] = _mm256_loadu_ps(l[g]), hi[g] = _mm256_loadu_ps(l[g] + 8);
+    for (int d = 0; d < n; d += 16) {
+        __m256 k0 = _mm256_loadu_ps(k + d), k1 = _mm256_loadu_ps(k + d + 8);
+        for (int g = 0; g < G; g++) {
+            lo[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), k0, lo[g]);
+            hi[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d + 8), k1, hi[g]);
+        }
+    }
+    for (int g = 0; g < G; g++) _mm256_storeu_ps(l[g], lo[g]), _mm256_storeu_ps(l[g] + 8, hi[g]);
+}
+
+void mf_kern_vec_dots_lanes(const float *const *q, int G, const float *const *k, int nk, int n, float *acc, int ld)
+{
+    int j = 0;
+    if (mf_vec_avx2(n)) {
+        if (G == 4)
+            for (; j + 3 <= nk; j += 3) mf_vec_lanes4x3_avx2(q, k + j, n, acc + (size_t)j * 16, ld);
+        for (; j < nk; j++) {
+            float *l[4];
+            for (int g = 0; g < G; g++) l[g] = acc + ((size_t)g * ld + j) * 16;
+            mf_vec_lanes_avx2(q, G, k[j], n, l);
+        }
+        return;
+    }
+    for (; j < nk; j++)
+        for (int g = 0; g < G; g++) {   /* mf_vec_dot_scalar's chains from the lanes in acc */
+            float *l = acc + ((size_t)g * ld + j) * 16;
+            for (int i = 0; i < n; i++) l[i % 16] = fmaf(q[g][i], k[j][i], l[i % 16]);
+        }
+}
+
+float mf_kern_vec_lanes_sum(const float *l) { return mf_vec_tree16(l); }
 
 /* acc[g][d] = sum_i e[g][i] * v_i[d], one fmaf chain per (g, d) in key order; e rows ld_e apart. */
 __attribute__((target("avx2,fma"))) static void mf_vec_values_avx2(const float *const *kp, int64_t n, const float *e,
@@ -205,6 +272,23 @@ void mf_kern_vec_attn_out(const float *const *q, int G, const float *const *kp, 
     mf_kern_vec_attn(q, G, kp, n, D, scale, sink, s, acc, den);
     for (int g = 0; g < G; g++)
         for (int d = 0; d < D; d++) o[g][d] = mf_bf16_round((float)((double)acc[g * D + d] / den[g]));
+}
+
+/* y[0..n) = x[0..n) * s (n a multiple of 8), 8 lanes at a time */
+__attribute__((target("avx2,fma"))) static void mf_vec_scale_avx2(float *y, const float *x, float s, int64_t n)
+{
+    __m256 v = _mm256_set1_ps(s);
+    for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), v));
+}
+
+void mf_kern_vec_scale(float *y, const float *x, float s, int64_t n)
+{
+    int64_t i = 0;
+    if (n >= 8 && mf_kern_simd_active() == MF_KERN_SIMD_AVX2) {
+        i = n & ~(int64_t)7;
+        mf_vec_scale_avx2(y, x, s, i);
+    }
+    for (; i < n; i++) y[i] = x[i] * s;
 }
 
 /* x[0..n) (n a multiple of 8) rounded to bf16, 8 lanes at a time */

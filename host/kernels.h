@@ -141,6 +141,9 @@ void mf_kern_vec_bf16_round(float *x, int64_t n);
  * a time on the AVX2 path, the same bits. */
 void mf_kern_vec_bf16_pack(const float *x, uint16_t *y, int64_t n);
 void mf_kern_vec_bf16_unpack(const uint16_t *y, float *x, int64_t n);
+/* y[0..n) = x[0..n) * s (one fp32 product each: the same bits on every path), 8 lanes at a time on
+ * the AVX2 path. */
+void mf_kern_vec_scale(float *y, const float *x, float s, int64_t n);
 /* out[g] = q[g] . k for G (1..4) queries against one vector k of n floats. */
 void mf_kern_vec_dots(const float *const *q, int G, const float *k, int n, float *out);
 /* out[j][g] = q[g] . k[j] for G (1..4) queries and nk keys: per key the bits of mf_kern_vec_dots;
@@ -154,6 +157,15 @@ void mf_kern_vec_dots_keys(const float *const *q, int G, const float *const *k, 
  * lanes, tree and order (device/kern_attn.h). */
 void mf_kern_vec_index_scores(const float *q, const float *w, int n_heads, const float *const *k, int64_t nk, int n,
                               double *score);
+/* The 16 lanes of dots carried over blocks of columns (a long vector read in pieces, each piece
+ * once for many queries): acc[(g * ld + j) * 16 + l] continues lane l's fmaf chain (elements
+ * i = l mod 16 in i order) of q[g] . k[j] over n elements, for G (1..4) queries and nk keys; four
+ * queries go in threes of keys on the AVX2 path (mf_kern_vec_dots_keys' loop). With acc zero before
+ * a vector's first piece, pieces fed in order, every piece but the last of a multiple of 16
+ * elements, mf_kern_vec_lanes_sum(acc + (g * ld + j) * 16) gives the bits of mf_kern_vec_dots. */
+void mf_kern_vec_dots_lanes(const float *const *q, int G, const float *const *k, int nk, int n, float *acc, int ld);
+/* The tree of 16 lanes (l and l+8, then l+4, l+2, l+1): a dot's result. */
+float mf_kern_vec_lanes_sum(const float *l);
 /* acc[g * D + d] = sum over i in [0, n) of e[g * ld_e + i] * kp[i][d], for G (1..4) weight rows. */
 void mf_kern_vec_values(const float *const *kp, int64_t n, const float *e, int64_t ld_e, int G, int D, float *acc);
 /* One group of G (1..4) attention heads over the same n keys kp[i] (D floats each, values = keys):

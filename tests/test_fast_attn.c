@@ -44,6 +44,45 @@ static int set_simd(int scalar)
     return mf_kern_simd_set(want);
 }
 
+/* mf_fa_hc_mixes_rows_items of ni items (of 1..MIX_NI: one four, fours, blocks of
+ * mf_fa_mix_items and the rest) over row ranges of 1..nm rows and all nm, on both paths, against
+ * mf_fa_hc_mixes_rows per item, memcmp; xs holds MIX_NI items' streams. Specials in some items: a
+ * NaN (its mixes NaN, the others' unchanged), an inf, squares that overflow, subnormals. 1: equal. */
+#define MIX_NI 70
+static int mix_groups(const mf_ly_ctx *cx, const mf_weight *fn, float *xs, int nm)
+{
+    static const int nis[] = {1, 3, 4, 5, 8, 9, 13, 64, 70};
+    int64_t n = (int64_t)cx->ly->c->hc_mult * cx->ly->c->hidden_size;
+    xs[7] = NAN;
+    xs[3 * n + 11] = -INFINITY;
+    xs[5 * n + 2] = 3e38f;
+    xs[9 * n + 1] = 1e-40f, xs[9 * n + 100] = -1e-39f;
+    float gm[MIX_NI][64], gr[MIX_NI][64];
+    int same = 1;
+    for (int simd = 0; simd < 2; simd++) {
+        CHECK(set_simd(simd) == 0, "simd %d", simd);
+        for (size_t a = 0; a < sizeof nis / sizeof nis[0]; a++)
+            for (int k0 = 0, w = 1; k0 < nm; w += 3) {
+                int ni = nis[a], k1 = k0 + w < nm ? k0 + w : nm;
+                if (w == 1 && a % 2) k1 = nm;   /* all rows at once */
+                const float *xp[MIX_NI];
+                float *mp[MIX_NI];
+                for (int i = 0; i < ni; i++) {
+                    xp[i] = xs + (size_t)i * n;
+                    mp[i] = gm[i];
+                    memset(gm[i], 0x5a, sizeof gm[i]);
+                    memset(gr[i], 0x5a, sizeof gr[i]);
+                    mf_fa_hc_mixes_rows(cx, xp[i], fn, gr[i], k0, k1);
+                }
+                mf_fa_hc_mixes_rows_items(cx, xp, ni, fn, mp, k0, k1);
+                for (int i = 0; i < ni; i++) same &= !memcmp(gm[i], gr[i], sizeof gm[i]);
+                k0 = k1;
+            }
+    }
+    set_simd(0);
+    return same;
+}
+
 /* Hyper-connection pieces: mixes within TOL_SUM, by rows = whole, scalar = AVX2; collapse and
  * expand equal to the module bit for bit, by columns, with special values among the inputs. */
 static void test_hc(const mf_model *m, mf_ly_ctx *cx)
@@ -112,32 +151,11 @@ static void test_hc(const mf_model *m, mf_ly_ctx *cx)
         exact &= !memcmp(n1, n2, sizeof(float) * H);
     }
     /* the engine's mixes of an item group (mf_fa_hc_mixes_rows_items): per item the bits of
-     * mf_fa_hc_mixes_rows, for 1..9 items (fours and the rest), row ranges of 1..nm rows, both paths */
-    enum { NI = 9 };
-    float *xs = malloc(sizeof(float) * NI * hc * H), gm[NI][64], gr[NI][64];
-    int grouped = 1;
-    for (int64_t i = 0; i < NI * hc * H; i++) xs[i] = mf_test_frand(&g_rng) * 4;
-    xs[7] = NAN;   /* one item with a NaN: its mixes are NaN, the others' unchanged */
-    for (int simd = 0; simd < 2; simd++) {
-        CHECK(set_simd(simd) == 0, "simd %d", simd);
-        for (int ni = 1; ni <= NI; ni += 2)
-            for (int k0 = 0, w = 1; k0 < nm; w += 3) {
-                int k1 = k0 + w < nm ? k0 + w : nm;
-                const float *xp[NI];
-                float *mp2[NI];
-                for (int i = 0; i < ni; i++) {
-                    xp[i] = xs + (size_t)i * hc * H;
-                    mp2[i] = gm[i];
-                    memset(gm[i], 0x5a, sizeof gm[i]);
-                    memset(gr[i], 0x5a, sizeof gr[i]);
-                    mf_fa_hc_mixes_rows(cx, xp[i], &y->hc_attn_fn, gr[i], k0, k1);
-                }
-                mf_fa_hc_mixes_rows_items(cx, xp, ni, &y->hc_attn_fn, mp2, k0, k1);
-                for (int i = 0; i < ni; i++) grouped &= !memcmp(gm[i], gr[i], sizeof gm[i]);
-                k0 = k1;
-            }
-    }
-    set_simd(0);
+     * mf_fa_hc_mixes_rows, for 1..70 items (fours, blocks and the rest), row ranges of 1..nm rows,
+     * both paths, with specials among the items */
+    float *xs = malloc(sizeof(float) * MIX_NI * hc * H);
+    for (int64_t i = 0; i < MIX_NI * hc * H; i++) xs[i] = mf_test_frand(&g_rng) * 4;
+    int grouped = mix_groups(cx, &y->hc_attn_fn, xs, nm);
     free(xs);
     CHECK(grouped, "hc mixes of an item group differ from one item's");
     CHECK(worst < TOL_SUM, "hc mixes %.3g off the module (tolerance %.1g)", worst, TOL_SUM);
@@ -153,6 +171,32 @@ static void test_hc(const mf_model *m, mf_ly_ctx *cx)
     free(h2);
     free(n1);
     free(n2);
+}
+
+/* The item groups' mixes at shapes the tiny preset lacks (a context of the fields the mixes read):
+ * hc x hidden a multiple of 16 with a last column block of 288 (hidden 200), and not a multiple
+ * of 16 (hidden 203: the scalar lanes on both paths), 24 rows of fresh random fp32 weights. */
+static void test_mix_shapes(void)
+{
+    static const int hs[] = {200, 203};
+    int all = 1;
+    for (size_t h = 0; h < sizeof hs / sizeof hs[0]; h++) {
+        mf_config c = {.hidden_size = hs[h], .hc_mult = 4, .rms_norm_eps = 1e-6};
+        mf_layers ly = {.c = &c};
+        int64_t n = 4 * (int64_t)hs[h];
+        float *w = malloc(sizeof(float) * 24 * n), *xs = malloc(sizeof(float) * MIX_NI * n);
+        mf_ly_ctx cx = {.ly = &ly, .hc_xn = malloc(sizeof(float) * 4 * n)};
+        for (int64_t i = 0; i < 24 * n; i++) w[i] = mf_test_frand(&g_rng) * 0.1f;
+        for (int64_t i = 0; i < MIX_NI * n; i++) xs[i] = mf_test_frand(&g_rng) * 4;
+        mf_weight fn = {.kind = MF_W_F32, .rows = 24, .cols = n, .data = (const uint8_t *)w};
+        int same = mix_groups(&cx, &fn, xs, 24);
+        CHECK(same, "hc mixes of an item group differ from one item's at hidden %d", hs[h]);
+        all &= same;
+        free(w);
+        free(xs);
+        free(cx.hc_xn);
+    }
+    printf("hc mixes of item groups at hidden 200 and 203: %s\n", all ? "per item bit-identical" : "DIFFER");
 }
 
 /* The grouped wo_a on the kernels against the module's double sums (kernel contexts both), in row
@@ -531,6 +575,7 @@ int main(void)
     if (kern) {
         if (!MF_TEST_TSAN) {   /* one thread: nothing for TSan */
             test_hc(m, kern);
+            test_mix_shapes();
             test_combine();
             test_grouped(m, kern);
             test_gate(m, kern);

@@ -583,6 +583,61 @@ static void test_bf16_round(const mf_kern_simd *paths, int n_paths)
     free(code);
 }
 
+/* mf_kern_vec_dots_lanes: a vector read in pieces (multiples of 16, the last any length), its lanes
+ * carried, gives mf_kern_vec_dots' bits through mf_kern_vec_lanes_sum, for 1..4 queries and 1..7
+ * keys (threes and the rest), lengths that are and are not multiples of 16, on every path, with a
+ * NaN, an inf, products that overflow and subnormals among the inputs; the paths' bits agree. */
+static void test_vec_lanes(const mf_kern_simd *paths, int n_paths)
+{
+    enum { NMAX = 1300, NK = 7 };
+    static const int lens[] = {16, 48, 512, 1296, 37, 1299};
+    float *q = xmalloc(sizeof(float) * 4 * NMAX), *k = xmalloc(sizeof(float) * NK * NMAX);
+    float lanes[2][4 * NK * 16];
+    int same = 1, agree = 1;
+    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+        int n = lens[li];
+        for (int i = 0; i < 4 * NMAX; i++) q[i] = rng_normal();
+        for (int i = 0; i < NK * NMAX; i++) k[i] = rng_normal();
+        if (li == 3) {   /* specials (one NaN bit pattern: which NaN wins is no matter) */
+            q[NMAX + 5] = NAN, q[2 * NMAX + 40] = -INFINITY, q[3 * NMAX + 7] = 3e38f, k[3 * NMAX + 7] = 4.0f;
+            k[2 * NMAX + 3] = 1e-40f, q[9] = 1e-41f;
+        }
+        const float *qp[4] = {q, q + NMAX, q + 2 * NMAX, q + 3 * NMAX}, *kp[NK];
+        for (int j = 0; j < NK; j++) kp[j] = k + (size_t)j * NMAX;
+        for (int p = 0; p < n_paths; p++) {
+            CHECK(mf_kern_simd_set(paths[p]) == 0, "%s", mf_last_error());
+            for (int G = 1; G <= 4; G++)
+                for (int nk = 1; nk <= NK; nk += 2) {
+                    float *acc = lanes[p];
+                    memset(acc, 0, sizeof lanes[p]);
+                    for (int c0 = 0; c0 < n;) {   /* pieces of 16..256 elements, in 16s */
+                        int w = 16 * (1 + (int)(rng_next() % 16));
+                        if (w > n - c0) w = n - c0;
+                        const float *qc[4], *kc[NK];
+                        for (int g = 0; g < G; g++) qc[g] = qp[g] + c0;
+                        for (int j = 0; j < nk; j++) kc[j] = kp[j] + c0;
+                        mf_kern_vec_dots_lanes(qc, G, kc, nk, w, acc, nk);
+                        c0 += w;
+                    }
+                    for (int j = 0; j < nk; j++) {
+                        float want[4];
+                        mf_kern_vec_dots(qp, G, kp[j], n, want);
+                        for (int g = 0; g < G; g++) {
+                            float got = mf_kern_vec_lanes_sum(acc + ((size_t)g * nk + j) * 16);
+                            same &= !memcmp(&got, &want[g], 4);
+                        }
+                    }
+                    if (p == 1 && G == 4 && nk == NK) agree &= !memcmp(lanes[0], lanes[1], sizeof lanes[0]);
+                }
+        }
+    }
+    CHECK(same, "mf_kern_vec_dots_lanes in pieces differs from mf_kern_vec_dots");
+    CHECK(agree, "mf_kern_vec_dots_lanes: the AVX2 lanes differ from the scalar ones");
+    mf_kern_simd_set(MF_KERN_SIMD_AUTO);
+    free(q);
+    free(k);
+}
+
 int main(void)
 {
     const char *env = getenv("MOEFLOW_TEST_SEED");
@@ -636,6 +691,7 @@ int main(void)
         printf("test_kernels: no AVX2+FMA here, scalar path only (%s)\n", mf_last_error());
 
     test_bf16_round(paths, n_paths);
+    test_vec_lanes(paths, n_paths);
     static const int toks[] = {1, 2, 3, 8, 17, 64, 71};   /* 71: two token passes */
     for (size_t i = 0; i < sizeof toks / sizeof toks[0]; i++) {
         int nt = toks[i];

@@ -18,6 +18,7 @@
 #include "graphs/sim/plan.h"
 #include "graphs/ref/ref.h"
 #include "graphs/layers/layers.h"
+#include "graphs/step/fast_attn.h"
 #include "graphs/step/step.h"
 #include "graphs/step/stepgraph.h"
 #include "graphs/sim/routing.h"
@@ -823,6 +824,45 @@ static void test_prefill(void)
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 2, "sim --prompt-tokens --measure: exit %d, expected 2", st);
 }
 
+/* The mixes' records of a long chunk's item groups (graphs/step/stepgraph.c sg_mix, priced as
+ * mf_fa_hc_mixes_rows_items runs): a group of 8 positions (1024 / 128 groups, demo: 24 rows of
+ * 4 x 1024 streams) reads its part's rows once (the blocked kernel's block, mf_fa_mix_items: 40
+ * items at 24 rows) and each item's streams a second time; a group of 4 (512 positions) reads the
+ * rows once and the streams not again (the fours); a group of one item likewise. */
+static void test_mix_records(void)
+{
+    mf_config c;
+    CHECK(!mf_config_preset("demo", &c), "preset demo");
+    CHECK(mf_fa_mix_items(&c, 24, 8) == 40 && mf_fa_mix_items(&c, 24, 4) == 4 && mf_fa_mix_items(&c, 65, 8) == 1 &&
+              mf_fa_mix_items(&c, 6, 64) == 64,
+          "demo's items per read of the rows: %d %d %d %d", mf_fa_mix_items(&c, 24, 8), mf_fa_mix_items(&c, 24, 4),
+          mf_fa_mix_items(&c, 65, 8), mf_fa_mix_items(&c, 6, 64));
+    mf_config fl;
+    CHECK(!mf_config_preset("flash41", &fl) && mf_fa_mix_items(&fl, 24, 64) == MF_FA_MIX_ITEMS,
+          "flash41: a group of 64 items reads a mix's 24 rows %d times", 64 / mf_fa_mix_items(&fl, 24, 64));
+    mf_profile f = costly_profile();
+    double streams = 4.0 * c.hc_mult * c.hidden_size;
+    static const int chunk[] = {1024, 512, 1};
+    for (int k = 0; k < 3; k++) {
+        mf_plan *p = NULL;
+        CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .prefill = 1, .batch = chunk[k]}, &p), "%s",
+              mf_last_error());
+        const mf_stepgraph *sg = p ? mf_plan_graph(p) : NULL;
+        int n = 0, bad = 0, group = chunk[k] / (chunk[k] < MF_SG_MAX_GROUPS ? chunk[k] : MF_SG_MAX_GROUPS);
+        for (int t = 0; sg && t < sg->n_tasks; t++) {
+            const mf_sg_task *r = &sg->task[t];
+            if (r->op != MF_SG_ATTN_MIX && r->op != MF_SG_FFN_MIX) continue;
+            double rows = (double)(r->r1 - r->r0) * streams, want = rows + (group > 4 ? group * streams : 0);
+            n++;
+            if ((r->n_tok != group || r->w.vec_bytes != want) && bad++ < 3)
+                CHECK(0, "chunk %d: mix task %d of %d items reads %.0f bytes, expected %.0f", chunk[k], t, r->n_tok,
+                      r->w.vec_bytes, want);
+        }
+        CHECK(n > 0 && !bad, "chunk %d: %d mix records, %d wrong", chunk[k], n, bad);
+        mf_plan_free(p);
+    }
+}
+
 int main(void)
 {
     const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
@@ -837,5 +877,6 @@ int main(void)
     test_prefetch_plan();
     test_placer_tokens();
     test_placer_queue();
+    test_mix_records();
     return mf_check_exit("test_plan");
 }

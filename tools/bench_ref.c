@@ -1,7 +1,8 @@
 /* `moeflow bench ref`: the reference code's scalar loops that the decode engine still runs (the
  * grouped wo_a and the gate through mf_ly_linear_rows, the hyper-connection mixes, bf16
  * roundings), in ns per unit, and with --profile their weights against the profile's
- * host_ref_macs_per_s: the ratios graphs/sim/plan.c builds in (docs/sim.md "Weights"). */
+ * host_ref_macs_per_s: the ratios graphs/sim/plan.c builds in (docs/sim.md "Weights"); then the
+ * engine's hyper-connection mixes of an item group, blocked against in fours (--mixes: only that). */
 #include <errno.h>
 #include <math.h>
 #include <stdint.h>
@@ -108,6 +109,7 @@ static mf_ly_ctx *mf_br_cx(void)
     static mf_ly_ctx cx;
     c.hidden_size = MF_BR_H;
     c.hc_mult = MF_BR_HC;
+    c.rms_norm_eps = 1e-6;
     ly.c = &c;
     cx.ly = &ly;
     return &cx;
@@ -168,6 +170,83 @@ static double mf_br_vec_dots(mf_br *b, size_t each)
     return 4.0 * 16 * 1024;
 }
 
+/* The engine's hyper-connection mixes of an item group at flash41's shape (4 streams of 5120, a
+ * mix's 24 rows of fp32 weights: a prefill group's one row part; 6: a decode item's part of 4), 1
+ * thread, weights and streams out of cache (pools rotated call by call): mf_fa_hc_mixes_rows_items
+ * on the whole group (the kernel as the engine runs it: fours up to 4 items, else blocks of
+ * mf_fa_mix_items) against the same calls on up to 4 items at a time (the kernel before the
+ * blocked one), in interleaved rounds of the same run. */
+#define MF_BR_MIX_N (MF_BR_HC * MF_BR_H)
+#define MF_BR_MIX_W 32   /* weight copies of 24 rows (63 MB) */
+#define MF_BR_MIX_X 8    /* stream sets of MF_FA_MIX_ITEMS items (42 MB) */
+
+typedef struct mf_br_group {
+    mf_ly_ctx *cx;
+    const float *w, *x;
+    float (*out)[64];
+    int k;
+} mf_br_group;
+
+/* One call (fours = 0) or calls of up to four (fours = 1) over ni items and R rows: MACs done. */
+static double mf_br_mix_run(mf_br_group *m, int ni, int R, int fours)
+{
+    int k = m->k++;
+    const float *w = m->w + (size_t)(k % MF_BR_MIX_W) * 24 * MF_BR_MIX_N;
+    const float *x = m->x + (size_t)(k % MF_BR_MIX_X) * MF_FA_MIX_ITEMS * MF_BR_MIX_N;
+    mf_weight fn = {.kind = MF_W_F32, .rows = 24, .cols = MF_BR_MIX_N, .data = (const uint8_t *)w};
+    const float *xp[MF_FA_MIX_ITEMS];
+    float *mp[MF_FA_MIX_ITEMS];
+    for (int i = 0; i < ni; i++) xp[i] = x + (size_t)i * MF_BR_MIX_N, mp[i] = m->out[i];
+    int step = fours ? MF_FA_MIX_FOURS : ni;
+    for (int i0 = 0; i0 < ni; i0 += step)
+        mf_fa_hc_mixes_rows_items(m->cx, xp + i0, ni - i0 < step ? ni - i0 : step, &fn, mp + i0, 0, R);
+    return (double)ni * R * MF_BR_MIX_N;
+}
+
+static int mf_br_mixes(void)
+{
+    size_t wn = (size_t)MF_BR_MIX_W * 24 * MF_BR_MIX_N, xn = (size_t)MF_BR_MIX_X * MF_FA_MIX_ITEMS * MF_BR_MIX_N;
+    float *w = malloc(sizeof(float) * wn), *x = malloc(sizeof(float) * xn);
+    float (*out)[64] = malloc(sizeof(float) * 64 * MF_FA_MIX_ITEMS);
+    mf_ly_ctx *cx = mf_br_cx();
+    cx->hc_xn = malloc(sizeof(float) * 4 * MF_BR_MIX_N);   /* layers.c's size */
+    if (!w || !x || !out || !cx->hc_xn) {
+        free(w), free(x), free(out), free(cx->hc_xn);
+        fprintf(stderr, "moeflow bench ref: out of memory\n");
+        return 1;
+    }
+    uint32_t s = 7;
+    for (size_t i = 0; i < wn; i++) s = s * 1664525u + 1013904223u, w[i] = (float)((int)(s >> 9) % 2001 - 1000) * 1e-4f;
+    for (size_t i = 0; i < xn; i++) s = s * 1664525u + 1013904223u, x[i] = (float)((int)(s >> 9) % 2001 - 1000) * 1e-3f;
+    mf_br_group m = {.cx = cx, .w = w, .x = x, .out = out};
+    static const int cases[][2] = {{1, 6}, {1, 24}, {4, 24}, {8, 24}, {16, 24}, {64, 24}};
+    printf("hc mixes of an item group (4 x 5120 streams, fp32 rows; weights and streams out of cache, 1 thread):\n"
+           "  %-14s %6s %10s %10s %8s   %s\n", "items x rows", "block", "fours ns", "group ns", "ratio", "ratio range (11 rounds)");
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        int ni = cases[c][0], R = cases[c][1];
+        double t[2][11], r[11];
+        for (int rd = 0; rd < 11; rd++)
+            for (int f = 1; f >= 0; f--) {   /* the fours first, then the group, each >= 20 ms */
+                double macs = 0;
+                int64_t t0 = mf_now_ns();
+                do macs += mf_br_mix_run(&m, ni, R, f);
+                while (mf_now_ns() - t0 < 20000000);
+                t[f][rd] = (mf_now_ns() - t0) / macs;
+                if (!f) r[rd] = t[1][rd] / t[0][rd];
+            }
+        qsort(t[0], 11, sizeof(double), mf_br_cmp);
+        qsort(t[1], 11, sizeof(double), mf_br_cmp);
+        qsort(r, 11, sizeof(double), mf_br_cmp);
+        char what[32];
+        snprintf(what, sizeof what, "%d x %d", ni, R);
+        printf("  %-14s %6d %10.4f %10.4f %7.2fx   %.2f..%.2f (per MAC; ratio = fours / group)\n", what,
+               mf_fa_mix_items(cx->ly->c, R, ni), t[1][5], t[0][5], r[5], r[0], r[10]);
+    }
+    free(w), free(x), free(out), free(cx->hc_xn);
+    cx->hc_xn = NULL;
+    return 0;
+}
+
 /* Median over 11 rounds of 20 ms each: ns per unit. */
 static double mf_br_time(mf_br *b, mf_br_fn fn, size_t each)
 {
@@ -186,9 +265,10 @@ static double mf_br_time(mf_br *b, mf_br_fn fn, size_t each)
 int mf_bench_ref(int argc, char **argv)
 {
     const char *prof_path = NULL;
+    int mixes_only = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            printf("usage: moeflow bench ref [--profile P]\n\n"
+            printf("usage: moeflow bench ref [--profile P] [--mixes]\n\n"
                    "Times the reference loops the decode engine runs in plain C (one thread, weights\n"
                    "out of cache): mf_ly_linear_rows over fp8 (1024 x 512, wo_a) and bf16 (64 x 1024,\n"
                    "the gate) weights per multiply-add, the hyper-connection mixes' loop (24 x 4096\n"
@@ -198,8 +278,14 @@ int mf_bench_ref(int argc, char **argv)
                    "as a weight: its ns over P's host_ref ns per\n"
                    "multiply-add (the vector loops, with or without P: over this run's in-cache 4-query\n"
                    "mf_kern_vec_dots ns per multiply-add, host_vec's loop; the weights of\n"
-                   "graphs/step/stepgraph.c; run it right after moeflow calibrate).\n");
+                   "graphs/step/stepgraph.c; run it right after moeflow calibrate). Then the engine's\n"
+                   "hyper-connection mixes of an item group at flash41's shape (1..64 items, weights and\n"
+                   "streams out of cache): mf_fa_hc_mixes_rows_items on the whole group (the blocked kernel\n"
+                   "above 4 items) against calls of up to 4 items (the kernel before it), interleaved in\n"
+                   "the same run, ns per multiply-add and their ratio. --mixes: that table only.\n");
             return 0;
+        } else if (!strcmp(argv[i], "--mixes")) {
+            mixes_only = 1;
         } else if (!strcmp(argv[i], "--profile") && i + 1 < argc) {
             prof_path = argv[++i];
         } else {
@@ -207,6 +293,7 @@ int mf_bench_ref(int argc, char **argv)
             return 2;
         }
     }
+    if (mixes_only) return mf_br_mixes();
     static mf_profile prof;
     if (prof_path && mf_profile_load(prof_path, &prof)) {
         fprintf(stderr, "moeflow bench ref: %s\n", mf_last_error());
@@ -264,5 +351,5 @@ int mf_bench_ref(int argc, char **argv)
     free(b.pool);
     free(b.x);
     free(b.y);
-    return 0;
+    return mf_br_mixes();
 }

@@ -177,7 +177,7 @@ int mf_ly_ctx_new(const mf_layers *ly, mf_ly_lin lin, mf_ly_ctx **out)
     }
     size_t f = sizeof(float);
     mf_ly_buf b[32 + MF_LY_A_N] = {
-        {"hc_xn", (size_t)(4 * hc * H) * f, (void **)&cx->hc_xn},   /* four items': MF_FA_MIX_ITEMS */
+        {"hc_xn", (size_t)(4 * hc * H) * f, (void **)&cx->hc_xn},   /* fast_attn.h mf_fa_mix_items sizes its blocks to it */
         {"hc_h", (size_t)H * f, (void **)&cx->hc_h},
         {"sub_in", (size_t)H * f, (void **)&cx->sub_in},
         {"sub_out", (size_t)H * f, (void **)&cx->sub_out},

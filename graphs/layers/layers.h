@@ -109,7 +109,8 @@ typedef struct mf_ly_ctx {
     const mf_layers *ly;
     mf_ly_lin lin;
     float *hc_xn;          /* 4 x hc_mult x hidden: the normalized streams of mf_ly_hc_mixes (the first
-                            * hc_mult x hidden), of four items in the engine's mixes (fast_attn.h) */
+                            * hc_mult x hidden); in the engine's mixes (fast_attn.h) four items'
+                            * normed streams or a block's lanes (16 floats per item and row) */
     float *hc_h;           /* hidden: a collapse of the streams (a sublayer's input before its norm) */
     float *sub_in;         /* hidden: a sublayer's normed input (the oracle's layer loop) */
     float *sub_out;        /* hidden: a sublayer's output (the oracle's layer loop) */

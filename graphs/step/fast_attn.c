@@ -231,6 +231,15 @@ void mf_fa_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float 
 
 /* ---- hyper-connections ----------------------------------------------------------------------- */
 
+/* The streams' 1 / rms, as mf_fa_hc_mixes_rows computes it (the mean square a 16-lane dot). */
+static float mf_fa_mix_rs(const mf_config *c, const float *x, int n)
+{
+    const float *xx[1] = {x};
+    float ss;
+    mf_kern_vec_dots(xx, 1, x, n, &ss);
+    return (float)(1.0 / sqrt((double)ss / (double)n + c->rms_norm_eps));
+}
+
 void mf_fa_hc_mixes_rows(const mf_ly_ctx *cx, const float *x, const mf_weight *fn, float *mixes, int k0, int k1)
 {
     const mf_config *c = cx->ly->c;
@@ -239,18 +248,77 @@ void mf_fa_hc_mixes_rows(const mf_ly_ctx *cx, const float *x, const mf_weight *f
         mf_ly_hc_mixes_rows(cx, x, fn, mixes, k0, k1);
         return;
     }
-    const float *xx[1] = {x};
-    float ss;
-    mf_kern_vec_dots(xx, 1, x, n, &ss);
-    float rs = (float)(1.0 / sqrt((double)ss / (double)n + c->rms_norm_eps));
     float *xn = cx->hc_xn;
-    for (int i = 0; i < n; i++) xn[i] = x[i] * rs;
+    mf_kern_vec_scale(xn, x, mf_fa_mix_rs(c, x, n), n);
     for (int k = k0; k < k1; k += 4) {   /* four rows against xn at a time: row . xn has xn . row's bits */
         int G = k1 - k < 4 ? k1 - k : 4;
         const float *rows[4];
         for (int g = 0; g < G; g++) rows[g] = (const float *)(const void *)(fn->data + (size_t)(k + g) * n * 4);
         mf_kern_vec_dots(rows, G, xn, n, &mixes[k]);
     }
+}
+
+int mf_fa_mix_items(const mf_config *c, int n_rows, int n_items)
+{
+    if (n_rows < 1 || n_rows > MF_FA_MIX_MAX_ROWS) return 1;
+    if (n_items <= MF_FA_MIX_FOURS) return MF_FA_MIX_FOURS;
+    int64_t cap = 4 * (int64_t)c->hc_mult * c->hidden_size;   /* cx->hc_xn's floats (graphs/layers/layers.h) */
+    int64_t nb = cap / (16 * (int64_t)n_rows) / 4 * 4;
+    if (nb > MF_FA_MIX_ITEMS) nb = MF_FA_MIX_ITEMS;
+    return nb > MF_FA_MIX_FOURS ? (int)nb : MF_FA_MIX_FOURS;
+}
+
+/* Items in fours (scratch: cx->hc_xn holds four items' normed streams), each four against every
+ * row (mf_kern_vec_dots_keys): a row read once per four items. */
+static void mf_fa_mixes_fours(const mf_ly_ctx *cx, const float *const *x, int n_items, const float *const *rows,
+                              int R, int n, float *const *mixes, int k0)
+{
+    for (int i0 = 0; i0 < n_items; i0 += MF_FA_MIX_FOURS) {
+        int G = n_items - i0 < MF_FA_MIX_FOURS ? n_items - i0 : MF_FA_MIX_FOURS;
+        const float *xn[MF_FA_MIX_FOURS];
+        for (int g = 0; g < G; g++) {   /* as mf_fa_hc_mixes_rows: the mean square, then x * rs */
+            const float *xi = x[i0 + g];
+            float *o = cx->hc_xn + (size_t)g * n;
+            mf_kern_vec_scale(o, xi, mf_fa_mix_rs(cx->ly->c, xi, n), n);
+            xn[g] = o;
+        }
+        /* the items' normed streams as the queries, the rows as the keys: xn . row per key has the
+         * bits of mf_kern_vec_dots(xn, G, row), which are row . xn's (the products commute) */
+        float out[MF_FA_MIX_MAX_ROWS][4];
+        mf_kern_vec_dots_keys(xn, G, rows, R, n, out);
+        for (int g = 0; g < G; g++)
+            for (int r = 0; r < R; r++) mixes[i0 + g][k0 + r] = out[r][g];
+    }
+}
+
+/* G items (at most MF_FA_MIX_ITEMS) against R rows in blocks of MF_FA_MIX_COLS columns: per block
+ * each four items' normed columns (x * rs, the bits of the whole normed stream's) against all R
+ * rows' block (mf_kern_vec_dots_lanes), their 16 lanes per item and row carried from block to
+ * block in cx->hc_xn (G R 16 floats), then each lane tree: a row read once for the G items, each
+ * mix the bits of mf_kern_vec_dots over the whole stream. */
+static void mf_fa_mixes_blocked(const mf_ly_ctx *cx, const float *const *x, int G, const float *const *rows, int R,
+                                int n, float *const *mixes, int k0)
+{
+    float rs[MF_FA_MIX_ITEMS], *acc = cx->hc_xn;
+    for (int g = 0; g < G; g++) rs[g] = mf_fa_mix_rs(cx->ly->c, x[g], n);
+    memset(acc, 0, sizeof(float) * 16 * G * R);
+    float xb[MF_FA_MIX_FOURS][MF_FA_MIX_COLS];
+    const float *kb[MF_FA_MIX_MAX_ROWS];
+    for (int c0 = 0; c0 < n; c0 += MF_FA_MIX_COLS) {
+        int w = n - c0 < MF_FA_MIX_COLS ? n - c0 : MF_FA_MIX_COLS;
+        for (int r = 0; r < R; r++) kb[r] = rows[r] + c0;
+        for (int i0 = 0; i0 < G; i0 += MF_FA_MIX_FOURS) {
+            int q = G - i0 < MF_FA_MIX_FOURS ? G - i0 : MF_FA_MIX_FOURS;
+            const float *xq[MF_FA_MIX_FOURS];
+            for (int g = 0; g < q; g++) {
+                mf_kern_vec_scale(xb[g], x[i0 + g] + c0, rs[i0 + g], w);
+                xq[g] = xb[g];
+            }
+            mf_kern_vec_dots_lanes(xq, q, kb, R, w, acc + (size_t)i0 * R * 16, R);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < R; r++) mixes[g][k0 + r] = mf_kern_vec_lanes_sum(acc + ((size_t)g * R + r) * 16);
 }
 
 void mf_fa_hc_mixes_rows_items(const mf_ly_ctx *cx, const float *const *x, int n_items, const mf_weight *fn,
@@ -264,23 +332,11 @@ void mf_fa_hc_mixes_rows_items(const mf_ly_ctx *cx, const float *const *x, int n
     }
     const float *rows[MF_FA_MIX_MAX_ROWS];
     for (int r = 0; r < R; r++) rows[r] = (const float *)(const void *)(fn->data + (size_t)(k0 + r) * n * 4);
-    for (int i0 = 0; i0 < n_items; i0 += MF_FA_MIX_ITEMS) {
-        int G = n_items - i0 < MF_FA_MIX_ITEMS ? n_items - i0 : MF_FA_MIX_ITEMS;
-        const float *xn[MF_FA_MIX_ITEMS];
-        for (int g = 0; g < G; g++) {   /* as mf_fa_hc_mixes_rows: the mean square, then x * rs */
-            const float *xi = x[i0 + g], *xx[1] = {xi};
-            float ss, *o = cx->hc_xn + (size_t)g * n;
-            mf_kern_vec_dots(xx, 1, xi, n, &ss);
-            float rs = (float)(1.0 / sqrt((double)ss / (double)n + c->rms_norm_eps));
-            for (int d = 0; d < n; d++) o[d] = xi[d] * rs;
-            xn[g] = o;
-        }
-        /* the items' normed streams as the queries, the rows as the keys: xn . row per key has the
-         * bits of mf_kern_vec_dots(xn, G, row), which are row . xn's (the products commute) */
-        float out[MF_FA_MIX_MAX_ROWS][4];
-        mf_kern_vec_dots_keys(xn, G, rows, R, n, out);
-        for (int g = 0; g < G; g++)
-            for (int r = 0; r < R; r++) mixes[i0 + g][k0 + r] = out[r][g];
+    int nb = mf_fa_mix_items(c, R, n_items);
+    for (int i0 = 0; i0 < n_items; i0 += nb) {
+        int G = n_items - i0 < nb ? n_items - i0 : nb;
+        if (G > MF_FA_MIX_FOURS) mf_fa_mixes_blocked(cx, x + i0, G, rows, R, n, mixes + i0, k0);
+        else mf_fa_mixes_fours(cx, x + i0, G, rows, R, n, mixes + i0, k0);
     }
 }
 

@@ -47,14 +47,26 @@ void mf_fa_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float 
 void mf_fa_attn_select(mf_ly_ctx *cx, mf_ly_item *it, int L, double *score);
 /* mf_ly_hc_mixes_rows with fp32 sums (the streams' mean square and each row). */
 void mf_fa_hc_mixes_rows(const mf_ly_ctx *cx, const float *x, const mf_weight *fn, float *mixes, int k0, int k1);
-/* mf_fa_hc_mixes_rows of n_items items (streams x[i], rows [k0, k1) into mixes[i]), the items in
- * fours (MF_FA_MIX_ITEMS; scratch: cx->hc_xn holds four items' normed streams) against each row
- * (mf_kern_vec_dots_keys), so a row is read once per four items: the bits of mf_fa_hc_mixes_rows
- * per item. More than MF_FA_MIX_MAX_ROWS rows, or weights not fp32: mf_fa_hc_mixes_rows per item. */
-#define MF_FA_MIX_ITEMS 4
+/* mf_fa_hc_mixes_rows of n_items items (streams x[i], rows [k0, k1) into mixes[i]), each item's
+ * mixes the bits of its own call, the rows read once per mf_fa_mix_items(c, k1 - k0, n_items)
+ * items: up to 4 items (MF_FA_MIX_FOURS) against each row at a time (mf_kern_vec_dots_keys;
+ * scratch: cx->hc_xn holds four items' normed streams); more in blocks of up to MF_FA_MIX_ITEMS
+ * items against all rows MF_FA_MIX_COLS columns at a time, every item's and row's 16 lanes carried
+ * from block to block (mf_kern_vec_dots_lanes; scratch: cx->hc_xn holds them), which reads each
+ * item's streams twice (the mean square, then the blocks). More than MF_FA_MIX_MAX_ROWS rows, or
+ * weights not fp32: mf_fa_hc_mixes_rows per item. */
+#define MF_FA_MIX_FOURS 4
+#define MF_FA_MIX_ITEMS 64
+#define MF_FA_MIX_COLS 1024
 #define MF_FA_MIX_MAX_ROWS 64
 void mf_fa_hc_mixes_rows_items(const mf_ly_ctx *cx, const float *const *x, int n_items, const mf_weight *fn,
                                float *const *mixes, int k0, int k1);
+/* The items of a call of mf_fa_hc_mixes_rows_items over n_items items and n_rows rows that share
+ * one read of the rows (one home: the engine's kernel and the step graph's price read it): 1 over
+ * MF_FA_MIX_MAX_ROWS rows; 4 up to 4 items; else the blocked kernel's items per block, the most
+ * (a multiple of 4, at most MF_FA_MIX_ITEMS) whose lanes (16 floats per item and row) fit the
+ * 4 x hc_mult x hidden floats of cx->hc_xn, or 4 where fewer than 8 fit. */
+int mf_fa_mix_items(const mf_config *c, int n_rows, int n_items);
 /* mf_ly_hc_collapse_cols and mf_ly_hc_expand_cols, vectorized: the module's bits. */
 void mf_fa_hc_collapse_cols(const mf_ly_ctx *cx, const float *x, const float *pre, float *h, int64_t d0, int64_t d1);
 void mf_fa_hc_expand_cols(const mf_ly_ctx *cx, float *x, const float *out, const float *post, const float *comb,

@@ -472,8 +472,9 @@ static int mf_task_ffn_norm(void *arg, mf_task_ctx *ctx) { return mf_step_norm_c
 static int mf_task_norm(void *arg, mf_task_ctx *ctx) { return mf_step_norm_cols(arg, ctx, MF_SG_NORM); }
 
 /* Rows of the attention (amix) or ffn (fmix) mixes of the streams of the record's items (its item
- * group: not run per item by mf_task_items, so the fast path reads each row once per four items,
- * mf_fa_hc_mixes_rows_items; the bits of one item's task per item). */
+ * group: not run per item by mf_task_items, so the fast path reads each row once per
+ * mf_fa_mix_items items, mf_fa_hc_mixes_rows_items on up to MF_FA_MIX_ITEMS at a time; the bits of
+ * one item's task per item). */
 static int mf_step_mix_rows(mf_step_targ *a, mf_task_ctx *ctx, int ffn)
 {
     mf_ly_ctx *cx = mf_step_cx(a, ctx);

@@ -18,6 +18,7 @@
 #include "device/expert_cache.h"
 #include "graphs/layers/layers.h"
 #include "graphs/model/layout.h"
+#include "graphs/step/fast_attn.h"
 #include "sched/error.h"
 
 /* The reference code's loops against the profile's REF loop (plain C attention, double sums):
@@ -915,10 +916,12 @@ static void sg_mix(sg_builder *b, int L, int i, int op, const mf_task_id *after,
         double f = (double)(t.r1 - t.r0) / nm;
         if (b->o->exact) {   /* the module's double sums, per item of the group */
             t.w.ref_flops = t.n_tok * (2.0 * hc * H + SG_W_MIX * y->hc_macs / 2 * f);
-        } else {   /* mf_fa_hc_mixes_rows per item: the vector dots, its rows' fp32 weights from memory */
-            /* mf_fa_hc_mixes_rows_items: the rows read once per MF_FA_MIX_ITEMS (4) items of the group */
+        } else {   /* mf_fa_hc_mixes_rows_items: the vector dots, the part's fp32 rows from memory once per */
+            /* mf_fa_mix_items items; the blocked kernel (more than 4) reads each item's streams again */
+            int R = (int)(t.r1 - t.r0), per = mf_fa_mix_items(c, R, t.n_tok);
             t.w.vec_flops = t.n_tok * (2.0 * hc * H + y->hc_macs / 2 * f);
-            t.w.vec_bytes = ceil(t.n_tok / 4.0) * 4.0 * y->hc_macs / 2 * f;
+            t.w.vec_bytes = ceil((double)t.n_tok / per) * 4.0 * y->hc_macs / 2 * f;
+            if (per > MF_FA_MIX_FOURS) t.w.vec_bytes += t.n_tok * 4.0 * hc * H;
         }
         mix[m] = sg_add(b, 0, op, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
         for (int a = 0; a < n_after; a++) sg_dep(b, after[a], mix[m]);
