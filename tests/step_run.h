@@ -17,6 +17,15 @@
 #define MF_TEST_RUN_MAX_SEQ 64
 #define MF_TEST_RUN_MAX_PROMPT 64
 
+/* Tasks of graph sg but the Engram wkv's parts, whose blocks of eg_block items grow with a long
+ * chunk (graphs/step/stepgraph.h): what the item groups keep bounded. */
+static inline int mf_test_tasks_but_wkv(const mf_stepgraph *sg)
+{
+    int n = 0;
+    for (int t = 0; t < sg->n_tasks; t++) n += sg->task[t].op != MF_SG_ENGRAM_ROWS;
+    return n;
+}
+
 /* The placement tests' emulated cards: n_cards of them with the same link figures (50 GB/s, 2 us a
  * copy); the spec written into spec[cap] for the caller's messages. */
 static inline int mf_test_emu_open(int n_cards, char *spec, size_t cap, mf_dev **d)

@@ -341,6 +341,11 @@ typedef struct mf_stepgraph {
     int n_groups;
     int group_end[MF_SG_MAX_GROUPS];
     int p_exp, p_sh, p_head, p_attn;   /* row parts per expert, shared expert, head, stage */
+    /* the Engram wkv (MF_SG_ENGRAM_ROWS): a micro-batch's items in blocks of eg_block (whole passes
+     * of the host kernel, host/kernels.h MF_KERN_TOK_PASS: the same bits as one call), each block
+     * in p_eg row parts (4 p_attn per pass of the largest block), so that the parts stay small enough
+     * to fill the workers the layer chain leaves idle without holding its next tasks back */
+    int eg_block, p_eg;
     int p_gather;                 /* parts of a route's row gather (MF_SG_ROUTE_ROWS; 1: in the route) */
     /* per item: column parts of the hyper-connection tasks (collapse, norms, expand, combine),
      * row parts of each mix, attention head groups (of ah_heads heads); q norm column parts */
