@@ -7,6 +7,7 @@
  * -> head parts. Tasks read the step's data (items, slot table) from the shape's buffers and their
  * ranges from their records, so the graph never changes. The per-item and per-sequence tasks call
  * the layer math (graphs/layers/layers.h) on the running worker's context. */
+#include <assert.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -149,10 +150,11 @@ struct mf_step_shape {
     int n_head;
     /* dense work on cards: per card its device copies of the activations a dense task reads and
      * writes (attention buffers ab, MoE input, gate logits, shared expert's h (and g, u with
-     * exact) and output, normed rows, logits) at offsets dd_* into ddense[card] (a launch's
+     * exact) and output, normed rows, logits, one Engram layer's embed rows and wkv output per
+     * item: the Engram chains run one after another) at offsets dd_* into ddense[card] (a launch's
      * failure fails its task through the stream's status callback) */
     uint8_t *ddense[MF_DEV_MAX_CARDS];
-    size_t dd_ab[MF_LY_A_N], dd_xin, dd_logits, dd_hs, dd_gs, dd_us, dd_ys, dd_hn, dd_lbuf;
+    size_t dd_ab[MF_LY_A_N], dd_xin, dd_logits, dd_hs, dd_gs, dd_us, dd_ys, dd_hn, dd_lbuf, dd_eg_emb, dd_eg_kv;
     /* the heads on cards (sg->heads_any): the layer's key table as the gather leaves it on the host
      * (hk_tab: the ring's hk_nring rows of positions from hk_t0, then the hk_nent entries of the
      * union of the items' selections, hk_map[j] their rows in the card's table, which has the
@@ -175,7 +177,7 @@ typedef struct mf_step_dmat {
     mf_kern_mat m;
     int64_t r0, r1;
 } mf_step_dmat;
-#define MF_STEP_DW_MAX 16   /* dense weights of one layer: attention stages, gate, shared expert */
+#define MF_STEP_DW_MAX 16   /* dense weights of one layer: attention stages, gate, shared expert, Engram wkv */
 
 struct mf_step {
     const mf_layers *ly;      /* the model's tables (mf_ref_layers of the caller's forward object) */
@@ -1616,6 +1618,14 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
         if (nh && out && r0 < r1) cp[m++] = mf_step_dcopy_rows(sh->lbuf, sh->dd_lbuf, V, r0, r1, 0, nh);
         if (nh && !out) cp[m++] = (mf_step_dcopy){sh->hn, sh->dd_hn, nh * H * f, 1, 0};
         break;
+    case MF_SG_D_ENGRAM: {   /* the micro-batch's items: the host's rows of the layer's Engram slot */
+        size_t s0 = mf_step_eg_row(sh, a->t->layer, 0), le = (size_t)sh->eg_emb_ld;
+        mf_step_dense_rows(a, (c->hc_mult + 1) * H, &r0, &r1);
+        if (out && r0 < r1)
+            cp[m++] = mf_step_dcopy_rows(sh->eg_kv + s0 * sh->eg_kv_ld, sh->dd_eg_kv, sh->eg_kv_ld, r0, r1, i0, n);
+        if (!out) cp[m++] = (mf_step_dcopy){sh->eg_emb + (s0 + i0) * le, sh->dd_eg_emb + i0 * le * f, n * le * f, 1, 0};
+        break;
+    }
     }
     return m;
 }
@@ -1785,6 +1795,14 @@ static int mf_step_dense_launch(const mf_step_targ *a, mf_dev_stream *st)
         mf_step_dense_run_rows(a, c->vocab_size, &r0, &r1);
         return mf_step_dense_lin(a, st, mf_model_head(eng->ly->m), r0, r1, 0, 0, 0, DD(sh->dd_hn), H, sh->n_head,
                                  DD(sh->dd_lbuf), c->vocab_size);
+    }
+    case MF_SG_D_ENGRAM: {
+        int64_t r0, r1;
+        mf_step_dense_run_rows(a, y->eg_wkv.rows, &r0, &r1);
+        /* the host's sums (mf_task_engram_rows: mf_ly_linear_part on the kernels, exact or not) */
+        int ref = !mf_ly_linear_kern(&y->eg_wkv);
+        return mf_step_dense_lin(a, st, &y->eg_wkv, r0, r1, 0, ref, 0, DD(sh->dd_eg_emb) + i0 * sh->eg_emb_ld,
+                                 sh->eg_emb_ld, n, DD(sh->dd_eg_kv) + i0 * sh->eg_kv_ld, sh->eg_kv_ld);
     }
     }
 #undef DD
@@ -1990,7 +2008,7 @@ static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh, const size_t *ab
     int ex = eng->o.exact;
     if (!eng->n_dense) return 0;
     /* each dense card's copies of the activations: {bytes, &offset} */
-    struct { size_t bytes, *off; } dt[MF_LY_A_N + 12];
+    struct { size_t bytes, *off; } dt[MF_LY_A_N + 14];
     int m = 0;
     for (int b = 0; b < MF_LY_A_N; b++) dt[m++] = (typeof(dt[0])){ab_sz[b], &sh->dd_ab[b]};
     dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_xin};
@@ -2001,6 +2019,9 @@ static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh, const size_t *ab
     dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_ys};
     dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_hn};
     dt[m++] = (typeof(dt[0])){n_ * V * f, &sh->dd_lbuf};
+    size_t eg = c->n_engram > 0 ? (size_t)sh->eg_items : 0;   /* one Engram layer's rows: its chains run in turn */
+    dt[m++] = (typeof(dt[0])){eg * (size_t)sh->eg_emb_ld * f, &sh->dd_eg_emb};
+    dt[m++] = (typeof(dt[0])){eg * (size_t)sh->eg_kv_ld * f, &sh->dd_eg_kv};
     int hk = sh->sg->heads_any, D = (int)c->head_dim;   /* the heads' key table, lists, counts, sinks */
     dt[m++] = (typeof(dt[0])){hk ? ((size_t)c->sliding_window + n_ + (size_t)sh->hk_ecap) * D * f : 0, &sh->dd_hk_tab};
     dt[m++] = (typeof(dt[0])){hk ? n_ * sh->sg->heads_keys * 4 : 0, &sh->dd_hk_keys};
@@ -2311,8 +2332,6 @@ static int mf_step_dev_setup(mf_step *s)
     return 0;
 }
 
-/* The dense weights of layer L (-1: the head) into w[]: the attention stages' linears (one home:
- * mf_ly_attn_linears), the router gate, the shared expert's three. Returns their count. */
 /* Rows [*r0, *r1) of weight w (rows base.. of its sublayer d's total rows) that dense card k holds:
  * mf_sg_dense_rows' share of the card when d is split by rows (an attention stage's linears one
  * after another), every row on the layer-range card of a sublayer that is not. 0: none. */
@@ -2351,6 +2370,10 @@ static int mf_step_dense_weights_of(const mf_step *s, int L, int k, const mf_wei
     for (int j = 0; j < (s->c->n_shared_experts > 0 ? 4 : 1); j++)
         if (mf_step_dense_wrows(s, k, L, j ? MF_SG_D_SHARED : MF_SG_D_GATE, rest[j], 0, rest[j]->rows, &r0[n], &r1[n]))
             w[n++] = rest[j];
+    if (mf_config_engram_slot(s->c, L) >= 0 &&
+        mf_step_dense_wrows(s, k, L, MF_SG_D_ENGRAM, &y->eg_wkv, 0, y->eg_wkv.rows, &r0[n], &r1[n]))
+        w[n++] = &y->eg_wkv;
+    assert(n <= MF_STEP_DW_MAX);
     return n;
 }
 

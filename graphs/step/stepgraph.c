@@ -307,6 +307,7 @@ typedef struct sg_builder {
     mf_task_id moe_in;           /* dense on cards: the layer's copy-in of the MoE input */
     mf_task_id moe_gate;         /* dense on cards: the layer's gate work on its card */
     mf_task_id chain_run;        /* the card work of the last sg_dense_chain */
+    mf_task_id eg_card;          /* dense on cards: the last Engram wkv chain (its first task) */
     /* the micro-batch being built: half h (-1: the head, after both), its items [h0, h1) and
      * units [k0, k1); the MoE done of the half built before it (its route waits for it) */
     int h, h0, h1, k0, k1;
@@ -484,7 +485,7 @@ int mf_sg_dense_card(const mf_config *c, int n_cards, int L)
 }
 
 static const char *const sg_dense_name[MF_SG_N_DENSE] = {"attn in", "attn qb", "attn oa", "attn ob",
-                                                         "gate",    "shared",  "head"};
+                                                         "gate",    "shared",  "head",    "engram wkv"};
 
 int mf_sg_dense_parts(int n_dense_cards, int split, int dense)
 {
@@ -521,6 +522,7 @@ double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_c
         if (L < 0) dense[nd++] = MF_SG_D_HEAD;
         else
             for (int d = MF_SG_D_ATTN_IN; d <= MF_SG_D_SHARED; d++) dense[nd++] = d;
+        if (L >= 0 && mf_config_engram_slot(c, L) >= 0) dense[nd++] = MF_SG_D_ENGRAM;
         for (int i = 0; i < nd; i++) {
             int d = dense[i], parts = mf_sg_dense_parts(n_cards, split, d);
             if (parts == 1 && mf_sg_dense_card(c, n_cards, L) != card) continue;
@@ -531,6 +533,8 @@ double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_c
                 w = sz->layer[L].gate_bytes, rows = (double)c->n_routed_experts;
             } else if (d == MF_SG_D_SHARED) {
                 w = sz->sh_up_bytes + sz->sh_down_bytes, rows = 1;
+            } else if (d == MF_SG_D_ENGRAM) {
+                w = sz->layer[L].eng_fp8_bytes, rows = (double)(c->hc_mult + 1) * c->hidden_size;
             } else {
                 static const int st_of[4] = {MF_SG_ST_IN, MF_SG_ST_QB, MF_SG_ST_OA, MF_SG_ST_OB};
                 const mf_sg_layer_sizes *y = &sz->layer[L];
@@ -632,6 +636,24 @@ static mf_task_id sg_dense_chain(sg_builder *b, int L, int d, mf_sg_task t, int 
     return b->rc ? -1 : head;
 }
 
+/* The Engram wkv of layer L on the dense cards (sg_dense_chain: on its card, or split by rows on
+ * every card), over the micro-batch's items: the embed rows in, the fp8 kernel, the output out
+ * (the caller chains it after the previous Engram layer's: the cards hold one layer's rows).
+ * Returns the chains' first task (a group: sg_dep). */
+static mf_task_id sg_engram_card(sg_builder *b, int L)
+{
+    const mf_config *c = b->o->c;
+    const mf_sg_layer_sizes *y = &b->o->sz->layer[L];
+    mf_sg_task t = sg_rec(L);
+    sg_span(b, &t);
+    t.w.w_bytes[MF_KF_FP8] = y->eng_fp8_bytes;
+    t.w.macs[MF_KF_FP8] = y->eng_fp8_macs;
+    t.w.calls[MF_KF_FP8] = 1;
+    double in_tok = 4.0 * (c->engram_max_ngram_size - 1) * c->engram_n_heads * c->engram_head_dim;
+    double out_tok = 4.0 * (c->hc_mult + 1) * (double)c->hidden_size;
+    return sg_dense_chain(b, L, MF_SG_D_ENGRAM, t, MF_SG_PH_ENGRAM, in_tok, out_tok, -1);
+}
+
 /* Engram of layer L: per unit embed -> wkv parts -> per unit gate (after unit[k]), into unit[].
  * The embed reads only the items' tokens and the wkv only the embed's rows (graphs/layers/
  * layer_engram.c), so both start with the step, off the layer chain, on workers the chain leaves
@@ -693,10 +715,18 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
             sg_dep(b, rd, emb[k]);
         }
     }
-    /* the wkv: per block of the micro-batch's items its row parts, after the embeds of its units */
+    /* the wkv: per block of the micro-batch's items its row parts, after the embeds of its units;
+     * with dense work on cards one dense chain (sg_engram_card) */
     double R = (double)(c->hc_mult + 1) * H;
     int nb = (b->h1 - b->h0 + sg->eg_block - 1) / sg->eg_block;
-    for (int j = 0; j < nb && !b->rc; j++) {
+    if (sg->n_dense_cards > 0) {   /* after the previous Engram chain (the cards hold one layer's rows) */
+        nb = 1;
+        wr[0] = sg_engram_card(b, L);
+        for (int k = b->k0; k < b->k1; k++) sg_dep(b, emb[k], wr[0]);
+        sg_dep(b, b->eg_card, wr[0]);
+        b->eg_card = wr[0];
+    }
+    for (int j = 0; j < nb && !b->rc && !sg->n_dense_cards; j++) {
         int i0 = b->h0 + j * sg->eg_block, i1 = i0 + sg->eg_block < b->h1 ? i0 + sg->eg_block : b->h1;
         for (int p = 0; p < sg->p_eg; p++) {
             if (nb > 1) SG_NAME(b, "engram L%d wkv %d block %d", L, p, j);
@@ -737,7 +767,8 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
             t.w.calls[MF_KF_BF16] = items;
             t.w.ref_flops = items * (6.0 * (c->hc_mult + 1) * H + SG_W_ROUND * (c->hc_mult + 1.0) * H);
             mf_task_id gt = sg_add(b, 0, MF_SG_ENGRAM_GATE, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
-            for (int j = 0; j < nb; j++) {   /* the blocks that hold its items */
+            if (sg->n_dense_cards) sg_dep(b, wr[0], gt);   /* the card chains' ends */
+            for (int j = 0; j < nb && !sg->n_dense_cards; j++) {   /* the blocks that hold its items */
                 int i0 = b->h0 + j * sg->eg_block, i1 = i0 + sg->eg_block;
                 for (int p = 0; p < sg->p_eg && t.i0 < i1 && t.i1 > i0; p++) sg_dep(b, wr[j] + p, gt);
             }
@@ -1867,7 +1898,7 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     sg->card_ffn_tid = malloc(sizeof *sg->card_ffn_tid * (size_t)c->n_layers * sg->n_halves * (sg->n_cards ? sg->n_cards : 1));
     size_t n_eg = (size_t)c->n_engram * sg->n_units * sg->eg_reads_per_unit;
     sg->eg_read_tid = malloc(sizeof *sg->eg_read_tid * (n_eg + 1));
-    sg_builder b = {.o = o, .sg = sg, .u = sg->n_units, .moe_in = -1, .moe_gate = -1, .chain_run = -1,
+    sg_builder b = {.o = o, .sg = sg, .u = sg->n_units, .moe_in = -1, .moe_gate = -1, .chain_run = -1, .eg_card = -1,
                     .last_done = -1};
     b.per = (double)o->n / b.u;
     b.io = malloc(sizeof *b.io * ((size_t)sg->n_slots * sg->n_io_parts + 1));

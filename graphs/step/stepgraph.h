@@ -119,9 +119,10 @@ enum { MF_SG_ST_IN, MF_SG_ST_QB, MF_SG_ST_OA, MF_SG_ST_OB, MF_SG_ST_CORE, MF_SG_
  * core's output in, the grouped wo_a (its output stays on the card); ATTN_OB: wo_b, the attention
  * output out; GATE: the MoE input in (the shared expert reads the same copy), the router's gate
  * logits out; SHARED: the shared expert's FFN, its output out; HEAD: the final norm's output in,
- * the head, the logits out. */
+ * the head, the logits out; ENGRAM: an Engram layer's embed rows in, the wkv projection, its
+ * output (the gate's keys and value) out. */
 enum { MF_SG_D_ATTN_IN, MF_SG_D_ATTN_QB, MF_SG_D_ATTN_OA, MF_SG_D_ATTN_OB, MF_SG_D_GATE, MF_SG_D_SHARED,
-       MF_SG_D_HEAD, MF_SG_N_DENSE };
+       MF_SG_D_HEAD, MF_SG_D_ENGRAM, MF_SG_N_DENSE };
 /* Not a sublayer with weights (MF_SG_N_DENSE counts those): MF_SG_D_HEADS (the attention heads' scores and values, device/dev.h mf_dev_attn_heads): in the
  * prepared queries of the record's heads (rows [r0, r1) of the MF_LY_A_Q rows, into the card's copy
  * of them), the key table (the gather's rows, the chunk's own KV rows), the key lists and the
