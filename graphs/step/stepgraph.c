@@ -654,6 +654,41 @@ static mf_task_id sg_engram_card(sg_builder *b, int L)
     return sg_dense_chain(b, L, MF_SG_D_ENGRAM, t, MF_SG_PH_ENGRAM, in_tok, out_tok, -1);
 }
 
+/* The Engram wkv of layer L on the host, per block of eg_block of the micro-batch's items p_eg row
+ * parts over the block, each after the embeds (emb[], per unit) of the units its items are in.
+ * Returns the blocks; wr[j] is block j's first part (its parts are consecutive tasks). */
+static int sg_engram_host(sg_builder *b, int L, const mf_task_id *emb, mf_task_id *wr)
+{
+    const mf_config *c = b->o->c;
+    const mf_sg_layer_sizes *y = &b->o->sz->layer[L];
+    const mf_stepgraph *sg = b->sg;
+    double R = (double)(c->hc_mult + 1) * (double)c->hidden_size;
+    int nb = (b->h1 - b->h0 + sg->eg_block - 1) / sg->eg_block;
+    for (int j = 0; j < nb && !b->rc; j++) {
+        int i0 = b->h0 + j * sg->eg_block, i1 = i0 + sg->eg_block < b->h1 ? i0 + sg->eg_block : b->h1;
+        for (int p = 0; p < sg->p_eg; p++) {
+            if (nb > 1) SG_NAME(b, "engram L%d wkv %d block %d", L, p, j);
+            else SG_NAME(b, "engram L%d wkv %d", L, p);
+            mf_sg_task t = sg_rec(L);
+            t.part = p;
+            int ln = sg_rows_lane(b, (int64_t)R, sg->p_eg, p, &t.r0, &t.r1);
+            t.i0 = i0;
+            t.i1 = i1;
+            t.n_tok = i1 - i0;
+            double f = (double)(t.r1 - t.r0) / R;
+            t.w.w_bytes[MF_KF_FP8] = y->eng_fp8_bytes * f;
+            t.w.macs[MF_KF_FP8] = y->eng_fp8_macs * f;
+            t.w.calls[MF_KF_FP8] = f > 0;
+            mf_task_id w = sg_add(b, ln, MF_SG_ENGRAM_ROWS, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
+            if (p == 0) wr[j] = w;
+            assert(b->rc || w == wr[j] + p);
+            for (int k = b->k0; k < b->k1; k++)
+                if (sg->unit_end[k] > i0 && (k ? sg->unit_end[k - 1] : 0) < i1) sg_dep(b, emb[k], w);
+        }
+    }
+    return nb;
+}
+
 /* Engram of layer L: per unit embed -> wkv parts -> per unit gate (after unit[k]), into unit[].
  * The embed reads only the items' tokens and the wkv only the embed's rows (graphs/layers/
  * layer_engram.c), so both start with the step, off the layer chain, on workers the chain leaves
@@ -715,38 +750,16 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
             sg_dep(b, rd, emb[k]);
         }
     }
-    /* the wkv: per block of the micro-batch's items its row parts, after the embeds of its units;
-     * with dense work on cards one dense chain (sg_engram_card) */
-    double R = (double)(c->hc_mult + 1) * H;
-    int nb = (b->h1 - b->h0 + sg->eg_block - 1) / sg->eg_block;
-    if (sg->n_dense_cards > 0) {   /* after the previous Engram chain (the cards hold one layer's rows) */
-        nb = 1;
+    /* the wkv: on the host per block of the micro-batch's items its row parts; with dense work on
+     * cards one dense chain, after the previous Engram chain (the cards hold one layer's rows) */
+    int nb = 1;
+    if (sg->n_dense_cards > 0) {
         wr[0] = sg_engram_card(b, L);
         for (int k = b->k0; k < b->k1; k++) sg_dep(b, emb[k], wr[0]);
         sg_dep(b, b->eg_card, wr[0]);
         b->eg_card = wr[0];
-    }
-    for (int j = 0; j < nb && !b->rc && !sg->n_dense_cards; j++) {
-        int i0 = b->h0 + j * sg->eg_block, i1 = i0 + sg->eg_block < b->h1 ? i0 + sg->eg_block : b->h1;
-        for (int p = 0; p < sg->p_eg; p++) {
-            if (nb > 1) SG_NAME(b, "engram L%d wkv %d block %d", L, p, j);
-            else SG_NAME(b, "engram L%d wkv %d", L, p);
-            mf_sg_task t = sg_rec(L);
-            t.part = p;
-            int ln = sg_rows_lane(b, (int64_t)R, sg->p_eg, p, &t.r0, &t.r1);
-            t.i0 = i0;
-            t.i1 = i1;
-            t.n_tok = i1 - i0;
-            double f = (double)(t.r1 - t.r0) / R;
-            t.w.w_bytes[MF_KF_FP8] = y->eng_fp8_bytes * f;
-            t.w.macs[MF_KF_FP8] = y->eng_fp8_macs * f;
-            t.w.calls[MF_KF_FP8] = f > 0;
-            mf_task_id w = sg_add(b, ln, MF_SG_ENGRAM_ROWS, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
-            if (p == 0) wr[j] = w;
-            assert(b->rc || w == wr[j] + p);   /* a block's parts are consecutive tasks */
-            for (int k = b->k0; k < b->k1; k++)
-                if (sg->unit_end[k] > i0 && (k ? sg->unit_end[k - 1] : 0) < i1) sg_dep(b, emb[k], w);
-        }
+    } else {
+        nb = sg_engram_host(b, L, emb, wr);
     }
     for (int k = b->k0; k < b->k1; k++) {
         /* the gate per item group (one task when the unit is one group), joined for the unit */
@@ -768,7 +781,7 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
             t.w.ref_flops = items * (6.0 * (c->hc_mult + 1) * H + SG_W_ROUND * (c->hc_mult + 1.0) * H);
             mf_task_id gt = sg_add(b, 0, MF_SG_ENGRAM_GATE, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
             if (sg->n_dense_cards) sg_dep(b, wr[0], gt);   /* the card chains' ends */
-            for (int j = 0; j < nb && !sg->n_dense_cards; j++) {   /* the blocks that hold its items */
+            for (int j = 0; j < nb && !sg->n_dense_cards; j++) {   /* the host blocks that hold its items */
                 int i0 = b->h0 + j * sg->eg_block, i1 = i0 + sg->eg_block;
                 for (int p = 0; p < sg->p_eg && t.i0 < i1 && t.i1 > i0; p++) sg_dep(b, wr[j] + p, gt);
             }
