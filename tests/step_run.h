@@ -17,6 +17,19 @@
 #define MF_TEST_RUN_MAX_SEQ 64
 #define MF_TEST_RUN_MAX_PROMPT 256
 
+/* Tasks of graph sg but those that grow with a long chunk by design: the Engram wkv's blocks of
+ * eg_block items, the index score parts (key_parts) and the compressor's item ranges
+ * (graphs/step/stepgraph.h): what the item groups keep bounded. */
+static inline int mf_test_fixed_tasks(const mf_stepgraph *sg)
+{
+    int n = 0;
+    for (int t = 0; t < sg->n_tasks; t++) {
+        const mf_sg_task *r = &sg->task[t];
+        n += r->op != MF_SG_ENGRAM_ROWS && r->op != MF_SG_ATTN_SCORE && !(r->op == MF_SG_ATTN_KV && r->part == 1);
+    }
+    return n;
+}
+
 /* The placement tests' emulated cards: n_cards of them with the same link figures (50 GB/s, 2 us a
  * copy); the spec written into spec[cap] for the caller's messages. */
 static inline int mf_test_emu_open(int n_cards, char *spec, size_t cap, mf_dev **d)

@@ -76,7 +76,7 @@ static void test_graph(void)
     for (int t = 0; sg && t < sg->n_tasks; t++) {
         const mf_sg_task *r = &sg->task[t];
         CHECK(r->op != MF_SG_ATTN_ROWS && r->op != MF_SG_GATE_ROWS && r->op != MF_SG_SHARED_UP &&
-                  r->op != MF_SG_SHARED_DOWN && r->op != MF_SG_HEAD,
+                  r->op != MF_SG_SHARED_DOWN && r->op != MF_SG_HEAD && r->op != MF_SG_ENGRAM_ROWS,
               "task %d (op %d) left on the host", t, r->op);
         if (r->op < MF_SG_DENSE_IN || r->op > MF_SG_DENSE_OUT) continue;
         int k = r->op - MF_SG_DENSE_IN, lane = mf_graph_task(sg->g, t)->lane;
@@ -86,10 +86,13 @@ static void test_graph(void)
         if (k != 1) CHECK(r->w.copy_bytes_tok > 0 && r->n_tok == 16, "copy task %d without bytes", t);
         heads += r->dense == MF_SG_D_HEAD && k == 1;
     }
-    /* per layer 5 card tasks (in, qb, oa, ob, gate + shared = 6), plus the head */
-    CHECK(n_dense[1] == 6 * c.n_layers + 1, "%d dense card tasks (expected %d)", n_dense[1], 6 * c.n_layers + 1);
-    CHECK(n_dense[0] == 4 * c.n_layers + 1 && n_dense[2] == 5 * c.n_layers + 1, "%d copies in, %d out", n_dense[0],
-          n_dense[2]);
+    /* per layer 5 card tasks (in, qb, oa, ob, gate + shared = 6), plus the head and the Engram
+     * layers' wkv (each a copy in, the kernel, a copy out) */
+    int ne = c.n_engram;
+    CHECK(ne == 2 && n_dense[1] == 6 * c.n_layers + 1 + ne, "%d dense card tasks (expected %d)", n_dense[1],
+          6 * c.n_layers + 1 + ne);
+    CHECK(n_dense[0] == 4 * c.n_layers + 1 + ne && n_dense[2] == 5 * c.n_layers + 1 + ne, "%d copies in, %d out",
+          n_dense[0], n_dense[2]);
     CHECK(heads == 1, "%d heads", heads);
     mf_stepgraph_free(sg);
     mf_sg_sizes_free(sz);
@@ -176,7 +179,8 @@ static void test_graph_rows(void)
         CHECK(cp_tok[MF_SG_D_SHARED][2] == 2 * H, "batch %d: the shared expert copies out %.0f bytes an item",
               ns[ni], cp_tok[MF_SG_D_SHARED][2]);
         for (int d = 0; d < MF_SG_N_DENSE; d++) {
-            int want = (d == MF_SG_D_HEAD ? 1 : c.n_layers) * mf_sg_dense_parts(4, MF_SG_SPLIT_ROWS, d);
+            int want = (d == MF_SG_D_HEAD ? 1 : d == MF_SG_D_ENGRAM ? c.n_engram : c.n_layers) *
+                       mf_sg_dense_parts(4, MF_SG_SPLIT_ROWS, d);
             CHECK(runs[d] == want, "batch %d: sublayer %d: %d card tasks (expected %d)", ns[ni], d, runs[d], want);
         }
         for (int cd = 0; cd < 4; cd++) {

@@ -28,6 +28,7 @@
 #include "sched/sim.h"
 #include "sched/timeline.h"
 #include "tests/check.h"
+#include "tests/step_run.h"
 #include "tests/tiny_ckpt.h"
 
 #define FREE 1e30   /* a rate at which nothing costs anything */
@@ -96,21 +97,22 @@ static void test_structure(const char *tmp)
     char trace[512];
     snprintf(trace, sizeof trace, "%s/plan_trace.json", tmp);
     /* batch 1, one worker: n_slots = min(1 x 2, 16) = 2, one row part per expert, one shared part,
-     * two head parts, one row part per attention stage, Engram wkv and router gate, one part
+     * two head parts, one row part per attention stage and router gate, 4 of the Engram wkv
+     * (graphs/step/stepgraph.c SG_EG_ROW_SPLIT per worker and kernel pass), one part
      * (one head group, one column part, one mix part) per item task. Per layer: attention
      * collapse, attn norm, attn mix, in, qb, oa, ob, q scale, q norm, oa join, attn kv, core,
      * heads, post, ffn norm, ffn mix, post join (17), gate, route, moe done, 2 x (join, up, down),
-     * shared join, up, down, combine, combine join = 31, plus Engram embed, wkv, gate on layers 1
-     * and 3 and the index score part and select on the index layers 2, 4 and 6; then head join,
-     * final collapse, final norm, 2 heads: 8 x 31 + 2 x 3 + 3 x 2 + 5 = 265. */
+     * shared join, up, down, combine, combine join = 31, plus Engram embed, 4 wkv parts, gate on
+     * layers 1 and 3 and the index score part and select on the index layers 2, 4 and 6; then head
+     * join, final collapse, final norm, 2 heads: 8 x 31 + 2 x 6 + 3 x 2 + 5 = 271. */
     mf_plan *p;
     mf_plan_report r;
     CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .seed = 3}, &p), "%s", mf_last_error());
     CHECK(!mf_plan_step(p, &r), "%s", mf_last_error());
-    CHECK(r.n_tasks == 265, "tiny host: %d tasks, expected 265", r.n_tasks);
+    CHECK(r.n_tasks == 271, "tiny host: %d tasks, expected 271", r.n_tasks);
     /* every task costs 1 us and there is one worker: the makespan is the task count in us */
-    CHECK(r.step_ns == 265 * 1000, "tiny host makespan %lld ns, expected 265000", (long long)r.step_ns);
-    CHECK(r.n_lanes == 1 && r.lanes[0].busy_ns == 265000, "cpu lane work %lld", (long long)r.lanes[0].busy_ns);
+    CHECK(r.step_ns == 271 * 1000, "tiny host makespan %lld ns, expected 271000", (long long)r.step_ns);
+    CHECK(r.n_lanes == 1 && r.lanes[0].busy_ns == 271000, "cpu lane work %lld", (long long)r.lanes[0].busy_ns);
     CHECK(r.host_slots == 16 && r.dev_slots == 0, "slots: %lld host, %lld dev", (long long)r.host_slots,
           (long long)r.dev_slots);
     mf_plan_free(p);
@@ -121,7 +123,7 @@ static void test_structure(const char *tmp)
         f.worker_spin_ns = spin;
         CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .seed = 3}, &p), "%s", mf_last_error());
         CHECK(!mf_plan_step(p, &r), "%s", mf_last_error());
-        CHECK(r.step_ns == 265 * 1000 + 5000, "tiny host, wake 5 us, spin %d ns: makespan %lld, expected 270000",
+        CHECK(r.step_ns == 271 * 1000 + 5000, "tiny host, wake 5 us, spin %d ns: makespan %lld, expected 276000",
               spin, (long long)r.step_ns);
         mf_plan_free(p);
     }
@@ -129,12 +131,12 @@ static void test_structure(const char *tmp)
 
     /* routed experts alone cost: fp4 at 417792e3 B/s. One expert is w1, w3 [64, 256] and w2
      * [256, 64], each 64 x 256 / 2 code bytes + 64 x 256 / 32 scale bytes = 8704: 26112 bytes;
-     * 2 slots x 8 layers = 417792 bytes = 1 ms on the one worker, after the 265 tasks' 1 us each.
+     * 2 slots x 8 layers = 417792 bytes = 1 ms on the one worker, after the 271 tasks' 1 us each.
      * (An up task is 41666.67 ns, a down task 20833.33 ns: rounded per task they still sum to 1 ms.) */
     f.host[MF_KF_FP4].bytes_per_s = 417792e3;
     CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f}, &p), "%s", mf_last_error());
     CHECK(!mf_plan_step(p, &r), "%s", mf_last_error());
-    CHECK(r.step_ns == 265 * 1000 + 1000000, "tiny host + experts makespan %lld ns, expected 1265000",
+    CHECK(r.step_ns == 271 * 1000 + 1000000, "tiny host + experts makespan %lld ns, expected 1271000",
           (long long)r.step_ns);
     mf_plan_free(p);
     f.host[MF_KF_FP4].bytes_per_s = FREE;
@@ -145,27 +147,27 @@ static void test_structure(const char *tmp)
                                        .store = MF_PLAN_STORE_STREAMED, .store_budget_bytes = 64 << 20},
                        &p), "%s", mf_last_error());
     CHECK(!mf_plan_step(p, &r), "%s", mf_last_error());
-    CHECK(r.n_tasks == 265 + 96 + 3 * 2 * 16, "tiny seed streamed: %d tasks, expected %d", r.n_tasks,
-          265 + 96 + 96);
+    CHECK(r.n_tasks == 271 + 96 + 3 * 2 * 16, "tiny seed streamed: %d tasks, expected %d", r.n_tasks,
+          271 + 96 + 96);
     CHECK(r.n_lanes == 2 + 6, "%d lanes", r.n_lanes);
     CHECK(!mf_plan_write_trace(p, trace), "%s", mf_last_error());
     CHECK(count_lane(trace, "io") == 96, "io lane: %d tasks", count_lane(trace, "io"));
     CHECK(count_lane(trace, "dev0.h2d") == 16, "dev0.h2d: %d tasks", count_lane(trace, "dev0.h2d"));
     CHECK(count_lane(trace, "dev1.compute") == 16, "dev1.compute: %d tasks", count_lane(trace, "dev1.compute"));
-    CHECK(count_lane(trace, "cpu") == 265, "cpu: %d tasks", count_lane(trace, "cpu"));
+    CHECK(count_lane(trace, "cpu") == 271, "cpu: %d tasks", count_lane(trace, "cpu"));
     CHECK(r.dev_slots == 16 && r.host_slots == 0, "seed: %lld dev slots, %lld host", (long long)r.dev_slots,
           (long long)r.host_slots);
     mf_plan_free(p);
 
     /* emulated cards: each device task first holds its stream's host thread and a core for the
-     * round trip (a lane option of the simulator, no tasks of its own): the same 265 + 96 tasks
+     * round trip (a lane option of the simulator, no tasks of its own): the same 271 + 96 tasks
      * and 1 + 6 lanes; one core (one worker) serializes the 2 slots x 3 device tasks x 8 layers
      * round trips of 1 ms each */
     f.cards_emulated = 1;
     CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .placement = MF_STEP_PLACE_SEED,
                                        .dev_task_ns = 1e6}, &p), "%s", mf_last_error());
     CHECK(!mf_plan_step(p, &r), "%s", mf_last_error());
-    CHECK(r.n_tasks == 265 + 96 && r.n_lanes == 1 + 6, "tiny seed emulated: %d tasks, %d lanes", r.n_tasks,
+    CHECK(r.n_tasks == 271 + 96 && r.n_lanes == 1 + 6, "tiny seed emulated: %d tasks, %d lanes", r.n_tasks,
           r.n_lanes);
     CHECK(r.step_ns >= 48 * 1000000 && r.step_ns < 49 * 1000000, "tiny seed emulated: makespan %lld ns, expected "
           "48 ms of round trips on the one core", (long long)r.step_ns);
@@ -189,14 +191,6 @@ static int same_report(const mf_plan_report *a, const mf_plan_report *b)
 /* A profile with costs everywhere (figures of no machine in particular). */
 /* A serial graph's tasks but the index score parts and the compressor's item ranges (the parts of
  * a long unit that are not per item group). */
-static int long_tasks(const mf_stepgraph *sg)
-{
-    int n = 0;
-    for (int t = 0; t < sg->n_tasks; t++)
-        n += sg->task[t].op != MF_SG_ATTN_SCORE && !(sg->task[t].op == MF_SG_ATTN_KV && sg->task[t].part == 1);
-    return n;
-}
-
 /* Those parts of a one-unit serial graph: per scored layer key_parts[g] score tasks of group g
  * (p_key..MF_SG_MAX_PARTS each, the last group's at least the first's: its items see more
  * entries), none elsewhere; per layer the compressor's ranges (at most p_attn) tile the items in
@@ -574,9 +568,9 @@ static void test_same_graph(void)
 }
 
 /* Prefill (mf_plan_prefill): chunks through the engine's serial graph. Hand-computed on the free
- * profile: chunks of 1 position are the batch-1 graph (265 tasks of 1 us on one worker, counted in
+ * profile: chunks of 1 position are the batch-1 graph (271 tasks of 1 us on one worker, counted in
  * the tiny host case above, the head parts included though only the last chunk computes logits),
- * so 5 tokens take 5 x 265 us. On the
+ * so 5 tokens take 5 x 271 us. On the
  * costly profile: deterministic, a later chunk costs more (its positions see more keys), a shorter
  * last chunk adds less than a full one, the default chunk is MF_STEP_PREFILL_CHUNK, refusals. */
 /* The hybrid placer (graphs/step/stepgraph.h mf_sg_placer) weighs a slot's tokens by the
@@ -725,7 +719,7 @@ static void test_prefill(void)
     mf_plan_report r;
     int64_t t1, t2, t3, t4;
     CHECK(!mf_plan_prefill(&o, 5, 1, &r, &t1), "%s", mf_last_error());
-    CHECK(t1 == 5 * 265 * 1000 && r.n_tasks == 265 && r.batch == 1, "5 chunks of 1: %lld ns, %d tasks",
+    CHECK(t1 == 5 * 271 * 1000 && r.n_tasks == 271 && r.batch == 1, "5 chunks of 1: %lld ns, %d tasks",
           (long long)t1, r.n_tasks);
     mf_plan *p = NULL;
     CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .prefill = 1, .batch = 8}, &p), "%s", mf_last_error());
@@ -742,7 +736,8 @@ static void test_prefill(void)
     CHECK(!mf_plan_prefill(&o, 70, 0, NULL, &t1) && !mf_plan_prefill(&o, 70, MF_STEP_PREFILL_CHUNK, NULL, &t2) &&
               t1 == t2, "default chunk: %lld vs %lld ns", (long long)t1, (long long)t2);
     CHECK(mf_plan_prefill(&o, 16, MF_STEP_MAX_CHUNK + 1, NULL, &t1) == -EINVAL, "chunk over the graph's items");
-    /* a long chunk (item groups): its serial graph, no more tasks than at 128 items, and fewer
+    /* a long chunk (item groups): its serial graph, no more tasks than at 128 items (but the Engram
+     * wkv's blocks), and fewer
      * expert slots over the prompt than at 64 (each expert at most once per layer of a chunk; the
      * reports' slot counts are sums over their chunks) */
     CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .prefill = 1, .batch = 300}, &p), "%s",
@@ -751,7 +746,7 @@ static void test_prefill(void)
     CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .prefill = 1, .batch = 128}, &p128), "%s",
           mf_last_error());
     CHECK(p && p128 && mf_plan_graph(p)->n == 300 && mf_plan_graph(p)->n_groups == MF_SG_MAX_GROUPS &&
-              long_tasks(mf_plan_graph(p)) <= long_tasks(mf_plan_graph(p128)),
+              mf_test_fixed_tasks(mf_plan_graph(p)) <= mf_test_fixed_tasks(mf_plan_graph(p128)),
           "a 300-position chunk: %d groups, %d tasks (128: %d)", p ? mf_plan_graph(p)->n_groups : -1,
           p ? mf_plan_graph(p)->n_tasks : -1, p128 ? mf_plan_graph(p128)->n_tasks : -1);
     for (int k = 0; k < 2; k++)   /* the parts that are not per group: as many as the builder says */

@@ -16,6 +16,7 @@
 #include "graphs/step/step.h"
 #include "sched/error.h"
 #include "tests/check.h"
+#include "tests/step_run.h"
 #include "tests/num.h"
 #include "tests/cli.h"
 #include "tests/tiny_ckpt.h"
@@ -172,13 +173,44 @@ static void test_variant(int n_experts, int top_k, int inter, int b)
 /* mf_stepgraph_macs, the bench's multiply-adds per token, on the engine's graphs of c: linear in
  * the items, the same for the serial and the parallel graph, the head counted per item with
  * logits (vocab x hidden each), more than the routed experts' top_k x 3 x hidden x inter. */
+/* The Engram of a long chunk off the layer chain (graphs/step/stepgraph.c sg_engram): no embed
+ * waits for anything but its plan and reads, and every Engram layer's wkv is in blocks of
+ * eg_block items (600 items: 3), so that both of tiny's Engram layers (1 and 3) run from the
+ * step's start, each into its own buffers (the logits' bits are checked by the caller). */
+static void check_engram_off_chain(const mf_stepgraph *sg)
+{
+    CHECK(sg != NULL, "the long chunk's graph");
+    if (!sg) return;
+    int n_embed = 0, n_rows = 0, blocks = 0;
+    for (int t = 0; t < sg->n_tasks; t++) {
+        const mf_sg_task *r = &sg->task[t];
+        if (r->op == MF_SG_ENGRAM_EMBED || r->op == MF_SG_ENGRAM_PLAN) {
+            n_embed++;
+            const mf_task_id *pr = mf_graph_pred(sg->g, t);
+            for (int q = 0; q < mf_graph_n_pred(sg->g, t); q++)
+                CHECK(sg->task[pr[q]].phase == MF_SG_PH_ENGRAM && sg->task[pr[q]].layer == r->layer,
+                      "Engram task %d (layer %d) waits for task %d (op %d, layer %d)", t, r->layer, pr[q],
+                      sg->task[pr[q]].op, sg->task[pr[q]].layer);
+        }
+        if (r->op == MF_SG_ENGRAM_ROWS) {
+            n_rows++;
+            blocks += r->part == 0;
+        }
+    }
+    int nb = (sg->n + sg->eg_block - 1) / sg->eg_block;
+    CHECK(n_embed > 0 && blocks == 2 * nb && n_rows == 2 * nb * sg->p_eg,
+          "Engram of %d items: %d embed tasks, %d wkv blocks of %d parts (expected 2 layers x %d blocks)", sg->n,
+          n_embed, blocks, sg->p_eg, nb);
+}
+
 /* Long prefill chunks (graphs/step/stepgraph.h MF_SG_MAX_CHUNK: per-item tasks over item groups)
  * give the logits of 64-position chunks bit for bit, on the int8 path with 2 workers: a prompt of
  * NP positions (past the tiny preset's window and compression) at chunks 64, 100 (one item per
  * group), 300 (groups of 2-3), NP (one graph run) and by mf_step_forward of all its items (one
  * sequence: chunks of up to MF_STEP_MAX_CHUNK), and at odd chunks on 5 and 3 workers (77, 255:
  * the compressor's item ranges start at odd positions, its open group carried over chunks), then
- * two decode steps after each; a long chunk's graph has no more tasks than a 128-item one. */
+ * two decode steps after each; a long chunk's graph has no more tasks than a 128-item one but those
+ * that grow with the chunk (mf_test_fixed_tasks: Engram wkv blocks, score parts, compressor ranges). */
 static void test_long_chunks(mf_ref *r)
 {
     enum { NP = 600, N_RUN = 7, N_AFTER = 2 };
@@ -225,7 +257,7 @@ static void test_long_chunks(mf_ref *r)
                   mf_last_error());
             mf_step_builds(e, &b1);
             const mf_stepgraph *g128 = mf_step_graph(e, 128, 0);
-            int n128 = g128 ? g128->n_tasks : -1;   /* read now: the 300 shape below replaces (frees) it */
+            int n128 = g128 ? mf_test_fixed_tasks(g128) : -1;   /* read now: the 300 shape below replaces (frees) it */
             mf_ref_state_free(s2);
             mf_ref_state *s3 = NULL;   /* the long shape is replaced by a 300 one again */
             CHECK(mf_ref_state_new(r, 300, &s3) == 0 && mf_step_prefill(e, s3, p, 300, NULL) == 0, "300: %s",
@@ -239,11 +271,12 @@ static void test_long_chunks(mf_ref *r)
                   "shapes built: %lld, +128: %lld, +300: %lld, +300 again: %lld (expected +1, +1, +0)",
                   (long long)b0.n_built, (long long)b1.n_built, (long long)b2.n_built, (long long)b3.n_built);
             const mf_stepgraph *g300 = mf_step_graph(e, 300, 0);
-            CHECK(n128 > 0 && g300 && g300->n_groups == MF_SG_MAX_GROUPS && g300->n_tasks <= n128,
-                  "a 300-item graph: %d groups, %d tasks (128 items: %d)", g300 ? g300->n_groups : -1,
-                  g300 ? g300->n_tasks : -1, n128);
+            CHECK(n128 > 0 && g300 && g300->n_groups == MF_SG_MAX_GROUPS && mf_test_fixed_tasks(g300) <= n128,
+                  "a 300-item graph: %d groups, %d tasks but the Engram wkv's (128 items: %d)",
+                  g300 ? g300->n_groups : -1, g300 ? mf_test_fixed_tasks(g300) : -1, n128);
             mf_ref_state_free(s3);
         }
+        if (chunks[k] == NP) check_engram_off_chain(mf_step_graph(e, NP, 0));
         if (k > 0)
             for (int j = 0; j <= N_AFTER; j++)
                 CHECK(memcmp(lg + (size_t)j * g_V, out + (size_t)j * g_V, sizeof(float) * g_V) == 0,

@@ -7,6 +7,7 @@
  * -> head parts. Tasks read the step's data (items, slot table) from the shape's buffers and their
  * ranges from their records, so the graph never changes. The per-item and per-sequence tasks call
  * the layer math (graphs/layers/layers.h) on the running worker's context. */
+#include <assert.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -87,8 +88,12 @@ struct mf_step_shape {
     int64_t iscore_ld;
     float *xin;         /* n x H: MoE input (after ffn_norm) */
     float *logits;      /* n x n_routed_experts: router gate logits */
-    float *eg_emb, *eg_kv;   /* n x eg_emb_ld, n x eg_kv_ld: Engram rows (dequantized), wkv output */
+    /* Engram: every buffer below has eg_items rows per Engram slot (mf_config_engram_slot), the
+     * slots one after another (mf_step_eg_row): the embed and wkv of every Engram layer run from
+     * the step's start (graphs/step/stepgraph.c sg_engram), two layers' at once */
+    float *eg_emb, *eg_kv;   /* eg_emb_ld, eg_kv_ld per row: Engram rows (dequantized), wkv output */
     int64_t eg_emb_ld, eg_kv_ld;
+    int eg_items;
     /* streamed Engram tables (eng->eg_reads): per item its table rows, their codes and scales in
      * order, the reads of its IO tasks (2 per row at most) and its part of the gather plans'
      * scratch (an item task's items take consecutive parts: mf_store_gather_bytes) */
@@ -149,10 +154,11 @@ struct mf_step_shape {
     int n_head;
     /* dense work on cards: per card its device copies of the activations a dense task reads and
      * writes (attention buffers ab, MoE input, gate logits, shared expert's h (and g, u with
-     * exact) and output, normed rows, logits) at offsets dd_* into ddense[card] (a launch's
+     * exact) and output, normed rows, logits, one Engram layer's embed rows and wkv output per
+     * item: the Engram chains run one after another) at offsets dd_* into ddense[card] (a launch's
      * failure fails its task through the stream's status callback) */
     uint8_t *ddense[MF_DEV_MAX_CARDS];
-    size_t dd_ab[MF_LY_A_N], dd_xin, dd_logits, dd_hs, dd_gs, dd_us, dd_ys, dd_hn, dd_lbuf;
+    size_t dd_ab[MF_LY_A_N], dd_xin, dd_logits, dd_hs, dd_gs, dd_us, dd_ys, dd_hn, dd_lbuf, dd_eg_emb, dd_eg_kv;
     /* the activations the dense chains copy as bf16 (graphs/step/stepgraph.h mf_sg_attn_buf_bf16,
      * mf_sg_dense_bf16; with dense cards only, else NULL): on the host a mirror of codes beside the
      * floats (the same layout), packed by the host task that writes the floats and unpacked by the
@@ -193,7 +199,7 @@ typedef struct mf_step_dmat {
     mf_kern_mat m;
     int64_t r0, r1;
 } mf_step_dmat;
-#define MF_STEP_DW_MAX 16   /* dense weights of one layer: attention stages, gate, shared expert */
+#define MF_STEP_DW_MAX 16   /* dense weights of one layer: attention stages, gate, shared expert, Engram wkv */
 
 struct mf_step {
     const mf_layers *ly;      /* the model's tables (mf_ref_layers of the caller's forward object) */
@@ -317,6 +323,12 @@ static mf_ly_ctx *mf_step_cx(const mf_step_targ *a, const mf_task_ctx *ctx)
     return eng->cx[w];
 }
 
+/* The row of item i of Engram layer L in the shape's Engram buffers (eg_items per slot). */
+static size_t mf_step_eg_row(const mf_step_shape *sh, int L, int i)
+{
+    return (size_t)mf_config_engram_slot(sh->eng->c, L) * (size_t)sh->eg_items + (size_t)i;
+}
+
 /* Engram (layer_engram.c's phases): per item the hashed table rows, gathered and dequantized into
  * the item's row of eg_emb. Resident tables: in one task (the store's gatherer copies from
  * memory). Streamed tables: the plan task hashes the items' rows and has the store plan their
@@ -330,14 +342,15 @@ static int mf_task_engram_plan(void *arg, mf_task_ctx *ctx)
     const mf_sg_task *t = a->t;
     const mf_layers *ly = sh->eng->ly;
     int es = mf_config_engram_slot(ly->c, t->layer), m = (t->i1 - t->i0) * sh->eg_per, nr = 0;
-    int64_t *rows = sh->eg_rows + (size_t)t->i0 * sh->eg_per;
+    size_t r0 = mf_step_eg_row(sh, t->layer, t->i0);
+    int64_t *rows = sh->eg_rows + r0 * sh->eg_per;
     for (int i = t->i0; i < t->i1; i++)
-        mf_ly_engram_rows(ly, &sh->items[i], t->layer, sh->eg_rows + (size_t)i * sh->eg_per);
+        mf_ly_engram_rows(ly, &sh->items[i], t->layer, rows + (size_t)(i - t->i0) * sh->eg_per);
     /* the unit's reads: 2 per row of its items (the graph has as many read tasks for it) */
     int k = mf_stepgraph_unit_of(sh->sg, t->i0), max = 2 * m;
     if (max > sh->sg->eg_reads_per_unit) max = sh->sg->eg_reads_per_unit;
-    mf_io_read *rd = sh->eg_rd + (size_t)t->i0 * 2 * sh->eg_per;
-    int rc = mf_store_gather_reads(sh->eng->store, es, rows, m, sh->eg_scratch + (size_t)t->i0 * sh->eg_scratch_item,
+    mf_io_read *rd = sh->eg_rd + r0 * 2 * sh->eg_per;
+    int rc = mf_store_gather_reads(sh->eng->store, es, rows, m, sh->eg_scratch + r0 * sh->eg_scratch_item,
                                    rd, max, &nr);
     if (rc) return mf_error_wrap(rc, "step: layer %d: planning the Engram gather", t->layer);
     for (int r = nr; r < max; r++) rd[r] = (mf_io_read){.fd = -1};
@@ -353,23 +366,24 @@ static int mf_task_engram_embed(void *arg, mf_task_ctx *ctx)
     mf_step_shape *sh = a->sh;
     const mf_sg_task *t = a->t;
     int rc = 0;
+    size_t r0 = mf_step_eg_row(sh, t->layer, t->i0);
     if (!sh->eng->eg_reads) {
         for (int i = t->i0; i < t->i1 && !rc; i++)
-            rc = mf_ly_engram_embed(cx, &sh->items[i], t->layer, sh->eg_emb + (size_t)i * sh->eg_emb_ld);
+            rc = mf_ly_engram_embed(cx, &sh->items[i], t->layer, sh->eg_emb + (r0 + (size_t)(i - t->i0)) * sh->eg_emb_ld);
         return rc;
     }
     const mf_config *c = sh->eng->c;
     size_t d = (size_t)c->engram_head_dim, sb = (d + 31) / 32, per = (size_t)sh->eg_per;
-    mf_store_gather_copy(sh->eng->store, sh->eg_scratch + (size_t)t->i0 * sh->eg_scratch_item,
-                         sh->eg_codes + (size_t)t->i0 * per * d, sh->eg_scales + (size_t)t->i0 * per * sb);
-    for (int i = t->i0; i < t->i1; i++)
-        mf_ly_engram_dequant(cx->ly, sh->eg_codes + (size_t)i * per * d, sh->eg_scales + (size_t)i * per * sb,
-                             sh->eg_emb + (size_t)i * sh->eg_emb_ld);
+    mf_store_gather_copy(sh->eng->store, sh->eg_scratch + r0 * sh->eg_scratch_item,
+                         sh->eg_codes + r0 * per * d, sh->eg_scales + r0 * per * sb);
+    for (size_t r = r0; r < r0 + (size_t)(t->i1 - t->i0); r++)
+        mf_ly_engram_dequant(cx->ly, sh->eg_codes + r * per * d, sh->eg_scales + r * per * sb,
+                             sh->eg_emb + r * sh->eg_emb_ld);
     return 0;
 }
 
-/* Rows of part a->t->part of sh->p_attn of the wkv projection, over all items (as mf_ly_linear
- * sums them: the same bits for any split). */
+/* Rows [r0, r1) of the wkv projection over the record's block of items (graphs/step/stepgraph.h
+ * eg_block: whole kernel passes; as mf_ly_linear sums them: the same bits for any split). */
 static int mf_task_engram_rows(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
@@ -380,7 +394,7 @@ static int mf_task_engram_rows(void *arg, mf_task_ctx *ctx)
     int r0 = (int)a->t->r0, r1 = (int)a->t->r1;   /* the record's rows (mf_sg_expert_rows) */
     if (r0 >= r1) return 0;
     mf_step_count_socket(sh->eng, ctx, w, r0, r1, 1);
-    size_t i0 = (size_t)a->t->i0;   /* the micro-batch's items */
+    size_t i0 = mf_step_eg_row(sh, a->t->layer, a->t->i0);   /* the micro-batch's items */
     int rc = mf_ly_linear_part(cx, w, sh->eg_emb + i0 * sh->eg_emb_ld, a->t->n_tok, sh->eg_emb_ld,
                                 sh->eg_kv + i0 * sh->eg_kv_ld, sh->eg_kv_ld, r0, r1);
     return rc ? mf_error_wrap(rc, "step: layer %d, rows [%d, %d) of the Engram wkv", a->t->layer, r0, r1) : 0;
@@ -394,7 +408,7 @@ static int mf_task_engram_gate(void *arg, mf_task_ctx *ctx)
     if (!cx) return -EINVAL;
     mf_step_shape *sh = a->sh;
     for (int i = a->t->i0; i < a->t->i1; i++)
-        mf_ly_engram_gate(cx, &sh->items[i], a->t->layer, sh->eg_kv + (size_t)i * sh->eg_kv_ld);
+        mf_ly_engram_gate(cx, &sh->items[i], a->t->layer, sh->eg_kv + mf_step_eg_row(sh, a->t->layer, i) * sh->eg_kv_ld);
     return 0;
 }
 
@@ -1808,6 +1822,14 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
         if (nh && out && r0 < r1) cp[m++] = mf_step_dcopy_cols(sh->lbuf, NULL, sh->dd_lbuf, 0, V, r0, r1, 0, nh);
         if (nh && !out) cp[m++] = mf_step_dcopy_cols(sh->hn, NULL, sh->dd_hn, 0, (int64_t)H, 0, (int64_t)H, 0, nh);
         break;
+    case MF_SG_D_ENGRAM: {   /* the micro-batch's items: the host's rows of the layer's Engram slot */
+        size_t s0 = mf_step_eg_row(sh, a->t->layer, 0), le = (size_t)sh->eg_emb_ld;
+        mf_step_dense_rows(a, (c->hc_mult + 1) * H, &r0, &r1);
+        if (out && r0 < r1)
+            cp[m++] = mf_step_dcopy_rows(sh->eg_kv + s0 * sh->eg_kv_ld, sh->dd_eg_kv, sh->eg_kv_ld, r0, r1, i0, n);
+        if (!out) cp[m++] = (mf_step_dcopy){sh->eg_emb + (s0 + i0) * le, sh->dd_eg_emb + i0 * le * f, n * le * f, 1, 0};
+        break;
+    }
     }
     return m;
 }
@@ -1973,6 +1995,14 @@ static int mf_step_dense_launch(const mf_step_targ *a, mf_dev_stream *st)
         return mf_step_dense_lin(a, st, mf_model_head(eng->ly->m), r0, r1, 0, 0, 0, DD(sh->dd_hn), H, sh->n_head,
                                  DD(sh->dd_lbuf), c->vocab_size);
     }
+    case MF_SG_D_ENGRAM: {
+        int64_t r0, r1;
+        mf_step_dense_run_rows(a, y->eg_wkv.rows, &r0, &r1);
+        /* the host's sums (mf_task_engram_rows: mf_ly_linear_part on the kernels, exact or not) */
+        int ref = !mf_ly_linear_kern(&y->eg_wkv);
+        return mf_step_dense_lin(a, st, &y->eg_wkv, r0, r1, 0, ref, 0, DD(sh->dd_eg_emb) + i0 * sh->eg_emb_ld,
+                                 sh->eg_emb_ld, n, DD(sh->dd_eg_kv) + i0 * sh->eg_kv_ld, sh->eg_kv_ld);
+    }
     }
 #undef DD
     return mf_error(-EINVAL, "step: dense sublayer %d (internal)", d);
@@ -2110,7 +2140,7 @@ static int mf_step_bind(mf_step *eng, mf_step_shape *sh)
         if (rec->op == MF_SG_SLOT_READ)
             mf_graph_set_arg(sh->g, t, &sh->slot_rd[(size_t)rec->slot * sh->n_parts + rec->read]);
         else if (rec->op == MF_SG_ENGRAM_READ)
-            mf_graph_set_arg(sh->g, t, &sh->eg_rd[(size_t)rec->i0 * 2 * sh->eg_per + rec->read]);
+            mf_graph_set_arg(sh->g, t, &sh->eg_rd[mf_step_eg_row(sh, rec->layer, rec->i0) * 2 * sh->eg_per + rec->read]);
         else
             mf_graph_set_arg(sh->g, t, &sh->args[t]);
     }
@@ -2179,7 +2209,7 @@ static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh, const size_t *ab
     int ex = eng->o.exact;
     if (!eng->n_dense) return 0;
     /* each dense card's copies of the activations: {bytes, &offset} */
-    struct { size_t bytes, *off; } dt[2 * MF_LY_A_N + 17];
+    struct { size_t bytes, *off; } dt[2 * MF_LY_A_N + 19];
     int m = 0;
     for (int b = 0; b < MF_LY_A_N; b++) dt[m++] = (typeof(dt[0])){ab_sz[b], &sh->dd_ab[b]};
     for (int b = 0; b < MF_LY_A_N; b++)   /* the bf16 copies (the host's mirrors' layouts) */
@@ -2194,6 +2224,9 @@ static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh, const size_t *ab
     dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_ys};
     dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_hn};
     dt[m++] = (typeof(dt[0])){n_ * V * f, &sh->dd_lbuf};
+    size_t eg = c->n_engram > 0 ? (size_t)sh->eg_items : 0;   /* one Engram layer's rows: its chains run in turn */
+    dt[m++] = (typeof(dt[0])){eg * (size_t)sh->eg_emb_ld * f, &sh->dd_eg_emb};
+    dt[m++] = (typeof(dt[0])){eg * (size_t)sh->eg_kv_ld * f, &sh->dd_eg_kv};
     int hk = sh->sg->heads_any, D = (int)c->head_dim;   /* the heads' key table, lists, counts, sinks */
     dt[m++] = (typeof(dt[0])){hk ? ((size_t)c->sliding_window + n_ + (size_t)sh->hk_ecap) * D * f : 0, &sh->dd_hk_tab};
     dt[m++] = (typeof(dt[0])){hk ? n_ * sh->sg->heads_keys * 4 : 0, &sh->dd_hk_keys};
@@ -2273,7 +2306,9 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         eg_d = (size_t)c->engram_head_dim;
         if (eng->eg_reads) sh->eg_scratch_item = (mf_store_gather_bytes(eng->store, sh->eg_per) + 15) / 16 * 16;
     }
-    size_t eg_n = eng->eg_reads ? (size_t)ln * sh->eg_per : 0;
+    sh->eg_items = ln;
+    size_t eg_items = (size_t)ln * (size_t)c->n_engram;   /* one set of rows per Engram slot */
+    size_t eg_n = eng->eg_reads ? eg_items * sh->eg_per : 0;
     /* with dense cards: the bf16 mirrors of what their chains copy as bf16 (mf_sg_attn_buf_bf16) */
     size_t ab16_sz[MF_LY_A_N], dn = eng->n_dense > 0 ? (size_t)ln : 0;
     for (int b = 0; b < MF_LY_A_N; b++) {
@@ -2349,13 +2384,13 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         {"hcol", n_ * H * f, (void **)&sh->hcol},
         {"qrs", n_ * f, (void **)&sh->qrs},
         {"logits", n_ * E * f, (void **)&sh->logits},
-        {"eg_emb", n_ * sh->eg_emb_ld * f, (void **)&sh->eg_emb},
-        {"eg_kv", n_ * sh->eg_kv_ld * f, (void **)&sh->eg_kv},
+        {"eg_emb", eg_items * sh->eg_emb_ld * f, (void **)&sh->eg_emb},
+        {"eg_kv", eg_items * sh->eg_kv_ld * f, (void **)&sh->eg_kv},
         {"eg_rows", eg_n * sizeof(int64_t), (void **)&sh->eg_rows},
         {"eg_codes", eg_n * eg_d, (void **)&sh->eg_codes},
         {"eg_scales", eg_n * ((eg_d + 31) / 32), (void **)&sh->eg_scales},
         {"eg_rd", 2 * eg_n * sizeof(mf_io_read), (void **)&sh->eg_rd},
-        {"eg_scratch", eng->eg_reads ? n_ * sh->eg_scratch_item : 0, (void **)&sh->eg_scratch},
+        {"eg_scratch", eng->eg_reads ? eg_items * sh->eg_scratch_item : 0, (void **)&sh->eg_scratch},
         {"ab_in", ab_sz[MF_LY_A_IN], (void **)&sh->ab[MF_LY_A_IN]},
         {"ab_qr", ab_sz[MF_LY_A_QR], (void **)&sh->ab[MF_LY_A_QR]},
         {"ab_kv", ab_sz[MF_LY_A_KV], (void **)&sh->ab[MF_LY_A_KV]},
@@ -2533,8 +2568,6 @@ static int mf_step_dev_setup(mf_step *s)
     return 0;
 }
 
-/* The dense weights of layer L (-1: the head) into w[]: the attention stages' linears (one home:
- * mf_ly_attn_linears), the router gate, the shared expert's three. Returns their count. */
 /* Rows [*r0, *r1) of weight w (rows base.. of its sublayer d's total rows) that dense card k holds:
  * mf_sg_dense_rows' share of the card when d is split by rows (an attention stage's linears one
  * after another), every row on the layer-range card of a sublayer that is not. 0: none. */
@@ -2573,6 +2606,10 @@ static int mf_step_dense_weights_of(const mf_step *s, int L, int k, const mf_wei
     for (int j = 0; j < (s->c->n_shared_experts > 0 ? 4 : 1); j++)
         if (mf_step_dense_wrows(s, k, L, j ? MF_SG_D_SHARED : MF_SG_D_GATE, rest[j], 0, rest[j]->rows, &r0[n], &r1[n]))
             w[n++] = rest[j];
+    if (mf_config_engram_slot(s->c, L) >= 0 &&
+        mf_step_dense_wrows(s, k, L, MF_SG_D_ENGRAM, &y->eg_wkv, 0, y->eg_wkv.rows, &r0[n], &r1[n]))
+        w[n++] = &y->eg_wkv;
+    assert(n <= MF_STEP_DW_MAX);
     return n;
 }
 
@@ -2978,7 +3015,7 @@ static int mf_step_store_fail(mf_step *s, mf_step_shape *sh, int rc)
         const mf_step_targ *a = &sh->args[t];
         if (a->t->op == MF_SG_ENGRAM_READ) {
             const mf_model_layer *y = mf_model_layer_at(s->ly->m, a->t->layer);
-            const mf_io_read *rd = &sh->eg_rd[(size_t)a->t->i0 * 2 * sh->eg_per + a->t->read];
+            const mf_io_read *rd = &sh->eg_rd[mf_step_eg_row(sh, a->t->layer, a->t->i0) * 2 * sh->eg_per + a->t->read];
             int c = mf_store_gather_check(s->store, mf_config_engram_slot(s->c, a->t->layer));
             rc = mf_error_wrap(c ? c : rc, "step: layer %d: Engram gather of %s: reading %" PRIu64 " bytes at offset %"
                                PRIu64 " failed", a->t->layer, y->eg_table.name, rd->n_bytes, rd->offset);

@@ -19,6 +19,7 @@
 #include "graphs/layers/layers.h"
 #include "graphs/model/layout.h"
 #include "graphs/step/fast_attn.h"
+#include "host/kernels.h"
 #include "sched/error.h"
 
 /* The reference code's loops against the profile's REF loop (plain C attention, double sums):
@@ -67,6 +68,8 @@
 #define SG_MIN_COLS 64          /* columns of a hyper-connection part, at least */
 #define SG_MIN_QCOLS 16         /* columns of a q norm part, at least (tiny's 64: 4 parts) */
 #define SG_KEY_WAVES 16         /* index score parts of a long unit: waves of the workers (sg_key_parts) */
+#define SG_EG_PASSES 4          /* kernel passes of an Engram wkv block (256 items) */
+#define SG_EG_ROW_SPLIT 4       /* row parts of an Engram wkv pass per worker (4 beat 1 on every seed-host figure) */
 
 /* ---- sizes --------------------------------------------------------------------------------- */
 
@@ -314,6 +317,7 @@ typedef struct sg_builder {
     mf_task_id moe_in;           /* dense on cards: the layer's copy-in of the MoE input */
     mf_task_id moe_gate;         /* dense on cards: the layer's gate work on its card */
     mf_task_id chain_run;        /* the card work of the last sg_dense_chain */
+    mf_task_id eg_card;          /* dense on cards: the last Engram wkv chain (its first task) */
     /* the micro-batch being built: half h (-1: the head, after both), its items [h0, h1) and
      * units [k0, k1); the MoE done of the half built before it (its route waits for it) */
     int h, h0, h1, k0, k1;
@@ -491,7 +495,7 @@ int mf_sg_dense_card(const mf_config *c, int n_cards, int L)
 }
 
 static const char *const sg_dense_name[MF_SG_N_DENSE] = {"attn in", "attn qb", "attn oa", "attn ob",
-                                                         "gate",    "shared",  "head"};
+                                                         "gate",    "shared",  "head",    "engram wkv"};
 
 int mf_sg_dense_parts(int n_dense_cards, int split, int dense)
 {
@@ -528,6 +532,7 @@ double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_c
         if (L < 0) dense[nd++] = MF_SG_D_HEAD;
         else
             for (int d = MF_SG_D_ATTN_IN; d <= MF_SG_D_SHARED; d++) dense[nd++] = d;
+        if (L >= 0 && mf_config_engram_slot(c, L) >= 0) dense[nd++] = MF_SG_D_ENGRAM;
         for (int i = 0; i < nd; i++) {
             int d = dense[i], parts = mf_sg_dense_parts(n_cards, split, d);
             if (parts == 1 && mf_sg_dense_card(c, n_cards, L) != card) continue;
@@ -538,6 +543,8 @@ double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_c
                 w = sz->layer[L].gate_bytes, rows = (double)c->n_routed_experts;
             } else if (d == MF_SG_D_SHARED) {
                 w = sz->sh_up_bytes + sz->sh_down_bytes, rows = 1;
+            } else if (d == MF_SG_D_ENGRAM) {
+                w = sz->layer[L].eng_fp8_bytes, rows = (double)(c->hc_mult + 1) * c->hidden_size;
             } else {
                 static const int st_of[4] = {MF_SG_ST_IN, MF_SG_ST_QB, MF_SG_ST_OA, MF_SG_ST_OB};
                 const mf_sg_layer_sizes *y = &sz->layer[L];
@@ -659,9 +666,65 @@ static mf_task_id sg_dense_chain(sg_builder *b, int L, int d, mf_sg_task t, int 
     return b->rc ? -1 : head;
 }
 
-/* Engram of layer L: per unit embed (after unit[k]) -> wkv parts -> per unit gate, into unit[].
- * With eg_reads the embed is three steps: plan (the rows hashed, the store's reads planned) ->
- * the reads on the IO lane (those the plan leaves unused are marked noop) -> embed. */
+/* The Engram wkv of layer L on the dense cards (sg_dense_chain: on its card, or split by rows on
+ * every card), over the micro-batch's items: the embed rows in, the fp8 kernel, the output out
+ * (the caller chains it after the previous Engram layer's: the cards hold one layer's rows).
+ * Returns the chains' first task (a group: sg_dep). */
+static mf_task_id sg_engram_card(sg_builder *b, int L)
+{
+    const mf_config *c = b->o->c;
+    const mf_sg_layer_sizes *y = &b->o->sz->layer[L];
+    mf_sg_task t = sg_rec(L);
+    sg_span(b, &t);
+    t.w.w_bytes[MF_KF_FP8] = y->eng_fp8_bytes;
+    t.w.macs[MF_KF_FP8] = y->eng_fp8_macs;
+    t.w.calls[MF_KF_FP8] = 1;
+    double in_tok = 4.0 * (c->engram_max_ngram_size - 1) * c->engram_n_heads * c->engram_head_dim;
+    double out_tok = 4.0 * (c->hc_mult + 1) * (double)c->hidden_size;
+    return sg_dense_chain(b, L, MF_SG_D_ENGRAM, t, MF_SG_PH_ENGRAM, in_tok, out_tok, -1);
+}
+
+/* The Engram wkv of layer L on the host, per block of eg_block of the micro-batch's items p_eg row
+ * parts over the block, each after the embeds (emb[], per unit) of the units its items are in.
+ * Returns the blocks; wr[j] is block j's first part (its parts are consecutive tasks). */
+static int sg_engram_host(sg_builder *b, int L, const mf_task_id *emb, mf_task_id *wr)
+{
+    const mf_config *c = b->o->c;
+    const mf_sg_layer_sizes *y = &b->o->sz->layer[L];
+    const mf_stepgraph *sg = b->sg;
+    double R = (double)(c->hc_mult + 1) * (double)c->hidden_size;
+    int nb = (b->h1 - b->h0 + sg->eg_block - 1) / sg->eg_block;
+    for (int j = 0; j < nb && !b->rc; j++) {
+        int i0 = b->h0 + j * sg->eg_block, i1 = i0 + sg->eg_block < b->h1 ? i0 + sg->eg_block : b->h1;
+        for (int p = 0; p < sg->p_eg; p++) {
+            if (nb > 1) SG_NAME(b, "engram L%d wkv %d block %d", L, p, j);
+            else SG_NAME(b, "engram L%d wkv %d", L, p);
+            mf_sg_task t = sg_rec(L);
+            t.part = p;
+            int ln = sg_rows_lane(b, (int64_t)R, sg->p_eg, p, &t.r0, &t.r1);
+            t.i0 = i0;
+            t.i1 = i1;
+            t.n_tok = i1 - i0;
+            double f = (double)(t.r1 - t.r0) / R;
+            t.w.w_bytes[MF_KF_FP8] = y->eng_fp8_bytes * f;
+            t.w.macs[MF_KF_FP8] = y->eng_fp8_macs * f;
+            t.w.calls[MF_KF_FP8] = f > 0;
+            mf_task_id w = sg_add(b, ln, MF_SG_ENGRAM_ROWS, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
+            if (p == 0) wr[j] = w;
+            assert(b->rc || w == wr[j] + p);
+            for (int k = b->k0; k < b->k1; k++)
+                if (sg->unit_end[k] > i0 && (k ? sg->unit_end[k - 1] : 0) < i1) sg_dep(b, emb[k], w);
+        }
+    }
+    return nb;
+}
+
+/* Engram of layer L: per unit embed -> wkv parts -> per unit gate (after unit[k]), into unit[].
+ * The embed reads only the items' tokens and the wkv only the embed's rows (graphs/layers/
+ * layer_engram.c), so both start with the step, off the layer chain, on workers the chain leaves
+ * idle (the executor's upward ranks put the chain first); only the gate reads the streams. With
+ * eg_reads the embed is three steps: plan (the rows hashed, the store's reads planned) -> the
+ * reads on the IO lane (those the plan leaves unused are marked noop) -> embed. */
 static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
 {
     const mf_config *c = b->o->c;
@@ -669,7 +732,7 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
     mf_stepgraph *sg = b->sg;
     double H = (double)c->hidden_size, per = b->per;
     double rows = (double)(c->engram_max_ngram_size - 1) * c->engram_n_heads;
-    mf_task_id emb[MF_SG_MAX_ITEMS], wr[MF_SG_MAX_PARTS];
+    mf_task_id emb[MF_SG_MAX_ITEMS], wr[MF_SG_MAX_CHUNK / (SG_EG_PASSES * MF_KERN_TOK_PASS) + 1];   /* wr: each block's first part */
     int nr = sg->eg_reads_per_unit, eslot = mf_config_engram_slot(c, L);
     int g0, g1;   /* a unit's item groups */
     /* a read of a row's codes or its scales: an aligned block each (O_DIRECT) */
@@ -682,14 +745,13 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
             mf_sg_task t = sg_item(b, L, k);
             t.w.ref_flops = per * rows * c->engram_max_ngram_size * 4;   /* hashes, sort */
             pl = sg_add(b, 0, MF_SG_ENGRAM_PLAN, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
-            sg_dep(b, unit[k], pl);
         }
         SG_NAME(b, sg->par ? "engram L%d embed item %d" : "engram L%d embed", L, k);
         mf_sg_task t = sg_item(b, L, k);
         t.w.ref_flops = per * rows * c->engram_head_dim * 2;
         if (b->o->eg_reads || b->o->store || sg_unit_groups(sg, k, &g0, &g1) == 1) {
             emb[k] = sg_add(b, 0, MF_SG_ENGRAM_EMBED, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
-            sg_dep(b, b->o->eg_reads ? pl : unit[k], emb[k]);
+            sg_dep(b, pl, emb[k]);
         } else {   /* the tables in memory: the unit's items in groups on any worker, then a join */
             SG_NAME(b, "engram L%d embed join", L);
             emb[k] = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, sg_rec(L));
@@ -699,7 +761,6 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
                 tg.part = -1;
                 tg.w.ref_flops = tg.n_tok * rows * c->engram_head_dim * 2;
                 mf_task_id e = sg_add(b, 0, MF_SG_ENGRAM_EMBED, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, tg);
-                sg_dep(b, unit[k], e);
                 sg_dep(b, e, emb[k]);
             }
         }
@@ -719,23 +780,21 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
             sg_dep(b, rd, emb[k]);
         }
     }
-    double R = (double)(c->hc_mult + 1) * H;
-    for (int p = 0; p < sg->p_attn; p++) {
-        SG_NAME(b, "engram L%d wkv %d", L, p);
-        mf_sg_task t = sg_rec(L);
-        t.part = p;
-        int ln = sg_rows_lane(b, (int64_t)R, sg->p_attn, p, &t.r0, &t.r1);
-        sg_span(b, &t);
-        double f = (double)(t.r1 - t.r0) / R;
-        t.w.w_bytes[MF_KF_FP8] = y->eng_fp8_bytes * f;
-        t.w.macs[MF_KF_FP8] = y->eng_fp8_macs * f;
-        t.w.calls[MF_KF_FP8] = f > 0;
-        wr[p] = sg_add(b, ln, MF_SG_ENGRAM_ROWS, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
-        for (int k = b->k0; k < b->k1; k++) sg_dep(b, emb[k], wr[p]);
+    /* the wkv: on the host per block of the micro-batch's items its row parts; with dense work on
+     * cards one dense chain, after the previous Engram chain (the cards hold one layer's rows) */
+    int nb = 1;
+    if (sg->n_dense_cards > 0) {
+        wr[0] = sg_engram_card(b, L);
+        for (int k = b->k0; k < b->k1; k++) sg_dep(b, emb[k], wr[0]);
+        sg_dep(b, b->eg_card, wr[0]);
+        b->eg_card = wr[0];
+    } else {
+        nb = sg_engram_host(b, L, emb, wr);
     }
     for (int k = b->k0; k < b->k1; k++) {
         /* the gate per item group (one task when the unit is one group), joined for the unit */
         int ng = sg_unit_groups(sg, k, &g0, &g1);
+        mf_task_id prev = unit[k];   /* the streams' last writer */
         if (ng > 1) {
             SG_NAME(b, "engram L%d gate join", L);
             unit[k] = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, sg_rec(L));
@@ -751,7 +810,12 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
             t.w.calls[MF_KF_BF16] = items;
             t.w.ref_flops = items * (6.0 * (c->hc_mult + 1) * H + SG_W_ROUND * (c->hc_mult + 1.0) * H);
             mf_task_id gt = sg_add(b, 0, MF_SG_ENGRAM_GATE, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
-            for (int p = 0; p < sg->p_attn; p++) sg_dep(b, wr[p], gt);
+            if (sg->n_dense_cards) sg_dep(b, wr[0], gt);   /* the card chains' ends */
+            for (int j = 0; j < nb && !sg->n_dense_cards; j++) {   /* the host blocks that hold its items */
+                int i0 = b->h0 + j * sg->eg_block, i1 = i0 + sg->eg_block;
+                for (int p = 0; p < sg->p_eg && t.i0 < i1 && t.i1 > i0; p++) sg_dep(b, wr[j] + p, gt);
+            }
+            sg_dep(b, prev, gt);
             if (ng > 1) sg_dep(b, gt, unit[k]);
             else unit[k] = gt;
         }
@@ -1894,6 +1958,12 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     /* attention stages, Engram wkv, router gate: one part per worker (row chunks of >= 16) */
     sg->p_attn = ((W < MF_SG_MAX_PARTS ? W : MF_SG_MAX_PARTS) + S - 1) / S * S;
     if (sg->p_attn > MF_SG_MAX_PARTS) sg->p_attn = MF_SG_MAX_PARTS;
+    /* the Engram wkv: blocks of SG_EG_PASSES kernel passes, SG_EG_ROW_SPLIT x p_attn row parts
+     * per pass of a block (a decode batch of <= 64 items: one block of 4 p_attn parts) */
+    sg->eg_block = SG_EG_PASSES * MF_KERN_TOK_PASS;
+    int passes = (max_items < sg->eg_block ? max_items : sg->eg_block);
+    passes = (passes + MF_KERN_TOK_PASS - 1) / MF_KERN_TOK_PASS;
+    sg->p_eg = sg->p_attn * passes * SG_EG_ROW_SPLIT;
     /* per item, the parts that give the workers work when the items are fewer: T = workers per
      * item; hyper-connection columns in chunks of >= SG_MIN_COLS, mixes in up to SG_MAX_MIX row
      * parts, heads in equal groups; the q norm's columns in chunks of >= SG_MIN_QCOLS */
@@ -2037,7 +2107,7 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     sg->card_ffn_tid = malloc(sizeof *sg->card_ffn_tid * (size_t)c->n_layers * sg->n_halves * (sg->n_cards ? sg->n_cards : 1));
     size_t n_eg = (size_t)c->n_engram * sg->n_units * sg->eg_reads_per_unit;
     sg->eg_read_tid = malloc(sizeof *sg->eg_read_tid * (n_eg + 1));
-    sg_builder b = {.o = o, .sg = sg, .u = sg->n_units, .moe_in = -1, .moe_gate = -1, .chain_run = -1,
+    sg_builder b = {.o = o, .sg = sg, .u = sg->n_units, .moe_in = -1, .moe_gate = -1, .chain_run = -1, .eg_card = -1,
                     .last_done = -1};
     b.per = (double)o->n / b.u;
     b.io = malloc(sizeof *b.io * ((size_t)sg->n_slots * sg->n_io_parts + 1));

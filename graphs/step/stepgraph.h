@@ -124,9 +124,10 @@ enum { MF_SG_ST_IN, MF_SG_ST_QB, MF_SG_ST_OA, MF_SG_ST_OB, MF_SG_ST_CORE, MF_SG_
  * core's output in, the grouped wo_a (its output stays on the card); ATTN_OB: wo_b, the attention
  * output out; GATE: the MoE input in (the shared expert reads the same copy), the router's gate
  * logits out; SHARED: the shared expert's FFN, its output out; HEAD: the final norm's output in,
- * the head, the logits out. */
+ * the head, the logits out; ENGRAM: an Engram layer's embed rows in, the wkv projection, its
+ * output (the gate's keys and value) out. */
 enum { MF_SG_D_ATTN_IN, MF_SG_D_ATTN_QB, MF_SG_D_ATTN_OA, MF_SG_D_ATTN_OB, MF_SG_D_GATE, MF_SG_D_SHARED,
-       MF_SG_D_HEAD, MF_SG_N_DENSE };
+       MF_SG_D_HEAD, MF_SG_D_ENGRAM, MF_SG_N_DENSE };
 /* Not a sublayer with weights (MF_SG_N_DENSE counts those): MF_SG_D_HEADS (the attention heads' scores and values, device/dev.h mf_dev_attn_heads): in the
  * prepared queries of the record's heads (rows [r0, r1) of the MF_LY_A_Q rows, into the card's copy
  * of them), the key table (the gather's rows, the chunk's own KV rows), the key lists and the
@@ -364,6 +365,11 @@ typedef struct mf_stepgraph {
     int n_groups;
     int group_end[MF_SG_MAX_GROUPS];
     int p_exp, p_sh, p_head, p_attn;   /* row parts per expert, shared expert, head, stage */
+    /* the Engram wkv (MF_SG_ENGRAM_ROWS): a micro-batch's items in blocks of eg_block (whole passes
+     * of the host kernel, host/kernels.h MF_KERN_TOK_PASS: the same bits as one call), each block
+     * in p_eg row parts (4 p_attn per pass of the largest block), so that the parts stay small enough
+     * to fill the workers the layer chain leaves idle without holding its next tasks back */
+    int eg_block, p_eg;
     int p_gather;                 /* parts of a route's row gather (MF_SG_ROUTE_ROWS; 1: in the route) */
     /* per item: column parts of the hyper-connection tasks (collapse, norms, expand, combine),
      * row parts of each mix, attention head groups (of ah_heads heads); q norm column parts */
