@@ -1826,8 +1826,8 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
         size_t s0 = mf_step_eg_row(sh, a->t->layer, 0), le = (size_t)sh->eg_emb_ld;
         mf_step_dense_rows(a, (c->hc_mult + 1) * H, &r0, &r1);
         if (out && r0 < r1)
-            cp[m++] = mf_step_dcopy_rows(sh->eg_kv + s0 * sh->eg_kv_ld, sh->dd_eg_kv, sh->eg_kv_ld, r0, r1, i0, n);
-        if (!out) cp[m++] = (mf_step_dcopy){sh->eg_emb + (s0 + i0) * le, sh->dd_eg_emb + i0 * le * f, n * le * f, 1, 0};
+            cp[m++] = mf_step_dcopy_cols(sh->eg_kv + s0 * sh->eg_kv_ld, NULL, sh->dd_eg_kv, 0, sh->eg_kv_ld, r0, r1, i0, n);
+        if (!out) cp[m++] = mf_step_dcopy_cols(sh->eg_emb + s0 * le, NULL, sh->dd_eg_emb, 0, (int64_t)le, 0, (int64_t)le, i0, n);
         break;
     }
     }

@@ -681,7 +681,7 @@ static mf_task_id sg_engram_card(sg_builder *b, int L)
     t.w.calls[MF_KF_FP8] = 1;
     double in_tok = 4.0 * (c->engram_max_ngram_size - 1) * c->engram_n_heads * c->engram_head_dim;
     double out_tok = 4.0 * (c->hc_mult + 1) * (double)c->hidden_size;
-    return sg_dense_chain(b, L, MF_SG_D_ENGRAM, t, MF_SG_PH_ENGRAM, in_tok, out_tok, -1);
+    return sg_dense_chain(b, L, MF_SG_D_ENGRAM, t, MF_SG_PH_ENGRAM, in_tok, out_tok, -1, 0);
 }
 
 /* The Engram wkv of layer L on the host, per block of eg_block of the micro-batch's items p_eg row
