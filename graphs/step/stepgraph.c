@@ -2004,26 +2004,57 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->eg_reads_per_unit = o->eg_reads ? 2 * max_unit * (c->engram_max_ngram_size - 1) * c->engram_n_heads : 0;
 }
 
-/* Prefetch: per layer the links' head start before its route (mf_stepgraph.pre_ahead_ns): the
- * priced host work of the layer's attention and Engram over the workers, less the most any card's
- * h2d lane copies for them (its dense inputs), at least 0. */
-static void sg_pre_ahead(const mf_sg_opts *o, mf_stepgraph *sg)
+/* Prefetch: per layer the links' head start before its route (mf_stepgraph.pre_ahead_ns): how long
+ * the layer's attention and Engram take before the route, the longer of the priced host work over
+ * the workers and the longest priced path from the layer's place task to its route (the dense
+ * chains' copies and card work, which the workers do not shorten), less the most any card's h2d
+ * lane copies for them (its dense inputs), at least 0. After finalize (the path reads the
+ * graph's edges); 0 or -ENOMEM. */
+static int sg_pre_ahead(const mf_sg_opts *o, mf_stepgraph *sg)
 {
-    int W = o->n_threads > 0 ? o->n_threads : 1;
+    int W = o->n_threads > 0 ? o->n_threads : 1, n = sg->n_tasks, nl = o->c->n_layers;
     double cpu[MF_CONFIG_MAX_LAYERS] = {0}, h2d[MF_CONFIG_MAX_LAYERS][MF_SG_MAX_CARDS] = {{0}};
-    for (int t = 0; t < sg->n_tasks; t++) {
+    mf_task_id place[MF_CONFIG_MAX_LAYERS], route[MF_CONFIG_MAX_LAYERS];
+    for (int L = 0; L < nl; L++) place[L] = route[L] = -1;
+    for (int t = 0; t < n; t++) {
         const mf_sg_task *r = &sg->task[t];
-        if (r->layer < 0 || (r->phase != MF_SG_PH_ATTN && r->phase != MF_SG_PH_ENGRAM)) continue;
+        if (r->layer < 0) continue;
+        if (r->op == MF_SG_MOE_PLACE && place[r->layer] < 0) place[r->layer] = t;
+        if (r->op == MF_SG_ROUTE && route[r->layer] < 0) route[r->layer] = t;
+        if (r->phase != MF_SG_PH_ATTN && r->phase != MF_SG_PH_ENGRAM) continue;
         double ns = mf_graph_task(sg->g, t)->cost.time_ns;
         if (r->kind == MF_SG_K_COPY && r->card >= 0) h2d[r->layer][r->card] += ns;
         else if (r->kind != MF_SG_K_COPY_OUT && r->kind != MF_SG_K_DEV && r->kind != MF_SG_K_IO) cpu[r->layer] += ns;
     }
-    for (int L = 0; L < o->c->n_layers; L++) {
-        double most = 0;
+    /* each task's earliest start by the prices with unbounded lanes, in topological order */
+    double *top = calloc((size_t)n + 1, sizeof *top);
+    int *left = malloc(sizeof *left * ((size_t)n + 1)), *queue = malloc(sizeof *queue * ((size_t)n + 1));
+    if (!top || !left || !queue) {
+        free(top), free(left), free(queue);
+        return mf_error(-ENOMEM, "step graph: out of memory");
+    }
+    int qh = 0, qt = 0;
+    for (int t = 0; t < n; t++)
+        if (!(left[t] = mf_graph_n_pred(sg->g, t))) queue[qt++] = t;
+    while (qh < qt) {
+        int t = queue[qh++], ns = mf_graph_n_succ(sg->g, t);
+        const mf_task_id *su = mf_graph_succ(sg->g, t);
+        double end = top[t] + mf_graph_task(sg->g, t)->cost.time_ns;
+        for (int k = 0; k < ns; k++) {
+            if (end > top[su[k]]) top[su[k]] = end;
+            if (!--left[su[k]]) queue[qt++] = su[k];
+        }
+    }
+    for (int L = 0; L < nl; L++) {
+        double most = 0, path = 0;
         for (int cd = 0; cd < MF_SG_MAX_CARDS; cd++) most = h2d[L][cd] > most ? h2d[L][cd] : most;
-        double a = cpu[L] / W - most;
+        if (place[L] >= 0 && route[L] >= 0)
+            path = top[route[L]] - top[place[L]] - mf_graph_task(sg->g, place[L])->cost.time_ns;
+        double a = (cpu[L] / W > path ? cpu[L] / W : path) - most;
         sg->pre_ahead_ns[L] = a > 0 ? a : 0;
     }
+    free(top), free(left), free(queue);
+    return 0;
 }
 
 /* The executor's priorities: every task's cost (mf_graph_set_cost, before finalize) is the cost
@@ -2055,7 +2086,6 @@ static int sg_set_priorities(const mf_sg_opts *o, mf_stepgraph *sg)
         int rc = mf_graph_set_cost(sg->g, t, (mf_cost){.time_ns = ns});
         if (rc) return rc;
     }
-    if (sg->prefetch) sg_pre_ahead(o, sg);
     return 0;
 }
 
@@ -2139,6 +2169,7 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     free(b.next_of);
     rc = b.rc ? b.rc : sg_set_priorities(o, sg);
     if (!rc) rc = mf_graph_finalize(sg->g);
+    if (!rc && sg->prefetch) rc = sg_pre_ahead(o, sg);
     if (rc) {
         mf_stepgraph_free(sg);
         return mf_error_wrap(rc, "step graph: a batch of %d", o->n);
