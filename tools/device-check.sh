@@ -9,8 +9,10 @@
 # hybrid with per-layer device graphs), comparing the tokens; then with the dense work on the cards
 # (--dense cards: resident dense weights, the dense card kernels), compared with the host's tokens.
 # The dense kernels (strided FP8 linear, BF16 and grouped FP8 linears with reference sums, the
-# dense FFN phase 1, bf16 rounding, the exact gating) are in test_dev_cuda's "dense ... rel err"
-# lines and in the startup self-check; `bench dev` times the FP8 and BF16 dense linears.
+# dense FFN phase 1, bf16 rounding, the exact gating), the indexer's scores of a chunk
+# (mf_dev_index_scores) and the bf16 pack/unpack of the dense chains' copies are in test_dev_cuda's
+# lines and in the startup self-check (test_dev_iscore checks the scores' order on the host);
+# `bench dev` times the FP8 and BF16 dense linears.
 # What comes back from a lent machine is at most 8 files, so everything goes into two under $OUT
 # (default ./device-check-out): summary.txt (also printed on stdout: the machine, versions, each
 # step's result and wall time, the first lines of every failing log, the kernels' relative errors)
@@ -182,7 +184,7 @@ fi
 
 rc_all=0
 echo "== tests" | say
-for t in test_cuda test_dev_cuda test_dev_kmath test_dev test_xcache test_place test_place_dense; do
+for t in test_cuda test_dev_cuda test_dev_kmath test_dev test_dev_iscore test_xcache test_place test_place_dense; do
   # test_place_dense (dense work on emulated cards, the self-check's refusals) writes a demo
   # checkpoint of its own: only with time to spare
   if [ $t = test_place_dense ] && [ "$(left)" -lt 200 ]; then log "$t: not run (time)"; continue; fi
