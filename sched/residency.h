@@ -63,9 +63,9 @@ int mf_resid_acquire(mf_resid *r, int item, int *slot);
 /* A cyclic pass (a long chunk's prefetch, which takes every layer's experts in layer order, chunk
  * after chunk): the items form groups of group_items consecutive items (a layer's experts), used
  * in group order, cyclically. mf_resid_acquire, but a miss without a free slot evicts the
- * unpinned present item whose group is used next farthest ahead of item's own group (Belady's
- * choice for such a pass: the groups just passed first, then those furthest on; item's own group
- * counts as the farthest, its next use being the next pass's), the policy's order among equals.
+ * unpinned present item whose group is used next farthest ahead of item's own group g (Belady's
+ * choice for such a pass): g's own unpinned items first (their next use is the next pass's), then
+ * group g - 1's, g - 2's, ... (cyclically), the policy's order among one group's items.
  * The counts and recency are kept as by mf_resid_acquire. group_items > 0 (assert). */
 int mf_resid_acquire_ahead(mf_resid *r, int item, int group_items, int *slot);
 
