@@ -109,14 +109,15 @@ int mf_dev_xcache_has(const mf_dev_xcache *c, int layer, int id)
     return r;
 }
 
-int mf_dev_xcache_acquire(mf_dev_xcache *c, int layer, int id, void **slot, int *hit)
+/* ahead: a long chunk's pass (mf_resid_acquire_ahead over the layers' groups of n_experts) */
+static int mf_dev_xcache_acquire_in(mf_dev_xcache *c, int layer, int id, int ahead, void **slot, int *hit)
 {
     int it = mf_dev_xcache_item(c, layer, id);
     if (it < 0)
         return mf_error(-EINVAL, "expert cache: expert %d of layer %d out of range (%d layers x %d experts)",
                         id, layer, c->o.n_layers, c->o.n_experts);
     pthread_mutex_lock(&c->mu);
-    int s, h = mf_resid_acquire(c->res, it, &s);
+    int s, h = ahead ? mf_resid_acquire_ahead(c->res, it, c->o.n_experts, &s) : mf_resid_acquire(c->res, it, &s);
     pthread_mutex_unlock(&c->mu);
     if (h < 0)
         return mf_error(-ENOSPC, "expert cache: card %d: all %d slots pinned, no room for expert %d of "
@@ -124,6 +125,16 @@ int mf_dev_xcache_acquire(mf_dev_xcache *c, int layer, int id, void **slot, int 
     *slot = c->slab + (size_t)s * c->o.slot_bytes;
     *hit = h;
     return 0;
+}
+
+int mf_dev_xcache_acquire(mf_dev_xcache *c, int layer, int id, void **slot, int *hit)
+{
+    return mf_dev_xcache_acquire_in(c, layer, id, 0, slot, hit);
+}
+
+int mf_dev_xcache_acquire_ahead(mf_dev_xcache *c, int layer, int id, void **slot, int *hit)
+{
+    return mf_dev_xcache_acquire_in(c, layer, id, 1, slot, hit);
 }
 
 void mf_dev_xcache_release(mf_dev_xcache *c, int layer, int id)

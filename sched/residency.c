@@ -105,17 +105,31 @@ void mf_resid_touch(mf_resid *r, int item)
         for (int i = 0; i < r->n_items; i++) r->freq[i] >>= 1;
 }
 
-/* The unpinned present slot the policy ranks lowest; -1 when every slot is pinned (or free). */
-static int mf_resid_victim(const mf_resid *r)
+/* Next-use distance of item's group ahead of group cur in a cyclic pass over n groups of
+ * group_items items: 1 for the next group, n for cur itself (its next use is the next pass's). */
+static int mf_resid_ahead(int item, int group_items, int n, int cur)
 {
-    int best = -1;
+    return ((item / group_items - cur - 1) % n + n) % n + 1;
+}
+
+/* The unpinned present slot the policy ranks lowest; -1 when every slot is pinned (or free). With
+ * group_items > 0 (a cyclic pass at the group of item `cur_item`): the one whose group is used
+ * next farthest ahead first, the policy's order among equals. */
+static int mf_resid_victim(const mf_resid *r, int group_items, int cur_item)
+{
+    int best = -1, best_d = 0;
+    int n = group_items > 0 ? (r->n_items + group_items - 1) / group_items : 1;
+    int cur = group_items > 0 ? cur_item / group_items : 0;
     for (int s = 0; s < r->n_slots; s++) {
         if (r->pins[s] || r->item_of[s] < 0) continue;
-        if (best < 0) {
+        int it = r->item_of[s], d = group_items > 0 ? mf_resid_ahead(it, group_items, n, cur) : 0;
+        if (best < 0 || d > best_d) {
             best = s;
+            best_d = d;
             continue;
         }
-        int it = r->item_of[s], bt = r->item_of[best];
+        if (d < best_d) continue;
+        int bt = r->item_of[best];
         if (r->policy == MF_RESID_LRU) {
             if (r->last[it] < r->last[bt]) best = s;
         } else if (r->freq[it] < r->freq[bt] || (r->freq[it] == r->freq[bt] && r->last[it] < r->last[bt])) {
@@ -125,7 +139,7 @@ static int mf_resid_victim(const mf_resid *r)
     return best;
 }
 
-int mf_resid_lookup(mf_resid *r, int item, int *slot)
+static int mf_resid_lookup_in(mf_resid *r, int item, int group_items, int *slot)
 {
     assert(item >= 0 && item < r->n_items);
     int s = r->slot_of[item];
@@ -138,7 +152,7 @@ int mf_resid_lookup(mf_resid *r, int item, int *slot)
     if (r->n_free) {   /* a free slot first */
         s = r->free_stack[--r->n_free];
     } else {
-        if ((s = mf_resid_victim(r)) < 0) return -ENOSPC;
+        if ((s = mf_resid_victim(r, group_items, item)) < 0) return -ENOSPC;
         r->slot_of[r->item_of[s]] = -1;
         r->total.evictions++;
         r->step.evictions++;
@@ -151,13 +165,23 @@ int mf_resid_lookup(mf_resid *r, int item, int *slot)
     return 0;
 }
 
-int mf_resid_acquire(mf_resid *r, int item, int *slot)
+int mf_resid_lookup(mf_resid *r, int item, int *slot) { return mf_resid_lookup_in(r, item, 0, slot); }
+
+static int mf_resid_acquire_in(mf_resid *r, int item, int group_items, int *slot)
 {
-    int rc = mf_resid_lookup(r, item, slot);
+    int rc = mf_resid_lookup_in(r, item, group_items, slot);
     if (rc < 0) return rc;
     r->pins[*slot]++;
     mf_resid_touch(r, item);
     return rc;
+}
+
+int mf_resid_acquire(mf_resid *r, int item, int *slot) { return mf_resid_acquire_in(r, item, 0, slot); }
+
+int mf_resid_acquire_ahead(mf_resid *r, int item, int group_items, int *slot)
+{
+    assert(group_items > 0);
+    return mf_resid_acquire_in(r, item, group_items, slot);
 }
 
 void mf_resid_pin(mf_resid *r, int slot)

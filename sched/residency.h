@@ -12,6 +12,7 @@
  * Free slots are taken last-freed first (slots 0, 1, 2, ... at the start). A pinned slot is never
  * evicted. An access (mf_resid_touch) is counted apart from the lookup, so a caller may count all
  * accesses of a batch before choosing any victim (the host store) or after each (the caches).
+ * A cyclic pass (mf_resid_acquire_ahead) ranks the victims by their group's next use first.
  *
  * Memory: none of its own. mf_resid_bytes says how many bytes the tables take; the caller hands
  * that much (8-byte aligned) to mf_resid_init, which carves the handle and its tables from it.
@@ -58,6 +59,15 @@ void mf_resid_touch(mf_resid *r, int item);
 int mf_resid_lookup(mf_resid *r, int item, int *slot);
 /* mf_resid_lookup, then pins the slot and touches item: 1 hit, 0 miss, -ENOSPC. */
 int mf_resid_acquire(mf_resid *r, int item, int *slot);
+
+/* A cyclic pass (a long chunk's prefetch, which takes every layer's experts in layer order, chunk
+ * after chunk): the items form groups of group_items consecutive items (a layer's experts), used
+ * in group order, cyclically. mf_resid_acquire, but a miss without a free slot evicts the
+ * unpinned present item whose group is used next farthest ahead of item's own group g (Belady's
+ * choice for such a pass): g's own unpinned items first (their next use is the next pass's), then
+ * group g - 1's, g - 2's, ... (cyclically), the policy's order among one group's items.
+ * The counts and recency are kept as by mf_resid_acquire. group_items > 0 (assert). */
+int mf_resid_acquire_ahead(mf_resid *r, int item, int group_items, int *slot);
 
 /* Pins nest: a slot with pins > 0 is never evicted. Unpinning an unpinned slot does nothing. */
 void mf_resid_pin(mf_resid *r, int slot);

@@ -1,6 +1,7 @@
 /* The residency policy (sched/residency.h) on its own: random operation sequences against a plain
  * model written here (items searched one by one, no shared code), pins never evicted, aging
- * halving the counts, least recently used among equal counts, LRU, counters per step and in
+ * halving the counts, least recently used among equal counts, LRU, a cyclic pass's victims by
+ * their group's next use (mf_resid_acquire_ahead), counters per step and in
  * total, refusal when every slot is pinned, and bad options and blocks refused. No threads (the
  * policy has none; its callers lock). */
 #include <errno.h>
@@ -78,15 +79,30 @@ static void m_touch(model *m, int it)
     }
 }
 
-/* 1 when item a should be evicted before item b. */
-static int m_before(const model *m, int a, int b)
+/* A cyclic pass's next-use distance of item it's group, counted forward group by group from the
+ * group of item cur (of group_items items each; the last may be short): cur's own group is the
+ * farthest, all the groups later. */
+static int m_ahead(const model *m, int it, int cur, int group_items)
 {
+    int n = 0, d = 1;
+    for (int i = 0; i < m->n_items; i += group_items) n++;
+    for (int g = (cur / group_items + 1) % n; g != it / group_items; g = (g + 1) % n) d++;
+    return d;
+}
+
+/* 1 when item a should be evicted before item b (group_items > 0: a cyclic pass at item cur). */
+static int m_before(const model *m, int a, int b, int cur, int group_items)
+{
+    if (group_items > 0) {
+        int da = m_ahead(m, a, cur, group_items), db = m_ahead(m, b, cur, group_items);
+        if (da != db) return da > db;
+    }
     if (!m->lru && m->cnt[a] != m->cnt[b]) return m->cnt[a] < m->cnt[b];
     if (m->last[a] != m->last[b]) return m->last[a] < m->last[b];
     return m->slot[a] < m->slot[b];   /* never-touched items: the lower slot */
 }
 
-static int m_lookup(model *m, int it, int *slot)
+static int m_lookup(model *m, int it, int group_items, int *slot)
 {
     if (m->slot[it] >= 0) {
         m->total.hits++, m->step.hits++;
@@ -99,7 +115,7 @@ static int m_lookup(model *m, int it, int *slot)
     } else {
         int v = -1;
         for (int i = 0; i < m->n_items; i++)
-            if (m->slot[i] >= 0 && !m->pins[m->slot[i]] && (v < 0 || m_before(m, i, v))) v = i;
+            if (m->slot[i] >= 0 && !m->pins[m->slot[i]] && (v < 0 || m_before(m, i, v, it, group_items))) v = i;
         if (v < 0) return -ENOSPC;
         s = m->slot[v];
         m->slot[v] = -1;
@@ -152,8 +168,9 @@ static mf_resid *make(const mf_resid_opts *o, void **mem)
 }
 
 /* One random sequence: the store's way (touch a batch, pin its hits, then place its misses), the
- * caches' way (acquire, later release), pins, clears and steps, checked against the model. */
-static void random_case(int lru, int n_items, int n_slots, int period, int n_ops)
+ * caches' way (acquire, later release; a cyclic pass's acquire in groups of group_items), pins,
+ * clears and steps, checked against the model. */
+static void random_case(int lru, int n_items, int n_slots, int period, int group_items, int n_ops)
 {
     mf_resid_opts o = {.policy = lru ? MF_RESID_LRU : MF_RESID_LFU, .n_items = n_items,
                        .n_slots = n_slots, .aging_period = period};
@@ -166,18 +183,20 @@ static void random_case(int lru, int n_items, int n_slots, int period, int n_ops
         int kind = (int)rnd(100), it = (int)rnd((uint32_t)n_items), s1 = 0, s2 = 0;
         int pinned_item[MAXS];
         for (int s = 0; s < n_slots; s++) pinned_item[s] = mf_resid_pins(r, s) ? mf_resid_item(r, s) : -1;
-        if (kind < 30) {   /* acquire (the caches) */
-            int a = mf_resid_acquire(r, it, &s1), b = m_lookup(&m, it, &s2);
+        if (kind < 30) {   /* acquire (the caches; a third of them a cyclic pass's) */
+            int ahead = kind < 10;
+            int a = ahead ? mf_resid_acquire_ahead(r, it, group_items, &s1) : mf_resid_acquire(r, it, &s1);
+            int b = m_lookup(&m, it, ahead ? group_items : 0, &s2);
             if (b >= 0) {
                 m.pins[s2]++;
                 m_touch(&m, it);
             }
-            RCHECK(a == b && (a < 0 || s1 == s2), "op %d acquire %d: %d slot %d, model %d slot %d", op,
-                  it, a, s1, b, s2);
+            RCHECK(a == b && (a < 0 || s1 == s2), "op %d acquire%s %d: %d slot %d, model %d slot %d", op,
+                  ahead ? " ahead" : "", it, a, s1, b, s2);
         } else if (kind < 45) {   /* a touch, then a lookup (the store's two passes) */
             mf_resid_touch(r, it);
             m_touch(&m, it);
-            int a = mf_resid_lookup(r, it, &s1), b = m_lookup(&m, it, &s2);
+            int a = mf_resid_lookup(r, it, &s1), b = m_lookup(&m, it, 0, &s2);
             RCHECK(a == b && (a < 0 || s1 == s2), "op %d lookup %d: %d slot %d, model %d slot %d", op,
                   it, a, s1, b, s2);
             if (a >= 0 && rnd(2)) {
@@ -202,7 +221,8 @@ static void random_case(int lru, int n_items, int n_slots, int period, int n_ops
             m.step = (mf_resid_stats){0};
         }
         RCHECK(agree(r, &m), "op %d (kind %d, item %d): policy differs from the model (%s, %d items, "
-              "%d slots, period %d)", op, kind, it, lru ? "LRU" : "LFU", n_items, n_slots, period);
+              "%d slots, period %d, groups of %d)", op, kind, it, lru ? "LRU" : "LFU", n_items, n_slots, period,
+              group_items);
         /* a slot pinned before the operation still holds its item unless the op cleared it */
         if (kind < 80)
             for (int s = 0; s < n_slots; s++)
@@ -350,7 +370,8 @@ int main(void)
         int n_slots = (int)rnd((uint32_t)(n_items + 4 < MAXS ? n_items + 4 : MAXS));
         if (c % 3 == 0) n_slots = 1 + (int)rnd(n_items < 6 ? (uint32_t)n_items : 6);   /* tight */
         int period = rnd(3) ? 1 + (int)rnd(12) : 0;
-        random_case((int)rnd(2), n_items, n_slots, period, 400 + (int)rnd(800));
+        int group_items = 1 + (int)rnd(8);
+        random_case((int)rnd(2), n_items, n_slots, period, group_items, 400 + (int)rnd(800));
         n_cases++;
     }
     printf("test_residency: %d random sequences agree with the model\n", n_cases);

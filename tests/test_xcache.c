@@ -1,5 +1,7 @@
 /* The device expert cache on emulated cards: slots, hits and misses, LFU with aging, pins, byte
- * counters per step, the owner policy, and a card too small for one expert refused clearly. */
+ * counters per step, a long chunk's prefetch keeping the warm experts of the layers still to come
+ * (mf_dev_xcache_acquire_ahead), the owner policy, and a card too small for one expert refused
+ * clearly. */
 #include <errno.h>
 #include <string.h>
 
@@ -8,6 +10,43 @@
 #include "tests/check.h"
 
 #define CK(cond) CHECK(cond, "last error: %s", mf_last_error())
+
+/* A long chunk's prefetch on a card of 8 slots over 4 layers of 8 experts, after a warm fill of
+ * expert 0 of every layer: each layer's experts 0..3 taken and pinned at its start (ahead: by
+ * mf_dev_xcache_acquire_ahead, else by mf_dev_xcache_acquire, the decode's LFU with aging), then
+ * released. Returns the pass's hits; -1 on a failed check. */
+static int long_chunk(mf_dev *d, int ahead)
+{
+    mf_dev_xcache *c = NULL;
+    if (mf_dev_xcache_new(d, &(mf_dev_xcache_opts){.card = 0, .n_layers = 4, .n_experts = 8, .slot_bytes = 64,
+                                                   .budget_bytes = 8 * 64, .aging_period = 1000}, &c)) return -1;
+    void *p[4], *q;
+    int hit, hits = 0, ok = mf_dev_xcache_n_slots(c) == 8;
+    for (int L = 0; L < 4; L++) {   /* the warm fill */
+        ok &= !mf_dev_xcache_acquire(c, L, 0, &q, &hit) && !hit;
+        mf_dev_xcache_release(c, L, 0);
+    }
+    mf_dev_xcache_stats_reset(c);
+    for (int L = 0; L < 4; L++) {
+        for (int e = 0; e < 4; e++) {
+            int rc = ahead ? mf_dev_xcache_acquire_ahead(c, L, e, &p[e], &hit) : mf_dev_xcache_acquire(c, L, e, &p[e], &hit);
+            ok &= !rc;
+            hits += !rc && hit;
+            /* the layer's pinned experts keep their slots */
+            for (int f = 0; f < e; f++) ok &= mf_dev_xcache_has(c, L, f) && p[f] != p[e];
+        }
+        for (int e = 0; e < 4; e++) mf_dev_xcache_release(c, L, e);
+    }
+    mf_dev_xcache_stats st;
+    mf_dev_xcache_stats_total(c, &st);
+    ok &= st.hits == (uint64_t)hits && st.hits + st.misses == 16;
+    if (ahead) {   /* every slot pinned: refused as by mf_dev_xcache_acquire */
+        for (int e = 0; e < 8; e++) ok &= !mf_dev_xcache_acquire_ahead(c, 1, e, &q, &hit);
+        ok &= mf_dev_xcache_acquire_ahead(c, 2, 0, &q, &hit) == -ENOSPC;
+    }
+    mf_dev_xcache_free(c);
+    return ok ? hits : -1;
+}
 
 int main(void)
 {
@@ -75,6 +114,13 @@ int main(void)
     mf_dev_xcache_release(c, 0, 2);
     CK(!mf_dev_xcache_has(c, 0, 0) && mf_dev_xcache_has(c, 0, 1));
     mf_dev_xcache_free(c);
+
+    /* a long chunk: the warm experts of the layers to come stay (the misses evict the layers passed)
+     * and every one hits; LFU with aging evicts the warm experts of layers 2 and 3 (count 1, older
+     * than layer 0's) at layer 1 */
+    int ahead_hits = long_chunk(d, 1), lfu_hits = long_chunk(d, 0);
+    CHECK(ahead_hits == 4 && lfu_hits == 2, "long chunk: %d hits by the layers' next use (expected 4), %d by LFU "
+          "(expected 2); last error: %s", ahead_hits, lfu_hits, mf_last_error());
 
     /* without a budget: as many slots as the card grants (1 MiB: fewer than 16 x 100 KB) */
     CK(mf_dev_xcache_new(d, &(mf_dev_xcache_opts){.card = 0, .n_layers = 4, .n_experts = 4,

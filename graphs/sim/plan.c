@@ -476,7 +476,8 @@ static int pl_route(mf_plan *p)
 
 /* ---- the step ------------------------------------------------------------------------------ */
 
-/* Prefetch: a cache slot on card cd for expert e of layer ctx's (mf_sg_take_fn). */
+/* Prefetch: a cache slot on card cd for expert e of layer ctx's (mf_sg_take_fn), the victim by its
+ * layer's next use as the engine's (device/expert_cache.h mf_dev_xcache_acquire_ahead). */
 typedef struct pl_take {
     mf_plan *p;
     int L;
@@ -486,7 +487,7 @@ typedef struct pl_take {
 static int pl_take_slot(void *ctx, int cd, int e, int *hit)
 {
     pl_take *k = ctx;
-    int slot, h = mf_resid_acquire(k->p->dev[cd], k->L * k->p->E + e, &slot);
+    int slot, h = mf_resid_acquire_ahead(k->p->dev[cd], k->L * k->p->E + e, k->p->E, &slot);
     if (h == -ENOSPC) {
         k->r->host_fallbacks++;
         return 0;

@@ -1219,7 +1219,7 @@ static int mf_step_take_slot(void *ctx, int c, int e, int *hit)
     mf_step *eng = k->sh->eng;
     void *slot = NULL;
     if (k->rc) return 0;
-    int rc = mf_dev_xcache_acquire(eng->xc[c], k->L, e, &slot, hit);
+    int rc = mf_dev_xcache_acquire_ahead(eng->xc[c], k->L, e, &slot, hit);   /* victims by their layer's next use */
     if (rc == -ENOSPC) {   /* every cache slot of the card pinned: the host keeps it */
         eng->dstat.host_fallbacks++;
         return 0;
