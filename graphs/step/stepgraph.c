@@ -63,7 +63,6 @@
 #define SG_CARD_ALIGN 256.0     /* a part's alignment in a card's cache slot */
 #define SG_MAX_EXP_PARTS 32   /* row parts of one routed expert */
 #define SG_MIN_GATHER 4         /* rows of a route's gather part, at least */
-#define SG_MAX_GATHER 16        /* parts of a route's gather, at most */
 #define SG_MAX_MIX 4            /* row parts of a hyper-connection mix */
 #define SG_MIN_COLS 64          /* columns of a hyper-connection part, at least */
 #define SG_MIN_QCOLS 16         /* columns of a q norm part, at least (tiny's 64: 4 parts) */
@@ -1521,7 +1520,7 @@ static mf_task_id sg_router(sg_builder *b, int L, const mf_task_id *post)
             mf_sg_task tg = sg_rec(L);
             sg_span(b, &tg);
             tg.part = p;
-            tg.w.ref_flops = n * H * K * 2.0 / pg;
+            tg.w.ref_flops = n * H * K * 2.0 / pg + n * K;   /* its rows' copy and quantize; the scan of all n K */
             mf_task_id gt = sg_add(b, 0, MF_SG_ROUTE_ROWS, MF_SG_PH_MOE, MF_SG_K_OTHER, tg);
             sg_dep(b, ro, gt);
             sg_dep(b, gt, rj);
@@ -1943,8 +1942,10 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
      * multiple of 2, 4 and 8 sockets: with another count the last socket's extra parts are empty) */
     sg->p_sh = c->n_shared_experts > 0 ? ((W < 8 ? W : 8) + S - 1) / S * S : 0;
     sg->p_head = (2 * W + S - 1) / S * S;
-    /* a route's row gather: parts of >= SG_MIN_GATHER rows, at most one per worker and
-     * SG_MAX_GATHER (batch 64: 384 rows, 16 parts), one (in the route) for a few rows */
+    /* a route's row gather: parts of >= SG_MIN_GATHER rows, at most one per worker (and
+     * MF_SG_MAX_PARTS), one (in the route) for a few rows. Before, at most 16 (batch 64's 384
+     * rows): an 8192-item chunk's 49,152 rows were 16 parts of 13.5 ms on every layer's path
+     * between the gate and the experts (simulated seed host; 44 parts: 5 ms) */
     int max_items = 0;
     for (int h = 0; h < sg->n_halves; h++) {
         int items = sg->half_end[h] - (h ? sg->half_end[h - 1] : 0);
@@ -1953,7 +1954,7 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     int g_rows = max_items * c->n_experts_per_tok;
     sg->p_gather = (g_rows + SG_MIN_GATHER - 1) / SG_MIN_GATHER;
     if (sg->p_gather > W) sg->p_gather = W;
-    if (sg->p_gather > SG_MAX_GATHER) sg->p_gather = SG_MAX_GATHER;
+    if (sg->p_gather > MF_SG_MAX_PARTS) sg->p_gather = MF_SG_MAX_PARTS;
     if (sg->p_gather < 1) sg->p_gather = 1;
     /* attention stages, Engram wkv, router gate: one part per worker (row chunks of >= 16) */
     sg->p_attn = ((W < MF_SG_MAX_PARTS ? W : MF_SG_MAX_PARTS) + S - 1) / S * S;
