@@ -254,6 +254,36 @@ static void check_gather_parts(const mf_config *c)
     }
 }
 
+/* The Engram gate of a long unit on both sockets' lanes (item group g on socket g mod 2's), like
+ * the tasks without weights: 300 positions, 128 groups, 64 on each CPU lane. */
+static void check_gate_sockets(const mf_config *c)
+{
+    mf_profile f = free_profile(2, 1000);
+    f.n_sockets = 2;
+    mf_plan *p = NULL;
+    CHECK(!mf_plan_new(&(mf_plan_opts){.config = c, .profile = &f, .prefill = 1, .batch = 300}, &p), "%s",
+          mf_last_error());
+    const mf_stepgraph *sg = p ? mf_plan_graph(p) : NULL;
+    int n_eg = 0;
+    for (int L = 0; sg && L < c->n_layers; L++) {
+        if (mf_config_engram_slot(c, L) < 0) continue;
+        int n[2] = {0}, other = 0;
+        n_eg++;
+        for (int t = 0; t < sg->n_tasks; t++) {
+            if (sg->task[t].layer != L || sg->task[t].op != MF_SG_ENGRAM_GATE) continue;
+            const char *ln = mf_graph_lane(sg->g, mf_graph_task(sg->g, t)->lane)->name;
+            if (!strcmp(ln, "cpu0")) n[0]++;
+            else if (!strcmp(ln, "cpu1")) n[1]++;
+            else other++;
+        }
+        CHECK(n[0] == sg->n_groups / 2 && n[1] == sg->n_groups / 2 && !other,
+              "layer %d: Engram gate tasks %d on cpu0, %d on cpu1, %d elsewhere (expected %d each)", L, n[0], n[1],
+              other, sg->n_groups / 2);
+    }
+    CHECK(n_eg > 0, "no Engram layer in the test's config");
+    mf_plan_free(p);
+}
+
 static mf_profile costly_profile(void)
 {
     mf_profile f = free_profile(4, 2000);
@@ -785,6 +815,7 @@ static void test_prefill(void)
     mf_plan_free(p);
     mf_plan_free(p128);
     check_gather_parts(&c);
+    check_gate_sockets(&c);
     mf_plan_report r64, r600;
     CHECK(!mf_plan_prefill(&o, 600, 64, &r64, &t1) && !mf_plan_prefill(&o, 600, 600, &r600, &t2), "%s",
           mf_last_error());

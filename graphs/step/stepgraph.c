@@ -344,6 +344,12 @@ static int sg_group_of(const mf_stepgraph *sg, int i)
     return g;
 }
 
+/* The CPU lane of socket key mod n_sockets (mf_sg_opts.n_sockets; lane 0 without sockets). */
+static int sg_sock_lane(const sg_builder *b, int key)
+{
+    return b->o->n_sockets > 1 && b->o->lane_sock ? b->o->lane_sock[key % b->o->n_sockets] : 0;
+}
+
 static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, mf_sg_task t)
 {
     mf_stepgraph *sg = b->sg;
@@ -368,8 +374,7 @@ static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, m
     if (lane == 0 && b->o->n_sockets > 1 && b->o->lane_sock && t.slot < 0 && (t.part >= 0 || grp >= 0)) {
         double wb = 0;   /* no weights, one item (group) or a part: spread over the sockets (mf_sg_opts.n_sockets) */
         for (int f = 0; f < MF_KF_N; f++) wb += t.w.w_bytes[f];
-        int key = (grp >= 0 ? grp : 0) + (t.part > 0 ? t.part : 0);
-        if (wb == 0) lane = b->o->lane_sock[key % b->o->n_sockets];
+        if (wb == 0) lane = sg_sock_lane(b, (grp >= 0 ? grp : 0) + (t.part > 0 ? t.part : 0));
     }
     if (sg->n_halves > 1 && b->h >= 0) {   /* which micro-batch, in the trace */
         size_t len = strlen(b->name);
@@ -808,7 +813,10 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
             t.w.w_bytes[MF_KF_BF16] = items * y->eng_bf16_bytes;
             t.w.calls[MF_KF_BF16] = items;
             t.w.ref_flops = items * (6.0 * (c->hc_mult + 1) * H + SG_W_ROUND * (c->hc_mult + 1.0) * H);
-            mf_task_id gt = sg_add(b, 0, MF_SG_ENGRAM_GATE, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
+            /* on socket g mod n_sockets's lane like the tasks without weights: its q and k weights
+             * (2 hc H bf16 values, 80 KiB at flash41, socket 0's) stay in a worker's cache over its
+             * items; on socket 0 alone a long unit's 128 groups were 6 waves of its 22 workers */
+            mf_task_id gt = sg_add(b, sg_sock_lane(b, g), MF_SG_ENGRAM_GATE, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
             if (sg->n_dense_cards) sg_dep(b, wr[0], gt);   /* the card chains' ends */
             for (int j = 0; j < nb && !sg->n_dense_cards; j++) {   /* the host blocks that hold its items */
                 int i0 = b->h0 + j * sg->eg_block, i1 = i0 + sg->eg_block;
