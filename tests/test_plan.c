@@ -223,6 +223,67 @@ static void check_long_parts(const mf_config *c, const mf_stepgraph *sg)
           sg->key_parts[sg->n_groups - 1], sg->key_parts[0]);
 }
 
+/* A route's row gather in parts: one per worker up to MF_SG_MAX_PARTS when the rows are many (a
+ * 300-position chunk's 600 rows on 40 workers: 40 parts, more than batch 64's 16), parts of at
+ * least 4 rows (6 items: 12 rows, 3 parts), each part once per layer (MF_SG_ROUTE_ROWS). */
+static void check_gather_parts(const mf_config *c)
+{
+    static const struct { int threads, n, want; } k[] = {{40, 300, 40}, {100, 300, MF_SG_MAX_PARTS}, {40, 6, 3}};
+    for (size_t j = 0; j < sizeof k / sizeof k[0]; j++) {
+        mf_profile f = free_profile(k[j].threads, 1000);
+        mf_plan *p = NULL;
+        CHECK(!mf_plan_new(&(mf_plan_opts){.config = c, .profile = &f, .prefill = 1, .batch = k[j].n}, &p), "%s",
+              mf_last_error());
+        const mf_stepgraph *sg = p ? mf_plan_graph(p) : NULL;
+        CHECK(sg && sg->p_gather == k[j].want, "%d items on %d workers: %d gather parts (expected %d)", k[j].n,
+              k[j].threads, sg ? sg->p_gather : -1, k[j].want);
+        for (int L = 0; sg && L < c->n_layers; L++) {
+            uint64_t seen[(MF_SG_MAX_PARTS + 63) / 64] = {0};
+            int n_rows = 0;
+            for (int t = 0; t < sg->n_tasks; t++) {
+                const mf_sg_task *r = &sg->task[t];
+                if (r->layer != L || r->op != MF_SG_ROUTE_ROWS) continue;
+                CHECK(r->part >= 0 && r->part < sg->p_gather && !(seen[r->part / 64] >> (r->part % 64) & 1),
+                      "layer %d: gather part %d of %d", L, r->part, sg->p_gather);
+                if (r->part >= 0 && r->part < MF_SG_MAX_PARTS) seen[r->part / 64] |= UINT64_C(1) << (r->part % 64);
+                n_rows++;
+            }
+            CHECK(n_rows == sg->p_gather, "layer %d: %d gather tasks (expected %d)", L, n_rows, sg->p_gather);
+        }
+        mf_plan_free(p);
+    }
+}
+
+/* The Engram gate of a long unit on both sockets' lanes (item group g on socket g mod 2's), like
+ * the tasks without weights: 300 positions, 128 groups, 64 on each CPU lane. */
+static void check_gate_sockets(const mf_config *c)
+{
+    mf_profile f = free_profile(2, 1000);
+    f.n_sockets = 2;
+    mf_plan *p = NULL;
+    CHECK(!mf_plan_new(&(mf_plan_opts){.config = c, .profile = &f, .prefill = 1, .batch = 300}, &p), "%s",
+          mf_last_error());
+    const mf_stepgraph *sg = p ? mf_plan_graph(p) : NULL;
+    int n_eg = 0;
+    for (int L = 0; sg && L < c->n_layers; L++) {
+        if (mf_config_engram_slot(c, L) < 0) continue;
+        int n[2] = {0}, other = 0;
+        n_eg++;
+        for (int t = 0; t < sg->n_tasks; t++) {
+            if (sg->task[t].layer != L || sg->task[t].op != MF_SG_ENGRAM_GATE) continue;
+            const char *ln = mf_graph_lane(sg->g, mf_graph_task(sg->g, t)->lane)->name;
+            if (!strcmp(ln, "cpu0")) n[0]++;
+            else if (!strcmp(ln, "cpu1")) n[1]++;
+            else other++;
+        }
+        CHECK(n[0] == sg->n_groups / 2 && n[1] == sg->n_groups / 2 && !other,
+              "layer %d: Engram gate tasks %d on cpu0, %d on cpu1, %d elsewhere (expected %d each)", L, n[0], n[1],
+              other, sg->n_groups / 2);
+    }
+    CHECK(n_eg > 0, "no Engram layer in the test's config");
+    mf_plan_free(p);
+}
+
 static mf_profile costly_profile(void)
 {
     mf_profile f = free_profile(4, 2000);
@@ -753,6 +814,8 @@ static void test_prefill(void)
         if (p && p128) check_long_parts(&c, mf_plan_graph(k ? p : p128));
     mf_plan_free(p);
     mf_plan_free(p128);
+    check_gather_parts(&c);
+    check_gate_sockets(&c);
     mf_plan_report r64, r600;
     CHECK(!mf_plan_prefill(&o, 600, 64, &r64, &t1) && !mf_plan_prefill(&o, 600, 600, &r600, &t2), "%s",
           mf_last_error());

@@ -208,14 +208,17 @@ static void check_engram_off_chain(const mf_stepgraph *sg)
  * NP positions (past the tiny preset's window and compression) at chunks 64, 100 (one item per
  * group), 300 (groups of 2-3), NP (one graph run) and by mf_step_forward of all its items (one
  * sequence: chunks of up to MF_STEP_MAX_CHUNK), and at odd chunks on 5 and 3 workers (77, 255:
- * the compressor's item ranges start at odd positions, its open group carried over chunks), then
+ * the compressor's item ranges start at odd positions, its open group carried over chunks), at 299
+ * on 24 (the route's gather in one part per worker), then
  * two decode steps after each; a long chunk's graph has no more tasks than a 128-item one but those
  * that grow with the chunk (mf_test_fixed_tasks: Engram wkv blocks, score parts, compressor ranges). */
 static void test_long_chunks(mf_ref *r)
 {
-    enum { NP = 600, N_RUN = 7, N_AFTER = 2 };
-    int chunks[N_RUN] = {64, 100, 300, NP, -1, 77, 255};   /* -1: mf_step_forward */
-    int threads[N_RUN] = {2, 2, 2, 2, 2, 5, 3};   /* odd chunks on more workers: compressor ranges from odd positions */
+    enum { NP = 600, N_RUN = 8, N_AFTER = 2 };
+    int chunks[N_RUN] = {64, 100, 300, NP, -1, 77, 255, 299};   /* -1: mf_step_forward */
+    /* odd chunks on more workers: compressor ranges from odd positions; 299 on 24: a route's row
+     * gather in 24 parts (more than 16) */
+    int threads[N_RUN] = {2, 2, 2, 2, 2, 5, 3, 24};
     int32_t *p = malloc(sizeof *p * NP);
     float *lg = malloc(sizeof(float) * (size_t)N_RUN * (1 + N_AFTER) * g_V);
     float **rows = malloc(sizeof *rows * NP);
@@ -277,6 +280,10 @@ static void test_long_chunks(mf_ref *r)
             mf_ref_state_free(s3);
         }
         if (chunks[k] == NP) check_engram_off_chain(mf_step_graph(e, NP, 0));
+        if (chunks[k] == 299) {
+            const mf_stepgraph *g = mf_step_graph(e, 299, 0);
+            CHECK(g && g->p_gather == 24, "299 items on 24 workers: %d gather parts (expected 24)", g ? g->p_gather : -1);
+        }
         if (k > 0)
             for (int j = 0; j <= N_AFTER; j++)
                 CHECK(memcmp(lg + (size_t)j * g_V, out + (size_t)j * g_V, sizeof(float) * g_V) == 0,
@@ -284,8 +291,8 @@ static void test_long_chunks(mf_ref *r)
         mf_ref_state_free(st);
         mf_step_free(e);
     }
-    printf("long chunks: prefill of %d tokens at chunks 64, 100, 300, %d, one forward, 77 (5 workers) and 255 (3): the "
-           "same logits\n", NP, NP);
+    printf("long chunks: prefill of %d tokens at chunks 64, 100, 300, %d, one forward, 77 (5 workers), 255 (3) and "
+           "299 (24): the same logits\n", NP, NP);
     free(p);
     free(lg);
     free(rows);

@@ -63,7 +63,6 @@
 #define SG_CARD_ALIGN 256.0     /* a part's alignment in a card's cache slot */
 #define SG_MAX_EXP_PARTS 32   /* row parts of one routed expert */
 #define SG_MIN_GATHER 4         /* rows of a route's gather part, at least */
-#define SG_MAX_GATHER 16        /* parts of a route's gather, at most */
 #define SG_MAX_MIX 4            /* row parts of a hyper-connection mix */
 #define SG_MIN_COLS 64          /* columns of a hyper-connection part, at least */
 #define SG_MIN_QCOLS 16         /* columns of a q norm part, at least (tiny's 64: 4 parts) */
@@ -345,6 +344,12 @@ static int sg_group_of(const mf_stepgraph *sg, int i)
     return g;
 }
 
+/* The CPU lane of socket key mod n_sockets (mf_sg_opts.n_sockets; lane 0 without sockets). */
+static int sg_sock_lane(const sg_builder *b, int key)
+{
+    return b->o->n_sockets > 1 && b->o->lane_sock ? b->o->lane_sock[key % b->o->n_sockets] : 0;
+}
+
 static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, mf_sg_task t)
 {
     mf_stepgraph *sg = b->sg;
@@ -369,8 +374,7 @@ static mf_task_id sg_add(sg_builder *b, int lane, int op, int phase, int kind, m
     if (lane == 0 && b->o->n_sockets > 1 && b->o->lane_sock && t.slot < 0 && (t.part >= 0 || grp >= 0)) {
         double wb = 0;   /* no weights, one item (group) or a part: spread over the sockets (mf_sg_opts.n_sockets) */
         for (int f = 0; f < MF_KF_N; f++) wb += t.w.w_bytes[f];
-        int key = (grp >= 0 ? grp : 0) + (t.part > 0 ? t.part : 0);
-        if (wb == 0) lane = b->o->lane_sock[key % b->o->n_sockets];
+        if (wb == 0) lane = sg_sock_lane(b, (grp >= 0 ? grp : 0) + (t.part > 0 ? t.part : 0));
     }
     if (sg->n_halves > 1 && b->h >= 0) {   /* which micro-batch, in the trace */
         size_t len = strlen(b->name);
@@ -809,7 +813,10 @@ static void sg_engram(sg_builder *b, int L, mf_task_id *unit)
             t.w.w_bytes[MF_KF_BF16] = items * y->eng_bf16_bytes;
             t.w.calls[MF_KF_BF16] = items;
             t.w.ref_flops = items * (6.0 * (c->hc_mult + 1) * H + SG_W_ROUND * (c->hc_mult + 1.0) * H);
-            mf_task_id gt = sg_add(b, 0, MF_SG_ENGRAM_GATE, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
+            /* on socket g mod n_sockets's lane like the tasks without weights: its q and k weights
+             * (2 hc H bf16 values, 80 KiB at flash41, socket 0's) stay in a worker's cache over its
+             * items; on socket 0 alone a long unit's 128 groups were 6 waves of its 22 workers */
+            mf_task_id gt = sg_add(b, sg_sock_lane(b, g), MF_SG_ENGRAM_GATE, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
             if (sg->n_dense_cards) sg_dep(b, wr[0], gt);   /* the card chains' ends */
             for (int j = 0; j < nb && !sg->n_dense_cards; j++) {   /* the host blocks that hold its items */
                 int i0 = b->h0 + j * sg->eg_block, i1 = i0 + sg->eg_block;
@@ -1521,7 +1528,7 @@ static mf_task_id sg_router(sg_builder *b, int L, const mf_task_id *post)
             mf_sg_task tg = sg_rec(L);
             sg_span(b, &tg);
             tg.part = p;
-            tg.w.ref_flops = n * H * K * 2.0 / pg;
+            tg.w.ref_flops = n * H * K * 2.0 / pg + n * K;   /* its rows' copy and quantize; the scan of all n K */
             mf_task_id gt = sg_add(b, 0, MF_SG_ROUTE_ROWS, MF_SG_PH_MOE, MF_SG_K_OTHER, tg);
             sg_dep(b, ro, gt);
             sg_dep(b, gt, rj);
@@ -1943,8 +1950,10 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
      * multiple of 2, 4 and 8 sockets: with another count the last socket's extra parts are empty) */
     sg->p_sh = c->n_shared_experts > 0 ? ((W < 8 ? W : 8) + S - 1) / S * S : 0;
     sg->p_head = (2 * W + S - 1) / S * S;
-    /* a route's row gather: parts of >= SG_MIN_GATHER rows, at most one per worker and
-     * SG_MAX_GATHER (batch 64: 384 rows, 16 parts), one (in the route) for a few rows */
+    /* a route's row gather: parts of >= SG_MIN_GATHER rows, at most one per worker (and
+     * MF_SG_MAX_PARTS), one (in the route) for a few rows. Before, at most 16 (batch 64's 384
+     * rows): an 8192-item chunk's 49,152 rows were 16 parts of 13.5 ms on every layer's path
+     * between the gate and the experts (simulated seed host; 44 parts: 5 ms) */
     int max_items = 0;
     for (int h = 0; h < sg->n_halves; h++) {
         int items = sg->half_end[h] - (h ? sg->half_end[h - 1] : 0);
@@ -1953,7 +1962,7 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     int g_rows = max_items * c->n_experts_per_tok;
     sg->p_gather = (g_rows + SG_MIN_GATHER - 1) / SG_MIN_GATHER;
     if (sg->p_gather > W) sg->p_gather = W;
-    if (sg->p_gather > SG_MAX_GATHER) sg->p_gather = SG_MAX_GATHER;
+    if (sg->p_gather > MF_SG_MAX_PARTS) sg->p_gather = MF_SG_MAX_PARTS;
     if (sg->p_gather < 1) sg->p_gather = 1;
     /* attention stages, Engram wkv, router gate: one part per worker (row chunks of >= 16) */
     sg->p_attn = ((W < MF_SG_MAX_PARTS ? W : MF_SG_MAX_PARTS) + S - 1) / S * S;

@@ -337,7 +337,8 @@ typedef struct mf_sg_opts {
     /* > 1: one CPU lane per socket, socket k's at lane_sock[k] (mf_sg_lanes_sockets). The host
      * tasks that read no weights and are one item's or one of several parts (attention head
      * groups, index score parts, q norm parts, an item's mixes, norms and combines: activations
-     * and KV, no home of their own) go to socket (item + part) mod n_sockets's lane;
+     * and KV, no home of their own) and the Engram gate (its q and k weights in a worker's cache
+     * over its items) go to socket (item + part) mod n_sockets's lane;
      * every row part of a matrix the host keeps (a routed expert's, an attention stage's, the
      * Engram wkv's, the router gate's, the shared expert's, the head's) goes to the lane of the
      * socket whose share of the rows it computes (mf_sg_stage_rows, mf_sg_expert_rows: the part
