@@ -494,13 +494,15 @@ out:
 
 /* The combine's sum (mf_fa_combine_cols) against its plain loop (each column: the outputs' roundings
  * summed in double in their order, the shared output, the sum rounded) bit for bit, for 1..9
- * outputs with and without the shared one, unaligned column ranges, special values, both paths;
+ * outputs with and without the shared one, unaligned column ranges, special values, both paths,
+ * with every row fp32 and with some rows read from their bf16 codes (the cards' rows, row16);
  * and mf_fa_rmsnorm_cols over fp32 and bf16 weights against mf_ly_rmsnorm_cols, both paths. */
 static void test_combine(void)
 {
     enum { H = 203, NR = 12, NO = 9 };
     float *y = malloc(sizeof(float) * NR * H), sh[H], want[H], got[H], wf[H];
-    uint16_t wb[H];
+    uint16_t wb[H], *y16 = malloc(sizeof(uint16_t) * NR * H);
+    uint8_t row16[NR];
     int32_t rows[NO];
     int same = 1;
     for (int64_t i = 0; i < NR * H; i++) y[i] = mf_test_frand(&g_rng) * 8;
@@ -520,6 +522,8 @@ static void test_combine(void)
     y[5 * H + 41] = 1e-40f;
     y[6 * H + 50] = -0.0f;
     sh[60] = -0.0f;
+    for (int64_t i = 0; i < NR * H; i++) y16[i] = mf_bf16_from_f32(y[i]);
+    for (int r = 0; r < NR; r++) row16[r] = (uint8_t)(r % 3 == 1);
     for (int simd = 0; simd < 2; simd++) {
         CHECK(set_simd(simd) == 0, "simd %d", simd);
         for (int n = 1; n <= NO; n++)
@@ -531,13 +535,16 @@ static void test_combine(void)
                     if (with_sh) acc += sh[d];
                     want[d] = mf_bf16_round((float)acc);
                 }
-                memset(got, 0x5a, sizeof got);
-                for (int64_t d0 = 0, w = 1; d0 < H; w += 5) {
-                    int64_t d1 = d0 + w < H ? d0 + w : H;
-                    mf_fa_combine_cols(y, H, rows, n, with_sh ? sh : NULL, got, d0, d1);
-                    d0 = d1;
+                for (int b16 = 0; b16 < 2; b16++) {   /* the rows r % 3 == 1 from their codes */
+                    memset(got, 0x5a, sizeof got);
+                    for (int64_t d0 = 0, w = 1; d0 < H; w += 5) {
+                        int64_t d1 = d0 + w < H ? d0 + w : H;
+                        mf_fa_combine_cols(y, b16 ? y16 : NULL, b16 ? row16 : NULL, H, rows, n, with_sh ? sh : NULL,
+                                           got, d0, d1);
+                        d0 = d1;
+                    }
+                    same &= n_diff(want, got, H) == 0;
                 }
-                same &= n_diff(want, got, H) == 0;
             }
         /* the norm: 8 columns at a time against the module's loop, both weight kinds */
         mf_weight w32 = {.kind = MF_W_F32, .rows = H, .cols = 1, .data = (uint8_t *)wf};
@@ -556,6 +563,7 @@ static void test_combine(void)
     set_simd(0);
     CHECK(same, "mf_fa_combine_cols / mf_fa_rmsnorm_cols differ from their plain loops");
     free(y);
+    free(y16);
 }
 
 int main(void)

@@ -120,7 +120,7 @@ static double mf_br_combine(mf_br *b, size_t each)
 {
     (void)each;
     static const int32_t rows[MF_BR_K] = {5, 2, 7, 0, 3, 6};
-    mf_fa_combine_cols(b->x, MF_BR_H, rows, MF_BR_K, b->x + 8 * MF_BR_H, b->y, 0, MF_BR_H);
+    mf_fa_combine_cols(b->x, NULL, NULL, MF_BR_H, rows, MF_BR_K, b->x + 8 * MF_BR_H, b->y, 0, MF_BR_H);
     return (double)MF_BR_H * (MF_BR_K + 1);
 }
 

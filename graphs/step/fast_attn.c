@@ -416,14 +416,20 @@ void mf_fa_hc_expand_cols(const mf_ly_ctx *cx, float *x, const float *out, const
     }
 }
 
-__attribute__((target("avx2,fma"))) static int64_t mf_fa_combine_avx2(const float *y, int64_t ld, const int32_t *rows, int n,
-                                                                    const float *sh, float *out, int64_t d0, int64_t d1)
+__attribute__((target("avx2,fma"))) static int64_t mf_fa_combine_avx2(const float *y, const uint16_t *y16,
+                                                                    const uint8_t *row16, int64_t ld,
+                                                                    const int32_t *rows, int n, const float *sh,
+                                                                    float *out, int64_t d0, int64_t d1)
 {
     int64_t d = d0;
     for (; d + 8 <= d1; d += 8) {
         __m256d a = _mm256_setzero_pd(), bb = _mm256_setzero_pd();
         for (int k = 0; k < n; k++) {   /* the outputs in their order: each column's double sum as the scalar loop */
-            __m256 v = mf_simd_bf16_round8(_mm256_loadu_ps(y + (size_t)rows[k] * ld + d));
+            size_t at = (size_t)rows[k] * ld + (size_t)d;
+            __m256 v = row16 && row16[rows[k]]
+                           ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                                 _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)(y16 + at))), 16))
+                           : mf_simd_bf16_round8(_mm256_loadu_ps(y + at));
             a = _mm256_add_pd(a, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
             bb = _mm256_add_pd(bb, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
         }
@@ -437,14 +443,17 @@ __attribute__((target("avx2,fma"))) static int64_t mf_fa_combine_avx2(const floa
     return d;
 }
 
-void mf_fa_combine_cols(const float *y, int64_t ld, const int32_t *rows, int n, const float *sh, float *out, int64_t d0,
-                        int64_t d1)
+void mf_fa_combine_cols(const float *y, const uint16_t *y16, const uint8_t *row16, int64_t ld, const int32_t *rows,
+                        int n, const float *sh, float *out, int64_t d0, int64_t d1)
 {
     int64_t d = d0;
-    if (mf_kern_simd_active() == MF_KERN_SIMD_AVX2) d = mf_fa_combine_avx2(y, ld, rows, n, sh, out, d0, d1);
+    if (mf_kern_simd_active() == MF_KERN_SIMD_AVX2) d = mf_fa_combine_avx2(y, y16, row16, ld, rows, n, sh, out, d0, d1);
     for (; d < d1; d++) {
         double acc = 0;
-        for (int k = 0; k < n; k++) acc += mf_bf(y[(size_t)rows[k] * ld + d]);
+        for (int k = 0; k < n; k++) {
+            size_t at = (size_t)rows[k] * ld + (size_t)d;
+            acc += row16 && row16[rows[k]] ? mf_bf16_to_f32(y16[at]) : mf_bf(y[at]);
+        }
         if (sh) acc += sh[d];
         out[d] = mf_bf((float)acc);
     }

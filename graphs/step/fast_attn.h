@@ -73,9 +73,12 @@ void mf_fa_hc_expand_cols(const mf_ly_ctx *cx, float *x, const float *out, const
                           int64_t d0, int64_t d1);
 /* The combine's sum, columns [d0, d1): out[d] = bf(sum in double of bf(y[rows[k] * ld + d]) for k in
  * [0, n) in that order, then + sh[d] when sh is not NULL), 8 columns at a time under AVX2: the bits
- * of the scalar loop (each column's sum in the same order). */
-void mf_fa_combine_cols(const float *y, int64_t ld, const int32_t *rows, int n, const float *sh, float *out, int64_t d0,
-                        int64_t d1);
+ * of the scalar loop (each column's sum in the same order). A row r with row16 non-NULL and
+ * row16[r] nonzero is read from the bf16 codes y16 (the same layout as y) instead: the float of
+ * its code in place of bf(y), the same value when y16 holds y's codes (the routed rows copied out
+ * of cards as bf16, graphs/step/stepgraph.h mf_sg_slot_tok_bytes). */
+void mf_fa_combine_cols(const float *y, const uint16_t *y16, const uint8_t *row16, int64_t ld, const int32_t *rows,
+                        int n, const float *sh, float *out, int64_t d0, int64_t d1);
 /* mf_ly_rmsnorm_cols with the weights read inline, the columns 8 at a time under AVX2 (the sum of
  * squares over all n in the module's order, scalar): the module's bits. */
 void mf_fa_rmsnorm_cols(const float *x, int64_t n, const mf_weight *w, double eps, float *out, int64_t c0,

@@ -133,6 +133,7 @@ struct mf_step_shape {
     int dev_half;           /* the micro-batch whose slots they are */
     uint8_t *dbuf[MF_DEV_MAX_CARDS];
     size_t d_x, d_w, d_h, d_q, d_y, d_tab, dq_bytes;
+    size_t d_x16, d_y16;   /* the rows' bf16 copies (mf_sg_slot_tok_bytes), in slot order as d_x, d_y */
     /* device graphs (opts dev_graphs): per card the slot tables of every layer (pinned host copy
      * filled by the route task, device copy refreshed by the graph) and each layer's graph,
      * captured on its first run: the table's h2d copy, then the slot-table FFN */
@@ -141,6 +142,14 @@ struct mf_step_shape {
     int n_dgraph;
     /* slot-ordered expert buffers (n x K rows) */
     float *xg, *wg, *h, *gg, *uu, *y;
+    /* with routed experts on cards: the rows a card's slot copies in and out as bf16 codes
+     * (graphs/step/stepgraph.h mf_sg_slot_tok_bytes): xg16 written by the row gather for the card
+     * slots' rows (from the xin16 mirror when there is one, else packed), y16 by the slot's copy out
+     * (packed on the card's copy stream), read by the combine in place of y; row_card[row] 1 when the
+     * row's slot ran on a card (set by the gather: slot_card is reset when the layer's experts are
+     * released, before the combine) */
+    uint16_t *xg16, *y16;
+    uint8_t *row_card;
     mf_kern_q8 *q8x, *q8h;   /* n_slots */
     uint8_t *q8x_mem, *q8h_mem;
     size_t q8x_bytes, q8h_bytes;   /* per slot */
@@ -1381,7 +1390,10 @@ static int mf_task_dev_in(void *arg, mf_task_ctx *ctx)
     }
     size_t off = (size_t)sh->slot_off[s], cnt = (size_t)sh->slot_cnt[s];
     uint8_t *db = sh->dbuf[a->t->card];
-    if (!rc) rc = mf_dev_copy_h2d(st, db + sh->d_x + off * H * 4, sh->xg + off * H, cnt * H * 4);
+    /* the rows as bf16 (mf_sg_slot_tok_bytes), unpacked on this copy stream; the token weights fp32 */
+    uint16_t *d16 = (uint16_t *)(void *)(db + sh->d_x16) + off * H;
+    if (!rc) rc = mf_dev_copy_h2d(st, d16, sh->xg16 + off * H, cnt * H * sizeof *d16);
+    if (!rc) rc = mf_dev_bf16_unpack(st, d16, H, (float *)(void *)(db + sh->d_x) + off * H, H, (int)cnt, (int)H);
     if (!rc) rc = mf_dev_copy_h2d(st, db + sh->d_w + off * 4, sh->wg + off, cnt * 4);
     return rc;
 }
@@ -1460,8 +1472,11 @@ static int mf_task_dev_out(void *arg, mf_task_ctx *ctx)
     if (!mf_step_slot_live(sh, s) || sh->slot_card[s] != a->t->card) return MF_TASK_NO_WORK;
     int64_t H = sh->eng->c->hidden_size;
     size_t off = (size_t)sh->slot_off[s], cnt = (size_t)sh->slot_cnt[s];
-    return mf_dev_copy_d2h(ctx->queue, sh->y + off * H, (const float *)(sh->dbuf[a->t->card] + sh->d_y) + off * H,
-                           cnt * H * 4);
+    uint8_t *db = sh->dbuf[a->t->card];
+    /* the rows as bf16 (mf_sg_slot_tok_bytes), packed on this copy stream; the combine unpacks them */
+    uint16_t *d16 = (uint16_t *)(void *)(db + sh->d_y16) + off * H;
+    int rc = mf_dev_bf16_pack(ctx->queue, (const float *)(void *)(db + sh->d_y) + off * H, H, d16, H, (int)cnt, (int)H);
+    return rc ? rc : mf_dev_copy_d2h(ctx->queue, sh->y16 + off * H, d16, cnt * H * sizeof *d16);
 }
 
 /* Router: the top-k of the gate logits, then the slot table: the distinct experts in
@@ -1533,11 +1548,18 @@ static int mf_step_gather_rows(mf_step_shape *sh, int h, int i0, int i1, int p, 
     int a = s0 + (int)((int64_t)n * p / P), b = s0 + (int)((int64_t)n * (p + 1) / P);
     if (a >= b) return 0;
     int r0 = sh->slot_off[a], r1 = sh->slot_off[b - 1] + sh->slot_cnt[b - 1];
+    if (sh->row_card)   /* which rows go to cards: those copy in as bf16 (mf_sg_slot_tok_bytes) */
+        for (int s = a; s < b; s++) memset(sh->row_card + sh->slot_off[s], sh->slot_card[s] >= 0, (size_t)sh->slot_cnt[s]);
     for (int i = i0; i < i1; i++)
         for (int k = 0; k < K; k++) {
             int row = sh->asg[i * K + k];
-            if (row >= r0 && row < r1)
+            if (row < r0 || row >= r1) continue;
+            if (!sh->row_card || !sh->row_card[row])
                 memcpy(sh->xg + (size_t)row * H, sh->xin + (size_t)i * H, sizeof(float) * (size_t)H);
+            else if (sh->xin16)   /* the ffn_norm's mirror (dense cards): the same codes */
+                memcpy(sh->xg16 + (size_t)row * H, sh->xin16 + (size_t)i * H, sizeof(uint16_t) * (size_t)H);
+            else
+                mf_kern_vec_bf16_pack(sh->xin + (size_t)i * H, sh->xg16 + (size_t)row * H, H);
         }
     if (!eng->o.exact)
         for (int s = a; s < b; s++) {
@@ -1722,10 +1744,11 @@ static int mf_task_combine(void *arg, mf_task_ctx *ctx)
     mf_ly_hc_split_w(c, sh->fmix + (size_t)i * MF_STEP_N_MIX, &y->hc_ffn_scale, &y->hc_ffn_base, pre, post, comb);
     float *out = sh->moe_out + (size_t)i * H;
     mf_step_bf16_cols(0, sh->ys, sh->ys16, H, i, d0, d1);   /* the shared expert's copy out from its card */
-    /* the host's outputs are rounded already (rounding twice changes nothing); 8 columns at a time
-     * under AVX2, each column's sum in the scalar order */
-    mf_fa_combine_cols(sh->y, H, sh->asg + (size_t)i * K, K, c->n_shared_experts > 0 ? sh->ys + (size_t)i * H : NULL,
-                       out, d0, d1);
+    /* the host's outputs are rounded already (rounding twice changes nothing), the cards' read from
+     * the bf16 codes they copied out (row_card); 8 columns at a time under AVX2, each column's sum in
+     * the scalar order */
+    mf_fa_combine_cols(sh->y, sh->y16, sh->row_card, H, sh->asg + (size_t)i * K, K,
+                       c->n_shared_experts > 0 ? sh->ys + (size_t)i * H : NULL, out, d0, d1);
     (sh->eng->o.exact ? mf_ly_hc_expand_cols : mf_fa_hc_expand_cols)(cx, sh->items[i].x, out, post, comb, d0, d1);
     if (a->t->part == 0) memcpy(sh->items[i].pre, pre, sizeof pre);
     return 0;
@@ -2178,7 +2201,9 @@ static int mf_step_shape_cards(mf_step *eng, mf_step_shape *sh)
     sh->d_h = sh->d_w + (nk * 4 + al - 1) / al * al;
     sh->d_q = sh->d_h + (nk * I * 4 + al - 1) / al * al;
     sh->d_y = sh->d_q + (size_t)sh->n_slots * sh->dq_bytes;
-    sh->d_tab = sh->d_y + (nk * H * 4 + al - 1) / al * al;
+    sh->d_x16 = sh->d_y + (nk * H * 4 + al - 1) / al * al;
+    sh->d_y16 = sh->d_x16 + (nk * H * 2 + al - 1) / al * al;
+    sh->d_tab = sh->d_y16 + (nk * H * 2 + al - 1) / al * al;
     size_t tab_bytes = eng->dev_graphs ? sizeof(mf_dev_ffn_slot) * (size_t)sh->n_slots * c->n_layers : 0;
     size_t total = sh->d_tab + tab_bytes;
     for (int cd = 0; cd < eng->n_cards; cd++) {
@@ -2367,6 +2392,9 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         {"gg", ex ? nk * I * f : 0, (void **)&sh->gg},
         {"uu", ex ? nk * I * f : 0, (void **)&sh->uu},
         {"y", nk * H * f, (void **)&sh->y},
+        {"xg16", eng->n_cards ? nk * H * 2 : 0, (void **)&sh->xg16},
+        {"y16", eng->n_cards ? nk * H * 2 : 0, (void **)&sh->y16},
+        {"row_card", eng->n_cards ? nk : 0, (void **)&sh->row_card},
         {"q8x", ns * sizeof(mf_kern_q8), (void **)&sh->q8x},
         {"q8h", ns * sizeof(mf_kern_q8), (void **)&sh->q8h},
         {"q8x_mem", ns * q8x, (void **)&sh->q8x_mem},

@@ -2356,7 +2356,7 @@ static double sg_place_ns(const mf_lane_model *m, double macs_per_s, double byte
 
 double mf_sg_slot_tok_bytes(const mf_config *c, int dir)
 {
-    return (double)c->hidden_size * 4.0 + (dir ? 0 : 4.0);
+    return (double)c->hidden_size * 2.0 + (dir ? 0 : 4.0);   /* bf16 rows; an fp32 token weight in */
 }
 
 void mf_sg_placer_init(mf_sg_placer *p, const mf_lane_model models[4], const mf_profile *prof, int n_threads,

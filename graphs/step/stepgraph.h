@@ -559,7 +559,11 @@ typedef struct mf_sg_placer {
 
 /* Bytes one token of a slot on a card copies in (dir 0: its input row and its weight) or out
  * (dir 1: its output row): the one home of the slot copies' sizes (the builder's records, the
- * placer). */
+ * placer; the engine's mf_task_dev_in / _out copy these). The rows travel as bf16 codes, 2 bytes a
+ * value (the dense chains' rule, mf_sg_attn_buf_bf16): the input row is the ffn_norm's output,
+ * bf16 already (the card quantizes it itself, as the host does the fp32 row), and every output
+ * row is read only by the combine, which rounds it to bf16 first (mf_fa_combine_cols). The token
+ * weight (the route's normalized score, not bf16) stays fp32. */
 double mf_sg_slot_tok_bytes(const mf_config *c, int dir);
 
 /* A layer's placer: models as mf_sg_lanes_init's, hybrid 0 for seed (always the card); the
