@@ -12,7 +12,8 @@
  * of 128 a 200-token prompt in chunks of 96 exceeds) bit for bit and different with the card's
  * scores perturbed (mf_step_opts.scores_fault); with the cards taking fewer entries
  * (mf_step_opts.scores_entries 12, then 1) the host's fallback scores, bit for bit, and with 1 the
- * card's perturbation unseen (no chunk scored there). */
+ * card's perturbation unseen (no chunk scored there); with the dense chains and heads in item blocks
+ * (mf_step_opts.dense_block 3) bit for bit, and the heads' perturbation still caught. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -152,7 +153,8 @@ static void test_graph(void)
 
 /* The logits of the host placement against the heads (and the index scores) on emu:nc (fault 1:
  * the heads perturbed, 2: the index scores). */
-static int run_cards(mf_ref *r, int nc, int fault, int n_prompt, int chunk, float *out, int32_t *toks, int entries)
+static int run_cards(mf_ref *r, int nc, int fault, int n_prompt, int chunk, float *out, int32_t *toks, int entries,
+                     int block)
 {
     char spec[64];
     mf_dev *d = NULL;
@@ -161,7 +163,8 @@ static int run_cards(mf_ref *r, int nc, int fault, int n_prompt, int chunk, floa
     if (!rc)
         rc = mf_step_new(r, &(mf_step_opts){.n_threads = 2, .prefill_chunk = chunk, .dev = d, .dense = MF_STEP_DENSE_CARDS,
                                             .heads = MF_SG_HEADS_CARDS, .heads_fault = fault == 1,
-                                            .scores_fault = fault == 2, .scores_entries = entries},
+                                            .scores_fault = fault == 2, .scores_entries = entries,
+                                            .dense_block = block},
                          &e);
     if (!rc) rc = mf_test_run_steps(r, e, g_V, 1, n_prompt, prompt_tok, N_DEC, toks, 0, out);
     mf_step_free(e);
@@ -181,12 +184,12 @@ static void test_engine(mf_ref *r, const char *name, int n_prompt, int chunk, in
     mf_step_free(e);
     for (int nc = 1; nc <= max_cards; nc++) {
         memset(got, 0, sizeof(float) * per);
-        int rc = run_cards(r, nc, 0, n_prompt, chunk, got, toks, 0);
+        int rc = run_cards(r, nc, 0, n_prompt, chunk, got, toks, 0, 0);
         CHECK(rc == 0, "%s emu:%d heads on cards: %s", name, nc, mf_last_error());
         CHECK(!rc && !memcmp(host, got, sizeof(float) * per), "%s emu:%d: logits with the heads and index scores on "
               "cards differ from the host placement's", name, nc);
         for (int fault = 1; fault <= 2; fault++) {
-            rc = run_cards(r, nc, fault, n_prompt, chunk, got, toks, 0);
+            rc = run_cards(r, nc, fault, n_prompt, chunk, got, toks, 0, 0);
             CHECK(rc == 0, "%s emu:%d perturbed: %s", name, nc, mf_last_error());
             CHECK(!rc && memcmp(host, got, sizeof(float) * per), "%s emu:%d: the perturbed card %s went unnoticed", name,
                   nc, fault == 1 ? "heads" : "index scores");
@@ -195,14 +198,23 @@ static void test_engine(mf_ref *r, const char *name, int n_prompt, int chunk, in
          * ratio-1 layers of every chunk, the ratio-2 one's first chunk on the cards), and the
          * card's perturbation then caught only where the cards still score */
         memset(got, 0, sizeof(float) * per);
-        rc = run_cards(r, nc, 0, n_prompt, chunk, got, toks, 12);
+        rc = run_cards(r, nc, 0, n_prompt, chunk, got, toks, 12, 0);
         CHECK(rc == 0 && !memcmp(host, got, sizeof(float) * per), "%s emu:%d: the host's fallback scores: %s", name, nc,
               rc ? mf_last_error() : "logits differ from the host placement's");
-        rc = run_cards(r, nc, 2, n_prompt, chunk, got, toks, 1);
+        /* the dense chains and the heads in item blocks of 3 items or more (mf_sg_dense_blocks:
+         * a chunk of 16 in 5, of 96 in 8), block 0's copy of the key table shared by the others */
+        memset(got, 0, sizeof(float) * per);
+        rc = run_cards(r, nc, 0, n_prompt, chunk, got, toks, 0, 3);
+        CHECK(rc == 0 && !memcmp(host, got, sizeof(float) * per), "%s emu:%d: the dense chains in item blocks: %s", name,
+              nc, rc ? mf_last_error() : "logits differ from the host placement's");
+        rc = run_cards(r, nc, 1, n_prompt, chunk, got, toks, 0, 3);
+        CHECK(rc == 0 && memcmp(host, got, sizeof(float) * per), "%s emu:%d: in item blocks the perturbed heads went "
+              "unnoticed (%s)", name, nc, rc ? mf_last_error() : "");
+        rc = run_cards(r, nc, 2, n_prompt, chunk, got, toks, 1, 0);
         CHECK(rc == 0 && !memcmp(host, got, sizeof(float) * per), "%s emu:%d: every chunk on the host's scores, yet "
               "the card's perturbation changed the logits (%s)", name, nc, rc ? mf_last_error() : "");
         printf("%s: a %d-token prompt in chunks of %d, %d decode steps on emu:%d: the host's logits bit for bit (and "
-               "with the host's fallback scores)\n", name, n_prompt, chunk, N_DEC, nc);
+               "with the host's fallback scores, and in item blocks)\n", name, n_prompt, chunk, N_DEC, nc);
     }
     free(host);
     free(got);

@@ -970,21 +970,24 @@ static int mf_step_heads_copy(const mf_step_targ *a, mf_dev_stream *q, int out)
     mf_step_dcopy cq = mf_step_dcopy_ab(sh, out ? MF_LY_A_O : MF_LY_A_Q, a->t->r0, a->t->r1, (size_t)i0, (size_t)n);
     int rc = mf_step_dcopy_run(q, db, &cq, out);
     if (out) return rc;
+    /* the key table and the sinks, which the blocks share: block 0's (its items from the unit's
+     * first, the chunk's KV rows from there; the blocks' copy-ins run in order) */
+    int first = a->t->block == 0;
     uint8_t *tab = db + sh->dd_hk_tab;
-    if (!rc && sh->hk_nring) rc = mf_dev_copy_h2d(q, tab, sh->hk_tab, (size_t)sh->hk_nring * row);
-    if (!rc && sh->hk_nchunk) {
+    if (!rc && first && sh->hk_nring) rc = mf_dev_copy_h2d(q, tab, sh->hk_tab, (size_t)sh->hk_nring * row);
+    if (!rc && first && sh->hk_nchunk) {
         size_t ldkv = (size_t)sh->ab_ld[MF_LY_A_KV] * f;
         rc = mf_dev_copy_h2d_2d(q, tab + (size_t)sh->hk_nring * row, row, (uint8_t *)sh->ab[MF_LY_A_KV] + (size_t)i0 * ldkv,
                                 ldkv, row, (size_t)sh->hk_nchunk);
     }
-    if (!rc && sh->hk_nent)
+    if (!rc && first && sh->hk_nent)
         rc = mf_dev_copy_h2d(q, tab + (size_t)(sh->hk_nring + sh->hk_nchunk) * row, sh->hk_tab + (size_t)sh->hk_nring * D,
                              (size_t)sh->hk_nent * row);
     if (!rc)
         rc = mf_dev_copy_h2d(q, db + sh->dd_hk_keys + (size_t)i0 * KK * 4, sh->hk_keys + (size_t)i0 * KK,
                              (size_t)n * KK * 4);
     if (!rc) rc = mf_dev_copy_h2d(q, db + sh->dd_hk_nk + (size_t)i0 * 4, sh->hk_nk + i0, (size_t)n * 4);
-    if (!rc) rc = mf_dev_copy_h2d(q, db + sh->dd_hk_sink, sh->hk_sink, (size_t)c->n_heads * f);
+    if (!rc && first) rc = mf_dev_copy_h2d(q, db + sh->dd_hk_sink, sh->hk_sink, (size_t)c->n_heads * f);
     return rc;
 }
 
@@ -2134,6 +2137,7 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const in
                                           .n_units = n_units, .unit_end = unit_end, .ordered = ordered,
                                           .n_threads = eng->o.n_threads, .n_cards = eng->n_cards,
                                           .n_dense_cards = eng->n_dense, .dense_split = eng->o.dense_split,
+                                          .dense_block = eng->o.dense_block,
                                           .dev_graphs = eng->dev_graphs, .store = eng->store != NULL,
                                           .miss_copies = eng->miss_span ? 1 : 0,
                                           .read_window = eng->o.read_window, .eg_reads = eng->eg_reads,

@@ -88,6 +88,10 @@ typedef struct mf_step_opts {
      * the shared expert split by output rows across all the cards (MF_SG_SPLIT_ROWS: each card
      * computes and copies out its rows, mf_sg_dense_rows; logits the same bits). */
     int dense_split;
+    /* With dense cards, the items a dense chain's item block holds at least (graphs/step/stepgraph.h
+     * mf_sg_dense_blocks: a long prefill chunk's copies run beside the card's work block by block;
+     * the logits are the same bits in any blocks). 0: MF_SG_DENSE_BLOCK. */
+    int dense_block;
     /* With dense cards, graphs/step/stepgraph.h mf_sg_heads_mode (`--heads`): where the attention
      * heads' scores and values of a graph of one sequence's positions (a prefill chunk, batch-1
      * decode) run: MF_SG_HEADS_COST (0) per layer by the cost model on `profile` (the host, the

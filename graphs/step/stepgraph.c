@@ -326,6 +326,7 @@ typedef struct sg_builder {
                                    * rows join, or the route with one gather part) */
     mf_task_id pre_join[MF_SG_MAX_CARDS];   /* prefetch: per card the join of the layer's copies */
     mf_task_id pre_place;                   /* prefetch: the layer's place task (the route reads its placement) */
+    mf_task_id *pre_sfx;                    /* prefetch: per expert the join of its card's copies of it and above (sg_prefetch) */
     char name[64];
 } sg_builder;
 
@@ -461,6 +462,9 @@ static void sg_dep(sg_builder *b, mf_task_id before, mf_task_id after)
             b->rc = mf_graph_add_dep(b->sg->g, b->exit_of[x], y);
 }
 
+/* prefetch: experts per join of a card's copies (sg_prefetch) */
+#define SG_PRE_BLOCK 4
+
 #define SG_NAME(b, ...) snprintf((b)->name, sizeof (b)->name, __VA_ARGS__)
 
 /* ---- dense work on cards ------------------------------------------------------------------- */
@@ -587,85 +591,114 @@ static double sg_dense_oa_in_share(const mf_config *c, int parts, int k, double 
 }
 
 /* The task of group g (sg_dense_chain: linked by next_of) on card cd; g itself when none is. */
-static mf_task_id sg_dense_member(const sg_builder *b, mf_task_id g, int cd)
+/* Each member of group g on card cd (a dense chain's first task or card work: its chains, one per
+ * card and item block) before `after`. */
+static void sg_dense_member_dep(sg_builder *b, mf_task_id g, int cd, mf_task_id after)
 {
-    for (mf_task_id x = g; x >= 0; x = b->next_of[x])
-        if (b->sg->task[x].card == cd) return x;
-    return g;
+    for (mf_task_id x = g; x >= 0 && after >= 0 && !b->rc; x = b->next_of[x])
+        if (b->sg->task[x].card == cd) b->rc = mf_graph_add_dep(b->sg->g, x, after);
 }
 
-/* Each card work of group `after` waits for the member of group `before` on its card. */
+/* Each card work of group `after` waits for the members of group `before` on its card. */
 static void sg_dense_after(sg_builder *b, mf_task_id before, mf_task_id after)
 {
     for (mf_task_id y = after; y >= 0 && before >= 0 && !b->rc; y = b->next_of[y])
-        b->rc = mf_graph_add_dep(b->sg->g, sg_dense_member(b, before, b->sg->task[y].card), y);
+        sg_dense_member_dep(b, before, b->sg->task[y].card, y);
+}
+
+int mf_sg_dense_blocks(int n, int block_min)
+{
+    int m = block_min > 0 ? block_min : MF_SG_DENSE_BLOCK, k = n / m;
+    return k < 1 ? 1 : k > MF_SG_DENSE_MAX_BLOCKS ? MF_SG_DENSE_MAX_BLOCKS : k;
 }
 
 /* Dense sublayer d of layer L (-1: the head) on its card, or with --dense-split rows on every
  * card (mf_sg_dense_parts), each card a chain over its rows (mf_sg_dense_rows of the
  * sublayer's out_tok / 4 output rows; its record's part the card, its work and copy-out that
- * share): copy in of in_tok bytes per item (0: none; the card work then waits for after_in's
- * member on its card, a copy-in of an earlier chain) -> the card's work (record t) -> copy out
- * of the card's rows per item (out_tok 0: none, the output stays on the card), the first
- * out_bf_rows of all the rows as bf16 (2 bytes: mf_sg_attn_buf_bf16), the others fp32; in_tok
- * counts the bytes as they travel. Returns the first chain's first task; the chains' first tasks
- * are a group (a dependency on it is one on each chain's last task, sg_dep), their card works
- * another (b->chain_run its first: sg_dense_after). */
+ * share) per item block of the micro-batch's items (mf_sg_dense_blocks; a block's copy in after
+ * the block before's): copy in of in_tok bytes per item (0: none; the card work then waits for
+ * after_in's members on its card, the copy-ins of an earlier chain) -> the card's work (record t)
+ * -> copy out of the card's rows per item (out_tok 0: none, the output stays on the card), the
+ * first out_bf_rows of all the rows as bf16 (2 bytes: mf_sg_attn_buf_bf16), the others fp32;
+ * in_tok counts the bytes as they travel. Returns the first chain's first task; the chains' first
+ * tasks are a group (a dependency on it is one on each chain's last task, sg_dep), their card
+ * works another (b->chain_run its first: sg_dense_after). */
 static mf_task_id sg_dense_chain(sg_builder *b, int L, int d, mf_sg_task t, int phase, double in_tok, double out_tok,
                                  mf_task_id after_in, double out_bf_rows)
 {
     mf_stepgraph *sg = b->sg;
     int parts = mf_sg_dense_parts(sg->n_dense_cards, sg->dense_split, d);
+    int n = b->h1 - b->h0, nb = d == MF_SG_D_HEAD ? 1 : mf_sg_dense_blocks(n, sg->dense_block);
     mf_task_id head = -1, prev_first = -1, prev_run = -1;
     for (int k = 0; k < parts && !b->rc; k++) {
         int cd = parts > 1 ? k : mf_sg_dense_card(b->o->c, sg->n_dense_cards, L), lane = b->o->lane_dev0 + 3 * cd;
         double share = parts > 1 ? sg_dense_share(parts, k, out_tok / 4) : 1;
-        mf_sg_task r = sg_rec(L);
-        r.card = (int8_t)cd;
-        r.dense = (int8_t)d;
-        r.part = parts > 1 ? k : -1;
-        sg_span(b, &r);
-        char pre[24];
-        if (L < 0) snprintf(pre, sizeof pre, "dev%d", cd);
-        else snprintf(pre, sizeof pre, "dev%d L%d", cd, L);
-        mf_task_id in = after_in >= 0 ? sg_dense_member(b, after_in, cd) : -1;
-        if (in_tok > 0) {
-            SG_NAME(b, "%s %s in", pre, sg_dense_name[d]);
-            mf_sg_task ti = r;
-            ti.w.copy_bytes_tok = in_tok * (d == MF_SG_D_ATTN_OA ? sg_dense_oa_in_share(b->o->c, parts, k, out_tok / 4) : 1);
-            in = sg_add(b, lane, MF_SG_DENSE_IN, phase, MF_SG_K_COPY, ti);
+        mf_task_id prev_in = -1;
+        for (int j = 0; j < nb && !b->rc; j++) {
+            mf_sg_task r = sg_rec(L);
+            r.card = (int8_t)cd;
+            r.dense = (int8_t)d;
+            r.part = parts > 1 ? k : -1;
+            sg_span(b, &r);
+            if (nb > 1) {   /* block j's items: n / nb or one more */
+                r.i0 = b->h0 + (int)((int64_t)n * j / nb);
+                r.i1 = b->h0 + (int)((int64_t)n * (j + 1) / nb);
+                r.n_tok = r.i1 - r.i0;
+                r.block = (int8_t)j;
+            }
+            char pre[24], blk[16] = "";
+            if (L < 0) snprintf(pre, sizeof pre, "dev%d", cd);
+            else snprintf(pre, sizeof pre, "dev%d L%d", cd, L);
+            if (nb > 1) snprintf(blk, sizeof blk, " b%d", j);
+            mf_task_id in = -1;
+            if (in_tok > 0) {
+                SG_NAME(b, "%s %s in%s", pre, sg_dense_name[d], blk);
+                mf_sg_task ti = r;
+                ti.w.copy_bytes_tok =
+                    in_tok * (d == MF_SG_D_ATTN_OA ? sg_dense_oa_in_share(b->o->c, parts, k, out_tok / 4) : 1);
+                in = sg_add(b, lane, MF_SG_DENSE_IN, phase, MF_SG_K_COPY, ti);
+                if (!b->rc && prev_in >= 0) b->rc = mf_graph_add_dep(sg->g, prev_in, in);
+                prev_in = in;
+            }
+            mf_sg_task tk = t;
+            tk.card = r.card;
+            tk.dense = r.dense;
+            tk.part = r.part;
+            tk.block = r.block;
+            tk.i0 = r.i0;
+            tk.i1 = r.i1;
+            tk.n_tok = r.n_tok;
+            for (int f = 0; f < MF_KF_N; f++) {   /* the card's share of the rows (calls: each card's) */
+                tk.w.w_bytes[f] *= share;
+                tk.w.macs[f] *= share;
+            }
+            tk.w.ref_flops *= share * (n > 0 ? (double)r.n_tok / n : 1);   /* over the span: the block's share */
+            SG_NAME(b, "%s %s%s", pre, sg_dense_name[d], blk);
+            mf_task_id run = sg_add(b, lane + 1, MF_SG_DENSE, phase, MF_SG_K_OTHER, tk), last = run;
+            if (in >= 0) {
+                if (!b->rc) b->rc = mf_graph_add_dep(sg->g, in, run);
+            } else if (after_in >= 0) {
+                sg_dense_member_dep(b, after_in, cd, run);
+            }
+            if (out_tok > 0 && share > 0) {
+                SG_NAME(b, "%s %s out%s", pre, sg_dense_name[d], blk);
+                mf_sg_task to = r;
+                int64_t r0, r1, bf = (int64_t)out_bf_rows;   /* the card's rows, those of them bf16 */
+                mf_sg_dense_rows(parts, parts > 1 ? k : -1, (int64_t)(out_tok / 4), &r0, &r1);
+                double n_bf = (double)((r1 < bf ? r1 : bf) - (r0 < bf ? r0 : bf));
+                to.w.copy_bytes_tok = out_tok * share - 2.0 * n_bf;
+                last = sg_add(b, lane + 2, MF_SG_DENSE_OUT, phase, MF_SG_K_COPY_OUT, to);
+                if (!b->rc) b->rc = mf_graph_add_dep(sg->g, run, last);
+            }
+            if (b->rc) break;
+            mf_task_id first = in_tok > 0 ? in : run;
+            b->exit_of[first] = last;
+            if (prev_first >= 0) b->next_of[prev_first] = first;
+            if (prev_run >= 0 && prev_run != prev_first) b->next_of[prev_run] = run;
+            if (head < 0) head = first, b->chain_run = run;
+            prev_first = first;
+            prev_run = run;
         }
-        mf_sg_task tk = t;
-        tk.card = r.card;
-        tk.dense = r.dense;
-        tk.part = r.part;
-        sg_span(b, &tk);
-        for (int f = 0; f < MF_KF_N; f++) {   /* the card's share of the rows (calls: each card's) */
-            tk.w.w_bytes[f] *= share;
-            tk.w.macs[f] *= share;
-        }
-        tk.w.ref_flops *= share;
-        SG_NAME(b, "%s %s", pre, sg_dense_name[d]);
-        mf_task_id run = sg_add(b, lane + 1, MF_SG_DENSE, phase, MF_SG_K_OTHER, tk), last = run;
-        if (!b->rc && in >= 0) b->rc = mf_graph_add_dep(sg->g, in, run);
-        if (out_tok > 0 && share > 0) {
-            SG_NAME(b, "%s %s out", pre, sg_dense_name[d]);
-            mf_sg_task to = r;
-            int64_t r0, r1, bf = (int64_t)out_bf_rows;   /* the card's rows, those of them bf16 */
-            mf_sg_dense_rows(parts, parts > 1 ? k : -1, (int64_t)(out_tok / 4), &r0, &r1);
-            double n_bf = (double)((r1 < bf ? r1 : bf) - (r0 < bf ? r0 : bf));
-            to.w.copy_bytes_tok = out_tok * share - 2.0 * n_bf;
-            last = sg_add(b, lane + 2, MF_SG_DENSE_OUT, phase, MF_SG_K_COPY_OUT, to);
-            if (!b->rc) b->rc = mf_graph_add_dep(sg->g, run, last);
-        }
-        if (b->rc) break;
-        mf_task_id first = in_tok > 0 ? in : run;
-        b->exit_of[first] = last;
-        if (prev_first >= 0) b->next_of[prev_first] = first;
-        if (prev_run >= 0 && prev_run != prev_first) b->next_of[prev_run] = run;
-        if (head < 0) head = first, b->chain_run = run;
-        prev_first = first;
-        prev_run = run;
     }
     return b->rc ? -1 : head;
 }
@@ -1240,7 +1273,7 @@ static void sg_heads_on_cards(sg_builder *b, int L, int k, mf_task_id core, mf_t
     int nh = c->n_heads, parts = sg->heads_cards[L], ex = b->o->exact;
     int i0 = k > 0 ? sg->unit_end[k - 1] : 0, i1 = sg->unit_end[k], n = i1 - i0;
     int g0 = sg_group_of(sg, i0), g1 = sg_group_of(sg, i1 - 1) + 1;
-    mf_task_id qp[MF_SG_MAX_GROUPS], out[MF_SG_MAX_CARDS];
+    mf_task_id qp[MF_SG_MAX_GROUPS], out[MF_SG_MAX_CARDS * MF_SG_DENSE_MAX_BLOCKS];
     SG_NAME(b, "attn L%d gather", L);
     mf_task_id ga = sg_add(b, 0, MF_SG_ATTN_GATHER, MF_SG_PH_ATTN, MF_SG_K_OTHER,
                            sg_heads_rec(c, L, MF_SG_ATTN_GATHER, i0, i1, 0, nh, n, ex));
@@ -1253,29 +1286,54 @@ static void sg_heads_on_cards(sg_builder *b, int L, int k, mf_task_id core, mf_t
     }
     static const int kind_of[3] = {MF_SG_K_COPY, MF_SG_K_OTHER, MF_SG_K_COPY_OUT};
     static const char *const what[3] = {"in", "", "out"};
+    /* per card its item blocks (mf_sg_dense_blocks), each in -> heads -> out after the q preps of
+     * the groups it overlaps; block 0's copy in the key table too (the blocks' copy-ins in order) */
+    int nbk = mf_sg_dense_blocks(n, sg->dense_block);
+    int64_t bi0[MF_SG_DENSE_MAX_BLOCKS], bi1[MF_SG_DENSE_MAX_BLOCKS];
+    for (int j = 0; j < nbk; j++) {   /* n / nbk items or one more (mf_sg_dense_blocks: nbk <= n) */
+        bi0[j] = i0 + (int64_t)n * j / nbk;
+        bi1[j] = i0 + (int64_t)n * (j + 1) / nbk;
+    }
     for (int p = 0; p < parts && !b->rc; p++) {
         int cd = parts > 1 ? p : mf_sg_dense_card(c, sg->n_dense_cards, L), h0, h1;
         mf_sg_heads_range(nh, parts, p, &h0, &h1);
-        mf_task_id prev = -1;
-        for (int q = 0; q < 3; q++) {
-            mf_sg_task t = sg_heads_rec(c, L, MF_SG_DENSE_IN + q, i0, i1, h0, h1, n, ex);
-            t.card = (int8_t)cd;
-            t.part = parts > 1 ? p : -1;
-            SG_NAME(b, "dev%d L%d heads%s%s", cd, L, q == 1 ? "" : " ", what[q]);
-            mf_task_id id = sg_add(b, b->o->lane_dev0 + 3 * cd + q, MF_SG_DENSE_IN + q, MF_SG_PH_ATTN, kind_of[q], t);
-            if (q == 0)
-                for (int i = g0; i < g1; i++) sg_dep(b, qp[i], id);
-            else sg_dep(b, prev, id);
-            prev = id;
+        mf_task_id prev_in = -1;
+        for (int j = 0; j < nbk && !b->rc; j++) {
+            int j0 = (int)bi0[j], j1 = (int)bi1[j];
+            mf_task_id prev = -1;
+            for (int q = 0; q < 3; q++) {
+                mf_sg_task t = sg_heads_rec(c, L, MF_SG_DENSE_IN + q, j0, j1, h0, h1, n, ex);
+                t.card = (int8_t)cd;
+                t.part = parts > 1 ? p : -1;
+                t.block = (int8_t)j;
+                if (j > 0) t.w.copy_bytes = 0;   /* the key table: block 0's */
+                if (nbk > 1) SG_NAME(b, "dev%d L%d heads%s%s b%d", cd, L, q == 1 ? "" : " ", what[q], j);
+                else SG_NAME(b, "dev%d L%d heads%s%s", cd, L, q == 1 ? "" : " ", what[q]);
+                mf_task_id id = sg_add(b, b->o->lane_dev0 + 3 * cd + q, MF_SG_DENSE_IN + q, MF_SG_PH_ATTN, kind_of[q], t);
+                if (q == 0) {
+                    for (int i = g0; i < g1; i++) {   /* the q preps of the groups it overlaps */
+                        int gi0 = i ? sg->group_end[i - 1] : 0, gi1 = sg->group_end[i];
+                        if (gi0 < j1 && gi1 > j0) sg_dep(b, qp[i], id);
+                    }
+                    sg_dep(b, prev_in, id);
+                    prev_in = id;
+                } else {
+                    sg_dep(b, prev, id);
+                }
+                prev = id;
+            }
+            out[p * MF_SG_DENSE_MAX_BLOCKS + j] = prev;
         }
-        out[p] = prev;
     }
     for (int i = g0; i < g1; i++) {
         SG_NAME(b, "attn L%d opost item %d", L, i);
         mf_task_id op = sg_add(b, 0, MF_SG_ATTN_OPOST, MF_SG_PH_ATTN, MF_SG_K_OTHER,
                                sg_heads_rec(c, L, MF_SG_ATTN_OPOST, i ? sg->group_end[i - 1] : 0, sg->group_end[i], 0,
                                             nh, n, ex));
-        for (int p = 0; p < parts; p++) sg_dep(b, out[p], op);
+        int gi0 = i ? sg->group_end[i - 1] : 0, gi1 = sg->group_end[i];
+        for (int p = 0; p < parts; p++)   /* the blocks it overlaps */
+            for (int j = 0; j < nbk; j++)
+                if (bi0[j] < gi1 && bi1[j] > gi0) sg_dep(b, out[p * MF_SG_DENSE_MAX_BLOCKS + j], op);
         sg_dep(b, op, ring);
         for (int q = 0; q < n_oa; q++) sg_dep(b, op, oa[q]);
     }
@@ -1601,7 +1659,11 @@ static void sg_slot_card(sg_builder *b, int L, int s, int cd, mf_task_id cffn, m
     tid[1] = sg->dev_graphs ? -1 : dff;
     tid[2] = dout;
     sg_dep(b, b->rows, din);
-    if (sg->prefetch) sg_dep(b, b->pre_join[cd], din);   /* the expert is in: the rows only */
+    if (sg->prefetch) {   /* the expert is in (sg_prefetch's order): the rows only */
+        int E = c->n_routed_experts, f = s;
+        while (f < E && mf_dev_xcache_owner(sg->n_cards, L, f) != cd) f++;
+        sg_dep(b, f < E ? b->pre_sfx[f] : b->pre_join[cd], din);
+    }
     for (int j = 0; j < sg->n_io_parts; j++) sg_dep(b, b->io[(size_t)s * sg->n_io_parts + j], din);
     sg_dep(b, din, dff);
     sg_dep(b, dff, dout);
@@ -1746,7 +1808,17 @@ static void sg_prefetch(sg_builder *b, int L)
         SG_NAME(b, "dev%d L%d prefetched", cd, L);
         b->pre_join[cd] = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_OTHER, MF_SG_K_OTHER, sg_rec(L));
     }
-    for (int e = 0; e < E; e++) {
+    /* per card its experts in descending order in blocks of SG_PRE_BLOCK, each block's join after
+     * the copies of every expert of the card's blocks down to it (b->pre_sfx[e] of each expert e
+     * of the block): slot s (whose expert, the slot table's distinct experts ascending, is >= s)
+     * on card cd waits for the join of the block of the lowest expert >= s that cd owns
+     * (sg_slot_card), so a card starts on its slots while the other copies run. Joins on the
+     * copies, not the copies chained, so the copies keep their ranks (the dense chains' copies
+     * first); the joins' ranks fall with e, so the copies go in descending order, the first
+     * slots' first; and not joins chained, each waits for one worker once its copies are in */
+    mf_task_id pj[MF_SG_MAX_CARDS];
+    int nb[MF_SG_MAX_CARDS] = {0};
+    for (int e = E - 1; e >= 0; e--) {
         int cd = mf_dev_xcache_owner(sg->n_cards, L, e);
         SG_NAME(b, "dev%d L%d expert %d pre", cd, L, e);
         mf_sg_task tp = sg_rec(L);
@@ -1758,6 +1830,15 @@ static void sg_prefetch(sg_builder *b, int L)
             sg_add(b, b->o->lane_dev0 + 3 * cd, MF_SG_DEV_PRE, MF_SG_PH_OTHER, MF_SG_K_COPY, tp);
         sg_dep(b, pl, pt);
         sg_dep(b, pt, b->pre_join[cd]);
+        if (nb[cd] == 0) {   /* a new block of the card: its join after every copy of the card so far */
+            SG_NAME(b, "dev%d L%d experts %d+ in", cd, L, e);
+            pj[cd] = sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_OTHER, MF_SG_K_OTHER, sg_rec(L));
+            for (int f = e + 1; f < E; f++)
+                if (mf_dev_xcache_owner(sg->n_cards, L, f) == cd) sg_dep(b, sg->pre_tid[(size_t)L * E + f], pj[cd]);
+        }
+        sg_dep(b, pt, pj[cd]);
+        b->pre_sfx[e] = pj[cd];
+        nb[cd] = (nb[cd] + 1) % SG_PRE_BLOCK;
     }
 }
 
@@ -1995,6 +2076,7 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->dev_graphs = o->n_cards > 0 && o->dev_graphs;
     sg->n_dense_cards = o->n_dense_cards;
     sg->dense_split = o->dense_split;
+    sg->dense_block = o->dense_block > 0 ? o->dense_block : MF_SG_DENSE_BLOCK;
     for (int L = 0; L < c->n_layers && L < MF_CONFIG_MAX_LAYERS; L++) {
         sg->heads_cards[L] = (int8_t)mf_sg_heads_choice(o, L);
         if (sg->heads_cards[L] && sg_heads_keys(c, L) > sg->heads_keys) sg->heads_keys = sg_heads_keys(c, L);
@@ -2150,11 +2232,13 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
                     .last_done = -1};
     b.per = (double)o->n / b.u;
     b.io = malloc(sizeof *b.io * ((size_t)sg->n_slots * sg->n_io_parts + 1));
-    int rc = !sg->slot_tid || !sg->card_ffn_tid || !b.io || !sg->eg_read_tid || !sg->pre_tid ? mf_error(-ENOMEM, "step graph: out of memory")
+    b.pre_sfx = malloc(sizeof *b.pre_sfx * ((size_t)c->n_routed_experts + 1));
+    int rc = !sg->slot_tid || !sg->card_ffn_tid || !b.io || !b.pre_sfx || !sg->eg_read_tid || !sg->pre_tid ? mf_error(-ENOMEM, "step graph: out of memory")
                                                           : mf_graph_create(o->lanes, o->n_lanes, &sg->g);
     for (size_t k = 0; !rc && k < n_eg; k++) sg->eg_read_tid[k] = -1;
     if (rc) {
         free(b.io);
+        free(b.pre_sfx);
         mf_stepgraph_free(sg);
         return rc;
     }
@@ -2174,6 +2258,7 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     sg_half(&b, -1);
     sg_head(&b, unit);
     free(b.io);
+    free(b.pre_sfx);
     free(b.exit_of);
     free(b.next_of);
     rc = b.rc ? b.rc : sg_set_priorities(o, sg);

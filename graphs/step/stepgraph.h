@@ -162,6 +162,8 @@ typedef struct mf_sg_task {
     int8_t dense;      /* dense tasks on a card: the sublayer, MF_SG_D_* */
     int8_t half;       /* the micro-batch whose chain the task is in (0 or 1; -1: the head, after
                         * both); with one micro-batch 0 */
+    int8_t block;      /* dense tasks on a card: the chain's item block (mf_sg_dense_blocks; 0: the
+                        * first, which also copies in what the blocks share, the heads' key table) */
     int32_t slot;      /* expert slot */
     int32_t part;      /* row part */
     int32_t i0, i1;    /* items [i0, i1) (item tasks; the tasks over a micro-batch's items: its
@@ -297,6 +299,8 @@ typedef struct mf_sg_opts {
      * ranges (MF_SG_SPLIT_LAYERS, 0) or by output rows across all of them (MF_SG_SPLIT_ROWS:
      * mf_sg_dense_rows) */
     int dense_split;
+    /* items a dense chain's item block holds at least (mf_sg_dense_blocks; 0: MF_SG_DENSE_BLOCK) */
+    int dense_block;
     int store;          /* 1: routed experts are read through a store (IO tasks per slot) */
     /* host->card copies of a card cache miss's packed expert: 1 when its parts lie in host memory
      * as they lie in the card's slot, one span (the engine's resident experts: step.c
@@ -384,6 +388,7 @@ typedef struct mf_stepgraph {
     int n_cards, dev_graphs, n_io_parts;
     int n_dense_cards;            /* as mf_sg_opts: 0 dense work on the host */
     int dense_split;              /* as mf_sg_opts */
+    int dense_block;              /* as mf_sg_opts (0 replaced by MF_SG_DENSE_BLOCK) */
     /* per layer: 0 its heads on the host (MF_SG_ATTN_HEADS), else the cards its heads' scores and
      * values run on (1: the layer's dense card; n_dense_cards: every card, the heads split by
      * mf_sg_heads_range); heads_keys: the most keys of an item (window + top-k), the stride of the
@@ -486,6 +491,17 @@ typedef enum mf_sg_dense_split { MF_SG_SPLIT_LAYERS = 0, MF_SG_SPLIT_ROWS } mf_s
  * whole on one card at the seed host's figures: docs/measurements.md part 1); a card's wo_a copies
  * in only the heads' output slices of the groups its rows touch. */
 int mf_sg_dense_parts(int n_dense_cards, int split, int dense);
+/* The item blocks of a dense chain on a card over n items, each a copy in -> card work -> copy out
+ * of its own over items [i0 + n j / blocks, i0 + n (j + 1) / blocks) (a card's blocks' copy-ins one
+ * after another), so that one block's copies run beside another's card work: a prefill chunk
+ * of thousands of items otherwise waits for its whole copy in before the card starts, and for the
+ * card's whole work before its copy out (docs/measurements.md part 1: TTFT of 8k). n /
+ * block_min blocks (block_min 0: MF_SG_DENSE_BLOCK), at least 1, at most MF_SG_DENSE_MAX_BLOCKS;
+ * the head's chain (its items with logits) is one block. The items' values are the same bits in
+ * any blocks (the kernels' sums are per item). */
+#define MF_SG_DENSE_BLOCK 256
+#define MF_SG_DENSE_MAX_BLOCKS 8
+int mf_sg_dense_blocks(int n, int block_min);
 /* The one rule for which rows a dense task owns: rows [r0, r1) of its sublayer's n_rows output
  * rows. Part -1 (a sublayer on one card): all of them. Part k of `parts`: chunks of
  * ceil(n_rows / parts) rounded up to 32 rows (an fp8 tile), the last parts possibly short or
