@@ -321,3 +321,11 @@ double mf_graph_task_cost_ns(const mf_graph *g, mf_task_id t)
     return g->finalized ? g->cost_ns[t] : mf_cost_on(&g->lanes[g->tasks[t].lane].model, &g->tasks[t].cost);
 }
 double mf_graph_rank_ns(const mf_graph *g, mf_task_id t) { return g->finalized ? g->rank_ns[t] : 0; }
+
+int mf_graph_raise_rank(mf_graph *g, mf_task_id t, double rank_ns)
+{
+    if (!g || t < 0 || t >= g->n_tasks) return -EINVAL;
+    if (!g->finalized) return -EPERM;
+    if (rank_ns > g->rank_ns[t]) g->rank_ns[t] = rank_ns;
+    return 0;
+}

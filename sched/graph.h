@@ -91,6 +91,12 @@ int mf_graph_finalize(mf_graph *g);
  * -EPERM after finalize, -EINVAL for an unknown task. */
 int mf_graph_set_cost(mf_graph *g, mf_task_id t, mf_cost cost);
 
+/* Raises task t's priority after finalize to at least rank_ns (its upward rank otherwise): for a
+ * policy the ranks cannot express, e.g. a copy whose successor waits for it alone on a lane that
+ * also holds longer copies which rank above it by their own cost (graphs/step/stepgraph.c
+ * sg_prefetch). Before any run. 0, -EPERM before finalize, -EINVAL for an unknown task. */
+int mf_graph_raise_rank(mf_graph *g, mf_task_id t, double rank_ns);
+
 /* Per-run payload update (allowed after finalize, between runs). */
 void mf_graph_set_arg(mf_graph *g, mf_task_id t, void *arg);
 /* Marks task t as having nothing to do (noop 1) or as normal (0), until changed. Allowed after

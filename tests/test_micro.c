@@ -57,9 +57,11 @@ static void test_overlap(const mf_stepgraph *sg, int n_layers)
         for (int h = 0; h < 2; h++) {
             mf_task_id ro = -1, ro_next = -1;
             for (int t = 0; t < nt; t++)
-                if (sg->task[t].op == MF_SG_ROUTE && sg->task[t].layer == L && sg->task[t].half == h) ro = t;
+                if (sg->task[t].op == MF_SG_ROUTE && sg->task[t].part < 0 && sg->task[t].layer == L && sg->task[t].half == h)
+                    ro = t;   /* the route (its top-k parts, per item, wait for no other half) */
             for (int t = 0; t < nt; t++)
-                if (sg->task[t].op == MF_SG_ROUTE && sg->task[t].layer == L + h && sg->task[t].half == 1 - h)
+                if (sg->task[t].op == MF_SG_ROUTE && sg->task[t].part < 0 && sg->task[t].layer == L + h &&
+                    sg->task[t].half == 1 - h)
                     ro_next = t;
             CHECK(ro >= 0, "no route of layer %d half %d", L, h);
             if (ro < 0) continue;
@@ -104,11 +106,15 @@ static void test_graph(const mf_config *c, int n)
         int routes = 0;
         for (int t = 0; t < sg->n_tasks; t++) {
             const mf_sg_task *r = &sg->task[t];
-            if (r->op == MF_SG_ROUTE) {
+            if (r->op == MF_SG_ROUTE) {   /* the route over its half; its top-k parts (MF_SG_ROUTE part >= 0) in it */
                 int a = r->half ? h0 : 0, b = r->half ? n : h0;
-                CHECK(r->i0 == a && r->i1 == b && r->n_tok == b - a, "L%d half %d route over [%d, %d)", r->layer,
-                      r->half, r->i0, r->i1);
-                routes++;
+                if (r->part < 0)
+                    CHECK(r->i0 == a && r->i1 == b && r->n_tok == b - a, "L%d half %d route over [%d, %d)", r->layer,
+                          r->half, r->i0, r->i1);
+                else
+                    CHECK(r->i0 >= a && r->i1 <= b && r->i0 < r->i1 && r->n_tok == r->i1 - r->i0,
+                          "L%d half %d route top-k part %d over [%d, %d)", r->layer, r->half, r->part, r->i0, r->i1);
+                routes += r->part < 0;
             }
             if (r->slot >= 0)
                 CHECK(mf_stepgraph_half_of_slot(sg, r->slot) == r->half, "slot %d task in half %d", r->slot, r->half);

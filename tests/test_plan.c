@@ -13,6 +13,7 @@
 #include <jansson.h>
 
 #include "device/dev.h"
+#include "device/expert_cache.h"
 #include "graphs/model/config.h"
 #include "graphs/model/model.h"
 #include "graphs/sim/plan.h"
@@ -709,7 +710,9 @@ static void test_placer_queue(void)
  * -ln(7/8)) = 21; flash41: 378); a prefill chunk of 32 on 2 hybrid cards builds it (one place task
  * and 16 copy tasks a layer) and its report counts every expert of every layer per chunk, a chunk
  * of 8 or --prefetch-min -1 does not; the placer's head start: an uncached expert whose copy fits
- * in it costs the card what a cached one does; the last chunk's trace names the copy tasks. */
+ * in it costs the card what a cached one does; the last chunk's trace names the copy tasks; a
+ * slot's copy-in waits for its card's copies of the experts from the slot's up (a join of them),
+ * not for all, and ranks above them. */
 static void test_prefetch_plan(void)
 {
     mf_config c;
@@ -734,6 +737,40 @@ static void test_prefetch_plan(void)
         }
         CHECK(sg->prefetch == want && pre == want * c.n_layers * c.n_routed_experts && place == want * c.n_layers,
               "chunk %d, prefetch_min %d: prefetch %d, %d copy and %d place tasks", chunk, pm, sg->prefetch, pre, place);
+        /* each slot's copy-in on a card: after a join of the card's copies of every expert >= the
+         * slot (the slot table's distinct experts ascending: the slot's own among them), not of all
+         * of them, and ranked above them all (sg_prefetch, sg_pre_ranks) */
+        int E = c.n_routed_experts, bad_dep = 0, bad_rank = 0, early = 0;
+        for (int L = 0; want && L < c.n_layers; L++)
+            for (int cd = 0; cd < 2; cd++) {
+                double top = 0;
+                for (int e = 0; e < E; e++) {
+                    mf_task_id pt = sg->pre_tid[(size_t)L * E + e];
+                    if (sg->task[pt].card == cd && mf_graph_rank_ns(sg->g, pt) > top) top = mf_graph_rank_ns(sg->g, pt);
+                }
+                for (int s = 0; s < sg->n_slots; s++) {
+                    mf_task_id din = sg->slot_tid[((size_t)L * sg->n_slots + s) * sg->tid_per_slot + 2 * sg->p_exp + 1 + 3 * cd];
+                    bad_rank += !(mf_graph_rank_ns(sg->g, din) > top);
+                    const mf_task_id *pr = mf_graph_pred(sg->g, din);
+                    mf_task_id j = -1;
+                    for (int k = 0; k < mf_graph_n_pred(sg->g, din); k++)
+                        if (sg->task[pr[k]].op == MF_SG_JOIN && sg->task[pr[k]].phase == MF_SG_PH_OTHER) j = pr[k];
+                    int missing = j < 0, n_pre = 0;
+                    for (int e = s; j >= 0 && e < E; e++) {
+                        if (mf_dev_xcache_owner(2, L, e) != cd) continue;
+                        int found = 0;
+                        const mf_task_id *jp = mf_graph_pred(sg->g, j);
+                        for (int k = 0; k < mf_graph_n_pred(sg->g, j); k++) found |= jp[k] == sg->pre_tid[(size_t)L * E + e];
+                        missing += !found;
+                    }
+                    for (int k = 0; j >= 0 && k < mf_graph_n_pred(sg->g, j); k++)
+                        n_pre += sg->task[mf_graph_pred(sg->g, j)[k]].op == MF_SG_DEV_PRE;
+                    bad_dep += missing > 0;
+                    early += j >= 0 && n_pre < E / 2;   /* a high slot waits for fewer than the card's all */
+                }
+            }
+        CHECK(!bad_dep && !bad_rank && (!want || early > 0), "chunk %d: %d slot copy-ins without their experts' "
+              "copies, %d ranked below a copy, %d waiting for part of the copies", chunk, bad_dep, bad_rank, early);
         mf_plan_free(p);
         char trace[1100];
         snprintf(trace, sizeof trace, "%s/plan_prefetch.json", getenv("MOEFLOW_TMP") ? getenv("MOEFLOW_TMP") : ".");

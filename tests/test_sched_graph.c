@@ -48,6 +48,13 @@ int main(void)
     CHECK(mf_graph_rank_ns(g, d) == 10, "rank d %g", mf_graph_rank_ns(g, d));
     CHECK(mf_graph_rank_ns(g, a) == 1000 + 510 + 10, "rank a %g", mf_graph_rank_ns(g, a));
     CHECK(mf_graph_add_task(g, &(mf_task_desc){.name = "late", .lane = 0}) < 0, "add after finalize");
+    /* a raised rank: only up, only known tasks */
+    CHECK(mf_graph_raise_rank(g, d, 5) == 0 && mf_graph_rank_ns(g, d) == 10, "a lower rank lowered d: %g",
+          mf_graph_rank_ns(g, d));
+    CHECK(mf_graph_raise_rank(g, d, 5000) == 0 && mf_graph_rank_ns(g, d) == 5000, "rank d raised: %g",
+          mf_graph_rank_ns(g, d));
+    CHECK(mf_graph_rank_ns(g, a) == 1000 + 510 + 10, "raising d moved a: %g", mf_graph_rank_ns(g, a));
+    CHECK(mf_graph_raise_rank(g, 99, 1) == -EINVAL, "unknown task raised");
     int x;
     mf_graph_set_arg(g, b, &x);
     CHECK(mf_graph_task(g, b)->arg == &x, "set_arg");

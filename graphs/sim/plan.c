@@ -518,6 +518,7 @@ static void pl_prefetch(mf_plan *p, int L, mf_plan_report *r)
     mf_sg_placer pl;
     pl_placer_init(p, &pl);
     mf_sg_place_ahead(&pl, p->sg->pre_ahead_ns[L]);
+    mf_sg_place_shared(&pl, p->sg, L, 0);
     pl_take k = {p, L, r};
     int on = mf_sg_place_all(&pl, &p->c, L, p->n_cards, tok, p->pre_cached, pl_take_slot, &k, p->pre_card, p->pre_miss);
     r->dev_slots += on;
@@ -579,6 +580,7 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
     }
     mf_sg_placer pl;
     pl_placer_init(p, &pl);
+    mf_sg_place_shared(&pl, p->sg, L, h);
     for (int s = 0; s < ns && p->n_cards; s++) {   /* all on the host's queue; miss: not cached (the pass) */
         int e = sl[s].e;
         sl[s].miss = mf_resid_slot(p->dev[mf_dev_xcache_owner(p->n_cards, L, e)], L * E + e) < 0;

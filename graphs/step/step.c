@@ -1182,6 +1182,7 @@ static int mf_step_place(mf_step_shape *sh, int L, int h)
     mf_sg_placer pl;
     int s0 = sh->sg->half_slot[h], s1 = sh->sg->half_slot[h + 1];
     mf_step_placer_init(eng, &pl);
+    mf_sg_place_shared(&pl, sh->sg, L, h);
     sh->dev_layer = L;
     sh->dev_half = h;
     int s_end = s0 + sh->n_used[h];
@@ -1258,6 +1259,7 @@ static int mf_task_moe_place(void *arg, mf_task_ctx *ctx)
     mf_sg_placer pl;
     mf_step_placer_init(eng, &pl);
     mf_sg_place_ahead(&pl, sh->sg->pre_ahead_ns[L]);
+    mf_sg_place_shared(&pl, sh->sg, L, 0);
     mf_step_take k = {sh, L, 0};
     int on = mf_sg_place_all(&pl, eng->c, L, eng->n_cards, tok, sh->pre_cached, mf_step_take_slot, &k, sh->pre_card,
                              sh->pre_miss);
@@ -1500,7 +1502,11 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
      * the other micro-batch's route runs before this one's MoE starts or after it ends, so the
      * expert counts and fills are this route's alone */
     int h = a->t->half, i0 = a->t->i0, i1 = a->t->i1, s0 = sh->sg->half_slot[h], s1 = sh->sg->half_slot[h + 1];
-    mf_step_topk(sh, cx, a->t->layer, i0, i1);
+    if (a->t->part >= 0) {   /* a part: its items' top-k (the route after the parts leaves it out) */
+        mf_step_topk(sh, cx, a->t->layer, i0, i1);
+        return 0;
+    }
+    if (!sh->sg->route_topk) mf_step_topk(sh, cx, a->t->layer, i0, i1);
     memset(sh->cnt, 0, sizeof *sh->cnt * (size_t)E);
     for (int j = i0 * K; j < i1 * K; j++) sh->cnt[sh->ex[j]]++;
     int ns = s0, off = i0 * K;

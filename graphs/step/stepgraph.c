@@ -1573,10 +1573,23 @@ static mf_task_id sg_router(sg_builder *b, int L, const mf_task_id *post)
     mf_sg_task t = sg_rec(L);
     sg_span(b, &t);
     /* top-k and tables; the gather of the n K rows (a copy and a quantize: 2 per value) here with
-     * one part, else in its parts */
-    t.w.ref_flops = n * ((pg > 1 ? 0 : H * K * 2.0) + 4.0 * E);
-    mf_task_id ro = sg_add(b, 0, MF_SG_ROUTE, MF_SG_PH_MOE, MF_SG_K_OTHER, t);
+     * one part, else in its parts; with gather parts and the items in any order (no hooks) the
+     * top-k too, in as many item ranges before it (the route's part p >= 0: the items' top-k only) */
+    int pt = sg->route_topk ? (pg < n ? pg : n) : 0;
+    t.w.ref_flops = n * ((pg > 1 ? 0 : H * K * 2.0) + (pt ? 2.0 * K : 4.0 * E));
+    mf_task_id ro = sg_add(b, 0, MF_SG_ROUTE, MF_SG_PH_MOE, MF_SG_K_OTHER, t), tk[MF_SG_MAX_PARTS];
     b->route = ro;
+    for (int p = 0; p < pt; p++) {
+        SG_NAME(b, "route L%d topk %d", L, p);
+        mf_sg_task tp = sg_rec(L);
+        tp.i0 = b->h0 + (int)((int64_t)n * p / pt);
+        tp.i1 = b->h0 + (int)((int64_t)n * (p + 1) / pt);
+        tp.n_tok = tp.i1 - tp.i0;
+        tp.part = p;
+        tp.w.ref_flops = tp.n_tok * 4.0 * E;
+        tk[p] = sg_add(b, 0, MF_SG_ROUTE, MF_SG_PH_MOE, MF_SG_K_OTHER, tp);
+        sg_dep(b, tk[p], ro);
+    }
     if (sg->prefetch) sg_dep(b, b->pre_place, ro);   /* mf_step_place_pre reads the place task's cards */
     if (pg > 1) {   /* route -> row parts -> rows join: what the slots' work waits for */
         SG_NAME(b, "route L%d rows join", L);
@@ -1606,6 +1619,7 @@ static mf_task_id sg_router(sg_builder *b, int L, const mf_task_id *post)
         b->moe_gate = b->chain_run;
         for (int k = b->k0; k < b->k1; k++) sg_dep(b, post[k], gp);
         sg_dep(b, gp, ro);
+        for (int p = 0; p < pt; p++) sg_dep(b, gp, tk[p]);
         return ro;
     }
     for (int p = 0; p < sg->p_attn; p++) {
@@ -1618,6 +1632,7 @@ static mf_task_id sg_router(sg_builder *b, int L, const mf_task_id *post)
         mf_task_id gp = sg_add(b, ln, MF_SG_GATE_ROWS, MF_SG_PH_MOE, MF_SG_K_OTHER, t);
         for (int k = b->k0; k < b->k1; k++) sg_dep(b, post[k], gp);
         sg_dep(b, gp, ro);
+        for (int q = 0; q < pt; q++) sg_dep(b, gp, tk[q]);
     }
     return ro;
 }
@@ -2076,6 +2091,7 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->dev_graphs = o->n_cards > 0 && o->dev_graphs;
     sg->n_dense_cards = o->n_dense_cards;
     sg->dense_split = o->dense_split;
+    sg->route_topk = sg->p_gather > 1 && !o->ordered;
     sg->dense_block = o->dense_block > 0 ? o->dense_block : MF_SG_DENSE_BLOCK;
     for (int L = 0; L < c->n_layers && L < MF_CONFIG_MAX_LAYERS; L++) {
         sg->heads_cards[L] = (int8_t)mf_sg_heads_choice(o, L);
@@ -2111,7 +2127,7 @@ static int sg_pre_ahead(const mf_sg_opts *o, mf_stepgraph *sg)
         const mf_sg_task *r = &sg->task[t];
         if (r->layer < 0) continue;
         if (r->op == MF_SG_MOE_PLACE && place[r->layer] < 0) place[r->layer] = t;
-        if (r->op == MF_SG_ROUTE && route[r->layer] < 0) route[r->layer] = t;
+        if (r->op == MF_SG_ROUTE && r->part < 0 && route[r->layer] < 0) route[r->layer] = t;
         if (r->phase != MF_SG_PH_ATTN && r->phase != MF_SG_PH_ENGRAM) continue;
         double ns = mf_graph_task(sg->g, t)->cost.time_ns;
         if (r->kind == MF_SG_K_COPY && r->card >= 0) h2d[r->layer][r->card] += ns;
@@ -2146,6 +2162,40 @@ static int sg_pre_ahead(const mf_sg_opts *o, mf_stepgraph *sg)
     }
     free(top), free(left), free(queue);
     return 0;
+}
+
+/* Prefetch: each slot's copy-in on a card ranks above the layer's expert copies on that card, and
+ * the joins it waits for above it. Its own expert's copy is in once it is ready (sg_prefetch's
+ * joins) and its card's FFN waits for it alone, but the copies still queued rank above it by their
+ * own cost (an expert's copy takes longer than a slot's rows), so the card would idle until the
+ * last of them; and its joins would wait for a worker behind the host's experts. 0 or the
+ * graph's error. */
+static int sg_pre_ranks(const mf_sg_opts *o, mf_stepgraph *sg)
+{
+    int E = o->c->n_routed_experts, rc = 0;
+    for (int L = 0; L < o->c->n_layers && !rc; L++)
+        for (int cd = 0; cd < sg->n_cards && !rc; cd++) {
+            double top = 0;
+            for (int e = 0; e < E; e++) {
+                mf_task_id pt = sg->pre_tid[(size_t)L * E + e];
+                if (pt >= 0 && sg->task[pt].card == cd && mf_graph_rank_ns(sg->g, pt) > top) top = mf_graph_rank_ns(sg->g, pt);
+            }
+            for (int s = 0; s < sg->n_slots && !rc; s++) {
+                mf_task_id din = sg->slot_tid[((size_t)L * sg->n_slots + s) * sg->tid_per_slot + 2 * sg->p_exp + 1 + 3 * cd];
+                if (din < 0) continue;
+                rc = mf_graph_raise_rank(sg->g, din, top + 1);
+                /* and the joins it waits for (its copies', its rows') as the highest of them and
+                 * the copies: they are free, and would wait for a worker behind the host's experts */
+                const mf_task_id *pr = mf_graph_pred(sg->g, din);
+                double jr = top + 2;
+                for (int k = 0; k < mf_graph_n_pred(sg->g, din); k++)
+                    if (sg->task[pr[k]].op == MF_SG_JOIN && mf_graph_rank_ns(sg->g, pr[k]) > jr)
+                        jr = mf_graph_rank_ns(sg->g, pr[k]);
+                for (int k = 0; k < mf_graph_n_pred(sg->g, din) && !rc; k++)
+                    if (sg->task[pr[k]].op == MF_SG_JOIN) rc = mf_graph_raise_rank(sg->g, pr[k], jr);
+            }
+        }
+    return rc;
 }
 
 /* The executor's priorities: every task's cost (mf_graph_set_cost, before finalize) is the cost
@@ -2263,7 +2313,13 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     free(b.next_of);
     rc = b.rc ? b.rc : sg_set_priorities(o, sg);
     if (!rc) rc = mf_graph_finalize(sg->g);
+    for (int t = 0; !rc && t < sg->n_tasks; t++) {   /* the shared expert's price per card (mf_sg_place_shared) */
+        const mf_sg_task *r = &sg->task[t];
+        if (r->op == MF_SG_DENSE && r->dense == MF_SG_D_SHARED && r->card >= 0 && r->layer >= 0 && r->half >= 0)
+            sg->shared_ns[r->half][r->layer][r->card] += mf_graph_task_cost_ns(sg->g, t);
+    }
     if (!rc && sg->prefetch) rc = sg_pre_ahead(o, sg);
+    if (!rc && sg->prefetch) rc = sg_pre_ranks(o, sg);
     if (rc) {
         mf_stepgraph_free(sg);
         return mf_error_wrap(rc, "step graph: a batch of %d", o->n);
@@ -2546,6 +2602,12 @@ int mf_sg_place_all(mf_sg_placer *p, const mf_config *c, int L, int n_cards, int
             n++;
         }
     return n;
+}
+
+void mf_sg_place_shared(mf_sg_placer *p, const mf_stepgraph *sg, int L, int h)
+{
+    if (L < 0 || L >= MF_CONFIG_MAX_LAYERS || h < 0 || h > 1) return;
+    for (int cd = 0; cd < MF_SG_MAX_CARDS; cd++) p->comp_q[cd] += sg->shared_ns[h][L][cd];
 }
 
 void mf_stepgraph_mark_prefetch(mf_stepgraph *sg, int L, const int32_t *card, const uint8_t *miss)

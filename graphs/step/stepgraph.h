@@ -50,7 +50,9 @@ typedef enum mf_sg_op {
     MF_SG_ATTN_POST,      /* item: columns [r0, r1) of the expand, collapsed with the attention
                            * mix's pre (the MoE input before ffn_norm) */
     MF_SG_GATE_ROWS,      /* rows (experts) of the router's logits, all items */
-    MF_SG_ROUTE,          /* top-k, slot table, store batch, placement, noop marks */
+    MF_SG_ROUTE,          /* top-k, slot table, store batch, placement, noop marks; part p >= 0:
+                           * the top-k of items [i0, i1) alone, before the route (part -1), which
+                           * then leaves it out (with gather parts and no hooks: sg_router) */
     MF_SG_MOE_DONE,       /* end of the layer's MoE: store batch closed, pins released */
     MF_SG_SLOT_READ,      /* IO lane: read `read` of slot `slot`'s expert into the store */
     MF_SG_SLOT_UP,        /* hidden rows of slot `slot`'s w1/w3 + SwiGLU (host) */
@@ -376,6 +378,8 @@ typedef struct mf_stepgraph {
      * to fill the workers the layer chain leaves idle without holding its next tasks back */
     int eg_block, p_eg;
     int p_gather;                 /* parts of a route's row gather (MF_SG_ROUTE_ROWS; 1: in the route) */
+    int route_topk;               /* 1: a route's top-k in p_gather item ranges before it (MF_SG_ROUTE's
+                                   * parts; with gather parts and no hooks: o->ordered 0) */
     /* per item: column parts of the hyper-connection tasks (collapse, norms, expand, combine),
      * row parts of each mix, attention head groups (of ah_heads heads); q norm column parts */
     int p_hc, p_mix, p_ah, ah_heads, p_qn, p_key;   /* p_key: index score parts per item, at least */
@@ -421,6 +425,10 @@ typedef struct mf_stepgraph {
     int prefetch, pre_experts;
     mf_task_id *pre_tid;
     double pre_ahead_ns[MF_CONFIG_MAX_LAYERS];
+    /* dense cards: per micro-batch, layer and card the price of the shared expert's work there (the
+     * graph's costs of its MF_SG_DENSE tasks), which the card runs beside that layer's routed
+     * experts (mf_sg_place_shared) */
+    double shared_ns[2][MF_CONFIG_MAX_LAYERS][MF_SG_MAX_CARDS];
 } mf_stepgraph;
 
 /* The engine's lanes (the simulator's graph has the same; its own lane options go to
@@ -611,6 +619,11 @@ void mf_sg_place_ahead(mf_sg_placer *p, double ahead_ns);
 typedef int (*mf_sg_take_fn)(void *ctx, int card, int e, int *hit);
 int mf_sg_place_all(mf_sg_placer *p, const mf_config *c, int L, int n_cards, int tok, const uint8_t *cached,
                     mf_sg_take_fn take, void *ctx, int32_t *card, uint8_t *miss);
+/* Micro-batch h's layer L: each card's compute queue starts with its shared expert's work there
+ * (mf_stepgraph.shared_ns), so that the card holding it takes fewer of the routed experts it owns
+ * (a long prefill chunk's shared expert is tens of ms on one card). Engine and simulator alike,
+ * after mf_sg_placer_init (and mf_sg_place_ahead). */
+void mf_sg_place_shared(mf_sg_placer *p, const mf_stepgraph *sg, int L, int h);
 /* Marks layer L's prefetch copies: noop unless card[e] >= 0 and miss[e]. */
 void mf_stepgraph_mark_prefetch(mf_stepgraph *sg, int L, const int32_t *card, const uint8_t *miss);
 /* Queues a used slot of cnt tokens on the host (every used slot, before any is offered). */
