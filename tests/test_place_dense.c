@@ -4,7 +4,7 @@
  * graph's card chains, the simulator's pricing of them, and the engine's logits with the dense work on emu:1..3
  * (split by layers and, on 2..3 cards, by rows; a card skipping a row must be caught) against the host
  * placement of the same engine, bit for bit (memcmp), also with the dense chains in item blocks
- * (mf_step_opts.dense_block): tiny at batch 1, 2, 3 and 16, resident and
+ * (mf_step_opts.dense_block) and the head's logits in passes (mf_step_opts.head_rows): tiny at batch 1, 2, 3 and 16, resident and
  * streamed experts, with routed experts on the host and hybrid; demo at batch 1 and 16 on emu:2
  * (not under the sanitizers); CUDA cards (where present) within tolerance; the startup self-check refusing a
  * wrong card and a failing one (device/dev_check.h) while the run continues on the others. */
@@ -300,19 +300,20 @@ static void test_engine(mf_ref *r, const char *what, const int *batches, int n_b
                         mf_step_free(e);
                     }
                     /* the dense chains in item blocks of 2 items or more (mf_sg_dense_blocks: a
-                     * prefill of 6 in 3, batch 16 in 8), with the last placement */
+                     * prefill of 6 in 3, batch 16 in 8) and the head's logits in passes of 3 items
+                     * (mf_step_opts.head_rows: batch 16 in 6), with the last placement */
                     e = NULL;
                     if (pl == (hybrid ? MF_STEP_PLACE_HYBRID : MF_STEP_PLACE_HOST))
                         CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = pl,
                                                              .dense = MF_STEP_DENSE_CARDS, .dense_split = sp,
-                                                             .dense_block = 2},
+                                                             .dense_block = 2, .head_rows = 3},
                                           &e) == 0,
                               "%s %s dense blocks: %s", what, spec, mf_last_error());
                     if (e) {
                         memset(got, 0, sizeof(float) * per);
                         int rc = run(r, e, b, n_dec, toks, 0, got);
                         CHECK(rc == 0 && !memcmp(host, got, sizeof(float) * per),
-                              "%s %s placement %d batch %d, split %s, item blocks: %s", what, spec, pl, b,
+                              "%s %s placement %d batch %d, split %s, item blocks and head passes: %s", what, spec, pl, b,
                               split_name[sp], rc ? mf_last_error() : "logits differ from the host placement's");
                         mf_step_free(e);
                     }

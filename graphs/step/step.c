@@ -161,6 +161,7 @@ struct mf_step_shape {
     int32_t *head_item; /* j -> item */
     int32_t *head_row;  /* item -> j (-1: no logits) */
     int n_head;
+    int head_rows;          /* dense cards: the rows of a card's logits buffer (MF_STEP_HEAD_ROWS) */
     /* dense work on cards: per card its device copies of the activations a dense task reads and
      * writes (attention buffers ab, MoE input, gate logits, shared expert's h (and g, u with
      * exact) and output, normed rows, logits, one Engram layer's embed rows and wkv output per
@@ -1851,7 +1852,9 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
         break;
     case MF_SG_D_HEAD:
         mf_step_dense_rows(a, V, &r0, &r1);
-        if (nh && out && r0 < r1) cp[m++] = mf_step_dcopy_cols(sh->lbuf, NULL, sh->dd_lbuf, 0, V, r0, r1, 0, nh);
+        /* more items than the card's buffer holds: the head's passes copy them out (mf_step_dense_head) */
+        if (nh && out && r0 < r1 && nh <= (size_t)sh->head_rows)
+            cp[m++] = mf_step_dcopy_cols(sh->lbuf, NULL, sh->dd_lbuf, 0, V, r0, r1, 0, nh);
         if (nh && !out) cp[m++] = mf_step_dcopy_cols(sh->hn, NULL, sh->dd_hn, 0, (int64_t)H, 0, (int64_t)H, 0, nh);
         break;
     case MF_SG_D_ENGRAM: {   /* the micro-batch's items: the host's rows of the layer's Engram slot */
@@ -2022,10 +2025,24 @@ static int mf_step_dense_launch(const mf_step_targ *a, mf_dev_stream *st)
     case MF_SG_D_SHARED:
         return mf_step_dense_shared(a, st, y);
     case MF_SG_D_HEAD: {
-        int64_t r0, r1;
-        mf_step_dense_run_rows(a, c->vocab_size, &r0, &r1);
-        return mf_step_dense_lin(a, st, mf_model_head(eng->ly->m), r0, r1, 0, 0, 0, DD(sh->dd_hn), H, sh->n_head,
-                                 DD(sh->dd_lbuf), c->vocab_size);
+        int64_t r0, r1, V = c->vocab_size;
+        mf_step_dense_run_rows(a, V, &r0, &r1);
+        if (sh->n_head <= sh->head_rows)   /* the copy-out task copies them */
+            return mf_step_dense_lin(a, st, mf_model_head(eng->ly->m), r0, r1, 0, 0, 0, DD(sh->dd_hn), H, sh->n_head,
+                                     DD(sh->dd_lbuf), V);
+        /* passes of head_rows items over the card's buffer, each copied out on this stream before
+         * the next overwrites it */
+        int rc = 0;
+        for (int j0 = 0; j0 < sh->n_head && !rc; j0 += sh->head_rows) {
+            int nj = sh->n_head - j0 < sh->head_rows ? sh->n_head - j0 : sh->head_rows;
+            rc = mf_step_dense_lin(a, st, mf_model_head(eng->ly->m), r0, r1, 0, 0, 0, DD(sh->dd_hn) + (int64_t)j0 * H, H,
+                                   nj, DD(sh->dd_lbuf), V);
+            if (!rc && r0 < r1) {
+                mf_step_dcopy cp = mf_step_dcopy_cols(sh->lbuf + (size_t)j0 * V, NULL, sh->dd_lbuf, 0, V, r0, r1, 0, (size_t)nj);
+                rc = mf_step_dcopy_run(st, db, &cp, 1);
+            }
+        }
+        return rc;
     }
     case MF_SG_D_ENGRAM: {
         int64_t r0, r1;
@@ -2258,7 +2275,9 @@ static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh, const size_t *ab
     dt[m++] = (typeof(dt[0])){ex ? n_ * Ish * f : 0, &sh->dd_us};
     dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_ys};
     dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_hn};
-    dt[m++] = (typeof(dt[0])){n_ * V * f, &sh->dd_lbuf};
+    sh->head_rows = eng->o.head_rows > 0 ? eng->o.head_rows : MF_STEP_HEAD_ROWS;
+    if ((size_t)sh->head_rows > n_) sh->head_rows = (int)n_;
+    dt[m++] = (typeof(dt[0])){(size_t)sh->head_rows * V * f, &sh->dd_lbuf};
     size_t eg = c->n_engram > 0 ? (size_t)sh->eg_items : 0;   /* one Engram layer's rows: its chains run in turn */
     dt[m++] = (typeof(dt[0])){eg * (size_t)sh->eg_emb_ld * f, &sh->dd_eg_emb};
     dt[m++] = (typeof(dt[0])){eg * (size_t)sh->eg_kv_ld * f, &sh->dd_eg_kv};

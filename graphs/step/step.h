@@ -25,6 +25,11 @@ typedef struct mf_profile mf_profile;
  * measurement (docs/decode.md "Prefill chunks": on demo, 2 threads, 512 took the least CPU time
  * per 2,048-token prefill of 64, 256, 512, 1024 and 2048); the simulator's prefill uses it too. */
 #define MF_STEP_PREFILL_CHUNK 512
+/* Items whose logits a dense card's head computes at a time: its logits buffer holds this many rows
+ * of the vocabulary (a decode batch's, MF_STEP_MAX_ITEMS), and a prefill chunk asking logits at
+ * more positions takes passes, each copied out before the next (a buffer for every position of an
+ * 8,192-position chunk would be 4.2 GB of a card at flash41's vocabulary). */
+#define MF_STEP_HEAD_ROWS MF_STEP_MAX_ITEMS
 
 typedef struct mf_step_opts {
     int n_threads;     /* CPU workers of the engine's executor (0: 1) */
@@ -111,6 +116,9 @@ typedef struct mf_step_opts {
     /* Tests only: > 0 lowers the visible entries the index scores on cards take (beyond them a
      * chunk's selects score on the host) below the engine's 16,384, to reach that path. 0: off. */
     int scores_entries;
+    /* Tests only: > 0 lowers the items whose logits a dense card's head computes at a time (the
+     * rows of its logits buffer, MF_STEP_HEAD_ROWS) to reach the passes. 0: MF_STEP_HEAD_ROWS. */
+    int head_rows;
     /* 2 (`moeflow decode --micro-batches 2`): two micro-batches in flight for batches of two or
      * more sequences (graphs/step/stepgraph.h mf_sg_opts.micro): each half of the batch routed,
      * placed and combined on its own, one half's MoE beside the other's attention; the logits are
