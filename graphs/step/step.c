@@ -1852,7 +1852,7 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
         break;
     case MF_SG_D_HEAD:
         mf_step_dense_rows(a, V, &r0, &r1);
-        /* more items than the card's buffer holds: the head's passes copy them out (mf_step_dense_head) */
+        /* more items than the card's buffer holds: the head's passes copy them out (mf_step_dense_launch) */
         if (nh && out && r0 < r1 && nh <= (size_t)sh->head_rows)
             cp[m++] = mf_step_dcopy_cols(sh->lbuf, NULL, sh->dd_lbuf, 0, V, r0, r1, 0, nh);
         if (nh && !out) cp[m++] = mf_step_dcopy_cols(sh->hn, NULL, sh->dd_hn, 0, (int64_t)H, 0, (int64_t)H, 0, nh);

@@ -590,7 +590,6 @@ static double sg_dense_oa_in_share(const mf_config *c, int parts, int k, double 
     return r1 > r0 ? (double)((r1 + R - 1) / R - r0 / R) / (double)G : 0;
 }
 
-/* The task of group g (sg_dense_chain: linked by next_of) on card cd; g itself when none is. */
 /* Each member of group g on card cd (a dense chain's first task or card work: its chains, one per
  * card and item block) before `after`. */
 static void sg_dense_member_dep(sg_builder *b, mf_task_id g, int cd, mf_task_id after)
@@ -1829,8 +1828,9 @@ static void sg_prefetch(sg_builder *b, int L)
      * on card cd waits for the join of the block of the lowest expert >= s that cd owns
      * (sg_slot_card), so a card starts on its slots while the other copies run. Joins on the
      * copies, not the copies chained, so the copies keep their ranks (the dense chains' copies
-     * first); the joins' ranks fall with e, so the copies go in descending order, the first
-     * slots' first; and not joins chained, each waits for one worker once its copies are in */
+     * first) and, equal among themselves, go in the order they are added (a lower id first on
+     * ties): descending, the first slots' experts first; and not joins chained, so each waits
+     * for one worker once its copies are in (sg_pre_ranks ranks them above the host's experts) */
     mf_task_id pj[MF_SG_MAX_CARDS];
     int nb[MF_SG_MAX_CARDS] = {0};
     for (int e = E - 1; e >= 0; e--) {

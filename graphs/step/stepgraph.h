@@ -503,11 +503,11 @@ int mf_sg_dense_parts(int n_dense_cards, int split, int dense);
  * of its own over items [i0 + n j / blocks, i0 + n (j + 1) / blocks) (a card's blocks' copy-ins one
  * after another), so that one block's copies run beside another's card work: a prefill chunk
  * of thousands of items otherwise waits for its whole copy in before the card starts, and for the
- * card's whole work before its copy out (docs/measurements.md part 1: TTFT of 8k). n /
+ * card's whole work before its copy out (docs/measurements.md, "Second 2026-12-04 session"). n /
  * block_min blocks (block_min 0: MF_SG_DENSE_BLOCK), at least 1, at most MF_SG_DENSE_MAX_BLOCKS;
  * the head's chain (its items with logits) is one block. The items' values are the same bits in
  * any blocks (the kernels' sums are per item). */
-#define MF_SG_DENSE_BLOCK 256
+#define MF_SG_DENSE_BLOCK 256   /* simulated TTFT of 8,192 on the seed host: 256 / 8 blocks 10.075 s, 1,024 / 4 10.237, 512 / 16 10.267 */
 #define MF_SG_DENSE_MAX_BLOCKS 8
 int mf_sg_dense_blocks(int n, int block_min);
 /* The one rule for which rows a dense task owns: rows [r0, r1) of its sublayer's n_rows output
