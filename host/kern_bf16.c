@@ -3,6 +3,8 @@
 #include "host/kern_internal.h"
 
 #include <immintrin.h>
+#include <stdatomic.h>
+#include <time.h>
 
 #include "host/formats.h"
 
@@ -41,17 +43,17 @@ static inline __m256 mf_kern_bf16_load8(const uint16_t *w)
  * registers and applied at once, one row at a time (four independent sums in flight), instead of
  * decoded to an L1 tile and read back. Each output's 32 lanes are the tile engine's (lane = k mod
  * 32, fmaf in k order from +0) and reduced by the same tree, so the bits are the engine's. One row
- * at a time the weights are one forward stream, which the hardware prefetcher follows alone: no
- * software prefetch (docs/kernels.md "The one-token prefetch": two interleaved rows with one were
- * slower, and slower still without). */
+ * at a time the weights are one forward stream; pf 1 also prefetches each row
+ * MF_KERN_PREFETCH_TOK1 ahead into L2 (mf_kern_bf16_tok1_prefetch says which runs). */
 __attribute__((target("avx2,fma")))
-static void mf_kern_bf16_tok1_avx2(const mf_kern_mat *m, const float *x, float *y, int y_row0, int r0, int r1)
+static void mf_kern_bf16_tok1_avx2(const mf_kern_mat *m, const float *x, float *y, int y_row0, int r0, int r1, int pf)
 {
     const int n = m->n_in;
     for (int o = r0; o < r1; o++) {
         const uint16_t *wa = (const uint16_t *)m->w + (size_t)o * n;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int k = 0; k < n; k += 32) {
+            if (pf) mf_kern_prefetch_tok1(wa + k);
             a0 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k), _mm256_loadu_ps(x + k), a0);
             a1 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k + 8), _mm256_loadu_ps(x + k + 8), a1);
             a2 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k + 16), _mm256_loadu_ps(x + k + 16), a2);
@@ -61,11 +63,61 @@ static void mf_kern_bf16_tok1_avx2(const mf_kern_mat *m, const float *x, float *
     }
 }
 
+/* Which one-token loop streams faster is the machine's (docs/kernels.md "The one-token prefetch":
+ * a Zen 4 VM 29-30 GB/s a thread without the prefetch, 25-26 with it; an Intel VM with AVX-512
+ * 16.6-17.4 GB/s for two threads without, 26.1-27.5 with), so it is measured where it runs: the
+ * first calls over at least MF_BF16_TUNE_BYTES alternate the two and time them, and once each has
+ * MF_BF16_TUNE_CALLS the one with fewer ns per byte stays for the process (smaller calls run
+ * without the prefetch until then; mf_kern_bf16_tok1_set_prefetch fixes it instead). The sums are
+ * the same either way: only the speed depends on the choice. */
+#define MF_BF16_TUNE_BYTES (4u << 20)
+#define MF_BF16_TUNE_CALLS 8
+static atomic_int g_pf = -1;   /* -1: measuring, 0 or 1: chosen */
+static atomic_int g_turn, g_calls[2];
+static atomic_llong g_ns[2], g_bytes[2];
+
+int mf_kern_bf16_tok1_prefetch(void) { return atomic_load_explicit(&g_pf, memory_order_relaxed); }
+
+void mf_kern_bf16_tok1_set_prefetch(int pf)
+{
+    atomic_store(&g_pf, pf == 0 || pf == 1 ? pf : -1);
+    for (int v = 0; v < 2; v++) {
+        atomic_store(&g_calls[v], 0);
+        atomic_store(&g_ns[v], 0);
+        atomic_store(&g_bytes[v], 0);
+    }
+}
+
+static void mf_kern_bf16_tok1(const mf_kern_mat *m, const float *x, float *y, int y_row0, int r0, int r1)
+{
+    int pf = mf_kern_bf16_tok1_prefetch();
+    long long bytes = (long long)(r1 - r0) * m->n_in * 2;
+    if (pf >= 0 || bytes < (long long)MF_BF16_TUNE_BYTES) {
+        mf_kern_bf16_tok1_avx2(m, x, y, y_row0, r0, r1, pf > 0);
+        return;
+    }
+    int v = atomic_fetch_add(&g_turn, 1) & 1;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    mf_kern_bf16_tok1_avx2(m, x, y, y_row0, r0, r1, v);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    atomic_fetch_add(&g_ns[v], (long long)(t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec));
+    atomic_fetch_add(&g_bytes[v], bytes);
+    atomic_fetch_add(&g_calls[v], 1);
+    if (atomic_load(&g_calls[0]) >= MF_BF16_TUNE_CALLS && atomic_load(&g_calls[1]) >= MF_BF16_TUNE_CALLS) {
+        /* ns0 / bytes0 <= ns1 / bytes1: no prefetch */
+        double a = (double)atomic_load(&g_ns[0]) * (double)atomic_load(&g_bytes[1]);
+        double b = (double)atomic_load(&g_ns[1]) * (double)atomic_load(&g_bytes[0]);
+        int measuring = -1;
+        atomic_compare_exchange_strong(&g_pf, &measuring, a <= b ? 0 : 1);
+    }
+}
+
 void mf_kern_bf16_rows(const mf_kern_mat *m, const float *x, int n_tok, int ld_x, float *y,
                        int ld_y, int y_row0, int r0, int r1)
 {
     if (n_tok == 1 && mf_kern_simd_active() == MF_KERN_SIMD_AVX2) {
-        mf_kern_bf16_tok1_avx2(m, x, y, y_row0, r0, r1);
+        mf_kern_bf16_tok1(m, x, y, y_row0, r0, r1);
         return;
     }
     mf_kern_f32_run(m, mf_kern_bf16_decode_avx2, mf_kern_bf16_decode_scalar, x, n_tok, ld_x, y,

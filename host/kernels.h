@@ -99,6 +99,11 @@ int mf_kern_fp4_matmul_f32(const uint8_t *w, const uint8_t *scale, int n_out, in
                            const float *x, int n_tok, int ld_x, float *y, int ld_y, int r0, int r1);
 int mf_kern_fp8_matmul(const uint8_t *w, const uint8_t *scale, int n_out, int n_in,
                        const float *x, int n_tok, int ld_x, float *y, int ld_y, int r0, int r1);
+/* The BF16 one-token loop's L2 prefetch (host/kern_bf16.c): 1 on, 0 off, -1 still being measured
+ * on this machine (the first large calls alternate both and keep the faster). The results are the
+ * same bits either way. set: 0 or 1 fixes it, else measures again from zero (tests). */
+int mf_kern_bf16_tok1_prefetch(void);
+void mf_kern_bf16_tok1_set_prefetch(int pf);
 int mf_kern_bf16_matmul(const uint16_t *w, int n_out, int n_in,
                         const float *x, int n_tok, int ld_x, float *y, int ld_y, int r0, int r1);
 

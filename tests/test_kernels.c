@@ -638,6 +638,38 @@ static void test_vec_lanes(const mf_kern_simd *paths, int n_paths)
     free(k);
 }
 
+/* The BF16 one-token loop with and without its L2 prefetch (mf_kern_bf16_tok1_set_prefetch): the
+ * same bits; left to measure, 20 calls over 4.3 MB settle on one of them with the same bits. */
+static void case_bf16_prefetch(void)
+{
+    if (mf_kern_simd_active() != MF_KERN_SIMD_AVX2) return;
+    enum { R = 2112, C = 1024 };
+    uint16_t *w = malloc(sizeof(uint16_t) * R * C);
+    float *x = malloc(sizeof(float) * C), *y[3];
+    for (int k = 0; k < 3; k++) y[k] = malloc(sizeof(float) * R);
+    for (int64_t i = 0; i < (int64_t)R * C; i++) w[i] = mf_bf16_from_f32(rng_normal());
+    for (int i = 0; i < C; i++) x[i] = rng_normal();
+    for (int pf = 0; pf < 2; pf++) {
+        mf_kern_bf16_tok1_set_prefetch(pf);
+        CHECK(mf_kern_bf16_tok1_prefetch() == pf, "prefetch %d not set", pf);
+        CHECK(mf_kern_bf16_matmul(w, R, C, x, 1, C, y[pf], R, 0, R) == 0, "%s", mf_last_error());
+    }
+    CHECK(bits_equal(y[0], y[1], R), "bf16 one token: the prefetching loop's bits differ");
+    mf_kern_bf16_tok1_set_prefetch(-1);
+    CHECK(mf_kern_bf16_tok1_prefetch() == -1, "measuring not restarted");
+    for (int k = 0; k < 20; k++) {
+        memset(y[2], 0, sizeof(float) * R);
+        CHECK(mf_kern_bf16_matmul(w, R, C, x, 1, C, y[2], R, 0, R) == 0, "%s", mf_last_error());
+        CHECK(bits_equal(y[0], y[2], R), "bf16 one token, measuring call %d: bits differ", k);
+    }
+    int pf = mf_kern_bf16_tok1_prefetch();
+    CHECK(pf == 0 || pf == 1, "20 calls of %d bytes left the prefetch unchosen (%d)", R * C * 2, pf);
+    printf("test_kernels: the BF16 one-token loop here: prefetch %s (measured)\n", pf == 1 ? "on" : "off");
+    free(w);
+    free(x);
+    for (int k = 0; k < 3; k++) free(y[k]);
+}
+
 int main(void)
 {
     const char *env = getenv("MOEFLOW_TEST_SEED");
@@ -707,6 +739,7 @@ int main(void)
     /* one token over several 512-input tiles and a partial one (the batch-1 register paths) */
     case_matmul(MF_KERN_FP8, 67, 1056, 1, 110, 135, 0);
     case_matmul(MF_KERN_BF16, 37, 1312, 1, 0, 0, 1);
+    case_bf16_prefetch();
     case_ffn(MF_KERN_FP4, 96, 256, 5);
     case_ffn(MF_KERN_FP4, 160, 544, 64);
     case_ffn(MF_KERN_FP4, 64, 256, 67);                      /* two token passes */
