@@ -7,6 +7,7 @@
 #include <time.h>
 
 #include "host/formats.h"
+#include "host/simd_bf16.h"
 
 static void mf_kern_bf16_decode_scalar(const mf_kern_mat *m, int row, int k0, int n, float *dst)
 {
@@ -32,12 +33,6 @@ static void mf_kern_bf16_decode_avx2(const mf_kern_mat *m, int row, int k0, int 
     }
 }
 
-/* 8 BF16 weights at w widened to fp32 in order (bf16 << 16). */
-__attribute__((target("avx2,fma")))
-static inline __m256 mf_kern_bf16_load8(const uint16_t *w)
-{
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
-}
 
 /* One token (batch-1 decode: the head, the router, the compressor): the weights widened in
  * registers and applied at once, one row at a time (four independent sums in flight), instead of
@@ -54,10 +49,10 @@ static void mf_kern_bf16_tok1_avx2(const mf_kern_mat *m, const float *x, float *
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int k = 0; k < n; k += 32) {
             if (pf) mf_kern_prefetch_tok1(wa + k);
-            a0 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k), _mm256_loadu_ps(x + k), a0);
-            a1 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k + 8), _mm256_loadu_ps(x + k + 8), a1);
-            a2 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k + 16), _mm256_loadu_ps(x + k + 16), a2);
-            a3 = _mm256_fmadd_ps(mf_kern_bf16_load8(wa + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+            a0 = _mm256_fmadd_ps(mf_simd_bf16_load8(wa + k), _mm256_loadu_ps(x + k), a0);
+            a1 = _mm256_fmadd_ps(mf_simd_bf16_load8(wa + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+            a2 = _mm256_fmadd_ps(mf_simd_bf16_load8(wa + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+            a3 = _mm256_fmadd_ps(mf_simd_bf16_load8(wa + k + 24), _mm256_loadu_ps(x + k + 24), a3);
         }
         y[o - y_row0] = mf_kern_reduce4x8_avx2(a0, a1, a2, a3);
     }

@@ -320,8 +320,7 @@ __attribute__((target("avx2,fma"))) static void mf_vec_bf16_pack_avx2(const floa
 __attribute__((target("avx2,fma"))) static void mf_vec_bf16_unpack_avx2(const uint16_t *y, float *x, int64_t n)
 {
     for (int64_t i = 0; i < n; i += 8) {
-        __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)(y + i)));
-        _mm256_storeu_ps(x + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+        _mm256_storeu_ps(x + i, mf_simd_bf16_load8(y + i));
     }
 }
 

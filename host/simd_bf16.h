@@ -7,6 +7,7 @@
 #define MF_HOST_SIMD_BF16_H
 
 #include <immintrin.h>
+#include <stdint.h>
 
 __attribute__((target("avx2,fma"))) static inline __m256 mf_simd_bf16_round8(__m256 x)
 {
@@ -19,6 +20,15 @@ __attribute__((target("avx2,fma"))) static inline __m256 mf_simd_bf16_round8(__m
     __m256i q = _mm256_or_si256(_mm256_and_si256(bi, _mm256_set1_epi32((int)0x80000000u)),
                                 _mm256_set1_epi32(0x7FC00000));
     return _mm256_castsi256_ps(_mm256_blendv_epi8(r, q, nan));
+}
+
+/* 8 bf16 codes at p widened to floats (exact: the code in the top half). One home for the BF16
+ * kernels' loads (host/kern_bf16.c), the unpack (mf_kern_vec_bf16_unpack) and the engine's reads of
+ * bf16 copies (graphs/step/fast_attn.c). */
+__attribute__((target("avx2,fma"))) static inline __m256 mf_simd_bf16_load8(const uint16_t *p)
+{
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)p)), 16));
 }
 
 #endif

@@ -426,10 +426,7 @@ __attribute__((target("avx2,fma"))) static int64_t mf_fa_combine_avx2(const floa
         __m256d a = _mm256_setzero_pd(), bb = _mm256_setzero_pd();
         for (int k = 0; k < n; k++) {   /* the outputs in their order: each column's double sum as the scalar loop */
             size_t at = (size_t)rows[k] * ld + (size_t)d;
-            __m256 v = row16 && row16[rows[k]]
-                           ? _mm256_castsi256_ps(_mm256_slli_epi32(
-                                 _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)(y16 + at))), 16))
-                           : mf_simd_bf16_round8(_mm256_loadu_ps(y + at));
+            __m256 v = row16 && row16[rows[k]] ? mf_simd_bf16_load8(y16 + at) : mf_simd_bf16_round8(_mm256_loadu_ps(y + at));
             a = _mm256_add_pd(a, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
             bb = _mm256_add_pd(bb, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
         }
@@ -607,8 +604,7 @@ __attribute__((target("avx2,fma"))) static int64_t mf_fa_norm_avx2(const float *
     for (; i + 8 <= c1; i += 8) {
         __m256 t = mf_simd_bf16_round8(_mm256_mul_ps(_mm256_loadu_ps(x + i), r));
         __m256 wv = f32 ? _mm256_loadu_ps((const float *)(const void *)(w + 4 * i))
-                        : _mm256_castsi256_ps(_mm256_slli_epi32(
-                              _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)(w + 2 * i))), 16));
+                        : mf_simd_bf16_load8((const uint16_t *)(const void *)(w + 2 * i));
         _mm256_storeu_ps(out + i, mf_simd_bf16_round8(_mm256_mul_ps(wv, t)));
     }
     return i;

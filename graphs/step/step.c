@@ -677,6 +677,17 @@ static int mf_task_attn_select(void *arg, mf_task_ctx *ctx)
     return 0;
 }
 
+/* The first item of [i0, i1) that is not the position after the one before it in the same
+ * sequence, -1 when they are consecutive positions of one sequence (what the cards' heads and
+ * index scores take). */
+static int mf_step_items_gap(const mf_step_shape *sh, int i0, int i1)
+{
+    const mf_ly_item *it = sh->items;
+    for (int i = i0 + 1; i < i1; i++)
+        if (it[i].st != it[i0].st || it[i].pos != it[i0].pos + (i - i0)) return i;
+    return -1;
+}
+
 /* ---- the index scores on cards (graphs/step/stepgraph.h MF_SG_ATTN_KEYS, MF_SG_D_SCORES) ----- */
 
 /* The unit's index keys: the entries of layer L's index source its last item sees, unpacked as
@@ -692,9 +703,7 @@ static int mf_task_attn_keys(void *arg, mf_task_ctx *ctx)
     const mf_config *c = ly->c;
     int L = a->t->layer, i0 = a->t->i0, i1 = a->t->i1;
     const mf_ly_item *it = sh->items;
-    sh->sk_host = 0;
-    for (int i = i0 + 1; i < i1; i++)
-        if (it[i].st != it[i0].st || it[i].pos != it[i0].pos + (i - i0)) sh->sk_host = 1;
+    sh->sk_host = mf_step_items_gap(sh, i0, i1) >= 0;
     sh->sk_nkeys = mf_ly_index_n_vis(c, L, it[i1 - 1].pos);
     int cap = sh->eng->o.scores_entries > 0 && sh->eng->o.scores_entries < MF_STEP_SCORE_ENTRIES
                   ? sh->eng->o.scores_entries : MF_STEP_SCORE_ENTRIES;
@@ -862,10 +871,10 @@ static int mf_task_attn_gather(void *arg, mf_task_ctx *ctx)
     const mf_config *c = ly->c;
     int L = a->t->layer, i0 = a->t->i0, i1 = a->t->i1, D = c->head_dim, W = c->sliding_window;
     const mf_ly_item *it = sh->items;
-    for (int i = i0 + 1; i < i1; i++)
-        if (it[i].st != it[i0].st || it[i].pos != it[i0].pos + (i - i0))
-            return mf_error(-EINVAL, "step: heads on cards: item %d is not the position after item %d of its sequence",
-                            i, i - 1);
+    int gap = mf_step_items_gap(sh, i0, i1);
+    if (gap >= 0)
+        return mf_error(-EINVAL, "step: heads on cards: item %d is not the position after item %d of its sequence",
+                        gap, gap - 1);
     int64_t pos0 = it[i0].pos, last = it[i1 - 1].pos;
     sh->hk_pos0 = pos0;
     sh->hk_t0 = pos0 - W + 1 < 0 ? 0 : pos0 - W + 1;
