@@ -1149,34 +1149,41 @@ static int jr_new(json_t *v, json_t **out)
 static int jr_strv(const char *s, size_t n, json_t **out) { return jr_new(json_stringn_nocheck(s, n), out); }
 
 /* x's argument list: positional values into pos[], keyword ones by name into kw (an object) */
-static int jr_args(jrender *R, const jnode *x, json_t **pos, int max_pos, int *n_pos, json_t *kw)
-{
-    int rc;
-    *n_pos = 0;
-    for (const jnode *g = x->args; g; g = g->next) {
-        json_t *v;
-        if ((rc = jr_eval(R, g->kind == E_KW ? g->a : g, &v))) return rc;
-        if (g->kind == E_KW) {
-            if (!kw || v == JV_UNDEF) {
-                jv_drop(v);
-                return rerr(R, g, kw ? "keyword argument '%.*s' is undefined" : "keyword argument '%.*s' is not supported here",
-                            (int)g->n, g->s);
-            }
-            if (json_object_setn_new_nocheck(kw, g->s, g->n, v)) return -ENOMEM;
-        } else {
-            if (*n_pos == max_pos) {
-                jv_drop(v);
-                return rerr(R, g, "too many arguments");
-            }
-            pos[(*n_pos)++] = v;
-        }
-    }
-    return 0;
-}
-
 static void jr_drop_args(json_t **pos, int n)
 {
     for (int i = 0; i < n; i++) jv_drop(pos[i]);
+}
+
+/* A call's arguments: positional ones into pos (at most max_pos), keyword ones into kw. On an error
+ * the positional values taken so far are dropped and *n_pos is 0, so a caller only drops after
+ * success. */
+static int jr_args(jrender *R, const jnode *x, json_t **pos, int max_pos, int *n_pos, json_t *kw)
+{
+    int rc = 0;
+    *n_pos = 0;
+    for (const jnode *g = x->args; g && !rc; g = g->next) {
+        json_t *v;
+        if ((rc = jr_eval(R, g->kind == E_KW ? g->a : g, &v))) break;
+        if (g->kind == E_KW) {
+            if (!kw || v == JV_UNDEF) {
+                jv_drop(v);
+                rc = rerr(R, g, kw ? "keyword argument '%.*s' is undefined" : "keyword argument '%.*s' is not supported here",
+                          (int)g->n, g->s);
+            } else if (json_object_setn_new_nocheck(kw, g->s, g->n, v)) {
+                rc = -ENOMEM;
+            }
+        } else if (*n_pos == max_pos) {
+            jv_drop(v);
+            rc = rerr(R, g, "too many arguments");
+        } else {
+            pos[(*n_pos)++] = v;
+        }
+    }
+    if (rc) {
+        jr_drop_args(pos, *n_pos);
+        *n_pos = 0;
+    }
+    return rc;
 }
 
 static int jj_space_at(const char *s, size_t n, size_t i, size_t *w)
