@@ -455,10 +455,10 @@ int mf_dev_expert_ffn_table(mf_dev_stream *s, const mf_dev_ffn_table *a)
                         a->n_slots, a->max_tok);
     if (!a->table || !a->x || !a->h || !a->y || !a->q8_scratch)
         return mf_error(-EINVAL, "%s: card %d: NULL table, x, h, y or q8 scratch", what, s->card);
-    size_t need = mf_dev_ffn_q8_bytes(a->max_tok, a->n_in, a->n_hidden);
-    if (a->q8_stride < need)
-        return mf_error(-EINVAL, "%s: q8 stride %zu bytes, expected >= %zu for %d tokens", what,
-                        a->q8_stride, need, a->max_tok);
+    size_t need = mf_dev_ffn_q8_bytes(1, a->n_in, a->n_hidden);
+    if (a->q8_row < need)
+        return mf_error(-EINVAL, "%s: q8 scratch of %zu bytes a row, expected >= %zu (mf_dev_ffn_q8_bytes(1, "
+                        "%d, %d))", what, a->q8_row, need, a->n_in, a->n_hidden);
     if (!(a->limit > 0.0f))
         return mf_error(-EINVAL, "%s: swiglu limit %g, expected > 0", what, (double)a->limit);
     return s->dev->ops->expert_ffn_table(s, a);

@@ -269,8 +269,9 @@ int mf_dev_expert_ffn(mf_dev_stream *s, const mf_dev_ffn *a);
  * new cache slots, by rewriting the table's host copy. FP4 experts, int8 path only.
  * Slot s: the expert's packed weights at `base` (device memory of the stream's card; w1, w2, w3
  * codes and scales at part_off[0..5]), its rows [row0, row0 + n_tok) of x [.][n_in], tok_weight,
- * h [.][n_hidden] and y [.][n_in], its q8 scratch at q8_scratch + s * q8_stride (q8_stride >=
- * mf_dev_ffn_q8_bytes(max_tok, n_in, n_hidden)); n_tok 0: the slot is unused. Each used slot
+ * h [.][n_hidden] and y [.][n_in], its q8 scratch at q8_scratch + row0 * q8_row (q8_row >=
+ * mf_dev_ffn_q8_bytes(1, n_in, n_hidden): a slot's rows' area, never another's while slots' row
+ * ranges do not overlap; the scratch holds (rows) x q8_row bytes); n_tok 0: the slot is unused. Each used slot
  * computes exactly what mf_dev_expert_ffn computes for it. A slot with n_tok outside [0, max_tok]
  * is an asynchronous error on emulated cards (-EINVAL at the next status callback or sync) and
  * skipped on CUDA. */
@@ -289,7 +290,7 @@ typedef struct mf_dev_ffn_table {
     float limit;
     float *h;
     void *q8_scratch;
-    size_t q8_stride;
+    size_t q8_row;                  /* bytes of scratch a row: slot s's at q8_scratch + row0 * q8_row */
     float *y;
 } mf_dev_ffn_table;
 int mf_dev_expert_ffn_table(mf_dev_stream *s, const mf_dev_ffn_table *a);

@@ -196,7 +196,7 @@ static int emu_ffn_table(const mf_dev_ffn_table *a)
             .w3 = {MF_KERN_FP4, b + a->part_off[4], b + a->part_off[5], I, H},
             .x = a->x + r0 * H, .n_tok = e.n_tok, .tok_weight = a->tok_weight ? a->tok_weight + r0 : NULL,
             .limit = a->limit, .h = a->h + r0 * I,
-            .q8_scratch = (uint8_t *)a->q8_scratch + (size_t)k * a->q8_stride, .y = a->y + r0 * H};
+            .q8_scratch = (uint8_t *)a->q8_scratch + r0 * a->q8_row, .y = a->y + r0 * H};
         int rc = emu_ffn(&f);
         if (rc) return mf_error_wrap(rc, "expert FFN slot table, slot %d", k);
     }

@@ -499,9 +499,10 @@ __device__ static mf_dev_ffn_slot k_slot(const mf_dev_ffn_table &a)
     return e;
 }
 
-__device__ static mf_q8k_view k_slot_view(const mf_dev_ffn_table &a, int n_tok, int n_in)
+/* Slot e's q8 scratch: its rows' area (mf_dev_ffn_table.q8_row). */
+__device__ static mf_q8k_view k_slot_view(const mf_dev_ffn_table &a, const mf_dev_ffn_slot &e, int n_in)
 {
-    return mf_q8k_view_of((uint8_t *)a.q8_scratch + (size_t)blockIdx.z * a.q8_stride, n_tok, n_in);
+    return mf_q8k_view_of((uint8_t *)a.q8_scratch + (size_t)e.row0 * a.q8_row, e.n_tok, n_in);
 }
 
 /* which = 0: quantize the slot's rows of x (n_in = H); 1: of h (n_in = I). */
@@ -510,7 +511,7 @@ __global__ static void k_tab_quantize(mf_dev_ffn_table a, int which)
     mf_dev_ffn_slot e = k_slot(a);
     int n_in = which ? a.n_hidden : a.n_in;
     const float *src = (which ? a.h : a.x) + (size_t)e.row0 * n_in;
-    mf_q8k_view v = k_slot_view(a, e.n_tok, n_in);
+    mf_q8k_view v = k_slot_view(a, e, n_in);
     k_q8_quantize_body(src, e.n_tok, n_in, v.q, v.scale, v.n_sb);
 }
 
@@ -521,7 +522,7 @@ __global__ static void k_tab_up(mf_dev_ffn_table a)
     const uint8_t *w1 = b + a.part_off[0], *w3 = b + a.part_off[4];
     int aligned = (((uintptr_t)w1 | (uintptr_t)w3) & 15u) == 0;
     k_q8_ffn_up_body(w1, b + a.part_off[1], w3, b + a.part_off[5], aligned, a.n_hidden, a.n_in,
-                     k_slot_view(a, e.n_tok, a.n_in), e.n_tok,
+                     k_slot_view(a, e, a.n_in), e.n_tok,
                      a.tok_weight ? a.tok_weight + e.row0 : NULL, a.limit,
                      a.h + (size_t)e.row0 * a.n_hidden);
 }
@@ -532,7 +533,7 @@ __global__ static void k_tab_down(mf_dev_ffn_table a)
     const uint8_t *b = (const uint8_t *)(uintptr_t)e.base;
     const uint8_t *w2 = b + a.part_off[2];
     k_q8_matmul_body(w2, b + a.part_off[3], ((uintptr_t)w2 & 15u) == 0, a.n_in, a.n_hidden,
-                     k_slot_view(a, e.n_tok, a.n_hidden), e.n_tok, a.y + (size_t)e.row0 * a.n_in);
+                     k_slot_view(a, e, a.n_hidden), e.n_tok, a.y + (size_t)e.row0 * a.n_in);
 }
 
 static int k_aligned(const void *p) { return ((uintptr_t)p & 15u) == 0; }

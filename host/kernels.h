@@ -81,7 +81,10 @@ typedef struct mf_kern_q8 {
 } mf_kern_q8;
 
 /* Bytes a q8 buffer for n_tok x n_in needs (0 when n_in is not a positive multiple of 32 or
- * n_tok < 1). */
+ * n_tok < 1). It is 32 + n_tok x (a token's bytes), so n_tok x mf_kern_q8_bytes(1, n_in) holds
+ * n_tok tokens: buffers of row ranges laid out at row0 x mf_kern_q8_bytes(1, n_in) never overlap
+ * while the ranges do not (the step's routed-expert slots, one area per slot in rows, not one
+ * sized for every row). */
 size_t mf_kern_q8_bytes(int n_tok, int n_in);
 /* Points q at buf (buf_bytes >= mf_kern_q8_bytes; any alignment). -EINVAL on bad sizes. */
 int mf_kern_q8_init(mf_kern_q8 *q, void *buf, size_t buf_bytes, int n_tok, int n_in);

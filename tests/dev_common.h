@@ -386,7 +386,8 @@ static double dv_rel_err(const float *a, const float *b, size_t n)
 
 /* The slot-table FFN in a captured graph (an h2d of the table from pinned memory, then
  * mf_dev_expert_ffn_table), replayed with three routings: other experts in other cache slots,
- * other token counts, an unused slot. Each used slot's rows against the host's int8 FFN of that
+ * other token counts, an unused slot, rows out of slot order (the int8 scratch by rows, exactly
+ * ROWS rows of it). Each used slot's rows against the host's int8 FFN of that
  * expert: bit for bit (exact, emulated cards) or within h 1e-4, y 1e-3 relative (CUDA, as the
  * single FFN). Emulated cards also report a slot with too many tokens at the next sync. */
 static void dev_check_ffn_table(mf_dev *d, int exact)
@@ -394,7 +395,7 @@ static void dev_check_ffn_table(mf_dev *d, int exact)
     enum { E = 5, H = 256, I = 32 * 5, S = 3, MT = 4, ROWS = S * MT };
     const int route[3][S][3] = {   /* per slot: expert, row0, n_tok */
         {{4, 0, 2}, {0, 2, 1}, {2, 3, 4}},
-        {{1, 0, 4}, {3, 4, 3}, {4, 7, 1}},
+        {{1, 4, 4}, {3, 0, 3}, {4, 3, 1}},   /* rows out of slot order: areas by rows, any order */
         {{2, 0, 0}, {2, 0, 3}, {0, 3, 4}}};
     for (int c = 0; c < mf_dev_n_cards(d); c++) {
         mf_dev_stream *cs = mf_dev_stream_of(d, c, MF_DEV_STREAM_COMPUTE);
@@ -422,13 +423,13 @@ static void dev_check_ffn_table(mf_dev *d, int exact)
         void *dx = dupload(d, c, x, sizeof(float) * ROWS * H), *dtw = dupload(d, c, tw, sizeof(float) * ROWS);
         void *dh = NULL, *dy = NULL, *dq = NULL, *dtab = NULL;
         mf_dev_ffn_slot *htab = NULL;
-        size_t qs = (mf_dev_ffn_q8_bytes(MT, H, I) + 255) / 256 * 256;
+        size_t qs = mf_dev_ffn_q8_bytes(1, H, I);   /* a row's int8 scratch: ROWS of them, no more */
         CHECK(mf_dev_alloc(d, c, sizeof(float) * ROWS * I, &dh) == 0 &&
-              mf_dev_alloc(d, c, sizeof(float) * ROWS * H, &dy) == 0 && mf_dev_alloc(d, c, qs * S, &dq) == 0 &&
+              mf_dev_alloc(d, c, sizeof(float) * ROWS * H, &dy) == 0 && mf_dev_alloc(d, c, qs * ROWS, &dq) == 0 &&
               mf_dev_alloc(d, c, sizeof(mf_dev_ffn_slot) * S, &dtab) == 0 &&
               mf_dev_host_alloc(d, c, sizeof(mf_dev_ffn_slot) * S, (void **)&htab) == 0, "%s", mf_last_error());
         mf_dev_ffn_table a = {.n_in = H, .n_hidden = I, .table = dtab, .n_slots = S, .max_tok = MT, .x = dx,
-                              .tok_weight = dtw, .limit = 7.0f, .h = dh, .q8_scratch = dq, .q8_stride = qs, .y = dy};
+                              .tok_weight = dtw, .limit = 7.0f, .h = dh, .q8_scratch = dq, .q8_row = qs, .y = dy};
         memcpy(a.part_off, off, sizeof off);
         mf_dev_graph *g = NULL;
         CHECK(mf_dev_capture_begin(cs) == 0 &&
@@ -465,8 +466,8 @@ static void dev_check_ffn_table(mf_dev *d, int exact)
             CHECK(rc == -EINVAL && strstr(mf_last_error(), "slot 1 has 5 tokens"), "bad slot: %d %s", rc,
                   mf_last_error());
             mf_dev_ffn_table bad = a;
-            bad.q8_stride = 16;
-            CHECK(mf_dev_expert_ffn_table(cs, &bad) == -EINVAL, "a q8 stride too small accepted");
+            bad.q8_row = qs - 1;
+            CHECK(mf_dev_expert_ffn_table(cs, &bad) == -EINVAL, "a q8 scratch row too small accepted");
             CHECK(mf_dev_stream_callback_status(cs, dv_status_noop, NULL) == 0 && mf_dev_stream_sync(cs) == 0,
                   "the error, delivered, stays: %s", mf_last_error());
         }

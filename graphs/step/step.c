@@ -132,7 +132,7 @@ struct mf_step_shape {
     int dev_layer;          /* layer whose cache slots are pinned, -1 */
     int dev_half;           /* the micro-batch whose slots they are */
     uint8_t *dbuf[MF_DEV_MAX_CARDS];
-    size_t d_x, d_w, d_h, d_q, d_y, d_tab, dq_bytes;
+    size_t d_x, d_w, d_h, d_q, d_y, d_tab, dq_bytes;   /* dq_bytes: the int8 scratch's bytes a row */
     size_t d_x16, d_y16;   /* the rows' bf16 copies (mf_sg_slot_tok_bytes), in slot order as d_x, d_y */
     /* device graphs (opts dev_graphs): per card the slot tables of every layer (pinned host copy
      * filled by the route task, device copy refreshed by the graph) and each layer's graph,
@@ -152,7 +152,7 @@ struct mf_step_shape {
     uint8_t *row_card;
     mf_kern_q8 *q8x, *q8h;   /* n_slots */
     uint8_t *q8x_mem, *q8h_mem;
-    size_t q8x_bytes, q8h_bytes;   /* per slot */
+    size_t q8x_bytes, q8h_bytes;   /* per row (mf_kern_q8_bytes(1, .)): slot s's at slot_off[s] rows */
     /* shared expert */
     float *hs, *gs, *us, *ys;
     /* head */
@@ -1427,7 +1427,7 @@ static int mf_task_dev_ffn(void *arg, mf_task_ctx *ctx)
     mf_dev_ffn f = {.w1 = mf_step_mat(&ew[0]), .w3 = mf_step_mat(&ew[2]), .w2 = mf_step_mat(&ew[1]),
                     .x = (const float *)(db + sh->d_x) + off * H, .n_tok = sh->slot_cnt[s],
                     .tok_weight = (const float *)(db + sh->d_w) + off, .limit = (float)eng->c->swiglu_limit,
-                    .h = (float *)(db + sh->d_h) + off * I, .q8_scratch = db + sh->d_q + (size_t)s * sh->dq_bytes,
+                    .h = (float *)(db + sh->d_h) + off * I, .q8_scratch = db + sh->d_q + off * sh->dq_bytes,
                     .y = (float *)(db + sh->d_y) + off * H};
     f.w1.w = x + eng->part_off[0];
     f.w1.scale = x + eng->part_off[1];
@@ -1460,7 +1460,7 @@ static int mf_task_dev_ffn_card(void *arg, mf_task_ctx *ctx)
                               .table = dtab, .n_slots = ns, .max_tok = sh->n,
                               .x = (const float *)(db + sh->d_x), .tok_weight = (const float *)(db + sh->d_w),
                               .limit = (float)eng->c->swiglu_limit, .h = (float *)(db + sh->d_h),
-                              .q8_scratch = db + sh->d_q + (size_t)s0 * sh->dq_bytes, .q8_stride = sh->dq_bytes,
+                              .q8_scratch = db + sh->d_q, .q8_row = sh->dq_bytes,
                               .y = (float *)(db + sh->d_y)};
         for (int k = 0; k < 6; k++) t.part_off[k] = eng->part_off[k];
         int rc = mf_dev_capture_begin(st);
@@ -1583,8 +1583,8 @@ static int mf_step_gather_rows(mf_step_shape *sh, int h, int i0, int i1, int p, 
     if (!eng->o.exact)
         for (int s = a; s < b; s++) {
             if (sh->slot_card && sh->slot_card[s] >= 0) continue;   /* the card quantizes its own */
-            int rc = mf_kern_q8_init(&sh->q8x[s], sh->q8x_mem + (size_t)s * sh->q8x_bytes, sh->q8x_bytes,
-                                     sh->slot_cnt[s], (int)H);
+            size_t r0 = (size_t)sh->slot_off[s], cnt = (size_t)sh->slot_cnt[s];
+            int rc = mf_kern_q8_init(&sh->q8x[s], sh->q8x_mem + r0 * sh->q8x_bytes, cnt * sh->q8x_bytes, (int)cnt, (int)H);
             if (!rc) rc = mf_kern_q8_quantize(&sh->q8x[s], sh->xg + (size_t)sh->slot_off[s] * H, (int)H, 0,
                                               sh->slot_cnt[s]);
             if (rc) return rc;
@@ -1686,8 +1686,8 @@ static int mf_task_slot_join(void *arg, mf_task_ctx *ctx)
     if (!mf_step_slot_live(sh, a->t->slot) || sh->eng->o.exact || (sh->slot_card && sh->slot_card[a->t->slot] >= 0))
         return 0;
     int I = (int)sh->eng->c->moe_intermediate_size, s = a->t->slot;
-    int rc = mf_kern_q8_init(&sh->q8h[s], sh->q8h_mem + (size_t)s * sh->q8h_bytes, sh->q8h_bytes,
-                             sh->slot_cnt[s], I);
+    size_t r0 = (size_t)sh->slot_off[s], cnt = (size_t)sh->slot_cnt[s];
+    int rc = mf_kern_q8_init(&sh->q8h[s], sh->q8h_mem + r0 * sh->q8h_bytes, cnt * sh->q8h_bytes, (int)cnt, I);
     if (!rc) rc = mf_kern_q8_quantize(&sh->q8h[s], sh->h + (size_t)sh->slot_off[s] * I, I, 0, sh->slot_cnt[s]);
     return rc;
 }
@@ -2231,12 +2231,14 @@ static int mf_step_shape_cards(mf_step *eng, mf_step_shape *sh)
             return mf_error(-ENOMEM, "step: out of memory");
         for (size_t e = 0; e < E; e++) sh->pre_card[e] = -1;
     }
-    sh->dq_bytes = (mf_dev_ffn_q8_bytes(n, (int)H, (int)I) + al - 1) / al * al;
+    /* the int8 scratch by rows (mf_dev_ffn_table.q8_row): a slot's area where its rows are, not one
+     * area per slot sized for every row (at 8,192 positions of flash41, 384 x 42.6 MB a card) */
+    sh->dq_bytes = mf_dev_ffn_q8_bytes(1, (int)H, (int)I);
     sh->d_x = 0;
     sh->d_w = sh->d_x + (nk * H * 4 + al - 1) / al * al;
     sh->d_h = sh->d_w + (nk * 4 + al - 1) / al * al;
     sh->d_q = sh->d_h + (nk * I * 4 + al - 1) / al * al;
-    sh->d_y = sh->d_q + (size_t)sh->n_slots * sh->dq_bytes;
+    sh->d_y = sh->d_q + (nk * sh->dq_bytes + al - 1) / al * al;
     sh->d_x16 = sh->d_y + (nk * H * 4 + al - 1) / al * al;
     sh->d_y16 = sh->d_x16 + (nk * H * 2 + al - 1) / al * al;
     sh->d_tab = sh->d_y16 + (nk * H * 2 + al - 1) / al * al;
@@ -2358,7 +2360,8 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         return rc;
     }
     int shared = n_units > 0, ln = shared ? eng->max_items : n;   /* the layout's items */
-    size_t nk = (size_t)ln * K, q8x = mf_kern_q8_bytes(ln, (int)H), q8h = mf_kern_q8_bytes(ln, (int)I);
+    /* the int8 rows by rows (host/kernels.h mf_kern_q8_bytes): a slot's area where its rows are */
+    size_t nk = (size_t)ln * K, q8x = mf_kern_q8_bytes(1, (int)H), q8h = mf_kern_q8_bytes(1, (int)I);
     int ex = eng->o.exact;
     size_t f = sizeof(float), bytes = 0, ab_sz[MF_LY_A_N];
     size_t eg_d = 0;
@@ -2435,8 +2438,8 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         {"row_card", eng->n_cards ? nk : 0, (void **)&sh->row_card},
         {"q8x", ns * sizeof(mf_kern_q8), (void **)&sh->q8x},
         {"q8h", ns * sizeof(mf_kern_q8), (void **)&sh->q8h},
-        {"q8x_mem", ns * q8x, (void **)&sh->q8x_mem},
-        {"q8h_mem", ns * q8h, (void **)&sh->q8h_mem},
+        {"q8x_mem", nk * q8x, (void **)&sh->q8x_mem},
+        {"q8h_mem", nk * q8h, (void **)&sh->q8h_mem},
         {"hs", n_ * Ish * f, (void **)&sh->hs},
         {"gs", ex ? n_ * Ish * f : 0, (void **)&sh->gs},
         {"us", ex ? n_ * Ish * f : 0, (void **)&sh->us},
