@@ -25,6 +25,12 @@ int mf_dev_xcache_owner(int n_cards, int layer, int id)
     return (int)(((int64_t)id + layer) % n_cards);
 }
 
+int64_t mf_dev_xcache_shrink(int64_t n, int64_t min_slots)
+{
+    int64_t m = n - (n / 8 > 1 ? n / 8 : 1);
+    return m < min_slots ? min_slots : m;
+}
+
 int mf_dev_xcache_new(mf_dev *d, const mf_dev_xcache_opts *o, mf_dev_xcache **out)
 {
     *out = NULL;
@@ -53,7 +59,7 @@ int mf_dev_xcache_new(mf_dev *d, const mf_dev_xcache_opts *o, mf_dev_xcache **ou
             break;
         }
         if (rc != -ENOMEM || o->budget_bytes || n == min_slots) break;
-        n = n / 2 < min_slots ? min_slots : n / 2;
+        n = mf_dev_xcache_shrink(n, min_slots);
     }
     if (rc) {
         if (rc == -ENOMEM)

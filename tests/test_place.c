@@ -85,6 +85,41 @@ static void host_run(mf_ref *r, int32_t (*toks)[N_DEC], float *host)
     mf_step_free(e);
 }
 
+/* A card whose memory holds every expert and one more, no more, and prefill chunks of the prompt's
+ * length: the cache sized without a budget holds back the shapes' buffers (mf_sg_card_reserve: a
+ * chunk's and a 64-sequence batch's), so it takes fewer experts and the prefill and decode steps
+ * find their buffers (before 2026-12-05 the cache took every expert and the first chunk failed
+ * allocating them); the logits stay the host's. xslot: a packed expert's bytes. */
+static void test_held_back(mf_ref *r, const mf_config *c, uint64_t xslot)
+{
+    size_t per = (size_t)N_SEQ * N_LOG * g_V;
+    float *host = malloc(sizeof(float) * per), *got = malloc(sizeof(float) * per);
+    int32_t toks[N_SEQ][N_DEC];
+    host_run(r, toks, host);
+    uint64_t all = (uint64_t)c->n_layers * c->n_routed_experts;
+    char spec[96];
+    snprintf(spec, sizeof spec, "emu:1,mem=%llu", (unsigned long long)((all + 1) * xslot));
+    mf_dev *d = NULL;
+    mf_step *e = NULL;
+    CHECK(mf_dev_open(spec, &d) == 0, "open %s: %s", spec, mf_last_error());
+    CHECK(d && mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = MF_STEP_PLACE_SEED,
+                                                  .prefill_chunk = N_PROMPT}, &e) == 0,
+          "held back: %s", mf_last_error());
+    if (e) {
+        mf_step_dev_stats ds = {0};
+        int rc = run(r, e, 1, toks, 1, got, &ds);
+        CHECK(rc == 0, "held back: the steps' buffers on a card the cache filled: %s", mf_last_error());
+        CHECK(!rc && !memcmp(host, got, sizeof(float) * N_LOG * g_V), "held back: logits differ from the host's");
+        mf_step_last_dev(e, &ds);
+        CHECK(ds.cache_slots > 0 && (uint64_t)ds.cache_slots < all, "held back: %d cache slots of %llu experts",
+              ds.cache_slots, (unsigned long long)all);
+    }
+    mf_step_free(e);
+    mf_dev_close(d);
+    free(host);
+    free(got);
+}
+
 /* Every placement on emu:1..4 against the host run of the same model (r); resident: r's experts
  * are the model's resident ones (every miss then one span), else a store's. */
 static void test_placements(mf_ref *r, const char *what, uint64_t cache_bytes, int want_evictions, double cpu_bps,
@@ -433,20 +468,26 @@ int main(void)
     test_copy_fault(r, cpu_bps);
     test_prefetch(r, &c, (uint64_t)(2 * c.n_experts_per_tok) * (xb + 6 * 256), cpu_bps);
     test_profile_models(r);
+    test_held_back(r, &c, xb + 6 * 256);
     test_placements(r, "resident", 0, 0, cpu_bps, 1);
     /* a cache of 2 x top_k experts per card: misses evict (and are pinned slots respected) */
     if (!MF_TEST_TSAN)   /* TSan: the resident and streamed sweeps carry the concurrent paths */
         test_placements(r, "small cache", (uint64_t)(2 * c.n_experts_per_tok) * (xb + 6 * 256), 1, cpu_bps, 1);
 
-    /* refusals: a card too small for one expert; --exact */
+    /* refusals: a card too small for the shapes' buffers (the caches sized without a budget hold
+     * them back), for one expert (a budget: nothing held back); --exact */
     mf_dev *d = NULL;
     char spec[64];
     snprintf(spec, sizeof spec, "emu:2,mem=%llu", (unsigned long long)(xb / 2));
     CHECK(mf_dev_open(spec, &d) == 0, "open %s: %s", spec, mf_last_error());
     mf_step *e = NULL;
     int rc = mf_step_new(r, &(mf_step_opts){.n_threads = 1, .dev = d, .placement = MF_STEP_PLACE_SEED}, &e);
-    CHECK(rc == -ENOSPC && !e && strstr(mf_last_error(), "too small") && strstr(mf_last_error(), "card 0"),
+    CHECK(rc == -ENOSPC && !e && strstr(mf_last_error(), "card 0 cannot hold the buffers of a 512-position prefill"),
           "tiny card: rc %d: %s", rc, mf_last_error());
+    rc = mf_step_new(r, &(mf_step_opts){.n_threads = 1, .dev = d, .placement = MF_STEP_PLACE_SEED,
+                                        .dev_cache_bytes = xb + 6 * 256}, &e);
+    CHECK(rc == -ENOSPC && !e && strstr(mf_last_error(), "too small") && strstr(mf_last_error(), "card 0"),
+          "tiny card, a budget: rc %d: %s", rc, mf_last_error());
     mf_dev_close(d);
     CHECK(mf_dev_open("emu:1", &d) == 0, "open: %s", mf_last_error());
     rc = mf_step_new(r, &(mf_step_opts){.n_threads = 1, .exact = 1, .dev = d, .placement = MF_STEP_PLACE_HYBRID}, &e);

@@ -416,6 +416,45 @@ static void test_flash41(void)
     mf_plan_free(p);
 }
 
+/* The card memory a plan takes for the steps' buffers (mf_sg_card_reserve, as the engine holds
+ * them back): flash41 with dense cards of 11 GiB: the caches of a 2,048-position chunk hold fewer
+ * experts than a 512-position one's (its buffers are larger), the dense-only figure (the cache
+ * budget) likewise, and an 8,192-position chunk (10.35 GB of buffers beside 2 GB of dense weights)
+ * is refused as the engine refuses it; with a budget the budget must fit beside them. */
+static void test_card_memory(void)
+{
+    mf_config c;
+    CHECK(!mf_config_preset("flash41", &c), "preset flash41");
+    mf_profile f = costly_profile();
+    int64_t filled[2] = {0, 0};
+    const int chunks[2] = {512, 2048};
+    for (int k = 0; k < 2; k++) {
+        mf_plan *p = NULL;
+        CHECK(!mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .placement = MF_STEP_PLACE_HYBRID,
+                                           .dense = MF_PLAN_DENSE_CARDS, .batch = chunks[k], .prefill = 1,
+                                           .chunk = chunks[k], .dev_cache_fill = 1}, &p),
+              "chunk %d: %s", chunks[k], mf_last_error());
+        mf_plan_report r;
+        if (p) mf_plan_total(p, &r), filled[k] = r.fill_experts;
+        mf_plan_free(p);
+    }
+    CHECK(filled[1] > 0 && filled[1] < filled[0], "cache experts filled: %lld at chunk 512, %lld at 2048",
+          (long long)filled[0], (long long)filled[1]);
+    mf_plan *p = NULL;
+    int rc = mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .placement = MF_STEP_PLACE_HYBRID,
+                                         .dense = MF_PLAN_DENSE_CARDS, .batch = 8192, .prefill = 1}, &p);
+    CHECK(rc == -ENOSPC && !p && strstr(mf_last_error(), "card 0 cannot hold its dense weights"),
+          "chunk 8192 on 11 GiB cards: rc %d: %s", rc, mf_last_error());
+    mf_plan_free(p);
+    p = NULL;
+    rc = mf_plan_new(&(mf_plan_opts){.config = &c, .profile = &f, .placement = MF_STEP_PLACE_HYBRID,
+                                     .dense = MF_PLAN_DENSE_CARDS, .batch = 2048, .prefill = 1,
+                                     .dev_cache_bytes = UINT64_C(8) << 30}, &p);
+    CHECK(rc == -ENOSPC && !p && strstr(mf_last_error(), "budget"), "an 8 GiB budget beside chunk 2048's: rc %d: %s",
+          rc, mf_last_error());
+    mf_plan_free(p);
+}
+
 static void test_refusals(void)
 {
     mf_config c;
@@ -966,6 +1005,7 @@ int main(void)
     test_determinism_and_caches();
     test_hybrid_models();
     test_flash41();
+    test_card_memory();
     test_refusals();
     test_core_pool();
     test_prefill();

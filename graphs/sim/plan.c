@@ -34,6 +34,8 @@ struct mf_plan {
     mf_profile prof;
     int n_cards, n_threads, n_cores, batch, read_window, copy_slots, emulated;
     int n_dense, n_lane_cards;               /* cards holding dense work (0: host); cards with lanes */
+    double act_routed, act_dense;            /* a card's steps' buffers (mf_sg_card_reserve, or this graph's
+                                              * with a cache budget): with routed experts, dense */
     double dense_bytes[PL_MAX_CARDS];        /* dense weights per card */
     int K, E, n_layers;
     mf_sg_sizes *sz;
@@ -339,6 +341,24 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
                 p->wake_ns[l] = llround(o->dev_task_ns > 0 ? o->dev_task_ns : f->card[MF_KF_FP4].latency_ns);
         }
 
+    /* the engine's graph of a parallel decode shape (serial at batch 1, as the engine's), or of a
+     * prefill chunk (serial) */
+    mf_sg_opts go = {.c = c, .sz = p->sz, .n = p->batch, .par = p->batch > 1 && !o->prefill,
+                                        .n_threads = p->n_threads, .n_cards = p->n_cards,
+                                        .n_dense_cards = p->n_dense, .dense_split = o->dense_split, .heads = o->heads,
+                                        .dev_graphs = o->dev_graphs, .store = p->streamed,
+                                        /* the engine's resident experts: a miss one span (step.c
+                                         * mf_step_xslot_layout); a store's slots: one copy a part */
+                                        .miss_copies = p->streamed ? 0 : 1,
+                                        .eg_reads = o->tables == MF_PLAN_STORE_STREAMED,
+                                        .read_window = o->read_window, .micro = o->micro,
+                                        .n_sockets = p->lt.n_sockets, .lane_sock = p->lt.lane_sock, .lanes = p->lt.lane,
+                                        .n_lanes = p->lt.n_lanes, .lane_io = p->lt.lane_io,
+                                        .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof,
+                                        .prefetch_min = o->prefetch_min};
+    rc = mf_stepgraph_new(&go, &p->sg);
+    if (!rc) rc = mf_timeline_create(p->sg->g, &p->tl);
+    if (rc) goto fail;
     /* caches */
     int store_slots = 0, dev_slots[PL_MAX_CARDS] = {0};
     double store_slot = p->sz->store_slot_bytes, xslot = p->sz->xslot_bytes;
@@ -363,16 +383,48 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
                           p->dense_bytes[cd], f->card_mem_bytes);
             goto fail;
         }
+    /* the steps' buffers on a card (mf_sg_card_bufs): without a budget the engine holds back its
+     * largest shapes' (mf_sg_card_reserve: its prefill chunk's and a full decode batch's; an expert
+     * store's smaller batches are not modelled, so this is the most it holds back) before it sizes a
+     * cache, and refuses a card that cannot hold them; with a budget the cache, the dense weights and
+     * this graph's buffers must fit, or the engine's first step fails allocating them */
+    mf_sg_card_in ci = {.c = c, .sg = p->sg, .ln = p->batch, .sh_rows = (int64_t)p->sz->sh_rows,
+                        .dev_graphs = o->dev_graphs};
+    if (p->n_lane_cards && !o->dev_cache_bytes) {
+        int chunk = o->chunk ? o->chunk : MF_STEP_PREFILL_CHUNK;
+        if (o->prefill && p->batch > chunk) chunk = p->batch;
+        if ((rc = mf_sg_card_reserve(&go, &ci, chunk, MF_STEP_MAX_ITEMS, &p->act_routed, &p->act_dense))) goto fail;
+    } else if (p->n_lane_cards) {
+        mf_sg_card_bufs b;
+        mf_sg_card_bufs_of(&ci, &b);
+        p->act_routed = p->n_cards ? (double)b.routed_bytes : 0;
+        p->act_dense = p->n_dense ? (double)b.dense_bytes : 0;
+    }
+    for (int cd = 0; cd < p->n_lane_cards && f->card_mem_bytes; cd++) {
+        double need = (cd < p->n_dense ? p->dense_bytes[cd] + p->act_dense : 0) + (cd < p->n_cards ? p->act_routed : 0) +
+                      (cd < p->n_cards ? (double)o->dev_cache_bytes : 0);
+        if (need > (double)f->card_mem_bytes) {
+            rc = mf_error(-ENOSPC, "plan: card %d cannot hold its dense weights (%.3f GB), the steps' buffers (%.3f GB)%s "
+                          "in its %.3f GB, as the engine would refuse it (a shorter --chunk or a smaller --dev-cache "
+                          "needs less)", cd, cd < p->n_dense ? p->dense_bytes[cd] / 1e9 : 0,
+                          ((cd < p->n_dense ? p->act_dense : 0) + (cd < p->n_cards ? p->act_routed : 0)) / 1e9,
+                          o->dev_cache_bytes && cd < p->n_cards ? " and the expert cache's budget" : "",
+                          (double)f->card_mem_bytes / 1e9);
+            goto fail;
+        }
+    }
     for (int cd = 0; cd < p->n_cards; cd++) {
-        /* mf_dev_xcache_new: the budget's slots, or every expert halved until the card holds them
-         * (what its dense weights leave) */
+        /* mf_dev_xcache_new: the budget's slots, or every expert shrunk until the card holds them
+         * (what its dense weights and the steps' buffers held back leave) */
         int64_t n_items = (int64_t)p->n_layers * p->E, slots;
-        double mem = f->card_mem_bytes ? (double)f->card_mem_bytes - (cd < p->n_dense ? p->dense_bytes[cd] : 0) : 0;
+        double mem = f->card_mem_bytes ? (double)f->card_mem_bytes - (cd < p->n_dense ? p->dense_bytes[cd] + p->act_dense : 0) -
+                                             p->act_routed
+                                       : 0;
         if (o->dev_cache_bytes) {
             slots = (int64_t)(o->dev_cache_bytes / xslot);
         } else {
             slots = n_items;
-            while (slots > 1 && mem > 0 && slots * xslot > mem) slots /= 2;
+            while (slots > 1 && mem > 0 && slots * xslot > mem) slots = mf_dev_xcache_shrink(slots, 1);
         }
         if (slots > n_items) slots = n_items;
         if (slots < 1) {
@@ -386,24 +438,6 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
                             o->dev_cache_policy == MF_PLAN_CACHE_LRU ? MF_RESID_LRU : MF_RESID_LFU)))
         goto fail;
     if (o->dev_cache_fill && p->n_cards && (rc = pl_fill(p, xslot))) goto fail;
-    /* the engine's graph of a parallel decode shape (serial at batch 1, as the engine's), or of a
-     * prefill chunk (serial) */
-    rc = mf_stepgraph_new(&(mf_sg_opts){.c = c, .sz = p->sz, .n = p->batch, .par = p->batch > 1 && !o->prefill,
-                                        .n_threads = p->n_threads, .n_cards = p->n_cards,
-                                        .n_dense_cards = p->n_dense, .dense_split = o->dense_split, .heads = o->heads,
-                                        .dev_graphs = o->dev_graphs, .store = p->streamed,
-                                        /* the engine's resident experts: a miss one span (step.c
-                                         * mf_step_xslot_layout); a store's slots: one copy a part */
-                                        .miss_copies = p->streamed ? 0 : 1,
-                                        .eg_reads = o->tables == MF_PLAN_STORE_STREAMED,
-                                        .read_window = o->read_window, .micro = o->micro,
-                                        .n_sockets = p->lt.n_sockets, .lane_sock = p->lt.lane_sock, .lanes = p->lt.lane,
-                                        .n_lanes = p->lt.n_lanes, .lane_io = p->lt.lane_io,
-                                        .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof,
-                                        .prefetch_min = o->prefetch_min},
-                          &p->sg);
-    if (!rc) rc = mf_timeline_create(p->sg->g, &p->tl);
-    if (rc) goto fail;
     size_t n_sl = (size_t)p->n_layers * p->sg->n_slots;
     p->ex = malloc(sizeof *p->ex * (size_t)p->n_layers * p->batch * p->K);
     p->task_ns = malloc(sizeof *p->task_ns * (size_t)p->sg->n_tasks);
@@ -806,6 +840,7 @@ int mf_plan_prefill_trace(const mf_plan_opts *o, int64_t n_prompt, int chunk, mf
         if (!n_steps) continue;
         mf_plan_opts po = *o;
         po.prefill = 1;
+        po.chunk = chunk;
         po.batch = part ? (int)rest : chunk;
         po.context = part ? n_full * chunk : 0;
         mf_plan *p = NULL;

@@ -70,6 +70,9 @@ typedef struct mf_plan_opts {
      * graph, mf_step_prefill), the first at position `context` (0: the prompt's start); the head
      * runs only where set_logits says (mf_plan_prefill: the prompt's last position) */
     int prefill;
+    int chunk;                   /* the engine's prefill chunk (mf_step_opts.prefill_chunk; 0: MF_STEP_PREFILL_CHUNK,
+                                  * a prefill plan's batch when longer): its buffers are among those held back
+                                  * from the card caches (mf_sg_card_reserve) */
     int prefetch_min;            /* mf_sg_opts.prefetch_min: a prefill chunk's experts placed and copied in
                                   * at each layer's start from this many positions (0: mf_sg_prefetch_min,
                                   * < 0: never), as mf_step_opts.prefetch_min */

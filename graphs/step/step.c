@@ -40,14 +40,6 @@ typedef struct mf_step_shape mf_step_shape;
 /* Shapes kept for unit patterns other than all-parallel and serial. Each holds its graph (and
  * its cards' buffers); their host buffers are one arena for all (mf_step.umem). */
 #define MF_STEP_UNIT_SHAPES 32
-/* Compressed entries a prefill chunk's key table for the heads on cards holds at most (with
- * head_dim 512: 32 MiB per card): a chunk whose items' selections together touch more runs the
- * host's heads (mf_step_shape.hk_host) */
-#define MF_STEP_HEADS_ENTRIES 16384
-/* Visible compressed entries the index scores on cards take at most (a card's score buffer: its
- * share of the chunk's items x this many doubles; chunk 8,192 on 4 cards: 256 MiB a card): a chunk
- * whose last item sees more scores on the host (mf_step_shape.sk_host) */
-#define MF_STEP_SCORE_ENTRIES 16384
 
 /* One task's argument: its shape and its record in the step graph (what it is: layer, stage,
  * slot, part, card, items; graphs/step/stepgraph.h). The layer context (scratch) it uses is its
@@ -132,6 +124,7 @@ struct mf_step_shape {
     int dev_layer;          /* layer whose cache slots are pinned, -1 */
     int dev_half;           /* the micro-batch whose slots they are */
     uint8_t *dbuf[MF_DEV_MAX_CARDS];
+    mf_sg_card_bufs cb;   /* the cards' buffers (routed and dense blocks) and the host layouts' row lengths */
     size_t d_x, d_w, d_h, d_q, d_y, d_tab, dq_bytes;   /* dq_bytes: the int8 scratch's bytes a row */
     size_t d_x16, d_y16;   /* the rows' bf16 copies (mf_sg_slot_tok_bytes), in slot order as d_x, d_y */
     /* device graphs (opts dev_graphs): per card the slot tables of every layer (pinned host copy
@@ -191,9 +184,9 @@ struct mf_step_shape {
     /* the index scores on cards (sg->scores_any): the unit's index keys as MF_SG_ATTN_KEYS leaves
      * them (sk_tab: the sk_nkeys entries the last item sees, unpacked), per item its visible count
      * (sk_nvis); sk_host 1 when the chunk's items are not one sequence's consecutive positions or
-     * see more than MF_STEP_SCORE_ENTRIES (the selects then score on the host, the card tasks do
+     * see more than MF_SG_SCORE_ENTRIES (the selects then score on the host, the card tasks do
      * nothing); the cards' copies at dd_sk_* (a card: the keys its items see; its items' scores,
-     * sk_rows rows of at most MF_STEP_SCORE_ENTRIES, as many apart as its last item sees) */
+     * sk_rows rows of at most MF_SG_SCORE_ENTRIES, as many apart as its last item sees) */
     float *sk_tab;
     int32_t *sk_nvis;
     int64_t sk_nkeys;
@@ -693,7 +686,7 @@ static int mf_step_items_gap(const mf_step_shape *sh, int i0, int i1)
 /* The unit's index keys: the entries of layer L's index source its last item sees, unpacked as
  * the host's scores unpack them (mf_ly_cache_get_keys), and each item's visible count; sk_host
  * when the items are not consecutive positions of one sequence or see more than
- * MF_STEP_SCORE_ENTRIES entries (mf_step_opts.scores_entries: fewer). */
+ * MF_SG_SCORE_ENTRIES entries (mf_step_opts.scores_entries: fewer). */
 static int mf_task_attn_keys(void *arg, mf_task_ctx *ctx)
 {
     (void)ctx;
@@ -705,8 +698,8 @@ static int mf_task_attn_keys(void *arg, mf_task_ctx *ctx)
     const mf_ly_item *it = sh->items;
     sh->sk_host = mf_step_items_gap(sh, i0, i1) >= 0;
     sh->sk_nkeys = mf_ly_index_n_vis(c, L, it[i1 - 1].pos);
-    int cap = sh->eng->o.scores_entries > 0 && sh->eng->o.scores_entries < MF_STEP_SCORE_ENTRIES
-                  ? sh->eng->o.scores_entries : MF_STEP_SCORE_ENTRIES;
+    int cap = sh->eng->o.scores_entries > 0 && sh->eng->o.scores_entries < MF_SG_SCORE_ENTRIES
+                  ? sh->eng->o.scores_entries : MF_SG_SCORE_ENTRIES;
     if (sh->sk_nkeys > cap) sh->sk_host = 1;
     if (sh->sk_host) return 0;
     for (int i = i0; i < i1; i++) sh->sk_nvis[i] = (int32_t)mf_ly_index_n_vis(c, L, it[i].pos);
@@ -2155,17 +2148,17 @@ static int mf_task_items(void *arg, mf_task_ctx *ctx)
     return 0;
 }
 
-/* The step graph of a shape of n items (parallel, serial, or n_units units ending at unit_end[])
- * on the engine's lanes. */
-static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const int *unit_end, mf_stepgraph **out)
+/* The step graph options of a shape of n items; fn_of: MF_SG_N_OPS entries, filled, kept by the
+ * caller while the options are used. */
+static mf_sg_opts mf_step_sg_opts(const mf_step *eng, int n, int par, int n_units, const int *unit_end, mf_task_fn *fn_of)
 {
-    mf_task_fn fn_of[MF_SG_N_OPS];   /* the per-item ops over their item groups */
-    for (int op = 0; op < MF_SG_N_OPS; op++)   /* the mixes take their whole item group (mf_step_mix_rows) */
+    for (int op = 0; op < MF_SG_N_OPS; op++)   /* the per-item ops over their item groups; the mixes
+                                                 * take their whole item group (mf_step_mix_rows) */
         fn_of[op] = mf_sg_op_per_item(op) && op != MF_SG_ATTN_MIX && op != MF_SG_FFN_MIX ? mf_task_items
                                                                                           : mf_step_fn_of[op];
     const mf_ref_hooks *hk = &eng->ly->hooks;
     int ordered = hk->on_route || hk->on_select || hk->on_candidates;   /* the hooks in item order */
-    return mf_stepgraph_new(&(mf_sg_opts){.c = eng->c, .sz = eng->sz, .n = n, .par = par,
+    return (mf_sg_opts){.c = eng->c, .sz = eng->sz, .n = n, .par = par,
                                           .n_units = n_units, .unit_end = unit_end, .ordered = ordered,
                                           .n_threads = eng->o.n_threads, .n_cards = eng->n_cards,
                                           .n_dense_cards = eng->n_dense, .dense_split = eng->o.dense_split,
@@ -2180,8 +2173,24 @@ static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const in
                                           .micro = eng->o.micro, .exact = eng->o.exact, .heads = eng->o.heads,
                                           .prefetch_min = eng->o.prefetch_min,
                                           .fn_of = fn_of,
-                                          .profile = eng->o.profile},
-                            out);
+                                          .profile = eng->o.profile};
+}
+
+/* The step graph of a shape of n items (parallel, serial, or n_units units ending at unit_end[])
+ * on the engine's lanes. */
+static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const int *unit_end, mf_stepgraph **out)
+{
+    mf_task_fn fn_of[MF_SG_N_OPS];
+    mf_sg_opts o = mf_step_sg_opts(eng, n, par, n_units, unit_end, fn_of);
+    return mf_stepgraph_new(&o, out);
+}
+
+/* What the card buffers of shape graph sg (laid out for ln items) take (stepgraph.h: the one layout
+ * of them, which the simulator and the caches' sizing read too). */
+static mf_sg_card_in mf_step_card_in(const mf_step *eng, const mf_stepgraph *sg, int ln)
+{
+    return (mf_sg_card_in){.c = eng->c, .sg = sg, .ln = ln, .sh_rows = (int64_t)eng->sz->sh_rows,
+                           .exact = eng->o.exact, .dev_graphs = eng->dev_graphs, .head_rows = eng->o.head_rows};
 }
 
 /* Binds the shape's buffers to its graph's tasks: each task's argument is its record (its worker's
@@ -2212,10 +2221,8 @@ static int mf_step_bind(mf_step *eng, mf_step_shape *sh)
 static int mf_step_shape_cards(mf_step *eng, mf_step_shape *sh)
 {
     const mf_config *c = eng->c;
-    int n = sh->n, K = c->n_experts_per_tok;
-    int64_t H = c->hidden_size, I = c->moe_intermediate_size;
+    int n = sh->n;
     if (!eng->n_cards) return 0;
-    size_t nk = (size_t)n * K, al = 256;
     sh->slot_card = malloc((size_t)sh->n_slots * sizeof *sh->slot_card);
     sh->slot_dev = calloc((size_t)sh->n_slots, sizeof *sh->slot_dev);
     sh->slot_miss = calloc((size_t)sh->n_slots, 1);
@@ -2231,19 +2238,19 @@ static int mf_step_shape_cards(mf_step *eng, mf_step_shape *sh)
             return mf_error(-ENOMEM, "step: out of memory");
         for (size_t e = 0; e < E; e++) sh->pre_card[e] = -1;
     }
-    /* the int8 scratch by rows (mf_dev_ffn_table.q8_row): a slot's area where its rows are, not one
-     * area per slot sized for every row (at 8,192 positions of flash41, 384 x 42.6 MB a card) */
-    sh->dq_bytes = mf_dev_ffn_q8_bytes(1, (int)H, (int)I);
-    sh->d_x = 0;
-    sh->d_w = sh->d_x + (nk * H * 4 + al - 1) / al * al;
-    sh->d_h = sh->d_w + (nk * 4 + al - 1) / al * al;
-    sh->d_q = sh->d_h + (nk * I * 4 + al - 1) / al * al;
-    sh->d_y = sh->d_q + (nk * sh->dq_bytes + al - 1) / al * al;
-    sh->d_x16 = sh->d_y + (nk * H * 4 + al - 1) / al * al;
-    sh->d_y16 = sh->d_x16 + (nk * H * 2 + al - 1) / al * al;
-    sh->d_tab = sh->d_y16 + (nk * H * 2 + al - 1) / al * al;
-    size_t tab_bytes = eng->dev_graphs ? sizeof(mf_dev_ffn_slot) * (size_t)sh->n_slots * c->n_layers : 0;
-    size_t total = sh->d_tab + tab_bytes;
+    /* the routed block of the one layout (mf_sg_card_bufs); the int8 scratch by rows
+     * (mf_dev_ffn_table.q8_row): a slot's area where its rows are */
+    const mf_sg_card_bufs *cb = &sh->cb;
+    sh->dq_bytes = cb->q8_row;
+    sh->d_x = cb->x;
+    sh->d_w = cb->w;
+    sh->d_h = cb->h;
+    sh->d_q = cb->q;
+    sh->d_y = cb->y;
+    sh->d_x16 = cb->x16;
+    sh->d_y16 = cb->y16;
+    sh->d_tab = cb->tab;
+    size_t tab_bytes = cb->routed_bytes - cb->tab, total = cb->routed_bytes;
     for (int cd = 0; cd < eng->n_cards; cd++) {
         void *p = NULL;
         int rc = mf_dev_alloc(eng->dev, cd, total, &p);
@@ -2260,52 +2267,38 @@ static int mf_step_shape_cards(mf_step *eng, mf_step_shape *sh)
     return 0;
 }
 
-/* Each dense card's copies of shape sh's activations (--dense cards): offsets in one device
- * allocation per card. ab_sz: the attention buffers' bytes. 0 or a negative code; the caller
+/* Each dense card's copies of shape sh's activations (--dense cards): the dense block of the one
+ * layout (mf_sg_card_bufs), one device allocation per card. 0 or a negative code; the caller
  * frees sh. */
-static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh, const size_t *ab_sz)
+static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh)
 {
-    const mf_config *c = eng->c;
-    size_t n_ = (size_t)sh->n, f = sizeof(float);
-    int64_t H = c->hidden_size, V = c->vocab_size, E = c->n_routed_experts;
-    int64_t Ish = c->n_shared_experts > 0 ? mf_model_layer_at(eng->ly->m, 0)->sh_w1.rows : 0;
-    int ex = eng->o.exact;
     if (!eng->n_dense) return 0;
-    /* each dense card's copies of the activations: {bytes, &offset} */
-    struct { size_t bytes, *off; } dt[2 * MF_LY_A_N + 19];
-    int m = 0;
-    for (int b = 0; b < MF_LY_A_N; b++) dt[m++] = (typeof(dt[0])){ab_sz[b], &sh->dd_ab[b]};
-    for (int b = 0; b < MF_LY_A_N; b++)   /* the bf16 copies (the host's mirrors' layouts) */
-        dt[m++] = (typeof(dt[0])){sh->ab16[b] ? ab_sz[b] / 2 : 0, &sh->dd16_ab[b]};
-    dt[m++] = (typeof(dt[0])){sh->xin16 ? n_ * H * 2 : 0, &sh->dd16_xin};
-    dt[m++] = (typeof(dt[0])){sh->ys16 ? n_ * H * 2 : 0, &sh->dd16_ys};
-    dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_xin};
-    dt[m++] = (typeof(dt[0])){n_ * E * f, &sh->dd_logits};
-    dt[m++] = (typeof(dt[0])){n_ * Ish * f, &sh->dd_hs};
-    dt[m++] = (typeof(dt[0])){ex ? n_ * Ish * f : 0, &sh->dd_gs};
-    dt[m++] = (typeof(dt[0])){ex ? n_ * Ish * f : 0, &sh->dd_us};
-    dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_ys};
-    dt[m++] = (typeof(dt[0])){n_ * H * f, &sh->dd_hn};
-    sh->head_rows = eng->o.head_rows > 0 ? eng->o.head_rows : MF_STEP_HEAD_ROWS;
-    if ((size_t)sh->head_rows > n_) sh->head_rows = (int)n_;
-    dt[m++] = (typeof(dt[0])){(size_t)sh->head_rows * V * f, &sh->dd_lbuf};
-    size_t eg = c->n_engram > 0 ? (size_t)sh->eg_items : 0;   /* one Engram layer's rows: its chains run in turn */
-    dt[m++] = (typeof(dt[0])){eg * (size_t)sh->eg_emb_ld * f, &sh->dd_eg_emb};
-    dt[m++] = (typeof(dt[0])){eg * (size_t)sh->eg_kv_ld * f, &sh->dd_eg_kv};
-    int hk = sh->sg->heads_any, D = (int)c->head_dim;   /* the heads' key table, lists, counts, sinks */
-    dt[m++] = (typeof(dt[0])){hk ? ((size_t)c->sliding_window + n_ + (size_t)sh->hk_ecap) * D * f : 0, &sh->dd_hk_tab};
-    dt[m++] = (typeof(dt[0])){hk ? n_ * sh->sg->heads_keys * 4 : 0, &sh->dd_hk_keys};
-    dt[m++] = (typeof(dt[0])){hk ? n_ * 4 : 0, &sh->dd_hk_nk};
-    dt[m++] = (typeof(dt[0])){hk ? (size_t)c->n_heads * f : 0, &sh->dd_hk_sink};
-    int sk = sh->sg->scores_any;   /* the index scores' keys, counts, scores */
-    dt[m++] = (typeof(dt[0])){sk ? (size_t)MF_STEP_SCORE_ENTRIES * c->index_head_dim * f : 0, &sh->dd_sk_tab};
-    dt[m++] = (typeof(dt[0])){sk ? n_ * 4 : 0, &sh->dd_sk_nvis};
-    dt[m++] = (typeof(dt[0])){sk ? (size_t)sh->sk_rows * MF_STEP_SCORE_ENTRIES * sizeof(double) : 0, &sh->dd_sk_score};
-    size_t total = 0;
-    for (int i = 0; i < m; i++) {
-        *dt[i].off = total;
-        total += (dt[i].bytes + 255) / 256 * 256;
+    const mf_sg_card_bufs *cb = &sh->cb;
+    for (int b = 0; b < MF_LY_A_N; b++) {
+        sh->dd_ab[b] = cb->ab[b];
+        sh->dd16_ab[b] = cb->ab16[b];
     }
+    sh->dd16_xin = cb->xin16;
+    sh->dd16_ys = cb->ys16;
+    sh->dd_xin = cb->xin;
+    sh->dd_logits = cb->logits;
+    sh->dd_hs = cb->hs;
+    sh->dd_gs = cb->gs;
+    sh->dd_us = cb->us;
+    sh->dd_ys = cb->ys;
+    sh->dd_hn = cb->hn;
+    sh->head_rows = cb->head_rows;
+    sh->dd_lbuf = cb->lbuf;
+    sh->dd_eg_emb = cb->eg_emb;
+    sh->dd_eg_kv = cb->eg_kv;
+    sh->dd_hk_tab = cb->hk_tab;
+    sh->dd_hk_keys = cb->hk_keys;
+    sh->dd_hk_nk = cb->hk_nk;
+    sh->dd_hk_sink = cb->hk_sink;
+    sh->dd_sk_tab = cb->sk_tab;
+    sh->dd_sk_nvis = cb->sk_nvis;
+    sh->dd_sk_score = cb->sk_score;
+    size_t total = cb->dense_bytes;
     for (int cd = 0; cd < eng->n_dense; cd++) {
         void *dp = NULL;
         int rc = mf_dev_alloc(eng->dev, eng->dense_card[cd], total, &dp);
@@ -2355,20 +2348,22 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         for (int i = 0; i < sh->n_slots * sh->n_parts; i++) sh->slot_rd[i] = (mf_io_read){.fd = -1};
     }
     sh->dev_layer = -1;
+    int shared = n_units > 0, ln = shared ? eng->max_items : n;   /* the layout's items */
+    mf_sg_card_in ci = mf_step_card_in(eng, sh->sg, ln);
+    mf_sg_card_bufs_of(&ci, &sh->cb);
     if ((rc = mf_step_shape_cards(eng, sh))) {
         mf_step_shape_free(sh);
         return rc;
     }
-    int shared = n_units > 0, ln = shared ? eng->max_items : n;   /* the layout's items */
     /* the int8 rows by rows (host/kernels.h mf_kern_q8_bytes): a slot's area where its rows are */
     size_t nk = (size_t)ln * K, q8x = mf_kern_q8_bytes(1, (int)H), q8h = mf_kern_q8_bytes(1, (int)I);
     int ex = eng->o.exact;
     size_t f = sizeof(float), bytes = 0, ab_sz[MF_LY_A_N];
     size_t eg_d = 0;
     if (c->n_engram > 0) {   /* Engram rows of one item, its wkv output */
-        sh->eg_per = (c->engram_max_ngram_size - 1) * c->engram_n_heads;
-        sh->eg_emb_ld = ((int64_t)sh->eg_per * c->engram_head_dim + 15) / 16 * 16;
-        sh->eg_kv_ld = ((int64_t)(hc + 1) * H + 15) / 16 * 16;
+        sh->eg_per = sh->cb.eg_per;
+        sh->eg_emb_ld = sh->cb.eg_emb_ld;
+        sh->eg_kv_ld = sh->cb.eg_kv_ld;
         eg_d = (size_t)c->engram_head_dim;
         if (eng->eg_reads) sh->eg_scratch_item = (mf_store_gather_bytes(eng->store, sh->eg_per) + 15) / 16 * 16;
     }
@@ -2378,7 +2373,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
     /* with dense cards: the bf16 mirrors of what their chains copy as bf16 (mf_sg_attn_buf_bf16) */
     size_t ab16_sz[MF_LY_A_N], dn = eng->n_dense > 0 ? (size_t)ln : 0;
     for (int b = 0; b < MF_LY_A_N; b++) {
-        sh->ab_ld[b] = (mf_ly_attn_buf_len(c, b) + 15) / 16 * 16;
+        sh->ab_ld[b] = sh->cb.ab_ld[b];
         ab_sz[b] = (size_t)ln * sh->ab_ld[b] * sizeof(float);
         ab16_sz[b] = mf_sg_attn_buf_bf16(b) ? dn * sh->ab_ld[b] * 2 : 0;
     }
@@ -2402,14 +2397,8 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
     }
         /* the heads on cards: the key table's entries at most (a longer union runs the host's heads) */
     int hk = sh->sg->heads_any, sk = sh->sg->scores_any;
-    for (int L = 0; L < c->n_layers; L++)   /* a card's items of the index scores at most */
-        if (sh->sg->scores_cards[L]) {
-            int a, e;
-            mf_sg_heads_range(sh->sg->n, sh->sg->scores_cards[L], 0, &a, &e);
-            if (e - a > sh->sk_rows) sh->sk_rows = e - a;
-        }
-    int64_t ecap = (int64_t)ln * c->index_topk;
-    sh->hk_ecap = (int)(ecap < MF_STEP_HEADS_ENTRIES ? ecap : MF_STEP_HEADS_ENTRIES);
+    sh->sk_rows = sh->cb.sk_rows;   /* a card's items of the index scores at most */
+    sh->hk_ecap = sh->cb.hk_ecap;
     mf_step_buf tab[] = {
         {"items", n_ * sizeof(mf_ly_item), (void **)&sh->items},
         {"streams", n_ * hc * H * f, (void **)&x},
@@ -2484,7 +2473,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         {"ab16_out", ab16_sz[MF_LY_A_OUT], (void **)&sh->ab16[MF_LY_A_OUT]},
         {"xin16", xin16_sz, (void **)&sh->xin16},
         {"ys16", ys16_sz, (void **)&sh->ys16},
-        {"sk_tab", sk ? (size_t)MF_STEP_SCORE_ENTRIES * c->index_head_dim * f : 0, (void **)&sh->sk_tab},
+        {"sk_tab", sk ? (size_t)MF_SG_SCORE_ENTRIES * c->index_head_dim * f : 0, (void **)&sh->sk_tab},
         {"sk_nvis", sk ? n_ * 4 : 0, (void **)&sh->sk_nvis},
     };
     _Static_assert(MF_LY_A_N == 11, "one row per attention buffer");
@@ -2525,7 +2514,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         sh->items[i].sel_kv = sel_kv ? sel_kv + (size_t)i * c->index_topk * c->head_dim : NULL;
         sh->items[i].cand = cand + (size_t)i * n_cb;
     }
-    if ((rc = mf_step_shape_dense(eng, sh, ab_sz))) {
+    if ((rc = mf_step_shape_dense(eng, sh))) {
         mf_step_shape_free(sh);
         return rc;
     }
@@ -2585,8 +2574,8 @@ static int mf_step_xslot_layout(mf_step *s)
 }
 
 /* Routed experts on s->o.dev: checks that the cards can run them as the host does (int8 path,
- * swiglu limit, FP4 experts), lays out a packed expert (w1, w2, w3 codes and scales), opens an
- * expert cache per card and adds three lanes per card. */
+ * swiglu limit, FP4 experts), lays out a packed expert (w1, w2, w3 codes and scales) and takes the
+ * cards (three lanes each); mf_step_caches_new opens their expert caches once the lanes exist. */
 static int mf_step_dev_setup(mf_step *s)
 {
     const mf_config *c = s->c;
@@ -2619,20 +2608,58 @@ static int mf_step_dev_setup(mf_step *s)
     }
     s->dev = s->o.dev;
     s->dev_graphs = s->o.dev_graphs;
-    int n = mf_dev_n_cards(s->dev);
-    for (int cd = 0; cd < n; cd++) {
-        int rc = mf_dev_xcache_new(s->dev, &(mf_dev_xcache_opts){.card = cd, .n_layers = c->n_layers,
-                                                                  .n_experts = c->n_routed_experts,
-                                                                  .slot_bytes = s->xslot_bytes,
-                                                                  .budget_bytes = s->o.dev_cache_bytes},
-                                   &s->xc[cd]);
-        if (rc) {
-            for (int k = 0; k < cd; k++) mf_dev_xcache_free(s->xc[k]);
-            return mf_error_wrap(rc, "step: the expert cache of card %d", cd);
+    s->n_cards = mf_dev_n_cards(s->dev);
+    s->dstat.n_cards = s->n_cards;
+    return 0;
+}
+
+/* The expert cache of each card with routed experts, after the dense weights and the lanes. With a
+ * budget (mf_step_opts.dev_cache_bytes) a cache takes that; without one, what the card grants
+ * (every expert, halved until it fits) once the buffers of the engine's largest shapes are held
+ * back (mf_sg_card_reserve: a prefill chunk's and the largest decode batch's, routed and dense
+ * blocks): held by an allocation while the cache is sized, then released for the shapes, which
+ * allocate when they first run. A card that cannot hold them beside its dense weights is refused
+ * here, naming the card and the sizes, not at a chunk's first run. */
+static int mf_step_caches_new(mf_step *s)
+{
+    const mf_config *c = s->c;
+    void *hold[MF_DEV_MAX_CARDS] = {0};
+    int rc = 0;
+    if (!s->o.dev_cache_bytes) {
+        mf_task_fn fn_of[MF_SG_N_OPS];
+        int chunk = s->o.prefill_chunk > 0 ? s->o.prefill_chunk : MF_STEP_PREFILL_CHUNK;
+        if (chunk > s->max_chunk) chunk = s->max_chunk;
+        mf_sg_opts o = mf_step_sg_opts(s, chunk, 0, 0, NULL, fn_of);
+        mf_sg_card_in ci = mf_step_card_in(s, NULL, 0);
+        double routed = 0, dense = 0;
+        rc = mf_sg_card_reserve(&o, &ci, chunk, s->max_items, &routed, &dense);
+        for (int cd = 0; !rc && cd < s->n_cards; cd++) {
+            double b = routed;
+            for (int k = 0; k < s->n_dense; k++) b += s->dense_card[k] == cd ? dense : 0;
+            if (b > 0 && (rc = mf_dev_alloc(s->dev, cd, (size_t)b, &hold[cd])))
+                rc = mf_error_wrap(rc == -ENOMEM ? -ENOSPC : rc, "step: card %d cannot hold the buffers of a %d-position prefill chunk and a "
+                                   "decode batch of %d (%.3f GB) beside its dense weights (a shorter --chunk needs "
+                                   "less)", cd, chunk, s->max_items, b / 1e9);
         }
     }
-    s->n_cards = n;
-    s->dstat.n_cards = n;
+    int n = 0;
+    for (; !rc && n < s->n_cards; n++) {
+        rc = mf_dev_xcache_new(s->dev, &(mf_dev_xcache_opts){.card = n, .n_layers = c->n_layers,
+                                                             .n_experts = c->n_routed_experts,
+                                                             .slot_bytes = s->xslot_bytes,
+                                                             .budget_bytes = s->o.dev_cache_bytes},
+                               &s->xc[n]);
+        if (rc) rc = mf_error_wrap(rc, "step: the expert cache of card %d", n);
+    }
+    for (int cd = 0; cd < s->n_cards; cd++)
+        if (hold[cd]) mf_dev_free(s->dev, cd, hold[cd]);
+    if (rc) {
+        for (int k = 0; k < s->n_cards; k++) {
+            mf_dev_xcache_free(s->xc[k]);
+            s->xc[k] = NULL;
+        }
+        return rc;
+    }
     s->dstat.cache_slots = mf_dev_xcache_n_slots(s->xc[0]);
     return 0;
 }
@@ -2952,6 +2979,7 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     for (int w = 0; !rc && w < s->o.n_threads; w++)
         if (!(rc = mf_ly_ctx_new(ly, MF_LY_LIN_KERN, &s->cx[w]))) s->n_cx = w + 1;
     if (!rc) rc = mf_sg_sizes_new(c, &s->sz);
+    if (!rc && s->n_cards) rc = mf_step_caches_new(s);
     if (!rc) rc = mf_sched_create(&(mf_sched_opts){.lanes = s->lt.lane, .n_lanes = s->lt.n_lanes,
                                                    .pin_threads = s->o.pin_threads,
                                                    .dev = s->dev ? mf_dev_lane_ops_of(s->dev) : NULL,

@@ -566,6 +566,105 @@ double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_c
     return b;
 }
 
+static size_t sg_al256(size_t b) { return (b + 255) / 256 * 256; }
+
+void mf_sg_card_bufs_of(const mf_sg_card_in *in, mf_sg_card_bufs *b)
+{
+    const mf_config *c = in->c;
+    const mf_stepgraph *sg = in->sg;
+    memset(b, 0, sizeof *b);
+    size_t n_ = (size_t)sg->n, ln = (size_t)(in->ln > sg->n ? in->ln : sg->n), f = sizeof(float);
+    size_t H = (size_t)c->hidden_size, I = (size_t)c->moe_intermediate_size, V = (size_t)c->vocab_size;
+    size_t E = (size_t)c->n_routed_experts, Ish = c->n_shared_experts > 0 ? (size_t)in->sh_rows : 0;
+    int ex = in->exact;
+    /* routed: n x top-k rows */
+    size_t nk = n_ * (size_t)c->n_experts_per_tok;
+    b->q8_row = mf_dev_ffn_q8_bytes(1, (int)H, (int)I);
+    b->x = 0;
+    b->w = b->x + sg_al256(nk * H * f);
+    b->h = b->w + sg_al256(nk * f);
+    b->q = b->h + sg_al256(nk * I * f);
+    b->y = b->q + sg_al256(nk * b->q8_row);
+    b->x16 = b->y + sg_al256(nk * H * f);
+    b->y16 = b->x16 + sg_al256(nk * H * 2);
+    b->tab = b->y16 + sg_al256(nk * H * 2);
+    b->routed_bytes = b->tab + (in->dev_graphs ? sizeof(mf_dev_ffn_slot) * (size_t)sg->n_slots * (size_t)c->n_layers : 0);
+    /* dense: the host's layouts' row lengths, then each copy {bytes, &offset} */
+    for (int k = 0; k < MF_LY_A_N; k++) b->ab_ld[k] = (mf_ly_attn_buf_len(c, k) + 15) / 16 * 16;
+    if (c->n_engram > 0) {
+        b->eg_per = (c->engram_max_ngram_size - 1) * c->engram_n_heads;
+        b->eg_emb_ld = ((int64_t)b->eg_per * c->engram_head_dim + 15) / 16 * 16;
+        b->eg_kv_ld = ((int64_t)(c->hc_mult + 1) * c->hidden_size + 15) / 16 * 16;
+    }
+    int64_t ecap = (int64_t)ln * c->index_topk;
+    b->hk_ecap = (int)(ecap < MF_SG_HEADS_ENTRIES ? ecap : MF_SG_HEADS_ENTRIES);
+    for (int L = 0; L < c->n_layers; L++)   /* a card's items of the index scores at most */
+        if (sg->scores_cards[L]) {
+            int a, e;
+            mf_sg_heads_range(sg->n, sg->scores_cards[L], 0, &a, &e);
+            if (e - a > b->sk_rows) b->sk_rows = e - a;
+        }
+    b->head_rows = in->head_rows > 0 ? in->head_rows : MF_SG_MAX_ITEMS;
+    if ((size_t)b->head_rows > n_) b->head_rows = (int)n_;
+    struct { size_t bytes, *off; } dt[2 * MF_LY_A_N + 19];
+    int m = 0;
+    for (int k = 0; k < MF_LY_A_N; k++) dt[m++] = (typeof(dt[0])){ln * (size_t)b->ab_ld[k] * f, &b->ab[k]};
+    for (int k = 0; k < MF_LY_A_N; k++)   /* the bf16 copies (the host's mirrors' layouts) */
+        dt[m++] = (typeof(dt[0])){mf_sg_attn_buf_bf16(k) ? ln * (size_t)b->ab_ld[k] * 2 : 0, &b->ab16[k]};
+    dt[m++] = (typeof(dt[0])){mf_sg_dense_bf16(MF_SG_D_GATE, 0) ? n_ * H * 2 : 0, &b->xin16};
+    dt[m++] = (typeof(dt[0])){mf_sg_dense_bf16(MF_SG_D_SHARED, 1) && Ish ? n_ * H * 2 : 0, &b->ys16};
+    dt[m++] = (typeof(dt[0])){n_ * H * f, &b->xin};
+    dt[m++] = (typeof(dt[0])){n_ * E * f, &b->logits};
+    dt[m++] = (typeof(dt[0])){n_ * Ish * f, &b->hs};
+    dt[m++] = (typeof(dt[0])){ex ? n_ * Ish * f : 0, &b->gs};
+    dt[m++] = (typeof(dt[0])){ex ? n_ * Ish * f : 0, &b->us};
+    dt[m++] = (typeof(dt[0])){n_ * H * f, &b->ys};
+    dt[m++] = (typeof(dt[0])){n_ * H * f, &b->hn};
+    dt[m++] = (typeof(dt[0])){(size_t)b->head_rows * V * f, &b->lbuf};
+    size_t eg = c->n_engram > 0 ? ln : 0;   /* one Engram layer's rows: its chains run in turn */
+    dt[m++] = (typeof(dt[0])){eg * (size_t)b->eg_emb_ld * f, &b->eg_emb};
+    dt[m++] = (typeof(dt[0])){eg * (size_t)b->eg_kv_ld * f, &b->eg_kv};
+    int hk = sg->heads_any;   /* the heads' key table, lists, counts, sinks */
+    size_t D = (size_t)c->head_dim;
+    dt[m++] = (typeof(dt[0])){hk ? ((size_t)c->sliding_window + n_ + (size_t)b->hk_ecap) * D * f : 0, &b->hk_tab};
+    dt[m++] = (typeof(dt[0])){hk ? n_ * (size_t)sg->heads_keys * 4 : 0, &b->hk_keys};
+    dt[m++] = (typeof(dt[0])){hk ? n_ * 4 : 0, &b->hk_nk};
+    dt[m++] = (typeof(dt[0])){hk ? (size_t)c->n_heads * f : 0, &b->hk_sink};
+    int sk = sg->scores_any;   /* the index scores' keys, counts, scores */
+    dt[m++] = (typeof(dt[0])){sk ? (size_t)MF_SG_SCORE_ENTRIES * (size_t)c->index_head_dim * f : 0, &b->sk_tab};
+    dt[m++] = (typeof(dt[0])){sk ? n_ * 4 : 0, &b->sk_nvis};
+    dt[m++] = (typeof(dt[0])){sk ? (size_t)b->sk_rows * MF_SG_SCORE_ENTRIES * sizeof(double) : 0, &b->sk_score};
+    for (int i = 0; i < m; i++) {
+        *dt[i].off = b->dense_bytes;
+        b->dense_bytes += sg_al256(dt[i].bytes);
+    }
+}
+
+int mf_sg_card_reserve(const mf_sg_opts *base, const mf_sg_card_in *in, int chunk, int max_items, double *routed,
+                       double *dense)
+{
+    *routed = *dense = 0;
+    const int ns[2] = {chunk, max_items};
+    for (int k = 0; k < 2; k++) {
+        if (ns[k] < 1) continue;
+        mf_sg_opts o = *base;
+        o.n = ns[k];
+        o.par = k == 1 && ns[k] > 1;
+        mf_stepgraph *g = NULL;
+        int rc = mf_stepgraph_new(&o, &g);
+        if (rc) return mf_error_wrap(rc, "the card buffers of a %s of %d", k ? "decode batch" : "prefill chunk", ns[k]);
+        mf_sg_card_in ci = *in;
+        ci.sg = g;
+        ci.ln = ns[k];
+        mf_sg_card_bufs b;
+        mf_sg_card_bufs_of(&ci, &b);
+        if (base->n_cards) *routed += (double)b.routed_bytes;
+        if (base->n_dense_cards) *dense += (double)b.dense_bytes;
+        mf_stepgraph_free(g);
+    }
+    return 0;
+}
+
 int mf_sg_attn_buf_bf16(int buf)
 {
     return buf == MF_LY_A_IN || buf == MF_LY_A_QR || buf == MF_LY_A_Q || buf == MF_LY_A_QI || buf == MF_LY_A_O ||

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "device/dev.h"
+#include "graphs/layers/layers.h"
 #include "graphs/model/config.h"
 #include "sched/cost.h"
 #include "sched/graph.h"
@@ -547,6 +548,56 @@ int mf_sg_dense_bf16(int dense, int out);
 /* The dense weight bytes card `card` of n_cards holds under `split` (codes + scales, bf16): what
  * its dense tasks' records read per step. */
 double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int card);
+
+/* Compressed entries a prefill chunk's key table for the heads on cards holds at most (with
+ * head_dim 512: 32 MiB per card): a chunk whose items' selections together touch more runs the
+ * host's heads (graphs/step/step.c mf_step_shape.hk_host) */
+#define MF_SG_HEADS_ENTRIES 16384
+/* Visible compressed entries the index scores on cards take at most (a card's score buffer: its
+ * share of the chunk's items x this many doubles; chunk 8,192 on 4 cards: 256 MiB a card): a chunk
+ * whose last item sees more scores on the host (mf_step_shape.sk_host) */
+#define MF_SG_SCORE_ENTRIES 16384
+
+/* The card memory a step graph's activations take, as the engine lays it out (graphs/step/step.c
+ * allocates one block per card from these offsets, the simulator and the engine's start take the
+ * bytes from a card before its expert cache): byte offsets, each buffer 256-aligned. A card with
+ * routed experts holds the routed block, a dense card the dense block. */
+typedef struct mf_sg_card_bufs {
+    /* routed: the slots' rows in (fp32 and the bf16 the links carry), token weights, h, the int8
+     * scratch by rows (q8_row bytes a row, mf_dev_ffn_table.q8_row), rows out (fp32, bf16), the
+     * device graphs' slot tables (per layer) */
+    size_t x, w, h, q, y, x16, y16, tab, q8_row, routed_bytes;
+    /* dense: the attention buffers (fp32, and bf16 where mf_sg_attn_buf_bf16), the MoE input
+     * (bf16, fp32), the gate's logits, the shared expert's h (and --exact's g, u) and out (bf16,
+     * fp32), the final norm's out, head_rows rows of logits, one Engram layer's rows and wkv out,
+     * the heads' key table, lists, counts and sinks, the index scores' keys, counts and scores */
+    size_t ab[MF_LY_A_N], ab16[MF_LY_A_N], xin16, ys16, xin, logits, hs, gs, us, ys, hn, lbuf, eg_emb, eg_kv,
+        hk_tab, hk_keys, hk_nk, hk_sink, sk_tab, sk_nvis, sk_score, dense_bytes;
+    int64_t ab_ld[MF_LY_A_N], eg_emb_ld, eg_kv_ld;   /* floats a row (the host's layouts too) */
+    int head_rows, hk_ecap, sk_rows;   /* logits rows at a time; key table entries; a card's score rows */
+    int eg_per;                        /* Engram rows of an item: (max n-gram - 1) x heads */
+} mf_sg_card_bufs;
+
+typedef struct mf_sg_card_in {
+    const mf_config *c;
+    const mf_stepgraph *sg;   /* its n items, slots, heads and scores on cards */
+    int ln;                   /* items the host's buffers are laid out for (>= sg->n; 0: sg->n) */
+    int64_t sh_rows;          /* the shared expert's hidden rows (mf_sg_sizes.sh_rows) */
+    int exact, dev_graphs;    /* mf_step_opts.exact (fp32 g and u copies), .dev_graphs (slot tables) */
+    int head_rows;            /* logits rows a dense card computes at a time (0: MF_SG_MAX_ITEMS) */
+} mf_sg_card_in;
+
+/* Fills b for in (every field; 0-byte buffers where the graph has none). */
+void mf_sg_card_bufs_of(const mf_sg_card_in *in, mf_sg_card_bufs *b);
+/* The card memory the engine keeps free for its shapes' buffers when it sizes its expert caches
+ * (graphs/step/step.c; the simulator takes the same): the graphs of a prefill chunk of `chunk`
+ * positions (serial) and of a decode batch of max_items (parallel; 0: none), each built from base
+ * with its n and par replaced, laid out by mf_sg_card_bufs_of; *routed the two routed blocks summed
+ * (a card with routed experts), *dense the two dense blocks (a dense card): the engine keeps a long
+ * chunk's shape beside the decode shapes. Other batch sizes' shapes are smaller and take what the
+ * caches leave. 0 or a negative code (the graphs' building). */
+int mf_sg_card_reserve(const mf_sg_opts *base, const mf_sg_card_in *in, int chunk, int max_items, double *routed,
+                       double *dense);
 
 /* Hybrid and seed placement of a layer's slots (the engine's and the simulator's rule): every
  * used slot's host work is queued first (mf_sg_place_host_work: the host's end if all stayed
