@@ -400,6 +400,10 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
         p->act_routed = p->n_cards ? (double)b.routed_bytes : 0;
         p->act_dense = p->n_dense ? (double)b.dense_bytes : 0;
     }
+    if (p->n_lane_cards) {   /* card 0's, for the report */
+        p->total.card_weights = p->n_dense ? p->dense_bytes[0] : 0;
+        p->total.card_bufs = (p->n_dense ? p->act_dense : 0) + (p->n_cards ? p->act_routed : 0);
+    }
     for (int cd = 0; cd < p->n_lane_cards && f->card_mem_bytes; cd++) {
         double need = (cd < p->n_dense ? p->dense_bytes[cd] + p->act_dense : 0) + (cd < p->n_cards ? p->act_routed : 0) +
                       (cd < p->n_cards ? (double)o->dev_cache_bytes : 0);
@@ -433,6 +437,7 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
             goto fail;
         }
         dev_slots[cd] = (int)slots;
+        if (!cd) p->total.card_slots = (int)slots, p->total.card_cache = (double)slots * xslot;
     }
     if ((rc = pl_caches_new(p, store_slots, dev_slots,
                             o->dev_cache_policy == MF_PLAN_CACHE_LRU ? MF_RESID_LRU : MF_RESID_LFU)))
@@ -782,7 +787,10 @@ void mf_plan_total(const mf_plan *p, mf_plan_report *out)
     int n = out->n_steps;
     if (!n) {
         *out = (mf_plan_report){.batch = p->batch, .fill_experts = p->total.fill_experts,
-                                .fill_bytes = p->total.fill_bytes, .fill_ns = p->total.fill_ns};
+                                .fill_bytes = p->total.fill_bytes, .fill_ns = p->total.fill_ns,
+                                .card_weights = p->total.card_weights, .card_bufs = p->total.card_bufs,
+                                .card_slots = p->total.card_slots,
+                                .card_cache = p->total.card_cache};
         return;
     }
     out->step_ns = p->total.step_ns / n;
@@ -803,7 +811,10 @@ void mf_plan_total(const mf_plan *p, mf_plan_report *out)
 void mf_plan_reset_totals(mf_plan *p)
 {
     p->total = (mf_plan_report){.batch = p->batch, .fill_experts = p->total.fill_experts,
-                                .fill_bytes = p->total.fill_bytes, .fill_ns = p->total.fill_ns};
+                                .fill_bytes = p->total.fill_bytes, .fill_ns = p->total.fill_ns,
+                                .card_weights = p->total.card_weights, .card_bufs = p->total.card_bufs,
+                                .card_slots = p->total.card_slots,
+                                .card_cache = p->total.card_cache};
 }
 
 int mf_plan_run(const mf_plan_opts *o, int warmup, int n_steps, mf_plan_report *out)
@@ -889,6 +900,10 @@ void mf_plan_print(const mf_plan_report *r, FILE *f)
         fprintf(f, "host store: %" PRIu64 " hits, %" PRIu64 " misses, %" PRIu64 " evictions, %.1f MiB read\n",
                 r->store_hits, r->store_misses, r->store_evictions, r->store_bytes_read / 1048576.0);
     if (r->table_bytes_read) fprintf(f, "Engram rows read: %.2f MiB\n", r->table_bytes_read / 1048576.0);
+    if (r->card_weights + r->card_bufs > 0)
+        fprintf(f, "card 0 memory: dense weights %.3f GB, the steps' buffers %.3f GB (held back from its cache), "
+                "expert cache %d slots (%.3f GB)\n", r->card_weights / 1e9, r->card_bufs / 1e9, r->card_slots,
+                r->card_cache / 1e9);
     if (r->fill_experts)
         fprintf(f, "warm fill at start: %" PRId64 " experts, %.2f GB copied in, %.3f s\n", r->fill_experts,
                 r->fill_bytes / 1e9, r->fill_ns / 1e9);

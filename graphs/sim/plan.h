@@ -112,6 +112,10 @@ typedef struct mf_plan_report {
      * the fullest card's bytes / h2d_bytes_per_s */
     int64_t fill_experts;
     double fill_bytes, fill_ns;
+    /* card 0's memory, set at the start: its dense weights, the steps' buffers held back from its
+     * cache (mf_sg_card_reserve; with --dev-cache this graph's), its cache's slots */
+    double card_weights, card_bufs, card_cache;
+    int card_slots;
     /* per op (mf_sg_op, named by mf_sg_op_name): summed task durations on the CPU lanes and on
      * the other lanes (cards' copies and compute, IO), and the tasks that ran (noop ones left out) */
     int64_t op_cpu_ns[MF_SG_N_OPS], op_other_ns[MF_SG_N_OPS];
