@@ -60,7 +60,9 @@ static void mf_tune_usage(FILE *f)
             "  --threads           the profile's threads per socket, and half of them\n"
             "  --read-window       1, 2, 4, -1 (all) with --store streamed; else the engine's 2\n"
             "  --copy-slots        1, 2, 4 (copy-in streams per card) for seed and hybrid\n"
-            "  --dev-cache         a quarter, half and all of a card's memory, for seed and hybrid\n"
+            "  --dev-cache         a quarter and half of a card's memory, and 0 (what the card has\n"
+            "                      room for beside its dense weights and the steps' buffers, the\n"
+            "                      engine's default), for seed and hybrid\n"
             "  --cache-policy      lfu, lru, for seed and hybrid\n"
             "  --dev-cache-fill on|off  not swept: every candidate's card caches start warm (on,\n"
             "                      the default, as `moeflow sim`) or empty\n"
@@ -302,9 +304,11 @@ int mf_cmd_tune(int argc, char **argv)
     if (!kn[K_CACHE].given) {
         uint64_t m = prof.card_mem_bytes;
         kn[K_CACHE].n = cards && !real && m ? 3 : 1;
+        /* a budget of all of the card (the sweep's third before 2026-12-05) leaves no room for the
+         * steps' buffers: the engine would refuse it, so the plan does; 0 is the engine's own sizing */
         kn[K_CACHE].v[0] = kn[K_CACHE].n == 3 ? (int64_t)(m / 4) : 0;
         kn[K_CACHE].v[1] = (int64_t)(m / 2);
-        kn[K_CACHE].v[2] = (int64_t)m;
+        kn[K_CACHE].v[2] = 0;
     }
     if (!kn[K_POLICY].given) {
         kn[K_POLICY].n = cards && !real ? 2 : 1;
