@@ -63,12 +63,17 @@ typedef struct dc_host {
  * 1 and 3 tokens against device/dense_host.h on the same data: an FP8 row slice [32, 96) of a
  * 128 x 256 matrix with strided outputs, a BF16 64 x 256 with reference sums (the router gate),
  * an FP8 128 x 64 grouped (4 groups of 32 rows) slice from row 32 with reference sums (wo_a),
- * the FP8 FFN phase 1 (64 x 256, limit 7), the bf16 rounding, a bf16 pack and unpack (strided,
+ * the tiled kernel (mf_dev_lin.path MF_DEV_LIN_TILED, which the dense chains take from
+ * MF_DEV_LIN_TILED_MIN_TOK tokens) on the FP8 slice and on the BF16 matrix with kernel sums,
+ * the FP8 FFN phase 1 with each kernel (64 x 256, limit 7), the bf16 rounding, a bf16 pack and unpack (strided,
  * through dh: the rounding's bits) and the exact gating. Device
  * buffers: dw (weights), dsc (scales), dx, dh, dy (x, a second input, outputs). */
-enum { DD_LIN, DD_GATE, DD_WOA, DD_UP, DD_ROUND, DD_CAST, DD_SWIGLU, DD_N };
+enum { DD_LIN, DD_GATE, DD_WOA, DD_LIN_T, DD_GATE_T, DD_UP, DD_UP_T, DD_ROUND, DD_CAST, DD_SWIGLU, DD_N };
 static const char *const dd_name[DD_N] = {"fp8 linear (row slice, strides)", "bf16 linear (reference sums)",
-                                          "fp8 grouped linear (reference sums)", "dense ffn up (fp8)",
+                                          "fp8 grouped linear (reference sums)",
+                                          "fp8 linear (row slice, strides; tiled kernel)",
+                                          "bf16 linear (kernel sums; tiled kernel)", "dense ffn up (fp8)",
+                                          "dense ffn up (fp8; tiled kernel)",
                                           "bf16 rounding", "bf16 pack and unpack", "swiglu (bf16 roundings)"};
 
 static int dc_dense(mf_dev *d, int card, mf_dev_stream *st, dc_rng *r, dc_host *hb, uint8_t *dw, uint8_t *dsc,
@@ -80,24 +85,25 @@ static int dc_dense(mf_dev *d, int card, mf_dev_stream *st, dc_rng *r, dc_host *
     for (int k = 0; k < DD_N && !rc; k++)
         for (int T = 1; T <= DC_TOK && !rc; T += DC_TOK - 1) {
             mf_kern_mat m[2];
-            int ld_y = k == DD_LIN ? 100 : k == DD_SWIGLU ? DC_HID : 64, n_y = 64;
+            int kb = k == DD_LIN_T ? DD_LIN : k == DD_GATE_T ? DD_GATE : k == DD_UP_T ? DD_UP : k;   /* the tiled ones' data */
+            int ld_y = kb == DD_LIN ? 100 : k == DD_SWIGLU ? DC_HID : 64, n_y = 64;
             size_t wo = 0, so = 0;
-            if (k == DD_GATE) {
+            if (kb == DD_GATE) {
                 uint16_t *wb = (uint16_t *)hb->w;
                 for (int i = 0; i < 64 * DC_IN; i++) wb[i] = (uint16_t)(0x3E00 + dc_next(r) % 0x200 + (dc_next(r) & 0x8000));
                 m[0] = (mf_kern_mat){.fmt = MF_KERN_BF16, .w = hb->w, .n_out = 64, .n_in = DC_IN};
                 wo = sizeof(uint16_t) * 64 * DC_IN;
-            } else if (k == DD_LIN || k == DD_WOA) {   /* the whole matrix; the card gets the slice */
-                int no = 128, ni = k == DD_LIN ? DC_IN : 64;
+            } else if (kb == DD_LIN || kb == DD_WOA) {   /* the whole matrix; the card gets the slice */
+                int no = 128, ni = kb == DD_LIN ? DC_IN : 64;
                 dc_mat(r, MF_KERN_FP8, no, ni, hb->w, hb->sc, &m[0]);
                 m[0].w = hb->w + 32 * ni;   /* rows [32, ...): from the second tile row */
                 m[0].scale = hb->sc + ni / 32;
-                m[0].n_out = k == DD_LIN ? 64 : 96;
+                m[0].n_out = kb == DD_LIN ? 64 : 96;
                 wo = (size_t)m[0].n_out * ni;
                 so = (size_t)(m[0].n_out / 32) * (ni / 32);
                 n_y = m[0].n_out;
-                ld_y = k == DD_LIN ? 100 : 96;
-            } else if (k == DD_UP) {
+                ld_y = kb == DD_LIN ? 100 : 96;
+            } else if (kb == DD_UP) {
                 dc_mat(r, MF_KERN_FP8, 64, DC_IN, hb->w, hb->sc, &m[0]);
                 dc_mat(r, MF_KERN_FP8, 64, DC_IN, hb->w + 64 * DC_IN, hb->sc + 2 * 8, &m[1]);
                 wo = 2 * 64 * DC_IN;
@@ -113,12 +119,13 @@ static int dc_dense(mf_dev *d, int card, mf_dev_stream *st, dc_rng *r, dc_host *
             memset(hb->ref, 0, sizeof hb->ref);
             /* the host's answer, on host pointers */
             mf_dev_lin hl = {.w = m[0], .row0 = 32, .group_rows = k == DD_WOA ? 32 : 0,
-                             .sums = k == DD_LIN ? MF_DEV_SUMS_KERN : MF_DEV_SUMS_REF, .x = hb->x, .ld_x = DC_IN,
+                             .sums = kb == DD_LIN || k == DD_GATE_T ? MF_DEV_SUMS_KERN : MF_DEV_SUMS_REF,
+                             .path = k == DD_LIN_T || k == DD_GATE_T ? MF_DEV_LIN_TILED : MF_DEV_LIN_AUTO, .x = hb->x, .ld_x = DC_IN,
                              .n_tok = T, .y = hb->ref, .ld_y = ld_y};
             mf_dev_up hu = {.w1 = m[0], .w3 = m[1], .x = hb->x, .ld_x = DC_IN, .n_tok = T, .limit = 7.0f, .h = hb->ref,
-                            .ld_h = ld_y};
-            if (k <= DD_WOA) rc = mf_dense_host_linear(&hl);
-            else if (k == DD_UP) rc = mf_dense_host_ffn_up(&hu);
+                            .ld_h = ld_y, .path = k == DD_UP_T ? MF_DEV_LIN_TILED : MF_DEV_LIN_AUTO};
+            if (k <= DD_GATE_T) rc = mf_dense_host_linear(&hl);
+            else if (kb == DD_UP) rc = mf_dense_host_ffn_up(&hu);
             else if (rnd) {
                 memcpy(hb->ref, hb->x, sizeof(float) * ny_all);
                 mf_dense_host_round_bf16(hb->ref, T, ld_y, n_y);
@@ -141,8 +148,8 @@ static int dc_dense(mf_dev *d, int card, mf_dev_stream *st, dc_rng *r, dc_host *
             if (!rc) rc = mf_dev_copy_h2d(st, dx, hb->x, sizeof(float) * (size_t)T * n_x);
             if (!rc) rc = mf_dev_copy_h2d(st, dh, hx2, sizeof(float) * (size_t)T * DC_HID);
             if (!rc) rc = mf_dev_copy_h2d(st, dy, rnd ? hb->x : hb->got, sizeof(float) * ny_all);
-            if (!rc && k <= DD_WOA) rc = mf_dev_linear(st, &dl);
-            if (!rc && k == DD_UP) rc = mf_dev_ffn_up(st, &du);
+            if (!rc && k <= DD_GATE_T) rc = mf_dev_linear(st, &dl);
+            if (!rc && kb == DD_UP) rc = mf_dev_ffn_up(st, &du);
             if (!rc && k == DD_ROUND) rc = mf_dev_round_bf16(st, dy, T, ld_y, n_y);
             if (!rc && k == DD_CAST) rc = mf_dev_bf16_pack(st, dx, DC_IN, (uint16_t *)dh, 70, T, n_y);
             if (!rc && k == DD_CAST) rc = mf_dev_bf16_unpack(st, (const uint16_t *)dh, 70, dy, ld_y, T, n_y);
@@ -154,7 +161,7 @@ static int dc_dense(mf_dev *d, int card, mf_dev_stream *st, dc_rng *r, dc_host *
                 return mf_error_wrap(rc, "card %d (%s): self-check of kernel %s at %d tokens failed", card, kind,
                                      dd_name[k], T);
             double e = dc_rel(hb->got, hb->ref, ny_all);
-            double tol = rnd ? 0 : k == DD_SWIGLU ? MF_DEV_CHECK_TOL_BF16 : k == DD_UP ? MF_DEV_CHECK_TOL_FFN
+            double tol = rnd ? 0 : k == DD_SWIGLU ? MF_DEV_CHECK_TOL_BF16 : kb == DD_UP ? MF_DEV_CHECK_TOL_FFN
                                                                                           : MF_DEV_CHECK_TOL_MM;
             if (!(e <= tol))
                 rc = mf_error(-EIO, "card %d (%s): kernel %s: relative error %.2e at %d tokens against the host "

@@ -409,12 +409,16 @@ static int cu_expert_ffn_table(mf_dev_stream *ps, const mf_dev_ffn_table *a)
     return mf_cuda_kern_ffn_table(s->st, a);
 }
 
-/* The dense ops (device/dev_kernels.cu: warp-per-row FP8/BF16 linears, elementwise roundings). */
+/* The dense ops (device/dev_kernels.cu: warp-per-row and tiled FP8/BF16 linears, elementwise
+ * roundings). A linear's kernel: mf_dev_lin.path (AUTO: tiled from MF_DEV_LIN_TILED_MIN_TOK tokens
+ * where it applies). */
 static int cu_linear(mf_dev_stream *ps, const mf_dev_lin *a)
 {
     cu_stream *s = (cu_stream *)ps;
     CU_TRY(cudaSetDevice(s->id));
-    return mf_cuda_kern_linear(s->st, a);
+    int tiled = a->path == MF_DEV_LIN_TILED ||
+                (a->path == MF_DEV_LIN_AUTO && a->n_tok >= MF_DEV_LIN_TILED_MIN_TOK && mf_dev_lin_tiled_ok(a));
+    return mf_cuda_kern_linear(s->st, a, tiled);
 }
 
 static int cu_round_bf16(mf_dev_stream *ps, float *y, int n_tok, int64_t ld, int n)
@@ -436,7 +440,8 @@ static int cu_ffn_up(mf_dev_stream *ps, const mf_dev_up *a)
 {
     cu_stream *s = (cu_stream *)ps;
     CU_TRY(cudaSetDevice(s->id));
-    return mf_cuda_kern_ffn_up(s->st, a);
+    int tiled = a->path == MF_DEV_LIN_TILED || (a->path == MF_DEV_LIN_AUTO && a->n_tok >= MF_DEV_LIN_TILED_MIN_TOK);
+    return mf_cuda_kern_ffn_up(s->st, a, tiled);
 }
 
 static int cu_swiglu_bf16(mf_dev_stream *ps, const float *g, const float *u, int n_tok, int64_t ld, int n,

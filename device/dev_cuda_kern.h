@@ -17,12 +17,14 @@ int mf_cuda_kern_ffn(void *stream, const mf_dev_ffn *a);
 /* The slot-table FFN (int8 path): blockIdx.z per slot, entries read when the kernels run. */
 int mf_cuda_kern_ffn_table(void *stream, const mf_dev_ffn_table *a);
 /* The dense ops (device/dev.h mf_dev_linear, mf_dev_round_bf16, mf_dev_ffn_up, mf_dev_swiglu_bf16);
- * FP8 and BF16 mf_cuda_kern_matmul run the same linear kernel. */
-int mf_cuda_kern_linear(void *stream, const mf_dev_lin *a);
+ * FP8 and BF16 mf_cuda_kern_matmul run the same linear kernel. tiled: the tiled kernel (the caller
+ * checked mf_dev_lin_tiled_ok), else the warp-per-row one. */
+int mf_cuda_kern_linear(void *stream, const mf_dev_lin *a, int tiled);
 int mf_cuda_kern_round_bf16(void *stream, float *y, int n_tok, int64_t ld, int n);
 /* mf_dev_bf16_pack (pack 1) and _unpack (pack 0). */
 int mf_cuda_kern_bf16_cast(void *stream, int pack, float *x, int64_t ld_x, uint16_t *y, int64_t ld_y, int n_tok, int n);
-int mf_cuda_kern_ffn_up(void *stream, const mf_dev_up *a);
+/* tiled: the tiled kernel's UP variant (both weight tiles per block), else the warp-per-row one. */
+int mf_cuda_kern_ffn_up(void *stream, const mf_dev_up *a, int tiled);
 int mf_cuda_kern_swiglu_bf16(void *stream, const float *g, const float *u, int n_tok, int64_t ld, int n,
                              float limit, float *h);
 /* mf_dev_attn_heads: a block per (token, head), device/kern_attn.h's lanes (device/dev.h says

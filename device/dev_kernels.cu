@@ -26,12 +26,7 @@ __device__ static float k_e2m1(unsigned code)
     return (code & 8u) ? -v : v;
 }
 
-__device__ static float k_e8m0(unsigned code)
-{
-    if (code == 0xFFu) return __int_as_float(0x7FC00000);
-    if (code == 0u) return __int_as_float(0x00400000);   /* 2^-127 */
-    return __int_as_float((int)(code << 23));
-}
+__device__ static float k_e8m0(unsigned code) { return mf_dk_e8m0(code); }   /* device/kern_dense.h */
 
 __device__ static float k_e4m3(unsigned code)
 {
@@ -279,6 +274,108 @@ __global__ static void k_swiglu_bf16(const float *g, const float *u, int n_tok, 
     h[e] = k_bf(1.0f * (silu * ui));
 }
 
+/* ---- dense linears at many tokens: the tiled kernel (a GEMM with KERN sums) -------------------
+ * Block (blockIdx.x: GT_M rows of the slice, blockIdx.y: GT_N tokens), 256 threads, each 4 rows x 4
+ * tokens. Per 32-column step the block decodes the weight tile [GT_M rows][32 columns] once into
+ * shared memory (FP8: mf_dk_e4m3 of the code times the tile's E8M0 scale, the host's exact decoded
+ * value; BF16: the value) beside the tokens' 32 x columns, then each thread FMAs its 4 x 4 outputs
+ * over the 32 columns in column order: fp32 sums in another order than the host's (the bound of
+ * the warp-per-row kernel, docs/device.md). Each weight is read once per GT_N tokens where the
+ * warp-per-row kernel reads it once per KT. Grouped rows: the block's rows lie in one group
+ * (mf_dev_lin_tiled_ok), whose x columns it reads. Compiled, never run on a GPU. */
+#define GT_M 64
+#define GT_N 64
+#define GT_K 32
+
+/* One weight tile [GT_M rows][32 columns] from column k0 into shared memory (0 past the slice). */
+template <int FMT>
+__device__ static void k_tile_w(const k_lin_args &a, int m0, int k0, float (*ws)[GT_M + 4])
+{
+    for (int e = threadIdx.x; e < GT_M * GT_K; e += 256) {   /* consecutive threads: consecutive columns */
+        int r = e / GT_K, kk = e % GT_K, i = m0 + r;
+        ws[kk][r] = i < a.n_out ? mf_dk_weight(FMT, a.w, a.scale, a.n_in, i, k0 + kk) : 0.0f;
+    }
+}
+
+/* UP = 0: y = the slice's rows against x. UP = 1 (mf_dev_ffn_up: a = w1, a3 = w3, same rows and
+ * x): both tiles in shared memory, two accumulators, then mf_kern_ffn_up's clamp and silu into
+ * h (a.y, a.ld_y). */
+template <int FMT, int UP>
+__global__ static void __launch_bounds__(256) k_lin_tiled(k_lin_args a, k_lin_args a3, float limit)
+{
+    __shared__ float ws[GT_K][GT_M + 4];
+    __shared__ float ws3[UP ? GT_K : 1][GT_M + 4];
+    __shared__ float xs[GT_K][GT_N + 4];
+    const int tid = threadIdx.x, m0 = blockIdx.x * GT_M, n0 = blockIdx.y * GT_N;
+    const int tr = (tid >> 4) * 4, tc = (tid & 15) * 4;
+    const long long xoff = mf_dk_xoff(a.row0, a.group_rows, a.n_in, m0);
+    float acc[4][4], acc3[UP ? 4 : 1][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            acc[i][j] = 0.0f;
+            if (UP) acc3[UP ? i : 0][j] = 0.0f;
+        }
+    for (int k0 = 0; k0 < a.n_in; k0 += GT_K) {
+        k_tile_w<FMT>(a, m0, k0, ws);
+        if (UP) k_tile_w<FMT>(a3, m0, k0, ws3);
+        for (int e = tid; e < GT_N * GT_K; e += 256) {
+            int t = e / GT_K, kk = e % GT_K, tok = n0 + t;
+            xs[kk][t] = tok < a.n_tok ? __ldg(a.x + (long long)tok * a.ld_x + xoff + k0 + kk) : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int kk = 0; kk < GT_K; kk++) {
+            float wr[4], w3r[4], xr[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                wr[i] = ws[kk][tr + i];
+                w3r[i] = UP ? ws3[UP ? kk : 0][tr + i] : 0.0f;
+                xr[i] = xs[kk][tc + i];
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    acc[i][j] = fmaf(wr[i], xr[j], acc[i][j]);
+                    if (UP) acc3[UP ? i : 0][j] = fmaf(w3r[i], xr[j], acc3[UP ? i : 0][j]);
+                }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        int tok = n0 + tc + j;
+        if (tok >= a.n_tok) continue;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            if (m0 + tr + i >= a.n_out) continue;
+            float v = acc[i][j];
+            if (UP) {   /* k_lin_up's epilogue */
+                float gv = v > limit ? limit : v;
+                float u = acc3[UP ? i : 0][j], uv = u > limit ? limit : u < -limit ? -limit : u;
+                float silu = gv / (1.0f + expf(-gv));
+                v = (silu * uv) * 1.0f;
+            }
+            a.y[(long long)tok * a.ld_y + m0 + tr + i] = v;
+        }
+    }
+}
+
+/* a3 (UP): w3's arguments, h in a.y */
+static int k_lin_tiled_launch(cudaStream_t st, int fmt, const k_lin_args &a, const k_lin_args *a3, float limit)
+{
+    dim3 grid((unsigned)((a.n_out + GT_M - 1) / GT_M), (unsigned)((a.n_tok + GT_N - 1) / GT_N));
+    if (a3 && fmt == MF_KERN_FP8) k_lin_tiled<MF_KERN_FP8, 1><<<grid, 256, 0, st>>>(a, *a3, limit);
+    else if (a3) k_lin_tiled<MF_KERN_BF16, 1><<<grid, 256, 0, st>>>(a, *a3, limit);
+    else if (fmt == MF_KERN_FP8) k_lin_tiled<MF_KERN_FP8, 0><<<grid, 256, 0, st>>>(a, a, 0.0f);
+    else k_lin_tiled<MF_KERN_BF16, 0><<<grid, 256, 0, st>>>(a, a, 0.0f);
+    return k_launched(a3 ? (fmt == MF_KERN_FP8 ? "dense ffn up (fp8, tiled)" : "dense ffn up (bf16, tiled)")
+                         : (fmt == MF_KERN_FP8 ? "fp8 linear (tiled)" : "bf16 linear (tiled)"),
+                      __LINE__);
+}
+
 static k_lin_args k_lin_of(const mf_kern_mat *w, long long row0, int group_rows, const float *x, long long ld_x,
                            int n_tok, float *y, long long ld_y)
 {
@@ -299,16 +396,22 @@ static int k_lin_launch(cudaStream_t st, int fmt, int ref, const k_lin_args &a)
                       __LINE__);
 }
 
-extern "C" int mf_cuda_kern_linear(void *stream, const mf_dev_lin *a)
+extern "C" int mf_cuda_kern_linear(void *stream, const mf_dev_lin *a, int tiled)
 {
-    return k_lin_launch((cudaStream_t)stream, (int)a->w.fmt, a->sums == MF_DEV_SUMS_REF,
-                        k_lin_of(&a->w, a->row0, a->group_rows, a->x, a->ld_x, a->n_tok, a->y, a->ld_y));
+    k_lin_args la = k_lin_of(&a->w, a->row0, a->group_rows, a->x, a->ld_x, a->n_tok, a->y, a->ld_y);
+    if (tiled) return k_lin_tiled_launch((cudaStream_t)stream, (int)a->w.fmt, la, NULL, 0.0f);
+    return k_lin_launch((cudaStream_t)stream, (int)a->w.fmt, a->sums == MF_DEV_SUMS_REF, la);
 }
 
-extern "C" int mf_cuda_kern_ffn_up(void *stream, const mf_dev_up *a)
+extern "C" int mf_cuda_kern_ffn_up(void *stream, const mf_dev_up *a, int tiled)
 {
     k_lin_args a1 = k_lin_of(&a->w1, 0, 0, a->x, a->ld_x, a->n_tok, NULL, 0);
     k_lin_args a3 = k_lin_of(&a->w3, 0, 0, a->x, a->ld_x, a->n_tok, NULL, 0);
+    if (tiled) {
+        a1.y = a->h;
+        a1.ld_y = a->ld_h;
+        return k_lin_tiled_launch((cudaStream_t)stream, (int)a->w1.fmt, a1, &a3, a->limit);
+    }
     dim3 grid((unsigned)((a->w1.n_out + WARPS - 1) / WARPS), (unsigned)((a->n_tok + KT - 1) / KT));
     cudaStream_t st = (cudaStream_t)stream;
     if (a->w1.fmt == MF_KERN_FP8) k_lin_up<MF_KERN_FP8><<<grid, 32 * WARPS, 0, st>>>(a1, a3, a->limit, a->h, a->ld_h);

@@ -1,5 +1,5 @@
-/* The per-lane arithmetic of the CUDA dense linears (device/dev_kernels.cu k_lin), written once for
- * the GPU and the host: E4M3 and BF16 decoding from bits, the bf16 rounding, and where a lane's
+/* The per-lane arithmetic of the CUDA dense linears (device/dev_kernels.cu k_lin, and the tiled
+ * k_lin_tiled's weight decoding), written once for the GPU and the host: E4M3 and BF16 decoding from bits, the bf16 rounding, and where a lane's
  * 16-byte chunk of a weight row sits (its columns, its 32x32 tile's scale, the x columns of its
  * row's group). tests/test_dev_kmath.c runs the kernel's lane schedule on the host with these
  * same functions against device/dense_host.h, so the indexing and the math are checked on
@@ -51,6 +51,25 @@ MF_DK_FN float mf_dk_e4m3(uint32_t b)
     float v = e ? mf_dk_float(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;
     if ((b & 0x7Fu) == 0x7Fu) v = mf_dk_float(0x7FC00000u);
     return (b & 0x80u) ? -v : v;
+}
+
+/* E8M0 from its bits: 2^(code - 127), code 0 2^-127 (subnormal), 0xFF NaN: host/formats.h's. */
+MF_DK_FN float mf_dk_e8m0(uint32_t code)
+{
+    if (code == 0xFFu) return mf_dk_float(0x7FC00000u);
+    if (code == 0u) return mf_dk_float(0x00400000u);
+    return mf_dk_float(code << 23);
+}
+
+/* The tiled kernel's weight (device/dev_kernels.cu k_lin_tiled): row i, column k of a slice,
+ * decoded (FP8: the code times its 32x32 tile's E8M0 scale, the host's exact value; BF16: the
+ * value). */
+MF_DK_FN float mf_dk_weight(int fmt, const void *w, const uint8_t *scale, int n_in, int i, int k)
+{
+    size_t at = (size_t)i * (size_t)n_in + (size_t)k;
+    if (fmt == MF_KERN_FP8)
+        return mf_dk_e4m3(((const uint8_t *)w)[at]) * mf_dk_e8m0(scale[(size_t)(i / 32) * (size_t)(n_in / 32) + (size_t)(k / 32)]);
+    return mf_dk_float((uint32_t)((const uint16_t *)w)[at] << 16);
 }
 
 /* Round to nearest even bf16, NaN to the quiet NaN of its sign: host/formats.h's bits. */

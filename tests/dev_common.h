@@ -11,6 +11,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "device/dense_host.h"
 #include "device/dev.h"
 #include "graphs/layers/layers.h"
 #include "graphs/model/model.h"
@@ -595,8 +596,10 @@ static void dev_check_sched_copies(mf_dev *d, int n_jobs, size_t n)
  * kernels' rows of the whole matrix (mf_kern_matmul), the reference's double sums
  * (mf_ly_linear_rows, grouped mf_ly_attn_lin_rows), mf_bf_n, mf_kern_ffn_up, and the engine's exact
  * gating loop; against the card's ops on a row slice [r0, r1) of each matrix with strided x and y,
- * at 1..64 tokens. exact: bit for bit (emulated cards); else within the CUDA bounds printed as
- * "rel err" lines (docs/device.md). */
+ * at 1..64 tokens (the fp8 linear and ffn up on their AUTO path: on CUDA the tiled kernel at 64);
+ * then the tiled kernel forced at every count (FP8, BF16 and FP8 grouped by 64-row groups, kernel
+ * sums, against device/dense_host.h; the FP8 ffn up). exact: bit for bit (emulated cards); else within the CUDA bounds printed
+ * as "rel err" lines (docs/device.md). */
 static void dv_dense_cmp(const char *what, int T, const float *got, const float *ref, int64_t ld, int n, double tol,
                          int exact)
 {
@@ -651,10 +654,12 @@ static void dev_check_dense(mf_dev *d, int exact)
     int n = R1 - R0;
     for (size_t ti = 0; ti < sizeof toks / sizeof toks[0] && dy; ti++) {
         int T = toks[ti];
-        for (int op = 0; op < 6; op++) {
-            static const char *const name[6] = {"fp8 linear", "bf16 linear (reference sums)",
+        for (int op = 0; op < 10; op++) {
+            static const char *const name[10] = {"fp8 linear", "bf16 linear (reference sums)",
                                                 "fp8 grouped linear (reference sums) + bf16", "ffn up (fp8)",
-                                                "bf16 rounding", "swiglu (bf16 roundings)"};
+                                                "bf16 rounding", "swiglu (bf16 roundings)", "fp8 linear (tiled)",
+                                                "bf16 linear (tiled)", "fp8 grouped linear (tiled)",
+                                                "ffn up (fp8, tiled)"};
             float *hy = malloc(sizeof(float) * yn);   /* the host's, rows from 0 */
             memset(hy, 0, sizeof(float) * yn);
             int rc = 0;
@@ -675,10 +680,11 @@ static void dev_check_dense(mf_dev *d, int exact)
                 dl.group_rows = O / 4;
                 if (!rc) rc = mf_dev_linear(st, &dl);
                 if (!rc) rc = mf_dev_round_bf16(st, dy, T, LDY, n);
-            } else if (op == 3) {
+            } else if (op == 3 || op == 9) {
                 rc = mf_kern_ffn_up(&f8.m, &w3.m, &(mf_kern_in){x, T, LDX, NULL}, NULL, 7.0f, hy, LDY, R0, R1);
                 mf_dev_up a = {.w1 = {MF_KERN_FP8, dw8, ds8, n, IN}, .w3 = {MF_KERN_FP8, dw3, ds3, n, IN}, .x = dx,
-                               .ld_x = LDX, .n_tok = T, .limit = 7.0f, .h = dy, .ld_h = LDY};
+                               .ld_x = LDX, .n_tok = T, .limit = 7.0f, .h = dy, .ld_h = LDY,
+                               .path = op == 9 ? MF_DEV_LIN_TILED : MF_DEV_LIN_AUTO};
                 if (!rc) rc = mf_dev_ffn_up(st, &a);
             } else if (op == 4) {
                 for (int t = 0; t < T; t++) {
@@ -687,6 +693,19 @@ static void dev_check_dense(mf_dev *d, int exact)
                 }
                 rc = mf_dev_copy_d2d(st, 0, dy, 0, dg, sizeof(float) * yn);
                 if (!rc) rc = mf_dev_round_bf16(st, dy, T, LDY, n);
+            } else if (op >= 6 && op <= 8) {   /* the tiled kernel forced; the host's sums of the same slice */
+                mf_kern_mat hm = op == 6   ? (mf_kern_mat){MF_KERN_FP8, f8.w + (size_t)R0 * IN, f8.scale + R0 / 32 * sc8, n, IN}
+                                 : op == 7 ? (mf_kern_mat){MF_KERN_BF16, bw + (size_t)R0 * IN, NULL, n, IN}
+                                           : (mf_kern_mat){MF_KERN_FP8, wa.w + (size_t)R0 * GI, wa.scale + R0 / 32 * sca, n, GI};
+                mf_dev_lin hl = {.w = hm, .row0 = R0, .group_rows = op == 8 ? O / 4 : 0, .x = x, .ld_x = LDX,
+                                 .n_tok = T, .y = hy + R0, .ld_y = LDY};
+                rc = mf_dense_host_linear(&hl);
+                dl.w = op == 6   ? (mf_kern_mat){MF_KERN_FP8, dw8, ds8, n, IN}
+                       : op == 7 ? (mf_kern_mat){MF_KERN_BF16, dbw, NULL, n, IN}
+                                 : (mf_kern_mat){MF_KERN_FP8, dwa, dsa, n, GI};
+                dl.group_rows = hl.group_rows;
+                dl.path = MF_DEV_LIN_TILED;
+                if (!rc) rc = mf_dev_linear(st, &dl);
             } else {
                 for (int t = 0; t < T; t++)   /* graphs/step/step.c mf_step_ffn_up's exact epilogue */
                     for (int i = 0; i < n; i++) {
@@ -701,7 +720,7 @@ static void dev_check_dense(mf_dev *d, int exact)
             CHECK(mf_dev_stream_sync(st) == 0, "dense %s: sync: %s", name[op], mf_last_error());
             ddownload(d, 0, got, dy, sizeof(float) * yn);
             for (int t = 0; t < T; t++) memcpy(ref + t * LDY, hy + t * LDY + R0, sizeof(float) * n);
-            static const double tol[6] = {1e-5, 1e-6, 8e-3, 1e-4, 0, 8e-3};
+            static const double tol[10] = {1e-5, 1e-6, 8e-3, 1e-4, 0, 8e-3, 1e-5, 1e-5, 1e-5, 1e-4};
             dv_dense_cmp(name[op], T, got, ref, LDY, n, tol[op], exact);
             free(hy);
         }
@@ -715,6 +734,16 @@ static void dev_check_dense(mf_dev *d, int exact)
     bad.w.fmt = MF_KERN_FP8;
     bad.ld_y = n - 1;
     CHECK(mf_dev_linear(st, &bad) == -EINVAL && strstr(mf_last_error(), "ld_y"), "short ld_y: %s", mf_last_error());
+    bad.ld_y = n;   /* the tiled kernel: kernel sums, 64-row groups from a 64-row multiple */
+    bad.path = MF_DEV_LIN_TILED;
+    bad.sums = MF_DEV_SUMS_REF;
+    CHECK(mf_dev_linear(st, &bad) == -EINVAL && strstr(mf_last_error(), "tiled"), "tiled, reference sums: %s",
+          mf_last_error());
+    bad.sums = MF_DEV_SUMS_KERN;
+    bad.group_rows = 32;
+    bad.ld_x = 8 * IN;
+    CHECK(mf_dev_linear(st, &bad) == -EINVAL && strstr(mf_last_error(), "tiled"), "tiled, 32-row groups: %s",
+          mf_last_error());
     hmat_free(&f8);
     hmat_free(&wa);
     hmat_free(&w3);

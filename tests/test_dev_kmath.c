@@ -352,6 +352,21 @@ static void emu_lin(const mf_dev_lin *a)
         }
 }
 
+/* k_lin_tiled's arithmetic on the host: output (i, t) of block row tile m0 = i / 64 * 64 is the fmaf
+ * chain over the columns in order of mf_dk_weight(i, k) and x[t][xoff(m0) + k] (each thread's
+ * accumulator over the k tiles, 32 columns at a time, in order). */
+static void emu_lin_tiled(const mf_dev_lin *a)
+{
+    for (int i = 0; i < a->w.n_out; i++)
+        for (int t = 0; t < a->n_tok; t++) {
+            const float *xt = a->x + (long long)t * a->ld_x + mf_dk_xoff(a->row0, a->group_rows, a->w.n_in, i / 64 * 64);
+            float acc = 0.0f;
+            for (int k = 0; k < a->w.n_in; k++)
+                acc = fmaf(mf_dk_weight(a->w.fmt, a->w.w, a->w.scale, a->w.n_in, i, k), xt[k], acc);
+            a->y[t * a->ld_y + i] = acc;
+        }
+}
+
 /* The E4M3 decode and the bf16 rounding bit for bit against host/formats.h (every code; random
  * bit patterns with inf, NaN, subnormals and the largest finite values), then k_lin's schedule
  * against device/dense_host.h: FP8 and BF16, kernel and reference sums, a grouped FP8 slice from
@@ -364,6 +379,12 @@ static void check_dense(void)
         bad += !(isnan(a) && isnan(h)) && memcmp(&a, &h, 4);
     }
     CHECK(bad == 0, "e4m3 decode: %d of 256 codes differ from mf_e4m3_to_f32", bad);
+    bad = 0;
+    for (uint32_t b = 0; b < 256; b++) {
+        float a = mf_dk_e8m0(b), h = mf_e8m0_to_f32((uint8_t)b);
+        bad += !(isnan(a) && isnan(h)) && memcmp(&a, &h, 4);
+    }
+    CHECK(bad == 0, "e8m0 decode: %d of 256 codes differ from mf_e8m0_to_f32", bad);
     static const uint32_t special[] = {0x7F800000u, 0xFF800000u, 0x7FC00001u, 0xFF812345u, 0x7F7FFFFFu, 0x7F7F8000u,
                                        0x00000001u, 0x807FFFFFu, 0x3F808000u, 0x3F818000u, 0x00008000u, 0};
     bad = 0;
@@ -401,6 +422,26 @@ static void check_dense(void)
             double e = rel_err(y, ref, (size_t)64 * LDY), tol = kind >= 2 ? 1e-6 : 1e-5;
             printf("dense %s linear, lane schedule T=%d: rel err %.3e\n", name[kind], T, e);
             CHECK(e <= tol, "dense %s linear T=%d: rel err %.3e (bound %.0e)", name[kind], T, e, tol);
+        }
+    /* k_lin_tiled's arithmetic against the host's kernel sums: FP8, BF16, FP8 grouped by 64 rows from
+     * row 64 (a block's rows in one group, mf_dev_lin_tiled_ok) */
+    for (int kind = 0; kind < 3; kind++)
+        for (size_t ti = 0; ti < sizeof toks / sizeof toks[0]; ti++) {
+            int T = toks[ti];
+            static const char *const name[3] = {"fp8", "bf16", "fp8 grouped"};
+            mf_dev_lin a = {.x = x, .ld_x = LDX, .n_tok = T, .y = y, .ld_y = LDY, .path = MF_DEV_LIN_TILED};
+            if (kind == 0) a.w = f8.m;
+            else if (kind == 1) a.w = (mf_kern_mat){MF_KERN_BF16, bw, NULL, O, IN};
+            else a.w = wa.m, a.row0 = 64, a.group_rows = 64;   /* rows 64..159 of 3 x 64: x 3 x 128 columns */
+            CHECK(mf_dev_lin_tiled_ok(&a), "%s: the tiled kernel should apply", name[kind]);
+            memset(y, 0, sizeof(float) * 64 * LDY);
+            memset(ref, 0, sizeof(float) * 64 * LDY);
+            emu_lin_tiled(&a);
+            a.y = ref;
+            CHECK(mf_dense_host_linear(&a) == 0, "host %s: %s", name[kind], mf_last_error());
+            double e = rel_err(y, ref, (size_t)64 * LDY);
+            printf("dense %s linear, tiled kernel's arithmetic T=%d: rel err %.3e\n", name[kind], T, e);
+            CHECK(e <= 1e-5, "dense %s linear, tiled, T=%d: rel err %.3e (bound 1e-5)", name[kind], T, e);
         }
     hmat_free(&f8);
     hmat_free(&wa);

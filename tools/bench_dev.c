@@ -57,12 +57,26 @@ static int mf_bench_dev_ffn(mf_dev_stream *s, mf_bench_dev_args *a, int i)
 /* The dense linears over a set's bytes (the wb codes bytes): FP8 [n_out / 2, n_in] (its 32x32
  * tile scales from the set's scale bytes, all 1) and BF16 [n_out / 4, n_in], the same bytes as the
  * FP4 matrix and its d2d copy. */
-static int mf_bench_dev_fp8_lin(mf_dev_stream *s, mf_bench_dev_args *a, int i)
+static int mf_bench_dev_fp8_lin_path(mf_dev_stream *s, mf_bench_dev_args *a, int i, mf_dev_lin_path path)
 {
     const uint8_t *b = a->set[i % a->n_sets];
     mf_dev_lin l = {.w = {MF_KERN_FP8, b, b + a->wb, a->w.n_out / 2, a->w.n_in}, .x = a->x, .ld_x = a->w.n_in,
-                    .n_tok = a->n_tok, .y = a->y, .ld_y = a->w.n_out / 2};
+                    .n_tok = a->n_tok, .y = a->y, .ld_y = a->w.n_out / 2, .path = path};
     return mf_dev_linear(s, &l);
+}
+static int mf_bench_dev_fp8_lin(mf_dev_stream *s, mf_bench_dev_args *a, int i)
+{
+    return mf_bench_dev_fp8_lin_path(s, a, i, MF_DEV_LIN_AUTO);
+}
+/* the two CUDA kernels of a dense linear, forced (mf_dev_lin.path): their ratio per token count
+ * is the measurement MF_DEV_LIN_TILED_MIN_TOK waits for (emulated cards run the host's for both) */
+static int mf_bench_dev_fp8_lin_rows(mf_dev_stream *s, mf_bench_dev_args *a, int i)
+{
+    return mf_bench_dev_fp8_lin_path(s, a, i, MF_DEV_LIN_ROWS);
+}
+static int mf_bench_dev_fp8_lin_tiled(mf_dev_stream *s, mf_bench_dev_args *a, int i)
+{
+    return mf_bench_dev_fp8_lin_path(s, a, i, MF_DEV_LIN_TILED);
 }
 static int mf_bench_dev_bf16_lin(mf_dev_stream *s, mf_bench_dev_args *a, int i)
 {
@@ -161,7 +175,9 @@ int mf_bench_dev(int argc, char **argv)
                             "[--reps R] [--big-mib M] [--rotate-mib W] [--warm-ms MS] [--min-ms MS]\n"
                             "  card 0 of SPEC (default emu:1): the FP4 matmul (fp32 and int8 paths) of an "
                             "N x M expert matrix (default 2048 x 7168) and the int8 expert FFN (w1, w3: N x M, "
-                            "w2: M x N) vs d2d copies of their bytes; pinned h2d of one matrix vs one copy of "
+                            "w2: M x N) vs d2d copies of their bytes; the dense FP8 (N/2 x M) and BF16 (N/4 x M) "
+                            "linears of the same bytes, the FP8 one also with each CUDA kernel forced "
+                            "(warp-per-row, tiled: their ratio at T tokens); pinned h2d of one matrix vs one copy of "
                             "M MiB (default 256). The weights rotate over copies totalling W MiB (default 256, "
                             "several times an H200's 60 MB L2); each op is warmed up for MS ms (default 200), "
                             "then timed with device events over at least --min-ms of work (default 10) and at "
@@ -202,6 +218,7 @@ int mf_bench_dev(int argc, char **argv)
     mf_dev_stream *cs = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COMPUTE), *in = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COPY_IN);
     int64_t t_mm = -1, t_d2d = -1, t_h2d = -1, t_big = -1, t_q8 = -1, t_ffn = -1, t_f8 = -1, t_b16 = -1;
     int64_t n_mm = 0, n_d2d = 0, n_h2d = 0, n_big = 0, n_q8 = 0, n_ffn = 0, n_f8 = 0, n_b16 = 0;
+    int64_t t_f8r = -1, t_f8t = -1, n_f8r = 0, n_f8t = 0;   /* the FP8 linear's two kernels, forced */
     if (!rc) {
         uint8_t *hb = hw;
         for (size_t i = 0; i < wb; i++) hb[i] = (uint8_t)(i * 2654435761u >> 13);
@@ -222,6 +239,10 @@ int mf_bench_dev(int argc, char **argv)
         rc = (int)t_f8;
     if (!rc && n_out >= 4 && (t_b16 = mf_bench_dev_time(cs, mf_bench_dev_bf16_lin, &a, &tm, &n_b16)) < 0)
         rc = (int)t_b16;
+    if (!rc && n_out % 64 == 0 && (t_f8r = mf_bench_dev_time(cs, mf_bench_dev_fp8_lin_rows, &a, &tm, &n_f8r)) < 0)
+        rc = (int)t_f8r;
+    if (!rc && n_out % 64 == 0 && (t_f8t = mf_bench_dev_time(cs, mf_bench_dev_fp8_lin_tiled, &a, &tm, &n_f8t)) < 0)
+        rc = (int)t_f8t;
     if (!rc && (t_d2d = mf_bench_dev_time(cs, mf_bench_dev_d2d, &a, &tm, &n_d2d)) < 0) rc = (int)t_d2d;
     if (!rc && (t_h2d = mf_bench_dev_time(in, mf_bench_dev_h2d, &a, &tm, &n_h2d)) < 0) rc = (int)t_h2d;
     /* the largest single copy: halve until the card and the host grant it */
@@ -267,6 +288,11 @@ int mf_bench_dev(int argc, char **argv)
             printf("BF16 dense linear %d x %d (the same %zu bytes): %.2f us (%.1f GB/s; %" PRId64
                    " ops); linear / copy = %.2f\n", n_out / 4, n_in, wb, t_b16 / 1e3, wb / 1e9 / (t_b16 / 1e9), n_b16,
                    (double)t_b16 / (double)t_d2d);
+        if (t_f8r > 0 && t_f8t > 0)
+            printf("FP8 dense linear, %d token(s): warp-per-row kernel %.2f us (%.1f G multiply-adds/s), tiled "
+                   "kernel %.2f us (%.1f G/s); tiled / rows = %.2f (AUTO takes the tiled one from %d tokens)\n",
+                   n_tok, t_f8r / 1e3, (double)wb * n_tok / t_f8r, t_f8t / 1e3, (double)wb * n_tok / t_f8t,
+                   (double)t_f8t / (double)t_f8r, MF_DEV_LIN_TILED_MIN_TOK);
         printf("expert FFN, int8 path (w1, w3, w2: 3 x %zu bytes): %.2f us (%.1f GB/s of weights; %" PRId64
                " ops); FFN / (3 x copy) = %.2f\n", wb + sb, t_ffn / 1e3, 3 * wgb / (t_ffn / 1e9), n_ffn,
                (double)t_ffn / (3.0 * (double)t_d2d));
@@ -279,8 +305,9 @@ int mf_bench_dev(int argc, char **argv)
                "\"matmul_ns\": %" PRId64 ", \"matmul_int8_ns\": %" PRId64 ", \"ffn_int8_ns\": %" PRId64
                ", \"d2d_ns\": %" PRId64 ", \"weight_bytes\": %zu, \"h2d_expert_ns\": %" PRId64
                ", \"h2d_big_bytes\": %" PRIu64 ", \"h2d_big_ns\": %" PRId64 ", \"fp8_linear_ns\": %" PRId64
-               ", \"bf16_linear_ns\": %" PRId64 "}\n", spec, n_out, n_in, n_tok,
-               n_sets, t_mm, t_q8, t_ffn, t_d2d, wb + sb, t_h2d, t_big > 0 ? big : 0, t_big, t_f8, t_b16);
+               ", \"bf16_linear_ns\": %" PRId64 ", \"fp8_linear_rows_ns\": %" PRId64
+               ", \"fp8_linear_tiled_ns\": %" PRId64 "}\n", spec, n_out, n_in, n_tok,
+               n_sets, t_mm, t_q8, t_ffn, t_d2d, wb + sb, t_h2d, t_big > 0 ? big : 0, t_big, t_f8, t_b16, t_f8r, t_f8t);
     }
     mf_dev_event_destroy(tm.t0);
     mf_dev_event_destroy(tm.t1);

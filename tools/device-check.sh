@@ -4,7 +4,7 @@
 # quantization bit for bit, the expert FFN) and the emulated-device tests, and test_dev_cuda once
 # more under compute-sanitizer when it is installed; times the FP4 kernels (fp32, int8) and the int8
 # expert FFN against d2d copies of the same bytes and a pinned h2d of one expert matrix against the
-# largest single copy (`moeflow bench dev`, 1, 8 and 64 tokens); decodes the demo model on the host
+# largest single copy (`moeflow bench dev`, 1, 8, 64 and, time allowing, 512 tokens); decodes the demo model on the host
 # and then with routed experts on 4 logical cards of the one GPU (seed and hybrid placements, and
 # hybrid with per-layer device graphs), comparing the tokens; then with the dense work on the cards
 # (--dense cards: resident dense weights, the dense card kernels), compared with the host's tokens.
@@ -12,7 +12,9 @@
 # dense FFN phase 1, bf16 rounding, the exact gating), the indexer's scores of a chunk
 # (mf_dev_index_scores) and the bf16 pack/unpack of the dense chains' copies are in test_dev_cuda's
 # lines and in the startup self-check (test_dev_iscore checks the scores' order on the host);
-# `bench dev` times the FP8 and BF16 dense linears.
+# `bench dev` times the FP8 and BF16 dense linears, and the FP8 one with each of its two CUDA kernels
+# forced (warp-per-row and tiled, mf_dev_lin.path; the tiled one also forced in test_dev_cuda's
+# dense lines and in the self-check).
 # What comes back from a lent machine is at most 8 files, so everything goes into two under $OUT
 # (default ./device-check-out): summary.txt (also printed on stdout: the machine, versions, each
 # step's result and wall time, the first lines of every failing log, the kernels' relative errors)
@@ -224,7 +226,10 @@ dev1=cuda:0 dev4=cuda:0,0,0,0 bench_args=(--reps 50 --big-mib 1024)
 [ "$fake" = 1 ] && dev1=emu:1 dev4=emu:4 bench_args=(--reps 3 --big-mib 64 --rotate-mib 64 --warm-ms 20)
 echo "== bench dev on $dev1: FP4 matmul (fp32, int8) and int8 expert FFN vs d2d copies; pinned h2d vs one large copy" | say
 log "GPU state before the benchmark: $(gpu_state)"
-for tok in 1 8 64; do
+# 512 tokens: the dense linear's tiled kernel against the warp-per-row one where prefill chunks run
+# (the "tiled / rows" lines measure MF_DEV_LIN_TILED_MIN_TOK's crossover), when the time allows
+for tok in 1 8 64 512; do
+  if [ $tok = 512 ] && [ "$(left)" -lt 150 ]; then log "bench dev --tokens 512: not run (time)"; continue; fi
   run_t 40 "bench_dev_t$tok.txt" "$build/moeflow" bench dev --devices $dev1 --tokens $tok "${bench_args[@]}" || rc_all=1
   log "bench dev --tokens $tok: rc $rc in $wall ms"
   grep -v '^{' "$W/bench_dev_t$tok.txt" | say
