@@ -301,7 +301,8 @@ static int mf_dev_dense_mat_ok(const mf_kern_mat *w, const char *what, const cha
 
 int mf_dev_lin_tiled_ok(const mf_dev_lin *a)
 {
-    return a->sums == MF_DEV_SUMS_KERN && (!a->group_rows || (a->group_rows % 64 == 0 && a->row0 % 64 == 0));
+    return a->sums == MF_DEV_SUMS_KERN &&
+           (!a->group_rows || (a->group_rows % MF_DEV_LIN_TILE_ROWS == 0 && a->row0 % MF_DEV_LIN_TILE_ROWS == 0));
 }
 
 int mf_dev_linear(mf_dev_stream *s, const mf_dev_lin *a)

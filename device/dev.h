@@ -156,6 +156,9 @@ typedef enum mf_dev_lin_path { MF_DEV_LIN_AUTO = 0, MF_DEV_LIN_ROWS, MF_DEV_LIN_
  * this project has run); `tools/device-check.sh` times both kernels at 8, 64 and 512 tokens
  * (`bench dev`'s "tiled / rows" ratios) for measuring the crossover on a card. */
 #define MF_DEV_LIN_TILED_MIN_TOK 64
+/* Rows of the slice a block of the tiled kernel computes (device/dev_kernels.cu GT_M), hence the
+ * group alignment mf_dev_lin_tiled_ok asks. */
+#define MF_DEV_LIN_TILE_ROWS 64
 typedef struct mf_dev_lin {
     mf_kern_mat w;
     int64_t row0;

@@ -283,9 +283,10 @@ __global__ static void k_swiglu_bf16(const float *g, const float *u, int n_tok, 
  * the warp-per-row kernel, docs/device.md). Each weight is read once per GT_N tokens where the
  * warp-per-row kernel reads it once per KT. Grouped rows: the block's rows lie in one group
  * (mf_dev_lin_tiled_ok), whose x columns it reads. Compiled, never run on a GPU. */
-#define GT_M 64
+#define GT_M MF_DEV_LIN_TILE_ROWS   /* device/dev.h: mf_dev_lin_tiled_ok's group alignment */
 #define GT_N 64
 #define GT_K 32
+static_assert(GT_M == 64 && GT_N == 64 && GT_K == 32, "256 threads of 4 rows x 4 tokens; one scale tile a k step");
 
 /* One weight tile [GT_M rows][32 columns] from column k0 into shared memory (0 past the slice). */
 template <int FMT>
