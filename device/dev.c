@@ -301,8 +301,7 @@ static int mf_dev_dense_mat_ok(const mf_kern_mat *w, const char *what, const cha
 
 int mf_dev_lin_tiled_ok(const mf_dev_lin *a)
 {
-    return a->sums == MF_DEV_SUMS_KERN &&
-           (!a->group_rows || (a->group_rows % MF_DEV_LIN_TILE_ROWS == 0 && a->row0 % MF_DEV_LIN_TILE_ROWS == 0));
+    return !a->group_rows || (a->group_rows % MF_DEV_LIN_TILE_ROWS == 0 && a->row0 % MF_DEV_LIN_TILE_ROWS == 0);
 }
 
 int mf_dev_linear(mf_dev_stream *s, const mf_dev_lin *a)
@@ -316,8 +315,8 @@ int mf_dev_linear(mf_dev_stream *s, const mf_dev_lin *a)
     if (a->path != MF_DEV_LIN_AUTO && a->path != MF_DEV_LIN_ROWS && a->path != MF_DEV_LIN_TILED)
         return mf_error(-EINVAL, "%s: path %d (expected MF_DEV_LIN_AUTO, _ROWS or _TILED)", what, (int)a->path);
     if (a->path == MF_DEV_LIN_TILED && !mf_dev_lin_tiled_ok(a))
-        return mf_error(-EINVAL, "%s: the tiled kernel takes kernel sums and groups of 64-row multiples from a "
-                        "64-row multiple (sums %d, group_rows %d, row0 %lld)", what, (int)a->sums, a->group_rows,
+        return mf_error(-EINVAL, "%s: the tiled kernel takes groups of %d-row multiples from a %d-row multiple "
+                        "(group_rows %d, row0 %lld)", what, MF_DEV_LIN_TILE_ROWS, MF_DEV_LIN_TILE_ROWS, a->group_rows,
                         (long long)a->row0);
     if (a->row0 < 0 || a->group_rows < 0)
         return mf_error(-EINVAL, "%s: row0 %lld, group_rows %d (expected >= 0)", what, (long long)a->row0,

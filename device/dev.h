@@ -148,9 +148,9 @@ typedef enum mf_dev_sums { MF_DEV_SUMS_KERN = 0, MF_DEV_SUMS_REF } mf_dev_sums;
  * the tiled one at n_tok >= MF_DEV_LIN_TILED_MIN_TOK where it applies, else the warp-per-row one;
  * ROWS and TILED force one (for tests and `moeflow bench dev`). The tiled kernel (a GEMM: a 64-row
  * x 64-token block decodes each 32-column weight tile once into shared memory for all its tokens,
- * where the warp-per-row kernel reads a row once per 8 tokens) takes KERN sums only, and grouped
- * rows only when group_rows and row0 are multiples of 64 (a block's rows in one group); TILED with
- * other options is -EINVAL on every backend. */
+ * where the warp-per-row kernel reads a row once per 8 tokens; kernel or reference sums) takes
+ * grouped rows only when group_rows and row0 are multiples of 64 (a block's rows in one group);
+ * TILED otherwise is -EINVAL on every backend. */
 typedef enum mf_dev_lin_path { MF_DEV_LIN_AUTO = 0, MF_DEV_LIN_ROWS, MF_DEV_LIN_TILED } mf_dev_lin_path;
 /* The tokens from which AUTO takes the tiled kernel: 64, chosen without a GPU (no CUDA line of
  * this project has run); `tools/device-check.sh` times both kernels at 8, 64 and 512 tokens
@@ -172,8 +172,8 @@ typedef struct mf_dev_lin {
     int64_t ld_y;
 } mf_dev_lin;
 int mf_dev_linear(mf_dev_stream *s, const mf_dev_lin *a);
-/* 1 when the tiled kernel applies to a (KERN sums; no groups, or group_rows and row0 multiples of
- * 64), else 0. */
+/* 1 when the tiled kernel applies to a (no groups, or group_rows and row0 multiples of
+ * MF_DEV_LIN_TILE_ROWS), else 0. */
 int mf_dev_lin_tiled_ok(const mf_dev_lin *a);
 /* Rounds y[t * ld + i] (t < n_tok, i < n) to bf16 in place (round to nearest even, as
  * host/formats.h mf_bf16_from_f32): bit for bit on every backend. */

@@ -64,7 +64,7 @@ typedef struct dc_host {
  * 128 x 256 matrix with strided outputs, a BF16 64 x 256 with reference sums (the router gate),
  * an FP8 128 x 64 grouped (4 groups of 32 rows) slice from row 32 with reference sums (wo_a),
  * the tiled kernel (mf_dev_lin.path MF_DEV_LIN_TILED, which the dense chains take from
- * MF_DEV_LIN_TILED_MIN_TOK tokens) on the FP8 slice and on the BF16 matrix with kernel sums,
+ * MF_DEV_LIN_TILED_MIN_TOK tokens) on the FP8 slice and on the BF16 matrix with reference sums,
  * the FP8 FFN phase 1 with each kernel (64 x 256, limit 7), the bf16 rounding, a bf16 pack and unpack (strided,
  * through dh: the rounding's bits) and the exact gating. Device
  * buffers: dw (weights), dsc (scales), dx, dh, dy (x, a second input, outputs). */
@@ -72,7 +72,7 @@ enum { DD_LIN, DD_GATE, DD_WOA, DD_LIN_T, DD_GATE_T, DD_UP, DD_UP_T, DD_ROUND, D
 static const char *const dd_name[DD_N] = {"fp8 linear (row slice, strides)", "bf16 linear (reference sums)",
                                           "fp8 grouped linear (reference sums)",
                                           "fp8 linear (row slice, strides; tiled kernel)",
-                                          "bf16 linear (kernel sums; tiled kernel)", "dense ffn up (fp8)",
+                                          "bf16 linear (reference sums; tiled kernel)", "dense ffn up (fp8)",
                                           "dense ffn up (fp8; tiled kernel)",
                                           "bf16 rounding", "bf16 pack and unpack", "swiglu (bf16 roundings)"};
 
@@ -119,7 +119,7 @@ static int dc_dense(mf_dev *d, int card, mf_dev_stream *st, dc_rng *r, dc_host *
             memset(hb->ref, 0, sizeof hb->ref);
             /* the host's answer, on host pointers */
             mf_dev_lin hl = {.w = m[0], .row0 = 32, .group_rows = k == DD_WOA ? 32 : 0,
-                             .sums = kb == DD_LIN || k == DD_GATE_T ? MF_DEV_SUMS_KERN : MF_DEV_SUMS_REF,
+                             .sums = kb == DD_LIN ? MF_DEV_SUMS_KERN : MF_DEV_SUMS_REF,
                              .path = k == DD_LIN_T || k == DD_GATE_T ? MF_DEV_LIN_TILED : MF_DEV_LIN_AUTO, .x = hb->x, .ld_x = DC_IN,
                              .n_tok = T, .y = hb->ref, .ld_y = ld_y};
             mf_dev_up hu = {.w1 = m[0], .w3 = m[1], .x = hb->x, .ld_x = DC_IN, .n_tok = T, .limit = 7.0f, .h = hb->ref,

@@ -288,25 +288,34 @@ __global__ static void k_swiglu_bf16(const float *g, const float *u, int n_tok, 
 #define GT_K 32
 static_assert(GT_M == 64 && GT_N == 64 && GT_K == 32, "256 threads of 4 rows x 4 tokens; one scale tile a k step");
 
-/* One weight tile [GT_M rows][32 columns] from column k0 into shared memory (0 past the slice). */
-template <int FMT>
-__device__ static void k_tile_w(const k_lin_args &a, int m0, int k0, float (*ws)[GT_M + 4])
+/* One weight tile [GT_M rows][32 columns] from column k0 into shared memory (0 past the slice):
+ * decoded, or (REF) the codes' values, their rows' tile scales into ss. */
+template <int FMT, int REF>
+__device__ static void k_tile_w(const k_lin_args &a, int m0, int k0, float (*ws)[GT_M + 4], float *ss)
 {
     for (int e = threadIdx.x; e < GT_M * GT_K; e += 256) {   /* consecutive threads: consecutive columns */
         int r = e / GT_K, kk = e % GT_K, i = m0 + r;
-        ws[kk][r] = i < a.n_out ? mf_dk_weight(FMT, a.w, a.scale, a.n_in, i, k0 + kk) : 0.0f;
+        ws[kk][r] = i >= a.n_out ? 0.0f
+                    : REF        ? mf_dk_code(FMT, a.w, a.n_in, i, k0 + kk)
+                                 : mf_dk_weight(FMT, a.w, a.scale, a.n_in, i, k0 + kk);
     }
+    if (REF && threadIdx.x < GT_M)
+        ss[threadIdx.x] = m0 + (int)threadIdx.x < a.n_out ? mf_dk_tile_scale(FMT, a.scale, a.n_in, m0 + threadIdx.x, k0) : 0.0f;
 }
 
 /* UP = 0: y = the slice's rows against x. UP = 1 (mf_dev_ffn_up: a = w1, a3 = w3, same rows and
  * x): both tiles in shared memory, two accumulators, then mf_kern_ffn_up's clamp and silu into
- * h (a.y, a.ld_y). */
-template <int FMT, int UP>
+ * h (a.y, a.ld_y). REF (UP = 0; the reference's sums, MF_DEV_SUMS_REF): each 32-column step's
+ * products of the codes' values summed in fp32, times the row's tile scale, accumulated in double
+ * (the warp-per-row kernel sums 16 columns in fp32: the same bound, docs/device.md). */
+template <int FMT, int UP, int REF>
 __global__ static void __launch_bounds__(256) k_lin_tiled(k_lin_args a, k_lin_args a3, float limit)
 {
     __shared__ float ws[GT_K][GT_M + 4];
     __shared__ float ws3[UP ? GT_K : 1][GT_M + 4];
     __shared__ float xs[GT_K][GT_N + 4];
+    __shared__ float ss[REF ? GT_M : 1];
+    double accd[REF ? 4 : 1][4];
     const int tid = threadIdx.x, m0 = blockIdx.x * GT_M, n0 = blockIdx.y * GT_N;
     const int tr = (tid >> 4) * 4, tc = (tid & 15) * 4;
     const long long xoff = mf_dk_xoff(a.row0, a.group_rows, a.n_in, m0);
@@ -317,10 +326,11 @@ __global__ static void __launch_bounds__(256) k_lin_tiled(k_lin_args a, k_lin_ar
         for (int j = 0; j < 4; j++) {
             acc[i][j] = 0.0f;
             if (UP) acc3[UP ? i : 0][j] = 0.0f;
+            if (REF) accd[REF ? i : 0][j] = 0.0;
         }
     for (int k0 = 0; k0 < a.n_in; k0 += GT_K) {
-        k_tile_w<FMT>(a, m0, k0, ws);
-        if (UP) k_tile_w<FMT>(a3, m0, k0, ws3);
+        k_tile_w<FMT, REF>(a, m0, k0, ws, ss);
+        if (UP) k_tile_w<FMT, 0>(a3, m0, k0, ws3, ss);
         for (int e = tid; e < GT_N * GT_K; e += 256) {
             int t = e / GT_K, kk = e % GT_K, tok = n0 + t;
             xs[kk][t] = tok < a.n_tok ? __ldg(a.x + (long long)tok * a.ld_x + xoff + k0 + kk) : 0.0f;
@@ -343,6 +353,14 @@ __global__ static void __launch_bounds__(256) k_lin_tiled(k_lin_args a, k_lin_ar
                     if (UP) acc3[UP ? i : 0][j] = fmaf(w3r[i], xr[j], acc3[UP ? i : 0][j]);
                 }
         }
+        if (REF)   /* the step's fp32 sums times the rows' scales, into double; fp32 restarts */
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    accd[REF ? i : 0][j] += (double)acc[i][j] * (double)ss[tr + i];
+                    acc[i][j] = 0.0f;
+                }
         __syncthreads();
     }
 #pragma unroll
@@ -352,7 +370,7 @@ __global__ static void __launch_bounds__(256) k_lin_tiled(k_lin_args a, k_lin_ar
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             if (m0 + tr + i >= a.n_out) continue;
-            float v = acc[i][j];
+            float v = REF ? (float)accd[REF ? i : 0][j] : acc[i][j];
             if (UP) {   /* k_lin_up's epilogue */
                 float gv = v > limit ? limit : v;
                 float u = acc3[UP ? i : 0][j], uv = u > limit ? limit : u < -limit ? -limit : u;
@@ -364,16 +382,20 @@ __global__ static void __launch_bounds__(256) k_lin_tiled(k_lin_args a, k_lin_ar
     }
 }
 
-/* a3 (UP): w3's arguments, h in a.y */
-static int k_lin_tiled_launch(cudaStream_t st, int fmt, const k_lin_args &a, const k_lin_args *a3, float limit)
+/* a3 (UP): w3's arguments, h in a.y; ref: the reference's sums (not with UP) */
+static int k_lin_tiled_launch(cudaStream_t st, int fmt, int ref, const k_lin_args &a, const k_lin_args *a3,
+                              float limit)
 {
     dim3 grid((unsigned)((a.n_out + GT_M - 1) / GT_M), (unsigned)((a.n_tok + GT_N - 1) / GT_N));
-    if (a3 && fmt == MF_KERN_FP8) k_lin_tiled<MF_KERN_FP8, 1><<<grid, 256, 0, st>>>(a, *a3, limit);
-    else if (a3) k_lin_tiled<MF_KERN_BF16, 1><<<grid, 256, 0, st>>>(a, *a3, limit);
-    else if (fmt == MF_KERN_FP8) k_lin_tiled<MF_KERN_FP8, 0><<<grid, 256, 0, st>>>(a, a, 0.0f);
-    else k_lin_tiled<MF_KERN_BF16, 0><<<grid, 256, 0, st>>>(a, a, 0.0f);
+    if (a3 && fmt == MF_KERN_FP8) k_lin_tiled<MF_KERN_FP8, 1, 0><<<grid, 256, 0, st>>>(a, *a3, limit);
+    else if (a3) k_lin_tiled<MF_KERN_BF16, 1, 0><<<grid, 256, 0, st>>>(a, *a3, limit);
+    else if (fmt == MF_KERN_FP8 && ref) k_lin_tiled<MF_KERN_FP8, 0, 1><<<grid, 256, 0, st>>>(a, a, 0.0f);
+    else if (fmt == MF_KERN_FP8) k_lin_tiled<MF_KERN_FP8, 0, 0><<<grid, 256, 0, st>>>(a, a, 0.0f);
+    else if (ref) k_lin_tiled<MF_KERN_BF16, 0, 1><<<grid, 256, 0, st>>>(a, a, 0.0f);
+    else k_lin_tiled<MF_KERN_BF16, 0, 0><<<grid, 256, 0, st>>>(a, a, 0.0f);
     return k_launched(a3 ? (fmt == MF_KERN_FP8 ? "dense ffn up (fp8, tiled)" : "dense ffn up (bf16, tiled)")
-                         : (fmt == MF_KERN_FP8 ? "fp8 linear (tiled)" : "bf16 linear (tiled)"),
+                         : fmt == MF_KERN_FP8 ? (ref ? "fp8 linear (tiled, reference sums)" : "fp8 linear (tiled)")
+                                              : (ref ? "bf16 linear (tiled, reference sums)" : "bf16 linear (tiled)"),
                       __LINE__);
 }
 
@@ -400,7 +422,8 @@ static int k_lin_launch(cudaStream_t st, int fmt, int ref, const k_lin_args &a)
 extern "C" int mf_cuda_kern_linear(void *stream, const mf_dev_lin *a, int tiled)
 {
     k_lin_args la = k_lin_of(&a->w, a->row0, a->group_rows, a->x, a->ld_x, a->n_tok, a->y, a->ld_y);
-    if (tiled) return k_lin_tiled_launch((cudaStream_t)stream, (int)a->w.fmt, la, NULL, 0.0f);
+    if (tiled)
+        return k_lin_tiled_launch((cudaStream_t)stream, (int)a->w.fmt, a->sums == MF_DEV_SUMS_REF, la, NULL, 0.0f);
     return k_lin_launch((cudaStream_t)stream, (int)a->w.fmt, a->sums == MF_DEV_SUMS_REF, la);
 }
 
@@ -411,7 +434,7 @@ extern "C" int mf_cuda_kern_ffn_up(void *stream, const mf_dev_up *a, int tiled)
     if (tiled) {
         a1.y = a->h;
         a1.ld_y = a->ld_h;
-        return k_lin_tiled_launch((cudaStream_t)stream, (int)a->w1.fmt, a1, &a3, a->limit);
+        return k_lin_tiled_launch((cudaStream_t)stream, (int)a->w1.fmt, 0, a1, &a3, a->limit);
     }
     dim3 grid((unsigned)((a->w1.n_out + WARPS - 1) / WARPS), (unsigned)((a->n_tok + KT - 1) / KT));
     cudaStream_t st = (cudaStream_t)stream;

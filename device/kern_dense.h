@@ -61,15 +61,24 @@ MF_DK_FN float mf_dk_e8m0(uint32_t code)
     return mf_dk_float(code << 23);
 }
 
-/* The tiled kernel's weight (device/dev_kernels.cu k_lin_tiled): row i, column k of a slice,
- * decoded (FP8: the code times its 32x32 tile's E8M0 scale, the host's exact value; BF16: the
- * value). */
-MF_DK_FN float mf_dk_weight(int fmt, const void *w, const uint8_t *scale, int n_in, int i, int k)
+/* The tiled kernel's weights (device/dev_kernels.cu k_lin_tiled): row i, column k of a slice, as
+ * its code's value (FP8: e4m3, unscaled; BF16: the value), its tile's scale, and decoded (FP8: the
+ * code times its 32x32 tile's E8M0 scale, the host's exact value; BF16: the value). */
+MF_DK_FN float mf_dk_code(int fmt, const void *w, int n_in, int i, int k)
 {
     size_t at = (size_t)i * (size_t)n_in + (size_t)k;
-    if (fmt == MF_KERN_FP8)
-        return mf_dk_e4m3(((const uint8_t *)w)[at]) * mf_dk_e8m0(scale[(size_t)(i / 32) * (size_t)(n_in / 32) + (size_t)(k / 32)]);
+    if (fmt == MF_KERN_FP8) return mf_dk_e4m3(((const uint8_t *)w)[at]);
     return mf_dk_float((uint32_t)((const uint16_t *)w)[at] << 16);
+}
+/* the scale of row i's 32x32 tile at column k (FP8; BF16: 1) */
+MF_DK_FN float mf_dk_tile_scale(int fmt, const uint8_t *scale, int n_in, int i, int k)
+{
+    return fmt == MF_KERN_FP8 ? mf_dk_e8m0(scale[(size_t)(i / 32) * (size_t)(n_in / 32) + (size_t)(k / 32)]) : 1.0f;
+}
+MF_DK_FN float mf_dk_weight(int fmt, const void *w, const uint8_t *scale, int n_in, int i, int k)
+{
+    float c = mf_dk_code(fmt, w, n_in, i, k);
+    return fmt == MF_KERN_FP8 ? c * mf_dk_tile_scale(fmt, scale, n_in, i, k) : c;
 }
 
 /* Round to nearest even bf16, NaN to the quiet NaN of its sign: host/formats.h's bits. */

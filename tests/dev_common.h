@@ -598,7 +598,8 @@ static void dev_check_sched_copies(mf_dev *d, int n_jobs, size_t n)
  * gating loop; against the card's ops on a row slice [r0, r1) of each matrix with strided x and y,
  * at 1..64 tokens (the fp8 linear and ffn up on their AUTO path: on CUDA the tiled kernel at 64);
  * then the tiled kernel forced at every count (FP8, BF16 and FP8 grouped by 64-row groups, kernel
- * sums, against device/dense_host.h; the FP8 ffn up). exact: bit for bit (emulated cards); else within the CUDA bounds printed
+ * sums, against device/dense_host.h; the FP8 ffn up; the BF16 and grouped FP8 with the reference's
+ * sums). exact: bit for bit (emulated cards); else within the CUDA bounds printed
  * as "rel err" lines (docs/device.md). */
 static void dv_dense_cmp(const char *what, int T, const float *got, const float *ref, int64_t ld, int n, double tol,
                          int exact)
@@ -654,12 +655,13 @@ static void dev_check_dense(mf_dev *d, int exact)
     int n = R1 - R0;
     for (size_t ti = 0; ti < sizeof toks / sizeof toks[0] && dy; ti++) {
         int T = toks[ti];
-        for (int op = 0; op < 10; op++) {
-            static const char *const name[10] = {"fp8 linear", "bf16 linear (reference sums)",
+        for (int op = 0; op < 12; op++) {
+            static const char *const name[12] = {"fp8 linear", "bf16 linear (reference sums)",
                                                 "fp8 grouped linear (reference sums) + bf16", "ffn up (fp8)",
                                                 "bf16 rounding", "swiglu (bf16 roundings)", "fp8 linear (tiled)",
                                                 "bf16 linear (tiled)", "fp8 grouped linear (tiled)",
-                                                "ffn up (fp8, tiled)"};
+                                                "ffn up (fp8, tiled)", "bf16 linear (reference sums, tiled)",
+                                                "fp8 grouped linear (reference sums, tiled)"};
             float *hy = malloc(sizeof(float) * yn);   /* the host's, rows from 0 */
             memset(hy, 0, sizeof(float) * yn);
             int rc = 0;
@@ -693,16 +695,19 @@ static void dev_check_dense(mf_dev *d, int exact)
                 }
                 rc = mf_dev_copy_d2d(st, 0, dy, 0, dg, sizeof(float) * yn);
                 if (!rc) rc = mf_dev_round_bf16(st, dy, T, LDY, n);
-            } else if (op >= 6 && op <= 8) {   /* the tiled kernel forced; the host's sums of the same slice */
-                mf_kern_mat hm = op == 6   ? (mf_kern_mat){MF_KERN_FP8, f8.w + (size_t)R0 * IN, f8.scale + R0 / 32 * sc8, n, IN}
-                                 : op == 7 ? (mf_kern_mat){MF_KERN_BF16, bw + (size_t)R0 * IN, NULL, n, IN}
-                                           : (mf_kern_mat){MF_KERN_FP8, wa.w + (size_t)R0 * GI, wa.scale + R0 / 32 * sca, n, GI};
-                mf_dev_lin hl = {.w = hm, .row0 = R0, .group_rows = op == 8 ? O / 4 : 0, .x = x, .ld_x = LDX,
+            } else if ((op >= 6 && op <= 8) || op >= 10) {   /* the tiled kernel forced; the host's sums of the slice */
+                int k = op >= 10 ? op - 3 : op;   /* 10, 11: 7, 8 with the reference's sums */
+                mf_kern_mat hm = k == 6   ? (mf_kern_mat){MF_KERN_FP8, f8.w + (size_t)R0 * IN, f8.scale + R0 / 32 * sc8, n, IN}
+                                 : k == 7 ? (mf_kern_mat){MF_KERN_BF16, bw + (size_t)R0 * IN, NULL, n, IN}
+                                          : (mf_kern_mat){MF_KERN_FP8, wa.w + (size_t)R0 * GI, wa.scale + R0 / 32 * sca, n, GI};
+                mf_dev_lin hl = {.w = hm, .row0 = R0, .group_rows = k == 8 ? O / 4 : 0,
+                                 .sums = op >= 10 ? MF_DEV_SUMS_REF : MF_DEV_SUMS_KERN, .x = x, .ld_x = LDX,
                                  .n_tok = T, .y = hy + R0, .ld_y = LDY};
                 rc = mf_dense_host_linear(&hl);
-                dl.w = op == 6   ? (mf_kern_mat){MF_KERN_FP8, dw8, ds8, n, IN}
-                       : op == 7 ? (mf_kern_mat){MF_KERN_BF16, dbw, NULL, n, IN}
-                                 : (mf_kern_mat){MF_KERN_FP8, dwa, dsa, n, GI};
+                dl.sums = hl.sums;
+                dl.w = k == 6   ? (mf_kern_mat){MF_KERN_FP8, dw8, ds8, n, IN}
+                       : k == 7 ? (mf_kern_mat){MF_KERN_BF16, dbw, NULL, n, IN}
+                                : (mf_kern_mat){MF_KERN_FP8, dwa, dsa, n, GI};
                 dl.group_rows = hl.group_rows;
                 dl.path = MF_DEV_LIN_TILED;
                 if (!rc) rc = mf_dev_linear(st, &dl);
@@ -720,7 +725,7 @@ static void dev_check_dense(mf_dev *d, int exact)
             CHECK(mf_dev_stream_sync(st) == 0, "dense %s: sync: %s", name[op], mf_last_error());
             ddownload(d, 0, got, dy, sizeof(float) * yn);
             for (int t = 0; t < T; t++) memcpy(ref + t * LDY, hy + t * LDY + R0, sizeof(float) * n);
-            static const double tol[10] = {1e-5, 1e-6, 8e-3, 1e-4, 0, 8e-3, 1e-5, 1e-5, 1e-5, 1e-4};
+            static const double tol[12] = {1e-5, 1e-6, 8e-3, 1e-4, 0, 8e-3, 1e-5, 1e-5, 1e-5, 1e-4, 1e-6, 1e-6};
             dv_dense_cmp(name[op], T, got, ref, LDY, n, tol[op], exact);
             free(hy);
         }
@@ -734,12 +739,8 @@ static void dev_check_dense(mf_dev *d, int exact)
     bad.w.fmt = MF_KERN_FP8;
     bad.ld_y = n - 1;
     CHECK(mf_dev_linear(st, &bad) == -EINVAL && strstr(mf_last_error(), "ld_y"), "short ld_y: %s", mf_last_error());
-    bad.ld_y = n;   /* the tiled kernel: kernel sums, 64-row groups from a 64-row multiple */
+    bad.ld_y = n;   /* the tiled kernel: groups of 64-row multiples from a 64-row multiple */
     bad.path = MF_DEV_LIN_TILED;
-    bad.sums = MF_DEV_SUMS_REF;
-    CHECK(mf_dev_linear(st, &bad) == -EINVAL && strstr(mf_last_error(), "tiled"), "tiled, reference sums: %s",
-          mf_last_error());
-    bad.sums = MF_DEV_SUMS_KERN;
     bad.group_rows = 32;
     bad.ld_x = 8 * IN;
     CHECK(mf_dev_linear(st, &bad) == -EINVAL && strstr(mf_last_error(), "tiled"), "tiled, 32-row groups: %s",

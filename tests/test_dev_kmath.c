@@ -354,16 +354,25 @@ static void emu_lin(const mf_dev_lin *a)
 
 /* k_lin_tiled's arithmetic on the host: output (i, t) of block row tile m0 = i / 64 * 64 is the fmaf
  * chain over the columns in order of mf_dk_weight(i, k) and x[t][xoff(m0) + k] (each thread's
- * accumulator over the k tiles, 32 columns at a time, in order). */
+ * accumulator over the k tiles, 32 columns at a time, in order); with the reference's sums each 32
+ * columns' chain of mf_dk_code values, times mf_dk_tile_scale, added in double. */
 static void emu_lin_tiled(const mf_dev_lin *a)
 {
+    int fmt = a->w.fmt, n_in = a->w.n_in, ref = a->sums == MF_DEV_SUMS_REF;
     for (int i = 0; i < a->w.n_out; i++)
         for (int t = 0; t < a->n_tok; t++) {
-            const float *xt = a->x + (long long)t * a->ld_x + mf_dk_xoff(a->row0, a->group_rows, a->w.n_in, i / 64 * 64);
+            const float *xt = a->x + (long long)t * a->ld_x + mf_dk_xoff(a->row0, a->group_rows, n_in, i / MF_DEV_LIN_TILE_ROWS * MF_DEV_LIN_TILE_ROWS);
             float acc = 0.0f;
-            for (int k = 0; k < a->w.n_in; k++)
-                acc = fmaf(mf_dk_weight(a->w.fmt, a->w.w, a->w.scale, a->w.n_in, i, k), xt[k], acc);
-            a->y[t * a->ld_y + i] = acc;
+            double accd = 0.0;
+            for (int k = 0; k < n_in; k++) {
+                acc = fmaf(ref ? mf_dk_code(fmt, a->w.w, n_in, i, k) : mf_dk_weight(fmt, a->w.w, a->w.scale, n_in, i, k),
+                           xt[k], acc);
+                if (ref && k % 32 == 31) {
+                    accd += (double)acc * (double)mf_dk_tile_scale(fmt, a->w.scale, n_in, i, k);
+                    acc = 0.0f;
+                }
+            }
+            a->y[t * a->ld_y + i] = ref ? (float)accd : acc;
         }
 }
 
@@ -423,25 +432,28 @@ static void check_dense(void)
             printf("dense %s linear, lane schedule T=%d: rel err %.3e\n", name[kind], T, e);
             CHECK(e <= tol, "dense %s linear T=%d: rel err %.3e (bound %.0e)", name[kind], T, e, tol);
         }
-    /* k_lin_tiled's arithmetic against the host's kernel sums: FP8, BF16, FP8 grouped by 64 rows from
-     * row 64 (a block's rows in one group, mf_dev_lin_tiled_ok) */
-    for (int kind = 0; kind < 3; kind++)
+    /* k_lin_tiled's arithmetic against the host's sums: FP8, BF16, FP8 grouped by 64 rows from row 64
+     * (a block's rows in one group, mf_dev_lin_tiled_ok) with kernel sums, then BF16 and the grouped
+     * FP8 with the reference's (bound 1e-6, as the warp-per-row kernel's) */
+    for (int kind = 0; kind < 5; kind++)
         for (size_t ti = 0; ti < sizeof toks / sizeof toks[0]; ti++) {
             int T = toks[ti];
-            static const char *const name[3] = {"fp8", "bf16", "fp8 grouped"};
+            static const char *const name[5] = {"fp8", "bf16", "fp8 grouped", "bf16 reference sums",
+                                                 "fp8 grouped reference sums"};
             mf_dev_lin a = {.x = x, .ld_x = LDX, .n_tok = T, .y = y, .ld_y = LDY, .path = MF_DEV_LIN_TILED};
             if (kind == 0) a.w = f8.m;
-            else if (kind == 1) a.w = (mf_kern_mat){MF_KERN_BF16, bw, NULL, O, IN};
+            else if (kind == 1 || kind == 3) a.w = (mf_kern_mat){MF_KERN_BF16, bw, NULL, O, IN};
             else a.w = wa.m, a.row0 = 64, a.group_rows = 64;   /* rows 64..159 of 3 x 64: x 3 x 128 columns */
+            if (kind >= 3) a.sums = MF_DEV_SUMS_REF;
             CHECK(mf_dev_lin_tiled_ok(&a), "%s: the tiled kernel should apply", name[kind]);
             memset(y, 0, sizeof(float) * 64 * LDY);
             memset(ref, 0, sizeof(float) * 64 * LDY);
             emu_lin_tiled(&a);
             a.y = ref;
             CHECK(mf_dense_host_linear(&a) == 0, "host %s: %s", name[kind], mf_last_error());
-            double e = rel_err(y, ref, (size_t)64 * LDY);
+            double e = rel_err(y, ref, (size_t)64 * LDY), tol = kind >= 3 ? 1e-6 : 1e-5;
             printf("dense %s linear, tiled kernel's arithmetic T=%d: rel err %.3e\n", name[kind], T, e);
-            CHECK(e <= 1e-5, "dense %s linear, tiled, T=%d: rel err %.3e (bound 1e-5)", name[kind], T, e);
+            CHECK(e <= tol, "dense %s linear, tiled, T=%d: rel err %.3e (bound %.0e)", name[kind], T, e, tol);
         }
     hmat_free(&f8);
     hmat_free(&wa);
