@@ -344,18 +344,18 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
     /* the engine's graph of a parallel decode shape (serial at batch 1, as the engine's), or of a
      * prefill chunk (serial) */
     mf_sg_opts go = {.c = c, .sz = p->sz, .n = p->batch, .par = p->batch > 1 && !o->prefill,
-                                        .n_threads = p->n_threads, .n_cards = p->n_cards,
-                                        .n_dense_cards = p->n_dense, .dense_split = o->dense_split, .heads = o->heads,
-                                        .dev_graphs = o->dev_graphs, .store = p->streamed,
-                                        /* the engine's resident experts: a miss one span (step.c
-                                         * mf_step_xslot_layout); a store's slots: one copy a part */
-                                        .miss_copies = p->streamed ? 0 : 1,
-                                        .eg_reads = o->tables == MF_PLAN_STORE_STREAMED,
-                                        .read_window = o->read_window, .micro = o->micro,
-                                        .n_sockets = p->lt.n_sockets, .lane_sock = p->lt.lane_sock, .lanes = p->lt.lane,
-                                        .n_lanes = p->lt.n_lanes, .lane_io = p->lt.lane_io,
-                                        .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof,
-                                        .prefetch_min = o->prefetch_min};
+                     .n_threads = p->n_threads, .n_cards = p->n_cards,
+                     .n_dense_cards = p->n_dense, .dense_split = o->dense_split, .heads = o->heads,
+                     .dev_graphs = o->dev_graphs, .store = p->streamed,
+                     /* the engine's resident experts: a miss one span (step.c
+                      * mf_step_xslot_layout); a store's slots: one copy a part */
+                     .miss_copies = p->streamed ? 0 : 1,
+                     .eg_reads = o->tables == MF_PLAN_STORE_STREAMED,
+                     .read_window = o->read_window, .micro = o->micro,
+                     .n_sockets = p->lt.n_sockets, .lane_sock = p->lt.lane_sock, .lanes = p->lt.lane,
+                     .n_lanes = p->lt.n_lanes, .lane_io = p->lt.lane_io,
+                     .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof,
+                     .prefetch_min = o->prefetch_min};
     rc = mf_stepgraph_new(&go, &p->sg);
     if (!rc) rc = mf_timeline_create(p->sg->g, &p->tl);
     if (rc) goto fail;

@@ -2159,21 +2159,21 @@ static mf_sg_opts mf_step_sg_opts(const mf_step *eng, int n, int par, int n_unit
     const mf_ref_hooks *hk = &eng->ly->hooks;
     int ordered = hk->on_route || hk->on_select || hk->on_candidates;   /* the hooks in item order */
     return (mf_sg_opts){.c = eng->c, .sz = eng->sz, .n = n, .par = par,
-                                          .n_units = n_units, .unit_end = unit_end, .ordered = ordered,
-                                          .n_threads = eng->o.n_threads, .n_cards = eng->n_cards,
-                                          .n_dense_cards = eng->n_dense, .dense_split = eng->o.dense_split,
-                                          .dense_block = eng->o.dense_block,
-                                          .dev_graphs = eng->dev_graphs, .store = eng->store != NULL,
-                                          .miss_copies = eng->miss_span ? 1 : 0,
-                                          .read_window = eng->o.read_window, .eg_reads = eng->eg_reads,
-                                          .lanes = eng->lt.lane, .n_sockets = eng->lt.n_sockets,
-                                          .lane_sock = eng->lt.lane_sock,
-                                          .n_lanes = eng->lt.n_lanes, .lane_io = eng->lt.lane_io,
-                                          .lane_dev0 = eng->lt.lane_dev0,
-                                          .micro = eng->o.micro, .exact = eng->o.exact, .heads = eng->o.heads,
-                                          .prefetch_min = eng->o.prefetch_min,
-                                          .fn_of = fn_of,
-                                          .profile = eng->o.profile};
+                        .n_units = n_units, .unit_end = unit_end, .ordered = ordered,
+                        .n_threads = eng->o.n_threads, .n_cards = eng->n_cards,
+                        .n_dense_cards = eng->n_dense, .dense_split = eng->o.dense_split,
+                        .dense_block = eng->o.dense_block,
+                        .dev_graphs = eng->dev_graphs, .store = eng->store != NULL,
+                        .miss_copies = eng->miss_span ? 1 : 0,
+                        .read_window = eng->o.read_window, .eg_reads = eng->eg_reads,
+                        .lanes = eng->lt.lane, .n_sockets = eng->lt.n_sockets,
+                        .lane_sock = eng->lt.lane_sock,
+                        .n_lanes = eng->lt.n_lanes, .lane_io = eng->lt.lane_io,
+                        .lane_dev0 = eng->lt.lane_dev0,
+                        .micro = eng->o.micro, .exact = eng->o.exact, .heads = eng->o.heads,
+                        .prefetch_min = eng->o.prefetch_min,
+                        .fn_of = fn_of,
+                        .profile = eng->o.profile};
 }
 
 /* The step graph of a shape of n items (parallel, serial, or n_units units ending at unit_end[])
