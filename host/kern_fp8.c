@@ -5,6 +5,7 @@
 #include "host/kern_internal.h"
 
 #include <immintrin.h>
+#include <stdatomic.h>
 
 #include "host/formats.h"
 
@@ -117,11 +118,99 @@ static void mf_kern_fp8_tok1_avx2(const mf_kern_mat *m, const float *x, float *y
     }
 }
 
+/* The one-token loop with 16-lane AVX-512 (BW for the 32 codes widened at once), where the CPU has
+ * it: per row pair and block the decoder's very operations on 16 weights at a time (the codes'
+ * bits into binary16, F16C widening, times 2^8 x scale, FMA with x), the 32 lanes held as two
+ * 16-lane sums whose halves are mf_kern_fp8_tok1_avx2's four 8-lane sums (lanes 0-15, 16-31), the
+ * same fixed reduction: the same bits. Blocks with a NaN code or a scale code above 246 take
+ * mf_kern_fp8_fma32 on those halves. */
+/* The 16 lanes of lo (0-7) and hi (8-15) as one vector, and back */
+__attribute__((target("avx512f,avx2")))
+static inline __m512 mf_kern_zmm_of(__m256 lo, __m256 hi)
+{
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+static void mf_kern_fp8_tok1_zmm(const mf_kern_mat *m, const float *x, float *y, int y_row0, int r0, int r1)
+{
+    const int n = m->n_in, nb = n / 32;
+    const __m512i mbf80 = _mm512_set1_epi16((short)0xBF80);
+    const __m256i m7f = _mm256_set1_epi8(0x7F);
+    int o = r0;
+    for (; o + 2 <= r1; o += 2) {
+        const uint8_t *wa = (const uint8_t *)m->w + (size_t)o * n, *wb = wa + n;
+        const uint8_t *sa = m->scale + (size_t)(o / 32) * nb, *sb = m->scale + (size_t)((o + 1) / 32) * nb;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+        for (int k = 0; k < n; k += 32) {
+            mf_kern_prefetch_tok1(wa + k);
+            mf_kern_prefetch_tok1(wb + k);
+            __m256i ra = _mm256_loadu_si256((const __m256i *)(wa + k)), rb = _mm256_loadu_si256((const __m256i *)(wb + k));
+            unsigned ea = sa[k / 32], eb = sb[k / 32];
+            if (_mm256_cmpeq_epi8_mask(_mm256_and_si256(ra, m7f), m7f) | _mm256_cmpeq_epi8_mask(_mm256_and_si256(rb, m7f), m7f) ||
+                ea > 246 || eb > 246) {
+                __m256 a[4] = {_mm512_castps512_ps256(a0), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a0), 1)),
+                               _mm512_castps512_ps256(a1), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a1), 1))};
+                __m256 b[4] = {_mm512_castps512_ps256(b0), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b0), 1)),
+                               _mm512_castps512_ps256(b1), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b1), 1))};
+                mf_kern_fp8_fma32(wa + k, ea, x + k, a);
+                mf_kern_fp8_fma32(wb + k, eb, x + k, b);
+                a0 = mf_kern_zmm_of(a[0], a[1]);
+                a1 = mf_kern_zmm_of(a[2], a[3]);
+                b0 = mf_kern_zmm_of(b[0], b[1]);
+                b1 = mf_kern_zmm_of(b[2], b[3]);
+                continue;
+            }
+            /* mf_kern_fp8_fma32's fast form, 16 lanes: magnitude to bits 13..7 and the sign to 15 of
+             * each binary16, times 2^8 x scale (one multiply, exact for e <= 246) */
+            const __m512 sa8 = _mm512_castsi512_ps(_mm512_set1_epi32((int)(ea + 8) << 23));
+            const __m512 sb8 = _mm512_castsi512_ps(_mm512_set1_epi32((int)(eb + 8) << 23));
+            __m512i ha = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(_mm512_cvtepu8_epi16(ra), 8), 1), mbf80);
+            __m512i hb = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(_mm512_cvtepu8_epi16(rb), 8), 1), mbf80);
+            __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+            a0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(ha)), sa8), x0, a0);
+            a1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(ha, 1)), sa8), x1, a1);
+            b0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(hb)), sb8), x0, b0);
+            b1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(hb, 1)), sb8), x1, b1);
+        }
+        y[o - y_row0] = mf_kern_reduce4x8_avx2(_mm512_castps512_ps256(a0),
+                                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a0), 1)),
+                                               _mm512_castps512_ps256(a1),
+                                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a1), 1)));
+        y[o + 1 - y_row0] = mf_kern_reduce4x8_avx2(_mm512_castps512_ps256(b0),
+                                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b0), 1)),
+                                                   _mm512_castps512_ps256(b1),
+                                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b1), 1)));
+    }
+    if (o < r1) mf_kern_fp8_tok1_avx2(m, x, y, y_row0, o, r1);
+}
+
+/* -1: not yet looked at; 0: AVX2 only; 1: the CPU has AVX-512 F/BW/VL and the one-token loop uses it */
+static atomic_int g_fp8_512 = -1;
+
+int mf_kern_fp8_tok1_avx512(void)
+{
+    int v = atomic_load_explicit(&g_fp8_512, memory_order_relaxed);
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl");
+        atomic_store(&g_fp8_512, v);
+    }
+    return v;
+}
+
+void mf_kern_fp8_tok1_set_avx512(int on)
+{
+    atomic_store(&g_fp8_512, on == 0 ? 0 : -1);   /* 1 or -1: as the CPU allows, looked at again */
+}
+
 void mf_kern_fp8_rows(const mf_kern_mat *m, const float *x, int n_tok, int ld_x, float *y,
                       int ld_y, int y_row0, int r0, int r1)
 {
     if (n_tok == 1 && mf_kern_simd_active() == MF_KERN_SIMD_AVX2) {
-        mf_kern_fp8_tok1_avx2(m, x, y, y_row0, r0, r1);
+        if (mf_kern_fp8_tok1_avx512()) mf_kern_fp8_tok1_zmm(m, x, y, y_row0, r0, r1);
+        else mf_kern_fp8_tok1_avx2(m, x, y, y_row0, r0, r1);
         return;
     }
     mf_kern_f32_run(m, mf_kern_fp8_decode_avx2, mf_kern_fp8_decode_scalar, x, n_tok, ld_x, y,

@@ -480,6 +480,43 @@ static void case_fp8_codes(void)
     mf_kern_simd_set(MF_KERN_SIMD_AUTO);
 }
 
+/* The FP8 one-token loop with AVX-512 (where the CPU has it) against the AVX2 one and the tile
+ * engine, bit for bit: 96 x 1024 random codes (NaN codes in two rows' blocks, subnormals), scales
+ * 100..140 with a few above 246 in the last tile row (the fallback blocks), x of mixed sign and
+ * magnitude; rows [3, 94)
+ * so the pairs start odd and a single row ends. */
+static void case_fp8_avx512(void)
+{
+    enum { O = 96, I = 1024 };
+    uint8_t *w = malloc(O * I), sc[(O / 32) * (I / 32)];
+    float x[2 * I], y[3][O];
+    for (int i = 0; i < O * I; i++) {   /* every code but NaN, then NaN codes in rows 5 and 40 */
+        w[i] = (uint8_t)rng_next();
+        if ((w[i] & 0x7F) == 0x7F) w[i] ^= 1;
+    }
+    w[5 * I + 64] = 0x7F;
+    w[40 * I + 900] = 0xFF;
+    for (int i = 0; i < (int)sizeof sc; i++)   /* scales above 246 in the last tile row only */
+        sc[i] = (uint8_t)(i / 32 == 2 && i % 11 == 5 ? 247 + i % 8 : 100 + (int)(rng_next() % 41));
+    for (int i = 0; i < 2 * I; i++) x[i] = (float)(rng_unif() * 2 - 1) * (i % 7 == 0 ? 100.0f : 1.0f);
+    int has = mf_kern_fp8_tok1_avx512();
+    printf("fp8 one-token loop: AVX-512 %s on this CPU\n", has ? "used" : "not available");
+    mf_kern_fp8_tok1_set_avx512(0);
+    CHECK(!mf_kern_fp8_tok1_avx512(), "the AVX-512 loop could not be turned off");
+    CHECK(mf_kern_fp8_matmul(w, sc, O, I, x, 1, I, y[0], O, 3, 94) == 0, "%s", mf_last_error());
+    mf_kern_fp8_tok1_set_avx512(1);
+    CHECK(mf_kern_fp8_tok1_avx512() == has, "the AVX-512 loop's switch");
+    CHECK(mf_kern_fp8_matmul(w, sc, O, I, x, 1, I, y[1], O, 3, 94) == 0, "%s", mf_last_error());
+    CHECK(mf_kern_fp8_matmul(w, sc, O, I, x, 2, I, y[2], O, 3, 94) == 0, "%s", mf_last_error());   /* tile engine */
+    CHECK(bits_equal(y[0] + 3, y[1] + 3, 91), "fp8 one token: AVX-512 and AVX2 loops differ");
+    CHECK(bits_equal(y[1] + 3, y[2] + 3, 91), "fp8 one token: AVX-512 loop and tile engine differ");
+    int finite = 0;   /* NaN codes make rows 5 and 40 NaN; scales above 246 may overflow rows 64.. */
+    for (int i = 3; i < 64; i++) finite += isfinite(y[1][i]) != 0;
+    CHECK(isnan(y[1][5]) && isnan(y[1][40]) && finite == 59, "fp8 one token: NaN rows (%d of rows 3..63 finite, 59 expected)",
+          finite);
+    free(w);
+}
+
 static void case_edges(void)
 {
     test_mat m;
@@ -746,6 +783,7 @@ int main(void)
     case_ffn(MF_KERN_FP8, 64, 320, 3);
     case_edges();
     case_fp8_codes();
+    case_fp8_avx512();
     if (n_paths == 2) {
         static const int gt[] = {MF_KERN_GEMM_MIN_TOK, 19, 64, 71};
         for (size_t i = 0; i < sizeof gt / sizeof gt[0]; i++) {
