@@ -53,7 +53,8 @@ static void mf_bench_decode_usage(FILE *f)
             "scheduled decode step (untimed), so a rate that moves during the run is seen at its best.\n"
             "The JSON adds the passes' median and lowest, the floor fraction of the median step, and\n"
             "bf16_tok1_prefetch: whether the one-token BF16 loop (the head) prefetches, as measured on\n"
-            "this machine by its first large calls (1 on, 0 off, -1 not decided yet).\n"
+            "this machine by its first large calls (1 on, 0 off, -1 not decided yet), and\n"
+            "fp8_tok1_avx512: whether the one-token FP8 loop runs 16-lane AVX-512 (the CPU has it).\n"
             "--micro-batches 2: the scheduled engine with two micro-batches in flight (batch >= 2).\n"
             "--sockets N|auto (default auto: one lane where hwloc finds one NUMA node): the\n"
             "scheduled engine with one CPU lane per socket, workers pinned,\n"
@@ -445,11 +446,12 @@ int mf_bench_decode(int argc, char **argv)
                "\"prefill_s\":%.6g,\"prefill_cpu_s\":%.6g,\"decode_s\":%.6g,\"decode_cpu_s\":%.6g,"
                "\"decode_weight_bytes_per_step\":%.6g,\"read_bytes_per_s\":%.6g,\"floor_fraction\":%.6g,"
                "\"read_bytes_per_s_median\":%.6g,\"read_bytes_per_s_min\":%.6g,\"read_passes\":%d,"
-               "\"step_s_median\":%.6g,\"floor_fraction_median_step\":%.6g,\"bf16_tok1_prefetch\":%d,",
+               "\"step_s_median\":%.6g,\"floor_fraction_median_step\":%.6g,\"bf16_tok1_prefetch\":%d,"
+               "\"fp8_tok1_avx512\":%d,",
                tps, rt, sp, batch, threads, steps, n_prompt, chunk ? chunk : MF_STEP_PREFILL_CHUNK, exact, sm, ptps, rp, tps, frac, pfrac, dfrac,
                sch.prefill_macs / (batch * n_prompt), sch.decode_macs / (batch * steps), kern_rate, sch.prefill_s,
                sch.prefill_cpu_s, sch.total_s, sch.decode_cpu_s, step_bytes, read_rate, floor_frac, read_med, read_min,
-               sch.n_read, step_med, floor_frac_med, mf_kern_bf16_tok1_prefetch());
+               sch.n_read, step_med, floor_frac_med, mf_kern_bf16_tok1_prefetch(), mf_kern_fp8_tok1_avx512());
         mf_bd_json_phases("phases", &sch, (int)steps);
         printf(",");
         if (no_ref) printf("\"reference_phases\":null");
