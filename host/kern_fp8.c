@@ -118,19 +118,19 @@ static void mf_kern_fp8_tok1_avx2(const mf_kern_mat *m, const float *x, float *y
     }
 }
 
-/* The one-token loop with 16-lane AVX-512 (BW for the 32 codes widened at once), where the CPU has
- * it: per row pair and block the decoder's very operations on 16 weights at a time (the codes'
- * bits into binary16, F16C widening, times 2^8 x scale, FMA with x), the 32 lanes held as two
- * 16-lane sums whose halves are mf_kern_fp8_tok1_avx2's four 8-lane sums (lanes 0-15, 16-31), the
- * same fixed reduction: the same bits. Blocks with a NaN code or a scale code above 246 take
- * mf_kern_fp8_fma32 on those halves. */
-/* The 16 lanes of lo (0-7) and hi (8-15) as one vector, and back */
+/* The 16 lanes of lo (0-7) and hi (8-15) as one vector */
 __attribute__((target("avx512f,avx2")))
 static inline __m512 mf_kern_zmm_of(__m256 lo, __m256 hi)
 {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
 }
 
+/* The one-token loop with 16-lane AVX-512 (BW for the 32 codes widened at once), where the CPU has
+ * it: per row pair and block the decoder's very operations on 16 weights at a time (the codes'
+ * bits into binary16, F16C widening, times 2^8 x scale, FMA with x), the 32 lanes held as two
+ * 16-lane sums whose halves are mf_kern_fp8_tok1_avx2's four 8-lane sums (lanes 0-15, 16-31), the
+ * same fixed reduction: the same bits. Blocks with a NaN code or a scale code above 246 take
+ * mf_kern_fp8_fma32 on those halves. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 static void mf_kern_fp8_tok1_zmm(const mf_kern_mat *m, const float *x, float *y, int y_row0, int r0, int r1)
 {
