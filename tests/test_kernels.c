@@ -489,7 +489,7 @@ static void case_fp8_avx512(void)
 {
     enum { O = 96, I = 1024 };
     uint8_t *w = malloc(O * I), sc[(O / 32) * (I / 32)];
-    float x[2 * I], y[3][O];
+    float x[2 * I], y[3][2 * O];   /* y[2]: the two-token call's rows, two of O */
     for (int i = 0; i < O * I; i++) {   /* every code but NaN, then NaN codes in rows 5 and 40 */
         w[i] = (uint8_t)rng_next();
         if ((w[i] & 0x7F) == 0x7F) w[i] ^= 1;
