@@ -118,11 +118,17 @@ static void mf_kern_fp8_tok1_avx2(const mf_kern_mat *m, const float *x, float *y
     }
 }
 
-/* The 16 lanes of lo (0-7) and hi (8-15) as one vector */
+/* The 16 lanes of lo (0-7) and hi (8-15) as one vector, and a vector's two halves */
 __attribute__((target("avx512f,avx2")))
 static inline __m512 mf_kern_zmm_of(__m256 lo, __m256 hi)
 {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+__attribute__((target("avx512f,avx2")))
+static inline void mf_kern_zmm_halves(__m512 v, __m256 *lo, __m256 *hi)
+{
+    *lo = _mm512_castps512_ps256(v);
+    *hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
 }
 
 /* The one-token loop with 16-lane AVX-512 (BW for the 32 codes widened at once), where the CPU has
@@ -149,10 +155,11 @@ static void mf_kern_fp8_tok1_zmm(const mf_kern_mat *m, const float *x, float *y,
             unsigned ea = sa[k / 32], eb = sb[k / 32];
             if (_mm256_cmpeq_epi8_mask(_mm256_and_si256(ra, m7f), m7f) | _mm256_cmpeq_epi8_mask(_mm256_and_si256(rb, m7f), m7f) ||
                 ea > 246 || eb > 246) {
-                __m256 a[4] = {_mm512_castps512_ps256(a0), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a0), 1)),
-                               _mm512_castps512_ps256(a1), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a1), 1))};
-                __m256 b[4] = {_mm512_castps512_ps256(b0), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b0), 1)),
-                               _mm512_castps512_ps256(b1), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b1), 1))};
+                __m256 a[4], b[4];
+                mf_kern_zmm_halves(a0, &a[0], &a[1]);
+                mf_kern_zmm_halves(a1, &a[2], &a[3]);
+                mf_kern_zmm_halves(b0, &b[0], &b[1]);
+                mf_kern_zmm_halves(b1, &b[2], &b[3]);
                 mf_kern_fp8_fma32(wa + k, ea, x + k, a);
                 mf_kern_fp8_fma32(wb + k, eb, x + k, b);
                 a0 = mf_kern_zmm_of(a[0], a[1]);
@@ -173,14 +180,13 @@ static void mf_kern_fp8_tok1_zmm(const mf_kern_mat *m, const float *x, float *y,
             b0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(hb)), sb8), x0, b0);
             b1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(hb, 1)), sb8), x1, b1);
         }
-        y[o - y_row0] = mf_kern_reduce4x8_avx2(_mm512_castps512_ps256(a0),
-                                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a0), 1)),
-                                               _mm512_castps512_ps256(a1),
-                                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a1), 1)));
-        y[o + 1 - y_row0] = mf_kern_reduce4x8_avx2(_mm512_castps512_ps256(b0),
-                                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b0), 1)),
-                                                   _mm512_castps512_ps256(b1),
-                                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b1), 1)));
+        __m256 h[8];
+        mf_kern_zmm_halves(a0, &h[0], &h[1]);
+        mf_kern_zmm_halves(a1, &h[2], &h[3]);
+        mf_kern_zmm_halves(b0, &h[4], &h[5]);
+        mf_kern_zmm_halves(b1, &h[6], &h[7]);
+        y[o - y_row0] = mf_kern_reduce4x8_avx2(h[0], h[1], h[2], h[3]);
+        y[o + 1 - y_row0] = mf_kern_reduce4x8_avx2(h[4], h[5], h[6], h[7]);
     }
     if (o < r1) mf_kern_fp8_tok1_avx2(m, x, y, y_row0, o, r1);
 }

@@ -376,6 +376,22 @@ static void emu_lin_tiled(const mf_dev_lin *a)
         }
 }
 
+/* One emulated schedule (emu writes a->y) against device/dense_host.h's sums of the same linear,
+ * relative error within tol; y and ref hold 64 x LDY floats. */
+static void cmp_lin(const char *what, const char *sched, mf_dev_lin a, void (*emu)(const mf_dev_lin *), float *y,
+                    float *ref, size_t n, double tol)
+{
+    memset(y, 0, sizeof(float) * n);
+    memset(ref, 0, sizeof(float) * n);
+    a.y = y;
+    emu(&a);
+    a.y = ref;
+    CHECK(mf_dense_host_linear(&a) == 0, "host %s: %s", what, mf_last_error());
+    double e = rel_err(y, ref, n);
+    printf("dense %s linear, %s T=%d: rel err %.3e\n", what, sched, a.n_tok, e);
+    CHECK(e <= tol, "dense %s linear, %s T=%d: rel err %.3e (bound %.0e)", what, sched, a.n_tok, e, tol);
+}
+
 /* The E4M3 decode and the bf16 rounding bit for bit against host/formats.h (every code; random
  * bit patterns with inf, NaN, subnormals and the largest finite values), then k_lin's schedule
  * against device/dense_host.h: FP8 and BF16, kernel and reference sums, a grouped FP8 slice from
@@ -423,14 +439,7 @@ static void check_dense(void)
             else if (kind < 3) a.w = (mf_kern_mat){MF_KERN_BF16, bw, NULL, O, IN};
             else a.w = wa.m, a.row0 = 32, a.group_rows = 64;   /* rows 32..127 of 2 x 64: x 2 x 128 columns */
             if (kind >= 2) a.sums = MF_DEV_SUMS_REF;
-            memset(y, 0, sizeof(float) * 64 * LDY);
-            memset(ref, 0, sizeof(float) * 64 * LDY);
-            emu_lin(&a);
-            a.y = ref;
-            CHECK(mf_dense_host_linear(&a) == 0, "host %s: %s", name[kind], mf_last_error());
-            double e = rel_err(y, ref, (size_t)64 * LDY), tol = kind >= 2 ? 1e-6 : 1e-5;
-            printf("dense %s linear, lane schedule T=%d: rel err %.3e\n", name[kind], T, e);
-            CHECK(e <= tol, "dense %s linear T=%d: rel err %.3e (bound %.0e)", name[kind], T, e, tol);
+            cmp_lin(name[kind], "lane schedule", a, emu_lin, y, ref, (size_t)64 * LDY, kind >= 2 ? 1e-6 : 1e-5);
         }
     /* k_lin_tiled's arithmetic against the host's sums: FP8, BF16, FP8 grouped by 64 rows from row 64
      * (a block's rows in one group, mf_dev_lin_tiled_ok) with kernel sums, then BF16 and the grouped
@@ -446,14 +455,8 @@ static void check_dense(void)
             else a.w = wa.m, a.row0 = 64, a.group_rows = 64;   /* rows 64..159 of 3 x 64: x 3 x 128 columns */
             if (kind >= 3) a.sums = MF_DEV_SUMS_REF;
             CHECK(mf_dev_lin_tiled_ok(&a), "%s: the tiled kernel should apply", name[kind]);
-            memset(y, 0, sizeof(float) * 64 * LDY);
-            memset(ref, 0, sizeof(float) * 64 * LDY);
-            emu_lin_tiled(&a);
-            a.y = ref;
-            CHECK(mf_dense_host_linear(&a) == 0, "host %s: %s", name[kind], mf_last_error());
-            double e = rel_err(y, ref, (size_t)64 * LDY), tol = kind >= 3 ? 1e-6 : 1e-5;
-            printf("dense %s linear, tiled kernel's arithmetic T=%d: rel err %.3e\n", name[kind], T, e);
-            CHECK(e <= tol, "dense %s linear, tiled, T=%d: rel err %.3e (bound %.0e)", name[kind], T, e, tol);
+            cmp_lin(name[kind], "tiled kernel's arithmetic", a, emu_lin_tiled, y, ref, (size_t)64 * LDY,
+                    kind >= 3 ? 1e-6 : 1e-5);
         }
     hmat_free(&f8);
     hmat_free(&wa);

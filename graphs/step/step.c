@@ -2642,14 +2642,13 @@ static int mf_step_caches_new(mf_step *s)
                                    "less)", cd, chunk, s->max_items, b / 1e9);
         }
     }
-    int n = 0;
-    for (; !rc && n < s->n_cards; n++) {
-        rc = mf_dev_xcache_new(s->dev, &(mf_dev_xcache_opts){.card = n, .n_layers = c->n_layers,
+    for (int cd = 0; !rc && cd < s->n_cards; cd++) {
+        rc = mf_dev_xcache_new(s->dev, &(mf_dev_xcache_opts){.card = cd, .n_layers = c->n_layers,
                                                              .n_experts = c->n_routed_experts,
                                                              .slot_bytes = s->xslot_bytes,
                                                              .budget_bytes = s->o.dev_cache_bytes},
-                               &s->xc[n]);
-        if (rc) rc = mf_error_wrap(rc, "step: the expert cache of card %d", n);
+                               &s->xc[cd]);
+        if (rc) rc = mf_error_wrap(rc, "step: the expert cache of card %d", cd);
     }
     for (int cd = 0; cd < s->n_cards; cd++)
         if (hold[cd]) mf_dev_free(s->dev, cd, hold[cd]);

@@ -29,7 +29,7 @@ typedef struct mf_profile mf_profile;
  * of the vocabulary (a decode batch's, MF_STEP_MAX_ITEMS), and a prefill chunk asking logits at
  * more positions takes passes, each copied out before the next (a buffer for every position of an
  * 8,192-position chunk would be 4.2 GB of a card at flash41's vocabulary). */
-#define MF_STEP_HEAD_ROWS MF_STEP_MAX_ITEMS
+#define MF_STEP_HEAD_ROWS MF_SG_HEAD_ROWS
 
 typedef struct mf_step_opts {
     int n_threads;     /* CPU workers of the engine's executor (0: 1) */

@@ -604,7 +604,7 @@ void mf_sg_card_bufs_of(const mf_sg_card_in *in, mf_sg_card_bufs *b)
             mf_sg_heads_range(sg->n, sg->scores_cards[L], 0, &a, &e);
             if (e - a > b->sk_rows) b->sk_rows = e - a;
         }
-    b->head_rows = in->head_rows > 0 ? in->head_rows : MF_SG_MAX_ITEMS;
+    b->head_rows = in->head_rows > 0 ? in->head_rows : MF_SG_HEAD_ROWS;
     if ((size_t)b->head_rows > n_) b->head_rows = (int)n_;
     struct { size_t bytes, *off; } dt[2 * MF_LY_A_N + 19];
     int m = 0;

@@ -549,6 +549,9 @@ int mf_sg_dense_bf16(int dense, int out);
  * its dense tasks' records read per step. */
 double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int card);
 
+/* Items whose logits a dense card's head computes at a time (graphs/step/step.h MF_STEP_HEAD_ROWS):
+ * a decode batch's */
+#define MF_SG_HEAD_ROWS MF_SG_MAX_ITEMS
 /* Compressed entries a prefill chunk's key table for the heads on cards holds at most (with
  * head_dim 512: 32 MiB per card): a chunk whose items' selections together touch more runs the
  * host's heads (graphs/step/step.c mf_step_shape.hk_host) */
@@ -584,7 +587,7 @@ typedef struct mf_sg_card_in {
     int ln;                   /* items the host's buffers are laid out for (>= sg->n; 0: sg->n) */
     int64_t sh_rows;          /* the shared expert's hidden rows (mf_sg_sizes.sh_rows) */
     int exact, dev_graphs;    /* mf_step_opts.exact (fp32 g and u copies), .dev_graphs (slot tables) */
-    int head_rows;            /* logits rows a dense card computes at a time (0: MF_SG_MAX_ITEMS) */
+    int head_rows;            /* logits rows a dense card computes at a time (0: MF_SG_HEAD_ROWS) */
 } mf_sg_card_in;
 
 /* Fills b for in (every field; 0-byte buffers where the graph has none). */
