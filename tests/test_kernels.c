@@ -403,7 +403,8 @@ static void case_ffn(mf_kern_fmt fmt, int n_hid, int n_model, int n_tok)
     }
     ref_matmul(w2.dec, n_model, n_hid, hd, n_tok, ref);
 
-    float *h = xmalloc(nh * 4), *y = xmalloc(nx * 4), *yq[2] = {xmalloc(nx * 4), xmalloc(nx * 4)};
+    float *h = xmalloc(nh * 4), *h16 = xmalloc(nh * 4), *y = xmalloc(nx * 4);
+    float *yq[2] = {xmalloc(nx * 4), xmalloc(nx * 4)};
     size_t qxb = mf_kern_q8_bytes(n_tok, n_model), qhb = mf_kern_q8_bytes(n_tok, n_hid);
     void *qxbuf = xmalloc(qxb), *qhbuf = xmalloc(qhb);
     mf_kern_q8 qx, qh;
@@ -425,6 +426,12 @@ static void case_ffn(mf_kern_fmt fmt, int n_hid, int n_model, int n_tok)
             CHECK(mf_kern_ffn_up(&w1.m, &w3.m, &in, tw, limit, h, n_hid, 0, a) == 0, "%s", mf_last_error());
             CHECK(mf_kern_ffn_up(&w1.m, &w3.m, &in, tw, limit, h, n_hid, b, n_hid) == 0, "%s", mf_last_error());
             CHECK(mf_kern_ffn_up(&w1.m, &w3.m, &in, tw, limit, h, n_hid, a, b) == 0, "%s", mf_last_error());
+            /* the same rows 16 at a time (the step's rows, whatever a call's range): the same bits */
+            for (int r = 0; r < n_hid; r += 16)
+                CHECK(mf_kern_ffn_up(&w1.m, &w3.m, &in, tw, limit, h16, n_hid, r, r + 16 < n_hid ? r + 16 : n_hid) == 0,
+                      "%s", mf_last_error());
+            CHECK(bits_equal(h, h16, nh), "%s %s: phase 1 by 16 rows differs from three ranges", what,
+                  mf_kern_simd_name(paths[p]));
             if (use_q8)
                 CHECK(mf_kern_q8_quantize(&qh, h, n_hid, 0, n_tok) == 0, "%s", mf_last_error());
             mf_kern_in hin = {h, n_tok, n_hid, use_q8 ? &qh : NULL};
@@ -439,7 +446,7 @@ static void case_ffn(mf_kern_fmt fmt, int n_hid, int n_model, int n_tok)
     }
     if (n_paths == 2 && fmt == MF_KERN_FP4)
         CHECK(bits_equal(yq[0], yq[1], nx), "%s: scalar and avx2 int8 FFN differ", what);
-    free(x), free(tw), free(xd), free(g), free(u), free(hd), free(ref), free(h), free(y);
+    free(x), free(tw), free(xd), free(g), free(u), free(hd), free(ref), free(h), free(h16), free(y);
     free(yq[0]), free(yq[1]), free(qxbuf), free(qhbuf);
     mat_free(&w1), mat_free(&w3), mat_free(&w2);
 }
@@ -781,6 +788,10 @@ int main(void)
     case_ffn(MF_KERN_FP4, 160, 544, 64);
     case_ffn(MF_KERN_FP4, 64, 256, 67);                      /* two token passes */
     case_ffn(MF_KERN_FP8, 64, 320, 3);
+    /* one and two tokens: phase-1 steps of 1,024 and 512 rows, a range spanning two of them */
+    case_ffn(MF_KERN_FP4, 3264, 64, 1);
+    case_ffn(MF_KERN_FP4, 1632, 64, 2);
+    case_ffn(MF_KERN_FP8, 3264, 64, 1);
     case_edges();
     case_fp8_codes();
     case_fp8_avx512();
