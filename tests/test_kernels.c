@@ -524,6 +524,54 @@ static void case_fp8_avx512(void)
     free(w);
 }
 
+/* The FP8 one-token loops scale x once per 32-row tile and fall back block by block where that
+ * product is not exact. Tile rows of scale codes {0, 1, 2, 60, 119, 127, 200, 230}, {240, 245,
+ * 246, 247, 252, 100, 130, 10} and all 0, against x whose block 0 is near FLT_MIN (rounded into
+ * the subnormals under code 0), block 1 subnormal (scaled down under 1, up under 245), block 2 near
+ * FLT_MAX (exact under 2, past FLT_MAX under 246: the second tile's rows overflow), signed zeros
+ * throughout; then with an infinity; then a NaN; then x all about 2^-10, which code 0 scales into
+ * the subnormals while the third tile's sums stay there, where a rounded product shows (the
+ * second tile's codes 246 and 252 overflow its rows). The AVX2
+ * and AVX-512 loops and the scalar path against the tile engine (a two-token call), bit for bit
+ * (NaN as NaN), rows [1, 95) so a tile starts with a single row. */
+static void case_fp8_xs(void)
+{
+    enum { O = 96, I = 256, NB = I / 32 };
+    static const uint8_t sc[(O / 32) * NB] = {0, 1, 2, 60, 119, 127, 200, 230, 240, 245, 246, 247, 252, 100, 130, 10};
+    uint8_t w[O * I];
+    float x[2 * I], y[4][2 * O];
+    for (int i = 0; i < O * I; i++) {
+        w[i] = (uint8_t)rng_next();
+        if ((w[i] & 0x7F) == 0x7F) w[i] ^= 1;
+    }
+    for (int v = 0; v < 4; v++) {
+        for (int i = 0; i < 2 * I; i++) {
+            float r = (float)(rng_unif() * 2 - 1);
+            int b = i % I / 32;
+            x[i] = v == 3 ? r * 0x1p-10f
+                 : i % 7 == 3 ? (i % 2 ? -0.0f : 0.0f) : b == 0 ? r * 2e-37f : b == 1 ? r * 1e-39f : b == 2 ? r * 3e38f : r;
+        }
+        if (v == 1) x[3 * 32 + 5] = -INFINITY;
+        if (v == 2) x[5 * 32 + 17] = NAN;
+        mf_kern_fp8_tok1_set_avx512(0);
+        CHECK(mf_kern_fp8_matmul(w, sc, O, I, x, 1, I, y[0], O, 1, O - 1) == 0, "%s", mf_last_error());
+        mf_kern_fp8_tok1_set_avx512(1);
+        CHECK(mf_kern_fp8_matmul(w, sc, O, I, x, 1, I, y[1], O, 1, O - 1) == 0, "%s", mf_last_error());
+        CHECK(mf_kern_fp8_matmul(w, sc, O, I, x, 2, I, y[2], O, 1, O - 1) == 0, "%s", mf_last_error());
+        mf_kern_simd_set(MF_KERN_SIMD_SCALAR);
+        CHECK(mf_kern_fp8_matmul(w, sc, O, I, x, 1, I, y[3], O, 1, O - 1) == 0, "%s", mf_last_error());
+        mf_kern_simd_set(MF_KERN_SIMD_AUTO);
+        if (n_paths < 2) continue;
+        CHECK(bits_equal(y[0] + 1, y[2] + 1, O - 2), "fp8 x variant %d: AVX2 one-token loop and tile engine differ", v);
+        CHECK(bits_equal(y[1] + 1, y[2] + 1, O - 2), "fp8 x variant %d: AVX-512 one-token loop and tile engine differ", v);
+        CHECK(bits_equal(y[3] + 1, y[2] + 1, O - 2), "fp8 x variant %d: scalar path and tile engine differ", v);
+        int finite[3] = {0, 0, 0};   /* per tile: rows [1, 32), [32, 64), [64, 95) */
+        for (int i = 1; i < O - 1; i++) finite[i / 32] += isfinite(y[1][i]) != 0;
+        CHECK(v == 1 || v == 2 ? finite[0] + finite[1] + finite[2] == 0 : finite[0] == 31 && finite[1] < 32 && finite[2] == 31,
+              "fp8 x variant %d: %d, %d, %d rows of the three tiles finite", v, finite[0], finite[1], finite[2]);
+    }
+}
+
 static void case_edges(void)
 {
     test_mat m;
@@ -789,12 +837,13 @@ int main(void)
     case_ffn(MF_KERN_FP4, 64, 256, 67);                      /* two token passes */
     case_ffn(MF_KERN_FP8, 64, 320, 3);
     /* one and two tokens: phase-1 steps of 1,024 and 512 rows, a range spanning two of them */
-    case_ffn(MF_KERN_FP4, 3264, 64, 1);
-    case_ffn(MF_KERN_FP4, 1632, 64, 2);
-    case_ffn(MF_KERN_FP8, 3264, 64, 1);
+    case_ffn(MF_KERN_FP4, 3264, 256, 1);
+    case_ffn(MF_KERN_FP4, 1632, 256, 2);
+    case_ffn(MF_KERN_FP8, 3264, 256, 1);
     case_edges();
     case_fp8_codes();
     case_fp8_avx512();
+    case_fp8_xs();
     if (n_paths == 2) {
         static const int gt[] = {MF_KERN_GEMM_MIN_TOK, 19, 64, 71};
         for (size_t i = 0; i < sizeof gt / sizeof gt[0]; i++) {

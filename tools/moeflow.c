@@ -36,8 +36,8 @@ static void mf_usage(FILE *f)
     for (size_t i = 0; mf_commands[i].name; i++)
         fprintf(f, "  %-10s %s\n", mf_commands[i].name, mf_commands[i].what);
     fprintf(f, "\nenvironment (read here and turned into options; the library reads none):\n"
-               "  MOEFLOW_SIMD        scalar, avx2 or auto (default): the CPU kernels' path (now: %s;\n"
-               "                      avx2 also keeps the one-token FP8 loop off AVX-512)\n"
+               "  MOEFLOW_SIMD        scalar, avx2 or auto (default): the CPU kernels' path (now: %s);\n"
+               "                      avx2 also keeps the one-token FP8 loop off AVX-512\n"
                "  MOEFLOW_IO          pread: IO lanes use pread workers instead of io_uring\n"
                "  MOEFLOW_IO_FAULT    eio:N or short:N: the Nth IO-lane read fails (fault injection)\n"
                "  MOEFLOW_DEV_GRAPHS  1: as --dev-graphs (decode, sim)\n",
