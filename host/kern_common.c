@@ -44,6 +44,31 @@ int mf_kern_simd_set(mf_kern_simd s)
     return 0;
 }
 
+/* The one-token loops' AVX-512 forms: -1 not yet looked at, else bit 0 the FP8 loop's (F, BW, VL)
+ * and bit 1 the FP4 loop's (also VNNI and VBMI), 0 when switched off. */
+static int mf_kern_tok1_512 = -1;
+
+static int mf_kern_tok1_512_bits(void)
+{
+    int v = __atomic_load_n(&mf_kern_tok1_512, __ATOMIC_RELAXED);
+    if (v < 0) {
+        __builtin_cpu_init();
+        int f = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl");
+        v = f | (f && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi")) << 1;
+        __atomic_store_n(&mf_kern_tok1_512, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
+int mf_kern_fp8_tok1_avx512(void) { return mf_kern_tok1_512_bits() & 1; }
+int mf_kern_fp4_tok1_avx512(void) { return (mf_kern_tok1_512_bits() >> 1) & 1; }
+
+void mf_kern_tok1_set_avx512(int on)
+{
+    __atomic_store_n(&mf_kern_tok1_512, on == 0 ? 0 : -1, __ATOMIC_RELAXED);   /* else as the CPU allows */
+}
+
 void mf_kern_gemm_set(int on) { __atomic_store_n(&mf_kern_gemm_on, on != 0, __ATOMIC_RELAXED); }
 
 const char *mf_kern_simd_name(mf_kern_simd s)

@@ -467,6 +467,122 @@ static void mf_fp4_rows_chunked_avx2(const uint8_t *w, const uint8_t *scale, int
     }
 }
 
+/* ---- one token on AVX-512 (VNNI, VBMI) ------------------------------------------------------- */
+
+/* Widest input whose relaid codes the one-token AVX-512 loop keeps on the stack (16 KiB). */
+#define MF_FP4_Z_MAX 16384
+
+/* A quad of four groups' scale codes (32 bytes, absent blocks 0) as the AVX-512 loop uses them:
+ * per block the left shift 14 - min(emax - e, 15) of its exact int32 sums (32 where the factor is
+ * 0: vpsllvd then gives 0), i.e. mf_fp4_quad_factors' int16 factors S as shifts, in bytes; and the
+ * same group scales gs. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma"), always_inline))
+static inline __m256i mf_fp4_quad_shifts(__m256i E, __m256 gs[4])
+{
+    const __m256i bc0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8,
+                                         0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
+    __m256i M = _mm256_max_epu8(E, _mm256_srli_epi64(E, 32));
+    M = _mm256_max_epu8(M, _mm256_srli_epi64(M, 16));
+    M = _mm256_max_epu8(M, _mm256_srli_epi64(M, 8));            /* emax in byte 0 of each qword */
+    __m256i D = _mm256_min_epu8(_mm256_subs_epu8(_mm256_shuffle_epi8(M, bc0), E), _mm256_set1_epi8(15));
+    __m256i sh = _mm256_sub_epi8(_mm256_set1_epi8(14), D);
+    sh = _mm256_mask_blend_epi8(_mm256_cmpeq_epi8_mask(D, _mm256_set1_epi8(15)), sh, _mm256_set1_epi8(32));
+    __m256i e = _mm256_and_si256(M, _mm256_set1_epi64x(0xFF));   /* group scales, as mf_fp4_quad_factors */
+    __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(15)), 23);
+    __m256i sub = _mm256_srlv_epi32(_mm256_set1_epi32(0x400000), _mm256_sub_epi32(_mm256_set1_epi32(15), e));
+    __m256i bits = _mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(15)));
+    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC00000), _mm256_cmpeq_epi32(e, _mm256_set1_epi32(0xFF)));
+    __m256 g = _mm256_castsi256_ps(bits);
+    gs[0] = _mm256_permutevar8x32_ps(g, _mm256_set1_epi32(0));
+    gs[1] = _mm256_permutevar8x32_ps(g, _mm256_set1_epi32(2));
+    gs[2] = _mm256_permutevar8x32_ps(g, _mm256_set1_epi32(4));
+    gs[3] = _mm256_permutevar8x32_ps(g, _mm256_set1_epi32(6));
+    return sh;
+}
+
+/* Rows [r0, r1) for one token whose codes are signed (the sign scheme), n_in a multiple of 256:
+ * mf_fp4_pass_avx2's integers and float operations, 64 bytes of weights (four blocks) a step.
+ * |w| of the low and high nibbles by vpermb from a 64-entry table (the nibble's other index bits
+ * select copies), the weights' signs onto x by masked negation, vpdpbusd for sums of four products,
+ * each block's factor as a left shift of its int32 sums (vpsllvd), and the group's blocks folded
+ * into the AVX2 loop's eight lanes (even blocks 0-3, odd 4-7): exact integers, so the same lane
+ * sums, then the same cvt and FMA per group and the same reduction: the same bits. The token's
+ * codes are first laid out per four blocks as 64 even elements then 64 odd (xz). */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma")))
+static void mf_fp4_tok1_zmm(const uint8_t *w, const uint8_t *scale, int n_in, const uint8_t *xr,
+                            const float *xs, int n_sb, float *y, int y_row0, int r0, int r1)
+{
+    const int n_blk = n_in / 32, n_quad = n_blk / 32;
+    _Alignas(64) uint8_t xz[MF_FP4_Z_MAX];
+    for (int k = 0; k < n_blk / 4; k++) {   /* blocks 4k..4k+3 = pairs 2k, 2k+1 of the q8 row */
+        const uint8_t *p = xr + (size_t)k * 128;
+        memcpy(xz + k * 128, p, 32);
+        memcpy(xz + k * 128 + 32, p + 64, 32);
+        memcpy(xz + k * 128 + 64, p + 32, 32);
+        memcpy(xz + k * 128 + 96, p + 96, 32);
+    }
+    _Alignas(64) static const uint8_t abs2[64] = {
+#define MF_ABS8 0, 1, 2, 3, 4, 6, 8, 12
+        MF_ABS8, MF_ABS8, MF_ABS8, MF_ABS8, MF_ABS8, MF_ABS8, MF_ABS8, MF_ABS8
+#undef MF_ABS8
+    };
+    const __m512i lut = _mm512_load_si512((const void *)abs2);
+    const __m512i s08 = _mm512_set1_epi8(0x08), zero = _mm512_setzero_si512();
+    /* dword j of half h of group g takes block 8g + 4h + j / 4's shift (byte 0; the rest zeroed) */
+    __m512i sidx[4][2];
+    for (int g = 0; g < 4; g++)
+        for (int h = 0; h < 2; h++) {
+            _Alignas(64) uint8_t b[64] = {0};
+            for (int j = 0; j < 16; j++) b[4 * j] = (uint8_t)(8 * g + 4 * h + j / 4);
+            sidx[g][h] = _mm512_load_si512((const void *)b);
+        }
+    _Alignas(32) float lanes[8];
+    _Alignas(32) uint8_t epad[32];
+    for (int o = r0; o < r1; o++) {
+        const uint8_t *wr = w + (size_t)o * (n_in / 2), *sr = scale + (size_t)o * n_blk;
+        __m256 fa = _mm256_setzero_ps();
+        for (int q = 0; q * 4 < n_sb; q++) {
+            int ng = n_sb - 4 * q < 4 ? n_sb - 4 * q : 4;
+            __m256i E;
+            if (q < n_quad) {
+                E = _mm256_loadu_si256((const __m256i *)(sr + q * 32));
+            } else {   /* the last 1-3 whole groups */
+                memset(epad, 0, sizeof epad);
+                memcpy(epad, sr + q * 32, (size_t)ng * 8);
+                E = _mm256_load_si256((const __m256i *)epad);
+            }
+            _mm_prefetch((const char *)(sr + q * 32 + MF_FP4_PREFETCH / 16), _MM_HINT_T0);
+            __m256 gs[4];
+            __m512i sh = _mm512_castsi256_si512(mf_fp4_quad_shifts(E, gs));
+            for (int g = 0; g < ng; g++) {
+                int s = 4 * q + g;
+                const uint8_t *wg = wr + (size_t)s * 128, *xg = xz + (size_t)s * 256;
+                _mm_prefetch((const char *)(wg + MF_FP4_PREFETCH), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wg + MF_FP4_PREFETCH + 64), _MM_HINT_T0);
+                __m512i acc = zero;
+                for (int h = 0; h < 2; h++) {
+                    __m512i v = _mm512_loadu_si512((const void *)(wg + 64 * h));
+                    __m512i A1 = _mm512_permutexvar_epi8(v, lut);
+                    __m512i A2 = _mm512_permutexvar_epi8(_mm512_srli_epi16(v, 4), lut);
+                    __m512i x1 = _mm512_load_si512((const void *)(xg + 128 * h));
+                    __m512i x2 = _mm512_load_si512((const void *)(xg + 128 * h + 64));
+                    x1 = _mm512_mask_sub_epi8(x1, _mm512_test_epi8_mask(v, s08), zero, x1);
+                    x2 = _mm512_mask_sub_epi8(x2, _mm512_movepi8_mask(v), zero, x2);
+                    __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, A1, x1), A2, x2);
+                    acc = _mm512_add_epi32(acc, _mm512_sllv_epi32(d, _mm512_maskz_permutexvar_epi8(
+                                                                        0x1111111111111111ull, sidx[g][h], sh)));
+                }
+                /* lanes 0 + 2 (even blocks), 1 + 3 (odd): the AVX2 loop's eight lane sums */
+                acc = _mm512_add_epi32(acc, _mm512_shuffle_i64x2(acc, acc, _MM_SHUFFLE(1, 0, 3, 2)));
+                __m256 ts = _mm256_mul_ps(gs[g], _mm256_set1_ps(xs[s]));
+                fa = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm512_castsi512_si256(acc)), ts, fa);
+            }
+        }
+        _mm256_store_ps(lanes, fa);
+        y[o - y_row0] = mf_kern_reduce8(lanes);
+    }
+}
+
 __attribute__((target("avx2,fma")))
 static void mf_fp4_rows_avx2(const uint8_t *w, const uint8_t *scale, int n_in,
                              const mf_kern_q8 *xq, float *y, int ld_y, int y_row0, int r0, int r1)
@@ -476,7 +592,9 @@ static void mf_fp4_rows_avx2(const uint8_t *w, const uint8_t *scale, int n_in,
         const uint8_t *xr = xq->q + (size_t)t0 * xq->row_bytes;
         const float *xs = xq->scale + (size_t)t0 * xq->n_sb;
         float *yt = y + (size_t)t0 * ld_y;
-        if (!xq->offset) {
+        if (!xq->offset && nt == 1 && xq->n_in % 256 == 0 && xq->n_in <= MF_FP4_Z_MAX && mf_kern_fp4_tok1_avx512()) {
+            mf_fp4_tok1_zmm(w, scale, n_in, xr, xs, xq->n_sb, yt, y_row0, r0, r1);
+        } else if (!xq->offset) {
             /* signed codes (calls of 1-2 tokens, or hand-made views): two tokens at a time */
             for (int tc = 0; tc < nt; tc += 2) {
                 const uint8_t *xc = xr + (size_t)tc * xq->row_bytes;

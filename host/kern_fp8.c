@@ -5,7 +5,6 @@
 #include "host/kern_internal.h"
 
 #include <immintrin.h>
-#include <stdatomic.h>
 
 #include "host/formats.h"
 
@@ -257,26 +256,6 @@ static void mf_kern_fp8_tok1(const mf_kern_mat *m, const float *x, float *y, int
         }
         o0 = o1;
     }
-}
-
-/* -1: not yet looked at; 0: AVX2 only; 1: the CPU has AVX-512 F/BW/VL and the one-token loop uses it */
-static atomic_int g_fp8_512 = -1;
-
-int mf_kern_fp8_tok1_avx512(void)
-{
-    int v = atomic_load_explicit(&g_fp8_512, memory_order_relaxed);
-    if (v < 0) {
-        __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512vl");
-        atomic_store(&g_fp8_512, v);
-    }
-    return v;
-}
-
-void mf_kern_fp8_tok1_set_avx512(int on)
-{
-    atomic_store(&g_fp8_512, on == 0 ? 0 : -1);   /* 1 or -1: as the CPU allows, looked at again */
 }
 
 void mf_kern_fp8_rows(const mf_kern_mat *m, const float *x, int n_tok, int ld_x, float *y,

@@ -102,10 +102,12 @@ int mf_kern_fp4_matmul_f32(const uint8_t *w, const uint8_t *scale, int n_out, in
                            const float *x, int n_tok, int ld_x, float *y, int ld_y, int r0, int r1);
 int mf_kern_fp8_matmul(const uint8_t *w, const uint8_t *scale, int n_out, int n_in,
                        const float *x, int n_tok, int ld_x, float *y, int ld_y, int r0, int r1);
-/* 1 when the FP8 one-token loop runs 16-lane AVX-512 (the CPU has F, BW and VL; same bits as the
- * AVX2 loop), else 0. set: 0 keeps it on AVX2, 1 or -1 uses AVX-512 where the CPU has it (tests). */
+/* 1 when the FP8 one-token loop runs 16-lane AVX-512 (the CPU has F, BW and VL), and when the FP4
+ * one-token loop runs on AVX-512 (also VNNI and VBMI), else 0; both give the AVX2 loops' bits.
+ * set: 0 keeps both on AVX2, 1 or -1 uses AVX-512 where the CPU has it (tests, MOEFLOW_SIMD). */
 int mf_kern_fp8_tok1_avx512(void);
-void mf_kern_fp8_tok1_set_avx512(int on);
+int mf_kern_fp4_tok1_avx512(void);
+void mf_kern_tok1_set_avx512(int on);
 /* The BF16 one-token loop's L2 prefetch (host/kern_bf16.c): 1 on, 0 off, -1 still being measured
  * on this machine (the first large calls alternate both and keep the faster). The results are the
  * same bits either way. set: 0 or 1 fixes it, else measures again from zero (tests). */

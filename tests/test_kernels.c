@@ -508,10 +508,10 @@ static void case_fp8_avx512(void)
     for (int i = 0; i < 2 * I; i++) x[i] = (float)(rng_unif() * 2 - 1) * (i % 7 == 0 ? 100.0f : 1.0f);
     int has = mf_kern_fp8_tok1_avx512();
     printf("fp8 one-token loop: AVX-512 %s on this CPU\n", has ? "used" : "not available");
-    mf_kern_fp8_tok1_set_avx512(0);
+    mf_kern_tok1_set_avx512(0);
     CHECK(!mf_kern_fp8_tok1_avx512(), "the AVX-512 loop could not be turned off");
     CHECK(mf_kern_fp8_matmul(w, sc, O, I, x, 1, I, y[0], O, 3, 94) == 0, "%s", mf_last_error());
-    mf_kern_fp8_tok1_set_avx512(1);
+    mf_kern_tok1_set_avx512(1);
     CHECK(mf_kern_fp8_tok1_avx512() == has, "the AVX-512 loop's switch");
     CHECK(mf_kern_fp8_matmul(w, sc, O, I, x, 1, I, y[1], O, 3, 94) == 0, "%s", mf_last_error());
     CHECK(mf_kern_fp8_matmul(w, sc, O, I, x, 2, I, y[2], O, 3, 94) == 0, "%s", mf_last_error());   /* tile engine */
@@ -553,9 +553,9 @@ static void case_fp8_xs(void)
         }
         if (v == 1) x[3 * 32 + 5] = -INFINITY;
         if (v == 2) x[5 * 32 + 17] = NAN;
-        mf_kern_fp8_tok1_set_avx512(0);
+        mf_kern_tok1_set_avx512(0);
         CHECK(mf_kern_fp8_matmul(w, sc, O, I, x, 1, I, y[0], O, 1, O - 1) == 0, "%s", mf_last_error());
-        mf_kern_fp8_tok1_set_avx512(1);
+        mf_kern_tok1_set_avx512(1);
         CHECK(mf_kern_fp8_matmul(w, sc, O, I, x, 1, I, y[1], O, 1, O - 1) == 0, "%s", mf_last_error());
         CHECK(mf_kern_fp8_matmul(w, sc, O, I, x, 2, I, y[2], O, 1, O - 1) == 0, "%s", mf_last_error());
         mf_kern_simd_set(MF_KERN_SIMD_SCALAR);
@@ -569,6 +569,52 @@ static void case_fp8_xs(void)
         for (int i = 1; i < O - 1; i++) finite[i / 32] += isfinite(y[1][i]) != 0;
         CHECK(v == 1 || v == 2 ? finite[0] + finite[1] + finite[2] == 0 : finite[0] == 31 && finite[1] < 32 && finite[2] == 31,
               "fp8 x variant %d: %d, %d, %d rows of the three tiles finite", v, finite[0], finite[1], finite[2]);
+    }
+}
+
+/* The FP4 one-token loop on AVX-512 (VNNI, VBMI; where the CPU has them) against the AVX2 loop and
+ * the scalar path, bit for bit: inputs of 256 (one group), 768 and 2,304 (a quad and one or two
+ * groups after it: the demo's and flash41's w2) and 5,120 (five quads), scale codes spread so that
+ * some blocks are 15 or more binades under their group's largest (factor 0), a NaN scale in one
+ * row, an all-zero group of x, rows [2, 37). */
+static void case_fp4_avx512(void)
+{
+    static const int n_ins[] = {256, 768, 2304, 5120};
+    enum { O = 40 };
+    int has = mf_kern_fp4_tok1_avx512();
+    printf("fp4 one-token loop: AVX-512 %s on this CPU\n", has ? "used" : "not available");
+    for (size_t c = 0; c < sizeof n_ins / sizeof n_ins[0]; c++) {
+        int I = n_ins[c], nb = I / 32;
+        test_mat m;
+        mat_make(&m, MF_KERN_FP4, O, I, 100, 140);
+        for (int i = 0; i < O * nb; i++)
+            if (i % 13 == 4) m.scale[i] = (uint8_t)(rng_next() % 90);   /* far under the group's largest */
+        m.scale[7 * nb + nb / 2] = 0xFF;
+        float *x = xmalloc((size_t)I * 4), y[3][O];
+        for (int i = 0; i < I; i++) x[i] = i >= 256 && i < 512 ? 0.0f : rng_normal() * (i % 5 ? 1.0f : 30.0f);
+        size_t qb = mf_kern_q8_bytes(1, I);
+        void *qbuf = xmalloc(qb);
+        mf_kern_q8 q;
+        CHECK(mf_kern_q8_init(&q, qbuf, qb, 1, I) == 0 && mf_kern_q8_quantize(&q, x, I, 0, 1) == 0, "%s", mf_last_error());
+        mf_kern_tok1_set_avx512(0);
+        CHECK(!mf_kern_fp4_tok1_avx512(), "the FP4 AVX-512 loop could not be turned off");
+        CHECK(mf_kern_fp4_matmul(m.w, m.scale, O, I, &q, y[0], O, 2, 37) == 0, "%s", mf_last_error());
+        mf_kern_tok1_set_avx512(1);
+        CHECK(mf_kern_fp4_tok1_avx512() == has, "the FP4 AVX-512 loop's switch");
+        CHECK(mf_kern_fp4_matmul(m.w, m.scale, O, I, &q, y[1], O, 2, 37) == 0, "%s", mf_last_error());
+        mf_kern_simd_set(MF_KERN_SIMD_SCALAR);
+        CHECK(mf_kern_q8_quantize(&q, x, I, 0, 1) == 0, "%s", mf_last_error());
+        CHECK(mf_kern_fp4_matmul(m.w, m.scale, O, I, &q, y[2], O, 2, 37) == 0, "%s", mf_last_error());
+        mf_kern_simd_set(MF_KERN_SIMD_AUTO);
+        if (n_paths == 2) {
+            CHECK(bits_equal(y[0] + 2, y[1] + 2, 35), "fp4 one token, n_in %d: AVX-512 and AVX2 loops differ", I);
+            CHECK(bits_equal(y[2] + 2, y[1] + 2, 35), "fp4 one token, n_in %d: AVX-512 loop and scalar path differ", I);
+        }
+        int nan = 0;
+        for (int o = 2; o < 37; o++) nan += isnan(y[1][o]) != 0;
+        CHECK(isnan(y[1][7]) && nan == 1, "fp4 one token, n_in %d: %d NaN rows (row 7 alone expected)", I, nan);
+        free(x), free(qbuf);
+        mat_free(&m);
     }
 }
 
@@ -844,6 +890,7 @@ int main(void)
     case_fp8_codes();
     case_fp8_avx512();
     case_fp8_xs();
+    case_fp4_avx512();
     if (n_paths == 2) {
         static const int gt[] = {MF_KERN_GEMM_MIN_TOK, 19, 64, 71};
         for (size_t i = 0; i < sizeof gt / sizeof gt[0]; i++) {

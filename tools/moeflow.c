@@ -37,7 +37,7 @@ static void mf_usage(FILE *f)
         fprintf(f, "  %-10s %s\n", mf_commands[i].name, mf_commands[i].what);
     fprintf(f, "\nenvironment (read here and turned into options; the library reads none):\n"
                "  MOEFLOW_SIMD        scalar, avx2 or auto (default): the CPU kernels' path (now: %s);\n"
-               "                      avx2 also keeps the one-token FP8 loop off AVX-512\n"
+               "                      avx2 also keeps the one-token FP8 and FP4 loops off AVX-512\n"
                "  MOEFLOW_IO          pread: IO lanes use pread workers instead of io_uring\n"
                "  MOEFLOW_IO_FAULT    eio:N or short:N: the Nth IO-lane read fails (fault injection)\n"
                "  MOEFLOW_DEV_GRAPHS  1: as --dev-graphs (decode, sim)\n",
@@ -61,8 +61,8 @@ static int mf_env_simd(void)
         fprintf(stderr, "moeflow: MOEFLOW_SIMD=%s: %s\n", env, mf_last_error());
         return 2;
     }
-    /* avx2 means no 512-bit loop either (what a CPU without AVX-512 runs); auto as the CPU allows */
-    mf_kern_fp8_tok1_set_avx512(s == MF_KERN_SIMD_AVX2 ? 0 : -1);
+    /* avx2 means no 512-bit loops either (what a CPU without AVX-512 runs); auto as the CPU allows */
+    mf_kern_tok1_set_avx512(s == MF_KERN_SIMD_AVX2 ? 0 : -1);
     return 0;
 }
 
