@@ -40,9 +40,16 @@ static void mf_kern_bf16_decode_avx2(const mf_kern_mat *m, int row, int k0, int 
  * 32, fmaf in k order from +0) and reduced by the same tree, so the bits are the engine's. One row
  * at a time the weights are one forward stream; pf 1 also prefetches each row
  * MF_KERN_PREFETCH_TOK1 ahead into L2 (mf_kern_bf16_tok1_prefetch says which runs). */
-__attribute__((target("avx2,fma")))
+/* Placed: the function on 64 bytes and 32 bytes of no-ops at its start, which puts the row loop
+ * at 48 mod 64 with GCC 12 -O2 (checked with objdump). On the Intel VM of the third 2026-12-05
+ * session (family 6 model 167) the head's phase moved with that loop's place while its code did
+ * not: at 0, 16 and 32 mod 64 it ran about 5% slower than at 48 over alternating runs
+ * (docs/measurements.md). The alignment keeps changes elsewhere from moving it; other CPUs were
+ * not measured (the no-ops cost nothing measurable there: they run once per call). */
+__attribute__((target("avx2,fma"), aligned(64)))
 static void mf_kern_bf16_tok1_avx2(const mf_kern_mat *m, const float *x, float *y, int y_row0, int r0, int r1, int pf)
 {
+    __asm__ volatile(".nops 32");
     const int n = m->n_in;
     for (int o = r0; o < r1; o++) {
         const uint16_t *wa = (const uint16_t *)m->w + (size_t)o * n;

@@ -854,7 +854,7 @@ static void test_prefill(void)
     mf_profile f = free_profile(1, 1000);
     mf_plan_opts o = {.config = &c, .profile = &f, .seed = 3};
     mf_plan_report r;
-    int64_t t1, t2, t3, t4;
+    int64_t t1 = 0, t2 = 0, t3 = 0, t4 = 0;
     CHECK(!mf_plan_prefill(&o, 5, 1, &r, &t1), "%s", mf_last_error());
     CHECK(t1 == 5 * 271 * 1000 && r.n_tasks == 271 && r.batch == 1, "5 chunks of 1: %lld ns, %d tasks",
           (long long)t1, r.n_tasks);
