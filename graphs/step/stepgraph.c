@@ -2113,6 +2113,8 @@ static void sg_key_parts(mf_stepgraph *sg, int W)
     }
 }
 
+#define SG_HEAD_PART_BYTES (16.0 * 1024 * 1024)   /* the head's largest part (sg_parts) */
+
 /* Part counts of the shape (one home: the engine's buffers and the simulator read them here). */
 static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
 {
@@ -2144,7 +2146,14 @@ static void sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     /* the dense matrices' row parts likewise (mf_sg_stage_rows; p_attn's cap MF_SG_MAX_PARTS is a
      * multiple of 2, 4 and 8 sockets: with another count the last socket's extra parts are empty) */
     sg->p_sh = c->n_shared_experts > 0 ? ((W < 8 ? W : 8) + S - 1) / S * S : 0;
-    sg->p_head = (2 * W + S - 1) / S * S;
+    /* the head: at least two parts per worker, and parts of at most SG_HEAD_PART_BYTES, so that a
+     * worker the machine slows (a neighbour on a VM) holds up the step by at most one such part:
+     * on the Intel VM of the third 2026-12-05 session (two workers, demo's 265 MB head), 16-32
+     * parts ended the head's phase about 5% sooner than 4 (docs/measurements.md); flash41's
+     * 1.32 GB on 44 workers keeps its 88 */
+    int ph = 2 * W;
+    if (o->sz && o->sz->head_bytes > (double)ph * SG_HEAD_PART_BYTES) ph = (int)ceil(o->sz->head_bytes / SG_HEAD_PART_BYTES);
+    sg->p_head = (ph + S - 1) / S * S;
     /* a route's row gather: parts of >= SG_MIN_GATHER rows, at most one per worker (and
      * MF_SG_MAX_PARTS), one (in the route) for a few rows. Before, at most 16 (batch 64's 384
      * rows): an 8192-item chunk's 49,152 rows were 16 parts of 13.5 ms on every layer's path
