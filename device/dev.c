@@ -299,6 +299,12 @@ static int mf_dev_dense_mat_ok(const mf_kern_mat *w, const char *what, const cha
     return 0;
 }
 
+static int mf_dev_path_check(const char *what, mf_dev_lin_path p)
+{
+    if (p == MF_DEV_LIN_AUTO || p == MF_DEV_LIN_ROWS || p == MF_DEV_LIN_TILED) return 0;
+    return mf_error(-EINVAL, "%s: path %d (expected MF_DEV_LIN_AUTO, _ROWS or _TILED)", what, (int)p);
+}
+
 int mf_dev_lin_tiled_ok(const mf_dev_lin *a)
 {
     return !a->group_rows || (a->group_rows % MF_DEV_LIN_TILE_ROWS == 0 && a->row0 % MF_DEV_LIN_TILE_ROWS == 0);
@@ -312,8 +318,7 @@ int mf_dev_linear(mf_dev_stream *s, const mf_dev_lin *a)
     if (rc) return rc;
     if (a->sums != MF_DEV_SUMS_KERN && a->sums != MF_DEV_SUMS_REF)
         return mf_error(-EINVAL, "%s: sums %d (expected MF_DEV_SUMS_KERN or _REF)", what, (int)a->sums);
-    if (a->path != MF_DEV_LIN_AUTO && a->path != MF_DEV_LIN_ROWS && a->path != MF_DEV_LIN_TILED)
-        return mf_error(-EINVAL, "%s: path %d (expected MF_DEV_LIN_AUTO, _ROWS or _TILED)", what, (int)a->path);
+    if ((rc = mf_dev_path_check(what, a->path))) return rc;
     if (a->path == MF_DEV_LIN_TILED && !mf_dev_lin_tiled_ok(a))
         return mf_error(-EINVAL, "%s: the tiled kernel takes groups of %d-row multiples from a %d-row multiple "
                         "(group_rows %d, row0 %lld)", what, MF_DEV_LIN_TILE_ROWS, MF_DEV_LIN_TILE_ROWS, a->group_rows,
@@ -371,8 +376,7 @@ int mf_dev_ffn_up(mf_dev_stream *s, const mf_dev_up *a)
         return mf_error(-EINVAL, "%s: w1 [%d, %d] and w3 [%d, %d] differ in shape or format", what, a->w1.n_out,
                         a->w1.n_in, a->w3.n_out, a->w3.n_in);
     if (!(a->limit > 0.0f)) return mf_error(-EINVAL, "%s: swiglu limit %g, expected > 0", what, (double)a->limit);
-    if (a->path != MF_DEV_LIN_AUTO && a->path != MF_DEV_LIN_ROWS && a->path != MF_DEV_LIN_TILED)
-        return mf_error(-EINVAL, "%s: path %d (expected MF_DEV_LIN_AUTO, _ROWS or _TILED)", what, (int)a->path);
+    if ((rc = mf_dev_path_check(what, a->path))) return rc;
     if (!a->x || !a->h || a->n_tok < 1 || a->ld_x < a->w1.n_in || a->ld_h < a->w1.n_out)
         return mf_error(-EINVAL, "%s: card %d: NULL x or h, n_tok %d, ld_x %lld, ld_h %lld", what, s->card, a->n_tok,
                         (long long)a->ld_x, (long long)a->ld_h);

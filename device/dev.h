@@ -175,6 +175,12 @@ int mf_dev_linear(mf_dev_stream *s, const mf_dev_lin *a);
 /* 1 when the tiled kernel applies to a (no groups, or group_rows and row0 multiples of
  * MF_DEV_LIN_TILE_ROWS), else 0. */
 int mf_dev_lin_tiled_ok(const mf_dev_lin *a);
+/* 1 when a call of n_tok tokens asking path runs the tiled kernel (ok: mf_dev_lin_tiled_ok, 1 for
+ * mf_dev_ffn_up): forced, or AUTO from MF_DEV_LIN_TILED_MIN_TOK tokens. */
+static inline int mf_dev_lin_use_tiled(mf_dev_lin_path path, int n_tok, int ok)
+{
+    return path == MF_DEV_LIN_TILED || (path == MF_DEV_LIN_AUTO && n_tok >= MF_DEV_LIN_TILED_MIN_TOK && ok);
+}
 /* Rounds y[t * ld + i] (t < n_tok, i < n) to bf16 in place (round to nearest even, as
  * host/formats.h mf_bf16_from_f32): bit for bit on every backend. */
 int mf_dev_round_bf16(mf_dev_stream *s, float *y, int n_tok, int64_t ld, int n);

@@ -416,9 +416,7 @@ static int cu_linear(mf_dev_stream *ps, const mf_dev_lin *a)
 {
     cu_stream *s = (cu_stream *)ps;
     CU_TRY(cudaSetDevice(s->id));
-    int tiled = a->path == MF_DEV_LIN_TILED ||
-                (a->path == MF_DEV_LIN_AUTO && a->n_tok >= MF_DEV_LIN_TILED_MIN_TOK && mf_dev_lin_tiled_ok(a));
-    return mf_cuda_kern_linear(s->st, a, tiled);
+    return mf_cuda_kern_linear(s->st, a, mf_dev_lin_use_tiled(a->path, a->n_tok, mf_dev_lin_tiled_ok(a)));
 }
 
 static int cu_round_bf16(mf_dev_stream *ps, float *y, int n_tok, int64_t ld, int n)
@@ -440,8 +438,7 @@ static int cu_ffn_up(mf_dev_stream *ps, const mf_dev_up *a)
 {
     cu_stream *s = (cu_stream *)ps;
     CU_TRY(cudaSetDevice(s->id));
-    int tiled = a->path == MF_DEV_LIN_TILED || (a->path == MF_DEV_LIN_AUTO && a->n_tok >= MF_DEV_LIN_TILED_MIN_TOK);
-    return mf_cuda_kern_ffn_up(s->st, a, tiled);
+    return mf_cuda_kern_ffn_up(s->st, a, mf_dev_lin_use_tiled(a->path, a->n_tok, 1));
 }
 
 static int cu_swiglu_bf16(mf_dev_stream *ps, const float *g, const float *u, int n_tok, int64_t ld, int n,

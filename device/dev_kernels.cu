@@ -13,6 +13,7 @@ extern "C" {
 #include "device/kern_attn.h"
 #include "device/kern_dense.h"
 #include "device/kern_q8.h"
+#include "host/kern_gate.h"
 #include "sched/error.h"
 }
 
@@ -26,7 +27,6 @@ __device__ static float k_e2m1(unsigned code)
     return (code & 8u) ? -v : v;
 }
 
-__device__ static float k_e8m0(unsigned code) { return mf_dk_e8m0(code); }   /* device/kern_dense.h */
 
 __device__ static float k_e4m3(unsigned code)
 {
@@ -45,7 +45,7 @@ __device__ static void k_decode(int fmt, const uint8_t *w, const uint8_t *scale,
     int nb = n_in / 32;
     if (fmt == MF_KERN_FP4) {
         const uint8_t *p = w + (size_t)o * (n_in / 2) + (size_t)b * 16;
-        float sc = k_e8m0(scale[(size_t)o * nb + b]);
+        float sc = mf_dk_e8m0(scale[(size_t)o * nb + b]);
         for (int i = 0; i < 16; i++) {
             unsigned byte = p[i];
             wv[2 * i] = k_e2m1(byte & 15u) * sc;
@@ -56,7 +56,7 @@ __device__ static void k_decode(int fmt, const uint8_t *w, const uint8_t *scale,
         for (int i = 0; i < 32; i++) wv[i] = __int_as_float((int)((unsigned)p[i] << 16));
     } else {
         const uint8_t *p = w + (size_t)o * n_in + (size_t)b * 32;
-        float sc = k_e8m0(scale[(size_t)(o / 32) * nb + b]);
+        float sc = mf_dk_e8m0(scale[(size_t)(o / 32) * nb + b]);
         for (int i = 0; i < 32; i++) wv[i] = k_e4m3(p[i]) * sc;
     }
 }
@@ -107,11 +107,8 @@ __global__ static void k_ffn_up(int fmt, const uint8_t *w1, const uint8_t *s1, c
     k_row_dot(fmt, w3, s3, n_in, r, x, t0, nt, u);
     if ((threadIdx.x & 31) != 0) return;
     for (int t = 0; t < nt; t++) {
-        float gv = g[t] > limit ? limit : g[t];   /* NaN stays, as on the host */
-        float uv = u[t] > limit ? limit : u[t] < -limit ? -limit : u[t];
-        float silu = gv / (1.0f + expf(-gv));
         float wt = tok_weight ? tok_weight[t0 + t] : 1.0f;
-        h[(size_t)(t0 + t) * n_hid + r] = (silu * uv) * wt;
+        h[(size_t)(t0 + t) * n_hid + r] = mf_kern_gate(g[t], u[t], limit) * wt;   /* host/kern_gate.h */
     }
 }
 
@@ -178,7 +175,7 @@ __device__ static void k_lin_row(const k_lin_args &a, int i, int t0, int nt, flo
     for (int c = lane; c < nch; c += 32) {
         uint32_t q[4];
         k_load16(wr + (size_t)c * 16, a.aligned, q);
-        float wv[16], sc = FMT == MF_KERN_FP8 ? k_e8m0(a.scale[mf_dk_scale_at(a.n_in, i, c)]) : 1.0f;
+        float wv[16], sc = FMT == MF_KERN_FP8 ? mf_dk_e8m0(a.scale[mf_dk_scale_at(a.n_in, i, c)]) : 1.0f;
         mf_dk_decode(FMT, q, REF ? 1.0f : sc, wv);
         const float *xc = a.x + xoff + (long long)c * cpc;
 #pragma unroll
@@ -234,10 +231,7 @@ __global__ static void k_lin_up(k_lin_args a1, k_lin_args a3, float limit, float
 #pragma unroll
     for (int t = 0; t < KT; t++)
         if (t < nt) {
-            float gv = g[t] > limit ? limit : g[t];   /* NaN stays, as on the host */
-            float uv = u[t] > limit ? limit : u[t] < -limit ? -limit : u[t];
-            float silu = gv / (1.0f + expf(-gv));
-            h[(long long)(t0 + t) * ld_h + i] = (silu * uv) * 1.0f;
+            h[(long long)(t0 + t) * ld_h + i] = mf_kern_gate(g[t], u[t], limit) * 1.0f;
         }
 }
 
@@ -371,12 +365,7 @@ __global__ static void __launch_bounds__(256) k_lin_tiled(k_lin_args a, k_lin_ar
         for (int i = 0; i < 4; i++) {
             if (m0 + tr + i >= a.n_out) continue;
             float v = REF ? (float)accd[REF ? i : 0][j] : acc[i][j];
-            if (UP) {   /* k_lin_up's epilogue */
-                float gv = v > limit ? limit : v;
-                float u = acc3[UP ? i : 0][j], uv = u > limit ? limit : u < -limit ? -limit : u;
-                float silu = gv / (1.0f + expf(-gv));
-                v = (silu * uv) * 1.0f;
-            }
+            if (UP) v = mf_kern_gate(v, acc3[UP ? i : 0][j], limit) * 1.0f;   /* k_lin_up's epilogue */
             a.y[(long long)tok * a.ld_y + m0 + tr + i] = v;
         }
     }
@@ -600,11 +589,8 @@ __device__ static void k_q8_ffn_up_body(const uint8_t *w1, const uint8_t *s1, co
 #pragma unroll
     for (int t = 0; t < KT; t++)
         if (t < nt) {
-            float gv = g[t] > limit ? limit : g[t];   /* NaN stays, as on the host */
-            float uv = u[t] > limit ? limit : u[t] < -limit ? -limit : u[t];
-            float silu = gv / (1.0f + expf(-gv));
             float wt = tok_weight ? tok_weight[t0 + t] : 1.0f;
-            h[(size_t)(t0 + t) * n_hid + r] = (silu * uv) * wt;
+            h[(size_t)(t0 + t) * n_hid + r] = mf_kern_gate(g[t], u[t], limit) * wt;
         }
 }
 

@@ -3,6 +3,7 @@
  * up to 1,024 at one; all tokens) into L1 buffers and writes only the gated hidden h; phase 2 is w2 h. Routed experts are FP4,
  * the shared expert FP8; each phase reads its weights once per call. */
 #include "host/kern_internal.h"
+#include "host/kern_gate.h"
 
 #include <math.h>
 
@@ -99,11 +100,7 @@ int mf_kern_ffn_up(const mf_kern_mat *w1, const mf_kern_mat *w3, const mf_kern_i
                 float wt = tok_weight ? tok_weight[t0 + t] : 1.0f;
                 float *ht = h + (size_t)(t0 + t) * ld_h;
                 for (int r = c0; r < c1; r++) {
-                    float gv = g[t * chunk + (r - c0)], uv = u[t * chunk + (r - c0)];
-                    gv = gv > limit ? limit : gv;                              /* NaN stays */
-                    uv = uv > limit ? limit : uv < -limit ? -limit : uv;
-                    float silu = gv / (1.0f + expf(-gv));
-                    ht[r] = (silu * uv) * wt;
+                    ht[r] = mf_kern_gate(g[t * chunk + (r - c0)], u[t * chunk + (r - c0)], limit) * wt;
                 }
             }
         }

@@ -348,29 +348,17 @@ static inline void mf_fp4_group_avx2(const uint8_t *wg, __m256i Sb, __m256 gscal
     }
 }
 
-/* Factors of four groups from their 32 scale codes (absent blocks 0): per group the int16
- * factors S = 2^(14 - min(emax - e, 15)) (0 for d = 15) in both lanes, and the group scale
- * 2^(emax - 142) (mf_kern_pow2_e8m0(emax, 15)) in every lane. */
+/* A quad of four groups' 32 scale codes (absent blocks 0): per block D = min(emax - e, 15), emax
+ * being its group's largest code, and the group scales 2^(emax - 142) (mf_kern_pow2_e8m0(emax,
+ * 15)) each in every lane of gs[g]. Both one-token factor forms below start here. */
 __attribute__((target("avx2,fma"), always_inline))
-static inline void mf_fp4_quad_factors(__m256i E, __m256i Sg[4], __m256 gs[4])
+static inline __m256i mf_fp4_quad_d(__m256i E, __m256 gs[4])
 {
-    const __m256i tlo = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, (char)0x80, 64, 32, 16, 8, 4, 2, 1, 0,
-                                         0, 0, 0, 0, 0, 0, 0, (char)0x80, 64, 32, 16, 8, 4, 2, 1, 0);
-    const __m256i thi = _mm256_setr_epi8(64, 32, 16, 8, 4, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                         64, 32, 16, 8, 4, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m256i bc0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8,
                                          0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
     __m256i M = _mm256_max_epu8(E, _mm256_srli_epi64(E, 32));
     M = _mm256_max_epu8(M, _mm256_srli_epi64(M, 16));
     M = _mm256_max_epu8(M, _mm256_srli_epi64(M, 8));            /* emax in byte 0 of each qword */
-    __m256i D = _mm256_min_epu8(_mm256_subs_epu8(_mm256_shuffle_epi8(M, bc0), E),
-                                _mm256_set1_epi8(15));
-    __m256i lo = _mm256_shuffle_epi8(tlo, D), hi = _mm256_shuffle_epi8(thi, D);
-    __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);   /* 0|2, 1|3 */
-    Sg[0] = _mm256_permute2x128_si256(a, a, 0x00);
-    Sg[1] = _mm256_permute2x128_si256(b, b, 0x00);
-    Sg[2] = _mm256_permute2x128_si256(a, a, 0x11);
-    Sg[3] = _mm256_permute2x128_si256(b, b, 0x11);
     /* group scales: dwords 0, 2, 4, 6 hold emax */
     __m256i e = _mm256_and_si256(M, _mm256_set1_epi64x(0xFF));
     __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(15)), 23);
@@ -384,6 +372,25 @@ static inline void mf_fp4_quad_factors(__m256i E, __m256i Sg[4], __m256 gs[4])
     gs[1] = _mm256_permutevar8x32_ps(g, _mm256_set1_epi32(2));
     gs[2] = _mm256_permutevar8x32_ps(g, _mm256_set1_epi32(4));
     gs[3] = _mm256_permutevar8x32_ps(g, _mm256_set1_epi32(6));
+    return _mm256_min_epu8(_mm256_subs_epu8(_mm256_shuffle_epi8(M, bc0), E), _mm256_set1_epi8(15));
+}
+
+/* Factors of four groups from their 32 scale codes: per group the int16 factors S = 2^(14 - D)
+ * (0 for D = 15) in both lanes, and the group scales (mf_fp4_quad_d). */
+__attribute__((target("avx2,fma"), always_inline))
+static inline void mf_fp4_quad_factors(__m256i E, __m256i Sg[4], __m256 gs[4])
+{
+    const __m256i tlo = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, (char)0x80, 64, 32, 16, 8, 4, 2, 1, 0,
+                                         0, 0, 0, 0, 0, 0, 0, (char)0x80, 64, 32, 16, 8, 4, 2, 1, 0);
+    const __m256i thi = _mm256_setr_epi8(64, 32, 16, 8, 4, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                         64, 32, 16, 8, 4, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m256i D = mf_fp4_quad_d(E, gs);
+    __m256i lo = _mm256_shuffle_epi8(tlo, D), hi = _mm256_shuffle_epi8(thi, D);
+    __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);   /* 0|2, 1|3 */
+    Sg[0] = _mm256_permute2x128_si256(a, a, 0x00);
+    Sg[1] = _mm256_permute2x128_si256(b, b, 0x00);
+    Sg[2] = _mm256_permute2x128_si256(a, a, 0x11);
+    Sg[3] = _mm256_permute2x128_si256(b, b, 0x11);
 }
 
 /* Rows of one token pass; `sign` picks the scheme and nt_const > 0 fixes the token count (both
@@ -472,32 +479,15 @@ static void mf_fp4_rows_chunked_avx2(const uint8_t *w, const uint8_t *scale, int
 /* Widest input whose relaid codes the one-token AVX-512 loop keeps on the stack (16 KiB). */
 #define MF_FP4_Z_MAX 16384
 
-/* A quad of four groups' scale codes (32 bytes, absent blocks 0) as the AVX-512 loop uses them:
- * per block the left shift 14 - min(emax - e, 15) of its exact int32 sums (32 where the factor is
- * 0: vpsllvd then gives 0), i.e. mf_fp4_quad_factors' int16 factors S as shifts, in bytes; and the
- * same group scales gs. */
+/* A quad's per-block left shifts for the AVX-512 loop: 14 - D of its exact int32 sums, 32 where
+ * D = 15 (the factor 0: vpsllvd then gives 0), i.e. mf_fp4_quad_factors' S as shifts, in bytes;
+ * the group scales as there (mf_fp4_quad_d). */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma"), always_inline))
 static inline __m256i mf_fp4_quad_shifts(__m256i E, __m256 gs[4])
 {
-    const __m256i bc0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8,
-                                         0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
-    __m256i M = _mm256_max_epu8(E, _mm256_srli_epi64(E, 32));
-    M = _mm256_max_epu8(M, _mm256_srli_epi64(M, 16));
-    M = _mm256_max_epu8(M, _mm256_srli_epi64(M, 8));            /* emax in byte 0 of each qword */
-    __m256i D = _mm256_min_epu8(_mm256_subs_epu8(_mm256_shuffle_epi8(M, bc0), E), _mm256_set1_epi8(15));
-    __m256i sh = _mm256_sub_epi8(_mm256_set1_epi8(14), D);
-    sh = _mm256_mask_blend_epi8(_mm256_cmpeq_epi8_mask(D, _mm256_set1_epi8(15)), sh, _mm256_set1_epi8(32));
-    __m256i e = _mm256_and_si256(M, _mm256_set1_epi64x(0xFF));   /* group scales, as mf_fp4_quad_factors */
-    __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(15)), 23);
-    __m256i sub = _mm256_srlv_epi32(_mm256_set1_epi32(0x400000), _mm256_sub_epi32(_mm256_set1_epi32(15), e));
-    __m256i bits = _mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(15)));
-    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC00000), _mm256_cmpeq_epi32(e, _mm256_set1_epi32(0xFF)));
-    __m256 g = _mm256_castsi256_ps(bits);
-    gs[0] = _mm256_permutevar8x32_ps(g, _mm256_set1_epi32(0));
-    gs[1] = _mm256_permutevar8x32_ps(g, _mm256_set1_epi32(2));
-    gs[2] = _mm256_permutevar8x32_ps(g, _mm256_set1_epi32(4));
-    gs[3] = _mm256_permutevar8x32_ps(g, _mm256_set1_epi32(6));
-    return sh;
+    __m256i D = mf_fp4_quad_d(E, gs);
+    return _mm256_mask_blend_epi8(_mm256_cmpeq_epi8_mask(D, _mm256_set1_epi8(15)),
+                                  _mm256_sub_epi8(_mm256_set1_epi8(14), D), _mm256_set1_epi8(32));
 }
 
 /* Rows [r0, r1) for one token whose codes are signed (the sign scheme), n_in a multiple of 256:
@@ -528,14 +518,12 @@ static void mf_fp4_tok1_zmm(const uint8_t *w, const uint8_t *scale, int n_in, co
     };
     const __m512i lut = _mm512_load_si512((const void *)abs2);
     const __m512i s08 = _mm512_set1_epi8(0x08), zero = _mm512_setzero_si512();
-    /* dword j of half h of group g takes block 8g + 4h + j / 4's shift (byte 0; the rest zeroed) */
+    /* dword j of half h of group g takes block 8g + 4h + j / 4's shift: its byte 0 indexes the
+     * quad's shift bytes (the permute below keeps byte 0 and zeroes the rest) */
+    const __m512i sidx0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     __m512i sidx[4][2];
     for (int g = 0; g < 4; g++)
-        for (int h = 0; h < 2; h++) {
-            _Alignas(64) uint8_t b[64] = {0};
-            for (int j = 0; j < 16; j++) b[4 * j] = (uint8_t)(8 * g + 4 * h + j / 4);
-            sidx[g][h] = _mm512_load_si512((const void *)b);
-        }
+        for (int h = 0; h < 2; h++) sidx[g][h] = _mm512_add_epi32(sidx0, _mm512_set1_epi32(8 * g + 4 * h));
     _Alignas(32) float lanes[8];
     _Alignas(32) uint8_t epad[32];
     for (int o = r0; o < r1; o++) {

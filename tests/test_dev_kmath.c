@@ -10,6 +10,7 @@
 #include "device/kern_attn.h"
 #include "device/kern_dense.h"
 #include "device/kern_q8.h"
+#include "host/kern_gate.h"
 #include "host/formats.h"
 #pragma GCC diagnostic ignored "-Wunused-function"   /* dev_common.h's device helpers */
 #include "tests/dev_common.h"
@@ -119,11 +120,7 @@ static void emu_ffn(const hmat *w1, const hmat *w3, const hmat *w2, const float 
     }
     for (int t = 0; t < T; t++)
         for (int r = 0; r < I; r++) {
-            float gv = g[t * I + r], uv = u[t * I + r];
-            gv = gv > limit ? limit : gv;
-            uv = uv > limit ? limit : uv < -limit ? -limit : uv;
-            float silu = gv / (1.0f + expf(-gv));
-            h[t * I + r] = (silu * uv) * (tw ? tw[t] : 1.0f);
+            h[t * I + r] = mf_kern_gate(g[t * I + r], u[t * I + r], limit) * (tw ? tw[t] : 1.0f);
         }
     emu_matmul(&w2->m, h, T, y, scratch);
     free(g);
