@@ -422,6 +422,267 @@ static void test_errors(void)
           mf_last_error());
     CHECK(mf_model_load("/nonexistent/ckpt", NULL, &m) < 0 && !m, "missing dir refused");
 }
+/* 90 tokens: 5.6 windows of 16, 45 ratio-2 and 90 ratio-1 entries */
+enum { N = 90, K = 6 };
+
+/* What the whole-forward checks share: the tiny model and its reference (r with the hooks into
+ * log), the same weights loaded lazily (rl), N + K tokens and their logits one token at a time
+ * (step), scratch for as many (all), and three states of up to 128 positions (s1 after the N + K
+ * tokens, when the checks begin). */
+typedef struct ref_ctx {
+    const mf_config *c;
+    mf_model *m;
+    mf_ref *r, *rl;
+    sel_log *log;
+    int64_t V;
+    const int32_t *toks;
+    const float *step;
+    float *all;
+    mf_ref_state *s1, *s2, *s3;
+} ref_ctx;
+
+/* The selection at position N-1: ratio-2 layers 2-3 pick index_topk of 45, ratio-1 layers 4-7 of
+ * 90; non-index layers reuse; layer 6 stays inside layer 4's candidate blocks. */
+static void test_selection(const ref_ctx *x)
+{
+    const mf_config *c = x->c;
+    const sel_log *log = x->log;
+    CHECK(log->n[0] == 0 && log->n[1] == 0, "window-only layers select nothing");
+    for (int L = 2; L < 8; L++) CHECK(log->n[L] == c->index_topk, "layer %d selected %d", L, log->n[L]);
+    CHECK(!memcmp(log->e[2], log->e[3], sizeof log->e[2]) && !memcmp(log->e[4], log->e[5], sizeof log->e[4]) &&
+          !memcmp(log->e[6], log->e[7], sizeof log->e[6]), "non-index layers reuse the latest selection");
+    int blocks[64] = {0}, n_blocks = 0, max2 = 0;
+    for (int i = 0; i < log->n[6]; i++) {
+        int b = log->e[6][i] / c->candidate_block_size, seen = 0;
+        for (int j = 0; j < n_blocks; j++) seen |= blocks[j] == b;
+        if (!seen) blocks[n_blocks++] = b;
+    }
+    /* the candidate hook: the kept blocks of layer 4, ascending, the newest one pinned, and
+     * every block layer 6 picks from among them */
+    CHECK(log->cand_layer == c->candidate_source_layer_id && log->cand_n == c->candidate_topk_blocks,
+          "candidates: layer %d, %d blocks", log->cand_layer, log->cand_n);
+    int asc = 1, newest = 0, inside = 1;
+    for (int i = 0; i < log->cand_n; i++) {
+        asc &= i == 0 || log->cand[i - 1] < log->cand[i];
+        newest |= log->cand[i] == (N - 1) / c->candidate_block_size;
+    }
+    for (int j = 0; j < n_blocks; j++) {
+        int found = 0;
+        for (int i = 0; i < log->cand_n; i++) found |= log->cand[i] == blocks[j];
+        inside &= found;
+    }
+    CHECK(asc && newest && inside, "candidate blocks ascending %d, newest kept %d, layer 6 inside %d",
+          asc, newest, inside);
+    for (int i = 0; i < log->n[2]; i++) max2 = log->e[2][i] > max2 ? log->e[2][i] : max2;
+    CHECK(n_blocks <= c->candidate_topk_blocks, "layer 6 spans %d blocks (max %d)", n_blocks, c->candidate_topk_blocks);
+    CHECK(max2 < N / 2, "ratio-2 selection %d past the visible entries", max2);
+    for (int L = 0; L < 8; L++) CHECK(log->route_n[L] == c->n_experts_per_tok, "routes at layer %d", L);
+}
+
+/* The ring holds exactly the last `window` positions: slot p % W of the long state equals the window
+ * KV of layer 0 computed by a state that stopped at p (layer 0's KV depends only on token and
+ * position). */
+static void test_window_ring(const ref_ctx *x)
+{
+    const mf_config *c = x->c;
+    mf_ref *r = x->r;
+    const int32_t *toks = x->toks;
+    mf_ref_state *s1 = x->s1;
+    int W = c->sliding_window, okk = 1;
+    int64_t RB = mf_ly_ring_row_bytes(c);   /* layer 0's slots first */
+    mf_ref_state *t;
+    CHECK(mf_ref_state_new(r, 128, &t) == 0, "state");
+    for (int p = 0; p < N + K; p++) {
+        mf_ref_decode(r, &t, &toks[p], 1, NULL);
+        if (p >= N + K - W)
+            okk &= !memcmp(s1->ring + (p % W) * RB, t->ring + (p % W) * RB, (size_t)RB);
+        if (p == N + K - W - 1)   /* a position one window older: evicted from the long state */
+            okk &= memcmp(s1->ring + (p % W) * RB, t->ring + (p % W) * RB, (size_t)RB) != 0;
+    }
+    CHECK(okk, "window ring holds the last %d positions and evicts older ones", W);
+    CHECK(s1->cache[2].n == (N + K) / 2 && s1->cache[4].n == N + K, "compressed entries: %lld, %lld",
+          (long long)s1->cache[2].n, (long long)s1->cache[4].n);
+    mf_ref_state_free(t);
+}
+
+/* Prefill of all N+K tokens in one call (layer-major) equals token-at-a-time. */
+static void test_prefill_all(const ref_ctx *x)
+{
+    mf_ref *r = x->r;
+    int64_t V = x->V;
+    const int32_t *toks = x->toks;
+    const float *step = x->step;
+    float *all = x->all;
+    mf_ref_state *s2 = x->s2;
+    mf_ref_state **st = malloc(sizeof *st * (N + K));
+    float **lg = malloc(sizeof *lg * (N + K));
+    for (int i = 0; i < N + K; i++) st[i] = s2, lg[i] = all + (int64_t)i * V;
+    CHECK(mf_ref_forward(r, st, toks, N + K, lg) == 0, "forward: %s", mf_last_error());
+    double d = mf_test_max_rel(step, all, V * (N + K));
+    CHECK(d == 0, "prefill vs token-at-a-time: max rel diff %g", d);
+    printf("prefill(%d) vs one token at a time: max rel diff %g\n", N + K, d);
+    free(st);
+    free(lg);
+}
+
+/* Prefill N then decode K equals token-at-a-time. */
+static void test_prefill_decode(const ref_ctx *x)
+{
+    mf_ref *r = x->r;
+    int64_t V = x->V;
+    const int32_t *toks = x->toks;
+    const float *step = x->step;
+    mf_ref_state *s2 = x->s2;
+    mf_ref_state_reset(s2);
+    float *lg = malloc(sizeof(float) * V);
+    CHECK(mf_ref_prefill(r, s2, toks, N, lg) == 0, "prefill: %s", mf_last_error());
+    double d = mf_test_max_rel(step + (int64_t)(N - 1) * V, lg, V);
+    for (int i = 0; i < K; i++) {
+        CHECK(mf_ref_decode(r, &s2, &toks[N + i], 1, lg) == 0, "decode: %s", mf_last_error());
+        d = fmax(d, mf_test_max_rel(step + (int64_t)(N + i) * V, lg, V));
+    }
+    CHECK(d == 0, "prefill + decode vs from scratch: max rel diff %g", d);
+    free(lg);
+}
+
+/* A batch of 3 sequences (different prompts and lengths) equals each alone; deterministic; eager
+ * and lazy weights agree; input errors. */
+static void test_batch(const ref_ctx *x)
+{
+    const mf_config *c = x->c;
+    mf_ref *r = x->r;
+    mf_ref *rl = x->rl;
+    int64_t V = x->V;
+    const int32_t *toks = x->toks;
+    const float *step = x->step;
+    mf_ref_state *s1 = x->s1;
+    mf_ref_state *s2 = x->s2;
+    mf_ref_state *s3 = x->s3;
+    int32_t ta[40], tb[40];
+    make_tokens(ta, 40, (int)V, 2);
+    make_tokens(tb, 40, (int)V, 3);
+    mf_ref_state *alone;
+    CHECK(mf_ref_state_new(r, 128, &alone) == 0, "state");
+    mf_ref_state_reset(s1);
+    mf_ref_state_reset(s2);
+    mf_ref_prefill(r, s1, ta, 33, NULL);
+    mf_ref_prefill(r, s2, tb, 20, NULL);
+    mf_ref_prefill(r, s3, toks, 7, NULL);
+    float *lg = malloc(sizeof(float) * V * 3), *one = malloc(sizeof(float) * V);
+    const int32_t *src[3] = {ta + 33, tb + 20, toks + 7};
+    int starts[3] = {33, 20, 7};
+    double d = 0;
+    float *batched = malloc(sizeof(float) * V * 3 * 5);
+    for (int k = 0; k < 5; k++) {
+        mf_ref_state *bs[3] = {s1, s2, s3};
+        int32_t bt[3] = {src[0][k], src[1][k], src[2][k]};
+        CHECK(mf_ref_decode(r, bs, bt, 3, lg) == 0, "batch decode: %s", mf_last_error());
+        memcpy(batched + (int64_t)k * 3 * V, lg, sizeof(float) * V * 3);
+    }
+    for (int q = 0; q < 3; q++) {
+        const int32_t *base = q == 0 ? ta : q == 1 ? tb : toks;
+        mf_ref_state_reset(alone);
+        mf_ref_prefill(r, alone, base, starts[q], NULL);
+        for (int k = 0; k < 5; k++) {
+            mf_ref_decode(r, &alone, &src[q][k], 1, one);
+            d = fmax(d, mf_test_max_rel(batched + ((int64_t)k * 3 + q) * V, one, V));
+        }
+    }
+    CHECK(d == 0, "batch of 3 vs alone: max rel diff %g", d);
+    /* determinism and eager == lazy weights */
+    mf_ref_state *sl;
+    CHECK(mf_ref_state_new(rl, 128, &sl) == 0, "state");
+    float *l2 = malloc(sizeof(float) * V);
+    mf_ref_state_reset(alone);
+    mf_ref_prefill(r, alone, toks, 50, one);
+    mf_ref_prefill(rl, sl, toks, 50, l2);
+    CHECK(!memcmp(one, l2, sizeof(float) * V), "lazy weights give the same logits");
+    CHECK(!memcmp(one, step + 49 * V, sizeof(float) * V), "deterministic across runs and states");
+    /* input errors */
+    int32_t badtok = (int32_t)V;
+    CHECK(mf_ref_decode(r, &alone, &badtok, 1, one) == -EINVAL, "token outside the vocabulary");
+    CHECK(mf_ref_state_pos(alone) == 50, "a refused call leaves the state alone");
+    int32_t many[100] = {0};
+    CHECK(mf_ref_prefill(r, alone, many, 100, one) == -EINVAL &&
+              strstr(mf_last_error(), "past its maximum of 128"), "prompt past max positions: %s",
+          mf_last_error());
+    mf_ref_state *huge;
+    CHECK(mf_ref_state_new(r, c->max_position_embeddings + 1, &huge) == -EINVAL, "max positions refused");
+    mf_ref_state_free(sl);
+    mf_ref_state_free(alone);
+    free(l2);
+    free(lg);
+    free(one);
+    free(batched);
+}
+
+/* The REF option (activation quantization) runs and moves the logits. */
+static void test_act_quant(const ref_ctx *x)
+{
+    mf_model *m = x->m;
+    int64_t V = x->V;
+    const int32_t *toks = x->toks;
+    const float *step = x->step;
+    mf_ref *ra;
+    mf_ref_opts o2 = {.act_quant = 1};
+    CHECK(mf_ref_new(m, &o2, &ra) == 0, "ref aq");
+    mf_ref_state *sa;
+    mf_ref_state_new(ra, 128, &sa);
+    float *la = malloc(sizeof(float) * V);
+    mf_ref_prefill(ra, sa, toks, 50, la);
+    double d = mf_test_max_rel(step + 49 * V, la, V);
+    int fin = 1;
+    for (int64_t i = 0; i < V; i++) fin &= isfinite(la[i]);
+    CHECK(fin && d > 0, "act-quant logits finite and different (rel %g)", d);
+    printf("act_quant=1 vs 0 at position 49: max rel diff of logits %.3g\n", d);
+    free(la);
+    mf_ref_state_free(sa);
+    mf_ref_free(ra);
+}
+
+/* The CLI streams the same greedy continuation; text without a tokenizer is refused. */
+static void test_cli_decode(const ref_ctx *x)
+{
+    mf_ref *r = x->r;
+    int64_t V = x->V;
+    const int32_t *toks = x->toks;
+    const char *bin = getenv("MOEFLOW_BIN");
+    if (bin) {
+        char cmd[2400], line[4096] = "";
+        snprintf(cmd, sizeof cmd, "%s decode --engine reference --checkpoint %s --tokens %d,%d,%d,%d --max-new-tokens 6 --quiet",
+                 bin, g_dir, toks[0], toks[1], toks[2], toks[3]);
+        FILE *f = popen(cmd, "r");
+        CHECK(f != NULL, "popen");
+        if (f) {
+            if (!fgets(line, sizeof line, f)) line[0] = 0;
+            CHECK(pclose(f) == 0, "decode exit status");
+        }
+        char want[512] = "";
+        mf_ref_state *sg;
+        mf_ref_state_new(r, 128, &sg);
+        float *lg = malloc(sizeof(float) * V);
+        mf_ref_prefill(r, sg, toks, 4, lg);
+        for (int i = 0; i < 6; i++) {
+            int32_t t = mf_sample_greedy(lg, V);
+            snprintf(want + strlen(want), sizeof want - strlen(want), i ? " %d" : "%d", t);
+            if (i < 5) mf_ref_decode(r, &sg, &t, 1, lg);
+        }
+        strcat(want, "\n");
+        CHECK(!strcmp(line, want), "moeflow decode printed '%s', library greedy gives '%s'", line, want);
+        snprintf(cmd, sizeof cmd, "%s decode --checkpoint %s --prompt hi --quiet 2>&1", bin, g_dir);
+        f = popen(cmd, "r");
+        line[0] = 0;
+        if (f) {
+            if (!fgets(line, sizeof line, f)) line[0] = 0;
+            CHECK(pclose(f) != 0, "text without a tokenizer refused");
+        }
+        CHECK(strstr(line, "no tokenizer.json") != NULL, "message: %s", line);
+        free(lg);
+        mf_ref_state_free(sg);
+    } else {
+        printf("MOEFLOW_BIN not set: CLI check skipped\n");
+    }
+}
 
 int main(void)
 {
@@ -453,7 +714,6 @@ int main(void)
     CHECK(mf_ref_new(m, &ro, &r) == 0, "ref: %s", mf_last_error());
     CHECK(mf_ref_new(ml, NULL, &rl) == 0, "ref lazy: %s", mf_last_error());
     int64_t V = c.vocab_size;
-    enum { N = 90, K = 6 };   /* 90 tokens: 5.6 windows of 16, 45 ratio-2 and 90 ratio-1 entries */
     int32_t toks[N + K];
     make_tokens(toks, N + K, (int)V, 1);
 
@@ -475,203 +735,16 @@ int main(void)
     }
     CHECK(finite && varied, "logits finite and not constant");
 
-    /* the selection at position N-1: ratio-2 layers 2-3 pick index_topk of 45, ratio-1 layers
-     * 4-7 of 90; non-index layers reuse; layer 6 stays inside layer 4's candidate blocks */
-    CHECK(log.n[0] == 0 && log.n[1] == 0, "window-only layers select nothing");
-    for (int L = 2; L < 8; L++) CHECK(log.n[L] == c.index_topk, "layer %d selected %d", L, log.n[L]);
-    CHECK(!memcmp(log.e[2], log.e[3], sizeof log.e[2]) && !memcmp(log.e[4], log.e[5], sizeof log.e[4]) &&
-          !memcmp(log.e[6], log.e[7], sizeof log.e[6]), "non-index layers reuse the latest selection");
-    int blocks[64] = {0}, n_blocks = 0, max2 = 0;
-    for (int i = 0; i < log.n[6]; i++) {
-        int b = log.e[6][i] / c.candidate_block_size, seen = 0;
-        for (int j = 0; j < n_blocks; j++) seen |= blocks[j] == b;
-        if (!seen) blocks[n_blocks++] = b;
-    }
-    /* the candidate hook: the kept blocks of layer 4, ascending, the newest one pinned, and
-     * every block layer 6 picks from among them */
-    CHECK(log.cand_layer == c.candidate_source_layer_id && log.cand_n == c.candidate_topk_blocks,
-          "candidates: layer %d, %d blocks", log.cand_layer, log.cand_n);
-    int asc = 1, newest = 0, inside = 1;
-    for (int i = 0; i < log.cand_n; i++) {
-        asc &= i == 0 || log.cand[i - 1] < log.cand[i];
-        newest |= log.cand[i] == (N - 1) / c.candidate_block_size;
-    }
-    for (int j = 0; j < n_blocks; j++) {
-        int found = 0;
-        for (int i = 0; i < log.cand_n; i++) found |= log.cand[i] == blocks[j];
-        inside &= found;
-    }
-    CHECK(asc && newest && inside, "candidate blocks ascending %d, newest kept %d, layer 6 inside %d",
-          asc, newest, inside);
-    for (int i = 0; i < log.n[2]; i++) max2 = log.e[2][i] > max2 ? log.e[2][i] : max2;
-    CHECK(n_blocks <= c.candidate_topk_blocks, "layer 6 spans %d blocks (max %d)", n_blocks, c.candidate_topk_blocks);
-    CHECK(max2 < N / 2, "ratio-2 selection %d past the visible entries", max2);
-    for (int L = 0; L < 8; L++) CHECK(log.route_n[L] == c.n_experts_per_tok, "routes at layer %d", L);
-
-    /* the ring holds exactly the last `window` positions: slot p % W of the long state equals the
-     * window KV of layer 0 computed by a state that stopped at p (layer 0's KV depends only on
-     * token and position) */
-    {
-        int W = c.sliding_window, okk = 1;
-        int64_t RB = mf_ly_ring_row_bytes(&c);   /* layer 0's slots first */
-        mf_ref_state *t;
-        CHECK(mf_ref_state_new(r, 128, &t) == 0, "state");
-        for (int p = 0; p < N + K; p++) {
-            mf_ref_decode(r, &t, &toks[p], 1, NULL);
-            if (p >= N + K - W)
-                okk &= !memcmp(s1->ring + (p % W) * RB, t->ring + (p % W) * RB, (size_t)RB);
-            if (p == N + K - W - 1)   /* a position one window older: evicted from the long state */
-                okk &= memcmp(s1->ring + (p % W) * RB, t->ring + (p % W) * RB, (size_t)RB) != 0;
-        }
-        CHECK(okk, "window ring holds the last %d positions and evicts older ones", W);
-        CHECK(s1->cache[2].n == (N + K) / 2 && s1->cache[4].n == N + K, "compressed entries: %lld, %lld",
-              (long long)s1->cache[2].n, (long long)s1->cache[4].n);
-        mf_ref_state_free(t);
-    }
-
-    /* prefill of all N+K tokens in one call (layer-major) equals token-at-a-time */
-    {
-        mf_ref_state **st = malloc(sizeof *st * (N + K));
-        float **lg = malloc(sizeof *lg * (N + K));
-        for (int i = 0; i < N + K; i++) st[i] = s2, lg[i] = all + (int64_t)i * V;
-        CHECK(mf_ref_forward(r, st, toks, N + K, lg) == 0, "forward: %s", mf_last_error());
-        double d = mf_test_max_rel(step, all, V * (N + K));
-        CHECK(d == 0, "prefill vs token-at-a-time: max rel diff %g", d);
-        printf("prefill(%d) vs one token at a time: max rel diff %g\n", N + K, d);
-        free(st);
-        free(lg);
-    }
-    /* prefill N then decode K */
-    {
-        mf_ref_state_reset(s2);
-        float *lg = malloc(sizeof(float) * V);
-        CHECK(mf_ref_prefill(r, s2, toks, N, lg) == 0, "prefill: %s", mf_last_error());
-        double d = mf_test_max_rel(step + (int64_t)(N - 1) * V, lg, V);
-        for (int i = 0; i < K; i++) {
-            CHECK(mf_ref_decode(r, &s2, &toks[N + i], 1, lg) == 0, "decode: %s", mf_last_error());
-            d = fmax(d, mf_test_max_rel(step + (int64_t)(N + i) * V, lg, V));
-        }
-        CHECK(d == 0, "prefill + decode vs from scratch: max rel diff %g", d);
-        free(lg);
-    }
-    /* a batch of 3 sequences (different prompts and lengths) equals each alone; deterministic */
-    {
-        int32_t ta[40], tb[40];
-        make_tokens(ta, 40, (int)V, 2);
-        make_tokens(tb, 40, (int)V, 3);
-        mf_ref_state *alone;
-        CHECK(mf_ref_state_new(r, 128, &alone) == 0, "state");
-        mf_ref_state_reset(s1);
-        mf_ref_state_reset(s2);
-        mf_ref_prefill(r, s1, ta, 33, NULL);
-        mf_ref_prefill(r, s2, tb, 20, NULL);
-        mf_ref_prefill(r, s3, toks, 7, NULL);
-        float *lg = malloc(sizeof(float) * V * 3), *one = malloc(sizeof(float) * V);
-        const int32_t *src[3] = {ta + 33, tb + 20, toks + 7};
-        int starts[3] = {33, 20, 7};
-        double d = 0;
-        float *batched = malloc(sizeof(float) * V * 3 * 5);
-        for (int k = 0; k < 5; k++) {
-            mf_ref_state *bs[3] = {s1, s2, s3};
-            int32_t bt[3] = {src[0][k], src[1][k], src[2][k]};
-            CHECK(mf_ref_decode(r, bs, bt, 3, lg) == 0, "batch decode: %s", mf_last_error());
-            memcpy(batched + (int64_t)k * 3 * V, lg, sizeof(float) * V * 3);
-        }
-        for (int q = 0; q < 3; q++) {
-            const int32_t *base = q == 0 ? ta : q == 1 ? tb : toks;
-            mf_ref_state_reset(alone);
-            mf_ref_prefill(r, alone, base, starts[q], NULL);
-            for (int k = 0; k < 5; k++) {
-                mf_ref_decode(r, &alone, &src[q][k], 1, one);
-                d = fmax(d, mf_test_max_rel(batched + ((int64_t)k * 3 + q) * V, one, V));
-            }
-        }
-        CHECK(d == 0, "batch of 3 vs alone: max rel diff %g", d);
-        /* determinism and eager == lazy weights */
-        mf_ref_state *sl;
-        CHECK(mf_ref_state_new(rl, 128, &sl) == 0, "state");
-        float *l2 = malloc(sizeof(float) * V);
-        mf_ref_state_reset(alone);
-        mf_ref_prefill(r, alone, toks, 50, one);
-        mf_ref_prefill(rl, sl, toks, 50, l2);
-        CHECK(!memcmp(one, l2, sizeof(float) * V), "lazy weights give the same logits");
-        CHECK(!memcmp(one, step + 49 * V, sizeof(float) * V), "deterministic across runs and states");
-        /* input errors */
-        int32_t badtok = (int32_t)V;
-        CHECK(mf_ref_decode(r, &alone, &badtok, 1, one) == -EINVAL, "token outside the vocabulary");
-        CHECK(mf_ref_state_pos(alone) == 50, "a refused call leaves the state alone");
-        int32_t many[100] = {0};
-        CHECK(mf_ref_prefill(r, alone, many, 100, one) == -EINVAL &&
-                  strstr(mf_last_error(), "past its maximum of 128"), "prompt past max positions: %s",
-              mf_last_error());
-        mf_ref_state *huge;
-        CHECK(mf_ref_state_new(r, c.max_position_embeddings + 1, &huge) == -EINVAL, "max positions refused");
-        mf_ref_state_free(sl);
-        mf_ref_state_free(alone);
-        free(l2);
-        free(lg);
-        free(one);
-        free(batched);
-    }
-    /* the REF option (activation quantization) runs and moves the logits */
-    {
-        mf_ref *ra;
-        mf_ref_opts o2 = {.act_quant = 1};
-        CHECK(mf_ref_new(m, &o2, &ra) == 0, "ref aq");
-        mf_ref_state *sa;
-        mf_ref_state_new(ra, 128, &sa);
-        float *la = malloc(sizeof(float) * V);
-        mf_ref_prefill(ra, sa, toks, 50, la);
-        double d = mf_test_max_rel(step + 49 * V, la, V);
-        int fin = 1;
-        for (int64_t i = 0; i < V; i++) fin &= isfinite(la[i]);
-        CHECK(fin && d > 0, "act-quant logits finite and different (rel %g)", d);
-        printf("act_quant=1 vs 0 at position 49: max rel diff of logits %.3g\n", d);
-        free(la);
-        mf_ref_state_free(sa);
-        mf_ref_free(ra);
-    }
+    ref_ctx x = {.c = &c, .m = m, .r = r, .rl = rl, .log = &log, .V = V, .toks = toks, .step = step, .all = all,
+                 .s1 = s1, .s2 = s2, .s3 = s3};
+    test_selection(&x);
+    test_window_ring(&x);
+    test_prefill_all(&x);
+    test_prefill_decode(&x);
+    test_batch(&x);
+    test_act_quant(&x);
     printf("tiny decode, one token at a time over %d tokens: %.1f tokens/s\n", N + K, tps);
-
-    /* the CLI streams the same greedy continuation */
-    {
-        const char *bin = getenv("MOEFLOW_BIN");
-        if (bin) {
-            char cmd[2400], line[4096] = "";
-            snprintf(cmd, sizeof cmd, "%s decode --engine reference --checkpoint %s --tokens %d,%d,%d,%d --max-new-tokens 6 --quiet",
-                     bin, g_dir, toks[0], toks[1], toks[2], toks[3]);
-            FILE *f = popen(cmd, "r");
-            CHECK(f != NULL, "popen");
-            if (f) {
-                if (!fgets(line, sizeof line, f)) line[0] = 0;
-                CHECK(pclose(f) == 0, "decode exit status");
-            }
-            char want[512] = "";
-            mf_ref_state *sg;
-            mf_ref_state_new(r, 128, &sg);
-            float *lg = malloc(sizeof(float) * V);
-            mf_ref_prefill(r, sg, toks, 4, lg);
-            for (int i = 0; i < 6; i++) {
-                int32_t t = mf_sample_greedy(lg, V);
-                snprintf(want + strlen(want), sizeof want - strlen(want), i ? " %d" : "%d", t);
-                if (i < 5) mf_ref_decode(r, &sg, &t, 1, lg);
-            }
-            strcat(want, "\n");
-            CHECK(!strcmp(line, want), "moeflow decode printed '%s', library greedy gives '%s'", line, want);
-            snprintf(cmd, sizeof cmd, "%s decode --checkpoint %s --prompt hi --quiet 2>&1", bin, g_dir);
-            f = popen(cmd, "r");
-            line[0] = 0;
-            if (f) {
-                if (!fgets(line, sizeof line, f)) line[0] = 0;
-                CHECK(pclose(f) != 0, "text without a tokenizer refused");
-            }
-            CHECK(strstr(line, "no tokenizer.json") != NULL, "message: %s", line);
-            free(lg);
-            mf_ref_state_free(sg);
-        } else {
-            printf("MOEFLOW_BIN not set: CLI check skipped\n");
-        }
-    }
+    test_cli_decode(&x);
 
     test_errors();
     test_text_cli((mf_ref_opts){0});

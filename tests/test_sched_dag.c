@@ -112,6 +112,78 @@ static uint32_t rnd(void)
     return (uint32_t)(rnd_state >> 33);
 }
 
+/* Adds n tasks to g: 80% on the CPU lane (a tenth with a place hint), 7% IO reads of a block of fd
+ * (reads[v][t], per argument variant v), the rest on the three device lanes; each depends on up to 3
+ * earlier ones, mostly within the last 64. The counts of IO, device and hinted tasks go to out[0..2]. */
+static void add_tasks(mf_graph *g, int n, int fd, state *st, targ **args, mf_io_read **reads, int out[3])
+{
+    int n_io = 0, n_dev = 0, n_hint = 0;
+    for (int t = 0; t < n; t++) {
+        uint32_t r = rnd() % 100;
+        int lane = r < 80 ? L_CPU : r < 87 ? L_IO : r < 92 ? L_IN : r < 97 ? L_COMP : L_OUT;
+        for (int v = 0; v < 2; v++) {
+            args[v][t] = (targ){&st[v], t};
+            reads[v][t] = (mf_io_read){.fd = fd, .buf = st[v].buf[t], .n_bytes = BLOCK,
+                                       .offset = (uint64_t)((t * 7 + v * 13) % FILE_BLOCKS) * BLOCK};
+        }
+        int hint = lane == L_CPU && rnd() % 10 == 0 ? (int)(rnd() % 4) : -1;
+        char name[32];
+        snprintf(name, sizeof name, "t%d", t);
+        mf_task_id id = mf_graph_add_task(g, &(mf_task_desc){
+            .name = name, .lane = lane,
+            .fn = lane == L_IO ? NULL : lane == L_CPU ? cpu_task : dev_task,
+            .arg = lane == L_IO ? (void *)&reads[0][t] : (void *)&args[0][t],
+            .cost = {.time_ns = 1 + rnd() % 1000}, .place_hint = hint});
+        CHECK(id == t, "id %d for %d: %s", id, t, mf_last_error());
+        n_io += lane == L_IO;
+        n_dev += lane >= L_IN;
+        n_hint += hint >= 0;
+        int k = t ? (int)(rnd() % 4) : 0;
+        for (int i = 0; i < k; i++) {
+            int span = rnd() % 8 == 0 ? t : (t < 64 ? t : 64);
+            int p = t - 1 - (int)(rnd() % (uint32_t)span);
+            CHECK(mf_graph_add_dep(g, p, t) == 0, "%s", mf_last_error());
+        }
+    }
+    out[0] = n_io;
+    out[1] = n_dev;
+    out[2] = n_hint;
+}
+
+/* One run's checks over the timeline tl and the state S of argument variant v: every task ran once
+ * with the reference's output (ref[v]), IO buffers hold the file's bytes, no span starts before a
+ * predecessor ended, every status is 0, no task ran early or on a bad context. */
+static void check_run(const mf_graph *g, int n, mf_timeline *tl, state *S, mf_io_read **reads, uint64_t **ref,
+                      int v, const uint8_t *file, int workers, int r)
+{
+    int bad_runs = 0, bad_out = 0, bad_buf = 0, bad_span = 0, bad_status = 0;
+    const mf_task_span *sp = mf_timeline_spans(tl);
+    for (int t = 0; t < n; t++) {
+        int lane = mf_graph_task(g, t)->lane;
+        if (lane == L_IO) {
+            bad_buf += memcmp(S->buf[t], file + reads[v][t].offset, BLOCK) != 0;
+        } else {
+            bad_runs += atomic_load(&S->runs[t]) != 1;
+            bad_out += S->out[t] != ref[v][t];
+        }
+        bad_status += sp[t].status != 0;
+        int np = mf_graph_n_pred(g, t);
+        const mf_task_id *p = mf_graph_pred(g, t);
+        for (int i = 0; i < np; i++) bad_span += sp[p[i]].end_ns > sp[t].start_ns;
+        bad_span += sp[t].end_ns < sp[t].start_ns;
+    }
+    CHECK(!bad_runs, "%d tasks did not run exactly once (workers %d, run %d)", bad_runs,
+          workers, r);
+    CHECK(!bad_out, "%d outputs differ from the reference (workers %d, run %d)", bad_out,
+          workers, r);
+    CHECK(!bad_buf, "%d IO buffers differ from the file", bad_buf);
+    CHECK(!bad_span, "%d spans start before a predecessor ended", bad_span);
+    CHECK(!bad_status, "%d spans without status 0", bad_status);
+    CHECK(!atomic_load(&S->bad_order), "%d tasks ran before a predecessor was done",
+          atomic_load(&S->bad_order));
+    CHECK(!atomic_load(&S->bad_worker), "bad task contexts");
+}
+
 int main(void)
 {
     int n = sched_test_tasks(100000);
@@ -145,34 +217,8 @@ int main(void)
         args[v] = calloc((size_t)n, sizeof *args[v]);
         reads[v] = calloc((size_t)n, sizeof *reads[v]);
     }
-    int n_io = 0, n_dev = 0, n_hint = 0;
-    for (int t = 0; t < n; t++) {
-        uint32_t r = rnd() % 100;
-        int lane = r < 80 ? L_CPU : r < 87 ? L_IO : r < 92 ? L_IN : r < 97 ? L_COMP : L_OUT;
-        for (int v = 0; v < 2; v++) {
-            args[v][t] = (targ){&st[v], t};
-            reads[v][t] = (mf_io_read){.fd = fd, .buf = st[v].buf[t], .n_bytes = BLOCK,
-                                       .offset = (uint64_t)((t * 7 + v * 13) % FILE_BLOCKS) * BLOCK};
-        }
-        int hint = lane == L_CPU && rnd() % 10 == 0 ? (int)(rnd() % 4) : -1;
-        char name[32];
-        snprintf(name, sizeof name, "t%d", t);
-        mf_task_id id = mf_graph_add_task(g, &(mf_task_desc){
-            .name = name, .lane = lane,
-            .fn = lane == L_IO ? NULL : lane == L_CPU ? cpu_task : dev_task,
-            .arg = lane == L_IO ? (void *)&reads[0][t] : (void *)&args[0][t],
-            .cost = {.time_ns = 1 + rnd() % 1000}, .place_hint = hint});
-        CHECK(id == t, "id %d for %d: %s", id, t, mf_last_error());
-        n_io += lane == L_IO;
-        n_dev += lane >= L_IN;
-        n_hint += hint >= 0;
-        int k = t ? (int)(rnd() % 4) : 0;
-        for (int i = 0; i < k; i++) {
-            int span = rnd() % 8 == 0 ? t : (t < 64 ? t : 64);
-            int p = t - 1 - (int)(rnd() % (uint32_t)span);
-            CHECK(mf_graph_add_dep(g, p, t) == 0, "%s", mf_last_error());
-        }
-    }
+    int counts[3];
+    add_tasks(g, n, fd, st, args, reads, counts);
     CHECK(mf_graph_finalize(g) == 0, "%s", mf_last_error());
 
     /* Sequential reference for both argument variants. */
@@ -219,36 +265,11 @@ int main(void)
             }
             rc = mf_sched_run(s, g, &(mf_run_opts){.timeline = tl});
             CHECK(rc == 0, "run: %s", mf_last_error());
-            int bad_runs = 0, bad_out = 0, bad_buf = 0, bad_span = 0, bad_status = 0;
-            const mf_task_span *sp = mf_timeline_spans(tl);
-            for (int t = 0; t < n; t++) {
-                int lane = mf_graph_task(g, t)->lane;
-                if (lane == L_IO) {
-                    bad_buf += memcmp(S->buf[t], file + reads[v][t].offset, BLOCK) != 0;
-                } else {
-                    bad_runs += atomic_load(&S->runs[t]) != 1;
-                    bad_out += S->out[t] != ref[v][t];
-                }
-                bad_status += sp[t].status != 0;
-                int np = mf_graph_n_pred(g, t);
-                const mf_task_id *p = mf_graph_pred(g, t);
-                for (int i = 0; i < np; i++) bad_span += sp[p[i]].end_ns > sp[t].start_ns;
-                bad_span += sp[t].end_ns < sp[t].start_ns;
-            }
-            CHECK(!bad_runs, "%d tasks did not run exactly once (workers %d, run %d)", bad_runs,
-                  worker_counts[wi], r);
-            CHECK(!bad_out, "%d outputs differ from the reference (workers %d, run %d)", bad_out,
-                  worker_counts[wi], r);
-            CHECK(!bad_buf, "%d IO buffers differ from the file", bad_buf);
-            CHECK(!bad_span, "%d spans start before a predecessor ended", bad_span);
-            CHECK(!bad_status, "%d spans without status 0", bad_status);
-            CHECK(!atomic_load(&S->bad_order), "%d tasks ran before a predecessor was done",
-                  atomic_load(&S->bad_order));
-            CHECK(!atomic_load(&S->bad_worker), "bad task contexts");
+            check_run(g, n, tl, S, reads, ref, v, file, worker_counts[wi], r);
         }
         mf_sched_destroy(s);
     }
-    printf("%d tasks: %d IO, %d device, %d with a place hint\n", n, n_io, n_dev, n_hint);
+    printf("%d tasks: %d IO, %d device, %d with a place hint\n", n, counts[0], counts[1], counts[2]);
     mf_timeline_destroy(tl);
     fakedev_stop(&dev);
     mf_graph_destroy(g);

@@ -168,6 +168,114 @@ static void test_tables_streamed(uint64_t budget, int32_t (*tokens)[N_SEQ][N_DEC
     mf_model_free(m);
 }
 
+/* Streamed under budgets[bi] (bi 0: three tokens' experts; 1: one token's, where a decode batch of 3
+ * is refused): the resident engine's logits bit for bit at 1, 2 and 4 workers (TSan: 1 and 4), batch
+ * 1 and 3, the store's counters moving and every decode step missing; under budget 0 the trace
+ * has the IO lane's reads, and an EIO and a short read fail a step naming the expert and leave
+ * the store usable. want: the resident logits, got: scratch. */
+static void test_budget(int bi, const uint64_t *budgets, uint64_t slot, uint64_t ex_bytes,
+                        int32_t (*tokens)[N_SEQ][N_DEC], float *const *want, float *got)
+{
+    mf_model *m = load_streamed(budgets[bi]);
+    if (!m) return;
+    mf_store *st = mf_model_store(m);
+    mf_ref *r = NULL;
+    mf_step *e = NULL;
+    CHECK(mf_store_n_slots(st) == (bi ? g_K : N_SEQ * g_K), "slots %d", mf_store_n_slots(st));
+    CHECK(mf_ref_new(m, NULL, &r) == 0, "ref: %s", mf_last_error());
+    for (int w = 1; w <= 4; w *= MF_TEST_TSAN ? 4 : 2) {   /* TSan: 1 and 4 workers */
+        e = NULL;
+        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = w}, &e) == 0, "streamed engine: %s", mf_last_error());
+        if (!e) continue;
+        for (int b = 0; b < 2; b++) {
+            int n_seq = b ? N_SEQ : 1;
+            obs ob = {0};
+            mf_store_stats t0, t1;
+            mf_store_stats_total(st, &t0);
+            int rc = run(r, e, st, n_seq, tokens[b], 1, got, &ob);
+            if (bi == 1 && b == 1) {   /* 6 experts' pins over 2 slots */
+                CHECK(rc == -ENOSPC && strstr(mf_last_error(), "budget of at least") &&
+                      strstr(mf_last_error(), "3 sequences"), "batch 3 on %d slots: rc %d: %s",
+                      mf_store_n_slots(st), rc, mf_last_error());
+                continue;
+            }
+            CHECK(rc == 0, "streamed budget %llu, %d workers, batch %d: %s",
+                  (unsigned long long)budgets[bi], w, n_seq, mf_last_error());
+            CHECK(!memcmp(got, want[b], sizeof(float) * (size_t)n_seq * N_LOG * g_V),
+                  "streamed logits differ from resident (budget %llu, %d workers, batch %d)",
+                  (unsigned long long)budgets[bi], w, n_seq);
+            mf_store_stats_total(st, &t1);
+            CHECK(t1.misses > t0.misses && t1.bytes_read > t0.bytes_read && t1.evictions > t0.evictions,
+                  "counters moved");
+            CHECK(t1.evictions - t0.evictions <= t1.misses - t0.misses, "evictions <= misses");
+            if (b == 0) {
+                CHECK(ob.bad_count == 0, "%d decode steps whose hits + misses != layers x top_k", ob.bad_count);
+                CHECK(ob.steps_with_miss == N_DEC, "%d of %d decode steps missed", ob.steps_with_miss, N_DEC);
+                CHECK(ob.misses > 0 && ob.bytes >= ob.misses * ex_bytes && ob.bytes <= ob.misses * slot,
+                      "bytes %llu for %llu misses (expert %llu, slot %llu)", (unsigned long long)ob.bytes,
+                      (unsigned long long)ob.misses, (unsigned long long)ex_bytes, (unsigned long long)slot);
+                CHECK(ob.io_busy_ns > 0, "IO-lane busy time in the step timelines");
+            }
+        }
+        if (bi == 0 && w == 2) {   /* the trace carries the IO lane's reads */
+            char path[1100];
+            snprintf(path, sizeof path, "%s/trace.json", g_dir);
+            CHECK(mf_step_write_trace(e, path) == 0, "trace: %s", mf_last_error());
+            FILE *f = fopen(path, "rb");
+            char *buf = calloc(1, 1 << 24);
+            size_t n = f && buf ? fread(buf, 1, (1 << 24) - 1, f) : 0;
+            if (f) fclose(f);
+            CHECK(n > 0 && strstr(buf, "read L0 slot 0 part 0") && strstr(buf, "\"io\""),
+                  "trace has IO-lane reads");
+            free(buf);
+        }
+        mf_step_free(e);
+    }
+
+    /* faults: an EIO and a short read on expert reads fail the step naming the expert; the store
+     * (its slots and pins) stays usable: a clean run after each is bit-identical */
+    for (int f = 0; bi == 0 && f < 2; f++) {
+        /* the fault is armed on the engine's own IO lane, its third read */
+        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .io_fault_kind = f ? MF_IO_FAULT_SHORT : MF_IO_FAULT_EIO,
+                                             .io_fault_nth = 3}, &e) == 0, "engine: %s", mf_last_error());
+        if (!e) break;
+        int rc = run(r, e, st, 1, tokens[0], 1, got, NULL);
+        CHECK(rc < 0 && strstr(mf_last_error(), "expert") && strstr(mf_last_error(), "layer") &&
+              strstr(mf_last_error(), "ffn.experts."), "fault %d: rc %d: %s", f, rc, mf_last_error());
+        rc = run(r, e, st, 1, tokens[0], 1, got, NULL);
+        CHECK(rc == 0 && !memcmp(got, want[0], sizeof(float) * N_LOG * g_V), "after fault %d: rc %d: %s",
+              f, rc, mf_last_error());
+        mf_step_free(e);
+        e = NULL;
+    }
+    mf_ref_free(r);
+    mf_model_free(m);
+}
+
+/* The CLI: the scheduled engine with a streamed store (of budget bytes) prints the resident
+ * engine's greedy tokens; its trace has the IO lane's reads. */
+static void test_cli_streamed(uint64_t budget)
+{
+    char args[2048], a2[4096], out[4096], out2[4096], tr[1100];
+    int32_t p[N_PROMPT];
+    prompt_of(0, p);
+    int o = snprintf(args, sizeof args, "decode --checkpoint %s --quiet --ignore-eos --max-new-tokens 8 "
+                     "--threads 2 --tokens ", g_dir);
+    for (int i = 0; i < N_PROMPT; i++) o += snprintf(args + o, sizeof args - o, i ? ",%d" : "%d", p[i]);
+    snprintf(tr, sizeof tr, "%s/cli_trace.json", g_dir);
+    unlink(tr);
+    CHECK(mf_test_cli(args, out, sizeof out) == 0 && out[0], "cli resident: '%s'", out);
+    snprintf(a2, sizeof a2, "%s --store streamed --store-budget %llu --trace %s", args,
+             (unsigned long long)budget, tr);
+    CHECK(mf_test_cli(a2, out2, sizeof out2) == 0 && !strcmp(out, out2), "cli streamed: '%s' want '%s'", out2, out);
+    FILE *f = fopen(tr, "rb");
+    char *buf = calloc(1, 1 << 24);
+    size_t n = f && buf ? fread(buf, 1, (1 << 24) - 1, f) : 0;
+    if (f) fclose(f);
+    CHECK(n > 0 && strstr(buf, "read L0 slot 0 part 0"), "cli trace has IO-lane reads");
+    free(buf);
+}
+
 int main(void)
 {
     mf_config c;
@@ -212,80 +320,7 @@ int main(void)
      * of one item, a decode batch of 3 refused); a layer per step needs more than either holds,
      * so every decode step misses */
     uint64_t budgets[2] = {(uint64_t)(N_SEQ * g_K) * slot + slot / 2, (uint64_t)g_K * slot};
-    for (int bi = 0; bi < 2; bi++) {
-        m = load_streamed(budgets[bi]);
-        if (!m) continue;
-        mf_store *st = mf_model_store(m);
-        CHECK(mf_store_n_slots(st) == (bi ? g_K : N_SEQ * g_K), "slots %d", mf_store_n_slots(st));
-        CHECK(mf_ref_new(m, NULL, &r) == 0, "ref: %s", mf_last_error());
-        for (int w = 1; w <= 4; w *= MF_TEST_TSAN ? 4 : 2) {   /* TSan: 1 and 4 workers */
-            e = NULL;
-            CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = w}, &e) == 0, "streamed engine: %s", mf_last_error());
-            if (!e) continue;
-            for (int b = 0; b < 2; b++) {
-                int n_seq = b ? N_SEQ : 1;
-                obs ob = {0};
-                mf_store_stats t0, t1;
-                mf_store_stats_total(st, &t0);
-                int rc = run(r, e, st, n_seq, tokens[b], 1, got, &ob);
-                if (bi == 1 && b == 1) {   /* 6 experts' pins over 2 slots */
-                    CHECK(rc == -ENOSPC && strstr(mf_last_error(), "budget of at least") &&
-                          strstr(mf_last_error(), "3 sequences"), "batch 3 on %d slots: rc %d: %s",
-                          mf_store_n_slots(st), rc, mf_last_error());
-                    continue;
-                }
-                CHECK(rc == 0, "streamed budget %llu, %d workers, batch %d: %s",
-                      (unsigned long long)budgets[bi], w, n_seq, mf_last_error());
-                CHECK(!memcmp(got, want[b], sizeof(float) * (size_t)n_seq * N_LOG * g_V),
-                      "streamed logits differ from resident (budget %llu, %d workers, batch %d)",
-                      (unsigned long long)budgets[bi], w, n_seq);
-                mf_store_stats_total(st, &t1);
-                CHECK(t1.misses > t0.misses && t1.bytes_read > t0.bytes_read && t1.evictions > t0.evictions,
-                      "counters moved");
-                CHECK(t1.evictions - t0.evictions <= t1.misses - t0.misses, "evictions <= misses");
-                if (b == 0) {
-                    CHECK(ob.bad_count == 0, "%d decode steps whose hits + misses != layers x top_k", ob.bad_count);
-                    CHECK(ob.steps_with_miss == N_DEC, "%d of %d decode steps missed", ob.steps_with_miss, N_DEC);
-                    CHECK(ob.misses > 0 && ob.bytes >= ob.misses * ex_bytes && ob.bytes <= ob.misses * slot,
-                          "bytes %llu for %llu misses (expert %llu, slot %llu)", (unsigned long long)ob.bytes,
-                          (unsigned long long)ob.misses, (unsigned long long)ex_bytes, (unsigned long long)slot);
-                    CHECK(ob.io_busy_ns > 0, "IO-lane busy time in the step timelines");
-                }
-            }
-            if (bi == 0 && w == 2) {   /* the trace carries the IO lane's reads */
-                char path[1100];
-                snprintf(path, sizeof path, "%s/trace.json", g_dir);
-                CHECK(mf_step_write_trace(e, path) == 0, "trace: %s", mf_last_error());
-                FILE *f = fopen(path, "rb");
-                char *buf = calloc(1, 1 << 24);
-                size_t n = f && buf ? fread(buf, 1, (1 << 24) - 1, f) : 0;
-                if (f) fclose(f);
-                CHECK(n > 0 && strstr(buf, "read L0 slot 0 part 0") && strstr(buf, "\"io\""),
-                      "trace has IO-lane reads");
-                free(buf);
-            }
-            mf_step_free(e);
-        }
-
-        /* faults: an EIO and a short read on expert reads fail the step naming the expert; the store
-         * (its slots and pins) stays usable: a clean run after each is bit-identical */
-        for (int f = 0; bi == 0 && f < 2; f++) {
-            /* the fault is armed on the engine's own IO lane, its third read */
-            CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .io_fault_kind = f ? MF_IO_FAULT_SHORT : MF_IO_FAULT_EIO,
-                                                 .io_fault_nth = 3}, &e) == 0, "engine: %s", mf_last_error());
-            if (!e) break;
-            int rc = run(r, e, st, 1, tokens[0], 1, got, NULL);
-            CHECK(rc < 0 && strstr(mf_last_error(), "expert") && strstr(mf_last_error(), "layer") &&
-                  strstr(mf_last_error(), "ffn.experts."), "fault %d: rc %d: %s", f, rc, mf_last_error());
-            rc = run(r, e, st, 1, tokens[0], 1, got, NULL);
-            CHECK(rc == 0 && !memcmp(got, want[0], sizeof(float) * N_LOG * g_V), "after fault %d: rc %d: %s",
-                  f, rc, mf_last_error());
-            mf_step_free(e);
-            e = NULL;
-        }
-        mf_ref_free(r);
-        mf_model_free(m);
-    }
+    for (int bi = 0; bi < 2; bi++) test_budget(bi, budgets, slot, ex_bytes, tokens, want, got);
 
     test_tables_streamed(UINT64_C(1) << 30, tokens, want, got);
 
@@ -297,28 +332,7 @@ int main(void)
           "budget below top_k experts: rc %d: %s", rc, mf_last_error());
     mf_model_free(m);
 
-    /* the CLI: the scheduled engine with a streamed store prints the resident engine's greedy
-     * tokens; its trace has the IO lane's reads */
-    if (getenv("MOEFLOW_BIN")) {
-        char args[2048], a2[4096], out[4096], out2[4096], tr[1100];
-        int32_t p[N_PROMPT];
-        prompt_of(0, p);
-        int o = snprintf(args, sizeof args, "decode --checkpoint %s --quiet --ignore-eos --max-new-tokens 8 "
-                         "--threads 2 --tokens ", g_dir);
-        for (int i = 0; i < N_PROMPT; i++) o += snprintf(args + o, sizeof args - o, i ? ",%d" : "%d", p[i]);
-        snprintf(tr, sizeof tr, "%s/cli_trace.json", g_dir);
-        unlink(tr);
-        CHECK(mf_test_cli(args, out, sizeof out) == 0 && out[0], "cli resident: '%s'", out);
-        snprintf(a2, sizeof a2, "%s --store streamed --store-budget %llu --trace %s", args,
-                 (unsigned long long)budgets[0], tr);
-        CHECK(mf_test_cli(a2, out2, sizeof out2) == 0 && !strcmp(out, out2), "cli streamed: '%s' want '%s'", out2, out);
-        FILE *f = fopen(tr, "rb");
-        char *buf = calloc(1, 1 << 24);
-        size_t n = f && buf ? fread(buf, 1, (1 << 24) - 1, f) : 0;
-        if (f) fclose(f);
-        CHECK(n > 0 && strstr(buf, "read L0 slot 0 part 0"), "cli trace has IO-lane reads");
-        free(buf);
-    }
+    if (getenv("MOEFLOW_BIN")) test_cli_streamed(budgets[0]);
 
     for (int b = 0; b < 2; b++) free(want[b]);
     free(got);

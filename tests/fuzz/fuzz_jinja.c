@@ -1,4 +1,4 @@
-/* libFuzzer target: the chat template parser and renderer (host/jinja.c). The input is a template
+/* libFuzzer target: the chat template parser and renderer (host/jinja_*.c). The input is a template
  * source. Besides not crashing, leaking or tripping a sanitizer: a refused template's message
  * names a line and column; a parsed one renders over a fixed context (messages of every role,
  * bos/eos, add_generation_prompt) to NUL-terminated text, or fails with a message that names the

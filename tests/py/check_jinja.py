@@ -1,4 +1,4 @@
-"""host/jinja.c against the Python jinja2 package, in the environment Hugging Face's
+"""host/jinja_*.c against the Python jinja2 package, in the environment Hugging Face's
 apply_chat_template renders chat templates with (ImmutableSandboxedEnvironment, trim_blocks,
 lstrip_blocks, loopcontrols, raise_exception, tojson as json.dumps(ensure_ascii=False)).
 
