@@ -3,7 +3,8 @@
 # (CUDA on when nvcc is found), an ASan+UBSan build (CPU only), a TSan build for the
 # concurrent parts (scheduler, simulator, IO lane, store, scheduled engine, devices, batcher),
 # and a clang libFuzzer build with a short fuzz run; runs ctest in each, and the conformance checks
-# against reference Python packages (tests/conformance/run.sh) on the normal build.
+# against reference Python packages (tests/conformance/run.sh) on the normal build. First, the
+# house's size limits (tools/house-check.py: files and functions, a few seconds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -35,6 +36,8 @@ run_suite() {  # name, ctest filter, cmake args...
     sort -rn | head -5
 }
 
+echo "=== test.sh: house (tools/house-check.py: file and function lengths)"
+timed house python3 tools/house-check.py
 timed build run_suite build "" -DCMAKE_BUILD_TYPE=RelWithDebInfo
 echo "=== test.sh: conformance (tests/conformance/run.sh)"
 MOEFLOW_BUILD="$root/build" timed conformance bash tests/conformance/run.sh
