@@ -133,7 +133,7 @@ int mf_dev_fp8_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, in
 int mf_dev_bf16_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, int n_tok, float *y);
 
 /* Dense linears of the dense sublayers on a card (the attention linears, router gate, shared
- * expert, head: graphs/step/step.c). A weight slice: w holds rows [row0, row0 + w.n_out) of a
+ * expert, head: graphs/step/step_dense.c). A weight slice: w holds rows [row0, row0 + w.n_out) of a
  * weight (FP8 E4M3 with 32x32 E8M0 tiles, the slice starting at a tile row, or BF16) in device
  * memory; x rows are ld_x floats apart, y rows ld_y floats apart, and y[t * ld_y + i] is written
  * for i in [0, w.n_out) (y points at the slice's first output). group_rows > 0 (the grouped

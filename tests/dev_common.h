@@ -342,7 +342,7 @@ static void ddownload(mf_dev *d, int c, void *dst, const void *src, size_t n)
           mf_last_error());
 }
 
-/* The host path of the FFN, as graphs/step/step.c runs it (one worker: every row). */
+/* The host path of the FFN, as graphs/step/step_moe.c runs it (one worker: every row). */
 static void host_ffn(const hmat *w1, const hmat *w3, const hmat *w2, const float *x, int T,
                      const float *tw, float lim, int int8, float *h, float *y)
 {
@@ -592,7 +592,7 @@ static void dev_check_sched_copies(mf_dev *d, int n_jobs, size_t n)
 
 /* ---- the dense ops (device/dev.h mf_dev_linear, rounding, FFN phase 1, gating) -------------------- */
 
-/* What the host placement of the dense work computes (graphs/step/step.c and graphs/layers): the
+/* What the host placement of the dense work computes (graphs/step/step_*.c and graphs/layers): the
  * kernels' rows of the whole matrix (mf_kern_matmul), the reference's double sums
  * (mf_ly_linear_rows, grouped mf_ly_attn_lin_rows), mf_bf_n, mf_kern_ffn_up, and the engine's exact
  * gating loop; against the card's ops on a row slice [r0, r1) of each matrix with strided x and y,
@@ -712,7 +712,7 @@ static void dev_check_dense(mf_dev *d, int exact)
                 dl.path = MF_DEV_LIN_TILED;
                 if (!rc) rc = mf_dev_linear(st, &dl);
             } else {
-                for (int t = 0; t < T; t++)   /* graphs/step/step.c mf_step_ffn_up's exact epilogue */
+                for (int t = 0; t < T; t++)   /* graphs/step/step_moe.c mf_step_ffn_up's exact epilogue */
                     for (int i = 0; i < n; i++) {
                         float gi = mf_bf(g[t * LDY + i]), ui = mf_bf(u[t * LDY + i]), lim = 7.0f;
                         ui = fminf(fmaxf(ui, -lim), lim);

@@ -1,5 +1,5 @@
 /* The layer math of DeepSeek-V4.1 shared by the reference forward (graphs/ref/ref_model.c, the oracle)
- * and the scheduled engine (graphs/step/step.c): hyper-connections, attention (in phases), MoE router
+ * and the scheduled engine (graphs/step/step*.c): hyper-connections, attention (in phases), MoE router
  * and experts, Engram, and their numeric helpers (graphs/layer_*.c). Every call names its context:
  * the model's tables (mf_layers: config, weights, options, RoPE tables, Engram hashes), the
  * scratch it may use (one mf_ly_ctx per thread of work) and the linear backend (the oracle's

@@ -467,7 +467,7 @@ int mf_model_load(const char *dir, const mf_model_opts *opts, mf_model **out)
         }
         /* a routed expert's parts (layout order: w1 codes, scales, w2 ..., w3 ...) one after another
          * at the card slot's part alignment, so that a card's cache miss copies them as one span
-         * (graphs/step/step.c mf_step_xslot_layout) */
+         * (graphs/step/step_moe_cards.c mf_step_xslot_layout) */
         uint64_t a = mf_is_lazy_group(t) && align < MF_MODEL_EXPERT_ALIGN ? MF_MODEL_EXPERT_ALIGN : align;
         total = (total + a - 1) / a * a;
         m->offset[i] = total;

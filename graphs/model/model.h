@@ -90,7 +90,7 @@ enum { MF_MODEL_STORE_NONE, MF_MODEL_STORE_RESIDENT, MF_MODEL_STORE_STREAMED };
 #define MF_MODEL_ALL_LAZY UINT64_C(1)
 /* Where resident, the routed experts' parts (and the other lazy-group tensors) start on this
  * alignment in the model block (at least; pages with sockets): a card slot's part alignment, so
- * that an expert's parts lie as its card slot holds them (graphs/step/step.c mf_step_xslot_layout) */
+ * that an expert's parts lie as its card slot holds them (graphs/step/step_moe_cards.c mf_step_xslot_layout) */
 #define MF_MODEL_EXPERT_ALIGN UINT64_C(256)
 
 /* Opens the checkpoint in `dir` (config.json + safetensors), checks that the config is one the

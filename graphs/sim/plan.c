@@ -1,5 +1,5 @@
 /* The decode-step simulator (graphs/sim/plan.h). It runs the engine's own step graph (graphs/step/stepgraph.h,
- * the builder graphs/step/step.c uses, for a parallel decode shape of `batch` items), built once; each
+ * the builder graphs/step/step_shape.c uses, for a parallel decode shape of `batch` items), built once; each
  * step draws its routing, keeps the slot tables and the caches (host store, per-card device caches)
  * as the engine's route task does, places the slots with the engine's rule (mf_sg_placer: every
  * used slot queued on the host, then the cached ones offered to their cards, then the rest), marks
@@ -347,8 +347,8 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
                      .n_threads = p->n_threads, .n_cards = p->n_cards,
                      .n_dense_cards = p->n_dense, .dense_split = o->dense_split, .heads = o->heads,
                      .dev_graphs = o->dev_graphs, .store = p->streamed,
-                     /* the engine's resident experts: a miss one span (step.c
-                      * mf_step_xslot_layout); a store's slots: one copy a part */
+                     /* the engine's resident experts: a miss one span
+                      * (step_moe_cards.c mf_step_xslot_layout); a store's slots: one copy a part */
                      .miss_copies = p->streamed ? 0 : 1,
                      .eg_reads = o->tables == MF_PLAN_STORE_STREAMED,
                      .read_window = o->read_window, .micro = o->micro,
@@ -535,7 +535,7 @@ static int pl_take_slot(void *ctx, int cd, int e, int *hit)
     return 1;
 }
 
-/* The placer as the engine makes it (graphs/step/step.c mf_step_placer_init): a miss one copy
+/* The placer as the engine makes it (graphs/step/step_moe_cards.c mf_step_placer_init): a miss one copy
  * without a streamed store (the model's resident layout), one per part with one. */
 static void pl_placer_init(const mf_plan *p, mf_sg_placer *pl)
 {

@@ -1,7 +1,7 @@
 /* The scheduled engine's own fast versions of per-item layer math (graphs/layers/layers.h is the
  * module they are tested against; the engine's --exact path keeps the module): the attention
  * core's heads, the indexer's scores and selection, the hyper-connection mixes, collapse and
- * expand, the grouped wo_a and the router gate on the kernels. graphs/step/step.c calls them from its tasks.
+ * expand, the grouped wo_a and the router gate on the kernels. The engine's tasks (graphs/step/step_*.c) call them.
  *
  * Sums: a dot product of n floats is 16 lanes (lane l sums elements k = l mod 16 in k order with
  * fmaf), then a fixed tree (lanes l and l+8, then l+4, l+2, l+1); the attention's weighted values
