@@ -93,8 +93,8 @@ int mf_graph_set_cost(mf_graph *g, mf_task_id t, mf_cost cost);
 
 /* Raises task t's priority after finalize to at least rank_ns (its upward rank otherwise): for a
  * policy the ranks cannot express, e.g. a copy whose successor waits for it alone on a lane that
- * also holds longer copies which rank above it by their own cost (graphs/step/stepgraph.c
- * sg_prefetch). Before any run. 0, -EPERM before finalize, -EINVAL for an unknown task. */
+ * also holds longer copies which rank above it by their own cost (graphs/step/stepgraph_place.c
+ * mf_sg_pre_ranks). Before any run. 0, -EPERM before finalize, -EINVAL for an unknown task. */
 int mf_graph_raise_rank(mf_graph *g, mf_task_id t, double rank_ns);
 
 /* Per-run payload update (allowed after finalize, between runs). */

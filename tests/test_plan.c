@@ -99,7 +99,7 @@ static void test_structure(const char *tmp)
     snprintf(trace, sizeof trace, "%s/plan_trace.json", tmp);
     /* batch 1, one worker: n_slots = min(1 x 2, 16) = 2, one row part per expert, one shared part,
      * two head parts, one row part per attention stage and router gate, 4 of the Engram wkv
-     * (graphs/step/stepgraph.c SG_EG_ROW_SPLIT per worker and kernel pass), one part
+     * (graphs/step/stepgraph_shape.c SG_EG_ROW_SPLIT per worker and kernel pass), one part
      * (one head group, one column part, one mix part) per item task. Per layer: attention
      * collapse, attn norm, attn mix, in, qb, oa, ob, q scale, q norm, oa join, attn kv, core,
      * heads, post, ffn norm, ffn mix, post join (17), gate, route, moe done, 2 x (join, up, down),
@@ -778,7 +778,7 @@ static void test_prefetch_plan(void)
               "chunk %d, prefetch_min %d: prefetch %d, %d copy and %d place tasks", chunk, pm, sg->prefetch, pre, place);
         /* each slot's copy-in on a card: after a join of the card's copies of every expert >= the
          * slot (the slot table's distinct experts ascending: the slot's own among them), not of all
-         * of them, and ranked above them all (sg_prefetch, sg_pre_ranks) */
+         * of them, and ranked above them all (mf_sg_prefetch, mf_sg_pre_ranks) */
         int E = c.n_routed_experts, bad_dep = 0, bad_rank = 0, early = 0;
         for (int L = 0; want && L < c.n_layers; L++)
             for (int cd = 0; cd < 2; cd++) {
@@ -958,7 +958,7 @@ static void test_prefill(void)
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 2, "sim --prompt-tokens --measure: exit %d, expected 2", st);
 }
 
-/* The mixes' records of a long chunk's item groups (graphs/step/stepgraph.c sg_mix, priced as
+/* The mixes' records of a long chunk's item groups (graphs/step/stepgraph_attn.c sg_mix, priced as
  * mf_fa_hc_mixes_rows_items runs): a group of 8 positions (1024 / 128 groups, demo: 24 rows of
  * 4 x 1024 streams) reads its part's rows once (the blocked kernel's block, mf_fa_mix_items: 40
  * items at 24 rows) and each item's streams a second time; a group of 4 (512 positions) reads the

@@ -170,7 +170,7 @@ static void test_variant(int n_experts, int top_k, int inter, int b)
     mf_model_free(m);
 }
 
-/* The Engram of a long chunk off the layer chain (graphs/step/stepgraph.c sg_engram): no embed
+/* The Engram of a long chunk off the layer chain (graphs/step/stepgraph_engram.c mf_sg_engram): no embed
  * waits for anything but its plan and reads, and every Engram layer's wkv is in blocks of
  * eg_block items (600 items: 3), so that both of tiny's Engram layers (1 and 3) run from the
  * step's start, each into its own buffers (the logits' bits are checked by the caller). */

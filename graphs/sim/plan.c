@@ -274,13 +274,11 @@ static int pl_fill(mf_plan *p, double xslot)
     return 0;
 }
 
-int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
+/* mf_plan_new's steps, in its order: each 0 or a negative code with a message. */
+
+/* The plan's options, counts and cost model from o and its profile. */
+static void pl_init(mf_plan *p, const mf_plan_opts *o)
 {
-    *out = NULL;
-    int rc = pl_check(o);
-    if (rc) return rc;
-    mf_plan *p = calloc(1, sizeof *p);
-    if (!p) return mf_error(-ENOMEM, "plan: out of memory");
     p->o = *o;
     p->c = *o->config;
     p->prof = *o->profile;
@@ -307,10 +305,16 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
     int per_socket = o->threads_per_socket ? o->threads_per_socket : f->threads_per_socket;
     p->cm = (mf_cost_model){.p = &p->prof,
                             .host_bytes_per_s = f->mem_bytes_per_s > 0 ? f->mem_bytes_per_s / per_socket : 0};
-    if ((rc = mf_sg_sizes_new(c, &p->sz))) goto fail;
+}
 
-    /* the engine's lanes, with its models (from the same profile, as an engine given it:
-     * `moeflow decode --profile P`) for priorities and hybrid placement */
+/* The engine's lanes, with its models (from the same profile, as an engine given it: `moeflow decode
+ * --profile P`) for priorities and hybrid placement, one CPU lane per socket; and the simulator's
+ * own lane options. */
+static int pl_lanes(mf_plan *p)
+{
+    const mf_plan_opts *o = &p->o;
+    const mf_profile *f = &p->prof;
+    int rc, per_socket = o->threads_per_socket ? o->threads_per_socket : f->threads_per_socket;
     mf_step_lane_models(f, p->n_threads, p->models);
     if (o->cpu_bytes_per_s > 0) p->models[0].bytes_per_s = o->cpu_bytes_per_s;
     mf_sg_lanes_init(&p->lt, p->models, p->n_threads, p->streamed || o->tables == MF_PLAN_STORE_STREAMED,
@@ -328,7 +332,7 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
     if (n_sock > 1) {
         int thr[MF_SG_MAX_SOCKETS];
         for (int k = 0; k < n_sock && k < MF_SG_MAX_SOCKETS; k++) thr[k] = per_socket;
-        if ((rc = mf_sg_lanes_sockets(&p->lt, n_sock, thr, NULL))) goto fail;
+        if ((rc = mf_sg_lanes_sockets(&p->lt, n_sock, thr, NULL))) return rc;
     }
     for (int k = 0; k < p->lt.n_sockets; k++) p->lane_core[p->lt.lane_sock[k]] = 1;
     if (p->lt.lane_io >= 0) p->conc[p->lt.lane_io] = 1;
@@ -340,48 +344,70 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
             if (p->emulated)
                 p->wake_ns[l] = llround(o->dev_task_ns > 0 ? o->dev_task_ns : f->card[MF_KF_FP4].latency_ns);
         }
+    return 0;
+}
 
+/* The engine's graph of the shape (*go its options: the card buffers' reserve builds its shapes from
+ * them) and its timeline. */
+static int pl_graph(mf_plan *p, mf_sg_opts *go)
+{
+    const mf_plan_opts *o = &p->o;
+    const mf_config *c = &p->c;
     /* the engine's graph of a parallel decode shape (serial at batch 1, as the engine's), or of a
      * prefill chunk (serial) */
-    mf_sg_opts go = {.c = c, .sz = p->sz, .n = p->batch, .par = p->batch > 1 && !o->prefill,
-                     .n_threads = p->n_threads, .n_cards = p->n_cards,
-                     .n_dense_cards = p->n_dense, .dense_split = o->dense_split, .heads = o->heads,
-                     .dev_graphs = o->dev_graphs, .store = p->streamed,
-                     /* the engine's resident experts: a miss one span
-                      * (step_moe_cards.c mf_step_xslot_layout); a store's slots: one copy a part */
-                     .miss_copies = p->streamed ? 0 : 1,
-                     .eg_reads = o->tables == MF_PLAN_STORE_STREAMED,
-                     .read_window = o->read_window, .micro = o->micro,
-                     .n_sockets = p->lt.n_sockets, .lane_sock = p->lt.lane_sock, .lanes = p->lt.lane,
-                     .n_lanes = p->lt.n_lanes, .lane_io = p->lt.lane_io,
-                     .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof,
-                     .prefetch_min = o->prefetch_min};
-    rc = mf_stepgraph_new(&go, &p->sg);
+    *go = (mf_sg_opts){.c = c, .sz = p->sz, .n = p->batch, .par = p->batch > 1 && !o->prefill,
+                        .n_threads = p->n_threads, .n_cards = p->n_cards,
+                        .n_dense_cards = p->n_dense, .dense_split = o->dense_split, .heads = o->heads,
+                        .dev_graphs = o->dev_graphs, .store = p->streamed,
+                        /* the engine's resident experts: a miss one span
+                         * (step_moe_cards.c mf_step_xslot_layout); a store's slots: one copy a part */
+                        .miss_copies = p->streamed ? 0 : 1,
+                        .eg_reads = o->tables == MF_PLAN_STORE_STREAMED,
+                        .read_window = o->read_window, .micro = o->micro,
+                        .n_sockets = p->lt.n_sockets, .lane_sock = p->lt.lane_sock, .lanes = p->lt.lane,
+                        .n_lanes = p->lt.n_lanes, .lane_io = p->lt.lane_io,
+                        .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof,
+                        .prefetch_min = o->prefetch_min};
+    int rc = mf_stepgraph_new(go, &p->sg);
     if (!rc) rc = mf_timeline_create(p->sg->g, &p->tl);
-    if (rc) goto fail;
-    /* caches */
-    int store_slots = 0, dev_slots[PL_MAX_CARDS] = {0};
-    double store_slot = p->sz->store_slot_bytes, xslot = p->sz->xslot_bytes;
+    return rc;
+}
+
+/* The streamed store's slots (*store_slots; 0 without a store): its budget's experts, at least a
+ * decode batch's. */
+static int pl_store_slots(mf_plan *p, int *store_slots)
+{
+    const mf_plan_opts *o = &p->o;
+    double store_slot = p->sz->store_slot_bytes;
     if (p->streamed) {
         uint64_t budget = o->store_budget_bytes ? o->store_budget_bytes : UINT64_C(2) << 30;
         int64_t slots = (int64_t)(budget / store_slot);
         int need = p->batch * p->K < p->E ? p->batch * p->K : p->E;
         if (slots < need) {
-            rc = mf_error(-ENOSPC, "plan: a store budget of %" PRIu64 " bytes holds %" PRId64 " experts of %.0f "
-                          "bytes; a decode batch of %d pins up to %d experts of a layer: at least %.0f bytes",
-                          budget, slots, store_slot, p->batch, need, need * store_slot);
-            goto fail;
+            return mf_error(-ENOSPC, "plan: a store budget of %" PRIu64 " bytes holds %" PRId64 " experts of %.0f "
+                            "bytes; a decode batch of %d pins up to %d experts of a layer: at least %.0f bytes",
+                            budget, slots, store_slot, p->batch, need, need * store_slot);
         }
         if (slots > (int64_t)p->n_layers * p->E) slots = (int64_t)p->n_layers * p->E;
-        store_slots = (int)slots;
+        *store_slots = (int)slots;
     }
+    return 0;
+}
+
+/* Each dense card's weights and every card's steps' buffers (from go's shapes), refused where a card
+ * cannot hold them. */
+static int pl_card_mem(mf_plan *p, const mf_sg_opts *go)
+{
+    const mf_plan_opts *o = &p->o;
+    const mf_profile *f = &p->prof;
+    const mf_config *c = &p->c;
+    int rc;
     for (int cd = 0; cd < p->n_dense; cd++)   /* the dense weights each card holds */
         p->dense_bytes[cd] = mf_sg_dense_card_bytes(c, p->sz, p->n_dense, o->dense_split, cd);
     for (int cd = 0; cd < p->n_dense; cd++)
         if (f->card_mem_bytes && p->dense_bytes[cd] > (double)f->card_mem_bytes) {
-            rc = mf_error(-ENOSPC, "plan: card %d: its dense layers take %.0f bytes, the card has %" PRIu64, cd,
-                          p->dense_bytes[cd], f->card_mem_bytes);
-            goto fail;
+            return mf_error(-ENOSPC, "plan: card %d: its dense layers take %.0f bytes, the card has %" PRIu64, cd,
+                            p->dense_bytes[cd], f->card_mem_bytes);
         }
     /* the steps' buffers on a card (mf_sg_card_bufs): without a budget the engine holds back its
      * largest shapes' (mf_sg_card_reserve: its prefill chunk's and a full decode batch's; an expert
@@ -393,7 +419,7 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
     if (p->n_lane_cards && !o->dev_cache_bytes) {
         int chunk = o->chunk ? o->chunk : MF_STEP_PREFILL_CHUNK;
         if (o->prefill && p->batch > chunk) chunk = p->batch;
-        if ((rc = mf_sg_card_reserve(&go, &ci, chunk, MF_STEP_MAX_ITEMS, &p->act_routed, &p->act_dense))) goto fail;
+        if ((rc = mf_sg_card_reserve(go, &ci, chunk, MF_STEP_MAX_ITEMS, &p->act_routed, &p->act_dense))) return rc;
     } else if (p->n_lane_cards) {
         mf_sg_card_bufs b;
         mf_sg_card_bufs_of(&ci, &b);
@@ -408,15 +434,23 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
         double need = (cd < p->n_dense ? p->dense_bytes[cd] + p->act_dense : 0) + (cd < p->n_cards ? p->act_routed : 0) +
                       (cd < p->n_cards ? (double)o->dev_cache_bytes : 0);
         if (need > (double)f->card_mem_bytes) {
-            rc = mf_error(-ENOSPC, "plan: card %d cannot hold its dense weights (%.3f GB), the steps' buffers (%.3f GB)%s "
-                          "in its %.3f GB, as the engine would refuse it (a shorter --chunk or a smaller --dev-cache "
-                          "needs less)", cd, cd < p->n_dense ? p->dense_bytes[cd] / 1e9 : 0,
-                          ((cd < p->n_dense ? p->act_dense : 0) + (cd < p->n_cards ? p->act_routed : 0)) / 1e9,
-                          o->dev_cache_bytes && cd < p->n_cards ? " and the expert cache's budget" : "",
-                          (double)f->card_mem_bytes / 1e9);
-            goto fail;
+            return mf_error(-ENOSPC, "plan: card %d cannot hold its dense weights (%.3f GB), the steps' buffers (%.3f GB)%s "
+                            "in its %.3f GB, as the engine would refuse it (a shorter --chunk or a smaller --dev-cache "
+                            "needs less)", cd, cd < p->n_dense ? p->dense_bytes[cd] / 1e9 : 0,
+                            ((cd < p->n_dense ? p->act_dense : 0) + (cd < p->n_cards ? p->act_routed : 0)) / 1e9,
+                            o->dev_cache_bytes && cd < p->n_cards ? " and the expert cache's budget" : "",
+                            (double)f->card_mem_bytes / 1e9);
         }
     }
+    return 0;
+}
+
+/* Each card's expert cache slots (dev_slots[card]). */
+static int pl_dev_slots(mf_plan *p, int *dev_slots)
+{
+    const mf_plan_opts *o = &p->o;
+    const mf_profile *f = &p->prof;
+    double xslot = p->sz->xslot_bytes;
     for (int cd = 0; cd < p->n_cards; cd++) {
         /* mf_dev_xcache_new: the budget's slots, or every expert shrunk until the card holds them
          * (what its dense weights and the steps' buffers held back leave) */
@@ -432,17 +466,18 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
         }
         if (slots > n_items) slots = n_items;
         if (slots < 1) {
-            rc = mf_error(-ENOSPC, "plan: card %d: a cache of %" PRIu64 " bytes holds no expert of %.0f bytes",
-                          cd, o->dev_cache_bytes ? o->dev_cache_bytes : f->card_mem_bytes, xslot);
-            goto fail;
+            return mf_error(-ENOSPC, "plan: card %d: a cache of %" PRIu64 " bytes holds no expert of %.0f bytes",
+                            cd, o->dev_cache_bytes ? o->dev_cache_bytes : f->card_mem_bytes, xslot);
         }
         dev_slots[cd] = (int)slots;
         if (!cd) p->total.card_slots = (int)slots, p->total.card_cache = (double)slots * xslot;
     }
-    if ((rc = pl_caches_new(p, store_slots, dev_slots,
-                            o->dev_cache_policy == MF_PLAN_CACHE_LRU ? MF_RESID_LRU : MF_RESID_LFU)))
-        goto fail;
-    if (o->dev_cache_fill && p->n_cards && (rc = pl_fill(p, xslot))) goto fail;
+    return 0;
+}
+
+/* The steps' tables. */
+static int pl_alloc(mf_plan *p)
+{
     size_t n_sl = (size_t)p->n_layers * p->sg->n_slots;
     p->ex = malloc(sizeof *p->ex * (size_t)p->n_layers * p->batch * p->K);
     p->task_ns = malloc(sizeof *p->task_ns * (size_t)p->sg->n_tasks);
@@ -454,14 +489,38 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
     p->n_used = calloc((size_t)p->n_layers * 2, sizeof *p->n_used);
     if (!p->ex || !p->task_ns || !p->sl || !p->slot_card || !p->n_used || !p->pre_card || !p->pre_miss ||
         !p->pre_cached) {
-        rc = mf_error(-ENOMEM, "plan: out of memory");
-        goto fail;
+        return mf_error(-ENOMEM, "plan: out of memory");
+    }
+    return 0;
+}
+
+int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
+{
+    *out = NULL;
+    int rc = pl_check(o);
+    if (rc) return rc;
+    mf_plan *p = calloc(1, sizeof *p);
+    if (!p) return mf_error(-ENOMEM, "plan: out of memory");
+    pl_init(p, o);
+    mf_sg_opts go;
+    int store_slots = 0, dev_slots[PL_MAX_CARDS] = {0};
+    rc = mf_sg_sizes_new(&p->c, &p->sz);
+    if (!rc) rc = pl_lanes(p);
+    if (!rc) rc = pl_graph(p, &go);
+    if (!rc) rc = pl_store_slots(p, &store_slots);
+    if (!rc) rc = pl_card_mem(p, &go);
+    if (!rc) rc = pl_dev_slots(p, dev_slots);
+    if (!rc)
+        rc = pl_caches_new(p, store_slots, dev_slots,
+                           o->dev_cache_policy == MF_PLAN_CACHE_LRU ? MF_RESID_LRU : MF_RESID_LFU);
+    if (!rc && o->dev_cache_fill && p->n_cards) rc = pl_fill(p, p->sz->xslot_bytes);
+    if (!rc) rc = pl_alloc(p);
+    if (rc) {
+        mf_plan_free(p);
+        return rc;
     }
     *out = p;
     return 0;
-fail:
-    mf_plan_free(p);
-    return rc;
 }
 
 void mf_plan_free(mf_plan *p)

@@ -1,4 +1,4 @@
-/* The scheduled engine's attention tasks (graphs/step/stepgraph.c sg_attn builds them; layer_attn.c's
+/* The scheduled engine's attention tasks (graphs/step/stepgraph_attn.c mf_sg_attn builds them; layer_attn.c's
  * phases): the linear stages in row parts over all items, the q norm, the window KV and compressor,
  * the index query, scores and select, the heads, the ring write, the expand. With the index scores
  * or the heads on cards: the host's side (the key tables, the queries' prep) and the cards' copies

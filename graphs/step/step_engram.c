@@ -1,4 +1,4 @@
-/* The scheduled engine's Engram tasks (graphs/step/stepgraph.c sg_engram builds them): per item the
+/* The scheduled engine's Engram tasks (graphs/step/stepgraph_engram.c mf_sg_engram builds them): per item the
  * hashed table rows (gathered from memory, or planned as IO reads of a streamed store), the wkv
  * projection in row parts, the gate into the item's streams. Reads and writes the shape's Engram
  * buffers (step_impl.h); the wkv on dense cards is step_dense.c's. */

@@ -62,7 +62,7 @@ struct mf_step_shape {
     float *logits;      /* n x n_routed_experts: router gate logits */
     /* Engram: every buffer below has eg_items rows per Engram slot (mf_config_engram_slot), the
      * slots one after another (mf_step_eg_row): the embed and wkv of every Engram layer run from
-     * the step's start (graphs/step/stepgraph.c sg_engram), two layers' at once */
+     * the step's start (graphs/step/stepgraph_engram.c mf_sg_engram), two layers' at once */
     float *eg_emb, *eg_kv;   /* eg_emb_ld, eg_kv_ld per row: Engram rows (dequantized), wkv output */
     int64_t eg_emb_ld, eg_kv_ld;
     int eg_items;

@@ -1,4 +1,4 @@
-/* The scheduled engine's MoE tasks on the host (graphs/step/stepgraph.c sg_router, sg_moe build
+/* The scheduled engine's MoE tasks on the host (graphs/step/stepgraph_moe.c sg_router, mf_sg_moe build
  * them): the router's gate rows, the route (top-k, the slot table, the store's batch) and its row
  * gather, the routed experts' slots (up parts, join, down parts), the shared expert, the combine,
  * the layer's end. Where a slot runs on a card, step_moe_cards.c places it and runs it. */

@@ -246,7 +246,7 @@ void mf_sg_rows(int64_t n_rows, int parts, int p, int64_t *r0, int64_t *r1);
  * part p of `parts` of a stage of n_lin linears (rows[l] output rows each; at most
  * MF_SG_MAX_STAGE_LIN) is socket k = p / (parts / n_sockets)'s: socket k's shares of the linears
  * taken one after another and split by mf_sg_rows in parts / n_sockets; r0[l], r1[l] get linear l's
- * rows (possibly empty). Returns k. parts is a multiple of n_sockets (sg_parts makes the row part
+ * rows (possibly empty). Returns k. parts is a multiple of n_sockets (mf_sg_parts makes the row part
  * counts so). n_sockets <= 1: the linears' rows one after another split by mf_sg_rows. */
 #define MF_SG_MAX_STAGE_LIN 8
 int mf_sg_stage_rows(const int64_t *rows, int n_lin, int parts, int n_sockets, int p, int64_t *r0, int64_t *r1);

@@ -1,0 +1,351 @@
+/* Dense work on cards (mf_sg_opts.n_dense_cards): which card holds a layer's dense sublayers, their
+ * split by rows and item blocks, the weight bytes and the card buffer layout a step takes
+ * (mf_sg_card_bufs_of, mf_sg_card_reserve: step.c and the simulator allocate from it), the bf16
+ * copies, and the dense chain (copy in -> card work -> copy out) that stepgraph_attn.c, _engram.c,
+ * _moe.c and _head.c build their sublayers on cards with. */
+#include "graphs/step/stepgraph_impl.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "sched/error.h"
+
+/* ---- which card, which rows ------------------------------------------------------------------ */
+
+int mf_sg_dense_card(const mf_config *c, int n_cards, int L)
+{
+    int nl = c->n_layers, pos[MF_CONFIG_MAX_IDS + 2], m = 0;
+    if (n_cards < 1 || nl < 1) return 0;
+    if (L < 0 || L >= nl) L = nl - 1;
+    pos[m++] = 0;   /* candidate first layers, ascending: 0 and the KV sources */
+    for (int l = 1; l < nl; l++)
+        for (int i = 0; i < c->n_kv_source; i++)
+            if (c->kv_source_layer_ids[i] == l && m < MF_CONFIG_MAX_IDS + 1) {
+                pos[m++] = l;
+                break;
+            }
+    pos[m] = nl;
+    int k = n_cards < m ? n_cards : m;
+    /* f[g][j]: the least largest range covering layers [0, pos[j]) with g ranges; arg: its last cut */
+    int f[MF_SG_MAX_CARDS + 1][MF_CONFIG_MAX_IDS + 2], arg[MF_SG_MAX_CARDS + 1][MF_CONFIG_MAX_IDS + 2];
+    for (int j = 1; j <= m; j++) f[1][j] = pos[j], arg[1][j] = 0;
+    for (int g = 2; g <= k; g++)
+        for (int j = g; j <= m; j++) {
+            f[g][j] = nl + 1;
+            for (int i = g - 1; i < j; i++) {
+                int v = f[g - 1][i] > pos[j] - pos[i] ? f[g - 1][i] : pos[j] - pos[i];
+                if (v < f[g][j]) f[g][j] = v, arg[g][j] = i;
+            }
+        }
+    for (int g = k, j = m; g >= 1; g--) {   /* range g - 1 is [pos[arg], pos[j]) */
+        int i = arg[g][j];
+        if (L >= pos[i]) return g - 1;
+        j = i;
+    }
+    return 0;
+}
+
+static const char *const sg_dense_name[MF_SG_N_DENSE] = {"attn in", "attn qb", "attn oa", "attn ob",
+                                                         "gate",    "shared",  "head",    "engram wkv"};
+
+int mf_sg_dense_parts(int n_dense_cards, int split, int dense)
+{
+    return split == MF_SG_SPLIT_ROWS && dense != MF_SG_D_SHARED && n_dense_cards > 1 ? n_dense_cards : 1;
+}
+
+void mf_sg_dense_rows(int parts, int part, int64_t n_rows, int64_t *r0, int64_t *r1)
+{
+    if (part < 0 || parts <= 1) {
+        *r0 = 0;
+        *r1 = n_rows;
+        return;
+    }
+    int64_t chunk = (n_rows + parts - 1) / parts;
+    chunk = (chunk + 31) / 32 * 32;
+    int64_t a = part * chunk, e = a + chunk;
+    *r0 = a < n_rows ? a : n_rows;
+    *r1 = e < n_rows ? e : n_rows;
+}
+
+/* The share of n_rows rows that part k of `parts` owns (mf_sg_dense_rows). */
+static double sg_dense_share(int parts, int k, double n_rows)
+{
+    int64_t r0, r1;
+    mf_sg_dense_rows(parts, parts > 1 ? k : -1, (int64_t)n_rows, &r0, &r1);
+    return n_rows > 0 ? (double)(r1 - r0) / n_rows : 0;
+}
+
+double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int card)
+{
+    double b = 0;
+    for (int L = -1; L < c->n_layers && n_cards > 0; L++) {
+        int dense[MF_SG_N_DENSE], nd = 0;
+        if (L < 0) dense[nd++] = MF_SG_D_HEAD;
+        else
+            for (int d = MF_SG_D_ATTN_IN; d <= MF_SG_D_SHARED; d++) dense[nd++] = d;
+        if (L >= 0 && mf_config_engram_slot(c, L) >= 0) dense[nd++] = MF_SG_D_ENGRAM;
+        for (int i = 0; i < nd; i++) {
+            int d = dense[i], parts = mf_sg_dense_parts(n_cards, split, d);
+            if (parts == 1 && mf_sg_dense_card(c, n_cards, L) != card) continue;
+            double w, rows;
+            if (L < 0) {
+                w = sz->head_bytes, rows = (double)c->vocab_size;
+            } else if (d == MF_SG_D_GATE) {
+                w = sz->layer[L].gate_bytes, rows = (double)c->n_routed_experts;
+            } else if (d == MF_SG_D_SHARED) {
+                w = sz->sh_up_bytes + sz->sh_down_bytes, rows = 1;
+            } else if (d == MF_SG_D_ENGRAM) {
+                w = sz->layer[L].eng_fp8_bytes, rows = (double)(c->hc_mult + 1) * c->hidden_size;
+            } else {
+                static const int st_of[4] = {MF_SG_ST_IN, MF_SG_ST_QB, MF_SG_ST_OA, MF_SG_ST_OB};
+                const mf_sg_layer_sizes *y = &sz->layer[L];
+                int st = st_of[d];
+                w = st == MF_SG_ST_OA ? y->oa_fp8_bytes : y->st_fp8_bytes[st] + y->st_bf16_bytes[st];
+                rows = y->st_out_rows[st];
+            }
+            b += w * sg_dense_share(parts, card, rows);
+        }
+    }
+    return b;
+}
+
+/* ---- the card buffers ------------------------------------------------------------------------ */
+
+static size_t sg_al256(size_t b) { return (b + 255) / 256 * 256; }
+
+void mf_sg_card_bufs_of(const mf_sg_card_in *in, mf_sg_card_bufs *b)
+{
+    const mf_config *c = in->c;
+    const mf_stepgraph *sg = in->sg;
+    memset(b, 0, sizeof *b);
+    size_t n_ = (size_t)sg->n, ln = (size_t)(in->ln > sg->n ? in->ln : sg->n), f = sizeof(float);
+    size_t H = (size_t)c->hidden_size, I = (size_t)c->moe_intermediate_size, V = (size_t)c->vocab_size;
+    size_t E = (size_t)c->n_routed_experts, Ish = c->n_shared_experts > 0 ? (size_t)in->sh_rows : 0;
+    int ex = in->exact;
+    /* routed: n x top-k rows */
+    size_t nk = n_ * (size_t)c->n_experts_per_tok;
+    b->q8_row = mf_dev_ffn_q8_bytes(1, (int)H, (int)I);
+    b->x = 0;
+    b->w = b->x + sg_al256(nk * H * f);
+    b->h = b->w + sg_al256(nk * f);
+    b->q = b->h + sg_al256(nk * I * f);
+    b->y = b->q + sg_al256(nk * b->q8_row);
+    b->x16 = b->y + sg_al256(nk * H * f);
+    b->y16 = b->x16 + sg_al256(nk * H * 2);
+    b->tab = b->y16 + sg_al256(nk * H * 2);
+    b->routed_bytes = b->tab + (in->dev_graphs ? sizeof(mf_dev_ffn_slot) * (size_t)sg->n_slots * (size_t)c->n_layers : 0);
+    /* dense: the host's layouts' row lengths, then each copy {bytes, &offset} */
+    for (int k = 0; k < MF_LY_A_N; k++) b->ab_ld[k] = (mf_ly_attn_buf_len(c, k) + 15) / 16 * 16;
+    if (c->n_engram > 0) {
+        b->eg_per = (c->engram_max_ngram_size - 1) * c->engram_n_heads;
+        b->eg_emb_ld = ((int64_t)b->eg_per * c->engram_head_dim + 15) / 16 * 16;
+        b->eg_kv_ld = ((int64_t)(c->hc_mult + 1) * c->hidden_size + 15) / 16 * 16;
+    }
+    int64_t ecap = (int64_t)ln * c->index_topk;
+    b->hk_ecap = (int)(ecap < MF_SG_HEADS_ENTRIES ? ecap : MF_SG_HEADS_ENTRIES);
+    for (int L = 0; L < c->n_layers; L++)   /* a card's items of the index scores at most */
+        if (sg->scores_cards[L]) {
+            int a, e;
+            mf_sg_heads_range(sg->n, sg->scores_cards[L], 0, &a, &e);
+            if (e - a > b->sk_rows) b->sk_rows = e - a;
+        }
+    b->head_rows = in->head_rows > 0 ? in->head_rows : MF_SG_HEAD_ROWS;
+    if ((size_t)b->head_rows > n_) b->head_rows = (int)n_;
+    struct { size_t bytes, *off; } dt[2 * MF_LY_A_N + 19];
+    int m = 0;
+    for (int k = 0; k < MF_LY_A_N; k++) dt[m++] = (typeof(dt[0])){ln * (size_t)b->ab_ld[k] * f, &b->ab[k]};
+    for (int k = 0; k < MF_LY_A_N; k++)   /* the bf16 copies (the host's mirrors' layouts) */
+        dt[m++] = (typeof(dt[0])){mf_sg_attn_buf_bf16(k) ? ln * (size_t)b->ab_ld[k] * 2 : 0, &b->ab16[k]};
+    dt[m++] = (typeof(dt[0])){mf_sg_dense_bf16(MF_SG_D_GATE, 0) ? n_ * H * 2 : 0, &b->xin16};
+    dt[m++] = (typeof(dt[0])){mf_sg_dense_bf16(MF_SG_D_SHARED, 1) && Ish ? n_ * H * 2 : 0, &b->ys16};
+    dt[m++] = (typeof(dt[0])){n_ * H * f, &b->xin};
+    dt[m++] = (typeof(dt[0])){n_ * E * f, &b->logits};
+    dt[m++] = (typeof(dt[0])){n_ * Ish * f, &b->hs};
+    dt[m++] = (typeof(dt[0])){ex ? n_ * Ish * f : 0, &b->gs};
+    dt[m++] = (typeof(dt[0])){ex ? n_ * Ish * f : 0, &b->us};
+    dt[m++] = (typeof(dt[0])){n_ * H * f, &b->ys};
+    dt[m++] = (typeof(dt[0])){n_ * H * f, &b->hn};
+    dt[m++] = (typeof(dt[0])){(size_t)b->head_rows * V * f, &b->lbuf};
+    size_t eg = c->n_engram > 0 ? ln : 0;   /* one Engram layer's rows: its chains run in turn */
+    dt[m++] = (typeof(dt[0])){eg * (size_t)b->eg_emb_ld * f, &b->eg_emb};
+    dt[m++] = (typeof(dt[0])){eg * (size_t)b->eg_kv_ld * f, &b->eg_kv};
+    int hk = sg->heads_any;   /* the heads' key table, lists, counts, sinks */
+    size_t D = (size_t)c->head_dim;
+    dt[m++] = (typeof(dt[0])){hk ? ((size_t)c->sliding_window + n_ + (size_t)b->hk_ecap) * D * f : 0, &b->hk_tab};
+    dt[m++] = (typeof(dt[0])){hk ? n_ * (size_t)sg->heads_keys * 4 : 0, &b->hk_keys};
+    dt[m++] = (typeof(dt[0])){hk ? n_ * 4 : 0, &b->hk_nk};
+    dt[m++] = (typeof(dt[0])){hk ? (size_t)c->n_heads * f : 0, &b->hk_sink};
+    int sk = sg->scores_any;   /* the index scores' keys, counts, scores */
+    dt[m++] = (typeof(dt[0])){sk ? (size_t)MF_SG_SCORE_ENTRIES * (size_t)c->index_head_dim * f : 0, &b->sk_tab};
+    dt[m++] = (typeof(dt[0])){sk ? n_ * 4 : 0, &b->sk_nvis};
+    dt[m++] = (typeof(dt[0])){sk ? (size_t)b->sk_rows * MF_SG_SCORE_ENTRIES * sizeof(double) : 0, &b->sk_score};
+    for (int i = 0; i < m; i++) {
+        *dt[i].off = b->dense_bytes;
+        b->dense_bytes += sg_al256(dt[i].bytes);
+    }
+}
+
+int mf_sg_card_reserve(const mf_sg_opts *base, const mf_sg_card_in *in, int chunk, int max_items, double *routed,
+                       double *dense)
+{
+    *routed = *dense = 0;
+    const int ns[2] = {chunk, max_items};
+    for (int k = 0; k < 2; k++) {
+        if (ns[k] < 1) continue;
+        mf_sg_opts o = *base;
+        o.n = ns[k];
+        o.par = k == 1 && ns[k] > 1;
+        mf_stepgraph *g = NULL;
+        int rc = mf_stepgraph_new(&o, &g);
+        if (rc) return mf_error_wrap(rc, "the card buffers of a %s of %d", k ? "decode batch" : "prefill chunk", ns[k]);
+        mf_sg_card_in ci = *in;
+        ci.sg = g;
+        ci.ln = ns[k];
+        mf_sg_card_bufs b;
+        mf_sg_card_bufs_of(&ci, &b);
+        if (base->n_cards) *routed += (double)b.routed_bytes;
+        if (base->n_dense_cards) *dense += (double)b.dense_bytes;
+        mf_stepgraph_free(g);
+    }
+    return 0;
+}
+
+/* ---- the bf16 copies ------------------------------------------------------------------------- */
+
+int mf_sg_attn_buf_bf16(int buf)
+{
+    return buf == MF_LY_A_IN || buf == MF_LY_A_QR || buf == MF_LY_A_Q || buf == MF_LY_A_QI || buf == MF_LY_A_O ||
+           buf == MF_LY_A_Z || buf == MF_LY_A_OUT;
+}
+
+int mf_sg_dense_bf16(int dense, int out)
+{
+    return (dense == MF_SG_D_GATE && !out) || (dense == MF_SG_D_SHARED && out);
+}
+
+/* Bytes a value of attention buffer buf travels in (mf_sg_attn_buf_bf16). */
+double mf_sg_attn_val_bytes(int buf) { return mf_sg_attn_buf_bf16(buf) ? 2.0 : 4.0; }
+
+/* ---- the dense chain ------------------------------------------------------------------------- */
+
+/* The share of the heads' output that part k of `parts` of the grouped wo_a's n_rows rows reads:
+ * the groups its rows touch (each group's rows read their own slice of the input). */
+static double sg_dense_oa_in_share(const mf_config *c, int parts, int k, double n_rows)
+{
+    int64_t r0, r1, G = c->o_groups > 0 ? c->o_groups : 1, R = (int64_t)n_rows / G;
+    if (parts <= 1 || R < 1) return 1;
+    mf_sg_dense_rows(parts, k, (int64_t)n_rows, &r0, &r1);
+    return r1 > r0 ? (double)((r1 + R - 1) / R - r0 / R) / (double)G : 0;
+}
+
+/* Each member of group g on card cd (a dense chain's first task or card work: its chains, one per
+ * card and item block) before `after`. */
+static void sg_dense_member_dep(mf_sg_builder *b, mf_task_id g, int cd, mf_task_id after)
+{
+    for (mf_task_id x = g; x >= 0 && after >= 0 && !b->rc; x = b->next_of[x])
+        if (b->sg->task[x].card == cd) b->rc = mf_graph_add_dep(b->sg->g, x, after);
+}
+
+/* Each card work of group `after` waits for the members of group `before` on its card. */
+void mf_sg_dense_after(mf_sg_builder *b, mf_task_id before, mf_task_id after)
+{
+    for (mf_task_id y = after; y >= 0 && before >= 0 && !b->rc; y = b->next_of[y])
+        sg_dense_member_dep(b, before, b->sg->task[y].card, y);
+}
+
+int mf_sg_dense_blocks(int n, int block_min)
+{
+    int m = block_min > 0 ? block_min : MF_SG_DENSE_BLOCK, k = n / m;
+    return k < 1 ? 1 : k > MF_SG_DENSE_MAX_BLOCKS ? MF_SG_DENSE_MAX_BLOCKS : k;
+}
+
+/* Dense sublayer d of layer L (-1: the head) on its card, or with --dense-split rows on every
+ * card (mf_sg_dense_parts), each card a chain over its rows (mf_sg_dense_rows of the
+ * sublayer's out_tok / 4 output rows; its record's part the card, its work and copy-out that
+ * share) per item block of the micro-batch's items (mf_sg_dense_blocks; a block's copy in after
+ * the block before's): copy in of in_tok bytes per item (0: none; the card work then waits for
+ * after_in's members on its card, the copy-ins of an earlier chain) -> the card's work (record t)
+ * -> copy out of the card's rows per item (out_tok 0: none, the output stays on the card), the
+ * first out_bf_rows of all the rows as bf16 (2 bytes: mf_sg_attn_buf_bf16), the others fp32;
+ * in_tok counts the bytes as they travel. Returns the first chain's first task; the chains' first
+ * tasks are a group (a dependency on it is one on each chain's last task, mf_sg_dep), their card
+ * works another (b->chain_run its first: mf_sg_dense_after). */
+mf_task_id mf_sg_dense_chain(mf_sg_builder *b, int L, int d, mf_sg_task t, int phase, double in_tok, double out_tok,
+                             mf_task_id after_in, double out_bf_rows)
+{
+    mf_stepgraph *sg = b->sg;
+    int parts = mf_sg_dense_parts(sg->n_dense_cards, sg->dense_split, d);
+    int n = b->h1 - b->h0, nb = d == MF_SG_D_HEAD ? 1 : mf_sg_dense_blocks(n, sg->dense_block);
+    mf_task_id head = -1, prev_first = -1, prev_run = -1;
+    for (int k = 0; k < parts && !b->rc; k++) {
+        int cd = parts > 1 ? k : mf_sg_dense_card(b->o->c, sg->n_dense_cards, L), lane = b->o->lane_dev0 + 3 * cd;
+        double share = parts > 1 ? sg_dense_share(parts, k, out_tok / 4) : 1;
+        mf_task_id prev_in = -1;
+        for (int j = 0; j < nb && !b->rc; j++) {
+            mf_sg_task r = mf_sg_rec(L);
+            r.card = (int8_t)cd;
+            r.dense = (int8_t)d;
+            r.part = parts > 1 ? k : -1;
+            mf_sg_span(b, &r);
+            if (nb > 1) {   /* block j's items: n / nb or one more */
+                r.i0 = b->h0 + (int)((int64_t)n * j / nb);
+                r.i1 = b->h0 + (int)((int64_t)n * (j + 1) / nb);
+                r.n_tok = r.i1 - r.i0;
+                r.block = (int8_t)j;
+            }
+            char pre[24], blk[16] = "";
+            if (L < 0) snprintf(pre, sizeof pre, "dev%d", cd);
+            else snprintf(pre, sizeof pre, "dev%d L%d", cd, L);
+            if (nb > 1) snprintf(blk, sizeof blk, " b%d", j);
+            mf_task_id in = -1;
+            if (in_tok > 0) {
+                SG_NAME(b, "%s %s in%s", pre, sg_dense_name[d], blk);
+                mf_sg_task ti = r;
+                ti.w.copy_bytes_tok =
+                    in_tok * (d == MF_SG_D_ATTN_OA ? sg_dense_oa_in_share(b->o->c, parts, k, out_tok / 4) : 1);
+                in = mf_sg_add(b, lane, MF_SG_DENSE_IN, phase, MF_SG_K_COPY, ti);
+                if (!b->rc && prev_in >= 0) b->rc = mf_graph_add_dep(sg->g, prev_in, in);
+                prev_in = in;
+            }
+            mf_sg_task tk = t;
+            tk.card = r.card;
+            tk.dense = r.dense;
+            tk.part = r.part;
+            tk.block = r.block;
+            tk.i0 = r.i0;
+            tk.i1 = r.i1;
+            tk.n_tok = r.n_tok;
+            for (int f = 0; f < MF_KF_N; f++) {   /* the card's share of the rows (calls: each card's) */
+                tk.w.w_bytes[f] *= share;
+                tk.w.macs[f] *= share;
+            }
+            tk.w.ref_flops *= share * (n > 0 ? (double)r.n_tok / n : 1);   /* over the span: the block's share */
+            SG_NAME(b, "%s %s%s", pre, sg_dense_name[d], blk);
+            mf_task_id run = mf_sg_add(b, lane + 1, MF_SG_DENSE, phase, MF_SG_K_OTHER, tk), last = run;
+            if (in >= 0) {
+                if (!b->rc) b->rc = mf_graph_add_dep(sg->g, in, run);
+            } else if (after_in >= 0) {
+                sg_dense_member_dep(b, after_in, cd, run);
+            }
+            if (out_tok > 0 && share > 0) {
+                SG_NAME(b, "%s %s out%s", pre, sg_dense_name[d], blk);
+                mf_sg_task to = r;
+                int64_t r0, r1, bf = (int64_t)out_bf_rows;   /* the card's rows, those of them bf16 */
+                mf_sg_dense_rows(parts, parts > 1 ? k : -1, (int64_t)(out_tok / 4), &r0, &r1);
+                double n_bf = (double)((r1 < bf ? r1 : bf) - (r0 < bf ? r0 : bf));
+                to.w.copy_bytes_tok = out_tok * share - 2.0 * n_bf;
+                last = mf_sg_add(b, lane + 2, MF_SG_DENSE_OUT, phase, MF_SG_K_COPY_OUT, to);
+                if (!b->rc) b->rc = mf_graph_add_dep(sg->g, run, last);
+            }
+            if (b->rc) break;
+            mf_task_id first = in_tok > 0 ? in : run;
+            b->exit_of[first] = last;
+            if (prev_first >= 0) b->next_of[prev_first] = first;
+            if (prev_run >= 0 && prev_run != prev_first) b->next_of[prev_run] = run;
+            if (head < 0) head = first, b->chain_run = run;
+            prev_first = first;
+            prev_run = run;
+        }
+    }
+    return b->rc ? -1 : head;
+}
