@@ -73,7 +73,7 @@ int mf_layers_new(const mf_model *m, const mf_ref_opts *opts, mf_layers **out)
 {
     *out = NULL;
     const mf_config *c = mf_model_config(m);
-    int rc = mf_model_check_supported("reference", c);
+    int rc = mf_config_validate("reference", c);
     if (rc) return rc;
     if (c->n_experts_per_tok > 256 || c->engram_head_dim > 4096)
         return mf_error(-EINVAL, "reference: num_experts_per_tok %d (max 256) or engram_head_dim %d "
