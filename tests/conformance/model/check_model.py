@@ -127,15 +127,18 @@ def run(*args):
 
 
 def make_case(src, dst, n_layers, engram, window):
-    """A checkpoint derived from src: the first n_layers layers, Engram dropped, another window."""
+    """A checkpoint derived from src: the first n_layers layers (without the DSpark draft), Engram
+    dropped, another window."""
     os.makedirs(dst)
     c = json.load(open(os.path.join(src, "config.json")))
     sd = {}
     for f in sorted(glob.glob(os.path.join(src, "model-*.safetensors"))):
         sd.update(load_file(f))
-    if n_layers is not None:
+    if n_layers is not None:   # the DSpark draft reads the last layers: it goes with them
         c["num_hidden_layers"] = n_layers
+        c["num_nextn_predict_layers"] = 0
         c["compress_ratios"] = c["compress_ratios"][:n_layers]
+        sd = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
         for k in ("kv_source_layer_ids", "index_source_layer_ids"):
             c[k] = [i for i in c[k] if i < n_layers]
         if (c.get("candidate_source_layer_id") or 0) >= n_layers:
