@@ -119,6 +119,18 @@ static void check_loading(const char *dir)
     CHECK(mf_model_load(bare, &(mf_model_opts){.quiet = 1, .load_draft = 1}, &m) == -EINVAL && !m &&
               strstr(mf_last_error(), "mtp.0.main_proj.weight is missing"),
           "no mtp tensors, draft asked for: %s", mf_last_error());
+    /* `moeflow info` notes the absence, and exits 0 */
+    const char *bin = getenv("MOEFLOW_BIN");
+    if (bin) {
+        snprintf(cmd, sizeof cmd, "'%s' info '%s'", bin, bare);
+        FILE *f = popen(cmd, "r");
+        char out[1 << 15] = "";
+        size_t n = f ? fread(out, 1, sizeof out - 1, f) : 0;
+        out[n] = 0;
+        int status = f ? pclose(f) : -1;
+        CHECK(status == 0 && strstr(out, "plain decoding only") && strstr(out, "0 missing, 0 mismatched"),
+              "info without the draft's tensors: status %d: %s", status, out);
+    }
     mf_model_free(plain);
     mf_model_free(with);
     mf_model_free(older);

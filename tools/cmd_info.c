@@ -100,9 +100,9 @@ static void mf_info_config(const mf_config *c)
         printf("  draft: %d stages (DSpark, mtp.*): block %d, noise token %d, ", c->n_mtp_layers, c->dspark_block_size,
                c->dspark_noise_token_id);
         mf_print_ids("features of layers", c->dspark_target_layer_ids, c->n_dspark_target);
-        printf(", %d routed experts top-%d, Markov rank %d; %.2f GiB, read only when speculation is asked for\n",
-               c->dspark_n_routed_experts, c->dspark_num_experts_per_tok, c->dspark_markov_rank,
-               mf_config_draft_bytes(c) / GIB);
+        printf(", %d routed experts top-%d, Markov rank %d; %.2f GiB, read only when speculation is asked for; "
+               "%.2f MiB of context per sequence\n", c->dspark_n_routed_experts, c->dspark_num_experts_per_tok,
+               c->dspark_markov_rank, mf_config_draft_bytes(c) / GIB, mf_ly_draft_ring_bytes(c) / 1048576.0);
     } else {
         printf("  draft: none (num_nextn_predict_layers 0)\n");
     }
