@@ -100,8 +100,38 @@ static void m_yarn(json_t *m, json_t *r)
 }
 static void m_idx_ratio0(json_t *m, json_t *r)
 {
-    json_array_set_new(json_object_get(m, "index_source_layer_ids"), 0, json_integer(1));
+    json_array_insert_new(json_object_get(m, "index_source_layer_ids"), 0, json_integer(1));
 }
+/* what the oracle's loader refuses and moeflow once accepted: a candidate layer that is no KV
+ * source (24 is an index source on KV source 20); an index layer after the candidate layer on
+ * another KV source (24 made a KV source: the oracle's indexer finds no candidates there) */
+static void m_cand_not_kv(json_t *m, json_t *r) { json_object_set_new(m, "candidate_source_layer_id", json_integer(24)); }
+static void m_idx_other_group(json_t *m, json_t *r)
+{
+    json_array_append_new(json_object_get(m, "kv_source_layer_ids"), json_integer(24));
+}
+/* what `gen` once wrote and its own loader refused: index keys of 16 dims (the fp4 blocks are
+ * 32); a ratio-2 layer whose KV source (20) has ratio 1 */
+static void m_idx_dim16(json_t *m, json_t *r) { json_object_set_new(m, "index_head_dim", json_integer(16)); }
+static void m_ratio_owner(json_t *m, json_t *r)
+{
+    json_array_set_new(json_object_get(m, "compress_ratios"), 21, json_integer(2));
+}
+static void m_kv_heads(json_t *m, json_t *r) { json_object_set_new(m, "num_key_value_heads", json_integer(2)); }
+/* the draft's fields */
+static void m_draft_ratio(json_t *m, json_t *r)
+{
+    json_array_set_new(json_object_get(m, "compress_ratios"), 41, json_integer(1));
+}
+static void m_draft_target(json_t *m, json_t *r)
+{
+    json_array_set_new(json_object_get(m, "dspark_target_layer_ids"), 2, json_integer(40));
+}
+static void m_draft_noise(json_t *m, json_t *r) { json_object_set_new(m, "dspark_noise_token_id", json_integer(200000)); }
+static void m_draft_topk(json_t *m, json_t *r) { json_object_set_new(m, "dspark_num_experts_per_tok", json_integer(129)); }
+static void m_draft_rank(json_t *m, json_t *r) { json_object_set_new(m, "dspark_markov_rank", json_integer(0)); }
+static void m_draft_block(json_t *m, json_t *r) { json_object_set_new(m, "dspark_block_size", json_integer(0)); }
+static void m_draft_type(json_t *m, json_t *r) { json_object_set_new(m, "dspark_target_layer_ids", json_integer(39)); }
 static void m_hidden_odd(json_t *m, json_t *r) { json_object_set_new(m, "hidden_size", json_integer(5000)); }
 static void m_ratio_type(json_t *m, json_t *r)
 {
@@ -134,6 +164,18 @@ static const struct {
     {m_yarn, "rope_scaling.beta_fast", "string"},
     {m_idx_ratio0, "index_source_layer_ids", "layer 1 with ratio 0"},
     {m_hidden_odd, "hidden_size", "found 5000"},
+    {m_cand_not_kv, "candidate_source_layer_id", "found 24"},
+    {m_idx_other_group, "index_source_layer_ids", "index layer 24 on KV source 24"},
+    {m_idx_dim16, "index_head_dim", "found 16"},
+    {m_ratio_owner, "compress_ratios", "found KV source 20 of ratio 1"},
+    {m_kv_heads, "num_key_value_heads", "found 2"},
+    {m_draft_ratio, "compress_ratios", "draft stage 1 at index 41, found 1"},
+    {m_draft_target, "dspark_target_layer_ids", "found 40"},
+    {m_draft_noise, "dspark_noise_token_id", "found 200000"},
+    {m_draft_topk, "dspark_num_experts_per_tok", "found 129"},
+    {m_draft_rank, "dspark_markov_rank", "found 0"},
+    {m_draft_block, "dspark_block_size", "found 0"},
+    {m_draft_type, "dspark_target_layer_ids", "an integer"},
 };
 
 static void check_errors(const mf_config *flash)
@@ -272,6 +314,39 @@ static void check_rope_defaults(void)
     }
 }
 
+/* A config.json without the DSpark fields gets the oracle's defaults (flash41's are those); an
+ * older one without draft stages (num_nextn_predict_layers 0, no dspark_*) still parses, its
+ * defaults unchecked (noise token 128799 past tiny's vocabulary). */
+static void check_draft_defaults(void)
+{
+    static const char *keys[] = {"dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids",
+                                 "dspark_markov_rank", "dspark_n_routed_experts", "dspark_num_experts_per_tok"};
+    for (int v = 0; v < 2; v++) {
+        mf_config c, got;
+        mf_config_preset(v ? "tiny" : "flash41", &c);
+        char *text = mf_config_to_json(&c);
+        json_t *o = json_loads(text, 0, NULL);
+        free(text);
+        for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++) json_object_del(o, keys[k]);
+        if (v) {
+            json_object_set_new(o, "num_nextn_predict_layers", json_integer(0));
+            for (int k = 0; k < 3; k++) json_array_remove(json_object_get(o, "compress_ratios"), 8);
+        }
+        text = json_dumps(o, 0);
+        json_decref(o);
+        int rc = mf_config_parse("draft", text, &got);
+        free(text);
+        CHECK(rc == 0, "variant %d: %s", v, mf_last_error());
+        if (rc) continue;
+        if (!v) CHECK(memcmp(&got, &c, sizeof got) == 0, "flash41 without dspark fields differs from the preset");
+        CHECK(got.dspark_block_size == 5 && got.dspark_noise_token_id == 128799 && got.n_dspark_target == 3 &&
+                  got.dspark_target_layer_ids[0] == 37 && got.dspark_target_layer_ids[2] == 39 &&
+                  got.dspark_markov_rank == 256 && got.dspark_n_routed_experts == 128 &&
+                  got.dspark_num_experts_per_tok == 3 && got.n_mtp_layers == (v ? 0 : 3),
+              "variant %d: the oracle's defaults", v);
+    }
+}
+
 int main(void)
 {
     const char *names[] = {"tiny", "demo", "flash41"};
@@ -313,5 +388,6 @@ int main(void)
     check_errors(f);
     check_round_trips(tmpdir ? tmpdir : "/tmp");
     check_rope_defaults();
+    check_draft_defaults();
     return mf_check_exit("test_config");
 }

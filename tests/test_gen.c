@@ -1,7 +1,8 @@
 /* graphs/gen and the gen/info commands: tiny is byte-for-byte deterministic per seed and differs
  * across seeds; every layout tensor is present with its dtype and shape and reads back as the
  * generator's values, all finite, with the intended magnitudes; a non-empty dir is refused; a
- * failing run leaves nothing behind; flash41 as sparse headers reproduces the released census. */
+ * failing run leaves nothing behind; configurations the loader refuses are refused by gen too;
+ * flash41 as sparse headers reproduces the released census, the draft's mtp.* tensors included. */
 #include <dirent.h>
 #include <errno.h>
 #include <jansson.h>
@@ -276,6 +277,43 @@ static void check_tiny(void)
 
 static void gib2(char *buf, uint64_t bytes) { snprintf(buf, 32, "%.2f", bytes / 1073741824.0); }
 
+/* One validation (mf_config_validate) for gen, the loader and info: configurations the loader
+ * once refused and gen still wrote are refused by gen, naming the field, with nothing written. */
+static void check_refusals(void)
+{
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/gen_refused", tmp);
+    rm_tree(dir);
+    mf_gen_opts o;
+    mf_gen_preset_opts("tiny", &o);
+    o.quiet = 1;
+    for (int k = 0; k < 4; k++) {
+        mf_config c;
+        mf_config_preset("tiny", &c);
+        const char *field = NULL;
+        if (k == 0) {   /* index keys of 16 dims: the fp4 blocks are 32 */
+            c.index_head_dim = 16;
+            c.qk_rope_head_dim = 16;
+            field = "index_head_dim";
+        } else if (k == 1) {   /* ratio-1 layer 4 stays a KV source; layer 3 (ratio 2) moves past it */
+            c.compress_ratios[5] = 2;
+            field = "compress_ratios";
+        } else if (k == 2) {   /* the candidate layer no KV source (6 is an index source on 4) */
+            c.candidate_source_layer_id = 6;
+            field = "candidate_source_layer_id";
+        } else {   /* index layer 6 made a KV source after candidate layer 4 */
+            c.kv_source_layer_ids[c.n_kv_source++] = 6;
+            field = "index_source_layer_ids";
+        }
+        mf_error_clear();
+        int rc = mf_gen_write(&c, dir, &o);
+        struct stat sb;
+        CHECK(rc == -EINVAL && strstr(mf_last_error(), field), "case %d: gen rc %d: %s", k, rc, mf_last_error());
+        CHECK(stat(dir, &sb) != 0, "case %d: a refused config left %s", k, dir);
+        rm_tree(dir);
+    }
+}
+
 static void check_flash41(void)
 {
     char dir[4096];
@@ -330,12 +368,17 @@ static void check_flash41(void)
     CHECK(!strcmp(g, "1.32"), "shared experts %s GiB", g);
     CHECK(cs.bytes[MF_GROUP_EMBED_HEAD] == 2647654400ull, "embed+head %llu",
           (unsigned long long)cs.bytes[MF_GROUP_EMBED_HEAD]);
-    CHECK(cs.bytes[MF_GROUP_MTP] == 0, "mtp generated");
-    CHECK(cs.total_bytes - cs.bytes[MF_GROUP_EXPERTS] - tables == 9846748608ull,
+    /* the draft: the seed's census of the released mtp.* tensors (7.39 GiB, 2,401 tensors) */
+    CHECK(cs.bytes[MF_GROUP_MTP] == 7932874632ull && cs.tensors[MF_GROUP_MTP] == 2401, "mtp %llu bytes, %lld tensors",
+          (unsigned long long)cs.bytes[MF_GROUP_MTP], (long long)cs.tensors[MF_GROUP_MTP]);
+    gib2(g, cs.bytes[MF_GROUP_MTP]);
+    CHECK(!strcmp(g, "7.39"), "mtp %s GiB", g);
+    CHECK(mf_config_draft_bytes(&c) == 7932874632ull, "draft bytes %llu", (unsigned long long)mf_config_draft_bytes(&c));
+    CHECK(cs.total_bytes - cs.bytes[MF_GROUP_EXPERTS] - cs.bytes[MF_GROUP_MTP] - tables == 9846748608ull,
           "resident text weights %llu",
-          (unsigned long long)(cs.total_bytes - cs.bytes[MF_GROUP_EXPERTS] - tables));
-    /* 96,085 released tensors = these + 2,401 mtp + 259 vision + 4 aligner + 3 image tokens */
-    CHECK(cs.n_tensors == 96085 - 2401 - 259 - 4 - 3, "tensors %lld", (long long)cs.n_tensors);
+          (unsigned long long)(cs.total_bytes - cs.bytes[MF_GROUP_EXPERTS] - cs.bytes[MF_GROUP_MTP] - tables));
+    /* 96,085 released tensors = these (text + 2,401 mtp) + 259 vision + 4 aligner + 3 image tokens */
+    CHECK(cs.n_tensors == 96085 - 259 - 4 - 3, "tensors %lld", (long long)cs.n_tensors);
     CHECK(cs.n_shards == 48, "shards %d", cs.n_shards);
     mf_st_close(st);
 
@@ -382,6 +425,7 @@ static void check_flash41(void)
         n = f ? fread(out, 1, (1 << 16) - 1, f) : 0;
         status = f ? pclose(f) : -1;
         CHECK(status == 0 && strstr(out, "268.95") && strstr(out, "189.13") &&
+                  strstr(out, "7.39") && strstr(out, "draft: 3 stages (DSpark") &&
                   strstr(out, "0 missing, 0 mismatched, 0 not in layout"),
               "info text: %s", out);
         free(out);
@@ -413,6 +457,7 @@ int main(void)
     snprintf(tmp, sizeof tmp, "%s", t ? t : "/tmp");
     mkdir(tmp, 0755);
     check_tiny();
+    check_refusals();
     check_flash41();
     return mf_check_exit("test_gen");
 }

@@ -151,6 +151,98 @@ static void test_zipf_skew(void)
     mf_routing_free(u);
 }
 
+/* ---- locality --------------------------------------------------------------------------------- */
+
+/* Mean misses per token and layer against a FIFO window of the last `win` experts loaded (a miss
+ * loads the expert, evicting the oldest), per sequence, over `steps` calls of n tokens (token t =
+ * sequence t) after `warm` calls: the seed's probe of the released checkpoint. Also the mean
+ * distinct experts per layer over runs of `span` consecutive tokens of one sequence (what a
+ * verify of span tokens touches). */
+static double fifo_misses(mf_routing *r, int L, int E, int K, int n, int warm, int steps, int win, int span,
+                          double *distinct)
+{
+    int32_t *fifo = calloc((size_t)L * n * win, sizeof *fifo), *ex = malloc(sizeof *ex * (size_t)L * n * K);
+    int *fill = calloc((size_t)L * n, sizeof *fill);
+    int32_t *run = calloc((size_t)L * n * span * K, sizeof *run);
+    uint8_t *seen = calloc((size_t)E, 1);
+    double miss = 0, cnt = 0, dsum = 0, dcnt = 0;
+    for (int step = 0; step < warm + steps; step++) {
+        mf_routing_next(r, n, ex);
+        for (int l = 0; l < L; l++)
+            for (int t = 0; t < n; t++) {
+                const int32_t *e = ex + ((size_t)l * n + t) * K;
+                int32_t *f = fifo + ((size_t)l * n + t) * win;
+                int *nf = &fill[(size_t)l * n + t], m = 0;
+                for (int j = 0; j < K; j++) {
+                    int hit = 0;
+                    for (int i = 0; i < *nf; i++) hit |= f[i] == e[j];
+                    if (hit) continue;
+                    m++;
+                    if (*nf == win) memmove(f, f + 1, sizeof *f * (size_t)(win - 1)), (*nf)--;
+                    f[(*nf)++] = e[j];
+                }
+                if (step >= warm) miss += m, cnt++;
+                int32_t *ru = run + ((size_t)l * n + t) * span * K;
+                memcpy(ru + (size_t)(step % span) * K, e, sizeof *e * (size_t)K);
+                if (step >= warm && (step - warm) % span == span - 1) {
+                    int d = 0;
+                    for (int i = 0; i < span * K; i++) d += !seen[ru[i]]++;
+                    for (int i = 0; i < span * K; i++) seen[ru[i]] = 0;
+                    dsum += d, dcnt++;
+                }
+            }
+    }
+    free(fifo), free(ex), free(fill), free(run), free(seen);
+    *distinct = dsum / dcnt;
+    return miss / cnt;
+}
+
+/* local routing: valid draws, deterministic per seed, refusals; the default's FIFO-16 misses on
+ * the released checkpoint's shape (40 layers, 384 experts, top-6) within the seed's measured
+ * 2.67-3.30 per layer, alone and in a batch of 16 sequences (each its own history); uniform
+ * draws for contrast. */
+static void test_local(void)
+{
+    const int L = 40, E = 384, K = 6;
+    mf_routing *r = NULL, *r2 = NULL, *u = NULL;
+    CHECK(mf_routing_open("local", L, E, K, 5, &r) == 0 && !strcmp(mf_routing_describe(r), "local:0.6:16"),
+          "local: %s", mf_last_error());
+    CHECK(mf_routing_open("local:0.6:16", L, E, K, 5, &r2) == 0, "local:0.6:16: %s", mf_last_error());
+    if (!r || !r2) return;
+    int32_t a[40 * 4 * 6], b[40 * 4 * 6];
+    int same = 1;
+    for (int step = 0; step < 20; step++) {
+        mf_routing_next(r, 4, a);
+        mf_routing_next(r2, 4, b);
+        same &= !memcmp(a, b, sizeof a);
+        check_valid(a, L, 4, K, E, "local");
+    }
+    CHECK(same, "local: the same spec and seed drew differently");
+    mf_routing_free(r);
+    mf_routing_free(r2);
+    double d1, d16, du;
+    mf_routing_open("local", L, E, K, 11, &r);
+    double m1 = fifo_misses(r, L, E, K, 1, 20, 200, 16, 6, &d1);
+    mf_routing_free(r);
+    mf_routing_open("local", L, E, K, 12, &r);
+    double m16 = fifo_misses(r, L, E, K, 16, 20, 60, 16, 6, &d16);
+    mf_routing_free(r);
+    mf_routing_open("uniform", L, E, K, 13, &u);
+    double mu = fifo_misses(u, L, E, K, 1, 20, 200, 16, 6, &du);
+    mf_routing_free(u);
+    printf("FIFO-16 misses per layer of 6 (seed host: 2.67-3.30): local %.2f (one sequence), %.2f (16 sequences), "
+           "uniform %.2f; distinct experts per layer over 6 consecutive tokens: local %.1f / %.1f, uniform %.1f\n",
+           m1, m16, mu, d1, d16, du);
+    CHECK(m1 >= 2.67 && m1 <= 3.30 && m16 >= 2.67 && m16 <= 3.30, "local: %.2f / %.2f FIFO misses", m1, m16);
+    CHECK(mu > 5.5, "uniform: %.2f FIFO misses (expected ~5.8)", mu);
+    const char *bad[] = {"local:1.5", "local:0.5:0", "local:0.5:385", "local:x", "local:0.5:16:2"};
+    for (int i = 0; i < 5; i++) {
+        mf_routing *x = NULL;
+        CHECK(mf_routing_open(bad[i], L, E, K, 1, &x) == -EINVAL && !x && strstr(mf_last_error(), bad[i]),
+              "%s refused: %s", bad[i], mf_last_error());
+    }
+}
+
 /* ---- traces ---------------------------------------------------------------------------------- */
 
 #define TL 6
@@ -421,6 +513,7 @@ int main(void)
     }
     test_draws();
     test_zipf_skew();
+    test_local();
     test_trace_round_trip();
     test_trace_malformed();
     test_cli_record();

@@ -26,7 +26,8 @@ static void mf_info_usage(FILE *f)
                "engram, mtp, attn, shared_experts, embed_head, other. Reads headers only.\n"
                "With config.json beside the shards, validates it, prints a summary and checks\n"
                "every tensor of the layout it implies against the checkpoint; exits 1 when any\n"
-               "is missing or misshapen (the census is printed all the same).\n\n"
+               "is missing or misshapen (the census is printed all the same). A checkpoint\n"
+               "without the DSpark draft's mtp.* tensors is complete for plain decoding (noted).\n\n"
                "  --json   one JSON object: total_bytes, n_tensors, n_shards, groups\n");
 }
 
@@ -95,6 +96,16 @@ static void mf_info_config(const mf_config *c)
            "resident %.2f GiB\n",
            mf_config_expert_bytes(c) / 1048576.0, mf_config_expert_bank_bytes(c) / GIB,
            mf_config_engram_table_bytes(c) / GIB, mf_config_resident_bytes(c) / GIB);
+    if (c->n_mtp_layers > 0) {
+        printf("  draft: %d stages (DSpark, mtp.*): block %d, noise token %d, ", c->n_mtp_layers, c->dspark_block_size,
+               c->dspark_noise_token_id);
+        mf_print_ids("features of layers", c->dspark_target_layer_ids, c->n_dspark_target);
+        printf(", %d routed experts top-%d, Markov rank %d; %.2f GiB, read only when speculation is asked for; "
+               "%.2f MiB of context per sequence\n", c->dspark_n_routed_experts, c->dspark_num_experts_per_tok,
+               c->dspark_markov_rank, mf_config_draft_bytes(c) / GIB, mf_ly_draft_ring_bytes(c) / 1048576.0);
+    } else {
+        printf("  draft: none (num_nextn_predict_layers 0)\n");
+    }
     mf_info_state ss = mf_info_state_of(c);
     printf("  sequence state: %.2f MiB fixed (packed E4M3 window ring) + %.1f bytes per token (packed fp4 compressed KV "
            "and index keys, pages of %d positions); 8k tokens %.2f MiB, %lld of them in 64 GiB\n",
@@ -111,10 +122,19 @@ static int mf_info_check_layout(const mf_st *st, const mf_config *c)
         printf("layout check: %s\n", mf_last_error());
         return 1;
     }
-    int missing = 0, mismatched = 0, n = mf_layout_n(l);
+    int missing = 0, mismatched = 0, n = mf_layout_n(l), n_draft = 0, draft_missing = 0;
+    for (int i = 0; i < n; i++) {
+        const mf_layout_tensor *t = mf_layout_at(l, i);
+        n_draft += t->group == MF_GROUP_MTP;
+        draft_missing += t->group == MF_GROUP_MTP && !mf_st_find(st, t->name);
+    }
+    /* a checkpoint without the draft (older gen output, or one stripped of it) is complete for
+     * plain decoding: its absence is a note, not a mismatch; a partial draft is an error */
+    int skip_draft = n_draft > 0 && draft_missing == n_draft;
     for (int i = 0; i < n; i++) {
         const mf_layout_tensor *t = mf_layout_at(l, i);
         const mf_st_tensor *s = mf_st_find(st, t->name);
+        if (skip_draft && t->group == MF_GROUP_MTP) continue;
         if (!s) {
             if (missing++ < 5) printf("  missing: %s\n", t->name);
             continue;
@@ -132,8 +152,11 @@ static int mf_info_check_layout(const mf_st *st, const mf_config *c)
         const mf_st_tensor *s = mf_st_tensor_at(st, i);
         if (mf_layout_find(l, s->name) < 0 && extra++ < 5) printf("  not in layout: %s\n", s->name);
     }
-    printf("layout check: %d tensors expected, %d missing, %d mismatched, %d not in layout%s\n", n,
-           missing, mismatched, extra, extra ? " (MTP, vision and unknown tensors)" : "");
+    if (skip_draft)
+        printf("draft: none of its %d mtp.* tensors is in the checkpoint: plain decoding only (no speculation)\n",
+               n_draft);
+    printf("layout check: %d tensors expected, %d missing, %d mismatched, %d not in layout%s\n",
+           n - (skip_draft ? n_draft : 0), missing, mismatched, extra, extra ? " (vision and unknown tensors)" : "");
     mf_layout_free(l);
     return missing + mismatched;
 }
@@ -204,6 +227,11 @@ int mf_cmd_info(int argc, char **argv)
                           (json_int_t)cfg.yarn_original_max_position_embeddings, "beta_fast",
                           cfg.yarn_beta_fast, "beta_slow", cfg.yarn_beta_slow, "source",
                           cfg.yarn_defaulted ? "default" : "config.json"));
+        if (have_cfg)   /* the draft the config describes, and how much of it the checkpoint has */
+            json_object_set_new(o, "draft",
+                json_pack("{s:i, s:I, s:I, s:I}", "stages", cfg.n_mtp_layers, "layout_bytes",
+                          (json_int_t)mf_config_draft_bytes(&cfg), "bytes", (json_int_t)cs.bytes[MF_GROUP_MTP],
+                          "tensors", (json_int_t)cs.tensors[MF_GROUP_MTP]));
         if (have_cfg) {
             mf_info_state ss = mf_info_state_of(&cfg);
             json_object_set_new(o, "sequence_state",

@@ -468,3 +468,25 @@ int mf_ly_attn(mf_ly_ctx *cx, mf_ly_item *it, int L, const float *in, float *out
     if (!rc) rc = mf_ly_attn_stage(cx, L, MF_LY_A_STAGE_OB, b);
     return rc;
 }
+
+void mf_ly_attn_sink_rows(const float *qh, const float *keys, int64_t n, int D, double sink, double *s,
+                          double *acc, float *oh)
+{
+    double scale = 1.0 / sqrt((double)D), mx = sink;
+    for (int64_t i = 0; i < n; i++) {
+        const float *k = keys + i * D;
+        double dot = 0;
+        for (int d = 0; d < D; d++) dot += (double)qh[d] * k[d];
+        s[i] = dot * scale;
+        mx = s[i] > mx ? s[i] : mx;
+    }
+    double den = exp(sink - mx);
+    for (int d = 0; d < D; d++) acc[d] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float *v = keys + i * D;
+        double e = exp(s[i] - mx);
+        den += e;
+        for (int d = 0; d < D; d++) acc[d] += e * v[d];
+    }
+    for (int d = 0; d < D; d++) oh[d] = mf_bf((float)(acc[d] / den));
+}

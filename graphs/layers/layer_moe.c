@@ -11,7 +11,12 @@
 void mf_ly_route(const mf_config *c, const float *logits, const float *bias, int32_t *experts,
                   float *weights)
 {
-    int n = c->n_routed_experts, k = c->n_experts_per_tok;
+    mf_ly_route_n(c, c->n_routed_experts, c->n_experts_per_tok, logits, bias, experts, weights);
+}
+
+void mf_ly_route_n(const mf_config *c, int n, int k, const float *logits, const float *bias, int32_t *experts,
+                   float *weights)
+{
     /* scores are recomputed per candidate: small n, plain loops */
     for (int t = 0; t < k; t++) {
         int best = -1;
@@ -60,11 +65,12 @@ void mf_ly_route_item(mf_ly_ctx *cx, const mf_ly_item *it, int L, const float *l
     const mf_config *c = cx->ly->c;
     const mf_model_layer *y = mf_model_layer_at(cx->ly->m, L);
     float *bias = cx->gate_bias;
-    for (int e = 0; e < c->n_routed_experts; e++) bias[e] = mf_ly_vec(&y->gate_bias, e);
-    mf_ly_route(c, logits, bias, experts, weights);
-    if (cx->ly->hooks.on_route)
-        cx->ly->hooks.on_route(cx->ly->hooks.user, it->st, it->pos, L, experts, weights,
-                               c->n_experts_per_tok);
+    int n = mf_config_layer_experts(c, L), k = mf_config_layer_topk(c, L);
+    for (int e = 0; e < n; e++) bias[e] = mf_ly_vec(&y->gate_bias, e);
+    mf_ly_route_n(c, n, k, logits, bias, experts, weights);
+    if (it->routes) memcpy(it->routes, experts, (size_t)k * sizeof *experts);
+    if (cx->ly->hooks.on_route && L < c->n_layers)
+        cx->ly->hooks.on_route(cx->ly->hooks.user, it->st, it->pos, L, experts, weights, k);
 }
 
 /* y[hidden] = w2(bf16(weight * silu(min(g, lim)) * clamp(u, +-lim))) with g = w1 x, u = w3 x. */
@@ -124,25 +130,26 @@ int mf_ly_moe(mf_ly_ctx *cx, mf_ly_item *it, int L, const float *in, float *out)
     const mf_config *c = cx->ly->c;
     const mf_model_layer *y = mf_model_layer_at(cx->ly->m, L);
     int64_t H = c->hidden_size;
+    int n_exp = mf_config_layer_experts(c, L), k = mf_config_layer_topk(c, L);
     float *logits = cx->gate_logits, *acc_y = cx->ffn_y;
     int rc;
-    if ((rc = mf_ly_gate_rows(cx, L, in, 1, H, logits, c->n_routed_experts, 0, c->n_routed_experts)))
-        return rc;
+    if ((rc = mf_ly_gate_rows(cx, L, in, 1, H, logits, n_exp, 0, n_exp))) return rc;
     int32_t experts[256];
     float weights[256];
     mf_ly_route_item(cx, it, L, logits, experts, weights);
     double *acc = cx->moe_acc;   /* hidden doubles */
     for (int64_t d = 0; d < H; d++) acc[d] = 0;
-    mf_store *st = mf_model_store(cx->ly->m);
+    /* the store holds the backbone's experts; a draft stage's are the model's own */
+    mf_store *st = L < c->n_layers ? mf_model_store(cx->ly->m) : NULL;
     if (st) {
         mf_ly_ex x = {cx, L, experts, weights, in};
-        rc = mf_store_ensure(st, L, experts, c->n_experts_per_tok, mf_ly_expert_task, &x);
+        rc = mf_store_ensure(st, L, experts, k, mf_ly_expert_task, &x);
         if (rc) return rc;
-        mf_store_unpin(st, L, experts, c->n_experts_per_tok);
-        for (int t = 0; t < c->n_experts_per_tok; t++)
+        mf_store_unpin(st, L, experts, k);
+        for (int t = 0; t < k; t++)
             for (int64_t d = 0; d < H; d++) acc[d] += cx->ex_out[(int64_t)t * H + d];
     }
-    for (int t = 0; !st && t < c->n_experts_per_tok; t++) {
+    for (int t = 0; !st && t < k; t++) {
         const mf_weight *ew = &y->experts[experts[t] * 3];
         if ((rc = mf_ly_expert(cx, &ew[0], &ew[1], &ew[2], weights[t], in, acc_y))) return rc;
         for (int64_t d = 0; d < H; d++) acc[d] += acc_y[d];

@@ -73,7 +73,7 @@ int mf_layers_new(const mf_model *m, const mf_ref_opts *opts, mf_layers **out)
 {
     *out = NULL;
     const mf_config *c = mf_model_config(m);
-    int rc = mf_model_check_supported("reference", c);
+    int rc = mf_config_validate("reference", c);
     if (rc) return rc;
     if (c->n_experts_per_tok > 256 || c->engram_head_dim > 4096)
         return mf_error(-EINVAL, "reference: num_experts_per_tok %d (max 256) or engram_head_dim %d "
@@ -158,6 +158,7 @@ int mf_ly_ctx_new(const mf_layers *ly, mf_ly_lin lin, mf_ly_ctx **out)
     cx->ly = ly;
     cx->lin = lin;
     int64_t H = c->hidden_size, hc = c->hc_mult, E = c->n_routed_experts;
+    if (c->n_mtp_layers > 0) E = mf_max64(E, c->dspark_n_routed_experts);   /* the draft's router */
     int64_t per = (int64_t)(c->engram_max_ngram_size - 1) * c->engram_n_heads, egd = c->engram_head_dim;
     int64_t ffn = c->moe_intermediate_size;   /* an expert's hidden size: routed or shared */
     for (int L = 0; c->n_shared_experts > 0 && L < c->n_layers; L++)
@@ -167,6 +168,7 @@ int mf_ly_ctx_new(const mf_layers *ly, mf_ly_lin lin, mf_ly_ctx **out)
     wide = mf_max64(wide, (int64_t)c->o_groups * c->o_lora_rank);
     wide = mf_max64(wide, ffn);
     wide = mf_max64(wide, per * egd);
+    if (c->n_mtp_layers > 0) wide = mf_max64(wide, (int64_t)c->n_dspark_target * H);   /* the draft's main_proj */
     uint64_t lazy_d = 0, lazy_s = 0;
     if (mf_model_is_lazy(m)) {
         const mf_model_layer *y = mf_model_layer_at(m, 0);

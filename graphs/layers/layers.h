@@ -237,6 +237,7 @@ typedef struct mf_ly_item {
     int n_cand;
     int cand_src;               /* KV source of the candidate mask (-1: none yet) */
     float *logits;
+    int32_t *routes;            /* NULL, or the layer's top-k: its routed experts written here too */
 } mf_ly_item;
 
 /* After a selection is made for item it (it->topk, n_topk, topk_src set): its entries unpacked
@@ -428,6 +429,11 @@ void mf_ly_attn_core_select(mf_ly_ctx *cx, mf_ly_item *it, int L, double *score)
 void mf_ly_attn_core_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b, int h0, int h1,
                            const mf_ly_win *win);
 void mf_ly_attn_ring_write(const mf_ly_ctx *cx, const mf_ly_item *it, int L, const float *kv);
+/* One head's attention with a sink over n contiguous key rows (K = V, D floats each), the formula of
+ * mf_ly_attn_core_heads: o = sum_t e^(s_t - m) k_t / (sum_t e^(s_t - m) + e^(sink - m)) with
+ * s_t = q.k_t / sqrt(D), in double, o rounded to bf16. Scratch: s (n doubles), acc (D doubles). */
+void mf_ly_attn_sink_rows(const float *qh, const float *keys, int64_t n, int D, double sink, double *s,
+                          double *acc, float *oh);
 
 /* ---- layer_moe.c: router and experts -------------------------------------------------------- */
 
@@ -442,9 +448,77 @@ int mf_ly_gate_rows(mf_ly_ctx *cx, int L, const float *x, int n_tok, int64_t ld_
 void mf_ly_route_item(mf_ly_ctx *cx, const mf_ly_item *it, int L, const float *logits, int32_t *experts,
                       float *weights);
 /* Router of one token: logits[n_routed] are the gate logits; picks the top n_experts_per_tok of
- * sqrtsoftplus(logits) + bias (ties: lower index), weights normalized and scaled. */
+ * sqrtsoftplus(logits) + bias (ties: lower index), weights normalized and scaled. _n: of n experts
+ * top-k (a draft stage's: mf_config_layer_experts, mf_config_layer_topk). The route hook is called
+ * for backbone layers only. */
 void mf_ly_route(const mf_config *c, const float *logits, const float *bias, int32_t *experts,
                  float *weights);
+void mf_ly_route_n(const mf_config *c, int n, int k, const float *logits, const float *bias, int32_t *experts,
+                   float *weights);
+
+/* ---- layer_dspark.c: the DSpark draft (docs/dspark.md) --------------------------------------- */
+
+/* The draft of a model loaded with its draft (mf_model_opts.load_draft), stage s at layer index
+ * n_layers + s of the tables. Per round it drafts dspark_block_size positions after an anchor a
+ * (the last token the target has produced, not yet run through it): the anchor's embedding, then
+ * the noise token's, at positions a..a+B-1, predicting the tokens at a+1..a+B. Each stage's window
+ * attention reads the target's context, positions a-W..a-1 (W = sliding_window), and the block's
+ * own positions (both ways).
+ *
+ * The context: the target's feature at position p is the mean over the hyper-connection streams
+ * entering each layer of dspark_target_layer_ids (after its Engram, before its attention),
+ * rounded to bf16, concatenated (n_target x hidden). The draft keeps, per sequence and stage, the
+ * window KV of the projected features (stage 0's main_norm(main_proj(feature)), then the stage's
+ * kv_norm(wkv(.)), RoPE at p, fp8 fake quantization: the backbone's window KV formula) in a ring of
+ * mf_ly_draft_ring_slots positions: W + B, so that a verify's rejected positions (at most B past
+ * the accepted ones) never overwrite a slot the next round reads. Rolling back is lowering n_pos. */
+typedef struct mf_ly_draft_state {
+    int64_t n_pos;     /* positions fed (their features' KV in the ring) */
+    uint8_t *ring;     /* n_mtp_layers x mf_ly_draft_ring_slots packed window-KV rows (slot p % slots) */
+} mf_ly_draft_state;
+
+int64_t mf_ly_draft_ring_slots(const mf_config *c);
+/* Bytes of a state's ring (all stages). */
+int64_t mf_ly_draft_ring_bytes(const mf_config *c);
+
+/* The feature of one layer input: out[hidden] = bf16(mean over the hc_mult streams of x). */
+void mf_ly_draft_feature(const mf_config *c, const float *x, float *out);
+
+/* A block's activations, sized once (mf_ly_draft_ws_new: one allocation of a {name, bytes, &ptr}
+ * table): B = dspark_block_size positions. */
+typedef struct mf_ly_draft_ws {
+    float *x;        /* B x hc_mult x hidden: the streams */
+    float *pre;      /* B x MF_LY_MAX_HC: the carried pre mixes */
+    float *q;        /* B x heads x head_dim: the block's queries */
+    float *kv;       /* B x head_dim: the block's window KV */
+    float *keys;     /* (W + B) x head_dim: one query's keys (context, then block) */
+    float *out;      /* B x hidden: a sublayer's outputs */
+    float *feat;     /* hidden: the projected context feature being fed */
+    float *normed;   /* B x hidden: the last stage's final-normed states */
+    float *mk_emb;   /* dspark_markov_rank: a Markov embedding row */
+    float *mk_out;   /* vocab_size: the Markov head's logits */
+    void *mem;
+} mf_ly_draft_ws;
+int mf_ly_draft_ws_new(const mf_config *c, mf_ly_draft_ws *ws);
+void mf_ly_draft_ws_free(mf_ly_draft_ws *ws);
+
+/* Feeds the target's features of position ds->n_pos (feat: n_target x hidden, mf_ly_draft_feature
+ * per target layer) into every stage's ring; n_pos advances. cx must belong to a model loaded with
+ * its draft (-EINVAL otherwise). */
+int mf_ly_draft_feed(mf_ly_ctx *cx, mf_ly_draft_ws *ws, mf_ly_draft_state *ds, const float *feat);
+
+/* One round's forward: the block after anchor token `anchor` at position ds->n_pos through every
+ * stage; leaves the last stage's final-normed states in ws->normed (B x hidden). routes (NULL, or
+ * n_mtp_layers x B x dspark_num_experts_per_tok) receives each stage's routed experts. */
+int mf_ly_draft_block(mf_ly_ctx *cx, mf_ly_draft_ws *ws, const mf_ly_draft_state *ds, int32_t anchor,
+                      int32_t *routes);
+
+/* The heads of block position i (0..B-1) given the token before it, prev (the anchor for i = 0,
+ * else the candidate at i - 1): logits[vocab] = head(normed_i) (fp32) + bf16(markov_head(
+ * markov_embed[prev])), and *confidence = confidence_head(normed_i, markov_embed[prev]) (a logit:
+ * sigmoid of it estimates that the candidate is accepted given the ones before it). */
+int mf_ly_draft_heads(mf_ly_ctx *cx, const mf_ly_draft_ws *ws, int i, int32_t prev, float *logits,
+                      float *confidence);
 
 /* ---- layer_engram.c ------------------------------------------------------------------------- */
 

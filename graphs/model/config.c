@@ -246,6 +246,32 @@ static int mf_cfg_quant(const mf_cfg_src *s, mf_config *c)
     return 0;
 }
 
+/* The DSpark draft's fields, with the oracle's defaults when absent (checked by mf_config_check
+ * only when the config has draft stages). */
+static int mf_cfg_dspark(const mf_cfg_src *s, mf_config *c)
+{
+    const int IMAX = 1 << 30;
+    int rc;
+    if ((rc = mf_cfg_i32(s, "dspark_block_size", 0, 4096, 0, MF_CONFIG_DSPARK_BLOCK, &c->dspark_block_size)) ||
+        (rc = mf_cfg_i32(s, "dspark_noise_token_id", 0, IMAX, 0, MF_CONFIG_DSPARK_NOISE,
+                         &c->dspark_noise_token_id)) ||
+        (rc = mf_cfg_i32(s, "dspark_markov_rank", 0, 1 << 20, 0, MF_CONFIG_DSPARK_RANK, &c->dspark_markov_rank)) ||
+        (rc = mf_cfg_i32(s, "dspark_n_routed_experts", 1, 1 << 20, 0, MF_CONFIG_DSPARK_EXPERTS,
+                         &c->dspark_n_routed_experts)) ||
+        (rc = mf_cfg_i32(s, "dspark_num_experts_per_tok", 1, 1 << 20, 0, MF_CONFIG_DSPARK_TOPK,
+                         &c->dspark_num_experts_per_tok)))
+        return rc;
+    json_t *v = json_object_get(s->model, "dspark_target_layer_ids");
+    if (!v || json_is_null(v)) {
+        static const int def[] = MF_CONFIG_DSPARK_TARGETS;
+        c->n_dspark_target = (int)(sizeof def / sizeof def[0]);
+        memcpy(c->dspark_target_layer_ids, def, sizeof def);
+        return 0;
+    }
+    return mf_cfg_list_i32(s, "dspark_target_layer_ids", 0, IMAX, MF_CONFIG_MAX_IDS, 1,
+                           c->dspark_target_layer_ids, &c->n_dspark_target);
+}
+
 static int mf_cfg_read(const mf_cfg_src *s, mf_config *c)
 {
     const int64_t BIG = INT64_C(1) << 40;
@@ -352,6 +378,7 @@ static int mf_cfg_read(const mf_cfg_src *s, mf_config *c)
                    &c->engram_compressed_vocab_size));
     TRY(mf_cfg_i32(s, "engram_pad_token_id", 0, IMAX, 0, c->pad_token_id,
                    &c->engram_pad_token_id));
+    TRY(mf_cfg_dspark(s, c));
     TRY(mf_cfg_quant(s, c));
 #undef TRY
     return mf_config_check(s->what, s->prefix, c);
@@ -461,11 +488,13 @@ static int mf_in_list(const int *ids, int n, int x)
     return 0;
 }
 
-/* Validation with the prefix the fields carry in the file ("" or "text_config."). */
-static int mf_config_check(const char *what, const char *pfx, const mf_config *c)
-{
 #define BAD(field, fmt, w, ...) \
     return mf_error(-EINVAL, "%s: field '%s" field "': " fmt, w, pfx, __VA_ARGS__)
+
+/* Sizes, token ids, positions: ranges and the divisibility the formats need (fp8 tiles and
+ * activation blocks of 32, fp4 scale blocks of 32, fake-quant blocks of 32 and 16). */
+static int mf_check_shape(const char *what, const char *pfx, const mf_config *c)
+{
     if (c->n_layers < 1 || c->n_layers + c->n_mtp_layers > MF_CONFIG_MAX_LAYERS)
         BAD("num_hidden_layers", "expected 1..%d layers with the MTP blocks, found %d + %d", what,
             MF_CONFIG_MAX_LAYERS, c->n_layers, c->n_mtp_layers);
@@ -473,16 +502,23 @@ static int mf_config_check(const char *what, const char *pfx, const mf_config *c
     if (c->hidden_size < 32 || c->hidden_size % 32)
         BAD("hidden_size", "expected a positive multiple of 32 (fp4 scale blocks), found %d", what,
             c->hidden_size);
-    if (c->head_dim < 1) BAD("head_dim", "expected > 0, found %d", what, c->head_dim);
-    if (c->qk_rope_head_dim > c->head_dim || c->qk_rope_head_dim % 2)
-        BAD("qk_rope_head_dim", "expected an even number <= head_dim %d, found %d", what,
+    if (c->head_dim < 32 || c->head_dim % 32)
+        BAD("head_dim", "expected a positive multiple of 32 (the window KV's fp8 blocks), found %d", what,
+            c->head_dim);
+    if (c->q_lora_rank < 32 || c->q_lora_rank % 32)
+        BAD("q_lora_rank", "expected a positive multiple of 32 (activation blocks), found %d", what,
+            c->q_lora_rank);
+    if (c->qk_rope_head_dim < 2 || c->qk_rope_head_dim > c->head_dim || c->qk_rope_head_dim % 2)
+        BAD("qk_rope_head_dim", "expected an even number in [2, head_dim %d], found %d", what,
             c->head_dim, c->qk_rope_head_dim);
-    if (c->n_kv_heads < 1 || c->n_heads % c->n_kv_heads)
-        BAD("num_key_value_heads", "expected a divisor of num_attention_heads %d, found %d", what,
-            c->n_heads, c->n_kv_heads);
+    if (c->n_kv_heads != 1)   /* the oracle's: V4.1 shares one latent KV head */
+        BAD("num_key_value_heads", "expected 1 (V4.1's attention has one shared latent KV head), found %d",
+            what, c->n_kv_heads);
+    if (c->n_heads < 1) BAD("num_attention_heads", "expected > 0, found %d", what, c->n_heads);
     if (c->o_groups < 1 || c->n_heads % c->o_groups)
         BAD("o_groups", "expected a divisor of num_attention_heads %d, found %d", what, c->n_heads,
             c->o_groups);
+    if (c->o_lora_rank < 1) BAD("o_lora_rank", "expected > 0, found %d", what, c->o_lora_rank);
     if (!(c->rms_norm_eps > 0)) BAD("rms_norm_eps", "expected > 0, found %g", what, c->rms_norm_eps);
     if (c->bos_token_id < 0 || c->bos_token_id >= c->vocab_size)
         BAD("bos_token_id", "expected a token id < vocab_size %" PRId64 ", found %d", what,
@@ -498,6 +534,21 @@ static int mf_config_check(const char *what, const char *pfx, const mf_config *c
         BAD("compress_rope_theta", "expected > 0, found %g", what, c->compress_rope_theta);
     if (c->sliding_window < 1)
         BAD("sliding_window", "expected > 0, found %d", what, c->sliding_window);
+    if (c->quant_block_out < 1 || c->quant_block_in < 1)
+        BAD("quantization_config.weight_block_size", "expected two positive sizes, found [%d, %d]",
+            what, c->quant_block_out, c->quant_block_in);
+    return 0;
+}
+
+/* The attention topology as the oracle builds it: window-only layers are no sources; every
+ * compressed layer reads the latest KV source at or before it, which must have its ratio (the
+ * oracle: "needs a preceding KV source with the same compression ratio"), and takes its top-k
+ * from the latest index source since that KV source; KV sources are index sources; the candidate
+ * layer is a KV source (the oracle: "a Full-mode KV source") and every index layer after it reads
+ * its KV source (another KV source starts a new attention state without candidates, which the
+ * oracle's indexer refuses). */
+static int mf_check_topology(const char *what, const char *pfx, const mf_config *c)
+{
     for (int i = 0; i < c->n_layers + c->n_mtp_layers; i++)
         if (c->compress_ratios[i] < 0 || c->compress_ratios[i] > 2)
             BAD("compress_ratios", "expected 0 (window only), 1 or 2 per layer, found %d at index %d",
@@ -509,46 +560,59 @@ static int mf_config_check(const char *what, const char *pfx, const mf_config *c
     if ((rc = mf_ids_check(what, pfx, "index_source_layer_ids", c->index_source_layer_ids,
                            c->n_index_source, c->n_layers)))
         return rc;
-    if ((rc = mf_ids_check(what, pfx, "engram_layer_ids", c->engram_layer_ids, c->n_engram, c->n_layers)))
-        return rc;
-    for (int i = 0; i < c->n_index_source; i++) {
-        int l = c->index_source_layer_ids[i];
-        if (c->compress_ratios[l] == 0)
+    for (int i = 0; i < c->n_index_source; i++)
+        if (c->compress_ratios[c->index_source_layer_ids[i]] == 0)
             BAD("index_source_layer_ids",
                 "expected compressed layers (compress_ratios != 0), found layer %d with ratio 0",
-                what, l);
-    }
+                what, c->index_source_layer_ids[i]);
     for (int i = 0; i < c->n_kv_source; i++) {
         int l = c->kv_source_layer_ids[i];
         if (c->compress_ratios[l] == 0)
             BAD("kv_source_layer_ids",
-                "expected compressed layers (compress_ratios != 0), found layer %d with ratio 0",
-                what, l);
+                "expected compressed layers (compress_ratios != 0), found layer %d with ratio 0", what, l);
         if (!mf_in_list(c->index_source_layer_ids, c->n_index_source, l))
             BAD("kv_source_layer_ids",
                 "expected every KV-source layer to be an index source too, found layer %d missing "
                 "from index_source_layer_ids", what, l);
     }
-    if (c->n_index_source > 0) {
-        if (c->n_kv_source == 0 || c->index_source_layer_ids[0] < c->kv_source_layer_ids[0])
-            BAD("index_source_layer_ids",
-                "expected the first index source to come at or after the first KV source, found %d",
-                what, c->index_source_layer_ids[0]);
-        if (c->index_n_heads < 1 || c->index_head_dim < 1 || c->index_topk < 1)
-            BAD("index_n_heads", "expected index_n_heads, index_head_dim, index_topk > 0, found %d, "
-                "%d, %d", what, c->index_n_heads, c->index_head_dim, c->index_topk);
-        if (c->index_head_dim > c->head_dim)
-            BAD("index_head_dim", "expected <= head_dim %d, found %d", what, c->head_dim,
-                c->index_head_dim);
+    int src = -1, idx = -1;
+    for (int L = 0; L < c->n_layers; L++) {
+        int r = c->compress_ratios[L];
+        if (mf_in_list(c->kv_source_layer_ids, c->n_kv_source, L)) src = L, idx = -1;
+        if (mf_in_list(c->index_source_layer_ids, c->n_index_source, L)) idx = L;
+        if (r == 0) continue;
+        if (src < 0)
+            BAD("compress_ratios", "expected compressed layer %d (ratio %d) to have a KV source of the same "
+                "ratio at or before it, found none (kv_source_layer_ids)", what, L, r);
+        if (c->compress_ratios[src] != r)
+            BAD("compress_ratios", "expected compressed layer %d (ratio %d) to have a KV source of the same "
+                "ratio at or before it, found KV source %d of ratio %d", what, L, r, src,
+                c->compress_ratios[src]);
+        if (idx < 0)   /* unreachable while KV sources are index sources; kept for the invariant */
+            BAD("index_source_layer_ids", "expected an index source between KV source %d and compressed "
+                "layer %d, found none", what, src, L);
     }
-    if (c->candidate_source_layer_id >= 0) {
-        int l = c->candidate_source_layer_id;
-        if (l >= c->n_layers)
-            BAD("candidate_source_layer_id", "expected a layer id < num_hidden_layers %d, found %d",
-                what, c->n_layers, l);
-        if (!mf_in_list(c->index_source_layer_ids, c->n_index_source, l))
-            BAD("candidate_source_layer_id",
-                "expected one of index_source_layer_ids, found %d", what, l);
+    if (c->n_index_source > 0) {
+        if (c->index_n_heads < 1 || c->index_topk < 1)
+            BAD("index_n_heads", "expected index_n_heads and index_topk > 0, found %d, %d", what,
+                c->index_n_heads, c->index_topk);
+        if (c->index_head_dim < 32 || c->index_head_dim % 32 || c->index_head_dim > c->head_dim)
+            BAD("index_head_dim", "expected a multiple of 32 (the index keys' fp4 blocks) in [32, head_dim "
+                "%d], found %d", what, c->head_dim, c->index_head_dim);
+    }
+    if (c->index_head_dim > 0 && c->qk_rope_head_dim > c->index_head_dim)
+        BAD("qk_rope_head_dim", "expected at most index_head_dim %d (the oracle ropes the index keys' tail), "
+            "found %d", what, c->index_head_dim, c->qk_rope_head_dim);
+    int cl = c->candidate_source_layer_id;
+    if (cl >= 0) {
+        if (cl >= c->n_layers || !mf_in_list(c->kv_source_layer_ids, c->n_kv_source, cl))
+            BAD("candidate_source_layer_id", "expected one of kv_source_layer_ids (the oracle's candidate "
+                "layer is a KV source), found %d", what, cl);
+        for (int i = 0; i < c->n_kv_source; i++)
+            if (c->kv_source_layer_ids[i] > cl)
+                BAD("index_source_layer_ids", "expected every index layer after candidate_source_layer_id %d to "
+                    "read its KV source, found index layer %d on KV source %d", what, cl,
+                    c->kv_source_layer_ids[i], c->kv_source_layer_ids[i]);
         int64_t held = (int64_t)c->candidate_topk_blocks * c->candidate_block_size -
                        (c->candidate_block_size - 1);
         if (c->candidate_topk_blocks < 1 || c->candidate_block_size < 1 || held < c->index_topk)
@@ -557,11 +621,20 @@ static int mf_config_check(const char *what, const char *pfx, const mf_config *c
                 "%d, found %d x %d", what, c->index_topk, c->candidate_topk_blocks,
                 c->candidate_block_size);
     }
+    return 0;
+}
+
+/* MoE, hyper-connections, Engram. */
+static int mf_check_moe(const char *what, const char *pfx, const mf_config *c)
+{
     if (c->n_routed_experts < 1)
         BAD("n_routed_experts", "expected > 0, found %d", what, c->n_routed_experts);
-    if (c->n_experts_per_tok < 1 || c->n_experts_per_tok > c->n_routed_experts)
-        BAD("num_experts_per_tok", "expected 1..n_routed_experts (%d), found %d", what,
+    if (c->n_experts_per_tok < 1 || c->n_experts_per_tok > c->n_routed_experts || c->n_experts_per_tok > 256)
+        BAD("num_experts_per_tok", "expected 1..n_routed_experts (%d) and at most 256, found %d", what,
             c->n_routed_experts, c->n_experts_per_tok);
+    if (c->scoring_func != MF_SCORING_SQRTSOFTPLUS)
+        BAD("scoring_func", "expected \"sqrtsoftplus\" (V4.1 routes with it; the oracle's gate refuses "
+            "others), found \"%s\"", what, mf_scoring_name(c->scoring_func));
     if (c->moe_intermediate_size < 32 || c->moe_intermediate_size % 32)
         BAD("moe_intermediate_size",
             "expected a positive multiple of 32 (fp4 scale blocks), found %d", what,
@@ -569,31 +642,77 @@ static int mf_config_check(const char *what, const char *pfx, const mf_config *c
     if (!(c->routed_scaling_factor > 0))
         BAD("routed_scaling_factor", "expected > 0, found %g", what, c->routed_scaling_factor);
     if (!(c->swiglu_limit >= 0)) BAD("swiglu_limit", "expected >= 0, found %g", what, c->swiglu_limit);
-    if (c->hc_mult < 1) BAD("hc_mult", "expected >= 1, found %d", what, c->hc_mult);
+    if (c->hc_mult < 1 || c->hc_mult > 16) BAD("hc_mult", "expected 1..16, found %d", what, c->hc_mult);
     if (!(c->hc_eps >= 0)) BAD("hc_eps", "expected >= 0, found %g", what, c->hc_eps);
     if (c->hc_sinkhorn_iters < 1)
         BAD("hc_sinkhorn_iters", "expected >= 1, found %d", what, c->hc_sinkhorn_iters);
-    if (c->n_engram > 0) {
-        for (int i = 0; i < c->n_engram; i++)
-            if (c->engram_num_embeddings[i] < 1)
-                BAD("engram_num_embeddings", "expected > 0 rows, found %" PRId64 " at index %d",
-                    what, c->engram_num_embeddings[i], i);
-        if (c->engram_max_ngram_size < 2)
-            BAD("engram_max_ngram_size", "expected >= 2, found %d", what, c->engram_max_ngram_size);
-        if (c->engram_n_heads < 1)
-            BAD("engram_n_heads", "expected > 0, found %d", what, c->engram_n_heads);
-        if (c->engram_head_dim < 32 || c->engram_head_dim % 32)
-            BAD("engram_head_dim", "expected a positive multiple of 32 (one scale per 32), found %d",
-                what, c->engram_head_dim);
-        if (c->engram_compressed_vocab_size < 1 || c->engram_compressed_vocab_size > c->vocab_size)
-            BAD("engram_compressed_vocab_size", "expected 1..vocab_size (%" PRId64 "), found %" PRId64,
-                what, c->vocab_size, c->engram_compressed_vocab_size);
-    }
-    if (c->quant_block_out < 1 || c->quant_block_in < 1)
-        BAD("quantization_config.weight_block_size", "expected two positive sizes, found [%d, %d]",
-            what, c->quant_block_out, c->quant_block_in);
-#undef BAD
+    int rc = mf_ids_check(what, pfx, "engram_layer_ids", c->engram_layer_ids, c->n_engram, c->n_layers);
+    if (rc || c->n_engram == 0) return rc;
+    for (int i = 0; i < c->n_engram; i++)
+        if (c->engram_num_embeddings[i] < 1)
+            BAD("engram_num_embeddings", "expected > 0 rows, found %" PRId64 " at index %d",
+                what, c->engram_num_embeddings[i], i);
+    if (c->engram_max_ngram_size < 2 || c->engram_max_ngram_size > 8)
+        BAD("engram_max_ngram_size", "expected 2..8, found %d", what, c->engram_max_ngram_size);
+    if (c->engram_n_heads < 1)
+        BAD("engram_n_heads", "expected > 0, found %d", what, c->engram_n_heads);
+    if (c->engram_head_dim < 32 || c->engram_head_dim % 32)
+        BAD("engram_head_dim", "expected a positive multiple of 32 (one scale per 32), found %d",
+            what, c->engram_head_dim);
+    if (c->engram_vocab_size < 2)
+        BAD("engram_vocab_size", "expected >= 2 (the hash primes' search starts from it), found %" PRId64,
+            what, c->engram_vocab_size);
+    if (c->engram_compressed_vocab_size < 1 || c->engram_compressed_vocab_size > c->vocab_size)
+        BAD("engram_compressed_vocab_size", "expected 1..vocab_size (%" PRId64 "), found %" PRId64,
+            what, c->vocab_size, c->engram_compressed_vocab_size);
+    if (c->engram_pad_token_id < 0 || c->engram_pad_token_id >= c->vocab_size)
+        BAD("engram_pad_token_id", "expected a token id < vocab_size %" PRId64 ", found %d", what,
+            c->vocab_size, c->engram_pad_token_id);
     return 0;
+}
+
+/* The DSpark draft (only with draft stages): the oracle's DeepseekV41DSparkModel needs window-only
+ * stages (compress ratio 0), a positive Markov rank, target layers inside the backbone (strictly
+ * increasing), a noise token in the vocabulary; its MoE top-k within its experts. */
+static int mf_check_draft(const char *what, const char *pfx, const mf_config *c)
+{
+    if (c->n_mtp_layers == 0) return 0;
+    for (int s = 0; s < c->n_mtp_layers; s++)
+        if (c->compress_ratios[c->n_layers + s] != 0)
+            BAD("compress_ratios", "expected 0 (window only) for draft stage %d at index %d, found %d", what, s,
+                c->n_layers + s, c->compress_ratios[c->n_layers + s]);
+    if (c->dspark_block_size < 1)
+        BAD("dspark_block_size", "expected >= 1 draft positions with num_nextn_predict_layers %d, found %d",
+            what, c->n_mtp_layers, c->dspark_block_size);
+    if (c->dspark_noise_token_id < 0 || c->dspark_noise_token_id >= c->vocab_size)
+        BAD("dspark_noise_token_id", "expected a token id < vocab_size %" PRId64 ", found %d", what,
+            c->vocab_size, c->dspark_noise_token_id);
+    if (c->n_dspark_target < 1)
+        BAD("dspark_target_layer_ids", "expected at least one target layer, found %d", what, c->n_dspark_target);
+    int rc = mf_ids_check(what, pfx, "dspark_target_layer_ids", c->dspark_target_layer_ids, c->n_dspark_target,
+                          c->n_layers);
+    if (rc) return rc;
+    if (c->dspark_markov_rank < 1)
+        BAD("dspark_markov_rank", "expected > 0 (the oracle's draft requires a Markov head), found %d", what,
+            c->dspark_markov_rank);
+    if (c->dspark_n_routed_experts < 1)
+        BAD("dspark_n_routed_experts", "expected > 0, found %d", what, c->dspark_n_routed_experts);
+    if (c->dspark_num_experts_per_tok < 1 || c->dspark_num_experts_per_tok > c->dspark_n_routed_experts ||
+        c->dspark_num_experts_per_tok > 256)
+        BAD("dspark_num_experts_per_tok", "expected 1..dspark_n_routed_experts (%d) and at most 256, found %d",
+            what, c->dspark_n_routed_experts, c->dspark_num_experts_per_tok);
+    return 0;
+}
+#undef BAD
+
+/* Validation with the prefix the fields carry in the file ("" or "text_config."). */
+static int mf_config_check(const char *what, const char *pfx, const mf_config *c)
+{
+    int rc = mf_check_shape(what, pfx, c);
+    if (!rc) rc = mf_check_topology(what, pfx, c);
+    if (!rc) rc = mf_check_moe(what, pfx, c);
+    if (!rc) rc = mf_check_draft(what, pfx, c);
+    return rc;
 }
 
 int mf_config_validate(const char *what, const mf_config *c) { return mf_config_check(what, "", c); }
@@ -681,6 +800,12 @@ char *mf_config_to_json(const mf_config *c)
     if (c->engram_compressed_vocab_size >= 1)
         SETI("engram_compressed_vocab_size", c->engram_compressed_vocab_size);
     if (c->engram_pad_token_id >= 0) SETI("engram_pad_token_id", c->engram_pad_token_id);
+    SETI("dspark_block_size", c->dspark_block_size);
+    SETI("dspark_noise_token_id", c->dspark_noise_token_id);
+    json_object_set_new(o, "dspark_target_layer_ids", mf_json_ints(c->dspark_target_layer_ids, c->n_dspark_target));
+    SETI("dspark_markov_rank", c->dspark_markov_rank);
+    SETI("dspark_n_routed_experts", c->dspark_n_routed_experts);
+    SETI("dspark_num_experts_per_tok", c->dspark_num_experts_per_tok);
     json_object_set_new(o, "quantization_config",
                         json_pack("{s:s, s:s, s:s, s:[i,i], s:s}", "quant_method", "fp8", "fmt",
                                   "e4m3", "scale_fmt", "ue8m0", "weight_block_size",
@@ -736,17 +861,29 @@ static void mf_preset_common(mf_config *c)
     c->hc_sinkhorn_iters = 20;
     c->quant_block_out = 32;
     c->quant_block_in = 32;
+    /* the released draft's (flash41 keeps them; the small presets size theirs down) */
+    static const int targets[] = MF_CONFIG_DSPARK_TARGETS;
+    c->dspark_block_size = MF_CONFIG_DSPARK_BLOCK;
+    c->dspark_noise_token_id = MF_CONFIG_DSPARK_NOISE;
+    c->n_dspark_target = (int)(sizeof targets / sizeof targets[0]);
+    memcpy(c->dspark_target_layer_ids, targets, sizeof targets);
+    c->dspark_markov_rank = MF_CONFIG_DSPARK_RANK;
+    c->dspark_n_routed_experts = MF_CONFIG_DSPARK_EXPERTS;
+    c->dspark_num_experts_per_tok = MF_CONFIG_DSPARK_TOPK;
 }
 
 /* The small presets share the real model's layer roles on 8 layers: window-only layers 0-1,
  * ratio-2 layers 2-3, ratio-1 layers 4-7; KV sources 2 and 4, index sources 2, 4, 6; layer 4
- * publishes the candidate mask; Engram on layers 1 and 3. */
+ * publishes the candidate mask; Engram on layers 1 and 3; three window-only draft stages reading
+ * the inputs of the last three layers (5, 6, 7), as the released draft reads 37-39 of 40. */
 static void mf_preset_small_roles(mf_config *c)
 {
-    static const int ratios[8] = {0, 0, 2, 2, 1, 1, 1, 1};
+    static const int ratios[11] = {0, 0, 2, 2, 1, 1, 1, 1, 0, 0, 0};
     c->n_layers = 8;
-    c->n_mtp_layers = 0;
+    c->n_mtp_layers = 3;
     memcpy(c->compress_ratios, ratios, sizeof ratios);
+    c->n_dspark_target = 3;
+    for (int i = 0; i < 3; i++) c->dspark_target_layer_ids[i] = 5 + i;
     c->n_kv_source = 2;
     c->kv_source_layer_ids[0] = 2;
     c->kv_source_layer_ids[1] = 4;
@@ -794,6 +931,10 @@ int mf_config_preset(const char *name, mf_config *c)
         c->engram_head_dim = 32;
         c->engram_vocab_size = 500;
         c->engram_compressed_vocab_size = 400;
+        c->dspark_noise_token_id = 511;   /* the vocabulary's last id */
+        c->dspark_markov_rank = 32;
+        c->dspark_n_routed_experts = 8;
+        c->dspark_num_experts_per_tok = 2;
     } else if (!strcmp(name, "demo")) {
         mf_preset_small_roles(c);
         c->vocab_size = 129280;
@@ -820,6 +961,9 @@ int mf_config_preset(const char *name, mf_config *c)
         c->engram_head_dim = 64;
         c->engram_vocab_size = 160000;
         c->engram_compressed_vocab_size = 99092;
+        c->dspark_markov_rank = 64;
+        c->dspark_n_routed_experts = 16;
+        c->dspark_num_experts_per_tok = 3;
     } else if (!strcmp(name, "big")) {
         /* demo's attention with experts that outgrow a 24 GiB machine: 8 x 1024 experts of
          * ~3.2 MiB (26 GiB) and Engram rows of the released width (256 codes + 8 scales) */
@@ -839,7 +983,8 @@ int mf_config_preset(const char *name, mf_config *c)
         c->o_lora_rank = 1024;
         c->sliding_window = 128;
         c->n_mtp_layers = 3;
-        for (int i = 0; i < 43; i++) c->compress_ratios[i] = i < 2 ? 0 : i < 20 ? 2 : 1;
+        /* [0]*2 + [2]*18 + [1]*20 + [0]*3: the draft stages are window-only */
+        for (int i = 0; i < 43; i++) c->compress_ratios[i] = i < 2 || i >= 40 ? 0 : i < 20 ? 2 : 1;
         static const int kv[4] = {2, 8, 14, 20}, idx[8] = {2, 8, 14, 20, 24, 28, 32, 36};
         c->n_kv_source = 4;
         memcpy(c->kv_source_layer_ids, kv, sizeof kv);
@@ -912,6 +1057,16 @@ uint64_t mf_config_expert_bytes(const mf_config *c)
 {
     uint64_t h = (uint64_t)c->hidden_size, m = (uint64_t)c->moe_intermediate_size;
     return 2 * mf_fp4_linear_bytes(m, h) + mf_fp4_linear_bytes(h, m);
+}
+
+int mf_config_layer_experts(const mf_config *c, int L)
+{
+    return L >= c->n_layers ? c->dspark_n_routed_experts : c->n_routed_experts;
+}
+
+int mf_config_layer_topk(const mf_config *c, int L)
+{
+    return L >= c->n_layers ? c->dspark_num_experts_per_tok : c->n_experts_per_tok;
 }
 
 uint64_t mf_config_expert_bank_bytes(const mf_config *c)

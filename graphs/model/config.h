@@ -23,6 +23,15 @@ typedef enum mf_scoring {
 #define MF_CONFIG_YARN_BETA_FAST 32.0
 #define MF_CONFIG_YARN_BETA_SLOW 1.0
 
+/* The oracle's DSpark defaults (NeMo AutoModel 0.7.0's DeepseekV41TextConfig), applied to a
+ * config.json without the fields. */
+#define MF_CONFIG_DSPARK_BLOCK 5
+#define MF_CONFIG_DSPARK_NOISE 128799
+#define MF_CONFIG_DSPARK_TARGETS {37, 38, 39}
+#define MF_CONFIG_DSPARK_RANK 256
+#define MF_CONFIG_DSPARK_EXPERTS 128
+#define MF_CONFIG_DSPARK_TOPK 3
+
 typedef struct mf_config {
     /* shape of the transformer */
     int64_t vocab_size;
@@ -91,6 +100,23 @@ typedef struct mf_config {
     int64_t engram_compressed_vocab_size;
     int engram_pad_token_id;
 
+    /* DSpark, the checkpoint's draft (the mtp.* blocks, n_mtp_layers stages; docs/dspark.md):
+     * a parallel drafter of dspark_block_size positions (the anchor token, then
+     * dspark_noise_token_id) whose window attention reads the target's features (the mean of the
+     * residual streams entering layers dspark_target_layer_ids, projected by stage 0's main_proj),
+     * with a MoE of dspark_n_routed_experts experts top-dspark_num_experts_per_tok (the backbone's
+     * intermediate size and shared expert), a rank-dspark_markov_rank Markov head and a confidence
+     * head on the last stage. Absent fields take the oracle's defaults (NeMo AutoModel 0.7.0's
+     * DeepseekV41TextConfig: 5, 128799, [37, 38, 39], 256, 128, 3); they are checked only when
+     * n_mtp_layers > 0. */
+    int dspark_block_size;
+    int dspark_noise_token_id;
+    int n_dspark_target;
+    int dspark_target_layer_ids[MF_CONFIG_MAX_IDS];
+    int dspark_markov_rank;
+    int dspark_n_routed_experts;
+    int dspark_num_experts_per_tok;
+
     /* quantization_config: dense linears fp8 e4m3 in quant_block_out x quant_block_in tiles with
      * ue8m0 scales, routed experts packed fp4 (e2m1) with one ue8m0 scale per 32 along K. */
     int quant_block_out, quant_block_in;
@@ -104,8 +130,14 @@ int mf_config_load(const char *path, mf_config *out);
 /* The same from JSON text; `what` names the source in errors. */
 int mf_config_parse(const char *what, const char *json, mf_config *out);
 
-/* Checks internal consistency (ranges, list lengths, layer ids, divisibility); `what` names the
- * source in errors. 0 or -EINVAL. */
+/* The one validation of a config, used by the parser (so by the loader and `moeflow info`), the
+ * presets, the layout (so `moeflow gen`) and the reference: ranges, list lengths, layer ids,
+ * divisibility, and what the oracle (NeMo AutoModel 0.7.0's deepseek_v41) refuses and what the
+ * layer math needs: one KV head, sqrtsoftplus routing, RoPE dims even and within head_dim and
+ * index_head_dim, every compressed layer after a KV source of the same ratio (no other in
+ * between) and an index source on that source, the candidate layer a KV source and no index
+ * layer after it on another KV source, draft stages window-only, ... (docs/model.md lists them).
+ * `what` names the source in errors. 0 or -EINVAL naming the field. */
 int mf_config_validate(const char *what, const mf_config *c);
 
 /* Writes the flat dialect to `path` (atomically via a temporary file). */
@@ -129,6 +161,11 @@ int mf_config_is_kv_source(const mf_config *c, int layer);
 int mf_config_is_index_source(const mf_config *c, int layer);
 int mf_config_engram_slot(const mf_config *c, int layer);   /* index into engram_*, or -1 */
 
+/* Routed experts and top-k of layer L: the backbone's for L < n_layers, the draft's
+ * (dspark_n_routed_experts, dspark_num_experts_per_tok) for the draft stages n_layers + s. */
+int mf_config_layer_experts(const mf_config *c, int L);
+int mf_config_layer_topk(const mf_config *c, int L);
+
 /* One routed expert (w1, w2, w3 packed fp4 + their scales). */
 uint64_t mf_config_expert_bytes(const mf_config *c);
 /* All routed experts of all layers. */
@@ -138,5 +175,7 @@ uint64_t mf_config_engram_table_bytes(const mf_config *c);
 /* Everything of the text model except routed experts, Engram tables and MTP blocks; 0 with an
  * error set if the layout cannot be built. */
 uint64_t mf_config_resident_bytes(const mf_config *c);
+/* The draft's tensors (the mtp.* blocks, all stages); 0 without draft stages. */
+uint64_t mf_config_draft_bytes(const mf_config *c);
 
 #endif

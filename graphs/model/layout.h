@@ -1,7 +1,8 @@
 /* The tensor layout of a DeepSeek-V4.1 text checkpoint as released: for a config, every tensor's
- * name (no `model.` prefix), dtype, shape ([out, in] for linears), census group and role. The
- * generator writes exactly this list; loaders can check a checkpoint against it. MTP draft blocks
- * are not part of it (their layout is not derivable from what we know; see docs). */
+ * name (no `model.` prefix), dtype, shape ([out, in] for linears), census group and role, the
+ * DSpark draft's mtp.* blocks included (group MF_GROUP_MTP, their stage in `stage`). The generator
+ * writes exactly this list; loaders check a checkpoint against it (the draft's only when asked
+ * for). Vision tensors are not part of it. */
 #ifndef MF_LAYOUT_H
 #define MF_LAYOUT_H
 
@@ -38,7 +39,8 @@ typedef struct mf_layout_tensor {
     int64_t shape[2];
     mf_group group;
     mf_role role;
-    int layer;             /* -1 for top-level tensors */
+    int layer;             /* backbone layer; -1 for top-level and draft tensors */
+    int stage;             /* draft stage s of an mtp.s.* tensor; -1 otherwise */
     int64_t fan_in;        /* input width of the linear a weight/scale belongs to (0 otherwise) */
     uint64_t n_bytes;
 } mf_layout_tensor;
@@ -46,7 +48,7 @@ typedef struct mf_layout_tensor {
 typedef struct mf_layout mf_layout;
 
 /* Builds the list for a validated config, in checkpoint order: embed, then layer by layer, then
- * the final norm and head. 0, or a negative code with a message. */
+ * the final norm and head, then the draft stage by stage. 0, or a negative code with a message. */
 int mf_layout_build(const mf_config *c, mf_layout **out);
 void mf_layout_free(mf_layout *l);
 

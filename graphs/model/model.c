@@ -27,8 +27,9 @@ struct mf_model {
     uint64_t *offset;          /* per layout tensor: offset in block, or UINT64_MAX when lazy */
     const mf_st_tensor **st_of;/* per layout tensor */
     int lazy;
-    mf_model_layer *layers;
-    mf_weight *experts;        /* n_layers * n_routed * 3 */
+    int draft;                 /* the draft's stages were loaded (mf_model_opts.load_draft) */
+    mf_model_layer *layers;    /* n_layers, then the draft's stages when loaded */
+    mf_weight *experts;        /* n_layers * n_routed * 3, then the draft's n_mtp * its experts * 3 */
     mf_weight embed, norm, head;
     mf_store *store;
     /* n_sockets > 1: the split matrices' tensors (codes, scales) in block order, each socket's
@@ -48,75 +49,6 @@ static int mf_is_lazy_group(const mf_layout_tensor *t)
            t->role == MF_ROLE_TABLE || t->role == MF_ROLE_TABLE_SCALE;
 }
 
-int mf_model_check_supported(const char *what, const mf_config *c)
-{
-    int rc = mf_config_validate(what, c);
-    if (rc) return rc;
-#define UNSUP(...) return mf_error(-EINVAL, __VA_ARGS__)
-    if (c->n_kv_heads != 1)
-        UNSUP("%s: num_key_value_heads %d is not supported (the V4.1 attention has 1 KV head)", what,
-              c->n_kv_heads);
-    if (c->scoring_func != MF_SCORING_SQRTSOFTPLUS)
-        UNSUP("%s: scoring_func '%s' is not supported (V4.1 routes with sqrtsoftplus)", what,
-              mf_scoring_name(c->scoring_func));
-    if (c->qk_rope_head_dim <= 0 || c->qk_rope_head_dim % 2 || c->qk_rope_head_dim > c->head_dim ||
-        c->qk_rope_head_dim > c->index_head_dim)
-        UNSUP("%s: qk_rope_head_dim %d must be even and at most head_dim %d and index_head_dim %d",
-              what, c->qk_rope_head_dim, c->head_dim, c->index_head_dim);
-    if (c->head_dim % 32 || c->index_head_dim % 32 || c->head_dim % 16)
-        UNSUP("%s: head_dim %d and index_head_dim %d must be multiples of 32 (fake-quant blocks)",
-              what, c->head_dim, c->index_head_dim);
-    if (c->hidden_size % 32 || c->moe_intermediate_size % 32 || c->q_lora_rank % 32)
-        UNSUP("%s: hidden_size, moe_intermediate_size and q_lora_rank must be multiples of 32", what);
-    if ((c->n_heads * c->head_dim) % c->o_groups)
-        UNSUP("%s: o_groups %d must divide n_heads*head_dim %d", what, c->o_groups,
-              c->n_heads * c->head_dim);
-    if (c->hc_mult < 1 || c->hc_mult > 16)
-        UNSUP("%s: hc_mult %d is not supported (1..16)", what, c->hc_mult);
-    if (c->n_experts_per_tok > c->n_routed_experts)
-        UNSUP("%s: num_experts_per_tok %d exceeds n_routed_experts %d", what, c->n_experts_per_tok,
-              c->n_routed_experts);
-    if (c->sliding_window < 1) UNSUP("%s: sliding_window must be >= 1", what);
-    /* every compressed layer reads the latest KV source at or before it, of the same ratio, and
-     * takes its top-k from the latest index source at or before it, on that same KV source */
-    int src = -1, idx = -1;
-    for (int L = 0; L < c->n_layers; L++) {
-        int r = c->compress_ratios[L];
-        if (r < 0 || r > 2) UNSUP("%s: compress_ratios[%d] = %d is not supported (0, 1 or 2)", what, L, r);
-        if (mf_config_is_kv_source(c, L)) {
-            if (r == 0) UNSUP("%s: kv_source layer %d has compress ratio 0", what, L);
-            src = L;
-            idx = -1;
-        }
-        if (mf_config_is_index_source(c, L)) {
-            if (r == 0 || src < 0)
-                UNSUP("%s: index_source layer %d has no KV source at or before it", what, L);
-            idx = L;
-        }
-        if (r == 0) continue;
-        if (src < 0 || c->compress_ratios[src] != r)
-            UNSUP("%s: layer %d (compress ratio %d) has no KV-source layer of the same ratio at or "
-                  "before it", what, L, r);
-        if (idx < 0)
-            UNSUP("%s: layer %d (compress ratio %d) has no index-source layer between its KV source "
-                  "%d and itself", what, L, r, src);
-    }
-    if (c->candidate_source_layer_id >= 0) {
-        int cl = c->candidate_source_layer_id;
-        if (cl >= c->n_layers || !mf_config_is_index_source(c, cl))
-            UNSUP("%s: candidate_source_layer_id %d is not an index-source layer", what, cl);
-        if (c->candidate_block_size < 1 || c->candidate_topk_blocks < 1)
-            UNSUP("%s: candidate_block_size and candidate_topk_blocks must be >= 1", what);
-    }
-    if (c->n_engram > 0) {
-        int64_t ng = c->engram_max_ngram_size;
-        if (ng < 2 || ng > 8) UNSUP("%s: engram_max_ngram_size %" PRId64 " is not supported (2..8)", what, ng);
-        if (c->engram_vocab_size < 2) UNSUP("%s: engram_vocab_size must be >= 2", what);
-    }
-#undef UNSUP
-    return 0;
-}
-
 static int mf_shape_str(char *buf, size_t n, int nd, const int64_t *s)
 {
     int k = snprintf(buf, n, "[");
@@ -126,7 +58,13 @@ static int mf_shape_str(char *buf, size_t n, int nd, const int64_t *s)
     return k;
 }
 
-/* Checks every layout tensor against the checkpoint; names up to 4 problems. */
+/* Whether the load reads tensor t: the draft's only when asked for. */
+static int mf_model_wants(const mf_model *m, const mf_layout_tensor *t)
+{
+    return t->group != MF_GROUP_MTP || m->draft;
+}
+
+/* Checks every layout tensor the load reads against the checkpoint; names up to 4 problems. */
 static int mf_model_check_tensors(mf_model *m)
 {
     int n = mf_layout_n(m->layout), n_missing = 0, n_bad = 0;
@@ -135,6 +73,7 @@ static int mf_model_check_tensors(mf_model *m)
     int named = 0;
     for (int i = 0; i < n; i++) {
         const mf_layout_tensor *t = mf_layout_at(m->layout, i);
+        if (!mf_model_wants(m, t)) continue;
         const mf_st_tensor *s = mf_st_find(m->st, t->name);
         m->st_of[i] = s;
         char line[320] = "";
@@ -206,66 +145,95 @@ static int mf_bind(mf_model *m, mf_weight *w, mf_wkind kind, const char *fmt, ..
     return 0;
 }
 
+#define B(w, k, ...) do { if ((rc = mf_bind(m, (w), (k), __VA_ARGS__))) return rc; } while (0)
+
+/* The weights of backbone layer L or draft stage L - n_layers, named below prefix pre
+ * ("layers.L" or "mtp.s"); experts at *ex (the layer's count x 3). */
+static int mf_model_bind_layer(mf_model *m, int L, const char *pre, mf_weight *ex)
+{
+    const mf_config *c = &m->cfg;
+    mf_model_layer *y = &m->layers[L];
+    int rc = 0;
+    if (mf_config_engram_slot(c, L) >= 0) {
+        B(&y->eg_table, MF_W_TABLE, "%s.engram.embed", pre);
+        B(&y->eg_wkv, MF_W_FP8, "%s.engram.wkv", pre);
+        B(&y->eg_q_weight, MF_W_BF16, "%s.engram.q_weight", pre);
+        B(&y->eg_k_weight, MF_W_BF16, "%s.engram.k_weight", pre);
+    }
+    B(&y->hc_attn_fn, MF_W_F32, "%s.hc_attn_fn", pre);
+    B(&y->hc_attn_base, MF_W_F32, "%s.hc_attn_base", pre);
+    B(&y->hc_attn_scale, MF_W_F32, "%s.hc_attn_scale", pre);
+    B(&y->attn_norm, MF_W_BF16, "%s.attn_norm.weight", pre);
+    B(&y->wq_a, MF_W_FP8, "%s.attn.wq_a", pre);
+    B(&y->q_norm, MF_W_BF16, "%s.attn.q_norm.weight", pre);
+    B(&y->wq_b, MF_W_FP8, "%s.attn.wq_b", pre);
+    B(&y->wkv, MF_W_FP8, "%s.attn.wkv", pre);
+    B(&y->kv_norm, MF_W_BF16, "%s.attn.kv_norm.weight", pre);
+    B(&y->wo_a, MF_W_FP8, "%s.attn.wo_a", pre);
+    B(&y->wo_b, MF_W_FP8, "%s.attn.wo_b", pre);
+    B(&y->attn_sink, MF_W_F32, "%s.attn.attn_sink", pre);
+    if (L < c->n_layers && mf_config_is_kv_source(c, L)) {
+        B(&y->cmp_wkv, MF_W_BF16, "%s.attn.compressor.wkv.weight", pre);
+        if (c->compress_ratios[L] == 2) B(&y->cmp_wgate, MF_W_BF16, "%s.attn.compressor.wgate.weight", pre);
+        B(&y->cmp_norm, MF_W_BF16, "%s.attn.compressor.norm.weight", pre);
+        B(&y->idx_wk, MF_W_BF16, "%s.attn.indexer.wk.weight", pre);
+        B(&y->idx_k_norm, MF_W_BF16, "%s.attn.indexer.k_norm.weight", pre);
+    }
+    if (L < c->n_layers && mf_config_is_index_source(c, L)) {
+        B(&y->idx_wq_b, MF_W_FP8, "%s.attn.indexer.wq_b", pre);
+        B(&y->idx_weights_proj, MF_W_BF16, "%s.attn.indexer.weights_proj.weight", pre);
+    }
+    B(&y->hc_ffn_fn, MF_W_F32, "%s.hc_ffn_fn", pre);
+    B(&y->hc_ffn_base, MF_W_F32, "%s.hc_ffn_base", pre);
+    B(&y->hc_ffn_scale, MF_W_F32, "%s.hc_ffn_scale", pre);
+    B(&y->ffn_norm, MF_W_BF16, "%s.ffn_norm.weight", pre);
+    B(&y->gate, MF_W_BF16, "%s.ffn.gate.weight", pre);
+    B(&y->gate_bias, MF_W_F32, "%s.ffn.gate.bias", pre);
+    B(&y->gate_bias_vl, MF_W_F32, "%s.ffn.gate.bias_vl", pre);
+    if (c->n_shared_experts > 0) {
+        B(&y->sh_w1, MF_W_FP8, "%s.ffn.shared_experts.w1", pre);
+        B(&y->sh_w2, MF_W_FP8, "%s.ffn.shared_experts.w2", pre);
+        B(&y->sh_w3, MF_W_FP8, "%s.ffn.shared_experts.w3", pre);
+    }
+    y->experts = ex;
+    for (int e = 0; e < mf_config_layer_experts(c, L); e++)
+        for (int k = 0; k < 3; k++) B(&y->experts[e * 3 + k], MF_W_FP4, "%s.ffn.experts.%d.w%d", pre, e, k + 1);
+    return 0;
+}
+
 static int mf_model_bind_all(mf_model *m)
 {
     const mf_config *c = &m->cfg;
     int rc = 0;
-#define B(w, k, ...) do { if ((rc = mf_bind(m, (w), (k), __VA_ARGS__))) return rc; } while (0)
+    char pre[32];
     B(&m->embed, MF_W_BF16, "embed.weight");
     B(&m->norm, MF_W_BF16, "norm.weight");
     B(&m->head, MF_W_BF16, "head.weight");
     for (int L = 0; L < c->n_layers; L++) {
-        mf_model_layer *y = &m->layers[L];
-        if (mf_config_engram_slot(c, L) >= 0) {
-            B(&y->eg_table, MF_W_TABLE, "layers.%d.engram.embed", L);
-            B(&y->eg_wkv, MF_W_FP8, "layers.%d.engram.wkv", L);
-            B(&y->eg_q_weight, MF_W_BF16, "layers.%d.engram.q_weight", L);
-            B(&y->eg_k_weight, MF_W_BF16, "layers.%d.engram.k_weight", L);
-        }
-        B(&y->hc_attn_fn, MF_W_F32, "layers.%d.hc_attn_fn", L);
-        B(&y->hc_attn_base, MF_W_F32, "layers.%d.hc_attn_base", L);
-        B(&y->hc_attn_scale, MF_W_F32, "layers.%d.hc_attn_scale", L);
-        B(&y->attn_norm, MF_W_BF16, "layers.%d.attn_norm.weight", L);
-        B(&y->wq_a, MF_W_FP8, "layers.%d.attn.wq_a", L);
-        B(&y->q_norm, MF_W_BF16, "layers.%d.attn.q_norm.weight", L);
-        B(&y->wq_b, MF_W_FP8, "layers.%d.attn.wq_b", L);
-        B(&y->wkv, MF_W_FP8, "layers.%d.attn.wkv", L);
-        B(&y->kv_norm, MF_W_BF16, "layers.%d.attn.kv_norm.weight", L);
-        B(&y->wo_a, MF_W_FP8, "layers.%d.attn.wo_a", L);
-        B(&y->wo_b, MF_W_FP8, "layers.%d.attn.wo_b", L);
-        B(&y->attn_sink, MF_W_F32, "layers.%d.attn.attn_sink", L);
-        if (mf_config_is_kv_source(c, L)) {
-            B(&y->cmp_wkv, MF_W_BF16, "layers.%d.attn.compressor.wkv.weight", L);
-            if (c->compress_ratios[L] == 2)
-                B(&y->cmp_wgate, MF_W_BF16, "layers.%d.attn.compressor.wgate.weight", L);
-            B(&y->cmp_norm, MF_W_BF16, "layers.%d.attn.compressor.norm.weight", L);
-            B(&y->idx_wk, MF_W_BF16, "layers.%d.attn.indexer.wk.weight", L);
-            B(&y->idx_k_norm, MF_W_BF16, "layers.%d.attn.indexer.k_norm.weight", L);
-        }
-        if (mf_config_is_index_source(c, L)) {
-            B(&y->idx_wq_b, MF_W_FP8, "layers.%d.attn.indexer.wq_b", L);
-            B(&y->idx_weights_proj, MF_W_BF16, "layers.%d.attn.indexer.weights_proj.weight", L);
-        }
-        B(&y->hc_ffn_fn, MF_W_F32, "layers.%d.hc_ffn_fn", L);
-        B(&y->hc_ffn_base, MF_W_F32, "layers.%d.hc_ffn_base", L);
-        B(&y->hc_ffn_scale, MF_W_F32, "layers.%d.hc_ffn_scale", L);
-        B(&y->ffn_norm, MF_W_BF16, "layers.%d.ffn_norm.weight", L);
-        B(&y->gate, MF_W_BF16, "layers.%d.ffn.gate.weight", L);
-        B(&y->gate_bias, MF_W_F32, "layers.%d.ffn.gate.bias", L);
-        B(&y->gate_bias_vl, MF_W_F32, "layers.%d.ffn.gate.bias_vl", L);
-        if (c->n_shared_experts > 0) {
-            B(&y->sh_w1, MF_W_FP8, "layers.%d.ffn.shared_experts.w1", L);
-            B(&y->sh_w2, MF_W_FP8, "layers.%d.ffn.shared_experts.w2", L);
-            B(&y->sh_w3, MF_W_FP8, "layers.%d.ffn.shared_experts.w3", L);
-        }
-        y->experts = m->experts + (size_t)L * c->n_routed_experts * 3;
-        for (int e = 0; e < c->n_routed_experts; e++)
-            for (int k = 0; k < 3; k++)
-                B(&y->experts[e * 3 + k], MF_W_FP4, "layers.%d.ffn.experts.%d.w%d", L, e, k + 1);
+        snprintf(pre, sizeof pre, "layers.%d", L);
+        if ((rc = mf_model_bind_layer(m, L, pre, m->experts + (size_t)L * c->n_routed_experts * 3))) return rc;
     }
-#undef B
+    for (int s = 0; m->draft && s < c->n_mtp_layers; s++) {
+        int L = c->n_layers + s;
+        mf_model_layer *y = &m->layers[L];
+        snprintf(pre, sizeof pre, "mtp.%d", s);
+        mf_weight *ex = m->experts + ((size_t)c->n_layers * c->n_routed_experts +
+                                      (size_t)s * c->dspark_n_routed_experts) * 3;
+        if ((rc = mf_model_bind_layer(m, L, pre, ex))) return rc;
+        if (s == 0) {
+            B(&y->main_proj, MF_W_FP8, "mtp.0.main_proj");
+            B(&y->main_norm, MF_W_BF16, "mtp.0.main_norm.weight");
+        }
+        if (s == c->n_mtp_layers - 1) {
+            B(&y->out_norm, MF_W_BF16, "%s.norm.weight", pre);
+            B(&y->mk_embed, MF_W_BF16, "%s.markov_head.embed.weight", pre);
+            B(&y->mk_head, MF_W_BF16, "%s.markov_head.head.weight", pre);
+            B(&y->conf_proj, MF_W_BF16, "%s.confidence_head.proj.weight", pre);
+        }
+    }
     return 0;
 }
+#undef B
 
 int mf_model_split_weights(const mf_model *m, int L, const mf_weight **out, int max)
 {
@@ -434,15 +402,19 @@ int mf_model_load(const char *dir, const mf_model_opts *opts, mf_model **out)
     char path[4200];
     snprintf(path, sizeof path, "%s/config.json", dir);
     int rc = mf_config_load(path, &m->cfg);
-    if (!rc) rc = mf_model_check_supported(path, &m->cfg);
+    if (!rc && o.load_draft && m->cfg.n_mtp_layers == 0)
+        rc = mf_error(-EINVAL, "%s: the DSpark draft was asked for, but the config has no draft stages "
+                      "(num_nextn_predict_layers 0)", path);
     if (!rc) rc = mf_st_open(dir, &m->st);
     if (!rc) rc = mf_layout_build(&m->cfg, &m->layout);
     if (rc) goto fail;
-    int n = mf_layout_n(m->layout);
+    m->draft = o.load_draft != 0;
+    int n = mf_layout_n(m->layout), n_draft = m->draft ? m->cfg.n_mtp_layers : 0;
     m->offset = calloc((size_t)n, sizeof *m->offset);
     m->st_of = calloc((size_t)n, sizeof *m->st_of);
-    m->layers = calloc((size_t)m->cfg.n_layers, sizeof *m->layers);
-    m->experts = calloc((size_t)m->cfg.n_layers * m->cfg.n_routed_experts * 3, sizeof *m->experts);
+    m->layers = calloc((size_t)(m->cfg.n_layers + n_draft), sizeof *m->layers);
+    m->experts = calloc(((size_t)m->cfg.n_layers * m->cfg.n_routed_experts +
+                         (size_t)n_draft * m->cfg.dspark_n_routed_experts) * 3, sizeof *m->experts);
     if (!m->offset || !m->st_of || !m->layers || !m->experts) {
         rc = mf_error(-ENOMEM, "model: out of memory for %d tensor entries", n);
         goto fail;
@@ -452,7 +424,7 @@ int mf_model_load(const char *dir, const mf_model_opts *opts, mf_model **out)
     uint64_t lazy_bytes = 0;
     for (int i = 0; i < n; i++) {
         const mf_layout_tensor *t = mf_layout_at(m->layout, i);
-        if (mf_is_lazy_group(t)) lazy_bytes += t->n_bytes;
+        if (mf_is_lazy_group(t) && mf_model_wants(m, t)) lazy_bytes += t->n_bytes;
     }
     m->lazy = lazy_bytes > limit || o.resident_limit_bytes == MF_MODEL_ALL_LAZY || o.store;
     uint64_t total = 0;
@@ -461,7 +433,7 @@ int mf_model_load(const char *dir, const mf_model_opts *opts, mf_model **out)
     uint64_t align = m->n_sock > 1 ? (uint64_t)sysconf(_SC_PAGESIZE) : 64;
     for (int i = 0; i < n; i++) {
         const mf_layout_tensor *t = mf_layout_at(m->layout, i);
-        if (m->lazy && mf_is_lazy_group(t)) {
+        if ((m->lazy && mf_is_lazy_group(t)) || !mf_model_wants(m, t)) {
             m->offset[i] = MF_NO_OFFSET;
             continue;
         }
@@ -526,8 +498,10 @@ void mf_model_free(mf_model *m)
 const mf_config *mf_model_config(const mf_model *m) { return &m->cfg; }
 const mf_model_layer *mf_model_layer_at(const mf_model *m, int layer)
 {
-    return layer >= 0 && layer < m->cfg.n_layers ? &m->layers[layer] : NULL;
+    int n = m->cfg.n_layers + (m->draft ? m->cfg.n_mtp_layers : 0);
+    return layer >= 0 && layer < n ? &m->layers[layer] : NULL;
 }
+int mf_model_has_draft(const mf_model *m) { return m->draft; }
 const mf_weight *mf_model_embed(const mf_model *m) { return &m->embed; }
 const mf_weight *mf_model_norm(const mf_model *m) { return &m->norm; }
 const mf_weight *mf_model_head(const mf_model *m) { return &m->head; }

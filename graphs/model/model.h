@@ -49,7 +49,11 @@ typedef struct mf_model_layer {
     mf_weight hc_ffn_fn, hc_ffn_base, hc_ffn_scale, ffn_norm;
     mf_weight gate, gate_bias, gate_bias_vl;
     mf_weight sh_w1, sh_w2, sh_w3;
-    mf_weight *experts;   /* n_routed_experts x {w1, w2, w3} */
+    mf_weight *experts;   /* the layer's routed experts (mf_config_layer_experts) x {w1, w2, w3} */
+    /* draft stages only (docs/dspark.md): stage 0 projects the target's features, the last stage
+     * has the final norm, the Markov head and the confidence head */
+    mf_weight main_proj, main_norm;
+    mf_weight out_norm, mk_embed, mk_head, conf_proj;
 } mf_model_layer;
 
 typedef struct mf_model mf_model;
@@ -83,6 +87,12 @@ typedef struct mf_model_opts {
      * first touch with one line on stderr (unless quiet). 0 or 1: no split. */
     int n_sockets;
     int socket_node[MF_TOPO_MAX_SOCKETS];
+    /* 1: also the DSpark draft (the mtp.* tensors; mf_model_layer_at(m, n_layers + s) for stage s),
+     * checked and read like the backbone's (its routed experts resident or lazy with them, never in
+     * the store); -EINVAL when the config has no draft stages or the checkpoint lacks them. 0 (the
+     * default): the draft's tensors are neither checked nor read, so plain decoding's memory is
+     * unchanged and a checkpoint without them (older `moeflow gen` output) loads. */
+    int load_draft;
 } mf_model_opts;
 
 enum { MF_MODEL_STORE_NONE, MF_MODEL_STORE_RESIDENT, MF_MODEL_STORE_STREAMED };
@@ -101,7 +111,10 @@ int mf_model_load(const char *dir, const mf_model_opts *opts, mf_model **out);
 void mf_model_free(mf_model *m);
 
 const mf_config *mf_model_config(const mf_model *m);
+/* Layer `layer` of the backbone, or draft stage layer - n_layers when the draft was loaded; NULL
+ * otherwise. */
 const mf_model_layer *mf_model_layer_at(const mf_model *m, int layer);
+int mf_model_has_draft(const mf_model *m);   /* loaded with load_draft */
 const mf_weight *mf_model_embed(const mf_model *m);
 const mf_weight *mf_model_norm(const mf_model *m);
 const mf_weight *mf_model_head(const mf_model *m);
@@ -137,11 +150,5 @@ uint64_t mf_weight_scale_bytes(const mf_weight *w);
  * so fp8 weights must be read whole: row0 = 0, n_rows = rows). */
 int mf_model_weight_read(const mf_model *m, const mf_weight *w, int64_t row0, int64_t n_rows,
                          uint8_t *data, uint8_t *scale);
-
-/* Checks that a config is one the reference forward computes: one KV head, sqrtsoftplus routing,
- * RoPE dims even and within head_dim, compress ratios 0/1/2 with each compressed layer after a
- * KV source of the same ratio and an index source on that source, and so on. 0 or -EINVAL naming
- * `what` and the field. */
-int mf_model_check_supported(const char *what, const mf_config *c);
 
 #endif

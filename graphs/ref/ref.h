@@ -52,6 +52,12 @@ int64_t mf_ref_state_pos(const mf_ref_state *s);   /* tokens consumed so far */
 int mf_ref_forward(mf_ref *r, mf_ref_state *const *states, const int32_t *tokens, int n,
                    float *const *logits);
 
+/* The same, also writing the DSpark draft's features of item i into feats[i] when feats and
+ * feats[i] are non-NULL: n_dspark_target x hidden floats, the mean of the streams entering each
+ * layer of dspark_target_layer_ids (mf_ly_draft_feature), what mf_ref_draft_feed takes. */
+int mf_ref_forward_feat(mf_ref *r, mf_ref_state *const *states, const int32_t *tokens, int n,
+                        float *const *logits, float *const *feats);
+
 /* Prefill: n tokens of one sequence; logits (may be NULL) of the last one. */
 int mf_ref_prefill(mf_ref *r, mf_ref_state *s, const int32_t *tokens, int n, float *logits);
 
@@ -67,6 +73,37 @@ typedef struct mf_ref_times {
     int64_t engram_ns, attn_ns, moe_ns, head_ns, total_ns;
 } mf_ref_times;
 void mf_ref_times_get(const mf_ref *r, mf_ref_times *out);
+
+/* ---- the DSpark draft (graphs/ref/ref_dspark.c; docs/dspark.md) ------------------------------ */
+
+/* The draft's reference driver: r's tables (its model loaded with mf_model_opts.load_draft) and a
+ * context of its own on the double-sum backend. -EINVAL without the draft, -ENOMEM. */
+typedef struct mf_ref_draft mf_ref_draft;
+int mf_ref_draft_new(const mf_ref *r, mf_ref_draft **out);
+void mf_ref_draft_free(mf_ref_draft *d);
+
+/* A sequence's draft state (graphs/layers/layers.h mf_ly_draft_state): the stages' context rings,
+ * mf_ly_draft_ring_bytes of them, no position fed. */
+int mf_ref_draft_state_new(const mf_ref_draft *d, mf_ly_draft_state **out);
+void mf_ref_draft_state_free(mf_ly_draft_state *s);
+
+/* Feeds the target's features of the sequence's next n positions (n x n_dspark_target x hidden,
+ * from mf_ref_forward_feat) into s. */
+int mf_ref_draft_feed(mf_ref_draft *d, mf_ly_draft_state *s, const float *feats, int n);
+/* Back to n_pos positions fed: positions at and after it are forgotten (a verify rejected them).
+ * At most dspark_block_size back (-EINVAL otherwise: their slots may be overwritten), s unchanged
+ * on error. */
+int mf_ref_draft_rollback(mf_ly_draft_state *s, const mf_config *c, int64_t n_pos);
+
+/* One round: the candidates after anchor token `anchor`, the token at position s->n_pos (the last
+ * one the target produced, not yet run through it). Greedy: candidate i is the argmax (ties to the
+ * lower id) of logits_i = head(normed_i) + markov(prev_i), prev_0 the anchor, prev_i candidate
+ * i - 1, for i < n (1..dspark_block_size). confidence[i] is the confidence head's logit for
+ * candidate i. logits (NULL, or n x vocab) and routes (NULL, or n_mtp_layers x dspark_block_size x
+ * dspark_num_experts_per_tok) receive those. s is only read: a round proposes without changing the
+ * sequence. */
+int mf_ref_draft_propose(mf_ref_draft *d, const mf_ly_draft_state *s, int32_t anchor, int n, int32_t *tokens,
+                         float *confidence, float *logits, int32_t *routes);
 
 /* The model's tables behind r (graphs/layers/layers.h), for the scheduled engine, which runs the same layer
  * math on contexts of its own and advances r's states. Valid while r lives. */

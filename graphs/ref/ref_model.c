@@ -47,7 +47,9 @@ void mf_ref_free(mf_ref *r)
 
 const mf_config *mf_ref_config(const mf_ref *r) { return r->ly->c; }
 
-static int mf_ref_layer(mf_ref *r, mf_ly_item *it, int L)
+/* Layer L of item it; feat (NULL, or hidden floats) receives the draft's feature of the layer's
+ * input (after Engram, before the attention's mix). */
+static int mf_ref_layer(mf_ref *r, mf_ly_item *it, int L, float *feat)
 {
     mf_ly_ctx *cx = r->cx;
     const mf_config *c = r->ly->c;
@@ -59,6 +61,7 @@ static int mf_ref_layer(mf_ref *r, mf_ly_item *it, int L)
     int64_t t0 = mf_now_ns();
     if (mf_config_engram_slot(c, L) >= 0 && (rc = mf_ly_engram(cx, it, L))) return rc;
     int64_t t1 = mf_now_ns();
+    if (feat) mf_ly_draft_feature(c, it->x, feat);
 
     mf_ly_hc_mixes(cx, it->x, &y->hc_attn_fn, mixes);
     mf_ly_hc_split_w(c, mixes, &y->hc_attn_scale, &y->hc_attn_base, pre_a, post, comb);
@@ -84,6 +87,21 @@ static int mf_ref_layer(mf_ref *r, mf_ly_item *it, int L)
 
 int mf_ref_forward(mf_ref *r, mf_ref_state *const *states, const int32_t *tokens, int n,
                    float *const *logits)
+{
+    return mf_ref_forward_feat(r, states, tokens, n, logits, NULL);
+}
+
+/* The draft's feature slot of layer L in item i's feats, or NULL. */
+static float *mf_ref_feat_of(const mf_config *c, float *const *feats, int i, int L)
+{
+    if (!feats || !feats[i]) return NULL;
+    for (int k = 0; k < c->n_dspark_target; k++)
+        if (c->dspark_target_layer_ids[k] == L) return feats[i] + (int64_t)k * c->hidden_size;
+    return NULL;
+}
+
+int mf_ref_forward_feat(mf_ref *r, mf_ref_state *const *states, const int32_t *tokens, int n,
+                        float *const *logits, float *const *feats)
 {
     const mf_config *c = r->ly->c;
     if (n < 1) return mf_error(-EINVAL, "reference: forward of %d items", n);
@@ -143,7 +161,7 @@ int mf_ref_forward(mf_ref *r, mf_ref_state *const *states, const int32_t *tokens
         for (int s = 1; s < c->hc_mult; s++) memcpy(it->x + s * H, it->x, (size_t)H * sizeof(float));
     }
     for (int L = 0; L < c->n_layers && !rc; L++)
-        for (int i = 0; i < n && !rc; i++) rc = mf_ref_layer(r, &items[i], L);
+        for (int i = 0; i < n && !rc; i++) rc = mf_ref_layer(r, &items[i], L, mf_ref_feat_of(c, feats, i, L));
     int64_t t_head = mf_now_ns();
     for (int i = 0; i < n && !rc; i++) {
         mf_ly_item *it = &items[i];

@@ -1,5 +1,7 @@
 /* Routing for simulation (graphs/sim/routing.h): uniform and Zipf draws from per-layer random streams
- * (so a token's routes do not depend on how tokens are batched), replay of recorded traces, and
+ * (so a token's routes do not depend on how tokens are batched), draws with temporal locality per
+ * sequence (each of a token's picks reuses one of its sequence's recent experts with a set
+ * probability, calibrated to the seed's measured FIFO misses), replay of recorded traces, and
  * the recorder that `moeflow decode --record-routing` feeds from the reference's on_route hook.
  * Trace format (text): a header line `moeflow-routing 1 layers L experts E top_k K`, then one
  * line per record `seq pos layer e0 .. e(K-1)`; `#` lines are comments. */
@@ -18,7 +20,9 @@
 #include "sched/error.h"
 #include "sched/path.h"
 
-typedef enum { MF_ROUTE_UNIFORM, MF_ROUTE_ZIPF, MF_ROUTE_TRACE } mf_route_kind;
+typedef enum { MF_ROUTE_UNIFORM, MF_ROUTE_ZIPF, MF_ROUTE_TRACE, MF_ROUTE_LOCAL } mf_route_kind;
+
+#define MF_LOCAL_MAX_W 1024   /* the recency window of local routing, at most */
 
 struct mf_routing {
     mf_route_kind kind;
@@ -34,6 +38,12 @@ struct mf_routing {
     /* trace */
     int64_t n_tokens, next_token;
     int32_t *trace;          /* [token][layer][k] */
+    /* local: per (layer, sequence) the w most recently used distinct experts, newest first */
+    double p_reuse;
+    int w;
+    int n_seq;               /* sequences with a history so far */
+    int32_t *mru;            /* [layer][seq][w] */
+    int *mru_n;              /* [layer][seq] */
 };
 
 /* ---- random streams -------------------------------------------------------------------------- */
@@ -295,7 +305,7 @@ int mf_routing_open(const char *spec, int n_layers, int n_experts, int top_k, ui
                     mf_routing **out)
 {
     *out = NULL;
-    if (!spec) return mf_error(-EINVAL, "routing: no spec (uniform, zipf:S or trace:PATH)");
+    if (!spec) return mf_error(-EINVAL, "routing: no spec (uniform, zipf:S, local[:P[:W]] or trace:PATH)");
     if (n_layers < 1 || n_experts < 1 || top_k < 1 || top_k > n_experts || top_k > 256)
         return mf_error(-EINVAL, "routing '%s': expected layers >= 1 and 1 <= top_k <= experts (and <= 256), "
                         "found %d layers, %d experts, top_k %d", spec, n_layers, n_experts, top_k);
@@ -319,6 +329,26 @@ int mf_routing_open(const char *spec, int n_layers, int n_experts, int top_k, ui
         r->kind = s == 0 ? MF_ROUTE_UNIFORM : MF_ROUTE_ZIPF;
         r->s = s;
         snprintf(r->desc, sizeof r->desc, "%s", s == 0 ? "uniform" : spec);
+    } else if (strcmp(spec, "local") == 0 || strncmp(spec, "local:", 6) == 0) {
+        /* local[:P[:W]]: the calibrated default, P 0.6 from the 16 most recent (docs/dspark.md) */
+        double p = MF_ROUTING_LOCAL_P;
+        long w = MF_ROUTING_LOCAL_W;
+        char *end = (char *)spec + 5;
+        if (*end == ':') {
+            errno = 0;
+            p = strtod(end + 1, &end);
+            if (*end == ':') w = strtol(end + 1, &end, 10);
+        }
+        int w_max = n_experts < MF_LOCAL_MAX_W ? n_experts : MF_LOCAL_MAX_W;
+        if (*end || errno || !(p >= 0 && p <= 1) || w < 1 || w > w_max) {
+            rc = mf_error(-EINVAL, "routing '%s': expected local, local:P or local:P:W with P in [0, 1] and W in "
+                          "[1, %d] (the experts, at most %d)", spec, w_max, MF_LOCAL_MAX_W);
+            goto fail;
+        }
+        r->kind = MF_ROUTE_LOCAL;
+        r->p_reuse = p;
+        r->w = (int)w;
+        snprintf(r->desc, sizeof r->desc, "local:%g:%d", p, r->w);
     } else if (strncmp(spec, "trace:", 6) == 0) {
         if (!spec[6]) {
             rc = mf_error(-EINVAL, "routing '%s': expected trace:PATH", spec);
@@ -328,7 +358,8 @@ int mf_routing_open(const char *spec, int n_layers, int n_experts, int top_k, ui
         if ((rc = mf_trace_load(r, spec + 6))) goto fail;
         snprintf(r->desc, sizeof r->desc, "trace:%.280s (%" PRId64 " tokens)", spec + 6, r->n_tokens);
     } else {
-        rc = mf_error(-EINVAL, "routing '%s': unknown spec (expected uniform, zipf:S or trace:PATH)", spec);
+        rc = mf_error(-EINVAL, "routing '%s': unknown spec (expected uniform, zipf:S, local[:P[:W]] or trace:PATH)",
+                      spec);
         goto fail;
     }
     if (r->kind != MF_ROUTE_TRACE) {
@@ -387,6 +418,73 @@ static void mf_draw_zipf(mf_routing *r, int layer, int32_t *ex)
     for (int j = 0; j < r->top_k; j++) r->taken[chosen[j]] = 0;
 }
 
+/* Room for the histories of n sequences (each starts empty). 0 or -ENOMEM. */
+static int mf_local_grow(mf_routing *r, int n)
+{
+    if (n <= r->n_seq) return 0;
+    int L = r->n_layers, w = r->w;
+    int32_t *mru = calloc((size_t)L * n * w, sizeof *mru);
+    int *cnt = calloc((size_t)L * n, sizeof *cnt);
+    if (!mru || !cnt) {
+        free(mru);
+        free(cnt);
+        return mf_error(-ENOMEM, "routing %s: out of memory for %d sequences", r->desc, n);
+    }
+    for (int l = 0; l < L; l++)
+        for (int q = 0; q < r->n_seq; q++) {
+            memcpy(mru + ((size_t)l * n + q) * w, r->mru + ((size_t)l * r->n_seq + q) * w, (size_t)w * sizeof *mru);
+            cnt[(size_t)l * n + q] = r->mru_n[(size_t)l * r->n_seq + q];
+        }
+    free(r->mru);
+    free(r->mru_n);
+    r->mru = mru;
+    r->mru_n = cnt;
+    r->n_seq = n;
+    return 0;
+}
+
+/* Sequence q's token at layer l: each of its top_k picks is, with probability p_reuse, one of
+ * the sequence's w most recently used experts of the layer it has not picked yet (uniformly),
+ * else a uniform draw among those it has not picked; then its experts become the most recent. */
+static void mf_draw_local(mf_routing *r, int layer, int q, int32_t *ex)
+{
+    uint64_t *x = &r->rng[layer];
+    int w = r->w, K = r->top_k;
+    int32_t *mru = r->mru + ((size_t)layer * r->n_seq + q) * w;
+    int *n_mru = &r->mru_n[(size_t)layer * r->n_seq + q];
+    for (int j = 0; j < K; j++) {
+        int32_t avail[MF_LOCAL_MAX_W];
+        int n_av = 0;
+        for (int i = 0; i < *n_mru; i++) {
+            int dup = 0;
+            for (int u = 0; u < j; u++) dup |= ex[u] == mru[i];
+            if (!dup) avail[n_av++] = mru[i];
+        }
+        if (n_av > 0 && mf_rand01(x) < r->p_reuse) {
+            ex[j] = avail[mf_rand_below(x, n_av)];
+            continue;
+        }
+        int e, dup;
+        do {
+            e = mf_rand_below(x, r->n_experts);
+            dup = 0;
+            for (int u = 0; u < j; u++) dup |= ex[u] == e;
+        } while (dup);
+        ex[j] = e;
+    }
+    /* the token's experts first, then the older ones it did not pick */
+    int32_t next[MF_LOCAL_MAX_W];
+    int n = 0;
+    for (int j = 0; j < K && n < w; j++) next[n++] = ex[j];
+    for (int i = 0; i < *n_mru && n < w; i++) {
+        int dup = 0;
+        for (int j = 0; j < K; j++) dup |= ex[j] == mru[i];
+        if (!dup) next[n++] = mru[i];
+    }
+    memcpy(mru, next, (size_t)n * sizeof *mru);
+    *n_mru = n;
+}
+
 static void mf_draw_uniform(mf_routing *r, int layer, int32_t *ex)
 {
     uint64_t *x = &r->rng[layer];
@@ -414,11 +512,17 @@ int mf_routing_next(mf_routing *r, int n_tokens, int32_t *ex)
         }
         return 0;
     }
+    if (r->kind == MF_ROUTE_LOCAL) {
+        int rc = mf_local_grow(r, n_tokens);
+        if (rc) return rc;
+    }
     for (int l = 0; l < L; l++)
         for (int t = 0; t < n_tokens; t++) {
             int32_t *dst = ex + ((size_t)l * n_tokens + t) * K;
             if (r->kind == MF_ROUTE_ZIPF)
                 mf_draw_zipf(r, l, dst);
+            else if (r->kind == MF_ROUTE_LOCAL)
+                mf_draw_local(r, l, t, dst);
             else
                 mf_draw_uniform(r, l, dst);
         }
@@ -449,6 +553,8 @@ void mf_routing_free(mf_routing *r)
     free(r->weight);
     free(r->taken);
     free(r->trace);
+    free(r->mru);
+    free(r->mru_n);
     free(r);
 }
 

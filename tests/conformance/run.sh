@@ -3,8 +3,8 @@
 # that exits 0 only when everything it compared was exact (or within its stated tolerance).
 # Needs a built tree (MOEFLOW_BUILD, default ./build; configured and built here when missing)
 # and a venv with the pinned packages, made or reused at
-# ${MOEFLOW_CONF_PYENV:-$HOME/.cache/moeflow/conf-pyenv}. The model checks (NeMo AutoModel's
-# DeepSeek-V4.1 port on CPU) use a second venv with torch, made or reused at
+# ${MOEFLOW_CONF_PYENV:-$HOME/.cache/moeflow/conf-pyenv}. The model and DSpark draft checks (NeMo
+# AutoModel's DeepSeek-V4.1 port on CPU) use a second venv with torch, made or reused at
 # ${MOEFLOW_CONF_TORCH_PYENV:-$HOME/.cache/moeflow/conf-torch-pyenv}: about 5.5 GB, since PyPI's
 # torch wheel brings its CUDA libraries (it runs on CPU). Prints a summary; exits 0 only when
 # every check passed.
@@ -64,6 +64,8 @@ checks=(
   "gen-tokenizer|$py tests/conformance/tokenizer/check_gen_tokenizer.py"
   "model|$torch_py tests/conformance/model/check_model.py"
   "model-self-test|$torch_py tests/conformance/model/check_model.py --self-test"
+  "dspark|$torch_py tests/conformance/dspark/check_dspark.py"
+  "dspark-self-test|$torch_py tests/conformance/dspark/check_dspark.py --self-test"
 )
 
 passed=() failed=()

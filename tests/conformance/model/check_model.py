@@ -127,15 +127,18 @@ def run(*args):
 
 
 def make_case(src, dst, n_layers, engram, window):
-    """A checkpoint derived from src: the first n_layers layers, Engram dropped, another window."""
+    """A checkpoint derived from src: the first n_layers layers (without the DSpark draft), Engram
+    dropped, another window."""
     os.makedirs(dst)
     c = json.load(open(os.path.join(src, "config.json")))
     sd = {}
     for f in sorted(glob.glob(os.path.join(src, "model-*.safetensors"))):
         sd.update(load_file(f))
-    if n_layers is not None:
+    if n_layers is not None:   # the DSpark draft reads the last layers: it goes with them
         c["num_hidden_layers"] = n_layers
+        c["num_nextn_predict_layers"] = 0
         c["compress_ratios"] = c["compress_ratios"][:n_layers]
+        sd = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
         for k in ("kv_source_layer_ids", "index_source_layer_ids"):
             c[k] = [i for i in c[k] if i < n_layers]
         if (c.get("candidate_source_layer_id") or 0) >= n_layers:
@@ -156,21 +159,28 @@ def make_case(src, dst, n_layers, engram, window):
     # routing biases of about 1% of the scores, too small for a bias bug to show, and
     # hyper-connection biases so small that comb is near uniform (its orientation unseen)
     g = torch.Generator().manual_seed(7)
-    for k in sorted(sd):
-        if k.endswith("norm.weight"):
-            sd[k] = (1 + 0.25 * torch.randn(sd[k].shape, generator=g)).to(sd[k].dtype)
-        elif k.endswith(".attn.attn_sink"):
-            sd[k] = torch.randn(sd[k].shape, generator=g).to(sd[k].dtype)
-        elif k.endswith(".ffn.gate.bias"):
-            sd[k] = (0.2 * torch.randn(sd[k].shape, generator=g)).to(sd[k].dtype)
-        elif re.search(r"\.hc_(attn|ffn)_base$", k):   # else the mixes are near uniform
-            sd[k] = torch.randn(sd[k].shape, generator=g).to(sd[k].dtype)
+
+    def randomize(keys, g, sink=0.0):
+        for k in keys:
+            if k.endswith("norm.weight"):
+                sd[k] = (1 + 0.25 * torch.randn(sd[k].shape, generator=g)).to(sd[k].dtype)
+            elif k.endswith(".attn.attn_sink"):
+                sd[k] = (sink + torch.randn(sd[k].shape, generator=g)).to(sd[k].dtype)
+            elif k.endswith(".ffn.gate.bias"):
+                sd[k] = (0.2 * torch.randn(sd[k].shape, generator=g)).to(sd[k].dtype)
+            elif re.search(r"\.hc_(attn|ffn)_base$", k):   # else the mixes are near uniform
+                sd[k] = torch.randn(sd[k].shape, generator=g).to(sd[k].dtype)
+    # the backbone's draws as before the draft was generated (its measured margins hold), then
+    # the draft's (mtp.*) from a generator of their own
+    randomize(sorted(k for k in sd if not k.startswith("mtp.")), g)
     # gen's head rows all have the same scale, so the logits over the vocabulary are about
     # Gaussian and the top two are often closer than the rounding noise: greedy tokens would
     # say little. Rows of log-normal scale make the top logit stand out.
     z = torch.randn(sd["head.weight"].shape[0], 1, generator=g)
     sd["head.weight"] = (sd["head.weight"].float() * torch.exp(HEAD_SPREAD * z)).to(
         sd["head.weight"].dtype)
+    # (the draft attends over only window + block keys: sinks around 2 weigh as much as they)
+    randomize(sorted(k for k in sd if k.startswith("mtp.")), torch.Generator().manual_seed(8), sink=2.0)
     json.dump(c, open(os.path.join(dst, "config.json"), "w"), indent=1)
     shard = "model-00001-of-00001.safetensors"
     save_file(sd, os.path.join(dst, shard), metadata={"format": "pt"})
