@@ -263,35 +263,38 @@ static const mf_opt mf_bd_table[] = {
     {"--no-reference", .kind = MF_OPT_FLAG, .off = F(no_ref),
      .help = "skip the one-thread reference engine (a long prefill takes it minutes)"},
     {"--micro-batches", .kind = MF_OPT_LONG, .off = F(micro), .def = "1", .meta = "M", .lo = 1, .hi = 2,
-     .expect = "1 or 2", .help = "2: the scheduled engine with two micro-batches in flight (batch >= 2)"},
+     .expect = "1 or 2", .help = "2: the scheduled engine with two micro-batches in flight\n(batch >= 2)"},
     {"--sockets", .kind = MF_OPT_FN, .off = F(sk), .meta = "N|auto", .fn = mf_tool_sockets_opt, .example = "1",
-     .help = "the scheduled engine with one CPU lane per socket, workers pinned, each routed\n"
-             "expert's and dense matrix's rows split across the sockets' workers and memory (as\n"
-             "moeflow decode --sockets; the experts here are the model's resident copies, split\n"
-             "with the dense weights in the model's memory); default auto: one lane where hwloc\n"
+     .help = "the scheduled engine with one CPU lane per socket, workers\n"
+             "pinned, each routed expert's and dense matrix's rows split across\n"
+             "the sockets' workers and memory (as moeflow decode --sockets; the\n"
+             "experts here are the model's resident copies, split with the dense\n"
+             "weights in the model's memory); default auto: one lane where hwloc\n"
              "finds one NUMA node"},
     {"--trace", .kind = MF_OPT_STR, .off = F(trace), .meta = "FILE",
      .help = "the Chrome trace of the last scheduled step"},
     {"--json", .kind = MF_OPT_FLAG, .off = F(json),
-     .help = "{\"tokens_per_s\", \"reference_tokens_per_s\", \"speedup\", \"prefill_tokens_per_s\",\n"
-             "\"decode_tokens_per_s\", \"compute_fraction\", \"floor_fraction\",\n"
-             "\"decode_weight_bytes_per_step\", \"read_bytes_per_s\", \"prefill_cpu_s\", \"decode_cpu_s\"\n"
-             "(the process's CPU time: what a loaded machine's wall time hides), \"phases\": {phase:\n"
-             "seconds per step}, \"reference_phases\": {...}, ...} instead of the tables (reference\n"
-             "fields null with --no-reference); it adds the read passes' median and lowest, the\n"
-             "floor fraction of the median step, and bf16_tok1_prefetch: whether the one-token BF16\n"
-             "loop (the head) prefetches, as measured on this machine by its first large calls (1\n"
-             "on, 0 off, -1 not decided yet), and fp8_tok1_avx512: whether the one-token FP8 loop\n"
-             "runs 16-lane AVX-512 (the CPU has it)"},
+     .help = "{\"tokens_per_s\", \"reference_tokens_per_s\", \"speedup\",\n"
+             "\"prefill_tokens_per_s\", \"decode_tokens_per_s\", \"compute_fraction\",\n"
+             "\"floor_fraction\", \"decode_weight_bytes_per_step\", \"read_bytes_per_s\",\n"
+             "\"prefill_cpu_s\", \"decode_cpu_s\" (the process's CPU time: what a\n"
+             "loaded machine's wall time hides), \"phases\": {phase: seconds per\n"
+             "step}, \"reference_phases\": {...}, ...} instead of the tables\n"
+             "(reference fields null with --no-reference); it adds the read\n"
+             "passes' median and lowest, the floor fraction of the median step,\n"
+             "and bf16_tok1_prefetch: whether the one-token BF16 loop (the head)\n"
+             "prefetches, as measured on this machine by its first large calls\n"
+             "(1 on, 0 off, -1 not decided yet), and fp8_tok1_avx512: whether\n"
+             "the one-token FP8 loop runs 16-lane AVX-512 (the CPU has it)"},
     {"--devices", .kind = MF_OPT_STR, .off = F(devices), .meta = "SPEC",
-     .help = "cards for the scheduled engine's dense work (emu:N, cuda[:IDS]; routed experts on\n"
-             "the host)"},
+     .help = "cards for the scheduled engine's dense work (emu:N, cuda[:IDS];\n"
+             "routed experts on the host)"},
     {"--dense", .kind = MF_OPT_WORD, .off = F(dense), .meta = "host|cards", .words = mf_tool_denses,
-     .help = "cards (the default with --devices): the dense work on the cards; host: on the host"},
+     .help = "cards (the default with --devices): the dense work on the\ncards; host: on the host"},
     {"--dense-split", .kind = MF_OPT_WORD, .off = F(dense_split), .def = MF_TOOL_DENSE_SPLIT, .meta = "layers|rows",
      .words = mf_tool_dense_splits,
-     .help = "with dense cards: by layer ranges, or every dense matrix but the shared expert\n"
-             "split by rows across all cards"},
+     .help = "with dense cards: by layer ranges, or every dense matrix\n"
+             "but the shared expert split by rows across all cards"},
     {NULL},
 };
 #undef F

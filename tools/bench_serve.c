@@ -238,7 +238,7 @@ static const mf_opt mf_bs_table[] = {
     {"--requests", .kind = MF_OPT_LONG, .off = F(n), .def = "32", .meta = "N", .lo = 1, .hi = 1 << 24,
      .help = "requests of the workload"},
     {"--concurrency", .kind = MF_OPT_STR, .off = F(concs), .def = "1,4,16", .meta = "C,C,..",
-     .help = "closed-loop clients, one run per value (each 1.." MF_OPTS_STR(MF_STEP_MAX_ITEMS) ", at most 8 values)"},
+     .help = "closed-loop clients, one run per value (each\n1.." MF_OPTS_STR(MF_STEP_MAX_ITEMS) ", at most 8 values)"},
     {"--prompt-tokens", .kind = MF_OPT_FN, .off = F(prompt), .def = "16-128", .meta = "MIN-MAX", .fn = mf_bs_range_opt,
      .help = "prompt lengths, drawn uniformly"},
     {"--output-tokens", .kind = MF_OPT_FN, .off = F(output), .def = "8-64", .meta = "MIN-MAX", .fn = mf_bs_range_opt,
@@ -251,7 +251,7 @@ static const mf_opt mf_bs_table[] = {
      .help = "scheduled engine workers (default: the online CPUs)"},
     {"--seed", .kind = MF_OPT_ULL, .off = F(seed), .def = "1", .meta = "S", .help = "seeds the lengths"},
     {"--warmup", .kind = MF_OPT_LONG, .off = F(warmup), .def = "1", .meta = "N", .lo = 0, .hi = 10,
-     .help = "untimed passes of both modes before each concurrency's timed one"},
+     .help = "untimed passes of both modes before each\nconcurrency's timed one"},
     {"--json", .kind = MF_OPT_FLAG, .off = F(json),
      .help = "{\"requests\", \"results\": [{mode, concurrency, tokens_per_s, ttft and itl\n"
              "percentiles, wall_s, and where the time went}]} instead of the table"},
@@ -282,7 +282,7 @@ static const mf_opts_spec mf_bs_spec = {
              "items (static: the prefills) with their prefill items, the decode items beside them\n"
              "(continuous: the step's decode tokens) and their wall and CPU time.\n\n",
     .opts = mf_bs_table,
-    .col = 29,
+    .col = 26,
 };
 
 /* A run of bench serve: the engine, the workload, the latencies of the pass being run. */

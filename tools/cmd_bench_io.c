@@ -69,7 +69,7 @@ typedef struct mf_bench_io_cli {
 #define F(x) offsetof(mf_bench_io_cli, x)
 static const mf_opt mf_bench_io_table[] = {
     {"--file", .kind = MF_OPT_STR, .off = F(path), .meta = "F",
-     .help = "the file to read (a few hundred MiB or more; e.g. a checkpoint shard)"},
+     .help = "the file to read (a few hundred MiB or more, e.g. a checkpoint\nshard)"},
     {"--depth", .kind = MF_OPT_LONG, .off = F(depth), .def = "64", .meta = "N", .lo = 1, .hi = 4096,
      .help = "reads in flight on the IO lane"},
     {"--request-mib", .kind = MF_OPT_LONG, .off = F(req_mib), .def = "4", .meta = "N", .lo = 1, .hi = 256,
@@ -77,10 +77,11 @@ static const mf_opt mf_bench_io_table[] = {
     {"--rows", .kind = MF_OPT_LONG, .off = F(n_rows), .def = "20000", .meta = "N", .lo = 1, .hi = 10000000,
      .help = "random 264-byte rows gathered"},
     {"--reps", .kind = MF_OPT_LONG, .off = F(reps), .def = "3", .meta = "N", .lo = 1, .hi = MF_BENCH_MAX_REPS,
-     .help = "alternating rounds of each phase (dd and the store, the pread loop and the\n"
-             "gather; dd and the pread loop run once more); each side is the median of its runs"},
+     .help = "alternating rounds of each phase (dd and the store, the pread loop\n"
+             "and the gather; dd and the pread loop run once more); each side is\n"
+             "the median of its runs"},
     {"--gather-buffered", .kind = MF_OPT_FLAG, .off = F(gather_buffered),
-     .help = "the gather reads through the page cache too (default: O_DIRECT where allowed)"},
+     .help = "the gather reads through the page cache too (default: O_DIRECT\nwhere allowed)"},
     {"--json", .kind = MF_OPT_FLAG, .off = F(json),
      .help = "print the numbers, including seq_fraction_of_dd and gather_speedup"},
     {NULL},

@@ -42,7 +42,7 @@ static const mf_opt mf_serve_table[] = {
     {"--checkpoint", .kind = MF_OPT_STR, .off = F(dir), .meta = "DIR",
      .help = "config.json + safetensors (+ tokenizer.json for text)"},
     {"--host", .kind = MF_OPT_STR, .off = F(host), .def = "127.0.0.1", .meta = "ADDR",
-     .help = "IPv4 address to bind (localhost: 127.0.0.1; the default binds loopback only)"},
+     .help = "IPv4 address to bind (localhost: 127.0.0.1; the default is\nloopback only)"},
     {"--port", .kind = MF_OPT_LONG, .off = F(port), .def = "8000", .meta = "N", .lo = 0, .hi = 65535,
      .help = "TCP port (0: a free one, printed at start)"},
     {"--max-batch", .kind = MF_OPT_LONG, .off = F(max_batch), .def = "16", .meta = "N", .lo = 1, .hi = MF_STEP_MAX_ITEMS,

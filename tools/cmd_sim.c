@@ -74,7 +74,7 @@ static const mf_opt mf_sim_table[] = {
     {"--warmup", .kind = MF_OPT_LONG, .off = F(warmup), .def = "2", .meta = "N", .lo = 0, .hi = 100000,
      .help = "steps before them that warm the caches"},
     {"--routing", .kind = MF_OPT_STR, .off = F(routing_spec), .def = "uniform", .meta = "R",
-     .help = "uniform, zipf:S, or trace:FILE (moeflow decode --record-routing)"},
+     .help = "uniform, zipf:S, or trace:FILE (a routing trace of moeflow\ndecode --record-routing)"},
     {"--seed", .kind = MF_OPT_LONG, .off = F(seed), .def = "1", .meta = "S", .lo = 0, .hi = 1L << 62,
      .help = "seeds the routing's draws"},
     {"--context", .kind = MF_OPT_LONG, .off = F(context), .def = "16", .meta = "N", .lo = 1, .hi = 1L << 40,
@@ -132,7 +132,8 @@ static const mf_opts_spec mf_sim_spec = {
         "                   [--cards N] [--threads N] [--batch B] [--steps N] [--warmup N]\n"
         "                   [--routing uniform|zipf:S|trace:FILE] [--seed S] [--context N]\n"
         "                   [--store resident|streamed] [--store-budget SIZE] [--tables resident|streamed]\n"
-        "                   [--dev-cache SIZE] [--dev-cache-fill on|off] [--cache-policy lfu|lru] [--read-window N]\n"
+        "                   [--dev-cache SIZE] [--dev-cache-fill on|off] [--cache-policy lfu|lru]\n"
+        "                   [--read-window N]\n"
         "                   [--copy-slots N] [--dev-task-ns NS] [--dev-graphs] [--dense host|cards]\n"
         "                   [--dense-split layers|rows] [--heads cost|cards|host]\n"
         "                   [--micro-batches 1|2] [--prefetch-min N]\n"

@@ -120,7 +120,7 @@ static const mf_opt mf_tune_table[] = {
      .words = mf_tool_on_off,
      .help = "not swept: every candidate's card caches start warm (on, as\n`moeflow sim`) or empty"},
     {"--store", .kind = MF_OPT_WORD, .off = F(store), .def = "resident", .meta = "MODE", .words = mf_tool_store_modes,
-     .help = "not swept: routed experts resident or streamed (as `moeflow sim`)"},
+     .help = "not swept: routed experts resident or streamed (as\n`moeflow sim`)"},
     {"--tables", .kind = MF_OPT_WORD, .off = F(tables), .def = "resident", .meta = "MODE", .words = mf_tool_store_modes,
      .help = "not swept: Engram tables resident or streamed"},
     {"--routing", .kind = MF_OPT_STR, .off = F(routing_spec), .def = "uniform", .meta = "R",
