@@ -182,10 +182,9 @@ static void mf_sim_print_ops(const mf_plan_report *r)
 static void mf_sim_json(const mf_plan_report *r, const char *routing, int placement, int dense, int split, int measured,
                         double meas_ns, const mf_step_times *mt)
 {
-    static const char *const pl[] = {"host", "seed", "hybrid"};
     printf("{\"placement\":\"%s\",\"dense\":\"%s\",\"dense_split\":\"%s\",\"routing\":\"%s\",\"batch\":%d,\"steps\":%d,\"step_s\":%.9g,\"token_s\":%.9g,"
            "\"tokens_per_s\":%.6g,\"n_tasks\":%d,\"phases\":{",
-           pl[placement], dense == MF_PLAN_DENSE_CARDS ? "cards" : "host", split == MF_SG_SPLIT_ROWS ? "rows" : "layers", routing, r->batch, r->n_steps, r->step_ns / 1e9, r->token_ns / 1e9,
+           mf_opt_word_name(mf_tool_placements, placement), dense == MF_PLAN_DENSE_CARDS ? "cards" : "host", split == MF_SG_SPLIT_ROWS ? "rows" : "layers", routing, r->batch, r->n_steps, r->step_ns / 1e9, r->token_ns / 1e9,
            r->token_ns > 0 ? 1e9 / r->token_ns : 0, r->n_tasks);
     for (int q = 0; q < MF_STEP_N_PHASES; q++)
         printf("%s\"%s\":%.9g", q ? "," : "", mf_step_phase_name((mf_step_phase)q), r->phase_ns[q] / 1e9);

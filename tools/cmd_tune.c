@@ -21,7 +21,8 @@
 
 #define MF_TUNE_MAX_VALS 16
 
-static const char *const mf_tune_place_names[] = {"host", "seed", "hybrid"};
+/* A placement's word (mf_tool_placements). */
+static const char *mf_tune_place(int64_t v) { return mf_opt_word_name(mf_tool_placements, (int)v); }
 
 /* One knob's values to sweep (its option: a row of mf_tune_table). */
 typedef struct mf_tune_knob {
@@ -247,7 +248,7 @@ static int mf_tune_defaults(mf_tune_cli *a, const mf_profile *prof)
         for (int i = 0; i < kn[K_PLACE].n; i++)
             if (kn[K_PLACE].v[i] != MF_STEP_PLACE_HOST)
                 return mf_error(-EINVAL, "--placement %s: profile %s has no cards",
-                                mf_tune_place_names[kn[K_PLACE].v[i]], prof->name);
+                                mf_tune_place(kn[K_PLACE].v[i]), prof->name);
     }
     if (!kn[K_BATCH].given) {
         int64_t b[] = {1, 4, 16};
@@ -384,7 +385,7 @@ static int mf_tune_run(const mf_tune_cli *a, const mf_config *cfg, const mf_prof
         mf_routing_free(rt);
         if (rc)
             return mf_error_wrap(rc, "setting %d (placement %s, dense %s, batch %" PRId64 ", threads %" PRId64 ")",
-                                 i + 1, mf_tune_place_names[r->v[K_PLACE]], r->v[K_DENSE] ? "cards" : "host",
+                                 i + 1, mf_tune_place(r->v[K_PLACE]), r->v[K_DENSE] ? "cards" : "host",
                                  r->v[K_BATCH], r->v[K_THREADS]);
         if (tty) fprintf(stderr, "\rtune: %d of %d settings tried", i + 1, n_res);
         else if (a->real || (i + 1) * 10 / n_res != i * 10 / n_res) fprintf(stderr, "tune: %d of %d settings tried\n", i + 1, n_res);
@@ -408,7 +409,7 @@ static void mf_tune_json(const mf_tune_cli *a, const mf_profile *prof, const mf_
                ",\"cache_policy\":\"%s\",\"store_budget_bytes\":%" PRId64 ",\"micro_batches\":%" PRId64
                ",\"predicted_step_s\":%.9g,"
                "\"predicted_tokens_per_s\":%.6g,\"bottleneck\":\"%s\",\"bottleneck_busy\":%.4f",
-               i ? "," : "", i + 1, mf_tune_place_names[r->v[K_PLACE]], r->v[K_DENSE] ? "cards" : "host",
+               i ? "," : "", i + 1, mf_tune_place(r->v[K_PLACE]), r->v[K_DENSE] ? "cards" : "host",
                r->v[K_SPLIT] == MF_SG_SPLIT_ROWS ? "rows" : "layers", r->v[K_BATCH], r->v[K_THREADS],
                r->v[K_WINDOW], r->v[K_COPY], r->v[K_CACHE], r->v[K_POLICY] ? "lru" : "lfu", r->v[K_BUDGET],
                r->v[K_MICRO], p->step_ns / 1e9, p->token_ns > 0 ? 1e9 / p->token_ns : 0, p->lanes[p->bottleneck].name,
@@ -432,7 +433,7 @@ static void mf_tune_row(const mf_tune_cli *a, int w, const mf_tune_result *r, in
     snprintf(copy, sizeof copy, "%" PRId64, r->v[K_COPY]);
     printf("%4d %10.2f %10.*f %-7s %-5s %5" PRId64 " %5" PRId64 " %7" PRId64 " %6s %5s %8s %6s %8s  %s (%.0f%%)\n",
            w + 1, real ? 1e9 / r->meas_token_ns : 1e9 / p->token_ns, real ? 2 : 3,
-           real ? 1e9 / p->token_ns : p->step_ns / 1e6, mf_tune_place_names[r->v[K_PLACE]],
+           real ? 1e9 / p->token_ns : p->step_ns / 1e6, mf_tune_place(r->v[K_PLACE]),
            !r->v[K_DENSE] ? "host" : r->v[K_SPLIT] == MF_SG_SPLIT_ROWS ? "rows" : "cards", r->v[K_BATCH], r->v[K_MICRO],
            r->v[K_THREADS], streamed ? win : "-", host ? "-" : copy, host ? "-" : cache,
            host ? "-" : (r->v[K_POLICY] ? "lru" : "lfu"), streamed ? budget : "-",
@@ -478,7 +479,7 @@ static int mf_tune_table_print(const mf_tune_cli *a, const mf_profile *prof, con
 static void mf_tune_best(const mf_tune_cli *a, const mf_tune_result *b)
 {
     printf("\nbest: placement %s, dense %s, batch %" PRId64 ", %" PRId64 " micro-batch%s, %" PRId64 " threads per socket",
-           mf_tune_place_names[b->v[K_PLACE]],
+           mf_tune_place(b->v[K_PLACE]),
            !b->v[K_DENSE] ? "host" : b->v[K_SPLIT] == MF_SG_SPLIT_ROWS ? "cards (split by rows)" : "cards",
            b->v[K_BATCH], b->v[K_MICRO], b->v[K_MICRO] > 1 ? "es" : "", b->v[K_THREADS]);
     if (b->v[K_PLACE] != MF_STEP_PLACE_HOST) {
