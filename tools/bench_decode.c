@@ -269,8 +269,8 @@ static const mf_opt mf_bd_table[] = {
              "pinned, each routed expert's and dense matrix's rows split across\n"
              "the sockets' workers and memory (as moeflow decode --sockets; the\n"
              "experts here are the model's resident copies, split with the dense\n"
-             "weights in the model's memory); default auto: one lane where hwloc\n"
-             "finds one NUMA node"},
+             "weights in the model's memory; MOEFLOW_TOPOLOGY as there); default\n"
+             "auto: one lane where hwloc finds one NUMA node"},
     {"--trace", .kind = MF_OPT_STR, .off = F(trace), .meta = "FILE",
      .help = "the Chrome trace of the last scheduled step"},
     {"--json", .kind = MF_OPT_FLAG, .off = F(json),
