@@ -6,6 +6,7 @@
  * --json a machine-readable summary. */
 #include <errno.h>
 #include <inttypes.h>
+#include <stddef.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,57 +27,6 @@
 #include "sched/error.h"
 #include "tools/commands.h"
 #include "tools/sim_common.h"
-
-static void mf_bench_decode_usage(FILE *f)
-{
-    fprintf(f,
-            "usage: moeflow bench decode --checkpoint DIR [--steps N] [--batch B] [--threads N]\n"
-            "                            [--prompt-tokens P] [--chunk T] [--exact] [--no-reference]\n"
-            "                            [--micro-batches 1|2] [--sockets N|auto] [--trace FILE] [--json]\n"
-            "                            [--devices emu:N|cuda[:IDS] [--dense host|cards]\n"
-            "                             [--dense-split layers|rows]]\n\n"
-            "Prefills B sequences of a synthetic P-token prompt (default 16; sequence i's tokens are\n"
-            "(37 k + 11 + 101 i) mod vocab) and runs N greedy decode steps (default 8) of the batch\n"
-            "with the reference engine, then with the scheduled engine on --threads workers (default\n"
-            "the online CPUs). Prints per engine and step where the time went (ms): attention stack,\n"
-            "MoE, Engram, norm + head, other (embedding, checks, copies, scheduling gaps), tokens/s,\n"
-            "the speedup scheduled / reference, prefill and decode tokens/s, and the compute fraction:\n"
-            "the scheduled engine's kernel multiply-adds per second (the step graph's records) over\n"
-            "the fused int8 kernel's rate on the model's expert shape at 64 tokens on the same\n"
-            "threads, measured by this command before the engines run; and the floor fraction: the\n"
-            "time a decode step's weights (the bytes its host kernels read, from the records) take at\n"
-            "the streaming read rate of the same threads over the mean measured step time (at batch 1:\n"
-            "how close a token is to the memory floor). The read rate is the best pass of a probe: the\n"
-            "--threads threads, unbound as the engine's workers, each read its slice of a 256 MiB buffer\n"
-            "(2 MiB pages where the kernel allows, as the weights) once with 32-byte loads, timed from a\n"
-            "common start to the last one's end; 5 passes before the engines run and one after every\n"
-            "scheduled decode step (untimed), so a rate that moves during the run is seen at its best.\n"
-            "The JSON adds the passes' median and lowest, the floor fraction of the median step, and\n"
-            "bf16_tok1_prefetch: whether the one-token BF16 loop (the head) prefetches, as measured on\n"
-            "this machine by its first large calls (1 on, 0 off, -1 not decided yet), and\n"
-            "fp8_tok1_avx512: whether the one-token FP8 loop runs 16-lane AVX-512 (the CPU has it).\n"
-            "--micro-batches 2: the scheduled engine with two micro-batches in flight (batch >= 2).\n"
-            "--sockets N|auto (default auto: one lane where hwloc finds one NUMA node): the\n"
-            "scheduled engine with one CPU lane per socket, workers pinned,\n"
-            "each routed expert's and dense matrix's rows split across the sockets' workers and memory\n"
-            "(as moeflow decode --sockets; the experts here are the model's resident copies, split\n"
-            "with the dense weights in the model's memory).\n"
-            "--no-reference skips the one-thread reference engine (a long prefill takes it\n"
-            "minutes). --chunk T: the scheduled\n"
-            "engine's prefill chunk (positions per graph run, 1..%d; default %d). --exact runs the\n"
-            "scheduled engine's experts on the fp32 kernel path. --trace FILE writes the Chrome trace\n"
-            "of the last scheduled step. --json prints {\"tokens_per_s\", \"reference_tokens_per_s\",\n"
-            "\"speedup\", \"prefill_tokens_per_s\", \"decode_tokens_per_s\", \"compute_fraction\",\n"
-            "\"floor_fraction\", \"decode_weight_bytes_per_step\", \"read_bytes_per_s\",\n"
-            "\"prefill_cpu_s\", \"decode_cpu_s\" (the process's CPU time: what a loaded machine's wall\n"
-            "time hides), \"phases\": {phase: seconds per step}, \"reference_phases\": {...}, ...} instead of the\n"
-            "tables (reference fields null with --no-reference).\n"
-            "--devices SPEC with --dense cards (the default with devices) runs the scheduled engine's\n"
-            "dense work on those cards (routed experts on the host), by layer ranges or, with\n"
-            "--dense-split rows (the default), every dense matrix but the shared expert split by rows\n"
-            "across all.\n",
-            MF_STEP_MAX_CHUNK, MF_STEP_PREFILL_CHUNK);
-}
 
 typedef struct mf_bd_run {
     double phase_s[MF_STEP_N_PHASES];   /* summed over steps */
@@ -287,209 +237,303 @@ static void mf_bd_json_phases(const char *key, const mf_bd_run *run, int steps)
     printf("}");
 }
 
-int mf_bench_decode(int argc, char **argv)
+/* The command line of `moeflow bench decode`. */
+typedef struct mf_bd_cli {
+    const char *dir, *trace, *devices;
+    long steps, batch, n_prompt, chunk, threads, micro;
+    int json, exact, no_ref, dense, dense_split;   /* dense: -1 not given */
+    mf_tool_sockets sk;                            /* n 0: --sockets not given (auto) */
+} mf_bd_cli;
+
+#define F(x) offsetof(mf_bd_cli, x)
+static const mf_opt mf_bd_table[] = {
+    {"--checkpoint", .kind = MF_OPT_STR, .off = F(dir), .meta = "DIR", .help = "the model"},
+    {"--steps", .kind = MF_OPT_LONG, .off = F(steps), .def = "8", .meta = "N", .lo = 1, .hi = 100000,
+     .help = "greedy decode steps of the batch"},
+    {"--batch", .kind = MF_OPT_LONG, .off = F(batch), .def = "1", .meta = "B", .lo = 1, .hi = MF_STEP_MAX_ITEMS,
+     .help = "sequences"},
+    {"--threads", .kind = MF_OPT_LONG, .off = F(threads), .meta = "N", .lo = 1, .hi = 256,
+     .help = "scheduled engine workers (default: the online CPUs)"},
+    {"--prompt-tokens", .kind = MF_OPT_LONG, .off = F(n_prompt), .def = "16", .meta = "P", .lo = 1, .hi = 100000,
+     .help = "the synthetic prompt's length"},
+    {"--chunk", .kind = MF_OPT_LONG, .off = F(chunk), .meta = "T", .lo = 1, .hi = MF_STEP_MAX_CHUNK,
+     .help = "the scheduled engine's prefill chunk (positions per graph run, 1.." MF_OPTS_STR(MF_STEP_MAX_CHUNK)
+             ";\ndefault " MF_OPTS_STR(MF_STEP_PREFILL_CHUNK) ")"},
+    {"--exact", .kind = MF_OPT_FLAG, .off = F(exact), .help = "the scheduled engine's experts on the fp32 kernel path"},
+    {"--no-reference", .kind = MF_OPT_FLAG, .off = F(no_ref),
+     .help = "skip the one-thread reference engine (a long prefill takes it minutes)"},
+    {"--micro-batches", .kind = MF_OPT_LONG, .off = F(micro), .def = "1", .meta = "M", .lo = 1, .hi = 2,
+     .expect = "1 or 2", .help = "2: the scheduled engine with two micro-batches in flight\n(batch >= 2)"},
+    {"--sockets", .kind = MF_OPT_FN, .off = F(sk), .meta = "N|auto", .fn = mf_tool_sockets_opt, .example = "1",
+     .help = "the scheduled engine with one CPU lane per socket, workers\n"
+             "pinned, each routed expert's and dense matrix's rows split across\n"
+             "the sockets' workers and memory (as moeflow decode --sockets; the\n"
+             "experts here are the model's resident copies, split with the dense\n"
+             "weights in the model's memory; MOEFLOW_TOPOLOGY as there); default\n"
+             "auto: one lane where hwloc finds one NUMA node"},
+    {"--trace", .kind = MF_OPT_STR, .off = F(trace), .meta = "FILE",
+     .help = "the Chrome trace of the last scheduled step"},
+    {"--json", .kind = MF_OPT_FLAG, .off = F(json),
+     .help = "{\"tokens_per_s\", \"reference_tokens_per_s\", \"speedup\",\n"
+             "\"prefill_tokens_per_s\", \"decode_tokens_per_s\", \"compute_fraction\",\n"
+             "\"floor_fraction\", \"decode_weight_bytes_per_step\", \"read_bytes_per_s\",\n"
+             "\"prefill_cpu_s\", \"decode_cpu_s\" (the process's CPU time: what a\n"
+             "loaded machine's wall time hides), \"phases\": {phase: seconds per\n"
+             "step}, \"reference_phases\": {...}, ...} instead of the tables\n"
+             "(reference fields null with --no-reference); it adds the read\n"
+             "passes' median and lowest, the floor fraction of the median step,\n"
+             "and bf16_tok1_prefetch: whether the one-token BF16 loop (the head)\n"
+             "prefetches, as measured on this machine by its first large calls\n"
+             "(1 on, 0 off, -1 not decided yet), and fp8_tok1_avx512: whether\n"
+             "the one-token FP8 loop runs 16-lane AVX-512 (the CPU has it)"},
+    {"--devices", .kind = MF_OPT_STR, .off = F(devices), .meta = "SPEC",
+     .help = "cards for the scheduled engine's dense work (emu:N, cuda[:IDS];\n"
+             "routed experts on the host)"},
+    {"--dense", .kind = MF_OPT_WORD, .off = F(dense), .meta = "host|cards", .words = mf_tool_denses,
+     .help = "cards (the default with --devices): the dense work on the\ncards; host: on the host"},
+    {"--dense-split", .kind = MF_OPT_WORD, .off = F(dense_split), .def = MF_TOOL_DENSE_SPLIT, .meta = "layers|rows",
+     .words = mf_tool_dense_splits,
+     .help = "with dense cards: by layer ranges, or every dense matrix\n"
+             "but the shared expert split by rows across all cards"},
+    {NULL},
+};
+#undef F
+
+static const mf_opts_spec mf_bd_spec = {
+    .cmd = "bench decode",
+    .usage =
+        "usage: moeflow bench decode --checkpoint DIR [--steps N] [--batch B] [--threads N]\n"
+        "                            [--prompt-tokens P] [--chunk T] [--exact] [--no-reference]\n"
+        "                            [--micro-batches 1|2] [--sockets N|auto] [--trace FILE] [--json]\n"
+        "                            [--devices emu:N|cuda[:IDS] [--dense host|cards]\n"
+        "                             [--dense-split layers|rows]]\n\n"
+        "Prefills B sequences of a synthetic P-token prompt (sequence i's tokens are\n"
+        "(37 k + 11 + 101 i) mod vocab) and runs N greedy decode steps of the batch with the\n"
+        "reference engine, then with the scheduled engine on --threads workers. Prints per\n"
+        "engine and step where the time went (ms): attention stack, MoE, Engram, norm + head,\n"
+        "other (embedding, checks, copies, scheduling gaps), tokens/s, the speedup scheduled /\n"
+        "reference, prefill and decode tokens/s, and the compute fraction: the scheduled engine's\n"
+        "kernel multiply-adds per second (the step graph's records) over the fused int8 kernel's\n"
+        "rate on the model's expert shape at 64 tokens on the same threads, measured by this\n"
+        "command before the engines run; and the floor fraction: the time a decode step's weights\n"
+        "(the bytes its host kernels read, from the records) take at the streaming read rate of\n"
+        "the same threads over the mean measured step time (at batch 1: how close a token is to\n"
+        "the memory floor). The read rate is the best pass of a probe: the --threads threads,\n"
+        "unbound as the engine's workers, each read its slice of a 256 MiB buffer (2 MiB pages\n"
+        "where the kernel allows, as the weights) once with 32-byte loads, timed from a common\n"
+        "start to the last one's end; 5 passes before the engines run and one after every\n"
+        "scheduled decode step (untimed), so a rate that moves during the run is seen at its best.\n\n",
+    .opts = mf_bd_table,
+    .col = 22,
+};
+
+/* A run of bench decode: the model, both engines' runs, the rates measured beside them. */
+typedef struct mf_bd {
+    const mf_bd_cli *a;
+    int dense;
+    mf_model *m;
+    mf_ref *r;
+    mf_step *eng;
+    mf_dev *dev;
+    const mf_config *c;
+    float *logits;
+    mf_bd_run ref, sch;
+    double kern_rate, read_rate, read_med, read_min;
+} mf_bd;
+
+/* The model (with sockets, the weights split over their memory as the engine's row parts are),
+ * the reference, the cards and the scheduled engine. 0, a negative code, or 2 (said on stderr). */
+static int mf_bd_open(mf_bd *b)
 {
-    const char *dir = NULL, *trace = NULL, *devices = NULL, *dense_s = NULL;
-    int dense_split = MF_TOOL_DENSE_SPLIT;
-    long steps = 8, batch = 1, n_prompt = 16, chunk = 0, threads = sysconf(_SC_NPROCESSORS_ONLN);
-    int json = 0, exact = 0, no_ref = 0, micro = 1;
-    mf_tool_sockets sk = {.n = 0};   /* 0: --sockets not given (auto)*/
-    if (threads < 1) threads = 1;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        int hv = i + 1 < argc;
-        char *end = NULL;
-        long *num = !strcmp(a, "--steps") ? &steps : !strcmp(a, "--batch") ? &batch
-                  : !strcmp(a, "--threads") ? &threads : !strcmp(a, "--prompt-tokens") ? &n_prompt
-                  : !strcmp(a, "--chunk") ? &chunk : NULL;
-        long lo = 1, hi = !strcmp(a, "--batch") ? MF_STEP_MAX_ITEMS : !strcmp(a, "--chunk") ? MF_STEP_MAX_CHUNK
-                          : !strcmp(a, "--threads") ? 256 : 100000;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            mf_bench_decode_usage(stdout);
-            return 0;
-        } else if (!strcmp(a, "--checkpoint") && hv) {
-            dir = argv[++i];
-        } else if (!strcmp(a, "--trace") && hv) {
-            trace = argv[++i];
-        } else if (!strcmp(a, "--devices") && hv) {
-            devices = argv[++i];
-        } else if (!strcmp(a, "--dense") && hv) {
-            dense_s = argv[++i];
-            if (mf_tool_dense(dense_s) < 0) {
-                fprintf(stderr, "moeflow bench decode: --dense: expected host or cards, found '%s'\n", dense_s);
-                return 2;
-            }
-        } else if (!strcmp(a, "--dense-split") && hv) {
-            if ((dense_split = mf_tool_dense_split(argv[++i])) < 0) {
-                fprintf(stderr, "moeflow bench decode: --dense-split: expected layers or rows, found '%s'\n",
-                        argv[i]);
-                return 2;
-            }
-        } else if (!strcmp(a, "--sockets") && hv) {
-            if (mf_tool_sockets_arg("bench decode", argv[++i], &sk)) return 2;
-        } else if (!strcmp(a, "--json")) {
-            json = 1;
-        } else if (!strcmp(a, "--exact")) {
-            exact = 1;
-        } else if (!strcmp(a, "--no-reference")) {
-            no_ref = 1;
-        } else if (!strcmp(a, "--micro-batches") && hv) {
-            micro = atoi(argv[++i]);
-            if (micro != 1 && micro != 2) {
-                fprintf(stderr, "moeflow bench decode: --micro-batches: expected 1 or 2, found '%s'\n", argv[i]);
-                return 2;
-            }
-        } else if (num && hv) {
-            *num = strtol(argv[++i], &end, 10);
-            if (*end || !*argv[i] || *num < lo || *num > hi) {
-                fprintf(stderr, "moeflow bench decode: %s: expected %ld..%ld, found '%s'\n", a, lo, hi, argv[i]);
-                return 2;
-            }
-        } else {
-            fprintf(stderr, "moeflow bench decode: unknown or incomplete option '%s'\n\n", a);
-            mf_bench_decode_usage(stderr);
-            return 2;
-        }
-    }
-    if (!sk.n) {   /* auto: every socket hwloc finds, at most one per worker */
-        if (mf_tool_sockets_arg("bench decode", "auto", &sk)) return 2;
-        if (sk.n > threads) sk.n = (int)threads;
-    }
-    if (!dir) {
-        fprintf(stderr, "moeflow bench decode: --checkpoint DIR is required\n\n");
-        mf_bench_decode_usage(stderr);
+    const mf_bd_cli *a = b->a;
+    mf_model_opts mo = {.quiet = a->json, .resident_limit_bytes = UINT64_C(64) << 30, .n_sockets = a->sk.n};
+    memcpy(mo.socket_node, a->sk.node, sizeof mo.socket_node);
+    int rc = mf_model_load(a->dir, &mo, &b->m);
+    if (!rc) rc = mf_ref_new(b->m, NULL, &b->r);
+    if (!rc && b->dense) rc = mf_dev_open(a->devices, &b->dev);
+    if (!rc)
+        rc = mf_step_new(b->r, &(mf_step_opts){.n_threads = (int)a->threads, .exact = a->exact,
+                                                .prefill_chunk = (int)a->chunk, .dev = b->dev,
+                                                .dense = b->dense ? MF_STEP_DENSE_CARDS : MF_STEP_DENSE_HOST,
+                                                .dense_split = a->dense_split, .micro = (int)a->micro,
+                                                .n_sockets = a->sk.n, .topology = a->sk.topology,
+                                                .pin_threads = a->sk.n > 1},
+                         &b->eng);
+    if (rc) return rc;
+    b->c = mf_model_config(b->m);
+    if (a->n_prompt + a->steps + 1 > b->c->max_position_embeddings) {
+        fprintf(stderr, "moeflow bench decode: --prompt-tokens + --steps pass max_position_embeddings\n");
         return 2;
     }
-    int dense = dense_s ? mf_tool_dense(dense_s) == MF_PLAN_DENSE_CARDS : devices != NULL;
-    if (dense && !devices) {
+    long steps = a->steps, batch = a->batch;
+    b->logits = malloc(sizeof(float) * (size_t)b->c->vocab_size * (size_t)batch);
+    b->ref.tokens = malloc(sizeof(int32_t) * (size_t)(steps * batch));
+    b->sch.tokens = malloc(sizeof(int32_t) * (size_t)(steps * batch));
+    b->sch.step_s = malloc(sizeof(double) * (size_t)steps);
+    b->sch.read_v = malloc(sizeof(double) * (size_t)(steps + MF_BD_READ_FIRST));
+    if (!b->logits || !b->ref.tokens || !b->sch.tokens || !b->sch.step_s || !b->sch.read_v)
+        return mf_error(-ENOMEM, "out of memory");
+    return 0;
+}
+
+/* The kernel rate, the first read passes, both engines (the read probe after every scheduled
+ * decode step), the trace; then the read rates' best, median and lowest. */
+static int mf_bd_measure(mf_bd *b)
+{
+    const mf_bd_cli *a = b->a;
+    int threads = (int)a->threads, batch = (int)a->batch, n_prompt = (int)a->n_prompt, steps = (int)a->steps;
+    mf_bd_run *sch = &b->sch;
+    int rc = mf_bd_kernel_rate(b->c, threads, &b->kern_rate);
+    if (!rc) rc = mf_hwcal_probe_new(MF_BD_READ_BYTES, &sch->probe);
+    if (rc) return rc;
+    sch->probe_threads = threads;
+    for (int k = 0; k < MF_BD_READ_FIRST && !rc; k++) rc = mf_hwcal_probe_pass(sch->probe, threads, &sch->read_v[sch->n_read++]);
+    if (!rc && !a->no_ref)
+        rc = mf_bd_engine(b->r, NULL, b->c->vocab_size, batch, n_prompt, steps, a->json, b->logits, &b->ref);
+    if (!rc) rc = mf_bd_engine(b->r, b->eng, b->c->vocab_size, batch, n_prompt, steps, a->json, b->logits, sch);
+    if (!rc && a->trace) rc = mf_step_write_trace(b->eng, a->trace);
+    if (rc) return rc;
+    qsort(sch->read_v, (size_t)sch->n_read, sizeof(double), mf_bd_cmp);
+    b->read_rate = sch->read_v[sch->n_read - 1];
+    b->read_min = sch->read_v[0];
+    b->read_med = sch->read_v[sch->n_read / 2];
+    qsort(sch->step_s, (size_t)steps, sizeof(double), mf_bd_cmp);
+    return 0;
+}
+
+/* What the report prints: rates, fractions, agreement of the engines' greedy inputs. */
+typedef struct mf_bd_sum {
+    double tps, rtps, ptps, rptps, pfrac, dfrac, frac, step_bytes, floor_s, floor_frac, floor_frac_med, step_med;
+    int same;
+} mf_bd_sum;
+
+static mf_bd_sum mf_bd_summary(const mf_bd *b)
+{
+    const mf_bd_cli *a = b->a;
+    const mf_bd_run *sch = &b->sch, *ref = &b->ref;
+    long steps = a->steps, batch = a->batch, n_prompt = a->n_prompt;
+    mf_bd_sum x = {0};
+    x.step_med = sch->step_s[steps / 2];
+    x.tps = batch * steps / sch->total_s;
+    x.rtps = a->no_ref ? 0 : batch * steps / ref->total_s;
+    x.ptps = batch * n_prompt / sch->prefill_s;
+    x.rptps = a->no_ref ? 0 : batch * n_prompt / ref->prefill_s;
+    /* compute fraction: kernel multiply-adds per second over the fused kernel's rate */
+    x.pfrac = sch->prefill_macs / sch->prefill_s / b->kern_rate;
+    x.dfrac = sch->decode_macs / sch->total_s / b->kern_rate;
+    x.frac = (sch->prefill_macs + sch->decode_macs) / (sch->prefill_s + sch->total_s) / b->kern_rate;
+    /* floor fraction: the time to read a step's weights at the read rate over the measured step */
+    x.step_bytes = sch->decode_weight_bytes / steps;
+    x.floor_s = x.step_bytes / b->read_rate;
+    x.floor_frac = x.floor_s / (sch->total_s / steps);
+    x.floor_frac_med = x.floor_s / x.step_med;
+    for (long k = 0; k < steps * batch && !a->no_ref; k++) x.same += ref->tokens[k] == sch->tokens[k];
+    return x;
+}
+
+static void mf_bd_json(const mf_bd *b, const mf_bd_sum *x)
+{
+    const mf_bd_cli *a = b->a;
+    const mf_bd_run *sch = &b->sch;
+    char rt[32] = "null", sp[32] = "null", rp[32] = "null", sm[16] = "null";
+    if (!a->no_ref) {
+        snprintf(rt, sizeof rt, "%.6g", x->rtps);
+        snprintf(sp, sizeof sp, "%.6g", x->tps / x->rtps);
+        snprintf(rp, sizeof rp, "%.6g", x->rptps);
+        snprintf(sm, sizeof sm, "%d", x->same);
+    }
+    printf("{\"tokens_per_s\":%.6g,\"reference_tokens_per_s\":%s,\"speedup\":%s,\"batch\":%ld,"
+           "\"threads\":%ld,\"steps\":%ld,\"prompt_tokens\":%ld,\"chunk\":%ld,\"exact\":%d,\"same_tokens\":%s,"
+           "\"prefill_tokens_per_s\":%.6g,\"reference_prefill_tokens_per_s\":%s,\"decode_tokens_per_s\":%.6g,"
+           "\"compute_fraction\":%.6g,\"prefill_compute_fraction\":%.6g,\"decode_compute_fraction\":%.6g,"
+           "\"prefill_macs_per_token\":%.6g,\"decode_macs_per_token\":%.6g,\"kernel_macs_per_s\":%.6g,"
+           "\"prefill_s\":%.6g,\"prefill_cpu_s\":%.6g,\"decode_s\":%.6g,\"decode_cpu_s\":%.6g,"
+           "\"decode_weight_bytes_per_step\":%.6g,\"read_bytes_per_s\":%.6g,\"floor_fraction\":%.6g,"
+           "\"read_bytes_per_s_median\":%.6g,\"read_bytes_per_s_min\":%.6g,\"read_passes\":%d,"
+           "\"step_s_median\":%.6g,\"floor_fraction_median_step\":%.6g,\"bf16_tok1_prefetch\":%d,"
+           "\"fp8_tok1_avx512\":%d,",
+           x->tps, rt, sp, a->batch, a->threads, a->steps, a->n_prompt, a->chunk ? a->chunk : MF_STEP_PREFILL_CHUNK,
+           a->exact, sm, x->ptps, rp, x->tps, x->frac, x->pfrac, x->dfrac, sch->prefill_macs / (a->batch * a->n_prompt),
+           sch->decode_macs / (a->batch * a->steps), b->kern_rate, sch->prefill_s, sch->prefill_cpu_s, sch->total_s,
+           sch->decode_cpu_s, x->step_bytes, b->read_rate, x->floor_frac, b->read_med, b->read_min, sch->n_read,
+           x->step_med, x->floor_frac_med, mf_kern_bf16_tok1_prefetch(), mf_kern_fp8_tok1_avx512());
+    mf_bd_json_phases("phases", sch, (int)a->steps);
+    printf(",");
+    if (a->no_ref) printf("\"reference_phases\":null");
+    else mf_bd_json_phases("reference_phases", &b->ref, (int)a->steps);
+    printf("}\n");
+}
+
+static void mf_bd_text(const mf_bd *b, const mf_bd_sum *x)
+{
+    const mf_bd_cli *a = b->a;
+    const mf_bd_run *sch = &b->sch;
+    long steps = a->steps, batch = a->batch;
+    if (!a->no_ref)
+        printf("\ntokens/s: scheduled %.2f, reference %.2f: speedup %.2fx; greedy inputs equal in %d of %ld "
+               "(step, sequence) pairs\n", x->tps, x->rtps, x->tps / x->rtps, x->same, steps * batch);
+    printf("%sprefill: %.2f tokens/s%s; decode: %.2f tokens/s (process CPU time: prefill %.2f s, decode "
+           "%.2f s; wall %.2f s, %.2f s)\n", a->no_ref ? "\n" : "", x->ptps,
+           a->no_ref ? "" : " (reference engine's shown in --json)", x->tps, sch->prefill_cpu_s, sch->decode_cpu_s,
+           sch->prefill_s, sch->total_s);
+    printf("compute fraction: prefill %.3f (%.1f M multiply-adds per token), decode %.3f (%.1f M), all %.3f, "
+           "of the fused int8 kernel's %.1f G multiply-adds/s on %ld threads\n", x->pfrac,
+           sch->prefill_macs / (batch * a->n_prompt) / 1e6, x->dfrac, sch->decode_macs / (batch * steps) / 1e6,
+           x->frac, b->kern_rate / 1e9, a->threads);
+    printf("floor fraction: %.3f (a decode step's %.1f MB of weights at the measured read rate of %.2f GB/s "
+           "on %ld threads take %.2f ms; the step took %.2f ms); %.3f of the median step (%.2f ms); read "
+           "rate: best of %d passes, median %.2f, lowest %.2f GB/s\n", x->floor_frac, x->step_bytes / 1e6,
+           b->read_rate / 1e9, a->threads, x->floor_s * 1e3, sch->total_s / steps * 1e3, x->floor_frac_med,
+           x->step_med * 1e3, sch->n_read, b->read_med / 1e9, b->read_min / 1e9);
+    if (a->trace) printf("trace of the last scheduled step: %s\n", a->trace);
+}
+
+static void mf_bd_close(mf_bd *b)
+{
+    free(b->logits);
+    free(b->ref.tokens);
+    free(b->sch.tokens);
+    free(b->sch.step_s);
+    free(b->sch.read_v);
+    mf_hwcal_probe_free(b->sch.probe);
+    mf_step_free(b->eng);
+    mf_dev_close(b->dev);
+    mf_ref_free(b->r);
+    mf_model_free(b->m);
+}
+
+int mf_bench_decode(int argc, char **argv)
+{
+    mf_bd_cli a = {.threads = sysconf(_SC_NPROCESSORS_ONLN), .dense = -1};
+    if (a.threads < 1) a.threads = 1;
+    int rc = mf_opts_parse(&mf_bd_spec, argc, argv, &a);
+    if (rc != MF_OPTS_RUN) return rc;
+    if (!a.sk.n) {   /* auto: every socket hwloc finds, at most one per worker */
+        if (mf_tool_sockets_of("auto", &a.sk)) {
+            fprintf(stderr, "moeflow bench decode: %s\n", mf_last_error());
+            return 2;
+        }
+        if (a.sk.n > a.threads) a.sk.n = (int)a.threads;
+    }
+    if (!a.dir) return mf_opts_refuse(&mf_bd_spec, "--checkpoint DIR is required");
+    static mf_bd b;
+    b = (mf_bd){.a = &a, .dense = a.dense >= 0 ? a.dense == MF_PLAN_DENSE_CARDS : a.devices != NULL};
+    if (b.dense && !a.devices) {
         fprintf(stderr, "moeflow bench decode: --dense cards needs --devices\n");
         return 2;
     }
-    int ret = 1;
-    mf_model *m = NULL;
-    mf_ref *r = NULL;
-    mf_step *eng = NULL;
-    mf_dev *dev = NULL;
-    float *logits = NULL;
-    mf_bd_run ref = {0}, sch = {0};
-    /* with sockets, the weights split over their memory as the engine's row parts are */
-    mf_model_opts mo = {.quiet = json, .resident_limit_bytes = UINT64_C(64) << 30, .n_sockets = sk.n};
-    memcpy(mo.socket_node, sk.node, sizeof mo.socket_node);
-    if (mf_model_load(dir, &mo, &m) ||
-        mf_ref_new(m, NULL, &r) || (dense && mf_dev_open(devices, &dev)) ||
-        mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads, .exact = exact, .prefill_chunk = (int)chunk,
-                                       .dev = dev, .dense = dense ? MF_STEP_DENSE_CARDS : MF_STEP_DENSE_HOST,
-                                       .dense_split = dense_split, .micro = micro, .n_sockets = sk.n,
-                                       .topology = sk.topology, .pin_threads = sk.n > 1},
-                    &eng))
-        goto fail;
-    const mf_config *c = mf_model_config(m);
-    if (n_prompt + steps + 1 > c->max_position_embeddings) {
-        fprintf(stderr, "moeflow bench decode: --prompt-tokens + --steps pass max_position_embeddings\n");
-        ret = 2;
-        goto out;
-    }
-    logits = malloc(sizeof(float) * (size_t)c->vocab_size * (size_t)batch);
-    ref.tokens = malloc(sizeof(int32_t) * (size_t)(steps * batch));
-    sch.tokens = malloc(sizeof(int32_t) * (size_t)(steps * batch));
-    sch.step_s = malloc(sizeof(double) * (size_t)steps);
-    sch.read_v = malloc(sizeof(double) * (size_t)(steps + MF_BD_READ_FIRST));
-    if (!logits || !ref.tokens || !sch.tokens || !sch.step_s || !sch.read_v) {
-        mf_error(-ENOMEM, "out of memory");
-        goto fail;
-    }
-    if (!json)
+    rc = mf_bd_open(&b);
+    if (!rc && !a.json)
         printf("bench decode: %s, batch %ld, %ld-token prompt, %ld steps; scheduled engine on %ld threads (%s "
-               "experts)%s\n", dir, batch, n_prompt, steps, threads, exact ? "fp32" : "int8",
-               no_ref ? "; no reference engine" : "");
-    double kern_rate = 0, read_rate = 0, read_med = 0, read_min = 0;
-    if (mf_bd_kernel_rate(c, (int)threads, &kern_rate)) goto fail;
-    /* the read rate (the usage text says what and why): MF_BD_READ_FIRST passes now, one after
-     * every scheduled decode step, the best of all */
-    if (mf_hwcal_probe_new(MF_BD_READ_BYTES, &sch.probe)) goto fail;
-    sch.probe_threads = (int)threads;
-    for (int k = 0; k < MF_BD_READ_FIRST; k++)
-        if (mf_hwcal_probe_pass(sch.probe, (int)threads, &sch.read_v[sch.n_read++])) goto fail;
-    if ((!no_ref && mf_bd_engine(r, NULL, c->vocab_size, (int)batch, (int)n_prompt, (int)steps, json, logits, &ref)) ||
-        mf_bd_engine(r, eng, c->vocab_size, (int)batch, (int)n_prompt, (int)steps, json, logits, &sch))
-        goto fail;
-    if (trace && mf_step_write_trace(eng, trace)) goto fail;
-    qsort(sch.read_v, (size_t)sch.n_read, sizeof(double), mf_bd_cmp);
-    read_rate = sch.read_v[sch.n_read - 1];
-    read_min = sch.read_v[0];
-    read_med = sch.read_v[sch.n_read / 2];
-    qsort(sch.step_s, (size_t)steps, sizeof(double), mf_bd_cmp);
-    double step_med = sch.step_s[steps / 2];
-    double tps = batch * steps / sch.total_s, rtps = no_ref ? 0 : batch * steps / ref.total_s;
-    double ptps = batch * n_prompt / sch.prefill_s, rptps = no_ref ? 0 : batch * n_prompt / ref.prefill_s;
-    /* compute fraction: kernel multiply-adds per second over the fused kernel's rate */
-    double pfrac = sch.prefill_macs / sch.prefill_s / kern_rate, dfrac = sch.decode_macs / sch.total_s / kern_rate;
-    double frac = (sch.prefill_macs + sch.decode_macs) / (sch.prefill_s + sch.total_s) / kern_rate;
-    /* floor fraction: the time to read a step's weights at the read rate over the measured step */
-    double step_bytes = sch.decode_weight_bytes / steps, floor_s = step_bytes / read_rate;
-    double floor_frac = floor_s / (sch.total_s / steps), floor_frac_med = floor_s / step_med;
-    int same = 0;
-    for (long k = 0; k < steps * batch && !no_ref; k++) same += ref.tokens[k] == sch.tokens[k];
-    if (json) {
-        char rt[32] = "null", sp[32] = "null", rp[32] = "null", sm[16] = "null";
-        if (!no_ref) {
-            snprintf(rt, sizeof rt, "%.6g", rtps);
-            snprintf(sp, sizeof sp, "%.6g", tps / rtps);
-            snprintf(rp, sizeof rp, "%.6g", rptps);
-            snprintf(sm, sizeof sm, "%d", same);
-        }
-        printf("{\"tokens_per_s\":%.6g,\"reference_tokens_per_s\":%s,\"speedup\":%s,\"batch\":%ld,"
-               "\"threads\":%ld,\"steps\":%ld,\"prompt_tokens\":%ld,\"chunk\":%ld,\"exact\":%d,\"same_tokens\":%s,"
-               "\"prefill_tokens_per_s\":%.6g,\"reference_prefill_tokens_per_s\":%s,\"decode_tokens_per_s\":%.6g,"
-               "\"compute_fraction\":%.6g,\"prefill_compute_fraction\":%.6g,\"decode_compute_fraction\":%.6g,"
-               "\"prefill_macs_per_token\":%.6g,\"decode_macs_per_token\":%.6g,\"kernel_macs_per_s\":%.6g,"
-               "\"prefill_s\":%.6g,\"prefill_cpu_s\":%.6g,\"decode_s\":%.6g,\"decode_cpu_s\":%.6g,"
-               "\"decode_weight_bytes_per_step\":%.6g,\"read_bytes_per_s\":%.6g,\"floor_fraction\":%.6g,"
-               "\"read_bytes_per_s_median\":%.6g,\"read_bytes_per_s_min\":%.6g,\"read_passes\":%d,"
-               "\"step_s_median\":%.6g,\"floor_fraction_median_step\":%.6g,\"bf16_tok1_prefetch\":%d,"
-               "\"fp8_tok1_avx512\":%d,",
-               tps, rt, sp, batch, threads, steps, n_prompt, chunk ? chunk : MF_STEP_PREFILL_CHUNK, exact, sm, ptps, rp, tps, frac, pfrac, dfrac,
-               sch.prefill_macs / (batch * n_prompt), sch.decode_macs / (batch * steps), kern_rate, sch.prefill_s,
-               sch.prefill_cpu_s, sch.total_s, sch.decode_cpu_s, step_bytes, read_rate, floor_frac, read_med, read_min,
-               sch.n_read, step_med, floor_frac_med, mf_kern_bf16_tok1_prefetch(), mf_kern_fp8_tok1_avx512());
-        mf_bd_json_phases("phases", &sch, (int)steps);
-        printf(",");
-        if (no_ref) printf("\"reference_phases\":null");
-        else mf_bd_json_phases("reference_phases", &ref, (int)steps);
-        printf("}\n");
-    } else {
-        if (!no_ref)
-            printf("\ntokens/s: scheduled %.2f, reference %.2f: speedup %.2fx; greedy inputs equal in %d of %ld "
-                   "(step, sequence) pairs\n", tps, rtps, tps / rtps, same, steps * batch);
-        printf("%sprefill: %.2f tokens/s%s; decode: %.2f tokens/s (process CPU time: prefill %.2f s, decode "
-               "%.2f s; wall %.2f s, %.2f s)\n", no_ref ? "\n" : "", ptps,
-               no_ref ? "" : " (reference engine's shown in --json)", tps, sch.prefill_cpu_s, sch.decode_cpu_s,
-               sch.prefill_s, sch.total_s);
-        printf("compute fraction: prefill %.3f (%.1f M multiply-adds per token), decode %.3f (%.1f M), all %.3f, "
-               "of the fused int8 kernel's %.1f G multiply-adds/s on %ld threads\n", pfrac,
-               sch.prefill_macs / (batch * n_prompt) / 1e6, dfrac, sch.decode_macs / (batch * steps) / 1e6, frac,
-               kern_rate / 1e9, threads);
-        printf("floor fraction: %.3f (a decode step's %.1f MB of weights at the measured read rate of %.2f GB/s "
-               "on %ld threads take %.2f ms; the step took %.2f ms); %.3f of the median step (%.2f ms); read "
-               "rate: best of %d passes, median %.2f, lowest %.2f GB/s\n", floor_frac, step_bytes / 1e6,
-               read_rate / 1e9, threads, floor_s * 1e3, sch.total_s / steps * 1e3, floor_frac_med, step_med * 1e3,
-               sch.n_read, read_med / 1e9, read_min / 1e9);
-        if (trace) printf("trace of the last scheduled step: %s\n", trace);
+               "experts)%s\n", a.dir, a.batch, a.n_prompt, a.steps, a.threads, a.exact ? "fp32" : "int8",
+               a.no_ref ? "; no reference engine" : "");
+    if (!rc) rc = mf_bd_measure(&b);
+    if (!rc) {
+        mf_bd_sum x = mf_bd_summary(&b);
+        if (a.json) mf_bd_json(&b, &x);
+        else mf_bd_text(&b, &x);
     }
-    ret = 0;
-    goto out;
-fail:
-    fprintf(stderr, "moeflow bench decode: %s\n", mf_last_error()[0] ? mf_last_error() : "out of memory");
-out:
-    free(logits);
-    free(ref.tokens);
-    free(sch.tokens);
-    free(sch.step_s);
-    free(sch.read_v);
-    mf_hwcal_probe_free(sch.probe);
-    mf_step_free(eng);
-    mf_dev_close(dev);
-    mf_ref_free(r);
-    mf_model_free(m);
-    return ret;
+    if (rc < 0) fprintf(stderr, "moeflow bench decode: %s\n", mf_last_error()[0] ? mf_last_error() : "out of memory");
+    mf_bd_close(&b);
+    return rc < 0 ? 1 : rc;
 }

@@ -4,7 +4,9 @@
  * weight bytes, and pinned host-to-device copies of one expert matrix against the largest single
  * copy tried; weights rotating over more than the card's L2, each op warmed up and then timed by
  * device events around replays of a captured graph. One line per measurement and a JSON summary. */
+#include <errno.h>
 #include <inttypes.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -153,174 +155,252 @@ static int64_t mf_bench_dev_time(mf_dev_stream *s, mf_bench_dev_op op, mf_bench_
     return ns / (L * nb) > 0 ? ns / (L * nb) : 1;
 }
 
+/* The command line of `moeflow bench dev`. */
+typedef struct mf_bdv_cli {
+    const char *spec;
+    long n_out, n_in, n_tok, reps, big_mib, rot_mib;
+    double warm_ms, min_ms;
+} mf_bdv_cli;
+
+#define F(x) offsetof(mf_bdv_cli, x)
+static const mf_opt mf_bdv_table[] = {
+    {"--devices", .kind = MF_OPT_STR, .off = F(spec), .def = "emu:1", .meta = "SPEC",
+     .help = "the device (emu:N or cuda[:IDS]); card 0 is measured"},
+    {"--rows", .kind = MF_OPT_LONG, .off = F(n_out), .def = "2048", .meta = "N", .lo = 32, .hi = 1 << 20,
+     .help = "the expert matrix's rows (a multiple of 32)"},
+    {"--cols", .kind = MF_OPT_LONG, .off = F(n_in), .def = "7168", .meta = "M", .lo = 32, .hi = 1 << 20,
+     .help = "its columns (a multiple of 32)"},
+    {"--tokens", .kind = MF_OPT_LONG, .off = F(n_tok), .def = "1", .meta = "T", .lo = 1, .hi = 1 << 16,
+     .help = "tokens per matmul, FFN and linear"},
+    {"--reps", .kind = MF_OPT_LONG, .off = F(reps), .def = "20", .meta = "R", .lo = 1, .hi = 1 << 20,
+     .help = "at least this many ops timed"},
+    {"--big-mib", .kind = MF_OPT_LONG, .off = F(big_mib), .def = "256", .meta = "M", .lo = 1, .hi = 1 << 20,
+     .help = "the large single h2d copy's MiB (halved until the card and the\nhost grant it)"},
+    {"--rotate-mib", .kind = MF_OPT_LONG, .off = F(rot_mib), .def = "256", .meta = "W", .lo = 1, .hi = 1 << 20,
+     .help = "MiB of weight copies the ops rotate over (several times an\nH200's 60 MB L2)"},
+    {"--warm-ms", .kind = MF_OPT_DOUBLE, .off = F(warm_ms), .def = "200", .meta = "MS", .lo = 0, .hi = 1e6,
+     .help = "each op's warm-up"},
+    {"--min-ms", .kind = MF_OPT_DOUBLE, .off = F(min_ms), .def = "10", .meta = "MS", .lo = 0, .hi = 1e6,
+     .flags = MF_OPT_LO_OPEN, .help = "at least this much timed work per op"},
+    {NULL},
+};
+#undef F
+
+static const mf_opts_spec mf_bdv_spec = {
+    .cmd = "bench dev",
+    .usage = "usage: moeflow bench dev [--devices SPEC] [--rows N] [--cols M] [--tokens T] [--reps R]\n"
+             "                         [--big-mib M] [--rotate-mib W] [--warm-ms MS] [--min-ms MS]\n\n"
+             "On card 0 of SPEC: the FP4 matmul (fp32 and int8 paths) of an N x M expert matrix and\n"
+             "the int8 expert FFN (w1, w3: N x M, w2: M x N) against d2d copies of their bytes; the\n"
+             "dense FP8 (N/2 x M) and BF16 (N/4 x M) linears of the same bytes, the FP8 one also\n"
+             "with each CUDA kernel forced (warp-per-row, tiled: their ratio at T tokens); pinned\n"
+             "h2d of one matrix against one copy of --big-mib MiB. The weights rotate over copies\n"
+             "totalling W MiB; each op is warmed up for --warm-ms, then timed with device events\n"
+             "over at least --min-ms of work and at least R ops. One line per measurement, then a\n"
+             "JSON summary.\n\n",
+    .opts = mf_bdv_table,
+    .col = 19,
+};
+
+/* A run of bench dev: the card's buffers, the timing settings, and each op's time and count. */
+typedef struct mf_bdv {
+    const mf_bdv_cli *a;
+    mf_dev *d;
+    int n_sets;
+    uint8_t **set;
+    size_t wb, sb, xb, yb;
+    uint64_t big;
+    void *x, *y, *hw, *dbig, *hbig, *q8, *h, *yf;
+    mf_bench_dev_timing tm;
+    mf_dev_stream *cs, *in;
+    mf_bench_dev_args args;
+    /* the ops' times (ns, -1 not measured) and how many were timed */
+    int64_t t_mm, t_d2d, t_h2d, t_big, t_q8, t_ffn, t_f8, t_b16, t_f8r, t_f8t;
+    int64_t n_mm, n_d2d, n_h2d, n_big, n_q8, n_ffn, n_f8, n_b16, n_f8r, n_f8t;
+} mf_bdv;
+
+/* Opens the device and fills card 0: the rotating weight sets (random codes, scales 1), the
+ * activations, the FFN's scratch, pinned host copies. 0 or a negative code. */
+static int mf_bdv_open(mf_bdv *b)
+{
+    const mf_bdv_cli *a = b->a;
+    int n_out = (int)a->n_out, n_in = (int)a->n_in, n_tok = (int)a->n_tok;
+    int rc = mf_dev_open(a->spec, &b->d);
+    if (rc) return rc;
+    mf_dev *d = b->d;
+    size_t wb = b->wb = (size_t)n_out * n_in / 2, sb = b->sb = (size_t)n_out * n_in / 32;
+    size_t xb = b->xb = (size_t)n_tok * n_in * 4;
+    b->yb = (size_t)n_tok * n_out * 4;
+    uint64_t rot = (uint64_t)a->rot_mib << 20;
+    b->n_sets = (int)((rot + wb + sb - 1) / (wb + sb));
+    if (b->n_sets < 4) b->n_sets = 4;   /* the FFN's three matrices, and a d2d target apart from its source */
+    b->set = calloc((size_t)b->n_sets, sizeof *b->set);
+    size_t q8b = mf_dev_ffn_q8_bytes(n_tok, n_in, n_out);
+    rc = b->set ? 0 : mf_error(-ENOMEM, "bench dev: out of host memory");
+    for (int k = 0; k < b->n_sets && !rc; k++) rc = mf_dev_alloc(d, 0, wb + sb, (void **)&b->set[k]);
+    if (!rc) rc = mf_dev_alloc(d, 0, q8b, &b->q8);
+    if (!rc) rc = mf_dev_alloc(d, 0, (size_t)n_tok * n_out * 4, &b->h);
+    if (!rc) rc = mf_dev_alloc(d, 0, xb, &b->yf);
+    if (!rc) rc = mf_dev_alloc(d, 0, xb, &b->x);
+    if (!rc) rc = mf_dev_alloc(d, 0, b->yb, &b->y);
+    if (!rc) rc = mf_dev_host_alloc(d, 0, wb + sb + xb, &b->hw);
+    if (!rc) rc = mf_dev_event_create_timed(d, 0, &b->tm.t0);
+    if (!rc) rc = mf_dev_event_create_timed(d, 0, &b->tm.t1);
+    b->cs = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COMPUTE);
+    b->in = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COPY_IN);
+    if (rc) return rc;
+    uint8_t *hb = b->hw;
+    for (size_t i = 0; i < wb; i++) hb[i] = (uint8_t)(i * 2654435761u >> 13);
+    memset(hb + wb, 127, sb);   /* E8M0 scale 1 */
+    for (size_t i = 0; i < xb / 4; i++) ((float *)(hb + wb + sb))[i] = (float)((int)(i % 17) - 8) / 8;
+    for (int k = 0; k < b->n_sets && !rc; k++) rc = mf_dev_copy_h2d(b->in, b->set[k], hb, wb + sb);
+    if (!rc) rc = mf_dev_copy_h2d(b->in, b->x, hb + wb + sb, xb);
+    if (!rc) rc = mf_dev_stream_sync(b->in);
+    b->args = (mf_bench_dev_args){.w = {.fmt = MF_KERN_FP4, .n_out = n_out, .n_in = n_in}, .x = b->x, .y = b->y,
+                                  .n_tok = n_tok, .card = 0, .q8 = b->q8, .set = b->set, .n_sets = b->n_sets,
+                                  .wb = wb, .sb = sb, .host = b->hw};
+    b->args.ffn = (mf_dev_ffn){.x = b->x, .n_tok = n_tok, .limit = 7.0f, .h = b->h, .q8_scratch = b->q8, .y = b->yf};
+    return rc;
+}
+
+/* Times op on stream s into *t (ns per op) and *n (ops timed); 0 or a negative code. */
+static int mf_bdv_time(mf_bdv *b, mf_dev_stream *s, mf_bench_dev_op op, int64_t *t, int64_t *n)
+{
+    *t = mf_bench_dev_time(s, op, &b->args, &b->tm, n);
+    return *t < 0 ? (int)*t : 0;
+}
+
+/* The largest single copy: halve until the card and the host grant it. */
+static int mf_bdv_big(mf_bdv *b)
+{
+    for (; b->big >= (1u << 20); b->big /= 2) {
+        if (mf_dev_alloc(b->d, 0, b->big, &b->dbig)) continue;
+        if (mf_dev_host_alloc(b->d, 0, b->big, &b->hbig)) {
+            mf_dev_free(b->d, 0, b->dbig);
+            b->dbig = NULL;
+            continue;
+        }
+        memset(b->hbig, 1, b->big);
+        mf_bench_dev_args ab = b->args;
+        uint8_t *one[1] = {b->dbig};
+        ab.set = one;
+        ab.n_sets = 1;
+        ab.wb = b->big;
+        ab.sb = 0;
+        ab.host = b->hbig;
+        mf_bench_dev_timing tb = b->tm;
+        tb.min_reps = 3;
+        b->t_big = mf_bench_dev_time(b->in, mf_bench_dev_h2d, &ab, &tb, &b->n_big);
+        return b->t_big < 0 ? (int)b->t_big : 0;
+    }
+    return 0;
+}
+
+/* Every op in turn: matmuls, FFN, the dense linears (where the shape allows), the copies. */
+static int mf_bdv_measure(mf_bdv *b)
+{
+    int fp8 = b->a->n_out % 64 == 0, rc;
+    if ((rc = mf_bdv_time(b, b->cs, mf_bench_dev_matmul, &b->t_mm, &b->n_mm)) ||
+        (rc = mf_bdv_time(b, b->cs, mf_bench_dev_matmul_q8, &b->t_q8, &b->n_q8)) ||
+        (rc = mf_bdv_time(b, b->cs, mf_bench_dev_ffn, &b->t_ffn, &b->n_ffn)) ||
+        (fp8 && (rc = mf_bdv_time(b, b->cs, mf_bench_dev_fp8_lin, &b->t_f8, &b->n_f8))) ||
+        (b->a->n_out >= 4 && (rc = mf_bdv_time(b, b->cs, mf_bench_dev_bf16_lin, &b->t_b16, &b->n_b16))) ||
+        (fp8 && (rc = mf_bdv_time(b, b->cs, mf_bench_dev_fp8_lin_rows, &b->t_f8r, &b->n_f8r))) ||
+        (fp8 && (rc = mf_bdv_time(b, b->cs, mf_bench_dev_fp8_lin_tiled, &b->t_f8t, &b->n_f8t))) ||
+        (rc = mf_bdv_time(b, b->cs, mf_bench_dev_d2d, &b->t_d2d, &b->n_d2d)) ||
+        (rc = mf_bdv_time(b, b->in, mf_bench_dev_h2d, &b->t_h2d, &b->n_h2d)))
+        return rc;
+    return mf_bdv_big(b);
+}
+
+/* One line per measurement, then the JSON summary. */
+static void mf_bdv_report(const mf_bdv *b)
+{
+    const mf_bdv_cli *a = b->a;
+    int n_out = (int)a->n_out, n_in = (int)a->n_in, n_tok = (int)a->n_tok;
+    size_t wb = b->wb, sb = b->sb;
+    double wgb = (wb + sb) / 1e9;
+    printf("device %s (%s), card 0: weights rotating over %d copies of %.1f MB (%.0f MB); each op "
+           "warmed up %.0f ms, then timed by device events over >= %.0f ms\n", a->spec, mf_dev_kind(b->d),
+           b->n_sets, (wb + sb) / 1e6, b->n_sets * (wb + sb) / 1e6, a->warm_ms, a->min_ms);
+    printf("FP4 matmul %d x %d, %d token(s), fp32 path: %.2f us (%.1f GB/s of weights; %" PRId64 " ops timed)\n",
+           n_out, n_in, n_tok, b->t_mm / 1e3, wgb / (b->t_mm / 1e9), b->n_mm);
+    printf("FP4 matmul, int8 path: %.2f us (%.1f GB/s of weights; %" PRId64 " ops)\n", b->t_q8 / 1e3,
+           wgb / (b->t_q8 / 1e9), b->n_q8);
+    printf("d2d copy of the %zu weight bytes: %.2f us (%.1f GB/s read; %" PRId64 " ops); matmul / copy = "
+           "%.2f (fp32), %.2f (int8)\n", wb, b->t_d2d / 1e3, wb / 1e9 / (b->t_d2d / 1e9), b->n_d2d,
+           (double)b->t_mm / (double)b->t_d2d, (double)b->t_q8 / (double)b->t_d2d);
+    if (b->t_f8 > 0)
+        printf("FP8 dense linear %d x %d (the same %zu bytes, 32x32 tile scales): %.2f us (%.1f GB/s; %" PRId64
+               " ops); linear / copy = %.2f\n", n_out / 2, n_in, wb, b->t_f8 / 1e3, wb / 1e9 / (b->t_f8 / 1e9), b->n_f8,
+               (double)b->t_f8 / (double)b->t_d2d);
+    if (b->t_b16 > 0)
+        printf("BF16 dense linear %d x %d (the same %zu bytes): %.2f us (%.1f GB/s; %" PRId64
+               " ops); linear / copy = %.2f\n", n_out / 4, n_in, wb, b->t_b16 / 1e3, wb / 1e9 / (b->t_b16 / 1e9),
+               b->n_b16, (double)b->t_b16 / (double)b->t_d2d);
+    if (b->t_f8r > 0 && b->t_f8t > 0)
+        printf("FP8 dense linear, %d token(s): warp-per-row kernel %.2f us (%.1f G multiply-adds/s), tiled "
+               "kernel %.2f us (%.1f G/s); tiled / rows = %.2f (AUTO takes the tiled one from %d tokens)\n",
+               n_tok, b->t_f8r / 1e3, (double)wb * n_tok / b->t_f8r, b->t_f8t / 1e3, (double)wb * n_tok / b->t_f8t,
+               (double)b->t_f8t / (double)b->t_f8r, MF_DEV_LIN_TILED_MIN_TOK);
+    printf("expert FFN, int8 path (w1, w3, w2: 3 x %zu bytes): %.2f us (%.1f GB/s of weights; %" PRId64
+           " ops); FFN / (3 x copy) = %.2f\n", wb + sb, b->t_ffn / 1e3, 3 * wgb / (b->t_ffn / 1e9), b->n_ffn,
+           (double)b->t_ffn / (3.0 * (double)b->t_d2d));
+    printf("pinned h2d of the expert matrix (%zu bytes): %.2f us (%.1f GB/s; %" PRId64 " ops)\n", wb + sb,
+           b->t_h2d / 1e3, wgb / (b->t_h2d / 1e9), b->n_h2d);
+    if (b->t_big > 0)
+        printf("pinned h2d of one %" PRIu64 " MiB copy: %.1f us (%.1f GB/s; %" PRId64 " ops)\n", b->big >> 20,
+               b->t_big / 1e3, b->big / 1e9 / (b->t_big / 1e9), b->n_big);
+    printf("{\"device\": \"%s\", \"rows\": %d, \"cols\": %d, \"tokens\": %d, \"rotate_sets\": %d, "
+           "\"matmul_ns\": %" PRId64 ", \"matmul_int8_ns\": %" PRId64 ", \"ffn_int8_ns\": %" PRId64
+           ", \"d2d_ns\": %" PRId64 ", \"weight_bytes\": %zu, \"h2d_expert_ns\": %" PRId64
+           ", \"h2d_big_bytes\": %" PRIu64 ", \"h2d_big_ns\": %" PRId64 ", \"fp8_linear_ns\": %" PRId64
+           ", \"bf16_linear_ns\": %" PRId64 ", \"fp8_linear_rows_ns\": %" PRId64
+           ", \"fp8_linear_tiled_ns\": %" PRId64 "}\n", a->spec, n_out, n_in, n_tok, b->n_sets, b->t_mm, b->t_q8,
+           b->t_ffn, b->t_d2d, wb + sb, b->t_h2d, b->t_big > 0 ? b->big : 0, b->t_big, b->t_f8, b->t_b16, b->t_f8r,
+           b->t_f8t);
+}
+
+static void mf_bdv_close(mf_bdv *b)
+{
+    mf_dev *d = b->d;
+    if (!d) return;
+    mf_dev_event_destroy(b->tm.t0);
+    mf_dev_event_destroy(b->tm.t1);
+    for (int k = 0; b->set && k < b->n_sets; k++) mf_dev_free(d, 0, b->set[k]);
+    free(b->set);
+    mf_dev_free(d, 0, b->x);
+    mf_dev_free(d, 0, b->y);
+    mf_dev_free(d, 0, b->q8);
+    mf_dev_free(d, 0, b->h);
+    mf_dev_free(d, 0, b->yf);
+    mf_dev_free(d, 0, b->dbig);
+    mf_dev_host_free(d, b->hw);
+    mf_dev_host_free(d, b->hbig);
+    mf_dev_close(d);
+}
+
 int mf_bench_dev(int argc, char **argv)
 {
-    const char *spec = "emu:1";
-    int n_out = 2048, n_in = 7168, n_tok = 1, reps = 20;
-    uint64_t big = 256ull << 20, rot = 256ull << 20;
-    double warm_ms = 200, min_ms = 10;
-    for (int i = 1; i < argc; i++) {
-        int hv = i + 1 < argc;
-        if (!strcmp(argv[i], "--devices") && hv) spec = argv[++i];
-        else if (!strcmp(argv[i], "--rows") && hv) n_out = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--cols") && hv) n_in = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--tokens") && hv) n_tok = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--reps") && hv) reps = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--big-mib") && hv) big = (uint64_t)atoll(argv[++i]) << 20;
-        else if (!strcmp(argv[i], "--rotate-mib") && hv) rot = (uint64_t)atoll(argv[++i]) << 20;
-        else if (!strcmp(argv[i], "--warm-ms") && hv) warm_ms = atof(argv[++i]);
-        else if (!strcmp(argv[i], "--min-ms") && hv) min_ms = atof(argv[++i]);
-        else {
-            fprintf(stderr, "usage: moeflow bench dev [--devices SPEC] [--rows N] [--cols N] [--tokens T] "
-                            "[--reps R] [--big-mib M] [--rotate-mib W] [--warm-ms MS] [--min-ms MS]\n"
-                            "  card 0 of SPEC (default emu:1): the FP4 matmul (fp32 and int8 paths) of an "
-                            "N x M expert matrix (default 2048 x 7168) and the int8 expert FFN (w1, w3: N x M, "
-                            "w2: M x N) vs d2d copies of their bytes; the dense FP8 (N/2 x M) and BF16 (N/4 x M) "
-                            "linears of the same bytes, the FP8 one also with each CUDA kernel forced "
-                            "(warp-per-row, tiled: their ratio at T tokens); pinned h2d of one matrix vs one copy of "
-                            "M MiB (default 256). The weights rotate over copies totalling W MiB (default 256, "
-                            "several times an H200's 60 MB L2); each op is warmed up for MS ms (default 200), "
-                            "then timed with device events over at least --min-ms of work (default 10) and at "
-                            "least R ops (default 20)\n");
-            return 2;
-        }
-    }
-    if (n_out < 32 || n_in < 32 || n_in % 32 || n_out % 32 || n_tok < 1 || reps < 1 || big < (1u << 20) ||
-        warm_ms < 0 || min_ms <= 0) {
-        fprintf(stderr, "moeflow bench dev: rows and cols multiples of 32, tokens, reps >= 1, big-mib >= 1, "
-                        "warm-ms >= 0, min-ms > 0\n");
+    mf_bdv_cli a = {0};
+    int rc = mf_opts_parse(&mf_bdv_spec, argc, argv, &a);
+    if (rc != MF_OPTS_RUN) return rc;
+    if (a.n_out % 32 || a.n_in % 32) {
+        fprintf(stderr, "moeflow bench dev: --rows and --cols: multiples of 32, found %ld x %ld\n", a.n_out, a.n_in);
         return 2;
     }
-    mf_dev *d = NULL;
-    if (mf_dev_open(spec, &d)) {
+    mf_bdv b = {.a = &a, .big = (uint64_t)a.big_mib << 20,
+                .tm = {.warm_ns = (int64_t)(a.warm_ms * 1e6), .min_ns = (int64_t)(a.min_ms * 1e6), .min_reps = (int)a.reps},
+                .t_mm = -1, .t_d2d = -1, .t_h2d = -1, .t_big = -1, .t_q8 = -1, .t_ffn = -1, .t_f8 = -1, .t_b16 = -1,
+                .t_f8r = -1, .t_f8t = -1};
+    rc = mf_bdv_open(&b);
+    if (!b.d) {
         fprintf(stderr, "moeflow bench dev: %s\n", mf_last_error());
         return 1;
     }
-    size_t wb = (size_t)n_out * n_in / 2, sb = (size_t)n_out * n_in / 32;
-    size_t xb = (size_t)n_tok * n_in * 4, yb = (size_t)n_tok * n_out * 4;
-    int n_sets = (int)((rot + wb + sb - 1) / (wb + sb));
-    if (n_sets < 4) n_sets = 4;   /* the FFN's three matrices, and a d2d target apart from its source */
-    uint8_t **set = calloc((size_t)n_sets, sizeof *set);
-    void *x = NULL, *y = NULL, *hw = NULL, *dbig = NULL, *hbig = NULL, *q8 = NULL, *h = NULL, *yf = NULL;
-    mf_bench_dev_timing tm = {.warm_ns = (int64_t)(warm_ms * 1e6), .min_ns = (int64_t)(min_ms * 1e6),
-                              .min_reps = reps};
-    size_t q8b = mf_dev_ffn_q8_bytes(n_tok, n_in, n_out);
-    int rc = set ? 0 : mf_error(-ENOMEM, "bench dev: out of host memory");
-    for (int k = 0; k < n_sets && !rc; k++) rc = mf_dev_alloc(d, 0, wb + sb, (void **)&set[k]);
-    if (!rc) rc = mf_dev_alloc(d, 0, q8b, &q8);
-    if (!rc) rc = mf_dev_alloc(d, 0, (size_t)n_tok * n_out * 4, &h);
-    if (!rc) rc = mf_dev_alloc(d, 0, xb, &yf);
-    if (!rc) rc = mf_dev_alloc(d, 0, xb, &x);
-    if (!rc) rc = mf_dev_alloc(d, 0, yb, &y);
-    if (!rc) rc = mf_dev_host_alloc(d, 0, wb + sb + xb, &hw);
-    if (!rc) rc = mf_dev_event_create_timed(d, 0, &tm.t0);
-    if (!rc) rc = mf_dev_event_create_timed(d, 0, &tm.t1);
-    mf_dev_stream *cs = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COMPUTE), *in = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COPY_IN);
-    int64_t t_mm = -1, t_d2d = -1, t_h2d = -1, t_big = -1, t_q8 = -1, t_ffn = -1, t_f8 = -1, t_b16 = -1;
-    int64_t n_mm = 0, n_d2d = 0, n_h2d = 0, n_big = 0, n_q8 = 0, n_ffn = 0, n_f8 = 0, n_b16 = 0;
-    int64_t t_f8r = -1, t_f8t = -1, n_f8r = 0, n_f8t = 0;   /* the FP8 linear's two kernels, forced */
-    if (!rc) {
-        uint8_t *hb = hw;
-        for (size_t i = 0; i < wb; i++) hb[i] = (uint8_t)(i * 2654435761u >> 13);
-        memset(hb + wb, 127, sb);   /* E8M0 scale 1 */
-        for (size_t i = 0; i < xb / 4; i++) ((float *)(hb + wb + sb))[i] = (float)((int)(i % 17) - 8) / 8;
-        for (int k = 0; k < n_sets && !rc; k++) rc = mf_dev_copy_h2d(in, set[k], hb, wb + sb);
-        if (!rc) rc = mf_dev_copy_h2d(in, x, hb + wb + sb, xb);
-        if (!rc) rc = mf_dev_stream_sync(in);
-    }
-    mf_bench_dev_args a = {.w = {.fmt = MF_KERN_FP4, .n_out = n_out, .n_in = n_in}, .x = x, .y = y,
-                           .n_tok = n_tok, .card = 0, .q8 = q8, .set = set, .n_sets = n_sets, .wb = wb,
-                           .sb = sb, .host = hw};
-    a.ffn = (mf_dev_ffn){.x = x, .n_tok = n_tok, .limit = 7.0f, .h = h, .q8_scratch = q8, .y = yf};
-    if (!rc && (t_mm = mf_bench_dev_time(cs, mf_bench_dev_matmul, &a, &tm, &n_mm)) < 0) rc = (int)t_mm;
-    if (!rc && (t_q8 = mf_bench_dev_time(cs, mf_bench_dev_matmul_q8, &a, &tm, &n_q8)) < 0) rc = (int)t_q8;
-    if (!rc && (t_ffn = mf_bench_dev_time(cs, mf_bench_dev_ffn, &a, &tm, &n_ffn)) < 0) rc = (int)t_ffn;
-    if (!rc && n_out % 64 == 0 && (t_f8 = mf_bench_dev_time(cs, mf_bench_dev_fp8_lin, &a, &tm, &n_f8)) < 0)
-        rc = (int)t_f8;
-    if (!rc && n_out >= 4 && (t_b16 = mf_bench_dev_time(cs, mf_bench_dev_bf16_lin, &a, &tm, &n_b16)) < 0)
-        rc = (int)t_b16;
-    if (!rc && n_out % 64 == 0 && (t_f8r = mf_bench_dev_time(cs, mf_bench_dev_fp8_lin_rows, &a, &tm, &n_f8r)) < 0)
-        rc = (int)t_f8r;
-    if (!rc && n_out % 64 == 0 && (t_f8t = mf_bench_dev_time(cs, mf_bench_dev_fp8_lin_tiled, &a, &tm, &n_f8t)) < 0)
-        rc = (int)t_f8t;
-    if (!rc && (t_d2d = mf_bench_dev_time(cs, mf_bench_dev_d2d, &a, &tm, &n_d2d)) < 0) rc = (int)t_d2d;
-    if (!rc && (t_h2d = mf_bench_dev_time(in, mf_bench_dev_h2d, &a, &tm, &n_h2d)) < 0) rc = (int)t_h2d;
-    /* the largest single copy: halve until the card and the host grant it */
-    for (; !rc && big >= (1u << 20); big /= 2) {
-        if (mf_dev_alloc(d, 0, big, &dbig)) continue;
-        if (mf_dev_host_alloc(d, 0, big, &hbig)) {
-            mf_dev_free(d, 0, dbig);
-            dbig = NULL;
-            continue;
-        }
-        memset(hbig, 1, big);
-        mf_bench_dev_args ab = a;
-        uint8_t *one[1] = {dbig};
-        ab.set = one;
-        ab.n_sets = 1;
-        ab.wb = big;
-        ab.sb = 0;
-        ab.host = hbig;
-        mf_bench_dev_timing tb = tm;
-        tb.min_reps = 3;
-        if ((t_big = mf_bench_dev_time(in, mf_bench_dev_h2d, &ab, &tb, &n_big)) < 0) rc = (int)t_big;
-        break;
-    }
-    if (rc) {
-        fprintf(stderr, "moeflow bench dev: %s\n", mf_last_error());
-    } else {
-        double wgb = (wb + sb) / 1e9;
-        printf("device %s (%s), card 0: weights rotating over %d copies of %.1f MB (%.0f MB); each op "
-               "warmed up %.0f ms, then timed by device events over >= %.0f ms\n", spec, mf_dev_kind(d),
-               n_sets, (wb + sb) / 1e6, n_sets * (wb + sb) / 1e6, warm_ms, min_ms);
-        printf("FP4 matmul %d x %d, %d token(s), fp32 path: %.2f us (%.1f GB/s of weights; %" PRId64 " ops timed)\n",
-               n_out, n_in, n_tok, t_mm / 1e3, wgb / (t_mm / 1e9), n_mm);
-        printf("FP4 matmul, int8 path: %.2f us (%.1f GB/s of weights; %" PRId64 " ops)\n", t_q8 / 1e3,
-               wgb / (t_q8 / 1e9), n_q8);
-        printf("d2d copy of the %zu weight bytes: %.2f us (%.1f GB/s read; %" PRId64 " ops); matmul / copy = "
-               "%.2f (fp32), %.2f (int8)\n", wb, t_d2d / 1e3, wb / 1e9 / (t_d2d / 1e9), n_d2d,
-               (double)t_mm / (double)t_d2d, (double)t_q8 / (double)t_d2d);
-        if (t_f8 > 0)
-            printf("FP8 dense linear %d x %d (the same %zu bytes, 32x32 tile scales): %.2f us (%.1f GB/s; %" PRId64
-                   " ops); linear / copy = %.2f\n", n_out / 2, n_in, wb, t_f8 / 1e3, wb / 1e9 / (t_f8 / 1e9), n_f8,
-                   (double)t_f8 / (double)t_d2d);
-        if (t_b16 > 0)
-            printf("BF16 dense linear %d x %d (the same %zu bytes): %.2f us (%.1f GB/s; %" PRId64
-                   " ops); linear / copy = %.2f\n", n_out / 4, n_in, wb, t_b16 / 1e3, wb / 1e9 / (t_b16 / 1e9), n_b16,
-                   (double)t_b16 / (double)t_d2d);
-        if (t_f8r > 0 && t_f8t > 0)
-            printf("FP8 dense linear, %d token(s): warp-per-row kernel %.2f us (%.1f G multiply-adds/s), tiled "
-                   "kernel %.2f us (%.1f G/s); tiled / rows = %.2f (AUTO takes the tiled one from %d tokens)\n",
-                   n_tok, t_f8r / 1e3, (double)wb * n_tok / t_f8r, t_f8t / 1e3, (double)wb * n_tok / t_f8t,
-                   (double)t_f8t / (double)t_f8r, MF_DEV_LIN_TILED_MIN_TOK);
-        printf("expert FFN, int8 path (w1, w3, w2: 3 x %zu bytes): %.2f us (%.1f GB/s of weights; %" PRId64
-               " ops); FFN / (3 x copy) = %.2f\n", wb + sb, t_ffn / 1e3, 3 * wgb / (t_ffn / 1e9), n_ffn,
-               (double)t_ffn / (3.0 * (double)t_d2d));
-        printf("pinned h2d of the expert matrix (%zu bytes): %.2f us (%.1f GB/s; %" PRId64 " ops)\n", wb + sb,
-               t_h2d / 1e3, wgb / (t_h2d / 1e9), n_h2d);
-        if (t_big > 0)
-            printf("pinned h2d of one %" PRIu64 " MiB copy: %.1f us (%.1f GB/s; %" PRId64 " ops)\n", big >> 20,
-                   t_big / 1e3, big / 1e9 / (t_big / 1e9), n_big);
-        printf("{\"device\": \"%s\", \"rows\": %d, \"cols\": %d, \"tokens\": %d, \"rotate_sets\": %d, "
-               "\"matmul_ns\": %" PRId64 ", \"matmul_int8_ns\": %" PRId64 ", \"ffn_int8_ns\": %" PRId64
-               ", \"d2d_ns\": %" PRId64 ", \"weight_bytes\": %zu, \"h2d_expert_ns\": %" PRId64
-               ", \"h2d_big_bytes\": %" PRIu64 ", \"h2d_big_ns\": %" PRId64 ", \"fp8_linear_ns\": %" PRId64
-               ", \"bf16_linear_ns\": %" PRId64 ", \"fp8_linear_rows_ns\": %" PRId64
-               ", \"fp8_linear_tiled_ns\": %" PRId64 "}\n", spec, n_out, n_in, n_tok,
-               n_sets, t_mm, t_q8, t_ffn, t_d2d, wb + sb, t_h2d, t_big > 0 ? big : 0, t_big, t_f8, t_b16, t_f8r, t_f8t);
-    }
-    mf_dev_event_destroy(tm.t0);
-    mf_dev_event_destroy(tm.t1);
-    for (int k = 0; set && k < n_sets; k++) mf_dev_free(d, 0, set[k]);
-    free(set);
-    mf_dev_free(d, 0, x);
-    mf_dev_free(d, 0, y);
-    mf_dev_free(d, 0, q8);
-    mf_dev_free(d, 0, h);
-    mf_dev_free(d, 0, yf);
-    mf_dev_free(d, 0, dbig);
-    mf_dev_host_free(d, hw);
-    mf_dev_host_free(d, hbig);
-    mf_dev_close(d);
+    if (!rc) rc = mf_bdv_measure(&b);
+    if (rc) fprintf(stderr, "moeflow bench dev: %s\n", mf_last_error());
+    else mf_bdv_report(&b);
+    mf_bdv_close(&b);
     return rc ? 1 : 0;
 }

@@ -5,6 +5,7 @@
  * engine's hyper-connection mixes of an item group, blocked against in fours (--mixes: only that). */
 #include <errno.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -262,37 +263,48 @@ static double mf_br_time(mf_br *b, mf_br_fn fn, size_t each)
     return t[5];
 }
 
+/* The command line of `moeflow bench ref`. */
+typedef struct mf_br_cli {
+    const char *prof_path;
+    int mixes_only;
+} mf_br_cli;
+
+static const mf_opt mf_br_table[] = {
+    {"--profile", .kind = MF_OPT_STR, .off = offsetof(mf_br_cli, prof_path), .meta = "P",
+     .help = "a hardware profile: each loop also as a weight against its host_ref"},
+    {"--mixes", .kind = MF_OPT_FLAG, .off = offsetof(mf_br_cli, mixes_only),
+     .help = "only the table of the hyper-connection mixes of an item group"},
+    {NULL},
+};
+
+static const mf_opts_spec mf_br_spec = {
+    .cmd = "bench ref",
+    .usage = "usage: moeflow bench ref [--profile P] [--mixes]\n\n"
+             "Times the reference loops the decode engine runs in plain C (one thread, weights\n"
+             "out of cache): mf_ly_linear_rows over fp8 (1024 x 512, wo_a) and bf16 (64 x 1024,\n"
+             "the gate) weights per multiply-add, the hyper-connection mixes' loop (24 x 4096\n"
+             "fp32) per multiply-add, one bf16 rounding of a random float, and the 8-lane rounding\n"
+             "loop (mf_bf_n), and the engine's vector column loops at flash41's shape (the combine's\n"
+             "sum, the hyper-connection expand and collapse, a norm's columns). With --profile P, each\n"
+             "as a weight: its ns over P's host_ref ns per\n"
+             "multiply-add (the vector loops, with or without P: over this run's in-cache 4-query\n"
+             "mf_kern_vec_dots ns per multiply-add, host_vec's loop; the weights of\n"
+             "graphs/step/stepgraph.c; run it right after moeflow calibrate). Then the engine's\n"
+             "hyper-connection mixes of an item group at flash41's shape (1..64 items, weights and\n"
+             "streams out of cache): mf_fa_hc_mixes_rows_items on the whole group (the blocked kernel\n"
+             "above 4 items) against calls of up to 4 items (the kernel before it), interleaved in\n"
+             "the same run, ns per multiply-add and their ratio.\n\n",
+    .opts = mf_br_table,
+    .col = 15,
+};
+
 int mf_bench_ref(int argc, char **argv)
 {
-    const char *prof_path = NULL;
-    int mixes_only = 0;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            printf("usage: moeflow bench ref [--profile P] [--mixes]\n\n"
-                   "Times the reference loops the decode engine runs in plain C (one thread, weights\n"
-                   "out of cache): mf_ly_linear_rows over fp8 (1024 x 512, wo_a) and bf16 (64 x 1024,\n"
-                   "the gate) weights per multiply-add, the hyper-connection mixes' loop (24 x 4096\n"
-                   "fp32) per multiply-add, one bf16 rounding of a random float, and the 8-lane rounding\n"
-                   "loop (mf_bf_n), and the engine's vector column loops at flash41's shape (the combine's\n"
-                   "sum, the hyper-connection expand and collapse, a norm's columns). With --profile P, each\n"
-                   "as a weight: its ns over P's host_ref ns per\n"
-                   "multiply-add (the vector loops, with or without P: over this run's in-cache 4-query\n"
-                   "mf_kern_vec_dots ns per multiply-add, host_vec's loop; the weights of\n"
-                   "graphs/step/stepgraph.c; run it right after moeflow calibrate). Then the engine's\n"
-                   "hyper-connection mixes of an item group at flash41's shape (1..64 items, weights and\n"
-                   "streams out of cache): mf_fa_hc_mixes_rows_items on the whole group (the blocked kernel\n"
-                   "above 4 items) against calls of up to 4 items (the kernel before it), interleaved in\n"
-                   "the same run, ns per multiply-add and their ratio. --mixes: that table only.\n");
-            return 0;
-        } else if (!strcmp(argv[i], "--mixes")) {
-            mixes_only = 1;
-        } else if (!strcmp(argv[i], "--profile") && i + 1 < argc) {
-            prof_path = argv[++i];
-        } else {
-            fprintf(stderr, "moeflow bench ref: unknown or incomplete option '%s'\n", argv[i]);
-            return 2;
-        }
-    }
+    mf_br_cli a = {0};
+    int rc = mf_opts_parse(&mf_br_spec, argc, argv, &a);
+    if (rc != MF_OPTS_RUN) return rc;
+    const char *prof_path = a.prof_path;
+    int mixes_only = a.mixes_only;
     if (mixes_only) return mf_br_mixes();
     static mf_profile prof;
     if (prof_path && mf_profile_load(prof_path, &prof)) {

@@ -5,6 +5,7 @@
  * first token and inter-token latency (p50/p99) per mode and concurrency, and the ratio. */
 #include <errno.h>
 #include <inttypes.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,32 +20,6 @@
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "tools/commands.h"
-
-static void mf_bench_serve_usage(FILE *f)
-{
-    fprintf(f,
-            "usage: moeflow bench serve --checkpoint DIR [--requests N] [--concurrency C,C,..]\n"
-            "                           [--prompt-tokens MIN-MAX] [--output-tokens MIN-MAX]\n"
-            "                           [--step-tokens N] [--prefill-split K] [--threads N] [--seed S]\n"
-            "                           [--warmup N] [--json]\n\n"
-            "N requests (default 32) with prompt and output lengths drawn uniformly from the ranges\n"
-            "(default 16-128 and 8-64, seeded) are run by C closed-loop clients (default 1,4,16): a\n"
-            "client sends its next request when its previous one ends. Continuous: every request\n"
-            "goes through the batcher (max batch C, --step-tokens, default 64; --prefill-split: prefilling\n"
-            "sequences sharing a step's budget, default 2). Static: batches of C\n"
-            "requests, each prompt prefilled alone, then decoded together until the batch's last\n"
-            "request ends. Greedy, EOS ignored, so both modes generate the same tokens. Prints per\n"
-            "mode generated tokens/s, time to first token and inter-token latency (p50, p99, from\n"
-            "the request's arrival), and continuous / static throughput. Each concurrency first runs\n"
-            "both modes --warmup times untimed (default 1), so that the engine's graphs for the step\n"
-            "sizes of the workload exist (a size's graph is built on its first step).\n"
-            "Per mode it also says where the time went: engine forwards (steps), items a step,\n"
-            "forward wall time, step shapes built during the pass and their build time, the\n"
-            "workers' busy time (summed task durations), the process's CPU time (all threads;\n"
-            "less sensitive to other load than wall time), and the forwards that carried prefill\n"
-            "items (static: the prefills) with their prefill items, the decode items beside them\n"
-            "(continuous: the step's decode tokens) and their wall and CPU time.\n");
-}
 
 typedef struct mf_bs_req {
     int n_prompt, n_out;
@@ -236,50 +211,223 @@ static double mf_bs_pct(double *v, int n, double p)
     return v[i];
 }
 
-static int mf_bs_range(const char *s, int *lo, int *hi)
+/* A range MIN-MAX of lengths (--prompt-tokens, --output-tokens). */
+typedef struct mf_bs_range {
+    int lo, hi;
+} mf_bs_range;
+
+static int mf_bs_range_opt(const mf_opt *o, const char *s, void *field)
 {
-    return sscanf(s, "%d-%d", lo, hi) == 2 && *lo >= 1 && *hi >= *lo && *hi <= 1 << 20 ? 0 : -1;
+    mf_bs_range *r = field;
+    if (sscanf(s, "%d-%d", &r->lo, &r->hi) == 2 && r->lo >= 1 && r->hi >= r->lo && r->hi <= 1 << 20) return 0;
+    return mf_error(-EINVAL, "%s: expected MIN-MAX with 1 <= MIN <= MAX <= %d, found '%s'", o->flag, 1 << 20, s);
+}
+
+/* The command line of `moeflow bench serve`. */
+typedef struct mf_bs_cli {
+    const char *dir, *concs;
+    long n, step_tokens, split, threads, warmup;
+    mf_bs_range prompt, output;
+    unsigned long long seed;
+    int json;
+} mf_bs_cli;
+
+#define F(x) offsetof(mf_bs_cli, x)
+static const mf_opt mf_bs_table[] = {
+    {"--checkpoint", .kind = MF_OPT_STR, .off = F(dir), .meta = "DIR", .help = "the model"},
+    {"--requests", .kind = MF_OPT_LONG, .off = F(n), .def = "32", .meta = "N", .lo = 1, .hi = 1 << 24,
+     .help = "requests of the workload"},
+    {"--concurrency", .kind = MF_OPT_STR, .off = F(concs), .def = "1,4,16", .meta = "C,C,..",
+     .help = "closed-loop clients, one run per value (each\n1.." MF_OPTS_STR(MF_STEP_MAX_ITEMS) ", at most 8 values)"},
+    {"--prompt-tokens", .kind = MF_OPT_FN, .off = F(prompt), .def = "16-128", .meta = "MIN-MAX", .fn = mf_bs_range_opt,
+     .help = "prompt lengths, drawn uniformly"},
+    {"--output-tokens", .kind = MF_OPT_FN, .off = F(output), .def = "8-64", .meta = "MIN-MAX", .fn = mf_bs_range_opt,
+     .help = "output lengths, drawn uniformly"},
+    {"--step-tokens", .kind = MF_OPT_LONG, .off = F(step_tokens), .def = "64", .meta = "N", .lo = 1, .hi = 1 << 24,
+     .help = "the batcher's items per step"},
+    {"--prefill-split", .kind = MF_OPT_LONG, .off = F(split), .def = "2", .meta = "K", .lo = 1, .hi = MF_STEP_MAX_ITEMS,
+     .help = "prefilling sequences sharing a step's budget"},
+    {"--threads", .kind = MF_OPT_LONG, .off = F(threads), .meta = "N", .lo = 1, .hi = 256,
+     .help = "scheduled engine workers (default: the online CPUs)"},
+    {"--seed", .kind = MF_OPT_ULL, .off = F(seed), .def = "1", .meta = "S", .help = "seeds the lengths"},
+    {"--warmup", .kind = MF_OPT_LONG, .off = F(warmup), .def = "1", .meta = "N", .lo = 0, .hi = 10,
+     .help = "untimed passes of both modes before each\nconcurrency's timed one"},
+    {"--json", .kind = MF_OPT_FLAG, .off = F(json),
+     .help = "{\"requests\", \"results\": [{mode, concurrency, tokens_per_s, ttft and itl\n"
+             "percentiles, wall_s, and where the time went}]} instead of the table"},
+    {NULL},
+};
+#undef F
+
+static const mf_opts_spec mf_bs_spec = {
+    .cmd = "bench serve",
+    .usage = "usage: moeflow bench serve --checkpoint DIR [--requests N] [--concurrency C,C,..]\n"
+             "                           [--prompt-tokens MIN-MAX] [--output-tokens MIN-MAX]\n"
+             "                           [--step-tokens N] [--prefill-split K] [--threads N] [--seed S]\n"
+             "                           [--warmup N] [--json]\n\n"
+             "N requests with prompt and output lengths drawn uniformly from the ranges (seeded)\n"
+             "are run by C closed-loop clients: a client sends its next request when its previous\n"
+             "one ends. Continuous: every request goes through the batcher (max batch C,\n"
+             "--step-tokens, --prefill-split). Static: batches of C requests, each prompt prefilled\n"
+             "alone, then decoded together until the batch's last request ends. Greedy, EOS\n"
+             "ignored, so both modes generate the same tokens. Prints per mode generated tokens/s,\n"
+             "time to first token and inter-token latency (p50, p99, from the request's arrival),\n"
+             "and continuous / static throughput. Each concurrency first runs both modes --warmup\n"
+             "times untimed, so that the engine's graphs for the step sizes of the workload exist\n"
+             "(a size's graph is built on its first step).\n"
+             "Per mode it also says where the time went: engine forwards (steps), items a step,\n"
+             "forward wall time, step shapes built during the pass and their build time, the\n"
+             "workers' busy time (summed task durations), the process's CPU time (all threads;\n"
+             "less sensitive to other load than wall time), and the forwards that carried prefill\n"
+             "items (static: the prefills) with their prefill items, the decode items beside them\n"
+             "(continuous: the step's decode tokens) and their wall and CPU time.\n\n",
+    .opts = mf_bs_table,
+    .col = 26,
+};
+
+/* A run of bench serve: the engine, the workload, the latencies of the pass being run. */
+typedef struct mf_bs {
+    const mf_bs_cli *a;
+    mf_model *m;
+    mf_ref *r;
+    mf_step *e;
+    mf_bs_req *q;
+    int n;
+    mf_bs_lat lat;
+    int64_t total_out, ctx;
+} mf_bs;
+
+/* The engine and the workload: request i's lengths from the seeded draws, its prompt tokens
+ * (37 k + 11 + 101 i) mod vocab. 0 or a negative code. */
+static int mf_bs_open(mf_bs *b)
+{
+    const mf_bs_cli *a = b->a;
+    b->n = (int)a->n;
+    b->ctx = 2;
+    if (!(b->q = calloc((size_t)b->n, sizeof *b->q))) return mf_error(-ENOMEM, "out of memory");
+    int rc = mf_model_load(a->dir, &(mf_model_opts){.quiet = 1, .resident_limit_bytes = UINT64_C(64) << 30}, &b->m);
+    if (!rc) rc = mf_ref_new(b->m, NULL, &b->r);
+    if (!rc) rc = mf_step_new(b->r, &(mf_step_opts){.n_threads = (int)a->threads}, &b->e);
+    if (rc) return rc;
+    const mf_config *c = mf_model_config(b->m);
+    uint64_t rng = a->seed * 0x9E3779B97F4A7C15ULL + 1;
+    for (int i = 0; i < b->n; i++) {
+        mf_bs_req *q = &b->q[i];
+        rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
+        q->n_prompt = a->prompt.lo + (int)((rng >> 33) % (uint64_t)(a->prompt.hi - a->prompt.lo + 1));
+        rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
+        q->n_out = a->output.lo + (int)((rng >> 33) % (uint64_t)(a->output.hi - a->output.lo + 1));
+        if (!(q->prompt = malloc(sizeof(int32_t) * (size_t)q->n_prompt))) return mf_error(-ENOMEM, "out of memory");
+        for (int k = 0; k < q->n_prompt; k++) q->prompt[k] = (int32_t)((37 * k + 11 + 101 * i) % c->vocab_size);
+        b->total_out += q->n_out;
+        b->ctx = q->n_prompt + q->n_out > b->ctx ? q->n_prompt + q->n_out : b->ctx;
+    }
+    b->lat.ttft = malloc(sizeof(double) * (size_t)b->n);
+    b->lat.itl = malloc(sizeof(double) * (size_t)b->total_out);
+    return b->lat.ttft && b->lat.itl ? 0 : mf_error(-ENOMEM, "out of memory");
+}
+
+/* One pass of one mode (0 continuous, 1 static) at concurrency conc: its wall time and profile. */
+static int mf_bs_pass(mf_bs *b, int mode, int conc, double *sec, mf_bs_prof *pr)
+{
+    for (int i = 0; i < b->n; i++) b->q[i].n_gen = 0, b->q[i].first_ns = b->q[i].last_ns = 0;
+    b->lat.n_ttft = b->lat.n_itl = 0;
+    *sec = 0;
+    *pr = (mf_bs_prof){0};
+    mf_step_build_stats b0, b1;
+    mf_step_builds(b->e, &b0);
+    double cpu0 = mf_bs_cpu_s();
+    int rc = mode == 0 ? mf_bs_continuous(b->r, b->e, b->q, b->n, conc, (int)b->a->step_tokens, (int)b->a->split,
+                                          b->ctx, &b->lat, sec, pr)
+                       : mf_bs_static(b->r, b->e, b->q, b->n, conc, b->ctx, &b->lat, sec, pr);
+    if (rc) return rc;
+    mf_step_builds(b->e, &b1);
+    pr->cpu_s = mf_bs_cpu_s() - cpu0;
+    pr->n_built = b1.n_built - b0.n_built;
+    pr->build_ns = b1.build_ns - b0.build_ns;
+    return 0;
+}
+
+/* A timed pass's row (or JSON object; first: the first of the list). */
+static void mf_bs_print(mf_bs *b, int mode, int conc, int first, double tps, double sec, const mf_bs_prof *pr)
+{
+    mf_bs_lat *l = &b->lat;
+    double t50 = mf_bs_pct(l->ttft, l->n_ttft, 0.5), t99 = mf_bs_pct(l->ttft, l->n_ttft, 0.99);
+    double i50 = mf_bs_pct(l->itl, l->n_itl, 0.5), i99 = mf_bs_pct(l->itl, l->n_itl, 0.99);
+    if (b->a->json)
+        printf("%s{\"mode\":\"%s\",\"concurrency\":%d,\"tokens_per_s\":%.3f,\"ttft_p50_s\":%.4f,"
+               "\"ttft_p99_s\":%.4f,\"itl_p50_s\":%.4f,\"itl_p99_s\":%.4f,\"wall_s\":%.3f,\"steps\":%" PRId64 ",\"items\":%" PRId64
+               ",\"forward_s\":%.3f,\"shapes_built\":%" PRId64 ",\"build_s\":%.3f,\"busy_s\":%.3f,\"cpu_s\":%.3f,\"forward_cpu_s\":%.3f,"
+               "\"prefill_forwards\":%" PRId64 ",\"prefill_items\":%" PRId64 ",\"prefill_forward_decode_items\":%" PRId64
+               ",\"prefill_forward_s\":%.3f,\"prefill_forward_cpu_s\":%.3f}", first ? "" : ",",
+               mode ? "static" : "continuous", conc, tps, t50, t99, i50, i99, sec, pr->steps, pr->items,
+               pr->fwd_ns / 1e9, pr->n_built, pr->build_ns / 1e9, pr->busy_ns / 1e9, pr->cpu_s, pr->fwd_cpu_s,
+               pr->pf_steps, pr->pf_items, pr->pf_dec, pr->pf_ns / 1e9, pr->pf_cpu_s);
+    else
+        printf("%-11s %5d %9.2f %10.3f %10.3f %10.4f %10.4f %9.2f\n"
+               "%-11s %5s steps %" PRId64 ", %.1f items a step, forwards %.2f s (of which %" PRId64
+               " shapes built in %.2f s), workers busy %.2f s, CPU %.2f s\n"
+               "%-11s %5s with prefill: %" PRId64 " forwards, %" PRId64 " prefill items beside %" PRId64
+               " decode items, %.2f s (CPU %.2f s)\n", mode ? "static" : "continuous", conc, tps, t50, t99, i50,
+               i99, sec, "", "", pr->steps, pr->steps ? (double)pr->items / pr->steps : 0.0, pr->fwd_ns / 1e9,
+               pr->n_built, pr->build_ns / 1e9, pr->busy_ns / 1e9, pr->cpu_s, "", "", pr->pf_steps, pr->pf_items,
+               pr->pf_dec, pr->pf_ns / 1e9, pr->pf_cpu_s);
+    fflush(stdout);
+}
+
+/* Each concurrency: untimed first passes build the engine's graphs for the step sizes this
+ * workload makes (each new size is built on first use), so neither mode pays for them in the
+ * timed pass; then both modes timed and their ratio. */
+static int mf_bs_run(mf_bs *b, const int *cl, int n_c)
+{
+    const mf_bs_cli *a = b->a;
+    if (!a->json)
+        printf("bench serve: %s, %d requests, prompts %d-%d tokens, outputs %d-%d (%" PRId64 " tokens), %ld threads, "
+               "step budget %ld, prefill split %ld\n%-11s %5s %9s %10s %10s %10s %10s %9s\n", a->dir, b->n, a->prompt.lo,
+               a->prompt.hi, a->output.lo, a->output.hi, b->total_out, a->threads, a->step_tokens, a->split, "mode",
+               "conc", "tokens/s", "ttft p50", "ttft p99", "itl p50", "itl p99", "wall s");
+    else
+        printf("{\"requests\":%d,\"results\":[", b->n);
+    for (int k = 0; k < n_c; k++) {
+        double tps[2];
+        for (int pass = 0; pass <= a->warmup; pass++)
+            for (int mode = 0; mode < 2; mode++) {
+                double sec;
+                mf_bs_prof pr;
+                int rc = mf_bs_pass(b, mode, cl[k], &sec, &pr);
+                if (rc) return rc;
+                if (pass < a->warmup) continue;
+                tps[mode] = b->total_out / sec;
+                mf_bs_print(b, mode, cl[k], k + mode == 0, tps[mode], sec, &pr);
+            }
+        if (!a->json) printf("%-11s %5d %8.2fx\n", "ratio", cl[k], tps[0] / tps[1]);
+    }
+    if (a->json) printf("]}\n");
+    return 0;
+}
+
+static void mf_bs_close(mf_bs *b)
+{
+    for (int i = 0; b->q && i < b->n; i++) free(b->q[i].prompt);
+    free(b->q);
+    free(b->lat.ttft);
+    free(b->lat.itl);
+    mf_step_free(b->e);
+    mf_ref_free(b->r);
+    mf_model_free(b->m);
 }
 
 int mf_bench_serve(int argc, char **argv)
 {
-    const char *dir = NULL, *concs = "1,4,16";
-    int n = 32, p_lo = 16, p_hi = 128, o_lo = 8, o_hi = 64, step_tokens = 64, json = 0, warmup = 1, split = 2;
-    long threads = sysconf(_SC_NPROCESSORS_ONLN);
-    unsigned long long seed = 1;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        int hv = i + 1 < argc, bad = 0;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            mf_bench_serve_usage(stdout);
-            return 0;
-        } else if (!strcmp(a, "--checkpoint") && hv) dir = argv[++i];
-        else if (!strcmp(a, "--requests") && hv) bad = (n = atoi(argv[++i])) < 1;
-        else if (!strcmp(a, "--concurrency") && hv) concs = argv[++i];
-        else if (!strcmp(a, "--prompt-tokens") && hv) bad = mf_bs_range(argv[++i], &p_lo, &p_hi);
-        else if (!strcmp(a, "--output-tokens") && hv) bad = mf_bs_range(argv[++i], &o_lo, &o_hi);
-        else if (!strcmp(a, "--step-tokens") && hv) bad = (step_tokens = atoi(argv[++i])) < 1;
-        else if (!strcmp(a, "--prefill-split") && hv) bad = (split = atoi(argv[++i])) < 1 || split > MF_STEP_MAX_ITEMS;
-        else if (!strcmp(a, "--threads") && hv) bad = (threads = atol(argv[++i])) < 1 || threads > 256;
-        else if (!strcmp(a, "--seed") && hv) seed = strtoull(argv[++i], NULL, 0);
-        else if (!strcmp(a, "--warmup") && hv) bad = (warmup = atoi(argv[++i])) < 0 || warmup > 10;
-        else if (!strcmp(a, "--json")) json = 1;
-        else bad = 1;
-        if (bad) {
-            fprintf(stderr, "moeflow bench serve: bad or incomplete option '%s'\n\n", a);
-            mf_bench_serve_usage(stderr);
-            return 2;
-        }
-    }
-    if (!dir) {
-        mf_bench_serve_usage(stderr);
-        return 2;
-    }
+    mf_bs_cli a = {.threads = sysconf(_SC_NPROCESSORS_ONLN)};
+    int rc = mf_opts_parse(&mf_bs_spec, argc, argv, &a);
+    if (rc != MF_OPTS_RUN) return rc;
+    if (!a.dir) return mf_opts_refuse(&mf_bs_spec, "--checkpoint DIR is required");
     int cl[8], n_c = 0;
-    for (const char *p = concs; *p && n_c < 8;) {
+    for (const char *p = a.concs; *p && n_c < 8;) {
         int v = atoi(p);
         if (v < 1 || v > MF_STEP_MAX_ITEMS) {
-            fprintf(stderr, "moeflow bench serve: --concurrency: each 1..%d, found '%s'\n", MF_STEP_MAX_ITEMS, concs);
+            fprintf(stderr, "moeflow bench serve: --concurrency: each 1..%d, found '%s'\n", MF_STEP_MAX_ITEMS, a.concs);
             return 2;
         }
         cl[n_c++] = v;
@@ -287,95 +435,10 @@ int mf_bench_serve(int argc, char **argv)
         if (!p) break;
         p++;
     }
-    mf_model *m = NULL;
-    mf_ref *r = NULL;
-    mf_step *e = NULL;
-    mf_bs_req *q = calloc((size_t)n, sizeof *q);
-    mf_bs_lat lat = {0};
-    int ret = 1;
-    if (!q || mf_model_load(dir, &(mf_model_opts){.quiet = 1, .resident_limit_bytes = UINT64_C(64) << 30}, &m) ||
-        mf_ref_new(m, NULL, &r) || mf_step_new(r, &(mf_step_opts){.n_threads = (int)threads}, &e))
-        goto fail;
-    const mf_config *c = mf_model_config(m);
-    uint64_t rng = seed * 0x9E3779B97F4A7C15ULL + 1;
-    int64_t total_out = 0, ctx = 2;
-    for (int i = 0; i < n; i++) {
-        rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
-        q[i].n_prompt = p_lo + (int)((rng >> 33) % (uint64_t)(p_hi - p_lo + 1));
-        rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
-        q[i].n_out = o_lo + (int)((rng >> 33) % (uint64_t)(o_hi - o_lo + 1));
-        if (!(q[i].prompt = malloc(sizeof(int32_t) * (size_t)q[i].n_prompt))) goto fail;
-        for (int k = 0; k < q[i].n_prompt; k++) q[i].prompt[k] = (int32_t)((37 * k + 11 + 101 * i) % c->vocab_size);
-        total_out += q[i].n_out;
-        ctx = q[i].n_prompt + q[i].n_out > ctx ? q[i].n_prompt + q[i].n_out : ctx;
-    }
-    lat.ttft = malloc(sizeof(double) * (size_t)n);
-    lat.itl = malloc(sizeof(double) * (size_t)total_out);
-    if (!lat.ttft || !lat.itl) goto fail;
-    if (!json)
-        printf("bench serve: %s, %d requests, prompts %d-%d tokens, outputs %d-%d (%" PRId64 " tokens), %ld threads, "
-               "step budget %d, prefill split %d\n%-11s %5s %9s %10s %10s %10s %10s %9s\n", dir, n, p_lo, p_hi, o_lo, o_hi, total_out,
-               threads, step_tokens, split, "mode", "conc", "tokens/s", "ttft p50", "ttft p99", "itl p50", "itl p99", "wall s");
-    else
-        printf("{\"requests\":%d,\"results\":[", n);
-    for (int k = 0; k < n_c; k++) {
-        double tps[2];
-        /* untimed first passes build the engine's graphs for the step sizes this workload makes
-         * (each new size is built on first use), so neither mode pays for them in the timed pass */
-        for (int pass = 0; pass <= warmup; pass++)
-        for (int mode = 0; mode < 2; mode++) {
-            for (int i = 0; i < n; i++) q[i].n_gen = 0, q[i].first_ns = q[i].last_ns = 0;
-            lat.n_ttft = lat.n_itl = 0;
-            double sec = 0;
-            mf_bs_prof pr = {0};
-            mf_step_build_stats b0, b1;
-            mf_step_builds(e, &b0);
-            double cpu0 = mf_bs_cpu_s();
-            int rc = mode == 0 ? mf_bs_continuous(r, e, q, n, cl[k], step_tokens, split, ctx, &lat, &sec, &pr)
-                               : mf_bs_static(r, e, q, n, cl[k], ctx, &lat, &sec, &pr);
-            if (rc) goto fail;
-            mf_step_builds(e, &b1);
-            pr.cpu_s = mf_bs_cpu_s() - cpu0;
-            pr.n_built = b1.n_built - b0.n_built;
-            pr.build_ns = b1.build_ns - b0.build_ns;
-            if (pass < warmup) continue;
-            tps[mode] = total_out / sec;
-            double t50 = mf_bs_pct(lat.ttft, lat.n_ttft, 0.5), t99 = mf_bs_pct(lat.ttft, lat.n_ttft, 0.99);
-            double i50 = mf_bs_pct(lat.itl, lat.n_itl, 0.5), i99 = mf_bs_pct(lat.itl, lat.n_itl, 0.99);
-            if (json)
-                printf("%s{\"mode\":\"%s\",\"concurrency\":%d,\"tokens_per_s\":%.3f,\"ttft_p50_s\":%.4f,"
-                       "\"ttft_p99_s\":%.4f,\"itl_p50_s\":%.4f,\"itl_p99_s\":%.4f,\"wall_s\":%.3f,\"steps\":%" PRId64 ",\"items\":%" PRId64
-                       ",\"forward_s\":%.3f,\"shapes_built\":%" PRId64 ",\"build_s\":%.3f,\"busy_s\":%.3f,\"cpu_s\":%.3f,\"forward_cpu_s\":%.3f,"
-                       "\"prefill_forwards\":%" PRId64 ",\"prefill_items\":%" PRId64 ",\"prefill_forward_decode_items\":%" PRId64
-                       ",\"prefill_forward_s\":%.3f,\"prefill_forward_cpu_s\":%.3f}", k + mode ? "," : "",
-                       mode ? "static" : "continuous", cl[k], tps[mode], t50, t99, i50, i99, sec, pr.steps, pr.items,
-                       pr.fwd_ns / 1e9, pr.n_built, pr.build_ns / 1e9, pr.busy_ns / 1e9, pr.cpu_s, pr.fwd_cpu_s,
-                       pr.pf_steps, pr.pf_items, pr.pf_dec, pr.pf_ns / 1e9, pr.pf_cpu_s);
-            else
-                printf("%-11s %5d %9.2f %10.3f %10.3f %10.4f %10.4f %9.2f\n"
-                       "%-11s %5s steps %" PRId64 ", %.1f items a step, forwards %.2f s (of which %" PRId64
-                       " shapes built in %.2f s), workers busy %.2f s, CPU %.2f s\n"
-                       "%-11s %5s with prefill: %" PRId64 " forwards, %" PRId64 " prefill items beside %" PRId64
-                       " decode items, %.2f s (CPU %.2f s)\n", mode ? "static" : "continuous", cl[k], tps[mode], t50, t99, i50,
-                       i99, sec, "", "", pr.steps, pr.steps ? (double)pr.items / pr.steps : 0.0, pr.fwd_ns / 1e9,
-                       pr.n_built, pr.build_ns / 1e9, pr.busy_ns / 1e9, pr.cpu_s, "", "", pr.pf_steps, pr.pf_items,
-                       pr.pf_dec, pr.pf_ns / 1e9, pr.pf_cpu_s);
-            fflush(stdout);
-        }
-        if (!json) printf("%-11s %5d %8.2fx\n", "ratio", cl[k], tps[0] / tps[1]);
-    }
-    if (json) printf("]}\n");
-    ret = 0;
-    goto out;
-fail:
-    fprintf(stderr, "moeflow bench serve: %s\n", mf_last_error()[0] ? mf_last_error() : "out of memory");
-out:
-    for (int i = 0; q && i < n; i++) free(q[i].prompt);
-    free(q);
-    free(lat.ttft);
-    free(lat.itl);
-    mf_step_free(e);
-    mf_ref_free(r);
-    mf_model_free(m);
-    return ret;
+    mf_bs b = {.a = &a};
+    rc = mf_bs_open(&b);
+    if (!rc) rc = mf_bs_run(&b, cl, n_c);
+    if (rc) fprintf(stderr, "moeflow bench serve: %s\n", mf_last_error()[0] ? mf_last_error() : "out of memory");
+    mf_bs_close(&b);
+    return rc ? 1 : 0;
 }

@@ -2,6 +2,7 @@
  * per-task overhead on empty tasks in three shapes (chain, independent, layered), with the graph
  * built once and re-run, and reports the best of a few runs in ns per task. */
 #include <errno.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,64 +45,57 @@ static int mf_bench_graph(const mf_lane_desc *lane, int shape, int n, int width,
     return 0;
 }
 
-static void mf_bench_sched_usage(FILE *f)
-{
-    fprintf(f,
-            "usage: moeflow bench sched [--tasks N] [--workers N] [--reps N] [--width N] [--json]\n"
-            "\n"
-            "Measures the scheduler's overhead per task: N empty tasks (default 100000) on one CPU\n"
-            "lane of --workers threads (default 2, unpinned), in three graph shapes:\n"
-            "  chain        each task depends on the one before\n"
-            "  independent  no dependencies\n"
-            "  layered      layers of --width tasks (default 100), each depending on two tasks of\n"
-            "               the layer before\n"
-            "Each graph is built once and run --reps times (default 5); prints the best run's wall\n"
-            "time divided by N, and the mean over the runs (with more workers than cores, or other\n"
-            "load on the machine, the best run can be a lucky one). --json prints\n"
-            "{\"chain_ns_per_task\":..,\"independent_ns_per_task\":..,\"layered_ns_per_task\":..} (best)\n"
-            "and the same keys with _mean_ns_per_task instead.\n");
-}
+/* The command line of `moeflow bench sched`. */
+typedef struct mf_bench_sched_cli {
+    long n, workers, reps, width;
+    int json;
+} mf_bench_sched_cli;
 
-static int mf_bench_sched(int argc, char **argv)
+#define F(x) offsetof(mf_bench_sched_cli, x)
+static const mf_opt mf_bench_sched_table[] = {
+    {"--tasks", .kind = MF_OPT_LONG, .off = F(n), .def = "100000", .meta = "N", .lo = 1, .hi = 100000000,
+     .help = "empty tasks per graph"},
+    {"--workers", .kind = MF_OPT_LONG, .off = F(workers), .def = "2", .meta = "N", .lo = 1, .hi = 100000000,
+     .help = "threads of the CPU lane (unpinned)"},
+    {"--reps", .kind = MF_OPT_LONG, .off = F(reps), .def = "5", .meta = "N", .lo = 1, .hi = 100000000,
+     .help = "timed runs of each graph (after one warm-up run)"},
+    {"--width", .kind = MF_OPT_LONG, .off = F(width), .def = "100", .meta = "N", .lo = 1, .hi = 100000000,
+     .help = "tasks per layer of the layered shape"},
+    {"--json", .kind = MF_OPT_FLAG, .off = F(json),
+     .help = "{\"chain_ns_per_task\":..,\"independent_ns_per_task\":..,\"layered_ns_per_task\":..}\n"
+             "(best) and the same keys with _mean_ns_per_task instead"},
+    {NULL},
+};
+#undef F
+
+static const mf_opts_spec mf_bench_sched_spec = {
+    .cmd = "bench sched",
+    .usage = "usage: moeflow bench sched [--tasks N] [--workers N] [--reps N] [--width N] [--json]\n"
+             "\n"
+             "Measures the scheduler's overhead per task: N empty tasks on one CPU lane of --workers\n"
+             "threads, in three graph shapes:\n"
+             "  chain        each task depends on the one before\n"
+             "  independent  no dependencies\n"
+             "  layered      layers of --width tasks, each depending on two tasks of the layer before\n"
+             "Each graph is built once and run --reps times; prints the best run's wall time divided\n"
+             "by N, and the mean over the runs (with more workers than cores, or other load on the\n"
+             "machine, the best run can be a lucky one).\n\n",
+    .opts = mf_bench_sched_table,
+    .col = 16,
+};
+
+/* Runs each shape reps + 1 times (the first a warm-up): best[] and mean[] ns per task. */
+static int mf_bench_sched_run(const mf_bench_sched_cli *a, double best[3], double mean[3])
 {
-    int n = 100000, workers = 2, reps = 5, width = 100, json = 0;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        int *dst = !strcmp(a, "--tasks") ? &n : !strcmp(a, "--workers") ? &workers
-                 : !strcmp(a, "--reps") ? &reps : !strcmp(a, "--width") ? &width : NULL;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            mf_bench_sched_usage(stdout);
-            return 0;
-        } else if (!strcmp(a, "--json")) {
-            json = 1;
-        } else if (dst && i + 1 < argc) {
-            char *end;
-            long v = strtol(argv[++i], &end, 10);
-            if (*end || v < 1 || v > 100000000) {
-                fprintf(stderr, "moeflow bench sched: %s wants a positive integer, got '%s'\n", a,
-                        argv[i]);
-                return 2;
-            }
-            *dst = (int)v;
-        } else {
-            fprintf(stderr, "moeflow bench sched: unknown or incomplete option '%s'\n\n", a);
-            mf_bench_sched_usage(stderr);
-            return 2;
-        }
-    }
-    mf_lane_desc lane = {.kind = MF_LANE_CPU, .name = "cpu", .concurrency = workers,
+    int n = (int)a->n, reps = (int)a->reps;
+    mf_lane_desc lane = {.kind = MF_LANE_CPU, .name = "cpu", .concurrency = (int)a->workers,
                          .numa_node = -1, .device = -1};
     mf_sched *s;
     int rc = mf_sched_create(&(mf_sched_opts){.lanes = &lane, .n_lanes = 1}, &s);
-    if (rc) {
-        fprintf(stderr, "moeflow bench sched: %s\n", mf_last_error());
-        return 1;
-    }
-    static const char *const names[] = {"chain", "independent", "layered"};
-    double best[3], mean[3];
+    if (rc) return rc;
     for (int shape = 0; shape < 3; shape++) {
         mf_graph *g;
-        rc = mf_bench_graph(&lane, shape, n, width, &g);
+        rc = mf_bench_graph(&lane, shape, n, (int)a->width, &g);
         if (rc) break;
         best[shape] = 1e30;
         mean[shape] = 0;
@@ -115,18 +109,28 @@ static int mf_bench_sched(int argc, char **argv)
         mf_graph_destroy(g);
     }
     mf_sched_destroy(s);
-    if (rc) {
+    return rc;
+}
+
+static int mf_bench_sched(int argc, char **argv)
+{
+    mf_bench_sched_cli a = {0};
+    int rc = mf_opts_parse(&mf_bench_sched_spec, argc, argv, &a);
+    if (rc != MF_OPTS_RUN) return rc;
+    static const char *const names[] = {"chain", "independent", "layered"};
+    double best[3], mean[3];
+    if (mf_bench_sched_run(&a, best, mean)) {
         fprintf(stderr, "moeflow bench sched: %s\n", mf_last_error());
         return 1;
     }
-    if (json) {
+    if (a.json) {
         printf("{\"chain_ns_per_task\":%.1f,\"independent_ns_per_task\":%.1f,"
                "\"layered_ns_per_task\":%.1f,\"chain_mean_ns_per_task\":%.1f,"
                "\"independent_mean_ns_per_task\":%.1f,\"layered_mean_ns_per_task\":%.1f}\n",
                best[0], best[1], best[2], mean[0], mean[1], mean[2]);
     } else {
-        printf("scheduler overhead, %d empty tasks, %d workers, best (mean) of %d runs:\n", n, workers,
-               reps);
+        printf("scheduler overhead, %ld empty tasks, %ld workers, best (mean) of %ld runs:\n", a.n, a.workers,
+               a.reps);
         for (int i = 0; i < 3; i++) printf("  %-12s %8.1f ns/task (%.1f)\n", names[i], best[i], mean[i]);
     }
     return 0;

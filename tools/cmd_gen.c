@@ -1,6 +1,6 @@
 /* `moeflow gen`: writes a synthetic checkpoint with the real DeepSeek-V4.1 layout from a preset
  * (tiny, demo, flash41 as sparse layout-only files). */
-#include <errno.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,96 +11,69 @@
 #include "sched/error.h"
 #include "tools/commands.h"
 
-static void mf_gen_usage(FILE *f)
-{
-    fprintf(f,
-            "usage: moeflow gen --preset NAME --out DIR [--seed N] [--shards N] [--sparse]\n"
-            "                   [--force] [--quiet]\n\n"
-            "Writes config.json, safetensors shards and model.safetensors.index.json with the\n"
-            "released DeepSeek-V4.1 names, dtypes, shapes and quantization, filled with\n"
-            "deterministic random values (same seed, same bytes), and (except --sparse) a\n"
-            "byte-level BPE tokenizer.json sized to the vocabulary, whose Engram token map\n"
-            "sets engram_compressed_vocab_size in config.json.\n\n"
-            "  --preset NAME  %s\n"
-            "                 (flash41: the full released layout, 48 sparse shards, headers only)\n"
-            "  --out DIR      output directory (refused when not empty, unless --force)\n"
-            "  --seed N       random seed (default 0)\n"
-            "  --shards N     number of shards (default: tiny 2, demo 4, flash41 48)\n"
-            "  --sparse       leave tensor data as holes (layout only)\n"
-            "  --force        write into a non-empty DIR, replacing checkpoint files there\n"
-            "  --quiet        no progress on stderr\n",
-            mf_config_preset_names());
-}
+/* The command line of `moeflow gen`. */
+typedef struct mf_gen_cli {
+    const char *preset, *out;
+    unsigned long long seed;
+    long shards;   /* 0: the preset's */
+    int sparse, force, quiet;
+} mf_gen_cli;
+
+#define F(x) offsetof(mf_gen_cli, x)
+static const mf_opt mf_gen_table[] = {
+    {"--preset", .kind = MF_OPT_STR, .off = F(preset), .meta = "NAME", .help = "one of: ",
+     .help_more = mf_config_preset_names},
+    {"--out", .kind = MF_OPT_STR, .off = F(out), .meta = "DIR",
+     .help = "output directory (refused when not empty, unless --force)"},
+    {"--seed", .kind = MF_OPT_ULL, .off = F(seed), .def = "0", .meta = "N", .help = "random seed"},
+    {"--shards", .kind = MF_OPT_LONG, .off = F(shards), .meta = "N", .lo = 1, .hi = 100000,
+     .help = "number of shards (default: tiny 2, demo 4, flash41 48)"},
+    {"--sparse", .kind = MF_OPT_FLAG, .off = F(sparse), .help = "leave tensor data as holes (layout only)"},
+    {"--force", .kind = MF_OPT_FLAG, .off = F(force),
+     .help = "write into a non-empty DIR, replacing checkpoint files there"},
+    {"--quiet", "-q", MF_OPT_FLAG, F(quiet), .help = "no progress on stderr"},
+    {NULL},
+};
+#undef F
+
+static const mf_opts_spec mf_gen_spec = {
+    .cmd = "gen",
+    .usage = "usage: moeflow gen --preset NAME --out DIR [--seed N] [--shards N] [--sparse]\n"
+             "                   [--force] [--quiet]\n\n"
+             "Writes config.json, safetensors shards and model.safetensors.index.json with the\n"
+             "released DeepSeek-V4.1 names, dtypes, shapes and quantization, filled with\n"
+             "deterministic random values (same seed, same bytes), and (except --sparse) a\n"
+             "byte-level BPE tokenizer.json sized to the vocabulary, whose Engram token map\n"
+             "sets engram_compressed_vocab_size in config.json. flash41 is the full released\n"
+             "layout: 48 sparse shards, headers only.\n\n",
+    .opts = mf_gen_table,
+    .col = 17,
+};
 
 int mf_cmd_gen(int argc, char **argv)
 {
-    const char *preset = NULL, *out = NULL;
-    unsigned long long seed = 0;
-    int shards = 0, sparse = 0, force = 0, quiet = 0;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        int has_val = i + 1 < argc;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            mf_gen_usage(stdout);
-            return 0;
-        } else if (!strcmp(a, "--preset") && has_val) {
-            preset = argv[++i];
-        } else if (!strcmp(a, "--out") && has_val) {
-            out = argv[++i];
-        } else if (!strcmp(a, "--seed") && has_val) {
-            char *end;
-            errno = 0;
-            seed = strtoull(argv[++i], &end, 0);
-            if (errno || *end || !*argv[i]) {
-                fprintf(stderr, "moeflow gen: --seed: expected a non-negative integer, found '%s'\n",
-                        argv[i]);
-                return 2;
-            }
-        } else if (!strcmp(a, "--shards") && has_val) {
-            char *end;
-            long v = strtol(argv[++i], &end, 10);
-            if (*end || v < 1 || v > 100000) {
-                fprintf(stderr, "moeflow gen: --shards: expected 1..100000, found '%s'\n", argv[i]);
-                return 2;
-            }
-            shards = (int)v;
-        } else if (!strcmp(a, "--sparse")) {
-            sparse = 1;
-        } else if (!strcmp(a, "--force")) {
-            force = 1;
-        } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
-            quiet = 1;
-        } else {
-            fprintf(stderr, "moeflow gen: unknown or incomplete option '%s'\n\n", a);
-            mf_gen_usage(stderr);
-            return 2;
-        }
-    }
-    if (!preset || !out) {
-        fprintf(stderr, "moeflow gen: --preset and --out are required\n\n");
-        mf_gen_usage(stderr);
-        return 2;
-    }
+    mf_gen_cli a = {0};
+    int rc = mf_opts_parse(&mf_gen_spec, argc, argv, &a);
+    if (rc != MF_OPTS_RUN) return rc;
+    if (!a.preset || !a.out) return mf_opts_refuse(&mf_gen_spec, "--preset and --out are required");
     mf_config c;
     mf_gen_opts o;
-    if (mf_config_preset(preset, &c) || mf_gen_preset_opts(preset, &o)) {
+    if (mf_config_preset(a.preset, &c) || mf_gen_preset_opts(a.preset, &o)) {
         fprintf(stderr, "moeflow gen: %s\n", mf_last_error());
         return 2;
     }
-    o.seed = seed;
-    o.force = force;
-    o.quiet = quiet;
-    if (shards) o.n_shards = shards;
-    if (sparse) o.sparse = 1;
+    o.seed = a.seed;
+    o.force = a.force;
+    o.quiet = a.quiet;
+    if (a.shards) o.n_shards = (int)a.shards;
+    if (a.sparse) o.sparse = 1;
     int64_t t0 = mf_now_ns();
-    int rc = mf_gen_write(&c, out, &o);
-    if (rc) {
+    if (mf_gen_write(&c, a.out, &o)) {
         fprintf(stderr, "moeflow gen: %s\n", mf_last_error());
         return 1;
     }
-    if (!quiet)
-        fprintf(stderr, "moeflow gen: wrote preset %s (seed %llu, %d shards%s) to %s in %.2f s\n",
-                preset, seed, o.n_shards, o.sparse ? ", sparse" : "", out,
-                (mf_now_ns() - t0) / 1e9);
+    if (!a.quiet)
+        fprintf(stderr, "moeflow gen: wrote preset %s (seed %llu, %d shards%s) to %s in %.2f s\n", a.preset, a.seed,
+                o.n_shards, o.sparse ? ", sparse" : "", a.out, (mf_now_ns() - t0) / 1e9);
     return 0;
 }

@@ -2,6 +2,7 @@
  * "What is in the 475 GiB" table, with the config summary and a check of the tensors against the
  * layout the config implies; --json for scripts. */
 #include <errno.h>
+#include <stddef.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,18 +19,34 @@
 
 #define GIB 1073741824.0
 
-static void mf_info_usage(FILE *f)
-{
-    fprintf(f, "usage: moeflow info DIR [--json]\n\n"
-               "Prints the byte census of the checkpoint in DIR (a directory with shards and\n"
-               "model.safetensors.index.json, or one .safetensors file) by group: experts,\n"
-               "engram, mtp, attn, shared_experts, embed_head, other. Reads headers only.\n"
-               "With config.json beside the shards, validates it, prints a summary and checks\n"
-               "every tensor of the layout it implies against the checkpoint; exits 1 when any\n"
-               "is missing or misshapen (the census is printed all the same). A checkpoint\n"
-               "without the DSpark draft's mtp.* tensors is complete for plain decoding (noted).\n\n"
-               "  --json   one JSON object: total_bytes, n_tensors, n_shards, groups\n");
-}
+/* The command line of `moeflow info`. */
+typedef struct mf_info_cli {
+    const char *dir;
+    int json;
+} mf_info_cli;
+
+static const mf_opt mf_info_table[] = {
+    {"--json", .kind = MF_OPT_FLAG, .off = offsetof(mf_info_cli, json),
+     .help = "one JSON object: total_bytes, n_tensors, n_shards, groups, group_tensors,\n"
+             "config, rope_scaling, draft and sequence_state (with config.json)"},
+    {NULL},
+};
+
+static const mf_opts_spec mf_info_spec = {
+    .cmd = "info",
+    .usage = "usage: moeflow info DIR [--json]\n\n"
+             "Prints the byte census of the checkpoint in DIR (a directory with shards and\n"
+             "model.safetensors.index.json, or one .safetensors file) by group: experts,\n"
+             "engram, mtp, attn, shared_experts, embed_head, other. Reads headers only.\n"
+             "With config.json beside the shards, validates it, prints a summary and checks\n"
+             "every tensor of the layout it implies against the checkpoint; exits 1 when any\n"
+             "is missing or misshapen (the census is printed all the same). A checkpoint\n"
+             "without the DSpark draft's mtp.* tensors is complete for plain decoding (noted).\n\n",
+    .opts = mf_info_table,
+    .pos_meta = "DIR",
+    .pos_off = offsetof(mf_info_cli, dir),
+    .col = 14,
+};
 
 static void mf_print_ids(const char *label, const int *ids, int n)
 {
@@ -161,119 +178,120 @@ static int mf_info_check_layout(const mf_st *st, const mf_config *c)
     return missing + mismatched;
 }
 
-int mf_cmd_info(int argc, char **argv)
-{
-    const char *dir = NULL;
-    int json = 0;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            mf_info_usage(stdout);
-            return 0;
-        } else if (!strcmp(argv[i], "--json")) {
-            json = 1;
-        } else if (argv[i][0] == '-' || dir) {
-            fprintf(stderr, "moeflow info: unexpected argument '%s'\n\n", argv[i]);
-            mf_info_usage(stderr);
-            return 2;
-        } else {
-            dir = argv[i];
-        }
-    }
-    if (!dir) {
-        mf_info_usage(stderr);
-        return 2;
-    }
+/* What info reads: the checkpoint's headers, their census, config.json beside them. */
+typedef struct mf_info_ck {
     mf_st *st;
-    if (mf_st_open(dir, &st)) {
+    mf_census cs;
+    int have_cfg;
+    mf_config cfg;
+    char cfg_path[4096];
+} mf_info_ck;
+
+/* Opens dir and its config.json (when dir is a directory that has one). 0, or 1 (the exit code)
+ * after saying why. */
+static int mf_info_open(const char *dir, mf_info_ck *k)
+{
+    if (mf_st_open(dir, &k->st)) {
         fprintf(stderr, "moeflow info: %s\n", mf_last_error());
         return 1;
     }
-    mf_census cs;
-    mf_census_of(st, &cs);
-
-    /* config.json beside the shards, when DIR is a directory */
+    mf_census_of(k->st, &k->cs);
     struct stat sb;
-    char cfg_path[4096];
-    int have_cfg = 0;
-    mf_config cfg;
     if (stat(dir, &sb) == 0 && S_ISDIR(sb.st_mode)) {
-        snprintf(cfg_path, sizeof cfg_path, "%s/config.json", dir);
-        if (stat(cfg_path, &sb) == 0) {
-            if (mf_config_load(cfg_path, &cfg)) {
+        snprintf(k->cfg_path, sizeof k->cfg_path, "%s/config.json", dir);
+        if (stat(k->cfg_path, &sb) == 0) {
+            if (mf_config_load(k->cfg_path, &k->cfg)) {
                 fprintf(stderr, "moeflow info: %s\n", mf_last_error());
-                mf_st_close(st);
+                mf_st_close(k->st);
                 return 1;
             }
-            have_cfg = 1;
+            k->have_cfg = 1;
         }
     }
+    return 0;
+}
 
-    if (json) {
-        json_t *o = json_object(), *groups = json_object(), *counts = json_object();
-        json_object_set_new(o, "total_bytes", json_integer((json_int_t)cs.total_bytes));
-        json_object_set_new(o, "n_tensors", json_integer(cs.n_tensors));
-        json_object_set_new(o, "n_shards", json_integer(cs.n_shards));
-        for (int g = 0; g < MF_GROUP_COUNT; g++) {
-            json_object_set_new(groups, mf_group_name(g), json_integer((json_int_t)cs.bytes[g]));
-            json_object_set_new(counts, mf_group_name(g), json_integer(cs.tensors[g]));
-        }
-        json_object_set_new(o, "groups", groups);
-        json_object_set_new(o, "group_tensors", counts);
-        json_object_set_new(o, "config", have_cfg ? json_string(cfg_path) : json_null());
-        if (have_cfg)   /* what positions get: YaRN from the file or the released defaults */
-            json_object_set_new(o, "rope_scaling",
-                json_pack("{s:s, s:f, s:I, s:f, s:f, s:s}", "rope_type", "yarn", "factor", cfg.yarn_factor,
-                          "original_max_position_embeddings",
-                          (json_int_t)cfg.yarn_original_max_position_embeddings, "beta_fast",
-                          cfg.yarn_beta_fast, "beta_slow", cfg.yarn_beta_slow, "source",
-                          cfg.yarn_defaulted ? "default" : "config.json"));
-        if (have_cfg)   /* the draft the config describes, and how much of it the checkpoint has */
-            json_object_set_new(o, "draft",
-                json_pack("{s:i, s:I, s:I, s:I}", "stages", cfg.n_mtp_layers, "layout_bytes",
-                          (json_int_t)mf_config_draft_bytes(&cfg), "bytes", (json_int_t)cs.bytes[MF_GROUP_MTP],
-                          "tensors", (json_int_t)cs.tensors[MF_GROUP_MTP]));
-        if (have_cfg) {
-            mf_info_state ss = mf_info_state_of(&cfg);
-            json_object_set_new(o, "sequence_state",
-                json_pack("{s:I, s:f, s:I, s:I, s:I}", "fixed_bytes", (json_int_t)ss.fixed_bytes, "bytes_per_token",
-                          ss.bytes_per_token, "page_positions", (json_int_t)MF_LY_PAGE_POSITIONS, "bytes_8k",
-                          (json_int_t)ss.bytes_8k, "sequences_8k_in_64gib", (json_int_t)ss.seqs_8k_64g));
-        }
-        char *text = json_dumps(o, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
-        json_decref(o);
-        if (!text) {
-            mf_st_close(st);
-            fprintf(stderr, "moeflow info: out of memory\n");
-            return 1;
-        }
-        printf("%s\n", text);
-        free(text);
-        mf_st_close(st);
-        return 0;
+/* --json: the census, and with a config what positions get and a sequence state's size. 0 or 1. */
+static int mf_info_json(const mf_info_ck *k)
+{
+    const mf_census *cs = &k->cs;
+    json_t *o = json_object(), *groups = json_object(), *counts = json_object();
+    json_object_set_new(o, "total_bytes", json_integer((json_int_t)cs->total_bytes));
+    json_object_set_new(o, "n_tensors", json_integer(cs->n_tensors));
+    json_object_set_new(o, "n_shards", json_integer(cs->n_shards));
+    for (int g = 0; g < MF_GROUP_COUNT; g++) {
+        json_object_set_new(groups, mf_group_name(g), json_integer((json_int_t)cs->bytes[g]));
+        json_object_set_new(counts, mf_group_name(g), json_integer(cs->tensors[g]));
     }
+    json_object_set_new(o, "groups", groups);
+    json_object_set_new(o, "group_tensors", counts);
+    json_object_set_new(o, "config", k->have_cfg ? json_string(k->cfg_path) : json_null());
+    if (k->have_cfg) {   /* what positions get: YaRN from the file or the released defaults */
+        const mf_config *c = &k->cfg;
+        json_object_set_new(o, "rope_scaling",
+            json_pack("{s:s, s:f, s:I, s:f, s:f, s:s}", "rope_type", "yarn", "factor", c->yarn_factor,
+                      "original_max_position_embeddings", (json_int_t)c->yarn_original_max_position_embeddings,
+                      "beta_fast", c->yarn_beta_fast, "beta_slow", c->yarn_beta_slow, "source",
+                      c->yarn_defaulted ? "default" : "config.json"));
+        /* the draft the config describes, and how much of it the checkpoint has */
+        json_object_set_new(o, "draft",
+            json_pack("{s:i, s:I, s:I, s:I}", "stages", c->n_mtp_layers, "layout_bytes",
+                      (json_int_t)mf_config_draft_bytes(c), "bytes", (json_int_t)cs->bytes[MF_GROUP_MTP],
+                      "tensors", (json_int_t)cs->tensors[MF_GROUP_MTP]));
+        mf_info_state ss = mf_info_state_of(c);
+        json_object_set_new(o, "sequence_state",
+            json_pack("{s:I, s:f, s:I, s:I, s:I}", "fixed_bytes", (json_int_t)ss.fixed_bytes, "bytes_per_token",
+                      ss.bytes_per_token, "page_positions", (json_int_t)MF_LY_PAGE_POSITIONS, "bytes_8k",
+                      (json_int_t)ss.bytes_8k, "sequences_8k_in_64gib", (json_int_t)ss.seqs_8k_64g));
+    }
+    char *text = json_dumps(o, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+    json_decref(o);
+    if (!text) {
+        fprintf(stderr, "moeflow info: out of memory\n");
+        return 1;
+    }
+    printf("%s\n", text);
+    free(text);
+    return 0;
+}
 
-    printf("%s: %lld tensors in %d shard%s, %.2f GiB (%llu bytes)\n\n", dir,
-           (long long)cs.n_tensors, cs.n_shards, cs.n_shards == 1 ? "" : "s", cs.total_bytes / GIB,
-           (unsigned long long)cs.total_bytes);
+/* The census table, then the config summary and the layout check. 0, or 1 when the checkpoint
+ * does not match its config's layout. */
+static int mf_info_text(const char *dir, const mf_info_ck *k)
+{
+    const mf_census *cs = &k->cs;
+    printf("%s: %lld tensors in %d shard%s, %.2f GiB (%llu bytes)\n\n", dir, (long long)cs->n_tensors,
+           cs->n_shards, cs->n_shards == 1 ? "" : "s", cs->total_bytes / GIB, (unsigned long long)cs->total_bytes);
     printf("| %-15s | %9s | %6s | %8s | %17s |\n", "group", "GiB", "share", "tensors", "bytes");
     printf("|-----------------|-----------|--------|----------|-------------------|\n");
     for (int g = 0; g < MF_GROUP_COUNT; g++) {
-        double share = cs.total_bytes ? 100.0 * cs.bytes[g] / cs.total_bytes : 0.0;
-        printf("| %-15s | %9.2f | %5.1f%% | %8lld | %17llu |\n", mf_group_name(g), cs.bytes[g] / GIB,
-               share, (long long)cs.tensors[g], (unsigned long long)cs.bytes[g]);
+        double share = cs->total_bytes ? 100.0 * cs->bytes[g] / cs->total_bytes : 0.0;
+        printf("| %-15s | %9.2f | %5.1f%% | %8lld | %17llu |\n", mf_group_name(g), cs->bytes[g] / GIB, share,
+               (long long)cs->tensors[g], (unsigned long long)cs->bytes[g]);
     }
-    printf("| %-15s | %9.2f | %5.1f%% | %8lld | %17llu |\n\n", "total", cs.total_bytes / GIB,
-           100.0, (long long)cs.n_tensors, (unsigned long long)cs.total_bytes);
-    int bad = 0;
-    if (have_cfg) {
-        mf_info_config(&cfg);
-        bad = mf_info_check_layout(st, &cfg);
-        if (bad)
-            fprintf(stderr, "moeflow info: %s does not match the layout its config.json implies "
-                    "(%d tensors missing or misshapen; regenerate it, or fix config.json)\n", dir, bad);
-    } else {
+    printf("| %-15s | %9.2f | %5.1f%% | %8lld | %17llu |\n\n", "total", cs->total_bytes / GIB, 100.0,
+           (long long)cs->n_tensors, (unsigned long long)cs->total_bytes);
+    if (!k->have_cfg) {
         printf("no config.json in %s: config summary skipped\n", dir);
+        return 0;
     }
-    mf_st_close(st);
+    mf_info_config(&k->cfg);
+    int bad = mf_info_check_layout(k->st, &k->cfg);
+    if (bad)
+        fprintf(stderr, "moeflow info: %s does not match the layout its config.json implies "
+                "(%d tensors missing or misshapen; regenerate it, or fix config.json)\n", dir, bad);
     return bad ? 1 : 0;
+}
+
+int mf_cmd_info(int argc, char **argv)
+{
+    mf_info_cli a = {0};
+    int rc = mf_opts_parse(&mf_info_spec, argc, argv, &a);
+    if (rc != MF_OPTS_RUN) return rc;
+    if (!a.dir) return mf_opts_refuse(&mf_info_spec, "DIR is required");
+    static mf_info_ck k;
+    if ((rc = mf_info_open(a.dir, &k))) return rc;
+    rc = a.json ? mf_info_json(&k) : mf_info_text(a.dir, &k);
+    mf_st_close(k.st);
+    return rc;
 }

@@ -1,6 +1,9 @@
-/* The subcommands of `moeflow`; each parses its own arguments and returns the process exit code. */
+/* The subcommands of `moeflow`; each reads its arguments through its option table (tools/opts.h)
+ * and returns the process exit code. */
 #ifndef MF_COMMANDS_H
 #define MF_COMMANDS_H
+
+#include "tools/opts.h"
 
 int mf_cmd_gen(int argc, char **argv);    /* tools/cmd_gen.c: synthetic checkpoints */
 int mf_cmd_decode(int argc, char **argv);  /* tools/cmd_decode.c: decoding (scheduled or reference engine) */
@@ -39,13 +42,15 @@ extern mf_tool_io mf_tool_io_env;
 /* --sockets (moeflow decode, bench decode): "auto" (the sockets hwloc finds: sched/sched.h
  * mf_topo_sockets) or 1..8, on the topology MOEFLOW_TOPOLOGY names (an hwloc synthetic
  * description such as "package:2 numa:1 core:1 pu:1" or an XML file, for tests; unset: this
- * machine). Fills n and each socket's OS node (for the store's memory) and returns 0; prints why
- * to stderr (prefixed by cmd) and returns 2 on a bad value or a topology with fewer sockets. */
+ * machine). Fills n and each socket's OS node (for the store's memory) and returns 0; -EINVAL
+ * (mf_error: "--sockets: ...") on a bad value or a topology with fewer sockets. */
 typedef struct mf_tool_sockets {
     int n;
     int node[8];
     const char *topology;   /* MOEFLOW_TOPOLOGY or NULL */
 } mf_tool_sockets;
-int mf_tool_sockets_arg(const char *cmd, const char *arg, mf_tool_sockets *out);
+int mf_tool_sockets_of(const char *arg, mf_tool_sockets *out);
+/* mf_tool_sockets_of as an option table's MF_OPT_FN (the field: an mf_tool_sockets). */
+int mf_tool_sockets_opt(const mf_opt *o, const char *arg, void *field);
 
 #endif

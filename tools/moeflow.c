@@ -2,7 +2,8 @@
  * each one's --help says what it does. The environment is read here (and by tools/ for
  * MOEFLOW_DEV_GRAPHS), never in the library: MOEFLOW_SIMD=scalar|avx2|auto picks the CPU kernels'
  * path (host/kernels.h, default auto), MOEFLOW_IO and MOEFLOW_IO_FAULT the IO lanes' engine and
- * fault injection (mf_env_apply). */
+ * fault injection, MOEFLOW_OPTS the option parser's test modes (mf_env_apply, tools/opts.h). */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,6 +12,7 @@
 #include "sched/error.h"
 #include "sched/sched.h"
 #include "tools/commands.h"
+#include "tools/opts.h"
 
 static const struct {
     const char *name;
@@ -40,7 +42,9 @@ static void mf_usage(FILE *f)
                "                      avx2 also keeps the one-token FP8 and FP4 loops off AVX-512\n"
                "  MOEFLOW_IO          pread: IO lanes use pread workers instead of io_uring\n"
                "  MOEFLOW_IO_FAULT    eio:N or short:N: the Nth IO-lane read fails (fault injection)\n"
-               "  MOEFLOW_DEV_GRAPHS  1: as --dev-graphs (decode, sim)\n",
+               "  MOEFLOW_DEV_GRAPHS  1: as --dev-graphs (decode, sim)\n"
+               "  MOEFLOW_OPTS        check: a command parses its options and exits (0 accepted, 2 refused)\n"
+               "                      without running; table: it prints its option table (tests/test_cli.c)\n",
             mf_kern_simd_name(mf_kern_simd_active()));
 }
 
@@ -74,37 +78,38 @@ int mf_tool_env_on(const char *name)
 
 mf_tool_io mf_tool_io_env;
 
-int mf_tool_sockets_arg(const char *cmd, const char *arg, mf_tool_sockets *out)
+int mf_tool_sockets_of(const char *arg, mf_tool_sockets *out)
 {
     const char *topo = getenv("MOEFLOW_TOPOLOGY");
     *out = (mf_tool_sockets){.n = 1, .node = {-1, -1, -1, -1, -1, -1, -1, -1},
                              .topology = topo && *topo ? topo : NULL};
     mf_topo_sockets ts;
-    if (mf_topo_sockets_of(out->topology, &ts)) {
-        fprintf(stderr, "moeflow %s: --sockets: %s\n", cmd, mf_last_error());
-        return 2;
-    }
+    int rc = mf_topo_sockets_of(out->topology, &ts);
+    if (rc) return mf_error_wrap(rc, "--sockets");
     char *end;
     long n = strtol(arg, &end, 10);
     if (!strcmp(arg, "auto")) n = ts.n;
-    else if (*end || !*arg || n < 1 || n > MF_TOPO_MAX_SOCKETS) {
-        fprintf(stderr, "moeflow %s: --sockets: expected auto or 1..%d, found '%s'\n", cmd, MF_TOPO_MAX_SOCKETS, arg);
-        return 2;
-    }
-    if (n > ts.n) {
-        fprintf(stderr, "moeflow %s: --sockets %ld: the topology (%s) has %d socket(s) (NUMA nodes with cores)\n",
-                cmd, n, out->topology ? out->topology : "this machine", ts.n);
-        return 2;
-    }
+    else if (*end || !*arg || n < 1 || n > MF_TOPO_MAX_SOCKETS)
+        return mf_error(-EINVAL, "--sockets: expected auto or 1..%d, found '%s'", MF_TOPO_MAX_SOCKETS, arg);
+    if (n > ts.n)
+        return mf_error(-EINVAL, "--sockets %ld: the topology (%s) has %d socket(s) (NUMA nodes with cores)", n,
+                        out->topology ? out->topology : "this machine", ts.n);
     out->n = (int)n;
     for (int k = 0; k < out->n; k++) out->node[k] = ts.node[k];
     return 0;
 }
 
+int mf_tool_sockets_opt(const mf_opt *o, const char *arg, void *field)
+{
+    (void)o;
+    return mf_tool_sockets_of(arg, field);
+}
+
 /* The environment variables the moeflow command honours, turned into options before any
  * subcommand runs (the library reads none): MOEFLOW_IO=pread makes the IO lanes of the executors
  * a command makes use pread workers, MOEFLOW_IO_FAULT=eio:N|short:N makes the Nth read of an IO
- * lane fail (mf_tool_io_env, commands.h; docs/io.md). Values it does not understand are reported
+ * lane fail (mf_tool_io_env, commands.h; docs/io.md), MOEFLOW_OPTS=check|table puts the option
+ * parser in a test mode (mf_opts_mode, tools/opts.h). Values it does not understand are reported
  * and ignored. */
 static void mf_env_apply(void)
 {
@@ -121,6 +126,12 @@ static void mf_env_apply(void)
         else if (!strncmp(e, "short:", 6) && (n = atoll(e + 6)) > 0)
             mf_tool_io_env = (mf_tool_io){mf_tool_io_env.force_pread, MF_IO_FAULT_SHORT, n};
         else fprintf(stderr, "moeflow: MOEFLOW_IO_FAULT='%s' ignored (expected eio:N or short:N)\n", e);
+    }
+    e = getenv("MOEFLOW_OPTS");
+    if (e && *e) {
+        if (!strcmp(e, "check")) mf_opts_mode = MF_OPTS_MODE_CHECK;
+        else if (!strcmp(e, "table")) mf_opts_mode = MF_OPTS_MODE_TABLE;
+        else fprintf(stderr, "moeflow: MOEFLOW_OPTS='%s' ignored (expected check or table)\n", e);
     }
 }
 

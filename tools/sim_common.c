@@ -1,6 +1,6 @@
-/* What the commands share (tools/sim_common.h): the size parser of every command line, and for
- * `moeflow sim` and `tune` running the real scheduled engine with a simulation's settings (the measured side of the
- * simulator's predictions). */
+/* What the commands share (tools/sim_common.h): the words of their options, and for `moeflow sim`
+ * and `tune` running the real scheduled engine with a simulation's settings (the measured side of
+ * the simulator's predictions). */
 #include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -17,62 +17,21 @@
 #include "sched/error.h"
 #include "tools/sim_common.h"
 
-uint64_t mf_tool_size(const char *s)
-{
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || end == s || !(v > 0)) return 0;
-    double m = 1;
-    switch (*end) {
-    case 'K': case 'k': m = 1024.0; end++; break;
-    case 'M': case 'm': m = 1048576.0; end++; break;
-    case 'G': case 'g': m = 1073741824.0; end++; break;
-    case 'T': case 't': m = 1099511627776.0; end++; break;
-    default: break;
-    }
-    if (*end == 'i' && m > 1) end++;
-    if (*end == 'B') end++;
-    return *end ? 0 : (uint64_t)(v * m);
-}
+const mf_opt_word mf_tool_placements[] = {
+    {"host", MF_STEP_PLACE_HOST}, {"seed", MF_STEP_PLACE_SEED}, {"hybrid", MF_STEP_PLACE_HYBRID}, {NULL, 0}};
+const mf_opt_word mf_tool_denses[] = {{"host", MF_PLAN_DENSE_HOST}, {"cards", MF_PLAN_DENSE_CARDS}, {NULL, 0}};
+const mf_opt_word mf_tool_dense_splits[] = {{"layers", MF_SG_SPLIT_LAYERS}, {"rows", MF_SG_SPLIT_ROWS}, {NULL, 0}};
+const mf_opt_word mf_tool_heads_modes[] = {
+    {"cost", MF_SG_HEADS_COST}, {"cards", MF_SG_HEADS_CARDS}, {"host", MF_SG_HEADS_HOST}, {NULL, 0}};
+const mf_opt_word mf_tool_store_modes[] = {
+    {"resident", MF_PLAN_STORE_RESIDENT}, {"streamed", MF_PLAN_STORE_STREAMED}, {NULL, 0}};
+const mf_opt_word mf_tool_cache_policies[] = {{"lfu", MF_PLAN_CACHE_LFU}, {"lru", MF_PLAN_CACHE_LRU}, {NULL, 0}};
+const mf_opt_word mf_tool_on_off[] = {{"on", 1}, {"off", 0}, {NULL, 0}};
 
-int mf_tool_placement(const char *s)
-{
-    return !strcmp(s, "host") ? MF_STEP_PLACE_HOST : !strcmp(s, "seed") ? MF_STEP_PLACE_SEED
-           : !strcmp(s, "hybrid")                 ? MF_STEP_PLACE_HYBRID
-                                                  : -1;
-}
-
-int mf_tool_dense(const char *s)
-{
-    return !strcmp(s, "host") ? MF_PLAN_DENSE_HOST : !strcmp(s, "cards") ? MF_PLAN_DENSE_CARDS : -1;
-}
-
-int mf_tool_dense_split(const char *s)
-{
-    return !strcmp(s, "layers") ? MF_SG_SPLIT_LAYERS : !strcmp(s, "rows") ? MF_SG_SPLIT_ROWS : -1;
-}
-
-int mf_tool_heads(const char *s)
-{
-    return !strcmp(s, "cost") ? MF_SG_HEADS_COST : !strcmp(s, "cards") ? MF_SG_HEADS_CARDS
-           : !strcmp(s, "host") ? MF_SG_HEADS_HOST : -1;
-}
-
-int mf_tool_store_mode(const char *s)
-{
-    return !strcmp(s, "resident") ? MF_PLAN_STORE_RESIDENT : !strcmp(s, "streamed") ? MF_PLAN_STORE_STREAMED : -1;
-}
-
-int mf_tool_on_off(const char *s)
-{
-    return !strcmp(s, "on") ? 1 : !strcmp(s, "off") ? 0 : -1;
-}
-
-int mf_tool_cache_policy(const char *s)
-{
-    return !strcmp(s, "lfu") ? MF_PLAN_CACHE_LFU : !strcmp(s, "lru") ? MF_PLAN_CACHE_LRU : -1;
-}
+int mf_tool_placement(const char *s) { return mf_opt_word_value(mf_tool_placements, s); }
+int mf_tool_dense(const char *s) { return mf_opt_word_value(mf_tool_denses, s); }
+int mf_tool_dense_split(const char *s) { return mf_opt_word_value(mf_tool_dense_splits, s); }
+int mf_tool_cache_policy(const char *s) { return mf_opt_word_value(mf_tool_cache_policies, s); }
 
 int mf_tool_plan_inputs(const char *profile, const char *dir, const char *preset, mf_profile *prof, mf_config *cfg)
 {

@@ -1,4 +1,4 @@
-/* What `moeflow sim` and `moeflow tune` share: sizes on the command line and running the real
+/* What `moeflow sim` and `moeflow tune` share: the words of their options and running the real
  * scheduled engine (graphs/step/step.h) with a simulation's settings (graphs/sim/plan.h) on this machine. */
 #ifndef MF_SIM_COMMON_H
 #define MF_SIM_COMMON_H
@@ -10,28 +10,31 @@
 #include "graphs/step/step.h"
 #include "graphs/step/stepgraph.h"
 #include "sched/profile.h"
+#include "tools/opts.h"
 
-/* "2G", "512M", "64k", "1.5GiB", "4GB", plain bytes; 1024-based (K, M, G, T in either case, then an
- * optional "i" and "B"). 0 for anything else (or zero). The one size parser of every command. */
-uint64_t mf_tool_size(const char *s);
-
-/* The words of the options sim and tune share, as values; -1 for any other word. */
-int mf_tool_placement(const char *s);      /* host, seed, hybrid: mf_step_placement */
-int mf_tool_dense(const char *s);          /* host, cards: mf_plan_dense (also mf_step_opts.dense) */
-int mf_tool_dense_split(const char *s);    /* layers, rows: mf_sg_dense_split (mf_plan_opts, mf_step_opts) */
-int mf_tool_heads(const char *s);          /* cost, cards, host: mf_sg_heads_mode (mf_plan_opts, mf_step_opts) */
+/* The words of the options sim, tune, decode and bench decode share, and their values (the word
+ * lists of their option tables, tools/opts.h); the functions give a word's value, or -1 for any
+ * other word. */
+extern const mf_opt_word mf_tool_placements[];   /* host, seed, hybrid: mf_step_placement */
+extern const mf_opt_word mf_tool_denses[];       /* host, cards: mf_plan_dense (also mf_step_opts.dense) */
+extern const mf_opt_word mf_tool_dense_splits[]; /* layers, rows: mf_sg_dense_split (mf_plan_opts, mf_step_opts) */
+extern const mf_opt_word mf_tool_heads_modes[];  /* cost, cards, host: mf_sg_heads_mode (mf_plan_opts, mf_step_opts) */
+extern const mf_opt_word mf_tool_store_modes[];  /* resident, streamed: mf_plan_store */
+extern const mf_opt_word mf_tool_cache_policies[];   /* lfu, lru: mf_plan_cache_policy */
+extern const mf_opt_word mf_tool_on_off[];       /* on 1, off 0 (--dev-cache-fill) */
+int mf_tool_placement(const char *s);
+int mf_tool_dense(const char *s);
+int mf_tool_dense_split(const char *s);
+int mf_tool_cache_policy(const char *s);
 /* The commands' default --dense-split (decode, sim, bench decode): rows, which the simulator
  * predicts faster than layers on the seed host at batch 1, 16 and 64, uniform and zipf:1.0
  * routing (docs/measurements.md part 1); the library's zero (mf_step_opts, mf_plan_opts) is layers. */
-#define MF_TOOL_DENSE_SPLIT MF_SG_SPLIT_ROWS
-int mf_tool_store_mode(const char *s);     /* resident, streamed: mf_plan_store */
-int mf_tool_cache_policy(const char *s);   /* lfu, lru: mf_plan_cache_policy */
-int mf_tool_on_off(const char *s);         /* on 1, off 0 (--dev-cache-fill) */
+#define MF_TOOL_DENSE_SPLIT "rows"
 /* The commands' default --dev-cache-fill (decode, bench decode, sim, tune): on. With cards and a
  * seed or hybrid placement a warm cache costs one start-up copy (on the seed host ~80 GB at
  * h2d_total_bytes_per_s, ~2 s) and turns batch-1 slots that hybrid sends to the host (a miss's
  * copy costs more than the host's compute) into hits on the card; the library's zero is off. */
-#define MF_TOOL_DEV_CACHE_FILL 1
+#define MF_TOOL_DEV_CACHE_FILL "on"
 
 /* Loads the hardware profile at `profile` and the model's config: DIR/config.json when dir is
  * given, else the built-in preset. 0 or a negative code (mf_last_error names the file). */

@@ -1,0 +1,125 @@
+/* `moeflow decode`'s own parts, shared by its two files: tools/cmd_decode.c (the options, the model
+ * and engine, the step loop and its reports) and tools/cmd_decode_seqs.c (the prompts in, one
+ * record per sequence, the batcher's events out: streamed text, the per-prompt lines, --output's
+ * JSONL, the progress line, --record-routing's hook). Private to the command. */
+#ifndef MF_TOOLS_CMD_DECODE_H
+#define MF_TOOLS_CMD_DECODE_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "graphs/model/engram_map.h"
+#include "graphs/model/model.h"
+#include "graphs/ref/ref.h"
+#include "graphs/sim/routing.h"
+#include "graphs/step/batch.h"
+#include "graphs/step/step.h"
+#include "host/store.h"
+#include "host/tokenizer.h"
+#include "sched/error.h"
+#include "sched/profile.h"
+#include "tools/commands.h"
+#include "tools/serve_req.h"
+
+/* The command line (mf_dec_table). */
+typedef struct mf_dec_cli {
+    const char *dir, *prompt, *ids, *prompts_file, *outfile, *chat_spec;
+    const char *trace, *devices, *record, *profile_path, *fill_spec;
+    int sched;                     /* --engine: 1 scheduled, 0 reference */
+    int chat, no_bos, ignore_eos, act_quant, quiet, exact, dev_graphs;
+    int store_mode, store_tables;  /* MF_MODEL_STORE_*; 0: none / as --store */
+    int placement, dense;          /* -1: not given */
+    int dense_split, heads;
+    long max_new, batch, threads, step_tokens, io_depth, read_window, micro;   /* batch, step_tokens 0: not given */
+    double temperature, top_p;
+    unsigned long long seed;
+    uint64_t store_budget, dev_cache;
+    mf_tool_sockets sk;            /* n 0: --sockets not given (auto) */
+} mf_dec_cli;
+
+/* One prompt of the run and what it produced. */
+typedef struct mf_dec_seq {
+    int index;
+    const char *line;      /* the prompt as given */
+    int32_t *pids, *gen;
+    int n_pid;
+    long n_gen;
+    int done, finish;
+    int64_t submit_ns, admit_ns, first_ns, done_ns;
+} mf_dec_seq;
+
+/* The batcher's events' side: where tokens and finished prompts go. */
+typedef struct mf_dec_ctx {
+    mf_dec_seq *sq;
+    const mf_tok *tok;
+    int stream;            /* one sequence: print tokens as they come */
+    FILE *out;             /* --output JSONL, or NULL */
+    int quiet, n_done, rc;
+    int64_t t0, generated;
+    char msg[MF_ERROR_MSG_BYTES];
+} mf_dec_ctx;
+
+/* --record-routing: the on_route hook writes each (sequence, position, layer) record; the state
+ * it names belongs to the running request the batcher gives back. */
+typedef struct mf_route_rec_ctx {
+    mf_routing_rec *rec;
+    mf_batch *b;
+    int rc;   /* first failure, its message in msg (hooks run on worker threads) */
+    char msg[MF_ERROR_MSG_BYTES];
+} mf_route_rec_ctx;
+
+/* A run of decode: what it opened, its sequences, the step loop's totals. The steps answer 0, a
+ * negative code (mf_last_error says why; exit 1) or a positive exit code (said on stderr). */
+typedef struct mf_dec {
+    const mf_dec_cli *a;
+    int place, dense, no_bos;      /* resolved: MF_STEP_PLACE_*, dense on cards, no BOS id */
+    const char *placement;         /* the placement's word, for the reports */
+    /* the prompts (cmd_decode_seqs.c) */
+    mf_tok *tok;
+    int have_tok, is_text;
+    mf_chat_tmpl *ct;
+    char **lines;
+    int n_lines, n_seq, max_batch;
+    long step_tokens;
+    mf_dec_seq *sq;
+    FILE *outf;
+    /* the model, engine and batcher */
+    mf_model *m;
+    mf_store *mst;
+    mf_engram_map *emap;
+    mf_ref *r;
+    mf_step *eng;
+    mf_dev *dev;
+    mf_batch *bat;
+    mf_profile *prof;              /* --profile, or NULL */
+    uint32_t *fill_counts;
+    int64_t total;                 /* positions: the longest prompt + --max-new-tokens */
+    mf_route_rec_ctx rrec;
+    mf_dec_ctx dc;
+    /* the step loop's totals */
+    long steps;
+    int64_t t0, t2;
+    int64_t io_busy_ns, io_overlap_ns, ex_busy_ns;            /* scheduled engine with a store */
+    int64_t cp_busy_ns, cp_overlap_ns, cm_busy_ns;            /* with devices */
+    int64_t sock_home, sock_cross, dense_home, dense_cross;   /* with sockets */
+    mf_step_dev_stats dtot;
+} mf_dec;
+
+/* cmd_decode_seqs.c: the tokenizer, the chat template, the prompts (one, B copies, or FILE's
+ * lines) as token ids, --output's file. */
+int mf_dec_prompts(mf_dec *d);
+/* Prints one token: its text with a tokenizer, else its id (space-separated after the first). */
+void mf_dec_emit_token(const mf_tok *tok, int32_t id, int first);
+/* The batcher's on_event: tokens into their sequence (streamed with one), ends into --output. */
+void mf_dec_on_event(void *user, const mf_batch_event *ev);
+/* The progress line: done/total, generated tokens/s, ETA (from the rate of finished prompts). */
+void mf_dec_progress(const mf_dec_ctx *x, int total, int64_t now, int last);
+/* The median time to first token over a sample of at most 64 sequences, seconds. */
+double mf_dec_median_ttft(const mf_dec_seq *sq, int n);
+/* --record-routing's on_route hook (user: an mf_route_rec_ctx). */
+void mf_dec_on_route(void *user, const void *seq, int64_t pos, int layer, const int32_t *experts,
+                     const float *weights, int n);
+/* Frees the prompts' side (tokenizer, template, lines, sequences, --output's file). */
+void mf_dec_prompts_free(mf_dec *d);
+
+#endif

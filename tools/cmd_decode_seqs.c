@@ -1,0 +1,346 @@
+/* `moeflow decode`'s sequences (tools/cmd_decode.h): the prompts in (text through the
+ * checkpoint's tokenizer, optionally as a chat message, or token ids; one prompt, B copies of it,
+ * or every line of --prompts FILE), one record per sequence, and the batcher's events out: text or
+ * ids streamed for one sequence, a line per sequence for several, --output's JSON lines as
+ * prompts finish, the progress line, and --record-routing's hook. */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <jansson.h>
+
+#include "graphs/step/batch.h"
+#include "host/tokenizer.h"
+#include "sched/error.h"
+#include "sched/path.h"
+#include "tools/cmd_decode.h"
+
+static int mf_parse_tokens(const char *s, int32_t **out, int *n_out)
+{
+    int cap = 16, n = 0;
+    int32_t *t = malloc(sizeof *t * (size_t)cap);
+    if (!t) return -ENOMEM;
+    const char *p = s;
+    for (;;) {
+        while (*p == ',' || *p == ' ' || *p == '\t' || *p == '\n') p++;
+        if (!*p) break;
+        char *end;
+        errno = 0;
+        long long v = strtoll(p, &end, 10);
+        if (end == p || errno || v < 0 || v > INT32_MAX || (*end && *end != ',' && *end != ' ' &&
+                                                           *end != '\t' && *end != '\n')) {
+            free(t);
+            return mf_error(-EINVAL, "--tokens: expected non-negative integers separated by commas "
+                            "or spaces, found '%.20s'", p);
+        }
+        if (n == cap) {
+            int32_t *u = realloc(t, sizeof *t * (size_t)(cap *= 2));
+            if (!u) {
+                free(t);
+                return -ENOMEM;
+            }
+            t = u;
+        }
+        t[n++] = (int32_t)v;
+        p = end;
+    }
+    if (n == 0) {
+        free(t);
+        return mf_error(-EINVAL, "--tokens: no token ids given");
+    }
+    *out = t;
+    *n_out = n;
+    return 0;
+}
+
+void mf_dec_emit_token(const mf_tok *tok, int32_t id, int first)
+{
+    if (tok) {
+        char buf[1024];
+        int n = mf_tok_token_bytes(tok, id, buf, sizeof buf);
+        if (n > 0) fwrite(buf, 1, (size_t)(n < (int)sizeof buf ? n : (int)sizeof buf), stdout);
+        else if (n < 0) printf("<%d>", id);
+    } else {
+        printf(first ? "%d" : " %d", id);
+    }
+    fflush(stdout);
+}
+
+/* Prompt text or ids -> token ids (BOS first for text unless no_bos; bos fixed up after load). */
+static int mf_prompt_ids(const mf_tok *tok, const char *text, const char *ids, int no_bos, int32_t **out, int *n_out)
+{
+    if (ids) return mf_parse_tokens(ids, out, n_out);
+    size_t len = strlen(text), cap = len + 2, n = 0;
+    int32_t *p = malloc(sizeof *p * cap);
+    if (!p) return mf_error(-ENOMEM, "out of memory");
+    int rc = mf_tok_encode(tok, text, len, p + 1, cap - 1, &n);
+    if (rc) {
+        free(p);
+        return rc;
+    }
+    int np = (int)n + 1;
+    p[0] = 0;
+    if (no_bos) memmove(p, p + 1, sizeof *p * (size_t)--np);
+    if (np == 0) {
+        free(p);
+        return mf_error(-EINVAL, "the prompt '%.40s' encodes to no tokens", text);
+    }
+    *out = p;
+    *n_out = np;
+    return 0;
+}
+
+/* Reads FILE's non-empty lines (newline stripped) into a NULL-terminated array of strings. */
+static int mf_read_lines(const char *path, char ***out, int *n_out)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) return mf_error(-errno, "--prompts %s: cannot open: %s", path, strerror(errno));
+    char **lines = NULL, *buf = NULL;
+    size_t cap_b = 0;
+    int n = 0, cap = 0, rc = 0;
+    ssize_t len;
+    while ((len = getline(&buf, &cap_b, f)) >= 0) {
+        while (len > 0 && (buf[len - 1] == '\n' || buf[len - 1] == '\r')) buf[--len] = 0;
+        if (len == 0) continue;
+        if (n + 1 >= cap) {
+            char **l = realloc(lines, sizeof *l * (size_t)(cap = cap ? cap * 2 : 16));
+            if (!l) {
+                rc = mf_error(-ENOMEM, "out of memory");
+                break;
+            }
+            lines = l;
+        }
+        if (!(lines[n] = strdup(buf))) {
+            rc = mf_error(-ENOMEM, "out of memory");
+            break;
+        }
+        lines[++n] = NULL;
+    }
+    free(buf);
+    fclose(f);
+    if (!rc && n == 0) rc = mf_error(-EINVAL, "--prompts %s: no prompts (no non-empty lines)", path);
+    if (rc) {
+        for (int i = 0; i < n; i++) free(lines[i]);
+        free(lines);
+        return rc;
+    }
+    *out = lines;
+    *n_out = n;
+    return 0;
+}
+
+/* The tokenizer (when DIR has one) and, with --chat, the chat template. 0, a negative code, or 2. */
+static int mf_dec_tokenizer(mf_dec *d)
+{
+    const mf_dec_cli *a = d->a;
+    char tpath[4200];
+    snprintf(tpath, sizeof tpath, "%s/tokenizer.json", a->dir);
+    d->have_tok = access(tpath, R_OK) == 0;
+    if (a->prompt && !d->have_tok) {
+        fprintf(stderr, "moeflow decode: %s has no tokenizer.json, so --prompt text cannot be encoded; "
+                        "give token ids with --tokens\n", a->dir);
+        return 2;
+    }
+    int rc = d->have_tok ? mf_tok_load(tpath, &d->tok) : 0;
+    if (rc) return rc;
+    if (a->chat_spec && !a->chat) {
+        fprintf(stderr, "moeflow decode: --chat-template applies with --chat\n");
+        return 2;
+    }
+    if (!a->chat) return 0;
+    char desc[4400];
+    if (!d->have_tok || a->ids) {
+        fprintf(stderr, "moeflow decode: --chat needs prompt text and %s/tokenizer.json\n", a->dir);
+        return 2;
+    }
+    if (mf_chat_tmpl_load(a->dir, a->chat_spec, &d->ct, desc, sizeof desc)) {
+        fprintf(stderr, "moeflow decode: %s\n", mf_last_error());
+        return 2;
+    }
+    if (!a->quiet) fprintf(stderr, "moeflow decode: chat: %s\n", desc);
+    if (d->ct) d->no_bos = 1;   /* the template writes BOS as text, if it wants one */
+    return 0;
+}
+
+/* Sequence i's prompt ids: its text (through the chat template with --chat) or its ids. 0 or 2. */
+static int mf_dec_seq_ids(mf_dec *d, int i)
+{
+    const mf_dec_cli *a = d->a;
+    const char *text = a->prompts_file ? (d->have_tok ? d->lines[i] : NULL) : a->prompt;
+    const char *tids = a->prompts_file ? (d->have_tok ? NULL : d->lines[i]) : a->ids;
+    char *rendered = NULL;
+    if (a->chat && text) {   /* one user message through the chat template */
+        mf_serve_msg msg = {.role = "user", .content = (char *)text};
+        mf_serve_req q = {.chat = 1, .msgs = &msg, .n_msgs = 1};
+        size_t rn;
+        int bos_in_text;
+        if (mf_serve_chat_render(&q, d->ct, &rendered, &rn, &bos_in_text)) {
+            fprintf(stderr, "moeflow decode: prompt %d: the chat template: %s\n", i + 1, mf_last_error());
+            return 2;
+        }
+        text = rendered;
+    }
+    int prc = mf_prompt_ids(d->tok, text, tids, d->no_bos, &d->sq[i].pids, &d->sq[i].n_pid);
+    free(rendered);
+    if (prc) {
+        if (a->prompts_file)
+            fprintf(stderr, "moeflow decode: %s line %d: %s\n", a->prompts_file, i + 1, mf_last_error());
+        else
+            fprintf(stderr, "moeflow decode: %s\n", mf_last_error());
+        return 2;
+    }
+    d->sq[i].line = a->prompts_file ? d->lines[i] : a->prompt ? a->prompt : a->ids;
+    return 0;
+}
+
+int mf_dec_prompts(mf_dec *d)
+{
+    const mf_dec_cli *a = d->a;
+    int rc = mf_dec_tokenizer(d);
+    if (rc) return rc;
+    if (a->prompts_file) {
+        if (mf_read_lines(a->prompts_file, &d->lines, &d->n_lines)) {
+            fprintf(stderr, "moeflow decode: %s\n", mf_last_error());
+            return 2;
+        }
+        d->n_seq = d->n_lines;
+        d->is_text = d->have_tok;
+    } else {
+        d->n_seq = a->batch ? (int)a->batch : 1;
+        d->is_text = a->prompt != NULL;
+    }
+    /* one sequence on the scheduled engine: nothing waits behind its prefill, which runs in the
+     * engine's prefill chunks (fewer weight passes than graphs of 64: docs/decode.md) */
+    d->step_tokens = a->step_tokens ? a->step_tokens
+                   : d->n_seq == 1 && a->sched ? MF_STEP_PREFILL_CHUNK : MF_BATCH_STEP_TOKENS;
+    if (!(d->sq = calloc((size_t)d->n_seq, sizeof *d->sq))) return mf_error(-ENOMEM, "out of memory");
+    for (int i = 0; i < d->n_seq; i++)
+        if ((rc = mf_dec_seq_ids(d, i))) return rc;
+    d->max_batch = a->batch ? (int)a->batch : d->n_seq < MF_STEP_MAX_ITEMS ? d->n_seq : MF_STEP_MAX_ITEMS;
+    if (a->outfile && mf_path_make_parent(a->outfile)) {   /* missing folders are made, as mkdir -p */
+        fprintf(stderr, "moeflow decode: --output: %s\n", mf_last_error());
+        return 2;
+    }
+    if (a->outfile && !(d->outf = fopen(a->outfile, "w"))) {
+        fprintf(stderr, "moeflow decode: --output %s: cannot open: %s\n", a->outfile, strerror(errno));
+        return 2;
+    }
+    return 0;
+}
+
+void mf_dec_prompts_free(mf_dec *d)
+{
+    if (d->outf) fclose(d->outf);
+    for (int s = 0; d->sq && s < d->n_seq; s++) {
+        free(d->sq[s].pids);
+        free(d->sq[s].gen);
+    }
+    free(d->sq);
+    mf_tok_free(d->tok);
+    mf_chat_tmpl_free(d->ct);
+    for (int i = 0; i < d->n_lines; i++) free(d->lines[i]);
+    free(d->lines);
+}
+
+void mf_dec_on_route(void *user, const void *seq, int64_t pos, int layer, const int32_t *experts,
+                     const float *weights, int n)
+{
+    mf_route_rec_ctx *x = user;
+    const mf_dec_seq *q = mf_batch_state_user(x->b, seq);
+    int rc = mf_routing_rec_add(x->rec, q ? q->index : 0, pos, layer, experts, n), zero = 0;
+    (void)weights;
+    if (rc && __atomic_compare_exchange_n(&x->rc, &zero, rc, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        snprintf(x->msg, sizeof x->msg, "%s", mf_last_error());
+}
+
+/* --output: one JSON object per finished prompt (in the order they finish). */
+static int mf_dec_write_jsonl(mf_dec_ctx *x, const mf_dec_seq *q)
+{
+    json_t *o = json_object(), *ids = json_array();
+    for (long k = 0; k < q->n_gen; k++) json_array_append_new(ids, json_integer(q->gen[k]));
+    json_object_set_new(o, "index", json_integer(q->index));
+    json_t *pl = json_string(q->line);   /* NULL when the line is not UTF-8 */
+    json_object_set_new(o, "prompt", pl ? pl : json_null());
+    if (x->tok) {
+        size_t cap = 64 + (size_t)q->n_gen * 64, nb = 0;
+        char *t = malloc(cap);
+        int rc = t ? mf_tok_decode(x->tok, q->gen, (size_t)q->n_gen, 0, t, cap, &nb) : -ENOMEM;
+        if (rc == -ENOSPC) {
+            char *u = realloc(t, nb + 1);
+            rc = u ? mf_tok_decode(x->tok, q->gen, (size_t)q->n_gen, 0, t = u, nb + 1, &nb) : -ENOMEM;
+        }
+        json_t *js = rc ? NULL : json_stringn(t, nb);
+        json_object_set_new(o, "text", js ? js : json_null());
+        free(t);
+    }
+    json_object_set_new(o, "tokens", ids);
+    json_object_set_new(o, "prompt_tokens", json_integer(q->n_pid));
+    json_object_set_new(o, "finish_reason", json_string(mf_batch_finish_name((mf_batch_finish)q->finish)));
+    json_object_set_new(o, "queue_s", json_real((q->admit_ns - q->submit_ns) / 1e9));
+    json_object_set_new(o, "first_token_s", json_real(q->first_ns ? (q->first_ns - q->submit_ns) / 1e9 : 0.0));
+    json_object_set_new(o, "total_s", json_real((q->done_ns - q->submit_ns) / 1e9));
+    char *line = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    int rc = line && fprintf(x->out, "%s\n", line) > 0 ? 0 : -EIO;
+    free(line);
+    return rc;
+}
+
+void mf_dec_on_event(void *user, const mf_batch_event *ev)
+{
+    mf_dec_ctx *x = user;
+    mf_dec_seq *q = ev->user;
+    if (ev->kind == MF_BATCH_TOKEN) {
+        q->gen[q->n_gen++] = ev->token;
+        x->generated++;
+        if (x->stream) mf_dec_emit_token(x->tok, ev->token, q->n_gen == 1);
+        return;
+    }
+    q->done = 1;
+    q->finish = ev->finish;
+    q->submit_ns = ev->submit_ns;
+    q->admit_ns = ev->admit_ns;
+    q->first_ns = ev->first_ns;
+    q->done_ns = ev->now_ns;
+    x->n_done++;
+    if (ev->finish == MF_BATCH_ERROR && !x->rc) {
+        x->rc = ev->err;
+        snprintf(x->msg, sizeof x->msg, "%s", ev->msg ? ev->msg : "forward failed");
+    }
+    if (x->out && mf_dec_write_jsonl(x, q) && !x->rc) {
+        x->rc = -EIO;
+        snprintf(x->msg, sizeof x->msg, "--output: write failed");
+    }
+}
+
+/* The progress line: done/total, generated tokens/s, ETA (from the rate of finished prompts). */
+void mf_dec_progress(const mf_dec_ctx *x, int total, int64_t now, int last)
+{
+    double sec = (now - x->t0) / 1e9;
+    int tty = isatty(2);
+    char eta[32] = "-";
+    if (x->n_done > 0 && x->n_done < total)
+        snprintf(eta, sizeof eta, "%.0f s", sec / x->n_done * (total - x->n_done));
+    else if (x->n_done == total)
+        snprintf(eta, sizeof eta, "0 s");
+    fprintf(stderr, "%smoeflow decode: %d/%d done, %.2f tokens/s, ETA %s%s", tty ? "\r" : "", x->n_done, total,
+            sec > 0 ? x->generated / sec : 0.0, eta, tty && !last ? "   " : "\n");
+}
+
+double mf_dec_median_ttft(const mf_dec_seq *sq, int n)
+{
+    double v[64];
+    int k = 0;
+    for (int i = 0; i < n && k < 64; i += n / 64 + 1)   /* a sample of at most 64 */
+        if (sq[i].first_ns) v[k++] = (sq[i].first_ns - sq[i].submit_ns) / 1e9;
+    for (int i = 1; i < k; i++)
+        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
+            double t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    return k ? v[k / 2] : 0.0;
+}

@@ -1,0 +1,66 @@
+/* `moeflow serve`'s server (tools/serve_http.c): the state its HTTP handlers, the batcher's events
+ * and its stepping thread share, and the entry points tools/cmd_serve.c hands to libmicrohttpd
+ * and the batcher. Private to the command; requests are parsed by tools/serve_req.h. */
+#ifndef MF_TOOLS_SERVE_HTTP_H
+#define MF_TOOLS_SERVE_HTTP_H
+
+#include <microhttpd.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "graphs/model/config.h"
+#include "graphs/step/batch.h"
+#include "graphs/step/step.h"
+#include "host/tokenizer.h"
+#include "tools/serve_req.h"
+
+/* A latency histogram of /metrics: counts per bucket of fixed upper bounds. */
+#define MF_HIST_N 11
+typedef struct mf_hist {
+    uint64_t n[MF_HIST_N + 1];   /* per bucket (last: above every bound) */
+    uint64_t count;
+    double sum;
+} mf_hist;
+
+typedef struct mf_job mf_job;   /* one request: its choices, their text or SSE bytes (serve_http.c) */
+
+/* The server: the batcher and what it runs on, the settings the handlers apply, the live jobs and
+ * the metrics. mu guards jobs, the metrics, draining and n_inflight. */
+typedef struct mf_srv {
+    mf_batch *b;
+    mf_tok *tok;
+    mf_chat_tmpl *chat;        /* NULL: the built-in chat format */
+    mf_step *eng;
+    const mf_config *c;
+    char model[256];
+    int64_t max_context;
+    const char *api_key;
+    size_t max_body;
+    int draining, stop_stepper, quiet;
+    int n_inflight;            /* requests begun and not completed (mf_srv_done): drained at shutdown */
+    pthread_t stepper;
+    pthread_mutex_t mu;        /* live jobs and metrics */
+    mf_job *jobs;
+    mf_hist ttft, itl;
+    uint64_t prompt_tokens, gen_tokens, requests[MF_BATCH_ERROR + 1], rejected_429, rejected_400;
+    int64_t rate_sec[16];
+    uint64_t rate_n[16];
+    int64_t start_ns;
+    int64_t phase_ns[MF_STEP_N_PHASES];
+    uint64_t steps;
+} mf_srv;
+
+/* The batcher's on_event (user: the mf_srv; on the stepping thread): tokens and ends into their
+ * jobs and the metrics. */
+void mf_srv_on_event(void *user, const mf_batch_event *ev);
+/* The stepping thread (arg: the mf_srv): steps the batcher while there is work, until stop_stepper. */
+void *mf_srv_stepper(void *arg);
+/* libmicrohttpd's access handler and completion callback (cls: the mf_srv). */
+enum MHD_Result mf_srv_handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
+                              const char *version, const char *upload, size_t *upload_size, void **ctx);
+void mf_srv_done(void *cls, struct MHD_Connection *c, void **ctx, enum MHD_RequestTerminationCode t);
+/* Cancels every choice of every live job (ended ones: cancel finds nothing); how many ids it tried. */
+int mf_srv_cancel_all(mf_srv *v);
+
+#endif
