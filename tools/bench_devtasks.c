@@ -33,7 +33,7 @@ static int mf_bdt_cmp(const void *a, const void *b)
 }
 
 /* layers x [root -> 4 W CPU tasks of work (and, with_dev, per card and slot an empty in -> ffn ->
- * out chain as graphs/step/step.c lays them out) -> join]; the median wall time of reps runs in us. */
+ * out chain as graphs/step/step_moe_cards.c lays them out) -> join]; the median wall time of reps runs in us. */
 static int mf_bdt_run(mf_sched *s, const mf_lane_desc *lanes, int n_lanes, int n_cards, int W, int slots,
                       int layers, int with_dev, mf_calib_fma *work, int reps, double *us, int *n_dev)
 {

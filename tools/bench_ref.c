@@ -289,7 +289,7 @@ static const mf_opts_spec mf_br_spec = {
              "as a weight: its ns over P's host_ref ns per\n"
              "multiply-add (the vector loops, with or without P: over this run's in-cache 4-query\n"
              "mf_kern_vec_dots ns per multiply-add, host_vec's loop; the weights of\n"
-             "graphs/step/stepgraph.c; run it right after moeflow calibrate). Then the engine's\n"
+             "graphs/step/stepgraph_impl.h; run it right after moeflow calibrate). Then the engine's\n"
              "hyper-connection mixes of an item group at flash41's shape (1..64 items, weights and\n"
              "streams out of cache): mf_fa_hc_mixes_rows_items on the whole group (the blocked kernel\n"
              "above 4 items) against calls of up to 4 items (the kernel before it), interleaved in\n"

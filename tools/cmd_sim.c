@@ -74,7 +74,7 @@ static const mf_opt mf_sim_table[] = {
     {"--warmup", .kind = MF_OPT_LONG, .off = F(warmup), .def = "2", .meta = "N", .lo = 0, .hi = 100000,
      .help = "steps before them that warm the caches"},
     {"--routing", .kind = MF_OPT_STR, .off = F(routing_spec), .def = "uniform", .meta = "R",
-     .help = "uniform, zipf:S, or trace:FILE (a routing trace of moeflow\ndecode --record-routing)"},
+     .help = "uniform, zipf:S, local[:P[:W]] (temporal locality per sequence:\nP the chance a pick repeats one of the last W experts; local is\nlocal:0.6:16, calibrated to the seed page's FIFO misses), or trace:FILE\n(a routing trace of moeflow decode --record-routing)"},
     {"--seed", .kind = MF_OPT_LONG, .off = F(seed), .def = "1", .meta = "S", .lo = 0, .hi = 1L << 62,
      .help = "seeds the routing's draws"},
     {"--context", .kind = MF_OPT_LONG, .off = F(context), .def = "16", .meta = "N", .lo = 1, .hi = 1L << 40,
@@ -130,7 +130,7 @@ static const mf_opts_spec mf_sim_spec = {
     .usage =
         "usage: moeflow sim --profile P (--checkpoint DIR | --preset NAME) [--placement host|seed|hybrid]\n"
         "                   [--cards N] [--threads N] [--batch B] [--steps N] [--warmup N]\n"
-        "                   [--routing uniform|zipf:S|trace:FILE] [--seed S] [--context N]\n"
+        "                   [--routing uniform|zipf:S|local[:P[:W]]|trace:FILE] [--seed S] [--context N]\n"
         "                   [--store resident|streamed] [--store-budget SIZE] [--tables resident|streamed]\n"
         "                   [--dev-cache SIZE] [--dev-cache-fill on|off] [--cache-policy lfu|lru]\n"
         "                   [--read-window N]\n"

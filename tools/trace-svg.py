@@ -34,7 +34,7 @@ COLOUR = {k: c for k, _, c in CATEGORIES}
 
 
 def category(name):
-    """What a task belongs to, from its name (graphs/step/stepgraph.c names the tasks)."""
+    """What a task belongs to, from its name (graphs/step/stepgraph*.c name the tasks)."""
     n = re.sub(r"^dev\d+\s+", "", name)
     word = n.split()[0] if n.split() else ""
     if word == "read" or (word == "engram" and " read" in n):

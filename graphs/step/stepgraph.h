@@ -306,8 +306,8 @@ typedef struct mf_sg_opts {
     int dense_block;
     int store;          /* 1: routed experts are read through a store (IO tasks per slot) */
     /* host->card copies of a card cache miss's packed expert: 1 when its parts lie in host memory
-     * as they lie in the card's slot, one span (the engine's resident experts: step.c
-     * mf_step_xslot_layout); 0: one copy per part (MF_SG_EXPERT_PARTS: a store's slots) */
+     * as they lie in the card's slot, one span (the engine's resident experts:
+     * step_moe_cards.c mf_step_xslot_layout); 0: one copy per part (MF_SG_EXPERT_PARTS: a store's slots) */
     int miss_copies;
     int read_window;    /* slots whose reads are in flight (0: 2, < 0: all) */
     int eg_reads;       /* 1: Engram tables are gathered by reads on the IO lane (streamed tables):
@@ -554,14 +554,14 @@ double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_c
 #define MF_SG_HEAD_ROWS MF_SG_MAX_ITEMS
 /* Compressed entries a prefill chunk's key table for the heads on cards holds at most (with
  * head_dim 512: 32 MiB per card): a chunk whose items' selections together touch more runs the
- * host's heads (graphs/step/step.c mf_step_shape.hk_host) */
+ * host's heads (graphs/step/step_impl.h mf_step_shape.hk_host) */
 #define MF_SG_HEADS_ENTRIES 16384
 /* Visible compressed entries the index scores on cards take at most (a card's score buffer: its
  * share of the chunk's items x this many doubles; chunk 8,192 on 4 cards: 256 MiB a card): a chunk
  * whose last item sees more scores on the host (mf_step_shape.sk_host) */
 #define MF_SG_SCORE_ENTRIES 16384
 
-/* The card memory a step graph's activations take, as the engine lays it out (graphs/step/step.c
+/* The card memory a step graph's activations take, as the engine lays it out (graphs/step/step_shape.c
  * allocates one block per card from these offsets, the simulator and the engine's start take the
  * bytes from a card before its expert cache): byte offsets, each buffer 256-aligned. A card with
  * routed experts holds the routed block, a dense card the dense block. */
