@@ -302,6 +302,7 @@ int main(void)
     check_int8(d);
     dev_check_ffn_table(d, 0);
     dev_check_dense(d, 0);
+    dev_check_lt(d, 0, MF_DEV_CHECK_TOL_LT, MF_DEV_CHECK_TOL_LT_FFN);
     check_iscore(d);
     CHECK(mf_dev_sync(d) == 0, "%s", mf_last_error());
     mf_dev_close(d);
