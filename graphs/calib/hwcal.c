@@ -330,7 +330,7 @@ static int mf_hwcal_memory(mf_hwcal *h, const mf_hwcal_topo *t)
     size_t n = (size_t)(h->o->quick ? 128 : 512) << 20;
     int reps = h->o->quick ? 3 : 7, n_threads = p->threads_per_socket;
     uint8_t *buf = NULL;
-    if (posix_memalign((void **)&buf, 4096, n)) return mf_error(-ENOMEM, "calibrate: out of memory (%zu MiB)", n >> 20);
+    if (!(buf = mf_hostmem_map(n, 1))) return mf_error(-ENOMEM, "calibrate: out of memory (%zu MiB)", n >> 20);
     for (size_t i = 0; i < n; i += 8) *(uint64_t *)(buf + i) = i * 0x9e3779b97f4a7c15ull;   /* pages in, not zero */
     hwloc_const_cpuset_t bind = t->n_packages > 1 ? mf_hwcal_package_set(t, 0) : NULL;
     double v[16];
@@ -338,8 +338,8 @@ static int mf_hwcal_memory(mf_hwcal *h, const mf_hwcal_topo *t)
     for (int r = 0; r < reps && !rc; r++) rc = mf_hwcal_read_bw(t, bind, buf, n, n_threads, &v[r]);
     if (rc) goto out;
     p->mem_bytes_per_s = mf_hwcal_median(v, reps);
-    mf_hwcal_src(h, "mem_bytes_per_s", "%d threads%s each read a slice of a %zu MiB buffer once (%s loads), "
-                 "median of %d", n_threads, bind ? " bound to socket 0" : "", n >> 20,
+    mf_hwcal_src(h, "mem_bytes_per_s", "%d threads%s each read a slice of a %zu MiB buffer on 2 MiB pages once (%s "
+                 "loads), median of %d", n_threads, bind ? " bound to socket 0" : "", n >> 20,
                  __builtin_cpu_supports("avx2") ? "AVX2" : "64-bit", reps);
     mf_hwcal_note(h, "memory: %.2f GB/s streaming read, %d threads", p->mem_bytes_per_s / 1e9, n_threads);
 
@@ -373,7 +373,7 @@ static int mf_hwcal_memory(mf_hwcal *h, const mf_hwcal_topo *t)
                          "(1 = no penalty)", h->who);
     }
 out:
-    free(buf);
+    mf_hostmem_unmap(buf, n, 1);
     return rc;
 }
 
@@ -383,7 +383,8 @@ typedef struct mf_wpool {
     int fmt;                 /* MF_KERN_FP4 / FP8 / BF16 */
     int n_out, n_in, n_copies;
     size_t w_bytes, s_bytes;
-    uint8_t *mem;            /* n_copies x (w, s), each 64-byte aligned */
+    uint8_t *mem;            /* n_copies x (w, s), each 64-byte aligned, on 2 MiB pages as the model's (mem_bytes) */
+    size_t mem_bytes;
 } mf_wpool;
 
 static size_t mf_up64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -405,7 +406,8 @@ static int mf_wpool_make(mf_hwcal *h, mf_wpool *pl, int fmt, int n_out, int n_in
     mf_wpool_sizes(fmt, n_out, n_in, &pl->w_bytes, &pl->s_bytes);
     size_t one = mf_up64(pl->w_bytes) + mf_up64(pl->s_bytes);
     pl->n_copies = (int)(min_bytes / one) + 2;
-    if (posix_memalign((void **)&pl->mem, 64, one * (size_t)pl->n_copies))
+    pl->mem_bytes = one * (size_t)pl->n_copies;
+    if (!(pl->mem = mf_hostmem_map(pl->mem_bytes, 1)))
         return mf_error(-ENOMEM, "calibrate: out of memory for %d copies of a %zu-byte matrix", pl->n_copies, one);
     for (int c = 0; c < pl->n_copies; c++) {
         uint8_t *w = pl->mem + one * (size_t)c;
@@ -674,8 +676,8 @@ static int mf_hwcal_kernels(mf_hwcal *h, const mf_hwcal_topo *t)
                           k->macs_per_s / 1e9, k->latency_ns / 1e3, n_threads, alone.bytes_per_s / 1e9, loop);
             if (fastest < 0 || k->bytes_per_s > p->host[fams[fastest].fam].bytes_per_s) fastest = (int)f;
         }
-        free(a.mem);
-        free(b.mem);
+        mf_hostmem_unmap(a.mem, a.mem_bytes, 1);
+        mf_hostmem_unmap(b.mem, b.mem_bytes, 1);
     }
     free(x);
     double streamed = fastest >= 0 ? p->host[fams[fastest].fam].bytes_per_s * n_threads : 0;
