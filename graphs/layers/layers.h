@@ -214,7 +214,32 @@ struct mf_ref_state {
     uint8_t *ring;       /* n_layers x sliding_window packed slots (slot = pos % window, mf_ly_ring_*) */
     mf_ly_cache *cache;  /* n_layers; pages only on KV-source layers */
     void *mem;           /* the fixed part's one allocation */
+    struct mf_ly_journal *jr;   /* speculation's undo record (mf_ref_state_mark), NULL until first used */
 };
+
+/* What a verify's positions overwrite that a rollback must give back (graphs/ref/ref_state.c
+ * mf_ref_state_mark / mf_ref_state_rollback; docs/dspark.md "Rollback"): from position pos0 on, n
+ * positions of the sequence run; before they run, the window ring's slots they will write (their
+ * old bytes, n_layers x n rows) and every ratio-2 compressor's open group (pend_kv, pend_score) are
+ * kept; while they run, each position that opens a ratio-2 group leaves its (kv, score) here
+ * (mf_ly_journal_pend), since a later position of the same verify overwrites the state's copy. */
+typedef struct mf_ly_journal {
+    int active;         /* positions [pos0, pos0 + n) are being recorded */
+    int64_t pos0;
+    int n, cap;         /* positions of this verify; the most the buffers hold */
+    uint8_t *ring;      /* n_layers x cap: slot of pos0 + i as it was, row i */
+    float *pend;        /* per ratio-2 KV source (jr_src) x (1 + cap) x 2 x head_dim: [0] the group
+                         * open before pos0, [1 + i] the one position pos0 + i opened */
+    uint8_t *pend_set;  /* per ratio-2 KV source x cap: [i] written */
+    int n_src2;
+    int src2[MF_CONFIG_MAX_LAYERS];   /* the ratio-2 KV-source layers, in order */
+    void *mem;
+} mf_ly_journal;
+
+/* A ratio-2 compressor's group opened by the token at pos (its cmp_wkv and cmp_wgate outputs, head_dim
+ * each) into st's journal when it is recording pos; nothing otherwise (the layer math's compressors
+ * call it at every group they open). Thread-safe for distinct positions. */
+void mf_ly_journal_pend(const mf_config *c, mf_ref_state *st, int L, int64_t pos, const float *kv, const float *score);
 
 /* Sorts picks by score descending, ties by index ascending. */
 void mf_ly_sort_picks(mf_ly_pick *p, int64_t n);
@@ -416,11 +441,12 @@ int mf_ly_attn_kv_compress(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b
  * prev NULL (the run's first item) from the state; it writes nothing of the state but the entry.
  * compress_state, once per run after compress_item of the run's first item (which reads the
  * state's open group), checks the state's entry count against first's position (-EINVAL: out of
- * step) and leaves it as kv_compress of every item would: the open group of the last item (its
- * buffers b_last) and the count. */
+ * step) and leaves it as kv_compress of every item would: the open group of the run's last item
+ * that opened one (ratio 2: its buffers b_open; NULL when no item of the run opened one) and the
+ * count. */
 int mf_ly_attn_kv_compress_item(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b, float *const *prev);
 int mf_ly_attn_kv_compress_state(mf_ly_ctx *cx, const mf_ly_item *first, const mf_ly_item *last, int L,
-                                 float *const *b_last);
+                                 float *const *b_open);
 void mf_ly_attn_index_query(const mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b);
 int64_t mf_ly_index_n_vis(const mf_config *c, int L, int64_t pos);
 void mf_ly_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float *const *b, double *score, int64_t j0,

@@ -100,11 +100,13 @@ static int mf_task_attn_kv(void *arg, mf_task_ctx *ctx)
         else {
             if (!first) mf_step_abuf(sh, i - 1, prev);
             rc = mf_ly_attn_kv_compress_item(cx, &items[i], L, b, first ? NULL : prev);
-            if (!rc && first) {   /* the state, from the sequence's last item in the step */
+            if (!rc && first) {   /* the state, from the sequence's last item in the step (and the
+                                   * last that opened a group: ratio 2's even positions) */
                 int j = i;
                 while (j + 1 < sh->n && items[j + 1].st == items[i].st) j++;
-                mf_step_abuf(sh, j, prev);
-                rc = mf_ly_attn_kv_compress_state(cx, &items[i], &items[j], L, prev);
+                int jo = items[j].pos % 2 ? j - 1 : j;
+                if (jo >= i) mf_step_abuf(sh, jo, prev);
+                rc = mf_ly_attn_kv_compress_state(cx, &items[i], &items[j], L, jo >= i ? prev : NULL);
             }
         }
         if (rc) return rc;
