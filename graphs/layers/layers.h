@@ -530,8 +530,27 @@ void mf_ly_draft_ws_free(mf_ly_draft_ws *ws);
 
 /* Feeds the target's features of position ds->n_pos (feat: n_target x hidden, mf_ly_draft_feature
  * per target layer) into every stage's ring; n_pos advances. cx must belong to a model loaded with
- * its draft (-EINVAL otherwise). */
+ * its draft (-EINVAL otherwise). In two steps (the engine runs the projection in row parts):
+ * u = main_proj feat (fp32, as mf_ly_linear gives it), then feed_kv rounds u to bf16 and norms it
+ * with main_norm in place, writes every stage's window KV of it at ds->n_pos (scratch: cx->attn)
+ * and advances n_pos. */
+#define MF_LY_DRAFT_MAX_D 4096   /* head_dim the draft's feed supports (a KV row on the stack) */
 int mf_ly_draft_feed(mf_ly_ctx *cx, mf_ly_draft_ws *ws, mf_ly_draft_state *ds, const float *feat);
+int mf_ly_draft_feed_kv(mf_ly_ctx *cx, mf_ly_draft_state *ds, float *u);
+
+/* The pieces of a stage's attention the engine runs as tasks (graphs/step/step_draft.c): context
+ * unpacks stage s's context rows for a block at anchor position a (positions max(0, a - W)..a-1)
+ * into keys (head_dim floats each) and returns their count; head runs head h of a block position at
+ * pos over n_keys rows (the context, then the block's window KV): its query (q: the position's
+ * heads x head_dim, head h rounded and roped in place) attends with the sink into o's head h,
+ * inverse-roped (scratch: cx->scores, at least n_keys; cx->attn_acc). */
+int64_t mf_ly_draft_context(const mf_config *c, const mf_ly_draft_state *ds, int s, int64_t a, float *keys);
+void mf_ly_draft_head(mf_ly_ctx *cx, int L, int64_t pos, int h, float *q, const float *keys, int64_t n_keys, float *o);
+
+/* The heads' pieces: the Markov embedding of token prev (dspark_markov_rank floats from the bf16
+ * table) and the confidence logit of a normed state (hidden) with that embedding. */
+void mf_ly_draft_mk_emb(const mf_layers *ly, int32_t prev, float *emb);
+float mf_ly_draft_confidence(const mf_layers *ly, const float *normed, const float *emb);
 
 /* One round's forward: the block after anchor token `anchor` at position ds->n_pos through every
  * stage; leaves the last stage's final-normed states in ws->normed (B x hidden). routes (NULL, or

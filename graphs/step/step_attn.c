@@ -11,13 +11,6 @@
 #include "graphs/step/step_impl.h"
 #include "sched/error.h"
 
-/* The attention sublayer (layer_attn.c's phases) between per-item parts on the workers' layer
- * contexts and row-split linear stages over all items. Item i's activations between phases. */
-static void mf_step_abuf(const mf_step_shape *sh, int i, float **b)
-{
-    for (int k = 0; k < MF_LY_A_N; k++) b[k] = sh->ab[k] + (size_t)i * sh->ab_ld[k];
-}
-
 /* Rows of linear stage a->t->stage (MF_LY_A_STAGE_*) of layer a->t->layer, part a->t->part of sh->p_attn:
  * the rows of each linear mf_sg_stage_rows gives the part (with sockets: of its socket's share of
  * each), each part over all items (weights read once for the batch); a row's bits do not depend on

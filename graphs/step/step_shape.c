@@ -64,7 +64,7 @@ static mf_task_fn mf_step_fn_of(int op)
 {
     static const mf_task_fn *const tabs[] = {mf_step_engram_fn_of, mf_step_hc_fn_of,        mf_step_attn_fn_of,
                                              mf_step_moe_fn_of,    mf_step_moe_cards_fn_of, mf_step_dense_fn_of,
-                                             mf_step_shape_fn_of};
+                                             mf_step_draft_fn_of,  mf_step_shape_fn_of};
     for (size_t k = 0; k < sizeof tabs / sizeof tabs[0]; k++)
         if (tabs[k][op]) return tabs[k][op];
     return NULL;
@@ -115,15 +115,34 @@ mf_sg_opts mf_step_sg_opts(const mf_step *eng, int n, int par, int n_units, cons
                         .micro = eng->o.micro, .exact = eng->o.exact, .heads = eng->o.heads,
                         .prefetch_min = eng->o.prefetch_min,
                         .fn_of = fn_of,
-                        .profile = eng->o.profile};
+                        .profile = eng->o.profile,
+                        .feats = eng->o.draft && eng->c->n_mtp_layers > 0};
+}
+
+/* The draft round's graph options (mf_sg_opts.draft): n_seq units of dspark_block_size items on
+ * the host's lanes (no cards, store or micro-batches: the draft's experts are resident). */
+static mf_sg_opts mf_step_draft_opts(const mf_step *eng, int n_seq, int *unit_end, mf_task_fn *fn_of)
+{
+    int B = eng->c->dspark_block_size;
+    for (int k = 0; k < n_seq; k++) unit_end[k] = (k + 1) * B;
+    mf_sg_opts o = mf_step_sg_opts(eng, n_seq * B, 0, n_seq, unit_end, fn_of);
+    o.draft = 1;
+    o.feats = 0;
+    o.n_cards = o.n_dense_cards = o.dev_graphs = o.store = o.eg_reads = 0;
+    o.micro = 1;
+    o.prefetch_min = -1;
+    o.ordered = 0;
+    return o;
 }
 
 /* The step graph of a shape of n items (parallel, serial, or n_units units ending at unit_end[])
  * on the engine's lanes. */
-static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const int *unit_end, mf_stepgraph **out)
+static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const int *unit_end, int draft,
+                             mf_stepgraph **out)
 {
     mf_task_fn fn_of[MF_SG_N_OPS];
-    mf_sg_opts o = mf_step_sg_opts(eng, n, par, n_units, unit_end, fn_of);
+    int ue[MF_STEP_MAX_ITEMS];
+    mf_sg_opts o = draft ? mf_step_draft_opts(eng, n_units, ue, fn_of) : mf_step_sg_opts(eng, n, par, n_units, unit_end, fn_of);
     return mf_stepgraph_new(&o, out);
 }
 
@@ -164,7 +183,7 @@ static int mf_step_shape_cards(mf_step *eng, mf_step_shape *sh)
 {
     const mf_config *c = eng->c;
     int n = sh->n;
-    if (!eng->n_cards) return 0;
+    if (!sh->sg->n_cards) return 0;
     sh->slot_card = malloc((size_t)sh->n_slots * sizeof *sh->slot_card);
     sh->slot_dev = calloc((size_t)sh->n_slots, sizeof *sh->slot_dev);
     sh->slot_miss = calloc((size_t)sh->n_slots, 1);
@@ -214,7 +233,7 @@ static int mf_step_shape_cards(mf_step *eng, mf_step_shape *sh)
  * frees sh. */
 static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh)
 {
-    if (!eng->n_dense) return 0;
+    if (!sh->sg->n_dense_cards) return 0;
     const mf_sg_card_bufs *cb = &sh->cb;
     for (int b = 0; b < MF_LY_A_N; b++) {
         sh->dd_ab[b] = cb->ab[b];
@@ -340,7 +359,13 @@ static int mf_step_shape_host(mf_step *eng, mf_step_shape *sh, int n, int shared
     size_t eg_items = (size_t)ln * (size_t)c->n_engram;   /* one set of rows per Engram slot */
     size_t eg_n = eng->eg_reads ? eg_items * sh->eg_per : 0;
     /* with dense cards: the bf16 mirrors of what their chains copy as bf16 (mf_sg_attn_buf_bf16) */
-    size_t ab16_sz[MF_LY_A_N], dn = eng->n_dense > 0 ? (size_t)ln : 0;
+    size_t ab16_sz[MF_LY_A_N], dn = sh->sg->n_dense_cards > 0 ? (size_t)ln : 0;
+    int cards = sh->sg->n_cards > 0;
+    /* the draft: a step's features, a round's feed rows, key tables and Markov logits */
+    size_t fo = sh->sg->feats ? (size_t)ln : 0, du = sh->sg->draft ? (size_t)sh->sg->n_units : 0;
+    size_t dfr = du * (size_t)c->sliding_window, D = (size_t)c->head_dim;
+    size_t dkr = (size_t)c->sliding_window + (size_t)c->dspark_block_size;
+    sh->dfeed_rows = (int)dfr;
     for (int b = 0; b < MF_LY_A_N; b++) {
         sh->ab_ld[b] = sh->cb.ab_ld[b];
         ab_sz[b] = (size_t)ln * sh->ab_ld[b] * sizeof(float);
@@ -383,9 +408,9 @@ static int mf_step_shape_host(mf_step *eng, mf_step_shape *sh, int n, int shared
         {"gg", ex ? nk * I * f : 0, (void **)&sh->gg},
         {"uu", ex ? nk * I * f : 0, (void **)&sh->uu},
         {"y", nk * H * f, (void **)&sh->y},
-        {"xg16", eng->n_cards ? nk * H * 2 : 0, (void **)&sh->xg16},
-        {"y16", eng->n_cards ? nk * H * 2 : 0, (void **)&sh->y16},
-        {"row_card", eng->n_cards ? nk : 0, (void **)&sh->row_card},
+        {"xg16", cards ? nk * H * 2 : 0, (void **)&sh->xg16},
+        {"y16", cards ? nk * H * 2 : 0, (void **)&sh->y16},
+        {"row_card", cards ? nk : 0, (void **)&sh->row_card},
         {"q8x", ns * sizeof(mf_kern_q8), (void **)&sh->q8x},
         {"q8h", ns * sizeof(mf_kern_q8), (void **)&sh->q8h},
         {"q8x_mem", nk * q8x, (void **)&sh->q8x_mem},
@@ -436,6 +461,15 @@ static int mf_step_shape_host(mf_step *eng, mf_step_shape *sh, int n, int shared
         {"ys16", ys16_sz, (void **)&sh->ys16},
         {"sk_tab", sk ? (size_t)MF_SG_SCORE_ENTRIES * c->index_head_dim * f : 0, (void **)&sh->sk_tab},
         {"sk_nvis", sk ? n_ * 4 : 0, (void **)&sh->sk_nvis},
+        {"feat_out", fo * sizeof(float *), (void **)&sh->feat_out},
+        {"dseq", du * sizeof(mf_step_draft_seq), (void **)&sh->dseq},
+        {"dfeed_x", dfr * (size_t)c->n_dspark_target * H * f, (void **)&sh->dfeed_x},
+        {"dfeed_u", dfr * H * f, (void **)&sh->dfeed_u},
+        {"dkeys", du * dkr * D * f, (void **)&sh->dkeys},
+        {"dmk", du * V * f, (void **)&sh->dmk},
+        {"dfeed_off", du * sizeof(int), (void **)&sh->dfeed_off},
+        {"dfeed_n", du * sizeof(int), (void **)&sh->dfeed_n},
+        {"dnkeys", du * sizeof(int), (void **)&sh->dnkeys},
     };
     _Static_assert(MF_LY_A_N == 11, "one row per attention buffer");
     enum { N_TAB = sizeof tab / sizeof tab[0] };
@@ -461,7 +495,8 @@ static int mf_step_shape_host(mf_step *eng, mf_step_shape *sh, int n, int shared
  * first n used); the others own theirs. In order: its graph, the store's slot reads, the cards'
  * buffers (mf_step_shape_cards), the host's (mf_step_shape_host), the dense cards'
  * (mf_step_shape_dense), the tasks bound (mf_step_bind). */
-static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const int *unit_end, mf_step_shape **out)
+static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const int *unit_end, int draft,
+                             mf_step_shape **out)
 {
     int64_t t0 = mf_now_ns();
     mf_step_shape *sh = calloc(1, sizeof *sh);
@@ -469,7 +504,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
     sh->eng = eng;
     sh->n = n;
     sh->par = par;
-    int rc = mf_step_graph_new(eng, n, par, n_units, unit_end, &sh->sg);
+    int rc = mf_step_graph_new(eng, n, par, n_units, unit_end, draft, &sh->sg);
     if (rc) {
         free(sh);
         return mf_error_wrap(rc, "step: building the graph of a batch of %d", n);
@@ -481,7 +516,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
     sh->p_head = sh->sg->p_head;
     sh->p_attn = sh->sg->p_attn;
     sh->store_layer = -1;
-    if (eng->store) {
+    if (eng->store && !draft) {   /* the draft's experts are resident, never in the store */
         sh->n_parts = mf_store_n_parts(eng->store);
         sh->slot_w = calloc((size_t)sh->n_slots * 3, sizeof *sh->slot_w);
         sh->slot_rd = calloc((size_t)sh->n_slots * sh->n_parts, sizeof *sh->slot_rd);
@@ -492,7 +527,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         for (int i = 0; i < sh->n_slots * sh->n_parts; i++) sh->slot_rd[i] = (mf_io_read){.fd = -1};
     }
     sh->dev_layer = -1;
-    int shared = n_units > 0, ln = shared ? eng->max_items : n;   /* the layout's items */
+    int shared = n_units > 0 && !draft, ln = shared ? eng->max_items : n;   /* the layout's items */
     mf_sg_card_in ci = mf_step_card_in(eng, sh->sg, ln);
     mf_sg_card_bufs_of(&ci, &sh->cb);
     if ((rc = mf_step_shape_cards(eng, sh))) {
@@ -529,7 +564,7 @@ int mf_step_shape_of(mf_step *s, mf_ref_state *const *states, int n, mf_step_sha
             if (s->last == s->long_shape) s->last = NULL;
             mf_step_shape_free(s->long_shape);
             s->long_shape = NULL;
-            if ((rc = mf_step_shape_new(s, n, 0, 0, NULL, &s->long_shape))) return rc;
+            if ((rc = mf_step_shape_new(s, n, 0, 0, NULL, 0, &s->long_shape))) return rc;
         }
         *out = s->long_shape;
         return 0;
@@ -538,7 +573,7 @@ int mf_step_shape_of(mf_step *s, mf_ref_state *const *states, int n, mf_step_sha
         if (i == n || states[i] != states[i - 1]) unit_end[n_units++] = i;
     int par = n > 1 && !hooks && n_units == n;
     if (hooks || n_units == 1 || par) {
-        if (!s->shapes[par][n] && (rc = mf_step_shape_new(s, n, par, 0, NULL, &s->shapes[par][n]))) return rc;
+        if (!s->shapes[par][n] && (rc = mf_step_shape_new(s, n, par, 0, NULL, 0, &s->shapes[par][n]))) return rc;
         *out = s->shapes[par][n];
         return 0;
     }
@@ -557,8 +592,18 @@ int mf_step_shape_of(mf_step *s, mf_ref_state *const *states, int n, mf_step_sha
     mf_step_shape_free(s->ushapes[lru]);
     s->ushapes[lru] = NULL;
     s->ushape_used[lru] = 0;
-    if ((rc = mf_step_shape_new(s, n, 0, n_units, unit_end, &s->ushapes[lru]))) return rc;
+    if ((rc = mf_step_shape_new(s, n, 0, n_units, unit_end, 0, &s->ushapes[lru]))) return rc;
     s->ushape_used[lru] = s->n_calls;
     *out = s->ushapes[lru];
     return 0;
+}
+
+int mf_step_draft_shape(mf_step *s, int n_seq, mf_step_shape **out)
+{
+    int B = s->c->dspark_block_size;
+    if (n_seq < 1 || n_seq * B > MF_STEP_MAX_ITEMS)
+        return mf_error(-EINVAL, "step: a draft round of %d sequences (expected 1..%d)", n_seq, MF_STEP_MAX_ITEMS / B);
+    int rc = s->dshapes[n_seq] ? 0 : mf_step_shape_new(s, n_seq * B, 0, n_seq, NULL, 1, &s->dshapes[n_seq]);
+    *out = s->dshapes[n_seq];
+    return rc;
 }

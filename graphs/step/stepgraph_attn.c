@@ -398,6 +398,10 @@ void mf_sg_attn(mf_sg_builder *b, int L, const mf_task_id *unit, mf_task_id *pos
         mf_sg_dep(b, oj, rows[MF_SG_ST_OB][p]);
     }
     for (int k = b->k0; k < b->k1; k++) {
+        if (L >= b->o->c->n_layers) {   /* a draft stage: the block's KV and heads (stepgraph_draft.c) */
+            ring[k] = mf_sg_draft_core(b, L, k, rows);
+            continue;
+        }
         mf_task_id kv = sg_attn_kv(b, L, k, rows);
         sg_attn_core(b, L, k, kv, rows, gate);
         ring[k] = sg_attn_heads(b, L, k, gate, rows);

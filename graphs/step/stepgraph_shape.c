@@ -21,7 +21,7 @@
 static void sg_halves(const mf_sg_opts *o, mf_stepgraph *sg)
 {
     const mf_config *c = o->c;
-    int K = c->n_experts_per_tok, E = c->n_routed_experts, best = 0;
+    int K = mf_config_layer_topk(c, sg->layer0), E = mf_config_layer_experts(c, sg->layer0), best = 0;
     sg->n_halves = 1;
     sg->half_end[0] = sg->n;
     sg->half_unit[0] = 0;
@@ -90,6 +90,11 @@ void mf_sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     int W = o->n_threads > 0 ? o->n_threads : 1;
     sg->n = o->n;
     sg->par = o->par;
+    /* the layers it runs: the backbone's, or the draft's stages (their top-k and experts) */
+    sg->draft = o->draft != 0;
+    sg->feats = o->feats != 0 && !o->draft;
+    sg->layer0 = o->draft ? c->n_layers : 0;
+    sg->layer1 = o->draft ? c->n_layers + c->n_mtp_layers : c->n_layers;
     /* units: o's, else n of one item (par) or one of all */
     sg->n_units = o->n_units > 0 ? o->n_units : o->par ? o->n : 1;
     for (int k = 0; k < sg->n_units; k++)
@@ -131,7 +136,7 @@ void mf_sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
         int items = sg->half_end[h] - (h ? sg->half_end[h - 1] : 0);
         if (items > max_items) max_items = items;
     }
-    int g_rows = max_items * c->n_experts_per_tok;
+    int g_rows = max_items * mf_config_layer_topk(c, sg->layer0);
     sg->p_gather = (g_rows + SG_MIN_GATHER - 1) / SG_MIN_GATHER;
     if (sg->p_gather > W) sg->p_gather = W;
     if (sg->p_gather > MF_SG_MAX_PARTS) sg->p_gather = MF_SG_MAX_PARTS;
@@ -169,7 +174,7 @@ void mf_sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->dense_split = o->dense_split;
     sg->route_topk = sg->p_gather > 1 && !o->ordered;
     sg->dense_block = o->dense_block > 0 ? o->dense_block : MF_SG_DENSE_BLOCK;
-    for (int L = 0; L < c->n_layers && L < MF_CONFIG_MAX_LAYERS; L++) {
+    for (int L = sg->layer0; L < sg->layer1 && L < MF_CONFIG_MAX_LAYERS && !o->draft; L++) {
         sg->heads_cards[L] = (int8_t)mf_sg_heads_choice(o, L);
         if (sg->heads_cards[L] && mf_sg_heads_keys(c, L) > sg->heads_keys) sg->heads_keys = mf_sg_heads_keys(c, L);
         sg->heads_any |= sg->heads_cards[L] > 0;
