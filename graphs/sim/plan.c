@@ -38,6 +38,9 @@ struct mf_plan {
                                               * with a cache budget): with routed experts, dense */
     double dense_bytes[PL_MAX_CARDS];        /* dense weights per card */
     int K, E, n_layers;
+    int L0;                                  /* the graph's first layer (the draft round's: n_layers);
+                                              * the tables below are indexed by layer - L0, n_layers of them */
+    int n_seq, unit_len;                     /* sequences per step and items each (batch = their product) */
     mf_sg_sizes *sz;
     mf_cost_model cm;                        /* prices on prof; host threads' rate capped at the
                                               * socket's memory over its threads */
@@ -76,7 +79,7 @@ struct mf_plan {
 static int pl_slot_live(const mf_plan *p, int L, int s)
 {
     int h = mf_stepgraph_half_of_slot(p->sg, s);
-    return s - p->sg->half_slot[h] < p->n_used[2 * L + h];
+    return s - p->sg->half_slot[h] < p->n_used[2 * (L - p->L0) + h];
 }
 
 /* A card's FFN of slot s (one expert over its tokens). */
@@ -108,7 +111,7 @@ static double pl_pos_flops(const mf_plan *p, const mf_sg_task *t)
  * task finishes without it (an empty read). */
 static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int *overhead)
 {
-    const pl_slot *sl = t->slot >= 0 ? &p->sl[(size_t)t->layer * p->sg->n_slots + t->slot] : NULL;
+    const pl_slot *sl = t->slot >= 0 ? &p->sl[(size_t)(t->layer - p->L0) * p->sg->n_slots + t->slot] : NULL;
     mf_sg_step_cost s = {.slot_tokens = sl ? sl->cnt : 0, .n_head = p->n_head, .dev_miss = sl && sl->miss};
     *overhead = 1;
     switch (t->op) {
@@ -125,8 +128,8 @@ static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int
         double ns = 0;
         int n = 0;
         int s0 = p->sg->half_slot[t->half];   /* the micro-batch's slots */
-        for (int s = s0; s < s0 + p->n_used[2 * t->layer + t->half]; s++) {
-            const pl_slot *x = &p->sl[(size_t)t->layer * p->sg->n_slots + s];
+        for (int s = s0; s < s0 + p->n_used[2 * (t->layer - p->L0) + t->half]; s++) {
+            const pl_slot *x = &p->sl[(size_t)(t->layer - p->L0) * p->sg->n_slots + s];
             if (x->card != t->card) continue;
             ns += pl_card_ffn_ns(p, x) - (n++ ? p->prof.card[MF_KF_FP4].latency_ns : 0);
         }
@@ -153,6 +156,16 @@ static int pl_check(const mf_plan_opts *o)
     if (o->batch < 0 || o->batch > max_batch)
         return mf_error(-EINVAL, "plan: %s %d (expected 1..%d)", o->prefill ? "prefill chunk" : "batch", o->batch,
                         max_batch);
+    const mf_config *c = o->config;
+    if (o->unit_len < 0 || o->unit_len > MF_STEP_MAX_ITEMS || (o->unit_len > 1 && o->prefill) ||
+        (o->unit_len > 1 && (o->batch ? o->batch : 1) * o->unit_len > MF_STEP_MAX_ITEMS))
+        return mf_error(-EINVAL, "plan: %d sequences of %d items each (expected at most %d items, no prefill)",
+                        o->batch ? o->batch : 1, o->unit_len, MF_STEP_MAX_ITEMS);
+    if (o->draft && (o->draft < 0 || c->n_mtp_layers < 1 || o->draft > c->dspark_block_size || o->prefill ||
+                     (o->batch ? o->batch : 1) * c->dspark_block_size > MF_STEP_MAX_ITEMS))
+        return mf_error(-EINVAL, "plan: a draft round of %d candidates for %d sequences (expected a config with "
+                        "draft stages, 1..dspark_block_size %d candidates, at most %d items, no prefill)", o->draft,
+                        o->batch ? o->batch : 1, c->dspark_block_size, MF_STEP_MAX_ITEMS);
     if (o->n_cards < 0 || o->n_cards > PL_MAX_CARDS)
         return mf_error(-EINVAL, "plan: %d cards (expected 0..%d)", o->n_cards, PL_MAX_CARDS);
     if (o->placement != MF_STEP_PLACE_HOST && (o->n_cards ? o->n_cards : f->n_cards) < 1)
@@ -284,22 +297,28 @@ static void pl_init(mf_plan *p, const mf_plan_opts *o)
     p->prof = *o->profile;
     const mf_profile *f = &p->prof;
     const mf_config *c = &p->c;
-    p->K = c->n_experts_per_tok;
-    p->E = c->n_routed_experts;
-    p->n_layers = c->n_layers;
-    p->batch = o->batch ? o->batch : 1;
+    /* a draft round: the draft stages' layers, experts and top-k; every sequence's block of
+     * dspark_block_size items (docs/dspark.md); a verify: unit_len items of each sequence */
+    p->L0 = o->draft ? c->n_layers : 0;
+    p->K = mf_config_layer_topk(c, p->L0);
+    p->E = mf_config_layer_experts(c, p->L0);
+    p->n_layers = o->draft ? c->n_mtp_layers : c->n_layers;
+    p->n_seq = o->batch ? o->batch : 1;
+    p->unit_len = o->draft ? c->dspark_block_size : o->unit_len > 1 ? o->unit_len : 1;
+    p->batch = p->n_seq * p->unit_len;
     p->n_threads = (o->n_sockets ? o->n_sockets : f->n_sockets) *
                    (o->threads_per_socket ? o->threads_per_socket : f->threads_per_socket);
     p->n_cores = f->n_sockets * f->threads_per_socket;
     p->n_cards = o->placement == MF_STEP_PLACE_HOST ? 0 : o->n_cards ? o->n_cards : f->n_cards;
     p->n_dense = o->dense == MF_PLAN_DENSE_CARDS ? (o->n_cards ? o->n_cards : f->n_cards) : 0;
+    if (o->draft) p->n_cards = p->n_dense = 0;   /* the draft round runs on the host */
     p->n_lane_cards = p->n_cards > p->n_dense ? p->n_cards : p->n_dense;
     p->emulated = f->cards_emulated;
     p->read_window = o->read_window ? o->read_window : 2;
     p->copy_slots = o->copy_slots ? o->copy_slots : 1;
-    p->streamed = o->store == MF_PLAN_STORE_STREAMED;
+    p->streamed = o->store == MF_PLAN_STORE_STREAMED && !o->draft;   /* the draft's experts are resident */
     p->pos = o->prefill ? o->context : o->context ? o->context : 16;
-    p->n_head = o->prefill ? 0 : p->batch;
+    p->n_head = o->prefill ? 0 : p->batch;   /* a verify's and a draft round's every item */
     p->rng = o->seed ^ 0x6d6f65666c6f77ULL;
     /* all threads of a socket streaming weights share its memory bandwidth */
     int per_socket = o->threads_per_socket ? o->threads_per_socket : f->threads_per_socket;
@@ -355,7 +374,11 @@ static int pl_graph(mf_plan *p, mf_sg_opts *go)
     const mf_config *c = &p->c;
     /* the engine's graph of a parallel decode shape (serial at batch 1, as the engine's), or of a
      * prefill chunk (serial) */
-    *go = (mf_sg_opts){.c = c, .sz = p->sz, .n = p->batch, .par = p->batch > 1 && !o->prefill,
+    int unit_end[MF_STEP_MAX_ITEMS], units = p->unit_len > 1 && p->n_seq > 1 ? p->n_seq : o->draft ? 1 : 0;
+    for (int k = 0; k < units; k++) unit_end[k] = (k + 1) * p->unit_len;
+    *go = (mf_sg_opts){.c = c, .sz = p->sz, .n = p->batch, .par = p->batch > 1 && !o->prefill && p->unit_len == 1,
+                        .n_units = units, .unit_end = units ? unit_end : NULL, .draft = o->draft > 0,
+                        .feats = o->feats && !o->draft,
                         .n_threads = p->n_threads, .n_cards = p->n_cards,
                         .n_dense_cards = p->n_dense, .dense_split = o->dense_split, .heads = o->heads,
                         .dev_graphs = o->dev_graphs, .store = p->streamed,
@@ -368,7 +391,14 @@ static int pl_graph(mf_plan *p, mf_sg_opts *go)
                         .n_lanes = p->lt.n_lanes, .lane_io = p->lt.lane_io,
                         .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof,
                         .prefetch_min = o->prefetch_min};
+    if (o->draft) {   /* the draft round runs on the host (mf_sg_draft_check) */
+        go->n_cards = go->n_dense_cards = go->dev_graphs = go->store = go->eg_reads = 0;
+        go->micro = 1;
+        go->prefetch_min = -1;
+    }
     int rc = mf_stepgraph_new(go, &p->sg);
+    go->unit_end = NULL;   /* unit_end is this function's: the reserve below rebuilds from n */
+    go->n_units = 0;
     if (!rc) rc = mf_timeline_create(p->sg->g, &p->tl);
     return rc;
 }
@@ -555,7 +585,7 @@ static uint64_t pl_next(uint64_t *s)   /* splitmix64 */
 static int pl_route(mf_plan *p)
 {
     int n = p->batch, K = p->K, E = p->E;
-    if (p->o.routing) return mf_routing_next(p->o.routing, n, p->ex);
+    if (p->o.routing && !p->o.draft) return mf_routing_next_units(p->o.routing, p->n_seq, p->unit_len, p->ex);
     for (int L = 0; L < p->n_layers; L++)
         for (int t = 0; t < n; t++) {
             int32_t *e = p->ex + ((size_t)L * n + t) * K;
@@ -632,7 +662,7 @@ static void pl_prefetch(mf_plan *p, int L, mf_plan_report *r)
     mf_stepgraph_mark_prefetch(p->sg, L, p->pre_card, p->pre_miss);
 }
 
-/* Micro-batch h's slot table of layer L as the engine's route task builds it (distinct experts of
+/* Micro-batch h's slot table of layer L (of the graph's: layer L0 + L) as the engine's route task builds it (distinct experts of
  * its tokens ascending, their token counts), the store's begin (hits and misses, pinned) and the
  * engine's placement (card or host; cache slots taken and pinned), then the noop marks; its MoE's
  * end releases the pins (before the next micro-batch's route, as the graph orders them). */
@@ -671,7 +701,7 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
             sl[s].miss = 0;
         }
         for (int s = 0; s < n_half; s++) card[s] = sl[s].card;
-        mf_stepgraph_mark_noop_half(p->sg, L, h, ns, card);
+        mf_stepgraph_mark_noop_half(p->sg, L + p->L0, h, ns, card);
         for (int e = 0; e < E; e++)   /* the layer's end: pins released */
             if (p->pre_card[e] >= 0) mf_resid_unpin(p->dev[p->pre_card[e]], mf_resid_slot(p->dev[p->pre_card[e]], L * E + e));
         return 0;
@@ -709,7 +739,7 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
             }
         }
     for (int s = 0; s < n_half; s++) card[s] = sl[s].card;
-    mf_stepgraph_mark_noop_half(p->sg, L, h, ns, card);
+    mf_stepgraph_mark_noop_half(p->sg, L + p->L0, h, ns, card);
     for (int s = 0; s < ns; s++) {   /* the layer's end: store batch closed, pins released */
         int item = L * E + sl[s].e;
         if (p->streamed) mf_resid_unpin(p->store, mf_resid_slot(p->store, item));
@@ -722,6 +752,7 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
  * starting and finishing it; noop tasks cost nothing). */
 static int pl_price(mf_plan *p, mf_plan_report *r)
 {
+    if (p->o.draft) mf_stepgraph_mark_draft(p->sg, p->o.draft);   /* the chain's candidates asked for */
     for (int L = 0; L < p->n_layers; L++)
         for (int h = 0; h < p->sg->n_halves; h++) {
             int rc = pl_layer_slots(p, L, h, r);

@@ -96,6 +96,15 @@ typedef struct mf_batch_opts {
     int max_queue;        /* waiting requests (0: 256); one more is refused with -EAGAIN */
     void (*on_event)(void *user, const mf_batch_event *ev);
     void *user;           /* for on_event */
+    /* Speculative decoding (graphs/step/spec.h, docs/dspark.md), or NULL: made for this batcher's
+     * slots (mf_spec_new with n_slots max_batch; the same ref and engine), it outlives the batcher.
+     * Each step's decode sequences then run their pending token and the round's candidates as one
+     * unit of the forward (at most MF_STEP_MAX_ITEMS decode items in all, and no more candidates than
+     * a request may still generate), every forward hands out the draft's features, and a sequence
+     * may produce several tokens per step (one TOKEN event each, with its own logits): the tokens
+     * of greedy decoding are those without speculation, bit for bit, and sampled ones have the same
+     * distribution. */
+    struct mf_spec *spec;
 } mf_batch_opts;
 
 /* One request. Everything is copied by mf_batch_submit. */
