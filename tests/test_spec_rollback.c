@@ -5,7 +5,8 @@
  * history Engram hashes, the position), and the next tokens' logits bit for bit those of that run.
  * On the tiny preset (window 16, ratio-2 and ratio-1 KV sources, Engram), for every j of 0..k at
  * anchors of both parities and one that wraps the window, through the reference forward and the
- * scheduled engine (a verify as one unit of the engine's graph). */
+ * scheduled engine (a verify as one unit of the engine's graph); and inside an engine batch whose
+ * neighbours run one token each, every sequence's caches as its runs alone. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -106,6 +107,44 @@ out:
     free(la), free(lb), free(na), free(nb);
 }
 
+/* Inside a batch: sequence a verifies K candidates (keeping j + 1) in the same engine forward as
+ * neighbours b and c running one token each; a's caches are those of a run of the j + 1 alone, and
+ * the neighbours' those of runs without a. */
+static void check_batch(mf_ref *r, mf_step *eng, int j)
+{
+    const mf_config *c = mf_ref_config(r);
+    int64_t V = c->vocab_size;
+    mf_ref_state *s[3] = {0}, *solo[3] = {0};
+    int32_t pr[3][20], ver[K + 1];
+    for (int q = 0; q < 3; q++)
+        for (int i = 0; i < 20; i++) pr[q][i] = (int32_t)((q * 71 + i * 13 + 1) % V);
+    for (int i = 0; i <= K; i++) ver[i] = (int32_t)((i * 31 + 9) % V);
+    int rc = 0;
+    for (int q = 0; q < 3 && !rc; q++) {
+        rc = mf_ref_state_new(r, MAXP, &s[q]);
+        if (!rc) rc = mf_ref_state_new(r, MAXP, &solo[q]);
+        if (!rc) rc = fwd(r, eng, s[q], pr[q], 11 + q, NULL, V);
+        if (!rc) rc = fwd(r, eng, solo[q], pr[q], 11 + q, NULL, V);
+    }
+    /* one forward: a's verify of 1 + K, then b's and c's next token */
+    mf_ref_state *sts[K + 3];
+    int32_t tok[K + 3];
+    for (int i = 0; i <= K; i++) sts[i] = s[0], tok[i] = ver[i];
+    sts[K + 1] = s[1], tok[K + 1] = pr[1][11 + 1];
+    sts[K + 2] = s[2], tok[K + 2] = pr[2][12 + 1];
+    if (!rc) rc = mf_ref_state_mark(s[0], K + 1);
+    if (!rc) rc = mf_step_forward(eng, sts, tok, K + 3, NULL);
+    if (!rc) rc = mf_ref_state_rollback(s[0], j + 1);
+    if (!rc) rc = fwd(r, eng, solo[0], ver, j + 1, NULL, V);
+    if (!rc) rc = fwd(r, eng, solo[1], &tok[K + 1], 1, NULL, V);
+    if (!rc) rc = fwd(r, eng, solo[2], &tok[K + 2], 1, NULL, V);
+    CHECK(rc == 0, "batch keep %d: %s", j + 1, mf_last_error());
+    char why[160];
+    for (int q = 0; q < 3 && !rc; q++)
+        CHECK(same_state(c, s[q], solo[q], why, sizeof why), "batch keep %d: sequence %d: %s", j + 1, q, why);
+    for (int q = 0; q < 3; q++) mf_ref_state_free(s[q]), mf_ref_state_free(solo[q]);
+}
+
 /* The journal's refusals. */
 static void check_refusals(mf_ref *r)
 {
@@ -147,6 +186,7 @@ int main(void)
             check_case(r, NULL, prompts[p], j, "reference");
             check_case(r, eng, prompts[p], j, "engine");
         }
+    for (int j = 0; j <= K; j++) check_batch(r, eng, j);
     mf_step_free(eng);
     mf_ref_free(r);
     mf_model_free(m);
