@@ -429,3 +429,39 @@ void mf_spec_step_done(mf_spec *sp, int64_t wall_ns, int n_items, int n_seq)
 void mf_spec_get_stats(const mf_spec *sp, mf_spec_stats *out) { *out = sp->st; }
 
 int mf_spec_feats(const mf_spec *sp) { return sp->o.source == MF_SPEC_DSPARK; }
+
+/* The mean makespan of `steps` steps of po after `warmup`. */
+static int sp_sim_one(const mf_plan_opts *po, int warmup, int steps, double *ns)
+{
+    mf_plan_report r;
+    int rc = mf_plan_run(po, warmup, steps, &r);
+    *ns = rc ? 0 : (double)r.step_ns;
+    return rc;
+}
+
+int mf_spec_sim(const mf_plan_opts *po, int n_max, int warmup, int steps, double *verify_ns, double *draft_ns,
+                int *n_k)
+{
+    int b = po->batch ? po->batch : 1, per = MF_STEP_MAX_ITEMS / po->config->dspark_block_size, rc = 0;
+    *n_k = 0;
+    draft_ns[0] = 0;
+    for (int k = 0; k <= n_max && !rc && b * (1 + k) <= MF_STEP_MAX_ITEMS; k++) {
+        mf_plan_opts o = *po;
+        o.unit_len = 1 + k;
+        o.feats = 1;
+        o.draft = 0;
+        rc = sp_sim_one(&o, warmup, steps, &verify_ns[k]);
+        for (int done = 0; k && !rc && done < b; done += per) {   /* draft rounds of at most `per` sequences */
+            double ns;
+            o = *po;
+            o.batch = b - done < per ? b - done : per;
+            o.unit_len = 0;
+            o.draft = k;
+            o.routing = NULL;
+            rc = sp_sim_one(&o, warmup, steps, &ns);
+            draft_ns[k] = (done ? draft_ns[k] : 0) + ns;
+        }
+        if (!rc) *n_k = k;
+    }
+    return rc;
+}

@@ -134,4 +134,14 @@ void mf_spec_get_stats(const mf_spec *sp, mf_spec_stats *out);
  * *gain (may be NULL): E(k) / T(k) over E(0) / T(0). */
 int mf_spec_choose(const double *verify_ns, const double *draft_ns, const double *alpha, int n_max, double *gain);
 
+/* The simulator's view of a speculating batch (`moeflow sim --spec`): po's machine and settings
+ * (its routing drawing each sequence's verify as consecutive tokens), `batch` sequences, each step
+ * a verify of 1 + k items per sequence for k = 0..n_max (0: a plain step; k stops where batch x
+ * (1 + k) passes MF_STEP_MAX_ITEMS, *n_k the last k priced), the engine's graph with the draft's
+ * features; the draft round of batch sequences proposing k (host, uniform draws of its experts).
+ * Each priced as mf_plan_step does: warmup steps, then the mean makespan of `steps`. verify_ns[k],
+ * draft_ns[k] (draft_ns[0] = 0). 0 or the plans' error. */
+int mf_spec_sim(const mf_plan_opts *po, int n_max, int warmup, int steps, double *verify_ns, double *draft_ns,
+                int *n_k);
+
 #endif
