@@ -13,8 +13,10 @@
 #include <unistd.h>
 
 #include "device/dev.h"
+#include "graphs/step/spec.h"
 #include "graphs/step/stepgraph.h"
 #include "sched/clock.h"
+#include "sched/cost.h"
 #include "tools/cmd_decode.h"
 #include "tools/sim_common.h"
 
@@ -170,6 +172,18 @@ static const mf_opt mf_dec_table[] = {
              "reference's on_route hook, and with a hook set the scheduled\n"
              "engine runs its serial graph (a batch's per-sequence parts one\n"
              "after another), so timings differ from a run without it"},
+    {"--spec", .kind = MF_OPT_WORD, .off = F(spec), .def = "off", .meta = "S", .words = mf_tool_specs,
+     .help = "dspark: speculative decoding with the checkpoint's DSpark draft\n"
+             "(its mtp.* tensors, loaded only then; docs/dspark.md): each step a\n"
+             "sequence's pending token and the draft's candidates run as one\n"
+             "verify, the longest prefix the target agrees with is kept (greedy:\n"
+             "the same tokens bit for bit; sampling: the same distribution);\n"
+             "the summary on stderr; off: none"},
+    {"--spec-tokens", .kind = MF_OPT_FN, .off = F(spec_tokens), .def = "auto", .meta = "N|auto",
+     .fn = mf_tool_spec_tokens_opt, .example = "3",
+     .help = "with --spec: N candidates every round (1..dspark_block_size), or\n"
+             "auto: per round and sequence the k the cost model (--profile's\n"
+             "prices) says pays, 0 when none does"},
     {"--quiet", "-q", MF_OPT_FLAG, F(quiet), .help = "no progress or timing on stderr"},
     {NULL},
 };
@@ -190,7 +204,8 @@ static const mf_opts_spec mf_dec_spec = {
         "                      [--devices emu:N|cuda[:IDS] [--placement seed|host|hybrid] [--dense host|cards]\n"
         "                       [--dense-split layers|rows] [--heads cost|cards|host] [--micro-batches 1|2]\n"
         "                       [--dev-cache SIZE] [--dev-cache-fill on|off|trace:FILE] [--dev-graphs]\n"
-        "                       [--profile P]] [--record-routing FILE]\n\n"
+        "                       [--profile P]] [--record-routing FILE]\n"
+        "                      [--spec dspark [--spec-tokens N|auto]]\n\n"
         "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
         "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
         "one thread: the correctness oracle). Every prompt goes through the continuous batcher\n"
@@ -233,6 +248,8 @@ static int mf_dec_check(mf_dec_cli *a, mf_dec *d)
     else if (a->profile_path && !a->sched) why = "--profile applies to the scheduled engine";
     else if (a->dense == MF_PLAN_DENSE_CARDS && !a->devices) why = "--dense cards needs --devices";
     else if (!a->sched && a->exact) why = "--exact applies to the scheduled engine (the reference is exact)";
+    else if (a->spec == MF_TOOL_SPEC_PERFECT) why = "--spec perfect is bench decode's (decode takes off or dspark)";
+    else if (a->spec && a->record) why = "--spec and --record-routing: the trace would record rejected tokens too";
     if (why) {
         fprintf(stderr, "moeflow decode: %s\n", why);
         return 2;
@@ -272,7 +289,8 @@ static int mf_dec_model(mf_dec *d)
     mf_model_opts mo = {.quiet = a->quiet, .resident_limit_bytes = a->sched ? UINT64_C(64) << 30 : 0,
                         .store = a->store_mode, .store_tables = a->store_tables,
                         .store_budget_bytes = a->store_budget, .store_io_depth = (int)a->io_depth,
-                        .store_io_pread = mf_tool_io_env.force_pread, .n_sockets = a->sched ? a->sk.n : 1};
+                        .store_io_pread = mf_tool_io_env.force_pread, .n_sockets = a->sched ? a->sk.n : 1,
+                        .load_draft = a->spec == MF_TOOL_SPEC_DSPARK};
     memcpy(mo.socket_node, a->sk.node, sizeof mo.socket_node);
     if (!a->sched) {   /* the reference engine reads through the store's own run */
         mo.store_io_fault_kind = mf_tool_io_env.fault_kind;
@@ -365,7 +383,8 @@ static int mf_dec_engine(mf_dec *d)
                                            .profile = d->prof, .io_depth = (int)a->io_depth,
                                            .io_force_pread = mf_tool_io_env.force_pread,
                                            .io_fault_kind = mf_tool_io_env.fault_kind,
-                                           .io_fault_nth = mf_tool_io_env.fault_nth}, &d->eng);
+                                           .io_fault_nth = mf_tool_io_env.fault_nth,
+                                           .draft = a->spec == MF_TOOL_SPEC_DSPARK}, &d->eng);
     free(d->fill_counts);
     d->fill_counts = NULL;
     return rc;
@@ -391,15 +410,33 @@ static void mf_dec_engine_notes(const mf_dec *d)
                     (double)mf_step_dense_bytes(d->eng, k, NULL) / 1e6);
 }
 
+/* --spec dspark: the speculation over the engine, priced on what it runs (--profile, or the
+ * built-in machine; its threads, placement, cards). */
+static int mf_dec_spec_new(mf_dec *d)
+{
+    const mf_dec_cli *a = d->a;
+    if (!a->spec) return 0;
+    mf_plan_opts price = {.config = mf_model_config(d->m), .profile = d->prof ? d->prof : mf_cost_default_profile(),
+                          .placement = d->place, .n_cards = d->dev ? mf_dev_n_cards(d->dev) : 0, .n_sockets = 1,
+                          .threads_per_socket = (int)a->threads, .context = d->total / 2 + 1,
+                          .dense = d->dense ? MF_PLAN_DENSE_CARDS : MF_PLAN_DENSE_HOST, .dense_split = a->dense_split,
+                          .micro = (int)a->micro};
+    return mf_spec_new(&(mf_spec_opts){.ref = d->r, .eng = d->eng, .source = MF_SPEC_DSPARK,
+                                       .n_max = (int)a->spec_tokens, .adaptive = a->spec_tokens == 0, .price = &price},
+                       d->max_batch, &d->spec);
+}
+
 /* The batcher over the engine, every prompt submitted (sequence i seeded --seed + i). */
 static int mf_dec_submit(mf_dec *d)
 {
     const mf_dec_cli *a = d->a;
     d->dc = (mf_dec_ctx){.sq = d->sq, .tok = d->tok, .stream = d->n_seq == 1, .out = d->outf, .quiet = a->quiet};
-    int rc = mf_batch_new(&(mf_batch_opts){.ref = d->r, .eng = d->eng, .tok = d->tok, .max_batch = d->max_batch,
+    int rc = mf_dec_spec_new(d);
+    if (!rc)
+        rc = mf_batch_new(&(mf_batch_opts){.ref = d->r, .eng = d->eng, .tok = d->tok, .max_batch = d->max_batch,
                                            .step_tokens = (int)d->step_tokens,
                                            .max_context = d->total > 1 ? d->total : 2, .max_queue = d->n_seq,
-                                           .on_event = mf_dec_on_event, .user = &d->dc}, &d->bat);
+                                           .on_event = mf_dec_on_event, .user = &d->dc, .spec = d->spec}, &d->bat);
     if (rc) return rc;
     d->rrec.b = d->bat;
     for (int s = 0; s < d->n_seq; s++) {
@@ -564,6 +601,11 @@ static void mf_dec_report(const mf_dec *d)
             d->n_seq, d->n_seq > 1 ? "s" : "", bs.n_states, d->step_tokens, d->steps, sec, bs.prefill_items,
             bs.prefill_items / sec, bs.decode_items, bs.decode_items / sec, out_tokens, out_tokens / sec,
             mf_dec_median_ttft(d->sq, d->n_seq));
+    if (d->spec) {
+        mf_spec_stats st;
+        mf_spec_get_stats(d->spec, &st);
+        mf_tool_spec_line(stderr, "moeflow decode", &st);
+    }
 }
 
 static void mf_dec_close(mf_dec *d)
@@ -574,6 +616,7 @@ static void mf_dec_close(mf_dec *d)
         unlink(d->a->record);
     }
     mf_batch_free(d->bat);
+    mf_spec_free(d->spec);
     mf_step_free(d->eng);
     mf_dev_close(d->dev);
     mf_ref_free(d->r);

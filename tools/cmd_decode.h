@@ -35,6 +35,8 @@ typedef struct mf_dec_cli {
     unsigned long long seed;
     uint64_t store_budget, dev_cache;
     mf_tool_sockets sk;            /* n 0: --sockets not given (auto) */
+    int spec;                      /* --spec: MF_TOOL_SPEC_OFF or _DSPARK */
+    long spec_tokens;              /* --spec-tokens: N, 0 auto */
 } mf_dec_cli;
 
 /* One prompt of the run and what it produced. */
@@ -91,6 +93,7 @@ typedef struct mf_dec {
     mf_step *eng;
     mf_dev *dev;
     mf_batch *bat;
+    struct mf_spec *spec;          /* --spec dspark, or NULL */
     mf_profile *prof;              /* --profile, or NULL */
     uint32_t *fill_counts;
     int64_t total;                 /* positions: the longest prompt + --max-new-tokens */
