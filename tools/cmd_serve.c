@@ -22,10 +22,12 @@
 #include "graphs/step/step.h"
 #include "host/tokenizer.h"
 #include "sched/clock.h"
+#include "sched/cost.h"
 #include "sched/error.h"
 #include "tools/commands.h"
 #include "tools/serve_http.h"
 #include "tools/serve_req.h"
+#include "tools/sim_common.h"
 
 /* The command line of `moeflow serve`. */
 typedef struct mf_serve_cli {
@@ -33,6 +35,8 @@ typedef struct mf_serve_cli {
     int sched, exact, quiet;   /* sched: --engine scheduled */
     long port, max_batch, step_tokens, max_queue, max_context, timeout, drain, threads;
     uint64_t budget, max_body;
+    int spec;                  /* --spec: MF_TOOL_SPEC_OFF or _DSPARK */
+    long spec_tokens;          /* 0: auto */
 } mf_serve_cli;
 
 static const mf_opt_word mf_serve_engines[] = {{"scheduled", 1}, {"reference", 0}, {NULL, 0}};
@@ -75,6 +79,13 @@ static const mf_opt mf_serve_table[] = {
      .help = "the chat template: DIR/tokenizer_config.json's chat_template by default\n"
              "(Jinja2, the subset of docs/serve.md; the built-in DeepSeek-V3 format\n"
              "without one), FILE (a template, or a tokenizer_config.json), or builtin"},
+    {"--spec", .kind = MF_OPT_WORD, .off = F(spec), .def = "off", .meta = "S", .words = mf_tool_specs,
+     .help = "dspark: speculative decoding with the checkpoint's DSpark draft\n"
+             "(see moeflow decode --help); its counters in /metrics\n"
+             "(moeflow_spec_*); off: none"},
+    {"--spec-tokens", .kind = MF_OPT_FN, .off = F(spec_tokens), .def = "auto", .meta = "N|auto",
+     .fn = mf_tool_spec_tokens_opt, .example = "auto",
+     .help = "with --spec: N candidates every round, or auto (the cost model's\nk per round and sequence)"},
     {"--quiet", "-q", MF_OPT_FLAG, F(quiet), .help = "no log lines on stderr"},
     {NULL},
 };
@@ -86,7 +97,8 @@ static const mf_opts_spec mf_serve_spec = {
              "                     [--step-tokens N] [--state-budget BYTES] [--max-queue N] [--api-key KEY]\n"
              "                     [--max-context N] [--threads N] [--exact] [--engine scheduled|reference]\n"
              "                     [--model-name NAME] [--max-body BYTES] [--timeout S] [--drain-timeout S]\n"
-             "                     [--chat-template FILE|builtin] [--quiet]\n\n"
+             "                     [--chat-template FILE|builtin] [--spec dspark [--spec-tokens N|auto]]\n"
+             "                     [--quiet]\n\n"
              "Serves an OpenAI-compatible HTTP API over the continuous batcher (docs/serve.md):\n"
              "POST /v1/completions, POST /v1/chat/completions (stream: true for server-sent events),\n"
              "GET /v1/models, /health, /metrics (Prometheus text). SIGTERM or SIGINT stop accepting,\n"
@@ -122,7 +134,8 @@ static int mf_serve_open(mf_serve *s)
                 mf_last_error());
         return 2;
     }
-    mf_model_opts mo = {.quiet = a->quiet, .resident_limit_bytes = a->sched ? UINT64_C(64) << 30 : 0};
+    mf_model_opts mo = {.quiet = a->quiet, .resident_limit_bytes = a->sched ? UINT64_C(64) << 30 : 0,
+                        .load_draft = a->spec == MF_TOOL_SPEC_DSPARK};
     if ((rc = mf_model_load(a->dir, &mo, &s->m))) return rc;
     v->c = mf_model_config(s->m);
     mf_ref_opts ro = {0};
@@ -132,7 +145,15 @@ static int mf_serve_open(mf_serve *s)
         ro.n_token_map = mf_engram_map_n_vocab(s->emap);
     }
     if ((rc = mf_ref_new(s->m, &ro, &s->r))) return rc;
-    if (a->sched && (rc = mf_step_new(s->r, &(mf_step_opts){.n_threads = (int)a->threads, .exact = a->exact}, &v->eng)))
+    if (a->sched && (rc = mf_step_new(s->r, &(mf_step_opts){.n_threads = (int)a->threads, .exact = a->exact,
+                                                             .draft = a->spec == MF_TOOL_SPEC_DSPARK}, &v->eng)))
+        return rc;
+    mf_plan_opts price = {.config = v->c, .profile = mf_cost_default_profile(), .placement = MF_STEP_PLACE_HOST,
+                          .n_sockets = 1, .threads_per_socket = (int)a->threads, .context = 1024};
+    if (a->spec && (rc = mf_spec_new(&(mf_spec_opts){.ref = s->r, .eng = v->eng, .source = MF_SPEC_DSPARK,
+                                                     .n_max = (int)a->spec_tokens, .adaptive = !a->spec_tokens,
+                                                     .price = &price},
+                                     (int)a->max_batch, &v->spec)))
         return rc;
     int64_t model_ctx = v->c->max_position_embeddings;
     v->max_context = a->max_context ? a->max_context : model_ctx < 4096 ? model_ctx : 4096;
@@ -144,7 +165,7 @@ static int mf_serve_open(mf_serve *s)
     if ((rc = mf_batch_new(&(mf_batch_opts){.ref = s->r, .eng = v->eng, .tok = v->tok, .max_batch = (int)a->max_batch,
                                             .step_tokens = (int)a->step_tokens, .max_context = v->max_context,
                                             .state_budget_bytes = a->budget, .max_queue = (int)a->max_queue,
-                                            .on_event = mf_srv_on_event, .user = v}, &v->b)))
+                                            .on_event = mf_srv_on_event, .user = v, .spec = v->spec}, &v->b)))
         return rc;
     char dn[256];
     snprintf(dn, sizeof dn, "%s", a->dir);
@@ -242,6 +263,7 @@ static void mf_serve_close(mf_serve *s)
         pthread_join(v->stepper, NULL);
     }
     mf_batch_free(v->b);
+    mf_spec_free(v->spec);
     mf_step_free(v->eng);
     mf_ref_free(s->r);
     mf_model_free(s->m);

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "graphs/model/config.h"
+#include "graphs/step/spec.h"
 #include "graphs/step/batch.h"
 #include "graphs/step/step.h"
 #include "host/tokenizer.h"
@@ -49,6 +50,8 @@ typedef struct mf_srv {
     int64_t start_ns;
     int64_t phase_ns[MF_STEP_N_PHASES];
     uint64_t steps;
+    mf_spec *spec;             /* --spec dspark, or NULL; its counters copied after each step (under mu) */
+    mf_spec_stats spec_st;
 } mf_srv;
 
 /* The batcher's on_event (user: the mf_srv; on the stepping thread): tokens and ends into their
