@@ -76,39 +76,36 @@ static const mf_model_layer *mf_ly_draft_layer(const mf_layers *ly, int s)
     return y;
 }
 
-/* The window KV of stage s for input x (hidden) at position pos into kv (head_dim): bf16(wkv x),
- * kv_norm, RoPE at pos (the window-only layers' frequencies), fp8 fake-quantized per 32 (the
- * backbone's mf_ly_attn_kv_window on the stage's weights). */
-static int mf_ly_draft_kv(mf_ly_ctx *cx, int s, const float *x, int64_t pos, float *kv)
+void mf_ly_draft_feed_norm(const mf_ly_ctx *cx, float *u)
 {
     const mf_config *c = cx->ly->c;
-    int L = c->n_layers + s;
-    float *b[MF_LY_A_N];
-    for (int k = 0; k < MF_LY_A_N; k++) b[k] = cx->attn[k];
-    int rc = mf_ly_linear(cx, &mf_model_layer_at(cx->ly->m, L)->wkv, x, b[MF_LY_A_KV], cx->ly->act_quant);
-    if (rc) return rc;
+    mf_bf_n(u, c->hidden_size);
+    mf_ly_rmsnorm(u, c->hidden_size, &mf_model_layer_at(cx->ly->m, c->n_layers)->main_norm, c->rms_norm_eps, u);
+}
+
+void mf_ly_draft_feed_put(const mf_ly_ctx *cx, mf_ly_draft_state *ds, int s, int64_t pos, float *kv)
+{
+    const mf_config *c = cx->ly->c;
+    float *b[MF_LY_A_N] = {0};
+    b[MF_LY_A_KV] = kv;
     mf_ly_item it = {.pos = pos};
-    mf_ly_attn_kv_window(cx, &it, L, b);
-    memcpy(kv, b[MF_LY_A_KV], (size_t)c->head_dim * sizeof *kv);
-    return 0;
+    mf_ly_attn_kv_window(cx, &it, c->n_layers + s, b);   /* kv_norm, RoPE, fp8 (the backbone's formula) */
+    uint8_t *row = mf_ly_draft_slot(c, ds, s, pos);
+    mf_ly_pack_e4m3_pow2(kv, c->head_dim, MF_LY_RING_BLOCK, row, row + c->head_dim);
 }
 
 int mf_ly_draft_feed_kv(mf_ly_ctx *cx, mf_ly_draft_state *ds, float *u)
 {
     const mf_config *c = cx->ly->c;
-    const mf_model_layer *y0 = mf_ly_draft_layer(cx->ly, 0);
-    if (!y0) return -EINVAL;
-    int64_t H = c->hidden_size;
+    if (!mf_ly_draft_layer(cx->ly, 0)) return -EINVAL;
     float kv[MF_LY_DRAFT_MAX_D];
     if (c->head_dim > MF_LY_DRAFT_MAX_D)
         return mf_error(-EINVAL, "draft: head_dim %d (max %d) not supported", c->head_dim, MF_LY_DRAFT_MAX_D);
-    mf_bf_n(u, H);
-    mf_ly_rmsnorm(u, H, &y0->main_norm, c->rms_norm_eps, u);
-    for (int s = 0; s < c->n_mtp_layers; s++) {
-        int rc = mf_ly_draft_kv(cx, s, u, ds->n_pos, kv);
+    mf_ly_draft_feed_norm(cx, u);
+    for (int s = 0; s < c->n_mtp_layers; s++) {   /* each stage's window KV of it: bf16(wkv u), ... */
+        int rc = mf_ly_linear(cx, &mf_model_layer_at(cx->ly->m, c->n_layers + s)->wkv, u, kv, cx->ly->act_quant);
         if (rc) return rc;
-        uint8_t *row = mf_ly_draft_slot(c, ds, s, ds->n_pos);
-        mf_ly_pack_e4m3_pow2(kv, c->head_dim, MF_LY_RING_BLOCK, row, row + c->head_dim);
+        mf_ly_draft_feed_put(cx, ds, s, ds->n_pos, kv);
     }
     ds->n_pos++;
     return 0;

@@ -537,6 +537,12 @@ void mf_ly_draft_ws_free(mf_ly_draft_ws *ws);
 #define MF_LY_DRAFT_MAX_D 4096   /* head_dim the draft's feed supports (a KV row on the stack) */
 int mf_ly_draft_feed(mf_ly_ctx *cx, mf_ly_draft_ws *ws, mf_ly_draft_state *ds, const float *feat);
 int mf_ly_draft_feed_kv(mf_ly_ctx *cx, mf_ly_draft_state *ds, float *u);
+/* feed_kv's pieces, for rows fed together (the engine reads each stage's wkv once for all of them):
+ * norm rounds a projected row u and norms it with main_norm in place; put takes stage s's wkv
+ * output kv of a normed row (head_dim floats, as the linear gives them; overwritten) through the
+ * window KV formula (kv_norm, RoPE at pos, fp8) and packs it into the ring's slot of pos. */
+void mf_ly_draft_feed_norm(const mf_ly_ctx *cx, float *u);
+void mf_ly_draft_feed_put(const mf_ly_ctx *cx, mf_ly_draft_state *ds, int s, int64_t pos, float *kv);
 
 /* The pieces of a stage's attention the engine runs as tasks (graphs/step/step_draft.c): context
  * unpacks stage s's context rows for a block at anchor position a (positions max(0, a - W)..a-1)

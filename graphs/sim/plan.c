@@ -311,14 +311,15 @@ static void pl_init(mf_plan *p, const mf_plan_opts *o)
     p->n_cores = f->n_sockets * f->threads_per_socket;
     p->n_cards = o->placement == MF_STEP_PLACE_HOST ? 0 : o->n_cards ? o->n_cards : f->n_cards;
     p->n_dense = o->dense == MF_PLAN_DENSE_CARDS ? (o->n_cards ? o->n_cards : f->n_cards) : 0;
-    if (o->draft) p->n_cards = p->n_dense = 0;   /* the draft round runs on the host */
+    if (o->draft) p->n_cards = 0;   /* the draft round's experts run on the host (its dense work as the steps') */
     p->n_lane_cards = p->n_cards > p->n_dense ? p->n_cards : p->n_dense;
     p->emulated = f->cards_emulated;
     p->read_window = o->read_window ? o->read_window : 2;
     p->copy_slots = o->copy_slots ? o->copy_slots : 1;
     p->streamed = o->store == MF_PLAN_STORE_STREAMED && !o->draft;   /* the draft's experts are resident */
     p->pos = o->prefill ? o->context : o->context ? o->context : 16;
-    p->n_head = o->prefill ? 0 : p->batch;   /* a verify's and a draft round's every item */
+    /* a verify's every item; a draft round's the positions whose candidates it picks */
+    p->n_head = o->prefill ? 0 : o->draft ? p->n_seq * o->draft : p->batch;
     p->rng = o->seed ^ 0x6d6f65666c6f77ULL;
     /* all threads of a socket streaming weights share its memory bandwidth */
     int per_socket = o->threads_per_socket ? o->threads_per_socket : f->threads_per_socket;
@@ -391,8 +392,8 @@ static int pl_graph(mf_plan *p, mf_sg_opts *go)
                         .n_lanes = p->lt.n_lanes, .lane_io = p->lt.lane_io,
                         .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof,
                         .prefetch_min = o->prefetch_min};
-    if (o->draft) {   /* the draft round runs on the host (mf_sg_draft_check) */
-        go->n_cards = go->n_dense_cards = go->dev_graphs = go->store = go->eg_reads = 0;
+    if (o->draft) {   /* the draft round's experts on the host (mf_sg_draft_check) */
+        go->n_cards = go->dev_graphs = go->store = go->eg_reads = 0;
         go->micro = 1;
         go->prefetch_min = -1;
     }
@@ -446,7 +447,7 @@ static int pl_card_mem(mf_plan *p, const mf_sg_opts *go)
      * this graph's buffers must fit, or the engine's first step fails allocating them */
     mf_sg_card_in ci = {.c = c, .sg = p->sg, .ln = p->batch, .sh_rows = (int64_t)p->sz->sh_rows,
                         .dev_graphs = o->dev_graphs};
-    if (p->n_lane_cards && !o->dev_cache_bytes) {
+    if (p->n_lane_cards && !o->dev_cache_bytes && !o->draft) {
         int chunk = o->chunk ? o->chunk : MF_STEP_PREFILL_CHUNK;
         if (o->prefill && p->batch > chunk) chunk = p->batch;
         if ((rc = mf_sg_card_reserve(go, &ci, chunk, MF_STEP_MAX_ITEMS, &p->act_routed, &p->act_dense))) return rc;

@@ -18,8 +18,8 @@
                                  * candidates on the released draft is about 0.65 per position) */
 #define SP_PRIOR_WEIGHT 2.0     /* as that many rounds' worth of evidence */
 #define SP_DECAY 0.95           /* each round's evidence decays so (about the last 20 rounds count) */
-#define SP_PROBE_MIN 8          /* plain rounds before a k-0 sequence probes, doubling while probes fail */
-#define SP_PROBE_MAX 256
+#define SP_PROBE_MIN 16         /* plain rounds before a k-0 sequence probes, doubling while probes fail */
+#define SP_PROBE_MAX 1024
 #define SP_MAX_SEQ MF_STEP_MAX_ITEMS
 
 typedef struct sp_slot {

@@ -45,7 +45,7 @@ typedef struct mf_spec_opts {
     /* 1 (`--spec-tokens auto`): per round and sequence the k of 0..n_max that the cost model says
      * gives the most tokens per unit of time (mf_spec_choose, priced on `price`), with a running
      * estimate of the acceptance at each position; sequences at k 0 still probe now and then (after
-     * 8, then 16, ... up to 256 plain rounds while probes fail) with k 1. 0: n_max every round. */
+     * 16, then 32, ... up to 1024 plain rounds while probes fail) with k 1. 0: n_max every round. */
     int adaptive;
     /* the machine and placement the cost model prices the verify and the draft on (config, profile,
      * placement, cards, dense, threads: what the engine runs; batch, unit_len, draft and feats are

@@ -48,8 +48,8 @@ static int mf_task_draft_feat(void *arg, mf_task_ctx *ctx)
     return 0;
 }
 
-/* The feed: part >= 0, rows [r0, r1) of main_proj over every unit's pending rows; part -1, the
- * unit's rows normed and their window KV into each stage's ring (mf_ly_draft_feed_kv). */
+/* The feed's projection: part >= 0, rows [r0, r1) of main_proj over every unit's pending rows;
+ * part -1, the unit's projected rows rounded and normed (mf_ly_draft_feed_norm). */
 static int mf_task_draft_feed(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
@@ -66,10 +66,32 @@ static int mf_task_draft_feed(void *arg, mf_task_ctx *ctx)
         return mf_ly_linear_part(cx, w, sh->dfeed_x, rows, F, sh->dfeed_u, H, a->t->r0, a->t->r1);
     }
     int k = mf_stepgraph_unit_of(sh->sg, a->t->i0);
-    for (int r = 0; r < sh->dfeed_n[k]; r++) {
-        int rc = mf_ly_draft_feed_kv(cx, sh->dseq[k].ds, sh->dfeed_u + (int64_t)(sh->dfeed_off[k] + r) * H);
-        if (rc) return rc;
+    for (int r = 0; r < sh->dfeed_n[k]; r++) mf_ly_draft_feed_norm(cx, sh->dfeed_u + (int64_t)(sh->dfeed_off[k] + r) * H);
+    return 0;
+}
+
+/* The feed's window KV of stage `layer`: part >= 0, rows [r0, r1) of its wkv over every unit's normed
+ * rows; part -1, the unit's rows through the window KV formula into its ring (mf_ly_draft_feed_put),
+ * at the positions the round's setup gave them (the context's n_pos already past them). */
+static int mf_task_draft_feed_kv(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_ly_ctx *cx = mf_step_cx(a, ctx);
+    if (!cx) return -EINVAL;
+    mf_step_shape *sh = a->sh;
+    const mf_config *c = sh->eng->c;
+    int s = a->t->layer - c->n_layers, U = sh->sg->n_units, D = c->head_dim;
+    int rows = sh->dfeed_off[U - 1] + sh->dfeed_n[U - 1];
+    float *kv = sh->dkv + (int64_t)s * sh->dfeed_rows * D;
+    if (a->t->part >= 0) {
+        if (!rows || a->t->r0 >= a->t->r1) return 0;
+        const mf_weight *w = &mf_model_layer_at(cx->ly->m, a->t->layer)->wkv;
+        return mf_ly_linear_part(cx, w, sh->dfeed_u, rows, c->hidden_size, kv, D, a->t->r0, a->t->r1);
     }
+    int k = mf_stepgraph_unit_of(sh->sg, a->t->i0);
+    int64_t pos0 = sh->dseq[k].ds->n_pos - sh->dfeed_n[k];
+    for (int r = 0; r < sh->dfeed_n[k]; r++)
+        mf_ly_draft_feed_put(cx, sh->dseq[k].ds, s, pos0 + r, kv + (int64_t)(sh->dfeed_off[k] + r) * D);
     return 0;
 }
 
@@ -105,10 +127,13 @@ static int mf_task_draft_heads(void *arg, mf_task_ctx *ctx)
     int k = mf_stepgraph_unit_of(sh->sg, a->t->i0);
     const float *keys = sh->dkeys + (int64_t)k * (c->sliding_window + c->dspark_block_size) * c->head_dim;
     float *b[MF_LY_A_N];
+    int64_t D = c->head_dim, h0 = a->t->r0, h1 = a->t->r1;
     for (int i = a->t->i0; i < a->t->i1; i++) {
         mf_step_abuf(sh, i, b);
-        for (int h = (int)a->t->r0; h < (int)a->t->r1; h++)
-            mf_ly_draft_head(cx, a->t->layer, sh->items[i].pos, h, b[MF_LY_A_Q], keys, sh->dnkeys[k], b[MF_LY_A_O]);
+        mf_step_ab_cast(sh, MF_LY_A_Q, 0, i, h0 * D, h1 * D);   /* qb's queries from a dense card */
+        for (int64_t h = h0; h < h1; h++)
+            mf_ly_draft_head(cx, a->t->layer, sh->items[i].pos, (int)h, b[MF_LY_A_Q], keys, sh->dnkeys[k], b[MF_LY_A_O]);
+        mf_step_ab_cast(sh, MF_LY_A_O, 1, i, h0 * D, h1 * D);   /* for oa's copy */
     }
     return 0;
 }
@@ -119,7 +144,8 @@ static int32_t mf_step_draft_prev(const mf_step_draft_seq *q, int i)
     return i ? q->tokens[i - 1] : q->anchor;
 }
 
-/* Rows [r0, r1) of the Markov head's logits of candidate `cand` of every unit asking for it. */
+/* Rows [r0, r1) of the Markov head's logits of candidate `cand` of every unit asking for it, rounded
+ * to bf16 (the head's output). */
 static int mf_task_draft_markov(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
@@ -133,15 +159,16 @@ static int mf_task_draft_markov(void *arg, mf_task_ctx *ctx)
     for (int k = 0; k < sh->sg->n_units && a->t->r0 < a->t->r1; k++) {
         if (i >= sh->dseq[k].n_cand) continue;
         mf_ly_draft_mk_emb(cx->ly, mf_step_draft_prev(&sh->dseq[k], i), emb);
-        int rc = mf_ly_linear_part(cx, w, emb, 1, c->dspark_markov_rank, sh->dmk + (int64_t)k * c->vocab_size,
-                                   c->vocab_size, a->t->r0, a->t->r1);
+        float *mk = sh->dmk + (int64_t)k * c->vocab_size;
+        int rc = mf_ly_linear_part(cx, w, emb, 1, c->dspark_markov_rank, mk, c->vocab_size, a->t->r0, a->t->r1);
         if (rc) return rc;
+        mf_kern_vec_bf16_round(mk + a->t->r0, a->t->r1 - a->t->r0);
     }
     return 0;
 }
 
-/* Candidate `cand` of the record's unit: the head's logits plus the Markov head's (rounded to bf16),
- * their argmax (ties to the lower id), the confidence head's logit; the logits handed out where asked. */
+/* Candidate `cand` of the record's unit: the head's logits plus the Markov head's (rounded), their
+ * argmax (ties to the lower id), the confidence head's logit; the logits handed out where asked. */
 static int mf_task_draft_pick(void *arg, mf_task_ctx *ctx)
 {
     (void)ctx;
@@ -155,7 +182,7 @@ static int mf_task_draft_pick(void *arg, mf_task_ctx *ctx)
     float *row = sh->lbuf + (int64_t)sh->head_row[it] * V, emb[MF_STEP_DRAFT_MAX_RANK];
     const float *mk = sh->dmk + (int64_t)k * V;
     for (int64_t v = 0; v < V; v++) {
-        row[v] += mf_bf(mk[v]);
+        row[v] += mk[v];
         if (row[v] > row[best]) best = v;
     }
     int32_t prev = mf_step_draft_prev(q, i);
@@ -171,6 +198,7 @@ static int mf_task_draft_pick(void *arg, mf_task_ctx *ctx)
 /* This file's ops (step_impl.h; step_shape.c binds them). */
 const mf_task_fn mf_step_draft_fn_of[MF_SG_N_OPS] = {
     [MF_SG_DRAFT_FEAT] = mf_task_draft_feat,   [MF_SG_DRAFT_FEED] = mf_task_draft_feed,
+    [MF_SG_DRAFT_FEED_KV] = mf_task_draft_feed_kv,
     [MF_SG_DRAFT_KV] = mf_task_draft_kv,       [MF_SG_DRAFT_HEADS] = mf_task_draft_heads,
     [MF_SG_DRAFT_MARKOV] = mf_task_draft_markov, [MF_SG_DRAFT_PICK] = mf_task_draft_pick,
 };
@@ -186,18 +214,20 @@ static void mf_step_draft_items(mf_step *s, mf_step_shape *sh, const mf_step_dra
     int B = c->dspark_block_size, rows = 0;
     int64_t H = c->hidden_size, F = (int64_t)c->n_dspark_target * H;
     const mf_weight *emb = mf_model_embed(s->ly->m);
+    sh->n_head = 0;
     for (int k = 0; k < U; k++) {
         const mf_step_draft_seq *q = &seqs[k];
         sh->dseq[k] = *q;
         sh->dfeed_off[k] = rows;
         sh->dfeed_n[k] = q->n_feed;
+        q->ds->n_pos += q->n_feed;   /* its rows' KV goes in by the graph's feed tasks */
         memcpy(sh->dfeed_x + rows * F, q->feed, sizeof(float) * (size_t)(q->n_feed * F));
         rows += q->n_feed;
         for (int i = 0; i < B; i++) {
             int n = k * B + i;
             mf_ly_item *it = &sh->items[n];
             it->st = NULL;
-            it->pos = q->ds->n_pos + q->n_feed + i;
+            it->pos = q->ds->n_pos + i;
             it->tok = i ? (int32_t)c->dspark_noise_token_id : q->anchor;
             it->topk_src = it->cand_src = -1;
             it->n_topk = it->n_cand = 0;
@@ -210,10 +240,10 @@ static void mf_step_draft_items(mf_step *s, mf_step_shape *sh, const mf_step_dra
                 it->x[d] = mf_bf16_to_f32(v);
             }
             for (int h = 1; h < c->hc_mult; h++) memcpy(it->x + h * H, it->x, sizeof(float) * (size_t)H);
-            sh->head_row[n] = sh->head_item[n] = n;
+            sh->head_row[n] = i < q->n_cand ? sh->n_head : -1;   /* the head only where a candidate is picked */
+            if (i < q->n_cand) sh->head_item[sh->n_head++] = n;
         }
     }
-    sh->n_head = U * B;
 }
 
 /* One graph run of the draft round for U sequences (U x dspark_block_size <= MF_STEP_MAX_ITEMS). */

@@ -181,7 +181,7 @@ struct mf_step_shape {
      * candidate being picked (dmk, vocab each) */
     float **feat_out;
     mf_step_draft_seq *dseq;
-    float *dfeed_x, *dfeed_u, *dkeys, *dmk;
+    float *dfeed_x, *dfeed_u, *dkv, *dkeys, *dmk;   /* dkv: the feed's wkv outputs, per stage dfeed_rows x head_dim */
     int *dfeed_off, *dfeed_n, *dnkeys;
     int dfeed_rows;         /* rows dfeed_x holds */
     void *mem;              /* its buffers; NULL when they are the engine's umem (unit shapes) */

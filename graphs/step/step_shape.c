@@ -119,8 +119,9 @@ mf_sg_opts mf_step_sg_opts(const mf_step *eng, int n, int par, int n_units, cons
                         .feats = eng->o.draft && eng->c->n_mtp_layers > 0};
 }
 
-/* The draft round's graph options (mf_sg_opts.draft): n_seq units of dspark_block_size items on
- * the host's lanes (no cards, store or micro-batches: the draft's experts are resident). */
+/* The draft round's graph options (mf_sg_opts.draft): n_seq units of dspark_block_size items, the
+ * routed experts on the host (no cards, store or micro-batches: the draft's experts are resident),
+ * the dense work on the dense cards when the steps' is there. */
 static mf_sg_opts mf_step_draft_opts(const mf_step *eng, int n_seq, int *unit_end, mf_task_fn *fn_of)
 {
     int B = eng->c->dspark_block_size;
@@ -128,7 +129,7 @@ static mf_sg_opts mf_step_draft_opts(const mf_step *eng, int n_seq, int *unit_en
     mf_sg_opts o = mf_step_sg_opts(eng, n_seq * B, 0, n_seq, unit_end, fn_of);
     o.draft = 1;
     o.feats = 0;
-    o.n_cards = o.n_dense_cards = o.dev_graphs = o.store = o.eg_reads = 0;
+    o.n_cards = o.dev_graphs = o.store = o.eg_reads = 0;   /* its dense work where the steps' is */
     o.micro = 1;
     o.prefetch_min = -1;
     o.ordered = 0;
@@ -465,6 +466,7 @@ static int mf_step_shape_host(mf_step *eng, mf_step_shape *sh, int n, int shared
         {"dseq", du * sizeof(mf_step_draft_seq), (void **)&sh->dseq},
         {"dfeed_x", dfr * (size_t)c->n_dspark_target * H * f, (void **)&sh->dfeed_x},
         {"dfeed_u", dfr * H * f, (void **)&sh->dfeed_u},
+        {"dkv", (size_t)c->n_mtp_layers * dfr * D * f, (void **)&sh->dkv},
         {"dkeys", du * dkr * D * f, (void **)&sh->dkeys},
         {"dmk", du * V * f, (void **)&sh->dmk},
         {"dfeed_off", du * sizeof(int), (void **)&sh->dfeed_off},

@@ -109,8 +109,10 @@ typedef enum mf_sg_op {
     /* the DSpark draft (mf_sg_opts.draft, feats; graphs/step/stepgraph_draft.c, docs/dspark.md) */
     MF_SG_DRAFT_FEAT,     /* verify graphs (feats): unit's items at a draft target layer, their
                            * features (the streams' mean entering the layer) where asked for */
-    MF_SG_DRAFT_FEED,     /* draft graph: a unit's (sequence's) pending features projected into its
-                           * stages' context rings (main_proj, main_norm, each stage's window KV) */
+    MF_SG_DRAFT_FEED,     /* draft graph: part >= 0: rows [r0, r1) of main_proj over every unit's
+                           * pending feature rows; part -1: a unit's projected rows normed (main_norm) */
+    MF_SG_DRAFT_FEED_KV,  /* draft graph, stage `layer`: part >= 0: rows [r0, r1) of its wkv over every
+                           * unit's normed rows; part -1: a unit's rows' window KV into its context ring */
     MF_SG_DRAFT_KV,       /* draft graph: a unit's block positions' window KV of stage `layer` */
     MF_SG_DRAFT_HEADS,    /* draft graph: heads [r0, r1) of a unit's block over its context and block */
     MF_SG_DRAFT_MARKOV,   /* draft graph: rows [r0, r1) of the Markov head's logits of candidate
@@ -372,9 +374,11 @@ typedef struct mf_sg_opts {
      * n items are n_units (n_units, unit_end: each a sequence's block of dspark_block_size
      * positions) through the draft stages (layers n_layers .. n_layers + n_mtp_layers - 1: per unit
      * the pending features' feed, then per stage the attention (its core: the block's KV and the
-     * heads over the context ring and the block) and the MoE of the draft's experts, on the host),
-     * the final norm, the target's head over every item and per unit the greedy chain; no cards,
-     * store or micro-batches. feats 1 (a step's graph): per unit a task at each draft target layer
+     * heads over the context ring and the block) and the MoE of the draft's experts), the final
+     * norm, the target's head over every item and per unit the greedy chain; the routed experts on
+     * the host (no cards for them, no store, one micro-batch), the dense work on n_dense_cards as
+     * the steps' (the stages after the last layer: its card). feats 1 (a step's graph): per unit a
+     * task at each draft target layer
      * handing out the items' features (MF_SG_DRAFT_FEAT). 0: neither. */
     int draft, feats;
 } mf_sg_opts;

@@ -25,9 +25,9 @@ int mf_sg_draft_check(const mf_sg_opts *o)
         if (o->unit_end[k] != (k + 1) * B)
             return mf_error(-EINVAL, "step graph: draft unit %d ends at item %d (expected %d)", k, o->unit_end[k],
                             (k + 1) * B);
-    if (o->n_cards || o->n_dense_cards || o->micro > 1 || o->store || o->eg_reads)
-        return mf_error(-EINVAL, "step graph: the draft round runs on the host (found %d cards, %d dense cards, "
-                        "%d micro-batches, store %d)", o->n_cards, o->n_dense_cards, o->micro, o->store);
+    if (o->n_cards || o->micro > 1 || o->store || o->eg_reads)
+        return mf_error(-EINVAL, "step graph: the draft round's experts run on the host (found %d cards, "
+                        "%d micro-batches, store %d)", o->n_cards, o->micro, o->store);
     return 0;
 }
 
@@ -42,36 +42,61 @@ static double sg_draft_wkv_bytes(const mf_config *c)
  * anchor and dspark_block_size candidates). */
 static double sg_draft_feed_rows(const mf_config *c) { return c->dspark_block_size + 1.0; }
 
+/* Rows of a matrix of n_rows outputs in P parts over every unit's feed rows (op, layer L), after
+ * `after`, into join j. */
+static void sg_draft_feed_parts(mf_sg_builder *b, int op, int L, double n_rows, double w_bytes, double macs_tok,
+                                mf_task_id after, mf_task_id j)
+{
+    mf_stepgraph *sg = b->sg;
+    int P = sg->p_attn;
+    for (int p = 0; p < P; p++) {
+        SG_NAME(b, "draft feed L%d rows %d", L, p);
+        mf_sg_task t = mf_sg_rec(L);
+        t.part = p;
+        t.n_tok = (int)(sg_draft_feed_rows(b->o->c) * sg->n_units);
+        int ln = mf_sg_rows_lane(b, (int64_t)n_rows, P, p, &t.r0, &t.r1);
+        t.w.w_bytes[MF_KF_FP8] = w_bytes / P;
+        t.w.macs[MF_KF_FP8] = macs_tok / P;
+        t.w.calls[MF_KF_FP8] = 1;
+        mf_task_id id = mf_sg_add(b, ln, op, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
+        mf_sg_dep(b, after, id);
+        mf_sg_dep(b, id, j);
+    }
+}
+
 void mf_sg_draft_feed(mf_sg_builder *b, mf_task_id *unit)
 {
     const mf_config *c = b->o->c;
     mf_stepgraph *sg = b->sg;
-    int L = c->n_layers, S = c->n_mtp_layers, P = sg->p_attn;
+    int L = c->n_layers, S = c->n_mtp_layers;
     double H = (double)c->hidden_size, D = c->head_dim, rows = sg_draft_feed_rows(c);
-    SG_NAME(b, "draft feed join");
-    mf_task_id fj = mf_sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, mf_sg_rec(L));
-    for (int p = 0; p < P; p++) {   /* main_proj, row parts over every unit's rows */
-        SG_NAME(b, "draft feed proj %d", p);
-        mf_sg_task t = mf_sg_rec(L);
-        t.part = p;
-        t.n_tok = (int)(rows * sg->n_units);
-        int ln = mf_sg_rows_lane(b, (int64_t)H, P, p, &t.r0, &t.r1);
-        t.w.w_bytes[MF_KF_FP8] = b->o->sz->feed_fp8_bytes / P;
-        t.w.macs[MF_KF_FP8] = H * c->n_dspark_target * H / P;
-        t.w.calls[MF_KF_FP8] = 1;
-        mf_sg_dep(b, mf_sg_add(b, ln, MF_SG_DRAFT_FEED, MF_SG_PH_ATTN, MF_SG_K_OTHER, t), fj);
-    }
-    for (int k = 0; k < sg->n_units; k++) {   /* per unit: norm, each stage's window KV into its ring */
-        SG_NAME(b, "draft feed unit %d", k);
+    mf_task_id pj = mf_sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, mf_sg_rec(L)), nj, kj;
+    sg_draft_feed_parts(b, MF_SG_DRAFT_FEED, L, H, b->o->sz->feed_fp8_bytes, H * c->n_dspark_target * H, -1, pj);
+    SG_NAME(b, "draft feed norm join");
+    nj = mf_sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, mf_sg_rec(L));
+    for (int k = 0; k < sg->n_units; k++) {   /* per unit its rows normed */
+        SG_NAME(b, "draft feed norm %d", k);
         mf_sg_task t = mf_sg_item(b, L, k);
         t.n_tok = (int)rows;
-        t.w.w_bytes[MF_KF_FP8] = S * sg_draft_wkv_bytes(c);
-        t.w.macs[MF_KF_FP8] = S * D * H;
-        t.w.calls[MF_KF_FP8] = S;
-        t.w.ref_flops = rows * (H * (2.0 + 2.0 * SG_W_ROUND) +
-                                S * (4.0 * D + SG_W_ROUND * 2.0 * D + SG_W_ROPE * c->qk_rope_head_dim));
-        unit[k] = mf_sg_add(b, 0, MF_SG_DRAFT_FEED, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
-        mf_sg_dep(b, fj, unit[k]);
+        t.w.ref_flops = rows * H * (2.0 + 2.0 * SG_W_ROUND);
+        mf_task_id id = mf_sg_add(b, 0, MF_SG_DRAFT_FEED, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
+        mf_sg_dep(b, pj, id);
+        mf_sg_dep(b, id, nj);
+        unit[k] = mf_sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, mf_sg_rec(L));   /* the unit's feed done */
+    }
+    for (int s = 0; s < S; s++) {   /* per stage its wkv in row parts, then per unit the ring's rows */
+        SG_NAME(b, "draft feed L%d join", L + s);
+        kj = mf_sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, mf_sg_rec(L + s));
+        sg_draft_feed_parts(b, MF_SG_DRAFT_FEED_KV, L + s, D, sg_draft_wkv_bytes(c), D * H, nj, kj);
+        for (int k = 0; k < sg->n_units; k++) {
+            SG_NAME(b, "draft feed L%d put %d", L + s, k);
+            mf_sg_task t = mf_sg_item(b, L + s, k);
+            t.n_tok = (int)rows;
+            t.w.ref_flops = rows * (4.0 * D + SG_W_ROUND * 2.0 * D + SG_W_ROPE * c->qk_rope_head_dim);
+            mf_task_id id = mf_sg_add(b, 0, MF_SG_DRAFT_FEED_KV, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
+            mf_sg_dep(b, kj, id);
+            mf_sg_dep(b, id, unit[k]);
+        }
     }
 }
 
@@ -106,10 +131,14 @@ mf_task_id mf_sg_draft_core(mf_sg_builder *b, int L, int k, mf_task_id (*rows)[M
     t.w.ref_flops = B * (4.0 * D + SG_W_ROUND * 2.0 * D + SG_W_ROPE * rd) + (W + B) * D;
     mf_task_id kv = mf_sg_add(b, 0, MF_SG_DRAFT_KV, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
     for (int p = 0; p < sg->p_attn; p++) mf_sg_dep(b, rows[MF_SG_ST_IN][p], kv);
-    /* the heads in groups: per position and head its query roped, scores and values over W + B
-     * keys with the sink (double sums: the module's mf_ly_attn_sink_rows), the output inverse-roped */
-    for (int g = 0; g < sg->p_ah; g++) {
-        int h0 = g * sg->ah_heads, h1 = h0 + sg->ah_heads < nh ? h0 + sg->ah_heads : nh;
+    /* the heads in groups, a group per worker the units leave (a unit's B positions are few): per
+     * position and head its query roped, scores and values over W + B keys with the sink (double
+     * sums: the module's mf_ly_attn_sink_rows), the output inverse-roped */
+    int W0 = b->o->n_threads > 0 ? b->o->n_threads : 1, ng = W0 / sg->n_units;
+    ng = ng < 1 ? 1 : ng > nh ? nh : ng;
+    int per = (nh + ng - 1) / ng;
+    for (int g = 0; g * per < nh; g++) {
+        int h0 = g * per, h1 = h0 + per < nh ? h0 + per : nh;
         SG_NAME(b, "draft L%d heads %d %d", L, k, g);
         mf_sg_task th = mf_sg_item(b, L, k);
         th.part = g;
@@ -147,6 +176,7 @@ void mf_sg_draft_propose(mf_sg_builder *b, mf_task_id head_done)
             t.w.w_bytes[MF_KF_BF16] = b->o->sz->mk_head_bytes / P;
             t.w.macs[MF_KF_BF16] = V * R / P;
             t.w.calls[MF_KF_BF16] = 1;
+            t.w.vec_flops = U * (double)(t.r1 - t.r0) * SG_W_ROUND_VEC;   /* its rows rounded to bf16 */
             mf_task_id mk = mf_sg_add(b, ln, MF_SG_DRAFT_MARKOV, MF_SG_PH_HEAD, MF_SG_K_OTHER, t);
             mf_sg_dep(b, prev, mk);
             mf_sg_dep(b, mk, mj);
@@ -160,7 +190,7 @@ void mf_sg_draft_propose(mf_sg_builder *b, mf_task_id head_done)
             t.i0 = sg->unit_end[k] - B + i;
             t.i1 = t.i0 + 1;
             t.n_tok = 1;
-            t.w.ref_flops = V * (2.0 + SG_W_ROUND) + H + R;
+            t.w.ref_flops = 2.0 * V + H + R;   /* the rows' sum and argmax; the confidence's dot */
             mf_task_id pk = mf_sg_add(b, 0, MF_SG_DRAFT_PICK, MF_SG_PH_HEAD, MF_SG_K_OTHER, t);
             mf_sg_dep(b, head_done, pk);
             mf_sg_dep(b, mj, pk);
