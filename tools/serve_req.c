@@ -1,6 +1,7 @@
 /* The OpenAI request parser and chat template of `moeflow serve` (tools/serve_req.h). */
 #include "tools/serve_req.h"
 
+#include "graphs/gen/gen_chat.h"
 #include "host/grammar.h"
 #include "host/jinja.h"
 #include "tools/serve_tools.h"
@@ -566,6 +567,23 @@ int mf_chat_tmpl_load(const char *dir, const char *spec, mf_chat_tmpl **out, cha
     *out = NULL;
     if (spec && !strcmp(spec, "builtin")) {
         snprintf(desc, desc_cap, "the built-in DeepSeek-V3 chat format (--chat-template builtin)");
+        return 0;
+    }
+    if (spec && !strcmp(spec, "deepseek-v4")) {   /* gen's template: DeepSeek-V4's encoding with tools */
+        mf_chat_tmpl *ct = calloc(1, sizeof *ct);
+        const char *t = mf_gen_chat_template();
+        if (!ct || !(ct->bos = strdup("<\xef\xbd\x9c" "begin\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>")) ||
+            !(ct->eos = strdup("<\xef\xbd\x9c" "end\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>"))) {
+            mf_chat_tmpl_free(ct);
+            return mf_error(-ENOMEM, "out of memory");
+        }
+        int rc = mf_jinja_parse(t, strlen(t), &ct->jinja);
+        if (rc) {
+            mf_chat_tmpl_free(ct);
+            return mf_error_wrap(rc, "--chat-template deepseek-v4");
+        }
+        snprintf(desc, desc_cap, "the built-in DeepSeek-V4 chat template with tools (--chat-template deepseek-v4)");
+        *out = ct;
         return 0;
     }
     snprintf(cfg_path, sizeof cfg_path, "%s/tokenizer_config.json", dir);

@@ -98,7 +98,8 @@ typedef struct mf_chat_tmpl mf_chat_tmpl;
  * {"content": ...}); 0 and *out NULL when the file or the field is absent. spec "builtin": *out
  * NULL. Else spec is a file: a tokenizer_config.json when it ends in .json, a template otherwise
  * (bos/eos from dir's tokenizer_config.json when it has them). desc gets what was chosen, for the
- * start line. Fails with -EINVAL (a template moeflow cannot render: mf_last_error names the file,
+ * start line. spec "deepseek-v4": the template `moeflow gen` writes (graphs/gen/gen_chat.h:
+ * DeepSeek-V4's chat encoding with tools) with DeepSeek's BOS and EOS. Fails with -EINVAL (a template moeflow cannot render: mf_last_error names the file,
  * line and column; a malformed tokenizer_config.json), -ENOENT (spec missing), -ENOMEM. */
 int mf_chat_tmpl_load(const char *dir, const char *spec, mf_chat_tmpl **out, char *desc, size_t desc_cap);
 void mf_chat_tmpl_free(mf_chat_tmpl *t);
@@ -114,7 +115,6 @@ void mf_chat_tmpl_free(mf_chat_tmpl *t);
  * the text (*bos_in_text 0: the caller prepends its id). *out is malloc'ed; 0, -EINVAL or -ENOMEM. */
 int mf_serve_chat_render(const mf_serve_req *r, const mf_chat_tmpl *t, char **out, size_t *n_out, int *bos_in_text);
 
-/* The named built-in template `--chat-template deepseek-v4` (graphs/gen/gen.h
- * mf_gen_chat_template: DeepSeek-V4's chat encoding with tools) loads as a template too. */
+
 
 #endif

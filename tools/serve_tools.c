@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <jansson.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -140,12 +141,50 @@ size_t mf_serve_tools_content_len(const char *text, size_t n)
 
 /* ---- the grammar of a forced call ---------------------------------------------------------------- */
 
+/* A string enum parameter: key + '" string="true">' then one of the values, raw, and the close. */
+static int mf_param_enum(mf_gram_b *b, const char *key, size_t kl, json_t *vals, char **keys, size_t *lens, int *conts,
+                         int *n)
+{
+    size_t nv = json_is_array(vals) ? json_array_size(vals) : 1;
+    char **vk = calloc(nv, sizeof *vk);
+    size_t *vl = calloc(nv, sizeof *vl), m = 0;
+    int rc = vk && vl ? 0 : -ENOMEM;
+    for (size_t i = 0; i < nv && !rc; i++) {
+        json_t *v = json_is_array(vals) ? json_array_get(vals, i) : vals;
+        size_t l = json_string_length(v), cl = strlen(MF_DSML_PARAM_CLOSE);
+        int dup = 0;
+        for (size_t j = 0; j < m && !dup; j++) dup = vl[j] == l + cl && !memcmp(vk[j], json_string_value(v), l);
+        if (dup) continue;
+        if (!(vk[m] = malloc(l + cl))) rc = -ENOMEM;
+        else memcpy(vk[m], json_string_value(v), l), memcpy(vk[m] + l, MF_DSML_PARAM_CLOSE, cl), vl[m++] = l + cl;
+    }
+    const char *suf = "\" string=\"true\">";
+    size_t sl = strlen(suf);
+    if (!rc && !(keys[*n] = malloc(kl + sl))) rc = -ENOMEM;
+    if (!rc) {
+        memcpy(keys[*n], key, kl);
+        memcpy(keys[*n] + kl, suf, sl);
+        lens[*n] = kl + sl;
+        conts[*n] = mf_gram_switch(b, (const char *const *)vk, vl, NULL, (int)m);
+        if (conts[*n] < 0) rc = conts[*n], free(keys[*n]);
+        else (*n)++;
+    }
+    for (size_t i = 0; i < m; i++) free(vk[i]);
+    free(vk);
+    free(vl);
+    return rc;
+}
+
 /* The value of a parameter whose schema is s (JSON text): key suffixes and their continuations. A
  * string-typed one is raw text (string="true"), a typed one JSON ("false"), an untyped one either. */
 static int mf_param_value(mf_gram_b *b, const char *key, size_t kl, json_t *s, char **keys, size_t *lens, int *conts,
                           int *n)
 {
-    json_t *t = json_object_get(s, "type");
+    json_t *t = json_object_get(s, "type"), *en = json_object_get(s, "enum"), *cn = json_object_get(s, "const");
+    int all_str = en || cn;   /* an enum (const) of strings: one of them as raw text */
+    for (size_t i = 0; en && i < json_array_size(en); i++) all_str &= json_is_string(json_array_get(en, i));
+    if (cn) all_str &= json_is_string(cn);
+    if (all_str) return mf_param_enum(b, key, kl, en ? en : cn, keys, lens, conts, n);
     int str = !t || (json_is_string(t) && !strcmp(json_string_value(t), "string"));
     int js = !(json_is_string(t) && !strcmp(json_string_value(t), "string"));
     for (int v = 0; v < 2; v++) {
@@ -170,50 +209,98 @@ static int mf_param_value(mf_gram_b *b, const char *key, size_t kl, json_t *s, c
     return 0;
 }
 
-/* An invoke's parameters and its close, after 'NAME">\n': "<" then a loop of parameters (each
- * followed by "\n<") ended by "/｜DSML｜invoke>". */
+/* Parameters in their schema's order, each at most once, none required skipped: after[i] is what may
+ * follow once the parameters before i are settled ("<" then a parameter j >= i up to the first
+ * required one, or the close when none is left). keys k of property pk[k] have values val[k]. */
+static int mf_invoke_ordered(mf_gram_b *b, int np, const int *pk, char **keys, const size_t *lens, const int *val, int nk,
+                             const uint8_t *req)
+{
+    const char *pre = MF_DSML_PARAM + 1;   /* the keys of a switch after '<' */
+    size_t pl = strlen(pre);
+    int *after = malloc(sizeof *after * (size_t)(np + 1)), *cont = malloc(sizeof *cont * (size_t)(nk + 1));
+    char **fk = calloc((size_t)nk + 1, sizeof *fk);
+    size_t *fl = calloc((size_t)nk + 1, sizeof *fl);
+    int *fc = calloc((size_t)nk + 1, sizeof *fc), rc = after && cont && fk && fl && fc ? 0 : -ENOMEM;
+    for (int k = 0; k < nk && !rc; k++) {
+        if (!(fk[k] = malloc(pl + lens[k]))) rc = -ENOMEM;
+        else memcpy(fk[k], pre, pl), memcpy(fk[k] + pl, keys[k], lens[k]), fl[k] = pl + lens[k];
+    }
+    char *close = (char *)(MF_DSML_INVOKE_CLOSE + 1);
+    for (int i = np; i >= 0 && !rc; i--) {
+        for (int k = 0; k < nk; k++)   /* keys of property i go on after it */
+            if (pk[k] == i) cont[k] = mf_gram_seq(b, (int[]){val[k], mf_gram_lit(b, "\n", 1), after[i + 1]}, 3);
+        int m = 0, stop = 0;
+        char *sk[2 * MF_GRAM_MAX_PROPS + 1];
+        size_t sl[2 * MF_GRAM_MAX_PROPS + 1];
+        int sc[2 * MF_GRAM_MAX_PROPS + 1];
+        for (int j = i; j < np && !stop; j++) {
+            for (int k = 0; k < nk; k++)
+                if (pk[k] == j) sk[m] = fk[k], sl[m] = fl[k], sc[m++] = cont[k];
+            stop = req[j];
+        }
+        if (!stop) sk[m] = close, sl[m] = strlen(close), sc[m++] = -1;
+        after[i] = mf_gram_seq(b, (int[]){mf_gram_lit(b, "<", 1), mf_gram_switch(b, (const char *const *)sk, sl, sc, m)}, 2);
+        if (after[i] < 0) rc = after[i];
+    }
+    int start = rc ? rc : after[0];
+    int any_req = 0;
+    for (int j = 0; j < np; j++) any_req |= req[j];
+    if (!rc && !any_req)   /* no parameters at all: "\n" before the close, as the encoding writes it */
+        start = mf_gram_choice(b, (int[]){after[0], mf_gram_lit(b, "\n" MF_DSML_INVOKE_CLOSE, 1 + strlen(MF_DSML_INVOKE_CLOSE))}, 2);
+    for (int k = 0; k < nk; k++) free(fk[k]);
+    free(fk);
+    free(fl);
+    free(fc);
+    free(after);
+    free(cont);
+    return rc ? rc : start;
+}
+
+/* An invoke's parameters and its close, after 'NAME">\n'. With properties: mf_invoke_ordered.
+ * Without: any names, values raw or JSON, in a loop. */
 static int mf_invoke_body(mf_gram_b *b, const char *params)
 {
-    json_t *p = json_loads(params, 0, NULL), *props = json_object_get(p, "properties");
-    int body, rc = 0, n = 0;
-    size_t np = json_object_size(props);
-    char **keys = calloc(2 * np + 2, sizeof *keys);
-    size_t *lens = calloc(2 * np + 2, sizeof *lens);
-    int *conts = calloc(2 * np + 2, sizeof *conts);
-    if (!p || !keys || !lens || !conts) rc = -ENOMEM;
+    json_t *p = json_loads(params, 0, NULL), *props = json_object_get(p, "properties"), *rq = json_object_get(p, "required");
+    int body = -1, rc = 0, n = 0, np = 0;
+    size_t cap = 2 * json_object_size(props) + 2;
+    char **keys = calloc(cap, sizeof *keys);
+    size_t *lens = calloc(cap, sizeof *lens);
+    int *conts = calloc(cap, sizeof *conts), *pk = calloc(cap, sizeof *pk);
+    uint8_t req[MF_GRAM_MAX_PROPS] = {0};
+    if (!p || !keys || !lens || !conts || !pk) rc = -ENOMEM;
+    if (!rc && json_object_size(props) > MF_GRAM_MAX_PROPS)
+        rc = mf_error(-E2BIG, "%zu parameters (at most %d)", json_object_size(props), MF_GRAM_MAX_PROPS);
     const char *k;
     json_t *v;
     if (!rc && json_is_object(props)) {
         json_object_foreach(props, k, v) {
+            int n0 = n;
             if ((rc = mf_param_value(b, k, strlen(k), v, keys, lens, conts, &n))) break;
+            for (int i = n0; i < n; i++) pk[i] = np;
+            for (size_t i = 0; i < json_array_size(rq); i++)
+                if (json_is_string(json_array_get(rq, i)) && !strcmp(json_string_value(json_array_get(rq, i)), k)) req[np] = 1;
+            np++;
         }
-    }
-    if (!rc && n) {
-        body = mf_gram_seq(b, (int[]){mf_gram_lit(b, MF_DSML_PARAM + 1, strlen(MF_DSML_PARAM) - 1),
-                                      mf_gram_switch(b, (const char *const *)keys, lens, conts, n), mf_gram_lit(b, "\n<", 2)}, 3);
-    } else if (!rc && !json_is_object(props)) {   /* no properties: any names, values raw or JSON */
+        if (!rc) body = mf_invoke_ordered(b, np, pk, keys, lens, conts, n, req);
+    } else if (!rc) {   /* no properties: any names, values raw or JSON */
         json_t *any = json_object();
         rc = any ? mf_param_value(b, "", 0, any, keys, lens, conts, &n) : -ENOMEM;
         json_decref(any);
         /* the name is free text up to its '"', then the same choice of value kinds */
         for (int i = 0; !rc && i < n; i++) memmove(keys[i], keys[i] + 1, --lens[i]);   /* drop the leading quote */
         int name = mf_gram_until(b, "\"", 1);
-        body = mf_gram_seq(b, (int[]){mf_gram_lit(b, MF_DSML_PARAM + 1, strlen(MF_DSML_PARAM) - 1), name,
-                                      mf_gram_switch(b, (const char *const *)keys, lens, conts, n), mf_gram_lit(b, "\n<", 2)}, 4);
-    } else {
-        body = -1;
+        int one = mf_gram_seq(b, (int[]){mf_gram_lit(b, MF_DSML_PARAM + 1, strlen(MF_DSML_PARAM) - 1), name,
+                                         mf_gram_switch(b, (const char *const *)keys, lens, conts, n), mf_gram_lit(b, "\n<", 2)}, 4);
+        int close = mf_gram_lit(b, MF_DSML_INVOKE_CLOSE + 1, strlen(MF_DSML_INVOKE_CLOSE) - 1);
+        body = mf_gram_seq(b, (int[]){mf_gram_lit(b, "<", 1), mf_gram_loop(b, one, close)}, 2);
     }
     for (int i = 0; i < n; i++) free(keys[i]);
     free(keys);
     free(lens);
     free(conts);
+    free(pk);
     json_decref(p);
-    if (rc) return rc;
-    int close = mf_gram_lit(b, MF_DSML_INVOKE_CLOSE + 1, strlen(MF_DSML_INVOKE_CLOSE) - 1);
-    if (body == -1) {   /* properties: {}: no parameters ("\n\n" before the close, as the encoding writes it) */
-        return mf_gram_seq(b, (int[]){mf_gram_lit(b, "\n<", 2), close}, 2);
-    }
-    return mf_gram_seq(b, (int[]){mf_gram_lit(b, "<", 1), mf_gram_loop(b, body, close)}, 2);
+    return rc ? rc : body;
 }
 
 int mf_serve_tools_grammar(const mf_serve_req *r, mf_gram **out)

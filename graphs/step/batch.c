@@ -49,7 +49,8 @@ typedef struct mf_bseq {
     int32_t *touched;
     int n_touched, cap_touched;
     int penalize;         /* the running request has penalties */
-    mf_gram_match *gm;    /* constrained decoding: allocated at the slot's first such request */
+    mf_gram_match *gm;    /* constrained decoding: allocated at the slot's first such request, kept */
+    int constrained;      /* the running request has a grammar (gm matches it) */
     uint32_t *mask;       /* the grammar's allowed tokens, vocab_size bits */
     int echo_rows;        /* echo: rows of b->erows this step's chunk uses, from echo_row0; */
     int echo_row0, echo_pos0;   /* row r holds the logits of prompt position echo_pos0 + r */
@@ -184,12 +185,21 @@ static void mf_batch_emit(mf_batch *b, mf_bseq *q, mf_breq *r, mf_batch_event *e
     if (b->o.on_event) b->o.on_event(b->o.user, ev);
 }
 
-/* Ends the request of slot q: DONE event with the rest of its text, slot freed, state reset. */
-static void mf_batch_finish_seq(mf_batch *b, mf_bseq *q, mf_batch_finish f, int err, const char *msg)
+/* Ends the request of slot q: DONE event with the rest of its text (and lp's token and logprobs,
+ * for an EOS a logprobs request drew), slot freed, state reset. */
+static void mf_batch_finish_lp(mf_batch *b, mf_bseq *q, mf_batch_finish f, int err, const char *msg,
+                               const mf_batch_event *lp)
 {
     mf_breq *r = q->req;
     mf_batch_event ev = {.kind = MF_BATCH_DONE, .finish = f, .err = err, .msg = msg,
                          .text = q->txt + q->n_sent, .n_text = q->n_txt - q->n_sent};
+    if (lp) {
+        ev.token = lp->token;
+        ev.logprob = lp->logprob;
+        ev.top = lp->top;
+        ev.n_top = lp->n_top;
+        ev.has_logprob = 1;
+    }
     q->n_sent = q->n_txt;
     mf_batch_emit(b, q, r, &ev);
     q->admit_ns = 0;
@@ -203,6 +213,11 @@ static void mf_batch_finish_seq(mf_batch *b, mf_bseq *q, mf_batch_finish f, int 
     for (int i = 0; i < q->n_touched; i++) q->cnt[q->touched[i]] = 0;
     q->n_touched = 0;
     mf_breq_free(r);
+}
+
+static void mf_batch_finish_seq(mf_batch *b, mf_bseq *q, mf_batch_finish f, int err, const char *msg)
+{
+    mf_batch_finish_lp(b, q, f, err, msg, NULL);
 }
 
 /* Bytes at the end of txt[from..n) that may begin a stop string or are an unfinished UTF-8
@@ -323,6 +338,7 @@ static int mf_batch_start_seq(mf_batch *b, mf_bseq *q)
             if (!q->cnt[t]) q->touched[q->n_touched++] = t;
             q->cnt[t] |= MF_CNT_PROMPT;
         }
+    q->constrained = r->grammar != NULL;
     if (!r->grammar) return 0;
     if (!q->gm) {
         int rc = mf_gram_match_new(b->o.gram_vocab, &q->gm);
@@ -477,7 +493,7 @@ static void mf_batch_echo(mf_batch *b, mf_bseq *q)
     for (int k = 0; k < q->echo_rows; k++) {
         int pos = q->echo_pos0 + k + 1;
         mf_batch_event ev = {.kind = MF_BATCH_PROMPT, .pos = pos, .token = r->prompt[pos], .top = b->top,
-                             .n_top = r->r.top_logprobs};
+                             .n_top = r->r.top_logprobs, .has_logprob = 1};
         mf_logprobs(b->erows + (size_t)(q->echo_row0 + k) * (size_t)b->V, b->V, ev.token, ev.n_top, &ev.logprob, b->top);
         mf_batch_emit(b, q, r, &ev);
     }
@@ -536,22 +552,24 @@ static void mf_batch_next(mf_batch *b, mf_bseq *q, int64_t now)
     const float *raw = q->lrow;
     if (r->r.logprobs) {   /* the model's distribution: before bias, penalties, grammar, temperature */
         lse = mf_logprobs(q->lrow, b->V, 0, ev.n_top, NULL, b->top);
-        if (r->r.n_bias || q->penalize || q->gm) {
+        if (r->r.n_bias || q->penalize || q->constrained) {
             memcpy(b->raw, q->lrow, sizeof(float) * (size_t)b->V);
             raw = b->raw;
         }
     }
     if (r->r.n_bias || q->penalize) mf_batch_adjust(q);
-    int32_t t = q->gm ? mf_batch_pick_constrained(b, q) : mf_sampler_pick(q->smp, q->lrow);
+    int32_t t = q->constrained ? mf_batch_pick_constrained(b, q) : mf_sampler_pick(q->smp, q->lrow);
     if (t < 0) {
         mf_batch_finish_seq(b, q, MF_BATCH_ERROR, t, mf_last_error());
         return;
     }
-    if (t == b->c->eos_token_id && (!r->r.ignore_eos || q->gm)) {   /* a grammar allows EOS only once complete */
-        mf_batch_finish_seq(b, q, MF_BATCH_EOS, 0, NULL);
+    ev.logprob = (float)((double)raw[t] - lse);
+    ev.token = t;
+    ev.has_logprob = r->r.logprobs;
+    if (t == b->c->eos_token_id && (!r->r.ignore_eos || q->constrained)) {   /* a grammar allows EOS only once complete */
+        mf_batch_finish_lp(b, q, MF_BATCH_EOS, 0, NULL, r->r.logprobs ? &ev : NULL);
         return;
     }
-    ev.logprob = (float)((double)raw[t] - lse);
     if (q->penalize) {
         if (!q->cnt[t]) q->touched[q->n_touched++] = t;
         if ((q->cnt[t] & MF_CNT_OUT) != MF_CNT_OUT) q->cnt[t]++;
@@ -573,7 +591,7 @@ static void mf_batch_next(mf_batch *b, mf_bseq *q, int64_t now)
     pthread_mutex_lock(&b->mu);
     b->stats.generated++;
     pthread_mutex_unlock(&b->mu);
-    if (stop || (q->gm && mf_gram_match_done(q->gm)))   /* a complete grammar allows nothing but EOS */
+    if (stop || (q->constrained && mf_gram_match_done(q->gm)))   /* a complete grammar allows nothing but EOS */
         mf_batch_finish_seq(b, q, MF_BATCH_STOP, 0, NULL);
     else if (q->n_gen >= r->r.max_tokens)
         mf_batch_finish_seq(b, q, MF_BATCH_LENGTH, 0, NULL);

@@ -50,13 +50,14 @@ typedef struct mf_batch_event {
     /* TOKEN: vocab_size logits it was sampled from (after logit_bias, penalties and a grammar's
      * mask; as the model gave them when the request has none) */
     const float *logits;
-    /* TOKEN with logprobs, PROMPT: the token's log-probability under the model's distribution
+    /* TOKEN with logprobs, PROMPT, DONE "eos" with logprobs (token: EOS): the token's log-probability under the model's distribution
      * (log-softmax of the logits the forward gave, before logit_bias, penalties, grammar and
      * temperature) and the request's top_logprobs most probable tokens under it, most probable
      * first (ties: lower id first) */
     float logprob;
     const mf_logprob *top;
     int n_top;
+    int has_logprob;             /* logprob and top are valid (also on DONE "eos": EOS's own) */
     int pos;                     /* PROMPT: the prompt position */
     /* Output text that became final with this event (with a tokenizer; else n_text 0): bytes
      * that might begin a stop string, or an unfinished UTF-8 character, are held back until they
