@@ -501,7 +501,7 @@ static uint64_t mf_props_mask(uint32_t n) { return n >= 64 ? ~UINT64_C(0) : (UIN
 static int mf_okey_feed(const mf_gram *g, mf_gframe *f, unsigned c, uint32_t *result)
 {
     const mf_gnode *o = &g->nodes[g->nodes[f->node].a];
-    const mf_gprop *p = g->props + o->a;
+    const mf_gprop *p = o->b ? g->props + o->a : NULL;   /* any object: no properties (and no pool) */
     if (f->s == 0) return c == '"' ? (f->s = 1, G_STAY) : G_REJECT;
     if (f->s == 1 && !f->x && c == '"') {   /* the key ends: a property, a duplicate, or an additional one */
         for (uint32_t k = 0; k < o->b; k++)

@@ -215,7 +215,7 @@ static int mf_param_value(mf_gram_b *b, const char *key, size_t kl, json_t *s, c
 static int mf_invoke_ordered(mf_gram_b *b, int np, const int *pk, char **keys, const size_t *lens, const int *val, int nk,
                              const uint8_t *req)
 {
-    const char *pre = MF_DSML_PARAM + 1;   /* the keys of a switch after '<' */
+    const char *pre = &MF_DSML_PARAM[1];   /* the keys of a switch after '<' */
     size_t pl = strlen(pre);
     int *after = malloc(sizeof *after * (size_t)(np + 1)), *cont = malloc(sizeof *cont * (size_t)(nk + 1));
     char **fk = calloc((size_t)nk + 1, sizeof *fk);
@@ -225,7 +225,7 @@ static int mf_invoke_ordered(mf_gram_b *b, int np, const int *pk, char **keys, c
         if (!(fk[k] = malloc(pl + lens[k]))) rc = -ENOMEM;
         else memcpy(fk[k], pre, pl), memcpy(fk[k] + pl, keys[k], lens[k]), fl[k] = pl + lens[k];
     }
-    char *close = (char *)(MF_DSML_INVOKE_CLOSE + 1);
+    char *close = (char *)(&MF_DSML_INVOKE_CLOSE[1]);
     for (int i = np; i >= 0 && !rc; i--) {
         for (int k = 0; k < nk; k++)   /* keys of property i go on after it */
             if (pk[k] == i) cont[k] = mf_gram_seq(b, (int[]){val[k], mf_gram_lit(b, "\n", 1), after[i + 1]}, 3);
@@ -289,9 +289,9 @@ static int mf_invoke_body(mf_gram_b *b, const char *params)
         /* the name is free text up to its '"', then the same choice of value kinds */
         for (int i = 0; !rc && i < n; i++) memmove(keys[i], keys[i] + 1, --lens[i]);   /* drop the leading quote */
         int name = mf_gram_until(b, "\"", 1);
-        int one = mf_gram_seq(b, (int[]){mf_gram_lit(b, MF_DSML_PARAM + 1, strlen(MF_DSML_PARAM) - 1), name,
+        int one = mf_gram_seq(b, (int[]){mf_gram_lit(b, &MF_DSML_PARAM[1], strlen(MF_DSML_PARAM) - 1), name,
                                          mf_gram_switch(b, (const char *const *)keys, lens, conts, n), mf_gram_lit(b, "\n<", 2)}, 4);
-        int close = mf_gram_lit(b, MF_DSML_INVOKE_CLOSE + 1, strlen(MF_DSML_INVOKE_CLOSE) - 1);
+        int close = mf_gram_lit(b, &MF_DSML_INVOKE_CLOSE[1], strlen(MF_DSML_INVOKE_CLOSE) - 1);
         body = mf_gram_seq(b, (int[]){mf_gram_lit(b, "<", 1), mf_gram_loop(b, one, close)}, 2);
     }
     for (int i = 0; i < n; i++) free(keys[i]);
@@ -329,12 +329,12 @@ int mf_serve_tools_grammar(const mf_serve_req *r, mf_gram **out)
     }
     int root = -1;
     if (!rc) {
-        const char *invoke = MF_DSML_INVOKE + 1;   /* after its '<' */
+        const char *invoke = &MF_DSML_INVOKE[1];   /* after its '<' */
         int call = mf_gram_seq(b, (int[]){mf_gram_lit(b, invoke, strlen(invoke)),
                                           mf_gram_switch(b, (const char *const *)keys, lens, conts, n)}, 2);
         int head = mf_gram_lit(b, MF_DSML_CALLS_OPEN "\n<", strlen(MF_DSML_CALLS_OPEN) + 2);
         int tail = mf_gram_lit(b, "\n<", 2);
-        int end = mf_gram_lit(b, MF_DSML_CALLS_CLOSE + 1, strlen(MF_DSML_CALLS_CLOSE) - 1);
+        int end = mf_gram_lit(b, &MF_DSML_CALLS_CLOSE[1], strlen(MF_DSML_CALLS_CLOSE) - 1);
         if (r->tool_choice == MF_TOOLS_NAMED)   /* exactly one call */
             root = mf_gram_seq(b, (int[]){head, call, tail, end}, 4);
         else   /* one or more: after each call "\n<", then another or the close */
