@@ -59,14 +59,22 @@ static int mf_be_cmp(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* One request alone: its seconds from submission to its end. */
-static int mf_be_once(mf_batch *b, const int32_t *p, int n, int echo, int *done, double *sec)
+/* One request alone: its seconds from submission to its end, and the multiply-adds of its forwards
+ * (the step graphs' records: the head only over the items that ask logits). */
+static int mf_be_once(mf_batch *b, mf_step *e, const int32_t *p, int n, int echo, int *done, double *sec, double *macs)
 {
     *done = 0;
+    *macs = 0;
     int64_t t0 = mf_now_ns();
     int rc = mf_batch_submit(b, &(mf_batch_req){.prompt = p, .n_prompt = n, .max_tokens = 0, .logprobs = echo,
                                                 .top_logprobs = echo, .echo_logprobs = echo}, NULL);
-    while (!rc && !*done) rc = mf_batch_step(b, NULL);
+    while (!rc && !*done) {
+        int items = 0;
+        rc = mf_batch_step(b, &items);
+        mf_step_times t;
+        mf_step_last_times(e, &t);
+        if (items) *macs += t.macs;
+    }
     *sec = (mf_now_ns() - t0) / 1e9;
     return rc;
 }
@@ -96,18 +104,20 @@ int mf_bench_echo(int argc, char **argv)
                                            .max_context = n + 1, .echo_rows = rows, .on_event = mf_be_event,
                                            .user = &done}, &b);
     }
-    double sec;
-    for (int k = 0; k < 2 && !rc; k++) rc = mf_be_once(b, p, n, k, &done, &sec);   /* graphs built untimed */
+    double sec, macs[2] = {0, 0};
+    for (int k = 0; k < 2 && !rc; k++) rc = mf_be_once(b, e, p, n, k, &done, &sec, &macs[k]);   /* graphs built untimed */
     for (int i = 0; i < a.runs && !rc; i++)
-        for (int k = 0; k < 2 && !rc; k++) rc = mf_be_once(b, p, n, (i + k) % 2, &done, &t[(i + k) % 2][i]);
+        for (int k = 0; k < 2 && !rc; k++)
+            rc = mf_be_once(b, e, p, n, (i + k) % 2, &done, &t[(i + k) % 2][i], &macs[(i + k) % 2]);
     if (!rc) {
         qsort(t[0], (size_t)a.runs, sizeof(double), mf_be_cmp);
         qsort(t[1], (size_t)a.runs, sizeof(double), mf_be_cmp);
         double m0 = t[0][a.runs / 2], m1 = t[1][a.runs / 2];
         printf("bench echo: %s, a prompt of %d tokens, step budget %ld, %ld threads, %ld runs each\n"
                "prefill             %.3f s (median; %.3f-%.3f)\necho logprobs       %.3f s (median; %.3f-%.3f)\n"
-               "echo / prefill      %.3fx\n", a.dir, n, a.step_tokens, a.threads, a.runs, m0, t[0][0],
-               t[0][a.runs - 1], m1, t[1][0], t[1][a.runs - 1], m1 / m0);
+               "echo / prefill      %.3fx\nmultiply-adds       prefill %.2f G, echo %.2f G (%.3fx: the head over every "
+               "position)\n", a.dir, n, a.step_tokens, a.threads, a.runs, m0, t[0][0], t[0][a.runs - 1], m1, t[1][0],
+               t[1][a.runs - 1], m1 / m0, macs[0] / 1e9, macs[1] / 1e9, macs[1] / macs[0]);
     }
     if (rc) fprintf(stderr, "moeflow bench echo: %s\n", mf_last_error()[0] ? mf_last_error() : "out of memory");
     mf_batch_free(b);
