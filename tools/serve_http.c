@@ -285,10 +285,13 @@ void *mf_srv_stepper(void *arg)
         if (mf_batch_step(v->b, &n) && !v->quiet) fprintf(stderr, "moeflow serve: step failed: %s\n", mf_last_error());
         if (n && v->eng) {
             mf_step_times t;
+            mf_step_build_stats bst;
             mf_step_last_times(v->eng, &t);
+            mf_step_builds(v->eng, &bst);
             pthread_mutex_lock(&v->mu);
             for (int p = 0; p < MF_STEP_N_PHASES; p++) v->phase_ns[p] += t.phase_ns[p];
             v->steps++;
+            v->builds = bst;
             pthread_mutex_unlock(&v->mu);
         }
     }
@@ -756,6 +759,10 @@ static enum MHD_Result mf_srv_metrics(mf_srv *v, struct MHD_Connection *c)
         for (int p = 0; p < MF_STEP_N_PHASES; p++)
             OUT("moeflow_step_phase_seconds_total{phase=\"%s\"} %.6f\n", mf_step_phase_name((mf_step_phase)p),
                 v->phase_ns[p] / 1e9);
+        OUT("# HELP moeflow_step_shapes_built_total Step shapes (graph, binding, buffers) the engine built: a step "
+            "of a shape it did not keep builds one.\n# TYPE moeflow_step_shapes_built_total counter\n"
+            "moeflow_step_shapes_built_total %" PRId64 "\nmoeflow_step_shape_build_seconds_total %.6f\n",
+            v->builds.n_built, v->builds.build_ns / 1e9);
     }
     pthread_mutex_unlock(&v->mu);
 #undef OUT
@@ -875,10 +882,10 @@ enum MHD_Result mf_srv_handle(void *cls, struct MHD_Connection *c, const char *u
     if (!cn) return MHD_NO;   /* the URI log callback ran out of memory */
     if (!cn->seen) return mf_srv_head_in(v, c, cn, url, method);
     if (*upload_size) {   /* body bytes: at most Content-Length, which is at most --max-body */
-        if (mf_door_request_late(v->door, cn->fd))
-            return mf_srv_refuse(v, c, cn, 408, "request_timeout", "the request's body did not arrive within its time "
-                                 "(--request-timeout)", NULL, NULL);
-        if (cn->n + *upload_size > v->max_body || mf_buf_add(&cn->body, &cn->n, &cn->cap, upload, *upload_size))
+        /* past its deadline the body is dropped: libmicrohttpd takes no answer while a body
+         * arrives, so the door answers 408 and shuts the connection (mf_door_sweep) */
+        if (!mf_door_request_late(v->door, cn->fd) &&
+            (cn->n + *upload_size > v->max_body || mf_buf_add(&cn->body, &cn->n, &cn->cap, upload, *upload_size)))
             return MHD_NO;
         *upload_size = 0;
         return MHD_YES;

@@ -58,6 +58,7 @@ typedef struct mf_srv {
     int64_t start_ns;
     int64_t phase_ns[MF_STEP_N_PHASES];
     uint64_t steps;
+    mf_step_build_stats builds;   /* the engine's, copied by the stepping thread */
 } mf_srv;
 
 /* The batcher's on_event (user: the mf_srv; on the stepping thread): tokens and ends into their
