@@ -601,11 +601,16 @@ def check_drain(ckpt, prompt_ids):
         plain = s
         for k, s in enumerate(socks):   # every stream has begun
             buf = b""
-            while buf.count(b"data: ") < 3:
-                c = s.recv(65536)
-                if not c:
-                    break
-                buf += c
+            try:
+                while buf.count(b"data: ") < 3:
+                    c = s.recv(65536)
+                    if not c:
+                        break
+                    buf += c
+            except socket.timeout:
+                st, _, m = raw(srv.port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + AUTH + b"\r\n")
+                fail(f"drain: stream {k} did not begin in 60 s: {buf[:300]!r}; metrics "
+                     f"{[x for x in m.decode().splitlines() if not x.startswith('#')][:40]}")
             got[k] = buf
         rc = srv.stop()
         check(rc == 0, f"drain: exit code {rc}; log {''.join(srv.log[-4:])}")
