@@ -80,7 +80,7 @@ static const mf_opt mf_serve_table[] = {
      .help = "largest request body; larger: 413"},
     {"--timeout", .kind = MF_OPT_LONG, .off = F(timeout), .def = "30", .meta = "S", .lo = 1, .hi = 86400,
      .help = "close a kept-alive connection that begins no request for S\nseconds, or a client that takes no "
-             "answer bytes for S seconds"},
+             "answer bytes for S + 1\nseconds"},
     {"--request-timeout", .kind = MF_OPT_LONG, .off = F(request_timeout), .def = "10", .meta = "S", .lo = 1,
      .hi = 86400, .help = "a request's head and body must arrive within S seconds of its\nstart; slower: 408, closed"},
     {"--max-connections", .kind = MF_OPT_LONG, .off = F(max_conns), .def = "4096", .meta = "N", .lo = 1,
@@ -202,11 +202,15 @@ static int mf_serve_listen(mf_serve *s, const struct sockaddr_in *sa)
     v->door = s->door;
     if (pthread_create(&v->stepper, NULL, mf_srv_stepper, v)) return mf_error(-EAGAIN, "cannot start the stepping thread");
     s->stepper = 1;
+    /* libmicrohttpd's idle timeout (which closes silently) a second past the door's deadlines, so
+     * that a slow request gets the door's 408 and an idle one the door's close first; it still
+     * closes a client that takes no answer bytes */
+    long idle_s = a->timeout > a->request_timeout ? a->timeout : a->request_timeout;
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME |
                      MHD_USE_NO_LISTEN_SOCKET | MHD_USE_ITC | (a->quiet ? 0 : MHD_USE_ERROR_LOG);
     s->d = MHD_start_daemon(flags, 0, NULL, NULL, mf_srv_handle, v, MHD_OPTION_EXTERNAL_LOGGER, mf_srv_log, v,
                             MHD_OPTION_THREAD_POOL_SIZE, 4u,
-                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)a->timeout, MHD_OPTION_CONNECTION_LIMIT,
+                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)(idle_s + 1), MHD_OPTION_CONNECTION_LIMIT,
                             (unsigned)(2 * a->max_conns + 64), MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)64 << 10,
                             MHD_OPTION_NOTIFY_COMPLETED, mf_srv_done, v, MHD_OPTION_NOTIFY_CONNECTION,
                             mf_srv_conn_notify, v, MHD_OPTION_URI_LOG_CALLBACK, mf_srv_uri_log, v,

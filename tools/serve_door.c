@@ -27,6 +27,7 @@
 #define MF_DOOR_CLOSING_MAX 256          /* refused sockets draining at once (more: closed at once) */
 #define MF_DOOR_LINGER_NS 2000000000LL   /* a refused socket is drained this long before it closes */
 #define MF_DOOR_GRACE_NS 1000000000LL    /* libmicrohttpd may still be writing 100 Continue */
+#define MF_DOOR_DRAIN_BYTES (16 << 20)    /* a refused socket is drained of at most this much */
 #define MF_DOOR_TICK_NS 100000000LL
 
 /* Where a connection is. HELD and CLOSING sockets are the door's; the others libmicrohttpd's. */
@@ -42,10 +43,11 @@ enum {
 
 typedef struct mf_door_conn {
     uint8_t state;
+    uint8_t linger;            /* served: answered before its body was read; drained after libmicrohttpd closes it */
     uint32_t addr;             /* the client's IPv4 address (network order) */
     int64_t deadline_ns;       /* 0: none */
     int64_t handler_ns;        /* READING: the access handler's first call for the request (0: not yet) */
-    size_t seen;               /* HELD: bytes of the head peeked so far */
+    size_t seen;               /* HELD: bytes of the head peeked so far; CLOSING: bytes drained */
     struct sockaddr_in sa;
 } mf_door_conn;
 
@@ -237,11 +239,12 @@ static void mf_door_accept(mf_door *d)
 static void mf_door_readable(mf_door *d, int fd, uint32_t events)
 {
     mf_door_conn *c = &d->conns[fd];
-    if (c->state == MF_DOOR_CLOSING) {
-        char sink[4096];
-        ssize_t r;
-        while ((r = recv(fd, sink, sizeof sink, 0)) > 0) {}
-        if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR) || (events & (EPOLLHUP | EPOLLERR))) {
+    if (c->state == MF_DOOR_CLOSING) {   /* drained, a bounded amount per round and in all */
+        char sink[16384];
+        ssize_t r = 1;
+        for (int k = 0; k < 16 && (r = recv(fd, sink, sizeof sink, 0)) > 0; k++) c->seen += (size_t)r;
+        if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR) || (events & (EPOLLHUP | EPOLLERR)) ||
+            c->seen > MF_DOOR_DRAIN_BYTES) {
             epoll_ctl(d->ep, EPOLL_CTL_DEL, fd, NULL);
             mf_door_forget(d, fd);
             close(fd);
@@ -486,7 +489,32 @@ static mf_door_conn *mf_door_served(mf_door *d, int fd)
 void mf_door_conn_closed(mf_door *d, int fd)
 {
     pthread_mutex_lock(&d->mu);
-    if (mf_door_served(d, fd)) mf_door_forget(d, fd);
+    mf_door_conn *c = mf_door_served(d, fd);
+    int linger = c && c->linger;
+    if (c) mf_door_forget(d, fd);
+    /* answered before its body was read: libmicrohttpd has sent the answer and shut the socket for
+     * writing, and closes it next; a duplicate keeps it open while the door drains what the client
+     * still sends, so that closing it resets nothing and the client reads the answer */
+    int nfd = linger && d->n_closing < MF_DOOR_CLOSING_MAX ? fcntl(fd, F_DUPFD_CLOEXEC, 0) : -1;
+    if (nfd >= 0 && (nfd >= d->cap || epoll_ctl(d->ep, EPOLL_CTL_ADD, nfd, &(struct epoll_event){
+                                                   .events = EPOLLIN | EPOLLRDHUP | EPOLLET, .data.fd = nfd}))) {
+        close(nfd);
+        nfd = -1;
+    }
+    if (nfd >= 0) {
+        mf_door_forget(d, nfd);
+        if (nfd >= d->top) d->top = nfd + 1;
+        d->conns[nfd] = (mf_door_conn){.state = MF_DOOR_CLOSING, .deadline_ns = mf_now_ns() + MF_DOOR_LINGER_NS};
+        d->n_closing++;
+    }
+    pthread_mutex_unlock(&d->mu);
+}
+
+void mf_door_linger(mf_door *d, int fd)
+{
+    pthread_mutex_lock(&d->mu);
+    mf_door_conn *c = mf_door_served(d, fd);
+    if (c) c->linger = 1;
     pthread_mutex_unlock(&d->mu);
 }
 

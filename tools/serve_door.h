@@ -54,5 +54,9 @@ int mf_door_request_late(mf_door *d, int fd);
  * the door has already answered it with 408 (the handler then returns MHD_NO). */
 int mf_door_request_read(mf_door *d, int fd);
 void mf_door_request_done(mf_door *d, int fd);  /* MHD_OPTION_NOTIFY_COMPLETED: idle again */
+/* The request was answered before its body was read (libmicrohttpd closes the connection after
+ * the answer): once it has, the door drains what the client still sends, for up to 2 s, before
+ * the socket closes, so that the client, still sending, reads the answer instead of a reset. */
+void mf_door_linger(mf_door *d, int fd);
 
 #endif

@@ -388,6 +388,7 @@ static enum MHD_Result mf_srv_refuse(mf_srv *v, struct MHD_Connection *c, mf_con
     MHD_add_response_header(r, "Content-Type", "application/json");
     if (retry_after) MHD_add_response_header(r, "Retry-After", retry_after);
     if (status == 405) MHD_add_response_header(r, "Allow", cn->route && cn->route->post ? "POST" : "GET, HEAD");
+    if (cn->has_body && !cn->body_done) mf_door_linger(v->door, cn->fd);   /* the client may be sending it */
     if (status == 408 || (cn->has_body && !cn->body_done)) MHD_add_response_header(r, "Connection", "close");
     enum MHD_Result ok = MHD_queue_response(c, status, r);
     MHD_destroy_response(r);

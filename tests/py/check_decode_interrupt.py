@@ -123,6 +123,9 @@ def main():
             m = re.search(r"interrupted by (SIG\w+): (\d+) prompts done, (\d+) cancelled, (\d+) not started", se)
             if rc in (3, 0):   # it finished before the signal
                 print(f"trial {t}: finished before the signal")
+            elif rc in (-signal.SIGINT, -signal.SIGTERM):   # before the step loop: the default action
+                check(open(out, "rb").read() == b"", f"trial {t}: killed while loading, yet --output has records")
+                print(f"trial {t}: the signal came while the model loaded")
             elif check(rc == want and m is not None, f"trial {t}: exit {rc} (want {want}); stderr {se[-400:]}"):
                 got = records(out)
                 done = sum(1 for o in got.values() if "tokens" in o)
@@ -137,7 +140,8 @@ def main():
             records(out)
             if rc == 3:
                 break
-            check(rc in (130, 143) and again, f"trial {t} resume {k}: exit {rc}: {se[-300:]}")
+            # 130 / 143: interrupted in the step loop; -2: by the signal itself, while the model loaded
+            check(rc in (130, 143, -signal.SIGINT) and again, f"trial {t} resume {k}: exit {rc}: {se[-300:]}")
         got = records(out)
         check(content(got) == content(ref), f"trial {t}: resumed output differs from the uninterrupted run: "
               f"{sorted(set(got) ^ set(ref))} "
