@@ -276,6 +276,7 @@ static void mf_serve_close(mf_serve *s)
 {
     mf_srv *v = s->v;
     if (s->d) {
+        mf_door_quiesce(s->door);   /* nothing more handed to the daemon */
         mf_srv_unpark_all(v);
         MHD_stop_daemon(s->d);
     }

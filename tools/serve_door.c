@@ -61,7 +61,7 @@ struct mf_door {
     pthread_mutex_t mu;        /* conns, the counts, the address table, quiesce, stop */
     mf_door_conn *conns;       /* by socket */
     int cap, top;              /* sockets cap and over; top: 1 + the highest in use */
-    int n_held, n_served, n_closing, quiesce, stop;
+    int n_held, n_served, n_closing, quiesce, quiesced, stop;
     /* open connections per client address: open addressing, linear probing, 2^hbits slots */
     uint32_t *ha;
     int32_t *hc;
@@ -335,6 +335,7 @@ static void mf_door_shut_entry(mf_door *d)
     for (int fd = 0; fd < d->top; fd++)
         if (d->conns[fd].state == MF_DOOR_HELD)
             mf_door_refuse(d, fd, 503, "shutting_down", "the server is shutting down", "5");
+    d->quiesced = 1;
 }
 
 static void *mf_door_main(void *arg)
@@ -439,10 +440,18 @@ static void mf_door_wake(mf_door *d)
 
 void mf_door_quiesce(mf_door *d)
 {
+    if (!d) return;
     pthread_mutex_lock(&d->mu);
     d->quiesce = 1;
     pthread_mutex_unlock(&d->mu);
     mf_door_wake(d);
+    for (int k = 0; d->started && k < 500; k++) {   /* the thread has shut the entry: no more hand-offs */
+        pthread_mutex_lock(&d->mu);
+        int done = d->quiesced;
+        pthread_mutex_unlock(&d->mu);
+        if (done) break;
+        usleep(2000);
+    }
 }
 
 void mf_door_close(mf_door *d)

@@ -37,7 +37,9 @@ unsigned mf_door_port(const mf_door *d);
  * MHD_USE_NO_LISTEN_SOCKET and MHD_USE_ITC). 0 or -EAGAIN. */
 int mf_door_start(mf_door *d, struct MHD_Daemon *mhd);
 /* Stops accepting: the listening socket closes, the connections held here get 503
- * (shutting_down). The deadlines and the tick go on until mf_door_close. */
+ * (shutting_down); returns once the door's thread has done so (no connection is handed to
+ * libmicrohttpd after it: MHD_stop_daemon may follow). The deadlines and the tick go on until
+ * mf_door_close. NULL is fine. */
 void mf_door_quiesce(mf_door *d);
 /* Stops the thread and closes what it holds (call after MHD_stop_daemon). NULL is fine. */
 void mf_door_close(mf_door *d);

@@ -762,7 +762,8 @@ static enum MHD_Result mf_srv_metrics(mf_srv *v, struct MHD_Connection *c)
                 v->phase_ns[p] / 1e9);
         OUT("# HELP moeflow_step_shapes_built_total Step shapes (graph, binding, buffers) the engine built: a step "
             "of a shape it did not keep builds one.\n# TYPE moeflow_step_shapes_built_total counter\n"
-            "moeflow_step_shapes_built_total %" PRId64 "\nmoeflow_step_shape_build_seconds_total %.6f\n",
+            "moeflow_step_shapes_built_total %" PRId64 "\n# TYPE moeflow_step_shape_build_seconds_total counter\n"
+            "moeflow_step_shape_build_seconds_total %.6f\n",
             v->builds.n_built, v->builds.build_ns / 1e9);
     }
     pthread_mutex_unlock(&v->mu);

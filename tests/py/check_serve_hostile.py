@@ -596,7 +596,8 @@ def check_held(ckpt, prompt_ids, n_idle, n_slow):
 def check_drain(ckpt, prompt_ids):
     """SIGTERM with long streams running: each ends with finish_reason "error" and an error event
     (shutting_down) before [DONE]; a long non-streamed request gets 503; exit 0."""
-    srv = Server(ckpt, "--max-batch", "4", "--drain-timeout", "1", env={"MOEFLOW_API_KEY": KEY})
+    # five sequences, five states: whichever request the server reads first, all run at once
+    srv = Server(ckpt, "--max-batch", "5", "--drain-timeout", "1", env={"MOEFLOW_API_KEY": KEY})
     socks, got = [], {}
     try:
         for k in range(3):
@@ -622,8 +623,10 @@ def check_drain(ckpt, prompt_ids):
                 fail(f"drain: stream {k} did not begin in 60 s: {buf[:300]!r}; metrics "
                      f"{[x for x in m.decode().splitlines() if not x.startswith('#')][:40]}")
             got[k] = buf
+        t_stop = time.time()
         rc = srv.stop()
         check(rc == 0, f"drain: exit code {rc}; log {''.join(srv.log[-4:])}")
+        t_stop = time.time() - t_stop
         for k, s in enumerate(socks):
             buf = got[k]
             while True:
@@ -641,7 +644,8 @@ def check_drain(ckpt, prompt_ids):
             n_ch = 1 + (k == 2)
             ok = (len(events) >= 3 and events[-1] == "[DONE]" and error_code(events[-2]) == "shutting_down" and
                   fins.count("error") == n_ch)
-            check(ok, f"drained stream {k}: last events {events[-3:]} finish_reasons {fins[-3:]}")
+            check(ok, f"drained stream {k}: last events {events[-3:]} finish_reasons {fins[-3:]}; exit after "
+                      f"{t_stop:.1f} s; server log {''.join(srv.log[-6:])}")
         st, _, body = read_response(plain)
         check(st == 503 and error_code(body) == "shutting_down", f"drained plain request: {st} {body[:160]!r}")
         stray = [x for x in srv.log if x.strip() and not x.startswith(("moeflow serve: ", "load ["))]
