@@ -495,6 +495,18 @@ static void mf_dec_on_signal(int sig)
     if (mf_dec_n_sig < 2) mf_dec_n_sig++;
 }
 
+/* With --prompts, from the first record written to the exit: SIGINT and SIGTERM are taken
+ * (counted; the step loop acts on them), so the process never dies in mid-record or before its
+ * summary. Before (loading the model), and with --prompt or --tokens, a signal ends it as before. */
+static void mf_dec_catch(const mf_dec *d)
+{
+    if (!d->a->prompts_file) return;
+    struct sigaction sa = {.sa_handler = mf_dec_on_signal, .sa_flags = SA_RESTART};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+}
+
 /* After a signal: the first cancels the prompts not generating yet (queued, or in their prefill);
  * the second the rest. `seen` is how many signals were acted on. */
 static void mf_dec_interrupt(mf_dec *d, int *seen)
@@ -514,19 +526,14 @@ static void mf_dec_interrupt(mf_dec *d, int *seen)
 }
 
 /* Steps the batcher until every prompt has finished (or an interruption has ended them), the
- * progress line once a second. SIGINT and SIGTERM are taken while it runs (mf_dec_interrupt). */
+ * progress line once a second; the signals taken since mf_dec_catch act between steps
+ * (mf_dec_interrupt). */
 static int mf_dec_run(mf_dec *d)
 {
     const mf_dec_cli *a = d->a;
     int64_t next_progress = (d->t0 = mf_now_ns()) + 1000000000;
     d->dc.t0 = d->t0;
     if (d->mst) mf_store_step(d->mst, NULL);
-    struct sigaction sa = {.sa_handler = mf_dec_on_signal, .sa_flags = SA_RESTART}, old_int, old_term;
-    sigemptyset(&sa.sa_mask);
-    if (a->prompts_file) {   /* --prompt and --tokens: a signal ends the process, as before */
-        sigaction(SIGINT, &sa, &old_int);
-        sigaction(SIGTERM, &sa, &old_term);
-    }
     int seen = 0, rc = 0;
     for (;;) {
         mf_dec_interrupt(d, &seen);
@@ -542,10 +549,6 @@ static int mf_dec_run(mf_dec *d)
         }
     }
     mf_dec_interrupt(d, &seen);   /* one that came during the last step */
-    if (a->prompts_file) {
-        sigaction(SIGINT, &old_int, NULL);
-        sigaction(SIGTERM, &old_term, NULL);
-    }
     if (rc) return rc;
     if (d->dc.rc) return mf_error(d->dc.rc, "%s", d->dc.msg);
     d->t2 = mf_now_ns();
@@ -691,6 +694,7 @@ int mf_cmd_decode(int argc, char **argv)
     if (!rc) rc = mf_dec_model(&d);
     if (!rc) rc = mf_dec_engine(&d);
     if (!rc) mf_dec_engine_notes(&d);
+    if (!rc) mf_dec_catch(&d);
     if (!rc) rc = mf_dec_submit(&d);
     if (!rc) rc = mf_dec_run(&d);
     if (!rc) rc = mf_dec_outputs(&d);
