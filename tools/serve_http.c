@@ -26,6 +26,7 @@
 #include "host/tokenizer.h"
 #include "sched/clock.h"
 #include "sched/error.h"
+#include "tools/serve_head.h"
 #include "tools/serve_http.h"
 #include "tools/serve_req.h"
 
@@ -831,9 +832,10 @@ static int mf_srv_key_ok(const mf_srv *v, struct MHD_Connection *c)
 }
 
 /* The handler's first call for a request: its head is in, no byte of its body read. Everything a
- * head decides is refused here, so a refused body is never read: past its deadline (408), the path
- * (404) and method (405), Transfer-Encoding (with Content-Length: 400, request smuggling; alone:
- * 411), the API key (401), Content-Length past --max-body (413). */
+ * head decides is refused here, so a refused body is never read: past its deadline (408), the
+ * door's limits (414, 431: a kept-alive connection's later heads come to libmicrohttpd
+ * directly), the path (404) and method (405), Transfer-Encoding (with Content-Length: 400, request
+ * smuggling; alone: 411), the API key (401), Content-Length past --max-body (413). */
 static enum MHD_Result mf_srv_head_in(mf_srv *v, struct MHD_Connection *c, mf_conn *cn, const char *url,
                                       const char *method)
 {
@@ -845,6 +847,17 @@ static enum MHD_Result mf_srv_head_in(mf_srv *v, struct MHD_Connection *c, mf_co
     if (mf_door_request_late(v->door, cn->fd)) {
         snprintf(m, sizeof m, "the request's head did not arrive within its time (--request-timeout)");
         return mf_srv_refuse(v, c, cn, 408, "request_timeout", m, NULL, NULL);
+    }
+    const union MHD_ConnectionInfo *hs = MHD_get_connection_info(c, MHD_CONNECTION_INFO_REQUEST_HEADER_SIZE);
+    if (strlen(url) > MF_HTTP_MAX_TARGET) {
+        snprintf(m, sizeof m, "the request target is longer than %d bytes", MF_HTTP_MAX_TARGET);
+        return mf_srv_refuse(v, c, cn, 414, "uri_too_long", m, NULL, NULL);
+    }
+    if ((hs && hs->header_size > MF_HTTP_MAX_HEAD) ||
+        MHD_get_connection_values(c, MHD_HEADER_KIND, NULL, NULL) > MF_HTTP_MAX_FIELDS) {
+        snprintf(m, sizeof m, "the request head is larger than %d bytes or has more than %d header fields",
+                 MF_HTTP_MAX_HEAD, MF_HTTP_MAX_FIELDS);
+        return mf_srv_refuse(v, c, cn, 431, "header_too_large", m, NULL, NULL);
     }
     for (size_t k = 0; k < sizeof mf_routes / sizeof *mf_routes; k++)
         if (!strcmp(url, mf_routes[k].path)) cn->route = &mf_routes[k];

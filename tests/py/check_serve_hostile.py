@@ -320,7 +320,12 @@ def check_auth(port):
     s = connect(port)
     for data, st, code in ((post(b"/v1/completions", "{}", AUTH + b"Transfer-Encoding: chunked\r\n"), 400, "bad_request"),
                            (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH +
-                            b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", 411, "length_required")):
+                            b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", 411, "length_required"),
+                           (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 20000 + b"\r\n\r\n", 431,
+                            "header_too_large"),
+                           (b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(101)) +
+                            b"\r\n", 431, "header_too_large"),
+                           (b"GET /" + b"x" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414, "uri_too_long")):
         s.close()
         s = connect(port)
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -687,7 +692,7 @@ def main():
         m = metrics(srv.port)
         want = {"bad_request": 13, "request_timeout": 3 * n_each, "too_many_connections": 1, "invalid_api_key": 8,
                 "not_found": 2, "method_not_allowed": 3, "length_required": 2, "body_too_large": 3,
-                "uri_too_long": 2, "header_too_large": 2, "http_version_not_supported": 2, "not_implemented": 1}
+                "uri_too_long": 3, "header_too_large": 4, "http_version_not_supported": 2, "not_implemented": 1}
         check(all(m.get(k, 0) >= v for k, v in want.items()) and n_heads > 20,
               f"/metrics rejected_total: {m} (want at least {want})")
         check_rss(srv, ids, 12 if SANITIZED else 32)
