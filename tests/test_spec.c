@@ -10,6 +10,7 @@
  *   accepted) against without, a chi-square test of each position's tokens (categories of at
  *   least 5 expected in both, the rest pooled) below its 0.1% critical value; a rule that always
  *   accepted the candidate fails it (checked here on the same draws);
+ * - a request with penalties takes plain steps (its tokens and logits those of its plain run);
  * - the policy's rule (mf_spec_choose) on stated prices. */
 #include <errno.h>
 #include <math.h>
@@ -31,6 +32,9 @@ enum { NP = 12, GEN = 14, MAXR = 64 };
  * injected candidates were accepted 0.07% of the time there, 41% at 0.1), top-p 0.95 */
 #define TEMP 0.1
 #define NREQ 960
+
+/* the requests' frequency_penalty (check_controls: a request the acceptance cannot serve) */
+static double g_freq_pen;
 
 typedef struct req_out {
     int id, n;
@@ -94,7 +98,7 @@ static int run_batch(mf_ref *r, mf_step *e, mf_spec *sp, int max_batch, int n_re
         out[q].pos0 = NP;
         rc = mf_batch_submit(b, &(mf_batch_req){.prompt = p, .n_prompt = NP, .max_tokens = gen, .temperature = temp,
                                                 .top_p = 0.95, .seed = seed0 + (uint64_t)q, .ignore_eos = 1,
-                                                .user = &out[q]},
+                                                .frequency_penalty = g_freq_pen, .user = &out[q]},
                              NULL);
     }
     while (!rc && mf_batch_wait(b, 0)) rc = mf_batch_step(b, NULL);
@@ -175,6 +179,47 @@ static void check_greedy(mf_ref *r, mf_step *e, const char *who)
         free_outs(got, NR);
     }
     free_outs(base, NR);
+}
+
+/* A request with penalties (as with logprobs, logit_bias or a grammar) takes plain steps under
+ * speculation: its tokens are those of its plain run (drawn from the adjusted logits), and no
+ * round speculates although the injected candidates would all be accepted by the raw logits. */
+static void check_controls(mf_ref *r, mf_step *e)
+{
+    int64_t V = mf_ref_config(r)->vocab_size;
+    enum { NR = 2 };
+    req_out base[NR], plain[NR], got[NR];
+    alloc_outs(base, NR, V);
+    alloc_outs(plain, NR, V);
+    alloc_outs(got, NR, V);
+    CHECK(run_batch(r, e, NULL, NR, NR, 0, 0, base, V, 7, GEN) == 0, "controls base: %s", mf_last_error());
+    g_freq_pen = 1.5;
+    CHECK(run_batch(r, e, NULL, NR, NR, 0, 0, plain, V, 7, GEN) == 0, "controls plain: %s", mf_last_error());
+    int differs = 0;
+    for (int q = 0; q < NR; q++) differs |= memcmp(plain[q].tok, base[q].tok, sizeof base[q].tok) != 0;
+    CHECK(differs, "controls: the penalty changes no greedy token (the check would prove nothing)");
+    for (int q = 0; q < NR; q++) got[q].truth = base[q].tok, got[q].right = 5;   /* the raw logits' tokens */
+    run_ctx x = {.V = V};
+    mf_spec *sp = NULL;
+    CHECK(mf_spec_new(&(mf_spec_opts){.ref = r, .eng = e, .source = MF_SPEC_INJECT, .n_max = 5, .inject = inject,
+                                      .inject_user = &x},
+                      NR, &sp) == 0, "controls: %s", mf_last_error());
+    CHECK(sp && run_batch(r, e, sp, NR, NR, 0, 0, got, V, 7, GEN) == 0, "controls spec: %s", mf_last_error());
+    for (int q = 0; q < NR; q++)
+        CHECK(got[q].n == GEN && !memcmp(got[q].tok, plain[q].tok, sizeof got[q].tok) &&
+                  !memcmp(got[q].logits, plain[q].logits, sizeof(float) * GEN * (size_t)V),
+              "controls: request %d with a penalty: tokens or logits differ from its plain run", q);
+    if (sp) {
+        mf_spec_stats st;
+        mf_spec_get_stats(sp, &st);
+        CHECK(st.rounds == 0 && st.proposed == 0, "controls: %lld rounds speculated for penalized requests",
+              (long long)st.rounds);
+    }
+    g_freq_pen = 0;
+    mf_spec_free(sp);
+    free_outs(base, NR);
+    free_outs(plain, NR);
+    free_outs(got, NR);
 }
 
 /* Chi-square statistic of two samples' counts over categories (those with at least 5 expected in
@@ -298,6 +343,7 @@ int main(void)
     }
     check_choose();
     check_greedy(r, e, "engine");
+    check_controls(r, e);
     if (!MF_TEST_SANITIZED) check_greedy(r, NULL, "reference");
     check_sampling(r, e);
     mf_step_free(e);
