@@ -245,6 +245,7 @@ int mf_wmap_file_evict(const char *path)
 {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return mf_error(-errno, "%s: cannot open: %s", path, strerror(errno));
+    (void)fdatasync(fd);   /* dirty pages (a file just written) are not dropped */
     int e = posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
     close(fd);
     return e ? mf_error(-e, "%s: posix_fadvise(DONTNEED): %s", path, strerror(e)) : 0;

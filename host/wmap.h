@@ -76,7 +76,8 @@ int mf_wmap_meminfo(uint64_t *available, uint64_t *total);
 
 /* For `moeflow info --resident`: the bytes of file `path` the page cache holds (mapped and
  * checked with mincore; nothing is read) and its size; mf_wmap_file_evict asks the kernel to drop
- * its cached pages (POSIX_FADV_DONTNEED; pages another process maps stay until it unmaps them).
+ * its cached pages (written back first, then POSIX_FADV_DONTNEED; pages another process maps stay
+ * until it unmaps them).
  * 0 or a negative code naming path. */
 int mf_wmap_file_cached(const char *path, uint64_t *cached, uint64_t *size);
 int mf_wmap_file_evict(const char *path);
