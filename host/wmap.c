@@ -19,6 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "host/dio.h"
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "sched/progress.h"
@@ -407,6 +408,14 @@ static int mf_wmap_plan(mf_wfill *f, const mf_wmap_range *r, int n, mf_wmap_fill
     return 0;
 }
 
+/* 1 when a shard lies on a rotational disk: one stream per socket reads it best (seeks). */
+static int mf_wmap_rotational(const mf_wmap *w)
+{
+    for (int s = 0; s < w->n_shards; s++)
+        if (mf_dio_rotational(mf_st_shard_fd(w->st, s)) == 1) return 1;
+    return 0;
+}
+
 int mf_wmap_fill(mf_wmap *w, const mf_wmap_range *r, int n, const mf_wmap_fill_opts *opts,
                  mf_wmap_fill_stats *stats)
 {
@@ -415,7 +424,7 @@ int mf_wmap_fill(mf_wmap *w, const mf_wmap_range *r, int n, const mf_wmap_fill_o
     int64_t t0 = mf_now_ns();
     int n_sock = o.n_sockets > 1 && o.socket_node ? o.n_sockets : 0;
     if (n_sock > 30) n_sock = 30;
-    int T = o.n_threads > 0 ? o.n_threads : 4;
+    int T = o.n_threads > 0 ? o.n_threads : mf_wmap_rotational(w) ? 1 : 4;
     if (T < n_sock) T = n_sock;
     mf_wfill f = {.w = w, .n_sock = n_sock, .node = o.socket_node};
     f.first = calloc((size_t)n_sock + 2, sizeof *f.first);

@@ -367,6 +367,10 @@ static void mf_dec_report(const mf_dec *d)
     if (first && since >= 0)
         fprintf(stderr, "moeflow decode: first token %.3f s after the process started (the model's load %.3f s)\n",
                 since - (now - first) / 1e9, d->x.load_s);
+    double anon, file;
+    if (!mf_tool_rss(&anon, &file))
+        fprintf(stderr, "moeflow decode: memory: %.2f GiB of the process's own (RssAnon), %.2f GiB of files mapped "
+                "(RssFile: the page cache, shared, kept after exit)\n", anon / 1073741824.0, file / 1073741824.0);
 }
 
 static void mf_dec_close(mf_dec *d)

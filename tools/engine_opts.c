@@ -319,3 +319,18 @@ double mf_tool_since_start_s(void)
     long hz = sysconf(_SC_CLK_TCK);
     return hz > 0 ? ts.tv_sec + ts.tv_nsec / 1e9 - (double)start / (double)hz : -1;
 }
+
+int mf_tool_rss(double *anon_bytes, double *file_bytes)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return -1;
+    char line[256];
+    unsigned long long kb;
+    int got = 0;
+    while (fgets(line, sizeof line, f)) {
+        if (sscanf(line, "RssAnon: %llu kB", &kb) == 1) *anon_bytes = kb * 1024.0, got |= 1;
+        if (sscanf(line, "RssFile: %llu kB", &kb) == 1) *file_bytes = kb * 1024.0, got |= 2;
+    }
+    fclose(f);
+    return got == 3 ? 0 : -1;
+}

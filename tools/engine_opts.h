@@ -91,5 +91,8 @@ void mf_tool_run_close(mf_tool_run *x);
 
 /* Seconds since this process started (its start time in /proc/self/stat), or -1. */
 double mf_tool_since_start_s(void);
+/* This process's resident bytes now (/proc/self/status): its own (RssAnon) and files' pages it
+ * maps (RssFile, the mapped weights). 0 or -1. */
+int mf_tool_rss(double *anon_bytes, double *file_bytes);
 
 #endif
