@@ -4,7 +4,8 @@
  * --store resident: experts and Engram tables read with O_DIRECT into the store's slab). Each way
  * prefills the same prompt, then the ways take turns running --steps decode steps, --rounds times
  * (the order of the turns rotating from round to round);
- * prints the median step time and tokens/s of each and their ratio to the mapped way, and whether
+ * prints the median step time and tokens/s of each, their ratio to the mapped way, the process's CPU
+ * time a step (all threads: less sensitive to other load than wall time), and whether
  * their logits agree bit for bit. */
 #include <errno.h>
 #include <inttypes.h>
@@ -12,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "graphs/model/model.h"
@@ -65,6 +67,7 @@ typedef struct mf_bw_way {
     float *logits;
     int32_t tok;
     int64_t *step_ns;
+    int64_t cpu_ns;   /* the process's CPU time during the way's turns (all threads) */
 } mf_bw_way;
 
 /* Way k's model, engine and sequence, its prompt prefilled. */
@@ -100,6 +103,14 @@ static int32_t mf_bw_argmax(const float *x, int64_t n)
     return (int32_t)b;
 }
 
+/* The process's CPU time, all threads. */
+static int64_t mf_bw_cpu_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
 static int mf_bw_cmp(const void *x, const void *y)
 {
     int64_t a = *(const int64_t *)x, b = *(const int64_t *)y;
@@ -121,12 +132,17 @@ int mf_bench_weights(int argc, char **argv)
     long n = 0;
     for (long r = 0; r < a.rounds && !rc; r++) {
         for (int i = 0; i < MF_BW_WAYS && !rc; i++)   /* the order rotates: none always follows another */
-            for (long s = 0, k = (r + i) % MF_BW_WAYS; s < a.steps && !rc; s++) {
+        {
+            int k = (int)((r + i) % MF_BW_WAYS);
+            int64_t c0 = mf_bw_cpu_ns();
+            for (long s = 0; s < a.steps && !rc; s++) {
                 w[k].tok = mf_bw_argmax(w[k].logits, V);
                 int64_t t0 = mf_now_ns();
                 rc = mf_step_decode(w[k].e, &w[k].st, &w[k].tok, 1, w[k].logits);
                 w[k].step_ns[r * a.steps + s] = mf_now_ns() - t0;
             }
+            w[k].cpu_ns += mf_bw_cpu_ns() - c0;
+        }
         for (int j = 1; j < MF_BW_WAYS && !rc; j++)   /* every way at the same step: compare */
             same &= !memcmp(w[0].logits, w[j].logits, sizeof(float) * (size_t)V);
         n += a.steps;
@@ -138,8 +154,8 @@ int mf_bench_weights(int argc, char **argv)
         for (int k = 0; k < MF_BW_WAYS; k++) {
             qsort(w[k].step_ns, (size_t)(a.steps * a.rounds), sizeof(int64_t), mf_bw_cmp);
             med[k] = w[k].step_ns[a.steps * a.rounds / 2] / 1e6;
-            printf("  %-7s median step %8.3f ms  %8.2f tokens/s  ratio to mapped %.3f\n", mf_bw_names[k], med[k],
-                   1e3 / med[k], med[k] / med[0]);
+            printf("  %-7s median step %8.3f ms  %8.2f tokens/s  ratio to mapped %.3f  CPU %.3f ms a step\n",
+                   mf_bw_names[k], med[k], 1e3 / med[k], med[k] / med[0], w[k].cpu_ns / 1e6 / (double)n);
         }
         printf("  logits after the prefill and after each turn (%ld steps): %s\n", n,
                same ? "bit-identical across the ways" : "DIFFER");

@@ -180,10 +180,10 @@ static void mf_tool_run_weights_line(const char *cmd, const mf_tool_engine *e, c
     if (w.mapped) {
         uint64_t read = w.map_bytes > w.cached_bytes ? w.map_bytes - w.cached_bytes : 0;
         fprintf(stderr, "moeflow %s: weights mapped from the page cache: %.2f GiB, %.2f GiB of it cached before "
-                "(%s), %.2f GiB read in %.2f s on %d threads%s\n", cmd, w.map_bytes / G,
+                "(%s), %.2f GiB read in %.2f s on %d thread%s%s\n", cmd, w.map_bytes / G,
                 (w.cached_bytes < w.map_bytes ? w.cached_bytes : w.map_bytes) / G,
                 read == 0 ? "warm" : w.cached_bytes ? "partly warm" : "cold", read / G, w.fill_ns / 1e9,
-                w.fill_threads, w.copied_bytes ? "; tensors the file does not align copied" : "");
+                w.fill_threads, w.fill_threads == 1 ? "" : "s", w.copied_bytes ? "; tensors the file does not align copied" : "");
     }
     if (x->mst)
         fprintf(stderr, "moeflow %s: expert store %s, %d slots of %.2f MiB (%.2f GiB slab), engine %s, %s; "

@@ -11,7 +11,8 @@
 #                       [--throttle BYTES_PER_S] [--bin build/moeflow] [-- decode args]
 # ways: mapped (the default: --weights mapped), copied (--weights copied: a private copy read
 # buffered), store (--weights copied --store resident: what a checkpoint over 64 GiB took before,
-# experts and tables read with O_DIRECT into the process). --throttle caps the device's read rate
+# experts and tables read with O_DIRECT into the process), streamed (--weights copied --store
+# streamed: what a checkpoint larger than the memory took before; mapped falls back to it). --throttle caps the device's read rate
 # for the runs (e.g. 284164096 = 271 MiB/s, the seed host's disk).
 set -euo pipefail
 ckpt= runs=3 ways="mapped copied store" throttle= bin=build/moeflow
@@ -44,6 +45,7 @@ args_of() {
     mapped) echo "--weights mapped" ;;
     copied) echo "--weights copied" ;;
     store) echo "--weights copied --store resident" ;;
+    streamed) echo "--weights copied --store streamed" ;;
   esac
 }
 echo "checkpoint $ckpt on /dev/$dev ($(cat /sys/block/$dev/queue/rotational 2>/dev/null | sed 's/1/rotational/;s/0/not rotational/')), $(nproc) CPUs, $(free -g | awk '/Mem:/{print $2}') GiB RAM, load $(cut -d' ' -f1-3 /proc/loadavg)${throttle:+, reads throttled to $throttle B/s}"
