@@ -5,7 +5,8 @@
  * touched, rewritten in place or replaced by another checkpoint's between runs, or with two
  * checkpoints cached at once; a shard truncated after its header was read is refused; weights
  * larger than the memory fall back to a streamed store (same logits); tensors the file does not
- * align are copied (same logits); with sockets each share is faulted in by threads bound to its
+ * align are copied (same logits); emulated cards over mapped weights (the generator's layout and the
+ * released one's, scales first) give the copy's logits, each miss one copy of the span; with sockets each share is faulted in by threads bound to its
  * node, a node that does not exist noted; the cached-bytes and evict helpers agree with a load. */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -22,6 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "device/dev.h"
 #include "graphs/gen/gen.h"
 #include "graphs/model/config.h"
 #include "graphs/model/model.h"
@@ -334,32 +336,34 @@ static void test_fallback(void)
     free(want);
 }
 
-/* A single-file checkpoint whose tensors start 3 bytes past alignment: mapped loads copy the bf16
- * and f32 ones (and view the rest), with the copy's logits. */
-static void test_unaligned(void)
+/* dir's tensors rewritten as one file out/model.safetensors (config.json beside it), sorted by
+ * name as the released checkpoint's Python writer orders them within a dtype size (each expert's
+ * scales before its codes), after a 3-byte tensor with odd: every tensor then starts 3 bytes past
+ * its alignment. 0 or 1 (said). */
+static int write_single(const char *dir, const char *out, int odd)
 {
     mf_st *st = NULL;
-    CHECK(mf_st_open(g_dir, &st) == 0, "st_open: %s", mf_last_error());
-    if (!st) return;
-    int n = mf_st_n_tensors(st);
+    CHECK(mf_st_open(dir, &st) == 0, "st_open: %s", mf_last_error());
+    if (!st) return 1;
+    int n = mf_st_n_tensors(st), k0 = odd ? 1 : 0;
     mf_st_spec *sp = calloc((size_t)n + 1, sizeof *sp);
     sp[0] = (mf_st_spec){.name = "aaa.odd", .dtype = MF_DTYPE_U8, .n_dims = 1, .shape = {3}};
     for (int i = 0; i < n; i++) {
-        const mf_st_tensor *t = mf_st_tensor_at(st, i);
-        sp[i + 1] = (mf_st_spec){.name = t->name, .dtype = t->dtype, .n_dims = t->n_dims};
-        memcpy(sp[i + 1].shape, t->shape, sizeof t->shape);
+        const mf_st_tensor *t = mf_st_tensor_at(st, i);   /* sorted by name */
+        sp[i + k0] = (mf_st_spec){.name = t->name, .dtype = t->dtype, .n_dims = t->n_dims};
+        memcpy(sp[i + k0].shape, t->shape, sizeof t->shape);
     }
     char path[4200], cmd[13000];
-    snprintf(cmd, sizeof cmd, "mkdir -p '%s' && cp '%s/config.json' '%s/'", g_odd, g_dir, g_odd);
+    snprintf(cmd, sizeof cmd, "mkdir -p '%s' && cp '%s/config.json' '%s/'", out, dir, out);
     CHECK(system(cmd) == 0, "%s", cmd);
-    snprintf(path, sizeof path, "%s/model.safetensors", g_odd);
+    snprintf(path, sizeof path, "%s/model.safetensors", out);
     mf_st_writer *wr = NULL;
-    int rc = mf_st_writer_create(path, sp, n + 1, NULL, 0, &wr);
+    int rc = mf_st_writer_create(path, sp, n + k0, NULL, 0, &wr);
     for (int i = 0; !rc && i < n; i++) {
         const mf_st_tensor *t = mf_st_tensor_at(st, i);
         void *buf = malloc((size_t)t->n_bytes + 1);
         rc = buf ? mf_st_read(st, t, 0, buf, (size_t)t->n_bytes) : -ENOMEM;
-        if (!rc) rc = mf_st_writer_pwrite(wr, i + 1, 0, buf, (size_t)t->n_bytes);
+        if (!rc) rc = mf_st_writer_pwrite(wr, i + k0, 0, buf, (size_t)t->n_bytes);
         free(buf);
     }
     if (!rc) rc = mf_st_writer_finish(wr);
@@ -367,6 +371,14 @@ static void test_unaligned(void)
     CHECK(rc == 0, "writing %s: %s", path, mf_last_error());
     free(sp);
     mf_st_close(st);
+    return rc ? 1 : 0;
+}
+
+/* Tensors 3 bytes past alignment: mapped loads copy the bf16 and f32 ones (and view the rest),
+ * with the copy's logits. */
+static void test_unaligned(void)
+{
+    if (write_single(g_dir, g_odd, 1)) return;
     mf_model *mc = load_copied(g_odd), *mm = load_mapped(g_odd);
     mf_model_weights w;
     if (mm) mf_model_weights_info(mm, &w);
@@ -379,6 +391,57 @@ static void test_unaligned(void)
     free(b);
     mf_model_free(mc);
     mf_model_free(mm);
+}
+
+/* The scheduled engine with 2 emulated cards (seed placement, caches filling on misses) over
+ * mapped weights, in the generator's layout (codes, then scales) and the released one's (scales
+ * first): the copied weights' logits, and every miss one copy of the expert's span (the card slot
+ * mirrors the file's layout). */
+static float *cards_logits(mf_model *m, mf_step_dev_stats *ds)
+{
+    if (!m) return NULL;
+    g_V = mf_model_config(m)->vocab_size;
+    float *out = malloc(sizeof(float) * (size_t)2 * (1 + N_DEC) * g_V);
+    int32_t toks[2 * N_DEC];
+    char spec[64];
+    mf_dev *d = NULL;
+    mf_ref *r = NULL;
+    mf_step *e = NULL;
+    int rc = out ? mf_test_emu_open(2, spec, sizeof spec, &d) : -ENOMEM;
+    if (!rc) rc = mf_ref_new(m, NULL, &r);
+    if (!rc) rc = mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = MF_STEP_PLACE_SEED}, &e);
+    if (!rc) rc = mf_test_run_steps(r, e, g_V, 2, N_PROMPT, prompt_of, N_DEC, toks, 1, out);
+    if (!rc) mf_step_last_dev(e, ds);
+    mf_step_free(e);
+    mf_ref_free(r);
+    mf_dev_close(d);
+    CHECK(rc == 0, "cards: %s", mf_last_error());
+    if (rc) {
+        free(out);
+        return NULL;
+    }
+    return out;
+}
+
+static void test_cards(void)
+{
+    char sorted[4200];
+    snprintf(sorted, sizeof sorted, "%s_sorted", g_odd);
+    if (write_single(g_dir, sorted, 0)) return;
+    const char *dirs[2] = {g_dir, sorted};
+    for (int k = 0; k < 2; k++) {
+        mf_model *mc = load_copied(dirs[k]), *mm = load_mapped(dirs[k]);
+        mf_step_dev_stats dc = {0}, dm = {0};
+        float *a = cards_logits(mc, &dc), *b = cards_logits(mm, &dm);
+        size_t n = (size_t)2 * (1 + N_DEC) * g_V;
+        CHECK(same(a, b, n), "%s: cards over mapped weights: logits differ from copied", dirs[k]);
+        CHECK(dm.misses > 0 && dm.miss_spans == (int64_t)dm.misses, "%s: mapped: %lld of %llu misses of the last step "
+              "one span", dirs[k], (long long)dm.miss_spans, (unsigned long long)dm.misses);
+        free(a);
+        free(b);
+        mf_model_free(mc);
+        mf_model_free(mm);
+    }
 }
 
 /* Sockets: each share faulted in by threads bound to its node; node 0 exists, a node 999 does not.
@@ -437,6 +500,7 @@ int main(void)
     test_truncated();
     test_fallback();
     test_unaligned();
+    test_cards();
     test_sockets();
     return mf_check_exit("test_wmap");
 }
