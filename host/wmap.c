@@ -424,18 +424,23 @@ int mf_wmap_fill(mf_wmap *w, const mf_wmap_range *r, int n, const mf_wmap_fill_o
     int64_t t0 = mf_now_ns();
     int n_sock = o.n_sockets > 1 && o.socket_node ? o.n_sockets : 0;
     if (n_sock > 30) n_sock = 30;
-    int T = o.n_threads > 0 ? o.n_threads : mf_wmap_rotational(w) ? 1 : 4;
-    if (T < n_sock) T = n_sock;
     mf_wfill f = {.w = w, .n_sock = n_sock, .node = o.socket_node};
     f.first = calloc((size_t)n_sock + 2, sizeof *f.first);
     f.next = calloc((size_t)n_sock + 1, sizeof *f.next);
-    mf_wthread *th = calloc((size_t)T, sizeof *th);
-    int rc = !f.first || !f.next || !th ? mf_error(-ENOMEM, "weights mapping: out of memory") : 0;
+    int rc = !f.first || !f.next ? mf_error(-ENOMEM, "weights mapping: out of memory") : 0;
     if (!rc) rc = mf_wmap_plan(&f, r, n, &st);
+    uint64_t to_read = st.bytes > st.cached_bytes ? st.bytes - st.cached_bytes : 0;
+    /* reading from a rotational disk: one stream per socket; else (or almost all cached: the
+     * fill only maps, CPU work) up to 8 threads, no more than the online CPUs */
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int T = to_read > st.bytes / 16 && mf_wmap_rotational(w) ? 1 : cpus < 4 ? 4 : cpus > 8 ? 8 : (int)cpus;
+    if (o.n_threads > 0) T = o.n_threads;
+    if (T < n_sock) T = n_sock;
+    mf_wthread *th = calloc((size_t)T, sizeof *th);
+    if (!rc && !th) rc = mf_error(-ENOMEM, "weights mapping: out of memory");
     pthread_mutex_init(&f.mu, NULL);
     int started = 0;
     mf_progress pr;
-    uint64_t to_read = st.bytes - st.cached_bytes;
     mf_progress_begin(&pr, o.label ? o.label : "weights", st.bytes, 1, o.quiet || !to_read);
     for (int i = 0; !rc && i < T; i++) {
         th[i] = (mf_wthread){.f = &f, .socket = n_sock ? i % n_sock : -1};

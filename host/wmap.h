@@ -45,8 +45,9 @@ typedef struct mf_wmap_range {
 } mf_wmap_range;
 
 typedef struct mf_wmap_fill_opts {
-    int n_threads;              /* 0: 4, or 1 where a shard lies on a rotational disk (one
-                                 * stream, no seeks); with sockets, at least one per socket */
+    int n_threads;              /* 0: one where more than 1/16 is read from a rotational disk
+                                 * (one stream, no seeks), else 4..8 (the online CPUs); with
+                                 * sockets, at least one per socket */
     int n_sockets;              /* > 1: socket k's threads bound to OS NUMA node socket_node[k] */
     const int *socket_node;
     const char *topology;       /* hwloc synthetic description or XML file (tests); NULL: this machine */

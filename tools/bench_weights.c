@@ -5,7 +5,8 @@
  * prefills the same prompt, then the ways take turns running --steps decode steps, --rounds times
  * (the order of the turns rotating from round to round);
  * prints the median step time and tokens/s of each, their ratio to the mapped way, the process's CPU
- * time a step (all threads: less sensitive to other load than wall time), and whether
+ * time a step (all threads: less sensitive to other load than wall time), the page faults during
+ * each way's turns, and whether
  * their logits agree bit for bit. */
 #include <errno.h>
 #include <inttypes.h>
@@ -13,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -68,6 +70,7 @@ typedef struct mf_bw_way {
     int32_t tok;
     int64_t *step_ns;
     int64_t cpu_ns;   /* the process's CPU time during the way's turns (all threads) */
+    long minflt, majflt;   /* the process's page faults during them */
 } mf_bw_way;
 
 /* Way k's model, engine and sequence, its prompt prefilled. */
@@ -135,6 +138,8 @@ int mf_bench_weights(int argc, char **argv)
         {
             int k = (int)((r + i) % MF_BW_WAYS);
             int64_t c0 = mf_bw_cpu_ns();
+            struct rusage u0, u1;
+            getrusage(RUSAGE_SELF, &u0);
             for (long s = 0; s < a.steps && !rc; s++) {
                 w[k].tok = mf_bw_argmax(w[k].logits, V);
                 int64_t t0 = mf_now_ns();
@@ -142,6 +147,9 @@ int mf_bench_weights(int argc, char **argv)
                 w[k].step_ns[r * a.steps + s] = mf_now_ns() - t0;
             }
             w[k].cpu_ns += mf_bw_cpu_ns() - c0;
+            getrusage(RUSAGE_SELF, &u1);
+            w[k].minflt += u1.ru_minflt - u0.ru_minflt;
+            w[k].majflt += u1.ru_majflt - u0.ru_majflt;
         }
         for (int j = 1; j < MF_BW_WAYS && !rc; j++)   /* every way at the same step: compare */
             same &= !memcmp(w[0].logits, w[j].logits, sizeof(float) * (size_t)V);
@@ -154,8 +162,9 @@ int mf_bench_weights(int argc, char **argv)
         for (int k = 0; k < MF_BW_WAYS; k++) {
             qsort(w[k].step_ns, (size_t)(a.steps * a.rounds), sizeof(int64_t), mf_bw_cmp);
             med[k] = w[k].step_ns[a.steps * a.rounds / 2] / 1e6;
-            printf("  %-7s median step %8.3f ms  %8.2f tokens/s  ratio to mapped %.3f  CPU %.3f ms a step\n",
-                   mf_bw_names[k], med[k], 1e3 / med[k], med[k] / med[0], w[k].cpu_ns / 1e6 / (double)n);
+            printf("  %-7s median step %8.3f ms  %8.2f tokens/s  ratio to mapped %.3f  CPU %.3f ms a step  "
+                   "faults %ld minor %ld major\n", mf_bw_names[k], med[k], 1e3 / med[k], med[k] / med[0],
+                   w[k].cpu_ns / 1e6 / (double)n, w[k].minflt, w[k].majflt);
         }
         printf("  logits after the prefill and after each turn (%ld steps): %s\n", n,
                same ? "bit-identical across the ways" : "DIFFER");

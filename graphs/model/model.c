@@ -423,7 +423,7 @@ static void mf_model_plan(mf_model *m, mf_model_opts *o)
     m->mapped = o->weights == MF_MODEL_WEIGHTS_MAPPED;
     if (m->mapped && !o->store && !all_lazy) {
         uint64_t avail = 0, total = 0;
-        mf_wmap_meminfo(&avail, &total);
+        if (mf_wmap_meminfo(&avail, &total)) avail = total = UINT64_MAX;   /* unknown: assume they fit */
         m->mem_bytes = o->map_mem_bytes ? o->map_mem_bytes : avail > total / 32 ? avail - total / 32 : 0;
         if (all_bytes > m->mem_bytes) {   /* larger than memory: the experts and tables streamed */
             o->store = MF_MODEL_STORE_STREAMED;

@@ -107,7 +107,7 @@ typedef struct mf_model_opts {
      * (store_budget_bytes, store_tables) and the rest is mapped: mf_model_weights_info says so. */
     int weights;
     uint64_t map_mem_bytes;
-    int map_threads;   /* threads faulting the mapped weights in (0: 4; 1 on a rotational disk) */
+    int map_threads;   /* threads faulting the mapped weights in (0: mf_wmap_fill_opts' default) */
 } mf_model_opts;
 
 enum { MF_MODEL_WEIGHTS_COPY, MF_MODEL_WEIGHTS_MAPPED };
