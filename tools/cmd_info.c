@@ -377,7 +377,9 @@ static int mf_info_resident_all(int json)
         printf("the page cache keeps these after the processes end (reclaimable when memory is short);\n"
                "`moeflow info DIR --resident --evict` drops a checkpoint's pages once no process maps them\n");
     if (json) {
-        char *t = json_dumps(json_pack("{s:o}", "mapped", arr), JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+        json_t *o = json_pack("{s:o}", "mapped", arr);
+        char *t = json_dumps(o, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+        json_decref(o);
         if (t) printf("%s\n", t);
         free(t);
     }
@@ -439,15 +441,18 @@ static int mf_info_resident(const mf_info_cli *a)
             mapped = realpath(mf_st_shard_path(st, s), real) && !strcmp(real, mp[i].path);
         }
     if (a->json) {
-        char *t = json_dumps(json_pack("{s:s, s:I, s:I, s:o}", "dir", a->dir, "bytes", (json_int_t)bytes, "cached_bytes",
-                                       (json_int_t)cached, "shards", arr), JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+        json_t *o = json_pack("{s:s, s:I, s:I, s:o}", "dir", a->dir, "bytes", (json_int_t)bytes, "cached_bytes",
+                              (json_int_t)cached, "shards", arr);
+        char *t = json_dumps(o, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+        json_decref(o);
         if (t) printf("%s\n", t);
         free(t);
     } else {
         printf("total: %.2f of %.2f GiB (%.1f%%) in the page cache: the resident copy a start with mapped weights\n"
                "(the default of decode and serve) uses without reading the disk. The kernel holds it, not a process:\n"
-               "it outlives every run and is reclaimed when memory runs short. To free it: `moeflow info %s\n"
-               "--resident --evict`%s, or as root `sync; echo 1 > /proc/sys/vm/drop_caches` (every file's cache).\n",
+               "it outlives every run and is reclaimed when memory runs short.\n"
+               "To free it: `moeflow info %s --resident --evict`%s,\n"
+               "or as root `sync; echo 1 > /proc/sys/vm/drop_caches` (every file's cache).\n",
                cached / GIB, bytes / GIB, bytes ? 100.0 * cached / bytes : 0.0, a->dir,
                mapped ? " once the processes above have ended (their mapped pages stay)" : "");
     }
