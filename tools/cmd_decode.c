@@ -271,6 +271,7 @@ static void mf_dec_step_stats(mf_dec *d)
         t->dev_slots += x.dev_slots, t->host_slots += x.host_slots, t->hits += x.hits;
         t->misses += x.misses, t->bytes_in += x.bytes_in, t->evictions += x.evictions;
         t->host_fallbacks += x.host_fallbacks;
+        t->lt_linears += x.lt_linears, t->lt_slots += x.lt_slots;
         t->n_cards = x.n_cards, t->cache_slots = x.cache_slots;
         if (!a->quiet)
             fprintf(stderr, "moeflow decode: step %ld devices: %" PRId64 " expert slots on cards, %" PRId64
@@ -412,11 +413,13 @@ static void mf_dec_report(const mf_dec *d)
         fprintf(stderr, "moeflow decode: devices (%s, %s placement, %d cache slots per card) steps: %" PRId64
                 " expert slots on cards, %" PRId64 " on the host (%" PRId64 " for want of a free cache slot); "
                 "cache hit rate %.1f%% (%" PRIu64 " hits, %" PRIu64 " misses), %.2f GiB copied in; copies busy %.3f s, "
-                "expert compute %.3f s, overlapping %.3f s (%.1f%% of copy time)\n", a->e.devices, a->e.placement_word,
+                "expert compute %.3f s, overlapping %.3f s (%.1f%% of copy time); cuBLASLt: %" PRId64 " dense linear "
+                "launches, %" PRId64 " expert slots\n", a->e.devices, a->e.placement_word,
                 t->n_cards ? t->cache_slots : 0, t->dev_slots, t->host_slots, t->host_fallbacks,
                 100.0 * t->hits / (double)(t->hits + t->misses ? t->hits + t->misses : 1), t->hits,
                 t->misses, t->bytes_in / 1073741824.0, d->cp_busy_ns / 1e9, d->cm_busy_ns / 1e9,
-                d->cp_overlap_ns / 1e9, d->cp_busy_ns ? 100.0 * d->cp_overlap_ns / d->cp_busy_ns : 0.0);
+                d->cp_overlap_ns / 1e9, d->cp_busy_ns ? 100.0 * d->cp_overlap_ns / d->cp_busy_ns : 0.0, t->lt_linears,
+                t->lt_slots);
     long out_tokens = 0;
     for (int s = 0; s < d->n_seq; s++) out_tokens += d->sq[s].n_gen;
     mf_batch_stats bs;

@@ -99,6 +99,11 @@ const mf_opt mf_tool_engine_table[] = {
              "sequence's positions (prefill chunks, batch 1) per layer by the cost\n"
              "model on --profile (cost), on the cards wherever they\n"
              "can, or on the host (host logits bit for bit on emulated cards)"},
+    {"--cublaslt", .kind = MF_OPT_WORD, .off = F(lt), .def = "cost", .meta = "L", .words = mf_tool_lt_modes,
+     .help = "where the cards' tensor cores take work through cuBLASLt: cost (by\n"
+             "the cost model on --profile: never without a tensor-core rate), on\n"
+             "(wherever it applies), dense (the dense linears only: host logits\n"
+             "bit for bit on emulated cards), off"},
     {"--micro-batches", .kind = MF_OPT_LONG, .off = F(micro), .def = "1", .meta = "M", .lo = 1, .hi = 2,
      .expect = "1 or 2",
      .help = "scheduled engine, batch >= 2: 2 splits the batch into two halves\n"
@@ -265,7 +270,7 @@ int mf_tool_run_open(const char *cmd, const mf_tool_engine *e, const char *dir, 
                                            .dev_fill_counts = counts, .dev_fill_progress = !quiet,
                                            .dev_graphs = e->dev_graphs, .dense = e->dense_cards,
                                            .dense_split = e->dense_split, .heads = e->heads, .micro = (int)e->micro,
-                                           .profile = x->have_prof ? &x->prof : NULL, .io_depth = (int)e->io_depth,
+                                           .lt = e->lt, .profile = x->have_prof ? &x->prof : NULL, .io_depth = (int)e->io_depth,
                                            .io_force_pread = mf_tool_io_env.force_pread,
                                            .io_fault_kind = mf_tool_io_env.fault_kind,
                                            .io_fault_nth = mf_tool_io_env.fault_nth}, &x->eng);

@@ -32,7 +32,7 @@ typedef struct mf_tool_engine {
     long io_depth, read_window;
     const char *devices, *profile_path, *fill_spec;
     int placement, dense;          /* -1: not given */
-    int dense_split, heads, dev_graphs;
+    int dense_split, heads, dev_graphs, lt;   /* lt: --cublaslt (mf_step_opts.lt) */
     long micro;
     uint64_t dev_cache;
     /* resolved by mf_tool_engine_check */
@@ -50,6 +50,7 @@ extern const mf_opt mf_tool_engine_table[];
     "                       [--store-tables resident|streamed] [--io-depth N] [--read-window N]]\n" \
     "                      [--devices emu:N|cuda[:IDS] [--placement seed|host|hybrid] [--dense host|cards]\n" \
     "                       [--dense-split layers|rows] [--heads cost|cards|host] [--micro-batches 1|2]\n" \
+    "                       [--cublaslt cost|on|dense|off]\n" \
     "                       [--dev-cache SIZE] [--dev-cache-fill on|off|trace:FILE] [--dev-graphs]\n" \
     "                       [--profile P]]\n"
 
