@@ -226,7 +226,7 @@ static int mf_bs_range_opt(const mf_opt *o, const char *s, void *field)
 /* The command line of `moeflow bench serve`. */
 typedef struct mf_bs_cli {
     const char *dir, *concs;
-    long n, step_tokens, split, threads, warmup;
+    long n, step_tokens, split, threads, warmup, rounds;
     mf_bs_range prompt, output;
     unsigned long long seed;
     int json;
@@ -252,6 +252,8 @@ static const mf_opt mf_bs_table[] = {
     {"--seed", .kind = MF_OPT_ULL, .off = F(seed), .def = "1", .meta = "S", .help = "seeds the lengths"},
     {"--warmup", .kind = MF_OPT_LONG, .off = F(warmup), .def = "1", .meta = "N", .lo = 0, .hi = 10,
      .help = "untimed passes of both modes before each\nconcurrency's timed one"},
+    {"--rounds", .kind = MF_OPT_LONG, .off = F(rounds), .def = "1", .meta = "N", .lo = 1, .hi = 20,
+     .help = "timed passes of each mode per concurrency, alternating\n(continuous, static, continuous, ...), each pair's ratio"},
     {"--json", .kind = MF_OPT_FLAG, .off = F(json),
      .help = "{\"requests\", \"results\": [{mode, concurrency, tokens_per_s, ttft and itl\n"
              "percentiles, wall_s, and where the time went}]} instead of the table"},
@@ -264,7 +266,7 @@ static const mf_opts_spec mf_bs_spec = {
     .usage = "usage: moeflow bench serve --checkpoint DIR [--requests N] [--concurrency C,C,..]\n"
              "                           [--prompt-tokens MIN-MAX] [--output-tokens MIN-MAX]\n"
              "                           [--step-tokens N] [--prefill-split K] [--threads N] [--seed S]\n"
-             "                           [--warmup N] [--json]\n\n"
+             "                           [--warmup N] [--rounds N] [--json]\n\n"
              "N requests with prompt and output lengths drawn uniformly from the ranges (seeded)\n"
              "are run by C closed-loop clients: a client sends its next request when its previous\n"
              "one ends. Continuous: every request goes through the batcher (max batch C,\n"
@@ -274,10 +276,11 @@ static const mf_opts_spec mf_bs_spec = {
              "time to first token and inter-token latency (p50, p99, from the request's arrival),\n"
              "and continuous / static throughput. Each concurrency first runs both modes --warmup\n"
              "times untimed, so that the engine's graphs for the step sizes of the workload exist\n"
-             "(a size's graph is built on its first step).\n"
+             "(a size's graph is built on its first step), then --rounds timed pairs (continuous,\n"
+             "static), each with its ratio.\n"
              "Per mode it also says where the time went: engine forwards (steps), items a step,\n"
-             "forward wall time, step shapes built during the pass and their build time, the\n"
-             "workers' busy time (summed task durations), the process's CPU time (all threads;\n"
+             "forward wall time, step shapes built during the pass (and per 1,000 steps) and their\n"
+             "build time, the workers' busy time (summed task durations), the process's CPU time (all threads;\n"
              "less sensitive to other load than wall time), and the forwards that carried prefill\n"
              "items (static: the prefills) with their prefill items, the decode items beside them\n"
              "(continuous: the step's decode tokens) and their wall and CPU time.\n\n",
@@ -295,6 +298,7 @@ typedef struct mf_bs {
     int n;
     mf_bs_lat lat;
     int64_t total_out, ctx;
+    int max_items;   /* the engine's max_batch: every mode's step one graph */
 } mf_bs;
 
 /* The engine and the workload: request i's lengths from the seeded draws, its prompt tokens
@@ -307,7 +311,7 @@ static int mf_bs_open(mf_bs *b)
     if (!(b->q = calloc((size_t)b->n, sizeof *b->q))) return mf_error(-ENOMEM, "out of memory");
     int rc = mf_model_load(a->dir, &(mf_model_opts){.quiet = 1, .resident_limit_bytes = UINT64_C(64) << 30}, &b->m);
     if (!rc) rc = mf_ref_new(b->m, NULL, &b->r);
-    if (!rc) rc = mf_step_new(b->r, &(mf_step_opts){.n_threads = (int)a->threads}, &b->e);
+    if (!rc) rc = mf_step_new(b->r, &(mf_step_opts){.n_threads = (int)a->threads, .max_batch = b->max_items}, &b->e);
     if (rc) return rc;
     const mf_config *c = mf_model_config(b->m);
     uint64_t rng = a->seed * 0x9E3779B97F4A7C15ULL + 1;
@@ -354,23 +358,24 @@ static void mf_bs_print(mf_bs *b, int mode, int conc, int first, double tps, dou
     mf_bs_lat *l = &b->lat;
     double t50 = mf_bs_pct(l->ttft, l->n_ttft, 0.5), t99 = mf_bs_pct(l->ttft, l->n_ttft, 0.99);
     double i50 = mf_bs_pct(l->itl, l->n_itl, 0.5), i99 = mf_bs_pct(l->itl, l->n_itl, 0.99);
+    double k_builds = pr->steps ? 1000.0 * (double)pr->n_built / (double)pr->steps : 0;   /* per 1,000 forwards */
     if (b->a->json)
         printf("%s{\"mode\":\"%s\",\"concurrency\":%d,\"tokens_per_s\":%.3f,\"ttft_p50_s\":%.4f,"
                "\"ttft_p99_s\":%.4f,\"itl_p50_s\":%.4f,\"itl_p99_s\":%.4f,\"wall_s\":%.3f,\"steps\":%" PRId64 ",\"items\":%" PRId64
-               ",\"forward_s\":%.3f,\"shapes_built\":%" PRId64 ",\"build_s\":%.3f,\"busy_s\":%.3f,\"cpu_s\":%.3f,\"forward_cpu_s\":%.3f,"
+               ",\"forward_s\":%.3f,\"shapes_built\":%" PRId64 ",\"builds_per_1000_steps\":%.1f,\"build_s\":%.3f,\"busy_s\":%.3f,\"cpu_s\":%.3f,\"forward_cpu_s\":%.3f,"
                "\"prefill_forwards\":%" PRId64 ",\"prefill_items\":%" PRId64 ",\"prefill_forward_decode_items\":%" PRId64
                ",\"prefill_forward_s\":%.3f,\"prefill_forward_cpu_s\":%.3f}", first ? "" : ",",
                mode ? "static" : "continuous", conc, tps, t50, t99, i50, i99, sec, pr->steps, pr->items,
-               pr->fwd_ns / 1e9, pr->n_built, pr->build_ns / 1e9, pr->busy_ns / 1e9, pr->cpu_s, pr->fwd_cpu_s,
+               pr->fwd_ns / 1e9, pr->n_built, k_builds, pr->build_ns / 1e9, pr->busy_ns / 1e9, pr->cpu_s, pr->fwd_cpu_s,
                pr->pf_steps, pr->pf_items, pr->pf_dec, pr->pf_ns / 1e9, pr->pf_cpu_s);
     else
         printf("%-11s %5d %9.2f %10.3f %10.3f %10.4f %10.4f %9.2f\n"
                "%-11s %5s steps %" PRId64 ", %.1f items a step, forwards %.2f s (of which %" PRId64
-               " shapes built in %.2f s), workers busy %.2f s, CPU %.2f s\n"
+               " shapes built in %.2f s: %.1f per 1,000 steps), workers busy %.2f s, CPU %.2f s\n"
                "%-11s %5s with prefill: %" PRId64 " forwards, %" PRId64 " prefill items beside %" PRId64
                " decode items, %.2f s (CPU %.2f s)\n", mode ? "static" : "continuous", conc, tps, t50, t99, i50,
                i99, sec, "", "", pr->steps, pr->steps ? (double)pr->items / pr->steps : 0.0, pr->fwd_ns / 1e9,
-               pr->n_built, pr->build_ns / 1e9, pr->busy_ns / 1e9, pr->cpu_s, "", "", pr->pf_steps, pr->pf_items,
+               pr->n_built, pr->build_ns / 1e9, k_builds, pr->busy_ns / 1e9, pr->cpu_s, "", "", pr->pf_steps, pr->pf_items,
                pr->pf_dec, pr->pf_ns / 1e9, pr->pf_cpu_s);
     fflush(stdout);
 }
@@ -390,7 +395,7 @@ static int mf_bs_run(mf_bs *b, const int *cl, int n_c)
         printf("{\"requests\":%d,\"results\":[", b->n);
     for (int k = 0; k < n_c; k++) {
         double tps[2];
-        for (int pass = 0; pass <= a->warmup; pass++)
+        for (int pass = 0; pass < a->warmup + a->rounds; pass++) {
             for (int mode = 0; mode < 2; mode++) {
                 double sec;
                 mf_bs_prof pr;
@@ -398,9 +403,10 @@ static int mf_bs_run(mf_bs *b, const int *cl, int n_c)
                 if (rc) return rc;
                 if (pass < a->warmup) continue;
                 tps[mode] = b->total_out / sec;
-                mf_bs_print(b, mode, cl[k], k + mode == 0, tps[mode], sec, &pr);
+                mf_bs_print(b, mode, cl[k], k + mode + pass - a->warmup == 0, tps[mode], sec, &pr);
             }
-        if (!a->json) printf("%-11s %5d %8.2fx\n", "ratio", cl[k], tps[0] / tps[1]);
+            if (!a->json && pass >= a->warmup) printf("%-11s %5d %8.2fx\n", "ratio", cl[k], tps[0] / tps[1]);
+        }
     }
     if (a->json) printf("]}\n");
     return 0;
@@ -436,6 +442,10 @@ int mf_bench_serve(int argc, char **argv)
         p++;
     }
     mf_bs b = {.a = &a};
+    for (int k = 0; k < n_c; k++) {   /* a continuous step: its decode tokens and prefill budget */
+        int items = mf_batch_step_items(cl[k], (int)a.step_tokens);
+        b.max_items = items > b.max_items ? items : b.max_items;
+    }
     rc = mf_bs_open(&b);
     if (!rc) rc = mf_bs_run(&b, cl, n_c);
     if (rc) fprintf(stderr, "moeflow bench serve: %s\n", mf_last_error()[0] ? mf_last_error() : "out of memory");

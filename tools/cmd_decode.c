@@ -52,8 +52,9 @@ static const mf_opt mf_dec_table[] = {
              "decode tokens first, then prefill\n"
              "chunks; smaller N cuts long prompts into more steps; a step\n"
              "of one sequence's prefill alone runs as one graph of up to\n"
-             MF_OPTS_STR(MF_STEP_MAX_CHUNK) " positions (long chunks), mixed steps in graphs of "
-             MF_OPTS_STR(MF_STEP_MAX_ITEMS)},
+             MF_OPTS_STR(MF_STEP_MAX_CHUNK) " positions (long chunks), steps of\n"
+             "several sequences in one graph of up to max(B, N) items\n"
+             "(at most " MF_OPTS_STR(MF_STEP_MAX_ITEMS) ")"},
     {"--output", .kind = MF_OPT_STR, .off = F(outfile), .meta = "FILE",
      .help = "one JSON object per prompt as it finishes: index, prompt, text\n"
              "(with a tokenizer), tokens, prompt_tokens, finish_reason (eos or\n"
@@ -354,7 +355,9 @@ static int mf_dec_engine(mf_dec *d)
         if (!d->fill_counts) return mf_error(-ENOMEM, "out of memory");
     }
     if (!a->sched) return 0;
-    rc = mf_step_new(d->r, &(mf_step_opts){.n_threads = (int)a->threads, .exact = a->exact, .n_sockets = a->sk.n,
+    rc = mf_step_new(d->r, &(mf_step_opts){.n_threads = (int)a->threads, .exact = a->exact,
+                                           .max_batch = mf_batch_step_items(d->max_batch, (int)d->step_tokens),
+                                           .n_sockets = a->sk.n,
                                            .topology = a->sk.topology, .pin_threads = a->sk.n > 1,
                                            .read_window = (int)a->read_window, .dev = d->dev, .placement = d->place,
                                            .dev_cache_bytes = a->dev_cache,

@@ -132,7 +132,9 @@ static int mf_serve_open(mf_serve *s)
         ro.n_token_map = mf_engram_map_n_vocab(s->emap);
     }
     if ((rc = mf_ref_new(s->m, &ro, &s->r))) return rc;
-    if (a->sched && (rc = mf_step_new(s->r, &(mf_step_opts){.n_threads = (int)a->threads, .exact = a->exact}, &v->eng)))
+    int items = mf_batch_step_items((int)a->max_batch, (int)a->step_tokens);   /* every step one graph */
+    if (a->sched && (rc = mf_step_new(s->r, &(mf_step_opts){.n_threads = (int)a->threads, .exact = a->exact,
+                                                            .max_batch = items}, &v->eng)))
         return rc;
     int64_t model_ctx = v->c->max_position_embeddings;
     v->max_context = a->max_context ? a->max_context : model_ctx < 4096 ? model_ctx : 4096;

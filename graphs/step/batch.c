@@ -68,6 +68,13 @@ const char *mf_batch_finish_name(mf_batch_finish f)
 
 int64_t mf_batch_state_bytes(const mf_batch *b) { return b->state_bytes; }
 
+int mf_batch_step_items(int max_batch, int step_tokens)
+{
+    int n = step_tokens > 0 ? step_tokens : MF_BATCH_STEP_TOKENS;
+    n = max_batch > n ? max_batch : n;
+    return n < MF_STEP_MAX_ITEMS ? n : MF_STEP_MAX_ITEMS;
+}
+
 static void mf_breq_free(mf_breq *q)
 {
     if (!q) return;
@@ -357,7 +364,7 @@ static int mf_batch_items(mf_batch *b)
         }
     }
     int n_dec = n;
-    /* insertion sort by admission order (at most 64 entries) */
+    /* insertion sort by admission order (at most max_batch entries, nearly in order) */
     for (int i = 1; i < n_pf; i++)
         for (int j = i; j > 0 && mf_batch_pf_cmp(&b->pf[j - 1], &b->pf[j], b->seq) > 0; j--) {
             int t = b->pf[j];

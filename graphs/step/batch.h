@@ -55,11 +55,11 @@ typedef struct mf_batch_event {
     const char *msg;             /* and its message */
 } mf_batch_event;
 
-/* Items per step by default (mf_batch_opts.step_tokens): the most a graph of several sequences
- * takes (MF_STEP_MAX_ITEMS), so a step's decode tokens never wait behind a longer prefill chunk. A
- * larger budget lets a lone prompt's prefill run as long chunks (graphs/step/step.h
- * mf_step_forward: the items of one sequence in chunks of up to MF_STEP_MAX_CHUNK); mixed steps
- * run in graphs of 64. */
+/* Items per step by default (mf_batch_opts.step_tokens), so a step's decode tokens never wait
+ * behind a longer prefill chunk. A larger budget lets a lone prompt's prefill run as long chunks
+ * (graphs/step/step.h mf_step_forward: the items of one sequence in chunks of up to
+ * MF_STEP_MAX_CHUNK); steps of several sequences run in graphs of up to the engine's max_batch
+ * items (mf_batch_step_items). */
 #define MF_BATCH_STEP_TOKENS 64
 #define MF_BATCH_MAX_BYPASS 16   /* mf_batch_opts.max_bypass's default */
 
@@ -111,6 +111,12 @@ typedef struct mf_batch_req {
     int n_stop;
     void *user;
 } mf_batch_req;
+
+/* The most items a step holds with max_batch running sequences and a budget of step_tokens (0:
+ * MF_BATCH_STEP_TOKENS): max(max_batch, step_tokens), at most MF_STEP_MAX_ITEMS (a step's decode
+ * tokens and prefill chunks fill the budget; decode tokens alone its running sequences). What the
+ * engine's mf_step_opts.max_batch should be for every step to run as one graph. */
+int mf_batch_step_items(int max_batch, int step_tokens);
 
 /* Bytes of one state of max_context positions (the most a request may need). */
 int64_t mf_batch_state_bytes(const mf_batch *b);
