@@ -6,7 +6,8 @@
  * a mixed step of 339 live items whose chunk passes the sliding window, a parallel step of 300
  * live, every logit vector bit for bit (memcmp) the same sequence's run alone; the same shapes for
  * other compositions build nothing; the continuous batcher run twice builds nothing the second
- * time. Under the sanitizers the same 512-item shapes (tests/check.h), fewer batcher requests. */
+ * time. Under the sanitizers the same 512-item shapes (tests/check.h), a third of the sequences
+ * checked alone, fewer batcher requests. */
 #include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -188,7 +189,7 @@ static void check_alone(mf_step *e, mf_ref_state **st, const float *lg, const ui
     static float *out[MAX_POS];
     float *mine = malloc(sizeof(float) * (size_t)MAX_POS * g_V);
     int bad = 0, rows = 0, n_seq = 0;
-    for (int s = 0; s < N && mine; s++) {
+    for (int s = 0; s < N && mine; s += MF_TEST_SANITIZED ? 3 : 1) {   /* sanitizers: a third of them */
         int n = pos[s];
         if (!n) continue;
         mf_ref_state_reset(st[s]);
@@ -206,7 +207,8 @@ static void check_alone(mf_step *e, mf_ref_state **st, const float *lg, const ui
             }
         n_seq++;
     }
-    CHECK(rows > 1000 && !bad, "%d of %d logit rows (%d sequences) differ from the sequence alone", bad, rows, n_seq);
+    CHECK(rows > (MF_TEST_SANITIZED ? 400 : 1000) && !bad, "%d of %d logit rows (%d sequences) differ from the sequence alone",
+          bad, rows, n_seq);
     printf("bucket: %d logit rows of %d sequences bit for bit their runs alone\n", rows, n_seq);
     free(mine);
 }

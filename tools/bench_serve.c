@@ -110,6 +110,7 @@ static int mf_bs_continuous(mf_ref *r, mf_step *e, mf_bs_req *q, int n, int conc
                             int64_t ctx, mf_bs_lat *lat, double *sec, mf_bs_prof *pr)
 {
     mf_bs_ctx x = {.q = q, .n = n, .lat = lat};
+    if (!step_tokens) step_tokens = mf_batch_default_step_tokens(conc);
     int rc = mf_batch_new(&(mf_batch_opts){.ref = r, .eng = e, .max_batch = conc, .step_tokens = step_tokens,
                                            .prefill_split = split,
                                            .max_context = ctx, .max_queue = n, .on_event = mf_bs_on_event,
@@ -243,8 +244,9 @@ static const mf_opt mf_bs_table[] = {
      .help = "prompt lengths, drawn uniformly"},
     {"--output-tokens", .kind = MF_OPT_FN, .off = F(output), .def = "8-64", .meta = "MIN-MAX", .fn = mf_bs_range_opt,
      .help = "output lengths, drawn uniformly"},
-    {"--step-tokens", .kind = MF_OPT_LONG, .off = F(step_tokens), .def = "64", .meta = "N", .lo = 1, .hi = 1 << 24,
-     .help = "the batcher's items per step"},
+    {"--step-tokens", .kind = MF_OPT_LONG, .off = F(step_tokens), .meta = "N", .lo = 1, .hi = 1 << 24,
+     .help = "the batcher's items per step (default 2 x the concurrency,\nat least " MF_OPTS_STR(MF_BATCH_STEP_TOKENS)
+             ", at most " MF_OPTS_STR(MF_STEP_MAX_ITEMS) ")"},
     {"--prefill-split", .kind = MF_OPT_LONG, .off = F(split), .def = "2", .meta = "K", .lo = 1, .hi = MF_STEP_MAX_ITEMS,
      .help = "prefilling sequences sharing a step's budget"},
     {"--threads", .kind = MF_OPT_LONG, .off = F(threads), .meta = "N", .lo = 1, .hi = 256,
@@ -386,10 +388,13 @@ static void mf_bs_print(mf_bs *b, int mode, int conc, int first, double tps, dou
 static int mf_bs_run(mf_bs *b, const int *cl, int n_c)
 {
     const mf_bs_cli *a = b->a;
+    char budget[32];   /* the batcher's step budget: given, or 2 x the concurrency */
+    if (a->step_tokens) snprintf(budget, sizeof budget, "%ld", a->step_tokens);
+    else snprintf(budget, sizeof budget, "2 x concurrency");
     if (!a->json)
         printf("bench serve: %s, %d requests, prompts %d-%d tokens, outputs %d-%d (%" PRId64 " tokens), %ld threads, "
-               "step budget %ld, prefill split %ld\n%-11s %5s %9s %10s %10s %10s %10s %9s\n", a->dir, b->n, a->prompt.lo,
-               a->prompt.hi, a->output.lo, a->output.hi, b->total_out, a->threads, a->step_tokens, a->split, "mode",
+               "step budget %s, prefill split %ld\n%-11s %5s %9s %10s %10s %10s %10s %9s\n", a->dir, b->n, a->prompt.lo,
+               a->prompt.hi, a->output.lo, a->output.hi, b->total_out, a->threads, budget, a->split, "mode",
                "conc", "tokens/s", "ttft p50", "ttft p99", "itl p50", "itl p99", "wall s");
     else
         printf("{\"requests\":%d,\"results\":[", b->n);

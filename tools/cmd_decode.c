@@ -47,14 +47,15 @@ static const mf_opt mf_dec_table[] = {
              "runs, B at a time (default: all, at most " MF_OPTS_STR(MF_STEP_MAX_ITEMS) "); with --prompt or\n"
              "--tokens, B copies of it"},
     {"--step-tokens", .kind = MF_OPT_LONG, .off = F(step_tokens), .meta = "N", .lo = 1, .hi = 65536,
-     .help = "items per step (default " MF_OPTS_STR(MF_BATCH_STEP_TOKENS) "; one sequence on the scheduled\n"
-             "engine: " MF_OPTS_STR(MF_STEP_PREFILL_CHUNK) ", its prompt in the engine's prefill chunks):\n"
-             "decode tokens first, then prefill\n"
-             "chunks; smaller N cuts long prompts into more steps; a step\n"
-             "of one sequence's prefill alone runs as one graph of up to\n"
-             MF_OPTS_STR(MF_STEP_MAX_CHUNK) " positions (long chunks), steps of\n"
-             "several sequences in one graph of up to max(B, N) items\n"
-             "(at most " MF_OPTS_STR(MF_STEP_MAX_ITEMS) ")"},
+     .help = "items per step (default 2 x B, at least " MF_OPTS_STR(MF_BATCH_STEP_TOKENS) ", at most "
+             MF_OPTS_STR(MF_STEP_MAX_ITEMS) ": the\n"
+             "decode tokens and as many prompt tokens; one sequence on the\n"
+             "scheduled engine: " MF_OPTS_STR(MF_STEP_PREFILL_CHUNK) ", its prompt in the engine's prefill chunks):\n"
+             "decode tokens first, then prefill chunks; smaller N cuts long\n"
+             "prompts into more steps; a step of one sequence's prefill alone\n"
+             "runs as one graph of up to " MF_OPTS_STR(MF_STEP_MAX_CHUNK) " positions (long chunks), steps\n"
+             "of several sequences in one graph of up to max(B, N) items (at\n"
+             "most " MF_OPTS_STR(MF_STEP_MAX_ITEMS) ")"},
     {"--output", .kind = MF_OPT_STR, .off = F(outfile), .meta = "FILE",
      .help = "one JSON object per prompt as it finishes: index, prompt, text\n"
              "(with a tokenizer), tokens, prompt_tokens, finish_reason (eos or\n"

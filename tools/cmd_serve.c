@@ -47,8 +47,9 @@ static const mf_opt mf_serve_table[] = {
      .help = "TCP port (0: a free one, printed at start)"},
     {"--max-batch", .kind = MF_OPT_LONG, .off = F(max_batch), .def = "16", .meta = "N", .lo = 1, .hi = MF_STEP_MAX_ITEMS,
      .help = "running sequences, 1.." MF_OPTS_STR(MF_STEP_MAX_ITEMS)},
-    {"--step-tokens", .kind = MF_OPT_LONG, .off = F(step_tokens), .def = "64", .meta = "N", .lo = 1, .hi = 65536,
-     .help = "items per step: decode tokens, then prefill chunks"},
+    {"--step-tokens", .kind = MF_OPT_LONG, .off = F(step_tokens), .meta = "N", .lo = 1, .hi = 65536,
+     .help = "items per step: decode tokens, then prefill chunks (default 2 x\n"
+             "--max-batch, at least " MF_OPTS_STR(MF_BATCH_STEP_TOKENS) ", at most " MF_OPTS_STR(MF_STEP_MAX_ITEMS) ")"},
     {"--state-budget", .kind = MF_OPT_SIZE, .off = F(budget), .meta = "SIZE",
      .help = "bytes for all sequence states, e.g. 2G (default: max-batch states)"},
     {"--max-queue", .kind = MF_OPT_LONG, .off = F(max_queue), .def = "256", .meta = "N", .lo = 1, .hi = 1 << 20,
@@ -260,6 +261,7 @@ int mf_cmd_serve(int argc, char **argv)
     int rc = mf_opts_parse(&mf_serve_spec, argc, argv, &a);
     if (rc != MF_OPTS_RUN) return rc;
     if (!a.dir) return mf_opts_refuse(&mf_serve_spec, "--checkpoint is required");
+    if (!a.step_tokens) a.step_tokens = mf_batch_default_step_tokens((int)a.max_batch);
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)a.port)};
     if (inet_pton(AF_INET, !strcmp(a.host, "localhost") ? "127.0.0.1" : a.host, &sa.sin_addr) != 1) {
         fprintf(stderr, "moeflow serve: --host: expected an IPv4 address such as 127.0.0.1, found '%s'\n", a.host);

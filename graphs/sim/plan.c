@@ -1,5 +1,6 @@
 /* The decode-step simulator (graphs/sim/plan.h). It runs the engine's own step graph (graphs/step/stepgraph.h,
- * the builder graphs/step/step_shape.c uses, for a parallel decode shape of `batch` items), built once; each
+ * the builder graphs/step/step_shape.c uses: the parallel graph of the bucket of `batch` items, the batch
+ * live, as the engine's decode steps), built once; each
  * step draws its routing, keeps the slot tables and the caches (host store, per-card device caches)
  * as the engine's route task does, places the slots with the engine's rule (mf_sg_placer: every
  * used slot queued on the host, then the cached ones offered to their cards, then the rest), marks

@@ -68,9 +68,15 @@ const char *mf_batch_finish_name(mf_batch_finish f)
 
 int64_t mf_batch_state_bytes(const mf_batch *b) { return b->state_bytes; }
 
+int mf_batch_default_step_tokens(int max_batch)
+{
+    int n = 2 * max_batch;
+    return n < MF_BATCH_STEP_TOKENS ? MF_BATCH_STEP_TOKENS : n > MF_STEP_MAX_ITEMS ? MF_STEP_MAX_ITEMS : n;
+}
+
 int mf_batch_step_items(int max_batch, int step_tokens)
 {
-    int n = step_tokens > 0 ? step_tokens : MF_BATCH_STEP_TOKENS;
+    int n = step_tokens > 0 ? step_tokens : mf_batch_default_step_tokens(max_batch);
     n = max_batch > n ? max_batch : n;
     return n < MF_STEP_MAX_ITEMS ? n : MF_STEP_MAX_ITEMS;
 }
@@ -91,7 +97,7 @@ int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
     mf_batch_opts o = *opts;
     const mf_config *c = mf_ref_config(o.ref);
     if (!o.max_batch) o.max_batch = 16;
-    if (!o.step_tokens) o.step_tokens = MF_BATCH_STEP_TOKENS;
+    if (!o.step_tokens) o.step_tokens = mf_batch_default_step_tokens(o.max_batch);
     if (!o.prefill_split) o.prefill_split = 2;
     if (!o.max_queue) o.max_queue = 256;
     if (!o.max_context) o.max_context = c->max_position_embeddings < 4096 ? c->max_position_embeddings : 4096;
