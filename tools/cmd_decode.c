@@ -44,13 +44,15 @@ static const mf_opt mf_dec_table[] = {
              "runs, B at a time (default: all, at most " MF_OPTS_STR(MF_STEP_MAX_ITEMS) "); with --prompt or\n"
              "--tokens, B copies of it"},
     {"--step-tokens", .kind = MF_OPT_LONG, .off = F(step_tokens), .meta = "N", .lo = 1, .hi = 65536,
-     .help = "items per step (default " MF_OPTS_STR(MF_BATCH_STEP_TOKENS) "; one sequence on the scheduled\n"
-             "engine: " MF_OPTS_STR(MF_STEP_PREFILL_CHUNK) ", its prompt in the engine's prefill chunks):\n"
-             "decode tokens first, then prefill\n"
-             "chunks; smaller N cuts long prompts into more steps; a step\n"
-             "of one sequence's prefill alone runs as one graph of up to\n"
-             MF_OPTS_STR(MF_STEP_MAX_CHUNK) " positions (long chunks), mixed steps in graphs of "
-             MF_OPTS_STR(MF_STEP_MAX_ITEMS)},
+     .help = "items per step (default 2 x B, at least " MF_OPTS_STR(MF_BATCH_STEP_TOKENS) ", at most "
+             MF_OPTS_STR(MF_STEP_MAX_ITEMS) ": the\n"
+             "decode tokens and as many prompt tokens; one sequence on the\n"
+             "scheduled engine: " MF_OPTS_STR(MF_STEP_PREFILL_CHUNK) ", its prompt in the engine's prefill chunks):\n"
+             "decode tokens first, then prefill chunks; smaller N cuts long\n"
+             "prompts into more steps; a step of one sequence's prefill alone\n"
+             "runs as one graph of up to " MF_OPTS_STR(MF_STEP_MAX_CHUNK) " positions (long chunks), steps\n"
+             "of several sequences in one graph of up to max(B, N) items (at\n"
+             "most " MF_OPTS_STR(MF_STEP_MAX_ITEMS) ")"},
     {"--output", .kind = MF_OPT_STR, .off = F(outfile), .meta = "FILE",
      .help = "one JSON object per prompt as it finishes, one write each (the\n"
              "scriptable channel): index (the line's index in FILE, from 0),\n"
@@ -181,7 +183,9 @@ static int mf_dec_open(mf_dec *d)
         if (rc) return rc;
         ro.hooks = (mf_ref_hooks){.user = &d->rrec, .on_route = mf_dec_on_route};
     }
-    int rc = mf_tool_run_open("decode", &a->e, a->dir, d->tok, ro, a->quiet, &d->x);
+    mf_tool_engine e = a->e;   /* every step of the batcher one graph */
+    e.max_items = mf_batch_step_items(d->max_batch, (int)d->step_tokens);
+    int rc = mf_tool_run_open("decode", &e, a->dir, d->tok, ro, a->quiet, &d->x);
     if (rc) return rc;
     const mf_config *c = mf_model_config(d->x.m);
     int max_prompt = 0;

@@ -338,14 +338,15 @@ int mf_dec_prompts(mf_dec *d)
         d->n_seq = a->batch ? (int)a->batch : 1;
         d->is_text = a->prompt != NULL;
     }
+    d->max_batch = a->batch ? (int)a->batch : d->n_seq < MF_STEP_MAX_ITEMS ? d->n_seq : MF_STEP_MAX_ITEMS;
     /* one sequence on the scheduled engine: nothing waits behind its prefill, which runs in the
-     * engine's prefill chunks (fewer weight passes than graphs of 64: docs/decode.md) */
+     * engine's prefill chunks (fewer weight passes than graphs of 64: docs/decode.md); several: the
+     * batch's decode tokens and as many prompt tokens a step (mf_batch_default_step_tokens) */
     d->step_tokens = a->step_tokens ? a->step_tokens
-                   : d->n_seq == 1 && a->e.sched ? MF_STEP_PREFILL_CHUNK : MF_BATCH_STEP_TOKENS;
+                   : d->n_seq == 1 && a->e.sched ? MF_STEP_PREFILL_CHUNK : mf_batch_default_step_tokens(d->max_batch);
     if (!(d->sq = calloc((size_t)d->n_seq, sizeof *d->sq))) return mf_error(-ENOMEM, "out of memory");
     for (int i = 0; i < d->n_seq; i++)
         if ((rc = mf_dec_seq_ids(d, i))) return rc;
-    d->max_batch = a->batch ? (int)a->batch : d->n_seq < MF_STEP_MAX_ITEMS ? d->n_seq : MF_STEP_MAX_ITEMS;
     if (a->outfile && mf_path_make_parent(a->outfile)) {   /* missing folders are made, as mkdir -p */
         fprintf(stderr, "moeflow decode: --output: %s\n", mf_last_error());
         return 2;

@@ -55,8 +55,9 @@ static const mf_opt mf_serve_table[] = {
      .help = "TCP port (0: a free one, printed at start)"},
     {"--max-batch", .kind = MF_OPT_LONG, .off = F(max_batch), .def = "16", .meta = "N", .lo = 1, .hi = MF_STEP_MAX_ITEMS,
      .help = "running sequences, 1.." MF_OPTS_STR(MF_STEP_MAX_ITEMS)},
-    {"--step-tokens", .kind = MF_OPT_LONG, .off = F(step_tokens), .def = "64", .meta = "N", .lo = 1, .hi = 65536,
-     .help = "items per step: decode tokens, then prefill chunks"},
+    {"--step-tokens", .kind = MF_OPT_LONG, .off = F(step_tokens), .meta = "N", .lo = 1, .hi = 65536,
+     .help = "items per step: decode tokens, then prefill chunks (default 2 x\n"
+             "--max-batch, at least " MF_OPTS_STR(MF_BATCH_STEP_TOKENS) ", at most " MF_OPTS_STR(MF_STEP_MAX_ITEMS) ")"},
     {"--state-budget", .kind = MF_OPT_SIZE, .off = F(budget), .meta = "SIZE",
      .help = "bytes for all sequence states, e.g. 2G (default: max-batch states)"},
     {"--max-queue", .kind = MF_OPT_LONG, .off = F(max_queue), .def = "256", .meta = "N", .lo = 1, .hi = 1 << 20,
@@ -145,7 +146,9 @@ static int mf_serve_open(mf_serve *s)
                 mf_last_error());
         return 2;
     }
-    if ((rc = mf_tool_run_open("serve", &a->e, a->dir, v->tok, (mf_ref_opts){0}, a->quiet, &s->x))) return rc;
+    mf_tool_engine e = a->e;   /* every step of the batcher one graph */
+    e.max_items = mf_batch_step_items((int)a->max_batch, (int)a->step_tokens);
+    if ((rc = mf_tool_run_open("serve", &e, a->dir, v->tok, (mf_ref_opts){0}, a->quiet, &s->x))) return rc;
     mf_tool_run_notes("serve", &a->e, &s->x, a->quiet);
     v->c = mf_model_config(s->x.m);
     v->eng = s->x.eng;
@@ -362,6 +365,7 @@ int mf_cmd_serve(int argc, char **argv)
     int rc = mf_opts_parse(&mf_serve_spec, argc, argv, &a);
     if (rc != MF_OPTS_RUN) return rc;
     if (!a.dir) return mf_opts_refuse(&mf_serve_spec, "--checkpoint is required");
+    if (!a.step_tokens) a.step_tokens = mf_batch_default_step_tokens((int)a.max_batch);
     struct stat st;
     if (stat(a.dir, &st) || !S_ISDIR(st.st_mode)) {
         fprintf(stderr, "moeflow serve: --checkpoint %s: %s\n", a.dir,

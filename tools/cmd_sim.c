@@ -198,9 +198,10 @@ static void mf_sim_json(const mf_plan_report *r, const char *routing, int placem
         printf("%s{\"name\":\"%s\",\"slots\":%d,\"work_s\":%.9g,\"busy\":%.6g}", l ? "," : "", r->lanes[l].name,
                r->lanes[l].slots, r->lanes[l].busy_ns / 1e9, r->lanes[l].share);
     printf("],\"bottleneck\":\"%s\",\"dev_slots\":%" PRId64 ",\"host_slots\":%" PRId64 ",\"dev_hits\":%" PRIu64
-           ",\"dev_misses\":%" PRIu64 ",\"store_hits\":%" PRIu64 ",\"store_misses\":%" PRIu64,
+           ",\"dev_misses\":%" PRIu64 ",\"store_hits\":%" PRIu64 ",\"store_misses\":%" PRIu64
+           ",\"host_bufs_bytes\":%.0f,\"card_bufs_bytes\":%.0f,\"card_weights_bytes\":%.0f",
            r->lanes[r->bottleneck].name, r->dev_slots, r->host_slots, r->dev_hits, r->dev_misses, r->store_hits,
-           r->store_misses);
+           r->store_misses, r->host_bufs, r->card_bufs, r->card_weights);
     mf_sim_json_ops(r);
     if (measured) {
         printf(",\"measured_token_s\":%.9g,\"ratio\":%.6g,\"measured_phases\":{", meas_ns / 1e9,

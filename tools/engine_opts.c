@@ -262,7 +262,8 @@ int mf_tool_run_open(const char *cmd, const mf_tool_engine *e, const char *dir, 
     if (x->dev && e->place != MF_STEP_PLACE_HOST && !strncmp(e->fill_spec, "trace:", 6) &&
         (rc = mf_tool_fill_counts(e, c, &counts)))
         return rc;
-    rc = mf_step_new(x->r, &(mf_step_opts){.n_threads = (int)e->threads, .exact = e->exact, .n_sockets = e->sk.n,
+    rc = mf_step_new(x->r, &(mf_step_opts){.n_threads = (int)e->threads, .exact = e->exact, .max_batch = e->max_items,
+                                           .n_sockets = e->sk.n,
                                            .topology = e->sk.topology, .pin_threads = e->sk.n > 1,
                                            .read_window = (int)e->read_window, .dev = x->dev, .placement = e->place,
                                            .dev_cache_bytes = e->dev_cache,

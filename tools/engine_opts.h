@@ -38,6 +38,9 @@ typedef struct mf_tool_engine {
     /* resolved by mf_tool_engine_check */
     int place, dense_cards;        /* MF_STEP_PLACE_*; the dense work on the cards */
     const char *placement_word;    /* the placement's word for reports, or NULL */
+    /* set by the command before mf_tool_run_open */
+    int max_items;                 /* the engine's largest step (mf_step_opts.max_batch; 0: its default),
+                                    * so that every step of the command's batcher is one graph */
 } mf_tool_engine;
 
 extern const mf_opt mf_tool_engine_table[];

@@ -1,5 +1,6 @@
 /* The decode-step simulator (graphs/sim/plan.h). It runs the engine's own step graph (graphs/step/stepgraph.h,
- * the builder graphs/step/step_shape.c uses, for a parallel decode shape of `batch` items), built once; each
+ * the builder graphs/step/step_shape.c uses: the parallel graph of the bucket of `batch` items, the batch
+ * live, as the engine's decode steps), built once; each
  * step draws its routing, keeps the slot tables and the caches (host store, per-card device caches)
  * as the engine's route task does, places the slots with the engine's rule (mf_sg_placer: every
  * used slot queued on the host, then the cached ones offered to their cards, then the rest), marks
@@ -364,9 +365,10 @@ static int pl_graph(mf_plan *p, mf_sg_opts *go)
 {
     const mf_plan_opts *o = &p->o;
     const mf_config *c = &p->c;
-    /* the engine's graph of a parallel decode shape (serial at batch 1, as the engine's), or of a
-     * prefill chunk (serial) */
-    *go = (mf_sg_opts){.c = c, .sz = p->sz, .n = p->batch, .par = p->batch > 1 && !o->prefill,
+    /* the engine's graph of a parallel decode shape (serial at batch 1, as the engine's): its
+     * bucket's (mf_sg_bucket), the batch's items live; or of a prefill chunk (serial) */
+    int par = p->batch > 1 && !o->prefill;
+    *go = (mf_sg_opts){.c = c, .sz = p->sz, .n = par ? mf_sg_bucket(p->batch) : p->batch, .par = par,
                         .n_threads = p->n_threads, .n_cards = p->n_cards,
                         .n_dense_cards = p->n_dense, .dense_split = o->dense_split, .heads = o->heads,
                         .dev_graphs = o->dev_graphs, .store = p->streamed,
@@ -380,6 +382,8 @@ static int pl_graph(mf_plan *p, mf_sg_opts *go)
                         .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof,
                         .prefetch_min = o->prefetch_min, .lt = o->lt};
     int rc = mf_stepgraph_new(go, &p->sg);
+    if (!rc && par) mf_stepgraph_set_live(p->sg, p->batch);
+    if (!rc) p->total.host_bufs = (double)mf_step_host_bytes(c, p->sz, p->sg, 0, p->n_cards, p->n_dense, o->micro);
     if (!rc) rc = mf_timeline_create(p->sg->g, &p->tl);
     return rc;
 }
@@ -430,7 +434,9 @@ static int pl_card_mem(mf_plan *p, const mf_sg_opts *go)
     if (p->n_lane_cards && !o->dev_cache_bytes) {
         int chunk = o->chunk ? o->chunk : MF_STEP_PREFILL_CHUNK;
         if (o->prefill && p->batch > chunk) chunk = p->batch;
-        if ((rc = mf_sg_card_reserve(go, &ci, chunk, MF_STEP_MAX_ITEMS, &p->act_routed, &p->act_dense))) return rc;
+        /* the engine of `decode --batch B`: its max_batch B past the default */
+        int mb = p->batch > MF_STEP_DEFAULT_BATCH && !o->prefill ? p->batch : MF_STEP_DEFAULT_BATCH;
+        if ((rc = mf_sg_card_reserve(go, &ci, chunk, mb, &p->act_routed, &p->act_dense))) return rc;
     } else if (p->n_lane_cards) {
         mf_sg_card_bufs b;
         mf_sg_card_bufs_of(&ci, &b);
@@ -651,7 +657,8 @@ static void pl_prefetch(mf_plan *p, int L, mf_plan_report *r)
 static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
 {
     int n = p->batch, K = p->K, E = p->E, n_slots = p->sg->n_slots;
-    int i0 = h ? p->sg->half_end[h - 1] : 0, i1 = p->sg->half_end[h], s0 = p->sg->half_slot[h];
+    int i0 = h ? p->sg->half_end[h - 1] : 0, i1 = p->sg->half_end[h] < n ? p->sg->half_end[h] : n;   /* live items */
+    int s0 = p->sg->half_slot[h];
     int n_half = p->sg->half_slot[h + 1] - s0, ns = 0;
     pl_slot *sl = p->sl + (size_t)L * n_slots + s0;   /* the micro-batch's slots */
     int32_t *card = p->slot_card + (size_t)L * n_slots + s0;
@@ -860,7 +867,7 @@ void mf_plan_total(const mf_plan *p, mf_plan_report *out)
         *out = (mf_plan_report){.batch = p->batch, .fill_experts = p->total.fill_experts,
                                 .fill_bytes = p->total.fill_bytes, .fill_ns = p->total.fill_ns,
                                 .card_weights = p->total.card_weights, .card_bufs = p->total.card_bufs,
-                                .card_slots = p->total.card_slots,
+                                .card_slots = p->total.card_slots, .host_bufs = p->total.host_bufs,
                                 .card_cache = p->total.card_cache};
         return;
     }
@@ -884,7 +891,7 @@ void mf_plan_reset_totals(mf_plan *p)
     p->total = (mf_plan_report){.batch = p->batch, .fill_experts = p->total.fill_experts,
                                 .fill_bytes = p->total.fill_bytes, .fill_ns = p->total.fill_ns,
                                 .card_weights = p->total.card_weights, .card_bufs = p->total.card_bufs,
-                                .card_slots = p->total.card_slots,
+                                .card_slots = p->total.card_slots, .host_bufs = p->total.host_bufs,
                                 .card_cache = p->total.card_cache};
 }
 
@@ -975,6 +982,7 @@ void mf_plan_print(const mf_plan_report *r, FILE *f)
         fprintf(f, "card 0 memory: dense weights %.3f GB, the steps' buffers %.3f GB (held back from its cache), "
                 "expert cache %d slots (%.3f GB)\n", r->card_weights / 1e9, r->card_bufs / 1e9, r->card_slots,
                 r->card_cache / 1e9);
+    if (r->host_bufs > 0) fprintf(f, "host memory: the step's buffers %.3f GB\n", r->host_bufs / 1e9);
     if (r->fill_experts)
         fprintf(f, "warm fill at start: %" PRId64 " experts, %.2f GB copied in, %.3f s\n", r->fill_experts,
                 r->fill_bytes / 1e9, r->fill_ns / 1e9);

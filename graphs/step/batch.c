@@ -89,6 +89,19 @@ const char *mf_batch_finish_name(mf_batch_finish f)
 
 int64_t mf_batch_state_bytes(const mf_batch *b) { return b->state_bytes; }
 
+int mf_batch_default_step_tokens(int max_batch)
+{
+    int n = 2 * max_batch;
+    return n < MF_BATCH_STEP_TOKENS ? MF_BATCH_STEP_TOKENS : n > MF_STEP_MAX_ITEMS ? MF_STEP_MAX_ITEMS : n;
+}
+
+int mf_batch_step_items(int max_batch, int step_tokens)
+{
+    int n = step_tokens > 0 ? step_tokens : mf_batch_default_step_tokens(max_batch);
+    n = max_batch > n ? max_batch : n;
+    return n < MF_STEP_MAX_ITEMS ? n : MF_STEP_MAX_ITEMS;
+}
+
 static void mf_breq_free(mf_breq *q)
 {
     if (!q) return;
@@ -106,7 +119,7 @@ int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
     mf_batch_opts o = *opts;
     const mf_config *c = mf_ref_config(o.ref);
     if (!o.max_batch) o.max_batch = 16;
-    if (!o.step_tokens) o.step_tokens = MF_BATCH_STEP_TOKENS;
+    if (!o.step_tokens) o.step_tokens = mf_batch_default_step_tokens(o.max_batch);
     if (!o.prefill_split) o.prefill_split = 2;
     if (!o.max_queue) o.max_queue = 256;
     if (!o.max_context) o.max_context = c->max_position_embeddings < 4096 ? c->max_position_embeddings : 4096;
@@ -442,7 +455,7 @@ static int mf_batch_items(mf_batch *b)
         }
     }
     int n_dec = n;
-    /* insertion sort by admission order (at most 64 entries) */
+    /* insertion sort by admission order (at most max_batch entries, nearly in order) */
     for (int i = 1; i < n_pf; i++)
         for (int j = i; j > 0 && mf_batch_pf_cmp(&b->pf[j - 1], &b->pf[j], b->seq) > 0; j--) {
             int t = b->pf[j];

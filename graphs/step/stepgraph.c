@@ -433,6 +433,20 @@ static int sg_set_priorities(const mf_sg_opts *o, mf_stepgraph *sg)
     return 0;
 }
 
+/* The full item ranges of a parallel or mixed graph's records, which mf_stepgraph_set_live cuts. */
+static int sg_live_new(mf_stepgraph *sg)
+{
+    sg->live_i1 = malloc(sizeof *sg->live_i1 * (size_t)sg->n_tasks);
+    sg->live_tok = malloc((size_t)sg->n_tasks);
+    if (!sg->live_i1 || !sg->live_tok) return mf_error(-ENOMEM, "step graph: out of memory for %d tasks", sg->n_tasks);
+    for (int t = 0; t < sg->n_tasks; t++) {
+        const mf_sg_task *r = &sg->task[t];
+        sg->live_i1[t] = r->i1 > r->i0 ? r->i1 : -1;
+        sg->live_tok[t] = r->i1 > r->i0 && r->n_tok == r->i1 - r->i0;
+    }
+    return 0;
+}
+
 /* Builds the chains of micro-batch h next (-1: the head, over all items). */
 static void sg_half(mf_sg_builder *b, int h)
 {
@@ -458,23 +472,20 @@ static void sg_half(mf_sg_builder *b, int h)
 int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
 {
     *out = NULL;
-    int serial = !o->par && o->n_units <= 1, max_n = serial ? MF_SG_MAX_CHUNK : MF_SG_MAX_ITEMS;
+    int serial = !o->par && !o->mixed, max_n = serial ? MF_SG_MAX_CHUNK : MF_SG_MAX_ITEMS;
     if (o->n < 1 || o->n > max_n || o->n_cards < 0 || o->n_cards > MF_SG_MAX_CARDS)
         return mf_error(-EINVAL, "step graph: %d items (%s), %d cards (expected 1..%d, 0..%d)", o->n,
-                        serial ? "one sequence" : "several units", o->n_cards, max_n, MF_SG_MAX_CARDS);
+                        serial ? "one sequence" : "several sequences", o->n_cards, max_n, MF_SG_MAX_CARDS);
     if (o->n_dense_cards < 0 || o->n_dense_cards > MF_SG_MAX_CARDS ||
         (o->n_dense_cards && o->lane_dev0 + 3 * o->n_dense_cards > o->n_lanes))
         return mf_error(-EINVAL, "step graph: dense work on %d cards, lanes for %d (expected 0..%d, with lanes)",
                         o->n_dense_cards, (o->n_lanes - o->lane_dev0) / 3, MF_SG_MAX_CARDS);
     if (o->dense_split != MF_SG_SPLIT_LAYERS && o->dense_split != MF_SG_SPLIT_ROWS)
         return mf_error(-EINVAL, "step graph: dense split %d (expected layers or rows)", o->dense_split);
-    for (int k = 0; k < o->n_units; k++)
-        if (o->unit_end[k] <= (k ? o->unit_end[k - 1] : 0) || o->unit_end[k] > o->n || o->n_units > o->n ||
-            (k == o->n_units - 1 && o->unit_end[k] != o->n))
-            return mf_error(-EINVAL, "step graph: unit %d of %d ends at item %d (expected increasing, the last at %d)",
-                            k, o->n_units, o->unit_end[k], o->n);
     if (o->micro < 0 || o->micro > 2)
         return mf_error(-EINVAL, "step graph: %d micro-batches (expected 1 or 2)", o->micro);
+    if (o->mixed && o->ordered)
+        return mf_error(-EINVAL, "step graph: a mixed graph runs its items' sequences in item groups, not in order");
     if (o->lt < MF_SG_LT_COST || o->lt > MF_SG_LT_OFF)
         return mf_error(-EINVAL, "step graph: cuBLASLt mode %d (expected cost, on, dense or off)", o->lt);
     const mf_config *c = o->c;
@@ -508,7 +519,7 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     for (size_t i = 0; i < n_tid; i++) sg->slot_tid[i] = -1;
     for (size_t i = 0; i < n_eg; i++) sg->eg_read_tid[i] = -1;
     for (int i = 0; i < c->n_layers * sg->n_halves * sg->n_cards; i++) sg->card_ffn_tid[i] = -1;
-    mf_task_id unit[MF_SG_MAX_ITEMS], post[MF_SG_MAX_ITEMS];
+    mf_task_id unit[MF_SG_MAX_GROUPS], post[MF_SG_MAX_GROUPS];
     for (int k = 0; k < b.u; k++) unit[k] = -1;
     for (int L = 0; L < c->n_layers && !b.rc; L++)
         for (int h = 0; h < sg->n_halves; h++) {   /* each micro-batch's chain of the layer */
@@ -534,6 +545,7 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     }
     if (!rc && sg->prefetch) rc = mf_sg_pre_ahead(o, sg);
     if (!rc && sg->prefetch) rc = mf_sg_pre_ranks(o, sg);
+    if (!rc && (sg->par || sg->mixed)) rc = sg_live_new(sg);
     if (rc) {
         mf_stepgraph_free(sg);
         return mf_error_wrap(rc, "step graph: a batch of %d", o->n);
@@ -553,6 +565,8 @@ void mf_stepgraph_free(mf_stepgraph *sg)
     free(sg->card_ffn_tid);
     free(sg->eg_read_tid);
     free(sg->pre_tid);
+    free(sg->live_i1);
+    free(sg->live_tok);
     free(sg);
 }
 
@@ -564,7 +578,7 @@ double mf_stepgraph_macs(const mf_stepgraph *sg, int top_k, int n_head)
         double per = 0;
         for (int f = 0; f < MF_KF_N; f++) per += r->w.macs[f];
         if (per == 0 || r->card >= 0) continue;
-        double tok = r->slot_tokens ? (double)sg->n * top_k / sg->n_slots : r->op == MF_SG_HEAD ? n_head : r->n_tok;
+        double tok = r->slot_tokens ? (double)sg->n_live * top_k / sg->n_slots : r->op == MF_SG_HEAD ? n_head : r->n_tok;
         total += per * tok;
     }
     return total;
@@ -615,6 +629,31 @@ void mf_stepgraph_mark_engram(mf_stepgraph *sg, int es, int k, int n_used)
     const mf_task_id *tid = sg->eg_read_tid + ((size_t)es * sg->n_units + k) * sg->eg_reads_per_unit;
     for (int r = 0; r < sg->eg_reads_per_unit; r++)
         if (tid[r] >= 0) mf_graph_set_noop(sg->g, tid[r], r >= n_used);
+}
+
+int mf_sg_bucket(int n)
+{
+    int b = 1;
+    while (b < n && b < MF_SG_MAX_ITEMS) b *= 2;
+    return b;
+}
+
+void mf_stepgraph_set_live(mf_stepgraph *sg, int n_live)
+{
+    if (!sg->live_i1 || n_live == sg->n_live || n_live < 1 || n_live > sg->n) return;
+    sg->n_live = n_live;
+    for (int t = 0; t < sg->n_tasks; t++) {
+        mf_sg_task *r = &sg->task[t];
+        int full = sg->live_i1[t];
+        if (full < 0) continue;
+        int i1 = full < n_live ? full : n_live > r->i0 ? n_live : r->i0;
+        r->i1 = i1;
+        if (sg->live_tok[t]) r->n_tok = i1 - r->i0;
+        mf_graph_set_noop(sg->g, t, i1 == r->i0);
+    }
+    for (int h = 0; h < sg->n_halves; h++)   /* a dead micro-batch's slots: its route does not run */
+        if ((h ? sg->half_end[h - 1] : 0) >= n_live)
+            for (int L = 0; L < sg->n_layers; L++) mf_stepgraph_mark_noop_half(sg, L, h, 0, NULL);
 }
 
 int mf_stepgraph_key_parts(const mf_stepgraph *sg, int item)

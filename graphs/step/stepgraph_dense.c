@@ -196,7 +196,7 @@ int mf_sg_card_reserve(const mf_sg_opts *base, const mf_sg_card_in *in, int chun
                        double *dense)
 {
     *routed = *dense = 0;
-    const int ns[2] = {chunk, max_items};
+    const int ns[2] = {chunk, max_items > 0 ? mf_sg_bucket(max_items) : 0};   /* the graph a batch runs in */
     for (int k = 0; k < 2; k++) {
         if (ns[k] < 1) continue;
         mf_sg_opts o = *base;

@@ -202,7 +202,7 @@ int mf_sg_heads_choice(const mf_sg_opts *o, int L)
 {
     const mf_config *c = o->c;
     int nc = o->n_dense_cards, n = o->n, nh = c->n_heads, D = c->head_dim;
-    int units = o->n_units > 0 ? o->n_units : o->par ? o->n : 1;
+    int units = o->par || o->mixed ? o->n : 1;   /* a mixed graph of n >= 2: sequences at run time */
     if (nc < 1 || o->exact || units != 1 || o->heads == MF_SG_HEADS_HOST || L < 0 || L >= c->n_layers) return 0;
     if (D % 16 || D > MF_DEV_ATTN_MAX_D || c->qk_rope_head_dim / 2 > 64 ||
         mf_sg_heads_keys(c, L) > MF_DEV_ATTN_MAX_KEYS)
