@@ -76,6 +76,10 @@ static const mf_pkey mf_pkeys[] = {
     KERN("card", card, "bf16", MF_KF_BF16, 1),
     {"card_ref_macs_per_s", MF_PK_DBL, KOFF(card, MF_KF_REF, macs_per_s), 1, 0, BIG, 1, 1},
     {"card_ref_latency_ns", MF_PK_DBL, KOFF(card, MF_KF_REF, latency_ns), 0, 0, 1e12, 0, 0},
+    /* hosts and links (optional) */
+    {"host_mem_bytes", MF_PK_U64, OFF(host_mem_bytes), 1, 0, BIG, 0, 0},   /* the first optional key */
+    {"link_bytes_per_s", MF_PK_DBL, OFF(link_bytes_per_s), 1, 0, BIG, 0, 0},
+    {"link_latency_ns", MF_PK_DBL, OFF(link_latency_ns), 0, 0, 1e12, 0, 0},
 };
 #define MF_N_PKEYS ((int)(sizeof mf_pkeys / sizeof mf_pkeys[0]))
 
@@ -87,6 +91,9 @@ static const mf_pkey *mf_pkey_find(const char *key)
         if (strcmp(mf_pkeys[i].key, key) == 0) return &mf_pkeys[i];
     return NULL;
 }
+
+/* 1 for the optional keys (hosts and links: from host_mem_bytes on), which may be absent (0). */
+static int mf_pkey_optional(const mf_pkey *k) { return k >= mf_pkey_find("host_mem_bytes"); }
 
 static double mf_pkey_get(const mf_profile *p, const mf_pkey *k)
 {
@@ -318,7 +325,7 @@ int mf_profile_parse(const char *text, const char *what, mf_profile *out)
         snprintf(out->keys[e].source, sizeof out->keys[e].source, "%s", source);
     }
     for (int i = 0; i < MF_N_PKEYS; i++)
-        if (!line_of[i])
+        if (!line_of[i] && !mf_pkey_optional(&mf_pkeys[i]))
             return mf_error(-EINVAL, "%s: key '%s' missing (every key of the format must be given once)",
                             what, mf_pkeys[i].key);
     return mf_profile_check(out, what, line_of);
@@ -394,6 +401,12 @@ const char *mf_profile_source(const mf_profile *p, const char *key)
 
 /* ---- writing --------------------------------------------------------------------------------- */
 
+/* Whether key k is written and printed: always, or for an optional key when given or non-zero. */
+static int mf_pkey_shown(const mf_profile *p, const mf_pkey *k)
+{
+    return !mf_pkey_optional(k) || mf_pkey_get(p, k) != 0 || mf_pkeys_index(p, k->key) >= 0;
+}
+
 static void mf_pkey_text(const mf_profile *p, const mf_pkey *k, char *out, size_t cap)
 {
     if (k->type == MF_PK_STR)
@@ -425,9 +438,11 @@ int mf_profile_write_header(const mf_profile *p, const char *path, const char *h
         {"n_sockets", "host: sockets, memory, executor, kernels per thread"},
         {"disk_bytes_per_s", "disk"},
         {"n_cards", "cards (per card)"},
+        {"host_mem_bytes", "hosts and links (a pipeline of hosts: moeflow sim --ranks)"},
     };
     for (int i = 0; i < MF_N_PKEYS; i++) {
         const mf_pkey *k = &mf_pkeys[i];
+        if (!mf_pkey_shown(p, k)) continue;
         for (size_t s = 0; s < sizeof sections / sizeof sections[0]; s++)
             if (strcmp(sections[s].first, k->key) == 0) fprintf(f, "\n# %s\n", sections[s].title);
         char val[64];
@@ -452,6 +467,7 @@ void mf_profile_print(const mf_profile *p, FILE *f)
     fprintf(f, "  %-24s %-14s %s\n", "key", "value", "source");
     for (int i = 0; i < MF_N_PKEYS; i++) {
         const mf_pkey *k = &mf_pkeys[i];
+        if (!mf_pkey_shown(p, k)) continue;
         char val[64];
         mf_pkey_text(p, k, val, sizeof val);
         const char *src = mf_profile_source(p, k->key);
@@ -478,11 +494,13 @@ void mf_profile_print_json(const mf_profile *p, FILE *f)
     fprintf(f, ", \"path\": ");
     mf_json_str(f, p->path);
     fprintf(f, ", \"keys\": [");
-    for (int i = 0; i < MF_N_PKEYS; i++) {
+    for (int i = 0, first = 1; i < MF_N_PKEYS; i++) {
         const mf_pkey *k = &mf_pkeys[i];
+        if (!mf_pkey_shown(p, k)) continue;
         char val[64];
         mf_pkey_text(p, k, val, sizeof val);
-        fprintf(f, "%s\n  {\"key\": \"%s\", \"value\": ", i ? "," : "", k->key);
+        fprintf(f, "%s\n  {\"key\": \"%s\", \"value\": ", first ? "" : ",", k->key);
+        first = 0;
         if (k->type == MF_PK_STR)
             mf_json_str(f, p->name);
         else

@@ -64,7 +64,7 @@ static mf_task_fn mf_step_fn_of(int op)
 {
     static const mf_task_fn *const tabs[] = {mf_step_engram_fn_of, mf_step_hc_fn_of,        mf_step_attn_fn_of,
                                              mf_step_moe_fn_of,    mf_step_moe_cards_fn_of, mf_step_dense_fn_of,
-                                             mf_step_shape_fn_of};
+                                             mf_step_net_fn_of,    mf_step_shape_fn_of};
     for (size_t k = 0; k < sizeof tabs / sizeof tabs[0]; k++)
         if (tabs[k][op]) return tabs[k][op];
     return NULL;
@@ -115,7 +115,8 @@ mf_sg_opts mf_step_sg_opts(const mf_step *eng, int n, int par, int n_units, cons
                         .micro = eng->o.micro, .exact = eng->o.exact, .heads = eng->o.heads,
                         .prefetch_min = eng->o.prefetch_min,
                         .fn_of = fn_of,
-                        .profile = eng->o.profile};
+                        .profile = eng->o.profile,
+                        .layer_begin = eng->l0, .layer_end = eng->l1, .lane_net = eng->lt.lane_net};
 }
 
 /* The step graph of a shape of n items (parallel, serial, or n_units units ending at unit_end[])
@@ -368,6 +369,7 @@ static int mf_step_shape_host(mf_step *eng, mf_step_shape *sh, int n, int shared
         {"candidates", n_ * n_cb * 4, (void **)&cand},
         {"xin", n_ * H * f, (void **)&sh->xin},
         {"moe_out", n_ * H * f, (void **)&sh->moe_out},
+        {"net", eng->lt.lane_net >= 0 ? n_ * (size_t)mf_sg_boundary_floats(c) * f : 0, (void **)&sh->net},
         {"ex", nk * 4, (void **)&sh->ex},
         {"wt", nk * f, (void **)&sh->wt},
         {"asg", nk * 4, (void **)&sh->asg},

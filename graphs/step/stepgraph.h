@@ -106,6 +106,11 @@ typedef enum mf_sg_op {
     MF_SG_ATTN_KEYS,      /* items (the unit's, one sequence): the index keys of the entries the
                            * last item sees unpacked on the host (mf_ly_cache_get_keys), the items'
                            * visible counts */
+    /* a pipeline stage's boundaries (mf_sg_opts.layer_begin, layer_end; lane_net): */
+    MF_SG_NET_IN,         /* all items: their boundary (mf_sg_boundary_floats) received from the
+                           * stage before and unpacked into their streams, before the first layer */
+    MF_SG_NET_OUT,        /* all items: their boundary after the last layer packed and sent to the
+                           * stage after (in place of the final norm and head) */
     MF_SG_N_OPS
 } mf_sg_op;
 
@@ -114,7 +119,8 @@ enum { MF_SG_PH_ATTN, MF_SG_PH_MOE, MF_SG_PH_ENGRAM, MF_SG_PH_HEAD, MF_SG_PH_OTH
 
 /* Accounting classes: what the phase table leaves out (IO, copies) and the overlap counters. */
 typedef enum mf_sg_kind {
-    MF_SG_K_OTHER, MF_SG_K_IO, MF_SG_K_EXPERT, MF_SG_K_COPY, MF_SG_K_DEV, MF_SG_K_COPY_OUT
+    MF_SG_K_OTHER, MF_SG_K_IO, MF_SG_K_EXPERT, MF_SG_K_COPY, MF_SG_K_DEV, MF_SG_K_COPY_OUT,
+    MF_SG_K_NET   /* a pipeline's boundary transfers (MF_SG_NET_*) */
 } mf_sg_kind;
 
 /* The attention's linear stages (graphs/layers/layers.h MF_LY_A_STAGE_* has the same order), and the
@@ -353,6 +359,13 @@ typedef struct mf_sg_opts {
      * none. */
     int n_sockets;
     const int *lane_sock;
+    /* A pipeline stage (graphs/pipe/pipe.h): only layers [layer_begin, layer_end) (both 0: every
+     * layer, the final norm and head after them). layer_begin > 0: every unit's first layer
+     * waits for a MF_SG_NET_IN task; layer_end < n_layers: a MF_SG_NET_OUT task after every unit's
+     * last layer instead of the head. Both on lane lane_net (mf_sg_lanes_net). Must be cuts
+     * (graphs/model/config.h mf_config_cut_ok). */
+    int layer_begin, layer_end;
+    int lane_net;
 } mf_sg_opts;
 
 typedef struct mf_stepgraph {
@@ -437,17 +450,19 @@ typedef struct mf_stepgraph {
  * lane (io_uring, depth 64); then per card c three lanes at lane_dev0 + 3c, "devC.h2d",
  * "devC.compute", "devC.d2h" (concurrency 4, models[1..3]: mf_step_lane_models). */
 #define MF_SG_MAX_SOCKETS MF_TOPO_MAX_SOCKETS
+#define MF_SG_MAX_LANES (2 + 3 * MF_SG_MAX_CARDS + MF_SG_MAX_SOCKETS)
 typedef struct mf_sg_lanes {
-    mf_lane_desc lane[2 + 3 * MF_SG_MAX_CARDS + MF_SG_MAX_SOCKETS - 1];
+    mf_lane_desc lane[MF_SG_MAX_LANES];
     char names[3 * MF_SG_MAX_CARDS + MF_SG_MAX_SOCKETS][16];
     int n_lanes, lane_io, lane_dev0;
+    int lane_net;             /* a pipeline stage's boundary lane (mf_sg_lanes_net), -1 */
     /* sockets (mf_sg_lanes_sockets; 1 by default): socket k's CPU lane lane_sock[k] (socket 0's
      * is lane 0, the others after the cards' lanes); per lane its socket (-1 not a CPU lane) and
      * the engine's number of its first worker (workers numbered across the CPU lanes) */
     int n_sockets;
     int lane_sock[MF_SG_MAX_SOCKETS];
-    int8_t sock_of_lane[2 + 3 * MF_SG_MAX_CARDS + MF_SG_MAX_SOCKETS - 1];
-    int cpu_base[2 + 3 * MF_SG_MAX_CARDS + MF_SG_MAX_SOCKETS - 1];
+    int8_t sock_of_lane[MF_SG_MAX_LANES];
+    int cpu_base[MF_SG_MAX_LANES];
 } mf_sg_lanes;
 
 void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threads, int store, int n_cards);
@@ -457,6 +472,16 @@ void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threa
  * row parts are built on the lanes of the sockets holding their rows (mf_sg_expert_rows); the
  * other host tasks as mf_sg_opts.n_sockets says. n_sockets 1 leaves l as it is. 0 or -EINVAL. */
 int mf_sg_lanes_sockets(mf_sg_lanes *l, int n_sockets, const int *threads, const int *numa);
+
+/* A pipeline stage's boundary lane, after the others (l->lane_net): a CPU-kind lane of one
+ * thread, "net", that runs the MF_SG_NET_* tasks (their transfers wait there, beside the compute
+ * lanes' work). */
+void mf_sg_lanes_net(mf_sg_lanes *l);
+
+/* Floats of one item's boundary between two pipeline stages: its residual streams (hc_mult x
+ * hidden_size) and the mix carried to the next sublayer (hc_mult), in that order (what
+ * MF_SG_NET_* move; 4 x this many bytes). */
+int64_t mf_sg_boundary_floats(const mf_config *c);
 
 /* Card k's three lanes run on device card card_of[k] (k < n; default: k). */
 void mf_sg_lanes_map(mf_sg_lanes *l, const int *card_of, int n);

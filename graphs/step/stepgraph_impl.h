@@ -162,6 +162,8 @@ void mf_sg_engram(mf_sg_builder *b, int L, mf_task_id *unit);                   
 void mf_sg_attn(mf_sg_builder *b, int L, const mf_task_id *unit, mf_task_id *post);   /* stepgraph_attn.c */
 void mf_sg_moe(mf_sg_builder *b, int L, const mf_task_id *post, mf_task_id *unit);    /* stepgraph_moe.c */
 void mf_sg_head(mf_sg_builder *b, const mf_task_id *unit);                      /* stepgraph_head.c */
+mf_task_id mf_sg_net_in(mf_sg_builder *b);                                      /* stepgraph_net.c */
+void mf_sg_net_out(mf_sg_builder *b, const mf_task_id *unit);                   /* stepgraph_net.c */
 
 /* Prefetch after finalize (stepgraph_place.c): the links' head start per layer, the copy-ins' ranks. */
 int mf_sg_pre_ahead(const mf_sg_opts *o, mf_stepgraph *sg);
