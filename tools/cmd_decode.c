@@ -6,6 +6,7 @@
  * loop and its reports; the prompts and the batcher's events: tools/cmd_decode_seqs.c. */
 #include <errno.h>
 #include <inttypes.h>
+#include <signal.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -58,6 +59,10 @@ static const mf_opt mf_dec_table[] = {
      .help = "one JSON object per prompt as it finishes: index, prompt, text\n"
              "(with a tokenizer), tokens, prompt_tokens, finish_reason (eos or\n"
              "length), queue_s, first_token_s, total_s"},
+    {"--logits-out", .kind = MF_OPT_STR, .off = F(logits_out), .meta = "FILE",
+     .help = "every generated token's logits as they come: the sequence's index\n"
+             "and the token (int32), then vocab_size fp32 values (this\n"
+             "machine's byte order): to compare runs byte for byte"},
     {"--engine", .kind = MF_OPT_WORD, .off = F(sched), .def = "scheduled", .meta = "E", .words = mf_dec_engines,
      .help = "scheduled or reference"},
     {"--threads", .kind = MF_OPT_LONG, .off = F(threads), .meta = "N", .lo = 1, .hi = 256,
@@ -170,6 +175,7 @@ static const mf_opt mf_dec_table[] = {
              "reference's on_route hook, and with a hook set the scheduled\n"
              "engine runs its serial graph (a batch's per-sequence parts one\n"
              "after another), so timings differ from a run without it"},
+    MF_TOOL_RANKS_ROWS(F(rk)),
     {"--quiet", "-q", MF_OPT_FLAG, F(quiet), .help = "no progress or timing on stderr"},
     {NULL},
 };
@@ -181,7 +187,7 @@ static const mf_opts_spec mf_dec_spec = {
         "usage: moeflow decode --checkpoint DIR (--prompt TEXT | --tokens IDS | --prompts FILE)\n"
         "                      [--engine scheduled|reference] [--threads N] [--sockets N|auto]\n"
         "                      [--exact] [--batch B]\n"
-        "                      [--step-tokens N] [--output FILE.jsonl]\n"
+        "                      [--step-tokens N] [--output FILE.jsonl] [--logits-out FILE]\n"
         "                      [--max-new-tokens N] [--temperature T --top-p P --seed S]\n"
         "                      [--no-bos] [--ignore-eos] [--act-quant] [--quiet] [--trace FILE]\n"
         "                      [--chat [--chat-template FILE|builtin]]\n"
@@ -190,7 +196,8 @@ static const mf_opts_spec mf_dec_spec = {
         "                      [--devices emu:N|cuda[:IDS] [--placement seed|host|hybrid] [--dense host|cards]\n"
         "                       [--dense-split layers|rows] [--heads cost|cards|host] [--micro-batches 1|2]\n"
         "                       [--dev-cache SIZE] [--dev-cache-fill on|off|trace:FILE] [--dev-graphs]\n"
-        "                       [--profile P]] [--record-routing FILE]\n\n"
+        "                       [--profile P]] [--record-routing FILE]\n"
+        "                      [--ranks-layers auto|a:b,c:d [--ranks-micro M] [--ranks-timeout S]]\n\n"
         "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
         "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
         "one thread: the correctness oracle). Every prompt goes through the continuous batcher\n"
@@ -233,13 +240,16 @@ static int mf_dec_check(mf_dec_cli *a, mf_dec *d)
     else if (a->profile_path && !a->sched) why = "--profile applies to the scheduled engine";
     else if (a->dense == MF_PLAN_DENSE_CARDS && !a->devices) why = "--dense cards needs --devices";
     else if (!a->sched && a->exact) why = "--exact applies to the scheduled engine (the reference is exact)";
+    else if (a->rk.spec && (!a->sched || a->record))
+        why = "--ranks-layers runs the scheduled engine, without --record-routing (each rank routes its own layers)";
     if (why) {
         fprintf(stderr, "moeflow decode: %s\n", why);
         return 2;
     }
     if (a->devices && a->placement < 0) a->placement = MF_STEP_PLACE_HYBRID;
     d->placement = a->placement >= 0 ? mf_opt_word_name(mf_tool_placements, a->placement) : NULL;
-    d->dense = a->dense >= 0 ? a->dense == MF_PLAN_DENSE_CARDS : a->devices && !strncmp(a->devices, "emu", 3);
+    d->dense = a->dense >= 0 ? a->dense == MF_PLAN_DENSE_CARDS
+                             : a->devices && !strncmp(a->devices, "emu", 3) && !a->rk.spec;   /* not built for a rank */
     d->place = !a->devices ? MF_STEP_PLACE_HOST : a->placement;
     d->no_bos = a->no_bos;
     return 0;
@@ -273,6 +283,7 @@ static int mf_dec_model(mf_dec *d)
                         .store = a->store_mode, .store_tables = a->store_tables,
                         .store_budget_bytes = a->store_budget, .store_io_depth = (int)a->io_depth,
                         .store_io_pread = mf_tool_io_env.force_pread, .n_sockets = a->sched ? a->sk.n : 1};
+    mf_tool_ranks_layers(&a->rk, &mo.layer_begin, &mo.layer_end);   /* a pipeline's rank: its layers */
     memcpy(mo.socket_node, a->sk.node, sizeof mo.socket_node);
     if (!a->sched) {   /* the reference engine reads through the store's own run */
         mo.store_io_fault_kind = mf_tool_io_env.fault_kind;
@@ -354,6 +365,7 @@ static int mf_dec_engine(mf_dec *d)
         if (!d->fill_counts) return mf_error(-ENOMEM, "out of memory");
     }
     if (!a->sched) return 0;
+    if ((rc = mf_tool_ranks_pipe(d->rk, c))) return rc;
     rc = mf_step_new(d->r, &(mf_step_opts){.n_threads = (int)a->threads, .exact = a->exact, .n_sockets = a->sk.n,
                                            .topology = a->sk.topology, .pin_threads = a->sk.n > 1,
                                            .read_window = (int)a->read_window, .dev = d->dev, .placement = d->place,
@@ -365,7 +377,10 @@ static int mf_dec_engine(mf_dec *d)
                                            .profile = d->prof, .io_depth = (int)a->io_depth,
                                            .io_force_pread = mf_tool_io_env.force_pread,
                                            .io_fault_kind = mf_tool_io_env.fault_kind,
-                                           .io_fault_nth = mf_tool_io_env.fault_nth}, &d->eng);
+                                           .io_fault_nth = mf_tool_io_env.fault_nth,
+                                           .link = d->rk->pipe ? mf_pipe_step_link(d->rk->pipe) : (mf_step_link){0}},
+                     &d->eng);
+    if (!rc && d->rk->pipe) mf_pipe_attach(d->rk->pipe, d->r, d->eng);
     free(d->fill_counts);
     d->fill_counts = NULL;
     return rc;
@@ -395,8 +410,11 @@ static void mf_dec_engine_notes(const mf_dec *d)
 static int mf_dec_submit(mf_dec *d)
 {
     const mf_dec_cli *a = d->a;
-    d->dc = (mf_dec_ctx){.sq = d->sq, .tok = d->tok, .stream = d->n_seq == 1, .out = d->outf, .quiet = a->quiet};
+    d->dc = (mf_dec_ctx){.sq = d->sq, .tok = d->tok, .stream = d->n_seq == 1, .out = d->outf, .quiet = a->quiet,
+                         .lgout = d->lgf, .V = mf_model_config(d->m)->vocab_size};
+    mf_pipe *pipe = d->rk->pipe;   /* a pipeline: rank 0's forwards run every rank's layers */
     int rc = mf_batch_new(&(mf_batch_opts){.ref = d->r, .eng = d->eng, .tok = d->tok, .max_batch = d->max_batch,
+                                           .forward = pipe ? mf_pipe_forward : NULL, .forward_ctx = pipe,
                                            .step_tokens = (int)d->step_tokens,
                                            .max_context = d->total > 1 ? d->total : 2, .max_queue = d->n_seq,
                                            .on_event = mf_dec_on_event, .user = &d->dc}, &d->bat);
@@ -455,6 +473,14 @@ static void mf_dec_step_stats(mf_dec *d)
     if (d->mst && !a->quiet) mf_print_step(d->mst, "step", d->steps, a->sched);
 }
 
+/* A pipeline's rank 0 stops stepping at SIGTERM and tells the other ranks to stop. */
+static volatile sig_atomic_t mf_dec_term;
+static void mf_dec_on_term(int sig)
+{
+    (void)sig;
+    mf_dec_term = 1;
+}
+
 /* Steps the batcher until every prompt has finished, the progress line once a second. */
 static int mf_dec_run(mf_dec *d)
 {
@@ -462,7 +488,12 @@ static int mf_dec_run(mf_dec *d)
     int64_t next_progress = (d->t0 = mf_now_ns()) + 1000000000;
     d->dc.t0 = d->t0;
     if (d->mst) mf_store_step(d->mst, NULL);
+    if (d->rk->size > 1) signal(SIGTERM, mf_dec_on_term);
     for (;;) {
+        if (mf_dec_term) {
+            fprintf(stderr, "moeflow decode: SIGTERM: stopped after step %ld; the other ranks stop too\n", d->steps);
+            return 1;
+        }
         int n_items = 0, rc = mf_batch_step(d->bat, &n_items);
         if (rc) return rc;
         if (!n_items) break;
@@ -590,16 +621,22 @@ int mf_cmd_decode(int argc, char **argv)
     int rc = mf_opts_parse(&mf_dec_spec, argc, argv, &a);
     if (rc != MF_OPTS_RUN) return rc;
     static mf_dec d;
-    d = (mf_dec){.a = &a};
+    d = (mf_dec){.a = &a, .rk = &a.rk};
     if ((rc = mf_dec_check(&a, &d))) return rc;
-    rc = mf_dec_prompts(&d);
+    rc = mf_tool_ranks_open(&a.rk, "decode", a.dir, a.profile_path, (int)a.threads, NULL, NULL);
+    d.follower = a.rk.rank > 0;   /* a pipeline's later rank runs its layers of rank 0's steps */
+    if (!rc) rc = mf_dec_prompts(&d);
     if (!rc) rc = mf_dec_model(&d);
     if (!rc) rc = mf_dec_engine(&d);
-    if (!rc) mf_dec_engine_notes(&d);
-    if (!rc) rc = mf_dec_submit(&d);
-    if (!rc) rc = mf_dec_run(&d);
-    if (!rc) rc = mf_dec_outputs(&d);
-    if (!rc) mf_dec_report(&d);
+    if (!rc && d.follower) rc = mf_tool_ranks_follow(&a.rk, "decode", a.quiet);
+    if (!rc && !d.follower) {
+        mf_dec_engine_notes(&d);
+        rc = mf_dec_submit(&d);
+        if (!rc) rc = mf_dec_run(&d);
+        if (!rc) rc = mf_dec_outputs(&d);
+        if (!rc) mf_dec_report(&d);
+    }
+    rc = mf_tool_ranks_end(&a.rk, "decode", rc, a.quiet);   /* after a pipeline's failure: exits */
     if (rc < 0) fprintf(stderr, "moeflow decode: %s\n", mf_last_error()[0] ? mf_last_error() : "out of memory");
     mf_dec_close(&d);
     return rc < 0 ? 1 : rc;

@@ -19,12 +19,13 @@
 #include "sched/error.h"
 #include "sched/profile.h"
 #include "tools/commands.h"
+#include "tools/ranks.h"
 #include "tools/serve_req.h"
 
 /* The command line (mf_dec_table). */
 typedef struct mf_dec_cli {
     const char *dir, *prompt, *ids, *prompts_file, *outfile, *chat_spec;
-    const char *trace, *devices, *record, *profile_path, *fill_spec;
+    const char *trace, *devices, *record, *profile_path, *fill_spec, *logits_out;
     int sched;                     /* --engine: 1 scheduled, 0 reference */
     int chat, no_bos, ignore_eos, act_quant, quiet, exact, dev_graphs;
     int store_mode, store_tables;  /* MF_MODEL_STORE_*; 0: none / as --store */
@@ -35,6 +36,7 @@ typedef struct mf_dec_cli {
     unsigned long long seed;
     uint64_t store_budget, dev_cache;
     mf_tool_sockets sk;            /* n 0: --sockets not given (auto) */
+    mf_tool_ranks rk;              /* --ranks-layers, --ranks-micro, --ranks-timeout */
 } mf_dec_cli;
 
 /* One prompt of the run and what it produced. */
@@ -54,6 +56,8 @@ typedef struct mf_dec_ctx {
     const mf_tok *tok;
     int stream;            /* one sequence: print tokens as they come */
     FILE *out;             /* --output JSONL, or NULL */
+    FILE *lgout;           /* --logits-out, or NULL */
+    int64_t V;             /* its rows' length (vocab_size) */
     int quiet, n_done, rc;
     int64_t t0, generated;
     char msg[MF_ERROR_MSG_BYTES];
@@ -74,6 +78,8 @@ typedef struct mf_dec {
     const mf_dec_cli *a;
     int place, dense, no_bos;      /* resolved: MF_STEP_PLACE_*, dense on cards, no BOS id */
     const char *placement;         /* the placement's word, for the reports */
+    int follower;                  /* a pipeline's rank > 0: its layers for rank 0's steps, no prompts' outputs */
+    mf_tool_ranks *rk;             /* the cli's rk, opened (tools/ranks.h) */
     /* the prompts (cmd_decode_seqs.c) */
     mf_tok *tok;
     int have_tok, is_text;
@@ -82,7 +88,7 @@ typedef struct mf_dec {
     int n_lines, n_seq, max_batch;
     long step_tokens;
     mf_dec_seq *sq;
-    FILE *outf;
+    FILE *outf, *lgf;              /* --output, --logits-out */
     /* the model, engine and batcher */
     mf_model *m;
     mf_store *mst;

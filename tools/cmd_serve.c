@@ -24,6 +24,7 @@
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "tools/commands.h"
+#include "tools/ranks.h"
 #include "tools/serve_http.h"
 #include "tools/serve_req.h"
 
@@ -33,6 +34,7 @@ typedef struct mf_serve_cli {
     int sched, exact, quiet;   /* sched: --engine scheduled */
     long port, max_batch, step_tokens, max_queue, max_context, timeout, drain, threads;
     uint64_t budget, max_body;
+    mf_tool_ranks rk;          /* --ranks-layers ...: rank 0 serves, the others run their layers */
 } mf_serve_cli;
 
 static const mf_opt_word mf_serve_engines[] = {{"scheduled", 1}, {"reference", 0}, {NULL, 0}};
@@ -75,6 +77,7 @@ static const mf_opt mf_serve_table[] = {
      .help = "the chat template: DIR/tokenizer_config.json's chat_template by default\n"
              "(Jinja2, the subset of docs/serve.md; the built-in DeepSeek-V3 format\n"
              "without one), FILE (a template, or a tokenizer_config.json), or builtin"},
+    MF_TOOL_RANKS_ROWS(F(rk)),
     {"--quiet", "-q", MF_OPT_FLAG, F(quiet), .help = "no log lines on stderr"},
     {NULL},
 };
@@ -86,7 +89,8 @@ static const mf_opts_spec mf_serve_spec = {
              "                     [--step-tokens N] [--state-budget BYTES] [--max-queue N] [--api-key KEY]\n"
              "                     [--max-context N] [--threads N] [--exact] [--engine scheduled|reference]\n"
              "                     [--model-name NAME] [--max-body BYTES] [--timeout S] [--drain-timeout S]\n"
-             "                     [--chat-template FILE|builtin] [--quiet]\n\n"
+             "                     [--chat-template FILE|builtin] [--quiet]\n"
+             "                     [--ranks-layers auto|a:b,c:d [--ranks-micro M] [--ranks-timeout S]]\n\n"
              "Serves an OpenAI-compatible HTTP API over the continuous batcher (docs/serve.md):\n"
              "POST /v1/completions, POST /v1/chat/completions (stream: true for server-sent events),\n"
              "GET /v1/models, /health, /metrics (Prometheus text). SIGTERM or SIGINT stop accepting,\n"
@@ -98,6 +102,7 @@ static const mf_opts_spec mf_serve_spec = {
 /* What the command opens around the server. */
 typedef struct mf_serve {
     const mf_serve_cli *a;
+    mf_serve_cli *cli;         /* the same, for its opened pipeline (rk) */
     mf_srv *v;
     mf_model *m;
     mf_ref *r;
@@ -123,6 +128,8 @@ static int mf_serve_open(mf_serve *s)
         return 2;
     }
     mf_model_opts mo = {.quiet = a->quiet, .resident_limit_bytes = a->sched ? UINT64_C(64) << 30 : 0};
+    mf_tool_ranks *rk = &s->cli->rk;
+    mf_tool_ranks_layers(rk, &mo.layer_begin, &mo.layer_end);   /* a pipeline's rank: its layers */
     if ((rc = mf_model_load(a->dir, &mo, &s->m))) return rc;
     v->c = mf_model_config(s->m);
     mf_ref_opts ro = {0};
@@ -132,8 +139,13 @@ static int mf_serve_open(mf_serve *s)
         ro.n_token_map = mf_engram_map_n_vocab(s->emap);
     }
     if ((rc = mf_ref_new(s->m, &ro, &s->r))) return rc;
-    if (a->sched && (rc = mf_step_new(s->r, &(mf_step_opts){.n_threads = (int)a->threads, .exact = a->exact}, &v->eng)))
+    if (a->sched && (rc = mf_tool_ranks_pipe(rk, v->c))) return rc;
+    if (a->sched && (rc = mf_step_new(s->r, &(mf_step_opts){.n_threads = (int)a->threads, .exact = a->exact,
+                                                            .link = rk->pipe ? mf_pipe_step_link(rk->pipe)
+                                                                             : (mf_step_link){0}}, &v->eng)))
         return rc;
+    if (rk->pipe) mf_pipe_attach(rk->pipe, s->r, v->eng);
+    if (rk->rank > 0) return 0;   /* a later rank: its layers of rank 0's steps, no batcher or server */
     int64_t model_ctx = v->c->max_position_embeddings;
     v->max_context = a->max_context ? a->max_context : model_ctx < 4096 ? model_ctx : 4096;
     if (v->max_context > model_ctx) {
@@ -142,6 +154,7 @@ static int mf_serve_open(mf_serve *s)
         return 2;
     }
     if ((rc = mf_batch_new(&(mf_batch_opts){.ref = s->r, .eng = v->eng, .tok = v->tok, .max_batch = (int)a->max_batch,
+                                            .forward = rk->pipe ? mf_pipe_forward : NULL, .forward_ctx = rk->pipe,
                                             .step_tokens = (int)a->step_tokens, .max_context = v->max_context,
                                             .state_budget_bytes = a->budget, .max_queue = (int)a->max_queue,
                                             .on_event = mf_srv_on_event, .user = v}, &v->b)))
@@ -251,6 +264,23 @@ static void mf_serve_close(mf_serve *s)
     pthread_mutex_destroy(&v->mu);
 }
 
+/* A pipeline's later rank (or any rank whose opening failed, rc): its layers (model, forward,
+ * engine) for rank 0's steps until rank 0 stops, then the end (tools/ranks.h). */
+static int mf_serve_follower(mf_serve_cli *a, int rc)
+{
+    static mf_srv v;
+    static mf_serve s;
+    memset(&v, 0, sizeof v);
+    pthread_mutex_init(&v.mu, NULL);
+    s = (mf_serve){.a = a, .cli = a, .v = &v};
+    if (!rc) rc = mf_serve_open(&s);
+    if (!rc) rc = mf_tool_ranks_follow(&a->rk, "serve", a->quiet);
+    if (rc < 0 && !a->rk.mpi) fprintf(stderr, "moeflow serve: %s\n", mf_last_error());
+    mf_serve_close(&s);
+    rc = mf_tool_ranks_end(&a->rk, "serve", rc, a->quiet);
+    return rc < 0 ? 1 : rc;
+}
+
 int mf_cmd_serve(int argc, char **argv)
 {
     mf_serve_cli a = {.threads = sysconf(_SC_NPROCESSORS_ONLN)};
@@ -258,6 +288,12 @@ int mf_cmd_serve(int argc, char **argv)
     int rc = mf_opts_parse(&mf_serve_spec, argc, argv, &a);
     if (rc != MF_OPTS_RUN) return rc;
     if (!a.dir) return mf_opts_refuse(&mf_serve_spec, "--checkpoint is required");
+    if (a.rk.spec && !a.sched) {
+        fprintf(stderr, "moeflow serve: --ranks-layers runs the scheduled engine\n");
+        return 2;
+    }
+    if ((rc = mf_tool_ranks_open(&a.rk, "serve", a.dir, NULL, (int)a.threads, NULL, NULL)) || a.rk.rank > 0)
+        return mf_serve_follower(&a, rc);
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)a.port)};
     if (inet_pton(AF_INET, !strcmp(a.host, "localhost") ? "127.0.0.1" : a.host, &sa.sin_addr) != 1) {
         fprintf(stderr, "moeflow serve: --host: expected an IPv4 address such as 127.0.0.1, found '%s'\n", a.host);
@@ -275,7 +311,7 @@ int mf_cmd_serve(int argc, char **argv)
     static mf_serve s;
     memset(&v, 0, sizeof v);
     pthread_mutex_init(&v.mu, NULL);
-    s = (mf_serve){.a = &a, .v = &v};
+    s = (mf_serve){.a = &a, .cli = &a, .v = &v};
     rc = mf_serve_open(&s);
     if (!rc) rc = mf_serve_listen(&s, &sa);
     if (!rc) {
@@ -285,5 +321,6 @@ int mf_cmd_serve(int argc, char **argv)
     }
     if (rc < 0) fprintf(stderr, "moeflow serve: %s\n", mf_last_error()[0] ? mf_last_error() : "out of memory");
     mf_serve_close(&s);
+    rc = mf_tool_ranks_end(&a.rk, "serve", rc, a.quiet);   /* stops the other ranks; after a failure exits */
     return rc < 0 ? 1 : rc;
 }
