@@ -14,11 +14,13 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "device/dev.h"
 #include "graphs/model/config.h"
 #include "graphs/model/model.h"
 #include "graphs/pipe/pipe.h"
 #include "graphs/ref/ref.h"
 #include "graphs/step/step.h"
+#include "graphs/step/stepgraph.h"
 #include "sched/error.h"
 #include "tests/check.h"
 #include "tests/link_mem.h"
@@ -31,6 +33,8 @@ typedef struct rank_ctx {
     const char *dir;
     mf_lmem_hub *hub;
     int rank, micro, fail;   /* fail: this follower fails at once (mf_pipe_fail) */
+    int cards, dsplit;       /* cards > 0: emu:cards, dense work and routed experts on them, split by dsplit */
+    mf_dev *dev;
     mf_pipe_split split;
     mf_model *m;
     mf_ref *r;
@@ -50,7 +54,15 @@ static int stage_open(rank_ctx *x)
     if (!rc) rc = mf_ref_new(x->m, NULL, &x->r);
     if (!rc) rc = mf_pipe_new(mf_model_config(x->m), &(mf_pipe_opts){.link = l, .split = x->split, .micro = x->micro,
                                                                        .step_timeout_ns = 120000000000LL}, &x->p);
-    if (!rc) rc = mf_step_new(x->r, &(mf_step_opts){.n_threads = 1, .link = mf_pipe_step_link(x->p)}, &x->e);
+    char spec[32];
+    snprintf(spec, sizeof spec, "emu:%d", x->cards);
+    if (!rc && x->cards) rc = mf_dev_open(spec, &x->dev);
+    if (!rc)
+        rc = mf_step_new(x->r, &(mf_step_opts){.n_threads = 1, .link = mf_pipe_step_link(x->p), .dev = x->dev,
+                                               .placement = x->cards ? MF_STEP_PLACE_HYBRID : MF_STEP_PLACE_HOST,
+                                               .dense = x->cards ? MF_STEP_DENSE_CARDS : MF_STEP_DENSE_HOST,
+                                               .dense_split = x->dsplit, .dev_cache_fill = x->cards > 0},
+                         &x->e);
     if (!rc) mf_pipe_attach(x->p, x->r, x->e);
     return rc;
 }
@@ -58,6 +70,7 @@ static int stage_open(rank_ctx *x)
 static void stage_close(rank_ctx *x)
 {
     mf_step_free(x->e);
+    mf_dev_close(x->dev);
     mf_pipe_free(x->p);
     mf_ref_free(x->r);
     mf_model_free(x->m);
@@ -143,8 +156,8 @@ static int run_whole(const char *dir, int n_seq, int n_dec, int32_t *toks, float
 }
 
 /* The workload over a pipeline of split.n_ranks threads with `micro` micro-batches against want. */
-static void run_pipe(const char *dir, const char *spec, int micro, int n_seq, int n_dec, const int32_t *toks,
-                     const float *want, int64_t V)
+static void run_pipe(const char *dir, const char *spec, int micro, int cards, int dsplit, int n_seq, int n_dec,
+                     const int32_t *toks, const float *want, int64_t V)
 {
     mf_config c;
     char path[4200];
@@ -162,7 +175,8 @@ static void run_pipe(const char *dir, const char *spec, int micro, int n_seq, in
     mf_lmem_hub *hub = mf_lmem_new(n_ranks);
     pthread_t th[MF_PIPE_MAX_RANKS];
     for (int k = 0; k < n_ranks; k++) {
-        x[k] = (rank_ctx){.dir = dir, .hub = hub, .rank = k, .micro = micro, .split = split};
+        x[k] = (rank_ctx){.dir = dir, .hub = hub, .rank = k, .micro = micro, .split = split, .cards = cards,
+                          .dsplit = dsplit};
         if (k) pthread_create(&th[k], NULL, follower, &x[k]);
     }
     size_t nl = 1 + (size_t)n_dec;
@@ -188,7 +202,8 @@ static void run_pipe(const char *dir, const char *spec, int micro, int n_seq, in
         CHECK(bad == 0, "%s micro %d: %zu of %zu logits rows differ from the whole model's", spec, micro, bad,
               (size_t)n_seq * nl);
         CHECK(mf_lmem_left(hub) == 0, "%s: %d messages left unread", spec, mf_lmem_left(hub));
-        printf("  %s, %d micro-batches, %d sequences: %zu logits rows identical\n", spec, micro, n_seq,
+        printf("  %s, %d micro-batches, %d sequences%s: %zu logits rows identical\n", spec, micro, n_seq,
+               !cards ? "" : dsplit ? ", emu:2 per rank (dense by rows, hybrid)" : ", emu:2 per rank (dense by layers, hybrid)",
                (size_t)n_seq * nl);
     }
     stage_close(&x[0]);
@@ -296,10 +311,14 @@ int main(void)
     int rc = run_whole(dir, n_seq, n_dec, toks, want);
     CHECK(!rc, "whole model: %s", mf_last_error());
     if (!rc) {
-        run_pipe(dir, "0:4,4:8", 1, n_seq, n_dec, toks, want, V);
-        run_pipe(dir, "0:2,2:8", 2, n_seq, n_dec, toks, want, V);
-        run_pipe(dir, "0:1,1:4,4:8", 3, n_seq, n_dec, toks, want, V);
-        if (!MF_TEST_SANITIZED) run_pipe(dir, "0:2,2:4,4:8", 2, n_seq, n_dec, toks, want, V);
+        run_pipe(dir, "0:4,4:8", 1, 0, 0, n_seq, n_dec, toks, want, V);
+        run_pipe(dir, "0:2,2:8", 2, 0, 0, n_seq, n_dec, toks, want, V);
+        run_pipe(dir, "0:1,1:4,4:8", 3, 0, 0, n_seq, n_dec, toks, want, V);
+        run_pipe(dir, "0:2,2:8", 2, 2, MF_SG_SPLIT_ROWS, n_seq, n_dec, toks, want, V);
+        if (!MF_TEST_SANITIZED) {
+            run_pipe(dir, "0:2,2:4,4:8", 2, 0, 0, n_seq, n_dec, toks, want, V);
+            run_pipe(dir, "0:2,2:8", 1, 2, MF_SG_SPLIT_LAYERS, n_seq, n_dec, toks, want, V);
+        }
     }
     free(want);
     test_fail(dir);
@@ -315,7 +334,7 @@ int main(void)
             int32_t t[MAX_SEQ * MAX_DEC] = {0};
             rc = run_whole(demo, 3, 2, t, w);
             CHECK(!rc, "demo whole: %s", mf_last_error());
-            if (!rc) run_pipe(demo, "0:4,4:8", 2, 3, 2, t, w, d.vocab_size);
+            if (!rc) run_pipe(demo, "0:4,4:8", 2, 0, 0, 3, 2, t, w, d.vocab_size);
             free(w);
         }
     } else {

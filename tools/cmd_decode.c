@@ -248,8 +248,7 @@ static int mf_dec_check(mf_dec_cli *a, mf_dec *d)
     }
     if (a->devices && a->placement < 0) a->placement = MF_STEP_PLACE_HYBRID;
     d->placement = a->placement >= 0 ? mf_opt_word_name(mf_tool_placements, a->placement) : NULL;
-    d->dense = a->dense >= 0 ? a->dense == MF_PLAN_DENSE_CARDS
-                             : a->devices && !strncmp(a->devices, "emu", 3) && !a->rk.spec;   /* not built for a rank */
+    d->dense = a->dense >= 0 ? a->dense == MF_PLAN_DENSE_CARDS : a->devices && !strncmp(a->devices, "emu", 3);
     d->place = !a->devices ? MF_STEP_PLACE_HOST : a->placement;
     d->no_bos = a->no_bos;
     return 0;

@@ -175,19 +175,15 @@ static int mf_step_socket_lanes(mf_step *s)
     return mf_sg_lanes_sockets(&s->lt, n, thr, ts.numa);
 }
 
-/* A pipeline stage (graphs/step/step.h mf_step_link): the model's layers, the link the sides with
- * neighbours need, the boundary lane. The whole model: nothing. 0 or -EINVAL / -ENOTSUP. */
+/* A pipeline stage (graphs/step/step.h mf_step_link; its layers s->l0, s->l1 from the model): the
+ * link the sides with neighbours need, the boundary lane. The whole model: nothing. 0 or -EINVAL / -ENOTSUP. */
 static int mf_step_stage(mf_step *s)
 {
-    mf_model_layers(s->ly->m, &s->l0, &s->l1);
     int first = s->l0 == 0, last = s->l1 == s->c->n_layers;
     if (first && last) return 0;
     if ((!first && !s->o.link.recv) || (!last && !s->o.link.send))
         return mf_error(-EINVAL, "step: a model of layers [%d, %d) of %d is a pipeline stage: it needs a link %s",
                         s->l0, s->l1, s->c->n_layers, !first && !s->o.link.recv ? "to receive from" : "to send to");
-    if (s->o.dense)
-        return mf_error(-ENOTSUP, "step: dense work on cards is not built for a pipeline stage (layers [%d, %d))",
-                        s->l0, s->l1);
     mf_sg_lanes_net(&s->lt);
     return 0;
 }
@@ -235,6 +231,7 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     if (!s) return mf_error(-ENOMEM, "step: out of memory");
     s->ly = ly;
     s->c = c;
+    mf_model_layers(ly->m, &s->l0, &s->l1);   /* a pipeline stage's (mf_step_stage) */
     if (opts) s->o = *opts;
     if (s->o.n_threads < 1) s->o.n_threads = 1;
     if (s->o.prefill_chunk < 0 || s->o.prefill_chunk > MF_STEP_MAX_CHUNK) {

@@ -186,7 +186,7 @@ typedef struct mf_step_opts {
     /* With a model of some layers only (a pipeline stage): its link (required on the sides it
      * has neighbours, -EINVAL otherwise). Such a stage embeds no tokens unless its first layer is
      * 0 and computes logits only when its last layer is the model's (mf_step_forward's logits
-     * must be NULL otherwise); dense work on cards is not built for stages (-ENOTSUP). */
+     * must be NULL otherwise); its dense cards hold and run its layers only (mf_sg_dense_card_in). */
     mf_step_link link;
 } mf_step_opts;
 

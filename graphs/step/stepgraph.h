@@ -492,6 +492,9 @@ void mf_sg_lanes_map(mf_sg_lanes *l, const int *card_of, int n);
  * and the layers reading it share a card; the ranges minimize the largest range's layer count
  * (first such choice). With fewer candidate starts than cards, the last cards hold nothing. */
 int mf_sg_dense_card(const mf_config *c, int n_cards, int L);
+/* The same over a pipeline stage's layers [l0, l1) (mf_sg_opts.layer_begin/_end): ranges beginning at
+ * l0 or a KV source, L outside the range (-1: the head) on the range's last layer's card. */
+int mf_sg_dense_card_in(const mf_config *c, int n_cards, int l0, int l1, int L);
 
 /* Where the heads' scores and values run (mf_sg_opts.heads). */
 typedef enum mf_sg_heads_mode { MF_SG_HEADS_COST = 0, MF_SG_HEADS_CARDS, MF_SG_HEADS_HOST } mf_sg_heads_mode;
@@ -573,6 +576,9 @@ int mf_sg_dense_bf16(int dense, int out);
 /* The dense weight bytes card `card` of n_cards holds under `split` (codes + scales, bf16): what
  * its dense tasks' records read per step. */
 double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int card);
+/* The same for a pipeline stage of layers [l0, l1) (the head only when l1 is n_layers). */
+double mf_sg_dense_card_bytes_in(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int card, int l0,
+                                 int l1);
 
 /* Items whose logits a dense card's head computes at a time (graphs/step/step.h MF_STEP_HEAD_ROWS):
  * a decode batch's */

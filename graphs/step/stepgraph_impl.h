@@ -129,6 +129,8 @@ double mf_sg_attn_val_bytes(int buf);
  * (a group: mf_sg_dep); b->chain_run the first card work. */
 mf_task_id mf_sg_dense_chain(mf_sg_builder *b, int L, int d, mf_sg_task t, int phase, double in_tok, double out_tok,
                              mf_task_id after_in, double out_bf_rows);
+/* mf_sg_dense_card_in over the graph's layers (a pipeline stage's, o->layer_begin/_end). */
+int mf_sg_dense_card_of(const mf_sg_opts *o, int n_cards, int L);
 /* Each card work of group `after` waits for the members of group `before` on its card. */
 void mf_sg_dense_after(mf_sg_builder *b, mf_task_id before, mf_task_id after);
 
