@@ -108,9 +108,9 @@ static int run_work(fwd_fn f, void *ctx, mf_ref *r, int64_t V, int n_seq, int n_
                     float *out)
 {
     mf_ref_state *st[MAX_SEQ] = {0};
-    mf_ref_state *ist[MAX_SEQ * 16];
-    int32_t itok[MAX_SEQ * 16];
-    float *lg[MAX_SEQ * 16];
+    mf_ref_state *ist[MAX_SEQ * 16] = {0};
+    int32_t itok[MAX_SEQ * 16] = {0};
+    float *lg[MAX_SEQ * 16] = {0};
     int n = 0, rc = 0, nl = 1 + n_dec;
     for (int s = 0; s < n_seq && !rc; s++) {
         rc = mf_ref_state_new(r, 3 + s + n_dec + 1, &st[s]);

@@ -125,7 +125,7 @@ int mf_tool_ranks_end(mf_tool_ranks *r, const char *cmd, int rc, int quiet)
         if (s) rc = s, snprintf(why, sizeof why, "%s", mf_last_error());
     }
     if (rc < 0 && !mf_link_mpi_failed(l, NULL)) {
-        char m[MF_ERROR_MSG_BYTES + 64];
+        char m[MF_ERROR_MSG_BYTES + 160];
         snprintf(m, sizeof m, "rank %d failed: %s", r->rank, why[0] ? why : mf_last_error());
         r->link->fail(r->link->ctx, m);
     }

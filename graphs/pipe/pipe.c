@@ -132,10 +132,16 @@ int mf_pipe_new(const mf_config *c, const mf_pipe_opts *o, mf_pipe **out)
     return 0;
 }
 
+/* A follower's sequence states freed (their forward must still be alive). */
+static void mf_pipe_drop_states(mf_pipe *p)
+{
+    for (int k = 0; p->rank > 0 && k < p->n_slots; k++) mf_ref_state_free(p->slot[k]);
+    p->n_slots = 0;
+}
+
 void mf_pipe_free(mf_pipe *p)
 {
     if (!p) return;
-    for (int k = 0; p->rank > 0 && k < p->n_slots; k++) mf_ref_state_free(p->slot[k]);
     free(p->rx);
     free(p->tx);
     free(p->hdr);
@@ -398,9 +404,9 @@ static int mf_pipe_follow_one(mf_pipe *p, size_t got)
     return p->l->send(p->l->ctx, 0, TAG_LOGITS, p->lg, sizeof pre + (size_t)n_want * (size_t)p->V * sizeof(float));
 }
 
-int mf_pipe_follow(mf_pipe *p)
+/* mf_pipe_follow's loop. */
+static int mf_pipe_follow_loop(mf_pipe *p)
 {
-    if (p->rank == 0 || !p->eng) return mf_error(-EINVAL, "pipeline: ranks after 0 follow, attached");
     size_t cap = sizeof(mf_pipe_hdr) + sizeof(mf_pipe_item) * PIPE_MAX_ITEMS;
     for (;;) {
         size_t got = 0;
@@ -414,6 +420,14 @@ int mf_pipe_follow(mf_pipe *p)
         if (!rc) rc = mf_pipe_follow_one(p, got);
         if (rc) return mf_pipe_failed(p, rc);
     }
+}
+
+int mf_pipe_follow(mf_pipe *p)
+{
+    if (p->rank == 0 || !p->eng) return mf_error(-EINVAL, "pipeline: ranks after 0 follow, attached");
+    int rc = mf_pipe_follow_loop(p);
+    mf_pipe_drop_states(p);
+    return rc;
 }
 
 /* ---- the start ---------------------------------------------------------------------------------- */

@@ -102,7 +102,8 @@ void mf_pipe_attach(mf_pipe *p, mf_ref *r, mf_step *eng);
  * rank) is told to every rank and returned; the pipeline is then unusable. */
 int mf_pipe_forward(void *ctx, mf_ref_state *const *states, const int32_t *tokens, int n, float *const *logits);
 /* Ranks > 0: runs the steps rank 0 sends until it sends stop (0) or something fails (the error,
- * told to every rank). */
+ * told to every rank), on sequence states of its own (created as rank 0's slots appear, freed
+ * when it returns: the attached forward must outlive the call). */
 int mf_pipe_follow(mf_pipe *p);
 /* Rank 0: tells every rank to stop (their mf_pipe_follow returns 0). */
 int mf_pipe_stop(mf_pipe *p);

@@ -331,15 +331,17 @@ def main():
         return 77
     check(rc == 0, f"a first run over 2 ranks: exit {rc}: {err[-2000:]}")
     t0 = time.time()
+    # a sanitized build (CI's build-asan, build-tsan directories) runs fewer of them: each is 3-5x slower
+    sanitized = "asan" in BIN or "tsan" in BIN
     prompts = ["the house", "hello world of tiny things", "a", "once upon a time there was"]
     test_decode(CKPT, "tiny b1", prompts[:1], 12, [(2, "auto", 1), (3, "0:1,1:4,4:8", 1)])
-    test_decode(CKPT, "tiny", prompts, 12, [(2, "auto", 1), (2, "0:2,2:8", 2), (3, "0:1,1:4,4:8", 3)])
+    test_decode(CKPT, "tiny", prompts, 12, [(2, "0:2,2:8", 2), (3, "0:1,1:4,4:8", 3)] +
+                ([] if sanitized else [(2, "auto", 1)]))
     demo = os.path.expanduser("~/.cache/moeflow/demo")
-    sanitized = "asan" in BIN or "tsan" in BIN
     if os.path.exists(os.path.join(demo, "config.json")):
-        n_new = 3 if sanitized else 6
-        test_decode(demo, "demo b1", ["The house stands on a hill"], n_new, [(2, "auto", 1), (3, "0:2,2:4,4:8", 1)])
-        test_decode(demo, "demo", ["The house stands on a hill", "a small dog", "one two three"], n_new,
+        test_decode(demo, "demo b1", ["The house stands on a hill"], 4,
+                    [(2, "auto", 1)] + ([] if sanitized else [(3, "0:2,2:4,4:8", 1)]))
+        test_decode(demo, "demo", ["The house stands on a hill", "a small dog", "one two three"], 3,
                     [(2, "0:4,4:8", 2)])
     else:
         print("  demo: skipped (no ~/.cache/moeflow/demo; bash tools/demo.sh makes it)", flush=True)
