@@ -32,6 +32,9 @@ typedef struct mf_plan_ranks_report {
     int n_ranks, micro, batch;
     double step_ns, token_ns, tokens_per_s;
     double boundary_ns[MF_PLAN_RANKS_SIZES], logits_ns[MF_PLAN_RANKS_SIZES];   /* per micro-batch size */
+    /* the other design: sampling on the last rank, the tokens sent back (4 bytes an item) instead
+     * of the logits (what the pipeline does: rank 0 samples, serves logprobs, writes --logits-out) */
+    double tokens_back_ns[MF_PLAN_RANKS_SIZES], tokens_per_s_sampled_last;
     int size[MF_PLAN_RANKS_SIZES], n_size;   /* the micro-batch sizes */
     struct {
         int l0, l1;
