@@ -118,6 +118,14 @@ int mf_tool_ranks_end(mf_tool_ranks *r, const char *cmd, int rc, int quiet)
     if (!r->mpi) return rc;
 #ifdef MOEFLOW_MPI
     mf_link_mpi *l = r->mpi;
+    if (r->size < 2) {   /* MPI opened by one process: no pipeline, the command says why */
+        char keep[MF_ERROR_MSG_BYTES];
+        snprintf(keep, sizeof keep, "%s", mf_last_error());
+        mf_link_mpi_close(l);
+        r->mpi = NULL;
+        if (rc < 0) mf_error(rc, "%s", keep);
+        return rc;
+    }
     char why[MF_ERROR_MSG_BYTES + 64] = "";
     if (rc < 0) snprintf(why, sizeof why, "%s", mf_last_error()[0] ? mf_last_error() : "failed");
     if (rc >= 0 && r->rank == 0 && r->pipe) {   /* a clean end, or a deliberate stop (rc > 0: an exit status) */
