@@ -12,7 +12,10 @@
  *   still sends heartbeats, but silent: hung) once the timeout passes;
  * - a rank that fails (mf_link_ops.fail) or learns of a failure tells every rank it can reach.
  * So a rank that dies, hangs or is cut off makes every other rank fail within lost_ns (plus a
- * heartbeat period); nothing waits forever. Sends are buffered: the bytes are copied and the
+ * heartbeat period); nothing waits forever. A receive polls a few times at once, then sleeps
+ * between polls for 1/16 of the time waited so far, 10 to 100 us (1 ms in a wait without a
+ * timeout: an idle rank's): a message is taken at most ~0.1 ms (1 ms) after it arrived, and a
+ * waiting rank does not spin beside its host's workers. Sends are buffered: the bytes are copied and the
  * send is posted, so a stage goes on computing while its boundary travels; the copies are reused
  * (no allocation per message once the largest has been seen). */
 #ifndef MF_LINK_MPI_H
