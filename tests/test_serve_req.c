@@ -1,6 +1,8 @@
 /* `moeflow serve`'s request parser (tools/serve_req.c): defaults, every field's type and range,
- * the refusals' messages and params, the chat template; and the fuzz seed corpus
- * (tests/fuzz/corpus_serve) replayed through the fuzz target: valid_* parse, invalid_* are refused. */
+ * the refusals' messages and params, the chat template; its check of request heads
+ * (tools/serve_head.c): each refusal's status and code, complete and incomplete heads; and the fuzz
+ * seed corpus (tests/fuzz/corpus_serve) replayed through the fuzz target: valid_* parse, invalid_*
+ * are refused, head_* are heads. */
 #include <dirent.h>
 #include <errno.h>
 #include <stdio.h>
@@ -14,6 +16,7 @@
 
 #include "tests/check.h"
 #include "tests/fuzz/fuzz_serve_req.c"
+#include "tools/serve_head.h"
 
 static int parse(const char *body, int chat, mf_serve_req *r, mf_serve_err *e)
 {
@@ -30,8 +33,63 @@ static void refused(const char *body, int chat, const char *param, const char *w
     if (!rc) mf_serve_req_clear(&r);
 }
 
+/* One head: mf_http_head_check's answer (rc, status, code; for a complete one its length). */
+static void head(const char *h, int rc_want, int status, const char *code)
+{
+    mf_http_head x;
+    int rc = mf_http_head_check(h, strlen(h), &x);
+    CHECK(rc == rc_want && x.status == status && (!code || (x.code && !strcmp(x.code, code))) &&
+          (rc == 0 || status || x.len == strlen(h)) && (!status || x.message[0]),
+          "head %.60s: rc %d status %d code %s len %zu", h, rc, x.status, x.code ? x.code : "-", x.len);
+}
+
+static void check_heads(void)
+{
+    head("GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", 1, 0, NULL);
+    head("\r\nGET /health HTTP/1.0\n\n", 1, 0, NULL);   /* a leading blank line, bare LF, 1.0 without Host */
+    head("GET * HTTP/1.1\r\nHost: x\r\n\r\n", 1, 0, NULL);
+    head("GET /health HTTP/1.1\r\nHost: x\r\n", 0, 0, NULL);
+    head("GET /health HTT", 0, 0, NULL);
+    head("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n", 1,
+         400, "bad_request");
+    head("POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", 1, 411, "length_required");
+    head("POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", 1, 501, "not_implemented");
+    head("POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\n", 1, 400, "bad_request");
+    head("POST / HTTP/1.1\r\nHost: x\r\nContent-Length: +1\r\n\r\n", 1, 400, "bad_request");
+    head("POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 123456789012345678901\r\n\r\n", 1, 413, "body_too_large");
+    head("GET / HTTP/1.1\r\nHost : x\r\n\r\n", 1, 400, "bad_request");
+    head("GET / HTTP/1.1\r\nHost: x\r\n folded\r\n\r\n", 1, 400, "bad_request");
+    head("GET / HTTP/1.1\r\nHost: x\r\nA: 1\r2\r\n\r\n", 1, 400, "bad_request");
+    head("GET / HTTP/1.1\rHost: x\r\n\r\n", 1, 400, "bad_request");
+    head("GET / HTTP/1.1\r\nNoColon\r\n\r\n", 1, 400, "bad_request");
+    head("GET / HTTP/1.1\r\n\r\n", 1, 400, "bad_request");   /* no Host */
+    head("GET / HTTP/2.0\r\nHost: x\r\n\r\n", 1, 505, "http_version_not_supported");
+    head("GET / HTTP/0.9\r\nHost: x\r\n\r\n", 1, 505, "http_version_not_supported");
+    head("GET / HTTP/1.1x\r\nHost: x\r\n\r\n", 1, 400, "bad_request");
+    head("GET  / HTTP/1.1\r\nHost: x\r\n\r\n", 1, 400, "bad_request");
+    head("GET http://h/ HTTP/1.1\r\nHost: x\r\n\r\n", 1, 400, "bad_request");
+    head("G(T / HTTP/1.1\r\nHost: x\r\n\r\n", 1, 400, "bad_request");
+    char *big = malloc(MF_HTTP_MAX_HEAD + 64);
+    snprintf(big, MF_HTTP_MAX_HEAD + 64, "GET /%0*d HTTP/1.1\r\nHost: x\r\n\r\n", MF_HTTP_MAX_TARGET, 0);
+    head(big, 1, 414, "uri_too_long");
+    big[MF_HTTP_MAX_TARGET + 40] = 0;   /* its line still arriving */
+    head(big, 1, 414, "uri_too_long");
+    snprintf(big, MF_HTTP_MAX_HEAD + 64, "GET / HTTP/1.1\r\nHost: x\r\nX: %0*d\r\n\r\n", MF_HTTP_MAX_HEAD, 0);
+    head(big, 1, 431, "header_too_large");
+    int k = snprintf(big, MF_HTTP_MAX_HEAD + 64, "GET / HTTP/1.1\r\nHost: x\r\n");
+    for (int i = 0; i <= MF_HTTP_MAX_FIELDS; i++) k += snprintf(big + k, (size_t)(MF_HTTP_MAX_HEAD + 64 - k), "X%d: 1\r\n", i);
+    snprintf(big + k, (size_t)(MF_HTTP_MAX_HEAD + 64 - k), "\r\n");
+    head(big, 1, 431, "header_too_large");
+    free(big);
+    mf_http_head x;
+    const char *p = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 16\r\n\r\n{\"prompt\": \"hi\"}";
+    CHECK(mf_http_head_check(p, strlen(p), &x) == 1 && x.status == 0 && x.content_length == 16 && x.minor == 1 &&
+          x.len == strlen(p) - 16, "a head with its body: len %zu cl %lld", x.len, (long long)x.content_length);
+}
+
 int main(void)
 {
+    check_heads();
     mf_serve_req r;
     mf_serve_err e;
     CHECK(parse("{\"prompt\": \"hi\"}", 0, &r, &e) == 0 && r.prompt && !strcmp(r.prompt, "hi") && r.max_tokens == -1 &&
@@ -136,7 +194,7 @@ int main(void)
     const char *dir = MF_SOURCE_DIR "/tests/fuzz/corpus_serve";
     DIR *d = opendir(dir);
     CHECK(d != NULL, "cannot open %s", dir);
-    int n_valid = 0, n_invalid = 0;
+    int n_valid = 0, n_invalid = 0, n_heads = 0;
     struct dirent *de;
     while (d && (de = readdir(d)) != NULL) {
         if (de->d_name[0] == '.') continue;
@@ -148,6 +206,10 @@ int main(void)
         CHECK(len >= 1, "cannot read %s", path);
         if (len < 1) continue;
         LLVMFuzzerTestOneInput((const uint8_t *)buf, len);   /* aborts on a broken invariant */
+        if (!strncmp(de->d_name, "head_", 5)) {
+            n_heads++;
+            continue;
+        }
         int rc = mf_serve_req_parse(buf + 1, len - 1, buf[0] & 1, &r, &e);
         if (!rc) mf_serve_req_clear(&r);
         if (!strncmp(de->d_name, "valid_", 6)) {
@@ -159,6 +221,7 @@ int main(void)
         }
     }
     if (d) closedir(d);
-    CHECK(n_valid >= 3 && n_invalid >= 3, "corpus: %d valid, %d invalid", n_valid, n_invalid);
+    CHECK(n_valid >= 3 && n_invalid >= 3 && n_heads >= 5, "corpus: %d valid, %d invalid, %d heads", n_valid, n_invalid,
+          n_heads);
     return mf_check_exit("test_serve_req");
 }

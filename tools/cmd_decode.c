@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "device/dev.h"
@@ -42,7 +43,15 @@ static const mf_opt mf_dec_table[] = {
      .help = "token ids, comma or space separated, used as given"},
     {"--prompts", .kind = MF_OPT_STR, .off = F(prompts_file), .meta = "FILE",
      .help = "one prompt per line, any number of lines (text with a tokenizer,\n"
-             "else token ids); empty lines are skipped"},
+             "else token ids); empty lines are skipped; a line that cannot be\n"
+             "a prompt (not UTF-8, bad ids, past the context) gets an error\n"
+             "record and the run goes on (exit 3 at the end). SIGINT or SIGTERM:\n"
+             "no new prompts start, the ones generating finish (a second signal\n"
+             "cancels them), a summary, exit 130 (SIGINT) or 143 (SIGTERM)"},
+    {"--resume", .kind = MF_OPT_FLAG, .off = F(resume),
+     .help = "with --prompts and --output: the prompts whose records are in\n"
+             "--output already are not run again (a cut last line is removed);\n"
+             "the new records are appended"},
     {"--batch", .kind = MF_OPT_LONG, .off = F(batch), .meta = "B", .lo = 1, .hi = MF_STEP_MAX_ITEMS,
      .help = "sequences decoded at once (1.." MF_OPTS_STR(MF_STEP_MAX_ITEMS) "): with --prompts every line\n"
              "runs, B at a time (default: all, at most " MF_OPTS_STR(MF_STEP_MAX_ITEMS) "); with --prompt or\n"
@@ -56,9 +65,11 @@ static const mf_opt mf_dec_table[] = {
              MF_OPTS_STR(MF_STEP_MAX_CHUNK) " positions (long chunks), mixed steps in graphs of "
              MF_OPTS_STR(MF_STEP_MAX_ITEMS)},
     {"--output", .kind = MF_OPT_STR, .off = F(outfile), .meta = "FILE",
-     .help = "one JSON object per prompt as it finishes: index, prompt, text\n"
-             "(with a tokenizer), tokens, prompt_tokens, finish_reason (eos or\n"
-             "length), queue_s, first_token_s, total_s"},
+     .help = "one JSON object per prompt as it finishes, one write each (the\n"
+             "scriptable channel): index (the line's index in FILE, from 0),\n"
+             "line (its number, from 1), prompt, text (with a tokenizer), tokens,\n"
+             "prompt_tokens, finish_reason (eos or length), queue_s,\n"
+             "first_token_s, total_s; a refused line: index, line, prompt, error"},
     {"--logits-out", .kind = MF_OPT_STR, .off = F(logits_out), .meta = "FILE",
      .help = "every generated token's logits as they come: the sequence's index\n"
              "and the token (int32), then vocab_size fp32 values (this\n"
@@ -184,7 +195,7 @@ static const mf_opt mf_dec_table[] = {
 static const mf_opts_spec mf_dec_spec = {
     .cmd = "decode",
     .usage =
-        "usage: moeflow decode --checkpoint DIR (--prompt TEXT | --tokens IDS | --prompts FILE)\n"
+        "usage: moeflow decode --checkpoint DIR (--prompt TEXT | --tokens IDS | --prompts FILE [--resume])\n"
         "                      [--engine scheduled|reference] [--threads N] [--sockets N|auto]\n"
         "                      [--exact] [--batch B]\n"
         "                      [--step-tokens N] [--output FILE.jsonl] [--logits-out FILE]\n"
@@ -205,9 +216,11 @@ static const mf_opts_spec mf_dec_spec = {
         "of every running sequence plus prefill chunks of new ones under --step-tokens; a\n"
         "finished sequence's place goes to the next prompt at the next step. Each sequence's\n"
         "tokens are the ones it gets decoded alone. One sequence is streamed: text when DIR has\n"
-        "a tokenizer.json, token ids otherwise; several are printed one line each, '[i] ...',\n"
-        "with a progress line (done/total, tokens/s, ETA) on stderr. Ends with prefill and\n"
-        "aggregate decode tokens/s on stderr.\n\n",
+        "a tokenizer.json, token ids otherwise; several are printed one line each, '[i] ...'\n"
+        "(i: the line's index in FILE; newline, CR, tab, backslash and control bytes escaped as\n"
+        "\\n \\r \\t \\\\ \\xHH), with a progress line (done/total, tokens/s, ETA) on stderr. Ends\n"
+        "with prefill and aggregate decode tokens/s on stderr. Exit codes: 0 done, 1 failed, 2 bad\n"
+        "usage, 3 done with refused lines, 130/143 interrupted (SIGINT/SIGTERM).\n\n",
     .opts = mf_dec_table,
     .col = 22,
 };
@@ -227,6 +240,12 @@ static int mf_dec_check(mf_dec_cli *a, mf_dec *d)
     if (!a->dir || (!!a->prompt + !!a->ids + !!a->prompts_file) != 1)
         return mf_opts_refuse(&mf_dec_spec, "--checkpoint and exactly one of --prompt / --tokens / --prompts are "
                                             "required");
+    struct stat st;
+    if (stat(a->dir, &st) || !S_ISDIR(st.st_mode)) {
+        fprintf(stderr, "moeflow decode: --checkpoint %s: %s\n", a->dir,
+                stat(a->dir, &st) ? (errno == ENOENT ? "no such directory" : strerror(errno)) : "not a directory");
+        return 2;
+    }
     const char *why = NULL;
     char buf[64];
     if (a->sched && a->act_quant)
@@ -301,16 +320,25 @@ static int mf_dec_model(mf_dec *d)
                 (mf_now_ns() - tl0) / 1e9);
     const mf_config *c = mf_model_config(d->m);
     int max_prompt = 0;
-    for (int s = 0; s < d->n_seq; s++) {
+    for (int s = 0; s < d->n_seq; s++) {   /* with --prompts a line that does not fit is refused */
         mf_dec_seq *q = &d->sq[s];
+        if (q->state != MF_DEC_RUN) continue;
         if (d->is_text && !d->no_bos) q->pids[0] = c->bos_token_id;
         for (int i = 0; i < q->n_pid; i++)
             if (q->pids[i] >= c->vocab_size) {
+                if (a->prompts_file) {
+                    mf_dec_refuse_line(d, s, "token %d (position %d) is outside the vocabulary (vocab_size %" PRId64
+                                       ")", q->pids[i], i, c->vocab_size);
+                    break;
+                }
                 fprintf(stderr, "moeflow decode: token %d (prompt %d, position %d) is outside the vocabulary of "
                                 "%s (vocab_size %" PRId64 ")\n", q->pids[i], s + 1, i, a->dir, c->vocab_size);
                 return 2;
             }
-        max_prompt = q->n_pid > max_prompt ? q->n_pid : max_prompt;
+        if (q->state == MF_DEC_RUN && a->prompts_file && q->n_pid + a->max_new > c->max_position_embeddings)
+            mf_dec_refuse_line(d, s, "the prompt (%d tokens) + --max-new-tokens %ld is past the model's "
+                               "max_position_embeddings %" PRId64, q->n_pid, a->max_new, c->max_position_embeddings);
+        if (q->state == MF_DEC_RUN) max_prompt = q->n_pid > max_prompt ? q->n_pid : max_prompt;
     }
     d->total = (int64_t)max_prompt + a->max_new;
     if (d->total > c->max_position_embeddings) {
@@ -410,7 +438,8 @@ static int mf_dec_submit(mf_dec *d)
 {
     const mf_dec_cli *a = d->a;
     d->dc = (mf_dec_ctx){.sq = d->sq, .tok = d->tok, .stream = d->n_seq == 1, .out = d->outf, .quiet = a->quiet,
-                         .lgout = d->lgf, .V = mf_model_config(d->m)->vocab_size};
+                         .with_line = a->prompts_file != NULL, .lgout = d->lgf,
+                         .V = mf_model_config(d->m)->vocab_size};
     mf_pipe *pipe = d->rk->pipe;   /* a pipeline: rank 0's forwards run every rank's layers */
     int rc = mf_batch_new(&(mf_batch_opts){.ref = d->r, .eng = d->eng, .tok = d->tok, .max_batch = d->max_batch,
                                            .forward = pipe ? mf_pipe_forward : NULL, .forward_ctx = pipe,
@@ -419,14 +448,15 @@ static int mf_dec_submit(mf_dec *d)
                                            .on_event = mf_dec_on_event, .user = &d->dc}, &d->bat);
     if (rc) return rc;
     d->rrec.b = d->bat;
+    if ((rc = mf_dec_write_refused(d))) return rc;
     for (int s = 0; s < d->n_seq; s++) {
         mf_dec_seq *q = &d->sq[s];
+        if (q->state != MF_DEC_RUN) continue;
         if (!(q->gen = malloc(sizeof(int32_t) * (size_t)(a->max_new + 1)))) return mf_error(-ENOMEM, "out of memory");
         mf_batch_req rq = {.prompt = q->pids, .n_prompt = q->n_pid, .max_tokens = (int)a->max_new,
                            .temperature = a->temperature, .top_p = a->top_p, .seed = a->seed + (unsigned long long)s,
                            .ignore_eos = a->ignore_eos, .user = q};
-        q->index = s;
-        if ((rc = mf_batch_submit(d->bat, &rq, NULL))) return rc;
+        if ((rc = mf_batch_submit(d->bat, &rq, &q->id))) return rc;
     }
     return 0;
 }
@@ -472,41 +502,76 @@ static void mf_dec_step_stats(mf_dec *d)
     if (d->mst && !a->quiet) mf_print_step(d->mst, "step", d->steps, a->sched);
 }
 
-/* A pipeline's rank 0 stops stepping at SIGTERM and tells the other ranks to stop. */
-static volatile sig_atomic_t mf_dec_term;
-static void mf_dec_on_term(int sig)
+/* The signals of an interrupted run (mf_dec_run): how many came, the first one. */
+static volatile sig_atomic_t mf_dec_n_sig, mf_dec_first_sig;
+
+static void mf_dec_on_signal(int sig)
 {
-    (void)sig;
-    mf_dec_term = 1;
+    if (!mf_dec_n_sig) mf_dec_first_sig = sig;
+    if (mf_dec_n_sig < 2) mf_dec_n_sig++;
 }
 
-/* Steps the batcher until every prompt has finished, the progress line once a second. */
+/* With --prompts, from the first record written to the exit: SIGINT and SIGTERM are taken
+ * (counted; the step loop acts on them), so the process never dies in mid-record or before its
+ * summary. Before (loading the model), and with --prompt or --tokens, a signal ends it as before;
+ * but on a pipeline's rank 0 (--ranks-layers) they are taken with any prompts, so that the other
+ * ranks are told to stop (tools/ranks.h). */
+static void mf_dec_catch(const mf_dec *d)
+{
+    if (!d->a->prompts_file && d->rk->size < 2) return;   /* a pipeline's rank 0 stops the others too */
+    struct sigaction sa = {.sa_handler = mf_dec_on_signal, .sa_flags = SA_RESTART};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+}
+
+/* After a signal: the first cancels the prompts not generating yet (queued, or in their prefill);
+ * the second the rest (without --prompts, on a pipeline's rank 0: the first). `seen` is how many
+ * signals were acted on. */
+static void mf_dec_interrupt(mf_dec *d, int *seen)
+{
+    int n = mf_dec_n_sig, all = n > 1 || !d->a->prompts_file;
+    if (n <= *seen) return;
+    d->sig = mf_dec_first_sig;
+    for (int s = 0; s < d->n_seq; s++) {
+        const mf_dec_seq *q = &d->sq[s];
+        if (q->state == MF_DEC_RUN && !q->done && (all || q->n_gen == 0)) mf_batch_cancel(d->bat, q->id);
+    }
+    if (!d->a->quiet || all)
+        fprintf(stderr, "\nmoeflow decode: %s: %s\n", d->sig == SIGINT ? "SIGINT" : "SIGTERM",
+                all ? "cancelling the prompts still generating" :
+                        "no new prompts start; the ones generating finish (signal again to cancel them)");
+    *seen = n;
+}
+
+/* Steps the batcher until every prompt has finished (or an interruption has ended them), the
+ * progress line once a second; the signals taken since mf_dec_catch act between steps
+ * (mf_dec_interrupt). */
 static int mf_dec_run(mf_dec *d)
 {
     const mf_dec_cli *a = d->a;
     int64_t next_progress = (d->t0 = mf_now_ns()) + 1000000000;
     d->dc.t0 = d->t0;
     if (d->mst) mf_store_step(d->mst, NULL);
-    if (d->rk->size > 1) signal(SIGTERM, mf_dec_on_term);
+    int seen = 0, rc = 0;
     for (;;) {
-        if (mf_dec_term) {
-            fprintf(stderr, "moeflow decode: SIGTERM: stopped after step %ld; the other ranks stop too\n", d->steps);
-            return 1;
-        }
-        int n_items = 0, rc = mf_batch_step(d->bat, &n_items);
-        if (rc) return rc;
+        mf_dec_interrupt(d, &seen);
+        int n_items = 0;
+        if ((rc = mf_batch_step(d->bat, &n_items))) break;
         if (!n_items) break;
         d->steps++;
         mf_dec_step_stats(d);
         int64_t now = mf_now_ns();
         if (!a->quiet && d->n_seq > 1 && now >= next_progress) {
-            mf_dec_progress(&d->dc, d->n_seq, now, 0);
+            mf_dec_progress(&d->dc, d->n_seq - d->n_bad - d->n_had, now, 0);
             next_progress = now + 1000000000;
         }
     }
+    mf_dec_interrupt(d, &seen);   /* one that came during the last step */
+    if (rc) return rc;
     if (d->dc.rc) return mf_error(d->dc.rc, "%s", d->dc.msg);
     d->t2 = mf_now_ns();
-    if (!a->quiet && d->n_seq > 1) mf_dec_progress(&d->dc, d->n_seq, d->t2, 1);
+    if (!a->quiet && d->n_seq > 1 && !d->sig) mf_dec_progress(&d->dc, d->n_seq - d->n_bad - d->n_had, d->t2, 1);
     return 0;
 }
 
@@ -515,19 +580,12 @@ static int mf_dec_run(mf_dec *d)
 static int mf_dec_outputs(mf_dec *d)
 {
     const mf_dec_cli *a = d->a;
-    if (d->n_seq == 1) {
-        putchar('\n');
-    } else {
-        for (int s = 0; s < d->n_seq; s++) {
-            printf("[%d] ", s);
-            for (long k = 0; k < d->sq[s].n_gen; k++) mf_dec_emit_token(d->tok, d->sq[s].gen[k], k == 0);
-            putchar('\n');
-        }
-    }
+    if (d->n_seq == 1 && d->sq[0].state == MF_DEC_RUN) putchar('\n');
+    else mf_dec_print_lines(d);
     fflush(stdout);
-    if (d->outf) {
-        int bad = fclose(d->outf);
-        d->outf = NULL;
+    if (d->outf >= 0) {
+        int bad = close(d->outf);
+        d->outf = -1;
         if (bad) return mf_error(-EIO, "--output %s: write failed", a->outfile);
     }
     if (d->rrec.rec) {
@@ -596,6 +654,35 @@ static void mf_dec_report(const mf_dec *d)
             mf_dec_median_ttft(d->sq, d->n_seq));
 }
 
+/* After a run with refused lines or an interruption: what became of the prompts, on stderr (with
+ * --quiet too), and the exit code: 130 / 143 interrupted (SIGINT / SIGTERM), 3 with refused lines,
+ * else 0. */
+static int mf_dec_summary(const mf_dec *d)
+{
+    int done = 0, cancelled = 0, not_started = 0;
+    for (int s = 0; s < d->n_seq; s++) {
+        const mf_dec_seq *q = &d->sq[s];
+        if (q->state != MF_DEC_RUN) continue;
+        if (q->done && q->finish != MF_BATCH_CANCELLED) done++;
+        else if (q->done && q->admit_ns) cancelled++;
+        else not_started++;
+    }
+    int refused = d->n_bad + d->n_had_bad;
+    if (!d->sig && !refused) return 0;
+    const char *out = d->a->outfile;
+    if (d->sig)
+        fprintf(stderr, "moeflow decode: interrupted by %s: %d prompts done, %d cancelled, %d not started",
+                d->sig == SIGINT ? "SIGINT" : "SIGTERM", done, cancelled, not_started);
+    else
+        fprintf(stderr, "moeflow decode: %d prompts done", done);
+    if (refused)
+        fprintf(stderr, ", %d line%s refused (error records%s)", refused, refused > 1 ? "s" : "", out ? " in --output" : " above");
+    if (d->n_had) fprintf(stderr, ", %d were in --output already", d->n_had);
+    fprintf(stderr, "%s%s%s\n", d->sig && out ? "; `--resume` with the same --output runs the rest (" : "",
+            d->sig && out ? out : "", d->sig && out ? " holds whole lines only)" : "");
+    return d->sig == SIGINT ? 130 : d->sig ? 143 : 3;
+}
+
 static void mf_dec_close(mf_dec *d)
 {
     free(d->fill_counts);
@@ -620,7 +707,7 @@ int mf_cmd_decode(int argc, char **argv)
     int rc = mf_opts_parse(&mf_dec_spec, argc, argv, &a);
     if (rc != MF_OPTS_RUN) return rc;
     static mf_dec d;
-    d = (mf_dec){.a = &a, .rk = &a.rk};
+    d = (mf_dec){.a = &a, .outf = -1, .rk = &a.rk};
     if ((rc = mf_dec_check(&a, &d))) return rc;
     rc = mf_tool_ranks_open(&a.rk, "decode", a.dir, a.profile_path, (int)a.threads, NULL, NULL);
     d.follower = a.rk.rank > 0;   /* a pipeline's later rank runs its layers of rank 0's steps */
@@ -630,10 +717,12 @@ int mf_cmd_decode(int argc, char **argv)
     if (!rc && d.follower) rc = mf_tool_ranks_follow(&a.rk, "decode", a.quiet);
     if (!rc && !d.follower) {
         mf_dec_engine_notes(&d);
+        mf_dec_catch(&d);
         rc = mf_dec_submit(&d);
         if (!rc) rc = mf_dec_run(&d);
         if (!rc) rc = mf_dec_outputs(&d);
-        if (!rc) mf_dec_report(&d);
+        if (!rc && !d.sig) mf_dec_report(&d);
+        if (!rc) rc = mf_dec_summary(&d);
     }
     rc = mf_tool_ranks_end(&a.rk, "decode", rc, a.quiet);   /* after a pipeline's failure: exits */
     if (rc < 0) fprintf(stderr, "moeflow decode: %s\n", mf_last_error()[0] ? mf_last_error() : "out of memory");

@@ -237,6 +237,7 @@ static int mf_req_fields(json_t *o, int chat, mf_serve_req *r, mf_serve_err *e)
     if (x && !json_is_null(x)) {
         if (!json_is_integer(x)) return mf_req_fail(e, "seed", "'seed' must be an integer");
         r->seed = (uint64_t)json_integer_value(x);
+        r->seed_given = 1;
     }
     if ((rc = mf_req_bool(o, "stream", &r->stream, e)) || (rc = mf_req_bool(o, "ignore_eos", &r->ignore_eos, e)) ||
         (rc = mf_req_stop(json_object_get(o, "stop"), r, e)) || (rc = mf_req_unsupported(o, e)))

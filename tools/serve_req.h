@@ -30,6 +30,7 @@ typedef struct mf_serve_req {
     double temperature;         /* default 1 (OpenAI's) */
     double top_p;               /* default 1 */
     uint64_t seed;              /* default 0 */
+    int seed_given;             /* 1: `seed` was in the request (else the server draws one) */
     int stream, ignore_eos;
     char *stop[MF_SERVE_MAX_STOP];
     int n_stop;

@@ -1,13 +1,17 @@
-/* libFuzzer target: `moeflow serve`'s request parser (tools/serve_req.c). The first byte picks
- * the endpoint (bit 0: chat), the rest is the body. Besides not crashing, leaking or tripping a
- * sanitizer, every accepted request must be what the parser promises (a prompt or messages,
- * values in range, the chat template renders) and every refusal must carry a message.
- * test_serve_req replays the seed corpus (tests/fuzz/corpus_serve) through this function. */
+/* libFuzzer target: `moeflow serve`'s request parser (tools/serve_req.c) and its check of request
+ * heads (tools/serve_head.c). The first byte picks: bit 1 set, the rest is a request head for
+ * mf_http_head_check; else the endpoint (bit 0: chat), the rest the body. Besides not crashing,
+ * leaking or tripping a sanitizer, every accepted request must be what the parser promises (a
+ * prompt or messages, values in range, the chat template renders), every refusal must carry a
+ * message, and a head is complete, refused with one of its statuses, or incomplete below the
+ * limit; an accepted head checks the same when cut at its end. test_serve_req replays the seed
+ * corpus (tests/fuzz/corpus_serve) through this function. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "tools/serve_head.h"
 #include "tools/serve_req.h"
 
 #define FUZZ_REQUIRE(cond)                                                                       \
@@ -21,9 +25,36 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
+/* A head: mf_http_head_check's promises. */
+static void fuzz_head(const char *p, size_t n)
+{
+    mf_http_head h;
+    int rc = mf_http_head_check(p, n, &h);
+    FUZZ_REQUIRE(rc == 0 || rc == 1);
+    if (rc == 0) {
+        FUZZ_REQUIRE(n < MF_HTTP_MAX_HEAD && h.status == 0);
+        return;
+    }
+    if (h.status) {
+        FUZZ_REQUIRE(h.code && h.code[0] && h.message[0]);
+        FUZZ_REQUIRE(h.status == 400 || h.status == 411 || h.status == 413 || h.status == 414 || h.status == 431 ||
+                     h.status == 501 || h.status == 505);
+        return;
+    }
+    FUZZ_REQUIRE(h.len > 0 && h.len <= n && h.len <= MF_HTTP_MAX_HEAD && p[h.len - 1] == '\n');
+    FUZZ_REQUIRE(h.minor == 0 || h.minor == 1);
+    mf_http_head h2;
+    FUZZ_REQUIRE(mf_http_head_check(p, h.len, &h2) == 1 && h2.status == 0 && h2.len == h.len &&
+                 h2.content_length == h.content_length);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size < 1) return 0;
+    if (data[0] & 2) {
+        fuzz_head((const char *)data + 1, size - 1);
+        return 0;
+    }
     int chat = data[0] & 1;
     mf_serve_req r;
     mf_serve_err e;

@@ -325,14 +325,21 @@ def main():
 
     # a second server: API key, a queue of 1 (429 + Retry-After), SIGTERM with a request running
     srv = Server(ckpt, "--max-batch", "1", "--max-queue", "1", "--api-key", "sekret", "--drain-timeout", "1",
-                 "--timeout", "2")
+                 "--timeout", "2", "--request-timeout", "2")
     try:
-        # a partial request is closed after --timeout seconds; the server goes on
+        # a partial request gets 408 after --request-timeout seconds and is closed; the server goes on
         s = socket.create_connection((HOST, srv.port), timeout=30)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekret\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\"")
         t0 = time.time()
-        closed = s.recv(4096) == b""
-        check(closed and time.time() - t0 < 15, f"partial request: closed {closed} after {time.time() - t0:.1f} s")
+        got = b""
+        while True:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+        check(got.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in got and time.time() - t0 < 15,
+              f"partial request: {got[:200]!r} after {time.time() - t0:.1f} s")
         s.close()
         st, _, _ = srv.raw("GET", "/health")
         check(st == 200, f"health after a timed-out client: {st}")
