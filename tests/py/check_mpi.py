@@ -5,7 +5,7 @@ decode of tiny (batch 1 and 4, 1 to 3 micro-batches; 2 and 3 ranks) and demo (ba
 ranks, where ~/.cache/moeflow/demo exists; tests/test_step_pipe.c runs demo in one process too),
 tokens and every generated token's logits (decode --logits-out) byte-identical to one
 process; `serve` answering on rank 0 as one process does, and SIGTERM to rank 0 stopping every
-rank (exit 0). Two network namespaces joined by a veth pair with a tc rate limit (tbf; netem is
+rank (exit 0; decode's rank 0 143, the others 0). Two network namespaces joined by a veth pair with a tc rate limit (tbf; netem is
 not in this kernel, so no added delay) as two hosts: the same bytes. Faults, with mpirun
 --enable-recovery so that the ranks' own detection is what ends them: a rank killed mid-step, a
 rank stopped (SIGSTOP: hung), the veth taken down mid-step: every other rank exits non-zero
@@ -229,6 +229,38 @@ def sig(rank, s):
     return lambda pids: os.kill(pids[rank], s)
 
 
+def test_decode_sigterm():
+    """SIGTERM to decode's rank 0 mid-run: it cancels, tells the other ranks to stop (they exit 0)
+    and exits 143 itself."""
+    rcdir = os.path.join(TMP, "rc_sigterm")
+    shutil.rmtree(rcdir, ignore_errors=True)
+    os.makedirs(rcdir)
+    p = subprocess.Popen(["mpirun", *LOOP, "-x", "MF_RCDIR", "-n", "2", wrapper(), BIN, "decode", "--checkpoint", CKPT,
+                          "--tokens", "1,2,3", "--max-new-tokens", "1000000", "--ignore-eos", "--threads", "1",
+                          "--quiet", "--ranks-layers", "auto"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env=dict(ENV, MF_RCDIR=rcdir))
+    try:
+        t0 = time.time()
+        while time.time() - t0 < 60 and len(rank_pids()) < 2:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        t1 = time.time()
+        os.kill(rank_pids()[0], signal.SIGTERM)
+        p.wait(timeout=30)
+        rcs = {}
+        for r in range(2):
+            f = os.path.join(rcdir, f"rc.{r}")
+            rcs[r] = int(open(f).read().strip()) if os.path.exists(f) else None
+        check(rcs == {0: 143, 1: 0}, f"decode, SIGTERM to rank 0: exit statuses {rcs} (expected rank 0 143, rank 1 0)")
+        print(f"  decode on 2 ranks: SIGTERM to rank 0 stopped both in {time.time() - t1:.1f} s (rank 0 143, "
+              f"rank 1 0)", flush=True)
+    finally:
+        kill_ours()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def test_faults():
     run_fault("kill", 3, "0:1,1:4,4:8", sig(1, signal.SIGKILL), {0: 1, 2: 1})
     run_fault("hang", 2, "auto", sig(1, signal.SIGSTOP), {0: 1})
@@ -347,6 +379,7 @@ def main():
     else:
         print("  demo: skipped (no ~/.cache/moeflow/demo; bash tools/demo.sh makes it)", flush=True)
     test_serve(CKPT)
+    test_decode_sigterm()
     test_faults()
     test_netns(CKPT)
     print(f"check_mpi: {time.time() - t0:.0f} s", flush=True)
