@@ -33,6 +33,142 @@ static void refused(const char *body, int chat, const char *param, const char *w
     if (!rc) mf_serve_req_clear(&r);
 }
 
+/* logprobs, echo, penalties, logit_bias, response_format, tools: accepted values and refusals. */
+static void test_new_fields(void)
+{
+    mf_serve_req r;
+    mf_serve_err e;
+    CHECK(parse("{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"logprobs\": true, \"top_logprobs\": 5}", 1,
+                &r, &e) == 0 && r.logprobs == 1 && r.top_logprobs == 5, "chat logprobs: %s", e.message);
+    mf_serve_req_clear(&r);
+    CHECK(parse("{\"prompt\": [1, 2], \"logprobs\": 3, \"echo\": true, \"max_tokens\": 0}", 0, &r, &e) == 0 && r.logprobs &&
+          r.top_logprobs == 3 && r.echo && r.max_tokens == 0, "completions logprobs: %s", e.message);
+    mf_serve_req_clear(&r);
+    CHECK(parse("{\"prompt\": \"x\", \"presence_penalty\": 0.5, \"frequency_penalty\": -1, \"repetition_penalty\": 1.3, "
+                "\"min_p\": 0.1, \"top_k\": 40, \"logit_bias\": {\"5\": 100, \"7\": -100}}", 0, &r, &e) == 0 &&
+          r.presence_penalty == 0.5 && r.frequency_penalty == -1 && r.repetition_penalty == 1.3 && r.min_p == 0.1 &&
+          r.top_k == 40 && r.n_bias == 2 && r.bias[1].id == 7 && r.bias[1].bias == -100, "controls: %s", e.message);
+    mf_serve_req_clear(&r);
+    CHECK(parse("{\"prompt\": \"x\", \"top_k\": -1}", 0, &r, &e) == 0 && r.top_k == 0 && r.repetition_penalty == 1,
+          "top_k -1: %s", e.message);
+    mf_serve_req_clear(&r);
+    static const char *const bad[][3] = {
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"logprobs\": true, \"top_logprobs\": 21}", "top_logprobs", "0..20"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"top_logprobs\": 2}", "top_logprobs", "needs 'logprobs'"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"logprobs\": 1}", "logprobs", "true or false"},
+        {"{\"prompt\": \"x\", \"logprobs\": true}", "logprobs", "integer 0..20"},
+        {"{\"prompt\": \"x\", \"logprobs\": 21}", "logprobs", "0..20"},
+        {"{\"prompt\": \"x\", \"frequency_penalty\": \"a\"}", "frequency_penalty", "number"},
+        {"{\"prompt\": \"x\", \"repetition_penalty\": 0}", "repetition_penalty", "> 0"},
+        {"{\"prompt\": \"x\", \"repetition_penalty\": 2.5}", "repetition_penalty", "0..2"},
+        {"{\"prompt\": \"x\", \"min_p\": 1.5}", "min_p", "0..1"},
+        {"{\"prompt\": \"x\", \"top_k\": -2}", "top_k", "integer"},
+        {"{\"prompt\": \"x\", \"top_k\": 1.5}", "top_k", "integer"},
+        {"{\"prompt\": \"x\", \"logit_bias\": []}", "logit_bias", "object"},
+        {"{\"prompt\": \"x\", \"logit_bias\": {\"x\": 1}}", "logit_bias", "not a token id"},
+        {"{\"prompt\": \"x\", \"logit_bias\": {\"-1\": 1}}", "logit_bias", "not a token id"},
+        {"{\"prompt\": \"x\", \"logit_bias\": {\"5\": 101}}", "logit_bias", "-100..100"},
+        {"{\"prompt\": \"x\", \"response_format\": {\"type\": \"xml\"}}", "response_format", "must be"},
+        {"{\"prompt\": \"x\", \"response_format\": {\"type\": \"json_schema\"}}", "response_format", "'schema'"},
+        {"{\"prompt\": \"x\", \"response_format\": {\"type\": \"json_schema\", \"json_schema\": {\"name\": \"n\", "
+         "\"schema\": {\"type\": \"string\", \"pattern\": \"a\"}}}}", "response_format", "unsupported keyword 'pattern' at #"},
+        {"{\"prompt\": \"x\", \"response_format\": {\"type\": \"json_schema\", \"json_schema\": {\"schema\": "
+         "{\"$ref\": \"#\"}}}}", "response_format", "'$ref'"},
+        {"{\"prompt\": \"x\", \"functions\": [{\"name\": \"f\"}]}", "functions", "tools"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tool_choice\": \"required\"}", "tool_choice", "needs 'tools'"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{\"type\": \"function\", \"function\": "
+         "{\"name\": \"a b\"}}]}", "tools", "tools[0]"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{\"type\": \"function\", \"function\": "
+         "{\"name\": \"f\"}}, {\"type\": \"function\", \"function\": {\"name\": \"f\"}}]}", "tools", "given twice"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{\"type\": \"function\", \"function\": "
+         "{\"name\": \"f\"}}], \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"g\"}}}", "tool_choice",
+         "not in 'tools'"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{\"type\": \"function\", \"function\": "
+         "{\"name\": \"f\", \"parameters\": {\"type\": \"object\", \"properties\": {\"a\": {\"type\": \"integer\", "
+         "\"minimum\": 0}}}}}], \"tool_choice\": \"required\"}", "tools", "unsupported keyword 'minimum'"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tool_choice\": 3}", "tool_choice", "must be"},
+        {"{\"messages\": [{\"role\": \"tool\", \"content\": \"x\", \"tool_call_id\": 3}]}", "messages", "tool_call_id"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\", \"tool_calls\": []}]}", "messages", "assistant"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) refused(bad[i][0], bad[i][0][2] == 'm', bad[i][1], bad[i][2]);
+    CHECK(parse("{\"prompt\": \"x\", \"response_format\": {\"type\": \"json_object\"}}", 0, &r, &e) == 0 && r.grammar &&
+          r.json_mode == 1, "json_object: %s", e.message);
+    mf_serve_req_clear(&r);
+    const char *tools = "\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"d\", "
+                        "\"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}, \"days\": "
+                        "{\"type\": \"integer\"}}, \"required\": [\"city\"]}}}, {\"type\": \"function\", \"function\": {\"name\": \"now\"}}]";
+    char body[2048];
+    static const char *const choices[] = {"", ", \"tool_choice\": \"auto\"", ", \"tool_choice\": \"required\"",
+                                          ", \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"now\"}}",
+                                          ", \"tool_choice\": \"none\""};
+    static const int want[] = {MF_TOOLS_AUTO, MF_TOOLS_AUTO, MF_TOOLS_REQUIRED, MF_TOOLS_NAMED, MF_TOOLS_NONE};
+    for (int i = 0; i < 5; i++) {
+        snprintf(body, sizeof body, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}, {\"role\": \"assistant\", "
+                 "\"tool_calls\": [{\"id\": \"c1\", \"type\": \"function\", \"function\": {\"name\": \"now\", \"arguments\": "
+                 "\"{}\"}}]}, {\"role\": \"tool\", \"tool_call_id\": \"c1\", \"content\": \"12:00\"}], %s%s}", tools, choices[i]);
+        int rc = parse(body, 1, &r, &e);
+        CHECK(rc == 0 && r.tool_choice == want[i] && r.n_tools == (i == 4 ? 0 : 2) && !r.grammar == (i < 2 || i == 4) &&
+              r.msgs[1].content_null && r.msgs[1].tool_calls && strstr(r.msgs[1].tool_calls, "\"arguments\":{}") &&
+              r.msgs[2].tool_call_id && !strcmp(r.msgs[2].tool_call_id, "c1"), "tools %d: %s", i, e.message);
+        if (!rc) mf_serve_req_clear(&r);
+    }
+}
+
+/* DeepSeek-V4 DSML tool calls: parsing, the streamed content's safe length, the forced-call grammar. */
+static void test_tools(void)
+{
+    mf_serve_req r;
+    mf_serve_err e;
+    const char *body = "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tool_choice\": \"required\", \"tools\": "
+                       "[{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"parameters\": {\"type\": \"object\", "
+                       "\"properties\": {\"city\": {\"type\": \"string\"}, \"days\": {\"type\": \"integer\"}}}}}, "
+                       "{\"type\": \"function\", \"function\": {\"name\": \"now\", \"parameters\": {\"type\": \"object\", "
+                       "\"properties\": {}}}}]}";
+    CHECK(parse(body, 1, &r, &e) == 0 && r.grammar, "tools: %s", e.message);
+    if (!r.grammar) return;
+    const char *call = "\n\n<" MF_DSML "tool_calls>\n" MF_DSML_INVOKE "get_weather\">\n" MF_DSML_PARAM "city\" string=\"true\">"
+                       "Paris, \"FR\"" MF_DSML_PARAM_CLOSE "\n" MF_DSML_PARAM "days\" string=\"false\">3" MF_DSML_PARAM_CLOSE
+                       "\n" MF_DSML_INVOKE_CLOSE "\n" MF_DSML_INVOKE "now\">\n\n" MF_DSML_INVOKE_CLOSE "\n" MF_DSML_CALLS_CLOSE;
+    char text[2048];
+    snprintf(text, sizeof text, "Let me look.%s", call);
+    mf_tool_calls tc;
+    CHECK(mf_serve_tools_parse(&r, text, strlen(text), &tc) == 1 && tc.n == 2 && !strcmp(tc.content, "Let me look.") &&
+          !strcmp(tc.calls[0].name, "get_weather") && !strcmp(tc.calls[0].args, "{\"city\":\"Paris, \\\"FR\\\"\",\"days\":3}") &&
+          !strcmp(tc.calls[1].name, "now") && !strcmp(tc.calls[1].args, "{}"), "parse: %s", tc.n ? tc.calls[0].args : "");
+    mf_tool_calls_clear(&tc);
+    CHECK(mf_serve_tools_parse(&r, "plain text", 10, &tc) == 0, "no calls");
+    static const char *const bad[] = {"get_wether", "days\" string=\"false\">x"};
+    for (int i = 0; i < 2; i++) {   /* an unknown tool, a value that is not JSON: the text stays content */
+        char t2[2048];
+        snprintf(t2, sizeof t2, "%s", text);
+        char *at = strstr(t2, i ? "days\" string=\"false\">3" : "get_weather");
+        memmove(at + strlen(bad[i]), at + (i ? strlen("days\" string=\"false\">3") : 11), strlen(at) + 1);
+        memcpy(at, bad[i], strlen(bad[i]));
+        CHECK(mf_serve_tools_parse(&r, t2, strlen(t2), &tc) == -EINVAL, "malformed %d", i);
+    }
+    CHECK(mf_serve_tools_content_len("abc\n\n<\xef\xbd", 8) == 3 && mf_serve_tools_content_len("abc\n", 4) == 3 &&
+          mf_serve_tools_content_len("abc", 3) == 3 && mf_serve_tools_content_len(text, strlen(text)) == 12, "content length");
+    /* the forced call's grammar takes exactly such text, byte by byte */
+    static char bytes[256];
+    const char *toks[257];
+    size_t lens[257];
+    for (int i = 0; i < 256; i++) bytes[i] = (char)i, toks[i] = bytes + i, lens[i] = 1;
+    toks[256] = NULL, lens[256] = 0;
+    mf_gram_vocab *v = NULL;
+    mf_gram_match *m = NULL;
+    CHECK(mf_gram_vocab_from(toks, lens, 257, 256, &v) == 0 && mf_gram_match_new(v, &m) == 0, "matcher");
+    mf_gram_match_start(m, r.grammar);
+    CHECK(mf_gram_match_bytes(m, call, strlen(call)) == 0 && mf_gram_match_done(m), "the call fits: %s", mf_last_error());
+    mf_gram_match_start(m, r.grammar);
+    CHECK(mf_gram_match_bytes(m, "Let", 3) < 0, "required: no content before the call");
+    mf_gram_match_start(m, r.grammar);
+    const char *wrong = "\n\n<" MF_DSML "tool_calls>\n" MF_DSML_INVOKE "get_weather\">\n" MF_DSML_PARAM "days\" string=\"false\">x";
+    CHECK(mf_gram_match_bytes(m, wrong, strlen(wrong)) < 0, "a value outside its schema");
+    mf_gram_match_free(m);
+    mf_gram_vocab_free(v);
+    mf_serve_req_clear(&r);
+}
+
 /* One head: mf_http_head_check's answer (rc, status, code; for a complete one its length). */
 static void head(const char *h, int rc_want, int status, const char *code)
 {
@@ -90,6 +226,8 @@ static void check_heads(void)
 int main(void)
 {
     check_heads();
+    test_new_fields();
+    test_tools();
     mf_serve_req r;
     mf_serve_err e;
     CHECK(parse("{\"prompt\": \"hi\"}", 0, &r, &e) == 0 && r.prompt && !strcmp(r.prompt, "hi") && r.max_tokens == -1 &&
@@ -119,8 +257,9 @@ int main(void)
     refused("{\"prompt\": \"x\", \"top_p\": 0}", 0, "top_p", "> 0");
     refused("{\"prompt\": \"x\", \"stream\": \"yes\"}", 0, "stream", "true or false");
     refused("{\"prompt\": \"x\", \"stop\": [\"\"]}", 0, "stop", "non-empty");
-    refused("{\"prompt\": \"x\", \"presence_penalty\": 1}", 0, "presence_penalty", "not supported");
-    refused("{\"prompt\": \"x\", \"echo\": true}", 0, "echo", "not supported");
+    refused("{\"prompt\": \"x\", \"presence_penalty\": 3}", 0, "presence_penalty", "-2..2");
+    refused("{\"prompt\": \"x\", \"echo\": 1}", 0, "echo", "true or false");
+    refused("{\"prompt\": \"x\", \"suffix\": \"y\"}", 0, "suffix", "not supported");
     refused("{\"prompt\": \"x\", \"best_of\": 2}", 0, "best_of", "best_of");
     refused("{\"prompt\": \"x\", \"seed\": \"1\"}", 0, "seed", "integer");
     refused("{\"messages\": []}", 1, "messages", "non-empty");

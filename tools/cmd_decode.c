@@ -152,6 +152,11 @@ static const mf_opt mf_dec_table[] = {
              "sequence's positions (prefill chunks, batch 1) per layer by the cost\n"
              "model on --profile (cost), on the cards wherever they\n"
              "can, or on the host (host logits bit for bit on emulated cards)"},
+    {"--cublaslt", .kind = MF_OPT_WORD, .off = F(lt), .def = "cost", .meta = "L", .words = mf_tool_lt_modes,
+     .help = "where the cards' tensor cores take work through cuBLASLt: cost (by\n"
+             "the cost model on --profile: never without a tensor-core rate), on\n"
+             "(wherever it applies), dense (the dense linears only: host logits\n"
+             "bit for bit on emulated cards), off"},
     {"--micro-batches", .kind = MF_OPT_LONG, .off = F(micro), .def = "1", .meta = "M", .lo = 1, .hi = 2,
      .expect = "1 or 2",
      .help = "scheduled engine, batch >= 2: 2 splits the batch into two halves\n"
@@ -206,6 +211,7 @@ static const mf_opts_spec mf_dec_spec = {
         "                       [--store-tables resident|streamed] [--io-depth N] [--read-window N]]\n"
         "                      [--devices emu:N|cuda[:IDS] [--placement seed|host|hybrid] [--dense host|cards]\n"
         "                       [--dense-split layers|rows] [--heads cost|cards|host] [--micro-batches 1|2]\n"
+        "                       [--cublaslt cost|on|dense|off]\n"
         "                       [--dev-cache SIZE] [--dev-cache-fill on|off|trace:FILE] [--dev-graphs]\n"
         "                       [--profile P]] [--record-routing FILE]\n"
         "                      [--ranks-layers auto|a:b,c:d [--ranks-micro M] [--ranks-timeout S]]\n\n"
@@ -401,7 +407,7 @@ static int mf_dec_engine(mf_dec *d)
                                            .dev_fill_counts = d->fill_counts, .dev_fill_progress = !a->quiet,
                                            .dev_graphs = a->dev_graphs, .dense = d->dense,
                                            .dense_split = a->dense_split, .heads = a->heads, .micro = (int)a->micro,
-                                           .profile = d->prof, .io_depth = (int)a->io_depth,
+                                           .lt = a->lt, .profile = d->prof, .io_depth = (int)a->io_depth,
                                            .io_force_pread = mf_tool_io_env.force_pread,
                                            .io_fault_kind = mf_tool_io_env.fault_kind,
                                            .io_fault_nth = mf_tool_io_env.fault_nth,
@@ -491,6 +497,7 @@ static void mf_dec_step_stats(mf_dec *d)
         t->dev_slots += x.dev_slots, t->host_slots += x.host_slots, t->hits += x.hits;
         t->misses += x.misses, t->bytes_in += x.bytes_in, t->evictions += x.evictions;
         t->host_fallbacks += x.host_fallbacks;
+        t->lt_linears += x.lt_linears, t->lt_slots += x.lt_slots;
         t->n_cards = x.n_cards, t->cache_slots = x.cache_slots;
         if (!a->quiet)
             fprintf(stderr, "moeflow decode: step %ld devices: %" PRId64 " expert slots on cards, %" PRId64
@@ -635,11 +642,13 @@ static void mf_dec_report(const mf_dec *d)
         fprintf(stderr, "moeflow decode: devices (%s, %s placement, %d cache slots per card) steps: %" PRId64
                 " expert slots on cards, %" PRId64 " on the host (%" PRId64 " for want of a free cache slot); "
                 "cache hit rate %.1f%% (%" PRIu64 " hits, %" PRIu64 " misses), %.2f GiB copied in; copies busy %.3f s, "
-                "expert compute %.3f s, overlapping %.3f s (%.1f%% of copy time)\n", a->devices, d->placement,
+                "expert compute %.3f s, overlapping %.3f s (%.1f%% of copy time); cuBLASLt: %" PRId64 " dense linear "
+                "launches, %" PRId64 " expert slots\n", a->devices, d->placement,
                 t->n_cards ? t->cache_slots : 0, t->dev_slots, t->host_slots, t->host_fallbacks,
                 100.0 * t->hits / (double)(t->hits + t->misses ? t->hits + t->misses : 1), t->hits,
                 t->misses, t->bytes_in / 1073741824.0, d->cp_busy_ns / 1e9, d->cm_busy_ns / 1e9,
-                d->cp_overlap_ns / 1e9, d->cp_busy_ns ? 100.0 * d->cp_overlap_ns / d->cp_busy_ns : 0.0);
+                d->cp_overlap_ns / 1e9, d->cp_busy_ns ? 100.0 * d->cp_overlap_ns / d->cp_busy_ns : 0.0, t->lt_linears,
+                t->lt_slots);
     long out_tokens = 0;
     for (int s = 0; s < d->n_seq; s++) out_tokens += d->sq[s].n_gen;
     mf_batch_stats bs;

@@ -30,7 +30,7 @@ typedef struct mf_dec_cli {
     int chat, no_bos, ignore_eos, act_quant, quiet, exact, dev_graphs, resume;
     int store_mode, store_tables;  /* MF_MODEL_STORE_*; 0: none / as --store */
     int placement, dense;          /* -1: not given */
-    int dense_split, heads;
+    int dense_split, heads, lt;
     long max_new, batch, threads, step_tokens, io_depth, read_window, micro;   /* batch, step_tokens 0: not given */
     double temperature, top_p;
     unsigned long long seed;

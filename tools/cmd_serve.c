@@ -95,7 +95,8 @@ static const mf_opt mf_serve_table[] = {
     {"--chat-template", .kind = MF_OPT_STR, .off = F(chat_spec), .meta = "T",
      .help = "the chat template: DIR/tokenizer_config.json's chat_template by default\n"
              "(Jinja2, the subset of docs/serve.md; the built-in DeepSeek-V3 format\n"
-             "without one), FILE (a template, or a tokenizer_config.json), or builtin"},
+             "without one), FILE (a template, or a tokenizer_config.json), builtin,\n"
+             "or deepseek-v4 (DeepSeek-V4's encoding with tools, as `moeflow gen` writes)"},
     MF_TOOL_RANKS_ROWS(F(rk)),
     {"--quiet", "-q", MF_OPT_FLAG, F(quiet), .help = "no log lines on stderr"},
     {NULL},
@@ -109,7 +110,7 @@ static const mf_opts_spec mf_serve_spec = {
              "                     [--max-context N] [--threads N] [--exact] [--engine scheduled|reference]\n"
              "                     [--model-name NAME] [--max-body BYTES] [--timeout S] [--drain-timeout S]\n"
              "                     [--request-timeout S] [--max-connections N] [--max-connections-per-addr N]\n"
-             "                     [--api-key-file FILE] [--chat-template FILE|builtin] [--quiet]\n"
+             "                     [--api-key-file FILE] [--chat-template FILE|builtin|deepseek-v4] [--quiet]\n"
              "                     [--ranks-layers auto|a:b,c:d [--ranks-micro M] [--ranks-timeout S]]\n\n"
              "Serves an OpenAI-compatible HTTP API over the continuous batcher (docs/serve.md):\n"
              "POST /v1/completions, POST /v1/chat/completions (stream: true for server-sent events),\n"
@@ -177,10 +178,15 @@ static int mf_serve_open(mf_serve *s)
                 a->max_context, model_ctx);
         return 2;
     }
+    /* constrained output walks the tokenizer's vocabulary; echo's prompt logprobs take a chunk's rows */
+    if (v->tok && (rc = mf_gram_vocab_new(v->tok, v->c->vocab_size, (int32_t)v->c->eos_token_id, &v->gram_vocab)))
+        return rc;
+    int echo_rows = a->step_tokens < MF_STEP_MAX_ITEMS ? (int)a->step_tokens : MF_STEP_MAX_ITEMS;
     if ((rc = mf_batch_new(&(mf_batch_opts){.ref = s->r, .eng = v->eng, .tok = v->tok, .max_batch = (int)a->max_batch,
                                             .forward = rk->pipe ? mf_pipe_forward : NULL, .forward_ctx = rk->pipe,
                                             .step_tokens = (int)a->step_tokens, .max_context = v->max_context,
                                             .state_budget_bytes = a->budget, .max_queue = (int)a->max_queue,
+                                            .echo_rows = echo_rows, .gram_vocab = v->gram_vocab,
                                             .on_event = mf_srv_on_event, .user = v}, &v->b)))
         return rc;
     char dn[256];
@@ -307,6 +313,7 @@ static void mf_serve_close(mf_serve *s)
     mf_ref_free(s->r);
     mf_model_free(s->m);
     mf_engram_map_free(s->emap);
+    mf_gram_vocab_free(v->gram_vocab);
     mf_tok_free(v->tok);
     mf_chat_tmpl_free(v->chat);
     pthread_mutex_destroy(&v->mu);

@@ -26,9 +26,12 @@
 #include "host/tokenizer.h"
 #include "sched/clock.h"
 #include "sched/error.h"
+#include "host/grammar.h"
 #include "tools/serve_head.h"
 #include "tools/serve_http.h"
+#include "tools/serve_logprobs.h"
 #include "tools/serve_req.h"
+#include "tools/serve_tools.h"
 
 /* ---- metrics ---------------------------------------------------------------------------------- */
 
@@ -57,6 +60,11 @@ typedef struct mf_choice {
     int32_t *toks;
     int n_toks, cap_toks;
     int64_t last_ns;
+    mf_lp_list lp;             /* logprobs: the prompt's entries (echo), then the generated tokens' */
+    int64_t lp_offset;         /* stream: text_offset of the next completions entry */
+    int n_lp_sent, echo_sent;  /* stream: entries and the echo chunk sent */
+    size_t n_content_sent;     /* stream with tools: bytes of text sent as content */
+    int called;                /* the answer parsed as tool calls (finish_reason tool_calls) */
 } mf_choice;
 
 struct mf_job {
@@ -77,6 +85,9 @@ struct mf_job {
     int fd;                    /* the connection's socket (the tick's hang-up check) */
     int cut;                   /* cancelled by the server (drain deadline): streams end with an error */
     struct mf_job *prev, *next;   /* the server's list of live jobs */
+    mf_serve_req q;            /* the request (owned: its grammar outlives the batcher's use, its tools the parse) */
+    int32_t *prompt;           /* echo: the prompt's ids */
+    int tools_on;              /* chat with tools: the answer is parsed for calls */
 };
 
 static int mf_buf_add(char **p, size_t *n, size_t *cap, const char *s, size_t k)
@@ -105,8 +116,11 @@ static void mf_job_unref(mf_job *j)
     for (int i = 0; i < j->n_ch; i++) {
         free(j->ch[i].text);
         free(j->ch[i].toks);
+        mf_lp_free(&j->ch[i].lp);
     }
     free(j->ch);
+    mf_serve_req_clear(&j->q);
+    free(j->prompt);
     free(j);
 }
 
@@ -164,7 +178,8 @@ static json_t *mf_chunk(const mf_srv *v, const mf_job *j, const mf_choice *c, co
         json_object_set_new(ch, "text", mf_json_text(text ? text : "", text ? n : 0));
         json_object_set_new(ch, "logprobs", json_null());
     }
-    json_object_set_new(ch, "finish_reason", finish ? json_string(mf_finish_openai(c->finish)) : json_null());
+    json_object_set_new(ch, "finish_reason", !finish ? json_null() : json_string(c->called ? "tool_calls"
+                                                                                        : mf_finish_openai(c->finish)));
     json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:[o]}", "id", j->rid, "object",
                           j->chat ? "chat.completion.chunk" : "text_completion", "created", (json_int_t)j->created,
                           "model", v->model, "choices", ch);
@@ -187,12 +202,150 @@ static json_t *mf_error_obj(const char *msg, const char *type, const char *param
                      param && *param ? json_string(param) : json_null(), "code", code ? json_string(code) : json_null());
 }
 
+/* ---- logprobs, echo and tool calls in responses (docs/serve.md; issue 32) ---------------------- */
+
+/* The echoed prompt's text: the prompt as given, or its ids decoded. malloc'ed; NULL: none. */
+static char *mf_srv_echo_text(const mf_srv *v, const mf_job *j, size_t *n)
+{
+    *n = 0;
+    if (j->q.prompt) {
+        *n = strlen(j->q.prompt);
+        return strdup(j->q.prompt);
+    }
+    size_t need = 0;
+    if (!v->tok || !j->prompt) return NULL;
+    mf_tok_decode(v->tok, j->prompt, (size_t)j->n_prompt, 0, NULL, 0, &need);
+    char *t = malloc(need + 1);
+    if (t && mf_tok_decode(v->tok, j->prompt, (size_t)j->n_prompt, 0, t, need + 1, n)) *n = 0;
+    return t;
+}
+
+/* The logprobs object of c's entries [from, to) for a response or chunk. */
+static json_t *mf_srv_logprobs(const mf_srv *v, const mf_job *j, mf_choice *c, int from, int to)
+{
+    if (!j->q.logprobs) return json_null();
+    if (j->chat) return mf_lp_chat(v->tok, c->lp.e + from, to - from);
+    return mf_lp_completion(v->tok, c->lp.e + from, to - from, &c->lp_offset);
+}
+
+/* OpenAI tool_calls of parsed calls (stream: with their index). */
+static json_t *mf_srv_calls_json(const mf_job *j, const mf_choice *c, const mf_tool_calls *tc, int stream)
+{
+    json_t *a = json_array();
+    for (int k = 0; k < tc->n; k++) {
+        char id[96];
+        snprintf(id, sizeof id, "call_%s_%d_%d", j->rid, c->index, k);
+        json_t *o = json_pack("{s:s, s:s, s:{s:s, s:s}}", "id", id, "type", "function", "function", "name",
+                              tc->calls[k].name, "arguments", tc->calls[k].args);
+        if (stream) json_object_set_new(o, "index", json_integer(k));
+        json_array_append_new(a, o);
+    }
+    return a;
+}
+
+/* A finished chat choice's message: its text, or with tools its parsed calls (content null when
+ * none came before them). */
+static json_t *mf_srv_message(mf_job *j, mf_choice *x)
+{
+    mf_tool_calls tc;
+    const char *t = x->text ? x->text : "";
+    if (j->tools_on && mf_serve_tools_parse(&j->q, t, x->n_text, &tc) == 1) {
+        x->called = 1;
+        json_t *m = json_pack("{s:s, s:o, s:o}", "role", "assistant", "content",
+                              tc.n_content ? mf_json_text(tc.content, tc.n_content) : json_null(), "tool_calls",
+                              mf_srv_calls_json(j, x, &tc, 0));
+        mf_tool_calls_clear(&tc);
+        return m;
+    }
+    return json_pack("{s:s, s:o}", "role", "assistant", "content", mf_json_text(t, x->n_text));
+}
+
+/* A finished completions choice's text: with echo, the prompt first. */
+static json_t *mf_srv_text(const mf_srv *v, const mf_job *j, const mf_choice *x)
+{
+    size_t n = 0;
+    char *p = j->q.echo ? mf_srv_echo_text(v, j, &n) : NULL;
+    char *all = malloc(n + x->n_text + 1);
+    if (!all) {
+        free(p);
+        return json_string("");
+    }
+    if (n) memcpy(all, p, n);
+    if (x->n_text) memcpy(all + n, x->text, x->n_text);
+    json_t *o = mf_json_text(all, n + x->n_text);
+    free(all);
+    free(p);
+    return o;
+}
+
+/* Stream: the event's text (with tools, only what is surely content; the echo first) and its
+ * token's logprobs, as a chunk. */
+static void mf_srv_stream_text(const mf_srv *v, mf_job *j, mf_choice *c, const mf_batch_event *ev)
+{
+    if (j->q.echo && !c->echo_sent) {   /* completions: the prompt (and its logprobs) first */
+        size_t n = 0;
+        char *t = mf_srv_echo_text(v, j, &n);
+        json_t *o = mf_chunk(v, j, c, t ? t : "", n, 0);
+        int np = j->q.logprobs ? (c->lp.n < j->n_prompt ? c->lp.n : j->n_prompt) : 0;
+        json_object_set_new(json_array_get(json_object_get(o, "choices"), 0), "logprobs", mf_srv_logprobs(v, j, c, 0, np));
+        mf_sse_add(j, o);
+        free(t);
+        c->echo_sent = 1;
+        c->n_lp_sent = np;
+    }
+    const char *text = ev->text;
+    size_t n = ev->n_text;
+    if (j->tools_on) {   /* a call's opening may be on its way: hold back what could begin it */
+        mf_buf_add(&c->text, &c->n_text, &c->cap_text, ev->text ? ev->text : "", ev->n_text);
+        size_t safe = c->called ? c->n_content_sent : mf_serve_tools_content_len(c->text, c->n_text);
+        text = c->text + c->n_content_sent;
+        n = safe > c->n_content_sent ? safe - c->n_content_sent : 0;
+        c->n_content_sent += n;
+    }
+    if (ev->kind != MF_BATCH_TOKEN && !n && c->n_lp_sent == c->lp.n) return;
+    json_t *o = mf_chunk(v, j, c, text ? text : "", n, 0), *ch = json_array_get(json_object_get(o, "choices"), 0);
+    if (ev->kind == MF_BATCH_TOKEN)   /* a chunk per token, with its id (moeflow's addition) */
+        json_object_set_new(ch, "tokens", json_pack("[i]", ev->token));
+    if (j->q.logprobs) {
+        json_object_set_new(ch, "logprobs", mf_srv_logprobs(v, j, c, c->n_lp_sent, c->lp.n));
+        c->n_lp_sent = c->lp.n;
+    }
+    mf_sse_add(j, o);
+}
+
+/* Stream, at a choice's end with tools: its calls as delta.tool_calls (chunk o), or the text held
+ * back as content when it holds none or a malformed block. */
+static void mf_srv_stream_calls(mf_job *j, mf_choice *c, json_t *o)
+{
+    mf_tool_calls tc;
+    json_t *d = json_object_get(json_array_get(json_object_get(o, "choices"), 0), "delta");
+    json_object_del(d, "role");
+    if (mf_serve_tools_parse(&j->q, c->text ? c->text : "", c->n_text, &tc) == 1) {
+        c->called = 1;
+        json_object_set_new(d, "tool_calls", mf_srv_calls_json(j, c, &tc, 1));
+        mf_tool_calls_clear(&tc);
+    } else if (c->n_text > c->n_content_sent) {
+        json_object_set_new(d, "content", mf_json_text(c->text + c->n_content_sent, c->n_text - c->n_content_sent));
+    } else {
+        json_decref(o);
+        return;
+    }
+    c->n_content_sent = c->n_text;
+    mf_sse_add(j, o);
+}
+
 /* The batcher's events (on the stepping thread): ev->user is a choice. */
 void mf_srv_on_event(void *user, const mf_batch_event *ev)
 {
     mf_srv *v = user;
     mf_choice *c = ev->user;
     mf_job *j = c->j;
+    if (ev->kind == MF_BATCH_PROMPT) {   /* echo: a prompt token's logprob */
+        pthread_mutex_lock(&j->mu);
+        mf_lp_add(&c->lp, ev->token, 1, ev->logprob, ev->top, ev->n_top);
+        pthread_mutex_unlock(&j->mu);
+        return;
+    }
     pthread_mutex_lock(&v->mu);
     if (ev->kind == MF_BATCH_TOKEN) {
         v->gen_tokens++;
@@ -223,6 +376,7 @@ void mf_srv_on_event(void *user, const mf_batch_event *ev)
         }
         if (c->n_toks < c->cap_toks) c->toks[c->n_toks++] = ev->token;
     }
+    if (ev->has_logprob) mf_lp_add(&c->lp, ev->token, 1, ev->logprob, ev->top, ev->n_top);
     int last = ev->kind == MF_BATCH_DONE && j->n_done + 1 == j->n_ch;
     if (ev->kind == MF_BATCH_DONE) c->finish = ev->finish;
     if (ev->kind == MF_BATCH_DONE && ev->finish == MF_BATCH_ERROR && !j->failed) {
@@ -231,16 +385,12 @@ void mf_srv_on_event(void *user, const mf_batch_event *ev)
         snprintf(j->msg, sizeof j->msg, "%s", ev->msg ? ev->msg : "the forward failed");
     }
     if (j->stream) {
-        if (ev->kind == MF_BATCH_TOKEN) {   /* a chunk per token, with its id (moeflow's addition) */
-            json_t *o = mf_chunk(v, j, c, ev->text, ev->n_text, 0);
-            json_object_set_new(json_array_get(json_object_get(o, "choices"), 0), "tokens", json_pack("[i]", ev->token));
-            mf_sse_add(j, o);
-        } else if (ev->n_text) {
-            mf_sse_add(j, mf_chunk(v, j, c, ev->text, ev->n_text, 0));
-        }
+        mf_srv_stream_text(v, j, c, ev);
         if (ev->kind == MF_BATCH_DONE) {
             /* the choice's end, usage with the last; a choice the server cut ends too
              * (finish_reason "error"), and the stream's error event comes before [DONE] */
+            if (j->tools_on && ev->finish != MF_BATCH_CANCELLED && ev->finish != MF_BATCH_ERROR)
+                mf_srv_stream_calls(j, c, mf_chunk(v, j, c, NULL, 0, 0));   /* its calls, or the text held back */
             if (ev->finish != MF_BATCH_CANCELLED || j->cut) {
                 json_t *o = mf_chunk(v, j, c, NULL, 0, 1);
                 if (last) json_object_set_new(o, "usage", mf_usage(j));
@@ -496,45 +646,62 @@ static int mf_srv_prompt(mf_srv *v, const mf_serve_req *q, int32_t **ids, int *n
 
 /* A job for request q (n choices, each a request of its own), its id and creation time; for a
  * streamed chat, each choice's role delta first. NULL when out of memory. */
-static mf_job *mf_job_new(const mf_srv *v, const mf_serve_req *q, int chat, int n_ids)
+static mf_job *mf_job_new(const mf_srv *v, mf_serve_req *q, int chat, const int32_t *ids, int n_ids)
 {
     mf_job *j = calloc(1, sizeof *j);
     if (j) j->ch = calloc((size_t)q->n, sizeof *j->ch);
-    if (!j || !j->ch) {
+    if (j && q->echo) j->prompt = malloc(sizeof *j->prompt * (size_t)n_ids);
+    if (!j || !j->ch || (q->echo && !j->prompt)) {
+        if (j) free(j->ch);
         free(j);
         return NULL;
     }
+    j->q = *q;   /* the job owns the request from here */
+    memset(q, 0, sizeof *q);
+    j->tools_on = chat && j->q.n_tools > 0;
+    if (j->prompt) memcpy(j->prompt, ids, sizeof *ids * (size_t)n_ids);
     pthread_mutex_init(&j->mu, NULL);
-    j->n_ch = q->n;
-    for (int i = 0; i < q->n; i++) j->ch[i] = (mf_choice){.j = j, .index = i};
-    j->refs = 1 + q->n;
+    j->n_ch = j->q.n;
+    for (int i = 0; i < j->q.n; i++) {
+        j->ch[i] = (mf_choice){.j = j, .index = i};
+        if (j->q.echo && j->q.logprobs) mf_lp_add(&j->ch[i].lp, ids[0], 0, 0, NULL, 0);   /* the first: null */
+    }
+    j->refs = 1 + j->q.n;
     j->chat = chat;
-    j->stream = q->stream;
+    j->stream = j->q.stream;
     j->n_prompt = n_ids;
     j->created = (int64_t)time(NULL);
-    j->seed = q->seed;
+    j->seed = j->q.seed;
     j->fd = -1;
     static uint64_t next_rid;
     snprintf(j->rid, sizeof j->rid, "%s-%" PRIu64, chat ? "chatcmpl" : "cmpl",
              __atomic_add_fetch(&next_rid, 1, __ATOMIC_RELAXED));
-    for (int i = 0; j->stream && chat && i < q->n; i++)   /* each choice's role delta comes first */
+    for (int i = 0; j->stream && chat && i < j->q.n; i++)   /* each choice's role delta comes first */
         mf_sse_add(j, mf_chunk(v, j, &j->ch[i], NULL, 0, 0));
     return j;
 }
 
 /* Submits j's choices, choice i seeded seed + i; the job is listed before any can end (the last
  * DONE event unlinks it). *n_sub: how many went in before a refusal. 0 or the refusal's code. */
-static int mf_srv_submit(mf_srv *v, mf_job *j, const mf_serve_req *q, const int32_t *ids, int n_ids, int max_tokens,
-                         int *n_sub)
+static int mf_srv_submit(mf_srv *v, mf_job *j, const int32_t *ids, int n_ids, int max_tokens, int *n_sub)
 {
+    const mf_serve_req *q = &j->q;
     int rc = 0, n = 0;
+    mf_batch_bias *bias = q->n_bias ? malloc(sizeof *bias * (size_t)q->n_bias) : NULL;
+    if (q->n_bias && !bias) return -ENOMEM;
+    for (int i = 0; i < q->n_bias; i++) bias[i] = (mf_batch_bias){q->bias[i].id, q->bias[i].bias};
     pthread_mutex_lock(&v->mu);
     for (; n < q->n; n++) {
         mf_batch_req br = {.prompt = ids, .n_prompt = n_ids, .max_tokens = max_tokens, .temperature = q->temperature,
                            .top_p = q->top_p, .seed = q->seed + (uint64_t)n, .ignore_eos = q->ignore_eos,
-                           .stop = (const char *const *)q->stop, .n_stop = q->n_stop, .user = &j->ch[n]};
+                           .stop = (const char *const *)q->stop, .n_stop = q->n_stop, .user = &j->ch[n],
+                           .top_k = q->top_k, .min_p = q->min_p, .presence_penalty = q->presence_penalty,
+                           .frequency_penalty = q->frequency_penalty, .repetition_penalty = q->repetition_penalty,
+                           .bias = bias, .n_bias = q->n_bias, .logprobs = q->logprobs, .top_logprobs = q->top_logprobs,
+                           .echo_logprobs = q->echo && q->logprobs, .grammar = q->grammar};
         if ((rc = mf_batch_submit(v->b, &br, &j->ch[n].id))) break;
     }
+    free(bias);
     j->n_live = n;
     if (n) {
         j->next = v->jobs;
@@ -614,17 +781,16 @@ static enum MHD_Result mf_srv_answer(mf_srv *v, struct MHD_Connection *c, mf_con
     } else {
         json_t *chs = json_array();
         for (int i = 0; i < j->n_ch; i++) {
-            const mf_choice *x = &j->ch[i];
+            mf_choice *x = &j->ch[i];
             json_t *ch = json_object(), *toks = json_array();
             for (int k = 0; k < x->n_toks; k++) json_array_append_new(toks, json_integer(x->toks[k]));
             json_object_set_new(ch, "index", json_integer(i));
             if (chat)
-                json_object_set_new(ch, "message", json_pack("{s:s, s:o}", "role", "assistant", "content",
-                                                             mf_json_text(x->text ? x->text : "", x->n_text)));
+                json_object_set_new(ch, "message", mf_srv_message(j, x));
             else
-                json_object_set_new(ch, "text", mf_json_text(x->text ? x->text : "", x->n_text));
-            json_object_set_new(ch, "logprobs", json_null());
-            json_object_set_new(ch, "finish_reason", json_string(mf_finish_openai(x->finish)));
+                json_object_set_new(ch, "text", mf_srv_text(v, j, x));
+            json_object_set_new(ch, "logprobs", mf_srv_logprobs(v, j, x, 0, x->lp.n));
+            json_object_set_new(ch, "finish_reason", json_string(x->called ? "tool_calls" : mf_finish_openai(x->finish)));
             json_object_set_new(ch, "tokens", toks);   /* moeflow's addition: the generated token ids */
             json_array_append_new(chs, ch);
         }
@@ -693,9 +859,23 @@ static enum MHD_Result mf_srv_complete(mf_srv *v, struct MHD_Connection *c, mf_c
         mf_serve_req_clear(&q);
         return mf_srv_refuse(v, c, cn, 400, "context_length_exceeded", why, chat ? "messages" : "prompt", NULL);
     }
-    mf_job *j = mf_job_new(v, &q, chat, n_ids);
+    for (int i = 0; i < q.n_bias; i++)
+        if (q.bias[i].id >= v->c->vocab_size) {
+            snprintf(why, sizeof why, "'logit_bias' names token %d, outside the vocabulary of %" PRId64 " tokens",
+                     q.bias[i].id, v->c->vocab_size);
+            free(ids);
+            mf_serve_req_clear(&q);
+            return mf_send_error(c, 400, why, "invalid_request_error", "logit_bias", NULL, NULL);
+        }
+    if (q.grammar && !v->gram_vocab) {
+        free(ids);
+        mf_serve_req_clear(&q);
+        return mf_send_error(c, 400, "constrained output (response_format, a required tool call) needs the checkpoint's "
+                             "tokenizer.json", "invalid_request_error", "response_format", NULL, NULL);
+    }
+    mf_job *j = mf_job_new(v, &q, chat, ids, n_ids);   /* takes q */
     int n_sub = 0;
-    rc = j ? mf_srv_submit(v, j, &q, ids, n_ids, max_tokens, &n_sub) : 0;
+    rc = j ? mf_srv_submit(v, j, ids, n_ids, max_tokens, &n_sub) : 0;
     free(ids);
     mf_serve_req_clear(&q);
     if (!j) return MHD_NO;

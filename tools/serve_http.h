@@ -14,6 +14,7 @@
 #include "graphs/model/config.h"
 #include "graphs/step/batch.h"
 #include "graphs/step/step.h"
+#include "host/grammar.h"
 #include "host/tokenizer.h"
 #include "tools/serve_door.h"
 #include "tools/serve_req.h"
@@ -38,6 +39,7 @@ typedef struct mf_srv {
     mf_batch *b;
     mf_tok *tok;
     mf_chat_tmpl *chat;        /* NULL: the built-in chat format */
+    mf_gram_vocab *gram_vocab; /* the tokenizer's vocabulary for constrained output (NULL: no tokenizer) */
     mf_step *eng;
     const mf_config *c;
     char model[256];

@@ -11,8 +11,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <errno.h>
+
+#include "host/grammar.h"
 #include "tools/serve_head.h"
 #include "tools/serve_req.h"
+#include "tools/serve_tools.h"
 
 #define FUZZ_REQUIRE(cond)                                                                       \
     do {                                                                                         \
@@ -68,11 +72,21 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (chat) {
         FUZZ_REQUIRE(r.n_msgs >= 1 && r.msgs);
         for (int i = 0; i < r.n_msgs; i++) FUZZ_REQUIRE(r.msgs[i].role && r.msgs[i].content);
+        int tools = r.n_tools > 0;
+        for (int i = 0; i < r.n_msgs; i++) tools |= r.msgs[i].tool_calls || !strcmp(r.msgs[i].role, "tool");
         char *t = NULL;
         size_t n = 0;
         int bos_in_text = -1;
-        FUZZ_REQUIRE(mf_serve_chat_render(&r, NULL, &t, &n, &bos_in_text) == 0 && t && strlen(t) <= n && bos_in_text == 0);
+        if (tools) {   /* the built-in format has no tools: refused with a message */
+            FUZZ_REQUIRE(mf_serve_chat_render(&r, NULL, &t, &n, &bos_in_text) == -EINVAL && !t);
+        } else {
+            FUZZ_REQUIRE(mf_serve_chat_render(&r, NULL, &t, &n, &bos_in_text) == 0 && t && strlen(t) <= n && bos_in_text == 0);
+        }
         free(t);
+        FUZZ_REQUIRE((r.n_tools > 0) == (r.tools != NULL) && r.n_tools <= MF_SERVE_MAX_TOOLS);
+        for (int i = 0; i < r.n_tools; i++) FUZZ_REQUIRE(mf_serve_tool_name_ok(r.tool_names[i]) && r.tool_params[i]);
+        FUZZ_REQUIRE((r.tool_choice == MF_TOOLS_NAMED) == (r.tool_name != NULL));
+        FUZZ_REQUIRE((r.tool_choice == MF_TOOLS_REQUIRED || r.tool_choice == MF_TOOLS_NAMED) ? r.grammar != NULL : 1);
     } else {
         FUZZ_REQUIRE(r.prompt || (r.ids && r.n_ids >= 1 && r.n_ids <= MF_SERVE_MAX_IDS));
         for (int i = 0; r.ids && i < r.n_ids; i++) FUZZ_REQUIRE(r.ids[i] >= 0);
@@ -82,6 +96,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     FUZZ_REQUIRE(r.n_stop >= 0 && r.n_stop <= MF_SERVE_MAX_STOP);
     for (int i = 0; i < r.n_stop; i++) FUZZ_REQUIRE(r.stop[i] && r.stop[i][0]);
     FUZZ_REQUIRE(r.stream == 0 || r.stream == 1);
+    FUZZ_REQUIRE((r.logprobs == 0 || r.logprobs == 1) && r.top_logprobs >= 0 && r.top_logprobs <= MF_SERVE_MAX_LOGPROBS);
+    FUZZ_REQUIRE(r.presence_penalty >= -2 && r.presence_penalty <= 2 && r.frequency_penalty >= -2 && r.frequency_penalty <= 2);
+    FUZZ_REQUIRE(r.repetition_penalty > 0 && r.repetition_penalty <= 2 && r.min_p >= 0 && r.min_p <= 1 && r.top_k >= 0);
+    FUZZ_REQUIRE(r.n_bias >= 0 && r.n_bias <= 1024 && (r.n_bias == 0 || r.bias));
+    for (int i = 0; i < r.n_bias; i++) FUZZ_REQUIRE(r.bias[i].id >= 0 && r.bias[i].bias >= -100 && r.bias[i].bias <= 100);
+    FUZZ_REQUIRE(r.json_mode ? r.grammar != NULL : 1);
     mf_serve_req_clear(&r);
     return 0;
 }
