@@ -6,7 +6,8 @@ ranks: ~/.cache/moeflow/demo, or one made by `moeflow gen --preset demo` in the 
 where it is absent, as on a fresh CI machine; tests/test_step_pipe.c runs demo in one process too),
 tokens and every generated token's logits (decode --logits-out) byte-identical to one
 process; `serve` answering on rank 0 as one process does, and SIGTERM to rank 0 stopping every
-rank (exit 0; decode's rank 0 143, the others 0). Two network namespaces joined by a veth pair with a tc rate limit (tbf; netem is
+rank (exit 0; decode's rank 0 143, the others 0: sent once rank 0 has its handler, with mpirun
+not ending the others at rank 0's non-zero status, so that each rank's own status is seen). Two network namespaces joined by a veth pair with a tc rate limit (tbf; netem is
 not in this kernel, so no added delay) as two hosts: the same bytes. Faults, with mpirun
 --enable-recovery so that the ranks' own detection is what ends them: a rank killed mid-step, a
 rank stopped (SIGSTOP: hung), the veth taken down mid-step: every other rank exits non-zero
@@ -232,13 +233,26 @@ def sig(rank, s):
     return lambda pids: os.kill(pids[rank], s)
 
 
+def catches_term(pid):
+    """Whether process pid has a handler for SIGTERM (/proc/pid/status SigCgt)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            cgt = next(int(l.split()[1], 16) for l in f if l.startswith("SigCgt:"))
+    except (OSError, StopIteration, TypeError):
+        return False
+    return bool(cgt >> (signal.SIGTERM - 1) & 1)
+
+
 def test_decode_sigterm():
     """SIGTERM to decode's rank 0 mid-run: it cancels, tells the other ranks to stop (they exit 0)
     and exits 143 itself."""
     rcdir = os.path.join(TMP, "rc_sigterm")
     shutil.rmtree(rcdir, ignore_errors=True)
     os.makedirs(rcdir)
-    p = subprocess.Popen(["mpirun", *LOOP, "-x", "MF_RCDIR", "-n", "2", wrapper(), BIN, "decode", "--checkpoint", CKPT,
+    # mpirun would kill rank 1 as soon as rank 0 exits 143 (its default on a non-zero status), racing
+    # rank 1's own exit (lost under ASan): here each rank's own exit status is the point
+    p = subprocess.Popen(["mpirun", *LOOP, "--mca", "orte_abort_on_non_zero_status", "0", "-x", "MF_RCDIR", "-n", "2",
+                          wrapper(), BIN, "decode", "--checkpoint", CKPT,
                           "--tokens", "1,2,3", "--max-new-tokens", "1000000", "--ignore-eos", "--threads", "1",
                           "--quiet", "--ranks-layers", "auto"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          env=dict(ENV, MF_RCDIR=rcdir))
@@ -246,10 +260,18 @@ def test_decode_sigterm():
         t0 = time.time()
         while time.time() - t0 < 60 and len(rank_pids()) < 2:
             time.sleep(0.2)
-        time.sleep(1.0)
+        # rank 0 takes SIGTERM once decoding (before, the default action ends it and rank 1 finds it
+        # lost): send it when its handler is there (/proc's SigCgt; a slow ASan start took over 1 s)
+        while time.time() - t0 < 60 and not catches_term(rank_pids().get(0)):
+            time.sleep(0.1)
+        time.sleep(0.5)
         t1 = time.time()
         os.kill(rank_pids()[0], signal.SIGTERM)
-        p.wait(timeout=30)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            fail("decode, SIGTERM to rank 0: mpirun still running 30 s after")
+            return
         rcs = {}
         for r in range(2):
             f = os.path.join(rcdir, f"rc.{r}")
