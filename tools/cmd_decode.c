@@ -59,6 +59,10 @@ static const mf_opt mf_dec_table[] = {
              "line (its number, from 1), prompt, text (with a tokenizer), tokens,\n"
              "prompt_tokens, finish_reason (eos or length), queue_s,\n"
              "first_token_s, total_s; a refused line: index, line, prompt, error"},
+    {"--logits-out", .kind = MF_OPT_STR, .off = F(logits_out), .meta = "FILE",
+     .help = "every generated token's logits as they come: the sequence's index\n"
+             "and the token (int32), then vocab_size fp32 values (this\n"
+             "machine's byte order): to compare runs byte for byte"},
     MF_OPT_GROUP_ROW(mf_tool_engine_table, F(e)),
     {"--max-new-tokens", .kind = MF_OPT_LONG, .off = F(max_new), .def = "16", .meta = "N", .lo = 0, .hi = INT32_MAX,
      .help = "tokens to generate"},
@@ -92,6 +96,7 @@ static const mf_opt mf_dec_table[] = {
              "reference's on_route hook, and with a hook set the scheduled\n"
              "engine runs its serial graph (a batch's per-sequence parts one\n"
              "after another), so timings differ from a run without it"},
+    MF_TOOL_RANKS_ROWS(F(rk)),
     {"--quiet", "-q", MF_OPT_FLAG, F(quiet), .help = "no progress or timing on stderr"},
     {NULL},
 };
@@ -102,10 +107,11 @@ static const mf_opts_spec mf_dec_spec = {
     .usage =
         "usage: moeflow decode --checkpoint DIR (--prompt TEXT | --tokens IDS | --prompts FILE [--resume])\n"
         MF_TOOL_ENGINE_USAGE
-        "                      [--batch B] [--step-tokens N] [--output FILE.jsonl]\n"
+        "                      [--batch B] [--step-tokens N] [--output FILE.jsonl] [--logits-out FILE]\n"
         "                      [--max-new-tokens N] [--temperature T --top-p P --seed S]\n"
         "                      [--no-bos] [--ignore-eos] [--act-quant] [--quiet] [--trace FILE]\n"
-        "                      [--chat [--chat-template FILE|builtin]] [--record-routing FILE]\n\n"
+        "                      [--chat [--chat-template FILE|builtin]] [--record-routing FILE]\n"
+        "                      [--ranks-layers auto|a:b,c:d [--ranks-micro M] [--ranks-timeout S]]\n\n"
         "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
         "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
         "one thread: the correctness oracle). Every prompt goes through the continuous batcher\n"
@@ -123,7 +129,8 @@ static const mf_opts_spec mf_dec_spec = {
 };
 
 /* The options that cannot go together (the engine group's: mf_tool_engine_check; decode's own:
- * a prompt, --act-quant, --trace). 0 or 2 (said on stderr). */
+ * a prompt, --act-quant, --trace, --ranks-layers without --record-routing). 0 or 2 (said on
+ * stderr). */
 static int mf_dec_check(mf_dec_cli *a, mf_dec *d)
 {
     int rc = mf_tool_engine_check("decode", &a->e);
@@ -141,6 +148,8 @@ static int mf_dec_check(mf_dec_cli *a, mf_dec *d)
     if (a->e.sched && a->act_quant)
         why = "--act-quant is only implemented by the reference engine (add --engine reference)";
     else if (!a->e.sched && a->trace && !a->e.store_mode) why = "--trace needs the scheduled engine or --store";
+    else if (a->rk.spec && a->record)
+        why = "--ranks-layers runs without --record-routing (each rank routes its own layers)";
     if (why) {
         fprintf(stderr, "moeflow decode: %s\n", why);
         return 2;
@@ -216,7 +225,7 @@ static int mf_dec_open(mf_dec *d)
                 max_prompt, a->max_new, d->total, c->max_position_embeddings);
         return 2;
     }
-    mf_tool_run_notes("decode", &a->e, &d->x, a->quiet);
+    if (!d->follower) mf_tool_run_notes("decode", &a->e, &d->x, a->quiet);
     return 0;
 }
 
@@ -225,8 +234,11 @@ static int mf_dec_submit(mf_dec *d)
 {
     const mf_dec_cli *a = d->a;
     d->dc = (mf_dec_ctx){.sq = d->sq, .tok = d->tok, .stream = d->n_seq == 1, .out = d->outf, .quiet = a->quiet,
-                         .with_line = a->prompts_file != NULL};
+                         .with_line = a->prompts_file != NULL, .lgout = d->lgf,
+                         .V = mf_model_config(d->x.m)->vocab_size};
+    mf_pipe *pipe = d->rk->pipe;   /* a pipeline: rank 0's forwards run every rank's layers */
     int rc = mf_batch_new(&(mf_batch_opts){.ref = d->x.r, .eng = d->x.eng, .tok = d->tok, .max_batch = d->max_batch,
+                                           .forward = pipe ? mf_pipe_forward : NULL, .forward_ctx = pipe,
                                            .step_tokens = (int)d->step_tokens,
                                            .max_context = d->total > 1 ? d->total : 2, .max_queue = d->n_seq,
                                            .on_event = mf_dec_on_event, .user = &d->dc}, &d->bat);
@@ -298,10 +310,12 @@ static void mf_dec_on_signal(int sig)
 
 /* With --prompts, from the first record written to the exit: SIGINT and SIGTERM are taken
  * (counted; the step loop acts on them), so the process never dies in mid-record or before its
- * summary. Before (loading the model), and with --prompt or --tokens, a signal ends it as before. */
+ * summary. Before (loading the model), and with --prompt or --tokens, a signal ends it as before;
+ * but on a pipeline's rank 0 (--ranks-layers) they are taken with any prompts, so that the other
+ * ranks are told to stop (tools/ranks.h). */
 static void mf_dec_catch(const mf_dec *d)
 {
-    if (!d->a->prompts_file) return;
+    if (!d->a->prompts_file && d->rk->size < 2) return;   /* a pipeline's rank 0 stops the others too */
     struct sigaction sa = {.sa_handler = mf_dec_on_signal, .sa_flags = SA_RESTART};
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, NULL);
@@ -309,19 +323,20 @@ static void mf_dec_catch(const mf_dec *d)
 }
 
 /* After a signal: the first cancels the prompts not generating yet (queued, or in their prefill);
- * the second the rest. `seen` is how many signals were acted on. */
+ * the second the rest (without --prompts, on a pipeline's rank 0: the first). `seen` is how many
+ * signals were acted on. */
 static void mf_dec_interrupt(mf_dec *d, int *seen)
 {
-    int n = mf_dec_n_sig;
+    int n = mf_dec_n_sig, all = n > 1 || !d->a->prompts_file;
     if (n <= *seen) return;
     d->sig = mf_dec_first_sig;
     for (int s = 0; s < d->n_seq; s++) {
         const mf_dec_seq *q = &d->sq[s];
-        if (q->state == MF_DEC_RUN && !q->done && (n > 1 || q->n_gen == 0)) mf_batch_cancel(d->bat, q->id);
+        if (q->state == MF_DEC_RUN && !q->done && (all || q->n_gen == 0)) mf_batch_cancel(d->bat, q->id);
     }
-    if (!d->a->quiet || n > 1)
+    if (!d->a->quiet || all)
         fprintf(stderr, "\nmoeflow decode: %s: %s\n", d->sig == SIGINT ? "SIGINT" : "SIGTERM",
-                n > 1 ? "cancelling the prompts still generating" :
+                all ? "cancelling the prompts still generating" :
                         "no new prompts start; the ones generating finish (signal again to cancel them)");
     *seen = n;
 }
@@ -493,19 +508,26 @@ int mf_cmd_decode(int argc, char **argv)
 {
     mf_dec_cli a = {0};
     mf_tool_engine_init(&a.e);
+    a.e.rk = &a.rk;   /* --ranks-layers: the opener loads this rank's layers and links the engine */
     int rc = mf_opts_parse(&mf_dec_spec, argc, argv, &a);
     if (rc != MF_OPTS_RUN) return rc;
     static mf_dec d;
-    d = (mf_dec){.a = &a, .outf = -1};
+    d = (mf_dec){.a = &a, .outf = -1, .rk = &a.rk};
     if ((rc = mf_dec_check(&a, &d))) return rc;
-    rc = mf_dec_prompts(&d);
+    rc = mf_tool_ranks_open(&a.rk, "decode", a.dir, a.e.profile_path, (int)a.e.threads, NULL, NULL);
+    d.follower = a.rk.rank > 0;   /* a pipeline's later rank runs its layers of rank 0's steps */
+    if (!rc) rc = mf_dec_prompts(&d);
     if (!rc) rc = mf_dec_open(&d);
-    if (!rc) mf_dec_catch(&d);
-    if (!rc) rc = mf_dec_submit(&d);
-    if (!rc) rc = mf_dec_run(&d);
-    if (!rc) rc = mf_dec_outputs(&d);
-    if (!rc && !d.sig) mf_dec_report(&d);
-    if (!rc) rc = mf_dec_summary(&d);
+    if (!rc && d.follower) rc = mf_tool_ranks_follow(&a.rk, "decode", a.quiet);
+    if (!rc && !d.follower) {
+        mf_dec_catch(&d);
+        rc = mf_dec_submit(&d);
+        if (!rc) rc = mf_dec_run(&d);
+        if (!rc) rc = mf_dec_outputs(&d);
+        if (!rc && !d.sig) mf_dec_report(&d);
+        if (!rc) rc = mf_dec_summary(&d);
+    }
+    rc = mf_tool_ranks_end(&a.rk, "decode", rc, a.quiet);   /* after a pipeline's failure: exits */
     if (rc < 0) fprintf(stderr, "moeflow decode: %s\n", mf_last_error()[0] ? mf_last_error() : "out of memory");
     mf_dec_close(&d);
     return rc < 0 ? 1 : rc;

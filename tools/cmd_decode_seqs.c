@@ -321,6 +321,12 @@ static int mf_dec_resume(mf_dec *d)
 int mf_dec_prompts(mf_dec *d)
 {
     const mf_dec_cli *a = d->a;
+    if (d->follower) {   /* a pipeline's later rank: the tokenizer for the Engram map; rank 0 has the prompts */
+        char tpath[4200];
+        snprintf(tpath, sizeof tpath, "%s/tokenizer.json", a->dir);
+        d->have_tok = access(tpath, R_OK) == 0;
+        return d->have_tok ? mf_tok_load(tpath, &d->tok) : 0;
+    }
     int rc = mf_dec_tokenizer(d);
     if (rc) return rc;
     if (a->resume && (!a->prompts_file || !a->outfile)) {
@@ -357,6 +363,10 @@ int mf_dec_prompts(mf_dec *d)
         fprintf(stderr, "moeflow decode: --output %s: cannot open: %s\n", a->outfile, strerror(errno));
         return 2;
     }
+    if (a->logits_out && !(d->lgf = fopen(a->logits_out, "wb"))) {
+        fprintf(stderr, "moeflow decode: --logits-out %s: cannot open: %s\n", a->logits_out, strerror(errno));
+        return 2;
+    }
     if (a->resume && !a->quiet)
         fprintf(stderr, "moeflow decode: --resume: %d of %d prompts are in %s already\n", d->n_had, d->n_seq,
                 a->outfile);
@@ -366,6 +376,7 @@ int mf_dec_prompts(mf_dec *d)
 void mf_dec_prompts_free(mf_dec *d)
 {
     if (d->outf >= 0) close(d->outf);
+    if (d->lgf) fclose(d->lgf);
     for (int s = 0; d->sq && s < d->n_seq; s++) {
         free(d->sq[s].pids);
         free(d->sq[s].gen);
@@ -505,6 +516,12 @@ void mf_dec_on_event(void *user, const mf_batch_event *ev)
     if (ev->kind == MF_BATCH_TOKEN) {
         q->gen[q->n_gen++] = ev->token;
         x->generated++;
+        int32_t head[2] = {q->index, ev->token};   /* --logits-out: the sequence, the token, its logits */
+        if (x->lgout && (fwrite(head, sizeof head, 1, x->lgout) != 1 ||
+                         fwrite(ev->logits, sizeof(float), (size_t)x->V, x->lgout) != (size_t)x->V) && !x->rc) {
+            x->rc = -EIO;
+            snprintf(x->msg, sizeof x->msg, "--logits-out: write failed");
+        }
         if (x->stream) mf_dec_emit_token(x->tok, ev->token, q->n_gen == 1);
         return;
     }

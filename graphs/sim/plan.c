@@ -39,6 +39,7 @@ struct mf_plan {
                                               * with a cache budget): with routed experts, dense */
     double dense_bytes[PL_MAX_CARDS];        /* dense weights per card */
     int K, E, n_layers;
+    int l0, l1;                              /* the layers simulated (a pipeline stage's, or all) */
     mf_sg_sizes *sz;
     mf_cost_model cm;                        /* prices on prof; host threads' rate capped at the
                                               * socket's memory over its threads */
@@ -133,6 +134,8 @@ static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int
             return 0;
         }
         break;
+    case MF_SG_NET_IN:   /* the boundary has arrived: the link between stages is graphs/sim/plan_ranks.c's */
+        return 0;
     case MF_SG_DEV_FFN_CARD: {   /* one launch: the slots' FFNs in a row */
         double ns = 0;
         int n = 0;
@@ -172,6 +175,10 @@ static int pl_check(const mf_plan_opts *o)
                         "was given", o->placement == MF_STEP_PLACE_SEED ? "seed" : "hybrid", f->name);
     if (o->dense != MF_PLAN_DENSE_HOST && o->dense != MF_PLAN_DENSE_CARDS)
         return mf_error(-EINVAL, "plan: dense placement %d (expected host or cards)", o->dense);
+    int nl = o->config->n_layers, l1 = o->layer_begin || o->layer_end ? o->layer_end : nl;
+    if (o->layer_begin < 0 || o->layer_begin >= l1 || l1 > nl || !mf_config_cut_ok(o->config, o->layer_begin))
+        return mf_error(-EINVAL, "plan: layers [%d, %d) of %d (expected a range beginning at a cut)", o->layer_begin,
+                        l1, nl);
     if (o->dense == MF_PLAN_DENSE_CARDS &&
         ((o->n_cards ? o->n_cards : f->n_cards) < 1 ||
          !(f->card[MF_KF_FP8].bytes_per_s > 0 && f->card[MF_KF_BF16].bytes_per_s > 0 && f->h2d_bytes_per_s > 0 &&
@@ -299,6 +306,8 @@ static void pl_init(mf_plan *p, const mf_plan_opts *o)
     p->K = c->n_experts_per_tok;
     p->E = c->n_routed_experts;
     p->n_layers = c->n_layers;
+    p->l0 = o->layer_begin;
+    p->l1 = o->layer_begin || o->layer_end ? o->layer_end : c->n_layers;
     p->batch = o->batch ? o->batch : 1;
     p->n_threads = (o->n_sockets ? o->n_sockets : f->n_sockets) *
                    (o->threads_per_socket ? o->threads_per_socket : f->threads_per_socket);
@@ -346,6 +355,7 @@ static int pl_lanes(mf_plan *p)
         for (int k = 0; k < n_sock && k < MF_SG_MAX_SOCKETS; k++) thr[k] = per_socket;
         if ((rc = mf_sg_lanes_sockets(&p->lt, n_sock, thr, NULL))) return rc;
     }
+    if (p->l0 > 0 || p->l1 < p->n_layers) mf_sg_lanes_net(&p->lt);   /* a pipeline stage's boundaries */
     for (int k = 0; k < p->lt.n_sockets; k++) p->lane_core[p->lt.lane_sock[k]] = 1;
     if (p->lt.lane_io >= 0) p->conc[p->lt.lane_io] = 1;
     for (int cd = 0; cd < p->n_lane_cards; cd++)
@@ -380,7 +390,8 @@ static int pl_graph(mf_plan *p, mf_sg_opts *go)
                         .n_sockets = p->lt.n_sockets, .lane_sock = p->lt.lane_sock, .lanes = p->lt.lane,
                         .n_lanes = p->lt.n_lanes, .lane_io = p->lt.lane_io,
                         .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof,
-                        .prefetch_min = o->prefetch_min, .lt = o->lt};
+                        .prefetch_min = o->prefetch_min, .lt = o->lt,
+                        .layer_begin = o->layer_begin, .layer_end = o->layer_end, .lane_net = p->lt.lane_net};
     int rc = mf_stepgraph_new(go, &p->sg);
     if (!rc && par) mf_stepgraph_set_live(p->sg, p->batch);
     if (!rc) p->total.host_bufs = (double)mf_step_host_bytes(c, p->sz, p->sg, 0, p->n_cards, p->n_dense, o->micro);
@@ -418,7 +429,7 @@ static int pl_card_mem(mf_plan *p, const mf_sg_opts *go)
     const mf_config *c = &p->c;
     int rc;
     for (int cd = 0; cd < p->n_dense; cd++)   /* the dense weights each card holds */
-        p->dense_bytes[cd] = mf_sg_dense_card_bytes(c, p->sz, p->n_dense, o->dense_split, cd);
+        p->dense_bytes[cd] = mf_sg_dense_card_bytes_in(c, p->sz, p->n_dense, o->dense_split, cd, p->l0, p->l1);
     for (int cd = 0; cd < p->n_dense; cd++)
         if (f->card_mem_bytes && p->dense_bytes[cd] > (double)f->card_mem_bytes) {
             return mf_error(-ENOSPC, "plan: card %d: its dense layers take %.0f bytes, the card has %" PRIu64, cd,
@@ -741,7 +752,7 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
  * starting and finishing it; noop tasks cost nothing). */
 static int pl_price(mf_plan *p, mf_plan_report *r)
 {
-    for (int L = 0; L < p->n_layers; L++)
+    for (int L = p->l0; L < p->l1; L++)
         for (int h = 0; h < p->sg->n_halves; h++) {
             int rc = pl_layer_slots(p, L, h, r);
             if (rc) return rc;

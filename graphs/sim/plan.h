@@ -80,6 +80,11 @@ typedef struct mf_plan_opts {
                                   * < 0: never), as mf_step_opts.prefetch_min */
     mf_routing *routing;         /* borrowed; NULL: uniform draws from `seed` */
     uint64_t seed;
+    /* A pipeline stage (graphs/pipe/pipe.h): the engine's graph of layers [layer_begin, layer_end)
+     * only, with its boundary tasks (MF_SG_NET_*); the boundary in is priced 0 here (the data has
+     * arrived: graphs/sim/plan_ranks.h prices the link between stages), the boundary out one
+     * message's latency; dense cards hold the stage's layers only. Both 0: all. */
+    int layer_begin, layer_end;
 } mf_plan_opts;
 
 #define MF_PLAN_MAX_LANES 64

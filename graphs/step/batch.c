@@ -620,8 +620,9 @@ int mf_batch_step(mf_batch *b, int *n_items)
     if (!n) return 0;
     /* one forward over decode tokens and prefill chunks: the engine runs each sequence's items
      * as one unit of per-item tasks, the sequences' units in parallel (graphs/step/step.h) */
-    int rc = b->o.eng ? mf_step_forward(b->o.eng, b->it_st, b->it_tok, n, b->it_lg)
-                      : mf_ref_forward(b->o.ref, b->it_st, b->it_tok, n, b->it_lg);
+    int rc = b->o.forward ? b->o.forward(b->o.forward_ctx, b->it_st, b->it_tok, n, b->it_lg)
+             : b->o.eng   ? mf_step_forward(b->o.eng, b->it_st, b->it_tok, n, b->it_lg)
+                          : mf_ref_forward(b->o.ref, b->it_st, b->it_tok, n, b->it_lg);
     pthread_mutex_lock(&b->mu);
     b->stats.steps++;
     b->stats.items += n;

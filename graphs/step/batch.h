@@ -84,6 +84,11 @@ typedef struct mf_batch_event {
 typedef struct mf_batch_opts {
     mf_ref *ref;          /* the forward the states belong to (required) */
     mf_step *eng;         /* the scheduled engine over ref, or NULL: the reference forward */
+    /* Runs the forwards instead of eng or ref when set, with the contract of mf_step_forward
+     * (graphs/step/step.h) over ref's states: a pipeline's first stage (graphs/pipe/pipe.h
+     * mf_pipe_forward, ctx its pipe). NULL: eng, else ref. */
+    int (*forward)(void *ctx, mf_ref_state *const *states, const int32_t *tokens, int n, float *const *logits);
+    void *forward_ctx;
     const mf_tok *tok;    /* for text and stop strings; NULL: token ids only (stops refused) */
     int max_batch;        /* running sequences, 1..MF_STEP_MAX_ITEMS (0: 16) */
     /* items per step (0: mf_batch_default_step_tokens(max_batch), MF_BATCH_STEP_TOKENS up to a

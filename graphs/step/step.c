@@ -177,6 +177,19 @@ static int mf_step_socket_lanes(mf_step *s)
     return mf_sg_lanes_sockets(&s->lt, n, thr, ts.numa);
 }
 
+/* A pipeline stage (graphs/step/step.h mf_step_link; its layers s->l0, s->l1 from the model): the
+ * link the sides with neighbours need, the boundary lane. The whole model: nothing. 0 or -EINVAL / -ENOTSUP. */
+static int mf_step_stage(mf_step *s)
+{
+    int first = s->l0 == 0, last = s->l1 == s->c->n_layers;
+    if (first && last) return 0;
+    if ((!first && !s->o.link.recv) || (!last && !s->o.link.send))
+        return mf_error(-EINVAL, "step: a model of layers [%d, %d) of %d is a pipeline stage: it needs a link %s",
+                        s->l0, s->l1, s->c->n_layers, !first && !s->o.link.recv ? "to receive from" : "to send to");
+    mf_sg_lanes_net(&s->lt);
+    return 0;
+}
+
 int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
 {
     *out = NULL;
@@ -222,6 +235,7 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     if (!s) return mf_error(-ENOMEM, "step: out of memory");
     s->ly = ly;
     s->c = c;
+    mf_model_layers(ly->m, &s->l0, &s->l1);   /* a pipeline stage's (mf_step_stage) */
     if (opts) s->o = *opts;
     if (s->o.n_threads < 1) s->o.n_threads = 1;
     if (s->o.prefill_chunk < 0 || s->o.prefill_chunk > MF_STEP_MAX_CHUNK) {
@@ -263,6 +277,7 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     mf_sg_lanes_init(&s->lt, s->models, s->o.n_threads, store != NULL, s->n_lane_cards);
     if (!s->n_cards) mf_sg_lanes_map(&s->lt, s->dense_card, s->n_dense);
     if (!rc && s->o.n_sockets > 1) rc = mf_step_socket_lanes(s);
+    if (!rc) rc = mf_step_stage(s);   /* a pipeline stage: its range, link and boundary lane */
     if (s->lt.lane_io >= 0 && s->o.io_depth > 0) s->lt.lane[s->lt.lane_io].concurrency = s->o.io_depth;
     /* one layer context per CPU worker, on the kernels */
     s->cx = calloc((size_t)s->o.n_threads, sizeof *s->cx);
@@ -439,6 +454,7 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
         sh->iscore_ld = need;
     }
     const mf_weight *emb = mf_model_embed(s->ly->m);
+    int embed = s->l0 == 0;   /* a later pipeline stage: the boundary task fills the streams */
     sh->n_head = 0;
     for (int i = 0; i < n; i++) {
         mf_ly_item *it = &sh->items[i];
@@ -453,12 +469,15 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
         it->logits = logits ? logits[i] : NULL;
         sh->head_row[i] = it->logits ? sh->n_head : -1;
         if (it->logits) sh->head_item[sh->n_head++] = i;
-        for (int64_t d = 0; d < H; d++) {
+        if (it->logits && s->l1 < c->n_layers)
+            return mf_error(-EINVAL, "step: logits asked of a pipeline stage without the head (layers [%d, %d) of %d)",
+                            s->l0, s->l1, (int)c->n_layers);
+        for (int64_t d = 0; embed && d < H; d++) {
             uint16_t b;
             memcpy(&b, emb->data + ((int64_t)tokens[i] * H + d) * 2, 2);
             it->x[d] = mf_bf16_to_f32(b);
         }
-        for (int k = 1; k < c->hc_mult; k++) memcpy(it->x + k * H, it->x, (size_t)H * sizeof(float));
+        for (int k = 1; embed && k < c->hc_mult; k++) memcpy(it->x + k * H, it->x, (size_t)H * sizeof(float));
     }
     mf_timeline_reset(sh->tl);
     rc = mf_sched_run(s->sched, sh->g, &(mf_run_opts){.timeline = sh->tl});

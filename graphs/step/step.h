@@ -33,6 +33,20 @@ typedef struct mf_profile mf_profile;
  * 8,192-position chunk would be 4.2 GB of a card at flash41's vocabulary). */
 #define MF_STEP_HEAD_ROWS MF_SG_HEAD_ROWS
 
+/* A pipeline stage's link to its neighbours (graphs/pipe/pipe.h): an engine over a model of layers
+ * [b, e) (graphs/model/model.h mf_model_layers) with b > 0 receives each graph run's boundary
+ * (its items' mf_sg_boundary_floats each, in item order: residual streams, then the carried mix)
+ * through recv before its first layer, and with e < n_layers hands it on through send after its
+ * last layer (in place of the head). Both are called once per graph run from the graph's boundary
+ * tasks on the engine's boundary lane ("net", one thread), so the run's other tasks (Engram rows
+ * from the token history) go on meanwhile; each returns 0 or a negative code with a message
+ * (mf_error), which fails the run. send must be done with buf when it returns. */
+typedef struct mf_step_link {
+    void *user;
+    int (*recv)(void *user, float *buf, int64_t n_floats);
+    int (*send)(void *user, const float *buf, int64_t n_floats);
+} mf_step_link;
+
 typedef struct mf_step_opts {
     int n_threads;     /* CPU workers of the engine's executor (0: 1) */
     /* Items of a graph run of several sequences at most, 1..MF_STEP_MAX_ITEMS (0:
@@ -192,6 +206,11 @@ typedef struct mf_step_opts {
      * can share. 0 or 1: one CPU lane. */
     int n_sockets;
     const char *topology;        /* mf_sched_opts.topology (NULL: this machine) */
+    /* With a model of some layers only (a pipeline stage): its link (required on the sides it
+     * has neighbours, -EINVAL otherwise). Such a stage embeds no tokens unless its first layer is
+     * 0 and computes logits only when its last layer is the model's (mf_step_forward's logits
+     * must be NULL otherwise); its dense cards hold and run its layers only (mf_sg_dense_card_in). */
+    mf_step_link link;
 } mf_step_opts;
 
 /* Where routed experts run. SEED: every routed expert on the card that owns it

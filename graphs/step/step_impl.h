@@ -83,6 +83,7 @@ struct mf_step_shape {
     int eg_per;              /* rows of an item: (max_ngram - 1) x n_heads */
     size_t eg_scratch_item;
     float *moe_out;     /* n x H: combine output */
+    float *net;         /* a pipeline stage: n x mf_sg_boundary_floats, the boundary in or out */
     /* routing of the current layer */
     int32_t *ex;        /* n x K: experts of item i in top-k order */
     float *wt;          /* n x K: their weights */
@@ -266,6 +267,7 @@ struct mf_step {
     char refused[1024];       /* the startup self-check's refusals ("" when none) */
     unsigned refused_mask;    /* cards refused by it */
     mf_profile prof;          /* a copy of the caller's o.profile (o.profile points here when given) */
+    int l0, l1;               /* the layers the model loaded (mf_model_layers): a pipeline stage's */
 };
 
 /* One copy of a dense sublayer: `rows` rows of n values, ld values apart, from the value at host
@@ -391,5 +393,6 @@ extern const mf_task_fn mf_step_attn_fn_of[MF_SG_N_OPS];        /* step_attn.c *
 extern const mf_task_fn mf_step_moe_fn_of[MF_SG_N_OPS];         /* step_moe.c */
 extern const mf_task_fn mf_step_moe_cards_fn_of[MF_SG_N_OPS];   /* step_moe_cards.c */
 extern const mf_task_fn mf_step_dense_fn_of[MF_SG_N_OPS];       /* step_dense.c */
+extern const mf_task_fn mf_step_net_fn_of[MF_SG_N_OPS];         /* step_net.c */
 
 #endif

@@ -64,7 +64,7 @@ static mf_task_fn mf_step_fn_of(int op)
 {
     static const mf_task_fn *const tabs[] = {mf_step_engram_fn_of, mf_step_hc_fn_of,        mf_step_attn_fn_of,
                                              mf_step_moe_fn_of,    mf_step_moe_cards_fn_of, mf_step_dense_fn_of,
-                                             mf_step_shape_fn_of};
+                                             mf_step_net_fn_of,    mf_step_shape_fn_of};
     for (size_t k = 0; k < sizeof tabs / sizeof tabs[0]; k++)
         if (tabs[k][op]) return tabs[k][op];
     return NULL;
@@ -115,7 +115,8 @@ mf_sg_opts mf_step_sg_opts(const mf_step *eng, int n, int par, int mixed, mf_tas
                         .micro = eng->o.micro, .exact = eng->o.exact, .heads = eng->o.heads,
                         .prefetch_min = eng->o.prefetch_min, .lt = eng->lt_mode,
                         .fn_of = fn_of,
-                        .profile = eng->o.profile};
+                        .profile = eng->o.profile,
+                        .layer_begin = eng->l0, .layer_end = eng->l1, .lane_net = eng->lt.lane_net};
 }
 
 /* The step graph of a shape of n items (parallel, mixed or serial) on the engine's lanes. */
@@ -266,13 +267,15 @@ typedef struct mf_step_host_in {
     int exact, n_cards, n_dense, micro;
     int eg_reads;             /* streamed Engram tables: the gathers' buffers */
     const mf_store *store;    /* with eg_reads: its gather plans' scratch */
+    int net;                  /* a pipeline stage: the items' boundaries (the simulator's report leaves them out) */
 } mf_step_host_in;
 
 static mf_step_host_in mf_step_host_in_of(const mf_step *eng)
 {
     return (mf_step_host_in){.c = eng->c, .sh_rows = (int64_t)eng->sz->sh_rows, .exact = eng->o.exact,
                              .n_cards = eng->n_cards, .n_dense = eng->n_dense, .micro = eng->o.micro,
-                             .eg_reads = eng->eg_reads, .store = eng->store};
+                             .eg_reads = eng->eg_reads, .store = eng->store,
+                             .net = eng->lt.lane_net >= 0};
 }
 
 /* The Engram rows of shape sh's items (ln laid out): an item's rows and their lengths (the card
@@ -375,6 +378,7 @@ static int mf_step_host_table(const mf_step_host_in *in, mf_step_shape *sh, int 
         {"candidates", n_ * n_cb * 4, (void **)&sh->cand_rows},
         {"xin", n_ * H * f, (void **)&sh->xin},
         {"moe_out", n_ * H * f, (void **)&sh->moe_out},
+        {"net", in->net ? n_ * (size_t)mf_sg_boundary_floats(c) * f : 0, (void **)&sh->net},
         {"ex", nk * 4, (void **)&sh->ex},
         {"wt", nk * f, (void **)&sh->wt},
         {"asg", nk * 4, (void **)&sh->asg},

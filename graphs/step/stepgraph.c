@@ -140,7 +140,7 @@ double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int p_key, int64
 
 const char *mf_sg_op_name(int op)
 {
-    static const char *const names[] = {"engram_embed", "engram_rows", "engram_gate", "engram_plan", "engram_read", "attn_pre", "attn_rows", "attn_qnorm", "attn_core", "attn_post", "gate_rows", "route", "moe_done", "slot_read", "slot_up", "slot_join", "slot_down", "dev_in", "dev_ffn", "dev_ffn_card", "dev_out", "shared_up", "shared_down", "combine", "norm", "head", "join", "attn_mix", "attn_norm", "attn_heads", "attn_ring", "ffn_mix", "ffn_norm", "attn_score", "attn_select", "dense_in", "dense", "dense_out", "attn_qscale", "attn_kv", "attn_gather", "attn_qprep", "attn_opost", "route_rows", "moe_place", "dev_pre", "attn_keys", "dense_deq"};
+    static const char *const names[] = {"engram_embed", "engram_rows", "engram_gate", "engram_plan", "engram_read", "attn_pre", "attn_rows", "attn_qnorm", "attn_core", "attn_post", "gate_rows", "route", "moe_done", "slot_read", "slot_up", "slot_join", "slot_down", "dev_in", "dev_ffn", "dev_ffn_card", "dev_out", "shared_up", "shared_down", "combine", "norm", "head", "join", "attn_mix", "attn_norm", "attn_heads", "attn_ring", "ffn_mix", "ffn_norm", "attn_score", "attn_select", "dense_in", "dense", "dense_out", "attn_qscale", "attn_kv", "attn_gather", "attn_qprep", "attn_opost", "route_rows", "moe_place", "dev_pre", "attn_keys", "net_in", "net_out", "dense_deq"};
     _Static_assert(sizeof names / sizeof names[0] == MF_SG_N_OPS, "one name per mf_sg_op");
     return (unsigned)op < MF_SG_N_OPS ? names[op] : "?";
 }
@@ -233,6 +233,9 @@ double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_st
                (t->dense == MF_SG_D_HEADS || t->dense == MF_SG_D_SCORES ? mf_cost_ref(m->p, 1, s->pos_flops) : 0);
     case MF_SG_DENSE_OUT:
         return mf_cost_act_copy(m, 1, tok * w->copy_bytes_tok + s->pos_bytes);
+    case MF_SG_NET_IN:    /* the boundary over the link from the stage before */
+    case MF_SG_NET_OUT:   /* the send posted: a message's latency */
+        return mf_cost_net(m, w->net_msgs, w->net_bytes);
     default:   /* kernels over the record's tokens, scalar work and the positional part of it */
         return mf_cost_host(m, w, tok, s->pos_flops);
     }
@@ -489,6 +492,11 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     if (o->lt < MF_SG_LT_COST || o->lt > MF_SG_LT_OFF)
         return mf_error(-EINVAL, "step graph: cuBLASLt mode %d (expected cost, on, dense or off)", o->lt);
     const mf_config *c = o->c;
+    int l0 = o->layer_begin, l1 = o->layer_begin || o->layer_end ? o->layer_end : c->n_layers;
+    if (l0 < 0 || l0 >= l1 || l1 > c->n_layers || !mf_config_cut_ok(c, l0) ||
+        ((l0 > 0 || l1 < c->n_layers) && (o->lane_net < 0 || o->lane_net >= o->n_lanes)))
+        return mf_error(-EINVAL, "step graph: layers [%d, %d) of %d, boundary lane %d (expected a range beginning "
+                        "at a cut, mf_config_cut_ok, with a lane for its boundaries)", l0, l1, c->n_layers, o->lane_net);
     mf_stepgraph *sg = calloc(1, sizeof *sg);
     if (!sg) return mf_error(-ENOMEM, "step graph: out of memory");
     mf_sg_parts(o, sg);
@@ -520,8 +528,9 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     for (size_t i = 0; i < n_eg; i++) sg->eg_read_tid[i] = -1;
     for (int i = 0; i < c->n_layers * sg->n_halves * sg->n_cards; i++) sg->card_ffn_tid[i] = -1;
     mf_task_id unit[MF_SG_MAX_GROUPS], post[MF_SG_MAX_GROUPS];
-    for (int k = 0; k < b.u; k++) unit[k] = -1;
-    for (int L = 0; L < c->n_layers && !b.rc; L++)
+    mf_task_id in = l0 > 0 ? mf_sg_net_in(&b) : -1;   /* a pipeline stage after the first */
+    for (int k = 0; k < b.u; k++) unit[k] = in;
+    for (int L = l0; L < l1 && !b.rc; L++)
         for (int h = 0; h < sg->n_halves; h++) {   /* each micro-batch's chain of the layer */
             sg_half(&b, h);
             if (sg->prefetch) mf_sg_prefetch(&b, L);
@@ -530,7 +539,8 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
             mf_sg_moe(&b, L, post, unit);
         }
     sg_half(&b, -1);
-    mf_sg_head(&b, unit);
+    if (l1 == c->n_layers) mf_sg_head(&b, unit);
+    else mf_sg_net_out(&b, unit);   /* a pipeline stage before the last */
     mf_sg_lt_ffn(o, sg);
     free(b.io);
     free(b.pre_sfx);
@@ -680,6 +690,7 @@ void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threa
                                 .model = models[0]};
     l->n_lanes = 1;
     l->lane_io = -1;
+    l->lane_net = -1;
     l->n_sockets = 1;
     for (size_t k = 0; k < sizeof l->sock_of_lane; k++) l->sock_of_lane[k] = -1;
     l->sock_of_lane[0] = 0;
@@ -728,6 +739,13 @@ int mf_sg_lanes_sockets(mf_sg_lanes *l, int n_sockets, const int *threads, const
     return 0;
 }
 
+void mf_sg_lanes_net(mf_sg_lanes *l)
+{
+    if (l->lane_net >= 0 || l->n_lanes >= MF_SG_MAX_LANES) return;
+    l->lane_net = l->n_lanes++;
+    l->lane[l->lane_net] = (mf_lane_desc){.kind = MF_LANE_CPU, .name = "net", .concurrency = 1, .numa_node = -1};
+}
+
 void mf_sg_lanes_map(mf_sg_lanes *l, const int *card_of, int n)
 {
     for (int k = 0; k < n && l->lane_dev0 + 3 * k + 2 < l->n_lanes; k++)
@@ -744,7 +762,7 @@ void mf_stepgraph_phase_times(const mf_stepgraph *sg, const mf_task_span *spans,
         for (int t = 0; t < sg->n_tasks; t++) {
             const mf_sg_task *r = &sg->task[t];
             if (r->phase != q || spans[t].status != 0 || r->kind == MF_SG_K_IO || r->kind == MF_SG_K_COPY ||
-                r->kind == MF_SG_K_COPY_OUT)
+                r->kind == MF_SG_K_COPY_OUT || r->kind == MF_SG_K_NET)
                 continue;
             busy_ns[q] += spans[t].end_ns - spans[t].start_ns;
             scratch[m++] = spans[t];

@@ -111,6 +111,11 @@ typedef enum mf_sg_op {
     MF_SG_ATTN_KEYS,      /* items (the unit's, one sequence): the index keys of the entries the
                            * last item sees unpacked on the host (mf_ly_cache_get_keys), the items'
                            * visible counts */
+    /* a pipeline stage's boundaries (mf_sg_opts.layer_begin, layer_end; lane_net): */
+    MF_SG_NET_IN,         /* all items: their boundary (mf_sg_boundary_floats) received from the
+                           * stage before and unpacked into their streams, before the first layer */
+    MF_SG_NET_OUT,        /* all items: their boundary after the last layer packed and sent to the
+                           * stage after (in place of the final norm and head) */
     /* the cuBLASLt path (stepgraph_lt.c): before a layer's dense records that take it, on each card */
     MF_SG_DENSE_DEQ,      /* card `card` (h2d lane): sublayer `dense`'s FP8 weights of layer `layer` that
                            * the card holds (part `part` of a split by rows) dequantized into its
@@ -123,7 +128,8 @@ enum { MF_SG_PH_ATTN, MF_SG_PH_MOE, MF_SG_PH_ENGRAM, MF_SG_PH_HEAD, MF_SG_PH_OTH
 
 /* Accounting classes: what the phase table leaves out (IO, copies) and the overlap counters. */
 typedef enum mf_sg_kind {
-    MF_SG_K_OTHER, MF_SG_K_IO, MF_SG_K_EXPERT, MF_SG_K_COPY, MF_SG_K_DEV, MF_SG_K_COPY_OUT
+    MF_SG_K_OTHER, MF_SG_K_IO, MF_SG_K_EXPERT, MF_SG_K_COPY, MF_SG_K_DEV, MF_SG_K_COPY_OUT,
+    MF_SG_K_NET   /* a pipeline's boundary transfers (MF_SG_NET_*) */
 } mf_sg_kind;
 
 /* The attention's linear stages (graphs/layers/layers.h MF_LY_A_STAGE_* has the same order), and the
@@ -381,6 +387,13 @@ typedef struct mf_sg_opts {
      * none. */
     int n_sockets;
     const int *lane_sock;
+    /* A pipeline stage (graphs/pipe/pipe.h): only layers [layer_begin, layer_end) (both 0: every
+     * layer, the final norm and head after them). layer_begin > 0: every unit's first layer
+     * waits for a MF_SG_NET_IN task; layer_end < n_layers: a MF_SG_NET_OUT task after every unit's
+     * last layer instead of the head. Both on lane lane_net (mf_sg_lanes_net). Must be cuts
+     * (graphs/model/config.h mf_config_cut_ok). */
+    int layer_begin, layer_end;
+    int lane_net;
 } mf_sg_opts;
 
 typedef struct mf_stepgraph {
@@ -488,17 +501,19 @@ typedef struct mf_stepgraph {
  * lane (io_uring, depth 64); then per card c three lanes at lane_dev0 + 3c, "devC.h2d",
  * "devC.compute", "devC.d2h" (concurrency 4, models[1..3]: mf_step_lane_models). */
 #define MF_SG_MAX_SOCKETS MF_TOPO_MAX_SOCKETS
+#define MF_SG_MAX_LANES (2 + 3 * MF_SG_MAX_CARDS + MF_SG_MAX_SOCKETS)
 typedef struct mf_sg_lanes {
-    mf_lane_desc lane[2 + 3 * MF_SG_MAX_CARDS + MF_SG_MAX_SOCKETS - 1];
+    mf_lane_desc lane[MF_SG_MAX_LANES];
     char names[3 * MF_SG_MAX_CARDS + MF_SG_MAX_SOCKETS][16];
     int n_lanes, lane_io, lane_dev0;
+    int lane_net;             /* a pipeline stage's boundary lane (mf_sg_lanes_net), -1 */
     /* sockets (mf_sg_lanes_sockets; 1 by default): socket k's CPU lane lane_sock[k] (socket 0's
      * is lane 0, the others after the cards' lanes); per lane its socket (-1 not a CPU lane) and
      * the engine's number of its first worker (workers numbered across the CPU lanes) */
     int n_sockets;
     int lane_sock[MF_SG_MAX_SOCKETS];
-    int8_t sock_of_lane[2 + 3 * MF_SG_MAX_CARDS + MF_SG_MAX_SOCKETS - 1];
-    int cpu_base[2 + 3 * MF_SG_MAX_CARDS + MF_SG_MAX_SOCKETS - 1];
+    int8_t sock_of_lane[MF_SG_MAX_LANES];
+    int cpu_base[MF_SG_MAX_LANES];
 } mf_sg_lanes;
 
 void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threads, int store, int n_cards);
@@ -509,6 +524,16 @@ void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threa
  * other host tasks as mf_sg_opts.n_sockets says. n_sockets 1 leaves l as it is. 0 or -EINVAL. */
 int mf_sg_lanes_sockets(mf_sg_lanes *l, int n_sockets, const int *threads, const int *numa);
 
+/* A pipeline stage's boundary lane, after the others (l->lane_net): a CPU-kind lane of one
+ * thread, "net", that runs the MF_SG_NET_* tasks (their transfers wait there, beside the compute
+ * lanes' work). */
+void mf_sg_lanes_net(mf_sg_lanes *l);
+
+/* Floats of one item's boundary between two pipeline stages: its residual streams (hc_mult x
+ * hidden_size) and the mix carried to the next sublayer (hc_mult), in that order (what
+ * MF_SG_NET_* move; 4 x this many bytes). */
+int64_t mf_sg_boundary_floats(const mf_config *c);
+
 /* Card k's three lanes run on device card card_of[k] (k < n; default: k). */
 void mf_sg_lanes_map(mf_sg_lanes *l, const int *card_of, int n);
 
@@ -518,6 +543,9 @@ void mf_sg_lanes_map(mf_sg_lanes *l, const int *card_of, int n);
  * and the layers reading it share a card; the ranges minimize the largest range's layer count
  * (first such choice). With fewer candidate starts than cards, the last cards hold nothing. */
 int mf_sg_dense_card(const mf_config *c, int n_cards, int L);
+/* The same over a pipeline stage's layers [l0, l1) (mf_sg_opts.layer_begin/_end): ranges beginning at
+ * l0 or a KV source, L outside the range (-1: the head) on the range's last layer's card. */
+int mf_sg_dense_card_in(const mf_config *c, int n_cards, int l0, int l1, int L);
 
 /* Where the heads' scores and values run (mf_sg_opts.heads). */
 typedef enum mf_sg_heads_mode { MF_SG_HEADS_COST = 0, MF_SG_HEADS_CARDS, MF_SG_HEADS_HOST } mf_sg_heads_mode;
@@ -599,6 +627,9 @@ int mf_sg_dense_bf16(int dense, int out);
 /* The dense weight bytes card `card` of n_cards holds under `split` (codes + scales, bf16): what
  * its dense tasks' records read per step. */
 double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int card);
+/* The same for a pipeline stage of layers [l0, l1) (the head only when l1 is n_layers). */
+double mf_sg_dense_card_bytes_in(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int card, int l0,
+                                 int l1);
 
 /* Items whose logits a dense card's head computes at a time (graphs/step/step.h MF_STEP_HEAD_ROWS):
  * a decode batch of 64's (a larger batch takes passes: at flash41's vocabulary 64 rows are 33 MB
