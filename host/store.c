@@ -63,6 +63,7 @@ struct mf_cpu_arg { struct mf_store *s; int k; };
 struct mf_store {
     mf_store_opts o;
     int n_layers, n_experts, n_parts, n_items;
+    int layer0, table0;           /* the callers' numbers of the first layer and table (mf_store_layout) */
     const mf_st_tensor **parts;   /* [n_items * n_parts] */
     int n_shards;
     mf_dio_file *files;
@@ -377,6 +378,9 @@ void mf_store_io_fault(mf_store *s, int kind, int64_t nth)
 static int mf_store_load_resident(mf_store *s);
 static int mf_store_load_tables(mf_store *s);
 
+/* The item of expert id of layer (the callers' numbers: layer0 first). */
+static int mf_store_item(const mf_store *s, int layer, int id) { return (layer - s->layer0) * s->n_experts + id; }
+
 /* The options with their defaults, the layout's counts. */
 static void mf_store_init_opts(mf_store *s, const mf_store_layout *lay, const mf_store_opts *opts)
 {
@@ -392,6 +396,8 @@ static void mf_store_init_opts(mf_store *s, const mf_store_layout *lay, const mf
     s->n_parts = lay->n_parts;
     s->n_items = lay->n_layers * lay->n_experts;
     s->n_tables = lay->n_tables;
+    s->layer0 = lay->layer0;
+    s->table0 = lay->table0;
     s->zero_read = (mf_io_read){.fd = -1};
     s->max_greads = 2 * s->o.max_rows;
 }
@@ -617,9 +623,9 @@ static void mf_store_name_item(const mf_store *s, int item, const mf_xread *x, c
 
 int mf_store_begin(mf_store *s, int layer, const int32_t *ids, int n)
 {
-    if (layer < 0 || layer >= s->n_layers || n < 0 || n > s->o.max_batch)
-        return mf_error(-EINVAL, "expert store: layer %d, %d experts (layers 0..%d, at most %d per "
-                        "call)", layer, n, s->n_layers - 1, s->o.max_batch);
+    if (layer < s->layer0 || layer >= s->layer0 + s->n_layers || n < 0 || n > s->o.max_batch)
+        return mf_error(-EINVAL, "expert store: layer %d, %d experts (layers %d..%d, at most %d per "
+                        "call)", layer, n, s->layer0, s->layer0 + s->n_layers - 1, s->o.max_batch);
     for (int k = 0; k < n; k++) {
         if (ids[k] < 0 || ids[k] >= s->n_experts)
             return mf_error(-EINVAL, "expert store: expert %d out of 0..%d", ids[k], s->n_experts - 1);
@@ -633,7 +639,7 @@ int mf_store_begin(mf_store *s, int layer, const int32_t *ids, int n)
     s->b_seq++;
     /* every access counted first, then the hits pinned, so that no hit is evicted for a miss */
     for (int k = 0; k < n; k++) {
-        int item = layer * s->n_experts + ids[k], sl;
+        int item = mf_store_item(s, layer, ids[k]), sl;
         s->b_ids[k] = ids[k];
         s->b_nreads[k] = 0;
         mf_resid_touch(s->res, item);
@@ -642,11 +648,11 @@ int mf_store_begin(mf_store *s, int layer, const int32_t *ids, int n)
     }
     for (int k = 0; k < n; k++) {
         if (!s->b_miss[k]) continue;
-        int item = layer * s->n_experts + ids[k];
+        int item = mf_store_item(s, layer, ids[k]);
         int sl;   /* a free slot, else the policy's victim, evicted */
         if (mf_resid_lookup(s->res, item, &sl) != 0) {
             for (int j = 0; j < n; j++) {   /* undo: free the slots taken, unpin the hits */
-                int q = mf_resid_slot(s->res, layer * s->n_experts + ids[j]);
+                int q = mf_resid_slot(s->res, mf_store_item(s, layer, ids[j]));
                 if (!s->b_miss[j]) {
                     mf_resid_unpin(s->res, q);
                 } else if (j < k) {
@@ -683,7 +689,7 @@ mf_io_read *mf_store_reads(mf_store *s, int k, int *n)
 const uint8_t *mf_store_batch_part(const mf_store *s, int k, int part)
 {
     if (!s->b_active || k < 0 || k >= s->b_n || part < 0 || part >= s->n_parts) return NULL;
-    int item = s->b_layer * s->n_experts + s->b_ids[k], sl = mf_resid_slot(s->res, item);
+    int item = mf_store_item(s, s->b_layer, s->b_ids[k]), sl = mf_resid_slot(s->res, item);
     if (sl < 0) return NULL;
     return s->slab + (uint64_t)sl * s->slot_bytes + s->part_off[(size_t)item * s->n_parts + part];
 }
@@ -696,7 +702,7 @@ int mf_store_end(mf_store *s, int status)
     if (!s->b_active) return status;
     for (int k = 0; k < s->b_n; k++) {
         if (!s->b_miss[k]) continue;
-        int item = s->b_layer * s->n_experts + s->b_ids[k], sl = mf_resid_slot(s->res, item);
+        int item = mf_store_item(s, s->b_layer, s->b_ids[k]), sl = mf_resid_slot(s->res, item);
         if (status == 0) {
             s->slot_state[sl] = SLOT_PRESENT;
             for (int j = 0; j < s->b_nreads[k]; j++) {
@@ -711,7 +717,7 @@ int mf_store_end(mf_store *s, int status)
     for (int k = 0; k < s->b_n * s->n_parts; k++) s->reads[k] = s->zero_read;
     if (status) {   /* a failed call pins nothing */
         for (int k = 0; k < s->b_n; k++) {
-            int sl = mf_resid_slot(s->res, s->b_layer * s->n_experts + s->b_ids[k]);
+            int sl = mf_resid_slot(s->res, mf_store_item(s, s->b_layer, s->b_ids[k]));
             if (sl >= 0 && !s->b_miss[k]) mf_resid_unpin(s->res, sl);
         }
     }
@@ -780,7 +786,7 @@ static int mf_store_check_shards(mf_store *s)
     if (!s->b_active) return 0;
     uint64_t mark = s->b_seq;
     for (int k = 0; k < s->b_n; k++) {
-        int item = s->b_layer * s->n_experts + s->b_ids[k];
+        int item = mf_store_item(s, s->b_layer, s->b_ids[k]);
         for (int j = 0; j < s->b_nreads[k]; j++) {
             int sh = s->xr[(size_t)item * s->n_parts + j].shard;
             if (s->shard_seen[sh] == mark) continue;
@@ -806,7 +812,7 @@ static int mf_store_explain(mf_store *s, int rc)
     for (int k = 0; k < s->b_n; k++)
         for (int j = 0; j < s->b_nreads[k]; j++) {
             if (sp[s->g_io[k * s->n_parts + j]].status >= 0) continue;
-            int item = s->b_layer * s->n_experts + s->b_ids[k];
+            int item = mf_store_item(s, s->b_layer, s->b_ids[k]);
             const mf_xread *x = &s->xr[(size_t)item * s->n_parts + j];
             char names[512], why[MF_ERROR_MSG_BYTES] = "";
             mf_store_name_item(s, item, x, names, sizeof names);
@@ -856,18 +862,18 @@ int mf_store_ensure(mf_store *s, int layer, const int32_t *ids, int n, mf_store_
 void mf_store_unpin(mf_store *s, int layer, const int32_t *ids, int n)
 {
     for (int k = 0; k < n; k++) {
-        if (layer < 0 || layer >= s->n_layers || ids[k] < 0 || ids[k] >= s->n_experts) continue;
-        int sl = mf_resid_slot(s->res, layer * s->n_experts + ids[k]);
+        if (layer < s->layer0 || layer >= s->layer0 + s->n_layers || ids[k] < 0 || ids[k] >= s->n_experts) continue;
+        int sl = mf_resid_slot(s->res, mf_store_item(s, layer, ids[k]));
         if (sl >= 0) mf_resid_unpin(s->res, sl);
     }
 }
 
 const uint8_t *mf_store_part(const mf_store *s, int layer, int id, int part)
 {
-    if (layer < 0 || layer >= s->n_layers || id < 0 || id >= s->n_experts || part < 0 ||
+    if (layer < s->layer0 || layer >= s->layer0 + s->n_layers || id < 0 || id >= s->n_experts || part < 0 ||
         part >= s->n_parts)
         return NULL;
-    int item = layer * s->n_experts + id, sl = mf_resid_slot(s->res, item);
+    int item = mf_store_item(s, layer, id), sl = mf_resid_slot(s->res, item);
     /* inside fn, the experts of the batch are read (fn of k runs after k's reads) */
     if (sl < 0 || (s->slot_state[sl] != SLOT_PRESENT && !(s->in_fn && s->slot_state[sl] == SLOT_LOADING)))
         return NULL;
@@ -882,7 +888,7 @@ static int mf_store_load_resident(mf_store *s)
     int mb = s->o.max_batch < 256 ? s->o.max_batch : 256;
     /* in item order: the free slots are taken in ascending order, so slot i holds item i (the
      * sockets' shares were bound by that, mf_store_bind_sockets; checked below) */
-    for (int L = 0; L < s->n_layers; L++)
+    for (int L = s->layer0; L < s->layer0 + s->n_layers; L++)
         for (int e0 = 0; e0 < s->n_experts;) {
             int n = 0;
             for (; e0 < s->n_experts && n < mb; e0++) ids[n++] = e0;
@@ -1006,6 +1012,7 @@ int mf_store_gather_reads(mf_store *s, int table, const int64_t *rows, int n, vo
                           mf_io_read *reads, int max_reads, int *n_reads)
 {
     *n_reads = 0;
+    table -= s->table0;   /* the callers' number (mf_store_layout.table0) */
     if (table < 0 || table >= s->n_tables || n < 0)
         return mf_error(-EINVAL, "Engram gather: table %d of %d, %d rows", table, s->n_tables, n);
     mf_store_table *T = &s->tables[table];
@@ -1078,6 +1085,7 @@ void mf_store_gather_copy(const mf_store *s, const void *scratch, uint8_t *data,
 
 int mf_store_gather_check(mf_store *s, int table)
 {
+    table -= s->table0;   /* the callers' number (mf_store_layout.table0) */
     if (table < 0 || table >= s->n_tables) return 0;
     const mf_dio_file *fd = &s->files[s->tables[table].data->shard], *fs = &s->files[s->tables[table].scale->shard];
     int c = mf_dio_check(fd);
@@ -1087,6 +1095,7 @@ int mf_store_gather_check(mf_store *s, int table)
 
 int mf_store_gather(mf_store *s, int table, const int64_t *rows, int n, uint8_t *data, uint8_t *scale)
 {
+    table -= s->table0;   /* the callers' number (mf_store_layout.table0) */
     if (table < 0 || table >= s->n_tables || n < 0)
         return mf_error(-EINVAL, "Engram gather: table %d of %d, %d rows", table, s->n_tables, n);
     mf_store_table *T = &s->tables[table];

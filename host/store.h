@@ -76,6 +76,9 @@ typedef struct mf_store_layout {
     const mf_st_tensor *const *parts;    /* [n_layers][n_experts][n_parts] */
     int n_tables;
     const mf_st_tensor *const *tables;   /* [n_tables][2]: row codes [rows, ...], scales [rows, ...] */
+    /* the number the callers give the first layer and the first table (a pipeline stage's store
+     * holds layers [layer0, layer0 + n_layers) and tables [table0, table0 + n_tables)); 0: from 0 */
+    int layer0, table0;
 } mf_store_layout;
 
 typedef struct mf_store mf_store;

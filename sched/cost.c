@@ -169,3 +169,9 @@ double mf_cost_act_copy(const mf_cost_model *m, int dir, double bytes)
     double bps = dir ? p->d2h_bytes_per_s : p->h2d_bytes_per_s;
     return lat + (bps > 0 ? bytes / bps * 1e9 : 0);
 }
+
+double mf_cost_net(const mf_cost_model *m, double n_msgs, double bytes)
+{
+    const mf_profile *p = m->p;
+    return n_msgs * p->link_latency_ns + (p->link_bytes_per_s > 0 ? bytes / p->link_bytes_per_s * 1e9 : 0);
+}

@@ -28,6 +28,8 @@ typedef struct mf_work {
     double copy_bytes_tok;     /* host<->card per token */
     double io_bytes;           /* disk: the aligned extents, when read */
     int io_reads;              /* disk requests (each pays the disk's latency) */
+    double net_bytes;          /* a link between hosts: bytes received (a pipeline's boundary) */
+    int net_msgs;              /* its messages (each pays the link's latency) */
 } mf_work;
 
 /* What prices work on a machine: its profile and the cap on one host thread's weight-byte rate
@@ -113,6 +115,10 @@ double mf_cost_disk(const mf_cost_model *m, double bytes, int reads);
 
 /* Host-to-card (dir 0) or card-to-host (dir 1) copies: n_copies latencies + bytes / rate. */
 double mf_cost_copy(const mf_cost_model *m, int dir, double n_copies, double bytes);
+
+/* A link between hosts (the profile's link_*): n_msgs latencies + bytes / rate; 0 where the
+ * profile gives no link (one host). */
+double mf_cost_net(const mf_cost_model *m, double n_msgs, double bytes);
 
 /* One small copy of activations between a dense sublayer on a card and the host (dir as
  * mf_cost_copy): act_copy_latency (0 in the profile: the direction's latency) + bytes / rate. */

@@ -79,6 +79,10 @@ static const mf_pkey mf_pkeys[] = {
     {"card_ref_macs_per_s", MF_PK_DBL, KOFF(card, MF_KF_REF, macs_per_s), 1, 0, BIG, 1, 1, 0},
     {"card_ref_latency_ns", MF_PK_DBL, KOFF(card, MF_KF_REF, latency_ns), 0, 0, 1e12, 0, 0, 0},
     {"card_tc_macs_per_s", MF_PK_DBL, OFF(card_tc_macs_per_s), 1, 0, BIG, 0, 0, 1},
+    /* hosts and links (optional): a pipeline of hosts of this profile (graphs/pipe/pipe.h) */
+    {"host_mem_bytes", MF_PK_U64, OFF(host_mem_bytes), 1, 0, BIG, 0, 0, 1},
+    {"link_bytes_per_s", MF_PK_DBL, OFF(link_bytes_per_s), 1, 0, BIG, 0, 0, 1},
+    {"link_latency_ns", MF_PK_DBL, OFF(link_latency_ns), 0, 0, 1e12, 0, 0, 1},
 };
 #define MF_N_PKEYS ((int)(sizeof mf_pkeys / sizeof mf_pkeys[0]))
 
@@ -428,6 +432,7 @@ int mf_profile_write_header(const mf_profile *p, const char *path, const char *h
         {"n_sockets", "host: sockets, memory, executor, kernels per thread"},
         {"disk_bytes_per_s", "disk"},
         {"n_cards", "cards (per card)"},
+        {"host_mem_bytes", "hosts and links (a pipeline of hosts: moeflow sim --ranks)"},
     };
     for (int i = 0; i < MF_N_PKEYS; i++) {
         const mf_pkey *k = &mf_pkeys[i];

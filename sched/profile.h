@@ -63,6 +63,12 @@ typedef struct mf_profile {
      * (the cuBLASLt path of device/dev.h, MF_DEV_LIN_CUBLASLT). Optional in the file; 0: no tensor
      * cores, the cost model never prices that path. */
     double card_tc_macs_per_s;
+    /* hosts and links (optional keys; 0 where absent): a pipeline of hosts (graphs/pipe/pipe.h,
+     * `moeflow sim --ranks N`) of this profile each, joined by links of this rate (one direction,
+     * one pair of hosts) and latency per message; the memory one host gives the weights and
+     * sequence states */
+    uint64_t host_mem_bytes;
+    double link_bytes_per_s, link_latency_ns;
     /* every key read or set, in file order, with its value text and its source ("" if none) */
     int n_keys;
     struct {
@@ -75,7 +81,8 @@ typedef struct mf_profile {
 /* Reads a profile file. Format: one `key = value` per line, `# source: ...` after the value is
  * that figure's source, other `#` text is a comment; values take unit suffixes where the key ends
  * in _bytes or _per_s (K, M, G, T = 1000^k; Ki, Mi, Gi, Ti = 1024^k). Every key of the format
- * must be present exactly once, except the optional ones (card_tc_macs_per_s: 0 when absent); unknown keys, bad numbers and out-of-range values fail with
+ * must be present exactly once, except the optional ones (card_tc_macs_per_s, host_mem_bytes,
+ * link_bytes_per_s, link_latency_ns: 0 when absent); unknown keys, bad numbers and out-of-range values fail with
  * -EINVAL naming path:line and the key. */
 int mf_profile_load(const char *path, mf_profile *out);
 /* The same from text in memory; `what` names it in errors. */

@@ -469,7 +469,7 @@ static void test_refusals(void)
         int code;
         const char *needle;
     } bad[] = {
-        {{.config = &c, .profile = &f, .batch = 65}, -EINVAL, "batch 65"},
+        {{.config = &c, .profile = &f, .batch = MF_STEP_MAX_ITEMS + 1}, -EINVAL, "batch 513"},
         {{.config = &c, .profile = &f, .placement = 7}, -EINVAL, "placement 7"},
         {{.config = &c, .profile = &nocards, .placement = MF_STEP_PLACE_SEED}, -EINVAL, "needs cards"},
         {{.config = &c, .profile = &f, .read_window = -2}, -EINVAL, "read window -2"},

@@ -371,6 +371,7 @@ static int mf_bd_open(mf_bd *b)
     if (!rc && b->dense) rc = mf_dev_open(a->devices, &b->dev);
     if (!rc)
         rc = mf_step_new(b->r, &(mf_step_opts){.n_threads = (int)a->threads, .exact = a->exact,
+                                                .max_batch = a->batch > MF_STEP_DEFAULT_BATCH ? (int)a->batch : 0,
                                                 .prefill_chunk = (int)a->chunk, .dev = b->dev,
                                                 .dense = b->dense ? MF_STEP_DENSE_CARDS : MF_STEP_DENSE_HOST,
                                                 .dense_split = a->dense_split, .micro = (int)a->micro,

@@ -123,6 +123,7 @@ static int mf_bs_continuous(mf_ref *r, mf_step *e, mf_bs_req *q, int n, int conc
                             const mf_gram_vocab *gv, double frac)
 {
     mf_bs_ctx x = {.q = q, .n = n, .lat = lat, .g = g, .frac = frac};
+    if (!step_tokens) step_tokens = mf_batch_default_step_tokens(conc);
     int rc = mf_batch_new(&(mf_batch_opts){.ref = r, .eng = e, .max_batch = conc, .step_tokens = step_tokens,
                                            .prefill_split = split, .gram_vocab = gv,
                                            .max_context = ctx, .max_queue = n, .on_event = mf_bs_on_event,
@@ -237,7 +238,7 @@ static int mf_bs_range_opt(const mf_opt *o, const char *s, void *field)
 /* The command line of `moeflow bench serve`. */
 typedef struct mf_bs_cli {
     const char *dir, *concs;
-    long n, step_tokens, split, warmup;
+    long n, step_tokens, split, warmup, rounds;
     mf_bs_range prompt, output;
     unsigned long long seed;
     int json;
@@ -256,13 +257,16 @@ static const mf_opt mf_bs_table[] = {
      .help = "prompt lengths, drawn uniformly"},
     {"--output-tokens", .kind = MF_OPT_FN, .off = F(output), .def = "8-64", .meta = "MIN-MAX", .fn = mf_bs_range_opt,
      .help = "output lengths, drawn uniformly"},
-    {"--step-tokens", .kind = MF_OPT_LONG, .off = F(step_tokens), .def = "64", .meta = "N", .lo = 1, .hi = 1 << 24,
-     .help = "the batcher's items per step"},
+    {"--step-tokens", .kind = MF_OPT_LONG, .off = F(step_tokens), .meta = "N", .lo = 1, .hi = 1 << 24,
+     .help = "the batcher's items per step (default 2 x the concurrency,\nat least " MF_OPTS_STR(MF_BATCH_STEP_TOKENS)
+             ", at most " MF_OPTS_STR(MF_STEP_MAX_ITEMS) ")"},
     {"--prefill-split", .kind = MF_OPT_LONG, .off = F(split), .def = "2", .meta = "K", .lo = 1, .hi = MF_STEP_MAX_ITEMS,
      .help = "prefilling sequences sharing a step's budget"},
     {"--seed", .kind = MF_OPT_ULL, .off = F(seed), .def = "1", .meta = "S", .help = "seeds the lengths"},
     {"--warmup", .kind = MF_OPT_LONG, .off = F(warmup), .def = "1", .meta = "N", .lo = 0, .hi = 10,
      .help = "untimed passes of both modes before each\nconcurrency's timed one"},
+    {"--rounds", .kind = MF_OPT_LONG, .off = F(rounds), .def = "1", .meta = "N", .lo = 1, .hi = 20,
+     .help = "timed passes of each mode per concurrency, alternating\n(continuous, static, continuous, ...), each pair's ratio"},
     {"--constrained", .kind = MF_OPT_DOUBLE, .off = F(constrained), .def = "0", .meta = "F", .lo = 0, .hi = 1,
      .help = "this fraction of the requests constrained by a JSON Schema\n(arrays of objects with string,"
              " integer and boolean\nfields, long enough to last every request): the\nconstrained run is then"
@@ -280,7 +284,7 @@ static const mf_opts_spec mf_bs_spec = {
     .usage = "usage: moeflow bench serve --checkpoint DIR [--requests N] [--concurrency C,C,..]\n"
              "                           [--prompt-tokens MIN-MAX] [--output-tokens MIN-MAX]\n"
              "                           [--step-tokens N] [--prefill-split K] [--seed S] [--warmup N]\n"
-             "                           [--constrained F] [--json]\n"
+             "                           [--rounds N] [--constrained F] [--json]\n"
              MF_TOOL_ENGINE_USAGE
              "\n"
              "N requests with prompt and output lengths drawn uniformly from the ranges (seeded)\n"
@@ -292,10 +296,11 @@ static const mf_opts_spec mf_bs_spec = {
              "time to first token and inter-token latency (p50, p99, from the request's arrival),\n"
              "and continuous / static throughput. Each concurrency first runs both modes --warmup\n"
              "times untimed, so that the engine's graphs for the step sizes of the workload exist\n"
-             "(a size's graph is built on its first step).\n"
+             "(a size's graph is built on its first step), then --rounds timed pairs (continuous,\n"
+             "static), each with its ratio.\n"
              "Per mode it also says where the time went: engine forwards (steps), items a step,\n"
-             "forward wall time, step shapes built during the pass and their build time, the\n"
-             "workers' busy time (summed task durations), the process's CPU time (all threads;\n"
+             "forward wall time, step shapes built during the pass (and per 1,000 steps) and their\n"
+             "build time, the workers' busy time (summed task durations), the process's CPU time (all threads;\n"
              "less sensitive to other load than wall time), and the forwards that carried prefill\n"
              "items (static: the prefills) with their prefill items, the decode items beside them\n"
              "(continuous: the step's decode tokens) and their wall and CPU time.\n"
@@ -319,6 +324,7 @@ typedef struct mf_bs {
     int n;
     mf_bs_lat lat;
     int64_t total_out, ctx;
+    int max_items;   /* the engine's max_batch: every mode's step one graph */
 } mf_bs;
 
 /* The engine and the workload: request i's lengths from the seeded draws, its prompt tokens
@@ -329,7 +335,9 @@ static int mf_bs_open(mf_bs *b)
     b->n = (int)a->n;
     b->ctx = 2;
     if (!(b->q = calloc((size_t)b->n, sizeof *b->q))) return mf_error(-ENOMEM, "out of memory");
-    int rc = mf_tool_run_open("bench serve", &a->e, a->dir, NULL, (mf_ref_opts){0}, a->json, &b->x);
+    mf_tool_engine e = a->e;
+    e.max_items = b->max_items;
+    int rc = mf_tool_run_open("bench serve", &e, a->dir, NULL, (mf_ref_opts){0}, a->json, &b->x);
     if (rc) return rc;
     b->m = b->x.m;
     b->r = b->x.r;
@@ -397,23 +405,24 @@ static void mf_bs_print(mf_bs *b, int mode, int conc, int first, double tps, dou
     mf_bs_lat *l = &b->lat;
     double t50 = mf_bs_pct(l->ttft, l->n_ttft, 0.5), t99 = mf_bs_pct(l->ttft, l->n_ttft, 0.99);
     double i50 = mf_bs_pct(l->itl, l->n_itl, 0.5), i99 = mf_bs_pct(l->itl, l->n_itl, 0.99);
+    double k_builds = pr->steps ? 1000.0 * (double)pr->n_built / (double)pr->steps : 0;   /* per 1,000 forwards */
     if (b->a->json)
         printf("%s{\"mode\":\"%s\",\"concurrency\":%d,\"tokens_per_s\":%.3f,\"ttft_p50_s\":%.4f,"
                "\"ttft_p99_s\":%.4f,\"itl_p50_s\":%.4f,\"itl_p99_s\":%.4f,\"wall_s\":%.3f,\"steps\":%" PRId64 ",\"items\":%" PRId64
-               ",\"forward_s\":%.3f,\"shapes_built\":%" PRId64 ",\"build_s\":%.3f,\"busy_s\":%.3f,\"cpu_s\":%.3f,\"forward_cpu_s\":%.3f,"
+               ",\"forward_s\":%.3f,\"shapes_built\":%" PRId64 ",\"builds_per_1000_steps\":%.1f,\"build_s\":%.3f,\"busy_s\":%.3f,\"cpu_s\":%.3f,\"forward_cpu_s\":%.3f,"
                "\"prefill_forwards\":%" PRId64 ",\"prefill_items\":%" PRId64 ",\"prefill_forward_decode_items\":%" PRId64
                ",\"prefill_forward_s\":%.3f,\"prefill_forward_cpu_s\":%.3f}", first ? "" : ",",
                mf_bs_mode(b, mode), conc, tps, t50, t99, i50, i99, sec, pr->steps, pr->items,
-               pr->fwd_ns / 1e9, pr->n_built, pr->build_ns / 1e9, pr->busy_ns / 1e9, pr->cpu_s, pr->fwd_cpu_s,
+               pr->fwd_ns / 1e9, pr->n_built, k_builds, pr->build_ns / 1e9, pr->busy_ns / 1e9, pr->cpu_s, pr->fwd_cpu_s,
                pr->pf_steps, pr->pf_items, pr->pf_dec, pr->pf_ns / 1e9, pr->pf_cpu_s);
     else
         printf("%-11s %5d %9.2f %10.3f %10.3f %10.4f %10.4f %9.2f\n"
                "%-11s %5s steps %" PRId64 ", %.1f items a step, forwards %.2f s (of which %" PRId64
-               " shapes built in %.2f s), workers busy %.2f s, CPU %.2f s\n"
+               " shapes built in %.2f s: %.1f per 1,000 steps), workers busy %.2f s, CPU %.2f s\n"
                "%-11s %5s with prefill: %" PRId64 " forwards, %" PRId64 " prefill items beside %" PRId64
                " decode items, %.2f s (CPU %.2f s)\n", mf_bs_mode(b, mode), conc, tps, t50, t99, i50,
                i99, sec, "", "", pr->steps, pr->steps ? (double)pr->items / pr->steps : 0.0, pr->fwd_ns / 1e9,
-               pr->n_built, pr->build_ns / 1e9, pr->busy_ns / 1e9, pr->cpu_s, "", "", pr->pf_steps, pr->pf_items,
+               pr->n_built, pr->build_ns / 1e9, k_builds, pr->busy_ns / 1e9, pr->cpu_s, "", "", pr->pf_steps, pr->pf_items,
                pr->pf_dec, pr->pf_ns / 1e9, pr->pf_cpu_s);
     fflush(stdout);
 }
@@ -424,16 +433,19 @@ static void mf_bs_print(mf_bs *b, int mode, int conc, int first, double tps, dou
 static int mf_bs_run(mf_bs *b, const int *cl, int n_c)
 {
     const mf_bs_cli *a = b->a;
+    char budget[32];   /* the batcher's step budget: given, or 2 x the concurrency */
+    if (a->step_tokens) snprintf(budget, sizeof budget, "%ld", a->step_tokens);
+    else snprintf(budget, sizeof budget, "2 x concurrency");
     if (!a->json)
         printf("bench serve: %s, %d requests, prompts %d-%d tokens, outputs %d-%d (%" PRId64 " tokens), %ld threads, "
-               "step budget %ld, prefill split %ld\n%-11s %5s %9s %10s %10s %10s %10s %9s\n", a->dir, b->n, a->prompt.lo,
-               a->prompt.hi, a->output.lo, a->output.hi, b->total_out, a->e.threads, a->step_tokens, a->split, "mode",
+               "step budget %s, prefill split %ld\n%-11s %5s %9s %10s %10s %10s %10s %9s\n", a->dir, b->n, a->prompt.lo,
+               a->prompt.hi, a->output.lo, a->output.hi, b->total_out, a->e.threads, budget, a->split, "mode",
                "conc", "tokens/s", "ttft p50", "ttft p99", "itl p50", "itl p99", "wall s");
     else
         printf("{\"requests\":%d,\"results\":[", b->n);
     for (int k = 0; k < n_c; k++) {
         double tps[2], cpu[2] = {0, 0}, wall[2] = {0, 0};
-        for (int pass = 0; pass <= a->warmup; pass++)
+        for (int pass = 0; pass < a->warmup + a->rounds; pass++) {
             for (int mode = 0; mode < 2; mode++) {
                 double sec;
                 mf_bs_prof pr;
@@ -443,8 +455,10 @@ static int mf_bs_run(mf_bs *b, const int *cl, int n_c)
                 tps[mode] = b->total_out / sec;
                 wall[mode] += sec;
                 cpu[mode] += pr.cpu_s;
-                mf_bs_print(b, mode, cl[k], k + mode == 0, tps[mode], sec, &pr);
+                mf_bs_print(b, mode, cl[k], k + mode + pass - a->warmup == 0, tps[mode], sec, &pr);
             }
+            if (!a->json && !b->g && pass >= a->warmup) printf("%-11s %5d %8.2fx\n", "ratio", cl[k], tps[0] / tps[1]);
+        }
         /* --constrained: the timed pair again in the other order (A B B A), since on a loaded
          * machine the first of a pair ran slower whatever it was; the ratio of the sums */
         for (int mode = 1; b->g && mode >= 0; mode--) {
@@ -459,8 +473,6 @@ static int mf_bs_run(mf_bs *b, const int *cl, int n_c)
         if (!a->json && b->g)
             printf("%-11s %5d %8.2fx (A B B A: wall %.2f / %.2f s; CPU %.2f / %.2f s, %.3fx)\n", "ratio", cl[k],
                    wall[1] / wall[0], wall[0], wall[1], cpu[0], cpu[1], cpu[1] / cpu[0]);
-        else if (!a->json)
-            printf("%-11s %5d %8.2fx\n", "ratio", cl[k], tps[0] / tps[1]);
     }
     if (a->json) printf("]}\n");
     return 0;
@@ -504,6 +516,10 @@ int mf_bench_serve(int argc, char **argv)
         p++;
     }
     mf_bs b = {.a = &a};
+    for (int k = 0; k < n_c; k++) {   /* a continuous step: its decode tokens and prefill budget */
+        int items = mf_batch_step_items(cl[k], (int)a.step_tokens);
+        b.max_items = items > b.max_items ? items : b.max_items;
+    }
     rc = mf_bs_open(&b);
     if (!rc) rc = mf_bs_run(&b, cl, n_c);
     if (rc) fprintf(stderr, "moeflow bench serve: %s\n", mf_last_error()[0] ? mf_last_error() : "out of memory");

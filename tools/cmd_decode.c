@@ -45,19 +45,25 @@ static const mf_opt mf_dec_table[] = {
              "runs, B at a time (default: all, at most " MF_OPTS_STR(MF_STEP_MAX_ITEMS) "); with --prompt or\n"
              "--tokens, B copies of it"},
     {"--step-tokens", .kind = MF_OPT_LONG, .off = F(step_tokens), .meta = "N", .lo = 1, .hi = 65536,
-     .help = "items per step (default " MF_OPTS_STR(MF_BATCH_STEP_TOKENS) "; one sequence on the scheduled\n"
-             "engine: " MF_OPTS_STR(MF_STEP_PREFILL_CHUNK) ", its prompt in the engine's prefill chunks):\n"
-             "decode tokens first, then prefill\n"
-             "chunks; smaller N cuts long prompts into more steps; a step\n"
-             "of one sequence's prefill alone runs as one graph of up to\n"
-             MF_OPTS_STR(MF_STEP_MAX_CHUNK) " positions (long chunks), mixed steps in graphs of "
-             MF_OPTS_STR(MF_STEP_MAX_ITEMS)},
+     .help = "items per step (default 2 x B, at least " MF_OPTS_STR(MF_BATCH_STEP_TOKENS) ", at most "
+             MF_OPTS_STR(MF_STEP_MAX_ITEMS) ": the\n"
+             "decode tokens and as many prompt tokens; one sequence on the\n"
+             "scheduled engine: " MF_OPTS_STR(MF_STEP_PREFILL_CHUNK) ", its prompt in the engine's prefill chunks):\n"
+             "decode tokens first, then prefill chunks; smaller N cuts long\n"
+             "prompts into more steps; a step of one sequence's prefill alone\n"
+             "runs as one graph of up to " MF_OPTS_STR(MF_STEP_MAX_CHUNK) " positions (long chunks), steps\n"
+             "of several sequences in one graph of up to max(B, N) items (at\n"
+             "most " MF_OPTS_STR(MF_STEP_MAX_ITEMS) ")"},
     {"--output", .kind = MF_OPT_STR, .off = F(outfile), .meta = "FILE",
      .help = "one JSON object per prompt as it finishes, one write each (the\n"
              "scriptable channel): index (the line's index in FILE, from 0),\n"
              "line (its number, from 1), prompt, text (with a tokenizer), tokens,\n"
              "prompt_tokens, finish_reason (eos or length), queue_s,\n"
              "first_token_s, total_s; a refused line: index, line, prompt, error"},
+    {"--logits-out", .kind = MF_OPT_STR, .off = F(logits_out), .meta = "FILE",
+     .help = "every generated token's logits as they come: the sequence's index\n"
+             "and the token (int32), then vocab_size fp32 values (this\n"
+             "machine's byte order): to compare runs byte for byte"},
     MF_OPT_GROUP_ROW(mf_tool_engine_table, F(e)),
     {"--max-new-tokens", .kind = MF_OPT_LONG, .off = F(max_new), .def = "16", .meta = "N", .lo = 0, .hi = INT32_MAX,
      .help = "tokens to generate"},
@@ -103,6 +109,7 @@ static const mf_opt mf_dec_table[] = {
      .help = "with --spec: N candidates every round (1..dspark_block_size), or\n"
              "auto: per round and sequence the k the cost model (--profile's\n"
              "prices) says pays, 0 when none does"},
+    MF_TOOL_RANKS_ROWS(F(rk)),
     {"--quiet", "-q", MF_OPT_FLAG, F(quiet), .help = "no progress or timing on stderr"},
     {NULL},
 };
@@ -113,11 +120,12 @@ static const mf_opts_spec mf_dec_spec = {
     .usage =
         "usage: moeflow decode --checkpoint DIR (--prompt TEXT | --tokens IDS | --prompts FILE [--resume])\n"
         MF_TOOL_ENGINE_USAGE
-        "                      [--batch B] [--step-tokens N] [--output FILE.jsonl]\n"
+        "                      [--batch B] [--step-tokens N] [--output FILE.jsonl] [--logits-out FILE]\n"
         "                      [--max-new-tokens N] [--temperature T --top-p P --seed S]\n"
         "                      [--no-bos] [--ignore-eos] [--act-quant] [--quiet] [--trace FILE]\n"
         "                      [--chat [--chat-template FILE|builtin]] [--record-routing FILE]\n"
-        "                      [--spec dspark [--spec-tokens N|auto]]\n\n"
+        "                      [--spec dspark [--spec-tokens N|auto]]\n"
+        "                      [--ranks-layers auto|a:b,c:d [--ranks-micro M] [--ranks-timeout S]]\n\n"
         "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
         "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
         "one thread: the correctness oracle). Every prompt goes through the continuous batcher\n"
@@ -135,7 +143,8 @@ static const mf_opts_spec mf_dec_spec = {
 };
 
 /* The options that cannot go together (the engine group's: mf_tool_engine_check; decode's own:
- * a prompt, --act-quant, --trace). 0 or 2 (said on stderr). */
+ * a prompt, --act-quant, --trace, --ranks-layers without --record-routing). 0 or 2 (said on
+ * stderr). */
 static int mf_dec_check(mf_dec_cli *a, mf_dec *d)
 {
     int rc = mf_tool_engine_check("decode", &a->e);
@@ -155,6 +164,10 @@ static int mf_dec_check(mf_dec_cli *a, mf_dec *d)
     else if (!a->e.sched && a->trace && !a->e.store_mode) why = "--trace needs the scheduled engine or --store";
     else if (a->spec == MF_TOOL_SPEC_PERFECT) why = "--spec perfect is bench decode's (decode takes off or dspark)";
     else if (a->spec && a->record) why = "--spec and --record-routing: the trace would record rejected tokens too";
+    else if (a->rk.spec && a->record)
+        why = "--ranks-layers runs without --record-routing (each rank routes its own layers)";
+    else if (a->spec && a->rk.spec)
+        why = "--spec runs on one host (without --ranks-layers): the draft reads every layer's features";
     if (why) {
         fprintf(stderr, "moeflow decode: %s\n", why);
         return 2;
@@ -198,7 +211,9 @@ static int mf_dec_open(mf_dec *d)
         if (rc) return rc;
         ro.hooks = (mf_ref_hooks){.user = &d->rrec, .on_route = mf_dec_on_route};
     }
-    int rc = mf_tool_run_open("decode", &a->e, a->dir, d->tok, ro, a->quiet, &d->x);
+    mf_tool_engine e = a->e;   /* every step of the batcher one graph */
+    e.max_items = mf_batch_step_items(d->max_batch, (int)d->step_tokens);
+    int rc = mf_tool_run_open("decode", &e, a->dir, d->tok, ro, a->quiet, &d->x);
     if (rc) return rc;
     const mf_config *c = mf_model_config(d->x.m);
     int max_prompt = 0;
@@ -229,7 +244,7 @@ static int mf_dec_open(mf_dec *d)
                 max_prompt, a->max_new, d->total, c->max_position_embeddings);
         return 2;
     }
-    mf_tool_run_notes("decode", &a->e, &d->x, a->quiet);
+    if (!d->follower) mf_tool_run_notes("decode", &a->e, &d->x, a->quiet);
     return 0;
 }
 
@@ -238,10 +253,13 @@ static int mf_dec_submit(mf_dec *d)
 {
     const mf_dec_cli *a = d->a;
     d->dc = (mf_dec_ctx){.sq = d->sq, .tok = d->tok, .stream = d->n_seq == 1, .out = d->outf, .quiet = a->quiet,
-                         .with_line = a->prompts_file != NULL};
+                         .with_line = a->prompts_file != NULL, .lgout = d->lgf,
+                         .V = mf_model_config(d->x.m)->vocab_size};
+    mf_pipe *pipe = d->rk->pipe;   /* a pipeline: rank 0's forwards run every rank's layers */
     int rc = mf_tool_run_spec(&a->e, &d->x, a->spec_tokens, d->max_batch, d->total / 2 + 1);
     if (!rc)
         rc = mf_batch_new(&(mf_batch_opts){.ref = d->x.r, .eng = d->x.eng, .tok = d->tok, .max_batch = d->max_batch,
+                                           .forward = pipe ? mf_pipe_forward : NULL, .forward_ctx = pipe,
                                            .step_tokens = (int)d->step_tokens,
                                            .max_context = d->total > 1 ? d->total : 2, .max_queue = d->n_seq,
                                            .on_event = mf_dec_on_event, .user = &d->dc, .spec = d->x.spec}, &d->bat);
@@ -313,10 +331,12 @@ static void mf_dec_on_signal(int sig)
 
 /* With --prompts, from the first record written to the exit: SIGINT and SIGTERM are taken
  * (counted; the step loop acts on them), so the process never dies in mid-record or before its
- * summary. Before (loading the model), and with --prompt or --tokens, a signal ends it as before. */
+ * summary. Before (loading the model), and with --prompt or --tokens, a signal ends it as before;
+ * but on a pipeline's rank 0 (--ranks-layers) they are taken with any prompts, so that the other
+ * ranks are told to stop (tools/ranks.h). */
 static void mf_dec_catch(const mf_dec *d)
 {
-    if (!d->a->prompts_file) return;
+    if (!d->a->prompts_file && d->rk->size < 2) return;   /* a pipeline's rank 0 stops the others too */
     struct sigaction sa = {.sa_handler = mf_dec_on_signal, .sa_flags = SA_RESTART};
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, NULL);
@@ -324,19 +344,20 @@ static void mf_dec_catch(const mf_dec *d)
 }
 
 /* After a signal: the first cancels the prompts not generating yet (queued, or in their prefill);
- * the second the rest. `seen` is how many signals were acted on. */
+ * the second the rest (without --prompts, on a pipeline's rank 0: the first). `seen` is how many
+ * signals were acted on. */
 static void mf_dec_interrupt(mf_dec *d, int *seen)
 {
-    int n = mf_dec_n_sig;
+    int n = mf_dec_n_sig, all = n > 1 || !d->a->prompts_file;
     if (n <= *seen) return;
     d->sig = mf_dec_first_sig;
     for (int s = 0; s < d->n_seq; s++) {
         const mf_dec_seq *q = &d->sq[s];
-        if (q->state == MF_DEC_RUN && !q->done && (n > 1 || q->n_gen == 0)) mf_batch_cancel(d->bat, q->id);
+        if (q->state == MF_DEC_RUN && !q->done && (all || q->n_gen == 0)) mf_batch_cancel(d->bat, q->id);
     }
-    if (!d->a->quiet || n > 1)
+    if (!d->a->quiet || all)
         fprintf(stderr, "\nmoeflow decode: %s: %s\n", d->sig == SIGINT ? "SIGINT" : "SIGTERM",
-                n > 1 ? "cancelling the prompts still generating" :
+                all ? "cancelling the prompts still generating" :
                         "no new prompts start; the ones generating finish (signal again to cancel them)");
     *seen = n;
 }
@@ -513,19 +534,26 @@ int mf_cmd_decode(int argc, char **argv)
 {
     mf_dec_cli a = {0};
     mf_tool_engine_init(&a.e);
+    a.e.rk = &a.rk;   /* --ranks-layers: the opener loads this rank's layers and links the engine */
     int rc = mf_opts_parse(&mf_dec_spec, argc, argv, &a);
     if (rc != MF_OPTS_RUN) return rc;
     static mf_dec d;
-    d = (mf_dec){.a = &a, .outf = -1};
+    d = (mf_dec){.a = &a, .outf = -1, .rk = &a.rk};
     if ((rc = mf_dec_check(&a, &d))) return rc;
-    rc = mf_dec_prompts(&d);
+    rc = mf_tool_ranks_open(&a.rk, "decode", a.dir, a.e.profile_path, (int)a.e.threads, NULL, NULL);
+    d.follower = a.rk.rank > 0;   /* a pipeline's later rank runs its layers of rank 0's steps */
+    if (!rc) rc = mf_dec_prompts(&d);
     if (!rc) rc = mf_dec_open(&d);
-    if (!rc) mf_dec_catch(&d);
-    if (!rc) rc = mf_dec_submit(&d);
-    if (!rc) rc = mf_dec_run(&d);
-    if (!rc) rc = mf_dec_outputs(&d);
-    if (!rc && !d.sig) mf_dec_report(&d);
-    if (!rc) rc = mf_dec_summary(&d);
+    if (!rc && d.follower) rc = mf_tool_ranks_follow(&a.rk, "decode", a.quiet);
+    if (!rc && !d.follower) {
+        mf_dec_catch(&d);
+        rc = mf_dec_submit(&d);
+        if (!rc) rc = mf_dec_run(&d);
+        if (!rc) rc = mf_dec_outputs(&d);
+        if (!rc && !d.sig) mf_dec_report(&d);
+        if (!rc) rc = mf_dec_summary(&d);
+    }
+    rc = mf_tool_ranks_end(&a.rk, "decode", rc, a.quiet);   /* after a pipeline's failure: exits */
     if (rc < 0) fprintf(stderr, "moeflow decode: %s\n", mf_last_error()[0] ? mf_last_error() : "out of memory");
     mf_dec_close(&d);
     return rc < 0 ? 1 : rc;

@@ -20,13 +20,14 @@
 #include "sched/profile.h"
 #include "tools/commands.h"
 #include "tools/engine_opts.h"
+#include "tools/ranks.h"
 #include "tools/serve_req.h"
 
 /* The command line (mf_dec_table); the engine and model options are the group decode shares with
  * serve (tools/engine_opts.h). */
 typedef struct mf_dec_cli {
     const char *dir, *prompt, *ids, *prompts_file, *outfile, *chat_spec;
-    const char *trace, *record;
+    const char *trace, *record, *logits_out;
     int chat, no_bos, ignore_eos, act_quant, quiet, resume;
     long max_new, batch, step_tokens;   /* batch, step_tokens 0: not given */
     double temperature, top_p;
@@ -34,6 +35,7 @@ typedef struct mf_dec_cli {
     int spec;                      /* --spec: MF_TOOL_SPEC_OFF or _DSPARK */
     long spec_tokens;              /* --spec-tokens: N, 0 auto */
     mf_tool_engine e;
+    mf_tool_ranks rk;              /* --ranks-layers, --ranks-micro, --ranks-timeout (e.rk points here) */
 } mf_dec_cli;
 
 /* What becomes of a prompt of the run. */
@@ -63,6 +65,8 @@ typedef struct mf_dec_ctx {
     int stream;            /* one sequence: print tokens as they come */
     int out;               /* --output JSONL (a descriptor: one write per record), or -1 */
     int with_line;         /* --prompts: records carry the line number */
+    FILE *lgout;           /* --logits-out, or NULL */
+    int64_t V;             /* its rows' length (vocab_size) */
     int quiet, n_done, rc;
     int64_t t0, generated;
     char msg[MF_ERROR_MSG_BYTES];
@@ -82,6 +86,8 @@ typedef struct mf_route_rec_ctx {
 typedef struct mf_dec {
     const mf_dec_cli *a;
     int no_bos;                    /* resolved: no BOS id */
+    int follower;                  /* a pipeline's rank > 0: its layers for rank 0's steps, no prompts' outputs */
+    mf_tool_ranks *rk;             /* the cli's rk, opened (tools/ranks.h) */
     /* the prompts (cmd_decode_seqs.c) */
     mf_tok *tok;
     int have_tok, is_text;
@@ -94,6 +100,7 @@ typedef struct mf_dec {
     long step_tokens;
     mf_dec_seq *sq;
     int outf;                      /* --output, or -1 */
+    FILE *lgf;                     /* --logits-out, or NULL */
     int sig;                       /* the signal that interrupted the run (SIGINT, SIGTERM), or 0 */
     /* the model, engine (tools/engine_opts.h) and batcher */
     mf_tool_run x;

@@ -321,6 +321,12 @@ static int mf_dec_resume(mf_dec *d)
 int mf_dec_prompts(mf_dec *d)
 {
     const mf_dec_cli *a = d->a;
+    if (d->follower) {   /* a pipeline's later rank: the tokenizer for the Engram map; rank 0 has the prompts */
+        char tpath[4200];
+        snprintf(tpath, sizeof tpath, "%s/tokenizer.json", a->dir);
+        d->have_tok = access(tpath, R_OK) == 0;
+        return d->have_tok ? mf_tok_load(tpath, &d->tok) : 0;
+    }
     int rc = mf_dec_tokenizer(d);
     if (rc) return rc;
     if (a->resume && (!a->prompts_file || !a->outfile)) {
@@ -338,14 +344,15 @@ int mf_dec_prompts(mf_dec *d)
         d->n_seq = a->batch ? (int)a->batch : 1;
         d->is_text = a->prompt != NULL;
     }
+    d->max_batch = a->batch ? (int)a->batch : d->n_seq < MF_STEP_MAX_ITEMS ? d->n_seq : MF_STEP_MAX_ITEMS;
     /* one sequence on the scheduled engine: nothing waits behind its prefill, which runs in the
-     * engine's prefill chunks (fewer weight passes than graphs of 64: docs/decode.md) */
+     * engine's prefill chunks (fewer weight passes than graphs of 64: docs/decode.md); several: the
+     * batch's decode tokens and as many prompt tokens a step (mf_batch_default_step_tokens) */
     d->step_tokens = a->step_tokens ? a->step_tokens
-                   : d->n_seq == 1 && a->e.sched ? MF_STEP_PREFILL_CHUNK : MF_BATCH_STEP_TOKENS;
+                   : d->n_seq == 1 && a->e.sched ? MF_STEP_PREFILL_CHUNK : mf_batch_default_step_tokens(d->max_batch);
     if (!(d->sq = calloc((size_t)d->n_seq, sizeof *d->sq))) return mf_error(-ENOMEM, "out of memory");
     for (int i = 0; i < d->n_seq; i++)
         if ((rc = mf_dec_seq_ids(d, i))) return rc;
-    d->max_batch = a->batch ? (int)a->batch : d->n_seq < MF_STEP_MAX_ITEMS ? d->n_seq : MF_STEP_MAX_ITEMS;
     if (a->outfile && mf_path_make_parent(a->outfile)) {   /* missing folders are made, as mkdir -p */
         fprintf(stderr, "moeflow decode: --output: %s\n", mf_last_error());
         return 2;
@@ -354,6 +361,10 @@ int mf_dec_prompts(mf_dec *d)
     if (a->outfile && (d->outf = open(a->outfile, O_WRONLY | O_CREAT | O_CLOEXEC | (a->resume ? O_APPEND : O_TRUNC),
                                       0644)) < 0) {
         fprintf(stderr, "moeflow decode: --output %s: cannot open: %s\n", a->outfile, strerror(errno));
+        return 2;
+    }
+    if (a->logits_out && !(d->lgf = fopen(a->logits_out, "wb"))) {
+        fprintf(stderr, "moeflow decode: --logits-out %s: cannot open: %s\n", a->logits_out, strerror(errno));
         return 2;
     }
     if (a->resume && !a->quiet)
@@ -365,6 +376,7 @@ int mf_dec_prompts(mf_dec *d)
 void mf_dec_prompts_free(mf_dec *d)
 {
     if (d->outf >= 0) close(d->outf);
+    if (d->lgf) fclose(d->lgf);
     for (int s = 0; d->sq && s < d->n_seq; s++) {
         free(d->sq[s].pids);
         free(d->sq[s].gen);
@@ -504,6 +516,12 @@ void mf_dec_on_event(void *user, const mf_batch_event *ev)
     if (ev->kind == MF_BATCH_TOKEN) {
         q->gen[q->n_gen++] = ev->token;
         x->generated++;
+        int32_t head[2] = {q->index, ev->token};   /* --logits-out: the sequence, the token, its logits */
+        if (x->lgout && (fwrite(head, sizeof head, 1, x->lgout) != 1 ||
+                         fwrite(ev->logits, sizeof(float), (size_t)x->V, x->lgout) != (size_t)x->V) && !x->rc) {
+            x->rc = -EIO;
+            snprintf(x->msg, sizeof x->msg, "--logits-out: write failed");
+        }
         if (x->stream) mf_dec_emit_token(x->tok, ev->token, q->n_gen == 1);
         return;
     }

@@ -30,6 +30,7 @@
 #include "sched/error.h"
 #include "tools/commands.h"
 #include "tools/engine_opts.h"
+#include "tools/ranks.h"
 #include "tools/serve_door.h"
 #include "tools/serve_http.h"
 #include "tools/serve_req.h"
@@ -46,6 +47,7 @@ typedef struct mf_serve_cli {
     int spec;                  /* --spec: MF_TOOL_SPEC_OFF or _DSPARK */
     long spec_tokens;          /* 0: auto */
     mf_tool_engine e;
+    mf_tool_ranks rk;          /* --ranks-layers ...: rank 0 serves, the others run their layers (e.rk points here) */
 } mf_serve_cli;
 
 #define F(x) offsetof(mf_serve_cli, x)
@@ -58,8 +60,9 @@ static const mf_opt mf_serve_table[] = {
      .help = "TCP port (0: a free one, printed at start)"},
     {"--max-batch", .kind = MF_OPT_LONG, .off = F(max_batch), .def = "16", .meta = "N", .lo = 1, .hi = MF_STEP_MAX_ITEMS,
      .help = "running sequences, 1.." MF_OPTS_STR(MF_STEP_MAX_ITEMS)},
-    {"--step-tokens", .kind = MF_OPT_LONG, .off = F(step_tokens), .def = "64", .meta = "N", .lo = 1, .hi = 65536,
-     .help = "items per step: decode tokens, then prefill chunks"},
+    {"--step-tokens", .kind = MF_OPT_LONG, .off = F(step_tokens), .meta = "N", .lo = 1, .hi = 65536,
+     .help = "items per step: decode tokens, then prefill chunks (default 2 x\n"
+             "--max-batch, at least " MF_OPTS_STR(MF_BATCH_STEP_TOKENS) ", at most " MF_OPTS_STR(MF_STEP_MAX_ITEMS) ")"},
     {"--state-budget", .kind = MF_OPT_SIZE, .off = F(budget), .meta = "SIZE",
      .help = "bytes for all sequence states, e.g. 2G (default: max-batch states)"},
     {"--max-queue", .kind = MF_OPT_LONG, .off = F(max_queue), .def = "256", .meta = "N", .lo = 1, .hi = 1 << 20,
@@ -100,6 +103,7 @@ static const mf_opt mf_serve_table[] = {
     {"--spec-tokens", .kind = MF_OPT_FN, .off = F(spec_tokens), .def = "auto", .meta = "N|auto",
      .fn = mf_tool_spec_tokens_opt, .example = "auto",
      .help = "with --spec: N candidates every round, or auto (the cost model's\nk per round and sequence)"},
+    MF_TOOL_RANKS_ROWS(F(rk)),
     {"--quiet", "-q", MF_OPT_FLAG, F(quiet), .help = "no log lines on stderr"},
     MF_OPT_GROUP_ROW(mf_tool_engine_table, F(e)),
     {NULL},
@@ -115,6 +119,7 @@ static const mf_opts_spec mf_serve_spec = {
              "                     [--max-connections-per-addr N] [--api-key-file FILE]\n"
              "                     [--chat-template FILE|builtin|deepseek-v4] [--quiet]\n"
              "                     [--spec dspark [--spec-tokens N|auto]]\n"
+             "                     [--ranks-layers auto|a:b,c:d [--ranks-micro M] [--ranks-timeout S]]\n"
              MF_TOOL_ENGINE_USAGE "\n"
              "Serves an OpenAI-compatible HTTP API over the continuous batcher (docs/serve.md):\n"
              "POST /v1/completions, POST /v1/chat/completions (stream: true for server-sent events),\n"
@@ -156,11 +161,15 @@ static int mf_serve_open(mf_serve *s)
                 mf_last_error());
         return 2;
     }
-    if ((rc = mf_tool_run_open("serve", &a->e, a->dir, v->tok, (mf_ref_opts){0}, a->quiet, &s->x))) return rc;
-    mf_tool_run_notes("serve", &a->e, &s->x, a->quiet);
+    mf_tool_engine e = a->e;   /* every step of the batcher one graph */
+    e.max_items = mf_batch_step_items((int)a->max_batch, (int)a->step_tokens);
+    if ((rc = mf_tool_run_open("serve", &e, a->dir, v->tok, (mf_ref_opts){0}, a->quiet, &s->x))) return rc;
     v->c = mf_model_config(s->x.m);
     v->eng = s->x.eng;
-    if ((rc = mf_tool_run_spec(&a->e, &s->x, a->spec_tokens, (int)a->max_batch, 1024))) return rc;
+    if (a->rk.rank > 0) return 0;   /* a pipeline's later rank: its layers of rank 0's steps, no batcher or server */
+    mf_tool_run_notes("serve", &a->e, &s->x, a->quiet);
+    mf_pipe *pipe = a->rk.pipe;     /* a pipeline: rank 0's forwards run every rank's layers */
+    if ((rc = mf_tool_run_spec(&e, &s->x, a->spec_tokens, (int)a->max_batch, 1024))) return rc;
     v->spec = s->x.spec;
     int64_t model_ctx = v->c->max_position_embeddings;
     v->max_context = a->max_context ? a->max_context : model_ctx < 4096 ? model_ctx : 4096;
@@ -174,6 +183,7 @@ static int mf_serve_open(mf_serve *s)
         return rc;
     int echo_rows = a->step_tokens < MF_STEP_MAX_ITEMS ? (int)a->step_tokens : MF_STEP_MAX_ITEMS;
     if ((rc = mf_batch_new(&(mf_batch_opts){.ref = s->x.r, .eng = v->eng, .tok = v->tok, .max_batch = (int)a->max_batch,
+                                            .forward = pipe ? mf_pipe_forward : NULL, .forward_ctx = pipe,
                                             .step_tokens = (int)a->step_tokens, .max_context = v->max_context,
                                             .state_budget_bytes = a->budget, .max_queue = (int)a->max_queue,
                                             .echo_rows = echo_rows, .gram_vocab = v->gram_vocab,
@@ -369,13 +379,32 @@ static void mf_serve_nofile(const mf_serve_cli *a)
     }
 }
 
+/* A pipeline's later rank (or any rank whose opening failed, rc): its layers (model, forward,
+ * engine) for rank 0's steps until rank 0 stops, then the end (tools/ranks.h). */
+static int mf_serve_follower(mf_serve_cli *a, int rc)
+{
+    static mf_srv v;
+    static mf_serve s;
+    memset(&v, 0, sizeof v);
+    pthread_mutex_init(&v.mu, NULL);
+    s = (mf_serve){.a = a, .v = &v};
+    if (!rc) rc = mf_serve_open(&s);
+    if (!rc) rc = mf_tool_ranks_follow(&a->rk, "serve", a->quiet);
+    if (rc < 0 && !a->rk.mpi) fprintf(stderr, "moeflow serve: %s\n", mf_last_error());
+    mf_serve_close(&s);
+    rc = mf_tool_ranks_end(&a->rk, "serve", rc, a->quiet);
+    return rc < 0 ? 1 : rc;
+}
+
 int mf_cmd_serve(int argc, char **argv)
 {
     mf_serve_cli a = {0};
     mf_tool_engine_init(&a.e);
+    a.e.rk = &a.rk;   /* --ranks-layers: the opener loads this rank's layers and links the engine */
     int rc = mf_opts_parse(&mf_serve_spec, argc, argv, &a);
     if (rc != MF_OPTS_RUN) return rc;
     if (!a.dir) return mf_opts_refuse(&mf_serve_spec, "--checkpoint is required");
+    if (!a.step_tokens) a.step_tokens = mf_batch_default_step_tokens((int)a.max_batch);
     struct stat st;
     if (stat(a.dir, &st) || !S_ISDIR(st.st_mode)) {
         fprintf(stderr, "moeflow serve: --checkpoint %s: %s\n", a.dir,
@@ -387,7 +416,15 @@ int mf_cmd_serve(int argc, char **argv)
         fprintf(stderr, "moeflow serve: --spec perfect is bench decode's (serve takes off or dspark)\n");
         return 2;
     }
+    if (a.spec && a.rk.spec) {
+        fprintf(stderr, "moeflow serve: --spec runs on one host (without --ranks-layers): the draft reads every "
+                "layer's features\n");
+        return 2;
+    }
     a.e.draft = a.spec == MF_TOOL_SPEC_DSPARK;
+    if ((rc = mf_tool_ranks_open(&a.rk, "serve", a.dir, a.e.profile_path, (int)a.e.threads, NULL, NULL)) ||
+        a.rk.rank > 0)
+        return mf_serve_follower(&a, rc);
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)a.port)};
     if (inet_pton(AF_INET, !strcmp(a.host, "localhost") ? "127.0.0.1" : a.host, &sa.sin_addr) != 1) {
         fprintf(stderr, "moeflow serve: --host: expected an IPv4 address such as 127.0.0.1, found '%s'\n", a.host);
@@ -422,5 +459,6 @@ int mf_cmd_serve(int argc, char **argv)
     }
     if (rc < 0) fprintf(stderr, "moeflow serve: %s\n", mf_last_error()[0] ? mf_last_error() : "out of memory");
     mf_serve_close(&s);
+    rc = mf_tool_ranks_end(&a.rk, "serve", rc, a.quiet);   /* stops the other ranks; after a failure exits */
     return rc < 0 ? 1 : rc;
 }

@@ -12,7 +12,9 @@
 #include "device/dev.h"
 #include "graphs/model/config.h"
 #include "graphs/model/model.h"
+#include "graphs/pipe/pipe.h"
 #include "graphs/sim/plan.h"
+#include "graphs/sim/plan_ranks.h"
 #include "graphs/step/stepgraph.h"
 #include "graphs/ref/ref.h"
 #include "graphs/sim/routing.h"
@@ -31,7 +33,9 @@ typedef struct mf_sim_cli {
     long cards, threads, batch, steps, warmup, seed, context, read_window;
     long copy_slots, dev_task_ns, prompt_tokens, chunk, micro, prefetch_min;
     int json, ops, measure, store, tables, policy, dev_graphs, fill;
-    uint64_t store_budget, dev_cache;
+    uint64_t store_budget, dev_cache, host_mem;
+    long ranks, ranks_micro;   /* a pipeline over hosts (--ranks N) */
+    const char *ranks_layers;
     int spec;                 /* MF_TOOL_SPEC_* */
     long spec_tokens;         /* 0: auto */
     const char *accept;       /* --accept: acceptances, comma separated */
@@ -141,6 +145,21 @@ static const mf_opt mf_sim_table[] = {
     {"--accept", .kind = MF_OPT_STR, .off = F(accept), .def = "0.6,0.89", .meta = "A,...",
      .help = "with --spec: the acceptance of each candidate given the ones\n"
              "before it accepted (0..1), one result per value"},
+    {"--ranks", .kind = MF_OPT_LONG, .off = F(ranks), .meta = "N", .lo = 2, .hi = MF_PIPE_MAX_RANKS,
+     .help = "the model split by layers over N hosts of this profile joined by\n"
+             "its link (link_bytes_per_s, link_latency_ns; graphs/pipe/pipe.h):\n"
+             "each rank's stage simulated at each micro-batch's size, the link's\n"
+             "boundaries and logits priced, the step put together as the\n"
+             "pipeline runs it (docs/pipeline.md)"},
+    {"--ranks-layers", .kind = MF_OPT_STR, .off = F(ranks_layers), .def = "auto", .meta = "L",
+     .help = "with --ranks: auto (as moeflow decode --ranks-layers auto, on this\n"
+             "profile) or a:b,c:d,..."},
+    {"--ranks-micro", .kind = MF_OPT_LONG, .off = F(ranks_micro), .def = "0", .meta = "M", .lo = 0, .hi = 64,
+     .help = "with --ranks: micro-batches a step's batch is cut into (0: the ranks)"},
+    {"--host-mem", .kind = MF_OPT_SIZE, .off = F(host_mem), .meta = "SIZE",
+     .help = "with --ranks: memory a host gives the weights (default: 0.9 of the\n"
+             "profile's host_mem_bytes; none: no limit); a rank whose layers do not\n"
+             "fit streams its experts (and tables) through what is left"},
     {"--chunk", .kind = MF_OPT_LONG, .off = F(chunk), .meta = "T", .lo = 1, .hi = MF_STEP_MAX_CHUNK,
      .help = "with --prompt-tokens: positions per chunk (1.." MF_OPTS_STR(MF_STEP_MAX_CHUNK) ", default "
              MF_OPTS_STR(MF_STEP_PREFILL_CHUNK) ",\nthe engine's)"},
@@ -162,7 +181,8 @@ static const mf_opts_spec mf_sim_spec = {
         "                   [--micro-batches 1|2] [--prefetch-min N]\n"
         "                   [--trace FILE] [--json] [--ops]\n"
         "                   [--measure] [--prompt-tokens N [--chunk T]]\n"
-        "                   [--spec dspark [--spec-tokens N|auto] [--accept A,...]]\n\n"
+        "                   [--spec dspark [--spec-tokens N|auto] [--accept A,...]]\n"
+        "                   [--ranks N [--ranks-layers auto|a:b,c:d] [--ranks-micro M] [--host-mem SIZE]]\n\n"
         "Simulates decode steps of the scheduled engine (graphs/step/step.c's graph, docs/sim.md) on the\n"
         "hardware profile P: --warmup steps warm the caches, then --steps are reported: predicted\n"
         "time per token, the phase table, each lane's work and busy share, the bottleneck lane,\n"
@@ -217,9 +237,10 @@ static void mf_sim_json(const mf_plan_report *r, const char *routing, int placem
         printf("%s{\"name\":\"%s\",\"slots\":%d,\"work_s\":%.9g,\"busy\":%.6g}", l ? "," : "", r->lanes[l].name,
                r->lanes[l].slots, r->lanes[l].busy_ns / 1e9, r->lanes[l].share);
     printf("],\"bottleneck\":\"%s\",\"dev_slots\":%" PRId64 ",\"host_slots\":%" PRId64 ",\"dev_hits\":%" PRIu64
-           ",\"dev_misses\":%" PRIu64 ",\"store_hits\":%" PRIu64 ",\"store_misses\":%" PRIu64,
+           ",\"dev_misses\":%" PRIu64 ",\"store_hits\":%" PRIu64 ",\"store_misses\":%" PRIu64
+           ",\"host_bufs_bytes\":%.0f,\"card_bufs_bytes\":%.0f,\"card_weights_bytes\":%.0f",
            r->lanes[r->bottleneck].name, r->dev_slots, r->host_slots, r->dev_hits, r->dev_misses, r->store_hits,
-           r->store_misses);
+           r->store_misses, r->host_bufs, r->card_bufs, r->card_weights);
     mf_sim_json_ops(r);
     if (measured) {
         printf(",\"measured_token_s\":%.9g,\"ratio\":%.6g,\"measured_phases\":{", meas_ns / 1e9,
@@ -358,6 +379,42 @@ static int mf_sim_spec_run(const mf_sim_cli *a, const mf_plan_opts *po, mf_routi
     return 0;
 }
 
+/* --ranks: the split (auto on this profile, or the ranges) simulated as a pipeline of hosts. */
+static int mf_sim_ranks(mf_sim_cli *a, mf_plan_opts *po, mf_routing *rt)
+{
+    const mf_config *c = po->config;
+    const mf_profile *prof = po->profile;
+    mf_pipe_split sp;
+    double mem = a->host_mem ? (double)a->host_mem : 0.9 * (double)prof->host_mem_bytes;
+    int rc, n = (int)a->ranks;
+    if (strcmp(a->ranks_layers, "auto")) {
+        rc = mf_pipe_split_parse(c, a->ranks_layers, n, &sp);
+    } else {
+        double bytes[MF_CONFIG_MAX_LAYERS + 2], ns[MF_CONFIG_MAX_LAYERS + 2];
+        int thr = (int)(a->threads ? a->threads : prof->threads_per_socket) * prof->n_sockets;
+        rc = mf_pipe_layer_costs(c, prof, thr, bytes, ns);
+        if (!rc) rc = mf_pipe_split_auto(c, bytes, ns, n, mem, &sp);
+    }
+    mf_plan_ranks_report r;
+    if (!rc)
+        rc = mf_plan_ranks_run(&(mf_plan_ranks_opts){.host = po, .split = sp, .micro = (int)a->ranks_micro,
+                                                     .warmup = (int)a->warmup, .steps = (int)a->steps,
+                                                     .host_mem_bytes = mem}, &r);
+    if (rc) return rc;
+    if (a->json) {
+        mf_plan_ranks_json(&r, stdout);
+        return 0;
+    }
+    char s[256];
+    mf_pipe_split_str(&sp, s, sizeof s);
+    printf("sim: %s over %d hosts of profile %s (link %.3g Gb/s, %.0f us a message; %.0f GiB for weights each), "
+           "layers %s, placement %s, routing %s, %ld warm-up + %ld steps\n", a->dir ? a->dir : a->preset, n,
+           prof->name, prof->link_bytes_per_s * 8 / 1e9, prof->link_latency_ns / 1e3, mem / 1073741824.0, s,
+           mf_opt_word_name(mf_tool_placements, a->placement), mf_routing_describe(rt), a->warmup, a->steps);
+    mf_plan_ranks_print(&r, stdout);
+    return 0;
+}
+
 /* The options that cannot go together; 0 or 2 (said on stderr). */
 static int mf_sim_check(const mf_sim_cli *a)
 {
@@ -375,6 +432,14 @@ static int mf_sim_check(const mf_sim_cli *a)
     if (a->spec && (a->measure || a->prompt_tokens || a->spec == MF_TOOL_SPEC_PERFECT)) {
         fprintf(stderr, "moeflow sim: --spec dspark prices decode steps: not with --measure or --prompt-tokens "
                         "(and perfect is bench decode's)\n");
+        return 2;
+    }
+    if (a->ranks && a->spec) {
+        fprintf(stderr, "moeflow sim: --spec prices one host's engine (not with --ranks)\n");
+        return 2;
+    }
+    if (a->ranks && (a->measure || a->prompt_tokens || a->trace)) {
+        fprintf(stderr, "moeflow sim: --ranks simulates decode steps (not with --measure, --prompt-tokens, --trace)\n");
         return 2;
     }
     if (a->measure && !a->dir) {
@@ -408,6 +473,8 @@ static int mf_sim_run(mf_sim_cli *a)
     mf_step_times mt = {0};
     if (a->spec) {
         rc = mf_sim_spec_run(a, &po, rt);
+    } else if (a->ranks) {
+        rc = mf_sim_ranks(a, &po, rt);
     } else if (a->prompt_tokens) {
         rc = mf_sim_prefill(a, &po, &prof, rt);
     } else if (!(rc = mf_sim_steps(a, &po, &rep))) {

@@ -11,7 +11,9 @@
 #include <unistd.h>
 
 #include "graphs/model/config.h"
+#include "graphs/pipe/pipe.h"
 #include "graphs/sim/plan.h"
+#include "graphs/sim/plan_ranks.h"
 #include "graphs/sim/routing.h"
 #include "graphs/step/stepgraph.h"
 #include "sched/error.h"
@@ -84,7 +86,7 @@ static int mf_tune_list_opt(const mf_opt *o, const char *arg, void *field)
 /* The command line of `moeflow tune`. */
 typedef struct mf_tune_cli {
     const char *prof_path, *dir, *preset, *routing_spec;
-    long seed, context, steps, warmup, top;
+    long seed, context, steps, warmup, top, ranks;
     int json, real, latency, store, tables, fill;
     mf_tune_knob kn[K_N];
 } mf_tune_cli;
@@ -145,6 +147,12 @@ static const mf_opt mf_tune_table[] = {
     {"--top", .kind = MF_OPT_LONG, .off = F(top), .def = "15", .meta = "N", .lo = 0, .hi = 1L << 30,
      .help = "rows of the ranked table (0: all)"},
     {"--json", .kind = MF_OPT_FLAG, .off = F(json), .help = "one JSON object: every setting, ranked, and the best"},
+    {"--ranks", .kind = MF_OPT_LONG, .off = F(ranks), .meta = "N", .lo = 2, .hi = MF_PIPE_MAX_RANKS,
+     .help = "instead: the cut of the model over N hosts of this profile (as `moeflow\n"
+             "sim --ranks N`): every split at the model's cuts, with 1, N and 2N\n"
+             "micro-batches, per --batch value, ranked; the best proposed as\n"
+             "--ranks-layers and --ranks-micro (the other knobs: their first value,\n"
+             "or hybrid placement, dense work on cards split by rows with cards)"},
     {NULL},
 };
 #undef KNOB
@@ -161,7 +169,7 @@ static const mf_opts_spec mf_tune_spec = {
         "                    [--store resident|streamed]\n"
         "                    [--tables resident|streamed]\n"
         "                    [--routing R] [--seed S] [--context N] [--steps N] [--warmup N]\n"
-        "                    [--objective throughput|latency] [--top N] [--json]\n\n"
+        "                    [--objective throughput|latency] [--top N] [--json] [--ranks N]\n\n"
         "Tries every combination of the knobs' values (LIST: comma-separated, e.g. --batch 1,4,16)\n"
         "in the simulator (graphs/sim/plan.h, as `moeflow sim`) on the hardware profile P and prints them\n"
         "ranked, the best setting, and why: the lane that bounds it and how busy it is.\n"
@@ -495,6 +503,117 @@ static void mf_tune_best(const mf_tune_cli *a, const mf_tune_result *b)
     mf_tune_why(b, a->real, stdout);
 }
 
+/* One split and micro-batch count of --ranks, simulated. */
+typedef struct mf_tune_cut {
+    mf_pipe_split sp;
+    int micro, batch;
+    double tokens_per_s, step_ns;
+} mf_tune_cut;
+
+static int mf_tune_cut_cmp(const void *pa, const void *pb)
+{
+    const mf_tune_cut *x = pa, *y = pb;
+    if (x->batch != y->batch) return x->batch < y->batch ? -1 : 1;
+    return x->tokens_per_s > y->tokens_per_s ? -1 : x->tokens_per_s < y->tokens_per_s;
+}
+
+/* The knob's first given value, else v. */
+static int64_t mf_tune_first(const mf_tune_knob *k, int64_t v) { return k->given ? k->v[0] : v; }
+
+/* The splits of cfg into a->ranks ranges at cuts (pos[0..m) the cuts, 0 first) into cuts[]. */
+static int mf_tune_splits(const mf_config *cfg, int n, mf_pipe_split *out, int max)
+{
+    int pos[MF_CONFIG_MAX_LAYERS], m = 0, k = 0, idx[MF_PIPE_MAX_RANKS];
+    for (int L = 1; L < cfg->n_layers; L++)
+        if (mf_config_cut_ok(cfg, L)) pos[m++] = L;
+    if (n - 1 > m) return 0;
+    for (int i = 0; i < n - 1; i++) idx[i] = i;   /* combinations of n - 1 of the m cuts, ascending */
+    for (;;) {
+        if (k < max) {
+            out[k].n_ranks = n;
+            out[k].bound[0] = 0;
+            for (int i = 0; i < n - 1; i++) out[k].bound[i + 1] = pos[idx[i]];
+            out[k].bound[n] = cfg->n_layers;
+            k++;
+        }
+        int i = n - 2;
+        while (i >= 0 && idx[i] == m - (n - 1) + i) i--;
+        if (i < 0) return k;
+        idx[i]++;
+        for (int j = i + 1; j < n - 1; j++) idx[j] = idx[j - 1] + 1;
+    }
+}
+
+/* --ranks N: every split, with 1, N and 2N micro-batches, per batch, simulated as a pipeline;
+ * ranked per batch, the best proposed. */
+static int mf_tune_ranks(const mf_tune_cli *a, const mf_config *cfg, const mf_profile *prof)
+{
+    const mf_tune_knob *kn = a->kn;
+    int n = (int)a->ranks, cards = prof->n_cards > 0, n_sp;
+    static mf_pipe_split sp[4096];
+    if (!(n_sp = mf_tune_splits(cfg, n, sp, 4096)))
+        return mf_error(-EINVAL, "--ranks %d: the model has fewer cuts than ranks", n);
+    int n_b = kn[K_BATCH].given ? kn[K_BATCH].n : 3, nres = 0;
+    int64_t batches[MF_TUNE_MAX_VALS] = {1, 16, 64};
+    if (kn[K_BATCH].given) memcpy(batches, kn[K_BATCH].v, sizeof batches);
+    mf_tune_cut *res = malloc(sizeof *res * (size_t)n_sp * 3 * (size_t)n_b);
+    if (!res) return mf_error(-ENOMEM, "out of memory");
+    double mem = 0.9 * (double)prof->host_mem_bytes;
+    int rc = 0;
+    for (int b = 0; b < n_b && !rc; b++)
+        for (int i = 0; i < n_sp && !rc; i++) {
+            int micros[3] = {1, n, 2 * n};
+            for (int u = 0; u < 3 && !rc; u++) {
+                if ((u && micros[u] > batches[b]) || (u == 2 && micros[2] == micros[1])) continue;
+                mf_routing *rt = NULL;
+                rc = mf_routing_open(a->routing_spec, cfg->n_layers, cfg->n_routed_experts, cfg->n_experts_per_tok,
+                                     (uint64_t)a->seed, &rt);
+                mf_plan_opts po = {
+                    .config = cfg, .profile = prof, .batch = (int)batches[b], .context = a->context,
+                    .placement = (int)mf_tune_first(&kn[K_PLACE], cards ? MF_STEP_PLACE_HYBRID : MF_STEP_PLACE_HOST),
+                    .dense = (int)mf_tune_first(&kn[K_DENSE], cards ? MF_PLAN_DENSE_CARDS : MF_PLAN_DENSE_HOST),
+                    .dense_split = (int)mf_tune_first(&kn[K_SPLIT], MF_SG_SPLIT_ROWS),
+                    .threads_per_socket = (int)mf_tune_first(&kn[K_THREADS], prof->threads_per_socket),
+                    .read_window = (int)mf_tune_first(&kn[K_WINDOW], 2), .copy_slots = (int)mf_tune_first(&kn[K_COPY], 1),
+                    .dev_cache_bytes = (uint64_t)mf_tune_first(&kn[K_CACHE], 0), .dev_cache_fill = a->fill,
+                    .store = a->store, .tables = a->tables, .store_budget_bytes = (uint64_t)mf_tune_first(&kn[K_BUDGET], 0),
+                    .routing = rt, .seed = (uint64_t)a->seed};
+                mf_plan_ranks_report r;
+                if (!rc)
+                    rc = mf_plan_ranks_run(&(mf_plan_ranks_opts){.host = &po, .split = sp[i], .micro = micros[u],
+                                                                 .warmup = (int)a->warmup, .steps = (int)a->steps,
+                                                                 .host_mem_bytes = mem}, &r);
+                mf_routing_free(rt);
+                if (!rc) res[nres++] = (mf_tune_cut){sp[i], r.micro, r.batch, r.tokens_per_s, r.step_ns};
+            }
+            if (isatty(2)) fprintf(stderr, "\rtune: batch %" PRId64 ": %d of %d splits tried", batches[b], i + 1, n_sp);
+        }
+    if (isatty(2)) fprintf(stderr, "\n");
+    if (!rc) {
+        qsort(res, (size_t)nres, sizeof *res, mf_tune_cut_cmp);
+        printf("tune: the model over %d hosts of profile %s (link %.3g Gb/s, %.0f us a message), every split at "
+               "its cuts:\n%-6s %-28s %6s %12s %12s\n", n, prof->name, prof->link_bytes_per_s * 8 / 1e9,
+               prof->link_latency_ns / 1e3, "batch", "layers", "micro", "tokens/s", "step ms");
+        for (int i = 0, shown = 0; i < nres; i++) {
+            shown = i && res[i].batch == res[i - 1].batch ? shown + 1 : 0;
+            if (a->top && shown >= a->top) continue;
+            char str[256];
+            mf_pipe_split_str(&res[i].sp, str, sizeof str);
+            printf("%-6d %-28s %6d %12.2f %12.3f\n", res[i].batch, str, res[i].micro, res[i].tokens_per_s,
+                   res[i].step_ns / 1e6);
+        }
+        for (int i = 0; i < nres; i++)
+            if (!i || res[i].batch != res[i - 1].batch) {
+                char str[256];
+                mf_pipe_split_str(&res[i].sp, str, sizeof str);
+                printf("best at batch %d: --ranks-layers %s --ranks-micro %d (%.2f tokens/s)\n", res[i].batch, str,
+                       res[i].micro, res[i].tokens_per_s);
+            }
+    }
+    free(res);
+    return rc;
+}
+
 int mf_cmd_tune(int argc, char **argv)
 {
     static mf_tune_cli a;
@@ -507,6 +626,11 @@ int mf_cmd_tune(int argc, char **argv)
     mf_tune_result *res = NULL;
     int n_res = 0;
     rc = mf_tool_plan_inputs(a.prof_path, a.dir, a.preset, &prof, &cfg);
+    if (!rc && a.ranks) {   /* the cut over hosts */
+        rc = mf_tune_ranks(&a, &cfg, &prof);
+        if (rc) fprintf(stderr, "moeflow tune: %s\n", mf_last_error()[0] ? mf_last_error() : "failed");
+        return rc ? 1 : 0;
+    }
     if (!rc) rc = mf_tune_defaults(&a, &prof);
     if (!rc) rc = mf_tune_combos(a.kn, &res, &n_res);
     if (!rc) rc = mf_tune_run(&a, &cfg, &prof, res, n_res);

@@ -161,6 +161,7 @@ int mf_tool_engine_check(const char *cmd, mf_tool_engine *e)
     else if (e->profile_path && !e->sched) why = "--profile applies to the scheduled engine";
     else if (e->dense == MF_PLAN_DENSE_CARDS && !e->devices) why = "--dense cards needs --devices";
     else if (!e->sched && e->exact) why = "--exact applies to the scheduled engine (the reference is exact)";
+    else if (e->rk && e->rk->spec && !e->sched) why = "--ranks-layers runs the scheduled engine";
     if (why) {
         fprintf(stderr, "moeflow %s: %s\n", cmd, why);
         return 2;
@@ -208,6 +209,7 @@ static int mf_tool_run_model(const char *cmd, const mf_tool_engine *e, const cha
                         .store_budget_bytes = e->store_budget, .store_io_depth = (int)e->io_depth,
                         .store_io_pread = mf_tool_io_env.force_pread, .n_sockets = e->sched ? e->sk.n : 1,
                         .load_draft = e->draft};
+    if (e->rk) mf_tool_ranks_layers(e->rk, &mo.layer_begin, &mo.layer_end);   /* a pipeline's rank: its layers */
     memcpy(mo.socket_node, e->sk.node, sizeof mo.socket_node);
     if (!e->sched) {   /* the reference engine reads through the store's own run */
         mo.store_io_fault_kind = mf_tool_io_env.fault_kind;
@@ -260,11 +262,14 @@ int mf_tool_run_open(const char *cmd, const mf_tool_engine *e, const char *dir, 
     if (e->devices && (e->place != MF_STEP_PLACE_HOST || e->dense_cards) && (rc = mf_dev_open(e->devices, &x->dev)))
         return rc;
     if (!e->sched) return 0;
+    if (e->rk && (rc = mf_tool_ranks_pipe(e->rk, c))) return rc;   /* a pipeline's rank: the pipe */
+    mf_pipe *pipe = e->rk ? e->rk->pipe : NULL;   /* its link to the engine, attached after */
     uint32_t *counts = NULL;
     if (x->dev && e->place != MF_STEP_PLACE_HOST && !strncmp(e->fill_spec, "trace:", 6) &&
         (rc = mf_tool_fill_counts(e, c, &counts)))
         return rc;
-    rc = mf_step_new(x->r, &(mf_step_opts){.n_threads = (int)e->threads, .exact = e->exact, .n_sockets = e->sk.n,
+    rc = mf_step_new(x->r, &(mf_step_opts){.n_threads = (int)e->threads, .exact = e->exact, .max_batch = e->max_items,
+                                           .n_sockets = e->sk.n,
                                            .topology = e->sk.topology, .pin_threads = e->sk.n > 1,
                                            .read_window = (int)e->read_window, .dev = x->dev, .placement = e->place,
                                            .dev_cache_bytes = e->dev_cache,
@@ -275,7 +280,9 @@ int mf_tool_run_open(const char *cmd, const mf_tool_engine *e, const char *dir, 
                                            .lt = e->lt, .profile = x->have_prof ? &x->prof : NULL, .io_depth = (int)e->io_depth,
                                            .io_force_pread = mf_tool_io_env.force_pread,
                                            .io_fault_kind = mf_tool_io_env.fault_kind,
-                                           .io_fault_nth = mf_tool_io_env.fault_nth, .draft = e->draft}, &x->eng);
+                                           .io_fault_nth = mf_tool_io_env.fault_nth, .draft = e->draft,
+                                           .link = pipe ? mf_pipe_step_link(pipe) : (mf_step_link){0}}, &x->eng);
+    if (!rc && pipe) mf_pipe_attach(pipe, x->r, x->eng);
     free(counts);
     return rc;
 }

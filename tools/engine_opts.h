@@ -20,6 +20,7 @@
 #include "host/tokenizer.h"
 #include "sched/profile.h"
 #include "tools/commands.h"
+#include "tools/ranks.h"
 
 /* The options (mf_tool_engine_table), then what mf_tool_engine_check resolves. */
 typedef struct mf_tool_engine {
@@ -38,9 +39,17 @@ typedef struct mf_tool_engine {
     uint64_t dev_cache;
     int draft;                     /* not an option: the command's --spec dspark (the checkpoint's DSpark
                                     * draft loaded, mf_model_opts.load_draft; the engine made with it) */
+    /* A pipeline over several hosts (tools/ranks.h), or NULL: one host. Not the group's rows (bench
+     * serve runs on one host): decode and serve point it at their MF_TOOL_RANKS_ROWS' options and
+     * open it (mf_tool_ranks_open) before mf_tool_run_open, which then loads this rank's layers only
+     * and gives the engine the pipe's link. */
+    mf_tool_ranks *rk;
     /* resolved by mf_tool_engine_check */
     int place, dense_cards;        /* MF_STEP_PLACE_*; the dense work on the cards */
     const char *placement_word;    /* the placement's word for reports, or NULL */
+    /* set by the command before mf_tool_run_open */
+    int max_items;                 /* the engine's largest step (mf_step_opts.max_batch; 0: its default),
+                                    * so that every step of the command's batcher is one graph */
 } mf_tool_engine;
 
 extern const mf_opt mf_tool_engine_table[];
@@ -61,7 +70,8 @@ extern const mf_opt mf_tool_engine_table[];
  * given, --dev-graphs from MOEFLOW_DEV_GRAPHS=1. Call before mf_opts_parse. */
 void mf_tool_engine_init(mf_tool_engine *e);
 
-/* The options that cannot go together, and what they leave to decide: the sockets (auto: every
+/* The options that cannot go together (--ranks-layers needs the scheduled engine), and what they
+ * leave to decide: the sockets (auto: every
  * socket hwloc finds, at most one per worker), the placement and whether the dense work runs on
  * the cards. 0, or 2 with the reason on stderr ("moeflow <cmd>: ..."). */
 int mf_tool_engine_check(const char *cmd, mf_tool_engine *e);
@@ -85,7 +95,9 @@ typedef struct mf_tool_run {
  * they exceed the memory, and the store's line), the Engram token map of tok (when given and the
  * model has Engram layers), the reference forward (ro: the command's act_quant and hooks; the token
  * map is set here), the cards and, scheduled, the engine (with mf_tool_io_env's IO settings; a
- * card cache fill from a routing trace's counts). Nothing on stderr but errors when quiet.
+ * card cache fill from a routing trace's counts). With e->rk opened for several ranks: this rank's
+ * layers only, the pipe (e->rk->pipe) made before the engine, its link given to the engine and the
+ * pipe attached to the forward and engine after. Nothing on stderr but errors when quiet.
  * 0, a negative code (mf_last_error) or a positive exit code said on stderr. */
 int mf_tool_run_open(const char *cmd, const mf_tool_engine *e, const char *dir, const mf_tok *tok,
                      mf_ref_opts ro, int quiet, mf_tool_run *x);

@@ -3,7 +3,9 @@
 # Skips apt entirely when everything is already present.
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config liburing-dev libhwloc-dev libjansson-dev
-      libutf8proc-dev libpcre2-dev libmicrohttpd-dev clang libclang-rt-14-dev python3-venv)
+      libutf8proc-dev libpcre2-dev libmicrohttpd-dev clang libclang-rt-14-dev python3-venv
+      openmpi-bin libopenmpi-dev   # Open MPI: the pipeline over several hosts (--ranks-layers)
+      iproute2)                    # ip and tc: tests/py/check_mpi.py's two namespaces as two hosts
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -142,6 +142,7 @@ int mf_tool_measure(const char *dir, const mf_plan_opts *po, int n_cards, int th
         if ((rc = mf_dev_open(spec, &dev))) goto out;
     }
     rc = mf_step_new(r, &(mf_step_opts){.n_threads = threads, .read_window = po->read_window, .dev = dev,
+                                        .max_batch = batch > MF_STEP_DEFAULT_BATCH ? batch : 0,
                                         .placement = po->placement, .dev_cache_bytes = po->dev_cache_bytes,
                                         .dev_cache_fill = po->dev_cache_fill,
                                         .dev_graphs = po->dev_graphs, .cpu_bytes_per_s = po->cpu_bytes_per_s,

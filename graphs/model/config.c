@@ -1040,6 +1040,14 @@ int mf_config_is_index_source(const mf_config *c, int layer)
     return mf_in_list(c->index_source_layer_ids, c->n_index_source, layer);
 }
 
+int mf_config_cut_ok(const mf_config *c, int layer)
+{
+    if (layer < 0 || layer > c->n_layers) return 0;
+    for (int L = layer; L < c->n_layers; L++)   /* the first compressed layer reads the latest source */
+        if (c->compress_ratios[L]) return mf_config_is_kv_source(c, L);
+    return 1;
+}
+
 int mf_config_engram_slot(const mf_config *c, int layer)
 {
     for (int i = 0; i < c->n_engram; i++)

@@ -160,6 +160,11 @@ const char *mf_scoring_name(mf_scoring s);
 int mf_config_is_kv_source(const mf_config *c, int layer);
 int mf_config_is_index_source(const mf_config *c, int layer);
 int mf_config_engram_slot(const mf_config *c, int layer);   /* index into engram_*, or -1 */
+/* 1 when a run of layers may begin at `layer` (a pipeline's cut, graphs/pipe/pipe.h): no layer at
+ * or after it reads the compressed KV, index keys or candidate blocks of a KV source before it,
+ * i.e. the first compressed layer from `layer` on is a KV source (or there is none). Layer 0
+ * always; layer n_layers (the end) too; 0 for other values. */
+int mf_config_cut_ok(const mf_config *c, int layer);
 
 /* Routed experts and top-k of layer L: the backbone's for L < n_layers, the draft's
  * (dspark_n_routed_experts, dspark_num_experts_per_tok) for the draft stages n_layers + s. */

@@ -29,6 +29,7 @@ struct mf_model {
     const mf_st_tensor **st_of;/* per layout tensor */
     int lazy;
     int draft;                 /* the draft's stages were loaded (mf_model_opts.load_draft) */
+    int l0, l1;                /* the layers loaded (mf_model_opts.layer_begin, layer_end) */
     mf_model_layer *layers;    /* n_layers, then the draft's stages when loaded */
     mf_weight *experts;        /* n_layers * n_routed * 3, then the draft's n_mtp * its experts * 3 */
     mf_weight embed, norm, head;
@@ -66,10 +67,13 @@ static int mf_shape_str(char *buf, size_t n, int nd, const int64_t *s)
     return k;
 }
 
-/* Whether the load reads tensor t: the draft's only when asked for. */
+/* Whether the load reads tensor t: the draft's only when asked for; a pipeline stage's layers
+ * only, the embedding with its first layer 0, the final norm and head with the last layers. */
 static int mf_model_wants(const mf_model *m, const mf_layout_tensor *t)
 {
-    return t->group != MF_GROUP_MTP || m->draft;
+    if (t->group == MF_GROUP_MTP) return m->draft;
+    if (t->layer >= 0) return t->layer >= m->l0 && t->layer < m->l1;
+    return !strcmp(t->name, "embed.weight") ? m->l0 == 0 : m->l1 == m->cfg.n_layers;
 }
 
 /* Checks every layout tensor the load reads against the checkpoint; names up to 4 problems. */
@@ -367,27 +371,29 @@ int mf_model_n_bound(const mf_model *m) { return m->n_bound; }
 static int mf_model_store_open(mf_model *m, const mf_model_opts *o)
 {
     const mf_config *c = &m->cfg;
-    size_t n = (size_t)c->n_layers * c->n_routed_experts * 6;
+    size_t n = (size_t)(m->l1 - m->l0) * c->n_routed_experts * 6;   /* the layers loaded (a stage's) */
     const mf_st_tensor **parts = malloc((n + 1) * sizeof *parts);
     const mf_st_tensor *tables[2 * MF_CONFIG_MAX_ENGRAM];
     if (!parts) return mf_error(-ENOMEM, "model: out of memory");
-    for (int L = 0; L < c->n_layers; L++)
+    for (int L = m->l0; L < m->l1; L++)
         for (int e = 0; e < c->n_routed_experts; e++)
             for (int k = 0; k < 3; k++) {
                 const mf_weight *w = &m->layers[L].experts[e * 3 + k];
-                size_t i = ((size_t)L * c->n_routed_experts + e) * 6 + 2 * k;
+                size_t i = ((size_t)(L - m->l0) * c->n_routed_experts + e) * 6 + 2 * k;
                 parts[i] = w->st_data;
                 parts[i + 1] = w->st_scale;
             }
-    int nt = 0;
-    for (int L = 0; L < c->n_layers; L++)
+    int nt = 0, t0 = -1;
+    for (int L = m->l0; L < m->l1; L++)
         if (mf_config_engram_slot(c, L) >= 0) {
+            if (t0 < 0) t0 = mf_config_engram_slot(c, L);
             tables[2 * nt] = m->layers[L].eg_table.st_data;
             tables[2 * nt + 1] = m->layers[L].eg_table.st_scale;
             nt++;
         }
-    mf_store_layout lay = {.n_layers = c->n_layers, .n_experts = c->n_routed_experts, .n_parts = 6,
-                           .parts = parts, .n_tables = nt, .tables = tables};
+    mf_store_layout lay = {.n_layers = m->l1 - m->l0, .n_experts = c->n_routed_experts, .n_parts = 6,
+                           .parts = parts, .n_tables = nt, .tables = tables, .layer0 = m->l0,
+                           .table0 = t0 > 0 ? t0 : 0};
     int mode = o->store == MF_MODEL_STORE_STREAMED ? MF_STORE_STREAMED : MF_STORE_RESIDENT;
     int tmode = o->store_tables ? (o->store_tables == MF_MODEL_STORE_STREAMED ? MF_STORE_STREAMED
                                                                               : MF_STORE_RESIDENT)
@@ -404,6 +410,25 @@ static int mf_model_store_open(mf_model *m, const mf_model_opts *o)
     int rc = mf_store_create(m->st, &lay, &so, &m->store);
     free(parts);
     return rc ? mf_error_wrap(rc, "model %s", m->dir) : 0;
+}
+
+/* The layers to load (mf_model_opts.layer_begin, layer_end) checked against the config at path. */
+static int mf_model_range(mf_model *m, const mf_model_opts *o, const char *path)
+{
+    int nl = m->cfg.n_layers;
+    m->l0 = o->layer_begin;
+    m->l1 = o->layer_begin || o->layer_end ? o->layer_end : nl;
+    if (m->l0 < 0 || m->l0 >= m->l1 || m->l1 > nl)
+        return mf_error(-EINVAL, "%s: layers [%d, %d) asked for (expected a range within [0, %d))", path, m->l0, m->l1,
+                        nl);
+    if (!mf_config_cut_ok(&m->cfg, m->l0))
+        return mf_error(-EINVAL, "%s: layers [%d, %d): layer %d reads the compressed KV of a layer before it "
+                        "(a range begins at layer 0, a KV source, or a window-only layer before one)", path, m->l0,
+                        m->l1, m->l0);
+    if (o->load_draft && m->l1 != nl)
+        return mf_error(-EINVAL, "%s: the DSpark draft needs the last layers; layers [%d, %d) asked for", path, m->l0,
+                        m->l1);
+    return 0;
 }
 
 /* Where the weights go: nothing lazy when mapped (unless they exceed the memory: then the routed
@@ -579,6 +604,7 @@ int mf_model_load(const char *dir, const mf_model_opts *opts, mf_model **out)
     if (!rc && o.load_draft && m->cfg.n_mtp_layers == 0)
         rc = mf_error(-EINVAL, "%s: the DSpark draft was asked for, but the config has no draft stages "
                       "(num_nextn_predict_layers 0)", path);
+    if (!rc) rc = mf_model_range(m, &o, path);
     if (!rc) rc = mf_st_open(dir, &m->st);
     if (!rc) rc = mf_layout_build(&m->cfg, &m->layout);
     if (rc) goto fail;
@@ -638,6 +664,11 @@ const mf_model_layer *mf_model_layer_at(const mf_model *m, int layer)
     return layer >= 0 && layer < n ? &m->layers[layer] : NULL;
 }
 int mf_model_has_draft(const mf_model *m) { return m->draft; }
+void mf_model_layers(const mf_model *m, int *begin, int *end)
+{
+    *begin = m->l0;
+    *end = m->l1;
+}
 const mf_weight *mf_model_embed(const mf_model *m) { return &m->embed; }
 const mf_weight *mf_model_norm(const mf_model *m) { return &m->norm; }
 const mf_weight *mf_model_head(const mf_model *m) { return &m->head; }

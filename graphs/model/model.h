@@ -93,6 +93,14 @@ typedef struct mf_model_opts {
      * default): the draft's tensors are neither checked nor read, so plain decoding's memory is
      * unchanged and a checkpoint without them (older `moeflow gen` output) loads. */
     int load_draft;
+    /* A pipeline's stage (graphs/pipe/pipe.h): only layers [layer_begin, layer_end) are checked
+     * and read (their dense weights, routed experts and Engram tables, in memory or in the store),
+     * the embedding only with layer_begin 0, the final norm and head only with layer_end
+     * n_layers; the other layers' weights are views without data (mf_model_layers says which run
+     * here). layer_begin must be a cut (graphs/model/config.h mf_config_cut_ok: no layer it holds
+     * reads the compressed KV of one it does not), else -EINVAL naming it; load_draft needs the
+     * last layers. Both 0 (the default): every layer. */
+    int layer_begin, layer_end;
     /* Where the weights the load reads are held (docs/io.md, "Resident weights that outlive the
      * process"). MF_MODEL_WEIGHTS_COPY (0, the default): in the model's own memory, read with pread
      * (resident_limit_bytes decides what is lazy). MF_MODEL_WEIGHTS_MAPPED: views of the shard files
@@ -145,6 +153,8 @@ const mf_config *mf_model_config(const mf_model *m);
  * otherwise. */
 const mf_model_layer *mf_model_layer_at(const mf_model *m, int layer);
 int mf_model_has_draft(const mf_model *m);   /* loaded with load_draft */
+/* The layers loaded: [*begin, *end) (mf_model_opts.layer_begin/_end; all by default). */
+void mf_model_layers(const mf_model *m, int *begin, int *end);
 const mf_weight *mf_model_embed(const mf_model *m);
 const mf_weight *mf_model_norm(const mf_model *m);
 const mf_weight *mf_model_head(const mf_model *m);

@@ -124,7 +124,9 @@ int mf_ref_state_reserve(mf_ref_state *s, int64_t n_positions)
     if (!tok)
         return mf_error(-ENOMEM, "reference: cannot grow a state's token history to %" PRId64 " positions", cap);
     s->tokens = tok;
-    for (int L = 0; L < c->n_layers; L++) {
+    int l0, l1;   /* a pipeline stage's model: pages only for the layers it runs */
+    mf_model_layers(s->ly->m, &l0, &l1);
+    for (int L = l0; L < l1; L++) {
         mf_ly_cache *ca = &s->cache[L];
         if (!mf_config_is_kv_source(c, L)) continue;
         int64_t need = mf_st_pages(c, L, cap), pb = mf_ly_cache_page_bytes(c, L);

@@ -1,5 +1,6 @@
 /* The decode-step simulator (graphs/sim/plan.h). It runs the engine's own step graph (graphs/step/stepgraph.h,
- * the builder graphs/step/step_shape.c uses, for a parallel decode shape of `batch` items), built once; each
+ * the builder graphs/step/step_shape.c uses: the parallel graph of the bucket of `batch` items, the batch
+ * live, as the engine's decode steps), built once; each
  * step draws its routing, keeps the slot tables and the caches (host store, per-card device caches)
  * as the engine's route task does, places the slots with the engine's rule (mf_sg_placer: every
  * used slot queued on the host, then the cached ones offered to their cards, then the rest), marks
@@ -41,6 +42,7 @@ struct mf_plan {
     int L0;                                  /* the graph's first layer (the draft round's: n_layers);
                                               * the tables below are indexed by layer - L0, n_layers of them */
     int n_seq, unit_len;                     /* sequences per step and items each (batch = their product) */
+    int l0, l1;                              /* the layers simulated (a pipeline stage's, or all) */
     mf_sg_sizes *sz;
     mf_cost_model cm;                        /* prices on prof; host threads' rate capped at the
                                               * socket's memory over its threads */
@@ -135,6 +137,8 @@ static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int
             return 0;
         }
         break;
+    case MF_SG_NET_IN:   /* the boundary has arrived: the link between stages is graphs/sim/plan_ranks.c's */
+        return 0;
     case MF_SG_DEV_FFN_CARD: {   /* one launch: the slots' FFNs in a row */
         double ns = 0;
         int n = 0;
@@ -173,10 +177,13 @@ static int pl_check(const mf_plan_opts *o)
         return mf_error(-EINVAL, "plan: %d sequences of %d items each (expected at most %d items, no prefill)",
                         o->batch ? o->batch : 1, o->unit_len, MF_STEP_MAX_ITEMS);
     if (o->draft && (o->draft < 0 || c->n_mtp_layers < 1 || o->draft > c->dspark_block_size || o->prefill ||
-                     (o->batch ? o->batch : 1) * c->dspark_block_size > MF_STEP_MAX_ITEMS))
+                     (o->batch ? o->batch : 1) * c->dspark_block_size > MF_STEP_DRAFT_ITEMS))
         return mf_error(-EINVAL, "plan: a draft round of %d candidates for %d sequences (expected a config with "
                         "draft stages, 1..dspark_block_size %d candidates, at most %d items, no prefill)", o->draft,
-                        o->batch ? o->batch : 1, c->dspark_block_size, MF_STEP_MAX_ITEMS);
+                        o->batch ? o->batch : 1, c->dspark_block_size, MF_STEP_DRAFT_ITEMS);
+    if ((o->draft || o->feats) && (o->layer_begin > 0 || (o->layer_end && o->layer_end < c->n_layers)))
+        return mf_error(-EINVAL, "plan: speculation's draft round or features on a pipeline stage (layers [%d, %d)): "
+                        "the draft runs on a whole model", o->layer_begin, o->layer_end);
     if (o->n_cards < 0 || o->n_cards > PL_MAX_CARDS)
         return mf_error(-EINVAL, "plan: %d cards (expected 0..%d)", o->n_cards, PL_MAX_CARDS);
     if (o->placement != MF_STEP_PLACE_HOST && (o->n_cards ? o->n_cards : f->n_cards) < 1)
@@ -184,6 +191,10 @@ static int pl_check(const mf_plan_opts *o)
                         "was given", o->placement == MF_STEP_PLACE_SEED ? "seed" : "hybrid", f->name);
     if (o->dense != MF_PLAN_DENSE_HOST && o->dense != MF_PLAN_DENSE_CARDS)
         return mf_error(-EINVAL, "plan: dense placement %d (expected host or cards)", o->dense);
+    int nl = o->config->n_layers, l1 = o->layer_begin || o->layer_end ? o->layer_end : nl;
+    if (o->layer_begin < 0 || o->layer_begin >= l1 || l1 > nl || !mf_config_cut_ok(o->config, o->layer_begin))
+        return mf_error(-EINVAL, "plan: layers [%d, %d) of %d (expected a range beginning at a cut)", o->layer_begin,
+                        l1, nl);
     if (o->dense == MF_PLAN_DENSE_CARDS &&
         ((o->n_cards ? o->n_cards : f->n_cards) < 1 ||
          !(f->card[MF_KF_FP8].bytes_per_s > 0 && f->card[MF_KF_BF16].bytes_per_s > 0 && f->h2d_bytes_per_s > 0 &&
@@ -317,6 +328,8 @@ static void pl_init(mf_plan *p, const mf_plan_opts *o)
     p->n_seq = o->batch ? o->batch : 1;
     p->unit_len = o->draft ? c->dspark_block_size : o->unit_len > 1 ? o->unit_len : 1;
     p->batch = p->n_seq * p->unit_len;
+    p->l0 = o->draft ? 0 : o->layer_begin;   /* the layers priced (the tables' indices, from L0) */
+    p->l1 = o->draft ? p->n_layers : o->layer_begin || o->layer_end ? o->layer_end : c->n_layers;
     p->n_threads = (o->n_sockets ? o->n_sockets : f->n_sockets) *
                    (o->threads_per_socket ? o->threads_per_socket : f->threads_per_socket);
     p->n_cores = f->n_sockets * f->threads_per_socket;
@@ -365,6 +378,7 @@ static int pl_lanes(mf_plan *p)
         for (int k = 0; k < n_sock && k < MF_SG_MAX_SOCKETS; k++) thr[k] = per_socket;
         if ((rc = mf_sg_lanes_sockets(&p->lt, n_sock, thr, NULL))) return rc;
     }
+    if (p->l0 > 0 || p->l1 < p->n_layers) mf_sg_lanes_net(&p->lt);   /* a pipeline stage's boundaries */
     for (int k = 0; k < p->lt.n_sockets; k++) p->lane_core[p->lt.lane_sock[k]] = 1;
     if (p->lt.lane_io >= 0) p->conc[p->lt.lane_io] = 1;
     for (int cd = 0; cd < p->n_lane_cards; cd++)
@@ -384,12 +398,16 @@ static int pl_graph(mf_plan *p, mf_sg_opts *go)
 {
     const mf_plan_opts *o = &p->o;
     const mf_config *c = &p->c;
-    /* the engine's graph of a parallel decode shape (serial at batch 1, as the engine's), or of a
-     * prefill chunk (serial) */
-    int unit_end[MF_STEP_MAX_ITEMS], units = p->unit_len > 1 && p->n_seq > 1 ? p->n_seq : o->draft ? 1 : 0;
+    /* the engine's graph of a parallel decode shape (serial at batch 1, as the engine's): its
+     * bucket's (mf_sg_bucket), the batch's items live; a verify's sequences of unit_len items each
+     * the mixed graph of its bucket likewise (one sequence's: serial); a draft round's of its
+     * sequences' blocks; or of a prefill chunk (serial) */
+    int par = p->batch > 1 && !o->prefill && p->unit_len == 1 && !o->draft;
+    int mixed = p->unit_len > 1 && p->n_seq > 1 && !o->draft;
+    int unit_end[MF_STEP_DRAFT_ITEMS], units = o->draft ? p->n_seq : 0;
     for (int k = 0; k < units; k++) unit_end[k] = (k + 1) * p->unit_len;
-    *go = (mf_sg_opts){.c = c, .sz = p->sz, .n = p->batch, .par = p->batch > 1 && !o->prefill && p->unit_len == 1,
-                        .n_units = units, .unit_end = units ? unit_end : NULL, .draft = o->draft > 0,
+    *go = (mf_sg_opts){.c = c, .sz = p->sz, .n = par || mixed ? mf_sg_bucket(p->batch) : p->batch, .par = par,
+                        .mixed = mixed, .n_units = units, .unit_end = units ? unit_end : NULL, .draft = o->draft > 0,
                         .feats = o->feats && !o->draft,
                         .n_threads = p->n_threads, .n_cards = p->n_cards,
                         .n_dense_cards = p->n_dense, .dense_split = o->dense_split, .heads = o->heads,
@@ -402,15 +420,19 @@ static int pl_graph(mf_plan *p, mf_sg_opts *go)
                         .n_sockets = p->lt.n_sockets, .lane_sock = p->lt.lane_sock, .lanes = p->lt.lane,
                         .n_lanes = p->lt.n_lanes, .lane_io = p->lt.lane_io,
                         .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof,
-                        .prefetch_min = o->prefetch_min, .lt = o->lt};
+                        .prefetch_min = o->prefetch_min, .lt = o->lt,
+                        .layer_begin = o->layer_begin, .layer_end = o->layer_end, .lane_net = p->lt.lane_net};
     if (o->draft) {   /* the draft round's experts on the host (mf_sg_draft_check) */
         go->n_cards = go->dev_graphs = go->store = go->eg_reads = 0;
         go->micro = 1;
         go->prefetch_min = -1;
     }
     int rc = mf_stepgraph_new(go, &p->sg);
-    go->unit_end = NULL;   /* unit_end is this function's: the reserve below rebuilds from n */
+    if (!rc && (par || mixed)) mf_stepgraph_set_live(p->sg, p->batch);
+    if (!rc) p->total.host_bufs = (double)mf_step_host_bytes(c, p->sz, p->sg, 0, p->n_cards, p->n_dense, o->micro);
+    go->unit_end = NULL;   /* unit_end is this function's: the reserve below rebuilds from n and par */
     go->n_units = 0;
+    go->mixed = 0;
     if (!rc) rc = mf_timeline_create(p->sg->g, &p->tl);
     return rc;
 }
@@ -445,7 +467,8 @@ static int pl_card_mem(mf_plan *p, const mf_sg_opts *go)
     const mf_config *c = &p->c;
     int rc;
     for (int cd = 0; cd < p->n_dense; cd++)   /* the dense weights each card holds */
-        p->dense_bytes[cd] = mf_sg_dense_card_bytes(c, p->sz, p->n_dense, o->dense_split, cd);
+        p->dense_bytes[cd] = mf_sg_dense_card_bytes_in(c, p->sz, p->n_dense, o->dense_split, cd, o->draft ? 0 : p->l0,
+                                                       o->draft ? c->n_layers : p->l1);
     for (int cd = 0; cd < p->n_dense; cd++)
         if (f->card_mem_bytes && p->dense_bytes[cd] > (double)f->card_mem_bytes) {
             return mf_error(-ENOSPC, "plan: card %d: its dense layers take %.0f bytes, the card has %" PRIu64, cd,
@@ -461,7 +484,9 @@ static int pl_card_mem(mf_plan *p, const mf_sg_opts *go)
     if (p->n_lane_cards && !o->dev_cache_bytes && !o->draft) {
         int chunk = o->chunk ? o->chunk : MF_STEP_PREFILL_CHUNK;
         if (o->prefill && p->batch > chunk) chunk = p->batch;
-        if ((rc = mf_sg_card_reserve(go, &ci, chunk, MF_STEP_MAX_ITEMS, &p->act_routed, &p->act_dense))) return rc;
+        /* the engine of `decode --batch B`: its max_batch B past the default */
+        int mb = p->batch > MF_STEP_DEFAULT_BATCH && !o->prefill ? p->batch : MF_STEP_DEFAULT_BATCH;
+        if ((rc = mf_sg_card_reserve(go, &ci, chunk, mb, &p->act_routed, &p->act_dense))) return rc;
     } else if (p->n_lane_cards) {
         mf_sg_card_bufs b;
         mf_sg_card_bufs_of(&ci, &b);
@@ -682,7 +707,8 @@ static void pl_prefetch(mf_plan *p, int L, mf_plan_report *r)
 static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
 {
     int n = p->batch, K = p->K, E = p->E, n_slots = p->sg->n_slots;
-    int i0 = h ? p->sg->half_end[h - 1] : 0, i1 = p->sg->half_end[h], s0 = p->sg->half_slot[h];
+    int i0 = h ? p->sg->half_end[h - 1] : 0, i1 = p->sg->half_end[h] < n ? p->sg->half_end[h] : n;   /* live items */
+    int s0 = p->sg->half_slot[h];
     int n_half = p->sg->half_slot[h + 1] - s0, ns = 0;
     pl_slot *sl = p->sl + (size_t)L * n_slots + s0;   /* the micro-batch's slots */
     int32_t *card = p->slot_card + (size_t)L * n_slots + s0;
@@ -766,7 +792,7 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
 static int pl_price(mf_plan *p, mf_plan_report *r)
 {
     if (p->o.draft) mf_stepgraph_mark_draft(p->sg, p->o.draft);   /* the chain's candidates asked for */
-    for (int L = 0; L < p->n_layers; L++)
+    for (int L = p->l0; L < p->l1; L++)
         for (int h = 0; h < p->sg->n_halves; h++) {
             int rc = pl_layer_slots(p, L, h, r);
             if (rc) return rc;
@@ -892,7 +918,7 @@ void mf_plan_total(const mf_plan *p, mf_plan_report *out)
         *out = (mf_plan_report){.batch = p->batch, .fill_experts = p->total.fill_experts,
                                 .fill_bytes = p->total.fill_bytes, .fill_ns = p->total.fill_ns,
                                 .card_weights = p->total.card_weights, .card_bufs = p->total.card_bufs,
-                                .card_slots = p->total.card_slots,
+                                .card_slots = p->total.card_slots, .host_bufs = p->total.host_bufs,
                                 .card_cache = p->total.card_cache};
         return;
     }
@@ -916,7 +942,7 @@ void mf_plan_reset_totals(mf_plan *p)
     p->total = (mf_plan_report){.batch = p->batch, .fill_experts = p->total.fill_experts,
                                 .fill_bytes = p->total.fill_bytes, .fill_ns = p->total.fill_ns,
                                 .card_weights = p->total.card_weights, .card_bufs = p->total.card_bufs,
-                                .card_slots = p->total.card_slots,
+                                .card_slots = p->total.card_slots, .host_bufs = p->total.host_bufs,
                                 .card_cache = p->total.card_cache};
 }
 
@@ -1007,6 +1033,7 @@ void mf_plan_print(const mf_plan_report *r, FILE *f)
         fprintf(f, "card 0 memory: dense weights %.3f GB, the steps' buffers %.3f GB (held back from its cache), "
                 "expert cache %d slots (%.3f GB)\n", r->card_weights / 1e9, r->card_bufs / 1e9, r->card_slots,
                 r->card_cache / 1e9);
+    if (r->host_bufs > 0) fprintf(f, "host memory: the step's buffers %.3f GB\n", r->host_bufs / 1e9);
     if (r->fill_experts)
         fprintf(f, "warm fill at start: %" PRId64 " experts, %.2f GB copied in, %.3f s\n", r->fill_experts,
                 r->fill_bytes / 1e9, r->fill_ns / 1e9);

@@ -89,6 +89,11 @@ typedef struct mf_plan_opts {
     int unit_len, draft, feats;
     mf_routing *routing;         /* borrowed; NULL: uniform draws from `seed` */
     uint64_t seed;
+    /* A pipeline stage (graphs/pipe/pipe.h): the engine's graph of layers [layer_begin, layer_end)
+     * only, with its boundary tasks (MF_SG_NET_*); the boundary in is priced 0 here (the data has
+     * arrived: graphs/sim/plan_ranks.h prices the link between stages), the boundary out one
+     * message's latency; dense cards hold the stage's layers only. Both 0: all. */
+    int layer_begin, layer_end;
 } mf_plan_opts;
 
 #define MF_PLAN_MAX_LANES 64
@@ -127,6 +132,9 @@ typedef struct mf_plan_report {
      * cache (mf_sg_card_reserve; with --dev-cache this graph's), its cache's slots */
     double card_weights, card_bufs, card_cache;
     int card_slots;
+    /* the host's buffers of this step's graph, as the engine lays them out (graphs/step/step.h
+     * mf_step_host_bytes: a decode batch's bucket), set at the start */
+    double host_bufs;
     /* per op (mf_sg_op, named by mf_sg_op_name): summed task durations on the CPU lanes and on
      * the other lanes (cards' copies and compute, IO), and the tasks that ran (noop ones left out) */
     int64_t op_cpu_ns[MF_SG_N_OPS], op_other_ns[MF_SG_N_OPS];

@@ -94,6 +94,19 @@ const char *mf_batch_finish_name(mf_batch_finish f)
 
 int64_t mf_batch_state_bytes(const mf_batch *b) { return b->state_bytes; }
 
+int mf_batch_default_step_tokens(int max_batch)
+{
+    int n = 2 * max_batch;
+    return n < MF_BATCH_STEP_TOKENS ? MF_BATCH_STEP_TOKENS : n > MF_STEP_MAX_ITEMS ? MF_STEP_MAX_ITEMS : n;
+}
+
+int mf_batch_step_items(int max_batch, int step_tokens)
+{
+    int n = step_tokens > 0 ? step_tokens : mf_batch_default_step_tokens(max_batch);
+    n = max_batch > n ? max_batch : n;
+    return n < MF_STEP_MAX_ITEMS ? n : MF_STEP_MAX_ITEMS;
+}
+
 static void mf_breq_free(mf_breq *q)
 {
     if (!q) return;
@@ -108,10 +121,13 @@ int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
 {
     *out = NULL;
     if (!opts->ref) return mf_error(-EINVAL, "batch: no forward (opts.ref)");
+    if (opts->spec && opts->forward)
+        return mf_error(-EINVAL, "batch: speculation with a forward of its own (opts.forward: a pipeline's); the "
+                        "draft reads features of a whole model's forward");
     mf_batch_opts o = *opts;
     const mf_config *c = mf_ref_config(o.ref);
     if (!o.max_batch) o.max_batch = 16;
-    if (!o.step_tokens) o.step_tokens = MF_BATCH_STEP_TOKENS;
+    if (!o.step_tokens) o.step_tokens = mf_batch_default_step_tokens(o.max_batch);
     if (!o.prefill_split) o.prefill_split = 2;
     if (!o.max_queue) o.max_queue = 256;
     if (!o.max_context) o.max_context = c->max_position_embeddings < 4096 ? c->max_position_embeddings : 4096;
@@ -446,11 +462,12 @@ static int mf_batch_spec_plain(const mf_bseq *q)
 
 /* With speculation: the round's candidates of the step's decode sequences (graphs/step/spec.h
  * mf_spec_plan), each taking at most what its request may still generate and its share of the
- * graph's items (none where it may not speculate: mf_batch_spec_plain). 0 or the draft's error. */
+ * graph run's items (mf_batch_step_items: the engine's max_batch as the tools make it; none where it
+ * may not speculate: mf_batch_spec_plain). 0 or the draft's error. */
 static int mf_batch_spec_plan(mf_batch *b)
 {
     mf_spec_seq sq[MF_STEP_MAX_ITEMS];
-    int n = 0;
+    int n = 0, cap = mf_batch_step_items(b->o.max_batch, b->o.step_tokens);   /* the engine's graph run */
     for (int i = 0; i < b->n_states && n < MF_STEP_MAX_ITEMS; i++) {
         mf_bseq *q = &b->seq[i];
         if (q->req && q->pending >= 0) sq[n++] = (mf_spec_seq){.slot = i, .st = q->st, .anchor = q->pending,
@@ -458,7 +475,7 @@ static int mf_batch_spec_plan(mf_batch *b)
     }
     for (int j = 0; j < n; j++) {
         const mf_bseq *q = &b->seq[sq[j].slot];
-        int room = q->req->r.max_tokens - q->n_gen - 1, share = (MF_STEP_MAX_ITEMS - n) / n;
+        int room = q->req->r.max_tokens - q->n_gen - 1, share = (cap - n) / n;
         int64_t ctx = q->st->max_pos - q->st->n_pos - 1;
         sq[j].room = room < share ? (room < ctx ? room : (int)ctx) : (share < ctx ? share : (int)ctx);
         if (sq[j].room < 0 || !mf_batch_spec_plain(q)) sq[j].room = 0;
@@ -492,7 +509,7 @@ static int mf_batch_items(mf_batch *b)
         }
     }
     int n_dec = n;
-    /* insertion sort by admission order (at most 64 entries) */
+    /* insertion sort by admission order (at most max_batch entries, nearly in order) */
     for (int i = 1; i < n_pf; i++)
         for (int j = i; j > 0 && mf_batch_pf_cmp(&b->pf[j - 1], &b->pf[j], b->seq) > 0; j--) {
             int t = b->pf[j];
@@ -688,8 +705,9 @@ int mf_batch_step(mf_batch *b, int *n_items)
     float **ft = b->o.spec && mf_spec_feats(b->o.spec) ? b->it_ft : NULL;
     int64_t t0 = mf_now_ns();
     if (!rc)
-        rc = b->o.eng ? mf_step_forward_feat(b->o.eng, b->it_st, b->it_tok, n, b->it_lg, ft)
-                      : mf_ref_forward_feat(b->o.ref, b->it_st, b->it_tok, n, b->it_lg, ft);
+        rc = b->o.forward ? b->o.forward(b->o.forward_ctx, b->it_st, b->it_tok, n, b->it_lg)
+             : b->o.eng   ? mf_step_forward_feat(b->o.eng, b->it_st, b->it_tok, n, b->it_lg, ft)
+                          : mf_ref_forward_feat(b->o.ref, b->it_st, b->it_tok, n, b->it_lg, ft);
     for (int i = 0; i < b->n_states; i++) {
         n_dec += b->seq[i].in_step && b->seq[i].n_ver ? b->seq[i].n_ver : 0;
         n_seq += b->seq[i].in_step && b->seq[i].n_ver;

@@ -73,20 +73,26 @@ typedef struct mf_batch_event {
     const char *msg;             /* and its message */
 } mf_batch_event;
 
-/* Items per step by default (mf_batch_opts.step_tokens): the most a graph of several sequences
- * takes (MF_STEP_MAX_ITEMS), so a step's decode tokens never wait behind a longer prefill chunk. A
- * larger budget lets a lone prompt's prefill run as long chunks (graphs/step/step.h
- * mf_step_forward: the items of one sequence in chunks of up to MF_STEP_MAX_CHUNK); mixed steps
- * run in graphs of 64. */
+/* Items per step by default (mf_batch_opts.step_tokens), so a step's decode tokens never wait
+ * behind a longer prefill chunk. A larger budget lets a lone prompt's prefill run as long chunks
+ * (graphs/step/step.h mf_step_forward: the items of one sequence in chunks of up to
+ * MF_STEP_MAX_CHUNK); steps of several sequences run in graphs of up to the engine's max_batch
+ * items (mf_batch_step_items). */
 #define MF_BATCH_STEP_TOKENS 64
 #define MF_BATCH_MAX_BYPASS 16   /* mf_batch_opts.max_bypass's default */
 
 typedef struct mf_batch_opts {
     mf_ref *ref;          /* the forward the states belong to (required) */
     mf_step *eng;         /* the scheduled engine over ref, or NULL: the reference forward */
+    /* Runs the forwards instead of eng or ref when set, with the contract of mf_step_forward
+     * (graphs/step/step.h) over ref's states: a pipeline's first stage (graphs/pipe/pipe.h
+     * mf_pipe_forward, ctx its pipe). NULL: eng, else ref. */
+    int (*forward)(void *ctx, mf_ref_state *const *states, const int32_t *tokens, int n, float *const *logits);
+    void *forward_ctx;
     const mf_tok *tok;    /* for text and stop strings; NULL: token ids only (stops refused) */
     int max_batch;        /* running sequences, 1..MF_STEP_MAX_ITEMS (0: 16) */
-    /* items per step (0: MF_BATCH_STEP_TOKENS): every running sequence's decode token
+    /* items per step (0: mf_batch_default_step_tokens(max_batch), MF_BATCH_STEP_TOKENS up to a
+     * max_batch of 32): every running sequence's decode token
      * first, then prefill chunks in admission order fill what is left; at least 1 prefill item
      * per step when the decode tokens take the whole budget, so a prompt always makes progress */
     int step_tokens;
@@ -125,8 +131,9 @@ typedef struct mf_batch_opts {
     /* Speculative decoding (graphs/step/spec.h, docs/dspark.md), or NULL: made for this batcher's
      * slots (mf_spec_new with n_slots max_batch; the same ref and engine), it outlives the batcher.
      * Each step's decode sequences then run their pending token and the round's candidates as one
-     * unit of the forward (at most MF_STEP_MAX_ITEMS decode items in all, and no more candidates than
-     * a request may still generate), every forward hands out the draft's features, and a sequence
+     * unit of the forward (at most mf_batch_step_items(max_batch, step_tokens) decode items in all,
+     * one graph run of an engine made for them, and no more candidates than a request may still
+     * generate; not with a forward of its own), every forward hands out the draft's features, and a sequence
      * may produce several tokens per step (one TOKEN event each, with its own logits): the tokens
      * of greedy decoding are those without speculation, bit for bit, and sampled ones have the same
      * distribution. */
@@ -176,6 +183,19 @@ typedef struct mf_batch_req {
      * grammar's mask only when it does not fit. */
     const mf_gram *grammar;
 } mf_batch_req;
+
+/* The step budget for max_batch running sequences when none is given (mf_batch_opts.step_tokens 0;
+ * `moeflow decode --prompts`): 2 x max_batch, at least MF_BATCH_STEP_TOKENS, at most
+ * MF_STEP_MAX_ITEMS: the running sequences' decode tokens and as many prompt tokens, so prompts
+ * about as long as their outputs keep the batch decoding (a budget below the batch leaves the
+ * prompts what the decode tokens do not take: at 256 running sequences and 64, one token a step). */
+int mf_batch_default_step_tokens(int max_batch);
+
+/* The most items a step holds with max_batch running sequences and a budget of step_tokens (0:
+ * mf_batch_default_step_tokens): max(max_batch, step_tokens), at most MF_STEP_MAX_ITEMS (a step's decode
+ * tokens and prefill chunks fill the budget; decode tokens alone its running sequences). What the
+ * engine's mf_step_opts.max_batch should be for every step to run as one graph. */
+int mf_batch_step_items(int max_batch, int step_tokens);
 
 /* Bytes of one state of max_context positions (the most a request may need). */
 int64_t mf_batch_state_bytes(const mf_batch *b);

@@ -104,7 +104,7 @@ static double sp_items_ns(mf_spec *sp, int n_seq, int n_items)
 static double sp_draft_ns(mf_spec *sp, int U, int k)
 {
     if (sp->o.source != MF_SPEC_DSPARK || U < 1 || k < 1) return 0;
-    int per = MF_STEP_MAX_ITEMS / sp->B;
+    int per = MF_STEP_DRAFT_ITEMS / sp->B;
     if (U > per) return sp_draft_ns(sp, per, k) * (U / per) + sp_draft_ns(sp, U % per, k);
     double *v = &sp->d_ns[(size_t)U * (MF_SPEC_MAX + 1) + k];
     if (isnan(*v)) {
@@ -442,7 +442,7 @@ static int sp_sim_one(const mf_plan_opts *po, int warmup, int steps, double *ns)
 int mf_spec_sim(const mf_plan_opts *po, int n_max, int warmup, int steps, double *verify_ns, double *draft_ns,
                 int *n_k)
 {
-    int b = po->batch ? po->batch : 1, per = MF_STEP_MAX_ITEMS / po->config->dspark_block_size, rc = 0;
+    int b = po->batch ? po->batch : 1, per = MF_STEP_DRAFT_ITEMS / po->config->dspark_block_size, rc = 0;
     *n_k = 0;
     draft_ns[0] = 0;
     for (int k = 0; k <= n_max && !rc && b * (1 + k) <= MF_STEP_MAX_ITEMS; k++) {

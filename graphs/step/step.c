@@ -177,6 +177,19 @@ static int mf_step_socket_lanes(mf_step *s)
     return mf_sg_lanes_sockets(&s->lt, n, thr, ts.numa);
 }
 
+/* A pipeline stage (graphs/step/step.h mf_step_link; its layers s->l0, s->l1 from the model): the
+ * link the sides with neighbours need, the boundary lane. The whole model: nothing. 0 or -EINVAL / -ENOTSUP. */
+static int mf_step_stage(mf_step *s)
+{
+    int first = s->l0 == 0, last = s->l1 == s->c->n_layers;
+    if (first && last) return 0;
+    if ((!first && !s->o.link.recv) || (!last && !s->o.link.send))
+        return mf_error(-EINVAL, "step: a model of layers [%d, %d) of %d is a pipeline stage: it needs a link %s",
+                        s->l0, s->l1, s->c->n_layers, !first && !s->o.link.recv ? "to receive from" : "to send to");
+    mf_sg_lanes_net(&s->lt);
+    return 0;
+}
+
 int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
 {
     *out = NULL;
@@ -186,7 +199,10 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     if (mf_model_is_lazy(ly->m) && !store)
         return mf_error(-ENOTSUP, "step: the model's experts are not resident (lazy load); the "
                         "scheduled engine needs them in memory or behind an expert store");
-    int max_items = MF_STEP_MAX_ITEMS, max_chunk = MF_STEP_MAX_CHUNK;
+    if (opts && (opts->max_batch < 0 || opts->max_batch > MF_STEP_MAX_ITEMS))
+        return mf_error(-EINVAL, "step: max_batch %d (expected 0 for %d, or 1..%d)", opts->max_batch,
+                        MF_STEP_DEFAULT_BATCH, MF_STEP_MAX_ITEMS);
+    int max_items = opts && opts->max_batch ? opts->max_batch : MF_STEP_DEFAULT_BATCH, max_chunk = MF_STEP_MAX_CHUNK;
     if (store) {   /* a graph run pins one layer's slots: min(items x top_k, experts) */
         int K = c->n_experts_per_tok, E = c->n_routed_experts;
         int fit = mf_store_n_slots(store) < mf_store_max_batch(store) ? mf_store_n_slots(store)
@@ -199,8 +215,7 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
                             "the scheduled engine pins the top_k = %d experts of a token's layer at once: "
                             "a budget of at least %" PRIu64 " bytes", fit, mf_store_slot_bytes(store), K,
                             (uint64_t)K * mf_store_slot_bytes(store));
-        max_items = fit >= E ? MF_STEP_MAX_ITEMS : fit / K;
-        if (max_items > MF_STEP_MAX_ITEMS) max_items = MF_STEP_MAX_ITEMS;
+        if (fit < E && fit / K < max_items) max_items = fit / K;
         max_chunk = fit >= E ? MF_STEP_MAX_CHUNK : fit / K;
         if (max_chunk > MF_STEP_MAX_CHUNK) max_chunk = MF_STEP_MAX_CHUNK;
     }
@@ -224,6 +239,7 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     if (!s) return mf_error(-ENOMEM, "step: out of memory");
     s->ly = ly;
     s->c = c;
+    mf_model_layers(ly->m, &s->l0, &s->l1);   /* a pipeline stage's (mf_step_stage) */
     if (opts) s->o = *opts;
     if (s->o.n_threads < 1) s->o.n_threads = 1;
     if (s->o.prefill_chunk < 0 || s->o.prefill_chunk > MF_STEP_MAX_CHUNK) {
@@ -265,6 +281,7 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     mf_sg_lanes_init(&s->lt, s->models, s->o.n_threads, store != NULL, s->n_lane_cards);
     if (!s->n_cards) mf_sg_lanes_map(&s->lt, s->dense_card, s->n_dense);
     if (!rc && s->o.n_sockets > 1) rc = mf_step_socket_lanes(s);
+    if (!rc) rc = mf_step_stage(s);   /* a pipeline stage: its range, link and boundary lane */
     if (s->lt.lane_io >= 0 && s->o.io_depth > 0) s->lt.lane[s->lt.lane_io].concurrency = s->o.io_depth;
     /* one layer context per CPU worker, on the kernels */
     s->cx = calloc((size_t)s->o.n_threads, sizeof *s->cx);
@@ -307,12 +324,10 @@ void mf_step_free(mf_step *s)
 {
     if (!s) return;
     mf_sched_destroy(s->sched);
-    for (int i = 0; i <= MF_STEP_MAX_ITEMS; i++) {
-        mf_step_shape_free(s->shapes[0][i]);
-        mf_step_shape_free(s->shapes[1][i]);
-    }
-    for (int k = 0; k < MF_STEP_UNIT_SHAPES; k++) mf_step_shape_free(s->ushapes[k]);
-    for (int k = 0; k <= MF_STEP_MAX_ITEMS; k++) mf_step_shape_free(s->dshapes[k]);
+    for (int i = 0; i <= MF_STEP_SERIAL_ITEMS; i++) mf_step_shape_free(s->shapes[i]);
+    for (int k = 0; k < 2; k++)
+        for (int j = 0; j < MF_STEP_N_BUCKETS; j++) mf_step_shape_free(s->bshapes[k][j]);
+    for (int k = 0; k <= MF_STEP_DRAFT_ITEMS; k++) mf_step_shape_free(s->dshapes[k]);
     free(s->umem);
     mf_step_shape_free(s->long_shape);
     for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
@@ -438,12 +453,13 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
     int64_t H = c->hidden_size, need = 0;
     for (int i = 0; i < n; i++) need = need > states[i]->max_pos ? need : states[i]->max_pos;
     if (need > sh->iscore_ld) {   /* index scores for the longest sequence (as the workers' score buffers) */
-        double *v = realloc(sh->iscore, sizeof *v * (size_t)n * (size_t)need);
-        if (!v) return mf_error(-ENOMEM, "step: index scores of %d items of up to %" PRId64 " positions", n, need);
+        double *v = realloc(sh->iscore, sizeof *v * (size_t)sh->n * (size_t)need);
+        if (!v) return mf_error(-ENOMEM, "step: index scores of %d items of up to %" PRId64 " positions", sh->n, need);
         sh->iscore = v;
         sh->iscore_ld = need;
     }
     const mf_weight *emb = mf_model_embed(s->ly->m);
+    int embed = s->l0 == 0;   /* a later pipeline stage: the boundary task fills the streams */
     sh->n_head = 0;
     for (int i = 0; i < n; i++) {
         mf_ly_item *it = &sh->items[i];
@@ -459,12 +475,15 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
         if (sh->feat_out) sh->feat_out[i] = feats ? feats[i] : NULL;
         sh->head_row[i] = it->logits ? sh->n_head : -1;
         if (it->logits) sh->head_item[sh->n_head++] = i;
-        for (int64_t d = 0; d < H; d++) {
+        if (it->logits && s->l1 < c->n_layers)
+            return mf_error(-EINVAL, "step: logits asked of a pipeline stage without the head (layers [%d, %d) of %d)",
+                            s->l0, s->l1, (int)c->n_layers);
+        for (int64_t d = 0; embed && d < H; d++) {
             uint16_t b;
             memcpy(&b, emb->data + ((int64_t)tokens[i] * H + d) * 2, 2);
             it->x[d] = mf_bf16_to_f32(b);
         }
-        for (int k = 1; k < c->hc_mult; k++) memcpy(it->x + k * H, it->x, (size_t)H * sizeof(float));
+        for (int k = 1; embed && k < c->hc_mult; k++) memcpy(it->x + k * H, it->x, (size_t)H * sizeof(float));
     }
     mf_timeline_reset(sh->tl);
     rc = mf_sched_run(s->sched, sh->g, &(mf_run_opts){.timeline = sh->tl});
@@ -560,14 +579,16 @@ int mf_step_prefill(mf_step *s, mf_ref_state *st, const int32_t *tokens, int n, 
 int mf_step_decode(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n_seq,
                    float *logits)
 {
-    if (n_seq < 1 || n_seq > MF_STEP_MAX_ITEMS)
-        return mf_error(-EINVAL, "step: decode of %d sequences (1..%d)", n_seq, MF_STEP_MAX_ITEMS);
+    int max_batch = s->o.max_batch ? s->o.max_batch : MF_STEP_DEFAULT_BATCH;
+    if (n_seq < 1 || n_seq > max_batch)
+        return mf_error(-EINVAL, "step: decode of %d sequences (1..%d: mf_step_opts.max_batch, at most %d)", n_seq,
+                        max_batch, MF_STEP_MAX_ITEMS);
     float *lg[MF_STEP_MAX_ITEMS];
     for (int i = 0; i < n_seq; i++) lg[i] = logits ? logits + (size_t)i * s->c->vocab_size : NULL;
     for (int i = 0; i < n_seq; i++)
         for (int j = 0; j < i; j++)
             if (states[i] == states[j]) return mf_error(-EINVAL, "step: decode got sequence %d twice", i);
-    if (n_seq > s->max_items) {
+    if (n_seq > s->max_items) {   /* the expert store's budget holds fewer */
         int K = s->c->n_experts_per_tok;
         return mf_error(-ENOSPC, "step: a decode batch of %d sequences pins up to %d experts of a layer "
                         "at once; the expert store holds %d (slots of %" PRIu64 " bytes): a budget of at "
@@ -583,11 +604,18 @@ void mf_step_last_times(const mf_step *s, mf_step_times *out) { *out = s->times;
 
 void mf_step_builds(const mf_step *s, mf_step_build_stats *out) { *out = s->builds; }
 
-const mf_stepgraph *mf_step_graph(const mf_step *s, int n, int par)
+const mf_stepgraph *mf_step_graph(const mf_step *s, int n, int kind)
 {
-    if (n > MF_STEP_MAX_ITEMS && !par && s->long_shape && s->long_shape->n == n) return s->long_shape->sg;
-    if (n < 1 || n > MF_STEP_MAX_ITEMS || !s->shapes[!!par][n]) return NULL;
-    return s->shapes[!!par][n]->sg;
+    if (n < 1) return NULL;
+    if (!kind) {
+        if (n > MF_STEP_SERIAL_ITEMS) return s->long_shape && s->long_shape->n == n ? s->long_shape->sg : NULL;
+        return s->shapes[n] ? s->shapes[n]->sg : NULL;
+    }
+    if (n > MF_STEP_MAX_ITEMS) return NULL;
+    int j = 0;
+    while (1 << j < mf_sg_bucket(n)) j++;
+    const mf_step_shape *sh = s->bshapes[kind == MF_STEP_GRAPH_MIXED][j];
+    return sh ? sh->sg : NULL;
 }
 
 int mf_step_write_trace(const mf_step *s, const char *path)

@@ -15,9 +15,14 @@
 typedef struct mf_dev mf_dev;
 typedef struct mf_profile mf_profile;
 
-/* Items per graph run of mf_step_forward (larger calls are cut into chunks of this many) and
- * sequences per decode step. */
+/* Items per graph run of several sequences at most (mf_step_opts.max_batch: larger calls of
+ * mf_step_forward are cut into chunks of that many) and sequences per decode step. */
 #define MF_STEP_MAX_ITEMS MF_SG_MAX_ITEMS
+/* mf_step_opts.max_batch's default */
+#define MF_STEP_DEFAULT_BATCH 64
+/* Items of one graph run of a DSpark draft round at most (mf_step_draft: its sequences' blocks of
+ * dspark_block_size items): a head's pass of rows (MF_SG_HEAD_ROWS), one item per item group */
+#define MF_STEP_DRAFT_ITEMS MF_SG_HEAD_ROWS
 /* Positions of one sequence per graph run of mf_step_prefill at most (mf_step_opts.prefill_chunk):
  * its serial graph runs the per-item tasks over item groups (graphs/step/stepgraph.h). */
 #define MF_STEP_MAX_CHUNK MF_SG_MAX_CHUNK
@@ -26,13 +31,36 @@ typedef struct mf_profile mf_profile;
  * per 2,048-token prefill of 64, 256, 512, 1024 and 2048); the simulator's prefill uses it too. */
 #define MF_STEP_PREFILL_CHUNK 512
 /* Items whose logits a dense card's head computes at a time: its logits buffer holds this many rows
- * of the vocabulary (a decode batch's, MF_STEP_MAX_ITEMS), and a prefill chunk asking logits at
- * more positions takes passes, each copied out before the next (a buffer for every position of an
+ * of the vocabulary (a decode batch of 64's), and a larger batch or a prefill chunk asking logits
+ * at more positions takes passes, each copied out before the next (a buffer for every position of an
  * 8,192-position chunk would be 4.2 GB of a card at flash41's vocabulary). */
 #define MF_STEP_HEAD_ROWS MF_SG_HEAD_ROWS
 
+/* A pipeline stage's link to its neighbours (graphs/pipe/pipe.h): an engine over a model of layers
+ * [b, e) (graphs/model/model.h mf_model_layers) with b > 0 receives each graph run's boundary
+ * (its items' mf_sg_boundary_floats each, in item order: residual streams, then the carried mix)
+ * through recv before its first layer, and with e < n_layers hands it on through send after its
+ * last layer (in place of the head). Both are called once per graph run from the graph's boundary
+ * tasks on the engine's boundary lane ("net", one thread), so the run's other tasks (Engram rows
+ * from the token history) go on meanwhile; each returns 0 or a negative code with a message
+ * (mf_error), which fails the run. send must be done with buf when it returns. */
+typedef struct mf_step_link {
+    void *user;
+    int (*recv)(void *user, float *buf, int64_t n_floats);
+    int (*send)(void *user, const float *buf, int64_t n_floats);
+} mf_step_link;
+
 typedef struct mf_step_opts {
     int n_threads;     /* CPU workers of the engine's executor (0: 1) */
+    /* Items of a graph run of several sequences at most, 1..MF_STEP_MAX_ITEMS (0:
+     * MF_STEP_DEFAULT_BATCH): mf_step_forward cuts larger calls of several sequences into runs of
+     * this many, mf_step_decode refuses more sequences (-EINVAL), and with cards it is the batch
+     * whose buffers the engine keeps free beside the expert caches (a larger max_batch leaves them
+     * fewer slots). Graphs and host buffers are sized for what a step asks, not for this: a step of
+     * n items runs the graph of its bucket (graphs/step/stepgraph.h mf_sg_bucket), built on that
+     * bucket's first step. With the continuous batcher a step holds up to the running sequences'
+     * decode tokens plus its prefill budget: the batch plus step_tokens (graphs/step/batch.h). */
+    int max_batch;
     int pin_threads;   /* 1: bind workers to cores (hwloc) */
     /* 0 (default): routed experts through the FP4 int8 kernels (activations quantized to int8 per
      * 256 inputs, ~1% error per matmul), the shared expert fused without the reference's bf16
@@ -44,8 +72,8 @@ typedef struct mf_step_opts {
     int read_window;
     /* positions of one sequence per graph run in mf_step_prefill (0: MF_STEP_PREFILL_CHUNK; at
      * most MF_STEP_MAX_CHUNK, and fewer where the expert store's budget says so): a prompt holds
-     * one chunk's activations at a time (the engine keeps one shape longer than
-     * MF_STEP_MAX_ITEMS, replaced when a prompt's last chunk is shorter) */
+     * one chunk's activations at a time (the engine keeps one shape longer than 64 items,
+     * replaced when a prompt's last chunk is shorter) */
     int prefill_chunk;
     /* Routed experts on devices (docs/decode.md "Placement"): dev (device/dev.h, opened by the
      * caller, outlives the engine) and a placement; dev NULL or MF_STEP_PLACE_HOST: all on the
@@ -182,12 +210,17 @@ typedef struct mf_step_opts {
     int n_sockets;
     const char *topology;        /* mf_sched_opts.topology (NULL: this machine) */
     /* 1 (`--spec dspark`, docs/dspark.md): the DSpark draft runs on this engine. Every step's graph
-     * hands out the draft's features where asked (mf_step_forward_feat: per unit a task at each
-     * target layer), and mf_step_draft runs the draft's rounds as graphs of their own (the same
-     * builder: graphs/step/stepgraph_draft.c). The model must be loaded with its draft
-     * (mf_model_opts.load_draft), its experts resident; -EINVAL otherwise. 0: neither (the graphs
-     * are as before). */
+     * hands out the draft's features where asked (mf_step_forward_feat: per unit, a parallel or
+     * mixed graph's item group, a task at each target layer), and mf_step_draft runs the draft's
+     * rounds as graphs of their own (the same builder: graphs/step/stepgraph_draft.c). The model
+     * must be loaded with its draft (mf_model_opts.load_draft), its experts resident, all its
+     * layers (not a pipeline stage); -EINVAL otherwise. 0: neither (the graphs are as before). */
     int draft;
+    /* With a model of some layers only (a pipeline stage): its link (required on the sides it
+     * has neighbours, -EINVAL otherwise). Such a stage embeds no tokens unless its first layer is
+     * 0 and computes logits only when its last layer is the model's (mf_step_forward's logits
+     * must be NULL otherwise); its dense cards hold and run its layers only (mf_sg_dense_card_in). */
+    mf_step_link link;
 } mf_step_opts;
 
 /* Where routed experts run. SEED: every routed expert on the card that owns it
@@ -239,9 +272,12 @@ void mf_step_free(mf_step *s);
 
 /* Same contract as mf_ref_forward (graphs/ref/ref.h): item i is token tokens[i] of states[i]; items of
  * one state consecutive; logits[i] (may be NULL) receives vocab_size fp32 logits. More than
- * MF_STEP_MAX_ITEMS items run as consecutive chunks of that many, or, when they are all of one
- * sequence, of up to MF_STEP_MAX_CHUNK (fewer where the expert store's budget says so). The graph of a batch size is built (and its
- * buffers allocated) on the first call of that size; later calls allocate nothing. */
+ * max_batch items (mf_step_opts) run as consecutive chunks of that many, or, when they are all of
+ * one sequence, of up to MF_STEP_MAX_CHUNK (fewer where the expert store's budget says so). Items
+ * of several sequences run their bucket's graph (decode tokens alone the parallel one, with
+ * prefill chunks the mixed one: mf_step_graph), one sequence's the serial graph of their count;
+ * each graph (and its buffers) is built on its first call, so later calls of any composition
+ * allocate nothing. Each item's logits are the same bits in any graph and beside any items. */
 int mf_step_forward(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
                     float *const *logits);
 int mf_step_prefill(mf_step *s, mf_ref_state *st, const int32_t *tokens, int n, float *logits);
@@ -254,7 +290,7 @@ int mf_step_forward_feat(mf_step *s, mf_ref_state *const *states, const int32_t 
 
 /* One draft round of the DSpark draft for each of n_seq sequences (graphs/ref/ref.h's reference
  * round, mf_ref_draft_feed + mf_ref_draft_propose, as graph runs of this engine: the builder's draft
- * graph of up to MF_STEP_MAX_ITEMS / dspark_block_size sequences at a time). Sequence k first
+ * graph of up to MF_STEP_DRAFT_ITEMS / dspark_block_size sequences at a time). Sequence k first
  * feeds n_feed pending feature rows (n_dspark_target x hidden each, from mf_step_forward_feat: the
  * positions ds->n_pos on), then proposes n_cand candidates (1..dspark_block_size) after `anchor`
  * greedily, with the confidence logits and, where asked, the candidates' logits (n_cand x
@@ -363,12 +399,23 @@ const char *mf_step_refused(const mf_step *s);
  * device card; 0 for k out of range (0..number of dense cards - 1) or without dense cards. */
 uint64_t mf_step_dense_bytes(const mf_step *s, int k, int *card);
 
-/* The step graph of n items (graphs/step/stepgraph.h), parallel (items of distinct sequences) or
- * serial, as built by an earlier call of that shape; NULL if none ran yet. For tests and tools
- * (the simulator runs the same graph: graphs/sim/plan.h). Valid until the engine's next call: a
- * serial graph of more than MF_STEP_MAX_ITEMS items is the one long shape, freed when a call of
- * another long length replaces it (and other shapes when their LRU drops them). */
-const mf_stepgraph *mf_step_graph(const mf_step *s, int n, int par);
+/* The step graph (graphs/step/stepgraph.h) a forward of n items runs, as built by an earlier call:
+ * kind MF_STEP_GRAPH_SERIAL (0) one sequence's (or any items' with hooks set) of exactly n items,
+ * MF_STEP_GRAPH_PAR (1) the parallel graph (decode tokens of distinct sequences) and
+ * MF_STEP_GRAPH_MIXED the mixed one (prefill chunks beside decode tokens) of n's bucket
+ * (mf_sg_bucket: its n is the bucket's, n_live the last step's); NULL if none ran yet. For tests
+ * and tools (the simulator runs the same graph: graphs/sim/plan.h). Valid until the engine's next
+ * call: a serial graph of more than 64 items is the one long shape, freed when a call of another
+ * long length replaces it; a bucket's graphs live as long as the engine. */
+enum { MF_STEP_GRAPH_SERIAL = 0, MF_STEP_GRAPH_PAR = 1, MF_STEP_GRAPH_MIXED = 2 };
+const mf_stepgraph *mf_step_graph(const mf_step *s, int n, int kind);
+
+/* The host buffers (bytes) the engine lays out for step graph sg of config c (sizes sz; exact,
+ * n_cards with routed experts, n_dense dense cards and micro as mf_step_opts; resident Engram
+ * tables): a parallel or mixed graph's, which every bucket of up to sg->n items shares, or a serial
+ * one's. What `moeflow sim` reports beside the cards' buffers; 0 without memory. */
+uint64_t mf_step_host_bytes(const mf_config *c, const mf_sg_sizes *sz, const mf_stepgraph *sg, int exact, int n_cards,
+                            int n_dense, int micro);
 
 /* Chrome trace-event JSON of the last graph run (one chunk of the last call). 0 or negative code. */
 int mf_step_write_trace(const mf_step *s, const char *path);

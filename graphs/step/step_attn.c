@@ -73,9 +73,10 @@ static int mf_task_attn_qnorm(void *arg, mf_task_ctx *ctx)
 
 /* The core's window KV per item, in item order: window KV (into the ring unless the ring task
  * writes it), compressor; after the IN stage, beside the q norm and the QB stage. The compressor
- * of a long unit (part 1) runs in item ranges, several at once (mf_ly_attn_kv_compress_item: an
- * item reads the one before it, not the state); the range holding a sequence's first item of the
- * step leaves the state (mf_ly_attn_kv_compress_state) after that item. */
+ * of a long unit (part 1; part 2 with the window KV: a mixed graph's item groups) runs in item
+ * ranges, several at once (mf_ly_attn_kv_compress_item: an item reads the one before it, not the
+ * state); the range holding a sequence's first item of the step leaves the state
+ * (mf_ly_attn_kv_compress_state) after that item. */
 static int mf_task_attn_kv(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
@@ -84,19 +85,21 @@ static int mf_task_attn_kv(void *arg, mf_task_ctx *ctx)
     mf_step_shape *sh = a->sh;
     const mf_ly_item *items = sh->items;
     float *b[MF_LY_A_N], *prev[MF_LY_A_N];
-    int part = a->t->part, L = a->t->layer;   /* -1: the window KV and the compressor; 0: the window KV; 1: the compressor */
+    /* -1: the window KV and the compressor (from the state); 0: the window KV; 1: the compressor
+     * (from the item before); 2: both so */
+    int part = a->t->part, L = a->t->layer, n = sh->sg->n_live;
     for (int i = a->t->i0; i < a->t->i1; i++) {
         mf_step_abuf(sh, i, b);
         int rc = 0, first = i == 0 || items[i - 1].st != items[i].st;
         if (part < 0) rc = mf_ly_attn_window_kv(cx, &sh->items[i], L, b);
-        else if (part == 0) mf_ly_attn_kv_window(cx, &sh->items[i], L, b);
-        else {
+        if (part == 0 || part == 2) mf_ly_attn_kv_window(cx, &sh->items[i], L, b);
+        if (part >= 1) {
             if (!first) mf_step_abuf(sh, i - 1, prev);
             rc = mf_ly_attn_kv_compress_item(cx, &items[i], L, b, first ? NULL : prev);
             if (!rc && first) {   /* the state, from the sequence's last item in the step (and the
                                    * last that opened a group: ratio 2's even positions) */
                 int j = i;
-                while (j + 1 < sh->n && items[j + 1].st == items[i].st) j++;
+                while (j + 1 < n && items[j + 1].st == items[i].st) j++;
                 int jo = items[j].pos % 2 ? j - 1 : j;
                 if (jo >= i) mf_step_abuf(sh, jo, prev);
                 rc = mf_ly_attn_kv_compress_state(cx, &items[i], &items[j], L, jo >= i ? prev : NULL);
@@ -463,15 +466,28 @@ int mf_step_heads_launch(const mf_step_targ *a, mf_dev_stream *st)
     return rc ? mf_error_wrap(rc, "the heads of layer %d on card %d", a->t->layer, a->t->card) : 0;
 }
 
-/* The items' window KV into the ring, in item order (after every head of the items). */
+/* The items' window KV into the ring, in item order (after every head that reads the ring rows
+ * they take). An item whose sequence reaches W = sliding_window positions further in this graph is
+ * left out: that later item takes its ring row (so item groups of a mixed graph, each writing its
+ * own items, never write one row twice; in one task in order the later write won the same way). */
 static int mf_task_attn_ring(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
     mf_ly_ctx *cx = mf_step_cx(a, ctx);
     if (!cx) return -EINVAL;
-    for (int i = a->t->i0; i < a->t->i1; i++)
+    const mf_ly_item *it = a->sh->items;
+    int n = a->sh->sg->n_live, W = cx->ly->c->sliding_window;
+    int64_t last = -1;   /* the position of the last item of item i's sequence in the graph */
+    for (int i = a->t->i0; i < a->t->i1; i++) {
+        if (i == a->t->i0 || it[i].st != it[i - 1].st) {
+            int j = i;
+            while (j + 1 < n && it[j + 1].st == it[i].st) j++;
+            last = it[j].pos;
+        }
+        if (last - it[i].pos >= W) continue;
         mf_ly_attn_ring_write(cx, &a->sh->items[i], a->t->layer,
                               a->sh->ab[MF_LY_A_KV] + (size_t)i * a->sh->ab_ld[MF_LY_A_KV]);
+    }
     return 0;
 }
 

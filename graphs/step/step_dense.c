@@ -414,7 +414,7 @@ static int mf_step_dense_wrows(const mf_step *s, int k, int L, int d, const mf_w
     int parts = mf_sg_dense_parts(s->n_dense, s->o.dense_split, d);
     int64_t a = 0, b = total;
     if (parts > 1) mf_sg_dense_rows(parts, k, total, &a, &b);
-    else if (mf_sg_dense_card(s->c, s->n_dense, L) != k) b = 0;
+    else if (mf_sg_dense_card_in(s->c, s->n_dense, s->l0, s->l1, L) != k) b = 0;
     *r0 = a - base > 0 ? a - base : 0;
     *r1 = b - base < w->rows ? b - base : w->rows;
     return *r0 < *r1;
@@ -426,6 +426,7 @@ static int mf_step_dense_weights_of(const mf_step *s, int L, int k, const mf_wei
                                     int8_t *dd)
 {
     int n = 0;
+    if (L < 0 ? s->l1 < s->c->n_layers : L < s->l0 || L >= s->l1) return 0;   /* a pipeline stage's only */
     if (L < 0) {
         w[0] = mf_model_head(s->ly->m);
         dd[0] = MF_SG_D_HEAD;

@@ -18,6 +18,11 @@ int mf_step_draft_check(const mf_layers *ly)
     const mf_config *c = ly->c;
     if (!mf_model_has_draft(ly->m))
         return mf_error(-EINVAL, "step: the draft asked of a model loaded without it (mf_model_opts.load_draft)");
+    int l0, l1;
+    mf_model_layers(ly->m, &l0, &l1);
+    if (l0 > 0 || l1 < c->n_layers)
+        return mf_error(-EINVAL, "step: the draft asked of a pipeline stage (layers [%d, %d) of %d); it runs on a "
+                        "whole model", l0, l1, c->n_layers);
     if (mf_model_is_lazy(ly->m))
         return mf_error(-ENOTSUP, "step: the draft's experts are not resident (lazy load); the engine's draft "
                         "needs them in memory");
@@ -26,10 +31,10 @@ int mf_step_draft_check(const mf_layers *ly)
                         "which the engine's buffers are sized for", c->dspark_num_experts_per_tok,
                         c->dspark_n_routed_experts, c->n_experts_per_tok, c->n_routed_experts);
     if (c->dspark_markov_rank > MF_STEP_DRAFT_MAX_RANK || c->head_dim > MF_LY_DRAFT_MAX_D ||
-        c->dspark_block_size > MF_STEP_MAX_ITEMS)
+        c->dspark_block_size > MF_STEP_DRAFT_ITEMS)
         return mf_error(-ENOTSUP, "step: the draft's Markov rank %d, head_dim %d or block %d (max %d, %d, %d)",
                         c->dspark_markov_rank, c->head_dim, c->dspark_block_size, MF_STEP_DRAFT_MAX_RANK,
-                        MF_LY_DRAFT_MAX_D, MF_STEP_MAX_ITEMS);
+                        MF_LY_DRAFT_MAX_D, MF_STEP_DRAFT_ITEMS);
     return 0;
 }
 
@@ -246,7 +251,7 @@ static void mf_step_draft_items(mf_step *s, mf_step_shape *sh, const mf_step_dra
     }
 }
 
-/* One graph run of the draft round for U sequences (U x dspark_block_size <= MF_STEP_MAX_ITEMS). */
+/* One graph run of the draft round for U sequences (U x dspark_block_size <= MF_STEP_DRAFT_ITEMS). */
 static int mf_step_draft_run(mf_step *s, mf_step_draft_seq *seqs, int U)
 {
     const mf_config *c = s->c;
@@ -268,7 +273,7 @@ int mf_step_draft(mf_step *s, mf_step_draft_seq *seqs, int n_seq)
 {
     const mf_config *c = s->c;
     if (!s->o.draft) return mf_error(-EINVAL, "step: a draft round on an engine made without the draft (opts.draft)");
-    int B = c->dspark_block_size, W = c->sliding_window, per = MF_STEP_MAX_ITEMS / B;
+    int B = c->dspark_block_size, W = c->sliding_window, per = MF_STEP_DRAFT_ITEMS / B;
     int64_t F = (int64_t)c->n_dspark_target * c->hidden_size;
     for (int k = 0; k < n_seq; k++) {
         mf_step_draft_seq *q = &seqs[k];

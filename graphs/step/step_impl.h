@@ -24,9 +24,13 @@ typedef struct mf_step_shape mf_step_shape;
 
 /* Floats of one item's hyper-connection mixes ((2 + hc) * hc, at most) */
 #define MF_STEP_N_MIX ((2 + MF_LY_MAX_HC) * MF_LY_MAX_HC)
-/* Shapes kept for unit patterns other than all-parallel and serial. Each holds its graph (and
- * its cards' buffers); their host buffers are one arena for all (mf_step.umem). */
-#define MF_STEP_UNIT_SHAPES 32
+/* Serial shapes (one sequence's items) kept per length up to this many items; a longer chunk runs
+ * the one long shape (mf_step.long_shape) */
+#define MF_STEP_SERIAL_ITEMS 64
+/* Graphs of several sequences: per kind (parallel, mixed) one per bucket of items
+ * (graphs/step/stepgraph.h mf_sg_bucket: 2, 4, .. MF_STEP_MAX_ITEMS) */
+#define MF_STEP_N_BUCKETS 10
+_Static_assert(1 << (MF_STEP_N_BUCKETS - 1) == MF_STEP_MAX_ITEMS, "a bucket per power of two up to the most items");
 
 /* One task's argument: its shape and its record in the step graph (what it is: layer, stage,
  * slot, part, card, items; graphs/step/stepgraph.h). The layer context (scratch) it uses is its
@@ -38,8 +42,9 @@ typedef struct mf_step_targ {
 
 struct mf_step_shape {
     mf_step *eng;
-    int n;              /* items */
+    int n;              /* items (of a bucket's graph: its bucket; the step's live ones: sg->n_live) */
     int par;            /* 1: items of distinct sequences, per-item parts one task per item */
+    int ln;             /* items its host buffers are laid out for (a bucket's: the arena's, umem_items) */
     /* the step graph (graphs/step/stepgraph.h) and its part counts: slots min(n * top_k, experts),
      * row parts per expert, shared expert, head, attention stage (also Engram wkv, router gate) */
     mf_stepgraph *sg;
@@ -48,8 +53,11 @@ struct mf_step_shape {
     mf_timeline *tl;
     mf_task_span *sorted;   /* per task: the last run's spans sorted by start (phase times) */
     mf_step_targ *args;     /* per task */
-    /* items and their activations */
+    /* items and their activations: per item its streams (hc x H), top-k, selection's entries and
+     * candidates, rows of the arrays below (mf_ly_item points into them) */
     mf_ly_item *items;
+    float *streams, *sel_kv_rows;
+    int32_t *topk_rows, *cand_rows;
     /* attention: per MF_LY_A_* buffer n rows of ab_ld floats (graphs/layers/layers.h); per item the
      * attention and ffn mixes (MF_STEP_N_MIX floats each) and a collapse of the streams (H) */
     float *ab[MF_LY_A_N];
@@ -75,6 +83,7 @@ struct mf_step_shape {
     int eg_per;              /* rows of an item: (max_ngram - 1) x n_heads */
     size_t eg_scratch_item;
     float *moe_out;     /* n x H: combine output */
+    float *net;         /* a pipeline stage: n x mf_sg_boundary_floats, the boundary in or out */
     /* routing of the current layer */
     int32_t *ex;        /* n x K: experts of item i in top-k order */
     float *wt;          /* n x K: their weights */
@@ -184,7 +193,7 @@ struct mf_step_shape {
     float *dfeed_x, *dfeed_u, *dkv, *dkeys, *dmk;   /* dkv: the feed's wkv outputs, per stage dfeed_rows x head_dim */
     int *dfeed_off, *dfeed_n, *dnkeys;
     int dfeed_rows;         /* rows dfeed_x holds */
-    void *mem;              /* its buffers; NULL when they are the engine's umem (unit shapes) */
+    void *mem;              /* its buffers; NULL when they are the engine's umem (a bucket's) */
 };
 
 /* A dense card's copy of rows [r0, r1) of a weight (FP8 rows from a 32-row tile boundary, or
@@ -232,28 +241,31 @@ struct mf_step {
     mf_step_fill_stats fill;  /* the warm fill at mf_step_new (mf_step_opts.dev_cache_fill) */
     mf_store *store;         /* its reads issued on this engine's IO lane (the slab registered there) */
     int eg_reads;            /* 1: the store's Engram tables are streamed: gathers are IO tasks */
-    int max_items;           /* items per graph run: one layer's slots fit the store */
+    int max_items;           /* items per graph run of several sequences (mf_step_opts.max_batch; the store's fit) */
     int max_chunk;           /* positions of one sequence per graph run (a prefill chunk), likewise */
     mf_sched *sched;
     mf_sg_sizes *sz;          /* the model's sizes for the step graphs (from its layout) */
-    mf_step_shape *shapes[2][MF_STEP_MAX_ITEMS + 1];   /* [par][n] */
-    /* the serial shape of more than MF_STEP_MAX_ITEMS items (a long prefill chunk): one at a time,
+    /* serial shapes (one sequence's items, or any items with hooks set) of n <= MF_STEP_SERIAL_ITEMS */
+    mf_step_shape *shapes[MF_STEP_SERIAL_ITEMS + 1];
+    /* the serial shape of more than MF_STEP_SERIAL_ITEMS items (a long prefill chunk): one at a time,
      * replaced when another length is asked for (a prompt's shorter last chunk), so that a
      * prompt never holds more than one long chunk's activations */
     mf_step_shape *long_shape;
-    /* shapes of other units (runs of a sequence's items beside single items: chunked prefill
-     * mixed with decode), the least recently used replaced; used[k] the call count of last use */
-    mf_step_shape *ushapes[MF_STEP_UNIT_SHAPES];
-    uint64_t ushape_used[MF_STEP_UNIT_SHAPES], n_calls;
-    /* the buffers every unit shape uses (mf_step_shape.mem of none of them): laid out for
-     * max_items items, whatever a shape's own count, so that a kept unit shape costs its graph
-     * only. One graph runs at a time and a run leaves nothing in them for the next, as a shape
-     * run twice relies on already. */
+    /* the graphs of several sequences, per kind (0 parallel: decode tokens alone; 1 mixed: decode
+     * tokens and prefill chunks) and bucket (log2 of its items): built on a bucket's first step,
+     * then every step of up to its items runs it, its other items dead (mf_stepgraph_set_live) */
+    mf_step_shape *bshapes[2][MF_STEP_N_BUCKETS];
+    /* the host buffers every bucket's shape uses (mf_step_shape.mem of none of them): laid out for
+     * umem_items items, the largest bucket built (grown, and the kept shapes' buffers carved again,
+     * when a larger one is), so that a kept bucket costs its graph and cards' buffers only. One
+     * graph runs at a time and a run leaves nothing in them for the next, as a shape run twice
+     * relies on already. */
     uint8_t *umem;
     size_t umem_bytes;
+    int umem_items;
     mf_step_shape *last;
     /* the draft rounds' shapes (opts.draft): dshapes[U] for U sequences */
-    mf_step_shape *dshapes[MF_STEP_MAX_ITEMS + 1];
+    mf_step_shape *dshapes[MF_STEP_DRAFT_ITEMS + 1];
     mf_step_build_stats builds;   /* shapes built since mf_step_new (mf_step_builds) */
     mf_step_times times;
     mf_lane_model models[4];   /* mf_step_lane_models: cpu, copy in, card compute, copy out */
@@ -269,6 +281,7 @@ struct mf_step {
     char refused[1024];       /* the startup self-check's refusals ("" when none) */
     unsigned refused_mask;    /* cards refused by it */
     mf_profile prof;          /* a copy of the caller's o.profile (o.profile points here when given) */
+    int l0, l1;               /* the layers the model loaded (mf_model_layers): a pipeline stage's */
 };
 
 /* One copy of a dense sublayer: `rows` rows of n values, ld values apart, from the value at host
@@ -355,11 +368,12 @@ mf_ly_ctx *mf_step_cx(const mf_step_targ *a, const mf_task_ctx *ctx);
 void mf_step_count_socket(mf_step *eng, const mf_task_ctx *ctx, const mf_weight *w, int64_t r0, int64_t r1,
                           int dense);
 
-/* step_shape.c: the shape for a chunk's items (built on first use, kept), its release, and what a
- * shape's step graph and card buffers take (the expert caches' sizing reads them too). */
+/* step_shape.c: the shape for a chunk's items (built on first use, kept; a bucket's with the chunk's
+ * items live), its release, and what a shape's step graph and card buffers take (the expert
+ * caches' sizing reads them too). */
 int mf_step_shape_of(mf_step *s, mf_ref_state *const *states, int n, mf_step_shape **out);
 void mf_step_shape_free(mf_step_shape *sh);
-mf_sg_opts mf_step_sg_opts(const mf_step *eng, int n, int par, int n_units, const int *unit_end, mf_task_fn *fn_of);
+mf_sg_opts mf_step_sg_opts(const mf_step *eng, int n, int par, int mixed, mf_task_fn *fn_of);
 /* step_draft.c: -EINVAL unless the engine can run the model's draft (loaded, resident experts, its
  * top-k and experts within the backbone's, which the shapes' buffers are sized for). */
 int mf_step_draft_check(const mf_layers *ly);
@@ -405,5 +419,6 @@ extern const mf_task_fn mf_step_moe_fn_of[MF_SG_N_OPS];         /* step_moe.c */
 extern const mf_task_fn mf_step_moe_cards_fn_of[MF_SG_N_OPS];   /* step_moe_cards.c */
 extern const mf_task_fn mf_step_dense_fn_of[MF_SG_N_OPS];       /* step_dense.c */
 extern const mf_task_fn mf_step_draft_fn_of[MF_SG_N_OPS];       /* step_draft.c */
+extern const mf_task_fn mf_step_net_fn_of[MF_SG_N_OPS];         /* step_net.c */
 
 #endif

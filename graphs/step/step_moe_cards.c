@@ -530,7 +530,7 @@ int mf_step_caches_new(mf_step *s)
         mf_task_fn fn_of[MF_SG_N_OPS];
         int chunk = s->o.prefill_chunk > 0 ? s->o.prefill_chunk : MF_STEP_PREFILL_CHUNK;
         if (chunk > s->max_chunk) chunk = s->max_chunk;
-        mf_sg_opts o = mf_step_sg_opts(s, chunk, 0, 0, NULL, fn_of);
+        mf_sg_opts o = mf_step_sg_opts(s, chunk, 0, 0, fn_of);
         mf_sg_card_in ci = mf_step_card_in(s, NULL, 0);
         double routed = 0, dense = 0;
         rc = mf_sg_card_reserve(&o, &ci, chunk, s->max_items, &routed, &dense);

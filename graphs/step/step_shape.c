@@ -64,7 +64,7 @@ static mf_task_fn mf_step_fn_of(int op)
 {
     static const mf_task_fn *const tabs[] = {mf_step_engram_fn_of, mf_step_hc_fn_of,        mf_step_attn_fn_of,
                                              mf_step_moe_fn_of,    mf_step_moe_cards_fn_of, mf_step_dense_fn_of,
-                                             mf_step_draft_fn_of,  mf_step_shape_fn_of};
+                                             mf_step_draft_fn_of,  mf_step_net_fn_of,       mf_step_shape_fn_of};
     for (size_t k = 0; k < sizeof tabs / sizeof tabs[0]; k++)
         if (tabs[k][op]) return tabs[k][op];
     return NULL;
@@ -77,7 +77,8 @@ static int mf_task_items(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
     mf_task_fn fn = mf_step_fn_of(a->t->op);
-    if (a->t->i1 - a->t->i0 <= 1) return fn(arg, ctx);
+    if (a->t->i1 <= a->t->i0) return 0;   /* dead items (mf_stepgraph_set_live) */
+    if (a->t->i1 - a->t->i0 == 1) return fn(arg, ctx);
     mf_sg_task one = *a->t;
     mf_step_targ b = {a->sh, &one};
     for (int i = a->t->i0; i < a->t->i1; i++) {
@@ -90,9 +91,9 @@ static int mf_task_items(void *arg, mf_task_ctx *ctx)
     return 0;
 }
 
-/* The step graph options of a shape of n items; fn_of: MF_SG_N_OPS entries, filled, kept by the
- * caller while the options are used. */
-mf_sg_opts mf_step_sg_opts(const mf_step *eng, int n, int par, int n_units, const int *unit_end, mf_task_fn *fn_of)
+/* The step graph options of a shape of n items (parallel, mixed or serial); fn_of: MF_SG_N_OPS
+ * entries, filled, kept by the caller while the options are used. */
+mf_sg_opts mf_step_sg_opts(const mf_step *eng, int n, int par, int mixed, mf_task_fn *fn_of)
 {
     for (int op = 0; op < MF_SG_N_OPS; op++)   /* the per-item ops over their item groups; the mixes
                                                  * take their whole item group (mf_step_mix_rows) */
@@ -100,8 +101,7 @@ mf_sg_opts mf_step_sg_opts(const mf_step *eng, int n, int par, int n_units, cons
                                                                                           : mf_step_fn_of(op);
     const mf_ref_hooks *hk = &eng->ly->hooks;
     int ordered = hk->on_route || hk->on_select || hk->on_candidates;   /* the hooks in item order */
-    return (mf_sg_opts){.c = eng->c, .sz = eng->sz, .n = n, .par = par,
-                        .n_units = n_units, .unit_end = unit_end, .ordered = ordered,
+    return (mf_sg_opts){.c = eng->c, .sz = eng->sz, .n = n, .par = par, .mixed = mixed, .ordered = ordered,
                         .n_threads = eng->o.n_threads, .n_cards = eng->n_cards,
                         .n_dense_cards = eng->n_dense, .dense_split = eng->o.dense_split,
                         .dense_block = eng->o.dense_block,
@@ -116,6 +116,7 @@ mf_sg_opts mf_step_sg_opts(const mf_step *eng, int n, int par, int n_units, cons
                         .prefetch_min = eng->o.prefetch_min, .lt = eng->lt_mode,
                         .fn_of = fn_of,
                         .profile = eng->o.profile,
+                        .layer_begin = eng->l0, .layer_end = eng->l1, .lane_net = eng->lt.lane_net,
                         .feats = eng->o.draft && eng->c->n_mtp_layers > 0};
 }
 
@@ -126,24 +127,27 @@ static mf_sg_opts mf_step_draft_opts(const mf_step *eng, int n_seq, int *unit_en
 {
     int B = eng->c->dspark_block_size;
     for (int k = 0; k < n_seq; k++) unit_end[k] = (k + 1) * B;
-    mf_sg_opts o = mf_step_sg_opts(eng, n_seq * B, 0, n_seq, unit_end, fn_of);
+    mf_sg_opts o = mf_step_sg_opts(eng, n_seq * B, 0, 0, fn_of);
     o.draft = 1;
     o.feats = 0;
+    o.n_units = n_seq;
+    o.unit_end = unit_end;
     o.n_cards = o.dev_graphs = o.store = o.eg_reads = 0;   /* its dense work where the steps' is */
+    o.layer_begin = o.layer_end = 0;                       /* its own stages (a whole model's: mf_step_draft_check) */
     o.micro = 1;
     o.prefetch_min = -1;
     o.ordered = 0;
     return o;
 }
 
-/* The step graph of a shape of n items (parallel, serial, or n_units units ending at unit_end[])
- * on the engine's lanes. */
-static int mf_step_graph_new(mf_step *eng, int n, int par, int n_units, const int *unit_end, int draft,
-                             mf_stepgraph **out)
+/* The step graph of a shape of n items (parallel, mixed or serial; a draft round's of n /
+ * dspark_block_size sequences) on the engine's lanes. */
+static int mf_step_graph_new(mf_step *eng, int n, int par, int mixed, int draft, mf_stepgraph **out)
 {
     mf_task_fn fn_of[MF_SG_N_OPS];
-    int ue[MF_STEP_MAX_ITEMS];
-    mf_sg_opts o = draft ? mf_step_draft_opts(eng, n_units, ue, fn_of) : mf_step_sg_opts(eng, n, par, n_units, unit_end, fn_of);
+    int ue[MF_STEP_DRAFT_ITEMS];
+    mf_sg_opts o = draft ? mf_step_draft_opts(eng, n / eng->c->dspark_block_size, ue, fn_of)
+                         : mf_step_sg_opts(eng, n, par, mixed, fn_of);
     return mf_stepgraph_new(&o, out);
 }
 
@@ -155,16 +159,12 @@ mf_sg_card_in mf_step_card_in(const mf_step *eng, const mf_stepgraph *sg, int ln
                            .exact = eng->o.exact, .dev_graphs = eng->dev_graphs, .head_rows = eng->o.head_rows};
 }
 
-/* Binds the shape's buffers to its graph's tasks: each task's argument is its record (its worker's
- * layer context is found when it runs); an IO task's is its slot's read. Then the timeline and the spans' scratch. */
-static int mf_step_bind(mf_step *eng, mf_step_shape *sh)
+/* Each task's argument: its record (its worker's layer context is found when it runs); an IO
+ * task's its read in the shape's buffers (again after they are carved again). */
+static void mf_step_bind_args(mf_step_shape *sh)
 {
     mf_stepgraph *sg = sh->sg;
-    int n = sg->n_tasks;
-    sh->args = calloc((size_t)n, sizeof *sh->args);
-    sh->sorted = malloc(sizeof *sh->sorted * 2 * (size_t)n);
-    if (!sh->args || !sh->sorted) return mf_error(-ENOMEM, "step: out of memory for the graph");
-    for (int t = 0; t < n; t++) {
+    for (int t = 0; t < sg->n_tasks; t++) {
         const mf_sg_task *rec = &sg->task[t];
         sh->args[t] = (mf_step_targ){sh, rec};
         if (rec->op == MF_SG_SLOT_READ)
@@ -174,6 +174,18 @@ static int mf_step_bind(mf_step *eng, mf_step_shape *sh)
         else
             mf_graph_set_arg(sh->g, t, &sh->args[t]);
     }
+}
+
+/* Binds the shape's buffers to its graph's tasks (mf_step_bind_args), then the timeline and the
+ * spans' scratch. */
+static int mf_step_bind(mf_step *eng, mf_step_shape *sh)
+{
+    (void)eng;
+    int n = sh->sg->n_tasks;
+    sh->args = calloc((size_t)n, sizeof *sh->args);
+    sh->sorted = malloc(sizeof *sh->sorted * 2 * (size_t)n);
+    if (!sh->args || !sh->sorted) return mf_error(-ENOMEM, "step: out of memory for the graph");
+    mf_step_bind_args(sh);
     return mf_timeline_create(sh->g, &sh->tl);
 }
 
@@ -271,61 +283,65 @@ static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh)
     return 0;
 }
 
+/* What a shape's host buffers depend on beside its graph: the engine's settings (mf_step_host_in_of)
+ * or, for the simulator's report, the same from its options (mf_step_host_bytes). */
+typedef struct mf_step_host_in {
+    const mf_config *c;
+    int64_t sh_rows;          /* the shared expert's hidden rows */
+    int exact, n_cards, n_dense, micro;
+    int eg_reads;             /* streamed Engram tables: the gathers' buffers */
+    const mf_store *store;    /* with eg_reads: its gather plans' scratch */
+    int net;                  /* a pipeline stage: the items' boundaries (the simulator's report leaves them out) */
+} mf_step_host_in;
+
+static mf_step_host_in mf_step_host_in_of(const mf_step *eng)
+{
+    return (mf_step_host_in){.c = eng->c, .sh_rows = (int64_t)eng->sz->sh_rows, .exact = eng->o.exact,
+                             .n_cards = eng->n_cards, .n_dense = eng->n_dense, .micro = eng->o.micro,
+                             .eg_reads = eng->eg_reads, .store = eng->store,
+                             .net = eng->lt.lane_net >= 0};
+}
+
 /* The Engram rows of shape sh's items (ln laid out): an item's rows and their lengths (the card
  * buffers' layout), its part of the gather plans' scratch with streamed tables. Returns the values
  * of a table row (0: no Engram). */
-static size_t mf_step_shape_engram(mf_step *eng, mf_step_shape *sh, int ln)
+static size_t mf_step_shape_engram(const mf_step_host_in *in, mf_step_shape *sh, int ln)
 {
-    const mf_config *c = eng->c;
+    const mf_config *c = in->c;
     size_t eg_d = 0;
     if (c->n_engram > 0) {   /* Engram rows of one item, its wkv output */
         sh->eg_per = sh->cb.eg_per;
         sh->eg_emb_ld = sh->cb.eg_emb_ld;
         sh->eg_kv_ld = sh->cb.eg_kv_ld;
         eg_d = (size_t)c->engram_head_dim;
-        if (eng->eg_reads) sh->eg_scratch_item = (mf_store_gather_bytes(eng->store, sh->eg_per) + 15) / 16 * 16;
+        if (in->eg_reads) sh->eg_scratch_item = (mf_store_gather_bytes(in->store, sh->eg_per) + 15) / 16 * 16;
     }
     sh->eg_items = ln;
     return eg_d;
 }
 
-/* The expert slots shape sh's buffers hold into *out: its graph's, or for a unit shape (shared: laid
- * out in the engine's umem for ln items, nk = ln x top_k rows) the most a shape of ln items has. Frees
- * sh and fails when its graph has more. */
-static int mf_step_shape_slots(mf_step *eng, mf_step_shape *sh, int n, int shared, size_t nk, size_t *out)
+/* The expert slots shape sh's buffers hold: its graph's, or for a bucket's shape (shared: laid out
+ * in the engine's umem for ln items, nk = ln x top_k rows) the most a shape of ln items has (two
+ * micro-batches: experts per half at most). */
+static size_t mf_step_shape_slots(const mf_step_host_in *in, const mf_step_shape *sh, int shared, size_t nk)
 {
-    int E = eng->c->n_routed_experts;
-    size_t ns = (size_t)sh->n_slots;
-    if (shared) {   /* the most slots a shape of ln items has (two micro-batches: E per half at most) */
-        size_t cap = (size_t)(eng->o.micro == 2 ? 2 : 1) * E;
-        ns = nk < cap ? nk : cap;
-        if ((size_t)sh->n_slots > ns) {
-            mf_step_shape_free(sh);
-            return mf_error(-EINVAL, "step: a unit shape of %d items has %d expert slots, past the %zu laid out",
-                            n, sh->n_slots, ns);
-        }
-    }
-    *out = ns;
-    return 0;
+    size_t cap = (size_t)(in->micro == 2 ? 2 : 1) * (size_t)in->c->n_routed_experts;
+    return !shared ? (size_t)sh->n_slots : nk < cap ? nk : cap;
 }
 
-/* Carves the rows of tab (n_tab, each from a 64-byte boundary) from one allocation: for a unit shape
- * (shared) the engine's umem, allocated by the first one, for ln = max_items items; else the shape's
- * own (sh->mem). Frees sh and fails without the memory. */
+/* Carves the rows of tab (n_tab, each from a 64-byte boundary) from one allocation: for a bucket's
+ * shape (shared) the engine's umem, allocated by the first one laid out for ln = umem_items items;
+ * else the shape's own (sh->mem). Fails without the memory. */
 static int mf_step_shape_carve(mf_step *eng, mf_step_shape *sh, const mf_step_buf *tab, int n_tab, int shared, int ln)
 {
     size_t bytes = 0;
     for (int i = 0; i < n_tab; i++) bytes += (tab[i].bytes + 63) / 64 * 64;
     uint8_t *p = shared ? eng->umem : NULL;
-    if (shared && p && bytes != eng->umem_bytes) {
-        mf_step_shape_free(sh);
-        return mf_error(-EINVAL, "step: unit shape buffers of %zu bytes, the engine laid out %zu", bytes, eng->umem_bytes);
-    }
+    if (shared && p && bytes != eng->umem_bytes)
+        return mf_error(-EINVAL, "step: shape buffers of %zu bytes, the engine laid out %zu", bytes, eng->umem_bytes);
     if (!p) {
-        if (!(p = aligned_alloc(64, bytes))) {
-            mf_step_shape_free(sh);
+        if (!(p = aligned_alloc(64, bytes)))
             return mf_error(-ENOMEM, "step: cannot allocate %zu bytes of buffers for a batch of %d", bytes, ln);
-        }
         memset(p, 0, bytes);
         if (shared) {
             eng->umem = p;
@@ -341,27 +357,27 @@ static int mf_step_shape_carve(mf_step *eng, mf_step_shape *sh, const mf_step_bu
     return 0;
 }
 
-/* The host buffers of shape sh of n items (ln laid out; shared: in the engine's umem): sized in one
- * table of {name, bytes, &ptr}, then carved from one allocation (mf_step_shape_carve); the items'
- * streams and lists in them. Frees sh and fails on error. */
-static int mf_step_shape_host(mf_step *eng, mf_step_shape *sh, int n, int shared, int ln)
+#define MF_STEP_HOST_ROWS 96   /* rows of the host buffers' table at most */
+
+/* The table of shape sh's host buffers laid out for ln items ({name, bytes, &ptr}: sized here,
+ * carved by mf_step_shape_carve) into tab; returns its rows. Sets the shape's row lengths and the
+ * sizes the tasks read (eg_*, sk_rows, hk_ecap, q8 row bytes). */
+static int mf_step_host_table(const mf_step_host_in *in, mf_step_shape *sh, int shared, int ln, mf_step_buf *tab)
 {
-    const mf_config *c = eng->c;
+    const mf_config *c = in->c;
     int64_t H = c->hidden_size, I = c->moe_intermediate_size, V = c->vocab_size;
-    int64_t Ish = c->n_shared_experts > 0 ? mf_model_layer_at(eng->ly->m, 0)->sh_w1.rows : 0;
+    int64_t Ish = c->n_shared_experts > 0 ? in->sh_rows : 0;
     int K = c->n_experts_per_tok, E = c->n_routed_experts, hc = c->hc_mult;
     int n_cb = c->candidate_topk_blocks > 0 ? c->candidate_topk_blocks : 1;
-    int rc;
     /* the int8 rows by rows (host/kernels.h mf_kern_q8_bytes): a slot's area where its rows are */
     size_t nk = (size_t)ln * K, q8x = mf_kern_q8_bytes(1, (int)H), q8h = mf_kern_q8_bytes(1, (int)I);
-    int ex = eng->o.exact;
+    int ex = in->exact, cards = in->n_cards > 0 && sh->sg->n_cards > 0;   /* a draft round's shape: none */
     size_t f = sizeof(float), ab_sz[MF_LY_A_N];
-    size_t eg_d = mf_step_shape_engram(eng, sh, ln);
+    size_t eg_d = mf_step_shape_engram(in, sh, ln);
     size_t eg_items = (size_t)ln * (size_t)c->n_engram;   /* one set of rows per Engram slot */
-    size_t eg_n = eng->eg_reads ? eg_items * sh->eg_per : 0;
+    size_t eg_n = in->eg_reads ? eg_items * sh->eg_per : 0;
     /* with dense cards: the bf16 mirrors of what their chains copy as bf16 (mf_sg_attn_buf_bf16) */
-    size_t ab16_sz[MF_LY_A_N], dn = sh->sg->n_dense_cards > 0 ? (size_t)ln : 0;
-    int cards = sh->sg->n_cards > 0;
+    size_t ab16_sz[MF_LY_A_N], dn = in->n_dense > 0 ? (size_t)ln : 0;
     /* the draft: a step's features, a round's feed rows, key tables and Markov logits */
     size_t fo = sh->sg->feats ? (size_t)ln : 0, du = sh->sg->draft ? (size_t)sh->sg->n_units : 0;
     size_t dfr = du * (size_t)c->sliding_window, D = (size_t)c->head_dim;
@@ -374,26 +390,24 @@ static int mf_step_shape_host(mf_step *eng, mf_step_shape *sh, int n, int shared
     }
     size_t xin16_sz = mf_sg_dense_bf16(MF_SG_D_GATE, 0) ? dn * H * 2 : 0;
     size_t ys16_sz = mf_sg_dense_bf16(MF_SG_D_SHARED, 1) && c->n_shared_experts > 0 ? dn * H * 2 : 0;
-    /* the shape's buffers: {name, bytes, &ptr}, sized first, then carved from one allocation */
-    float *x = NULL;
-    int32_t *topk = NULL, *cand = NULL;
-    float *sel_kv = NULL;   /* per item its selection's entries, unpacked once (mf_ly_item.sel_kv) */
     int has_comp = 0;
     for (int L = 0; L < c->n_layers; L++) has_comp |= c->compress_ratios[L] > 0;
-    size_t n_ = (size_t)ln, ns = 0;
-    if ((rc = mf_step_shape_slots(eng, sh, n, shared, nk, &ns))) return rc;   /* sh freed */
+    size_t n_ = (size_t)ln, ns = mf_step_shape_slots(in, sh, shared, nk);
     /* the heads on cards: the key table's entries at most (a longer union runs the host's heads) */
     int hk = sh->sg->heads_any, sk = sh->sg->scores_any;
     sh->sk_rows = sh->cb.sk_rows;   /* a card's items of the index scores at most */
     sh->hk_ecap = sh->cb.hk_ecap;
-    mf_step_buf tab[] = {
+    sh->q8x_bytes = q8x;
+    sh->q8h_bytes = q8h;
+    const mf_step_buf t[] = {
         {"items", n_ * sizeof(mf_ly_item), (void **)&sh->items},
-        {"streams", n_ * hc * H * f, (void **)&x},
-        {"topk", n_ * c->index_topk * 4, (void **)&topk},
-        {"sel_kv", has_comp ? n_ * c->index_topk * c->head_dim * f : 0, (void **)&sel_kv},
-        {"candidates", n_ * n_cb * 4, (void **)&cand},
+        {"streams", n_ * hc * H * f, (void **)&sh->streams},
+        {"topk", n_ * c->index_topk * 4, (void **)&sh->topk_rows},
+        {"sel_kv", has_comp ? n_ * c->index_topk * c->head_dim * f : 0, (void **)&sh->sel_kv_rows},
+        {"candidates", n_ * n_cb * 4, (void **)&sh->cand_rows},
         {"xin", n_ * H * f, (void **)&sh->xin},
         {"moe_out", n_ * H * f, (void **)&sh->moe_out},
+        {"net", in->net ? n_ * (size_t)mf_sg_boundary_floats(c) * f : 0, (void **)&sh->net},
         {"ex", nk * 4, (void **)&sh->ex},
         {"wt", nk * f, (void **)&sh->wt},
         {"asg", nk * 4, (void **)&sh->asg},
@@ -435,7 +449,7 @@ static int mf_step_shape_host(mf_step *eng, mf_step_shape *sh, int n, int shared
         {"eg_codes", eg_n * eg_d, (void **)&sh->eg_codes},
         {"eg_scales", eg_n * ((eg_d + 31) / 32), (void **)&sh->eg_scales},
         {"eg_rd", 2 * eg_n * sizeof(mf_io_read), (void **)&sh->eg_rd},
-        {"eg_scratch", eng->eg_reads ? eg_items * sh->eg_scratch_item : 0, (void **)&sh->eg_scratch},
+        {"eg_scratch", in->eg_reads ? eg_items * sh->eg_scratch_item : 0, (void **)&sh->eg_scratch},
         {"ab_in", ab_sz[MF_LY_A_IN], (void **)&sh->ab[MF_LY_A_IN]},
         {"ab_qr", ab_sz[MF_LY_A_QR], (void **)&sh->ab[MF_LY_A_QR]},
         {"ab_kv", ab_sz[MF_LY_A_KV], (void **)&sh->ab[MF_LY_A_KV]},
@@ -474,31 +488,65 @@ static int mf_step_shape_host(mf_step *eng, mf_step_shape *sh, int n, int shared
         {"dnkeys", du * sizeof(int), (void **)&sh->dnkeys},
     };
     _Static_assert(MF_LY_A_N == 11, "one row per attention buffer");
-    enum { N_TAB = sizeof tab / sizeof tab[0] };
-    if ((rc = mf_step_shape_carve(eng, sh, tab, N_TAB, shared, ln))) return rc;   /* sh freed */
+    _Static_assert(sizeof t / sizeof t[0] <= MF_STEP_HOST_ROWS, "the table's rows");
+    memcpy(tab, t, sizeof t);
+    return (int)(sizeof t / sizeof t[0]);
+}
+
+/* The host buffers of shape sh of n items (ln laid out; shared: in the engine's umem): its table
+ * (mf_step_host_table) carved from one allocation (mf_step_shape_carve); the items' streams and
+ * lists in them. 0 or a negative code (the caller frees sh). */
+static int mf_step_shape_host(mf_step *eng, mf_step_shape *sh, int n, int shared, int ln)
+{
+    const mf_config *c = eng->c;
+    mf_step_host_in in = mf_step_host_in_of(eng);
+    mf_step_buf tab[MF_STEP_HOST_ROWS];
+    size_t nk = (size_t)ln * c->n_experts_per_tok;
+    if ((size_t)sh->n_slots > mf_step_shape_slots(&in, sh, shared, nk))
+        return mf_error(-EINVAL, "step: a shape of %d items has %d expert slots, past the %zu laid out", n, sh->n_slots,
+                        mf_step_shape_slots(&in, sh, shared, nk));
+    int n_tab = mf_step_host_table(&in, sh, shared, ln, tab), rc;
+    if ((rc = mf_step_shape_carve(eng, sh, tab, n_tab, shared, ln))) return rc;
     for (int b = 0; b < MF_LY_A_N; b++)
-        if (ab16_sz[b] && !sh->ab16[b]) {   /* a bf16 buffer (mf_sg_attn_buf_bf16) without a row above */
-            mf_step_shape_free(sh);
+        if (mf_sg_attn_buf_bf16(b) && eng->n_dense > 0 && sh->ab_ld[b] > 0 && !sh->ab16[b])   /* a bf16 buffer without a row */
             return mf_error(-EINVAL, "step: attention buffer %d is copied as bf16 but has no mirror (internal)", b);
-        }
-    sh->q8x_bytes = q8x;
-    sh->q8h_bytes = q8h;
+    sh->ln = ln;
+    int64_t H = c->hidden_size;
+    int n_cb = c->candidate_topk_blocks > 0 ? c->candidate_topk_blocks : 1;
     for (int i = 0; i < n; i++) {
-        sh->items[i].x = x + (size_t)i * hc * H;
-        sh->items[i].topk = topk + (size_t)i * c->index_topk;
-        sh->items[i].sel_kv = sel_kv ? sel_kv + (size_t)i * c->index_topk * c->head_dim : NULL;
-        sh->items[i].cand = cand + (size_t)i * n_cb;
+        sh->items[i].x = sh->streams + (size_t)i * c->hc_mult * H;
+        sh->items[i].topk = sh->topk_rows + (size_t)i * c->index_topk;
+        sh->items[i].sel_kv = sh->sel_kv_rows ? sh->sel_kv_rows + (size_t)i * c->index_topk * c->head_dim : NULL;
+        sh->items[i].cand = sh->cand_rows + (size_t)i * n_cb;
     }
     return 0;
 }
 
-/* A shape of n items: parallel, serial, or n_units units ending at unit_end[]. A unit shape
- * (n_units > 0) carves its buffers from the engine's umem, laid out for max_items items (the
- * first n used); the others own theirs. In order: its graph, the store's slot reads, the cards'
- * buffers (mf_step_shape_cards), the host's (mf_step_shape_host), the dense cards'
- * (mf_step_shape_dense), the tasks bound (mf_step_bind). */
-static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const int *unit_end, int draft,
-                             mf_step_shape **out)
+uint64_t mf_step_host_bytes(const mf_config *c, const mf_sg_sizes *sz, const mf_stepgraph *sg, int exact, int n_cards,
+                            int n_dense, int micro)
+{
+    mf_step_shape *sh = calloc(1, sizeof *sh);
+    if (!sh) return 0;
+    mf_step_host_in in = {.c = c, .sh_rows = (int64_t)sz->sh_rows, .exact = exact, .n_cards = n_cards,
+                          .n_dense = n_dense, .micro = micro};
+    sh->sg = (mf_stepgraph *)sg;   /* only read */
+    sh->n_slots = sg->n_slots;
+    mf_sg_card_bufs_of(&(mf_sg_card_in){.c = c, .sg = sg, .ln = sg->n, .sh_rows = (int64_t)sz->sh_rows, .exact = exact},
+                       &sh->cb);
+    mf_step_buf tab[MF_STEP_HOST_ROWS];
+    int n_tab = mf_step_host_table(&in, sh, sg->par || sg->mixed, sg->n, tab);
+    uint64_t bytes = 0;
+    for (int i = 0; i < n_tab; i++) bytes += (tab[i].bytes + 63) / 64 * 64;
+    free(sh);
+    return bytes;
+}
+
+/* A shape of n items: parallel, mixed (a bucket's shape, its buffers the engine's umem, laid out
+ * for umem_items >= n items), serial or a draft round's (draft 1; these two own their buffers). In
+ * order: its graph, the store's slot reads, the cards' buffers (mf_step_shape_cards, laid out for
+ * n), the host's (mf_step_shape_host), the dense cards' (mf_step_shape_dense), the tasks bound
+ * (mf_step_bind). */
+static int mf_step_shape_new(mf_step *eng, int n, int par, int mixed, int draft, mf_step_shape **out)
 {
     int64_t t0 = mf_now_ns();
     mf_step_shape *sh = calloc(1, sizeof *sh);
@@ -506,7 +554,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
     sh->eng = eng;
     sh->n = n;
     sh->par = par;
-    int rc = mf_step_graph_new(eng, n, par, n_units, unit_end, draft, &sh->sg);
+    int rc = mf_step_graph_new(eng, n, par, mixed, draft, &sh->sg);
     if (rc) {
         free(sh);
         return mf_error_wrap(rc, "step: building the graph of a batch of %d", n);
@@ -529,22 +577,13 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
         for (int i = 0; i < sh->n_slots * sh->n_parts; i++) sh->slot_rd[i] = (mf_io_read){.fd = -1};
     }
     sh->dev_layer = -1;
-    int shared = n_units > 0 && !draft, ln = shared ? eng->max_items : n;   /* the layout's items */
-    mf_sg_card_in ci = mf_step_card_in(eng, sh->sg, ln);
+    int shared = par || mixed, ln = shared ? eng->umem_items : n;   /* the host layout's items */
+    mf_sg_card_in ci = mf_step_card_in(eng, sh->sg, n);
     mf_sg_card_bufs_of(&ci, &sh->cb);
-    if ((rc = mf_step_shape_cards(eng, sh))) {
+    if ((rc = mf_step_shape_cards(eng, sh)) || (rc = mf_step_shape_host(eng, sh, n, shared, ln)) ||
+        (rc = mf_step_shape_dense(eng, sh)) || (rc = mf_step_bind(eng, sh))) {
         mf_step_shape_free(sh);
-        return rc;
-    }
-    if ((rc = mf_step_shape_host(eng, sh, n, shared, ln))) return rc;   /* sh freed */
-    if ((rc = mf_step_shape_dense(eng, sh))) {
-        mf_step_shape_free(sh);
-        return rc;
-    }
-    rc = mf_step_bind(eng, sh);
-    if (rc) {
-        mf_step_shape_free(sh);
-        return mf_error_wrap(rc, "step: building the graph of a batch of %d", n);
+        return mf_error_wrap(rc, "step: building the shape of a batch of %d", n);
     }
     eng->builds.n_built++;
     eng->builds.build_ns += mf_now_ns() - t0;
@@ -552,60 +591,85 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int n_units, const in
     return 0;
 }
 
-/* The shape for items of `states` (one state's items consecutive): per-item parts one task per
- * run of a state's items (a unit), run in order; with hooks set, one task for all (the hooks are
- * called in order on one thread then). Units all single: the parallel shape; one unit: the
- * serial one; else a unit shape, built on first use and kept among the last
- * MF_STEP_UNIT_SHAPES used. */
+/* Frees every bucket's shape and the arena they share. */
+static void mf_step_buckets_free(mf_step *s)
+{
+    for (int k = 0; k < 2; k++)
+        for (int j = 0; j < MF_STEP_N_BUCKETS; j++) {
+            if (s->last == s->bshapes[k][j]) s->last = NULL;
+            mf_step_shape_free(s->bshapes[k][j]);
+            s->bshapes[k][j] = NULL;
+        }
+    free(s->umem);
+    s->umem = NULL;
+    s->umem_bytes = 0;
+    s->umem_items = 0;
+}
+
+/* The shape of bucket j (2^j items) of kind `mixed` (0: parallel), built on first use. A bucket
+ * larger than the arena's layout lays it out again for its items and carves the kept buckets'
+ * buffers from it (their IO tasks' reads bound again); on a failure every bucket is let go. */
+static int mf_step_bucket(mf_step *s, int mixed, int j, mf_step_shape **out)
+{
+    int N = 1 << j, rc = 0;
+    if (!s->bshapes[mixed][j]) {
+        if (N > s->umem_items) {   /* a new layout: the kept shapes' buffers follow it */
+            free(s->umem);
+            s->umem = NULL;
+            s->umem_bytes = 0;
+            s->umem_items = N;
+        }
+        rc = mf_step_shape_new(s, N, !mixed, mixed, 0, &s->bshapes[mixed][j]);
+        for (int k = 0; k < 2 && !rc; k++)
+            for (int i = 0; i < MF_STEP_N_BUCKETS && !rc; i++) {
+                mf_step_shape *sh = s->bshapes[k][i];
+                if (!sh || sh->ln == s->umem_items) continue;
+                if (!(rc = mf_step_shape_host(s, sh, sh->n, 1, s->umem_items))) mf_step_bind_args(sh);
+            }
+        if (rc) {
+            mf_step_buckets_free(s);
+            return rc;
+        }
+    }
+    *out = s->bshapes[mixed][j];
+    return 0;
+}
+
+/* The shape for items of `states` (one state's items consecutive). With hooks set, or one
+ * sequence's items: a serial shape (the hooks are called in item order on one thread), kept per
+ * length up to MF_STEP_SERIAL_ITEMS, longer the one long shape. Else a bucket's shape
+ * (mf_sg_bucket): parallel when every sequence has one item (decode tokens), mixed otherwise
+ * (prefill chunks beside them), its first n items live (mf_stepgraph_set_live): a step's
+ * composition builds nothing once its bucket exists. */
 int mf_step_shape_of(mf_step *s, mf_ref_state *const *states, int n, mf_step_shape **out)
 {
     const mf_ref_hooks *hk = &s->ly->hooks;
-    int hooks = hk->on_route || hk->on_select || hk->on_candidates, n_units = 0, unit_end[MF_STEP_MAX_ITEMS], rc;
-    if (n > MF_STEP_MAX_ITEMS) {   /* a long chunk of one sequence (mf_step_forward_chunks checked it) */
-        if (!s->long_shape || s->long_shape->n != n) {
-            if (s->last == s->long_shape) s->last = NULL;
-            mf_step_shape_free(s->long_shape);
-            s->long_shape = NULL;
-            if ((rc = mf_step_shape_new(s, n, 0, 0, NULL, 0, &s->long_shape))) return rc;
+    int hooks = hk->on_route || hk->on_select || hk->on_candidates, n_units = 0, rc;
+    for (int i = 1; i <= n; i++) n_units += i == n || states[i] != states[i - 1];
+    if (hooks || n_units == 1) {
+        mf_step_shape **slot = n <= MF_STEP_SERIAL_ITEMS ? &s->shapes[n] : &s->long_shape;
+        if (*slot && (*slot)->n != n) {   /* the long shape of another length */
+            if (s->last == *slot) s->last = NULL;
+            mf_step_shape_free(*slot);
+            *slot = NULL;
         }
-        *out = s->long_shape;
+        if (!*slot && (rc = mf_step_shape_new(s, n, 0, 0, 0, slot))) return rc;
+        *out = *slot;
         return 0;
     }
-    for (int i = 1; i <= n; i++)
-        if (i == n || states[i] != states[i - 1]) unit_end[n_units++] = i;
-    int par = n > 1 && !hooks && n_units == n;
-    if (hooks || n_units == 1 || par) {
-        if (!s->shapes[par][n] && (rc = mf_step_shape_new(s, n, par, 0, NULL, 0, &s->shapes[par][n]))) return rc;
-        *out = s->shapes[par][n];
-        return 0;
-    }
-    s->n_calls++;
-    int lru = 0;
-    for (int k = 0; k < MF_STEP_UNIT_SHAPES; k++) {
-        const mf_stepgraph *g = s->ushapes[k] ? s->ushapes[k]->sg : NULL;
-        if (g && g->n == n && g->n_units == n_units && !memcmp(g->unit_end, unit_end, sizeof(int) * (size_t)n_units)) {
-            s->ushape_used[k] = s->n_calls;
-            *out = s->ushapes[k];
-            return 0;
-        }
-        if (s->ushape_used[k] < s->ushape_used[lru]) lru = k;
-    }
-    if (s->last == s->ushapes[lru]) s->last = NULL;
-    mf_step_shape_free(s->ushapes[lru]);
-    s->ushapes[lru] = NULL;
-    s->ushape_used[lru] = 0;
-    if ((rc = mf_step_shape_new(s, n, 0, n_units, unit_end, 0, &s->ushapes[lru]))) return rc;
-    s->ushape_used[lru] = s->n_calls;
-    *out = s->ushapes[lru];
+    int N = mf_sg_bucket(n), j = 0;
+    while (1 << j < N) j++;
+    if ((rc = mf_step_bucket(s, n_units < n, j, out))) return rc;
+    mf_stepgraph_set_live((*out)->sg, n);
     return 0;
 }
 
 int mf_step_draft_shape(mf_step *s, int n_seq, mf_step_shape **out)
 {
     int B = s->c->dspark_block_size;
-    if (n_seq < 1 || n_seq * B > MF_STEP_MAX_ITEMS)
-        return mf_error(-EINVAL, "step: a draft round of %d sequences (expected 1..%d)", n_seq, MF_STEP_MAX_ITEMS / B);
-    int rc = s->dshapes[n_seq] ? 0 : mf_step_shape_new(s, n_seq * B, 0, n_seq, NULL, 1, &s->dshapes[n_seq]);
+    if (n_seq < 1 || n_seq * B > MF_STEP_DRAFT_ITEMS)
+        return mf_error(-EINVAL, "step: a draft round of %d sequences (expected 1..%d)", n_seq, MF_STEP_DRAFT_ITEMS / B);
+    int rc = s->dshapes[n_seq] ? 0 : mf_step_shape_new(s, n_seq * B, 0, 0, 1, &s->dshapes[n_seq]);
     *out = s->dshapes[n_seq];
     return rc;
 }

@@ -168,7 +168,7 @@ double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int p_key, int64
 
 const char *mf_sg_op_name(int op)
 {
-    static const char *const names[] = {"engram_embed", "engram_rows", "engram_gate", "engram_plan", "engram_read", "attn_pre", "attn_rows", "attn_qnorm", "attn_core", "attn_post", "gate_rows", "route", "moe_done", "slot_read", "slot_up", "slot_join", "slot_down", "dev_in", "dev_ffn", "dev_ffn_card", "dev_out", "shared_up", "shared_down", "combine", "norm", "head", "join", "attn_mix", "attn_norm", "attn_heads", "attn_ring", "ffn_mix", "ffn_norm", "attn_score", "attn_select", "dense_in", "dense", "dense_out", "attn_qscale", "attn_kv", "attn_gather", "attn_qprep", "attn_opost", "route_rows", "moe_place", "dev_pre", "attn_keys", "dense_deq", "draft_feat", "draft_feed", "draft_feed_kv", "draft_kv", "draft_heads", "draft_markov", "draft_pick"};
+    static const char *const names[] = {"engram_embed", "engram_rows", "engram_gate", "engram_plan", "engram_read", "attn_pre", "attn_rows", "attn_qnorm", "attn_core", "attn_post", "gate_rows", "route", "moe_done", "slot_read", "slot_up", "slot_join", "slot_down", "dev_in", "dev_ffn", "dev_ffn_card", "dev_out", "shared_up", "shared_down", "combine", "norm", "head", "join", "attn_mix", "attn_norm", "attn_heads", "attn_ring", "ffn_mix", "ffn_norm", "attn_score", "attn_select", "dense_in", "dense", "dense_out", "attn_qscale", "attn_kv", "attn_gather", "attn_qprep", "attn_opost", "route_rows", "moe_place", "dev_pre", "attn_keys", "net_in", "net_out", "dense_deq", "draft_feat", "draft_feed", "draft_feed_kv", "draft_kv", "draft_heads", "draft_markov", "draft_pick"};
     _Static_assert(sizeof names / sizeof names[0] == MF_SG_N_OPS, "one name per mf_sg_op");
     return (unsigned)op < MF_SG_N_OPS ? names[op] : "?";
 }
@@ -261,6 +261,9 @@ double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_st
                (t->dense == MF_SG_D_HEADS || t->dense == MF_SG_D_SCORES ? mf_cost_ref(m->p, 1, s->pos_flops) : 0);
     case MF_SG_DENSE_OUT:
         return mf_cost_act_copy(m, 1, tok * w->copy_bytes_tok + s->pos_bytes);
+    case MF_SG_NET_IN:    /* the boundary over the link from the stage before */
+    case MF_SG_NET_OUT:   /* the send posted: a message's latency */
+        return mf_cost_net(m, w->net_msgs, w->net_bytes);
     default:   /* kernels over the record's tokens, scalar work and the positional part of it */
         return mf_cost_host(m, w, tok, s->pos_flops);
     }
@@ -462,6 +465,20 @@ static int sg_set_priorities(const mf_sg_opts *o, mf_stepgraph *sg)
     return 0;
 }
 
+/* The full item ranges of a parallel or mixed graph's records, which mf_stepgraph_set_live cuts. */
+static int sg_live_new(mf_stepgraph *sg)
+{
+    sg->live_i1 = malloc(sizeof *sg->live_i1 * (size_t)sg->n_tasks);
+    sg->live_tok = malloc((size_t)sg->n_tasks);
+    if (!sg->live_i1 || !sg->live_tok) return mf_error(-ENOMEM, "step graph: out of memory for %d tasks", sg->n_tasks);
+    for (int t = 0; t < sg->n_tasks; t++) {
+        const mf_sg_task *r = &sg->task[t];
+        sg->live_i1[t] = r->i1 > r->i0 ? r->i1 : -1;
+        sg->live_tok[t] = r->i1 > r->i0 && r->n_tok == r->i1 - r->i0;
+    }
+    return 0;
+}
+
 /* Builds the chains of micro-batch h next (-1: the head, over all items). */
 static void sg_half(mf_sg_builder *b, int h)
 {
@@ -487,28 +504,30 @@ static void sg_half(mf_sg_builder *b, int h)
 int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
 {
     *out = NULL;
-    int serial = !o->par && o->n_units <= 1, max_n = serial ? MF_SG_MAX_CHUNK : MF_SG_MAX_ITEMS;
+    int serial = !o->par && !o->mixed, max_n = serial ? MF_SG_MAX_CHUNK : MF_SG_MAX_ITEMS;
     if (o->n < 1 || o->n > max_n || o->n_cards < 0 || o->n_cards > MF_SG_MAX_CARDS)
         return mf_error(-EINVAL, "step graph: %d items (%s), %d cards (expected 1..%d, 0..%d)", o->n,
-                        serial ? "one sequence" : "several units", o->n_cards, max_n, MF_SG_MAX_CARDS);
+                        serial ? "one sequence" : "several sequences", o->n_cards, max_n, MF_SG_MAX_CARDS);
     if (o->n_dense_cards < 0 || o->n_dense_cards > MF_SG_MAX_CARDS ||
         (o->n_dense_cards && o->lane_dev0 + 3 * o->n_dense_cards > o->n_lanes))
         return mf_error(-EINVAL, "step graph: dense work on %d cards, lanes for %d (expected 0..%d, with lanes)",
                         o->n_dense_cards, (o->n_lanes - o->lane_dev0) / 3, MF_SG_MAX_CARDS);
     if (o->dense_split != MF_SG_SPLIT_LAYERS && o->dense_split != MF_SG_SPLIT_ROWS)
         return mf_error(-EINVAL, "step graph: dense split %d (expected layers or rows)", o->dense_split);
-    for (int k = 0; k < o->n_units; k++)
-        if (o->unit_end[k] <= (k ? o->unit_end[k - 1] : 0) || o->unit_end[k] > o->n || o->n_units > o->n ||
-            (k == o->n_units - 1 && o->unit_end[k] != o->n))
-            return mf_error(-EINVAL, "step graph: unit %d of %d ends at item %d (expected increasing, the last at %d)",
-                            k, o->n_units, o->unit_end[k], o->n);
     if (o->micro < 0 || o->micro > 2)
         return mf_error(-EINVAL, "step graph: %d micro-batches (expected 1 or 2)", o->micro);
+    if (o->mixed && o->ordered)
+        return mf_error(-EINVAL, "step graph: a mixed graph runs its items' sequences in item groups, not in order");
     if (o->lt < MF_SG_LT_COST || o->lt > MF_SG_LT_OFF)
         return mf_error(-EINVAL, "step graph: cuBLASLt mode %d (expected cost, on, dense or off)", o->lt);
     int rc0 = o->draft ? mf_sg_draft_check(o) : 0;
     if (rc0) return rc0;
     const mf_config *c = o->c;
+    int l0 = o->layer_begin, l1 = o->layer_begin || o->layer_end ? o->layer_end : c->n_layers;
+    if (l0 < 0 || l0 >= l1 || l1 > c->n_layers || !mf_config_cut_ok(c, l0) ||
+        ((l0 > 0 || l1 < c->n_layers) && (o->lane_net < 0 || o->lane_net >= o->n_lanes)))
+        return mf_error(-EINVAL, "step graph: layers [%d, %d) of %d, boundary lane %d (expected a range beginning "
+                        "at a cut, mf_config_cut_ok, with a lane for its boundaries)", l0, l1, c->n_layers, o->lane_net);
     mf_stepgraph *sg = calloc(1, sizeof *sg);
     if (!sg) return mf_error(-ENOMEM, "step graph: out of memory");
     mf_sg_parts(o, sg);
@@ -517,9 +536,10 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     size_t n_pre = sg->prefetch ? (size_t)c->n_layers * c->n_routed_experts : 0;
     sg->pre_tid = malloc(sizeof *sg->pre_tid * (n_pre + 1));
     for (size_t i = 0; sg->pre_tid && i < n_pre; i++) sg->pre_tid[i] = -1;
-    size_t n_tid = (size_t)sg->layer1 * sg->n_slots * sg->tid_per_slot;
+    int nL = sg->draft ? sg->layer1 : c->n_layers;   /* the per-layer tables' layers */
+    size_t n_tid = (size_t)nL * sg->n_slots * sg->tid_per_slot;
     sg->slot_tid = malloc(sizeof *sg->slot_tid * n_tid);
-    sg->card_ffn_tid = malloc(sizeof *sg->card_ffn_tid * (size_t)sg->layer1 * sg->n_halves * (sg->n_cards ? sg->n_cards : 1));
+    sg->card_ffn_tid = malloc(sizeof *sg->card_ffn_tid * (size_t)nL * sg->n_halves * (sg->n_cards ? sg->n_cards : 1));
     size_t n_eg = (size_t)c->n_engram * sg->n_units * sg->eg_reads_per_unit;
     sg->eg_read_tid = malloc(sizeof *sg->eg_read_tid * (n_eg + 1));
     mf_sg_builder b = {.o = o, .sg = sg, .u = sg->n_units, .moe_in = -1, .moe_gate = -1, .chain_run = -1, .eg_card = -1,
@@ -538,9 +558,10 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     }
     for (size_t i = 0; i < n_tid; i++) sg->slot_tid[i] = -1;
     for (size_t i = 0; i < n_eg; i++) sg->eg_read_tid[i] = -1;
-    for (int i = 0; i < sg->layer1 * sg->n_halves * sg->n_cards; i++) sg->card_ffn_tid[i] = -1;
-    mf_task_id unit[MF_SG_MAX_ITEMS], post[MF_SG_MAX_ITEMS];
-    for (int k = 0; k < b.u; k++) unit[k] = -1;
+    for (int i = 0; i < nL * sg->n_halves * sg->n_cards; i++) sg->card_ffn_tid[i] = -1;
+    mf_task_id unit[MF_SG_MAX_GROUPS], post[MF_SG_MAX_GROUPS];
+    mf_task_id in = !sg->draft && l0 > 0 ? mf_sg_net_in(&b) : -1;   /* a pipeline stage after the first */
+    for (int k = 0; k < b.u; k++) unit[k] = in;
     if (sg->draft) {   /* the pending features into each sequence's context rings first */
         sg_half(&b, 0);
         mf_sg_draft_feed(&b, unit);
@@ -555,7 +576,8 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
             mf_sg_moe(&b, L, post, unit);
         }
     sg_half(&b, -1);
-    mf_sg_head(&b, unit);
+    if (sg->draft || l1 == c->n_layers) mf_sg_head(&b, unit);
+    else mf_sg_net_out(&b, unit);   /* a pipeline stage before the last */
     if (sg->draft) mf_sg_draft_propose(&b, b.head_done);
     mf_sg_lt_ffn(o, sg);
     free(b.io);
@@ -571,6 +593,7 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     }
     if (!rc && sg->prefetch) rc = mf_sg_pre_ahead(o, sg);
     if (!rc && sg->prefetch) rc = mf_sg_pre_ranks(o, sg);
+    if (!rc && (sg->par || sg->mixed)) rc = sg_live_new(sg);
     if (rc) {
         mf_stepgraph_free(sg);
         return mf_error_wrap(rc, "step graph: a batch of %d", o->n);
@@ -590,6 +613,8 @@ void mf_stepgraph_free(mf_stepgraph *sg)
     free(sg->card_ffn_tid);
     free(sg->eg_read_tid);
     free(sg->pre_tid);
+    free(sg->live_i1);
+    free(sg->live_tok);
     free(sg);
 }
 
@@ -601,7 +626,7 @@ double mf_stepgraph_macs(const mf_stepgraph *sg, int top_k, int n_head)
         double per = 0;
         for (int f = 0; f < MF_KF_N; f++) per += r->w.macs[f];
         if (per == 0 || r->card >= 0) continue;
-        double tok = r->slot_tokens ? (double)sg->n * top_k / sg->n_slots : r->op == MF_SG_HEAD ? n_head : r->n_tok;
+        double tok = r->slot_tokens ? (double)sg->n_live * top_k / sg->n_slots : r->op == MF_SG_HEAD ? n_head : r->n_tok;
         total += per * tok;
     }
     return total;
@@ -654,6 +679,31 @@ void mf_stepgraph_mark_engram(mf_stepgraph *sg, int es, int k, int n_used)
         if (tid[r] >= 0) mf_graph_set_noop(sg->g, tid[r], r >= n_used);
 }
 
+int mf_sg_bucket(int n)
+{
+    int b = 1;
+    while (b < n && b < MF_SG_MAX_ITEMS) b *= 2;
+    return b;
+}
+
+void mf_stepgraph_set_live(mf_stepgraph *sg, int n_live)
+{
+    if (!sg->live_i1 || n_live == sg->n_live || n_live < 1 || n_live > sg->n) return;
+    sg->n_live = n_live;
+    for (int t = 0; t < sg->n_tasks; t++) {
+        mf_sg_task *r = &sg->task[t];
+        int full = sg->live_i1[t];
+        if (full < 0) continue;
+        int i1 = full < n_live ? full : n_live > r->i0 ? n_live : r->i0;
+        r->i1 = i1;
+        if (sg->live_tok[t]) r->n_tok = i1 - r->i0;
+        mf_graph_set_noop(sg->g, t, i1 == r->i0);
+    }
+    for (int h = 0; h < sg->n_halves; h++)   /* a dead micro-batch's slots: its route does not run */
+        if ((h ? sg->half_end[h - 1] : 0) >= n_live)
+            for (int L = 0; L < sg->n_layers; L++) mf_stepgraph_mark_noop_half(sg, L, h, 0, NULL);
+}
+
 int mf_stepgraph_key_parts(const mf_stepgraph *sg, int item)
 {
     assert(item >= 0 && item < sg->n);
@@ -678,6 +728,7 @@ void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threa
                                 .model = models[0]};
     l->n_lanes = 1;
     l->lane_io = -1;
+    l->lane_net = -1;
     l->n_sockets = 1;
     for (size_t k = 0; k < sizeof l->sock_of_lane; k++) l->sock_of_lane[k] = -1;
     l->sock_of_lane[0] = 0;
@@ -726,6 +777,13 @@ int mf_sg_lanes_sockets(mf_sg_lanes *l, int n_sockets, const int *threads, const
     return 0;
 }
 
+void mf_sg_lanes_net(mf_sg_lanes *l)
+{
+    if (l->lane_net >= 0 || l->n_lanes >= MF_SG_MAX_LANES) return;
+    l->lane_net = l->n_lanes++;
+    l->lane[l->lane_net] = (mf_lane_desc){.kind = MF_LANE_CPU, .name = "net", .concurrency = 1, .numa_node = -1};
+}
+
 void mf_sg_lanes_map(mf_sg_lanes *l, const int *card_of, int n)
 {
     for (int k = 0; k < n && l->lane_dev0 + 3 * k + 2 < l->n_lanes; k++)
@@ -742,7 +800,7 @@ void mf_stepgraph_phase_times(const mf_stepgraph *sg, const mf_task_span *spans,
         for (int t = 0; t < sg->n_tasks; t++) {
             const mf_sg_task *r = &sg->task[t];
             if (r->phase != q || spans[t].status != 0 || r->kind == MF_SG_K_IO || r->kind == MF_SG_K_COPY ||
-                r->kind == MF_SG_K_COPY_OUT)
+                r->kind == MF_SG_K_COPY_OUT || r->kind == MF_SG_K_NET)
                 continue;
             busy_ns[q] += spans[t].end_ns - spans[t].start_ns;
             scratch[m++] = spans[t];

@@ -19,12 +19,13 @@
 #include "sched/sched.h"
 #include "sched/timeline.h"
 
-#define MF_SG_MAX_ITEMS 64   /* items of a graph of several units (decode batches; graphs/step/step.h
-                              * MF_STEP_MAX_ITEMS), and the most units of any graph */
-/* Items of a serial graph (one unit: one sequence's positions, a prefill chunk). Its per-item
- * tasks (collapses, norms, mixes, heads, scores, post, combine) run over item groups of
- * consecutive items: one item each up to MF_SG_MAX_GROUPS items, else MF_SG_MAX_GROUPS groups
- * (mf_stepgraph.group_end), so a long chunk's graph has no more tasks than a 128-item one. */
+#define MF_SG_MAX_ITEMS 512  /* items of a graph of several sequences (a parallel or mixed graph: decode
+                              * batches, the continuous batcher's steps; graphs/step/step.h MF_STEP_MAX_ITEMS) */
+/* Items of a serial graph (one unit: one sequence's positions, a prefill chunk). The per-item
+ * tasks of every graph (collapses, norms, mixes, heads, scores, post, combine; in a parallel or
+ * mixed graph the per-sequence ones too) run over item groups of consecutive items: one item each
+ * up to MF_SG_MAX_GROUPS items, else MF_SG_MAX_GROUPS groups (mf_stepgraph.group_end), so a long
+ * chunk's or a 512-sequence batch's graph has no more tasks than a 128-item one. */
 #define MF_SG_MAX_CHUNK 8192
 #define MF_SG_MAX_GROUPS 128
 #define MF_SG_MAX_PARTS 64   /* row parts of an attention stage */
@@ -73,7 +74,9 @@ typedef enum mf_sg_op {
     MF_SG_ATTN_NORM,      /* item: columns [r0, r1) of attn_norm of its collapse */
     MF_SG_ATTN_HEADS,     /* item: the heads of rows [r0, r1) of the attention output: queries
                            * roped, attention over the window and the selection */
-    MF_SG_ATTN_RING,      /* items, in order: their window KV into the ring (after the heads) */
+    MF_SG_ATTN_RING,      /* items, in order: their window KV into the ring (after the heads; an
+                           * item whose sequence has an item W positions on in the graph, W the
+                           * sliding window, is left out: that one's KV takes its ring row) */
     MF_SG_FFN_MIX,        /* item: rows [r0, r1) of the ffn mixes of its streams */
     MF_SG_FFN_NORM,       /* item: columns [r0, r1) of ffn_norm of its collapse (the MoE input) */
     MF_SG_ATTN_SCORE,     /* item: part `part` of key_parts of an index layer's scores of its visible
@@ -85,7 +88,9 @@ typedef enum mf_sg_op {
     MF_SG_DENSE_OUT,      /* card `card`: sublayer `dense`'s outputs copied out (d2h lane) */
     MF_SG_ATTN_QSCALE,    /* items: the q norm's scale of their low-rank queries (rounded by IN) */
     MF_SG_ATTN_KV,        /* items, in order: window KV (into the ring unless ring_late), compressor
-                           * (the core's prep that reads only the IN stage) */
+                           * (the core's prep that reads only the IN stage); part 0 the window KV
+                           * alone, 1 the compressor alone from the item before each item, 2 both
+                           * so (a mixed graph's), -1 both from the state */
     /* the heads on cards (mf_stepgraph.heads_cards[L] > 0): gather -> per item group qprep -> per
      * card MF_SG_DENSE_* of MF_SG_D_HEADS -> per item group opost */
     MF_SG_ATTN_GATHER,    /* items (the unit's, one sequence): the chunk's key table on the host (the
@@ -106,6 +111,11 @@ typedef enum mf_sg_op {
     MF_SG_ATTN_KEYS,      /* items (the unit's, one sequence): the index keys of the entries the
                            * last item sees unpacked on the host (mf_ly_cache_get_keys), the items'
                            * visible counts */
+    /* a pipeline stage's boundaries (mf_sg_opts.layer_begin, layer_end; lane_net): */
+    MF_SG_NET_IN,         /* all items: their boundary (mf_sg_boundary_floats) received from the
+                           * stage before and unpacked into their streams, before the first layer */
+    MF_SG_NET_OUT,        /* all items: their boundary after the last layer packed and sent to the
+                           * stage after (in place of the final norm and head) */
     /* the cuBLASLt path (stepgraph_lt.c): before a layer's dense records that take it, on each card */
     MF_SG_DENSE_DEQ,      /* card `card` (h2d lane): sublayer `dense`'s FP8 weights of layer `layer` that
                            * the card holds (part `part` of a split by rows) dequantized into its
@@ -131,7 +141,8 @@ enum { MF_SG_PH_ATTN, MF_SG_PH_MOE, MF_SG_PH_ENGRAM, MF_SG_PH_HEAD, MF_SG_PH_OTH
 
 /* Accounting classes: what the phase table leaves out (IO, copies) and the overlap counters. */
 typedef enum mf_sg_kind {
-    MF_SG_K_OTHER, MF_SG_K_IO, MF_SG_K_EXPERT, MF_SG_K_COPY, MF_SG_K_DEV, MF_SG_K_COPY_OUT
+    MF_SG_K_OTHER, MF_SG_K_IO, MF_SG_K_EXPERT, MF_SG_K_COPY, MF_SG_K_DEV, MF_SG_K_COPY_OUT,
+    MF_SG_K_NET   /* a pipeline's boundary transfers (MF_SG_NET_*) */
 } mf_sg_kind;
 
 /* The attention's linear stages (graphs/layers/layers.h MF_LY_A_STAGE_* has the same order), and the
@@ -306,12 +317,18 @@ typedef struct mf_sg_opts {
     const mf_config *c;
     const mf_sg_sizes *sz;
     int n;              /* items, 1..MF_SG_MAX_ITEMS (serial, one unit: 1..MF_SG_MAX_CHUNK) */
-    int par;            /* 1: items of distinct sequences, item parts one task per item */
-    /* > 0: units instead of par: the item parts are one task per unit, unit k being items
-     * [unit_end[k - 1], unit_end[k]) (unit_end[-1] = 0, unit_end[n_units - 1] = n), run in order;
-     * the items of one sequence must lie in one unit. 0: par's units (n of one item, or one) */
-    int n_units;
-    const int *unit_end;
+    /* 1: items of distinct sequences (a decode batch): the per-sequence tasks (kv, core, select,
+     * Engram embed and gate) run per item group, each its items' sequences one after another, the
+     * window KV into the ring in the kv task. 0 with mixed 0: the items of one sequence (serial) */
+    int par;
+    /* 1 (par 0): a step whose items' sequences are known only at run time (mf_stepgraph_set_live,
+     * the engine's items): any composition of n items whose sequences' items are consecutive
+     * (decode tokens and prefill chunks: the continuous batcher's steps) runs this one graph. Its
+     * per-sequence tasks run per item group as in a parallel graph, the compressor from the item
+     * before each item (mf_sg_task.part 2 of MF_SG_ATTN_KV), all before the cores (a kv join); the
+     * window KV goes into the ring after every head of the layer (MF_SG_ATTN_RING per item group,
+     * after the oa join); one micro-batch. */
+    int mixed;
     /* 1: the core's prep (MF_SG_ATTN_CORE) and the select (MF_SG_ATTN_SELECT) are one task per
      * unit, each running its items in order (the engine with layer hooks set: they are called in
      * item order on one thread); 0: one per item group, so the items of a long unit (a prefill
@@ -394,24 +411,49 @@ typedef struct mf_sg_opts {
      * heads over the context ring and the block) and the MoE of the draft's experts), the final
      * norm, the target's head over every item and per unit the greedy chain; the routed experts on
      * the host (no cards for them, no store, one micro-batch), the dense work on n_dense_cards as
-     * the steps' (the stages after the last layer: its card). feats 1 (a step's graph): per unit a
-     * task at each draft target layer
-     * handing out the items' features (MF_SG_DRAFT_FEAT). 0: neither. */
+     * the steps' (the stages after the last layer: its card); at most MF_SG_MAX_GROUPS items (one
+     * per item group), never a pipeline stage. feats 1 (a step's graph): per unit (a serial graph's
+     * one, a parallel or mixed graph's item groups) a task at each draft target layer handing out
+     * the items' features (MF_SG_DRAFT_FEAT; over dead items noop and cut as any task:
+     * mf_stepgraph_set_live). 0: neither. */
     int draft, feats;
+    /* the draft round's units (draft 1 only): unit k items [unit_end[k - 1], unit_end[k])
+     * (unit_end[-1] = 0), at most MF_SG_MAX_GROUPS of them; a step's graph takes its units from par
+     * and mixed */
+    int n_units;
+    const int *unit_end;
+    /* A pipeline stage (graphs/pipe/pipe.h): only layers [layer_begin, layer_end) (both 0: every
+     * layer, the final norm and head after them). layer_begin > 0: every unit's first layer
+     * waits for a MF_SG_NET_IN task; layer_end < n_layers: a MF_SG_NET_OUT task after every unit's
+     * last layer instead of the head. Both on lane lane_net (mf_sg_lanes_net). Must be cuts
+     * (graphs/model/config.h mf_config_cut_ok). */
+    int layer_begin, layer_end;
+    int lane_net;
 } mf_sg_opts;
 
 typedef struct mf_stepgraph {
     mf_graph *g;                  /* finalized; args NULL except the IO tasks' (an empty read) */
     mf_sg_task *task;             /* per task id */
     int n_tasks;
-    int n, par, n_slots;          /* items, parallel, expert slots (the halves' together) */
+    int n, par, mixed, n_slots;   /* items, parallel, mixed (mf_sg_opts), expert slots (the halves' together) */
+    int n_layers;
+    /* the items that run (mf_stepgraph_set_live; n when built): the records of the tasks over items
+     * [n_live, n) are marked noop and their item ranges emptied, those over items on both sides cut
+     * at n_live (their i1, and n_tok where it counts the items); live_i1[t] keeps task t's full i1
+     * (-1: no items), live_tok[t] 1 where its n_tok counts its items */
+    int n_live;
+    int32_t *live_i1;
+    uint8_t *live_tok;
     /* micro-batches (1 or 2): half h has items [half_end[h - 1], half_end[h]) (half_end[-1] = 0),
      * units [half_unit[h], half_unit[h + 1]), slots [half_slot[h], half_slot[h + 1]) (each half
      * min(its items * top_k, experts); the slot table of a half is its own) */
     int n_halves;
     int half_end[2], half_unit[3], half_slot[3];
-    int n_units;                  /* item tasks per item part; unit k: items [unit_end[k-1], unit_end[k]) */
-    int unit_end[MF_SG_MAX_ITEMS];
+    /* the tasks of the per-sequence ops (kv, core, select, ring, Engram embed and gate, the joins
+     * between layers): unit k over items [unit_end[k-1], unit_end[k]); a serial graph's one unit,
+     * a parallel or mixed graph's item groups */
+    int n_units;
+    int unit_end[MF_SG_MAX_GROUPS];
     /* the per-item tasks' item groups: group g holds items [group_end[g - 1], group_end[g])
      * (group_end[-1] = 0); one item each when n <= MF_SG_MAX_GROUPS, else MF_SG_MAX_GROUPS groups
      * of n / MF_SG_MAX_GROUPS items or one more (a serial graph: its one unit holds them all) */
@@ -429,6 +471,10 @@ typedef struct mf_stepgraph {
     /* per item: column parts of the hyper-connection tasks (collapse, norms, expand, combine),
      * row parts of each mix, attention head groups (of ah_heads heads); q norm column parts */
     int p_hc, p_mix, p_ah, ah_heads, p_qn, p_key;   /* p_key: index score parts per item, at least */
+    /* item groups per mix task (each mix's row parts over a block of them; 1: per group): a parallel
+     * or mixed graph of more than MF_FA_MIX_ITEMS (graphs/step/fast_attn.h) items in blocks of up to
+     * that many, whole rows (p_mix 1) */
+    int mix_groups;
     /* index score parts of item group g's items (MF_SG_ATTN_SCORE part q of key_parts[g]): p_key,
      * or in a unit of several groups more for the groups whose items see more entries (their
      * offsets in the unit), SG_KEY_WAVES waves of the workers over the unit; at most MF_SG_MAX_PARTS */
@@ -493,17 +539,19 @@ typedef struct mf_stepgraph {
  * lane (io_uring, depth 64); then per card c three lanes at lane_dev0 + 3c, "devC.h2d",
  * "devC.compute", "devC.d2h" (concurrency 4, models[1..3]: mf_step_lane_models). */
 #define MF_SG_MAX_SOCKETS MF_TOPO_MAX_SOCKETS
+#define MF_SG_MAX_LANES (2 + 3 * MF_SG_MAX_CARDS + MF_SG_MAX_SOCKETS)
 typedef struct mf_sg_lanes {
-    mf_lane_desc lane[2 + 3 * MF_SG_MAX_CARDS + MF_SG_MAX_SOCKETS - 1];
+    mf_lane_desc lane[MF_SG_MAX_LANES];
     char names[3 * MF_SG_MAX_CARDS + MF_SG_MAX_SOCKETS][16];
     int n_lanes, lane_io, lane_dev0;
+    int lane_net;             /* a pipeline stage's boundary lane (mf_sg_lanes_net), -1 */
     /* sockets (mf_sg_lanes_sockets; 1 by default): socket k's CPU lane lane_sock[k] (socket 0's
      * is lane 0, the others after the cards' lanes); per lane its socket (-1 not a CPU lane) and
      * the engine's number of its first worker (workers numbered across the CPU lanes) */
     int n_sockets;
     int lane_sock[MF_SG_MAX_SOCKETS];
-    int8_t sock_of_lane[2 + 3 * MF_SG_MAX_CARDS + MF_SG_MAX_SOCKETS - 1];
-    int cpu_base[2 + 3 * MF_SG_MAX_CARDS + MF_SG_MAX_SOCKETS - 1];
+    int8_t sock_of_lane[MF_SG_MAX_LANES];
+    int cpu_base[MF_SG_MAX_LANES];
 } mf_sg_lanes;
 
 void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threads, int store, int n_cards);
@@ -514,6 +562,16 @@ void mf_sg_lanes_init(mf_sg_lanes *l, const mf_lane_model models[4], int n_threa
  * other host tasks as mf_sg_opts.n_sockets says. n_sockets 1 leaves l as it is. 0 or -EINVAL. */
 int mf_sg_lanes_sockets(mf_sg_lanes *l, int n_sockets, const int *threads, const int *numa);
 
+/* A pipeline stage's boundary lane, after the others (l->lane_net): a CPU-kind lane of one
+ * thread, "net", that runs the MF_SG_NET_* tasks (their transfers wait there, beside the compute
+ * lanes' work). */
+void mf_sg_lanes_net(mf_sg_lanes *l);
+
+/* Floats of one item's boundary between two pipeline stages: its residual streams (hc_mult x
+ * hidden_size) and the mix carried to the next sublayer (hc_mult), in that order (what
+ * MF_SG_NET_* move; 4 x this many bytes). */
+int64_t mf_sg_boundary_floats(const mf_config *c);
+
 /* Card k's three lanes run on device card card_of[k] (k < n; default: k). */
 void mf_sg_lanes_map(mf_sg_lanes *l, const int *card_of, int n);
 
@@ -523,6 +581,9 @@ void mf_sg_lanes_map(mf_sg_lanes *l, const int *card_of, int n);
  * and the layers reading it share a card; the ranges minimize the largest range's layer count
  * (first such choice). With fewer candidate starts than cards, the last cards hold nothing. */
 int mf_sg_dense_card(const mf_config *c, int n_cards, int L);
+/* The same over a pipeline stage's layers [l0, l1) (mf_sg_opts.layer_begin/_end): ranges beginning at
+ * l0 or a KV source, L outside the range (-1: the head) on the range's last layer's card. */
+int mf_sg_dense_card_in(const mf_config *c, int n_cards, int l0, int l1, int L);
 
 /* Where the heads' scores and values run (mf_sg_opts.heads). */
 typedef enum mf_sg_heads_mode { MF_SG_HEADS_COST = 0, MF_SG_HEADS_CARDS, MF_SG_HEADS_HOST } mf_sg_heads_mode;
@@ -604,10 +665,14 @@ int mf_sg_dense_bf16(int dense, int out);
 /* The dense weight bytes card `card` of n_cards holds under `split` (codes + scales, bf16): what
  * its dense tasks' records read per step. */
 double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int card);
+/* The same for a pipeline stage of layers [l0, l1) (the head only when l1 is n_layers). */
+double mf_sg_dense_card_bytes_in(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int card, int l0,
+                                 int l1);
 
 /* Items whose logits a dense card's head computes at a time (graphs/step/step.h MF_STEP_HEAD_ROWS):
- * a decode batch's */
-#define MF_SG_HEAD_ROWS MF_SG_MAX_ITEMS
+ * a decode batch of 64's (a larger batch takes passes: at flash41's vocabulary 64 rows are 33 MB
+ * of a card, 512 would be 265 MB taken from its expert cache) */
+#define MF_SG_HEAD_ROWS 64
 /* Compressed entries a prefill chunk's key table for the heads on cards holds at most (with
  * head_dim 512: 32 MiB per card): a chunk whose items' selections together touch more runs the
  * host's heads (graphs/step/step_impl.h mf_step_shape.hk_host) */
@@ -658,7 +723,8 @@ typedef struct mf_sg_card_in {
 void mf_sg_card_bufs_of(const mf_sg_card_in *in, mf_sg_card_bufs *b);
 /* The card memory the engine keeps free for its shapes' buffers when it sizes its expert caches
  * (graphs/step/step.c; the simulator takes the same): the graphs of a prefill chunk of `chunk`
- * positions (serial) and of a decode batch of max_items (parallel; 0: none), each built from base
+ * positions (serial) and of a decode batch of max_items (the parallel graph of its bucket,
+ * mf_sg_bucket; 0: none), each built from base
  * with its n and par replaced, laid out by mf_sg_card_bufs_of; *routed the two routed blocks summed
  * (a card with routed experts), *dense the two dense blocks (a dense card): the engine keeps a long
  * chunk's shape beside the decode shapes. Other batch sizes' shapes are smaller and take what the
@@ -824,6 +890,22 @@ void mf_stepgraph_mark_draft(mf_stepgraph *sg, int n_cand);
 /* Marks the reads of item task k's Engram gather of Engram slot es (mf_config_engram_slot) past
  * the first n_used noop, the rest normal (eg_reads; nothing otherwise). */
 void mf_stepgraph_mark_engram(mf_stepgraph *sg, int es, int k, int n_used);
+
+/* The items of the graph that a step of n items of several sequences runs in (the engine's
+ * parallel and mixed graphs, the simulator's decode graph): the least power of two >= n, at most
+ * MF_SG_MAX_ITEMS; n itself for n < 2. The graph's other items are marked dead
+ * (mf_stepgraph_set_live), so one graph serves every step of n_live <= its n. */
+int mf_sg_bucket(int n);
+
+/* Makes a graph's first n_live items (1..n) the ones that run: the tasks over items [n_live, n)
+ * only are marked noop and their records' item ranges emptied (i1 = i0; a task without
+ * predecessors still runs, over no items), the tasks over items on both sides cut at n_live (i1,
+ * and n_tok where it counts the items); a micro-batch all of whose items are dead has its span
+ * tasks (route, gate, moe done) and its slots marked noop too. The records' work (mf_sg_work) is
+ * not changed: a cut task is priced for its full items (the simulator's partially live item group
+ * and the span tasks' scalar terms; none where n_live is a power of two). Cheap when n_live is the
+ * last one set. Between runs. */
+void mf_stepgraph_set_live(mf_stepgraph *sg, int n_live);
 
 /* The unit (0..n_units-1) that holds item `item`, -1 if none. */
 int mf_stepgraph_unit_of(const mf_stepgraph *sg, int item);

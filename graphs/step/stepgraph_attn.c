@@ -91,17 +91,33 @@ static mf_task_id sg_attn_rows(mf_sg_builder *b, int L, int st, int p)
     return mf_sg_add(b, mf_sg_rows_lane(b, 1, parts, p, NULL, NULL), MF_SG_ATTN_ROWS, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
 }
 
-/* Item group i's mix of layer L (`op`: attention or ffn) in row parts after after[0..n_after) (each
- * part: the norm of all streams, then its rows), into mix[]. */
-static void sg_mix(mf_sg_builder *b, int L, int i, int op, const mf_task_id *after, int n_after, mf_task_id *mix)
+/* The mix of layer L (`op`: attention or ffn) of item group i, in row parts (each part: the norm of
+ * all streams, then its rows), after after[0..n_after) (group i's tasks it reads), into mix[]. With
+ * mix blocks (mf_stepgraph.mix_groups > 1: a parallel or mixed graph of many items) the mix is one
+ * per block of mix_groups groups of the micro-batch (from its first group): the block's first group
+ * adds its tasks, over the block's items, and every group of the block adds its own dependencies, so
+ * the mix's rows are read once per block, not per group. mixes[i] gets the tasks group i's readers
+ * wait for. */
+static void sg_mix(mf_sg_builder *b, int L, int i, int op, const mf_task_id *after, int n_after,
+                   mf_task_id (*mixes)[SG_MAX_MIX])
 {
     const mf_config *c = b->o->c;
     const mf_sg_layer_sizes *y = &b->o->sz->layer[L];
-    int pm = b->sg->p_mix;
+    const mf_stepgraph *sg = b->sg;
+    int pm = sg->p_mix, mg = sg->mix_groups, first = (i - b->g0) % mg == 0;
+    int gl = i - (i - b->g0) % mg, gh = gl + mg < b->g1 ? gl + mg : b->g1;   /* the block's groups [gl, gh) */
+    mf_task_id *mix = mixes[i];
     double H = (double)c->hidden_size, hc = c->hc_mult, nm = (2.0 + hc) * hc;
     for (int m = 0; m < pm; m++) {
+        if (!first) {   /* the block's */
+            mix[m] = mixes[gl][m];
+            for (int a = 0; a < n_after; a++) mf_sg_dep(b, after[a], mix[m]);
+            continue;
+        }
         SG_NAME(b, "%s L%d mix item %d %d", op == MF_SG_ATTN_MIX ? "attn" : "ffn", L, i, m);
-        mf_sg_task t = mf_sg_part(b->sg, L, i, (int64_t)nm, pm, m, 1);
+        mf_sg_task t = mf_sg_part(sg, L, i, (int64_t)nm, pm, m, 1);
+        t.i1 = sg->group_end[gh - 1];
+        t.n_tok = t.i1 - t.i0;
         double f = (double)(t.r1 - t.r0) / nm;
         if (b->o->exact) {   /* the module's double sums, per item of the group */
             t.w.ref_flops = t.n_tok * (2.0 * hc * H + SG_W_MIX * y->hc_macs / 2 * f);
@@ -132,7 +148,7 @@ static void sg_attn_in(mf_sg_builder *b, int L, const mf_task_id *unit, mf_task_
         mf_sg_collapse_norm(b, L, i, MF_SG_ATTN_NORM, MF_SG_PH_ATTN, u, nrm);
         for (int p = 0; p < pc; p++)
             for (int q = 0; q < sg->p_attn; q++) mf_sg_dep(b, nrm[p], rows[MF_SG_ST_IN][q]);
-        sg_mix(b, L, i, MF_SG_ATTN_MIX, &u, 1, amix[i]);
+        sg_mix(b, L, i, MF_SG_ATTN_MIX, &u, 1, amix);
     }
 }
 
@@ -169,7 +185,9 @@ static void sg_attn_q(mf_sg_builder *b, int L, mf_task_id (*rows)[MF_SG_MAX_PART
  * mf_ly_compress; ratio 2 in a step of one item: half an entry, the mean over steps). With the ring
  * written late (a serial graph of several item groups) the window KV runs per item group (part 0)
  * beside the compressor over the unit in item ranges (part 1: mf_sg_rows of p_attn, each range's
- * items in order), all before a join; else one task (part -1). Returns the join or the task. */
+ * items in order), all before a join; in a mixed graph one task of both from the item before each
+ * item (part 2: its sequences are the run's); else one task (part -1). Returns the join or the
+ * task. */
 static mf_task_id sg_attn_kv(mf_sg_builder *b, int L, int k, mf_task_id (*rows)[MF_SG_MAX_PARTS])
 {
     const mf_config *c = b->o->c;
@@ -195,7 +213,7 @@ static mf_task_id sg_attn_kv(mf_sg_builder *b, int L, int k, mf_task_id (*rows)[
             tw.i0 = t.i0 + (int)r0;
             tw.i1 = t.i0 + (int)r1;
         }
-        tw.part = split ? comp : -1;
+        tw.part = split ? comp : sg->mixed ? 2 : -1;
         double items = tw.i1 - tw.i0, ent = ratio > 0 && tw.part != 0 ? items / ratio : 0;
         tw.n_tok = 1;
         tw.w.w_bytes[MF_KF_FP8] = ent * y->st_fp8_bytes[MF_SG_ST_CORE];
@@ -206,7 +224,7 @@ static mf_task_id sg_attn_kv(mf_sg_builder *b, int L, int k, mf_task_id (*rows)[
             tw.w.ref_flops = items * (4.0 * D + SG_W_ROUND * 2.0 * D + SG_W_ROPE * c->qk_rope_head_dim);
             tw.w.vec_flops = items * SG_W_ROUND_VEC * 2.0 * D;
         }
-        if (!split) SG_NAME(b, sg->par ? "attn L%d kv item %d" : "attn L%d kv", L, k);
+        if (!split) SG_NAME(b, sg->par || sg->mixed ? "attn L%d kv item %d" : "attn L%d kv", L, k);
         else if (comp) SG_NAME(b, "attn L%d compress %d", L, w - gk1 - 1);
         else SG_NAME(b, "attn L%d kv %d", L, w);
         mf_task_id id = mf_sg_add(b, 0, MF_SG_ATTN_KV, MF_SG_PH_ATTN, MF_SG_K_OTHER, tw);
@@ -232,8 +250,8 @@ static void sg_attn_core(mf_sg_builder *b, int L, int k, mf_task_id kv, mf_task_
     for (int i = gu0; i <= gu1; i++) {
         int solo = whole ? i == gu0 : 1;   /* a task of its own: whole unit, or group i */
         if (solo) {
-            SG_NAME(b, sg->par ? "attn L%d core item %d" : whole ? "attn L%d core" : "attn L%d core %d", L,
-                    sg->par ? k : i);
+            SG_NAME(b, sg->par || sg->mixed ? "attn L%d core item %d" : whole ? "attn L%d core" : "attn L%d core %d", L,
+                    sg->par || sg->mixed ? k : i);
             mf_sg_task tc = whole ? mf_sg_item(b, L, k) : mf_sg_part(sg, L, i, 0, 1, 0, 1);
             tc.part = -1;
             tc.n_tok = 1;   /* the index query: not priced (as before the split) */
@@ -251,8 +269,8 @@ static void sg_attn_core(mf_sg_builder *b, int L, int k, mf_task_id kv, mf_task_
         for (int i = gu0; i <= gu1; i++) {
             mf_task_id core = gate[i];
             if (!whole || i == gu0) {
-                SG_NAME(b, sg->par ? "attn L%d select item %d" : whole ? "attn L%d select" : "attn L%d select %d",
-                        L, sg->par ? k : i);
+                SG_NAME(b, sg->par || sg->mixed ? "attn L%d select item %d" : whole ? "attn L%d select" : "attn L%d select %d",
+                        L, sg->par || sg->mixed ? k : i);
                 mf_sg_task ts = whole ? mf_sg_item(b, L, k) : mf_sg_part(sg, L, i, 0, 1, 0, 1);
                 ts.part = -1;
                 ts.n_tok = 1;
@@ -279,9 +297,11 @@ static void sg_attn_core(mf_sg_builder *b, int L, int k, mf_task_id kv, mf_task_
 
 /* Unit k's heads after gate[] (its item groups'): [the ring ->] per item group its head groups on the
  * host, or the heads on the cards (mf_sg_heads_on_cards, after a join of the selects), before the oa
- * parts. Returns the ring task (ring_late), which the post waits for, or -1. */
+ * parts. Returns the ring task (ring_late), which the post waits for, or -1: after the unit's heads,
+ * in a mixed graph after every head of the layer (the oa join oj: a sequence's items may lie in
+ * other units). */
 static mf_task_id sg_attn_heads(mf_sg_builder *b, int L, int k, const mf_task_id *gate,
-                                mf_task_id (*rows)[MF_SG_MAX_PARTS])
+                                mf_task_id (*rows)[MF_SG_MAX_PARTS], mf_task_id oj)
 {
     const mf_config *c = b->o->c;
     mf_stepgraph *sg = b->sg;
@@ -296,6 +316,7 @@ static mf_task_id sg_attn_heads(mf_sg_builder *b, int L, int k, const mf_task_id
         tr.n_tok = 1;
         tr.w.ref_flops = (double)(t.i1 - t.i0) * D;
         ring = mf_sg_add(b, 0, MF_SG_ATTN_RING, MF_SG_PH_ATTN, MF_SG_K_OTHER, tr);
+        if (sg->mixed) mf_sg_dep(b, oj, ring);
     }
     if (sg->heads_cards[L]) {
         /* the gather reads every item's selection: after all the unit's selects */
@@ -318,7 +339,7 @@ static mf_task_id sg_attn_heads(mf_sg_builder *b, int L, int k, const mf_task_id
             if (sg->n_dense_cards) mf_sg_heads_host_cast(&th);
             mf_task_id hd = mf_sg_add(b, 0, MF_SG_ATTN_HEADS, MF_SG_PH_ATTN, MF_SG_K_OTHER, th);
             mf_sg_dep(b, gate[i], hd);
-            mf_sg_dep(b, hd, ring);
+            if (!sg->mixed) mf_sg_dep(b, hd, ring);
             for (int p = 0; p < sg->p_attn; p++) mf_sg_dep(b, hd, rows[MF_SG_ST_OA][p]);
         }
     return ring;
@@ -336,7 +357,7 @@ static void sg_attn_out(mf_sg_builder *b, int L, mf_task_id (*rows)[MF_SG_MAX_PA
     double H = (double)c->hidden_size, hc = c->hc_mult;
     double sink = c->hc_sinkhorn_iters * 4.0 * hc * hc * 2;
     for (int k = b->k0; k < b->k1; k++) {
-        SG_NAME(b, sg->par ? "attn L%d post join item %d" : "attn L%d post join", L, k);
+        SG_NAME(b, sg->par || sg->mixed ? "attn L%d post join item %d" : "attn L%d post join", L, k);
         post[k] = mf_sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, mf_sg_rec(L));
     }
     for (int i = b->g0; i < b->g1; i++) {   /* item groups */
@@ -373,21 +394,22 @@ static void sg_attn_out(mf_sg_builder *b, int L, mf_task_id (*rows)[MF_SG_MAX_PA
             mf_sg_dep(b, fn, fin);
         }
         /* the ffn mix: for the combine, beside the MoE */
-        sg_mix(b, L, i, MF_SG_FFN_MIX, pst, pc, b->fmix[i]);
+        sg_mix(b, L, i, MF_SG_FFN_MIX, pst, pc, b->fmix);
     }
 }
 
 /* The attention sublayer of layer L. Per item after unit[] (its unit's): collapse -> attn_norm
  * column parts, and the attention mix in row parts; in parts -> per item group q scale -> q norm
- * column parts -> qb parts; in parts -> per unit kv (window KV, compressor: beside the q path) ->
- * per unit core prep (after kv and qb) -> per item head groups [-> per unit ring] -> oa parts ->
+ * column parts -> qb parts; in parts -> per unit kv (window KV, compressor: beside the q path)
+ * [-> kv join: a mixed graph] -> per unit core prep (after kv and qb) -> per item head groups
+ * [-> per unit ring: after the unit's heads, a mixed graph's after the oa join] -> oa parts ->
  * oa join -> ob parts; per item post column parts (after ob, its mix, its unit's ring) -> ffn_norm
  * column parts -> per unit post join, into post[]; the ffn mix in row parts (for the combine:
  * b->fmix). */
 void mf_sg_attn(mf_sg_builder *b, int L, const mf_task_id *unit, mf_task_id *post)
 {
     mf_stepgraph *sg = b->sg;
-    mf_task_id rows[4][MF_SG_MAX_PARTS], amix[MF_SG_MAX_GROUPS][SG_MAX_MIX], ring[MF_SG_MAX_ITEMS];
+    mf_task_id rows[4][MF_SG_MAX_PARTS], amix[MF_SG_MAX_GROUPS][SG_MAX_MIX], ring[MF_SG_MAX_GROUPS];
     mf_task_id gate[MF_SG_MAX_GROUPS];   /* per item group: the task its heads wait for (core or select) */
     sg_attn_in(b, L, unit, rows, amix);
     sg_attn_q(b, L, rows);
@@ -397,14 +419,20 @@ void mf_sg_attn(mf_sg_builder *b, int L, const mf_task_id *unit, mf_task_id *pos
         mf_sg_dep(b, rows[MF_SG_ST_OA][p], oj);
         mf_sg_dep(b, oj, rows[MF_SG_ST_OB][p]);
     }
+    mf_task_id kvj = -1;   /* a mixed graph: every kv before any core (a sequence's items may lie in other units) */
+    if (sg->mixed) {
+        SG_NAME(b, "attn L%d kv join", L);
+        kvj = mf_sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, mf_sg_rec(L));
+    }
     for (int k = b->k0; k < b->k1; k++) {
         if (L >= b->o->c->n_layers) {   /* a draft stage: the block's KV and heads (stepgraph_draft.c) */
             ring[k] = mf_sg_draft_core(b, L, k, rows);
             continue;
         }
         mf_task_id kv = sg_attn_kv(b, L, k, rows);
-        sg_attn_core(b, L, k, kv, rows, gate);
-        ring[k] = sg_attn_heads(b, L, k, gate, rows);
+        mf_sg_dep(b, kv, kvj);
+        sg_attn_core(b, L, k, sg->mixed ? kvj : kv, rows, gate);
+        ring[k] = sg_attn_heads(b, L, k, gate, rows, oj);
     }
     sg_attn_out(b, L, rows, amix, ring, post);
 }

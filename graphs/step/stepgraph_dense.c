@@ -12,15 +12,18 @@
 
 /* ---- which card, which rows ------------------------------------------------------------------ */
 
-int mf_sg_dense_card(const mf_config *c, int n_cards, int L)
+int mf_sg_dense_card(const mf_config *c, int n_cards, int L) { return mf_sg_dense_card_in(c, n_cards, 0, c->n_layers, L); }
+
+int mf_sg_dense_card_in(const mf_config *c, int n_cards, int l0, int l1, int L)
 {
-    int nl = c->n_layers, pos[MF_CONFIG_MAX_IDS + 2], m = 0;
+    int nl = l1 - l0, pos[MF_CONFIG_MAX_IDS + 2], m = 0;   /* positions relative to l0 */
     if (n_cards < 1 || nl < 1) return 0;
-    if (L < 0 || L >= nl) L = nl - 1;
-    pos[m++] = 0;   /* candidate first layers, ascending: 0 and the KV sources */
+    if (L < l0 || L >= l1) L = l1 - 1;
+    L -= l0;
+    pos[m++] = 0;   /* candidate first layers, ascending: the range's first and the KV sources */
     for (int l = 1; l < nl; l++)
         for (int i = 0; i < c->n_kv_source; i++)
-            if (c->kv_source_layer_ids[i] == l && m < MF_CONFIG_MAX_IDS + 1) {
+            if (c->kv_source_layer_ids[i] == l0 + l && m < MF_CONFIG_MAX_IDS + 1) {
                 pos[m++] = l;
                 break;
             }
@@ -79,8 +82,15 @@ static double sg_dense_share(int parts, int k, double n_rows)
 
 double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int card)
 {
+    return mf_sg_dense_card_bytes_in(c, sz, n_cards, split, card, 0, c->n_layers);
+}
+
+double mf_sg_dense_card_bytes_in(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int card, int l0,
+                                 int l1)
+{
     double b = 0;
-    for (int L = -1; L < c->n_layers && n_cards > 0; L++) {
+    for (int L = -1; L < l1 && n_cards > 0; L++) {
+        if (L < 0 ? l1 < c->n_layers : L < l0) continue;   /* a pipeline stage's layers, its head if the last */
         int dense[MF_SG_N_DENSE], nd = 0;
         if (L < 0) dense[nd++] = MF_SG_D_HEAD;
         else
@@ -88,7 +98,7 @@ double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_c
         if (L >= 0 && mf_config_engram_slot(c, L) >= 0) dense[nd++] = MF_SG_D_ENGRAM;
         for (int i = 0; i < nd; i++) {
             int d = dense[i], parts = mf_sg_dense_parts(n_cards, split, d);
-            if (parts == 1 && mf_sg_dense_card(c, n_cards, L) != card) continue;
+            if (parts == 1 && mf_sg_dense_card_in(c, n_cards, l0, l1, L) != card) continue;
             double w, rows;
             if (L < 0) {
                 w = sz->head_bytes, rows = (double)c->vocab_size;
@@ -196,7 +206,7 @@ int mf_sg_card_reserve(const mf_sg_opts *base, const mf_sg_card_in *in, int chun
                        double *dense)
 {
     *routed = *dense = 0;
-    const int ns[2] = {chunk, max_items};
+    const int ns[2] = {chunk, max_items > 0 ? mf_sg_bucket(max_items) : 0};   /* the graph a batch runs in */
     for (int k = 0; k < 2; k++) {
         if (ns[k] < 1) continue;
         mf_sg_opts o = *base;
@@ -285,7 +295,7 @@ mf_task_id mf_sg_dense_chain(mf_sg_builder *b, int L, int d, mf_sg_task t, int p
     int n = b->h1 - b->h0, nb = d == MF_SG_D_HEAD ? 1 : mf_sg_dense_blocks(n, sg->dense_block);
     mf_task_id head = -1, prev_first = -1, prev_run = -1;
     for (int k = 0; k < parts && !b->rc; k++) {
-        int cd = parts > 1 ? k : mf_sg_dense_card(b->o->c, sg->n_dense_cards, L), lane = b->o->lane_dev0 + 3 * cd;
+        int cd = parts > 1 ? k : mf_sg_dense_card_of(b->o, sg->n_dense_cards, L), lane = b->o->lane_dev0 + 3 * cd;
         double share = parts > 1 ? sg_dense_share(parts, k, out_tok / 4) : 1;
         mf_sg_task ts = t;   /* the card's share, whose price picks its FP8 linears' path */
         for (int f = 0; f < MF_KF_N; f++) ts.w.w_bytes[f] *= share, ts.w.macs[f] *= share;
@@ -360,4 +370,10 @@ mf_task_id mf_sg_dense_chain(mf_sg_builder *b, int L, int d, mf_sg_task t, int p
         }
     }
     return b->rc ? -1 : head;
+}
+
+int mf_sg_dense_card_of(const mf_sg_opts *o, int n_cards, int L)
+{
+    int l1 = o->layer_begin || o->layer_end ? o->layer_end : o->c->n_layers;
+    return mf_sg_dense_card_in(o->c, n_cards, o->layer_begin, l1, L);
 }

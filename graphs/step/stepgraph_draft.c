@@ -18,9 +18,13 @@ int mf_sg_draft_check(const mf_sg_opts *o)
     int B = c->dspark_block_size;
     if (c->n_mtp_layers < 1 || B < 1)
         return mf_error(-EINVAL, "step graph: a draft round of a config without draft stages");
-    if (o->par || o->n_units < 1 || o->n != o->n_units * B)
+    if (o->par || o->mixed || o->n_units < 1 || o->n != o->n_units * B || o->n > MF_SG_MAX_GROUPS || !o->unit_end)
         return mf_error(-EINVAL, "step graph: a draft round of %d items in %d units (expected units of "
-                        "dspark_block_size %d items)", o->n, o->n_units, B);
+                        "dspark_block_size %d items, at most %d items: one per item group)", o->n, o->n_units, B,
+                        MF_SG_MAX_GROUPS);
+    if (o->layer_begin > 0 || (o->layer_end && o->layer_end < c->n_layers))
+        return mf_error(-EINVAL, "step graph: a draft round on a pipeline stage (layers [%d, %d)): the draft runs "
+                        "on a whole model", o->layer_begin, o->layer_end);
     for (int k = 0; k < o->n_units; k++)
         if (o->unit_end[k] != (k + 1) * B)
             return mf_error(-EINVAL, "step graph: draft unit %d ends at item %d (expected %d)", k, o->unit_end[k],

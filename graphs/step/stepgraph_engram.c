@@ -75,7 +75,7 @@ void mf_sg_engram(mf_sg_builder *b, int L, mf_task_id *unit)
     mf_stepgraph *sg = b->sg;
     double H = (double)c->hidden_size, per = b->per;
     double rows = (double)(c->engram_max_ngram_size - 1) * c->engram_n_heads;
-    mf_task_id emb[MF_SG_MAX_ITEMS], wr[MF_SG_MAX_CHUNK / (SG_EG_PASSES * MF_KERN_TOK_PASS) + 1];   /* wr: each block's first part */
+    mf_task_id emb[MF_SG_MAX_GROUPS], wr[MF_SG_MAX_CHUNK / (SG_EG_PASSES * MF_KERN_TOK_PASS) + 1];   /* wr: each block's first part */
     int nr = sg->eg_reads_per_unit, eslot = mf_config_engram_slot(c, L);
     int g0, g1;   /* a unit's item groups */
     /* a read of a row's codes or its scales: an aligned block each (O_DIRECT) */
@@ -84,12 +84,12 @@ void mf_sg_engram(mf_sg_builder *b, int L, mf_task_id *unit)
     for (int k = b->k0; k < b->k1; k++) {
         mf_task_id pl = -1;
         if (b->o->eg_reads) {
-            SG_NAME(b, sg->par ? "engram L%d plan item %d" : "engram L%d plan", L, k);
+            SG_NAME(b, sg->par || sg->mixed ? "engram L%d plan item %d" : "engram L%d plan", L, k);
             mf_sg_task t = mf_sg_item(b, L, k);
             t.w.ref_flops = per * rows * c->engram_max_ngram_size * 4;   /* hashes, sort */
             pl = mf_sg_add(b, 0, MF_SG_ENGRAM_PLAN, MF_SG_PH_ENGRAM, MF_SG_K_OTHER, t);
         }
-        SG_NAME(b, sg->par ? "engram L%d embed item %d" : "engram L%d embed", L, k);
+        SG_NAME(b, sg->par || sg->mixed ? "engram L%d embed item %d" : "engram L%d embed", L, k);
         mf_sg_task t = mf_sg_item(b, L, k);
         t.w.ref_flops = per * rows * c->engram_head_dim * 2;
         if (b->o->eg_reads || b->o->store || mf_sg_unit_groups(sg, k, &g0, &g1) == 1) {
@@ -110,7 +110,7 @@ void mf_sg_engram(mf_sg_builder *b, int L, mf_task_id *unit)
         /* the unit's own reads (2 per row of its items); the table's other entries stay -1 */
         int nr_k = 2 * (t.i1 - t.i0) * (int)rows;
         for (int r = 0; b->o->eg_reads && r < nr && r < nr_k; r++) {
-            if (sg->par) SG_NAME(b, "engram L%d item %d read %d", L, k, r);
+            if (sg->par || sg->mixed) SG_NAME(b, "engram L%d item %d read %d", L, k, r);
             else SG_NAME(b, "engram L%d read %d", L, r);
             mf_sg_task tr = mf_sg_item(b, L, k);
             tr.n_tok = 0;
@@ -144,7 +144,7 @@ void mf_sg_engram(mf_sg_builder *b, int L, mf_task_id *unit)
         }
         for (int g = g0; g < g1; g++) {
             if (ng > 1) SG_NAME(b, "engram L%d gate %d", L, g);
-            else SG_NAME(b, sg->par ? "engram L%d gate item %d" : "engram L%d gate", L, k);
+            else SG_NAME(b, sg->par || sg->mixed ? "engram L%d gate item %d" : "engram L%d gate", L, k);
             mf_sg_task t = ng > 1 ? mf_sg_part(sg, L, g, 0, 1, 0, 1) : mf_sg_item(b, L, k);
             double items = t.i1 - t.i0;
             t.part = -1;

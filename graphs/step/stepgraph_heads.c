@@ -100,7 +100,7 @@ mf_task_id mf_sg_scores_on_cards(mf_sg_builder *b, int L, int k, const mf_task_i
     static const int kind_of[3] = {MF_SG_K_COPY, MF_SG_K_OTHER, MF_SG_K_COPY_OUT};
     static const char *const what[3] = {" in", "", " out"};
     for (int p = 0; p < parts && !b->rc; p++) {
-        int cd = parts > 1 ? p : mf_sg_dense_card(c, sg->n_dense_cards, L), a, e;
+        int cd = parts > 1 ? p : mf_sg_dense_card_of(b->o, sg->n_dense_cards, L), a, e;
         mf_sg_heads_range(n, parts, p, &a, &e);
         mf_task_id prev = keys;
         for (int q = 0; q < 3 && e > a; q++) {
@@ -202,7 +202,7 @@ int mf_sg_heads_choice(const mf_sg_opts *o, int L)
 {
     const mf_config *c = o->c;
     int nc = o->n_dense_cards, n = o->n, nh = c->n_heads, D = c->head_dim;
-    int units = o->n_units > 0 ? o->n_units : o->par ? o->n : 1;
+    int units = o->par || o->mixed ? o->n : 1;   /* a mixed graph of n >= 2: sequences at run time */
     if (nc < 1 || o->exact || units != 1 || o->heads == MF_SG_HEADS_HOST || L < 0 || L >= c->n_layers) return 0;
     if (D % 16 || D > MF_DEV_ATTN_MAX_D || c->qk_rope_head_dim / 2 > 64 ||
         mf_sg_heads_keys(c, L) > MF_DEV_ATTN_MAX_KEYS)
@@ -271,7 +271,7 @@ void mf_sg_heads_on_cards(mf_sg_builder *b, int L, int k, mf_task_id core, mf_ta
         bi1[j] = i0 + (int64_t)n * (j + 1) / nbk;
     }
     for (int p = 0; p < parts && !b->rc; p++) {
-        int cd = parts > 1 ? p : mf_sg_dense_card(c, sg->n_dense_cards, L), h0, h1;
+        int cd = parts > 1 ? p : mf_sg_dense_card_of(b->o, sg->n_dense_cards, L), h0, h1;
         mf_sg_heads_range(nh, parts, p, &h0, &h1);
         mf_task_id prev_in = -1;
         for (int j = 0; j < nbk && !b->rc; j++) {

@@ -140,6 +140,8 @@ const char *mf_sg_dense_name(int d);
  * (a group: mf_sg_dep); b->chain_run the first card work. */
 mf_task_id mf_sg_dense_chain(mf_sg_builder *b, int L, int d, mf_sg_task t, int phase, double in_tok, double out_tok,
                              mf_task_id after_in, double out_bf_rows);
+/* mf_sg_dense_card_in over the graph's layers (a pipeline stage's, o->layer_begin/_end). */
+int mf_sg_dense_card_of(const mf_sg_opts *o, int n_cards, int L);
 /* Each card work of group `after` waits for the members of group `before` on its card. */
 void mf_sg_dense_after(mf_sg_builder *b, mf_task_id before, mf_task_id after);
 
@@ -193,11 +195,13 @@ void mf_sg_engram(mf_sg_builder *b, int L, mf_task_id *unit);                   
 void mf_sg_attn(mf_sg_builder *b, int L, const mf_task_id *unit, mf_task_id *post);   /* stepgraph_attn.c */
 void mf_sg_moe(mf_sg_builder *b, int L, const mf_task_id *post, mf_task_id *unit);    /* stepgraph_moe.c */
 void mf_sg_head(mf_sg_builder *b, const mf_task_id *unit);                      /* stepgraph_head.c */
+mf_task_id mf_sg_net_in(mf_sg_builder *b);                                      /* stepgraph_net.c */
+void mf_sg_net_out(mf_sg_builder *b, const mf_task_id *unit);                   /* stepgraph_net.c */
 
 /* ---- the DSpark draft (stepgraph_draft.c) ---- */
 
 /* -EINVAL with a message unless o's draft graph can be built (a config with draft stages, units of
- * dspark_block_size items, host only). */
+ * dspark_block_size items, at most MF_SG_MAX_GROUPS items, host only, a whole model's layers). */
 int mf_sg_draft_check(const mf_sg_opts *o);
 /* Per unit the feed of its pending features, into unit[] (what each unit's first stage waits for). */
 void mf_sg_draft_feed(mf_sg_builder *b, mf_task_id *unit);

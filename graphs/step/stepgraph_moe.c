@@ -279,7 +279,7 @@ void mf_sg_moe(mf_sg_builder *b, int L, const mf_task_id *post, mf_task_id *unit
     sg_shared(b, L, post, ro, done);
     mf_sg_dep(b, ro, done);
     for (int k = b->k0; k < b->k1; k++) {
-        SG_NAME(b, sg->par ? "combine L%d join item %d" : "combine L%d join", L, k);
+        SG_NAME(b, sg->par || sg->mixed ? "combine L%d join item %d" : "combine L%d join", L, k);
         unit[k] = mf_sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_MOE, MF_SG_K_OTHER, mf_sg_rec(L));
     }
     double sink = c->hc_sinkhorn_iters * 4.0 * hc * hc * 2;

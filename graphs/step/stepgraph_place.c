@@ -255,7 +255,7 @@ int mf_sg_prefetch_min(const mf_config *c)
 
 int mf_sg_prefetch_on(const mf_sg_opts *o)
 {
-    int serial = !o->par && o->n_units <= 1;
+    int serial = !o->par && !o->mixed;
     int min = o->prefetch_min > 0 ? o->prefetch_min : mf_sg_prefetch_min(o->c);
     return o->prefetch_min >= 0 && serial && o->micro < 2 && o->n_cards > 0 && !o->store && o->n >= min;
 }

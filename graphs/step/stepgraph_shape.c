@@ -7,6 +7,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "graphs/step/fast_attn.h"
 #include "host/kernels.h"
 
 #define SG_MAX_EXP_PARTS 32   /* row parts of one routed expert */
@@ -17,7 +18,8 @@
 #define SG_EG_ROW_SPLIT 4       /* row parts of an Engram wkv pass per worker (4 beat 1 on every seed-host figure) */
 
 /* The micro-batches of the shape (o->micro; sg's units set): two halves at the unit boundary
- * whose halves are the most equal in items (the first such), else one; each half's slots. */
+ * whose halves are the most equal in items (the first such), else one (a mixed graph: one, its
+ * sequences' items may lie on both sides of any boundary); each half's slots. */
 static void sg_halves(const mf_sg_opts *o, mf_stepgraph *sg)
 {
     const mf_config *c = o->c;
@@ -26,7 +28,7 @@ static void sg_halves(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->half_end[0] = sg->n;
     sg->half_unit[0] = 0;
     sg->half_unit[1] = sg->n_units;
-    for (int k = 1; o->micro == 2 && k < sg->n_units; k++) {   /* half 0: units [0, k) */
+    for (int k = 1; o->micro == 2 && !sg->mixed && k < sg->n_units; k++) {   /* half 0: units [0, k) */
         int d = abs(2 * sg->unit_end[k - 1] - sg->n);
         if (!best || d < abs(2 * sg->half_end[0] - sg->n)) {
             best = k;
@@ -88,21 +90,28 @@ void mf_sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
 {
     const mf_config *c = o->c;
     int W = o->n_threads > 0 ? o->n_threads : 1;
-    sg->n = o->n;
+    sg->n = sg->n_live = o->n;
+    sg->n_layers = c->n_layers;
     sg->par = o->par;
-    /* the layers it runs: the backbone's, or the draft's stages (their top-k and experts) */
+    sg->mixed = o->mixed && !o->par && !o->draft;
+    /* the layers it runs: the backbone's (a pipeline stage's range), or the draft's stages (their
+     * top-k and experts) */
     sg->draft = o->draft != 0;
     sg->feats = o->feats != 0 && !o->draft;
-    sg->layer0 = o->draft ? c->n_layers : 0;
-    sg->layer1 = o->draft ? c->n_layers + c->n_mtp_layers : c->n_layers;
-    /* units: o's, else n of one item (par) or one of all */
-    sg->n_units = o->n_units > 0 ? o->n_units : o->par ? o->n : 1;
-    for (int k = 0; k < sg->n_units; k++)
-        sg->unit_end[k] = o->n_units > 0 ? o->unit_end[k] : o->par ? k + 1 : o->n;
-    /* item groups: one item each, or MF_SG_MAX_GROUPS of consecutive items (one unit: a serial graph) */
+    sg->layer0 = o->draft ? c->n_layers : o->layer_begin;
+    sg->layer1 = o->draft ? c->n_layers + c->n_mtp_layers : o->layer_begin || o->layer_end ? o->layer_end : c->n_layers;
+    /* item groups: one item each, or MF_SG_MAX_GROUPS of consecutive items */
     sg->n_groups = o->n < MF_SG_MAX_GROUPS ? o->n : MF_SG_MAX_GROUPS;
     for (int g = 0; g < sg->n_groups; g++)
         sg->group_end[g] = (int)((int64_t)o->n * (g + 1) / sg->n_groups);
+    /* units: the item groups of a parallel or mixed graph (up to 128 items: one item each), the
+     * one of a serial graph */
+    sg->n_units = sg->par || sg->mixed ? sg->n_groups : 1;
+    for (int k = 0; k < sg->n_units; k++) sg->unit_end[k] = sg->par || sg->mixed ? sg->group_end[k] : o->n;
+    if (o->draft) {   /* a draft round: its sequences' blocks (mf_sg_draft_check) */
+        sg->n_units = o->n_units;
+        for (int k = 0; k < sg->n_units; k++) sg->unit_end[k] = o->unit_end[k];
+    }
     sg_halves(o, sg);
     int ns_half = 0;   /* the larger half's slots: what one MoE runs at a time */
     for (int h = 0; h < sg->n_halves; h++)
@@ -157,6 +166,15 @@ void mf_sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     int hc_max = cols < 1 ? 1 : cols < MF_SG_MAX_PARTS ? cols : MF_SG_MAX_PARTS;
     sg->p_hc = sg_wave_parts(sg->n_groups, W, T < hc_max ? T : hc_max, hc_max);
     sg->p_mix = sg_wave_parts(sg->n_groups, W, T < SG_MAX_MIX ? T : SG_MAX_MIX, SG_MAX_MIX);
+    /* a parallel or mixed graph of more items than one mix call takes (MF_FA_MIX_ITEMS): each mix
+     * in blocks of groups of up to that many items, whole rows (the rows read once per block and
+     * each item's streams twice, not each group's rows: a mix runs beside the layer's chain) */
+    sg->mix_groups = 1;
+    if ((sg->par || sg->mixed) && o->n > MF_FA_MIX_ITEMS) {
+        int per = (o->n + sg->n_groups - 1) / sg->n_groups;   /* items of a group, at most */
+        sg->mix_groups = 16 / per > 1 ? 16 / per : 1;
+        sg->p_mix = 1;
+    }
     /* head groups: from T, the fewest that keep the last wave of the groups' tasks 95% full
      * (batch 64 on 44 workers: 2 groups, 128 tasks in three waves, not 64 in two) */
     int ta = sg_wave_parts(sg->n_groups, W, T < nh ? T : nh, nh);
@@ -165,7 +183,7 @@ void mf_sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     int qcols = (int)(c->q_lora_rank / SG_MIN_QCOLS);
     sg->p_qn = T < qcols ? T : qcols > 0 ? qcols : 1;
     if (sg->p_qn > MF_SG_MAX_PARTS) sg->p_qn = MF_SG_MAX_PARTS;
-    sg->ring_late = !o->par && o->n > 1;
+    sg->ring_late = !o->par && (o->n > 1 || sg->mixed);
     sg->p_key = T < MF_SG_MAX_PARTS ? T : MF_SG_MAX_PARTS;
     sg_key_parts(sg, W);
     sg->n_cards = o->n_cards;
@@ -174,7 +192,7 @@ void mf_sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->dense_split = o->dense_split;
     sg->route_topk = sg->p_gather > 1 && !o->ordered;
     sg->dense_block = o->dense_block > 0 ? o->dense_block : MF_SG_DENSE_BLOCK;
-    for (int L = sg->layer0; L < sg->layer1 && L < MF_CONFIG_MAX_LAYERS && !o->draft; L++) {
+    for (int L = 0; L < c->n_layers && L < MF_CONFIG_MAX_LAYERS && !o->draft; L++) {
         sg->heads_cards[L] = (int8_t)mf_sg_heads_choice(o, L);
         if (sg->heads_cards[L] && mf_sg_heads_keys(c, L) > sg->heads_keys) sg->heads_keys = mf_sg_heads_keys(c, L);
         sg->heads_any |= sg->heads_cards[L] > 0;

@@ -124,7 +124,9 @@ def main():
             if rc in (3, 0):   # it finished before the signal
                 print(f"trial {t}: finished before the signal")
             elif rc in (-signal.SIGINT, -signal.SIGTERM):   # before the step loop: the default action
-                check(open(out, "rb").read() == b"", f"trial {t}: killed while loading, yet --output has records")
+                # killed before --output was opened (reading the prompts) leaves no file; after, an empty one
+                check(not os.path.exists(out) or open(out, "rb").read() == b"",
+                      f"trial {t}: killed while loading, yet --output has records")
                 print(f"trial {t}: the signal came while the model loaded")
             elif check(rc == want and m is not None, f"trial {t}: exit {rc} (want {want}); stderr {se[-400:]}"):
                 got = records(out)
@@ -137,7 +139,8 @@ def main():
         for k in range(6):   # resume until done (interrupted again now and then)
             again = [(t_full * rng.random(), signal.SIGINT)] if k == 0 and t % 2 == 0 else []
             rc, so, se = decode(ckpt, prompts, out, "--resume", signals=again)
-            records(out)
+            if rc != -signal.SIGINT or os.path.exists(out):   # killed before --output was opened: no file yet
+                records(out)
             if rc == 3:
                 break
             # 130 / 143: interrupted in the step loop; -2: by the signal itself, while the model loaded
