@@ -75,11 +75,12 @@ void mf_dense_host_round_bf16(float *y, int n_tok, int64_t ld, int n)
         for (int i = 0; i < n; i++) y[t * ld + i] = mf_bf16_round(y[t * ld + i]);
 }
 
-void mf_dense_host_bf16_cast(int pack, float *x, int64_t ld_x, uint16_t *y, int64_t ld_y, int n_tok, int n)
+void mf_dense_host_bf16_cast(int pack, float *x, int64_t ld_x, uint16_t *y, int64_t ld_y, const int32_t *rows, int n_tok,
+                             int n)
 {
     for (int t = 0; t < n_tok; t++) {
         if (pack) mf_kern_vec_bf16_pack(x + t * ld_x, y + t * ld_y, n);
-        else mf_kern_vec_bf16_unpack(y + t * ld_y, x + t * ld_x, n);
+        else mf_kern_vec_bf16_unpack(y + (rows ? rows[t] : t) * ld_y, x + t * ld_x, n);
     }
 }
 

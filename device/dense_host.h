@@ -12,8 +12,9 @@
 
 int mf_dense_host_linear(const mf_dev_lin *a);
 void mf_dense_host_round_bf16(float *y, int n_tok, int64_t ld, int n);
-/* mf_dev_bf16_pack (pack 1) and _unpack (pack 0): per token one mf_kern_vec_bf16_pack / _unpack row. */
-void mf_dense_host_bf16_cast(int pack, float *x, int64_t ld_x, uint16_t *y, int64_t ld_y, int n_tok, int n);
+/* mf_dev_bf16_pack (pack 1) and _unpack (pack 0; rows: _gather): per token one mf_kern_vec_bf16_pack / _unpack row. */
+void mf_dense_host_bf16_cast(int pack, float *x, int64_t ld_x, uint16_t *y, int64_t ld_y, const int32_t *rows, int n_tok,
+                             int n);
 int mf_dense_host_ffn_up(const mf_dev_up *a);
 void mf_dense_host_swiglu_bf16(const float *g, const float *u, int n_tok, int64_t ld, int n, float limit, float *h);
 

@@ -434,24 +434,31 @@ int mf_dev_round_bf16(mf_dev_stream *s, float *y, int n_tok, int64_t ld, int n)
 }
 
 static int mf_dev_bf16_cast(mf_dev_stream *s, int pack, float *x, int64_t ld_x, uint16_t *y, int64_t ld_y,
-                            int n_tok, int n)
+                            const int32_t *rows, int n_tok, int n)
 {
-    const char *what = pack ? "mf_dev_bf16_pack" : "mf_dev_bf16_unpack";
+    const char *what = pack ? "mf_dev_bf16_pack" : rows ? "mf_dev_bf16_gather" : "mf_dev_bf16_unpack";
     if (!s) return mf_error(-EINVAL, "%s: stream is NULL", what);
     if (!x || !y || n_tok < 1 || n < 1 || ld_x < n || ld_y < n)
         return mf_error(-EINVAL, "%s: card %d: x %p, y %p, %d tokens of %d values, ld_x %lld, ld_y %lld", what,
                         s->card, (void *)x, (void *)y, n_tok, n, (long long)ld_x, (long long)ld_y);
-    return s->dev->ops->bf16_cast(s, pack, x, ld_x, y, ld_y, n_tok, n);
+    return s->dev->ops->bf16_cast(s, pack, x, ld_x, y, ld_y, rows, n_tok, n);
 }
 
 int mf_dev_bf16_pack(mf_dev_stream *s, const float *x, int64_t ld_x, uint16_t *y, int64_t ld_y, int n_tok, int n)
 {
-    return mf_dev_bf16_cast(s, 1, (float *)(uintptr_t)x, ld_x, y, ld_y, n_tok, n);
+    return mf_dev_bf16_cast(s, 1, (float *)(uintptr_t)x, ld_x, y, ld_y, NULL, n_tok, n);
 }
 
 int mf_dev_bf16_unpack(mf_dev_stream *s, const uint16_t *y, int64_t ld_y, float *x, int64_t ld_x, int n_tok, int n)
 {
-    return mf_dev_bf16_cast(s, 0, x, ld_x, (uint16_t *)(uintptr_t)y, ld_y, n_tok, n);
+    return mf_dev_bf16_cast(s, 0, x, ld_x, (uint16_t *)(uintptr_t)y, ld_y, NULL, n_tok, n);
+}
+
+int mf_dev_bf16_gather(mf_dev_stream *s, const uint16_t *y, int64_t ld_y, const int32_t *rows, float *x,
+                       int64_t ld_x, int n_tok, int n)
+{
+    if (s && !rows) return mf_error(-EINVAL, "mf_dev_bf16_gather: card %d: rows is NULL", s->card);
+    return mf_dev_bf16_cast(s, 0, x, ld_x, (uint16_t *)(uintptr_t)y, ld_y, rows, n_tok, n);
 }
 
 int mf_dev_ffn_up(mf_dev_stream *s, const mf_dev_up *a)

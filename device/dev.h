@@ -260,6 +260,12 @@ int mf_dev_round_bf16(mf_dev_stream *s, float *y, int n_tok, int64_t ld, int n);
  * y, after an h2d into y). -EINVAL for NULL pointers, n_tok or n < 1, or ld < n. */
 int mf_dev_bf16_pack(mf_dev_stream *s, const float *x, int64_t ld_x, uint16_t *y, int64_t ld_y, int n_tok, int n);
 int mf_dev_bf16_unpack(mf_dev_stream *s, const uint16_t *y, int64_t ld_y, float *x, int64_t ld_x, int n_tok, int n);
+/* The unpack of gathered rows: x[t * ld_x + i] = the float of code y[rows[t] * ld_y + i] (t <
+ * n_tok, i < n; rows a card array of n_tok row numbers, read when the op runs, each in the caller's
+ * range of y): a routed slot's rows from the MoE input the card holds (graphs/step/stepgraph.h
+ * mf_stepgraph.slot_gather). Bit for bit on every backend, exact; -EINVAL as unpack, or rows NULL. */
+int mf_dev_bf16_gather(mf_dev_stream *s, const uint16_t *y, int64_t ld_y, const int32_t *rows, float *x,
+                       int64_t ld_x, int n_tok, int n);
 /* Phase 1 of a dense FFN (the shared expert), as mf_kern_ffn_up without token weights on the
  * fp32 path: rows [0, w1.n_out) of slices w1, w3 (FP8 or BF16, same rows) against x (ld_x),
  * h[t * ld_h + i] = silu(min(w1 x, limit)) * clamp(w3 x, +-limit); limit > 0. */

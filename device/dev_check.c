@@ -68,7 +68,8 @@ typedef struct dc_host {
  * the tiled kernel (mf_dev_lin.path MF_DEV_LIN_TILED, which the dense chains take from
  * MF_DEV_LIN_TILED_MIN_TOK tokens) on the FP8 slice and on the BF16 matrix with reference sums,
  * the FP8 FFN phase 1 with each kernel (64 x 256, limit 7), the bf16 rounding, a bf16 pack and unpack (strided,
- * through dh: the rounding's bits) and the exact gating. Device
+ * through dh: the rounding's bits; the unpack as mf_dev_bf16_gather of the rows reversed, their numbers in dsc)
+ * and the exact gating. Device
  * buffers: dw (weights), dsc (scales), dx, dh, dy (x, a second input, outputs). */
 enum { DD_LIN, DD_GATE, DD_WOA, DD_LIN_T, DD_GATE_T, DD_UP, DD_UP_T, DD_ROUND, DD_CAST, DD_SWIGLU, DD_N };
 static const char *const dd_name[DD_N] = {"fp8 linear (row slice, strides)", "bf16 linear (reference sums)",
@@ -76,7 +77,8 @@ static const char *const dd_name[DD_N] = {"fp8 linear (row slice, strides)", "bf
                                           "fp8 linear (row slice, strides; tiled kernel)",
                                           "bf16 linear (reference sums; tiled kernel)", "dense ffn up (fp8)",
                                           "dense ffn up (fp8; tiled kernel)",
-                                          "bf16 rounding", "bf16 pack and unpack", "swiglu (bf16 roundings)"};
+                                          "bf16 rounding", "bf16 pack and unpack (rows gathered)",
+                                          "swiglu (bf16 roundings)"};
 
 static int dc_dense(mf_dev *d, int card, mf_dev_stream *st, dc_rng *r, dc_host *hb, uint8_t *dw, uint8_t *dsc,
                     float *dx, float *dh, float *dy)
@@ -131,6 +133,12 @@ static int dc_dense(mf_dev *d, int card, mf_dev_stream *st, dc_rng *r, dc_host *
             else if (rnd) {
                 memcpy(hb->ref, hb->x, sizeof(float) * ny_all);
                 mf_dense_host_round_bf16(hb->ref, T, ld_y, n_y);
+                for (int t = 0; k == DD_CAST && t < T / 2; t++)   /* the unpack gathers the rows reversed */
+                    for (int i = 0; i < n_y; i++) {
+                        float v = hb->ref[t * ld_y + i];
+                        hb->ref[t * ld_y + i] = hb->ref[(T - 1 - t) * ld_y + i];
+                        hb->ref[(T - 1 - t) * ld_y + i] = v;
+                    }
             } else {
                 mf_dense_host_swiglu_bf16(hb->x, hx2, T, DC_HID, DC_HID, 7.0f, hb->ref);
             }
@@ -154,7 +162,11 @@ static int dc_dense(mf_dev *d, int card, mf_dev_stream *st, dc_rng *r, dc_host *
             if (!rc && kb == DD_UP) rc = mf_dev_ffn_up(st, &du);
             if (!rc && k == DD_ROUND) rc = mf_dev_round_bf16(st, dy, T, ld_y, n_y);
             if (!rc && k == DD_CAST) rc = mf_dev_bf16_pack(st, dx, DC_IN, (uint16_t *)dh, 70, T, n_y);
-            if (!rc && k == DD_CAST) rc = mf_dev_bf16_unpack(st, (const uint16_t *)dh, 70, dy, ld_y, T, n_y);
+            int32_t rev[DC_TOK];   /* mf_dev_bf16_gather's rows, in dsc (no scales here) */
+            for (int t = 0; t < T; t++) rev[t] = T - 1 - t;
+            if (!rc && k == DD_CAST) rc = mf_dev_copy_h2d(st, dsc, rev, sizeof(int32_t) * (size_t)T);
+            if (!rc && k == DD_CAST)
+                rc = mf_dev_bf16_gather(st, (const uint16_t *)dh, 70, (const int32_t *)(void *)dsc, dy, ld_y, T, n_y);
             if (!rc && k == DD_SWIGLU) rc = mf_dev_swiglu_bf16(st, dx, dh, T, DC_HID, DC_HID, 7.0f, dy);
             if (!rc) rc = mf_dev_copy_d2h(st, hb->got, dy, sizeof(float) * ny_all);
             int rs = mf_dev_stream_sync(st);

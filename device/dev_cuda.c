@@ -446,12 +446,12 @@ static int cu_round_bf16(mf_dev_stream *ps, float *y, int n_tok, int64_t ld, int
     return mf_cuda_kern_round_bf16(s->st, y, n_tok, ld, n);
 }
 
-static int cu_bf16_cast(mf_dev_stream *ps, int pack, float *x, int64_t ld_x, uint16_t *y, int64_t ld_y, int n_tok,
-                        int n)
+static int cu_bf16_cast(mf_dev_stream *ps, int pack, float *x, int64_t ld_x, uint16_t *y, int64_t ld_y,
+                        const int32_t *rows, int n_tok, int n)
 {
     cu_stream *s = (cu_stream *)ps;
     CU_TRY(cudaSetDevice(s->id));
-    return mf_cuda_kern_bf16_cast(s->st, pack, x, ld_x, y, ld_y, n_tok, n);
+    return mf_cuda_kern_bf16_cast(s->st, pack, x, ld_x, y, ld_y, rows, n_tok, n);
 }
 
 static int cu_ffn_up(mf_dev_stream *ps, const mf_dev_up *a)

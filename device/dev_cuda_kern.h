@@ -21,8 +21,9 @@ int mf_cuda_kern_ffn_table(void *stream, const mf_dev_ffn_table *a);
  * checked mf_dev_lin_tiled_ok), else the warp-per-row one. */
 int mf_cuda_kern_linear(void *stream, const mf_dev_lin *a, int tiled);
 int mf_cuda_kern_round_bf16(void *stream, float *y, int n_tok, int64_t ld, int n);
-/* mf_dev_bf16_pack (pack 1) and _unpack (pack 0). */
-int mf_cuda_kern_bf16_cast(void *stream, int pack, float *x, int64_t ld_x, uint16_t *y, int64_t ld_y, int n_tok, int n);
+/* mf_dev_bf16_pack (pack 1) and _unpack (pack 0; rows: mf_dev_bf16_gather). */
+int mf_cuda_kern_bf16_cast(void *stream, int pack, float *x, int64_t ld_x, uint16_t *y, int64_t ld_y, const int32_t *rows,
+                           int n_tok, int n);
 /* tiled: the tiled kernel's UP variant (both weight tiles per block), else the warp-per-row one. */
 int mf_cuda_kern_ffn_up(void *stream, const mf_dev_up *a, int tiled);
 int mf_cuda_kern_swiglu_bf16(void *stream, const float *g, const float *u, int n_tok, int64_t ld, int n,

@@ -60,7 +60,7 @@ typedef struct emu_op {
         struct { mf_kern_mat w; mf_dev_w16 out; } dq;
         mf_dev_ffn_lt flt;
         struct { const float *g, *u; float *y; int n_tok, n; int64_t ld; float limit; } ew;   /* round, swiglu */
-        struct { float *x; uint16_t *y; int64_t ld_x, ld_y; int n_tok, n, pack; } cast;
+        struct { float *x; uint16_t *y; const int32_t *rows; int64_t ld_x, ld_y; int n_tok, n, pack; } cast;
     } u;
 } emu_op;
 
@@ -308,7 +308,7 @@ static void emu_run_op(emu_stream *s, emu_op *op)
         break;
     case OP_CAST:
         mf_dense_host_bf16_cast(op->u.cast.pack, op->u.cast.x, op->u.cast.ld_x, op->u.cast.y, op->u.cast.ld_y,
-                                op->u.cast.n_tok, op->u.cast.n);
+                                op->u.cast.rows, op->u.cast.n_tok, op->u.cast.n);
         break;
     case OP_UP:
         rc = mf_dense_host_ffn_up(&op->u.up);
@@ -640,10 +640,10 @@ static int emu_round_bf16(mf_dev_stream *s, float *y, int n_tok, int64_t ld, int
     return emu_enqueue(s, &op);
 }
 
-static int emu_bf16_cast(mf_dev_stream *s, int pack, float *x, int64_t ld_x, uint16_t *y, int64_t ld_y, int n_tok,
-                         int n)
+static int emu_bf16_cast(mf_dev_stream *s, int pack, float *x, int64_t ld_x, uint16_t *y, int64_t ld_y,
+                         const int32_t *rows, int n_tok, int n)
 {
-    emu_op op = {.kind = OP_CAST, .u.cast = {x, y, ld_x, ld_y, n_tok, n, pack}};
+    emu_op op = {.kind = OP_CAST, .u.cast = {x, y, rows, ld_x, ld_y, n_tok, n, pack}};
     return emu_enqueue(s, &op);
 }
 

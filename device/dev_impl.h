@@ -38,8 +38,10 @@ typedef struct mf_dev_ops {
     int (*expert_ffn_table)(mf_dev_stream *s, const mf_dev_ffn_table *a);
     int (*linear)(mf_dev_stream *s, const mf_dev_lin *a);
     int (*round_bf16)(mf_dev_stream *s, float *y, int n_tok, int64_t ld, int n);
-    /* pack 1: x -> codes y; 0: codes y -> x (mf_dev_bf16_pack, _unpack) */
-    int (*bf16_cast)(mf_dev_stream *s, int pack, float *x, int64_t ld_x, uint16_t *y, int64_t ld_y, int n_tok, int n);
+    /* pack 1: x -> codes y; 0: codes y -> x (mf_dev_bf16_pack, _unpack); rows (unpack only, NULL:
+     * token t): token t's codes are y's row rows[t] (mf_dev_bf16_gather) */
+    int (*bf16_cast)(mf_dev_stream *s, int pack, float *x, int64_t ld_x, uint16_t *y, int64_t ld_y,
+                     const int32_t *rows, int n_tok, int n);
     int (*ffn_up)(mf_dev_stream *s, const mf_dev_up *a);
     int (*swiglu_bf16)(mf_dev_stream *s, const float *g, const float *u, int n_tok, int64_t ld, int n,
                        float limit, float *h);

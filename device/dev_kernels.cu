@@ -244,13 +244,14 @@ __global__ static void k_round_bf16(float *y, int n_tok, long long ld, int n)
 }
 
 /* pack: y = the bf16 code of x (mf_dk_bf16's rounding, its top half); unpack: x = the float of code y */
-__global__ static void k_bf16_cast(int pack, float *x, long long ld_x, uint16_t *y, long long ld_y, int n_tok, int n)
+__global__ static void k_bf16_cast(int pack, float *x, long long ld_x, uint16_t *y, long long ld_y, const int32_t *rows,
+                                   int n_tok, int n)
 {
     long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= (long long)n_tok * n) return;
     long long t = k / n, i = k % n;
     if (pack) y[t * ld_y + i] = (uint16_t)(mf_dk_bits(k_bf(x[t * ld_x + i])) >> 16);
-    else x[t * ld_x + i] = mf_dk_float((uint32_t)y[t * ld_y + i] << 16);
+    else x[t * ld_x + i] = mf_dk_float((uint32_t)y[(rows ? (long long)rows[t] : t) * ld_y + i] << 16);
 }
 
 __global__ static void k_swiglu_bf16(const float *g, const float *u, int n_tok, long long ld, int n, float limit,
@@ -440,11 +441,11 @@ extern "C" int mf_cuda_kern_round_bf16(void *stream, float *y, int n_tok, int64_
 }
 
 extern "C" int mf_cuda_kern_bf16_cast(void *stream, int pack, float *x, int64_t ld_x, uint16_t *y, int64_t ld_y,
-                                      int n_tok, int n)
+                                      const int32_t *rows, int n_tok, int n)
 {
     long long m = (long long)n_tok * n;
-    k_bf16_cast<<<(unsigned)((m + 255) / 256), 256, 0, (cudaStream_t)stream>>>(pack, x, ld_x, y, ld_y, n_tok, n);
-    return k_launched(pack ? "bf16 pack" : "bf16 unpack", __LINE__);
+    k_bf16_cast<<<(unsigned)((m + 255) / 256), 256, 0, (cudaStream_t)stream>>>(pack, x, ld_x, y, ld_y, rows, n_tok, n);
+    return k_launched(pack ? "bf16 pack" : rows ? "bf16 gather" : "bf16 unpack", __LINE__);
 }
 
 extern "C" int mf_cuda_kern_swiglu_bf16(void *stream, const float *g, const float *u, int n_tok, int64_t ld, int n,

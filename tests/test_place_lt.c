@@ -263,6 +263,16 @@ static void test_engine(mf_ref *r)
                 check_engine(r, spec, o, b, n_dec, toks, host, -1, &x);
                 CHECK(x.lt_linears > 0 && x.lt_slots == 0, "%s split %d: %lld dense linears, %lld expert slots on the "
                       "path", spec, sp, (long long)x.lt_linears, (long long)x.lt_slots);
+                /* by rows every card holds the MoE input: each card slot gathers its rows there */
+                CHECK(x.gather_slots == (sp == MF_SG_SPLIT_ROWS ? x.dev_slots : 0), "%s split %d: %lld of %lld card "
+                      "slots gathered their rows on the card", spec, sp, (long long)x.gather_slots, (long long)x.dev_slots);
+                if (sp == MF_SG_SPLIT_ROWS && !tc) {   /* seed: every slot on a card, its rows gathered there */
+                    mf_step_opts so = o;
+                    so.placement = MF_STEP_PLACE_SEED;
+                    check_engine(r, spec, so, b, n_dec, toks, host, -1, &x);
+                    CHECK(x.dev_slots > 0 && x.gather_slots == x.dev_slots, "%s seed by rows: %lld of %lld card slots "
+                          "gathered their rows on the card", spec, (long long)x.gather_slots, (long long)x.dev_slots);
+                }
                 if (MF_TEST_SANITIZED || sp != MF_SG_SPLIT_ROWS || tc) continue;
                 /* item blocks of 2 (a layer's dequantization serving every block) and two micro-batches */
                 o.dense_block = 2;

@@ -671,6 +671,7 @@ static void pl_placer_init(const mf_plan *p, mf_sg_placer *pl)
                       p->sz->xslot_bytes, ew.macs[MF_KF_FP4], mf_sg_slot_tok_bytes(&p->c, 0),
                       mf_sg_slot_tok_bytes(&p->c, 1), p->streamed ? 0 : 1);
     mf_sg_place_lt(pl, p->sg->lt_ffn ? p->o.lt : MF_SG_LT_OFF);
+    mf_sg_place_gather(pl, p->sg->slot_gather);
 }
 
 /* Prefetch: layer L's experts placed as the engine's place task does (mf_sg_place_all, every

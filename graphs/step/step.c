@@ -135,6 +135,7 @@ void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out)
     out->miss_spans = atomic_load(&s->miss_spans);
     out->lt_linears = atomic_load(&s->lt_linears);
     out->lt_slots = atomic_load(&s->lt_slots);
+    out->gather_slots = atomic_load(&s->gather_slots);
 }
 
 void mf_step_fill(const mf_step *s, mf_step_fill_stats *out) { *out = s->fill; }
@@ -515,6 +516,7 @@ static int mf_step_forward_chunks(mf_step *s, mf_ref_state *const *states, const
     atomic_store(&s->miss_spans, 0);
     atomic_store(&s->lt_linears, 0);
     atomic_store(&s->lt_slots, 0);
+    atomic_store(&s->gather_slots, 0);
     for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_step(s->xc[c], NULL);
     if (n < 1) return mf_error(-EINVAL, "step: forward of %d items", n);
     if (feats && !(s->o.draft && s->c->n_mtp_layers > 0))

@@ -378,6 +378,9 @@ typedef struct mf_step_dev_stats {
     /* the cuBLASLt path (mf_step_opts.lt): dense linears run on it (each card's launch of a weight
      * slice counted) and routed-expert slots whose FFN did */
     int64_t lt_linears, lt_slots;
+    /* routed-expert slots whose rows their card gathered from the MoE input it holds
+     * (mf_stepgraph.slot_gather: no copy of the rows) */
+    int64_t gather_slots;
 } mf_step_dev_stats;
 
 void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out);

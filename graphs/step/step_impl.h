@@ -116,6 +116,7 @@ struct mf_step_shape {
     mf_sg_card_bufs cb;   /* the cards' buffers (routed and dense blocks) and the host layouts' row lengths */
     size_t d_x, d_w, d_h, d_q, d_y, d_tab, dq_bytes;   /* dq_bytes: the int8 scratch's bytes a row */
     size_t d_x16, d_y16;   /* the rows' bf16 copies (mf_sg_slot_tok_bytes), in slot order as d_x, d_y */
+    size_t d_ri;           /* slot_gather: each row's item (row_item's copy), in slot order */
     /* device graphs (opts dev_graphs): per card the slot tables of every layer (pinned host copy
      * filled by the route task, device copy refreshed by the graph) and each layer's graph,
      * captured on its first run: the table's h2d copy, then the slot-table FFN */
@@ -132,6 +133,10 @@ struct mf_step_shape {
      * released, before the combine) */
     uint16_t *xg16, *y16;
     uint8_t *row_card;
+    /* slot_gather (graphs/step/stepgraph.h mf_stepgraph.slot_gather): row_item[row] the item whose
+     * input the row is, written by the row gather in place of xg16 (which it leaves unused), copied
+     * to each card by MF_SG_DEV_ROWS with wg */
+    int32_t *row_item;
     mf_kern_q8 *q8x, *q8h;   /* n_slots */
     uint8_t *q8x_mem, *q8h_mem;
     size_t q8x_bytes, q8h_bytes;   /* per row (mf_kern_q8_bytes(1, .)): slot s's at slot_off[s] rows */
@@ -232,7 +237,7 @@ struct mf_step {
     mf_step_dev_stats dstat;
     _Atomic int64_t sock_home, sock_cross;   /* this call's (mf_step_dev_stats) */
     _Atomic int64_t dense_home, dense_cross;
-    _Atomic int64_t lt_linears, lt_slots;   /* this call's (mf_step_dev_stats) */
+    _Atomic int64_t lt_linears, lt_slots, gather_slots;   /* this call's (mf_step_dev_stats) */
     /* the cuBLASLt path: the mode in effect (mf_step_opts.lt; MF_SG_LT_OFF when a card in use has no
      * tensor cores), and per 16-bit type (BF16, FP16) and (layer, expert) the routed experts' plans as
      * step_moe_cards.c finds them (0: not yet; mf_step_lt_xplan) */

@@ -156,8 +156,11 @@ static int mf_step_gather_rows(mf_step_shape *sh, int h, int i0, int i1, int p, 
         for (int k = 0; k < K; k++) {
             int row = sh->asg[i * K + k];
             if (row < r0 || row >= r1) continue;
+            if (sh->row_item) sh->row_item[row] = i;   /* slot_gather: the cards gather their rows */
             if (!sh->row_card || !sh->row_card[row])
                 memcpy(sh->xg + (size_t)row * H, sh->xin + (size_t)i * H, sizeof(float) * (size_t)H);
+            else if (sh->row_item)
+                continue;
             else if (sh->xin16)   /* the ffn_norm's mirror (dense cards): the same codes */
                 memcpy(sh->xg16 + (size_t)row * H, sh->xin16 + (size_t)i * H, sizeof(uint16_t) * (size_t)H);
             else

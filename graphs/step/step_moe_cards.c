@@ -44,6 +44,7 @@ static void mf_step_placer_of(const mf_step_shape *sh, mf_sg_placer *pl)
 {
     mf_step_placer_init(sh->eng, pl);
     mf_sg_place_lt(pl, sh->sg->lt_ffn ? sh->eng->lt_mode : MF_SG_LT_OFF);
+    mf_sg_place_gather(pl, sh->sg->slot_gather);
 }
 
 /* Decides where micro-batch h's slots of layer L run (sh->slot_card) and takes their cache slots
@@ -269,12 +270,35 @@ static int mf_task_dev_in(void *arg, mf_task_ctx *ctx)
     }
     size_t off = (size_t)sh->slot_off[s], cnt = (size_t)sh->slot_cnt[s];
     uint8_t *db = sh->dbuf[a->t->card];
+    float *dx = (float *)(void *)(db + sh->d_x) + off * H;
+    if (sh->sg->slot_gather) {   /* the rows from the card's MoE input (the gate's copy-in), by their items */
+        const uint16_t *xin = (const uint16_t *)(void *)(sh->ddense[a->t->card] + sh->dd16_xin);
+        const int32_t *ri = (const int32_t *)(void *)(db + sh->d_ri) + off;
+        if (!rc) rc = mf_dev_bf16_gather(st, xin, H, ri, dx, H, (int)cnt, (int)H);
+        if (!rc) atomic_fetch_add_explicit(&eng->gather_slots, 1, memory_order_relaxed);
+        return rc;
+    }
     /* the rows as bf16 (mf_sg_slot_tok_bytes), unpacked on this copy stream; the token weights fp32 */
     uint16_t *d16 = (uint16_t *)(void *)(db + sh->d_x16) + off * H;
     if (!rc) rc = mf_dev_copy_h2d(st, d16, sh->xg16 + off * H, cnt * H * sizeof *d16);
-    if (!rc) rc = mf_dev_bf16_unpack(st, d16, H, (float *)(void *)(db + sh->d_x) + off * H, H, (int)cnt, (int)H);
+    if (!rc) rc = mf_dev_bf16_unpack(st, d16, H, dx, H, (int)cnt, (int)H);
     if (!rc) rc = mf_dev_copy_h2d(st, db + sh->d_w + off * 4, sh->wg + off, cnt * 4);
     return rc;
+}
+
+/* slot_gather, card a->t->card's copy lane, after the route's rows: the micro-batch's rows' items
+ * (row_item) and token weights, at their rows, for its slots' copy-ins to gather by (every card:
+ * the slots' cards are known only when the route ran). */
+static int mf_task_dev_rows(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    mf_step_shape *sh = a->sh;
+    int h = a->t->half, s0 = sh->sg->half_slot[h], nu = sh->n_used[h];
+    if (nu < 1) return MF_TASK_NO_WORK;
+    size_t r0 = (size_t)sh->slot_off[s0], r1 = (size_t)sh->slot_off[s0 + nu - 1] + (size_t)sh->slot_cnt[s0 + nu - 1];
+    uint8_t *db = sh->dbuf[a->t->card];
+    int rc = mf_dev_copy_h2d(ctx->queue, db + sh->d_ri + r0 * 4, sh->row_item + r0, (r1 - r0) * 4);
+    return rc ? rc : mf_dev_copy_h2d(ctx->queue, db + sh->d_w + r0 * 4, sh->wg + r0, (r1 - r0) * 4);
 }
 
 /* The shifts that make routed expert e of layer L exact in 16-bit type `type` (mf_dev_w16_plan: w1
@@ -569,4 +593,5 @@ const mf_task_fn mf_step_moe_cards_fn_of[MF_SG_N_OPS] = {
     [MF_SG_MOE_PLACE] = mf_task_moe_place, [MF_SG_DEV_PRE] = mf_task_dev_pre,
     [MF_SG_DEV_IN] = mf_task_dev_in,       [MF_SG_DEV_FFN] = mf_task_dev_ffn,
     [MF_SG_DEV_FFN_CARD] = mf_task_dev_ffn_card, [MF_SG_DEV_OUT] = mf_task_dev_out,
+    [MF_SG_DEV_ROWS] = mf_task_dev_rows,
 };

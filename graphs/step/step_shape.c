@@ -223,6 +223,7 @@ static int mf_step_shape_cards(mf_step *eng, mf_step_shape *sh)
     sh->d_y = cb->y;
     sh->d_x16 = cb->x16;
     sh->d_y16 = cb->y16;
+    sh->d_ri = cb->ri;
     sh->d_tab = cb->tab;
     size_t tab_bytes = cb->routed_bytes - cb->tab, total = cb->routed_bytes;
     for (int cd = 0; cd < eng->n_cards; cd++) {
@@ -423,7 +424,8 @@ static int mf_step_host_table(const mf_step_host_in *in, mf_step_shape *sh, int 
         {"gg", ex ? nk * I * f : 0, (void **)&sh->gg},
         {"uu", ex ? nk * I * f : 0, (void **)&sh->uu},
         {"y", nk * H * f, (void **)&sh->y},
-        {"xg16", cards ? nk * H * 2 : 0, (void **)&sh->xg16},
+        {"xg16", cards && !sh->sg->slot_gather ? nk * H * 2 : 0, (void **)&sh->xg16},
+        {"row_item", sh->sg->slot_gather ? nk * 4 : 0, (void **)&sh->row_item},
         {"y16", cards ? nk * H * 2 : 0, (void **)&sh->y16},
         {"row_card", cards ? nk : 0, (void **)&sh->row_card},
         {"q8x", ns * sizeof(mf_kern_q8), (void **)&sh->q8x},

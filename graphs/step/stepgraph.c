@@ -168,7 +168,7 @@ double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int p_key, int64
 
 const char *mf_sg_op_name(int op)
 {
-    static const char *const names[] = {"engram_embed", "engram_rows", "engram_gate", "engram_plan", "engram_read", "attn_pre", "attn_rows", "attn_qnorm", "attn_core", "attn_post", "gate_rows", "route", "moe_done", "slot_read", "slot_up", "slot_join", "slot_down", "dev_in", "dev_ffn", "dev_ffn_card", "dev_out", "shared_up", "shared_down", "combine", "norm", "head", "join", "attn_mix", "attn_norm", "attn_heads", "attn_ring", "ffn_mix", "ffn_norm", "attn_score", "attn_select", "dense_in", "dense", "dense_out", "attn_qscale", "attn_kv", "attn_gather", "attn_qprep", "attn_opost", "route_rows", "moe_place", "dev_pre", "attn_keys", "net_in", "net_out", "dense_deq", "draft_feat", "draft_feed", "draft_feed_kv", "draft_kv", "draft_heads", "draft_markov", "draft_pick"};
+    static const char *const names[] = {"engram_embed", "engram_rows", "engram_gate", "engram_plan", "engram_read", "attn_pre", "attn_rows", "attn_qnorm", "attn_core", "attn_post", "gate_rows", "route", "moe_done", "slot_read", "slot_up", "slot_join", "slot_down", "dev_in", "dev_ffn", "dev_ffn_card", "dev_out", "shared_up", "shared_down", "combine", "norm", "head", "join", "attn_mix", "attn_norm", "attn_heads", "attn_ring", "ffn_mix", "ffn_norm", "attn_score", "attn_select", "dense_in", "dense", "dense_out", "attn_qscale", "attn_kv", "attn_gather", "attn_qprep", "attn_opost", "route_rows", "moe_place", "dev_pre", "attn_keys", "net_in", "net_out", "dense_deq", "dev_rows", "draft_feat", "draft_feed", "draft_feed_kv", "draft_kv", "draft_heads", "draft_markov", "draft_pick"};
     _Static_assert(sizeof names / sizeof names[0] == MF_SG_N_OPS, "one name per mf_sg_op");
     return (unsigned)op < MF_SG_N_OPS ? names[op] : "?";
 }
@@ -228,6 +228,20 @@ void mf_sg_rows(int64_t n_rows, int parts, int p, int64_t *r0, int64_t *r1)
 
 /* ---- pricing a record (sched/cost.h; docs/sim.md "Cost formulas") ------------------------- */
 
+double mf_sg_slot_in_ns(const mf_cost_model *m, int gather, int tok, double tok_in, int miss, int miss_copies,
+                        double miss_bytes)
+{
+    return mf_cost_copy(m, 0, (gather ? 0 : 2) + (miss ? miss_copies : 0),
+                        (miss ? miss_bytes : 0) + (gather ? 0 : tok * tok_in));
+}
+
+int mf_sg_slot_gather(const mf_sg_opts *o)
+{
+    int nd = o->n_dense_cards;
+    return o->n_cards > 0 && nd > 1 && nd >= o->n_cards && !o->exact &&
+           mf_sg_dense_parts(nd, o->dense_split, MF_SG_D_GATE) == nd && mf_sg_dense_bf16(MF_SG_D_GATE, 0);
+}
+
 double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_step_cost *s)
 {
     const mf_sg_work *w = &t->w;
@@ -239,8 +253,10 @@ double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_st
     case MF_SG_HEAD:   /* the items with logits (a prefill chunk: none, or the prompt's last) */
         return s->n_head ? mf_cost_host(m, w, s->n_head, 0) : 0;
     case MF_SG_DEV_IN:   /* the expert on a miss (one span or its parts), then the rows and token weights */
-        return mf_cost_copy(m, 0, 2 + (s->dev_miss ? (w->copies > 0 ? w->copies : MF_SG_EXPERT_PARTS) : 0),
-                            (s->dev_miss ? w->copy_bytes : 0) + tok * w->copy_bytes_tok);
+        return mf_sg_slot_in_ns(m, t->gather, tok, w->copy_bytes_tok, s->dev_miss,
+                                w->copies > 0 ? w->copies : MF_SG_EXPERT_PARTS, w->copy_bytes);
+    case MF_SG_DEV_ROWS:   /* the rows' items and token weights */
+        return mf_cost_copy(m, 0, w->copies, w->copy_bytes);
     case MF_SG_DEV_PRE:   /* prefetch: the expert, one span or its parts (noop on a hit or the host) */
         return mf_cost_copy(m, 0, w->copies > 0 ? w->copies : MF_SG_EXPERT_PARTS, w->copy_bytes);
     case MF_SG_DEV_FFN:   /* the slot's path (mf_sg_ffn_lt) */
@@ -532,6 +548,7 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     if (!sg) return mf_error(-ENOMEM, "step graph: out of memory");
     mf_sg_parts(o, sg);
     sg->prefetch = mf_sg_prefetch_on(o);
+    sg->slot_gather = mf_sg_slot_gather(o);
     sg->pre_experts = sg->prefetch ? c->n_routed_experts : 0;
     size_t n_pre = sg->prefetch ? (size_t)c->n_layers * c->n_routed_experts : 0;
     sg->pre_tid = malloc(sizeof *sg->pre_tid * (n_pre + 1));

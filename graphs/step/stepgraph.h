@@ -120,6 +120,8 @@ typedef enum mf_sg_op {
     MF_SG_DENSE_DEQ,      /* card `card` (h2d lane): sublayer `dense`'s FP8 weights of layer `layer` that
                            * the card holds (part `part` of a split by rows) dequantized into its
                            * 16-bit scratch (mf_sg_card_bufs.lt_w16) */
+    MF_SG_DEV_ROWS,       /* card `card` (h2d lane): the micro-batch's routed rows' items and token
+                           * weights copied in (mf_stepgraph.slot_gather), before its slots' copy-ins */
     /* the DSpark draft (mf_sg_opts.draft, feats; graphs/step/stepgraph_draft.c, docs/dspark.md) */
     MF_SG_DRAFT_FEAT,     /* verify graphs (feats): unit's items at a draft target layer, their
                            * features (the streams' mean entering the layer) where asked for */
@@ -208,6 +210,9 @@ typedef struct mf_sg_task {
      * MF_DEV_LIN_CUBLASLT the tensor cores on the weights its MF_SG_DENSE_DEQ dequantized
      * (mf_sg_opts.lt); AUTO for every other record */
     int8_t lin_path;
+    /* MF_SG_DEV_IN: 1 when the card gathers the slot's rows from the MoE input it holds
+     * (mf_stepgraph.slot_gather): no copy of rows or token weights, the expert's on a miss alone */
+    int8_t gather;
     mf_sg_work w;
 } mf_sg_task;
 
@@ -532,6 +537,12 @@ typedef struct mf_stepgraph {
      * lt_ffn_tok tokens */
     size_t lt_w16[MF_SG_N_DENSE], lt_x16;
     int lt_ffn, lt_ffn_tok;
+    /* 1 (mf_sg_slot_gather) when every card with routed experts holds the MoE input as bf16 (the
+     * router gate split by rows over the dense cards, each card's MF_SG_DENSE_IN of it): a
+     * layer's rows then do not cross PCIe per slot; per micro-batch and card one MF_SG_DEV_ROWS
+     * copies the route's row -> item table and token weights, and each slot's copy-in gathers
+     * its rows on the card (device/dev.h mf_dev_bf16_gather) */
+    int slot_gather;
 } mf_stepgraph;
 
 /* The engine's lanes (the simulator's graph has the same; its own lane options go to
@@ -687,10 +698,11 @@ double mf_sg_dense_card_bytes_in(const mf_config *c, const mf_sg_sizes *sz, int 
  * bytes from a card before its expert cache): byte offsets, each buffer 256-aligned. A card with
  * routed experts holds the routed block, a dense card the dense block. */
 typedef struct mf_sg_card_bufs {
-    /* routed: the slots' rows in (fp32 and the bf16 the links carry), token weights, h, the int8
-     * scratch by rows (q8_row bytes a row, mf_dev_ffn_table.q8_row), rows out (fp32, bf16), the
+    /* routed: the slots' rows in (fp32 and the bf16 the links carry: none with slot_gather), token
+     * weights, h, the int8 scratch by rows (q8_row bytes a row, mf_dev_ffn_table.q8_row), rows out
+     * (fp32, bf16), each row's item (slot_gather: the gather's row numbers into the MoE input), the
      * device graphs' slot tables (per layer) */
-    size_t x, w, h, q, y, x16, y16, tab, q8_row, routed_bytes;
+    size_t x, w, h, q, y, x16, y16, ri, tab, q8_row, routed_bytes;
     /* dense: the attention buffers (fp32, and bf16 where mf_sg_attn_buf_bf16), the MoE input
      * (bf16, fp32), the gate's logits, the shared expert's h (and --exact's g, u) and out (bf16,
      * fp32), the final norm's out, head_rows rows of logits, one Engram layer's rows and wkv out,
@@ -791,6 +803,7 @@ typedef struct mf_sg_placer {
     int ahead;
     double pre_q[MF_SG_MAX_CARDS], pre_ns, copy_end;
     int lt;   /* mf_sg_lt_mode of the routed experts (mf_sg_place_lt; init: MF_SG_LT_COST) */
+    int gather;   /* mf_sg_place_gather: the cards gather the slots' rows (mf_stepgraph.slot_gather) */
 } mf_sg_placer;
 
 /* Bytes one token of a slot on a card copies in (dir 0: its input row and its weight) or out
@@ -801,6 +814,15 @@ typedef struct mf_sg_placer {
  * row is read only by the combine, which rounds it to bf16 first (mf_fa_combine_cols). The token
  * weight (the route's normalized score, not bf16) stays fp32. */
 double mf_sg_slot_tok_bytes(const mf_config *c, int dir);
+/* Whether a graph of these options gathers its slots' rows on the cards (mf_stepgraph.slot_gather):
+ * routed experts on cards, the gate split by rows over n_dense_cards >= n_cards cards, its input
+ * copied as bf16, not exact. */
+int mf_sg_slot_gather(const mf_sg_opts *o);
+/* The price of a slot's copy-in (MF_SG_DEV_IN; the placer's): on a miss the packed expert's
+ * miss_copies copies of miss_bytes; unless gather the rows and token weights, two copies of tok x
+ * tok_in bytes. Each copy pays the profile's h2d latency (mf_cost_copy). */
+double mf_sg_slot_in_ns(const mf_cost_model *m, int gather, int tok, double tok_in, int miss, int miss_copies,
+                        double miss_bytes);
 
 /* A layer's placer: models as mf_sg_lanes_init's, hybrid 0 for seed (always the card); the
  * packed expert's bytes on a card (mf_sg_sizes xslot_bytes) and its multiply-adds per token
@@ -821,6 +843,8 @@ int mf_sg_prefetch_on(const mf_sg_opts *o);
 /* A card's compute of an expert priced on the path mf_sg_ffn_lt takes under mode (the graph's
  * mf_sg_opts.lt where its lt_ffn, else MF_SG_LT_OFF), engine and simulator alike. */
 void mf_sg_place_lt(mf_sg_placer *p, int mode);
+/* A slot's copy-in priced as the graph's records of mf_stepgraph.slot_gather (on 1) price it. */
+void mf_sg_place_gather(mf_sg_placer *p, int on);
 /* Prefetch: the placer's copy queues start ahead_ns before the route (the experts' copies run
  * while the layer's attention does: mf_stepgraph.pre_ahead_ns), so a card takes an expert while
  * its copy, less that head start, and compute end no later than the host's share. */

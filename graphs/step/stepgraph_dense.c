@@ -143,8 +143,9 @@ void mf_sg_card_bufs_of(const mf_sg_card_in *in, mf_sg_card_bufs *b)
     b->q = b->h + sg_al256(nk * I * f);
     b->y = b->q + sg_al256(nk * b->q8_row);
     b->x16 = b->y + sg_al256(nk * H * f);
-    b->y16 = b->x16 + sg_al256(nk * H * 2);
-    b->tab = mf_sg_lt_routed_bufs(in, b, b->y16 + sg_al256(nk * H * 2));   /* the cuBLASLt path's, if any */
+    b->y16 = b->x16 + sg_al256(sg->slot_gather ? 0 : nk * H * 2);
+    b->ri = b->y16 + sg_al256(nk * H * 2);
+    b->tab = mf_sg_lt_routed_bufs(in, b, b->ri + sg_al256(sg->slot_gather ? nk * 4 : 0));   /* the cuBLASLt path's, if any */
     b->routed_bytes = b->tab + (in->dev_graphs ? sizeof(mf_dev_ffn_slot) * (size_t)sg->n_slots * (size_t)c->n_layers : 0);
     /* dense: the host's layouts' row lengths, then each copy {bytes, &offset} */
     for (int k = 0; k < MF_LY_A_N; k++) b->ab_ld[k] = (mf_ly_attn_buf_len(c, k) + 15) / 16 * 16;

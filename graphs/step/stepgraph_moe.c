@@ -102,7 +102,8 @@ static void sg_slot_card(mf_sg_builder *b, int L, int s, int cd, mf_task_id cffn
     mf_sg_task ti = t;
     ti.w.copy_bytes = z->xslot_bytes;
     ti.w.copies = b->o->miss_copies > 0 ? b->o->miss_copies : MF_SG_EXPERT_PARTS;
-    ti.w.copy_bytes_tok = mf_sg_slot_tok_bytes(c, 0);
+    ti.gather = (int8_t)sg->slot_gather;
+    ti.w.copy_bytes_tok = sg->slot_gather ? 0 : mf_sg_slot_tok_bytes(c, 0);
     mf_task_id din = mf_sg_add(b, lane, MF_SG_DEV_IN, MF_SG_PH_MOE, MF_SG_K_COPY, ti);
     mf_task_id dff = cffn;
     if (!sg->dev_graphs) {
@@ -120,7 +121,10 @@ static void sg_slot_card(mf_sg_builder *b, int L, int s, int cd, mf_task_id cffn
     tid[0] = din;
     tid[1] = sg->dev_graphs ? -1 : dff;
     tid[2] = dout;
+    /* the rows' join even when its copy of their items follows it (slot_gather): mf_sg_pre_ranks
+     * ranks the slot's joins by it, above the host's experts */
     mf_sg_dep(b, b->rows, din);
+    if (sg->slot_gather) mf_sg_dep(b, b->dev_rows[cd], din);
     if (sg->prefetch) {   /* the expert is in (mf_sg_prefetch's order): the rows only */
         int E = c->n_routed_experts, f = s;
         while (f < E && mf_dev_xcache_owner(sg->n_cards, L, f) != cd) f++;
@@ -274,6 +278,16 @@ void mf_sg_moe(mf_sg_builder *b, int L, const mf_task_id *post, mf_task_id *unit
         t.card = (int8_t)cd;
         cffn[cd] = sg->card_ffn_tid[(L * sg->n_halves + b->h) * sg->n_cards + cd] =
             mf_sg_add(b, b->o->lane_dev0 + 3 * cd + 1, MF_SG_DEV_FFN_CARD, MF_SG_PH_MOE, MF_SG_K_DEV, t);
+    }
+    for (int cd = 0; cd < sg->n_cards && sg->slot_gather; cd++) {   /* the rows' items and weights */
+        SG_NAME(b, "dev%d L%d rows", cd, L);
+        t = mf_sg_rec(L);
+        mf_sg_span(b, &t);
+        t.card = (int8_t)cd;
+        t.w.copies = 2;
+        t.w.copy_bytes = (double)(b->h1 - b->h0) * K * 8.0;   /* an int32 item and an fp32 weight a row */
+        b->dev_rows[cd] = mf_sg_add(b, b->o->lane_dev0 + 3 * cd, MF_SG_DEV_ROWS, MF_SG_PH_MOE, MF_SG_K_COPY, t);
+        mf_sg_dep(b, b->rows, b->dev_rows[cd]);
     }
     for (int s = sg->half_slot[b->h]; s < sg->half_slot[b->h + 1]; s++) sg_slot(b, L, s, ro, cffn, done);
     sg_shared(b, L, post, ro, done);

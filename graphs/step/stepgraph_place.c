@@ -145,14 +145,17 @@ int mf_sg_pre_ranks(const mf_sg_opts *o, mf_stepgraph *sg)
                 if (din < 0) continue;
                 rc = mf_graph_raise_rank(sg->g, din, top + 1);
                 /* and the joins it waits for (its copies', its rows') as the highest of them and
-                 * the copies: they are free, and would wait for a worker behind the host's experts */
+                 * the copies: they are free, and would wait for a worker behind the host's experts;
+                 * so the card's copy of the rows' items (slot_gather), on the lane before it */
                 const mf_task_id *pr = mf_graph_pred(sg->g, din);
                 double jr = top + 2;
                 for (int k = 0; k < mf_graph_n_pred(sg->g, din); k++)
-                    if (sg->task[pr[k]].op == MF_SG_JOIN && mf_graph_rank_ns(sg->g, pr[k]) > jr)
+                    if ((sg->task[pr[k]].op == MF_SG_JOIN || sg->task[pr[k]].op == MF_SG_DEV_ROWS) &&
+                        mf_graph_rank_ns(sg->g, pr[k]) > jr)
                         jr = mf_graph_rank_ns(sg->g, pr[k]);
                 for (int k = 0; k < mf_graph_n_pred(sg->g, din) && !rc; k++)
-                    if (sg->task[pr[k]].op == MF_SG_JOIN) rc = mf_graph_raise_rank(sg->g, pr[k], jr);
+                    if (sg->task[pr[k]].op == MF_SG_JOIN || sg->task[pr[k]].op == MF_SG_DEV_ROWS)
+                        rc = mf_graph_raise_rank(sg->g, pr[k], jr);
             }
         }
     return rc;
@@ -215,13 +218,12 @@ int mf_sg_place_want_card(mf_sg_placer *p, int card, int cnt, int cached)
     double copy_end;
     if (p->ahead) {
         p->pre_ns = cached ? 0 : mf_cost_copy(&p->cm, 0, p->miss_copies, p->bytes);
-        p->copy_ns = mf_cost_copy(&p->cm, 0, 2, cnt * p->tok_in);
+        p->copy_ns = mf_sg_slot_in_ns(&p->cm, p->gather, cnt, p->tok_in, 0, 0, 0);
         double pre_end = p->pre_q[c] + p->pre_ns;
         p->copy_end = (pre_end > p->copy_q[c] ? pre_end : p->copy_q[c]) + p->copy_ns;
         copy_end = p->copy_end;
     } else {
-        p->copy_ns = mf_cost_copy(&p->cm, 0, 2 + (cached ? 0 : p->miss_copies),
-                                  (cached ? 0 : p->bytes) + cnt * p->tok_in);
+        p->copy_ns = mf_sg_slot_in_ns(&p->cm, p->gather, cnt, p->tok_in, !cached, p->miss_copies, p->bytes);
         copy_end = p->copy_q[c] + p->copy_ns;
     }
     double comp_ns = sg_place_ns(&p->comp, p->card_macs_per_s, p->bytes, p->macs, cnt), lt_ns;
@@ -261,6 +263,8 @@ int mf_sg_prefetch_on(const mf_sg_opts *o)
 }
 
 void mf_sg_place_lt(mf_sg_placer *p, int mode) { p->lt = mode; }
+
+void mf_sg_place_gather(mf_sg_placer *p, int on) { p->gather = on; }
 
 void mf_sg_place_ahead(mf_sg_placer *p, double ahead_ns)
 {
