@@ -2,7 +2,9 @@
  * graphs/step/stepgraph_draft.c, step_draft.c) against the reference draft (graphs/ref/ref.h
  * mf_ref_draft_*), on the tiny preset's draft (3 stages, block 5, 8 experts top-2, window 16):
  * - the engine's features of a prompt are the layer math's on its own streams, within the
- *   engine's distance from the reference (stated bounds);
+ *   engine's distance from the reference (stated bounds); in a step of several sequences (the
+ *   mixed graph of its bucket, items past the step dead) every item's features and logits are
+ *   its sequence's run alone, bit for bit, and no dead item's task writes a feature row;
  * - fed the same features, the engine's round gives the reference's candidates (the argmax of
  *   logits within the stated bound; a candidate may differ only where the reference's top two are
  *   nearer than twice that bound), logits and confidences within the bounds below, both on the
@@ -247,6 +249,56 @@ static void check_feats(mf_ref *r, const float *feats, const int32_t *ids)
     mf_step_free(plain);
 }
 
+/* A step of several sequences runs its bucket's mixed graph, the items past the step dead (their
+ * feature tasks noop, the straddling group's cut): every item's features and logits those of its
+ * sequence run alone (serial), over two steps of 6 and 5 items in the bucket of 8. */
+static void check_feats_bucket(mf_ref *r, const int32_t *ids)
+{
+    enum { NQ = 3, NSTEP = 2 };
+    static const int len[NSTEP][NQ] = {{3, 1, 2}, {1, 2, 2}};
+    const mf_config *c = mf_ref_config(r);
+    int64_t per = (int64_t)c->n_dspark_target * c->hidden_size, V = c->vocab_size;
+    mf_step *e = NULL, *alone = NULL;
+    CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .draft = 1}, &e) == 0 &&
+          mf_step_new(r, &(mf_step_opts){.n_threads = 2, .draft = 1}, &alone) == 0, "%s", mf_last_error());
+    mf_ref_state *sa[NQ] = {0}, *sb[NQ] = {0};
+    for (int q = 0; q < NQ; q++) mf_ref_state_new(r, T, &sa[q]), mf_ref_state_new(r, T, &sb[q]);
+    float *fa = calloc((size_t)(8 * per), sizeof(float)), *fb = calloc((size_t)(8 * per), sizeof(float));
+    float *la = malloc(sizeof(float) * (size_t)(8 * V)), *lb = malloc(sizeof(float) * (size_t)(8 * V));
+    int pos[NQ] = {0};
+    for (int k = 0; k < NSTEP && e && alone; k++) {
+        mf_ref_state *st[8];
+        int32_t tok[8];
+        float *fp[8], *lp[8];
+        int n = 0;
+        for (int q = 0; q < NQ; q++)
+            for (int j = 0; j < len[k][q]; j++, n++)
+                st[n] = sa[q], tok[n] = ids[pos[q] + j], fp[n] = fa + n * per, lp[n] = la + n * V;
+        float *keep = malloc(sizeof(float) * (size_t)((8 - n) * per));   /* rows an earlier step's live items had */
+        if (keep) memcpy(keep, fa + n * per, sizeof(float) * (size_t)((8 - n) * per));
+        CHECK(mf_step_forward_feat(e, st, tok, n, lp, fp) == 0, "%s", mf_last_error());
+        CHECK(keep && !memcmp(keep, fa + n * per, sizeof(float) * (size_t)((8 - n) * per)),
+              "step %d: a dead item's feature task wrote where an earlier step's item had its row", k);
+        free(keep);
+        const mf_stepgraph *g = mf_step_graph(e, n, MF_STEP_GRAPH_MIXED);
+        CHECK(g && g->n == 8 && g->n_live == n, "step %d: %d items in the mixed graph of %d (%d live)", k, n,
+              g ? g->n : 0, g ? g->n_live : 0);
+        for (int q = 0, i0 = 0; q < NQ; i0 += len[k][q], q++) {
+            for (int j = 0; j < len[k][q]; j++)
+                st[j] = sb[q], fp[j] = fb + j * per, lp[j] = lb + j * V;
+            CHECK(mf_step_forward_feat(alone, st, ids + pos[q], len[k][q], lp, fp) == 0, "%s", mf_last_error());
+            CHECK(!memcmp(fa + i0 * per, fb, sizeof(float) * (size_t)(len[k][q] * per)) &&
+                      !memcmp(la + i0 * V, lb, sizeof(float) * (size_t)(len[k][q] * V)),
+                  "step %d, sequence %d: features or logits in the bucket differ from its run alone", k, q);
+            pos[q] += len[k][q];
+        }
+    }
+    for (int q = 0; q < NQ; q++) mf_ref_state_free(sa[q]), mf_ref_state_free(sb[q]);
+    free(fa), free(fb), free(la), free(lb);
+    mf_step_free(e);
+    mf_step_free(alone);
+}
+
 int main(void)
 {
     mf_config c;
@@ -277,6 +329,7 @@ int main(void)
         return 1;
     }
     check_feats(r, feats, ids);
+    check_feats_bucket(r, ids);
     check_against_ref(r, rd, 0, feats, ids);
     check_against_ref(r, rd, 1, feats, ids);
     check_batch(r, rd, feats, ids);
