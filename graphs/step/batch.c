@@ -39,6 +39,8 @@ typedef struct mf_bseq {
     char *txt;            /* generated text; grows (amortized) past its first 4 KiB only */
     size_t n_txt, cap_txt, n_sent;
     int64_t admit_ns, first_ns;
+    mf_prefix_seq *ps;    /* its hold on the prefix cache (opts.prefix) */
+    int n_cached, n_step; /* prompt tokens restored; items of this step */
 } mf_bseq;
 
 struct mf_batch {
@@ -133,6 +135,7 @@ int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
             break;
         if (!(q->lrow = malloc(sizeof(float) * (size_t)b->V)) || !(q->txt = malloc(q->cap_txt)))
             rc = mf_error(-ENOMEM, "batch: out of memory for sequence %d's buffers", i);
+        if (!rc && o.prefix) rc = mf_prefix_seq_new(o.prefix, &q->ps);
     }
     b->stats.n_states = b->n_states;
     if (rc) {
@@ -152,6 +155,7 @@ static void mf_batch_emit(mf_batch *b, mf_bseq *q, mf_breq *r, mf_batch_event *e
     ev->now_ns = mf_now_ns();
     if (q) {
         ev->n_gen = q->n_gen;
+        ev->n_cached = q->n_cached;
         ev->admit_ns = q->admit_ns;
         ev->first_ns = q->first_ns;
     }
@@ -173,6 +177,7 @@ static void mf_batch_finish_seq(mf_batch *b, mf_bseq *q, mf_batch_finish f, int 
     b->stats.completed += f != MF_BATCH_CANCELLED;
     b->stats.cancelled += f == MF_BATCH_CANCELLED;
     pthread_mutex_unlock(&b->mu);
+    mf_prefix_seq_end(b->o.prefix, q->ps, q->st, f != MF_BATCH_ERROR);   /* its last block a tail */
     mf_ref_state_reset(q->st);
     mf_breq_free(r);
 }
@@ -244,9 +249,11 @@ int64_t mf_batch_request_bytes(const mf_batch *b, int n_prompt, int max_tokens)
  * room. Then i's state is trimmed to r's positions and reserved for them (its admit_rc). */
 static int mf_batch_fits(mf_batch *b, int i, const mf_breq *r)
 {
-    int64_t n = (int64_t)r->r.n_prompt + r->r.max_tokens;
+    int64_t n = (int64_t)r->r.n_prompt + r->r.max_tokens, mapped = 0;
+    mf_bseq *q = &b->seq[i];
+    q->n_cached = b->o.prefix ? mf_prefix_match(b->o.prefix, q->ps, r->prompt, r->r.n_prompt, &mapped) : 0;
     if (b->o.state_budget_bytes) {
-        int64_t need = mf_ref_state_bytes(b->c, n), used = 0;
+        int64_t need = mf_ref_state_bytes(b->c, n) - mapped, used = 0;
         for (int j = 0; j < b->n_states; j++)
             if (j != i) used += mf_ref_state_held_bytes(b->seq[j].st);
         while ((uint64_t)(used + need) > b->o.state_budget_bytes) {
@@ -255,15 +262,21 @@ static int mf_batch_fits(mf_batch *b, int i, const mf_breq *r)
                 if (j != i && !b->seq[j].req && mf_ref_state_held_bytes(b->seq[j].st) > mf_ref_state_bytes(b->c, 0) &&
                     (big < 0 || mf_ref_state_held_bytes(b->seq[j].st) > mf_ref_state_held_bytes(b->seq[big].st)))
                     big = j;
-            if (big < 0) return 0;   /* waits for a running sequence to finish */
+            if (big < 0) {   /* waits for a running sequence to finish */
+                mf_prefix_seq_end(b->o.prefix, q->ps, NULL, 0);
+                return 0;
+            }
             used -= mf_ref_state_held_bytes(b->seq[big].st);
             mf_ref_state_trim(b->seq[big].st, 0);
             used += mf_ref_state_held_bytes(b->seq[big].st);
         }
     }
-    mf_bseq *q = &b->seq[i];
-    if (b->o.state_budget_bytes) mf_ref_state_trim(q->st, n);   /* without a budget it keeps its pages for reuse */
+    /* without a budget it keeps its pages for reuse; the pages a hit maps are not its own */
+    if (b->o.state_budget_bytes) mf_ref_state_trim(q->st, n - q->n_cached / MF_LY_PAGE_POSITIONS * MF_LY_PAGE_POSITIONS);
+    if (q->n_cached) q->n_cached = mf_prefix_restore(b->o.prefix, q->ps, q->st);
+    if (q->n_cached < 0) q->n_cached = 0;   /* out of memory restoring: from scratch */
     q->admit_rc = mf_ref_state_reserve(q->st, n);   /* no allocation on the step path from here on */
+    b->stats.cached_tokens += q->n_cached;
     return 1;
 }
 
@@ -323,7 +336,8 @@ static void mf_batch_admit(mf_batch *b)
         } else if (q->req && !q->admit_ns) {   /* just admitted (settings were checked at submit) */
             mf_sampler_reset(q->smp, q->req->r.temperature, q->req->r.top_p, q->req->r.seed);
             q->order = b->next_order++;
-            q->n_fed = q->n_gen = 0;
+            q->n_fed = q->n_cached;
+            q->n_gen = 0;
             q->pending = -1;
             q->n_txt = q->n_sent = 0;
             q->admit_ns = now;
@@ -351,7 +365,7 @@ static int mf_batch_items(mf_batch *b)
             b->it_st[n] = q->st;
             b->it_tok[n] = q->pending;
             b->it_lg[n++] = q->lrow;
-            q->in_step = q->got_logits = 1;
+            q->in_step = q->got_logits = q->n_step = 1;
         } else {
             b->pf[n_pf++] = i;
         }
@@ -383,6 +397,7 @@ static int mf_batch_items(mf_batch *b)
         }
         q->n_fed += take;
         q->in_step = 1;
+        q->n_step = take;
         budget -= take;
     }
     pthread_mutex_lock(&b->mu);
@@ -430,10 +445,17 @@ int mf_batch_step(mf_batch *b, int *n_items)
     mf_batch_admit(b);
     int n = mf_batch_items(b);
     if (!n) return 0;
+    for (int i = 0; b->o.prefix && i < b->n_states; i++)   /* the prefix cache taps the window */
+        if (b->seq[i].in_step) mf_prefix_step_begin(b->o.prefix, b->seq[i].ps, b->seq[i].st, b->seq[i].n_step);
     /* one forward over decode tokens and prefill chunks: the engine runs each sequence's items
      * as one unit of per-item tasks, the sequences' units in parallel (graphs/step/step.h) */
     int rc = b->o.eng ? mf_step_forward(b->o.eng, b->it_st, b->it_tok, n, b->it_lg)
                       : mf_ref_forward(b->o.ref, b->it_st, b->it_tok, n, b->it_lg);
+    for (int i = 0; b->o.prefix && i < b->n_states; i++) {   /* and keeps the blocks completed */
+        mf_bseq *q = &b->seq[i];
+        if (q->in_step)
+            mf_prefix_step_end(b->o.prefix, q->ps, q->st, !rc, q->pending < 0 && q->n_fed == q->req->r.n_prompt);
+    }
     pthread_mutex_lock(&b->mu);
     b->stats.steps++;
     b->stats.items += n;
@@ -603,6 +625,7 @@ void mf_batch_free(mf_batch *b)
     pthread_mutex_unlock(&b->mu);
     if (b->seq) mf_batch_admit(b);
     for (int i = 0; b->seq && i < b->n_states; i++) {
+        mf_prefix_seq_free(b->seq[i].ps);
         mf_ref_state_free(b->seq[i].st);
         mf_sampler_free(b->seq[i].smp);
         free(b->seq[i].lrow);
