@@ -221,8 +221,7 @@ int mf_ref_states_reserve(mf_ref_state *const *states, int n)
 void mf_ref_state_trim(mf_ref_state *s, int64_t n_positions)
 {
     int64_t keep = n_positions > s->n_pos ? n_positions : s->n_pos;
-    int64_t cap = mf_st_round(keep);
-    if (cap < s->cap_pos) mf_st_shrink(s, cap);
+    mf_st_shrink(s, mf_st_round(keep));   /* pages and tokens past it (after a reset: what its shared pages left) */
 }
 
 void mf_ref_state_free(mf_ref_state *s)

@@ -273,7 +273,7 @@ static int mf_batch_fits(mf_batch *b, int i, const mf_breq *r)
     }
     /* without a budget it keeps its pages for reuse; the pages a hit maps are not its own */
     if (b->o.state_budget_bytes) mf_ref_state_trim(q->st, n - q->n_cached / MF_LY_PAGE_POSITIONS * MF_LY_PAGE_POSITIONS);
-    if (q->n_cached) q->n_cached = mf_prefix_restore(b->o.prefix, q->ps, q->st);
+    if (b->o.prefix) q->n_cached = mf_prefix_restore(b->o.prefix, q->ps, q->st);
     if (q->n_cached < 0) q->n_cached = 0;   /* out of memory restoring: from scratch */
     q->admit_rc = mf_ref_state_reserve(q->st, n);   /* no allocation on the step path from here on */
     b->stats.cached_tokens += q->n_cached;
