@@ -170,6 +170,7 @@ static const mf_opt mf_dec_table[] = {
              "reference's on_route hook, and with a hook set the scheduled\n"
              "engine runs its serial graph (a batch's per-sequence parts one\n"
              "after another), so timings differ from a run without it"},
+    MF_TOOL_PREFIX_OPTS(F, pfx),
     {"--quiet", "-q", MF_OPT_FLAG, F(quiet), .help = "no progress or timing on stderr"},
     {NULL},
 };
@@ -190,7 +191,8 @@ static const mf_opts_spec mf_dec_spec = {
         "                      [--devices emu:N|cuda[:IDS] [--placement seed|host|hybrid] [--dense host|cards]\n"
         "                       [--dense-split layers|rows] [--heads cost|cards|host] [--micro-batches 1|2]\n"
         "                       [--dev-cache SIZE] [--dev-cache-fill on|off|trace:FILE] [--dev-graphs]\n"
-        "                       [--profile P]] [--record-routing FILE]\n\n"
+        "                       [--profile P]] [--record-routing FILE]\n"
+        "                      [--prefix-cache SIZE] [--prefix-cache-dir DIR] [--prefix-block N]\n\n"
         "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
         "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
         "one thread: the correctness oracle). Every prompt goes through the continuous batcher\n"
@@ -396,10 +398,13 @@ static int mf_dec_submit(mf_dec *d)
 {
     const mf_dec_cli *a = d->a;
     d->dc = (mf_dec_ctx){.sq = d->sq, .tok = d->tok, .stream = d->n_seq == 1, .out = d->outf, .quiet = a->quiet};
-    int rc = mf_batch_new(&(mf_batch_opts){.ref = d->r, .eng = d->eng, .tok = d->tok, .max_batch = d->max_batch,
-                                           .step_tokens = (int)d->step_tokens,
-                                           .max_context = d->total > 1 ? d->total : 2, .max_queue = d->n_seq,
-                                           .on_event = mf_dec_on_event, .user = &d->dc}, &d->bat);
+    int rc = mf_tool_prefix_open(&a->pfx, d->r, mf_tool_prefix_numerics(a->sched, a->exact, a->devices),
+                                 "moeflow decode", a->quiet, &d->pfx);
+    if (rc) return rc;
+    rc = mf_batch_new(&(mf_batch_opts){.ref = d->r, .eng = d->eng, .tok = d->tok, .max_batch = d->max_batch,
+                                       .step_tokens = (int)d->step_tokens, .max_context = d->total > 1 ? d->total : 2,
+                                       .max_queue = d->n_seq, .prefix = d->pfx, .on_event = mf_dec_on_event,
+                                       .user = &d->dc}, &d->bat);
     if (rc) return rc;
     d->rrec.b = d->bat;
     for (int s = 0; s < d->n_seq; s++) {
@@ -564,6 +569,7 @@ static void mf_dec_report(const mf_dec *d)
             d->n_seq, d->n_seq > 1 ? "s" : "", bs.n_states, d->step_tokens, d->steps, sec, bs.prefill_items,
             bs.prefill_items / sec, bs.decode_items, bs.decode_items / sec, out_tokens, out_tokens / sec,
             mf_dec_median_ttft(d->sq, d->n_seq));
+    mf_tool_prefix_report(d->pfx, "moeflow decode", stderr);
 }
 
 static void mf_dec_close(mf_dec *d)
@@ -574,6 +580,7 @@ static void mf_dec_close(mf_dec *d)
         unlink(d->a->record);
     }
     mf_batch_free(d->bat);
+    mf_prefix_free(d->pfx);
     mf_step_free(d->eng);
     mf_dev_close(d->dev);
     mf_ref_free(d->r);

@@ -20,6 +20,7 @@
 #include "sched/profile.h"
 #include "tools/commands.h"
 #include "tools/serve_req.h"
+#include "tools/tool_prefix.h"
 
 /* The command line (mf_dec_table). */
 typedef struct mf_dec_cli {
@@ -35,6 +36,7 @@ typedef struct mf_dec_cli {
     unsigned long long seed;
     uint64_t store_budget, dev_cache;
     mf_tool_sockets sk;            /* n 0: --sockets not given (auto) */
+    mf_tool_prefix pfx;            /* --prefix-cache and its kin */
 } mf_dec_cli;
 
 /* One prompt of the run and what it produced. */
@@ -91,6 +93,7 @@ typedef struct mf_dec {
     mf_step *eng;
     mf_dev *dev;
     mf_batch *bat;
+    mf_prefix *pfx;                /* the prefix cache, or NULL (--prefix-cache 0) */
     mf_profile *prof;              /* --profile, or NULL */
     uint32_t *fill_counts;
     int64_t total;                 /* positions: the longest prompt + --max-new-tokens */

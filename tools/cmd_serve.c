@@ -26,6 +26,7 @@
 #include "tools/commands.h"
 #include "tools/serve_http.h"
 #include "tools/serve_req.h"
+#include "tools/tool_prefix.h"
 
 /* The command line of `moeflow serve`. */
 typedef struct mf_serve_cli {
@@ -33,6 +34,7 @@ typedef struct mf_serve_cli {
     int sched, exact, quiet;   /* sched: --engine scheduled */
     long port, max_batch, step_tokens, max_queue, max_context, timeout, drain, threads;
     uint64_t budget, max_body;
+    mf_tool_prefix pfx;        /* --prefix-cache and its kin */
 } mf_serve_cli;
 
 static const mf_opt_word mf_serve_engines[] = {{"scheduled", 1}, {"reference", 0}, {NULL, 0}};
@@ -75,6 +77,7 @@ static const mf_opt mf_serve_table[] = {
      .help = "the chat template: DIR/tokenizer_config.json's chat_template by default\n"
              "(Jinja2, the subset of docs/serve.md; the built-in DeepSeek-V3 format\n"
              "without one), FILE (a template, or a tokenizer_config.json), or builtin"},
+    MF_TOOL_PREFIX_OPTS(F, pfx),
     {"--quiet", "-q", MF_OPT_FLAG, F(quiet), .help = "no log lines on stderr"},
     {NULL},
 };
@@ -86,7 +89,8 @@ static const mf_opts_spec mf_serve_spec = {
              "                     [--step-tokens N] [--state-budget BYTES] [--max-queue N] [--api-key KEY]\n"
              "                     [--max-context N] [--threads N] [--exact] [--engine scheduled|reference]\n"
              "                     [--model-name NAME] [--max-body BYTES] [--timeout S] [--drain-timeout S]\n"
-             "                     [--chat-template FILE|builtin] [--quiet]\n\n"
+             "                     [--chat-template FILE|builtin] [--prefix-cache SIZE] [--prefix-cache-dir DIR]\n"
+             "                     [--prefix-block N] [--quiet]\n\n"
              "Serves an OpenAI-compatible HTTP API over the continuous batcher (docs/serve.md):\n"
              "POST /v1/completions, POST /v1/chat/completions (stream: true for server-sent events),\n"
              "GET /v1/models, /health, /metrics (Prometheus text). SIGTERM or SIGINT stop accepting,\n"
@@ -141,10 +145,13 @@ static int mf_serve_open(mf_serve *s)
                 a->max_context, model_ctx);
         return 2;
     }
+    if ((rc = mf_tool_prefix_open(&a->pfx, s->r, mf_tool_prefix_numerics(a->sched, a->exact, NULL), "moeflow serve",
+                                  a->quiet, &v->prefix)))
+        return rc;
     if ((rc = mf_batch_new(&(mf_batch_opts){.ref = s->r, .eng = v->eng, .tok = v->tok, .max_batch = (int)a->max_batch,
                                             .step_tokens = (int)a->step_tokens, .max_context = v->max_context,
                                             .state_budget_bytes = a->budget, .max_queue = (int)a->max_queue,
-                                            .on_event = mf_srv_on_event, .user = v}, &v->b)))
+                                            .prefix = v->prefix, .on_event = mf_srv_on_event, .user = v}, &v->b)))
         return rc;
     char dn[256];
     snprintf(dn, sizeof dn, "%s", a->dir);
@@ -242,6 +249,8 @@ static void mf_serve_close(mf_serve *s)
         pthread_join(v->stepper, NULL);
     }
     mf_batch_free(v->b);
+    if (!s->a->quiet) mf_tool_prefix_report(v->prefix, "moeflow serve", stderr);
+    mf_prefix_free(v->prefix);
     mf_step_free(v->eng);
     mf_ref_free(s->r);
     mf_model_free(s->m);
