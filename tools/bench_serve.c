@@ -19,6 +19,7 @@
 #include "graphs/step/step.h"
 #include "sched/clock.h"
 #include "sched/error.h"
+#include "tools/bench_serve.h"
 #include "tools/commands.h"
 
 typedef struct mf_bs_req {
@@ -230,6 +231,8 @@ typedef struct mf_bs_cli {
     mf_bs_range prompt, output;
     unsigned long long seed;
     int json;
+    long turns, system_tokens, block;   /* --turns: the multi-turn workload (tools/bench_serve_turns.c) */
+    uint64_t cache_bytes;
 } mf_bs_cli;
 
 #define F(x) offsetof(mf_bs_cli, x)
@@ -252,6 +255,17 @@ static const mf_opt mf_bs_table[] = {
     {"--seed", .kind = MF_OPT_ULL, .off = F(seed), .def = "1", .meta = "S", .help = "seeds the lengths"},
     {"--warmup", .kind = MF_OPT_LONG, .off = F(warmup), .def = "1", .meta = "N", .lo = 0, .hi = 10,
      .help = "untimed passes of both modes before each\nconcurrency's timed one"},
+    {"--turns", .kind = MF_OPT_LONG, .off = F(turns), .meta = "T", .lo = 1, .hi = 16,
+     .help = "the multi-turn workload instead: N conversations of T turns, each\n"
+             "turn's prompt the history (the last prompt and its reply) and\n"
+             "--prompt-tokens new user tokens, its reply --output-tokens; run\n"
+             "with the prefix cache and without (docs/prefix.md)"},
+    {"--system-tokens", .kind = MF_OPT_LONG, .off = F(system_tokens), .def = "0", .meta = "S", .lo = 0, .hi = 1 << 20,
+     .help = "with --turns: a system prompt of S tokens opens every conversation"},
+    {"--prefix-cache", .kind = MF_OPT_SIZE, .off = F(cache_bytes), .def = "1G", .meta = "SIZE",
+     .help = "with --turns: the prefix cache's memory"},
+    {"--prefix-block", .kind = MF_OPT_LONG, .off = F(block), .def = "0", .meta = "N", .lo = 0, .hi = 256,
+     .help = "with --turns: tokens per cached block (0: " MF_OPTS_STR(MF_PREFIX_BLOCK) ")"},
     {"--json", .kind = MF_OPT_FLAG, .off = F(json),
      .help = "{\"requests\", \"results\": [{mode, concurrency, tokens_per_s, ttft and itl\n"
              "percentiles, wall_s, and where the time went}]} instead of the table"},
@@ -264,7 +278,9 @@ static const mf_opts_spec mf_bs_spec = {
     .usage = "usage: moeflow bench serve --checkpoint DIR [--requests N] [--concurrency C,C,..]\n"
              "                           [--prompt-tokens MIN-MAX] [--output-tokens MIN-MAX]\n"
              "                           [--step-tokens N] [--prefill-split K] [--threads N] [--seed S]\n"
-             "                           [--warmup N] [--json]\n\n"
+             "                           [--warmup N] [--json]\n"
+             "       moeflow bench serve --checkpoint DIR --turns T [--system-tokens S] [--prefix-cache SIZE]\n"
+             "                           [--prefix-block N] [...]\n\n"
              "N requests with prompt and output lengths drawn uniformly from the ranges (seeded)\n"
              "are run by C closed-loop clients: a client sends its next request when its previous\n"
              "one ends. Continuous: every request goes through the batcher (max batch C,\n"
@@ -437,7 +453,14 @@ int mf_bench_serve(int argc, char **argv)
     }
     mf_bs b = {.a = &a};
     rc = mf_bs_open(&b);
-    if (!rc) rc = mf_bs_run(&b, cl, n_c);
+    if (!rc && !a.turns) rc = mf_bs_run(&b, cl, n_c);
+    for (int k = 0; !rc && a.turns && k < n_c; k++)   /* the multi-turn workload, per concurrency */
+        rc = mf_bench_serve_turns(&(mf_bt_opts){.r = b.r, .e = b.e, .n_conv = b.n, .conc = cl[k], .turns = (int)a.turns,
+                                                .system_tokens = (int)a.system_tokens, .user_lo = a.prompt.lo,
+                                                .user_hi = a.prompt.hi, .reply_lo = a.output.lo, .reply_hi = a.output.hi,
+                                                .step_tokens = (int)a.step_tokens, .warmup = (int)a.warmup,
+                                                .json = a.json, .block = (int)a.block, .cache_bytes = a.cache_bytes,
+                                                .seed = a.seed});
     if (rc) fprintf(stderr, "moeflow bench serve: %s\n", mf_last_error()[0] ? mf_last_error() : "out of memory");
     mf_bs_close(&b);
     return rc ? 1 : 0;
