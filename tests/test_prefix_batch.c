@@ -18,6 +18,7 @@
 #include "graphs/step/batch.h"
 #include "sched/error.h"
 #include "tests/check.h"
+#include "tests/cli.h"
 #include "tests/tiny_ckpt.h"
 
 #define CTX 400
@@ -234,6 +235,52 @@ out:
     mf_prefix_free(p);
 }
 
+/* The commands: `decode --prompts` with the cache (the default), without (--prefix-cache 0) and twice
+ * on a --prefix-cache-dir (the second run loads from disk): the same tokens; `bench serve --turns` */
+static void test_cli(const char *dir)
+{
+    if (!getenv("MOEFLOW_BIN")) {
+        printf("test_prefix_batch: MOEFLOW_BIN unset, CLI checks skipped\n");
+        return;
+    }
+    char ids[1040], pf[1100], pdir[1100], cmd[8192];
+    static char a[65536], b[65536], c[65536], d[65536];
+    snprintf(ids, sizeof ids, "%s_ids", dir);   /* token ids: no tokenizer */
+    snprintf(cmd, sizeof cmd, "rm -rf '%s' && cp -r '%s' '%s' && rm '%s/tokenizer.json'", ids, dir, ids, ids);
+    CHECK(system(cmd) == 0, "copy %s", dir);
+    snprintf(pf, sizeof pf, "%s/prompts.txt", ids);
+    snprintf(pdir, sizeof pdir, "%s/pcache", ids);
+    FILE *f = fopen(pf, "w");
+    for (int i = 0; f && i < 10; i++) {
+        for (int k = 0; k < R[i].n_prompt; k++) fprintf(f, k ? " %d" : "%d", R[i].prompt[k]);
+        fprintf(f, "\n");
+    }
+    if (f) fclose(f);
+    const char *base = "--batch 3 --step-tokens 16 --max-new-tokens 4 --ignore-eos --threads 2";
+    snprintf(cmd, sizeof cmd, "decode --checkpoint %s --prompts %s %s --quiet", ids, pf, base);
+    CHECK(mf_test_cli(cmd, a, sizeof a) == 0 && strlen(a) > 20, "decode with the cache: '%s'", a);
+    snprintf(cmd, sizeof cmd, "decode --checkpoint %s --prompts %s %s --quiet --prefix-cache 0", ids, pf, base);
+    CHECK(mf_test_cli(cmd, b, sizeof b) == 0 && !strcmp(a, b), "decode without the cache:\n%s\nwith:\n%s", b, a);
+    snprintf(cmd, sizeof cmd, "decode --checkpoint %s --prompts %s %s --prefix-cache 8M --prefix-block 16 "
+             "--prefix-cache-dir %s 2>&1 >/dev/null", ids, pf, base, pdir);
+    CHECK(mf_test_cli(cmd, c, sizeof c) == 0 && strstr(c, "prefix cache: ") && strstr(c, "written"), "first run: '%s'", c);
+    snprintf(cmd, sizeof cmd, "decode --checkpoint %s --prompts %s %s --quiet --prefix-cache 8M --prefix-block 16 "
+             "--prefix-cache-dir %s", ids, pf, base, pdir);
+    CHECK(mf_test_cli(cmd, d, sizeof d) == 0 && !strcmp(a, d), "restart on the disk tier:\n%s\nwant\n%s", d, a);
+    snprintf(cmd, sizeof cmd, "decode --checkpoint %s --prompts %s %s --prefix-cache 8M --prefix-block 16 "
+             "--prefix-cache-dir %s 2>&1 >/dev/null", ids, pf, base, pdir);
+    const char *l = mf_test_cli(cmd, c, sizeof c) == 0 ? strstr(c, "disk: ") : NULL;
+    CHECK(l && atoi(l + 6) > 0, "a restart loads from disk: '%s'", c);
+    snprintf(cmd, sizeof cmd, "decode --checkpoint %s --prompts %s %s --prefix-block 48 2>&1", ids, pf, base);
+    CHECK(mf_test_cli(cmd, c, sizeof c) != 0 && strstr(c, "power of two"), "--prefix-block 48: '%s'", c);
+    snprintf(cmd, sizeof cmd, "bench serve --checkpoint %s --turns 3 --requests 2 --concurrency 2 --prompt-tokens 4-8 "
+             "--output-tokens 6-10 --system-tokens 40 --warmup 0 --threads 2 --json", ids);
+    int ok = mf_test_cli(cmd, c, sizeof c) == 0;
+    const char *ct = strstr(c, "\"cached_tokens\":");   /* the prefix cache's mode comes first */
+    CHECK(ok && strstr(c, "\"mode\":\"prefix_cache\"") && strstr(c, "\"ttft_ratio\":[") && ct && atoi(ct + 16) > 0,
+          "bench serve --turns: '%s'", c);
+}
+
 int main(void)
 {
     mf_config c;
@@ -273,6 +320,7 @@ int main(void)
     CHECK(run(r, e, &(run_opts){n, 4, 16, -1, 64u << 20, 0, pdir, 1}, "threads, disk tier") == 0, "threads");
     CHECK(run(r, e, &(run_opts){n, 4, 16, -1, (uint64_t)(5 * block_bytes), 0, pdir, 1}, "threads, small budget, disk") <= 1,
           "threads, small budget");
+    if (!tsan) test_cli(dir);
     for (int i = 0; i < MAX_REQ; i++) free(R[i].logits);
     mf_step_free(e);
     mf_ref_free(r);
