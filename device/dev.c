@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "device/dev_impl.h"
+#include "device/kern_lt.h"
 #include "sched/error.h"
 
 int mf_dev_open(const char *spec, mf_dev **out)
@@ -299,10 +300,92 @@ static int mf_dev_dense_mat_ok(const mf_kern_mat *w, const char *what, const cha
     return 0;
 }
 
-static int mf_dev_path_check(const char *what, mf_dev_lin_path p)
+static int mf_dev_path_check(const char *what, mf_dev_lin_path p, int lt_ok)
 {
-    if (p == MF_DEV_LIN_AUTO || p == MF_DEV_LIN_ROWS || p == MF_DEV_LIN_TILED) return 0;
-    return mf_error(-EINVAL, "%s: path %d (expected MF_DEV_LIN_AUTO, _ROWS or _TILED)", what, (int)p);
+    if (p == MF_DEV_LIN_AUTO || p == MF_DEV_LIN_ROWS || p == MF_DEV_LIN_TILED || (lt_ok && p == MF_DEV_LIN_CUBLASLT))
+        return 0;
+    return mf_error(-EINVAL, "%s: path %d (expected MF_DEV_LIN_AUTO, _ROWS, _TILED%s)", what, (int)p,
+                    lt_ok ? " or _CUBLASLT" : "");
+}
+
+/* ---- the cuBLASLt path: checks shared by its ops ---------------------------------------------- */
+
+mf_dev_f16 mf_dev_card_f16(const mf_dev *d, int card)
+{
+    return d && card >= 0 && card < d->n_cards ? d->f16[card] : MF_DEV_F16_NONE;
+}
+
+size_t mf_dev_lt_x16_bytes(int n_tok, int64_t cols)
+{
+    if (n_tok < 1 || cols < 1) return 0;
+    return MF_LT_HDR_BYTES + (((size_t)n_tok * (size_t)cols * 2 + 255) & ~(size_t)255);
+}
+
+/* A 16-bit weight the card can multiply: its pointer, shape [n_out, n_in] and a type the card takes. */
+static int mf_dev_w16_ok(mf_dev_stream *s, const mf_dev_w16 *w, int n_out, int n_in, const char *what,
+                         const char *name)
+{
+    mf_dev_f16 card = mf_dev_card_f16(s->dev, s->card);
+    if (!s->dev->ops->dequant || card == MF_DEV_F16_NONE)
+        return mf_error(-ENOTSUP, "%s: card %d (%s) has no tensor cores for the cuBLASLt path", what, s->card,
+                        s->dev->ops->kind);
+    if (w->type != MF_DEV_F16_BF16 && w->type != MF_DEV_F16_FP16)
+        return mf_error(-EINVAL, "%s: %s has 16-bit type %d (expected MF_DEV_F16_BF16 or _FP16)", what, name,
+                        (int)w->type);
+    if (w->type == MF_DEV_F16_BF16 && card != MF_DEV_F16_BF16)
+        return mf_error(-ENOTSUP, "%s: %s is BF16, which card %d's tensor cores do not take (FP16 only: sm_75)",
+                        what, name, s->card);
+    if (!w->w || w->n_out != n_out || w->n_in != n_in)
+        return mf_error(-EINVAL, "%s: %s is %s[%d, %d], expected [%d, %d]", what, name, w->w ? "" : "NULL ",
+                        w->n_out, w->n_in, n_out, n_in);
+    return 0;
+}
+
+static int mf_dev_lt_buf_ok(mf_dev_stream *s, const mf_dev_lt_buf *b, int n_tok, int64_t cols, const char *what)
+{
+    size_t need = mf_dev_lt_x16_bytes(n_tok, cols);
+    if (!b->x16 || b->x16_bytes < need || (b->ws_bytes && !b->ws))
+        return mf_error(-EINVAL, "%s: card %d: scratch x16 %p of %zu bytes (expected >= %zu for %d tokens of %lld "
+                        "columns), workspace %p of %zu bytes", what, s->card, b->x16, b->x16_bytes, need, n_tok,
+                        (long long)cols, b->ws, b->ws_bytes);
+    return 0;
+}
+
+int mf_dev_dequant(mf_dev_stream *s, const mf_kern_mat *w, const mf_dev_w16 *out)
+{
+    static const char *what = "mf_dev_dequant";
+    if (!s || !w || !out) return mf_error(-EINVAL, "%s: NULL %s", what, !s ? "stream" : !w ? "weight" : "output");
+    if (w->fmt != MF_KERN_FP8 && w->fmt != MF_KERN_FP4)
+        return mf_error(-EINVAL, "%s: w has format %d, expected FP8 or FP4", what, (int)w->fmt);
+    if (!w->w || !w->scale || w->n_out < 1 || w->n_in < 32 || w->n_in % 32)
+        return mf_error(-EINVAL, "%s: w is [%d, %d]%s; expected n_out >= 1, n_in a positive multiple of 32", what,
+                        w->n_out, w->n_in, !w->w || !w->scale ? " with NULL weights or scales" : "");
+    int rc = mf_dev_w16_ok(s, out, w->n_out, w->n_in, what, "out");
+    if (rc) return rc;
+    return s->dev->ops->dequant(s, w, out);
+}
+
+int mf_dev_expert_ffn_lt(mf_dev_stream *s, const mf_dev_ffn_lt *a)
+{
+    static const char *what = "mf_dev_expert_ffn_lt";
+    if (!s || !a) return mf_error(-EINVAL, "%s: NULL %s", what, !s ? "stream" : "arguments");
+    int H = a->w13.n_in, I = a->w13.n_out / 2;
+    if (H < 32 || H % 32 || I < 32 || I % 32 || a->w13.n_out != 2 * I)
+        return mf_error(-EINVAL, "%s: w13 is [%d, %d], expected [2 I, H] with I and H positive multiples of 32", what,
+                        a->w13.n_out, a->w13.n_in);
+    int rc = mf_dev_w16_ok(s, &a->w13, 2 * I, H, what, "w13");
+    if (!rc) rc = mf_dev_w16_ok(s, &a->w2, H, I, what, "w2");
+    if (rc) return rc;
+    if (a->w13.type != a->w2.type)
+        return mf_error(-EINVAL, "%s: w13 and w2 have different 16-bit types (%d, %d)", what, (int)a->w13.type,
+                        (int)a->w2.type);
+    if (!(a->limit > 0.0f)) return mf_error(-EINVAL, "%s: swiglu limit %g, expected > 0", what, (double)a->limit);
+    if (!a->x || !a->gu || !a->y || a->n_tok < 1)
+        return mf_error(-EINVAL, "%s: card %d: NULL x, gu or y, or n_tok %d < 1", what, s->card, a->n_tok);
+    if ((rc = mf_dev_lt_buf_ok(s, &a->lt, a->n_tok, H > I ? H : I, what))) return rc;
+    if (!s->dev->ops->expert_ffn_lt)
+        return mf_error(-ENOTSUP, "%s: the %s backend has no cuBLASLt FFN", what, s->dev->ops->kind);
+    return s->dev->ops->expert_ffn_lt(s, a);
 }
 
 int mf_dev_lin_tiled_ok(const mf_dev_lin *a)
@@ -318,7 +401,7 @@ int mf_dev_linear(mf_dev_stream *s, const mf_dev_lin *a)
     if (rc) return rc;
     if (a->sums != MF_DEV_SUMS_KERN && a->sums != MF_DEV_SUMS_REF)
         return mf_error(-EINVAL, "%s: sums %d (expected MF_DEV_SUMS_KERN or _REF)", what, (int)a->sums);
-    if ((rc = mf_dev_path_check(what, a->path))) return rc;
+    if ((rc = mf_dev_path_check(what, a->path, 1))) return rc;
     if (a->path == MF_DEV_LIN_TILED && !mf_dev_lin_tiled_ok(a))
         return mf_error(-EINVAL, "%s: the tiled kernel takes groups of %d-row multiples from a %d-row multiple "
                         "(group_rows %d, row0 %lld)", what, MF_DEV_LIN_TILE_ROWS, MF_DEV_LIN_TILE_ROWS, a->group_rows,
@@ -332,6 +415,12 @@ int mf_dev_linear(mf_dev_stream *s, const mf_dev_lin *a)
     if (a->ld_x < need_x || a->ld_y < a->w.n_out)
         return mf_error(-EINVAL, "%s: ld_x %lld, ld_y %lld (expected >= %lld and >= %d)", what, (long long)a->ld_x,
                         (long long)a->ld_y, (long long)need_x, a->w.n_out);
+    if (a->path == MF_DEV_LIN_CUBLASLT) {
+        if (a->sums != MF_DEV_SUMS_KERN)
+            return mf_error(-EINVAL, "%s: the cuBLASLt path has the kernels' fp32 sums only (MF_DEV_SUMS_KERN)", what);
+        if ((rc = mf_dev_w16_ok(s, &a->w16, a->w.n_out, a->w.n_in, what, "w16"))) return rc;
+        if ((rc = mf_dev_lt_buf_ok(s, &a->lt, a->n_tok, need_x, what))) return rc;
+    }
     return s->dev->ops->linear(s, a);
 }
 
@@ -376,7 +465,7 @@ int mf_dev_ffn_up(mf_dev_stream *s, const mf_dev_up *a)
         return mf_error(-EINVAL, "%s: w1 [%d, %d] and w3 [%d, %d] differ in shape or format", what, a->w1.n_out,
                         a->w1.n_in, a->w3.n_out, a->w3.n_in);
     if (!(a->limit > 0.0f)) return mf_error(-EINVAL, "%s: swiglu limit %g, expected > 0", what, (double)a->limit);
-    if ((rc = mf_dev_path_check(what, a->path))) return rc;
+    if ((rc = mf_dev_path_check(what, a->path, 0))) return rc;
     if (!a->x || !a->h || a->n_tok < 1 || a->ld_x < a->w1.n_in || a->ld_h < a->w1.n_out)
         return mf_error(-EINVAL, "%s: card %d: NULL x or h, n_tok %d, ld_x %lld, ld_h %lld", what, s->card, a->n_tok,
                         (long long)a->ld_x, (long long)a->ld_h);

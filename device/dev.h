@@ -30,12 +30,14 @@ typedef enum mf_dev_stream_kind {
 } mf_dev_stream_kind;
 
 /* Opens a device by spec:
- *   "emu:N[,mem=BYTES][,bw=BYTES_PER_S][,lat_ns=NS][,fail_h2d=N][,lose_cb=N]"  N emulated cards
+ *   "emu:N[,mem=BYTES][,bw=BYTES_PER_S][,lat_ns=NS][,fail_h2d=N][,lose_cb=N][,tc=bf16|fp16|none]"
+ *       N emulated cards
  *       (1..16); mem is each card's capacity (suffixes K, M, G; default 16G), bw and lat_ns the
  *       modelled copy bandwidth and latency (defaults 25e9 and 10000: a model, not a measurement),
  *       fail_h2d fault injection (mf_dev_emu_fail_h2d); lose_cb=N: the nth callback (plain or
  *       status, any stream, counted from open) is never called, as CUDA calls no host function
- *       after a context fault (the scheduler's dev_wait_ns bound then fails the task);
+ *       after a context fault (the scheduler's dev_wait_ns bound then fails the task); tc: the
+ *       16-bit type the cards' emulated tensor cores take (mf_dev_card_f16; default bf16);
  *   "cuda" every CUDA card the driver sees; "cuda:0,2" those cards; a card named more than once
  *       ("cuda:0,0,0,0") is that many logical cards on one GPU, each with its own streams (to run
  *       multi-card placements on one GPU).
@@ -144,14 +146,17 @@ int mf_dev_bf16_matmul(mf_dev_stream *s, const mf_kern_mat *w, const float *x, i
  * sums. CUDA: fp32 FMAs in another order (REF: fp32 within a 16-column chunk, double across
  * chunks); bounds in docs/device.md. -EINVAL for bad shapes, formats or pointers. */
 typedef enum mf_dev_sums { MF_DEV_SUMS_KERN = 0, MF_DEV_SUMS_REF } mf_dev_sums;
-/* Which CUDA kernel a linear runs (the emulated card runs the host's sums whatever it asks): AUTO
- * the tiled one at n_tok >= MF_DEV_LIN_TILED_MIN_TOK where it applies, else the warp-per-row one;
- * ROWS and TILED force one (for tests and `moeflow bench dev`). The tiled kernel (a GEMM: a 64-row
- * x 64-token block decodes each 32-column weight tile once into shared memory for all its tokens,
- * where the warp-per-row kernel reads a row once per 8 tokens; kernel or reference sums) takes
- * grouped rows only when group_rows and row0 are multiples of 64 (a block's rows in one group);
- * TILED otherwise is -EINVAL on every backend. */
-typedef enum mf_dev_lin_path { MF_DEV_LIN_AUTO = 0, MF_DEV_LIN_ROWS, MF_DEV_LIN_TILED } mf_dev_lin_path;
+/* Which CUDA kernel a linear runs (the emulated card runs the host's sums whatever it asks, but
+ * CUBLASLT's own arithmetic, below): AUTO the tiled one at n_tok >= MF_DEV_LIN_TILED_MIN_TOK where it
+ * applies, else the warp-per-row one; ROWS and TILED force one (for tests and `moeflow bench dev`).
+ * The tiled kernel (a GEMM: a 64-row x 64-token block decodes each 32-column weight tile once into
+ * shared memory for all its tokens, where the warp-per-row kernel reads a row once per 8 tokens;
+ * kernel or reference sums) takes grouped rows only when group_rows and row0 are multiples of 64
+ * (a block's rows in one group); TILED otherwise is -EINVAL on every backend. CUBLASLT: the
+ * tensor-core path (below, "The cuBLASLt path"): the slice's weights already dequantized into
+ * mf_dev_lin.w16 (mf_dev_dequant), cublasLtMatmul with fp32 accumulation; kernel sums only, any
+ * grouping; never chosen by AUTO (the caller's cost model decides: sched/cost.h). */
+typedef enum mf_dev_lin_path { MF_DEV_LIN_AUTO = 0, MF_DEV_LIN_ROWS, MF_DEV_LIN_TILED, MF_DEV_LIN_CUBLASLT } mf_dev_lin_path;
 /* The tokens from which AUTO takes the tiled kernel: 64, chosen without a GPU (no CUDA line of
  * this project has run); `tools/device-check.sh` times both kernels at 8, 64 and 512 tokens
  * (`bench dev`'s "tiled / rows" ratios) for measuring the crossover on a card. */
@@ -159,6 +164,64 @@ typedef enum mf_dev_lin_path { MF_DEV_LIN_AUTO = 0, MF_DEV_LIN_ROWS, MF_DEV_LIN_
 /* Rows of the slice a block of the tiled kernel computes (device/dev_kernels.cu GT_M), hence the
  * group alignment mf_dev_lin_tiled_ok asks. */
 #define MF_DEV_LIN_TILE_ROWS 64
+
+/* ---- The cuBLASLt path (prefill-sized dense linears and routed experts on tensor cores) --------
+ * A weight is dequantized on its card into a scratch of 16-bit floats (mf_dev_dequant), then
+ * multiplied by cublasLtMatmul (fp32 accumulation, fp32 output; the algorithm chosen once per shape
+ * by cublasLtMatmulAlgoGetHeuristic and cached per card) against the activations cast to the same
+ * type. The 16-bit type is the card's (mf_dev_card_f16): BF16 from sm_80, FP16 on sm_75. A weight
+ * (code c, E8M0 scale code e) is stored as c x 2^(e - 127 - shift), exact: BF16 holds every FP8 and
+ * FP4 value the host decodes (shift 0) for scale codes in a 243-binade window; FP16 holds them while
+ * k = e - 127 - shift stays in [-15, 7] (FP8) or [-23, 13] (FP4), so a matrix whose scales span
+ * more than 22 (36) binades has no exact FP16 form: mf_dev_w16_plan says so at load, per matrix,
+ * and the caller keeps that matrix on its other path (the tiled kernel; the int8 expert FFN). The
+ * GEMM's alpha carries 2^shift back (exact). The activations: BF16 x rounded to nearest even (exact
+ * for the engine's bf16 activations); FP16 x 2^-xs rounded, xs the power of two that puts the
+ * call's largest finite |x| in [2^14, 2^15) (computed on the card, folded into alpha): a bf16 value
+ * is exact there unless it lies more than 31 binades below that largest one. Emulated cards run
+ * the same casts and dequantization (device/kern_lt.h) and the product in the host kernels' fixed
+ * fp32 order (mf_kern_bf16_matmul over the scratch), so their result is the host's FP8/FP4 fp32
+ * kernel on the cast activations bit for bit (device/lt_host.h); CUDA cards differ by the tensor
+ * cores' fp32 accumulation order and rounding (bounds in docs/device.md). Compiled for sm_75 and
+ * sm_90; never run on a GPU in this project yet. */
+typedef enum mf_dev_f16 { MF_DEV_F16_NONE = 0, MF_DEV_F16_BF16, MF_DEV_F16_FP16 } mf_dev_f16;
+/* The 16-bit type card's tensor cores take: BF16 (sm_80 and later, and emulated cards by default;
+ * those also take FP16), FP16 (sm_70..sm_75; emulated with the spec option tc=fp16), NONE (older
+ * cards, tc=none: the path is -ENOTSUP). */
+mf_dev_f16 mf_dev_card_f16(const mf_dev *d, int card);
+/* A weight dequantized into 16-bit floats on a card: n_out rows of n_in values (row-major, device
+ * memory), each code x 2^(e - 127 - shift). */
+typedef struct mf_dev_w16 {
+    void *w;
+    mf_dev_f16 type;
+    int shift;
+    int n_out, n_in;
+} mf_dev_w16;
+/* The plan of n matrices' dequantization into one scratch (an expert's w1 and w3 share a GEMM):
+ * from their E8M0 scale codes (host memory; FP8 or FP4 matrices), the shift nearest 0 that makes
+ * every value exact in type. 0, or -ERANGE naming the scales' span when none does (FP16 and scales
+ * spread too widely: keep the matrix on its other path), -EINVAL for a bad argument. */
+int mf_dev_w16_plan(const mf_kern_mat *const *w, int n, mf_dev_f16 type, int *shift);
+/* Dequantizes w (FP8 with 32x32 tiles from a tile row, or FP4; device memory of s's card) into
+ * out->w (out->n_out == w->n_out, out->n_in == w->n_in), enqueued on any stream of the card (the
+ * copy-in stream, so it overlaps the compute stream's previous GEMMs; order it with an event).
+ * Values the plan does not allow are an asynchronous -ERANGE on emulated cards and not checked on
+ * CUDA. -EINVAL for bad shapes or pointers, -ENOTSUP for a type the card does not take. */
+int mf_dev_dequant(mf_dev_stream *s, const mf_kern_mat *w, const mf_dev_w16 *out);
+/* The scratch of a cuBLASLt call (device memory of the card): x16 holds the activations cast to 16
+ * bits (at least mf_dev_lt_x16_bytes(n_tok, columns) bytes: a header, then n_tok rows of the columns
+ * the call reads), ws is cublasLtMatmul's workspace (ws_bytes of it; NULL and 0: none, fewer
+ * algorithms; MF_DEV_LT_WS_BYTES recommended, allocated at start). Emulated cards use x16 and not
+ * ws. A call's scratch must not be in use by another call running at the same time. */
+typedef struct mf_dev_lt_buf {
+    void *x16;
+    size_t x16_bytes;
+    void *ws;
+    size_t ws_bytes;
+} mf_dev_lt_buf;
+#define MF_DEV_LT_WS_BYTES ((size_t)32 << 20)
+size_t mf_dev_lt_x16_bytes(int n_tok, int64_t cols);
+
 typedef struct mf_dev_lin {
     mf_kern_mat w;
     int64_t row0;
@@ -170,6 +233,11 @@ typedef struct mf_dev_lin {
     int n_tok;
     float *y;
     int64_t ld_y;
+    /* MF_DEV_LIN_CUBLASLT only: the slice dequantized (w16.n_out == w.n_out, w16.n_in == w.n_in; the
+     * GEMM reads it, not w) and the call's scratch (x16 for n_tok rows of the columns the slice
+     * reads: n_in, or grouped (row0 + n_out - 1) / group_rows * n_in + n_in) */
+    mf_dev_w16 w16;
+    mf_dev_lt_buf lt;
 } mf_dev_lin;
 int mf_dev_linear(mf_dev_stream *s, const mf_dev_lin *a);
 /* 1 when the tiled kernel applies to a (no groups, or group_rows and row0 multiples of
@@ -288,6 +356,27 @@ typedef struct mf_dev_ffn {
 } mf_dev_ffn;
 size_t mf_dev_ffn_q8_bytes(int n_tok, int n_in, int n_hidden);
 int mf_dev_expert_ffn(mf_dev_stream *s, const mf_dev_ffn *a);
+
+/* A routed expert's FFN on the cuBLASLt path (prefill chunks: many tokens per expert): w13 holds w1's
+ * I rows then w3's ([2I][H], both dequantized into one scratch with one shift: mf_dev_w16_plan of
+ * the two), w2 [H][I]. x [n_tok][H] cast to the 16-bit type as mf_dev_linear casts, one GEMM
+ * gu = w13 x ([n_tok][2I] fp32), h = mf_kern_gate(g, u, limit) * tok_weight (host/kern_gate.h, in
+ * place of g), h cast to 16 bits (its own fp16 shift), y = w2 h ([n_tok][H] fp32). Emulated cards:
+ * the host's FP4 fp32 kernels on the cast x and h bit for bit (device/lt_host.h); CUDA: tensor-core
+ * sums, and an h value may round the other way (bounds in docs/device.md). lt.x16 holds n_tok rows
+ * of max(H, I) columns. -EINVAL for bad shapes or pointers, -ENOTSUP where the card has no such
+ * type. */
+typedef struct mf_dev_ffn_lt {
+    mf_dev_w16 w13, w2;
+    const float *x;
+    int n_tok;
+    const float *tok_weight;   /* NULL: weight 1 */
+    float limit;
+    float *gu;                 /* [n_tok][2I] */
+    mf_dev_lt_buf lt;
+    float *y;
+} mf_dev_ffn_lt;
+int mf_dev_expert_ffn_lt(mf_dev_stream *s, const mf_dev_ffn_lt *a);
 
 /* The expert FFN of several routed experts whose weights and rows are read from a slot table in
  * device memory when the work runs, not when it is enqueued: a graph captured once (e.g. the h2d

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "device/dense_host.h"
+#include "device/lt_host.h"
 #include "host/kernels.h"
 #include "sched/error.h"
 
@@ -56,6 +57,7 @@ enum { DC_W = 3 * DC_HID * DC_IN, DC_S = 3 * DC_HID * (DC_IN / 32) };   /* the F
 typedef struct dc_host {
     uint8_t w[DC_W], sc[DC_S];
     float x[DC_TOK * DC_IN], x2[DC_TOK * DC_HID], tw[DC_TOK], h[DC_TOK * DC_HID], ref[DC_TOK * DC_IN], got[DC_TOK * DC_IN];
+    float xv[DC_TOK * DC_IN], gu[DC_TOK * 2 * DC_HID];   /* the cuBLASLt path's: x's card values, g and u */
     uint8_t q8[1 << 16];
 } dc_host;
 
@@ -218,6 +220,101 @@ static int dc_iscore(mf_dev *d, int card, mf_dev_stream *st, dc_rng *r, float *d
     return rc;
 }
 
+/* The cuBLASLt path (where the card has tensor cores), at 1 and 3 tokens in the card's 16-bit type:
+ * an FP8 row slice [32, 96) of a 128 x 256 matrix dequantized and multiplied (MF_DEV_LIN_CUBLASLT)
+ * against the host's FP8 kernel on x's card values, and an FP4 expert FFN 256 -> 128 -> 256 with
+ * token weights (w1 and w3 into one scratch) against mf_lt_host_ffn_ref. Its own device buffers
+ * (about 200 KB): the 16-bit weights, the cast scratch, gu. */
+static int dc_lt(mf_dev *d, int card, mf_dev_stream *st, dc_rng *r, dc_host *hb, uint8_t *dw, uint8_t *dsc, float *dx,
+                 float *dtw, float *dy)
+{
+    const char *kind = mf_dev_kind(d);
+    mf_dev_f16 type = mf_dev_card_f16(d, card);
+    if (type == MF_DEV_F16_NONE) return 0;
+    size_t w16b = (size_t)3 * DC_HID * DC_IN * 2, x16b = mf_dev_lt_x16_bytes(DC_TOK, DC_IN);
+    size_t gub = sizeof(float) * DC_TOK * 2 * DC_HID;
+    uint8_t *db = NULL;
+    int rc = mf_dev_alloc(d, card, w16b + x16b + gub + 512, (void **)&db);
+    if (rc) return mf_error_wrap(rc, "card %d (%s): self-check buffers of the cuBLASLt path", card, kind);
+    uint16_t *w16 = (uint16_t *)db;
+    void *x16 = db + (w16b + 255) / 256 * 256;
+    float *dgu = (float *)((uint8_t *)x16 + (x16b + 255) / 256 * 256);
+    static const char *const name[2] = {"cublaslt fp8 linear (row slice; dequantized)", "cublaslt fp4 expert ffn"};
+    for (int k = 0; k < 2 && !rc; k++)
+        for (int T = 1; T <= DC_TOK && !rc; T += DC_TOK - 1) {
+            mf_kern_mat m[3];
+            int sh[2] = {0, 0}, n_y = k ? DC_IN : 64;
+            size_t wo = 0, so = 0;
+            if (!k) {   /* rows [32, 96) of a 128 x 256 FP8 matrix */
+                dc_mat(r, MF_KERN_FP8, 128, DC_IN, hb->w, hb->sc, &m[0]);
+                m[0].w = hb->w + 32 * DC_IN;
+                m[0].scale = hb->sc + DC_IN / 32;
+                m[0].n_out = 64;
+                wo = 64 * DC_IN;
+                so = 2 * (DC_IN / 32);
+            } else
+                for (int j = 0; j < 3; j++) {   /* w1, w3 [HID][IN], w2 [IN][HID], FP4 */
+                    int no = j == 2 ? DC_IN : DC_HID, ni = j == 2 ? DC_HID : DC_IN;
+                    dc_mat(r, MF_KERN_FP4, no, ni, hb->w + wo, hb->sc + so, &m[j]);
+                    wo += (size_t)no * ni / 2;
+                    so += (size_t)no * (ni / 32);
+                }
+            const mf_kern_mat *pl[2] = {&m[0], &m[1]}, *p2 = &m[2];
+            rc = mf_dev_w16_plan(pl, k ? 2 : 1, type, &sh[0]);
+            if (!rc && k) rc = mf_dev_w16_plan(&p2, 1, type, &sh[1]);
+            for (int i = 0; i < T * DC_IN; i++) hb->x[i] = ((float)dc_next(r) / 2147483648.0f - 1.0f) * 2.0f;
+            for (int i = 0; i < T; i++) hb->tw[i] = 0.25f + (float)(dc_next(r) % 100) / 100.0f;
+            /* the host's answer */
+            if (!rc && !k) {
+                mf_lt_host_x_values(type, hb->x, T, DC_IN, DC_IN, hb->xv, DC_IN);
+                rc = mf_dense_host_linear(&(mf_dev_lin){.w = m[0], .row0 = 32, .x = hb->xv, .ld_x = DC_IN, .n_tok = T,
+                                                        .y = hb->ref, .ld_y = 64});
+            } else if (!rc)
+                rc = mf_lt_host_ffn_ref(type, &m[0], &m[1], &m[2], hb->x, T, hb->tw, 7.0f, hb->gu, hb->xv, hb->ref);
+            if (rc) break;
+            /* the card's: the stored weights up, dequantized on the card, multiplied */
+            memset(hb->got, 0, sizeof hb->got);
+            rc = mf_dev_copy_h2d(st, dw, k ? hb->w : m[0].w, wo);
+            if (!rc) rc = mf_dev_copy_h2d(st, dsc, k ? hb->sc : m[0].scale, so);
+            if (!rc) rc = mf_dev_copy_h2d(st, dx, hb->x, sizeof(float) * (size_t)T * DC_IN);
+            if (!rc) rc = mf_dev_copy_h2d(st, dtw, hb->tw, sizeof(float) * (size_t)T);
+            mf_dev_lt_buf lt = {x16, x16b, NULL, 0};
+            if (!rc && !k) {
+                mf_dev_w16 o = {w16, type, sh[0], 64, DC_IN};
+                rc = mf_dev_dequant(st, &(mf_kern_mat){MF_KERN_FP8, dw, dsc, 64, DC_IN}, &o);
+                if (!rc)
+                    rc = mf_dev_linear(st, &(mf_dev_lin){.w = {MF_KERN_FP8, dw, dsc, 64, DC_IN}, .row0 = 32,
+                                                         .path = MF_DEV_LIN_CUBLASLT, .x = dx, .ld_x = DC_IN, .n_tok = T,
+                                                         .y = dy, .ld_y = 64, .w16 = o, .lt = lt});
+            } else if (!rc) {
+                size_t s1 = (size_t)DC_HID * (DC_IN / 32), w1 = (size_t)DC_HID * DC_IN / 2;
+                mf_dev_w16 lo = {w16, type, sh[0], DC_HID, DC_IN}, hi = lo, o2 = {w16 + 2 * DC_HID * DC_IN, type, sh[1],
+                                                                                 DC_IN, DC_HID};
+                hi.w = w16 + DC_HID * DC_IN;
+                rc = mf_dev_dequant(st, &(mf_kern_mat){MF_KERN_FP4, dw, dsc, DC_HID, DC_IN}, &lo);
+                if (!rc) rc = mf_dev_dequant(st, &(mf_kern_mat){MF_KERN_FP4, dw + w1, dsc + s1, DC_HID, DC_IN}, &hi);
+                if (!rc) rc = mf_dev_dequant(st, &(mf_kern_mat){MF_KERN_FP4, dw + 2 * w1, dsc + 2 * s1, DC_IN, DC_HID}, &o2);
+                if (!rc)
+                    rc = mf_dev_expert_ffn_lt(st, &(mf_dev_ffn_lt){.w13 = {w16, type, sh[0], 2 * DC_HID, DC_IN}, .w2 = o2,
+                                                                   .x = dx, .n_tok = T, .tok_weight = dtw, .limit = 7.0f,
+                                                                   .gu = dgu, .lt = lt, .y = dy});
+            }
+            if (!rc) rc = mf_dev_copy_d2h(st, hb->got, dy, sizeof(float) * (size_t)T * n_y);
+            int rs = mf_dev_stream_sync(st);
+            if (!rc) rc = rs;
+            if (rc) {
+                rc = mf_error_wrap(rc, "card %d (%s): self-check of kernel %s at %d tokens failed", card, kind, name[k], T);
+                break;
+            }
+            double e = dc_rel(hb->got, hb->ref, (size_t)T * n_y), tol = k ? MF_DEV_CHECK_TOL_LT_FFN : MF_DEV_CHECK_TOL_LT;
+            if (!(e <= tol))
+                rc = mf_error(-EIO, "card %d (%s): kernel %s: relative error %.2e at %d tokens against the host "
+                              "kernel (bound %.0e): the card computes wrong answers", card, kind, name[k], e, T, tol);
+        }
+    mf_dev_free(d, card, db);
+    return rc;
+}
+
 int mf_dev_selfcheck(mf_dev *d, int card, uint64_t seed)
 {
     static const char *const kname[5] = {"fp8 matmul", "fp4 matmul (fp32 path)", "fp4 matmul (int8 path)",
@@ -315,6 +412,7 @@ int mf_dev_selfcheck(mf_dev *d, int card, uint64_t seed)
         }
     if (!rc) rc = dc_dense(d, card, st, &r, hb, dw, dsc, dx, dh, dy);
     if (!rc) rc = dc_iscore(d, card, st, &r, (float *)dw, (int32_t *)dsc, dx, dh, (double *)dy);
+    if (!rc) rc = dc_lt(d, card, st, &r, hb, dw, dsc, dx, dtw, dy);
     mf_dev_free(d, card, db);
     free(hb);
     return rc;

@@ -5,12 +5,14 @@
  * callbacks for the scheduler (cudaStreamAddCallback, which CUDA still calls after a context fault,
  * with the error) and plain ones (cudaLaunchHostFunc, capturable into graphs, but never called
  * after a fault). Every CUDA call is checked with file and line. Kernels in
- * device/dev_kernels.cu (fp32 and int8 FP4 paths). */
+ * device/dev_kernels.cu (fp32 and int8 FP4 paths); the cuBLASLt path in device/dev_cuda_lt.c (a
+ * handle and a GEMM plan cache per card, made at open). */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "device/dev_cuda_kern.h"
+#include "device/dev_cuda_lt.h"
 #include "device/dev_impl.h"
 #include "device/numa.h"
 #include "sched/error.h"
@@ -77,6 +79,7 @@ typedef struct cu_dev {
     int node[MF_DEV_MAX_CARDS];   /* the card's NUMA node, -1 unknown */
     _Atomic int numa_off[MF_DEV_MAX_CARDS];   /* 1: binding to the node failed once; cudaHostAlloc */
     cu_stream streams[MF_DEV_MAX_CARDS][MF_DEV_N_STREAMS];
+    mf_cuda_lt *lt[MF_DEV_MAX_CARDS];   /* the cuBLASLt path's handle and plans (NULL: no tensor cores) */
     pthread_mutex_t mu;      /* allocs */
     cu_alloc *allocs;
 } cu_dev;
@@ -416,7 +419,24 @@ static int cu_linear(mf_dev_stream *ps, const mf_dev_lin *a)
 {
     cu_stream *s = (cu_stream *)ps;
     CU_TRY(cudaSetDevice(s->id));
+    if (a->path == MF_DEV_LIN_CUBLASLT) return mf_cuda_lt_linear(((cu_dev *)ps->dev)->lt[ps->card], s->st, a);
     return mf_cuda_kern_linear(s->st, a, mf_dev_lin_use_tiled(a->path, a->n_tok, mf_dev_lin_tiled_ok(a)));
+}
+
+/* The cuBLASLt path (device/dev_lt_kernels.cu, device/dev_cuda_lt.c); device/dev.c checked that the
+ * card has tensor cores of the type asked. */
+static int cu_dequant(mf_dev_stream *ps, const mf_kern_mat *w, const mf_dev_w16 *out)
+{
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    return mf_cuda_kern_lt_dequant(s->st, w, out);
+}
+
+static int cu_expert_ffn_lt(mf_dev_stream *ps, const mf_dev_ffn_lt *a)
+{
+    cu_stream *s = (cu_stream *)ps;
+    CU_TRY(cudaSetDevice(s->id));
+    return mf_cuda_lt_ffn(((cu_dev *)ps->dev)->lt[ps->card], s->st, a);
 }
 
 static int cu_round_bf16(mf_dev_stream *ps, float *y, int n_tok, int64_t ld, int n)
@@ -536,6 +556,11 @@ static void cu_close(mf_dev *pd)
             }
             CU_NOTE(cudaStreamDestroy(s->st));
         }
+    for (int c = 0; c < pd->n_cards; c++)
+        if (d->lt[c]) {
+            CU_NOTE(cudaSetDevice(d->ids[c]));
+            mf_cuda_lt_close(d->lt[c]);
+        }
     /* after a fault, status callbacks may still be running on CUDA's thread and touch their
      * stream: the streams' records and d itself are left (a leak only on a faulted card) */
     for (int c = 0; c < pd->n_cards && !faulted; c++)
@@ -589,6 +614,8 @@ static const mf_dev_ops cu_ops = {
     .swiglu_bf16 = cu_swiglu_bf16,
     .attn_heads = cu_attn_heads,
     .index_scores = cu_index_scores,
+    .dequant = cu_dequant,
+    .expert_ffn_lt = cu_expert_ffn_lt,
     .capture_begin = cu_capture_begin,
     .capture_end = cu_capture_end,
     .graph_launch = cu_graph_launch,
@@ -604,6 +631,14 @@ static int cu_setup(cu_dev *d)
         CU_TRY(cudaSetDevice(d->ids[c]));
         CU_TRY(cudaDeviceGetPCIBusId(bus, (int)sizeof bus, d->ids[c]));
         d->node[c] = mf_dev_pci_numa_node(bus);
+        /* tensor cores: fp16 with fp32 accumulation from sm_70, bf16 from sm_80 (the cuBLASLt path) */
+        int major = 0;
+        CU_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d->ids[c]));
+        d->pub.f16[c] = major >= 8 ? MF_DEV_F16_BF16 : major == 7 ? MF_DEV_F16_FP16 : MF_DEV_F16_NONE;
+        if (d->pub.f16[c] != MF_DEV_F16_NONE) {
+            int rc = mf_cuda_lt_open(d->ids[c], &d->lt[c]);
+            if (rc) return rc;
+        }
         for (int k = 0; k < MF_DEV_N_STREAMS; k++) {
             cu_stream *s = &d->streams[c][k];
             s->pub = (mf_dev_stream){.dev = &d->pub, .card = c, .kind = (mf_dev_stream_kind)k};

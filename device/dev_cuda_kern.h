@@ -33,4 +33,12 @@ int mf_cuda_kern_attn_heads(void *stream, const mf_dev_attn *a);
 /* mf_dev_index_scores: a block per (16 keys, token), a half-warp per key (device/dev.h). */
 int mf_cuda_kern_index_scores(void *stream, const mf_dev_iscore *a);
 
+/* The cuBLASLt path's kernels (device/dev_lt_kernels.cu; its GEMMs: device/dev_cuda_lt.h).
+ * mf_dev_dequant; the activations' cast into x16 (header and codes, n_tok rows of cols from x, ld_x
+ * apart; alpha 2^(w_shift + xs) into the header); the expert FFN's gating in place in gu. */
+int mf_cuda_kern_lt_dequant(void *stream, const mf_kern_mat *w, const mf_dev_w16 *out);
+int mf_cuda_kern_lt_cast(void *stream, int f16, const float *x, int n_tok, int64_t ld_x, int64_t cols, int w_shift,
+                         void *x16);
+int mf_cuda_kern_lt_gate(void *stream, float *gu, int n_tok, int I, const float *tok_weight, float limit);
+
 #endif

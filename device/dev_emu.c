@@ -2,7 +2,9 @@
  * machines without a GPU. Each card has a memory capacity (host malloc with accounting), three
  * streams each served by one worker thread that runs its operations in order, events, copies that
  * take modelled time (latency + bytes / bandwidth, slept, never spun) and host/kernels.h kernels,
- * so results equal the host path's bit for bit. Graph capture records a stream's operations and
+ * so results equal the host path's bit for bit (the cuBLASLt path: device/lt_host.c's casts and fixed-order
+ * products over the card's 16-bit scratch, the host's kernels' bits on the cast activations; the spec's
+ * tc= says which 16-bit type). Graph capture records a stream's operations and
  * replays them. A failed operation's error goes to the next status callback of its stream (the
  * scheduler fails that task) or, if none takes it, to the next sync. Fault injection for tests:
  * the nth host-to-device copy copies half its bytes and fails (spec fail_h2d=N, mf_dev_emu_fail_h2d);
@@ -20,6 +22,7 @@
 
 #include "device/dense_host.h"
 #include "device/dev_impl.h"
+#include "device/lt_host.h"
 #include "sched/clock.h"
 #include "sched/error.h"
 
@@ -28,7 +31,7 @@
 #define EMU_HDR_BYTES 64
 
 typedef enum { OP_COPY, OP_COPY_2D, OP_CALLBACK, OP_RECORD, OP_WAIT, OP_FP4, OP_FP8, OP_BF16, OP_FFN, OP_FFN_TABLE,
-               OP_LIN, OP_ROUND, OP_CAST, OP_UP, OP_SWIGLU, OP_ATTN, OP_ISCORE } emu_op_kind;
+               OP_LIN, OP_ROUND, OP_CAST, OP_UP, OP_SWIGLU, OP_ATTN, OP_ISCORE, OP_DEQUANT, OP_FFN_LT } emu_op_kind;
 
 typedef struct emu_event {
     mf_dev_event pub;
@@ -54,6 +57,8 @@ typedef struct emu_op {
         mf_dev_up up;
         mf_dev_attn attn;
         mf_dev_iscore isc;
+        struct { mf_kern_mat w; mf_dev_w16 out; } dq;
+        mf_dev_ffn_lt flt;
         struct { const float *g, *u; float *y; int n_tok, n; int64_t ld; float limit; } ew;   /* round, swiglu */
         struct { float *x; uint16_t *y; int64_t ld_x, ld_y; int n_tok, n, pack; } cast;
     } u;
@@ -78,6 +83,7 @@ typedef struct emu_stream {
     emu_op *cap;
     int n_cap, max_cap;
     float attn_scratch[4 * MF_DEV_ATTN_MAX_KEYS];   /* mf_dense_host_attn's scores */
+    mf_lt_host_scratch lt;   /* the cuBLASLt path's products (grown on first use) */
 } emu_stream;
 
 typedef struct emu_graph {
@@ -288,7 +294,14 @@ static void emu_run_op(emu_stream *s, emu_op *op)
         rc = emu_ffn_table(&op->u.tab);
         break;
     case OP_LIN:
-        rc = mf_dense_host_linear(&op->u.lin);
+        rc = op->u.lin.path == MF_DEV_LIN_CUBLASLT ? mf_lt_host_linear(&op->u.lin, &s->lt)
+                                                   : mf_dense_host_linear(&op->u.lin);
+        break;
+    case OP_DEQUANT:
+        rc = mf_lt_host_dequant(&op->u.dq.w, &op->u.dq.out);
+        break;
+    case OP_FFN_LT:
+        rc = mf_lt_host_ffn(&op->u.flt, &s->lt);
         break;
     case OP_ROUND:
         mf_dense_host_round_bf16(op->u.ew.y, op->u.ew.n_tok, op->u.ew.ld, op->u.ew.n);
@@ -314,6 +327,7 @@ static void emu_run_op(emu_stream *s, emu_op *op)
     if (!rc && s->pub.card == d->bad_card) {   /* fault injection: a wrong first output */
         if (op->kind == OP_FP4 || op->kind == OP_FP8 || op->kind == OP_BF16) op->u.mm.y[0] += 1.0f;
         else if (op->kind == OP_FFN) op->u.ffn.y[0] += 1.0f;
+        else if (op->kind == OP_FFN_LT) op->u.flt.y[0] += 1.0f;
         else if (op->kind == OP_LIN) op->u.lin.y[0] += 1.0f;
         else if (op->kind == OP_UP) op->u.up.h[0] += 1.0f;
         else if (op->kind == OP_ATTN) op->u.attn.o[0] += 1.0f;
@@ -608,6 +622,18 @@ static int emu_linear(mf_dev_stream *s, const mf_dev_lin *a)
     return emu_enqueue(s, &op);
 }
 
+static int emu_dequant(mf_dev_stream *s, const mf_kern_mat *w, const mf_dev_w16 *out)
+{
+    emu_op op = {.kind = OP_DEQUANT, .u.dq = {*w, *out}};
+    return emu_enqueue(s, &op);
+}
+
+static int emu_expert_ffn_lt(mf_dev_stream *s, const mf_dev_ffn_lt *a)
+{
+    emu_op op = {.kind = OP_FFN_LT, .u.flt = *a};
+    return emu_enqueue(s, &op);
+}
+
 static int emu_round_bf16(mf_dev_stream *s, float *y, int n_tok, int64_t ld, int n)
 {
     emu_op op = {.kind = OP_ROUND, .u.ew = {.y = y, .n_tok = n_tok, .n = n, .ld = ld}};
@@ -709,6 +735,7 @@ static void emu_close(mf_dev *pd)
             pthread_mutex_destroy(&s->mu);
             pthread_cond_destroy(&s->cond);
             free(s->cap);
+            mf_lt_host_scratch_free(&s->lt);
             free(s);
         }
     for (int c = 0; c < pd->n_cards; c++) {
@@ -754,6 +781,8 @@ static const mf_dev_ops emu_ops = {
     .swiglu_bf16 = emu_swiglu_bf16,
     .attn_heads = emu_attn_heads,
     .index_scores = emu_index_scores,
+    .dequant = emu_dequant,
+    .expert_ffn_lt = emu_expert_ffn_lt,
     .capture_begin = emu_capture_begin,
     .capture_end = emu_capture_end,
     .graph_launch = emu_graph_launch,
@@ -792,6 +821,7 @@ int mf_dev_open_emu(const char *opts, mf_dev **out)
                         opts, MF_DEV_MAX_CARDS);
     uint64_t mem = 16ULL << 30;
     double bw = 25e9, lat = 10000, fail_h2d = 0, lose_cb = 0, bad_card = -1;
+    mf_dev_f16 tc = MF_DEV_F16_BF16;
     while ((tok = strtok_r(NULL, ",", &save))) {
         char *eq = strchr(tok, '=');
         int bad = !eq;
@@ -805,6 +835,9 @@ int mf_dev_open_emu(const char *opts, mf_dev **out)
                 bad = (fail_h2d = strtod(v, &end)) < 0 || *end || end == v || fail_h2d != (int64_t)fail_h2d;
             else if (!strcmp(tok, "lose_cb"))
                 bad = (lose_cb = strtod(v, &end)) < 0 || *end || end == v || lose_cb != (int64_t)lose_cb;
+            else if (!strcmp(tok, "tc"))
+                bad = !strcmp(v, "bf16") ? (tc = MF_DEV_F16_BF16, 0) : !strcmp(v, "fp16") ? (tc = MF_DEV_F16_FP16, 0)
+                      : !strcmp(v, "none") ? (tc = MF_DEV_F16_NONE, 0) : 1;
             else if (!strcmp(tok, "bad_card"))
                 bad = (bad_card = strtod(v, &end)) < 0 || *end || end == v || bad_card != (int)bad_card ||
                       bad_card >= n;
@@ -813,7 +846,7 @@ int mf_dev_open_emu(const char *opts, mf_dev **out)
             *eq = '=';
         }
         return mf_error(-EINVAL, "device spec 'emu:%s': bad option '%s' (expected mem=BYTES[K|M|G], "
-                        "bw=BYTES_PER_S, lat_ns=NS, fail_h2d=N, lose_cb=N, bad_card=C)", opts, tok);
+                        "bw=BYTES_PER_S, lat_ns=NS, fail_h2d=N, lose_cb=N, bad_card=C, tc=bf16|fp16|none)", opts, tok);
     }
     emu_dev *d = calloc(1, sizeof *d);
     if (!d) return mf_error(-ENOMEM, "emu device: out of memory");
@@ -828,6 +861,7 @@ int mf_dev_open_emu(const char *opts, mf_dev **out)
     for (int c = 0; c < n; c++) {
         pthread_mutex_init(&d->cards[c].mu, NULL);
         d->cards[c].cap_bytes = mem;
+        d->pub.f16[c] = tc;
     }
     int rc = 0;
     for (int c = 0; c < n && !rc; c++)

@@ -47,6 +47,10 @@ typedef struct mf_dev_ops {
     int (*attn_heads)(mf_dev_stream *s, const mf_dev_attn *a);
     /* Optional (NULL: mf_dev_index_scores is -ENOTSUP). */
     int (*index_scores)(mf_dev_stream *s, const mf_dev_iscore *a);
+    /* The cuBLASLt path, optional (NULL, or the card's f16 NONE: -ENOTSUP); linear() takes
+     * MF_DEV_LIN_CUBLASLT calls too. */
+    int (*dequant)(mf_dev_stream *s, const mf_kern_mat *w, const mf_dev_w16 *out);
+    int (*expert_ffn_lt)(mf_dev_stream *s, const mf_dev_ffn_lt *a);
     /* Capture: the stream's capturing flag is kept by dev.c. */
     int (*capture_begin)(mf_dev_stream *s);
     int (*capture_end)(mf_dev_stream *s, mf_dev_graph **out);
@@ -62,6 +66,7 @@ struct mf_dev {
     const mf_dev_ops *ops;
     int n_cards;
     mf_dev_stream *streams[MF_DEV_MAX_CARDS][MF_DEV_N_STREAMS];
+    mf_dev_f16 f16[MF_DEV_MAX_CARDS];   /* the type each card's tensor cores take (set at open) */
     mf_dev_lane_ops lane_ops;
 };
 

@@ -80,10 +80,41 @@ double mf_cost_host(const mf_cost_model *m, const mf_work *w, int n, double extr
     return ns;
 }
 
-double mf_cost_card(const mf_cost_model *m, const mf_work *w, int n)
+double mf_cost_card_lt(const mf_cost_model *m, int fam, double bytes, double macs, double calls, int n)
 {
-    return mf_cost_kernels(m->p->card, 0, w, n) + mf_cost_ref(m->p, 1, w->ref_flops + w->ref_flops_tok * n);
+    const mf_profile *p = m->p;
+    if (!(p->card_tc_macs_per_s > 0) || (fam != MF_KF_FP8 && fam != MF_KF_FP4)) return 0;
+    /* the bytes stream at the dense kernels' rate (card_fp8_bytes_per_s: a fraction of the card's
+     * memory bandwidth), whichever family: the dequantization and the GEMM read and write plainly */
+    double launches = calls * (fam == MF_KF_FP8 ? MF_COST_LT_LAUNCHES_FP8 : MF_COST_LT_LAUNCHES_FP4);
+    double ns = launches * p->card[fam].latency_ns + (double)n * macs / p->card_tc_macs_per_s * 1e9;
+    double bps = p->card[MF_KF_FP8].bytes_per_s;
+    if (bps > 0) ns += (bytes + 2 * macs + 2 * macs) / bps * 1e9;
+    return ns;
 }
+
+double mf_cost_card_paths(const mf_cost_model *m, const mf_work *w, int n, int *lt_fams)
+{
+    double ns = 0;
+    int lt = 0;
+    for (int f = 0; f < MF_KF_REF; f++) {
+        if (!(w->calls[f] > 0)) continue;
+        mf_work one = {0};
+        one.w_bytes[f] = w->w_bytes[f], one.macs[f] = w->macs[f], one.calls[f] = w->calls[f];
+        double core = mf_cost_kernels(m->p->card, 0, &one, n);
+        double alt = mf_cost_card_lt(m, f, w->w_bytes[f], w->macs[f], w->calls[f], n);
+        if (alt > 0 && alt < core) {
+            ns += alt;
+            lt |= 1 << f;
+        } else {
+            ns += core;
+        }
+    }
+    if (lt_fams) *lt_fams = lt;
+    return ns + mf_cost_ref(m->p, 1, w->ref_flops + w->ref_flops_tok * n);
+}
+
+double mf_cost_card(const mf_cost_model *m, const mf_work *w, int n) { return mf_cost_card_paths(m, w, n, NULL); }
 
 double mf_cost_disk(const mf_cost_model *m, double bytes, int reads)
 {

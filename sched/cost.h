@@ -69,8 +69,30 @@ double mf_cost_vec(const mf_cost_model *m, double flops, double bytes);
 double mf_cost_host(const mf_cost_model *m, const mf_work *w, int n, double extra_flops);
 
 /* w on a card over n tokens: its kernels as mf_cost_host's at the card's rates (no cap), its
- * scalar work ref_flops + n ref_flops_tok at the card's REF rate. */
+ * scalar work ref_flops + n ref_flops_tok at the card's REF rate. Where the profile gives the
+ * card's tensor cores a rate (card_tc_macs_per_s > 0), the FP8 work (dense linears) and the FP4
+ * work (routed experts) each take the cheaper of that price (the CUDA-core kernels: warp-per-row,
+ * tiled from MF_DEV_LIN_TILED_MIN_TOK tokens) and mf_cost_card_lt's (the cuBLASLt path). */
 double mf_cost_card(const mf_cost_model *m, const mf_work *w, int n);
+/* As mf_cost_card; *lt_fams (when not NULL) gets a bit per kernel family (1 << MF_KF_FP8, 1 <<
+ * MF_KF_FP4) priced on the cuBLASLt path. */
+double mf_cost_card_paths(const mf_cost_model *m, const mf_work *w, int n, int *lt_fams);
+
+/* Launches of one call on the cuBLASLt path, each paying the family's card latency: a dense FP8
+ * linear dequantizes, casts and multiplies (3); an expert FFN dequantizes w1, w3, w2, casts x,
+ * multiplies, gates, casts h, multiplies (8). */
+#define MF_COST_LT_LAUNCHES_FP8 3
+#define MF_COST_LT_LAUNCHES_FP4 8
+/* The cuBLASLt path (device/dev.h MF_DEV_LIN_CUBLASLT, mf_dev_expert_ffn_lt) for family fam (FP8 or
+ * FP4) of `bytes` stored weight bytes and `macs` multiply-adds per token (one per weight) over n
+ * tokens on a card: calls x launches x latency; the dequantization reads the stored bytes and
+ * writes 2 bytes a weight, the GEMM reads those 2 bytes a weight once, all at card_fp8_bytes_per_s
+ * (the dense kernels' streaming rate, which every family's plain reads and writes reach: the FP4
+ * kernel's own byte rate is its unpacking's, not the memory's); n x macs at card_tc_macs_per_s. The activations' cast (6 bytes a value) is not priced; the
+ * dequantization is priced inside the task, not overlapped with the previous layer's GEMMs as the
+ * engine's design overlaps it (an upper bound by that much). 0 where the profile has no tensor-core
+ * rate or fam is neither. */
+double mf_cost_card_lt(const mf_cost_model *m, int fam, double bytes, double macs, double calls, int n);
 
 /* Disk: `reads` requests of `bytes` in all, their latency overlapped over the queue depth:
  * reads * disk_latency / depth + bytes / disk rate. */

@@ -19,7 +19,8 @@
 
 typedef enum { MF_PK_STR, MF_PK_INT, MF_PK_DBL, MF_PK_U64 } mf_pk_type;
 
-/* Range rules: [lo, hi]; lo_open: strictly above lo; card: with n_cards 0 the value may be 0. */
+/* Range rules: [lo, hi]; lo_open: strictly above lo; card: with n_cards 0 the value may be 0.
+ * optional: the file may leave the key out (the value is then 0; written back like the others). */
 typedef struct mf_pkey {
     const char *key;
     mf_pk_type type;
@@ -28,6 +29,7 @@ typedef struct mf_pkey {
     double lo, hi;
     int lo_open;
     int card;
+    int optional;
 } mf_pkey;
 
 #define OFF(f) offsetof(mf_profile, f)
@@ -36,46 +38,47 @@ typedef struct mf_pkey {
 #define BIG 1e18
 /* One kernel family: bytes_per_s and macs_per_s > 0, latency_ns >= 0. MF_KF_REF has no bytes key. */
 #define KERN(pfx, arr, fam, k, card)                                                              \
-    {pfx "_" fam "_bytes_per_s", MF_PK_DBL, KOFF(arr, k, bytes_per_s), 1, 0, BIG, 1, card},       \
-    {pfx "_" fam "_macs_per_s", MF_PK_DBL, KOFF(arr, k, macs_per_s), 1, 0, BIG, 1, card},         \
-    {pfx "_" fam "_latency_ns", MF_PK_DBL, KOFF(arr, k, latency_ns), 0, 0, 1e12, 0, 0}
+    {pfx "_" fam "_bytes_per_s", MF_PK_DBL, KOFF(arr, k, bytes_per_s), 1, 0, BIG, 1, card, 0}, \
+    {pfx "_" fam "_macs_per_s", MF_PK_DBL, KOFF(arr, k, macs_per_s), 1, 0, BIG, 1, card, 0},   \
+    {pfx "_" fam "_latency_ns", MF_PK_DBL, KOFF(arr, k, latency_ns), 0, 0, 1e12, 0, 0, 0}
 
 static const mf_pkey mf_pkeys[] = {
-    {"name", MF_PK_STR, OFF(name), 0, 0, 0, 0, 0},
+    {"name", MF_PK_STR, OFF(name), 0, 0, 0, 0, 0, 0},
     /* host */
-    {"n_sockets", MF_PK_INT, OFF(n_sockets), 0, 1, 64, 0, 0},
-    {"threads_per_socket", MF_PK_INT, OFF(threads_per_socket), 0, 1, 4096, 0, 0},
-    {"mem_bytes_per_s", MF_PK_DBL, OFF(mem_bytes_per_s), 1, 0, BIG, 1, 0},
-    {"cross_socket_factor", MF_PK_DBL, OFF(cross_socket_factor), 0, 0, 1, 1, 0},
-    {"task_overhead_ns", MF_PK_DBL, OFF(task_overhead_ns), 0, 0, 1e12, 0, 0},
-    {"worker_spin_ns", MF_PK_DBL, OFF(worker_spin_ns), 0, 0, 1e12, 0, 0},
-    {"worker_wake_ns", MF_PK_DBL, OFF(worker_wake_ns), 0, 0, 1e12, 0, 0},
+    {"n_sockets", MF_PK_INT, OFF(n_sockets), 0, 1, 64, 0, 0, 0},
+    {"threads_per_socket", MF_PK_INT, OFF(threads_per_socket), 0, 1, 4096, 0, 0, 0},
+    {"mem_bytes_per_s", MF_PK_DBL, OFF(mem_bytes_per_s), 1, 0, BIG, 1, 0, 0},
+    {"cross_socket_factor", MF_PK_DBL, OFF(cross_socket_factor), 0, 0, 1, 1, 0, 0},
+    {"task_overhead_ns", MF_PK_DBL, OFF(task_overhead_ns), 0, 0, 1e12, 0, 0, 0},
+    {"worker_spin_ns", MF_PK_DBL, OFF(worker_spin_ns), 0, 0, 1e12, 0, 0, 0},
+    {"worker_wake_ns", MF_PK_DBL, OFF(worker_wake_ns), 0, 0, 1e12, 0, 0, 0},
     KERN("host", host, "fp4", MF_KF_FP4, 0),
     KERN("host", host, "fp8", MF_KF_FP8, 0),
     KERN("host", host, "bf16", MF_KF_BF16, 0),
-    {"host_ref_macs_per_s", MF_PK_DBL, KOFF(host, MF_KF_REF, macs_per_s), 1, 0, BIG, 1, 0},
-    {"host_ref_latency_ns", MF_PK_DBL, KOFF(host, MF_KF_REF, latency_ns), 0, 0, 1e12, 0, 0},
-    {"host_vec_macs_per_s", MF_PK_DBL, OFF(host_vec.macs_per_s), 1, 0, BIG, 1, 0},
-    {"host_vec_latency_ns", MF_PK_DBL, OFF(host_vec.latency_ns), 0, 0, 1e12, 0, 0},
+    {"host_ref_macs_per_s", MF_PK_DBL, KOFF(host, MF_KF_REF, macs_per_s), 1, 0, BIG, 1, 0, 0},
+    {"host_ref_latency_ns", MF_PK_DBL, KOFF(host, MF_KF_REF, latency_ns), 0, 0, 1e12, 0, 0, 0},
+    {"host_vec_macs_per_s", MF_PK_DBL, OFF(host_vec.macs_per_s), 1, 0, BIG, 1, 0, 0},
+    {"host_vec_latency_ns", MF_PK_DBL, OFF(host_vec.latency_ns), 0, 0, 1e12, 0, 0, 0},
     /* disk */
-    {"disk_bytes_per_s", MF_PK_DBL, OFF(disk_bytes_per_s), 1, 0, BIG, 1, 0},
-    {"disk_latency_ns", MF_PK_DBL, OFF(disk_latency_ns), 0, 0, 1e12, 0, 0},
-    {"disk_queue_depth", MF_PK_INT, OFF(disk_queue_depth), 0, 1, 65536, 0, 0},
+    {"disk_bytes_per_s", MF_PK_DBL, OFF(disk_bytes_per_s), 1, 0, BIG, 1, 0, 0},
+    {"disk_latency_ns", MF_PK_DBL, OFF(disk_latency_ns), 0, 0, 1e12, 0, 0, 0},
+    {"disk_queue_depth", MF_PK_INT, OFF(disk_queue_depth), 0, 1, 65536, 0, 0, 0},
     /* cards */
-    {"n_cards", MF_PK_INT, OFF(n_cards), 0, 0, 64, 0, 0},
-    {"cards_emulated", MF_PK_INT, OFF(cards_emulated), 0, 0, 1, 0, 0},
-    {"card_mem_bytes", MF_PK_U64, OFF(card_mem_bytes), 1, 0, BIG, 1, 1},
-    {"h2d_bytes_per_s", MF_PK_DBL, OFF(h2d_bytes_per_s), 1, 0, BIG, 1, 1},
-    {"h2d_latency_ns", MF_PK_DBL, OFF(h2d_latency_ns), 0, 0, 1e12, 0, 0},
-    {"d2h_bytes_per_s", MF_PK_DBL, OFF(d2h_bytes_per_s), 1, 0, BIG, 1, 1},
-    {"d2h_latency_ns", MF_PK_DBL, OFF(d2h_latency_ns), 0, 0, 1e12, 0, 0},
-    {"h2d_total_bytes_per_s", MF_PK_DBL, OFF(h2d_total_bytes_per_s), 1, 0, BIG, 1, 1},
-    {"act_copy_latency_ns", MF_PK_DBL, OFF(act_copy_latency_ns), 0, 0, 1e12, 0, 0},
+    {"n_cards", MF_PK_INT, OFF(n_cards), 0, 0, 64, 0, 0, 0},
+    {"cards_emulated", MF_PK_INT, OFF(cards_emulated), 0, 0, 1, 0, 0, 0},
+    {"card_mem_bytes", MF_PK_U64, OFF(card_mem_bytes), 1, 0, BIG, 1, 1, 0},
+    {"h2d_bytes_per_s", MF_PK_DBL, OFF(h2d_bytes_per_s), 1, 0, BIG, 1, 1, 0},
+    {"h2d_latency_ns", MF_PK_DBL, OFF(h2d_latency_ns), 0, 0, 1e12, 0, 0, 0},
+    {"d2h_bytes_per_s", MF_PK_DBL, OFF(d2h_bytes_per_s), 1, 0, BIG, 1, 1, 0},
+    {"d2h_latency_ns", MF_PK_DBL, OFF(d2h_latency_ns), 0, 0, 1e12, 0, 0, 0},
+    {"h2d_total_bytes_per_s", MF_PK_DBL, OFF(h2d_total_bytes_per_s), 1, 0, BIG, 1, 1, 0},
+    {"act_copy_latency_ns", MF_PK_DBL, OFF(act_copy_latency_ns), 0, 0, 1e12, 0, 0, 0},
     KERN("card", card, "fp4", MF_KF_FP4, 1),
     KERN("card", card, "fp8", MF_KF_FP8, 1),
     KERN("card", card, "bf16", MF_KF_BF16, 1),
-    {"card_ref_macs_per_s", MF_PK_DBL, KOFF(card, MF_KF_REF, macs_per_s), 1, 0, BIG, 1, 1},
-    {"card_ref_latency_ns", MF_PK_DBL, KOFF(card, MF_KF_REF, latency_ns), 0, 0, 1e12, 0, 0},
+    {"card_ref_macs_per_s", MF_PK_DBL, KOFF(card, MF_KF_REF, macs_per_s), 1, 0, BIG, 1, 1, 0},
+    {"card_ref_latency_ns", MF_PK_DBL, KOFF(card, MF_KF_REF, latency_ns), 0, 0, 1e12, 0, 0, 0},
+    {"card_tc_macs_per_s", MF_PK_DBL, OFF(card_tc_macs_per_s), 1, 0, BIG, 0, 0, 1},
 };
 #define MF_N_PKEYS ((int)(sizeof mf_pkeys / sizeof mf_pkeys[0]))
 
@@ -318,9 +321,9 @@ int mf_profile_parse(const char *text, const char *what, mf_profile *out)
         snprintf(out->keys[e].source, sizeof out->keys[e].source, "%s", source);
     }
     for (int i = 0; i < MF_N_PKEYS; i++)
-        if (!line_of[i])
-            return mf_error(-EINVAL, "%s: key '%s' missing (every key of the format must be given once)",
-                            what, mf_pkeys[i].key);
+        if (!line_of[i] && !mf_pkeys[i].optional)
+            return mf_error(-EINVAL, "%s: key '%s' missing (every key of the format but the optional ones must be "
+                            "given once)", what, mf_pkeys[i].key);
     return mf_profile_check(out, what, line_of);
 }
 
@@ -433,6 +436,7 @@ int mf_profile_write_header(const mf_profile *p, const char *path, const char *h
         char val[64];
         mf_pkey_text(p, k, val, sizeof val);
         const char *src = mf_profile_source(p, k->key);
+        if (k->optional && mf_pkey_get(p, k) == 0 && !(src && *src)) continue;   /* absent reads back as 0 */
         if (src && *src)
             fprintf(f, "%-24s = %-12s  # source: %s\n", k->key, val, src);
         else

@@ -58,6 +58,11 @@ typedef struct mf_profile {
     double act_copy_latency_ns;    /* one small copy of activations (tens of KB, either way) between a
                                     * dense sublayer on a card and the host; 0: the h2d / d2h latency */
     mf_profile_kern card[MF_KF_N];
+    /* the card's tensor cores: a GEMM's multiply-adds per second with 16-bit floating-point inputs
+     * (fp16, or bf16 from sm_80) and fp32 accumulation, as cublasLtMatmul reaches at prefill sizes
+     * (the cuBLASLt path of device/dev.h, MF_DEV_LIN_CUBLASLT). Optional in the file; 0: no tensor
+     * cores, the cost model never prices that path. */
+    double card_tc_macs_per_s;
     /* every key read or set, in file order, with its value text and its source ("" if none) */
     int n_keys;
     struct {
@@ -70,7 +75,7 @@ typedef struct mf_profile {
 /* Reads a profile file. Format: one `key = value` per line, `# source: ...` after the value is
  * that figure's source, other `#` text is a comment; values take unit suffixes where the key ends
  * in _bytes or _per_s (K, M, G, T = 1000^k; Ki, Mi, Gi, Ti = 1024^k). Every key of the format
- * must be present exactly once; unknown keys, bad numbers and out-of-range values fail with
+ * must be present exactly once, except the optional ones (card_tc_macs_per_s: 0 when absent); unknown keys, bad numbers and out-of-range values fail with
  * -EINVAL naming path:line and the key. */
 int mf_profile_load(const char *path, mf_profile *out);
 /* The same from text in memory; `what` names it in errors. */

@@ -13,6 +13,7 @@
 
 #include "device/dense_host.h"
 #include "device/dev.h"
+#include "device/lt_host.h"
 #include "graphs/layers/layers.h"
 #include "graphs/model/model.h"
 #include "host/formats.h"
@@ -754,6 +755,228 @@ static void dev_check_dense(mf_dev *d, int exact)
     free(got);
     free(g);
     free(u);
+}
+
+/* ---- the cuBLASLt path (device/dev.h "The cuBLASLt path") -------------------------------------- */
+
+/* One cuBLASLt case's result against its answer: bit for bit (exact: emulated cards) or within tol,
+ * printed as a "dense cublaslt ... rel err" line (CUDA). */
+static void dv_lt_cmp(const char *what, int T, const float *got, const float *ref, int64_t ld, int n, double tol,
+                      int exact)
+{
+    char w[160];
+    snprintf(w, sizeof w, "cublaslt %s", what);
+    dv_dense_cmp(w, T, got, ref, ld, n, tol, exact);
+}
+
+/* A dequantized copy of h (host) on card 0 as type with the plan's shift, made on the copy-in stream
+ * and ordered before the compute stream's later work by an event (the overlap the engine uses). */
+static mf_dev_w16 dv_lt_dequant(mf_dev *d, const hmat *h, int row0, int rows, mf_dev_f16 type, int shift, void **wbuf,
+                                void **dw, void **ds)
+{
+    mf_dev_stream *in = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COPY_IN), *cs = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COMPUTE);
+    int n_in = h->m.n_in, fp8 = h->m.fmt == MF_KERN_FP8;
+    size_t wrow = fp8 ? (size_t)n_in : (size_t)n_in / 2, srow = fp8 ? (size_t)n_in / 32 : (size_t)n_in / 32;
+    *dw = dupload(d, 0, h->w + (size_t)row0 * wrow, wrow * rows);
+    *ds = dupload(d, 0, h->scale + (fp8 ? (size_t)row0 / 32 * srow : (size_t)row0 * srow),
+                  fp8 ? (size_t)(rows + 31) / 32 * srow : (size_t)rows * srow);
+    mf_dev_w16 o = {.type = type, .shift = shift, .n_out = rows, .n_in = n_in};
+    CHECK(mf_dev_alloc(d, 0, (size_t)rows * n_in * 2, wbuf) == 0, "alloc: %s", mf_last_error());
+    o.w = *wbuf;
+    mf_kern_mat dm = {h->m.fmt, *dw, *ds, rows, n_in};
+    mf_dev_event *ev = NULL;
+    CHECK(mf_dev_event_create(d, 0, &ev) == 0 && mf_dev_dequant(in, &dm, &o) == 0 && mf_dev_event_record(ev, in) == 0 &&
+              mf_dev_stream_wait(cs, ev) == 0,
+          "dequantize %s rows %d..%d: %s", fp8 ? "fp8" : "fp4", row0, row0 + rows, mf_last_error());
+    mf_dev_event_destroy(ev);
+    return o;
+}
+
+/* The linears: FP8 rows [64, 192) of a 256 x 512 matrix (strided x and y) dequantized on the copy-in
+ * stream, then MF_DEV_LIN_CUBLASLT on the compute stream, at 1, 5, 64 and 130 tokens; bf16-exact x
+ * against the host's plain FP8 kernel (the engine's host path: the same bits on an emulated card) and
+ * raw x against the kernel on x's card values; a grouped slice (4 groups of 64 rows, wo_a's shape);
+ * a matrix whose scales (2^-27..2^-9) need an FP16 shift (-12). */
+static void dv_lt_linears(mf_dev *d, mf_dev_f16 type, int exact, double tol)
+{
+    enum { O = 256, IN = 512, GI = 128, LDX = 520, LDY = 264, R0 = 64, R1 = 192, TMAX = 130 };
+    static const int toks[] = {1, 5, 64, 130};
+    const char *tn = type == MF_DEV_F16_FP16 ? "fp16" : "bf16";
+    mf_dev_stream *cs = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COMPUTE);
+    hmat f8 = hmat_rand(MF_KERN_FP8, O, IN), wa = hmat_rand(MF_KERN_FP8, O, GI), wide = hmat_rand(MF_KERN_FP8, O, IN);
+    for (size_t i = 0; i < wide.s_bytes; i++) wide.scale[i] = (uint8_t)(100 + dv_rnd() % 19);
+    int n = R1 - R0;
+    size_t xn = (size_t)TMAX * LDX, yn = (size_t)TMAX * LDY;
+    float *x = malloc(sizeof(float) * xn), *xb = malloc(sizeof(float) * xn), *xv = malloc(sizeof(float) * xn);
+    float *ref = malloc(sizeof(float) * yn), *got = malloc(sizeof(float) * yn);
+    for (size_t i = 0; i < xn; i++) xb[i] = mf_bf16_round(x[i] = gauss());
+    const hmat *mats[3] = {&f8, &wa, &wide};
+    static const char *const mname[3] = {"fp8 linear", "fp8 grouped linear", "fp8 linear, scales 2^-27..2^-9"};
+    float *dx = dupload(d, 0, x, sizeof(float) * xn), *dxb = dupload(d, 0, xb, sizeof(float) * xn), *dy = NULL;
+    void *x16 = NULL;
+    size_t x16b = mf_dev_lt_x16_bytes(TMAX, LDX);
+    CHECK(mf_dev_alloc(d, 0, sizeof(float) * yn, (void **)&dy) == 0 && mf_dev_alloc(d, 0, x16b, &x16) == 0, "alloc: %s",
+          mf_last_error());
+    for (int mi = 0; mi < 3 && dy && x16; mi++) {
+        const hmat *h = mats[mi];
+        mf_kern_mat slice = {MF_KERN_FP8, h->w + (size_t)R0 * h->m.n_in, h->scale + R0 / 32 * (h->m.n_in / 32), n, h->m.n_in};
+        const mf_kern_mat *one = &slice;
+        int shift = 99, prc = mf_dev_w16_plan(&one, 1, type, &shift);
+        CHECK(prc == 0 && (mi < 2 ? shift == 0 : type == MF_DEV_F16_FP16 ? shift == -12 : shift == 0),
+              "plan %s (%s): rc %d shift %d (%s)", mname[mi], tn, prc, shift, mf_last_error());
+        void *wb = NULL, *dw = NULL, *ds = NULL;
+        mf_dev_w16 w16 = dv_lt_dequant(d, h, R0, n, type, shift, &wb, &dw, &ds);
+        for (size_t ti = 0; ti < sizeof toks / sizeof toks[0]; ti++)
+            for (int raw = 0; raw < 2; raw++) {
+                int T = toks[ti];
+                mf_dev_lin a = {.w = {MF_KERN_FP8, dw, ds, n, h->m.n_in}, .row0 = R0, .group_rows = mi == 1 ? O / 4 : 0,
+                                .path = MF_DEV_LIN_CUBLASLT, .x = raw ? dx : dxb, .ld_x = LDX, .n_tok = T, .y = dy,
+                                .ld_y = LDY, .w16 = w16, .lt = {x16, x16b, NULL, 0}};
+                mf_dev_lin hl = a;   /* the answer: the host's FP8 kernel on the card's values of x */
+                hl.w = slice;
+                hl.path = MF_DEV_LIN_AUTO;
+                hl.y = ref;
+                int64_t cols = a.group_rows ? (R0 + n - 1) / a.group_rows * h->m.n_in + h->m.n_in : h->m.n_in;
+                memset(xv, 0, sizeof(float) * xn);
+                mf_lt_host_x_values(type, raw ? x : xb, T, LDX, cols, xv, LDX);
+                if (!raw)   /* bf16 values are their own card values: the engine's host path itself */
+                    for (size_t i = 0; i < (size_t)T * LDX; i++)
+                        CHECK(xv[i] == xb[i] || (i % LDX) >= (size_t)cols, "%s: a bf16 x is not its card value", tn);
+                hl.x = xv;
+                CHECK(mf_dense_host_linear(&hl) == 0, "host: %s", mf_last_error());
+                CHECK(mf_dev_linear(cs, &a) == 0 && mf_dev_stream_sync(cs) == 0, "%s (%s) T=%d: %s", mname[mi], tn, T,
+                      mf_last_error());
+                ddownload(d, 0, got, dy, sizeof(float) * yn);
+                char what[128];
+                snprintf(what, sizeof what, "%s (%s, %s x)", mname[mi], tn, raw ? "fp32" : "bf16");
+                dv_lt_cmp(what, T, got, ref, LDY, n, tol, exact);
+            }
+        mf_dev_free(d, 0, wb);
+        mf_dev_free(d, 0, dw);
+        mf_dev_free(d, 0, ds);
+    }
+    /* refusals: the reference's sums, a scratch too small, the dense FFN phase 1 on this path */
+    mf_dev_lin bad = {.w = {MF_KERN_FP8, dy, (uint8_t *)dy, n, IN}, .path = MF_DEV_LIN_CUBLASLT, .sums = MF_DEV_SUMS_REF,
+                      .x = dx, .ld_x = LDX, .n_tok = 4, .y = dy, .ld_y = LDY,
+                      .w16 = {dy, type, 0, n, IN}, .lt = {x16, x16b, NULL, 0}};
+    CHECK(mf_dev_linear(cs, &bad) == -EINVAL && strstr(mf_last_error(), "fp32 sums"), "REF sums: %s", mf_last_error());
+    bad.sums = MF_DEV_SUMS_KERN;
+    bad.lt.x16_bytes = mf_dev_lt_x16_bytes(4, IN) - 1;
+    CHECK(mf_dev_linear(cs, &bad) == -EINVAL && strstr(mf_last_error(), "scratch"), "small x16: %s", mf_last_error());
+    bad.lt.x16_bytes = x16b;
+    bad.w16.n_in = IN / 2;
+    CHECK(mf_dev_linear(cs, &bad) == -EINVAL && strstr(mf_last_error(), "w16"), "w16 shape: %s", mf_last_error());
+    mf_dev_up up = {.w1 = bad.w, .w3 = bad.w, .x = dx, .ld_x = LDX, .n_tok = 1, .limit = 7.0f, .h = dy, .ld_h = LDY,
+                    .path = MF_DEV_LIN_CUBLASLT};
+    CHECK(mf_dev_ffn_up(cs, &up) == -EINVAL && strstr(mf_last_error(), "path"), "ffn up: %s", mf_last_error());
+    /* a plan refused: FP16 holds no 41-binade span of FP8 scales; BF16 does */
+    for (size_t i = 0; i < wide.s_bytes; i++) wide.scale[i] = (uint8_t)(100 + i % 41);
+    const mf_kern_mat *wm = &wide.m;
+    int shift = 0;
+    CHECK(mf_dev_w16_plan(&wm, 1, MF_DEV_F16_FP16, &shift) == -ERANGE && strstr(mf_last_error(), "binades") &&
+              mf_dev_w16_plan(&wm, 1, MF_DEV_F16_BF16, &shift) == 0 && shift == 0,
+          "plan of a 41-binade span: %s", mf_last_error());
+    mf_dev_free(d, 0, dx);
+    mf_dev_free(d, 0, dxb);
+    mf_dev_free(d, 0, dy);
+    mf_dev_free(d, 0, x16);
+    hmat_free(&f8);
+    hmat_free(&wa);
+    hmat_free(&wide);
+    free(x);
+    free(xb);
+    free(xv);
+    free(ref);
+    free(got);
+}
+
+/* The routed expert's FFN (FP4, H 256, I 128): w1 and w3 dequantized into one [2I][H] scratch with
+ * their common shift, w2 into another, mf_dev_expert_ffn_lt at 1, 3 and 40 tokens (with token
+ * weights at 3) against the host's FP4 fp32 kernels on the card's values of x and h
+ * (mf_lt_host_ffn_ref). */
+static void dv_lt_ffn(mf_dev *d, mf_dev_f16 type, int exact, double tol)
+{
+    enum { H = 256, I = 128, TMAX = 40 };
+    static const int toks[] = {1, 3, 40};
+    const char *tn = type == MF_DEV_F16_FP16 ? "fp16" : "bf16";
+    mf_dev_stream *cs = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COMPUTE);
+    hmat w1 = hmat_rand(MF_KERN_FP4, I, H), w3 = hmat_rand(MF_KERN_FP4, I, H), w2 = hmat_rand(MF_KERN_FP4, H, I);
+    const mf_kern_mat *up[2] = {&w1.m, &w3.m}, *down = &w2.m;
+    int s13 = 0, s2 = 0;
+    CHECK(mf_dev_w16_plan(up, 2, type, &s13) == 0 && mf_dev_w16_plan(&down, 1, type, &s2) == 0, "plans: %s",
+          mf_last_error());
+    void *wb1, *dw1, *ds1, *wb3, *dw3, *ds3, *wb2, *dw2, *ds2, *w13 = NULL;
+    mf_dev_w16 a1 = dv_lt_dequant(d, &w1, 0, I, type, s13, &wb1, &dw1, &ds1);
+    mf_dev_w16 a3 = dv_lt_dequant(d, &w3, 0, I, type, s13, &wb3, &dw3, &ds3);
+    mf_dev_w16 a2 = dv_lt_dequant(d, &w2, 0, H, type, s2, &wb2, &dw2, &ds2);
+    /* w13: w1's rows then w3's, one scratch (dequantized there directly on the copy-in stream) */
+    CHECK(mf_dev_alloc(d, 0, (size_t)2 * I * H * 2, &w13) == 0, "alloc: %s", mf_last_error());
+    mf_dev_stream *in = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COPY_IN);
+    mf_dev_w16 lo = {w13, type, s13, I, H}, hi = {(uint16_t *)w13 + (size_t)I * H, type, s13, I, H};
+    CHECK(mf_dev_dequant(in, &(mf_kern_mat){MF_KERN_FP4, dw1, ds1, I, H}, &lo) == 0 &&
+              mf_dev_dequant(in, &(mf_kern_mat){MF_KERN_FP4, dw3, ds3, I, H}, &hi) == 0 && mf_dev_stream_sync(in) == 0,
+          "w13: %s", mf_last_error());
+    (void)a1;
+    (void)a3;
+    float *x = malloc(sizeof(float) * TMAX * H), *tw = malloc(sizeof(float) * TMAX), *y = malloc(sizeof(float) * TMAX * H);
+    float *ref = malloc(sizeof(float) * TMAX * H), *gu = malloc(sizeof(float) * TMAX * 2 * I);
+    float *xv = malloc(sizeof(float) * TMAX * H);
+    for (int i = 0; i < TMAX * H; i++) x[i] = mf_bf16_round(gauss());
+    for (int t = 0; t < TMAX; t++) tw[t] = 0.25f + 0.5f * (float)(dv_rnd() % 1000) / 1000.0f;
+    float *dx = dupload(d, 0, x, sizeof(float) * TMAX * H), *dtw = dupload(d, 0, tw, sizeof(float) * TMAX);
+    float *dgu = NULL, *dy = NULL;
+    void *x16 = NULL;
+    size_t x16b = mf_dev_lt_x16_bytes(TMAX, H);
+    CHECK(mf_dev_alloc(d, 0, sizeof(float) * TMAX * 2 * I, (void **)&dgu) == 0 &&
+              mf_dev_alloc(d, 0, sizeof(float) * TMAX * H, (void **)&dy) == 0 && mf_dev_alloc(d, 0, x16b, &x16) == 0,
+          "alloc: %s", mf_last_error());
+    for (size_t ti = 0; ti < sizeof toks / sizeof toks[0] && dy && x16 && w13; ti++) {
+        int T = toks[ti];
+        mf_dev_ffn_lt a = {.w13 = {w13, type, s13, 2 * I, H}, .w2 = a2, .x = dx, .n_tok = T,
+                           .tok_weight = T == 3 ? dtw : NULL, .limit = 7.0f, .gu = dgu, .lt = {x16, x16b, NULL, 0},
+                           .y = dy};
+        CHECK(mf_lt_host_ffn_ref(type, &w1.m, &w3.m, &w2.m, x, T, T == 3 ? tw : NULL, 7.0f, gu, xv, ref) == 0,
+              "host: %s", mf_last_error());
+        CHECK(mf_dev_expert_ffn_lt(cs, &a) == 0 && mf_dev_stream_sync(cs) == 0, "ffn (%s) T=%d: %s", tn, T,
+              mf_last_error());
+        ddownload(d, 0, y, dy, sizeof(float) * T * H);
+        char what[64];
+        snprintf(what, sizeof what, "fp4 expert ffn (%s)", tn);
+        dv_lt_cmp(what, T, y, ref, H, H, tol, exact);
+    }
+    void *dev[] = {wb1, dw1, ds1, wb3, dw3, ds3, wb2, dw2, ds2, w13, dx, dtw, dgu, dy, x16};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) mf_dev_free(d, 0, dev[i]);
+    hmat_free(&w1);
+    hmat_free(&w3);
+    hmat_free(&w2);
+    free(x);
+    free(tw);
+    free(y);
+    free(ref);
+    free(gu);
+    free(xv);
+}
+
+/* The cuBLASLt path on card 0, in every 16-bit type the card takes (BF16 cards also FP16): the
+ * linears and the expert FFN against their answers, bit for bit (exact) or within the bounds
+ * (tol_lin, tol_ffn: device/dev_check.h's, printed "dense cublaslt ... rel err"); without tensor
+ * cores every op is -ENOTSUP. */
+static void dev_check_lt(mf_dev *d, int exact, double tol_lin, double tol_ffn)
+{
+    mf_dev_f16 f = mf_dev_card_f16(d, 0);
+    if (f == MF_DEV_F16_NONE) {
+        mf_dev_w16 o = {(void *)8, MF_DEV_F16_BF16, 0, 32, 32};
+        mf_kern_mat w = {MF_KERN_FP8, (void *)8, (void *)8, 32, 32};
+        CHECK(mf_dev_dequant(mf_dev_stream_of(d, 0, MF_DEV_STREAM_COPY_IN), &w, &o) == -ENOTSUP &&
+                  strstr(mf_last_error(), "tensor cores"), "no tensor cores: %s", mf_last_error());
+        return;
+    }
+    for (int k = 0; k < 2; k++) {
+        mf_dev_f16 type = k ? MF_DEV_F16_FP16 : f;
+        if (k && f == MF_DEV_F16_FP16) break;
+        dv_lt_linears(d, type, exact, tol_lin);
+        dv_lt_ffn(d, type, exact, tol_ffn);
+    }
 }
 
 #endif

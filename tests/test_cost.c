@@ -209,11 +209,55 @@ static void test_vec_records(void)
     mf_sg_sizes_free(sz);
 }
 
+
+/* The cuBLASLt path's price (mf_cost_card_lt) against its formula, and mf_cost_card's choice: the
+ * CUDA-core price at few tokens, the tensor cores' at many (the crossover where the two meet), FP8
+ * and FP4 work each on its own, BF16 never; without a tensor-core rate every price is as before. */
+static void test_lt(void)
+{
+    mf_profile p = made_up();
+    p.card[MF_KF_FP8] = (mf_profile_kern){.bytes_per_s = 500e9, .macs_per_s = 6e12, .latency_ns = 5000};
+    p.card[MF_KF_BF16] = (mf_profile_kern){.bytes_per_s = 500e9, .macs_per_s = 6e12, .latency_ns = 5000};
+    p.card[MF_KF_FP4] = (mf_profile_kern){.bytes_per_s = 100e9, .macs_per_s = 6e12, .latency_ns = 0};
+    mf_cost_model m = {.p = &p};
+    mf_work w = {0};
+    double B = 16e6, M = 16e6;   /* a 4096 x 4096 FP8 linear: a byte and a MAC a weight */
+    w.w_bytes[MF_KF_FP8] = B, w.macs[MF_KF_FP8] = M, w.calls[MF_KF_FP8] = 1;
+    double core64 = 5000 + B / 500e9 * 1e9 + 63 * M / 6e12 * 1e9;
+    int lt = -1;
+    CHECK(mf_cost_card_lt(&m, MF_KF_FP8, B, M, 1, 64) == 0 && near(mf_cost_card_paths(&m, &w, 64, &lt), core64) && lt == 0,
+          "no tensor-core rate: the CUDA-core price %.1f, lt %d", mf_cost_card_paths(&m, &w, 64, &lt), lt);
+    p.card_tc_macs_per_s = 24e12;
+    double lt_ns = MF_COST_LT_LAUNCHES_FP8 * 5000.0 + 512 * M / 24e12 * 1e9 + (B + 4 * M) / 500e9 * 1e9;
+    CHECK(near(mf_cost_card_lt(&m, MF_KF_FP8, B, M, 1, 512), lt_ns), "lt price %.1f, expected %.1f",
+          mf_cost_card_lt(&m, MF_KF_FP8, B, M, 1, 512), lt_ns);
+    CHECK(near(mf_cost_card_paths(&m, &w, 512, &lt), lt_ns) && lt == 1 << MF_KF_FP8, "512 tokens: the cuBLASLt path");
+    CHECK(near(mf_cost_card_paths(&m, &w, 1, &lt), 5000 + B / 500e9 * 1e9) && lt == 0, "1 token: the CUDA cores");
+    /* the crossover: (n - 1) M / 6e12 = 2 launches + 4 M / 500e9 + n M / 24e12: 2 us a token saved
+     * against 138 us of dequantization, 2-byte reads and launches -> about 70 tokens */
+    int n_x = 1;
+    while (mf_cost_card_paths(&m, &w, n_x, &lt) && !lt) n_x++;
+    printf("test_cost: a 4096 x 4096 FP8 linear goes to the tensor cores from %d tokens\n", n_x);
+    CHECK(n_x > 64 && n_x < 80, "crossover at %d tokens", n_x);
+    /* FP4 (an expert): the bytes at the dense kernels' rate, 8 launches; BF16 never */
+    mf_work e = {0};
+    e.w_bytes[MF_KF_FP4] = 18e6, e.macs[MF_KF_FP4] = 36e6, e.calls[MF_KF_FP4] = 1;
+    double e_lt = 0 + 128 * 36e6 / 24e12 * 1e9 + (18e6 + 4 * 36e6) / 500e9 * 1e9;
+    CHECK(near(mf_cost_card_paths(&m, &e, 128, &lt), e_lt) && lt == 1 << MF_KF_FP4, "expert at 128 tokens: %.1f vs %.1f",
+          mf_cost_card_paths(&m, &e, 128, &lt), e_lt);
+    mf_work b = {0};
+    b.w_bytes[MF_KF_BF16] = 2 * M, b.macs[MF_KF_BF16] = M, b.calls[MF_KF_BF16] = 1;
+    CHECK(mf_cost_card_lt(&m, MF_KF_BF16, 2 * M, M, 1, 512) == 0 && (mf_cost_card_paths(&m, &b, 512, &lt), lt == 0),
+          "bf16: no cuBLASLt price");
+    CHECK(near(mf_cost_card(&m, &w, 512), lt_ns), "mf_cost_card is the choice");
+}
+
 int main(void)
 {
     test_vec_records();
     test_formulas();
     test_builtin();
     test_priorities();
+    test_lt();
     return mf_check_exit("test_cost");
 }

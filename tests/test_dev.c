@@ -657,6 +657,38 @@ static void check_selfcheck(void)
           "bad_card beyond the cards accepted");
 }
 
+/* The cuBLASLt path on emulated cards of each tensor-core type: tc=fp16 (sm_75's) bit for bit too,
+ * tc=none refuses, an unknown type is a bad spec; a dequantization outside its plan (FP16, shift 0,
+ * scales 2^-27..: the smallest codes fall below fp16) fails at the next sync naming the weight. */
+static void check_lt_cards(void)
+{
+    mf_dev *d = NULL;
+    CHECK(mf_dev_open("emu:1,tc=fp16", &d) == 0 && mf_dev_card_f16(d, 0) == MF_DEV_F16_FP16, "tc=fp16: %s",
+          mf_last_error());
+    if (d) {
+        dev_check_lt(d, 1, 0, 0);
+        hmat h = hmat_rand(MF_KERN_FP8, 64, 64);
+        for (size_t i = 0; i < h.s_bytes; i++) h.scale[i] = 100;
+        for (size_t i = 0; i < h.w_bytes; i++) h.w[i] = (uint8_t)(i & 7);   /* subnormal codes: 2^-9 x 2^-27 */
+        void *wb = NULL, *dw = NULL, *ds = NULL;
+        mf_dev_w16 o = dv_lt_dequant(d, &h, 0, 64, MF_DEV_F16_FP16, 0, &wb, &dw, &ds);
+        (void)o;
+        int rc = mf_dev_sync(d);
+        CHECK(rc == -ERANGE && strstr(mf_last_error(), "not exact in FP16"), "unplanned dequantization: %d %s", rc,
+              mf_last_error());
+        hmat_free(&h);
+        mf_dev_close(d);
+    }
+    CHECK(mf_dev_open("emu:1,tc=none", &d) == 0 && mf_dev_card_f16(d, 0) == MF_DEV_F16_NONE, "tc=none: %s",
+          mf_last_error());
+    if (d) {
+        dev_check_lt(d, 1, 0, 0);
+        mf_dev_close(d);
+    }
+    CHECK(mf_dev_open("emu:1,tc=fp8", &d) == -EINVAL && strstr(mf_last_error(), "tc=bf16|fp16|none"), "tc=fp8: %s",
+          mf_last_error());
+}
+
 int main(void)
 {
     check_selfcheck();
@@ -684,9 +716,11 @@ int main(void)
         if (n == 1 || n == 4) check_kernels(d);
         if (n == 1 || n == 3) dev_check_ffn_table(d, 1);
         if (n == 2) dev_check_dense(d, 1);
+        if (n == 2) dev_check_lt(d, 1, 0, 0);
         check_capture_kernels(d);   /* its buffers are left for close */
         mf_dev_close(d);
     }
+    check_lt_cards();
     check_sched_kernels();
     check_async_errors();
     check_lost_callback();

@@ -302,6 +302,10 @@ int main(void)
     check_int8(d);
     dev_check_ffn_table(d, 0);
     dev_check_dense(d, 0);
+    mf_dev_f16 f16 = mf_dev_card_f16(d, 0);
+    printf("test_dev_cuda: cuBLASLt path: card 0's tensor cores take %s\n",
+           f16 == MF_DEV_F16_BF16 ? "bf16 (and fp16)" : f16 == MF_DEV_F16_FP16 ? "fp16" : "nothing (no tensor cores)");
+    dev_check_lt(d, 0, MF_DEV_CHECK_TOL_LT, MF_DEV_CHECK_TOL_LT_FFN);
     check_iscore(d);
     CHECK(mf_dev_sync(d) == 0, "%s", mf_last_error());
     mf_dev_close(d);

@@ -9,6 +9,7 @@
 #include "device/dense_host.h"
 #include "device/kern_attn.h"
 #include "device/kern_dense.h"
+#include "device/kern_lt.h"
 #include "device/kern_q8.h"
 #include "host/kern_gate.h"
 #include "host/formats.h"
@@ -512,6 +513,99 @@ static void check_attn(void)
     printf("attention lanes (%d tokens, %d heads of %d): bit-identical to the host op\n", T, NH, D);
 }
 
+
+/* The cuBLASLt path's arithmetic (device/kern_lt.h, which device/dev_lt_kernels.cu runs per element):
+ * every FP8 code (256) and FP4 code (16) dequantized at every scale code the plan's window allows
+ * for a shift (each type: shifts 0, -12 and 9; NaN scale 255 too; codes whose host decode is finite:
+ * mf_lt_e_max), widened back and times 2^shift,
+ * bit for bit host/formats.h's decode of the same code and scale (code x E8M0 in fp32), and the
+ * window's edges: one binade past each end is no longer exact (or finite); the fp16 rounding against
+ * host/formats.h mf_f16_from_f32 on every bit pattern of a float's top 20 bits (both rounding
+ * edges of each) and 200,000 random floats, NaN to the quiet NaN of its sign; the fp16 widening of
+ * all 65,536 codes against mf_f16_to_f32; the activations' shift and cast: the largest |x| lands in
+ * [2^14, 2^15), and a bf16 value up to 31 binades below it comes back exactly. */
+static void check_lt(void)
+{
+    int bad = 0, n = 0;
+    static const int shifts[3] = {0, -12, 9};
+    for (int type = MF_LT_BF16; type <= MF_LT_FP16; type++)
+        for (int fmt = MF_KERN_FP8; fmt <= MF_KERN_FP4; fmt++)
+            for (int si = 0; si < 3; si++) {
+                int shift = shifts[si], kmin = mf_lt_k_min(type, fmt), kmax = mf_lt_k_max(type, fmt);
+                for (int e = 0; e < 256; e++) {
+                    int k = e - 127 - shift, in = (k >= kmin && k <= kmax && e <= mf_lt_e_max(fmt)) || e == 255;
+                    for (uint32_t c = 0; c < (fmt == MF_KERN_FP8 ? 256u : 16u); c++) {
+                        float host = (fmt == MF_KERN_FP8 ? mf_e4m3_to_f32((uint8_t)c) : mf_e2m1_to_f32((uint8_t)c)) *
+                                     mf_e8m0_to_f32((uint8_t)e);
+                        uint16_t v = mf_lt_dequant(type, fmt, c, (uint32_t)e, shift);
+                        double back = (double)mf_lt_widen16(type, v) * ldexp(1.0, shift);
+                        int same = isnan(host) ? isnan(back) : back == (double)host;
+                        if (in) {
+                            n++;
+                            bad += !same;
+                        }
+                    }
+                }
+                /* one binade past the window: the smallest or the largest code stops being exact or finite */
+                uint32_t lo_code = fmt == MF_KERN_FP8 ? 1u : 1u, hi_code = fmt == MF_KERN_FP8 ? 0x7Eu : 7u;
+                int elo = kmin - 1 + 127 + shift, ehi = kmax + 1 + 127 + shift;
+                if (elo >= 0 && elo < 255) {
+                    float host = (fmt == MF_KERN_FP8 ? mf_e4m3_to_f32((uint8_t)lo_code) : mf_e2m1_to_f32((uint8_t)lo_code)) *
+                                 mf_e8m0_to_f32((uint8_t)elo);
+                    bad += (double)mf_lt_widen16(type, mf_lt_dequant(type, fmt, lo_code, (uint32_t)elo, shift)) *
+                               ldexp(1.0, shift) == (double)host;
+                }
+                if (ehi >= 0 && ehi < 255) {
+                    float host = (fmt == MF_KERN_FP8 ? mf_e4m3_to_f32((uint8_t)hi_code) : mf_e2m1_to_f32((uint8_t)hi_code)) *
+                                 mf_e8m0_to_f32((uint8_t)ehi);
+                    bad += isfinite((double)mf_lt_widen16(type, mf_lt_dequant(type, fmt, hi_code, (uint32_t)ehi, shift))) &&
+                           (double)mf_lt_widen16(type, mf_lt_dequant(type, fmt, hi_code, (uint32_t)ehi, shift)) *
+                                   ldexp(1.0, shift) == (double)host;
+                }
+            }
+    /* scale codes past mf_lt_e_max: the host's largest values are inf */
+    bad += isfinite(mf_e4m3_to_f32(0x7E) * mf_e8m0_to_f32(247)) || !isfinite(mf_e4m3_to_f32(0x7E) * mf_e8m0_to_f32(246)) ||
+           isfinite(mf_e2m1_to_f32(7) * mf_e8m0_to_f32(253)) || !isfinite(mf_e2m1_to_f32(7) * mf_e8m0_to_f32(252));
+    CHECK(bad == 0 && n > 100000, "dequantization: %d of %d values not the host's decode (or exact past the window)", bad, n);
+    /* fp16 rounding: the top 20 bits of a float, each with its low bits at the halfway point -1, 0, +1
+     * ulp of fp16 and at its extremes, and random floats */
+    int bad16 = 0, m = 0;
+    for (uint32_t hi = 0; hi < (1u << 20); hi++) {
+        static const uint32_t lows[6] = {0, 1, 0xFFF, 0x1000, 0x1001, 0xFFF0};
+        for (int j = 0; j < 6; j++) {
+            uint32_t b = hi << 12 | (lows[j] & 0xFFFu) | (j == 5 ? 0xFF0u : 0);
+            float x = mf_dk_float(b);
+            uint16_t got = mf_lt_f16(x);
+            if (isnan(x)) bad16 += got != (uint16_t)((b >> 16 & 0x8000u) | 0x7E00u);
+            else bad16 += got != mf_f16_from_f32(x);
+            m++;
+        }
+    }
+    for (int i = 0; i < 200000; i++) {
+        float x = mf_dk_float(dv_rnd() ^ (dv_rnd() << 16));
+        if (!isnan(x)) bad16 += mf_lt_f16(x) != mf_f16_from_f32(x), m++;
+    }
+    for (uint32_t c = 0; c < 65536; c++) {
+        float a = mf_lt_f16_to_f32((uint16_t)c), b = mf_f16_to_f32((uint16_t)c);
+        bad16 += isnan(b) ? !isnan(a) : memcmp(&a, &b, 4) != 0;
+    }
+    CHECK(bad16 == 0, "fp16 rounding and widening: %d of %d differ from host/formats.h", bad16, m + 65536);
+    /* the activations: the shift puts the largest |x| in [2^14, 2^15); bf16 values within 31 binades come back */
+    int badx = 0;
+    for (int i = 0; i < 2000; i++) {
+        float mx = ldexpf(1.0f + (float)(dv_rnd() % 1000) / 1000.0f, (int)(dv_rnd() % 200) - 100);
+        int xs = mf_lt_xshift(MF_LT_FP16, mx);
+        float sc = mx * mf_lt_pow2(-xs);
+        badx += !(sc >= 16384.0f && sc < 32768.0f);
+        float v = mf_bf16_round(ldexpf(1.0f + (float)(dv_rnd() % 1000) / 1000.0f, ilogbf(mx) - (int)(dv_rnd() % 32)));
+        badx += mf_lt_widen16(MF_LT_FP16, mf_lt_cast(MF_LT_FP16, v, xs)) * mf_lt_pow2(xs) != v;
+        badx += mf_lt_widen16(MF_LT_BF16, mf_lt_cast(MF_LT_BF16, v, 0)) != v;   /* bf16: itself */
+    }
+    CHECK(badx == 0 && mf_lt_xshift(MF_LT_FP16, 0.0f) == 0 && mf_lt_xshift(MF_LT_BF16, 1e30f) == 0,
+          "activation casts: %d wrong", badx);
+    printf("test_dev_kmath: cuBLASLt dequantization %d values, fp16 rounding %d floats: the host's bits\n", n, m);
+}
+
 int main(void)
 {
     check_decode();
@@ -522,5 +616,6 @@ int main(void)
     check_ffn();
     check_dense();
     check_attn();
+    check_lt();
     return mf_check_exit("test_dev_kmath");
 }

@@ -137,6 +137,23 @@ static void test_parse_and_units(void)
         free(t);
     }
 
+    /* the optional tensor-core rate: absent is 0 (a card without tensor cores), given is read with its
+     * source, negative is refused */
+    CHECK(p.card_tc_macs_per_s == 0 && mf_profile_source(&p, "card_tc_macs_per_s") &&
+              !strcmp(mf_profile_source(&p, "card_tc_macs_per_s"), ""),
+          "card_tc_macs_per_s absent: %g", p.card_tc_macs_per_s);
+    t = make_text(-1, -1, NULL, "card_tc_macs_per_s = 26.4T   # source: a published GEMM");
+    rc = mf_profile_parse(t, "tc.prof", &p);
+    CHECK(rc == 0 && p.card_tc_macs_per_s == 26.4e12 &&
+              !strcmp(mf_profile_source(&p, "card_tc_macs_per_s"), "a published GEMM") && p.n_keys == N_BASE + 1,
+          "card_tc_macs_per_s given: %g (%s)", p.card_tc_macs_per_s, mf_last_error());
+    free(t);
+    t = make_text(-1, -1, NULL, "card_tc_macs_per_s = -1");
+    rc = mf_profile_parse(t, "tcneg.prof", &p);
+    CHECK(rc == -EINVAL && strstr(mf_last_error(), "card_tc_macs_per_s") && strstr(mf_last_error(), "out of range"),
+          "negative card_tc_macs_per_s: %d '%s'", rc, mf_last_error());
+    free(t);
+
     /* keys ending in _per_s take suffixes too */
     t = make_text(-1, index_of("host_fp4_macs_per_s"), "host_fp4_macs_per_s = 3.5G", NULL);
     rc = mf_profile_parse(t, "macs.prof", &p);
@@ -299,6 +316,13 @@ static void test_round_trip(const char *tmpdir)
     }
     CHECK(strcmp(mf_profile_source(&b, "h2d_bytes_per_s"), "seed page: pinned H2D 8.29 GiB/s measured") == 0,
           "kept source");
+    /* the optional key: left out of the file while 0 without a source, written and read back when set */
+    a.card_tc_macs_per_s = 26.4e12;
+    char path2[600];
+    snprintf(path2, sizeof path2, "%s/rt2.prof", tmpdir);
+    CHECK(mf_profile_write(&a, path2) == 0 && mf_profile_load(path2, &b) == 0 && b.card_tc_macs_per_s == 26.4e12 &&
+              b.n_keys == N_BASE + 1,
+          "card_tc_macs_per_s round trip: %g, %d keys (%s)", b.card_tc_macs_per_s, b.n_keys, mf_last_error());
     /* the written text keeps the short forms and the header */
     FILE *f = fopen(path, "r");
     char text[8192] = {0};
@@ -357,8 +381,12 @@ static void test_shipped(void)
             for (int k = 0; k < p.n_keys; k++)
                 if (strcmp(p.keys[k].key, "name") != 0)
                     CHECK(!strncmp(p.keys[k].source, "seed page", 9) || !strncmp(p.keys[k].source, "spec:", 5) ||
-                          !strncmp(p.keys[k].source, "estimate:", 9), "seed %s: source '%s'", p.keys[k].key,
-                          p.keys[k].source);
+                              !strncmp(p.keys[k].source, "published:", 10) ||
+                              !strncmp(p.keys[k].source, "estimate:", 9),
+                          "seed %s: source '%s'", p.keys[k].key, p.keys[k].source);
+            /* the cards' tensor cores: a published cuBLAS GEMM rate, below the whitepaper's peak */
+            CHECK(p.card_tc_macs_per_s > p.card[MF_KF_FP8].macs_per_s && p.card_tc_macs_per_s <= 56.9e12 / 2,
+                  "seed tensor-core rate %g MAC/s", p.card_tc_macs_per_s);
         } else {
             CHECK(p.n_cards == 4 && p.cards_emulated == 1, "this machine's cards: emu:4, emulated");
             CHECK(strstr(mf_profile_source(&p, "host_fp4_bytes_per_s"), "measured by moeflow calibrate") != NULL,

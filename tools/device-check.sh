@@ -14,7 +14,9 @@
 # lines and in the startup self-check (test_dev_iscore checks the scores' order on the host);
 # `bench dev` times the FP8 and BF16 dense linears, and the FP8 one with each of its two CUDA kernels
 # forced (warp-per-row and tiled, mf_dev_lin.path; the tiled one also forced in test_dev_cuda's
-# dense lines and in the self-check).
+# dense lines and in the self-check). The cuBLASLt path (dequantized FP8 linears and FP4 expert FFNs
+# by cublasLtMatmul) is in test_dev_cuda's "dense cublaslt" lines against the host (bounds 1e-3 and
+# 4e-3: device/dev_check.h) and in the self-check.
 # What comes back from a lent machine is at most 8 files, so everything goes into two under $OUT
 # (default ./device-check-out): summary.txt (also printed on stdout: the machine, versions, each
 # step's result and wall time, the first lines of every failing log, the kernels' relative errors)
@@ -197,6 +199,8 @@ for t in test_cuda test_dev_cuda test_dev_kmath test_dev test_dev_iscore test_xc
 done
 # the startup self-check on the card (test_dev_cuda runs mf_dev_selfcheck on every card)
 grep -h "self-check" "$W"/test_dev_cuda.log "$W"/test_dev_cuda.err 2>/dev/null | head -3 | say
+# the cuBLASLt path's type (its cases are the "dense cublaslt ... rel err" lines below)
+grep -h "cuBLASLt path" "$W"/test_dev_cuda.log 2>/dev/null | head -1 | say
 grep -h "pinned staging" "$W"/test_*.err 2>/dev/null | sort -u | head -3 | say
 # every kernel error line, sorted by the error, then the largest per category
 cat "$W/test_dev_cuda.log" "$W/test_cuda.log" 2>/dev/null | grep "rel err" |

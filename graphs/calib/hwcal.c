@@ -148,7 +148,15 @@ int mf_hwcal_fit_kern(const char *what, double bytes_a, double t_a1, double byte
         return mf_error(-EIO, "calibrate %s: %d tokens (%.0f ns) were not slower than 1 (%.0f ns): too noisy "
                         "to fit", what, n_many, t_bn, t_b1);
     out->bytes_per_s = (bytes_b - bytes_a) / (t_b1 - t_a1) * 1e9;
-    out->latency_ns = fmax(0.0, t_a1 - bytes_a / out->bytes_per_s * 1e9);
+    out->latency_ns = t_a1 - bytes_a / out->bytes_per_s * 1e9;
+    if (out->latency_ns < 0) {
+        /* the small matrix went faster per byte than the large one (its weights partly in a cache, a
+         * loop that starts faster): the line through both would need a negative latency, and with it
+         * clamped at 0 its slope would price the large matrix above what it took. Latency 0 and the
+         * large call's own rate instead: the large matrix's time exactly, the small one's above. */
+        out->latency_ns = 0;
+        out->bytes_per_s = bytes_b / t_b1 * 1e9;
+    }
     out->macs_per_s = (n_many - 1) * macs_b / (t_bn - t_b1) * 1e9;
     return 0;
 }
@@ -322,7 +330,7 @@ static int mf_hwcal_memory(mf_hwcal *h, const mf_hwcal_topo *t)
     size_t n = (size_t)(h->o->quick ? 128 : 512) << 20;
     int reps = h->o->quick ? 3 : 7, n_threads = p->threads_per_socket;
     uint8_t *buf = NULL;
-    if (posix_memalign((void **)&buf, 4096, n)) return mf_error(-ENOMEM, "calibrate: out of memory (%zu MiB)", n >> 20);
+    if (!(buf = mf_hostmem_map(n, 1))) return mf_error(-ENOMEM, "calibrate: out of memory (%zu MiB)", n >> 20);
     for (size_t i = 0; i < n; i += 8) *(uint64_t *)(buf + i) = i * 0x9e3779b97f4a7c15ull;   /* pages in, not zero */
     hwloc_const_cpuset_t bind = t->n_packages > 1 ? mf_hwcal_package_set(t, 0) : NULL;
     double v[16];
@@ -330,8 +338,8 @@ static int mf_hwcal_memory(mf_hwcal *h, const mf_hwcal_topo *t)
     for (int r = 0; r < reps && !rc; r++) rc = mf_hwcal_read_bw(t, bind, buf, n, n_threads, &v[r]);
     if (rc) goto out;
     p->mem_bytes_per_s = mf_hwcal_median(v, reps);
-    mf_hwcal_src(h, "mem_bytes_per_s", "%d threads%s each read a slice of a %zu MiB buffer once (%s loads), "
-                 "median of %d", n_threads, bind ? " bound to socket 0" : "", n >> 20,
+    mf_hwcal_src(h, "mem_bytes_per_s", "%d threads%s each read a slice of a %zu MiB buffer on 2 MiB pages once (%s "
+                 "loads), median of %d", n_threads, bind ? " bound to socket 0" : "", n >> 20,
                  __builtin_cpu_supports("avx2") ? "AVX2" : "64-bit", reps);
     mf_hwcal_note(h, "memory: %.2f GB/s streaming read, %d threads", p->mem_bytes_per_s / 1e9, n_threads);
 
@@ -365,7 +373,7 @@ static int mf_hwcal_memory(mf_hwcal *h, const mf_hwcal_topo *t)
                          "(1 = no penalty)", h->who);
     }
 out:
-    free(buf);
+    mf_hostmem_unmap(buf, n, 1);
     return rc;
 }
 
@@ -375,7 +383,8 @@ typedef struct mf_wpool {
     int fmt;                 /* MF_KERN_FP4 / FP8 / BF16 */
     int n_out, n_in, n_copies;
     size_t w_bytes, s_bytes;
-    uint8_t *mem;            /* n_copies x (w, s), each 64-byte aligned */
+    uint8_t *mem;            /* n_copies x (w, s), each 64-byte aligned, on 2 MiB pages as the model's (mem_bytes) */
+    size_t mem_bytes;
 } mf_wpool;
 
 static size_t mf_up64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -397,7 +406,8 @@ static int mf_wpool_make(mf_hwcal *h, mf_wpool *pl, int fmt, int n_out, int n_in
     mf_wpool_sizes(fmt, n_out, n_in, &pl->w_bytes, &pl->s_bytes);
     size_t one = mf_up64(pl->w_bytes) + mf_up64(pl->s_bytes);
     pl->n_copies = (int)(min_bytes / one) + 2;
-    if (posix_memalign((void **)&pl->mem, 64, one * (size_t)pl->n_copies))
+    pl->mem_bytes = one * (size_t)pl->n_copies;
+    if (!(pl->mem = mf_hostmem_map(pl->mem_bytes, 1)))
         return mf_error(-ENOMEM, "calibrate: out of memory for %d copies of a %zu-byte matrix", pl->n_copies, one);
     for (int c = 0; c < pl->n_copies; c++) {
         uint8_t *w = pl->mem + one * (size_t)c;
@@ -562,9 +572,40 @@ static int mf_hwcal_kern_times(const mf_hwcal_topo *t, const mf_wpool *a, const 
     return rc;
 }
 
+/* One family's timings and fits on its pools: alone (when alone_too) and with n_threads at once
+ * (every core of socket 0, each on its own weights). k: the all-threads fit; alone: the alone one
+ * (zeros where not measured). */
+static int mf_hwcal_kern_fam(const mf_hwcal_topo *t, const mf_wpool *a, const mf_wpool *b, int n_threads,
+                             const float *x, int reps, int alone_too, const char *name, mf_profile_kern *k,
+                             mf_profile_kern *alone, double all[3])
+{
+    double one[3] = {0};
+    int rc = alone_too ? mf_hwcal_kern_times(t, a, b, 1, x, reps, one) : 0;
+    if (!rc) rc = n_threads > 1 ? mf_hwcal_kern_times(t, a, b, n_threads, x, reps, all) : 0;
+    if (!rc && n_threads == 1) memcpy(all, one, sizeof one);
+    if (rc) return rc;
+    char what[48];
+    snprintf(what, sizeof what, "host %s (%d threads at once)", name, n_threads);
+    double macs_b = (double)MF_HWCAL_B_OUT * MF_HWCAL_B_IN;
+    double bytes_a = (double)(a->w_bytes + a->s_bytes), bytes_b = (double)(b->w_bytes + b->s_bytes);
+    rc = mf_hwcal_fit_kern(what, bytes_a, all[0], bytes_b, all[1], macs_b, MF_HWCAL_MANY, all[2], k);
+    if (!rc && (!alone_too || mf_hwcal_fit_kern(name, bytes_a, one[0], bytes_b, one[1], macs_b, MF_HWCAL_MANY, one[2],
+                                                alone)))
+        *alone = (mf_profile_kern){0};   /* the alone figures are only reported (0: not measured) */
+    return rc;
+}
+
 /* Each family's figures per thread while every thread of a socket runs the kernel at once, as the
  * engine's workers do (they share the socket's memory bandwidth and last-level cache); the same
- * timings on one thread alone go to the source and the progress line, for comparison. */
+ * timings on one thread alone go to the source and the progress line, for comparison. The kernels
+ * run the loops the engine runs: the one-token FP8 and FP4 loops on AVX-512 where the CPU has it
+ * (the same dispatch), and the BF16 one-token loop with and without its L2 prefetch, the faster
+ * kept: the engine's process measures both on its own first large calls and keeps the faster
+ * (host/kern_bf16.c), where calibrate's calls would otherwise land in that measuring, in either
+ * mode. Then mem_bytes_per_s is raised to the threads times the fastest family's per-thread byte
+ * rate where the read probe saw less: those kernels stream their weights with every thread at once,
+ * so the socket delivers at least that (the probe's plain AVX2 loop does not reach the one-token
+ * loops' rate on every CPU), and the simulator caps each thread at that share. */
 static int mf_hwcal_kernels(mf_hwcal *h, const mf_hwcal_topo *t)
 {
     static const struct { int fmt; int fam; const char *name, *how; } fams[] = {
@@ -576,61 +617,79 @@ static int mf_hwcal_kernels(mf_hwcal *h, const mf_hwcal_topo *t)
     int reps = h->o->quick ? 5 : 25, n_threads = p->threads_per_socket;
     size_t pool_min = (h->o->quick ? 1 : 3) * (h->llc_bytes ? h->llc_bytes : (size_t)32 << 20) + ((size_t)8 << 20);
     float *x = malloc(sizeof(float) * 64 * MF_HWCAL_B_IN);
-    int rc = 0;
+    int rc = 0, fastest = -1;
     if (!x) return mf_error(-ENOMEM, "calibrate: out of memory");
     for (int i = 0; i < 64 * MF_HWCAL_B_IN; i++) x[i] = (float)((int)(mf_hwcal_rand(h) % 2001) - 1000) * 1e-3f;
+    const char *simd = mf_kern_simd_name(mf_kern_simd_active());
     for (size_t f = 0; f < sizeof fams / sizeof fams[0] && !rc; f++) {
         mf_wpool a, b;
         memset(&a, 0, sizeof a);
         memset(&b, 0, sizeof b);
-        double one[3] = {0}, all[3] = {0};
         /* every thread rotates through at least 2 copies of its own */
-        size_t min_a = pool_min, min_b = pool_min;
-        if (!(rc = mf_wpool_make(h, &a, fams[f].fmt, MF_HWCAL_A_OUT, MF_HWCAL_A_IN, min_a)) &&
-            !(rc = mf_wpool_make(h, &b, fams[f].fmt, MF_HWCAL_B_OUT, MF_HWCAL_B_IN, min_b)) &&
+        if (!(rc = mf_wpool_make(h, &a, fams[f].fmt, MF_HWCAL_A_OUT, MF_HWCAL_A_IN, pool_min)) &&
+            !(rc = mf_wpool_make(h, &b, fams[f].fmt, MF_HWCAL_B_OUT, MF_HWCAL_B_IN, pool_min)) &&
             (a.n_copies < 2 * n_threads || b.n_copies < 2 * n_threads))
             rc = mf_error(-EINVAL, "calibrate: %d threads need %d copies of each matrix (have %d and %d)", n_threads,
                           2 * n_threads, a.n_copies, b.n_copies);
         /* one thread alone, for the sources (not with --quick, unless it is the measurement) */
-        int alone_too = !h->o->quick || n_threads == 1;
-        if (!rc && alone_too) rc = mf_hwcal_kern_times(t, &a, &b, 1, x, reps, one);
-        if (!rc) rc = n_threads > 1 ? mf_hwcal_kern_times(t, &a, &b, n_threads, x, reps, all) : 0;
-        if (!rc && n_threads == 1) memcpy(all, one, sizeof all);
-        if (!rc) {
-            char what[48];
-            snprintf(what, sizeof what, "host %s (%d threads at once)", fams[f].name, n_threads);
-            double macs_b = (double)MF_HWCAL_B_OUT * MF_HWCAL_B_IN;
-            double bytes_a = (double)(a.w_bytes + a.s_bytes), bytes_b = (double)(b.w_bytes + b.s_bytes);
-            mf_profile_kern *k = &p->host[fams[f].fam], alone;
-            rc = mf_hwcal_fit_kern(what, bytes_a, all[0], bytes_b, all[1], macs_b, MF_HWCAL_MANY, all[2], k);
-            if (!rc && (!alone_too || mf_hwcal_fit_kern(fams[f].name, bytes_a, one[0], bytes_b, one[1], macs_b,
-                                                        MF_HWCAL_MANY, one[2], &alone)))
-                alone = (mf_profile_kern){0};   /* the alone figures are only reported (0: not measured) */
+        int alone_too = !h->o->quick || n_threads == 1, bf16 = fams[f].fmt == MF_KERN_BF16;
+        mf_profile_kern *k = &p->host[fams[f].fam], alone = {0}, kv[2], av[2];
+        double all[3] = {0}, allv[2][3];
+        char loop[96] = "";
+        if (!rc && !bf16) {
+            rc = mf_hwcal_kern_fam(t, &a, &b, n_threads, x, reps, alone_too, fams[f].name, k, &alone, all);
+            int z = fams[f].fmt == MF_KERN_FP8 ? mf_kern_fp8_tok1_avx512() : mf_kern_fp4_tok1_avx512();
+            snprintf(loop, sizeof loop, "%s 1-token loop", z ? "avx-512" : simd);
+        } else if (!rc) {   /* both prefetch modes of the one-token loop, the faster kept */
+            for (int pf = 0; pf < 2 && !rc; pf++) {
+                mf_kern_bf16_tok1_set_prefetch(pf);
+                rc = mf_hwcal_kern_fam(t, &a, &b, n_threads, x, reps, alone_too, fams[f].name, &kv[pf], &av[pf], allv[pf]);
+            }
+            mf_kern_bf16_tok1_set_prefetch(-1);   /* the process measures again, as it would have */
             if (!rc) {
-                char key[48];
-                const char *simd = mf_kern_simd_name(mf_kern_simd_active());
-                snprintf(key, sizeof key, "host_%s_bytes_per_s", fams[f].name);
-                mf_hwcal_src(h, key, "%s (%s), per thread with %d pinned threads at once, 1 token, [%dx%d] vs "
-                             "[%dx%d], weights out of cache, medians of %d (1 thread alone: %.4g)", fams[f].how, simd,
-                             n_threads, MF_HWCAL_B_OUT, MF_HWCAL_B_IN, MF_HWCAL_A_OUT, MF_HWCAL_A_IN, reps,
-                             alone.bytes_per_s);
-                snprintf(key, sizeof key, "host_%s_macs_per_s", fams[f].name);
-                mf_hwcal_src(h, key, "%s, per thread with %d at once, [%dx%d] at %d tokens minus 1 token (%.0f vs "
-                             "%.0f ns; 1 thread alone: %.4g)", fams[f].how, n_threads, MF_HWCAL_B_OUT, MF_HWCAL_B_IN,
-                             MF_HWCAL_MANY, all[2], all[1], alone.macs_per_s);
-                snprintf(key, sizeof key, "host_%s_latency_ns", fams[f].name);
-                mf_hwcal_src(h, key, "%s, %d threads at once: intercept of the [%dx%d]/[%dx%d] 1-token fit (1 "
-                             "thread alone: %.4g)", fams[f].how, n_threads, MF_HWCAL_A_OUT, MF_HWCAL_A_IN,
-                             MF_HWCAL_B_OUT, MF_HWCAL_B_IN, alone.latency_ns);
-                mf_hwcal_note(h, "host %s: %.2f GB/s of weights, %.2f GMAC/s beyond the first token, latency %.1f us "
-                              "(per thread, %d at once; alone %.2f GB/s)", fams[f].name, k->bytes_per_s / 1e9,
-                              k->macs_per_s / 1e9, k->latency_ns / 1e3, n_threads, alone.bytes_per_s / 1e9);
+                int best = kv[1].bytes_per_s > kv[0].bytes_per_s;
+                *k = kv[best];
+                alone = av[best];
+                memcpy(all, allv[best], sizeof all);
+                snprintf(loop, sizeof loop, "1-token loop, prefetch %s: faster", best ? "on" : "off");
+                mf_hwcal_note(h, "host bf16: one-token loop with its L2 prefetch %.2f GB/s, without %.2f GB/s (per thread, "
+                              "%d at once): %s kept", kv[1].bytes_per_s / 1e9, kv[0].bytes_per_s / 1e9, n_threads,
+                              best ? "with" : "without");
             }
         }
-        free(a.mem);
-        free(b.mem);
+        if (!rc) {
+            char key[48];
+            snprintf(key, sizeof key, "host_%s_bytes_per_s", fams[f].name);
+            mf_hwcal_src(h, key, "%s (%s), %d pinned threads at once, [%dx%d] vs [%dx%d], out of cache, medians of %d, "
+                         "alone %.4g", f ? fams[f].how : "fp4 int8 path with x's quantization", loop, n_threads,
+                         MF_HWCAL_B_OUT, MF_HWCAL_B_IN, MF_HWCAL_A_OUT, MF_HWCAL_A_IN, reps, alone.bytes_per_s);
+            snprintf(key, sizeof key, "host_%s_macs_per_s", fams[f].name);
+            mf_hwcal_src(h, key, "%s, per thread with %d at once, [%dx%d] at %d tokens minus 1 token (%.0f vs "
+                         "%.0f ns; 1 thread alone: %.4g)", fams[f].how, n_threads, MF_HWCAL_B_OUT, MF_HWCAL_B_IN,
+                         MF_HWCAL_MANY, all[2], all[1], alone.macs_per_s);
+            snprintf(key, sizeof key, "host_%s_latency_ns", fams[f].name);
+            mf_hwcal_src(h, key, "%s, %d threads at once: intercept of the [%dx%d]/[%dx%d] 1-token fit (1 "
+                         "thread alone: %.4g)", fams[f].how, n_threads, MF_HWCAL_A_OUT, MF_HWCAL_A_IN,
+                         MF_HWCAL_B_OUT, MF_HWCAL_B_IN, alone.latency_ns);
+            mf_hwcal_note(h, "host %s: %.2f GB/s of weights, %.2f GMAC/s beyond the first token, latency %.1f us "
+                          "(per thread, %d at once; alone %.2f GB/s; %s)", fams[f].name, k->bytes_per_s / 1e9,
+                          k->macs_per_s / 1e9, k->latency_ns / 1e3, n_threads, alone.bytes_per_s / 1e9, loop);
+            if (fastest < 0 || k->bytes_per_s > p->host[fams[fastest].fam].bytes_per_s) fastest = (int)f;
+        }
+        mf_hostmem_unmap(a.mem, a.mem_bytes, 1);
+        mf_hostmem_unmap(b.mem, b.mem_bytes, 1);
     }
     free(x);
+    double streamed = fastest >= 0 ? p->host[fams[fastest].fam].bytes_per_s * n_threads : 0;
+    if (!rc && streamed > p->mem_bytes_per_s) {
+        double probe = p->mem_bytes_per_s;
+        p->mem_bytes_per_s = streamed;
+        mf_hwcal_src(h, "mem_bytes_per_s", "%d threads' %s kernel at once streamed %d x %.4g B/s of weights, above the "
+                     "read probe's %.4g (AVX2 loads): the larger", n_threads, fams[fastest].name, n_threads,
+                     streamed / n_threads, probe);
+        mf_hwcal_note(h, "memory: %.2f GB/s (the %s kernel's, %d threads at once; the read probe %.2f GB/s)",
+                      streamed / 1e9, fams[fastest].name, n_threads, probe / 1e9);
+    }
     return rc;
 }
 

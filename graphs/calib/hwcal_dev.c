@@ -259,6 +259,12 @@ static int mf_hwcal_card_kernels(mf_hwcal *h, mf_dev *d, void *hstage, size_t hs
                              "the card fp8 figure stands in (the engine runs this on the host)",
                              i < 3 ? "bf16" : "plain-code");
     }
+    /* the tensor-core GEMM rate (the cuBLASLt path) is not timed here: 0 keeps the cost model off that path */
+    p->card_tc_macs_per_s = 0;
+    mf_hwcal_src_raw(h, "card_tc_macs_per_s", "%s", p->cards_emulated
+                     ? "emulated cards have no tensor cores: 0 (their cuBLASLt path is the host's product)"
+                     : "not measured: calibrate does not time cublasLtMatmul yet; 0 keeps the cost model off the "
+                       "cuBLASLt path (a published rate may be written in by hand)");
 out:
     mf_dev_free(d, 0, x);
     mf_dev_free(d, 0, y);

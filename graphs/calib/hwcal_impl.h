@@ -30,8 +30,9 @@ void mf_hwcal_fill(mf_hwcal *h, void *p, size_t n, int kind);
 double mf_hwcal_median(double *v, int n);
 
 /* The two-point fit a kernel's figures come from: time(bytes, 1 token) at sizes A and B gives
- * bytes_per_s and latency_ns; B at 1 and at n_many tokens gives macs_per_s. -EIO when the times
- * do not grow with the work (too noisy). */
+ * bytes_per_s and latency_ns (where that line's intercept would be negative: latency 0 and B's own
+ * rate, bytes_b / t_b1, so the large matrix is priced at what it took); B at 1 and at n_many tokens
+ * gives macs_per_s. -EIO when the times do not grow with the work (too noisy). */
 int mf_hwcal_fit_kern(const char *what, double bytes_a, double t_a1, double bytes_b, double t_b1,
                       double macs_b, int n_many, double t_bn, mf_profile_kern *out);
 
