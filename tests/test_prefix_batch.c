@@ -163,7 +163,9 @@ static int run(mf_ref *r, mf_step *e, const run_opts *o, const char *what)
         int all = 1;
         for (int i = 0; i < o->n_req; i++) all &= G[i].done;
         pthread_mutex_unlock(&g_mu);
-        if ((!n && all) || ++steps > 5000) break;
+        if ((!n && all) || steps > 5000) break;
+        if (!n) mf_batch_wait(b, 10000000);   /* the submitters have not queued anything yet */
+        else steps++;
     }
     for (int t = 0; t < nt; t++) pthread_join(th[t], NULL);
     for (int t = 0; t < (nt ? nt : 1); t++) CHECK(!sa[t].refused, "%s: %d submissions refused", what, sa[t].refused);

@@ -356,12 +356,7 @@ int mf_prefix_match(mf_prefix *p, mf_prefix_seq *s, const int32_t *prompt, int n
         if (!(c = mf_pfx_next(p, x, prompt, n - 1 - x->end))) break;
         x = c;
     }
-    pthread_mutex_lock(&p->mu);
-    p->st.lookups++;
-    p->st.lookup_tokens += n;
-    p->st.hit_tokens += x->end;
-    p->st.hits += x->end > 0;
-    pthread_mutex_unlock(&p->mu);
+    s->n_prompt = n;   /* counted when restored: a request that waits may look up many times */
     if (x == &p->root) return 0;
     /* x and its ancestors used now, the ancestors last: a chain's deep end is evicted before the
      * prefix it shares with others */
@@ -393,6 +388,12 @@ int mf_prefix_restore(mf_prefix *p, mf_prefix_seq *s, mf_ref_state *st)
     mf_pfx_node *x = s->lock;
     s->parent = &p->root;
     s->blk0 = 0;
+    pthread_mutex_lock(&p->mu);
+    p->st.lookups++;
+    p->st.lookup_tokens += s->n_prompt;
+    p->st.hit_tokens += x ? x->end : 0;
+    p->st.hits += x != NULL;
+    pthread_mutex_unlock(&p->mu);
     if (!x) return 0;
     const mf_config *c = p->c;
     int64_t e = x->end, full = e / MF_LY_PAGE_POSITIONS;

@@ -99,7 +99,8 @@ void mf_prefix_step_end(mf_prefix *p, mf_prefix_seq *s, mf_ref_state *st, int ok
 void mf_prefix_seq_end(mf_prefix *p, mf_prefix_seq *s, mf_ref_state *st, int ok);
 
 typedef struct mf_prefix_stats {
-    int64_t lookups, lookup_tokens, hit_tokens, hits;   /* matches; prompt tokens asked, found */
+    int64_t lookups, lookup_tokens, hit_tokens, hits;   /* restores (lookups that became sequences),
+                                                           their prompt tokens, those restored */
     int64_t nodes, bytes, budget_bytes;                  /* in memory */
     int64_t inserted, evicted, refused;                  /* blocks; refused: no room */
     int64_t disk_files, disk_bytes, disk_budget_bytes;   /* the disk tier */

@@ -53,6 +53,7 @@ struct mf_prefix_seq {
     int64_t cap_tap;
     mf_pfx_node **path;
     int cap_path;
+    int n_prompt;           /* the prompt of the last lookup (counted by the restore) */
 };
 
 /* The 128-bit names: in, then n token ids (or bytes) into out (may be in). */

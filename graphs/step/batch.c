@@ -244,6 +244,23 @@ int64_t mf_batch_request_bytes(const mf_batch *b, int n_prompt, int max_tokens)
     return mf_ref_state_bytes(b->c, (int64_t)n_prompt + max_tokens);
 }
 
+/* With the prefix cache: whether r should wait for a running sequence that is still prefilling a
+ * common prefix at least a block longer than r's hit (started now, r would compute those positions a
+ * second time; it restores them once that sequence has passed them). */
+static int mf_batch_prefix_wait(const mf_batch *b, int i, const mf_breq *r, int hit)
+{
+    int B = mf_prefix_block_tokens(b->o.prefix);
+    for (int j = 0; j < b->n_states; j++) {
+        const mf_bseq *s = &b->seq[j];
+        if (j == i || !s->req) continue;
+        int fed = s->admit_ns ? s->n_fed : s->n_cached;   /* admitted in this pass: at its hit */
+        int n = r->r.n_prompt - 1 < s->req->r.n_prompt ? r->r.n_prompt - 1 : s->req->r.n_prompt, L = 0;
+        while (L < n && r->prompt[L] == s->req->prompt[L]) L++;
+        if (L / B * B >= hit + B && fed < L / B * B) return 1;
+    }
+    return 0;
+}
+
 /* Whether request r may take free slot i under the state budget: the bytes every other state
  * holds plus what r needs. Idle states give back their pages (largest first) when that makes
  * room. Then i's state is trimmed to r's positions and reserved for them (its admit_rc). */
@@ -252,6 +269,10 @@ static int mf_batch_fits(mf_batch *b, int i, const mf_breq *r)
     int64_t n = (int64_t)r->r.n_prompt + r->r.max_tokens, mapped = 0;
     mf_bseq *q = &b->seq[i];
     q->n_cached = b->o.prefix ? mf_prefix_match(b->o.prefix, q->ps, r->prompt, r->r.n_prompt, &mapped) : 0;
+    if (b->o.prefix && mf_batch_prefix_wait(b, i, r, q->n_cached)) {
+        mf_prefix_seq_end(b->o.prefix, q->ps, NULL, 0);
+        return 0;
+    }
     if (b->o.state_budget_bytes) {
         int64_t need = mf_ref_state_bytes(b->c, n) - mapped, used = 0;
         for (int j = 0; j < b->n_states; j++)

@@ -99,8 +99,11 @@ typedef struct mf_batch_opts {
     /* The prefix cache (graphs/prefix/prefix.h; NULL: none), made over the same ref: a request
      * starts from the longest cached prefix of its prompt that leaves a token to run (the state's
      * need counts the full pages it maps as the cache's, not again), and inserts its blocks after
-     * every forward and its last partial block at the prompt's end and when it ends. Numerics
-     * unchanged: logits after a hit are the bits of a run from scratch (tests/test_prefix.c). */
+     * every forward and its last partial block at the prompt's end and when it ends. A request whose
+     * prompt shares at least a block more than its hit with a running sequence's prompt that is
+     * still prefilling that part waits (as one that does not fit the budget: others may pass it)
+     * until it can restore it. Numerics unchanged: logits after a hit are the bits of a run from
+     * scratch (tests/test_prefix_batch.c). */
     mf_prefix *prefix;
     void (*on_event)(void *user, const mf_batch_event *ev);
     void *user;           /* for on_event */
