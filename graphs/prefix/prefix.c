@@ -96,7 +96,7 @@ void mf_pfx_node_free(mf_prefix *p, mf_pfx_node *x)
     if (!x) return;
     for (int i = 0; x->page && i < p->n_src; i++)
         if (x->page[i]) {
-            if (x->linked && mf_ref_page_keep(x->page[i], -1) == 0) p->bytes -= mf_ref_page_bytes(x->page[i]);
+            if (x->linked && mf_ref_page_keep(x->page[i], -1) == 0) mf_pfx_stat(p, &p->bytes, -mf_ref_page_bytes(x->page[i]));
             mf_ref_page_drop(x->page[i]);
         }
     free(x->toks);
@@ -132,7 +132,7 @@ static void mf_pfx_evict(mf_prefix *p, mf_pfx_node *x)
     while (*link != x) link = &(*link)->sib;
     *link = x->sib;
     mf_pfx_lru_unlink(p, x);
-    p->bytes -= x->bytes;
+    mf_pfx_stat(p, &p->bytes, -x->bytes);
     mf_pfx_node_free(p, x);
     pthread_mutex_lock(&p->mu);
     p->st.nodes--;
@@ -164,9 +164,10 @@ int mf_pfx_link(mf_prefix *p, mf_pfx_node *parent, mf_pfx_node *x)
         if (!v || v == parent) return -ENOSPC;
         mf_pfx_evict(p, v);
     }
-    p->bytes += x->bytes;
+    int64_t add = x->bytes;
     for (int i = 0; i < p->n_src; i++)
-        if (x->page[i] && mf_ref_page_keep(x->page[i], 1) == 1) p->bytes += mf_ref_page_bytes(x->page[i]);
+        if (x->page[i] && mf_ref_page_keep(x->page[i], 1) == 1) add += mf_ref_page_bytes(x->page[i]);
+    mf_pfx_stat(p, &p->bytes, add);   /* the stats' reader (any thread) takes the mutex */
     x->linked = 1;
     x->parent = parent;
     x->sib = parent->child;

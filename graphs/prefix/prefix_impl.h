@@ -34,7 +34,7 @@ struct mf_prefix {
     int B, W, n_src, n_r2;
     int src[MF_CONFIG_MAX_LAYERS];   /* KV-source layers, in order */
     int64_t rb, rowset;              /* a window slot's bytes; n_layers of them (a position's rows) */
-    int64_t bytes;                   /* nodes and the pages they keep */
+    int64_t bytes;                   /* nodes and the pages they keep (written under mu) */
     mf_pfx_node root;
     mf_pfx_node *lru_head, *lru_tail;
     mf_pfx_disk *disk;
