@@ -80,17 +80,32 @@ double mf_cost_host(const mf_cost_model *m, const mf_work *w, int n, double extr
     return ns;
 }
 
-double mf_cost_card_lt(const mf_cost_model *m, int fam, double bytes, double macs, double calls, int n)
+double mf_cost_card_dequant(const mf_cost_model *m, int fam, double bytes, double macs, double calls)
 {
     const mf_profile *p = m->p;
     if (!(p->card_tc_macs_per_s > 0) || (fam != MF_KF_FP8 && fam != MF_KF_FP4)) return 0;
     /* the bytes stream at the dense kernels' rate (card_fp8_bytes_per_s: a fraction of the card's
-     * memory bandwidth), whichever family: the dequantization and the GEMM read and write plainly */
-    double launches = calls * (fam == MF_KF_FP8 ? MF_COST_LT_LAUNCHES_FP8 : MF_COST_LT_LAUNCHES_FP4);
-    double ns = launches * p->card[fam].latency_ns + (double)n * macs / p->card_tc_macs_per_s * 1e9;
+     * memory bandwidth), whichever family: the dequantization reads and writes plainly */
+    double ns = calls * (fam == MF_KF_FP8 ? MF_COST_LT_DEQUANT_FP8 : MF_COST_LT_DEQUANT_FP4) * p->card[fam].latency_ns;
     double bps = p->card[MF_KF_FP8].bytes_per_s;
-    if (bps > 0) ns += (bytes + 2 * macs + 2 * macs) / bps * 1e9;
-    return ns;
+    return ns + (bps > 0 ? (bytes + 2 * macs) / bps * 1e9 : 0);
+}
+
+double mf_cost_card_lt_gemm(const mf_cost_model *m, int fam, double macs, double calls, int n)
+{
+    const mf_profile *p = m->p;
+    if (!(p->card_tc_macs_per_s > 0) || (fam != MF_KF_FP8 && fam != MF_KF_FP4)) return 0;
+    double launches = fam == MF_KF_FP8 ? MF_COST_LT_LAUNCHES_FP8 - MF_COST_LT_DEQUANT_FP8
+                                       : MF_COST_LT_LAUNCHES_FP4 - MF_COST_LT_DEQUANT_FP4;
+    double ns = calls * launches * p->card[fam].latency_ns + (double)n * macs / p->card_tc_macs_per_s * 1e9;
+    double bps = p->card[MF_KF_FP8].bytes_per_s;
+    return ns + (bps > 0 ? 2 * macs / bps * 1e9 : 0);
+}
+
+double mf_cost_card_lt(const mf_cost_model *m, int fam, double bytes, double macs, double calls, int n)
+{
+    double g = mf_cost_card_lt_gemm(m, fam, macs, calls, n);
+    return g > 0 ? mf_cost_card_dequant(m, fam, bytes, macs, calls) + g : 0;
 }
 
 double mf_cost_card_paths(const mf_cost_model *m, const mf_work *w, int n, int *lt_fams)
@@ -115,6 +130,23 @@ double mf_cost_card_paths(const mf_cost_model *m, const mf_work *w, int n, int *
 }
 
 double mf_cost_card(const mf_cost_model *m, const mf_work *w, int n) { return mf_cost_card_paths(m, w, n, NULL); }
+
+double mf_cost_card_on(const mf_cost_model *m, const mf_work *w, int n, int lt_fams)
+{
+    double ns = 0;
+    for (int f = 0; f < MF_KF_REF; f++) {
+        if (!(w->calls[f] > 0)) continue;
+        double g = lt_fams & (1 << f) ? mf_cost_card_lt_gemm(m, f, w->macs[f], w->calls[f], n) : 0;
+        if (g > 0) {
+            ns += g;
+            continue;
+        }
+        mf_work one = {0};
+        one.w_bytes[f] = w->w_bytes[f], one.macs[f] = w->macs[f], one.calls[f] = w->calls[f];
+        ns += mf_cost_kernels(m->p->card, 0, &one, n);
+    }
+    return ns + mf_cost_ref(m->p, 1, w->ref_flops + w->ref_flops_tok * n);
+}
 
 double mf_cost_disk(const mf_cost_model *m, double bytes, int reads)
 {

@@ -80,19 +80,32 @@ double mf_cost_card_paths(const mf_cost_model *m, const mf_work *w, int n, int *
 
 /* Launches of one call on the cuBLASLt path, each paying the family's card latency: a dense FP8
  * linear dequantizes, casts and multiplies (3); an expert FFN dequantizes w1, w3, w2, casts x,
- * multiplies, gates, casts h, multiplies (8). */
+ * multiplies, gates, casts h, multiplies (8). Of those, the dequantization's: one a matrix (FP8 1,
+ * FP4 3). */
 #define MF_COST_LT_LAUNCHES_FP8 3
 #define MF_COST_LT_LAUNCHES_FP4 8
+#define MF_COST_LT_DEQUANT_FP8 1
+#define MF_COST_LT_DEQUANT_FP4 3
 /* The cuBLASLt path (device/dev.h MF_DEV_LIN_CUBLASLT, mf_dev_expert_ffn_lt) for family fam (FP8 or
  * FP4) of `bytes` stored weight bytes and `macs` multiply-adds per token (one per weight) over n
- * tokens on a card: calls x launches x latency; the dequantization reads the stored bytes and
- * writes 2 bytes a weight, the GEMM reads those 2 bytes a weight once, all at card_fp8_bytes_per_s
- * (the dense kernels' streaming rate, which every family's plain reads and writes reach: the FP4
- * kernel's own byte rate is its unpacking's, not the memory's); n x macs at card_tc_macs_per_s. The activations' cast (6 bytes a value) is not priced; the
- * dequantization is priced inside the task, not overlapped with the previous layer's GEMMs as the
- * engine's design overlaps it (an upper bound by that much). 0 where the profile has no tensor-core
- * rate or fam is neither. */
+ * tokens on a card: mf_cost_card_dequant + mf_cost_card_lt_gemm. 0 where the profile has no
+ * tensor-core rate or fam is neither. */
 double mf_cost_card_lt(const mf_cost_model *m, int fam, double bytes, double macs, double calls, int n);
+/* Its two parts. The dequantization: calls x its launches x latency, the stored bytes read and 2
+ * bytes a weight written at card_fp8_bytes_per_s (the dense kernels' streaming rate, which every
+ * family's plain reads and writes reach: the FP4 kernel's own byte rate is its unpacking's, not the
+ * memory's). The GEMM: calls x the other launches x latency, the 2 bytes a weight read once at that
+ * rate, n x macs at card_tc_macs_per_s; the activations' cast (6 bytes a value) is not priced. A
+ * dense layer's dequantization is its own task on the card's copy-in lane (graphs/step/stepgraph.h
+ * MF_SG_DENSE_DEQ), overlapping the previous layer's GEMMs; an expert's is inside its FFN. 0 where
+ * the profile has no tensor-core rate or fam is neither. */
+double mf_cost_card_dequant(const mf_cost_model *m, int fam, double bytes, double macs, double calls);
+double mf_cost_card_lt_gemm(const mf_cost_model *m, int fam, double macs, double calls, int n);
+/* w on a card over n tokens on the paths a caller chose: the families in lt_fams (bits 1 << MF_KF_*)
+ * on the cuBLASLt GEMM (mf_cost_card_lt_gemm: weights dequantized elsewhere), the others on the CUDA
+ * cores (mf_cost_card's kernel price), then the scalar work. A family in lt_fams without a
+ * tensor-core price (0) is priced on the CUDA cores. */
+double mf_cost_card_on(const mf_cost_model *m, const mf_work *w, int n, int lt_fams);
 
 /* Disk: `reads` requests of `bytes` in all, their latency overlapped over the queue depth:
  * reads * disk_latency / depth + bytes / disk rate. */

@@ -250,6 +250,21 @@ static void test_lt(void)
     CHECK(mf_cost_card_lt(&m, MF_KF_BF16, 2 * M, M, 1, 512) == 0 && (mf_cost_card_paths(&m, &b, 512, &lt), lt == 0),
           "bf16: no cuBLASLt price");
     CHECK(near(mf_cost_card(&m, &w, 512), lt_ns), "mf_cost_card is the choice");
+    /* its parts: the dequantization (a launch, the stored bytes read, 2 bytes a weight written) and
+     * the GEMM (two launches, the 2 bytes read, the tensor cores), which a record on the path is
+     * priced at (mf_cost_card_on) when its dequantization is a task of its own */
+    double dq = 5000 + (B + 2 * M) / 500e9 * 1e9, gm = 2 * 5000.0 + 2 * M / 500e9 * 1e9 + 512 * M / 24e12 * 1e9;
+    CHECK(near(mf_cost_card_dequant(&m, MF_KF_FP8, B, M, 1), dq) && near(mf_cost_card_lt_gemm(&m, MF_KF_FP8, M, 1, 512), gm) &&
+              near(dq + gm, lt_ns),
+          "dequantization %.1f (expected %.1f), GEMM %.1f (%.1f)", mf_cost_card_dequant(&m, MF_KF_FP8, B, M, 1), dq,
+          mf_cost_card_lt_gemm(&m, MF_KF_FP8, M, 1, 512), gm);
+    double core512 = 5000 + B / 500e9 * 1e9 + 511 * M / 6e12 * 1e9;
+    CHECK(near(mf_cost_card_on(&m, &w, 512, 1 << MF_KF_FP8), gm) && near(mf_cost_card_on(&m, &w, 512, 0), core512) &&
+              near(mf_cost_card_on(&m, &b, 512, 1 << MF_KF_BF16), mf_cost_card_on(&m, &b, 512, 0)),
+          "card_on: the GEMM on the path, the CUDA cores off it, BF16 never on it");
+    p.card_tc_macs_per_s = 0;
+    CHECK(mf_cost_card_dequant(&m, MF_KF_FP8, B, M, 1) == 0 && near(mf_cost_card_on(&m, &w, 512, 1 << MF_KF_FP8), core512),
+          "no tensor-core rate: no dequantization price, the path priced as the CUDA cores");
 }
 
 int main(void)

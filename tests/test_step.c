@@ -588,7 +588,8 @@ static void test_cli(const mf_config *c, float *ref1, float *ref3, int32_t greed
              g_dir, N_DEC, pf);
     int wb = 0;
     for (int q = 0; q < N_SEQ; q++) {
-        wb += snprintf(big + wb, sizeof big - wb, "[%d] %d", q, argmax(ref3 + (size_t)q * N_LOG * g_V, g_V));
+        /* [i]: the line's index in the file, the empty lines counted */
+        wb += snprintf(big + wb, sizeof big - wb, "[%d] %d", 2 * q, argmax(ref3 + (size_t)q * N_LOG * g_V, g_V));
         for (int k = 0; k + 1 < N_DEC; k++) wb += snprintf(big + wb, sizeof big - wb, " %d", greedy3[q][k + 1]);
         wb += snprintf(big + wb, sizeof big - wb, "\n");
     }

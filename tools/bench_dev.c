@@ -1,9 +1,11 @@
 /* `moeflow bench dev`: on one card of a device (emu:N or cuda), the FP4 expert matmul (fp32 and
  * int8 paths), the int8 expert FFN (w1, w3, w2) and the dense FP8 and BF16 linears (the same bytes
  * viewed as [rows/2, cols] FP8 and [rows/4, cols] BF16) against a device-to-device copy of the same
- * weight bytes, and pinned host-to-device copies of one expert matrix against the largest single
- * copy tried; weights rotating over more than the card's L2, each op warmed up and then timed by
- * device events around replays of a captured graph. One line per measurement and a JSON summary. */
+ * weight bytes, the FP8 linear on each of its three paths (warp-per-row, tiled, cuBLASLt on weights
+ * dequantized before, the dequantization timed on its own) and the expert FFN on cuBLASLt, and
+ * pinned host-to-device copies of one expert matrix against the largest single copy tried; weights
+ * rotating over more than the card's L2, each op warmed up and then timed by device events around
+ * replays of a captured graph. One line per measurement and a JSON summary. */
 #include <errno.h>
 #include <inttypes.h>
 #include <stddef.h>
@@ -28,6 +30,13 @@ typedef struct mf_bench_dev_args {
     int n_sets;
     size_t wb, sb;
     const void *host;            /* pinned wb + sb bytes: the h2d source */
+    /* the cuBLASLt path (type NONE: the card has no tensor cores): the FP8 linear's weights of sets
+     * 0..3 dequantized (the GEMM rotates over them), the expert's w13 and w2, the FFN's gu, the
+     * cast and the workspace */
+    mf_dev_f16 tc;
+    mf_dev_w16 w16[4], w13, w2;
+    float *gu;
+    mf_dev_lt_buf lt;
 } mf_bench_dev_args;
 
 typedef int (*mf_bench_dev_op)(mf_dev_stream *s, mf_bench_dev_args *a, int i);
@@ -79,6 +88,43 @@ static int mf_bench_dev_fp8_lin_rows(mf_dev_stream *s, mf_bench_dev_args *a, int
 static int mf_bench_dev_fp8_lin_tiled(mf_dev_stream *s, mf_bench_dev_args *a, int i)
 {
     return mf_bench_dev_fp8_lin_path(s, a, i, MF_DEV_LIN_TILED);
+}
+/* the FP8 linear of set i on the cuBLASLt path, over the 16-bit copy of set i % 4 (the same shape
+ * and values: every set holds the same bytes) */
+static int mf_bench_dev_fp8_lin_lt(mf_dev_stream *s, mf_bench_dev_args *a, int i)
+{
+    const uint8_t *b = a->set[i % a->n_sets];
+    mf_dev_lin l = {.w = {MF_KERN_FP8, b, b + a->wb, a->w.n_out / 2, a->w.n_in}, .x = a->x, .ld_x = a->w.n_in,
+                    .n_tok = a->n_tok, .y = a->y, .ld_y = a->w.n_out / 2, .path = MF_DEV_LIN_CUBLASLT,
+                    .w16 = a->w16[i % 4], .lt = a->lt};
+    return mf_dev_linear(s, &l);
+}
+/* set i's FP8 view dequantized into the 16-bit copy i % 4 (what a layer's MF_SG_DENSE_DEQ does) */
+static int mf_bench_dev_dequant(mf_dev_stream *s, mf_bench_dev_args *a, int i)
+{
+    const uint8_t *b = a->set[i % a->n_sets];
+    mf_kern_mat w = {MF_KERN_FP8, b, b + a->wb, a->w.n_out / 2, a->w.n_in};
+    return mf_dev_dequant(s, &w, &a->w16[i % 4]);
+}
+/* the expert FFN on cuBLASLt over the w13 and w2 dequantized before (from sets 0, 1, 2) */
+static int mf_bench_dev_ffn_lt(mf_dev_stream *s, mf_bench_dev_args *a, int i)
+{
+    (void)i;
+    mf_dev_ffn_lt f = {.w13 = a->w13, .w2 = a->w2, .x = a->x, .n_tok = a->n_tok, .limit = 7.0f, .gu = a->gu,
+                       .lt = a->lt, .y = a->ffn.y};
+    return mf_dev_expert_ffn_lt(s, &f);
+}
+/* an expert's three FP4 matrices dequantized (what a slot on the path does before its FFN) */
+static int mf_bench_dev_dequant_ffn(mf_dev_stream *s, mf_bench_dev_args *a, int i)
+{
+    mf_kern_mat w1 = mf_bench_dev_mat(a, 3 * i, a->w.n_out, a->w.n_in), w3 = mf_bench_dev_mat(a, 3 * i + 1, a->w.n_out, a->w.n_in);
+    mf_kern_mat w2 = mf_bench_dev_mat(a, 3 * i + 2, a->w.n_in, a->w.n_out);
+    mf_dev_w16 o1 = a->w13, o3 = a->w13;
+    o1.n_out = o3.n_out = a->w.n_out;
+    o3.w = (uint16_t *)a->w13.w + (size_t)a->w.n_out * a->w.n_in;
+    int rc = mf_dev_dequant(s, &w1, &o1);
+    if (!rc) rc = mf_dev_dequant(s, &w3, &o3);
+    return rc ? rc : mf_dev_dequant(s, &w2, &a->w2);
 }
 static int mf_bench_dev_bf16_lin(mf_dev_stream *s, mf_bench_dev_args *a, int i)
 {
@@ -160,6 +206,7 @@ typedef struct mf_bdv_cli {
     const char *spec;
     long n_out, n_in, n_tok, reps, big_mib, rot_mib;
     double warm_ms, min_ms;
+    int linears;
 } mf_bdv_cli;
 
 #define F(x) offsetof(mf_bdv_cli, x)
@@ -182,6 +229,8 @@ static const mf_opt mf_bdv_table[] = {
      .help = "each op's warm-up"},
     {"--min-ms", .kind = MF_OPT_DOUBLE, .off = F(min_ms), .def = "10", .meta = "MS", .lo = 0, .hi = 1e6,
      .flags = MF_OPT_LO_OPEN, .help = "at least this much timed work per op"},
+    {"--linears-only", .kind = MF_OPT_FLAG, .off = F(linears),
+     .help = "only the FP8 linear's three paths and its dequantization (prefill\nsizes: 2,048 and 8,192 tokens)"},
     {NULL},
 };
 #undef F
@@ -189,11 +238,14 @@ static const mf_opt mf_bdv_table[] = {
 static const mf_opts_spec mf_bdv_spec = {
     .cmd = "bench dev",
     .usage = "usage: moeflow bench dev [--devices SPEC] [--rows N] [--cols M] [--tokens T] [--reps R]\n"
-             "                         [--big-mib M] [--rotate-mib W] [--warm-ms MS] [--min-ms MS]\n\n"
+             "                         [--big-mib M] [--rotate-mib W] [--warm-ms MS] [--min-ms MS]\n"
+             "                         [--linears-only]\n\n"
              "On card 0 of SPEC: the FP4 matmul (fp32 and int8 paths) of an N x M expert matrix and\n"
              "the int8 expert FFN (w1, w3: N x M, w2: M x N) against d2d copies of their bytes; the\n"
              "dense FP8 (N/2 x M) and BF16 (N/4 x M) linears of the same bytes, the FP8 one also\n"
-             "with each CUDA kernel forced (warp-per-row, tiled: their ratio at T tokens); pinned\n"
+             "on each path forced (warp-per-row, tiled, cuBLASLt on its weights dequantized before,\n"
+             "the dequantization timed on its own: their ratios at T tokens) and the expert FFN on\n"
+             "cuBLASLt (where the card has tensor cores); pinned\n"
              "h2d of one matrix against one copy of --big-mib MiB. The weights rotate over copies\n"
              "totalling W MiB; each op is warmed up for --warm-ms, then timed with device events\n"
              "over at least --min-ms of work and at least R ops. One line per measurement, then a\n"
@@ -215,9 +267,41 @@ typedef struct mf_bdv {
     mf_dev_stream *cs, *in;
     mf_bench_dev_args args;
     /* the ops' times (ns, -1 not measured) and how many were timed */
-    int64_t t_mm, t_d2d, t_h2d, t_big, t_q8, t_ffn, t_f8, t_b16, t_f8r, t_f8t;
-    int64_t n_mm, n_d2d, n_h2d, n_big, n_q8, n_ffn, n_f8, n_b16, n_f8r, n_f8t;
+    int64_t t_mm, t_d2d, t_h2d, t_big, t_q8, t_ffn, t_f8, t_b16, t_f8r, t_f8t, t_f8l, t_dq, t_fl, t_dqf;
+    int64_t n_mm, n_d2d, n_h2d, n_big, n_q8, n_ffn, n_f8, n_b16, n_f8r, n_f8t, n_f8l, n_dq, n_fl, n_dqf;
+    void *ltmem;   /* the cuBLASLt path's buffers, one allocation */
 } mf_bdv;
+
+/* The cuBLASLt path's buffers where card 0 has tensor cores (mf_dev_card_f16): four 16-bit copies of
+ * the FP8 linear's weights, the expert's w13 and w2, gu, the cast of the widest input, the
+ * workspace; the copies dequantized once here (the GEMMs' timing leaves them out). */
+static int mf_bdv_open_lt(mf_bdv *b)
+{
+    mf_bench_dev_args *a = &b->args;
+    int n_out = a->w.n_out, n_in = a->w.n_in, n_tok = a->n_tok;
+    a->tc = mf_dev_card_f16(b->d, 0);
+    if (a->tc == MF_DEV_F16_NONE) return 0;
+    size_t w16b = (size_t)(n_out / 2) * n_in * 2, e13 = (size_t)2 * n_out * n_in * 2, e2 = (size_t)n_in * n_out * 2;
+    size_t gub = (size_t)n_tok * 2 * n_out * 4, x16 = mf_dev_lt_x16_bytes(n_tok, n_in > n_out ? n_in : n_out);
+    size_t al = 256, off[7], total = 0, sz[7] = {4 * w16b, e13, e2, gub, x16, MF_DEV_LT_WS_BYTES, 0};
+    for (int k = 0; k < 6; k++) {
+        off[k] = total;
+        total += (sz[k] + al - 1) / al * al;
+    }
+    int rc = mf_dev_alloc(b->d, 0, total, &b->ltmem);
+    if (rc) return rc;
+    uint8_t *m = b->ltmem;
+    for (int k = 0; k < 4; k++)
+        a->w16[k] = (mf_dev_w16){m + off[0] + (size_t)k * w16b, a->tc, 0, n_out / 2, n_in};
+    a->w13 = (mf_dev_w16){m + off[1], a->tc, 0, 2 * n_out, n_in};
+    a->w2 = (mf_dev_w16){m + off[2], a->tc, 0, n_in, n_out};
+    a->gu = (float *)(void *)(m + off[3]);
+    a->lt = (mf_dev_lt_buf){m + off[4], x16, m + off[5], MF_DEV_LT_WS_BYTES};
+    /* the sets' scales are all 1 (E8M0 127): shift 0 is exact in either type */
+    for (int k = 0; k < 4 && !rc && n_out % 64 == 0; k++) rc = mf_bench_dev_dequant(b->cs, a, k);
+    if (!rc) rc = mf_bench_dev_dequant_ffn(b->cs, a, 0);
+    return rc ? rc : mf_dev_stream_sync(b->cs);
+}
 
 /* Opens the device and fills card 0: the rotating weight sets (random codes, scales 1), the
  * activations, the FFN's scratch, pinned host copies. 0 or a negative code. */
@@ -260,7 +344,7 @@ static int mf_bdv_open(mf_bdv *b)
                                   .n_tok = n_tok, .card = 0, .q8 = b->q8, .set = b->set, .n_sets = b->n_sets,
                                   .wb = wb, .sb = sb, .host = b->hw};
     b->args.ffn = (mf_dev_ffn){.x = b->x, .n_tok = n_tok, .limit = 7.0f, .h = b->h, .q8_scratch = b->q8, .y = b->yf};
-    return rc;
+    return rc ? rc : mf_bdv_open_lt(b);
 }
 
 /* Times op on stream s into *t (ns per op) and *n (ops timed); 0 or a negative code. */
@@ -299,18 +383,43 @@ static int mf_bdv_big(mf_bdv *b)
 /* Every op in turn: matmuls, FFN, the dense linears (where the shape allows), the copies. */
 static int mf_bdv_measure(mf_bdv *b)
 {
-    int fp8 = b->a->n_out % 64 == 0, rc;
-    if ((rc = mf_bdv_time(b, b->cs, mf_bench_dev_matmul, &b->t_mm, &b->n_mm)) ||
+    int fp8 = b->a->n_out % 64 == 0, lt = b->args.tc != MF_DEV_F16_NONE, rc;
+    if ((fp8 && (rc = mf_bdv_time(b, b->cs, mf_bench_dev_fp8_lin_rows, &b->t_f8r, &b->n_f8r))) ||
+        (fp8 && (rc = mf_bdv_time(b, b->cs, mf_bench_dev_fp8_lin_tiled, &b->t_f8t, &b->n_f8t))) ||
+        (fp8 && lt && (rc = mf_bdv_time(b, b->cs, mf_bench_dev_fp8_lin_lt, &b->t_f8l, &b->n_f8l))) ||
+        (fp8 && lt && (rc = mf_bdv_time(b, b->cs, mf_bench_dev_dequant, &b->t_dq, &b->n_dq))))
+        return rc;
+    if (b->a->linears) return 0;
+    if ((lt && (rc = mf_bdv_time(b, b->cs, mf_bench_dev_ffn_lt, &b->t_fl, &b->n_fl))) ||
+        (lt && (rc = mf_bdv_time(b, b->cs, mf_bench_dev_dequant_ffn, &b->t_dqf, &b->n_dqf))) ||
+        (rc = mf_bdv_time(b, b->cs, mf_bench_dev_matmul, &b->t_mm, &b->n_mm)) ||
         (rc = mf_bdv_time(b, b->cs, mf_bench_dev_matmul_q8, &b->t_q8, &b->n_q8)) ||
         (rc = mf_bdv_time(b, b->cs, mf_bench_dev_ffn, &b->t_ffn, &b->n_ffn)) ||
         (fp8 && (rc = mf_bdv_time(b, b->cs, mf_bench_dev_fp8_lin, &b->t_f8, &b->n_f8))) ||
         (b->a->n_out >= 4 && (rc = mf_bdv_time(b, b->cs, mf_bench_dev_bf16_lin, &b->t_b16, &b->n_b16))) ||
-        (fp8 && (rc = mf_bdv_time(b, b->cs, mf_bench_dev_fp8_lin_rows, &b->t_f8r, &b->n_f8r))) ||
-        (fp8 && (rc = mf_bdv_time(b, b->cs, mf_bench_dev_fp8_lin_tiled, &b->t_f8t, &b->n_f8t))) ||
         (rc = mf_bdv_time(b, b->cs, mf_bench_dev_d2d, &b->t_d2d, &b->n_d2d)) ||
         (rc = mf_bdv_time(b, b->in, mf_bench_dev_h2d, &b->t_h2d, &b->n_h2d)))
         return rc;
     return mf_bdv_big(b);
+}
+
+/* The FP8 linear's three paths: one line (the weights' MACs a token over each path's time). */
+static void mf_bdv_report_paths(const mf_bdv *b, int n_tok)
+{
+    double macs = (double)(b->a->n_out / 2) * b->a->n_in * n_tok;   /* a weight a token */
+    if (b->t_f8r <= 0 || b->t_f8t <= 0) return;
+    printf("FP8 dense linear %ld x %ld, %d token(s): warp-per-row kernel %.2f us (%.1f G multiply-adds/s), tiled "
+           "kernel %.2f us (%.1f G/s); tiled / rows = %.2f (AUTO takes the tiled one from %d tokens)\n", b->a->n_out / 2,
+           b->a->n_in, n_tok, b->t_f8r / 1e3, macs / b->t_f8r, b->t_f8t / 1e3, macs / b->t_f8t,
+           (double)b->t_f8t / (double)b->t_f8r, MF_DEV_LIN_TILED_MIN_TOK);
+    if (b->t_f8l > 0 && b->t_dq > 0)
+        printf("FP8 dense linear on cuBLASLt (%s weights dequantized before), %d token(s): %.2f us (%.1f G "
+               "multiply-adds/s); the dequantization %.2f us a matrix; cuBLASLt / tiled = %.3f, (cuBLASLt + "
+               "dequantization) / tiled = %.3f, tiled / cuBLASLt = %.2f\n", b->args.tc == MF_DEV_F16_FP16 ? "fp16" : "bf16",
+               n_tok, b->t_f8l / 1e3, macs / b->t_f8l, b->t_dq / 1e3, (double)b->t_f8l / (double)b->t_f8t,
+               (double)(b->t_f8l + b->t_dq) / (double)b->t_f8t, (double)b->t_f8t / (double)b->t_f8l);
+    else
+        printf("FP8 dense linear on cuBLASLt: not measured (card 0 has no tensor cores for it)\n");
 }
 
 /* One line per measurement, then the JSON summary. */
@@ -323,13 +432,16 @@ static void mf_bdv_report(const mf_bdv *b)
     printf("device %s (%s), card 0: weights rotating over %d copies of %.1f MB (%.0f MB); each op "
            "warmed up %.0f ms, then timed by device events over >= %.0f ms\n", a->spec, mf_dev_kind(b->d),
            b->n_sets, (wb + sb) / 1e6, b->n_sets * (wb + sb) / 1e6, a->warm_ms, a->min_ms);
-    printf("FP4 matmul %d x %d, %d token(s), fp32 path: %.2f us (%.1f GB/s of weights; %" PRId64 " ops timed)\n",
-           n_out, n_in, n_tok, b->t_mm / 1e3, wgb / (b->t_mm / 1e9), b->n_mm);
-    printf("FP4 matmul, int8 path: %.2f us (%.1f GB/s of weights; %" PRId64 " ops)\n", b->t_q8 / 1e3,
-           wgb / (b->t_q8 / 1e9), b->n_q8);
-    printf("d2d copy of the %zu weight bytes: %.2f us (%.1f GB/s read; %" PRId64 " ops); matmul / copy = "
-           "%.2f (fp32), %.2f (int8)\n", wb, b->t_d2d / 1e3, wb / 1e9 / (b->t_d2d / 1e9), b->n_d2d,
-           (double)b->t_mm / (double)b->t_d2d, (double)b->t_q8 / (double)b->t_d2d);
+    mf_bdv_report_paths(b, n_tok);
+    if (!a->linears) {
+        printf("FP4 matmul %d x %d, %d token(s), fp32 path: %.2f us (%.1f GB/s of weights; %" PRId64 " ops timed)\n",
+               n_out, n_in, n_tok, b->t_mm / 1e3, wgb / (b->t_mm / 1e9), b->n_mm);
+        printf("FP4 matmul, int8 path: %.2f us (%.1f GB/s of weights; %" PRId64 " ops)\n", b->t_q8 / 1e3,
+               wgb / (b->t_q8 / 1e9), b->n_q8);
+        printf("d2d copy of the %zu weight bytes: %.2f us (%.1f GB/s read; %" PRId64 " ops); matmul / copy = "
+               "%.2f (fp32), %.2f (int8)\n", wb, b->t_d2d / 1e3, wb / 1e9 / (b->t_d2d / 1e9), b->n_d2d,
+               (double)b->t_mm / (double)b->t_d2d, (double)b->t_q8 / (double)b->t_d2d);
+    }
     if (b->t_f8 > 0)
         printf("FP8 dense linear %d x %d (the same %zu bytes, 32x32 tile scales): %.2f us (%.1f GB/s; %" PRId64
                " ops); linear / copy = %.2f\n", n_out / 2, n_in, wb, b->t_f8 / 1e3, wb / 1e9 / (b->t_f8 / 1e9), b->n_f8,
@@ -338,16 +450,18 @@ static void mf_bdv_report(const mf_bdv *b)
         printf("BF16 dense linear %d x %d (the same %zu bytes): %.2f us (%.1f GB/s; %" PRId64
                " ops); linear / copy = %.2f\n", n_out / 4, n_in, wb, b->t_b16 / 1e3, wb / 1e9 / (b->t_b16 / 1e9),
                b->n_b16, (double)b->t_b16 / (double)b->t_d2d);
-    if (b->t_f8r > 0 && b->t_f8t > 0)
-        printf("FP8 dense linear, %d token(s): warp-per-row kernel %.2f us (%.1f G multiply-adds/s), tiled "
-               "kernel %.2f us (%.1f G/s); tiled / rows = %.2f (AUTO takes the tiled one from %d tokens)\n",
-               n_tok, b->t_f8r / 1e3, (double)wb * n_tok / b->t_f8r, b->t_f8t / 1e3, (double)wb * n_tok / b->t_f8t,
-               (double)b->t_f8t / (double)b->t_f8r, MF_DEV_LIN_TILED_MIN_TOK);
-    printf("expert FFN, int8 path (w1, w3, w2: 3 x %zu bytes): %.2f us (%.1f GB/s of weights; %" PRId64
-           " ops); FFN / (3 x copy) = %.2f\n", wb + sb, b->t_ffn / 1e3, 3 * wgb / (b->t_ffn / 1e9), b->n_ffn,
-           (double)b->t_ffn / (3.0 * (double)b->t_d2d));
-    printf("pinned h2d of the expert matrix (%zu bytes): %.2f us (%.1f GB/s; %" PRId64 " ops)\n", wb + sb,
-           b->t_h2d / 1e3, wgb / (b->t_h2d / 1e9), b->n_h2d);
+    if (!a->linears) {
+        printf("expert FFN, int8 path (w1, w3, w2: 3 x %zu bytes): %.2f us (%.1f GB/s of weights; %" PRId64
+               " ops); FFN / (3 x copy) = %.2f\n", wb + sb, b->t_ffn / 1e3, 3 * wgb / (b->t_ffn / 1e9), b->n_ffn,
+               (double)b->t_ffn / (3.0 * (double)b->t_d2d));
+        if (b->t_fl > 0)
+            printf("expert FFN on cuBLASLt (w1, w3, w2 dequantized before): %.2f us (%.1f G multiply-adds/s); their "
+                   "dequantization %.2f us; cuBLASLt / int8 = %.3f, (cuBLASLt + dequantization) / int8 = %.3f\n",
+                   b->t_fl / 1e3, 3.0 * n_out * n_in * n_tok / b->t_fl, b->t_dqf / 1e3,
+                   (double)b->t_fl / (double)b->t_ffn, (double)(b->t_fl + b->t_dqf) / (double)b->t_ffn);
+        printf("pinned h2d of the expert matrix (%zu bytes): %.2f us (%.1f GB/s; %" PRId64 " ops)\n", wb + sb,
+               b->t_h2d / 1e3, wgb / (b->t_h2d / 1e9), b->n_h2d);
+    }
     if (b->t_big > 0)
         printf("pinned h2d of one %" PRIu64 " MiB copy: %.1f us (%.1f GB/s; %" PRId64 " ops)\n", b->big >> 20,
                b->t_big / 1e3, b->big / 1e9 / (b->t_big / 1e9), b->n_big);
@@ -356,9 +470,12 @@ static void mf_bdv_report(const mf_bdv *b)
            ", \"d2d_ns\": %" PRId64 ", \"weight_bytes\": %zu, \"h2d_expert_ns\": %" PRId64
            ", \"h2d_big_bytes\": %" PRIu64 ", \"h2d_big_ns\": %" PRId64 ", \"fp8_linear_ns\": %" PRId64
            ", \"bf16_linear_ns\": %" PRId64 ", \"fp8_linear_rows_ns\": %" PRId64
-           ", \"fp8_linear_tiled_ns\": %" PRId64 "}\n", a->spec, n_out, n_in, n_tok, b->n_sets, b->t_mm, b->t_q8,
-           b->t_ffn, b->t_d2d, wb + sb, b->t_h2d, b->t_big > 0 ? b->big : 0, b->t_big, b->t_f8, b->t_b16, b->t_f8r,
-           b->t_f8t);
+           ", \"fp8_linear_tiled_ns\": %" PRId64 ", \"tc\": \"%s\", \"fp8_linear_cublaslt_ns\": %" PRId64
+           ", \"fp8_dequant_ns\": %" PRId64 ", \"ffn_cublaslt_ns\": %" PRId64 ", \"ffn_dequant_ns\": %" PRId64 "}\n",
+           a->spec, n_out, n_in, n_tok, b->n_sets, b->t_mm, b->t_q8, b->t_ffn, b->t_d2d, wb + sb, b->t_h2d,
+           b->t_big > 0 ? b->big : 0, b->t_big, b->t_f8, b->t_b16, b->t_f8r, b->t_f8t,
+           b->args.tc == MF_DEV_F16_BF16 ? "bf16" : b->args.tc == MF_DEV_F16_FP16 ? "fp16" : "none", b->t_f8l, b->t_dq,
+           b->t_fl, b->t_dqf);
 }
 
 static void mf_bdv_close(mf_bdv *b)
@@ -375,6 +492,7 @@ static void mf_bdv_close(mf_bdv *b)
     mf_dev_free(d, 0, b->h);
     mf_dev_free(d, 0, b->yf);
     mf_dev_free(d, 0, b->dbig);
+    mf_dev_free(d, 0, b->ltmem);
     mf_dev_host_free(d, b->hw);
     mf_dev_host_free(d, b->hbig);
     mf_dev_close(d);
@@ -392,7 +510,7 @@ int mf_bench_dev(int argc, char **argv)
     mf_bdv b = {.a = &a, .big = (uint64_t)a.big_mib << 20,
                 .tm = {.warm_ns = (int64_t)(a.warm_ms * 1e6), .min_ns = (int64_t)(a.min_ms * 1e6), .min_reps = (int)a.reps},
                 .t_mm = -1, .t_d2d = -1, .t_h2d = -1, .t_big = -1, .t_q8 = -1, .t_ffn = -1, .t_f8 = -1, .t_b16 = -1,
-                .t_f8r = -1, .t_f8t = -1};
+                .t_f8r = -1, .t_f8t = -1, .t_f8l = -1, .t_dq = -1, .t_fl = -1, .t_dqf = -1};
     rc = mf_bdv_open(&b);
     if (!b.d) {
         fprintf(stderr, "moeflow bench dev: %s\n", mf_last_error());

@@ -17,6 +17,8 @@
 #include "graphs/ref/ref.h"
 #include "graphs/step/sample.h"
 #include "graphs/step/step.h"
+#include "host/grammar.h"
+#include "host/tokenizer.h"
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "tools/bench_serve.h"
@@ -77,7 +79,18 @@ typedef struct mf_bs_ctx {
     mf_bs_req *q;
     int n, next, done, rc;
     mf_bs_lat *lat;
+    const mf_gram *g;     /* --constrained: the grammar of a fraction frac of the requests */
+    double frac;
 } mf_bs_ctx;
+
+/* Submits request i (constrained when the fraction frac of requests 0..i says so). */
+static int mf_bs_submit(mf_bs_ctx *x, int i)
+{
+    mf_bs_req *q = &x->q[i];
+    int constrained = x->g && (int)((i + 1) * x->frac) > (int)(i * x->frac);
+    return mf_batch_submit(x->b, &(mf_batch_req){.prompt = q->prompt, .n_prompt = q->n_prompt, .max_tokens = q->n_out,
+                                                 .ignore_eos = 1, .grammar = constrained ? x->g : NULL, .user = q}, NULL);
+}
 
 static void mf_bs_token(mf_bs_lat *l, mf_bs_req *q, int64_t now)
 {
@@ -99,29 +112,26 @@ static void mf_bs_on_event(void *user, const mf_batch_event *ev)
     if (ev->finish != MF_BATCH_LENGTH && !x->rc) x->rc = mf_error(-EIO, "bench serve: a request ended with %s",
                                                                   mf_batch_finish_name(ev->finish));
     if (x->next < x->n) {   /* this client's next request arrives now */
-        mf_bs_req *nq = &x->q[x->next++];
-        nq->arrive_ns = ev->now_ns;
-        int rc = mf_batch_submit(x->b, &(mf_batch_req){.prompt = nq->prompt, .n_prompt = nq->n_prompt,
-                                                       .max_tokens = nq->n_out, .ignore_eos = 1, .user = nq}, NULL);
+        x->q[x->next].arrive_ns = ev->now_ns;
+        int rc = mf_bs_submit(x, x->next++);
         if (rc && !x->rc) x->rc = rc;
     }
 }
 
 static int mf_bs_continuous(mf_ref *r, mf_step *e, mf_bs_req *q, int n, int conc, int step_tokens, int split,
-                            int64_t ctx, mf_bs_lat *lat, double *sec, mf_bs_prof *pr)
+                            int64_t ctx, mf_bs_lat *lat, double *sec, mf_bs_prof *pr, const mf_gram *g,
+                            const mf_gram_vocab *gv, double frac)
 {
-    mf_bs_ctx x = {.q = q, .n = n, .lat = lat};
+    mf_bs_ctx x = {.q = q, .n = n, .lat = lat, .g = g, .frac = frac};
     int rc = mf_batch_new(&(mf_batch_opts){.ref = r, .eng = e, .max_batch = conc, .step_tokens = step_tokens,
-                                           .prefill_split = split,
+                                           .prefill_split = split, .gram_vocab = gv,
                                            .max_context = ctx, .max_queue = n, .on_event = mf_bs_on_event,
                                            .user = &x}, &x.b);
     if (rc) return rc;
     int64_t t0 = mf_now_ns();
     for (; x.next < conc && x.next < n && !rc; x.next++) {
         q[x.next].arrive_ns = t0;
-        rc = mf_batch_submit(x.b, &(mf_batch_req){.prompt = q[x.next].prompt, .n_prompt = q[x.next].n_prompt,
-                                                 .max_tokens = q[x.next].n_out, .ignore_eos = 1,
-                                                 .user = &q[x.next]}, NULL);
+        rc = mf_bs_submit(&x, x.next);
     }
     while (!rc && !x.rc && x.done < n) {
         int items = 0;
@@ -233,6 +243,7 @@ typedef struct mf_bs_cli {
     int json;
     long turns, system_tokens, block;   /* --turns: the multi-turn workload (tools/bench_serve_turns.c) */
     uint64_t cache_bytes;
+    double constrained;
 } mf_bs_cli;
 
 #define F(x) offsetof(mf_bs_cli, x)
@@ -266,6 +277,10 @@ static const mf_opt mf_bs_table[] = {
      .help = "with --turns: the prefix cache's memory"},
     {"--prefix-block", .kind = MF_OPT_LONG, .off = F(block), .def = "0", .meta = "N", .lo = 0, .hi = 256,
      .help = "with --turns: tokens per cached block (0: " MF_OPTS_STR(MF_PREFIX_BLOCK) ")"},
+    {"--constrained", .kind = MF_OPT_DOUBLE, .off = F(constrained), .def = "0", .meta = "F", .lo = 0, .hi = 1,
+     .help = "this fraction of the requests constrained by a JSON Schema\n(arrays of objects with string,"
+             " integer and boolean\nfields, long enough to last every request): the\nconstrained run is then"
+             " compared with the same\nworkload unconstrained instead of static batching,\ntimed A B B A"},
     {"--json", .kind = MF_OPT_FLAG, .off = F(json),
      .help = "{\"requests\", \"results\": [{mode, concurrency, tokens_per_s, ttft and itl\n"
              "percentiles, wall_s, and where the time went}]} instead of the table"},
@@ -278,7 +293,7 @@ static const mf_opts_spec mf_bs_spec = {
     .usage = "usage: moeflow bench serve --checkpoint DIR [--requests N] [--concurrency C,C,..]\n"
              "                           [--prompt-tokens MIN-MAX] [--output-tokens MIN-MAX]\n"
              "                           [--step-tokens N] [--prefill-split K] [--threads N] [--seed S]\n"
-             "                           [--warmup N] [--json]\n"
+             "                           [--warmup N] [--constrained F] [--json]\n"
              "       moeflow bench serve --checkpoint DIR --turns T [--system-tokens S] [--prefix-cache SIZE]\n"
              "                           [--prefix-block N] [...]\n\n"
              "N requests with prompt and output lengths drawn uniformly from the ranges (seeded)\n"
@@ -307,6 +322,9 @@ typedef struct mf_bs {
     mf_model *m;
     mf_ref *r;
     mf_step *e;
+    mf_tok *tok;          /* --constrained: the tokenizer, its vocabulary for grammars, the grammar */
+    mf_gram_vocab *gv;
+    mf_gram *g;
     mf_bs_req *q;
     int n;
     mf_bs_lat lat;
@@ -338,6 +356,17 @@ static int mf_bs_open(mf_bs *b)
         b->total_out += q->n_out;
         b->ctx = q->n_prompt + q->n_out > b->ctx ? q->n_prompt + q->n_out : b->ctx;
     }
+    if (a->constrained > 0) {   /* a schema whose arrays outlast every request: each ends at its length */
+        static const char schema[] = "{\"type\":\"array\",\"minItems\":1000000,\"items\":{\"type\":\"object\","
+                                     "\"properties\":{\"id\":{\"type\":\"integer\"},\"name\":{\"type\":\"string\"},"
+                                     "\"ok\":{\"type\":\"boolean\"}},\"required\":[\"id\",\"name\",\"ok\"]}}";
+        char tp[4200];
+        snprintf(tp, sizeof tp, "%s/tokenizer.json", a->dir);
+        if ((rc = mf_tok_load(tp, &b->tok)) ||
+            (rc = mf_gram_vocab_new(b->tok, c->vocab_size, (int32_t)c->eos_token_id, &b->gv)) ||
+            (rc = mf_gram_from_schema(schema, sizeof schema - 1, &b->g)))
+            return rc;
+    }
     b->lat.ttft = malloc(sizeof(double) * (size_t)b->n);
     b->lat.itl = malloc(sizeof(double) * (size_t)b->total_out);
     return b->lat.ttft && b->lat.itl ? 0 : mf_error(-ENOMEM, "out of memory");
@@ -353,15 +382,22 @@ static int mf_bs_pass(mf_bs *b, int mode, int conc, double *sec, mf_bs_prof *pr)
     mf_step_build_stats b0, b1;
     mf_step_builds(b->e, &b0);
     double cpu0 = mf_bs_cpu_s();
-    int rc = mode == 0 ? mf_bs_continuous(b->r, b->e, b->q, b->n, conc, (int)b->a->step_tokens, (int)b->a->split,
-                                          b->ctx, &b->lat, sec, pr)
-                       : mf_bs_static(b->r, b->e, b->q, b->n, conc, b->ctx, &b->lat, sec, pr);
+    int rc = mode == 0 || b->g ? mf_bs_continuous(b->r, b->e, b->q, b->n, conc, (int)b->a->step_tokens,
+                                                  (int)b->a->split, b->ctx, &b->lat, sec, pr, mode ? NULL : b->g, b->gv,
+                                                  b->a->constrained)
+                               : mf_bs_static(b->r, b->e, b->q, b->n, conc, b->ctx, &b->lat, sec, pr);
     if (rc) return rc;
     mf_step_builds(b->e, &b1);
     pr->cpu_s = mf_bs_cpu_s() - cpu0;
     pr->n_built = b1.n_built - b0.n_built;
     pr->build_ns = b1.build_ns - b0.build_ns;
     return 0;
+}
+
+/* A mode's name: continuous and static; with --constrained, constrained and continuous. */
+static const char *mf_bs_mode(const mf_bs *b, int mode)
+{
+    return b->g ? (mode ? "continuous" : "constrained") : mode ? "static" : "continuous";
 }
 
 /* A timed pass's row (or JSON object; first: the first of the list). */
@@ -376,7 +412,7 @@ static void mf_bs_print(mf_bs *b, int mode, int conc, int first, double tps, dou
                ",\"forward_s\":%.3f,\"shapes_built\":%" PRId64 ",\"build_s\":%.3f,\"busy_s\":%.3f,\"cpu_s\":%.3f,\"forward_cpu_s\":%.3f,"
                "\"prefill_forwards\":%" PRId64 ",\"prefill_items\":%" PRId64 ",\"prefill_forward_decode_items\":%" PRId64
                ",\"prefill_forward_s\":%.3f,\"prefill_forward_cpu_s\":%.3f}", first ? "" : ",",
-               mode ? "static" : "continuous", conc, tps, t50, t99, i50, i99, sec, pr->steps, pr->items,
+               mf_bs_mode(b, mode), conc, tps, t50, t99, i50, i99, sec, pr->steps, pr->items,
                pr->fwd_ns / 1e9, pr->n_built, pr->build_ns / 1e9, pr->busy_ns / 1e9, pr->cpu_s, pr->fwd_cpu_s,
                pr->pf_steps, pr->pf_items, pr->pf_dec, pr->pf_ns / 1e9, pr->pf_cpu_s);
     else
@@ -384,7 +420,7 @@ static void mf_bs_print(mf_bs *b, int mode, int conc, int first, double tps, dou
                "%-11s %5s steps %" PRId64 ", %.1f items a step, forwards %.2f s (of which %" PRId64
                " shapes built in %.2f s), workers busy %.2f s, CPU %.2f s\n"
                "%-11s %5s with prefill: %" PRId64 " forwards, %" PRId64 " prefill items beside %" PRId64
-               " decode items, %.2f s (CPU %.2f s)\n", mode ? "static" : "continuous", conc, tps, t50, t99, i50,
+               " decode items, %.2f s (CPU %.2f s)\n", mf_bs_mode(b, mode), conc, tps, t50, t99, i50,
                i99, sec, "", "", pr->steps, pr->steps ? (double)pr->items / pr->steps : 0.0, pr->fwd_ns / 1e9,
                pr->n_built, pr->build_ns / 1e9, pr->busy_ns / 1e9, pr->cpu_s, "", "", pr->pf_steps, pr->pf_items,
                pr->pf_dec, pr->pf_ns / 1e9, pr->pf_cpu_s);
@@ -405,7 +441,7 @@ static int mf_bs_run(mf_bs *b, const int *cl, int n_c)
     else
         printf("{\"requests\":%d,\"results\":[", b->n);
     for (int k = 0; k < n_c; k++) {
-        double tps[2];
+        double tps[2], cpu[2] = {0, 0}, wall[2] = {0, 0};
         for (int pass = 0; pass <= a->warmup; pass++)
             for (int mode = 0; mode < 2; mode++) {
                 double sec;
@@ -414,9 +450,26 @@ static int mf_bs_run(mf_bs *b, const int *cl, int n_c)
                 if (rc) return rc;
                 if (pass < a->warmup) continue;
                 tps[mode] = b->total_out / sec;
+                wall[mode] += sec;
+                cpu[mode] += pr.cpu_s;
                 mf_bs_print(b, mode, cl[k], k + mode == 0, tps[mode], sec, &pr);
             }
-        if (!a->json) printf("%-11s %5d %8.2fx\n", "ratio", cl[k], tps[0] / tps[1]);
+        /* --constrained: the timed pair again in the other order (A B B A), since on a loaded
+         * machine the first of a pair ran slower whatever it was; the ratio of the sums */
+        for (int mode = 1; b->g && mode >= 0; mode--) {
+            double sec;
+            mf_bs_prof pr;
+            int rc = mf_bs_pass(b, mode, cl[k], &sec, &pr);
+            if (rc) return rc;
+            wall[mode] += sec;
+            cpu[mode] += pr.cpu_s;
+            mf_bs_print(b, mode, cl[k], 0, b->total_out / sec, sec, &pr);
+        }
+        if (!a->json && b->g)
+            printf("%-11s %5d %8.2fx (A B B A: wall %.2f / %.2f s; CPU %.2f / %.2f s, %.3fx)\n", "ratio", cl[k],
+                   wall[1] / wall[0], wall[0], wall[1], cpu[0], cpu[1], cpu[1] / cpu[0]);
+        else if (!a->json)
+            printf("%-11s %5d %8.2fx\n", "ratio", cl[k], tps[0] / tps[1]);
     }
     if (a->json) printf("]}\n");
     return 0;
@@ -431,6 +484,9 @@ static void mf_bs_close(mf_bs *b)
     mf_step_free(b->e);
     mf_ref_free(b->r);
     mf_model_free(b->m);
+    mf_gram_free(b->g);
+    mf_gram_vocab_free(b->gv);
+    mf_tok_free(b->tok);
 }
 
 int mf_bench_serve(int argc, char **argv)

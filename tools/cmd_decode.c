@@ -6,10 +6,12 @@
  * loop and its reports; the prompts and the batcher's events: tools/cmd_decode_seqs.c. */
 #include <errno.h>
 #include <inttypes.h>
+#include <signal.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "device/dev.h"
@@ -41,7 +43,15 @@ static const mf_opt mf_dec_table[] = {
      .help = "token ids, comma or space separated, used as given"},
     {"--prompts", .kind = MF_OPT_STR, .off = F(prompts_file), .meta = "FILE",
      .help = "one prompt per line, any number of lines (text with a tokenizer,\n"
-             "else token ids); empty lines are skipped"},
+             "else token ids); empty lines are skipped; a line that cannot be\n"
+             "a prompt (not UTF-8, bad ids, past the context) gets an error\n"
+             "record and the run goes on (exit 3 at the end). SIGINT or SIGTERM:\n"
+             "no new prompts start, the ones generating finish (a second signal\n"
+             "cancels them), a summary, exit 130 (SIGINT) or 143 (SIGTERM)"},
+    {"--resume", .kind = MF_OPT_FLAG, .off = F(resume),
+     .help = "with --prompts and --output: the prompts whose records are in\n"
+             "--output already are not run again (a cut last line is removed);\n"
+             "the new records are appended"},
     {"--batch", .kind = MF_OPT_LONG, .off = F(batch), .meta = "B", .lo = 1, .hi = MF_STEP_MAX_ITEMS,
      .help = "sequences decoded at once (1.." MF_OPTS_STR(MF_STEP_MAX_ITEMS) "): with --prompts every line\n"
              "runs, B at a time (default: all, at most " MF_OPTS_STR(MF_STEP_MAX_ITEMS) "); with --prompt or\n"
@@ -55,9 +65,11 @@ static const mf_opt mf_dec_table[] = {
              MF_OPTS_STR(MF_STEP_MAX_CHUNK) " positions (long chunks), mixed steps in graphs of "
              MF_OPTS_STR(MF_STEP_MAX_ITEMS)},
     {"--output", .kind = MF_OPT_STR, .off = F(outfile), .meta = "FILE",
-     .help = "one JSON object per prompt as it finishes: index, prompt, text\n"
-             "(with a tokenizer), tokens, prompt_tokens, finish_reason (eos or\n"
-             "length), queue_s, first_token_s, total_s"},
+     .help = "one JSON object per prompt as it finishes, one write each (the\n"
+             "scriptable channel): index (the line's index in FILE, from 0),\n"
+             "line (its number, from 1), prompt, text (with a tokenizer), tokens,\n"
+             "prompt_tokens, finish_reason (eos or length), queue_s,\n"
+             "first_token_s, total_s; a refused line: index, line, prompt, error"},
     {"--engine", .kind = MF_OPT_WORD, .off = F(sched), .def = "scheduled", .meta = "E", .words = mf_dec_engines,
      .help = "scheduled or reference"},
     {"--threads", .kind = MF_OPT_LONG, .off = F(threads), .meta = "N", .lo = 1, .hi = 256,
@@ -136,6 +148,11 @@ static const mf_opt mf_dec_table[] = {
              "sequence's positions (prefill chunks, batch 1) per layer by the cost\n"
              "model on --profile (cost), on the cards wherever they\n"
              "can, or on the host (host logits bit for bit on emulated cards)"},
+    {"--cublaslt", .kind = MF_OPT_WORD, .off = F(lt), .def = "cost", .meta = "L", .words = mf_tool_lt_modes,
+     .help = "where the cards' tensor cores take work through cuBLASLt: cost (by\n"
+             "the cost model on --profile: never without a tensor-core rate), on\n"
+             "(wherever it applies), dense (the dense linears only: host logits\n"
+             "bit for bit on emulated cards), off"},
     {"--micro-batches", .kind = MF_OPT_LONG, .off = F(micro), .def = "1", .meta = "M", .lo = 1, .hi = 2,
      .expect = "1 or 2",
      .help = "scheduled engine, batch >= 2: 2 splits the batch into two halves\n"
@@ -179,7 +196,7 @@ static const mf_opt mf_dec_table[] = {
 static const mf_opts_spec mf_dec_spec = {
     .cmd = "decode",
     .usage =
-        "usage: moeflow decode --checkpoint DIR (--prompt TEXT | --tokens IDS | --prompts FILE)\n"
+        "usage: moeflow decode --checkpoint DIR (--prompt TEXT | --tokens IDS | --prompts FILE [--resume])\n"
         "                      [--engine scheduled|reference] [--threads N] [--sockets N|auto]\n"
         "                      [--exact] [--batch B]\n"
         "                      [--step-tokens N] [--output FILE.jsonl]\n"
@@ -190,6 +207,7 @@ static const mf_opts_spec mf_dec_spec = {
         "                       [--store-tables resident|streamed] [--io-depth N] [--read-window N]]\n"
         "                      [--devices emu:N|cuda[:IDS] [--placement seed|host|hybrid] [--dense host|cards]\n"
         "                       [--dense-split layers|rows] [--heads cost|cards|host] [--micro-batches 1|2]\n"
+        "                       [--cublaslt cost|on|dense|off]\n"
         "                       [--dev-cache SIZE] [--dev-cache-fill on|off|trace:FILE] [--dev-graphs]\n"
         "                       [--profile P]] [--record-routing FILE]\n"
         "                      [--prefix-cache SIZE] [--prefix-cache-dir DIR] [--prefix-block N]\n\n"
@@ -200,9 +218,11 @@ static const mf_opts_spec mf_dec_spec = {
         "of every running sequence plus prefill chunks of new ones under --step-tokens; a\n"
         "finished sequence's place goes to the next prompt at the next step. Each sequence's\n"
         "tokens are the ones it gets decoded alone. One sequence is streamed: text when DIR has\n"
-        "a tokenizer.json, token ids otherwise; several are printed one line each, '[i] ...',\n"
-        "with a progress line (done/total, tokens/s, ETA) on stderr. Ends with prefill and\n"
-        "aggregate decode tokens/s on stderr.\n\n",
+        "a tokenizer.json, token ids otherwise; several are printed one line each, '[i] ...'\n"
+        "(i: the line's index in FILE; newline, CR, tab, backslash and control bytes escaped as\n"
+        "\\n \\r \\t \\\\ \\xHH), with a progress line (done/total, tokens/s, ETA) on stderr. Ends\n"
+        "with prefill and aggregate decode tokens/s on stderr. Exit codes: 0 done, 1 failed, 2 bad\n"
+        "usage, 3 done with refused lines, 130/143 interrupted (SIGINT/SIGTERM).\n\n",
     .opts = mf_dec_table,
     .col = 22,
 };
@@ -222,6 +242,12 @@ static int mf_dec_check(mf_dec_cli *a, mf_dec *d)
     if (!a->dir || (!!a->prompt + !!a->ids + !!a->prompts_file) != 1)
         return mf_opts_refuse(&mf_dec_spec, "--checkpoint and exactly one of --prompt / --tokens / --prompts are "
                                             "required");
+    struct stat st;
+    if (stat(a->dir, &st) || !S_ISDIR(st.st_mode)) {
+        fprintf(stderr, "moeflow decode: --checkpoint %s: %s\n", a->dir,
+                stat(a->dir, &st) ? (errno == ENOENT ? "no such directory" : strerror(errno)) : "not a directory");
+        return 2;
+    }
     const char *why = NULL;
     char buf[64];
     if (a->sched && a->act_quant)
@@ -293,16 +319,25 @@ static int mf_dec_model(mf_dec *d)
                 (mf_now_ns() - tl0) / 1e9);
     const mf_config *c = mf_model_config(d->m);
     int max_prompt = 0;
-    for (int s = 0; s < d->n_seq; s++) {
+    for (int s = 0; s < d->n_seq; s++) {   /* with --prompts a line that does not fit is refused */
         mf_dec_seq *q = &d->sq[s];
+        if (q->state != MF_DEC_RUN) continue;
         if (d->is_text && !d->no_bos) q->pids[0] = c->bos_token_id;
         for (int i = 0; i < q->n_pid; i++)
             if (q->pids[i] >= c->vocab_size) {
+                if (a->prompts_file) {
+                    mf_dec_refuse_line(d, s, "token %d (position %d) is outside the vocabulary (vocab_size %" PRId64
+                                       ")", q->pids[i], i, c->vocab_size);
+                    break;
+                }
                 fprintf(stderr, "moeflow decode: token %d (prompt %d, position %d) is outside the vocabulary of "
                                 "%s (vocab_size %" PRId64 ")\n", q->pids[i], s + 1, i, a->dir, c->vocab_size);
                 return 2;
             }
-        max_prompt = q->n_pid > max_prompt ? q->n_pid : max_prompt;
+        if (q->state == MF_DEC_RUN && a->prompts_file && q->n_pid + a->max_new > c->max_position_embeddings)
+            mf_dec_refuse_line(d, s, "the prompt (%d tokens) + --max-new-tokens %ld is past the model's "
+                               "max_position_embeddings %" PRId64, q->n_pid, a->max_new, c->max_position_embeddings);
+        if (q->state == MF_DEC_RUN) max_prompt = q->n_pid > max_prompt ? q->n_pid : max_prompt;
     }
     d->total = (int64_t)max_prompt + a->max_new;
     if (d->total > c->max_position_embeddings) {
@@ -364,7 +399,7 @@ static int mf_dec_engine(mf_dec *d)
                                            .dev_fill_counts = d->fill_counts, .dev_fill_progress = !a->quiet,
                                            .dev_graphs = a->dev_graphs, .dense = d->dense,
                                            .dense_split = a->dense_split, .heads = a->heads, .micro = (int)a->micro,
-                                           .profile = d->prof, .io_depth = (int)a->io_depth,
+                                           .lt = a->lt, .profile = d->prof, .io_depth = (int)a->io_depth,
                                            .io_force_pread = mf_tool_io_env.force_pread,
                                            .io_fault_kind = mf_tool_io_env.fault_kind,
                                            .io_fault_nth = mf_tool_io_env.fault_nth}, &d->eng);
@@ -397,7 +432,8 @@ static void mf_dec_engine_notes(const mf_dec *d)
 static int mf_dec_submit(mf_dec *d)
 {
     const mf_dec_cli *a = d->a;
-    d->dc = (mf_dec_ctx){.sq = d->sq, .tok = d->tok, .stream = d->n_seq == 1, .out = d->outf, .quiet = a->quiet};
+    d->dc = (mf_dec_ctx){.sq = d->sq, .tok = d->tok, .stream = d->n_seq == 1, .out = d->outf, .quiet = a->quiet,
+                         .with_line = a->prompts_file != NULL};
     int rc = mf_tool_prefix_open(&a->pfx, d->r, mf_tool_prefix_numerics(a->sched, a->exact, a->devices),
                                  "moeflow decode", a->quiet, &d->pfx);
     if (rc) return rc;
@@ -407,14 +443,15 @@ static int mf_dec_submit(mf_dec *d)
                                        .user = &d->dc}, &d->bat);
     if (rc) return rc;
     d->rrec.b = d->bat;
+    if ((rc = mf_dec_write_refused(d))) return rc;
     for (int s = 0; s < d->n_seq; s++) {
         mf_dec_seq *q = &d->sq[s];
+        if (q->state != MF_DEC_RUN) continue;
         if (!(q->gen = malloc(sizeof(int32_t) * (size_t)(a->max_new + 1)))) return mf_error(-ENOMEM, "out of memory");
         mf_batch_req rq = {.prompt = q->pids, .n_prompt = q->n_pid, .max_tokens = (int)a->max_new,
                            .temperature = a->temperature, .top_p = a->top_p, .seed = a->seed + (unsigned long long)s,
                            .ignore_eos = a->ignore_eos, .user = q};
-        q->index = s;
-        if ((rc = mf_batch_submit(d->bat, &rq, NULL))) return rc;
+        if ((rc = mf_batch_submit(d->bat, &rq, &q->id))) return rc;
     }
     return 0;
 }
@@ -449,6 +486,7 @@ static void mf_dec_step_stats(mf_dec *d)
         t->dev_slots += x.dev_slots, t->host_slots += x.host_slots, t->hits += x.hits;
         t->misses += x.misses, t->bytes_in += x.bytes_in, t->evictions += x.evictions;
         t->host_fallbacks += x.host_fallbacks;
+        t->lt_linears += x.lt_linears, t->lt_slots += x.lt_slots;
         t->n_cards = x.n_cards, t->cache_slots = x.cache_slots;
         if (!a->quiet)
             fprintf(stderr, "moeflow decode: step %ld devices: %" PRId64 " expert slots on cards, %" PRId64
@@ -460,28 +498,73 @@ static void mf_dec_step_stats(mf_dec *d)
     if (d->mst && !a->quiet) mf_print_step(d->mst, "step", d->steps, a->sched);
 }
 
-/* Steps the batcher until every prompt has finished, the progress line once a second. */
+/* The signals of an interrupted run (mf_dec_run): how many came, the first one. */
+static volatile sig_atomic_t mf_dec_n_sig, mf_dec_first_sig;
+
+static void mf_dec_on_signal(int sig)
+{
+    if (!mf_dec_n_sig) mf_dec_first_sig = sig;
+    if (mf_dec_n_sig < 2) mf_dec_n_sig++;
+}
+
+/* With --prompts, from the first record written to the exit: SIGINT and SIGTERM are taken
+ * (counted; the step loop acts on them), so the process never dies in mid-record or before its
+ * summary. Before (loading the model), and with --prompt or --tokens, a signal ends it as before. */
+static void mf_dec_catch(const mf_dec *d)
+{
+    if (!d->a->prompts_file) return;
+    struct sigaction sa = {.sa_handler = mf_dec_on_signal, .sa_flags = SA_RESTART};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+}
+
+/* After a signal: the first cancels the prompts not generating yet (queued, or in their prefill);
+ * the second the rest. `seen` is how many signals were acted on. */
+static void mf_dec_interrupt(mf_dec *d, int *seen)
+{
+    int n = mf_dec_n_sig;
+    if (n <= *seen) return;
+    d->sig = mf_dec_first_sig;
+    for (int s = 0; s < d->n_seq; s++) {
+        const mf_dec_seq *q = &d->sq[s];
+        if (q->state == MF_DEC_RUN && !q->done && (n > 1 || q->n_gen == 0)) mf_batch_cancel(d->bat, q->id);
+    }
+    if (!d->a->quiet || n > 1)
+        fprintf(stderr, "\nmoeflow decode: %s: %s\n", d->sig == SIGINT ? "SIGINT" : "SIGTERM",
+                n > 1 ? "cancelling the prompts still generating" :
+                        "no new prompts start; the ones generating finish (signal again to cancel them)");
+    *seen = n;
+}
+
+/* Steps the batcher until every prompt has finished (or an interruption has ended them), the
+ * progress line once a second; the signals taken since mf_dec_catch act between steps
+ * (mf_dec_interrupt). */
 static int mf_dec_run(mf_dec *d)
 {
     const mf_dec_cli *a = d->a;
     int64_t next_progress = (d->t0 = mf_now_ns()) + 1000000000;
     d->dc.t0 = d->t0;
     if (d->mst) mf_store_step(d->mst, NULL);
+    int seen = 0, rc = 0;
     for (;;) {
-        int n_items = 0, rc = mf_batch_step(d->bat, &n_items);
-        if (rc) return rc;
+        mf_dec_interrupt(d, &seen);
+        int n_items = 0;
+        if ((rc = mf_batch_step(d->bat, &n_items))) break;
         if (!n_items) break;
         d->steps++;
         mf_dec_step_stats(d);
         int64_t now = mf_now_ns();
         if (!a->quiet && d->n_seq > 1 && now >= next_progress) {
-            mf_dec_progress(&d->dc, d->n_seq, now, 0);
+            mf_dec_progress(&d->dc, d->n_seq - d->n_bad - d->n_had, now, 0);
             next_progress = now + 1000000000;
         }
     }
+    mf_dec_interrupt(d, &seen);   /* one that came during the last step */
+    if (rc) return rc;
     if (d->dc.rc) return mf_error(d->dc.rc, "%s", d->dc.msg);
     d->t2 = mf_now_ns();
-    if (!a->quiet && d->n_seq > 1) mf_dec_progress(&d->dc, d->n_seq, d->t2, 1);
+    if (!a->quiet && d->n_seq > 1 && !d->sig) mf_dec_progress(&d->dc, d->n_seq - d->n_bad - d->n_had, d->t2, 1);
     return 0;
 }
 
@@ -490,19 +573,12 @@ static int mf_dec_run(mf_dec *d)
 static int mf_dec_outputs(mf_dec *d)
 {
     const mf_dec_cli *a = d->a;
-    if (d->n_seq == 1) {
-        putchar('\n');
-    } else {
-        for (int s = 0; s < d->n_seq; s++) {
-            printf("[%d] ", s);
-            for (long k = 0; k < d->sq[s].n_gen; k++) mf_dec_emit_token(d->tok, d->sq[s].gen[k], k == 0);
-            putchar('\n');
-        }
-    }
+    if (d->n_seq == 1 && d->sq[0].state == MF_DEC_RUN) putchar('\n');
+    else mf_dec_print_lines(d);
     fflush(stdout);
-    if (d->outf) {
-        int bad = fclose(d->outf);
-        d->outf = NULL;
+    if (d->outf >= 0) {
+        int bad = close(d->outf);
+        d->outf = -1;
         if (bad) return mf_error(-EIO, "--output %s: write failed", a->outfile);
     }
     if (d->rrec.rec) {
@@ -552,11 +628,13 @@ static void mf_dec_report(const mf_dec *d)
         fprintf(stderr, "moeflow decode: devices (%s, %s placement, %d cache slots per card) steps: %" PRId64
                 " expert slots on cards, %" PRId64 " on the host (%" PRId64 " for want of a free cache slot); "
                 "cache hit rate %.1f%% (%" PRIu64 " hits, %" PRIu64 " misses), %.2f GiB copied in; copies busy %.3f s, "
-                "expert compute %.3f s, overlapping %.3f s (%.1f%% of copy time)\n", a->devices, d->placement,
+                "expert compute %.3f s, overlapping %.3f s (%.1f%% of copy time); cuBLASLt: %" PRId64 " dense linear "
+                "launches, %" PRId64 " expert slots\n", a->devices, d->placement,
                 t->n_cards ? t->cache_slots : 0, t->dev_slots, t->host_slots, t->host_fallbacks,
                 100.0 * t->hits / (double)(t->hits + t->misses ? t->hits + t->misses : 1), t->hits,
                 t->misses, t->bytes_in / 1073741824.0, d->cp_busy_ns / 1e9, d->cm_busy_ns / 1e9,
-                d->cp_overlap_ns / 1e9, d->cp_busy_ns ? 100.0 * d->cp_overlap_ns / d->cp_busy_ns : 0.0);
+                d->cp_overlap_ns / 1e9, d->cp_busy_ns ? 100.0 * d->cp_overlap_ns / d->cp_busy_ns : 0.0, t->lt_linears,
+                t->lt_slots);
     long out_tokens = 0;
     for (int s = 0; s < d->n_seq; s++) out_tokens += d->sq[s].n_gen;
     mf_batch_stats bs;
@@ -570,6 +648,35 @@ static void mf_dec_report(const mf_dec *d)
             bs.prefill_items / sec, bs.decode_items, bs.decode_items / sec, out_tokens, out_tokens / sec,
             mf_dec_median_ttft(d->sq, d->n_seq));
     mf_tool_prefix_report(d->pfx, "moeflow decode", stderr);
+}
+
+/* After a run with refused lines or an interruption: what became of the prompts, on stderr (with
+ * --quiet too), and the exit code: 130 / 143 interrupted (SIGINT / SIGTERM), 3 with refused lines,
+ * else 0. */
+static int mf_dec_summary(const mf_dec *d)
+{
+    int done = 0, cancelled = 0, not_started = 0;
+    for (int s = 0; s < d->n_seq; s++) {
+        const mf_dec_seq *q = &d->sq[s];
+        if (q->state != MF_DEC_RUN) continue;
+        if (q->done && q->finish != MF_BATCH_CANCELLED) done++;
+        else if (q->done && q->admit_ns) cancelled++;
+        else not_started++;
+    }
+    int refused = d->n_bad + d->n_had_bad;
+    if (!d->sig && !refused) return 0;
+    const char *out = d->a->outfile;
+    if (d->sig)
+        fprintf(stderr, "moeflow decode: interrupted by %s: %d prompts done, %d cancelled, %d not started",
+                d->sig == SIGINT ? "SIGINT" : "SIGTERM", done, cancelled, not_started);
+    else
+        fprintf(stderr, "moeflow decode: %d prompts done", done);
+    if (refused)
+        fprintf(stderr, ", %d line%s refused (error records%s)", refused, refused > 1 ? "s" : "", out ? " in --output" : " above");
+    if (d->n_had) fprintf(stderr, ", %d were in --output already", d->n_had);
+    fprintf(stderr, "%s%s%s\n", d->sig && out ? "; `--resume` with the same --output runs the rest (" : "",
+            d->sig && out ? out : "", d->sig && out ? " holds whole lines only)" : "");
+    return d->sig == SIGINT ? 130 : d->sig ? 143 : 3;
 }
 
 static void mf_dec_close(mf_dec *d)
@@ -597,16 +704,18 @@ int mf_cmd_decode(int argc, char **argv)
     int rc = mf_opts_parse(&mf_dec_spec, argc, argv, &a);
     if (rc != MF_OPTS_RUN) return rc;
     static mf_dec d;
-    d = (mf_dec){.a = &a};
+    d = (mf_dec){.a = &a, .outf = -1};
     if ((rc = mf_dec_check(&a, &d))) return rc;
     rc = mf_dec_prompts(&d);
     if (!rc) rc = mf_dec_model(&d);
     if (!rc) rc = mf_dec_engine(&d);
     if (!rc) mf_dec_engine_notes(&d);
+    if (!rc) mf_dec_catch(&d);
     if (!rc) rc = mf_dec_submit(&d);
     if (!rc) rc = mf_dec_run(&d);
     if (!rc) rc = mf_dec_outputs(&d);
-    if (!rc) mf_dec_report(&d);
+    if (!rc && !d.sig) mf_dec_report(&d);
+    if (!rc) rc = mf_dec_summary(&d);
     if (rc < 0) fprintf(stderr, "moeflow decode: %s\n", mf_last_error()[0] ? mf_last_error() : "out of memory");
     mf_dec_close(&d);
     return rc < 0 ? 1 : rc;

@@ -27,10 +27,10 @@ typedef struct mf_dec_cli {
     const char *dir, *prompt, *ids, *prompts_file, *outfile, *chat_spec;
     const char *trace, *devices, *record, *profile_path, *fill_spec;
     int sched;                     /* --engine: 1 scheduled, 0 reference */
-    int chat, no_bos, ignore_eos, act_quant, quiet, exact, dev_graphs;
+    int chat, no_bos, ignore_eos, act_quant, quiet, exact, dev_graphs, resume;
     int store_mode, store_tables;  /* MF_MODEL_STORE_*; 0: none / as --store */
     int placement, dense;          /* -1: not given */
-    int dense_split, heads;
+    int dense_split, heads, lt;
     long max_new, batch, threads, step_tokens, io_depth, read_window, micro;   /* batch, step_tokens 0: not given */
     double temperature, top_p;
     unsigned long long seed;
@@ -39,14 +39,23 @@ typedef struct mf_dec_cli {
     mf_tool_prefix pfx;            /* --prefix-cache and its kin */
 } mf_dec_cli;
 
+/* What becomes of a prompt of the run. */
+enum {
+    MF_DEC_RUN = 0,   /* submitted to the batcher */
+    MF_DEC_BAD,       /* refused (bad): an error record instead */
+    MF_DEC_HAD        /* --resume: its record is in --output already */
+};
+
 /* One prompt of the run and what it produced. */
 typedef struct mf_dec_seq {
-    int index;
+    int index;             /* --prompts: the line's index in FILE (from 0; empty lines count); else i */
     const char *line;      /* the prompt as given */
     int32_t *pids, *gen;
     int n_pid;
     long n_gen;
-    int done, finish;
+    int done, finish, state;
+    char *bad;             /* MF_DEC_BAD: why */
+    uint64_t id;           /* the batcher's */
     int64_t submit_ns, admit_ns, first_ns, done_ns;
 } mf_dec_seq;
 
@@ -55,7 +64,8 @@ typedef struct mf_dec_ctx {
     mf_dec_seq *sq;
     const mf_tok *tok;
     int stream;            /* one sequence: print tokens as they come */
-    FILE *out;             /* --output JSONL, or NULL */
+    int out;               /* --output JSONL (a descriptor: one write per record), or -1 */
+    int with_line;         /* --prompts: records carry the line number */
     int quiet, n_done, rc;
     int64_t t0, generated;
     char msg[MF_ERROR_MSG_BYTES];
@@ -81,10 +91,14 @@ typedef struct mf_dec {
     int have_tok, is_text;
     mf_chat_tmpl *ct;
     char **lines;
+    int *line_no;                  /* --prompts: each line's number in FILE (from 1) */
     int n_lines, n_seq, max_batch;
+    int n_bad, n_had;              /* prompts refused (error records), already in --output (--resume) */
+    int n_had_bad;                 /* --resume: error records among those already in --output */
     long step_tokens;
     mf_dec_seq *sq;
-    FILE *outf;
+    int outf;                      /* --output, or -1 */
+    int sig;                       /* the signal that interrupted the run (SIGINT, SIGTERM), or 0 */
     /* the model, engine and batcher */
     mf_model *m;
     mf_store *mst;
@@ -109,8 +123,18 @@ typedef struct mf_dec {
 } mf_dec;
 
 /* cmd_decode_seqs.c: the tokenizer, the chat template, the prompts (one, B copies, or FILE's
- * lines) as token ids, --output's file. */
+ * lines) as token ids (a line that cannot be a prompt is marked MF_DEC_BAD with its reason), and
+ * --output's file: created, or with --resume the records already in it taken (a cut last line
+ * removed) and the file opened to append. 0, a negative code or 2. */
 int mf_dec_prompts(mf_dec *d);
+/* Marks prompt i refused (MF_DEC_BAD) with the reason fmt... (its error record comes later). */
+void mf_dec_refuse_line(mf_dec *d, int i, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* The error records of the refused prompts not in --output yet. 0 or -EIO. */
+int mf_dec_write_refused(mf_dec *d);
+/* The stdout lines of several sequences: "[index] text" (newline, CR, tab, backslash and other
+ * control bytes escaped as \n \r \t \\ \xHH), "[index] error: why" for a refused one; token
+ * ids without a tokenizer. Prompts cancelled or not started by an interruption print none. */
+void mf_dec_print_lines(const mf_dec *d);
 /* Prints one token: its text with a tokenizer, else its id (space-separated after the first). */
 void mf_dec_emit_token(const mf_tok *tok, int32_t id, int first);
 /* The batcher's on_event: tokens into their sequence (streamed with one), ends into --output. */

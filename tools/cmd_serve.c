@@ -1,10 +1,13 @@
 /* `moeflow serve`: an OpenAI-compatible HTTP API over continuous batching (docs/serve.md). This
- * file is the command: its options, opening the model, engine and batcher, listening, and the
- * drain at SIGTERM/SIGINT; the server's handlers, jobs and metrics are tools/serve_http.c. */
+ * file is the command: its options (the API key from a flag, a file or MOEFLOW_API_KEY), opening
+ * the model, engine and batcher, listening (the front door, tools/serve_door.c, hands connections
+ * to libmicrohttpd), and the drain at SIGTERM/SIGINT; the server's handlers, jobs and metrics are
+ * tools/serve_http.c. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <malloc.h>
 #include <microhttpd.h>
 #include <netinet/in.h>
 #include <pthread.h>
@@ -13,6 +16,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "graphs/model/engram_map.h"
@@ -24,15 +29,17 @@
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "tools/commands.h"
+#include "tools/serve_door.h"
 #include "tools/serve_http.h"
 #include "tools/serve_req.h"
 #include "tools/tool_prefix.h"
 
 /* The command line of `moeflow serve`. */
 typedef struct mf_serve_cli {
-    const char *dir, *host, *api_key, *model_name, *chat_spec;
+    const char *dir, *host, *api_key, *key_file, *model_name, *chat_spec;
     int sched, exact, quiet;   /* sched: --engine scheduled */
-    long port, max_batch, step_tokens, max_queue, max_context, timeout, drain, threads;
+    long port, max_batch, step_tokens, max_queue, max_context, timeout, request_timeout, drain, threads;
+    long max_conns, max_per_addr;
     uint64_t budget, max_body;
     mf_tool_prefix pfx;        /* --prefix-cache and its kin */
 } mf_serve_cli;
@@ -56,7 +63,11 @@ static const mf_opt mf_serve_table[] = {
     {"--max-queue", .kind = MF_OPT_LONG, .off = F(max_queue), .def = "256", .meta = "N", .lo = 1, .hi = 1 << 20,
      .help = "waiting requests; more get 429 with Retry-After"},
     {"--api-key", .kind = MF_OPT_STR, .off = F(api_key), .meta = "KEY",
-     .help = "every request but /health needs 'Authorization: Bearer KEY'"},
+     .help = "every request but /health needs 'Authorization: Bearer KEY' (the\n"
+             "command line is visible to other users: prefer --api-key-file or\n"
+             "the environment variable MOEFLOW_API_KEY)"},
+    {"--api-key-file", .kind = MF_OPT_STR, .off = F(key_file), .meta = "FILE",
+     .help = "the API key is FILE's first line"},
     {"--max-context", .kind = MF_OPT_LONG, .off = F(max_context), .meta = "N", .lo = 2, .hi = 1L << 30,
      .help = "positions per sequence: prompt + max_tokens (default min(model, 4096))"},
     {"--threads", .kind = MF_OPT_LONG, .off = F(threads), .meta = "N", .lo = 1, .hi = 256,
@@ -70,13 +81,22 @@ static const mf_opt mf_serve_table[] = {
     {"--max-body", .kind = MF_OPT_SIZE, .off = F(max_body), .def = "1M", .meta = "SIZE",
      .help = "largest request body; larger: 413"},
     {"--timeout", .kind = MF_OPT_LONG, .off = F(timeout), .def = "30", .meta = "S", .lo = 1, .hi = 86400,
-     .help = "close connections idle for S seconds"},
+     .help = "close a kept-alive connection that begins no request for S\nseconds, or a client that takes no "
+             "answer bytes for S + 1\nseconds"},
+    {"--request-timeout", .kind = MF_OPT_LONG, .off = F(request_timeout), .def = "10", .meta = "S", .lo = 1,
+     .hi = 86400, .help = "a request's head and body must arrive within S seconds of its\nstart; slower: 408, closed"},
+    {"--max-connections", .kind = MF_OPT_LONG, .off = F(max_conns), .def = "4096", .meta = "N", .lo = 1,
+     .hi = 1 << 20, .help = "open connections in all; more: 503 at once (the open files limit\nis raised to fit "
+                            "them where it can)"},
+    {"--max-connections-per-addr", .kind = MF_OPT_LONG, .off = F(max_per_addr), .def = "256", .meta = "N",
+     .lo = 0, .hi = 1 << 20, .help = "open connections of one client address (0: no limit); more: 429"},
     {"--drain-timeout", .kind = MF_OPT_LONG, .off = F(drain), .def = "10", .meta = "S", .lo = 0, .hi = 86400,
      .help = "on SIGTERM/SIGINT, seconds to let running requests finish"},
     {"--chat-template", .kind = MF_OPT_STR, .off = F(chat_spec), .meta = "T",
      .help = "the chat template: DIR/tokenizer_config.json's chat_template by default\n"
              "(Jinja2, the subset of docs/serve.md; the built-in DeepSeek-V3 format\n"
-             "without one), FILE (a template, or a tokenizer_config.json), or builtin"},
+             "without one), FILE (a template, or a tokenizer_config.json), builtin,\n"
+             "or deepseek-v4 (DeepSeek-V4's encoding with tools, as `moeflow gen` writes)"},
     MF_TOOL_PREFIX_OPTS(F, pfx),
     {"--quiet", "-q", MF_OPT_FLAG, F(quiet), .help = "no log lines on stderr"},
     {NULL},
@@ -89,12 +109,15 @@ static const mf_opts_spec mf_serve_spec = {
              "                     [--step-tokens N] [--state-budget BYTES] [--max-queue N] [--api-key KEY]\n"
              "                     [--max-context N] [--threads N] [--exact] [--engine scheduled|reference]\n"
              "                     [--model-name NAME] [--max-body BYTES] [--timeout S] [--drain-timeout S]\n"
-             "                     [--chat-template FILE|builtin] [--prefix-cache SIZE] [--prefix-cache-dir DIR]\n"
-             "                     [--prefix-block N] [--quiet]\n\n"
+             "                     [--request-timeout S] [--max-connections N] [--max-connections-per-addr N]\n"
+             "                     [--api-key-file FILE] [--chat-template FILE|builtin|deepseek-v4]\n"
+             "                     [--prefix-cache SIZE] [--prefix-cache-dir DIR] [--prefix-block N] [--quiet]\n\n"
              "Serves an OpenAI-compatible HTTP API over the continuous batcher (docs/serve.md):\n"
              "POST /v1/completions, POST /v1/chat/completions (stream: true for server-sent events),\n"
              "GET /v1/models, /health, /metrics (Prometheus text). SIGTERM or SIGINT stop accepting,\n"
-             "let running requests finish for --drain-timeout seconds, cancel the rest, and exit 0.\n\n",
+             "let running requests finish for --drain-timeout seconds, cancel the rest (a stream so\n"
+             "cut ends with finish_reason \"error\" and an error event), and exit 0. Without --api-key\n"
+             "or --api-key-file, the environment variable MOEFLOW_API_KEY is the key when set.\n\n",
     .opts = mf_serve_table,
     .col = 23,
 };
@@ -107,6 +130,8 @@ typedef struct mf_serve {
     mf_ref *r;
     mf_engram_map *emap;
     struct MHD_Daemon *d;
+    mf_door *door;
+    char *key;                 /* the API key (from --api-key, --api-key-file or MOEFLOW_API_KEY), or NULL */
     int stepper;               /* the stepping thread runs */
     char chat_desc[4400];
 } mf_serve;
@@ -148,9 +173,14 @@ static int mf_serve_open(mf_serve *s)
     if ((rc = mf_tool_prefix_open(&a->pfx, s->r, mf_tool_prefix_numerics(a->sched, a->exact, NULL), "moeflow serve",
                                   a->quiet, &v->prefix)))
         return rc;
+    /* constrained output walks the tokenizer's vocabulary; echo's prompt logprobs take a chunk's rows */
+    if (v->tok && (rc = mf_gram_vocab_new(v->tok, v->c->vocab_size, (int32_t)v->c->eos_token_id, &v->gram_vocab)))
+        return rc;
+    int echo_rows = a->step_tokens < MF_STEP_MAX_ITEMS ? (int)a->step_tokens : MF_STEP_MAX_ITEMS;
     if ((rc = mf_batch_new(&(mf_batch_opts){.ref = s->r, .eng = v->eng, .tok = v->tok, .max_batch = (int)a->max_batch,
                                             .step_tokens = (int)a->step_tokens, .max_context = v->max_context,
                                             .state_budget_bytes = a->budget, .max_queue = (int)a->max_queue,
+                                            .echo_rows = echo_rows, .gram_vocab = v->gram_vocab,
                                             .prefix = v->prefix, .on_event = mf_srv_on_event, .user = v}, &v->b)))
         return rc;
     char dn[256];
@@ -158,36 +188,53 @@ static int mf_serve_open(mf_serve *s)
     for (size_t k = strlen(dn); k > 1 && dn[k - 1] == '/'; k--) dn[k - 1] = 0;
     const char *base = strrchr(dn, '/');
     snprintf(v->model, sizeof v->model, "%s", a->model_name ? a->model_name : base ? base + 1 : dn);
-    v->api_key = a->api_key;
+    v->api_key = s->key;
     v->max_body = a->max_body;
     v->quiet = a->quiet;
     return 0;
 }
 
-/* The stepping thread and the HTTP daemon on sa; the start line. 0 or a negative code. */
+/* The stepping thread, the front door on sa and the HTTP daemon it hands connections to: an epoll
+ * thread pool (libmicrohttpd's way with many slow clients), connections suspended while they wait
+ * for their jobs; the start line. 0 or a negative code. */
 static int mf_serve_listen(mf_serve *s, const struct sockaddr_in *sa)
 {
     const mf_serve_cli *a = s->a;
     mf_srv *v = s->v;
     v->start_ns = mf_now_ns();
+    int rc = mf_door_open(&(mf_door_opts){.addr = *sa, .max_conns = (int)a->max_conns,
+                                          .max_per_addr = (int)a->max_per_addr,
+                                          .request_timeout_s = (int)a->request_timeout, .idle_timeout_s = (int)a->timeout,
+                                          .refused = mf_srv_refused, .tick = mf_srv_tick, .user = v}, &s->door);
+    if (rc) {
+        if (rc == -EADDRINUSE)
+            return mf_error(rc, "cannot listen on %s:%ld (in use, or not an address of this machine): %s", a->host,
+                            a->port, mf_last_error());
+        return rc;
+    }
+    v->door = s->door;
     if (pthread_create(&v->stepper, NULL, mf_srv_stepper, v)) return mf_error(-EAGAIN, "cannot start the stepping thread");
     s->stepper = 1;
-    s->d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_ITC |
-                                MHD_USE_ERROR_LOG,
-                            0, NULL, NULL, mf_srv_handle, v, MHD_OPTION_SOCK_ADDR, (const struct sockaddr *)sa,
-                            MHD_OPTION_NOTIFY_COMPLETED, mf_srv_done, v, MHD_OPTION_CONNECTION_TIMEOUT,
-                            (unsigned)a->timeout, MHD_OPTION_CONNECTION_LIMIT,
-                            (unsigned)(a->max_queue + a->max_batch + 64), MHD_OPTION_LISTEN_BACKLOG_SIZE, 256u,
-                            MHD_OPTION_END);
-    if (!s->d)
-        return mf_error(-EADDRINUSE, "cannot listen on %s:%ld (in use, or not an address of this machine)", a->host,
-                        a->port);
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_BIND_PORT);
+    /* libmicrohttpd's idle timeout (which closes silently) a second past the door's deadlines, so
+     * that a slow request gets the door's 408 and an idle one the door's close first; it still
+     * closes a client that takes no answer bytes */
+    long idle_s = a->timeout > a->request_timeout ? a->timeout : a->request_timeout;
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME |
+                     MHD_USE_NO_LISTEN_SOCKET | MHD_USE_ITC | (a->quiet ? 0 : MHD_USE_ERROR_LOG);
+    s->d = MHD_start_daemon(flags, 0, NULL, NULL, mf_srv_handle, v, MHD_OPTION_EXTERNAL_LOGGER, mf_srv_log, v,
+                            MHD_OPTION_THREAD_POOL_SIZE, 4u,
+                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)(idle_s + 1), MHD_OPTION_CONNECTION_LIMIT,
+                            (unsigned)(2 * a->max_conns + 64), MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)64 << 10,
+                            MHD_OPTION_NOTIFY_COMPLETED, mf_srv_done, v, MHD_OPTION_NOTIFY_CONNECTION,
+                            mf_srv_conn_notify, v, MHD_OPTION_URI_LOG_CALLBACK, mf_srv_uri_log, v,
+                            MHD_OPTION_UNESCAPE_CALLBACK, mf_srv_unescape, v, MHD_OPTION_END);
+    if (!s->d) return mf_error(-ENOMEM, "cannot start the HTTP daemon (libmicrohttpd)");
+    if ((rc = mf_door_start(s->door, s->d))) return rc;
     mf_batch_stats bs;
     mf_batch_get_stats(v->b, &bs);
     fprintf(stderr, "moeflow serve: listening on http://%s:%u (model %s, %s engine, up to %d states, %.1f MiB each "
             "at the full context of %" PRId64 " (pages as positions arrive), step budget %ld)\n", a->host,
-            di ? di->port : (unsigned)a->port, v->model, mf_opt_word_name(mf_serve_engines, a->sched), bs.n_states,
+            mf_door_port(s->door), v->model, mf_opt_word_name(mf_serve_engines, a->sched), bs.n_states,
             mf_batch_state_bytes(v->b) / 1048576.0, v->max_context, a->step_tokens);
     if (!a->quiet) fprintf(stderr, "moeflow serve: chat: %s\n", s->chat_desc);
     fflush(stderr);
@@ -213,7 +260,7 @@ static void mf_serve_drain(mf_serve *s, int sig)
     const mf_serve_cli *a = s->a;
     mf_srv *v = s->v;
     if (!a->quiet) fprintf(stderr, "moeflow serve: %s: no new requests; draining for up to %ld s\n", strsignal(sig), a->drain);
-    MHD_quiesce_daemon(s->d);   /* stop accepting; open connections keep going */
+    mf_door_quiesce(s->door);   /* stop accepting; open connections keep going */
     pthread_mutex_lock(&v->mu);
     v->draining = 1;
     pthread_mutex_unlock(&v->mu);
@@ -225,14 +272,15 @@ static void mf_serve_drain(mf_serve *s, int sig)
         if (!a->quiet) fprintf(stderr, "moeflow serve: cancelled %d requests at the deadline\n", n);
         mf_serve_wait_idle(v, 0, &bs);
     }
-    for (int k = 0; k < 250; k++) {   /* every begun request completed, bounded */
+    for (int k = 0; k < 250; k++) {   /* every begun request answered, bounded */
         pthread_mutex_lock(&v->mu);
         int busy = v->n_inflight;
         pthread_mutex_unlock(&v->mu);
         if (!busy) break;
         usleep(20000);
     }
-    MHD_stop_daemon(s->d);   /* waits for the connections' threads, which end with their jobs */
+    mf_srv_unpark_all(v);    /* MHD_stop_daemon must find no connection suspended */
+    MHD_stop_daemon(s->d);   /* closes the connections left (kept alive, or a client slow to read) */
     s->d = NULL;
     if (!a->quiet) fprintf(stderr, "moeflow serve: stopped\n");
 }
@@ -240,7 +288,13 @@ static void mf_serve_drain(mf_serve *s, int sig)
 static void mf_serve_close(mf_serve *s)
 {
     mf_srv *v = s->v;
-    if (s->d) MHD_stop_daemon(s->d);
+    if (s->d) {
+        mf_door_quiesce(s->door);   /* nothing more handed to the daemon */
+        mf_srv_unpark_all(v);
+        MHD_stop_daemon(s->d);
+    }
+    mf_door_close(s->door);
+    v->door = NULL;
     if (s->stepper) {
         pthread_mutex_lock(&v->mu);
         v->stop_stepper = 1;
@@ -255,9 +309,71 @@ static void mf_serve_close(mf_serve *s)
     mf_ref_free(s->r);
     mf_model_free(s->m);
     mf_engram_map_free(s->emap);
+    mf_gram_vocab_free(v->gram_vocab);
     mf_tok_free(v->tok);
     mf_chat_tmpl_free(v->chat);
     pthread_mutex_destroy(&v->mu);
+    if (s->key) memset(s->key, 0, strlen(s->key));
+    free(s->key);
+}
+
+/* The API key: --api-key (its argv bytes are overwritten, so `ps` shows x's from here on),
+ * --api-key-file's first line, or MOEFLOW_API_KEY; one token of visible ASCII. *key NULL: none.
+ * 0 or 2 (said on stderr). */
+static int mf_serve_key(const mf_serve_cli *a, char **key)
+{
+    *key = NULL;
+    const char *env = getenv("MOEFLOW_API_KEY"), *src = a->key_file ? a->key_file : a->api_key ? "--api-key" : "MOEFLOW_API_KEY";
+    if (a->api_key && a->key_file) {
+        fprintf(stderr, "moeflow serve: --api-key and --api-key-file: give one\n");
+        return 2;
+    }
+    if (a->key_file) {
+        FILE *f = fopen(a->key_file, "r");
+        char line[4096];
+        if (!f || !fgets(line, sizeof line, f)) {
+            fprintf(stderr, "moeflow serve: --api-key-file %s: %s\n", a->key_file, f ? "empty" : strerror(errno));
+            if (f) fclose(f);
+            return 2;
+        }
+        fclose(f);
+        line[strcspn(line, "\r\n")] = 0;
+        *key = strdup(line);
+        memset(line, 0, sizeof line);
+        struct stat st;
+        if (!a->quiet && !stat(a->key_file, &st) && (st.st_mode & 077))
+            fprintf(stderr, "moeflow serve: note: %s can be read by other users (chmod 600 it)\n", a->key_file);
+    } else if (a->api_key) {
+        *key = strdup(a->api_key);
+        memset((char *)a->api_key, 'x', strlen(a->api_key));
+    } else if (env && *env) {
+        *key = strdup(env);
+    } else {
+        return 0;
+    }
+    if (!*key) return mf_error(-ENOMEM, "out of memory");
+    const char *bad = NULL;
+    for (const char *p = *key; *p && !bad; p++)
+        if ((unsigned char)*p <= 0x20 || (unsigned char)*p >= 0x7f) bad = p;
+    if (!**key || bad) {
+        fprintf(stderr, "moeflow serve: the API key from %s is %s\n", src,
+                **key ? "not one token of visible ASCII (a space or control byte in it)" : "empty");
+        return 2;
+    }
+    return 0;
+}
+
+/* Raises the soft limit of open files toward the hard one, so --max-connections fits: a
+ * connection is a socket. */
+static void mf_serve_nofile(const mf_serve_cli *a)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl)) return;
+    rlim_t want = (rlim_t)a->max_conns + 1024;
+    if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < want) {
+        rl.rlim_cur = rl.rlim_max == RLIM_INFINITY || rl.rlim_max > want ? want : rl.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &rl);
+    }
 }
 
 int mf_cmd_serve(int argc, char **argv)
@@ -267,6 +383,12 @@ int mf_cmd_serve(int argc, char **argv)
     int rc = mf_opts_parse(&mf_serve_spec, argc, argv, &a);
     if (rc != MF_OPTS_RUN) return rc;
     if (!a.dir) return mf_opts_refuse(&mf_serve_spec, "--checkpoint is required");
+    struct stat st;
+    if (stat(a.dir, &st) || !S_ISDIR(st.st_mode)) {
+        fprintf(stderr, "moeflow serve: --checkpoint %s: %s\n", a.dir,
+                stat(a.dir, &st) ? (errno == ENOENT ? "no such directory" : strerror(errno)) : "not a directory");
+        return 2;
+    }
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)a.port)};
     if (inet_pton(AF_INET, !strcmp(a.host, "localhost") ? "127.0.0.1" : a.host, &sa.sin_addr) != 1) {
         fprintf(stderr, "moeflow serve: --host: expected an IPv4 address such as 127.0.0.1, found '%s'\n", a.host);
@@ -285,7 +407,14 @@ int mf_cmd_serve(int argc, char **argv)
     memset(&v, 0, sizeof v);
     pthread_mutex_init(&v.mu, NULL);
     s = (mf_serve){.a = &a, .v = &v};
-    rc = mf_serve_open(&s);
+    mf_serve_nofile(&a);
+    /* A fixed mmap threshold: glibc's moving one (raised to the size of each large block freed) put
+     * the step graphs' multi-megabyte arrays, rebuilt as the engine's kept shapes turn over, into
+     * the heap after the first were freed, and the heap's holes grew the RSS by ~80 MB over 30
+     * rounds of load on the tiny preset (docs/serve.md, "Memory"); with this it stays flat. */
+    mallopt(M_MMAP_THRESHOLD, 128 << 10);
+    rc = mf_serve_key(&a, &s.key);
+    if (!rc) rc = mf_serve_open(&s);
     if (!rc) rc = mf_serve_listen(&s, &sa);
     if (!rc) {
         int sig = 0;

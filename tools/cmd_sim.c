@@ -26,7 +26,7 @@
 /* The command line of `moeflow sim`. */
 typedef struct mf_sim_cli {
     const char *prof_path, *dir, *preset, *routing_spec, *trace;
-    int placement, dense, dense_split, heads;   /* dense: -1 not given */
+    int placement, dense, dense_split, heads, lt;   /* dense: -1 not given */
     long cards, threads, batch, steps, warmup, seed, context, read_window;
     long copy_slots, dev_task_ns, prompt_tokens, chunk, micro, prefetch_min, cached;
     int json, ops, measure, store, tables, policy, dev_graphs, fill;
@@ -57,6 +57,11 @@ static const mf_opt mf_sim_table[] = {
      .help = "dense cards: the attention heads' scores and values of a serial graph\n"
              "(a prefill chunk, batch 1) per layer by the cost model (cost), on the\n"
              "cards wherever they can, or on the host"},
+    {"--cublaslt", .kind = MF_OPT_WORD, .off = F(lt), .def = "cost", .meta = "L", .words = mf_tool_lt_modes,
+     .help = "where the cards' tensor cores take work through cuBLASLt: cost (by\n"
+             "the cost model on --profile: never without a tensor-core rate), on\n"
+             "(wherever it applies), dense (the dense linears only: host logits\n"
+             "bit for bit on emulated cards), off"},
     {"--prefetch-min", .kind = MF_OPT_LONG, .off = F(prefetch_min), .def = "0", .meta = "N", .lo = -1,
      .hi = MF_STEP_MAX_CHUNK,
      .help = "a prefill chunk of at least N positions places each layer's\n"
@@ -138,7 +143,7 @@ static const mf_opts_spec mf_sim_spec = {
         "                   [--dev-cache SIZE] [--dev-cache-fill on|off] [--cache-policy lfu|lru]\n"
         "                   [--read-window N]\n"
         "                   [--copy-slots N] [--dev-task-ns NS] [--dev-graphs] [--dense host|cards]\n"
-        "                   [--dense-split layers|rows] [--heads cost|cards|host]\n"
+        "                   [--dense-split layers|rows] [--heads cost|cards|host] [--cublaslt cost|on|dense|off]\n"
         "                   [--micro-batches 1|2] [--prefetch-min N]\n"
         "                   [--trace FILE] [--json] [--ops]\n"
         "                   [--measure] [--prompt-tokens N [--chunk T] [--cached M]]\n\n"
@@ -338,7 +343,7 @@ static int mf_sim_run(mf_sim_cli *a)
                        .store = a->store, .store_budget_bytes = a->store_budget, .tables = a->tables, .routing = rt,
                        .seed = (uint64_t)a->seed, .dev_task_ns = (double)a->dev_task_ns, .dev_graphs = a->dev_graphs,
                        .dense = a->dense, .dense_split = a->dense_split, .heads = a->heads, .micro = (int)a->micro,
-                       .prefetch_min = (int)a->prefetch_min};
+                       .prefetch_min = (int)a->prefetch_min, .lt = a->lt};
     mf_plan_report rep;
     double meas_ns = 0;
     mf_step_times mt = {0};

@@ -4,7 +4,9 @@
 # quantization bit for bit, the expert FFN) and the emulated-device tests, and test_dev_cuda once
 # more under compute-sanitizer when it is installed; times the FP4 kernels (fp32, int8) and the int8
 # expert FFN against d2d copies of the same bytes and a pinned h2d of one expert matrix against the
-# largest single copy (`moeflow bench dev`, 1, 8, 64 and, time allowing, 512 tokens); decodes the demo model on the host
+# largest single copy (`moeflow bench dev`, 1, 8, 64 and, time allowing, 512 tokens; the FP8 dense
+# linear on its three paths, warp-per-row, tiled and cuBLASLt, at those and at 2,048 and 8,192 tokens,
+# target cuBLASLt >= 3x tiled at 2,048 on an H100/H200); decodes the demo model on the host
 # and then with routed experts on 4 logical cards of the one GPU (seed and hybrid placements, and
 # hybrid with per-layer device graphs), comparing the tokens; then with the dense work on the cards
 # (--dense cards: resident dense weights, the dense card kernels), compared with the host's tokens.
@@ -239,6 +241,18 @@ for tok in 1 8 64 512; do
   grep -v '^{' "$W/bench_dev_t$tok.txt" | say
   grep -h "pinned staging" "$W/bench_dev_t$tok.txt.err" | head -1 | say
 done
+# prefill sizes: the FP8 linear's three paths (warp-per-row, tiled, cuBLASLt on dequantized weights)
+# and the dequantization alone (--linears-only; 64 and 512 above report them too); emulated cards
+# (--fake) on a small matrix, their host code being no measurement of a card
+lin_args=()
+[ "$fake" = 1 ] && lin_args=(--rows 256 --cols 1024)
+for tok in 2048 8192; do
+  if [ "$(left)" -lt 120 ]; then log "bench dev --tokens $tok --linears-only: not run (time)"; continue; fi
+  run_t 40 "bench_dev_lin_t$tok.txt" "$build/moeflow" bench dev --devices $dev1 --tokens $tok --linears-only \
+    "${bench_args[@]}" "${lin_args[@]}" || rc_all=1
+  log "bench dev --tokens $tok --linears-only: rc $rc in $wall ms"
+  grep -v '^{' "$W/bench_dev_lin_t$tok.txt" | say
+done
 log "GPU state after the benchmark: $(gpu_state)"
 if grep -qh "pinned staging" "$W"/*.err 2>/dev/null; then log "pinned memory: cudaHostAlloc fallback (the note above)"
 elif [[ "$node" =~ ^[0-9]+$ ]] && [ "$node" -ge 0 ]; then log "pinned memory: bound to NUMA node $node (mbind) and cudaHostRegister"
@@ -303,6 +317,24 @@ if [ "$(left)" -gt 60 ]; then
     rc_all=1; failed+=("decode_dense.txt")
   else
     log "decode --devices $dev4 --dense cards: rc 0 in $wall ms, $tps tokens/s; tokens differ from the host (the card kernels match it within tolerance, not bit for bit): $(head -c 200 "$W/decode_dense.txt")"
+  fi
+  # the dense linears on the cuBLASLt path (--cublaslt dense: every FP8 linear reading bf16 values,
+  # on weights dequantized per layer on the copy-in stream): emulated cards give the host's tokens
+  # (bit for bit, must), CUDA cards the tensor cores' sums (compared as above); the decode's summary
+  # counts the launches that took the path
+  run_t 40 decode_dense_lt.txt "$build/moeflow" "${args[@]}" --devices $dev4 --placement host --dense cards \
+    --cublaslt dense
+  [ $rc = 0 ] || rc_all=1
+  ltn=$(tr '\r' '\n' <"$W/decode_dense_lt.txt.err" | grep -aoE "cuBLASLt: [0-9]+ dense linear launches" | tail -1)
+  if [ $rc != 0 ]; then
+    log "FAIL: decode --dense cards --cublaslt dense: rc $rc (its log below)"; failed+=("decode_dense_lt.txt")
+  elif cmp -s "$W/decode_host.txt" "$W/decode_dense_lt.txt"; then
+    log "decode --devices $dev4 --dense cards --cublaslt dense: rc 0 in $wall ms, ${ltn:-no count}, same tokens as the host"
+  elif [ "$fake" = 1 ]; then
+    log "FAIL: decode --dense cards --cublaslt dense on emulated cards: tokens differ from the host (must be bit for bit)"
+    rc_all=1; failed+=("decode_dense_lt.txt")
+  else
+    log "decode --devices $dev4 --dense cards --cublaslt dense: rc 0 in $wall ms, ${ltn:-no count}; tokens differ from the host (tensor-core sums): $(head -c 200 "$W/decode_dense_lt.txt")"
   fi
   grep -ah "dense weights" "$W/decode_dense.txt.err" | head -4 | say
   grep -h "card self-check" "$W"/decode_*.err 2>/dev/null | sort -u | head -4 | say

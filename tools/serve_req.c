@@ -1,7 +1,10 @@
 /* The OpenAI request parser and chat template of `moeflow serve` (tools/serve_req.h). */
 #include "tools/serve_req.h"
 
+#include "graphs/gen/gen_chat.h"
+#include "host/grammar.h"
 #include "host/jinja.h"
+#include "tools/serve_tools.h"
 #include "sched/error.h"
 #include "sched/path.h"
 
@@ -34,10 +37,22 @@ void mf_serve_req_clear(mf_serve_req *r)
     for (int i = 0; i < r->n_msgs; i++) {
         free(r->msgs[i].role);
         free(r->msgs[i].content);
+        free(r->msgs[i].tool_calls);
+        free(r->msgs[i].tool_call_id);
     }
     free(r->msgs);
     for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
     free(r->model);
+    free(r->bias);
+    mf_gram_free(r->grammar);
+    free(r->tools);
+    for (int i = 0; i < r->n_tools; i++) {
+        free(r->tool_names[i]);
+        free(r->tool_params[i]);
+    }
+    free(r->tool_names);
+    free(r->tool_params);
+    free(r->tool_name);
     memset(r, 0, sizeof *r);
 }
 
@@ -91,7 +106,7 @@ static int mf_req_prompt(json_t *p, mf_serve_req *r, mf_serve_err *e)
 static int mf_req_content(json_t *c, size_t i, char **out, mf_serve_err *e)
 {
     if (json_is_string(c)) return (*out = mf_req_dup(json_string_value(c), json_string_length(c))) ? 0 : -ENOMEM;
-    if (json_is_null(c)) return (*out = mf_req_dup("", 0)) ? 0 : -ENOMEM;
+    if (!c || json_is_null(c)) return (*out = mf_req_dup("", 0)) ? 0 : -ENOMEM;
     if (!json_is_array(c))
         return mf_req_fail(e, "messages", "messages[%zu].content must be a string or a list of text parts", i);
     size_t n = 0, k;
@@ -116,6 +131,46 @@ static int mf_req_content(json_t *c, size_t i, char **out, mf_serve_err *e)
     return 0;
 }
 
+/* A message's tool parts: an assistant's tool_calls (each {id, type "function", function {name,
+ * arguments}}; arguments a JSON string is given to templates parsed when it holds an object, as
+ * they iterate over it), a tool message's tool_call_id. */
+static int mf_req_msg_tools(json_t *x, size_t i, mf_serve_msg *m, mf_serve_err *e)
+{
+    json_t *id = json_object_get(x, "tool_call_id"), *tc = json_object_get(x, "tool_calls");
+    if (id && !json_is_null(id)) {
+        if (!json_is_string(id)) return mf_req_fail(e, "messages", "messages[%zu].tool_call_id must be a string", i);
+        if (!(m->tool_call_id = mf_req_dup(json_string_value(id), json_string_length(id)))) return -ENOMEM;
+    }
+    if (!tc || json_is_null(tc)) return 0;
+    if (strcmp(m->role, "assistant") || !json_is_array(tc) || json_array_size(tc) > MF_SERVE_MAX_TOOLS)
+        return mf_req_fail(e, "messages", "messages[%zu].tool_calls must be a list of at most %d calls, on an "
+                           "assistant message", i, MF_SERVE_MAX_TOOLS);
+    json_t *out = json_array();
+    int rc = out ? 0 : -ENOMEM;
+    size_t k;
+    json_t *c;
+    json_array_foreach(tc, k, c) {
+        json_t *f = json_object_get(c, "function"), *nm = json_object_get(f, "name"), *a = json_object_get(f, "arguments"),
+               *cid = json_object_get(c, "id");
+        if (rc) break;
+        if (!json_is_object(c) || !json_is_object(f) || !json_is_string(nm) || (cid && !json_is_string(cid)) ||
+            (a && !json_is_string(a) && !json_is_object(a))) {
+            rc = mf_req_fail(e, "messages", "messages[%zu].tool_calls[%zu] must be {\"id\", \"type\": \"function\", "
+                             "\"function\": {\"name\", \"arguments\"}}", i, k);
+            break;
+        }
+        json_t *args = a && json_is_string(a) ? json_loads(json_string_value(a), JSON_DECODE_ANY, NULL) : NULL;
+        if (args && !json_is_object(args)) json_decref(args), args = NULL;
+        if (!args) args = a ? json_incref(a) : json_object();
+        json_t *o = json_pack("{s:s, s:{s:O, s:o}}", "type", "function", "function", "name", nm, "arguments", args);
+        if (o && cid) json_object_set(o, "id", cid);
+        if (!o || json_array_append_new(out, o)) rc = -ENOMEM;
+    }
+    if (!rc && !(m->tool_calls = json_dumps(out, JSON_COMPACT))) rc = -ENOMEM;
+    json_decref(out);
+    return rc;
+}
+
 static int mf_req_messages(json_t *m, mf_serve_req *r, mf_serve_err *e)
 {
     if (!m) return mf_req_fail(e, "messages", "'messages' is required");
@@ -127,15 +182,20 @@ static int mf_req_messages(json_t *m, mf_serve_req *r, mf_serve_err *e)
     for (size_t i = 0; i < n; i++) {
         json_t *x = json_array_get(m, i), *role = json_object_get(x, "role");
         if (!json_is_object(x)) return mf_req_fail(e, "messages", "messages[%zu] must be an object", i);
-        if (!json_is_string(role) || (strcmp(json_string_value(role), "system") && strcmp(json_string_value(role), "user") &&
-                                      strcmp(json_string_value(role), "assistant") &&
-                                      strcmp(json_string_value(role), "developer")))
-            return mf_req_fail(e, "messages", "messages[%zu].role must be \"system\", \"developer\", \"user\" or "
-                               "\"assistant\"", i);
+        static const char *const roles[] = {"system", "developer", "user", "assistant", "tool", NULL};
+        int k = 0;
+        while (roles[k] && !(json_is_string(role) && !strcmp(json_string_value(role), roles[k]))) k++;
+        if (!roles[k])
+            return mf_req_fail(e, "messages", "messages[%zu].role must be \"system\", \"developer\", \"user\", "
+                               "\"assistant\" or \"tool\"", i);
         r->n_msgs = (int)i + 1;
         if (!(r->msgs[i].role = strdup(json_string_value(role)))) return -ENOMEM;
-        r->msgs[i].content_null = json_is_null(json_object_get(x, "content"));
+        json_t *c = json_object_get(x, "content");
+        if (!c && k != 3)   /* only an assistant's content may be left out (a message of tool calls) */
+            return mf_req_fail(e, "messages", "messages[%zu] has no content", i);
+        r->msgs[i].content_null = !c || json_is_null(c);
         int rc = mf_req_content(json_object_get(x, "content"), i, &r->msgs[i].content, e);
+        if (!rc) rc = mf_req_msg_tools(x, i, &r->msgs[i], e);
         if (rc) return rc;
     }
     return 0;
@@ -182,29 +242,174 @@ static int mf_req_stop(json_t *s, mf_serve_req *r, mf_serve_err *e)
 /* Options moeflow does not implement: accepted only at their defaults. */
 static int mf_req_unsupported(json_t *o, mf_serve_err *e)
 {
-    static const char *const zero_num[] = {"presence_penalty", "frequency_penalty"};
-    for (int i = 0; i < 2; i++) {
-        json_t *x = json_object_get(o, zero_num[i]);
-        if (x && !json_is_null(x) && !(json_is_number(x) && json_number_value(x) == 0))
-            return mf_req_fail(e, zero_num[i], "'%s' is not supported (only 0)", zero_num[i]);
-    }
-    static const char *const off[] = {"logprobs", "top_logprobs", "echo", "suffix", "tools", "functions",
-                                      "logit_bias", "response_format", "tool_choice"};
+    static const char *const off[] = {"suffix", "functions", "function_call"};
     for (size_t i = 0; i < sizeof off / sizeof *off; i++) {
         json_t *x = json_object_get(o, off[i]);
-        int dflt = !x || json_is_null(x) || json_is_false(x) || (json_is_object(x) && !json_object_size(x) &&
-                                                                   strcmp(off[i], "response_format")) ||
+        int dflt = !x || json_is_null(x) || (json_is_string(x) && !json_string_length(x)) ||
                    (json_is_array(x) && !json_array_size(x));
-        if (!strcmp(off[i], "response_format") && json_is_object(x)) {
-            json_t *t = json_object_get(x, "type");
-            dflt = json_is_string(t) && !strcmp(json_string_value(t), "text");
-        }
-        if (!dflt) return mf_req_fail(e, off[i], "'%s' is not supported by moeflow serve", off[i]);
+        if (!dflt) return mf_req_fail(e, off[i], "'%s' is not supported by moeflow serve%s", off[i],
+                                      i ? " (use tools and tool_choice)" : "");
     }
     json_t *b = json_object_get(o, "best_of");
     if (b && !json_is_null(b) && !(json_is_integer(b) && json_integer_value(b) == 1))
         return mf_req_fail(e, "best_of", "'best_of' other than 1 is not supported");
     return 0;
+}
+
+/* An integer field in [lo, hi]; absent or null keeps *v. */
+static int mf_req_int(json_t *o, const char *k, long long lo, long long hi, int *v, mf_serve_err *e)
+{
+    json_t *x = json_object_get(o, k);
+    if (!x || json_is_null(x)) return 0;
+    if (!json_is_integer(x) || json_integer_value(x) < lo || json_integer_value(x) > hi)
+        return mf_req_fail(e, k, "'%s' must be an integer in %lld..%lld", k, lo, hi);
+    *v = (int)json_integer_value(x);
+    return 0;
+}
+
+/* logprobs, top_logprobs (chat) or logprobs: N and echo (completions). */
+static int mf_req_logprobs(json_t *o, int chat, mf_serve_req *r, mf_serve_err *e)
+{
+    json_t *lp = json_object_get(o, "logprobs");
+    int rc;
+    if (chat) {
+        if ((rc = mf_req_bool(o, "logprobs", &r->logprobs, e)) ||
+            (rc = mf_req_int(o, "top_logprobs", 0, MF_SERVE_MAX_LOGPROBS, &r->top_logprobs, e)))
+            return rc;
+        json_t *tl = json_object_get(o, "top_logprobs");
+        if (tl && !json_is_null(tl) && !r->logprobs)
+            return mf_req_fail(e, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
+        return 0;
+    }
+    if (lp && !json_is_null(lp)) {
+        if (json_is_boolean(lp)) return mf_req_fail(e, "logprobs", "'logprobs' of completions is an integer 0..%d (the "
+                                                    "alternatives per token)", MF_SERVE_MAX_LOGPROBS);
+        if ((rc = mf_req_int(o, "logprobs", 0, MF_SERVE_MAX_LOGPROBS, &r->top_logprobs, e))) return rc;
+        r->logprobs = 1;
+    }
+    return mf_req_bool(o, "echo", &r->echo, e);
+}
+
+/* logit_bias: {"token id": bias}, ids as decimal strings, biases -100..100. */
+static int mf_req_bias(json_t *x, mf_serve_req *r, mf_serve_err *e)
+{
+    if (!x || json_is_null(x)) return 0;
+    if (!json_is_object(x)) return mf_req_fail(e, "logit_bias", "'logit_bias' must be an object of token ids to biases");
+    size_t n = json_object_size(x);
+    if (n > 1024) return mf_req_fail(e, "logit_bias", "'logit_bias' has %zu entries (at most 1024)", n);
+    if (n && !(r->bias = malloc(sizeof *r->bias * n))) return -ENOMEM;
+    const char *k;
+    json_t *v;
+    json_object_foreach(x, k, v) {
+        char *end;
+        long long id = strtoll(k, &end, 10);
+        if (!*k || *end || id < 0 || id > INT32_MAX || (k[0] == '0' && k[1]))
+            return mf_req_fail(e, "logit_bias", "'logit_bias' key '%.40s' is not a token id", k);
+        if (!json_is_number(v) || !(json_number_value(v) >= -100 && json_number_value(v) <= 100))
+            return mf_req_fail(e, "logit_bias", "'logit_bias' of token %lld must be a number in -100..100", id);
+        r->bias[r->n_bias++] = (mf_serve_bias){(int32_t)id, (float)json_number_value(v)};
+    }
+    return 0;
+}
+
+/* response_format: text, json_object, or json_schema {name, schema, strict}: compiled here. */
+static int mf_req_format(json_t *x, mf_serve_req *r, mf_serve_err *e)
+{
+    if (!x || json_is_null(x)) return 0;
+    json_t *t = json_object_get(x, "type");
+    const char *ty = json_is_string(t) ? json_string_value(t) : "";
+    if (!json_is_object(x) || (strcmp(ty, "text") && strcmp(ty, "json_object") && strcmp(ty, "json_schema")))
+        return mf_req_fail(e, "response_format", "'response_format' must be {\"type\": \"text\"}, {\"type\": "
+                           "\"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}");
+    if (!strcmp(ty, "text")) return 0;
+    int rc;
+    if (!strcmp(ty, "json_object")) {
+        mf_gram_b *b;
+        if ((rc = mf_gram_b_new(&b))) return rc;
+        rc = mf_gram_b_finish(b, mf_gram_json_object(b), &r->grammar);
+        r->json_mode = 1;
+    } else {
+        json_t *js = json_object_get(x, "json_schema"), *sc = json_object_get(js, "schema");
+        if (!json_is_object(js) || !(json_is_object(sc) || json_is_boolean(sc)))
+            return mf_req_fail(e, "response_format", "'response_format.json_schema' must be an object with a 'schema'");
+        char *txt = json_dumps(sc, JSON_COMPACT | JSON_ENCODE_ANY);
+        if (!txt) return -ENOMEM;
+        rc = mf_gram_from_schema(txt, strlen(txt), &r->grammar);
+        free(txt);
+        r->json_mode = 2;
+    }
+    if (rc == -ENOMEM) return rc;
+    return rc ? mf_req_fail(e, "response_format", "response_format: %s", mf_last_error()) : 0;
+}
+
+/* tools (functions with a name, an optional description and parameters) and tool_choice. */
+static int mf_req_tools(json_t *o, mf_serve_req *r, mf_serve_err *e)
+{
+    json_t *ts = json_object_get(o, "tools"), *ch = json_object_get(o, "tool_choice");
+    size_t n = json_array_size(ts);
+    if (ts && !json_is_null(ts) && (!json_is_array(ts) || n > MF_SERVE_MAX_TOOLS))
+        return mf_req_fail(e, "tools", "'tools' must be a list of at most %d functions", MF_SERVE_MAX_TOOLS);
+    r->tool_choice = n ? MF_TOOLS_AUTO : MF_TOOLS_NONE;
+    if (ch && !json_is_null(ch)) {
+        const char *c = json_is_string(ch) ? json_string_value(ch) : NULL;
+        json_t *f = json_object_get(ch, "function"), *nm = json_object_get(f, "name");
+        if (c && !strcmp(c, "none")) r->tool_choice = MF_TOOLS_NONE;
+        else if (c && !strcmp(c, "auto")) r->tool_choice = MF_TOOLS_AUTO;
+        else if (c && !strcmp(c, "required")) r->tool_choice = MF_TOOLS_REQUIRED;
+        else if (json_is_object(ch) && json_is_string(nm)) r->tool_choice = MF_TOOLS_NAMED;
+        else return mf_req_fail(e, "tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                                "{\"type\": \"function\", \"function\": {\"name\": ...}}");
+        if (r->tool_choice != MF_TOOLS_NONE && !n)
+            return mf_req_fail(e, "tool_choice", "'tool_choice' other than \"none\" needs 'tools'");
+        if (r->tool_choice == MF_TOOLS_NAMED && !(r->tool_name = strdup(json_string_value(nm)))) return -ENOMEM;
+    }
+    if (!n || r->tool_choice == MF_TOOLS_NONE) return 0;   /* the template sees no tools */
+    r->tool_names = calloc(n, sizeof *r->tool_names);
+    r->tool_params = calloc(n, sizeof *r->tool_params);
+    json_t *out = json_array();
+    if (!r->tool_names || !r->tool_params || !out) return json_decref(out), -ENOMEM;
+    int rc = 0, named = 0;
+    for (size_t i = 0; i < n && !rc; i++) {
+        json_t *t = json_array_get(ts, i), *f = json_object_get(t, "function"), *nm = json_object_get(f, "name"),
+               *d = json_object_get(f, "description"), *p = json_object_get(f, "parameters"), *ty = json_object_get(t, "type");
+        const char *name = json_string_value(nm);
+        if (!json_is_object(f) || !json_is_string(ty) || strcmp(json_string_value(ty), "function") || !name ||
+            !mf_serve_tool_name_ok(name) || (d && !json_is_null(d) && !json_is_string(d)) ||
+            (p && !json_is_null(p) && !json_is_object(p))) {
+            rc = mf_req_fail(e, "tools", "tools[%zu] must be {\"type\": \"function\", \"function\": {\"name\": "
+                             "1-64 of a-z A-Z 0-9 _ - ., \"description\", \"parameters\": {...}}}", i);
+            break;
+        }
+        for (size_t j = 0; j < i && !rc; j++)
+            if (!strcmp(r->tool_names[j], name)) rc = mf_req_fail(e, "tools", "tools[%zu]: the name %s is given twice", i, name);
+        named |= r->tool_name && !strcmp(r->tool_name, name);
+        r->n_tools = (int)i + 1;
+        if (!rc && (!(r->tool_names[i] = strdup(name)) ||
+                    !(r->tool_params[i] = p && !json_is_null(p) ? json_dumps(p, JSON_COMPACT) : strdup("{}")) ||
+                    json_array_append(out, t)))
+            rc = -ENOMEM;
+    }
+    if (!rc && r->tool_choice == MF_TOOLS_NAMED && !named)
+        rc = mf_req_fail(e, "tool_choice", "'tool_choice' names %.64s, which is not in 'tools'", r->tool_name);
+    if (!rc && !(r->tools = json_dumps(out, JSON_COMPACT))) rc = -ENOMEM;
+    json_decref(out);
+    return rc;
+}
+
+/* The sampling controls: penalties, min_p, top_k, logit_bias. */
+static int mf_req_controls(json_t *o, mf_serve_req *r, mf_serve_err *e)
+{
+    r->repetition_penalty = 1;
+    int rc;
+    if ((rc = mf_req_number(o, "presence_penalty", -2, 2, &r->presence_penalty, e)) ||
+        (rc = mf_req_number(o, "frequency_penalty", -2, 2, &r->frequency_penalty, e)) ||
+        (rc = mf_req_number(o, "repetition_penalty", 0, 2, &r->repetition_penalty, e)) ||
+        (rc = mf_req_number(o, "min_p", 0, 1, &r->min_p, e)) ||
+        (rc = mf_req_int(o, "top_k", -1, 1 << 20, &r->top_k, e)))
+        return rc;
+    if (r->repetition_penalty == 0) return mf_req_fail(e, "repetition_penalty", "'repetition_penalty' must be > 0");
+    if (r->top_k < 0) r->top_k = 0;   /* vLLM's -1: all */
+    return mf_req_bias(json_object_get(o, "logit_bias"), r, e);
 }
 
 static int mf_req_fields(json_t *o, int chat, mf_serve_req *r, mf_serve_err *e)
@@ -237,10 +442,20 @@ static int mf_req_fields(json_t *o, int chat, mf_serve_req *r, mf_serve_err *e)
     if (x && !json_is_null(x)) {
         if (!json_is_integer(x)) return mf_req_fail(e, "seed", "'seed' must be an integer");
         r->seed = (uint64_t)json_integer_value(x);
+        r->seed_given = 1;
     }
     if ((rc = mf_req_bool(o, "stream", &r->stream, e)) || (rc = mf_req_bool(o, "ignore_eos", &r->ignore_eos, e)) ||
-        (rc = mf_req_stop(json_object_get(o, "stop"), r, e)) || (rc = mf_req_unsupported(o, e)))
+        (rc = mf_req_stop(json_object_get(o, "stop"), r, e)) || (rc = mf_req_unsupported(o, e)) ||
+        (rc = mf_req_logprobs(o, chat, r, e)) || (rc = mf_req_controls(o, r, e)) ||
+        (rc = mf_req_format(json_object_get(o, "response_format"), r, e)) || (chat && (rc = mf_req_tools(o, r, e))))
         return rc;
+    if (r->grammar && (r->tool_choice == MF_TOOLS_REQUIRED || r->tool_choice == MF_TOOLS_NAMED))
+        return mf_req_fail(e, "response_format", "'response_format' and a required tool call cannot both constrain "
+                           "the output");
+    if (r->tool_choice == MF_TOOLS_REQUIRED || r->tool_choice == MF_TOOLS_NAMED) {
+        if ((rc = mf_serve_tools_grammar(r, &r->grammar)))
+            return rc == -ENOMEM ? rc : mf_req_fail(e, "tools", "%s", mf_last_error());
+    }
     x = json_object_get(o, "stream_options");
     if (x && !json_is_null(x) && !json_is_object(x))
         return mf_req_fail(e, "stream_options", "'stream_options' must be an object");
@@ -355,6 +570,23 @@ int mf_chat_tmpl_load(const char *dir, const char *spec, mf_chat_tmpl **out, cha
         snprintf(desc, desc_cap, "the built-in DeepSeek-V3 chat format (--chat-template builtin)");
         return 0;
     }
+    if (spec && !strcmp(spec, "deepseek-v4")) {   /* gen's template: DeepSeek-V4's encoding with tools */
+        mf_chat_tmpl *ct = calloc(1, sizeof *ct);
+        const char *t = mf_gen_chat_template();
+        if (!ct || !(ct->bos = strdup("<\xef\xbd\x9c" "begin\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>")) ||
+            !(ct->eos = strdup("<\xef\xbd\x9c" "end\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>"))) {
+            mf_chat_tmpl_free(ct);
+            return mf_error(-ENOMEM, "out of memory");
+        }
+        int rc = mf_jinja_parse(t, strlen(t), &ct->jinja);
+        if (rc) {
+            mf_chat_tmpl_free(ct);
+            return mf_error_wrap(rc, "--chat-template deepseek-v4");
+        }
+        snprintf(desc, desc_cap, "the built-in DeepSeek-V4 chat template with tools (--chat-template deepseek-v4)");
+        *out = ct;
+        return 0;
+    }
     snprintf(cfg_path, sizeof cfg_path, "%s/tokenizer_config.json", dir);
     FILE *probe = fopen(cfg_path, "rb");
     if (probe) {
@@ -430,16 +662,26 @@ done:
 int mf_serve_chat_render(const mf_serve_req *r, const mf_chat_tmpl *t, char **out, size_t *n_out, int *bos_in_text)
 {
     *bos_in_text = 0;
-    if (!t) return mf_chat_builtin(r, out, n_out);
+    if (!t) {
+        int tools = r->n_tools > 0;
+        for (int i = 0; i < r->n_msgs; i++) tools |= r->msgs[i].tool_calls || !strcmp(r->msgs[i].role, "tool");
+        if (tools)
+            return mf_error(-EINVAL, "the built-in chat format has no tools or tool messages (serve with a chat template "
+                            "that has them: `moeflow gen` writes one, or --chat-template deepseek-v4)");
+        return mf_chat_builtin(r, out, n_out);
+    }
     json_t *msgs = json_array(), *ctx = NULL;
     int rc = msgs ? 0 : -ENOMEM;
     for (int i = 0; i < r->n_msgs && !rc; i++) {
         const mf_serve_msg *m = &r->msgs[i];
         json_t *o = json_pack("{s:s,s:o}", "role", m->role, "content",
                               m->content_null ? json_null() : json_stringn_nocheck(m->content, strlen(m->content)));
+        if (o && m->tool_calls) json_object_set_new(o, "tool_calls", json_loads(m->tool_calls, 0, NULL));
+        if (o && m->tool_call_id) json_object_set_new(o, "tool_call_id", json_string(m->tool_call_id));
         if (!o || json_array_append_new(msgs, o)) rc = -ENOMEM;
     }
     if (!rc && !(ctx = json_pack("{s:o,s:b}", "messages", json_incref(msgs), "add_generation_prompt", 1))) rc = -ENOMEM;
+    if (!rc && r->tools && json_object_set_new(ctx, "tools", json_loads(r->tools, 0, NULL))) rc = -ENOMEM;
     if (!rc && t->bos && json_object_set_new(ctx, "bos_token", json_string(t->bos))) rc = -ENOMEM;
     if (!rc && t->eos && json_object_set_new(ctx, "eos_token", json_string(t->eos))) rc = -ENOMEM;
     if (!rc) rc = mf_jinja_render(t->jinja, ctx, out, n_out);

@@ -23,6 +23,8 @@ const mf_opt_word mf_tool_denses[] = {{"host", MF_PLAN_DENSE_HOST}, {"cards", MF
 const mf_opt_word mf_tool_dense_splits[] = {{"layers", MF_SG_SPLIT_LAYERS}, {"rows", MF_SG_SPLIT_ROWS}, {NULL, 0}};
 const mf_opt_word mf_tool_heads_modes[] = {
     {"cost", MF_SG_HEADS_COST}, {"cards", MF_SG_HEADS_CARDS}, {"host", MF_SG_HEADS_HOST}, {NULL, 0}};
+const mf_opt_word mf_tool_lt_modes[] = {
+    {"cost", MF_SG_LT_COST}, {"on", MF_SG_LT_ON}, {"dense", MF_SG_LT_DENSE}, {"off", MF_SG_LT_OFF}, {NULL, 0}};
 const mf_opt_word mf_tool_store_modes[] = {
     {"resident", MF_PLAN_STORE_RESIDENT}, {"streamed", MF_PLAN_STORE_STREAMED}, {NULL, 0}};
 const mf_opt_word mf_tool_cache_policies[] = {{"lfu", MF_PLAN_CACHE_LFU}, {"lru", MF_PLAN_CACHE_LRU}, {NULL, 0}};
@@ -82,7 +84,7 @@ int mf_tool_measure(const char *dir, const mf_plan_opts *po, int n_cards, int th
                                         .micro = po->micro,
                                         .dense = po->dense == MF_PLAN_DENSE_CARDS ? MF_STEP_DENSE_CARDS
                                                                                    : MF_STEP_DENSE_HOST,
-                                        .dense_split = po->dense_split, .profile = po->profile},
+                                        .dense_split = po->dense_split, .lt = po->lt, .profile = po->profile},
                      &eng);
     if (rc) goto out;
     const mf_config *c = mf_model_config(m);

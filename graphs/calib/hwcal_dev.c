@@ -162,6 +162,104 @@ static int mf_card_kern_time(mf_dev *d, int fp4, uint8_t *const *w, const size_t
     return 0;
 }
 
+#define MF_HWCAL_TC_N 4096   /* the tensor-core GEMM's weights: [4096 x 4096] FP8 */
+#define MF_HWCAL_TC_T0 256   /* its token counts: the rate is the multiply-adds between them */
+#define MF_HWCAL_TC_T1 2048
+
+/* ns per call of the FP8 linear l on the cuBLASLt path at n_tok tokens on stream s: 4 calls then a
+ * sync, the median of reps. */
+static int mf_card_tc_time(mf_dev_stream *s, mf_dev_lin l, int n_tok, int reps, double *ns)
+{
+    double v[16];
+    l.n_tok = n_tok;
+    for (int r = -1; r < reps; r++) {
+        int64_t t0 = mf_now_ns();
+        for (int i = 0; i < 4; i++) {
+            int rc = mf_dev_linear(s, &l);
+            if (rc) return rc;
+        }
+        int rc = mf_dev_stream_sync(s);
+        if (rc) return rc;
+        if (r >= 0) v[r] = (double)(mf_now_ns() - t0) / 4;
+    }
+    *ns = mf_hwcal_median(v, reps);
+    return 0;
+}
+
+/* card_tc_macs_per_s, the tensor cores' GEMM rate on the cuBLASLt path (sched/cost.h
+ * mf_cost_card_lt_gemm prices n x macs at it): card 0 (CUDA, with tensor cores: mf_dev_card_f16) runs
+ * an FP8 [4096 x 4096] linear with its weights dequantized once (mf_dev_dequant, the card's 16-bit
+ * type) at 256 and 2,048 tokens (mf_dev_linear, MF_DEV_LIN_CUBLASLT: the cast and cublasLtMatmul); the
+ * rate is the multiply-adds between the two over the time between them. Emulated cards, and cards
+ * without tensor cores, get 0: their path is the host's product (emulated) or none, and 0 keeps the
+ * cost model off it. */
+static int mf_hwcal_card_tc(mf_hwcal *h, mf_dev *d, void *hstage, size_t hstage_bytes)
+{
+    mf_profile *p = h->p;
+    mf_dev_f16 tc = mf_dev_card_f16(d, 0);
+    p->card_tc_macs_per_s = 0;
+    if (p->cards_emulated || tc == MF_DEV_F16_NONE)
+        return mf_hwcal_src_raw(h, "card_tc_macs_per_s", "%s", p->cards_emulated
+                                ? "emulated cards: 0, not measured (their cuBLASLt path is the host's product in host "
+                                  "code, no tensor cores; 0 keeps the cost model off the path unless asked)"
+                                : "card 0 has no tensor cores for the cuBLASLt path (before sm_70): 0");
+    const int N = MF_HWCAL_TC_N, T1 = MF_HWCAL_TC_T1, reps = h->o->quick ? 3 : 7;
+    size_t wb = (size_t)N * N, sb = (size_t)(N / 32) * (N / 32), xb = sizeof(float) * T1 * N;
+    size_t w16b = wb * 2, x16b = mf_dev_lt_x16_bytes(T1, N);
+    uint8_t *w = NULL;
+    void *w16 = NULL, *x16 = NULL, *ws = NULL;
+    float *x = NULL, *y = NULL;
+    mf_dev_stream *cs = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COMPUTE), *cin = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COPY_IN);
+    int rc = 0;
+    if ((rc = mf_dev_alloc(d, 0, wb + sb, (void **)&w)) || (rc = mf_dev_alloc(d, 0, w16b, &w16)) ||
+        (rc = mf_dev_alloc(d, 0, xb, (void **)&x)) || (rc = mf_dev_alloc(d, 0, xb, (void **)&y)) ||
+        (rc = mf_dev_alloc(d, 0, x16b, &x16)) || (rc = mf_dev_alloc(d, 0, MF_DEV_LT_WS_BYTES, &ws)))
+        goto out;
+    /* random codes, scales 1 (E8M0 127: shift 0 exact in either type), random activations */
+    for (size_t off = 0; off < wb + sb && !rc; off += hstage_bytes) {
+        size_t n = wb + sb - off < hstage_bytes ? wb + sb - off : hstage_bytes;
+        mf_hwcal_fill(h, hstage, n, 2);
+        size_t s0 = off > wb ? off : wb;   /* the chunk's scale bytes [s0, off + n) */
+        if (s0 < off + n) memset((uint8_t *)hstage + (s0 - off), 127, off + n - s0);
+        if (!(rc = mf_dev_copy_h2d(cin, w + off, hstage, n))) rc = mf_dev_stream_sync(cin);
+    }
+    float *hx = hstage;
+    for (size_t i = 0; i < hstage_bytes / sizeof(float); i++) hx[i] = (float)((int)(mf_hwcal_rand(h) % 2001) - 1000) * 1e-3f;
+    for (size_t off = 0; off < xb && !rc; off += hstage_bytes)
+        rc = mf_dev_copy_h2d(cin, (uint8_t *)x + off, hstage, xb - off < hstage_bytes ? xb - off : hstage_bytes);
+    if (!rc) rc = mf_dev_stream_sync(cin);
+    mf_dev_lin l = {.w = {MF_KERN_FP8, w, w + wb, N, N}, .x = x, .ld_x = N, .y = y, .ld_y = N,
+                    .path = MF_DEV_LIN_CUBLASLT, .w16 = {w16, tc, 0, N, N}, .lt = {x16, x16b, ws, MF_DEV_LT_WS_BYTES}};
+    if (!rc) rc = mf_dev_dequant(cs, &l.w, &l.w16);
+    double t0 = 0, t1 = 0;
+    if (!rc) rc = mf_card_tc_time(cs, l, MF_HWCAL_TC_T0, reps, &t0);
+    if (!rc) rc = mf_card_tc_time(cs, l, T1, reps, &t1);
+    if (!rc && t1 > t0) {
+        p->card_tc_macs_per_s = (double)N * N * (T1 - MF_HWCAL_TC_T0) / (t1 - t0) * 1e9;
+        mf_hwcal_src(h, "card_tc_macs_per_s", "card 0 cuBLASLt path (mf_dev_linear MF_DEV_LIN_CUBLASLT, %s weights "
+                     "dequantized once): [%dx%d] FP8 linear at %d and %d tokens, the multiply-adds between over the "
+                     "time between (%.1f and %.1f us), medians of %d", tc == MF_DEV_F16_FP16 ? "fp16" : "bf16", N, N,
+                     MF_HWCAL_TC_T0, T1, t0 / 1e3, t1 / 1e3, reps);
+        mf_hwcal_note(h, "card 0 tensor cores (cuBLASLt): %.2f T multiply-adds/s", p->card_tc_macs_per_s / 1e12);
+    } else if (!rc) {
+        mf_hwcal_src_raw(h, "card_tc_macs_per_s", "card 0 cuBLASLt path: %d tokens took no longer than %d (%.1f, %.1f "
+                         "us): no rate, 0", T1, MF_HWCAL_TC_T0, t1 / 1e3, t0 / 1e3);
+    }
+out:
+    if (rc == -ENOMEM) {   /* a small card: say so, keep the rest of the calibration */
+        mf_hwcal_src_raw(h, "card_tc_macs_per_s", "card 0 cuBLASLt path: not measured (no room for a [%dx%d] linear "
+                         "at %d tokens): 0", N, N, T1);
+        rc = 0;
+    }
+    mf_dev_free(d, 0, w);
+    mf_dev_free(d, 0, w16);
+    mf_dev_free(d, 0, x);
+    mf_dev_free(d, 0, y);
+    mf_dev_free(d, 0, x16);
+    mf_dev_free(d, 0, ws);
+    return rc;
+}
+
 static int mf_hwcal_card_kernels(mf_hwcal *h, mf_dev *d, void *hstage, size_t hstage_bytes)
 {
     mf_profile *p = h->p;
@@ -259,12 +357,7 @@ static int mf_hwcal_card_kernels(mf_hwcal *h, mf_dev *d, void *hstage, size_t hs
                              "the card fp8 figure stands in (the engine runs this on the host)",
                              i < 3 ? "bf16" : "plain-code");
     }
-    /* the tensor-core GEMM rate (the cuBLASLt path) is not timed here: 0 keeps the cost model off that path */
-    p->card_tc_macs_per_s = 0;
-    mf_hwcal_src_raw(h, "card_tc_macs_per_s", "%s", p->cards_emulated
-                     ? "emulated cards have no tensor cores: 0 (their cuBLASLt path is the host's product)"
-                     : "not measured: calibrate does not time cublasLtMatmul yet; 0 keeps the cost model off the "
-                       "cuBLASLt path (a published rate may be written in by hand)");
+    rc = mf_hwcal_card_tc(h, d, hstage, hstage_bytes);
 out:
     mf_dev_free(d, 0, x);
     mf_dev_free(d, 0, y);

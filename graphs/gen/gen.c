@@ -4,6 +4,7 @@
  * leaves a checkpoint that looks complete. */
 #include "graphs/gen/gen.h"
 #include "graphs/model/engram_map.h"
+#include "graphs/gen/gen_chat.h"
 #include "graphs/gen/gen_tokenizer.h"
 #include "host/tokenizer.h"
 
@@ -208,7 +209,7 @@ static int mf_is_our_file(const char *name)
 {
     size_t len = strlen(name);
     if (!strcmp(name, "config.json") || !strcmp(name, "model.safetensors.index.json") ||
-        !strcmp(name, "tokenizer.json"))
+        !strcmp(name, "tokenizer.json") || !strcmp(name, "tokenizer_config.json"))
         return 1;
     return !strncmp(name, "model-", 6) && len > 12 && !strcmp(name + len - 12, ".safetensors");
 }
@@ -377,6 +378,10 @@ int mf_gen_write(const mf_config *c, const char *dir, const mf_gen_opts *o)
         rc = mf_gen_tokenizer_write(c, path);
         if (rc == 0) mf_gen_files_add(&written, path);
         if (rc == 0) rc = mf_gen_engram_vocab(path, &cw);
+        /* its chat template (DeepSeek-V4's encoding with tools, graphs/gen/gen_chat.h) */
+        snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+        if (rc == 0) rc = mf_gen_tokenizer_config_write(c, path);
+        if (rc == 0) mf_gen_files_add(&written, path);
     }
     if (rc == 0) {
         snprintf(path, sizeof path, "%s/config.json", dir);

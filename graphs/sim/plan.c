@@ -79,12 +79,19 @@ static int pl_slot_live(const mf_plan *p, int L, int s)
     return s - p->sg->half_slot[h] < p->n_used[2 * L + h];
 }
 
-/* A card's FFN of slot s (one expert over its tokens). */
-static double pl_card_ffn_ns(const mf_plan *p, const pl_slot *sl)
+/* A card's FFN of slot s (one expert over its tokens) on the path it takes (mf_sg_ffn_lt: the
+ * graph's mode where its experts may take cuBLASLt; a card's FFN graph is int8): 1 on cuBLASLt. */
+static int pl_card_ffn(const mf_plan *p, const pl_slot *sl, double *ns)
 {
     mf_work w;
     mf_sg_expert_work(&p->c, p->sz, &w);
-    return mf_cost_card(&p->cm, &w, sl->cnt);
+    return mf_sg_ffn_lt(&p->cm, &w, sl->cnt, p->sg->lt_ffn ? p->o.lt : MF_SG_LT_OFF, ns);
+}
+static double pl_card_ffn_ns(const mf_plan *p, const pl_slot *sl)
+{
+    double ns;
+    pl_card_ffn(p, sl, &ns);
+    return ns;
 }
 
 /* Task t's positional work (mf_sg_pos_flops): decode items all at pos; a prefill chunk's item i
@@ -110,6 +117,10 @@ static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int
 {
     const pl_slot *sl = t->slot >= 0 ? &p->sl[(size_t)t->layer * p->sg->n_slots + t->slot] : NULL;
     mf_sg_step_cost s = {.slot_tokens = sl ? sl->cnt : 0, .n_head = p->n_head, .dev_miss = sl && sl->miss};
+    if (t->op == MF_SG_DEV_FFN && sl) {
+        double ns;
+        s.ffn_lt = pl_card_ffn(p, sl, &ns);
+    }
     *overhead = 1;
     switch (t->op) {
     case MF_SG_ENGRAM_READ:
@@ -367,7 +378,7 @@ static int pl_graph(mf_plan *p, mf_sg_opts *go)
                         .n_sockets = p->lt.n_sockets, .lane_sock = p->lt.lane_sock, .lanes = p->lt.lane,
                         .n_lanes = p->lt.n_lanes, .lane_io = p->lt.lane_io,
                         .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof,
-                        .prefetch_min = o->prefetch_min};
+                        .prefetch_min = o->prefetch_min, .lt = o->lt};
     int rc = mf_stepgraph_new(go, &p->sg);
     if (!rc) rc = mf_timeline_create(p->sg->g, &p->tl);
     return rc;
@@ -603,6 +614,7 @@ static void pl_placer_init(const mf_plan *p, mf_sg_placer *pl)
     mf_sg_placer_init(pl, p->models, &p->prof, p->n_threads, p->o.placement == MF_STEP_PLACE_HYBRID,
                       p->sz->xslot_bytes, ew.macs[MF_KF_FP4], mf_sg_slot_tok_bytes(&p->c, 0),
                       mf_sg_slot_tok_bytes(&p->c, 1), p->streamed ? 0 : 1);
+    mf_sg_place_lt(pl, p->sg->lt_ffn ? p->o.lt : MF_SG_LT_OFF);
 }
 
 /* Prefetch: layer L's experts placed as the engine's place task does (mf_sg_place_all, every

@@ -61,6 +61,8 @@ typedef struct mf_plan_opts {
                                   * (a serial graph) by cost (0), on the cards or on the host (mf_step_opts.heads) */
     int micro;                   /* 2: two micro-batches in flight (mf_step_opts.micro; routing drawn per
                                   * half as the engine routes it); 0 or 1: one */
+    int lt;                      /* mf_sg_lt_mode: where the cards' tensor cores take work through cuBLASLt
+                                  * (mf_step_opts.lt; 0: by the cost model on the profile) */
     double dev_task_ns;          /* emulated cards: the host core time of one device task's round
                                   * trip (`moeflow bench devtasks`; 0: the profile's card_fp4_latency_ns) */
     double cpu_bytes_per_s;      /* overrides the engine's model of host expert work per worker, as

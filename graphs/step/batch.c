@@ -5,21 +5,24 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "graphs/step/sample.h"
+#include "host/grammar.h"
 #include "host/tokenizer.h"
 #include "sched/clock.h"
 #include "sched/error.h"
 
 typedef struct mf_breq {
     uint64_t id;
-    mf_batch_req r;       /* prompt and stop point into the copies below */
+    mf_batch_req r;       /* prompt, stop and bias point into the copies below */
     int32_t *prompt;
     char **stop;
+    mf_batch_bias *bias;
     int cancel;           /* under the mutex */
     int n_passed;         /* requests admitted ahead of this one while it was the queue's head */
     int64_t submit_ns;
@@ -41,7 +44,22 @@ typedef struct mf_bseq {
     int64_t admit_ns, first_ns;
     mf_prefix_seq *ps;    /* its hold on the prefix cache (opts.prefix) */
     int n_cached, n_step; /* prompt tokens restored; items of this step */
+    /* penalties: per token its occurrences in the output (MF_CNT_OUT bits) and MF_CNT_PROMPT;
+     * touched lists the ids with a non-zero entry (cleared at the end). Allocated at the slot's
+     * first request with penalties, kept. */
+    uint32_t *cnt;
+    int32_t *touched;
+    int n_touched, cap_touched;
+    int penalize;         /* the running request has penalties */
+    mf_gram_match *gm;    /* constrained decoding: allocated at the slot's first such request, kept */
+    int constrained;      /* the running request has a grammar (gm matches it) */
+    uint32_t *mask;       /* the grammar's allowed tokens, vocab_size bits */
+    int echo_rows;        /* echo: rows of b->erows this step's chunk uses, from echo_row0; */
+    int echo_row0, echo_pos0;   /* row r holds the logits of prompt position echo_pos0 + r */
 } mf_bseq;
+
+#define MF_CNT_PROMPT 0x80000000u
+#define MF_CNT_OUT 0x7fffffffu
 
 struct mf_batch {
     mf_batch_opts o;
@@ -53,6 +71,9 @@ struct mf_batch {
     int32_t *it_tok;
     float **it_lg;
     int *pf;              /* prefill candidates, sorted by order */
+    float *erows;         /* echo_rows rows of V logits: the prompt positions of echo chunks */
+    float *raw;           /* V: a logprobs request's logits as the model gave them (before adjusting) */
+    mf_logprob top[MF_BATCH_MAX_LOGPROBS];
     pthread_mutex_t mu;
     pthread_cond_t cv;
     mf_breq *qhead, *qtail, *dropped;   /* queue; cancelled while queued (DONE pending) */
@@ -76,6 +97,7 @@ static void mf_breq_free(mf_breq *q)
     for (int i = 0; q->stop && i < q->r.n_stop; i++) free(q->stop[i]);
     free(q->stop);
     free(q->prompt);
+    free(q->bias);
     free(q);
 }
 
@@ -97,6 +119,8 @@ int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
     if (o.prefill_split < 1 || o.prefill_split > MF_STEP_MAX_ITEMS)
         return mf_error(-EINVAL, "batch: prefill_split %d (expected 1..%d)", o.prefill_split, MF_STEP_MAX_ITEMS);
     if (o.max_queue < 1) return mf_error(-EINVAL, "batch: max_queue %d (expected >= 1)", o.max_queue);
+    if (o.echo_rows < 0 || o.echo_rows > MF_STEP_MAX_ITEMS)
+        return mf_error(-EINVAL, "batch: echo_rows %d (expected 0..%d)", o.echo_rows, MF_STEP_MAX_ITEMS);
     if (o.max_context < 2 || o.max_context > c->max_position_embeddings)
         return mf_error(-EINVAL, "batch: max_context %" PRId64 " (expected 2..%" PRId64 ", the model's "
                         "max_position_embeddings)", o.max_context, c->max_position_embeddings);
@@ -126,7 +150,10 @@ int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
     b->it_tok = malloc(sizeof *b->it_tok * (size_t)b->step_cap);
     b->it_lg = malloc(sizeof *b->it_lg * (size_t)b->step_cap);
     b->pf = malloc(sizeof *b->pf * (size_t)b->n_states);
-    int rc = b->seq && b->it_st && b->it_tok && b->it_lg && b->pf ? 0 : mf_error(-ENOMEM, "batch: out of memory");
+    if (o.echo_rows) b->erows = malloc(sizeof(float) * (size_t)o.echo_rows * (size_t)b->V);
+    b->raw = malloc(sizeof(float) * (size_t)b->V);
+    int rc = b->seq && b->it_st && b->it_tok && b->it_lg && b->pf && (!o.echo_rows || b->erows) && b->raw
+                 ? 0 : mf_error(-ENOMEM, "batch: out of memory");
     for (int i = 0; i < b->n_states && !rc; i++) {
         mf_bseq *q = &b->seq[i];
         q->cap_txt = 4096;
@@ -162,12 +189,21 @@ static void mf_batch_emit(mf_batch *b, mf_bseq *q, mf_breq *r, mf_batch_event *e
     if (b->o.on_event) b->o.on_event(b->o.user, ev);
 }
 
-/* Ends the request of slot q: DONE event with the rest of its text, slot freed, state reset. */
-static void mf_batch_finish_seq(mf_batch *b, mf_bseq *q, mf_batch_finish f, int err, const char *msg)
+/* Ends the request of slot q: DONE event with the rest of its text (and lp's token and logprobs,
+ * for an EOS a logprobs request drew), slot freed, state reset. */
+static void mf_batch_finish_lp(mf_batch *b, mf_bseq *q, mf_batch_finish f, int err, const char *msg,
+                               const mf_batch_event *lp)
 {
     mf_breq *r = q->req;
     mf_batch_event ev = {.kind = MF_BATCH_DONE, .finish = f, .err = err, .msg = msg,
                          .text = q->txt + q->n_sent, .n_text = q->n_txt - q->n_sent};
+    if (lp) {
+        ev.token = lp->token;
+        ev.logprob = lp->logprob;
+        ev.top = lp->top;
+        ev.n_top = lp->n_top;
+        ev.has_logprob = 1;
+    }
     q->n_sent = q->n_txt;
     mf_batch_emit(b, q, r, &ev);
     q->admit_ns = 0;
@@ -179,7 +215,14 @@ static void mf_batch_finish_seq(mf_batch *b, mf_bseq *q, mf_batch_finish f, int 
     pthread_mutex_unlock(&b->mu);
     mf_prefix_seq_end(b->o.prefix, q->ps, q->st, f != MF_BATCH_ERROR);   /* its last block a tail */
     mf_ref_state_reset(q->st);
+    for (int i = 0; i < q->n_touched; i++) q->cnt[q->touched[i]] = 0;
+    q->n_touched = 0;
     mf_breq_free(r);
+}
+
+static void mf_batch_finish_seq(mf_batch *b, mf_bseq *q, mf_batch_finish f, int err, const char *msg)
+{
+    mf_batch_finish_lp(b, q, f, err, msg, NULL);
 }
 
 /* Bytes at the end of txt[from..n) that may begin a stop string or are an unfinished UTF-8
@@ -268,8 +311,11 @@ static int mf_batch_fits(mf_batch *b, int i, const mf_breq *r)
 {
     int64_t n = (int64_t)r->r.n_prompt + r->r.max_tokens, mapped = 0;
     mf_bseq *q = &b->seq[i];
-    q->n_cached = b->o.prefix ? mf_prefix_match(b->o.prefix, q->ps, r->prompt, r->r.n_prompt, &mapped) : 0;
-    if (b->o.prefix && mf_batch_prefix_wait(b, i, r, q->n_cached)) {
+    /* echo_logprobs needs the logits of every prompt position: such a request restores nothing (a
+     * lookup of its first token) and computes its prompt, inserting its blocks as any other */
+    int echo = r->r.echo_logprobs, n_look = echo ? 1 : r->r.n_prompt;
+    q->n_cached = b->o.prefix ? mf_prefix_match(b->o.prefix, q->ps, r->prompt, n_look, &mapped) : 0;
+    if (b->o.prefix && !echo && mf_batch_prefix_wait(b, i, r, q->n_cached)) {
         mf_prefix_seq_end(b->o.prefix, q->ps, NULL, 0);
         return 0;
     }
@@ -299,6 +345,45 @@ static int mf_batch_fits(mf_batch *b, int i, const mf_breq *r)
     q->admit_rc = mf_ref_state_reserve(q->st, n);   /* no allocation on the step path from here on */
     b->stats.cached_tokens += q->n_cached;
     return 1;
+}
+
+/* A just-admitted request's sampler settings, penalty counts (the prompt's tokens marked for
+ * repetition_penalty) and grammar matcher; the slot's count table and matcher are allocated at
+ * its first request that needs them. 0, -ENOMEM or the grammar's code (the request ends in error). */
+static int mf_batch_start_seq(mf_batch *b, mf_bseq *q)
+{
+    const mf_batch_req *r = &q->req->r;
+    mf_sampler_set(q->smp, &(mf_sample_opts){.temperature = r->temperature, .top_p = r->top_p, .top_k = r->top_k,
+                                             .min_p = r->min_p, .seed = r->seed});
+    q->penalize = r->presence_penalty != 0 || r->frequency_penalty != 0 ||
+                  (r->repetition_penalty != 0 && r->repetition_penalty != 1);
+    if (q->penalize && !q->cnt) {
+        q->cnt = calloc((size_t)b->V, sizeof *q->cnt);
+        q->cap_touched = (int)b->o.max_context;
+        q->touched = malloc(sizeof *q->touched * (size_t)q->cap_touched);
+        if (!q->cnt || !q->touched) {
+            free(q->cnt);
+            free(q->touched);
+            q->cnt = NULL;
+            q->touched = NULL;
+            return mf_error(-ENOMEM, "batch: out of memory for a sequence's penalty counts");
+        }
+    }
+    if (q->penalize && r->repetition_penalty != 0 && r->repetition_penalty != 1)
+        for (int i = 0; i < r->n_prompt; i++) {
+            int32_t t = r->prompt[i];
+            if (!q->cnt[t]) q->touched[q->n_touched++] = t;
+            q->cnt[t] |= MF_CNT_PROMPT;
+        }
+    q->constrained = r->grammar != NULL;
+    if (!r->grammar) return 0;
+    if (!q->gm) {
+        int rc = mf_gram_match_new(b->o.gram_vocab, &q->gm);
+        if (rc) return rc;
+        if (!(q->mask = malloc(sizeof *q->mask * (size_t)((b->V + 31) / 32))))
+            return mf_error(-ENOMEM, "batch: out of memory for a grammar mask");
+    }
+    return mf_gram_match_start(q->gm, r->grammar);
 }
 
 /* Takes the queue's cancellations and admissions (under the mutex), then delivers them. A free
@@ -348,14 +433,16 @@ static void mf_batch_admit(mf_batch *b)
         mf_breq_free(r);
     }
     int64_t now = mf_now_ns();
+    int rc;
     for (int i = 0; i < b->n_states; i++) {
         mf_bseq *q = &b->seq[i];
         if (cancel[i]) {
             mf_batch_finish_seq(b, q, MF_BATCH_CANCELLED, 0, NULL);
         } else if (q->req && !q->admit_ns && q->admit_rc) {   /* its state could not grow */
             mf_batch_finish_seq(b, q, MF_BATCH_ERROR, q->admit_rc, mf_last_error());
+        } else if (q->req && !q->admit_ns && (rc = mf_batch_start_seq(b, q))) {
+            mf_batch_finish_seq(b, q, MF_BATCH_ERROR, rc, mf_last_error());
         } else if (q->req && !q->admit_ns) {   /* just admitted (settings were checked at submit) */
-            mf_sampler_reset(q->smp, q->req->r.temperature, q->req->r.top_p, q->req->r.seed);
             q->order = b->next_order++;
             q->n_fed = q->n_cached;
             q->n_gen = 0;
@@ -381,6 +468,7 @@ static int mf_batch_items(mf_batch *b)
     for (int i = 0; i < b->n_states; i++) {
         mf_bseq *q = &b->seq[i];
         q->in_step = q->got_logits = 0;
+        q->echo_rows = 0;
         if (!q->req) continue;
         if (q->pending >= 0) {
             b->it_st[n] = q->st;
@@ -402,16 +490,24 @@ static int mf_batch_items(mf_batch *b)
     int budget = b->o.step_tokens - n;
     if (budget < 1) budget = 1;
     /* the first `split` prefilling sequences share the budget evenly, the rest take what is left */
-    int split = n_pf < b->o.prefill_split ? n_pf : b->o.prefill_split;
+    int split = n_pf < b->o.prefill_split ? n_pf : b->o.prefill_split, erow = 0;
     for (int k = 0; k < n_pf && budget > 0; k++) {
         mf_bseq *q = &b->seq[b->pf[k]];
         int cap = k < split ? (budget + split - k - 1) / (split - k) : budget;
         int left = q->req->r.n_prompt - q->n_fed, take = left < cap ? left : cap;
+        int echo = q->req->r.echo_logprobs;
+        if (echo && take > b->o.echo_rows - erow) take = b->o.echo_rows - erow;   /* a logits row per position */
+        if (take <= 0) continue;
+        q->echo_row0 = erow;
+        q->echo_pos0 = q->n_fed;
         for (int j = 0; j < take; j++) {
             b->it_st[n] = q->st;
             b->it_tok[n] = q->req->prompt[q->n_fed + j];
-            b->it_lg[n++] = NULL;
+            /* echo: every position but the prompt's last gives the next prompt token's logprob */
+            int row = echo && q->n_fed + j < q->req->r.n_prompt - 1;
+            b->it_lg[n++] = row ? b->erows + (size_t)(erow + q->echo_rows++) * (size_t)b->V : NULL;
         }
+        erow += q->echo_rows;
         if (take == left && q->req->r.max_tokens > 0) {
             b->it_lg[n - 1] = q->lrow;
             q->got_logits = 1;
@@ -428,14 +524,94 @@ static int mf_batch_items(mf_batch *b)
     return n;
 }
 
+/* PROMPT events of q's echo rows this step: row r, the logits of prompt position echo_pos0 + r,
+ * gives the logprob of the prompt token after it. */
+static void mf_batch_echo(mf_batch *b, mf_bseq *q)
+{
+    mf_breq *r = q->req;
+    for (int k = 0; k < q->echo_rows; k++) {
+        int pos = q->echo_pos0 + k + 1;
+        mf_batch_event ev = {.kind = MF_BATCH_PROMPT, .pos = pos, .token = r->prompt[pos], .top = b->top,
+                             .n_top = r->r.top_logprobs, .has_logprob = 1};
+        mf_logprobs(b->erows + (size_t)(q->echo_row0 + k) * (size_t)b->V, b->V, ev.token, ev.n_top, &ev.logprob, b->top);
+        mf_batch_emit(b, q, r, &ev);
+    }
+}
+
+/* The request's logit_bias and penalties applied to q's logits row, in place. */
+static void mf_batch_adjust(mf_bseq *q)
+{
+    const mf_batch_req *r = &q->req->r;
+    float *l = q->lrow;
+    for (int i = 0; i < r->n_bias; i++)
+        l[r->bias[i].id] = r->bias[i].bias <= -100 ? -INFINITY : l[r->bias[i].id] + r->bias[i].bias;
+    if (!q->penalize) return;
+    double rp = r->repetition_penalty != 0 ? r->repetition_penalty : 1;
+    for (int i = 0; i < q->n_touched; i++) {
+        int32_t t = q->touched[i];
+        uint32_t c = q->cnt[t] & MF_CNT_OUT;
+        double x = l[t];
+        if (rp != 1) x = x > 0 ? x / rp : x * rp;
+        if (c) x -= r->frequency_penalty * c + r->presence_penalty;
+        l[t] = (float)x;
+    }
+}
+
+/* q's next token under its grammar: greedy tries the best token first; otherwise (or when it does
+ * not fit) the grammar's mask sets the logits outside it to -inf before the sampler draws. The
+ * token is then accepted by the matcher. A token or a negative code. */
+static int32_t mf_batch_pick_constrained(mf_batch *b, mf_bseq *q)
+{
+    int32_t t;
+    if (q->req->r.temperature <= 0) {
+        t = mf_sample_greedy(q->lrow, b->V);
+        if (q->lrow[t] > -INFINITY && mf_gram_match_allows(q->gm, t) == 1)
+            return mf_gram_match_accept(q->gm, t) ? -EPROTO : t;
+    }
+    int n = mf_gram_match_mask(q->gm, q->mask);
+    if (n < 0) return n;
+    for (int64_t w = 0; w < (b->V + 31) / 32; w++) {
+        uint32_t m = q->mask[w];
+        if (m == 0xffffffffu) continue;
+        for (int k = 0; k < 32 && w * 32 + k < b->V; k++)
+            if (!(m >> k & 1)) q->lrow[w * 32 + k] = -INFINITY;
+    }
+    t = mf_sampler_pick(q->smp, q->lrow);
+    if (q->lrow[t] == -INFINITY || mf_gram_match_accept(q->gm, t))   /* nothing allowed survived logit_bias */
+        return mf_error(-EPROTO, "batch: no token the grammar allows is left (logit_bias banned them all)");
+    return t;
+}
+
 /* Samples the next token of q from its logits row and emits it; ends the request when done. */
 static void mf_batch_next(mf_batch *b, mf_bseq *q, int64_t now)
 {
     mf_breq *r = q->req;
-    int32_t t = mf_sampler_pick(q->smp, q->lrow);
-    if (t == b->c->eos_token_id && !r->r.ignore_eos) {
-        mf_batch_finish_seq(b, q, MF_BATCH_EOS, 0, NULL);
+    mf_batch_event ev = {.kind = MF_BATCH_TOKEN, .top = b->top, .n_top = r->r.logprobs ? r->r.top_logprobs : 0};
+    double lse = 0;
+    const float *raw = q->lrow;
+    if (r->r.logprobs) {   /* the model's distribution: before bias, penalties, grammar, temperature */
+        lse = mf_logprobs(q->lrow, b->V, 0, ev.n_top, NULL, b->top);
+        if (r->r.n_bias || q->penalize || q->constrained) {
+            memcpy(b->raw, q->lrow, sizeof(float) * (size_t)b->V);
+            raw = b->raw;
+        }
+    }
+    if (r->r.n_bias || q->penalize) mf_batch_adjust(q);
+    int32_t t = q->constrained ? mf_batch_pick_constrained(b, q) : mf_sampler_pick(q->smp, q->lrow);
+    if (t < 0) {
+        mf_batch_finish_seq(b, q, MF_BATCH_ERROR, t, mf_last_error());
         return;
+    }
+    ev.logprob = (float)((double)raw[t] - lse);
+    ev.token = t;
+    ev.has_logprob = r->r.logprobs;
+    if (t == b->c->eos_token_id && (!r->r.ignore_eos || q->constrained)) {   /* a grammar allows EOS only once complete */
+        mf_batch_finish_lp(b, q, MF_BATCH_EOS, 0, NULL, r->r.logprobs ? &ev : NULL);
+        return;
+    }
+    if (q->penalize) {
+        if (!q->cnt[t]) q->touched[q->n_touched++] = t;
+        if ((q->cnt[t] & MF_CNT_OUT) != MF_CNT_OUT) q->cnt[t]++;
     }
     q->n_gen++;
     if (!q->first_ns) q->first_ns = now;
@@ -445,14 +621,16 @@ static void mf_batch_next(mf_batch *b, mf_bseq *q, int64_t now)
         return;
     }
     size_t hold = stop ? 0 : mf_batch_hold(r, q->txt, q->n_sent, q->n_txt);
-    mf_batch_event ev = {.kind = MF_BATCH_TOKEN, .token = t, .logits = q->lrow, .text = q->txt + q->n_sent,
-                         .n_text = q->n_txt - hold - q->n_sent};
+    ev.token = t;
+    ev.logits = q->lrow;
+    ev.text = q->txt + q->n_sent;
+    ev.n_text = q->n_txt - hold - q->n_sent;
     q->n_sent = q->n_txt - hold;
     mf_batch_emit(b, q, r, &ev);
     pthread_mutex_lock(&b->mu);
     b->stats.generated++;
     pthread_mutex_unlock(&b->mu);
-    if (stop)
+    if (stop || (q->constrained && mf_gram_match_done(q->gm)))   /* a complete grammar allows nothing but EOS */
         mf_batch_finish_seq(b, q, MF_BATCH_STOP, 0, NULL);
     else if (q->n_gen >= r->r.max_tokens)
         mf_batch_finish_seq(b, q, MF_BATCH_LENGTH, 0, NULL);
@@ -490,6 +668,7 @@ int mf_batch_step(mf_batch *b, int *n_items)
             mf_batch_finish_seq(b, q, MF_BATCH_ERROR, rc, mf_last_error());
             continue;
         }
+        if (q->echo_rows) mf_batch_echo(b, q);
         if (!q->got_logits) {   /* a prefill chunk short of the prompt's end, or max_tokens 0 */
             if (q->n_fed == q->req->r.n_prompt && q->req->r.max_tokens == 0)
                 mf_batch_finish_seq(b, q, MF_BATCH_LENGTH, 0, NULL);
@@ -499,6 +678,32 @@ int mf_batch_step(mf_batch *b, int *n_items)
         mf_batch_next(b, q, now);
     }
     return rc;
+}
+
+/* The sampling controls, logprobs and grammar of a request: 0 or -EINVAL naming the field. */
+static int mf_batch_check_controls(const mf_batch *b, const mf_batch_req *x)
+{
+    if (x->top_k < 0) return mf_error(-EINVAL, "batch: top_k %d (expected >= 0)", x->top_k);
+    if (!(x->min_p >= 0 && x->min_p <= 1)) return mf_error(-EINVAL, "batch: min_p %g (expected 0..1)", x->min_p);
+    if (!(x->presence_penalty >= -2 && x->presence_penalty <= 2))
+        return mf_error(-EINVAL, "batch: presence_penalty %g (expected -2..2)", x->presence_penalty);
+    if (!(x->frequency_penalty >= -2 && x->frequency_penalty <= 2))
+        return mf_error(-EINVAL, "batch: frequency_penalty %g (expected -2..2)", x->frequency_penalty);
+    if (!(x->repetition_penalty >= 0 && x->repetition_penalty <= 2))
+        return mf_error(-EINVAL, "batch: repetition_penalty %g (expected 0..2; 0 or 1: off)", x->repetition_penalty);
+    if (x->n_bias < 0 || x->n_bias > b->V || (x->n_bias && !x->bias))
+        return mf_error(-EINVAL, "batch: %d logit biases (expected 0..%" PRId64 ")", x->n_bias, b->V);
+    for (int i = 0; i < x->n_bias; i++)
+        if (x->bias[i].id < 0 || x->bias[i].id >= b->V || !(x->bias[i].bias >= -100 && x->bias[i].bias <= 100))
+            return mf_error(-EINVAL, "batch: logit bias %d: token %d, bias %g (expected a token in [0, %" PRId64 "), "
+                            "a bias in -100..100)", i, x->bias[i].id, x->bias[i].bias, b->V);
+    if (x->top_logprobs < 0 || x->top_logprobs > MF_BATCH_MAX_LOGPROBS)
+        return mf_error(-EINVAL, "batch: top_logprobs %d (expected 0..%d)", x->top_logprobs, MF_BATCH_MAX_LOGPROBS);
+    if (x->echo_logprobs && !b->o.echo_rows)
+        return mf_error(-EINVAL, "batch: prompt logprobs need opts.echo_rows");
+    if (x->grammar && !b->o.gram_vocab)
+        return mf_error(-EINVAL, "batch: a grammar needs opts.gram_vocab");
+    return 0;
 }
 
 int mf_batch_submit(mf_batch *b, const mf_batch_req *req, uint64_t *id)
@@ -524,24 +729,29 @@ int mf_batch_submit(mf_batch *b, const mf_batch_req *req, uint64_t *id)
     if (x->n_stop && !b->o.tok) return mf_error(-EINVAL, "batch: stop strings need a tokenizer");
     for (int i = 0; i < x->n_stop; i++)
         if (!x->stop[i] || !x->stop[i][0]) return mf_error(-EINVAL, "batch: stop string %d is empty", i);
+    int rc = mf_batch_check_controls(b, x);
+    if (rc) return rc;
     mf_breq *r = calloc(1, sizeof *r);
     if (!r) return mf_error(-ENOMEM, "batch: out of memory");
     r->r = *x;
     r->r.top_p = top_p;
     r->prompt = malloc(sizeof *r->prompt * (size_t)x->n_prompt);
     r->stop = x->n_stop ? calloc((size_t)x->n_stop, sizeof *r->stop) : NULL;
-    int ok = r->prompt && (!x->n_stop || r->stop);
+    r->bias = x->n_bias ? malloc(sizeof *r->bias * (size_t)x->n_bias) : NULL;
+    int ok = r->prompt && (!x->n_stop || r->stop) && (!x->n_bias || r->bias);
     for (int i = 0; ok && i < x->n_stop; i++) ok = (r->stop[i] = strdup(x->stop[i])) != NULL;
     if (!ok) {
         mf_breq_free(r);
         return mf_error(-ENOMEM, "batch: out of memory");
     }
     memcpy(r->prompt, x->prompt, sizeof *r->prompt * (size_t)x->n_prompt);
+    if (x->n_bias) memcpy(r->bias, x->bias, sizeof *r->bias * (size_t)x->n_bias);
     r->r.prompt = r->prompt;
+    r->r.bias = r->bias;
     r->r.stop = (const char *const *)r->stop;
     r->submit_ns = mf_now_ns();
     pthread_mutex_lock(&b->mu);
-    int rc = b->shut ? -ESHUTDOWN : b->n_queued >= b->o.max_queue ? -EAGAIN : 0;
+    rc = b->shut ? -ESHUTDOWN : b->n_queued >= b->o.max_queue ? -EAGAIN : 0;
     uint64_t rid = 0;
     if (!rc) {
         r->id = rid = b->next_id++;
@@ -651,7 +861,13 @@ void mf_batch_free(mf_batch *b)
         mf_sampler_free(b->seq[i].smp);
         free(b->seq[i].lrow);
         free(b->seq[i].txt);
+        free(b->seq[i].cnt);
+        free(b->seq[i].touched);
+        mf_gram_match_free(b->seq[i].gm);
+        free(b->seq[i].mask);
     }
+    free(b->erows);
+    free(b->raw);
     free(b->seq);
     free(b->it_st);
     free(b->it_tok);

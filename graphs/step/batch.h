@@ -12,10 +12,16 @@
 
 #include "graphs/prefix/prefix.h"
 #include "graphs/ref/ref.h"
+#include "graphs/step/sample.h"
 #include "graphs/step/step.h"
 
 typedef struct mf_tok mf_tok;
 typedef struct mf_batch mf_batch;
+typedef struct mf_gram mf_gram;               /* host/grammar.h */
+typedef struct mf_gram_vocab mf_gram_vocab;   /* host/grammar.h */
+
+/* The most top alternatives a request may ask per token (mf_batch_req.top_logprobs). */
+#define MF_BATCH_MAX_LOGPROBS 20
 
 /* Why a request ended. */
 typedef enum mf_batch_finish {
@@ -31,7 +37,8 @@ const char *mf_batch_finish_name(mf_batch_finish f);   /* "eos", "stop", "length
 
 typedef enum mf_batch_event_kind {
     MF_BATCH_TOKEN = 0,   /* a generated token (never EOS) */
-    MF_BATCH_DONE         /* the request ended; always the last event of a request */
+    MF_BATCH_DONE,        /* the request ended; always the last event of a request */
+    MF_BATCH_PROMPT       /* echo_logprobs: prompt token `pos` (1..n_prompt-1, in order) with its logprob */
 } mf_batch_event_kind;
 
 /* An event of one request, passed to on_event on the thread that calls mf_batch_step.
@@ -40,8 +47,19 @@ typedef struct mf_batch_event {
     uint64_t id;                 /* from mf_batch_submit */
     void *user;                  /* the request's user pointer */
     mf_batch_event_kind kind;
-    int32_t token;               /* TOKEN: the token */
-    const float *logits;         /* TOKEN: vocab_size logits it was sampled from */
+    int32_t token;               /* TOKEN: the token; PROMPT: prompt[pos] */
+    /* TOKEN: vocab_size logits it was sampled from (after logit_bias, penalties and a grammar's
+     * mask; as the model gave them when the request has none) */
+    const float *logits;
+    /* TOKEN with logprobs, PROMPT, DONE "eos" with logprobs (token: EOS): the token's log-probability under the model's distribution
+     * (log-softmax of the logits the forward gave, before logit_bias, penalties, grammar and
+     * temperature) and the request's top_logprobs most probable tokens under it, most probable
+     * first (ties: lower id first) */
+    float logprob;
+    const mf_logprob *top;
+    int n_top;
+    int has_logprob;             /* logprob and top are valid (also on DONE "eos": EOS's own) */
+    int pos;                     /* PROMPT: the prompt position */
     /* Output text that became final with this event (with a tokenizer; else n_text 0): bytes
      * that might begin a stop string, or an unfinished UTF-8 character, are held back until they
      * cannot; DONE flushes what is left (cut before a matched stop string). */
@@ -102,14 +120,37 @@ typedef struct mf_batch_opts {
      * every forward and its last partial block at the prompt's end and when it ends. A request whose
      * prompt shares at least a block more than its hit with a running sequence's prompt that is
      * still prefilling that part waits (as one that does not fit the budget: others may pass it)
-     * until it can restore it. Numerics unchanged: logits after a hit are the bits of a run from
+     * until it can restore it. An echo_logprobs request restores nothing (it needs every prompt
+     * position's logits) but inserts its blocks. Numerics unchanged: logits after a hit are the bits of a run from
      * scratch (tests/test_prefix_batch.c). */
     mf_prefix *prefix;
+    /* prompt positions per step whose logits echo_logprobs requests may ask (0: none, such
+     * requests are refused): a chunk of such a request is at most this long, and the batcher
+     * holds this many rows of vocab_size floats (allocated at mf_batch_new). Other chunks ask
+     * the engine for one row (their prompt's last position) as before. */
+    int echo_rows;
+    /* the tokenizer's vocabulary for constrained requests (mf_batch_req.grammar); NULL: they are
+     * refused. Not owned; outlives the batcher. */
+    const mf_gram_vocab *gram_vocab;
     void (*on_event)(void *user, const mf_batch_event *ev);
     void *user;           /* for on_event */
 } mf_batch_opts;
 
-/* One request. Everything is copied by mf_batch_submit. */
+/* A logit bias: `bias` is added to token id's logit; <= -100 bans the token (its logit -inf). */
+typedef struct mf_batch_bias {
+    int32_t id;
+    float bias;
+} mf_batch_bias;
+
+/* One request. Everything is copied by mf_batch_submit (the grammar is referenced: it must
+ * outlive the request's DONE event). The logits a token is drawn from are the model's, then
+ * logit_bias added, then the penalties, then the grammar's mask (-inf outside it), then the
+ * sampler (graphs/step/sample.h: greedy, or temperature, top_k, top_p, min_p). Penalties (the
+ * vLLM / llama.cpp meanings): repetition_penalty r divides a positive logit by r and multiplies a
+ * negative one by r for every token that occurs in the prompt or the output so far (HF's CTRL
+ * rule); frequency_penalty subtracts f x (the token's occurrences in the output so far),
+ * presence_penalty subtracts p once for a token that occurs in the output (OpenAI's rule; prompt
+ * tokens are not counted). Counts live in the sequence's slot (no per-step allocation). */
 typedef struct mf_batch_req {
     const int32_t *prompt;
     int n_prompt;            /* >= 1 */
@@ -121,6 +162,22 @@ typedef struct mf_batch_req {
     const char *const *stop; /* n_stop strings (non-empty), needs opts.tok */
     int n_stop;
     void *user;
+    int top_k;               /* >= 0 (0: all) */
+    double min_p;            /* [0, 1] (0: off) */
+    double presence_penalty, frequency_penalty;   /* [-2, 2] (0: off) */
+    double repetition_penalty;                    /* (0, 2] (0 or 1: off) */
+    const mf_batch_bias *bias;                    /* n_bias entries, ids in the vocabulary */
+    int n_bias;
+    int logprobs;            /* 1: TOKEN events carry logprob and top (top_logprobs of them) */
+    int top_logprobs;        /* 0..MF_BATCH_MAX_LOGPROBS */
+    /* 1: PROMPT events for prompt positions 1..n_prompt-1 (the logprob of each prompt token given
+     * those before it; top_logprobs alternatives), from the prefill (needs opts.echo_rows) */
+    int echo_logprobs;
+    /* constrained decoding (needs opts.gram_vocab): every token keeps the output a prefix of the
+     * grammar's language; EOS only once it is complete, and the request ends (MF_BATCH_STOP) with
+     * the token that completes it. Greedy requests try the best token first and compute the
+     * grammar's mask only when it does not fit. */
+    const mf_gram *grammar;
 } mf_batch_req;
 
 /* Bytes of one state of max_context positions (the most a request may need). */

@@ -1,6 +1,7 @@
-/* Greedy and seeded temperature/top-p sampling (see graphs/step/sample.h): softmax in double over the
- * tempered logits, candidates sorted by probability (ties: lower id first), the smallest prefix
- * whose mass reaches top_p kept, one uniform draw from splitmix64. */
+/* Greedy and seeded temperature/top-k/top-p/min-p sampling (see graphs/step/sample.h): softmax in
+ * double over the tempered logits, candidates sorted by probability (ties: lower id first), the
+ * top_k first, the smallest prefix whose mass reaches top_p, those above min_p x the best kept, one
+ * uniform draw from splitmix64; and the log-softmax a server reports. */
 #include "graphs/step/sample.h"
 
 #include <errno.h>
@@ -16,7 +17,8 @@ typedef struct mf_cand {
 
 struct mf_sampler {
     int64_t n;
-    double temperature, top_p;
+    double temperature, top_p, min_p;
+    int top_k;
     uint64_t rng;
     mf_cand *cand;
 };
@@ -43,17 +45,27 @@ int mf_sampler_new(int64_t n_vocab, double temperature, double top_p, uint64_t s
     return 0;
 }
 
+int mf_sampler_set(mf_sampler *s, const mf_sample_opts *o)
+{
+    double top_p = o->top_p ? o->top_p : 1.0;
+    if (!(o->temperature <= 0) && !(top_p > 0 && top_p <= 1))
+        return mf_error(-EINVAL, "sampler: top_p must be in (0, 1], found %g", o->top_p);
+    if (isnan(o->temperature)) return mf_error(-EINVAL, "sampler: temperature is NaN");
+    if (o->top_k < 0) return mf_error(-EINVAL, "sampler: top_k must be >= 0, found %d", o->top_k);
+    if (!(o->min_p >= 0 && o->min_p <= 1)) return mf_error(-EINVAL, "sampler: min_p must be in [0, 1], found %g", o->min_p);
+    if (o->temperature > 0 && !s->cand)
+        return mf_error(-EINVAL, "sampler: created greedy, so it has no scratch for temperature %g", o->temperature);
+    s->temperature = o->temperature;
+    s->top_p = top_p;
+    s->top_k = o->top_k;
+    s->min_p = o->min_p;
+    s->rng = o->seed;
+    return 0;
+}
+
 int mf_sampler_reset(mf_sampler *s, double temperature, double top_p, uint64_t seed)
 {
-    if (!(temperature <= 0) && !(top_p > 0 && top_p <= 1))
-        return mf_error(-EINVAL, "sampler: top_p must be in (0, 1], found %g", top_p);
-    if (isnan(temperature)) return mf_error(-EINVAL, "sampler: temperature is NaN");
-    if (temperature > 0 && !s->cand)
-        return mf_error(-EINVAL, "sampler: created greedy, so it has no scratch for temperature %g", temperature);
-    s->temperature = temperature;
-    s->top_p = top_p;
-    s->rng = seed;
-    return 0;
+    return mf_sampler_set(s, &(mf_sample_opts){.temperature = temperature, .top_p = top_p, .seed = seed});
 }
 
 void mf_sampler_free(mf_sampler *s)
@@ -99,13 +111,49 @@ int32_t mf_sampler_pick(mf_sampler *s, const float *logits)
         sum += s->cand[i].p;
     }
     qsort(s->cand, (size_t)s->n, sizeof *s->cand, mf_cand_cmp);
+    int64_t lim = s->n;
+    while (lim > 1 && s->cand[lim - 1].p == 0) lim--;   /* -inf logits (banned, masked) never win */
+    if (s->top_k > 0 && s->top_k < lim) {
+        lim = s->top_k;
+        sum = 0;
+        for (int64_t i = 0; i < lim; i++) sum += s->cand[i].p;
+    }
     double keep = 0;
     int64_t k = 0;
-    while (k < s->n && (k == 0 || keep < s->top_p * sum)) keep += s->cand[k++].p;
+    while (k < lim && (k == 0 || keep < s->top_p * sum)) keep += s->cand[k++].p;
+    if (s->min_p > 0)
+        while (k > 1 && s->cand[k - 1].p < s->min_p * s->cand[0].p) keep -= s->cand[--k].p;
     double u = (double)(mf_splitmix64(&s->rng) >> 11) * 0x1p-53 * keep, acc = 0;
     for (int64_t i = 0; i < k; i++) {
         acc += s->cand[i].p;
         if (u < acc) return s->cand[i].id;
     }
     return s->cand[k - 1].id;
+}
+
+/* Whether (la, ia) ranks before (lb, ib): higher logit first, then lower id. */
+static int mf_lp_before(float la, int32_t ia, float lb, int32_t ib) { return la > lb || (la == lb && ia < ib); }
+
+double mf_logprobs(const float *logits, int64_t n, int32_t tok, int k, float *lp_tok, mf_logprob *top)
+{
+    double mx = -INFINITY;
+    for (int64_t i = 0; i < n; i++) mx = logits[i] > mx ? logits[i] : mx;
+    double sum = 0;
+    for (int64_t i = 0; i < n; i++) sum += exp((double)logits[i] - mx);
+    double lse = mx + log(sum);
+    if (lp_tok) *lp_tok = (float)((double)logits[tok] - lse);
+    if (k > n) k = (int)n;
+    int m = 0;   /* top[0..m) sorted; insertion of the few that beat the last */
+    for (int64_t i = 0; i < n && k > 0; i++) {
+        float l = logits[i];
+        if (m == k && !mf_lp_before(l, (int32_t)i, top[m - 1].logprob, top[m - 1].id)) continue;
+        int j = m < k ? m++ : m - 1;
+        while (j > 0 && mf_lp_before(l, (int32_t)i, top[j - 1].logprob, top[j - 1].id)) {
+            top[j] = top[j - 1];
+            j--;
+        }
+        top[j] = (mf_logprob){(int32_t)i, l};
+    }
+    for (int j = 0; j < m; j++) top[j].logprob = (float)((double)top[j].logprob - lse);
+    return lse;
 }

@@ -133,6 +133,8 @@ void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out)
     out->dense_home = atomic_load(&s->dense_home);
     out->dense_cross = atomic_load(&s->dense_cross);
     out->miss_spans = atomic_load(&s->miss_spans);
+    out->lt_linears = atomic_load(&s->lt_linears);
+    out->lt_slots = atomic_load(&s->lt_slots);
 }
 
 void mf_step_fill(const mf_step *s, mf_step_fill_stats *out) { *out = s->fill; }
@@ -231,6 +233,11 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
         free(s);
         return mf_error(-EINVAL, "step: %d threads (max 256)", n);
     }
+    if (s->o.lt < MF_SG_LT_COST || s->o.lt > MF_SG_LT_OFF) {
+        int m = s->o.lt;
+        free(s);
+        return mf_error(-EINVAL, "step: cuBLASLt mode %d (expected cost, on, dense or off)", m);
+    }
     s->store = store;
     s->eg_reads = store && mf_store_tables_streamed(store);
     s->max_items = max_items;
@@ -248,6 +255,7 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     if (s->o.dense) rc = mf_step_dense_setup(s);
     if (!rc && s->o.dev && s->o.placement != MF_STEP_PLACE_HOST) rc = mf_step_dev_setup(s);
     s->n_lane_cards = s->n_cards > s->n_dense ? s->n_cards : s->n_dense;
+    if (!rc) rc = mf_step_lt_setup(s);   /* the cuBLASLt path on these cards (step_dense.c) */
     /* lanes: models for placement and priorities (mf_step_lane_models: the profile's, or the
      * built-in assumptions); dense-only cards map to the cards that passed the self-check */
     mf_sg_lanes_init(&s->lt, s->models, s->o.n_threads, store != NULL, s->n_lane_cards);
@@ -480,6 +488,8 @@ static int mf_step_forward_chunks(mf_step *s, mf_ref_state *const *states, const
     atomic_store(&s->dense_home, 0);
     atomic_store(&s->dense_cross, 0);
     atomic_store(&s->miss_spans, 0);
+    atomic_store(&s->lt_linears, 0);
+    atomic_store(&s->lt_slots, 0);
     for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_step(s->xc[c], NULL);
     if (n < 1) return mf_error(-EINVAL, "step: forward of %d items", n);
     int rc = mf_step_check(s, states, tokens, n);

@@ -107,6 +107,18 @@ typedef struct mf_step_opts {
      * rest: emulated cards the host's bits (logits bit for bit the host placement's), CUDA cards
      * within tolerance (CUDA's expf; never run on a GPU yet). */
     int heads;
+    /* graphs/step/stepgraph.h mf_sg_lt_mode (`--cublaslt`): where the cards' tensor cores take work
+     * through cuBLASLt (device/dev.h "The cuBLASLt path"): MF_SG_LT_COST (0) where the cost model on
+     * `profile` prices it below the CUDA cores (never without a tensor-core rate: the built-in
+     * machine, and every emulated card's calibration), MF_SG_LT_ON wherever it applies, MF_SG_LT_DENSE
+     * the dense linears only, MF_SG_LT_OFF nowhere. The dense linears on it (those reading bf16
+     * values: mf_sg_lt_dense_ok) give the host placement's logits bit for bit on emulated cards, of
+     * either 16-bit type (tc=bf16 or fp16; an FP16 matrix whose scales span more binades than FP16
+     * holds keeps the CUDA cores, as any matrix of a card without tensor cores); the routed experts on
+     * it do not: their x and h are cast to 16 bits where the int8 path quantizes them to 8 (relative
+     * differences of the int8 path's size, docs/device.md). Off when a card in use has no tensor
+     * cores (tc=none, CUDA before sm_70). */
+    int lt;
     /* Tests only (a mutation the bit-identity checks must catch): 1 makes the heads on cards
      * compute with their scale 1% off. 0: off. */
     int heads_fault;
@@ -292,6 +304,9 @@ typedef struct mf_step_dev_stats {
      * expert, head: each matrix counted per part), against the model's shares
      * (graphs/model/model.h mf_model_split_weights) */
     int64_t dense_home, dense_cross;
+    /* the cuBLASLt path (mf_step_opts.lt): dense linears run on it (each card's launch of a weight
+     * slice counted) and routed-expert slots whose FFN did */
+    int64_t lt_linears, lt_slots;
 } mf_step_dev_stats;
 
 void mf_step_last_dev(const mf_step *s, mf_step_dev_stats *out);

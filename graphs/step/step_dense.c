@@ -179,9 +179,60 @@ static int mf_step_dense_mat(const mf_step *eng, int k, int L, const mf_weight *
     return 0;
 }
 
+/* ---- the cuBLASLt path of the dense linears ------------------------------------------------ */
+
+/* Where card k's 16-bit copy of v (rows [v->r0, v->r1), layer L) lies in shape sh's scratch: the
+ * layer's parity's region of its sublayer (graphs/step/stepgraph.h mf_sg_card_bufs.lt_w16). */
+static int mf_step_lt_w16(const mf_step_shape *sh, int k, int L, const mf_step_dmat *v, mf_dev_w16 *o)
+{
+    const mf_sg_card_bufs *cb = &sh->cb;
+    size_t bytes = (size_t)(v->r1 - v->r0) * (size_t)v->w->cols * 2, region = sh->sg->lt_w16[v->dense];
+    if (v->w16_off + bytes > region)
+        return mf_error(-EINVAL, "step: %s's 16-bit copy (%zu bytes at %zu) outside its scratch of %zu bytes "
+                        "(internal)", v->w->name ? v->w->name : "a dense weight", bytes, v->w16_off, region);
+    *o = (mf_dev_w16){.w = sh->ddense[k] + cb->lt_w16 + (size_t)(L & 1) * cb->lt_w16_par + cb->lt_w16_d[v->dense] +
+                           v->w16_off,
+                      .type = mf_dev_card_f16(sh->eng->dev, sh->eng->dense_card[k]), .shift = v->w16_shift,
+                      .n_out = (int)(v->r1 - v->r0), .n_in = (int)v->w->cols};
+    return 0;
+}
+
+mf_dev_lt_buf mf_step_lt_buf(const mf_step_shape *sh, int k, int dense)
+{
+    const mf_sg_card_bufs *cb = &sh->cb;
+    uint8_t *db = dense ? sh->ddense[k] : sh->dbuf[k];
+    return (mf_dev_lt_buf){.x16 = db + (dense ? cb->lt_x16 : cb->lt_ex16),
+                           .x16_bytes = dense ? cb->lt_x16_bytes : cb->lt_ex16_bytes,
+                           .ws = db + (dense ? cb->lt_ws : cb->lt_ews), .ws_bytes = cb->lt_ws_bytes};
+}
+
+/* Linear l (rows [r0, r1) of w, its row0 r0) of task a on the cuBLASLt path where its record says
+ * so and the linear can (kernel sums, its rows planned: mf_step_dmat.w16_ok): its rows of the 16-bit
+ * copy the layer's MF_SG_DENSE_DEQ made, a grouped slice's x from the first group its rows read.
+ * Else l as it is (the CUDA cores). */
+static int mf_step_dense_lt(const mf_step_targ *a, const mf_weight *w, int64_t r0, int64_t r1, mf_dev_lin *l)
+{
+    mf_step_shape *sh = a->sh;
+    const mf_step_dmat *v = mf_step_dense_view(sh->eng, a->t->card, a->t->layer, w);
+    if (a->t->lin_path != MF_DEV_LIN_CUBLASLT || l->sums != MF_DEV_SUMS_KERN || !v || !v->w16_ok) return 0;
+    int rc = mf_step_lt_w16(sh, a->t->card, a->t->layer, v, &l->w16);
+    if (rc) return rc;
+    l->w16.w = (uint16_t *)l->w16.w + (size_t)(r0 - v->r0) * (size_t)w->cols;
+    l->w16.n_out = (int)(r1 - r0);
+    if (l->group_rows) {   /* the cast reads only the groups from the first its rows touch */
+        int64_t g0 = r0 / l->group_rows;
+        l->x += g0 * w->cols;
+        l->row0 = r0 - g0 * l->group_rows;
+    }
+    l->lt = mf_step_lt_buf(sh, a->t->card, 1);
+    l->path = MF_DEV_LIN_CUBLASLT;
+    atomic_fetch_add_explicit(&sh->eng->lt_linears, 1, memory_order_relaxed);
+    return 0;
+}
+
 /* Rows [r0, r1) of y = w x on stream st (the rows task a owns of w: mf_step_dense_rows): x rows
  * ld_x apart, y (its row r0 at y + r0) ld_y apart; grouped (wo_a) with reference sums, else the
- * kernels' sums; bf: y rounded to bf16. */
+ * kernels' sums (on the path the record says: mf_step_dense_lt); bf: y rounded to bf16. */
 static int mf_step_dense_lin(const mf_step_targ *a, mf_dev_stream *st, const mf_weight *w, int64_t r0, int64_t r1,
                              int groups, int ref, int bf, const float *x, int64_t ld_x, int n_tok, float *y,
                              int64_t ld_y)
@@ -191,6 +242,7 @@ static int mf_step_dense_lin(const mf_step_targ *a, mf_dev_stream *st, const mf_
                     .sums = ref ? MF_DEV_SUMS_REF : MF_DEV_SUMS_KERN, .x = x, .ld_x = ld_x, .n_tok = n_tok,
                     .y = y + r0, .ld_y = ld_y};
     int rc = mf_step_dense_mat(a->sh->eng, a->t->card, a->t->layer, w, r0, r1, &l.w);
+    if (!rc) rc = mf_step_dense_lt(a, w, r0, r1, &l);
     if (!rc) rc = mf_dev_linear(st, &l);
     if (!rc && bf) rc = mf_dev_round_bf16(st, y + r0, n_tok, ld_y, (int)(r1 - r0));
     return rc ? mf_error_wrap(rc, "%s", w->name ? w->name : "a dense linear") : 0;
@@ -323,6 +375,27 @@ static int mf_task_dense(void *arg, mf_task_ctx *ctx)
     return mf_step_dense_launch(a, ctx->queue);
 }
 
+/* The layer's FP8 weights of sublayer a->t->dense that card a->t->card holds and planned, dequantized
+ * into the scratch of the layer's parity on the card's copy-in stream (after the works of two
+ * layers before that read it: the builder's order, graphs/step/stepgraph_lt.c). */
+static int mf_task_dense_deq(void *arg, mf_task_ctx *ctx)
+{
+    mf_step_targ *a = arg;
+    const mf_step *eng = a->sh->eng;
+    int k = a->t->card, L = a->t->layer, n = 0, rc = 0;
+    const mf_step_dmat *row = eng->dmat[k] + (size_t)L * MF_STEP_DW_MAX;
+    for (int j = 0; j < MF_STEP_DW_MAX && !rc; j++) {
+        const mf_step_dmat *v = &row[j];
+        if (!v->w || v->dense != a->t->dense || !v->w16_ok) continue;
+        mf_dev_w16 o;
+        rc = mf_step_lt_w16(a->sh, k, L, v, &o);
+        if (!rc) rc = mf_dev_dequant(ctx->queue, &v->m, &o);
+        if (rc) rc = mf_error_wrap(rc, "step: dequantizing %s on dense card %d", v->w->name ? v->w->name : "a weight", k);
+        n++;
+    }
+    return rc ? rc : n ? 0 : MF_TASK_NO_WORK;
+}
+
 /* ---- the dense cards' resident weights (at mf_step_new) ------------------------------------ */
 
 /* Rows [*r0, *r1) of weight w (rows base.. of its sublayer d's total rows) that dense card k holds:
@@ -340,13 +413,15 @@ static int mf_step_dense_wrows(const mf_step *s, int k, int L, int d, const mf_w
     return *r0 < *r1;
 }
 
-/* The dense weights of layer L (-1: the head) that dense card k holds rows of, with those rows;
- * returns their count. */
-static int mf_step_dense_weights_of(const mf_step *s, int L, int k, const mf_weight **w, int64_t *r0, int64_t *r1)
+/* The dense weights of layer L (-1: the head) that dense card k holds rows of, with those rows and
+ * their sublayers (MF_SG_D_*); returns their count. */
+static int mf_step_dense_weights_of(const mf_step *s, int L, int k, const mf_weight **w, int64_t *r0, int64_t *r1,
+                                    int8_t *dd)
 {
     int n = 0;
     if (L < 0) {
         w[0] = mf_model_head(s->ly->m);
+        dd[0] = MF_SG_D_HEAD;
         return mf_step_dense_wrows(s, k, L, MF_SG_D_HEAD, w[0], 0, w[0]->rows, &r0[0], &r1[0]);
     }
     const mf_model_layer *y = mf_model_layer_at(s->ly->m, L);
@@ -356,16 +431,22 @@ static int mf_step_dense_weights_of(const mf_step *s, int L, int k, const mf_wei
         int64_t total = 0, base = 0;
         for (int j = 0; j < nl; j++) total += lin[j].w->rows;
         for (int j = 0; j < nl; base += lin[j++].w->rows)
-            if (mf_step_dense_wrows(s, k, L, MF_SG_D_ATTN_IN + st, lin[j].w, base, total, &r0[n], &r1[n]))
+            if (mf_step_dense_wrows(s, k, L, MF_SG_D_ATTN_IN + st, lin[j].w, base, total, &r0[n], &r1[n])) {
+                dd[n] = (int8_t)(MF_SG_D_ATTN_IN + st);
                 w[n++] = lin[j].w;
+            }
     }
     const mf_weight *rest[4] = {&y->gate, &y->sh_w1, &y->sh_w3, &y->sh_w2};
     for (int j = 0; j < (s->c->n_shared_experts > 0 ? 4 : 1); j++)
-        if (mf_step_dense_wrows(s, k, L, j ? MF_SG_D_SHARED : MF_SG_D_GATE, rest[j], 0, rest[j]->rows, &r0[n], &r1[n]))
+        if (mf_step_dense_wrows(s, k, L, j ? MF_SG_D_SHARED : MF_SG_D_GATE, rest[j], 0, rest[j]->rows, &r0[n], &r1[n])) {
+            dd[n] = j ? MF_SG_D_SHARED : MF_SG_D_GATE;
             w[n++] = rest[j];
+        }
     if (mf_config_engram_slot(s->c, L) >= 0 &&
-        mf_step_dense_wrows(s, k, L, MF_SG_D_ENGRAM, &y->eg_wkv, 0, y->eg_wkv.rows, &r0[n], &r1[n]))
+        mf_step_dense_wrows(s, k, L, MF_SG_D_ENGRAM, &y->eg_wkv, 0, y->eg_wkv.rows, &r0[n], &r1[n])) {
+        dd[n] = MF_SG_D_ENGRAM;
         w[n++] = &y->eg_wkv;
+    }
     assert(n <= MF_STEP_DW_MAX);
     return n;
 }
@@ -422,7 +503,8 @@ static int mf_step_dense_weights(mf_step *s)
             for (int L = -1; L < NL; L++) {
                 const mf_weight *w[MF_STEP_DW_MAX];
                 int64_t r0[MF_STEP_DW_MAX], r1[MF_STEP_DW_MAX];
-                int nw = mf_step_dense_weights_of(s, L, k, w, r0, r1);
+                int8_t dd[MF_STEP_DW_MAX];
+                int nw = mf_step_dense_weights_of(s, L, k, w, r0, r1, dd);
                 if (!nw) continue;
                 head |= L < 0;
                 if (L >= 0 && first < 0) first = L;
@@ -431,6 +513,7 @@ static int mf_step_dense_weights(mf_step *s)
                 for (int j = 0; j < nw; j++) {
                     int rc = mf_step_dense_upload(s, k, st, w[j], r0[j], r1[j], &off, &row[j]);
                     if (rc) return rc;
+                    row[j].dense = dd[j];
                 }
             }
             if (pass) break;
@@ -454,6 +537,60 @@ void mf_step_dense_free(mf_step *s)
         mf_dev_free(s->dev, s->dense_card[k], s->dwmem[k]);
         free(s->dmat[k]);
     }
+    free(s->lt_xplan[0]);
+    free(s->lt_xplan[1]);
+}
+
+/* Each dense card's 16-bit layout of the weights its cuBLASLt calls may read: per layer and
+ * sublayer (mf_sg_lt_dense_ok) each FP8 slice the card holds at the next 256-aligned offset, with
+ * the shift that makes it exact in the card's type (mf_dev_w16_plan on its host scales); a slice
+ * no shift makes exact keeps the CUDA cores (w16_ok 0). The step graph sizes the scratch by the same
+ * slices (graphs/step/stepgraph_lt.c: at most the card's rows of the sublayer's FP8 linears). */
+static int mf_step_lt_layout(mf_step *s)
+{
+    int NL = s->c->n_layers;
+    for (int k = 0; k < s->n_dense; k++) {
+        mf_dev_f16 type = mf_dev_card_f16(s->dev, s->dense_card[k]);
+        for (int L = 0; L < NL; L++) {
+            size_t off[MF_SG_N_DENSE] = {0};
+            mf_step_dmat *row = s->dmat[k] + (size_t)L * MF_STEP_DW_MAX;
+            for (int j = 0; j < MF_STEP_DW_MAX; j++) {
+                mf_step_dmat *v = &row[j];
+                if (!v->w || v->m.fmt != MF_KERN_FP8 || !mf_sg_lt_dense_ok(v->dense, s->o.exact)) continue;
+                const mf_weight *w = v->w;
+                size_t sc_cols = (size_t)(w->cols + 31) / 32;
+                mf_kern_mat hm = {.fmt = MF_KERN_FP8, .w = w->data + (size_t)v->r0 * w->cols,
+                                  .scale = w->scale + (size_t)(v->r0 / 32) * sc_cols, .n_out = (int)(v->r1 - v->r0),
+                                  .n_in = (int)w->cols};
+                const mf_kern_mat *one = &hm;
+                int shift = 0, rc = mf_dev_w16_plan(&one, 1, type, &shift);
+                if (rc == -ERANGE) continue;   /* not exact in this type: the CUDA cores */
+                if (rc) return mf_error_wrap(rc, "step: planning %s's 16-bit copy", w->name ? w->name : "a weight");
+                v->w16_ok = 1;
+                v->w16_shift = (int16_t)shift;
+                v->w16_off = off[v->dense];
+                off[v->dense] += ((size_t)(v->r1 - v->r0) * (size_t)w->cols * 2 + 255) / 256 * 256;
+            }
+        }
+    }
+    return 0;
+}
+
+int mf_step_lt_setup(mf_step *s)
+{
+    s->lt_mode = s->o.lt;
+    for (int k = 0; k < s->n_dense; k++)   /* a card in use without tensor cores: none of them */
+        if (mf_dev_card_f16(s->dev, s->dense_card[k]) == MF_DEV_F16_NONE) s->lt_mode = MF_SG_LT_OFF;
+    for (int c = 0; c < s->n_cards; c++)
+        if (mf_dev_card_f16(s->dev, c) == MF_DEV_F16_NONE) s->lt_mode = MF_SG_LT_OFF;
+    if (s->lt_mode == MF_SG_LT_OFF || (!s->n_dense && !s->n_cards)) return 0;
+    if (s->n_cards && s->lt_mode != MF_SG_LT_DENSE) {
+        size_t n = (size_t)s->c->n_layers * (size_t)s->c->n_routed_experts;
+        s->lt_xplan[0] = calloc(n, sizeof *s->lt_xplan[0]);
+        s->lt_xplan[1] = calloc(n, sizeof *s->lt_xplan[1]);
+        if (!s->lt_xplan[0] || !s->lt_xplan[1]) return mf_error(-ENOMEM, "step: out of memory");
+    }
+    return mf_step_lt_layout(s);
 }
 
 uint64_t mf_step_dense_bytes(const mf_step *s, int k, int *card)
@@ -478,4 +615,5 @@ int mf_step_dense_setup(mf_step *s)
 /* This file's ops (step_impl.h; step_shape.c binds them). */
 const mf_task_fn mf_step_dense_fn_of[MF_SG_N_OPS] = {
     [MF_SG_DENSE_IN] = mf_task_dense_in, [MF_SG_DENSE] = mf_task_dense, [MF_SG_DENSE_OUT] = mf_task_dense_out,
+    [MF_SG_DENSE_DEQ] = mf_task_dense_deq,
 };

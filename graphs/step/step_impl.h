@@ -176,11 +176,17 @@ struct mf_step_shape {
 };
 
 /* A dense card's copy of rows [r0, r1) of a weight (FP8 rows from a 32-row tile boundary, or
- * BF16): m views device memory; w NULL: an unused entry. */
+ * BF16) of dense sublayer `dense` (MF_SG_D_*): m views device memory; w NULL: an unused entry. With
+ * the cuBLASLt path (step_dense.c mf_step_lt_layout): w16_ok 1 when its rows dequantize exactly
+ * into the card's 16-bit type with w16_shift (mf_dev_w16_plan), at w16_off of its sublayer's
+ * scratch (mf_sg_card_bufs.lt_w16_d); 0: it keeps the CUDA cores. */
 typedef struct mf_step_dmat {
     const mf_weight *w;
     mf_kern_mat m;
     int64_t r0, r1;
+    int8_t dense, w16_ok;
+    int16_t w16_shift;
+    size_t w16_off;
 } mf_step_dmat;
 #define MF_STEP_DW_MAX 16   /* dense weights of one layer: attention stages, gate, shared expert, Engram wkv */
 
@@ -205,6 +211,12 @@ struct mf_step {
     mf_step_dev_stats dstat;
     _Atomic int64_t sock_home, sock_cross;   /* this call's (mf_step_dev_stats) */
     _Atomic int64_t dense_home, dense_cross;
+    _Atomic int64_t lt_linears, lt_slots;   /* this call's (mf_step_dev_stats) */
+    /* the cuBLASLt path: the mode in effect (mf_step_opts.lt; MF_SG_LT_OFF when a card in use has no
+     * tensor cores), and per 16-bit type (BF16, FP16) and (layer, expert) the routed experts' plans as
+     * step_moe_cards.c finds them (0: not yet; mf_step_lt_xplan) */
+    int lt_mode;
+    _Atomic int32_t *lt_xplan[2];
     mf_step_fill_stats fill;  /* the warm fill at mf_step_new (mf_step_opts.dev_cache_fill) */
     mf_store *store;         /* its reads issued on this engine's IO lane (the slab registered there) */
     int eg_reads;            /* 1: the store's Engram tables are streamed: gathers are IO tasks */
@@ -351,6 +363,12 @@ int mf_step_dev_fail(mf_step_shape *sh, int rc);
 int mf_step_dcopy_run(mf_dev_stream *q, uint8_t *db, const mf_step_dcopy *cp, int out);
 int mf_step_dense_setup(mf_step *s);
 void mf_step_dense_free(mf_step *s);
+/* step_dense.c: the cuBLASLt path on the engine's cards (after the dense and routed setups): the
+ * mode in effect (mf_step.lt_mode), each dense card's 16-bit layout and plans of the weights it
+ * holds (mf_step_dmat), the routed experts' plan tables; freed by mf_step_dense_free. And the
+ * scratch of the cuBLASLt calls of shape sh on card slot k of its dense (dense 1) or routed block. */
+int mf_step_lt_setup(mf_step *s);
+mf_dev_lt_buf mf_step_lt_buf(const mf_step_shape *sh, int k, int dense);
 
 /* Each file of tasks binds the ops it runs (graphs/step/stepgraph.h MF_SG_*) to its task functions
  * in a table of MF_SG_N_OPS entries, NULL for other files' ops; step_shape.c looks an op up in all

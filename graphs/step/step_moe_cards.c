@@ -39,6 +39,13 @@ static void mf_step_placer_init(const mf_step *eng, mf_sg_placer *pl)
                       mf_sg_slot_tok_bytes(eng->c, 1), eng->miss_span ? 1 : 0);
 }
 
+/* The placer of shape sh: its experts' compute priced on the path they take (mf_sg_place_lt). */
+static void mf_step_placer_of(const mf_step_shape *sh, mf_sg_placer *pl)
+{
+    mf_step_placer_init(sh->eng, pl);
+    mf_sg_place_lt(pl, sh->sg->lt_ffn ? sh->eng->lt_mode : MF_SG_LT_OFF);
+}
+
 /* Decides where micro-batch h's slots of layer L run (sh->slot_card) and takes their cache slots
  * on the cards (pinned until its MoE's end): SEED the owner card; HYBRID by mf_sg_placer (the
  * cached slots offered first, each moved to its card while the card ends no later than the host's
@@ -48,7 +55,7 @@ int mf_step_place(mf_step_shape *sh, int L, int h)
     mf_step *eng = sh->eng;
     mf_sg_placer pl;
     int s0 = sh->sg->half_slot[h], s1 = sh->sg->half_slot[h + 1];
-    mf_step_placer_init(eng, &pl);
+    mf_step_placer_of(sh, &pl);
     mf_sg_place_shared(&pl, sh->sg, L, h);
     sh->dev_layer = L;
     sh->dev_half = h;
@@ -124,7 +131,7 @@ static int mf_task_moe_place(void *arg, mf_task_ctx *ctx)
     for (int e = 0; e < E; e++)
         sh->pre_cached[e] = (uint8_t)mf_dev_xcache_has(eng->xc[mf_dev_xcache_owner(eng->n_cards, L, e)], L, e);
     mf_sg_placer pl;
-    mf_step_placer_init(eng, &pl);
+    mf_step_placer_of(sh, &pl);
     mf_sg_place_ahead(&pl, sh->sg->pre_ahead_ns[L]);
     mf_sg_place_shared(&pl, sh->sg, L, 0);
     mf_step_take k = {sh, L, 0};
@@ -270,6 +277,69 @@ static int mf_task_dev_in(void *arg, mf_task_ctx *ctx)
     return rc;
 }
 
+/* The shifts that make routed expert e of layer L exact in 16-bit type `type` (mf_dev_w16_plan: w1
+ * and w3 together, w2), from its host scales on first use, then from the engine's table
+ * (mf_step.lt_xplan: 0 not planned, else 1 | its shifts + 512 in bits 1-10 and 11-20, bit 21 when
+ * no shift makes it exact). 0, -ERANGE (keep the int8 path) or the plan's error. */
+static int mf_step_lt_xplan(mf_step *eng, int L, int e, const mf_weight *ew, mf_dev_f16 type, int *s13, int *s2)
+{
+    _Atomic int32_t *slot = &eng->lt_xplan[type == MF_DEV_F16_FP16][(size_t)L * eng->c->n_routed_experts + e];
+    int32_t v = atomic_load_explicit(slot, memory_order_relaxed);
+    if (!v) {
+        mf_kern_mat w1 = mf_step_mat(&ew[0]), w3 = mf_step_mat(&ew[2]), w2 = mf_step_mat(&ew[1]);
+        const mf_kern_mat *up[2] = {&w1, &w3}, *dn = &w2;
+        int a = 0, b = 0, rc = mf_dev_w16_plan(up, 2, type, &a);
+        if (!rc) rc = mf_dev_w16_plan(&dn, 1, type, &b);
+        if (rc && rc != -ERANGE) return rc;
+        v = 1 | (a + 512) << 1 | (b + 512) << 11 | (rc ? 1 << 21 : 0);
+        atomic_store_explicit(slot, v, memory_order_relaxed);
+    }
+    *s13 = (v >> 1 & 1023) - 512;
+    *s2 = (v >> 11 & 1023) - 512;
+    return v >> 21 & 1 ? -ERANGE : 0;
+}
+
+/* Slot s's FFN on the cuBLASLt path where the slot takes it (mf_sg_ffn_lt: the engine's mode, its
+ * tokens, the cost model on the engine's profile, as the simulator decides) and its expert is
+ * exact in the card's type: w1 and w3 dequantized into one [2I][H] scratch, w2 into another, then
+ * mf_dev_expert_ffn_lt over the slot's rows, lt_ffn_tok at a time. *done 0: it did not (the caller
+ * runs the int8 path). */
+static int mf_step_ffn_lt(mf_step_shape *sh, int L, int s, const mf_dev_ffn *f, mf_dev_stream *st, int *done)
+{
+    mf_step *eng = sh->eng;
+    int card = sh->slot_card[s], cnt = sh->slot_cnt[s], s13, s2;
+    *done = 0;
+    mf_work ew;
+    mf_sg_expert_work(eng->c, eng->sz, &ew);
+    mf_cost_model m = {.p = eng->o.profile ? eng->o.profile : mf_cost_default_profile()};
+    if (!sh->sg->lt_ffn || !mf_sg_ffn_lt(&m, &ew, cnt, eng->lt_mode, NULL)) return 0;
+    mf_dev_f16 type = mf_dev_card_f16(eng->dev, card);
+    int rc = mf_step_lt_xplan(eng, L, sh->slot_e[s], mf_step_slot_weights(sh, L, s), type, &s13, &s2);
+    if (rc == -ERANGE) return 0;   /* no exact 16-bit form: the int8 path */
+    if (rc) return rc;
+    const mf_sg_card_bufs *cb = &sh->cb;
+    int H = f->w1.n_in, I = f->w1.n_out;
+    uint8_t *db = sh->dbuf[card];
+    mf_dev_ffn_lt a = {.w13 = {db + cb->lt_e13, type, s13, 2 * I, H}, .w2 = {db + cb->lt_e2, type, s2, H, I},
+                       .limit = f->limit, .gu = (float *)(void *)(db + cb->lt_gu), .lt = mf_step_lt_buf(sh, card, 0)};
+    mf_dev_w16 w1 = a.w13, w3 = a.w13;
+    w1.n_out = w3.n_out = I;
+    w3.w = (uint16_t *)a.w13.w + (size_t)I * H;
+    rc = mf_dev_dequant(st, &f->w1, &w1);
+    if (!rc) rc = mf_dev_dequant(st, &f->w3, &w3);
+    if (!rc) rc = mf_dev_dequant(st, &f->w2, &a.w2);
+    for (int t0 = 0; t0 < cnt && !rc; t0 += sh->sg->lt_ffn_tok) {
+        a.n_tok = cnt - t0 < sh->sg->lt_ffn_tok ? cnt - t0 : sh->sg->lt_ffn_tok;
+        a.x = f->x + (size_t)t0 * H;
+        a.tok_weight = f->tok_weight + t0;
+        a.y = f->y + (size_t)t0 * H;
+        rc = mf_dev_expert_ffn_lt(st, &a);
+    }
+    if (!rc) atomic_fetch_add_explicit(&eng->lt_slots, 1, memory_order_relaxed);
+    *done = !rc;
+    return rc;
+}
+
 static int mf_task_dev_ffn(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
@@ -292,7 +362,8 @@ static int mf_task_dev_ffn(void *arg, mf_task_ctx *ctx)
     f.w2.scale = x + eng->part_off[3];
     f.w3.w = x + eng->part_off[4];
     f.w3.scale = x + eng->part_off[5];
-    return mf_dev_expert_ffn(ctx->queue, &f);
+    int done = 0, rc = mf_step_ffn_lt(sh, a->t->layer, s, &f, ctx->queue, &done);
+    return rc || done ? rc : mf_dev_expert_ffn(ctx->queue, &f);
 }
 
 /* Graph mode: the FFNs of every slot of layer a->t->layer on card a->t->card, as the layer's graph

@@ -113,7 +113,7 @@ mf_sg_opts mf_step_sg_opts(const mf_step *eng, int n, int par, int n_units, cons
                         .n_lanes = eng->lt.n_lanes, .lane_io = eng->lt.lane_io,
                         .lane_dev0 = eng->lt.lane_dev0,
                         .micro = eng->o.micro, .exact = eng->o.exact, .heads = eng->o.heads,
-                        .prefetch_min = eng->o.prefetch_min,
+                        .prefetch_min = eng->o.prefetch_min, .lt = eng->lt_mode,
                         .fn_of = fn_of,
                         .profile = eng->o.profile};
 }

@@ -44,6 +44,7 @@ static void sg_size_tensor(mf_sg_sizes *s, const mf_layout_tensor *t)
                                                                             : MF_SG_ST_IN;
         if (t->role == MF_ROLE_FP8_WEIGHT) {
             y->st_fp8_calls[st]++;
+            y->st_fp8_rows[st] += (double)t->shape[0];
             y->st_fp8_macs[st] += macs;
             y->st_data_bytes[st] += b;
         }
@@ -139,7 +140,7 @@ double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int p_key, int64
 
 const char *mf_sg_op_name(int op)
 {
-    static const char *const names[] = {"engram_embed", "engram_rows", "engram_gate", "engram_plan", "engram_read", "attn_pre", "attn_rows", "attn_qnorm", "attn_core", "attn_post", "gate_rows", "route", "moe_done", "slot_read", "slot_up", "slot_join", "slot_down", "dev_in", "dev_ffn", "dev_ffn_card", "dev_out", "shared_up", "shared_down", "combine", "norm", "head", "join", "attn_mix", "attn_norm", "attn_heads", "attn_ring", "ffn_mix", "ffn_norm", "attn_score", "attn_select", "dense_in", "dense", "dense_out", "attn_qscale", "attn_kv", "attn_gather", "attn_qprep", "attn_opost", "route_rows", "moe_place", "dev_pre", "attn_keys"};
+    static const char *const names[] = {"engram_embed", "engram_rows", "engram_gate", "engram_plan", "engram_read", "attn_pre", "attn_rows", "attn_qnorm", "attn_core", "attn_post", "gate_rows", "route", "moe_done", "slot_read", "slot_up", "slot_join", "slot_down", "dev_in", "dev_ffn", "dev_ffn_card", "dev_out", "shared_up", "shared_down", "combine", "norm", "head", "join", "attn_mix", "attn_norm", "attn_heads", "attn_ring", "ffn_mix", "ffn_norm", "attn_score", "attn_select", "dense_in", "dense", "dense_out", "attn_qscale", "attn_kv", "attn_gather", "attn_qprep", "attn_opost", "route_rows", "moe_place", "dev_pre", "attn_keys", "dense_deq"};
     _Static_assert(sizeof names / sizeof names[0] == MF_SG_N_OPS, "one name per mf_sg_op");
     return (unsigned)op < MF_SG_N_OPS ? names[op] : "?";
 }
@@ -214,8 +215,9 @@ double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_st
                             (s->dev_miss ? w->copy_bytes : 0) + tok * w->copy_bytes_tok);
     case MF_SG_DEV_PRE:   /* prefetch: the expert, one span or its parts (noop on a hit or the host) */
         return mf_cost_copy(m, 0, w->copies > 0 ? w->copies : MF_SG_EXPERT_PARTS, w->copy_bytes);
-    case MF_SG_DEV_FFN:
-        return mf_cost_card(m, w, tok);
+    case MF_SG_DEV_FFN:   /* the slot's path (mf_sg_ffn_lt) */
+        return s->ffn_lt ? mf_cost_card_lt(m, MF_KF_FP4, w->w_bytes[MF_KF_FP4], w->macs[MF_KF_FP4], w->calls[MF_KF_FP4], tok)
+                         : mf_cost_card_on(m, w, tok, 0);
     case MF_SG_DEV_FFN_CARD:
         return 0;
     case MF_SG_DEV_OUT:
@@ -223,8 +225,11 @@ double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_st
     case MF_SG_DENSE_IN:   /* one small copy of the items' activations (the heads: and the key table;
                             * the index scores: and their positional key table) */
         return mf_cost_act_copy(m, 0, w->copy_bytes + tok * w->copy_bytes_tok + s->pos_bytes);
-    case MF_SG_DENSE:   /* the heads' and index scores' positional work at the card's fp32 rate */
-        return mf_cost_card(m, w, tok) +
+    case MF_SG_DENSE_DEQ:   /* the layer's FP8 weights of the sublayer the card holds, into 16 bits */
+        return mf_cost_card_dequant(m, MF_KF_FP8, w->w_bytes[MF_KF_FP8], w->macs[MF_KF_FP8], w->calls[MF_KF_FP8]);
+    case MF_SG_DENSE:   /* its FP8 linears on their path (the dequantization is MF_SG_DENSE_DEQ's); the
+                         * heads' and index scores' positional work at the card's fp32 rate */
+        return mf_cost_card_on(m, w, tok, t->lin_path == MF_DEV_LIN_CUBLASLT ? 1 << MF_KF_FP8 : 0) +
                (t->dense == MF_SG_D_HEADS || t->dense == MF_SG_D_SCORES ? mf_cost_ref(m->p, 1, s->pos_flops) : 0);
     case MF_SG_DENSE_OUT:
         return mf_cost_act_copy(m, 1, tok * w->copy_bytes_tok + s->pos_bytes);
@@ -412,7 +417,8 @@ static int sg_set_priorities(const mf_sg_opts *o, mf_stepgraph *sg)
     int64_t pos = mf_sg_steady_pos(c);
     mf_work ew;
     mf_sg_expert_work(c, o->sz, &ew);
-    double ffn_ns = mf_cost_card(&m, &ew, st.slot_tokens);
+    double ffn_ns = mf_cost_card_on(&m, &ew, st.slot_tokens, 0);   /* a card's FFN graph: int8 */
+    st.ffn_lt = sg->lt_ffn && mf_sg_ffn_lt(&m, &ew, st.slot_tokens, o->lt, NULL);
     int per_card = sg->n_cards ? (sg->n_slots + sg->n_cards - 1) / sg->n_cards : 0;
     for (int t = 0; t < sg->n_tasks; t++) {
         const mf_sg_task *r = &sg->task[t];
@@ -469,6 +475,8 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
                             k, o->n_units, o->unit_end[k], o->n);
     if (o->micro < 0 || o->micro > 2)
         return mf_error(-EINVAL, "step graph: %d micro-batches (expected 1 or 2)", o->micro);
+    if (o->lt < MF_SG_LT_COST || o->lt > MF_SG_LT_OFF)
+        return mf_error(-EINVAL, "step graph: cuBLASLt mode %d (expected cost, on, dense or off)", o->lt);
     const mf_config *c = o->c;
     mf_stepgraph *sg = calloc(1, sizeof *sg);
     if (!sg) return mf_error(-ENOMEM, "step graph: out of memory");
@@ -512,6 +520,7 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
         }
     sg_half(&b, -1);
     mf_sg_head(&b, unit);
+    mf_sg_lt_ffn(o, sg);
     free(b.io);
     free(b.pre_sfx);
     free(b.exit_of);

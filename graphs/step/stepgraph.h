@@ -106,6 +106,10 @@ typedef enum mf_sg_op {
     MF_SG_ATTN_KEYS,      /* items (the unit's, one sequence): the index keys of the entries the
                            * last item sees unpacked on the host (mf_ly_cache_get_keys), the items'
                            * visible counts */
+    /* the cuBLASLt path (stepgraph_lt.c): before a layer's dense records that take it, on each card */
+    MF_SG_DENSE_DEQ,      /* card `card` (h2d lane): sublayer `dense`'s FP8 weights of layer `layer` that
+                           * the card holds (part `part` of a split by rows) dequantized into its
+                           * 16-bit scratch (mf_sg_card_bufs.lt_w16) */
     MF_SG_N_OPS
 } mf_sg_op;
 
@@ -174,6 +178,11 @@ typedef struct mf_sg_task {
     int64_t r0, r1;    /* output rows [r0, r1) of a row part (where the total is the config's;
                         * per-item parts: of the item's output vector, as each op says) */
     int n_tok;         /* tokens the kernels run over (not slot_tokens) */
+    /* MF_SG_DENSE of a dense sublayer: the path its FP8 linears take (device/dev.h mf_dev_lin_path):
+     * MF_DEV_LIN_AUTO the CUDA cores (warp-per-row, tiled from MF_DEV_LIN_TILED_MIN_TOK tokens),
+     * MF_DEV_LIN_CUBLASLT the tensor cores on the weights its MF_SG_DENSE_DEQ dequantized
+     * (mf_sg_opts.lt); AUTO for every other record */
+    int8_t lin_path;
     mf_sg_work w;
 } mf_sg_task;
 
@@ -187,6 +196,7 @@ typedef struct mf_sg_layer_sizes {
     double st_fp8_calls[MF_SG_N_STAGES], st_bf16_calls[MF_SG_N_STAGES];
     double st_data_bytes[MF_SG_N_STAGES];
     double st_out_rows[MF_SG_N_STAGES];   /* output rows of a stage's linears (oa: wo_a's) */
+    double st_fp8_rows[MF_SG_N_STAGES];   /* output rows of its FP8 linears (not oa: wo_a's are all FP8) */
     double oa_fp8_bytes;      /* wo_a's codes + scales: what a card's fp8 kernel reads */
     double gate_bytes;        /* the router's gate weights (bf16) */
     double hc_macs;           /* both hyper-connection projections (fp32, scalar) */
@@ -261,6 +271,7 @@ typedef struct mf_sg_step_cost {
     int dev_miss;       /* MF_SG_DEV_IN: the slot's expert is copied in (a miss of the card's cache) */
     double pos_flops;   /* the task's positional scalar work (mf_sg_pos_flops) */
     double pos_bytes;   /* the task's positional copy bytes (mf_sg_scores_pos: MF_SG_D_SCORES) */
+    int ffn_lt;         /* MF_SG_DEV_FFN: the slot takes the cuBLASLt path (mf_sg_ffn_lt) */
 } mf_sg_step_cost;
 
 /* Task t's time on its lane's side (the host's kernels and scalar code, a card's, a copy, a disk
@@ -330,6 +341,12 @@ typedef struct mf_sg_opts {
     /* the machine the priorities are priced on (every task's cost: its record's price, sched/cost.h);
      * NULL: the built-in machine (mf_cost_default_profile) */
     const mf_profile *profile;
+    /* mf_sg_lt_mode: where the cards' tensor cores take work through cuBLASLt (stepgraph_lt.c):
+     * MF_SG_LT_COST (0) where the cost model on `profile` prices it below the CUDA cores (never
+     * without a tensor-core rate: the built-in machine), MF_SG_LT_ON wherever it applies (tests),
+     * MF_SG_LT_DENSE the dense linears wherever they can and the routed experts never, MF_SG_LT_OFF
+     * nowhere */
+    int lt;
     /* 2: two micro-batches in flight: the items split in two halves (at the unit boundary that
      * makes them the most equal in tokens; one half when there is one unit), each with its own
      * chain per layer (Engram, attention, router, its slots, shared expert, combine), so that one
@@ -430,6 +447,14 @@ typedef struct mf_stepgraph {
      * graph's costs of its MF_SG_DENSE tasks), which the card runs beside that layer's routed
      * experts (mf_sg_place_shared) */
     double shared_ns[2][MF_CONFIG_MAX_LAYERS][MF_SG_MAX_CARDS];
+    /* the cuBLASLt path (stepgraph_lt.c): lt_w16[d] the bytes of a card's 16-bit scratch for one
+     * layer's sublayer d (the most any card holds of any layer's FP8 weights of d, each matrix
+     * 256-aligned; 0 where no record of d takes the path), lt_x16 the activations' cast of the
+     * largest such call (device/dev.h mf_dev_lt_x16_bytes); lt_ffn 1 when a routed expert's FFN on
+     * a card may take it (mf_sg_ffn_lt at the most tokens a slot can have), in calls of at most
+     * lt_ffn_tok tokens */
+    size_t lt_w16[MF_SG_N_DENSE], lt_x16;
+    int lt_ffn, lt_ffn_tok;
 } mf_stepgraph;
 
 /* The engine's lanes (the simulator's graph has the same; its own lane options go to
@@ -579,6 +604,14 @@ typedef struct mf_sg_card_bufs {
     int64_t ab_ld[MF_LY_A_N], eg_emb_ld, eg_kv_ld;   /* floats a row (the host's layouts too) */
     int head_rows, hk_ecap, sk_rows;   /* logits rows at a time; key table entries; a card's score rows */
     int eg_per;                        /* Engram rows of an item: (max n-gram - 1) x heads */
+    /* the cuBLASLt path (stepgraph_lt.c; 0 bytes where the graph does not take it): dense, two
+     * layers' 16-bit weights (layer L's sublayer d at lt_w16 + (L % 2) lt_w16_par + lt_w16_d[d]: the
+     * next layer's dequantization beside this one's GEMMs), the activations' cast (lt_x16_bytes)
+     * and cuBLASLt's workspace (lt_ws_bytes, in the routed block too); routed, in the routed block
+     * before the slot tables: one expert's w1 and w3 (one [2I][H] scratch) and w2 in 16 bits, its
+     * gate and up outputs (lt_ffn_tok rows of 2I floats), its cast (lt_ex16_bytes), a workspace */
+    size_t lt_w16, lt_w16_par, lt_w16_d[MF_SG_N_DENSE], lt_x16, lt_x16_bytes, lt_ws, lt_ws_bytes;
+    size_t lt_e13, lt_e2, lt_gu, lt_ex16, lt_ex16_bytes, lt_ews;
 } mf_sg_card_bufs;
 
 typedef struct mf_sg_card_in {
@@ -601,6 +634,33 @@ void mf_sg_card_bufs_of(const mf_sg_card_in *in, mf_sg_card_bufs *b);
  * caches leave. 0 or a negative code (the graphs' building). */
 int mf_sg_card_reserve(const mf_sg_opts *base, const mf_sg_card_in *in, int chunk, int max_items, double *routed,
                        double *dense);
+
+/* ---- the cuBLASLt path (stepgraph_lt.c; device/dev.h "The cuBLASLt path") ----------------------
+ * Where a card's tensor cores take work (mf_sg_opts.lt). A dense record's FP8 linears take the
+ * path (its lin_path MF_DEV_LIN_CUBLASLT) by its chain's tokens (every item block and card alike)
+ * when the mode says so: COST where mf_cost_card_paths prices the card's share of the sublayer below
+ * the CUDA cores at the micro-batch's tokens (the dequantization counted in that choice). Only the
+ * sublayers whose linears read bf16 values (mf_sg_lt_dense_ok), so that the cast to 16 bits is exact
+ * and an emulated card gives the host's bits; per layer and card each such sublayer's weights are
+ * dequantized by one MF_SG_DENSE_DEQ task on the card's copy-in lane, into the scratch of the
+ * layer's parity, after the card works of two layers before that read that scratch and before this
+ * layer's. A routed expert's FFN on a card takes it per slot by its tokens (mf_sg_ffn_lt), its
+ * dequantization inside its FFN task. */
+typedef enum mf_sg_lt_mode { MF_SG_LT_COST = 0, MF_SG_LT_ON, MF_SG_LT_DENSE, MF_SG_LT_OFF } mf_sg_lt_mode;
+/* 1 when dense sublayer d's FP8 linears may take the cuBLASLt path: those reading bf16 values with
+ * the kernels' sums: the attention stages (their inputs mf_sg_attn_buf_bf16's IN, QR, O, Z) but the
+ * grouped wo_a with exact (the reference's sums) and the Engram wkv (its rows E4M3 codes times E8M0
+ * scales: bf16 values); not the gate and head (BF16 weights), the shared expert (its w2 reads h in
+ * fp32, its w1 and w3 one fused kernel), the heads or the index scores. */
+int mf_sg_lt_dense_ok(int dense, int exact);
+/* A routed expert's FFN of tok tokens on a card (ew: mf_sg_expert_work): 1 when it takes the
+ * cuBLASLt path under mode (MF_SG_LT_ON always; COST where mf_cost_card_paths prices it below the
+ * int8 path; DENSE and OFF never), else 0; *ns (when not NULL) its price on the path taken
+ * (mf_cost_card_lt, or the CUDA cores' mf_cost_card_on). */
+int mf_sg_ffn_lt(const mf_cost_model *m, const mf_work *ew, int tok, int mode, double *ns);
+/* Tokens of one routed expert's call on the path at most (mf_stepgraph.lt_ffn_tok): a slot of more
+ * takes several, its scratch sized for this many. */
+#define MF_SG_LT_FFN_TOK 1024
 
 /* Hybrid and seed placement of a layer's slots (the engine's and the simulator's rule): every
  * used slot's host work is queued first (mf_sg_place_host_work: the host's end if all stayed
@@ -633,6 +693,7 @@ typedef struct mf_sg_placer {
      * pre_ns, copy_end: the slot being placed's parts and the end of its rows' copy */
     int ahead;
     double pre_q[MF_SG_MAX_CARDS], pre_ns, copy_end;
+    int lt;   /* mf_sg_lt_mode of the routed experts (mf_sg_place_lt; init: MF_SG_LT_COST) */
 } mf_sg_placer;
 
 /* Bytes one token of a slot on a card copies in (dir 0: its input row and its weight) or out
@@ -660,6 +721,9 @@ int mf_sg_prefetch_min(const mf_config *c);
 /* 1 when a graph of these options prefetches (mf_stepgraph.prefetch): serial (one unit), one
  * micro-batch, routed experts on cards, no store, n >= the threshold of o->prefetch_min. */
 int mf_sg_prefetch_on(const mf_sg_opts *o);
+/* A card's compute of an expert priced on the path mf_sg_ffn_lt takes under mode (the graph's
+ * mf_sg_opts.lt where its lt_ffn, else MF_SG_LT_OFF), engine and simulator alike. */
+void mf_sg_place_lt(mf_sg_placer *p, int mode);
 /* Prefetch: the placer's copy queues start ahead_ns before the route (the experts' copies run
  * while the layer's attention does: mf_stepgraph.pre_ahead_ns), so a card takes an expert while
  * its copy, less that head start, and compute end no later than the host's share. */

@@ -48,6 +48,8 @@ int mf_sg_dense_card(const mf_config *c, int n_cards, int L)
 static const char *const sg_dense_name[MF_SG_N_DENSE] = {"attn in", "attn qb", "attn oa", "attn ob",
                                                          "gate",    "shared",  "head",    "engram wkv"};
 
+const char *mf_sg_dense_name(int d) { return d >= 0 && d < MF_SG_N_DENSE ? sg_dense_name[d] : "?"; }
+
 int mf_sg_dense_parts(int n_dense_cards, int split, int dense)
 {
     return split == MF_SG_SPLIT_ROWS && dense != MF_SG_D_SHARED && n_dense_cards > 1 ? n_dense_cards : 1;
@@ -132,7 +134,7 @@ void mf_sg_card_bufs_of(const mf_sg_card_in *in, mf_sg_card_bufs *b)
     b->y = b->q + sg_al256(nk * b->q8_row);
     b->x16 = b->y + sg_al256(nk * H * f);
     b->y16 = b->x16 + sg_al256(nk * H * 2);
-    b->tab = b->y16 + sg_al256(nk * H * 2);
+    b->tab = mf_sg_lt_routed_bufs(in, b, b->y16 + sg_al256(nk * H * 2));   /* the cuBLASLt path's, if any */
     b->routed_bytes = b->tab + (in->dev_graphs ? sizeof(mf_dev_ffn_slot) * (size_t)sg->n_slots * (size_t)c->n_layers : 0);
     /* dense: the host's layouts' row lengths, then each copy {bytes, &offset} */
     for (int k = 0; k < MF_LY_A_N; k++) b->ab_ld[k] = (mf_ly_attn_buf_len(c, k) + 15) / 16 * 16;
@@ -151,7 +153,7 @@ void mf_sg_card_bufs_of(const mf_sg_card_in *in, mf_sg_card_bufs *b)
         }
     b->head_rows = in->head_rows > 0 ? in->head_rows : MF_SG_HEAD_ROWS;
     if ((size_t)b->head_rows > n_) b->head_rows = (int)n_;
-    struct { size_t bytes, *off; } dt[2 * MF_LY_A_N + 19];
+    struct { size_t bytes, *off; } dt[2 * MF_LY_A_N + 22];
     int m = 0;
     for (int k = 0; k < MF_LY_A_N; k++) dt[m++] = (typeof(dt[0])){ln * (size_t)b->ab_ld[k] * f, &b->ab[k]};
     for (int k = 0; k < MF_LY_A_N; k++)   /* the bf16 copies (the host's mirrors' layouts) */
@@ -179,6 +181,11 @@ void mf_sg_card_bufs_of(const mf_sg_card_in *in, mf_sg_card_bufs *b)
     dt[m++] = (typeof(dt[0])){sk ? (size_t)MF_SG_SCORE_ENTRIES * (size_t)c->index_head_dim * f : 0, &b->sk_tab};
     dt[m++] = (typeof(dt[0])){sk ? n_ * 4 : 0, &b->sk_nvis};
     dt[m++] = (typeof(dt[0])){sk ? (size_t)b->sk_rows * MF_SG_SCORE_ENTRIES * sizeof(double) : 0, &b->sk_score};
+    size_t lt[3];   /* the cuBLASLt path's: 16-bit weights of two layers, the cast, the workspace */
+    mf_sg_lt_dense_bufs(in, b, lt);
+    dt[m++] = (typeof(dt[0])){lt[0], &b->lt_w16};
+    dt[m++] = (typeof(dt[0])){lt[1], &b->lt_x16};
+    dt[m++] = (typeof(dt[0])){lt[2], &b->lt_ws};
     for (int i = 0; i < m; i++) {
         *dt[i].off = b->dense_bytes;
         b->dense_bytes += sg_al256(dt[i].bytes);
@@ -280,6 +287,9 @@ mf_task_id mf_sg_dense_chain(mf_sg_builder *b, int L, int d, mf_sg_task t, int p
     for (int k = 0; k < parts && !b->rc; k++) {
         int cd = parts > 1 ? k : mf_sg_dense_card(b->o->c, sg->n_dense_cards, L), lane = b->o->lane_dev0 + 3 * cd;
         double share = parts > 1 ? sg_dense_share(parts, k, out_tok / 4) : 1;
+        mf_sg_task ts = t;   /* the card's share, whose price picks its FP8 linears' path */
+        for (int f = 0; f < MF_KF_N; f++) ts.w.w_bytes[f] *= share, ts.w.macs[f] *= share;
+        int path = mf_sg_lt_path(b, L, d, parts, k, &ts, n, (n + nb - 1) / nb);
         mf_task_id prev_in = -1;
         for (int j = 0; j < nb && !b->rc; j++) {
             mf_sg_task r = mf_sg_rec(L);
@@ -315,6 +325,7 @@ mf_task_id mf_sg_dense_chain(mf_sg_builder *b, int L, int d, mf_sg_task t, int p
             tk.i0 = r.i0;
             tk.i1 = r.i1;
             tk.n_tok = r.n_tok;
+            tk.lin_path = (int8_t)path;
             for (int f = 0; f < MF_KF_N; f++) {   /* the card's share of the rows (calls: each card's) */
                 tk.w.w_bytes[f] *= share;
                 tk.w.macs[f] *= share;
@@ -322,6 +333,7 @@ mf_task_id mf_sg_dense_chain(mf_sg_builder *b, int L, int d, mf_sg_task t, int p
             tk.w.ref_flops *= share * (n > 0 ? (double)r.n_tok / n : 1);   /* over the span: the block's share */
             SG_NAME(b, "%s %s%s", pre, sg_dense_name[d], blk);
             mf_task_id run = mf_sg_add(b, lane + 1, MF_SG_DENSE, phase, MF_SG_K_OTHER, tk), last = run;
+            if (path == MF_DEV_LIN_CUBLASLT) mf_sg_lt_deq(b, &tk, phase, run);
             if (in >= 0) {
                 if (!b->rc) b->rc = mf_graph_add_dep(sg->g, in, run);
             } else if (after_in >= 0) {

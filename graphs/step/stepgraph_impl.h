@@ -51,6 +51,7 @@
 #define SG_STORE_ALIGN 4096.0   /* host/store.c MF_STORE_SLOT_ALIGN: reads are aligned extents */
 #define SG_MAX_MIX 4            /* row parts of a hyper-connection mix */
 #define SG_EG_PASSES 4          /* kernel passes of an Engram wkv block (256 items) */
+#define SG_LT_RUNS (2 * MF_SG_DENSE_MAX_BLOCKS)   /* a layer's card works of one sublayer on a card: both halves' blocks */
 
 /* The builder's state while mf_stepgraph_new builds one graph. */
 typedef struct mf_sg_builder {
@@ -83,6 +84,13 @@ typedef struct mf_sg_builder {
     mf_task_id pre_place;                   /* prefetch: the layer's place task (the route reads its placement) */
     mf_task_id *pre_sfx;                    /* prefetch: per expert the join of its card's copies of it and
                                              * above (mf_sg_prefetch) */
+    /* the cuBLASLt path (stepgraph_lt.c): per card and dense sublayer the dequantization task of
+     * the layer deq_l1 - 1 (0: none yet), and per parity of the layer the card works that read that
+     * scratch (the later layer's dequantization waits for them) */
+    mf_task_id deq[MF_SG_MAX_CARDS][MF_SG_N_DENSE];
+    int16_t deq_l1[MF_SG_MAX_CARDS][MF_SG_N_DENSE];
+    mf_task_id lt_run[MF_SG_MAX_CARDS][MF_SG_N_DENSE][2][SG_LT_RUNS];
+    uint8_t n_lt_run[MF_SG_MAX_CARDS][MF_SG_N_DENSE][2];
     char name[64];
 } mf_sg_builder;
 
@@ -125,12 +133,34 @@ void mf_sg_parts(const mf_sg_opts *o, mf_stepgraph *sg);
 
 /* Bytes a value of attention buffer buf travels in (mf_sg_attn_buf_bf16). */
 double mf_sg_attn_val_bytes(int buf);
+/* Dense sublayer d's name in task names ("attn qb"). */
+const char *mf_sg_dense_name(int d);
 /* Dense sublayer d of layer L on its card or split by rows on every card: the chains' first task
  * (a group: mf_sg_dep); b->chain_run the first card work. */
 mf_task_id mf_sg_dense_chain(mf_sg_builder *b, int L, int d, mf_sg_task t, int phase, double in_tok, double out_tok,
                              mf_task_id after_in, double out_bf_rows);
 /* Each card work of group `after` waits for the members of group `before` on its card. */
 void mf_sg_dense_after(mf_sg_builder *b, mf_task_id before, mf_task_id after);
+
+/* ---- the cuBLASLt path (stepgraph_lt.c) ---- */
+
+/* The path of dense sublayer d's chain of layer L on card part k of `parts` (mf_sg_dense_rows of
+ * the sublayer's output rows; parts 1: all of them) whose record is t (the card's share of the
+ * work) over n tokens in blocks of at most blk: MF_DEV_LIN_CUBLASLT or MF_DEV_LIN_AUTO
+ * (mf_sg_opts.lt); with the path, the graph's scratch sizes grow to hold it (mf_stepgraph.lt_w16,
+ * lt_x16). */
+int mf_sg_lt_path(mf_sg_builder *b, int L, int d, int parts, int k, const mf_sg_task *t, int n, int blk);
+/* Card work `run` (record t, on the path) after the dequantization of its layer's sublayer on its
+ * card (made on the first such work of the layer: MF_SG_DENSE_DEQ, t's share of the weights, after
+ * the works that read the scratch of its parity two layers before). */
+void mf_sg_lt_deq(mf_sg_builder *b, const mf_sg_task *t, int phase, mf_task_id run);
+/* After the layers: whether the routed experts may take the path (mf_stepgraph.lt_ffn, lt_ffn_tok). */
+void mf_sg_lt_ffn(const mf_sg_opts *o, mf_stepgraph *sg);
+/* The cuBLASLt scratch in a card's buffers (mf_sg_card_bufs_of): the routed one from offset off
+ * (returns its end), the dense regions' bytes (w16 of both parities, the cast, the workspace) with
+ * b's lt_w16_par and lt_w16_d filled. */
+size_t mf_sg_lt_routed_bufs(const mf_sg_card_in *in, mf_sg_card_bufs *b, size_t off);
+void mf_sg_lt_dense_bufs(const mf_sg_card_in *in, mf_sg_card_bufs *b, size_t bytes[3]);
 
 /* ---- the heads and index scores (stepgraph_heads.c) ---- */
 

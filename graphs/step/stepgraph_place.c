@@ -90,7 +90,7 @@ int mf_sg_pre_ahead(const mf_sg_opts *o, mf_stepgraph *sg)
         if (r->op == MF_SG_ROUTE && r->part < 0 && route[r->layer] < 0) route[r->layer] = t;
         if (r->phase != MF_SG_PH_ATTN && r->phase != MF_SG_PH_ENGRAM) continue;
         double ns = mf_graph_task(sg->g, t)->cost.time_ns;
-        if (r->kind == MF_SG_K_COPY && r->card >= 0) h2d[r->layer][r->card] += ns;
+        if ((r->kind == MF_SG_K_COPY || r->op == MF_SG_DENSE_DEQ) && r->card >= 0) h2d[r->layer][r->card] += ns;
         else if (r->kind != MF_SG_K_COPY_OUT && r->kind != MF_SG_K_DEV && r->kind != MF_SG_K_IO) cpu[r->layer] += ns;
     }
     /* each task's earliest start by the prices with unbounded lanes, in topological order */
@@ -224,7 +224,12 @@ int mf_sg_place_want_card(mf_sg_placer *p, int card, int cnt, int cached)
                                   (cached ? 0 : p->bytes) + cnt * p->tok_in);
         copy_end = p->copy_q[c] + p->copy_ns;
     }
-    double comp_ns = sg_place_ns(&p->comp, p->card_macs_per_s, p->bytes, p->macs, cnt);
+    double comp_ns = sg_place_ns(&p->comp, p->card_macs_per_s, p->bytes, p->macs, cnt), lt_ns;
+    if (p->lt == MF_SG_LT_COST || p->lt == MF_SG_LT_ON) {   /* on the path its FFN takes (mf_sg_ffn_lt) */
+        mf_work w = {0};
+        w.w_bytes[MF_KF_FP4] = p->bytes, w.macs[MF_KF_FP4] = p->macs, w.calls[MF_KF_FP4] = 1;
+        if (mf_sg_ffn_lt(&p->cm, &w, cnt, p->lt, &lt_ns)) comp_ns = lt_ns;
+    }
     double out_ns = mf_cost_copy(&p->cm, 1, 1, cnt * p->tok_out);
     p->t_dev = (copy_end > p->comp_q[c] ? copy_end : p->comp_q[c]) + comp_ns;
     return !p->hybrid || p->t_dev + out_ns <= p->host_q / p->workers;
@@ -254,6 +259,8 @@ int mf_sg_prefetch_on(const mf_sg_opts *o)
     int min = o->prefetch_min > 0 ? o->prefetch_min : mf_sg_prefetch_min(o->c);
     return o->prefetch_min >= 0 && serial && o->micro < 2 && o->n_cards > 0 && !o->store && o->n >= min;
 }
+
+void mf_sg_place_lt(mf_sg_placer *p, int mode) { p->lt = mode; }
 
 void mf_sg_place_ahead(mf_sg_placer *p, double ahead_ns)
 {

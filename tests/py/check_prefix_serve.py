@@ -3,7 +3,8 @@
 repeated long prompt reports usage.prompt_tokens_details.cached_tokens (whole blocks below its last
 token), the next turn of a conversation (the prompt, its reply and new tokens) restores up to the
 last token fed, a chat's second turn hits its first turn's prompt, streamed responses carry the
-same usage; every response's tokens equal a server's without the cache (--prefix-cache 0); /metrics
+same usage; every response's tokens and logprobs (generated, and an echo's prompt entries: such a
+request restores nothing) equal a server's without the cache (--prefix-cache 0); /metrics
 has the cache's lines; a restart on the same --prefix-cache-dir hits from disk with the same tokens.
 Standard library only. Exits non-zero on any mismatch."""
 import http.client
@@ -81,17 +82,27 @@ def toks(r):
     return (r or {}).get("choices", [{}])[0].get("tokens")
 
 
+def lp(r):
+    return (r or {}).get("choices", [{}])[0].get("logprobs")
+
+
 def run(srv):
     """The requests; what each returned (tokens, cached tokens)."""
     out = {}
     long = [(29 * k + 3) % 500 for k in range(200)]
-    r = srv.post("/v1/completions", {"prompt": long, "max_tokens": 4, "temperature": 0})
+    r = srv.post("/v1/completions", {"prompt": long, "max_tokens": 4, "temperature": 0, "logprobs": 3})
     out["first"] = (toks(r), cached(r))
-    r = srv.post("/v1/completions", {"prompt": long, "max_tokens": 4, "temperature": 0})
+    out["first logprobs"] = (lp(r), cached(r))
+    r = srv.post("/v1/completions", {"prompt": long, "max_tokens": 4, "temperature": 0, "logprobs": 3})
     out["repeat"] = (toks(r), cached(r))
+    out["repeat logprobs"] = (lp(r), cached(r))
     nxt = long + (toks(r) or []) + [(7 * k + 5) % 500 for k in range(20)]
-    r = srv.post("/v1/completions", {"prompt": nxt, "max_tokens": 4, "temperature": 0})
+    r = srv.post("/v1/completions", {"prompt": nxt, "max_tokens": 4, "temperature": 0, "logprobs": 3})
     out["next turn"] = (toks(r), cached(r))
+    out["next turn logprobs"] = (lp(r), cached(r))
+    # echo: every prompt position's logprob, so a cached prompt is computed whole (cached_tokens 0)
+    r = srv.post("/v1/completions", {"prompt": long, "max_tokens": 2, "temperature": 0, "logprobs": 2, "echo": True})
+    out["echo"] = ((toks(r), lp(r)), cached(r))
     ev = srv.stream("/v1/completions", {"prompt": nxt, "max_tokens": 3, "temperature": 0})
     last = [e for e in ev if e.get("usage")]
     out["stream"] = ([t for e in ev for t in e["choices"][0].get("tokens", [])] if ev else None,
@@ -131,7 +142,12 @@ def main():
     finally:
         srv.stop()
     for k, v in base.items():
-        check(got[k][0] == v[0], f"{k}: tokens {got[k][0]} with the cache, {v[0]} without")
+        check(got[k][0] == v[0], f"{k}: {str(got[k][0])[:200]} with the cache, {str(v[0])[:200]} without")
+    check(base["first logprobs"][0] is not None and len(base["first logprobs"][0].get("token_logprobs", [])) == 4,
+          f"logprobs of 4 tokens: {base['first logprobs']}")
+    check(base["echo"][0][1] is not None and len(base["echo"][0][1].get("token_logprobs", [])) == 202,
+          f"echo: 200 prompt and 2 generated entries: {str(base['echo'])[:300]}")
+    check(got["echo"][1] == 0, f"an echo request restores nothing: {got['echo'][1]} cached")
     check(got["first"][1] == 0 and got["repeat"][1] == 192, f"a repeated 200-token prompt: {got['first']}, {got['repeat']}")
     check(got["next turn"][1] == 203, f"the next turn restores the prompt and 3 of 4 reply tokens: {got['next turn']}")
     check(got["stream"][1] is not None and got["stream"][1] >= 192, f"streamed usage: {got['stream']}")

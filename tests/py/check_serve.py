@@ -5,7 +5,13 @@ the same prompts (token ids and text); SSE framing over a raw socket; OpenAI-sty
 (malformed JSON, wrong types, n out of range, oversize body, context limit, unknown endpoint, missing API
 key, full queue with Retry-After, a partial request closed at the timeout); a bounded load test (64 concurrent clients, some with n = 2, mixed prompt and
 output lengths, some disconnecting mid-stream) where every completed response equals its
-sequential run and the server stays up; graceful shutdown on SIGTERM (exit 0). Loopback only.
+sequential run and the server stays up; graceful shutdown on SIGTERM (exit 0); logprobs (chat and
+completions, streamed and not, echo with max_tokens 0), a tool-calling round trip with a role tool
+reply and streamed delta.tool_calls (DeepSeek-V4 DSML through gen's chat template), response_format
+json_schema on every other request of a concurrent batch (outputs validated by `jsonschema`, the
+unconstrained neighbours equal to their sequential runs bit for bit) and json_object, and an error
+object for every bad value of the new fields (schemas with unsupported keywords, recursive and
+huge ones, logit_bias ids outside the vocabulary, top_logprobs over 20). Loopback only.
 Exits non-zero on any mismatch."""
 import concurrent.futures as cf
 import http.client
@@ -150,6 +156,142 @@ def check_n(cl, prompts, ref, N, msgs, chat_ref):
           f"chat n=2 streamed: {roles} {got}")
 
 
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"},
+                                          "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+          "required": ["n", "ok"]}
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Adds two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"},
+                                     "mode": {"enum": ["fast", "exact"]}}, "required": ["a", "b"]}}},
+         {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def check_controls(srv, cl, prompts, ref, N, err):
+    """logprobs (streamed and not), a tool-calling round trip, response_format in a batch mixing
+    constrained and unconstrained requests (greedy neighbours unchanged bit for bit), bad input."""
+    import jsonschema
+    # chat logprobs: the same values streamed and not; greedy tokens are their own top alternative
+    msgs = [{"role": "user", "content": "count"}]
+    r = cl.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    lp = r.choices[0].logprobs.content
+    check(len(lp) == len(r.model_dump()["choices"][0]["tokens"]) and
+          all(e.top_logprobs[0].token == e.token and len(e.top_logprobs) == 3 and e.logprob <= 0 for e in lp),
+          f"chat logprobs {lp}")
+    slp = []
+    for ch in cl.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                                         top_logprobs=3, stream=True):
+        if ch.choices and ch.choices[0].logprobs:
+            slp += ch.choices[0].logprobs.content or []
+    check([(e.token, e.logprob) for e in slp] == [(e.token, e.logprob) for e in lp], "chat logprobs streamed != not")
+    # completions: legacy logprobs, echo with max_tokens 0 (the first prompt token's logprob null)
+    r = cl.completions.create(model="tiny", prompt=prompts[0], max_tokens=0, echo=True, logprobs=2)
+    L = r.choices[0].logprobs
+    check(r.choices[0].text == prompts[0] and L.token_logprobs[0] is None and L.top_logprobs[0] is None and
+          len(L.tokens) == r.usage.prompt_tokens and all(x is not None and x <= 0 for x in L.token_logprobs[1:]) and
+          L.text_offset[0] == 0, f"echo logprobs {L}")
+    r2 = cl.completions.create(model="tiny", prompt=prompts[0], max_tokens=3, echo=True, logprobs=2, temperature=0)
+    L2 = r2.choices[0].logprobs
+    check(L2.token_logprobs[:len(L.tokens)] == L.token_logprobs and len(L2.tokens) == len(L.tokens) + 3 and
+          r2.choices[0].text == prompts[0] + ref[0][1][:len(r2.choices[0].text) - len(prompts[0])],
+          f"echo + 3 tokens {L2}")
+    slp = []
+    for ch in cl.completions.create(model="tiny", prompt=prompts[0], max_tokens=3, echo=True, logprobs=2, temperature=0,
+                                    stream=True):
+        if ch.choices and ch.choices[0].logprobs:
+            slp += ch.choices[0].logprobs.token_logprobs
+    check(slp == L2.token_logprobs, f"streamed echo logprobs {slp} vs {L2.token_logprobs}")
+    # tools: a named call, its arguments valid under the tool's schema; the answer sent back as a
+    # tool message; streamed calls arrive as delta.tool_calls
+    tmsgs = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "add 2 and 3"}]
+    r = cl.chat.completions.create(model="tiny", messages=tmsgs, tools=TOOLS, max_tokens=400, temperature=0,
+                                   tool_choice={"type": "function", "function": {"name": "add"}})
+    c = r.choices[0]
+    ok = c.finish_reason == "tool_calls" and c.message.tool_calls and c.message.tool_calls[0].function.name == "add"
+    check(ok, f"named tool call: {c}")
+    if ok:
+        call = c.message.tool_calls[0]
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, TOOLS[0]["function"]["parameters"])
+        back = tmsgs + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                        {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+        r2 = cl.chat.completions.create(model="tiny", messages=back, tools=TOOLS, max_tokens=4, temperature=0)
+        check(r2.choices[0].finish_reason in ("stop", "length", "tool_calls") and
+              r2.usage.prompt_tokens > r.usage.prompt_tokens, f"tool round trip: {r2}")
+    calls = {}
+    for ch in cl.chat.completions.create(model="tiny", messages=tmsgs, tools=TOOLS, max_tokens=400, temperature=0,
+                                         tool_choice={"type": "function", "function": {"name": "add"}}, stream=True):
+        for tc in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            calls.setdefault(tc.index, []).append(tc)
+        fin = ch.choices[0].finish_reason if ch.choices else None
+    check(calls and fin == "tool_calls" and all(json.loads(v[0].function.arguments) is not None for v in calls.values()),
+          f"streamed named call: {calls} {fin}")
+    # required: one call or more to any tool (a random model may go on calling: length is possible)
+    r = cl.chat.completions.create(model="tiny", messages=tmsgs, tools=TOOLS, max_tokens=1500, temperature=0,
+                                   tool_choice="required")
+    c = r.choices[0]
+    check(c.finish_reason == "length" or (c.finish_reason == "tool_calls" and c.message.tool_calls and
+                                          all(t.function.name in ("add", "now") for t in c.message.tool_calls)),
+          f"required: {c}")
+    # response_format beside unconstrained requests, all at once: every constrained output is valid,
+    # every unconstrained one equals its sequential run
+    fmt = {"type": "json_schema", "json_schema": {"name": "rec", "schema": SCHEMA}}
+
+    def one(k):
+        c2 = openai.OpenAI(base_url=srv.url(), api_key="unused", max_retries=0, timeout=120)
+        if k % 2:
+            x = c2.completions.create(model="tiny", prompt=prompts[k % len(prompts)], max_tokens=300, temperature=0,
+                                      extra_body={"response_format": fmt})
+            return ("json", x.choices[0].text, x.choices[0].finish_reason)
+        x = c2.completions.create(model="tiny", prompt=prompts[k % len(prompts)], max_tokens=N, temperature=0)
+        return ("plain", k, x.model_dump()["choices"][0]["tokens"])
+    with cf.ThreadPoolExecutor(8) as ex:
+        res = list(ex.map(one, range(8)))
+    for kind, a, b in res:
+        if kind == "json":
+            try:
+                jsonschema.validate(json.loads(a), SCHEMA)
+                check(b == "stop", f"constrained finish {b}")
+            except Exception as e:
+                fail(f"constrained output {a!r}: {e}")
+        else:
+            check(b == ref[a % len(prompts)][0], f"unconstrained {a} beside constrained ones: {b}")
+    r = cl.chat.completions.create(model="tiny", messages=msgs, max_tokens=300, temperature=0,
+                                   response_format={"type": "json_object"})
+    check(isinstance(json.loads(r.choices[0].message.content), dict), f"json_object: {r.choices[0].message.content!r}")
+    # bad input: an OpenAI error object each, the server unaffected
+    chat = "/v1/chat/completions"
+    m = '"messages": [{"role": "user", "content": "x"}]'
+    for body, param, path in [
+            ('{"prompt": "x", "logprobs": 21}', "logprobs", None), ('{"prompt": "x", "echo": "yes"}', "echo", None),
+            ('{%s, "logprobs": true, "top_logprobs": 21}' % m, "top_logprobs", chat),
+            ('{%s, "top_logprobs": 2}' % m, "top_logprobs", chat), ('{%s, "logprobs": 1}' % m, "logprobs", chat),
+            ('{"prompt": "x", "presence_penalty": 2.5}', "presence_penalty", None),
+            ('{"prompt": "x", "frequency_penalty": "a"}', "frequency_penalty", None),
+            ('{"prompt": "x", "repetition_penalty": 0}', "repetition_penalty", None),
+            ('{"prompt": "x", "min_p": -0.1}', "min_p", None), ('{"prompt": "x", "top_k": 0.5}', "top_k", None),
+            ('{"prompt": "x", "logit_bias": {"1": 200}}', "logit_bias", None),
+            ('{"prompt": "x", "logit_bias": {"abc": 1}}', "logit_bias", None),
+            ('{"prompt": "x", "logit_bias": {"99999999": 1}}', "logit_bias", None),
+            ('{"prompt": "x", "response_format": {"type": "yaml"}}', "response_format", None),
+            ('{"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", '
+             '"pattern": "^a"}}}}', "response_format", None),
+            ('{"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {"$defs": {}, '
+             '"$ref": "#"}}}}', "response_format", None),
+            (json.dumps({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+                "schema": json.loads('{"items":' * 40 + "{}" + "}" * 40)}}}), "response_format", None),
+            (json.dumps({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {
+                "properties": {f"p{i}": {} for i in range(100)}}}}}), "response_format", None),
+            ('{%s, "tools": [{"type": "function", "function": {"name": "bad name"}}]}' % m, "tools", chat),
+            ('{%s, "tools": "x"}' % m, "tools", chat), ('{%s, "tool_choice": "required"}' % m, "tool_choice", chat),
+            (json.dumps({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+                         "tool_choice": {"type": "function", "function": {"name": "nope"}}}), "tool_choice", chat),
+            ('{%s, "functions": [{"name": "f"}]}' % m, "functions", chat)]:
+        err(body, 400, param, path=path or "/v1/completions")
+    st, _, data = srv.raw("GET", "/health")
+    check(st == 200, f"health after bad input: {st}")
+    r = cl.completions.create(model="tiny", prompt=prompts[2], max_tokens=4, temperature=0)
+    check(r.model_dump()["choices"][0]["tokens"] == ref[2][0][:4], "a request after bad input")
+
+
 def main():
     os.makedirs(TMP, exist_ok=True)
     ckpt = os.path.join(TMP, "tiny")
@@ -158,8 +300,8 @@ def main():
                "one two three four five six seven eight nine ten eleven twelve", "zz", "Once upon a time", "x y"]
     N = 16
     ref = decode_ref(ckpt, prompts, N)
-    # the chat prompt is the built-in template's text (docs/serve.md), BOS + its encoding
-    chat_text = "You are terse.<\uff5cUser\uff5c>hi there<\uff5cAssistant\uff5c>"
+    # the chat prompt is the text of gen's template (DeepSeek-V4's encoding, docs/serve.md), BOS + its encoding
+    chat_text = "You are terse.<\uff5cUser\uff5c>hi there<\uff5cAssistant\uff5c></think>"
     chat_ref = decode_ref(ckpt, [chat_text], 8)[0]
 
     srv = Server(ckpt, "--max-batch", "8", "--step-tokens", "16", "--max-queue", "128")
@@ -244,7 +386,7 @@ def main():
         err('{"prompt": "x", "n": 0}', 400, "n")
         err('{"prompt": "x", "n": 17}', 400, "n")
         err('{"prompt": ["a", "b"]}', 400, "prompt")
-        err('{"prompt": "x", "logprobs": 3}', 400, "logprobs")
+        err('{"prompt": "x", "logprobs": true}', 400, "logprobs")
         err('{"messages": "hi"}', 400, "messages", path="/v1/chat/completions")
         err('{"messages": [{"role": "robot", "content": "x"}]}', 400, "messages", path="/v1/chat/completions")
         err('{"prompt": "x", "max_tokens": 100000}', 400, "prompt", "context_length_exceeded")
@@ -253,6 +395,7 @@ def main():
         st, _, data = srv.raw("GET", "/v1/nothing")
         check(st == 404 and b"error" in data, f"404: {st} {data[:100]!r}")
         check_n(cl, prompts, ref, N, msgs, chat_ref)
+        check_controls(srv, cl, prompts, ref, N, err)
         # the load test: 64 clients, mixed prompts and lengths, some with n = 2, some disconnecting
         # mid-stream (half of those with n = 2: both choices are cancelled)
         lens = [1, 3, 6, 11, 16]
@@ -325,14 +468,21 @@ def main():
 
     # a second server: API key, a queue of 1 (429 + Retry-After), SIGTERM with a request running
     srv = Server(ckpt, "--max-batch", "1", "--max-queue", "1", "--api-key", "sekret", "--drain-timeout", "1",
-                 "--timeout", "2")
+                 "--timeout", "2", "--request-timeout", "2")
     try:
-        # a partial request is closed after --timeout seconds; the server goes on
+        # a partial request gets 408 after --request-timeout seconds and is closed; the server goes on
         s = socket.create_connection((HOST, srv.port), timeout=30)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekret\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\"")
         t0 = time.time()
-        closed = s.recv(4096) == b""
-        check(closed and time.time() - t0 < 15, f"partial request: closed {closed} after {time.time() - t0:.1f} s")
+        got = b""
+        while True:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+        check(got.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in got and time.time() - t0 < 15,
+              f"partial request: {got[:200]!r} after {time.time() - t0:.1f} s")
         s.close()
         st, _, _ = srv.raw("GET", "/health")
         check(st == 200, f"health after a timed-out client: {st}")
