@@ -215,9 +215,11 @@ static void mf_io_arm_efd(mf_lane_rt *L)
     io_uring_sqe_set_data64(sqe, MF_IO_EFD_TAG);
 }
 
-static int mf_io_fail_msg(const mf_io_read *r, uint64_t done, int err, char *msg, size_t n)
+/* eof: the piece returned 0 bytes (a read past the end of the file, a write that made no
+ * progress); else err is the call's error */
+static int mf_io_fail_msg(const mf_io_read *r, uint64_t done, int err, int eof, char *msg, size_t n)
 {
-    if (err == -EIO && done < r->n_bytes)
+    if (eof)
         return snprintf(msg, n, "%s of %" PRIu64 " bytes at offset %" PRIu64 " (fd %d) %s after %" PRIu64 " bytes",
                         mf_io_verb(r), r->n_bytes, r->offset, r->fd, r->write ? "made no progress" : "hit end of file",
                         done);
@@ -229,7 +231,7 @@ static void mf_io_fail(mf_sched *s, mf_task_id t, const mf_io_read *r, uint64_t 
                        int eof)
 {
     char msg[256];
-    mf_io_fail_msg(r, done, eof ? -EIO : err, msg, sizeof msg);
+    mf_io_fail_msg(r, done, err, eof, msg, sizeof msg);
     mf_task_fail(s, t, err, msg);
 }
 
@@ -386,12 +388,12 @@ int mf_io_pread(mf_sched *s, mf_task_id t, int worker)
         fault = 0;
         char msg[256];
         if (res < 0) {
-            mf_io_fail_msg(r, done, res, msg, sizeof msg);
+            mf_io_fail_msg(r, done, res, 0, msg, sizeof msg);
             return mf_error(res, "%s", msg);
         }
         uint64_t n = res > 0 ? mf_io_absorb(r, done, bounced, off, bounce, (uint64_t)res) : 0;
         if (n == 0) {
-            mf_io_fail_msg(r, done, -EIO, msg, sizeof msg);
+            mf_io_fail_msg(r, done, -EIO, 1, msg, sizeof msg);
             return mf_error(-EIO, "%s", msg);
         }
         done += n;

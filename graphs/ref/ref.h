@@ -63,7 +63,9 @@ int mf_ref_page_keep(uint8_t *pg, int delta);
  * then sets. -EINVAL (not a KV source, not at position 0), -ENOMEM. */
 int mf_ref_state_map(mf_ref_state *s, int L, uint8_t *const *pages, int64_t n);
 /* Makes page p of layer L the state's own (a copy of a shared page, which is dropped) before the
- * state appends to it: copy on write of a partial page. 0 (also when already its own), -ENOMEM. */
+ * state appends to it: copy on write of a partial page, into the last page the state kept (after
+ * the mapped ones) when it has one, so restores do not grow a state. 0 (also when already its
+ * own), -ENOMEM. */
 int mf_ref_state_unshare(mf_ref_state *s, int L, int64_t p);
 
 /* One forward over n items: item i is token tokens[i] of states[i] at that state's next position.

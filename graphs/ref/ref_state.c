@@ -276,9 +276,15 @@ int mf_ref_state_unshare(mf_ref_state *s, int L, int64_t p)
 {
     mf_ly_cache *ca = &s->cache[L];
     if (p < 0 || p >= ca->n_pages || mf_ref_page_refs(ca->page[p]) == 1) return 0;
-    int64_t pb = mf_ly_cache_page_bytes(s->ly->c, L);
-    uint8_t *pg = mf_ref_page_new(pb);
-    if (!pg) return mf_error(-ENOMEM, "reference: cannot copy page %" PRId64 " of layer %d (%" PRId64 " bytes)", p, L, pb);
+    int64_t pb = mf_ly_cache_page_bytes(s->ly->c, L), last = ca->n_pages - 1;
+    uint8_t *pg;
+    if (last > p && mf_ref_page_refs(ca->page[last]) == 1) {   /* a page the state kept (after the mapped ones) */
+        pg = ca->page[last];
+        ca->n_pages--;
+        mf_st_cap(s);
+    } else if (!(pg = mf_ref_page_new(pb))) {
+        return mf_error(-ENOMEM, "reference: cannot copy page %" PRId64 " of layer %d (%" PRId64 " bytes)", p, L, pb);
+    }
     memcpy(pg, ca->page[p], (size_t)pb);
     mf_ref_page_drop(ca->page[p]);
     ca->page[p] = pg;
