@@ -15,22 +15,36 @@
 
 #include "sched/error.h"
 
-static uint32_t mf_dio_sysfs_lbs(dev_t dev)
+/* The number in the block device's queue/<what> (sysfs), or for a partition its disk's; -1. */
+static long mf_dio_sysfs_queue(dev_t dev, const char *what)
 {
-    char p[128];
+    char p[160];
     unsigned ma = major(dev), mi = minor(dev);
-    const char *fmt[2] = {"/sys/dev/block/%u:%u/queue/logical_block_size",
-                          "/sys/dev/block/%u:%u/../queue/logical_block_size"};   /* a partition */
+    const char *fmt[2] = {"/sys/dev/block/%u:%u/queue/%s", "/sys/dev/block/%u:%u/../queue/%s"};   /* a partition */
     for (int k = 0; k < 2; k++) {
-        snprintf(p, sizeof p, fmt[k], ma, mi);
+        snprintf(p, sizeof p, fmt[k], ma, mi, what);
         FILE *f = fopen(p, "r");
         if (!f) continue;
-        unsigned v = 0;
-        int ok = fscanf(f, "%u", &v) == 1;
+        long v = -1;
+        int ok = fscanf(f, "%ld", &v) == 1;
         fclose(f);
-        if (ok && v >= 512 && !(v & (v - 1))) return v;
+        if (ok) return v;
     }
-    return 0;
+    return -1;
+}
+
+static uint32_t mf_dio_sysfs_lbs(dev_t dev)
+{
+    long v = mf_dio_sysfs_queue(dev, "logical_block_size");
+    return v >= 512 && !(v & (v - 1)) && v <= (1L << 20) ? (uint32_t)v : 0;
+}
+
+int mf_dio_rotational(int fd)
+{
+    struct stat st;
+    if (fstat(fd, &st)) return -1;
+    long v = mf_dio_sysfs_queue(st.st_dev, "rotational");
+    return v == 0 || v == 1 ? (int)v : -1;
 }
 
 uint32_t mf_dio_align_of(int fd)

@@ -26,6 +26,10 @@ void mf_dio_close(mf_dio_file *f);
  * the file (sysfs), else 4096. */
 uint32_t mf_dio_align_of(int fd);
 
+/* Whether the device holding fd's file is rotational (sysfs queue/rotational of its block device
+ * or, for a partition, of the disk): 1, 0, or -1 when the kernel does not say (tmpfs, overlays). */
+int mf_dio_rotational(int fd);
+
 /* Checks that path still names the file opened, at its size at open: -ESTALE with a message
  * ("replaced after open", "truncated from X to Y bytes", "modified after open") otherwise. */
 int mf_dio_check(const mf_dio_file *f);

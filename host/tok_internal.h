@@ -46,8 +46,10 @@ typedef struct mf_mergemap {
 /* The slot of key k, (left id << 32) | right id: found or the empty one where it would go. */
 static inline size_t mf_merge_slot(const mf_mergemap *m, uint64_t k)
 {
+    /* the product's top bits (Fibonacci hashing): its bits below 32 see only the right id, so
+     * slots taken from them cluster by right id and the probes run long */
     uint64_t h = k * 0x9E3779B97F4A7C15ull;
-    size_t i = (size_t)(h >> 20) & (m->cap - 1);
+    size_t i = (size_t)(h >> (64 - __builtin_ctzll((unsigned long long)m->cap))) & (m->cap - 1);
     while (m->key[i] != UINT64_MAX && m->key[i] != k) i = (i + 1) & (m->cap - 1);
     return i;
 }

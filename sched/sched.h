@@ -148,6 +148,14 @@ static inline void mf_topo_rows(int64_t n_rows, int n_sockets, int k, int64_t *r
  * wherever in the page it starts). An empty range (*b <= *a) is skipped. */
 typedef void (*mf_topo_share_fn)(void *ctx, int k, int64_t i, uint64_t *a, uint64_t *b, int *first);
 
+/* The pages of a share's range [*a, *b) (mf_topo_share_fn): a page belongs to the share holding its
+ * first byte, so [up(a), up(b)), or [down(a), up(b)) for a range that begins its part (first). */
+static inline void mf_topo_share_pages(uint64_t *a, uint64_t *b, int first, uint64_t page)
+{
+    *a = first ? *a / page * page : (*a + page - 1) / page * page;
+    *b = (*b + page - 1) / page * page;
+}
+
 /* The one binding of socket shares to NUMA nodes (the resident store's experts, the model's dense
  * rows): for every socket k < n_sockets, the pages of each of its n_ranges ranges (share()) bound to
  * OS NUMA node node[k] (mf_topo_sockets node) before anything touches them. A page belongs to the

@@ -156,8 +156,7 @@ int mf_topo_bind_shares(uint8_t *base, uint64_t n_bytes, int n_sockets, const in
             uint64_t a, b;
             int first;
             share(ctx, k, i, &a, &b, &first);
-            a = first ? a / pg * pg : (a + pg - 1) / pg * pg;
-            b = (b + pg - 1) / pg * pg;
+            mf_topo_share_pages(&a, &b, first, pg);
             if (b > n_bytes) b = n_bytes;
             if (b <= a) continue;
             ok = hwloc_set_area_membind(topo, base + a, (size_t)(b - a), obj->nodeset, HWLOC_MEMBIND_BIND,

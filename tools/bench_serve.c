@@ -23,6 +23,7 @@
 #include "sched/error.h"
 #include "tools/bench_serve.h"
 #include "tools/commands.h"
+#include "tools/engine_opts.h"
 
 typedef struct mf_bs_req {
     int n_prompt, n_out;
@@ -237,13 +238,14 @@ static int mf_bs_range_opt(const mf_opt *o, const char *s, void *field)
 /* The command line of `moeflow bench serve`. */
 typedef struct mf_bs_cli {
     const char *dir, *concs;
-    long n, step_tokens, split, threads, warmup;
+    long n, step_tokens, split, warmup;
     mf_bs_range prompt, output;
     unsigned long long seed;
     int json;
     long turns, system_tokens, block;   /* --turns: the multi-turn workload (tools/bench_serve_turns.c) */
     uint64_t cache_bytes;
     double constrained;
+    mf_tool_engine e;   /* the engine and model options of decode and serve (tools/engine_opts.h) */
 } mf_bs_cli;
 
 #define F(x) offsetof(mf_bs_cli, x)
@@ -261,8 +263,6 @@ static const mf_opt mf_bs_table[] = {
      .help = "the batcher's items per step"},
     {"--prefill-split", .kind = MF_OPT_LONG, .off = F(split), .def = "2", .meta = "K", .lo = 1, .hi = MF_STEP_MAX_ITEMS,
      .help = "prefilling sequences sharing a step's budget"},
-    {"--threads", .kind = MF_OPT_LONG, .off = F(threads), .meta = "N", .lo = 1, .hi = 256,
-     .help = "scheduled engine workers (default: the online CPUs)"},
     {"--seed", .kind = MF_OPT_ULL, .off = F(seed), .def = "1", .meta = "S", .help = "seeds the lengths"},
     {"--warmup", .kind = MF_OPT_LONG, .off = F(warmup), .def = "1", .meta = "N", .lo = 0, .hi = 10,
      .help = "untimed passes of both modes before each\nconcurrency's timed one"},
@@ -284,6 +284,7 @@ static const mf_opt mf_bs_table[] = {
     {"--json", .kind = MF_OPT_FLAG, .off = F(json),
      .help = "{\"requests\", \"results\": [{mode, concurrency, tokens_per_s, ttft and itl\n"
              "percentiles, wall_s, and where the time went}]} instead of the table"},
+    MF_OPT_GROUP_ROW(mf_tool_engine_table, F(e)),
     {NULL},
 };
 #undef F
@@ -292,10 +293,12 @@ static const mf_opts_spec mf_bs_spec = {
     .cmd = "bench serve",
     .usage = "usage: moeflow bench serve --checkpoint DIR [--requests N] [--concurrency C,C,..]\n"
              "                           [--prompt-tokens MIN-MAX] [--output-tokens MIN-MAX]\n"
-             "                           [--step-tokens N] [--prefill-split K] [--threads N] [--seed S]\n"
-             "                           [--warmup N] [--constrained F] [--json]\n"
+             "                           [--step-tokens N] [--prefill-split K] [--seed S] [--warmup N]\n"
+             "                           [--constrained F] [--json]\n"
              "       moeflow bench serve --checkpoint DIR --turns T [--system-tokens S] [--prefix-cache SIZE]\n"
-             "                           [--prefix-block N] [...]\n\n"
+             "                           [--prefix-block N] [...]\n"
+             MF_TOOL_ENGINE_USAGE
+             "\n"
              "N requests with prompt and output lengths drawn uniformly from the ranges (seeded)\n"
              "are run by C closed-loop clients: a client sends its next request when its previous\n"
              "one ends. Continuous: every request goes through the batcher (max batch C,\n"
@@ -311,7 +314,9 @@ static const mf_opts_spec mf_bs_spec = {
              "workers' busy time (summed task durations), the process's CPU time (all threads;\n"
              "less sensitive to other load than wall time), and the forwards that carried prefill\n"
              "items (static: the prefills) with their prefill items, the decode items beside them\n"
-             "(continuous: the step's decode tokens) and their wall and CPU time.\n\n",
+             "(continuous: the step's decode tokens) and their wall and CPU time.\n"
+             "The engine and model options are decode's and serve's (one table); the batcher needs\n"
+             "the scheduled engine.\n\n",
     .opts = mf_bs_table,
     .col = 26,
 };
@@ -319,6 +324,7 @@ static const mf_opts_spec mf_bs_spec = {
 /* A run of bench serve: the engine, the workload, the latencies of the pass being run. */
 typedef struct mf_bs {
     const mf_bs_cli *a;
+    mf_tool_run x;   /* the model and engine */
     mf_model *m;
     mf_ref *r;
     mf_step *e;
@@ -339,10 +345,11 @@ static int mf_bs_open(mf_bs *b)
     b->n = (int)a->n;
     b->ctx = 2;
     if (!(b->q = calloc((size_t)b->n, sizeof *b->q))) return mf_error(-ENOMEM, "out of memory");
-    int rc = mf_model_load(a->dir, &(mf_model_opts){.quiet = 1, .resident_limit_bytes = UINT64_C(64) << 30}, &b->m);
-    if (!rc) rc = mf_ref_new(b->m, NULL, &b->r);
-    if (!rc) rc = mf_step_new(b->r, &(mf_step_opts){.n_threads = (int)a->threads}, &b->e);
+    int rc = mf_tool_run_open("bench serve", &a->e, a->dir, NULL, (mf_ref_opts){0}, a->json, &b->x);
     if (rc) return rc;
+    b->m = b->x.m;
+    b->r = b->x.r;
+    b->e = b->x.eng;
     const mf_config *c = mf_model_config(b->m);
     uint64_t rng = a->seed * 0x9E3779B97F4A7C15ULL + 1;
     for (int i = 0; i < b->n; i++) {
@@ -436,7 +443,7 @@ static int mf_bs_run(mf_bs *b, const int *cl, int n_c)
     if (!a->json)
         printf("bench serve: %s, %d requests, prompts %d-%d tokens, outputs %d-%d (%" PRId64 " tokens), %ld threads, "
                "step budget %ld, prefill split %ld\n%-11s %5s %9s %10s %10s %10s %10s %9s\n", a->dir, b->n, a->prompt.lo,
-               a->prompt.hi, a->output.lo, a->output.hi, b->total_out, a->threads, a->step_tokens, a->split, "mode",
+               a->prompt.hi, a->output.lo, a->output.hi, b->total_out, a->e.threads, a->step_tokens, a->split, "mode",
                "conc", "tokens/s", "ttft p50", "ttft p99", "itl p50", "itl p99", "wall s");
     else
         printf("{\"requests\":%d,\"results\":[", b->n);
@@ -481,9 +488,7 @@ static void mf_bs_close(mf_bs *b)
     free(b->q);
     free(b->lat.ttft);
     free(b->lat.itl);
-    mf_step_free(b->e);
-    mf_ref_free(b->r);
-    mf_model_free(b->m);
+    mf_tool_run_close(&b->x);
     mf_gram_free(b->g);
     mf_gram_vocab_free(b->gv);
     mf_tok_free(b->tok);
@@ -491,10 +496,17 @@ static void mf_bs_close(mf_bs *b)
 
 int mf_bench_serve(int argc, char **argv)
 {
-    mf_bs_cli a = {.threads = sysconf(_SC_NPROCESSORS_ONLN)};
+    mf_bs_cli a = {0};
+    mf_tool_engine_init(&a.e);
     int rc = mf_opts_parse(&mf_bs_spec, argc, argv, &a);
     if (rc != MF_OPTS_RUN) return rc;
     if (!a.dir) return mf_opts_refuse(&mf_bs_spec, "--checkpoint DIR is required");
+    if (!a.e.sched) {
+        fprintf(stderr, "moeflow bench serve: the batcher runs the scheduled engine (--engine reference is decode's "
+                        "and serve's)\n");
+        return 2;
+    }
+    if ((rc = mf_tool_engine_check("bench serve", &a.e))) return rc;
     int cl[8], n_c = 0;
     for (const char *p = a.concs; *p && n_c < 8;) {
         int v = atoi(p);

@@ -149,6 +149,7 @@ static const struct {
     {"ref", mf_bench_ref, "the reference's plain-C loops per unit, as weights against a profile's host_ref (sim)"},
     {"decode", mf_bench_decode, "decode steps: scheduled vs reference engine, phase table per step"},
     {"serve", mf_bench_serve, "a mixed-length workload: continuous batching vs static batching, tokens/s, TTFT, ITL"},
+    {"weights", mf_bench_weights, "decode steps on weights mapped from the page cache vs a private copy vs the store"},
     {"echo", mf_bench_echo, "a prompt's prefill with and without echo logprobs (every position's logits)"},
     {NULL, NULL, NULL},
 };

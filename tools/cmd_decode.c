@@ -20,19 +20,6 @@
 #include "tools/cmd_decode.h"
 #include "tools/sim_common.h"
 
-static const mf_opt_word mf_dec_engines[] = {{"scheduled", 1}, {"reference", 0}, {NULL, 0}};
-static const mf_opt_word mf_dec_store_modes[] = {
-    {"resident", MF_MODEL_STORE_RESIDENT}, {"streamed", MF_MODEL_STORE_STREAMED}, {NULL, 0}};
-
-/* --dev-cache-fill: on, off or trace:FILE. */
-static int mf_dec_fill_opt(const mf_opt *o, const char *arg, void *field)
-{
-    if (strncmp(arg, "trace:", 6) && mf_opt_word_value(mf_tool_on_off, arg) < 0)
-        return mf_error(-EINVAL, "%s: expected on, off or trace:FILE, found '%s'", o->flag, arg);
-    *(const char **)field = arg;
-    return 0;
-}
-
 #define F(x) offsetof(mf_dec_cli, x)
 static const mf_opt mf_dec_table[] = {
     {"--checkpoint", .kind = MF_OPT_STR, .off = F(dir), .meta = "DIR",
@@ -70,24 +57,7 @@ static const mf_opt mf_dec_table[] = {
              "line (its number, from 1), prompt, text (with a tokenizer), tokens,\n"
              "prompt_tokens, finish_reason (eos or length), queue_s,\n"
              "first_token_s, total_s; a refused line: index, line, prompt, error"},
-    {"--engine", .kind = MF_OPT_WORD, .off = F(sched), .def = "scheduled", .meta = "E", .words = mf_dec_engines,
-     .help = "scheduled or reference"},
-    {"--threads", .kind = MF_OPT_LONG, .off = F(threads), .meta = "N", .lo = 1, .hi = 256,
-     .help = "scheduled engine workers (default: the online CPUs)"},
-    {"--sockets", .kind = MF_OPT_FN, .off = F(sk), .meta = "N|auto", .fn = mf_tool_sockets_opt, .example = "1",
-     .help = "scheduled engine: one CPU lane per socket (NUMA node with cores;\n"
-             "auto: all hwloc finds), the --threads workers split across them\n"
-             "by cores and pinned there; each routed expert's rows are split\n"
-             "across the sockets, each share run by the workers of the socket\n"
-             "whose memory holds it (--store resident binds the shares to the\n"
-             "sockets' nodes, one copy, bound with hwloc;\n"
-             "a node that does not exist is a one-line note). Logits as with\n"
-             "one lane. MOEFLOW_TOPOLOGY=DESC|FILE.xml: an hwloc synthetic or\n"
-             "XML topology instead of this machine's (tests). Default auto\n"
-             "(one lane on a machine with one NUMA node, as before)"},
-    {"--exact", .kind = MF_OPT_FLAG, .off = F(exact),
-     .help = "scheduled engine: fp32 kernel path for the FP4 experts (matches\n"
-             "the reference to ~1e-7) instead of the int8 path (~1% per matmul)"},
+    MF_OPT_GROUP_ROW(mf_tool_engine_table, F(e)),
     {"--max-new-tokens", .kind = MF_OPT_LONG, .off = F(max_new), .def = "16", .meta = "N", .lo = 0, .hi = INT32_MAX,
      .help = "tokens to generate"},
     {"--temperature", .kind = MF_OPT_DOUBLE, .off = F(temperature), .def = "0", .meta = "T", .lo = 0, .hi = 100,
@@ -113,73 +83,6 @@ static const mf_opt mf_dec_table[] = {
      .help = "Chrome trace of the last step: the scheduled engine's task\n"
              "graph (with --store its IO-lane expert reads), or with the\n"
              "reference engine and --store the store's reads and compute"},
-    {"--store", .kind = MF_OPT_WORD, .off = F(store_mode), .meta = "MODE", .words = mf_dec_store_modes,
-     .help = "experts and Engram tables through the expert store: resident\n"
-             "(read in at load) or streamed (a cache, misses read per use\n"
-             "through io_uring; the scheduled engine reads them on its IO\n"
-             "lane inside the step graph); per-step hits/misses on stderr"},
-    {"--store-budget", .kind = MF_OPT_SIZE, .off = F(store_budget), .meta = "SIZE",
-     .help = "streamed cache bytes, e.g. 2G, 512M (default 2G)"},
-    {"--store-tables", .kind = MF_OPT_WORD, .off = F(store_tables), .meta = "MODE", .words = mf_dec_store_modes,
-     .help = "Engram tables resident or streamed (default: as --store)"},
-    {"--io-depth", .kind = MF_OPT_LONG, .off = F(io_depth), .meta = "N", .lo = 1, .hi = 4096,
-     .help = "reads in flight (default 64)"},
-    {"--read-window", .kind = MF_OPT_LONG, .off = F(read_window), .meta = "N", .lo = -1, .hi = 4096,
-     .flags = MF_OPT_NOT0, .expect = "1..4096 or -1 (all)",
-     .help = "scheduled engine with --store: experts of a layer whose reads\n"
-             "are in flight at once, in slot order (default 2; -1: all)"},
-    {"--devices", .kind = MF_OPT_STR, .off = F(devices), .meta = "SPEC",
-     .help = "routed experts on devices (scheduled engine): emu:N emulated\n"
-             "cards (emu:N,mem=SIZE,bw=B/S,lat_ns=NS) or cuda, cuda:0,1"},
-    {"--dense", .kind = MF_OPT_WORD, .off = F(dense), .meta = "D", .words = mf_tool_denses,
-     .help = "cards: the dense work (attention linears, router gate, shared\n"
-             "expert, head) on the cards (split as --dense-split), activations copied per\n"
-             "sublayer, weights resident on the cards (default with emu:N devices;\n"
-             "on CUDA cards only when asked: never run on a GPU yet); host: on the\n"
-             "host (default otherwise)"},
-    {"--dense-split", .kind = MF_OPT_WORD, .off = F(dense_split), .def = MF_TOOL_DENSE_SPLIT, .meta = "S",
-     .words = mf_tool_dense_splits,
-     .help = "with --dense cards: layers (each layer's dense work on one card) or\n"
-             "rows (every dense matrix but the shared expert split by\n"
-             "output rows across all cards; either gives the host's logits bit for\n"
-             "bit on emulated cards)"},
-    {"--heads", .kind = MF_OPT_WORD, .off = F(heads), .def = "cost", .meta = "H", .words = mf_tool_heads_modes,
-     .help = "with --dense cards: the attention heads' scores and values of one\n"
-             "sequence's positions (prefill chunks, batch 1) per layer by the cost\n"
-             "model on --profile (cost), on the cards wherever they\n"
-             "can, or on the host (host logits bit for bit on emulated cards)"},
-    {"--cublaslt", .kind = MF_OPT_WORD, .off = F(lt), .def = "cost", .meta = "L", .words = mf_tool_lt_modes,
-     .help = "where the cards' tensor cores take work through cuBLASLt: cost (by\n"
-             "the cost model on --profile: never without a tensor-core rate), on\n"
-             "(wherever it applies), dense (the dense linears only: host logits\n"
-             "bit for bit on emulated cards), off"},
-    {"--micro-batches", .kind = MF_OPT_LONG, .off = F(micro), .def = "1", .meta = "M", .lo = 1, .hi = 2,
-     .expect = "1 or 2",
-     .help = "scheduled engine, batch >= 2: 2 splits the batch into two halves\n"
-             "in flight at once (one half's routed experts beside the other's\n"
-             "attention; the same logits bit for bit); 1: one"},
-    {"--placement", .kind = MF_OPT_WORD, .off = F(placement), .meta = "P", .words = mf_tool_placements,
-     .help = "seed: routed experts on the card owning them; hybrid: per\n"
-             "expert and step the cheaper of host and card by the lanes'\n"
-             "cost models (default with --devices); host: all on the\n"
-             "host (default without). Per-step device lines on stderr"},
-    {"--dev-cache", .kind = MF_OPT_SIZE, .off = F(dev_cache), .meta = "SIZE",
-     .help = "expert cache bytes per card (default: every expert, or as\nmany as the card holds)"},
-    {"--dev-cache-fill", .kind = MF_OPT_FN, .off = F(fill_spec), .def = MF_TOOL_DEV_CACHE_FILL, .meta = "F",
-     .fn = mf_dec_fill_opt,
-     .help = "on: fill each card's expert cache before the first\n"
-             "token, spread evenly over layers (progress on stderr); trace:FILE:\n"
-             "the experts a --record-routing trace routes most first; off: the\n"
-             "caches start empty"},
-    {"--dev-graphs", .kind = MF_OPT_FLAG, .off = F(dev_graphs),
-     .help = "per layer and card, the device FFNs of all slots as one graph\n"
-             "(a CUDA graph on CUDA cards; docs/device.md); also with the\n"
-             "environment variable MOEFLOW_DEV_GRAPHS=1"},
-    {"--profile", .kind = MF_OPT_STR, .off = F(profile_path), .meta = "P",
-     .help = "hardware profile (docs/profiles.md, `moeflow calibrate`) whose\n"
-             "host fp4, h2d and card fp4 rates are the lanes' cost models\n"
-             "that hybrid placement weighs (default: built-in assumptions,\n"
-             "host 20 GB/s per worker, copies 25 GB/s + 10 us, cards 20 GB/s)"},
     {"--record-routing", .kind = MF_OPT_STR, .off = F(record), .meta = "FILE",
      .help = "write the routed experts of every token (prefill and\n"
              "decode, every sequence and layer) to FILE, a routing trace\n"
@@ -197,19 +100,11 @@ static const mf_opts_spec mf_dec_spec = {
     .cmd = "decode",
     .usage =
         "usage: moeflow decode --checkpoint DIR (--prompt TEXT | --tokens IDS | --prompts FILE [--resume])\n"
-        "                      [--engine scheduled|reference] [--threads N] [--sockets N|auto]\n"
-        "                      [--exact] [--batch B]\n"
-        "                      [--step-tokens N] [--output FILE.jsonl]\n"
+        MF_TOOL_ENGINE_USAGE
+        "                      [--batch B] [--step-tokens N] [--output FILE.jsonl]\n"
         "                      [--max-new-tokens N] [--temperature T --top-p P --seed S]\n"
         "                      [--no-bos] [--ignore-eos] [--act-quant] [--quiet] [--trace FILE]\n"
-        "                      [--chat [--chat-template FILE|builtin]]\n"
-        "                      [--store resident|streamed [--store-budget SIZE]\n"
-        "                       [--store-tables resident|streamed] [--io-depth N] [--read-window N]]\n"
-        "                      [--devices emu:N|cuda[:IDS] [--placement seed|host|hybrid] [--dense host|cards]\n"
-        "                       [--dense-split layers|rows] [--heads cost|cards|host] [--micro-batches 1|2]\n"
-        "                       [--cublaslt cost|on|dense|off]\n"
-        "                       [--dev-cache SIZE] [--dev-cache-fill on|off|trace:FILE] [--dev-graphs]\n"
-        "                       [--profile P]] [--record-routing FILE]\n"
+        "                      [--chat [--chat-template FILE|builtin]] [--record-routing FILE]\n"
         "                      [--prefix-cache SIZE] [--prefix-cache-dir DIR] [--prefix-block N]\n\n"
         "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
         "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
@@ -227,18 +122,12 @@ static const mf_opts_spec mf_dec_spec = {
     .col = 22,
 };
 
-/* The options that cannot go together, and what they leave to decide: the sockets (auto: every
- * socket hwloc finds, at most one per worker), the placement and whether the dense work runs on
- * the cards. 0 or 2 (said on stderr). */
+/* The options that cannot go together (the engine group's: mf_tool_engine_check; decode's own:
+ * a prompt, --act-quant, --trace). 0 or 2 (said on stderr). */
 static int mf_dec_check(mf_dec_cli *a, mf_dec *d)
 {
-    if (!a->sk.n) {
-        if (mf_tool_sockets_of("auto", &a->sk)) {
-            fprintf(stderr, "moeflow decode: %s\n", mf_last_error());
-            return 2;
-        }
-        if (a->sk.n > a->threads) a->sk.n = (int)a->threads;
-    }
+    int rc = mf_tool_engine_check("decode", &a->e);
+    if (rc) return rc;
     if (!a->dir || (!!a->prompt + !!a->ids + !!a->prompts_file) != 1)
         return mf_opts_refuse(&mf_dec_spec, "--checkpoint and exactly one of --prompt / --tokens / --prompts are "
                                             "required");
@@ -249,26 +138,13 @@ static int mf_dec_check(mf_dec_cli *a, mf_dec *d)
         return 2;
     }
     const char *why = NULL;
-    char buf[64];
-    if (a->sched && a->act_quant)
+    if (a->e.sched && a->act_quant)
         why = "--act-quant is only implemented by the reference engine (add --engine reference)";
-    else if (!a->sched && a->trace && !a->store_mode) why = "--trace needs the scheduled engine or --store";
-    else if ((a->devices || a->placement >= 0) && !a->sched)
-        why = "--devices and --placement apply to the scheduled engine";
-    else if (a->placement > 0 && !a->devices)
-        why = (snprintf(buf, sizeof buf, "--placement %s needs --devices", mf_opt_word_name(mf_tool_placements,
-                                                                                           a->placement)), buf);
-    else if (a->profile_path && !a->sched) why = "--profile applies to the scheduled engine";
-    else if (a->dense == MF_PLAN_DENSE_CARDS && !a->devices) why = "--dense cards needs --devices";
-    else if (!a->sched && a->exact) why = "--exact applies to the scheduled engine (the reference is exact)";
+    else if (!a->e.sched && a->trace && !a->e.store_mode) why = "--trace needs the scheduled engine or --store";
     if (why) {
         fprintf(stderr, "moeflow decode: %s\n", why);
         return 2;
     }
-    if (a->devices && a->placement < 0) a->placement = MF_STEP_PLACE_HYBRID;
-    d->placement = a->placement >= 0 ? mf_opt_word_name(mf_tool_placements, a->placement) : NULL;
-    d->dense = a->dense >= 0 ? a->dense == MF_PLAN_DENSE_CARDS : a->devices && !strncmp(a->devices, "emu", 3);
-    d->place = !a->devices ? MF_STEP_PLACE_HOST : a->placement;
     d->no_bos = a->no_bos;
     return 0;
 }
@@ -291,33 +167,25 @@ static void mf_print_step(mf_store *st, const char *what, long k, int sched)
                 x.overlap_ns / 1e6);
 }
 
-/* The model (through the expert store with --store), its prompts' fit (ids in the vocabulary,
- * positions within the model's), the Engram token map of the tokenizer. */
-static int mf_dec_model(mf_dec *d)
+/* The model, its Engram token map, the reference forward (with --record-routing's hook) and the
+ * engine (tools/engine_opts.h); the prompts' fit (ids in the vocabulary, positions within the
+ * model's). */
+static int mf_dec_open(mf_dec *d)
 {
     const mf_dec_cli *a = d->a;
-    /* the scheduled engine needs the experts in memory: allow up to 64 GiB resident */
-    mf_model_opts mo = {.quiet = a->quiet, .resident_limit_bytes = a->sched ? UINT64_C(64) << 30 : 0,
-                        .store = a->store_mode, .store_tables = a->store_tables,
-                        .store_budget_bytes = a->store_budget, .store_io_depth = (int)a->io_depth,
-                        .store_io_pread = mf_tool_io_env.force_pread, .n_sockets = a->sched ? a->sk.n : 1};
-    memcpy(mo.socket_node, a->sk.node, sizeof mo.socket_node);
-    if (!a->sched) {   /* the reference engine reads through the store's own run */
-        mo.store_io_fault_kind = mf_tool_io_env.fault_kind;
-        mo.store_io_fault_nth = mf_tool_io_env.fault_nth;
+    mf_ref_opts ro = {.act_quant = a->act_quant};
+    if (a->record) {   /* the routing trace's shape needs the config: read it first */
+        mf_config cc;
+        char path[4200];
+        snprintf(path, sizeof path, "%s/config.json", a->dir);
+        int rc = mf_config_load(path, &cc);
+        if (!rc) rc = mf_routing_rec_open(a->record, cc.n_layers, cc.n_routed_experts, cc.n_experts_per_tok, &d->rrec.rec);
+        if (rc) return rc;
+        ro.hooks = (mf_ref_hooks){.user = &d->rrec, .on_route = mf_dec_on_route};
     }
-    int64_t tl0 = mf_now_ns();
-    int rc = mf_model_load(a->dir, &mo, &d->m);
+    int rc = mf_tool_run_open("decode", &a->e, a->dir, d->tok, ro, a->quiet, &d->x);
     if (rc) return rc;
-    mf_store *mst = d->mst = mf_model_store(d->m);
-    if (mst && !a->quiet)
-        fprintf(stderr, "moeflow decode: expert store %s, %d slots of %.2f MiB (%.2f GiB slab), "
-                "engine %s, %s; loaded in %.2f s\n",
-                a->store_mode == MF_MODEL_STORE_STREAMED ? "streamed" : "resident", mf_store_n_slots(mst),
-                mf_store_slot_bytes(mst) / 1048576.0, mf_store_slab_bytes(mst) / 1073741824.0,
-                mf_store_io_engine(mst), mf_store_direct(mst) ? "O_DIRECT" : "buffered",
-                (mf_now_ns() - tl0) / 1e9);
-    const mf_config *c = mf_model_config(d->m);
+    const mf_config *c = mf_model_config(d->x.m);
     int max_prompt = 0;
     for (int s = 0; s < d->n_seq; s++) {   /* with --prompts a line that does not fit is refused */
         mf_dec_seq *q = &d->sq[s];
@@ -346,86 +214,8 @@ static int mf_dec_model(mf_dec *d)
                 max_prompt, a->max_new, d->total, c->max_position_embeddings);
         return 2;
     }
-    if (!d->tok || c->n_engram <= 0) return 0;
-    if ((rc = mf_engram_map_build(d->tok, &d->emap))) return rc;   /* the real Engram token map */
-    if (mf_engram_map_n_unique(d->emap) > c->engram_compressed_vocab_size) {
-        fprintf(stderr, "moeflow decode: the tokenizer's Engram map has %d unique keys, more than "
-                        "engram_compressed_vocab_size %" PRId64 " of %s/config.json\n",
-                mf_engram_map_n_unique(d->emap), c->engram_compressed_vocab_size, a->dir);
-        return 1;
-    }
+    mf_tool_run_notes("decode", &a->e, &d->x, a->quiet);
     return 0;
-}
-
-/* The reference forward (with the Engram map and --record-routing's hook), the cards and, for the
- * scheduled engine, the engine over them (cache fill from a routing trace's counts). */
-static int mf_dec_engine(mf_dec *d)
-{
-    const mf_dec_cli *a = d->a;
-    const mf_config *c = mf_model_config(d->m);
-    mf_ref_opts ro = {.act_quant = a->act_quant};
-    if (d->emap) {
-        ro.token_map = mf_engram_map_ids(d->emap);
-        ro.n_token_map = mf_engram_map_n_vocab(d->emap);
-    }
-    int rc = 0;
-    if (a->record) {
-        if ((rc = mf_routing_rec_open(a->record, c->n_layers, c->n_routed_experts, c->n_experts_per_tok, &d->rrec.rec)))
-            return rc;
-        ro.hooks = (mf_ref_hooks){.user = &d->rrec, .on_route = mf_dec_on_route};
-    }
-    static mf_profile prof;
-    if (a->profile_path) {
-        if ((rc = mf_profile_load(a->profile_path, &prof))) return rc;
-        d->prof = &prof;
-    }
-    if ((rc = mf_ref_new(d->m, &ro, &d->r))) return rc;
-    if (a->devices && (d->place != MF_STEP_PLACE_HOST || d->dense) && (rc = mf_dev_open(a->devices, &d->dev))) return rc;
-    if (d->dev && d->place != MF_STEP_PLACE_HOST && !strncmp(a->fill_spec, "trace:", 6)) {   /* the trace's counts */
-        mf_routing *frt = NULL;
-        if ((rc = mf_routing_open(a->fill_spec, c->n_layers, c->n_routed_experts, c->n_experts_per_tok, 0, &frt)))
-            return rc;
-        d->fill_counts = malloc(sizeof *d->fill_counts * (size_t)c->n_layers * c->n_routed_experts);
-        if (d->fill_counts) mf_routing_counts(frt, d->fill_counts);
-        mf_routing_free(frt);
-        if (!d->fill_counts) return mf_error(-ENOMEM, "out of memory");
-    }
-    if (!a->sched) return 0;
-    rc = mf_step_new(d->r, &(mf_step_opts){.n_threads = (int)a->threads, .exact = a->exact, .n_sockets = a->sk.n,
-                                           .topology = a->sk.topology, .pin_threads = a->sk.n > 1,
-                                           .read_window = (int)a->read_window, .dev = d->dev, .placement = d->place,
-                                           .dev_cache_bytes = a->dev_cache,
-                                           .dev_cache_fill = strcmp(a->fill_spec, "off") != 0,
-                                           .dev_fill_counts = d->fill_counts, .dev_fill_progress = !a->quiet,
-                                           .dev_graphs = a->dev_graphs, .dense = d->dense,
-                                           .dense_split = a->dense_split, .heads = a->heads, .micro = (int)a->micro,
-                                           .lt = a->lt, .profile = d->prof, .io_depth = (int)a->io_depth,
-                                           .io_force_pread = mf_tool_io_env.force_pread,
-                                           .io_fault_kind = mf_tool_io_env.fault_kind,
-                                           .io_fault_nth = mf_tool_io_env.fault_nth}, &d->eng);
-    free(d->fill_counts);
-    d->fill_counts = NULL;
-    return rc;
-}
-
-/* What the engine did before the first step: the card caches' fill, the cards' self-check, the
- * dense weights each card holds. */
-static void mf_dec_engine_notes(const mf_dec *d)
-{
-    const mf_dec_cli *a = d->a;
-    if (!d->eng) return;
-    if (!a->quiet) {
-        mf_step_fill_stats fs;
-        mf_step_fill(d->eng, &fs);
-        if (fs.experts)
-            fprintf(stderr, "moeflow decode: warmed the card caches: %" PRId64 " experts, %.1f MB in %.3f s%s\n",
-                    fs.experts, fs.bytes / 1e6, fs.wall_ns / 1e9, fs.skipped ? " (some not held by the host: left out)" : "");
-    }
-    if (mf_step_refused(d->eng)[0]) fprintf(stderr, "moeflow decode: card self-check: %s\n", mf_step_refused(d->eng));
-    for (int k = 0, cd = 0; d->dense && mf_step_dense_bytes(d->eng, k, &cd); k++)
-        if (!a->quiet)
-            fprintf(stderr, "moeflow decode: dense weights on card %d (%s): %.1f MB\n", cd, a->devices,
-                    (double)mf_step_dense_bytes(d->eng, k, NULL) / 1e6);
 }
 
 /* The batcher over the engine, every prompt submitted (sequence i seeded --seed + i). */
@@ -434,10 +224,10 @@ static int mf_dec_submit(mf_dec *d)
     const mf_dec_cli *a = d->a;
     d->dc = (mf_dec_ctx){.sq = d->sq, .tok = d->tok, .stream = d->n_seq == 1, .out = d->outf, .quiet = a->quiet,
                          .with_line = a->prompts_file != NULL};
-    int rc = mf_tool_prefix_open(&a->pfx, d->r, mf_tool_prefix_numerics(a->sched, a->exact, a->devices),
+    int rc = mf_tool_prefix_open(&a->pfx, d->x.r, mf_tool_prefix_numerics(a->e.sched, a->e.exact, a->e.devices),
                                  "moeflow decode", a->quiet, &d->pfx);
     if (rc) return rc;
-    rc = mf_batch_new(&(mf_batch_opts){.ref = d->r, .eng = d->eng, .tok = d->tok, .max_batch = d->max_batch,
+    rc = mf_batch_new(&(mf_batch_opts){.ref = d->x.r, .eng = d->x.eng, .tok = d->tok, .max_batch = d->max_batch,
                                        .step_tokens = (int)d->step_tokens, .max_context = d->total > 1 ? d->total : 2,
                                        .max_queue = d->n_seq, .prefix = d->pfx, .on_event = mf_dec_on_event,
                                        .user = &d->dc}, &d->bat);
@@ -463,22 +253,22 @@ static void mf_dec_step_stats(mf_dec *d)
     const mf_dec_cli *a = d->a;
     mf_step_times tm = {0};
     mf_step_dev_stats x = {0};
-    if (d->eng) {
-        mf_step_last_times(d->eng, &tm);
-        mf_step_last_dev(d->eng, &x);
+    if (d->x.eng) {
+        mf_step_last_times(d->x.eng, &tm);
+        mf_step_last_dev(d->x.eng, &x);
     }
-    if (d->eng && d->mst) {
+    if (d->x.eng && d->x.mst) {
         d->io_busy_ns += tm.io_busy_ns;
         d->io_overlap_ns += tm.io_overlap_ns;
         d->ex_busy_ns += tm.expert_busy_ns;
     }
-    if (d->eng && a->sk.n > 1) {   /* where the host expert slots ran */
+    if (d->x.eng && a->e.sk.n > 1) {   /* where the host expert slots ran */
         d->sock_home += x.sock_home;
         d->sock_cross += x.sock_cross;
         d->dense_home += x.dense_home;
         d->dense_cross += x.dense_cross;
     }
-    if (d->dev) {
+    if (d->x.dev) {
         mf_step_dev_stats *t = &d->dtot;
         d->cp_busy_ns += tm.copy_busy_ns;
         d->cp_overlap_ns += tm.copy_overlap_ns;
@@ -495,7 +285,7 @@ static void mf_dec_step_stats(mf_dec *d)
                     x.host_slots, x.hits, x.misses, x.evictions, x.bytes_in / 1048576.0, tm.copy_busy_ns / 1e6,
                     tm.copy_overlap_ns / 1e6);
     }
-    if (d->mst && !a->quiet) mf_print_step(d->mst, "step", d->steps, a->sched);
+    if (d->x.mst && !a->quiet) mf_print_step(d->x.mst, "step", d->steps, a->e.sched);
 }
 
 /* The signals of an interrupted run (mf_dec_run): how many came, the first one. */
@@ -545,7 +335,7 @@ static int mf_dec_run(mf_dec *d)
     const mf_dec_cli *a = d->a;
     int64_t next_progress = (d->t0 = mf_now_ns()) + 1000000000;
     d->dc.t0 = d->t0;
-    if (d->mst) mf_store_step(d->mst, NULL);
+    if (d->x.mst) mf_store_step(d->x.mst, NULL);
     int seen = 0, rc = 0;
     for (;;) {
         mf_dec_interrupt(d, &seen);
@@ -593,7 +383,7 @@ static int mf_dec_outputs(mf_dec *d)
         if (rc) return rc;
         if (!a->quiet) fprintf(stderr, "moeflow decode: routing trace written to %s\n", a->record);
     }
-    if (a->trace) return a->sched ? mf_step_write_trace(d->eng, a->trace) : mf_store_write_trace(d->mst, a->trace);
+    if (a->trace) return a->e.sched ? mf_step_write_trace(d->x.eng, a->trace) : mf_store_write_trace(d->x.mst, a->trace);
     return 0;
 }
 
@@ -602,13 +392,13 @@ static void mf_dec_report(const mf_dec *d)
 {
     const mf_dec_cli *a = d->a;
     if (a->quiet) return;
-    if (d->mst) {
+    if (d->x.mst) {
         mf_store_stats x;
-        mf_store_stats_total(d->mst, &x);
+        mf_store_stats_total(d->x.mst, &x);
         fprintf(stderr, "moeflow decode: expert store total: %" PRIu64 " hits, %" PRIu64 " misses "
                 "(hit rate %.1f%%), %.2f GiB read", x.hits, x.misses,
                 100.0 * x.hits / (double)(x.hits + x.misses ? x.hits + x.misses : 1), x.bytes_read / 1073741824.0);
-        if (a->sched)
+        if (a->e.sched)
             fprintf(stderr, "\nmoeflow decode: scheduled engine steps: IO lane busy %.3f s, expert compute "
                     "%.3f s, overlapping %.3f s (%.1f%% of IO busy, %.1f%% of expert compute)\n", d->io_busy_ns / 1e9,
                     d->ex_busy_ns / 1e9, d->io_overlap_ns / 1e9,
@@ -618,18 +408,18 @@ static void mf_dec_report(const mf_dec *d)
             fprintf(stderr, " in %.2f s of store runs (reads + expert compute); io overlapping compute %.1f%% "
                     "of io busy time\n", x.read_wall_ns / 1e9, x.io_busy_ns ? 100.0 * x.overlap_ns / x.io_busy_ns : 0.0);
     }
-    if (a->sched && a->sk.n > 1)
+    if (a->e.sched && a->e.sk.n > 1)
         fprintf(stderr, "moeflow decode: %d sockets: %" PRId64 " host expert part weights read by the workers of "
                 "the socket holding their rows, %" PRId64 " by another's; %" PRId64 " dense part weights by the "
-                "socket holding their rows, %" PRId64 " by another's\n", a->sk.n, d->sock_home, d->sock_cross,
+                "socket holding their rows, %" PRId64 " by another's\n", a->e.sk.n, d->sock_home, d->sock_cross,
                 d->dense_home, d->dense_cross);
     const mf_step_dev_stats *t = &d->dtot;
-    if (d->dev)
+    if (d->x.dev)
         fprintf(stderr, "moeflow decode: devices (%s, %s placement, %d cache slots per card) steps: %" PRId64
                 " expert slots on cards, %" PRId64 " on the host (%" PRId64 " for want of a free cache slot); "
                 "cache hit rate %.1f%% (%" PRIu64 " hits, %" PRIu64 " misses), %.2f GiB copied in; copies busy %.3f s, "
                 "expert compute %.3f s, overlapping %.3f s (%.1f%% of copy time); cuBLASLt: %" PRId64 " dense linear "
-                "launches, %" PRId64 " expert slots\n", a->devices, d->placement,
+                "launches, %" PRId64 " expert slots\n", a->e.devices, a->e.placement_word,
                 t->n_cards ? t->cache_slots : 0, t->dev_slots, t->host_slots, t->host_fallbacks,
                 100.0 * t->hits / (double)(t->hits + t->misses ? t->hits + t->misses : 1), t->hits,
                 t->misses, t->bytes_in / 1073741824.0, d->cp_busy_ns / 1e9, d->cm_busy_ns / 1e9,
@@ -643,11 +433,22 @@ static void mf_dec_report(const mf_dec *d)
     fprintf(stderr, "moeflow decode (%s engine%s, %d sequence%s, batch %d, step budget %ld): %ld steps in %.3f s; "
                     "prefill %" PRId64 " tokens (%.2f tokens/s), decode %" PRId64 " tokens (%.2f tokens/s "
                     "aggregate); %ld tokens out (%.2f tokens/s); first token after %.3f s (median)\n",
-            mf_opt_word_name(mf_dec_engines, a->sched), a->sched ? (a->exact ? ", fp32 experts" : ", int8 experts") : "",
+            a->e.sched ? "scheduled" : "reference", a->e.sched ? (a->e.exact ? ", fp32 experts" : ", int8 experts") : "",
             d->n_seq, d->n_seq > 1 ? "s" : "", bs.n_states, d->step_tokens, d->steps, sec, bs.prefill_items,
             bs.prefill_items / sec, bs.decode_items, bs.decode_items / sec, out_tokens, out_tokens / sec,
             mf_dec_median_ttft(d->sq, d->n_seq));
     mf_tool_prefix_report(d->pfx, "moeflow decode", stderr);
+    int64_t first = 0, now = mf_now_ns();   /* the first token of any sequence, from the process's start */
+    for (int s = 0; s < d->n_seq; s++)
+        if (d->sq[s].first_ns && (!first || d->sq[s].first_ns < first)) first = d->sq[s].first_ns;
+    double since = mf_tool_since_start_s();
+    if (first && since >= 0)
+        fprintf(stderr, "moeflow decode: first token %.3f s after the process started (the model's load %.3f s)\n",
+                since - (now - first) / 1e9, d->x.load_s);
+    double anon, file;
+    if (!mf_tool_rss(&anon, &file))
+        fprintf(stderr, "moeflow decode: memory: %.2f GiB of the process's own (RssAnon), %.2f GiB of files mapped "
+                "(RssFile: the page cache, shared, kept after exit)\n", anon / 1073741824.0, file / 1073741824.0);
 }
 
 /* After a run with refused lines or an interruption: what became of the prompts, on stderr (with
@@ -681,35 +482,27 @@ static int mf_dec_summary(const mf_dec *d)
 
 static void mf_dec_close(mf_dec *d)
 {
-    free(d->fill_counts);
     if (d->rrec.rec) {   /* failed before the end: no partial trace is left behind */
         mf_routing_rec_close(d->rrec.rec);
         unlink(d->a->record);
     }
     mf_batch_free(d->bat);
     mf_prefix_free(d->pfx);
-    mf_step_free(d->eng);
-    mf_dev_close(d->dev);
-    mf_ref_free(d->r);
-    mf_model_free(d->m);
-    mf_engram_map_free(d->emap);
+    mf_tool_run_close(&d->x);
     mf_dec_prompts_free(d);
 }
 
 int mf_cmd_decode(int argc, char **argv)
 {
-    mf_dec_cli a = {.threads = sysconf(_SC_NPROCESSORS_ONLN), .placement = -1, .dense = -1,
-                    .dev_graphs = mf_tool_env_on("MOEFLOW_DEV_GRAPHS")};   /* --dev-graphs */
-    if (a.threads < 1) a.threads = 1;
+    mf_dec_cli a = {0};
+    mf_tool_engine_init(&a.e);
     int rc = mf_opts_parse(&mf_dec_spec, argc, argv, &a);
     if (rc != MF_OPTS_RUN) return rc;
     static mf_dec d;
     d = (mf_dec){.a = &a, .outf = -1};
     if ((rc = mf_dec_check(&a, &d))) return rc;
     rc = mf_dec_prompts(&d);
-    if (!rc) rc = mf_dec_model(&d);
-    if (!rc) rc = mf_dec_engine(&d);
-    if (!rc) mf_dec_engine_notes(&d);
+    if (!rc) rc = mf_dec_open(&d);
     if (!rc) mf_dec_catch(&d);
     if (!rc) rc = mf_dec_submit(&d);
     if (!rc) rc = mf_dec_run(&d);

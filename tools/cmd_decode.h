@@ -19,23 +19,20 @@
 #include "sched/error.h"
 #include "sched/profile.h"
 #include "tools/commands.h"
+#include "tools/engine_opts.h"
 #include "tools/serve_req.h"
 #include "tools/tool_prefix.h"
 
-/* The command line (mf_dec_table). */
+/* The command line (mf_dec_table); the engine and model options are the group decode shares with
+ * serve (tools/engine_opts.h). */
 typedef struct mf_dec_cli {
     const char *dir, *prompt, *ids, *prompts_file, *outfile, *chat_spec;
-    const char *trace, *devices, *record, *profile_path, *fill_spec;
-    int sched;                     /* --engine: 1 scheduled, 0 reference */
-    int chat, no_bos, ignore_eos, act_quant, quiet, exact, dev_graphs, resume;
-    int store_mode, store_tables;  /* MF_MODEL_STORE_*; 0: none / as --store */
-    int placement, dense;          /* -1: not given */
-    int dense_split, heads, lt;
-    long max_new, batch, threads, step_tokens, io_depth, read_window, micro;   /* batch, step_tokens 0: not given */
+    const char *trace, *record;
+    int chat, no_bos, ignore_eos, act_quant, quiet, resume;
+    long max_new, batch, step_tokens;   /* batch, step_tokens 0: not given */
     double temperature, top_p;
     unsigned long long seed;
-    uint64_t store_budget, dev_cache;
-    mf_tool_sockets sk;            /* n 0: --sockets not given (auto) */
+    mf_tool_engine e;
     mf_tool_prefix pfx;            /* --prefix-cache and its kin */
 } mf_dec_cli;
 
@@ -84,8 +81,7 @@ typedef struct mf_route_rec_ctx {
  * negative code (mf_last_error says why; exit 1) or a positive exit code (said on stderr). */
 typedef struct mf_dec {
     const mf_dec_cli *a;
-    int place, dense, no_bos;      /* resolved: MF_STEP_PLACE_*, dense on cards, no BOS id */
-    const char *placement;         /* the placement's word, for the reports */
+    int no_bos;                    /* resolved: no BOS id */
     /* the prompts (cmd_decode_seqs.c) */
     mf_tok *tok;
     int have_tok, is_text;
@@ -99,17 +95,10 @@ typedef struct mf_dec {
     mf_dec_seq *sq;
     int outf;                      /* --output, or -1 */
     int sig;                       /* the signal that interrupted the run (SIGINT, SIGTERM), or 0 */
-    /* the model, engine and batcher */
-    mf_model *m;
-    mf_store *mst;
-    mf_engram_map *emap;
-    mf_ref *r;
-    mf_step *eng;
-    mf_dev *dev;
+    /* the model, engine (tools/engine_opts.h) and batcher */
+    mf_tool_run x;
     mf_batch *bat;
     mf_prefix *pfx;                /* the prefix cache, or NULL (--prefix-cache 0) */
-    mf_profile *prof;              /* --profile, or NULL */
-    uint32_t *fill_counts;
     int64_t total;                 /* positions: the longest prompt + --max-new-tokens */
     mf_route_rec_ctx rrec;
     mf_dec_ctx dc;

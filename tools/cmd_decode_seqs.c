@@ -341,7 +341,7 @@ int mf_dec_prompts(mf_dec *d)
     /* one sequence on the scheduled engine: nothing waits behind its prefill, which runs in the
      * engine's prefill chunks (fewer weight passes than graphs of 64: docs/decode.md) */
     d->step_tokens = a->step_tokens ? a->step_tokens
-                   : d->n_seq == 1 && a->sched ? MF_STEP_PREFILL_CHUNK : MF_BATCH_STEP_TOKENS;
+                   : d->n_seq == 1 && a->e.sched ? MF_STEP_PREFILL_CHUNK : MF_BATCH_STEP_TOKENS;
     if (!(d->sq = calloc((size_t)d->n_seq, sizeof *d->sq))) return mf_error(-ENOMEM, "out of memory");
     for (int i = 0; i < d->n_seq; i++)
         if ((rc = mf_dec_seq_ids(d, i))) return rc;

@@ -1,12 +1,15 @@
 /* `moeflow info`: the byte census of a checkpoint (headers only) by group, like the seed's
  * "What is in the 475 GiB" table, with the config summary and a check of the tensors against the
  * layout the config implies; --json for scripts. */
+#define _GNU_SOURCE
 #include <errno.h>
 #include <stddef.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <limits.h>
 #include <sys/stat.h>
 
 #include "graphs/model/census.h"
@@ -15,6 +18,7 @@
 #include "graphs/prefix/prefix.h"
 #include "graphs/ref/ref.h"
 #include "host/safetensors.h"
+#include "host/wmap.h"
 #include "sched/error.h"
 #include "tools/commands.h"
 
@@ -23,26 +27,38 @@
 /* The command line of `moeflow info`. */
 typedef struct mf_info_cli {
     const char *dir;
-    int json;
+    int json, resident, evict;
 } mf_info_cli;
 
 static const mf_opt mf_info_table[] = {
     {"--json", .kind = MF_OPT_FLAG, .off = offsetof(mf_info_cli, json),
      .help = "one JSON object: total_bytes, n_tensors, n_shards, groups, group_tensors,\n"
-             "config, rope_scaling, draft and sequence_state (with config.json)"},
+             "config, rope_scaling, draft and sequence_state (with config.json);\n"
+             "with --resident: dir, bytes, cached_bytes, shards [{path, bytes,\n"
+             "cached_bytes, mapped_by [{pid, command}]}]"},
+    {"--resident", .kind = MF_OPT_FLAG, .off = offsetof(mf_info_cli, resident),
+     .help = "what of DIR's shards the page cache holds (the resident copy of\n"
+             "the weights that `decode` and `serve` map: a warm start reads\n"
+             "nothing from the disk), which processes map them, and how to\n"
+             "free it; without DIR, every safetensors file a process maps"},
+    {"--evict", .kind = MF_OPT_FLAG, .off = offsetof(mf_info_cli, evict),
+     .help = "with --resident: drop DIR's shards from the page cache (the\n"
+             "pages no process maps; the next start reads them from the disk)"},
     {NULL},
 };
 
 static const mf_opts_spec mf_info_spec = {
     .cmd = "info",
-    .usage = "usage: moeflow info DIR [--json]\n\n"
+    .usage = "usage: moeflow info DIR [--json]\n"
+             "       moeflow info [DIR] --resident [--evict] [--json]\n\n"
              "Prints the byte census of the checkpoint in DIR (a directory with shards and\n"
              "model.safetensors.index.json, or one .safetensors file) by group: experts,\n"
              "engram, mtp, attn, shared_experts, embed_head, other. Reads headers only.\n"
              "With config.json beside the shards, validates it, prints a summary and checks\n"
              "every tensor of the layout it implies against the checkpoint; exits 1 when any\n"
              "is missing or misshapen (the census is printed all the same). A checkpoint\n"
-             "without the DSpark draft's mtp.* tensors is complete for plain decoding (noted).\n\n",
+             "without the DSpark draft's mtp.* tensors is complete for plain decoding (noted).\n"
+             "--resident says what of the checkpoint the page cache holds (docs/io.md).\n\n",
     .opts = mf_info_table,
     .pos_meta = "DIR",
     .pos_off = offsetof(mf_info_cli, dir),
@@ -294,11 +310,176 @@ static int mf_info_text(const char *dir, const mf_info_ck *k)
     return bad ? 1 : 0;
 }
 
+/* ---- --resident: the page cache's copy of the weights ----------------------------------------- */
+
+/* A process mapping a file: pid, command, the file (resolved path). */
+typedef struct mf_info_map {
+    int pid;
+    char comm[64];
+    char path[4096];
+} mf_info_map;
+
+/* Every safetensors file mapped by a process (/proc/PID/maps), one entry per (pid, file), into a
+ * malloc'ed array; the processes this user may not read are skipped. */
+static int mf_info_maps(mf_info_map **out)
+{
+    int n = 0, cap = 0;
+    *out = NULL;
+    DIR *pd = opendir("/proc");
+    if (!pd) return 0;
+    for (struct dirent *e; (e = readdir(pd));) {
+        int pid = atoi(e->d_name);
+        if (pid <= 0) continue;
+        char p[64], line[4400], comm[64] = "?";
+        snprintf(p, sizeof p, "/proc/%d/comm", pid);
+        FILE *f = fopen(p, "r");
+        if (f) {
+            if (fgets(comm, sizeof comm, f)) comm[strcspn(comm, "\n")] = 0;
+            fclose(f);
+        }
+        snprintf(p, sizeof p, "/proc/%d/maps", pid);
+        if (!(f = fopen(p, "r"))) continue;
+        while (fgets(line, sizeof line, f)) {
+            char *path = strchr(line, '/');
+            size_t len = path ? strcspn(path, "\n") : 0;
+            if (!path || len < 12 || strncmp(path + len - 12, ".safetensors", 12)) continue;
+            path[len] = 0;
+            int dup = 0;
+            for (int i = n - 1; i >= 0 && (*out)[i].pid == pid && !dup; i--) dup = !strcmp((*out)[i].path, path);
+            if (dup) continue;
+            if (n == cap) {
+                mf_info_map *g = realloc(*out, sizeof *g * (size_t)(cap = cap ? 2 * cap : 16));
+                if (!g) break;
+                *out = g;
+            }
+            (*out)[n] = (mf_info_map){.pid = pid};
+            snprintf((*out)[n].comm, sizeof (*out)[n].comm, "%s", comm);
+            snprintf((*out)[n].path, sizeof (*out)[n].path, "%s", path);
+            n++;
+        }
+        fclose(f);
+    }
+    closedir(pd);
+    return n;
+}
+
+/* Without DIR: every safetensors file a process maps, with what the page cache holds of it. */
+static int mf_info_resident_all(int json)
+{
+    mf_info_map *mp = NULL;
+    int n = mf_info_maps(&mp);
+    json_t *arr = json ? json_array() : NULL;
+    if (!json && !n)
+        printf("no process maps a safetensors file now. The page cache may still hold checkpoints that\n"
+               "processes mapped before (the resident weights of a warm start): `moeflow info DIR --resident`\n"
+               "says how much of one it holds, `--evict` frees it.\n");
+    for (int i = 0; i < n; i++) {
+        uint64_t cached = 0, size = 0;
+        mf_wmap_file_cached(mp[i].path, &cached, &size);
+        if (json)
+            json_array_append_new(arr, json_pack("{s:i, s:s, s:s, s:I, s:I}", "pid", mp[i].pid, "command", mp[i].comm,
+                                                 "path", mp[i].path, "bytes", (json_int_t)size, "cached_bytes",
+                                                 (json_int_t)cached));
+        else
+            printf("pid %d (%s) maps %s: %.2f GiB, %.2f GiB of it in the page cache\n", mp[i].pid, mp[i].comm,
+                   mp[i].path, size / GIB, cached / GIB);
+    }
+    if (!json && n)
+        printf("the page cache keeps these after the processes end (reclaimable when memory is short);\n"
+               "`moeflow info DIR --resident --evict` drops a checkpoint's pages once no process maps them\n");
+    if (json) {
+        json_t *o = json_pack("{s:o}", "mapped", arr);
+        char *t = json_dumps(o, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+        json_decref(o);
+        if (t) printf("%s\n", t);
+        free(t);
+    }
+    free(mp);
+    return 0;
+}
+
+/* One shard of DIR: its size, what the page cache holds, who maps it (JSON or a line). */
+static void mf_info_resident_shard(const char *path, const mf_info_map *mp, int n, json_t *arr, uint64_t *bytes,
+                                   uint64_t *cached)
+{
+    uint64_t c = 0, sz = 0;
+    char real[4096];
+    if (mf_wmap_file_cached(path, &c, &sz)) fprintf(stderr, "moeflow info: %s\n", mf_last_error());
+    *bytes += sz;
+    *cached += c;
+    if (!realpath(path, real)) snprintf(real, sizeof real, "%s", path);
+    json_t *by = json_array();
+    char who[512] = "";
+    size_t k = 0;
+    for (int i = 0; i < n; i++)
+        if (!strcmp(mp[i].path, real)) {
+            json_array_append_new(by, json_pack("{s:i, s:s}", "pid", mp[i].pid, "command", mp[i].comm));
+            if (k < sizeof who) k += (size_t)snprintf(who + k, sizeof who - k, "%s%d (%s)", k ? ", " : "", mp[i].pid, mp[i].comm);
+        }
+    if (arr)
+        json_array_append_new(arr, json_pack("{s:s, s:I, s:I, s:o}", "path", path, "bytes", (json_int_t)sz,
+                                             "cached_bytes", (json_int_t)c, "mapped_by", by));
+    else {
+        printf("  %s: %.2f of %.2f GiB cached%s%s\n", path, c / GIB, sz / GIB, k ? ", mapped by pid " : "", who);
+        json_decref(by);
+    }
+}
+
+/* DIR: each shard's cached bytes and mappers, the total, how to free it; --evict first drops them. */
+static int mf_info_resident(const mf_info_cli *a)
+{
+    mf_st *st = NULL;
+    if (mf_st_open(a->dir, &st)) {
+        fprintf(stderr, "moeflow info: %s\n", mf_last_error());
+        return 1;
+    }
+    int ns = mf_st_n_shards(st), rc = 0;
+    for (int s = 0; a->evict && s < ns; s++)
+        if (mf_wmap_file_evict(mf_st_shard_path(st, s))) {
+            fprintf(stderr, "moeflow info: %s\n", mf_last_error());
+            rc = 1;
+        }
+    mf_info_map *mp = NULL;
+    int n = mf_info_maps(&mp);
+    json_t *arr = a->json ? json_array() : NULL;
+    uint64_t bytes = 0, cached = 0;
+    if (!a->json) printf("%s: the page cache%s holds\n", a->dir, a->evict ? ", after --evict," : "");
+    for (int s = 0; s < ns; s++) mf_info_resident_shard(mf_st_shard_path(st, s), mp, n, arr, &bytes, &cached);
+    int mapped = 0;
+    for (int i = 0; i < n; i++)
+        for (int s = 0; s < ns && !mapped; s++) {
+            char real[4096];
+            mapped = realpath(mf_st_shard_path(st, s), real) && !strcmp(real, mp[i].path);
+        }
+    if (a->json) {
+        json_t *o = json_pack("{s:s, s:I, s:I, s:o}", "dir", a->dir, "bytes", (json_int_t)bytes, "cached_bytes",
+                              (json_int_t)cached, "shards", arr);
+        char *t = json_dumps(o, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+        json_decref(o);
+        if (t) printf("%s\n", t);
+        free(t);
+    } else {
+        printf("total: %.2f of %.2f GiB (%.1f%%) in the page cache: the resident copy a start with mapped weights\n"
+               "(the default of decode and serve) uses without reading the disk. The kernel holds it, not a process:\n"
+               "it outlives every run and is reclaimed when memory runs short.\n"
+               "To free it: `moeflow info %s --resident --evict`%s,\n"
+               "or as root `sync; echo 1 > /proc/sys/vm/drop_caches` (every file's cache).\n",
+               cached / GIB, bytes / GIB, bytes ? 100.0 * cached / bytes : 0.0, a->dir,
+               mapped ? " once the processes above have ended (their mapped pages stay)" : "");
+    }
+    free(mp);
+    mf_st_close(st);
+    return rc;
+}
+
 int mf_cmd_info(int argc, char **argv)
 {
     mf_info_cli a = {0};
     int rc = mf_opts_parse(&mf_info_spec, argc, argv, &a);
     if (rc != MF_OPTS_RUN) return rc;
+    if (a.evict && !a.resident) return mf_opts_refuse(&mf_info_spec, "--evict goes with --resident");
+    if (a.resident) return a.dir ? mf_info_resident(&a) : (a.evict ? mf_opts_refuse(&mf_info_spec, "--evict needs DIR")
+                                                                   : mf_info_resident_all(a.json));
     if (!a.dir) return mf_opts_refuse(&mf_info_spec, "DIR is required");
     static mf_info_ck k;
     if ((rc = mf_info_open(a.dir, &k))) return rc;

@@ -29,22 +29,23 @@
 #include "sched/clock.h"
 #include "sched/error.h"
 #include "tools/commands.h"
+#include "tools/engine_opts.h"
 #include "tools/serve_door.h"
 #include "tools/serve_http.h"
 #include "tools/serve_req.h"
 #include "tools/tool_prefix.h"
 
-/* The command line of `moeflow serve`. */
+/* The command line of `moeflow serve`; the engine and model options are the group serve shares
+ * with decode (tools/engine_opts.h). */
 typedef struct mf_serve_cli {
     const char *dir, *host, *api_key, *key_file, *model_name, *chat_spec;
-    int sched, exact, quiet;   /* sched: --engine scheduled */
-    long port, max_batch, step_tokens, max_queue, max_context, timeout, request_timeout, drain, threads;
+    int quiet;
+    long port, max_batch, step_tokens, max_queue, max_context, timeout, request_timeout, drain;
     long max_conns, max_per_addr;
     uint64_t budget, max_body;
+    mf_tool_engine e;
     mf_tool_prefix pfx;        /* --prefix-cache and its kin */
 } mf_serve_cli;
-
-static const mf_opt_word mf_serve_engines[] = {{"scheduled", 1}, {"reference", 0}, {NULL, 0}};
 
 #define F(x) offsetof(mf_serve_cli, x)
 static const mf_opt mf_serve_table[] = {
@@ -70,12 +71,6 @@ static const mf_opt mf_serve_table[] = {
      .help = "the API key is FILE's first line"},
     {"--max-context", .kind = MF_OPT_LONG, .off = F(max_context), .meta = "N", .lo = 2, .hi = 1L << 30,
      .help = "positions per sequence: prompt + max_tokens (default min(model, 4096))"},
-    {"--threads", .kind = MF_OPT_LONG, .off = F(threads), .meta = "N", .lo = 1, .hi = 256,
-     .help = "scheduled engine workers (default: the online CPUs)"},
-    {"--exact", .kind = MF_OPT_FLAG, .off = F(exact),
-     .help = "fp32 kernel path for the FP4 experts (see moeflow decode --help)"},
-    {"--engine", .kind = MF_OPT_WORD, .off = F(sched), .def = "scheduled", .meta = "E", .words = mf_serve_engines,
-     .help = "scheduled or reference"},
     {"--model-name", .kind = MF_OPT_STR, .off = F(model_name), .meta = "NAME",
      .help = "the model id in responses and /v1/models (default: DIR's name)"},
     {"--max-body", .kind = MF_OPT_SIZE, .off = F(max_body), .def = "1M", .meta = "SIZE",
@@ -99,6 +94,7 @@ static const mf_opt mf_serve_table[] = {
              "or deepseek-v4 (DeepSeek-V4's encoding with tools, as `moeflow gen` writes)"},
     MF_TOOL_PREFIX_OPTS(F, pfx),
     {"--quiet", "-q", MF_OPT_FLAG, F(quiet), .help = "no log lines on stderr"},
+    MF_OPT_GROUP_ROW(mf_tool_engine_table, F(e)),
     {NULL},
 };
 #undef F
@@ -107,17 +103,21 @@ static const mf_opts_spec mf_serve_spec = {
     .cmd = "serve",
     .usage = "usage: moeflow serve --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--max-batch N]\n"
              "                     [--step-tokens N] [--state-budget BYTES] [--max-queue N] [--api-key KEY]\n"
-             "                     [--max-context N] [--threads N] [--exact] [--engine scheduled|reference]\n"
-             "                     [--model-name NAME] [--max-body BYTES] [--timeout S] [--drain-timeout S]\n"
-             "                     [--request-timeout S] [--max-connections N] [--max-connections-per-addr N]\n"
-             "                     [--api-key-file FILE] [--chat-template FILE|builtin|deepseek-v4]\n"
-             "                     [--prefix-cache SIZE] [--prefix-cache-dir DIR] [--prefix-block N] [--quiet]\n\n"
+             "                     [--max-context N] [--model-name NAME] [--max-body BYTES] [--timeout S]\n"
+             "                     [--drain-timeout S] [--request-timeout S] [--max-connections N]\n"
+             "                     [--max-connections-per-addr N] [--api-key-file FILE]\n"
+             "                     [--chat-template FILE|builtin|deepseek-v4] [--prefix-cache SIZE]\n"
+             "                     [--prefix-cache-dir DIR] [--prefix-block N] [--quiet]\n"
+             MF_TOOL_ENGINE_USAGE "\n"
              "Serves an OpenAI-compatible HTTP API over the continuous batcher (docs/serve.md):\n"
              "POST /v1/completions, POST /v1/chat/completions (stream: true for server-sent events),\n"
              "GET /v1/models, /health, /metrics (Prometheus text). SIGTERM or SIGINT stop accepting,\n"
              "let running requests finish for --drain-timeout seconds, cancel the rest (a stream so\n"
              "cut ends with finish_reason \"error\" and an error event), and exit 0. Without --api-key\n"
-             "or --api-key-file, the environment variable MOEFLOW_API_KEY is the key when set.\n\n",
+             "or --api-key-file, the environment variable MOEFLOW_API_KEY is the key when set.\n"
+             "The engine and model options are decode's (the same table): the weights are mapped\n"
+             "from the page cache by default, so a restart on a warm machine reads nothing from\n"
+             "the disk (docs/io.md).\n\n",
     .opts = mf_serve_table,
     .col = 23,
 };
@@ -126,9 +126,7 @@ static const mf_opts_spec mf_serve_spec = {
 typedef struct mf_serve {
     const mf_serve_cli *a;
     mf_srv *v;
-    mf_model *m;
-    mf_ref *r;
-    mf_engram_map *emap;
+    mf_tool_run x;             /* the model and engine (tools/engine_opts.h) */
     struct MHD_Daemon *d;
     mf_door *door;
     char *key;                 /* the API key (from --api-key, --api-key-file or MOEFLOW_API_KEY), or NULL */
@@ -151,18 +149,10 @@ static int mf_serve_open(mf_serve *s)
                 mf_last_error());
         return 2;
     }
-    mf_model_opts mo = {.quiet = a->quiet, .resident_limit_bytes = a->sched ? UINT64_C(64) << 30 : 0};
-    if ((rc = mf_model_load(a->dir, &mo, &s->m))) return rc;
-    v->c = mf_model_config(s->m);
-    mf_ref_opts ro = {0};
-    if (v->tok && v->c->n_engram > 0) {   /* the real Engram token map, as decode */
-        if ((rc = mf_engram_map_build(v->tok, &s->emap))) return rc;
-        ro.token_map = mf_engram_map_ids(s->emap);
-        ro.n_token_map = mf_engram_map_n_vocab(s->emap);
-    }
-    if ((rc = mf_ref_new(s->m, &ro, &s->r))) return rc;
-    if (a->sched && (rc = mf_step_new(s->r, &(mf_step_opts){.n_threads = (int)a->threads, .exact = a->exact}, &v->eng)))
-        return rc;
+    if ((rc = mf_tool_run_open("serve", &a->e, a->dir, v->tok, (mf_ref_opts){0}, a->quiet, &s->x))) return rc;
+    mf_tool_run_notes("serve", &a->e, &s->x, a->quiet);
+    v->c = mf_model_config(s->x.m);
+    v->eng = s->x.eng;
     int64_t model_ctx = v->c->max_position_embeddings;
     v->max_context = a->max_context ? a->max_context : model_ctx < 4096 ? model_ctx : 4096;
     if (v->max_context > model_ctx) {
@@ -170,14 +160,14 @@ static int mf_serve_open(mf_serve *s)
                 a->max_context, model_ctx);
         return 2;
     }
-    if ((rc = mf_tool_prefix_open(&a->pfx, s->r, mf_tool_prefix_numerics(a->sched, a->exact, NULL), "moeflow serve",
+    if ((rc = mf_tool_prefix_open(&a->pfx, s->x.r, mf_tool_prefix_numerics(a->e.sched, a->e.exact, a->e.devices), "moeflow serve",
                                   a->quiet, &v->prefix)))
         return rc;
     /* constrained output walks the tokenizer's vocabulary; echo's prompt logprobs take a chunk's rows */
     if (v->tok && (rc = mf_gram_vocab_new(v->tok, v->c->vocab_size, (int32_t)v->c->eos_token_id, &v->gram_vocab)))
         return rc;
     int echo_rows = a->step_tokens < MF_STEP_MAX_ITEMS ? (int)a->step_tokens : MF_STEP_MAX_ITEMS;
-    if ((rc = mf_batch_new(&(mf_batch_opts){.ref = s->r, .eng = v->eng, .tok = v->tok, .max_batch = (int)a->max_batch,
+    if ((rc = mf_batch_new(&(mf_batch_opts){.ref = s->x.r, .eng = v->eng, .tok = v->tok, .max_batch = (int)a->max_batch,
                                             .step_tokens = (int)a->step_tokens, .max_context = v->max_context,
                                             .state_budget_bytes = a->budget, .max_queue = (int)a->max_queue,
                                             .echo_rows = echo_rows, .gram_vocab = v->gram_vocab,
@@ -234,7 +224,7 @@ static int mf_serve_listen(mf_serve *s, const struct sockaddr_in *sa)
     mf_batch_get_stats(v->b, &bs);
     fprintf(stderr, "moeflow serve: listening on http://%s:%u (model %s, %s engine, up to %d states, %.1f MiB each "
             "at the full context of %" PRId64 " (pages as positions arrive), step budget %ld)\n", a->host,
-            mf_door_port(s->door), v->model, mf_opt_word_name(mf_serve_engines, a->sched), bs.n_states,
+            mf_door_port(s->door), v->model, a->e.sched ? "scheduled" : "reference", bs.n_states,
             mf_batch_state_bytes(v->b) / 1048576.0, v->max_context, a->step_tokens);
     if (!a->quiet) fprintf(stderr, "moeflow serve: chat: %s\n", s->chat_desc);
     fflush(stderr);
@@ -305,10 +295,8 @@ static void mf_serve_close(mf_serve *s)
     mf_batch_free(v->b);
     if (!s->a->quiet) mf_tool_prefix_report(v->prefix, "moeflow serve", stderr);
     mf_prefix_free(v->prefix);
-    mf_step_free(v->eng);
-    mf_ref_free(s->r);
-    mf_model_free(s->m);
-    mf_engram_map_free(s->emap);
+    mf_tool_run_close(&s->x);
+    v->eng = NULL;
     mf_gram_vocab_free(v->gram_vocab);
     mf_tok_free(v->tok);
     mf_chat_tmpl_free(v->chat);
@@ -378,8 +366,8 @@ static void mf_serve_nofile(const mf_serve_cli *a)
 
 int mf_cmd_serve(int argc, char **argv)
 {
-    mf_serve_cli a = {.threads = sysconf(_SC_NPROCESSORS_ONLN)};
-    if (a.threads < 1) a.threads = 1;
+    mf_serve_cli a = {0};
+    mf_tool_engine_init(&a.e);
     int rc = mf_opts_parse(&mf_serve_spec, argc, argv, &a);
     if (rc != MF_OPTS_RUN) return rc;
     if (!a.dir) return mf_opts_refuse(&mf_serve_spec, "--checkpoint is required");
@@ -389,6 +377,7 @@ int mf_cmd_serve(int argc, char **argv)
                 stat(a.dir, &st) ? (errno == ENOENT ? "no such directory" : strerror(errno)) : "not a directory");
         return 2;
     }
+    if ((rc = mf_tool_engine_check("serve", &a.e))) return rc;
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)a.port)};
     if (inet_pton(AF_INET, !strcmp(a.host, "localhost") ? "127.0.0.1" : a.host, &sa.sin_addr) != 1) {
         fprintf(stderr, "moeflow serve: --host: expected an IPv4 address such as 127.0.0.1, found '%s'\n", a.host);

@@ -19,6 +19,7 @@ int mf_bench_io(int argc, char **argv);
 int mf_bench_kernels(int argc, char **argv);   /* tools/bench_kernels.c: `bench kernels` */
 int mf_bench_decode(int argc, char **argv);    /* tools/bench_decode.c: `bench decode` */
 int mf_bench_serve(int argc, char **argv);     /* tools/bench_serve.c: `bench serve` */
+int mf_bench_weights(int argc, char **argv);   /* tools/bench_weights.c: `bench weights` */
 int mf_bench_echo(int argc, char **argv);      /* tools/bench_echo.c: `bench echo` */
 int mf_bench_dev(int argc, char **argv);       /* tools/bench_dev.c: `bench dev` */
 int mf_bench_devtasks(int argc, char **argv);  /* tools/bench_devtasks.c: `bench devtasks` */

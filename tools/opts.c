@@ -123,6 +123,8 @@ static int mf_opt_set(const mf_opt *o, const char *a, void *field)
     }
     case MF_OPT_FN:
         return o->fn(o, a, field);
+    case MF_OPT_GROUP:
+        break;
     }
     return mf_error(-EINVAL, "%s: an option of no known kind", o->flag);
 }
@@ -145,11 +147,19 @@ static void mf_opt_help_row(const mf_opt *o, int col, FILE *f)
     fputc('\n', f);
 }
 
+static void mf_opt_help_rows(const mf_opt *rows, int col, FILE *f)
+{
+    for (const mf_opt *o = rows; o->flag; o++) {
+        if (o->kind == MF_OPT_GROUP) mf_opt_help_rows(o->group, col, f);
+        else mf_opt_help_row(o, col, f);
+    }
+}
+
 void mf_opts_help(const mf_opts_spec *s, FILE *f)
 {
     int col = s->col ? s->col : 22;
     fputs(s->usage, f);
-    for (const mf_opt *o = s->opts; o->flag; o++) mf_opt_help_row(o, col, f);
+    mf_opt_help_rows(s->opts, col, f);
     mf_opt_help_row(&(mf_opt){.flag = "--help", .alias = "-h", .help = "this help"}, col, f);
     if (s->tail) fputs(s->tail, f);
 }
@@ -168,7 +178,7 @@ int mf_opts_refuse(const mf_opts_spec *s, const char *fmt, ...)
 
 /* ---- the test modes -------------------------------------------------------------------------- */
 
-static const char *const mf_opt_kind_names[] = {"flag", "str", "long", "ull", "double", "size", "word", "fn"};
+static const char *const mf_opt_kind_names[] = {"flag", "str", "long", "ull", "double", "size", "word", "fn", "group"};
 
 /* An argument option o accepts (its default where it has one). */
 static const char *mf_opt_example(const mf_opt *o, char *buf, size_t cap)
@@ -187,25 +197,56 @@ static const char *mf_opt_example(const mf_opt *o, char *buf, size_t cap)
     case MF_OPT_SIZE: return "1M";
     case MF_OPT_WORD: return o->words[0].word;
     case MF_OPT_FN: return o->example ? o->example : "?";
+    case MF_OPT_GROUP: return "-";
     }
     return "?";
 }
 
-static void mf_opts_table(const mf_opts_spec *s)
+static void mf_opts_table_rows(const mf_opt *rows)
 {
     char buf[64];
-    for (const mf_opt *o = s->opts; o->flag; o++)
-        printf("%s\t%s\t%s\t%s\n", o->flag, o->alias ? o->alias : "-", mf_opt_kind_names[o->kind],
-               mf_opt_example(o, buf, sizeof buf));
+    for (const mf_opt *o = rows; o->flag; o++) {
+        if (o->kind == MF_OPT_GROUP) mf_opts_table_rows(o->group);
+        else
+            printf("%s\t%s\t%s\t%s\n", o->flag, o->alias ? o->alias : "-", mf_opt_kind_names[o->kind],
+                   mf_opt_example(o, buf, sizeof buf));
+    }
+}
+
+static void mf_opts_table(const mf_opts_spec *s)
+{
+    mf_opts_table_rows(s->opts);
     if (s->pos_meta) printf("%s\t-\tpositional\tx\n", s->pos_meta);
 }
 
 /* ---- the parser ------------------------------------------------------------------------------ */
 
-static const mf_opt *mf_opt_find(const mf_opts_spec *s, const char *a)
+/* The row of flag a in rows (groups included) and the offset its field is relative to. */
+static const mf_opt *mf_opt_find(const mf_opt *rows, const char *a, size_t *base)
 {
-    for (const mf_opt *o = s->opts; o->flag; o++)
-        if (!strcmp(a, o->flag) || (o->alias && !strcmp(a, o->alias))) return o;
+    for (const mf_opt *o = rows; o->flag; o++) {
+        if (o->kind == MF_OPT_GROUP) {
+            size_t b = 0;
+            const mf_opt *r = mf_opt_find(o->group, a, &b);
+            if (r) {
+                *base += o->off + b;
+                return r;
+            }
+        } else if (!strcmp(a, o->flag) || (o->alias && !strcmp(a, o->alias))) {
+            return o;
+        }
+    }
+    return NULL;
+}
+
+/* The defaults of rows (groups included) into the struct at o. 0, or the failing row. */
+static const mf_opt *mf_opt_defaults(const mf_opt *rows, char *o)
+{
+    for (const mf_opt *r = rows; r->flag; r++) {
+        const mf_opt *bad = r->kind == MF_OPT_GROUP ? mf_opt_defaults(r->group, o + r->off)
+                            : r->def && mf_opt_set(r, r->def, o + r->off) ? r : NULL;
+        if (bad) return bad;
+    }
     return NULL;
 }
 
@@ -215,18 +256,19 @@ int mf_opts_parse(const mf_opts_spec *s, int argc, char **argv, void *o)
         mf_opts_table(s);
         return 0;
     }
-    for (const mf_opt *r = s->opts; r->flag; r++)
-        if (r->def && mf_opt_set(r, r->def, (char *)o + r->off)) {
-            fprintf(stderr, "moeflow %s: the default of %s: %s\n", s->cmd, r->flag, mf_last_error());
-            return 2;
-        }
+    const mf_opt *bad = mf_opt_defaults(s->opts, o);
+    if (bad) {
+        fprintf(stderr, "moeflow %s: the default of %s: %s\n", s->cmd, bad->flag, mf_last_error());
+        return 2;
+    }
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             mf_opts_help(s, stdout);
             return 0;
         }
-        const mf_opt *r = mf_opt_find(s, a);
+        size_t base = 0;
+        const mf_opt *r = mf_opt_find(s->opts, a, &base);
         if (!r) {
             const char **pos = s->pos_meta ? (const char **)((char *)o + s->pos_off) : NULL;
             if (a[0] == '-' && a[1]) return mf_opts_refuse(s, "unknown option '%s'", a);
@@ -236,7 +278,7 @@ int mf_opts_parse(const mf_opts_spec *s, int argc, char **argv, void *o)
         }
         if (r->kind != MF_OPT_FLAG && i + 1 >= argc)
             return mf_opts_refuse(s, "%s needs an argument (%s)", a, r->meta ? r->meta : "a value");
-        if (mf_opt_set(r, r->kind == MF_OPT_FLAG ? NULL : argv[++i], (char *)o + r->off)) {
+        if (mf_opt_set(r, r->kind == MF_OPT_FLAG ? NULL : argv[++i], (char *)o + base + r->off)) {
             fprintf(stderr, "moeflow %s: %s\n", s->cmd, mf_last_error());
             return 2;
         }

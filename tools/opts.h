@@ -29,6 +29,9 @@ typedef enum mf_opt_kind {
     MF_OPT_SIZE,     /* uint64_t bytes: mf_tool_size, not 0 */
     MF_OPT_WORD,     /* int: the value of one of the row's words */
     MF_OPT_FN,       /* the row's fn turns the argument into the field */
+    MF_OPT_GROUP,    /* not an option: the rows of another table (.group), whose fields lie in the
+                      * struct at .off of this command's (MF_OPT_GROUP_ROW); a group of options
+                      * several commands share, written, parsed and documented once */
 } mf_opt_kind;
 
 #define MF_OPT_NOT0 1u      /* MF_OPT_LONG: 0 is refused */
@@ -69,7 +72,12 @@ struct mf_opt {
     int arg;                   /* MF_OPT_FN: a number of the command's own (tune: which knob) */
     const char *example;       /* MF_OPT_FN: an argument it accepts (MOEFLOW_OPTS=table) */
     const char *(*help_more)(void);   /* appended to help (gen --preset: the library's presets) */
+    const mf_opt *group;       /* MF_OPT_GROUP: the shared table */
 };
+
+/* A row that includes the shared table `tab` (its fields in the struct at offset `off` of the
+ * command's options struct) where it stands: its options are parsed and their help printed there. */
+#define MF_OPT_GROUP_ROW(tab, off_) {"", .kind = MF_OPT_GROUP, .off = (off_), .group = (tab)}
 
 /* A command: its name in messages, its help around the table, its positional argument. */
 typedef struct mf_opts_spec {

@@ -65,7 +65,8 @@ int mf_tool_measure(const char *dir, const mf_plan_opts *po, int n_cards, int th
     float *logits = NULL;
     int64_t *wall = NULL;
     int batch = po->batch ? po->batch : 1, n_prompt = (int)(po->context ? po->context : 16), rc;
-    mf_model_opts mo = {.quiet = 1, .resident_limit_bytes = UINT64_C(64) << 30};
+    /* the weights mapped from the page cache: trials after the first read nothing from the disk */
+    mf_model_opts mo = {.quiet = 1, .resident_limit_bytes = UINT64_C(64) << 30, .weights = MF_MODEL_WEIGHTS_MAPPED};
     if (po->store == MF_PLAN_STORE_STREAMED || po->tables == MF_PLAN_STORE_STREAMED) {
         mo.store = po->store == MF_PLAN_STORE_STREAMED ? MF_MODEL_STORE_STREAMED : MF_MODEL_STORE_RESIDENT;
         mo.store_tables = po->tables == MF_PLAN_STORE_STREAMED ? MF_MODEL_STORE_STREAMED : MF_MODEL_STORE_RESIDENT;

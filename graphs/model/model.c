@@ -14,6 +14,7 @@
 #include "graphs/model/layout.h"
 #include "host/hostmem.h"
 #include "host/store.h"
+#include "host/wmap.h"
 #include "sched/error.h"
 #include "sched/progress.h"
 
@@ -39,6 +40,13 @@ struct mf_model {
         int64_t rows, w_rows, per;   /* the tensor's rows, its matrix's rows, matrix rows per row */
     } *reg;
     int n_reg, n_sock, n_bound;
+    /* weights mapped from the page cache (mf_model_opts.weights): the mapping (m->block is its
+     * base; tensors the file does not align are copied to its private tail, from copy_off); the
+     * fallback to a streamed store when they exceed mem_bytes; the fill's counters */
+    mf_wmap *wmap;
+    int mapped, fell_back;
+    uint64_t copy_off, map_bytes, copied_bytes, mem_bytes;
+    mf_wmap_fill_stats fill;
 };
 
 #define MF_NO_OFFSET UINT64_MAX
@@ -323,18 +331,26 @@ static void mf_model_bind_sockets(mf_model *m, const mf_model_opts *o)
                                      "model", "the dense weights' rows", o->quiet);
 }
 
-int mf_model_socket_of(const mf_model *m, const void *p)
+/* The last region starting at or before block offset off, or -1. */
+static int mf_model_reg_at(const mf_model *m, uint64_t off)
 {
-    const uint8_t *q = p;
-    if (m->n_sock < 2 || q < m->block || q >= m->block + m->block_bytes) return -1;
-    uint64_t off = (uint64_t)(q - m->block);
-    int lo = 0, hi = m->n_reg;   /* the last region starting at or before off */
+    if (!m->n_reg || m->reg[0].off > off) return -1;
+    int lo = 0, hi = m->n_reg;
     while (hi - lo > 1) {
         int mid = (lo + hi) / 2;
         if (m->reg[mid].off <= off) lo = mid;
         else hi = mid;
     }
-    if (!m->n_reg || m->reg[lo].off > off || off >= m->reg[lo].off + m->reg[lo].n_bytes) return -1;
+    return lo;
+}
+
+int mf_model_socket_of(const mf_model *m, const void *p)
+{
+    const uint8_t *q = p;
+    if (m->n_sock < 2 || q < m->block || q >= m->block + m->block_bytes) return -1;
+    uint64_t off = (uint64_t)(q - m->block);
+    int lo = mf_model_reg_at(m, off);
+    if (lo < 0 || off >= m->reg[lo].off + m->reg[lo].n_bytes) return -1;
     const struct mf_model_region *r = &m->reg[lo];
     int64_t row = (int64_t)((off - r->off) / (r->n_bytes / (uint64_t)r->rows));
     for (int k = 0; k < m->n_sock; k++) {
@@ -390,12 +406,170 @@ static int mf_model_store_open(mf_model *m, const mf_model_opts *o)
     return rc ? mf_error_wrap(rc, "model %s", m->dir) : 0;
 }
 
+/* Where the weights go: nothing lazy when mapped (unless they exceed the memory: then the routed
+ * experts and Engram tables go to a streamed store, m->fell_back), else lazy above the limit or
+ * with a store. o->store may be set here. */
+static void mf_model_plan(mf_model *m, mf_model_opts *o)
+{
+    uint64_t lazy_bytes = 0, all_bytes = 0;
+    for (int i = 0; i < mf_layout_n(m->layout); i++) {
+        const mf_layout_tensor *t = mf_layout_at(m->layout, i);
+        if (!mf_model_wants(m, t)) continue;
+        all_bytes += t->n_bytes;
+        if (mf_is_lazy_group(t)) lazy_bytes += t->n_bytes;
+    }
+    uint64_t limit = o->resident_limit_bytes ? o->resident_limit_bytes : (UINT64_C(4) << 30);
+    int all_lazy = o->resident_limit_bytes == MF_MODEL_ALL_LAZY;
+    m->mapped = o->weights == MF_MODEL_WEIGHTS_MAPPED;
+    if (m->mapped && !o->store && !all_lazy) {
+        uint64_t avail = 0, total = 0;
+        if (mf_wmap_meminfo(&avail, &total)) avail = total = UINT64_MAX;   /* unknown: assume they fit */
+        m->mem_bytes = o->map_mem_bytes ? o->map_mem_bytes : avail > total / 32 ? avail - total / 32 : 0;
+        if (all_bytes > m->mem_bytes) {   /* larger than memory: the experts and tables streamed */
+            o->store = MF_MODEL_STORE_STREAMED;
+            m->fell_back = 1;
+        }
+    }
+    mf_error_clear();
+    m->lazy = m->mapped ? o->store || all_lazy : lazy_bytes > limit || all_lazy || o->store;
+}
+
+/* The copy: every tensor the load reads in one allocation of the model's (2 MiB pages where the
+ * kernel allows: the head and experts are streamed every step), read with pread after the views
+ * are made and, with sockets, the split matrices' shares bound. */
+static int mf_model_place_copied(mf_model *m, const mf_model_opts *o)
+{
+    int n = mf_layout_n(m->layout), rc;
+    uint64_t total = 0;
+    /* split across sockets: every tensor on its own pages (each page's node is one share's) */
+    uint64_t align = m->n_sock > 1 ? (uint64_t)sysconf(_SC_PAGESIZE) : 64;
+    for (int i = 0; i < n; i++) {
+        const mf_layout_tensor *t = mf_layout_at(m->layout, i);
+        if ((m->lazy && mf_is_lazy_group(t)) || !mf_model_wants(m, t)) {
+            m->offset[i] = MF_NO_OFFSET;
+            continue;
+        }
+        /* a routed expert's parts (layout order: w1 codes, scales, w2 ..., w3 ...) one after another
+         * at the card slot's part alignment, so that a card's cache miss copies them as one span
+         * (graphs/step/step_moe_cards.c mf_step_xslot_layout) */
+        uint64_t a = mf_is_lazy_group(t) && align < MF_MODEL_EXPERT_ALIGN ? MF_MODEL_EXPERT_ALIGN : align;
+        total = (total + a - 1) / a * a;
+        m->offset[i] = total;
+        total += t->n_bytes;
+    }
+    total = (total + align - 1) / align * align;
+    m->block_bytes = total;
+    m->block = mf_hostmem_map(total, 1);
+    if (!m->block)
+        return mf_error(-ENOMEM, "model: cannot allocate %" PRIu64 " bytes for the resident weights of %s",
+                        total, m->dir);
+    /* the views first: with sockets, the split matrices' shares are bound before the reads */
+    if ((rc = mf_model_bind_all(m))) return rc;
+    if (m->n_sock > 1) {
+        if ((rc = mf_model_regions(m))) return rc;
+        mf_model_bind_sockets(m, o);
+    }
+    mf_progress pr;
+    mf_progress_begin(&pr, "load", total, 1, o->quiet);
+    for (int i = 0; i < n && !rc; i++) {
+        if (m->offset[i] == MF_NO_OFFSET) continue;
+        const mf_layout_tensor *t = mf_layout_at(m->layout, i);
+        rc = mf_st_read(m->st, m->st_of[i], 0, m->block + m->offset[i], t->n_bytes);
+        mf_progress_add(&pr, t->n_bytes);
+    }
+    mf_progress_end(&pr);
+    return rc;
+}
+
+/* Whether tensor t's bytes at its file offset are aligned for its element type (a view of them is
+ * then a valid C array; the released and generated layouts align every tensor). */
+static int mf_model_aligned(const mf_st_tensor *t)
+{
+    int bits = mf_dtype_bits(t->dtype);
+    uint64_t el = bits >= 16 ? (uint64_t)bits / 8 : 1;
+    return t->file_offset % el == 0;
+}
+
+/* The ranges of the mapping the load faults in: every tensor it reads, with sockets each split
+ * matrix's share for that socket's threads (a page belongs to the share holding its first byte). */
+static int mf_model_map_ranges(const mf_model *m, mf_wmap_range **out, int *n_out)
+{
+    int n = mf_layout_n(m->layout), k = 0;
+    mf_wmap_range *r = malloc(sizeof *r * ((size_t)n + (size_t)m->n_reg * (size_t)m->n_sock + 1));
+    if (!r) return mf_error(-ENOMEM, "model: out of memory");
+    uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE);
+    for (int i = 0; i < n; i++) {
+        if (m->offset[i] == MF_NO_OFFSET || m->offset[i] >= m->copy_off) continue;
+        int g = m->n_sock > 1 ? mf_model_reg_at(m, m->offset[i]) : -1;
+        if (g < 0 || m->reg[g].off != m->offset[i]) {
+            r[k++] = (mf_wmap_range){m->offset[i], mf_layout_at(m->layout, i)->n_bytes, -1};
+            continue;
+        }
+        for (int s = 0; s < m->n_sock; s++) {
+            uint64_t a, b;
+            int first;
+            mf_model_share((void *)m, s, g, &a, &b, &first);
+            mf_topo_share_pages(&a, &b, first, pg);
+            if (b > a) r[k++] = (mf_wmap_range){a, b - a, s};
+        }
+    }
+    *out = r;
+    *n_out = k;
+    return 0;
+}
+
+/* Mapped: the shards mapped from the page cache (host/wmap.h), every tensor the load reads a view
+ * of its bytes there, except those the file does not align for their type: copied into the
+ * mapping's private tail. Then the views, the sockets' regions, and the fill (warm: only mapped;
+ * cold: read at the disk's rate, each socket's shares by threads bound to its node). */
+static int mf_model_place_mapped(mf_model *m, const mf_model_opts *o)
+{
+    int n = mf_layout_n(m->layout), rc;
+    uint64_t copy = 0;
+    for (int i = 0; i < n; i++) {
+        const mf_layout_tensor *t = mf_layout_at(m->layout, i);
+        int used = mf_model_wants(m, t) && !(m->lazy && mf_is_lazy_group(t));
+        if (used && !mf_model_aligned(m->st_of[i])) copy += (t->n_bytes + 63) / 64 * 64;
+    }
+    if ((rc = mf_wmap_open(m->st, copy, &m->wmap))) return rc;
+    m->block = mf_wmap_base(m->wmap);
+    m->block_bytes = mf_wmap_bytes(m->wmap);
+    m->copy_off = mf_wmap_copy_off(m->wmap);
+    uint64_t cpos = m->copy_off;
+    for (int i = 0; i < n; i++) {
+        const mf_layout_tensor *t = mf_layout_at(m->layout, i);
+        if ((m->lazy && mf_is_lazy_group(t)) || !mf_model_wants(m, t)) {
+            m->offset[i] = MF_NO_OFFSET;
+        } else if (mf_model_aligned(m->st_of[i])) {
+            m->offset[i] = mf_wmap_tensor_off(m->wmap, m->st_of[i]);
+            m->map_bytes += t->n_bytes;
+        } else {
+            m->offset[i] = cpos;
+            cpos += (t->n_bytes + 63) / 64 * 64;
+        }
+    }
+    m->copied_bytes = copy;
+    if ((rc = mf_model_bind_all(m))) return rc;
+    if (m->n_sock > 1 && (rc = mf_model_regions(m))) return rc;
+    mf_wmap_range *r = NULL;
+    int nr = 0;
+    if ((rc = mf_model_map_ranges(m, &r, &nr))) return rc;
+    rc = mf_wmap_fill(m->wmap, r, nr, &(mf_wmap_fill_opts){.n_threads = o->map_threads, .n_sockets = m->n_sock,
+                                                          .socket_node = o->socket_node, .quiet = o->quiet},
+                      &m->fill);
+    free(r);
+    m->n_bound = m->fill.n_bound;
+    for (int i = 0; i < n && !rc; i++)
+        if (m->offset[i] != MF_NO_OFFSET && m->offset[i] >= m->copy_off)
+            rc = mf_st_read(m->st, m->st_of[i], 0, m->block + m->offset[i], m->st_of[i]->n_bytes);
+    return rc;
+}
+
 int mf_model_load(const char *dir, const mf_model_opts *opts, mf_model **out)
 {
     *out = NULL;
     mf_model_opts o = {0};
     if (opts) o = *opts;
-    uint64_t limit = o.resident_limit_bytes ? o.resident_limit_bytes : (UINT64_C(4) << 30);
     mf_model *m = calloc(1, sizeof *m);
     if (!m) return mf_error(-ENOMEM, "model: out of memory");
     snprintf(m->dir, sizeof m->dir, "%s", dir);
@@ -420,58 +594,11 @@ int mf_model_load(const char *dir, const mf_model_opts *opts, mf_model **out)
         goto fail;
     }
     if ((rc = mf_model_check_tensors(m))) goto fail;
-
-    uint64_t lazy_bytes = 0;
-    for (int i = 0; i < n; i++) {
-        const mf_layout_tensor *t = mf_layout_at(m->layout, i);
-        if (mf_is_lazy_group(t) && mf_model_wants(m, t)) lazy_bytes += t->n_bytes;
-    }
-    m->lazy = lazy_bytes > limit || o.resident_limit_bytes == MF_MODEL_ALL_LAZY || o.store;
-    uint64_t total = 0;
-    /* split across sockets: every tensor on its own pages (each page's node is one share's) */
+    mf_model_plan(m, &o);
     m->n_sock = o.n_sockets > MF_TOPO_MAX_SOCKETS ? MF_TOPO_MAX_SOCKETS : o.n_sockets > 1 ? o.n_sockets : 1;
-    uint64_t align = m->n_sock > 1 ? (uint64_t)sysconf(_SC_PAGESIZE) : 64;
-    for (int i = 0; i < n; i++) {
-        const mf_layout_tensor *t = mf_layout_at(m->layout, i);
-        if ((m->lazy && mf_is_lazy_group(t)) || !mf_model_wants(m, t)) {
-            m->offset[i] = MF_NO_OFFSET;
-            continue;
-        }
-        /* a routed expert's parts (layout order: w1 codes, scales, w2 ..., w3 ...) one after another
-         * at the card slot's part alignment, so that a card's cache miss copies them as one span
-         * (graphs/step/step_moe_cards.c mf_step_xslot_layout) */
-        uint64_t a = mf_is_lazy_group(t) && align < MF_MODEL_EXPERT_ALIGN ? MF_MODEL_EXPERT_ALIGN : align;
-        total = (total + a - 1) / a * a;
-        m->offset[i] = total;
-        total += t->n_bytes;
-    }
-    total = (total + align - 1) / align * align;
-    m->block_bytes = total;
-    m->block = mf_hostmem_map(total, 1);   /* 2 MiB pages where the kernel allows: the head and
-                                               * experts are streamed every step */
-    if (!m->block) {
-        rc = mf_error(-ENOMEM, "model: cannot allocate %" PRIu64 " bytes for the resident weights of %s",
-                      total, dir);
-        goto fail;
-    }
-    /* the views first: with sockets, the split matrices' shares are bound before the reads */
-    if ((rc = mf_model_bind_all(m))) goto fail;
-    if (m->n_sock > 1) {
-        if ((rc = mf_model_regions(m))) goto fail;
-        mf_model_bind_sockets(m, &o);
-    }
-    mf_progress pr;
-    mf_progress_begin(&pr, "load", total, 1, o.quiet);
-    for (int i = 0; i < n; i++) {
-        if (m->offset[i] == MF_NO_OFFSET) continue;
-        const mf_layout_tensor *t = mf_layout_at(m->layout, i);
-        if ((rc = mf_st_read(m->st, m->st_of[i], 0, m->block + m->offset[i], t->n_bytes))) {
-            mf_progress_end(&pr);
-            goto fail;
-        }
-        mf_progress_add(&pr, t->n_bytes);
-    }
-    mf_progress_end(&pr);
+    m->copy_off = UINT64_MAX;
+    rc = m->mapped ? mf_model_place_mapped(m, &o) : mf_model_place_copied(m, &o);
+    if (rc) goto fail;
     if (o.store && (rc = mf_model_store_open(m, &o))) goto fail;
     *out = m;
     return 0;
@@ -480,11 +607,20 @@ fail:
     return rc;
 }
 
+void mf_model_weights_info(const mf_model *m, mf_model_weights *out)
+{
+    *out = (mf_model_weights){.mapped = m->mapped, .fell_back = m->fell_back, .mem_bytes = m->mem_bytes,
+                              .map_bytes = m->map_bytes, .cached_bytes = m->fill.cached_bytes,
+                              .copied_bytes = m->copied_bytes, .fill_ns = m->fill.wall_ns,
+                              .fill_threads = m->fill.n_threads};
+}
+
 void mf_model_free(mf_model *m)
 {
     if (!m) return;
     mf_store_destroy(m->store);
-    mf_hostmem_unmap(m->block, m->block_bytes, 1);
+    if (m->wmap) mf_wmap_close(m->wmap);
+    else mf_hostmem_unmap(m->block, m->block_bytes, 1);
     free(m->offset);
     free(m->st_of);
     free(m->layers);

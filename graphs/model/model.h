@@ -93,7 +93,37 @@ typedef struct mf_model_opts {
      * default): the draft's tensors are neither checked nor read, so plain decoding's memory is
      * unchanged and a checkpoint without them (older `moeflow gen` output) loads. */
     int load_draft;
+    /* Where the weights the load reads are held (docs/io.md, "Resident weights that outlive the
+     * process"). MF_MODEL_WEIGHTS_COPY (0, the default): in the model's own memory, read with pread
+     * (resident_limit_bytes decides what is lazy). MF_MODEL_WEIGHTS_MAPPED: views of the shard files
+     * mapped read-only from the page cache (host/wmap.h), the one resident copy, kept by the kernel
+     * after the process ends and shared with every process mapping the same files: a warm start
+     * reads nothing from the disk; a cold one faults them in at the disk's rate (progress, ETA; with
+     * sockets, each share by threads bound to its node). Nothing is lazy then (resident_limit_bytes
+     * is unused but for MF_MODEL_ALL_LAZY), and the tensors lie at their file offsets (a tensor the
+     * file does not align for its element type is copied; MF_MODEL_EXPERT_ALIGN does not hold).
+     * When the weights exceed map_mem_bytes (0: the kernel's MemAvailable less 1/32 of MemTotal)
+     * and no store was asked for, the routed experts and Engram tables go to a streamed store
+     * (store_budget_bytes, store_tables) and the rest is mapped: mf_model_weights_info says so. */
+    int weights;
+    uint64_t map_mem_bytes;
+    int map_threads;   /* threads faulting the mapped weights in (0: mf_wmap_fill_opts' default) */
 } mf_model_opts;
+
+enum { MF_MODEL_WEIGHTS_COPY, MF_MODEL_WEIGHTS_MAPPED };
+
+/* How a loaded model holds its weights (mf_model_opts.weights). */
+typedef struct mf_model_weights {
+    int mapped;              /* views of the page cache */
+    int fell_back;           /* mapped, but larger than mem_bytes: experts and tables streamed */
+    uint64_t mem_bytes;      /* mapped: the memory the weights were held against */
+    uint64_t map_bytes;      /* mapped: the bytes of tensors viewed in the page cache */
+    uint64_t cached_bytes;   /* mapped: of their pages, those the page cache held at load (warm) */
+    uint64_t copied_bytes;   /* mapped: tensors the file does not align, copied */
+    int64_t fill_ns;         /* mapped: the fill (residency check, faults, reads) */
+    int fill_threads;
+} mf_model_weights;
+void mf_model_weights_info(const mf_model *m, mf_model_weights *out);
 
 enum { MF_MODEL_STORE_NONE, MF_MODEL_STORE_RESIDENT, MF_MODEL_STORE_STREAMED };
 
@@ -123,6 +153,7 @@ int mf_model_is_lazy(const mf_model *m);       /* experts/tables read per use */
 /* The expert store when one was asked for, else NULL. Expert e of layer L is item (L, e) with
  * parts w1, w1 scale, w2, w2 scale, w3, w3 scale; Engram slot k is table k. */
 struct mf_store *mf_model_store(const mf_model *m);
+/* The bytes of the model's memory block (mapped: the mapping's reservation, shards and gaps). */
 uint64_t mf_model_resident_bytes(const mf_model *m);
 
 /* The matrices of layer L (-1: the head) in the model's memory that the host computes in row

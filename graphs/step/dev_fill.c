@@ -11,11 +11,17 @@
 int mf_dev_copy_expert(mf_dev_stream *st, void *slot, const void *const src[6], const size_t *part_off,
                        const size_t *part_bytes)
 {
-    const uint8_t *b = src[0];
-    int span = 1;
-    for (int p = 1; p < 6 && span; p++) span = (const uint8_t *)src[p] == b + part_off[p];
-    if (span && part_off[0] == 0) {
-        int rc = mf_dev_copy_h2d(st, slot, b, part_off[5] + part_bytes[5]);
+    int lo = 0;   /* the part at the slot's start: the span's base on the host */
+    size_t end = 0;
+    for (int p = 0; p < 6; p++) {
+        if (part_off[p] < part_off[lo]) lo = p;
+        if (part_off[p] + part_bytes[p] > end) end = part_off[p] + part_bytes[p];
+    }
+    const uint8_t *b = src[lo];
+    int span = part_off[lo] == 0;
+    for (int p = 0; p < 6 && span; p++) span = (const uint8_t *)src[p] == b + part_off[p];
+    if (span) {
+        int rc = mf_dev_copy_h2d(st, slot, b, end);
         return rc ? rc : 1;
     }
     int rc = 0;

@@ -28,9 +28,9 @@ typedef struct mf_dev_fill_in {
 
 /* Enqueues the copy of a packed expert's six parts src[p] (w1 codes, w1 scales, w2 ..., w3 ...)
  * into a card slot, part p at slot + part_off[p] (part_bytes[p] bytes), on stream st: one copy of
- * the span part_off[5] + part_bytes[5] from src[0] when the parts lie on the host as in the slot
- * (src[p] == src[0] + part_off[p] for every p: the model's resident experts, whose layout the
- * slot then mirrors), else one copy per part. 1: one span, 0: per part, or the first copy's
+ * the span (up to the furthest part's end) from the part at offset 0 when the parts lie on the host
+ * as in the slot (src[p] == that part + part_off[p] for every p: the model's resident or mapped
+ * experts, whose layout the slot then mirrors), else one copy per part. 1: one span, 0: per part, or the first copy's
  * error (negative). The one home of a miss's copies (the engine's misses, the warm fill). */
 int mf_dev_copy_expert(mf_dev_stream *st, void *slot, const void *const src[6], const size_t *part_off,
                        const size_t *part_bytes);

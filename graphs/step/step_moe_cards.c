@@ -425,41 +425,49 @@ static int mf_task_dev_out(void *arg, mf_task_ctx *ctx)
 /* ---- the engine's setup of the routed experts' cards (at mf_step_new) ---------------------- */
 
 /* The card slot's layout mirrors the host's: when the model's experts are resident (no store)
- * and every expert's six parts lie at the same offsets from its w1 codes (the model block keeps
+ * and every expert's six parts lie at the same offsets from its lowest part (the model block keeps
  * a layer's tensors in layout order, each expert's w1, w1 scale, w2, ... one after another, the
- * parts MF_MODEL_EXPERT_ALIGN-aligned: graphs/model/model.c), each offset a multiple of the
- * card's 256-byte part alignment and the span at most 6 x 4 KiB over the parts' packing, the slot
- * takes those offsets (s->part_off, s->part_bytes, s->xslot_bytes) and 1 is returned: a miss is
- * then one copy of the span (mf_dev_copy_expert). 0 otherwise (nothing set). */
+ * parts MF_MODEL_EXPERT_ALIGN-aligned: graphs/model/model.c; weights mapped from the page cache lie
+ * as the file has them, where the released checkpoint puts each scale before its codes), each
+ * offset a multiple of the card's 256-byte part alignment and the span at most 6 x 4 KiB over the
+ * parts' packing, the slot takes those offsets (s->part_off, s->part_bytes, s->xslot_bytes) and 1
+ * is returned: a miss is then one copy of the span (mf_dev_copy_expert). 0 otherwise (nothing set). */
 static int mf_step_xslot_layout(mf_step *s)
 {
     const mf_config *c = s->c;
     const mf_model *m = s->ly->m;
     if (s->store) return 0;
-    size_t off[6], bytes[6], packed = 0;
-    const uint8_t *b0 = NULL;
+    size_t off[6], bytes[6], packed = 0, span = 0;
+    int any = 0;
     for (int L = 0; L < c->n_layers; L++)
         for (int e = 0; e < c->n_routed_experts; e++) {
             const mf_weight *ew = &mf_model_layer_at(m, L)->experts[(size_t)e * 3];
             const uint8_t *src[6] = {ew[0].data, ew[0].scale, ew[1].data, ew[1].scale, ew[2].data, ew[2].scale};
+            const uint8_t *b = src[0];
             for (int p = 0; p < 6; p++) {
                 if (!src[p]) return 0;
-                if (!L && !e) {
+                if (src[p] < b) b = src[p];
+            }
+            for (int p = 0; p < 6; p++) {
+                if (!any) {
                     const mf_weight *w = &ew[p / 2];
                     bytes[p] = p % 2 ? (w->st_scale ? w->st_scale->n_bytes : (size_t)(w->rows * w->cols / 32))
                                      : (w->st_data ? w->st_data->n_bytes : (size_t)(w->rows * w->cols / 2));
-                    if (src[p] < src[0]) return 0;
-                    off[p] = (size_t)(src[p] - src[0]);
-                    if (off[p] % 256 || (p && off[p] < off[p - 1] + bytes[p - 1])) return 0;
+                    off[p] = (size_t)(src[p] - b);
+                    if (off[p] % 256) return 0;
                     packed += (bytes[p] + 255) / 256 * 256;
-                } else if (src[p] < src[0] || (size_t)(src[p] - src[0]) != off[p]) {
+                    if (off[p] + bytes[p] > span) span = off[p] + bytes[p];
+                } else if ((size_t)(src[p] - b) != off[p]) {
                     return 0;
                 }
             }
-            b0 = src[0];
+            for (int p = 0; p < 6 && !any; p++)   /* no two parts overlap */
+                for (int q = 0; q < 6; q++)
+                    if (q != p && off[q] >= off[p] && off[q] < off[p] + bytes[p]) return 0;
+            any = 1;
         }
-    size_t span = (off[5] + bytes[5] + 255) / 256 * 256;
-    if (!b0 || span > packed + 6 * 4096) return 0;
+    span = (span + 255) / 256 * 256;
+    if (!any || span > packed + 6 * 4096) return 0;
     memcpy(s->part_off, off, sizeof off);
     memcpy(s->part_bytes, bytes, sizeof bytes);
     s->xslot_bytes = span;
