@@ -162,15 +162,25 @@ const uint8_t *mf_ly_ring_row(const mf_config *c, const mf_ref_state *st, int L,
     return row;
 }
 
+/* The tap's row of position pos, layer L (NULL: the tap does not hold pos) */
+static uint8_t *mf_ly_ring_tap_row(const mf_config *c, const mf_ref_state *st, int L, int64_t pos)
+{
+    int64_t i = pos - st->tap_pos0;
+    if (!st->tap || i < 0 || i >= st->tap_n || !st->tap[i]) return NULL;
+    return st->tap[i] + L * mf_ly_ring_row_bytes(c);
+}
+
 void mf_ly_ring_put(const mf_config *c, mf_ref_state *st, int L, int64_t pos, const float *kv)
 {
-    uint8_t *row = mf_ly_ring_slot(c, st, L, pos);
+    uint8_t *row = mf_ly_ring_slot(c, st, L, pos), *tap = mf_ly_ring_tap_row(c, st, L, pos);
     mf_ly_pack_e4m3_pow2(kv, c->head_dim, MF_LY_RING_BLOCK, row, row + c->head_dim);
-    int64_t i = pos - st->tap_pos0;
-    if (st->tap && i >= 0 && i < st->tap_n && st->tap[i]) {
-        int64_t rb = mf_ly_ring_row_bytes(c);
-        memcpy(st->tap[i] + L * rb, row, (size_t)rb);
-    }
+    if (tap) memcpy(tap, row, (size_t)mf_ly_ring_row_bytes(c));
+}
+
+void mf_ly_ring_tap(const mf_config *c, mf_ref_state *st, int L, int64_t pos, const float *kv)
+{
+    uint8_t *tap = mf_ly_ring_tap_row(c, st, L, pos);
+    if (tap) mf_ly_pack_e4m3_pow2(kv, c->head_dim, MF_LY_RING_BLOCK, tap, tap + c->head_dim);
 }
 
 void mf_ly_ring_set_row(const mf_config *c, mf_ref_state *st, int L, int64_t t, const uint8_t *row)

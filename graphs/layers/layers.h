@@ -204,6 +204,10 @@ void mf_ly_cache_load(const mf_config *c, int L, uint8_t *page, int64_t r0, int6
 int64_t mf_ly_ring_row_bytes(const mf_config *c);
 int64_t mf_ly_ring_bytes(const mf_config *c);   /* all layers' slots */
 void mf_ly_ring_put(const mf_config *c, mf_ref_state *st, int L, int64_t pos, const float *kv);
+/* ring_put's copy into the tap alone (mf_ref_state.tap; nothing when it does not hold pos), the ring
+ * untouched: a position whose slot a later position of the same step takes, which the ring never
+ * holds but the prefix cache keeps (graphs/step/step_attn.c mf_task_attn_ring). */
+void mf_ly_ring_tap(const mf_config *c, mf_ref_state *st, int L, int64_t pos, const float *kv);
 void mf_ly_ring_get(const mf_config *c, const mf_ref_state *st, int L, int64_t t0, int64_t n, float *out);
 const uint8_t *mf_ly_ring_row(const mf_config *c, const mf_ref_state *st, int L, int64_t t, const uint8_t **scales);
 /* Puts a packed slot (mf_ly_ring_row_bytes, as the tap or ring_row gives it) back as position t's of
