@@ -34,6 +34,7 @@
 #include "tools/serve_door.h"
 #include "tools/serve_http.h"
 #include "tools/serve_req.h"
+#include "tools/tool_prefix.h"
 
 /* The command line of `moeflow serve`; the engine and model options are the group serve shares
  * with decode (tools/engine_opts.h). */
@@ -45,6 +46,7 @@ typedef struct mf_serve_cli {
     uint64_t budget, max_body;
     mf_tool_engine e;
     mf_tool_ranks rk;          /* --ranks-layers ...: rank 0 serves, the others run their layers (e.rk points here) */
+    mf_tool_prefix pfx;        /* --prefix-cache and its kin */
 } mf_serve_cli;
 
 #define F(x) offsetof(mf_serve_cli, x)
@@ -94,6 +96,7 @@ static const mf_opt mf_serve_table[] = {
              "without one), FILE (a template, or a tokenizer_config.json), builtin,\n"
              "or deepseek-v4 (DeepSeek-V4's encoding with tools, as `moeflow gen` writes)"},
     MF_TOOL_RANKS_ROWS(F(rk)),
+    MF_TOOL_PREFIX_OPTS(F, pfx),
     {"--quiet", "-q", MF_OPT_FLAG, F(quiet), .help = "no log lines on stderr"},
     MF_OPT_GROUP_ROW(mf_tool_engine_table, F(e)),
     {NULL},
@@ -107,7 +110,8 @@ static const mf_opts_spec mf_serve_spec = {
              "                     [--max-context N] [--model-name NAME] [--max-body BYTES] [--timeout S]\n"
              "                     [--drain-timeout S] [--request-timeout S] [--max-connections N]\n"
              "                     [--max-connections-per-addr N] [--api-key-file FILE]\n"
-             "                     [--chat-template FILE|builtin|deepseek-v4] [--quiet]\n"
+             "                     [--chat-template FILE|builtin|deepseek-v4] [--prefix-cache SIZE]\n"
+             "                     [--prefix-cache-dir DIR] [--prefix-block N] [--quiet]\n"
              "                     [--ranks-layers auto|a:b,c:d [--ranks-micro M] [--ranks-timeout S]]\n"
              MF_TOOL_ENGINE_USAGE "\n"
              "Serves an OpenAI-compatible HTTP API over the continuous batcher (docs/serve.md):\n"
@@ -165,6 +169,9 @@ static int mf_serve_open(mf_serve *s)
                 a->max_context, model_ctx);
         return 2;
     }
+    if ((rc = mf_tool_prefix_open(&a->pfx, s->x.r, mf_tool_prefix_numerics(a->e.sched, a->e.exact, a->e.devices), "moeflow serve",
+                                  a->quiet, &v->prefix)))
+        return rc;
     /* constrained output walks the tokenizer's vocabulary; echo's prompt logprobs take a chunk's rows */
     if (v->tok && (rc = mf_gram_vocab_new(v->tok, v->c->vocab_size, (int32_t)v->c->eos_token_id, &v->gram_vocab)))
         return rc;
@@ -174,7 +181,7 @@ static int mf_serve_open(mf_serve *s)
                                             .step_tokens = (int)a->step_tokens, .max_context = v->max_context,
                                             .state_budget_bytes = a->budget, .max_queue = (int)a->max_queue,
                                             .echo_rows = echo_rows, .gram_vocab = v->gram_vocab,
-                                            .on_event = mf_srv_on_event, .user = v}, &v->b)))
+                                            .prefix = v->prefix, .on_event = mf_srv_on_event, .user = v}, &v->b)))
         return rc;
     char dn[256];
     snprintf(dn, sizeof dn, "%s", a->dir);
@@ -296,6 +303,8 @@ static void mf_serve_close(mf_serve *s)
         pthread_join(v->stepper, NULL);
     }
     mf_batch_free(v->b);
+    if (!s->a->quiet) mf_tool_prefix_report(v->prefix, "moeflow serve", stderr);
+    mf_prefix_free(v->prefix);
     mf_tool_run_close(&s->x);
     v->eng = NULL;
     mf_gram_vocab_free(v->gram_vocab);
@@ -398,6 +407,7 @@ int mf_cmd_serve(int argc, char **argv)
         return 2;
     }
     if ((rc = mf_tool_engine_check("serve", &a.e))) return rc;
+    if ((rc = mf_tool_prefix_check("serve", &a.pfx, a.rk.spec != NULL))) return rc;
     if ((rc = mf_tool_ranks_open(&a.rk, "serve", a.dir, a.e.profile_path, (int)a.e.threads, NULL, NULL)) ||
         a.rk.rank > 0)
         return mf_serve_follower(&a, rc);
