@@ -12,7 +12,7 @@ typedef int32_t mf_task_id;
 /* What kind of resource a lane is. A graph names lanes by index into its lane table. */
 typedef enum mf_lane_kind {
     MF_LANE_CPU,          /* a CPU pool (one per NUMA node), task fn runs on a pinned worker */
-    MF_LANE_IO,           /* the io_uring lane: the task's payload is an mf_io_read */
+    MF_LANE_IO,           /* the io_uring lane: the task's payload is an mf_io_read (a read or a write) */
     MF_LANE_DEV_COPY_IN,  /* device lanes: task fn enqueues async work on the lane's stream */
     MF_LANE_DEV_COMPUTE,
     MF_LANE_DEV_COPY_OUT,
@@ -63,6 +63,10 @@ typedef struct mf_io_read {
     void *buf;
     uint64_t n_bytes;
     uint32_t dio_align;
+    /* 1: write n_bytes from buf at offset instead (short writes resubmitted for the rest; with
+     * dio_align, offset, n_bytes and buf must all be multiples of it: no bounce buffer for writes,
+     * a misaligned write fails with -EINVAL). 0 (default): read. */
+    int write;
 } mf_io_read;
 
 typedef struct mf_task_desc {

@@ -1,4 +1,4 @@
-/* The IO lane: reads into caller buffers on a real io_uring ring driven by one thread, up to the
+/* The IO lane: reads into caller buffers (and writes from them) on a real io_uring ring driven by one thread, up to the
  * lane's depth in flight, short reads resubmitted for the remainder and completions fed back as
  * task completions. New work reaches the thread through an eventfd read kept armed on the ring.
  * O_DIRECT requests (mf_io_read.dio_align) go straight to the caller's buffer when aligned and
@@ -85,13 +85,18 @@ static uint64_t mf_io_absorb(const mf_io_read *r, uint64_t done, int bounced, ui
     return end - want;
 }
 
+static const char *mf_io_verb(const mf_io_read *r) { return r->write ? "write" : "read"; }
+
 static int mf_io_check_align(const mf_io_read *r)
 {
     uint32_t a = r->dio_align;
     if (a & (a - 1) || a > MF_IO_BOUNCE_BYTES / 2)
-        return mf_error(-EINVAL, "read of %" PRIu64 " bytes at offset %" PRIu64 " (fd %d): "
-                        "dio_align %u is not a power of two up to %u", r->n_bytes, r->offset,
+        return mf_error(-EINVAL, "%s of %" PRIu64 " bytes at offset %" PRIu64 " (fd %d): "
+                        "dio_align %u is not a power of two up to %u", mf_io_verb(r), r->n_bytes, r->offset,
                         r->fd, a, MF_IO_BOUNCE_BYTES / 2);
+    if (r->write && a && (r->offset % a || r->n_bytes % a || (uintptr_t)r->buf % a))
+        return mf_error(-EINVAL, "write of %" PRIu64 " bytes at offset %" PRIu64 " from %p (fd %d): not "
+                        "aligned to the O_DIRECT alignment %u", r->n_bytes, r->offset, r->buf, r->fd, a);
     return 0;
 }
 
@@ -192,7 +197,11 @@ static void mf_io_prep(mf_lane_rt *L, int slot, const mf_io_read *r)
     uint8_t *dst = S->bounced ? L->bounce + (size_t)slot * MF_IO_BOUNCE_BYTES
                               : (uint8_t *)r->buf + S->done_bytes;
     int reg = mf_io_reg_find(L, dst, S->p_len);
-    if (reg >= 0)
+    if (r->write && reg >= 0)
+        io_uring_prep_write_fixed(sqe, r->fd, dst, (unsigned)S->p_len, S->p_off, reg);
+    else if (r->write)
+        io_uring_prep_write(sqe, r->fd, dst, (unsigned)S->p_len, S->p_off);
+    else if (reg >= 0)
         io_uring_prep_read_fixed(sqe, r->fd, dst, (unsigned)S->p_len, S->p_off, reg);
     else
         io_uring_prep_read(sqe, r->fd, dst, (unsigned)S->p_len, S->p_off);
@@ -206,23 +215,36 @@ static void mf_io_arm_efd(mf_lane_rt *L)
     io_uring_sqe_set_data64(sqe, MF_IO_EFD_TAG);
 }
 
-static int mf_io_fail_msg(const mf_io_read *r, uint64_t done, int err, char *msg, size_t n)
+/* eof: the piece returned 0 bytes (a read past the end of the file, a write that made no
+ * progress); else err is the call's error */
+static int mf_io_fail_msg(const mf_io_read *r, uint64_t done, int err, int eof, char *msg, size_t n)
 {
-    if (err == -EIO && done < r->n_bytes)
-        return snprintf(msg, n, "read of %" PRIu64 " bytes at offset %" PRIu64 " (fd %d) hit end "
-                        "of file after %" PRIu64 " bytes", r->n_bytes, r->offset, r->fd, done);
-    return snprintf(msg, n, "read of %" PRIu64 " bytes at offset %" PRIu64 " (fd %d): %s",
-                    r->n_bytes, r->offset, r->fd, strerror(-err));
+    if (eof)
+        return snprintf(msg, n, "%s of %" PRIu64 " bytes at offset %" PRIu64 " (fd %d) %s after %" PRIu64 " bytes",
+                        mf_io_verb(r), r->n_bytes, r->offset, r->fd, r->write ? "made no progress" : "hit end of file",
+                        done);
+    return snprintf(msg, n, "%s of %" PRIu64 " bytes at offset %" PRIu64 " (fd %d): %s",
+                    mf_io_verb(r), r->n_bytes, r->offset, r->fd, strerror(-err));
 }
 
 static void mf_io_fail(mf_sched *s, mf_task_id t, const mf_io_read *r, uint64_t done, int err,
                        int eof)
 {
     char msg[256];
-    if (eof) mf_io_fail_msg(r, done, -EIO, msg, sizeof msg);
-    else snprintf(msg, sizeof msg, "read of %" PRIu64 " bytes at offset %" PRIu64 " (fd %d): %s",
-                  r->n_bytes, r->offset, r->fd, strerror(-err));
+    mf_io_fail_msg(r, done, err, eof, msg, sizeof msg);
     mf_task_fail(s, t, err, msg);
+}
+
+/* The injected fault's result for a piece that returned res (0: none) */
+static int mf_io_fault_res(int fault, int res, int *eof_next)
+{
+    if (fault == MF_IO_FAULT_EIO) return -EIO;
+    if (fault == MF_IO_FAULT_ENOSPC) return -ENOSPC;
+    if (fault == MF_IO_FAULT_SHORT && res > 0) {
+        *eof_next = 1;
+        return res / 2;
+    }
+    return res;
 }
 
 void *mf_io_uring_main(void *arg)
@@ -314,11 +336,7 @@ void *mf_io_uring_main(void *arg)
                 continue;
             }
             if (res >= 0 && S->eof_next) res = 0;
-            if (S->fault == MF_IO_FAULT_EIO) res = -EIO;
-            if (S->fault == MF_IO_FAULT_SHORT && res > 0) {
-                res /= 2;
-                S->eof_next = 1;
-            }
+            res = mf_io_fault_res(S->fault, res, &S->eof_next);
             S->fault = 0;
             uint64_t n = res > 0 ? mf_io_absorb(r, S->done_bytes, S->bounced, S->p_off,
                                                 L->bounce + (size_t)slot * MF_IO_BOUNCE_BYTES,
@@ -361,26 +379,23 @@ int mf_io_pread(mf_sched *s, mf_task_id t, int worker)
     while (done < r->n_bytes) {
         uint64_t off, len;
         int bounced = mf_io_piece(r, done, &off, &len);
-        ssize_t got = pread(r->fd, bounced ? bounce : (uint8_t *)r->buf + done, (size_t)len,
-                            (off_t)off);
+        uint8_t *p = bounced ? bounce : (uint8_t *)r->buf + done;
+        ssize_t got = r->write ? pwrite(r->fd, p, (size_t)len, (off_t)off) : pread(r->fd, p, (size_t)len, (off_t)off);
         if (got < 0 && errno == EINTR) continue;
-        if (got >= 0 && eof_next) got = 0;
-        if (fault == MF_IO_FAULT_EIO) {
-            got = -1;
-            errno = EIO;
-        }
-        if (fault == MF_IO_FAULT_SHORT && got > 0) {
-            got /= 2;
-            eof_next = 1;
-        }
+        int res = got < 0 ? -errno : (int)got;   /* a piece is at most MF_IO_CHUNK_BYTES */
+        if (res >= 0 && eof_next) res = 0;
+        res = mf_io_fault_res(fault, res, &eof_next);
         fault = 0;
-        if (got < 0)
-            return mf_error(-errno, "read of %" PRIu64 " bytes at offset %" PRIu64 " (fd %d): %s",
-                            r->n_bytes, r->offset, r->fd, strerror(errno));
-        uint64_t n = got > 0 ? mf_io_absorb(r, done, bounced, off, bounce, (uint64_t)got) : 0;
-        if (n == 0)
-            return mf_error(-EIO, "read of %" PRIu64 " bytes at offset %" PRIu64 " (fd %d) hit end "
-                            "of file after %" PRIu64 " bytes", r->n_bytes, r->offset, r->fd, done);
+        char msg[256];
+        if (res < 0) {
+            mf_io_fail_msg(r, done, res, 0, msg, sizeof msg);
+            return mf_error(res, "%s", msg);
+        }
+        uint64_t n = res > 0 ? mf_io_absorb(r, done, bounced, off, bounce, (uint64_t)res) : 0;
+        if (n == 0) {
+            mf_io_fail_msg(r, done, -EIO, 1, msg, sizeof msg);
+            return mf_error(-EIO, "%s", msg);
+        }
         done += n;
     }
     return 0;

@@ -37,7 +37,7 @@ struct mf_task_ctx {
 };
 
 /* Injected IO faults (mf_sched_opts.io_fault_kind, mf_sched_io_fault). */
-enum { MF_IO_FAULT_NONE, MF_IO_FAULT_EIO, MF_IO_FAULT_SHORT };
+enum { MF_IO_FAULT_NONE, MF_IO_FAULT_EIO, MF_IO_FAULT_SHORT, MF_IO_FAULT_ENOSPC };
 
 typedef struct mf_sched_opts {
     const mf_lane_desc *lanes;   /* the lane table graphs run on (must match the graphs') */
@@ -100,11 +100,12 @@ const char *mf_sched_io_engine(const mf_sched *s);
  * (memlock limit) returns its negative code, logged once, and reads stay correct unregistered. */
 int mf_sched_io_register(mf_sched *s, void *const *bufs, const uint64_t *n_bytes, int n);
 
-/* Fault injection: the nth read started from now on by s's IO lanes fails: EIO returns -EIO
- * after the read; SHORT delivers half of its bytes and then end of file. nth 0 (or kind
- * MF_IO_FAULT_NONE) disarms. Both engines honour it. Only s counts: no state is process-wide.
- * The moeflow command arms it, through the options, from MOEFLOW_IO_FAULT=eio:N|short:N. Safe
- * between runs and during one (from any thread). */
+/* Fault injection: the nth request (read or write) started from now on by s's IO lanes fails: EIO
+ * returns -EIO after it; SHORT delivers half of its bytes and then end of file (a write: then no
+ * progress, -EIO); ENOSPC returns -ENOSPC (a full disk). nth 0 (or kind MF_IO_FAULT_NONE) disarms.
+ * Both engines honour it. Only s counts: no state is process-wide. The moeflow command arms it,
+ * through the options, from MOEFLOW_IO_FAULT=eio:N|short:N|enospc:N. Safe between runs and during
+ * one (from any thread). */
 void mf_sched_io_fault(mf_sched *s, int kind, int64_t nth);
 
 /* Sockets, as the engine splits its workers and the expert store its memory: the NUMA nodes that

@@ -899,6 +899,15 @@ static void test_prefill(void)
           "600 positions: %lld slots in one chunk, %lld in the 9 chunks of 64", (long long)r600.host_slots,
           (long long)r64.host_slots);
     CHECK(mf_plan_prefill(&o, 0, 8, NULL, &t1) == -EINVAL, "an empty prompt");
+    {   /* a prefix cache's hit (mf_plan_prefill_at): none cached is the prefill; 8 cached leave the chunk
+         * from position 8; a prompt cached whole is refused (a token is left to run) */
+        int64_t ta = 0, tb = 0;
+        CHECK(!mf_plan_prefill_at(&o, 0, 16, 8, NULL, &ta, NULL) && !mf_plan_prefill(&o, 16, 8, NULL, &tb) && ta == tb,
+              "0 cached: %lld against %lld ns", (long long)ta, (long long)tb);
+        CHECK(!mf_plan_prefill_at(&o, 8, 16, 8, NULL, &ta, NULL) && ta > 0 && ta < tb,
+              "8 of 16 cached: %lld ns against %lld", (long long)ta, (long long)tb);
+        CHECK(mf_plan_prefill_at(&o, 16, 16, 8, NULL, &ta, NULL) == -EINVAL, "16 of 16 cached refused");
+    }
     /* per op: the tasks that ran and their work add up to the lanes' (per-chunk means, so up to
      * one ns of rounding per op and lane) */
     int64_t lane_sum = 0, op_sum = 0;
@@ -952,6 +961,24 @@ static void test_prefill(void)
     double ttft = q ? strtod(q + 9, NULL) : -1;
     CHECK(st == 0 && strstr(out, "\"chunk\":8") && fabs(ttft - t1 / 1e9) <= 1e-8 * (t1 / 1e9) + 1e-9,
           "sim --prompt-tokens: '%s' (the library: %.9g s)", out, t1 / 1e9);
+    {   /* --cached M: the chunks from position M */
+        rt = NULL;
+        CHECK(mf_routing_open("uniform", c.n_layers, c.n_routed_experts, c.n_experts_per_tok, 1, &rt) == 0, "%s",
+              mf_last_error());
+        so.routing = rt;
+        CHECK(mf_plan_prefill_at(&so, 12, 20, 8, NULL, &t1, NULL) == 0, "%s", mf_last_error());
+        mf_routing_free(rt);
+        snprintf(cmd, sizeof cmd, "'%s' sim --profile %s --preset tiny --prompt-tokens 20 --cached 12 --chunk 8 --json 2>&1",
+                 bin, prof_path);
+        pf = popen(cmd, "r");
+        n = pf ? fread(out, 1, sizeof out - 1, pf) : 0;
+        out[n] = 0;
+        st = pf ? pclose(pf) : -1;
+        q = strstr(out, "\"ttft_s\":");
+        ttft = q ? strtod(q + 9, NULL) : -1;
+        CHECK(st == 0 && strstr(out, "\"cached\":12") && fabs(ttft - t1 / 1e9) <= 1e-8 * (t1 / 1e9) + 1e-9,
+              "sim --cached: '%s' (the library: %.9g s)", out, t1 / 1e9);
+    }
     snprintf(cmd, sizeof cmd, "'%s' sim --profile %s --preset tiny --prompt-tokens 20 --measure >/dev/null 2>&1", bin,
              prof_path);
     st = system(cmd);

@@ -21,6 +21,7 @@
 #include "host/tokenizer.h"
 #include "sched/clock.h"
 #include "sched/error.h"
+#include "tools/bench_serve.h"
 #include "tools/commands.h"
 #include "tools/engine_opts.h"
 
@@ -242,6 +243,8 @@ typedef struct mf_bs_cli {
     mf_bs_range prompt, output;
     unsigned long long seed;
     int json;
+    long turns, system_tokens, block;   /* --turns: the multi-turn workload (tools/bench_serve_turns.c) */
+    uint64_t cache_bytes;
     double constrained;
     mf_tool_engine e;   /* the engine and model options of decode and serve (tools/engine_opts.h) */
 } mf_bs_cli;
@@ -267,6 +270,17 @@ static const mf_opt mf_bs_table[] = {
      .help = "untimed passes of both modes before each\nconcurrency's timed one"},
     {"--rounds", .kind = MF_OPT_LONG, .off = F(rounds), .def = "1", .meta = "N", .lo = 1, .hi = 20,
      .help = "timed passes of each mode per concurrency, alternating\n(continuous, static, continuous, ...), each pair's ratio"},
+    {"--turns", .kind = MF_OPT_LONG, .off = F(turns), .meta = "T", .lo = 1, .hi = 16,
+     .help = "the multi-turn workload instead: N conversations of T turns, each\n"
+             "turn's prompt the history (the last prompt and its reply) and\n"
+             "--prompt-tokens new user tokens, its reply --output-tokens; run\n"
+             "with the prefix cache and without (docs/prefix.md)"},
+    {"--system-tokens", .kind = MF_OPT_LONG, .off = F(system_tokens), .def = "0", .meta = "S", .lo = 0, .hi = 1 << 20,
+     .help = "with --turns: a system prompt of S tokens opens every conversation"},
+    {"--prefix-cache", .kind = MF_OPT_SIZE, .off = F(cache_bytes), .def = "1G", .meta = "SIZE",
+     .help = "with --turns: the prefix cache's memory"},
+    {"--prefix-block", .kind = MF_OPT_LONG, .off = F(block), .def = "0", .meta = "N", .lo = 0, .hi = 256,
+     .help = "with --turns: tokens per cached block (0: " MF_OPTS_STR(MF_PREFIX_BLOCK) ")"},
     {"--constrained", .kind = MF_OPT_DOUBLE, .off = F(constrained), .def = "0", .meta = "F", .lo = 0, .hi = 1,
      .help = "this fraction of the requests constrained by a JSON Schema\n(arrays of objects with string,"
              " integer and boolean\nfields, long enough to last every request): the\nconstrained run is then"
@@ -285,6 +299,8 @@ static const mf_opts_spec mf_bs_spec = {
              "                           [--prompt-tokens MIN-MAX] [--output-tokens MIN-MAX]\n"
              "                           [--step-tokens N] [--prefill-split K] [--seed S] [--warmup N]\n"
              "                           [--rounds N] [--constrained F] [--json]\n"
+             "       moeflow bench serve --checkpoint DIR --turns T [--system-tokens S] [--prefix-cache SIZE]\n"
+             "                           [--prefix-block N] [...]\n"
              MF_TOOL_ENGINE_USAGE
              "\n"
              "N requests with prompt and output lengths drawn uniformly from the ranges (seeded)\n"
@@ -521,7 +537,14 @@ int mf_bench_serve(int argc, char **argv)
         b.max_items = items > b.max_items ? items : b.max_items;
     }
     rc = mf_bs_open(&b);
-    if (!rc) rc = mf_bs_run(&b, cl, n_c);
+    if (!rc && !a.turns) rc = mf_bs_run(&b, cl, n_c);
+    for (int k = 0; !rc && a.turns && k < n_c; k++)   /* the multi-turn workload, per concurrency */
+        rc = mf_bench_serve_turns(&(mf_bt_opts){.r = b.r, .e = b.e, .n_conv = b.n, .conc = cl[k], .turns = (int)a.turns,
+                                                .system_tokens = (int)a.system_tokens, .user_lo = a.prompt.lo,
+                                                .user_hi = a.prompt.hi, .reply_lo = a.output.lo, .reply_hi = a.output.hi,
+                                                .step_tokens = (int)a.step_tokens, .warmup = (int)a.warmup,
+                                                .json = a.json, .block = (int)a.block, .cache_bytes = a.cache_bytes,
+                                                .seed = a.seed});
     if (rc) fprintf(stderr, "moeflow bench serve: %s\n", mf_last_error()[0] ? mf_last_error() : "out of memory");
     mf_bs_close(&b);
     return rc ? 1 : 0;

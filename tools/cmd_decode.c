@@ -110,6 +110,7 @@ static const mf_opt mf_dec_table[] = {
              "auto: per round and sequence the k the cost model (--profile's\n"
              "prices) says pays, 0 when none does"},
     MF_TOOL_RANKS_ROWS(F(rk)),
+    MF_TOOL_PREFIX_OPTS(F, pfx),
     {"--quiet", "-q", MF_OPT_FLAG, F(quiet), .help = "no progress or timing on stderr"},
     {NULL},
 };
@@ -125,6 +126,7 @@ static const mf_opts_spec mf_dec_spec = {
         "                      [--no-bos] [--ignore-eos] [--act-quant] [--quiet] [--trace FILE]\n"
         "                      [--chat [--chat-template FILE|builtin]] [--record-routing FILE]\n"
         "                      [--spec dspark [--spec-tokens N|auto]]\n"
+        "                      [--prefix-cache SIZE] [--prefix-cache-dir DIR] [--prefix-block N]\n"
         "                      [--ranks-layers auto|a:b,c:d [--ranks-micro M] [--ranks-timeout S]]\n\n"
         "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
         "and head on fused kernels, see docs/decode.md) or the plain reference forward (fp32,\n"
@@ -148,6 +150,7 @@ static const mf_opts_spec mf_dec_spec = {
 static int mf_dec_check(mf_dec_cli *a, mf_dec *d)
 {
     int rc = mf_tool_engine_check("decode", &a->e);
+    if (!rc) rc = mf_tool_prefix_check("decode", &a->pfx, a->rk.spec != NULL, a->spec != 0);
     if (rc) return rc;
     if (!a->dir || (!!a->prompt + !!a->ids + !!a->prompts_file) != 1)
         return mf_opts_refuse(&mf_dec_spec, "--checkpoint and exactly one of --prompt / --tokens / --prompts are "
@@ -255,14 +258,17 @@ static int mf_dec_submit(mf_dec *d)
     d->dc = (mf_dec_ctx){.sq = d->sq, .tok = d->tok, .stream = d->n_seq == 1, .out = d->outf, .quiet = a->quiet,
                          .with_line = a->prompts_file != NULL, .lgout = d->lgf,
                          .V = mf_model_config(d->x.m)->vocab_size};
+    int rc = mf_tool_prefix_open(&a->pfx, d->x.r, mf_tool_prefix_numerics(a->e.sched, a->e.exact, a->e.devices),
+                                 "moeflow decode", a->quiet, &d->pfx);
+    if (rc) return rc;
     mf_pipe *pipe = d->rk->pipe;   /* a pipeline: rank 0's forwards run every rank's layers */
-    int rc = mf_tool_run_spec(&a->e, &d->x, a->spec_tokens, d->max_batch, d->total / 2 + 1);
+    if (!rc) rc = mf_tool_run_spec(&a->e, &d->x, a->spec_tokens, d->max_batch, d->total / 2 + 1);
     if (!rc)
         rc = mf_batch_new(&(mf_batch_opts){.ref = d->x.r, .eng = d->x.eng, .tok = d->tok, .max_batch = d->max_batch,
                                            .forward = pipe ? mf_pipe_forward : NULL, .forward_ctx = pipe,
-                                           .step_tokens = (int)d->step_tokens,
-                                           .max_context = d->total > 1 ? d->total : 2, .max_queue = d->n_seq,
-                                           .on_event = mf_dec_on_event, .user = &d->dc, .spec = d->x.spec}, &d->bat);
+                                           .step_tokens = (int)d->step_tokens, .max_context = d->total > 1 ? d->total : 2,
+                                           .max_queue = d->n_seq, .prefix = d->pfx, .on_event = mf_dec_on_event,
+                                           .user = &d->dc, .spec = d->x.spec}, &d->bat);
     if (rc) return rc;
     d->rrec.b = d->bat;
     if ((rc = mf_dec_write_refused(d))) return rc;
@@ -472,6 +478,7 @@ static void mf_dec_report(const mf_dec *d)
             d->n_seq, d->n_seq > 1 ? "s" : "", bs.n_states, d->step_tokens, d->steps, sec, bs.prefill_items,
             bs.prefill_items / sec, bs.decode_items, bs.decode_items / sec, out_tokens, out_tokens / sec,
             mf_dec_median_ttft(d->sq, d->n_seq));
+    mf_tool_prefix_report(d->pfx, "moeflow decode", stderr);
     int64_t first = 0, now = mf_now_ns();   /* the first token of any sequence, from the process's start */
     for (int s = 0; s < d->n_seq; s++)
         if (d->sq[s].first_ns && (!first || d->sq[s].first_ns < first)) first = d->sq[s].first_ns;
@@ -526,6 +533,7 @@ static void mf_dec_close(mf_dec *d)
         unlink(d->a->record);
     }
     mf_batch_free(d->bat);
+    mf_prefix_free(d->pfx);
     mf_tool_run_close(&d->x);
     mf_dec_prompts_free(d);
 }

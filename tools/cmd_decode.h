@@ -22,6 +22,7 @@
 #include "tools/engine_opts.h"
 #include "tools/ranks.h"
 #include "tools/serve_req.h"
+#include "tools/tool_prefix.h"
 
 /* The command line (mf_dec_table); the engine and model options are the group decode shares with
  * serve (tools/engine_opts.h). */
@@ -36,6 +37,7 @@ typedef struct mf_dec_cli {
     long spec_tokens;              /* --spec-tokens: N, 0 auto */
     mf_tool_engine e;
     mf_tool_ranks rk;              /* --ranks-layers, --ranks-micro, --ranks-timeout (e.rk points here) */
+    mf_tool_prefix pfx;            /* --prefix-cache and its kin */
 } mf_dec_cli;
 
 /* What becomes of a prompt of the run. */
@@ -105,6 +107,7 @@ typedef struct mf_dec {
     /* the model, engine (tools/engine_opts.h) and batcher */
     mf_tool_run x;
     mf_batch *bat;
+    mf_prefix *pfx;                /* the prefix cache, or NULL (--prefix-cache 0) */
     int64_t total;                 /* positions: the longest prompt + --max-new-tokens */
     mf_route_rec_ctx rrec;
     mf_dec_ctx dc;

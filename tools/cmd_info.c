@@ -15,6 +15,7 @@
 #include "graphs/model/census.h"
 #include "graphs/model/config.h"
 #include "graphs/model/layout.h"
+#include "graphs/prefix/prefix.h"
 #include "graphs/ref/ref.h"
 #include "host/safetensors.h"
 #include "host/wmap.h"
@@ -144,6 +145,12 @@ static void mf_info_config(const mf_config *c)
            "and index keys, pages of %d positions); 8k tokens %.2f MiB, %lld of them in 64 GiB\n",
            ss.fixed_bytes / 1048576.0, ss.bytes_per_token, MF_LY_PAGE_POSITIONS, ss.bytes_8k / 1048576.0,
            (long long)ss.seqs_8k_64g);
+    /* the prefix cache (graphs/prefix/prefix.h): the pages and token id, plus the window rows a block keeps */
+    double pb = mf_prefix_bytes_per_token(c, 0);
+    printf("  prefix cache: %.0f bytes per cached token with blocks of %d (the state's %.1f + window rows and node "
+           "%.0f amortized over the block); %.0f with blocks of %d; 1 GiB holds %.0fk tokens\n", pb, MF_PREFIX_BLOCK,
+           ss.bytes_per_token, pb - ss.bytes_per_token, mf_prefix_bytes_per_token(c, MF_LY_PAGE_POSITIONS),
+           MF_LY_PAGE_POSITIONS, GIB / pb / 1000);
 }
 
 /* Compares the checkpoint with the layout of `c`: prints missing, mismatched and extra tensors
@@ -259,6 +266,10 @@ static int mf_info_json(const mf_info_ck *k)
             json_pack("{s:I, s:f, s:I, s:I, s:I}", "fixed_bytes", (json_int_t)ss.fixed_bytes, "bytes_per_token",
                       ss.bytes_per_token, "page_positions", (json_int_t)MF_LY_PAGE_POSITIONS, "bytes_8k",
                       (json_int_t)ss.bytes_8k, "sequences_8k_in_64gib", (json_int_t)ss.seqs_8k_64g));
+        json_object_set_new(o, "prefix_cache",
+            json_pack("{s:i, s:f, s:f}", "block_tokens", MF_PREFIX_BLOCK, "bytes_per_token",
+                      mf_prefix_bytes_per_token(c, 0), "bytes_per_token_block_256",
+                      mf_prefix_bytes_per_token(c, MF_LY_PAGE_POSITIONS)));
     }
     char *text = json_dumps(o, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
     json_decref(o);

@@ -35,6 +35,7 @@
 #include "tools/serve_http.h"
 #include "tools/serve_req.h"
 #include "tools/sim_common.h"
+#include "tools/tool_prefix.h"
 
 /* The command line of `moeflow serve`; the engine and model options are the group serve shares
  * with decode (tools/engine_opts.h). */
@@ -48,6 +49,7 @@ typedef struct mf_serve_cli {
     long spec_tokens;          /* 0: auto */
     mf_tool_engine e;
     mf_tool_ranks rk;          /* --ranks-layers ...: rank 0 serves, the others run their layers (e.rk points here) */
+    mf_tool_prefix pfx;        /* --prefix-cache and its kin */
 } mf_serve_cli;
 
 #define F(x) offsetof(mf_serve_cli, x)
@@ -104,6 +106,7 @@ static const mf_opt mf_serve_table[] = {
      .fn = mf_tool_spec_tokens_opt, .example = "auto",
      .help = "with --spec: N candidates every round, or auto (the cost model's\nk per round and sequence)"},
     MF_TOOL_RANKS_ROWS(F(rk)),
+    MF_TOOL_PREFIX_OPTS(F, pfx),
     {"--quiet", "-q", MF_OPT_FLAG, F(quiet), .help = "no log lines on stderr"},
     MF_OPT_GROUP_ROW(mf_tool_engine_table, F(e)),
     {NULL},
@@ -117,7 +120,8 @@ static const mf_opts_spec mf_serve_spec = {
              "                     [--max-context N] [--model-name NAME] [--max-body BYTES] [--timeout S]\n"
              "                     [--drain-timeout S] [--request-timeout S] [--max-connections N]\n"
              "                     [--max-connections-per-addr N] [--api-key-file FILE]\n"
-             "                     [--chat-template FILE|builtin|deepseek-v4] [--quiet]\n"
+             "                     [--chat-template FILE|builtin|deepseek-v4] [--prefix-cache SIZE]\n"
+             "                     [--prefix-cache-dir DIR] [--prefix-block N] [--quiet]\n"
              "                     [--spec dspark [--spec-tokens N|auto]]\n"
              "                     [--ranks-layers auto|a:b,c:d [--ranks-micro M] [--ranks-timeout S]]\n"
              MF_TOOL_ENGINE_USAGE "\n"
@@ -178,6 +182,9 @@ static int mf_serve_open(mf_serve *s)
                 a->max_context, model_ctx);
         return 2;
     }
+    if ((rc = mf_tool_prefix_open(&a->pfx, s->x.r, mf_tool_prefix_numerics(a->e.sched, a->e.exact, a->e.devices), "moeflow serve",
+                                  a->quiet, &v->prefix)))
+        return rc;
     /* constrained output walks the tokenizer's vocabulary; echo's prompt logprobs take a chunk's rows */
     if (v->tok && (rc = mf_gram_vocab_new(v->tok, v->c->vocab_size, (int32_t)v->c->eos_token_id, &v->gram_vocab)))
         return rc;
@@ -187,7 +194,8 @@ static int mf_serve_open(mf_serve *s)
                                             .step_tokens = (int)a->step_tokens, .max_context = v->max_context,
                                             .state_budget_bytes = a->budget, .max_queue = (int)a->max_queue,
                                             .echo_rows = echo_rows, .gram_vocab = v->gram_vocab,
-                                            .on_event = mf_srv_on_event, .user = v, .spec = v->spec}, &v->b)))
+                                            .prefix = v->prefix, .on_event = mf_srv_on_event, .user = v,
+                                            .spec = v->spec}, &v->b)))
         return rc;
     char dn[256];
     snprintf(dn, sizeof dn, "%s", a->dir);
@@ -309,6 +317,8 @@ static void mf_serve_close(mf_serve *s)
         pthread_join(v->stepper, NULL);
     }
     mf_batch_free(v->b);
+    if (!s->a->quiet) mf_tool_prefix_report(v->prefix, "moeflow serve", stderr);
+    mf_prefix_free(v->prefix);
     mf_tool_run_close(&s->x);   /* the speculation too: after the batcher */
     v->eng = NULL;
     v->spec = NULL;
@@ -422,6 +432,7 @@ int mf_cmd_serve(int argc, char **argv)
         return 2;
     }
     a.e.draft = a.spec == MF_TOOL_SPEC_DSPARK;
+    if ((rc = mf_tool_prefix_check("serve", &a.pfx, a.rk.spec != NULL, a.spec != 0))) return rc;
     if ((rc = mf_tool_ranks_open(&a.rk, "serve", a.dir, a.e.profile_path, (int)a.e.threads, NULL, NULL)) ||
         a.rk.rank > 0)
         return mf_serve_follower(&a, rc);

@@ -31,7 +31,7 @@ typedef struct mf_sim_cli {
     const char *prof_path, *dir, *preset, *routing_spec, *trace;
     int placement, dense, dense_split, heads, lt;   /* dense: -1 not given */
     long cards, threads, batch, steps, warmup, seed, context, read_window;
-    long copy_slots, dev_task_ns, prompt_tokens, chunk, micro, prefetch_min;
+    long copy_slots, dev_task_ns, prompt_tokens, chunk, micro, prefetch_min, cached;
     int json, ops, measure, store, tables, policy, dev_graphs, fill;
     uint64_t store_budget, dev_cache, host_mem;
     long ranks, ranks_micro;   /* a pipeline over hosts (--ranks N) */
@@ -160,6 +160,9 @@ static const mf_opt mf_sim_table[] = {
      .help = "with --ranks: memory a host gives the weights (default: 0.9 of the\n"
              "profile's host_mem_bytes; none: no limit); a rank whose layers do not\n"
              "fit streams its experts (and tables) through what is left"},
+    {"--cached", .kind = MF_OPT_LONG, .off = F(cached), .meta = "M", .lo = 0, .hi = 1L << 30,
+     .help = "with --prompt-tokens: the first M positions come from the prefix\n"
+             "cache (docs/prefix.md): the chunks run positions M..N-1 from M"},
     {"--chunk", .kind = MF_OPT_LONG, .off = F(chunk), .meta = "T", .lo = 1, .hi = MF_STEP_MAX_CHUNK,
      .help = "with --prompt-tokens: positions per chunk (1.." MF_OPTS_STR(MF_STEP_MAX_CHUNK) ", default "
              MF_OPTS_STR(MF_STEP_PREFILL_CHUNK) ",\nthe engine's)"},
@@ -180,7 +183,7 @@ static const mf_opts_spec mf_sim_spec = {
         "                   [--dense-split layers|rows] [--heads cost|cards|host] [--cublaslt cost|on|dense|off]\n"
         "                   [--micro-batches 1|2] [--prefetch-min N]\n"
         "                   [--trace FILE] [--json] [--ops]\n"
-        "                   [--measure] [--prompt-tokens N [--chunk T]]\n"
+        "                   [--measure] [--prompt-tokens N [--chunk T] [--cached M]]\n"
         "                   [--spec dspark [--spec-tokens N|auto] [--accept A,...]]\n"
         "                   [--ranks N [--ranks-layers auto|a:b,c:d] [--ranks-micro M] [--host-mem SIZE]]\n\n"
         "Simulates decode steps of the scheduled engine (graphs/step/step.c's graph, docs/sim.md) on the\n"
@@ -259,13 +262,13 @@ static int mf_sim_prefill(const mf_sim_cli *a, const mf_plan_opts *po, const mf_
     int64_t ttft_ns;
     int T = a->chunk ? (int)a->chunk : MF_STEP_PREFILL_CHUNK, rc;
     const char *placement = mf_opt_word_name(mf_tool_placements, a->placement);
-    if ((rc = mf_plan_prefill_trace(po, a->prompt_tokens, T, &rep, &ttft_ns, a->trace))) return rc;
-    double tps = a->prompt_tokens / (ttft_ns / 1e9);
+    if ((rc = mf_plan_prefill_at(po, a->cached, a->prompt_tokens, T, &rep, &ttft_ns, a->trace))) return rc;
+    double tps = (a->prompt_tokens - a->cached) / (ttft_ns / 1e9);
     if (a->json) {
-        printf("{\"placement\":\"%s\",\"routing\":\"%s\",\"prompt_tokens\":%ld,\"chunk\":%d,"
+        printf("{\"placement\":\"%s\",\"routing\":\"%s\",\"prompt_tokens\":%ld,\"cached\":%ld,\"chunk\":%d,"
                "\"ttft_s\":%.9g,\"prefill_tokens_per_s\":%.6g,\"chunk_s\":%.9g,\"bottleneck\":\"%s\"",
-               placement, mf_routing_describe(rt), a->prompt_tokens, T, ttft_ns / 1e9, tps, rep.step_ns / 1e9,
-               rep.lanes[rep.bottleneck].name);
+               placement, mf_routing_describe(rt), a->prompt_tokens, a->cached, T, ttft_ns / 1e9, tps,
+               rep.step_ns / 1e9, rep.lanes[rep.bottleneck].name);
         printf(",\"phases\":{");
         for (int q = 0; q < MF_STEP_N_PHASES; q++)
             printf("%s\"%s\":{\"wall_s\":%.9g,\"work_s\":%.9g}", q ? "," : "",
@@ -279,9 +282,10 @@ static int mf_sim_prefill(const mf_sim_cli *a, const mf_plan_opts *po, const mf_
         printf("}\n");
         return 0;
     }
-    printf("sim: %s on profile %s, placement %s, routing %s: prefill of %ld tokens in chunks of %d\n",
-           a->dir ? a->dir : a->preset, prof->name, placement, mf_routing_describe(rt), a->prompt_tokens, T);
-    printf("time to first token: %.3f s (%.1f prompt tokens/s); per chunk (mean of the full chunks; "
+    printf("sim: %s on profile %s, placement %s, routing %s: prefill of %ld tokens in chunks of %d", a->dir ? a->dir : a->preset,
+           prof->name, placement, mf_routing_describe(rt), a->prompt_tokens - a->cached, T);
+    if (a->cached) printf(" after %ld cached (a %ld-token prompt)", a->cached, a->prompt_tokens);
+    printf("\ntime to first token: %.3f s (%.1f prompt tokens/s); per chunk (mean of the full chunks; "
            "per token = per prompt position):\n", ttft_ns / 1e9, tps);
     mf_plan_print(&rep, stdout);
     if (a->ops) mf_sim_print_ops(&rep);
@@ -423,6 +427,10 @@ static int mf_sim_check(const mf_sim_cli *a)
     if (a->prompt_tokens && a->measure) {
         fprintf(stderr, "moeflow sim: --prompt-tokens predicts a prefill; --measure measures decode steps: "
                         "use `moeflow bench decode --prompt-tokens N` for the measured prefill\n");
+        return 2;
+    }
+    if (a->cached && (!a->prompt_tokens || a->cached >= a->prompt_tokens)) {
+        fprintf(stderr, "moeflow sim: --cached M applies to --prompt-tokens N with M < N (a token is left to run)\n");
         return 2;
     }
     if (a->chunk && !a->prompt_tokens) {

@@ -31,6 +31,7 @@
 #include "tools/serve_http.h"
 #include "tools/serve_logprobs.h"
 #include "tools/serve_req.h"
+#include "tools/tool_prefix.h"
 #include "tools/serve_tools.h"
 
 /* ---- metrics ---------------------------------------------------------------------------------- */
@@ -71,6 +72,7 @@ struct mf_job {
     pthread_mutex_t mu;
     int refs;                  /* the connection and the batcher (each choice until its DONE) */
     int chat, stream, n_prompt, done, err;   /* done: every choice has ended */
+    int n_cached;              /* prompt tokens choice 0 restored from the prefix cache */
     int n_ch, n_done, n_live;  /* choices; ended; submitted and not ended (under the server's mu) */
     mf_choice *ch;
     char msg[512];             /* the first failed choice's message */
@@ -192,8 +194,8 @@ static json_t *mf_usage(const mf_job *j)
 {
     int gen = 0;
     for (int i = 0; i < j->n_ch; i++) gen += j->ch[i].n_gen;
-    return json_pack("{s:i, s:i, s:i}", "prompt_tokens", j->n_prompt, "completion_tokens", gen, "total_tokens",
-                     j->n_prompt + gen);
+    return json_pack("{s:i, s:i, s:i, s:{s:i}}", "prompt_tokens", j->n_prompt, "completion_tokens", gen, "total_tokens",
+                     j->n_prompt + gen, "prompt_tokens_details", "cached_tokens", j->n_cached);
 }
 
 static json_t *mf_error_obj(const char *msg, const char *type, const char *param, const char *code)
@@ -368,6 +370,7 @@ void mf_srv_on_event(void *user, const mf_batch_event *ev)
     pthread_mutex_lock(&j->mu);
     c->last_ns = ev->now_ns;
     c->n_gen = ev->n_gen;
+    if (c->index == 0) j->n_cached = ev->n_cached;
     if (ev->kind == MF_BATCH_TOKEN) {
         if (c->n_toks == c->cap_toks) {
             int cap = c->cap_toks ? c->cap_toks * 2 : 64;
@@ -982,6 +985,9 @@ static enum MHD_Result mf_srv_metrics(mf_srv *v, struct MHD_Connection *c)
             v->builds.n_built, v->builds.build_ns / 1e9);
     }
     pthread_mutex_unlock(&v->mu);
+    char pm[4096];   /* the prefix cache's (tools/tool_prefix.c) */
+    size_t pn = mf_tool_prefix_metrics(v->prefix, pm, sizeof pm);
+    if (pn) mf_buf_add(&s, &n, &cap, pm, pn);
 #undef OUT
     if (!s) return MHD_NO;
     return mf_send(c, 200, "text/plain; version=0.0.4", s, n, NULL);

@@ -38,6 +38,7 @@ typedef struct mf_job mf_job;   /* one request: its choices, their text or SSE b
  * the metrics. mu guards jobs, the metrics, draining and n_inflight. */
 typedef struct mf_srv {
     mf_batch *b;
+    mf_prefix *prefix;         /* the prefix cache, or NULL */
     mf_tok *tok;
     mf_chat_tmpl *chat;        /* NULL: the built-in chat format */
     mf_gram_vocab *gram_vocab; /* the tokenizer's vocabulary for constrained output (NULL: no tokenizer) */

@@ -114,6 +114,32 @@ const float *mf_ly_item_sel_kv(const mf_config *c, const mf_ly_item *it, float *
     return scratch;
 }
 
+/* The parts of entries [r0, r0 + n) of a page: part k's rows start after k parts of per_page rows */
+static void mf_ly_cache_parts(const mf_config *c, int L, int64_t off[4], int64_t len[4])
+{
+    mf_ly_cgeom g = mf_ly_cache_geom(c, L);
+    int64_t b[4] = {g.kv_codes, g.kv_scales, g.key_codes, g.key_scales}, at = 0;
+    for (int k = 0; k < 4; k++) {
+        off[k] = at;
+        len[k] = b[k];
+        at += g.per_page * b[k];
+    }
+}
+
+void mf_ly_cache_save(const mf_config *c, int L, const uint8_t *page, int64_t r0, int64_t n, uint8_t *out)
+{
+    int64_t off[4], len[4];
+    mf_ly_cache_parts(c, L, off, len);
+    for (int k = 0; k < 4; k++, out += n * len[k - 1]) memcpy(out, page + off[k] + r0 * len[k], (size_t)(n * len[k]));
+}
+
+void mf_ly_cache_load(const mf_config *c, int L, uint8_t *page, int64_t r0, int64_t n, const uint8_t *in)
+{
+    int64_t off[4], len[4];
+    mf_ly_cache_parts(c, L, off, len);
+    for (int k = 0; k < 4; k++, in += n * len[k - 1]) memcpy(page + off[k] + r0 * len[k], in, (size_t)(n * len[k]));
+}
+
 /* ---- the window ring ------------------------------------------------------------------------- */
 
 /* A slot: head_dim E4M3 codes, then ceil(head_dim / MF_LY_RING_BLOCK) exponent bytes. */
@@ -136,10 +162,30 @@ const uint8_t *mf_ly_ring_row(const mf_config *c, const mf_ref_state *st, int L,
     return row;
 }
 
+/* The tap's row of position pos, layer L (NULL: the tap does not hold pos) */
+static uint8_t *mf_ly_ring_tap_row(const mf_config *c, const mf_ref_state *st, int L, int64_t pos)
+{
+    int64_t i = pos - st->tap_pos0;
+    if (!st->tap || i < 0 || i >= st->tap_n || !st->tap[i]) return NULL;
+    return st->tap[i] + L * mf_ly_ring_row_bytes(c);
+}
+
 void mf_ly_ring_put(const mf_config *c, mf_ref_state *st, int L, int64_t pos, const float *kv)
 {
-    uint8_t *row = mf_ly_ring_slot(c, st, L, pos);
+    uint8_t *row = mf_ly_ring_slot(c, st, L, pos), *tap = mf_ly_ring_tap_row(c, st, L, pos);
     mf_ly_pack_e4m3_pow2(kv, c->head_dim, MF_LY_RING_BLOCK, row, row + c->head_dim);
+    if (tap) memcpy(tap, row, (size_t)mf_ly_ring_row_bytes(c));
+}
+
+void mf_ly_ring_tap(const mf_config *c, mf_ref_state *st, int L, int64_t pos, const float *kv)
+{
+    uint8_t *tap = mf_ly_ring_tap_row(c, st, L, pos);
+    if (tap) mf_ly_pack_e4m3_pow2(kv, c->head_dim, MF_LY_RING_BLOCK, tap, tap + c->head_dim);
+}
+
+void mf_ly_ring_set_row(const mf_config *c, mf_ref_state *st, int L, int64_t t, const uint8_t *row)
+{
+    memcpy(mf_ly_ring_slot(c, st, L, t), row, (size_t)mf_ly_ring_row_bytes(c));
 }
 
 void mf_ly_ring_get(const mf_config *c, const mf_ref_state *st, int L, int64_t t0, int64_t n, float *out)

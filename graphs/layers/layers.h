@@ -185,6 +185,11 @@ void mf_ly_cache_get_key(const mf_config *c, int L, const mf_ly_cache *ca, int64
 void mf_ly_cache_get_keys(const mf_config *c, int L, const mf_ly_cache *ca, int64_t j0, int64_t n, float *out);
 void mf_ly_cache_get_kv_rows(const mf_config *c, int L, const mf_ly_cache *ca, const int32_t *rows, int n,
                              float *out);
+/* Entries [r0, r0 + n) of one page of layer L as bytes (n x mf_ly_cache_entry_bytes, each part's
+ * rows in a run: KV codes, KV scales, key codes, key scales) and back: what the prefix cache's disk
+ * tier stores (graphs/prefix/prefix_disk.c). r0 + n <= mf_ly_cache_page_entries. */
+void mf_ly_cache_save(const mf_config *c, int L, const uint8_t *page, int64_t r0, int64_t n, uint8_t *out);
+void mf_ly_cache_load(const mf_config *c, int L, uint8_t *page, int64_t r0, int64_t n, const uint8_t *in);
 
 /* The window ring of a sequence, packed (the one place it is written and read; the layout is
  * layer_cache.c's): slot t % sliding_window of layer L holds position t's window KV, which the
@@ -199,21 +204,37 @@ void mf_ly_cache_get_kv_rows(const mf_config *c, int L, const mf_ly_cache *ca, c
 int64_t mf_ly_ring_row_bytes(const mf_config *c);
 int64_t mf_ly_ring_bytes(const mf_config *c);   /* all layers' slots */
 void mf_ly_ring_put(const mf_config *c, mf_ref_state *st, int L, int64_t pos, const float *kv);
+/* ring_put's copy into the tap alone (mf_ref_state.tap; nothing when it does not hold pos), the ring
+ * untouched: a position whose slot a later position of the same step takes, which the ring never
+ * holds but the prefix cache keeps (graphs/step/step_attn.c mf_task_attn_ring). */
+void mf_ly_ring_tap(const mf_config *c, mf_ref_state *st, int L, int64_t pos, const float *kv);
 void mf_ly_ring_get(const mf_config *c, const mf_ref_state *st, int L, int64_t t0, int64_t n, float *out);
 const uint8_t *mf_ly_ring_row(const mf_config *c, const mf_ref_state *st, int L, int64_t t, const uint8_t **scales);
+/* Puts a packed slot (mf_ly_ring_row_bytes, as the tap or ring_row gives it) back as position t's of
+ * layer L: the prefix cache's restore of a window (graphs/prefix/prefix.c). */
+void mf_ly_ring_set_row(const mf_config *c, mf_ref_state *st, int L, int64_t t, const uint8_t *row);
 
 /* The caches of one sequence (mf_ref_state_new, graphs/ref/ref_state.c). The fixed part (ring,
  * pending groups, the page tables' owner) is one allocation; the token history and the caches'
- * pages grow with the positions reserved (mf_ref_state_reserve). */
+ * pages grow with the positions reserved (mf_ref_state_reserve). Pages are reference counted
+ * (mf_ref_page_*, graphs/ref/ref.h): a full page may be shared with the prefix cache
+ * (graphs/prefix/prefix.h) and other states, read-only below every holder's entry count. */
 struct mf_ref_state {
     const mf_layers *ly;
     int64_t max_pos;
     int64_t n_pos;       /* tokens consumed */
-    int64_t cap_pos;     /* positions the pages (and tokens) hold: a multiple of MF_LY_PAGE_POSITIONS */
-    int32_t *tokens;     /* cap_pos: token ids (history, for Engram) */
+    int64_t cap_pos;     /* positions the pages and tokens hold: a multiple of MF_LY_PAGE_POSITIONS */
+    int64_t tok_cap;     /* token ids the history holds (>= cap_pos) */
+    int32_t *tokens;     /* tok_cap: token ids (history, for Engram) */
     uint8_t *ring;       /* n_layers x sliding_window packed slots (slot = pos % window, mf_ly_ring_*) */
     mf_ly_cache *cache;  /* n_layers; pages only on KV-source layers */
     void *mem;           /* the fixed part's one allocation */
+    /* The window tap (NULL: none): mf_ly_ring_put also copies position pos's packed slot of layer
+     * L to tap[pos - tap_pos0] + L * mf_ly_ring_row_bytes when 0 <= pos - tap_pos0 < tap_n and that
+     * entry is not NULL (n_layers slots a position). The prefix cache sets it around a forward to
+     * keep the window KV of the positions it caches; nothing else writes it. */
+    uint8_t *const *tap;
+    int64_t tap_pos0, tap_n;
     struct mf_ly_journal *jr;   /* speculation's undo record (mf_ref_state_mark), NULL until first used */
 };
 

@@ -58,6 +58,30 @@ int64_t mf_ref_state_pos(const mf_ref_state *s);   /* tokens consumed so far */
 int mf_ref_state_mark(mf_ref_state *s, int n);
 int mf_ref_state_rollback(mf_ref_state *s, int keep);
 
+/* Pages of the compressed caches are reference counted, so that a full page (immutable once every
+ * entry is written: entries are only appended) can be held by the prefix cache and mapped into other
+ * states without a copy (graphs/prefix/prefix.h). new: a page of `bytes` with one holder (NULL when
+ * out of memory); hold / drop add and remove a holder (the last drop frees it); refs: the holders.
+ * keep counts the holders that account the page's bytes (the prefix cache): it adds delta and
+ * returns the new count; a state counts in mf_ref_state_held_bytes only its pages nobody keeps.
+ * Thread-safe (atomic counts). A state's own page (one holder) is reused after a reset; a reset
+ * gives its shared pages back. */
+uint8_t *mf_ref_page_new(int64_t bytes);
+void mf_ref_page_hold(uint8_t *pg);
+void mf_ref_page_drop(uint8_t *pg);
+int mf_ref_page_refs(const uint8_t *pg);
+int64_t mf_ref_page_bytes(const uint8_t *pg);
+int mf_ref_page_keep(uint8_t *pg, int delta);
+/* Maps pages[0..n) (each gets a holder) as pages 0..n-1 of KV-source layer L of a reset state s (its
+ * own pages move after them). What they hold is the caller's: entries below the count the caller
+ * then sets. -EINVAL (not a KV source, not at position 0), -ENOMEM. */
+int mf_ref_state_map(mf_ref_state *s, int L, uint8_t *const *pages, int64_t n);
+/* Makes page p of layer L the state's own (a copy of a shared page, which is dropped) before the
+ * state appends to it: copy on write of a partial page, into the last page the state kept (after
+ * the mapped ones) when it has one, so restores do not grow a state. 0 (also when already its
+ * own), -ENOMEM. */
+int mf_ref_state_unshare(mf_ref_state *s, int L, int64_t p);
+
 /* One forward over n items: item i is token tokens[i] of states[i] at that state's next position.
  * Items of the same state must be consecutive in this list and are consumed in order. When
  * logits[i] is non-NULL it receives vocab_size fp32 logits of item i. Fails (state unchanged)

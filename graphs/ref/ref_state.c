@@ -1,15 +1,53 @@
 /* Sequence states (graphs/ref/ref.h): a fixed part (the packed window ring, the open compressor
  * groups, the caches' headers) allocated once, and what grows with the positions: the token history and
  * the pages of the packed compressed caches (graphs/layers/layer_cache.c). Pages are added before a
- * forward touches the state (mf_ref_state_reserve) and kept over a reset. */
+ * forward touches the state (mf_ref_state_reserve) and kept over a reset, unless shared: pages are
+ * reference counted (a header before the bytes), so the prefix cache (graphs/prefix/prefix.h) and
+ * other states can hold a full page without a copy. */
 #include <errno.h>
 #include <inttypes.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "graphs/layers/layers.h"
 #include "graphs/ref/ref.h"
 #include "sched/error.h"
+
+/* ---- pages: reference-counted blocks --------------------------------------------------------- */
+
+typedef struct mf_pg_hdr {
+    _Atomic int refs;    /* holders */
+    _Atomic int keep;    /* holders that account its bytes (mf_ref_page_keep) */
+    int64_t bytes;
+    uint8_t pad[48];     /* the page's bytes start 64 bytes in */
+} mf_pg_hdr;
+_Static_assert(sizeof(mf_pg_hdr) == 64, "page header");
+
+static mf_pg_hdr *mf_pg_of(const uint8_t *pg) { return (mf_pg_hdr *)(uintptr_t)(pg - sizeof(mf_pg_hdr)); }
+
+uint8_t *mf_ref_page_new(int64_t bytes)
+{
+    mf_pg_hdr *h = malloc(sizeof *h + (size_t)bytes);
+    if (!h) return NULL;
+    atomic_init(&h->refs, 1);
+    atomic_init(&h->keep, 0);
+    h->bytes = bytes;
+    return (uint8_t *)(h + 1);
+}
+
+void mf_ref_page_hold(uint8_t *pg) { atomic_fetch_add(&mf_pg_of(pg)->refs, 1); }
+
+void mf_ref_page_drop(uint8_t *pg)
+{
+    if (pg && atomic_fetch_sub(&mf_pg_of(pg)->refs, 1) == 1) free(mf_pg_of(pg));
+}
+
+int mf_ref_page_refs(const uint8_t *pg) { return atomic_load(&mf_pg_of(pg)->refs); }
+int64_t mf_ref_page_bytes(const uint8_t *pg) { return mf_pg_of(pg)->bytes; }
+int mf_ref_page_keep(uint8_t *pg, int delta) { return atomic_fetch_add(&mf_pg_of(pg)->keep, delta) + delta; }
+
+/* ---- states ------------------------------------------------------------------------------------ */
 
 static int64_t mf_st_round(int64_t n) { return (n + MF_LY_PAGE_POSITIONS - 1) / MF_LY_PAGE_POSITIONS * MF_LY_PAGE_POSITIONS; }
 
@@ -45,7 +83,29 @@ int64_t mf_ref_state_bytes(const mf_config *c, int64_t n_positions)
 
 int64_t mf_ref_state_held_bytes(const mf_ref_state *s)
 {
-    return mf_st_fixed_bytes(s->ly->c) + mf_st_grown_bytes(s->ly->c, s->cap_pos);
+    const mf_config *c = s->ly->c;
+    int64_t bytes = mf_st_fixed_bytes(c) + s->tok_cap * (int64_t)sizeof(int32_t);
+    for (int L = 0; L < c->n_layers; L++) {
+        const mf_ly_cache *ca = &s->cache[L];
+        bytes += ca->n_pages * (int64_t)sizeof(uint8_t *);
+        for (int64_t p = 0; p < ca->n_pages; p++)   /* a shared page is the prefix cache's to count */
+            if (mf_ref_page_keep(ca->page[p], 0) == 0) bytes += mf_ly_cache_page_bytes(c, L);
+    }
+    return bytes;
+}
+
+/* cap_pos from what the pages and the token history hold */
+static void mf_st_cap(mf_ref_state *s)
+{
+    const mf_config *c = s->ly->c;
+    int64_t cap = s->tok_cap / MF_LY_PAGE_POSITIONS * MF_LY_PAGE_POSITIONS;
+    for (int L = 0; L < c->n_layers; L++)
+        if (mf_config_is_kv_source(c, L)) {
+            int64_t n = s->cache[L].n_pages * mf_ly_cache_page_entries(c, L) * c->compress_ratios[L];
+            n = n / MF_LY_PAGE_POSITIONS * MF_LY_PAGE_POSITIONS;
+            if (n < cap) cap = n;
+        }
+    s->cap_pos = cap;
 }
 
 int mf_ref_state_new(const mf_ref *r, int64_t max_positions, mf_ref_state **out)
@@ -92,7 +152,7 @@ static void mf_st_shrink(mf_ref_state *s, int64_t cap)
         mf_ly_cache *ca = &s->cache[L];
         if (!mf_config_is_kv_source(c, L)) continue;
         int64_t keep = mf_st_pages(c, L, cap);
-        while (ca->n_pages > keep) free(ca->page[--ca->n_pages]);
+        while (ca->n_pages > keep) mf_ref_page_drop(ca->page[--ca->n_pages]);
         if (!keep) {
             free(ca->page);
             ca->page = NULL;
@@ -104,11 +164,13 @@ static void mf_st_shrink(mf_ref_state *s, int64_t cap)
     if (!cap) {
         free(s->tokens);
         s->tokens = NULL;
-    } else if (cap < s->cap_pos) {
+        s->tok_cap = 0;
+    } else if (cap < s->tok_cap) {
         int32_t *t = realloc(s->tokens, (size_t)cap * sizeof *t);
         if (t) s->tokens = t;
+        s->tok_cap = cap;
     }
-    s->cap_pos = cap;
+    mf_st_cap(s);
 }
 
 int mf_ref_state_reserve(mf_ref_state *s, int64_t n_positions)
@@ -120,10 +182,13 @@ int mf_ref_state_reserve(mf_ref_state *s, int64_t n_positions)
     const mf_config *c = s->ly->c;
     int64_t cap = mf_st_round(n_positions), old = s->cap_pos;
     if (cap > s->max_pos) cap = mf_st_round(s->max_pos);
-    int32_t *tok = realloc(s->tokens, (size_t)cap * sizeof *tok);
-    if (!tok)
-        return mf_error(-ENOMEM, "reference: cannot grow a state's token history to %" PRId64 " positions", cap);
-    s->tokens = tok;
+    if (s->tok_cap < cap) {
+        int32_t *tok = realloc(s->tokens, (size_t)cap * sizeof *tok);
+        if (!tok)
+            return mf_error(-ENOMEM, "reference: cannot grow a state's token history to %" PRId64 " positions", cap);
+        s->tokens = tok;
+        s->tok_cap = cap;
+    }
     int l0, l1;   /* a pipeline stage's model: pages only for the layers it runs */
     mf_model_layers(s->ly->m, &l0, &l1);
     for (int L = l0; L < l1; L++) {
@@ -133,15 +198,14 @@ int mf_ref_state_reserve(mf_ref_state *s, int64_t n_positions)
         if (need <= ca->n_pages) continue;
         uint8_t **t = realloc(ca->page, (size_t)need * sizeof *t);
         if (t) ca->page = t;
-        while (t && ca->n_pages < need && (ca->page[ca->n_pages] = malloc((size_t)pb))) ca->n_pages++;
+        while (t && ca->n_pages < need && (ca->page[ca->n_pages] = mf_ref_page_new(pb))) ca->n_pages++;
         if (ca->n_pages < need) {   /* back to what it held: the state is as it was */
-            s->cap_pos = cap;
             mf_st_shrink(s, old);
             return mf_error(-ENOMEM, "reference: cannot allocate page %" PRId64 " (%" PRId64 " bytes) of layer %d's "
                             "compressed cache, growing a state to %" PRId64 " positions", ca->n_pages, pb, L, cap);
         }
     }
-    s->cap_pos = cap;
+    mf_st_cap(s);
     return 0;
 }
 
@@ -159,8 +223,7 @@ int mf_ref_states_reserve(mf_ref_state *const *states, int n)
 void mf_ref_state_trim(mf_ref_state *s, int64_t n_positions)
 {
     int64_t keep = n_positions > s->n_pos ? n_positions : s->n_pos;
-    int64_t cap = mf_st_round(keep);
-    if (cap < s->cap_pos) mf_st_shrink(s, cap);
+    mf_st_shrink(s, mf_st_round(keep));   /* pages and tokens past it (after a reset: what its shared pages left) */
 }
 
 void mf_ref_state_free(mf_ref_state *s)
@@ -177,7 +240,60 @@ void mf_ref_state_reset(mf_ref_state *s)
 {
     s->n_pos = 0;
     if (s->jr) s->jr->active = 0;
-    for (int L = 0; L < s->ly->c->n_layers; L++) s->cache[L].n = 0;
+    s->tap = NULL;
+    s->tap_n = 0;
+    for (int L = 0; L < s->ly->c->n_layers; L++) {
+        mf_ly_cache *ca = &s->cache[L];
+        ca->n = 0;
+        int64_t k = 0;   /* shared pages go back to their other holders; the state's own are kept */
+        for (int64_t p = 0; p < ca->n_pages; p++) {
+            if (mf_ref_page_refs(ca->page[p]) > 1) mf_ref_page_drop(ca->page[p]);
+            else ca->page[k++] = ca->page[p];
+        }
+        ca->n_pages = k;
+    }
+    mf_st_cap(s);
+}
+
+int mf_ref_state_map(mf_ref_state *s, int L, uint8_t *const *pages, int64_t n)
+{
+    const mf_config *c = s->ly->c;
+    if (L < 0 || L >= c->n_layers || !mf_config_is_kv_source(c, L))
+        return mf_error(-EINVAL, "reference: layer %d has no compressed cache to map pages into", L);
+    if (s->n_pos)
+        return mf_error(-EINVAL, "reference: pages mapped into a state at position %" PRId64 " (expected a reset "
+                        "state)", s->n_pos);
+    mf_ly_cache *ca = &s->cache[L];
+    uint8_t **t = realloc(ca->page, (size_t)(ca->n_pages + n) * sizeof *t);
+    if (!t && ca->n_pages + n) return mf_error(-ENOMEM, "reference: cannot grow a state's page table");
+    ca->page = t;
+    memmove(t + n, t, (size_t)ca->n_pages * sizeof *t);   /* its own pages after the mapped ones */
+    for (int64_t p = 0; p < n; p++) {
+        mf_ref_page_hold(pages[p]);
+        t[p] = pages[p];
+    }
+    ca->n_pages += n;
+    mf_st_cap(s);
+    return 0;
+}
+
+int mf_ref_state_unshare(mf_ref_state *s, int L, int64_t p)
+{
+    mf_ly_cache *ca = &s->cache[L];
+    if (p < 0 || p >= ca->n_pages || mf_ref_page_refs(ca->page[p]) == 1) return 0;
+    int64_t pb = mf_ly_cache_page_bytes(s->ly->c, L), last = ca->n_pages - 1;
+    uint8_t *pg;
+    if (last > p && mf_ref_page_refs(ca->page[last]) == 1) {   /* a page the state kept (after the mapped ones) */
+        pg = ca->page[last];
+        ca->n_pages--;
+        mf_st_cap(s);
+    } else if (!(pg = mf_ref_page_new(pb))) {
+        return mf_error(-ENOMEM, "reference: cannot copy page %" PRId64 " of layer %d (%" PRId64 " bytes)", p, L, pb);
+    }
+    memcpy(pg, ca->page[p], (size_t)pb);
+    mf_ref_page_drop(ca->page[p]);
+    ca->page[p] = pg;
+    return 0;
 }
 
 int64_t mf_ref_state_pos(const mf_ref_state *s) { return s->n_pos; }

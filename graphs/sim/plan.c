@@ -969,12 +969,21 @@ int mf_plan_prefill(const mf_plan_opts *o, int64_t n_prompt, int chunk, mf_plan_
 int mf_plan_prefill_trace(const mf_plan_opts *o, int64_t n_prompt, int chunk, mf_plan_report *out,
                           int64_t *ttft_ns, const char *trace_path)
 {
+    return mf_plan_prefill_at(o, 0, n_prompt, chunk, out, ttft_ns, trace_path);
+}
+
+int mf_plan_prefill_at(const mf_plan_opts *o, int64_t n_cached, int64_t n_prompt, int chunk, mf_plan_report *out,
+                       int64_t *ttft_ns, const char *trace_path)
+{
     *ttft_ns = 0;
     if (chunk == 0) chunk = MF_STEP_PREFILL_CHUNK;
     if (n_prompt < 1 || chunk < 1 || chunk > MF_STEP_MAX_CHUNK)
         return mf_error(-EINVAL, "plan: prefill of %" PRId64 " tokens in chunks of %d (expected >= 1 tokens, "
                         "chunks of 1..%d)", n_prompt, chunk, MF_STEP_MAX_CHUNK);
-    int64_t n_full = n_prompt / chunk, rest = n_prompt % chunk;
+    if (n_cached < 0 || n_cached >= n_prompt)
+        return mf_error(-EINVAL, "plan: %" PRId64 " cached positions of a %" PRId64 "-token prompt (expected 0..%" PRId64
+                        ": a token is left to run)", n_cached, n_prompt, n_prompt - 1);
+    int64_t n_run = n_prompt - n_cached, n_full = n_run / chunk, rest = n_run % chunk;
     mf_plan_report last = {0};
     for (int part = 0; part < 2; part++) {   /* the full chunks, then the shorter last one */
         int64_t n_steps = part ? (rest > 0) : n_full;
@@ -983,7 +992,7 @@ int mf_plan_prefill_trace(const mf_plan_opts *o, int64_t n_prompt, int chunk, mf
         po.prefill = 1;
         po.chunk = chunk;
         po.batch = part ? (int)rest : chunk;
-        po.context = part ? n_full * chunk : 0;
+        po.context = n_cached + (part ? n_full * chunk : 0);
         mf_plan *p = NULL;
         int rc = mf_plan_new(&po, &p);
         for (int64_t k = 0; k < n_steps && !rc; k++) {

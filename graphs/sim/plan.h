@@ -172,6 +172,12 @@ int mf_plan_prefill(const mf_plan_opts *o, int64_t n_prompt, int chunk, mf_plan_
  * full chunk (the shorter last chunk's when the prompt is shorter than one chunk). */
 int mf_plan_prefill_trace(const mf_plan_opts *o, int64_t n_prompt, int chunk, mf_plan_report *out,
                           int64_t *ttft_ns, const char *trace_path);
+/* As mf_plan_prefill_trace for a prompt whose first n_cached positions the caches already hold (a
+ * prefix cache's hit, graphs/prefix/prefix.h): the chunks cover positions [n_cached, n_prompt) and
+ * start at n_cached. The restore itself (a copy of the window's rows and a page) is not priced.
+ * -EINVAL unless 0 <= n_cached < n_prompt. */
+int mf_plan_prefill_at(const mf_plan_opts *o, int64_t n_cached, int64_t n_prompt, int chunk, mf_plan_report *out,
+                       int64_t *ttft_ns, const char *trace_path);
 
 /* The step graph the simulator runs: the engine's for this shape (graphs/step/stepgraph.h). */
 const mf_stepgraph *mf_plan_graph(const mf_plan *p);

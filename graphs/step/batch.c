@@ -45,6 +45,8 @@ typedef struct mf_bseq {
     char *txt;            /* generated text; grows (amortized) past its first 4 KiB only */
     size_t n_txt, cap_txt, n_sent;
     int64_t admit_ns, first_ns;
+    mf_prefix_seq *ps;    /* its hold on the prefix cache (opts.prefix) */
+    int n_cached, n_step; /* prompt tokens restored; items of this step */
     /* penalties: per token its occurrences in the output (MF_CNT_OUT bits) and MF_CNT_PROMPT;
      * touched lists the ids with a non-zero entry (cleared at the end). Allocated at the slot's
      * first request with penalties, kept. */
@@ -121,6 +123,9 @@ int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
 {
     *out = NULL;
     if (!opts->ref) return mf_error(-EINVAL, "batch: no forward (opts.ref)");
+    if (opts->spec && opts->prefix)
+        return mf_error(-EINVAL, "batch: speculation with the prefix cache (opts.prefix): a verify's positions would "
+                        "enter its blocks before the rollback gives the rejected ones back; not supported yet");
     if (opts->spec && opts->forward)
         return mf_error(-EINVAL, "batch: speculation with a forward of its own (opts.forward: a pipeline's); the "
                         "draft reads features of a whole model's forward");
@@ -188,6 +193,7 @@ int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
             break;
         if (!(q->lrow = malloc(sizeof(float) * (size_t)b->V * (size_t)(1 + b->spec_max))) || !(q->txt = malloc(q->cap_txt)))
             rc = mf_error(-ENOMEM, "batch: out of memory for sequence %d's buffers", i);
+        if (!rc && o.prefix) rc = mf_prefix_seq_new(o.prefix, &q->ps);
     }
     b->stats.n_states = b->n_states;
     if (rc) {
@@ -207,6 +213,7 @@ static void mf_batch_emit(mf_batch *b, mf_bseq *q, mf_breq *r, mf_batch_event *e
     ev->now_ns = mf_now_ns();
     if (q) {
         ev->n_gen = q->n_gen;
+        ev->n_cached = q->n_cached;
         ev->admit_ns = q->admit_ns;
         ev->first_ns = q->first_ns;
     }
@@ -237,6 +244,7 @@ static void mf_batch_finish_lp(mf_batch *b, mf_bseq *q, mf_batch_finish f, int e
     b->stats.completed += f != MF_BATCH_CANCELLED;
     b->stats.cancelled += f == MF_BATCH_CANCELLED;
     pthread_mutex_unlock(&b->mu);
+    mf_prefix_seq_end(b->o.prefix, q->ps, q->st, f != MF_BATCH_ERROR);   /* its last block a tail */
     mf_ref_state_reset(q->st);
     for (int i = 0; i < q->n_touched; i++) q->cnt[q->touched[i]] = 0;
     q->n_touched = 0;
@@ -310,14 +318,40 @@ int64_t mf_batch_request_bytes(const mf_batch *b, int n_prompt, int max_tokens)
     return mf_ref_state_bytes(b->c, (int64_t)n_prompt + max_tokens);
 }
 
+/* With the prefix cache: whether r should wait for a running sequence that is still prefilling a
+ * common prefix at least a block longer than r's hit (started now, r would compute those positions a
+ * second time; it restores them once that sequence has passed them). */
+static int mf_batch_prefix_wait(const mf_batch *b, int i, const mf_breq *r, int hit)
+{
+    int B = mf_prefix_block_tokens(b->o.prefix);
+    for (int j = 0; j < b->n_states; j++) {
+        const mf_bseq *s = &b->seq[j];
+        if (j == i || !s->req) continue;
+        int fed = s->admit_ns ? s->n_fed : s->n_cached;   /* admitted in this pass: at its hit */
+        int n = r->r.n_prompt - 1 < s->req->r.n_prompt ? r->r.n_prompt - 1 : s->req->r.n_prompt, L = 0;
+        while (L < n && r->prompt[L] == s->req->prompt[L]) L++;
+        if (L / B * B >= hit + B && fed < L / B * B) return 1;
+    }
+    return 0;
+}
+
 /* Whether request r may take free slot i under the state budget: the bytes every other state
  * holds plus what r needs. Idle states give back their pages (largest first) when that makes
  * room. Then i's state is trimmed to r's positions and reserved for them (its admit_rc). */
 static int mf_batch_fits(mf_batch *b, int i, const mf_breq *r)
 {
-    int64_t n = (int64_t)r->r.n_prompt + r->r.max_tokens;
+    int64_t n = (int64_t)r->r.n_prompt + r->r.max_tokens, mapped = 0;
+    mf_bseq *q = &b->seq[i];
+    /* echo_logprobs needs the logits of every prompt position: such a request restores nothing (a
+     * lookup of its first token) and computes its prompt, inserting its blocks as any other */
+    int echo = r->r.echo_logprobs, n_look = echo ? 1 : r->r.n_prompt;
+    q->n_cached = b->o.prefix ? mf_prefix_match(b->o.prefix, q->ps, r->prompt, n_look, &mapped) : 0;
+    if (b->o.prefix && !echo && mf_batch_prefix_wait(b, i, r, q->n_cached)) {
+        mf_prefix_seq_end(b->o.prefix, q->ps, NULL, 0);
+        return 0;
+    }
     if (b->o.state_budget_bytes) {
-        int64_t need = mf_ref_state_bytes(b->c, n), used = 0;
+        int64_t need = mf_ref_state_bytes(b->c, n) - mapped, used = 0;
         for (int j = 0; j < b->n_states; j++)
             if (j != i) used += mf_ref_state_held_bytes(b->seq[j].st);
         while ((uint64_t)(used + need) > b->o.state_budget_bytes) {
@@ -326,15 +360,21 @@ static int mf_batch_fits(mf_batch *b, int i, const mf_breq *r)
                 if (j != i && !b->seq[j].req && mf_ref_state_held_bytes(b->seq[j].st) > mf_ref_state_bytes(b->c, 0) &&
                     (big < 0 || mf_ref_state_held_bytes(b->seq[j].st) > mf_ref_state_held_bytes(b->seq[big].st)))
                     big = j;
-            if (big < 0) return 0;   /* waits for a running sequence to finish */
+            if (big < 0) {   /* waits for a running sequence to finish */
+                mf_prefix_seq_end(b->o.prefix, q->ps, NULL, 0);
+                return 0;
+            }
             used -= mf_ref_state_held_bytes(b->seq[big].st);
             mf_ref_state_trim(b->seq[big].st, 0);
             used += mf_ref_state_held_bytes(b->seq[big].st);
         }
     }
-    mf_bseq *q = &b->seq[i];
-    if (b->o.state_budget_bytes) mf_ref_state_trim(q->st, n);   /* without a budget it keeps its pages for reuse */
+    /* without a budget it keeps its pages for reuse; the pages a hit maps are not its own */
+    if (b->o.state_budget_bytes) mf_ref_state_trim(q->st, n - q->n_cached / MF_LY_PAGE_POSITIONS * MF_LY_PAGE_POSITIONS);
+    if (b->o.prefix) q->n_cached = mf_prefix_restore(b->o.prefix, q->ps, q->st);
+    if (q->n_cached < 0) q->n_cached = 0;   /* out of memory restoring: from scratch */
     q->admit_rc = mf_ref_state_reserve(q->st, n);   /* no allocation on the step path from here on */
+    b->stats.cached_tokens += q->n_cached;
     return 1;
 }
 
@@ -435,7 +475,8 @@ static void mf_batch_admit(mf_batch *b)
             mf_batch_finish_seq(b, q, MF_BATCH_ERROR, rc, mf_last_error());
         } else if (q->req && !q->admit_ns) {   /* just admitted (settings were checked at submit) */
             q->order = b->next_order++;
-            q->n_fed = q->n_gen = 0;
+            q->n_fed = q->n_cached;
+            q->n_gen = 0;
             q->pending = -1;
             q->n_txt = q->n_sent = 0;
             q->admit_ns = now;
@@ -504,6 +545,7 @@ static int mf_batch_items(mf_batch *b)
                 b->it_lg[n++] = q->lrow + (size_t)j * b->V;
             }
             q->in_step = q->got_logits = 1;
+            q->n_step = q->n_ver;
         } else {
             b->pf[n_pf++] = i;
         }
@@ -545,6 +587,7 @@ static int mf_batch_items(mf_batch *b)
         q->n_fed += take;
         q->in_step = 1;
         q->n_ver = 0;
+        q->n_step = take;
         budget -= take;
     }
     pthread_mutex_lock(&b->mu);
@@ -700,6 +743,8 @@ int mf_batch_step(mf_batch *b, int *n_items)
     int rc = b->o.spec ? mf_batch_spec_plan(b) : 0;   /* the round's candidates first */
     int n = mf_batch_items(b), n_dec = 0, n_seq = 0;
     if (!n) return 0;
+    for (int i = 0; b->o.prefix && i < b->n_states; i++)   /* the prefix cache taps the window */
+        if (b->seq[i].in_step) mf_prefix_step_begin(b->o.prefix, b->seq[i].ps, b->seq[i].st, b->seq[i].n_step);
     /* one forward over decode tokens and prefill chunks: the engine runs each sequence's items
      * as one unit of per-item tasks, the sequences' units in parallel (graphs/step/step.h) */
     float **ft = b->o.spec && mf_spec_feats(b->o.spec) ? b->it_ft : NULL;
@@ -713,6 +758,11 @@ int mf_batch_step(mf_batch *b, int *n_items)
         n_seq += b->seq[i].in_step && b->seq[i].n_ver;
     }
     if (!rc && b->o.spec && n_dec == n) mf_spec_step_done(b->o.spec, mf_now_ns() - t0, n, n_seq);   /* decode only */
+    for (int i = 0; b->o.prefix && i < b->n_states; i++) {   /* and keeps the blocks completed */
+        mf_bseq *q = &b->seq[i];
+        if (q->in_step)
+            mf_prefix_step_end(b->o.prefix, q->ps, q->st, !rc, q->pending < 0 && q->n_fed == q->req->r.n_prompt);
+    }
     pthread_mutex_lock(&b->mu);
     b->stats.steps++;
     b->stats.items += n;
@@ -915,6 +965,7 @@ void mf_batch_free(mf_batch *b)
     pthread_mutex_unlock(&b->mu);
     if (b->seq) mf_batch_admit(b);
     for (int i = 0; b->seq && i < b->n_states; i++) {
+        mf_prefix_seq_free(b->seq[i].ps);
         mf_ref_state_free(b->seq[i].st);
         mf_sampler_free(b->seq[i].smp);
         free(b->seq[i].lrow);

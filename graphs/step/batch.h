@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "graphs/prefix/prefix.h"
 #include "graphs/ref/ref.h"
 #include "graphs/step/sample.h"
 #include "graphs/step/step.h"
@@ -66,6 +67,7 @@ typedef struct mf_batch_event {
     size_t n_text;
     mf_batch_finish finish;      /* DONE: why */
     int n_prompt, n_gen;         /* prompt tokens; tokens generated so far */
+    int n_cached;                /* prompt tokens restored from the prefix cache (not run) */
     /* mf_now_ns() (sched/clock.h) of submission, admission into the running set, the first
      * generated token (0 before it) and this event */
     int64_t submit_ns, admit_ns, first_ns, now_ns;
@@ -118,6 +120,16 @@ typedef struct mf_batch_opts {
      * requests and these max_bypass ones to end. Without a budget the head always fits. */
     int max_bypass;
     int max_queue;        /* waiting requests (0: 256); one more is refused with -EAGAIN */
+    /* The prefix cache (graphs/prefix/prefix.h; NULL: none), made over the same ref: a request
+     * starts from the longest cached prefix of its prompt that leaves a token to run (the state's
+     * need counts the full pages it maps as the cache's, not again), and inserts its blocks after
+     * every forward and its last partial block at the prompt's end and when it ends. A request whose
+     * prompt shares at least a block more than its hit with a running sequence's prompt that is
+     * still prefilling that part waits (as one that does not fit the budget: others may pass it)
+     * until it can restore it. An echo_logprobs request restores nothing (it needs every prompt
+     * position's logits) but inserts its blocks. Numerics unchanged: logits after a hit are the bits of a run from
+     * scratch (tests/test_prefix_batch.c). Not with spec yet (-EINVAL). */
+    mf_prefix *prefix;
     /* prompt positions per step whose logits echo_logprobs requests may ask (0: none, such
      * requests are refused): a chunk of such a request is at most this long, and the batcher
      * holds this many rows of vocab_size floats (allocated at mf_batch_new). Other chunks ask
@@ -237,6 +249,7 @@ typedef struct mf_batch_stats {
     int64_t completed, cancelled, refused;
     int64_t state_bytes_held;   /* what all states hold, as of the last admission */
     int64_t bypassed;           /* requests admitted ahead of a queue head that did not fit (max_bypass) */
+    int64_t cached_tokens;      /* prompt tokens restored from the prefix cache */
 } mf_batch_stats;
 
 void mf_batch_get_stats(mf_batch *b, mf_batch_stats *out);   /* thread-safe */

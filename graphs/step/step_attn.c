@@ -468,8 +468,10 @@ int mf_step_heads_launch(const mf_step_targ *a, mf_dev_stream *st)
 
 /* The items' window KV into the ring, in item order (after every head that reads the ring rows
  * they take). An item whose sequence reaches W = sliding_window positions further in this graph is
- * left out: that later item takes its ring row (so item groups of a mixed graph, each writing its
- * own items, never write one row twice; in one task in order the later write won the same way). */
+ * left out of the ring: that later item takes its ring row (so item groups of a mixed graph, each
+ * writing its own items, never write one row twice; in one task in order the later write won the
+ * same way); its row still goes to the prefix cache's tap (mf_ly_ring_tap), which keeps every
+ * position's. */
 static int mf_task_attn_ring(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
@@ -484,9 +486,11 @@ static int mf_task_attn_ring(void *arg, mf_task_ctx *ctx)
             while (j + 1 < n && it[j + 1].st == it[i].st) j++;
             last = it[j].pos;
         }
-        if (last - it[i].pos >= W) continue;
-        mf_ly_attn_ring_write(cx, &a->sh->items[i], a->t->layer,
-                              a->sh->ab[MF_LY_A_KV] + (size_t)i * a->sh->ab_ld[MF_LY_A_KV]);
+        const float *kv = a->sh->ab[MF_LY_A_KV] + (size_t)i * a->sh->ab_ld[MF_LY_A_KV];
+        if (last - it[i].pos >= W)   /* the ring never holds it; the prefix cache's tap still does */
+            mf_ly_ring_tap(cx->ly->c, it[i].st, a->t->layer, it[i].pos, kv);
+        else
+            mf_ly_attn_ring_write(cx, &a->sh->items[i], a->t->layer, kv);
     }
     return 0;
 }

@@ -173,7 +173,7 @@ def wrapper():
     return w
 
 
-def run_fault(name, n, spec, act, named, timeout_s=2.0, launcher=None):
+def run_fault(name, n, spec, act, named, timeout_s=4.0, launcher=None):
     """A long decode over n ranks; act(pids) breaks it 2 s in; every rank r of named must exit
     non-zero within timeout_s + a margin with a message naming rank named[r] lost. launcher: the
     command before the wrapper and its -n (default: mpirun on loopback with --enable-recovery)."""
