@@ -115,11 +115,79 @@ static void mf_kern_bf16_tok1(const mf_kern_mat *m, const float *x, float *y, in
     }
 }
 
+/* A few tokens (2..MF_KERN_BF16_TOKN: a speculative verify's, a small batch's) with AVX-512: the
+ * one-token loop's way for each of them at once, one row at a time: the row's 32 weights of a step
+ * widened into two 16-lane registers once and applied to every token's accumulators (2 x nt
+ * registers), so the weights stream once from memory and nothing goes through an L1 tile. Each
+ * output's 32 lanes are the tile engine's (lane = k mod 32, fmaf in k order from +0) reduced by the
+ * same tree (mf_kern_reduce4x8_avx2 of its four 8-lane quarters), so the bits are the engine's. */
+#define MF_KERN_BF16_TOKN 8
+
+__attribute__((target("avx512f,avx2,fma"), always_inline))
+static inline __m512 mf_kern_bf16_load16(const uint16_t *w)
+{
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+
+__attribute__((target("avx512f,avx2,fma"), always_inline))
+static inline __m256 mf_kern_hi256(__m512 v)   /* lanes 8-15 */
+{
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+__attribute__((target("avx512f,avx2,fma"), always_inline))
+static inline void mf_kern_bf16_tokn_rows(const mf_kern_mat *m, const float *x, int ld_x, float *y, int ld_y,
+                                          int y_row0, int r0, int r1, const int NT)
+{
+    const int n = m->n_in;
+    for (int o = r0; o < r1; o++) {
+        const uint16_t *w = (const uint16_t *)m->w + (size_t)o * n;
+        __m512 a[MF_KERN_BF16_TOKN][2];
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) a[t][0] = a[t][1] = _mm512_setzero_ps();
+        for (int k = 0; k < n; k += 32) {
+            __m512 w0 = mf_kern_bf16_load16(w + k), w1 = mf_kern_bf16_load16(w + k + 16);
+#pragma GCC unroll 8
+            for (int t = 0; t < NT; t++) {
+                const float *xt = x + (size_t)t * ld_x + k;
+                a[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xt), a[t][0]);
+                a[t][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xt + 16), a[t][1]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++)
+            y[(size_t)t * ld_y + (o - y_row0)] =
+                mf_kern_reduce4x8_avx2(_mm512_castps512_ps256(a[t][0]), mf_kern_hi256(a[t][0]),
+                                       _mm512_castps512_ps256(a[t][1]), mf_kern_hi256(a[t][1]));
+    }
+}
+
+__attribute__((target("avx512f,avx2,fma")))
+static void mf_kern_bf16_tokn_avx512(const mf_kern_mat *m, const float *x, int n_tok, int ld_x, float *y, int ld_y,
+                                     int y_row0, int r0, int r1)
+{
+    switch (n_tok) {
+    case 2: mf_kern_bf16_tokn_rows(m, x, ld_x, y, ld_y, y_row0, r0, r1, 2); break;
+    case 3: mf_kern_bf16_tokn_rows(m, x, ld_x, y, ld_y, y_row0, r0, r1, 3); break;
+    case 4: mf_kern_bf16_tokn_rows(m, x, ld_x, y, ld_y, y_row0, r0, r1, 4); break;
+    case 5: mf_kern_bf16_tokn_rows(m, x, ld_x, y, ld_y, y_row0, r0, r1, 5); break;
+    case 6: mf_kern_bf16_tokn_rows(m, x, ld_x, y, ld_y, y_row0, r0, r1, 6); break;
+    case 7: mf_kern_bf16_tokn_rows(m, x, ld_x, y, ld_y, y_row0, r0, r1, 7); break;
+    default: mf_kern_bf16_tokn_rows(m, x, ld_x, y, ld_y, y_row0, r0, r1, 8); break;
+    }
+}
+
 void mf_kern_bf16_rows(const mf_kern_mat *m, const float *x, int n_tok, int ld_x, float *y,
                        int ld_y, int y_row0, int r0, int r1)
 {
     if (n_tok == 1 && mf_kern_simd_active() == MF_KERN_SIMD_AVX2) {
         mf_kern_bf16_tok1(m, x, y, y_row0, r0, r1);
+        return;
+    }
+    if (n_tok >= 2 && n_tok <= MF_KERN_BF16_TOKN && m->n_in % 32 == 0 && mf_kern_simd_active() == MF_KERN_SIMD_AVX2 &&
+        mf_kern_fp8_tok1_avx512()) {
+        mf_kern_bf16_tokn_avx512(m, x, n_tok, ld_x, y, ld_y, y_row0, r0, r1);
         return;
     }
     mf_kern_f32_run(m, mf_kern_bf16_decode_avx2, mf_kern_bf16_decode_scalar, x, n_tok, ld_x, y,

@@ -103,8 +103,11 @@ int mf_kern_fp4_matmul_f32(const uint8_t *w, const uint8_t *scale, int n_out, in
 int mf_kern_fp8_matmul(const uint8_t *w, const uint8_t *scale, int n_out, int n_in,
                        const float *x, int n_tok, int ld_x, float *y, int ld_y, int r0, int r1);
 /* 1 when the FP8 one-token loop runs 16-lane AVX-512 (the CPU has F, BW and VL), and when the FP4
- * one-token loop runs on AVX-512 (also VNNI and VBMI), else 0; both give the AVX2 loops' bits.
- * set: 0 keeps both on AVX2, 1 or -1 uses AVX-512 where the CPU has it (tests, MOEFLOW_SIMD). */
+ * one-token loop runs on AVX-512 (also VNNI and VBMI), else 0; both give the AVX2 loops' bits. The
+ * first also says whether the BF16 loop of 2..8 tokens (a speculative verify's head: every token
+ * from one pass over the weights in registers, host/kern_bf16.c) runs, which gives the tile
+ * engine's bits. set: 0 keeps all on AVX2, 1 or -1 uses AVX-512 where the CPU has it (tests,
+ * MOEFLOW_SIMD). */
 int mf_kern_fp8_tok1_avx512(void);
 int mf_kern_fp4_tok1_avx512(void);
 void mf_kern_tok1_set_avx512(int on);

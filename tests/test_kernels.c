@@ -808,6 +808,32 @@ static void case_bf16_prefetch(void)
     for (int k = 0; k < 3; k++) free(y[k]);
 }
 
+/* The BF16 few-token loop (2..8 tokens with AVX-512: a speculative verify's head) against the tile
+ * engine (AVX-512 switched off): the same bits, at odd row ranges and input strides. */
+static void case_bf16_tokn(void)
+{
+    if (mf_kern_simd_active() != MF_KERN_SIMD_AVX2 || !mf_kern_fp8_tok1_avx512()) return;
+    enum { R = 301, C = 1088, LD = 1100 };
+    uint16_t *w = malloc(sizeof(uint16_t) * R * C);
+    float *x = malloc(sizeof(float) * 9 * LD), *y[2];
+    for (int k = 0; k < 2; k++) y[k] = malloc(sizeof(float) * 9 * R);
+    for (int64_t i = 0; i < (int64_t)R * C; i++) w[i] = mf_bf16_from_f32(rng_normal());
+    for (int i = 0; i < 9 * LD; i++) x[i] = rng_normal();
+    int same = 1;
+    for (int n = 2; n <= 9; n++)
+        for (int k = 0; k < 2; k++) {
+            mf_kern_tok1_set_avx512(k);   /* 0: the tile engine; 1: the few-token loop (as the CPU allows) */
+            memset(y[k], 0, sizeof(float) * 9 * R);
+            CHECK(mf_kern_bf16_matmul(w, R, C, x, n, LD, y[k], R, 3, R - 2) == 0, "%s", mf_last_error());
+            if (k) same &= bits_equal(y[0], y[1], 9 * R);
+        }
+    CHECK(same, "bf16 2..9 tokens: the few-token loop's bits differ from the tile engine's");
+    mf_kern_tok1_set_avx512(1);
+    free(w);
+    free(x);
+    for (int k = 0; k < 2; k++) free(y[k]);
+}
+
 int main(void)
 {
     const char *env = getenv("MOEFLOW_TEST_SEED");
@@ -878,6 +904,7 @@ int main(void)
     case_matmul(MF_KERN_FP8, 67, 1056, 1, 110, 135, 0);
     case_matmul(MF_KERN_BF16, 37, 1312, 1, 0, 0, 1);
     case_bf16_prefetch();
+    case_bf16_tokn();
     case_ffn(MF_KERN_FP4, 96, 256, 5);
     case_ffn(MF_KERN_FP4, 160, 544, 64);
     case_ffn(MF_KERN_FP4, 64, 256, 67);                      /* two token passes */

@@ -243,6 +243,8 @@ typedef struct mf_bd_cli {
     long steps, batch, n_prompt, chunk, threads, micro;
     int json, exact, no_ref, dense, dense_split;   /* dense: -1 not given */
     mf_tool_sockets sk;                            /* n 0: --sockets not given (auto) */
+    int spec;                                      /* MF_TOOL_SPEC_* */
+    long spec_tokens, rounds;                      /* spec_tokens 0: auto */
 } mf_bd_cli;
 
 #define F(x) offsetof(mf_bd_cli, x)
@@ -295,6 +297,21 @@ static const mf_opt mf_bd_table[] = {
      .words = mf_tool_dense_splits,
      .help = "with dense cards: by layer ranges, or every dense matrix\n"
              "but the shared expert split by rows across all cards"},
+    {"--spec", .kind = MF_OPT_WORD, .off = F(spec), .def = "off", .meta = "S", .words = mf_tool_specs,
+     .help = "instead of the engines' tables: speculative decoding against plain\n"
+             "decoding through the batcher, in the same run (tools/bench_spec.c):\n"
+             "dspark the checkpoint's draft; perfect the candidates of a greedy run\n"
+             "of the same prompts (the upper bound of a draft). A greedy run, one\n"
+             "untimed run of each, then --rounds rounds alternating; decode\n"
+             "tokens/s (first generated token to last) medians, their ratio, the\n"
+             "acceptance by position, tokens per target forward, the verify's\n"
+             "measured cost over a plain step, the k chosen (--json: as JSON);\n"
+             "fails when a speculating run's greedy tokens differ"},
+    {"--spec-tokens", .kind = MF_OPT_FN, .off = F(spec_tokens), .def = "auto", .meta = "N|auto",
+     .fn = mf_tool_spec_tokens_opt, .example = "5",
+     .help = "with --spec: N candidates every round, or auto (the cost model's\nk per round, on the built-in machine's prices)"},
+    {"--rounds", .kind = MF_OPT_LONG, .off = F(rounds), .def = "5", .meta = "R", .lo = 1, .hi = 1000,
+     .help = "with --spec: timed rounds (plain then speculating)"},
     {NULL},
 };
 #undef F
@@ -306,7 +323,8 @@ static const mf_opts_spec mf_bd_spec = {
         "                            [--prompt-tokens P] [--chunk T] [--exact] [--no-reference]\n"
         "                            [--micro-batches 1|2] [--sockets N|auto] [--trace FILE] [--json]\n"
         "                            [--devices emu:N|cuda[:IDS] [--dense host|cards]\n"
-        "                             [--dense-split layers|rows]]\n\n"
+        "                             [--dense-split layers|rows]]\n"
+        "                            [--spec dspark|perfect [--spec-tokens N|auto] [--rounds R]]\n\n"
         "Prefills B sequences of a synthetic P-token prompt (sequence i's tokens are\n"
         "(37 k + 11 + 101 i) mod vocab) and runs N greedy decode steps of the batch with the\n"
         "reference engine, then with the scheduled engine on --threads workers. Prints per\n"
@@ -517,6 +535,14 @@ int mf_bench_decode(int argc, char **argv)
         if (a.sk.n > a.threads) a.sk.n = (int)a.threads;
     }
     if (!a.dir) return mf_opts_refuse(&mf_bd_spec, "--checkpoint DIR is required");
+    if (a.spec) {   /* plain against speculating runs instead of the engines' tables */
+        mf_bench_spec_opts so = {.dir = a.dir, .spec = a.spec, .exact = a.exact, .json = a.json,
+                                 .spec_tokens = a.spec_tokens, .batch = a.batch, .steps = a.steps,
+                                 .n_prompt = a.n_prompt, .threads = a.threads, .rounds = a.rounds};
+        if ((rc = mf_bench_decode_spec(&so)))
+            fprintf(stderr, "moeflow bench decode: %s\n", mf_last_error()[0] ? mf_last_error() : "failed");
+        return rc ? 1 : 0;
+    }
     static mf_bd b;
     b = (mf_bd){.a = &a, .dense = a.dense >= 0 ? a.dense == MF_PLAN_DENSE_CARDS : a.devices != NULL};
     if (b.dense && !a.devices) {

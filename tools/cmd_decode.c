@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "device/dev.h"
+#include "graphs/step/spec.h"
 #include "graphs/step/stepgraph.h"
 #include "sched/clock.h"
 #include "tools/cmd_decode.h"
@@ -96,6 +97,18 @@ static const mf_opt mf_dec_table[] = {
              "reference's on_route hook, and with a hook set the scheduled\n"
              "engine runs its serial graph (a batch's per-sequence parts one\n"
              "after another), so timings differ from a run without it"},
+    {"--spec", .kind = MF_OPT_WORD, .off = F(spec), .def = "off", .meta = "S", .words = mf_tool_specs,
+     .help = "dspark: speculative decoding with the checkpoint's DSpark draft\n"
+             "(its mtp.* tensors, loaded only then; docs/dspark.md): each step a\n"
+             "sequence's pending token and the draft's candidates run as one\n"
+             "verify, the longest prefix the target agrees with is kept (greedy:\n"
+             "the same tokens bit for bit; sampling: the same distribution);\n"
+             "the summary on stderr; off: none"},
+    {"--spec-tokens", .kind = MF_OPT_FN, .off = F(spec_tokens), .def = "auto", .meta = "N|auto",
+     .fn = mf_tool_spec_tokens_opt, .example = "3",
+     .help = "with --spec: N candidates every round (1..dspark_block_size), or\n"
+             "auto: per round and sequence the k the cost model (--profile's\n"
+             "prices) says pays, 0 when none does"},
     MF_TOOL_RANKS_ROWS(F(rk)),
     MF_TOOL_PREFIX_OPTS(F, pfx),
     {"--quiet", "-q", MF_OPT_FLAG, F(quiet), .help = "no progress or timing on stderr"},
@@ -112,6 +125,7 @@ static const mf_opts_spec mf_dec_spec = {
         "                      [--max-new-tokens N] [--temperature T --top-p P --seed S]\n"
         "                      [--no-bos] [--ignore-eos] [--act-quant] [--quiet] [--trace FILE]\n"
         "                      [--chat [--chat-template FILE|builtin]] [--record-routing FILE]\n"
+        "                      [--spec dspark [--spec-tokens N|auto]]\n"
         "                      [--prefix-cache SIZE] [--prefix-cache-dir DIR] [--prefix-block N]\n"
         "                      [--ranks-layers auto|a:b,c:d [--ranks-micro M] [--ranks-timeout S]]\n\n"
         "Decodes with the scheduled engine (a task graph per step on --threads workers: experts\n"
@@ -136,7 +150,7 @@ static const mf_opts_spec mf_dec_spec = {
 static int mf_dec_check(mf_dec_cli *a, mf_dec *d)
 {
     int rc = mf_tool_engine_check("decode", &a->e);
-    if (!rc) rc = mf_tool_prefix_check("decode", &a->pfx, a->rk.spec != NULL);
+    if (!rc) rc = mf_tool_prefix_check("decode", &a->pfx, a->rk.spec != NULL, a->spec != 0);
     if (rc) return rc;
     if (!a->dir || (!!a->prompt + !!a->ids + !!a->prompts_file) != 1)
         return mf_opts_refuse(&mf_dec_spec, "--checkpoint and exactly one of --prompt / --tokens / --prompts are "
@@ -151,13 +165,18 @@ static int mf_dec_check(mf_dec_cli *a, mf_dec *d)
     if (a->e.sched && a->act_quant)
         why = "--act-quant is only implemented by the reference engine (add --engine reference)";
     else if (!a->e.sched && a->trace && !a->e.store_mode) why = "--trace needs the scheduled engine or --store";
+    else if (a->spec == MF_TOOL_SPEC_PERFECT) why = "--spec perfect is bench decode's (decode takes off or dspark)";
+    else if (a->spec && a->record) why = "--spec and --record-routing: the trace would record rejected tokens too";
     else if (a->rk.spec && a->record)
         why = "--ranks-layers runs without --record-routing (each rank routes its own layers)";
+    else if (a->spec && a->rk.spec)
+        why = "--spec runs on one host (without --ranks-layers): the draft reads every layer's features";
     if (why) {
         fprintf(stderr, "moeflow decode: %s\n", why);
         return 2;
     }
     d->no_bos = a->no_bos;
+    a->e.draft = a->spec == MF_TOOL_SPEC_DSPARK;
     return 0;
 }
 
@@ -243,11 +262,13 @@ static int mf_dec_submit(mf_dec *d)
                                  "moeflow decode", a->quiet, &d->pfx);
     if (rc) return rc;
     mf_pipe *pipe = d->rk->pipe;   /* a pipeline: rank 0's forwards run every rank's layers */
-    rc = mf_batch_new(&(mf_batch_opts){.ref = d->x.r, .eng = d->x.eng, .tok = d->tok, .max_batch = d->max_batch,
-                                       .forward = pipe ? mf_pipe_forward : NULL, .forward_ctx = pipe,
-                                       .step_tokens = (int)d->step_tokens, .max_context = d->total > 1 ? d->total : 2,
-                                       .max_queue = d->n_seq, .prefix = d->pfx, .on_event = mf_dec_on_event,
-                                       .user = &d->dc}, &d->bat);
+    if (!rc) rc = mf_tool_run_spec(&a->e, &d->x, a->spec_tokens, d->max_batch, d->total / 2 + 1);
+    if (!rc)
+        rc = mf_batch_new(&(mf_batch_opts){.ref = d->x.r, .eng = d->x.eng, .tok = d->tok, .max_batch = d->max_batch,
+                                           .forward = pipe ? mf_pipe_forward : NULL, .forward_ctx = pipe,
+                                           .step_tokens = (int)d->step_tokens, .max_context = d->total > 1 ? d->total : 2,
+                                           .max_queue = d->n_seq, .prefix = d->pfx, .on_event = mf_dec_on_event,
+                                           .user = &d->dc, .spec = d->x.spec}, &d->bat);
     if (rc) return rc;
     d->rrec.b = d->bat;
     if ((rc = mf_dec_write_refused(d))) return rc;
@@ -469,6 +490,11 @@ static void mf_dec_report(const mf_dec *d)
     if (!mf_tool_rss(&anon, &file))
         fprintf(stderr, "moeflow decode: memory: %.2f GiB of the process's own (RssAnon), %.2f GiB of files mapped "
                 "(RssFile: the page cache, shared, kept after exit)\n", anon / 1073741824.0, file / 1073741824.0);
+    if (d->x.spec) {
+        mf_spec_stats st;
+        mf_spec_get_stats(d->x.spec, &st);
+        mf_tool_spec_line(stderr, "moeflow decode", &st);
+    }
 }
 
 /* After a run with refused lines or an interruption: what became of the prompts, on stderr (with

@@ -33,6 +33,8 @@ typedef struct mf_dec_cli {
     long max_new, batch, step_tokens;   /* batch, step_tokens 0: not given */
     double temperature, top_p;
     unsigned long long seed;
+    int spec;                      /* --spec: MF_TOOL_SPEC_OFF or _DSPARK */
+    long spec_tokens;              /* --spec-tokens: N, 0 auto */
     mf_tool_engine e;
     mf_tool_ranks rk;              /* --ranks-layers, --ranks-micro, --ranks-timeout (e.rk points here) */
     mf_tool_prefix pfx;            /* --prefix-cache and its kin */

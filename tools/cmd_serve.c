@@ -34,6 +34,7 @@
 #include "tools/serve_door.h"
 #include "tools/serve_http.h"
 #include "tools/serve_req.h"
+#include "tools/sim_common.h"
 #include "tools/tool_prefix.h"
 
 /* The command line of `moeflow serve`; the engine and model options are the group serve shares
@@ -44,6 +45,8 @@ typedef struct mf_serve_cli {
     long port, max_batch, step_tokens, max_queue, max_context, timeout, request_timeout, drain;
     long max_conns, max_per_addr;
     uint64_t budget, max_body;
+    int spec;                  /* --spec: MF_TOOL_SPEC_OFF or _DSPARK */
+    long spec_tokens;          /* 0: auto */
     mf_tool_engine e;
     mf_tool_ranks rk;          /* --ranks-layers ...: rank 0 serves, the others run their layers (e.rk points here) */
     mf_tool_prefix pfx;        /* --prefix-cache and its kin */
@@ -95,6 +98,13 @@ static const mf_opt mf_serve_table[] = {
              "(Jinja2, the subset of docs/serve.md; the built-in DeepSeek-V3 format\n"
              "without one), FILE (a template, or a tokenizer_config.json), builtin,\n"
              "or deepseek-v4 (DeepSeek-V4's encoding with tools, as `moeflow gen` writes)"},
+    {"--spec", .kind = MF_OPT_WORD, .off = F(spec), .def = "off", .meta = "S", .words = mf_tool_specs,
+     .help = "dspark: speculative decoding with the checkpoint's DSpark draft\n"
+             "(see moeflow decode --help); its counters in /metrics\n"
+             "(moeflow_spec_*); off: none"},
+    {"--spec-tokens", .kind = MF_OPT_FN, .off = F(spec_tokens), .def = "auto", .meta = "N|auto",
+     .fn = mf_tool_spec_tokens_opt, .example = "auto",
+     .help = "with --spec: N candidates every round, or auto (the cost model's\nk per round and sequence)"},
     MF_TOOL_RANKS_ROWS(F(rk)),
     MF_TOOL_PREFIX_OPTS(F, pfx),
     {"--quiet", "-q", MF_OPT_FLAG, F(quiet), .help = "no log lines on stderr"},
@@ -112,6 +122,7 @@ static const mf_opts_spec mf_serve_spec = {
              "                     [--max-connections-per-addr N] [--api-key-file FILE]\n"
              "                     [--chat-template FILE|builtin|deepseek-v4] [--prefix-cache SIZE]\n"
              "                     [--prefix-cache-dir DIR] [--prefix-block N] [--quiet]\n"
+             "                     [--spec dspark [--spec-tokens N|auto]]\n"
              "                     [--ranks-layers auto|a:b,c:d [--ranks-micro M] [--ranks-timeout S]]\n"
              MF_TOOL_ENGINE_USAGE "\n"
              "Serves an OpenAI-compatible HTTP API over the continuous batcher (docs/serve.md):\n"
@@ -162,6 +173,8 @@ static int mf_serve_open(mf_serve *s)
     if (a->rk.rank > 0) return 0;   /* a pipeline's later rank: its layers of rank 0's steps, no batcher or server */
     mf_tool_run_notes("serve", &a->e, &s->x, a->quiet);
     mf_pipe *pipe = a->rk.pipe;     /* a pipeline: rank 0's forwards run every rank's layers */
+    if ((rc = mf_tool_run_spec(&e, &s->x, a->spec_tokens, (int)a->max_batch, 1024))) return rc;
+    v->spec = s->x.spec;
     int64_t model_ctx = v->c->max_position_embeddings;
     v->max_context = a->max_context ? a->max_context : model_ctx < 4096 ? model_ctx : 4096;
     if (v->max_context > model_ctx) {
@@ -181,7 +194,8 @@ static int mf_serve_open(mf_serve *s)
                                             .step_tokens = (int)a->step_tokens, .max_context = v->max_context,
                                             .state_budget_bytes = a->budget, .max_queue = (int)a->max_queue,
                                             .echo_rows = echo_rows, .gram_vocab = v->gram_vocab,
-                                            .prefix = v->prefix, .on_event = mf_srv_on_event, .user = v}, &v->b)))
+                                            .prefix = v->prefix, .on_event = mf_srv_on_event, .user = v,
+                                            .spec = v->spec}, &v->b)))
         return rc;
     char dn[256];
     snprintf(dn, sizeof dn, "%s", a->dir);
@@ -305,8 +319,9 @@ static void mf_serve_close(mf_serve *s)
     mf_batch_free(v->b);
     if (!s->a->quiet) mf_tool_prefix_report(v->prefix, "moeflow serve", stderr);
     mf_prefix_free(v->prefix);
-    mf_tool_run_close(&s->x);
+    mf_tool_run_close(&s->x);   /* the speculation too: after the batcher */
     v->eng = NULL;
+    v->spec = NULL;
     mf_gram_vocab_free(v->gram_vocab);
     mf_tok_free(v->tok);
     mf_chat_tmpl_free(v->chat);
@@ -407,7 +422,17 @@ int mf_cmd_serve(int argc, char **argv)
         return 2;
     }
     if ((rc = mf_tool_engine_check("serve", &a.e))) return rc;
-    if ((rc = mf_tool_prefix_check("serve", &a.pfx, a.rk.spec != NULL))) return rc;
+    if (a.spec == MF_TOOL_SPEC_PERFECT) {
+        fprintf(stderr, "moeflow serve: --spec perfect is bench decode's (serve takes off or dspark)\n");
+        return 2;
+    }
+    if (a.spec && a.rk.spec) {
+        fprintf(stderr, "moeflow serve: --spec runs on one host (without --ranks-layers): the draft reads every "
+                "layer's features\n");
+        return 2;
+    }
+    a.e.draft = a.spec == MF_TOOL_SPEC_DSPARK;
+    if ((rc = mf_tool_prefix_check("serve", &a.pfx, a.rk.spec != NULL, a.spec != 0))) return rc;
     if ((rc = mf_tool_ranks_open(&a.rk, "serve", a.dir, a.e.profile_path, (int)a.e.threads, NULL, NULL)) ||
         a.rk.rank > 0)
         return mf_serve_follower(&a, rc);

@@ -19,6 +19,7 @@
 #include "graphs/ref/ref.h"
 #include "graphs/sim/routing.h"
 #include "graphs/step/sample.h"
+#include "graphs/step/spec.h"
 #include "graphs/step/step.h"
 #include "sched/error.h"
 #include "sched/profile.h"
@@ -35,6 +36,9 @@ typedef struct mf_sim_cli {
     uint64_t store_budget, dev_cache, host_mem;
     long ranks, ranks_micro;   /* a pipeline over hosts (--ranks N) */
     const char *ranks_layers;
+    int spec;                 /* MF_TOOL_SPEC_* */
+    long spec_tokens;         /* 0: auto */
+    const char *accept;       /* --accept: acceptances, comma separated */
 } mf_sim_cli;
 
 #define F(x) offsetof(mf_sim_cli, x)
@@ -127,6 +131,20 @@ static const mf_opt mf_sim_table[] = {
              "prompt, prefilled in chunks of --chunk positions through the\n"
              "engine's serial graph, caches empty at the start (--batch,\n"
              "--steps, --warmup, --context do not apply)"},
+    {"--spec", .kind = MF_OPT_WORD, .off = F(spec), .def = "off", .meta = "S", .words = mf_tool_specs,
+     .help = "dspark: the speculating engine (docs/dspark.md): per k = 0..N the\n"
+             "verify of 1 + k items per sequence (its k candidates in one unit,\n"
+             "routed as the sequence's consecutive tokens) and the draft round of\n"
+             "the batch, then tokens/s at each --accept with the k the cost model\n"
+             "picks (--spec-tokens auto) or N, against k = 0; off: none"},
+    {"--spec-tokens", .kind = MF_OPT_FN, .off = F(spec_tokens), .def = "auto", .meta = "N|auto",
+     .fn = mf_tool_spec_tokens_opt, .example = "auto",
+     .help = "with --spec: candidates per round (N), or auto: the best k of\n"
+             "0..dspark_block_size by the cost model (k stops where the batch's\n"
+             "items pass " MF_OPTS_STR(MF_STEP_MAX_ITEMS) ")"},
+    {"--accept", .kind = MF_OPT_STR, .off = F(accept), .def = "0.6,0.89", .meta = "A,...",
+     .help = "with --spec: the acceptance of each candidate given the ones\n"
+             "before it accepted (0..1), one result per value"},
     {"--ranks", .kind = MF_OPT_LONG, .off = F(ranks), .meta = "N", .lo = 2, .hi = MF_PIPE_MAX_RANKS,
      .help = "the model split by layers over N hosts of this profile joined by\n"
              "its link (link_bytes_per_s, link_latency_ns; graphs/pipe/pipe.h):\n"
@@ -166,6 +184,7 @@ static const mf_opts_spec mf_sim_spec = {
         "                   [--micro-batches 1|2] [--prefetch-min N]\n"
         "                   [--trace FILE] [--json] [--ops]\n"
         "                   [--measure] [--prompt-tokens N [--chunk T] [--cached M]]\n"
+        "                   [--spec dspark [--spec-tokens N|auto] [--accept A,...]]\n"
         "                   [--ranks N [--ranks-layers auto|a:b,c:d] [--ranks-micro M] [--host-mem SIZE]]\n\n"
         "Simulates decode steps of the scheduled engine (graphs/step/step.c's graph, docs/sim.md) on the\n"
         "hardware profile P: --warmup steps warm the caches, then --steps are reported: predicted\n"
@@ -321,6 +340,49 @@ static void mf_sim_text(const mf_sim_cli *a, const mf_plan_opts *po, const mf_pl
            rep->token_ns / 1e6, meas_ns / 1e6, rep->token_ns / meas_ns);
 }
 
+/* --spec: the verify and draft prices per k (mf_spec_sim), then per acceptance the k and tokens/s. */
+static int mf_sim_spec_run(const mf_sim_cli *a, const mf_plan_opts *po, mf_routing *rt)
+{
+    double acc[16], v[MF_SPEC_MAX + 1], d[MF_SPEC_MAX + 1];
+    int n_acc = 0, n_k = 0, n_max = a->spec_tokens ? (int)a->spec_tokens : po->config->dspark_block_size;
+    for (const char *p = a->accept; *p && n_acc < 16;) {
+        char *end;
+        double x = strtod(p, &end);
+        if (end == p || x < 0 || x > 1 || (*end && *end != ','))
+            return mf_error(-EINVAL, "--accept: expected acceptances in [0, 1] separated by commas, found '%s'", a->accept);
+        acc[n_acc++] = x;
+        p = *end ? end + 1 : end;
+    }
+    int rc = mf_spec_sim(po, n_max, (int)a->warmup, (int)a->steps, v, d, &n_k);
+    if (rc) return rc;
+    double b = po->batch ? po->batch : 1;
+    if (a->json) printf("{\"spec\":{\"routing\":\"%s\",\"batch\":%.0f,\"prices\":[", mf_routing_describe(rt), b);
+    else printf("sim --spec dspark: %s, routing %s, batch %.0f: a step of 1 + k items per sequence and the draft round "
+                "of the batch (ms)\n%-4s %12s %12s\n", a->dir ? a->dir : a->preset, mf_routing_describe(rt), b, "k",
+                "verify", "draft");
+    for (int k = 0; k <= n_k; k++)
+        if (a->json) printf("%s{\"k\":%d,\"verify_s\":%.9g,\"draft_s\":%.9g}", k ? "," : "", k, v[k] / 1e9, d[k] / 1e9);
+        else printf("%-4d %12.3f %12.3f\n", k, v[k] / 1e6, d[k] / 1e6);
+    if (a->json) printf("],\"by_acceptance\":[");
+    for (int j = 0; j < n_acc; j++) {
+        double al[MF_SPEC_MAX + 1], gain;
+        for (int k = 0; k <= n_k; k++) al[k] = acc[j];
+        int k = a->spec_tokens ? (n_max < n_k ? n_max : n_k) : mf_spec_choose(v, d, al, n_k, &gain);
+        double e = 1, p = 1;
+        for (int i = 1; i <= k; i++) e += p *= acc[j];
+        double tps = b * e / ((v[k] + d[k]) / 1e9), plain = b / (v[0] / 1e9);
+        if (a->json)
+            printf("%s{\"acceptance\":%.6g,\"k\":%d,\"tokens_per_round\":%.6g,\"tokens_per_s\":%.6g,"
+                   "\"plain_tokens_per_s\":%.6g,\"speedup\":%.6g}", j ? "," : "", acc[j], k, e, tps, plain, tps / plain);
+        else
+            printf("acceptance %.2f: k %d (%s), %.2f tokens per round, %.2f tokens/s against %.2f without "
+                   "speculation: %.3fx\n", acc[j], k, a->spec_tokens ? "fixed" : "the cost model's", e, tps, plain,
+                   tps / plain);
+    }
+    if (a->json) printf("]}}\n");
+    return 0;
+}
+
 /* --ranks: the split (auto on this profile, or the ranges) simulated as a pipeline of hosts. */
 static int mf_sim_ranks(mf_sim_cli *a, mf_plan_opts *po, mf_routing *rt)
 {
@@ -375,6 +437,15 @@ static int mf_sim_check(const mf_sim_cli *a)
         fprintf(stderr, "moeflow sim: --chunk applies to --prompt-tokens\n");
         return 2;
     }
+    if (a->spec && (a->measure || a->prompt_tokens || a->spec == MF_TOOL_SPEC_PERFECT)) {
+        fprintf(stderr, "moeflow sim: --spec dspark prices decode steps: not with --measure or --prompt-tokens "
+                        "(and perfect is bench decode's)\n");
+        return 2;
+    }
+    if (a->ranks && a->spec) {
+        fprintf(stderr, "moeflow sim: --spec prices one host's engine (not with --ranks)\n");
+        return 2;
+    }
     if (a->ranks && (a->measure || a->prompt_tokens || a->trace)) {
         fprintf(stderr, "moeflow sim: --ranks simulates decode steps (not with --measure, --prompt-tokens, --trace)\n");
         return 2;
@@ -408,7 +479,9 @@ static int mf_sim_run(mf_sim_cli *a)
     mf_plan_report rep;
     double meas_ns = 0;
     mf_step_times mt = {0};
-    if (a->ranks) {
+    if (a->spec) {
+        rc = mf_sim_spec_run(a, &po, rt);
+    } else if (a->ranks) {
         rc = mf_sim_ranks(a, &po, rt);
     } else if (a->prompt_tokens) {
         rc = mf_sim_prefill(a, &po, &prof, rt);

@@ -55,4 +55,14 @@ int mf_tool_sockets_of(const char *arg, mf_tool_sockets *out);
 /* mf_tool_sockets_of as an option table's MF_OPT_FN (the field: an mf_tool_sockets). */
 int mf_tool_sockets_opt(const mf_opt *o, const char *arg, void *field);
 
+/* `moeflow bench decode --spec dspark|perfect` (tools/bench_spec.c): plain against speculating
+ * batcher runs of the synthetic prompts, alternating. spec: MF_TOOL_SPEC_DSPARK or _PERFECT
+ * (tools/sim_common.h); spec_tokens 0: auto. 0 or a negative code. */
+typedef struct mf_bench_spec_opts {
+    const char *dir;
+    int spec, exact, json;
+    long spec_tokens, batch, steps, n_prompt, threads, rounds;
+} mf_bench_spec_opts;
+int mf_bench_decode_spec(const mf_bench_spec_opts *o);
+
 #endif

@@ -14,6 +14,7 @@
 
 #include "graphs/sim/routing.h"
 #include "sched/clock.h"
+#include "sched/cost.h"
 #include "sched/error.h"
 #include "tools/sim_common.h"
 
@@ -206,7 +207,8 @@ static int mf_tool_run_model(const char *cmd, const mf_tool_engine *e, const cha
     mf_model_opts mo = {.quiet = quiet, .resident_limit_bytes = e->sched ? UINT64_C(64) << 30 : 0,
                         .weights = e->weights, .store = e->store_mode, .store_tables = e->store_tables,
                         .store_budget_bytes = e->store_budget, .store_io_depth = (int)e->io_depth,
-                        .store_io_pread = mf_tool_io_env.force_pread, .n_sockets = e->sched ? e->sk.n : 1};
+                        .store_io_pread = mf_tool_io_env.force_pread, .n_sockets = e->sched ? e->sk.n : 1,
+                        .load_draft = e->draft};
     if (e->rk) mf_tool_ranks_layers(e->rk, &mo.layer_begin, &mo.layer_end);   /* a pipeline's rank: its layers */
     memcpy(mo.socket_node, e->sk.node, sizeof mo.socket_node);
     if (!e->sched) {   /* the reference engine reads through the store's own run */
@@ -278,11 +280,24 @@ int mf_tool_run_open(const char *cmd, const mf_tool_engine *e, const char *dir, 
                                            .lt = e->lt, .profile = x->have_prof ? &x->prof : NULL, .io_depth = (int)e->io_depth,
                                            .io_force_pread = mf_tool_io_env.force_pread,
                                            .io_fault_kind = mf_tool_io_env.fault_kind,
-                                           .io_fault_nth = mf_tool_io_env.fault_nth,
+                                           .io_fault_nth = mf_tool_io_env.fault_nth, .draft = e->draft,
                                            .link = pipe ? mf_pipe_step_link(pipe) : (mf_step_link){0}}, &x->eng);
     if (!rc && pipe) mf_pipe_attach(pipe, x->r, x->eng);
     free(counts);
     return rc;
+}
+
+int mf_tool_run_spec(const mf_tool_engine *e, mf_tool_run *x, long n_tokens, int max_batch, int64_t context)
+{
+    if (!e->draft) return 0;
+    mf_plan_opts price = {.config = mf_model_config(x->m), .profile = x->have_prof ? &x->prof : mf_cost_default_profile(),
+                          .placement = e->place, .n_cards = x->dev ? mf_dev_n_cards(x->dev) : 0, .n_sockets = 1,
+                          .threads_per_socket = (int)e->threads, .context = context,
+                          .dense = e->dense_cards ? MF_PLAN_DENSE_CARDS : MF_PLAN_DENSE_HOST,
+                          .dense_split = e->dense_split, .micro = (int)e->micro};
+    return mf_spec_new(&(mf_spec_opts){.ref = x->r, .eng = x->eng, .source = MF_SPEC_DSPARK, .n_max = (int)n_tokens,
+                                       .adaptive = n_tokens == 0, .price = &price},
+                       max_batch, &x->spec);
 }
 
 void mf_tool_run_notes(const char *cmd, const mf_tool_engine *e, const mf_tool_run *x, int quiet)
@@ -304,6 +319,7 @@ void mf_tool_run_notes(const char *cmd, const mf_tool_engine *e, const mf_tool_r
 
 void mf_tool_run_close(mf_tool_run *x)
 {
+    mf_spec_free(x->spec);
     mf_step_free(x->eng);
     mf_dev_close(x->dev);
     mf_ref_free(x->r);

@@ -14,6 +14,7 @@
 #include "graphs/model/engram_map.h"
 #include "graphs/model/model.h"
 #include "graphs/ref/ref.h"
+#include "graphs/step/spec.h"
 #include "graphs/step/step.h"
 #include "host/store.h"
 #include "host/tokenizer.h"
@@ -36,6 +37,8 @@ typedef struct mf_tool_engine {
     int dense_split, heads, dev_graphs, lt;   /* lt: --cublaslt (mf_step_opts.lt) */
     long micro;
     uint64_t dev_cache;
+    int draft;                     /* not an option: the command's --spec dspark (the checkpoint's DSpark
+                                    * draft loaded, mf_model_opts.load_draft; the engine made with it) */
     /* A pipeline over several hosts (tools/ranks.h), or NULL: one host. Not the group's rows (bench
      * serve runs on one host): decode and serve point it at their MF_TOOL_RANKS_ROWS' options and
      * open it (mf_tool_ranks_open) before mf_tool_run_open, which then loads this rank's layers only
@@ -84,6 +87,7 @@ typedef struct mf_tool_run {
     mf_profile prof;
     int have_prof;
     double load_s;         /* the model's load */
+    mf_spec *spec;         /* mf_tool_run_spec's, or NULL */
 } mf_tool_run;
 
 /* Opens checkpoint dir as e says (after mf_tool_engine_check): the model (weights as --weights;
@@ -100,6 +104,12 @@ int mf_tool_run_open(const char *cmd, const mf_tool_engine *e, const char *dir, 
 /* What the engine did before the first step: the card caches' fill, the cards' self-check, the
  * dense weights each card holds (stderr; not when quiet, but for the self-check). */
 void mf_tool_run_notes(const char *cmd, const mf_tool_engine *e, const mf_tool_run *x, int quiet);
+/* --spec dspark (e->draft, after mf_tool_run_open): x->spec, the speculation over the engine (or the
+ * reference) for a batcher of max_batch slots, n_tokens candidates a round (--spec-tokens; 0 auto),
+ * priced on what it runs (--profile or the built-in machine; its threads, placement, cards, dense
+ * work) at context positions. 0 or a negative code. */
+int mf_tool_run_spec(const mf_tool_engine *e, mf_tool_run *x, long n_tokens, int max_batch, int64_t context);
+/* Frees what mf_tool_run_open and mf_tool_run_spec made (after the batcher over them). */
 void mf_tool_run_close(mf_tool_run *x);
 
 /* Seconds since this process started (its start time in /proc/self/stat), or -1. */

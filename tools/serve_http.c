@@ -448,6 +448,13 @@ void *mf_srv_stepper(void *arg)
             v->builds = bst;
             pthread_mutex_unlock(&v->mu);
         }
+        if (n && v->spec) {   /* the metrics read the copy */
+            mf_spec_stats st;
+            mf_spec_get_stats(v->spec, &st);
+            pthread_mutex_lock(&v->mu);
+            v->spec_st = st;
+            pthread_mutex_unlock(&v->mu);
+        }
     }
     return NULL;
 }
@@ -937,6 +944,33 @@ static enum MHD_Result mf_srv_metrics(mf_srv *v, struct MHD_Connection *c)
         }
         OUT("%s_bucket{le=\"+Inf\"} %" PRIu64 "\n%s_sum %.6f\n%s_count %" PRIu64 "\n", names[h], hs[h]->count,
             names[h], hs[h]->sum, names[h], hs[h]->count);
+    }
+    if (v->spec) {   /* speculative decoding (docs/dspark.md) */
+        const mf_spec_stats *st = &v->spec_st;
+        int64_t fw = st->rounds + st->plain;
+        OUT("# HELP moeflow_spec_candidates_total Draft candidates proposed and accepted.\n"
+            "# TYPE moeflow_spec_candidates_total counter\nmoeflow_spec_candidates_total{outcome=\"proposed\"} %" PRId64
+            "\nmoeflow_spec_candidates_total{outcome=\"accepted\"} %" PRId64 "\n", st->proposed, st->accepted);
+        OUT("# HELP moeflow_spec_acceptance Accepted over proposed candidates.\n# TYPE moeflow_spec_acceptance gauge\n"
+            "moeflow_spec_acceptance %.6f\n", st->proposed ? (double)st->accepted / st->proposed : 0);
+        OUT("# HELP moeflow_spec_position_acceptance Acceptance of the i-th candidate given the ones before it.\n"
+            "# TYPE moeflow_spec_position_acceptance gauge\n");
+        for (int i = 1; i <= st->n_max; i++)
+            OUT("moeflow_spec_position_acceptance{position=\"%d\"} %.6f\n", i,
+                st->pos_tried[i] ? (double)st->pos_accepted[i] / st->pos_tried[i] : 0);
+        OUT("# HELP moeflow_spec_tokens_per_forward Tokens per target forward of a decoding sequence.\n"
+            "# TYPE moeflow_spec_tokens_per_forward gauge\nmoeflow_spec_tokens_per_forward %.6f\n",
+            fw ? (double)(st->tokens + st->plain) / fw : 0);
+        OUT("# HELP moeflow_spec_rounds_total Sequence-rounds by the k chosen (0: a plain step).\n"
+            "# TYPE moeflow_spec_rounds_total counter\n");
+        for (int k = 0; k <= st->n_max; k++) OUT("moeflow_spec_rounds_total{k=\"%d\"} %" PRId64 "\n", k, st->k_chosen[k]);
+        OUT("# HELP moeflow_spec_verify_cost_ratio A step of 1 + k items over a plain step, measured (batch 1).\n"
+            "# TYPE moeflow_spec_verify_cost_ratio gauge\n");
+        for (int k = 1; k <= st->n_max; k++)
+            if (st->steps[0] && st->steps[k])
+                OUT("moeflow_spec_verify_cost_ratio{k=\"%d\"} %.6f\n", k,
+                    ((double)st->step_ns[k] / st->steps[k]) / ((double)st->step_ns[0] / st->steps[0]));
+        OUT("# TYPE moeflow_spec_draft_seconds_total counter\nmoeflow_spec_draft_seconds_total %.6f\n", st->draft_ns / 1e9);
     }
     if (v->eng) {
         OUT("# HELP moeflow_step_phase_seconds_total Wall time of engine steps per phase.\n"

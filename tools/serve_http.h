@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "graphs/model/config.h"
+#include "graphs/step/spec.h"
 #include "graphs/step/batch.h"
 #include "graphs/step/step.h"
 #include "host/grammar.h"
@@ -61,6 +62,8 @@ typedef struct mf_srv {
     int64_t start_ns;
     int64_t phase_ns[MF_STEP_N_PHASES];
     uint64_t steps;
+    mf_spec *spec;             /* --spec dspark, or NULL; its counters copied after each step (under mu) */
+    mf_spec_stats spec_st;
     mf_step_build_stats builds;   /* the engine's, copied by the stepping thread */
 } mf_srv;
 

@@ -2,6 +2,7 @@
  * and `tune` running the real scheduled engine with a simulation's settings (the measured side of
  * the simulator's predictions). */
 #include <errno.h>
+#include <inttypes.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,6 +13,7 @@
 #include "graphs/sim/plan.h"
 #include "graphs/ref/ref.h"
 #include "graphs/step/sample.h"
+#include "graphs/step/spec.h"
 #include "graphs/step/stepgraph.h"
 #include "graphs/step/step.h"
 #include "sched/error.h"
@@ -29,6 +31,67 @@ const mf_opt_word mf_tool_store_modes[] = {
     {"resident", MF_PLAN_STORE_RESIDENT}, {"streamed", MF_PLAN_STORE_STREAMED}, {NULL, 0}};
 const mf_opt_word mf_tool_cache_policies[] = {{"lfu", MF_PLAN_CACHE_LFU}, {"lru", MF_PLAN_CACHE_LRU}, {NULL, 0}};
 const mf_opt_word mf_tool_on_off[] = {{"on", 1}, {"off", 0}, {NULL, 0}};
+
+const mf_opt_word mf_tool_specs[] = {{"off", MF_TOOL_SPEC_OFF}, {"dspark", MF_TOOL_SPEC_DSPARK},
+                                     {"perfect", MF_TOOL_SPEC_PERFECT}, {NULL, 0}};
+
+int mf_tool_spec_tokens_opt(const mf_opt *o, const char *arg, void *field)
+{
+    char *end = NULL;
+    long n = strcmp(arg, "auto") ? strtol(arg, &end, 10) : 0;
+    if (strcmp(arg, "auto") && (!end || *end || n < 1 || n > MF_SPEC_MAX))
+        return mf_error(-EINVAL, "%s: expected auto or 1..%d, found '%s'", o->flag, MF_SPEC_MAX, arg);
+    *(long *)field = n;
+    return 0;
+}
+
+/* The mean measured step of 1 + k items over the mean plain step (0: not measured). */
+static double mf_tool_spec_cost(const mf_spec_stats *st, int k)
+{
+    if (!st->steps[0] || !st->steps[k]) return 0;
+    return ((double)st->step_ns[k] / st->steps[k]) / ((double)st->step_ns[0] / st->steps[0]);
+}
+
+void mf_tool_spec_json(FILE *f, const mf_spec_stats *st)
+{
+    int64_t fw = st->rounds + st->plain;
+    fprintf(f, ",\"spec\":{\"n_max\":%d,\"rounds\":%" PRId64 ",\"plain\":%" PRId64 ",\"proposed\":%" PRId64
+            ",\"accepted\":%" PRId64 ",\"acceptance\":%.6g,\"acceptance_by_position\":[", st->n_max, st->rounds,
+            st->plain, st->proposed, st->accepted, st->proposed ? (double)st->accepted / st->proposed : 0);
+    for (int i = 1; i <= st->n_max; i++)
+        fprintf(f, i > 1 ? ",%.6g" : "%.6g", st->pos_tried[i] ? (double)st->pos_accepted[i] / st->pos_tried[i] : 0);
+    fprintf(f, "],\"tokens_per_target_forward\":%.6g,\"k_chosen\":[", fw ? (double)(st->tokens + st->plain) / fw : 0);
+    for (int k = 0; k <= st->n_max; k++) fprintf(f, k ? ",%" PRId64 : "%" PRId64, st->k_chosen[k]);
+    fprintf(f, "],\"probes\":%" PRId64 ",\"draft_s_per_round\":%.6g,\"verify_cost_over_plain\":[", st->probes,
+            st->draft_calls ? st->draft_ns / 1e9 / st->draft_calls : 0);
+    for (int k = 0; k <= st->n_max; k++) {
+        double r = mf_tool_spec_cost(st, k);
+        if (r > 0) fprintf(f, k ? ",%.6g" : "%.6g", r);
+        else fprintf(f, k ? ",null" : "null");
+    }
+    fprintf(f, "],\"price_verify_s\":[");
+    for (int k = 0; k <= st->n_max; k++) fprintf(f, k ? ",%.6g" : "%.6g", st->price_verify_ns[k] / 1e9);
+    fprintf(f, "],\"price_draft_s\":[");
+    for (int k = 0; k <= st->n_max; k++) fprintf(f, k ? ",%.6g" : "%.6g", st->price_draft_ns[k] / 1e9);
+    fprintf(f, "]}");
+}
+
+void mf_tool_spec_line(FILE *f, const char *who, const mf_spec_stats *st)
+{
+    int64_t fw = st->rounds + st->plain;
+    fprintf(f, "%s: speculation: %" PRId64 " rounds, %" PRId64 " plain steps (%" PRId64 " probes); accepted %" PRId64
+            " of %" PRId64 " candidates (%.1f%%; by position:", who, st->rounds, st->plain, st->probes, st->accepted,
+            st->proposed, st->proposed ? 100.0 * st->accepted / st->proposed : 0);
+    for (int i = 1; i <= st->n_max; i++)
+        fprintf(f, " %.0f%%", st->pos_tried[i] ? 100.0 * st->pos_accepted[i] / st->pos_tried[i] : 0);
+    fprintf(f, "); %.2f tokens per target forward; k chosen:", fw ? (double)(st->tokens + st->plain) / fw : 0);
+    for (int k = 0; k <= st->n_max; k++) fprintf(f, " %d:%" PRId64, k, st->k_chosen[k]);
+    fprintf(f, "; verify over a plain step (measured):");
+    for (int k = 1; k <= st->n_max; k++)
+        if (mf_tool_spec_cost(st, k) > 0) fprintf(f, " 1+%d %.2fx", k, mf_tool_spec_cost(st, k));
+    if (st->draft_calls) fprintf(f, "; draft %.2f ms a round", st->draft_ns / 1e6 / st->draft_calls);
+    fputc('\n', f);
+}
 
 int mf_tool_placement(const char *s) { return mf_opt_word_value(mf_tool_placements, s); }
 int mf_tool_dense(const char *s) { return mf_opt_word_value(mf_tool_denses, s); }

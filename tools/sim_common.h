@@ -4,6 +4,7 @@
 #define MF_SIM_COMMON_H
 
 #include <stdint.h>
+#include <stdio.h>
 
 #include "graphs/model/config.h"
 #include "graphs/sim/plan.h"
@@ -36,6 +37,22 @@ int mf_tool_cache_policy(const char *s);
  * h2d_total_bytes_per_s, ~2 s) and turns batch-1 slots that hybrid sends to the host (a miss's
  * copy costs more than the host's compute) into hits on the card; the library's zero is off. */
 #define MF_TOOL_DEV_CACHE_FILL "on"
+
+/* --spec (decode, serve, bench decode, sim; graphs/step/spec.h, docs/dspark.md): off, dspark (the
+ * checkpoint's draft), perfect (bench decode only: the candidates of a previous greedy run of the same
+ * prompts, injected: the upper bound of what a draft could give). --spec-tokens N|auto: the field (a
+ * long) gets N (1..MF_SPEC_MAX) or 0 for auto (the cost model's k per round, mf_spec_opts.adaptive). */
+enum { MF_TOOL_SPEC_OFF, MF_TOOL_SPEC_DSPARK, MF_TOOL_SPEC_PERFECT };
+extern const mf_opt_word mf_tool_specs[];
+int mf_tool_spec_tokens_opt(const mf_opt *o, const char *arg, void *field);
+/* What the reports print of a speculation (mf_spec_stats): the JSON member "spec": {n_max, rounds,
+ * plain, proposed, accepted, acceptance, acceptance_by_position [...], tokens_per_target_forward,
+ * k_chosen [...], probes, draft_s_per_round, verify_cost_over_plain [...] (measured: the mean step of
+ * 1 + k items over the mean plain step, null where none ran), price_verify_s, price_draft_s [...]}
+ * after a comma; and a one-line summary for stderr. */
+typedef struct mf_spec_stats mf_spec_stats;
+void mf_tool_spec_json(FILE *f, const mf_spec_stats *st);
+void mf_tool_spec_line(FILE *f, const char *who, const mf_spec_stats *st);
 
 /* Loads the hardware profile at `profile` and the model's config: DIR/config.json when dir is
  * given, else the built-in preset. 0 or a negative code (mf_last_error names the file). */

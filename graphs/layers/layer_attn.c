@@ -60,6 +60,7 @@ static int mf_ly_compress(mf_ly_ctx *cx, mf_ly_item *it, int L, float *lat, cons
     if (ratio == 2 && it->pos % 2 == 0) {   /* opens a group */
         memcpy(ca->pend_kv, lat, (size_t)D * sizeof *lat);
         memcpy(ca->pend_score, sc, (size_t)D * sizeof *sc);
+        mf_ly_journal_pend(c, it->st, L, it->pos, lat, sc);
         return 0;
     }
     if (ca->n != mf_ly_compress_before(c, L, it->pos))
@@ -302,14 +303,17 @@ int mf_ly_attn_kv_compress_item(mf_ly_ctx *cx, const mf_ly_item *it, int L, floa
     const mf_config *c = cx->ly->c;
     mf_ly_cache *ca = &it->st->cache[L];
     int ratio = c->compress_ratios[L];
-    if (ratio == 2 && it->pos % 2 == 0) return 0;   /* opens a group: read by the next item, or the state's */
+    if (ratio == 2 && it->pos % 2 == 0) {   /* opens a group: read by the next item, or the state's */
+        mf_ly_journal_pend(c, it->st, L, it->pos, b[MF_LY_A_LAT], b[MF_LY_A_GATE]);
+        return 0;
+    }
     const float *pk = ratio == 2 ? (prev ? prev[MF_LY_A_LAT] : ca->pend_kv) : NULL;
     const float *ps = ratio == 2 ? (prev ? prev[MF_LY_A_GATE] : ca->pend_score) : NULL;
     return mf_ly_compress_entry(cx, ca, L, it->pos, b[MF_LY_A_LAT], b[MF_LY_A_GATE], pk, ps);
 }
 
 int mf_ly_attn_kv_compress_state(mf_ly_ctx *cx, const mf_ly_item *first, const mf_ly_item *last, int L,
-                                 float *const *b_last)
+                                 float *const *b_open)
 {
     if (!mf_ly_compressing(cx->ly, L)) return 0;
     const mf_config *c = cx->ly->c;
@@ -318,9 +322,9 @@ int mf_ly_attn_kv_compress_state(mf_ly_ctx *cx, const mf_ly_item *first, const m
     if (ca->n != mf_ly_compress_before(c, L, first->pos))
         return mf_error(-EINVAL, "step: layer %d compressed entry %lld out of step at position %lld", L,
                         (long long)ca->n, (long long)first->pos);
-    if (ratio == 2 && last->pos % 2 == 0) {   /* the last item opens a group: the next step's */
-        memcpy(ca->pend_kv, b_last[MF_LY_A_LAT], (size_t)D * sizeof *ca->pend_kv);
-        memcpy(ca->pend_score, b_last[MF_LY_A_GATE], (size_t)D * sizeof *ca->pend_score);
+    if (ratio == 2 && b_open) {   /* the run's last group opened (the next step's when the last item opened it) */
+        memcpy(ca->pend_kv, b_open[MF_LY_A_LAT], (size_t)D * sizeof *ca->pend_kv);
+        memcpy(ca->pend_score, b_open[MF_LY_A_GATE], (size_t)D * sizeof *ca->pend_score);
     }
     ca->n = (last->pos + 1) / ratio;
     return 0;

@@ -195,3 +195,19 @@ void mf_ly_ring_get(const mf_config *c, const mf_ref_state *st, int L, int64_t t
         mf_ly_unpack_e4m3_pow2(row, sc, c->head_dim, MF_LY_RING_BLOCK, out + i * c->head_dim);
     }
 }
+
+/* ---- speculation's journal (mf_ly_journal) --------------------------------------------------- */
+
+void mf_ly_journal_pend(const mf_config *c, mf_ref_state *st, int L, int64_t pos, const float *kv, const float *score)
+{
+    mf_ly_journal *jr = st->jr;
+    if (!jr || !jr->active || pos < jr->pos0 || pos >= jr->pos0 + jr->n) return;
+    int k = 0;
+    while (k < jr->n_src2 && jr->src2[k] != L) k++;
+    if (k == jr->n_src2) return;
+    int64_t D = c->head_dim, i = pos - jr->pos0;
+    float *p = jr->pend + ((int64_t)k * (1 + jr->cap) + 1 + i) * 2 * D;
+    memcpy(p, kv, (size_t)D * sizeof *p);
+    memcpy(p + D, score, (size_t)D * sizeof *p);
+    jr->pend_set[(int64_t)k * jr->cap + i] = 1;
+}

@@ -76,41 +76,72 @@ static const mf_model_layer *mf_ly_draft_layer(const mf_layers *ly, int s)
     return y;
 }
 
-/* The window KV of stage s for input x (hidden) at position pos into kv (head_dim): bf16(wkv x),
- * kv_norm, RoPE at pos (the window-only layers' frequencies), fp8 fake-quantized per 32 (the
- * backbone's mf_ly_attn_kv_window on the stage's weights). */
-static int mf_ly_draft_kv(mf_ly_ctx *cx, int s, const float *x, int64_t pos, float *kv)
+void mf_ly_draft_feed_norm(const mf_ly_ctx *cx, float *u)
 {
     const mf_config *c = cx->ly->c;
-    int L = c->n_layers + s;
-    float *b[MF_LY_A_N];
-    for (int k = 0; k < MF_LY_A_N; k++) b[k] = cx->attn[k];
-    int rc = mf_ly_linear(cx, &mf_model_layer_at(cx->ly->m, L)->wkv, x, b[MF_LY_A_KV], cx->ly->act_quant);
-    if (rc) return rc;
+    mf_bf_n(u, c->hidden_size);
+    mf_ly_rmsnorm(u, c->hidden_size, &mf_model_layer_at(cx->ly->m, c->n_layers)->main_norm, c->rms_norm_eps, u);
+}
+
+void mf_ly_draft_feed_put(const mf_ly_ctx *cx, mf_ly_draft_state *ds, int s, int64_t pos, float *kv)
+{
+    const mf_config *c = cx->ly->c;
+    float *b[MF_LY_A_N] = {0};
+    b[MF_LY_A_KV] = kv;
     mf_ly_item it = {.pos = pos};
-    mf_ly_attn_kv_window(cx, &it, L, b);
-    memcpy(kv, b[MF_LY_A_KV], (size_t)c->head_dim * sizeof *kv);
+    mf_ly_attn_kv_window(cx, &it, c->n_layers + s, b);   /* kv_norm, RoPE, fp8 (the backbone's formula) */
+    uint8_t *row = mf_ly_draft_slot(c, ds, s, pos);
+    mf_ly_pack_e4m3_pow2(kv, c->head_dim, MF_LY_RING_BLOCK, row, row + c->head_dim);
+}
+
+int mf_ly_draft_feed_kv(mf_ly_ctx *cx, mf_ly_draft_state *ds, float *u)
+{
+    const mf_config *c = cx->ly->c;
+    if (!mf_ly_draft_layer(cx->ly, 0)) return -EINVAL;
+    float kv[MF_LY_DRAFT_MAX_D];
+    if (c->head_dim > MF_LY_DRAFT_MAX_D)
+        return mf_error(-EINVAL, "draft: head_dim %d (max %d) not supported", c->head_dim, MF_LY_DRAFT_MAX_D);
+    mf_ly_draft_feed_norm(cx, u);
+    for (int s = 0; s < c->n_mtp_layers; s++) {   /* each stage's window KV of it: bf16(wkv u), ... */
+        int rc = mf_ly_linear(cx, &mf_model_layer_at(cx->ly->m, c->n_layers + s)->wkv, u, kv, cx->ly->act_quant);
+        if (rc) return rc;
+        mf_ly_draft_feed_put(cx, ds, s, ds->n_pos, kv);
+    }
+    ds->n_pos++;
     return 0;
 }
 
 int mf_ly_draft_feed(mf_ly_ctx *cx, mf_ly_draft_ws *ws, mf_ly_draft_state *ds, const float *feat)
 {
-    const mf_config *c = cx->ly->c;
     const mf_model_layer *y0 = mf_ly_draft_layer(cx->ly, 0);
     if (!y0) return -EINVAL;
-    int64_t H = c->hidden_size;
     /* stage 0's projection of the features, shared by every stage's keys */
     int rc = mf_ly_linear(cx, &y0->main_proj, feat, ws->feat, cx->ly->act_quant);
-    if (rc) return rc;
-    mf_bf_n(ws->feat, H);
-    mf_ly_rmsnorm(ws->feat, H, &y0->main_norm, c->rms_norm_eps, ws->feat);
-    for (int s = 0; s < c->n_mtp_layers; s++) {
-        if ((rc = mf_ly_draft_kv(cx, s, ws->feat, ds->n_pos, ws->kv))) return rc;
-        uint8_t *row = mf_ly_draft_slot(c, ds, s, ds->n_pos);
-        mf_ly_pack_e4m3_pow2(ws->kv, c->head_dim, MF_LY_RING_BLOCK, row, row + c->head_dim);
+    return rc ? rc : mf_ly_draft_feed_kv(cx, ds, ws->feat);
+}
+
+int64_t mf_ly_draft_context(const mf_config *c, const mf_ly_draft_state *ds, int s, int64_t a, float *keys)
+{
+    int64_t D = c->head_dim, t0 = a - c->sliding_window < 0 ? 0 : a - c->sliding_window, n_ctx = a - t0;
+    for (int64_t t = 0; t < n_ctx; t++) {
+        const uint8_t *row = mf_ly_draft_slot(c, ds, s, t0 + t);
+        mf_ly_unpack_e4m3_pow2(row, row + D, D, MF_LY_RING_BLOCK, keys + t * D);
     }
-    ds->n_pos++;
-    return 0;
+    return n_ctx;
+}
+
+void mf_ly_draft_head(mf_ly_ctx *cx, int L, int64_t pos, int h, float *q, const float *keys, int64_t n_keys, float *o)
+{
+    const mf_config *c = cx->ly->c;
+    int D = c->head_dim, rd = c->qk_rope_head_dim;
+    const mf_model_layer *y = mf_model_layer_at(cx->ly->m, L);
+    float *qh = q + (int64_t)h * D, *oh = o + (int64_t)h * D;
+    mf_bf_n(qh, D);
+    mf_ly_rope(qh + D - rd, rd / 2, cx->ly->freqs_main, pos, 0);
+    mf_bf_n(qh, D);
+    mf_ly_attn_sink_rows(qh, keys, n_keys, D, mf_ly_vec(&y->attn_sink, h), cx->scores, cx->attn_acc, oh);
+    mf_ly_rope(oh + D - rd, rd / 2, cx->ly->freqs_main, pos, 1);   /* inverse, at the query */
+    mf_bf_n(oh + D - rd, rd);
 }
 
 /* The attention sublayer of stage s over the block: in (B x hidden, normed) -> ws->out. Queries
@@ -119,9 +150,8 @@ int mf_ly_draft_feed(mf_ly_ctx *cx, mf_ly_draft_ws *ws, mf_ly_draft_state *ds, c
 static int mf_ly_draft_attn(mf_ly_ctx *cx, mf_ly_draft_ws *ws, const mf_ly_draft_state *ds, int s, const float *in)
 {
     const mf_config *c = cx->ly->c;
-    int L = c->n_layers + s, B = c->dspark_block_size, D = c->head_dim, rd = c->qk_rope_head_dim;
+    int L = c->n_layers + s, B = c->dspark_block_size, D = c->head_dim;
     int64_t H = c->hidden_size, a = ds->n_pos, QD = (int64_t)c->n_heads * D;
-    const mf_model_layer *y = mf_model_layer_at(cx->ly->m, L);
     float *b[MF_LY_A_N];
     for (int k = 0; k < MF_LY_A_N; k++) b[k] = cx->attn[k];
     int rc = 0;
@@ -137,24 +167,10 @@ static int mf_ly_draft_attn(mf_ly_ctx *cx, mf_ly_draft_ws *ws, const mf_ly_draft
         memcpy(ws->kv + (int64_t)i * D, b[MF_LY_A_KV], (size_t)D * sizeof(float));
     }
     /* keys: the context's rows from the ring, then the block's */
-    int64_t t0 = a - c->sliding_window < 0 ? 0 : a - c->sliding_window, n_ctx = a - t0;
-    for (int64_t t = 0; t < n_ctx; t++) {
-        const uint8_t *row = mf_ly_draft_slot(c, ds, s, t0 + t);
-        mf_ly_unpack_e4m3_pow2(row, row + D, D, MF_LY_RING_BLOCK, ws->keys + t * D);
-    }
+    int64_t n_ctx = mf_ly_draft_context(c, ds, s, a, ws->keys);
     memcpy(ws->keys + n_ctx * D, ws->kv, (size_t)B * D * sizeof(float));
     for (int i = 0; i < B && !rc; i++) {
-        float *q = ws->q + i * QD, *o = b[MF_LY_A_O];
-        for (int h = 0; h < c->n_heads; h++) {
-            float *qh = q + (int64_t)h * D, *oh = o + (int64_t)h * D;
-            mf_bf_n(qh, D);
-            mf_ly_rope(qh + D - rd, rd / 2, cx->ly->freqs_main, a + i, 0);
-            mf_bf_n(qh, D);
-            mf_ly_attn_sink_rows(qh, ws->keys, n_ctx + B, D, mf_ly_vec(&y->attn_sink, h), cx->scores,
-                                 cx->attn_acc, oh);
-            mf_ly_rope(oh + D - rd, rd / 2, cx->ly->freqs_main, a + i, 1);   /* inverse, at the query */
-            mf_bf_n(oh + D - rd, rd);
-        }
+        for (int h = 0; h < c->n_heads; h++) mf_ly_draft_head(cx, L, a + i, h, ws->q + i * QD, ws->keys, n_ctx + B, b[MF_LY_A_O]);
         b[MF_LY_A_OUT] = ws->out + i * H;
         if (!(rc = mf_ly_attn_stage(cx, L, MF_LY_A_STAGE_OA, b))) rc = mf_ly_attn_stage(cx, L, MF_LY_A_STAGE_OB, b);
     }
@@ -235,6 +251,27 @@ int mf_ly_draft_block(mf_ly_ctx *cx, mf_ly_draft_ws *ws, const mf_ly_draft_state
     return 0;
 }
 
+void mf_ly_draft_mk_emb(const mf_layers *ly, int32_t prev, float *emb)
+{
+    const mf_config *c = ly->c;
+    const mf_model_layer *yl = mf_model_layer_at(ly->m, c->n_layers + c->n_mtp_layers - 1);
+    for (int64_t r = 0; r < c->dspark_markov_rank; r++) {   /* a bf16 row */
+        uint16_t v;
+        memcpy(&v, yl->mk_embed.data + ((int64_t)prev * c->dspark_markov_rank + r) * 2, 2);
+        emb[r] = mf_bf16_to_f32(v);
+    }
+}
+
+float mf_ly_draft_confidence(const mf_layers *ly, const float *normed, const float *emb)
+{
+    const mf_config *c = ly->c;
+    const mf_model_layer *yl = mf_model_layer_at(ly->m, c->n_layers + c->n_mtp_layers - 1);
+    int64_t H = c->hidden_size, R = c->dspark_markov_rank;
+    double acc = 0;   /* fp32 proj of [normed, markov embedding] */
+    for (int64_t d = 0; d < H + R; d++) acc += (double)mf_ly_vec(&yl->conf_proj, d) * (d < H ? normed[d] : emb[d - H]);
+    return (float)acc;
+}
+
 int mf_ly_draft_heads(mf_ly_ctx *cx, const mf_ly_draft_ws *ws, int i, int32_t prev, float *logits,
                       float *confidence)
 {
@@ -244,24 +281,13 @@ int mf_ly_draft_heads(mf_ly_ctx *cx, const mf_ly_draft_ws *ws, int i, int32_t pr
     if (i < 0 || i >= c->dspark_block_size || prev < 0 || prev >= c->vocab_size)
         return mf_error(-EINVAL, "draft: heads of position %d after token %d (expected 0..%d and a token id < %lld)",
                         i, prev, c->dspark_block_size - 1, (long long)c->vocab_size);
-    int64_t H = c->hidden_size, R = c->dspark_markov_rank, V = c->vocab_size;
+    int64_t H = c->hidden_size, V = c->vocab_size;
     const float *h = ws->normed + (int64_t)i * H;
-    /* the Markov embedding of the token before: a bf16 row */
-    for (int64_t r = 0; r < R; r++) {
-        uint16_t v;
-        memcpy(&v, yl->mk_embed.data + ((int64_t)prev * R + r) * 2, 2);
-        ws->mk_emb[r] = mf_bf16_to_f32(v);
-    }
+    mf_ly_draft_mk_emb(cx->ly, prev, ws->mk_emb);   /* the Markov embedding of the token before */
     int rc = mf_ly_linear(cx, mf_model_head(cx->ly->m), h, logits, 0);   /* fp32, the target's head */
     if (!rc) rc = mf_ly_linear(cx, &yl->mk_head, ws->mk_emb, ws->mk_out, 0);
     if (rc) return rc;
     for (int64_t v = 0; v < V; v++) logits[v] += mf_bf(ws->mk_out[v]);   /* the head's bf16 output */
-    /* confidence: fp32 proj of [normed, markov embedding] */
-    double acc = 0;
-    for (int64_t d = 0; d < H + R; d++) {
-        double w = mf_ly_vec(&yl->conf_proj, d);
-        acc += w * (d < H ? h[d] : ws->mk_emb[d - H]);
-    }
-    *confidence = (float)acc;
+    *confidence = mf_ly_draft_confidence(cx->ly, h, ws->mk_emb);
     return 0;
 }

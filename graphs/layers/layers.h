@@ -235,7 +235,32 @@ struct mf_ref_state {
      * keep the window KV of the positions it caches; nothing else writes it. */
     uint8_t *const *tap;
     int64_t tap_pos0, tap_n;
+    struct mf_ly_journal *jr;   /* speculation's undo record (mf_ref_state_mark), NULL until first used */
 };
+
+/* What a verify's positions overwrite that a rollback must give back (graphs/ref/ref_state.c
+ * mf_ref_state_mark / mf_ref_state_rollback; docs/dspark.md "Rollback"): from position pos0 on, n
+ * positions of the sequence run; before they run, the window ring's slots they will write (their
+ * old bytes, n_layers x n rows) and every ratio-2 compressor's open group (pend_kv, pend_score) are
+ * kept; while they run, each position that opens a ratio-2 group leaves its (kv, score) here
+ * (mf_ly_journal_pend), since a later position of the same verify overwrites the state's copy. */
+typedef struct mf_ly_journal {
+    int active;         /* positions [pos0, pos0 + n) are being recorded */
+    int64_t pos0;
+    int n, cap;         /* positions of this verify; the most the buffers hold */
+    uint8_t *ring;      /* n_layers x cap: slot of pos0 + i as it was, row i */
+    float *pend;        /* per ratio-2 KV source (jr_src) x (1 + cap) x 2 x head_dim: [0] the group
+                         * open before pos0, [1 + i] the one position pos0 + i opened */
+    uint8_t *pend_set;  /* per ratio-2 KV source x cap: [i] written */
+    int n_src2;
+    int src2[MF_CONFIG_MAX_LAYERS];   /* the ratio-2 KV-source layers, in order */
+    void *mem;
+} mf_ly_journal;
+
+/* A ratio-2 compressor's group opened by the token at pos (its cmp_wkv and cmp_wgate outputs, head_dim
+ * each) into st's journal when it is recording pos; nothing otherwise (the layer math's compressors
+ * call it at every group they open). Thread-safe for distinct positions. */
+void mf_ly_journal_pend(const mf_config *c, mf_ref_state *st, int L, int64_t pos, const float *kv, const float *score);
 
 /* Sorts picks by score descending, ties by index ascending. */
 void mf_ly_sort_picks(mf_ly_pick *p, int64_t n);
@@ -437,11 +462,12 @@ int mf_ly_attn_kv_compress(mf_ly_ctx *cx, mf_ly_item *it, int L, float *const *b
  * prev NULL (the run's first item) from the state; it writes nothing of the state but the entry.
  * compress_state, once per run after compress_item of the run's first item (which reads the
  * state's open group), checks the state's entry count against first's position (-EINVAL: out of
- * step) and leaves it as kv_compress of every item would: the open group of the last item (its
- * buffers b_last) and the count. */
+ * step) and leaves it as kv_compress of every item would: the open group of the run's last item
+ * that opened one (ratio 2: its buffers b_open; NULL when no item of the run opened one) and the
+ * count. */
 int mf_ly_attn_kv_compress_item(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b, float *const *prev);
 int mf_ly_attn_kv_compress_state(mf_ly_ctx *cx, const mf_ly_item *first, const mf_ly_item *last, int L,
-                                 float *const *b_last);
+                                 float *const *b_open);
 void mf_ly_attn_index_query(const mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b);
 int64_t mf_ly_index_n_vis(const mf_config *c, int L, int64_t pos);
 void mf_ly_index_scores(const mf_layers *ly, const mf_ly_item *it, int L, float *const *b, double *score, int64_t j0,
@@ -525,8 +551,33 @@ void mf_ly_draft_ws_free(mf_ly_draft_ws *ws);
 
 /* Feeds the target's features of position ds->n_pos (feat: n_target x hidden, mf_ly_draft_feature
  * per target layer) into every stage's ring; n_pos advances. cx must belong to a model loaded with
- * its draft (-EINVAL otherwise). */
+ * its draft (-EINVAL otherwise). In two steps (the engine runs the projection in row parts):
+ * u = main_proj feat (fp32, as mf_ly_linear gives it), then feed_kv rounds u to bf16 and norms it
+ * with main_norm in place, writes every stage's window KV of it at ds->n_pos (scratch: cx->attn)
+ * and advances n_pos. */
+#define MF_LY_DRAFT_MAX_D 4096   /* head_dim the draft's feed supports (a KV row on the stack) */
 int mf_ly_draft_feed(mf_ly_ctx *cx, mf_ly_draft_ws *ws, mf_ly_draft_state *ds, const float *feat);
+int mf_ly_draft_feed_kv(mf_ly_ctx *cx, mf_ly_draft_state *ds, float *u);
+/* feed_kv's pieces, for rows fed together (the engine reads each stage's wkv once for all of them):
+ * norm rounds a projected row u and norms it with main_norm in place; put takes stage s's wkv
+ * output kv of a normed row (head_dim floats, as the linear gives them; overwritten) through the
+ * window KV formula (kv_norm, RoPE at pos, fp8) and packs it into the ring's slot of pos. */
+void mf_ly_draft_feed_norm(const mf_ly_ctx *cx, float *u);
+void mf_ly_draft_feed_put(const mf_ly_ctx *cx, mf_ly_draft_state *ds, int s, int64_t pos, float *kv);
+
+/* The pieces of a stage's attention the engine runs as tasks (graphs/step/step_draft.c): context
+ * unpacks stage s's context rows for a block at anchor position a (positions max(0, a - W)..a-1)
+ * into keys (head_dim floats each) and returns their count; head runs head h of a block position at
+ * pos over n_keys rows (the context, then the block's window KV): its query (q: the position's
+ * heads x head_dim, head h rounded and roped in place) attends with the sink into o's head h,
+ * inverse-roped (scratch: cx->scores, at least n_keys; cx->attn_acc). */
+int64_t mf_ly_draft_context(const mf_config *c, const mf_ly_draft_state *ds, int s, int64_t a, float *keys);
+void mf_ly_draft_head(mf_ly_ctx *cx, int L, int64_t pos, int h, float *q, const float *keys, int64_t n_keys, float *o);
+
+/* The heads' pieces: the Markov embedding of token prev (dspark_markov_rank floats from the bf16
+ * table) and the confidence logit of a normed state (hidden) with that embedding. */
+void mf_ly_draft_mk_emb(const mf_layers *ly, int32_t prev, float *emb);
+float mf_ly_draft_confidence(const mf_layers *ly, const float *normed, const float *emb);
 
 /* One round's forward: the block after anchor token `anchor` at position ds->n_pos through every
  * stage; leaves the last stage's final-normed states in ws->normed (B x hidden). routes (NULL, or

@@ -44,6 +44,20 @@ int mf_ref_states_reserve(mf_ref_state *const *states, int n);
 void mf_ref_state_trim(mf_ref_state *s, int64_t n_positions);
 int64_t mf_ref_state_pos(const mf_ref_state *s);   /* tokens consumed so far */
 
+/* Speculation's rollback (graphs/step/spec.h; docs/dspark.md "Rollback"). mf_ref_state_mark, before
+ * a forward (either engine) of the sequence's next n positions (a verify: the anchor and n - 1
+ * candidates; 1..sliding_window), records what they will overwrite: the window ring's slots they
+ * write and the ratio-2 compressors' open groups, and, while they run, the groups they open (the
+ * journal, allocated on the first call for max(n, dspark_block_size + 1) positions and kept;
+ * -ENOMEM). mf_ref_state_rollback(s, keep), after those n ran, leaves s as if only the first keep
+ * of them had (0..n): the ring's slots of the others given back, every compressed cache's entry
+ * count (KV and index keys) and open group as of the last kept position, n_pos; the token history
+ * (Engram's) past n_pos is overwritten before it is read again. Entries past the count keep
+ * whatever the rejected positions wrote (nothing reads them). -EINVAL without a mark, or when the
+ * state is not at the marked verify's end. A reset forgets the mark. */
+int mf_ref_state_mark(mf_ref_state *s, int n);
+int mf_ref_state_rollback(mf_ref_state *s, int keep);
+
 /* Pages of the compressed caches are reference counted, so that a full page (immutable once every
  * entry is written: entries are only appended) can be held by the prefix cache and mapped into other
  * states without a copy (graphs/prefix/prefix.h). new: a page of `bytes` with one holder (NULL when

@@ -229,6 +229,8 @@ void mf_ref_state_trim(mf_ref_state *s, int64_t n_positions)
 void mf_ref_state_free(mf_ref_state *s)
 {
     if (!s) return;
+    if (s->jr) free(s->jr->mem);
+    free(s->jr);
     mf_st_shrink(s, 0);
     free(s->mem);
     free(s);
@@ -237,6 +239,7 @@ void mf_ref_state_free(mf_ref_state *s)
 void mf_ref_state_reset(mf_ref_state *s)
 {
     s->n_pos = 0;
+    if (s->jr) s->jr->active = 0;
     s->tap = NULL;
     s->tap_n = 0;
     for (int L = 0; L < s->ly->c->n_layers; L++) {
@@ -294,3 +297,103 @@ int mf_ref_state_unshare(mf_ref_state *s, int L, int64_t p)
 }
 
 int64_t mf_ref_state_pos(const mf_ref_state *s) { return s->n_pos; }
+
+/* ---- speculation: the verify's journal and the rollback (docs/dspark.md "Rollback") ---------- */
+
+/* The ring slot of layer L that position t writes (layer_cache.c's layout: slot t % window). */
+static uint8_t *mf_st_ring_slot(const mf_config *c, mf_ref_state *s, int L, int64_t t)
+{
+    return s->ring + ((int64_t)L * c->sliding_window + t % c->sliding_window) * mf_ly_ring_row_bytes(c);
+}
+
+/* The journal's buffers for `cap` positions, one allocation (kept for the state's life). */
+static int mf_st_journal_new(mf_ref_state *s, int cap)
+{
+    const mf_config *c = s->ly->c;
+    mf_ly_journal *jr = s->jr ? s->jr : calloc(1, sizeof *jr);
+    if (!jr) return mf_error(-ENOMEM, "reference: out of memory for a state's journal");
+    s->jr = jr;
+    free(jr->mem);
+    jr->mem = NULL;
+    jr->n_src2 = 0;
+    for (int L = 0; L < c->n_layers; L++)
+        if (mf_config_is_kv_source(c, L) && c->compress_ratios[L] == 2) jr->src2[jr->n_src2++] = L;
+    size_t D = (size_t)c->head_dim, ring = (size_t)c->n_layers * (size_t)cap * (size_t)mf_ly_ring_row_bytes(c);
+    size_t pend = (size_t)jr->n_src2 * (size_t)(1 + cap) * 2 * D * sizeof(float);
+    uint8_t *p = malloc(pend + ring + (size_t)jr->n_src2 * (size_t)cap + 1);
+    if (!p) return mf_error(-ENOMEM, "reference: out of memory for a journal of %d positions", cap);
+    jr->mem = p;
+    jr->pend = (float *)p;
+    jr->ring = p + pend;
+    jr->pend_set = p + pend + ring;
+    jr->cap = cap;
+    jr->active = 0;
+    return 0;
+}
+
+int mf_ref_state_mark(mf_ref_state *s, int n)
+{
+    const mf_config *c = s->ly->c;
+    if (n < 1 || n > c->sliding_window)
+        return mf_error(-EINVAL, "reference: a journal of %d positions (expected 1..sliding_window %d)", n,
+                        c->sliding_window);
+    if (!s->jr || s->jr->cap < n) {
+        int cap = c->dspark_block_size + 1 > n ? c->dspark_block_size + 1 : n;
+        if (cap > c->sliding_window) cap = c->sliding_window;
+        int rc = mf_st_journal_new(s, cap);
+        if (rc) return rc;
+    }
+    mf_ly_journal *jr = s->jr;
+    int64_t D = c->head_dim, rb = mf_ly_ring_row_bytes(c);
+    jr->pos0 = s->n_pos;
+    jr->n = n;
+    for (int L = 0; L < c->n_layers; L++)
+        for (int i = 0; i < n; i++)
+            memcpy(jr->ring + ((int64_t)L * jr->cap + i) * rb, mf_st_ring_slot(c, s, L, jr->pos0 + i), (size_t)rb);
+    for (int k = 0; k < jr->n_src2; k++) {
+        const mf_ly_cache *ca = &s->cache[jr->src2[k]];
+        float *p = jr->pend + (int64_t)k * (1 + jr->cap) * 2 * D;
+        memcpy(p, ca->pend_kv, (size_t)D * sizeof *p);
+        memcpy(p + D, ca->pend_score, (size_t)D * sizeof *p);
+        memset(jr->pend_set + (int64_t)k * jr->cap, 0, (size_t)jr->cap);
+    }
+    jr->active = 1;
+    return 0;
+}
+
+int mf_ref_state_rollback(mf_ref_state *s, int keep)
+{
+    const mf_config *c = s->ly->c;
+    mf_ly_journal *jr = s->jr;
+    if (!jr || !jr->active)
+        return mf_error(-EINVAL, "reference: rollback without a journal (mf_ref_state_mark before the verify)");
+    if (keep < 0 || keep > jr->n || s->n_pos != jr->pos0 + jr->n)
+        return mf_error(-EINVAL, "reference: rollback keeping %d of %d positions from %lld, the state at %lld "
+                        "(expected the verify's %d positions run)", keep, jr->n, (long long)jr->pos0,
+                        (long long)s->n_pos, jr->n);
+    int64_t D = c->head_dim, rb = mf_ly_ring_row_bytes(c), end = jr->pos0 + keep;
+    /* the open group as of the last kept position: the latest even position before end */
+    int64_t e = end - 1 - ((end - 1) % 2 + 2) % 2;
+    for (int k = 0; k < jr->n_src2; k++) {
+        int64_t i = e - jr->pos0;   /* -1 or less: the group open before the verify */
+        if (i >= 0 && !jr->pend_set[(int64_t)k * jr->cap + i])
+            return mf_error(-EINVAL, "reference: layer %d's group at position %lld was not journaled (internal)",
+                            jr->src2[k], (long long)e);
+    }
+    for (int L = 0; L < c->n_layers; L++)
+        for (int i = keep; i < jr->n; i++)
+            memcpy(mf_st_ring_slot(c, s, L, jr->pos0 + i), jr->ring + ((int64_t)L * jr->cap + i) * rb, (size_t)rb);
+    for (int k = 0; k < jr->n_src2; k++) {
+        mf_ly_cache *ca = &s->cache[jr->src2[k]];
+        int64_t i = e - jr->pos0;
+        const float *p = jr->pend + ((int64_t)k * (1 + jr->cap) + (i >= 0 ? 1 + i : 0)) * 2 * D;
+        memcpy(ca->pend_kv, p, (size_t)D * sizeof *p);
+        memcpy(ca->pend_score, p + D, (size_t)D * sizeof *p);
+    }
+    for (int L = 0; L < c->n_layers; L++)
+        if (mf_config_is_kv_source(c, L) && c->compress_ratios[L] > 0) s->cache[L].n = end / c->compress_ratios[L];
+    s->n_pos = end;
+    jr->active = 0;
+    /* prefix cache (issue 30): blocks published for positions >= end must be dropped here */
+    return 0;
+}

@@ -39,6 +39,9 @@ struct mf_plan {
                                               * with a cache budget): with routed experts, dense */
     double dense_bytes[PL_MAX_CARDS];        /* dense weights per card */
     int K, E, n_layers;
+    int L0;                                  /* the graph's first layer (the draft round's: n_layers);
+                                              * the tables below are indexed by layer - L0, n_layers of them */
+    int n_seq, unit_len;                     /* sequences per step and items each (batch = their product) */
     int l0, l1;                              /* the layers simulated (a pipeline stage's, or all) */
     mf_sg_sizes *sz;
     mf_cost_model cm;                        /* prices on prof; host threads' rate capped at the
@@ -78,7 +81,7 @@ struct mf_plan {
 static int pl_slot_live(const mf_plan *p, int L, int s)
 {
     int h = mf_stepgraph_half_of_slot(p->sg, s);
-    return s - p->sg->half_slot[h] < p->n_used[2 * L + h];
+    return s - p->sg->half_slot[h] < p->n_used[2 * (L - p->L0) + h];
 }
 
 /* A card's FFN of slot s (one expert over its tokens) on the path it takes (mf_sg_ffn_lt: the
@@ -117,7 +120,7 @@ static double pl_pos_flops(const mf_plan *p, const mf_sg_task *t)
  * task finishes without it (an empty read). */
 static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int *overhead)
 {
-    const pl_slot *sl = t->slot >= 0 ? &p->sl[(size_t)t->layer * p->sg->n_slots + t->slot] : NULL;
+    const pl_slot *sl = t->slot >= 0 ? &p->sl[(size_t)(t->layer - p->L0) * p->sg->n_slots + t->slot] : NULL;
     mf_sg_step_cost s = {.slot_tokens = sl ? sl->cnt : 0, .n_head = p->n_head, .dev_miss = sl && sl->miss};
     if (t->op == MF_SG_DEV_FFN && sl) {
         double ns;
@@ -140,8 +143,8 @@ static double pl_task_ns(mf_plan *p, const mf_sg_task *t, mf_plan_report *r, int
         double ns = 0;
         int n = 0;
         int s0 = p->sg->half_slot[t->half];   /* the micro-batch's slots */
-        for (int s = s0; s < s0 + p->n_used[2 * t->layer + t->half]; s++) {
-            const pl_slot *x = &p->sl[(size_t)t->layer * p->sg->n_slots + s];
+        for (int s = s0; s < s0 + p->n_used[2 * (t->layer - p->L0) + t->half]; s++) {
+            const pl_slot *x = &p->sl[(size_t)(t->layer - p->L0) * p->sg->n_slots + s];
             if (x->card != t->card) continue;
             ns += pl_card_ffn_ns(p, x) - (n++ ? p->prof.card[MF_KF_FP4].latency_ns : 0);
         }
@@ -168,6 +171,19 @@ static int pl_check(const mf_plan_opts *o)
     if (o->batch < 0 || o->batch > max_batch)
         return mf_error(-EINVAL, "plan: %s %d (expected 1..%d)", o->prefill ? "prefill chunk" : "batch", o->batch,
                         max_batch);
+    const mf_config *c = o->config;
+    if (o->unit_len < 0 || o->unit_len > MF_STEP_MAX_ITEMS || (o->unit_len > 1 && o->prefill) ||
+        (o->unit_len > 1 && (o->batch ? o->batch : 1) * o->unit_len > MF_STEP_MAX_ITEMS))
+        return mf_error(-EINVAL, "plan: %d sequences of %d items each (expected at most %d items, no prefill)",
+                        o->batch ? o->batch : 1, o->unit_len, MF_STEP_MAX_ITEMS);
+    if (o->draft && (o->draft < 0 || c->n_mtp_layers < 1 || o->draft > c->dspark_block_size || o->prefill ||
+                     (o->batch ? o->batch : 1) * c->dspark_block_size > MF_STEP_DRAFT_ITEMS))
+        return mf_error(-EINVAL, "plan: a draft round of %d candidates for %d sequences (expected a config with "
+                        "draft stages, 1..dspark_block_size %d candidates, at most %d items, no prefill)", o->draft,
+                        o->batch ? o->batch : 1, c->dspark_block_size, MF_STEP_DRAFT_ITEMS);
+    if ((o->draft || o->feats) && (o->layer_begin > 0 || (o->layer_end && o->layer_end < c->n_layers)))
+        return mf_error(-EINVAL, "plan: speculation's draft round or features on a pipeline stage (layers [%d, %d)): "
+                        "the draft runs on a whole model", o->layer_begin, o->layer_end);
     if (o->n_cards < 0 || o->n_cards > PL_MAX_CARDS)
         return mf_error(-EINVAL, "plan: %d cards (expected 0..%d)", o->n_cards, PL_MAX_CARDS);
     if (o->placement != MF_STEP_PLACE_HOST && (o->n_cards ? o->n_cards : f->n_cards) < 1)
@@ -303,24 +319,31 @@ static void pl_init(mf_plan *p, const mf_plan_opts *o)
     p->prof = *o->profile;
     const mf_profile *f = &p->prof;
     const mf_config *c = &p->c;
-    p->K = c->n_experts_per_tok;
-    p->E = c->n_routed_experts;
-    p->n_layers = c->n_layers;
-    p->l0 = o->layer_begin;
-    p->l1 = o->layer_begin || o->layer_end ? o->layer_end : c->n_layers;
-    p->batch = o->batch ? o->batch : 1;
+    /* a draft round: the draft stages' layers, experts and top-k; every sequence's block of
+     * dspark_block_size items (docs/dspark.md); a verify: unit_len items of each sequence */
+    p->L0 = o->draft ? c->n_layers : 0;
+    p->K = mf_config_layer_topk(c, p->L0);
+    p->E = mf_config_layer_experts(c, p->L0);
+    p->n_layers = o->draft ? c->n_mtp_layers : c->n_layers;
+    p->n_seq = o->batch ? o->batch : 1;
+    p->unit_len = o->draft ? c->dspark_block_size : o->unit_len > 1 ? o->unit_len : 1;
+    p->batch = p->n_seq * p->unit_len;
+    p->l0 = o->draft ? 0 : o->layer_begin;   /* the layers priced (the tables' indices, from L0) */
+    p->l1 = o->draft ? p->n_layers : o->layer_begin || o->layer_end ? o->layer_end : c->n_layers;
     p->n_threads = (o->n_sockets ? o->n_sockets : f->n_sockets) *
                    (o->threads_per_socket ? o->threads_per_socket : f->threads_per_socket);
     p->n_cores = f->n_sockets * f->threads_per_socket;
     p->n_cards = o->placement == MF_STEP_PLACE_HOST ? 0 : o->n_cards ? o->n_cards : f->n_cards;
     p->n_dense = o->dense == MF_PLAN_DENSE_CARDS ? (o->n_cards ? o->n_cards : f->n_cards) : 0;
+    if (o->draft) p->n_cards = 0;   /* the draft round's experts run on the host (its dense work as the steps') */
     p->n_lane_cards = p->n_cards > p->n_dense ? p->n_cards : p->n_dense;
     p->emulated = f->cards_emulated;
     p->read_window = o->read_window ? o->read_window : 2;
     p->copy_slots = o->copy_slots ? o->copy_slots : 1;
-    p->streamed = o->store == MF_PLAN_STORE_STREAMED;
+    p->streamed = o->store == MF_PLAN_STORE_STREAMED && !o->draft;   /* the draft's experts are resident */
     p->pos = o->prefill ? o->context : o->context ? o->context : 16;
-    p->n_head = o->prefill ? 0 : p->batch;
+    /* a verify's every item; a draft round's the positions whose candidates it picks */
+    p->n_head = o->prefill ? 0 : o->draft ? p->n_seq * o->draft : p->batch;
     p->rng = o->seed ^ 0x6d6f65666c6f77ULL;
     /* all threads of a socket streaming weights share its memory bandwidth */
     int per_socket = o->threads_per_socket ? o->threads_per_socket : f->threads_per_socket;
@@ -376,9 +399,16 @@ static int pl_graph(mf_plan *p, mf_sg_opts *go)
     const mf_plan_opts *o = &p->o;
     const mf_config *c = &p->c;
     /* the engine's graph of a parallel decode shape (serial at batch 1, as the engine's): its
-     * bucket's (mf_sg_bucket), the batch's items live; or of a prefill chunk (serial) */
-    int par = p->batch > 1 && !o->prefill;
-    *go = (mf_sg_opts){.c = c, .sz = p->sz, .n = par ? mf_sg_bucket(p->batch) : p->batch, .par = par,
+     * bucket's (mf_sg_bucket), the batch's items live; a verify's sequences of unit_len items each
+     * the mixed graph of its bucket likewise (one sequence's: serial); a draft round's of its
+     * sequences' blocks; or of a prefill chunk (serial) */
+    int par = p->batch > 1 && !o->prefill && p->unit_len == 1 && !o->draft;
+    int mixed = p->unit_len > 1 && p->n_seq > 1 && !o->draft;
+    int unit_end[MF_STEP_DRAFT_ITEMS], units = o->draft ? p->n_seq : 0;
+    for (int k = 0; k < units; k++) unit_end[k] = (k + 1) * p->unit_len;
+    *go = (mf_sg_opts){.c = c, .sz = p->sz, .n = par || mixed ? mf_sg_bucket(p->batch) : p->batch, .par = par,
+                        .mixed = mixed, .n_units = units, .unit_end = units ? unit_end : NULL, .draft = o->draft > 0,
+                        .feats = o->feats && !o->draft,
                         .n_threads = p->n_threads, .n_cards = p->n_cards,
                         .n_dense_cards = p->n_dense, .dense_split = o->dense_split, .heads = o->heads,
                         .dev_graphs = o->dev_graphs, .store = p->streamed,
@@ -392,9 +422,17 @@ static int pl_graph(mf_plan *p, mf_sg_opts *go)
                         .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof,
                         .prefetch_min = o->prefetch_min, .lt = o->lt,
                         .layer_begin = o->layer_begin, .layer_end = o->layer_end, .lane_net = p->lt.lane_net};
+    if (o->draft) {   /* the draft round's experts on the host (mf_sg_draft_check) */
+        go->n_cards = go->dev_graphs = go->store = go->eg_reads = 0;
+        go->micro = 1;
+        go->prefetch_min = -1;
+    }
     int rc = mf_stepgraph_new(go, &p->sg);
-    if (!rc && par) mf_stepgraph_set_live(p->sg, p->batch);
+    if (!rc && (par || mixed)) mf_stepgraph_set_live(p->sg, p->batch);
     if (!rc) p->total.host_bufs = (double)mf_step_host_bytes(c, p->sz, p->sg, 0, p->n_cards, p->n_dense, o->micro);
+    go->unit_end = NULL;   /* unit_end is this function's: the reserve below rebuilds from n and par */
+    go->n_units = 0;
+    go->mixed = 0;
     if (!rc) rc = mf_timeline_create(p->sg->g, &p->tl);
     return rc;
 }
@@ -429,7 +467,8 @@ static int pl_card_mem(mf_plan *p, const mf_sg_opts *go)
     const mf_config *c = &p->c;
     int rc;
     for (int cd = 0; cd < p->n_dense; cd++)   /* the dense weights each card holds */
-        p->dense_bytes[cd] = mf_sg_dense_card_bytes_in(c, p->sz, p->n_dense, o->dense_split, cd, p->l0, p->l1);
+        p->dense_bytes[cd] = mf_sg_dense_card_bytes_in(c, p->sz, p->n_dense, o->dense_split, cd, o->draft ? 0 : p->l0,
+                                                       o->draft ? c->n_layers : p->l1);
     for (int cd = 0; cd < p->n_dense; cd++)
         if (f->card_mem_bytes && p->dense_bytes[cd] > (double)f->card_mem_bytes) {
             return mf_error(-ENOSPC, "plan: card %d: its dense layers take %.0f bytes, the card has %" PRIu64, cd,
@@ -442,7 +481,7 @@ static int pl_card_mem(mf_plan *p, const mf_sg_opts *go)
      * this graph's buffers must fit, or the engine's first step fails allocating them */
     mf_sg_card_in ci = {.c = c, .sg = p->sg, .ln = p->batch, .sh_rows = (int64_t)p->sz->sh_rows,
                         .dev_graphs = o->dev_graphs};
-    if (p->n_lane_cards && !o->dev_cache_bytes) {
+    if (p->n_lane_cards && !o->dev_cache_bytes && !o->draft) {
         int chunk = o->chunk ? o->chunk : MF_STEP_PREFILL_CHUNK;
         if (o->prefill && p->batch > chunk) chunk = p->batch;
         /* the engine of `decode --batch B`: its max_batch B past the default */
@@ -583,7 +622,7 @@ static uint64_t pl_next(uint64_t *s)   /* splitmix64 */
 static int pl_route(mf_plan *p)
 {
     int n = p->batch, K = p->K, E = p->E;
-    if (p->o.routing) return mf_routing_next(p->o.routing, n, p->ex);
+    if (p->o.routing && !p->o.draft) return mf_routing_next_units(p->o.routing, p->n_seq, p->unit_len, p->ex);
     for (int L = 0; L < p->n_layers; L++)
         for (int t = 0; t < n; t++) {
             int32_t *e = p->ex + ((size_t)L * n + t) * K;
@@ -662,7 +701,7 @@ static void pl_prefetch(mf_plan *p, int L, mf_plan_report *r)
     mf_stepgraph_mark_prefetch(p->sg, L, p->pre_card, p->pre_miss);
 }
 
-/* Micro-batch h's slot table of layer L as the engine's route task builds it (distinct experts of
+/* Micro-batch h's slot table of layer L (of the graph's: layer L0 + L) as the engine's route task builds it (distinct experts of
  * its tokens ascending, their token counts), the store's begin (hits and misses, pinned) and the
  * engine's placement (card or host; cache slots taken and pinned), then the noop marks; its MoE's
  * end releases the pins (before the next micro-batch's route, as the graph orders them). */
@@ -702,7 +741,7 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
             sl[s].miss = 0;
         }
         for (int s = 0; s < n_half; s++) card[s] = sl[s].card;
-        mf_stepgraph_mark_noop_half(p->sg, L, h, ns, card);
+        mf_stepgraph_mark_noop_half(p->sg, L + p->L0, h, ns, card);
         for (int e = 0; e < E; e++)   /* the layer's end: pins released */
             if (p->pre_card[e] >= 0) mf_resid_unpin(p->dev[p->pre_card[e]], mf_resid_slot(p->dev[p->pre_card[e]], L * E + e));
         return 0;
@@ -740,7 +779,7 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
             }
         }
     for (int s = 0; s < n_half; s++) card[s] = sl[s].card;
-    mf_stepgraph_mark_noop_half(p->sg, L, h, ns, card);
+    mf_stepgraph_mark_noop_half(p->sg, L + p->L0, h, ns, card);
     for (int s = 0; s < ns; s++) {   /* the layer's end: store batch closed, pins released */
         int item = L * E + sl[s].e;
         if (p->streamed) mf_resid_unpin(p->store, mf_resid_slot(p->store, item));
@@ -753,6 +792,7 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
  * starting and finishing it; noop tasks cost nothing). */
 static int pl_price(mf_plan *p, mf_plan_report *r)
 {
+    if (p->o.draft) mf_stepgraph_mark_draft(p->sg, p->o.draft);   /* the chain's candidates asked for */
     for (int L = p->l0; L < p->l1; L++)
         for (int h = 0; h < p->sg->n_halves; h++) {
             int rc = pl_layer_slots(p, L, h, r);

@@ -78,6 +78,15 @@ typedef struct mf_plan_opts {
     int prefetch_min;            /* mf_sg_opts.prefetch_min: a prefill chunk's experts placed and copied in
                                   * at each layer's start from this many positions (0: mf_sg_prefetch_min,
                                   * < 0: never), as mf_step_opts.prefetch_min */
+    /* Speculative decoding (docs/dspark.md). unit_len > 1: every one of the batch's sequences runs
+     * unit_len consecutive positions (a verify of its anchor and unit_len - 1 candidates) as one
+     * unit of the engine's graph, each item with logits; the routing draws a unit's tokens as its
+     * sequence's consecutive tokens (mf_routing_next_units); batch x unit_len <= MF_STEP_MAX_ITEMS.
+     * draft 1..dspark_block_size: instead a DSpark draft round of the batch's sequences proposing
+     * that many candidates each (the builder's draft graph on the host, routed by uniform draws of
+     * the draft's experts; the routing below is the backbone's and not used). feats 1: the step's
+     * graph hands out the draft's features (an engine made with mf_step_opts.draft). 0: none. */
+    int unit_len, draft, feats;
     mf_routing *routing;         /* borrowed; NULL: uniform draws from `seed` */
     uint64_t seed;
     /* A pipeline stage (graphs/pipe/pipe.h): the engine's graph of layers [layer_begin, layer_end)

@@ -499,9 +499,13 @@ static void mf_draw_uniform(mf_routing *r, int layer, int32_t *ex)
     }
 }
 
-int mf_routing_next(mf_routing *r, int n_tokens, int32_t *ex)
+int mf_routing_next(mf_routing *r, int n_tokens, int32_t *ex) { return mf_routing_next_units(r, n_tokens, 1, ex); }
+
+int mf_routing_next_units(mf_routing *r, int n_seq, int per_seq, int32_t *ex)
 {
-    if (n_tokens < 0) return mf_error(-EINVAL, "routing %s: n_tokens %d < 0", r->desc, n_tokens);
+    if (n_seq < 0 || per_seq < 1)
+        return mf_error(-EINVAL, "routing %s: %d sequences of %d tokens", r->desc, n_seq, per_seq);
+    int n_tokens = n_seq * per_seq;
     int L = r->n_layers, K = r->top_k;
     if (r->kind == MF_ROUTE_TRACE) {
         for (int t = 0; t < n_tokens; t++) {
@@ -513,7 +517,7 @@ int mf_routing_next(mf_routing *r, int n_tokens, int32_t *ex)
         return 0;
     }
     if (r->kind == MF_ROUTE_LOCAL) {
-        int rc = mf_local_grow(r, n_tokens);
+        int rc = mf_local_grow(r, n_seq);
         if (rc) return rc;
     }
     for (int l = 0; l < L; l++)
@@ -522,7 +526,7 @@ int mf_routing_next(mf_routing *r, int n_tokens, int32_t *ex)
             if (r->kind == MF_ROUTE_ZIPF)
                 mf_draw_zipf(r, l, dst);
             else if (r->kind == MF_ROUTE_LOCAL)
-                mf_draw_local(r, l, t, dst);
+                mf_draw_local(r, l, t / per_seq, dst);   /* a unit's tokens: its sequence's, in order */
             else
                 mf_draw_uniform(r, l, dst);
         }

@@ -31,6 +31,10 @@ int mf_routing_open(const char *spec, int n_layers, int n_experts, int top_k, ui
 /* The routes of the next n_tokens tokens in every layer: ex[(layer * n_tokens + t) * top_k + j]
  * (distinct within a token and layer). Each call advances by n_tokens tokens. */
 int mf_routing_next(mf_routing *r, int n_tokens, int32_t *ex);
+/* The same for n_seq sequences of per_seq consecutive tokens each (a speculative verify's units):
+ * token t is sequence t / per_seq's (local: its history, its tokens one after another); the layout
+ * as mf_routing_next's over n_seq x per_seq tokens. mf_routing_next is per_seq 1. */
+int mf_routing_next_units(mf_routing *r, int n_seq, int per_seq, int32_t *ex);
 /* A trace's accesses per (layer, expert) over all its tokens: counts[layer x n_experts + e]
  * (n_layers x n_experts, overwritten) and 1; 0 (counts untouched) for drawn routings, whose
  * popularity an engine cannot know before decoding. For the warm fill's order

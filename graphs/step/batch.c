@@ -12,6 +12,7 @@
 #include <time.h>
 
 #include "graphs/step/sample.h"
+#include "graphs/step/spec.h"
 #include "host/grammar.h"
 #include "host/tokenizer.h"
 #include "sched/clock.h"
@@ -32,7 +33,9 @@ typedef struct mf_breq {
 typedef struct mf_bseq {
     mf_ref_state *st;
     mf_sampler *smp;
-    float *lrow;          /* vocab_size logits of this sequence's last produced item */
+    float *lrow;          /* vocab_size logits of this sequence's last produced item (with speculation,
+                           * 1 + its most candidates rows: a verify's every item) */
+    int n_ver;            /* this step's decode items: the pending token and its candidates */
     mf_breq *req;         /* NULL: free; written by the stepping thread under the mutex */
     uint64_t order;       /* admission counter: prefill order */
     int n_fed, n_gen;
@@ -70,6 +73,8 @@ struct mf_batch {
     mf_ref_state **it_st;
     int32_t *it_tok;
     float **it_lg;
+    float **it_ft;        /* with speculation: each item's features (graphs/step/spec.h) */
+    int spec_max;         /* with speculation: candidates per round at most, else 0 */
     int *pf;              /* prefill candidates, sorted by order */
     float *erows;         /* echo_rows rows of V logits: the prompt positions of echo chunks */
     float *raw;           /* V: a logprobs request's logits as the model gave them (before adjusting) */
@@ -118,6 +123,12 @@ int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
 {
     *out = NULL;
     if (!opts->ref) return mf_error(-EINVAL, "batch: no forward (opts.ref)");
+    if (opts->spec && opts->prefix)
+        return mf_error(-EINVAL, "batch: speculation with the prefix cache (opts.prefix): a verify's positions would "
+                        "enter its blocks before the rollback gives the rejected ones back; not supported yet");
+    if (opts->spec && opts->forward)
+        return mf_error(-EINVAL, "batch: speculation with a forward of its own (opts.forward: a pipeline's); the "
+                        "draft reads features of a whole model's forward");
     mf_batch_opts o = *opts;
     const mf_config *c = mf_ref_config(o.ref);
     if (!o.max_batch) o.max_batch = 16;
@@ -153,7 +164,12 @@ int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
     b->V = c->vocab_size;
     b->state_bytes = sb;
     b->n_states = fit < o.max_batch ? (int)fit : o.max_batch;
-    b->step_cap = o.step_tokens + b->n_states;
+    if (o.spec) {
+        mf_spec_stats ss;
+        mf_spec_get_stats(o.spec, &ss);
+        b->spec_max = ss.n_max;
+    }
+    b->step_cap = o.step_tokens + b->n_states * (1 + b->spec_max);
     b->next_id = 1;
     b->max_bypass = o.max_bypass == 0 ? MF_BATCH_MAX_BYPASS : o.max_bypass < 0 ? 0 : o.max_bypass;
     pthread_mutex_init(&b->mu, NULL);
@@ -162,10 +178,12 @@ int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
     b->it_st = malloc(sizeof *b->it_st * (size_t)b->step_cap);
     b->it_tok = malloc(sizeof *b->it_tok * (size_t)b->step_cap);
     b->it_lg = malloc(sizeof *b->it_lg * (size_t)b->step_cap);
+    b->it_ft = o.spec ? malloc(sizeof *b->it_ft * (size_t)b->step_cap) : NULL;
     b->pf = malloc(sizeof *b->pf * (size_t)b->n_states);
     if (o.echo_rows) b->erows = malloc(sizeof(float) * (size_t)o.echo_rows * (size_t)b->V);
     b->raw = malloc(sizeof(float) * (size_t)b->V);
     int rc = b->seq && b->it_st && b->it_tok && b->it_lg && b->pf && (!o.echo_rows || b->erows) && b->raw
+             && (!o.spec || b->it_ft)
                  ? 0 : mf_error(-ENOMEM, "batch: out of memory");
     for (int i = 0; i < b->n_states && !rc; i++) {
         mf_bseq *q = &b->seq[i];
@@ -173,7 +191,7 @@ int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
         if ((rc = mf_ref_state_new(o.ref, o.max_context, &q->st)) ||
             (rc = mf_sampler_new(b->V, 1.0, 1.0, 0, &q->smp)))
             break;
-        if (!(q->lrow = malloc(sizeof(float) * (size_t)b->V)) || !(q->txt = malloc(q->cap_txt)))
+        if (!(q->lrow = malloc(sizeof(float) * (size_t)b->V * (size_t)(1 + b->spec_max))) || !(q->txt = malloc(q->cap_txt)))
             rc = mf_error(-ENOMEM, "batch: out of memory for sequence %d's buffers", i);
         if (!rc && o.prefix) rc = mf_prefix_seq_new(o.prefix, &q->ps);
     }
@@ -463,6 +481,7 @@ static void mf_batch_admit(mf_batch *b)
             q->n_txt = q->n_sent = 0;
             q->admit_ns = now;
             q->first_ns = 0;
+            if (b->o.spec) mf_spec_admit(b->o.spec, i);
         }
     }
 }
@@ -474,7 +493,39 @@ static int mf_batch_pf_cmp(const void *a, const void *b, void *ctx)
     return (x > y) - (x < y);
 }
 
-/* Fills the step's items: decode tokens, then prefill chunks by admission order. */
+/* Whether q's request may speculate: plain sampling of the model's logits (no logprobs, logit_bias,
+ * penalties or grammar: those requests take plain steps, k = 0). */
+static int mf_batch_spec_plain(const mf_bseq *q)
+{
+    const mf_batch_req *r = &q->req->r;
+    return !r->logprobs && !r->n_bias && !q->penalize && !q->constrained;
+}
+
+/* With speculation: the round's candidates of the step's decode sequences (graphs/step/spec.h
+ * mf_spec_plan), each taking at most what its request may still generate and its share of the
+ * graph run's items (mf_batch_step_items: the engine's max_batch as the tools make it; none where it
+ * may not speculate: mf_batch_spec_plain). 0 or the draft's error. */
+static int mf_batch_spec_plan(mf_batch *b)
+{
+    mf_spec_seq sq[MF_STEP_MAX_ITEMS];
+    int n = 0, cap = mf_batch_step_items(b->o.max_batch, b->o.step_tokens);   /* the engine's graph run */
+    for (int i = 0; i < b->n_states && n < MF_STEP_MAX_ITEMS; i++) {
+        mf_bseq *q = &b->seq[i];
+        if (q->req && q->pending >= 0) sq[n++] = (mf_spec_seq){.slot = i, .st = q->st, .anchor = q->pending,
+                                                               .req_user = q->req->r.user};
+    }
+    for (int j = 0; j < n; j++) {
+        const mf_bseq *q = &b->seq[sq[j].slot];
+        int room = q->req->r.max_tokens - q->n_gen - 1, share = (cap - n) / n;
+        int64_t ctx = q->st->max_pos - q->st->n_pos - 1;
+        sq[j].room = room < share ? (room < ctx ? room : (int)ctx) : (share < ctx ? share : (int)ctx);
+        if (sq[j].room < 0 || !mf_batch_spec_plain(q)) sq[j].room = 0;
+    }
+    return n ? mf_spec_plan(b->o.spec, sq, n) : 0;
+}
+
+/* Fills the step's items: decode tokens (with speculation each one's candidates after it), then
+ * prefill chunks by admission order; with speculation each item's feature row. */
 static int mf_batch_items(mf_batch *b)
 {
     int n = 0, n_pf = 0;
@@ -484,10 +535,17 @@ static int mf_batch_items(mf_batch *b)
         q->echo_rows = 0;
         if (!q->req) continue;
         if (q->pending >= 0) {
-            b->it_st[n] = q->st;
-            b->it_tok[n] = q->pending;
-            b->it_lg[n++] = q->lrow;
-            q->in_step = q->got_logits = q->n_step = 1;
+            const int32_t *cand = NULL;
+            int k = b->o.spec ? mf_spec_cands(b->o.spec, i, &cand) : 0;
+            q->n_ver = 1 + k;
+            if (b->o.spec) mf_spec_rows(b->o.spec, i, q->st->n_pos, q->n_ver, b->it_ft + n);
+            for (int j = 0; j < q->n_ver; j++) {
+                b->it_st[n] = q->st;
+                b->it_tok[n] = j ? cand[j - 1] : q->pending;
+                b->it_lg[n++] = q->lrow + (size_t)j * b->V;
+            }
+            q->in_step = q->got_logits = 1;
+            q->n_step = q->n_ver;
         } else {
             b->pf[n_pf++] = i;
         }
@@ -513,6 +571,7 @@ static int mf_batch_items(mf_batch *b)
         if (take <= 0) continue;
         q->echo_row0 = erow;
         q->echo_pos0 = q->n_fed;
+        if (b->o.spec) mf_spec_rows(b->o.spec, b->pf[k], q->st->n_pos, take, b->it_ft + n);
         for (int j = 0; j < take; j++) {
             b->it_st[n] = q->st;
             b->it_tok[n] = q->req->prompt[q->n_fed + j];
@@ -527,6 +586,7 @@ static int mf_batch_items(mf_batch *b)
         }
         q->n_fed += take;
         q->in_step = 1;
+        q->n_ver = 0;
         q->n_step = take;
         budget -= take;
     }
@@ -595,11 +655,50 @@ static int32_t mf_batch_pick_constrained(mf_batch *b, mf_bseq *q)
     return t;
 }
 
+/* Emits token t of q (ev: its event, the logprob filled where asked, logits the row it came from);
+ * ends the request when done. Returns 1 when it goes on. */
+static int mf_batch_emit_token(mf_batch *b, mf_bseq *q, int32_t t, mf_batch_event *ev, int64_t now)
+{
+    mf_breq *r = q->req;
+    ev->token = t;
+    if (t == b->c->eos_token_id && (!r->r.ignore_eos || q->constrained)) {   /* a grammar allows EOS only once complete */
+        mf_batch_finish_lp(b, q, MF_BATCH_EOS, 0, NULL, r->r.logprobs ? ev : NULL);
+        return 0;
+    }
+    if (q->penalize) {
+        if (!q->cnt[t]) q->touched[q->n_touched++] = t;
+        if ((q->cnt[t] & MF_CNT_OUT) != MF_CNT_OUT) q->cnt[t]++;
+    }
+    q->n_gen++;
+    if (!q->first_ns) q->first_ns = now;
+    int stop = mf_batch_text(b, q, t);
+    if (stop < 0) {
+        mf_batch_finish_seq(b, q, MF_BATCH_ERROR, stop, mf_last_error());
+        return 0;
+    }
+    size_t hold = stop ? 0 : mf_batch_hold(r, q->txt, q->n_sent, q->n_txt);
+    ev->text = q->txt + q->n_sent;
+    ev->n_text = q->n_txt - hold - q->n_sent;
+    q->n_sent = q->n_txt - hold;
+    mf_batch_emit(b, q, r, ev);
+    pthread_mutex_lock(&b->mu);
+    b->stats.generated++;
+    pthread_mutex_unlock(&b->mu);
+    if (stop || (q->constrained && mf_gram_match_done(q->gm)))   /* a complete grammar allows nothing but EOS */
+        mf_batch_finish_seq(b, q, MF_BATCH_STOP, 0, NULL);
+    else if (q->n_gen >= r->r.max_tokens)
+        mf_batch_finish_seq(b, q, MF_BATCH_LENGTH, 0, NULL);
+    else
+        return 1;
+    return 0;
+}
+
 /* Samples the next token of q from its logits row and emits it; ends the request when done. */
 static void mf_batch_next(mf_batch *b, mf_bseq *q, int64_t now)
 {
     mf_breq *r = q->req;
-    mf_batch_event ev = {.kind = MF_BATCH_TOKEN, .top = b->top, .n_top = r->r.logprobs ? r->r.top_logprobs : 0};
+    mf_batch_event ev = {.kind = MF_BATCH_TOKEN, .top = b->top, .n_top = r->r.logprobs ? r->r.top_logprobs : 0,
+                         .logits = q->lrow};
     double lse = 0;
     const float *raw = q->lrow;
     if (r->r.logprobs) {   /* the model's distribution: before bias, penalties, grammar, temperature */
@@ -616,54 +715,49 @@ static void mf_batch_next(mf_batch *b, mf_bseq *q, int64_t now)
         return;
     }
     ev.logprob = (float)((double)raw[t] - lse);
-    ev.token = t;
     ev.has_logprob = r->r.logprobs;
-    if (t == b->c->eos_token_id && (!r->r.ignore_eos || q->constrained)) {   /* a grammar allows EOS only once complete */
-        mf_batch_finish_lp(b, q, MF_BATCH_EOS, 0, NULL, r->r.logprobs ? &ev : NULL);
+    if (mf_batch_emit_token(b, q, t, &ev, now)) q->pending = t;
+}
+
+/* With speculation, a decode sequence's tokens of the step (graphs/step/spec.h mf_spec_accept: the
+ * accepted candidates and the bonus, its state rolled back to what it keeps), emitted in order. */
+static void mf_batch_spec_next(mf_batch *b, mf_bseq *q, int i, int64_t now)
+{
+    int32_t tok[MF_SPEC_MAX + 1];
+    int nt = 0, rc = mf_spec_accept(b->o.spec, i, q->st, q->smp, q->lrow, tok, &nt);
+    if (rc) {
+        mf_batch_finish_seq(b, q, MF_BATCH_ERROR, rc, mf_last_error());
         return;
     }
-    if (q->penalize) {
-        if (!q->cnt[t]) q->touched[q->n_touched++] = t;
-        if ((q->cnt[t] & MF_CNT_OUT) != MF_CNT_OUT) q->cnt[t]++;
+    for (int j = 0; j < nt; j++) {
+        mf_batch_event ev = {.kind = MF_BATCH_TOKEN, .logits = q->lrow + (size_t)j * b->V};
+        if (!mf_batch_emit_token(b, q, tok[j], &ev, now)) return;
     }
-    q->n_gen++;
-    if (!q->first_ns) q->first_ns = now;
-    int stop = mf_batch_text(b, q, t);
-    if (stop < 0) {
-        mf_batch_finish_seq(b, q, MF_BATCH_ERROR, stop, mf_last_error());
-        return;
-    }
-    size_t hold = stop ? 0 : mf_batch_hold(r, q->txt, q->n_sent, q->n_txt);
-    ev.token = t;
-    ev.logits = q->lrow;
-    ev.text = q->txt + q->n_sent;
-    ev.n_text = q->n_txt - hold - q->n_sent;
-    q->n_sent = q->n_txt - hold;
-    mf_batch_emit(b, q, r, &ev);
-    pthread_mutex_lock(&b->mu);
-    b->stats.generated++;
-    pthread_mutex_unlock(&b->mu);
-    if (stop || (q->constrained && mf_gram_match_done(q->gm)))   /* a complete grammar allows nothing but EOS */
-        mf_batch_finish_seq(b, q, MF_BATCH_STOP, 0, NULL);
-    else if (q->n_gen >= r->r.max_tokens)
-        mf_batch_finish_seq(b, q, MF_BATCH_LENGTH, 0, NULL);
-    else
-        q->pending = t;
+    q->pending = tok[nt - 1];
 }
 
 int mf_batch_step(mf_batch *b, int *n_items)
 {
     if (n_items) *n_items = 0;
     mf_batch_admit(b);
-    int n = mf_batch_items(b);
+    int rc = b->o.spec ? mf_batch_spec_plan(b) : 0;   /* the round's candidates first */
+    int n = mf_batch_items(b), n_dec = 0, n_seq = 0;
     if (!n) return 0;
     for (int i = 0; b->o.prefix && i < b->n_states; i++)   /* the prefix cache taps the window */
         if (b->seq[i].in_step) mf_prefix_step_begin(b->o.prefix, b->seq[i].ps, b->seq[i].st, b->seq[i].n_step);
     /* one forward over decode tokens and prefill chunks: the engine runs each sequence's items
      * as one unit of per-item tasks, the sequences' units in parallel (graphs/step/step.h) */
-    int rc = b->o.forward ? b->o.forward(b->o.forward_ctx, b->it_st, b->it_tok, n, b->it_lg)
-             : b->o.eng   ? mf_step_forward(b->o.eng, b->it_st, b->it_tok, n, b->it_lg)
-                          : mf_ref_forward(b->o.ref, b->it_st, b->it_tok, n, b->it_lg);
+    float **ft = b->o.spec && mf_spec_feats(b->o.spec) ? b->it_ft : NULL;
+    int64_t t0 = mf_now_ns();
+    if (!rc)
+        rc = b->o.forward ? b->o.forward(b->o.forward_ctx, b->it_st, b->it_tok, n, b->it_lg)
+             : b->o.eng   ? mf_step_forward_feat(b->o.eng, b->it_st, b->it_tok, n, b->it_lg, ft)
+                          : mf_ref_forward_feat(b->o.ref, b->it_st, b->it_tok, n, b->it_lg, ft);
+    for (int i = 0; i < b->n_states; i++) {
+        n_dec += b->seq[i].in_step && b->seq[i].n_ver ? b->seq[i].n_ver : 0;
+        n_seq += b->seq[i].in_step && b->seq[i].n_ver;
+    }
+    if (!rc && b->o.spec && n_dec == n) mf_spec_step_done(b->o.spec, mf_now_ns() - t0, n, n_seq);   /* decode only */
     for (int i = 0; b->o.prefix && i < b->n_states; i++) {   /* and keeps the blocks completed */
         mf_bseq *q = &b->seq[i];
         if (q->in_step)
@@ -689,7 +783,8 @@ int mf_batch_step(mf_batch *b, int *n_items)
             continue;
         }
         q->pending = -1;
-        mf_batch_next(b, q, now);
+        if (b->o.spec && q->n_ver && mf_batch_spec_plain(q)) mf_batch_spec_next(b, q, i, now);
+        else mf_batch_next(b, q, now);
     }
     return rc;
 }
@@ -886,6 +981,7 @@ void mf_batch_free(mf_batch *b)
     free(b->it_st);
     free(b->it_tok);
     free(b->it_lg);
+    free(b->it_ft);
     free(b->pf);
     pthread_mutex_destroy(&b->mu);
     pthread_cond_destroy(&b->cv);

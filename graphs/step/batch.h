@@ -128,7 +128,7 @@ typedef struct mf_batch_opts {
      * still prefilling that part waits (as one that does not fit the budget: others may pass it)
      * until it can restore it. An echo_logprobs request restores nothing (it needs every prompt
      * position's logits) but inserts its blocks. Numerics unchanged: logits after a hit are the bits of a run from
-     * scratch (tests/test_prefix_batch.c). */
+     * scratch (tests/test_prefix_batch.c). Not with spec yet (-EINVAL). */
     mf_prefix *prefix;
     /* prompt positions per step whose logits echo_logprobs requests may ask (0: none, such
      * requests are refused): a chunk of such a request is at most this long, and the batcher
@@ -140,6 +140,16 @@ typedef struct mf_batch_opts {
     const mf_gram_vocab *gram_vocab;
     void (*on_event)(void *user, const mf_batch_event *ev);
     void *user;           /* for on_event */
+    /* Speculative decoding (graphs/step/spec.h, docs/dspark.md), or NULL: made for this batcher's
+     * slots (mf_spec_new with n_slots max_batch; the same ref and engine), it outlives the batcher.
+     * Each step's decode sequences then run their pending token and the round's candidates as one
+     * unit of the forward (at most mf_batch_step_items(max_batch, step_tokens) decode items in all,
+     * one graph run of an engine made for them, and no more candidates than a request may still
+     * generate; not with a forward of its own), every forward hands out the draft's features, and a sequence
+     * may produce several tokens per step (one TOKEN event each, with its own logits): the tokens
+     * of greedy decoding are those without speculation, bit for bit, and sampled ones have the same
+     * distribution. */
+    struct mf_spec *spec;
 } mf_batch_opts;
 
 /* A logit bias: `bias` is added to token id's logit; <= -100 bans the token (its logit -inf). */

@@ -99,9 +99,10 @@ static int mf_cand_cmp(const void *a, const void *b)
     return (x->id > y->id) - (x->id < y->id);
 }
 
-int32_t mf_sampler_pick(mf_sampler *s, const float *logits)
+/* The distribution the sampler draws from (top_k, top_p, min_p): s->cand[0..k) sorted (ties: lower id), weights p (the
+ * tempered softmax's, unnormalized), the smallest prefix reaching top_p of the mass; *keep its mass. */
+static int64_t mf_sampler_dist(mf_sampler *s, const float *logits, double *keep)
 {
-    if (s->temperature <= 0) return mf_sample_greedy(logits, s->n);
     double mx = -INFINITY;
     for (int64_t i = 0; i < s->n; i++) mx = logits[i] > mx ? logits[i] : mx;
     double sum = 0;
@@ -118,17 +119,57 @@ int32_t mf_sampler_pick(mf_sampler *s, const float *logits)
         sum = 0;
         for (int64_t i = 0; i < lim; i++) sum += s->cand[i].p;
     }
-    double keep = 0;
+    double kept = 0;
     int64_t k = 0;
-    while (k < lim && (k == 0 || keep < s->top_p * sum)) keep += s->cand[k++].p;
+    while (k < lim && (k == 0 || kept < s->top_p * sum)) kept += s->cand[k++].p;
     if (s->min_p > 0)
-        while (k > 1 && s->cand[k - 1].p < s->min_p * s->cand[0].p) keep -= s->cand[--k].p;
-    double u = (double)(mf_splitmix64(&s->rng) >> 11) * 0x1p-53 * keep, acc = 0;
+        while (k > 1 && s->cand[k - 1].p < s->min_p * s->cand[0].p) kept -= s->cand[--k].p;
+    *keep = kept;
+    return k;
+}
+
+/* A draw over cand[0..k) of mass `mass`, skipping id `skip` (-1: none). */
+static int32_t mf_sampler_draw(mf_sampler *s, int64_t k, double mass, int32_t skip)
+{
+    double u = (double)(mf_splitmix64(&s->rng) >> 11) * 0x1p-53 * mass, acc = 0;
+    int32_t last = -1;
     for (int64_t i = 0; i < k; i++) {
+        if (s->cand[i].id == skip) continue;
         acc += s->cand[i].p;
-        if (u < acc) return s->cand[i].id;
+        last = s->cand[i].id;
+        if (u < acc) return last;
     }
-    return s->cand[k - 1].id;
+    return last;
+}
+
+int32_t mf_sampler_pick(mf_sampler *s, const float *logits)
+{
+    if (s->temperature <= 0) return mf_sample_greedy(logits, s->n);
+    double keep;
+    int64_t k = mf_sampler_dist(s, logits, &keep);
+    return mf_sampler_draw(s, k, keep, -1);
+}
+
+int32_t mf_sampler_pick_cand(mf_sampler *s, const float *logits, int32_t cand, int *accepted)
+{
+    *accepted = 0;
+    if (s->temperature <= 0) {
+        int32_t t = mf_sample_greedy(logits, s->n);
+        *accepted = t == cand;
+        return t;
+    }
+    if (cand < 0 || cand >= s->n) return mf_sampler_pick(s, logits);
+    double keep, pc = 0;
+    int64_t k = mf_sampler_dist(s, logits, &keep);
+    for (int64_t i = 0; i < k; i++)
+        if (s->cand[i].id == cand) pc = s->cand[i].p;
+    if (pc > 0 && (double)(mf_splitmix64(&s->rng) >> 11) * 0x1p-53 * keep < pc) {
+        *accepted = 1;
+        return cand;
+    }
+    /* rejected: the residual max(p - q, 0) of a point mass q at cand is p without cand */
+    if (k == 1 && pc > 0) return cand;   /* nothing else has mass (not reached: then pc = keep) */
+    return mf_sampler_draw(s, k, keep - pc, pc > 0 ? cand : -1);
 }
 
 /* Whether (la, ia) ranks before (lb, ib): higher logit first, then lower id. */

@@ -37,6 +37,15 @@ int mf_sampler_set(mf_sampler *s, const mf_sample_opts *o);
 /* The next token for logits[n_vocab]. */
 int32_t mf_sampler_pick(mf_sampler *s, const float *logits);
 
+/* Speculative decoding's acceptance of one position (graphs/step/spec.h): the next token given a
+ * draft's candidate `cand` proposed deterministically (a greedy draft: a point mass at cand).
+ * Greedy: the argmax, *accepted = (it is cand). Sampling: with probability p(cand), under the
+ * distribution mf_sampler_pick draws from (tempered softmax, top-p prefix), cand itself
+ * (*accepted 1); else a draw from p without cand, renormalized (the residual max(p - q, 0)), so the
+ * token is distributed exactly as mf_sampler_pick's (the draws differ: one more per position).
+ * cand outside the vocabulary: mf_sampler_pick, *accepted 0. */
+int32_t mf_sampler_pick_cand(mf_sampler *s, const float *logits, int32_t cand, int *accepted);
+
 /* Argmax with ties to the lowest index. */
 int32_t mf_sample_greedy(const float *logits, int64_t n);
 

@@ -232,6 +232,10 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     if (c->hidden_size % 32 || c->moe_intermediate_size % 32)
         return mf_error(-ENOTSUP, "step: hidden_size %" PRId64 " and moe_intermediate_size %" PRId64
                         " must be multiples of 32", (int64_t)c->hidden_size, (int64_t)c->moe_intermediate_size);
+    if (opts && opts->draft) {
+        int rc = mf_step_draft_check(ly);
+        if (rc) return rc;
+    }
     mf_step *s = calloc(1, sizeof *s);
     if (!s) return mf_error(-ENOMEM, "step: out of memory");
     s->ly = ly;
@@ -324,6 +328,7 @@ void mf_step_free(mf_step *s)
     for (int i = 0; i <= MF_STEP_SERIAL_ITEMS; i++) mf_step_shape_free(s->shapes[i]);
     for (int k = 0; k < 2; k++)
         for (int j = 0; j < MF_STEP_N_BUCKETS; j++) mf_step_shape_free(s->bshapes[k][j]);
+    for (int k = 0; k <= MF_STEP_DRAFT_ITEMS; k++) mf_step_shape_free(s->dshapes[k]);
     free(s->umem);
     mf_step_shape_free(s->long_shape);
     for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_free(s->xc[c]);
@@ -440,7 +445,7 @@ static int mf_step_store_fail(mf_step *s, mf_step_shape *sh, int rc)
 }
 
 static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
-                         float *const *logits)
+                         float *const *logits, float *const *feats)
 {
     const mf_config *c = s->c;
     mf_step_shape *sh;
@@ -468,6 +473,7 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
         memset(it->pre, 0, sizeof it->pre);
         it->pre[0] = 1.0f;
         it->logits = logits ? logits[i] : NULL;
+        if (sh->feat_out) sh->feat_out[i] = feats ? feats[i] : NULL;
         sh->head_row[i] = it->logits ? sh->n_head : -1;
         if (it->logits) sh->head_item[sh->n_head++] = i;
         if (it->logits && s->l1 < c->n_layers)
@@ -498,7 +504,7 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
 
 /* mf_step_forward in graph runs of at most `chunk` items. */
 static int mf_step_forward_chunks(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
-                                  float *const *logits, int chunk)
+                                  float *const *logits, float *const *feats, int chunk)
 {
     int64_t t0 = mf_now_ns();
     memset(&s->times, 0, sizeof s->times);
@@ -513,11 +519,13 @@ static int mf_step_forward_chunks(mf_step *s, mf_ref_state *const *states, const
     atomic_store(&s->gather_slots, 0);
     for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_step(s->xc[c], NULL);
     if (n < 1) return mf_error(-EINVAL, "step: forward of %d items", n);
+    if (feats && !(s->o.draft && s->c->n_mtp_layers > 0))
+        return mf_error(-EINVAL, "step: the draft's features asked of an engine made without the draft (opts.draft)");
     int rc = mf_step_check(s, states, tokens, n);
     if (rc) return rc;
     for (int i = 0; i < n && !rc; i += chunk) {
         int m = n - i < chunk ? n - i : chunk;
-        rc = mf_step_chunk(s, states + i, tokens + i, m, logits ? logits + i : NULL);
+        rc = mf_step_chunk(s, states + i, tokens + i, m, logits ? logits + i : NULL, feats ? feats + i : NULL);
     }
     s->times.wall_ns = mf_now_ns() - t0;
     s->dstat.hits = s->dstat.misses = s->dstat.evictions = s->dstat.bytes_in = 0;
@@ -536,12 +544,19 @@ static int mf_step_forward_chunks(mf_step *s, mf_ref_state *const *states, const
     return 0;
 }
 
-int mf_step_forward(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
-                    float *const *logits)
+int mf_step_forward_feat(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
+                         float *const *logits, float *const *feats)
 {
     int one = 1;   /* items all of one sequence: its serial graph runs up to max_chunk of them */
     for (int i = 1; i < n && one; i++) one = states[i] == states[0];
-    return mf_step_forward_chunks(s, states, tokens, n, logits, one && n > s->max_items ? s->max_chunk : s->max_items);
+    return mf_step_forward_chunks(s, states, tokens, n, logits, feats,
+                                  one && n > s->max_items ? s->max_chunk : s->max_items);
+}
+
+int mf_step_forward(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
+                    float *const *logits)
+{
+    return mf_step_forward_feat(s, states, tokens, n, logits, NULL);
 }
 
 int mf_step_prefill(mf_step *s, mf_ref_state *st, const int32_t *tokens, int n, float *logits)
@@ -557,7 +572,7 @@ int mf_step_prefill(mf_step *s, mf_ref_state *st, const int32_t *tokens, int n, 
     for (int i = 0; i < n; i++) sts[i] = st;
     lg[n - 1] = logits;
     int chunk = s->o.prefill_chunk > 0 ? s->o.prefill_chunk : MF_STEP_PREFILL_CHUNK;
-    int rc = mf_step_forward_chunks(s, sts, tokens, n, lg, chunk < s->max_chunk ? chunk : s->max_chunk);
+    int rc = mf_step_forward_chunks(s, sts, tokens, n, lg, NULL, chunk < s->max_chunk ? chunk : s->max_chunk);
     free(sts);
     free(lg);
     return rc;

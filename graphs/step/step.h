@@ -20,6 +20,9 @@ typedef struct mf_profile mf_profile;
 #define MF_STEP_MAX_ITEMS MF_SG_MAX_ITEMS
 /* mf_step_opts.max_batch's default */
 #define MF_STEP_DEFAULT_BATCH 64
+/* Items of one graph run of a DSpark draft round at most (mf_step_draft: its sequences' blocks of
+ * dspark_block_size items): a head's pass of rows (MF_SG_HEAD_ROWS), one item per item group */
+#define MF_STEP_DRAFT_ITEMS MF_SG_HEAD_ROWS
 /* Positions of one sequence per graph run of mf_step_prefill at most (mf_step_opts.prefill_chunk):
  * its serial graph runs the per-item tasks over item groups (graphs/step/stepgraph.h). */
 #define MF_STEP_MAX_CHUNK MF_SG_MAX_CHUNK
@@ -206,6 +209,13 @@ typedef struct mf_step_opts {
      * can share. 0 or 1: one CPU lane. */
     int n_sockets;
     const char *topology;        /* mf_sched_opts.topology (NULL: this machine) */
+    /* 1 (`--spec dspark`, docs/dspark.md): the DSpark draft runs on this engine. Every step's graph
+     * hands out the draft's features where asked (mf_step_forward_feat: per unit, a parallel or
+     * mixed graph's item group, a task at each target layer), and mf_step_draft runs the draft's
+     * rounds as graphs of their own (the same builder: graphs/step/stepgraph_draft.c). The model
+     * must be loaded with its draft (mf_model_opts.load_draft), its experts resident, all its
+     * layers (not a pipeline stage); -EINVAL otherwise. 0: neither (the graphs are as before). */
+    int draft;
     /* With a model of some layers only (a pipeline stage): its link (required on the sides it
      * has neighbours, -EINVAL otherwise). Such a stage embeds no tokens unless its first layer is
      * 0 and computes logits only when its last layer is the model's (mf_step_forward's logits
@@ -271,6 +281,34 @@ void mf_step_free(mf_step *s);
 int mf_step_forward(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
                     float *const *logits);
 int mf_step_prefill(mf_step *s, mf_ref_state *st, const int32_t *tokens, int n, float *logits);
+/* mf_step_forward, also writing item i's DSpark features into feats[i] when feats and feats[i]
+ * are non-NULL (n_dspark_target x hidden floats, bit for bit what mf_ref_forward_feat's layer math
+ * gives for the engine's streams: mf_ly_draft_feature). Needs an engine made with opts.draft
+ * (-EINVAL otherwise, when asked for features). */
+int mf_step_forward_feat(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
+                         float *const *logits, float *const *feats);
+
+/* One draft round of the DSpark draft for each of n_seq sequences (graphs/ref/ref.h's reference
+ * round, mf_ref_draft_feed + mf_ref_draft_propose, as graph runs of this engine: the builder's draft
+ * graph of up to MF_STEP_DRAFT_ITEMS / dspark_block_size sequences at a time). Sequence k first
+ * feeds n_feed pending feature rows (n_dspark_target x hidden each, from mf_step_forward_feat: the
+ * positions ds->n_pos on), then proposes n_cand candidates (1..dspark_block_size) after `anchor`
+ * greedily, with the confidence logits and, where asked, the candidates' logits (n_cand x
+ * vocab_size). The linears run on the kernels (the engine's default path: within tolerance of the
+ * reference, docs/dspark.md gives the measured differences), the MoE through the engine's routed
+ * expert slots on the host. 0, or -EINVAL (no draft, bad counts), the run's error. */
+typedef struct mf_step_draft_seq {
+    mf_ly_draft_state *ds;   /* the sequence's draft state (mf_ref_draft_state_new) */
+    const float *feed;       /* n_feed rows */
+    int n_feed;
+    int32_t anchor;          /* the token at position ds->n_pos + n_feed */
+    int n_cand;
+    int32_t *tokens;         /* out: n_cand */
+    float *confidence;       /* out: n_cand, or NULL */
+    float *logits;           /* out: n_cand x vocab_size, or NULL */
+} mf_step_draft_seq;
+int mf_step_draft(mf_step *s, mf_step_draft_seq *seqs, int n_seq);
+
 /* One token for each of n_seq distinct sequences; logits is n_seq x vocab_size. */
 int mf_step_decode(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n_seq,
                    float *logits);

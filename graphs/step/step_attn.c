@@ -11,13 +11,6 @@
 #include "graphs/step/step_impl.h"
 #include "sched/error.h"
 
-/* The attention sublayer (layer_attn.c's phases) between per-item parts on the workers' layer
- * contexts and row-split linear stages over all items. Item i's activations between phases. */
-static void mf_step_abuf(const mf_step_shape *sh, int i, float **b)
-{
-    for (int k = 0; k < MF_LY_A_N; k++) b[k] = sh->ab[k] + (size_t)i * sh->ab_ld[k];
-}
-
 /* Rows of linear stage a->t->stage (MF_LY_A_STAGE_*) of layer a->t->layer, part a->t->part of sh->p_attn:
  * the rows of each linear mf_sg_stage_rows gives the part (with sockets: of its socket's share of
  * each), each part over all items (weights read once for the batch); a row's bits do not depend on
@@ -103,11 +96,13 @@ static int mf_task_attn_kv(void *arg, mf_task_ctx *ctx)
         if (part >= 1) {
             if (!first) mf_step_abuf(sh, i - 1, prev);
             rc = mf_ly_attn_kv_compress_item(cx, &items[i], L, b, first ? NULL : prev);
-            if (!rc && first) {   /* the state, from the sequence's last item in the step */
+            if (!rc && first) {   /* the state, from the sequence's last item in the step (and the
+                                   * last that opened a group: ratio 2's even positions) */
                 int j = i;
                 while (j + 1 < n && items[j + 1].st == items[i].st) j++;
-                mf_step_abuf(sh, j, prev);
-                rc = mf_ly_attn_kv_compress_state(cx, &items[i], &items[j], L, prev);
+                int jo = items[j].pos % 2 ? j - 1 : j;
+                if (jo >= i) mf_step_abuf(sh, jo, prev);
+                rc = mf_ly_attn_kv_compress_state(cx, &items[i], &items[j], L, jo >= i ? prev : NULL);
             }
         }
         if (rc) return rc;

@@ -148,10 +148,17 @@ static int mf_task_dense_out(void *arg, mf_task_ctx *ctx)
     return rc;
 }
 
+/* The row of layer L's dense weights in a card's table: the backbone's layers, the head (L -1) at
+ * n_layers, the draft's stages after it. */
+static int mf_step_dense_row(const mf_config *c, int L)
+{
+    return L < 0 ? c->n_layers : L < c->n_layers ? L : L + 1;
+}
+
 /* Dense card k's copy of weight w of layer L (-1: the head), NULL when it holds none. */
 static const mf_step_dmat *mf_step_dense_view(const mf_step *eng, int k, int L, const mf_weight *w)
 {
-    const mf_step_dmat *row = eng->dmat[k] + (size_t)(L < 0 ? eng->c->n_layers : L) * MF_STEP_DW_MAX;
+    const mf_step_dmat *row = eng->dmat[k] + (size_t)mf_step_dense_row(eng->c, L) * MF_STEP_DW_MAX;
     for (int i = 0; i < MF_STEP_DW_MAX; i++)
         if (row[i].w == w) return &row[i];
     return NULL;
@@ -492,16 +499,16 @@ static int mf_step_dense_upload(mf_step *s, int k, mf_dev_stream *st, const mf_w
 static int mf_step_dense_weights(mf_step *s)
 {
     const mf_config *c = s->c;
-    int NL = c->n_layers;
+    int NL = c->n_layers, ND = s->o.draft ? c->n_mtp_layers : 0;   /* the draft's stages after the head */
     for (int k = 0; k < s->n_dense; k++) {
         int cd = s->dense_card[k];
         mf_dev_stream *st = mf_dev_stream_of(s->dev, cd, MF_DEV_STREAM_COPY_IN);
-        s->dmat[k] = calloc((size_t)(NL + 1) * MF_STEP_DW_MAX, sizeof *s->dmat[k]);
+        s->dmat[k] = calloc((size_t)(NL + 1 + ND) * MF_STEP_DW_MAX, sizeof *s->dmat[k]);
         if (!s->dmat[k]) return mf_error(-ENOMEM, "step: out of memory");
         for (int pass = 0; pass < 2; pass++) {
             size_t off = 0;
             int first = -1, last = -1, head = 0;
-            for (int L = -1; L < NL; L++) {
+            for (int L = -1; L < NL + ND; L++) {
                 const mf_weight *w[MF_STEP_DW_MAX];
                 int64_t r0[MF_STEP_DW_MAX], r1[MF_STEP_DW_MAX];
                 int8_t dd[MF_STEP_DW_MAX];
@@ -510,7 +517,7 @@ static int mf_step_dense_weights(mf_step *s)
                 head |= L < 0;
                 if (L >= 0 && first < 0) first = L;
                 if (L >= 0) last = L;
-                mf_step_dmat *row = s->dmat[k] + (size_t)(L < 0 ? NL : L) * MF_STEP_DW_MAX;
+                mf_step_dmat *row = s->dmat[k] + (size_t)mf_step_dense_row(c, L) * MF_STEP_DW_MAX;
                 for (int j = 0; j < nw; j++) {
                     int rc = mf_step_dense_upload(s, k, st, w[j], r0[j], r1[j], &off, &row[j]);
                     if (rc) return rc;

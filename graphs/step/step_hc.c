@@ -39,7 +39,8 @@ static int mf_step_norm_cols(mf_step_targ *a, mf_task_ctx *ctx, int op)
     float *out;
     if (op == MF_SG_NORM) {
         if (sh->head_row[i] < 0) return 0;
-        w = mf_model_norm(cx->ly->m);
+        w = sh->sg->draft ? &mf_model_layer_at(cx->ly->m, c->n_layers + c->n_mtp_layers - 1)->out_norm   /* the draft's */
+                          : mf_model_norm(cx->ly->m);
         out = sh->hn + (size_t)sh->head_row[i] * H;
     } else {
         const mf_model_layer *y = mf_model_layer_at(cx->ly->m, a->t->layer);

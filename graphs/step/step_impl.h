@@ -186,6 +186,18 @@ struct mf_step_shape {
     int64_t sk_nkeys;
     int sk_host, sk_rows;
     size_t dd_sk_tab, dd_sk_nvis, dd_sk_score;
+    /* the DSpark draft (graphs/step/step_draft.c). A step's shape with features (sg->feats): per item
+     * where its features go (NULL: none). A draft round's shape (sg->draft, its units the sequences):
+     * per unit the caller's sequence; the pending feature rows of every unit one after another
+     * (dfeed_x, n_target x hidden each; unit k's from row dfeed_off[k], dfeed_n[k] of them) and
+     * main_proj's outputs of them (dfeed_u); per unit its key table (the context's rows, then the
+     * block's: dkeys, (window + block) x head_dim, dnkeys of them) and the Markov logits of its
+     * candidate being picked (dmk, vocab each) */
+    float **feat_out;
+    mf_step_draft_seq *dseq;
+    float *dfeed_x, *dfeed_u, *dkv, *dkeys, *dmk;   /* dkv: the feed's wkv outputs, per stage dfeed_rows x head_dim */
+    int *dfeed_off, *dfeed_n, *dnkeys;
+    int dfeed_rows;         /* rows dfeed_x holds */
     void *mem;              /* its buffers; NULL when they are the engine's umem (a bucket's) */
 };
 
@@ -257,6 +269,8 @@ struct mf_step {
     size_t umem_bytes;
     int umem_items;
     mf_step_shape *last;
+    /* the draft rounds' shapes (opts.draft): dshapes[U] for U sequences */
+    mf_step_shape *dshapes[MF_STEP_DRAFT_ITEMS + 1];
     mf_step_build_stats builds;   /* shapes built since mf_step_new (mf_step_builds) */
     mf_step_times times;
     mf_lane_model models[4];   /* mf_step_lane_models: cpu, copy in, card compute, copy out */
@@ -314,6 +328,12 @@ static inline void mf_step_ab_cast(mf_step_shape *sh, int b, int pack, int i, in
     mf_step_bf16_cols(pack, sh->ab[b], sh->ab16[b], sh->ab_ld[b], i, c0, c1);
 }
 
+/* Item i's attention buffers (graphs/layers/layers.h MF_LY_A_*: its rows of the shape's ab). */
+static inline void mf_step_abuf(const mf_step_shape *sh, int i, float **b)
+{
+    for (int k = 0; k < MF_LY_A_N; k++) b[k] = sh->ab[k] + (size_t)i * sh->ab_ld[k];
+}
+
 /* 1 when slot s is used in this layer (among its micro-batch's first n_used). */
 static inline int mf_step_slot_live(const mf_step_shape *sh, int s)
 {
@@ -359,6 +379,11 @@ void mf_step_count_socket(mf_step *eng, const mf_task_ctx *ctx, const mf_weight 
 int mf_step_shape_of(mf_step *s, mf_ref_state *const *states, int n, mf_step_shape **out);
 void mf_step_shape_free(mf_step_shape *sh);
 mf_sg_opts mf_step_sg_opts(const mf_step *eng, int n, int par, int mixed, mf_task_fn *fn_of);
+/* step_draft.c: -EINVAL unless the engine can run the model's draft (loaded, resident experts, its
+ * top-k and experts within the backbone's, which the shapes' buffers are sized for). */
+int mf_step_draft_check(const mf_layers *ly);
+/* The draft round's shape of n_seq sequences (built on first use, kept). */
+int mf_step_draft_shape(mf_step *s, int n_seq, mf_step_shape **out);
 mf_sg_card_in mf_step_card_in(const mf_step *eng, const mf_stepgraph *sg, int ln);
 
 /* step_attn.c: the index scores and the heads on cards, copies (out 0: in, 1: out) and launches,
@@ -398,6 +423,7 @@ extern const mf_task_fn mf_step_attn_fn_of[MF_SG_N_OPS];        /* step_attn.c *
 extern const mf_task_fn mf_step_moe_fn_of[MF_SG_N_OPS];         /* step_moe.c */
 extern const mf_task_fn mf_step_moe_cards_fn_of[MF_SG_N_OPS];   /* step_moe_cards.c */
 extern const mf_task_fn mf_step_dense_fn_of[MF_SG_N_OPS];       /* step_dense.c */
+extern const mf_task_fn mf_step_draft_fn_of[MF_SG_N_OPS];       /* step_draft.c */
 extern const mf_task_fn mf_step_net_fn_of[MF_SG_N_OPS];         /* step_net.c */
 
 #endif

@@ -34,7 +34,7 @@ static int mf_task_gate_rows(void *arg, mf_task_ctx *ctx)
 static void mf_step_topk(mf_step_shape *sh, mf_ly_ctx *cx, int L, int i0, int i1)
 {
     const mf_config *c = cx->ly->c;
-    int K = c->n_experts_per_tok, E = c->n_routed_experts;
+    int K = mf_config_layer_topk(c, L), E = mf_config_layer_experts(c, L);   /* a draft stage's own */
     for (int i = i0; i < i1; i++)
         mf_ly_route_item(cx, &sh->items[i], L, sh->logits + (size_t)i * E, sh->ex + (size_t)i * K,
                          sh->wt + (size_t)i * K);
@@ -80,7 +80,7 @@ static int mf_step_store_begin(mf_step_shape *sh, int L, int h)
 /* Router: the top-k of the gate logits, then the slot table: the distinct experts in
  * ascending id, each with its items in item order; inputs gathered into slot order (and
  * quantized for the int8 path). */
-static int mf_step_gather_rows(mf_step_shape *sh, int h, int i0, int i1, int p, int P);
+static int mf_step_gather_rows(mf_step_shape *sh, int h, int i0, int i1, int p, int P, int K);
 
 static int mf_task_route(void *arg, mf_task_ctx *ctx)
 {
@@ -90,7 +90,7 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
     const mf_config *c = eng->c;
-    int K = c->n_experts_per_tok, E = c->n_routed_experts;
+    int K = mf_config_layer_topk(c, a->t->layer), E = mf_config_layer_experts(c, a->t->layer);
     /* the micro-batch's items [i0, i1) and slots [s0, s1) (its rows in slot order from i0 * K):
      * the other micro-batch's route runs before this one's MoE starts or after it ends, so the
      * expert counts and fills are this route's alone */
@@ -122,12 +122,12 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
             sh->asg[i * K + k] = row;
             sh->wg[row] = sh->wt[i * K + k];
         }
-    if (eng->store) {
+    if (sh->slot_w) {   /* a store (the draft's shapes have none: its experts are resident) */
         int rc = mf_step_store_begin(sh, a->t->layer, h);
         if (rc) return rc;
     }
-    if (eng->n_cards && sh->sg->prefetch) mf_step_place_pre(sh, a->t->layer, h);   /* placed at the layer's start */
-    else if (eng->n_cards) {   /* routed experts on cards */
+    if (sh->sg->n_cards && sh->sg->prefetch) mf_step_place_pre(sh, a->t->layer, h);   /* placed at the layer's start */
+    else if (sh->sg->n_cards) {   /* routed experts on cards */
         int rc = mf_step_place(sh, a->t->layer, h);
         if (rc) return rc;
     }
@@ -135,17 +135,17 @@ static int mf_task_route(void *arg, mf_task_ctx *ctx)
      * on a card, its tasks on the other cards): the executor completes them where they become
      * ready, without waking a lane's thread or a round trip through a card's stream */
     mf_stepgraph_mark_noop_half(sh->sg, a->t->layer, h, sh->n_used[h], sh->slot_card ? sh->slot_card + s0 : NULL);
-        return sh->sg->p_gather > 1 ? 0 : mf_step_gather_rows(sh, h, i0, i1, 0, 1);
+    return sh->sg->p_gather > 1 ? 0 : mf_step_gather_rows(sh, h, i0, i1, 0, 1, K);
 }
 
 /* Part p of P of micro-batch h's row gather: the used slots [s0 + n p / P, s0 + n (p + 1) / P)
  * of its n, their rows (in slot order, as the route assigned them: asg) copied from the inputs
  * of items [i0, i1), the host slots' rows quantized (the cards quantize their own). Any split
  * gives the same bytes. */
-static int mf_step_gather_rows(mf_step_shape *sh, int h, int i0, int i1, int p, int P)
+static int mf_step_gather_rows(mf_step_shape *sh, int h, int i0, int i1, int p, int P, int K)
 {
     mf_step *eng = sh->eng;
-    int K = eng->c->n_experts_per_tok, n = sh->n_used[h], s0 = sh->sg->half_slot[h];
+    int n = sh->n_used[h], s0 = sh->sg->half_slot[h];
     int64_t H = eng->c->hidden_size;
     int a = s0 + (int)((int64_t)n * p / P), b = s0 + (int)((int64_t)n * (p + 1) / P);
     if (a >= b) return 0;
@@ -182,7 +182,8 @@ static int mf_task_route_rows(void *arg, mf_task_ctx *ctx)
 {
     (void)ctx;
     mf_step_targ *a = arg;
-    return mf_step_gather_rows(a->sh, a->t->half, a->t->i0, a->t->i1, a->t->part, a->sh->sg->p_gather);
+    return mf_step_gather_rows(a->sh, a->t->half, a->t->i0, a->t->i1, a->t->part, a->sh->sg->p_gather,
+                               mf_config_layer_topk(a->sh->eng->c, a->t->layer));
 }
 
 /* End of a layer's MoE: the store's batch is closed (read experts marked present) and the
@@ -337,7 +338,7 @@ static int mf_task_combine(void *arg, mf_task_ctx *ctx)
     const mf_config *c = eng->c;
     const mf_model_layer *y = mf_model_layer_at(cx->ly->m, a->t->layer);
     int64_t H = c->hidden_size, d0 = a->t->r0, d1 = a->t->r1;
-    int K = c->n_experts_per_tok, i = a->t->i0;
+    int K = mf_config_layer_topk(c, a->t->layer), i = a->t->i0;
     float pre[MF_LY_MAX_HC], post[MF_LY_MAX_HC], comb[MF_LY_MAX_HC * MF_LY_MAX_HC];
     mf_ly_hc_split_w(c, sh->fmix + (size_t)i * MF_STEP_N_MIX, &y->hc_ffn_scale, &y->hc_ffn_base, pre, post, comb);
     float *out = sh->moe_out + (size_t)i * H;

@@ -64,7 +64,7 @@ static mf_task_fn mf_step_fn_of(int op)
 {
     static const mf_task_fn *const tabs[] = {mf_step_engram_fn_of, mf_step_hc_fn_of,        mf_step_attn_fn_of,
                                              mf_step_moe_fn_of,    mf_step_moe_cards_fn_of, mf_step_dense_fn_of,
-                                             mf_step_net_fn_of,    mf_step_shape_fn_of};
+                                             mf_step_draft_fn_of,  mf_step_net_fn_of,       mf_step_shape_fn_of};
     for (size_t k = 0; k < sizeof tabs / sizeof tabs[0]; k++)
         if (tabs[k][op]) return tabs[k][op];
     return NULL;
@@ -116,14 +116,38 @@ mf_sg_opts mf_step_sg_opts(const mf_step *eng, int n, int par, int mixed, mf_tas
                         .prefetch_min = eng->o.prefetch_min, .lt = eng->lt_mode,
                         .fn_of = fn_of,
                         .profile = eng->o.profile,
-                        .layer_begin = eng->l0, .layer_end = eng->l1, .lane_net = eng->lt.lane_net};
+                        .layer_begin = eng->l0, .layer_end = eng->l1, .lane_net = eng->lt.lane_net,
+                        .feats = eng->o.draft && eng->c->n_mtp_layers > 0};
 }
 
-/* The step graph of a shape of n items (parallel, mixed or serial) on the engine's lanes. */
-static int mf_step_graph_new(mf_step *eng, int n, int par, int mixed, mf_stepgraph **out)
+/* The draft round's graph options (mf_sg_opts.draft): n_seq units of dspark_block_size items, the
+ * routed experts on the host (no cards, store or micro-batches: the draft's experts are resident),
+ * the dense work on the dense cards when the steps' is there. */
+static mf_sg_opts mf_step_draft_opts(const mf_step *eng, int n_seq, int *unit_end, mf_task_fn *fn_of)
+{
+    int B = eng->c->dspark_block_size;
+    for (int k = 0; k < n_seq; k++) unit_end[k] = (k + 1) * B;
+    mf_sg_opts o = mf_step_sg_opts(eng, n_seq * B, 0, 0, fn_of);
+    o.draft = 1;
+    o.feats = 0;
+    o.n_units = n_seq;
+    o.unit_end = unit_end;
+    o.n_cards = o.dev_graphs = o.store = o.eg_reads = 0;   /* its dense work where the steps' is */
+    o.layer_begin = o.layer_end = 0;                       /* its own stages (a whole model's: mf_step_draft_check) */
+    o.micro = 1;
+    o.prefetch_min = -1;
+    o.ordered = 0;
+    return o;
+}
+
+/* The step graph of a shape of n items (parallel, mixed or serial; a draft round's of n /
+ * dspark_block_size sequences) on the engine's lanes. */
+static int mf_step_graph_new(mf_step *eng, int n, int par, int mixed, int draft, mf_stepgraph **out)
 {
     mf_task_fn fn_of[MF_SG_N_OPS];
-    mf_sg_opts o = mf_step_sg_opts(eng, n, par, mixed, fn_of);
+    int ue[MF_STEP_DRAFT_ITEMS];
+    mf_sg_opts o = draft ? mf_step_draft_opts(eng, n / eng->c->dspark_block_size, ue, fn_of)
+                         : mf_step_sg_opts(eng, n, par, mixed, fn_of);
     return mf_stepgraph_new(&o, out);
 }
 
@@ -172,7 +196,7 @@ static int mf_step_shape_cards(mf_step *eng, mf_step_shape *sh)
 {
     const mf_config *c = eng->c;
     int n = sh->n;
-    if (!eng->n_cards) return 0;
+    if (!sh->sg->n_cards) return 0;
     sh->slot_card = malloc((size_t)sh->n_slots * sizeof *sh->slot_card);
     sh->slot_dev = calloc((size_t)sh->n_slots, sizeof *sh->slot_dev);
     sh->slot_miss = calloc((size_t)sh->n_slots, 1);
@@ -223,7 +247,7 @@ static int mf_step_shape_cards(mf_step *eng, mf_step_shape *sh)
  * frees sh. */
 static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh)
 {
-    if (!eng->n_dense) return 0;
+    if (!sh->sg->n_dense_cards) return 0;
     const mf_sg_card_bufs *cb = &sh->cb;
     for (int b = 0; b < MF_LY_A_N; b++) {
         sh->dd_ab[b] = cb->ab[b];
@@ -348,13 +372,18 @@ static int mf_step_host_table(const mf_step_host_in *in, mf_step_shape *sh, int 
     int n_cb = c->candidate_topk_blocks > 0 ? c->candidate_topk_blocks : 1;
     /* the int8 rows by rows (host/kernels.h mf_kern_q8_bytes): a slot's area where its rows are */
     size_t nk = (size_t)ln * K, q8x = mf_kern_q8_bytes(1, (int)H), q8h = mf_kern_q8_bytes(1, (int)I);
-    int ex = in->exact, cards = in->n_cards > 0;
+    int ex = in->exact, cards = in->n_cards > 0 && sh->sg->n_cards > 0;   /* a draft round's shape: none */
     size_t f = sizeof(float), ab_sz[MF_LY_A_N];
     size_t eg_d = mf_step_shape_engram(in, sh, ln);
     size_t eg_items = (size_t)ln * (size_t)c->n_engram;   /* one set of rows per Engram slot */
     size_t eg_n = in->eg_reads ? eg_items * sh->eg_per : 0;
     /* with dense cards: the bf16 mirrors of what their chains copy as bf16 (mf_sg_attn_buf_bf16) */
     size_t ab16_sz[MF_LY_A_N], dn = in->n_dense > 0 ? (size_t)ln : 0;
+    /* the draft: a step's features, a round's feed rows, key tables and Markov logits */
+    size_t fo = sh->sg->feats ? (size_t)ln : 0, du = sh->sg->draft ? (size_t)sh->sg->n_units : 0;
+    size_t dfr = du * (size_t)c->sliding_window, D = (size_t)c->head_dim;
+    size_t dkr = (size_t)c->sliding_window + (size_t)c->dspark_block_size;
+    sh->dfeed_rows = (int)dfr;
     for (int b = 0; b < MF_LY_A_N; b++) {
         sh->ab_ld[b] = sh->cb.ab_ld[b];
         ab_sz[b] = (size_t)ln * sh->ab_ld[b] * sizeof(float);
@@ -449,6 +478,16 @@ static int mf_step_host_table(const mf_step_host_in *in, mf_step_shape *sh, int 
         {"ys16", ys16_sz, (void **)&sh->ys16},
         {"sk_tab", sk ? (size_t)MF_SG_SCORE_ENTRIES * c->index_head_dim * f : 0, (void **)&sh->sk_tab},
         {"sk_nvis", sk ? n_ * 4 : 0, (void **)&sh->sk_nvis},
+        {"feat_out", fo * sizeof(float *), (void **)&sh->feat_out},
+        {"dseq", du * sizeof(mf_step_draft_seq), (void **)&sh->dseq},
+        {"dfeed_x", dfr * (size_t)c->n_dspark_target * H * f, (void **)&sh->dfeed_x},
+        {"dfeed_u", dfr * H * f, (void **)&sh->dfeed_u},
+        {"dkv", (size_t)c->n_mtp_layers * dfr * D * f, (void **)&sh->dkv},
+        {"dkeys", du * dkr * D * f, (void **)&sh->dkeys},
+        {"dmk", du * V * f, (void **)&sh->dmk},
+        {"dfeed_off", du * sizeof(int), (void **)&sh->dfeed_off},
+        {"dfeed_n", du * sizeof(int), (void **)&sh->dfeed_n},
+        {"dnkeys", du * sizeof(int), (void **)&sh->dnkeys},
     };
     _Static_assert(MF_LY_A_N == 11, "one row per attention buffer");
     _Static_assert(sizeof t / sizeof t[0] <= MF_STEP_HOST_ROWS, "the table's rows");
@@ -505,10 +544,11 @@ uint64_t mf_step_host_bytes(const mf_config *c, const mf_sg_sizes *sz, const mf_
 }
 
 /* A shape of n items: parallel, mixed (a bucket's shape, its buffers the engine's umem, laid out
- * for umem_items >= n items) or serial (its own buffers). In order: its graph, the store's slot
- * reads, the cards' buffers (mf_step_shape_cards, laid out for n), the host's (mf_step_shape_host),
- * the dense cards' (mf_step_shape_dense), the tasks bound (mf_step_bind). */
-static int mf_step_shape_new(mf_step *eng, int n, int par, int mixed, mf_step_shape **out)
+ * for umem_items >= n items), serial or a draft round's (draft 1; these two own their buffers). In
+ * order: its graph, the store's slot reads, the cards' buffers (mf_step_shape_cards, laid out for
+ * n), the host's (mf_step_shape_host), the dense cards' (mf_step_shape_dense), the tasks bound
+ * (mf_step_bind). */
+static int mf_step_shape_new(mf_step *eng, int n, int par, int mixed, int draft, mf_step_shape **out)
 {
     int64_t t0 = mf_now_ns();
     mf_step_shape *sh = calloc(1, sizeof *sh);
@@ -516,7 +556,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int mixed, mf_step_sh
     sh->eng = eng;
     sh->n = n;
     sh->par = par;
-    int rc = mf_step_graph_new(eng, n, par, mixed, &sh->sg);
+    int rc = mf_step_graph_new(eng, n, par, mixed, draft, &sh->sg);
     if (rc) {
         free(sh);
         return mf_error_wrap(rc, "step: building the graph of a batch of %d", n);
@@ -528,7 +568,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int mixed, mf_step_sh
     sh->p_head = sh->sg->p_head;
     sh->p_attn = sh->sg->p_attn;
     sh->store_layer = -1;
-    if (eng->store) {
+    if (eng->store && !draft) {   /* the draft's experts are resident, never in the store */
         sh->n_parts = mf_store_n_parts(eng->store);
         sh->slot_w = calloc((size_t)sh->n_slots * 3, sizeof *sh->slot_w);
         sh->slot_rd = calloc((size_t)sh->n_slots * sh->n_parts, sizeof *sh->slot_rd);
@@ -581,7 +621,7 @@ static int mf_step_bucket(mf_step *s, int mixed, int j, mf_step_shape **out)
             s->umem_bytes = 0;
             s->umem_items = N;
         }
-        rc = mf_step_shape_new(s, N, !mixed, mixed, &s->bshapes[mixed][j]);
+        rc = mf_step_shape_new(s, N, !mixed, mixed, 0, &s->bshapes[mixed][j]);
         for (int k = 0; k < 2 && !rc; k++)
             for (int i = 0; i < MF_STEP_N_BUCKETS && !rc; i++) {
                 mf_step_shape *sh = s->bshapes[k][i];
@@ -615,7 +655,7 @@ int mf_step_shape_of(mf_step *s, mf_ref_state *const *states, int n, mf_step_sha
             mf_step_shape_free(*slot);
             *slot = NULL;
         }
-        if (!*slot && (rc = mf_step_shape_new(s, n, 0, 0, slot))) return rc;
+        if (!*slot && (rc = mf_step_shape_new(s, n, 0, 0, 0, slot))) return rc;
         *out = *slot;
         return 0;
     }
@@ -624,4 +664,14 @@ int mf_step_shape_of(mf_step *s, mf_ref_state *const *states, int n, mf_step_sha
     if ((rc = mf_step_bucket(s, n_units < n, j, out))) return rc;
     mf_stepgraph_set_live((*out)->sg, n);
     return 0;
+}
+
+int mf_step_draft_shape(mf_step *s, int n_seq, mf_step_shape **out)
+{
+    int B = s->c->dspark_block_size;
+    if (n_seq < 1 || n_seq * B > MF_STEP_DRAFT_ITEMS)
+        return mf_error(-EINVAL, "step: a draft round of %d sequences (expected 1..%d)", n_seq, MF_STEP_DRAFT_ITEMS / B);
+    int rc = s->dshapes[n_seq] ? 0 : mf_step_shape_new(s, n_seq * B, 0, 0, 1, &s->dshapes[n_seq]);
+    *out = s->dshapes[n_seq];
+    return rc;
 }

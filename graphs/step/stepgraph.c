@@ -18,10 +18,38 @@
 
 /* ---- sizes --------------------------------------------------------------------------------- */
 
+static void sg_size_tensor(mf_sg_sizes *s, const mf_layout_tensor *t);
+
+/* A draft stage's tensor (mtp.s.*): as the backbone layer n_layers + s's of the same name where
+ * the step graph prices it (attention, router gate, hyper-connections; its shared and routed
+ * experts have the backbone's shapes), and the feed's main_proj and the Markov head. */
+static void sg_size_draft(mf_sg_sizes *s, const mf_layout_tensor *t)
+{
+    const char *nm = t->name;
+    if (strstr(nm, ".main_proj.")) {
+        if (t->role == MF_ROLE_FP8_WEIGHT || t->role == MF_ROLE_FP8_SCALE) s->feed_fp8_bytes += (double)t->n_bytes;
+        return;
+    }
+    if (strstr(nm, ".markov_head.head.")) {
+        s->mk_head_bytes += (double)t->n_bytes;
+        return;
+    }
+    if (strstr(nm, ".ffn.shared_experts.") || strstr(nm, ".ffn.experts.")) return;
+    mf_layout_tensor u = *t;
+    u.layer = s->n_layers + t->stage;
+    u.stage = -1;
+    u.group = strstr(nm, ".attn.") ? MF_GROUP_ATTN : MF_GROUP_OTHER;
+    sg_size_tensor(s, &u);
+}
+
 static void sg_size_tensor(mf_sg_sizes *s, const mf_layout_tensor *t)
 {
     double b = (double)t->n_bytes, macs = t->n_dims == 2 ? (double)t->shape[0] * (double)t->shape[1] : 0;
     const char *nm = t->name;
+    if (t->stage >= 0) {
+        sg_size_draft(s, t);
+        return;
+    }
     if (t->layer < 0) {
         if (!strcmp(nm, "head.weight")) s->head_bytes = b;
         return;
@@ -90,7 +118,7 @@ int mf_sg_sizes_new(const mf_config *c, mf_sg_sizes **out)
     int rc = mf_layout_build(c, &lay);
     if (rc) return mf_error_wrap(rc, "step graph: the layout of the config");
     mf_sg_sizes *s = calloc(1, sizeof *s);
-    if (s) s->layer = calloc((size_t)c->n_layers, sizeof *s->layer);
+    if (s) s->layer = calloc((size_t)(c->n_layers + c->n_mtp_layers), sizeof *s->layer);
     if (!s || !s->layer) {
         free(s);
         mf_layout_free(lay);
@@ -140,7 +168,7 @@ double mf_sg_pos_flops(const mf_config *c, const mf_sg_task *t, int p_key, int64
 
 const char *mf_sg_op_name(int op)
 {
-    static const char *const names[] = {"engram_embed", "engram_rows", "engram_gate", "engram_plan", "engram_read", "attn_pre", "attn_rows", "attn_qnorm", "attn_core", "attn_post", "gate_rows", "route", "moe_done", "slot_read", "slot_up", "slot_join", "slot_down", "dev_in", "dev_ffn", "dev_ffn_card", "dev_out", "shared_up", "shared_down", "combine", "norm", "head", "join", "attn_mix", "attn_norm", "attn_heads", "attn_ring", "ffn_mix", "ffn_norm", "attn_score", "attn_select", "dense_in", "dense", "dense_out", "attn_qscale", "attn_kv", "attn_gather", "attn_qprep", "attn_opost", "route_rows", "moe_place", "dev_pre", "attn_keys", "net_in", "net_out", "dense_deq", "dev_rows"};
+    static const char *const names[] = {"engram_embed", "engram_rows", "engram_gate", "engram_plan", "engram_read", "attn_pre", "attn_rows", "attn_qnorm", "attn_core", "attn_post", "gate_rows", "route", "moe_done", "slot_read", "slot_up", "slot_join", "slot_down", "dev_in", "dev_ffn", "dev_ffn_card", "dev_out", "shared_up", "shared_down", "combine", "norm", "head", "join", "attn_mix", "attn_norm", "attn_heads", "attn_ring", "ffn_mix", "ffn_norm", "attn_score", "attn_select", "dense_in", "dense", "dense_out", "attn_qscale", "attn_kv", "attn_gather", "attn_qprep", "attn_opost", "route_rows", "moe_place", "dev_pre", "attn_keys", "net_in", "net_out", "dense_deq", "dev_rows", "draft_feat", "draft_feed", "draft_feed_kv", "draft_kv", "draft_heads", "draft_markov", "draft_pick"};
     _Static_assert(sizeof names / sizeof names[0] == MF_SG_N_OPS, "one name per mf_sg_op");
     return (unsigned)op < MF_SG_N_OPS ? names[op] : "?";
 }
@@ -352,7 +380,8 @@ int mf_sg_rows_lane(const mf_sg_builder *b, int64_t n_rows, int parts, int p, in
 /* A record of layer L with nothing else set. */
 mf_sg_task mf_sg_rec(int L)
 {
-    return (mf_sg_task){.layer = (int16_t)L, .stage = -1, .card = -1, .read = -1, .dense = -1, .slot = -1, .part = -1};
+    return (mf_sg_task){.layer = (int16_t)L, .stage = -1, .card = -1, .read = -1, .dense = -1, .cand = -1, .slot = -1,
+                        .part = -1};
 }
 
 /* Item task k's record: items [i0, i1) of unit k. */
@@ -430,7 +459,7 @@ static int sg_set_priorities(const mf_sg_opts *o, mf_stepgraph *sg)
     const mf_config *c = o->c;
     const mf_profile *p = o->profile ? o->profile : mf_cost_default_profile();
     mf_cost_model m = {.p = p, .host_bytes_per_s = mf_cost_thread_share(p, o->n_threads)};
-    int K = c->n_experts_per_tok, E = c->n_routed_experts;
+    int K = mf_config_layer_topk(c, sg->layer0), E = mf_config_layer_experts(c, sg->layer0);
     int tok = (sg->n * K + E - 1) / E;
     mf_sg_step_cost st = {.slot_tokens = tok > 1 ? tok : 1, .n_head = sg->n, .dev_miss = 1};
     int64_t pos = mf_sg_steady_pos(c);
@@ -507,6 +536,8 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
         return mf_error(-EINVAL, "step graph: a mixed graph runs its items' sequences in item groups, not in order");
     if (o->lt < MF_SG_LT_COST || o->lt > MF_SG_LT_OFF)
         return mf_error(-EINVAL, "step graph: cuBLASLt mode %d (expected cost, on, dense or off)", o->lt);
+    int rc0 = o->draft ? mf_sg_draft_check(o) : 0;
+    if (rc0) return rc0;
     const mf_config *c = o->c;
     int l0 = o->layer_begin, l1 = o->layer_begin || o->layer_end ? o->layer_end : c->n_layers;
     if (l0 < 0 || l0 >= l1 || l1 > c->n_layers || !mf_config_cut_ok(c, l0) ||
@@ -522,13 +553,14 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     size_t n_pre = sg->prefetch ? (size_t)c->n_layers * c->n_routed_experts : 0;
     sg->pre_tid = malloc(sizeof *sg->pre_tid * (n_pre + 1));
     for (size_t i = 0; sg->pre_tid && i < n_pre; i++) sg->pre_tid[i] = -1;
-    size_t n_tid = (size_t)c->n_layers * sg->n_slots * sg->tid_per_slot;
+    int nL = sg->draft ? sg->layer1 : c->n_layers;   /* the per-layer tables' layers */
+    size_t n_tid = (size_t)nL * sg->n_slots * sg->tid_per_slot;
     sg->slot_tid = malloc(sizeof *sg->slot_tid * n_tid);
-    sg->card_ffn_tid = malloc(sizeof *sg->card_ffn_tid * (size_t)c->n_layers * sg->n_halves * (sg->n_cards ? sg->n_cards : 1));
+    sg->card_ffn_tid = malloc(sizeof *sg->card_ffn_tid * (size_t)nL * sg->n_halves * (sg->n_cards ? sg->n_cards : 1));
     size_t n_eg = (size_t)c->n_engram * sg->n_units * sg->eg_reads_per_unit;
     sg->eg_read_tid = malloc(sizeof *sg->eg_read_tid * (n_eg + 1));
     mf_sg_builder b = {.o = o, .sg = sg, .u = sg->n_units, .moe_in = -1, .moe_gate = -1, .chain_run = -1, .eg_card = -1,
-                    .last_done = -1};
+                    .last_done = -1, .head_done = -1};
     b.per = (double)o->n / b.u;
     b.io = malloc(sizeof *b.io * ((size_t)sg->n_slots * sg->n_io_parts + 1));
     b.pre_sfx = malloc(sizeof *b.pre_sfx * ((size_t)c->n_routed_experts + 1));
@@ -543,21 +575,27 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     }
     for (size_t i = 0; i < n_tid; i++) sg->slot_tid[i] = -1;
     for (size_t i = 0; i < n_eg; i++) sg->eg_read_tid[i] = -1;
-    for (int i = 0; i < c->n_layers * sg->n_halves * sg->n_cards; i++) sg->card_ffn_tid[i] = -1;
+    for (int i = 0; i < nL * sg->n_halves * sg->n_cards; i++) sg->card_ffn_tid[i] = -1;
     mf_task_id unit[MF_SG_MAX_GROUPS], post[MF_SG_MAX_GROUPS];
-    mf_task_id in = l0 > 0 ? mf_sg_net_in(&b) : -1;   /* a pipeline stage after the first */
+    mf_task_id in = !sg->draft && l0 > 0 ? mf_sg_net_in(&b) : -1;   /* a pipeline stage after the first */
     for (int k = 0; k < b.u; k++) unit[k] = in;
-    for (int L = l0; L < l1 && !b.rc; L++)
+    if (sg->draft) {   /* the pending features into each sequence's context rings first */
+        sg_half(&b, 0);
+        mf_sg_draft_feed(&b, unit);
+    }
+    for (int L = sg->layer0; L < sg->layer1 && !b.rc; L++)
         for (int h = 0; h < sg->n_halves; h++) {   /* each micro-batch's chain of the layer */
             sg_half(&b, h);
             if (sg->prefetch) mf_sg_prefetch(&b, L);
             if (mf_config_engram_slot(c, L) >= 0) mf_sg_engram(&b, L, unit);
+            if (sg->feats) mf_sg_draft_feat(&b, L, unit);
             mf_sg_attn(&b, L, unit, post);
             mf_sg_moe(&b, L, post, unit);
         }
     sg_half(&b, -1);
-    if (l1 == c->n_layers) mf_sg_head(&b, unit);
+    if (sg->draft || l1 == c->n_layers) mf_sg_head(&b, unit);
     else mf_sg_net_out(&b, unit);   /* a pipeline stage before the last */
+    if (sg->draft) mf_sg_draft_propose(&b, b.head_done);
     mf_sg_lt_ffn(o, sg);
     free(b.io);
     free(b.pre_sfx);

@@ -122,6 +122,19 @@ typedef enum mf_sg_op {
                            * 16-bit scratch (mf_sg_card_bufs.lt_w16) */
     MF_SG_DEV_ROWS,       /* card `card` (h2d lane): the micro-batch's routed rows' items and token
                            * weights copied in (mf_stepgraph.slot_gather), before its slots' copy-ins */
+    /* the DSpark draft (mf_sg_opts.draft, feats; graphs/step/stepgraph_draft.c, docs/dspark.md) */
+    MF_SG_DRAFT_FEAT,     /* verify graphs (feats): unit's items at a draft target layer, their
+                           * features (the streams' mean entering the layer) where asked for */
+    MF_SG_DRAFT_FEED,     /* draft graph: part >= 0: rows [r0, r1) of main_proj over every unit's
+                           * pending feature rows; part -1: a unit's projected rows normed (main_norm) */
+    MF_SG_DRAFT_FEED_KV,  /* draft graph, stage `layer`: part >= 0: rows [r0, r1) of its wkv over every
+                           * unit's normed rows; part -1: a unit's rows' window KV into its context ring */
+    MF_SG_DRAFT_KV,       /* draft graph: a unit's block positions' window KV of stage `layer` */
+    MF_SG_DRAFT_HEADS,    /* draft graph: heads [r0, r1) of a unit's block over its context and block */
+    MF_SG_DRAFT_MARKOV,   /* draft graph: rows [r0, r1) of the Markov head's logits of candidate
+                           * `cand` of every unit (after its previous candidate's pick) */
+    MF_SG_DRAFT_PICK,     /* draft graph: a unit's candidate `cand`: its logits (the head's, plus
+                           * the Markov term), their argmax, the confidence head */
     MF_SG_N_OPS
 } mf_sg_op;
 
@@ -184,6 +197,7 @@ typedef struct mf_sg_task {
                         * both); with one micro-batch 0 */
     int8_t block;      /* dense tasks on a card: the chain's item block (mf_sg_dense_blocks; 0: the
                         * first, which also copies in what the blocks share, the heads' key table) */
+    int8_t cand;       /* the draft's chain tasks: the candidate (block position) they pick */
     int32_t slot;      /* expert slot */
     int32_t part;      /* row part */
     int32_t i0, i1;    /* items [i0, i1) (item tasks; the tasks over a micro-batch's items: its
@@ -231,6 +245,9 @@ typedef struct mf_sg_sizes {
     double store_slot_bytes;       /* one expert in the host store: each part 4096-aligned */
     double sh_up_bytes, sh_down_bytes, sh_rows;   /* shared expert per layer, its hidden rows */
     double head_bytes;
+    /* the DSpark draft (config n_mtp_layers > 0): layer[] holds n_layers + n_mtp_layers entries,
+     * stage s at n_layers + s; main_proj's bytes (FP8 codes + scales), the Markov head's (BF16) */
+    double feed_fp8_bytes, mk_head_bytes;
 } mf_sg_sizes;
 
 /* Sizes of config c (validated) from its layout. 0, -ENOMEM or the layout's error. */
@@ -392,6 +409,24 @@ typedef struct mf_sg_opts {
      * none. */
     int n_sockets;
     const int *lane_sock;
+    /* The DSpark draft (docs/dspark.md). draft 1: the draft round's graph instead of a step's: its
+     * n items are n_units (n_units, unit_end: each a sequence's block of dspark_block_size
+     * positions) through the draft stages (layers n_layers .. n_layers + n_mtp_layers - 1: per unit
+     * the pending features' feed, then per stage the attention (its core: the block's KV and the
+     * heads over the context ring and the block) and the MoE of the draft's experts), the final
+     * norm, the target's head over every item and per unit the greedy chain; the routed experts on
+     * the host (no cards for them, no store, one micro-batch), the dense work on n_dense_cards as
+     * the steps' (the stages after the last layer: its card); at most MF_SG_MAX_GROUPS items (one
+     * per item group), never a pipeline stage. feats 1 (a step's graph): per unit (a serial graph's
+     * one, a parallel or mixed graph's item groups) a task at each draft target layer handing out
+     * the items' features (MF_SG_DRAFT_FEAT; over dead items noop and cut as any task:
+     * mf_stepgraph_set_live). 0: neither. */
+    int draft, feats;
+    /* the draft round's units (draft 1 only): unit k items [unit_end[k - 1], unit_end[k])
+     * (unit_end[-1] = 0), at most MF_SG_MAX_GROUPS of them; a step's graph takes its units from par
+     * and mixed */
+    int n_units;
+    const int *unit_end;
     /* A pipeline stage (graphs/pipe/pipe.h): only layers [layer_begin, layer_end) (both 0: every
      * layer, the final norm and head after them). layer_begin > 0: every unit's first layer
      * waits for a MF_SG_NET_IN task; layer_end < n_layers: a MF_SG_NET_OUT task after every unit's
@@ -491,6 +526,9 @@ typedef struct mf_stepgraph {
      * graph's costs of its MF_SG_DENSE tasks), which the card runs beside that layer's routed
      * experts (mf_sg_place_shared) */
     double shared_ns[2][MF_CONFIG_MAX_LAYERS][MF_SG_MAX_CARDS];
+    /* the layers the graph runs, [layer0, layer1): the backbone's, or with draft the draft stages'
+     * (the per-layer tables above are indexed by the layer, layer1 of them) */
+    int draft, feats, layer0, layer1;
     /* the cuBLASLt path (stepgraph_lt.c): lt_w16[d] the bytes of a card's 16-bit scratch for one
      * layer's sublayer d (the most any card holds of any layer's FP8 weights of d, each matrix
      * 256-aligned; 0 where no record of d takes the path), lt_x16 the activations' cast of the
@@ -868,6 +906,10 @@ void mf_stepgraph_mark_noop(mf_stepgraph *sg, int L, int n_used, const int32_t *
 void mf_stepgraph_mark_noop_half(mf_stepgraph *sg, int L, int h, int n_used, const int32_t *slot_card);
 /* The half (0 or 1) whose slots include slot s. */
 int mf_stepgraph_half_of_slot(const mf_stepgraph *sg, int s);
+
+/* A draft round's graph (mf_sg_opts.draft): the chain's tasks of candidates n_cand and after noop
+ * (no unit asks for them), the others normal. */
+void mf_stepgraph_mark_draft(mf_stepgraph *sg, int n_cand);
 
 /* Marks the reads of item task k's Engram gather of Engram slot es (mf_config_engram_slot) past
  * the first n_used noop, the rest normal (eg_reads; nothing otherwise). */

@@ -425,6 +425,10 @@ void mf_sg_attn(mf_sg_builder *b, int L, const mf_task_id *unit, mf_task_id *pos
         kvj = mf_sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, mf_sg_rec(L));
     }
     for (int k = b->k0; k < b->k1; k++) {
+        if (L >= b->o->c->n_layers) {   /* a draft stage: the block's KV and heads (stepgraph_draft.c) */
+            ring[k] = mf_sg_draft_core(b, L, k, rows);
+            continue;
+        }
         mf_task_id kv = sg_attn_kv(b, L, k, rows);
         mf_sg_dep(b, kv, kvj);
         sg_attn_core(b, L, k, sg->mixed ? kvj : kv, rows, gate);

@@ -69,6 +69,10 @@ void mf_sg_head(mf_sg_builder *b, const mf_task_id *unit)
         mf_sg_dep(b, hj, mf_sg_dense_chain(b, -1, MF_SG_D_HEAD, t, MF_SG_PH_HEAD, 4.0 * H, 4.0 * V, -1, 0));
         return;
     }
+    if (sg->draft) {   /* the draft's chain waits for every part */
+        SG_NAME(b, "head done");
+        b->head_done = mf_sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_HEAD, MF_SG_K_OTHER, mf_sg_rec(-1));
+    }
     for (int p = 0; p < sg->p_head; p++) {
         SG_NAME(b, "head %d", p);
         mf_sg_task t = mf_sg_rec(-1);
@@ -80,5 +84,6 @@ void mf_sg_head(mf_sg_builder *b, const mf_task_id *unit)
         t.w.calls[MF_KF_BF16] = 1;
         mf_task_id hd = mf_sg_add(b, ln, MF_SG_HEAD, MF_SG_PH_HEAD, MF_SG_K_OTHER, t);
         mf_sg_dep(b, hj, hd);
+        if (sg->draft) mf_sg_dep(b, hd, b->head_done);
     }
 }

@@ -85,6 +85,7 @@ typedef struct mf_sg_builder {
     mf_task_id pre_place;                   /* prefetch: the layer's place task (the route reads its placement) */
     mf_task_id *pre_sfx;                    /* prefetch: per expert the join of its card's copies of it and
                                              * above (mf_sg_prefetch) */
+    mf_task_id head_done;                   /* draft graphs: the join of the head's parts */
     /* the cuBLASLt path (stepgraph_lt.c): per card and dense sublayer the dequantization task of
      * the layer deq_l1 - 1 (0: none yet), and per parity of the layer the card works that read that
      * scratch (the later layer's dequantization waits for them) */
@@ -197,6 +198,23 @@ void mf_sg_moe(mf_sg_builder *b, int L, const mf_task_id *post, mf_task_id *unit
 void mf_sg_head(mf_sg_builder *b, const mf_task_id *unit);                      /* stepgraph_head.c */
 mf_task_id mf_sg_net_in(mf_sg_builder *b);                                      /* stepgraph_net.c */
 void mf_sg_net_out(mf_sg_builder *b, const mf_task_id *unit);                   /* stepgraph_net.c */
+
+/* ---- the DSpark draft (stepgraph_draft.c) ---- */
+
+/* -EINVAL with a message unless o's draft graph can be built (a config with draft stages, units of
+ * dspark_block_size items, at most MF_SG_MAX_GROUPS items, host only, a whole model's layers). */
+int mf_sg_draft_check(const mf_sg_opts *o);
+/* Per unit the feed of its pending features, into unit[] (what each unit's first stage waits for). */
+void mf_sg_draft_feed(mf_sg_builder *b, mf_task_id *unit);
+/* Verify graphs (feats): at a draft target layer L, per unit its items' features after unit[k]
+ * (the layer's input), into unit[k]. Nothing at other layers. */
+void mf_sg_draft_feat(mf_sg_builder *b, int L, mf_task_id *unit);
+/* Draft stage L's attention core of unit k after the in and qb stages' row parts: the block's KV,
+ * then the heads in groups, before the oa parts. Returns the last task the post waits for. */
+mf_task_id mf_sg_draft_core(mf_sg_builder *b, int L, int k, mf_task_id (*rows)[MF_SG_MAX_PARTS]);
+/* After the head (head_done: its parts' join): the greedy chain, per candidate the Markov head's
+ * row parts over every unit, then each unit's pick. */
+void mf_sg_draft_propose(mf_sg_builder *b, mf_task_id head_done);
 
 /* Prefetch after finalize (stepgraph_place.c): the links' head start per layer, the copy-ins' ranks. */
 int mf_sg_pre_ahead(const mf_sg_opts *o, mf_stepgraph *sg);

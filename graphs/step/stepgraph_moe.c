@@ -14,7 +14,7 @@ static mf_task_id sg_router(mf_sg_builder *b, int L, const mf_task_id *post)
 {
     const mf_config *c = b->o->c;
     mf_stepgraph *sg = b->sg;
-    int n = b->h1 - b->h0, K = c->n_experts_per_tok, E = c->n_routed_experts, pg = sg->p_gather;
+    int n = b->h1 - b->h0, K = mf_config_layer_topk(c, L), E = mf_config_layer_experts(c, L), pg = sg->p_gather;
     double H = (double)c->hidden_size;
     SG_NAME(b, "route L%d", L);
     mf_sg_task t = mf_sg_rec(L);
@@ -261,7 +261,7 @@ void mf_sg_moe(mf_sg_builder *b, int L, const mf_task_id *post, mf_task_id *unit
 {
     const mf_config *c = b->o->c;
     mf_stepgraph *sg = b->sg;
-    int K = c->n_experts_per_tok;
+    int K = mf_config_layer_topk(c, L);
     double H = (double)c->hidden_size, hc = c->hc_mult;
     mf_task_id ro = sg_router(b, L, post);
     /* two micro-batches: one MoE at a time (the store's batch, the cards' pins) */

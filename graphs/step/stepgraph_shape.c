@@ -23,7 +23,7 @@
 static void sg_halves(const mf_sg_opts *o, mf_stepgraph *sg)
 {
     const mf_config *c = o->c;
-    int K = c->n_experts_per_tok, E = c->n_routed_experts, best = 0;
+    int K = mf_config_layer_topk(c, sg->layer0), E = mf_config_layer_experts(c, sg->layer0), best = 0;
     sg->n_halves = 1;
     sg->half_end[0] = sg->n;
     sg->half_unit[0] = 0;
@@ -93,7 +93,13 @@ void mf_sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->n = sg->n_live = o->n;
     sg->n_layers = c->n_layers;
     sg->par = o->par;
-    sg->mixed = o->mixed && !o->par;
+    sg->mixed = o->mixed && !o->par && !o->draft;
+    /* the layers it runs: the backbone's (a pipeline stage's range), or the draft's stages (their
+     * top-k and experts) */
+    sg->draft = o->draft != 0;
+    sg->feats = o->feats != 0 && !o->draft;
+    sg->layer0 = o->draft ? c->n_layers : o->layer_begin;
+    sg->layer1 = o->draft ? c->n_layers + c->n_mtp_layers : o->layer_begin || o->layer_end ? o->layer_end : c->n_layers;
     /* item groups: one item each, or MF_SG_MAX_GROUPS of consecutive items */
     sg->n_groups = o->n < MF_SG_MAX_GROUPS ? o->n : MF_SG_MAX_GROUPS;
     for (int g = 0; g < sg->n_groups; g++)
@@ -102,6 +108,10 @@ void mf_sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
      * one of a serial graph */
     sg->n_units = sg->par || sg->mixed ? sg->n_groups : 1;
     for (int k = 0; k < sg->n_units; k++) sg->unit_end[k] = sg->par || sg->mixed ? sg->group_end[k] : o->n;
+    if (o->draft) {   /* a draft round: its sequences' blocks (mf_sg_draft_check) */
+        sg->n_units = o->n_units;
+        for (int k = 0; k < sg->n_units; k++) sg->unit_end[k] = o->unit_end[k];
+    }
     sg_halves(o, sg);
     int ns_half = 0;   /* the larger half's slots: what one MoE runs at a time */
     for (int h = 0; h < sg->n_halves; h++)
@@ -135,7 +145,7 @@ void mf_sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
         int items = sg->half_end[h] - (h ? sg->half_end[h - 1] : 0);
         if (items > max_items) max_items = items;
     }
-    int g_rows = max_items * c->n_experts_per_tok;
+    int g_rows = max_items * mf_config_layer_topk(c, sg->layer0);
     sg->p_gather = (g_rows + SG_MIN_GATHER - 1) / SG_MIN_GATHER;
     if (sg->p_gather > W) sg->p_gather = W;
     if (sg->p_gather > MF_SG_MAX_PARTS) sg->p_gather = MF_SG_MAX_PARTS;
@@ -182,7 +192,7 @@ void mf_sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->dense_split = o->dense_split;
     sg->route_topk = sg->p_gather > 1 && !o->ordered;
     sg->dense_block = o->dense_block > 0 ? o->dense_block : MF_SG_DENSE_BLOCK;
-    for (int L = 0; L < c->n_layers && L < MF_CONFIG_MAX_LAYERS; L++) {
+    for (int L = 0; L < c->n_layers && L < MF_CONFIG_MAX_LAYERS && !o->draft; L++) {
         sg->heads_cards[L] = (int8_t)mf_sg_heads_choice(o, L);
         if (sg->heads_cards[L] && mf_sg_heads_keys(c, L) > sg->heads_keys) sg->heads_keys = mf_sg_heads_keys(c, L);
         sg->heads_any |= sg->heads_cards[L] > 0;
