@@ -36,10 +36,16 @@ typedef struct cli_cmd {
  * returns the exit status (-1 when the shell cannot run it). */
 static int run(const char *mode, const char *args, char **out)
 {
-    char cmd[2048];
-    snprintf(cmd, sizeof cmd, "%s%s%s'%s' %s 2>&1", mode ? "MOEFLOW_OPTS=" : "", mode ? mode : "", mode ? " " : "",
+    size_t cap_cmd = strlen(args) + strlen(getenv("MOEFLOW_BIN")) + 64;
+    char *cmd = malloc(cap_cmd);
+    if (!cmd) {
+        *out = NULL;
+        return -1;
+    }
+    snprintf(cmd, cap_cmd, "%s%s%s'%s' %s 2>&1", mode ? "MOEFLOW_OPTS=" : "", mode ? mode : "", mode ? " " : "",
              getenv("MOEFLOW_BIN"), args);
     FILE *p = popen(cmd, "r");
+    free(cmd);
     size_t n = 0, cap = 1 << 16;
     char *buf = malloc(cap);
     if (!p || !buf) {
@@ -257,18 +263,33 @@ int main(void)
         check_parser(c);
         printf("%-16s %3d options\n", c->name, c->n_rows);
     }
-    /* every flag seen anywhere, on every command that does not have it: refused as unknown */
-    for (int i = 0; i < n; i++)
-        for (int k = 0; k < n_all; k++) {
+    /* every flag seen anywhere, on every command that does not have it: refused as unknown, all of
+     * them in one run per command (MOEFLOW_OPTS=unknown names each; one run per flag made this test
+     * minutes long under the sanitizers); a flag the command takes outside its table's parser (read
+     * from argv by hand, say) is not named and fails here */
+    static char args[MAX_FLAGS * 50];
+    for (int i = 0; i < n; i++) {
+        size_t len = (size_t)snprintf(args, sizeof args, "%.47s", cmds[i].name);
+        int n_tried = 0;
+        for (int k = 0; k < n_all; k++)
+            if (!is_help_flag(all[k]) && !find_row(&cmds[i], all[k])) {
+                len += (size_t)snprintf(args + len, sizeof args - len, " %.47s", all[k]);
+                n_tried++;
+            }
+        rc = run("unknown", args, &out);
+        int n_named = 0;
+        for (int k = 0; k < n_all && out; k++) {
             if (is_help_flag(all[k]) || find_row(&cmds[i], all[k])) continue;
-            char args[256], want[96];
-            snprintf(args, sizeof args, "%.47s %.47s x", cmds[i].name, all[k]);
-            snprintf(want, sizeof want, "unknown option '%.47s'", all[k]);
-            rc = run("check", args, &out);
-            CHECK(rc == 2 && out && strstr(out, want), "moeflow %s: accepted (exit %d) though its table has no %s: %s",
-                  args, rc, all[k], out);
-            free(out);
+            char want[96];
+            snprintf(want, sizeof want, "unknown option '%.47s'\n", all[k]);
+            int named = strstr(out, want) != NULL;
+            n_named += named;
+            CHECK(named, "moeflow %s: %s not refused as unknown, though its table has no such option", cmds[i].name, all[k]);
         }
+        CHECK(rc == (n_tried ? 2 : 0) && n_named == n_tried, "MOEFLOW_OPTS=unknown moeflow %s: exit %d, %d of %d named",
+              cmds[i].name, rc, n_named, n_tried);
+        free(out);
+    }
     printf("%d commands, %d distinct flags\n", n, n_all);
     for (int i = 0; i < n; i++) {
         free(cmds[i].rows);

@@ -44,7 +44,8 @@ static void mf_usage(FILE *f)
                "  MOEFLOW_IO_FAULT    eio:N or short:N: the Nth IO-lane read fails (fault injection)\n"
                "  MOEFLOW_DEV_GRAPHS  1: as --dev-graphs (decode, sim)\n"
                "  MOEFLOW_OPTS        check: a command parses its options and exits (0 accepted, 2 refused)\n"
-               "                      without running; table: it prints its option table (tests/test_cli.c)\n",
+               "                      without running; table: it prints its option table; unknown: it names\n"
+               "                      each argument not in its table (tests/test_cli.c)\n",
             mf_kern_simd_name(mf_kern_simd_active()));
 }
 
@@ -131,7 +132,8 @@ static void mf_env_apply(void)
     if (e && *e) {
         if (!strcmp(e, "check")) mf_opts_mode = MF_OPTS_MODE_CHECK;
         else if (!strcmp(e, "table")) mf_opts_mode = MF_OPTS_MODE_TABLE;
-        else fprintf(stderr, "moeflow: MOEFLOW_OPTS='%s' ignored (expected check or table)\n", e);
+        else if (!strcmp(e, "unknown")) mf_opts_mode = MF_OPTS_MODE_UNKNOWN;
+        else fprintf(stderr, "moeflow: MOEFLOW_OPTS='%s' ignored (expected check, table or unknown)\n", e);
     }
 }
 

@@ -256,6 +256,17 @@ int mf_opts_parse(const mf_opts_spec *s, int argc, char **argv, void *o)
         mf_opts_table(s);
         return 0;
     }
+    if (mf_opts_mode == MF_OPTS_MODE_UNKNOWN) {
+        int n_unknown = 0;
+        for (int i = 1; i < argc; i++) {
+            size_t base = 0;
+            if (argv[i][0] == '-' && argv[i][1] && !mf_opt_find(s->opts, argv[i], &base)) {
+                printf("unknown option '%s'\n", argv[i]);
+                n_unknown++;
+            }
+        }
+        return n_unknown ? 2 : 0;
+    }
     const mf_opt *bad = mf_opt_defaults(s->opts, o);
     if (bad) {
         fprintf(stderr, "moeflow %s: the default of %s: %s\n", s->cmd, bad->flag, mf_last_error());

@@ -109,8 +109,11 @@ int mf_opts_refuse(const mf_opts_spec *s, const char *fmt, ...) __attribute__((f
 
 /* Test modes (MOEFLOW_OPTS, read by tools/moeflow.c): MF_OPTS_MODE_CHECK parses and answers
  * without running the command; MF_OPTS_MODE_TABLE prints the table instead, one option per line:
- * flag, alias or "-", kind, an argument it accepts or "-" (tab-separated). */
-enum { MF_OPTS_MODE_RUN, MF_OPTS_MODE_CHECK, MF_OPTS_MODE_TABLE };
+ * flag, alias or "-", kind, an argument it accepts or "-" (tab-separated); MF_OPTS_MODE_UNKNOWN
+ * looks every argument up in the table and prints "unknown option 'X'" on stdout for each one that
+ * starts with '-' and is not there, answering 2 if there was one, else 0 (tests/test_cli.c tries
+ * every other command's flags on a command in one run). */
+enum { MF_OPTS_MODE_RUN, MF_OPTS_MODE_CHECK, MF_OPTS_MODE_TABLE, MF_OPTS_MODE_UNKNOWN };
 extern int mf_opts_mode;
 
 /* A macro's value as a string literal, for help text: MF_OPTS_STR(MF_STEP_PREFILL_CHUNK) "512". */
