@@ -34,20 +34,6 @@
 #include "tools/tool_prefix.h"
 #include "tools/serve_tools.h"
 
-/* ---- metrics ---------------------------------------------------------------------------------- */
-
-static const double mf_ttft_le[MF_HIST_N] = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30};
-static const double mf_itl_le[MF_HIST_N] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5};
-
-static void mf_hist_add(mf_hist *h, const double *le, double v)
-{
-    int b = 0;
-    while (b < MF_HIST_N && v > le[b]) b++;
-    h->n[b]++;
-    h->count++;
-    h->sum += v;
-}
-
 /* ---- jobs ------------------------------------------------------------------------------------- */
 
 /* One of a job's `n` choices: a batcher request of its own (seed + index). */
@@ -91,21 +77,6 @@ struct mf_job {
     int32_t *prompt;           /* echo: the prompt's ids */
     int tools_on;              /* chat with tools: the answer is parsed for calls */
 };
-
-static int mf_buf_add(char **p, size_t *n, size_t *cap, const char *s, size_t k)
-{
-    if (*n + k + 1 > *cap) {
-        size_t c = (*n + k + 1) * 2 + 256;
-        char *q = realloc(*p, c);
-        if (!q) return -ENOMEM;
-        *p = q;
-        *cap = c;
-    }
-    memcpy(*p + *n, s, k);
-    *n += k;
-    (*p)[*n] = 0;
-    return 0;
-}
 
 static void mf_job_unref(mf_job *j)
 {
@@ -161,9 +132,9 @@ static void mf_sse_add(mf_job *j, json_t *o)
     char *s = json_dumps(o, JSON_COMPACT);
     json_decref(o);
     if (!s) return;
-    mf_buf_add(&j->text, &j->n_text, &j->cap_text, "data: ", 6);
-    mf_buf_add(&j->text, &j->n_text, &j->cap_text, s, strlen(s));
-    mf_buf_add(&j->text, &j->n_text, &j->cap_text, "\n\n", 2);
+    mf_srv_buf_add(&j->text, &j->n_text, &j->cap_text, "data: ", 6);
+    mf_srv_buf_add(&j->text, &j->n_text, &j->cap_text, s, strlen(s));
+    mf_srv_buf_add(&j->text, &j->n_text, &j->cap_text, "\n\n", 2);
     free(s);
 }
 
@@ -298,7 +269,7 @@ static void mf_srv_stream_text(const mf_srv *v, mf_job *j, mf_choice *c, const m
     const char *text = ev->text;
     size_t n = ev->n_text;
     if (j->tools_on) {   /* a call's opening may be on its way: hold back what could begin it */
-        mf_buf_add(&c->text, &c->n_text, &c->cap_text, ev->text ? ev->text : "", ev->n_text);
+        mf_srv_buf_add(&c->text, &c->n_text, &c->cap_text, ev->text ? ev->text : "", ev->n_text);
         size_t safe = c->called ? c->n_content_sent : mf_serve_tools_content_len(c->text, c->n_text);
         text = c->text + c->n_content_sent;
         n = safe > c->n_content_sent ? safe - c->n_content_sent : 0;
@@ -351,8 +322,8 @@ void mf_srv_on_event(void *user, const mf_batch_event *ev)
     pthread_mutex_lock(&v->mu);
     if (ev->kind == MF_BATCH_TOKEN) {
         v->gen_tokens++;
-        if (ev->n_gen == 1) mf_hist_add(&v->ttft, mf_ttft_le, (ev->now_ns - ev->submit_ns) / 1e9);
-        else mf_hist_add(&v->itl, mf_itl_le, (ev->now_ns - c->last_ns) / 1e9);
+        if (ev->n_gen == 1) mf_srv_hist_add(&v->ttft, 0, (ev->now_ns - ev->submit_ns) / 1e9);
+        else mf_srv_hist_add(&v->itl, 1, (ev->now_ns - c->last_ns) / 1e9);
         int64_t sec = ev->now_ns / 1000000000;
         int slot = (int)(sec % 16);
         if (v->rate_sec[slot] != sec) v->rate_sec[slot] = sec, v->rate_n[slot] = 0;
@@ -404,10 +375,10 @@ void mf_srv_on_event(void *user, const mf_batch_event *ev)
             else if (last && j->cut)
                 mf_sse_add(j, mf_error_obj("the server is shutting down: the stream was cut at the drain deadline "
                                            "(--drain-timeout)", "server_error", NULL, "shutting_down"));
-            if (last) mf_buf_add(&j->text, &j->n_text, &j->cap_text, "data: [DONE]\n\n", 14);
+            if (last) mf_srv_buf_add(&j->text, &j->n_text, &j->cap_text, "data: [DONE]\n\n", 14);
         }
     } else if (ev->n_text) {
-        mf_buf_add(&c->text, &c->n_text, &c->cap_text, ev->text, ev->n_text);
+        mf_srv_buf_add(&c->text, &c->n_text, &c->cap_text, ev->text, ev->n_text);
     }
     if (ev->kind == MF_BATCH_DONE) {
         c->done = 1;
@@ -460,24 +431,6 @@ void *mf_srv_stepper(void *arg)
 }
 
 /* ---- HTTP ------------------------------------------------------------------------------------- */
-
-/* The reasons of moeflow_rejected_total: the error codes clients get ("invalid": a request whose
- * body or values were refused, 400), the last one for any other code. */
-static const char *const mf_srv_reasons[MF_SRV_N_REASONS] = {
-    "invalid", "context_length_exceeded", "queue_full", "shutting_down", "invalid_api_key", "not_found",
-    "method_not_allowed", "body_too_large", "length_required", "request_timeout", "bad_request", "uri_too_long",
-    "header_too_large", "http_version_not_supported", "not_implemented", "too_many_connections", "server_busy",
-    "other"};
-
-void mf_srv_refused(void *user, const char *code)
-{
-    mf_srv *v = user;
-    int k = 0;
-    while (k < MF_SRV_N_REASONS - 1 && strcmp(mf_srv_reasons[k], code)) k++;
-    pthread_mutex_lock(&v->mu);
-    v->rejected[k]++;
-    pthread_mutex_unlock(&v->mu);
-}
 
 typedef struct mf_conn mf_conn;
 
@@ -893,106 +846,6 @@ static enum MHD_Result mf_srv_complete(mf_srv *v, struct MHD_Connection *c, mf_c
     return j->stream ? mf_srv_stream(v, c, cn, j) : mf_srv_park(v, c, cn, j);
 }
 
-static enum MHD_Result mf_srv_metrics(mf_srv *v, struct MHD_Connection *c)
-{
-    mf_batch_stats bs;
-    mf_batch_get_stats(v->b, &bs);
-    int held = 0, served = 0;
-    if (v->door) mf_door_counts(v->door, &held, &served);   /* before v->mu: the door calls in under its own */
-    char *s = NULL;
-    size_t n = 0, cap = 0;
-    char line[512];
-#define OUT(...) do { int k_ = snprintf(line, sizeof line, __VA_ARGS__); mf_buf_add(&s, &n, &cap, line, (size_t)k_); } while (0)
-    pthread_mutex_lock(&v->mu);
-    int64_t now = mf_now_ns(), sec = now / 1000000000;
-    uint64_t recent = 0;   /* the last 10 full seconds (fewer just after start) */
-    for (int i = 0; i < 16; i++)
-        if (v->rate_sec[i] >= sec - 10 && v->rate_sec[i] < sec) recent += v->rate_n[i];
-    int64_t full = sec - v->start_ns / 1000000000;
-    double tps = recent / (double)(full < 1 ? 1 : full > 10 ? 10 : full);
-    OUT("# HELP moeflow_queue_depth Requests waiting for a sequence state.\n# TYPE moeflow_queue_depth gauge\n"
-        "moeflow_queue_depth %d\n", bs.queued);
-    OUT("# HELP moeflow_running_sequences Sequences in the running set.\n# TYPE moeflow_running_sequences gauge\n"
-        "moeflow_running_sequences %d\n", bs.running);
-    OUT("# HELP moeflow_sequence_states States in the pool.\n# TYPE moeflow_sequence_states gauge\n"
-        "moeflow_sequence_states %d\n", bs.n_states);
-    OUT("# HELP moeflow_tokens_per_second Generated tokens per second over the last 10 full seconds.\n"
-        "# TYPE moeflow_tokens_per_second gauge\nmoeflow_tokens_per_second %.3f\n", tps);
-    OUT("# TYPE moeflow_generated_tokens_total counter\nmoeflow_generated_tokens_total %" PRIu64 "\n", v->gen_tokens);
-    OUT("# TYPE moeflow_prompt_tokens_total counter\nmoeflow_prompt_tokens_total %" PRIu64 "\n", v->prompt_tokens);
-    OUT("# TYPE moeflow_steps_total counter\nmoeflow_steps_total %" PRId64 "\n", bs.steps);
-    OUT("# TYPE moeflow_requests_total counter\n");
-    for (int f = MF_BATCH_EOS; f <= MF_BATCH_ERROR; f++)
-        OUT("moeflow_requests_total{finish=\"%s\"} %" PRIu64 "\n", mf_batch_finish_name((mf_batch_finish)f),
-            v->requests[f]);
-    OUT("# HELP moeflow_rejected_total Requests and connections refused, by the error code they got.\n"
-        "# TYPE moeflow_rejected_total counter\n");
-    for (int k = 0; k < MF_SRV_N_REASONS; k++)
-        OUT("moeflow_rejected_total{reason=\"%s\"} %" PRIu64 "\n", mf_srv_reasons[k], v->rejected[k]);
-    OUT("# HELP moeflow_connections Open connections: held by the front door until their first request head is "
-        "in, or served.\n# TYPE moeflow_connections gauge\nmoeflow_connections{state=\"held\"} %d\n"
-        "moeflow_connections{state=\"served\"} %d\n", held, served);
-    const mf_hist *hs[2] = {&v->ttft, &v->itl};
-    const double *les[2] = {mf_ttft_le, mf_itl_le};
-    const char *names[2] = {"moeflow_time_to_first_token_seconds", "moeflow_inter_token_latency_seconds"};
-    for (int h = 0; h < 2; h++) {
-        OUT("# TYPE %s histogram\n", names[h]);
-        uint64_t cum = 0;
-        for (int b = 0; b < MF_HIST_N; b++) {
-            cum += hs[h]->n[b];
-            OUT("%s_bucket{le=\"%g\"} %" PRIu64 "\n", names[h], les[h][b], cum);
-        }
-        OUT("%s_bucket{le=\"+Inf\"} %" PRIu64 "\n%s_sum %.6f\n%s_count %" PRIu64 "\n", names[h], hs[h]->count,
-            names[h], hs[h]->sum, names[h], hs[h]->count);
-    }
-    if (v->spec) {   /* speculative decoding (docs/dspark.md) */
-        const mf_spec_stats *st = &v->spec_st;
-        int64_t fw = st->rounds + st->plain;
-        OUT("# HELP moeflow_spec_candidates_total Draft candidates proposed and accepted.\n"
-            "# TYPE moeflow_spec_candidates_total counter\nmoeflow_spec_candidates_total{outcome=\"proposed\"} %" PRId64
-            "\nmoeflow_spec_candidates_total{outcome=\"accepted\"} %" PRId64 "\n", st->proposed, st->accepted);
-        OUT("# HELP moeflow_spec_acceptance Accepted over proposed candidates.\n# TYPE moeflow_spec_acceptance gauge\n"
-            "moeflow_spec_acceptance %.6f\n", st->proposed ? (double)st->accepted / st->proposed : 0);
-        OUT("# HELP moeflow_spec_position_acceptance Acceptance of the i-th candidate given the ones before it.\n"
-            "# TYPE moeflow_spec_position_acceptance gauge\n");
-        for (int i = 1; i <= st->n_max; i++)
-            OUT("moeflow_spec_position_acceptance{position=\"%d\"} %.6f\n", i,
-                st->pos_tried[i] ? (double)st->pos_accepted[i] / st->pos_tried[i] : 0);
-        OUT("# HELP moeflow_spec_tokens_per_forward Tokens per target forward of a decoding sequence.\n"
-            "# TYPE moeflow_spec_tokens_per_forward gauge\nmoeflow_spec_tokens_per_forward %.6f\n",
-            fw ? (double)(st->tokens + st->plain) / fw : 0);
-        OUT("# HELP moeflow_spec_rounds_total Sequence-rounds by the k chosen (0: a plain step).\n"
-            "# TYPE moeflow_spec_rounds_total counter\n");
-        for (int k = 0; k <= st->n_max; k++) OUT("moeflow_spec_rounds_total{k=\"%d\"} %" PRId64 "\n", k, st->k_chosen[k]);
-        OUT("# HELP moeflow_spec_verify_cost_ratio A step of 1 + k items over a plain step, measured (batch 1).\n"
-            "# TYPE moeflow_spec_verify_cost_ratio gauge\n");
-        for (int k = 1; k <= st->n_max; k++)
-            if (st->steps[0] && st->steps[k])
-                OUT("moeflow_spec_verify_cost_ratio{k=\"%d\"} %.6f\n", k,
-                    ((double)st->step_ns[k] / st->steps[k]) / ((double)st->step_ns[0] / st->steps[0]));
-        OUT("# TYPE moeflow_spec_draft_seconds_total counter\nmoeflow_spec_draft_seconds_total %.6f\n", st->draft_ns / 1e9);
-    }
-    if (v->eng) {
-        OUT("# HELP moeflow_step_phase_seconds_total Wall time of engine steps per phase.\n"
-            "# TYPE moeflow_step_phase_seconds_total counter\n");
-        for (int p = 0; p < MF_STEP_N_PHASES; p++)
-            OUT("moeflow_step_phase_seconds_total{phase=\"%s\"} %.6f\n", mf_step_phase_name((mf_step_phase)p),
-                v->phase_ns[p] / 1e9);
-        OUT("# HELP moeflow_step_shapes_built_total Step shapes (graph, binding, buffers) the engine built: a step "
-            "of a shape it did not keep builds one.\n# TYPE moeflow_step_shapes_built_total counter\n"
-            "moeflow_step_shapes_built_total %" PRId64 "\n# TYPE moeflow_step_shape_build_seconds_total counter\n"
-            "moeflow_step_shape_build_seconds_total %.6f\n",
-            v->builds.n_built, v->builds.build_ns / 1e9);
-    }
-    pthread_mutex_unlock(&v->mu);
-    char pm[4096];   /* the prefix cache's (tools/tool_prefix.c) */
-    size_t pn = mf_tool_prefix_metrics(v->prefix, pm, sizeof pm);
-    if (pn) mf_buf_add(&s, &n, &cap, pm, pn);
-#undef OUT
-    if (!s) return MHD_NO;
-    return mf_send(c, 200, "text/plain; version=0.0.4", s, n, NULL);
-}
-
 static enum MHD_Result mf_srv_health(mf_srv *v, struct MHD_Connection *c, mf_conn *cn)
 {
     (void)cn;
@@ -1014,7 +867,9 @@ static enum MHD_Result mf_srv_models(mf_srv *v, struct MHD_Connection *c, mf_con
 static enum MHD_Result mf_srv_metrics_get(mf_srv *v, struct MHD_Connection *c, mf_conn *cn)
 {
     (void)cn;
-    return mf_srv_metrics(v, c);
+    size_t n = 0;
+    char *s = mf_srv_metrics_text(v, &n);
+    return s ? mf_send(c, 200, "text/plain; version=0.0.4", s, n, NULL) : MHD_NO;
 }
 
 static enum MHD_Result mf_srv_completions(mf_srv *v, struct MHD_Connection *c, mf_conn *cn)
@@ -1120,7 +975,7 @@ enum MHD_Result mf_srv_handle(void *cls, struct MHD_Connection *c, const char *u
         /* past its deadline the body is dropped: libmicrohttpd takes no answer while a body
          * arrives, so the door answers 408 and shuts the connection (mf_door_sweep) */
         if (!mf_door_request_late(v->door, cn->fd) &&
-            (cn->n + *upload_size > v->max_body || mf_buf_add(&cn->body, &cn->n, &cn->cap, upload, *upload_size)))
+            (cn->n + *upload_size > v->max_body || mf_srv_buf_add(&cn->body, &cn->n, &cn->cap, upload, *upload_size)))
             return MHD_NO;
         *upload_size = 0;
         return MHD_YES;

@@ -95,4 +95,13 @@ int mf_srv_cancel_all(mf_srv *v);
  * resumed, and answers 503 or ends its stream. */
 void mf_srv_unpark_all(mf_srv *v);
 
+/* tools/serve_metrics.c: appends k bytes of s to the growing buffer *p (n used, cap allocated,
+ * kept NUL-terminated); 0 or -ENOMEM. */
+int mf_srv_buf_add(char **p, size_t *n, size_t *cap, const char *s, size_t k);
+/* Counts v seconds into a histogram of /metrics: the time to first token's (itl 0) or the
+ * inter-token latency's bounds (itl 1). */
+void mf_srv_hist_add(mf_hist *h, int itl, double v);
+/* /metrics' Prometheus text (malloc'ed, its length in *n), or NULL when out of memory. */
+char *mf_srv_metrics_text(mf_srv *v, size_t *n);
+
 #endif
