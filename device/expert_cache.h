@@ -4,7 +4,7 @@
  * the policy of sched/residency.h that the host expert store (host/store.h) also runs: counts are
  * kept for absent experts too and halved every aging_period accesses; a miss takes a free slot,
  * else evicts the unpinned present expert with the lowest count (least recently used among
- * equals; a long chunk's prefetch evicts by the next use of the expert's layer first:
+ * equals; the engine's steps evict by the next use of the expert's layer first:
  * mf_dev_xcache_acquire_ahead). Which card owns an expert is a policy function
  * (mf_dev_xcache_owner), not a constant.
  * Thread-safe (one lock per cache, around every call into the policy). */
@@ -48,12 +48,14 @@ int mf_dev_xcache_has(const mf_dev_xcache *c, int layer, int id);
  * moved, and the caller must copy the expert in before any compute reads it (ordered by the copy
  * stream and an event). -ENOSPC when every slot is pinned; -EINVAL for a bad (layer, id). */
 int mf_dev_xcache_acquire(mf_dev_xcache *c, int layer, int id, void **slot, int *hit);
-/* mf_dev_xcache_acquire for a long chunk's prefetch (mf_stepgraph.prefetch), which takes every
- * layer's experts in layer order: a miss evicts the unpinned expert whose layer is used next
- * farthest ahead of `layer` (cyclically: layer + 1, ..., n_layers - 1, then the next chunk's
- * 0..layer; the layers just passed go first, `layer`'s own unpinned experts before them), LFU with
- * aging among equals (mf_resid_acquire_ahead), so the experts of the layers still to come this
- * pass stay and hit. The decode's routes take mf_dev_xcache_acquire. */
+/* mf_dev_xcache_acquire for the engine's steps (a decode step's routes, a long chunk's prefetch:
+ * mf_stepgraph.prefetch), which take the layers' experts in layer order: a miss evicts the unpinned
+ * expert whose layer is used next farthest ahead of `layer` (cyclically: layer + 1, ...,
+ * n_layers - 1, then the next step's 0..layer; the layers just passed go first, `layer`'s own
+ * unpinned experts before them), LFU with aging among equals (mf_resid_acquire_ahead), so the
+ * experts of the layers still to come this pass stay and hit (plain LFU evicts every expert just
+ * before its next use once a step uses most of every layer's experts). The warm fill takes
+ * mf_dev_xcache_acquire. */
 int mf_dev_xcache_acquire_ahead(mf_dev_xcache *c, int layer, int id, void **slot, int *hit);
 /* Unpins (after the compute that read the slot has finished). */
 void mf_dev_xcache_release(mf_dev_xcache *c, int layer, int id);

@@ -60,9 +60,9 @@ int mf_resid_lookup(mf_resid *r, int item, int *slot);
 /* mf_resid_lookup, then pins the slot and touches item: 1 hit, 0 miss, -ENOSPC. */
 int mf_resid_acquire(mf_resid *r, int item, int *slot);
 
-/* A cyclic pass (a long chunk's prefetch, which takes every layer's experts in layer order, chunk
- * after chunk): the items form groups of group_items consecutive items (a layer's experts), used
- * in group order, cyclically. mf_resid_acquire, but a miss without a free slot evicts the
+/* A cyclic pass (the engine's steps: a decode step's routes and a long chunk's prefetch take the
+ * layers' experts in layer order, step after step): the items form groups of group_items
+ * consecutive items (a layer's experts), used in group order, cyclically. mf_resid_acquire, but a miss without a free slot evicts the
  * unpinned present item whose group is used next farthest ahead of item's own group g (Belady's
  * choice for such a pass): g's own unpinned items first (their next use is the next pass's), then
  * group g - 1's, g - 2's, ... (cyclically), the policy's order among one group's items.

@@ -368,6 +368,25 @@ static void test_determinism_and_caches(void)
     mf_routing_free(rt);
 }
 
+/* A decode batch that uses nearly every expert of every layer each step (demo: 64 x 6 draws over 64
+ * experts) with card caches of a third of the experts: the routes' misses evict by their layers'
+ * next use (mf_resid_acquire_ahead), so the caches keep the layers still to come and hit. Plain
+ * LFU with aging (every count rising alike, least recently used among equals) evicted each expert
+ * just before its next use: 0 hits. */
+static void test_decode_cyclic_cache(void)
+{
+    mf_config c;
+    CHECK(!mf_config_preset("demo", &c), "preset demo");
+    mf_profile f = costly_profile();
+    mf_plan_opts o = {.config = &c, .profile = &f, .placement = MF_STEP_PLACE_SEED, .batch = 64, .seed = 3,
+                      .dev_cache_bytes = 40 * UINT64_C(1300000)};
+    mf_plan_report r;
+    CHECK(!mf_plan_run(&o, 3, 4, &r), "%s", mf_last_error());
+    CHECK(r.host_slots == 0 && r.dev_slots > 0, "seed: %lld host slots", (long long)r.host_slots);
+    CHECK(r.dev_hits * 10 >= (uint64_t)r.dev_slots, "a batch of 64 on demo: %llu hits of %lld card slots (the "
+          "caches thrash)", (unsigned long long)r.dev_hits, (long long)r.dev_slots);
+}
+
 /* Hybrid placement weighs the profile's rates (mf_step_lane_models, as an engine given the same
  * profile): slow host kernels send experts to the cards, slow copies keep them on the host. */
 static void test_hybrid_models(void)
@@ -1030,6 +1049,7 @@ int main(void)
     test_structure(tmp);
     test_same_graph();
     test_determinism_and_caches();
+    test_decode_cyclic_cache();
     test_hybrid_models();
     test_flash41();
     test_card_memory();

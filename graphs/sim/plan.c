@@ -703,7 +703,8 @@ static void pl_prefetch(mf_plan *p, int L, mf_plan_report *r)
 
 /* Micro-batch h's slot table of layer L (of the graph's: layer L0 + L) as the engine's route task builds it (distinct experts of
  * its tokens ascending, their token counts), the store's begin (hits and misses, pinned) and the
- * engine's placement (card or host; cache slots taken and pinned), then the noop marks; its MoE's
+ * engine's placement (card or host; cache slots taken and pinned, a miss evicting by the next use
+ * of the victim's layer), then the noop marks; its MoE's
  * end releases the pins (before the next micro-batch's route, as the graph orders them). */
 static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
 {
@@ -762,7 +763,7 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
                 r->host_slots++;
                 continue;
             }
-            int hit = mf_resid_acquire(p->dev[c], L * E + e, &slot);
+            int hit = mf_resid_acquire_ahead(p->dev[c], L * E + e, E, &slot);   /* as the engine's route */
             if (hit == -ENOSPC) {
                 r->host_slots++;
                 r->host_fallbacks++;

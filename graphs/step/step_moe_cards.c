@@ -48,9 +48,10 @@ static void mf_step_placer_of(const mf_step_shape *sh, mf_sg_placer *pl)
 }
 
 /* Decides where micro-batch h's slots of layer L run (sh->slot_card) and takes their cache slots
- * on the cards (pinned until its MoE's end): SEED the owner card; HYBRID by mf_sg_placer (the
- * cached slots offered first, each moved to its card while the card ends no later than the host's
- * queue of expert work over the workers). */
+ * on the cards (pinned until its MoE's end; a miss evicts by the next use of the victim's layer,
+ * mf_dev_xcache_acquire_ahead, as the simulator's pl_layer_slots): SEED the owner card; HYBRID by
+ * mf_sg_placer (the cached slots offered first, each moved to its card while the card ends no
+ * later than the host's queue of expert work over the workers). */
 int mf_step_place(mf_step_shape *sh, int L, int h)
 {
     mf_step *eng = sh->eng;
@@ -76,7 +77,7 @@ int mf_step_place(mf_step_shape *sh, int L, int h)
                 continue;
             }
             void *slot = NULL;
-            int hit = 0, rc = mf_dev_xcache_acquire(eng->xc[c], L, e, &slot, &hit);
+            int hit = 0, rc = mf_dev_xcache_acquire_ahead(eng->xc[c], L, e, &slot, &hit);   /* victims by their layer's next use */
             if (rc == -ENOSPC) {   /* every cache slot of the card pinned: the host keeps it */
                 eng->dstat.host_slots++;
                 eng->dstat.host_fallbacks++;
