@@ -325,6 +325,12 @@ static void check_choose(void)
     CHECK(mf_spec_choose(v, d, lo, 5, &g) == 0 && g == 1, "choose at 0.1");
     double zero_cost[6] = {10, 10, 10, 10, 10, 10};
     CHECK(mf_spec_choose(zero_cost, d, lo, 5, NULL) == 0, "a draft of cost 5 with acceptance 0.1 never pays");
+    /* the probes' spacing: a probe of 22.5 plain steps held to a quarter of the time waits 90
+     * rounds (exact in binary); a cheap one its backoff */
+    CHECK(mf_spec_probe_gap(16, 4e6, 90e6, 0.25) == 90, "probe gap %d", mf_spec_probe_gap(16, 4e6, 90e6, 0.25));
+    CHECK(mf_spec_probe_gap(32, 4e6, 4e6, 0.25) == 32, "a cheap probe keeps the backoff");
+    CHECK(mf_spec_probe_gap(16, 1, 1e6, 0.02) == 1024 && mf_spec_probe_gap(2048, 1, 1e6, 0.02) == 2048, "at most 1024");
+    CHECK(mf_spec_probe_gap(16, 0, 5, 0.02) == 16, "costs unknown: the backoff");
 }
 
 int main(void)
