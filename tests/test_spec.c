@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "graphs/model/model.h"
+#include "graphs/prefix/prefix.h"
 #include "graphs/ref/ref.h"
 #include "graphs/step/batch.h"
 #include "graphs/step/spec.h"
@@ -181,6 +182,74 @@ static void check_greedy(mf_ref *r, mf_step *e, const char *who)
     free_outs(base, NR);
 }
 
+/* Two turns of a chat through one batcher (the second's prompt the first's, its reply and 4 more
+ * tokens), with sp and the prefix cache p (either NULL: none); out[t] gets turn t's tokens and
+ * logits, out[1].pos0 its prompt's length. */
+static int run_turns(mf_ref *r, mf_step *e, mf_spec *sp, mf_prefix *p, req_out *out, int64_t V)
+{
+    run_ctx x = {.V = V, .out = out};
+    mf_batch *b = NULL;
+    int rc = mf_batch_new(&(mf_batch_opts){.ref = r, .eng = e, .max_batch = 2, .max_context = 64, .on_event = on_event,
+                                           .user = &x, .spec = sp, .prefix = p},
+                          &b);
+    int32_t p1[NP], p2[NP + GEN + 4];
+    for (int t = 0; t < 2 && !rc; t++) {
+        int n = t ? NP + GEN + 4 : NP;
+        int32_t *pr = t ? p2 : p1;
+        for (int i = 0; i < n; i++) pr[i] = i < NP ? prompt_tok(0, i) : i < NP + GEN ? out[0].tok[i - NP] : prompt_tok(1, i);
+        out[t].n = 0;
+        out[t].pos0 = n;
+        rc = mf_batch_submit(b, &(mf_batch_req){.prompt = pr, .n_prompt = n, .max_tokens = GEN, .ignore_eos = 1,
+                                                .user = &out[t]},
+                             NULL);
+        while (!rc && mf_batch_wait(b, 0)) rc = mf_batch_step(b, NULL);
+    }
+    mf_batch_free(b);
+    return rc;
+}
+
+/* Speculation with the prefix cache (blocks of 4 tokens): two turns with injected candidates of
+ * which 2 a round are right (every round rolls a rejected position back) give both turns' tokens and
+ * logits of plain greedy decoding without the cache, and the second turn restores blocks the
+ * first's decode completed. The batcher closes a verify's step for the cache after the rollback;
+ * closed before it (blocks holding a rejected position's rows inserted), this fails. */
+static void check_prefix(mf_ref *r, mf_step *e, const char *who)
+{
+    int64_t V = mf_ref_config(r)->vocab_size;
+    req_out base[2], got[2];
+    alloc_outs(base, 2, V);
+    alloc_outs(got, 2, V);
+    CHECK(run_turns(r, e, NULL, NULL, base, V) == 0, "%s turns: %s", who, mf_last_error());
+    for (int t = 0; t < 2; t++) got[t].truth = base[t].tok, got[t].right = 2;
+    run_ctx x = {.V = V};
+    mf_spec *sp = NULL;
+    mf_prefix *p = NULL;
+    CHECK(mf_spec_new(&(mf_spec_opts){.ref = r, .eng = e, .source = MF_SPEC_INJECT, .n_max = 5, .inject = inject,
+                                      .inject_user = &x},
+                      2, &sp) == 0 &&
+              mf_prefix_new(&(mf_prefix_opts){.ref = r, .block_tokens = 4, .budget_bytes = 64 << 20, .quiet = 1}, &p) ==
+                  0,
+          "%s: %s", who, mf_last_error());
+    CHECK(sp && p && run_turns(r, e, sp, p, got, V) == 0, "%s turns, spec and cache: %s", who, mf_last_error());
+    for (int t = 0; t < 2; t++)
+        CHECK(got[t].n == GEN && !memcmp(got[t].tok, base[t].tok, sizeof got[t].tok) &&
+                  !memcmp(got[t].logits, base[t].logits, sizeof(float) * GEN * (size_t)V),
+              "%s spec + prefix cache: turn %d's tokens or logits differ from greedy without either", who, t);
+    mf_spec_stats ss = {0};
+    mf_prefix_stats ps = {0};
+    if (sp) mf_spec_get_stats(sp, &ss);
+    if (p) mf_prefix_get_stats(p, &ps);
+    CHECK(ss.rounds > 0 && ss.accepted < ss.proposed, "%s: %lld rounds, %lld of %lld accepted (rollbacks expected)",
+          who, (long long)ss.rounds, (long long)ss.accepted, (long long)ss.proposed);
+    printf("%s spec + prefix: hit %lld inserted %lld nodes %lld\n", who, (long long)ps.hit_tokens, (long long)ps.inserted, (long long)ps.nodes);
+    CHECK(ps.hit_tokens > NP, "%s: the second turn restored %lld tokens (expected past the first prompt's %d)", who,
+          (long long)ps.hit_tokens, NP);
+    mf_spec_free(sp);
+    mf_prefix_free(p);
+    free_outs(base, 2);
+    free_outs(got, 2);
+}
+
 /* A request with penalties (as with logprobs, logit_bias or a grammar) takes plain steps under
  * speculation: its tokens are those of its plain run (drawn from the adjusted logits), and no
  * round speculates although the injected candidates would all be accepted by the raw logits. */
@@ -325,6 +394,12 @@ static void check_choose(void)
     CHECK(mf_spec_choose(v, d, lo, 5, &g) == 0 && g == 1, "choose at 0.1");
     double zero_cost[6] = {10, 10, 10, 10, 10, 10};
     CHECK(mf_spec_choose(zero_cost, d, lo, 5, NULL) == 0, "a draft of cost 5 with acceptance 0.1 never pays");
+    /* the probes' spacing: a probe of 22.5 plain steps held to a quarter of the time waits 90
+     * rounds (exact in binary); a cheap one its backoff */
+    CHECK(mf_spec_probe_gap(16, 4e6, 90e6, 0.25) == 90, "probe gap %d", mf_spec_probe_gap(16, 4e6, 90e6, 0.25));
+    CHECK(mf_spec_probe_gap(32, 4e6, 4e6, 0.25) == 32, "a cheap probe keeps the backoff");
+    CHECK(mf_spec_probe_gap(16, 1, 1e6, 0.02) == 1024 && mf_spec_probe_gap(2048, 1, 1e6, 0.02) == 2048, "at most 1024");
+    CHECK(mf_spec_probe_gap(16, 0, 5, 0.02) == 16, "costs unknown: the backoff");
 }
 
 int main(void)
@@ -344,6 +419,8 @@ int main(void)
     check_choose();
     check_greedy(r, e, "engine");
     check_controls(r, e);
+    check_prefix(r, e, "engine");
+    if (!MF_TEST_SANITIZED) check_prefix(r, NULL, "reference");
     if (!MF_TEST_SANITIZED) check_greedy(r, NULL, "reference");
     check_sampling(r, e);
     mf_step_free(e);

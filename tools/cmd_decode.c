@@ -150,7 +150,7 @@ static const mf_opts_spec mf_dec_spec = {
 static int mf_dec_check(mf_dec_cli *a, mf_dec *d)
 {
     int rc = mf_tool_engine_check("decode", &a->e);
-    if (!rc) rc = mf_tool_prefix_check("decode", &a->pfx, a->rk.spec != NULL, a->spec != 0);
+    if (!rc) rc = mf_tool_prefix_check("decode", &a->pfx, a->rk.spec != NULL);
     if (rc) return rc;
     if (!a->dir || (!!a->prompt + !!a->ids + !!a->prompts_file) != 1)
         return mf_opts_refuse(&mf_dec_spec, "--checkpoint and exactly one of --prompt / --tokens / --prompts are "

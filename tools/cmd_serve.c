@@ -432,7 +432,7 @@ int mf_cmd_serve(int argc, char **argv)
         return 2;
     }
     a.e.draft = a.spec == MF_TOOL_SPEC_DSPARK;
-    if ((rc = mf_tool_prefix_check("serve", &a.pfx, a.rk.spec != NULL, a.spec != 0))) return rc;
+    if ((rc = mf_tool_prefix_check("serve", &a.pfx, a.rk.spec != NULL))) return rc;
     if ((rc = mf_tool_ranks_open(&a.rk, "serve", a.dir, a.e.profile_path, (int)a.e.threads, NULL, NULL)) ||
         a.rk.rank > 0)
         return mf_serve_follower(&a, rc);

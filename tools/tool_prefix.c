@@ -16,17 +16,12 @@ int mf_tool_prefix_size_opt(const mf_opt *o, const char *arg, void *field)
     return 0;
 }
 
-int mf_tool_prefix_check(const char *cmd, mf_tool_prefix *o, int pipeline, int spec)
+int mf_tool_prefix_check(const char *cmd, mf_tool_prefix *o, int pipeline)
 {
-    if (!pipeline && !spec) return 0;
+    if (!pipeline) return 0;
     if ((o->size && strcmp(o->size, "0")) || o->dir) {
-        if (pipeline)
-            fprintf(stderr, "moeflow %s: the prefix cache holds one process's sequence states, not a pipeline's: "
-                    "--prefix-cache and --prefix-cache-dir do not go with --ranks-layers\n", cmd);
-        else
-            fprintf(stderr, "moeflow %s: the prefix cache does not take speculation's steps yet (a verify's "
-                    "rejected positions would enter its blocks before the rollback): --prefix-cache and "
-                    "--prefix-cache-dir do not go with --spec\n", cmd);
+        fprintf(stderr, "moeflow %s: the prefix cache holds one process's sequence states, not a pipeline's: "
+                "--prefix-cache and --prefix-cache-dir do not go with --ranks-layers\n", cmd);
         return 2;
     }
     o->size = "0";

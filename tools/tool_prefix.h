@@ -40,11 +40,9 @@ typedef struct mf_tool_prefix {
          .expect = "1, 2, 4, .. 256", .help = "tokens per cached block (default " MF_OPTS_STR(MF_PREFIX_BLOCK) ")"}
 
 /* Under a pipeline (--ranks-layers) the cache is off: a sequence's states are split over the ranks
- * and the cache holds one process's. With speculation (--spec, spec 1) too, for now: a verify's
- * positions enter the cache's blocks before its rollback gives the rejected ones back
- * (graphs/step/batch.h mf_batch_opts.spec). Turns it off there, refusing an explicit --prefix-cache
- * SIZE or --prefix-cache-dir. 0, or 2 with the reason on stderr ("moeflow <cmd>: ..."). */
-int mf_tool_prefix_check(const char *cmd, mf_tool_prefix *o, int pipeline, int spec);
+ * and the cache holds one process's. Turns it off there, refusing an explicit --prefix-cache SIZE
+ * or --prefix-cache-dir. 0, or 2 with the reason on stderr ("moeflow <cmd>: ..."). */
+int mf_tool_prefix_check(const char *cmd, mf_tool_prefix *o, int pipeline);
 /* --prefix-cache's parser: a size or 0. */
 int mf_tool_prefix_size_opt(const mf_opt *o, const char *arg, void *field);
 

@@ -123,9 +123,6 @@ int mf_batch_new(const mf_batch_opts *opts, mf_batch **out)
 {
     *out = NULL;
     if (!opts->ref) return mf_error(-EINVAL, "batch: no forward (opts.ref)");
-    if (opts->spec && opts->prefix)
-        return mf_error(-EINVAL, "batch: speculation with the prefix cache (opts.prefix): a verify's positions would "
-                        "enter its blocks before the rollback gives the rejected ones back; not supported yet");
     if (opts->spec && opts->forward)
         return mf_error(-EINVAL, "batch: speculation with a forward of its own (opts.forward: a pipeline's); the "
                         "draft reads features of a whole model's forward");
@@ -501,6 +498,13 @@ static int mf_batch_spec_plain(const mf_bseq *q)
     return !r->logprobs && !r->n_bias && !q->penalize && !q->constrained;
 }
 
+/* With speculation: whether q's step was a verify (its decode items the pending token and its
+ * candidates, accepted by mf_batch_spec_next, which rolls its state back to what it keeps). */
+static int mf_batch_spec_verify(const mf_batch *b, const mf_bseq *q)
+{
+    return b->o.spec && q->n_ver && mf_batch_spec_plain(q);
+}
+
 /* With speculation: the round's candidates of the step's decode sequences (graphs/step/spec.h
  * mf_spec_plan), each taking at most what its request may still generate and its share of the
  * graph run's items (mf_batch_step_items: the engine's max_batch as the tools make it; none where it
@@ -725,6 +729,8 @@ static void mf_batch_spec_next(mf_batch *b, mf_bseq *q, int i, int64_t now)
 {
     int32_t tok[MF_SPEC_MAX + 1];
     int nt = 0, rc = mf_spec_accept(b->o.spec, i, q->st, q->smp, q->lrow, tok, &nt);
+    /* the prefix cache keeps the blocks the kept positions completed: none of a rejected one */
+    mf_prefix_step_end(b->o.prefix, q->ps, q->st, !rc, 0);
     if (rc) {
         mf_batch_finish_seq(b, q, MF_BATCH_ERROR, rc, mf_last_error());
         return;
@@ -759,8 +765,8 @@ int mf_batch_step(mf_batch *b, int *n_items)
     }
     if (!rc && b->o.spec && n_dec == n) mf_spec_step_done(b->o.spec, mf_now_ns() - t0, n, n_seq);   /* decode only */
     for (int i = 0; b->o.prefix && i < b->n_states; i++) {   /* and keeps the blocks completed */
-        mf_bseq *q = &b->seq[i];
-        if (q->in_step)
+        mf_bseq *q = &b->seq[i];   /* a verify's after its rollback (mf_batch_spec_next) */
+        if (q->in_step && (rc || !mf_batch_spec_verify(b, q)))
             mf_prefix_step_end(b->o.prefix, q->ps, q->st, !rc, q->pending < 0 && q->n_fed == q->req->r.n_prompt);
     }
     pthread_mutex_lock(&b->mu);
@@ -783,7 +789,7 @@ int mf_batch_step(mf_batch *b, int *n_items)
             continue;
         }
         q->pending = -1;
-        if (b->o.spec && q->n_ver && mf_batch_spec_plain(q)) mf_batch_spec_next(b, q, i, now);
+        if (mf_batch_spec_verify(b, q)) mf_batch_spec_next(b, q, i, now);
         else mf_batch_next(b, q, now);
     }
     return rc;

@@ -20,6 +20,7 @@
 #define SP_DECAY 0.95           /* each round's evidence decays so (about the last 20 rounds count) */
 #define SP_PROBE_MIN 16         /* plain rounds before a k-0 sequence probes, doubling while probes fail */
 #define SP_PROBE_MAX 1024
+#define SP_PROBE_SHARE 0.02     /* the most of the plain rounds' measured time a k-0 sequence's probes take */
 #define SP_MAX_SEQ MF_STEP_MAX_ITEMS
 
 typedef struct sp_slot {
@@ -270,6 +271,29 @@ static void sp_pick_batch(mf_spec *sp, const mf_spec_seq *q, int n, int *k)
     }
 }
 
+int mf_spec_probe_gap(int backoff, double plain_ns, double probe_ns, double share)
+{
+    if (!(plain_ns > 0) || !(probe_ns >= 0) || !(share > 0)) return backoff;
+    double gap = ceil(probe_ns / (share * plain_ns));
+    if (gap > SP_PROBE_MAX) gap = SP_PROBE_MAX;
+    return gap > backoff ? (int)gap : backoff;
+}
+
+/* Plain rounds before slot s's next probe (mf_spec_probe_gap): its backoff, and this run's measured
+ * costs once it has timed a plain step and (with a draft) a draft round: the mean draft round and
+ * a two-item step's wall time over a plain one's. */
+static int sp_probe_gap(const mf_spec *sp, const sp_slot *s)
+{
+    const mf_spec_stats *t = &sp->st;
+    int dspark = sp->o.source == MF_SPEC_DSPARK;
+    if (!t->steps[0] || (dspark && !t->draft_calls)) return s->probe_every;
+    double plain = (double)t->step_ns[0] / (double)t->steps[0];
+    double probe = dspark ? (double)t->draft_ns / (double)t->draft_calls : 0;
+    if (t->steps[1] && (double)t->step_ns[1] / (double)t->steps[1] > plain)
+        probe += (double)t->step_ns[1] / (double)t->steps[1] - plain;
+    return mf_spec_probe_gap(s->probe_every, plain, probe, SP_PROBE_SHARE);
+}
+
 /* ---- the feature rows ------------------------------------------------------------------------------ */
 
 /* Slot s's rows for positions [pos0, pos0 + n), of which at least keep_min will be kept: the
@@ -344,7 +368,7 @@ int mf_spec_plan(mf_spec *sp, const mf_spec_seq *q, int n)
     else if (sp->o.adaptive) sp_pick_batch(sp, q, n, k);
     for (int i = 0; i < n; i++) {
         sp_slot *s = &sp->slot[q[i].slot];
-        if (sp->o.adaptive && !k[i] && q[i].room > 0 && ++s->idle >= s->probe_every) {   /* a probe */
+        if (sp->o.adaptive && !k[i] && q[i].room > 0 && ++s->idle >= sp_probe_gap(sp, s)) {   /* a probe */
             k[i] = 1;
             s->probe = 1;
             sp->st.probes++;

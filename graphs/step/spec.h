@@ -45,7 +45,8 @@ typedef struct mf_spec_opts {
     /* 1 (`--spec-tokens auto`): per round and sequence the k of 0..n_max that the cost model says
      * gives the most tokens per unit of time (mf_spec_choose, priced on `price`), with a running
      * estimate of the acceptance at each position; sequences at k 0 still probe now and then (after
-     * 16, then 32, ... up to 1024 plain rounds while probes fail) with k 1. 0: n_max every round. */
+     * 16, then 32, ... up to 1024 plain rounds while probes fail, and at least as many as keep the
+     * probes' measured cost within 2% of the plain rounds' time) with k 1. 0: n_max every round. */
     int adaptive;
     /* the machine and placement the cost model prices the verify and the draft on (config, profile,
      * placement, cards, dense, threads: what the engine runs; batch, unit_len, draft and feats are
@@ -133,6 +134,12 @@ void mf_spec_get_stats(const mf_spec *sp, mf_spec_stats *out);
  * verify_ns[k] + draft_ns[k] (the verify of 1 + k and the draft round). Ties to the smaller k.
  * *gain (may be NULL): E(k) / T(k) over E(0) / T(0). */
 int mf_spec_choose(const double *verify_ns, const double *draft_ns, const double *alpha, int n_max, double *gain);
+/* The probes' spacing: plain rounds before a k-0 sequence's next probe, at least its backoff (16,
+ * 32, ... while its probes fail) and at least as many as keep a probe's cost probe_ns (its draft
+ * round and its verify's extra item, as measured) within `share` of the plain rounds' time
+ * (plain_ns each) between probes, at most 1024 (unless the backoff is more). Costs not known
+ * (plain_ns <= 0): the backoff. */
+int mf_spec_probe_gap(int backoff, double plain_ns, double probe_ns, double share);
 
 /* The simulator's view of a speculating batch (`moeflow sim --spec`): po's machine and settings
  * (its routing drawing each sequence's verify as consecutive tokens), `batch` sequences, each step
