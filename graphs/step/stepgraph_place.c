@@ -17,9 +17,13 @@
 /* prefetch: experts per join of a card's copies (mf_sg_prefetch) */
 #define SG_PRE_BLOCK 4
 
-/* Prefetch: layer L's place task (after the previous layer's MoE done: one set of card pins at a
- * time) -> per expert its copy on its owner card's h2d lane -> per card a join, which the slots'
- * copy-ins on that card wait for. Built before the layer's attention, so the copies overlap it. */
+/* Prefetch: layer L's place task -> per expert its copy on its owner card's h2d lane -> per card a
+ * join, which the slots' copy-ins on that card wait for. Built before the layer's attention, so the
+ * copies overlap it and the previous layer's MoE: two layers' card pins at a time. The place task
+ * follows layer L - 1's route (its MoE window opens; the links have room there) and layer L - 2's
+ * MoE done (its pins released), and layer L - 1's MoE done follows it (L - 1's pins released after
+ * L's are taken: the caches see one order of acquisitions and releases, the engine's and the
+ * simulator's, graphs/sim/plan.c pl_layer_slots). */
 void mf_sg_prefetch(mf_sg_builder *b, int L)
 {
     const mf_config *c = b->o->c;
@@ -30,7 +34,10 @@ void mf_sg_prefetch(mf_sg_builder *b, int L)
     mf_sg_span(b, &t);
     t.w.ref_flops = 8.0 * E;   /* the placer's sums and the cache's look-ups per expert */
     mf_task_id pl = mf_sg_add(b, 0, MF_SG_MOE_PLACE, MF_SG_PH_OTHER, MF_SG_K_OTHER, t);
-    mf_sg_dep(b, b->last_done, pl);
+    mf_sg_dep(b, b->route, pl);
+    mf_sg_dep(b, b->pre_done, pl);
+    mf_sg_dep(b, pl, b->last_done);
+    b->pre_done = b->last_done;
     b->pre_place = pl;
     for (int cd = 0; cd < sg->n_cards; cd++) {
         SG_NAME(b, "dev%d L%d prefetched", cd, L);
