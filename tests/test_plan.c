@@ -836,7 +836,7 @@ static void test_prefetch_plan(void)
     mf_sg_placer a, b;
     mf_sg_placer_init(&a, m, &f, 2, 1, 1e6, 3e6, 16388, 16384, 0);
     mf_sg_placer_init(&b, m, &f, 2, 1, 1e6, 3e6, 16388, 16384, 0);
-    mf_sg_place_ahead(&b, 1e9);
+    mf_sg_place_ahead(&b, 1e9, 0, NULL);
     mf_sg_place_host_work(&a, 3);
     mf_sg_place_host_work(&b, 3);
     (void)mf_sg_place_want_card(&a, 1, 3, 1);

@@ -75,6 +75,8 @@ struct mf_plan {
     int32_t *pre_card[2];
     uint8_t *pre_miss[2], *pre_cached;
     int pre_layer[2];
+    double pre_left[PL_MAX_CARDS];           /* the link time the last placed layer's MoE window left (mf_sg_place_left) */
+    int pre_left_layer;                      /* that layer, -1 */
     int *n_used;                             /* per layer and micro-batch, n_used[2 L + h] */
     mf_plan_report total;
 };
@@ -690,13 +692,15 @@ static void pl_prefetch(mf_plan *p, int L, mf_plan_report *r)
         p->pre_cached[e] = mf_resid_slot(p->dev[mf_dev_xcache_owner(p->n_cards, L, e)], L * E + e) >= 0;
     mf_sg_placer pl;
     pl_placer_init(p, &pl);
-    mf_sg_place_ahead(&pl, p->sg->pre_ahead_ns[L]);
+    mf_sg_place_ahead(&pl, p->sg->pre_ahead_ns[L], p->sg->pre_moe_host_ns[L], p->pre_left_layer == L - 1 ? p->pre_left : NULL);
     mf_sg_place_shared(&pl, p->sg, L, 0);
     pl_take k = {p, L, r};
     int32_t *card = p->pre_card[L & 1];
     uint8_t *miss = p->pre_miss[L & 1];
     int on = mf_sg_place_all(&pl, &p->c, L, p->n_cards, tok, p->pre_cached, pl_take_slot, &k, card, miss);
     p->pre_layer[L & 1] = L;
+    mf_sg_place_left(&pl, p->pre_left);
+    p->pre_left_layer = L;
     r->dev_slots += on;
     r->host_slots += E - on;
     for (int e = 0; e < E; e++) {
@@ -813,6 +817,7 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
 static int pl_price(mf_plan *p, mf_plan_report *r)
 {
     if (p->o.draft) mf_stepgraph_mark_draft(p->sg, p->o.draft);   /* the chain's candidates asked for */
+    p->pre_left_layer = -1;
     for (int L = p->l0; L < p->l1; L++)
         for (int h = 0; h < p->sg->n_halves; h++) {
             int rc = pl_layer_slots(p, L, h, r);

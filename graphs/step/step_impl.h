@@ -113,6 +113,8 @@ struct mf_step_shape {
     uint8_t **pre_dev[2];
     uint8_t *pre_miss[2], *pre_cached;
     int pre_layer[2];
+    double pre_left[MF_SG_MAX_CARDS];   /* the link time the last placed layer's MoE window left (mf_sg_place_left) */
+    int pre_left_layer;                 /* that layer, -1 */
     int dev_layer;          /* layer whose slots' cache slots are pinned (prefetch: whose slot table is live), -1 */
     int dev_half;           /* the micro-batch whose slots they are */
     uint8_t *dbuf[MF_DEV_MAX_CARDS];

@@ -135,12 +135,15 @@ static int mf_task_moe_place(void *arg, mf_task_ctx *ctx)
         sh->pre_cached[e] = (uint8_t)mf_dev_xcache_has(eng->xc[mf_dev_xcache_owner(eng->n_cards, L, e)], L, e);
     mf_sg_placer pl;
     mf_step_placer_of(sh, &pl);
-    mf_sg_place_ahead(&pl, sh->sg->pre_ahead_ns[L]);
+    mf_sg_place_ahead(&pl, sh->sg->pre_ahead_ns[L], sh->sg->pre_moe_host_ns[L],
+                      sh->pre_left_layer == L - 1 ? sh->pre_left : NULL);
     mf_sg_place_shared(&pl, sh->sg, L, 0);
     mf_step_take tk = {sh, L, 0};
     int on = mf_sg_place_all(&pl, eng->c, L, eng->n_cards, tok, sh->pre_cached, mf_step_take_slot, &tk, sh->pre_card[k],
                              sh->pre_miss[k]);
     sh->pre_layer[k] = L;
+    mf_sg_place_left(&pl, sh->pre_left);
+    sh->pre_left_layer = L;
     if (tk.rc) {
         mf_step_pre_release(sh, k, 1);
         return mf_error_wrap(tk.rc, "step: layer %d: the experts' cache slots on the cards", L);

@@ -578,7 +578,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int mixed, int draft,
         }
         for (int i = 0; i < sh->n_slots * sh->n_parts; i++) sh->slot_rd[i] = (mf_io_read){.fd = -1};
     }
-    sh->dev_layer = sh->pre_layer[0] = sh->pre_layer[1] = -1;
+    sh->dev_layer = sh->pre_layer[0] = sh->pre_layer[1] = sh->pre_left_layer = -1;
     int shared = par || mixed, ln = shared ? eng->umem_items : n;   /* the host layout's items */
     mf_sg_card_in ci = mf_step_card_in(eng, sh->sg, n);
     mf_sg_card_bufs_of(&ci, &sh->cb);

@@ -82,7 +82,8 @@ void mf_sg_prefetch(mf_sg_builder *b, int L)
  * the layer's attention and Engram take before the route, the longer of the priced host work over
  * the workers and the longest priced path from the layer's place task to its route (the dense
  * chains' copies and card work, which the workers do not shorten), less the most any card's h2d
- * lane copies for them (its dense inputs), at least 0. After finalize (the path reads the
+ * lane copies for them (its dense inputs), at least 0; and the priced host work of its MoE other
+ * than the routed experts' (mf_stepgraph.pre_moe_host_ns). After finalize (the path reads the
  * graph's edges); 0 or -ENOMEM. */
 int mf_sg_pre_ahead(const mf_sg_opts *o, mf_stepgraph *sg)
 {
@@ -95,10 +96,14 @@ int mf_sg_pre_ahead(const mf_sg_opts *o, mf_stepgraph *sg)
         if (r->layer < 0) continue;
         if (r->op == MF_SG_MOE_PLACE && place[r->layer] < 0) place[r->layer] = t;
         if (r->op == MF_SG_ROUTE && r->part < 0 && route[r->layer] < 0) route[r->layer] = t;
-        if (r->phase != MF_SG_PH_ATTN && r->phase != MF_SG_PH_ENGRAM) continue;
         double ns = mf_graph_task(sg->g, t)->cost.time_ns;
+        int host = r->kind != MF_SG_K_COPY_OUT && r->kind != MF_SG_K_DEV && r->kind != MF_SG_K_IO;
+        if (r->phase == MF_SG_PH_MOE && host && r->kind != MF_SG_K_COPY && r->card < 0 && r->op != MF_SG_SLOT_UP &&
+            r->op != MF_SG_SLOT_JOIN && r->op != MF_SG_SLOT_DOWN)
+            sg->pre_moe_host_ns[r->layer] += ns;
+        if (r->phase != MF_SG_PH_ATTN && r->phase != MF_SG_PH_ENGRAM) continue;
         if ((r->kind == MF_SG_K_COPY || r->op == MF_SG_DENSE_DEQ) && r->card >= 0) h2d[r->layer][r->card] += ns;
-        else if (r->kind != MF_SG_K_COPY_OUT && r->kind != MF_SG_K_DEV && r->kind != MF_SG_K_IO) cpu[r->layer] += ns;
+        else if (host) cpu[r->layer] += ns;
     }
     /* each task's earliest start by the prices with unbounded lanes, in topological order */
     double *top = calloc((size_t)n + 1, sizeof *top);
@@ -273,10 +278,20 @@ void mf_sg_place_lt(mf_sg_placer *p, int mode) { p->lt = mode; }
 
 void mf_sg_place_gather(mf_sg_placer *p, int on) { p->gather = on; }
 
-void mf_sg_place_ahead(mf_sg_placer *p, double ahead_ns)
+void mf_sg_place_ahead(mf_sg_placer *p, double ahead_ns, double host_ns, const double *left_ns)
 {
     p->ahead = 1;
-    for (int c = 0; c < MF_SG_MAX_CARDS; c++) p->pre_q[c] = -ahead_ns;
+    p->host_q += host_ns;
+    for (int c = 0; c < MF_SG_MAX_CARDS; c++) p->pre_q[c] = -ahead_ns - (left_ns ? left_ns[c] : 0);
+}
+
+void mf_sg_place_left(const mf_sg_placer *p, double left_ns[MF_SG_MAX_CARDS])
+{
+    double win = p->workers > 0 ? p->host_q / p->workers : 0;
+    for (int c = 0; c < MF_SG_MAX_CARDS; c++) {
+        double busy = p->pre_q[c] > p->copy_q[c] ? p->pre_q[c] : p->copy_q[c], l = win - (busy > 0 ? busy : 0);
+        left_ns[c] = l > 0 ? l : 0;
+    }
 }
 
 int mf_sg_place_all(mf_sg_placer *p, const mf_config *c, int L, int n_cards, int tok, const uint8_t *cached,
