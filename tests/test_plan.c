@@ -751,7 +751,9 @@ static void test_placer_queue(void)
  * of 8 or --prefetch-min -1 does not; the placer's head start: an uncached expert whose copy fits
  * in it costs the card what a cached one does; the last chunk's trace names the copy tasks; a
  * slot's copy-in waits for its card's copies of the experts from the slot's up (a join of them),
- * not for all, and ranks above them. */
+ * not for all, and ranks above them and above the next layer's copies on its card (which share
+ * the MoE window's link: two layers' pins at a time); each layer's place task between the
+ * previous layer's route and MoE done. */
 /* 1 when task `pred` is a direct predecessor of task t. */
 static int has_pred(const mf_graph *g, mf_task_id t, mf_task_id pred)
 {
@@ -791,11 +793,12 @@ static void test_prefetch_plan(void)
         int E = c.n_routed_experts, bad_dep = 0, bad_rank = 0, early = 0;
         for (int L = 0; want && L < c.n_layers; L++)
             for (int cd = 0; cd < 2; cd++) {
-                double top = 0;
-                for (int e = 0; e < E; e++) {
-                    mf_task_id pt = sg->pre_tid[(size_t)L * E + e];
-                    if (sg->task[pt].card == cd && mf_graph_rank_ns(sg->g, pt) > top) top = mf_graph_rank_ns(sg->g, pt);
-                }
+                double top = 0;   /* this layer's copies on the card, and the next layer's (the MoE window's) */
+                for (int e = 0; e < E; e++)
+                    for (int l = L; l <= L + 1 && l < c.n_layers; l++) {
+                        mf_task_id pt = sg->pre_tid[(size_t)l * E + e];
+                        if (sg->task[pt].card == cd && mf_graph_rank_ns(sg->g, pt) > top) top = mf_graph_rank_ns(sg->g, pt);
+                    }
                 for (int s = 0; s < sg->n_slots; s++) {
                     mf_task_id din = sg->slot_tid[((size_t)L * sg->n_slots + s) * sg->tid_per_slot + 2 * sg->p_exp + 1 + 3 * cd];
                     bad_rank += !(mf_graph_rank_ns(sg->g, din) > top);
