@@ -770,7 +770,18 @@ static void test_placer_queue(void)
  * of 8 or --prefetch-min -1 does not; the placer's head start: an uncached expert whose copy fits
  * in it costs the card what a cached one does; the last chunk's trace names the copy tasks; a
  * slot's copy-in waits for its card's copies of the experts from the slot's up (a join of them),
- * not for all, and ranks above them. */
+ * not for all, and ranks above them and above the next layer's copies on its card (which share
+ * the MoE window's link: two layers' pins at a time); each layer's place task between the
+ * previous layer's route and MoE done. */
+/* 1 when task `pred` is a direct predecessor of task t. */
+static int has_pred(const mf_graph *g, mf_task_id t, mf_task_id pred)
+{
+    const mf_task_id *pr = mf_graph_pred(g, t);
+    for (int k = 0; t >= 0 && k < mf_graph_n_pred(g, t); k++)
+        if (pr[k] == pred) return 1;
+    return 0;
+}
+
 static void test_prefetch_plan(void)
 {
     mf_config c;
@@ -801,11 +812,12 @@ static void test_prefetch_plan(void)
         int E = c.n_routed_experts, bad_dep = 0, bad_rank = 0, early = 0;
         for (int L = 0; want && L < c.n_layers; L++)
             for (int cd = 0; cd < 2; cd++) {
-                double top = 0;
-                for (int e = 0; e < E; e++) {
-                    mf_task_id pt = sg->pre_tid[(size_t)L * E + e];
-                    if (sg->task[pt].card == cd && mf_graph_rank_ns(sg->g, pt) > top) top = mf_graph_rank_ns(sg->g, pt);
-                }
+                double top = 0;   /* this layer's copies on the card, and the next layer's (the MoE window's) */
+                for (int e = 0; e < E; e++)
+                    for (int l = L; l <= L + 1 && l < c.n_layers; l++) {
+                        mf_task_id pt = sg->pre_tid[(size_t)l * E + e];
+                        if (sg->task[pt].card == cd && mf_graph_rank_ns(sg->g, pt) > top) top = mf_graph_rank_ns(sg->g, pt);
+                    }
                 for (int s = 0; s < sg->n_slots; s++) {
                     mf_task_id din = sg->slot_tid[((size_t)L * sg->n_slots + s) * sg->tid_per_slot + 2 * sg->p_exp + 1 + 3 * cd];
                     bad_rank += !(mf_graph_rank_ns(sg->g, din) > top);
@@ -829,6 +841,25 @@ static void test_prefetch_plan(void)
             }
         CHECK(!bad_dep && !bad_rank && (!want || early > 0), "chunk %d: %d slot copy-ins without their experts' "
               "copies, %d ranked below a copy, %d waiting for part of the copies", chunk, bad_dep, bad_rank, early);
+        /* two layers' pins at a time (mf_sg_prefetch): layer L's place task follows layer L - 1's
+         * route (not its MoE done) and layer L - 2's MoE done, and layer L - 1's MoE done follows it */
+        mf_task_id plc[64], route[64], done[64];
+        for (int L = 0; L < c.n_layers && L < 64; L++) plc[L] = route[L] = done[L] = -1;
+        for (int t = 0; t < sg->n_tasks; t++) {
+            const mf_sg_task *r = &sg->task[t];
+            if (r->layer < 0 || r->layer >= 64) continue;
+            if (r->op == MF_SG_MOE_PLACE) plc[r->layer] = t;
+            if (r->op == MF_SG_ROUTE && r->part < 0) route[r->layer] = t;
+            if (r->op == MF_SG_MOE_DONE) done[r->layer] = t;
+        }
+        int bad_pin = 0;
+        for (int L = 1; want && L < c.n_layers; L++) {
+            bad_pin += !has_pred(sg->g, plc[L], route[L - 1]) || has_pred(sg->g, plc[L], done[L - 1]) ||
+                       !has_pred(sg->g, done[L - 1], plc[L]);
+            if (L >= 2) bad_pin += !has_pred(sg->g, plc[L], done[L - 2]);
+        }
+        CHECK(!bad_pin, "chunk %d: %d layers whose place task is not between the previous layer's route and MoE done",
+              chunk, bad_pin);
         mf_plan_free(p);
         char trace[1100];
         snprintf(trace, sizeof trace, "%s/plan_prefetch.json", getenv("MOEFLOW_TMP") ? getenv("MOEFLOW_TMP") : ".");
@@ -855,7 +886,7 @@ static void test_prefetch_plan(void)
     mf_sg_placer a, b;
     mf_sg_placer_init(&a, m, &f, 2, 1, 1e6, 3e6, 16388, 16384, 0);
     mf_sg_placer_init(&b, m, &f, 2, 1, 1e6, 3e6, 16388, 16384, 0);
-    mf_sg_place_ahead(&b, 1e9);
+    mf_sg_place_ahead(&b, 1e9, 0, NULL);
     mf_sg_place_host_work(&a, 3);
     mf_sg_place_host_work(&b, 3);
     (void)mf_sg_place_want_card(&a, 1, 3, 1);
@@ -864,6 +895,21 @@ static void test_prefetch_plan(void)
           "a miss within the head start: %.1f ns on the card, a hit %.1f ns", b.t_dev, a.t_dev);
     mf_sg_place_card(&b);
     CHECK(fabs(b.pre_q[1] - (-1e9 + b.pre_ns)) < 1 && b.copy_q[1] > 0, "the parts' queue and the rows' queue");
+    /* the next layer's head start: the link time this layer's MoE window leaves each card (the
+     * host's queue over the workers past the card's copies), added to the copies' head start;
+     * the window's other host work starts the host's queue */
+    mf_sg_placer w;
+    mf_sg_placer_init(&w, m, &f, 4, 1, 1e6, 3e6, 16388, 16384, 0);
+    double left[MF_SG_MAX_CARDS], extra[MF_SG_MAX_CARDS] = {5e6, 0, 0, 0};
+    mf_sg_place_ahead(&w, 1e6, 4e8, extra);
+    CHECK(w.host_q == 4e8 && w.pre_q[0] == -6e6 && w.pre_q[1] == -1e6, "head start %.0f, %.0f ns, host %.0f ns",
+          w.pre_q[0], w.pre_q[1], w.host_q);
+    w.pre_q[0] = 3e7, w.copy_q[0] = 4e7;   /* 100 ms window: 60 ms left */
+    w.pre_q[1] = -1e7, w.copy_q[1] = -5e6; /* copies done before the route: all of it */
+    w.pre_q[2] = 1.5e8;                    /* past the window: none */
+    mf_sg_place_left(&w, left);
+    CHECK(fabs(left[0] - 6e7) < 1 && fabs(left[1] - 1e8) < 1 && left[2] == 0, "left %.0f %.0f %.0f ns", left[0],
+          left[1], left[2]);
 }
 
 static void test_prefill(void)

@@ -69,8 +69,14 @@ struct mf_plan {
     int64_t *task_ns;
     pl_slot *sl;
     int32_t *slot_card;
-    int32_t *pre_card;                       /* prefetch: a layer's experts' cards (-1 the host) */
-    uint8_t *pre_miss, *pre_cached;          /* and whether copied in; scratch: in the cache */
+    /* prefetch, per parity of the layer (two layers' pins at a time, as the engine's): a layer's
+     * experts' cards (-1 the host) and whether copied in, the layer pinned (-1 none); scratch:
+     * in the cache */
+    int32_t *pre_card[2];
+    uint8_t *pre_miss[2], *pre_cached;
+    int pre_layer[2];
+    double pre_left[PL_MAX_CARDS];           /* the link time the last placed layer's MoE window left (mf_sg_place_left) */
+    int pre_left_layer;                      /* that layer, -1 */
     int *n_used;                             /* per layer and micro-batch, n_used[2 L + h] */
     mf_plan_report total;
 };
@@ -550,12 +556,15 @@ static int pl_alloc(mf_plan *p)
     p->task_ns = malloc(sizeof *p->task_ns * (size_t)p->sg->n_tasks);
     p->sl = calloc(n_sl, sizeof *p->sl);
     p->slot_card = malloc(sizeof *p->slot_card * n_sl);
-    p->pre_card = malloc(sizeof *p->pre_card * (size_t)p->E);
-    p->pre_miss = malloc((size_t)p->E);
+    for (int k = 0; k < 2; k++) {
+        p->pre_card[k] = malloc(sizeof *p->pre_card[k] * (size_t)p->E);
+        p->pre_miss[k] = malloc((size_t)p->E);
+        p->pre_layer[k] = -1;
+    }
     p->pre_cached = malloc((size_t)p->E);
     p->n_used = calloc((size_t)p->n_layers * 2, sizeof *p->n_used);
-    if (!p->ex || !p->task_ns || !p->sl || !p->slot_card || !p->n_used || !p->pre_card || !p->pre_miss ||
-        !p->pre_cached) {
+    if (!p->ex || !p->task_ns || !p->sl || !p->slot_card || !p->n_used || !p->pre_card[0] || !p->pre_miss[0] ||
+        !p->pre_card[1] || !p->pre_miss[1] || !p->pre_cached) {
         return mf_error(-ENOMEM, "plan: out of memory");
     }
     return 0;
@@ -600,8 +609,7 @@ void mf_plan_free(mf_plan *p)
     free(p->task_ns);
     free(p->sl);
     free(p->slot_card);
-    free(p->pre_card);
-    free(p->pre_miss);
+    for (int k = 0; k < 2; k++) free(p->pre_card[k]), free(p->pre_miss[k]);
     free(p->pre_cached);
     free(p->n_used);
     free(p->ex);
@@ -684,21 +692,35 @@ static void pl_prefetch(mf_plan *p, int L, mf_plan_report *r)
         p->pre_cached[e] = mf_resid_slot(p->dev[mf_dev_xcache_owner(p->n_cards, L, e)], L * E + e) >= 0;
     mf_sg_placer pl;
     pl_placer_init(p, &pl);
-    mf_sg_place_ahead(&pl, p->sg->pre_ahead_ns[L]);
+    mf_sg_place_ahead(&pl, p->sg->pre_ahead_ns[L], p->sg->pre_moe_host_ns[L], p->pre_left_layer == L - 1 ? p->pre_left : NULL);
     mf_sg_place_shared(&pl, p->sg, L, 0);
     pl_take k = {p, L, r};
-    int on = mf_sg_place_all(&pl, &p->c, L, p->n_cards, tok, p->pre_cached, pl_take_slot, &k, p->pre_card, p->pre_miss);
+    int32_t *card = p->pre_card[L & 1];
+    uint8_t *miss = p->pre_miss[L & 1];
+    int on = mf_sg_place_all(&pl, &p->c, L, p->n_cards, tok, p->pre_cached, pl_take_slot, &k, card, miss);
+    p->pre_layer[L & 1] = L;
+    mf_sg_place_left(&pl, p->pre_left);
+    p->pre_left_layer = L;
     r->dev_slots += on;
     r->host_slots += E - on;
     for (int e = 0; e < E; e++) {
-        if (p->pre_card[e] < 0) continue;
-        if (!p->pre_miss[e]) r->dev_hits++;
+        if (card[e] < 0) continue;
+        if (!miss[e]) r->dev_hits++;
         else {
             r->dev_misses++;
             r->dev_bytes_in += (uint64_t)p->sz->xslot_bytes;
         }
     }
-    mf_stepgraph_mark_prefetch(p->sg, L, p->pre_card, p->pre_miss);
+    mf_stepgraph_mark_prefetch(p->sg, L, card, miss);
+}
+
+/* Prefetch: the pins of the layer of parity k released (its MoE done), if it holds one. */
+static void pl_prefetch_release(mf_plan *p, int k)
+{
+    int L = p->pre_layer[k];
+    for (int e = 0; L >= 0 && e < p->E; e++)
+        if (p->pre_card[k][e] >= 0) mf_resid_unpin(p->dev[p->pre_card[k][e]], mf_resid_slot(p->dev[p->pre_card[k][e]], L * p->E + e));
+    p->pre_layer[k] = -1;
 }
 
 /* Micro-batch h's slot table of layer L (of the graph's: layer L0 + L) as the engine's route task builds it (distinct experts of
@@ -738,13 +760,15 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
     if (p->sg->prefetch) {   /* placed at the layer's start: the slots take their experts' places */
         pl_prefetch(p, L, r);
         for (int s = 0; s < ns; s++) {
-            sl[s].card = p->pre_card[sl[s].e];
+            sl[s].card = p->pre_card[L & 1][sl[s].e];
             sl[s].miss = 0;
         }
         for (int s = 0; s < n_half; s++) card[s] = sl[s].card;
         mf_stepgraph_mark_noop_half(p->sg, L + p->L0, h, ns, card);
-        for (int e = 0; e < E; e++)   /* the layer's end: pins released */
-            if (p->pre_card[e] >= 0) mf_resid_unpin(p->dev[p->pre_card[e]], mf_resid_slot(p->dev[p->pre_card[e]], L * E + e));
+        /* the previous layer's end: its pins released after this layer's are taken (the graph
+         * orders the MoE done after the next layer's place task: mf_sg_prefetch); the last
+         * layer's at the step's end (pl_price) */
+        pl_prefetch_release(p, (L + 1) & 1);
         return 0;
     }
     mf_sg_placer pl;
@@ -794,11 +818,13 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
 static int pl_price(mf_plan *p, mf_plan_report *r)
 {
     if (p->o.draft) mf_stepgraph_mark_draft(p->sg, p->o.draft);   /* the chain's candidates asked for */
+    p->pre_left_layer = -1;
     for (int L = p->l0; L < p->l1; L++)
         for (int h = 0; h < p->sg->n_halves; h++) {
             int rc = pl_layer_slots(p, L, h, r);
             if (rc) return rc;
         }
+    for (int k = 0; k < 2; k++) pl_prefetch_release(p, k);
     for (int t = 0; t < p->sg->n_tasks; t++) {
         int ov = 1;
         double ns = mf_graph_noop(p->sg->g, t) ? 0 : pl_task_ns(p, &p->sg->task[t], r, &ov);

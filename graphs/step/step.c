@@ -489,7 +489,7 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
     mf_timeline_reset(sh->tl);
     rc = mf_sched_run(s->sched, sh->g, &(mf_run_opts){.timeline = sh->tl});
     s->last = sh;
-    if (rc && sh->dev_layer >= 0) rc = mf_step_dev_fail(sh, rc);
+    if (rc && mf_step_dev_pinned(sh)) rc = mf_step_dev_fail(sh, rc);
     if (rc && s->store) rc = mf_step_store_fail(s, sh, rc);
     if (rc) return rc;
     for (int j = 0; j < sh->n_head; j++)

@@ -105,12 +105,17 @@ struct mf_step_shape {
     int32_t *slot_card;
     uint8_t **slot_dev;
     uint8_t *slot_miss;
-    /* prefetch (sg->prefetch): per expert of the layer being placed its card (-1: host), cache
-     * slot, whether it is copied in (MF_SG_DEV_PRE), and whether it was cached (scratch) */
-    int32_t *pre_card;
-    uint8_t **pre_dev;
-    uint8_t *pre_miss, *pre_cached;
-    int dev_layer;          /* layer whose cache slots are pinned, -1 */
+    /* prefetch (sg->prefetch), per parity of the layer (two layers' pins at a time: the next
+     * layer's placed while this one's MoE runs, mf_sg_prefetch): per expert its card (-1: host),
+     * cache slot, whether it is copied in (MF_SG_DEV_PRE), the layer pinned (-1: none); and
+     * whether an expert was cached (the place task's scratch) */
+    int32_t *pre_card[2];
+    uint8_t **pre_dev[2];
+    uint8_t *pre_miss[2], *pre_cached;
+    int pre_layer[2];
+    double pre_left[MF_SG_MAX_CARDS];   /* the link time the last placed layer's MoE window left (mf_sg_place_left) */
+    int pre_left_layer;                 /* that layer, -1 */
+    int dev_layer;          /* layer whose slots' cache slots are pinned (prefetch: whose slot table is live), -1 */
     int dev_half;           /* the micro-batch whose slots they are */
     uint8_t *dbuf[MF_DEV_MAX_CARDS];
     mf_sg_card_bufs cb;   /* the cards' buffers (routed and dense blocks) and the host layouts' row lengths */
@@ -400,6 +405,9 @@ int mf_step_caches_new(mf_step *s);
 int mf_step_place(mf_step_shape *sh, int L, int h);
 void mf_step_place_pre(mf_step_shape *sh, int L, int h);
 void mf_step_dev_release(mf_step_shape *sh, int failed);
+void mf_step_pre_release(mf_step_shape *sh, int k, int failed);
+/* 1 while a layer's cache slots are pinned (mf_step_dev_fail releases them after a failed run). */
+int mf_step_dev_pinned(const mf_step_shape *sh);
 int mf_step_dev_fail(mf_step_shape *sh, int rc);
 
 /* step_dense.c: one copy of a dense sublayer enqueued; the dense cards and their resident weights

@@ -195,7 +195,8 @@ static int mf_task_moe_done(void *arg, mf_task_ctx *ctx)
     mf_step_shape *sh = a->sh;
     mf_store *st = sh->eng->store;
     int h = a->t->half, s0 = sh->sg->half_slot[h];
-    if (sh->dev_layer == a->t->layer && sh->dev_half == h) mf_step_dev_release(sh, 0);
+    if (sh->sg->prefetch && sh->pre_layer[a->t->layer & 1] == a->t->layer) mf_step_pre_release(sh, a->t->layer & 1, 0);
+    else if (!sh->sg->prefetch && sh->dev_layer == a->t->layer && sh->dev_half == h) mf_step_dev_release(sh, 0);
     if (!st || sh->store_layer != a->t->layer || sh->store_half != h) return 0;
     int rc = mf_store_end(st, 0);
     mf_store_unpin(st, a->t->layer, sh->slot_e + s0, sh->n_used[h]);

@@ -96,7 +96,8 @@ int mf_step_place(mf_step_shape *sh, int L, int h)
 
 /* Prefetch: layer L's experts placed by the expected tokens of the chunk (mf_sg_place_all, as the
  * simulator's pl_prefetch), their cache slots taken and pinned until the layer's MoE done, the
- * copy tasks of hits and host experts marked noop. */
+ * copy tasks of hits and host experts marked noop. The state of layer L's parity: the previous
+ * layer's pins are held meanwhile (its MoE done follows this task, mf_sg_prefetch). */
 typedef struct mf_step_take {
     mf_step_shape *sh;
     int L, rc;
@@ -117,7 +118,7 @@ static int mf_step_take_slot(void *ctx, int c, int e, int *hit)
         k->rc = rc;
         return 0;
     }
-    k->sh->pre_dev[e] = slot;
+    k->sh->pre_dev[k->L & 1][e] = slot;
     return 1;
 }
 
@@ -128,26 +129,29 @@ static int mf_task_moe_place(void *arg, mf_task_ctx *ctx)
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
     int L = a->t->layer, E = eng->c->n_routed_experts, tok = (sh->sg->n * eng->c->n_experts_per_tok + E - 1) / E;
-    if (sh->dev_layer >= 0) return mf_error(-EINVAL, "step: layer %d placed while layer %d's experts are pinned "
-                                            "(internal)", L, sh->dev_layer);
+    int k = L & 1;
+    if (sh->pre_layer[k] >= 0) return mf_error(-EINVAL, "step: layer %d placed while layer %d's experts are pinned "
+                                               "(internal)", L, sh->pre_layer[k]);
     for (int e = 0; e < E; e++)
         sh->pre_cached[e] = (uint8_t)mf_dev_xcache_has(eng->xc[mf_dev_xcache_owner(eng->n_cards, L, e)], L, e);
     mf_sg_placer pl;
     mf_step_placer_of(sh, &pl);
-    mf_sg_place_ahead(&pl, sh->sg->pre_ahead_ns[L]);
+    mf_sg_place_ahead(&pl, sh->sg->pre_ahead_ns[L], sh->sg->pre_moe_host_ns[L],
+                      sh->pre_left_layer == L - 1 ? sh->pre_left : NULL);
     mf_sg_place_shared(&pl, sh->sg, L, 0);
-    mf_step_take k = {sh, L, 0};
-    int on = mf_sg_place_all(&pl, eng->c, L, eng->n_cards, tok, sh->pre_cached, mf_step_take_slot, &k, sh->pre_card,
-                             sh->pre_miss);
-    sh->dev_layer = L;
-    sh->dev_half = 0;
-    if (k.rc) {
-        mf_step_dev_release(sh, 1);
-        return mf_error_wrap(k.rc, "step: layer %d: the experts' cache slots on the cards", L);
+    mf_step_take tk = {sh, L, 0};
+    int on = mf_sg_place_all(&pl, eng->c, L, eng->n_cards, tok, sh->pre_cached, mf_step_take_slot, &tk, sh->pre_card[k],
+                             sh->pre_miss[k]);
+    sh->pre_layer[k] = L;
+    mf_sg_place_left(&pl, sh->pre_left);
+    sh->pre_left_layer = L;
+    if (tk.rc) {
+        mf_step_pre_release(sh, k, 1);
+        return mf_error_wrap(tk.rc, "step: layer %d: the experts' cache slots on the cards", L);
     }
     eng->dstat.dev_slots += on;
     eng->dstat.host_slots += E - on;
-    mf_stepgraph_mark_prefetch(sh->sg, L, sh->pre_card, sh->pre_miss);
+    mf_stepgraph_mark_prefetch(sh->sg, L, sh->pre_card[k], sh->pre_miss[k]);
     return 0;
 }
 
@@ -158,11 +162,11 @@ static int mf_task_dev_pre(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     mf_step_shape *sh = a->sh;
     mf_step *eng = sh->eng;
-    int e = a->t->part;
-    if (sh->pre_card[e] != a->t->card || !sh->pre_miss[e]) return MF_TASK_NO_WORK;
+    int e = a->t->part, k = a->t->layer & 1;
+    if (sh->pre_card[k][e] != a->t->card || !sh->pre_miss[k][e]) return MF_TASK_NO_WORK;
     const mf_weight *ew = &mf_model_layer_at(eng->ly->m, a->t->layer)->experts[e * 3];
     const void *src[6] = {ew[0].data, ew[0].scale, ew[1].data, ew[1].scale, ew[2].data, ew[2].scale};
-    int rc = mf_dev_copy_expert(ctx->queue, sh->pre_dev[e], src, eng->part_off, eng->part_bytes);
+    int rc = mf_dev_copy_expert(ctx->queue, sh->pre_dev[k][e], src, eng->part_off, eng->part_bytes);
     if (rc > 0) atomic_fetch_add_explicit(&eng->miss_spans, 1, memory_order_relaxed);
     return rc > 0 ? 0 : rc;
 }
@@ -171,34 +175,55 @@ static int mf_task_dev_pre(void *arg, mf_task_ctx *ctx)
  * so its copy-in copies the rows only). */
 void mf_step_place_pre(mf_step_shape *sh, int L, int h)
 {
-    int s0 = sh->sg->half_slot[h];
+    int s0 = sh->sg->half_slot[h], k = L & 1;
     for (int s = s0; s < sh->sg->half_slot[h + 1]; s++) {
         int used = s - s0 < sh->n_used[h], e = used ? sh->slot_e[s] : -1;
-        sh->slot_card[s] = used ? sh->pre_card[e] : -1;
-        sh->slot_dev[s] = used ? sh->pre_dev[e] : NULL;
+        sh->slot_card[s] = used ? sh->pre_card[k][e] : -1;
+        sh->slot_dev[s] = used ? sh->pre_dev[k][e] : NULL;
         sh->slot_miss[s] = 0;
     }
+    sh->dev_layer = L;   /* its slot table live until its MoE done */
+    sh->dev_half = h;
     mf_step_dev_tables(sh, L, h);
 }
 
-/* Releases layer L's cache slots (after its device tasks); failed: misses are forgotten, their
- * slots may hold a partial copy. */
+/* Prefetch: releases the cache slots of the layer of parity k (its placed experts, used or not;
+ * after its device tasks), and its slot table if live; failed: misses are forgotten, their slots
+ * may hold a partial copy. */
+void mf_step_pre_release(mf_step_shape *sh, int k, int failed)
+{
+    mf_step *eng = sh->eng;
+    int L = sh->pre_layer[k];
+    if (L < 0) return;
+    for (int e = 0; e < eng->c->n_routed_experts; e++) {
+        int c = sh->pre_card[k][e];
+        if (c < 0) continue;
+        if (failed && sh->pre_miss[k][e]) mf_dev_xcache_drop(eng->xc[c], L, e);
+        else mf_dev_xcache_release(eng->xc[c], L, e);
+        sh->pre_card[k][e] = -1;
+    }
+    sh->pre_layer[k] = -1;
+    if (sh->dev_layer != L) return;
+    for (int s = 0; s < sh->n_slots; s++) sh->slot_card[s] = -1;
+    sh->dev_layer = -1;
+}
+
+int mf_step_dev_pinned(const mf_step_shape *sh)
+{
+    return sh->dev_layer >= 0 || sh->pre_layer[0] >= 0 || sh->pre_layer[1] >= 0;
+}
+
+/* Releases layer sh->dev_layer's cache slots (after its device tasks; prefetch: every pinned
+ * layer's); failed: misses are forgotten, their slots may hold a partial copy. */
 void mf_step_dev_release(mf_step_shape *sh, int failed)
 {
     mf_step *eng = sh->eng;
-    if (sh->dev_layer < 0) return;
-    if (sh->sg->prefetch) {   /* the layer's placed experts, used or not */
-        for (int e = 0; e < eng->c->n_routed_experts; e++) {
-            int c = sh->pre_card[e];
-            if (c < 0) continue;
-            if (failed && sh->pre_miss[e]) mf_dev_xcache_drop(eng->xc[c], sh->dev_layer, e);
-            else mf_dev_xcache_release(eng->xc[c], sh->dev_layer, e);
-            sh->pre_card[e] = -1;
-        }
-        for (int s = 0; s < sh->n_slots; s++) sh->slot_card[s] = -1;
+    if (sh->sg->prefetch) {
+        for (int k = 0; k < 2; k++) mf_step_pre_release(sh, k, failed);
         sh->dev_layer = -1;
         return;
     }
+    if (sh->dev_layer < 0) return;
     int s0 = sh->sg->half_slot[sh->dev_half];
     for (int s = s0; s < s0 + sh->n_used[sh->dev_half]; s++) {
         int c = sh->slot_card[s];

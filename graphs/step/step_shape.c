@@ -28,9 +28,7 @@ void mf_step_shape_free(mf_step_shape *sh)
     free(sh->slot_card);
     free(sh->slot_dev);
     free(sh->slot_miss);
-    free(sh->pre_card);
-    free(sh->pre_dev);
-    free(sh->pre_miss);
+    for (int k = 0; k < 2; k++) free(sh->pre_card[k]), free(sh->pre_dev[k]), free(sh->pre_miss[k]);
     free(sh->pre_cached);
     for (int c = 0; c < sh->eng->n_cards; c++) {
         for (int L = 0; sh->dgraph[c] && L < sh->n_dgraph; L++) mf_dev_graph_destroy(sh->dgraph[c][L]);
@@ -204,13 +202,15 @@ static int mf_step_shape_cards(mf_step *eng, mf_step_shape *sh)
     for (int s = 0; s < sh->n_slots; s++) sh->slot_card[s] = -1;
     if (sh->sg->prefetch) {
         size_t E = (size_t)c->n_routed_experts;
-        sh->pre_card = malloc(E * sizeof *sh->pre_card);
-        sh->pre_dev = calloc(E, sizeof *sh->pre_dev);
-        sh->pre_miss = calloc(E, 1);
+        for (int k = 0; k < 2; k++) {
+            sh->pre_card[k] = malloc(E * sizeof *sh->pre_card[k]);
+            sh->pre_dev[k] = calloc(E, sizeof *sh->pre_dev[k]);
+            sh->pre_miss[k] = calloc(E, 1);
+            if (!sh->pre_card[k] || !sh->pre_dev[k] || !sh->pre_miss[k]) return mf_error(-ENOMEM, "step: out of memory");
+            for (size_t e = 0; e < E; e++) sh->pre_card[k][e] = -1;
+        }
         sh->pre_cached = calloc(E, 1);
-        if (!sh->pre_card || !sh->pre_dev || !sh->pre_miss || !sh->pre_cached)
-            return mf_error(-ENOMEM, "step: out of memory");
-        for (size_t e = 0; e < E; e++) sh->pre_card[e] = -1;
+        if (!sh->pre_cached) return mf_error(-ENOMEM, "step: out of memory");
     }
     /* the routed block of the one layout (mf_sg_card_bufs); the int8 scratch by rows
      * (mf_dev_ffn_table.q8_row): a slot's area where its rows are */
@@ -578,7 +578,7 @@ static int mf_step_shape_new(mf_step *eng, int n, int par, int mixed, int draft,
         }
         for (int i = 0; i < sh->n_slots * sh->n_parts; i++) sh->slot_rd[i] = (mf_io_read){.fd = -1};
     }
-    sh->dev_layer = -1;
+    sh->dev_layer = sh->pre_layer[0] = sh->pre_layer[1] = sh->pre_left_layer = -1;
     int shared = par || mixed, ln = shared ? eng->umem_items : n;   /* the host layout's items */
     mf_sg_card_in ci = mf_step_card_in(eng, sh->sg, n);
     mf_sg_card_bufs_of(&ci, &sh->cb);

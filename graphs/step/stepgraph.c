@@ -560,7 +560,7 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     size_t n_eg = (size_t)c->n_engram * sg->n_units * sg->eg_reads_per_unit;
     sg->eg_read_tid = malloc(sizeof *sg->eg_read_tid * (n_eg + 1));
     mf_sg_builder b = {.o = o, .sg = sg, .u = sg->n_units, .moe_in = -1, .moe_gate = -1, .chain_run = -1, .eg_card = -1,
-                    .last_done = -1, .head_done = -1};
+                    .last_done = -1, .head_done = -1, .route = -1, .pre_done = -1};
     b.per = (double)o->n / b.u;
     b.io = malloc(sizeof *b.io * ((size_t)sg->n_slots * sg->n_io_parts + 1));
     b.pre_sfx = malloc(sizeof *b.pre_sfx * ((size_t)c->n_routed_experts + 1));

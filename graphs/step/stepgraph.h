@@ -513,15 +513,18 @@ typedef struct mf_stepgraph {
      * largest unit's, a smaller unit's other entries -1 */
     mf_task_id *eg_read_tid;
     int eg_reads_per_unit;
-    /* 1 (mf_sg_opts.prefetch_min): every layer's experts placed at the layer's start
-     * (MF_SG_MOE_PLACE, after the previous layer's MoE done) and copied in by MF_SG_DEV_PRE
-     * tasks while its attention runs; the slots' copy-ins then copy only their rows, after their
-     * card's copies (a join per card). pre_tid[L * experts + e]: expert e's copy task, on its owner
-     * card's h2d lane (mf_dev_xcache_owner); pre_ahead_ns[L]: how long the links have before
-     * the layer's route by the priorities' prices (mf_sg_place_ahead) */
+    /* 1 (mf_sg_opts.prefetch_min): every layer's experts placed before the layer's attention
+     * (MF_SG_MOE_PLACE, after the previous layer's route: two layers' pins at a time) and copied
+     * in by MF_SG_DEV_PRE tasks while the previous layer's MoE and its attention run; the slots'
+     * copy-ins then copy only their rows, after their card's copies (a join per card).
+     * pre_tid[L * experts + e]: expert e's copy task, on its owner card's h2d lane
+     * (mf_dev_xcache_owner); pre_ahead_ns[L]: how long the links have before the layer's route
+     * by the priorities' prices, pre_moe_host_ns[L]: the host work of the layer's MoE window
+     * other than the routed experts' (the rows' gather, the combine), by the same prices
+     * (mf_sg_place_ahead) */
     int prefetch, pre_experts;
     mf_task_id *pre_tid;
-    double pre_ahead_ns[MF_CONFIG_MAX_LAYERS];
+    double pre_ahead_ns[MF_CONFIG_MAX_LAYERS], pre_moe_host_ns[MF_CONFIG_MAX_LAYERS];
     /* dense cards: per micro-batch, layer and card the price of the shared expert's work there (the
      * graph's costs of its MF_SG_DENSE tasks), which the card runs beside that layer's routed
      * experts (mf_sg_place_shared) */
@@ -846,9 +849,16 @@ void mf_sg_place_lt(mf_sg_placer *p, int mode);
 /* A slot's copy-in priced as the graph's records of mf_stepgraph.slot_gather (on 1) price it. */
 void mf_sg_place_gather(mf_sg_placer *p, int on);
 /* Prefetch: the placer's copy queues start ahead_ns before the route (the experts' copies run
- * while the layer's attention does: mf_stepgraph.pre_ahead_ns), so a card takes an expert while
- * its copy, less that head start, and compute end no later than the host's share. */
-void mf_sg_place_ahead(mf_sg_placer *p, double ahead_ns);
+ * while the layer's attention does: mf_stepgraph.pre_ahead_ns), card c's left_ns[c] earlier
+ * (NULL: none; the link time the previous layer's MoE window leaves it, mf_sg_place_left: the
+ * place task follows that layer's route), and the host's queue starts with host_ns (the MoE
+ * window's other host work, mf_stepgraph.pre_moe_host_ns); so a card takes an expert while its
+ * copy, less that head start, and compute end no later than the host's share. */
+void mf_sg_place_ahead(mf_sg_placer *p, double ahead_ns, double host_ns, const double *left_ns);
+/* Prefetch, after mf_sg_place_all: per card how long its link stays free in the layer's MoE
+ * window by the placer's prices, the host's queue over the workers (the window) past the card's
+ * copies, at least 0: the next layer's left_ns (engine and simulator alike). */
+void mf_sg_place_left(const mf_sg_placer *p, double left_ns[MF_SG_MAX_CARDS]);
 /* Prefetch: the layer's E experts placed as mf_sg_placer places a route's slots (the cached ones
  * first), each with tok = ceil(n top_k / E) expected tokens, with the copy head start ahead_ns.
  * cached[e]: 1 when expert e is in its owner card's cache (mf_dev_xcache_owner); take(card, e):

@@ -83,6 +83,8 @@ typedef struct mf_sg_builder {
     mf_task_id pre_join[MF_SG_MAX_CARDS];   /* prefetch: per card the join of the layer's copies */
     mf_task_id dev_rows[MF_SG_MAX_CARDS];   /* slot_gather: per card the micro-batch's MF_SG_DEV_ROWS */
     mf_task_id pre_place;                   /* prefetch: the layer's place task (the route reads its placement) */
+    mf_task_id pre_done;                    /* prefetch: the MoE done of the layer before the last built
+                                             * (mf_sg_prefetch: two layers' pins at a time) */
     mf_task_id *pre_sfx;                    /* prefetch: per expert the join of its card's copies of it and
                                              * above (mf_sg_prefetch) */
     mf_task_id head_done;                   /* draft graphs: the join of the head's parts */

@@ -17,9 +17,13 @@
 /* prefetch: experts per join of a card's copies (mf_sg_prefetch) */
 #define SG_PRE_BLOCK 4
 
-/* Prefetch: layer L's place task (after the previous layer's MoE done: one set of card pins at a
- * time) -> per expert its copy on its owner card's h2d lane -> per card a join, which the slots'
- * copy-ins on that card wait for. Built before the layer's attention, so the copies overlap it. */
+/* Prefetch: layer L's place task -> per expert its copy on its owner card's h2d lane -> per card a
+ * join, which the slots' copy-ins on that card wait for. Built before the layer's attention, so the
+ * copies overlap it and the previous layer's MoE: two layers' card pins at a time. The place task
+ * follows layer L - 1's route (its MoE window opens; the links have room there) and layer L - 2's
+ * MoE done (its pins released), and layer L - 1's MoE done follows it (L - 1's pins released after
+ * L's are taken: the caches see one order of acquisitions and releases, the engine's and the
+ * simulator's, graphs/sim/plan.c pl_layer_slots). */
 void mf_sg_prefetch(mf_sg_builder *b, int L)
 {
     const mf_config *c = b->o->c;
@@ -30,7 +34,10 @@ void mf_sg_prefetch(mf_sg_builder *b, int L)
     mf_sg_span(b, &t);
     t.w.ref_flops = 8.0 * E;   /* the placer's sums and the cache's look-ups per expert */
     mf_task_id pl = mf_sg_add(b, 0, MF_SG_MOE_PLACE, MF_SG_PH_OTHER, MF_SG_K_OTHER, t);
-    mf_sg_dep(b, b->last_done, pl);
+    mf_sg_dep(b, b->route, pl);
+    mf_sg_dep(b, b->pre_done, pl);
+    mf_sg_dep(b, pl, b->last_done);
+    b->pre_done = b->last_done;
     b->pre_place = pl;
     for (int cd = 0; cd < sg->n_cards; cd++) {
         SG_NAME(b, "dev%d L%d prefetched", cd, L);
@@ -75,7 +82,8 @@ void mf_sg_prefetch(mf_sg_builder *b, int L)
  * the layer's attention and Engram take before the route, the longer of the priced host work over
  * the workers and the longest priced path from the layer's place task to its route (the dense
  * chains' copies and card work, which the workers do not shorten), less the most any card's h2d
- * lane copies for them (its dense inputs), at least 0. After finalize (the path reads the
+ * lane copies for them (its dense inputs), at least 0; and the priced host work of its MoE other
+ * than the routed experts' (mf_stepgraph.pre_moe_host_ns). After finalize (the path reads the
  * graph's edges); 0 or -ENOMEM. */
 int mf_sg_pre_ahead(const mf_sg_opts *o, mf_stepgraph *sg)
 {
@@ -88,10 +96,14 @@ int mf_sg_pre_ahead(const mf_sg_opts *o, mf_stepgraph *sg)
         if (r->layer < 0) continue;
         if (r->op == MF_SG_MOE_PLACE && place[r->layer] < 0) place[r->layer] = t;
         if (r->op == MF_SG_ROUTE && r->part < 0 && route[r->layer] < 0) route[r->layer] = t;
-        if (r->phase != MF_SG_PH_ATTN && r->phase != MF_SG_PH_ENGRAM) continue;
         double ns = mf_graph_task(sg->g, t)->cost.time_ns;
+        int host = r->kind != MF_SG_K_COPY_OUT && r->kind != MF_SG_K_DEV && r->kind != MF_SG_K_IO;
+        if (r->phase == MF_SG_PH_MOE && host && r->kind != MF_SG_K_COPY && r->card < 0 && r->op != MF_SG_SLOT_UP &&
+            r->op != MF_SG_SLOT_JOIN && r->op != MF_SG_SLOT_DOWN)
+            sg->pre_moe_host_ns[r->layer] += ns;
+        if (r->phase != MF_SG_PH_ATTN && r->phase != MF_SG_PH_ENGRAM) continue;
         if ((r->kind == MF_SG_K_COPY || r->op == MF_SG_DENSE_DEQ) && r->card >= 0) h2d[r->layer][r->card] += ns;
-        else if (r->kind != MF_SG_K_COPY_OUT && r->kind != MF_SG_K_DEV && r->kind != MF_SG_K_IO) cpu[r->layer] += ns;
+        else if (host) cpu[r->layer] += ns;
     }
     /* each task's earliest start by the prices with unbounded lanes, in topological order */
     double *top = calloc((size_t)n + 1, sizeof *top);
@@ -266,10 +278,20 @@ void mf_sg_place_lt(mf_sg_placer *p, int mode) { p->lt = mode; }
 
 void mf_sg_place_gather(mf_sg_placer *p, int on) { p->gather = on; }
 
-void mf_sg_place_ahead(mf_sg_placer *p, double ahead_ns)
+void mf_sg_place_ahead(mf_sg_placer *p, double ahead_ns, double host_ns, const double *left_ns)
 {
     p->ahead = 1;
-    for (int c = 0; c < MF_SG_MAX_CARDS; c++) p->pre_q[c] = -ahead_ns;
+    p->host_q += host_ns;
+    for (int c = 0; c < MF_SG_MAX_CARDS; c++) p->pre_q[c] = -ahead_ns - (left_ns ? left_ns[c] : 0);
+}
+
+void mf_sg_place_left(const mf_sg_placer *p, double left_ns[MF_SG_MAX_CARDS])
+{
+    double win = p->workers > 0 ? p->host_q / p->workers : 0;
+    for (int c = 0; c < MF_SG_MAX_CARDS; c++) {
+        double busy = p->pre_q[c] > p->copy_q[c] ? p->pre_q[c] : p->copy_q[c], l = win - (busy > 0 ? busy : 0);
+        left_ns[c] = l > 0 ? l : 0;
+    }
 }
 
 int mf_sg_place_all(mf_sg_placer *p, const mf_config *c, int L, int n_cards, int tok, const uint8_t *cached,
