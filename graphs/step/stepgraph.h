@@ -92,7 +92,8 @@ typedef enum mf_sg_op {
                            * alone, 1 the compressor alone from the item before each item, 2 both
                            * so (a mixed graph's), -1 both from the state */
     /* the heads on cards (mf_stepgraph.heads_cards[L] > 0): gather -> per item group qprep -> per
-     * card MF_SG_DENSE_* of MF_SG_D_HEADS -> per item group opost */
+     * card MF_SG_DENSE_* of MF_SG_D_HEADS -> per item group opost (none where the outputs stay on
+     * the cards: mf_sg_heads_local) */
     MF_SG_ATTN_GATHER,    /* items (the unit's, one sequence): the chunk's key table on the host (the
                            * window rows before the chunk from the ring, the union of the items'
                            * selected compressed entries, each unpacked once) and the sinks */
@@ -164,7 +165,9 @@ enum { MF_SG_D_ATTN_IN, MF_SG_D_ATTN_QB, MF_SG_D_ATTN_OA, MF_SG_D_ATTN_OB, MF_SG
 /* Not a sublayer with weights (MF_SG_N_DENSE counts those): MF_SG_D_HEADS (the attention heads' scores and values, device/dev.h mf_dev_attn_heads): in the
  * prepared queries of the record's heads (rows [r0, r1) of the MF_LY_A_Q rows, into the card's copy
  * of them), the key table (the gather's rows, the chunk's own KV rows), the key lists and the
- * sinks; out the heads' outputs before their inverse RoPE (rows [r0, r1) of MF_LY_A_O). */
+ * sinks; out the heads' outputs before their inverse RoPE (rows [r0, r1) of MF_LY_A_O). Where the
+ * outputs stay on the card (mf_sg_heads_local) in also the items' inverse RoPE tables, the card's
+ * work the inverse RoPE too, and no out. */
 #define MF_SG_D_HEADS MF_SG_N_DENSE
 /* Nor MF_SG_D_SCORES (the indexer's scores, device/dev.h mf_dev_index_scores), over the record's
  * items [i0, i1) (card `part` of scores_cards[L]: mf_sg_heads_range of the unit's items): in their
