@@ -122,7 +122,8 @@ static const mf_opt mf_sim_table[] = {
     {"--json", .kind = MF_OPT_FLAG, .off = F(json),
      .help = "one JSON object instead of the tables (its \"ops\": per op the\n"
              "tasks and their work on the CPU lanes and on the other lanes)"},
-    {"--ops", .kind = MF_OPT_FLAG, .off = F(ops), .help = "also a table of the work per op (mf_sg_op), largest first"},
+    {"--ops", .kind = MF_OPT_FLAG, .off = F(ops), .help = "also a table of the work per op (mf_sg_op), largest first\n"
+             "(with --spec: the draft round's and the verify's at the largest k)"},
     {"--measure", .kind = MF_OPT_FLAG, .off = F(measure),
      .help = "also decode for real on this machine (a loadable checkpoint;\n"
              "emu:N cards for seed/hybrid) and print measured vs predicted"},
@@ -380,7 +381,26 @@ static int mf_sim_spec_run(const mf_sim_cli *a, const mf_plan_opts *po, mf_routi
                    tps / plain);
     }
     if (a->json) printf("]}}\n");
-    return 0;
+    if (a->ops && !a->json && n_k) {   /* the work per op of the draft round of k n_k and of its verify */
+        int per = MF_STEP_DRAFT_ITEMS / po->config->dspark_block_size;
+        for (int w = 0; w < 2 && !rc; w++) {
+            mf_plan_opts o = *po;
+            mf_plan_report r;
+            o.unit_len = w ? 1 + n_k : 0;
+            o.draft = w ? 0 : n_k;
+            o.feats = w;
+            if (!w) {   /* one round of at most `per` sequences, its routing drawn, as mf_spec_sim's */
+                o.batch = (int)b < per ? (int)b : per;
+                o.routing = NULL;
+            }
+            if ((rc = mf_plan_run(&o, (int)a->warmup, (int)a->steps, &r))) break;
+            if (w) printf("\nthe verify of 1 + %d items a sequence:\n", n_k);
+            else printf("\nthe draft round of %d candidates for %d sequences:\n", n_k, o.batch);
+            mf_plan_print(&r, stdout);
+            mf_sim_print_ops(&r);
+        }
+    }
+    return rc;
 }
 
 /* --ranks: the split (auto on this profile, or the ranges) simulated as a pipeline of hosts. */
