@@ -5,6 +5,7 @@
 #include <math.h>
 #include <pthread.h>
 
+#include "device/kern_attn.h"
 #include "host/formats.h"
 #include "host/kernels.h"
 #include "sched/error.h"
@@ -130,6 +131,12 @@ int mf_dense_host_attn(const mf_dev_attn *a, float *scratch)
                 oh[g] = a->o + (size_t)t * (size_t)a->ld_o + (size_t)(h0 + g) * (size_t)D;
             }
             mf_kern_vec_attn_out(qh, G, kp, n, D, a->scale, a->sink + h0, scratch, oh);
+        }
+        int rd = a->rope_dim;   /* the inverse RoPE and its rounding, as mf_fa_heads_o */
+        for (int h = 0; rd > 0 && h < a->n_heads; h++) {
+            float *x = a->o + (size_t)t * (size_t)a->ld_o + (size_t)h * (size_t)D + (D - rd);
+            for (int i = 0; i < rd / 2; i++) mf_da_rope_inv(a->rope + (size_t)t * (size_t)rd, rd / 2, i, x);
+            mf_kern_vec_bf16_round(x, rd);
         }
     }
     return 0;

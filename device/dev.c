@@ -502,6 +502,10 @@ int mf_dev_attn_heads(mf_dev_stream *s, const mf_dev_attn *a)
     if (a->ld_q < w || a->ld_o < w || a->ld_keys < 0)
         return mf_error(-EINVAL, "%s: ld_q %lld, ld_o %lld (expected >= %lld), ld_keys %lld", what,
                         (long long)a->ld_q, (long long)a->ld_o, (long long)w, (long long)a->ld_keys);
+    if (a->rope_dim < 0 || a->rope_dim % 2 || a->rope_dim > a->D || a->rope_dim > MF_DEV_ATTN_MAX_ROPE ||
+        (a->rope_dim > 0 && !a->rope))
+        return mf_error(-EINVAL, "%s: an inverse RoPE of %d values (table %p; expected even, at most %d and the head's %d)",
+                        what, a->rope_dim, (const void *)a->rope, MF_DEV_ATTN_MAX_ROPE, a->D);
     if (!s->dev->ops->attn_heads) return mf_error(-ENOTSUP, "%s: the %s backend has no attention", what, s->dev->ops->kind);
     return s->dev->ops->attn_heads(s, a);
 }

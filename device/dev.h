@@ -293,7 +293,11 @@ int mf_dev_swiglu_bf16(mf_dev_stream *s, const float *g, const float *u, int n_t
  * host/kernels.h's 16-lane dots, softmax with sink[h] as mf_kern_vec_attn (max, expf, the
  * denominator in double in key order), the weighted values as one fmaf chain per element in key
  * order, and o[t * ld_o + h * D + d] = bf16((float)((double)acc_d / den)): the output before its
- * inverse RoPE. keys, n_keys, q, kv, sink and o are device memory of the stream's card; n_keys[t]
+ * inverse RoPE; with rope_dim > 0 then, as the host's heads do next (graphs/step/fast_attn.c
+ * mf_fa_heads_o), each head's last rope_dim values inverse-roped by token t's table rope + t *
+ * rope_dim (its rope_dim / 2 cosines, then as many sines: mf_fa_heads_rope_cs; device/kern_attn.h
+ * mf_da_rope_inv) and rounded to bf16 again: the input of the card's own wo_a rows. keys, n_keys,
+ * q, kv, sink, rope and o are device memory of the stream's card; n_keys[t]
  * in [0, MF_DEV_ATTN_MAX_KEYS] and key rows in [0, n_kv) are read when the work runs (emulated:
  * an asynchronous -EINVAL otherwise; CUDA: such a token is skipped). D a multiple of 16, at most
  * MF_DEV_ATTN_MAX_D. Emulated cards: mf_kern_vec_attn itself, so the host's bits. CUDA: the same
@@ -301,6 +305,7 @@ int mf_dev_swiglu_bf16(mf_dev_stream *s, const float *g, const float *u, int n_t
  * card in this project yet). -EINVAL for bad shapes or NULL pointers. */
 #define MF_DEV_ATTN_MAX_KEYS 4096
 #define MF_DEV_ATTN_MAX_D 512
+#define MF_DEV_ATTN_MAX_ROPE 128
 typedef struct mf_dev_attn {
     const float *q;
     int64_t ld_q;
@@ -314,6 +319,8 @@ typedef struct mf_dev_attn {
     int64_t ld_keys;
     float *o;
     int64_t ld_o;
+    const float *rope;       /* [n_tok][rope_dim], or NULL with rope_dim 0 */
+    int rope_dim;            /* even, at most D and MF_DEV_ATTN_MAX_ROPE; 0: the output as it is */
 } mf_dev_attn;
 int mf_dev_attn_heads(mf_dev_stream *s, const mf_dev_attn *a);
 

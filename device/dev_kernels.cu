@@ -728,7 +728,8 @@ extern "C" int mf_cuda_kern_ffn(void *stream, const mf_dev_ffn *a)
 /* Block (token t, head h): q in shared memory; each half-warp scores keys hw, hw + 16, ... (lane l
  * of device/kern_attn.h, the shuffle tree in mf_da_tree16's order); the max (order-free); the
  * exponentials; the denominator in double in key order by thread 0; each thread a value element's
- * fmaf chain in key order; the division in double and the bf16 rounding. */
+ * fmaf chain in key order; the division in double and the bf16 rounding; with rope_dim the
+ * roped part's inverse RoPE, a pair a thread, and its rounding. */
 __global__ static void k_attn(mf_dev_attn a)
 {
     __shared__ float qs[MF_DEV_ATTN_MAX_D];
@@ -777,6 +778,15 @@ __global__ static void k_attn(mf_dev_attn a)
     __syncthreads();
     float *o = a.o + (long long)t * a.ld_o + (long long)h * D;
     for (int d = tid; d < D; d += KA_THREADS) o[d] = k_bf((float)((double)mf_da_value(s, a.kv, rows, n, D, d) / den));
+    if (a.rope_dim <= 0) return;
+    __syncthreads();   /* the inverse RoPE of the roped part (mf_da_rope_inv), each pair by one thread */
+    float *x = o + D - a.rope_dim;
+    const float *cs = a.rope + (long long)t * a.rope_dim;
+    for (int i = tid; i < a.rope_dim / 2; i += KA_THREADS) {
+        mf_da_rope_inv(cs, a.rope_dim / 2, i, x);
+        x[2 * i] = k_bf(x[2 * i]);
+        x[2 * i + 1] = k_bf(x[2 * i + 1]);
+    }
 }
 
 extern "C" int mf_cuda_kern_attn_heads(void *stream, const mf_dev_attn *a)

@@ -2,6 +2,7 @@
  * for the GPU and the host: a key's score as host/kernels.h's 16-lane dot (lane l sums elements
  * l, l + 16, ... with fmaf; the half-warp's shuffle tree adds lanes l + 8, l + 4, then l + 2 and
  * l + 1, which is mf_kern_vec_dots' tree), and a value element's fmaf chain in key order.
+ * With it the inverse RoPE of the output's roped part (mf_da_rope_inv).
  * tests/test_dev_kmath.c runs the kernel's schedule on the host with these functions against
  * device/dense_host.h's mf_dense_host_attn. */
 #ifndef MF_KERN_ATTN_H
@@ -13,6 +14,16 @@
 #define MF_DA_FN static __host__ __device__ __forceinline__
 #else
 #define MF_DA_FN static inline
+#endif
+/* One float product, sum or difference, each rounded on its own (no fused multiply-add on the card) */
+#ifdef __CUDA_ARCH__
+#define MF_DA_MUL(a, b) __fmul_rn(a, b)
+#define MF_DA_ADD(a, b) __fadd_rn(a, b)
+#define MF_DA_SUB(a, b) __fsub_rn(a, b)
+#else
+#define MF_DA_MUL(a, b) ((a) * (b))
+#define MF_DA_ADD(a, b) ((a) + (b))
+#define MF_DA_SUB(a, b) ((a) - (b))
 #endif
 
 /* Lane l (0..15) of the dot of q and k (D floats, a multiple of 16). */
@@ -39,6 +50,17 @@ MF_DA_FN float mf_da_value(const float *e, const float *kv, const int32_t *rows,
     float acc = 0.0f;
     for (int64_t i = 0; i < n; i++) acc = fmaf(e[i], kv[(int64_t)rows[i] * D + d], acc);
     return acc;
+}
+
+/* Pair i of a head output's inverse RoPE (graphs/step/fast_attn.c mf_fa_heads_o's mf_fa_rope_apply
+ * with inverse 1): cs[i] the pair's cosine, cs[n_pairs + i] its sine, x the roped values; the four
+ * products rounded first, then the difference and the sum. The caller rounds both to bf16. */
+MF_DA_FN void mf_da_rope_inv(const float *cs, int n_pairs, int i, float *x)
+{
+    float c = cs[i], s = -cs[n_pairs + i], a = x[2 * i], b = x[2 * i + 1];
+    float ac = MF_DA_MUL(a, c), bs = MF_DA_MUL(b, s), as = MF_DA_MUL(a, s), bc = MF_DA_MUL(b, c);
+    x[2 * i] = MF_DA_SUB(ac, bs);
+    x[2 * i + 1] = MF_DA_ADD(as, bc);
 }
 
 #endif

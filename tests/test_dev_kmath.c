@@ -467,7 +467,8 @@ static void check_dense(void)
 
 /* k_attn's schedule (a block per token and head: each key's 16 lanes and the half-warp's shuffle
  * tree, the max, expf, the denominator in key order, each value element's chain) with the host's
- * expf, against mf_dense_host_attn: bit for bit (on a card only expf may differ). */
+ * expf, against mf_dense_host_attn: bit for bit (on a card only expf may differ); then with the
+ * output's inverse RoPE (mf_dev_attn.rope_dim) likewise. */
 static void check_attn(void)
 {
     enum { T = 3, NH = 5, D = 128, NKV = 300, MK = 200 };
@@ -510,7 +511,31 @@ static void check_attn(void)
         }
     CHECK(n_dot_diff == 0, "k_attn's lanes and tree: %d dots not mf_kern_vec_dots' bits", n_dot_diff);
     CHECK(!memcmp(o_emu, o_ref, sizeof o_ref), "k_attn's lane schedule: not mf_dense_host_attn's bits");
-    printf("attention lanes (%d tokens, %d heads of %d): bit-identical to the host op\n", T, NH, D);
+    /* with the output's inverse RoPE (rope_dim 32: each head's last 32 values, a table row a token):
+     * k_attn's pairs (mf_da_rope_inv, each value rounded by mf_dk_bf16) against the host op's */
+    enum { RD = 32 };
+    static float cs[T * RD];
+    for (int i = 0; i < T * RD; i++) cs[i] = mf_test_frand(&seed);
+    a.rope = cs;
+    a.rope_dim = RD;
+    CHECK(mf_dense_host_attn(&a, scratch) == 0, "mf_dense_host_attn with the inverse RoPE failed");
+    int n_moved = 0;
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < NH; h++) {
+            float *x = o_emu + (t * NH + h) * D + D - RD;
+            float before[RD];
+            memcpy(before, x, sizeof before);
+            for (int i = 0; i < RD / 2; i++) {
+                mf_da_rope_inv(cs + t * RD, RD / 2, i, x);
+                x[2 * i] = mf_dk_bf16(x[2 * i]);
+                x[2 * i + 1] = mf_dk_bf16(x[2 * i + 1]);
+            }
+            n_moved += memcmp(before, x, sizeof before) != 0;
+        }
+    CHECK(n_moved > T * NH / 2, "the inverse RoPE moved only %d of %d heads' roped parts", n_moved, T * NH);
+    CHECK(!memcmp(o_emu, o_ref, sizeof o_ref), "k_attn's inverse RoPE: not mf_dense_host_attn's bits");
+    printf("attention lanes (%d tokens, %d heads of %d), and with the inverse RoPE of %d: bit-identical to the host "
+           "op\n", T, NH, D, RD);
 }
 
 

@@ -151,10 +151,72 @@ static void test_graph(void)
     mf_sg_sizes_free(sz);
 }
 
+/* The heads' outputs left on the cards for wo_a (mf_sg_heads_local): the rule (tiny and flash41 split
+ * by rows on 2 and 4 cards: each card's wo_a rows are its heads' groups; by layers on 2 cards, or
+ * tiny's 4 heads on 3, not), and tiny's graph split by rows on 2 cards: no heads copy out, no o
+ * post, no oa copy in, each heads copy-in carrying the items' inverse RoPE tables, and every oa
+ * work on a card after the heads of its items on that card. */
+static void test_graph_local(void)
+{
+    mf_config c, f;
+    CHECK(mf_config_preset("tiny", &c) == 0 && mf_config_preset("flash41", &f) == 0, "presets");
+    CHECK(mf_sg_heads_local(&c, 2, MF_SG_SPLIT_ROWS, 2) == 1, "tiny, 2 cards by rows: not local");
+    CHECK(mf_sg_heads_local(&f, 4, MF_SG_SPLIT_ROWS, 4) == 1, "flash41, 4 cards by rows: not local");
+    CHECK(mf_sg_heads_local(&c, 2, MF_SG_SPLIT_LAYERS, 2) == 0, "tiny, heads on 2 cards, wo_a on one: local");
+    CHECK(mf_sg_heads_local(&c, 2, MF_SG_SPLIT_LAYERS, 1) == 1, "tiny, heads and wo_a on one card: not local");
+    CHECK(mf_sg_heads_local(&c, 3, MF_SG_SPLIT_ROWS, 3) == 0, "tiny, 4 heads on 3 cards: local");
+    mf_sg_sizes *sz = NULL;
+    CHECK(mf_sg_sizes_new(&c, &sz) == 0, "sizes: %s", mf_last_error());
+    mf_lane_model m[4] = {{.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}};
+    mf_sg_lanes lt;
+    mf_sg_lanes_init(&lt, m, 2, 0, 2);
+    mf_stepgraph *sg = NULL;
+    CHECK(mf_stepgraph_new(&(mf_sg_opts){.c = &c, .sz = sz, .n = 16, .n_threads = 2, .n_dense_cards = 2,
+                                         .dense_split = MF_SG_SPLIT_ROWS, .dense_block = 4,
+                                         .heads = MF_SG_HEADS_CARDS, .lanes = lt.lane, .n_lanes = lt.n_lanes,
+                                         .lane_io = lt.lane_io, .lane_dev0 = lt.lane_dev0},
+                           &sg) == 0,
+          "graph: %s", mf_last_error());
+    int opost = 0, hout = 0, oa_in = 0, oa_runs = 0, oa_after = 0, h_in = 0, local = 0;
+    for (int L = 0; sg && L < c.n_layers; L++) local += sg->heads_local[L];
+    CHECK(local == c.n_layers, "%d of %d layers' heads local", local, c.n_layers);
+    for (int t = 0; sg && t < sg->n_tasks; t++) {
+        const mf_sg_task *r = &sg->task[t];
+        opost += r->op == MF_SG_ATTN_OPOST;
+        hout += r->op == MF_SG_DENSE_OUT && r->dense == MF_SG_D_HEADS;
+        oa_in += r->op == MF_SG_DENSE_IN && r->dense == MF_SG_D_ATTN_OA;
+        if (r->op == MF_SG_DENSE_IN && r->dense == MF_SG_D_HEADS) {
+            double keys = (r->w.copy_bytes_tok - 2.0 * (double)(r->r1 - r->r0) - 4.0 * c.qk_rope_head_dim) / 4 - 1;
+            h_in++;
+            CHECK(keys == floor(keys) && keys >= 1 && keys <= sg->heads_keys,
+                  "heads in: %.0f bytes an item, not its queries, key list and inverse RoPE table", r->w.copy_bytes_tok);
+        }
+        if (r->op != MF_SG_DENSE || r->dense != MF_SG_D_HEADS) continue;
+        const mf_task_id *succ = mf_graph_succ(sg->g, t);
+        for (int k = 0; k < mf_graph_n_succ(sg->g, t); k++) {   /* the oa work of its card and items */
+            const mf_sg_task *o = &sg->task[succ[k]];
+            if (o->op != MF_SG_DENSE || o->dense != MF_SG_D_ATTN_OA) continue;
+            CHECK(o->card == r->card && o->i0 < r->i1 && o->i1 > r->i0, "heads (card %d, items %d..%d) before oa "
+                  "(card %d, items %d..%d)", r->card, r->i0, r->i1, o->card, o->i0, o->i1);
+            oa_after++;
+        }
+    }
+    for (int t = 0; sg && t < sg->n_tasks; t++)
+        oa_runs += sg->task[t].op == MF_SG_DENSE && sg->task[t].dense == MF_SG_D_ATTN_OA;
+    CHECK(opost == 0 && hout == 0 && oa_in == 0, "%d o posts, %d heads copies out, %d oa copies in (expected none)",
+          opost, hout, oa_in);
+    CHECK(h_in == 2 * 4 * c.n_layers, "%d heads copies in (expected 2 cards x 4 blocks x %d layers)", h_in, c.n_layers);
+    CHECK(oa_runs == 2 * 4 * c.n_layers && oa_after >= oa_runs, "%d oa works, %d after the heads of their card",
+          oa_runs, oa_after);
+    mf_stepgraph_free(sg);
+    mf_sg_sizes_free(sz);
+}
+
 /* The logits of the host placement against the heads (and the index scores) on emu:nc (fault 1:
- * the heads perturbed, 2: the index scores). */
-static int run_cards(mf_ref *r, int nc, int fault, int n_prompt, int chunk, float *out, int32_t *toks, int entries,
-                     int block)
+ * the heads perturbed, 2: the index scores), the dense work split by `split`, the heads' table of
+ * compressed entries cut to h_entries (0: the card buffer's). */
+static int run_cards_split(mf_ref *r, int nc, int fault, int n_prompt, int chunk, float *out, int32_t *toks,
+                           int entries, int block, int split, int h_entries)
 {
     char spec[64];
     mf_dev *d = NULL;
@@ -164,12 +226,19 @@ static int run_cards(mf_ref *r, int nc, int fault, int n_prompt, int chunk, floa
         rc = mf_step_new(r, &(mf_step_opts){.n_threads = 2, .prefill_chunk = chunk, .dev = d, .dense = MF_STEP_DENSE_CARDS,
                                             .heads = MF_SG_HEADS_CARDS, .heads_fault = fault == 1,
                                             .scores_fault = fault == 2, .scores_entries = entries,
-                                            .dense_block = block},
+                                            .dense_block = block, .dense_split = split,
+                                            .heads_entries = h_entries},
                          &e);
     if (!rc) rc = mf_test_run_steps(r, e, g_V, 1, n_prompt, prompt_tok, N_DEC, toks, 0, out);
     mf_step_free(e);
     mf_dev_close(d);
     return rc;
+}
+
+static int run_cards(mf_ref *r, int nc, int fault, int n_prompt, int chunk, float *out, int32_t *toks, int entries,
+                     int block)
+{
+    return run_cards_split(r, nc, fault, n_prompt, chunk, out, toks, entries, block, MF_SG_SPLIT_LAYERS, 0);
 }
 
 static void test_engine(mf_ref *r, const char *name, int n_prompt, int chunk, int max_cards)
@@ -210,6 +279,20 @@ static void test_engine(mf_ref *r, const char *name, int n_prompt, int chunk, in
         rc = run_cards(r, nc, 1, n_prompt, chunk, got, toks, 0, 3);
         CHECK(rc == 0 && memcmp(host, got, sizeof(float) * per), "%s emu:%d: in item blocks the perturbed heads went "
               "unnoticed (%s)", name, nc, rc ? mf_last_error() : "");
+        if (nc > 1) {   /* split by rows: each card's heads' outputs stay on it for its own wo_a rows */
+            memset(got, 0, sizeof(float) * per);
+            rc = run_cards_split(r, nc, 0, n_prompt, chunk, got, toks, 0, 3, MF_SG_SPLIT_ROWS, 0);
+            CHECK(rc == 0 && !memcmp(host, got, sizeof(float) * per), "%s emu:%d: the heads' outputs left on the "
+                  "cards for wo_a: %s", name, nc, rc ? mf_last_error() : "logits differ from the host placement's");
+            rc = run_cards_split(r, nc, 1, n_prompt, chunk, got, toks, 0, 3, MF_SG_SPLIT_ROWS, 0);
+            CHECK(rc == 0 && memcmp(host, got, sizeof(float) * per), "%s emu:%d: split by rows the perturbed heads "
+                  "went unnoticed (%s)", name, nc, rc ? mf_last_error() : "");
+            /* the host's fallback heads (a table of one compressed entry): their outputs copied in */
+            memset(got, 0, sizeof(float) * per);
+            rc = run_cards_split(r, nc, 0, n_prompt, chunk, got, toks, 0, 3, MF_SG_SPLIT_ROWS, 1);
+            CHECK(rc == 0 && !memcmp(host, got, sizeof(float) * per), "%s emu:%d: split by rows, the host's fallback "
+                  "heads: %s", name, nc, rc ? mf_last_error() : "logits differ from the host placement's");
+        }
         rc = run_cards(r, nc, 2, n_prompt, chunk, got, toks, 1, 0);
         CHECK(rc == 0 && !memcmp(host, got, sizeof(float) * per), "%s emu:%d: every chunk on the host's scores, yet "
               "the card's perturbation changed the logits (%s)", name, nc, rc ? mf_last_error() : "");
@@ -224,6 +307,7 @@ int main(void)
 {
     test_choice();
     test_graph();
+    test_graph_local();
     char dir[1024];
     mf_config c;
     CHECK(mf_config_preset("tiny", &c) == 0, "preset");

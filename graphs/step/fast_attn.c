@@ -151,6 +151,14 @@ void mf_fa_heads_o(const mf_layers *ly, const mf_ly_item *it, int L, float *o, i
     }
 }
 
+void mf_fa_heads_rope_cs(const mf_layers *ly, const mf_ly_item *it, int L, float *cs)
+{
+    mf_fa_rope rope;
+    mf_fa_heads_rope(ly, it, L, &rope);
+    memcpy(cs, rope.c, sizeof(float) * (size_t)rope.n);
+    memcpy(cs + rope.n, rope.s, sizeof(float) * (size_t)rope.n);
+}
+
 void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *b, int h0, int h1,
                       const mf_ly_win *win)
 {

@@ -34,6 +34,10 @@ void mf_fa_attn_heads(mf_ly_ctx *cx, const mf_ly_item *it, int L, float *const *
 int mf_fa_heads_fast(const mf_config *c);
 void mf_fa_heads_q(const mf_layers *ly, const mf_ly_item *it, int L, float *q, int h0, int h1);
 void mf_fa_heads_o(const mf_layers *ly, const mf_ly_item *it, int L, float *o, int h0, int h1);
+/* The table mf_fa_heads_o's inverse RoPE of item it on layer L uses: cs[0, rd / 2) the cosines,
+ * cs[rd / 2, rd) the sines (rd = qk_rope_head_dim), the same floats; a card's heads take it
+ * (device/dev.h mf_dev_attn.rope) to do mf_fa_heads_o's work bit for bit. */
+void mf_fa_heads_rope_cs(const mf_layers *ly, const mf_ly_item *it, int L, float *cs);
 /* mf_ly_ring_get (same arguments) vectorized where the kernels run AVX2 and head_dim is a
  * multiple of MF_LY_RING_BLOCK: the module's floats bit for bit (tests/test_kvpack.c), NaN codes
  * and the inf scale included. */

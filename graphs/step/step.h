@@ -156,6 +156,10 @@ typedef struct mf_step_opts {
     /* Tests only: > 0 lowers the visible entries the index scores on cards take (beyond them a
      * chunk's selects score on the host) below the engine's 16,384, to reach that path. 0: off. */
     int scores_entries;
+    /* Tests only: > 0 lowers the compressed entries the heads on cards take in their key table
+     * (beyond them a chunk's q preps run the host's heads: mf_step_shape.hk_host) below the card
+     * buffer's. 0: off. */
+    int heads_entries;
     /* Tests only: > 0 lowers the items whose logits a dense card's head computes at a time (the
      * rows of its logits buffer, MF_STEP_HEAD_ROWS) to reach the passes. 0: MF_STEP_HEAD_ROWS. */
     int head_rows;

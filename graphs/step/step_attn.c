@@ -345,7 +345,8 @@ static int mf_task_attn_gather(void *arg, mf_task_ctx *ctx)
         int base = sh->hk_nring + sh->hk_nchunk;
         for (int64_t j = 0; j < nv; j++) {
             if (sh->hk_map[j] != -2) continue;
-            if (sh->hk_nent == sh->hk_ecap) {   /* more than the card's table holds: the host's heads */
+            int cut = sh->eng->o.heads_entries;   /* a test's smaller table */
+            if (sh->hk_nent == sh->hk_ecap || (cut > 0 && sh->hk_nent == cut)) {   /* more than the card's table holds: the host's heads */
                 sh->hk_host = 1;
                 return 0;
             }
@@ -380,6 +381,8 @@ static int mf_task_attn_qprep(void *arg, mf_task_ctx *ctx)
     mf_step_ab_cast(sh, MF_LY_A_Q, 0, i, 0, nq);   /* qb's copy out, then the heads' copy in */
     mf_fa_heads_q(cx->ly, it, L, b[MF_LY_A_Q], 0, c->n_heads);
     mf_step_ab_cast(sh, MF_LY_A_Q, 1, i, 0, nq);
+    if (sh->sg->heads_local[L])   /* the card's heads do the inverse RoPE: its table */
+        mf_fa_heads_rope_cs(cx->ly, it, L, sh->hk_rope + (size_t)i * c->qk_rope_head_dim);
     int32_t *row = sh->hk_keys + (size_t)i * KK;
     int64_t p = it->pos, t0 = p - W + 1 < 0 ? 0 : p - W + 1, m = 0;
     for (int64_t t = t0; t <= p; t++)
@@ -410,15 +413,22 @@ static int mf_task_attn_opost(void *arg, mf_task_ctx *ctx)
 
 /* The heads' copy in (out 0) or out (out 1) on the task's card: in the prepared queries of its
  * heads, the key table (the ring's rows, the chunk's KV rows, the entries), the items' key lists
- * and counts, the sinks; out its heads' outputs. */
+ * and counts, the sinks, and where the outputs stay on the card (mf_stepgraph.heads_local) the
+ * items' inverse RoPE tables; out its heads' outputs. With hk_host nothing, but where the outputs
+ * stay on the card the host's heads' outputs of the card's heads in (for its wo_a rows). */
 int mf_step_heads_copy(const mf_step_targ *a, mf_dev_stream *q, int out)
 {
     mf_step_shape *sh = a->sh;
-    if (sh->hk_host) return MF_TASK_NO_WORK;
     const mf_config *c = sh->eng->c;
-    int i0 = a->t->i0, n = a->t->i1 - i0, D = c->head_dim, KK = sh->sg->heads_keys;
+    int i0 = a->t->i0, n = a->t->i1 - i0, D = c->head_dim, KK = sh->sg->heads_keys, rd = c->qk_rope_head_dim;
+    int local = sh->sg->heads_local[a->t->layer];
     uint8_t *db = sh->ddense[a->t->card];
     size_t f = sizeof(float), row = (size_t)D * f;
+    if (sh->hk_host && local && !out) {   /* the host's heads' outputs of the card's heads, for its wo_a rows */
+        mf_step_dcopy co = mf_step_dcopy_ab(sh, MF_LY_A_O, a->t->r0, a->t->r1, (size_t)i0, (size_t)n);
+        return mf_step_dcopy_run(q, db, &co, 0);
+    }
+    if (sh->hk_host) return MF_TASK_NO_WORK;
     /* the task's heads' columns of the queries or outputs (bf16: mf_sg_attn_buf_bf16) */
     mf_step_dcopy cq = mf_step_dcopy_ab(sh, out ? MF_LY_A_O : MF_LY_A_Q, a->t->r0, a->t->r1, (size_t)i0, (size_t)n);
     int rc = mf_step_dcopy_run(q, db, &cq, out);
@@ -441,6 +451,8 @@ int mf_step_heads_copy(const mf_step_targ *a, mf_dev_stream *q, int out)
                              (size_t)n * KK * 4);
     if (!rc) rc = mf_dev_copy_h2d(q, db + sh->dd_hk_nk + (size_t)i0 * 4, sh->hk_nk + i0, (size_t)n * 4);
     if (!rc && first) rc = mf_dev_copy_h2d(q, db + sh->dd_hk_sink, sh->hk_sink, (size_t)c->n_heads * f);
+    if (!rc && local)
+        rc = mf_dev_copy_h2d(q, db + sh->dd_hk_rope + (size_t)i0 * rd * f, sh->hk_rope + (size_t)i0 * rd, (size_t)n * rd * f);
     return rc;
 }
 
@@ -461,6 +473,10 @@ int mf_step_heads_launch(const mf_step_targ *a, mf_dev_stream *st)
                       .n_keys = (const int32_t *)(db + sh->dd_hk_nk) + i0, .ld_keys = KK,
                       .o = (float *)(db + sh->dd_ab[MF_LY_A_O]) + i0 * sh->ab_ld[MF_LY_A_O] + a->t->r0,
                       .ld_o = sh->ab_ld[MF_LY_A_O]};
+    if (sh->sg->heads_local[a->t->layer]) {   /* the inverse RoPE too: the outputs stay for the card's wo_a */
+        at.rope = (const float *)(db + sh->dd_hk_rope) + (size_t)i0 * c->qk_rope_head_dim;
+        at.rope_dim = c->qk_rope_head_dim;
+    }
     if (sh->eng->o.heads_fault) at.scale *= 1.01f;
     int rc = mf_dev_attn_heads(st, &at);
     return rc ? mf_error_wrap(rc, "the heads of layer %d on card %d", a->t->layer, a->t->card) : 0;

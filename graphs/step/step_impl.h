@@ -176,10 +176,11 @@ struct mf_step_shape {
      * exceed the table's hk_ecap (the q prep tasks then run the host's heads, the card tasks
      * nothing); the cards' copies at dd_hk_* */
     float *hk_tab, *hk_sink;
+    float *hk_rope;   /* per item its inverse RoPE table (mf_stepgraph.heads_local: qk_rope_head_dim floats) */
     int32_t *hk_keys, *hk_nk, *hk_map;
     int64_t hk_map_cap, hk_t0, hk_pos0, hk_ring_hi;
     int hk_nring, hk_nchunk, hk_nent, hk_ecap, hk_host;
-    size_t dd_hk_tab, dd_hk_keys, dd_hk_nk, dd_hk_sink;
+    size_t dd_hk_tab, dd_hk_keys, dd_hk_nk, dd_hk_sink, dd_hk_rope;
     /* the index scores on cards (sg->scores_any): the unit's index keys as MF_SG_ATTN_KEYS leaves
      * them (sk_tab: the sk_nkeys entries the last item sees, unpacked), per item its visible count
      * (sk_nvis); sk_host 1 when the chunk's items are not one sequence's consecutive positions or

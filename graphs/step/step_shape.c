@@ -270,6 +270,7 @@ static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh)
     sh->dd_hk_keys = cb->hk_keys;
     sh->dd_hk_nk = cb->hk_nk;
     sh->dd_hk_sink = cb->hk_sink;
+    sh->dd_hk_rope = cb->hk_rope;
     sh->dd_sk_tab = cb->sk_tab;
     sh->dd_sk_nvis = cb->sk_nvis;
     sh->dd_sk_score = cb->sk_score;
@@ -467,6 +468,7 @@ static int mf_step_host_table(const mf_step_host_in *in, mf_step_shape *sh, int 
         {"hk_keys", hk ? n_ * sh->sg->heads_keys * 4 : 0, (void **)&sh->hk_keys},
         {"hk_nk", hk ? n_ * 4 : 0, (void **)&sh->hk_nk},
         {"hk_sink", hk ? (size_t)c->n_heads * f : 0, (void **)&sh->hk_sink},
+        {"hk_rope", sh->sg->heads_local_any ? n_ * c->qk_rope_head_dim * f : 0, (void **)&sh->hk_rope},
         {"ab16_in", ab16_sz[MF_LY_A_IN], (void **)&sh->ab16[MF_LY_A_IN]},
         {"ab16_qr", ab16_sz[MF_LY_A_QR], (void **)&sh->ab16[MF_LY_A_QR]},
         {"ab16_q", ab16_sz[MF_LY_A_Q], (void **)&sh->ab16[MF_LY_A_Q]},

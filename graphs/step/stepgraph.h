@@ -92,7 +92,8 @@ typedef enum mf_sg_op {
                            * alone, 1 the compressor alone from the item before each item, 2 both
                            * so (a mixed graph's), -1 both from the state */
     /* the heads on cards (mf_stepgraph.heads_cards[L] > 0): gather -> per item group qprep -> per
-     * card MF_SG_DENSE_* of MF_SG_D_HEADS -> per item group opost */
+     * card MF_SG_DENSE_* of MF_SG_D_HEADS -> per item group opost (none where the outputs stay on
+     * the cards: mf_sg_heads_local) */
     MF_SG_ATTN_GATHER,    /* items (the unit's, one sequence): the chunk's key table on the host (the
                            * window rows before the chunk from the ring, the union of the items'
                            * selected compressed entries, each unpacked once) and the sinks */
@@ -164,7 +165,9 @@ enum { MF_SG_D_ATTN_IN, MF_SG_D_ATTN_QB, MF_SG_D_ATTN_OA, MF_SG_D_ATTN_OB, MF_SG
 /* Not a sublayer with weights (MF_SG_N_DENSE counts those): MF_SG_D_HEADS (the attention heads' scores and values, device/dev.h mf_dev_attn_heads): in the
  * prepared queries of the record's heads (rows [r0, r1) of the MF_LY_A_Q rows, into the card's copy
  * of them), the key table (the gather's rows, the chunk's own KV rows), the key lists and the
- * sinks; out the heads' outputs before their inverse RoPE (rows [r0, r1) of MF_LY_A_O). */
+ * sinks; out the heads' outputs before their inverse RoPE (rows [r0, r1) of MF_LY_A_O). Where the
+ * outputs stay on the card (mf_sg_heads_local) in also the items' inverse RoPE tables, the card's
+ * work the inverse RoPE too, and no out. */
 #define MF_SG_D_HEADS MF_SG_N_DENSE
 /* Nor MF_SG_D_SCORES (the indexer's scores, device/dev.h mf_dev_index_scores), over the record's
  * items [i0, i1) (card `part` of scores_cards[L]: mf_sg_heads_range of the unit's items): in their
@@ -496,6 +499,10 @@ typedef struct mf_stepgraph {
      * key lists; heads_any: some layer's heads are on cards */
     int8_t heads_cards[MF_CONFIG_MAX_LAYERS];
     int heads_keys, heads_any;
+    /* per layer: 1 when its heads' outputs stay on their cards as the input of each card's own wo_a
+     * rows (mf_sg_heads_local), the inverse RoPE on the card; heads_local_any: some layer's do */
+    int8_t heads_local[MF_CONFIG_MAX_LAYERS];
+    int heads_local_any;
     /* per layer: 0 its index scores on the host (MF_SG_ATTN_SCORE parts), else the cards they run
      * on (mf_sg_scores_choice); scores_any: some layer's are */
     int8_t scores_cards[MF_CONFIG_MAX_LAYERS];
@@ -615,6 +622,16 @@ int mf_sg_heads_choice(const mf_sg_opts *o, int L);
  * takes (index_n_heads x index_head_dim at most MF_DEV_ISCORE_MAX_QD), every dense card (the
  * unit's items split by mf_sg_heads_range); else 0 (the host's score parts). */
 int mf_sg_scores_choice(const mf_sg_opts *o, int L, int heads_cards);
+/* 1 when heads on `parts` cards (mf_stepgraph.heads_cards) leave each card's outputs on it as the
+ * input of its own wo_a rows: wo_a runs on as many cards (mf_sg_dense_parts of n_dense_cards under
+ * split; one card: both on the layer's dense card) and, split, each card's wo_a rows
+ * (mf_sg_dense_rows) are the groups of exactly its heads (mf_sg_heads_range); else 0. Then the
+ * card's heads op does the inverse RoPE (device/dev.h mf_dev_attn.rope_dim, the table of each
+ * item's cosines and sines copied in with the queries), no heads out, no o post on the host, no oa
+ * copy in: the oa work waits for the heads of its items on its card. The host's fallback heads
+ * (graphs/step/step_impl.h hk_host) then copy the card's slice of their outputs in with the heads'
+ * copy-in. */
+int mf_sg_heads_local(const mf_config *c, int n_dense_cards, int split, int parts);
 /* Card k of `parts`' heads [*h0, *h1) of n_heads: equal shares, the first ones a head more. */
 void mf_sg_heads_range(int n_heads, int parts, int k, int *h0, int *h1);
 
@@ -709,9 +726,10 @@ typedef struct mf_sg_card_bufs {
     /* dense: the attention buffers (fp32, and bf16 where mf_sg_attn_buf_bf16), the MoE input
      * (bf16, fp32), the gate's logits, the shared expert's h (and --exact's g, u) and out (bf16,
      * fp32), the final norm's out, head_rows rows of logits, one Engram layer's rows and wkv out,
-     * the heads' key table, lists, counts and sinks, the index scores' keys, counts and scores */
+     * the heads' key table, lists, counts and sinks, the items' inverse RoPE tables (where the heads'
+     * outputs stay on the cards: mf_sg_heads_local), the index scores' keys, counts and scores */
     size_t ab[MF_LY_A_N], ab16[MF_LY_A_N], xin16, ys16, xin, logits, hs, gs, us, ys, hn, lbuf, eg_emb, eg_kv,
-        hk_tab, hk_keys, hk_nk, hk_sink, sk_tab, sk_nvis, sk_score, dense_bytes;
+        hk_tab, hk_keys, hk_nk, hk_sink, hk_rope, sk_tab, sk_nvis, sk_score, dense_bytes;
     int64_t ab_ld[MF_LY_A_N], eg_emb_ld, eg_kv_ld;   /* floats a row (the host's layouts too) */
     int head_rows, hk_ecap, sk_rows;   /* logits rows at a time; key table entries; a card's score rows */
     int eg_per;                        /* Engram rows of an item: (max n-gram - 1) x heads */

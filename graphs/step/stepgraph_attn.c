@@ -11,8 +11,9 @@
 
 /* Stage st of layer L on its card (split by rows: on every card, mf_sg_dense_chain), over all items:
  * its kernels (oa: the grouped wo_a as an fp8 kernel), their output roundings; in and qb copy
- * their input in and outputs out, oa its input in (its output stays for ob; split by rows: out, and
- * ob copies all of it in), ob its output out; the bf16 ones in 2 bytes a value (mf_sg_attn_buf_bf16). */
+ * their input in and outputs out, oa its input in (none where the heads left it on the card:
+ * mf_sg_heads_local) (its output stays for ob; split by rows: out, and ob copies all of it in), ob
+ * its output out; the bf16 ones in 2 bytes a value (mf_sg_attn_buf_bf16). */
 static mf_task_id sg_attn_card(mf_sg_builder *b, int L, int st)
 {
     const mf_config *c = b->o->c;
@@ -26,7 +27,10 @@ static mf_task_id sg_attn_card(mf_sg_builder *b, int L, int st)
         t.w.macs[MF_KF_FP8] = y->attn_ref_macs;
         t.w.calls[MF_KF_FP8] = 1;
         t.w.ref_flops = n * SG_W_ROUND * (double)c->o_groups * c->o_lora_rank;
-        in_tok = mf_sg_attn_val_bytes(MF_LY_A_O) * c->n_heads * c->head_dim;
+        /* the heads' outputs in, unless the heads left them on the card (mf_sg_heads_local: its
+         * work then waits for the heads of its items there) */
+        int local = L < c->n_layers && b->sg->heads_local[L];
+        in_tok = local ? 0 : mf_sg_attn_val_bytes(MF_LY_A_O) * c->n_heads * c->head_dim;
         if (rows) out_tok = 4.0 * y->st_out_rows[st];   /* each card's rows of wo_a out, all back in for wo_b */
         out_bf = mf_sg_attn_buf_bf16(MF_LY_A_Z) ? y->st_out_rows[st] : 0;
     } else {

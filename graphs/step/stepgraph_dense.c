@@ -164,7 +164,7 @@ void mf_sg_card_bufs_of(const mf_sg_card_in *in, mf_sg_card_bufs *b)
         }
     b->head_rows = in->head_rows > 0 ? in->head_rows : MF_SG_HEAD_ROWS;
     if ((size_t)b->head_rows > n_) b->head_rows = (int)n_;
-    struct { size_t bytes, *off; } dt[2 * MF_LY_A_N + 22];
+    struct { size_t bytes, *off; } dt[2 * MF_LY_A_N + 23];
     int m = 0;
     for (int k = 0; k < MF_LY_A_N; k++) dt[m++] = (typeof(dt[0])){ln * (size_t)b->ab_ld[k] * f, &b->ab[k]};
     for (int k = 0; k < MF_LY_A_N; k++)   /* the bf16 copies (the host's mirrors' layouts) */
@@ -188,6 +188,7 @@ void mf_sg_card_bufs_of(const mf_sg_card_in *in, mf_sg_card_bufs *b)
     dt[m++] = (typeof(dt[0])){hk ? n_ * (size_t)sg->heads_keys * 4 : 0, &b->hk_keys};
     dt[m++] = (typeof(dt[0])){hk ? n_ * 4 : 0, &b->hk_nk};
     dt[m++] = (typeof(dt[0])){hk ? (size_t)c->n_heads * f : 0, &b->hk_sink};
+    dt[m++] = (typeof(dt[0])){sg->heads_local_any ? n_ * (size_t)c->qk_rope_head_dim * f : 0, &b->hk_rope};
     int sk = sg->scores_any;   /* the index scores' keys, counts, scores */
     dt[m++] = (typeof(dt[0])){sk ? (size_t)MF_SG_SCORE_ENTRIES * (size_t)c->index_head_dim * f : 0, &b->sk_tab};
     dt[m++] = (typeof(dt[0])){sk ? n_ * 4 : 0, &b->sk_nvis};

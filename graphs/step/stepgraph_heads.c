@@ -191,6 +191,32 @@ void mf_sg_heads_host_cast(mf_sg_task *t)
     t->w.vec_flops += vals * SG_W_CAST_VEC * (mf_sg_attn_buf_bf16(MF_LY_A_Q) + mf_sg_attn_buf_bf16(MF_LY_A_O));
 }
 
+int mf_sg_heads_local(const mf_config *c, int n_dense_cards, int split, int parts)
+{
+    int G = c->o_groups, nh = c->n_heads;
+    if (parts < 1 || mf_sg_dense_parts(n_dense_cards, split, MF_SG_D_ATTN_OA) != parts) return 0;
+    if (parts == 1) return 1;   /* both on the layer's dense card */
+    if (G < 1 || nh % G || c->o_lora_rank < 1) return 0;
+    int64_t R = c->o_lora_rank, r0, r1;
+    for (int k = 0; k < parts; k++) {   /* card k's wo_a rows read its heads' groups, and only those */
+        int h0, h1;
+        mf_sg_heads_range(nh, parts, k, &h0, &h1);
+        mf_sg_dense_rows(parts, k, (int64_t)G * R, &r0, &r1);
+        if (r1 <= r0 || h1 <= h0 || r0 % R || r1 % R || r0 / R * (nh / G) != h0 || r1 / R * (nh / G) != h1) return 0;
+    }
+    return 1;
+}
+
+/* A heads record's work where its outputs stay on the card (mf_sg_heads_local): its copy-in the
+ * items' inverse RoPE tables (qk_rope_head_dim floats each), its card work the inverse RoPE of its
+ * heads' roped parts and their rounding at the card's REF rate. */
+static void sg_heads_local_work(const mf_config *c, mf_sg_task *t)
+{
+    double rd = c->qk_rope_head_dim, hh = (double)(t->r1 - t->r0) / c->head_dim;
+    if (t->op == MF_SG_DENSE_IN) t->w.copy_bytes_tok += 4.0 * rd;
+    if (t->op == MF_SG_DENSE) t->w.ref_flops += t->n_tok * hh * rd * (SG_W_ROPE + SG_W_ROUND);
+}
+
 /* The price of a heads record over its items at position pos. */
 static double sg_heads_ns(const mf_config *c, const mf_cost_model *m, const mf_sg_task *t, int64_t pos)
 {
@@ -220,14 +246,17 @@ int mf_sg_heads_choice(const mf_sg_opts *o, int L)
         mf_sg_task g = mf_sg_heads_rec(c, L, MF_SG_ATTN_GATHER, 0, n, 0, nh, n, 0);
         mf_sg_task qp = mf_sg_heads_rec(c, L, MF_SG_ATTN_QPREP, 0, n, 0, nh, n, 0);
         mf_sg_task op = mf_sg_heads_rec(c, L, MF_SG_ATTN_OPOST, 0, n, 0, nh, n, 0);
-        double ns = sg_heads_ns(c, &m, &g, pos) + (sg_heads_ns(c, &m, &qp, pos) + sg_heads_ns(c, &m, &op, pos)) / W;
+        int local = mf_sg_heads_local(c, nc, o->dense_split, parts);   /* no o post, no copy out */
+        double post = local ? 0 : sg_heads_ns(c, &m, &op, pos);
+        double ns = sg_heads_ns(c, &m, &g, pos) + (sg_heads_ns(c, &m, &qp, pos) + post) / W;
         double chain = 0;
         for (int k = 0; k < parts; k++) {   /* the chains run side by side: the slowest card's */
             int h0, h1;
             mf_sg_heads_range(nh, parts, k, &h0, &h1);
             double x = 0;
-            for (int q = MF_SG_DENSE_IN; q <= MF_SG_DENSE_OUT; q++) {
+            for (int q = MF_SG_DENSE_IN; q <= (local ? MF_SG_DENSE : MF_SG_DENSE_OUT); q++) {
                 mf_sg_task r = mf_sg_heads_rec(c, L, q, 0, n, h0, h1, n, 0);
+                if (local) sg_heads_local_work(c, &r);
                 x += sg_heads_ns(c, &m, &r, pos);
             }
             chain = x > chain ? x : chain;
@@ -237,15 +266,27 @@ int mf_sg_heads_choice(const mf_sg_opts *o, int L)
     return choice;
 }
 
+/* Each oa task of group oa (the chains' first tasks: mf_sg_dense_chain) on card cd over items
+ * meeting [j0, j1) after `run` (a card's heads over those items, its outputs left on the card). */
+static void sg_heads_oa_dep(mf_sg_builder *b, mf_task_id run, int cd, int64_t j0, int64_t j1, mf_task_id oa)
+{
+    for (mf_task_id x = oa; x >= 0 && !b->rc; x = b->next_of[x]) {
+        const mf_sg_task *t = &b->sg->task[x];
+        if (t->card == cd && t->i0 < j1 && t->i1 > j0) b->rc = mf_graph_add_dep(b->sg->g, run, x);
+    }
+}
+
 /* The heads of unit k of layer L on the cards (sg->heads_cards[L] of them): after `core`, the
  * gather -> per item group its q prep -> per card copy in -> attention -> copy out -> per item
- * group its o post, before `ring` and the oa stage's tasks oa[0..n_oa). */
+ * group its o post, before `ring` and the oa stage's tasks oa[0..n_oa). With the outputs left on
+ * the cards (sg->heads_local[L]) per card copy in -> attention (and the inverse RoPE), each before
+ * `ring` and the oa work of its card and items (no copy out, no o post). */
 void mf_sg_heads_on_cards(mf_sg_builder *b, int L, int k, mf_task_id core, mf_task_id ring, const mf_task_id *oa,
                           int n_oa)
 {
     const mf_config *c = b->o->c;
     mf_stepgraph *sg = b->sg;
-    int nh = c->n_heads, parts = sg->heads_cards[L], ex = b->o->exact;
+    int nh = c->n_heads, parts = sg->heads_cards[L], ex = b->o->exact, local = sg->heads_local[L];
     int i0 = k > 0 ? sg->unit_end[k - 1] : 0, i1 = sg->unit_end[k], n = i1 - i0;
     int g0 = mf_sg_group_of(sg, i0), g1 = mf_sg_group_of(sg, i1 - 1) + 1;
     mf_task_id qp[MF_SG_MAX_GROUPS], out[MF_SG_MAX_CARDS * MF_SG_DENSE_MAX_BLOCKS];
@@ -277,8 +318,9 @@ void mf_sg_heads_on_cards(mf_sg_builder *b, int L, int k, mf_task_id core, mf_ta
         for (int j = 0; j < nbk && !b->rc; j++) {
             int j0 = (int)bi0[j], j1 = (int)bi1[j];
             mf_task_id prev = -1;
-            for (int q = 0; q < 3; q++) {
+            for (int q = 0; q < 3 - local; q++) {
                 mf_sg_task t = mf_sg_heads_rec(c, L, MF_SG_DENSE_IN + q, j0, j1, h0, h1, n, ex);
+                if (local) sg_heads_local_work(c, &t);
                 t.card = (int8_t)cd;
                 t.part = parts > 1 ? p : -1;
                 t.block = (int8_t)j;
@@ -300,9 +342,12 @@ void mf_sg_heads_on_cards(mf_sg_builder *b, int L, int k, mf_task_id core, mf_ta
                 prev = id;
             }
             out[p * MF_SG_DENSE_MAX_BLOCKS + j] = prev;
+            if (!local) continue;
+            mf_sg_dep(b, prev, ring);
+            for (int q = 0; q < n_oa; q++) sg_heads_oa_dep(b, prev, cd, bi0[j], bi1[j], oa[q]);
         }
     }
-    for (int i = g0; i < g1; i++) {
+    for (int i = g0; i < g1 && !local; i++) {
         SG_NAME(b, "attn L%d opost item %d", L, i);
         mf_task_id op = mf_sg_add(b, 0, MF_SG_ATTN_OPOST, MF_SG_PH_ATTN, MF_SG_K_OTHER,
                                   mf_sg_heads_rec(c, L, MF_SG_ATTN_OPOST, i ? sg->group_end[i - 1] : 0,

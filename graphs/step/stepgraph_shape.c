@@ -196,6 +196,9 @@ void mf_sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
         sg->heads_cards[L] = (int8_t)mf_sg_heads_choice(o, L);
         if (sg->heads_cards[L] && mf_sg_heads_keys(c, L) > sg->heads_keys) sg->heads_keys = mf_sg_heads_keys(c, L);
         sg->heads_any |= sg->heads_cards[L] > 0;
+        sg->heads_local[L] = (int8_t)(sg->heads_cards[L] > 0 &&
+                                      mf_sg_heads_local(c, o->n_dense_cards, o->dense_split, sg->heads_cards[L]));
+        sg->heads_local_any |= sg->heads_local[L];
         sg->scores_cards[L] = (int8_t)mf_sg_scores_choice(o, L, sg->heads_cards[L]);
         sg->scores_any |= sg->scores_cards[L] > 0;
     }
