@@ -20,7 +20,7 @@
 #define SP_DECAY 0.95           /* each round's evidence decays so (about the last 20 rounds count) */
 #define SP_PROBE_MIN 16         /* plain rounds before a k-0 sequence probes, doubling while probes fail */
 #define SP_PROBE_MAX 1024
-#define SP_PROBE_SHARE 0.02     /* the most of the plain rounds' measured time a k-0 sequence's probes take */
+#define SP_PROBE_SHARE 0.01     /* the most of the plain rounds' time a k-0 sequence's probes take */
 #define SP_MAX_SEQ MF_STEP_MAX_ITEMS
 
 typedef struct sp_slot {
@@ -279,18 +279,24 @@ int mf_spec_probe_gap(int backoff, double plain_ns, double probe_ns, double shar
     return gap > backoff ? (int)gap : backoff;
 }
 
-/* Plain rounds before slot s's next probe (mf_spec_probe_gap): its backoff, and this run's measured
- * costs once it has timed a plain step and (with a draft) a draft round: the mean draft round and
- * a two-item step's wall time over a plain one's. */
-static int sp_probe_gap(const mf_spec *sp, const sp_slot *s)
+/* Plain rounds before slot s's next probe (mf_spec_probe_gap): its backoff, and a probe's cost: this
+ * run's measured costs once it has timed a plain step and (with a draft) a draft round (the mean
+ * draft round and a two-item step's wall time over a plain one's), before that the cost model's
+ * prices of a draft round of 1 and a step of 2 items over a plain step (batch 1). */
+static int sp_probe_gap(mf_spec *sp, const sp_slot *s)
 {
     const mf_spec_stats *t = &sp->st;
     int dspark = sp->o.source == MF_SPEC_DSPARK;
-    if (!t->steps[0] || (dspark && !t->draft_calls)) return s->probe_every;
-    double plain = (double)t->step_ns[0] / (double)t->steps[0];
-    double probe = dspark ? (double)t->draft_ns / (double)t->draft_calls : 0;
-    if (t->steps[1] && (double)t->step_ns[1] / (double)t->steps[1] > plain)
-        probe += (double)t->step_ns[1] / (double)t->steps[1] - plain;
+    double plain, probe;
+    if (!t->steps[0] || (dspark && !t->draft_calls)) {
+        plain = sp_verify_ns(sp, 1, 1);
+        probe = sp_draft_ns(sp, 1, 1) + (sp_verify_ns(sp, 1, 2) > plain ? sp_verify_ns(sp, 1, 2) - plain : 0);
+    } else {
+        plain = (double)t->step_ns[0] / (double)t->steps[0];
+        probe = dspark ? (double)t->draft_ns / (double)t->draft_calls : 0;
+        if (t->steps[1] && (double)t->step_ns[1] / (double)t->steps[1] > plain)
+            probe += (double)t->step_ns[1] / (double)t->steps[1] - plain;
+    }
     return mf_spec_probe_gap(s->probe_every, plain, probe, SP_PROBE_SHARE);
 }
 

@@ -46,7 +46,8 @@ typedef struct mf_spec_opts {
      * gives the most tokens per unit of time (mf_spec_choose, priced on `price`), with a running
      * estimate of the acceptance at each position; sequences at k 0 still probe now and then (after
      * 16, then 32, ... up to 1024 plain rounds while probes fail, and at least as many as keep the
-     * probes' measured cost within 2% of the plain rounds' time) with k 1. 0: n_max every round. */
+     * probes' cost, priced and then measured, within 1% of the plain rounds' time) with k 1. 0:
+     * n_max every round. */
     int adaptive;
     /* the machine and placement the cost model prices the verify and the draft on (config, profile,
      * placement, cards, dense, threads: what the engine runs; batch, unit_len, draft and feats are
