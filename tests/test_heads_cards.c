@@ -82,6 +82,24 @@ static void test_choice(void)
     CHECK(mf_sg_heads_choice(&o, 0) == 0, "exact: heads on cards");
 }
 
+/* The graph of 16 items of one sequence of c with the heads forced on 2 dense cards (dense_split and
+ * dense_block as given, 0: the defaults) on 2 workers; *sz and *lt its sizes and lanes. NULL on
+ * error (checked). */
+static mf_stepgraph *heads_graph(const mf_config *c, mf_sg_sizes **sz, mf_sg_lanes *lt, int split, int block)
+{
+    CHECK(mf_sg_sizes_new(c, sz) == 0, "sizes: %s", mf_last_error());
+    mf_lane_model m[4] = {{.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}};
+    mf_sg_lanes_init(lt, m, 2, 0, 2);
+    mf_stepgraph *sg = NULL;
+    CHECK(mf_stepgraph_new(&(mf_sg_opts){.c = c, .sz = *sz, .n = 16, .n_threads = 2, .n_dense_cards = 2,
+                                         .dense_split = split, .dense_block = block, .heads = MF_SG_HEADS_CARDS,
+                                         .lanes = lt->lane, .n_lanes = lt->n_lanes, .lane_io = lt->lane_io,
+                                         .lane_dev0 = lt->lane_dev0},
+                           &sg) == 0,
+          "graph: %s", mf_last_error());
+    return sg;
+}
+
 /* tiny, 16 items of one sequence, heads forced on 2 dense cards: per layer and card an in, a
  * compute and an out task of MF_SG_D_HEADS on that card's lanes with the card's half of the heads,
  * a gather, q preps and o posts on the CPU lane, no MF_SG_ATTN_HEADS. */
@@ -90,16 +108,8 @@ static void test_graph(void)
     mf_config c;
     CHECK(mf_config_preset("tiny", &c) == 0, "preset tiny");
     mf_sg_sizes *sz = NULL;
-    CHECK(mf_sg_sizes_new(&c, &sz) == 0, "sizes: %s", mf_last_error());
-    mf_lane_model m[4] = {{.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}};
     mf_sg_lanes lt;
-    mf_sg_lanes_init(&lt, m, 2, 0, 2);
-    mf_stepgraph *sg = NULL;
-    CHECK(mf_stepgraph_new(&(mf_sg_opts){.c = &c, .sz = sz, .n = 16, .n_threads = 2, .n_dense_cards = 2,
-                                         .heads = MF_SG_HEADS_CARDS, .lanes = lt.lane, .n_lanes = lt.n_lanes,
-                                         .lane_io = lt.lane_io, .lane_dev0 = lt.lane_dev0},
-                           &sg) == 0,
-          "graph: %s", mf_last_error());
+    mf_stepgraph *sg = heads_graph(&c, &sz, &lt, 0, 0);
     int cnt[3] = {0}, host_heads = 0, gathers = 0, heads_rows[2] = {0}, n_scored = 0, keys = 0, host_scores = 0;
     int sc_cnt[3] = {0}, sc_items[2] = {0};
     for (int L = 0; L < c.n_layers; L++) n_scored += mf_sg_layer_scored(&c, L);
@@ -166,17 +176,8 @@ static void test_graph_local(void)
     CHECK(mf_sg_heads_local(&c, 2, MF_SG_SPLIT_LAYERS, 1) == 1, "tiny, heads and wo_a on one card: not local");
     CHECK(mf_sg_heads_local(&c, 3, MF_SG_SPLIT_ROWS, 3) == 0, "tiny, 4 heads on 3 cards: local");
     mf_sg_sizes *sz = NULL;
-    CHECK(mf_sg_sizes_new(&c, &sz) == 0, "sizes: %s", mf_last_error());
-    mf_lane_model m[4] = {{.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}};
     mf_sg_lanes lt;
-    mf_sg_lanes_init(&lt, m, 2, 0, 2);
-    mf_stepgraph *sg = NULL;
-    CHECK(mf_stepgraph_new(&(mf_sg_opts){.c = &c, .sz = sz, .n = 16, .n_threads = 2, .n_dense_cards = 2,
-                                         .dense_split = MF_SG_SPLIT_ROWS, .dense_block = 4,
-                                         .heads = MF_SG_HEADS_CARDS, .lanes = lt.lane, .n_lanes = lt.n_lanes,
-                                         .lane_io = lt.lane_io, .lane_dev0 = lt.lane_dev0},
-                           &sg) == 0,
-          "graph: %s", mf_last_error());
+    mf_stepgraph *sg = heads_graph(&c, &sz, &lt, MF_SG_SPLIT_ROWS, 4);
     int opost = 0, hout = 0, oa_in = 0, oa_runs = 0, oa_after = 0, h_in = 0, local = 0;
     for (int L = 0; sg && L < c.n_layers; L++) local += sg->heads_local[L];
     CHECK(local == c.n_layers, "%d of %d layers' heads local", local, c.n_layers);

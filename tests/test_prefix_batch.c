@@ -290,13 +290,10 @@ int main(void)
     char dir[1024], pdir[1200];
     CHECK(mf_config_preset("tiny", &c) == 0, "preset");
     if (mf_test_gen_ckpt(&c, "prefix_batch_tiny", dir, sizeof dir)) return 1;
-    mf_model *m = NULL;
-    mf_ref *r = NULL;
-    mf_step *e = NULL;
-    CHECK(mf_model_load(dir, &(mf_model_opts){.quiet = 1}, &m) == 0, "load: %s", mf_last_error());
-    if (m) CHECK(mf_ref_new(m, NULL, &r) == 0, "ref: %s", mf_last_error());
-    if (r) CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2}, &e) == 0, "step: %s", mf_last_error());
-    if (!e) return mf_check_exit("test_prefix_batch");
+    mf_model *m;
+    mf_ref *r;
+    mf_step *e;
+    if (mf_test_open(dir, 0, &m, &r, &e)) return 1;
     V = c.vocab_size;
     int tsan = MF_TEST_TSAN, san = MF_TEST_SANITIZED, n = tsan ? 4 : san ? 8 : 16;
     if (tsan) SYS = 40;

@@ -408,14 +408,10 @@ int main(void)
     mf_config_preset("tiny", &c);
     char dir[1024];
     if (mf_test_gen_ckpt(&c, "spec", dir, sizeof dir)) return 1;
-    mf_model *m = NULL;
-    mf_ref *r = NULL;
-    mf_step *e = NULL;
-    if (mf_model_load(dir, &(mf_model_opts){.quiet = 1, .load_draft = 1}, &m) || mf_ref_new(m, NULL, &r) ||
-        mf_step_new(r, &(mf_step_opts){.n_threads = 2, .draft = 1}, &e)) {
-        fprintf(stderr, "setup: %s\n", mf_last_error());
-        return 1;
-    }
+    mf_model *m;
+    mf_ref *r;
+    mf_step *e;
+    if (mf_test_open(dir, 1, &m, &r, &e)) return 1;
     check_choose();
     check_greedy(r, e, "engine");
     check_controls(r, e);

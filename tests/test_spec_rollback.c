@@ -169,14 +169,10 @@ int main(void)
     mf_config_preset("tiny", &c);
     char dir[1024];
     if (mf_test_gen_ckpt(&c, "spec_rollback", dir, sizeof dir)) return 1;
-    mf_model *m = NULL;
-    mf_ref *r = NULL;
-    mf_step *eng = NULL;
-    if (mf_model_load(dir, &(mf_model_opts){.quiet = 1}, &m) || mf_ref_new(m, NULL, &r) ||
-        mf_step_new(r, &(mf_step_opts){.n_threads = 2}, &eng)) {
-        fprintf(stderr, "setup: %s\n", mf_last_error());
-        return 1;
-    }
+    mf_model *m;
+    mf_ref *r;
+    mf_step *eng;
+    if (mf_test_open(dir, 0, &m, &r, &eng)) return 1;
     check_refusals(r);
     /* anchors at even and odd positions, and one whose verify wraps the window (16) */
     const int prompts[] = {9, 10, 14, 33};

@@ -289,8 +289,9 @@ static int sp_probe_gap(mf_spec *sp, const sp_slot *s)
     int dspark = sp->o.source == MF_SPEC_DSPARK;
     double plain, probe;
     if (!t->steps[0] || (dspark && !t->draft_calls)) {
+        double two = sp_verify_ns(sp, 1, 2);
         plain = sp_verify_ns(sp, 1, 1);
-        probe = sp_draft_ns(sp, 1, 1) + (sp_verify_ns(sp, 1, 2) > plain ? sp_verify_ns(sp, 1, 2) - plain : 0);
+        probe = sp_draft_ns(sp, 1, 1) + (two > plain ? two - plain : 0);
     } else {
         plain = (double)t->step_ns[0] / (double)t->steps[0];
         probe = dspark ? (double)t->draft_ns / (double)t->draft_calls : 0;

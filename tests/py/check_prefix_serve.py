@@ -17,6 +17,8 @@ import sys
 import threading
 import time
 
+import serve_proc
+
 BIN = os.environ.get("MOEFLOW_BIN", "build/moeflow")
 TMP = os.path.join(os.environ.get("MOEFLOW_TMP", "/tmp"), f"check_prefix_serve_{os.getpid()}")
 HOST = "127.0.0.1"
@@ -32,21 +34,8 @@ def check(cond, msg):
 
 class Server:
     def __init__(self, ckpt, *args):
-        self.p = subprocess.Popen([BIN, "serve", "--checkpoint", ckpt, "--host", HOST, "--port", "0", "--threads", "2",
-                                   "--max-context", "1024", *args], stderr=subprocess.PIPE, text=True)
-        self.log, self.port = [], None
-        t0 = time.time()
-        while time.time() - t0 < 60 and self.port is None:
-            line = self.p.stderr.readline()
-            if not line:
-                break
-            self.log.append(line)
-            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                self.port = int(m.group(1))
-        if self.port is None:
-            raise RuntimeError("server did not start: " + "".join(self.log))
-        threading.Thread(target=lambda: [self.log.append(x) for x in self.p.stderr], daemon=True).start()
+        self.p, self.port, self.log = serve_proc.start([BIN, "serve", "--checkpoint", ckpt, "--host", HOST, "--port",
+                                                        "0", "--threads", "2", "--max-context", "1024", *args])
 
     def req(self, method, path, body=None):
         c = http.client.HTTPConnection(HOST, self.port, timeout=120)

@@ -28,6 +28,8 @@ import time
 
 import openai
 
+import serve_proc
+
 BIN = os.environ.get("MOEFLOW_BIN", "build/moeflow")
 TMP = os.path.join(os.environ.get("MOEFLOW_TMP", "/tmp"), f"check_serve_{os.getpid()}")
 HOST = "127.0.0.1"
@@ -48,27 +50,8 @@ def check(cond, msg):
 
 class Server:
     def __init__(self, ckpt, *args):
-        self.p = subprocess.Popen([BIN, "serve", "--checkpoint", ckpt, "--host", HOST, "--port", "0", "--threads", "2",
-                                   *args], stderr=subprocess.PIPE, text=True)
-        self.log = []
-        self.port = None
-        t0 = time.time()
-        while time.time() - t0 < 60:
-            line = self.p.stderr.readline()
-            if not line:
-                break
-            self.log.append(line)
-            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                self.port = int(m.group(1))
-                break
-        if self.port is None:
-            raise RuntimeError("server did not start: " + "".join(self.log))
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self):
-        for line in self.p.stderr:
-            self.log.append(line)
+        self.p, self.port, self.log = serve_proc.start([BIN, "serve", "--checkpoint", ckpt, "--host", HOST, "--port",
+                                                        "0", "--threads", "2", *args])
 
     def url(self):
         return f"http://{HOST}:{self.port}/v1"

@@ -25,6 +25,8 @@ import sys
 import threading
 import time
 
+import serve_proc
+
 BIN = os.environ.get("MOEFLOW_BIN", "build/moeflow")
 TMP = os.path.join(os.environ.get("MOEFLOW_TMP", "/tmp"), f"check_serve_hostile_{os.getpid()}")
 SANITIZED = bool(os.environ.get("MOEFLOW_SANITIZE"))
@@ -54,22 +56,8 @@ class Server:
         if SANITIZED:   # a small quarantine, so the RSS says what the server holds
             e["ASAN_OPTIONS"] = (e.get("ASAN_OPTIONS", "") + ":quarantine_size_mb=16").lstrip(":")
         e.update(env or {})
-        self.p = subprocess.Popen([BIN, "serve", "--checkpoint", ckpt, "--host", HOST, "--port", "0", "--threads", "2",
-                                   *args], stderr=subprocess.PIPE, text=True, env=e)
-        self.log, self.port = [], None
-        t0 = time.time()
-        while time.time() - t0 < 60:
-            line = self.p.stderr.readline()
-            if not line:
-                break
-            self.log.append(line)
-            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                self.port = int(m.group(1))
-                break
-        if self.port is None:
-            raise RuntimeError("server did not start: " + "".join(self.log))
-        threading.Thread(target=lambda: [self.log.append(x) for x in self.p.stderr], daemon=True).start()
+        self.p, self.port, self.log = serve_proc.start([BIN, "serve", "--checkpoint", ckpt, "--host", HOST, "--port",
+                                                        "0", "--threads", "2", *args], env=e)
 
     def rss_mb(self):
         for line in open(f"/proc/{self.p.pid}/status"):
