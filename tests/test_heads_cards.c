@@ -13,7 +13,9 @@
  * scores perturbed (mf_step_opts.scores_fault); with the cards taking fewer entries
  * (mf_step_opts.scores_entries 12, then 1) the host's fallback scores, bit for bit, and with 1 the
  * card's perturbation unseen (no chunk scored there); with the dense chains and heads in item blocks
- * (mf_step_opts.dense_block 3) bit for bit, and the heads' perturbation still caught. */
+ * (mf_step_opts.dense_block 3) bit for bit, and the heads' perturbation still caught. Split by rows
+ * on emu:2, wo_a's outputs exchanged between the cards for wo_b (test_graph_exchange: each card
+ * keeps its own rows), bit for bit. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -213,6 +215,70 @@ static void test_graph_local(void)
     mf_sg_sizes_free(sz);
 }
 
+/* wo_a's outputs exchanged between the cards for wo_b (mf_sg_oa_exchange, issue 37 phase 6): on the
+ * seed host (flash41, 4 cards by rows) every card keeps its own wo_a rows at chunks 8,192 and 512
+ * and batch 64 (1 or 2 copies of the others' rows), at batch 1 the two middle cards copy all of
+ * them in (a second copy's latency costs more than their rows); by layers no exchange. Tiny's graph
+ * by rows on 2 cards: each wo_b copy-in carries the other card's rows (half of wo_a's output), after
+ * the other card's oa copy out and its own card's oa work over items meeting its own, not after
+ * the oa join. */
+static void test_graph_exchange(void)
+{
+    mf_config f, c;
+    mf_profile p;
+    CHECK(mf_config_preset("flash41", &f) == 0 && mf_config_preset("tiny", &c) == 0, "presets");
+    CHECK(mf_profile_load(MF_SOURCE_DIR "/tools/profiles/seed-host.prof", &p) == 0, "profile: %s", mf_last_error());
+    mf_stepgraph *g = calloc(1, sizeof *g);
+    static const int ns[4] = {8192, 512, 64, 1}, kept[4] = {4, 4, 4, 2};
+    for (int i = 0; g && i < 4; i++) {
+        mf_sg_opts o = {.c = &f, .n = ns[i], .n_threads = 44, .n_dense_cards = 4, .dense_split = MF_SG_SPLIT_ROWS,
+                        .profile = &p};
+        *g = (mf_stepgraph){.n = ns[i], .n_halves = 1, .dense_block = MF_SG_DENSE_BLOCK, .n_dense_cards = 4};
+        mf_sg_oa_exchange(&o, g);
+        int k = 0;
+        for (int q = 0; q < 4; q++) k += g->oa_kept[q];
+        CHECK(g->oa_x == 1 && k == kept[i] && g->oa_kept[0] && g->oa_kept[3], "%d items: exchange %d, %d cards keep "
+              "their rows (expected %d, the first and last among them)", ns[i], g->oa_x, k, kept[i]);
+        int64_t cols[2][2];
+        CHECK(mf_sg_ob_in_cols(g, 1, 8192, cols) == (g->oa_kept[1] ? 2 : 1), "%d items: card 1's copies", ns[i]);
+        o.dense_split = MF_SG_SPLIT_LAYERS;
+        mf_sg_oa_exchange(&o, g);
+        CHECK(g->oa_x == 0 && g->oa_kept[0] == 0, "%d items by layers: an exchange", ns[i]);
+    }
+    free(g);
+    mf_sg_sizes *sz = NULL;
+    mf_sg_lanes lt;
+    mf_stepgraph *sg = heads_graph(&c, &sz, &lt, MF_SG_SPLIT_ROWS, 4);
+    int ob_in = 0, deps = 0, half = c.o_groups * c.o_lora_rank / 2;
+    CHECK(sg && sg->oa_x && sg->oa_kept[0] && sg->oa_kept[1], "tiny by rows on 2 cards: no exchange");
+    for (int t = 0; sg && t < sg->n_tasks; t++) {
+        const mf_sg_task *r = &sg->task[t];
+        if (r->op != MF_SG_DENSE_IN || r->dense != MF_SG_D_ATTN_OB) continue;
+        ob_in++;
+        CHECK(r->w.copy_bytes_tok == 2.0 * half && r->w.copies == 1, "wo_b in: %.0f bytes an item in %d copies "
+              "(expected the other card's %d bf16 values in one)", r->w.copy_bytes_tok, r->w.copies, half);
+        int other = 0, own = 0;
+        for (mf_task_id u = 0; u < sg->n_tasks; u++) {   /* its predecessors */
+            const mf_task_id *succ = mf_graph_succ(sg->g, u);
+            for (int k = 0; k < mf_graph_n_succ(sg->g, u); k++) {
+                if (succ[k] != t) continue;
+                const mf_sg_task *o = &sg->task[u];
+                CHECK(o->op != MF_SG_JOIN, "wo_b in (card %d, items %d..%d) after a join", r->card, r->i0, r->i1);
+                if (o->dense != MF_SG_D_ATTN_OA || o->i0 >= r->i1 || o->i1 <= r->i0) continue;
+                other += o->op == MF_SG_DENSE_OUT && o->card != r->card;
+                own += o->op == MF_SG_DENSE && o->card == r->card;
+            }
+        }
+        CHECK(other >= 1 && own >= 1, "wo_b in (card %d, items %d..%d) after %d oa copies out of the other card and "
+              "%d oa works of its own", r->card, r->i0, r->i1, other, own);
+        deps += other > 0 && own > 0;
+    }
+    CHECK(ob_in == 2 * 4 * c.n_layers && deps == ob_in, "%d wo_b copies in, %d after their items' wo_a (expected 2 "
+          "cards x 4 blocks x %d layers)", ob_in, deps, c.n_layers);
+    mf_stepgraph_free(sg);
+    mf_sg_sizes_free(sz);
+}
+
 /* The logits of the host placement against the heads (and the index scores) on emu:nc (fault 1:
  * the heads perturbed, 2: the index scores), the dense work split by `split`, the heads' table of
  * compressed entries cut to h_entries (0: the card buffer's). */
@@ -309,6 +375,7 @@ int main(void)
     test_choice();
     test_graph();
     test_graph_local();
+    test_graph_exchange();
     char dir[1024];
     mf_config c;
     CHECK(mf_config_preset("tiny", &c) == 0, "preset");

@@ -158,17 +158,26 @@ static void test_graph_rows(void)
             for (int f = 0; f < MF_KF_REF; f++) bytes[r->card] += r->w.w_bytes[f];
         }
         /* the bf16 copies (mf_sg_attn_buf_bf16, mf_sg_dense_bf16) at 2 bytes a value, the others at 4:
-         * every card copies in all of in's input, the MoE input and wo_a's output, and out its rows */
+         * every card copies in all of in's input and the MoE input, and out its rows; of wo_a's output
+         * the columns mf_sg_ob_in_cols gives (the first and last card leave their own rows out: one
+         * copy either way) */
         const mf_sg_layer_sizes *y3 = &sz->layer[3];
-        double H = (double)c.hidden_size, nz = y3->st_out_rows[MF_SG_ST_OA];
+        double H = (double)c.hidden_size, nz = y3->st_out_rows[MF_SG_ST_OA], ob_in = 0;
         double qr = (double)c.q_lora_rank;
+        for (int k = 0; sg && k < 4; k++) {
+            int64_t cols[2][2];
+            int m = mf_sg_ob_in_cols(sg, k, (int64_t)nz, cols);
+            for (int q = 0; q < m; q++) ob_in += 2.0 * (double)(cols[q][1] - cols[q][0]);
+        }
+        CHECK(sg && sg->oa_x && sg->oa_kept[0] && sg->oa_kept[3] && ob_in < 4 * 2 * nz, "batch %d: wo_a's outputs "
+              "not exchanged (the edge cards keep their rows)", ns[ni]);
         static const char *const cp_name[8] = {"in's in", "in's out", "qb's in", "qb's out", "oa's out", "ob's in",
                                                "ob's out", "the gate's in"};
         double cp_got[8] = {cp_tok[MF_SG_D_ATTN_IN][0], cp_tok[MF_SG_D_ATTN_IN][2], cp_tok[MF_SG_D_ATTN_QB][0],
                             cp_tok[MF_SG_D_ATTN_QB][2], cp_tok[MF_SG_D_ATTN_OA][2], cp_tok[MF_SG_D_ATTN_OB][0],
                             cp_tok[MF_SG_D_ATTN_OB][2], cp_tok[MF_SG_D_GATE][0]};
         double cp_want[8] = {4 * 2 * H, 2 * qr + 4 * (y3->st_out_rows[MF_SG_ST_IN] - qr), 4 * 2 * qr,
-                             2 * y3->st_out_rows[MF_SG_ST_QB], 2 * nz, 4 * 2 * nz, 2 * H, 4 * 2 * H};
+                             2 * y3->st_out_rows[MF_SG_ST_QB], 2 * nz, ob_in, 2 * H, 4 * 2 * H};
         for (int q = 0; q < 8; q++)
             CHECK(fabs(cp_got[q] - cp_want[q]) < 1e-9 * cp_want[q], "batch %d layer 3: %s copies %.0f bytes an item "
                   "(expected %.0f: bf16 where mf_sg_attn_buf_bf16 says)", ns[ni], cp_name[q], cp_got[q], cp_want[q]);

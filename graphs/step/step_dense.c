@@ -56,7 +56,8 @@ static void mf_step_dense_run_rows(const mf_step_targ *a, int64_t n_rows, int64_
 /* The copies into (out 0) or out of (out 1) the card of dense task a, into cp[]; returns their
  * count (at most MF_LY_A_MAX_LIN). Attention stages: the distinct inputs of the stage's linears,
  * and the rows the task owns of their outputs (on one card oa's outputs and ob's inputs stay on
- * the card; split by rows every card's wo_a rows go out and all of them come back for wo_b). */
+ * the card; split by rows every card's wo_a rows go out and the other cards' (or all of them:
+ * mf_sg_ob_in_cols) come back for wo_b). */
 static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *cp)
 {
     mf_step_shape *sh = a->sh;
@@ -79,6 +80,12 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
             base += rows;
             if (out && split) {   /* this card's rows of the linear's output */
                 if (lo < hi) cp[m++] = mf_step_dcopy_ab(sh, b, lo, hi, i0, n);
+                continue;
+            }
+            if (split && d == MF_SG_D_ATTN_OB) {   /* wo_a's output: the columns mf_sg_ob_in_cols gives */
+                int64_t cols[2][2];
+                int nr = mf_sg_ob_in_cols(sh->sg, a->t->part, (int64_t)c->o_groups * c->o_lora_rank, cols);
+                for (int q = 0; q < nr; q++) cp[m++] = mf_step_dcopy_ab(sh, b, cols[q][0], cols[q][1], i0, n);
                 continue;
             }
             if (split && lin[k].groups) {   /* grouped (wo_a): the input slices of the groups its rows touch */

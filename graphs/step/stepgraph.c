@@ -267,8 +267,10 @@ double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_st
     case MF_SG_DEV_OUT:
         return mf_cost_copy(m, 1, 1, tok * w->copy_bytes_tok);
     case MF_SG_DENSE_IN:   /* one small copy of the items' activations (the heads: and the key table;
-                            * the index scores: and their positional key table) */
-        return mf_cost_act_copy(m, 0, w->copy_bytes + tok * w->copy_bytes_tok + s->pos_bytes);
+                            * the index scores: and their positional key table); wo_b's input in
+                            * `copies` ranges (mf_sg_ob_in_cols): a latency each */
+        return mf_cost_act_copy(m, 0, w->copy_bytes + tok * w->copy_bytes_tok + s->pos_bytes) +
+               (w->copies > 1 ? (w->copies - 1) * mf_cost_act_copy(m, 0, 0) : 0);
     case MF_SG_DENSE_DEQ:   /* the layer's FP8 weights of the sublayer the card holds, into 16 bits */
         return mf_cost_card_dequant(m, MF_KF_FP8, w->w_bytes[MF_KF_FP8], w->macs[MF_KF_FP8], w->calls[MF_KF_FP8]);
     case MF_SG_DENSE:   /* its FP8 linears on their path (the dequantization is MF_SG_DENSE_DEQ's); the

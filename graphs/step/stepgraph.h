@@ -507,6 +507,11 @@ typedef struct mf_stepgraph {
      * on (mf_sg_scores_choice); scores_any: some layer's are */
     int8_t scores_cards[MF_CONFIG_MAX_LAYERS];
     int scores_any;
+    /* wo_a's outputs exchanged between the cards for wo_b (mf_sg_oa_exchange): oa_x 1 when wo_a and
+     * wo_b are split by rows over the same cards; oa_kept[k] 1 when card k's wo_b copy-in leaves out
+     * the wo_a rows its own oa made, which stay on it (mf_sg_ob_in_cols) */
+    int oa_x;
+    int8_t oa_kept[MF_SG_MAX_CARDS];
     /* per layer and slot, the tasks that have nothing to do unless the slot runs on the host
      * (ups, downs, join) or on card c (in, ffn, out): slot_tid[(L * n_slots + s) * tid_per_slot
      * + k], k < 2 p_exp + 1 host, then 3 per card; -1 where absent */
@@ -643,11 +648,25 @@ typedef enum mf_sg_dense_split { MF_SG_SPLIT_LAYERS = 0, MF_SG_SPLIT_ROWS } mf_s
  * the batch-1 critical path, and a split would add a round trip through the host between them)
  * runs as one task chain per card, the record's `part` being the card; a sublayer's output rows
  * are those of its linears one after another (mf_ly_attn_linears' order; the gate's experts, the
- * head's vocabulary). wo_a and wo_b are split alike: wo_a's rows go out to the host and all of
- * them come back in to every card for wo_b (one extra copy each way, cheaper than wo_a and wo_b
- * whole on one card at the seed host's figures: docs/measurements.md part 1); a card's wo_a copies
- * in only the heads' output slices of the groups its rows touch. */
+ * head's vocabulary). wo_a and wo_b are split alike: wo_a's rows go out to the host and the
+ * other cards' come back in to every card for wo_b (mf_sg_oa_exchange; one extra copy each way,
+ * cheaper than wo_a and wo_b whole on one card at the seed host's figures: docs/measurements.md
+ * part 1); a card's wo_a copies in only the heads' output slices of the groups its rows touch. */
 int mf_sg_dense_parts(int n_dense_cards, int split, int dense);
+/* wo_a's outputs exchanged between the cards (issue 37 phase 6), set by mf_sg_parts: where wo_a
+ * and wo_b are split by rows over the same cards (mf_stepgraph.oa_x), block j of a card's wo_b
+ * copy-in waits only for block j of each card's wo_a (the other cards' copies out through pinned
+ * host memory, the card's own oa work), not for every card's whole wo_a (the oa join); and card k
+ * keeps the wo_a rows its own oa made (mf_stepgraph.oa_kept[k]) where copying only the others'
+ * rows (1 or 2 copies: mf_sg_ob_in_cols) costs less than one copy of all of them at the cost
+ * model's act copy (a block of the graph's items: prefill chunks keep them, batch 1 does not).
+ * The profile has no card-to-card rate, so the exchange is priced and run as the two links' copies
+ * through the host (the source's d2h, the destination's h2d), with no host work between them. */
+void mf_sg_oa_exchange(const mf_sg_opts *o, mf_stepgraph *sg);
+/* The columns of wo_a's output (n_oa_rows: wo_a's rows) card part k's wo_b copy-in carries:
+ * ranges c[r][0..1) for r < the count returned (1 or 2): all of them, or with oa_kept[k] the
+ * other cards' rows around its own (mf_sg_dense_rows); 0 when none. */
+int mf_sg_ob_in_cols(const mf_stepgraph *sg, int k, int64_t n_oa_rows, int64_t c[2][2]);
 /* The item blocks of a dense chain on a card over n items, each a copy in -> card work -> copy out
  * of its own over items [i0 + n j / blocks, i0 + n (j + 1) / blocks) (a card's blocks' copy-ins one
  * after another), so that one block's copies run beside another's card work: a prefill chunk

@@ -12,8 +12,8 @@
 /* Stage st of layer L on its card (split by rows: on every card, mf_sg_dense_chain), over all items:
  * its kernels (oa: the grouped wo_a as an fp8 kernel), their output roundings; in and qb copy
  * their input in and outputs out, oa its input in (none where the heads left it on the card:
- * mf_sg_heads_local) (its output stays for ob; split by rows: out, and ob copies all of it in), ob
- * its output out; the bf16 ones in 2 bytes a value (mf_sg_attn_buf_bf16). */
+ * mf_sg_heads_local) (its output stays for ob; split by rows: out, and ob copies in the other
+ * cards' rows, or all of them: mf_sg_ob_in_cols), ob its output out; the bf16 ones in 2 bytes a value (mf_sg_attn_buf_bf16). */
 static mf_task_id sg_attn_card(mf_sg_builder *b, int L, int st)
 {
     const mf_config *c = b->o->c;
@@ -137,22 +137,43 @@ static void sg_mix(mf_sg_builder *b, int L, int i, int op, const mf_task_id *aft
     }
 }
 
-/* The attention's input: its stages' row parts (rows[st][p]: in, qb, oa, ob) and per item group of
- * the micro-batch, after its unit's unit[] task, its collapse -> attn_norm column parts (before the
- * in parts) and the attention mix in row parts, into amix[i]. */
+/* The attention's input: its stages' row parts (rows[st][p]: in, qb, oa, ob; on cards *oa_run the
+ * oa chains' card works) and per item group of the micro-batch, after its unit's unit[] task, its
+ * collapse -> attn_norm column parts (before the in parts) and the attention mix in row parts, into
+ * amix[i]. */
 static void sg_attn_in(mf_sg_builder *b, int L, const mf_task_id *unit, mf_task_id (*rows)[MF_SG_MAX_PARTS],
-                       mf_task_id (*amix)[SG_MAX_MIX])
+                       mf_task_id (*amix)[SG_MAX_MIX], mf_task_id *oa_run)
 {
     mf_stepgraph *sg = b->sg;
     int pc = sg->p_hc;
     for (int st = 0; st < 4; st++)
-        for (int p = 0; p < sg->p_attn; p++) rows[st][p] = sg_attn_rows(b, L, st, p);
+        for (int p = 0; p < sg->p_attn; p++) {
+            rows[st][p] = sg_attn_rows(b, L, st, p);
+            if (st == MF_SG_ST_OA && p == 0) *oa_run = sg->n_dense_cards ? b->chain_run : -1;
+        }
     for (int i = b->g0; i < b->g1; i++) {   /* item groups */
         mf_task_id nrm[MF_SG_MAX_PARTS], u = unit[mf_sg_group_unit(sg, i)];
         mf_sg_collapse_norm(b, L, i, MF_SG_ATTN_NORM, MF_SG_PH_ATTN, u, nrm);
         for (int p = 0; p < pc; p++)
             for (int q = 0; q < sg->p_attn; q++) mf_sg_dep(b, nrm[p], rows[MF_SG_ST_IN][q]);
         sg_mix(b, L, i, MF_SG_ATTN_MIX, &u, 1, amix);
+    }
+}
+
+/* wo_a's outputs exchanged between the cards (mf_sg_oa_exchange): each wo_b copy-in (the chains'
+ * first tasks from ob) after each oa chain over items meeting its own (from oa, its card works from
+ * run): that chain's copy out, or on its own card where the card keeps its rows (oa_kept) its oa
+ * work; not after the oa join (block j's wo_b starts once block j's wo_a is everywhere). */
+static void sg_attn_exchange(mf_sg_builder *b, mf_task_id oa, mf_task_id run, mf_task_id ob)
+{
+    const mf_sg_task *tk = b->sg->task;
+    for (mf_task_id x = ob; x >= 0 && !b->rc; x = b->next_of[x]) {
+        int k = tk[x].card;
+        for (mf_task_id y = oa, r = run; y >= 0 && r >= 0 && !b->rc; y = b->next_of[y], r = b->next_of[r]) {
+            if (tk[y].i0 >= tk[x].i1 || tk[y].i1 <= tk[x].i0) continue;
+            int own = tk[y].card == k && b->sg->oa_kept[k];
+            b->rc = mf_graph_add_dep(b->sg->g, own ? r : b->exit_of[y], x);
+        }
     }
 }
 
@@ -407,7 +428,7 @@ static void sg_attn_out(mf_sg_builder *b, int L, mf_task_id (*rows)[MF_SG_MAX_PA
  * column parts -> qb parts; in parts -> per unit kv (window KV, compressor: beside the q path)
  * [-> kv join: a mixed graph] -> per unit core prep (after kv and qb) -> per item head groups
  * [-> per unit ring: after the unit's heads, a mixed graph's after the oa join] -> oa parts ->
- * oa join -> ob parts; per item post column parts (after ob, its mix, its unit's ring) -> ffn_norm
+ * oa join -> ob parts (wo_a's outputs exchanged between cards: per block, sg_attn_exchange); per item post column parts (after ob, its mix, its unit's ring) -> ffn_norm
  * column parts -> per unit post join, into post[]; the ffn mix in row parts (for the combine:
  * b->fmix). */
 void mf_sg_attn(mf_sg_builder *b, int L, const mf_task_id *unit, mf_task_id *post)
@@ -415,14 +436,16 @@ void mf_sg_attn(mf_sg_builder *b, int L, const mf_task_id *unit, mf_task_id *pos
     mf_stepgraph *sg = b->sg;
     mf_task_id rows[4][MF_SG_MAX_PARTS], amix[MF_SG_MAX_GROUPS][SG_MAX_MIX], ring[MF_SG_MAX_GROUPS];
     mf_task_id gate[MF_SG_MAX_GROUPS];   /* per item group: the task its heads wait for (core or select) */
-    sg_attn_in(b, L, unit, rows, amix);
+    mf_task_id oa_run = -1;
+    sg_attn_in(b, L, unit, rows, amix, &oa_run);
     sg_attn_q(b, L, rows);
     SG_NAME(b, "attn L%d oa join", L);
     mf_task_id oj = mf_sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, mf_sg_rec(L));
     for (int p = 0; p < sg->p_attn; p++) {
         mf_sg_dep(b, rows[MF_SG_ST_OA][p], oj);
-        mf_sg_dep(b, oj, rows[MF_SG_ST_OB][p]);
+        if (!sg->oa_x) mf_sg_dep(b, oj, rows[MF_SG_ST_OB][p]);
     }
+    if (sg->oa_x) sg_attn_exchange(b, rows[MF_SG_ST_OA][0], oa_run, rows[MF_SG_ST_OB][0]);
     mf_task_id kvj = -1;   /* a mixed graph: every kv before any core (a sequence's items may lie in other units) */
     if (sg->mixed) {
         SG_NAME(b, "attn L%d kv join", L);

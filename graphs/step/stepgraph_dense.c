@@ -72,6 +72,42 @@ void mf_sg_dense_rows(int parts, int part, int64_t n_rows, int64_t *r0, int64_t 
     *r1 = e < n_rows ? e : n_rows;
 }
 
+void mf_sg_oa_exchange(const mf_sg_opts *o, mf_stepgraph *sg)
+{
+    const mf_config *c = o->c;
+    int nc = o->n_dense_cards, parts = mf_sg_dense_parts(nc, o->dense_split, MF_SG_D_ATTN_OA);
+    sg->oa_x = parts > 1 && !o->draft && mf_sg_dense_parts(nc, o->dense_split, MF_SG_D_ATTN_OB) == parts;
+    memset(sg->oa_kept, 0, sizeof sg->oa_kept);
+    if (!sg->oa_x) return;
+    mf_cost_model m = {.p = o->profile ? o->profile : mf_cost_default_profile()};
+    int n = sg->n_halves > 1 ? sg->n / 2 : sg->n, nb = mf_sg_dense_blocks(n, sg->dense_block);
+    int64_t n_rows = (int64_t)c->o_groups * c->o_lora_rank, r0, r1;
+    double tok = mf_sg_attn_val_bytes(MF_LY_A_Z) * (n / nb > 0 ? n / nb : 1);   /* a block's bytes a column */
+    double all = mf_cost_act_copy(&m, 0, tok * (double)n_rows), lat = mf_cost_act_copy(&m, 0, 0);
+    for (int k = 0; k < parts && k < MF_SG_MAX_CARDS; k++) {
+        mf_sg_dense_rows(parts, k, n_rows, &r0, &r1);
+        int copies = (r0 > 0) + (r1 < n_rows);
+        if (r1 <= r0 || copies < 1) continue;
+        double others = mf_cost_act_copy(&m, 0, tok * (double)(n_rows - (r1 - r0))) + (copies - 1) * lat;
+        sg->oa_kept[k] = others < all;
+    }
+}
+
+int mf_sg_ob_in_cols(const mf_stepgraph *sg, int k, int64_t n_oa_rows, int64_t c[2][2])
+{
+    int64_t r0, r1;
+    int m = 0;
+    if (!sg->oa_x || k < 0 || k >= MF_SG_MAX_CARDS || !sg->oa_kept[k]) {
+        c[0][0] = 0;
+        c[0][1] = n_oa_rows;
+        return n_oa_rows > 0;
+    }
+    mf_sg_dense_rows(sg->n_dense_cards, k, n_oa_rows, &r0, &r1);
+    if (r0 > 0) c[m][0] = 0, c[m++][1] = r0;
+    if (r1 < n_oa_rows) c[m][0] = r1, c[m++][1] = n_oa_rows;
+    return m;
+}
+
 /* The share of n_rows rows that part k of `parts` owns (mf_sg_dense_rows). */
 static double sg_dense_share(int parts, int k, double n_rows)
 {
@@ -257,6 +293,17 @@ static double sg_dense_oa_in_share(const mf_config *c, int parts, int k, double 
     return r1 > r0 ? (double)((r1 + R - 1) / R - r0 / R) / (double)G : 0;
 }
 
+/* Card part k's wo_b copy-in of layer L (record t; in_tok: all of wo_a's output, per item): the
+ * columns mf_sg_ob_in_cols gives, one act copy each. */
+static void sg_dense_ob_in(const mf_sg_builder *b, int L, int k, double in_tok, mf_sg_task *t)
+{
+    int64_t n_rows = (int64_t)b->o->sz->layer[L].st_out_rows[MF_SG_ST_OA], cols[2][2], w = 0;
+    int m = mf_sg_ob_in_cols(b->sg, k, n_rows, cols);
+    for (int r = 0; r < m; r++) w += cols[r][1] - cols[r][0];
+    t->w.copy_bytes_tok = n_rows > 0 ? in_tok * (double)w / (double)n_rows : 0;
+    t->w.copies = m;
+}
+
 /* Each member of group g on card cd (a dense chain's first task or card work: its chains, one per
  * card and item block) before `after`. */
 static void sg_dense_member_dep(mf_sg_builder *b, mf_task_id g, int cd, mf_task_id after)
@@ -325,6 +372,7 @@ mf_task_id mf_sg_dense_chain(mf_sg_builder *b, int L, int d, mf_sg_task t, int p
                 mf_sg_task ti = r;
                 ti.w.copy_bytes_tok =
                     in_tok * (d == MF_SG_D_ATTN_OA ? sg_dense_oa_in_share(b->o->c, parts, k, out_tok / 4) : 1);
+                if (d == MF_SG_D_ATTN_OB && parts > 1) sg_dense_ob_in(b, L, k, in_tok, &ti);
                 in = mf_sg_add(b, lane, MF_SG_DENSE_IN, phase, MF_SG_K_COPY, ti);
                 if (!b->rc && prev_in >= 0) b->rc = mf_graph_add_dep(sg->g, prev_in, in);
                 prev_in = in;

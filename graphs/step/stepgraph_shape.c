@@ -202,6 +202,7 @@ void mf_sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
         sg->scores_cards[L] = (int8_t)mf_sg_scores_choice(o, L, sg->heads_cards[L]);
         sg->scores_any |= sg->scores_cards[L] > 0;
     }
+    mf_sg_oa_exchange(o, sg);
     sg->n_io_parts = o->store ? MF_SG_EXPERT_PARTS : 0;
     sg->tid_per_slot = 2 * sg->p_exp + 1 + 3 * sg->n_cards;
     /* Engram reads: a unit's items x rows x (codes, scales), the table's stride the largest unit's */
