@@ -1,6 +1,7 @@
 /* The pipeline's transport over Open MPI (sched/link_mpi.h): buffered nonblocking sends, polled
  * receives with bounds, and a watcher thread that exchanges heartbeats, takes failure messages and
- * keeps the sends in flight progressing. Built only with MPI (MOEFLOW_MPI). */
+ * keeps the sends in flight progressing; beside it UDP heartbeats on a thread that never calls MPI
+ * (sched/hb_udp.h). Built only with MPI (MOEFLOW_MPI). */
 #include "sched/link_mpi.h"
 
 #include <errno.h>
@@ -13,9 +14,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "sched/clock.h"
 #include "sched/error.h"
+#include "sched/hb_udp.h"
 
 #define TAG_HB (MF_LINK_MAX_TAG + 1)     /* a heartbeat: one byte */
 #define TAG_FAIL (MF_LINK_MAX_TAG + 2)   /* a failure: its message */
@@ -39,7 +42,8 @@ struct mf_link_mpi {
     atomic_int stop;
     pthread_mutex_t mu;          /* pend[], hb_req[], fail_req[], the failure's message */
     mf_lsend pend[MAX_PENDING];
-    _Atomic int64_t *heard;      /* per rank: when a message of it last arrived */
+    _Atomic int64_t *heard;      /* per rank: when a message of it last arrived over MPI */
+    mf_hb_udp *hb;               /* the UDP heartbeats (NULL where no UDP socket could be had) */
     MPI_Request *hb_req;         /* per rank: the heartbeat in flight to it */
     MPI_Request *fail_req;       /* per rank: the failure message in flight to it */
     uint8_t hb_byte;
@@ -129,7 +133,8 @@ static void *mf_lm_watch(void *arg)
             last_hb = now;
         }
         for (int p = 0; p < l->size; p++) {
-            int64_t quiet = now - atomic_load(&l->heard[p]);
+            int64_t last = atomic_load(&l->heard[p]), udp = l->hb ? mf_hb_udp_heard(l->hb, p) : 0;
+            int64_t quiet = now - (udp > last ? udp : last);   /* heard by either channel */
             if (p == l->rank || quiet <= l->lost_ns) continue;
             char m[FAIL_BYTES];
             snprintf(m, sizeof m, "rank %d lost: nothing heard from it for %.1f s (seen by rank %d)", p, quiet / 1e9,
@@ -238,6 +243,22 @@ static void mf_lm_fail(void *ctx, const char *msg)
     pthread_mutex_unlock(&l->mu);
 }
 
+/* The UDP heartbeats: rank 0's job id to every rank, then every rank's record to every rank (two
+ * collectives each rank makes in open; all: size records). A rank that got no UDP socket hands out
+ * an empty record and is heard, and hears, through MPI alone. */
+static void mf_lm_hb_open(mf_link_mpi *l, mf_hb_record *all)
+{
+    uint64_t job = 0;
+    if (l->rank == 0) job = (uint64_t)mf_now_ns() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)l;
+    MPI_Bcast(&job, 1, MPI_UINT64_T, 0, l->comm);
+    mf_hb_record mine;
+    mf_hb_udp *h = NULL;
+    if (mf_hb_udp_open(job, l->rank, l->size, l->hb_ns, &h, &mine)) memset(&mine, 0, sizeof mine);
+    int mrc = MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, all, (int)sizeof mine, MPI_BYTE, l->comm);
+    if (mrc == MPI_SUCCESS && h && !mf_hb_udp_start(h, all)) l->hb = h;
+    else mf_hb_udp_close(h);
+}
+
 int mf_link_mpi_open(int *argc, char ***argv, const mf_link_mpi_opts *o, mf_link_mpi **out)
 {
     *out = NULL;
@@ -265,7 +286,9 @@ int mf_link_mpi_open(int *argc, char ***argv, const mf_link_mpi_opts *o, mf_link
     l->heard = calloc((size_t)l->size, sizeof *l->heard);
     l->hb_req = malloc(sizeof *l->hb_req * (size_t)l->size);
     l->fail_req = malloc(sizeof *l->fail_req * (size_t)l->size);
-    if (!l->heard || !l->hb_req || !l->fail_req) {
+    mf_hb_record *recs = calloc((size_t)l->size, sizeof *recs);
+    if (!l->heard || !l->hb_req || !l->fail_req || !recs) {
+        free(recs);
         free(l->heard);
         free(l->hb_req);
         free(l->fail_req);
@@ -281,8 +304,11 @@ int mf_link_mpi_open(int *argc, char ***argv, const mf_link_mpi_opts *o, mf_link
     pthread_mutex_init(&l->mu, NULL);
     l->ops = (mf_link_ops){.ctx = l, .rank = l->rank, .size = l->size, .send = mf_lm_send, .recv = mf_lm_recv,
                            .fail = mf_lm_fail};
+    if (l->size > 1) mf_lm_hb_open(l, recs);
+    free(recs);
     if (l->size > 1) {
         if (pthread_create(&l->watcher, NULL, mf_lm_watch, l)) {
+            mf_hb_udp_close(l->hb);
             pthread_mutex_destroy(&l->mu);
             free(l->heard);
             free(l->hb_req);
@@ -336,6 +362,8 @@ int mf_link_mpi_close(mf_link_mpi *l)
     }
     atomic_store(&l->stop, 1);
     if (l->watching) pthread_join(l->watcher, NULL);
+    mf_hb_udp_close(l->hb);
+    l->hb = NULL;
     if (!ok) return -EPIPE;   /* l stays: MPI may still read the messages in flight until the caller exits */
     for (int p = 0; p < l->size; p++)   /* a heartbeat the peer never took */
         if (l->hb_req[p] != MPI_REQUEST_NULL) {

@@ -5,8 +5,10 @@
  * it): the calling thread, the engine's boundary lane and this module's watcher thread each make
  * MPI calls. Every call is nonblocking (MPI_Isend, MPI_Irecv, MPI_Iprobe, MPI_Ibarrier) and every
  * wait polls with a bound:
- * - the watcher sends each other rank a heartbeat every heartbeat_ns and takes theirs; a rank not
- *   heard from for lost_ns is lost: every wait of this rank fails with -EPIPE naming it ("rank 2
+ * - the watcher sends each other rank a heartbeat every heartbeat_ns and takes theirs, and so, over
+ *   UDP, does a thread that never calls MPI (sched/hb_udp.h: a rank whose MPI progress stalls is
+ *   still heard; where UDP does not get through, MPI's heartbeats alone); a rank not heard from
+ *   by either for lost_ns is lost: every wait of this rank fails with -EPIPE naming it ("rank 2
  *   lost: nothing heard from it for 10.0 s"), and the others are told (a FAIL message);
  * - a receive with a timeout fails with -ETIMEDOUT naming the rank it waits for (alive, since it
  *   still sends heartbeats, but silent: hung) once the timeout passes;
