@@ -81,6 +81,10 @@ int mf_dev_xcache_card(const mf_dev_xcache *c);
  * land on card 0. */
 int mf_dev_xcache_owner(int n_cards, int layer, int id);
 
+/* How many of n_layers x n_experts items card `card` of n_cards owns (mf_dev_xcache_owner): the
+ * slots that hold all of them. */
+int mf_dev_xcache_owned(int n_cards, int card, int n_layers, int n_experts);
+
 /* Warming (the fill before the first step, `--dev-cache-fill`): which experts card `card` of
  * n_cards takes, in fill order, written to items[] as layer x n_experts + id; returns how many
  * (at most n_slots and the experts the card owns), -ENOMEM. Only experts the card owns

@@ -38,6 +38,7 @@ struct mf_plan {
     double act_routed, act_dense;            /* a card's steps' buffers (mf_sg_card_reserve, or this graph's
                                               * with a cache budget): with routed experts, dense */
     double dense_bytes[PL_MAX_CARDS];        /* dense weights per card */
+    int draft_slots[PL_MAX_CARDS];           /* draft_cards: each card's share of the draft's experts */
     int K, E, n_layers;
     int L0;                                  /* the graph's first layer (the draft round's: n_layers);
                                               * the tables below are indexed by layer - L0, n_layers of them */
@@ -280,8 +281,8 @@ static int pl_fill(mf_plan *p, double xslot)
 {
     int64_t n_items = (int64_t)p->n_layers * p->E;
     int32_t *items = malloc(sizeof *items * (size_t)n_items);
-    uint32_t *counts = p->o.routing ? malloc(sizeof *counts * (size_t)n_items) : NULL;
-    if (!items || (p->o.routing && !counts)) {
+    uint32_t *counts = p->o.routing && !p->o.draft ? malloc(sizeof *counts * (size_t)n_items) : NULL;
+    if (!items || (p->o.routing && !p->o.draft && !counts)) {
         free(items);
         free(counts);
         return mf_error(-ENOMEM, "plan: out of memory for the warm fill");
@@ -341,7 +342,10 @@ static void pl_init(mf_plan *p, const mf_plan_opts *o)
     p->n_cores = f->n_sockets * f->threads_per_socket;
     p->n_cards = o->placement == MF_STEP_PLACE_HOST ? 0 : o->n_cards ? o->n_cards : f->n_cards;
     p->n_dense = o->dense == MF_PLAN_DENSE_CARDS ? (o->n_cards ? o->n_cards : f->n_cards) : 0;
-    if (o->draft) p->n_cards = 0;   /* the draft round's experts run on the host (its dense work as the steps') */
+    /* the draft round's experts on the host, or (draft_cards) resident on the cards that own them */
+    if (o->draft && !o->draft_cards) p->n_cards = 0;
+    for (int cd = 0; cd < p->n_cards && o->draft_cards; cd++)
+        p->draft_slots[cd] = mf_dev_xcache_owned(p->n_cards, cd, c->n_mtp_layers, mf_config_layer_experts(c, c->n_layers));
     p->n_lane_cards = p->n_cards > p->n_dense ? p->n_cards : p->n_dense;
     p->emulated = f->cards_emulated;
     p->read_window = o->read_window ? o->read_window : 2;
@@ -428,8 +432,8 @@ static int pl_graph(mf_plan *p, mf_sg_opts *go)
                         .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof,
                         .prefetch_min = o->prefetch_min, .lt = o->lt,
                         .layer_begin = o->layer_begin, .layer_end = o->layer_end, .lane_net = p->lt.lane_net};
-    if (o->draft) {   /* the draft round's experts on the host (mf_sg_draft_check) */
-        go->n_cards = go->dev_graphs = go->store = go->eg_reads = 0;
+    if (o->draft) {   /* no store, device graphs or Engram reads in a draft round (mf_sg_draft_check) */
+        go->dev_graphs = go->store = go->eg_reads = 0;
         go->micro = 1;
         go->prefetch_min = -1;
     }
@@ -529,10 +533,12 @@ static int pl_dev_slots(mf_plan *p, int *dev_slots)
          * (what its dense weights and the steps' buffers held back leave) */
         int64_t n_items = (int64_t)p->n_layers * p->E, slots;
         double mem = f->card_mem_bytes ? (double)f->card_mem_bytes - (cd < p->n_dense ? p->dense_bytes[cd] + p->act_dense : 0) -
-                                             p->act_routed
+                                             p->act_routed - p->draft_slots[cd] * xslot
                                        : 0;
-        if (o->dev_cache_bytes) {
-            slots = (int64_t)(o->dev_cache_bytes / xslot);
+        if (o->draft) {   /* draft_cards: the card's share of the draft's experts, all resident */
+            slots = p->draft_slots[cd];
+        } else if (o->dev_cache_bytes) {   /* the budget, less the draft's share where it holds one */
+            slots = (int64_t)(o->dev_cache_bytes / xslot) - p->draft_slots[cd];
         } else {
             slots = n_items;
             while (slots > 1 && mem > 0 && slots * xslot > mem) slots = mf_dev_xcache_shrink(slots, 1);
@@ -589,7 +595,7 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
     if (!rc)
         rc = pl_caches_new(p, store_slots, dev_slots,
                            o->dev_cache_policy == MF_PLAN_CACHE_LRU ? MF_RESID_LRU : MF_RESID_LFU);
-    if (!rc && o->dev_cache_fill && p->n_cards) rc = pl_fill(p, p->sz->xslot_bytes);
+    if (!rc && (o->dev_cache_fill || o->draft) && p->n_cards) rc = pl_fill(p, p->sz->xslot_bytes);
     if (!rc) rc = pl_alloc(p);
     if (rc) {
         mf_plan_free(p);

@@ -470,6 +470,23 @@ static int sp_sim_one(const mf_plan_opts *po, int warmup, int steps, double *ns)
     return rc;
 }
 
+mf_plan_opts mf_spec_sim_plan(const mf_plan_opts *po, int k, int draft)
+{
+    /* the steady state at k: speculating (k > 0), the draft's experts on the cards and the
+     * backbone's cache short of their slots; plain (k 0), the backbone's cache whole (draft_cards) */
+    mf_plan_opts o = *po;
+    int per = MF_STEP_DRAFT_ITEMS / po->config->dspark_block_size, b = po->batch ? po->batch : 1;
+    o.draft_cards = k > 0;
+    o.unit_len = draft ? 0 : 1 + k;
+    o.feats = !draft;
+    o.draft = draft ? k : 0;
+    if (draft) {   /* one round of at most `per` sequences, its experts drawn uniformly */
+        o.batch = b < per ? b : per;
+        o.routing = NULL;
+    }
+    return o;
+}
+
 int mf_spec_sim(const mf_plan_opts *po, int n_max, int warmup, int steps, double *verify_ns, double *draft_ns,
                 int *n_k)
 {
@@ -477,18 +494,12 @@ int mf_spec_sim(const mf_plan_opts *po, int n_max, int warmup, int steps, double
     *n_k = 0;
     draft_ns[0] = 0;
     for (int k = 0; k <= n_max && !rc && b * (1 + k) <= MF_STEP_MAX_ITEMS; k++) {
-        mf_plan_opts o = *po;
-        o.unit_len = 1 + k;
-        o.feats = 1;
-        o.draft = 0;
+        mf_plan_opts o = mf_spec_sim_plan(po, k, 0);
         rc = sp_sim_one(&o, warmup, steps, &verify_ns[k]);
         for (int done = 0; k && !rc && done < b; done += per) {   /* draft rounds of at most `per` sequences */
             double ns;
-            o = *po;
+            o = mf_spec_sim_plan(po, k, 1);
             o.batch = b - done < per ? b - done : per;
-            o.unit_len = 0;
-            o.draft = k;
-            o.routing = NULL;
             rc = sp_sim_one(&o, warmup, steps, &ns);
             draft_ns[k] = (done ? draft_ns[k] : 0) + ns;
         }
