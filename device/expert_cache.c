@@ -25,10 +25,10 @@ int mf_dev_xcache_owner(int n_cards, int layer, int id)
     return (int)(((int64_t)id + layer) % n_cards);
 }
 
-int mf_dev_xcache_owned(int n_cards, int card, int n_layers, int n_experts)
+int mf_dev_xcache_owned(int n_cards, int card, int layer0, int n_layers, int n_experts)
 {
     int n = 0;
-    for (int L = 0; L < n_layers; L++)
+    for (int L = layer0; L < layer0 + n_layers; L++)
         for (int id = 0; id < n_experts; id++) n += mf_dev_xcache_owner(n_cards, L, id) == card;
     return n;
 }

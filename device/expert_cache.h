@@ -81,9 +81,9 @@ int mf_dev_xcache_card(const mf_dev_xcache *c);
  * land on card 0. */
 int mf_dev_xcache_owner(int n_cards, int layer, int id);
 
-/* How many of n_layers x n_experts items card `card` of n_cards owns (mf_dev_xcache_owner): the
- * slots that hold all of them. */
-int mf_dev_xcache_owned(int n_cards, int card, int n_layers, int n_experts);
+/* How many experts of layers [layer0, layer0 + n_layers), n_experts each, card `card` of n_cards
+ * owns (mf_dev_xcache_owner): the slots that hold all of them. */
+int mf_dev_xcache_owned(int n_cards, int card, int layer0, int n_layers, int n_experts);
 
 /* Warming (the fill before the first step, `--dev-cache-fill`): which experts card `card` of
  * n_cards takes, in fill order, written to items[] as layer x n_experts + id; returns how many
