@@ -24,6 +24,9 @@ typedef struct mf_dev_xcache_opts {
     uint64_t budget_bytes;        /* device bytes for the slab; 0: every expert, or as many slots
                                    * as the card grants (the ask shrunk on -ENOMEM by
                                    * mf_dev_xcache_shrink) */
+    int size_items;               /* without a budget, the experts the first ask is for (0: all
+                                   * n_layers x n_experts; the engine's cache over the backbone's and
+                                   * the draft's experts asks for the backbone's) */
     int min_slots;                /* fewest slots accepted (0: 1) */
     int aging_period;             /* accesses between halvings (0: 8 x slots) */
 } mf_dev_xcache_opts;

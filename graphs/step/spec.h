@@ -125,6 +125,11 @@ typedef struct mf_spec_stats {
     int64_t steps[MF_SPEC_MAX + 1], step_ns[MF_SPEC_MAX + 1];
     /* the cost model's prices the policy used, batch 1: a step of 1 + k items, a draft round of k */
     double price_verify_ns[MF_SPEC_MAX + 1], price_draft_ns[MF_SPEC_MAX + 1];
+    /* an engine with cards: the draft's experts taken onto them (mf_step_draft_cards) when the
+     * policy picks k > 0, dropped after SP_HOLD rounds in a row in which it picked k 0 everywhere
+     * (probes do not count), and whether they are held now */
+    int64_t dcards_takes, dcards_drops;
+    int dcards_held;
 } mf_spec_stats;
 void mf_spec_get_stats(const mf_spec *sp, mf_spec_stats *out);
 
