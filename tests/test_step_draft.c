@@ -302,7 +302,8 @@ static void check_feats_bucket(mf_ref *r, const int32_t *ids)
 
 /* The draft's experts on emulated cards (mf_step_draft_cards): a round places its MoE's slots on
  * the cards (every one a hit) and gives the host engine's candidates, confidences and logits bit
- * for bit (the cards run the host's kernels), seed and hybrid placement; given back, the round
+ * for bit (the cards run the host's kernels), seed (also with device graphs: the steps' only) and
+ * hybrid placement; given back, the round
  * runs on the host again, the same bits; the backbone's cache had the draft's share taken. */
 static void check_cards(mf_ref *r, mf_ref_draft *rd, const float *feats, const int32_t *ids)
 {
@@ -315,13 +316,14 @@ static void check_cards(mf_ref *r, mf_ref_draft *rd, const float *feats, const i
     mf_ly_draft_state *dh = NULL;
     CHECK(h && mf_ref_draft_state_new(rd, &dh) == 0, "%s", mf_last_error());
     CHECK(dh && eng_round(h, dh, feats, n, ids[n - 1], B, &ho) == 0, "host round: %s", mf_last_error());
-    const int places[2] = {MF_STEP_PLACE_SEED, MF_STEP_PLACE_HYBRID};
-    for (int pl = 0; pl < 2; pl++) {
+    const int places[3] = {MF_STEP_PLACE_SEED, MF_STEP_PLACE_HYBRID, MF_STEP_PLACE_SEED};   /* the last with device graphs */
+    for (int pl = 0; pl < 3; pl++) {
         char spec[64];
         mf_dev *d = NULL;
         mf_step *e = NULL;
         CHECK(mf_test_emu_open(2, spec, sizeof spec, &d) == 0, "%s: %s", spec, mf_last_error());
-        CHECK(d && mf_step_new(r, &(mf_step_opts){.n_threads = 2, .draft = 1, .dev = d, .placement = places[pl]},
+        CHECK(d && mf_step_new(r, &(mf_step_opts){.n_threads = 2, .draft = 1, .dev = d, .placement = places[pl],
+                                             .dev_graphs = pl == 2},
                                &e) == 0, "%s", mf_last_error());
         if (!e) {
             mf_dev_close(d);
@@ -336,7 +338,7 @@ static void check_cards(mf_ref *r, mf_ref_draft *rd, const float *feats, const i
             CHECK(de && eng_round(e, de, feats, n, ids[n - 1], B, &co) == 0, "card round: %s", mf_last_error());
             mf_step_last_dev(e, &st);
             /* seed: every slot on its owner card; hybrid: where the cost model puts it */
-            CHECK(on ? (st.dev_slots > 0 || pl) && st.misses == 0 : st.dev_slots == 0,
+            CHECK(on ? (st.dev_slots > 0 || pl == 1) && st.misses == 0 : st.dev_slots == 0,
                   "placement %d, draft cards %d: %lld slots on the cards (%llu misses), %lld on the host", places[pl], on,
                   (long long)st.dev_slots, (unsigned long long)st.misses, (long long)st.host_slots);
             CHECK(!memcmp(co.tok, ho.tok, sizeof co.tok) && !memcmp(co.conf, ho.conf, sizeof co.conf) &&

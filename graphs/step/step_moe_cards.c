@@ -17,7 +17,7 @@ static void mf_step_dev_tables(mf_step_shape *sh, int L, int h)
 {
     mf_step *eng = sh->eng;
     int s0 = sh->sg->half_slot[h], s1 = sh->sg->half_slot[h + 1];
-    if (eng->dev_graphs)
+    if (eng->dev_graphs && sh->sg->dev_graphs)   /* not a draft round's (mf_step_draft_opts) */
         for (int c = 0; c < eng->n_cards; c++) {
             mf_dev_ffn_slot *tab = sh->htab[c] + (size_t)L * sh->n_slots;
             for (int s = s0; s < s1; s++)
