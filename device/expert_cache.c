@@ -25,6 +25,14 @@ int mf_dev_xcache_owner(int n_cards, int layer, int id)
     return (int)(((int64_t)id + layer) % n_cards);
 }
 
+int mf_dev_xcache_owned(int n_cards, int card, int layer0, int n_layers, int n_experts)
+{
+    int n = 0;
+    for (int L = layer0; L < layer0 + n_layers; L++)
+        for (int id = 0; id < n_experts; id++) n += mf_dev_xcache_owner(n_cards, L, id) == card;
+    return n;
+}
+
 int64_t mf_dev_xcache_shrink(int64_t n, int64_t min_slots)
 {
     int64_t m = n - (n / 8 > 1 ? n / 8 : 1);
@@ -42,7 +50,7 @@ int mf_dev_xcache_new(mf_dev *d, const mf_dev_xcache_opts *o, mf_dev_xcache **ou
     int min_slots = o->min_slots > 0 ? o->min_slots : 1;
     int64_t n_items = (int64_t)o->n_layers * o->n_experts;
     if (n_items > INT32_MAX) return mf_error(-EINVAL, "expert cache: too many experts");
-    int64_t want = o->budget_bytes ? (int64_t)(o->budget_bytes / o->slot_bytes) : n_items;
+    int64_t want = o->budget_bytes ? (int64_t)(o->budget_bytes / o->slot_bytes) : o->size_items > 0 ? o->size_items : n_items;
     if (want > n_items) want = n_items;
     if (want < min_slots)
         return mf_error(-ENOSPC, "expert cache: card %d: a budget of %" PRIu64 " bytes holds %" PRId64

@@ -24,6 +24,9 @@ typedef struct mf_dev_xcache_opts {
     uint64_t budget_bytes;        /* device bytes for the slab; 0: every expert, or as many slots
                                    * as the card grants (the ask shrunk on -ENOMEM by
                                    * mf_dev_xcache_shrink) */
+    int size_items;               /* without a budget, the experts the first ask is for (0: all
+                                   * n_layers x n_experts; the engine's cache over the backbone's and
+                                   * the draft's experts asks for the backbone's) */
     int min_slots;                /* fewest slots accepted (0: 1) */
     int aging_period;             /* accesses between halvings (0: 8 x slots) */
 } mf_dev_xcache_opts;
@@ -80,6 +83,10 @@ int mf_dev_xcache_card(const mf_dev_xcache *c);
  * each layer's experts round-robin, rotated by layer so that expert 0 of every layer does not
  * land on card 0. */
 int mf_dev_xcache_owner(int n_cards, int layer, int id);
+
+/* How many experts of layers [layer0, layer0 + n_layers), n_experts each, card `card` of n_cards
+ * owns (mf_dev_xcache_owner): the slots that hold all of them. */
+int mf_dev_xcache_owned(int n_cards, int card, int layer0, int n_layers, int n_experts);
 
 /* Warming (the fill before the first step, `--dev-cache-fill`): which experts card `card` of
  * n_cards takes, in fill order, written to items[] as layer x n_experts + id; returns how many

@@ -20,6 +20,7 @@
 #include "graphs/ref/ref.h"
 #include "graphs/layers/layers.h"
 #include "graphs/step/fast_attn.h"
+#include "graphs/step/spec.h"
 #include "graphs/step/step.h"
 #include "graphs/step/stepgraph.h"
 #include "graphs/sim/routing.h"
@@ -1089,6 +1090,59 @@ static void test_mix_records(void)
     }
 }
 
+/* The draft's experts on the cards (mf_plan_opts.draft_cards; docs/dspark.md): a draft round's MoE
+ * takes card slots, every one a hit (each card holds its owned share resident), none without;
+ * a step's backbone cache has exactly that share fewer slots (of a budget's and of the engine's own
+ * sizing: one cache a card over both); mf_spec_sim prices k 0 with the cache whole (the plain plan's makespan exactly)
+ * and k > 0 with the draft's experts on the cards. */
+static void test_draft_cards(void)
+{
+    mf_config c;
+    CHECK(!mf_config_preset("demo", &c), "preset demo");
+    mf_profile f = costly_profile();
+    int E_d = mf_config_layer_experts(&c, c.n_layers), own = mf_dev_xcache_owned(4, 0, c.n_layers, c.n_mtp_layers, E_d);
+    CHECK(own == (c.n_mtp_layers * E_d + 3) / 4, "card 0 owns %d of the draft's %d experts", own, c.n_mtp_layers * E_d);
+    mf_plan_report r[2];
+    for (int dc = 0; dc < 2; dc++) {   /* a draft round of 2 sequences, 5 candidates */
+        CHECK(!mf_plan_run(&(mf_plan_opts){.config = &c, .profile = &f, .placement = MF_STEP_PLACE_HYBRID,
+                                           .dense = MF_PLAN_DENSE_CARDS, .batch = 2, .draft = 5, .draft_cards = dc},
+                           1, 2, &r[dc]), "draft round, draft_cards %d: %s", dc, mf_last_error());
+    }
+    CHECK(r[0].dev_slots == 0 && r[1].dev_slots > 0 && r[1].dev_misses == 0 && r[1].card_slots == own,
+          "draft round: %lld card slots on the host's draft, %lld (%lld misses) on the cards' in %d slots of card 0",
+          (long long)r[0].dev_slots, (long long)r[1].dev_slots, (long long)r[1].dev_misses, r[1].card_slots);
+    mf_plan_opts vo = {.config = &c, .profile = &f, .placement = MF_STEP_PLACE_HYBRID, .batch = 2, .unit_len = 3,
+                       .feats = 1};
+    CHECK(!mf_plan_run(&vo, 1, 2, &r[0]) && r[0].card_slots == c.n_layers * c.n_routed_experts, "verify: %s",
+          mf_last_error());
+    double xslot = r[0].card_cache / r[0].card_slots;
+    mf_profile small = f;   /* a card whose cache holds about 300 experts beside its buffers */
+    small.card_mem_bytes = (uint64_t)(r[0].card_bufs + r[0].card_weights + 301 * xslot);
+    for (int budget = 0; budget < 2; budget++) {   /* a step: the backbone's cache less the draft's share */
+        vo.profile = budget ? &f : &small;
+        vo.dev_cache_bytes = budget ? (uint64_t)(200 * xslot) : 0;
+        for (int dc = 0; dc < 2; dc++) {
+            vo.draft_cards = dc;
+            CHECK(!mf_plan_run(&vo, 1, 2, &r[dc]), "verify, draft_cards %d: %s", dc, mf_last_error());
+        }
+        CHECK(r[1].card_slots == r[0].card_slots - own &&
+                  (budget ? r[0].card_slots == 200 : r[0].card_slots < c.n_layers * c.n_routed_experts),
+              "budget %d: the backbone's cache %d slots, %d with the draft's experts on the cards", budget,
+              r[0].card_slots, r[1].card_slots);
+    }
+    mf_plan_opts po = {.config = &c, .profile = &f, .placement = MF_STEP_PLACE_HYBRID, .batch = 1,
+                       .dev_cache_bytes = (uint64_t)(200 * xslot)};
+    double v[MF_SPEC_MAX + 1], d[MF_SPEC_MAX + 1];
+    int n_k = 0;
+    CHECK(!mf_spec_sim(&po, 2, 1, 2, v, d, &n_k) && n_k == 2, "mf_spec_sim: %s", mf_last_error());
+    for (int k = 0; k <= 2; k++) {
+        mf_plan_opts o = po;
+        o.unit_len = 1 + k, o.feats = 1, o.draft_cards = k > 0;
+        CHECK(!mf_plan_run(&o, 1, 2, &r[0]) && (double)r[0].step_ns == v[k],
+              "k %d: mf_spec_sim %.0f ns, the plan with draft_cards %d %lld ns", k, v[k], k > 0, (long long)r[0].step_ns);
+    }
+}
+
 int main(void)
 {
     const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
@@ -1106,5 +1160,6 @@ int main(void)
     test_placer_tokens();
     test_placer_queue();
     test_mix_records();
+    test_draft_cards();
     return mf_check_exit("test_plan");
 }

@@ -24,6 +24,7 @@
 #include "graphs/step/batch.h"
 #include "graphs/step/spec.h"
 #include "graphs/step/step.h"
+#include "sched/cost.h"
 #include "sched/error.h"
 #include "tests/check.h"
 #include "tests/tiny_ckpt.h"
@@ -402,6 +403,59 @@ static void check_choose(void)
     CHECK(mf_spec_probe_gap(16, 0, 5, 0.02) == 16, "costs unknown: the backoff");
 }
 
+/* The draft's experts on emulated cards (mf_step_draft_cards, taken and given back by the policy:
+ * mf_spec_stats.dcards_*): greedy speculation on an engine whose routed experts (the draft's
+ * among them) run on 2 emulated cards gives the plain host run's tokens and logits, bit for bit:
+ * 5 candidates every round (the draft's experts taken at the first round and held), then the
+ * adaptive k priced on a machine where only the weights' bytes cost (it speculates while the
+ * prior acceptance lasts, then settles at k 0 and gives the experts back SP_HOLD rounds later). */
+static void check_cards(mf_ref *r, mf_step *host)
+{
+    int64_t V = mf_ref_config(r)->vocab_size;
+    enum { NR = 3 };
+    req_out base[NR], got[NR];
+    alloc_outs(base, NR, V);
+    CHECK(run_batch(r, host, NULL, NR, NR, 0, 0, base, V, 7, GEN) == 0, "plain: %s", mf_last_error());
+    mf_dev *d = NULL;
+    mf_step *e = NULL;
+    CHECK(mf_dev_open("emu:2,bw=50e9,lat_ns=2000", &d) == 0 &&
+              mf_step_new(r, &(mf_step_opts){.n_threads = 2, .draft = 1, .dev = d, .placement = MF_STEP_PLACE_SEED},
+                          &e) == 0, "cards: %s", mf_last_error());
+    mf_profile f = *mf_cost_default_profile();
+    f.task_overhead_ns = 0;
+    for (int k = 0; k < MF_KF_N; k++) f.host[k].latency_ns = 0, f.host[k].macs_per_s = 1e30;
+    f.host_vec = (mf_profile_kern){.macs_per_s = 1e30};
+    mf_plan_opts price = {.placement = MF_STEP_PLACE_HOST, .context = 64, .profile = &f};
+    for (int adaptive = 0; adaptive < 2 && e; adaptive++) {
+        mf_spec *sp = NULL;
+        CHECK(mf_spec_new(&(mf_spec_opts){.ref = r, .eng = e, .source = MF_SPEC_DSPARK, .adaptive = adaptive,
+                                          .price = &price}, NR, &sp) == 0, "%s", mf_last_error());
+        for (int run = 0; run < 1 + 2 * adaptive && sp; run++) {
+            alloc_outs(got, NR, V);
+            CHECK(run_batch(r, e, sp, NR, NR, 0, 0, got, V, 7, GEN) == 0, "cards dspark: %s", mf_last_error());
+            for (int q = 0; q < NR; q++)
+                CHECK(got[q].n == GEN && !memcmp(got[q].tok, base[q].tok, sizeof got[q].tok) &&
+                          !memcmp(got[q].logits, base[q].logits, sizeof(float) * GEN * (size_t)V),
+                      "cards dspark%s, run %d: request %d's tokens or logits differ from greedy without speculation",
+                      adaptive ? " auto" : "", run, q);
+            free_outs(got, NR);
+        }
+        mf_spec_stats st = {0};
+        if (sp) mf_spec_get_stats(sp, &st);
+        printf("cards dspark%s: %lld rounds, %lld plain steps; the draft's experts taken %lld, given back %lld, held %d\n",
+               adaptive ? " auto" : "", (long long)st.rounds, (long long)st.plain, (long long)st.dcards_takes,
+               (long long)st.dcards_drops, st.dcards_held);
+        CHECK(adaptive ? st.rounds > 0 && st.dcards_takes >= 1 && st.dcards_drops >= 1 && !st.dcards_held
+                       : st.rounds > 0 && st.dcards_takes == 1 && st.dcards_held,
+              "cards dspark%s: takes %lld, drops %lld, held %d", adaptive ? " auto" : "", (long long)st.dcards_takes,
+              (long long)st.dcards_drops, st.dcards_held);
+        mf_spec_free(sp);
+    }
+    free_outs(base, NR);
+    mf_step_free(e);
+    mf_dev_close(d);
+}
+
 int main(void)
 {
     mf_config c;
@@ -414,6 +468,7 @@ int main(void)
     if (mf_test_open(dir, 1, &m, &r, &e)) return 1;
     check_choose();
     check_greedy(r, e, "engine");
+    check_cards(r, e);
     check_controls(r, e);
     check_prefix(r, e, "engine");
     if (!MF_TEST_SANITIZED) check_prefix(r, NULL, "reference");

@@ -24,6 +24,7 @@
 #include "graphs/step/step.h"
 #include "sched/error.h"
 #include "tests/check.h"
+#include "tests/step_run.h"
 #include "tests/tiny_ckpt.h"
 
 enum { T = 40, B = 5, NS = 3 };
@@ -299,6 +300,60 @@ static void check_feats_bucket(mf_ref *r, const int32_t *ids)
     mf_step_free(alone);
 }
 
+/* The draft's experts on emulated cards (mf_step_draft_cards): a round places its MoE's slots on
+ * the cards (every one a hit) and gives the host engine's candidates, confidences and logits bit
+ * for bit (the cards run the host's kernels), seed (also with device graphs: the steps' only) and
+ * hybrid placement; given back, the round
+ * runs on the host again, the same bits; the backbone's cache had the draft's share taken. */
+static void check_cards(mf_ref *r, mf_ref_draft *rd, const float *feats, const int32_t *ids)
+{
+    const mf_config *c = mf_ref_config(r);
+    int64_t V = c->vocab_size;
+    mf_step *h = NULL;
+    CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .draft = 1}, &h) == 0, "%s", mf_last_error());
+    round_out ho = {.logits = malloc(sizeof(float) * B * V)}, co = {.logits = malloc(sizeof(float) * B * V)};
+    const int n = 24;
+    mf_ly_draft_state *dh = NULL;
+    CHECK(h && mf_ref_draft_state_new(rd, &dh) == 0, "%s", mf_last_error());
+    CHECK(dh && eng_round(h, dh, feats, n, ids[n - 1], B, &ho) == 0, "host round: %s", mf_last_error());
+    const int places[3] = {MF_STEP_PLACE_SEED, MF_STEP_PLACE_HYBRID, MF_STEP_PLACE_SEED};   /* the last with device graphs */
+    for (int pl = 0; pl < 3; pl++) {
+        char spec[64];
+        mf_dev *d = NULL;
+        mf_step *e = NULL;
+        CHECK(mf_test_emu_open(2, spec, sizeof spec, &d) == 0, "%s: %s", spec, mf_last_error());
+        CHECK(d && mf_step_new(r, &(mf_step_opts){.n_threads = 2, .draft = 1, .dev = d, .placement = places[pl],
+                                             .dev_graphs = pl == 2},
+                               &e) == 0, "%s", mf_last_error());
+        if (!e) {
+            mf_dev_close(d);
+            continue;
+        }
+        mf_step_dev_stats st;
+        for (int on = 1; on >= 0; on--) {
+            CHECK(mf_step_draft_cards(e, on) == 0, "draft cards %d: %s", on, mf_last_error());
+            mf_ly_draft_state *de = NULL;
+            CHECK(mf_ref_draft_state_new(rd, &de) == 0, "%s", mf_last_error());
+            memset(co.logits, 0, sizeof(float) * B * V);
+            CHECK(de && eng_round(e, de, feats, n, ids[n - 1], B, &co) == 0, "card round: %s", mf_last_error());
+            mf_step_last_dev(e, &st);
+            /* seed: every slot on its owner card; hybrid: where the cost model puts it */
+            CHECK(on ? (st.dev_slots > 0 || pl == 1) && st.misses == 0 : st.dev_slots == 0,
+                  "placement %d, draft cards %d: %lld slots on the cards (%llu misses), %lld on the host", places[pl], on,
+                  (long long)st.dev_slots, (unsigned long long)st.misses, (long long)st.host_slots);
+            CHECK(!memcmp(co.tok, ho.tok, sizeof co.tok) && !memcmp(co.conf, ho.conf, sizeof co.conf) &&
+                      !memcmp(co.logits, ho.logits, sizeof(float) * B * V),
+                  "placement %d, draft cards %d: the round differs from the host engine's", places[pl], on);
+            mf_ref_draft_state_free(de);
+        }
+        mf_step_free(e);
+        mf_dev_close(d);
+    }
+    mf_ref_draft_state_free(dh);
+    free(ho.logits), free(co.logits);
+    mf_step_free(h);
+}
+
 int main(void)
 {
     mf_config c;
@@ -333,6 +388,7 @@ int main(void)
     check_against_ref(r, rd, 0, feats, ids);
     check_against_ref(r, rd, 1, feats, ids);
     check_batch(r, rd, feats, ids);
+    check_cards(r, rd, feats, ids);
     mf_ref_state_free(s);
     free(st), free(fp), free(feats);
     mf_ref_draft_free(rd);

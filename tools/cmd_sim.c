@@ -382,17 +382,9 @@ static int mf_sim_spec_run(const mf_sim_cli *a, const mf_plan_opts *po, mf_routi
     }
     if (a->json) printf("]}}\n");
     if (a->ops && !a->json && n_k) {   /* the work per op of the draft round of k n_k and of its verify */
-        int per = MF_STEP_DRAFT_ITEMS / po->config->dspark_block_size;
         for (int w = 0; w < 2 && !rc; w++) {
-            mf_plan_opts o = *po;
+            mf_plan_opts o = mf_spec_sim_plan(po, n_k, !w);   /* as mf_spec_sim's */
             mf_plan_report r;
-            o.unit_len = w ? 1 + n_k : 0;
-            o.draft = w ? 0 : n_k;
-            o.feats = w;
-            if (!w) {   /* one round of at most `per` sequences, its routing drawn, as mf_spec_sim's */
-                o.batch = (int)b < per ? (int)b : per;
-                o.routing = NULL;
-            }
             if ((rc = mf_plan_run(&o, (int)a->warmup, (int)a->steps, &r))) break;
             if (w) printf("\nthe verify of 1 + %d items a sequence:\n", n_k);
             else printf("\nthe draft round of %d candidates for %d sequences:\n", n_k, o.batch);

@@ -73,7 +73,8 @@ void mf_tool_spec_json(FILE *f, const mf_spec_stats *st)
     for (int k = 0; k <= st->n_max; k++) fprintf(f, k ? ",%.6g" : "%.6g", st->price_verify_ns[k] / 1e9);
     fprintf(f, "],\"price_draft_s\":[");
     for (int k = 0; k <= st->n_max; k++) fprintf(f, k ? ",%.6g" : "%.6g", st->price_draft_ns[k] / 1e9);
-    fprintf(f, "]}");
+    fprintf(f, "],\"draft_cards\":{\"taken\":%" PRId64 ",\"given_back\":%" PRId64 ",\"held\":%d}}", st->dcards_takes,
+            st->dcards_drops, st->dcards_held);
 }
 
 void mf_tool_spec_line(FILE *f, const char *who, const mf_spec_stats *st)
@@ -90,6 +91,9 @@ void mf_tool_spec_line(FILE *f, const char *who, const mf_spec_stats *st)
     for (int k = 1; k <= st->n_max; k++)
         if (mf_tool_spec_cost(st, k) > 0) fprintf(f, " 1+%d %.2fx", k, mf_tool_spec_cost(st, k));
     if (st->draft_calls) fprintf(f, "; draft %.2f ms a round", st->draft_ns / 1e6 / st->draft_calls);
+    if (st->dcards_takes)
+        fprintf(f, "; the draft's experts on the cards: taken %" PRId64 "x, given back %" PRId64 "x%s", st->dcards_takes,
+                st->dcards_drops, st->dcards_held ? ", held" : "");
     fputc('\n', f);
 }
 

@@ -38,6 +38,7 @@ struct mf_plan {
     double act_routed, act_dense;            /* a card's steps' buffers (mf_sg_card_reserve, or this graph's
                                               * with a cache budget): with routed experts, dense */
     double dense_bytes[PL_MAX_CARDS];        /* dense weights per card */
+    int draft_slots[PL_MAX_CARDS];           /* draft_cards: each card's share of the draft's experts */
     int K, E, n_layers;
     int L0;                                  /* the graph's first layer (the draft round's: n_layers);
                                               * the tables below are indexed by layer - L0, n_layers of them */
@@ -315,6 +316,21 @@ static int pl_fill(mf_plan *p, double xslot)
     return 0;
 }
 
+/* draft_cards, a draft round's plan: each card's cache holds the draft's experts it owns
+ * (mf_dev_xcache_owner of the stage's layer, as the engine's mf_step_draft_cards takes them). */
+static void pl_fill_draft(mf_plan *p)
+{
+    for (int cd = 0; cd < p->n_cards; cd++) {
+        for (int L = 0; L < p->n_layers; L++)
+            for (int e = 0; e < p->E; e++) {
+                int slot;
+                if (mf_dev_xcache_owner(p->n_cards, p->L0 + L, e) == cd && mf_resid_acquire(p->dev[cd], L * p->E + e, &slot) >= 0)
+                    mf_resid_unpin(p->dev[cd], slot);
+            }
+        mf_resid_stats_reset(p->dev[cd]);
+    }
+}
+
 /* mf_plan_new's steps, in its order: each 0 or a negative code with a message. */
 
 /* The plan's options, counts and cost model from o and its profile. */
@@ -341,7 +357,11 @@ static void pl_init(mf_plan *p, const mf_plan_opts *o)
     p->n_cores = f->n_sockets * f->threads_per_socket;
     p->n_cards = o->placement == MF_STEP_PLACE_HOST ? 0 : o->n_cards ? o->n_cards : f->n_cards;
     p->n_dense = o->dense == MF_PLAN_DENSE_CARDS ? (o->n_cards ? o->n_cards : f->n_cards) : 0;
-    if (o->draft) p->n_cards = 0;   /* the draft round's experts run on the host (its dense work as the steps') */
+    /* the draft round's experts on the host, or (draft_cards) resident on the cards that own them */
+    if (o->draft && !o->draft_cards) p->n_cards = 0;
+    for (int cd = 0; cd < p->n_cards && o->draft_cards; cd++)
+        p->draft_slots[cd] = mf_dev_xcache_owned(p->n_cards, cd, c->n_layers, c->n_mtp_layers,
+                                                 mf_config_layer_experts(c, c->n_layers));
     p->n_lane_cards = p->n_cards > p->n_dense ? p->n_cards : p->n_dense;
     p->emulated = f->cards_emulated;
     p->read_window = o->read_window ? o->read_window : 2;
@@ -428,8 +448,8 @@ static int pl_graph(mf_plan *p, mf_sg_opts *go)
                         .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof,
                         .prefetch_min = o->prefetch_min, .lt = o->lt,
                         .layer_begin = o->layer_begin, .layer_end = o->layer_end, .lane_net = p->lt.lane_net};
-    if (o->draft) {   /* the draft round's experts on the host (mf_sg_draft_check) */
-        go->n_cards = go->dev_graphs = go->store = go->eg_reads = 0;
+    if (o->draft) {   /* no store, device graphs or Engram reads in a draft round (mf_sg_draft_check) */
+        go->dev_graphs = go->store = go->eg_reads = 0;
         go->micro = 1;
         go->prefetch_min = -1;
     }
@@ -538,6 +558,11 @@ static int pl_dev_slots(mf_plan *p, int *dev_slots)
             while (slots > 1 && mem > 0 && slots * xslot > mem) slots = mf_dev_xcache_shrink(slots, 1);
         }
         if (slots > n_items) slots = n_items;
+        /* draft_cards: one cache a card over the backbone's and the draft's experts, the draft's
+         * share held resident in it (the engine's mf_step_draft_cards): a draft round's plan has
+         * that share, a step's the rest */
+        if (o->draft) slots = p->draft_slots[cd];
+        else slots -= p->draft_slots[cd];
         if (slots < 1) {
             return mf_error(-ENOSPC, "plan: card %d: a cache of %" PRIu64 " bytes holds no expert of %.0f bytes",
                             cd, o->dev_cache_bytes ? o->dev_cache_bytes : f->card_mem_bytes, xslot);
@@ -589,7 +614,8 @@ int mf_plan_new(const mf_plan_opts *o, mf_plan **out)
     if (!rc)
         rc = pl_caches_new(p, store_slots, dev_slots,
                            o->dev_cache_policy == MF_PLAN_CACHE_LRU ? MF_RESID_LRU : MF_RESID_LFU);
-    if (!rc && o->dev_cache_fill && p->n_cards) rc = pl_fill(p, p->sz->xslot_bytes);
+    if (!rc && o->draft && p->n_cards) pl_fill_draft(p);
+    else if (!rc && o->dev_cache_fill && p->n_cards) rc = pl_fill(p, p->sz->xslot_bytes);
     if (!rc) rc = pl_alloc(p);
     if (rc) {
         mf_plan_free(p);
@@ -689,7 +715,7 @@ static void pl_prefetch(mf_plan *p, int L, mf_plan_report *r)
 {
     int E = p->E, tok = (p->batch * p->K + E - 1) / E;
     for (int e = 0; e < E; e++)
-        p->pre_cached[e] = mf_resid_slot(p->dev[mf_dev_xcache_owner(p->n_cards, L, e)], L * E + e) >= 0;
+        p->pre_cached[e] = mf_resid_slot(p->dev[mf_dev_xcache_owner(p->n_cards, p->L0 + L, e)], L * E + e) >= 0;
     mf_sg_placer pl;
     pl_placer_init(p, &pl);
     mf_sg_place_ahead(&pl, p->sg->pre_ahead_ns[L], p->sg->pre_moe_host_ns[L], p->pre_left_layer == L - 1 ? p->pre_left : NULL);
@@ -776,13 +802,13 @@ static int pl_layer_slots(mf_plan *p, int L, int h, mf_plan_report *r)
     mf_sg_place_shared(&pl, p->sg, L, h);
     for (int s = 0; s < ns && p->n_cards; s++) {   /* all on the host's queue; miss: not cached (the pass) */
         int e = sl[s].e;
-        sl[s].miss = mf_resid_slot(p->dev[mf_dev_xcache_owner(p->n_cards, L, e)], L * E + e) < 0;
+        sl[s].miss = mf_resid_slot(p->dev[mf_dev_xcache_owner(p->n_cards, p->L0 + L, e)], L * E + e) < 0;
         mf_sg_place_host_work(&pl, sl[s].cnt);
     }
     for (int pass = 0; pass < 2 && p->n_cards; pass++)   /* the cached slots first, then the rest */
         for (int s = 0; s < ns; s++) {
             if (sl[s].miss != pass) continue;
-            int e = sl[s].e, c = mf_dev_xcache_owner(p->n_cards, L, e), slot;
+            int e = sl[s].e, c = mf_dev_xcache_owner(p->n_cards, p->L0 + L, e), slot;
             if (!mf_sg_place_want_card(&pl, c, sl[s].cnt, !pass)) {
                 r->host_slots++;
                 continue;

@@ -85,8 +85,14 @@ typedef struct mf_plan_opts {
      * draft 1..dspark_block_size: instead a DSpark draft round of the batch's sequences proposing
      * that many candidates each (the builder's draft graph on the host, routed by uniform draws of
      * the draft's experts; the routing below is the backbone's and not used). feats 1: the step's
-     * graph hands out the draft's features (an engine made with mf_step_opts.draft). 0: none. */
-    int unit_len, draft, feats;
+     * graph hands out the draft's features (an engine made with mf_step_opts.draft). 0: none.
+     * draft_cards 1 (with cards): the draft's routed experts are held on the cards while speculation
+     * pays (docs/dspark.md "The draft's experts on the cards"): one cache a card over the
+     * backbone's and the draft's experts, in which each card keeps its owned share of the draft's
+     * (mf_dev_xcache_owner of the stage's layer n_layers + s, mf_dev_xcache_owned) resident, so a
+     * draft round's MoE takes card slots, every one a hit, and a step's backbone experts have that
+     * many slots fewer; 0: the draft's experts on the host and the backbone's cache whole. */
+    int unit_len, draft, feats, draft_cards;
     mf_routing *routing;         /* borrowed; NULL: uniform draws from `seed` */
     uint64_t seed;
     /* A pipeline stage (graphs/pipe/pipe.h): the engine's graph of layers [layer_begin, layer_end)

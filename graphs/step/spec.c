@@ -22,6 +22,7 @@
 #define SP_PROBE_MAX 1024
 #define SP_PROBE_SHARE 0.01     /* the most of the plain rounds' time a k-0 sequence's probes take */
 #define SP_MAX_SEQ MF_STEP_MAX_ITEMS
+#define SP_HOLD 16              /* rounds the draft's experts stay on the cards after the policy's last k > 0 */
 
 typedef struct sp_slot {
     mf_ly_draft_state *ds;      /* the draft's context (MF_SPEC_DSPARK) */
@@ -46,6 +47,8 @@ struct mf_spec {
     double *v_ns;               /* [n_seq][L]: a step of n_seq sequences of L items each (NAN: not priced yet) */
     double *d_ns;               /* [U][k]: a draft round of U sequences, k candidates */
     mf_step_draft_seq *dq;
+    int dcards;                 /* 1: the engine has cards for the draft's experts (mf_step_draft_cards) */
+    int hold;                   /* rounds left before they are given back */
     mf_spec_stats st;
 };
 
@@ -87,6 +90,7 @@ static double sp_verify_ns(mf_spec *sp, int n_seq, int L)
         o.unit_len = L;
         o.draft = 0;
         o.feats = sp->o.source == MF_SPEC_DSPARK;
+        o.draft_cards = sp->dcards && L > 1;   /* steady state: a verify's with the draft's experts held */
         *v = n_seq * L <= MF_STEP_MAX_ITEMS ? sp_plan_ns(&o) : 0;
     }
     return *v;
@@ -113,6 +117,7 @@ static double sp_draft_ns(mf_spec *sp, int U, int k)
         o.batch = U;
         o.unit_len = 0;
         o.draft = k;
+        o.draft_cards = sp->dcards;
         *v = sp_plan_ns(&o);
     }
     return *v;
@@ -182,6 +187,11 @@ int mf_spec_new(const mf_spec_opts *o, int n_slots, mf_spec **out)
         return rc;
     }
     for (int i = 0; i < n_slots; i++) mf_spec_admit(sp, i);
+    if (dspark && o->eng) {
+        mf_step_dev_stats ds;
+        mf_step_last_dev(o->eng, &ds);
+        sp->dcards = ds.n_cards > 0;
+    }
     *out = sp;
     return 0;
 }
@@ -189,6 +199,7 @@ int mf_spec_new(const mf_spec_opts *o, int n_slots, mf_spec **out)
 void mf_spec_free(mf_spec *sp)
 {
     if (!sp) return;
+    if (sp->st.dcards_held) mf_step_draft_cards(sp->o.eng, 0);   /* the backbone's slots back */
     for (int i = 0; sp->slot && i < sp->n_slots; i++) {
         free(sp->slot[i].frow);
         if (sp->slot[i].ds) free(sp->slot[i].ds->ring);
@@ -361,6 +372,29 @@ static int sp_draft(mf_spec *sp, const mf_spec_seq *q, int n)
     return rc;
 }
 
+/* The draft's experts on the engine's cards while speculation pays: taken when the policy picks
+ * k > 0 (k[0..n)), given back SP_HOLD rounds after it last did (a failed take leaves them on the
+ * host and is not tried again). */
+static void sp_hold(mf_spec *sp, const int *k, int n)
+{
+    int any = 0;
+    for (int i = 0; i < n; i++) any |= k[i] > 0;
+    if (!sp->dcards) return;
+    sp->hold = any ? SP_HOLD : sp->hold > 0 ? sp->hold - 1 : 0;
+    int want = sp->hold > 0;
+    if (want == sp->st.dcards_held) return;
+    if (mf_step_draft_cards(sp->o.eng, want)) {   /* the draft on the host from now on, priced so */
+        mf_error_clear();
+        sp->dcards = 0;
+        for (int i = 0; i < (SP_MAX_SEQ + 1) * (MF_SPEC_MAX + 2); i++) sp->v_ns[i] = NAN;
+        for (int i = 0; i < (SP_MAX_SEQ + 1) * (MF_SPEC_MAX + 1); i++) sp->d_ns[i] = NAN;
+        return;
+    }
+    sp->st.dcards_held = want;
+    if (want) sp->st.dcards_takes++;
+    else sp->st.dcards_drops++;
+}
+
 int mf_spec_plan(mf_spec *sp, const mf_spec_seq *q, int n)
 {
     int k[SP_MAX_SEQ] = {0}, any = 0, rc = 0;
@@ -373,6 +407,7 @@ int mf_spec_plan(mf_spec *sp, const mf_spec_seq *q, int n)
     }
     if (sp->o.adaptive && n == 1) k[0] = sp_pick_one(sp, &sp->slot[q[0].slot], q[0].room);
     else if (sp->o.adaptive) sp_pick_batch(sp, q, n, k);
+    sp_hold(sp, k, n);
     for (int i = 0; i < n; i++) {
         sp_slot *s = &sp->slot[q[i].slot];
         if (sp->o.adaptive && !k[i] && q[i].room > 0 && ++s->idle >= sp_probe_gap(sp, s)) {   /* a probe */
@@ -470,6 +505,23 @@ static int sp_sim_one(const mf_plan_opts *po, int warmup, int steps, double *ns)
     return rc;
 }
 
+mf_plan_opts mf_spec_sim_plan(const mf_plan_opts *po, int k, int draft)
+{
+    /* the steady state at k: speculating (k > 0), the draft's experts on the cards and the
+     * backbone's cache short of their slots; plain (k 0), the backbone's cache whole (draft_cards) */
+    mf_plan_opts o = *po;
+    int per = MF_STEP_DRAFT_ITEMS / po->config->dspark_block_size, b = po->batch ? po->batch : 1;
+    o.draft_cards = k > 0;
+    o.unit_len = draft ? 0 : 1 + k;
+    o.feats = !draft;
+    o.draft = draft ? k : 0;
+    if (draft) {   /* one round of at most `per` sequences, its experts drawn uniformly */
+        o.batch = b < per ? b : per;
+        o.routing = NULL;
+    }
+    return o;
+}
+
 int mf_spec_sim(const mf_plan_opts *po, int n_max, int warmup, int steps, double *verify_ns, double *draft_ns,
                 int *n_k)
 {
@@ -477,18 +529,12 @@ int mf_spec_sim(const mf_plan_opts *po, int n_max, int warmup, int steps, double
     *n_k = 0;
     draft_ns[0] = 0;
     for (int k = 0; k <= n_max && !rc && b * (1 + k) <= MF_STEP_MAX_ITEMS; k++) {
-        mf_plan_opts o = *po;
-        o.unit_len = 1 + k;
-        o.feats = 1;
-        o.draft = 0;
+        mf_plan_opts o = mf_spec_sim_plan(po, k, 0);
         rc = sp_sim_one(&o, warmup, steps, &verify_ns[k]);
         for (int done = 0; k && !rc && done < b; done += per) {   /* draft rounds of at most `per` sequences */
             double ns;
-            o = *po;
+            o = mf_spec_sim_plan(po, k, 1);
             o.batch = b - done < per ? b - done : per;
-            o.unit_len = 0;
-            o.draft = k;
-            o.routing = NULL;
             rc = sp_sim_one(&o, warmup, steps, &ns);
             draft_ns[k] = (done ? draft_ns[k] : 0) + ns;
         }

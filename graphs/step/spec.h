@@ -125,6 +125,11 @@ typedef struct mf_spec_stats {
     int64_t steps[MF_SPEC_MAX + 1], step_ns[MF_SPEC_MAX + 1];
     /* the cost model's prices the policy used, batch 1: a step of 1 + k items, a draft round of k */
     double price_verify_ns[MF_SPEC_MAX + 1], price_draft_ns[MF_SPEC_MAX + 1];
+    /* an engine with cards: the draft's experts taken onto them (mf_step_draft_cards) when the
+     * policy picks k > 0, dropped after SP_HOLD rounds in a row in which it picked k 0 everywhere
+     * (probes do not count), and whether they are held now */
+    int64_t dcards_takes, dcards_drops;
+    int dcards_held;
 } mf_spec_stats;
 void mf_spec_get_stats(const mf_spec *sp, mf_spec_stats *out);
 
@@ -146,10 +151,17 @@ int mf_spec_probe_gap(int backoff, double plain_ns, double probe_ns, double shar
  * (its routing drawing each sequence's verify as consecutive tokens), `batch` sequences, each step
  * a verify of 1 + k items per sequence for k = 0..n_max (0: a plain step; k stops where batch x
  * (1 + k) passes MF_STEP_MAX_ITEMS, *n_k the last k priced), the engine's graph with the draft's
- * features; the draft round of batch sequences proposing k (host, uniform draws of its experts).
- * Each priced as mf_plan_step does: warmup steps, then the mean makespan of `steps`. verify_ns[k],
+ * features; the draft round of batch sequences proposing k (uniform draws of its experts). Each k
+ * in its steady state: with cards, k > 0 holds the draft's experts on them (the draft round's MoE
+ * on the cards, the verify's backbone cache short of their slots: mf_plan_opts.draft_cards), k 0
+ * gives them back (a plain step of the engine without the draft). Each priced as mf_plan_step does: warmup steps, then the mean makespan of `steps`. verify_ns[k],
  * draft_ns[k] (draft_ns[0] = 0). 0 or the plans' error. */
 int mf_spec_sim(const mf_plan_opts *po, int n_max, int warmup, int steps, double *verify_ns, double *draft_ns,
                 int *n_k);
+
+/* The plan mf_spec_sim prices at k: the verify of 1 + k items a sequence (draft 0) or the draft
+ * round of k candidates of at most MF_STEP_DRAFT_ITEMS / dspark_block_size sequences (draft 1),
+ * in k's steady state (draft_cards: k > 0). */
+mf_plan_opts mf_spec_sim_plan(const mf_plan_opts *po, int k, int draft);
 
 #endif

@@ -502,12 +502,8 @@ static int mf_step_chunk(mf_step *s, mf_ref_state *const *states, const int32_t 
     return 0;
 }
 
-/* mf_step_forward in graph runs of at most `chunk` items. */
-static int mf_step_forward_chunks(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
-                                  float *const *logits, float *const *feats, int chunk)
+void mf_step_dev_begin(mf_step *s)
 {
-    int64_t t0 = mf_now_ns();
-    memset(&s->times, 0, sizeof s->times);
     s->dstat.dev_slots = s->dstat.host_slots = s->dstat.host_fallbacks = 0;
     atomic_store(&s->sock_home, 0);
     atomic_store(&s->sock_cross, 0);
@@ -518,6 +514,28 @@ static int mf_step_forward_chunks(mf_step *s, mf_ref_state *const *states, const
     atomic_store(&s->lt_slots, 0);
     atomic_store(&s->gather_slots, 0);
     for (int c = 0; c < s->n_cards; c++) mf_dev_xcache_step(s->xc[c], NULL);
+}
+
+void mf_step_dev_end(mf_step *s)
+{
+    s->dstat.hits = s->dstat.misses = s->dstat.evictions = s->dstat.bytes_in = 0;
+    for (int c = 0; c < s->n_cards; c++) {
+        mf_dev_xcache_stats x;
+        mf_dev_xcache_step(s->xc[c], &x);
+        s->dstat.hits += x.hits;
+        s->dstat.misses += x.misses;
+        s->dstat.evictions += x.evictions;
+        s->dstat.bytes_in += x.bytes_in;
+    }
+}
+
+/* mf_step_forward in graph runs of at most `chunk` items. */
+static int mf_step_forward_chunks(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n,
+                                  float *const *logits, float *const *feats, int chunk)
+{
+    int64_t t0 = mf_now_ns();
+    memset(&s->times, 0, sizeof s->times);
+    mf_step_dev_begin(s);
     if (n < 1) return mf_error(-EINVAL, "step: forward of %d items", n);
     if (feats && !(s->o.draft && s->c->n_mtp_layers > 0))
         return mf_error(-EINVAL, "step: the draft's features asked of an engine made without the draft (opts.draft)");
@@ -528,15 +546,7 @@ static int mf_step_forward_chunks(mf_step *s, mf_ref_state *const *states, const
         rc = mf_step_chunk(s, states + i, tokens + i, m, logits ? logits + i : NULL, feats ? feats + i : NULL);
     }
     s->times.wall_ns = mf_now_ns() - t0;
-    s->dstat.hits = s->dstat.misses = s->dstat.evictions = s->dstat.bytes_in = 0;
-    for (int c = 0; c < s->n_cards; c++) {
-        mf_dev_xcache_stats x;
-        mf_dev_xcache_step(s->xc[c], &x);
-        s->dstat.hits += x.hits;
-        s->dstat.misses += x.misses;
-        s->dstat.evictions += x.evictions;
-        s->dstat.bytes_in += x.bytes_in;
-    }
+    mf_step_dev_end(s);
     int64_t rest = s->times.wall_ns;
     for (int p = 0; p < MF_STEP_OTHER; p++) rest -= s->times.phase_ns[p];
     s->times.phase_ns[MF_STEP_OTHER] = rest > 0 ? rest : 0;

@@ -313,6 +313,15 @@ typedef struct mf_step_draft_seq {
 } mf_step_draft_seq;
 int mf_step_draft(mf_step *s, mf_step_draft_seq *seqs, int n_seq);
 
+/* The draft's routed experts on the cards (an engine with opts.draft and routed experts on cards;
+ * docs/dspark.md "The draft's experts on the cards"): on 1, each card takes the draft stages'
+ * experts it owns (mf_dev_xcache_owner of layer n_layers + s) into its expert cache, copied in
+ * and held there (pinned), so the draft rounds' MoE places slots on the cards as a step's (every
+ * one a hit) and the backbone's experts have that many slots fewer; on 0 they are dropped and the
+ * backbone gets the slots back. Without them the draft's experts run on the host. Between calls
+ * that run graphs only. 0, -EINVAL (no draft or no cards), a copy's error (nothing held then). */
+int mf_step_draft_cards(mf_step *s, int on);
+
 /* One token for each of n_seq distinct sequences; logits is n_seq x vocab_size. */
 int mf_step_decode(mf_step *s, mf_ref_state *const *states, const int32_t *tokens, int n_seq,
                    float *logits);
@@ -360,7 +369,7 @@ typedef struct mf_step_build_stats {
 } mf_step_build_stats;
 void mf_step_builds(const mf_step *s, mf_step_build_stats *out);
 
-/* Where the routed experts of the last mf_step_forward call ran: slots (one per distinct expert
+/* Where the routed experts of the last mf_step_forward or mf_step_draft call ran: slots (one per distinct expert
  * of a layer's batch) on a card and on the host, and the device expert caches' counters over the
  * call, summed over cards (hits + misses = dev_slots). */
 typedef struct mf_step_dev_stats {

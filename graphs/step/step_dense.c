@@ -600,7 +600,7 @@ int mf_step_lt_setup(mf_step *s)
         if (mf_dev_card_f16(s->dev, c) == MF_DEV_F16_NONE) s->lt_mode = MF_SG_LT_OFF;
     if (s->lt_mode == MF_SG_LT_OFF || (!s->n_dense && !s->n_cards)) return 0;
     if (s->n_cards && s->lt_mode != MF_SG_LT_DENSE) {
-        size_t n = (size_t)s->c->n_layers * (size_t)s->c->n_routed_experts;
+        size_t n = (size_t)(s->c->n_layers + (s->o.draft ? s->c->n_mtp_layers : 0)) * (size_t)s->c->n_routed_experts;
         s->lt_xplan[0] = calloc(n, sizeof *s->lt_xplan[0]);
         s->lt_xplan[1] = calloc(n, sizeof *s->lt_xplan[1]);
         if (!s->lt_xplan[0] || !s->lt_xplan[1]) return mf_error(-ENOMEM, "step: out of memory");

@@ -288,6 +288,8 @@ int mf_step_draft(mf_step *s, mf_step_draft_seq *seqs, int n_seq)
         }
     }
     int rc = 0;
+    mf_step_dev_begin(s);
     for (int k = 0; k < n_seq && !rc; k += per) rc = mf_step_draft_run(s, seqs + k, n_seq - k < per ? n_seq - k : per);
+    mf_step_dev_end(s);
     return rc;
 }

@@ -234,7 +234,8 @@ struct mf_step {
     /* routed experts on devices (placement other than host) */
     mf_dev *dev;
     int n_cards;
-    mf_dev_xcache *xc[MF_DEV_MAX_CARDS];
+    mf_dev_xcache *xc[MF_DEV_MAX_CARDS];   /* over the backbone's layers and, with the draft, its stages' */
+    int dcards;               /* 1: the draft's experts held in xc (mf_step_draft_cards) */
     size_t part_off[6], part_bytes[6];
     uint64_t xslot_bytes;
     int miss_span;            /* 1: the slot mirrors the resident experts' layout (mf_step_xslot_layout) */
@@ -406,6 +407,10 @@ int mf_step_caches_new(mf_step *s);
 int mf_step_place(mf_step_shape *sh, int L, int h);
 void mf_step_place_pre(mf_step_shape *sh, int L, int h);
 void mf_step_dev_release(mf_step_shape *sh, int failed);
+/* A call's routed-expert counters (mf_step_last_dev): zeroed at a forward's or a draft round's
+ * start (mf_step_dev_begin), the caches' counters over it gathered at its end (step.c). */
+void mf_step_dev_begin(mf_step *s);
+void mf_step_dev_end(mf_step *s);
 void mf_step_pre_release(mf_step_shape *sh, int k, int failed);
 /* 1 while a layer's cache slots are pinned (mf_step_dev_fail releases them after a failed run). */
 int mf_step_dev_pinned(const mf_step_shape *sh);

@@ -17,7 +17,7 @@ static void mf_step_dev_tables(mf_step_shape *sh, int L, int h)
 {
     mf_step *eng = sh->eng;
     int s0 = sh->sg->half_slot[h], s1 = sh->sg->half_slot[h + 1];
-    if (eng->dev_graphs)
+    if (eng->dev_graphs && sh->sg->dev_graphs)   /* not a draft round's (mf_step_draft_opts) */
         for (int c = 0; c < eng->n_cards; c++) {
             mf_dev_ffn_slot *tab = sh->htab[c] + (size_t)L * sh->n_slots;
             for (int s = s0; s < s1; s++)
@@ -63,6 +63,10 @@ int mf_step_place(mf_step_shape *sh, int L, int h)
     sh->dev_half = h;
     int s_end = s0 + sh->n_used[h];
     for (int s = s0; s < s1; s++) sh->slot_card[s] = -1;
+    if (L >= eng->c->n_layers && !eng->dcards) {   /* the draft's experts not on the cards: all on the host */
+        eng->dstat.host_slots += sh->n_used[h];
+        return 0;
+    }
     for (int s = s0; s < s_end; s++) {   /* all on the host's queue; slot_miss: not cached (the pass) */
         int e = sh->slot_e[s];
         sh->slot_miss[s] = (uint8_t)!mf_dev_xcache_has(eng->xc[mf_dev_xcache_owner(eng->n_cards, L, e)], L, e);
@@ -489,8 +493,8 @@ static int mf_step_xslot_layout(mf_step *s)
     if (s->store) return 0;
     size_t off[6], bytes[6], packed = 0, span = 0;
     int any = 0;
-    for (int L = 0; L < c->n_layers; L++)
-        for (int e = 0; e < c->n_routed_experts; e++) {
+    for (int L = 0; L < c->n_layers + (s->o.draft ? c->n_mtp_layers : 0); L++)   /* the draft's experts too */
+        for (int e = 0; e < mf_config_layer_experts(c, L); e++) {
             const mf_weight *ew = &mf_model_layer_at(m, L)->experts[(size_t)e * 3];
             const uint8_t *src[6] = {ew[0].data, ew[0].scale, ew[1].data, ew[1].scale, ew[2].data, ew[2].scale};
             const uint8_t *b = src[0];
@@ -593,9 +597,16 @@ int mf_step_caches_new(mf_step *s)
                                    "less)", cd, chunk, s->max_items, b / 1e9);
         }
     }
+    /* with the draft: one cache over the backbone's and the draft stages' experts, sized as the
+     * backbone's alone (mf_step_draft_cards holds the draft's share while speculation pays) */
+    int dl = s->o.draft ? c->n_mtp_layers : 0;
+    if (dl && mf_config_layer_experts(c, c->n_layers) > c->n_routed_experts)
+        rc = mf_error(-ENOTSUP, "step: the draft's %d routed experts a stage on the cards need at most the backbone's %d",
+                      mf_config_layer_experts(c, c->n_layers), c->n_routed_experts);
     for (int cd = 0; !rc && cd < s->n_cards; cd++) {
-        rc = mf_dev_xcache_new(s->dev, &(mf_dev_xcache_opts){.card = cd, .n_layers = c->n_layers,
+        rc = mf_dev_xcache_new(s->dev, &(mf_dev_xcache_opts){.card = cd, .n_layers = c->n_layers + dl,
                                                              .n_experts = c->n_routed_experts,
+                                                             .size_items = c->n_layers * c->n_routed_experts,
                                                              .slot_bytes = s->xslot_bytes,
                                                              .budget_bytes = s->o.dev_cache_bytes},
                                &s->xc[cd]);
@@ -611,6 +622,54 @@ int mf_step_caches_new(mf_step *s)
         return rc;
     }
     s->dstat.cache_slots = mf_dev_xcache_n_slots(s->xc[0]);
+    return 0;
+}
+
+/* Card cd's share of the draft's experts, each dropped (unpinned and forgotten) up to *n of them
+ * in the order mf_step_draft_cards takes them. */
+static void mf_step_draft_drop(mf_step *s, int cd, int n)
+{
+    const mf_config *c = s->c;
+    for (int L = c->n_layers, k = 0; L < c->n_layers + c->n_mtp_layers; L++)
+        for (int e = 0; e < mf_config_layer_experts(c, L) && k < n; e++)
+            if (mf_dev_xcache_owner(s->n_cards, L, e) == cd) mf_dev_xcache_drop(s->xc[cd], L, e), k++;
+}
+
+int mf_step_draft_cards(mf_step *s, int on)
+{
+    const mf_config *c = s->c;
+    if (!s->o.draft || !s->n_cards) return mf_error(-EINVAL, "step: the draft's experts on the cards need an "
+                                                    "engine with the draft and routed experts on cards");
+    if (!on == !s->dcards) return 0;
+    if (!on) {
+        for (int cd = 0; cd < s->n_cards; cd++) mf_step_draft_drop(s, cd, INT32_MAX);
+        s->dcards = 0;
+        return 0;
+    }
+    int rc = 0, cd = 0, n = 0;
+    for (; cd < s->n_cards && !rc; cd++) {   /* each owned expert taken, pinned, copied in */
+        mf_dev_stream *st = mf_dev_stream_of(s->dev, cd, MF_DEV_STREAM_COPY_IN);
+        n = 0;
+        for (int L = c->n_layers; L < c->n_layers + c->n_mtp_layers && !rc; L++)
+            for (int e = 0; e < mf_config_layer_experts(c, L) && !rc; e++) {
+                if (mf_dev_xcache_owner(s->n_cards, L, e) != cd) continue;
+                const mf_weight *ew = &mf_model_layer_at(s->ly->m, L)->experts[(size_t)e * 3];
+                const void *src[6] = {ew[0].data, ew[0].scale, ew[1].data, ew[1].scale, ew[2].data, ew[2].scale};
+                void *slot = NULL;
+                int hit = 0;
+                if ((rc = mf_dev_xcache_acquire(s->xc[cd], L, e, &slot, &hit))) break;
+                n++;
+                if (!hit) rc = mf_dev_copy_expert(st, slot, src, s->part_off, s->part_bytes);
+                rc = rc > 0 ? 0 : rc;
+            }
+        if (!rc) rc = mf_dev_stream_sync(st);
+        mf_dev_xcache_stats_reset(s->xc[cd]);   /* these copies are not a step's misses */
+    }
+    if (rc) {   /* nothing held: the failed card's taken ones and every earlier card's */
+        for (int k = 0; k < cd; k++) mf_step_draft_drop(s, k, k == cd - 1 ? n : INT32_MAX);
+        return mf_error_wrap(rc, "step: the draft's experts onto card %d", cd - 1);
+    }
+    s->dcards = 1;
     return 0;
 }
 

@@ -119,7 +119,8 @@ mf_sg_opts mf_step_sg_opts(const mf_step *eng, int n, int par, int mixed, mf_tas
 }
 
 /* The draft round's graph options (mf_sg_opts.draft): n_seq units of dspark_block_size items, the
- * routed experts on the host (no cards, store or micro-batches: the draft's experts are resident),
+ * routed experts on the host or on the cards while they hold the draft's (mf_step_draft_cards: the
+ * route places them; no store, device graphs or micro-batches: the draft's experts are resident),
  * the dense work on the dense cards when the steps' is there. */
 static mf_sg_opts mf_step_draft_opts(const mf_step *eng, int n_seq, int *unit_end, mf_task_fn *fn_of)
 {
@@ -130,7 +131,7 @@ static mf_sg_opts mf_step_draft_opts(const mf_step *eng, int n_seq, int *unit_en
     o.feats = 0;
     o.n_units = n_seq;
     o.unit_end = unit_end;
-    o.n_cards = o.dev_graphs = o.store = o.eg_reads = 0;   /* its dense work where the steps' is */
+    o.dev_graphs = o.store = o.eg_reads = 0;   /* its dense work where the steps' is */
     o.layer_begin = o.layer_end = 0;                       /* its own stages (a whole model's: mf_step_draft_check) */
     o.micro = 1;
     o.prefetch_min = -1;
@@ -373,7 +374,7 @@ static int mf_step_host_table(const mf_step_host_in *in, mf_step_shape *sh, int 
     int n_cb = c->candidate_topk_blocks > 0 ? c->candidate_topk_blocks : 1;
     /* the int8 rows by rows (host/kernels.h mf_kern_q8_bytes): a slot's area where its rows are */
     size_t nk = (size_t)ln * K, q8x = mf_kern_q8_bytes(1, (int)H), q8h = mf_kern_q8_bytes(1, (int)I);
-    int ex = in->exact, cards = in->n_cards > 0 && sh->sg->n_cards > 0;   /* a draft round's shape: none */
+    int ex = in->exact, cards = in->n_cards > 0 && sh->sg->n_cards > 0;
     size_t f = sizeof(float), ab_sz[MF_LY_A_N];
     size_t eg_d = mf_step_shape_engram(in, sh, ln);
     size_t eg_items = (size_t)ln * (size_t)c->n_engram;   /* one set of rows per Engram slot */

@@ -29,9 +29,12 @@ int mf_sg_draft_check(const mf_sg_opts *o)
         if (o->unit_end[k] != (k + 1) * B)
             return mf_error(-EINVAL, "step graph: draft unit %d ends at item %d (expected %d)", k, o->unit_end[k],
                             (k + 1) * B);
-    if (o->n_cards || o->micro > 1 || o->store || o->eg_reads)
-        return mf_error(-EINVAL, "step graph: the draft round's experts run on the host (found %d cards, "
-                        "%d micro-batches, store %d)", o->n_cards, o->micro, o->store);
+    /* the draft's experts are resident: on the host, or on the cards that own them (their slots as
+     * the backbone's, every one a hit: docs/dspark.md "The draft's experts on the cards") */
+    if (o->micro > 1 || o->store || o->eg_reads || o->dev_graphs || o->prefetch_min >= 0)
+        return mf_error(-EINVAL, "step graph: a draft round takes no micro-batches, expert store, Engram reads, "
+                        "device graphs or prefetch (found %d micro-batches, store %d, reads %d, graphs %d, "
+                        "prefetch from %d)", o->micro, o->store, o->eg_reads, o->dev_graphs, o->prefetch_min);
     return 0;
 }
 
