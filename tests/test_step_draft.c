@@ -302,9 +302,10 @@ static void check_feats_bucket(mf_ref *r, const int32_t *ids)
 
 /* The draft's experts on emulated cards (mf_step_draft_cards): a round places its MoE's slots on
  * the cards (every one a hit) and gives the host engine's candidates, confidences and logits bit
- * for bit (the cards run the host's kernels), seed (also with device graphs: the steps' only) and
- * hybrid placement; given back, the round
- * runs on the host again, the same bits; the backbone's cache had the draft's share taken. */
+ * for bit (the cards run the host's kernels), seed (also with device graphs: the steps' only; and
+ * with the dense work on the cards, split by layers and by rows: the stages' dense weights go to
+ * the cards too) and hybrid placement; given back, the round runs on the host again, the same bits;
+ * the backbone's cache had the draft's share taken. */
 static void check_cards(mf_ref *r, mf_ref_draft *rd, const float *feats, const int32_t *ids)
 {
     const mf_config *c = mf_ref_config(r);
@@ -316,14 +317,17 @@ static void check_cards(mf_ref *r, mf_ref_draft *rd, const float *feats, const i
     mf_ly_draft_state *dh = NULL;
     CHECK(h && mf_ref_draft_state_new(rd, &dh) == 0, "%s", mf_last_error());
     CHECK(dh && eng_round(h, dh, feats, n, ids[n - 1], B, &ho) == 0, "host round: %s", mf_last_error());
-    const int places[3] = {MF_STEP_PLACE_SEED, MF_STEP_PLACE_HYBRID, MF_STEP_PLACE_SEED};   /* the last with device graphs */
-    for (int pl = 0; pl < 3; pl++) {
+    /* the third with device graphs, the fourth and fifth with dense cards split by layers, by rows */
+    const int places[5] = {MF_STEP_PLACE_SEED, MF_STEP_PLACE_HYBRID, MF_STEP_PLACE_SEED, MF_STEP_PLACE_SEED,
+                           MF_STEP_PLACE_SEED};
+    for (int pl = 0; pl < 5; pl++) {
         char spec[64];
         mf_dev *d = NULL;
         mf_step *e = NULL;
         CHECK(mf_test_emu_open(2, spec, sizeof spec, &d) == 0, "%s: %s", spec, mf_last_error());
         CHECK(d && mf_step_new(r, &(mf_step_opts){.n_threads = 2, .draft = 1, .dev = d, .placement = places[pl],
-                                             .dev_graphs = pl == 2},
+                                             .dev_graphs = pl == 2, .dense = pl >= 3 ? MF_STEP_DENSE_CARDS : 0,
+                                             .dense_split = pl == 4 ? MF_SG_SPLIT_ROWS : MF_SG_SPLIT_LAYERS},
                                &e) == 0, "%s", mf_last_error());
         if (!e) {
             mf_dev_close(d);
@@ -343,7 +347,7 @@ static void check_cards(mf_ref *r, mf_ref_draft *rd, const float *feats, const i
                   (long long)st.dev_slots, (unsigned long long)st.misses, (long long)st.host_slots);
             CHECK(!memcmp(co.tok, ho.tok, sizeof co.tok) && !memcmp(co.conf, ho.conf, sizeof co.conf) &&
                       !memcmp(co.logits, ho.logits, sizeof(float) * B * V),
-                  "placement %d, draft cards %d: the round differs from the host engine's", places[pl], on);
+                  "case %d (placement %d), draft cards %d: the round differs from the host engine's", pl, places[pl], on);
             mf_ref_draft_state_free(de);
         }
         mf_step_free(e);

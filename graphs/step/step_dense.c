@@ -432,8 +432,8 @@ static int mf_step_dense_wrows(const mf_step *s, int k, int L, int d, const mf_w
 static int mf_step_dense_weights_of(const mf_step *s, int L, int k, const mf_weight **w, int64_t *r0, int64_t *r1,
                                     int8_t *dd)
 {
-    int n = 0;
-    if (L < 0 ? s->l1 < s->c->n_layers : L < s->l0 || L >= s->l1) return 0;   /* a pipeline stage's only */
+    int n = 0, stage = s->o.draft && L >= s->c->n_layers;   /* a draft stage: the card of the last layer's rows */
+    if (L < 0 ? s->l1 < s->c->n_layers : (L < s->l0 || L >= s->l1) && !stage) return 0;   /* a pipeline stage's only */
     if (L < 0) {
         w[0] = mf_model_head(s->ly->m);
         dd[0] = MF_SG_D_HEAD;

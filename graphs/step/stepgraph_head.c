@@ -61,17 +61,19 @@ void mf_sg_head(mf_sg_builder *b, const mf_task_id *unit)
         mf_sg_collapse_norm(b, -1, i, MF_SG_NORM, MF_SG_PH_HEAD, unit[mf_sg_group_unit(sg, i)], nrm);
         for (int p = 0; p < sg->p_hc; p++) mf_sg_dep(b, nrm[p], hj);
     }
+    if (sg->draft) {   /* the draft's chain waits for every part (on cards: every chain's copy out) */
+        SG_NAME(b, "head done");
+        b->head_done = mf_sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_HEAD, MF_SG_K_OTHER, mf_sg_rec(-1));
+    }
     if (sg->n_dense_cards) {   /* on the last layer's card: the normed rows in, the logits out */
         mf_sg_task t = mf_sg_rec(-1);
         t.w.w_bytes[MF_KF_BF16] = b->o->sz->head_bytes;
         t.w.macs[MF_KF_BF16] = V * H;
         t.w.calls[MF_KF_BF16] = 1;
-        mf_sg_dep(b, hj, mf_sg_dense_chain(b, -1, MF_SG_D_HEAD, t, MF_SG_PH_HEAD, 4.0 * H, 4.0 * V, -1, 0));
+        mf_task_id ch = mf_sg_dense_chain(b, -1, MF_SG_D_HEAD, t, MF_SG_PH_HEAD, 4.0 * H, 4.0 * V, -1, 0);
+        mf_sg_dep(b, hj, ch);
+        if (sg->draft) mf_sg_dep(b, ch, b->head_done);
         return;
-    }
-    if (sg->draft) {   /* the draft's chain waits for every part */
-        SG_NAME(b, "head done");
-        b->head_done = mf_sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_HEAD, MF_SG_K_OTHER, mf_sg_rec(-1));
     }
     for (int p = 0; p < sg->p_head; p++) {
         SG_NAME(b, "head %d", p);
