@@ -39,6 +39,45 @@ int64_t mf_dev_xcache_shrink(int64_t n, int64_t min_slots)
     return m < min_slots ? min_slots : m;
 }
 
+int64_t mf_dev_xcache_fit(int64_t want, int64_t min_slots, int (*fits)(void *ctx, int64_t n), void *ctx)
+{
+    int64_t n = want, refused = 0;
+    for (;;) {
+        int ok = fits(ctx, n);
+        if (ok < 0) return ok;
+        if (ok) break;
+        if (n <= min_slots) return 0;
+        refused = n;
+        n = mf_dev_xcache_shrink(n, min_slots);
+    }
+    while (refused - n > 1) {   /* n granted, refused not: halve the gap */
+        int64_t mid = n + (refused - n) / 2;
+        int ok = fits(ctx, mid);
+        if (ok < 0) return ok;
+        if (ok) n = mid;
+        else refused = mid;
+    }
+    return n;
+}
+
+/* mf_dev_xcache_fit's ask of a card: an allocation of n slots, freed at once. */
+typedef struct xc_ask {
+    mf_dev *d;
+    int card;
+    uint64_t slot_bytes;
+} xc_ask;
+
+static int xc_grants(void *ctx, int64_t n)
+{
+    xc_ask *a = ctx;
+    void *p = NULL;
+    int rc = mf_dev_alloc(a->d, a->card, (size_t)(n * (int64_t)a->slot_bytes), &p);
+    if (rc == -ENOMEM) return 0;
+    if (rc) return rc;
+    mf_dev_free(a->d, a->card, p);
+    return 1;
+}
+
 int mf_dev_xcache_new(mf_dev *d, const mf_dev_xcache_opts *o, mf_dev_xcache **out)
 {
     *out = NULL;
@@ -57,18 +96,17 @@ int mf_dev_xcache_new(mf_dev *d, const mf_dev_xcache_opts *o, mf_dev_xcache **ou
                         " experts of %" PRIu64 " bytes; at least %d needed (%" PRIu64 " bytes)", o->card,
                         o->budget_bytes, want, o->slot_bytes, min_slots, (uint64_t)min_slots * o->slot_bytes);
     void *slab = NULL;
-    int rc = -ENOMEM;
+    int rc = 0;
     /* without a budget: as many slots as the card grants */
     int n_slots = 0;
-    for (int64_t n = want;;) {
-        rc = mf_dev_alloc(d, o->card, (size_t)(n * (int64_t)o->slot_bytes), &slab);
-        if (!rc) {
-            n_slots = (int)n;
-            break;
-        }
-        if (rc != -ENOMEM || o->budget_bytes || n == min_slots) break;
-        n = mf_dev_xcache_shrink(n, min_slots);
+    if (!o->budget_bytes) {
+        xc_ask a = {d, o->card, o->slot_bytes};
+        int64_t n = mf_dev_xcache_fit(want, min_slots, xc_grants, &a);
+        if (n < 0) return (int)n;
+        want = n ? n : min_slots;
     }
+    rc = mf_dev_alloc(d, o->card, (size_t)(want * (int64_t)o->slot_bytes), &slab);
+    if (!rc) n_slots = (int)want;
     if (rc) {
         if (rc == -ENOMEM)
             return mf_error(-ENOSPC, "expert cache: card %d is too small for %d expert(s) of %" PRIu64

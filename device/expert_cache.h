@@ -22,8 +22,7 @@ typedef struct mf_dev_xcache_opts {
     int n_layers, n_experts;      /* the experts it may hold: (layer, id) */
     uint64_t slot_bytes;          /* one packed expert (all its parts) */
     uint64_t budget_bytes;        /* device bytes for the slab; 0: every expert, or as many slots
-                                   * as the card grants (the ask shrunk on -ENOMEM by
-                                   * mf_dev_xcache_shrink) */
+                                   * as the card grants (mf_dev_xcache_fit) */
     int size_items;               /* without a budget, the experts the first ask is for (0: all
                                    * n_layers x n_experts; the engine's cache over the backbone's and
                                    * the draft's experts asks for the backbone's) */
@@ -32,10 +31,16 @@ typedef struct mf_dev_xcache_opts {
 } mf_dev_xcache_opts;
 
 /* The next ask of a cache without a budget after the card refused n slots: n - n/8 (at least one
- * fewer), not below min_slots; so the cache holds at least 7/8 of what the card has room for (a
- * halving left up to half of it unused: 480 slots of 18.8 MB where 598 fit). The simulator sizes
- * its caches by the same steps. */
+ * fewer), not below min_slots (a halving left up to half of it unused: 480 slots of 18.8 MB where
+ * 598 fit). */
 int64_t mf_dev_xcache_shrink(int64_t n, int64_t min_slots);
+/* The slots of a cache without a budget: from `want`, the asks of mf_dev_xcache_shrink until
+ * fits(ctx, n) grants one, then halving the gap to the last refused ask until none is left, so the
+ * cache holds every slot the card has room for (a step of n/8 alone left up to 1/8 unused: 817
+ * slots where 916 fit). fits returns 1 (granted), 0 (refused) or a negative code, which this
+ * returns; 0 when min_slots is refused. The engine asks the card (mf_dev_xcache_new), the simulator
+ * its free bytes. */
+int64_t mf_dev_xcache_fit(int64_t want, int64_t min_slots, int (*fits)(void *ctx, int64_t n), void *ctx);
 
 /* Allocates the slab on the card once. -ENOSPC with a message naming the card, the slot size and
  * the budget when fewer than min_slots slots fit (a card too small for one expert is refused

@@ -48,10 +48,43 @@ static int long_chunk(mf_dev *d, int ahead)
     return ok ? hits : -1;
 }
 
+/* mf_dev_xcache_fit against a room of `room` slots (refused above it; an error at `err`). */
+static int fit_room(void *ctx, int64_t n)
+{
+    const int64_t *r = ctx;
+    return n == r[1] ? -EIO : n <= r[0];
+}
+
+/* Every room from 1 to 3,000 slots of 11,008 asked: the fit is the room itself (no slot left
+ * unused), 0 below min_slots, and an ask's error comes back. */
+static void test_fit(void)
+{
+    int bad = 0;
+    for (int64_t room = 1; room <= 3000; room++) {
+        int64_t r[2] = {room, -1};
+        bad += mf_dev_xcache_fit(11008, 1, fit_room, r) != room;
+    }
+    CHECK(!bad, "%d rooms not filled", bad);
+    int64_t r[2] = {5, -1};
+    CK(mf_dev_xcache_fit(11008, 6, fit_room, r) == 0);
+    r[1] = 9632;   /* the second ask (11,008 - 1,376) */
+    CK(mf_dev_xcache_fit(11008, 1, fit_room, r) == -EIO);
+}
+
 int main(void)
 {
+    test_fit();
     mf_dev *d = NULL;
     CK(mf_dev_open("emu:2,mem=1M", &d) == 0);
+    {   /* no budget on card 0 (1 MiB): 128 experts of 10,000 bytes asked, the 104 it holds granted (the
+         * shrink steps alone: 98) */
+        mf_dev_xcache *f = NULL;
+        CK(mf_dev_xcache_new(d, &(mf_dev_xcache_opts){.card = 0, .n_layers = 2, .n_experts = 64,
+                                                           .slot_bytes = 10000}, &f) == 0);
+        CHECK(f && mf_dev_xcache_n_slots(f) == 104, "%d slots granted of 1 MiB (expected 104)",
+              f ? mf_dev_xcache_n_slots(f) : -1);
+        mf_dev_xcache_free(f);
+    }
     mf_dev_xcache *c = NULL;
     /* 3 slots of 1000 bytes on card 1 */
     CK(mf_dev_xcache_new(d, &(mf_dev_xcache_opts){.card = 1, .n_layers = 2, .n_experts = 8,

@@ -538,6 +538,13 @@ static int pl_card_mem(mf_plan *p, const mf_sg_opts *go)
     return 0;
 }
 
+/* mf_dev_xcache_fit's ask of a card in the plan: n slots of room[1] bytes within its room[0] free. */
+static int pl_room_fits(void *ctx, int64_t n)
+{
+    const double *room = ctx;
+    return (double)n * room[1] <= room[0];
+}
+
 /* Each card's expert cache slots (dev_slots[card]). */
 static int pl_dev_slots(mf_plan *p, int *dev_slots)
 {
@@ -554,8 +561,9 @@ static int pl_dev_slots(mf_plan *p, int *dev_slots)
         if (o->dev_cache_bytes) {
             slots = (int64_t)(o->dev_cache_bytes / xslot);
         } else {
-            slots = n_items;
-            while (slots > 1 && mem > 0 && slots * xslot > mem) slots = mf_dev_xcache_shrink(slots, 1);
+            double room[2] = {mem, xslot};
+            slots = mem > 0 ? mf_dev_xcache_fit(n_items, 1, pl_room_fits, room) : n_items;
+            if (slots < 1) slots = 1;
         }
         if (slots > n_items) slots = n_items;
         /* draft_cards: one cache a card over the backbone's and the draft's experts, the draft's

@@ -425,12 +425,12 @@ int mf_step_heads_copy(const mf_step_targ *a, mf_dev_stream *q, int out)
     uint8_t *db = sh->ddense[a->t->card];
     size_t f = sizeof(float), row = (size_t)D * f;
     if (sh->hk_host && local && !out) {   /* the host's heads' outputs of the card's heads, for its wo_a rows */
-        mf_step_dcopy co = mf_step_dcopy_ab(sh, MF_LY_A_O, a->t->r0, a->t->r1, (size_t)i0, (size_t)n);
+        mf_step_dcopy co = mf_step_dcopy_ab(sh, MF_LY_A_O, a->t->r0, a->t->r1, (size_t)i0, (size_t)n, 0);
         return mf_step_dcopy_run(q, db, &co, 0);
     }
     if (sh->hk_host) return MF_TASK_NO_WORK;
     /* the task's heads' columns of the queries or outputs (bf16: mf_sg_attn_buf_bf16) */
-    mf_step_dcopy cq = mf_step_dcopy_ab(sh, out ? MF_LY_A_O : MF_LY_A_Q, a->t->r0, a->t->r1, (size_t)i0, (size_t)n);
+    mf_step_dcopy cq = mf_step_dcopy_ab(sh, out ? MF_LY_A_O : MF_LY_A_Q, a->t->r0, a->t->r1, (size_t)i0, (size_t)n, out);
     int rc = mf_step_dcopy_run(q, db, &cq, out);
     if (out) return rc;
     /* the key table and the sinks, which the blocks share: block 0's (its items from the unit's

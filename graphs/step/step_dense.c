@@ -23,6 +23,10 @@ int mf_step_dcopy_run(mf_dev_stream *q, uint8_t *db, const mf_step_dcopy *cp, in
     uint16_t *d16 = (uint16_t *)(void *)(db + cp->off16);
     uint8_t *dev = bf ? (uint8_t *)d16 : (uint8_t *)df, *host = bf ? (uint8_t *)cp->host16 : (uint8_t *)cp->host;
     int rc = 0;
+    if (bf && ((cp->rows - 1) * cp->ld + cp->n) * 2 > cp->cap16)
+        return mf_error(-ENOSPC, "step: a bf16 copy of %zu rows of %zu values (%zu apart) takes more than the card's "
+                        "%zu bytes of staging (graphs/step/stepgraph.h mf_sg_card_bufs.stg_bytes)", cp->rows, cp->n,
+                        cp->ld, cp->cap16);
     if (out && bf) rc = mf_dev_bf16_pack(q, df, (int64_t)cp->ld, d16, (int64_t)cp->ld, rows, n);
     if (!rc && (rows == 1 || cp->n == cp->ld))
         rc = out ? mf_dev_copy_d2h(q, host, dev, (cp->rows - 1) * pitch + w)
@@ -79,23 +83,23 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
             int64_t rows = lin[k].w->rows, lo = r0 - base > 0 ? r0 - base : 0, hi = r1 - base < rows ? r1 - base : rows;
             base += rows;
             if (out && split) {   /* this card's rows of the linear's output */
-                if (lo < hi) cp[m++] = mf_step_dcopy_ab(sh, b, lo, hi, i0, n);
+                if (lo < hi) cp[m++] = mf_step_dcopy_ab(sh, b, lo, hi, i0, n, out);
                 continue;
             }
             if (split && d == MF_SG_D_ATTN_OB) {   /* wo_a's output: the columns mf_sg_ob_in_cols gives */
                 int64_t cols[2][2];
                 int nr = mf_sg_ob_in_cols(sh->sg, a->t->part, (int64_t)c->o_groups * c->o_lora_rank, cols);
-                for (int q = 0; q < nr; q++) cp[m++] = mf_step_dcopy_ab(sh, b, cols[q][0], cols[q][1], i0, n);
+                for (int q = 0; q < nr; q++) cp[m++] = mf_step_dcopy_ab(sh, b, cols[q][0], cols[q][1], i0, n, out);
                 continue;
             }
             if (split && lin[k].groups) {   /* grouped (wo_a): the input slices of the groups its rows touch */
                 int64_t R = rows / lin[k].groups, cols = lin[k].w->cols;
-                if (lo < hi) cp[m++] = mf_step_dcopy_ab(sh, b, lo / R * cols, (hi + R - 1) / R * cols, i0, n);
+                if (lo < hi) cp[m++] = mf_step_dcopy_ab(sh, b, lo / R * cols, (hi + R - 1) / R * cols, i0, n, out);
                 continue;
             }
             if (seen & (1 << b)) continue;
             seen |= 1 << b;
-            cp[m++] = mf_step_dcopy_ab(sh, b, 0, sh->ab_ld[b], i0, n);   /* whole rows: one block */
+            cp[m++] = mf_step_dcopy_ab(sh, b, 0, sh->ab_ld[b], i0, n, out);   /* whole rows: one block */
         }
         return m;
     }
@@ -110,7 +114,8 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
         break;
     case MF_SG_D_SHARED:
         if (out)
-            cp[m++] = mf_step_dcopy_cols(sh->ys, sh->ys16, sh->dd_ys, sh->dd16_ys, (int64_t)H, 0, (int64_t)H, i0, n);
+            cp[m++] = mf_step_dcopy_staged(sh, mf_step_dcopy_cols(sh->ys, sh->ys16, sh->dd_ys, 0, (int64_t)H, 0, (int64_t)H,
+                                                                  i0, n), 1, 0);
         break;
     case MF_SG_D_HEAD:
         mf_step_dense_rows(a, V, &r0, &r1);

@@ -120,7 +120,8 @@ struct mf_step_shape {
     uint8_t *dbuf[MF_DEV_MAX_CARDS];
     mf_sg_card_bufs cb;   /* the cards' buffers (routed and dense blocks) and the host layouts' row lengths */
     size_t d_x, d_w, d_h, d_q, d_y, d_tab, dq_bytes;   /* dq_bytes: the int8 scratch's bytes a row */
-    size_t d_x16, d_y16;   /* the rows' bf16 copies (mf_sg_slot_tok_bytes), in slot order as d_x, d_y */
+    size_t d_x16, d_y16;   /* the rows' bf16 copies (mf_sg_slot_tok_bytes): in, in slot order as d_x; out, each
+                            * slot's where its rows in start (mf_sg_card_bufs.y16) */
     size_t d_ri;           /* slot_gather: each row's item (row_item's copy), in slot order */
     /* device graphs (opts dev_graphs): per card the slot tables of every layer (pinned host copy
      * filled by the route task, device copy refreshed by the graph) and each layer's graph,
@@ -167,7 +168,7 @@ struct mf_step_shape {
      * one that first reads them (mf_step_bf16_cols); on each card its copy at dd16_* (the card's
      * copy streams pack and unpack it: mf_dev_bf16_pack, _unpack) */
     uint16_t *ab16[MF_LY_A_N], *xin16, *ys16;
-    size_t dd16_ab[MF_LY_A_N], dd16_xin, dd16_ys;
+    size_t dd16_xin;   /* the MoE input's (whole: the slots' gathers read it); the others staged (cb.stg_*) */
     /* the heads on cards (sg->heads_any): the layer's key table as the gather leaves it on the host
      * (hk_tab: the ring's hk_nring rows of positions from hk_t0, then the hk_nent entries of the
      * union of the items' selections, hk_map[j] their rows in the card's table, which has the
@@ -298,11 +299,12 @@ struct mf_step {
 
 /* One copy of a dense sublayer: `rows` rows of n values, ld values apart, from the value at host
  * (its device copy at offset off of the card's buffer, the same layout); with host16 (the value's
- * place in its bf16 mirror, its card's copy at off16) it moves as bf16 (mf_sg_attn_buf_bf16). */
+ * place in its bf16 mirror) it moves as bf16 (mf_sg_attn_buf_bf16) through the card's codes at
+ * off16, rows ld apart, of which cap16 bytes are the copy's (a staging: mf_step_dcopy_staged). */
 typedef struct mf_step_dcopy {
     float *host;
     uint16_t *host16;
-    size_t off, off16, n, rows, ld;
+    size_t off, off16, cap16, n, rows, ld;
 } mf_step_dcopy;
 
 static inline mf_kern_mat mf_step_mat(const mf_weight *w)
@@ -361,15 +363,27 @@ static inline mf_step_dcopy mf_step_dcopy_cols(float *host, uint16_t *host16, si
                                                int64_t c0, int64_t c1, size_t i0, size_t n_tok)
 {
     size_t at = i0 * (size_t)ld + (size_t)c0;
-    return (mf_step_dcopy){host + at, host16 ? host16 + at : NULL, off + at * sizeof(float), off16 + at * 2,
+    return (mf_step_dcopy){host + at, host16 ? host16 + at : NULL, off + at * sizeof(float), off16 + at * 2, SIZE_MAX,
                            (size_t)(c1 - c0), n_tok, (size_t)ld};
 }
 
-/* The columns of attention buffer b. */
-static inline mf_step_dcopy mf_step_dcopy_ab(const mf_step_shape *sh, int b, int64_t c0, int64_t c1, size_t i0,
-                                             size_t n_tok)
+/* cp (columns from c0) through the bf16 staging of the card's copy-in (out 0) or copy-out (out 1)
+ * stream (graphs/step/stepgraph.h mf_sg_card_bufs.stg_in, stg_out): its rows from the staging's
+ * first, which each copy of that stream uses in turn (pack or unpack, then the next copy). */
+static inline mf_step_dcopy mf_step_dcopy_staged(const mf_step_shape *sh, mf_step_dcopy cp, int out, int64_t c0)
 {
-    return mf_step_dcopy_cols(sh->ab[b], sh->ab16[b], sh->dd_ab[b], sh->dd16_ab[b], sh->ab_ld[b], c0, c1, i0, n_tok);
+    size_t at = (size_t)c0 * 2, cap = sh->cb.stg_bytes;
+    cp.off16 = (out ? sh->cb.stg_out : sh->cb.stg_in) + at;
+    cp.cap16 = cap > at ? cap - at : 0;
+    return cp;
+}
+
+/* The columns of attention buffer b, copied in (out 0) or out (out 1). */
+static inline mf_step_dcopy mf_step_dcopy_ab(const mf_step_shape *sh, int b, int64_t c0, int64_t c1, size_t i0,
+                                             size_t n_tok, int out)
+{
+    mf_step_dcopy cp = mf_step_dcopy_cols(sh->ab[b], sh->ab16[b], sh->dd_ab[b], 0, sh->ab_ld[b], c0, c1, i0, n_tok);
+    return cp.host16 ? mf_step_dcopy_staged(sh, cp, out, c0) : cp;
 }
 
 /* ---- shared between the engine's files ----------------------------------------------------- */

@@ -403,12 +403,16 @@ static int mf_task_dev_ffn(void *arg, mf_task_ctx *ctx)
     mf_step *eng = sh->eng;
     int64_t H = eng->c->hidden_size, I = eng->c->moe_intermediate_size;
     const mf_weight *ew = mf_step_slot_weights(sh, a->t->layer, s);
-    size_t off = (size_t)sh->slot_off[s];
+    size_t off = (size_t)sh->slot_off[s], ho = sh->cb.ffn_slot ? 0 : off;   /* h's and the scratch's first row */
+    if (sh->cb.ffn_slot && (size_t)sh->slot_cnt[s] > sh->cb.ffn_rows)
+        return mf_error(-ENOSPC, "step: slot %d's %d rows exceed the %zu rows of card %d's FFN scratch "
+                        "(graphs/step/stepgraph.h mf_sg_card_bufs.ffn_rows)", s, sh->slot_cnt[s], sh->cb.ffn_rows,
+                        a->t->card);
     uint8_t *db = sh->dbuf[a->t->card], *x = sh->slot_dev[s];
     mf_dev_ffn f = {.w1 = mf_step_mat(&ew[0]), .w3 = mf_step_mat(&ew[2]), .w2 = mf_step_mat(&ew[1]),
                     .x = (const float *)(db + sh->d_x) + off * H, .n_tok = sh->slot_cnt[s],
                     .tok_weight = (const float *)(db + sh->d_w) + off, .limit = (float)eng->c->swiglu_limit,
-                    .h = (float *)(db + sh->d_h) + off * I, .q8_scratch = db + sh->d_q + off * sh->dq_bytes,
+                    .h = (float *)(db + sh->d_h) + ho * I, .q8_scratch = db + sh->d_q + ho * sh->dq_bytes,
                     .y = (float *)(db + sh->d_y) + off * H};
     f.w1.w = x + eng->part_off[0];
     f.w1.scale = x + eng->part_off[1];
@@ -470,8 +474,9 @@ static int mf_task_dev_out(void *arg, mf_task_ctx *ctx)
     int64_t H = sh->eng->c->hidden_size;
     size_t off = (size_t)sh->slot_off[s], cnt = (size_t)sh->slot_cnt[s];
     uint8_t *db = sh->dbuf[a->t->card];
-    /* the rows as bf16 (mf_sg_slot_tok_bytes), packed on this copy stream; the combine unpacks them */
-    uint16_t *d16 = (uint16_t *)(void *)(db + sh->d_y16) + off * H;
+    /* the rows as bf16 (mf_sg_slot_tok_bytes), packed on this copy stream where its rows in start
+     * (mf_sg_card_bufs.y16); the combine unpacks them */
+    uint16_t *d16 = (uint16_t *)(void *)(db + sh->d_y16 + off * H * sizeof(float));
     int rc = mf_dev_bf16_pack(ctx->queue, (const float *)(void *)(db + sh->d_y) + off * H, H, d16, H, (int)cnt, (int)H);
     return rc ? rc : mf_dev_copy_d2h(ctx->queue, sh->y16 + off * H, d16, cnt * H * sizeof *d16);
 }

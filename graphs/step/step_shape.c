@@ -252,10 +252,8 @@ static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh)
     const mf_sg_card_bufs *cb = &sh->cb;
     for (int b = 0; b < MF_LY_A_N; b++) {
         sh->dd_ab[b] = cb->ab[b];
-        sh->dd16_ab[b] = cb->ab16[b];
     }
     sh->dd16_xin = cb->xin16;
-    sh->dd16_ys = cb->ys16;
     sh->dd_xin = cb->xin;
     sh->dd_logits = cb->logits;
     sh->dd_hs = cb->hs;

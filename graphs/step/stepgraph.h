@@ -738,16 +738,21 @@ double mf_sg_dense_card_bytes_in(const mf_config *c, const mf_sg_sizes *sz, int 
  * routed experts holds the routed block, a dense card the dense block. */
 typedef struct mf_sg_card_bufs {
     /* routed: the slots' rows in (fp32 and the bf16 the links carry: none with slot_gather), token
-     * weights, h, the int8 scratch by rows (q8_row bytes a row, mf_dev_ffn_table.q8_row), rows out
-     * (fp32, bf16), each row's item (slot_gather: the gather's row numbers into the MoE input), the
-     * device graphs' slot tables (per layer) */
-    size_t x, w, h, q, y, x16, y16, ri, tab, q8_row, routed_bytes;
-    /* dense: the attention buffers (fp32, and bf16 where mf_sg_attn_buf_bf16), the MoE input
-     * (bf16, fp32), the gate's logits, the shared expert's h (and --exact's g, u) and out (bf16,
-     * fp32), the final norm's out, head_rows rows of logits, one Engram layer's rows and wkv out,
+     * weights, h and the int8 scratch (q8_row bytes a row, mf_dev_ffn_table.q8_row) of ffn_rows
+     * rows (ffn_slot 1: one slot's at a time, from row 0; 0, the slot-table FFN: every row's, in
+     * slot order), rows out (fp32; bf16 at y16 = x: a slot's bf16 rows where its fp32 rows in start,
+     * its FFN having read them), each row's item (slot_gather: the gather's row numbers into the
+     * MoE input), the device graphs' slot tables (per layer) */
+    size_t x, w, h, q, y, x16, y16, ri, tab, q8_row, ffn_rows, routed_bytes;
+    int ffn_slot;
+    /* dense: the attention buffers (fp32), the bf16 copies' staging of the copy-in and copy-out
+     * streams (mf_sg_attn_buf_bf16, mf_sg_dense_bf16's shared out: stg_bytes each, stg_rows items
+     * of the widest row, a copy's rows from the staging's first), the MoE input (bf16, whole: the
+     * slots' gathers read it; fp32), the gate's logits, the shared expert's h (and --exact's g, u)
+     * and out (fp32), the final norm's out, head_rows rows of logits, one Engram layer's rows and wkv out,
      * the heads' key table, lists, counts and sinks, the items' inverse RoPE tables (where the heads'
      * outputs stay on the cards: mf_sg_heads_local), the index scores' keys, counts and scores */
-    size_t ab[MF_LY_A_N], ab16[MF_LY_A_N], xin16, ys16, xin, logits, hs, gs, us, ys, hn, lbuf, eg_emb, eg_kv,
+    size_t ab[MF_LY_A_N], stg_in, stg_out, stg_bytes, stg_rows, xin16, xin, logits, hs, gs, us, ys, hn, lbuf, eg_emb, eg_kv,
         hk_tab, hk_keys, hk_nk, hk_sink, hk_rope, sk_tab, sk_nvis, sk_score, dense_bytes;
     int64_t ab_ld[MF_LY_A_N], eg_emb_ld, eg_kv_ld;   /* floats a row (the host's layouts too) */
     int head_rows, hk_ecap, sk_rows;   /* logits rows at a time; key table entries; a card's score rows */

@@ -161,6 +161,21 @@ double mf_sg_dense_card_bytes_in(const mf_config *c, const mf_sg_sizes *sz, int 
 
 static size_t sg_al256(size_t b) { return (b + 255) / 256 * 256; }
 
+/* The most items a dense task of sg copies as bf16 at once: its block's (the attention stages', the
+ * heads', the shared expert's chains). */
+static size_t sg_stage_rows(const mf_stepgraph *sg)
+{
+    size_t r = 0;
+    for (int t = 0; t < sg->n_tasks; t++) {
+        const mf_sg_task *k = &sg->task[t];
+        int d = k->dense;
+        if (k->card < 0 || !((d >= MF_SG_D_ATTN_IN && d <= MF_SG_D_ATTN_OB) || d == MF_SG_D_SHARED || d == MF_SG_D_HEADS))
+            continue;
+        if (k->i1 - k->i0 > 0 && (size_t)(k->i1 - k->i0) > r) r = (size_t)(k->i1 - k->i0);
+    }
+    return r;
+}
+
 void mf_sg_card_bufs_of(const mf_sg_card_in *in, mf_sg_card_bufs *b)
 {
     const mf_config *c = in->c;
@@ -170,17 +185,22 @@ void mf_sg_card_bufs_of(const mf_sg_card_in *in, mf_sg_card_bufs *b)
     size_t H = (size_t)c->hidden_size, I = (size_t)c->moe_intermediate_size, V = (size_t)c->vocab_size;
     size_t E = (size_t)c->n_routed_experts, Ish = c->n_shared_experts > 0 ? (size_t)in->sh_rows : 0;
     int ex = in->exact;
-    /* routed: n x top-k rows */
+    /* routed: n x top-k rows; the FFN's h and int8 scratch one slot's rows (a card's slots' FFNs run
+     * one after another on its compute stream; a slot has at most one row an item), but per row
+     * for the slot-table FFN (one launch over every slot); the bf16 rows out in the rows in (a
+     * slot's out rows start where its in rows do: its FFN has read them) */
     size_t nk = n_ * (size_t)c->n_experts_per_tok;
     b->q8_row = mf_dev_ffn_q8_bytes(1, (int)H, (int)I);
+    b->ffn_slot = !in->dev_graphs;
+    b->ffn_rows = b->ffn_slot ? n_ : nk;
     b->x = 0;
     b->w = b->x + sg_al256(nk * H * f);
     b->h = b->w + sg_al256(nk * f);
-    b->q = b->h + sg_al256(nk * I * f);
-    b->y = b->q + sg_al256(nk * b->q8_row);
+    b->q = b->h + sg_al256(b->ffn_rows * I * f);
+    b->y = b->q + sg_al256(b->ffn_rows * b->q8_row);
     b->x16 = b->y + sg_al256(nk * H * f);
-    b->y16 = b->x16 + sg_al256(sg->slot_gather ? 0 : nk * H * 2);
-    b->ri = b->y16 + sg_al256(nk * H * 2);
+    b->y16 = b->x;
+    b->ri = b->x16 + sg_al256(sg->slot_gather ? 0 : nk * H * 2);
     b->tab = mf_sg_lt_routed_bufs(in, b, b->ri + sg_al256(sg->slot_gather ? nk * 4 : 0));   /* the cuBLASLt path's, if any */
     b->routed_bytes = b->tab + (in->dev_graphs ? sizeof(mf_dev_ffn_slot) * (size_t)sg->n_slots * (size_t)c->n_layers : 0);
     /* dense: the host's layouts' row lengths, then each copy {bytes, &offset} */
@@ -200,13 +220,20 @@ void mf_sg_card_bufs_of(const mf_sg_card_in *in, mf_sg_card_bufs *b)
         }
     b->head_rows = in->head_rows > 0 ? in->head_rows : MF_SG_HEAD_ROWS;
     if ((size_t)b->head_rows > n_) b->head_rows = (int)n_;
-    struct { size_t bytes, *off; } dt[2 * MF_LY_A_N + 23];
+    struct { size_t bytes, *off; } dt[MF_LY_A_N + 24];
     int m = 0;
     for (int k = 0; k < MF_LY_A_N; k++) dt[m++] = (typeof(dt[0])){ln * (size_t)b->ab_ld[k] * f, &b->ab[k]};
-    for (int k = 0; k < MF_LY_A_N; k++)   /* the bf16 copies (the host's mirrors' layouts) */
-        dt[m++] = (typeof(dt[0])){mf_sg_attn_buf_bf16(k) ? ln * (size_t)b->ab_ld[k] * 2 : 0, &b->ab16[k]};
+    /* the bf16 copies' staging, one for the copy-in stream and one for the copy-out stream (each
+     * copy packs or unpacks there in turn): the widest bf16 row by the most items a chain's block
+     * copies; the MoE input's copy stays whole (the slots' gathers read it) */
+    size_t w16 = Ish && mf_sg_dense_bf16(MF_SG_D_SHARED, 1) ? H : 0;
+    for (int k = 0; k < MF_LY_A_N; k++)
+        if (mf_sg_attn_buf_bf16(k) && (size_t)b->ab_ld[k] > w16) w16 = (size_t)b->ab_ld[k];
+    b->stg_rows = sg_stage_rows(sg);
+    b->stg_bytes = b->stg_rows * w16 * 2;
+    dt[m++] = (typeof(dt[0])){b->stg_bytes, &b->stg_in};
+    dt[m++] = (typeof(dt[0])){b->stg_bytes, &b->stg_out};
     dt[m++] = (typeof(dt[0])){mf_sg_dense_bf16(MF_SG_D_GATE, 0) ? n_ * H * 2 : 0, &b->xin16};
-    dt[m++] = (typeof(dt[0])){mf_sg_dense_bf16(MF_SG_D_SHARED, 1) && Ish ? n_ * H * 2 : 0, &b->ys16};
     dt[m++] = (typeof(dt[0])){n_ * H * f, &b->xin};
     dt[m++] = (typeof(dt[0])){n_ * E * f, &b->logits};
     dt[m++] = (typeof(dt[0])){n_ * Ish * f, &b->hs};
