@@ -46,7 +46,9 @@ int mf_step_dcopy_run(mf_dev_stream *q, uint8_t *db, const mf_step_dcopy *cp, in
 static void mf_step_dense_rows(const mf_step_targ *a, int64_t n_rows, int64_t *r0, int64_t *r1)
 {
     const mf_stepgraph *sg = a->sh->sg;
-    mf_sg_dense_rows(mf_sg_dense_parts(sg->n_dense_cards, sg->dense_split, a->t->dense), a->t->part, n_rows, r0, r1);
+    int d = a->t->dense;
+    mf_sg_dense_rows(d == MF_SG_D_MARKOV ? sg->mk_parts : mf_sg_dense_parts(sg->n_dense_cards, sg->dense_split, d),
+                     a->t->part, n_rows, r0, r1);
 }
 
 /* The rows task a computes: its own (mf_step_dense_rows), less the last one under the test fault
@@ -124,6 +126,17 @@ static int mf_step_dense_copies(const mf_step_targ *a, int out, mf_step_dcopy *c
             cp[m++] = mf_step_dcopy_cols(sh->lbuf, NULL, sh->dd_lbuf, 0, V, r0, r1, 0, nh);
         if (nh && !out) cp[m++] = mf_step_dcopy_cols(sh->hn, NULL, sh->dd_hn, 0, (int64_t)H, 0, (int64_t)H, 0, nh);
         break;
+    case MF_SG_D_MARKOV: {   /* a draft round's units, a row each */
+        size_t U = (size_t)sh->sg->n_units;
+        int64_t R = c->dspark_markov_rank;
+        mf_step_dense_rows(a, V, &r0, &r1);
+        if (out && r0 < r1) cp[m++] = mf_step_dcopy_cols(sh->dmk, NULL, sh->dd_mk_out, 0, V, r0, r1, 0, U);
+        if (!out) {   /* the card's own host rows, filled here */
+            float *rows = mf_step_draft_mk_rows(sh, a->t->cand, a->t->card);
+            cp[m++] = mf_step_dcopy_cols(rows, NULL, sh->dd_mk_in, 0, R, 0, R, 0, U);
+        }
+        break;
+    }
     case MF_SG_D_ENGRAM: {   /* the micro-batch's items: the host's rows of the layer's Engram slot */
         size_t s0 = mf_step_eg_row(sh, a->t->layer, 0), le = (size_t)sh->eg_emb_ld;
         mf_step_dense_rows(a, (c->hc_mult + 1) * H, &r0, &r1);
@@ -370,6 +383,13 @@ static int mf_step_dense_launch(const mf_step_targ *a, mf_dev_stream *st)
         }
         return rc;
     }
+    case MF_SG_D_MARKOV: {   /* every unit's row; the host's sums (mf_task_draft_markov: mf_ly_linear_part), bf16 */
+        int64_t r0, r1, R = c->dspark_markov_rank;
+        mf_step_dense_run_rows(a, y->mk_head.rows, &r0, &r1);
+        int ref = eng->o.exact || !mf_ly_linear_kern(&y->mk_head);
+        return mf_step_dense_lin(a, st, &y->mk_head, r0, r1, 0, ref, 1, DD(sh->dd_mk_in), R, sh->sg->n_units,
+                                 DD(sh->dd_mk_out), c->vocab_size);
+    }
     case MF_SG_D_ENGRAM: {
         int64_t r0, r1;
         mf_step_dense_run_rows(a, y->eg_wkv.rows, &r0, &r1);
@@ -423,7 +443,9 @@ static int mf_task_dense_deq(void *arg, mf_task_ctx *ctx)
 static int mf_step_dense_wrows(const mf_step *s, int k, int L, int d, const mf_weight *w, int64_t base,
                                int64_t total, int64_t *r0, int64_t *r1)
 {
-    int parts = mf_sg_dense_parts(s->n_dense, s->o.dense_split, d);
+    double wb = (double)mf_weight_data_bytes(w);
+    int parts = d == MF_SG_D_MARKOV ? mf_sg_markov_parts(s->c, s->o.profile, wb, s->n_dense, s->o.dense_split)
+                                    : mf_sg_dense_parts(s->n_dense, s->o.dense_split, d);
     int64_t a = 0, b = total;
     if (parts > 1) mf_sg_dense_rows(parts, k, total, &a, &b);
     else if (mf_sg_dense_card_in(s->c, s->n_dense, s->l0, s->l1, L) != k) b = 0;
@@ -466,6 +488,11 @@ static int mf_step_dense_weights_of(const mf_step *s, int L, int k, const mf_wei
         mf_step_dense_wrows(s, k, L, MF_SG_D_ENGRAM, &y->eg_wkv, 0, y->eg_wkv.rows, &r0[n], &r1[n])) {
         dd[n] = MF_SG_D_ENGRAM;
         w[n++] = &y->eg_wkv;
+    }
+    if (stage && L == s->c->n_layers + s->c->n_mtp_layers - 1 &&   /* the Markov head (stepgraph_draft.c) */
+        mf_step_dense_wrows(s, k, L, MF_SG_D_MARKOV, &y->mk_head, 0, y->mk_head.rows, &r0[n], &r1[n])) {
+        dd[n] = MF_SG_D_MARKOV;
+        w[n++] = &y->mk_head;
     }
     assert(n <= MF_STEP_DW_MAX);
     return n;

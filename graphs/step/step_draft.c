@@ -149,6 +149,17 @@ static int32_t mf_step_draft_prev(const mf_step_draft_seq *q, int i)
     return i ? q->tokens[i - 1] : q->anchor;
 }
 
+float *mf_step_draft_mk_rows(mf_step_shape *sh, int cand, int k)
+{
+    int64_t R = sh->eng->c->dspark_markov_rank, U = sh->sg->n_units;
+    float *rows = sh->dmk_in + k * U * R;
+    for (int u = 0; u < U; u++) {
+        const mf_step_draft_seq *q = &sh->dseq[u];
+        mf_ly_draft_mk_emb(sh->eng->ly, cand < q->n_cand ? mf_step_draft_prev(q, cand) : q->anchor, rows + u * R);
+    }
+    return rows;
+}
+
 /* Rows [r0, r1) of the Markov head's logits of candidate `cand` of every unit asking for it, rounded
  * to bf16 (the head's output). */
 static int mf_task_draft_markov(void *arg, mf_task_ctx *ctx)

@@ -162,6 +162,7 @@ struct mf_step_shape {
      * failure fails its task through the stream's status callback) */
     uint8_t *ddense[MF_DEV_MAX_CARDS];
     size_t dd_ab[MF_LY_A_N], dd_xin, dd_logits, dd_hs, dd_gs, dd_us, dd_ys, dd_hn, dd_lbuf, dd_eg_emb, dd_eg_kv;
+    size_t dd_mk_in, dd_mk_out;   /* a draft round's Markov rows: the units' rank-R rows in, vocab terms out */
     /* the activations the dense chains copy as bf16 (graphs/step/stepgraph.h mf_sg_attn_buf_bf16,
      * mf_sg_dense_bf16; with dense cards only, else NULL): on the host a mirror of codes beside the
      * floats (the same layout), packed by the host task that writes the floats and unpacked by the
@@ -199,10 +200,11 @@ struct mf_step_shape {
      * (dfeed_x, n_target x hidden each; unit k's from row dfeed_off[k], dfeed_n[k] of them) and
      * main_proj's outputs of them (dfeed_u); per unit its key table (the context's rows, then the
      * block's: dkeys, (window + block) x head_dim, dnkeys of them) and the Markov logits of its
-     * candidate being picked (dmk, vocab each) */
+     * candidate being picked (dmk, vocab each; with dense cards, dmk_in: the rank-R rows their
+     * chains copy in, a unit each, per dense card its own: mf_step_draft_mk_rows) */
     float **feat_out;
     mf_step_draft_seq *dseq;
-    float *dfeed_x, *dfeed_u, *dkv, *dkeys, *dmk;   /* dkv: the feed's wkv outputs, per stage dfeed_rows x head_dim */
+    float *dfeed_x, *dfeed_u, *dkv, *dkeys, *dmk, *dmk_in;   /* dkv: the feed's wkv outputs, per stage dfeed_rows x head_dim */
     int *dfeed_off, *dfeed_n, *dnkeys;
     int dfeed_rows;         /* rows dfeed_x holds */
     void *mem;              /* its buffers; NULL when they are the engine's umem (a bucket's) */
@@ -405,6 +407,10 @@ mf_sg_opts mf_step_sg_opts(const mf_step *eng, int n, int par, int mixed, mf_tas
 int mf_step_draft_check(const mf_layers *ly);
 /* The draft round's shape of n_seq sequences (built on first use, kept). */
 int mf_step_draft_shape(mf_step *s, int n_seq, mf_step_shape **out);
+/* Every unit's Markov embedding row of the token before its candidate `cand` (a unit without that
+ * candidate: its anchor's, unused) into dense card k's rows of sh->dmk_in, which its Markov chain
+ * copies in (each card its own: the chains' copies run at once); returns them. */
+float *mf_step_draft_mk_rows(mf_step_shape *sh, int cand, int k);
 mf_sg_card_in mf_step_card_in(const mf_step *eng, const mf_stepgraph *sg, int ln);
 
 /* step_attn.c: the index scores and the heads on cards, copies (out 0: in, 1: out) and launches,

@@ -263,6 +263,8 @@ static int mf_step_shape_dense(mf_step *eng, mf_step_shape *sh)
     sh->dd_hn = cb->hn;
     sh->head_rows = cb->head_rows;
     sh->dd_lbuf = cb->lbuf;
+    sh->dd_mk_in = cb->mk_in;
+    sh->dd_mk_out = cb->mk_out;
     sh->dd_eg_emb = cb->eg_emb;
     sh->dd_eg_kv = cb->eg_kv;
     sh->dd_hk_tab = cb->hk_tab;
@@ -486,6 +488,7 @@ static int mf_step_host_table(const mf_step_host_in *in, mf_step_shape *sh, int 
         {"dkv", (size_t)c->n_mtp_layers * dfr * D * f, (void **)&sh->dkv},
         {"dkeys", du * dkr * D * f, (void **)&sh->dkeys},
         {"dmk", du * V * f, (void **)&sh->dmk},
+        {"dmk_in", dn ? (size_t)in->n_dense * du * (size_t)c->dspark_markov_rank * f : 0, (void **)&sh->dmk_in},
         {"dfeed_off", du * sizeof(int), (void **)&sh->dfeed_off},
         {"dfeed_n", du * sizeof(int), (void **)&sh->dfeed_n},
         {"dnkeys", du * sizeof(int), (void **)&sh->dnkeys},

@@ -159,9 +159,11 @@ enum { MF_SG_ST_IN, MF_SG_ST_QB, MF_SG_ST_OA, MF_SG_ST_OB, MF_SG_ST_CORE, MF_SG_
  * output out; GATE: the MoE input in (the shared expert reads the same copy), the router's gate
  * logits out; SHARED: the shared expert's FFN, its output out; HEAD: the final norm's output in,
  * the head, the logits out; ENGRAM: an Engram layer's embed rows in, the wkv projection, its
- * output (the gate's keys and value) out. */
+ * output (the gate's keys and value) out; MARKOV (a draft round, candidate `cand`): every unit's
+ * previous token's rank-R row of the Markov embedding in, the Markov head's rows (bf16), rounded
+ * to bf16, their terms out into the engine's Markov logits (the picks stay on the host). */
 enum { MF_SG_D_ATTN_IN, MF_SG_D_ATTN_QB, MF_SG_D_ATTN_OA, MF_SG_D_ATTN_OB, MF_SG_D_GATE, MF_SG_D_SHARED,
-       MF_SG_D_HEAD, MF_SG_D_ENGRAM, MF_SG_N_DENSE };
+       MF_SG_D_HEAD, MF_SG_D_ENGRAM, MF_SG_D_MARKOV, MF_SG_N_DENSE };
 /* Not a sublayer with weights (MF_SG_N_DENSE counts those): MF_SG_D_HEADS (the attention heads' scores and values, device/dev.h mf_dev_attn_heads): in the
  * prepared queries of the record's heads (rows [r0, r1) of the MF_LY_A_Q rows, into the card's copy
  * of them), the key table (the gather's rows, the chunk's own KV rows), the key lists and the
@@ -492,6 +494,7 @@ typedef struct mf_stepgraph {
     int n_cards, dev_graphs, n_io_parts;
     int n_dense_cards;            /* as mf_sg_opts: 0 dense work on the host */
     int dense_split;              /* as mf_sg_opts */
+    int mk_parts;                 /* a draft round's Markov rows: the cards they run on (mf_sg_markov_parts) */
     int dense_block;              /* as mf_sg_opts (0 replaced by MF_SG_DENSE_BLOCK) */
     /* per layer: 0 its heads on the host (MF_SG_ATTN_HEADS), else the cards its heads' scores and
      * values run on (1: the layer's dense card; n_dense_cards: every card, the heads split by
@@ -653,6 +656,12 @@ typedef enum mf_sg_dense_split { MF_SG_SPLIT_LAYERS = 0, MF_SG_SPLIT_ROWS } mf_s
  * cheaper than wo_a and wo_b whole on one card at the seed host's figures: docs/measurements.md
  * part 1); a card's wo_a copies in only the heads' output slices of the groups its rows touch. */
 int mf_sg_dense_parts(int n_dense_cards, int split, int dense);
+/* The cards a draft round's Markov rows (MF_SG_D_MARKOV, a matrix of w_bytes) run on: split by rows
+ * over them as the head's (mf_sg_dense_parts) where the cost model on profile p (NULL: the built-in
+ * machine) prices a unit's chain on the largest part (its row share in, the card's bf16 matmul,
+ * its rows out) below the whole chain on the head's card, else 1 (the head's card). The builder
+ * (mf_stepgraph.mk_parts) and the engine's upload of the rows (graphs/step/step_dense.c) ask it. */
+int mf_sg_markov_parts(const mf_config *c, const mf_profile *p, double w_bytes, int n_dense_cards, int split);
 /* wo_a's outputs exchanged between the cards (issue 37 phase 6), set by mf_sg_parts: where wo_a
  * and wo_b are split by rows over the same cards (mf_stepgraph.oa_x), block j of a card's wo_b
  * copy-in waits only for block j of each card's wo_a (the other cards' copies out through pinned
@@ -751,9 +760,10 @@ typedef struct mf_sg_card_bufs {
      * slots' gathers read it; fp32), the gate's logits, the shared expert's h (and --exact's g, u)
      * and out (fp32), the final norm's out, head_rows rows of logits, one Engram layer's rows and wkv out,
      * the heads' key table, lists, counts and sinks, the items' inverse RoPE tables (where the heads'
-     * outputs stay on the cards: mf_sg_heads_local), the index scores' keys, counts and scores */
+     * outputs stay on the cards: mf_sg_heads_local), the index scores' keys, counts and scores; a
+     * draft round's Markov rows: every unit's rank-R row in (mk_in), its vocab terms out (mk_out) */
     size_t ab[MF_LY_A_N], stg_in, stg_out, stg_bytes, stg_rows, xin16, xin, logits, hs, gs, us, ys, hn, lbuf, eg_emb, eg_kv,
-        hk_tab, hk_keys, hk_nk, hk_sink, hk_rope, sk_tab, sk_nvis, sk_score, dense_bytes;
+        hk_tab, hk_keys, hk_nk, hk_sink, hk_rope, sk_tab, sk_nvis, sk_score, mk_in, mk_out, dense_bytes;
     int64_t ab_ld[MF_LY_A_N], eg_emb_ld, eg_kv_ld;   /* floats a row (the host's layouts too) */
     int head_rows, hk_ecap, sk_rows;   /* logits rows at a time; key table entries; a card's score rows */
     int eg_per;                        /* Engram rows of an item: (max n-gram - 1) x heads */

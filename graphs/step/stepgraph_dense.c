@@ -48,14 +48,35 @@ int mf_sg_dense_card_in(const mf_config *c, int n_cards, int l0, int l1, int L)
     return 0;
 }
 
-static const char *const sg_dense_name[MF_SG_N_DENSE] = {"attn in", "attn qb", "attn oa", "attn ob",
-                                                         "gate",    "shared",  "head",    "engram wkv"};
+static const char *const sg_dense_name[MF_SG_N_DENSE] = {"attn in", "attn qb", "attn oa",    "attn ob",
+                                                         "gate",    "shared",  "head",       "engram wkv",
+                                                         "markov"};
 
 const char *mf_sg_dense_name(int d) { return d >= 0 && d < MF_SG_N_DENSE ? sg_dense_name[d] : "?"; }
 
 int mf_sg_dense_parts(int n_dense_cards, int split, int dense)
 {
     return split == MF_SG_SPLIT_ROWS && dense != MF_SG_D_SHARED && n_dense_cards > 1 ? n_dense_cards : 1;
+}
+
+int mf_sg_markov_parts(const mf_config *c, const mf_profile *p, double w_bytes, int n_dense_cards, int split)
+{
+    int parts = mf_sg_dense_parts(n_dense_cards, split, MF_SG_D_MARKOV);
+    if (parts <= 1) return 1;
+    mf_cost_model m = {.p = p ? p : mf_cost_default_profile()};
+    double V = (double)c->vocab_size, R = c->dspark_markov_rank, ns[2];
+    for (int k = 0; k < 2; k++) {   /* k 0: all rows on one card; 1: the first (largest) part's */
+        int64_t r0 = 0, r1 = (int64_t)V;
+        if (k) mf_sg_dense_rows(parts, 0, (int64_t)V, &r0, &r1);
+        double share = (double)(r1 - r0) / V;
+        mf_work w = {0};
+        w.w_bytes[MF_KF_BF16] = w_bytes * share;
+        w.macs[MF_KF_BF16] = V * R * share;
+        w.calls[MF_KF_BF16] = 1;
+        ns[k] = mf_cost_act_copy(&m, 0, 4.0 * R) + mf_cost_card_on(&m, &w, 1, 0) +
+                mf_cost_act_copy(&m, 1, 4.0 * V * share);
+    }
+    return ns[1] < ns[0] ? parts : 1;
 }
 
 void mf_sg_dense_rows(int parts, int part, int64_t n_rows, int64_t *r0, int64_t *r1)
@@ -220,7 +241,7 @@ void mf_sg_card_bufs_of(const mf_sg_card_in *in, mf_sg_card_bufs *b)
         }
     b->head_rows = in->head_rows > 0 ? in->head_rows : MF_SG_HEAD_ROWS;
     if ((size_t)b->head_rows > n_) b->head_rows = (int)n_;
-    struct { size_t bytes, *off; } dt[MF_LY_A_N + 24];
+    struct { size_t bytes, *off; } dt[MF_LY_A_N + 26];
     int m = 0;
     for (int k = 0; k < MF_LY_A_N; k++) dt[m++] = (typeof(dt[0])){ln * (size_t)b->ab_ld[k] * f, &b->ab[k]};
     /* the bf16 copies' staging, one for the copy-in stream and one for the copy-out stream (each
@@ -256,6 +277,9 @@ void mf_sg_card_bufs_of(const mf_sg_card_in *in, mf_sg_card_bufs *b)
     dt[m++] = (typeof(dt[0])){sk ? (size_t)MF_SG_SCORE_ENTRIES * (size_t)c->index_head_dim * f : 0, &b->sk_tab};
     dt[m++] = (typeof(dt[0])){sk ? n_ * 4 : 0, &b->sk_nvis};
     dt[m++] = (typeof(dt[0])){sk ? (size_t)b->sk_rows * MF_SG_SCORE_ENTRIES * sizeof(double) : 0, &b->sk_score};
+    size_t du = sg->draft ? (size_t)sg->n_units : 0;   /* a draft round's Markov rows, a unit each */
+    dt[m++] = (typeof(dt[0])){du * (size_t)c->dspark_markov_rank * f, &b->mk_in};
+    dt[m++] = (typeof(dt[0])){du * V * f, &b->mk_out};
     size_t lt[3];   /* the cuBLASLt path's: 16-bit weights of two layers, the cast, the workspace */
     mf_sg_lt_dense_bufs(in, b, lt);
     dt[m++] = (typeof(dt[0])){lt[0], &b->lt_w16};
@@ -367,8 +391,8 @@ mf_task_id mf_sg_dense_chain(mf_sg_builder *b, int L, int d, mf_sg_task t, int p
                              mf_task_id after_in, double out_bf_rows)
 {
     mf_stepgraph *sg = b->sg;
-    int parts = mf_sg_dense_parts(sg->n_dense_cards, sg->dense_split, d);
-    int n = b->h1 - b->h0, nb = d == MF_SG_D_HEAD ? 1 : mf_sg_dense_blocks(n, sg->dense_block);
+    int parts = d == MF_SG_D_MARKOV ? sg->mk_parts : mf_sg_dense_parts(sg->n_dense_cards, sg->dense_split, d);
+    int n = b->h1 - b->h0, nb = d == MF_SG_D_HEAD || d == MF_SG_D_MARKOV ? 1 : mf_sg_dense_blocks(n, sg->dense_block);
     mf_task_id head = -1, prev_first = -1, prev_run = -1;
     for (int k = 0; k < parts && !b->rc; k++) {
         int cd = parts > 1 ? k : mf_sg_dense_card_of(b->o, sg->n_dense_cards, L), lane = b->o->lane_dev0 + 3 * cd;
@@ -382,6 +406,7 @@ mf_task_id mf_sg_dense_chain(mf_sg_builder *b, int L, int d, mf_sg_task t, int p
             r.card = (int8_t)cd;
             r.dense = (int8_t)d;
             r.part = parts > 1 ? k : -1;
+            r.cand = t.cand;
             mf_sg_span(b, &r);
             if (nb > 1) {   /* block j's items: n / nb or one more */
                 r.i0 = b->h0 + (int)((int64_t)n * j / nb);

@@ -4,8 +4,8 @@
  * unit its norm and each stage's window KV into the context ring), per stage the attention core
  * (per unit the block's KV, then its heads in groups over the context and the block; the linear
  * stages, mixes, norms and the MoE are the backbone's sublayers on the stage's weights), and after
- * the target's head the greedy chain: per candidate the Markov head's row parts over every unit,
- * then each unit's pick (argmax, confidence). */
+ * the target's head the greedy chain: per candidate the Markov head's row parts over every unit
+ * (with dense cards a dense chain on them), then each unit's pick (argmax, confidence). */
 #include "graphs/step/stepgraph_impl.h"
 
 #include <errno.h>
@@ -163,6 +163,28 @@ mf_task_id mf_sg_draft_core(mf_sg_builder *b, int L, int k, mf_task_id (*rows)[M
     return -1;   /* the post waits for the ob parts, after the heads */
 }
 
+/* Candidate i's Markov rows on the dense cards (MF_SG_D_MARKOV: where mf_sg_dense_parts puts it,
+ * split by rows over the cards as the head, or on the head's card, the last stage's): a dense
+ * chain over the units, a row each (every unit's previous token's rank-R row in, its vocab terms
+ * out). Returns the chain's group. */
+static mf_task_id sg_draft_markov_cards(mf_sg_builder *b, int i)
+{
+    const mf_config *c = b->o->c;
+    int h0 = b->h0, h1 = b->h1;
+    double V = (double)c->vocab_size, R = c->dspark_markov_rank;
+    mf_sg_task t = mf_sg_rec(c->n_layers + c->n_mtp_layers - 1);
+    t.cand = (int8_t)i;
+    t.w.w_bytes[MF_KF_BF16] = b->o->sz->mk_head_bytes;
+    t.w.macs[MF_KF_BF16] = V * R;
+    t.w.calls[MF_KF_BF16] = 1;
+    b->h0 = 0;   /* the chain's items: the units */
+    b->h1 = b->sg->n_units;
+    mf_task_id ch = mf_sg_dense_chain(b, t.layer, MF_SG_D_MARKOV, t, MF_SG_PH_HEAD, 4.0 * R, 4.0 * V, -1, 0);
+    b->h0 = h0;
+    b->h1 = h1;
+    return ch;
+}
+
 void mf_sg_draft_propose(mf_sg_builder *b, mf_task_id head_done)
 {
     const mf_config *c = b->o->c;
@@ -173,7 +195,12 @@ void mf_sg_draft_propose(mf_sg_builder *b, mf_task_id head_done)
     for (int i = 0; i < B && !b->rc; i++) {
         SG_NAME(b, "draft markov %d join", i);
         mf_task_id mj = mf_sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_HEAD, MF_SG_K_OTHER, mf_sg_rec(-1));
-        for (int p = 0; p < P; p++) {   /* the Markov head's rows for every unit's previous token */
+        if (sg->n_dense_cards) {
+            mf_task_id ch = sg_draft_markov_cards(b, i);
+            mf_sg_dep(b, prev, ch);
+            mf_sg_dep(b, ch, mj);
+        }
+        for (int p = 0; p < P && !sg->n_dense_cards; p++) {   /* else on the host, in row parts */
             SG_NAME(b, "draft markov %d %d", i, p);
             mf_sg_task t = mf_sg_rec(-1);
             t.cand = (int8_t)i;
@@ -211,6 +238,8 @@ void mf_stepgraph_mark_draft(mf_stepgraph *sg, int n_cand)
 {
     for (int t = 0; t < sg->n_tasks; t++) {
         int op = sg->task[t].op;
-        if (op == MF_SG_DRAFT_MARKOV || op == MF_SG_DRAFT_PICK) mf_graph_set_noop(sg->g, t, sg->task[t].cand >= n_cand);
+        int markov = sg->task[t].dense == MF_SG_D_MARKOV && sg->task[t].card >= 0;   /* its chains on the cards */
+        if (op == MF_SG_DRAFT_MARKOV || op == MF_SG_DRAFT_PICK || markov)
+            mf_graph_set_noop(sg->g, t, sg->task[t].cand >= n_cand);
     }
 }

@@ -190,6 +190,7 @@ void mf_sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->dev_graphs = o->n_cards > 0 && o->dev_graphs;
     sg->n_dense_cards = o->n_dense_cards;
     sg->dense_split = o->dense_split;
+    sg->mk_parts = o->draft ? mf_sg_markov_parts(c, o->profile, o->sz->mk_head_bytes, o->n_dense_cards, o->dense_split) : 1;
     sg->route_topk = sg->p_gather > 1 && !o->ordered;
     sg->dense_block = o->dense_block > 0 ? o->dense_block : MF_SG_DENSE_BLOCK;
     for (int L = 0; L < c->n_layers && L < MF_CONFIG_MAX_LAYERS && !o->draft; L++) {
