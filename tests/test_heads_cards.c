@@ -15,7 +15,8 @@
  * card's perturbation unseen (no chunk scored there); with the dense chains and heads in item blocks
  * (mf_step_opts.dense_block 3) bit for bit, and the heads' perturbation still caught. Split by rows
  * on emu:2, wo_a's outputs exchanged between the cards for wo_b (test_graph_exchange: each card
- * keeps its own rows), bit for bit. */
+ * keeps its own rows), bit for bit; each q prep after qb's blocks over its items, the core of a layer
+ * not scored after no qb task (test_graph_qprep). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -279,6 +280,55 @@ static void test_graph_exchange(void)
     mf_sg_sizes_free(sz);
 }
 
+/* Each q prep after qb's blocks over its items (issue 37 phase 8): tiny's graph by rows on 2 cards
+ * in item blocks of 4; on a layer not scored every q prep waits for the qb copy out of each card's
+ * block meeting its items and for no other, and the core for no qb task (it reads nothing of qb's
+ * there), so the heads' copy-ins start with qb's first blocks out; on a scored layer the core
+ * waits for qb (the index queries). */
+static void test_graph_qprep(void)
+{
+    mf_config c;
+    CHECK(mf_config_preset("tiny", &c) == 0, "preset tiny");
+    mf_sg_sizes *sz = NULL;
+    mf_sg_lanes lt;
+    mf_stepgraph *sg = heads_graph(&c, &sz, &lt, MF_SG_SPLIT_ROWS, 4);
+    int n = sg ? sg->n_tasks : 0, qpreps = 0, scored_cores = 0, unscored = 0;
+    int *n_qb = calloc((size_t)n + 1, sizeof *n_qb), *n_far = calloc((size_t)n + 1, sizeof *n_far);
+    CHECK(n_qb && n_far, "memory");
+    for (int u = 0; sg && n_qb && n_far && u < n; u++) {   /* each task's qb predecessors, meeting its items or not */
+        const mf_sg_task *q = &sg->task[u];
+        if (q->dense != MF_SG_D_ATTN_QB || q->op < MF_SG_DENSE_IN || q->op > MF_SG_DENSE_OUT) continue;
+        const mf_task_id *succ = mf_graph_succ(sg->g, u);
+        for (int k = 0; k < mf_graph_n_succ(sg->g, u); k++) {
+            const mf_sg_task *r = &sg->task[succ[k]];
+            if (r->op == MF_SG_ATTN_QPREP && q->op != MF_SG_DENSE_OUT) n_far[succ[k]]++;
+            else if (r->op == MF_SG_ATTN_QPREP) (q->i0 < r->i1 && q->i1 > r->i0 ? n_qb : n_far)[succ[k]]++;
+            else if (r->op == MF_SG_ATTN_CORE) (mf_sg_layer_scored(&c, r->layer) ? n_qb : n_far)[succ[k]]++;
+        }
+    }
+    for (int t = 0; sg && n_qb && n_far && t < n; t++) {
+        const mf_sg_task *r = &sg->task[t];
+        if (r->op == MF_SG_ATTN_CORE) {
+            int scored = mf_sg_layer_scored(&c, r->layer);
+            unscored += !scored;
+            scored_cores += scored && n_qb[t] > 0;
+            CHECK(n_far[t] == 0, "layer %d's core (items %d..%d) after %d qb tasks", r->layer, r->i0, r->i1, n_far[t]);
+        }
+        if (r->op != MF_SG_ATTN_QPREP || mf_sg_layer_scored(&c, r->layer)) continue;
+        qpreps++;
+        int want = 0;   /* the blocks of 4 meeting its items, on each card */
+        for (int j = 0; j < 4; j++) want += 2 * (4 * j < r->i1 && 4 * j + 4 > r->i0);
+        CHECK(n_qb[t] == want && n_far[t] == 0, "layer %d's q prep (items %d..%d) after %d qb copies out over its "
+              "items (expected %d) and %d other qb tasks", r->layer, r->i0, r->i1, n_qb[t], want, n_far[t]);
+    }
+    CHECK(unscored > 0 && qpreps > 0 && scored_cores > 0, "%d cores of layers not scored, %d of their q preps, %d "
+          "cores of scored layers after qb", unscored, qpreps, scored_cores);
+    free(n_qb);
+    free(n_far);
+    mf_stepgraph_free(sg);
+    mf_sg_sizes_free(sz);
+}
+
 /* The logits of the host placement against the heads (and the index scores) on emu:nc (fault 1:
  * the heads perturbed, 2: the index scores), the dense work split by `split`, the heads' table of
  * compressed entries cut to h_entries (0: the card buffer's). */
@@ -376,6 +426,7 @@ int main(void)
     test_graph();
     test_graph_local();
     test_graph_exchange();
+    test_graph_qprep();
     char dir[1024];
     mf_config c;
     CHECK(mf_config_preset("tiny", &c) == 0, "preset");
