@@ -8,7 +8,8 @@
  * (mf_step_opts.heads_fault). With the heads, the scored layers' index scores (MF_SG_ATTN_KEYS,
  * MF_SG_D_SCORES): the choice (flash41's 8 scored layers at chunks 512 and 8,192 on the 4 cards,
  * none at batch 1), the graph (tiny: per scored layer a keys task and per card an in, a scores
- * and an out task over half the items, no host score task), the logits (tiny; demo, whose top-k
+ * and an out task over each of its two blocks, a quarter of the items each, no host score task;
+ * test_scores_range: each card's share of the work the same), the logits (tiny; demo, whose top-k
  * of 128 a 200-token prompt in chunks of 96 exceeds) bit for bit and different with the card's
  * scores perturbed (mf_step_opts.scores_fault); with the cards taking fewer entries
  * (mf_step_opts.scores_entries 12, then 1) the host's fallback scores, bit for bit, and with 1 the
@@ -103,6 +104,27 @@ static mf_stepgraph *heads_graph(const mf_config *c, mf_sg_sizes **sz, mf_sg_lan
     return sg;
 }
 
+/* The index scores' split (mf_sg_scores_range): 8,192, 1,000 and 7 items (blocks of 0 or 1) on 4
+ * cards, every item once, and at 8,192 and 1,000 each card's share of a causal triangle (item i
+ * sees i + 1 entries) within one item's of the others'. */
+static void test_scores_range(void)
+{
+    static const int ns[3] = {8192, 1000, 7};
+    for (int x = 0; x < 3; x++) {
+        int n = ns[x], seen = 0;
+        double w[4] = {0}, lo = 1e300, hi = 0;
+        for (int p = 0; p < 4; p++)
+            for (int q = 0; q < 2; q++) {
+                int a, e;
+                mf_sg_scores_range(n, 4, p, q, &a, &e);
+                seen += e - a;
+                for (int i = a; i < e; i++) w[p] += i + 1;
+            }
+        for (int p = 0; p < 4; p++) lo = w[p] < lo ? w[p] : lo, hi = w[p] > hi ? w[p] : hi;
+        CHECK(seen == n && (n < 8 || hi - lo <= n), "%d items: %d scored, the cards' work %.0f..%.0f", n, seen, lo, hi);
+    }
+}
+
 /* tiny, 16 items of one sequence, heads forced on 2 dense cards: per layer and card an in, a
  * compute and an out task of MF_SG_D_HEADS on that card's lanes with the card's half of the heads,
  * a gather, q preps and o posts on the CPU lane, no MF_SG_ATTN_HEADS. */
@@ -129,6 +151,10 @@ static void test_graph(void)
             if (k < 0 || k >= 3 || r->card < 0 || r->card >= 2) continue;
             sc_cnt[k]++;
             if (k == 1) sc_items[r->card] += r->i1 - r->i0;
+            /* 4 blocks of 4: card 0 blocks 3 then 0, card 1 blocks 2 then 1 (mf_sg_scores_range) */
+            int blk = r->block ? r->card : 3 - r->card;
+            CHECK(r->i0 == 4 * blk && r->i1 == 4 * blk + 4, "scores task %d (card %d, block %d): items %d..%d",
+                  t, r->card, r->block, r->i0, r->i1);
             continue;
         }
         if (r->dense != MF_SG_D_HEADS) continue;
@@ -151,8 +177,8 @@ static void test_graph(void)
     CHECK(host_heads == 0, "%d host heads tasks", host_heads);
     CHECK(host_scores == 0 && keys == n_scored, "%d host score tasks, %d key tasks (expected 0, %d)", host_scores, keys,
           n_scored);
-    for (int k = 0; k < 3; k++)
-        CHECK(sc_cnt[k] == 2 * n_scored, "%d scores tasks of kind %d (expected %d)", sc_cnt[k], k, 2 * n_scored);
+    for (int k = 0; k < 3; k++)   /* 2 cards x 2 blocks (mf_sg_scores_range) */
+        CHECK(sc_cnt[k] == 4 * n_scored, "%d scores tasks of kind %d (expected %d)", sc_cnt[k], k, 4 * n_scored);
     for (int cd = 0; cd < 2; cd++)
         CHECK(sc_items[cd] == n_scored * 8, "card %d scores %d items over the layers (expected %d)", cd, sc_items[cd],
               n_scored * 8);
@@ -423,6 +449,7 @@ static void test_engine(mf_ref *r, const char *name, int n_prompt, int chunk, in
 int main(void)
 {
     test_choice();
+    test_scores_range();
     test_graph();
     test_graph_local();
     test_graph_exchange();
