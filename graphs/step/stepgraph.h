@@ -107,7 +107,7 @@ typedef enum mf_sg_op {
     MF_SG_MOE_PLACE,      /* layer's experts placed by their expected tokens (mf_sg_place_all), cache
                            * slots taken and pinned, the copy tasks of the host's experts and hits marked noop */
     MF_SG_DEV_PRE,        /* card `card` (h2d lane): expert `part` copied in on a miss (one span or its parts) */
-    /* the index scores on cards (mf_stepgraph.scores_cards[L] > 0): keys -> per card MF_SG_DENSE_*
+    /* the index scores on cards (mf_stepgraph.scores_cards[L] > 0): keys -> per card and block MF_SG_DENSE_*
      * of MF_SG_D_SCORES -> the select(s) on the host */
     MF_SG_ATTN_KEYS,      /* items (the unit's, one sequence): the index keys of the entries the
                            * last item sees unpacked on the host (mf_ly_cache_get_keys), the items'
