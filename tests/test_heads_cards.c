@@ -8,14 +8,16 @@
  * (mf_step_opts.heads_fault). With the heads, the scored layers' index scores (MF_SG_ATTN_KEYS,
  * MF_SG_D_SCORES): the choice (flash41's 8 scored layers at chunks 512 and 8,192 on the 4 cards,
  * none at batch 1), the graph (tiny: per scored layer a keys task and per card an in, a scores
- * and an out task over half the items, no host score task), the logits (tiny; demo, whose top-k
+ * and an out task over each of its two blocks, a quarter of the items each, no host score task;
+ * test_scores_range: each card's share of the work the same), the logits (tiny; demo, whose top-k
  * of 128 a 200-token prompt in chunks of 96 exceeds) bit for bit and different with the card's
  * scores perturbed (mf_step_opts.scores_fault); with the cards taking fewer entries
  * (mf_step_opts.scores_entries 12, then 1) the host's fallback scores, bit for bit, and with 1 the
  * card's perturbation unseen (no chunk scored there); with the dense chains and heads in item blocks
  * (mf_step_opts.dense_block 3) bit for bit, and the heads' perturbation still caught. Split by rows
  * on emu:2, wo_a's outputs exchanged between the cards for wo_b (test_graph_exchange: each card
- * keeps its own rows), bit for bit. */
+ * keeps its own rows), bit for bit; each q prep after qb's blocks over its items, the core of a layer
+ * not scored after no qb task (test_graph_qprep). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -102,6 +104,27 @@ static mf_stepgraph *heads_graph(const mf_config *c, mf_sg_sizes **sz, mf_sg_lan
     return sg;
 }
 
+/* The index scores' split (mf_sg_scores_range): 8,192, 1,000 and 7 items (blocks of 0 or 1) on 4
+ * cards, every item once, and at 8,192 and 1,000 each card's share of a causal triangle (item i
+ * sees i + 1 entries) within one item's of the others'. */
+static void test_scores_range(void)
+{
+    static const int ns[3] = {8192, 1000, 7};
+    for (int x = 0; x < 3; x++) {
+        int n = ns[x], seen = 0;
+        double w[4] = {0}, lo = 1e300, hi = 0;
+        for (int p = 0; p < 4; p++)
+            for (int q = 0; q < 2; q++) {
+                int a, e;
+                mf_sg_scores_range(n, 4, p, q, &a, &e);
+                seen += e - a;
+                for (int i = a; i < e; i++) w[p] += i + 1;
+            }
+        for (int p = 0; p < 4; p++) lo = w[p] < lo ? w[p] : lo, hi = w[p] > hi ? w[p] : hi;
+        CHECK(seen == n && (n < 8 || hi - lo <= n), "%d items: %d scored, the cards' work %.0f..%.0f", n, seen, lo, hi);
+    }
+}
+
 /* tiny, 16 items of one sequence, heads forced on 2 dense cards: per layer and card an in, a
  * compute and an out task of MF_SG_D_HEADS on that card's lanes with the card's half of the heads,
  * a gather, q preps and o posts on the CPU lane, no MF_SG_ATTN_HEADS. */
@@ -128,6 +151,10 @@ static void test_graph(void)
             if (k < 0 || k >= 3 || r->card < 0 || r->card >= 2) continue;
             sc_cnt[k]++;
             if (k == 1) sc_items[r->card] += r->i1 - r->i0;
+            /* 4 blocks of 4: card 0 blocks 3 then 0, card 1 blocks 2 then 1 (mf_sg_scores_range) */
+            int blk = r->block ? r->card : 3 - r->card;
+            CHECK(r->i0 == 4 * blk && r->i1 == 4 * blk + 4, "scores task %d (card %d, block %d): items %d..%d",
+                  t, r->card, r->block, r->i0, r->i1);
             continue;
         }
         if (r->dense != MF_SG_D_HEADS) continue;
@@ -150,8 +177,8 @@ static void test_graph(void)
     CHECK(host_heads == 0, "%d host heads tasks", host_heads);
     CHECK(host_scores == 0 && keys == n_scored, "%d host score tasks, %d key tasks (expected 0, %d)", host_scores, keys,
           n_scored);
-    for (int k = 0; k < 3; k++)
-        CHECK(sc_cnt[k] == 2 * n_scored, "%d scores tasks of kind %d (expected %d)", sc_cnt[k], k, 2 * n_scored);
+    for (int k = 0; k < 3; k++)   /* 2 cards x 2 blocks (mf_sg_scores_range) */
+        CHECK(sc_cnt[k] == 4 * n_scored, "%d scores tasks of kind %d (expected %d)", sc_cnt[k], k, 4 * n_scored);
     for (int cd = 0; cd < 2; cd++)
         CHECK(sc_items[cd] == n_scored * 8, "card %d scores %d items over the layers (expected %d)", cd, sc_items[cd],
               n_scored * 8);
@@ -279,6 +306,55 @@ static void test_graph_exchange(void)
     mf_sg_sizes_free(sz);
 }
 
+/* Each q prep after qb's blocks over its items (issue 37 phase 8): tiny's graph by rows on 2 cards
+ * in item blocks of 4; on a layer not scored every q prep waits for the qb copy out of each card's
+ * block meeting its items and for no other, and the core for no qb task (it reads nothing of qb's
+ * there), so the heads' copy-ins start with qb's first blocks out; on a scored layer the core
+ * waits for qb (the index queries). */
+static void test_graph_qprep(void)
+{
+    mf_config c;
+    CHECK(mf_config_preset("tiny", &c) == 0, "preset tiny");
+    mf_sg_sizes *sz = NULL;
+    mf_sg_lanes lt;
+    mf_stepgraph *sg = heads_graph(&c, &sz, &lt, MF_SG_SPLIT_ROWS, 4);
+    int n = sg ? sg->n_tasks : 0, qpreps = 0, scored_cores = 0, unscored = 0;
+    int *n_qb = calloc((size_t)n + 1, sizeof *n_qb), *n_far = calloc((size_t)n + 1, sizeof *n_far);
+    CHECK(n_qb && n_far, "memory");
+    for (int u = 0; sg && n_qb && n_far && u < n; u++) {   /* each task's qb predecessors, meeting its items or not */
+        const mf_sg_task *q = &sg->task[u];
+        if (q->dense != MF_SG_D_ATTN_QB || q->op < MF_SG_DENSE_IN || q->op > MF_SG_DENSE_OUT) continue;
+        const mf_task_id *succ = mf_graph_succ(sg->g, u);
+        for (int k = 0; k < mf_graph_n_succ(sg->g, u); k++) {
+            const mf_sg_task *r = &sg->task[succ[k]];
+            if (r->op == MF_SG_ATTN_QPREP && q->op != MF_SG_DENSE_OUT) n_far[succ[k]]++;
+            else if (r->op == MF_SG_ATTN_QPREP) (q->i0 < r->i1 && q->i1 > r->i0 ? n_qb : n_far)[succ[k]]++;
+            else if (r->op == MF_SG_ATTN_CORE) (mf_sg_layer_scored(&c, r->layer) ? n_qb : n_far)[succ[k]]++;
+        }
+    }
+    for (int t = 0; sg && n_qb && n_far && t < n; t++) {
+        const mf_sg_task *r = &sg->task[t];
+        if (r->op == MF_SG_ATTN_CORE) {
+            int scored = mf_sg_layer_scored(&c, r->layer);
+            unscored += !scored;
+            scored_cores += scored && n_qb[t] > 0;
+            CHECK(n_far[t] == 0, "layer %d's core (items %d..%d) after %d qb tasks", r->layer, r->i0, r->i1, n_far[t]);
+        }
+        if (r->op != MF_SG_ATTN_QPREP || mf_sg_layer_scored(&c, r->layer)) continue;
+        qpreps++;
+        int want = 0;   /* the blocks of 4 meeting its items, on each card */
+        for (int j = 0; j < 4; j++) want += 2 * (4 * j < r->i1 && 4 * j + 4 > r->i0);
+        CHECK(n_qb[t] == want && n_far[t] == 0, "layer %d's q prep (items %d..%d) after %d qb copies out over its "
+              "items (expected %d) and %d other qb tasks", r->layer, r->i0, r->i1, n_qb[t], want, n_far[t]);
+    }
+    CHECK(unscored > 0 && qpreps > 0 && scored_cores > 0, "%d cores of layers not scored, %d of their q preps, %d "
+          "cores of scored layers after qb", unscored, qpreps, scored_cores);
+    free(n_qb);
+    free(n_far);
+    mf_stepgraph_free(sg);
+    mf_sg_sizes_free(sz);
+}
+
 /* The logits of the host placement against the heads (and the index scores) on emu:nc (fault 1:
  * the heads perturbed, 2: the index scores), the dense work split by `split`, the heads' table of
  * compressed entries cut to h_entries (0: the card buffer's). */
@@ -373,9 +449,11 @@ static void test_engine(mf_ref *r, const char *name, int n_prompt, int chunk, in
 int main(void)
 {
     test_choice();
+    test_scores_range();
     test_graph();
     test_graph_local();
     test_graph_exchange();
+    test_graph_qprep();
     char dir[1024];
     mf_config c;
     CHECK(mf_config_preset("tiny", &c) == 0, "preset");

@@ -215,8 +215,17 @@ static int64_t mf_step_scores_keys(const mf_step_targ *a)
     return m;
 }
 
-/* The scores' copy in (out 0: the items' index queries and head weights, their counts, the keys
- * they see) or out (out 1: their scores into their rows of iscore) on the task's card. */
+/* The task's score rows on its card: block 0's from the start of the card's score rows, block 1's
+ * ending at their end (MF_SG_D_SCORES: the two blocks' rows together at most sk_rows). */
+static double *mf_step_scores_rows(const mf_step_targ *a)
+{
+    const mf_step_shape *sh = a->sh;
+    size_t r0 = a->t->block > 0 ? (size_t)(sh->sk_rows - (a->t->i1 - a->t->i0)) * MF_SG_SCORE_ENTRIES : 0;
+    return (double *)(sh->ddense[a->t->card] + sh->dd_sk_score) + r0;
+}
+
+/* The scores' copy in (out 0: the items' index queries and head weights, their counts, block 0 the
+ * keys they see) or out (out 1: their scores into their rows of iscore) on the task's card. */
 int mf_step_scores_copy(const mf_step_targ *a, mf_dev_stream *q, int out)
 {
     mf_step_shape *sh = a->sh;
@@ -230,7 +239,7 @@ int mf_step_scores_copy(const mf_step_targ *a, mf_dev_stream *q, int out)
         if (!nk) return MF_TASK_NO_WORK;
         size_t w = (size_t)nk * sizeof(double);
         return mf_dev_copy_d2h_2d(q, sh->iscore + (size_t)i0 * sh->iscore_ld, (size_t)sh->iscore_ld * sizeof(double),
-                                  db + sh->dd_sk_score, w, w, (size_t)n);
+                                  mf_step_scores_rows(a), w, w, (size_t)n);
     }
     int rc = 0;
     for (int k = 0; k < 2 && !rc; k++) {   /* the queries, the head weights: the items' rows, as on the host */
@@ -240,7 +249,7 @@ int mf_step_scores_copy(const mf_step_targ *a, mf_dev_stream *q, int out)
                                 (size_t)(k ? ih : ih * id) * f, (size_t)n);
     }
     if (!rc) rc = mf_dev_copy_h2d(q, db + sh->dd_sk_nvis + (size_t)i0 * 4, sh->sk_nvis + i0, (size_t)n * 4);
-    if (!rc && nk) rc = mf_dev_copy_h2d(q, db + sh->dd_sk_tab, sh->sk_tab, (size_t)nk * id * f);
+    if (!rc && nk && a->t->block == 0) rc = mf_dev_copy_h2d(q, db + sh->dd_sk_tab, sh->sk_tab, (size_t)nk * id * f);
     return rc;
 }
 
@@ -259,7 +268,7 @@ int mf_step_scores_launch(const mf_step_targ *a, mf_dev_stream *st)
                         .w = (const float *)(db + sh->dd_ab[MF_LY_A_IW]) + i0 * sh->ab_ld[MF_LY_A_IW],
                         .ld_w = sh->ab_ld[MF_LY_A_IW], .n_tok = a->t->i1 - i0, .n_heads = c->index_n_heads,
                         .D = c->index_head_dim, .keys = (const float *)(db + sh->dd_sk_tab), .n_keys = nk,
-                        .n_vis = (const int32_t *)(db + sh->dd_sk_nvis) + i0, .score = (double *)(db + sh->dd_sk_score),
+                        .n_vis = (const int32_t *)(db + sh->dd_sk_nvis) + i0, .score = mf_step_scores_rows(a),
                         .ld_s = nk};
     if (sh->eng->o.scores_fault && is.n_heads > 1) is.n_heads--;
     int rc = mf_dev_index_scores(st, &is);

@@ -107,7 +107,7 @@ typedef enum mf_sg_op {
     MF_SG_MOE_PLACE,      /* layer's experts placed by their expected tokens (mf_sg_place_all), cache
                            * slots taken and pinned, the copy tasks of the host's experts and hits marked noop */
     MF_SG_DEV_PRE,        /* card `card` (h2d lane): expert `part` copied in on a miss (one span or its parts) */
-    /* the index scores on cards (mf_stepgraph.scores_cards[L] > 0): keys -> per card MF_SG_DENSE_*
+    /* the index scores on cards (mf_stepgraph.scores_cards[L] > 0): keys -> per card and block MF_SG_DENSE_*
      * of MF_SG_D_SCORES -> the select(s) on the host */
     MF_SG_ATTN_KEYS,      /* items (the unit's, one sequence): the index keys of the entries the
                            * last item sees unpacked on the host (mf_ly_cache_get_keys), the items'
@@ -172,10 +172,12 @@ enum { MF_SG_D_ATTN_IN, MF_SG_D_ATTN_QB, MF_SG_D_ATTN_OA, MF_SG_D_ATTN_OB, MF_SG
  * work the inverse RoPE too, and no out. */
 #define MF_SG_D_HEADS MF_SG_N_DENSE
 /* Nor MF_SG_D_SCORES (the indexer's scores, device/dev.h mf_dev_index_scores), over the record's
- * items [i0, i1) (card `part` of scores_cards[L]: mf_sg_heads_range of the unit's items): in their
- * index queries and head weights (their MF_LY_A_QI and MF_LY_A_IW rows, into the card's copies),
- * their visible counts and the keys table; out their scores, doubles, into the items' rows of the
- * engine's score buffer, which the select reads. */
+ * items [i0, i1) (block `block` of card `part` of scores_cards[L]: mf_sg_scores_range of the unit's
+ * items): in their index queries and head weights (their MF_LY_A_QI and MF_LY_A_IW rows, into the
+ * card's copies), their visible counts and, block 0, the keys table (block 1's items see fewer;
+ * a card's only block, where its block 0 has no items, is its block 0);
+ * out their scores, doubles, into the items' rows of the engine's score buffer, which the select
+ * reads (on the card block 0's rows from the start of its score rows, block 1's at their end). */
 #define MF_SG_D_SCORES (MF_SG_N_DENSE + 1)
 
 /* The work of one task: the cost model's (sched/cost.h mf_work), which prices it. Token-scaled
@@ -628,7 +630,7 @@ int mf_sg_heads_choice(const mf_sg_opts *o, int L);
 /* The cards layer L's index scores run on (mf_stepgraph.scores_cards): where its heads run on cards
  * (heads_cards, mf_sg_heads_choice) and it is scored (mf_sg_layer_scored) with an indexer the card op
  * takes (index_n_heads x index_head_dim at most MF_DEV_ISCORE_MAX_QD), every dense card (the
- * unit's items split by mf_sg_heads_range); else 0 (the host's score parts). */
+ * unit's items split by mf_sg_scores_range); else 0 (the host's score parts). */
 int mf_sg_scores_choice(const mf_sg_opts *o, int L, int heads_cards);
 /* 1 when heads on `parts` cards (mf_stepgraph.heads_cards) leave each card's outputs on it as the
  * input of its own wo_a rows: wo_a runs on as many cards (mf_sg_dense_parts of n_dense_cards under
@@ -642,6 +644,12 @@ int mf_sg_scores_choice(const mf_sg_opts *o, int L, int heads_cards);
 int mf_sg_heads_local(const mf_config *c, int n_dense_cards, int split, int parts);
 /* Card k of `parts`' heads [*h0, *h1) of n_heads: equal shares, the first ones a head more. */
 void mf_sg_heads_range(int n_heads, int parts, int k, int *h0, int *h1);
+/* Block q (0 or 1) of card k of `parts`' items [*i0, *i1) of a unit's n index-scored items: of
+ * 2 parts equal blocks (mf_sg_heads_range) block 2 parts - 1 - k (q 0) and block k (q 1), so each
+ * card's share of the scores, whose work grows by the same amount from one item to the next, is
+ * the same at any position of the chunk (a causal triangle split by items in parts ran 1 : 3 : 5 : 7
+ * on 4 cards), and each card's later block runs first (its keys the most: its copy-in the table). */
+void mf_sg_scores_range(int n, int parts, int k, int q, int *i0, int *i1);
 
 /* How dense work is spread over its cards (mf_sg_opts.dense_split). */
 typedef enum mf_sg_dense_split { MF_SG_SPLIT_LAYERS = 0, MF_SG_SPLIT_ROWS } mf_sg_dense_split;

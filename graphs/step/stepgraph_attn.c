@@ -263,7 +263,10 @@ static mf_task_id sg_attn_kv(mf_sg_builder *b, int L, int k, mf_task_id (*rows)[
 /* Unit k's core (after its kv and the qb parts): the core's prep and the select, one task per unit
  * when ordered (the hooks in item order), else one per item group, each group's heads after its
  * own; on scored layers the index scores in parts per item group (or on the cards), then the
- * select. gate[i] of each of the unit's item groups i gets the task its heads wait for. */
+ * select. gate[i] of each of the unit's item groups i gets the task its heads wait for. On a layer
+ * not scored with its heads on the cards the core reads nothing of qb's (no index query, the
+ * selection its source's): not after the qb parts, whose blocks each q prep waits for instead
+ * (mf_sg_heads_on_cards), so the heads' copy-ins start with qb's first blocks out. */
 static void sg_attn_core(mf_sg_builder *b, int L, int k, mf_task_id kv, mf_task_id (*rows)[MF_SG_MAX_PARTS],
                          mf_task_id *gate)
 {
@@ -284,7 +287,8 @@ static void sg_attn_core(mf_sg_builder *b, int L, int k, mf_task_id kv, mf_task_
                 tc.w.vec_flops = (double)(tc.i1 - tc.i0) * c->index_n_heads * c->index_head_dim * SG_W_CAST_VEC;
             gate[i] = mf_sg_add(b, 0, MF_SG_ATTN_CORE, MF_SG_PH_ATTN, MF_SG_K_OTHER, tc);
             mf_sg_dep(b, kv, gate[i]);
-            for (int p = 0; p < sg->p_attn; p++) mf_sg_dep(b, rows[MF_SG_ST_QB][p], gate[i]);
+            for (int p = 0; p < sg->p_attn && (index || !sg->heads_cards[L]); p++)
+                mf_sg_dep(b, rows[MF_SG_ST_QB][p], gate[i]);
         } else {
             gate[i] = gate[gu0];
         }
@@ -351,7 +355,7 @@ static mf_task_id sg_attn_heads(mf_sg_builder *b, int L, int k, const mf_task_id
             sj = mf_sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_ATTN, MF_SG_K_OTHER, mf_sg_rec(L));
             for (int i = gu0; i <= gu1; i++) mf_sg_dep(b, gate[i], sj);
         }
-        mf_sg_heads_on_cards(b, L, k, sj, ring, rows[MF_SG_ST_OA], sg->p_attn);
+        mf_sg_heads_on_cards(b, L, k, sj, ring, rows[MF_SG_ST_QB], rows[MF_SG_ST_OA], sg->p_attn);
         return ring;
     }
     for (int i = gu0; i <= gu1; i++)   /* the unit's groups */

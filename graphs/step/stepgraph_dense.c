@@ -233,11 +233,12 @@ void mf_sg_card_bufs_of(const mf_sg_card_in *in, mf_sg_card_bufs *b)
     }
     int64_t ecap = (int64_t)ln * c->index_topk;
     b->hk_ecap = (int)(ecap < MF_SG_HEADS_ENTRIES ? ecap : MF_SG_HEADS_ENTRIES);
-    for (int L = 0; L < c->n_layers; L++)   /* a card's items of the index scores at most */
-        if (sg->scores_cards[L]) {
-            int a, e;
-            mf_sg_heads_range(sg->n, sg->scores_cards[L], 0, &a, &e);
-            if (e - a > b->sk_rows) b->sk_rows = e - a;
+    for (int L = 0; L < c->n_layers; L++)   /* a card's items of the index scores at most (both blocks) */
+        for (int p = 0; p < sg->scores_cards[L]; p++) {
+            int a0, e0, a1, e1;
+            mf_sg_scores_range(sg->n, sg->scores_cards[L], p, 0, &a0, &e0);
+            mf_sg_scores_range(sg->n, sg->scores_cards[L], p, 1, &a1, &e1);
+            if (e0 - a0 + e1 - a1 > b->sk_rows) b->sk_rows = e0 - a0 + e1 - a1;
         }
     b->head_rows = in->head_rows > 0 ? in->head_rows : MF_SG_HEAD_ROWS;
     if ((size_t)b->head_rows > n_) b->head_rows = (int)n_;

@@ -31,6 +31,11 @@ void mf_sg_heads_range(int n_heads, int parts, int k, int *h0, int *h1)
     *h1 = *h0 + per + (k < extra);
 }
 
+void mf_sg_scores_range(int n, int parts, int k, int q, int *i0, int *i1)
+{
+    mf_sg_heads_range(n, 2 * parts, q ? k : 2 * parts - 1 - k, i0, i1);
+}
+
 /* ---- the index scores on cards --------------------------------------------------------------- */
 
 /* Estimate, not measured: the card's index-score kernel's work per (key, head) beside the dot's
@@ -58,8 +63,8 @@ void mf_sg_scores_pos(const mf_config *c, const mf_sg_task *t, int64_t pos0, int
     case MF_SG_ATTN_KEYS:   /* each entry's key unpacked, each item's count */
         *flops = SG_W_UNPACK * id * last + n;
         break;
-    case MF_SG_DENSE_IN:
-        *bytes = 4.0 * id * last;
+    case MF_SG_DENSE_IN:   /* the table: block 0's (mf_sg_scores_range) */
+        *bytes = t->block > 0 ? 0 : 4.0 * id * last;
         break;
     case MF_SG_DENSE:   /* per visible entry and head a dot of id, its tree and its term added in double */
         *flops = sum * ih * (id + SG_W_CARD_ISCORE);
@@ -80,8 +85,9 @@ int mf_sg_scores_choice(const mf_sg_opts *o, int L, int heads_cards)
 }
 
 /* The index scores of unit k of layer L on the cards (sg->scores_cards[L] of them): after the
- * cores of its item groups [gu0, gu1] (gate[]), the keys -> per card (its share of the unit's items,
- * mf_sg_heads_range) copy in -> scores -> copy out -> the join it returns, which the selects wait for. */
+ * cores of its item groups [gu0, gu1] (gate[]), the keys -> per card and block of its share of the
+ * unit's items (mf_sg_scores_range) copy in -> scores -> copy out -> the join it returns, which the
+ * selects wait for; block 1's copy-in after block 0's (block 0's carries the table both read). */
 mf_task_id mf_sg_scores_on_cards(mf_sg_builder *b, int L, int k, const mf_task_id *gate, int gu0, int gu1)
 {
     const mf_config *c = b->o->c;
@@ -101,23 +107,32 @@ mf_task_id mf_sg_scores_on_cards(mf_sg_builder *b, int L, int k, const mf_task_i
     static const char *const what[3] = {" in", "", " out"};
     for (int p = 0; p < parts && !b->rc; p++) {
         int cd = parts > 1 ? p : mf_sg_dense_card_of(b->o, sg->n_dense_cards, L), a, e;
-        mf_sg_heads_range(n, parts, p, &a, &e);
-        mf_task_id prev = keys;
-        for (int q = 0; q < 3 && e > a; q++) {
-            mf_sg_task t = mf_sg_rec(L);
-            t.i0 = i0 + a;
-            t.i1 = i0 + e;
-            t.n_tok = e - a;
-            t.card = (int8_t)cd;
-            t.part = p;
-            t.dense = MF_SG_D_SCORES;
-            if (q == 0) t.w.copy_bytes_tok = 4.0 * (ih * id + ih + 1);   /* queries, weights, count */
-            SG_NAME(b, "dev%d L%d scores%s", cd, L, what[q]);
-            mf_task_id x = mf_sg_add(b, b->o->lane_dev0 + 3 * cd + q, MF_SG_DENSE_IN + q, MF_SG_PH_ATTN, kind_of[q], t);
-            mf_sg_dep(b, prev, x);
-            prev = x;
+        mf_task_id in0 = -1;
+        int a0, e0;   /* block 0's items: where none (fewer items than blocks), block 1 is the card's first */
+        mf_sg_scores_range(n, parts, p, 0, &a0, &e0);
+        for (int j = 0; j < 2 && !b->rc; j++) {
+            mf_sg_scores_range(n, parts, p, j, &a, &e);
+            mf_task_id prev = keys;
+            for (int q = 0; q < 3 && e > a; q++) {
+                mf_sg_task t = mf_sg_rec(L);
+                t.i0 = i0 + a;
+                t.i1 = i0 + e;
+                t.n_tok = e - a;
+                t.card = (int8_t)cd;
+                t.part = p;
+                t.block = (int8_t)(j && e0 > a0);
+                t.dense = MF_SG_D_SCORES;
+                if (q == 0) t.w.copy_bytes_tok = 4.0 * (ih * id + ih + 1);   /* queries, weights, count */
+                SG_NAME(b, "dev%d L%d scores%s b%d", cd, L, what[q], j);
+                mf_task_id x =
+                    mf_sg_add(b, b->o->lane_dev0 + 3 * cd + q, MF_SG_DENSE_IN + q, MF_SG_PH_ATTN, kind_of[q], t);
+                mf_sg_dep(b, prev, x);
+                if (q == 0) mf_sg_dep(b, in0, x);   /* block 1's after block 0's (the table) */
+                if (q == 0 && j == 0) in0 = x;
+                prev = x;
+            }
+            if (e > a) mf_sg_dep(b, prev, join);
         }
-        mf_sg_dep(b, prev, join);
     }
     return join;
 }
@@ -276,13 +291,24 @@ static void sg_heads_oa_dep(mf_sg_builder *b, mf_task_id run, int cd, int64_t j0
     }
 }
 
+/* Each qb task of group qb (a dense chain's first task: its end; or a host part) over items meeting
+ * [j0, j1) before `qp` (an item group's q prep over those items). */
+static void sg_heads_qb_dep(mf_sg_builder *b, mf_task_id qb, int64_t j0, int64_t j1, mf_task_id qp)
+{
+    for (mf_task_id x = qb; x >= 0 && !b->rc; x = b->next_of[x]) {
+        const mf_sg_task *t = &b->sg->task[x];
+        if (t->i0 < j1 && t->i1 > j0) b->rc = mf_graph_add_dep(b->sg->g, b->exit_of[x], qp);
+    }
+}
+
 /* The heads of unit k of layer L on the cards (sg->heads_cards[L] of them): after `core`, the
- * gather -> per item group its q prep -> per card copy in -> attention -> copy out -> per item
- * group its o post, before `ring` and the oa stage's tasks oa[0..n_oa). With the outputs left on
- * the cards (sg->heads_local[L]) per card copy in -> attention (and the inverse RoPE), each before
- * `ring` and the oa work of its card and items (no copy out, no o post). */
-void mf_sg_heads_on_cards(mf_sg_builder *b, int L, int k, mf_task_id core, mf_task_id ring, const mf_task_id *oa,
-                          int n_oa)
+ * gather -> per item group its q prep (after the qb tasks qb[0..n_oa) over its items) -> per card
+ * copy in -> attention -> copy out -> per item group its o post, before `ring` and the oa stage's
+ * tasks oa[0..n_oa). With the outputs left on the cards (sg->heads_local[L]) per card copy in ->
+ * attention (and the inverse RoPE), each before `ring` and the oa work of its card and items (no
+ * copy out, no o post). */
+void mf_sg_heads_on_cards(mf_sg_builder *b, int L, int k, mf_task_id core, mf_task_id ring, const mf_task_id *qb,
+                          const mf_task_id *oa, int n_oa)
 {
     const mf_config *c = b->o->c;
     mf_stepgraph *sg = b->sg;
@@ -300,6 +326,8 @@ void mf_sg_heads_on_cards(mf_sg_builder *b, int L, int k, mf_task_id core, mf_ta
                           mf_sg_heads_rec(c, L, MF_SG_ATTN_QPREP, i ? sg->group_end[i - 1] : 0, sg->group_end[i], 0, nh,
                                           n, ex));
         mf_sg_dep(b, ga, qp[i]);
+        for (int q = 0; q < n_oa; q++)
+            sg_heads_qb_dep(b, qb[q], i ? sg->group_end[i - 1] : 0, sg->group_end[i], qp[i]);
     }
     static const int kind_of[3] = {MF_SG_K_COPY, MF_SG_K_OTHER, MF_SG_K_COPY_OUT};
     static const char *const what[3] = {"in", "", "out"};

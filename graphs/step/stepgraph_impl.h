@@ -180,9 +180,10 @@ mf_task_id mf_sg_scores_on_cards(mf_sg_builder *b, int L, int k, const mf_task_i
 mf_sg_task mf_sg_heads_rec(const mf_config *c, int L, int op, int i0, int i1, int h0, int h1, int n, int exact);
 /* A host heads record with the attention's linears on cards: its bf16 casts. */
 void mf_sg_heads_host_cast(mf_sg_task *t);
-/* The heads of unit k of layer L on the cards, between `core` and `ring` and the oa stage's tasks. */
-void mf_sg_heads_on_cards(mf_sg_builder *b, int L, int k, mf_task_id core, mf_task_id ring, const mf_task_id *oa,
-                          int n_oa);
+/* The heads of unit k of layer L on the cards, between `core` and `ring` and the oa stage's tasks;
+ * each item group's q prep after the qb stage's tasks qb[0..n_oa) over its items. */
+void mf_sg_heads_on_cards(mf_sg_builder *b, int L, int k, mf_task_id core, mf_task_id ring, const mf_task_id *qb,
+                          const mf_task_id *oa, int n_oa);
 
 /* ---- the final norm and head (stepgraph_head.c) ---- */
 
