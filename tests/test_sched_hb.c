@@ -86,7 +86,7 @@ int main(void)
 
     /* strangers beside it: member 1 of another job sends to member 0's addresses; a datagram of
      * the right size for member 1 and a short one, by hand */
-    mf_hb_record rc2[2] = {rec[0], {0}};
+    mf_hb_record rc2[2] = {rec[0], rec[0]};   /* [1]: the stranger's, set below */
     CHECK(mf_hb_udp_open(job + 1, 1, 2, PERIOD_NS, &c, &rc) == 0, "open the stranger");
     rc2[1] = rc;
     CHECK(c && mf_hb_udp_start(c, rc2) == 0, "start the stranger");
