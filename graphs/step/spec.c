@@ -141,6 +141,13 @@ static int sp_check(const mf_spec_opts *o, const mf_config *c, int *n_max)
     return 0;
 }
 
+/* The policy's prices, all unpriced again (NAN: sp_verify_ns, sp_draft_ns price them on first use). */
+static void sp_prices_forget(mf_spec *sp)
+{
+    for (int i = 0; i < (SP_MAX_SEQ + 1) * (MF_SPEC_MAX + 2); i++) sp->v_ns[i] = NAN;
+    for (int i = 0; i < (SP_MAX_SEQ + 1) * (MF_SPEC_MAX + 1); i++) sp->d_ns[i] = NAN;
+}
+
 int mf_spec_new(const mf_spec_opts *o, int n_slots, mf_spec **out)
 {
     *out = NULL;
@@ -168,8 +175,7 @@ int mf_spec_new(const mf_spec_opts *o, int n_slots, mf_spec **out)
     sp->d_ns = malloc(sizeof *sp->d_ns * (SP_MAX_SEQ + 1) * (MF_SPEC_MAX + 1));
     sp->dq = malloc(sizeof *sp->dq * (size_t)(n_slots > 0 ? n_slots : 1));
     rc = sp->slot && sp->v_ns && sp->d_ns && sp->dq ? 0 : mf_error(-ENOMEM, "spec: out of memory");
-    for (int i = 0; !rc && i < (SP_MAX_SEQ + 1) * (MF_SPEC_MAX + 2); i++) sp->v_ns[i] = NAN;
-    for (int i = 0; !rc && i < (SP_MAX_SEQ + 1) * (MF_SPEC_MAX + 1); i++) sp->d_ns[i] = NAN;
+    if (!rc) sp_prices_forget(sp);
     if (!rc && dspark && !o->eng) rc = mf_ref_draft_new(o->ref, &sp->rd);
     for (int i = 0; !rc && i < n_slots; i++) {
         sp_slot *s = &sp->slot[i];
@@ -377,17 +383,16 @@ static int sp_draft(mf_spec *sp, const mf_spec_seq *q, int n)
  * host and is not tried again). */
 static void sp_hold(mf_spec *sp, const int *k, int n)
 {
+    if (!sp->dcards) return;
     int any = 0;
     for (int i = 0; i < n; i++) any |= k[i] > 0;
-    if (!sp->dcards) return;
     sp->hold = any ? SP_HOLD : sp->hold > 0 ? sp->hold - 1 : 0;
     int want = sp->hold > 0;
     if (want == sp->st.dcards_held) return;
     if (mf_step_draft_cards(sp->o.eng, want)) {   /* the draft on the host from now on, priced so */
         mf_error_clear();
         sp->dcards = 0;
-        for (int i = 0; i < (SP_MAX_SEQ + 1) * (MF_SPEC_MAX + 2); i++) sp->v_ns[i] = NAN;
-        for (int i = 0; i < (SP_MAX_SEQ + 1) * (MF_SPEC_MAX + 1); i++) sp->d_ns[i] = NAN;
+        sp_prices_forget(sp);
         return;
     }
     sp->st.dcards_held = want;

@@ -272,8 +272,9 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     int rc = 0;
     if (s->o.dev && (s->o.placement != MF_STEP_PLACE_HOST || s->o.dense) && !s->o.no_selfcheck)
         mf_step_selfcheck(s);
+    rc = mf_sg_sizes_new(c, &s->sz);   /* the model's sizes (the dense upload's Markov rows ask them) */
     /* the dense weights first: the expert caches then take what the cards have left */
-    if (s->o.dense) rc = mf_step_dense_setup(s);
+    if (!rc && s->o.dense) rc = mf_step_dense_setup(s);
     if (!rc && s->o.dev && s->o.placement != MF_STEP_PLACE_HOST) rc = mf_step_dev_setup(s);
     s->n_lane_cards = s->n_cards > s->n_dense ? s->n_cards : s->n_dense;
     if (!rc) rc = mf_step_lt_setup(s);   /* the cuBLASLt path on these cards (step_dense.c) */
@@ -289,7 +290,6 @@ int mf_step_new(mf_ref *r, const mf_step_opts *opts, mf_step **out)
     if (!rc && !s->cx) rc = mf_error(-ENOMEM, "step: out of memory");
     for (int w = 0; !rc && w < s->o.n_threads; w++)
         if (!(rc = mf_ly_ctx_new(ly, MF_LY_LIN_KERN, &s->cx[w]))) s->n_cx = w + 1;
-    if (!rc) rc = mf_sg_sizes_new(c, &s->sz);
     if (!rc && s->n_cards) rc = mf_step_caches_new(s);
     if (!rc) rc = mf_sched_create(&(mf_sched_opts){.lanes = s->lt.lane, .n_lanes = s->lt.n_lanes,
                                                    .pin_threads = s->o.pin_threads,

@@ -443,8 +443,9 @@ static int mf_task_dense_deq(void *arg, mf_task_ctx *ctx)
 static int mf_step_dense_wrows(const mf_step *s, int k, int L, int d, const mf_weight *w, int64_t base,
                                int64_t total, int64_t *r0, int64_t *r1)
 {
-    double wb = (double)mf_weight_data_bytes(w);
-    int parts = d == MF_SG_D_MARKOV ? mf_sg_markov_parts(s->c, s->o.profile, wb, s->n_dense, s->o.dense_split)
+    /* the Markov rows' parts as the step graph's (mf_stepgraph.mk_parts: the same sizes and profile) */
+    int parts = d == MF_SG_D_MARKOV ? mf_sg_markov_parts(s->c, s->o.profile, s->sz->mk_head_bytes, s->n_dense,
+                                                         s->o.dense_split)
                                     : mf_sg_dense_parts(s->n_dense, s->o.dense_split, d);
     int64_t a = 0, b = total;
     if (parts > 1) mf_sg_dense_rows(parts, k, total, &a, &b);

@@ -27,6 +27,8 @@ import time
 import urllib.request
 import json
 
+import serve_proc
+
 T0 = time.time()
 BIN = os.path.abspath(os.environ.get("MOEFLOW_BIN", "build/moeflow"))
 TMP = os.path.join(os.environ.get("MOEFLOW_TMP", "/tmp"), f"check_mpi_{os.getpid()}")
@@ -128,20 +130,14 @@ def test_serve(ckpt):
                     "--threads", "1", "--quiet", "--output", jl], capture_output=True, env=ENV, check=True)
     with open(jl) as f:
         want = json.loads(f.readline())["tokens"]
-    p = subprocess.Popen(["mpirun", *LOOP, "-n", "2", BIN, "serve", "--checkpoint", ckpt, "--port", "0", "--threads",
-                          "1", "--ranks-layers", "auto"], stderr=subprocess.PIPE, text=True, env=ENV)
-    port, log, t0 = None, [], time.time()
     try:
-        while time.time() - t0 < 60 and port is None:
-            line = p.stderr.readline()
-            if not line:
-                break
-            log.append(line)
-            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                port = int(m.group(1))
-        if not check(port, "serve over 2 ranks did not start: " + "".join(log)[-2000:]):
-            return
+        p, port, _ = serve_proc.start(["mpirun", *LOOP, "-n", "2", BIN, "serve", "--checkpoint", ckpt, "--port", "0",
+                                       "--threads", "1", "--ranks-layers", "auto"], env=ENV)
+    except RuntimeError as e:
+        check(False, "serve over 2 ranks did not start: " + str(e)[-2000:])
+        kill_ours()
+        return
+    try:
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
                                      data=json.dumps({"prompt": [1, 5, 9, 33, 7], "max_tokens": 8,
                                                       "temperature": 0}).encode(),

@@ -1,4 +1,4 @@
-"""Starts `moeflow serve` for the Python checks (check_serve, check_serve_hostile,
+"""Starts `moeflow serve` for the Python checks (check_serve, check_serve_hostile, check_mpi,
 check_prefix_serve): the process with its stderr read into a log, and the port it says it listens
 on. One home for the start-up wait those checks share."""
 import re
