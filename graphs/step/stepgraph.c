@@ -245,7 +245,10 @@ int mf_sg_slot_gather(const mf_sg_opts *o)
 double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_step_cost *s)
 {
     const mf_sg_work *w = &t->w;
-    int tok = t->slot_tokens ? s->slot_tokens : t->n_tok;
+    /* the head on a card runs over the items with logits only, as on the host (mf_step_dense_launch:
+     * none, no work; a prefill chunk's n_head is its last position's, or none), not the chain's span */
+    int head = t->dense == MF_SG_D_HEAD, tok = t->slot_tokens ? s->slot_tokens : head ? s->n_head : t->n_tok;
+    if (head && !s->n_head && (t->op == MF_SG_DENSE_IN || t->op == MF_SG_DENSE || t->op == MF_SG_DENSE_OUT)) return 0;
     switch (t->op) {
     case MF_SG_ENGRAM_READ:   /* streamed tables: a row's codes or scales as an aligned block */
     case MF_SG_SLOT_READ:     /* a store miss: one extent of the slot's expert */
@@ -448,6 +451,32 @@ void mf_sg_dep(mf_sg_builder *b, mf_task_id before, mf_task_id after)
             b->rc = mf_graph_add_dep(b->sg->g, b->exit_of[x], y);
 }
 
+/* Whether task x's items meet [i0, i1) (a record without items spans them all). */
+static int sg_meets(const mf_sg_builder *b, mf_task_id x, int i0, int i1)
+{
+    const mf_sg_task *t = &b->sg->task[x];
+    return t->i1 <= t->i0 || (t->i0 < i1 && t->i1 > i0);
+}
+
+void mf_sg_dep_items(mf_sg_builder *b, mf_task_id before, mf_task_id after, int i0, int i1)
+{
+    if (before < 0 || after < 0) return;
+    for (mf_task_id x = before; x >= 0 && !b->rc; x = b->next_of[x])
+        for (mf_task_id y = after; y >= 0 && !b->rc && sg_meets(b, x, i0, i1); y = b->next_of[y])
+            if (sg_meets(b, y, i0, i1)) b->rc = mf_graph_add_dep(b->sg->g, b->exit_of[x], y);
+}
+
+int mf_sg_group_after(const mf_sg_builder *b, const mf_task_id *unit, int i, mf_task_id *after)
+{
+    int u = mf_sg_group_unit(b->sg, i), pc = b->sg->p_hc;
+    if (b->sg->n_groups > 1 && unit[u] >= 0 && unit[u] == b->comb_join[u]) {
+        for (int p = 0; p < pc; p++) after[p] = b->comb[i][p];
+        return pc;
+    }
+    after[0] = unit[u];
+    return 1;
+}
+
 /* ---- building a step graph ---------------------------------------------------------------- */
 
 /* The executor's priorities: every task's cost (mf_graph_set_cost, before finalize) is the cost
@@ -564,6 +593,7 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
     mf_sg_builder b = {.o = o, .sg = sg, .u = sg->n_units, .moe_in = -1, .moe_gate = -1, .chain_run = -1, .eg_card = -1,
                     .last_done = -1, .head_done = -1, .route = -1, .pre_done = -1};
     b.per = (double)o->n / b.u;
+    for (int k = 0; k < MF_SG_MAX_GROUPS; k++) b.comb_join[k] = -1;
     b.io = malloc(sizeof *b.io * ((size_t)sg->n_slots * sg->n_io_parts + 1));
     b.pre_sfx = malloc(sizeof *b.pre_sfx * ((size_t)c->n_routed_experts + 1));
     int rc = !sg->slot_tid || !sg->card_ffn_tid || !b.io || !b.pre_sfx || !sg->eg_read_tid || !sg->pre_tid ? mf_error(-ENOMEM, "step graph: out of memory")

@@ -152,11 +152,12 @@ static void sg_attn_in(mf_sg_builder *b, int L, const mf_task_id *unit, mf_task_
             if (st == MF_SG_ST_OA && p == 0) *oa_run = sg->n_dense_cards ? b->chain_run : -1;
         }
     for (int i = b->g0; i < b->g1; i++) {   /* item groups */
-        mf_task_id nrm[MF_SG_MAX_PARTS], u = unit[mf_sg_group_unit(sg, i)];
-        mf_sg_collapse_norm(b, L, i, MF_SG_ATTN_NORM, MF_SG_PH_ATTN, u, nrm);
-        for (int p = 0; p < pc; p++)
-            for (int q = 0; q < sg->p_attn; q++) mf_sg_dep(b, nrm[p], rows[MF_SG_ST_IN][q]);
-        sg_mix(b, L, i, MF_SG_ATTN_MIX, &u, 1, amix);
+        mf_task_id nrm[MF_SG_MAX_PARTS], after[MF_SG_MAX_PARTS];
+        int j0 = i ? sg->group_end[i - 1] : 0, j1 = sg->group_end[i], na = mf_sg_group_after(b, unit, i, after);
+        mf_sg_collapse_norm(b, L, i, MF_SG_ATTN_NORM, MF_SG_PH_ATTN, after, na, nrm);
+        for (int p = 0; p < pc; p++)   /* the in stage's item blocks (on cards) over group i's items */
+            for (int q = 0; q < sg->p_attn; q++) mf_sg_dep_items(b, nrm[p], rows[MF_SG_ST_IN][q], j0, j1);
+        sg_mix(b, L, i, MF_SG_ATTN_MIX, after, na, amix);
     }
 }
 
@@ -190,7 +191,7 @@ static void sg_attn_q(mf_sg_builder *b, int L, mf_task_id (*rows)[MF_SG_MAX_PART
         if (sg->n_dense_cards && mf_sg_attn_buf_bf16(MF_LY_A_QR))   /* in's copy out unpacked */
             t.w.vec_flops = t.n_tok * SG_W_CAST_VEC * c->q_lora_rank;
         mf_task_id qs = mf_sg_add(b, 0, MF_SG_ATTN_QSCALE, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
-        for (int p = 0; p < sg->p_attn; p++) mf_sg_dep(b, rows[MF_SG_ST_IN][p], qs);
+        for (int p = 0; p < sg->p_attn; p++) mf_sg_dep_items(b, rows[MF_SG_ST_IN][p], qs, t.i0, t.i1);
         for (int q = 0; q < sg->p_qn; q++) {
             SG_NAME(b, "attn L%d q norm item %d %d", L, i, q);
             mf_sg_task tq = mf_sg_part(sg, L, i, c->q_lora_rank, sg->p_qn, q, 0);
@@ -199,7 +200,7 @@ static void sg_attn_q(mf_sg_builder *b, int L, mf_task_id (*rows)[MF_SG_MAX_PART
                 tq.w.vec_flops = tq.n_tok * (double)(tq.r1 - tq.r0) * SG_W_CAST_VEC;
             mf_task_id qn = mf_sg_add(b, 0, MF_SG_ATTN_QNORM, MF_SG_PH_ATTN, MF_SG_K_OTHER, tq);
             mf_sg_dep(b, qs, qn);
-            for (int p = 0; p < sg->p_attn; p++) mf_sg_dep(b, qn, rows[MF_SG_ST_QB][p]);
+            for (int p = 0; p < sg->p_attn; p++) mf_sg_dep_items(b, qn, rows[MF_SG_ST_QB][p], tq.i0, tq.i1);
         }
     }
 }
@@ -253,7 +254,9 @@ static mf_task_id sg_attn_kv(mf_sg_builder *b, int L, int k, mf_task_id (*rows)[
         else if (comp) SG_NAME(b, "attn L%d compress %d", L, w - gk1 - 1);
         else SG_NAME(b, "attn L%d kv %d", L, w);
         mf_task_id id = mf_sg_add(b, 0, MF_SG_ATTN_KV, MF_SG_PH_ATTN, MF_SG_K_OTHER, tw);
-        for (int p = 0; p < sg->p_attn; p++) mf_sg_dep(b, rows[MF_SG_ST_IN][p], id);
+        for (int p = 0; p < sg->p_attn; p++)   /* window KV: its items' in blocks; a compressor range: all */
+            if (comp) mf_sg_dep(b, rows[MF_SG_ST_IN][p], id);
+            else mf_sg_dep_items(b, rows[MF_SG_ST_IN][p], id, tw.i0, tw.i1);
         if (split) mf_sg_dep(b, id, kv);
         else kv = id;
     }
@@ -407,10 +410,10 @@ static void sg_attn_out(mf_sg_builder *b, int L, mf_task_id (*rows)[MF_SG_MAX_PA
             if (sg->n_dense_cards && mf_sg_attn_buf_bf16(MF_LY_A_OUT))
                 t.w.vec_flops += t.n_tok * cols * SG_W_CAST_VEC;   /* ob's output columns unpacked */
             pst[p] = mf_sg_add(b, 0, MF_SG_ATTN_POST, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
-            for (int q = 0; q < sg->p_attn; q++) mf_sg_dep(b, rows[MF_SG_ST_OB][q], pst[p]);
+            for (int q = 0; q < sg->p_attn; q++) mf_sg_dep_items(b, rows[MF_SG_ST_OB][q], pst[p], t.i0, t.i1);
             for (int m = 0; m < pm; m++) mf_sg_dep(b, amix[i][m], pst[p]);
-            mf_sg_dep(b, ring[u], pst[p]);
         }
+        mf_sg_dep(b, ring[u], fin);   /* the unit's attention done: its ring too (the post reads none of it) */
         for (int p = 0; p < pc; p++) {
             SG_NAME(b, "attn L%d ffn norm item %d %d", L, i, p);
             mf_sg_task t = mf_sg_part(sg, L, i, (int64_t)H, pc, p, 0);
@@ -418,7 +421,7 @@ static void sg_attn_out(mf_sg_builder *b, int L, mf_task_id (*rows)[MF_SG_MAX_PA
             mf_sg_norm_price(b, &t, H, cols);
             if (sg->n_dense_cards && mf_sg_dense_bf16(MF_SG_D_GATE, 0))
                 t.w.vec_flops += t.n_tok * cols * SG_W_CAST_VEC;   /* packed for the gate's copy */
-            mf_task_id fn = mf_sg_add(b, 0, MF_SG_FFN_NORM, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
+            mf_task_id fn = b->fnorm[i][p] = mf_sg_add(b, 0, MF_SG_FFN_NORM, MF_SG_PH_ATTN, MF_SG_K_OTHER, t);
             for (int q = 0; q < pc; q++) mf_sg_dep(b, pst[q], fn);
             mf_sg_dep(b, fn, fin);
         }

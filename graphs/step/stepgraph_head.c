@@ -16,9 +16,10 @@ void mf_sg_norm_price(const mf_sg_builder *b, mf_sg_task *t, double H, double co
     }
 }
 
-/* Item group i's collapse (MF_SG_ATTN_PRE, after `after`) -> norm `op` column parts, into nrm[]:
+/* Item group i's collapse (MF_SG_ATTN_PRE, after after[0..n_after)) -> norm `op` column parts, into nrm[]:
  * layer L's attention input (phase attn) or, at L = -1, the final norm (phase head). */
-void mf_sg_collapse_norm(mf_sg_builder *b, int L, int i, int op, int phase, mf_task_id after, mf_task_id *nrm)
+void mf_sg_collapse_norm(mf_sg_builder *b, int L, int i, int op, int phase, const mf_task_id *after, int n_after,
+                         mf_task_id *nrm)
 {
     const mf_config *c = b->o->c;
     int pc = b->sg->p_hc;
@@ -33,7 +34,7 @@ void mf_sg_collapse_norm(mf_sg_builder *b, int L, int i, int op, int phase, mf_t
         if (b->o->exact) t.w.ref_flops = t.n_tok * cols * (hc + SG_W_ROUND);   /* mf_ly_hc_collapse_cols */
         else t.w.vec_flops = t.n_tok * cols * hc * SG_W_COLLAPSE_VEC;              /* mf_fa_hc_collapse_cols */
         col[p] = mf_sg_add(b, 0, MF_SG_ATTN_PRE, phase, MF_SG_K_OTHER, t);
-        mf_sg_dep(b, after, col[p]);
+        for (int a = 0; a < n_after; a++) mf_sg_dep(b, after[a], col[p]);
     }
     for (int p = 0; p < pc; p++) {
         SG_NAME(b, L < 0 ? "%s norm item %d %d" : "%s L%d norm item %d %d", what, L < 0 ? i : L, L < 0 ? p : i, p);
@@ -57,8 +58,9 @@ void mf_sg_head(mf_sg_builder *b, const mf_task_id *unit)
     SG_NAME(b, "head join");
     mf_task_id hj = mf_sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_HEAD, MF_SG_K_OTHER, mf_sg_rec(-1));
     for (int i = 0; i < sg->n_groups; i++) {
-        mf_task_id nrm[MF_SG_MAX_PARTS];
-        mf_sg_collapse_norm(b, -1, i, MF_SG_NORM, MF_SG_PH_HEAD, unit[mf_sg_group_unit(sg, i)], nrm);
+        mf_task_id nrm[MF_SG_MAX_PARTS], after[MF_SG_MAX_PARTS];
+        int na = mf_sg_group_after(b, unit, i, after);
+        mf_sg_collapse_norm(b, -1, i, MF_SG_NORM, MF_SG_PH_HEAD, after, na, nrm);
         for (int p = 0; p < sg->p_hc; p++) mf_sg_dep(b, nrm[p], hj);
     }
     if (sg->draft) {   /* the draft's chain waits for every part (on cards: every chain's copy out) */

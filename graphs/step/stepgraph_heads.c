@@ -291,16 +291,6 @@ static void sg_heads_oa_dep(mf_sg_builder *b, mf_task_id run, int cd, int64_t j0
     }
 }
 
-/* Each qb task of group qb (a dense chain's first task: its end; or a host part) over items meeting
- * [j0, j1) before `qp` (an item group's q prep over those items). */
-static void sg_heads_qb_dep(mf_sg_builder *b, mf_task_id qb, int64_t j0, int64_t j1, mf_task_id qp)
-{
-    for (mf_task_id x = qb; x >= 0 && !b->rc; x = b->next_of[x]) {
-        const mf_sg_task *t = &b->sg->task[x];
-        if (t->i0 < j1 && t->i1 > j0) b->rc = mf_graph_add_dep(b->sg->g, b->exit_of[x], qp);
-    }
-}
-
 /* The heads of unit k of layer L on the cards (sg->heads_cards[L] of them): after `core`, the
  * gather -> per item group its q prep (after the qb tasks qb[0..n_oa) over its items) -> per card
  * copy in -> attention -> copy out -> per item group its o post, before `ring` and the oa stage's
@@ -327,7 +317,7 @@ void mf_sg_heads_on_cards(mf_sg_builder *b, int L, int k, mf_task_id core, mf_ta
                                           n, ex));
         mf_sg_dep(b, ga, qp[i]);
         for (int q = 0; q < n_oa; q++)
-            sg_heads_qb_dep(b, qb[q], i ? sg->group_end[i - 1] : 0, sg->group_end[i], qp[i]);
+            mf_sg_dep_items(b, qb[q], qp[i], i ? sg->group_end[i - 1] : 0, sg->group_end[i]);
     }
     static const int kind_of[3] = {MF_SG_K_COPY, MF_SG_K_OTHER, MF_SG_K_COPY_OUT};
     static const char *const what[3] = {"in", "", "out"};

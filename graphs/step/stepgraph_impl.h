@@ -62,6 +62,11 @@ typedef struct mf_sg_builder {
     double per;                  /* items per item task */
     mf_task_id *io;              /* the layer's IO tasks, n_slots x n_io_parts */
     mf_task_id fmix[MF_SG_MAX_GROUPS][SG_MAX_MIX];   /* the layer's ffn mix parts per item group */
+    mf_task_id fnorm[MF_SG_MAX_GROUPS][MF_SG_MAX_PARTS];   /* the layer's ffn_norm column parts per item group */
+    /* the last layer's combine column parts per item group, and per unit their join (-1: none yet):
+     * where a unit's streams were last written by that join (unit[k] == comb_join[k]), a group's
+     * readers wait for its own combine parts only (mf_sg_group_after) */
+    mf_task_id comb[MF_SG_MAX_GROUPS][MF_SG_MAX_PARTS], comb_join[MF_SG_MAX_GROUPS];
     /* per task: the task a dependency on it waits for (itself, or the last task of a dense chain
      * on a card that it begins: mf_sg_dense_chain), cap entries */
     mf_task_id *exit_of;
@@ -127,6 +132,15 @@ mf_sg_task mf_sg_part(const mf_stepgraph *sg, int L, int g, int64_t n_rows, int 
 int mf_sg_unit_groups(const mf_stepgraph *sg, int k, int *g0, int *g1);
 /* after waits for before (the ends of before's dense chains, every chain of a group). */
 void mf_sg_dep(mf_sg_builder *b, mf_task_id before, mf_task_id after);
+/* mf_sg_dep over the members of each group whose items meet [i0, i1) only (a dense chain's item
+ * blocks; a task over all items, or without items, meets any range): a task over some items waits
+ * for, or holds back, only the blocks that write, or read, those items. */
+void mf_sg_dep_items(mf_sg_builder *b, mf_task_id before, mf_task_id after, int i0, int i1);
+/* The tasks item group i's first readers of its streams wait for, into after[] (at most
+ * MF_SG_MAX_PARTS): its own combine parts of the layer before where its unit's last writer is that
+ * layer's combine join and the graph has several groups, else its unit's unit[] task. Returns
+ * their count. */
+int mf_sg_group_after(const mf_sg_builder *b, const mf_task_id *unit, int i, mf_task_id *after);
 
 /* ---- the shape (stepgraph_shape.c) ---- */
 
@@ -190,7 +204,8 @@ void mf_sg_heads_on_cards(mf_sg_builder *b, int L, int k, mf_task_id core, mf_ta
 /* A norm part of `cols` columns of H. */
 void mf_sg_norm_price(const mf_sg_builder *b, mf_sg_task *t, double H, double cols);
 /* Item group i's collapse -> norm `op` column parts, into nrm[] (L -1: the final norm). */
-void mf_sg_collapse_norm(mf_sg_builder *b, int L, int i, int op, int phase, mf_task_id after, mf_task_id *nrm);
+void mf_sg_collapse_norm(mf_sg_builder *b, int L, int i, int op, int phase, const mf_task_id *after, int n_after,
+                         mf_task_id *nrm);
 
 /* ---- the sublayers, in the order mf_stepgraph_new builds them ---- */
 

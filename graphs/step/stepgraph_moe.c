@@ -64,7 +64,10 @@ static mf_task_id sg_router(mf_sg_builder *b, int L, const mf_task_id *post)
         mf_task_id gp = mf_sg_dense_chain(b, L, MF_SG_D_GATE, t, MF_SG_PH_MOE, vin * H, 4.0 * E, -1, 0);
         b->moe_in = gp;
         b->moe_gate = b->chain_run;
-        for (int k = b->k0; k < b->k1; k++) mf_sg_dep(b, post[k], gp);
+        for (int i = b->g0; i < b->g1; i++)   /* each item block of the gate after the ffn_norms of its items */
+            for (int p = 0; p < sg->p_hc; p++)
+                mf_sg_dep_items(b, b->fnorm[i][p], gp, i ? sg->group_end[i - 1] : 0, sg->group_end[i]);
+        for (int k = b->k0; k < b->k1; k++) mf_sg_dep(b, post[k], ro);
         mf_sg_dep(b, gp, ro);
         for (int p = 0; p < pt; p++) mf_sg_dep(b, gp, tk[p]);
         return ro;
@@ -294,7 +297,7 @@ void mf_sg_moe(mf_sg_builder *b, int L, const mf_task_id *post, mf_task_id *unit
     mf_sg_dep(b, ro, done);
     for (int k = b->k0; k < b->k1; k++) {
         SG_NAME(b, sg->par || sg->mixed ? "combine L%d join item %d" : "combine L%d join", L, k);
-        unit[k] = mf_sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_MOE, MF_SG_K_OTHER, mf_sg_rec(L));
+        unit[k] = b->comb_join[k] = mf_sg_add(b, 0, MF_SG_JOIN, MF_SG_PH_MOE, MF_SG_K_OTHER, mf_sg_rec(L));
     }
     double sink = c->hc_sinkhorn_iters * 4.0 * hc * hc * 2;
     for (int i = b->g0; i < b->g1; i++)   /* item groups */
@@ -315,7 +318,7 @@ void mf_sg_moe(mf_sg_builder *b, int L, const mf_task_id *post, mf_task_id *unit
             }
             if (sg->n_dense_cards && sg->p_sh > 0 && mf_sg_dense_bf16(MF_SG_D_SHARED, 1))
                 t.w.vec_flops += t.n_tok * cols * SG_W_CAST_VEC;   /* the shared expert's output columns unpacked */
-            mf_task_id cb = mf_sg_add(b, 0, MF_SG_COMBINE, MF_SG_PH_MOE, MF_SG_K_OTHER, t);
+            mf_task_id cb = b->comb[i][p] = mf_sg_add(b, 0, MF_SG_COMBINE, MF_SG_PH_MOE, MF_SG_K_OTHER, t);
             mf_sg_dep(b, done, cb);
             for (int m = 0; m < sg->p_mix; m++) mf_sg_dep(b, b->fmix[i][m], cb);
             mf_sg_dep(b, cb, unit[mf_sg_group_unit(sg, i)]);
