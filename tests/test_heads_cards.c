@@ -17,7 +17,8 @@
  * (mf_step_opts.dense_block 3) bit for bit, and the heads' perturbation still caught. Split by rows
  * on emu:2, wo_a's outputs exchanged between the cards for wo_b (test_graph_exchange: each card
  * keeps its own rows), bit for bit; each q prep after qb's blocks over its items, the core of a layer
- * not scored after no qb task (test_graph_qprep). */
+ * not scored after no qb task (test_graph_qprep); the host's steps after only the card blocks of
+ * their items, each collapse after its own item's combine parts (test_graph_blocks). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -355,6 +356,73 @@ static void test_graph_qprep(void)
     mf_sg_sizes_free(sz);
 }
 
+/* Whether records a and b share an item (a record without items spans them all). */
+static int meets(const mf_sg_task *a, const mf_sg_task *b)
+{
+    return a->i1 <= a->i0 || b->i1 <= b->i0 || (a->i0 < b->i1 && a->i1 > b->i0);
+}
+
+/* The host's steps pipelined with the cards' item blocks (tiny by rows on 2 cards, blocks of 4
+ * items, one item a group): each q scale after exactly the in stage's copies out meeting its items
+ * (a block's on each card), each post after exactly the ob copies out meeting its items, each
+ * gate block's copy in after exactly the ffn norms of its items, and each collapse after its own
+ * item's combine parts or one join (the layer before's combine join where its streams' last writer
+ * was not the combine), never another item's combine. */
+static void test_graph_blocks(void)
+{
+    mf_config c;
+    CHECK(mf_config_preset("tiny", &c) == 0, "preset tiny");
+    mf_sg_sizes *sz = NULL;
+    mf_sg_lanes lt;
+    mf_stepgraph *sg = heads_graph(&c, &sz, &lt, MF_SG_SPLIT_ROWS, 4);
+    int n = sg ? sg->n_tasks : 0, seen[4] = {0}, by_comb = 0;
+    int *near = calloc((size_t)n + 1, sizeof *near), *far = calloc((size_t)n + 1, sizeof *far);
+    CHECK(near && far && (!sg || sg->n_groups == 16), "memory; %d item groups", sg ? sg->n_groups : 0);
+    for (int u = 0; sg && near && far && u < n; u++) {   /* each task's predecessors of the kind it is checked on */
+        const mf_sg_task *q = &sg->task[u];
+        const mf_task_id *succ = mf_graph_succ(sg->g, u);
+        for (int k = 0; k < mf_graph_n_succ(sg->g, u); k++) {
+            const mf_sg_task *r = &sg->task[succ[k]];
+            int want = r->op == MF_SG_ATTN_QSCALE ? q->dense == MF_SG_D_ATTN_IN
+                       : r->op == MF_SG_ATTN_POST ? q->dense == MF_SG_D_ATTN_OB
+                       : r->dense == MF_SG_D_GATE && r->op == MF_SG_DENSE_IN ? q->op == MF_SG_FFN_NORM
+                       : r->op == MF_SG_ATTN_PRE && r->layer >= 0 ? q->op == MF_SG_COMBINE || q->op == MF_SG_JOIN
+                                                                  : 0;
+            if (!want) continue;
+            int ok = meets(q, r) && (q->op != MF_SG_DENSE && q->op != MF_SG_DENSE_IN);
+            (ok ? near : far)[succ[k]]++;
+            by_comb += r->op == MF_SG_ATTN_PRE && q->op == MF_SG_COMBINE;
+        }
+    }
+    for (int t = 0; sg && near && far && t < n; t++) {
+        const mf_sg_task *r = &sg->task[t];
+        int blocks = 0;   /* the blocks of 4 meeting its items */
+        for (int j = 0; j < 4; j++) blocks += 4 * j < r->i1 && 4 * j + 4 > r->i0;
+        if (r->op == MF_SG_ATTN_QSCALE || r->op == MF_SG_ATTN_POST) {
+            seen[r->op == MF_SG_ATTN_POST]++;
+            CHECK(near[t] == 2 * blocks && far[t] == 0, "layer %d's %s (items %d..%d) after %d copies out over its "
+                  "items (expected %d) and %d others", r->layer, r->op == MF_SG_ATTN_POST ? "post" : "q scale", r->i0,
+                  r->i1, near[t], 2 * blocks, far[t]);
+        } else if (r->dense == MF_SG_D_GATE && r->op == MF_SG_DENSE_IN) {
+            seen[2]++;
+            CHECK(near[t] == (r->i1 - r->i0) * sg->p_hc && far[t] == 0, "layer %d's gate block (items %d..%d) after %d "
+                  "ffn norms over its items (expected %d) and %d others", r->layer, r->i0, r->i1, near[t],
+                  (r->i1 - r->i0) * sg->p_hc, far[t]);
+        } else if (r->op == MF_SG_ATTN_PRE && r->layer > 0) {
+            seen[3]++;
+            CHECK(far[t] == 0 && near[t] >= 1, "layer %d's collapse (items %d..%d) after %d tasks of its items, %d "
+                  "of others", r->layer, r->i0, r->i1, near[t], far[t]);
+        }
+    }
+    CHECK(seen[0] > 0 && seen[1] > 0 && seen[2] > 0 && seen[3] > 0 && by_comb > 0,
+          "%d q scales, %d posts, %d gate blocks, %d collapses (%d waits on a combine part) checked", seen[0], seen[1],
+          seen[2], seen[3], by_comb);
+    free(near);
+    free(far);
+    mf_stepgraph_free(sg);
+    mf_sg_sizes_free(sz);
+}
+
 /* The logits of the host placement against the heads (and the index scores) on emu:nc (fault 1:
  * the heads perturbed, 2: the index scores), the dense work split by `split`, the heads' table of
  * compressed entries cut to h_entries (0: the card buffer's). */
@@ -454,6 +522,7 @@ int main(void)
     test_graph_local();
     test_graph_exchange();
     test_graph_qprep();
+    test_graph_blocks();
     char dir[1024];
     mf_config c;
     CHECK(mf_config_preset("tiny", &c) == 0, "preset");
