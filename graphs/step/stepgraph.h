@@ -725,7 +725,9 @@ void mf_sg_dense_rows(int parts, int part, int64_t n_rows, int64_t *r0, int64_t 
  *                output (bf16(w * bf16(x * rs)) in place): in for qb;
  *   MF_LY_A_Q    wq_b's output (fp32) out of qb: read only by the heads, which round each head's
  *                query to bf16 before any other use (mf_fa_heads_q, mf_ly_attn_core_heads); in for
- *                the heads on cards after the q prep, which rounds it last (mf_fa_heads_q);
+ *                the heads on cards after the q prep, which rounds it last (mf_fa_heads_q) (where
+ *                the queries stay on the cards, mf_sg_heads_qlocal: out only for the host's
+ *                fallback heads, in never);
  *   MF_LY_A_QI   the indexer's wq_b output (fp32) out of qb: read only by the index query, which
  *                rounds it first (graphs/layers mf_ly_index_q);
  *   MF_LY_A_O    the heads' output, bf16 before its inverse RoPE (mf_dev_attn_heads, the host's
