@@ -4,6 +4,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <string.h>
 
 #include "device/kern_attn.h"
 #include "host/formats.h"
@@ -122,13 +123,20 @@ int mf_dense_host_attn(const mf_dev_attn *a, float *scratch)
                                 (long long)i, (int)row[i], (long long)a->n_kv - 1);
             kp[i] = a->kv + (size_t)row[i] * (size_t)D;
         }
+        int qd = a->q_rope_dim;
         for (int h0 = 0; h0 < a->n_heads; h0 += 4) {
             int G = a->n_heads - h0 < 4 ? a->n_heads - h0 : 4;
             const float *qh[4];
-            float *oh[4];
+            float *oh[4], qp[4][MF_DEV_ATTN_MAX_D];
             for (int g = 0; g < G; g++) {
                 qh[g] = a->q + (size_t)t * (size_t)a->ld_q + (size_t)(h0 + g) * (size_t)D;
                 oh[g] = a->o + (size_t)t * (size_t)a->ld_o + (size_t)(h0 + g) * (size_t)D;
+                if (qd <= 0) continue;   /* qb's output: prepared as mf_fa_heads_q, here (q stays) */
+                memcpy(qp[g], qh[g], sizeof(float) * (size_t)D);
+                mf_kern_vec_bf16_round(qp[g], D);
+                for (int i = 0; i < qd / 2; i++) mf_da_rope_fwd(a->rope + (size_t)t * (size_t)qd, qd / 2, i, qp[g] + D - qd);
+                mf_kern_vec_bf16_round(qp[g], D);
+                qh[g] = qp[g];
             }
             mf_kern_vec_attn_out(qh, G, kp, n, D, a->scale, a->sink + h0, scratch, oh);
         }

@@ -18,8 +18,9 @@ void mf_dense_host_bf16_cast(int pack, float *x, int64_t ld_x, uint16_t *y, int6
 int mf_dense_host_ffn_up(const mf_dev_up *a);
 void mf_dense_host_swiglu_bf16(const float *g, const float *u, int n_tok, int64_t ld, int n, float limit, float *h);
 
-/* mf_dev_attn_heads on host pointers: per token and group of up to 4 heads mf_kern_vec_attn (scratch:
- * 4 x MF_DEV_ATTN_MAX_KEYS floats), then the output's division and bf16 rounding. 0, or -EINVAL
+/* mf_dev_attn_heads on host pointers: per token and group of up to 4 heads (with q_rope_dim their
+ * queries prepared in a copy) mf_kern_vec_attn (scratch: 4 x MF_DEV_ATTN_MAX_KEYS floats), then the
+ * output's division and bf16 rounding (with rope_dim its inverse RoPE). 0, or -EINVAL
  * for a token's key count or key row out of range (read here). */
 int mf_dense_host_attn(const mf_dev_attn *a, float *scratch);
 

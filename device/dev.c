@@ -506,6 +506,11 @@ int mf_dev_attn_heads(mf_dev_stream *s, const mf_dev_attn *a)
         (a->rope_dim > 0 && !a->rope))
         return mf_error(-EINVAL, "%s: an inverse RoPE of %d values (table %p; expected even, at most %d and the head's %d)",
                         what, a->rope_dim, (const void *)a->rope, MF_DEV_ATTN_MAX_ROPE, a->D);
+    if (a->q_rope_dim < 0 || a->q_rope_dim % 2 || a->q_rope_dim > a->D || a->q_rope_dim > MF_DEV_ATTN_MAX_ROPE ||
+        (a->q_rope_dim > 0 && !a->rope) || (a->q_rope_dim > 0 && a->rope_dim > 0 && a->q_rope_dim != a->rope_dim))
+        return mf_error(-EINVAL, "%s: a query RoPE of %d values (table %p, the output's %d; expected even, at most %d "
+                        "and the head's %d, the output's where it has one)", what, a->q_rope_dim, (const void *)a->rope,
+                        a->rope_dim, MF_DEV_ATTN_MAX_ROPE, a->D);
     if (!s->dev->ops->attn_heads) return mf_error(-ENOTSUP, "%s: the %s backend has no attention", what, s->dev->ops->kind);
     return s->dev->ops->attn_heads(s, a);
 }

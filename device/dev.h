@@ -296,7 +296,11 @@ int mf_dev_swiglu_bf16(mf_dev_stream *s, const float *g, const float *u, int n_t
  * inverse RoPE; with rope_dim > 0 then, as the host's heads do next (graphs/step/fast_attn.c
  * mf_fa_heads_o), each head's last rope_dim values inverse-roped by token t's table rope + t *
  * rope_dim (its rope_dim / 2 cosines, then as many sines: mf_fa_heads_rope_cs; device/kern_attn.h
- * mf_da_rope_inv) and rounded to bf16 again: the input of the card's own wo_a rows. keys, n_keys,
+ * mf_da_rope_inv) and rounded to bf16 again: the input of the card's own wo_a rows. With
+ * q_rope_dim > 0 q_th is instead qb's output as it is (fp32), which the heads first prepare as the
+ * host's q prep does (graphs/step/fast_attn.c mf_fa_heads_q), not writing q: all D values rounded
+ * to bf16, the last q_rope_dim roped forward by token t's table rope + t * q_rope_dim (the same
+ * table; mf_da_rope_fwd), rounded again (where rope_dim > 0 too, the two are equal). keys, n_keys,
  * q, kv, sink, rope and o are device memory of the stream's card; n_keys[t]
  * in [0, MF_DEV_ATTN_MAX_KEYS] and key rows in [0, n_kv) are read when the work runs (emulated:
  * an asynchronous -EINVAL otherwise; CUDA: such a token is skipped). D a multiple of 16, at most
@@ -321,6 +325,7 @@ typedef struct mf_dev_attn {
     int64_t ld_o;
     const float *rope;       /* [n_tok][rope_dim], or NULL with rope_dim 0 */
     int rope_dim;            /* even, at most D and MF_DEV_ATTN_MAX_ROPE; 0: the output as it is */
+    int q_rope_dim;          /* the same bounds, with rope; 0: q already rounded and roped */
 } mf_dev_attn;
 int mf_dev_attn_heads(mf_dev_stream *s, const mf_dev_attn *a);
 

@@ -729,7 +729,8 @@ extern "C" int mf_cuda_kern_ffn(void *stream, const mf_dev_ffn *a)
  * of device/kern_attn.h, the shuffle tree in mf_da_tree16's order); the max (order-free); the
  * exponentials; the denominator in double in key order by thread 0; each thread a value element's
  * fmaf chain in key order; the division in double and the bf16 rounding; with rope_dim the
- * roped part's inverse RoPE, a pair a thread, and its rounding. */
+ * roped part's inverse RoPE, a pair a thread, and its rounding. With q_rope_dim the query rounded
+ * as it is loaded, its roped part's forward RoPE a pair a thread, rounded (mf_fa_heads_q's bits). */
 __global__ static void k_attn(mf_dev_attn a)
 {
     __shared__ float qs[MF_DEV_ATTN_MAX_D];
@@ -743,8 +744,18 @@ __global__ static void k_attn(mf_dev_attn a)
     for (int i = 0; i < n; i++)
         if (rows[i] < 0 || rows[i] >= a.n_kv) return;
     const float *q = a.q + (long long)t * a.ld_q + (long long)h * D;
-    for (int d = tid; d < D; d += KA_THREADS) qs[d] = q[d];
+    int qd = a.q_rope_dim;
+    for (int d = tid; d < D; d += KA_THREADS) qs[d] = qd > 0 ? k_bf(q[d]) : q[d];
     __syncthreads();
+    if (qd > 0) {   /* qb's output: the forward RoPE of the roped part (mf_da_rope_fwd), a pair a thread */
+        float *x = qs + D - qd;
+        for (int i = tid; i < qd / 2; i += KA_THREADS) {
+            mf_da_rope_fwd(a.rope + (long long)t * qd, qd / 2, i, x);
+            x[2 * i] = k_bf(x[2 * i]);
+            x[2 * i + 1] = k_bf(x[2 * i + 1]);
+        }
+        __syncthreads();
+    }
     int hw = tid / 16, l = tid % 16;
     unsigned m = 0xffffu << (tid & 16);   /* the half-warp's lanes: the two halves may loop apart */
     for (int i = hw; i < n; i += KA_THREADS / 16) {

@@ -2,7 +2,8 @@
  * for the GPU and the host: a key's score as host/kernels.h's 16-lane dot (lane l sums elements
  * l, l + 16, ... with fmaf; the half-warp's shuffle tree adds lanes l + 8, l + 4, then l + 2 and
  * l + 1, which is mf_kern_vec_dots' tree), and a value element's fmaf chain in key order.
- * With it the inverse RoPE of the output's roped part (mf_da_rope_inv).
+ * With it the forward RoPE of a query's roped part (mf_da_rope_fwd) and the inverse RoPE of the
+ * output's (mf_da_rope_inv).
  * tests/test_dev_kmath.c runs the kernel's schedule on the host with these functions against
  * device/dense_host.h's mf_dense_host_attn. */
 #ifndef MF_KERN_ATTN_H
@@ -58,6 +59,17 @@ MF_DA_FN float mf_da_value(const float *e, const float *kv, const int32_t *rows,
 MF_DA_FN void mf_da_rope_inv(const float *cs, int n_pairs, int i, float *x)
 {
     float c = cs[i], s = -cs[n_pairs + i], a = x[2 * i], b = x[2 * i + 1];
+    float ac = MF_DA_MUL(a, c), bs = MF_DA_MUL(b, s), as = MF_DA_MUL(a, s), bc = MF_DA_MUL(b, c);
+    x[2 * i] = MF_DA_SUB(ac, bs);
+    x[2 * i + 1] = MF_DA_ADD(as, bc);
+}
+
+/* Pair i of a query's forward RoPE (mf_fa_heads_q's mf_fa_rope_apply with inverse 0), the same
+ * table: cs[i] the cosine, cs[n_pairs + i] the sine; the products rounded first, then the
+ * difference and the sum. The caller rounds the query to bf16 before and both values after. */
+MF_DA_FN void mf_da_rope_fwd(const float *cs, int n_pairs, int i, float *x)
+{
+    float c = cs[i], s = cs[n_pairs + i], a = x[2 * i], b = x[2 * i + 1];
     float ac = MF_DA_MUL(a, c), bs = MF_DA_MUL(b, s), as = MF_DA_MUL(a, s), bc = MF_DA_MUL(b, c);
     x[2 * i] = MF_DA_SUB(ac, bs);
     x[2 * i + 1] = MF_DA_ADD(as, bc);

@@ -11,6 +11,7 @@
 
 #include "device/dev.h"
 #include "host/formats.h"
+#include "sched/error.h"
 #include "tests/check.h"
 #include "tests/num.h"
 
@@ -121,8 +122,15 @@ static double attn_ref_err(const attn_data *a, const float *o)
     return worst;
 }
 
-/* Runs the case on card 0 of d: device copies in, the op, the output back. 0 or the first error. */
-static int attn_dev(mf_dev *d, const attn_data *a, float *o)
+static const attn_case cases[] = {
+    {1, 1, 16, 8, 5},        {3, 5, 64, 40, 37},      {7, 6, 128, 300, 200},
+    {4, 4, 512, 700, 640},   {2, 3, 32, 5000, 4096},
+};
+
+/* Runs the case on card 0 of d: device copies in, the op (qrd > 0: on qb's raw queries, which the op
+ * rounds and ropes forward by each token's table row cs + t * qrd: mf_dev_attn.q_rope_dim), the
+ * output back. 0 or the first error. */
+static int attn_dev_q(mf_dev *d, const attn_data *a, const float *cs, int qrd, float *o)
 {
     const attn_case *c = &a->c;
     size_t w = (size_t)c->n_heads * c->D, bq = sizeof(float) * c->n_tok * w, bkv = sizeof(float) * c->n_kv * c->D;
@@ -134,7 +142,11 @@ static int attn_dev(mf_dev *d, const attn_data *a, float *o)
     if (!rc) rc = mf_dev_alloc(d, 0, bk, &keys);
     if (!rc) rc = mf_dev_alloc(d, 0, sizeof(int32_t) * c->n_tok, &nk);
     if (!rc) rc = mf_dev_alloc(d, 0, bq, &dout);
+    void *rope = NULL;
+    size_t br = sizeof(float) * c->n_tok * (size_t)(qrd > 0 ? qrd : 1);
+    if (!rc) rc = mf_dev_alloc(d, 0, br, &rope);
     mf_dev_stream *s = mf_dev_stream_of(d, 0, MF_DEV_STREAM_COMPUTE);
+    if (!rc && qrd > 0) rc = mf_dev_copy_h2d(s, rope, cs, br);
     if (!rc) rc = mf_dev_copy_h2d(s, q, a->q, bq);
     if (!rc) rc = mf_dev_copy_h2d(s, kv, a->kv, bkv);
     if (!rc) rc = mf_dev_copy_h2d(s, sink, a->sink, sizeof(float) * c->n_heads);
@@ -142,20 +154,59 @@ static int attn_dev(mf_dev *d, const attn_data *a, float *o)
     if (!rc) rc = mf_dev_copy_h2d(s, nk, a->n_keys, sizeof(int32_t) * c->n_tok);
     mf_dev_attn at = {.q = q, .ld_q = (int64_t)w, .n_tok = c->n_tok, .n_heads = c->n_heads, .D = c->D,
                       .scale = (float)(1.0 / sqrt((double)c->D)), .sink = sink, .kv = kv, .n_kv = c->n_kv,
-                      .keys = keys, .n_keys = nk, .ld_keys = c->max_keys, .o = dout, .ld_o = (int64_t)w};
+                      .keys = keys, .n_keys = nk, .ld_keys = c->max_keys, .o = dout, .ld_o = (int64_t)w,
+                      .rope = qrd > 0 ? rope : NULL, .q_rope_dim = qrd > 0 ? qrd : 0};
     if (!rc) rc = mf_dev_attn_heads(s, &at);
     if (!rc) rc = mf_dev_copy_d2h(s, o, dout, bq);
     int rs = mf_dev_stream_sync(s);
     if (!rc) rc = rs;
     mf_dev_free(d, 0, q), mf_dev_free(d, 0, kv), mf_dev_free(d, 0, sink), mf_dev_free(d, 0, keys);
-    mf_dev_free(d, 0, nk), mf_dev_free(d, 0, dout);
+    mf_dev_free(d, 0, nk), mf_dev_free(d, 0, dout), mf_dev_free(d, 0, rope);
     return rc;
 }
 
-static const attn_case cases[] = {
-    {1, 1, 16, 8, 5},        {3, 5, 64, 40, 37},      {7, 6, 128, 300, 200},
-    {4, 4, 512, 700, 640},   {2, 3, 32, 5000, 4096},
-};
+static int attn_dev(mf_dev *d, const attn_data *a, float *o)
+{
+    return attn_dev_q(d, a, NULL, 0, o);
+}
+
+/* The queries as qb leaves them (mf_dev_attn.q_rope_dim, 16 values roped): the op on them against
+ * the op on the queries the host's q prep makes of them (graphs/step/fast_attn.c mf_fa_heads_q:
+ * all values rounded to bf16, the forward RoPE with the products rounded first, rounded again):
+ * the same bits, on emulated and CUDA cards alike (the prep is exact float arithmetic). */
+static void check_qrope(mf_dev *d, const char *spec)
+{
+    enum { RD = 16 };
+    attn_data a = {.c = cases[2]};
+    attn_fill(&a, 0x51ed27ull);
+    const attn_case *c = &a.c;
+    size_t n = (size_t)c->n_tok * c->n_heads * c->D;
+    float *raw = malloc(sizeof(float) * n), *o_raw = malloc(sizeof(float) * n), *o_prep = malloc(sizeof(float) * n);
+    float *cs = malloc(sizeof(float) * c->n_tok * RD);
+    uint64_t seed = 0x7a3b1ull;
+    for (size_t i = 0; i < n; i++) raw[i] = a.q[i] * (1.0f + 0x1p-6f * mf_test_frand(&seed));   /* not bf16 */
+    for (int i = 0; i < c->n_tok * RD; i++) cs[i] = mf_test_frand(&seed);
+    for (int t = 0; t < c->n_tok; t++)
+        for (int h = 0; h < c->n_heads; h++) {
+            float *x = a.q + ((size_t)t * c->n_heads + h) * c->D, *r = x + c->D - RD;
+            const float *ct = cs + t * RD;
+            for (int j = 0; j < c->D; j++) x[j] = mf_bf16_round(raw[((size_t)t * c->n_heads + h) * c->D + j]);
+            for (int i = 0; i < RD / 2; i++) {
+                float u = r[2 * i], v = r[2 * i + 1], uc = u * ct[i], vs = v * ct[RD / 2 + i], us = u * ct[RD / 2 + i],
+                      vc = v * ct[i];
+                r[2 * i] = mf_bf16_round(uc - vs);
+                r[2 * i + 1] = mf_bf16_round(us + vc);
+            }
+        }
+    int rc = attn_dev_q(d, &a, NULL, 0, o_prep);
+    memcpy(a.q, raw, sizeof(float) * n);
+    if (!rc) rc = attn_dev_q(d, &a, cs, RD, o_raw);
+    CHECK(rc == 0 && !memcmp(o_raw, o_prep, sizeof(float) * n), "%s: the op on qb's queries: %s", spec,
+          rc ? mf_last_error() : "not the bits of the op on the host's prepared queries");
+    printf("%s: the op on qb's queries (forward RoPE of %d in the op): the prepared queries' bits\n", spec, RD);
+    free(raw), free(o_raw), free(o_prep), free(cs);
+    attn_free(&a);
+}
 
 /* bf16 outputs: one bf16 step (2^-8 relative) plus the fp32 sums: 1e-2 of the largest output. */
 #define ATTN_TOL 1e-2
@@ -191,6 +242,7 @@ static void check_backend(const char *spec)
         free(o), free(o2);
         attn_free(&a);
     }
+    check_qrope(d, spec);
     /* errors: a key row out of range is an asynchronous -EINVAL on emulated cards, bad shapes at once */
     attn_data a = {.c = cases[1]};
     attn_fill(&a, 7);
@@ -205,6 +257,15 @@ static void check_backend(const char *spec)
     bad.D = 16;
     bad.ld_o = 8;
     CHECK(mf_dev_attn_heads(s, &bad) == -EINVAL, "ld_o 8 < 16 not refused");
+    bad.ld_o = 64;
+    bad.q_rope_dim = 4;
+    CHECK(mf_dev_attn_heads(s, &bad) == -EINVAL, "a query RoPE without a table not refused");
+    bad.rope = a.sink;
+    bad.q_rope_dim = 3;
+    CHECK(mf_dev_attn_heads(s, &bad) == -EINVAL, "a query RoPE of 3 values not refused");
+    bad.q_rope_dim = 4;
+    bad.rope_dim = 8;
+    CHECK(mf_dev_attn_heads(s, &bad) == -EINVAL, "a query RoPE of 4 values with the output's 8 not refused");
     free(o);
     attn_free(&a);
     mf_dev_close(d);

@@ -538,6 +538,64 @@ static void check_attn(void)
            "op\n", T, NH, D, RD);
 }
 
+/* The queries as qb leaves them (mf_dev_attn.q_rope_dim): k_attn's load (each value rounded by
+ * mf_dk_bf16, each pair's mf_da_rope_fwd, both rounded) against the host's q prep
+ * (graphs/step/fast_attn.c mf_fa_heads_q: all D rounded, the forward RoPE, all D rounded); the host
+ * op on the raw queries against the host op on the prepared ones (with the inverse RoPE too): bit
+ * for bit, and the raw queries left as they were. */
+static void check_attn_qrope(void)
+{
+    enum { T = 3, NH = 5, D = 128, NKV = 300, MK = 200, RD = 32 };
+    uint64_t seed = 0x9e0fa11ull;
+    static float q[T * NH * D], q0[T * NH * D], qp[T * NH * D], kv[NKV * D], cs[T * RD], o_ref[T * NH * D],
+        o_raw[T * NH * D], scratch[4 * MF_DEV_ATTN_MAX_KEYS];
+    static int32_t keys[T * MK], n_keys[T];
+    float sink[NH];
+    for (int i = 0; i < T * NH * D; i++) q[i] = mf_test_frand(&seed) * 2.0f;   /* fp32: not bf16 */
+    for (int i = 0; i < NKV * D; i++) kv[i] = mf_bf16_round(mf_test_frand(&seed) * 2.0f);
+    for (int i = 0; i < T * RD; i++) cs[i] = mf_test_frand(&seed);
+    for (int h = 0; h < NH; h++) sink[h] = mf_test_frand(&seed) * 3.0f;
+    for (int t = 0; t < T; t++) {
+        n_keys[t] = MK - 17 * t;
+        for (int i = 0; i < n_keys[t]; i++) keys[t * MK + i] = (int32_t)((mf_test_frand(&seed) + 1.0f) * 0.5f * (NKV - 1));
+    }
+    memcpy(q0, q, sizeof q);
+    int n_diff = 0;
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < NH; h++) {
+            float *x = qp + (t * NH + h) * D, ks[D];   /* the host's q prep, then k_attn's load */
+            memcpy(x, q + (t * NH + h) * D, sizeof ks);
+            mf_kern_vec_bf16_round(x, D);
+            for (int i = 0; i < RD / 2; i++) {
+                const float *c = cs + t * RD;
+                float a = x[D - RD + 2 * i], b = x[D - RD + 2 * i + 1], ac = a * c[i], bs = b * c[RD / 2 + i];
+                float as = a * c[RD / 2 + i], bc = b * c[i];
+                x[D - RD + 2 * i] = ac - bs;
+                x[D - RD + 2 * i + 1] = as + bc;
+            }
+            mf_kern_vec_bf16_round(x, D);
+            for (int d = 0; d < D; d++) ks[d] = mf_dk_bf16(q[(t * NH + h) * D + d]);
+            for (int i = 0; i < RD / 2; i++) {
+                mf_da_rope_fwd(cs + t * RD, RD / 2, i, ks + D - RD);
+                ks[D - RD + 2 * i] = mf_dk_bf16(ks[D - RD + 2 * i]);
+                ks[D - RD + 2 * i + 1] = mf_dk_bf16(ks[D - RD + 2 * i + 1]);
+            }
+            n_diff += memcmp(ks, x, sizeof ks) != 0;
+        }
+    CHECK(n_diff == 0, "k_attn's query load: %d heads not mf_fa_heads_q's bits", n_diff);
+    mf_dev_attn a = {.q = qp, .ld_q = NH * D, .n_tok = T, .n_heads = NH, .D = D, .scale = (float)(1.0 / sqrt((double)D)),
+                     .sink = sink, .kv = kv, .n_kv = NKV, .keys = keys, .n_keys = n_keys, .ld_keys = MK, .o = o_ref,
+                     .ld_o = NH * D, .rope = cs, .rope_dim = RD};
+    CHECK(mf_dense_host_attn(&a, scratch) == 0, "mf_dense_host_attn on the prepared queries failed");
+    a.q = q;
+    a.o = o_raw;
+    a.q_rope_dim = RD;
+    CHECK(mf_dense_host_attn(&a, scratch) == 0, "mf_dense_host_attn on qb's queries failed");
+    CHECK(!memcmp(o_raw, o_ref, sizeof o_ref), "the host op's query prep: not the prepared queries' outputs");
+    CHECK(!memcmp(q, q0, sizeof q), "the host op's query prep wrote the queries");
+    printf("attention on qb's queries (the forward RoPE of %d in the op): bit-identical to the host's q prep\n", RD);
+}
+
 
 /* The cuBLASLt path's arithmetic (device/kern_lt.h, which device/dev_lt_kernels.cu runs per element):
  * every FP8 code (256) and FP4 code (16) dequantized at every scale code the plan's window allows
@@ -641,6 +699,7 @@ int main(void)
     check_ffn();
     check_dense();
     check_attn();
+    check_attn_qrope();
     check_lt();
     return mf_check_exit("test_dev_kmath");
 }

@@ -217,7 +217,8 @@ static void test_graph_local(void)
         hout += r->op == MF_SG_DENSE_OUT && r->dense == MF_SG_D_HEADS;
         oa_in += r->op == MF_SG_DENSE_IN && r->dense == MF_SG_D_ATTN_OA;
         if (r->op == MF_SG_DENSE_IN && r->dense == MF_SG_D_HEADS) {
-            double keys = (r->w.copy_bytes_tok - 2.0 * (double)(r->r1 - r->r0) - 4.0 * c.qk_rope_head_dim) / 4 - 1;
+            double qb = sg->heads_qlocal[r->layer] ? 0 : 2.0 * (double)(r->r1 - r->r0);   /* mf_sg_heads_qlocal: none */
+            double keys = (r->w.copy_bytes_tok - qb - 4.0 * c.qk_rope_head_dim) / 4 - 1;
             h_in++;
             CHECK(keys == floor(keys) && keys >= 1 && keys <= sg->heads_keys,
                   "heads in: %.0f bytes an item, not its queries, key list and inverse RoPE table", r->w.copy_bytes_tok);
@@ -239,6 +240,62 @@ static void test_graph_local(void)
     CHECK(h_in == 2 * 4 * c.n_layers, "%d heads copies in (expected 2 cards x 4 blocks x %d layers)", h_in, c.n_layers);
     CHECK(oa_runs == 2 * 4 * c.n_layers && oa_after >= oa_runs, "%d oa works, %d after the heads of their card",
           oa_runs, oa_after);
+    mf_stepgraph_free(sg);
+    mf_sg_sizes_free(sz);
+}
+
+/* qb's queries left on the cards for the heads (mf_sg_heads_qlocal): the rule (tiny and flash41 split
+ * by rows on 2 and 4 cards: each card's qb rows are its heads' queries on the layers not scored, not
+ * on the scored ones, whose qb rows hold the indexer's queries too; tiny by layers, heads on 2
+ * cards and qb on one: not; both on one card: yes; tiny's 4 heads on 3 cards: not), and tiny's
+ * graph split by rows on 2 cards: on those layers each qb copy-out carries nothing and runs after
+ * the gather (for the host's fallback heads), the q preps round nothing; on the scored layers qb's
+ * copy-outs carry its rows. */
+static void test_graph_qlocal(void)
+{
+    mf_config c, f;
+    CHECK(mf_config_preset("tiny", &c) == 0 && mf_config_preset("flash41", &f) == 0, "presets");
+    int nq = 0;
+    for (int L = 0; L < f.n_layers; L++) {
+        int q = mf_sg_heads_qlocal(&f, L, 4, MF_SG_SPLIT_ROWS, 4);
+        CHECK(q == !mf_sg_layer_scored(&f, L), "flash41 layer %d, 4 cards by rows: queries local %d", L, q);
+        nq += q;
+    }
+    CHECK(nq == 32, "flash41: %d layers' queries local (expected the 32 not scored)", nq);
+    CHECK(mf_sg_heads_qlocal(&c, 3, 2, MF_SG_SPLIT_ROWS, 2) == 1 && mf_sg_heads_qlocal(&c, 2, 2, MF_SG_SPLIT_ROWS, 2) == 0,
+          "tiny, 2 cards by rows: layer 3 (not scored) local, layer 2 (scored) not");
+    CHECK(mf_sg_heads_qlocal(&c, 3, 2, MF_SG_SPLIT_LAYERS, 2) == 0, "tiny, heads on 2 cards, qb on one: local");
+    CHECK(mf_sg_heads_qlocal(&c, 3, 2, MF_SG_SPLIT_LAYERS, 1) == 1, "tiny, heads and qb on one card: not local");
+    CHECK(mf_sg_heads_qlocal(&c, 3, 3, MF_SG_SPLIT_ROWS, 3) == 0, "tiny, 4 heads on 3 cards: local");
+    mf_sg_sizes *sz = NULL;
+    mf_sg_lanes lt;
+    mf_stepgraph *sg = heads_graph(&c, &sz, &lt, MF_SG_SPLIT_ROWS, 4);
+    int qb_out = 0, qb_kept = 0, qb_after = 0, qp = 0;
+    for (int L = 0; sg && L < c.n_layers; L++)
+        CHECK(sg->heads_qlocal[L] == !mf_sg_layer_scored(&c, L), "tiny layer %d: queries local %d", L, sg->heads_qlocal[L]);
+    for (int t = 0; sg && t < sg->n_tasks; t++) {
+        const mf_sg_task *r = &sg->task[t];
+        int q = r->layer >= 0 && r->layer < c.n_layers && sg->heads_qlocal[r->layer];
+        if (r->op == MF_SG_ATTN_QPREP && q) {
+            qp++;
+            CHECK(r->w.vec_flops == 0, "q prep of layer %d: %.0f vector flops (the queries' roundings)", r->layer,
+                  r->w.vec_flops);
+        }
+        if (r->op == MF_SG_DENSE_OUT && r->dense == MF_SG_D_ATTN_QB) {
+            qb_out++;
+            qb_kept += q;
+            CHECK(q ? r->w.copy_bytes_tok == 0 : r->w.copy_bytes_tok > 0, "qb out of layer %d: %.0f bytes an item",
+                  r->layer, r->w.copy_bytes_tok);
+        }
+        if (r->op != MF_SG_ATTN_GATHER || !q) continue;
+        const mf_task_id *succ = mf_graph_succ(sg->g, t);
+        for (int k = 0; k < mf_graph_n_succ(sg->g, t); k++) {
+            const mf_sg_task *o = &sg->task[succ[k]];
+            qb_after += o->op == MF_SG_DENSE_OUT && o->dense == MF_SG_D_ATTN_QB && o->layer == r->layer;
+        }
+    }
+    CHECK(qb_out == 2 * 4 * c.n_layers && qb_kept == 2 * 4 * 5 && qb_after == qb_kept && qp > 0,
+          "%d qb copies out, %d of them kept, %d after their gather, %d q preps", qb_out, qb_kept, qb_after, qp);
     mf_stepgraph_free(sg);
     mf_sg_sizes_free(sz);
 }
@@ -520,6 +577,7 @@ int main(void)
     test_scores_range();
     test_graph();
     test_graph_local();
+    test_graph_qlocal();
     test_graph_exchange();
     test_graph_qprep();
     test_graph_blocks();

@@ -368,9 +368,11 @@ static int mf_task_attn_gather(void *arg, mf_task_ctx *ctx)
     return 0;
 }
 
-/* The item's queries prepared (mf_fa_heads_q) and its key list: its window positions in order
- * (the ring's rows, then the chunk's), then its selection in selection order, as
- * mf_fa_attn_heads takes them. With hk_host: the host's heads of the item instead. */
+/* The item's queries prepared (mf_fa_heads_q; not where they stay on the cards,
+ * mf_stepgraph.heads_qlocal: the card's heads prepare them) and its key list: its window positions
+ * in order (the ring's rows, then the chunk's), then its selection in selection order, as
+ * mf_fa_attn_heads takes them; where the card's heads rope (heads_local, _qlocal) the item's RoPE
+ * table. With hk_host: the host's heads of the item instead. */
 static int mf_task_attn_qprep(void *arg, mf_task_ctx *ctx)
 {
     mf_step_targ *a = arg;
@@ -387,10 +389,12 @@ static int mf_task_attn_qprep(void *arg, mf_task_ctx *ctx)
     float *b[MF_LY_A_N];
     int64_t nq = (int64_t)c->n_heads * c->head_dim;
     mf_step_abuf(sh, i, b);
-    mf_step_ab_cast(sh, MF_LY_A_Q, 0, i, 0, nq);   /* qb's copy out, then the heads' copy in */
-    mf_fa_heads_q(cx->ly, it, L, b[MF_LY_A_Q], 0, c->n_heads);
-    mf_step_ab_cast(sh, MF_LY_A_Q, 1, i, 0, nq);
-    if (sh->sg->heads_local[L])   /* the card's heads do the inverse RoPE: its table */
+    if (!sh->sg->heads_qlocal[L]) {
+        mf_step_ab_cast(sh, MF_LY_A_Q, 0, i, 0, nq);   /* qb's copy out, then the heads' copy in */
+        mf_fa_heads_q(cx->ly, it, L, b[MF_LY_A_Q], 0, c->n_heads);
+        mf_step_ab_cast(sh, MF_LY_A_Q, 1, i, 0, nq);
+    }
+    if (sh->sg->heads_local[L] || sh->sg->heads_qlocal[L])   /* the card's heads rope: its table */
         mf_fa_heads_rope_cs(cx->ly, it, L, sh->hk_rope + (size_t)i * c->qk_rope_head_dim);
     int32_t *row = sh->hk_keys + (size_t)i * KK;
     int64_t p = it->pos, t0 = p - W + 1 < 0 ? 0 : p - W + 1, m = 0;
@@ -421,16 +425,17 @@ static int mf_task_attn_opost(void *arg, mf_task_ctx *ctx)
 }
 
 /* The heads' copy in (out 0) or out (out 1) on the task's card: in the prepared queries of its
- * heads, the key table (the ring's rows, the chunk's KV rows, the entries), the items' key lists
- * and counts, the sinks, and where the outputs stay on the card (mf_stepgraph.heads_local) the
- * items' inverse RoPE tables; out its heads' outputs. With hk_host nothing, but where the outputs
+ * heads (none where qb left them on the card: mf_stepgraph.heads_qlocal), the key table (the ring's
+ * rows, the chunk's KV rows, the entries), the items' key lists and counts, the sinks, and where
+ * the outputs or the queries stay on the card (heads_local, _qlocal) the items' RoPE tables; out
+ * its heads' outputs. With hk_host nothing, but where the outputs
  * stay on the card the host's heads' outputs of the card's heads in (for its wo_a rows). */
 int mf_step_heads_copy(const mf_step_targ *a, mf_dev_stream *q, int out)
 {
     mf_step_shape *sh = a->sh;
     const mf_config *c = sh->eng->c;
     int i0 = a->t->i0, n = a->t->i1 - i0, D = c->head_dim, KK = sh->sg->heads_keys, rd = c->qk_rope_head_dim;
-    int local = sh->sg->heads_local[a->t->layer];
+    int local = sh->sg->heads_local[a->t->layer], qlocal = sh->sg->heads_qlocal[a->t->layer];
     uint8_t *db = sh->ddense[a->t->card];
     size_t f = sizeof(float), row = (size_t)D * f;
     if (sh->hk_host && local && !out) {   /* the host's heads' outputs of the card's heads, for its wo_a rows */
@@ -440,7 +445,7 @@ int mf_step_heads_copy(const mf_step_targ *a, mf_dev_stream *q, int out)
     if (sh->hk_host) return MF_TASK_NO_WORK;
     /* the task's heads' columns of the queries or outputs (bf16: mf_sg_attn_buf_bf16) */
     mf_step_dcopy cq = mf_step_dcopy_ab(sh, out ? MF_LY_A_O : MF_LY_A_Q, a->t->r0, a->t->r1, (size_t)i0, (size_t)n, out);
-    int rc = mf_step_dcopy_run(q, db, &cq, out);
+    int rc = out || !qlocal ? mf_step_dcopy_run(q, db, &cq, out) : 0;
     if (out) return rc;
     /* the key table and the sinks, which the blocks share: block 0's (its items from the unit's
      * first, the chunk's KV rows from there; the blocks' copy-ins run in order) */
@@ -460,7 +465,7 @@ int mf_step_heads_copy(const mf_step_targ *a, mf_dev_stream *q, int out)
                              (size_t)n * KK * 4);
     if (!rc) rc = mf_dev_copy_h2d(q, db + sh->dd_hk_nk + (size_t)i0 * 4, sh->hk_nk + i0, (size_t)n * 4);
     if (!rc && first) rc = mf_dev_copy_h2d(q, db + sh->dd_hk_sink, sh->hk_sink, (size_t)c->n_heads * f);
-    if (!rc && local)
+    if (!rc && (local || qlocal))
         rc = mf_dev_copy_h2d(q, db + sh->dd_hk_rope + (size_t)i0 * rd * f, sh->hk_rope + (size_t)i0 * rd, (size_t)n * rd * f);
     return rc;
 }
@@ -482,10 +487,10 @@ int mf_step_heads_launch(const mf_step_targ *a, mf_dev_stream *st)
                       .n_keys = (const int32_t *)(db + sh->dd_hk_nk) + i0, .ld_keys = KK,
                       .o = (float *)(db + sh->dd_ab[MF_LY_A_O]) + i0 * sh->ab_ld[MF_LY_A_O] + a->t->r0,
                       .ld_o = sh->ab_ld[MF_LY_A_O]};
-    if (sh->sg->heads_local[a->t->layer]) {   /* the inverse RoPE too: the outputs stay for the card's wo_a */
-        at.rope = (const float *)(db + sh->dd_hk_rope) + (size_t)i0 * c->qk_rope_head_dim;
-        at.rope_dim = c->qk_rope_head_dim;
-    }
+    int local = sh->sg->heads_local[a->t->layer], qlocal = sh->sg->heads_qlocal[a->t->layer];
+    if (local || qlocal) at.rope = (const float *)(db + sh->dd_hk_rope) + (size_t)i0 * c->qk_rope_head_dim;
+    if (local) at.rope_dim = c->qk_rope_head_dim;     /* the inverse RoPE too: the outputs stay for the card's wo_a */
+    if (qlocal) at.q_rope_dim = c->qk_rope_head_dim;  /* qb's queries as it left them: the q prep's work here */
     if (sh->eng->o.heads_fault) at.scale *= 1.01f;
     int rc = mf_dev_attn_heads(st, &at);
     return rc ? mf_error_wrap(rc, "the heads of layer %d on card %d", a->t->layer, a->t->card) : 0;

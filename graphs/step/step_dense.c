@@ -166,6 +166,11 @@ static int mf_task_dense_out(void *arg, mf_task_ctx *ctx)
     mf_step_targ *a = arg;
     if (a->t->dense == MF_SG_D_HEADS) return mf_step_heads_copy(a, ctx->queue, 1);
     if (a->t->dense == MF_SG_D_SCORES) return mf_step_scores_copy(a, ctx->queue, 1);
+    /* qb's queries stay on the card for its heads (mf_stepgraph.heads_qlocal; this copy after the
+     * gather): out only for the host's fallback heads (hk_host) */
+    if (a->t->dense == MF_SG_D_ATTN_QB && a->t->layer < a->sh->eng->c->n_layers && a->sh->sg->heads_qlocal[a->t->layer] &&
+        !a->sh->hk_host)
+        return MF_TASK_NO_WORK;
     mf_step_dcopy cp[MF_LY_A_MAX_LIN];
     int m = mf_step_dense_copies(a, 1, cp), rc = 0;
     if (!m) return MF_TASK_NO_WORK;

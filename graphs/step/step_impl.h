@@ -178,7 +178,7 @@ struct mf_step_shape {
      * exceed the table's hk_ecap (the q prep tasks then run the host's heads, the card tasks
      * nothing); the cards' copies at dd_hk_* */
     float *hk_tab, *hk_sink;
-    float *hk_rope;   /* per item its inverse RoPE table (mf_stepgraph.heads_local: qk_rope_head_dim floats) */
+    float *hk_rope;   /* per item its RoPE table (mf_stepgraph.heads_local, _qlocal: qk_rope_head_dim floats) */
     int32_t *hk_keys, *hk_nk, *hk_map;
     int64_t hk_map_cap, hk_t0, hk_pos0, hk_ring_hi;
     int hk_nring, hk_nchunk, hk_nent, hk_ecap, hk_host;

@@ -280,7 +280,9 @@ double mf_sg_task_ns(const mf_sg_task *t, const mf_cost_model *m, const mf_sg_st
                          * heads' and index scores' positional work at the card's fp32 rate */
         return mf_cost_card_on(m, w, tok, t->lin_path == MF_DEV_LIN_CUBLASLT ? 1 << MF_KF_FP8 : 0) +
                (t->dense == MF_SG_D_HEADS || t->dense == MF_SG_D_SCORES ? mf_cost_ref(m->p, 1, s->pos_flops) : 0);
-    case MF_SG_DENSE_OUT:
+    case MF_SG_DENSE_OUT:   /* an attention stage's copy of nothing (qb's where its queries stay on the
+                             * cards, mf_sg_heads_qlocal): none enqueued */
+        if (t->dense <= MF_SG_D_ATTN_OB && tok * w->copy_bytes_tok + s->pos_bytes <= 0) return 0;
         return mf_cost_act_copy(m, 1, tok * w->copy_bytes_tok + s->pos_bytes);
     case MF_SG_NET_IN:    /* the boundary over the link from the stage before */
     case MF_SG_NET_OUT:   /* the send posted: a message's latency */

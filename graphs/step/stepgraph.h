@@ -508,6 +508,11 @@ typedef struct mf_stepgraph {
      * rows (mf_sg_heads_local), the inverse RoPE on the card; heads_local_any: some layer's do */
     int8_t heads_local[MF_CONFIG_MAX_LAYERS];
     int heads_local_any;
+    /* per layer: 1 when its heads read their queries where qb left them on their cards
+     * (mf_sg_heads_qlocal), the q prep's rounding and RoPE on the card; heads_qlocal_any: some
+     * layer's do */
+    int8_t heads_qlocal[MF_CONFIG_MAX_LAYERS];
+    int heads_qlocal_any;
     /* per layer: 0 its index scores on the host (MF_SG_ATTN_SCORE parts), else the cards they run
      * on (mf_sg_scores_choice); scores_any: some layer's are */
     int8_t scores_cards[MF_CONFIG_MAX_LAYERS];
@@ -642,6 +647,16 @@ int mf_sg_scores_choice(const mf_sg_opts *o, int L, int heads_cards);
  * (graphs/step/step_impl.h hk_host) then copy the card's slice of their outputs in with the heads'
  * copy-in. */
 int mf_sg_heads_local(const mf_config *c, int n_dense_cards, int split, int parts);
+/* 1 when heads on `parts` cards (mf_stepgraph.heads_cards) of layer L read their queries where qb
+ * left them on their cards: qb runs on as many cards (mf_sg_dense_parts of n_dense_cards under
+ * split; one card: both on the layer's dense card), its rows are the queries alone (a layer not
+ * scored: no indexer's queries after them) and, split, each card's qb rows (mf_sg_dense_rows) are
+ * exactly its heads' queries (mf_sg_heads_range); else 0. Then qb's copy-outs carry nothing (each
+ * waits for the gather and, where the host's fallback heads run, graphs/step/step_impl.h hk_host,
+ * copies the card's queries out for them), the q prep only the key list and each item's RoPE
+ * table, the heads' copy-in no queries, and the card's heads op rounds and ropes the queries
+ * itself (device/dev.h mf_dev_attn.q_rope_dim) as the host's q prep did (mf_fa_heads_q). */
+int mf_sg_heads_qlocal(const mf_config *c, int L, int n_dense_cards, int split, int parts);
 /* Card k of `parts`' heads [*h0, *h1) of n_heads: equal shares, the first ones a head more. */
 void mf_sg_heads_range(int n_heads, int parts, int k, int *h0, int *h1);
 /* Block q (0 or 1) of card k of `parts`' items [*i0, *i1) of a unit's n index-scored items: of
@@ -710,7 +725,9 @@ void mf_sg_dense_rows(int parts, int part, int64_t n_rows, int64_t *r0, int64_t 
  *                output (bf16(w * bf16(x * rs)) in place): in for qb;
  *   MF_LY_A_Q    wq_b's output (fp32) out of qb: read only by the heads, which round each head's
  *                query to bf16 before any other use (mf_fa_heads_q, mf_ly_attn_core_heads); in for
- *                the heads on cards after the q prep, which rounds it last (mf_fa_heads_q);
+ *                the heads on cards after the q prep, which rounds it last (mf_fa_heads_q) (where
+ *                the queries stay on the cards, mf_sg_heads_qlocal: out only for the host's
+ *                fallback heads, in never);
  *   MF_LY_A_QI   the indexer's wq_b output (fp32) out of qb: read only by the index query, which
  *                rounds it first (graphs/layers mf_ly_index_q);
  *   MF_LY_A_O    the heads' output, bf16 before its inverse RoPE (mf_dev_attn_heads, the host's
@@ -767,8 +784,8 @@ typedef struct mf_sg_card_bufs {
      * of the widest row, a copy's rows from the staging's first), the MoE input (bf16, whole: the
      * slots' gathers read it; fp32), the gate's logits, the shared expert's h (and --exact's g, u)
      * and out (fp32), the final norm's out, head_rows rows of logits, one Engram layer's rows and wkv out,
-     * the heads' key table, lists, counts and sinks, the items' inverse RoPE tables (where the heads'
-     * outputs stay on the cards: mf_sg_heads_local), the index scores' keys, counts and scores; a
+     * the heads' key table, lists, counts and sinks, the items' RoPE tables (where the heads'
+     * outputs or queries stay on the cards: mf_sg_heads_local, _qlocal), the index scores' keys, counts and scores; a
      * draft round's Markov rows: every unit's rank-R row in (mk_in), its vocab terms out (mk_out) */
     size_t ab[MF_LY_A_N], stg_in, stg_out, stg_bytes, stg_rows, xin16, xin, logits, hs, gs, us, ys, hn, lbuf, eg_emb, eg_kv,
         hk_tab, hk_keys, hk_nk, hk_sink, hk_rope, sk_tab, sk_nvis, sk_score, mk_in, mk_out, dense_bytes;

@@ -11,7 +11,8 @@
 
 /* Stage st of layer L on its card (split by rows: on every card, mf_sg_dense_chain), over all items:
  * its kernels (oa: the grouped wo_a as an fp8 kernel), their output roundings; in and qb copy
- * their input in and outputs out, oa its input in (none where the heads left it on the card:
+ * their input in and outputs out (qb none where the heads read its queries on the cards:
+ * mf_sg_heads_qlocal), oa its input in (none where the heads left it on the card:
  * mf_sg_heads_local) (its output stays for ob; split by rows: out, and ob copies in the other
  * cards' rows, or all of them: mf_sg_ob_in_cols), ob its output out; the bf16 ones in 2 bytes a value (mf_sg_attn_buf_bf16). */
 static mf_task_id sg_attn_card(mf_sg_builder *b, int L, int st)
@@ -56,7 +57,12 @@ static mf_task_id sg_attn_card(mf_sg_builder *b, int L, int st)
         if (st == MF_SG_ST_OB && mf_sg_attn_buf_bf16(MF_LY_A_OUT)) out_bf = y->st_out_rows[st];
     }
     static const int dense_of[4] = {MF_SG_D_ATTN_IN, MF_SG_D_ATTN_QB, MF_SG_D_ATTN_OA, MF_SG_D_ATTN_OB};
-    return mf_sg_dense_chain(b, L, dense_of[st], t, MF_SG_PH_ATTN, in_tok, out_tok, -1, out_bf);
+    mf_task_id head = mf_sg_dense_chain(b, L, dense_of[st], t, MF_SG_PH_ATTN, in_tok, out_tok, -1, out_bf);
+    /* qb's queries left on the cards for the heads (mf_sg_heads_qlocal: its rows are theirs alone):
+     * its copy-outs carry nothing (they stay for the host's fallback heads, which copy them out) */
+    for (mf_task_id x = head; st == MF_SG_ST_QB && L < c->n_layers && b->sg->heads_qlocal[L] && x >= 0; x = b->next_of[x])
+        if (b->sg->task[b->exit_of[x]].op == MF_SG_DENSE_OUT) b->sg->task[b->exit_of[x]].w.copy_bytes_tok = 0;
+    return head;
 }
 
 /* Stage st's part p of layer L over all items: the stage's kernels split evenly over the parts

@@ -273,7 +273,8 @@ void mf_sg_card_bufs_of(const mf_sg_card_in *in, mf_sg_card_bufs *b)
     dt[m++] = (typeof(dt[0])){hk ? n_ * (size_t)sg->heads_keys * 4 : 0, &b->hk_keys};
     dt[m++] = (typeof(dt[0])){hk ? n_ * 4 : 0, &b->hk_nk};
     dt[m++] = (typeof(dt[0])){hk ? (size_t)c->n_heads * f : 0, &b->hk_sink};
-    dt[m++] = (typeof(dt[0])){sg->heads_local_any ? n_ * (size_t)c->qk_rope_head_dim * f : 0, &b->hk_rope};
+    dt[m++] = (typeof(dt[0])){sg->heads_local_any || sg->heads_qlocal_any ? n_ * (size_t)c->qk_rope_head_dim * f : 0,
+                              &b->hk_rope};
     int sk = sg->scores_any;   /* the index scores' keys, counts, scores */
     dt[m++] = (typeof(dt[0])){sk ? (size_t)MF_SG_SCORE_ENTRIES * (size_t)c->index_head_dim * f : 0, &b->sk_tab};
     dt[m++] = (typeof(dt[0])){sk ? n_ * 4 : 0, &b->sk_nvis};

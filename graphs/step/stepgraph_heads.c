@@ -222,14 +222,39 @@ int mf_sg_heads_local(const mf_config *c, int n_dense_cards, int split, int part
     return 1;
 }
 
-/* A heads record's work where its outputs stay on the card (mf_sg_heads_local): its copy-in the
- * items' inverse RoPE tables (qk_rope_head_dim floats each), its card work the inverse RoPE of its
- * heads' roped parts and their rounding at the card's REF rate. */
-static void sg_heads_local_work(const mf_config *c, mf_sg_task *t)
+int mf_sg_heads_qlocal(const mf_config *c, int L, int n_dense_cards, int split, int parts)
 {
-    double rd = c->qk_rope_head_dim, hh = (double)(t->r1 - t->r0) / c->head_dim;
-    if (t->op == MF_SG_DENSE_IN) t->w.copy_bytes_tok += 4.0 * rd;
-    if (t->op == MF_SG_DENSE) t->w.ref_flops += t->n_tok * hh * rd * (SG_W_ROPE + SG_W_ROUND);
+    if (parts < 1 || L < 0 || L >= c->n_layers || mf_sg_layer_scored(c, L) ||
+        mf_sg_dense_parts(n_dense_cards, split, MF_SG_D_ATTN_QB) != parts)
+        return 0;
+    if (parts == 1) return 1;   /* both on the layer's dense card */
+    int64_t D = c->head_dim, r0, r1;
+    for (int k = 0; k < parts; k++) {   /* card k's qb rows are its heads' queries, and only those */
+        int h0, h1;
+        mf_sg_heads_range(c->n_heads, parts, k, &h0, &h1);
+        mf_sg_dense_rows(parts, k, (int64_t)c->n_heads * D, &r0, &r1);
+        if (r1 <= r0 || h1 <= h0 || r0 != h0 * D || r1 != h1 * D) return 0;
+    }
+    return 1;
+}
+
+/* A heads record's work where its outputs (local: mf_sg_heads_local) or its queries (qlocal:
+ * mf_sg_heads_qlocal) stay on the card: its copy-in the items' RoPE tables (qk_rope_head_dim floats
+ * each), with qlocal no queries; its card work the inverse RoPE of its heads' roped parts and their
+ * rounding (local), each query's rounding, its roped part's forward RoPE and rounding (qlocal), at
+ * the card's REF rate; with qlocal the q prep only each item's key list and RoPE table (its cosines
+ * and sines: an estimate, a RoPE's work). */
+static void sg_heads_card_work(const mf_config *c, int local, int qlocal, mf_sg_task *t)
+{
+    double rd = c->qk_rope_head_dim, D = c->head_dim, hh = (double)(t->r1 - t->r0) / D;
+    if (t->op == MF_SG_DENSE_IN && (local || qlocal)) t->w.copy_bytes_tok += 4.0 * rd;
+    if (t->op == MF_SG_DENSE_IN && qlocal) t->w.copy_bytes_tok -= mf_sg_attn_val_bytes(MF_LY_A_Q) * hh * D;
+    if (t->op == MF_SG_DENSE && local) t->w.ref_flops += t->n_tok * hh * rd * (SG_W_ROPE + SG_W_ROUND);
+    if (t->op == MF_SG_DENSE && qlocal) t->w.ref_flops += t->n_tok * hh * (SG_W_ROUND * (D + rd) + SG_W_ROPE * rd);
+    if (t->op == MF_SG_ATTN_QPREP && qlocal) {
+        t->w.ref_flops = t->n_tok * ((double)mf_sg_heads_keys(c, t->layer) + SG_W_ROPE * rd);
+        t->w.vec_flops = 0;
+    }
 }
 
 /* The price of a heads record over its items at position pos. */
@@ -262,6 +287,8 @@ int mf_sg_heads_choice(const mf_sg_opts *o, int L)
         mf_sg_task qp = mf_sg_heads_rec(c, L, MF_SG_ATTN_QPREP, 0, n, 0, nh, n, 0);
         mf_sg_task op = mf_sg_heads_rec(c, L, MF_SG_ATTN_OPOST, 0, n, 0, nh, n, 0);
         int local = mf_sg_heads_local(c, nc, o->dense_split, parts);   /* no o post, no copy out */
+        int qlocal = mf_sg_heads_qlocal(c, L, nc, o->dense_split, parts);   /* no queries in */
+        sg_heads_card_work(c, local, qlocal, &qp);
         double post = local ? 0 : sg_heads_ns(c, &m, &op, pos);
         double ns = sg_heads_ns(c, &m, &g, pos) + (sg_heads_ns(c, &m, &qp, pos) + post) / W;
         double chain = 0;
@@ -271,7 +298,7 @@ int mf_sg_heads_choice(const mf_sg_opts *o, int L)
             double x = 0;
             for (int q = MF_SG_DENSE_IN; q <= (local ? MF_SG_DENSE : MF_SG_DENSE_OUT); q++) {
                 mf_sg_task r = mf_sg_heads_rec(c, L, q, 0, n, h0, h1, n, 0);
-                if (local) sg_heads_local_work(c, &r);
+                sg_heads_card_work(c, local, qlocal, &r);
                 x += sg_heads_ns(c, &m, &r, pos);
             }
             chain = x > chain ? x : chain;
@@ -296,13 +323,16 @@ static void sg_heads_oa_dep(mf_sg_builder *b, mf_task_id run, int cd, int64_t j0
  * copy in -> attention -> copy out -> per item group its o post, before `ring` and the oa stage's
  * tasks oa[0..n_oa). With the outputs left on the cards (sg->heads_local[L]) per card copy in ->
  * attention (and the inverse RoPE), each before `ring` and the oa work of its card and items (no
- * copy out, no o post). */
+ * copy out, no o post). With the queries left on the cards (sg->heads_qlocal[L]) qb's copy-outs
+ * after the gather (they copy nothing unless the host's fallback heads need the queries), the
+ * heads' copy-in without queries, the attention rounding and roping them. */
 void mf_sg_heads_on_cards(mf_sg_builder *b, int L, int k, mf_task_id core, mf_task_id ring, const mf_task_id *qb,
                           const mf_task_id *oa, int n_oa)
 {
     const mf_config *c = b->o->c;
     mf_stepgraph *sg = b->sg;
     int nh = c->n_heads, parts = sg->heads_cards[L], ex = b->o->exact, local = sg->heads_local[L];
+    int qlocal = sg->heads_qlocal[L];
     int i0 = k > 0 ? sg->unit_end[k - 1] : 0, i1 = sg->unit_end[k], n = i1 - i0;
     int g0 = mf_sg_group_of(sg, i0), g1 = mf_sg_group_of(sg, i1 - 1) + 1;
     mf_task_id qp[MF_SG_MAX_GROUPS], out[MF_SG_MAX_CARDS * MF_SG_DENSE_MAX_BLOCKS];
@@ -310,11 +340,13 @@ void mf_sg_heads_on_cards(mf_sg_builder *b, int L, int k, mf_task_id core, mf_ta
     mf_task_id ga = mf_sg_add(b, 0, MF_SG_ATTN_GATHER, MF_SG_PH_ATTN, MF_SG_K_OTHER,
                               mf_sg_heads_rec(c, L, MF_SG_ATTN_GATHER, i0, i1, 0, nh, n, ex));
     mf_sg_dep(b, core, ga);
+    for (int q = 0; q < n_oa && qlocal; q++)   /* qb's copy-outs (its queries for the host's fallback heads) */
+        for (mf_task_id x = qb[q]; x >= 0 && !b->rc; x = b->next_of[x]) b->rc = mf_graph_add_dep(sg->g, ga, b->exit_of[x]);
     for (int i = g0; i < g1; i++) {
         SG_NAME(b, "attn L%d qprep item %d", L, i);
-        qp[i] = mf_sg_add(b, 0, MF_SG_ATTN_QPREP, MF_SG_PH_ATTN, MF_SG_K_OTHER,
-                          mf_sg_heads_rec(c, L, MF_SG_ATTN_QPREP, i ? sg->group_end[i - 1] : 0, sg->group_end[i], 0, nh,
-                                          n, ex));
+        mf_sg_task tq = mf_sg_heads_rec(c, L, MF_SG_ATTN_QPREP, i ? sg->group_end[i - 1] : 0, sg->group_end[i], 0, nh, n, ex);
+        sg_heads_card_work(c, local, qlocal, &tq);
+        qp[i] = mf_sg_add(b, 0, MF_SG_ATTN_QPREP, MF_SG_PH_ATTN, MF_SG_K_OTHER, tq);
         mf_sg_dep(b, ga, qp[i]);
         for (int q = 0; q < n_oa; q++)
             mf_sg_dep_items(b, qb[q], qp[i], i ? sg->group_end[i - 1] : 0, sg->group_end[i]);
@@ -338,7 +370,7 @@ void mf_sg_heads_on_cards(mf_sg_builder *b, int L, int k, mf_task_id core, mf_ta
             mf_task_id prev = -1;
             for (int q = 0; q < 3 - local; q++) {
                 mf_sg_task t = mf_sg_heads_rec(c, L, MF_SG_DENSE_IN + q, j0, j1, h0, h1, n, ex);
-                if (local) sg_heads_local_work(c, &t);
+                sg_heads_card_work(c, local, qlocal, &t);
                 t.card = (int8_t)cd;
                 t.part = parts > 1 ? p : -1;
                 t.block = (int8_t)j;

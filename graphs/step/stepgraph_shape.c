@@ -200,6 +200,9 @@ void mf_sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
         sg->heads_local[L] = (int8_t)(sg->heads_cards[L] > 0 &&
                                       mf_sg_heads_local(c, o->n_dense_cards, o->dense_split, sg->heads_cards[L]));
         sg->heads_local_any |= sg->heads_local[L];
+        sg->heads_qlocal[L] = (int8_t)(sg->heads_cards[L] > 0 && mf_sg_heads_qlocal(c, L, o->n_dense_cards, o->dense_split,
+                                                                                    sg->heads_cards[L]));
+        sg->heads_qlocal_any |= sg->heads_qlocal[L];
         sg->scores_cards[L] = (int8_t)mf_sg_scores_choice(o, L, sg->heads_cards[L]);
         sg->scores_any |= sg->scores_cards[L] > 0;
     }
