@@ -127,15 +127,15 @@ static void test_graph_rows(void)
         }
     double total[2] = {0};
     for (int sp = 0; sp < 2; sp++)
-        for (int cd = 0; cd < 4; cd++) total[sp] += mf_sg_dense_card_bytes(&c, sz, 4, sp, cd);
+        for (int cd = 0; cd < 4; cd++) total[sp] += mf_sg_dense_card_bytes(&c, sz, 4, sp, 0, cd);
     CHECK(total[0] > 7e9 && fabs(total[1] - total[0]) < 1e-6 * total[0], "dense bytes %.0f (layers), %.0f (rows)",
           total[0], total[1]);
     static const int ns[2] = {1, 16};
     for (int ni = 0; ni < 2; ni++) {
         mf_stepgraph *sg = NULL;
         CHECK(mf_stepgraph_new(&(mf_sg_opts){.c = &c, .sz = sz, .n = ns[ni], .par = ns[ni] > 1, .n_threads = 8,
-                                             .n_dense_cards = 4, .dense_split = MF_SG_SPLIT_ROWS, .lanes = lt.lane,
-                                             .n_lanes = lt.n_lanes, .lane_io = lt.lane_io, .lane_dev0 = lt.lane_dev0},
+                                             .n_dense_cards = 4, .dense_split = MF_SG_SPLIT_ROWS,
+                                             .in_split = MF_SG_IN_ROWS, .lanes = lt.lane, .n_lanes = lt.n_lanes, .lane_io = lt.lane_io, .lane_dev0 = lt.lane_dev0},
                                &sg) == 0,
               "rows graph: %s", mf_last_error());
         double bytes[4] = {0}, cp_tok[MF_SG_N_DENSE][3] = {{0}};   /* layer 3's copies per item, all cards */
@@ -194,12 +194,87 @@ static void test_graph_rows(void)
             CHECK(runs[d] == want, "batch %d: sublayer %d: %d card tasks (expected %d)", ns[ni], d, runs[d], want);
         }
         for (int cd = 0; cd < 4; cd++) {
-            double want = mf_sg_dense_card_bytes(&c, sz, 4, MF_SG_SPLIT_ROWS, cd);
+            double want = mf_sg_dense_card_bytes(&c, sz, 4, MF_SG_SPLIT_ROWS, 0, cd);
             CHECK(fabs(bytes[cd] - want) < 1e-6 * want, "batch %d card %d: records read %.0f bytes, the card holds %.0f",
                   ns[ni], cd, bytes[cd], want);
             CHECK(want < 11e9 && want > total[1] / 8, "card %d holds %.0f of %.0f dense bytes", cd, want, total[1]);
         }
         mf_stepgraph_free(sg);
+    }
+    mf_sg_sizes_free(sz);
+}
+
+/* The in stage split by items (mf_sg_in_mode): flash41 on 4 cards, a chunk of 2,048 items in 8
+ * blocks of the in stage, block j on card j mod 4 with all the stage's rows (part -1), its input
+ * copied in once over all the cards (a quarter a card, not all of it on every card), its whole
+ * weights read by each block's work, its outputs' all rows copied out once; the cards then hold
+ * all the stage's rows (mf_sg_dense_card_bytes: every card's rows-only bytes plus the other cards'
+ * shares of the stage). Where the weights stay split (in_whole 0: by rows, the layer split, a
+ * decode engine's short chunks by cost) no layer splits by items, nor a decode batch by cost. */
+static void test_graph_in_items(void)
+{
+    mf_config c;
+    CHECK(mf_config_preset("flash41", &c) == 0, "preset flash41");
+    mf_sg_sizes *sz = NULL;
+    CHECK(mf_sg_sizes_new(&c, &sz) == 0, "sizes: %s", mf_last_error());
+    mf_lane_model m[4] = {{.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}};
+    mf_sg_lanes lt;
+    mf_sg_lanes_init(&lt, m, 8, 0, 4);
+    mf_sg_opts o = {.c = &c, .sz = sz, .n = 2048, .n_threads = 8, .n_dense_cards = 4, .dense_split = MF_SG_SPLIT_ROWS,
+                    .in_split = MF_SG_IN_ITEMS, .lanes = lt.lane, .n_lanes = lt.n_lanes, .lane_io = lt.lane_io,
+                    .lane_dev0 = lt.lane_dev0};
+    o.in_whole = mf_sg_in_whole(&o, o.n);
+    mf_sg_opts no = o;
+    no.in_split = MF_SG_IN_ROWS;
+    CHECK(o.in_whole && !mf_sg_in_whole(&no, 8192), "in_whole: items %d, rows %d", o.in_whole, mf_sg_in_whole(&no, 8192));
+    no.in_split = MF_SG_IN_COST;
+    CHECK(!mf_sg_in_whole(&no, MF_STEP_PREFILL_CHUNK), "the default chunk holds all the in stage's rows");
+    no.in_whole = 1;
+    for (int L = 0; L < c.n_layers; L++)
+        CHECK(!mf_sg_in_items(&no, 1, L) && !mf_sg_in_items(&no, 64, L), "layer %d: a decode batch splits by items", L);
+    no.dense_split = MF_SG_SPLIT_LAYERS;
+    no.in_split = MF_SG_IN_ITEMS;
+    CHECK(!mf_sg_in_whole(&no, 8192), "the layer split holds all the in stage's rows");
+    mf_stepgraph *sg = NULL;
+    CHECK(mf_stepgraph_new(&o, &sg) == 0, "items graph: %s", mf_last_error());
+    const mf_sg_layer_sizes *y3 = &sz->layer[3];
+    double H = (double)c.hidden_size, qr = (double)c.q_lora_rank, rows = y3->st_out_rows[MF_SG_ST_IN];
+    double in_b[4] = {0}, out_b = 0, w_in = y3->st_fp8_bytes[MF_SG_ST_IN] + y3->st_bf16_bytes[MF_SG_ST_IN];
+    int works = 0, items[4] = {0};
+    for (int t = 0; sg && t < sg->n_tasks; t++) {
+        const mf_sg_task *r = &sg->task[t];
+        if (r->op < MF_SG_DENSE_IN || r->op > MF_SG_DENSE_OUT || r->dense != MF_SG_D_ATTN_IN || r->layer != 3) continue;
+        CHECK(r->part == -1 && r->block >= 0 && r->card == r->block % 4, "in task %d: part %d, block %d on card %d", t,
+              r->part, r->block, r->card);
+        if (r->card < 0 || r->card > 3) continue;
+        if (r->op == MF_SG_DENSE_IN) in_b[r->card] += r->w.copy_bytes_tok * r->n_tok;
+        if (r->op == MF_SG_DENSE_OUT) out_b += r->w.copy_bytes_tok * r->n_tok;
+        if (r->op != MF_SG_DENSE) continue;
+        works++;
+        items[r->card] += r->n_tok;
+        double w = 0;
+        for (int f = 0; f < MF_KF_REF; f++) w += r->w.w_bytes[f];
+        CHECK(fabs(w - w_in) < 1e-9 * w_in, "in work %d reads %.0f weight bytes (all the stage's %.0f)", t, w, w_in);
+    }
+    double out_want = 2048 * (2 * qr + 4 * (rows - qr));
+    CHECK(sg && sg->in_items[3] && works == 8 && fabs(out_b - out_want) < 1e-9 * out_want, "layer 3: %d in works, "
+          "%.0f bytes out (expected 8, %.0f)", works, out_b, out_want);
+    for (int k = 0; k < 4; k++)
+        CHECK(items[k] == 512 && in_b[k] == 2 * H * 512, "card %d: %d items, %.0f bytes in (expected 512, %.0f)", k,
+              items[k], in_b[k], 2 * H * 512);
+    mf_stepgraph_free(sg);
+    for (int cd = 0; cd < 4; cd++) {
+        double more = 0;
+        for (int L = 0; L < c.n_layers; L++) {
+            const mf_sg_layer_sizes *y = &sz->layer[L];
+            int64_t r0, r1, n_rows = (int64_t)y->st_out_rows[MF_SG_ST_IN];
+            mf_sg_dense_rows(4, cd, n_rows, &r0, &r1);
+            more += (y->st_fp8_bytes[MF_SG_ST_IN] + y->st_bf16_bytes[MF_SG_ST_IN]) * (1 - (double)(r1 - r0) / n_rows);
+        }
+        double got = mf_sg_dense_card_bytes(&c, sz, 4, MF_SG_SPLIT_ROWS, 1, cd) -
+                     mf_sg_dense_card_bytes(&c, sz, 4, MF_SG_SPLIT_ROWS, 0, cd);
+        CHECK(more > 0 && fabs(got - more) < 1e-6 * more, "card %d holds %.0f more bytes with all the in stage's rows "
+              "(expected %.0f)", cd, got, more);
     }
     mf_sg_sizes_free(sz);
 }
@@ -310,21 +385,27 @@ static void test_engine(mf_ref *r, const char *what, const int *batches, int n_b
                     }
                     /* the dense chains in item blocks of 2 items or more (mf_sg_dense_blocks: a
                      * prefill of 6 in 3, batch 16 in 8) and the head's logits in passes of 3 items
-                     * (mf_step_opts.head_rows: batch 16 in 6), with the last placement */
-                    e = NULL;
-                    if (pl == (hybrid ? MF_STEP_PLACE_HYBRID : MF_STEP_PLACE_HOST))
-                        CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = pl,
-                                                             .dense = MF_STEP_DENSE_CARDS, .dense_split = sp,
-                                                             .dense_block = 2, .head_rows = 3},
-                                          &e) == 0,
-                              "%s %s dense blocks: %s", what, spec, mf_last_error());
-                    if (e) {
-                        memset(got, 0, sizeof(float) * per);
-                        int rc = run(r, e, b, n_dec, toks, 0, got);
-                        CHECK(rc == 0 && !memcmp(host, got, sizeof(float) * per),
-                              "%s %s placement %d batch %d, split %s, item blocks and head passes: %s", what, spec, pl, b,
-                              split_name[sp], rc ? mf_last_error() : "logits differ from the host placement's");
-                        mf_step_free(e);
+                     * (mf_step_opts.head_rows: batch 16 in 6), with the last placement; split by
+                     * rows, again with the in stage split by items (mf_sg_in_mode: card k the
+                     * blocks j mod nc == k, all the stage's rows) */
+                    for (int in = MF_SG_IN_COST; in <= (sp == MF_SG_SPLIT_ROWS ? MF_SG_IN_ITEMS : MF_SG_IN_COST);
+                         in += MF_SG_IN_ITEMS) {
+                        e = NULL;
+                        if (pl == (hybrid ? MF_STEP_PLACE_HYBRID : MF_STEP_PLACE_HOST))
+                            CHECK(mf_step_new(r, &(mf_step_opts){.n_threads = 2, .dev = d, .placement = pl,
+                                                                 .dense = MF_STEP_DENSE_CARDS, .dense_split = sp,
+                                                                 .in_split = in, .dense_block = 2, .head_rows = 3},
+                                              &e) == 0,
+                                  "%s %s dense blocks: %s", what, spec, mf_last_error());
+                        if (e) {
+                            memset(got, 0, sizeof(float) * per);
+                            int rc = run(r, e, b, n_dec, toks, 0, got);
+                            CHECK(rc == 0 && !memcmp(host, got, sizeof(float) * per),
+                                  "%s %s placement %d batch %d, split %s%s, item blocks and head passes: %s", what, spec,
+                                  pl, b, split_name[sp], in ? " (in by items)" : "",
+                                  rc ? mf_last_error() : "logits differ from the host placement's");
+                            mf_step_free(e);
+                        }
                     }
                     for (int c = 0; c < nc; c++)
                         CHECK(mf_dev_emu_used_bytes(d, c) == 0, "%s %s: card %d holds %lld bytes after free", what, spec,
@@ -478,6 +559,7 @@ int main(void)
     test_ranges();
     test_graph();
     test_graph_rows();
+    test_graph_in_items();
     test_sim();
     char dir[1024];
     mf_config c;

@@ -29,7 +29,7 @@
 /* The command line of `moeflow sim`. */
 typedef struct mf_sim_cli {
     const char *prof_path, *dir, *preset, *routing_spec, *trace;
-    int placement, dense, dense_split, heads, lt;   /* dense: -1 not given */
+    int placement, dense, dense_split, in_split, heads, lt;   /* dense: -1 not given */
     long cards, threads, batch, steps, warmup, seed, context, read_window;
     long copy_slots, dev_task_ns, prompt_tokens, chunk, micro, prefetch_min, cached;
     int json, ops, measure, store, tables, policy, dev_graphs, fill;
@@ -61,6 +61,10 @@ static const mf_opt mf_sim_table[] = {
      .help = "dense cards: layers (each layer's dense work on one card, by layer\n"
              "ranges) or rows (every dense matrix but the shared expert split by\n"
              "output rows across all cards)"},
+    {"--in-split", .kind = MF_OPT_WORD, .off = F(in_split), .def = "cost", .meta = "I", .words = mf_tool_in_splits,
+     .help = "dense cards split by rows: the attention's in stage per layer and shape\n"
+             "by rows or by items over the cards by the cost model (cost: every\n"
+             "card holds all its rows), by rows only, or by items where it can"},
     {"--heads", .kind = MF_OPT_WORD, .off = F(heads), .def = "cost", .meta = "H", .words = mf_tool_heads_modes,
      .help = "dense cards: the attention heads' scores and values of a serial graph\n"
              "(a prefill chunk, batch 1) per layer by the cost model (cost), on the\n"
@@ -325,7 +329,7 @@ static void mf_sim_text(const mf_sim_cli *a, const mf_plan_opts *po, const mf_pl
     if (cards_dense && !mf_sg_sizes_new(po->config, &sz)) {   /* mf_sg_dense_card_bytes */
         printf("dense weights per card (%s):", rows ? "split by rows" : "by layers");
         for (int cd = 0; cd < nd; cd++)
-            printf(" %.2f GB", mf_sg_dense_card_bytes(po->config, sz, nd, a->dense_split, cd) / 1e9);
+            printf(" %.2f GB", mf_sg_dense_card_bytes(po->config, sz, nd, a->dense_split, rep->card_in_whole, cd) / 1e9);
         printf(" (of %.2f GB each)\n", prof->card_mem_bytes / 1e9);
         mf_sg_sizes_free(sz);
     }
@@ -486,7 +490,7 @@ static int mf_sim_run(mf_sim_cli *a)
                        .dev_cache_bytes = a->dev_cache, .dev_cache_policy = a->policy, .dev_cache_fill = a->fill,
                        .store = a->store, .store_budget_bytes = a->store_budget, .tables = a->tables, .routing = rt,
                        .seed = (uint64_t)a->seed, .dev_task_ns = (double)a->dev_task_ns, .dev_graphs = a->dev_graphs,
-                       .dense = a->dense, .dense_split = a->dense_split, .heads = a->heads, .micro = (int)a->micro,
+                       .dense = a->dense, .dense_split = a->dense_split, .in_split = a->in_split, .heads = a->heads, .micro = (int)a->micro,
                        .prefetch_min = (int)a->prefetch_min, .lt = a->lt};
     mf_plan_report rep;
     double meas_ns = 0;

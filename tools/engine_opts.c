@@ -95,6 +95,10 @@ const mf_opt mf_tool_engine_table[] = {
              "rows (every dense matrix but the shared expert split by\n"
              "output rows across all cards; either gives the host's logits bit for\n"
              "bit on emulated cards)"},
+    {"--in-split", .kind = MF_OPT_WORD, .off = F(in_split), .def = "cost", .meta = "I", .words = mf_tool_in_splits,
+     .help = "with --dense-split rows: the attention's in stage per layer and shape\n"
+             "by rows or by items over the cards by the cost model (cost: every\n"
+             "card holds all its rows), by rows only, or by items where it can"},
     {"--heads", .kind = MF_OPT_WORD, .off = F(heads), .def = "cost", .meta = "H", .words = mf_tool_heads_modes,
      .help = "with --dense cards: the attention heads' scores and values of one\n"
              "sequence's positions (prefill chunks, batch 1) per layer by the cost\n"
@@ -276,7 +280,8 @@ int mf_tool_run_open(const char *cmd, const mf_tool_engine *e, const char *dir, 
                                            .dev_cache_fill = strcmp(e->fill_spec, "off") != 0,
                                            .dev_fill_counts = counts, .dev_fill_progress = !quiet,
                                            .dev_graphs = e->dev_graphs, .dense = e->dense_cards,
-                                           .dense_split = e->dense_split, .heads = e->heads, .micro = (int)e->micro,
+                                           .dense_split = e->dense_split, .in_split = e->in_split, .heads = e->heads,
+                                           .micro = (int)e->micro,
                                            .lt = e->lt, .profile = x->have_prof ? &x->prof : NULL, .io_depth = (int)e->io_depth,
                                            .io_force_pread = mf_tool_io_env.force_pread,
                                            .io_fault_kind = mf_tool_io_env.fault_kind,
@@ -294,7 +299,7 @@ int mf_tool_run_spec(const mf_tool_engine *e, mf_tool_run *x, long n_tokens, int
                           .placement = e->place, .n_cards = x->dev ? mf_dev_n_cards(x->dev) : 0, .n_sockets = 1,
                           .threads_per_socket = (int)e->threads, .context = context,
                           .dense = e->dense_cards ? MF_PLAN_DENSE_CARDS : MF_PLAN_DENSE_HOST,
-                          .dense_split = e->dense_split, .micro = (int)e->micro};
+                          .dense_split = e->dense_split, .in_split = e->in_split, .micro = (int)e->micro};
     return mf_spec_new(&(mf_spec_opts){.ref = x->r, .eng = x->eng, .source = MF_SPEC_DSPARK, .n_max = (int)n_tokens,
                                        .adaptive = n_tokens == 0, .price = &price},
                        max_batch, &x->spec);

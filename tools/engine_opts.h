@@ -35,6 +35,7 @@ typedef struct mf_tool_engine {
     const char *devices, *profile_path, *fill_spec;
     int placement, dense;          /* -1: not given */
     int dense_split, heads, dev_graphs, lt;   /* lt: --cublaslt (mf_step_opts.lt) */
+    int in_split;                  /* --in-split (mf_step_opts.in_split) */
     long micro;
     uint64_t dev_cache;
     int draft;                     /* not an option: the command's --spec dspark (the checkpoint's DSpark

@@ -23,6 +23,7 @@ const mf_opt_word mf_tool_placements[] = {
     {"host", MF_STEP_PLACE_HOST}, {"seed", MF_STEP_PLACE_SEED}, {"hybrid", MF_STEP_PLACE_HYBRID}, {NULL, 0}};
 const mf_opt_word mf_tool_denses[] = {{"host", MF_PLAN_DENSE_HOST}, {"cards", MF_PLAN_DENSE_CARDS}, {NULL, 0}};
 const mf_opt_word mf_tool_dense_splits[] = {{"layers", MF_SG_SPLIT_LAYERS}, {"rows", MF_SG_SPLIT_ROWS}, {NULL, 0}};
+const mf_opt_word mf_tool_in_splits[] = {{"cost", MF_SG_IN_COST}, {"rows", MF_SG_IN_ROWS}, {"items", MF_SG_IN_ITEMS}, {NULL, 0}};
 const mf_opt_word mf_tool_heads_modes[] = {
     {"cost", MF_SG_HEADS_COST}, {"cards", MF_SG_HEADS_CARDS}, {"host", MF_SG_HEADS_HOST}, {NULL, 0}};
 const mf_opt_word mf_tool_lt_modes[] = {
@@ -153,7 +154,7 @@ int mf_tool_measure(const char *dir, const mf_plan_opts *po, int n_cards, int th
                                         .micro = po->micro,
                                         .dense = po->dense == MF_PLAN_DENSE_CARDS ? MF_STEP_DENSE_CARDS
                                                                                    : MF_STEP_DENSE_HOST,
-                                        .dense_split = po->dense_split, .lt = po->lt, .profile = po->profile},
+                                        .dense_split = po->dense_split, .in_split = po->in_split, .lt = po->lt, .profile = po->profile},
                      &eng);
     if (rc) goto out;
     const mf_config *c = mf_model_config(m);

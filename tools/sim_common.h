@@ -19,6 +19,7 @@
 extern const mf_opt_word mf_tool_placements[];   /* host, seed, hybrid: mf_step_placement */
 extern const mf_opt_word mf_tool_denses[];       /* host, cards: mf_plan_dense (also mf_step_opts.dense) */
 extern const mf_opt_word mf_tool_dense_splits[]; /* layers, rows: mf_sg_dense_split (mf_plan_opts, mf_step_opts) */
+extern const mf_opt_word mf_tool_in_splits[];    /* cost, rows, items: mf_sg_in_mode (mf_plan_opts, mf_step_opts) */
 extern const mf_opt_word mf_tool_heads_modes[];  /* cost, cards, host: mf_sg_heads_mode (mf_plan_opts, mf_step_opts) */
 extern const mf_opt_word mf_tool_lt_modes[];     /* cost, on, dense, off: mf_sg_lt_mode (mf_plan_opts, mf_step_opts) */
 extern const mf_opt_word mf_tool_store_modes[];  /* resident, streamed: mf_plan_store */

@@ -436,7 +436,7 @@ static int pl_graph(mf_plan *p, mf_sg_opts *go)
                         .mixed = mixed, .n_units = units, .unit_end = units ? unit_end : NULL, .draft = o->draft > 0,
                         .feats = o->feats && !o->draft,
                         .n_threads = p->n_threads, .n_cards = p->n_cards,
-                        .n_dense_cards = p->n_dense, .dense_split = o->dense_split, .heads = o->heads,
+                        .n_dense_cards = p->n_dense, .dense_split = o->dense_split, .in_split = o->in_split, .heads = o->heads,
                         .dev_graphs = o->dev_graphs, .store = p->streamed,
                         /* the engine's resident experts: a miss one span
                          * (step_moe_cards.c mf_step_xslot_layout); a store's slots: one copy a part */
@@ -448,6 +448,11 @@ static int pl_graph(mf_plan *p, mf_sg_opts *go)
                         .lane_dev0 = p->lt.lane_dev0, .profile = &p->prof,
                         .prefetch_min = o->prefetch_min, .lt = o->lt,
                         .layer_begin = o->layer_begin, .layer_end = o->layer_end, .lane_net = p->lt.lane_net};
+    /* the in stage's rows on every dense card where the engine's largest prefill chunk (pl_card_mem's)
+     * splits it by items */
+    int chunk = o->chunk ? o->chunk : MF_STEP_PREFILL_CHUNK;
+    if (o->prefill && p->batch > chunk) chunk = p->batch;
+    go->in_whole = mf_sg_in_whole(go, chunk);
     if (o->draft) {   /* no store, device graphs or Engram reads in a draft round (mf_sg_draft_check) */
         go->dev_graphs = go->store = go->eg_reads = 0;
         go->micro = 1;
@@ -493,7 +498,7 @@ static int pl_card_mem(mf_plan *p, const mf_sg_opts *go)
     const mf_config *c = &p->c;
     int rc;
     for (int cd = 0; cd < p->n_dense; cd++)   /* the dense weights each card holds */
-        p->dense_bytes[cd] = mf_sg_dense_card_bytes_in(c, p->sz, p->n_dense, o->dense_split, cd, o->draft ? 0 : p->l0,
+        p->dense_bytes[cd] = mf_sg_dense_card_bytes_in(c, p->sz, p->n_dense, o->dense_split, go->in_whole, cd, o->draft ? 0 : p->l0,
                                                        o->draft ? c->n_layers : p->l1);
     for (int cd = 0; cd < p->n_dense; cd++)
         if (f->card_mem_bytes && p->dense_bytes[cd] > (double)f->card_mem_bytes) {
@@ -521,6 +526,7 @@ static int pl_card_mem(mf_plan *p, const mf_sg_opts *go)
     }
     if (p->n_lane_cards) {   /* card 0's, for the report */
         p->total.card_weights = p->n_dense ? p->dense_bytes[0] : 0;
+        p->total.card_in_whole = go->in_whole;
         p->total.card_bufs = (p->n_dense ? p->act_dense : 0) + (p->n_cards ? p->act_routed : 0);
     }
     for (int cd = 0; cd < p->n_lane_cards && f->card_mem_bytes; cd++) {
@@ -980,7 +986,8 @@ void mf_plan_total(const mf_plan *p, mf_plan_report *out)
         *out = (mf_plan_report){.batch = p->batch, .fill_experts = p->total.fill_experts,
                                 .fill_bytes = p->total.fill_bytes, .fill_ns = p->total.fill_ns,
                                 .card_weights = p->total.card_weights, .card_bufs = p->total.card_bufs,
-                                .card_slots = p->total.card_slots, .host_bufs = p->total.host_bufs,
+                                .card_slots = p->total.card_slots, .card_in_whole = p->total.card_in_whole,
+                                .host_bufs = p->total.host_bufs,
                                 .card_cache = p->total.card_cache};
         return;
     }
@@ -1004,7 +1011,8 @@ void mf_plan_reset_totals(mf_plan *p)
     p->total = (mf_plan_report){.batch = p->batch, .fill_experts = p->total.fill_experts,
                                 .fill_bytes = p->total.fill_bytes, .fill_ns = p->total.fill_ns,
                                 .card_weights = p->total.card_weights, .card_bufs = p->total.card_bufs,
-                                .card_slots = p->total.card_slots, .host_bufs = p->total.host_bufs,
+                                .card_slots = p->total.card_slots, .card_in_whole = p->total.card_in_whole,
+                                .host_bufs = p->total.host_bufs,
                                 .card_cache = p->total.card_cache};
 }
 

@@ -57,6 +57,7 @@ typedef struct mf_plan_opts {
                                   * the profile's; mf_sg_dense_card; their weights leave the rest to the caches) */
     int dense_split;             /* mf_sg_dense_split: dense cards by layer ranges (0) or by rows across all
                                   * (mf_sg_dense_rows; mf_sg_dense_card_bytes per card) */
+    int in_split;                /* mf_sg_in_mode: the in stage split by rows or items (mf_step_opts.in_split) */
     int heads;                   /* mf_sg_heads_mode: with dense cards, the attention heads of a prefill chunk
                                   * (a serial graph) by cost (0), on the cards or on the host (mf_step_opts.heads) */
     int micro;                   /* 2: two micro-batches in flight (mf_step_opts.micro; routing drawn per
@@ -135,9 +136,10 @@ typedef struct mf_plan_report {
     int64_t fill_experts;
     double fill_bytes, fill_ns;
     /* card 0's memory, set at the start: its dense weights, the steps' buffers held back from its
-     * cache (mf_sg_card_reserve; with --dev-cache this graph's), its cache's slots */
+     * cache (mf_sg_card_reserve; with --dev-cache this graph's), its cache's slots; card_in_whole:
+     * the dense cards hold all the in stage's rows (graphs/step/stepgraph.h mf_sg_in_whole) */
     double card_weights, card_bufs, card_cache;
-    int card_slots;
+    int card_slots, card_in_whole;
     /* the host's buffers of this step's graph, as the engine lays them out (graphs/step/step.h
      * mf_step_host_bytes: a decode batch's bucket), set at the start */
     double host_bufs;

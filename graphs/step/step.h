@@ -121,6 +121,11 @@ typedef struct mf_step_opts {
      * the shared expert split by output rows across all the cards (MF_SG_SPLIT_ROWS: each card
      * computes and copies out its rows, mf_sg_dense_rows; logits the same bits). */
     int dense_split;
+    /* With MF_SG_SPLIT_ROWS, graphs/step/stepgraph.h mf_sg_in_mode (`--in-split`): the attention's in
+     * stage split by rows or by items over the dense cards, per shape and layer by cost (0: every
+     * card holds all its rows), by rows only, or by items wherever it can (tests); logits the same
+     * bits. */
+    int in_split;
     /* With dense cards, the items a dense chain's item block holds at least (graphs/step/stepgraph.h
      * mf_sg_dense_blocks: a long prefill chunk's copies run beside the card's work block by block;
      * the logits are the same bits in any blocks). 0: MF_SG_DENSE_BLOCK. */

@@ -444,7 +444,8 @@ static int mf_task_dense_deq(void *arg, mf_task_ctx *ctx)
 
 /* Rows [*r0, *r1) of weight w (rows base.. of its sublayer d's total rows) that dense card k holds:
  * mf_sg_dense_rows' share of the card when d is split by rows (an attention stage's linears one
- * after another), every row on the layer-range card of a sublayer that is not. 0: none. */
+ * after another), every row on the layer-range card of a sublayer that is not, every row on every
+ * card where mf_sg_dense_whole (the in stage split by rows or by items). 0: none. */
 static int mf_step_dense_wrows(const mf_step *s, int k, int L, int d, const mf_weight *w, int64_t base,
                                int64_t total, int64_t *r0, int64_t *r1)
 {
@@ -453,7 +454,8 @@ static int mf_step_dense_wrows(const mf_step *s, int k, int L, int d, const mf_w
                                                          s->o.dense_split)
                                     : mf_sg_dense_parts(s->n_dense, s->o.dense_split, d);
     int64_t a = 0, b = total;
-    if (parts > 1) mf_sg_dense_rows(parts, k, total, &a, &b);
+    if (mf_sg_dense_whole(s->c, s->n_dense, s->o.dense_split, s->in_whole, d, L)) b = total;   /* every row */
+    else if (parts > 1) mf_sg_dense_rows(parts, k, total, &a, &b);
     else if (mf_sg_dense_card_in(s->c, s->n_dense, s->l0, s->l1, L) != k) b = 0;
     *r0 = a - base > 0 ? a - base : 0;
     *r1 = b - base < w->rows ? b - base : w->rows;
@@ -654,7 +656,8 @@ uint64_t mf_step_dense_bytes(const mf_step *s, int k, int *card)
 }
 
 /* Dense work on s->o.dev's cards (emulated or CUDA, through the device API): the cards that passed
- * the self-check, each with its resident weights (mf_step_dense_weights). */
+ * the self-check, whether they hold all the in stage's rows (s->in_whole, for the largest prefill
+ * chunk), each with its resident weights (mf_step_dense_weights). */
 int mf_step_dense_setup(mf_step *s)
 {
     if (s->o.dense != MF_STEP_DENSE_CARDS) return mf_error(-EINVAL, "step: unknown dense placement %d", s->o.dense);
@@ -662,6 +665,12 @@ int mf_step_dense_setup(mf_step *s)
     s->dev = s->o.dev;
     for (int cd = 0; cd < mf_dev_n_cards(s->dev); cd++)
         if (!(s->refused_mask & (1u << cd))) s->dense_card[s->n_dense++] = cd;
+    int chunk = s->o.prefill_chunk > 0 ? s->o.prefill_chunk : MF_STEP_PREFILL_CHUNK;   /* the largest prefill chunk */
+    if (chunk > s->max_chunk) chunk = s->max_chunk;
+    s->in_whole = mf_sg_in_whole(&(mf_sg_opts){.c = s->c, .sz = s->sz, .n_dense_cards = s->n_dense,
+                                               .dense_split = s->o.dense_split, .in_split = s->o.in_split,
+                                               .dense_block = s->o.dense_block, .profile = s->o.profile},
+                                 chunk);
     return mf_step_dense_weights(s);
 }
 

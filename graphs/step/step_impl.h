@@ -289,6 +289,10 @@ struct mf_step {
      * allocation of dw_bytes, a view per weight it holds, per layer MF_STEP_DW_MAX (the head in
      * row n_layers) */
     int n_dense, n_lane_cards;
+    /* 1: every dense card holds all the attention in stage's rows (graphs/step/stepgraph.h
+     * mf_sg_in_whole of the largest prefill chunk, at mf_step_dense_setup), so a shape may split
+     * the stage by items (mf_sg_in_items) */
+    int in_whole;
     int dense_card[MF_DEV_MAX_CARDS];   /* dense card k is device card dense_card[k] */
     uint8_t *dwmem[MF_DEV_MAX_CARDS];
     uint64_t dw_bytes[MF_DEV_MAX_CARDS];

@@ -102,6 +102,7 @@ mf_sg_opts mf_step_sg_opts(const mf_step *eng, int n, int par, int mixed, mf_tas
     return (mf_sg_opts){.c = eng->c, .sz = eng->sz, .n = n, .par = par, .mixed = mixed, .ordered = ordered,
                         .n_threads = eng->o.n_threads, .n_cards = eng->n_cards,
                         .n_dense_cards = eng->n_dense, .dense_split = eng->o.dense_split,
+                        .in_split = eng->o.in_split, .in_whole = eng->in_whole,
                         .dense_block = eng->o.dense_block,
                         .dev_graphs = eng->dev_graphs, .store = eng->store != NULL,
                         .miss_copies = eng->miss_span ? 1 : 0,

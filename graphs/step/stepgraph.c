@@ -563,6 +563,8 @@ int mf_stepgraph_new(const mf_sg_opts *o, mf_stepgraph **out)
                         o->n_dense_cards, (o->n_lanes - o->lane_dev0) / 3, MF_SG_MAX_CARDS);
     if (o->dense_split != MF_SG_SPLIT_LAYERS && o->dense_split != MF_SG_SPLIT_ROWS)
         return mf_error(-EINVAL, "step graph: dense split %d (expected layers or rows)", o->dense_split);
+    if (o->in_split < MF_SG_IN_COST || o->in_split > MF_SG_IN_ITEMS)
+        return mf_error(-EINVAL, "step graph: in stage split %d (expected cost, rows or items)", o->in_split);
     if (o->micro < 0 || o->micro > 2)
         return mf_error(-EINVAL, "step graph: %d micro-batches (expected 1 or 2)", o->micro);
     if (o->mixed && o->ordered)

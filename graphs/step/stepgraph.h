@@ -361,6 +361,10 @@ typedef struct mf_sg_opts {
     int dense_split;
     /* items a dense chain's item block holds at least (mf_sg_dense_blocks; 0: MF_SG_DENSE_BLOCK) */
     int dense_block;
+    /* mf_sg_in_mode: with MF_SG_SPLIT_ROWS, how the attention's in stage is spread over the dense
+     * cards (mf_sg_in_items); in_whole: 1 when every dense card holds all its rows (mf_sg_in_whole
+     * of the engine's largest prefill chunk: the engine's, the simulator's choice) */
+    int in_split, in_whole;
     int store;          /* 1: routed experts are read through a store (IO tasks per slot) */
     /* host->card copies of a card cache miss's packed expert: 1 when its parts lie in host memory
      * as they lie in the card's slot, one span (the engine's resident experts:
@@ -497,6 +501,9 @@ typedef struct mf_stepgraph {
     int n_dense_cards;            /* as mf_sg_opts: 0 dense work on the host */
     int dense_split;              /* as mf_sg_opts */
     int mk_parts;                 /* a draft round's Markov rows: the cards they run on (mf_sg_markov_parts) */
+    int in_split, in_whole;       /* as mf_sg_opts */
+    /* per layer: 1 when its in stage's chain is split by items over the dense cards (mf_sg_in_items) */
+    int8_t in_items[MF_CONFIG_MAX_LAYERS];
     int dense_block;              /* as mf_sg_opts (0 replaced by MF_SG_DENSE_BLOCK) */
     /* per layer: 0 its heads on the host (MF_SG_ATTN_HEADS), else the cards its heads' scores and
      * values run on (1: the layer's dense card; n_dense_cards: every card, the heads split by
@@ -679,6 +686,40 @@ typedef enum mf_sg_dense_split { MF_SG_SPLIT_LAYERS = 0, MF_SG_SPLIT_ROWS } mf_s
  * cheaper than wo_a and wo_b whole on one card at the seed host's figures: docs/measurements.md
  * part 1); a card's wo_a copies in only the heads' output slices of the groups its rows touch. */
 int mf_sg_dense_parts(int n_dense_cards, int split, int dense);
+/* The attention's in stage (MF_SG_D_ATTN_IN: its input, the attn_norm's output, is the widest copy
+ * in of a prefill chunk's chains, the whole of it on every card's link when split by rows) under
+ * MF_SG_SPLIT_ROWS over several cards: MF_SG_IN_COST (0) each layer's chain of a graph is split by
+ * rows or by items (mf_sg_in_items), whichever the cost model prices lower, where every card holds
+ * all the stage's rows (mf_sg_in_whole: where the engine's largest prefill chunk splits some layer
+ * by items; else each card holds its rows only, a decode engine's cache keeping the room);
+ * MF_SG_IN_ROWS by rows, each card holding its rows only; MF_SG_IN_ITEMS by items wherever the
+ * graph's blocks allow it, every card holding all rows (tests). Split by items, card k runs
+ * all the stage's rows over the item blocks j with j mod n_dense_cards == k (mf_sg_dense_blocks;
+ * its records' part -1: all rows) and copies in and out only those items; each output value is the
+ * same kernel's dot product on any card, so the logits are the same bits. */
+typedef enum mf_sg_in_mode { MF_SG_IN_COST = 0, MF_SG_IN_ROWS, MF_SG_IN_ITEMS } mf_sg_in_mode;
+/* 1 when every one of n_dense_cards cards holds all the rows of dense sublayer `dense` of backbone
+ * layer L (L < 0 or a draft stage: 0): the in stage under MF_SG_SPLIT_ROWS with in_whole
+ * (mf_sg_in_whole). The weights' upload (graphs/step/step_dense.c) and the card memory
+ * (mf_sg_dense_card_bytes) follow it. */
+int mf_sg_dense_whole(const mf_config *c, int n_dense_cards, int split, int in_whole, int dense, int L);
+/* Whether the dense cards of o (its c, sz, n_dense_cards, dense_split, in_split, dense_block,
+ * profile) hold all the in stage's rows (mf_sg_opts.in_whole) for an engine whose prefill chunks
+ * run up to `chunk` items: MF_SG_IN_ITEMS 1, MF_SG_IN_ROWS 0, MF_SG_IN_COST 1 where `chunk` is at
+ * least MF_SG_IN_WHOLE_MIN and a chunk of that many items splits some layer by items
+ * (mf_sg_in_items with in_whole). 0 unless split by rows over several cards. The rows the cards
+ * hold take room from their expert caches, which the cost model does not price (the misses
+ * depend on the routing): MF_SG_IN_WHOLE_MIN is where the simulator's first token on the seed host
+ * gains by them (flash41, 8,192 prompt positions, hybrid, in chunks of 512: 31.147 s by rows ->
+ * 31.329 with the items split, 17 fewer cache slots; 2,048: 12.919 -> 12.993; 4,096: 8.879 ->
+ * 8.845; 8,192: 6.389 -> 6.257), so a decode engine's default chunks keep its cache whole. */
+#define MF_SG_IN_WHOLE_MIN 4096
+int mf_sg_in_whole(const mf_sg_opts *o, int chunk);
+/* 1 when layer L's in stage of a graph of o over n items a micro-batch runs split by items
+ * (mf_sg_in_mode): with o->in_whole, at least two item blocks, never a draft round, and by cost
+ * where the slowest card's chain (its blocks' copies in, work and copies out at the cost model's
+ * prices on o->profile) is priced below that of the split by rows. */
+int mf_sg_in_items(const mf_sg_opts *o, int n, int L);
 /* The cards a draft round's Markov rows (MF_SG_D_MARKOV, a matrix of w_bytes) run on: split by rows
  * over them as the head's (mf_sg_dense_parts) where the cost model on profile p (NULL: the built-in
  * machine) prices a unit's chain on the largest part (its row share in, the card's bf16 matmul,
@@ -746,12 +787,14 @@ void mf_sg_dense_rows(int parts, int part, int64_t n_rows, int64_t *r0, int64_t 
  * done). */
 int mf_sg_attn_buf_bf16(int buf);
 int mf_sg_dense_bf16(int dense, int out);
-/* The dense weight bytes card `card` of n_cards holds under `split` (codes + scales, bf16): what
- * its dense tasks' records read per step. */
-double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int card);
+/* The dense weight bytes card `card` of n_cards holds under `split` and in_whole (mf_sg_in_whole;
+ * codes + scales, bf16): what its dense tasks' records read per step (where mf_sg_dense_whole, all
+ * of the in stage's rows: a split by rows reads only its share of them). */
+double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int in_whole,
+                              int card);
 /* The same for a pipeline stage of layers [l0, l1) (the head only when l1 is n_layers). */
-double mf_sg_dense_card_bytes_in(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int card, int l0,
-                                 int l1);
+double mf_sg_dense_card_bytes_in(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int in_whole,
+                                 int card, int l0, int l1);
 
 /* Items whose logits a dense card's head computes at a time (graphs/step/step.h MF_STEP_HEAD_ROWS):
  * a decode batch of 64's (a larger batch takes passes: at flash41's vocabulary 64 rows are 33 MB

@@ -59,6 +59,70 @@ int mf_sg_dense_parts(int n_dense_cards, int split, int dense)
     return split == MF_SG_SPLIT_ROWS && dense != MF_SG_D_SHARED && n_dense_cards > 1 ? n_dense_cards : 1;
 }
 
+int mf_sg_dense_whole(const mf_config *c, int n_dense_cards, int split, int in_whole, int dense, int L)
+{
+    return dense == MF_SG_D_ATTN_IN && split == MF_SG_SPLIT_ROWS && n_dense_cards > 1 && in_whole && L >= 0 &&
+           L < c->n_layers;
+}
+
+/* The price of the slowest card's in stage chain of layer L over n items in nb blocks: split by
+ * items (items 1: card k the blocks j with j mod parts == k, all rows) or by rows (every block, its
+ * share of the rows); each card's blocks' copies in, work and copies out one after another. */
+static double sg_in_ns(const mf_sg_opts *o, int L, int n, int nb, int parts, int items)
+{
+    const mf_config *c = o->c;
+    const mf_sg_layer_sizes *y = &o->sz->layer[L];
+    mf_cost_model m = {.p = o->profile ? o->profile : mf_cost_default_profile()};
+    double rows = y->st_out_rows[MF_SG_ST_IN], in_tok = mf_sg_attn_val_bytes(MF_LY_A_IN) * c->hidden_size;
+    double bf = mf_sg_attn_buf_bf16(MF_LY_A_QR) ? (double)c->q_lora_rank : 0, worst = 0;
+    for (int k = 0; k < parts; k++) {
+        int64_t r0 = 0, r1 = (int64_t)rows;
+        if (!items) mf_sg_dense_rows(parts, k, (int64_t)rows, &r0, &r1);
+        double share = rows > 0 ? (double)(r1 - r0) / rows : 0, b16 = 0, ns = 0;
+        b16 = (double)((r1 < bf ? r1 : bf) - (r0 < bf ? r0 : bf));
+        mf_work w = {0};
+        w.w_bytes[MF_KF_FP8] = y->st_fp8_bytes[MF_SG_ST_IN] * share;
+        w.macs[MF_KF_FP8] = y->st_fp8_macs[MF_SG_ST_IN] * share;
+        w.calls[MF_KF_FP8] = y->st_fp8_calls[MF_SG_ST_IN];
+        w.w_bytes[MF_KF_BF16] = y->st_bf16_bytes[MF_SG_ST_IN] * share;
+        w.macs[MF_KF_BF16] = y->st_bf16_macs[MF_SG_ST_IN] * share;
+        w.calls[MF_KF_BF16] = y->st_bf16_calls[MF_SG_ST_IN];
+        for (int j = 0; j < nb; j++) {
+            if (items && j % parts != k) continue;
+            double nt = (double)((int64_t)n * (j + 1) / nb - (int64_t)n * j / nb);
+            ns += mf_cost_act_copy(&m, 0, in_tok * nt) + mf_cost_card(&m, &w, (int)nt) +
+                  (r1 > r0 ? mf_cost_act_copy(&m, 1, (4.0 * (double)(r1 - r0) - 2.0 * b16) * nt) : 0);
+        }
+        if (ns > worst) worst = ns;
+    }
+    return worst;
+}
+
+int mf_sg_in_items(const mf_sg_opts *o, int n, int L)
+{
+    int parts = mf_sg_dense_parts(o->n_dense_cards, o->dense_split, MF_SG_D_ATTN_IN);
+    if (o->draft || parts < 2 || o->in_split == MF_SG_IN_ROWS ||
+        !mf_sg_dense_whole(o->c, o->n_dense_cards, o->dense_split, o->in_whole, MF_SG_D_ATTN_IN, L))
+        return 0;
+    int nb = mf_sg_dense_blocks(n, o->dense_block > 0 ? o->dense_block : MF_SG_DENSE_BLOCK);
+    if (o->in_split == MF_SG_IN_ITEMS) return nb > 1;
+    return nb > 1 && sg_in_ns(o, L, n, nb, parts, 1) < sg_in_ns(o, L, n, nb, parts, 0);
+}
+
+int mf_sg_in_whole(const mf_sg_opts *o, int chunk)
+{
+    if (o->in_split == MF_SG_IN_ROWS || mf_sg_dense_parts(o->n_dense_cards, o->dense_split, MF_SG_D_ATTN_IN) < 2)
+        return 0;
+    if (o->in_split == MF_SG_IN_ITEMS) return 1;
+    if (chunk < MF_SG_IN_WHOLE_MIN) return 0;
+    mf_sg_opts w = *o;
+    w.in_whole = 1;
+    w.draft = 0;
+    for (int L = 0; L < o->c->n_layers; L++)
+        if (mf_sg_in_items(&w, chunk, L)) return 1;
+    return 0;
+}
+
 int mf_sg_markov_parts(const mf_config *c, const mf_profile *p, double w_bytes, int n_dense_cards, int split)
 {
     int parts = mf_sg_dense_parts(n_dense_cards, split, MF_SG_D_MARKOV);
@@ -137,13 +201,14 @@ static double sg_dense_share(int parts, int k, double n_rows)
     return n_rows > 0 ? (double)(r1 - r0) / n_rows : 0;
 }
 
-double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int card)
+double mf_sg_dense_card_bytes(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int in_whole,
+                              int card)
 {
-    return mf_sg_dense_card_bytes_in(c, sz, n_cards, split, card, 0, c->n_layers);
+    return mf_sg_dense_card_bytes_in(c, sz, n_cards, split, in_whole, card, 0, c->n_layers);
 }
 
-double mf_sg_dense_card_bytes_in(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int card, int l0,
-                                 int l1)
+double mf_sg_dense_card_bytes_in(const mf_config *c, const mf_sg_sizes *sz, int n_cards, int split, int in_whole,
+                                 int card, int l0, int l1)
 {
     double b = 0;
     for (int L = -1; L < l1 && n_cards > 0; L++) {
@@ -172,7 +237,7 @@ double mf_sg_dense_card_bytes_in(const mf_config *c, const mf_sg_sizes *sz, int 
                 w = st == MF_SG_ST_OA ? y->oa_fp8_bytes : y->st_fp8_bytes[st] + y->st_bf16_bytes[st];
                 rows = y->st_out_rows[st];
             }
-            b += w * sg_dense_share(parts, card, rows);
+            b += w * (mf_sg_dense_whole(c, n_cards, split, in_whole, d, L) ? 1 : sg_dense_share(parts, card, rows));
         }
     }
     return b;
@@ -395,19 +460,24 @@ mf_task_id mf_sg_dense_chain(mf_sg_builder *b, int L, int d, mf_sg_task t, int p
     mf_stepgraph *sg = b->sg;
     int parts = d == MF_SG_D_MARKOV ? sg->mk_parts : mf_sg_dense_parts(sg->n_dense_cards, sg->dense_split, d);
     int n = b->h1 - b->h0, nb = d == MF_SG_D_HEAD || d == MF_SG_D_MARKOV ? 1 : mf_sg_dense_blocks(n, sg->dense_block);
+    /* split by items (mf_sg_in_items): card k all rows of blocks j mod parts == k; whole: the card
+     * holds every row (its scratch of the cuBLASLt path too: mf_sg_dense_whole) */
+    int items = d == MF_SG_D_ATTN_IN && L >= 0 && L < b->o->c->n_layers && sg->in_items[L] && parts > 1;
+    int whole = mf_sg_dense_whole(b->o->c, sg->n_dense_cards, sg->dense_split, sg->in_whole, d, L);
     mf_task_id head = -1, prev_first = -1, prev_run = -1;
     for (int k = 0; k < parts && !b->rc; k++) {
         int cd = parts > 1 ? k : mf_sg_dense_card_of(b->o, sg->n_dense_cards, L), lane = b->o->lane_dev0 + 3 * cd;
-        double share = parts > 1 ? sg_dense_share(parts, k, out_tok / 4) : 1;
+        double share = parts > 1 && !items ? sg_dense_share(parts, k, out_tok / 4) : 1;
         mf_sg_task ts = t;   /* the card's share, whose price picks its FP8 linears' path */
         for (int f = 0; f < MF_KF_N; f++) ts.w.w_bytes[f] *= share, ts.w.macs[f] *= share;
-        int path = mf_sg_lt_path(b, L, d, parts, k, &ts, n, (n + nb - 1) / nb);
+        int path = mf_sg_lt_path(b, L, d, whole ? 1 : parts, k, &ts, n, (n + nb - 1) / nb);
         mf_task_id prev_in = -1;
         for (int j = 0; j < nb && !b->rc; j++) {
+            if (items && j % parts != k) continue;
             mf_sg_task r = mf_sg_rec(L);
             r.card = (int8_t)cd;
             r.dense = (int8_t)d;
-            r.part = parts > 1 ? k : -1;
+            r.part = parts > 1 && !items ? k : -1;
             r.cand = t.cand;
             mf_sg_span(b, &r);
             if (nb > 1) {   /* block j's items: n / nb or one more */
@@ -447,7 +517,11 @@ mf_task_id mf_sg_dense_chain(mf_sg_builder *b, int L, int d, mf_sg_task t, int p
             tk.w.ref_flops *= share * (n > 0 ? (double)r.n_tok / n : 1);   /* over the span: the block's share */
             SG_NAME(b, "%s %s%s", pre, sg_dense_name[d], blk);
             mf_task_id run = mf_sg_add(b, lane + 1, MF_SG_DENSE, phase, MF_SG_K_OTHER, tk), last = run;
-            if (path == MF_DEV_LIN_CUBLASLT) mf_sg_lt_deq(b, &tk, phase, run);
+            if (path == MF_DEV_LIN_CUBLASLT) {   /* whole: the dequantization of all the card's rows */
+                mf_sg_task tq = tk;
+                if (whole) tq.w.w_bytes[MF_KF_FP8] = t.w.w_bytes[MF_KF_FP8], tq.w.macs[MF_KF_FP8] = t.w.macs[MF_KF_FP8];
+                mf_sg_lt_deq(b, &tq, phase, run);
+            }
             if (in >= 0) {
                 if (!b->rc) b->rc = mf_graph_add_dep(sg->g, in, run);
             } else if (after_in >= 0) {
@@ -457,7 +531,7 @@ mf_task_id mf_sg_dense_chain(mf_sg_builder *b, int L, int d, mf_sg_task t, int p
                 SG_NAME(b, "%s %s out%s", pre, sg_dense_name[d], blk);
                 mf_sg_task to = r;
                 int64_t r0, r1, bf = (int64_t)out_bf_rows;   /* the card's rows, those of them bf16 */
-                mf_sg_dense_rows(parts, parts > 1 ? k : -1, (int64_t)(out_tok / 4), &r0, &r1);
+                mf_sg_dense_rows(parts, r.part, (int64_t)(out_tok / 4), &r0, &r1);
                 double n_bf = (double)((r1 < bf ? r1 : bf) - (r0 < bf ? r0 : bf));
                 to.w.copy_bytes_tok = out_tok * share - 2.0 * n_bf;
                 last = mf_sg_add(b, lane + 2, MF_SG_DENSE_OUT, phase, MF_SG_K_COPY_OUT, to);

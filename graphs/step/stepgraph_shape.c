@@ -193,6 +193,10 @@ void mf_sg_parts(const mf_sg_opts *o, mf_stepgraph *sg)
     sg->mk_parts = o->draft ? mf_sg_markov_parts(c, o->profile, o->sz->mk_head_bytes, o->n_dense_cards, o->dense_split) : 1;
     sg->route_topk = sg->p_gather > 1 && !o->ordered;
     sg->dense_block = o->dense_block > 0 ? o->dense_block : MF_SG_DENSE_BLOCK;
+    sg->in_split = o->in_split;
+    sg->in_whole = o->in_whole;
+    for (int L = 0; L < c->n_layers && L < MF_CONFIG_MAX_LAYERS; L++)   /* a micro-batch's items */
+        sg->in_items[L] = (int8_t)mf_sg_in_items(o, sg->n_halves > 1 ? sg->n / 2 : sg->n, L);
     for (int L = 0; L < c->n_layers && L < MF_CONFIG_MAX_LAYERS && !o->draft; L++) {
         sg->heads_cards[L] = (int8_t)mf_sg_heads_choice(o, L);
         if (sg->heads_cards[L] && mf_sg_heads_keys(c, L) > sg->heads_keys) sg->heads_keys = mf_sg_heads_keys(c, L);
