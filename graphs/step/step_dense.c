@@ -42,7 +42,8 @@ int mf_step_dcopy_run(mf_dev_stream *q, uint8_t *db, const mf_step_dcopy *cp, in
 
 /* Rows [r0, r1) of its sublayer's n_rows output rows that dense task a owns: the builder's rule
  * (graphs/step/stepgraph.h mf_sg_dense_rows: all of them on one card, a card's chunk with
- * --dense-split rows). The rows of an attention stage are its linears' one after another. */
+ * --dense-split rows, all of them again where its record's part is -1: the in stage split by
+ * items, its items its block's). The rows of an attention stage are its linears' one after another. */
 static void mf_step_dense_rows(const mf_step_targ *a, int64_t n_rows, int64_t *r0, int64_t *r1)
 {
     const mf_stepgraph *sg = a->sh->sg;

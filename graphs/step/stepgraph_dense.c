@@ -451,9 +451,11 @@ int mf_sg_dense_blocks(int n, int block_min)
  * after_in's members on its card, the copy-ins of an earlier chain) -> the card's work (record t)
  * -> copy out of the card's rows per item (out_tok 0: none, the output stays on the card), the
  * first out_bf_rows of all the rows as bf16 (2 bytes: mf_sg_attn_buf_bf16), the others fp32;
- * in_tok counts the bytes as they travel. Returns the first chain's first task; the chains' first
- * tasks are a group (a dependency on it is one on each chain's last task, mf_sg_dep), their card
- * works another (b->chain_run its first: mf_sg_dense_after). */
+ * in_tok counts the bytes as they travel. The in stage split by items (mf_stepgraph.in_items[L]):
+ * card k's chain over the blocks j with j mod parts == k only, all the rows (part -1: its work and
+ * copy-out all of them, its records the whole weights'). Returns the first chain's first task;
+ * the chains' first tasks are a group (a dependency on it is one on each chain's last task,
+ * mf_sg_dep), their card works another (b->chain_run its first: mf_sg_dense_after). */
 mf_task_id mf_sg_dense_chain(mf_sg_builder *b, int L, int d, mf_sg_task t, int phase, double in_tok, double out_tok,
                              mf_task_id after_in, double out_bf_rows)
 {
