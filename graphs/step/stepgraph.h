@@ -694,8 +694,9 @@ int mf_sg_dense_parts(int n_dense_cards, int split, int dense);
  * by items; else each card holds its rows only, a decode engine's cache keeping the room);
  * MF_SG_IN_ROWS by rows, each card holding its rows only; MF_SG_IN_ITEMS by items wherever the
  * graph's blocks allow it, every card holding all rows (tests). Split by items, card k runs
- * all the stage's rows over the item blocks j with j mod n_dense_cards == k (mf_sg_dense_blocks;
- * its records' part -1: all rows) and copies in and out only those items; each output value is the
+ * all the stage's rows over the item blocks j with j mod n_dense_cards == k (as many blocks a card
+ * as the split by rows gives each, while a block holds dense_block items; its records' part -1:
+ * all rows) and copies in and out only those items; each output value is the
  * same kernel's dot product on any card, so the logits are the same bits. */
 typedef enum mf_sg_in_mode { MF_SG_IN_COST = 0, MF_SG_IN_ROWS, MF_SG_IN_ITEMS } mf_sg_in_mode;
 /* 1 when every one of n_dense_cards cards holds all the rows of dense sublayer `dense` of backbone
@@ -710,10 +711,10 @@ int mf_sg_dense_whole(const mf_config *c, int n_dense_cards, int split, int in_w
  * (mf_sg_in_items with in_whole). 0 unless split by rows over several cards. The rows the cards
  * hold take room from their expert caches, which the cost model does not price (the misses
  * depend on the routing): MF_SG_IN_WHOLE_MIN is where the simulator's first token on the seed host
- * gains by them (flash41, 8,192 prompt positions, hybrid, in chunks of 512: 31.147 s by rows ->
- * 31.329 with the items split, 17 fewer cache slots; 2,048: 12.919 -> 12.993; 4,096: 8.879 ->
- * 8.845; 8,192: 6.389 -> 6.257), so a decode engine's default chunks keep its cache whole. */
-#define MF_SG_IN_WHOLE_MIN 4096
+ * gains by them (flash41, 8,192 prompt positions, hybrid, split by rows -> by items, 18 fewer
+ * cache slots a card: in chunks of 2,048 12.731 -> 12.806 s; 4,096: 8.614 -> 8.650; 8,192: 6.066
+ * -> 5.963), so a decode engine's default chunks keep its cache whole. */
+#define MF_SG_IN_WHOLE_MIN 8192
 int mf_sg_in_whole(const mf_sg_opts *o, int chunk);
 /* 1 when layer L's in stage of a graph of o over n items a micro-batch runs split by items
  * (mf_sg_in_mode): with o->in_whole, at least two item blocks, never a draft round, and by cost

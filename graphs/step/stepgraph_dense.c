@@ -65,6 +65,17 @@ int mf_sg_dense_whole(const mf_config *c, int n_dense_cards, int split, int in_w
            L < c->n_layers;
 }
 
+/* The in stage's item blocks over n items split by items over `parts` cards: as many a card as
+ * the split by rows gives each card (mf_sg_dense_blocks), so that a card's copies run beside its
+ * work as much, while each block holds block_min items (0: MF_SG_DENSE_BLOCK); at least the split
+ * by rows' blocks. */
+static int sg_in_blocks(int n, int block_min, int parts)
+{
+    int m = block_min > 0 ? block_min : MF_SG_DENSE_BLOCK, nb = mf_sg_dense_blocks(n, m), k = n / m;
+    int want = nb * parts < k ? nb * parts : k;
+    return want > nb ? want : nb;
+}
+
 /* The price of the slowest card's in stage chain of layer L over n items in nb blocks: split by
  * items (items 1: card k the blocks j with j mod parts == k, all rows) or by rows (every block, its
  * share of the rows); each card's blocks' copies in, work and copies out one after another. */
@@ -104,9 +115,9 @@ int mf_sg_in_items(const mf_sg_opts *o, int n, int L)
     if (o->draft || parts < 2 || o->in_split == MF_SG_IN_ROWS ||
         !mf_sg_dense_whole(o->c, o->n_dense_cards, o->dense_split, o->in_whole, MF_SG_D_ATTN_IN, L))
         return 0;
-    int nb = mf_sg_dense_blocks(n, o->dense_block > 0 ? o->dense_block : MF_SG_DENSE_BLOCK);
-    if (o->in_split == MF_SG_IN_ITEMS) return nb > 1;
-    return nb > 1 && sg_in_ns(o, L, n, nb, parts, 1) < sg_in_ns(o, L, n, nb, parts, 0);
+    int nb = mf_sg_dense_blocks(n, o->dense_block), nbi = sg_in_blocks(n, o->dense_block, parts);
+    if (o->in_split == MF_SG_IN_ITEMS) return nbi > 1;
+    return nbi > 1 && sg_in_ns(o, L, n, nbi, parts, 1) < sg_in_ns(o, L, n, nb, parts, 0);
 }
 
 int mf_sg_in_whole(const mf_sg_opts *o, int chunk)
@@ -466,6 +477,7 @@ mf_task_id mf_sg_dense_chain(mf_sg_builder *b, int L, int d, mf_sg_task t, int p
      * holds every row (its scratch of the cuBLASLt path too: mf_sg_dense_whole) */
     int items = d == MF_SG_D_ATTN_IN && L >= 0 && L < b->o->c->n_layers && sg->in_items[L] && parts > 1;
     int whole = mf_sg_dense_whole(b->o->c, sg->n_dense_cards, sg->dense_split, sg->in_whole, d, L);
+    if (items) nb = sg_in_blocks(n, sg->dense_block, parts);
     mf_task_id head = -1, prev_first = -1, prev_run = -1;
     for (int k = 0; k < parts && !b->rc; k++) {
         int cd = parts > 1 ? k : mf_sg_dense_card_of(b->o, sg->n_dense_cards, L), lane = b->o->lane_dev0 + 3 * cd;
