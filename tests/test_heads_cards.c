@@ -364,6 +364,14 @@ static void test_graph_exchange(void)
     mf_sg_sizes_free(sz);
 }
 
+/* The item blocks of 4 of heads_graph's 16 items that record r's items meet. */
+static int blocks_of4(const mf_sg_task *r)
+{
+    int n = 0;
+    for (int j = 0; j < 4; j++) n += 4 * j < r->i1 && 4 * j + 4 > r->i0;
+    return n;
+}
+
 /* Each q prep after qb's blocks over its items (issue 37 phase 8): tiny's graph by rows on 2 cards
  * in item blocks of 4; on a layer not scored every q prep waits for the qb copy out of each card's
  * block meeting its items and for no other, and the core for no qb task (it reads nothing of qb's
@@ -400,8 +408,7 @@ static void test_graph_qprep(void)
         }
         if (r->op != MF_SG_ATTN_QPREP || mf_sg_layer_scored(&c, r->layer)) continue;
         qpreps++;
-        int want = 0;   /* the blocks of 4 meeting its items, on each card */
-        for (int j = 0; j < 4; j++) want += 2 * (4 * j < r->i1 && 4 * j + 4 > r->i0);
+        int want = 2 * blocks_of4(r);   /* a copy out of each such block on each card */
         CHECK(n_qb[t] == want && n_far[t] == 0, "layer %d's q prep (items %d..%d) after %d qb copies out over its "
               "items (expected %d) and %d other qb tasks", r->layer, r->i0, r->i1, n_qb[t], want, n_far[t]);
     }
@@ -453,8 +460,7 @@ static void test_graph_blocks(void)
     }
     for (int t = 0; sg && near && far && t < n; t++) {
         const mf_sg_task *r = &sg->task[t];
-        int blocks = 0;   /* the blocks of 4 meeting its items */
-        for (int j = 0; j < 4; j++) blocks += 4 * j < r->i1 && 4 * j + 4 > r->i0;
+        int blocks = blocks_of4(r);
         if (r->op == MF_SG_ATTN_QSCALE || r->op == MF_SG_ATTN_POST) {
             seen[r->op == MF_SG_ATTN_POST]++;
             CHECK(near[t] == 2 * blocks && far[t] == 0, "layer %d's %s (items %d..%d) after %d copies out over its "

@@ -56,17 +56,25 @@ static void test_ranges(void)
     for (int L = 0; L < c.n_layers; L++) CHECK(mf_sg_dense_card(&c, 1, L) == 0, "one card: layer %d elsewhere", L);
 }
 
+/* flash41's config, its sizes (the caller frees them) and the lanes of 8 workers and 4 cards at
+ * 1 GB/s: the graph tests' setup. */
+static mf_sg_sizes *flash41_graph_setup(mf_config *c, mf_sg_lanes *lt)
+{
+    CHECK(mf_config_preset("flash41", c) == 0, "preset flash41");
+    mf_sg_sizes *sz = NULL;
+    CHECK(mf_sg_sizes_new(c, &sz) == 0, "sizes: %s", mf_last_error());
+    mf_lane_model m[4] = {{.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}};
+    mf_sg_lanes_init(lt, m, 8, 0, 4);
+    return sz;
+}
+
 /* The graph of flash41 at batch 16 with dense work on 4 cards: no host dense tasks, every dense
  * task on its card's lane of its kind, copies with bytes, one head on the last layer's card. */
 static void test_graph(void)
 {
     mf_config c;
-    CHECK(mf_config_preset("flash41", &c) == 0, "preset flash41");
-    mf_sg_sizes *sz = NULL;
-    CHECK(mf_sg_sizes_new(&c, &sz) == 0, "sizes: %s", mf_last_error());
-    mf_lane_model m[4] = {{.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}};
     mf_sg_lanes lt;
-    mf_sg_lanes_init(&lt, m, 8, 0, 4);
+    mf_sg_sizes *sz = flash41_graph_setup(&c, &lt);
     mf_stepgraph *sg = NULL;
     CHECK(mf_stepgraph_new(&(mf_sg_opts){.c = &c, .sz = sz, .n = 16, .par = 1, .n_threads = 8, .n_dense_cards = 4,
                                          .lanes = lt.lane, .n_lanes = lt.n_lanes, .lane_io = lt.lane_io,
@@ -108,12 +116,8 @@ static void test_graph(void)
 static void test_graph_rows(void)
 {
     mf_config c;
-    CHECK(mf_config_preset("flash41", &c) == 0, "preset flash41");
-    mf_sg_sizes *sz = NULL;
-    CHECK(mf_sg_sizes_new(&c, &sz) == 0, "sizes: %s", mf_last_error());
-    mf_lane_model m[4] = {{.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}};
     mf_sg_lanes lt;
-    mf_sg_lanes_init(&lt, m, 8, 0, 4);
+    mf_sg_sizes *sz = flash41_graph_setup(&c, &lt);
     for (int64_t n_rows = 1; n_rows < 4000; n_rows = n_rows * 3 + 7)
         for (int parts = 1; parts <= 5; parts++) {
             int64_t next = 0, r0, r1;
@@ -135,7 +139,8 @@ static void test_graph_rows(void)
         mf_stepgraph *sg = NULL;
         CHECK(mf_stepgraph_new(&(mf_sg_opts){.c = &c, .sz = sz, .n = ns[ni], .par = ns[ni] > 1, .n_threads = 8,
                                              .n_dense_cards = 4, .dense_split = MF_SG_SPLIT_ROWS,
-                                             .in_split = MF_SG_IN_ROWS, .lanes = lt.lane, .n_lanes = lt.n_lanes, .lane_io = lt.lane_io, .lane_dev0 = lt.lane_dev0},
+                                             .in_split = MF_SG_IN_ROWS, .lanes = lt.lane, .n_lanes = lt.n_lanes,
+                                             .lane_io = lt.lane_io, .lane_dev0 = lt.lane_dev0},
                                &sg) == 0,
               "rows graph: %s", mf_last_error());
         double bytes[4] = {0}, cp_tok[MF_SG_N_DENSE][3] = {{0}};   /* layer 3's copies per item, all cards */
@@ -214,12 +219,8 @@ static void test_graph_rows(void)
 static void test_graph_in_items(void)
 {
     mf_config c;
-    CHECK(mf_config_preset("flash41", &c) == 0, "preset flash41");
-    mf_sg_sizes *sz = NULL;
-    CHECK(mf_sg_sizes_new(&c, &sz) == 0, "sizes: %s", mf_last_error());
-    mf_lane_model m[4] = {{.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}, {.bytes_per_s = 1e9}};
     mf_sg_lanes lt;
-    mf_sg_lanes_init(&lt, m, 8, 0, 4);
+    mf_sg_sizes *sz = flash41_graph_setup(&c, &lt);
     mf_sg_opts o = {.c = &c, .sz = sz, .n = 2048, .n_threads = 8, .n_dense_cards = 4, .dense_split = MF_SG_SPLIT_ROWS,
                     .in_split = MF_SG_IN_ITEMS, .lanes = lt.lane, .n_lanes = lt.n_lanes, .lane_io = lt.lane_io,
                     .lane_dev0 = lt.lane_dev0};

@@ -97,10 +97,7 @@ const mf_opt mf_tool_engine_table[] = {
              "bit on emulated cards)"},
     {"--in-split", .kind = MF_OPT_WORD, .off = F(in_split), .def = "cost", .meta = "I", .words = mf_tool_in_splits,
      .help = "with --dense-split rows: the attention's in stage per layer and shape\n"
-             "by rows or by items over the cards, whichever the cost model prices\n"
-             "lower where every card holds all the stage's rows, which it does only\n"
-             "for prefill chunks of " MF_OPTS_STR(MF_SG_IN_WHOLE_MIN) " positions or more (cost); by rows only\n"
-             "(rows); by items wherever it can, every card holding all its rows (items)"},
+             MF_TOOL_IN_SPLIT_HELP},
     {"--heads", .kind = MF_OPT_WORD, .off = F(heads), .def = "cost", .meta = "H", .words = mf_tool_heads_modes,
      .help = "with --dense cards: the attention heads' scores and values of one\n"
              "sequence's positions (prefill chunks, batch 1) per layer by the cost\n"

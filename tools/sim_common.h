@@ -33,6 +33,13 @@ int mf_tool_cache_policy(const char *s);
  * predicts faster than layers on the seed host at batch 1, 16 and 64, uniform and zipf:1.0
  * routing (docs/measurements.md part 1); the library's zero (mf_step_opts, mf_plan_opts) is layers. */
 #define MF_TOOL_DENSE_SPLIT "rows"
+/* --in-split's help after its first line (the engine commands' and sim's: each names its own
+ * condition there): mf_sg_in_mode, the threshold mf_sg_in_whole's. */
+#define MF_TOOL_IN_SPLIT_HELP                                                                       \
+    "by rows or by items over the cards, whichever the cost model prices\n"                         \
+    "lower where every card holds all the stage's rows, which it does only\n"                       \
+    "for prefill chunks of " MF_OPTS_STR(MF_SG_IN_WHOLE_MIN) " positions or more (cost); by rows only\n" \
+    "(rows); by items wherever it can, every card holding all its rows (items)"
 /* The commands' default --dev-cache-fill (decode, bench decode, sim, tune): on. With cards and a
  * seed or hybrid placement a warm cache costs one start-up copy (on the seed host ~80 GB at
  * h2d_total_bytes_per_s, ~2 s) and turns batch-1 slots that hybrid sends to the host (a miss's
